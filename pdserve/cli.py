@@ -1,0 +1,38 @@
+"""``pdserve`` command line: one subcommand per entry point, each imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "serve": ("pdserve.server.launch", "main", "run a server (colocated, prefill or decode)"),
+    "router": ("pdserve.router.app", "main", "run the PD router"),
+    "launch": ("pdserve.server.cluster", "main", "run a local PD cluster (prefill + decode + router)"),
+    "bench": ("pdserve.bench.serving", "main", "serving benchmark against an HTTP endpoint (and `bench plot`)"),
+    "bench-transfer": ("pdserve.bench.transfer", "main", "KV transfer bandwidth benchmark"),
+    "prepare-model": ("pdserve.models.demo", "main", "build the demo model as an HF directory"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: pdserve COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<15} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"pdserve: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module, func, _ = COMMANDS[name]
+    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Server arguments: one dataclass, validated in ``__post_init__``, plus argparse wiring.
+
+Flag names follow SGLang's where the concept is the same. Every field is also a keyword of
+``pdserve.Engine(...)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("local", "fake", "mooncake", "nixl")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+
+
+def default_torch_threads() -> int:
+    return max(1, (os.cpu_count() or 1))
+
+
+@dataclass
+class ServerArgs:
+    # model
+    model_path: str = ""
+    tokenizer_path: Optional[str] = None
+    served_model_name: Optional[str] = None
+    dtype: str = "auto"
+    device: str = "auto"
+    load_format: str = "auto"
+    context_length: Optional[int] = None
+    random_seed: int = 0
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = 30000
+    # memory and scheduling
+    page_size: int = 16
+    max_total_tokens: Optional[int] = None
+    mem_fraction_static: float = 0.5
+    chunked_prefill_size: int = 2048
+    max_prefill_tokens: int = 8192
+    max_running_requests: int = 256
+    schedule_policy: str = "fcfs"
+    disable_radix_cache: bool = False
+    # process
+    torch_num_threads: Optional[int] = None
+    tp_size: int = 1
+    dp_size: int = 1
+    log_level: str = "info"
+    enable_access_log: bool = False
+    skip_warmup: bool = False
+    max_body_bytes: int = 32 * 1024 * 1024
+    # disaggregation
+    disaggregation_mode: str = "null"
+    disaggregation_transfer_backend: str = "local"
+    disaggregation_bootstrap_port: int = 8998
+    num_reserved_decode_tokens: int = 512
+    disaggregation_bootstrap_timeout: float = 30.0
+    disaggregation_waiting_timeout: float = 30.0
+    disaggregation_heartbeat_interval: float = 1.0
+    disaggregation_heartbeat_misses: int = 3
+    disaggregation_mooncake_protocol: Optional[str] = None
+    disaggregation_ib_device: Optional[str] = None
+    disaggregation_nixl_backend: str = "UCX"
+    disaggregation_secret: Optional[str] = None
+
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name}: {why}")
+
+        if not self.model_path:
+            bad("model_path", "is required")
+        if self.dtype not in DTYPES:
+            bad("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            bad("load_format", f"must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.device == "auto":
+            import torch
+
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            bad("device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.page_size < 1:
+            bad("page_size", f"must be >= 1, got {self.page_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            bad("max_total_tokens", f"must be >= page_size ({self.page_size}), got {self.max_total_tokens}")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            bad("mem_fraction_static", f"must be in (0, 1], got {self.mem_fraction_static}")
+        if self.chunked_prefill_size < self.page_size:
+            bad("chunked_prefill_size", f"must be >= page_size ({self.page_size}), got {self.chunked_prefill_size}")
+        if self.max_running_requests < 1:
+            bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            bad("schedule_policy", f"must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        if self.context_length is not None and self.context_length < 1:
+            bad("context_length", f"must be >= 1, got {self.context_length}")
+        if self.tp_size != 1:
+            bad("tp_size", "only 1 is supported in this version")
+        if self.dp_size != 1:
+            bad("dp_size", "only 1 is supported in this version")
+        if self.torch_num_threads is not None and self.torch_num_threads < 1:
+            bad("torch_num_threads", f"must be >= 1, got {self.torch_num_threads}")
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            bad("disaggregation_mode", f"must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}")
+        if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
+            bad(
+                "disaggregation_transfer_backend",
+                f"must be one of {TRANSFER_BACKENDS}, got {self.disaggregation_transfer_backend!r}",
+            )
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            bad("disaggregation_bootstrap_port", f"must be a TCP port, got {self.disaggregation_bootstrap_port}")
+        if self.num_reserved_decode_tokens < 0:
+            bad("num_reserved_decode_tokens", f"must be >= 0, got {self.num_reserved_decode_tokens}")
+        for name in ("disaggregation_bootstrap_timeout", "disaggregation_waiting_timeout",
+                     "disaggregation_heartbeat_interval"):
+            if getattr(self, name) <= 0:
+                bad(name, f"must be > 0, got {getattr(self, name)}")
+        if self.served_model_name is None:
+            self.served_model_name = self.model_path
+        if self.tokenizer_path is None:
+            self.tokenizer_path = self.model_path
+
+    @property
+    def role(self) -> str:
+        return {"null": "serve", "prefill": "prefill", "decode": "decode"}[self.disaggregation_mode]
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("extra", None)
+        return d
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "ServerArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown server argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    # ---- argparse wiring -------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(ServerArgs):
+            if f.name == "extra":
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default
+            if f.type in ("bool",) or isinstance(default, bool):
+                parser.add_argument(flag, action="store_true", default=default)
+                continue
+            kind = {"int": int, "float": float, "str": str}.get(
+                str(f.type).replace("Optional[", "").rstrip("]"), str
+            )
+            kw: dict = {"type": kind, "default": default}
+            if f.name == "dtype":
+                kw["choices"] = DTYPES
+            elif f.name == "disaggregation_mode":
+                kw["choices"] = DISAGGREGATION_MODES
+            elif f.name == "disaggregation_transfer_backend":
+                kw["choices"] = TRANSFER_BACKENDS
+            elif f.name == "load_format":
+                kw["choices"] = LOAD_FORMATS
+            elif f.name == "schedule_policy":
+                kw["choices"] = SCHEDULE_POLICIES
+            parser.add_argument(flag, **kw)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        from pdserve import envs
+
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
+        kwargs = {n: getattr(args, n) for n in names if hasattr(args, n)}
+        envs.apply_env_defaults(kwargs, args)
+        return cls(**kwargs)

@@ -1,0 +1,201 @@
+"""The plain request object (``Req``) and its sampling parameters.
+
+The engine sees ``Req`` objects and batches of them, never HTTP objects.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: Optional[list[str]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    seed: Optional[int] = None
+    n: int = 1
+
+    @classmethod
+    def from_dict(cls, d: Optional[dict[str, Any]]) -> "SamplingParams":
+        """Build from a user dict; unknown keys are ignored, bad values raise ``ValueError``."""
+        d = dict(d or {})
+        if not isinstance(d, dict):
+            raise ValueError("sampling_params: must be an object")
+        kwargs = {k: d[k] for k in cls.__dataclass_fields__ if k in d and d[k] is not None}
+        if isinstance(kwargs.get("stop"), str):
+            kwargs["stop"] = [kwargs["stop"]]
+        p = cls(**kwargs)
+        p.validate()
+        return p
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name}: {why}")
+
+        def number(name: str, integer: bool = False) -> None:
+            v = getattr(self, name)
+            ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+            if isinstance(v, bool) or not ok:
+                bad(name, f"must be {'an integer' if integer else 'a number'}, got {v!r}")
+
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
+            number(name, integer=True)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                     "presence_penalty"):
+            number(name)
+        if self.max_new_tokens < 0:
+            bad("max_new_tokens", f"must be >= 0, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0:
+            bad("min_new_tokens", f"must be >= 0, got {self.min_new_tokens}")
+        if self.min_new_tokens > self.max_new_tokens:
+            bad("min_new_tokens", f"must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}")
+        if self.temperature < 0:
+            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            bad("top_k", f"must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if self.stop is not None:
+            if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+                bad("stop", f"must be a string or a list of strings, got {self.stop!r}")
+            if any(s == "" for s in self.stop):
+                bad("stop", "must not contain empty strings")
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids
+            ):
+                bad("stop_token_ids", f"must be a list of integers, got {self.stop_token_ids!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.n < 1:
+            bad("n", f"must be >= 1, got {self.n}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, f"must be a boolean, got {getattr(self, name)!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+class FinishKind(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass
+class FinishReason:
+    kind: FinishKind
+    matched: Any = None  # the stop token id or stop string that ended it
+    message: Optional[str] = None  # for aborts: why
+    status_code: Optional[int] = None  # for aborts: the HTTP status that reflects the cause
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"type": self.kind.value}
+        if self.kind == FinishKind.LENGTH:
+            d["length"] = self.matched
+        elif self.matched is not None:
+            d["matched"] = self.matched
+        if self.message is not None:
+            d["message"] = self.message
+        if self.status_code is not None:
+            d["status_code"] = self.status_code
+        return d
+
+
+@dataclass(eq=False)
+class Req:
+    """One generation request as the scheduler sees it.
+
+    KV ownership: ``pages`` lists the KV pages of ``all_ids[:kv_len]`` in order; the first
+    ``num_cached_pages`` of them belong to the radix cache (locked through ``last_node``), the
+    rest are owned by this request until it finishes or is retracted.
+    """
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    stream: bool = False
+    # disaggregation (set by the front end from the router's fields)
+    bootstrap_host: Optional[str] = None
+    bootstrap_port: Optional[int] = None
+    bootstrap_room: Optional[int] = None
+    arrival_time: float = 0.0
+
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: Optional[FinishReason] = None
+    # KV state
+    pages: list[int] = field(default_factory=list)
+    kv_len: int = 0  # tokens of all_ids whose KV is in the pool
+    num_cached_pages: int = 0  # leading pages shared with the radix cache
+    last_node: Any = None  # radix node locked for this request
+    cached_tokens: int = 0  # prefix tokens reported as cache hits (first admission)
+    num_retractions: int = 0
+    # logprobs
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_token_logprobs: list[tuple[Optional[float], int]] = field(default_factory=list)
+    input_top_logprobs: list[Optional[list[tuple[float, int]]]] = field(default_factory=list)
+    # sampling state
+    generator: Any = None
+    # stop-string check: decoded tail of the output
+    tail_text: str = ""
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def extend_len(self) -> int:
+        """Tokens still to run through the model before the next sample."""
+        return self.seq_len - self.kv_len
+
+    @property
+    def effective_logprob_start(self) -> int:
+        if not self.return_logprob:
+            return self.prompt_len
+        if self.logprob_start_len < 0:
+            return self.prompt_len - 1 if self.prompt_len > 0 else 0
+        return min(self.logprob_start_len, self.prompt_len - 1)

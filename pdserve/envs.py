@@ -1,0 +1,48 @@
+"""``PDSERVE_*`` environment variables: the one place they are read (at start-up, never at import).
+
+Each variable is the environment equivalent of a server flag; an explicit flag wins over the
+environment, the environment wins over the built-in default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+# env var -> ServerArgs field
+ENV_TO_FIELD = {
+    "PDSERVE_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "disaggregation_bootstrap_timeout",
+    "PDSERVE_DISAGGREGATION_WAITING_TIMEOUT": "disaggregation_waiting_timeout",
+    "PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL": "disaggregation_heartbeat_interval",
+    "PDSERVE_DISAGGREGATION_HEARTBEAT_MISSES": "disaggregation_heartbeat_misses",
+    "PDSERVE_NUM_RESERVED_DECODE_TOKENS": "num_reserved_decode_tokens",
+    "PDSERVE_DISAGGREGATION_SECRET": "disaggregation_secret",
+    "PDSERVE_TORCH_NUM_THREADS": "torch_num_threads",
+}
+
+
+def cache_dir() -> str:
+    """Where prepared models and other artefacts live (``PDSERVE_CACHE`` or ~/.cache/pdserve)."""
+    return os.environ.get("PDSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pdserve")
+
+
+def apply_env_defaults(kwargs: dict[str, Any], explicit: Any = None) -> None:
+    """Fill fields still at their built-in default from the environment."""
+    from pdserve.config import ServerArgs
+
+    fields = {f.name: f for f in dataclasses.fields(ServerArgs)}
+    for env, name in ENV_TO_FIELD.items():
+        raw = os.environ.get(env)
+        if raw is None or name not in fields:
+            continue
+        if name in kwargs and kwargs[name] != fields[name].default:
+            continue  # an explicit value wins
+        default = fields[name].default
+        kind = type(default) if default is not None else str
+        if name == "torch_num_threads":
+            kind = int
+        try:
+            kwargs[name] = kind(raw)
+        except ValueError as e:
+            raise ValueError(f"{env}: cannot parse {raw!r} as {kind.__name__}") from e
