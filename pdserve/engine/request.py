@@ -168,8 +168,12 @@ class Req:
     input_top_logprobs: list[Optional[list[tuple[float, int]]]] = field(default_factory=list)
     # sampling state
     generator: Any = None
-    # stop-string check: decoded tail of the output
-    tail_text: str = ""
+    input_logprobs_done: bool = False
+    # what the front end has been sent so far
+    sent_output_len: int = 0
+    sent_input_logprobs: bool = False
+    # disaggregation state (sender/receiver, metadata slot), owned by the disagg queues
+    disagg: Any = None
 
     @property
     def all_ids(self) -> list[int]:

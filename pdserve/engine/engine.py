@@ -1,0 +1,144 @@
+"""Offline API in SGLang's shape: ``Engine(model_path=..., **server_args).generate(...)``.
+
+The scheduler runs in this process; ``generate`` steps it until every submitted request ends.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from typing import Any, Optional, Union
+
+import torch
+
+from pdserve.config import ServerArgs
+from pdserve.engine.request import FinishKind, Req, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = Union[str, list[str], None]
+Ids = Union[list[int], list[list[int]], None]
+
+
+def logprob_entries(pairs, with_text: bool = False, tokenizer=None) -> list:
+    """SGLang's ``[logprob, token_id, text_or_null]`` entries."""
+    return [[v, t, tokenizer.decode([t]) if with_text else None] for v, t in pairs]
+
+
+def top_entries(tops, with_text: bool = False, tokenizer=None) -> list:
+    return [None if top is None else logprob_entries(top, with_text, tokenizer) for top in tops]
+
+
+def output_text(req: Req, tokenizer) -> str:
+    text = tokenizer.decode(req.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
+    fr = req.finish_reason
+    if fr is not None and fr.kind == FinishKind.STOP and isinstance(fr.matched, str):
+        cut = text.find(fr.matched)
+        if cut >= 0:
+            text = text[:cut]
+    return text
+
+
+class Engine:
+    def __init__(self, model_path: Optional[str] = None, **kwargs: Any):
+        from transformers import AutoTokenizer
+
+        from pdserve.engine.scheduler import Scheduler
+
+        if model_path is not None:
+            kwargs["model_path"] = model_path
+        self.server_args = ServerArgs.from_kwargs(**kwargs)
+        if self.server_args.torch_num_threads:
+            torch.set_num_threads(self.server_args.torch_num_threads)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.server_args.tokenizer_path)
+        self.scheduler = Scheduler(self.server_args, self.tokenizer)
+        self._ids = itertools.count()
+
+    def _make_reqs(self, prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, logprob_start_len):
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("prompt/input_ids: give exactly one of them")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            prompts = [prompt] if single else list(prompt)
+            if not all(isinstance(p, str) for p in prompts):
+                raise ValueError("prompt: must be a string or a list of strings")
+            ids_list = [self.tokenizer.encode(p) for p in prompts]
+        else:
+            single = not input_ids or not isinstance(input_ids[0], list)
+            ids_list = [list(input_ids)] if single else [list(x) for x in input_ids]
+            for ids in ids_list:
+                if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise ValueError("input_ids: must be a list of integers or a list of such lists")
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(ids_list):
+                raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(ids_list)} prompts")
+            sps = [SamplingParams.from_dict(s) for s in sampling_params]
+        else:
+            if sampling_params is not None and not isinstance(sampling_params, dict):
+                raise ValueError("sampling_params: must be an object or a list of objects")
+            sps = [SamplingParams.from_dict(sampling_params) for _ in ids_list]
+        if not isinstance(return_logprob, bool):
+            raise ValueError(f"return_logprob: must be a boolean, got {return_logprob!r}")
+        if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int):
+            raise ValueError(f"top_logprobs_num: must be an integer, got {top_logprobs_num!r}")
+        reqs = []
+        for ids, sp in zip(ids_list, sps):
+            for _ in range(sp.n):
+                reqs.append(Req(
+                    rid=uuid.uuid4().hex, input_ids=ids, sampling=sp, return_logprob=return_logprob,
+                    top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+                ))
+        for req in reqs:
+            self.scheduler.validate(req)
+        return single and len(reqs) == 1, reqs
+
+    def generate(
+        self,
+        prompt: Prompt = None,
+        input_ids: Ids = None,
+        sampling_params: Union[dict, list[dict], None] = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+    ) -> Union[dict, list[dict]]:
+        single, reqs = self._make_reqs(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
+                                       logprob_start_len)
+        for req in reqs:
+            self.scheduler.add_request(req)
+        pending = set(reqs)
+        while pending:
+            self.scheduler.step()
+            pending = {r for r in pending if not r.finished}
+        outs = [self._result(r) for r in reqs]
+        return outs[0] if single else outs
+
+    def _result(self, req: Req) -> dict:
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": req.finish_reason.to_json(),
+            "prompt_tokens": req.prompt_len,
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = logprob_entries(req.output_token_logprobs)
+            meta["output_top_logprobs"] = top_entries(req.output_top_logprobs)
+            meta["input_token_logprobs"] = logprob_entries(req.input_token_logprobs)
+            meta["input_top_logprobs"] = top_entries(req.input_top_logprobs)
+        return {"text": output_text(req, self.tokenizer), "output_ids": list(req.output_ids), "meta_info": meta}
+
+    def check_integrity(self) -> dict:
+        return self.scheduler.check_integrity()
+
+    def flush_cache(self) -> bool:
+        return self.scheduler.tree.reset()
+
+    def shutdown(self) -> None:
+        self.scheduler = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()

@@ -1,0 +1,338 @@
+"""The scheduler: continuous batching over the paged KV pool.
+
+Each ``step()`` reads like the request lifecycle:
+  1. disaggregation queues make progress (prefill: bootstrap/inflight; decode: prealloc/transfer);
+  2. a batch is formed: every running request (decode rows first, then unfinished chunked
+     prefills), then waiting requests admitted within the chunked-prefill token budget and the
+     KV budget; when pages run out the least-advanced request is retracted (recomputed later);
+  3. one forward over all scheduled tokens, one sample per request whose prompt is complete;
+  4. finished requests release their KV into the radix cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Optional
+
+import torch
+
+from pdserve.config import ServerArgs
+from pdserve.engine import logprobs as lp
+from pdserve.engine.kv_pool import BufferAllocator, default_allocator
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.radix_cache import RadixCache
+from pdserve.engine.request import MAX_TOP_LOGPROBS, FinishKind, FinishReason, Req
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.schedule_policy import order_waiting
+from pdserve.engine.stop import check_finish, eos_token_ids
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, tokenizer=None, kv_allocator: BufferAllocator = default_allocator):
+        self.args = args
+        self.runner = ModelRunner(args, kv_allocator)
+        self.pool = self.runner.pool
+        self.page_size = args.page_size
+        self.tree = RadixCache(self.pool.allocator, self.page_size, disable=args.disable_radix_cache)
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_token_ids(self.runner.hf_config, tokenizer, args.model_path)
+        self.sampler = Sampler(self.runner.vocab_size, self.runner.device, self.eos_ids, seed=args.random_seed)
+        self.context_length = self.runner.context_length
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.finished: list[Req] = []  # finished since the last drain (to be reported)
+        self.updated: set[Req] = set()  # requests with output not yet reported
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cache_hit_tokens": 0, "retractions": 0}
+        # Disaggregation queues plug in here (pdserve.disagg.prefill / decode).
+        self.pd = None
+        # Called with each request that completes its prompt in prefill mode (instead of decoding).
+        self.on_prefill_done: Optional[Callable[[Req], None]] = None
+        self.on_chunk_done: Optional[Callable[[Req], None]] = None
+
+    # ---- requests in and out -------------------------------------------------------------
+    def validate(self, req: Req) -> None:
+        n = req.prompt_len
+        if n == 0:
+            raise ValueError("prompt: must not be empty")
+        if n >= self.context_length:
+            raise ValueError(
+                f"prompt: {n} tokens is too long; the context length is {self.context_length} "
+                f"(prompt plus at least one generated token)"
+            )
+        bad = [t for t in req.input_ids if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            raise ValueError(f"input_ids: token id {bad[0]} outside the vocabulary [0, {self.runner.vocab_size})")
+        need = (n + self.page_size) // self.page_size
+        if need > self.pool.allocator.capacity:
+            raise ValueError(f"prompt: {n} tokens exceed the KV cache capacity ({self.runner.max_total_tokens} tokens)")
+        if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs_num: must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs_num}")
+        if req.logprob_start_len >= n:
+            raise ValueError(f"logprob_start_len: must be < prompt length {n}, got {req.logprob_start_len}")
+
+    def add_request(self, req: Req) -> None:
+        self.validate(req)
+        req.sampling.max_new_tokens = min(req.sampling.max_new_tokens, self.context_length - req.prompt_len)
+        req.arrival_time = req.arrival_time or time.monotonic()
+        if self.pd is not None and self.pd.accepts(req):
+            self.pd.add(req)
+        else:
+            self.waiting.append(req)
+
+    def abort(self, rid: str, message: str = "aborted by client", status_code: int = 499) -> bool:
+        """Abort one request (or every request when rid == ""); frees its KV at once."""
+        hit = False
+        for req in list(self.waiting) + list(self.running) + (self.pd.all_reqs() if self.pd else []):
+            if rid and req.rid != rid:
+                continue
+            hit = True
+            self.finish(req, FinishReason(FinishKind.ABORT, message=message, status_code=status_code))
+        return hit
+
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        """End a request wherever it is and release everything it holds."""
+        if req.finished:
+            return
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if self.pd is not None:
+            self.pd.discard(req)
+        self.release_kv(req)
+        self.finished.append(req)
+        self.updated.add(req)
+
+    def drain(self) -> list[Req]:
+        """Requests with new output since the last call (finished ones included, once)."""
+        out = list(self.updated)
+        self.updated.clear()
+        self.finished.clear()
+        return out
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or (self.pd is not None and self.pd.has_work))
+
+    # ---- KV bookkeeping -------------------------------------------------------------------
+    def alloc_pages(self, n: int) -> Optional[list[int]]:
+        pages = self.pool.allocator.alloc(n)
+        if pages is None and n > 0:
+            self.tree.evict(n - self.pool.allocator.num_free())
+            pages = self.pool.allocator.alloc(n)
+        return pages
+
+    def release_kv(self, req: Req) -> None:
+        """Give a request's pages back: full pages into the radix cache, the rest to the pool."""
+        if req.last_node is None and not req.pages:
+            return
+        full = min(req.kv_len // self.page_size, len(req.pages))
+        own_tail = req.pages[max(full, req.num_cached_pages):]
+        if full > 0 and not self.args.disable_radix_cache:
+            self.tree.insert(req.all_ids[: full * self.page_size], req.pages[:full])
+        else:
+            own_tail = req.pages[req.num_cached_pages:]
+        if own_tail:
+            self.pool.allocator.free(own_tail)
+        if req.last_node is not None:
+            self.tree.dec_lock(req.last_node)
+        req.pages, req.kv_len, req.num_cached_pages, req.last_node = [], 0, 0, None
+
+    def in_use_pages(self) -> int:
+        reqs = self.running + (self.pd.all_reqs() if self.pd else [])
+        return sum(len(r.pages) - r.num_cached_pages for r in reqs) + (self.pd.extra_pages() if self.pd else 0)
+
+    def check_integrity(self) -> dict:
+        in_use = self.in_use_pages()
+        self.tree.check_integrity(in_use)
+        info = {
+            "total_pages": self.pool.allocator.capacity,
+            "free_pages": self.pool.allocator.num_free(),
+            "cached_pages": self.tree.total_pages(),
+            "in_use_pages": in_use,
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+        }
+        if self.pd is not None:
+            info.update(self.pd.integrity())
+        return info
+
+    def retract(self, req: Req) -> None:
+        """Preempt a running request: drop its KV (full pages stay cached) and requeue it."""
+        self.running.remove(req)
+        self.release_kv(req)
+        if not req.input_logprobs_done:
+            del req.input_token_logprobs[1 if req.effective_logprob_start == 0 else 0:]
+            del req.input_top_logprobs[1 if req.effective_logprob_start == 0 and req.top_logprobs_num else 0:]
+        req.num_retractions += 1
+        self.stats["retractions"] += 1
+        self.waiting.insert(0, req)
+        logger.debug("retracted %s (%d output tokens)", req.rid, len(req.output_ids))
+
+    # ---- one iteration ----------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        if self.pd is not None:
+            self.pd.process_queues()
+        batch = self._schedule()
+        if batch:
+            self._run(batch)
+        return self.drain()
+
+    def _pages_needed(self, req: Req, ext: int) -> int:
+        return (req.kv_len + ext + self.page_size - 1) // self.page_size - len(req.pages)
+
+    def _schedule(self) -> list[tuple[Req, int]]:
+        batch: list[tuple[Req, int]] = []
+        budget = self.args.chunked_prefill_size
+        # 1. decode rows: one new token each; retract the least advanced request if pages run out
+        decoding = sorted((r for r in self.running if r.extend_len == 1), key=lambda r: r.arrival_time)
+        for req in decoding:
+            if req not in self.running:
+                continue  # retracted below to make room for an earlier one
+            need = self._pages_needed(req, 1)
+            pages = self.alloc_pages(need)
+            while pages is None:
+                scheduled = {r for r, _ in batch}
+                victim = min((r for r in self.running if r not in scheduled),
+                             key=lambda r: (len(r.output_ids), -r.arrival_time))
+                self.retract(victim)
+                if victim is req:
+                    break
+                pages = self.alloc_pages(need)
+            if pages is None:
+                continue
+            req.pages.extend(pages)
+            batch.append((req, 1))
+        # 2. unfinished chunked prefills continue within the token budget
+        for req in self.running:
+            if req.extend_len > 1 and budget > 0:
+                ext = min(req.extend_len, budget)
+                pages = self.alloc_pages(self._pages_needed(req, ext))
+                if pages is None:
+                    continue
+                req.pages.extend(pages)
+                batch.append((req, ext))
+                budget -= ext
+        # 3. admit waiting requests
+        reserve = len(decoding)  # keep one page per decoding request for its next token
+        if self.waiting and budget > 0:
+            order_waiting(self.waiting, self.args.schedule_policy, self.tree, self.page_size)
+        while self.waiting and budget > 0 and len(self.running) < self.args.max_running_requests:
+            req = self.waiting[0]
+            if not self._admit(req, budget, reserve):
+                break
+            self.waiting.pop(0)
+            self.running.append(req)
+            ext = min(req.extend_len, budget)
+            batch.append((req, ext))
+            budget -= ext
+        return batch
+
+    def _admit(self, req: Req, budget: int, reserve: int) -> bool:
+        ids = req.all_ids
+        max_pages = (len(ids) - 1) // self.page_size
+        if req.return_logprob and not req.input_logprobs_done:
+            # input logprobs need the logits from position start - 1 on: do not skip them
+            max_pages = min(max_pages, max(req.effective_logprob_start - 1, 0) // self.page_size)
+        cached, node = self.tree.match_prefix(ids, max_pages=max_pages)
+        self.tree.inc_lock(node)
+        req.pages, req.num_cached_pages, req.last_node = list(cached), len(cached), node
+        req.kv_len = len(cached) * self.page_size
+        ext = min(req.extend_len, budget)
+        need = self._pages_needed(req, ext)
+        avail = self.pool.allocator.num_free() + self.tree.evictable_pages()
+        pages = self.alloc_pages(need) if avail >= need + reserve else None
+        if pages is None:
+            self.tree.dec_lock(node)
+            req.pages, req.num_cached_pages, req.last_node, req.kv_len = [], 0, None, 0
+            return False
+        req.pages.extend(pages)
+        if req.num_retractions == 0:
+            req.cached_tokens = req.kv_len
+            if req.return_logprob and req.effective_logprob_start == 0:
+                req.input_token_logprobs.append((None, req.input_ids[0]))
+                if req.top_logprobs_num:
+                    req.input_top_logprobs.append(None)
+            self.stats["cache_hit_tokens"] += req.kv_len
+            self.stats["prompt_tokens"] += req.prompt_len
+        return True
+
+    def _run(self, batch: list[tuple[Req, int]]) -> None:
+        ids: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        sample_at: list[tuple[Req, int]] = []  # (req, index into logits rows)
+        input_lp: list[tuple[Req, int, list[int]]] = []  # (req, first logits index, target ids)
+        for req, ext in batch:
+            start = len(ids)
+            all_ids = req.all_ids
+            ids.extend(all_ids[req.kv_len: req.kv_len + ext])
+            positions.extend(range(req.kv_len, req.kv_len + ext))
+            if req.return_logprob and not req.input_logprobs_done:
+                # logits at position p predict prompt token p + 1
+                lo = max(req.kv_len, req.effective_logprob_start - 1)
+                hi = min(req.kv_len + ext, req.prompt_len - 1)
+                if hi > lo:
+                    input_lp.append((req, len(logits_rows), req.input_ids[lo + 1: hi + 1]))
+                    logits_rows.extend(range(start + lo - req.kv_len, start + hi - req.kv_len))
+            if req.kv_len + ext == req.seq_len:
+                sample_at.append((req, len(logits_rows)))
+                logits_rows.append(start + ext - 1)
+        fb = self.runner.make_forward_batch(
+            ids, positions, [r.kv_len for r, _ in batch], [e for _, e in batch],
+            [r.pages for r, _ in batch], logits_rows,
+        )
+        logits = self.runner.forward(fb)
+        for req, ext in batch:
+            req.kv_len += ext
+            if self.on_chunk_done is not None:
+                self.on_chunk_done(req)
+        self._record_input_logprobs(logits, input_lp)
+        self._sample(logits, sample_at)
+
+    def _record_input_logprobs(self, logits: torch.Tensor, items) -> None:
+        for req, row, targets in items:
+            rows = logits[row: row + len(targets)]
+            vals = lp.token_logprobs(rows, torch.tensor(targets, device=rows.device))
+            req.input_token_logprobs.extend(zip(vals, targets))
+            if req.top_logprobs_num:
+                req.input_top_logprobs.extend(lp.top_logprobs(rows, req.top_logprobs_num))
+        for req, _, _ in items:
+            if req.kv_len >= req.prompt_len - 1:
+                req.input_logprobs_done = True
+
+    def _sample(self, logits: torch.Tensor, sample_at: list[tuple[Req, int]]) -> None:
+        for req, _ in sample_at:
+            req.input_logprobs_done = True
+        todo = [(r, i) for r, i in sample_at if r.sampling.max_new_tokens > 0]
+        for req, _ in sample_at:
+            if req.sampling.max_new_tokens == 0:
+                self.finish(req, FinishReason(FinishKind.LENGTH, matched=0))
+        if not todo:
+            return
+        rows = torch.tensor([i for _, i in todo], device=logits.device)
+        reqs = [r for r, _ in todo]
+        out = self.sampler.sample(logits[rows], reqs)
+        for k, req in enumerate(reqs):
+            tok = out.next_ids[k]
+            req.output_ids.append(tok)
+            self.stats["generation_tokens"] += 1
+            if req.return_logprob:
+                req.output_token_logprobs.append((out.logprobs[k], tok))
+                if req.top_logprobs_num:
+                    req.output_top_logprobs.append(out.top_logprobs[k] or [])
+            self.updated.add(req)
+            if self.on_prefill_done is not None and len(req.output_ids) == 1 and req.num_retractions == 0:
+                self.on_prefill_done(req)
+                continue
+            reason = check_finish(req, self.eos_ids, self.tokenizer, self.context_length)
+            if reason is not None:
+                self.finish(req, reason)

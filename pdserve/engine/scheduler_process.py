@@ -1,0 +1,173 @@
+"""The scheduler process: receives requests over ZMQ, steps the scheduler, streams outputs back.
+
+Contract with the front end: this process BINDs a PULL socket on ``in_addr`` and CONNECTs a PUSH
+socket to ``out_addr`` (bound by the front end first); it reports once on ``ready_conn``:
+``{"status": "ready", "info": {...}}`` or ``{"status": "error", "message": ...}``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import traceback
+
+import torch
+import zmq
+
+from pdserve.config import ServerArgs
+from pdserve.engine.request import FinishKind, FinishReason, Req, SamplingParams
+from pdserve.log import role_tag, setup_logging
+from pdserve.server import messages as m
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 5
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the front end dies, so no scheduler is ever orphaned."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(0.5)
+
+
+def build_scheduler(args: ServerArgs):
+    from pdserve.engine.scheduler import Scheduler
+
+    if args.disaggregation_mode == "null":
+        return Scheduler(args)
+    from pdserve.disagg.setup import attach_disaggregation
+
+    return attach_disaggregation(args)
+
+
+def token_out(req: Req) -> m.TokenOut:
+    start = req.sent_output_len
+    req.sent_output_len = len(req.output_ids)
+    out = m.TokenOut(
+        rid=req.rid,
+        new_ids=req.output_ids[start:],
+        finish_reason=req.finish_reason.to_json() if req.finished else None,
+        prompt_tokens=req.prompt_len,
+        cached_tokens=req.cached_tokens,
+    )
+    if req.return_logprob:
+        out.output_token_logprobs = req.output_token_logprobs[start:]
+        out.output_top_logprobs = req.output_top_logprobs[start:]
+        if not req.sent_input_logprobs and (req.input_logprobs_done or req.finished):
+            out.input_token_logprobs = req.input_token_logprobs
+            out.input_top_logprobs = req.input_top_logprobs
+            req.sent_input_logprobs = True
+    return out
+
+
+class SchedulerLoop:
+    def __init__(self, args: ServerArgs, in_addr: str, out_addr: str):
+        self.args = args
+        self.scheduler = build_scheduler(args)
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(in_addr)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.connect(out_addr)
+        self.poller = zmq.Poller()
+        self.poller.register(self.pull, zmq.POLLIN)
+
+    def info(self) -> dict:
+        s = self.scheduler
+        r = s.runner
+        return {
+            "context_length": s.context_length,
+            "vocab_size": r.vocab_size,
+            "max_total_tokens": r.max_total_tokens,
+            "page_size": s.page_size,
+            "num_pages": s.pool.num_pages,
+            "model_fingerprint": r.fingerprint,
+            "eos_token_ids": sorted(s.eos_ids),
+            "max_running_requests": self.args.max_running_requests,
+        }
+
+    def run(self) -> None:
+        while True:
+            timeout = 0 if self.scheduler.has_work else IDLE_POLL_MS
+            while dict(self.poller.poll(timeout)).get(self.pull):
+                self.handle(m.decode_to_scheduler(self.pull.recv()))
+                timeout = 0
+            updated = self.scheduler.step() if self.scheduler.has_work else self.scheduler.drain()
+            if updated:
+                self.push.send(m.encode(m.BatchOut(outs=[token_out(r) for r in updated])))
+
+    def handle(self, msg) -> None:
+        s = self.scheduler
+        if isinstance(msg, m.GenerateReq):
+            try:
+                req = Req(
+                    rid=msg.rid, input_ids=msg.input_ids, sampling=SamplingParams.from_dict(msg.sampling_params),
+                    return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
+                    logprob_start_len=msg.logprob_start_len, stream=msg.stream,
+                    bootstrap_host=msg.bootstrap_host, bootstrap_port=msg.bootstrap_port,
+                    bootstrap_room=msg.bootstrap_room,
+                )
+                s.add_request(req)
+            except ValueError as e:
+                reason = FinishReason(FinishKind.ABORT, message=str(e), status_code=400)
+                self.push.send(m.encode(m.BatchOut(outs=[m.TokenOut(rid=msg.rid, new_ids=[],
+                                                                   finish_reason=reason.to_json())])))
+        elif isinstance(msg, m.AbortReq):
+            s.abort(msg.rid, msg.message)
+        elif isinstance(msg, m.ControlReq):
+            try:
+                result = self.control(msg.op, msg.args)
+                resp = m.ControlResp(req_id=msg.req_id, ok=True, result=result)
+            except Exception as e:  # reported to the caller, the loop goes on
+                resp = m.ControlResp(req_id=msg.req_id, ok=False, error=f"{type(e).__name__}: {e}")
+            self.push.send(m.encode(resp))
+
+    def control(self, op: str, args: dict):
+        s = self.scheduler
+        if op == "get_load":
+            running = s.running + (s.pd.all_reqs() if s.pd else [])
+            return {
+                "num_reqs": len(running) + len(s.waiting),
+                "num_waiting_reqs": len(s.waiting),
+                "num_tokens": sum(r.seq_len for r in running),
+            }
+        if op == "flush_cache":
+            return s.tree.reset()
+        if op == "integrity":
+            return s.check_integrity()
+        if op == "stats":
+            a = s.pool.allocator
+            return {
+                "running": len(s.running),
+                "waiting": len(s.waiting),
+                "kv_pages_total": a.capacity,
+                "kv_pages_free": a.num_free(),
+                "kv_pages_used": a.capacity - a.num_free(),
+                "kv_pages_cached": s.tree.total_pages(),
+                **s.stats,
+            }
+        raise ValueError(f"unknown control op {op!r}")
+
+
+def run_scheduler_process(args: ServerArgs, in_addr: str, out_addr: str, ready_conn) -> None:
+    setup_logging(role_tag(args.role), args.log_level)
+    torch.set_num_threads(args.torch_num_threads or os.cpu_count() or 1)
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    try:
+        loop = SchedulerLoop(args, in_addr, out_addr)
+    except Exception as e:
+        logger.error("scheduler failed to start: %s\n%s", e, traceback.format_exc())
+        ready_conn.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
+        return
+    ready_conn.send({"status": "ready", "info": loop.info()})
+    try:
+        loop.run()
+    except KeyboardInterrupt:
+        pass
+    except Exception:
+        logger.error("scheduler crashed:\n%s", traceback.format_exc())
+        os._exit(1)

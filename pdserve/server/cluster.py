@@ -1,0 +1,136 @@
+"""``pdserve launch``: a local PD cluster (N prefill + K decode servers + the router) on one host.
+
+Servers use the ``local`` transfer backend (decode's KV pool in shared memory). Each server's
+torch thread count defaults to an equal share of the host's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from pdserve.log import setup_logging
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(start: int) -> int:
+    """The first port >= start that is free on 127.0.0.1."""
+    port = start
+    while True:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                port += 1
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float, name: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{name} not ready at {url} after {timeout:.0f} s")
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(prog="pdserve launch", description=__doc__)
+    p.add_argument("--model-path", default=None, help="HF model directory (default: the demo model)")
+    p.add_argument("--num-prefill", type=int, default=1)
+    p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="router port")
+    p.add_argument("--policy", default="round_robin")
+    p.add_argument("--transfer-backend", default="local")
+    p.add_argument("--torch-num-threads", type=int, default=None)
+    p.add_argument("--ready-timeout", type=float, default=600)
+    p.add_argument("--log-level", default="info")
+    args, extra = p.parse_known_args(argv)
+    if args.num_prefill < 1 or args.num_decode < 1:
+        p.error("--num-prefill and --num-decode must be >= 1")
+    return args, extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = parse_args(list(argv or []))
+    setup_logging("launch", args.log_level)
+    model = args.model_path
+    if model is None:
+        from pdserve.models.demo import ensure_demo_model
+
+        model = ensure_demo_model()
+    n_servers = args.num_prefill + args.num_decode
+    threads = args.torch_num_threads or max(1, (os.cpu_count() or 1) // n_servers)
+    procs: list[tuple[str, str, subprocess.Popen]] = []
+    py = [sys.executable, "-m", "pdserve.cli"]
+    common = ["--model-path", model, "--host", args.host, "--torch-num-threads", str(threads),
+              "--disaggregation-transfer-backend", args.transfer_backend, "--log-level", args.log_level, *extra]
+
+    def stop_all(*_):
+        for _, _, proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for _, _, proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    port = 30000
+    prefill_specs, decode_urls = [], []
+    try:
+        bport = 8998
+        for i in range(args.num_prefill):
+            port, bport = free_port(port), free_port(bport)
+            cmd = py + ["serve", *common, "--port", str(port), "--disaggregation-mode", "prefill",
+                        "--disaggregation-bootstrap-port", str(bport)]
+            url = f"http://{args.host}:{port}"
+            procs.append((f"prefill-{i}", url, subprocess.Popen(cmd)))
+            prefill_specs += ["--prefill", url, str(bport)]
+            port, bport = port + 1, bport + 1
+        for j in range(args.num_decode):
+            port = free_port(port)
+            cmd = py + ["serve", *common, "--port", str(port), "--disaggregation-mode", "decode"]
+            url = f"http://{args.host}:{port}"
+            procs.append((f"decode-{j}", url, subprocess.Popen(cmd)))
+            decode_urls += ["--decode", url]
+            port += 1
+        for name, url, proc in procs:
+            wait_ready(url, proc, args.ready_timeout, name)
+            logger.info("%s ready at %s", name, url)
+        router_url = f"http://{args.host}:{args.port}"
+        router = subprocess.Popen(py + ["router", *prefill_specs, *decode_urls, "--host", args.host,
+                                        "--port", str(args.port), "--policy", args.policy])
+        procs.append(("router", router_url, router))
+        wait_ready(router_url, router, 60, "router")
+        print(f"pdserve cluster ready: {router_url}  "
+              f"({args.num_prefill} prefill + {args.num_decode} decode, model {model})", flush=True)
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        while all(proc.poll() is None for _, _, proc in procs):
+            time.sleep(1)
+        dead = [name for name, _, proc in procs if proc.poll() is not None]
+        logger.error("%s exited; stopping the cluster", ", ".join(dead))
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    except (RuntimeError, TimeoutError) as e:
+        logger.error("%s", e)
+        return 1
+    finally:
+        stop_all()
