@@ -1,0 +1,33 @@
+"""RMSNorm, optionally fused with the residual add that precedes it in a pre-norm block."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)``; the statistics are taken in float32 and the result is
+    cast back to the input dtype before the weight multiplies it (bit-compatible with HF)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without ``residual``: ``norm(x)``. With it: ``x + residual`` becomes the new residual
+        stream and ``(norm(x + residual), x + residual)`` is returned."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

@@ -1,0 +1,121 @@
+"""Rotary position embedding (rotate-half convention) with ``default``, ``linear`` and ``llama3``
+frequency scaling.
+
+HF configs describe RoPE in two ways: transformers 4 writes ``rope_theta`` plus an optional
+``rope_scaling`` dict (type under ``type`` or ``rope_type``); transformers 5 writes one
+``rope_parameters`` dict that also holds ``rope_theta``. ``rope_parameters()`` turns either into the
+transformers 5 form, which is what ``RotaryEmbedding`` takes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+# rope_type -> fields it needs besides rope_theta
+_ROPE_FIELDS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+SUPPORTED_ROPE_TYPES = tuple(_ROPE_FIELDS)
+DEFAULT_ROPE_THETA = 10000.0
+
+
+def _field(config: Any, name: str) -> Any:
+    if isinstance(config, dict):
+        return config.get(name)
+    return getattr(config, name, None)
+
+
+def rope_parameters(config: Any) -> dict:
+    """Normalised RoPE settings of an HF config (object or dict): a dict with ``rope_type``,
+    ``rope_theta`` and the scaling fields of that type."""
+    params = _field(config, "rope_parameters")
+    if params and any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"rope_parameters: per-layer-type RoPE settings are not supported: {params}")
+    out = dict(params or {})
+    # transformers 4 fields fill what rope_parameters does not say
+    for key, value in (_field(config, "rope_scaling") or {}).items():
+        out.setdefault(key, value)
+    if "type" in out:
+        out.setdefault("rope_type", out.pop("type"))
+    out.setdefault("rope_type", "default")
+    if out.get("rope_theta") is None:
+        theta = _field(config, "rope_theta")
+        out["rope_theta"] = float(theta) if theta is not None else DEFAULT_ROPE_THETA
+    if out["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type: {out['rope_type']!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    missing = [f for f in _ROPE_FIELDS[out["rope_type"]] if out.get(f) is None]
+    if missing:
+        raise ValueError(f"rope_parameters: rope_type {out['rope_type']!r} needs {missing}; got {out}")
+    return out
+
+
+def inv_frequencies(head_dim: int, params: dict) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies after scaling."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (params["rope_theta"] ** exponents)
+    kind = params["rope_type"]
+    if kind == "linear":
+        return inv_freq / params["factor"]
+    if kind == "llama3":
+        # Frequencies with wavelengths longer than the original context are slowed by `factor`,
+        # short ones are kept, and the band between is interpolated smoothly.
+        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old_ctx = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        in_band = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        return torch.where(in_band, blended, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for positions ``[0, capacity)``, kept in float32 (not buffers, so casting
+    the model to bf16 leaves them exact). Built on first use on the device that asks, grown by
+    doubling when a longer sequence comes."""
+
+    def __init__(self, head_dim: int, params: dict, initial_positions: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.params = params
+        self.inv_freq = inv_frequencies(head_dim, params)
+        self._initial = max(1, initial_positions)
+        self._cos: torch.Tensor | None = None
+        self._sin: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._cos is None else self._cos.shape[0]
+
+    def reserve(self, num_positions: int, device: torch.device) -> None:
+        """Make positions ``[0, num_positions)`` available on ``device``."""
+        if num_positions > self.capacity or self._cos.device != device:
+            n = max(self.capacity, self._initial)
+            while n < num_positions:
+                n *= 2
+            positions = torch.arange(n, dtype=torch.float32, device=device)
+            freqs = torch.outer(positions, self.inv_freq.to(device))  # [n, head_dim / 2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [n, head_dim]
+            self._cos, self._sin = emb.cos(), emb.sin()
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [T, head_dim] in ``dtype`` for ``positions`` [T] (after ``reserve``)."""
+        return self._cos[positions].to(dtype), self._sin[positions].to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x``: [T, heads, head_dim]; ``cos``/``sin``: [T, head_dim]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin

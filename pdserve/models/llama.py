@@ -1,0 +1,237 @@
+"""Llama-family decoder: Llama (GQA/MQA, llama3 RoPE), Qwen2 (qkv bias, optional sliding window),
+Qwen3 (per-head q/k RMSNorm), Mistral (sliding window).
+
+Module names follow HF checkpoints except where projections are fused: q/k/v live in one
+``qkv_proj`` and gate/up in one ``gate_up_proj`` (see ``_FUSED``). Tokens are flattened: every
+activation is [T, ...] for the T new tokens of a ``ForwardBatch``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.layers.linear import MergedLinear
+from pdserve.layers.norm import RMSNorm
+from pdserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+
+# HF projection name -> (our fused module, shard index in it)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+# HF weights that carry no parameters of ours
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# First rotary table size; it grows by doubling if a longer sequence arrives.
+_ROPE_INITIAL_POSITIONS = 8192
+
+
+def layer_sliding_window(config, layer_id: int) -> Optional[int]:
+    """Sliding window of one layer, or None for full attention.
+
+    Qwen2/Qwen3 only slide when ``use_sliding_window`` is set, and then only on the layers that
+    ``layer_types`` marks ``sliding_attention``; Mistral slides on every layer when
+    ``sliding_window`` is set.
+    """
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_id] == "sliding_attention" else None
+    max_window_layers = getattr(config, "max_window_layers", None)
+    if max_window_layers is not None and layer_id < max_window_layers:
+        return None
+    return window
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = self.head_dim ** -0.5
+        self.sliding_window = layer_sliding_window(config, layer_id)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        t = h.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(h))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = fb.attn_backend.forward(self.layer_id, q, k, v, fb, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act: only 'silu' is supported, got {config.hidden_act!r}")
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, **attn_kwargs):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, **attn_kwargs)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h, residual, cos, sin, fb):
+        """Pre-norm block; ``residual`` is the stream before this block's input norm (None for the
+        first layer). Returns (mlp output, residual) with the add deferred to the next norm."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, cos, sin, fb)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, **attn_kwargs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, **attn_kwargs) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = self.layers[0].self_attn.head_dim
+        initial = min(config.max_position_embeddings, _ROPE_INITIAL_POSITIONS)
+        self.rotary = RotaryEmbedding(head_dim, rope_parameters(config), initial)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        h = self.embed_tokens(fb.input_ids)
+        self.rotary.reserve(max(fb.seq_lens), h.device)
+        cos, sin = self.rotary(fb.positions, h.dtype)
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(h, residual, cos, sin, fb)
+        h, _ = self.norm(h, residual)
+        return h
+
+
+class LlamaForCausalLM(nn.Module):
+    """``model(fb) -> hidden [T, hidden_size]`` (final norm applied);
+    ``compute_logits(hidden [N, hidden_size]) -> [N, vocab_size]`` float32."""
+
+    qk_norm = False
+
+    @staticmethod
+    def attention_biases(config) -> tuple[bool, bool]:
+        """(bias of q/k/v, bias of o_proj)."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        qkv_bias, o_bias = self.attention_biases(config)
+        self.model = LlamaModel(config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # Tied: the logits reuse the embedding matrix; no shared Parameter, which would come apart
+        # when the loader materialises the model from the meta device.
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        attn = self.model.layers[0].self_attn
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = attn.num_heads
+        self.num_kv_heads = attn.num_kv_heads
+        self.head_dim = attn.head_dim
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        return self.model(fb)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ---- weights -----------------------------------------------------------------------------
+    def checkpoint_weight_names(self) -> set[str]:
+        """HF names of every weight this model needs from a checkpoint."""
+        fused = {}
+        for proj, (module, shard) in _FUSED.items():
+            fused.setdefault(module, {})[shard] = proj
+        names = set()
+        for name, _ in self.named_parameters():
+            module_path, _, leaf = name.rpartition(".")
+            parent, _, module = module_path.rpartition(".")
+            if module in fused:
+                names.update(f"{parent}.{proj}.{leaf}" for proj in fused[module].values())
+            else:
+                names.add(name)
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the model. Every needed weight must come and nothing unknown
+        may (``ValueError`` naming the weights otherwise)."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.tie_word_embeddings):
+                continue
+            module_path, _, leaf = name.rpartition(".")
+            parent, _, proj = module_path.rpartition(".")
+            if proj in _FUSED:
+                module, shard = _FUSED[proj]
+                target = f"{parent}.{module}"
+                if f"{target}.{leaf}" not in params:
+                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
+                self.get_submodule(target).load_shard(shard, leaf, tensor)
+            else:
+                param = params.get(name)
+                if param is None:
+                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
+                if param.shape != tensor.shape:
+                    raise ValueError(f"weight {name!r}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+                param.data.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(self.checkpoint_weight_names() - loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint is missing weight(s): {shown}")
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def attention_biases(config) -> tuple[bool, bool]:
+        return True, False
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral is Llama with a sliding window on every layer (``layer_sliding_window``)."""

@@ -1,0 +1,118 @@
+"""Build a model from an HF checkpoint directory (config.json + safetensors)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from pdserve.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Config fields that decide tensor shapes: two servers whose fingerprints match can share KV.
+_SHAPE_FIELDS = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "vocab_size",
+)
+
+
+def load_config(model_path: str):
+    if not os.path.isdir(model_path):
+        raise FileNotFoundError(f"model_path: {model_path!r} is not a directory")
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path, local_files_only=True)
+
+
+def resolve_dtype(hf_config, dtype: str = "auto") -> torch.dtype:
+    """``auto``: the checkpoint's dtype (float32 when the config names none); otherwise as asked."""
+    if dtype != "auto":
+        value = getattr(torch, dtype, None)
+        if not isinstance(value, torch.dtype):
+            raise ValueError(f"dtype: unknown {dtype!r}")
+        return value
+    # transformers 5 calls the field `dtype`; 4 called it `torch_dtype`
+    value = getattr(hf_config, "dtype", None)
+    if value is None:
+        value = getattr(hf_config, "torch_dtype", None)
+    if value is None:
+        return torch.float32
+    return getattr(torch, value) if isinstance(value, str) else value
+
+
+def iter_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, CPU tensor) for every tensor of ``model.safetensors`` or of the shards named by
+    ``model.safetensors.index.json``."""
+    from safetensors import safe_open
+
+    index = os.path.join(model_path, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.exists(os.path.join(model_path, SINGLE_FILE)):
+        files = [SINGLE_FILE]
+    else:
+        raise FileNotFoundError(f"{model_path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    for name in files:
+        with safe_open(os.path.join(model_path, name), framework="pt", device="cpu") as st:
+            for key in st.keys():
+                yield key, st.get_tensor(key)
+
+
+def init_dummy_weights(model: nn.Module, std: float, seed: int) -> None:
+    """Random weights: normal(0, std) for matrices, ones for norm scales, zeros for biases."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("bias"):
+            param.data.zero_()
+        elif param.dim() == 1:
+            param.data.fill_(1.0)
+        else:
+            param.data.copy_(torch.empty(param.shape).normal_(0.0, std, generator=gen))
+
+
+def load_model(
+    model_path: str, dtype: str = "auto", device: str = "cpu", load_format: str = "auto", seed: int = 0
+) -> tuple[nn.Module, object]:
+    """(model in eval mode on ``device``, HF config)."""
+    if load_format not in ("auto", "safetensors", "dummy"):
+        raise ValueError(f"load_format: must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
+    hf_config = load_config(model_path)
+    cls = model_class(hf_config)
+    torch_dtype = resolve_dtype(hf_config, dtype)
+    with torch.device("meta"):
+        model = cls(hf_config)
+    # parameters are allocated once, uninitialised, in their final dtype and place
+    model = model.to(dtype=torch_dtype).to_empty(device=device)
+    if load_format == "dummy":
+        init_dummy_weights(model, getattr(hf_config, "initializer_range", 0.02), seed)
+    else:
+        model.load_weights(iter_safetensors(model_path))
+    model.eval().requires_grad_(False)
+    logger.info("loaded %s (%s, %s, %s) from %s", cls.__name__, torch_dtype, device, load_format, model_path)
+    return model, hf_config
+
+
+def context_length(hf_config) -> int:
+    for name in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
+        value = getattr(hf_config, name, None)
+        if value:
+            return int(value)
+    return 2048
+
+
+def model_fingerprint(hf_config, dtype: torch.dtype | str) -> str:
+    """Short hash of the architecture, the shape-defining config fields and the dtype."""
+    fields = {name: getattr(hf_config, name, None) for name in _SHAPE_FIELDS}
+    fields["architectures"] = list(getattr(hf_config, "architectures", None) or [])
+    fields["dtype"] = str(dtype).replace("torch.", "")
+    blob = json.dumps(fields, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

