@@ -1,0 +1,46 @@
+"""Pages -> (src, dst, len) write descriptors.
+
+A region is one (layer, K|V) buffer (or one metadata field, or one state tensor) whose item i
+starts at ``ptr + i * item_len``. Runs of pages contiguous on BOTH sides become one descriptor
+per region, so a request whose pages are contiguous costs ``num_regions`` descriptors whatever
+its length.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+def page_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split at every position where either side is not consecutive.
+    Returns (src_run_starts, dst_run_starts, run_lengths)."""
+    src = np.asarray(src_pages, dtype=np.int64)
+    dst = np.asarray(dst_pages, dtype=np.int64)
+    if len(src) != len(dst):
+        raise ValueError(f"page lists differ in length: {len(src)} src, {len(dst)} dst")
+    if len(src) == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [len(src)])))
+    return src[starts], dst[starts], lengths
+
+
+def region_descriptors(src_ptrs: Sequence[int], dst_ptrs: Sequence[int], item_lens: Sequence[int],
+                       src_items: Sequence[int], dst_items: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Descriptors copying items ``src_items[i]`` -> ``dst_items[i]`` in every region.
+    Region e: src ``src_ptrs[e]``, dst ``dst_ptrs[e]``, item size ``item_lens[e]`` (same on both
+    sides). Ordered region-major."""
+    if not (len(src_ptrs) == len(dst_ptrs) == len(item_lens)):
+        raise ValueError(f"region lists differ: {len(src_ptrs)} src, {len(dst_ptrs)} dst, {len(item_lens)} item lens")
+    s_start, d_start, n = page_runs(src_items, dst_items)
+    sp = np.asarray(src_ptrs, dtype=np.int64)[:, None]  # [E, 1]
+    dp = np.asarray(dst_ptrs, dtype=np.int64)[:, None]
+    il = np.asarray(item_lens, dtype=np.int64)[:, None]
+    src = (sp + s_start[None, :] * il).reshape(-1)  # [E * R]
+    dst = (dp + d_start[None, :] * il).reshape(-1)
+    lens = np.broadcast_to(n[None, :] * il, (len(sp), len(n))).reshape(-1)
+    return src, dst, lens

@@ -1,0 +1,176 @@
+"""Decode rank <-> prefill rank control-plane messages (ZMQ PUSH/PULL), msgpack via msgspec.
+
+Every message carries the protocol version ``v`` and its type tag ``type``; ``decode_message``
+checks the version before anything else and raises ``ProtocolError`` naming what it got.
+
+Decode -> prefill rank: ``Register`` (once per connection), ``TransferRequest`` (per room and
+generation), ``Abort``, ``Heartbeat``.
+Prefill rank -> decode: ``RegisterAck``, ``TransferStatus``, ``AbortAck``, ``Heartbeat`` (ack).
+
+Authentication hook: every message has an ``auth`` field (empty today). A signer fills it with
+an HMAC over the message encoded with ``auth=b""``; ``MessageCodec`` is the one place that signs
+and verifies, so adding it touches nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """A control-plane message this side cannot accept (bad version, type or shape)."""
+
+
+class Message(msgspec.Struct, tag_field="type", kw_only=True):
+    v: int = PROTOCOL_VERSION
+    auth: bytes = b""  # HMAC hook, see the module docstring
+
+
+class BufferDesc(msgspec.Struct):
+    """Where a rank's registered buffers live in its own address space (KVArgs subset)."""
+
+    kv_data_ptrs: list[int]
+    kv_data_lens: list[int]
+    kv_item_lens: list[int]
+    aux_data_ptrs: list[int]
+    aux_data_lens: list[int]
+    aux_item_lens: list[int]
+    state_data_ptrs: list[int] = []
+    state_data_lens: list[int] = []
+    state_item_lens: list[int] = []
+    state_type: str = "none"
+    state_dim_per_tensor: list[int] = []
+    kv_head_num: int = 0
+    gpu_id: int = 0
+    device: str = "cpu"
+
+    @classmethod
+    def from_kv_args(cls, a) -> "BufferDesc":
+        return cls(
+            kv_data_ptrs=list(a.kv_data_ptrs), kv_data_lens=list(a.kv_data_lens),
+            kv_item_lens=list(a.kv_item_lens), aux_data_ptrs=list(a.aux_data_ptrs),
+            aux_data_lens=list(a.aux_data_lens), aux_item_lens=list(a.aux_item_lens),
+            state_data_ptrs=list(a.state_data_ptrs), state_data_lens=list(a.state_data_lens),
+            state_item_lens=list(a.state_item_lens), state_type=a.state_type,
+            state_dim_per_tensor=list(a.state_dim_per_tensor), kv_head_num=a.kv_head_num,
+            gpu_id=a.gpu_id, device=a.device,
+        )
+
+    def regions(self) -> list[tuple[int, int]]:
+        ptrs = self.kv_data_ptrs + self.aux_data_ptrs + self.state_data_ptrs
+        lens = self.kv_data_lens + self.aux_data_lens + self.state_data_lens
+        return list(zip(ptrs, lens))
+
+
+class Register(Message, tag="register"):
+    session_id: str  # one per decode KVManager; names the connection on the prefill side
+    decode_rank: int
+    decode_tp_size: int
+    reply_endpoint: str  # tcp://ip:port of the decode rank's PULL socket
+    buffers: BufferDesc
+    compat: dict[str, Any]  # KVArgs.compat_info() of the decode rank
+    backend: str
+    backend_info: dict[str, Any] = {}  # opaque to everyone but the backend (e.g. shm segments)
+
+
+class RegisterAck(Message, tag="register_ack"):
+    session_id: str
+    prefill_rank: int
+    ok: bool = True
+    error: str = ""
+
+
+class TransferRequest(Message, tag="transfer_request"):
+    session_id: str
+    room: int
+    generation: int  # fences writes: a newer generation of the same room replaces the older
+    dst_pages: list[int]  # decode page i receives the request's (decode_prefix_pages + i)-th page
+    aux_slot: int  # -1: no metadata row (dummy destination)
+    state_indices: list[int] = []
+    required_dst_info_num: int = 1  # decode ranks that will ask this prefill rank for the room
+    decode_prefix_pages: int = 0  # leading pages decode already holds; prefill skips them
+
+
+class TransferStatus(Message, tag="transfer_status"):
+    room: int
+    generation: int
+    state: int  # KVPoll value: Success or Failed
+    prefill_rank: int
+    reason: str = ""
+
+
+class Abort(Message, tag="abort"):
+    session_id: str
+    room: int
+    generation: int
+    reason: str = ""
+
+
+class AbortAck(Message, tag="abort_ack"):
+    """Sent after the prefill rank stopped writing for (room, generation)."""
+
+    room: int
+    generation: int
+    prefill_rank: int
+
+
+class Heartbeat(Message, tag="heartbeat"):
+    session_id: str
+    seq: int
+    reply_endpoint: str = ""  # where the ack goes (set by decode)
+    ack: bool = False
+    prefill_rank: int = -1  # set on acks
+
+
+AnyMessage = Union[Register, RegisterAck, TransferRequest, TransferStatus, Abort, AbortAck, Heartbeat]
+MESSAGE_TYPES = {cls.__struct_config__.tag: cls for cls in AnyMessage.__args__}
+
+
+class _Header(msgspec.Struct):
+    v: Any = None
+    type: Any = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+_header_decoder = msgspec.msgpack.Decoder(_Header)
+
+
+class MessageCodec:
+    """Encodes/decodes control messages; the place where authentication will sign/verify."""
+
+    def __init__(self, secret: Optional[bytes] = None):
+        self.secret = secret  # reserved for the HMAC change; unused today
+
+    def encode(self, msg: Message) -> bytes:
+        return _encoder.encode(msg)
+
+    def decode(self, data: bytes) -> AnyMessage:
+        try:
+            header = _header_decoder.decode(data)
+        except msgspec.DecodeError as e:
+            raise ProtocolError(f"malformed control message: {e}") from None
+        if header.v != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"unsupported control protocol version {header.v!r} (this side speaks {PROTOCOL_VERSION})")
+        if header.type not in MESSAGE_TYPES:
+            raise ProtocolError(f"unknown control message type {header.type!r}")
+        try:
+            return _decoder.decode(data)
+        except msgspec.ValidationError as e:
+            raise ProtocolError(f"invalid {header.type} message: {e}") from None
+
+
+_default_codec = MessageCodec()
+
+
+def encode_message(msg: Message) -> bytes:
+    return _default_codec.encode(msg)
+
+
+def decode_message(data: bytes) -> AnyMessage:
+    return _default_codec.decode(data)
