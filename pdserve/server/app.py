@@ -1,0 +1,195 @@
+"""The HTTP front end: FastAPI routes over one ``TokenizerManager``.
+
+Readiness: ``/health`` answers 200 only after the scheduler reported ready and the warm-up
+generation passed (or was skipped), and while the scheduler process is alive. When the
+scheduler dies every running request fails with 503 and ``on_fatal`` stops the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any, Callable
+
+import msgspec
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+import pdserve
+from pdserve.server import generate_api, http_util, openai_api
+from pdserve.server.errors import APIError, bad_request
+from pdserve.server.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+WARMUP_TIMEOUT_S = 600.0
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+CONTROL_TIMEOUT_S = 10.0
+
+
+class AbortRequest(msgspec.Struct):
+    rid: str = ""
+    abort_all: bool = False
+
+
+def create_app(tm: TokenizerManager, *, warmup: bool = True,
+               on_fatal: Callable[[str], None] = lambda reason: None) -> FastAPI:
+    args = tm.server_args
+    client = tm.client
+    state: dict[str, Any] = {"ready": False}
+
+    async def one_token(timeout: float) -> None:
+        req = tm.submit(generate_api.health_request(tm))
+        await asyncio.wait_for(tm.wait(req), timeout)
+        http_util.raise_if_failed([req])
+
+    async def warm_up() -> None:
+        try:
+            if warmup:
+                t0 = time.monotonic()
+                await one_token(WARMUP_TIMEOUT_S)
+                logger.info("warm-up generation passed in %.2fs", time.monotonic() - t0)
+            state["ready"] = True
+            logger.info("server ready on http://%s:%d", args.host, args.port)
+        except Exception as e:
+            logger.error("warm-up failed: %r", e)
+            on_fatal(f"warm-up failed: {e!r}")
+
+    def scheduler_exited() -> None:
+        asyncio.get_running_loop().remove_reader(client.proc.sentinel)
+        client.proc.join(1)
+        reason = f"scheduler process exited (code {client.proc.exitcode})"
+        logger.error(reason)
+        state["ready"] = False
+        tm.fail_all(reason, 503)
+        client.fail_controls(reason)
+        on_fatal(reason)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop = asyncio.get_running_loop()
+        client.start_receiving()
+        loop.add_reader(client.proc.sentinel, scheduler_exited)
+        task = loop.create_task(warm_up())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(Exception):
+                loop.remove_reader(client.proc.sentinel)
+
+    app = FastAPI(title="pdserve", version=pdserve.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return APIError(500, f"internal error: {exc!r}").response()
+
+    async def control(op: str, **kw) -> Any:
+        try:
+            return await client.control(op, kw or None, timeout=CONTROL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise APIError(503, f"scheduler did not answer {op!r} within {CONTROL_TIMEOUT_S:.0f}s") from None
+
+    # ---- generation ----------------------------------------------------------------------
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await generate_api.handle(request, tm)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await openai_api.completions(request, tm)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await openai_api.chat_completions(request, tm)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await http_util.read_body(request, args.max_body_bytes, AbortRequest)
+        if not body.rid and not body.abort_all:
+            raise bad_request("give 'rid' or 'abort_all': true")
+        return http_util.json_response({"aborted": tm.abort("" if body.abort_all else body.rid)})
+
+    # ---- health and info -----------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        if not state["ready"] or not client.is_alive():
+            raise APIError(503, "server is starting" if client.is_alive() else "scheduler is not running")
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        try:
+            await one_token(HEALTH_GENERATE_TIMEOUT_S)
+        except (asyncio.TimeoutError, APIError) as e:
+            raise APIError(503, f"health generation failed: {e!r}") from None
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = {"id": args.served_model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+                "root": args.model_path, "max_model_len": tm.context_length}
+        return http_util.json_response({"object": "list", "data": [card]})
+
+    def server_info() -> Response:
+        info = args.to_dict()
+        if info.get("disaggregation_secret"):
+            info["disaggregation_secret"] = "***"
+        info.update(status="ready" if state["ready"] else "starting", version=pdserve.__version__,
+                    scheduler_info=client.info, max_total_num_tokens=client.info.get("max_total_tokens"),
+                    model_context_length=tm.context_length)
+        return http_util.json_response(info)
+
+    def model_info() -> Response:
+        keys = ("context_length", "vocab_size", "model_fingerprint", "eos_token_ids", "page_size")
+        return http_util.json_response({
+            "model_path": args.model_path, "tokenizer_path": args.tokenizer_path, "is_generation": True,
+            "served_model_name": args.served_model_name, **{k: client.info.get(k) for k in keys}})
+
+    for path in ("/server_info", "/get_server_info"):
+        app.add_api_route(path, server_info, methods=["GET"])
+    for path in ("/model_info", "/get_model_info"):
+        app.add_api_route(path, model_info, methods=["GET"])
+
+    # ---- scheduler control ---------------------------------------------------------------
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        load = await control("get_load")
+        keys = ("num_reqs", "num_waiting_reqs", "num_tokens")
+        return http_util.json_response([{"dp_rank": 0, **{k: int(load.get(k, 0)) for k in keys}}])
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        if not await control("flush_cache"):
+            raise bad_request("cache not flushed: requests are running or waiting")
+        return http_util.json_response({"success": True})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        with contextlib.suppress(APIError, RuntimeError):
+            tm.metrics.set_scheduler_stats(await control("stats"))
+        return Response(tm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/debug/integrity")
+    async def integrity() -> Response:
+        """The scheduler's pool accounting (tests use it to assert that nothing leaked)."""
+        try:
+            result = await control("integrity")
+        except RuntimeError as e:
+            return http_util.json_response({"ok": False, "error": str(e)}, status=500)
+        return http_util.json_response({"ok": True, "integrity": result, "front_end_requests": len(tm.states)})
+
+    return app

@@ -1,0 +1,174 @@
+"""SGLang's native ``POST /generate``: request parsing and the offline-API-shaped output.
+
+Output of one generation: ``{"text", "output_ids", "meta_info": {"id", "finish_reason",
+"prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency", [logprobs]}}``; a list for
+a batch or ``n > 1`` (item i, sample j at ``i * n + j``). A stream sends the cumulative text and
+output_ids in every ``data:`` event (as SGLang does), ``"index"`` added for lists, then
+``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Optional
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pdserve.engine.request import MAX_TOP_LOGPROBS
+from pdserve.server import http_util
+from pdserve.server.errors import bad_request
+from pdserve.server.tokenizer_manager import FAKE_BOOTSTRAP_HOST, ReqSpec, ReqState, TokenizerManager
+
+
+class GenerateRequest(msgspec.Struct):
+    """The body; unknown fields (the router adds many) are ignored."""
+
+    text: Any = None
+    input_ids: Any = None
+    sampling_params: Any = None
+    rid: Any = None
+    stream: bool = False
+    return_logprob: Any = False
+    logprob_start_len: Any = -1
+    top_logprobs_num: Any = 0
+    return_text_in_logprobs: bool = False
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _prompts(req: GenerateRequest) -> tuple[list[Any], bool]:
+    """The prompts (strings or token lists) and whether the request is a batch."""
+    if (req.text is None) == (req.input_ids is None):
+        raise bad_request("exactly one of 'text' or 'input_ids' is required")
+    if req.text is not None:
+        if isinstance(req.text, str):
+            return [req.text], False
+        if isinstance(req.text, list) and req.text and all(isinstance(t, str) for t in req.text):
+            return list(req.text), True
+        raise bad_request("text: must be a string or a non-empty list of strings")
+    ids = req.input_ids
+    if isinstance(ids, list) and all(_is_int(t) for t in ids):
+        return [ids], False
+    if isinstance(ids, list) and ids and all(isinstance(x, list) and all(_is_int(t) for t in x) for x in ids):
+        return list(ids), True
+    raise bad_request("input_ids: must be a list of token ids or a non-empty list of such lists")
+
+
+def _per_item(name: str, value: Any, size: int, batch: bool, ok, what: str) -> list[Any]:
+    """One value per prompt: a scalar applies to all, a list (batches only) gives each its own."""
+    if batch and isinstance(value, list):
+        if len(value) != size:
+            raise bad_request(f"{name}: the list has {len(value)} entries for a batch of {size}")
+        values = value
+    else:
+        values = [value] * size
+    for v in values:
+        if not ok(v):
+            raise bad_request(f"{name}: must be {what}, got {v!r}")
+    return values
+
+
+def parse(tm: TokenizerManager, req: GenerateRequest, stream: bool) -> tuple[list[ReqSpec], bool]:
+    prompts, batch = _prompts(req)
+    size = len(prompts)
+    sampling = _per_item("sampling_params", req.sampling_params, size, batch,
+                         lambda v: v is None or isinstance(v, dict), "an object")
+    rids = _per_item("rid", req.rid, size, batch, lambda v: v is None or isinstance(v, str), "a string")
+    if batch and isinstance(req.rid, str):
+        raise bad_request("rid: a batch needs a list of request ids, one per prompt")
+    want_lp = _per_item("return_logprob", req.return_logprob, size, batch,
+                        lambda v: isinstance(v, bool), "a boolean")
+    starts = _per_item("logprob_start_len", req.logprob_start_len, size, batch,
+                       lambda v: _is_int(v) and v >= -1, "an integer >= -1")
+    tops = _per_item("top_logprobs_num", req.top_logprobs_num, size, batch,
+                     lambda v: _is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS,
+                     f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+    hosts = _per_item("bootstrap_host", req.bootstrap_host, size, batch,
+                      lambda v: v is None or isinstance(v, str), "a string")
+    ports = _per_item("bootstrap_port", req.bootstrap_port, size, batch,
+                      lambda v: v is None or _is_int(v), "an integer")
+    rooms = _per_item("bootstrap_room", req.bootstrap_room, size, batch,
+                      lambda v: v is None or _is_int(v), "an integer")
+    specs = []
+    for i, prompt in enumerate(prompts):
+        sp = sampling[i] or {}
+        specs.append(tm.make_spec(
+            prompt, sp, default_max_new_tokens=128, return_logprob=want_lp[i], top_logprobs_num=tops[i],
+            logprob_start_len=starts[i], stream=stream, rid=rids[i], no_stop_trim=bool(sp.get("no_stop_trim")),
+            bootstrap_host=hosts[i], bootstrap_port=ports[i], bootstrap_room=rooms[i],
+        ))
+    return specs, batch or specs[0].sampling.n > 1
+
+
+def _entries(tm: TokenizerManager, pairs, with_text: bool) -> list[list[Any]]:
+    return [[lp, tid, tm.token_text(tid) if with_text else None] for lp, tid in pairs]
+
+
+def output_dict(tm: TokenizerManager, state: ReqState, with_text: bool) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": state.rid,
+        "finish_reason": state.finish_reason,
+        "prompt_tokens": state.prompt_tokens,
+        "completion_tokens": len(state.output_ids),
+        "cached_tokens": state.cached_tokens,
+        "e2e_latency": round(state.e2e_latency, 6),
+    }
+    spec = state.spec
+    if spec.return_logprob:
+        meta["input_token_logprobs"] = _entries(tm, state.input_token_logprobs, with_text)
+        meta["output_token_logprobs"] = _entries(tm, state.output_token_logprobs, with_text)
+        if spec.top_logprobs_num > 0:
+            meta["input_top_logprobs"] = [
+                None if top is None else _entries(tm, top, with_text) for top in state.input_top_logprobs]
+            meta["output_top_logprobs"] = [_entries(tm, top, with_text) for top in state.output_top_logprobs]
+    return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
+
+
+async def handle(request: Request, tm: TokenizerManager) -> Response:
+    args = tm.server_args
+    req = await http_util.read_body(request, args.max_body_bytes, GenerateRequest)
+    # A prefill server answers with one JSON object even for stream=true: the router reads it
+    # whole (and merges its input logprobs) before passing decode's stream on.
+    stream = req.stream and args.disaggregation_mode != "prefill"
+    specs, many = parse(tm, req, stream)
+    states = tm.submit_all(specs)
+    if stream:
+        return http_util.sse_response(tm, states, _events(tm, states, many, req.return_text_in_logprobs))
+    await http_util.unless_disconnected(request, http_util.wait_all(tm, states))
+    outs = [output_dict(tm, s, req.return_text_in_logprobs) for s in states]
+    return http_util.json_response(outs if many else outs[0])
+
+
+async def _events(tm: TokenizerManager, states: list[ReqState], many: bool, with_text: bool) -> AsyncIterator[bytes]:
+    sent: dict[int, tuple[int, bool]] = {}
+    async for i, state in http_util.stream_all(tm, states):
+        err = http_util.error_of(state)
+        if err is not None:
+            yield err.sse()
+            return
+        progress = (len(state.output_ids), state.finished)
+        if sent.get(i) == progress:
+            continue  # a second notification for output already sent
+        sent[i] = progress
+        out = output_dict(tm, state, with_text)
+        if many:
+            out["index"] = i
+        yield http_util.sse_event(out)
+    yield http_util.SSE_DONE
+
+
+def health_request(tm: TokenizerManager, rid: Optional[str] = None) -> ReqSpec:
+    """A one-token generation for warm-up and /health_generate (no real peer in PD modes)."""
+    fake_peer = tm.server_args.disaggregation_mode != "null"
+    return tm.make_spec(
+        "Hello", {"max_new_tokens": 1, "temperature": 0.0}, default_max_new_tokens=1, rid=rid,
+        bootstrap_host=FAKE_BOOTSTRAP_HOST if fake_peer else None, bootstrap_port=0 if fake_peer else None,
+        bootstrap_room=0 if fake_peer else None,
+    )
+

@@ -1,0 +1,104 @@
+"""``pdserve serve``: start the scheduler process, then the HTTP front end in this process.
+
+Start-up: bind the scheduler's output socket, spawn the scheduler, load the tokenizer while it
+loads the model, wait for its ready message (which carries the model facts), start HTTP, run
+one warm-up generation (unless ``--skip-warmup``); ``/health`` turns 200 after that.
+
+Shutdown: SIGINT/SIGTERM stop uvicorn gracefully, then the scheduler is terminated (killed if it
+does not exit). If the front end dies without cleaning up, the scheduler notices that its
+parent is gone and exits (see scheduler_client._watch_parent). Exit code 0 after a signal, 1 when
+the scheduler failed or died, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from typing import Optional
+
+from pdserve.config import ServerArgs
+from pdserve.log import role_tag, setup_logging
+from pdserve.server.scheduler_client import SchedulerClient
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER_READY_TIMEOUT_S = 3600.0
+
+
+class _Shutdown(Exception):
+    """Raised in the main thread by SIGTERM so that cleanup runs."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise _Shutdown()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve serve", description="Run a pdserve server.")
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        server_args = ServerArgs.from_cli_args(ns)
+    except ValueError as e:
+        print(f"pdserve serve: {e}", file=sys.stderr)
+        return 2
+    setup_logging(role_tag(server_args.role), server_args.log_level)
+    if server_args.torch_num_threads and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(server_args.torch_num_threads)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    client = SchedulerClient(server_args)
+    try:
+        client.start_process()
+        tokenizer = _load_tokenizer(server_args.tokenizer_path)
+        info = client.wait_ready(SCHEDULER_READY_TIMEOUT_S)
+        logger.info("scheduler ready: %s", info)
+        return _serve_http(server_args, tokenizer, client)
+    except (_Shutdown, KeyboardInterrupt):
+        logger.info("shutting down")
+        return 0
+    except RuntimeError as e:
+        logger.error("%s", e)
+        return 1
+    finally:
+        client.stop()
+        logger.info("scheduler stopped")
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _serve_http(server_args: ServerArgs, tokenizer, client: SchedulerClient) -> int:
+    import uvicorn
+
+    from pdserve.server.app import create_app
+    from pdserve.server.metrics import ServerMetrics
+    from pdserve.server.tokenizer_manager import TokenizerManager
+
+    tm = TokenizerManager(server_args, tokenizer, client, ServerMetrics(server_args.served_model_name))
+    exit_code = 0
+    server: Optional[uvicorn.Server] = None
+
+    def on_fatal(reason: str) -> None:
+        nonlocal exit_code
+        logger.error("stopping the server: %s", reason)
+        exit_code = 1
+        server.should_exit = True
+
+    app = create_app(tm, warmup=not server_args.skip_warmup, on_fatal=on_fatal)
+    config = uvicorn.Config(
+        app, host=server_args.host, port=server_args.port, log_config=None, log_level=server_args.log_level,
+        access_log=server_args.enable_access_log, timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+    asyncio.run(server.serve())
+    return exit_code

@@ -1,0 +1,77 @@
+"""Prometheus metrics of one server (names follow SGLang's, with the ``pdserve:`` prefix).
+
+Latencies and token counters are measured in the front end as outputs arrive; scheduler state
+(running/waiting requests, KV pages) is read from the scheduler's ``stats`` at scrape time.
+Each server owns its registry, so several apps can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        r = self.registry
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, labelnames=list(labels), buckets=buckets, registry=r).labels(**labels)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labelnames=list(labels), registry=r).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labelnames=list(labels), registry=r).labels(**labels)
+
+        self.ttft = hist("pdserve:time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
+        self.itl = hist("pdserve:inter_token_latency_seconds", "Time between output tokens", _ITL_BUCKETS)
+        self.e2e = hist("pdserve:e2e_request_latency_seconds", "End-to-end request latency", _LATENCY_BUCKETS)
+        self.prompt_tokens = counter("pdserve:prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("pdserve:generation_tokens", "Generated tokens")
+        self.cached_tokens = counter("pdserve:cached_tokens", "Prompt tokens served from the prefix cache")
+        self.requests = Counter(
+            "pdserve:requests", "Finished requests by finish reason",
+            labelnames=["model_name", "finish_reason"], registry=r,
+        )
+        self._model_name = model_name
+        self.running = gauge("pdserve:num_running_reqs", "Requests in the running batch")
+        self.waiting = gauge("pdserve:num_waiting_reqs", "Requests waiting to be scheduled")
+        self.kv_pages_used = gauge("pdserve:kv_pages_used", "KV cache pages in use (requests + prefix cache)")
+        self.kv_pages_free = gauge("pdserve:kv_pages_free", "Free KV cache pages")
+        self.cache_hit_rate = gauge("pdserve:cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens")
+        self._prompt_total = 0
+        self._cached_total = 0
+
+    def on_tokens(self, n: int, since_last: float, first: bool) -> None:
+        """``n`` new output tokens arrived, ``since_last`` seconds after the previous output
+        (after arrival for the first one)."""
+        if first:
+            self.ttft.observe(since_last)
+        elif n:
+            self.itl.observe(since_last / n)
+        self.generation_tokens.inc(n)
+
+    def on_finish(self, finish_type: str, prompt_tokens: int, cached_tokens: int, e2e: float) -> None:
+        self.e2e.observe(e2e)
+        self.requests.labels(model_name=self._model_name, finish_reason=finish_type).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
+        self._prompt_total += prompt_tokens
+        self._cached_total += cached_tokens
+        self.cache_hit_rate.set(self._cached_total / self._prompt_total if self._prompt_total else 0.0)
+
+    def set_scheduler_stats(self, stats: dict[str, Any]) -> None:
+        for gauge, key in ((self.running, "running"), (self.waiting, "waiting"),
+                           (self.kv_pages_used, "kv_pages_used"), (self.kv_pages_free, "kv_pages_free")):
+            if isinstance(stats.get(key), (int, float)):
+                gauge.set(stats[key])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,175 @@
+"""OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions``.
+
+Choice ``i`` of a request with P prompts and ``n`` samples is sample ``i % n`` of prompt
+``i // n``. Usage counts each prompt once. A prefill server answers with one JSON object even
+for ``stream: true`` (see generate_api.handle).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable, Optional
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pdserve.server import http_util
+from pdserve.server.errors import APIError
+from pdserve.server.openai_protocol import (
+    ChatRequest,
+    CompletionRequest,
+    finish_reason,
+    matched_stop,
+    usage,
+)
+from pdserve.server.tokenizer_manager import ReqState, TokenizerManager
+
+
+def check_model(tm: TokenizerManager, name: Optional[str]) -> None:
+    served = tm.server_args.served_model_name
+    if name and name != served:
+        raise APIError(404, f"model {name!r} does not exist; this server serves {served!r}")
+
+
+def _usage(states: list[ReqState], n: int) -> dict[str, int]:
+    prompt = sum(s.prompt_tokens for s in states[::n])
+    return usage(prompt, sum(len(s.output_ids) for s in states))
+
+
+def _tops(tops: list, j: int) -> list:
+    return tops[j] if j < len(tops) and tops[j] is not None else []
+
+
+# ---- completions ---------------------------------------------------------------------------
+def _completion_logprobs(tm: TokenizerManager, pairs, tops, offset: int) -> dict[str, list]:
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for j, (lp, tid) in enumerate(pairs):
+        text = tm.token_text(tid)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(lp)
+        top = tops[j] if j < len(tops) else []
+        out["top_logprobs"].append(None if top is None else {tm.token_text(t): v for v, t in top})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+async def completions(request: Request, tm: TokenizerManager) -> Response:
+    args = tm.server_args
+    req = await http_util.read_body(request, args.max_body_bytes, CompletionRequest)
+    check_model(tm, req.model)
+    prompts = req.prompts()
+    top = req.top_logprobs()
+    echo_logprobs = req.echo and top is not None
+    stream = req.stream and args.disaggregation_mode != "prefill"
+    specs = [tm.make_spec(p, req.sampling_params(req.max_tokens), default_max_new_tokens=16,
+                          return_logprob=top is not None, top_logprobs_num=top or 0,
+                          logprob_start_len=0 if echo_logprobs else -1, stream=stream, **req.bootstrap())
+             for p in prompts]
+    states = tm.submit_all(specs)
+    n = req.n
+    echo = [p if isinstance(p, str) else tm.tokenizer.decode(p) for p in prompts] if req.echo else None
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": args.served_model_name}
+
+    def logprobs(s: ReqState, start: int, delta: str, echo_text: str) -> Optional[dict]:
+        if top is None:
+            return None
+        pairs, tops = s.output_token_logprobs[start:], s.output_top_logprobs[start:]
+        if echo_logprobs and start == 0:
+            pairs, tops, offset = s.input_token_logprobs + pairs, s.input_top_logprobs + tops, 0
+        else:
+            offset = len(echo_text) + len(s.text) - len(delta)
+        return _completion_logprobs(tm, pairs, tops, offset)
+
+    def choice(i: int, s: ReqState, delta: str, token_start: int, first: bool) -> dict[str, Any]:
+        fr = s.finish_reason
+        echo_text = echo[i // n] if echo else ""
+        return {"index": i, "text": (echo_text if first else "") + delta,
+                "logprobs": logprobs(s, token_start, delta, echo_text),
+                "finish_reason": finish_reason(fr), "matched_stop": matched_stop(fr)}
+
+    if stream:
+        return http_util.sse_response(tm, states, _events(tm, states, head, choice, req.include_usage, n))
+    await http_util.unless_disconnected(request, http_util.wait_all(tm, states))
+    return http_util.json_response({
+        **head, "choices": [choice(i, s, s.text, 0, True) for i, s in enumerate(states)], "usage": _usage(states, n)})
+
+
+# ---- chat ----------------------------------------------------------------------------------
+def _chat_logprobs(tm: TokenizerManager, pairs, tops) -> dict[str, list]:
+    def entry(lp: float, tid: int) -> dict[str, Any]:
+        text = tm.token_text(tid)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(lp, tid), "top_logprobs": [entry(v, t) for v, t in _tops(tops, j)]}
+                        for j, (lp, tid) in enumerate(pairs)]}
+
+
+async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
+    args = tm.server_args
+    req = await http_util.read_body(request, args.max_body_bytes, ChatRequest)
+    check_model(tm, req.model)
+    messages = req.chat_messages()
+    top = req.top_logprobs_num()
+    input_ids = tm.chat_input_ids(messages, req.continue_final_message)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    stream = req.stream and args.disaggregation_mode != "prefill"
+    spec = tm.make_spec(input_ids, req.sampling_params(max_tokens), default_max_new_tokens=None,
+                        return_logprob=top is not None, top_logprobs_num=top or 0, stream=stream, **req.bootstrap())
+    states = tm.submit_all([spec])
+    n = req.n
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": args.served_model_name}
+
+    def logprobs(s: ReqState, start: int) -> Optional[dict]:
+        if top is None:
+            return None
+        return _chat_logprobs(tm, s.output_token_logprobs[start:], s.output_top_logprobs[start:])
+
+    def chunk_choice(i: int, s: ReqState, text: str, token_start: int, first: bool) -> dict[str, Any]:
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        fr = s.finish_reason
+        return {"index": i, "delta": delta, "logprobs": logprobs(s, token_start),
+                "finish_reason": finish_reason(fr), "matched_stop": matched_stop(fr)}
+
+    if stream:
+        return http_util.sse_response(tm, states, 
+            _events(tm, states, {**head, "object": "chat.completion.chunk"}, chunk_choice, req.include_usage, n))
+    await http_util.unless_disconnected(request, http_util.wait_all(tm, states))
+    choices = [{"index": i, "message": {"role": "assistant", "content": s.text}, "logprobs": logprobs(s, 0),
+                "finish_reason": finish_reason(s.finish_reason), "matched_stop": matched_stop(s.finish_reason)}
+               for i, s in enumerate(states)]
+    return http_util.json_response({**head, "object": "chat.completion", "choices": choices,
+                                    "usage": _usage(states, n)})
+
+
+# ---- streaming -----------------------------------------------------------------------------
+async def _events(
+    tm: TokenizerManager, states: list[ReqState], head: dict[str, Any],
+    choice: Callable[[int, ReqState, str, int, bool], dict[str, Any]], include_usage: bool, n: int,
+) -> AsyncIterator[bytes]:
+    """A chunk per choice update that brings text, logprobs or the finish (the first one always);
+    ``choice(i, state, new_text, first_new_token, is_first_chunk)`` shapes it. Then usage (if
+    asked) and [DONE]."""
+    sent_chars = [0] * len(states)
+    sent_tokens = [0] * len(states)
+    started = [False] * len(states)
+    finished = [False] * len(states)
+    async for i, s in http_util.stream_all(tm, states):
+        err = http_util.error_of(s)
+        if err is not None:
+            yield err.sse()
+            return
+        if finished[i]:
+            continue
+        delta = s.text[sent_chars[i]:]
+        new_logprobs = s.spec.return_logprob and len(s.output_ids) > sent_tokens[i]
+        if started[i] and not (delta or new_logprobs or s.finished):
+            continue
+        yield http_util.sse_event({**head, "choices": [choice(i, s, delta, sent_tokens[i], not started[i])]})
+        sent_chars[i], sent_tokens[i] = len(s.text), len(s.output_ids)
+        started[i], finished[i] = True, s.finished
+    if include_usage:
+        yield http_util.sse_event({**head, "choices": [], "usage": _usage(states, n)})
+    yield http_util.SSE_DONE

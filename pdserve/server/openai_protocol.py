@@ -1,0 +1,150 @@
+"""OpenAI request bodies (typed; unknown fields ignored) and their mapping to our parameters."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import msgspec
+
+from pdserve.engine.request import MAX_TOP_LOGPROBS
+from pdserve.server.errors import bad_request
+
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct):
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: Optional[list[int]] = None
+    n: int = 1
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    # disaggregation fields added by the router
+    bootstrap_host: Optional[str] = None
+    bootstrap_port: Optional[int] = None
+    bootstrap_room: Optional[int] = None
+
+    def sampling_params(self, max_new_tokens: Optional[int]) -> dict[str, Any]:
+        d = {
+            "max_new_tokens": max_new_tokens, "min_new_tokens": self.min_tokens,
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty, "seed": self.seed, "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens, "n": self.n,
+        }
+        return {k: v for k, v in d.items() if v is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def bootstrap(self) -> dict[str, Any]:
+        return {"bootstrap_host": self.bootstrap_host, "bootstrap_port": self.bootstrap_port,
+                "bootstrap_room": self.bootstrap_room}
+
+
+class CompletionRequest(_Sampling):
+    prompt: Any = None
+    logprobs: Optional[int] = None
+    echo: bool = False
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """string | list of strings | token list | list of token lists -> list of prompts."""
+        p = self.prompt
+        if p is None:
+            raise bad_request("prompt: is required")
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p, list) and p:
+            if all(isinstance(x, str) for x in p):
+                return list(p)
+            if all(_is_int(x) for x in p):
+                return [p]
+            if all(isinstance(x, list) and all(_is_int(t) for t in x) for x in p):
+                return list(p)
+        if isinstance(p, list) and not p:
+            raise bad_request("prompt: is empty")
+        raise bad_request("prompt: must be a string, a list of strings, a list of token ids or a list of such lists")
+
+    def top_logprobs(self) -> Optional[int]:
+        if self.logprobs is None:
+            return None
+        if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        return self.logprobs
+
+
+class ChatRequest(_Sampling):
+    messages: Any = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    continue_final_message: bool = False
+
+    def top_logprobs_num(self) -> Optional[int]:
+        """None when logprobs are off; else how many alternatives per token."""
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise bad_request(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+            if not self.logprobs:
+                raise bad_request("top_logprobs: requires logprobs to be true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """Validated messages with list-of-parts contents flattened to text."""
+        msgs = self.messages
+        if msgs is None:
+            raise bad_request("messages: is required")
+        if not isinstance(msgs, list) or not msgs:
+            raise bad_request("messages: must be a non-empty list")
+        out = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise bad_request(f"messages[{i}]: must be an object with a string 'role'")
+            content = m.get("content")
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise bad_request(f"messages[{i}].content: only text parts are supported")
+                    texts.append(part["text"])
+                content = "".join(texts)
+            elif content is not None and not isinstance(content, str):
+                raise bad_request(f"messages[{i}].content: must be a string, a list of text parts or null")
+            out.append({**m, "content": content})
+        return out
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def finish_reason(fr: Optional[dict[str, Any]]) -> Optional[str]:
+    return None if fr is None else FINISH_REASONS.get(fr.get("type"), fr.get("type"))
+
+
+def matched_stop(fr: Optional[dict[str, Any]]) -> Any:
+    return None if fr is None else fr.get("matched")
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,193 @@
+"""The front end's side of the scheduler link: the scheduler process and its two ZMQ sockets.
+
+Contract with the scheduler process (``entry(server_args, in_addr, out_addr, ready_conn)``):
+- the front end binds a PULL socket on ``out_addr`` and then starts the process; the scheduler
+  binds a PULL on ``in_addr`` (``GenerateReq`` / ``AbortReq`` / ``ControlReq``) and connects a
+  PUSH to ``out_addr`` (``BatchOut`` / ``ControlResp``), msgpack as in ``messages.py``;
+- it sends exactly one dict on ``ready_conn``: ``{"status": "ready", "info": {...}}`` or
+  ``{"status": "error", "message": ...}``;
+- every ``GenerateReq`` ends with a ``TokenOut`` carrying a finish reason, also after an abort;
+- every ``ControlReq`` gets one ``ControlResp`` with the same ``req_id``.
+
+- it exits by itself when its parent (the front end) disappears (the entry polls the parent
+  pid), so a SIGKILLed front end leaves no orphan; on a normal exit the front end terminates it
+  (``stop``: SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import tempfile
+import time
+from typing import Any, Callable, Optional
+
+import zmq
+import zmq.asyncio
+
+from pdserve.server.messages import (
+    AbortReq,
+    BatchOut,
+    ControlReq,
+    ControlResp,
+    GenerateReq,
+    TokenOut,
+    decode_from_scheduler,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ENTRY = "pdserve.engine.scheduler_process:run_scheduler_process"
+
+
+def _load_entry(spec: str) -> Callable:
+    module, _, func = spec.partition(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def _scheduler_main(entry: str, server_args, in_addr: str, out_addr: str, ready_conn) -> None:
+    try:
+        fn = _load_entry(entry)
+    except Exception as e:  # an import error must still reach the front end as a message
+        ready_conn.send({"status": "error", "message": f"cannot load scheduler entry {entry!r}: {e!r}"})
+        raise
+    fn(server_args, in_addr, out_addr, ready_conn)
+
+
+def _log_send_error(fut: "asyncio.Future") -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        logger.error("send to the scheduler failed: %r", fut.exception())
+
+
+class SchedulerClient:
+    """Starts the scheduler process and routes its outputs to per-request callbacks."""
+
+    def __init__(self, server_args, entry: str = DEFAULT_ENTRY):
+        self.server_args = server_args
+        self.entry = entry
+        self._ipc_dir = tempfile.mkdtemp(prefix="pdserve-")
+        self.in_addr = f"ipc://{self._ipc_dir}/in"
+        self.out_addr = f"ipc://{self._ipc_dir}/out"
+        self.proc: Optional[mp.process.BaseProcess] = None
+        self.info: dict[str, Any] = {}
+        self._ctx: Optional[zmq.asyncio.Context] = None
+        self._pull = self._push = None
+        self._control_ids = itertools.count(1)
+        self._control_waiters: dict[int, asyncio.Future] = {}
+        self.on_output: Callable[[TokenOut], None] = lambda out: None
+        self._recv_task: Optional[asyncio.Task] = None
+
+    # ---- process -----------------------------------------------------------------------
+    def start_process(self) -> None:
+        """Bind the output socket, then start the scheduler (it connects to it)."""
+        self._ctx = zmq.asyncio.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(self.out_addr)
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.connect(self.in_addr)
+        ctx = mp.get_context("spawn")
+        reader, writer = ctx.Pipe(duplex=False)
+        self._ready_reader = reader
+        self.proc = ctx.Process(
+            target=_scheduler_main,
+            args=(self.entry, self.server_args, self.in_addr, self.out_addr, writer),
+            name="pdserve-scheduler",
+        )
+        self.proc.start()
+        writer.close()
+        logger.info("scheduler process started (pid %d)", self.proc.pid)
+
+    def wait_ready(self, timeout: float) -> dict[str, Any]:
+        """Block until the scheduler reports ready; raises RuntimeError on error, death or timeout."""
+        deadline = time.monotonic() + timeout
+        while not self._ready_reader.poll(0.2):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"scheduler process exited with code {self.proc.exitcode} before ready")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"scheduler not ready after {timeout:.0f}s")
+        try:
+            msg = self._ready_reader.recv()
+        except EOFError:
+            raise RuntimeError("scheduler process closed its ready pipe without a message") from None
+        if msg.get("status") != "ready":
+            raise RuntimeError(f"scheduler failed to start: {msg.get('message', msg)}")
+        self.info = dict(msg.get("info") or {})
+        return self.info
+
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(timeout)
+            if self.proc.is_alive():
+                logger.warning("scheduler did not exit after SIGTERM; killing it")
+                self.proc.kill()
+                self.proc.join(5)
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        for name in ("in", "out"):
+            try:
+                os.unlink(os.path.join(self._ipc_dir, name))
+            except FileNotFoundError:
+                pass
+        try:
+            os.rmdir(self._ipc_dir)
+        except OSError:
+            pass
+
+    # ---- messages ----------------------------------------------------------------------
+    def start_receiving(self) -> None:
+        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+
+    async def _recv_loop(self) -> None:
+        while True:
+            data = await self._pull.recv()
+            try:
+                msg = decode_from_scheduler(data)
+            except Exception:
+                logger.exception("undecodable message from the scheduler (%d bytes)", len(data))
+                continue
+            if isinstance(msg, BatchOut):
+                for out in msg.outs:
+                    self.on_output(out)
+            elif isinstance(msg, ControlResp):
+                fut = self._control_waiters.pop(msg.req_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+
+    def send(self, msg: GenerateReq | AbortReq | ControlReq) -> None:
+        """Queue ``msg`` for the scheduler without waiting (order is kept; a PUSH never blocks here)."""
+        fut = self._push.send(encode(msg))
+        fut.add_done_callback(_log_send_error)
+
+    async def control(self, op: str, args: Optional[dict] = None, timeout: float = 30.0) -> Any:
+        """One synchronous control call; raises TimeoutError or RuntimeError (scheduler error)."""
+        req_id = next(self._control_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._control_waiters[req_id] = fut
+        try:
+            self.send(ControlReq(req_id=req_id, op=op, args=args or {}))
+            resp: ControlResp = await asyncio.wait_for(fut, timeout)
+        finally:
+            self._control_waiters.pop(req_id, None)
+        if not resp.ok:
+            raise RuntimeError(resp.error or f"control op {op!r} failed")
+        return resp.result
+
+    def fail_controls(self, reason: str) -> None:
+        for fut in self._control_waiters.values():
+            if not fut.done():
+                fut.set_exception(RuntimeError(reason))
+        self._control_waiters.clear()

@@ -1,0 +1,264 @@
+"""Request state of the front end: tokenize and validate, send to the scheduler, gather outputs.
+
+One ``ReqState`` per generation (a request with ``n`` samples or a batch has several). Outputs
+arrive from the scheduler's receive loop into ``ReqState.pending``; the HTTP handler that owns
+the state drains them in ``updates()``, which detokenizes and keeps the cumulative result. A
+handler that stops iterating before the finish (client gone, task cancelled) aborts the
+request in the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional
+
+from pdserve.engine.request import SamplingParams
+from pdserve.server.detokenizer import IncrementalDetokenizer
+from pdserve.server.errors import APIError, bad_request
+from pdserve.server.messages import AbortReq, GenerateReq, TokenOut
+from pdserve.server.metrics import ServerMetrics
+from pdserve.server.scheduler_client import SchedulerClient
+
+logger = logging.getLogger(__name__)
+
+MAX_N = 64
+# Warm-up and /health_generate in a disaggregated server: the scheduler's transfer layer treats
+# this bootstrap host as "no peer" and completes the transfer without moving anything (SGLang's
+# FAKE_BOOTSTRAP_HOST convention).
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+
+
+@dataclass
+class ReqSpec:
+    """One generation, validated, as it goes to the scheduler."""
+
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    stream: bool = False
+    rid: Optional[str] = None
+    group_rid: Optional[str] = None  # the user's rid of a request with n > 1 samples
+    no_stop_trim: bool = False
+    bootstrap_host: Optional[str] = None
+    bootstrap_port: Optional[int] = None
+    bootstrap_room: Optional[int] = None
+
+
+class ReqState:
+    def __init__(self, spec: ReqSpec, detok: IncrementalDetokenizer):
+        self.spec = spec
+        self.rid: str = spec.rid
+        self.detok = detok
+        self.output_ids: list[int] = []
+        self.output_token_logprobs: list[tuple[float, int]] = []
+        self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        self.input_token_logprobs: list[tuple[Optional[float], int]] = []
+        self.input_top_logprobs: list[Optional[list[tuple[float, int]]]] = []
+        self.finish_reason: Optional[dict[str, Any]] = None
+        self.prompt_tokens = len(spec.input_ids)
+        self.cached_tokens = 0
+        self.pending: list[TokenOut] = []
+        self.event = asyncio.Event()
+        self.created = time.monotonic()
+        self.last_output: Optional[float] = None
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def e2e_latency(self) -> float:
+        return (self.last_output or time.monotonic()) - self.created
+
+
+class TokenizerManager:
+    def __init__(self, server_args, tokenizer, client: SchedulerClient, metrics: ServerMetrics):
+        self.server_args = server_args
+        self.tokenizer = tokenizer
+        self.client = client
+        self.metrics = metrics
+        info = client.info
+        self.context_length: int = int(info.get("context_length") or server_args.context_length or 1 << 30)
+        self.vocab_size: int = int(info.get("vocab_size") or len(tokenizer))
+        self.states: dict[str, ReqState] = {}
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
+        client.on_output = self._on_output
+
+    # ---- input -------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text)["input_ids"]
+
+    def chat_input_ids(self, messages: list[dict], continue_final_message: bool = False) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request("messages: this model has no chat template; use /v1/completions")
+        try:
+            prompt = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=not continue_final_message,
+                continue_final_message=continue_final_message,
+            )
+        except Exception as e:  # template errors (e.g. roles must alternate) are the caller's
+            raise bad_request(f"messages: cannot apply the chat template: {e}") from None
+        return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def make_spec(self, prompt: str | list[int], sampling: dict[str, Any], *,
+                  default_max_new_tokens: Optional[int], **fields: Any) -> ReqSpec:
+        """Tokenize ``prompt`` and validate everything; raises ``APIError`` (400) naming the problem.
+
+        ``default_max_new_tokens`` applies when ``sampling`` has no ``max_new_tokens``; None
+        means "the rest of the context". (The scheduler caps any value at the rest of the
+        context, as the offline engine does.)
+        """
+        input_ids = self.tokenize(prompt) if isinstance(prompt, str) else prompt
+        if not input_ids:
+            raise bad_request("prompt is empty")
+        bad = next((t for t in input_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"input_ids: token id {bad} is out of range [0, {self.vocab_size})")
+        room = self.context_length - len(input_ids)
+        if room <= 0:
+            raise bad_request(
+                f"prompt is too long: {len(input_ids)} tokens, the context length is {self.context_length}")
+        sampling = dict(sampling)
+        if sampling.get("max_new_tokens") is None:
+            default = room if default_max_new_tokens is None else default_max_new_tokens
+            sampling["max_new_tokens"] = min(default, room)
+        try:
+            params = SamplingParams.from_dict(sampling)
+        except (ValueError, TypeError) as e:
+            raise bad_request(f"sampling_params: {e}") from None
+        if params.n > MAX_N:
+            raise bad_request(f"n: must be <= {MAX_N}, got {params.n}")
+        return ReqSpec(input_ids=list(input_ids), sampling=params, **fields)
+
+    # ---- requests ----------------------------------------------------------------------
+    def submit(self, spec: ReqSpec) -> ReqState:
+        """Register and send one generation (``spec.sampling.n`` must be 1 here)."""
+        spec.rid = spec.rid or uuid.uuid4().hex
+        if spec.rid in self.states:
+            raise bad_request(f"rid: {spec.rid!r} is already in use by a running request")
+        p = spec.sampling
+        state = ReqState(spec, IncrementalDetokenizer(
+            self.tokenizer, skip_special_tokens=p.skip_special_tokens, stop=p.stop, trim_stop=not spec.no_stop_trim))
+        self.states[spec.rid] = state
+        self.client.send(GenerateReq(
+            rid=spec.rid, input_ids=spec.input_ids, sampling_params=p.to_dict(),
+            return_logprob=spec.return_logprob, top_logprobs_num=spec.top_logprobs_num,
+            logprob_start_len=spec.logprob_start_len, stream=spec.stream,
+            bootstrap_host=spec.bootstrap_host, bootstrap_port=spec.bootstrap_port,
+            bootstrap_room=spec.bootstrap_room,
+        ))
+        logger.debug("rid=%s submitted: prompt_tokens=%d max_new_tokens=%d", spec.rid, len(spec.input_ids),
+                     p.max_new_tokens)
+        return state
+
+    def submit_all(self, specs: list[ReqSpec]) -> list[ReqState]:
+        """Submit each spec ``n`` times (sample i gets seed + i); all or nothing."""
+        states: list[ReqState] = []
+        try:
+            for spec in specs:
+                n = spec.sampling.n
+                for i in range(n):
+                    one = spec if n == 1 else _sample_spec(spec, i)
+                    states.append(self.submit(one))
+        except APIError:
+            self.release(states, "batch rejected")
+            raise
+        return states
+
+    def _on_output(self, out: TokenOut) -> None:
+        state = self.states.get(out.rid)
+        if state is None:
+            return  # already given up by its handler
+        state.pending.append(out)
+        state.event.set()
+
+    async def updates(self, state: ReqState) -> AsyncIterator[ReqState]:
+        """Yield ``state`` after each batch of outputs, the last time finished."""
+        try:
+            while not state.finished:
+                await state.event.wait()
+                state.event.clear()
+                outs, state.pending = state.pending, []
+                for out in outs:
+                    self._apply(state, out)
+                yield state
+        finally:
+            self.release([state])
+
+    async def wait(self, state: ReqState) -> ReqState:
+        async for _ in self.updates(state):
+            pass
+        return state
+
+    def _apply(self, state: ReqState, out: TokenOut) -> None:
+        if state.finished:
+            return
+        now = time.monotonic()
+        if out.new_ids:
+            first = state.last_output is None
+            self.metrics.on_tokens(len(out.new_ids), now - (state.created if first else state.last_output), first)
+            state.output_ids.extend(out.new_ids)
+            state.detok.push(out.new_ids)
+        state.last_output = now
+        state.prompt_tokens = out.prompt_tokens or state.prompt_tokens
+        state.cached_tokens = max(state.cached_tokens, out.cached_tokens)
+        if state.spec.return_logprob:
+            state.output_token_logprobs.extend(out.output_token_logprobs)
+            state.output_top_logprobs.extend(out.output_top_logprobs)
+            if out.input_token_logprobs is not None:
+                state.input_token_logprobs = list(out.input_token_logprobs)
+                state.input_top_logprobs = list(out.input_top_logprobs or [])
+        if out.finish_reason is not None:
+            state.finish_reason = dict(out.finish_reason)
+            state.detok.finish(state.finish_reason.get("matched"))
+            self.metrics.on_finish(state.finish_reason.get("type", "unknown"), state.prompt_tokens,
+                                   state.cached_tokens, state.e2e_latency)
+            logger.debug("rid=%s finished: %s prompt_tokens=%d completion_tokens=%d e2e=%.3fs", state.rid,
+                         state.finish_reason, state.prompt_tokens, len(state.output_ids), state.e2e_latency)
+
+    # ---- aborts ------------------------------------------------------------------------
+    def release(self, states: list[ReqState], message: str = "client disconnected") -> None:
+        """Forget ``states``; those not finished are aborted in the scheduler. Idempotent."""
+        for state in states:
+            if self.states.get(state.rid) is not state:
+                continue
+            del self.states[state.rid]
+            if not state.finished:
+                logger.debug("rid=%s aborted: %s", state.rid, message)
+                self.client.send(AbortReq(rid=state.rid, message=message))
+
+    def abort(self, rid: str) -> int:
+        """Abort ``rid`` (and its samples ``rid-i``); "" aborts everything. Returns how many.
+
+        The handlers of the aborted requests receive the scheduler's abort finish."""
+        targets = [r for r, s in self.states.items() if not rid or rid in (r, s.spec.group_rid)]
+        for r in targets:
+            self.client.send(AbortReq(rid=r, message="aborted by /abort_request"))
+        return len(targets)
+
+    def fail_all(self, message: str, status_code: int = 503) -> None:
+        """Finish every request with an error (the scheduler is gone)."""
+        for state in list(self.states.values()):
+            self._on_output(TokenOut(rid=state.rid, new_ids=[], finish_reason={
+                "type": "abort", "message": message, "status_code": status_code}))
+
+
+def _sample_spec(spec: ReqSpec, i: int) -> ReqSpec:
+    p = dataclasses.replace(spec.sampling, n=1, seed=None if spec.sampling.seed is None else spec.sampling.seed + i)
+    rid = f"{spec.rid}-{i}" if spec.rid else None
+    return dataclasses.replace(spec, sampling=p, rid=rid, group_rid=spec.rid)
