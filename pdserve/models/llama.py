@@ -208,7 +208,10 @@ class LlamaForCausalLM(nn.Module):
                 target = f"{parent}.{module}"
                 if f"{target}.{leaf}" not in params:
                     raise ValueError(f"unexpected weight {name!r} in checkpoint")
-                self.get_submodule(target).load_shard(shard, leaf, tensor)
+                try:
+                    self.get_submodule(target).load_shard(shard, leaf, tensor)
+                except ValueError as e:
+                    raise ValueError(f"weight {name!r}: {e}") from None
             else:
                 param = params.get(name)
                 if param is None:
