@@ -19,6 +19,22 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_FRACTION = 0.1
 
 
+def cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" in f.read()
+    except OSError:
+        return False
+
+
+def compute_dtype(args: ServerArgs) -> str:
+    """``auto`` keeps the checkpoint's dtype, except on CPUs without AMX: there PyTorch's bf16/fp16
+    matmuls run at about half the speed of fp32 ones, so the weights are upcast to fp32."""
+    if args.dtype == "auto" and args.device == "cpu" and not cpu_has_amx():
+        return "float32"
+    return args.dtype
+
+
 def _available_host_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -37,7 +53,7 @@ class ModelRunner:
         self.args = args
         self.device = torch.device(args.device)
         self.model, self.hf_config = load_model(
-            args.model_path, dtype=args.dtype, device=args.device, load_format=args.load_format,
+            args.model_path, dtype=compute_dtype(args), device=args.device, load_format=args.load_format,
             seed=args.random_seed,
         )
         self.dtype = next(self.model.parameters()).dtype
