@@ -1,0 +1,203 @@
+"""Decode side of disaggregation: prealloc queue -> transfer queue -> running batch.
+
+- prealloc queue: a ``KVReceiver`` per request looks up the prefill instance and registers with
+  it; once the connection is ready, pages for the whole prompt and a metadata slot are
+  preallocated within a budget that keeps ``num_reserved_decode_tokens`` per running request,
+  and their indices go to prefill (``send_metadata``);
+- transfer queue: on Success the metadata row is checked (its room must be the request's), the
+  first token and its logprobs are committed, and the request joins the running batch without a
+  prefill forward;
+- on Failed (or abort) the request ends at once with the reason; its preallocated pages are freed
+  only when no prefill rank can still write into them (``writes_drained``).
+
+Requests that arrive without bootstrap fields are served like on a colocated server.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from pdserve.disagg.metadata import MetadataBuffers, SlotAllocator
+from pdserve.disagg.poll import KVPoll, poll_and_all_reduce
+from pdserve.engine.request import FinishKind, FinishReason, Req
+from pdserve.engine.stop import check_finish
+
+logger = logging.getLogger(__name__)
+
+TRANSFER_FAILED_STATUS = 503
+
+
+@dataclass
+class _DecodeState:
+    receiver: Any
+    slot: Optional[int] = None
+
+
+class DecodeQueues:
+    def __init__(self, scheduler, mgr, metadata: MetadataBuffers, receiver_cls, fake: bool = False, group=None):
+        self.s = scheduler
+        self.mgr = mgr
+        self.meta = metadata
+        self.slots = SlotAllocator(metadata.num_slots)
+        self.receiver_cls = receiver_cls
+        self.fake = fake  # fake backend: nothing arrives, decode computes the prompt itself
+        self.group = group
+        self.prealloc: list[Req] = []
+        self.transfer: list[Req] = []
+        # (receiver, pages, slot) of ended rooms whose writers may still be active
+        self.draining: list[tuple[Any, list[int], Optional[int]]] = []
+
+    # ---- scheduler interface ----------------------------------------------------------------
+    def accepts(self, req: Req) -> bool:
+        return req.bootstrap_host is not None and req.bootstrap_room is not None
+
+    def add(self, req: Req) -> None:
+        addr = f"{req.bootstrap_host}:{req.bootstrap_port or self.s.args.disaggregation_bootstrap_port}"
+        receiver = self.receiver_cls(self.mgr, addr, req.bootstrap_room)
+        receiver.init()
+        req.disagg = _DecodeState(receiver)
+        self.prealloc.append(req)
+
+    def all_reqs(self) -> list[Req]:
+        return self.prealloc + self.transfer
+
+    def extra_pages(self) -> int:
+        return sum(len(pages) for _, pages, _ in self.draining)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.prealloc or self.transfer or self.draining)
+
+    def integrity(self) -> dict:
+        return {"metadata_slots_total": self.slots.num_slots, "metadata_slots_free": self.slots.num_free(),
+                "prealloc_queue": len(self.prealloc), "transfer_queue": len(self.transfer),
+                "draining_rooms": len(self.draining)}
+
+    def discard(self, req: Req) -> None:
+        """The request ended before joining the running batch: park its pages until drained."""
+        st: Optional[_DecodeState] = req.disagg
+        if st is None:
+            return
+        in_flight = req in self.prealloc or req in self.transfer
+        if req in self.prealloc:
+            self.prealloc.remove(req)
+        if req in self.transfer:
+            self.transfer.remove(req)
+        if in_flight:
+            if st.receiver.poll() != KVPoll.Failed:
+                st.receiver.abort(req.finish_reason.message if req.finish_reason else "aborted by decode")
+            self.draining.append((st.receiver, req.pages, st.slot))
+            req.pages = []
+        elif st.slot is not None:
+            self.slots.free(st.slot)
+        req.disagg = None
+
+    # ---- queues ---------------------------------------------------------------------------------
+    def process_queues(self) -> None:
+        self._process_draining()
+        self._process_prealloc()
+        self._process_transfer()
+
+    def _fail(self, req: Req, reason: str) -> None:
+        logger.warning("request %s (room %s) failed: %s", req.rid, req.bootstrap_room, reason)
+        self.s.finish(req, FinishReason(FinishKind.ABORT, message=reason, status_code=TRANSFER_FAILED_STATUS))
+
+    def _process_draining(self) -> None:
+        keep = []
+        for receiver, pages, slot in self.draining:
+            if receiver.writes_drained():
+                receiver.clear()
+                if pages:
+                    self.s.pool.allocator.free(pages)
+                if slot is not None:
+                    self.meta.clear_row(slot)
+                    self.slots.free(slot)
+            else:
+                keep.append((receiver, pages, slot))
+        self.draining = keep
+
+    def _reserve_pages(self) -> int:
+        tokens = len(self.s.running) * self.s.args.num_reserved_decode_tokens
+        return (tokens + self.s.page_size - 1) // self.s.page_size
+
+    def _process_prealloc(self) -> None:
+        if not self.prealloc:
+            return
+        states = poll_and_all_reduce([r.disagg.receiver for r in self.prealloc], self.group)
+        for req, state in zip(list(self.prealloc), states):
+            st: _DecodeState = req.disagg
+            if state == KVPoll.Failed:
+                self._fail(req, st.receiver.failure_reason() or "KV transfer failed while bootstrapping")
+                continue
+            if state < KVPoll.WaitingForInput:
+                continue
+            need = (req.prompt_len + self.s.page_size - 1) // self.s.page_size
+            avail = self.s.pool.allocator.num_free() + self.s.tree.evictable_pages()
+            if avail < need + self._reserve_pages():
+                break  # keep headroom for running decodes; retry next step
+            slot = self.slots.alloc()
+            if slot is None:
+                break
+            pages = self.s.alloc_pages(need)
+            if pages is None:
+                self.slots.free(slot)
+                break
+            st.slot = slot
+            req.pages = pages
+            self.meta.clear_row(slot)
+            st.receiver.send_metadata(pages, slot)
+            self.prealloc.remove(req)
+            self.transfer.append(req)
+
+    def _process_transfer(self) -> None:
+        if not self.transfer:
+            return
+        states = poll_and_all_reduce([r.disagg.receiver for r in self.transfer], self.group)
+        for req, state in zip(list(self.transfer), states):
+            if state == KVPoll.Success:
+                self._commit(req)
+            elif state == KVPoll.Failed:
+                self._fail(req, req.disagg.receiver.failure_reason() or "KV transfer failed")
+
+    def _commit(self, req: Req) -> None:
+        st: _DecodeState = req.disagg
+        row = self.meta.get_row(st.slot)
+        if row.room != req.bootstrap_room:
+            if self.fake:
+                self._compute_locally(req)
+                return
+            self._fail(req, f"metadata row {st.slot} belongs to room {row.room}, expected room "
+                            f"{req.bootstrap_room}; the KV cannot be trusted")
+            return
+        self.transfer.remove(req)
+        self.meta.clear_row(st.slot)
+        self.slots.free(st.slot)
+        st.receiver.clear()
+        req.disagg = None
+        req.kv_len = req.prompt_len
+        req.cached_tokens = row.cached_tokens[0]
+        req.input_logprobs_done = True
+        req.output_ids.append(row.first_token)
+        if req.return_logprob:
+            req.output_token_logprobs.append((row.logprob if row.logprob is not None else 0.0, row.first_token))
+            if req.top_logprobs_num:
+                req.output_top_logprobs.append(list(row.top_logprobs[: req.top_logprobs_num]))
+        self.s.stats["prompt_tokens"] += req.prompt_len
+        self.s.stats["generation_tokens"] += 1
+        self.s.running.append(req)
+        self.s.updated.add(req)
+        reason = check_finish(req, self.s.eos_ids, self.s.tokenizer, self.s.context_length)
+        if reason is not None:
+            self.s.finish(req, reason)
+
+    def _compute_locally(self, req: Req) -> None:
+        """Fake backend: no KV arrived, so run the prompt here like a colocated server."""
+        st: _DecodeState = req.disagg
+        self.transfer.remove(req)
+        self.s.pool.allocator.free(req.pages)
+        req.pages = []
+        self.slots.free(st.slot)
+        req.disagg = None
+        self.s.waiting.append(req)

@@ -1,0 +1,155 @@
+"""Prefill side of disaggregation: bootstrap queue -> waiting queue -> prefill -> inflight queue.
+
+- bootstrap queue: a ``KVSender`` per request waits for decode's ``TransferRequest`` (the
+  destination pages); then a metadata slot is taken and the request joins the scheduler's
+  waiting queue with ``max_new_tokens`` forced to 1;
+- after every chunk the newly completed full pages go out at once (``on_chunk_done``);
+- after the first token is sampled its metadata row is filled, the remaining pages and the row go
+  out as the last chunk, and the request waits in the inflight queue (holding its KV);
+- Success: the KV is released (the prefix stays in the radix cache) and the HTTP request is
+  answered with the one token; Failed: the request ends with an error naming the cause.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from pdserve.disagg.metadata import MetadataBuffers, SlotAllocator
+from pdserve.disagg.poll import KVPoll, poll_and_all_reduce
+from pdserve.engine.request import FinishKind, FinishReason, Req
+
+logger = logging.getLogger(__name__)
+
+# Requests sent with this bootstrap host (warm-up) use the fake sender: nothing is transferred.
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+TRANSFER_FAILED_STATUS = 503
+
+
+@dataclass
+class _PrefillState:
+    sender: Any
+    slot: Optional[int] = None
+    sent_pages: int = 0
+
+
+class PrefillQueues:
+    def __init__(self, scheduler, mgr, metadata: MetadataBuffers, sender_cls, fake_sender_cls, group=None):
+        self.s = scheduler
+        self.mgr = mgr
+        self.meta = metadata
+        self.slots = SlotAllocator(metadata.num_slots)
+        self.sender_cls = sender_cls
+        self.fake_sender_cls = fake_sender_cls
+        self.group = group
+        self.bootstrap: list[Req] = []
+        self.inflight: list[Req] = []
+        scheduler.on_chunk_done = self.on_chunk_done
+        scheduler.on_prefill_done = self.on_prefill_done
+
+    # ---- scheduler interface ----------------------------------------------------------------
+    def accepts(self, req: Req) -> bool:
+        return True
+
+    def add(self, req: Req) -> None:
+        req.sampling.max_new_tokens = 1
+        if req.bootstrap_host is None or req.bootstrap_host == FAKE_BOOTSTRAP_HOST or req.bootstrap_room is None:
+            sender = self.fake_sender_cls(None, "", req.bootstrap_room or 0)
+        else:
+            addr = f"{req.bootstrap_host}:{req.bootstrap_port or self.s.args.disaggregation_bootstrap_port}"
+            sender = self.sender_cls(self.mgr, addr, req.bootstrap_room)
+        req.disagg = _PrefillState(sender)
+        self.bootstrap.append(req)
+
+    def all_reqs(self) -> list[Req]:
+        return self.bootstrap + self.inflight
+
+    def extra_pages(self) -> int:
+        return 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.bootstrap or self.inflight)
+
+    def integrity(self) -> dict:
+        return {"metadata_slots_total": self.slots.num_slots, "metadata_slots_free": self.slots.num_free(),
+                "bootstrap_queue": len(self.bootstrap), "inflight_queue": len(self.inflight)}
+
+    def discard(self, req: Req) -> None:
+        """The request ended (finished, failed or aborted): leave the queues, free the slot."""
+        st: Optional[_PrefillState] = req.disagg
+        if st is None:
+            return
+        if req in self.bootstrap:
+            self.bootstrap.remove(req)
+        if req in self.inflight:
+            self.inflight.remove(req)
+        if req.finish_reason is not None and req.finish_reason.kind == FinishKind.ABORT:
+            st.sender.abort(req.finish_reason.message or "aborted")
+        st.sender.clear()
+        if st.slot is not None:
+            self.slots.free(st.slot)
+            st.slot = None
+        req.disagg = None
+
+    # ---- queues ---------------------------------------------------------------------------------
+    def process_queues(self) -> None:
+        self._process_bootstrap()
+        self._process_inflight()
+
+    def _fail(self, req: Req, reason: str) -> None:
+        logger.warning("request %s (room %s) failed: %s", req.rid, req.bootstrap_room, reason)
+        self.s.finish(req, FinishReason(FinishKind.ABORT, message=reason, status_code=TRANSFER_FAILED_STATUS))
+
+    def _process_bootstrap(self) -> None:
+        if not self.bootstrap:
+            return
+        states = poll_and_all_reduce([r.disagg.sender for r in self.bootstrap], self.group)
+        for req, state in zip(list(self.bootstrap), states):
+            st: _PrefillState = req.disagg
+            if state == KVPoll.Failed:
+                self._fail(req, st.sender.failure_reason() or "KV transfer failed while bootstrapping")
+            elif state >= KVPoll.WaitingForInput:
+                slot = self.slots.alloc()
+                if slot is None:
+                    break  # every metadata slot is in flight; try again next step
+                st.slot = slot
+                num_pages = (req.prompt_len + self.s.page_size - 1) // self.s.page_size
+                st.sender.init(num_pages, slot)
+                self.bootstrap.remove(req)
+                self.s.waiting.append(req)
+
+    def _process_inflight(self) -> None:
+        if not self.inflight:
+            return
+        states = poll_and_all_reduce([r.disagg.sender for r in self.inflight], self.group)
+        for req, state in zip(list(self.inflight), states):
+            if state == KVPoll.Success:
+                self.s.finish(req, FinishReason(FinishKind.LENGTH, matched=len(req.output_ids)))
+            elif state == KVPoll.Failed:
+                self._fail(req, req.disagg.sender.failure_reason() or "KV transfer failed")
+
+    # ---- hooks called by the scheduler -------------------------------------------------------
+    def on_chunk_done(self, req: Req) -> None:
+        """After a forward: send the full pages completed by a non-last chunk."""
+        st: Optional[_PrefillState] = req.disagg
+        if st is None or req.kv_len >= req.prompt_len:
+            return
+        full = req.kv_len // self.s.page_size
+        if full > st.sent_pages:
+            st.sender.send(req.pages[st.sent_pages:full], last_chunk=False)
+            st.sent_pages = full
+
+    def on_prefill_done(self, req: Req) -> None:
+        """The first token is sampled: fill the metadata row and send the last chunk."""
+        st: _PrefillState = req.disagg
+        tok = req.output_ids[0]
+        logprob = req.output_token_logprobs[0][0] if req.output_token_logprobs else None
+        top = req.output_top_logprobs[0] if req.output_top_logprobs else None
+        self.meta.set_row(st.slot, req.bootstrap_room or 0, tok, logprob=logprob, top_logprobs=top,
+                          cached_tokens=(req.cached_tokens, req.cached_tokens, 0, 0))
+        st.sender.send(req.pages[st.sent_pages:], last_chunk=True)
+        st.sent_pages = len(req.pages)
+        self.s.running.remove(req)
+        self.inflight.append(req)

@@ -1,0 +1,51 @@
+"""Wire a scheduler for prefill or decode mode: KV pool placement, metadata buffers, KV manager,
+bootstrap server (prefill), and the queues that plug into the scheduler loop."""
+
+from __future__ import annotations
+
+import logging
+
+from pdserve.config import ServerArgs
+from pdserve.disagg.manager import buffer_allocator, get_kv_class
+from pdserve.disagg.metadata import MetadataBuffers
+
+logger = logging.getLogger(__name__)
+
+
+def num_metadata_slots(args: ServerArgs) -> int:
+    # one row per request that can be in flight at once, with headroom for draining rooms
+    return max(64, 2 * args.max_running_requests)
+
+
+def attach_disaggregation(args: ServerArgs, tokenizer=None):
+    """Build a ``Scheduler`` for ``args.disaggregation_mode`` in {prefill, decode}."""
+    from pdserve.engine.scheduler import Scheduler
+
+    mode, backend = args.disaggregation_mode, args.disaggregation_transfer_backend
+    allocator = buffer_allocator(backend, mode)
+    if mode == "decode" and not args.disable_radix_cache:
+        # decode never prefills a bootstrapped request, so a prefix tree would only hold pages
+        args.disable_radix_cache = True
+    scheduler = Scheduler(args, tokenizer, kv_allocator=allocator)
+    metadata = MetadataBuffers(num_metadata_slots(args), allocator=allocator, device=scheduler.runner.device)
+    kv_args = get_kv_class(backend, "kv_args").from_buffers(
+        scheduler.pool, metadata, engine_rank=0, model_fingerprint=scheduler.runner.fingerprint,
+    )
+    if mode == "prefill":
+        from pdserve.disagg.fake import FakeKVSender
+        from pdserve.disagg.prefill import PrefillQueues
+
+        bootstrap = None
+        if backend != "fake":
+            bootstrap = get_kv_class(backend, "bootstrap_server")(args.host, args.disaggregation_bootstrap_port, 1)
+        mgr = get_kv_class(backend, "manager")(kv_args, "prefill", args, backend)
+        scheduler.pd = PrefillQueues(scheduler, mgr, metadata, get_kv_class(backend, "sender"), FakeKVSender)
+        scheduler.pd.bootstrap_server = bootstrap
+    else:
+        from pdserve.disagg.decode import DecodeQueues
+
+        mgr = get_kv_class(backend, "manager")(kv_args, "decode", args, backend)
+        scheduler.pd = DecodeQueues(scheduler, mgr, metadata, get_kv_class(backend, "receiver"),
+                                    fake=backend == "fake")
+    logger.info("%s mode with the %s transfer backend", mode, backend)
+    return scheduler
