@@ -19,10 +19,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pdserve.disagg.fake import FakeKVReceiver
 from pdserve.disagg.metadata import MetadataBuffers, SlotAllocator
 from pdserve.disagg.poll import KVPoll, poll_and_all_reduce
 from pdserve.engine.request import FinishKind, FinishReason, Req
 from pdserve.engine.stop import check_finish
+from pdserve.disagg.prefill import FAKE_BOOTSTRAP_HOST
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +56,11 @@ class DecodeQueues:
         return req.bootstrap_host is not None and req.bootstrap_room is not None
 
     def add(self, req: Req) -> None:
-        addr = f"{req.bootstrap_host}:{req.bootstrap_port or self.s.args.disaggregation_bootstrap_port}"
-        receiver = self.receiver_cls(self.mgr, addr, req.bootstrap_room)
+        if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
+            receiver = FakeKVReceiver(None, "", req.bootstrap_room)  # warm-up: no peer is contacted
+        else:
+            addr = f"{req.bootstrap_host}:{req.bootstrap_port or self.s.args.disaggregation_bootstrap_port}"
+            receiver = self.receiver_cls(self.mgr, addr, req.bootstrap_room)
         receiver.init()
         req.disagg = _DecodeState(receiver)
         self.prealloc.append(req)
@@ -165,7 +170,7 @@ class DecodeQueues:
         st: _DecodeState = req.disagg
         row = self.meta.get_row(st.slot)
         if row.room != req.bootstrap_room:
-            if self.fake:
+            if self.fake or isinstance(st.receiver, FakeKVReceiver):
                 self._compute_locally(req)
                 return
             self._fail(req, f"metadata row {st.slot} belongs to room {row.room}, expected room "
