@@ -1,0 +1,87 @@
+"""No-protocol sender/receiver for warmup and scheduler tests (SGLang's "fake" semantics):
+nothing is looked up, registered or moved.
+
+- ``FakeKVSender``: WaitingForInput until ``send()``, then Success.
+- ``FakeKVReceiver``: Bootstrapping until ``init()``, WaitingForInput until ``send_metadata()``,
+  then Success (decode then reads whatever its metadata row holds).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from pdserve.disagg.poll import KVPoll
+
+
+class FakeKVManager:
+    def __init__(self, kv_args=None, mode: str = "prefill", server_args: Any = None, backend_name: str = "fake",
+                 bootstrap_host: Optional[str] = None):
+        self.kv_args = kv_args
+        self.mode = mode
+        self.backend_name = backend_name
+
+    def close(self) -> None:
+        pass
+
+
+class FakeKVSender:
+    def __init__(self, mgr=None, bootstrap_addr: str = "", room: int = 0, **_: Any):
+        self.room = room
+        self._sent = False
+        self._failed = ""
+
+    def poll(self) -> KVPoll:
+        if self._failed:
+            return KVPoll.Failed
+        return KVPoll.Success if self._sent else KVPoll.WaitingForInput
+
+    def decode_prefix_pages(self) -> int:
+        return 0
+
+    def init(self, num_pages: int, aux_slot: int) -> None:
+        pass
+
+    def send(self, src_pages: Sequence[int], last_chunk: bool = False,
+             state_indices: Optional[Sequence[int]] = None) -> None:
+        self._sent = True
+
+    def failure_reason(self) -> str:
+        return self._failed
+
+    def abort(self, reason: str = "aborted by prefill") -> None:
+        self._failed = reason
+
+    def clear(self) -> None:
+        pass
+
+
+class FakeKVReceiver:
+    def __init__(self, mgr=None, bootstrap_addr: str = "", room: int = 0, prefill_dp_rank: Optional[int] = None,
+                 **_: Any):
+        self.room = room
+        self._state = KVPoll.Bootstrapping
+        self._failed = ""
+
+    def init(self, prefill_dp_rank: Optional[int] = None) -> None:
+        if self._state == KVPoll.Bootstrapping:
+            self._state = KVPoll.WaitingForInput
+
+    def poll(self) -> KVPoll:
+        return KVPoll.Failed if self._failed else self._state
+
+    def send_metadata(self, dst_pages: Sequence[int], aux_slot: int, state_indices: Optional[Sequence[int]] = None,
+                      decode_prefix_pages: int = 0) -> None:
+        if self._state == KVPoll.WaitingForInput:
+            self._state = KVPoll.Success
+
+    def failure_reason(self) -> str:
+        return self._failed
+
+    def abort(self, reason: str = "aborted by decode") -> None:
+        self._failed = reason
+
+    def writes_drained(self) -> bool:
+        return True
+
+    def clear(self) -> None:
+        pass

@@ -1,0 +1,352 @@
+"""Decode side: finds prefill ranks through their bootstrap server, registers this rank's
+buffers with them (once per connection), asks for rooms, and tracks completion.
+
+Room lifecycle on a decode rank: ``KVReceiver`` created (Bootstrapping; the connection to the
+prefill instance is looked up / registered on a helper thread) -> connection ready
+(WaitingForInput) -> ``send_metadata`` (Transferring) -> Success from every required prefill
+rank (Success) | error status, incompatible prefill, timeout, unreachable prefill (Failed).
+
+Liveness: every ready connection is heartbeated; after ``heartbeat_misses`` unanswered beats the
+prefill instance is declared dead and all its unfinished rooms fail at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from pdserve.disagg.bootstrap import BootstrapNotReady, fetch_prefill_info, fetch_rank_info, parse_addr
+from pdserve.disagg.kv_args import COMPAT_FIELDS, compat_mismatches
+from pdserve.disagg.messages import (Abort, AbortAck, BufferDesc, Heartbeat, Register, RegisterAck,
+                                     TransferRequest, TransferStatus)
+from pdserve.disagg.poll import KVPoll
+
+logger = logging.getLogger(__name__)
+
+REGISTER_TIMEOUT_S = 10.0
+
+
+@dataclass
+class _Target:
+    endpoint: str
+    rank: int  # the prefill rank's unique id (tp_rank * pp_size + pp_rank)
+
+
+@dataclass
+class _Conn:
+    """Connection to one prefill instance (one bootstrap address)."""
+
+    addr: str
+    session_id: str
+    state: str = "connecting"  # connecting | ready | failed
+    error: str = ""
+    info: dict = field(default_factory=dict)
+    targets: list[_Target] = field(default_factory=list)
+    rooms: set[int] = field(default_factory=set)
+    acks: dict[int, RegisterAck] = field(default_factory=dict)
+    acked: threading.Condition = field(default_factory=threading.Condition)
+    hb_seq: int = 0
+    hb_seen: dict[int, int] = field(default_factory=dict)  # rank -> last acked seq
+    hb_misses: dict[int, int] = field(default_factory=dict)
+    next_hb: float = 0.0
+
+
+@dataclass
+class _RoomRecv:
+    room: int
+    generation: int
+    conn: _Conn
+    sent_at: Optional[float] = None
+    succeeded: set[int] = field(default_factory=set)  # prefill ranks that reported Success
+    stopped: set[int] = field(default_factory=set)  # ranks that will not write again
+    abort_at: Optional[float] = None
+    peer_dead: bool = False
+
+
+class DecodeRole:
+    def __init__(self, mgr):
+        self.mgr = mgr
+        self.conns: dict[str, _Conn] = {}
+        self.rooms: dict[int, _RoomRecv] = {}
+        self._sessions = itertools.count()
+        self._generations = itertools.count(1)
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"pd-connect-{mgr.name}")
+
+    # ---- connections ----------------------------------------------------------------------
+    def get_conn(self, addr: str) -> _Conn:
+        """The connection to ``addr``, starting the look-up + registration if there is none."""
+        with self.mgr.lock:
+            c = self.conns.get(addr)
+            if c is None:
+                c = self.conns[addr] = _Conn(addr, f"{self.mgr.session_prefix}-{next(self._sessions)}")
+                self._pool.submit(self._connect, c)
+            return c
+
+    def _connect(self, c: _Conn) -> None:
+        try:
+            self._do_connect(c)
+        except Exception as e:  # any failure fails the connection's rooms, never hangs them
+            self._fail_conn(c, f"cannot connect to prefill {c.addr}: {e}")
+
+    def _do_connect(self, c: _Conn) -> None:
+        m, a = self.mgr, self.mgr.kv_args
+        host, port = parse_addr(c.addr)
+        deadline = time.monotonic() + m.waiting_timeout
+        delay = 0.05
+        while True:
+            try:
+                info = fetch_prefill_info(host, port, timeout=2.0)
+                break
+            except BootstrapNotReady as e:
+                if time.monotonic() + delay > deadline or m._closed.is_set():
+                    return self._fail_conn(c, f"prefill bootstrap server {c.addr} not ready after "
+                                              f"{m.waiting_timeout:.1f}s: {e}")
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        errs = compat_mismatches({k: info.get(k) for k in COMPAT_FIELDS}, a.compat_info())
+        if info.get("tp_size") != a.tp_size:
+            errs.append(f"tp_size mismatch: prefill {info.get('tp_size')}, decode {a.tp_size} "
+                        "(different TP sizes are not supported yet)")
+        if errs:
+            return self._fail_conn(c, f"prefill {c.addr} is incompatible: " + "; ".join(errs))
+        c.info = info
+        pp_size = int(info["pp_size"])
+        tp_rank = a.engine_rank % int(info["tp_size"])
+        for pp in range(pp_size):  # decode holds every layer: ask every prefill stage
+            r = fetch_rank_info(host, port, 0, tp_rank, pp, timeout=2.0)
+            c.targets.append(_Target(f"tcp://{r['rank_ip']}:{r['rank_port']}", tp_rank * pp_size + pp))
+        reg = Register(session_id=c.session_id, decode_rank=a.engine_rank, decode_tp_size=a.tp_size,
+                       reply_endpoint=m.endpoint(host), buffers=BufferDesc.from_kv_args(a),
+                       compat=a.compat_info(), backend=m.backend_name, backend_info=m.backend.describe())
+        for t in c.targets:
+            m.send(t.endpoint, reg)
+        with c.acked:
+            c.acked.wait_for(lambda: len(c.acks) >= len(c.targets) or c.state == "failed", REGISTER_TIMEOUT_S)
+        if c.state == "failed":
+            return
+        missing = [t.endpoint for t in c.targets if t.rank not in c.acks]
+        if missing:
+            return self._fail_conn(c, f"no registration answer from prefill rank(s) {', '.join(missing)} "
+                                      f"within {REGISTER_TIMEOUT_S:.0f}s")
+        rejected = [ack.error for ack in c.acks.values() if not ack.ok]
+        if rejected:
+            return self._fail_conn(c, f"prefill {c.addr} rejected registration: {'; '.join(rejected)}")
+        with m.lock:
+            if c.state == "connecting":
+                c.state = "ready"
+                c.next_hb = time.monotonic() + m.heartbeat_interval
+                for t in c.targets:
+                    c.hb_seen[t.rank], c.hb_misses[t.rank] = 0, 0
+        logger.info("%s: connected to prefill %s (%d rank(s))", m.name, c.addr, len(c.targets))
+
+    def _fail_conn(self, c: _Conn, reason: str) -> None:
+        m = self.mgr
+        with m.lock:
+            if c.state == "failed":
+                return
+            c.state, c.error = "failed", reason
+            if self.conns.get(c.addr) is c:
+                del self.conns[c.addr]  # the next room to this address starts afresh
+            for room in list(c.rooms):
+                rs = self.rooms.get(room)
+                if rs is not None and rs.conn is c and m.status.get(room) != KVPoll.Success:
+                    rs.peer_dead = True
+                    m.update_status(room, KVPoll.Failed, reason)
+        with c.acked:
+            c.acked.notify_all()
+        for t in c.targets:
+            m.drop_peer(t.endpoint)
+        logger.warning("%s: %s", m.name, reason)
+
+    # ---- control messages (I/O thread) ----------------------------------------------------
+    def on_message(self, msg) -> None:
+        m = self.mgr
+        if isinstance(msg, TransferStatus):
+            with m.lock:
+                rs = self.rooms.get(msg.room)
+                if rs is None or rs.generation != msg.generation:
+                    return  # a cleared room or an older generation of it
+                rs.stopped.add(msg.prefill_rank)
+                if msg.state == KVPoll.Failed:
+                    m.update_status(msg.room, KVPoll.Failed,
+                                    f"prefill {rs.conn.addr} rank {msg.prefill_rank}: {msg.reason}")
+                elif msg.state == KVPoll.Success:
+                    rs.succeeded.add(msg.prefill_rank)
+                    if len(rs.succeeded) >= len(rs.conn.targets):
+                        m.update_status(msg.room, KVPoll.Success)
+        elif isinstance(msg, Heartbeat) and msg.ack:
+            with m.lock:
+                c = next((c for c in self.conns.values() if c.session_id == msg.session_id), None)
+                if c is not None:
+                    c.hb_seen[msg.prefill_rank] = max(c.hb_seen.get(msg.prefill_rank, 0), msg.seq)
+        elif isinstance(msg, AbortAck):
+            with m.lock:
+                rs = self.rooms.get(msg.room)
+                if rs is not None and rs.generation == msg.generation:
+                    rs.stopped.add(msg.prefill_rank)
+        elif isinstance(msg, RegisterAck):
+            with m.lock:
+                c = next((c for c in self.conns.values() if c.session_id == msg.session_id), None)
+            if c is not None:
+                with c.acked:
+                    c.acks[msg.prefill_rank] = msg
+                    c.acked.notify_all()
+        else:
+            logger.warning("%s: unexpected %s from a prefill rank", m.name, type(msg).__name__)
+
+    def tick(self, now: float) -> None:
+        m = self.mgr
+        dead: list[tuple[_Conn, str]] = []
+        beats: list[tuple[str, Heartbeat]] = []
+        with m.lock:
+            for c in self.conns.values():
+                if c.state != "ready" or now < c.next_hb:
+                    continue
+                c.next_hb = now + m.heartbeat_interval
+                if c.hb_seq:
+                    for t in c.targets:
+                        missed = c.hb_seen.get(t.rank, 0) < c.hb_seq
+                        c.hb_misses[t.rank] = c.hb_misses.get(t.rank, 0) + 1 if missed else 0
+                    if max(c.hb_misses.values(), default=0) >= m.heartbeat_misses:
+                        dead.append((c, f"prefill instance {c.addr} unreachable (no heartbeat answer "
+                                        f"for {m.heartbeat_misses * m.heartbeat_interval:.1f}s)"))
+                        continue
+                c.hb_seq += 1
+                host = parse_addr(c.addr)[0]
+                hb = Heartbeat(session_id=c.session_id, seq=c.hb_seq, reply_endpoint=m.endpoint(host))
+                beats += [(t.endpoint, hb) for t in c.targets]
+        for c, reason in dead:
+            self._fail_conn(c, reason)
+        for endpoint, hb in beats:
+            m.send(endpoint, hb)
+
+    # ---- receiver-facing helpers ----------------------------------------------------------
+    def add_room(self, room: int, addr: str) -> _RoomRecv:
+        c = self.get_conn(addr)
+        with self.mgr.lock:
+            old = self.rooms.get(room)
+            if old is not None:
+                old.conn.rooms.discard(room)
+                self.mgr.status.clear(room)
+            rs = self.rooms[room] = _RoomRecv(room, next(self._generations), c)
+            c.rooms.add(room)
+            self.mgr.status.add(room, KVPoll.Bootstrapping)
+            if c.state == "failed":
+                self.mgr.update_status(room, KVPoll.Failed, c.error)
+        return rs
+
+    def clear(self, rs: _RoomRecv) -> None:
+        with self.mgr.lock:
+            if self.rooms.get(rs.room) is rs:
+                del self.rooms[rs.room]
+                self.mgr.status.clear(rs.room)
+            rs.conn.rooms.discard(rs.room)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class KVReceiver:
+    """One room on a decode rank. Call order: construct when the request arrives (look-up and
+    registration start in the background); ``init()``; ``poll()`` until WaitingForInput;
+    preallocate pages and a metadata slot; ``send_metadata(pages, slot)``; ``poll()`` until
+    Success (then check ``MetadataBuffers.row_room(slot) == room``) or Failed; ``clear()``.
+    ``abort()`` at any time; free the pages only once ``writes_drained()``."""
+
+    def __init__(self, mgr, bootstrap_addr: str, room: int, prefill_dp_rank: Optional[int] = None, **_: Any):
+        self.mgr = mgr
+        self.role: DecodeRole = mgr.role
+        self.bootstrap_addr = bootstrap_addr
+        self.room = room
+        self._rs = self.role.add_room(room, bootstrap_addr)
+
+    def init(self, prefill_dp_rank: Optional[int] = None) -> None:
+        """Kept for the common call order (the fake receiver leaves Bootstrapping here); the real
+        look-up already started in the constructor."""
+
+    def poll(self) -> KVPoll:
+        m, rs = self.mgr, self._rs
+        timed_out = None
+        with m.lock:
+            st = m.status.get(self.room)
+            if st is None or self.role.rooms.get(self.room) is not rs:
+                return KVPoll.Failed
+            if st == KVPoll.Bootstrapping and rs.conn.state == "ready":
+                m.status.update(self.room, KVPoll.WaitingForInput)
+                st = KVPoll.WaitingForInput
+            elif st == KVPoll.Transferring and rs.sent_at is not None:
+                waited = time.monotonic() - rs.sent_at
+                if waited > m.waiting_timeout:
+                    timed_out = f"timed out after {waited:.1f}s waiting for KV from prefill {rs.conn.addr}"
+        if timed_out:
+            m.update_status(self.room, KVPoll.Failed, timed_out)
+            self._send_abort(timed_out)
+            return KVPoll.Failed
+        return st
+
+    def send_metadata(self, dst_pages: Sequence[int], aux_slot: int, state_indices: Optional[Sequence[int]] = None,
+                      decode_prefix_pages: int = 0) -> None:
+        """Ask the prefill rank(s) to write the request's pages (after ``decode_prefix_pages``) into
+        ``dst_pages`` and its metadata row into ``aux_slot``. Requires poll() >= WaitingForInput."""
+        m, rs = self.mgr, self._rs
+        st = m.get_status(self.room)
+        if st in (None, KVPoll.Failed):
+            return
+        if st < KVPoll.WaitingForInput:
+            raise RuntimeError(f"send_metadata for room {self.room} before the connection is ready ({st.name})")
+        c = rs.conn
+        reqs = [(t, TransferRequest(session_id=c.session_id, room=self.room, generation=rs.generation,
+                                    dst_pages=[int(p) for p in dst_pages], aux_slot=int(aux_slot),
+                                    state_indices=[int(i) for i in state_indices or []],
+                                    required_dst_info_num=1, decode_prefix_pages=int(decode_prefix_pages)))
+                for t in c.targets]
+        with m.lock:
+            rs.sent_at = time.monotonic()
+            m.status.update(self.room, KVPoll.Transferring)
+        for t, req in reqs:
+            if not m.send(t.endpoint, req):
+                m.update_status(self.room, KVPoll.Failed, f"cannot reach prefill rank {t.endpoint}")
+                return
+
+    def failure_reason(self) -> str:
+        return self.mgr.failure_reason(self.room)
+
+    def abort(self, reason: str = "aborted by decode") -> None:
+        self.mgr.update_status(self.room, KVPoll.Failed, reason)
+        self._send_abort(reason)
+
+    def _send_abort(self, reason: str) -> None:
+        rs = self._rs
+        with self.mgr.lock:
+            if rs.sent_at is None or rs.abort_at is not None:
+                return
+            rs.abort_at = time.monotonic()
+            pending = [t for t in rs.conn.targets if t.rank not in rs.stopped]
+        for t in pending:
+            self.mgr.send(t.endpoint, Abort(session_id=rs.conn.session_id, room=self.room,
+                                            generation=rs.generation, reason=reason))
+
+    def writes_drained(self) -> bool:
+        """True when no prefill rank can still write into this room's pages: nothing was asked,
+        every asked rank reported Success/Failed or acknowledged an abort, or the prefill was
+        declared dead. Free preallocated pages of a failed room only after this."""
+        m, rs = self.mgr, self._rs
+        with m.lock:
+            if rs.sent_at is None or rs.peer_dead or m.status.get(self.room) == KVPoll.Success:
+                return True
+            if all(t.rank in rs.stopped for t in rs.conn.targets):
+                return True
+            if rs.abort_at is not None and time.monotonic() - rs.abort_at > m.waiting_timeout:
+                logger.warning("%s: room %d: no abort acknowledgement within %.1fs; releasing its pages",
+                               m.name, self.room, m.waiting_timeout)
+                rs.peer_dead = True
+                return True
+            return False
+
+    def clear(self) -> None:
+        self.role.clear(self._rs)

@@ -1,0 +1,289 @@
+"""Prefill side: accepts decode registrations and transfer requests, pushes KV pages and the
+metadata row into decode memory, and reports the outcome per room.
+
+Room lifecycle on a prefill rank: ``KVSender`` created (Bootstrapping) -> every expected decode
+rank sent its ``TransferRequest`` (WaitingForInput) -> ``send()`` chunks (Transferring) -> the
+last chunk's pages, state, metadata row (``bootstrap_room`` last) landed and ``TransferStatus``
+went to decode (Success) | anything fails (Failed, decode told why).
+
+Writes happen on the transfer workers (``writer.py``), never on the scheduler thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from pdserve.disagg.bootstrap import register_rank
+from pdserve.disagg.kv_args import compat_mismatches
+from pdserve.disagg.messages import Abort, Heartbeat, Register, RegisterAck, TransferRequest, TransferStatus
+from pdserve.disagg.poll import KVPoll
+from pdserve.disagg.writer import Chunk, TransferWorkers
+
+logger = logging.getLogger(__name__)
+
+NUM_TRANSFER_WORKERS = 2
+
+
+@dataclass
+class _Session:
+    """One registered decode connection."""
+
+    session_id: str
+    reply_endpoint: str
+    reg: Register
+    error: str = ""
+    dst_kv_ptrs: list[int] = field(default_factory=list)  # decode's entries for this rank's layers
+    last_seen: float = 0.0
+
+
+@dataclass
+class _Room:
+    room: int
+    created: float
+    dsts: dict[str, TransferRequest] = field(default_factory=dict)  # session_id -> request
+    required: int = 1
+    has_sender: bool = False
+
+
+class PrefillRole:
+    def __init__(self, mgr):
+        self.mgr = mgr
+        a = mgr.kv_args
+        self.rank = a.engine_rank * a.pp_size + a.pp_rank  # unique within the prefill instance
+        self.sessions: dict[str, _Session] = {}
+        self.rooms: dict[int, _Room] = {}
+        self.workers = TransferWorkers(self, NUM_TRANSFER_WORKERS)
+        self._next_sweep = 0.0
+        self.session_idle_s = max(mgr.heartbeat_interval * mgr.heartbeat_misses * 5, 30.0)
+
+    # ---- bootstrap ------------------------------------------------------------------------
+    def register_to_bootstrap(self) -> None:
+        a, m = self.mgr.kv_args, self.mgr
+        info = {"tp_size": a.tp_size, "tp_rank": a.engine_rank,
+                "dp_size": 1, "dp_rank": 0, "pp_size": a.pp_size, "pp_rank": a.pp_rank,
+                "rank_ip": m.local_ip(m.bootstrap_host), "rank_port": m.port}
+        info.update(a.compat_info())
+        register_rank(m.bootstrap_host, m.bootstrap_port, info)
+
+    # ---- control messages (I/O thread) ----------------------------------------------------
+    def on_message(self, msg) -> None:
+        if isinstance(msg, TransferRequest):
+            self._on_transfer_request(msg)
+        elif isinstance(msg, Register):
+            self._on_register(msg)
+        elif isinstance(msg, Abort):
+            self._on_abort(msg)
+        elif isinstance(msg, Heartbeat):
+            with self.mgr.lock:
+                s = self.sessions.get(msg.session_id)
+                if s is not None:
+                    s.last_seen = time.monotonic()
+            self.mgr.send(msg.reply_endpoint, Heartbeat(session_id=msg.session_id, seq=msg.seq, ack=True,
+                                                        prefill_rank=self.rank))
+        else:
+            logger.warning("%s: unexpected %s from a decode rank", self.mgr.name, type(msg).__name__)
+
+    def _check_register(self, msg: Register) -> list[str]:
+        a = self.mgr.kv_args
+        errs = compat_mismatches(a.compat_info(), msg.compat)
+        if msg.backend != self.mgr.backend_name:
+            errs.append(f"transfer backend mismatch: prefill {self.mgr.backend_name}, decode {msg.backend}")
+        if msg.decode_tp_size != a.tp_size:
+            errs.append(f"tp_size mismatch: prefill {a.tp_size}, decode {msg.decode_tp_size} "
+                        "(different TP sizes are not supported yet)")
+        per = a.kv_entries_per_layer
+        lo, hi = a.prefill_start_layer * per, (a.prefill_start_layer + a.num_local_layers) * per
+        dst_items = msg.buffers.kv_item_lens[lo:hi]
+        if len(msg.buffers.kv_data_ptrs) < hi:
+            errs.append(f"kv entries mismatch: prefill needs layers up to {hi // per}, "
+                        f"decode has {len(msg.buffers.kv_data_ptrs) // per}")
+        elif dst_items != list(a.kv_item_lens):
+            errs.append(f"kv page item bytes mismatch: prefill {sorted(set(a.kv_item_lens))}, "
+                        f"decode {sorted(set(dst_items))}")
+        if msg.buffers.aux_item_lens != list(a.aux_item_lens):
+            errs.append(f"metadata row layout mismatch: prefill {a.aux_item_lens}, decode {msg.buffers.aux_item_lens}")
+        if msg.buffers.state_type != a.state_type:
+            errs.append(f"state_type mismatch: prefill {a.state_type}, decode {msg.buffers.state_type}")
+        return errs
+
+    def _on_register(self, msg: Register) -> None:
+        errs = self._check_register(msg)
+        a = self.mgr.kv_args
+        per = a.kv_entries_per_layer
+        lo, hi = a.prefill_start_layer * per, (a.prefill_start_layer + a.num_local_layers) * per
+        if not errs:
+            try:
+                self.mgr.backend.connect(msg.session_id, msg.backend_info, msg.buffers.regions())
+            except Exception as e:
+                errs.append(f"cannot attach to decode buffers: {e}")
+        sess = _Session(msg.session_id, msg.reply_endpoint, msg, "; ".join(errs),
+                        list(msg.buffers.kv_data_ptrs[lo:hi]), time.monotonic())
+        with self.mgr.lock:
+            self.sessions[msg.session_id] = sess
+        if errs:
+            logger.warning("%s: rejected decode registration from %s: %s", self.mgr.name, msg.reply_endpoint,
+                           sess.error)
+        else:
+            logger.info("%s: decode rank %d registered (%s)", self.mgr.name, msg.decode_rank, msg.reply_endpoint)
+        self.mgr.send(msg.reply_endpoint, RegisterAck(session_id=msg.session_id, prefill_rank=self.rank,
+                                                      ok=not errs, error=sess.error))
+
+    def _on_transfer_request(self, msg: TransferRequest) -> None:
+        m = self.mgr
+        with m.lock:
+            sess = self.sessions.get(msg.session_id)
+            reason = ""
+            if sess is None:
+                reason = f"decode session {msg.session_id} is not registered with prefill rank {self.rank}"
+            elif sess.error:
+                reason = sess.error
+            if reason:
+                m.update_status(msg.room, KVPoll.Failed, reason, create=True)
+                self.rooms.setdefault(msg.room, _Room(msg.room, time.monotonic()))
+            else:
+                sess.last_seen = time.monotonic()
+                r = self.rooms.setdefault(msg.room, _Room(msg.room, time.monotonic()))
+                r.dsts[msg.session_id] = msg
+                r.required = max(1, msg.required_dst_info_num)
+                if m.get_status(msg.room) == KVPoll.Failed:
+                    reason = m.failure_reason(msg.room) or "room already failed on prefill"
+                elif len(r.dsts) >= r.required:
+                    m.update_status(msg.room, KVPoll.WaitingForInput, create=True)
+        if reason:
+            endpoint = sess.reply_endpoint if sess is not None else None
+            if endpoint is None:
+                logger.warning("%s: transfer request for room %d from unknown session %s", m.name, msg.room,
+                               msg.session_id)
+                return
+            m.send(endpoint, TransferStatus(room=msg.room, generation=msg.generation, state=int(KVPoll.Failed),
+                                            prefill_rank=self.rank, reason=reason))
+
+    def _on_abort(self, msg: Abort) -> None:
+        self.mgr.update_status(msg.room, KVPoll.Failed, f"aborted by decode: {msg.reason}")
+        with self.mgr.lock:
+            sess = self.sessions.get(msg.session_id)
+        if sess is not None:
+            self.workers.submit_abort_ack(msg.room, msg.generation, sess.reply_endpoint)
+
+    def tick(self, now: float) -> None:
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + 1.0
+        m = self.mgr
+        orphan_after = m.bootstrap_timeout + m.waiting_timeout
+        with m.lock:
+            # requests whose prefill-side request never arrived (or was already released)
+            for room in [r.room for r in self.rooms.values() if not r.has_sender and now - r.created > orphan_after]:
+                self.rooms.pop(room, None)
+                m.status.clear(room)
+            busy = {sid for r in self.rooms.values() for sid in r.dsts}
+            idle = [s for s in self.sessions.values() if s.session_id not in busy and now - s.last_seen > self.session_idle_s]
+            for s in idle:
+                del self.sessions[s.session_id]
+        for s in idle:
+            logger.info("%s: dropping idle decode session %s", m.name, s.reply_endpoint)
+            m.backend.disconnect(s.session_id)
+
+    # ---- scheduler-facing helpers ---------------------------------------------------------
+    def add_sender(self, room: int) -> None:
+        with self.mgr.lock:
+            r = self.rooms.setdefault(room, _Room(room, time.monotonic()))
+            r.has_sender = True
+            self.mgr.status.add(room, KVPoll.Bootstrapping)
+
+    def fail(self, room: int, reason: str) -> None:
+        """Fail the room locally now and tell decode once in-flight writes are done."""
+        self.mgr.update_status(room, KVPoll.Failed, reason)
+        with self.mgr.lock:
+            targets = self.targets(room)
+        if targets:
+            self.workers.submit_failure(room, reason, targets)
+
+    def clear(self, room: int) -> None:
+        with self.mgr.lock:
+            self.rooms.pop(room, None)
+            self.mgr.status.clear(room)
+
+    def close(self) -> None:
+        self.workers.close()
+
+    def targets(self, room: int) -> list[tuple[_Session, TransferRequest]]:
+        """(session, request) of every decode rank that asked for the room (caller holds the lock)."""
+        r = self.rooms.get(room)
+        if r is None:
+            return []
+        return [(self.sessions[sid], req) for sid, req in r.dsts.items() if sid in self.sessions]
+
+class KVSender:
+    """One room on a prefill rank. Call order: construct when the request arrives; ``poll()``
+    until WaitingForInput; ``init(num_pages, aux_slot)``; ``send(pages)`` per chunk (the last
+    one with ``last_chunk=True`` after the metadata row is filled); ``poll()`` until Success or
+    Failed; ``clear()``. ``abort()`` at any time."""
+
+    def __init__(self, mgr, bootstrap_addr: str, room: int, **_: Any):
+        self.mgr = mgr
+        self.role: PrefillRole = mgr.role
+        self.bootstrap_addr = bootstrap_addr
+        self.room = room
+        self.created = time.monotonic()
+        self.num_pages: Optional[int] = None
+        self.aux_slot = -1
+        self.sent_pages = 0
+        self.role.add_sender(room)
+
+    def poll(self) -> KVPoll:
+        st = self.mgr.get_status(self.room)
+        if st is None:
+            return KVPoll.Failed
+        if st == KVPoll.Bootstrapping:
+            waited = time.monotonic() - self.created
+            if waited > self.mgr.bootstrap_timeout:
+                self.role.fail(self.room, f"timed out after {waited:.1f}s waiting for decode's transfer request "
+                                          "(KVPoll.Bootstrapping)")
+                return KVPoll.Failed
+        return st
+
+    def decode_prefix_pages(self) -> int:
+        """Leading pages decode already holds (skip them: page 0 of ``send`` is this page)."""
+        with self.mgr.lock:
+            r = self.role.rooms.get(self.room)
+            return max((q.decode_prefix_pages for q in r.dsts.values()), default=0) if r else 0
+
+    def init(self, num_pages: int, aux_slot: int) -> None:
+        self.num_pages, self.aux_slot = num_pages, aux_slot
+        with self.mgr.lock:
+            r = self.role.rooms.get(self.room)
+            short = [len(q.dst_pages) for q in r.dsts.values() if len(q.dst_pages) < num_pages] if r else []
+        if short:
+            self.role.fail(self.room, f"decode preallocated {short[0]} pages, prefill needs {num_pages}")
+
+    def send(self, src_pages: Sequence[int], last_chunk: bool = False,
+             state_indices: Optional[Sequence[int]] = None) -> None:
+        """Queue one chunk: ``src_pages`` are the next pages of the request, in order."""
+        if self.mgr.get_status(self.room) in (None, KVPoll.Failed):
+            return
+        if self.num_pages is not None and self.sent_pages + len(src_pages) > self.num_pages:
+            self.role.fail(self.room, f"prefill sent {self.sent_pages + len(src_pages)} pages, init() said {self.num_pages}")
+            return
+        event = None
+        if self.mgr.kv_args.device.startswith("cuda"):
+            import torch
+
+            event = torch.cuda.Event()
+            event.record()
+        self.mgr.update_status(self.room, KVPoll.Transferring)
+        self.role.workers.submit_chunk(Chunk(self.room, self.sent_pages, [int(p) for p in src_pages], last_chunk,
+                                             self.aux_slot, [int(i) for i in state_indices or []], event))
+        self.sent_pages += len(src_pages)
+
+    def failure_reason(self) -> str:
+        return self.mgr.failure_reason(self.room)
+
+    def abort(self, reason: str = "aborted by prefill") -> None:
+        self.role.fail(self.room, reason)
+
+    def clear(self) -> None:
+        self.role.clear(self.room)

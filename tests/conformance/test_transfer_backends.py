@@ -1,0 +1,34 @@
+"""The transfer scenarios of tests/unit/test_disagg_transfer.py against the network backends.
+
+Each backend is skipped (with the reason) when its module or library is not installed.
+"""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import transfer_suite as suite  # noqa: E402
+
+from pdserve.disagg.transfer import get_backend  # noqa: E402
+
+BACKENDS = ["mooncake", "nixl"]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request):
+    try:
+        get_backend(request.param)
+    except ValueError as e:
+        pytest.skip(str(e))
+    return request.param
+
+
+protocol_run = suite.protocol_run
+test_pages_and_aux_byte_exact = suite.test_pages_and_aux_byte_exact
+test_32_rooms_in_flight = suite.test_32_rooms_in_flight
+test_decode_shared_memory_released = suite.test_decode_shared_memory_released
+test_incompatible_page_size_fails_with_both_values = suite.test_incompatible_page_size_fails_with_both_values
+test_prefill_failures_and_aborts = suite.test_prefill_failures_and_aborts
+test_dead_prefill_detected_by_heartbeat = suite.test_dead_prefill_detected_by_heartbeat

@@ -1,0 +1,362 @@
+"""Backend-parametrised KV transfer scenarios (shared by tests/unit and tests/conformance).
+
+Each scenario runs a prefill process and a decode process (multiprocessing spawn) through the
+whole protocol: bootstrap server (inside the prefill process), Register, TransferRequest,
+chunked sends, metadata row, TransferStatus. Both sides build a real ``KVPool``; decode's pool
+and metadata buffers come from the backend's ``buffer_allocator``. The test process compares
+what prefill sent with what decode received, byte for byte.
+
+A test module uses it by defining a module-scoped ``backend`` fixture and binding the ``test_*``
+functions below (see tests/unit/test_disagg_transfer.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import random
+import socket
+import time
+from typing import Any
+
+import pytest
+
+LAYERS, HEADS, HEAD_DIM = 2, 2, 8
+PAGE_SIZE = 4
+
+
+# ---- room specs ---------------------------------------------------------------------------
+
+
+def room_spec(room: int, src: list[int], dst: list[int], chunks: list[int], prefill: str = "send",
+              decode: str = "normal") -> dict[str, Any]:
+    assert len(src) == len(dst) == sum(chunks)
+    return {"room": room, "src": src, "dst": dst, "chunks": chunks, "prefill": prefill, "decode": decode}
+
+
+def expected_row(room: int) -> dict[str, Any]:
+    tok = room % 1000 + 1
+    lp = -(room % 7) / 8
+    return {"room": room, "first_token": tok, "logprob": lp, "top_logprobs": [(lp, tok), (-3.0, 17)],
+            "cached_tokens": (room % 5, 1, 2, 3)}
+
+
+# ---- the two processes --------------------------------------------------------------------
+
+
+def _setup(cfg: dict[str, Any], role: str):
+    import torch
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {role} %(name)s: %(message)s")
+    from pdserve.config import ServerArgs
+
+    return ServerArgs(model_path="test-model", device="cpu", page_size=cfg[f"{role}_page_size"],
+                      disaggregation_mode=role, disaggregation_transfer_backend=cfg["backend"],
+                      disaggregation_bootstrap_port=cfg["port"],
+                      disaggregation_bootstrap_timeout=cfg.get("bootstrap_timeout", 30.0),
+                      disaggregation_waiting_timeout=cfg.get("waiting_timeout", 30.0),
+                      disaggregation_heartbeat_interval=cfg.get("heartbeat_interval", 1.0),
+                      disaggregation_heartbeat_misses=cfg.get("heartbeat_misses", 3))
+
+
+def _page_bytes(pool, pages: list[int]) -> bytes:
+    # [num_layers, 2, n, kv_heads, page_size, head_dim] -> raw bytes, layer-major
+    return pool.buffer[:, :, pages].contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()
+
+
+def prefill_main(cfg: dict[str, Any], out, stop) -> None:
+    import torch
+
+    args = _setup(cfg, "prefill")
+    from pdserve.disagg.bootstrap import BootstrapServer
+    from pdserve.disagg.kv_args import KVArgs
+    from pdserve.disagg.manager import KVManager, buffer_allocator, get_kv_class
+    from pdserve.disagg.metadata import MetadataBuffers, SlotAllocator
+    from pdserve.disagg.poll import KVPoll
+    from pdserve.engine.kv_pool import KVPool
+
+    server = BootstrapServer("127.0.0.1", cfg["port"], expected_ranks=1)
+    alloc = buffer_allocator(cfg["backend"], "prefill")
+    pool = KVPool(LAYERS, cfg["prefill_pages"], args.page_size, HEADS, HEAD_DIM, torch.bfloat16, "cpu", alloc)
+    meta = MetadataBuffers(64, allocator=alloc)
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    raw = pool.buffer.view(-1).view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+    rooms = [r for r in cfg["rooms"] if r["prefill"] != "absent"]
+    out.put(("expected", {r["room"]: _page_bytes(pool, r["src"]) for r in rooms}))
+
+    kv_args = KVArgs.from_buffers(pool, meta, model_fingerprint=cfg.get("prefill_fingerprint", "tiny"))
+    mgr = KVManager(kv_args, "prefill", args, cfg["backend"], bootstrap_host="127.0.0.1")
+    Sender = get_kv_class(cfg["backend"], "sender")
+    addr = f"127.0.0.1:{cfg['port']}"
+    senders = {r["room"]: Sender(mgr, addr, r["room"]) for r in rooms}
+    slots = SlotAllocator(64)
+    started: set[int] = set()
+    announced = False
+    deadline = time.monotonic() + cfg.get("deadline", 60)
+    while not stop.is_set() and time.monotonic() < deadline:
+        states = {room: s.poll() for room, s in senders.items()}
+        ready = all(st >= KVPoll.WaitingForInput or st == KVPoll.Failed for st in states.values())
+        if ready and not announced:
+            out.put(("waiting", None))
+            announced = True
+        if ready or not cfg.get("barrier"):  # barrier: start only when every room is requested
+            for r in rooms:
+                room = r["room"]
+                if r["prefill"] != "send" or room in started or states[room] != KVPoll.WaitingForInput:
+                    continue
+                started.add(room)
+                s, slot = senders[room], slots.alloc()
+                assert s.decode_prefix_pages() == 0
+                s.init(len(r["src"]), slot)
+                row = expected_row(room)
+                meta.set_row(slot, room, row["first_token"], row["logprob"], row["top_logprobs"],
+                             row["cached_tokens"])
+                off = 0
+                for i, n in enumerate(r["chunks"]):
+                    s.send(r["src"][off:off + n], last_chunk=i == len(r["chunks"]) - 1)
+                    off += n
+        time.sleep(0.005)
+    out.put(("final", {room: (int(s.poll()), s.failure_reason()) for room, s in senders.items()}))
+    mgr.close()
+    server.shutdown()
+
+
+def decode_main(cfg: dict[str, Any], out, stop) -> None:
+    import torch
+
+    args = _setup(cfg, "decode")
+    from pdserve.disagg.kv_args import KVArgs
+    from pdserve.disagg.manager import KVManager, buffer_allocator, get_kv_class
+    from pdserve.disagg.metadata import MetadataBuffers, SlotAllocator
+    from pdserve.disagg.poll import KVPoll
+    from pdserve.engine.kv_pool import KVPool
+
+    alloc = buffer_allocator(cfg["backend"], "decode")
+    pool = KVPool(LAYERS, cfg["decode_pages"], args.page_size, HEADS, HEAD_DIM, torch.bfloat16, "cpu", alloc)
+    meta = MetadataBuffers(64, allocator=alloc)
+    kv_args = KVArgs.from_buffers(pool, meta, model_fingerprint=cfg.get("decode_fingerprint", "tiny"))
+    mgr = KVManager(kv_args, "decode", args, cfg["backend"], bootstrap_host="127.0.0.1")
+    Receiver = get_kv_class(cfg["backend"], "receiver")
+    addr = f"127.0.0.1:{cfg['port']}"
+    recvs = {}
+    for r in cfg["rooms"]:
+        recvs[r["room"]] = Receiver(mgr, addr, r["room"])
+        recvs[r["room"]].init()
+    slot_of: dict[int, int] = {}
+    slots = SlotAllocator(64)
+    max_in_flight = 0
+    deadline = time.monotonic() + cfg.get("deadline", 60)
+    terminal = (KVPoll.Success, KVPoll.Failed)
+    while time.monotonic() < deadline:
+        states = {room: rv.poll() for room, rv in recvs.items()}
+        if all(st in terminal for st in states.values()):
+            break
+        for r in cfg["rooms"]:
+            room = r["room"]
+            if states[room] == KVPoll.WaitingForInput and room not in slot_of:
+                slot_of[room] = slots.alloc()
+                recvs[room].send_metadata(r["dst"], slot_of[room])
+                if r["decode"] == "abort":
+                    recvs[room].abort("test abort")
+                # requested and not finished as of the snapshot taken before this pass
+                in_flight = sum(1 for rm in slot_of if states[rm] not in terminal)
+                max_in_flight = max(max_in_flight, in_flight)
+        time.sleep(0.005)
+    while time.monotonic() < deadline and not all(rv.writes_drained() for rv in recvs.values()):
+        time.sleep(0.01)
+    result = {}
+    for r in cfg["rooms"]:
+        room, rv = r["room"], recvs[r["room"]]
+        st = rv.poll()
+        item = {"state": int(st), "reason": rv.failure_reason(), "drained": rv.writes_drained()}
+        if st == KVPoll.Success:
+            row = meta.get_row(slot_of[room])
+            item["bytes"] = _page_bytes(pool, r["dst"])
+            item["row"] = {"room": row.room, "first_token": row.first_token, "logprob": row.logprob,
+                           "top_logprobs": row.top_logprobs, "cached_tokens": row.cached_tokens}
+            item["row_room_ok"] = meta.row_room(slot_of[room]) == room
+        result[room] = item
+        rv.clear()
+    out.put(("decode", {"rooms": result, "max_in_flight": max_in_flight}))
+    mgr.close()
+    shm = "/dev/shm"
+    left = [n for n in (os.listdir(shm) if os.path.isdir(shm) else []) if f"-{os.getpid()}-" in n]
+    out.put(("shm_left", left))
+    stop.wait(30)
+
+
+# ---- running a scenario --------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Run:
+    """Start both processes; collect their messages."""
+
+    def __init__(self, backend: str, rooms: list[dict], **cfg: Any):
+        self.cfg = {"backend": backend, "port": free_port(), "rooms": rooms, "seed": 1234,
+                    "prefill_page_size": PAGE_SIZE, "decode_page_size": PAGE_SIZE,
+                    "prefill_pages": 128, "decode_pages": 192, **cfg}
+        ctx = mp.get_context("spawn")
+        self.out_p, self.out_d = ctx.Queue(), ctx.Queue()
+        self.stop = ctx.Event()
+        self.prefill = ctx.Process(target=prefill_main, args=(self.cfg, self.out_p, self.stop), daemon=True)
+        self.decode = ctx.Process(target=decode_main, args=(self.cfg, self.out_d, self.stop), daemon=True)
+        self.prefill.start()
+        self.decode.start()
+
+    def expect(self, q, kind: str, timeout: float = 90):
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                got, value = q.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no {kind!r} message within {timeout}s "
+                                     f"(prefill alive={self.prefill.is_alive()}, decode alive={self.decode.is_alive()})")
+            if got == kind:
+                return value
+
+    def finish(self) -> dict[str, Any]:
+        decode = self.expect(self.out_d, "decode")
+        self.stop.set()
+        res = {"decode": decode, "shm_left": self.expect(self.out_d, "shm_left")}
+        if self.prefill.is_alive():
+            res["prefill_final"] = self.expect(self.out_p, "final")
+        self.close()
+        return res
+
+    def close(self) -> None:
+        self.stop.set()
+        for p in (self.prefill, self.decode):
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+# ---- scenarios -----------------------------------------------------------------------------
+
+FAILED, SUCCESS = 0, 4
+
+
+def protocol_rooms() -> list[dict]:
+    rng = random.Random(7)
+    rooms = [
+        room_spec(101, list(range(1, 9)), list(range(10, 18)), [3, 3, 2]),  # contiguous both sides
+        room_spec(102, list(range(20, 26)), [30, 32, 34, 35, 36, 50], [4, 2]),  # contiguous src only
+        room_spec(103, [60, 3, 45, 46, 9], list(range(60, 65)), [5]),  # contiguous dst only
+        room_spec(104, [70, 69, 68, 1, 2], [90, 80, 81, 100, 99], [1, 1, 3]),  # neither, reversed
+        room_spec(2**63 - 1, [127], [191], [1]),  # single page, largest room id
+    ]
+    free = list(range(101, 191))
+    for i in range(32):  # 32 more rooms, all in flight together
+        n = rng.randint(1, 4)
+        src = rng.sample(range(1, 128), n)
+        dst = [free.pop() for _ in range(n)] if len(free) >= n else rng.sample(range(101, 190), n)
+        rooms.append(room_spec(1_000_000 + i * 7919, src, dst, [n]))
+    # destinations overlap between some of the 32 rooms only if free pages ran out: keep them disjoint
+    seen: set[int] = set()
+    for r in rooms:
+        assert not seen & set(r["dst"]), "destination pages must not overlap"
+        seen |= set(r["dst"])
+    return rooms
+
+
+@pytest.fixture(scope="module")
+def protocol_run(backend):
+    run = Run(backend, protocol_rooms(), barrier=True)
+    try:
+        expected = run.expect(run.out_p, "expected")
+        res = run.finish()
+    finally:
+        run.close()
+    res["expected"] = expected
+    return res
+
+
+def _check_room(res, room):
+    got = res["decode"]["rooms"][room]
+    assert got["state"] == SUCCESS, got["reason"]
+    assert got["bytes"] == res["expected"][room], f"room {room}: page bytes differ"
+    assert got["row_room_ok"]
+    assert got["row"] == expected_row(room)
+
+
+def test_pages_and_aux_byte_exact(protocol_run):
+    for room in (101, 102, 103, 104, 2**63 - 1):
+        _check_room(protocol_run, room)
+    assert all(st == SUCCESS for st, _ in protocol_run["prefill_final"].values())
+
+
+def test_32_rooms_in_flight(protocol_run):
+    rooms = [r for r in protocol_run["decode"]["rooms"] if 1_000_000 <= r < 2**62]
+    assert len(rooms) == 32
+    for room in rooms:
+        _check_room(protocol_run, room)
+    # prefill started sending only after every room was requested: all were in flight at once
+    assert protocol_run["decode"]["max_in_flight"] == len(protocol_run["decode"]["rooms"])
+
+
+def test_decode_shared_memory_released(protocol_run):
+    assert protocol_run["shm_left"] == []
+
+
+def test_incompatible_page_size_fails_with_both_values(backend):
+    rooms = [room_spec(7, [1], [1], [1], prefill="hold")]
+    run = Run(backend, rooms, prefill_page_size=16, decode_page_size=1, prefill_pages=16, decode_pages=64)
+    res = run.finish()
+    got = res["decode"]["rooms"][7]
+    assert got["state"] == FAILED
+    assert "page_size mismatch: prefill 16, decode 1" in got["reason"]
+
+
+def test_prefill_failures_and_aborts(backend):
+    rooms = [
+        room_spec(11, [1, 2], [5, 6], [2]),  # normal
+        room_spec(12, [3], [7], [1], prefill="hold"),  # prefill never sends: decode times out
+        room_spec(13, [4], [8], [1], prefill="absent"),  # prefill never heard of the request
+        room_spec(14, [9], [9], [1], prefill="hold", decode="abort"),  # decode aborts
+    ]
+    run = Run(backend, rooms, waiting_timeout=1.5)
+    expected = run.expect(run.out_p, "expected")
+    res = run.finish()
+    got = res["decode"]["rooms"]
+    assert got[11]["state"] == SUCCESS and got[11]["bytes"] == expected[11]
+    for room in (12, 13):
+        assert got[room]["state"] == FAILED
+        assert "timed out after" in got[room]["reason"]
+        assert f"127.0.0.1:{run.cfg['port']}" in got[room]["reason"]
+    assert got[14]["state"] == FAILED and got[14]["reason"] == "test abort"
+    # every asked prefill rank acknowledged: the pages can be reused
+    assert all(got[room]["drained"] for room in (12, 13, 14))
+    final = res["prefill_final"]
+    assert final[11][0] == SUCCESS
+    assert final[12][0] == FAILED and "aborted by decode: timed out" in final[12][1]
+    assert final[14][0] == FAILED and final[14][1] == "aborted by decode: test abort"
+
+
+def test_dead_prefill_detected_by_heartbeat(backend):
+    rooms = [room_spec(21, [1], [1], [1], prefill="hold"), room_spec(22, [2, 3], [2, 3], [2], prefill="hold")]
+    run = Run(backend, rooms, heartbeat_interval=0.2, heartbeat_misses=2, waiting_timeout=60)
+    try:
+        run.expect(run.out_p, "waiting")
+        time.sleep(0.3)  # let decode send its requests and a heartbeat round trip
+        run.prefill.kill()
+        t0 = time.monotonic()
+        res = run.finish()
+    finally:
+        run.close()
+    for room in (21, 22):
+        got = res["decode"]["rooms"][room]
+        assert got["state"] == FAILED
+        assert f"prefill instance 127.0.0.1:{run.cfg['port']} unreachable" in got["reason"]
+        assert got["drained"]
+    assert time.monotonic() - t0 < 20  # far below the 60 s waiting timeout

@@ -1,0 +1,151 @@
+"""KV transfer through the full protocol with the ``local`` backend (real processes, ZMQ, HTTP),
+plus in-process checks of the prefill-side registration check and the fake classes."""
+
+import os
+import sys
+import time
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "conformance"))
+import transfer_suite as suite  # noqa: E402
+
+from pdserve.config import ServerArgs  # noqa: E402
+from pdserve.disagg.bootstrap import BootstrapServer  # noqa: E402
+from pdserve.disagg.kv_args import KVArgs  # noqa: E402
+from pdserve.disagg.manager import KVManager, get_kv_class  # noqa: E402
+from pdserve.disagg.messages import (BufferDesc, Heartbeat, Register, RegisterAck, TransferRequest,  # noqa: E402
+                                     TransferStatus, decode_message, encode_message)
+from pdserve.disagg.metadata import MetadataBuffers  # noqa: E402
+from pdserve.disagg.poll import KVPoll  # noqa: E402
+from pdserve.engine.kv_pool import KVPool  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module", params=["local"])
+def backend(request):
+    return request.param
+
+
+protocol_run = suite.protocol_run
+test_pages_and_aux_byte_exact = suite.test_pages_and_aux_byte_exact
+test_32_rooms_in_flight = suite.test_32_rooms_in_flight
+test_decode_shared_memory_released = suite.test_decode_shared_memory_released
+test_incompatible_page_size_fails_with_both_values = suite.test_incompatible_page_size_fails_with_both_values
+test_prefill_failures_and_aborts = suite.test_prefill_failures_and_aborts
+test_dead_prefill_detected_by_heartbeat = suite.test_dead_prefill_detected_by_heartbeat
+
+
+# ---- in-process ----------------------------------------------------------------------------
+
+
+def wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
+@pytest.fixture
+def prefill_mgr():
+    server = BootstrapServer("127.0.0.1", 0, expected_ranks=1)
+    args = ServerArgs(model_path="m", device="cpu", page_size=4, disaggregation_bootstrap_port=server.port)
+    pool = KVPool(2, 8, 4, 2, 8, torch.bfloat16, "cpu")
+    meta = MetadataBuffers(4)
+    mgr = KVManager(KVArgs.from_buffers(pool, meta, model_fingerprint="tiny"), "prefill", args, "local")
+    yield mgr, pool, meta
+    mgr.close()
+    server.shutdown()
+
+
+def test_prefill_rejects_incompatible_register(prefill_mgr):
+    mgr, pool, meta = prefill_mgr
+    ctx = zmq.Context.instance()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = ctx.socket(zmq.PUSH)
+    push.connect(mgr.endpoint())
+    try:
+        bad = KVArgs.from_buffers(KVPool(2, 8, 4, 2, 16, torch.bfloat16, "cpu"), MetadataBuffers(4),
+                                  model_fingerprint="tiny")
+        push.send(b"\x81\xa1v\x63")  # garbage / wrong version: dropped, the loop keeps running
+        push.send(encode_message(Register(
+            session_id="s1", decode_rank=0, decode_tp_size=1, reply_endpoint=f"tcp://127.0.0.1:{port}",
+            buffers=BufferDesc.from_kv_args(bad), compat=bad.compat_info(), backend="local")))
+        ack = decode_message(pull.recv())
+        assert isinstance(ack, RegisterAck) and not ack.ok
+        assert "head_dim mismatch: prefill 8, decode 16" in ack.error
+        # a sender for the room fails at once, and decode is told why
+        sender = get_kv_class("local", "sender")(mgr, "x:1", 99)
+        push.send(encode_message(TransferRequest(session_id="s1", room=99, generation=1, dst_pages=[1], aux_slot=0)))
+        status = decode_message(pull.recv())
+        assert isinstance(status, TransferStatus) and status.state == KVPoll.Failed
+        assert "head_dim mismatch: prefill 8, decode 16" in status.reason
+        assert wait_for(lambda: sender.poll() == KVPoll.Failed)
+        assert "head_dim mismatch" in sender.failure_reason()
+        push.send(encode_message(Heartbeat(session_id="s1", seq=5, reply_endpoint=f"tcp://127.0.0.1:{port}")))
+        hb = decode_message(pull.recv())
+        assert isinstance(hb, Heartbeat) and hb.ack and hb.seq == 5
+    finally:
+        push.close(0)
+        pull.close(0)
+
+
+def test_sender_bootstrap_timeout():
+    server = BootstrapServer("127.0.0.1", 0, expected_ranks=1)
+    args = ServerArgs(model_path="m", device="cpu", page_size=4, disaggregation_bootstrap_port=server.port,
+                      disaggregation_bootstrap_timeout=0.2)
+    pool, meta = KVPool(1, 4, 4, 1, 8, torch.float32, "cpu"), MetadataBuffers(2)
+    mgr = KVManager(KVArgs.from_buffers(pool, meta), "prefill", args, "local")
+    try:
+        sender = get_kv_class("local", "sender")(mgr, f"127.0.0.1:{server.port}", 5)
+        assert sender.poll() == KVPoll.Bootstrapping
+        wait_for(lambda: sender.poll() == KVPoll.Failed)
+        assert "timed out after" in sender.failure_reason() and "Bootstrapping" in sender.failure_reason()
+        sender.clear()
+        assert mgr.get_status(5) is None
+    finally:
+        mgr.close()
+        server.shutdown()
+
+
+def test_fake_sender_receiver_state_machine():
+    Sender, Receiver = get_kv_class("fake", "sender"), get_kv_class("fake", "receiver")
+    mgr = get_kv_class("fake", "manager")(None, "decode", None, "fake")
+    s = Sender(mgr, "2.2.2.2:8998", 1)
+    assert s.poll() == KVPoll.WaitingForInput
+    s.init(3, 0)
+    assert s.poll() == KVPoll.WaitingForInput
+    s.send([1, 2, 3], last_chunk=True)
+    assert s.poll() == KVPoll.Success
+    r = Receiver(mgr, "2.2.2.2:8998", 1)
+    assert r.poll() == KVPoll.Bootstrapping
+    r.init()
+    assert r.poll() == KVPoll.WaitingForInput
+    r.send_metadata([4, 5, 6], 0)
+    assert r.poll() == KVPoll.Success
+    r2 = Receiver(mgr, "2.2.2.2:8998", 2)
+    r2.abort("gone")
+    assert r2.poll() == KVPoll.Failed and r2.failure_reason() == "gone" and r2.writes_drained()
+
+
+def test_get_kv_class():
+    from pdserve.disagg.receiver import KVReceiver
+    from pdserve.disagg.sender import KVSender
+
+    assert get_kv_class("local", "kv_args") is KVArgs
+    assert get_kv_class("local", "manager") is KVManager
+    assert get_kv_class("mooncake", "sender") is KVSender
+    assert get_kv_class("nixl", "receiver") is KVReceiver
+    assert get_kv_class("fake", "bootstrap_server") is BootstrapServer
+    with pytest.raises(ValueError, match="unknown transfer backend"):
+        get_kv_class("carrier-pigeon", "sender")
+    with pytest.raises(ValueError, match="kind"):
+        get_kv_class("local", "router")
