@@ -144,13 +144,15 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
                 "root": args.model_path, "max_model_len": tm.context_length}
         return http_util.json_response({"object": "list", "data": [card]})
 
-    def server_info() -> Response:
+    async def server_info() -> Response:
         info = args.to_dict()
         if info.get("disaggregation_secret"):
             info["disaggregation_secret"] = "***"
         info.update(status="ready" if state["ready"] else "starting", version=pdserve.__version__,
                     scheduler_info=client.info, max_total_num_tokens=client.info.get("max_total_tokens"),
-                    model_context_length=tm.context_length)
+                    model_context_length=tm.context_length, internal_states=[])
+        with contextlib.suppress(APIError, RuntimeError):
+            info["internal_states"] = [await control("stats")]  # one per dp rank, as SGLang
         return http_util.json_response(info)
 
     def model_info() -> Response:

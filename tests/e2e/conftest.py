@@ -1,0 +1,165 @@
+"""A live ``pdserve serve`` for the server tests (one per session) and the offline engine to
+compare it with, both on the same tiny random Llama checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.helpers.checkpoints import build_tiny_checkpoint
+
+SERVED_MODEL_NAME = "tiny-llama"
+SERVER_MAX_TOTAL_TOKENS = 65536
+SERVER_MAX_BODY_BYTES = 1 << 20
+READY_TIMEOUT_S = 300.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(p) for p in (task / "children").read_text().split()]
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def wait_for(cond, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+class LiveServer:
+    def __init__(self, proc: subprocess.Popen, url: str, model_path: str, log_path: Path):
+        self.proc = proc
+        self.url = url
+        self.model_path = model_path
+        self.log_path = log_path
+        self.http = httpx.Client(base_url=url, timeout=60)
+        self.children: list[int] = []
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def integrity(self) -> dict:
+        r = self.http.get("/debug/integrity")
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def scheduler_stats(self) -> dict:
+        r = self.http.get("/server_info")
+        assert r.status_code == 200, r.text
+        return r.json()["internal_states"][0]
+
+    def wait_idle(self, timeout: float = 30.0) -> dict:
+        """Wait until nothing runs and every KV page is free or cached; returns the accounting."""
+
+        def idle():
+            body = self.integrity()
+            pools = body["integrity"]
+            done = (body["front_end_requests"] == 0 and pools["running"] == 0 and pools["waiting"] == 0
+                    and pools["in_use_pages"] == 0)
+            return body if done else None
+
+        body = wait_for(idle, timeout, "the server to become idle")
+        pools = body["integrity"]
+        assert pools["free_pages"] + pools["cached_pages"] + pools["in_use_pages"] == pools["total_pages"], pools
+        return pools
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path() -> str:
+    return build_tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="session")
+def server(tiny_llama_path, tmp_path_factory):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    cmd = [
+        sys.executable, "-m", "pdserve.cli", "serve", "--model-path", tiny_llama_path, "--port", str(port),
+        "--served-model-name", SERVED_MODEL_NAME, "--torch-num-threads", "1",
+        "--max-total-tokens", str(SERVER_MAX_TOTAL_TOKENS), "--max-body-bytes", str(SERVER_MAX_BODY_BYTES),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    live = LiveServer(proc, f"http://127.0.0.1:{port}", tiny_llama_path, log_path)
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{live.log_tail()}")
+        try:
+            return live.http.get("/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(healthy, READY_TIMEOUT_S, "the server's /health", interval=0.25)
+        live.children = _children(proc.pid)
+        yield live
+    finally:
+        live.http.close()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    # Shutdown contract: SIGTERM exits cleanly and takes the scheduler process with it.
+    assert code == 0, live.log_tail()
+    assert live.children, "the server should run its scheduler in a child process"
+    wait_for(lambda: not any(_alive(pid) for pid in live.children), 10, "the scheduler process to exit")
+
+
+@pytest.fixture
+def live(server):
+    """The session server; after the test, nothing may run and no KV page may have leaked."""
+    yield server
+    server.wait_idle()
+
+
+@pytest.fixture(scope="session")
+def offline_engine(tiny_llama_path):
+    import pdserve
+
+    return pdserve.Engine(model_path=tiny_llama_path, torch_num_threads=1, max_total_tokens=16384)
+
+
+def sse_events(lines) -> list:
+    """The ``data:`` payloads of an SSE stream, parsed; ``"[DONE]"`` stays a string."""
+    import json
+
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
