@@ -1,0 +1,246 @@
+"""The router's HTTP front (FastAPI) and ``pdserve router`` entry point.
+
+Generation endpoints go through the ``Dispatcher``; the rest either answer from the router's
+own state (``/health``, ``/metrics``) or fan out to the workers and gather their answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve.log import setup_logging
+from pdserve.router.args import RouterArgs, parse_args
+from pdserve.router.dispatch import Dispatcher, error_response
+from pdserve.router.legs import ProxyStream, wait_disconnect
+from pdserve.router.metrics import RequestCounter, RouterMetrics
+from pdserve.router.protocol import BadRequest, parse_body
+from pdserve.router.workers import DECODE, PREFILL, REGULAR, Worker, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+_DRAIN_LIMIT = 64 * 1024 * 1024  # read at most this much of an oversized body before giving up
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, or ``BadRequest(413)``. An oversized body is still read (up to a cap) so
+    the client, still sending, gets the 413 rather than a reset connection."""
+    declared = request.headers.get("content-length", "")
+    too_big = declared.isdigit() and int(declared) > limit
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        too_big = too_big or size > limit
+        if too_big:
+            if size > limit + _DRAIN_LIMIT:
+                break
+            continue
+        chunks.append(chunk)
+    if too_big:
+        raise BadRequest(f"request body is larger than the limit of {limit} bytes", status=413)
+    return b"".join(chunks)
+
+
+async def until_disconnect(request: Request, work_coro) -> Response:
+    """Run a dispatch, cancelling it (and so its upstream legs) if the client goes away first."""
+    work = asyncio.create_task(work_coro)
+    watch = asyncio.create_task(wait_disconnect(request.receive))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+        await asyncio.wait({work, watch})
+    if work in done:
+        return work.result()
+    if not work.cancelled() and work.exception() is None and isinstance(work.result(), ProxyStream):
+        await work.result().abandon()
+    logger.info("client left before %s was answered; upstream requests cancelled", request.url.path)
+    return Response(status_code=499)
+
+
+def _json_or_text(resp: httpx.Response):
+    try:
+        return resp.json()
+    except ValueError:
+        return resp.text
+
+
+class Router:
+    """Everything one router instance owns; built by ``create_app``."""
+
+    def __init__(self, args: RouterArgs):
+        self.args = args
+        policies = {args.policy, args.prefill_policy, args.decode_policy}
+        self.pool = WorkerPool(args, poll_loads="least_load" in policies)
+        self.metrics = RouterMetrics(self.pool)
+        self.dispatcher = Dispatcher(self.pool, self.metrics, args)
+
+    async def start(self) -> None:
+        await self.dispatcher.start()
+        await self.pool.start()
+        mode = "PD" if self.args.pd_mode else "colocated"
+        logger.info("router (%s, policy %s) on %s:%d with %d workers, %d healthy", mode, self.args.policy,
+                    self.args.host, self.args.port, len(self.pool.workers), sum(w.healthy for w in self.pool.workers))
+
+    async def stop(self) -> None:
+        await self.pool.stop()
+        await self.dispatcher.stop()
+
+    def first_available(self, roles: tuple[str, ...]) -> Worker | None:
+        for role in roles:
+            workers = self.pool.available(role)
+            if workers:
+                return workers[0]
+        return None
+
+    async def get_with_alias(self, worker: Worker, path: str, alias: str | None = None) -> httpx.Response:
+        resp = await self.pool.client.get(worker.url + path)
+        if resp.status_code == 404 and alias:
+            resp = await self.pool.client.get(worker.url + alias)
+        return resp
+
+    async def proxy_get(self, what: str, path: str, alias: str | None = None) -> Response:
+        """A GET answered by the first available worker (decode first), passed on as it is."""
+        worker = self.first_available((DECODE, REGULAR, PREFILL))
+        if worker is None:
+            return error_response(503, f"no healthy worker to ask for {what}")
+        try:
+            resp = await self.get_with_alias(worker, path, alias)
+        except httpx.HTTPError as e:
+            return error_response(502, f"{worker.url}{path} failed: {e!r}")
+        return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+
+    def roles(self) -> tuple[str, ...]:
+        return (PREFILL, DECODE) if self.args.pd_mode else (REGULAR,)
+
+
+def create_app(args: RouterArgs) -> FastAPI:
+    router = Router(args)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    app.state.router = router
+
+    async def generate(request: Request) -> Response:
+        try:
+            raw = await read_body(request, args.max_body_bytes)
+            body = parse_body(raw)
+        except BadRequest as e:
+            return error_response(e.status, str(e))
+        call = router.dispatcher.make_call(request, request.url.path, raw, body)
+        return await until_disconnect(request, router.dispatcher.handle(call))
+
+    for path in GENERATE_PATHS:
+        app.add_api_route(path, generate, methods=["POST"])
+
+    @app.get("/health")
+    async def health():
+        if router.pool.ready():
+            return JSONResponse({"status": "ok"})
+        missing = [r for r in router.roles() if not router.pool.available(r)]
+        return error_response(503, f"no healthy {' or '.join(missing)} worker")
+
+    @app.get("/health_generate")
+    async def health_generate():
+        results = await router.pool.fan_out("GET", "/health_generate", [w for w in router.pool.workers if w.available],
+                                            timeout=max(args.health_check_timeout, 60.0))
+        ok_roles = {w.role for w, r in results if isinstance(r, httpx.Response) and r.status_code == 200}
+        missing = [r for r in router.roles() if r not in ok_roles]
+        if missing:
+            return error_response(503, f"no {' or '.join(missing)} worker could generate")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models():
+        return await router.proxy_get("models", "/v1/models")
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def model_info(request: Request):
+        path = request.url.path
+        return await router.proxy_get("model info", path, "/get_model_info" if path == "/model_info" else "/model_info")
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def server_info():
+        async def one(w: Worker) -> dict:
+            out = w.describe()
+            try:
+                resp = await router.get_with_alias(w, "/server_info", "/get_server_info")
+                resp.raise_for_status()
+                out["server_info"] = resp.json()
+            except (httpx.HTTPError, ValueError) as e:
+                out["error"] = repr(e)
+            return out
+
+        infos = await asyncio.gather(*(one(w) for w in router.pool.workers))
+        out: dict = {}
+        main = next((i["server_info"] for i, w in zip(infos, router.pool.workers, strict=True)
+                     if w.role == router.pool.main_role and isinstance(i.get("server_info"), dict)), None)
+        out.update(main or {})  # top level looks like a server's, for clients that read it
+        out["router"] = args.to_dict()
+        for role in router.roles():
+            out[role] = [i for i, w in zip(infos, router.pool.workers, strict=True) if w.role == role]
+        return out
+
+    @app.get("/get_load")
+    async def get_load():
+        results = await router.pool.fan_out("GET", "/get_load", router.pool.workers)
+        out: dict = {role: [] for role in router.roles()}
+        for w, r in results:
+            entry = w.describe()
+            if isinstance(r, httpx.Response) and r.status_code == 200:
+                entry["load"] = _json_or_text(r)
+            else:
+                entry["error"] = repr(r) if isinstance(r, Exception) else f"HTTP {r.status_code}"
+            out[w.role].append(entry)
+        return out
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        results = await router.pool.fan_out("POST", "/flush_cache", router.pool.workers)
+        flushed = [w.url for w, r in results if isinstance(r, httpx.Response) and r.status_code == 200]
+        failed = [{"url": w.url, "error": repr(r) if isinstance(r, Exception) else f"HTTP {r.status_code}"}
+                  for w, r in results if w.url not in flushed]
+        return JSONResponse({"flushed": flushed, "failed": failed}, status_code=502 if failed else 200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(router.metrics.render(), media_type=RouterMetrics.CONTENT_TYPE)
+
+    endpoints = {r.path for r in app.routes if hasattr(r, "path")}
+    app.add_middleware(RequestCounter, metrics=router.metrics, endpoints=endpoints)
+    return app
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = parse_args(argv)
+    except ValueError as e:
+        print(f"pdserve router: {e}", file=sys.stderr)
+        return 2
+    setup_logging("router", args.log_level)
+    for noisy in ("httpx", "httpcore"):  # one INFO line per upstream request otherwise
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    app = create_app(args)
+    level = "warning" if args.log_level == "info" else args.log_level  # uvicorn's INFO lines are per request
+    uvicorn.run(app, host=args.host, port=args.port, log_config=None, log_level=level, access_log=False,
+                timeout_graceful_shutdown=10)
+    return 0

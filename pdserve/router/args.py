@@ -1,0 +1,151 @@
+"""Router arguments: one validated dataclass and its argparse wiring.
+
+Flag names follow the sglang router where the concept is the same (``--prefill URL [PORT]``,
+``--decode URL``, ``--policy``, ``--request-timeout-secs`` as an alias, ...), so a command line
+written for it mostly works here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, field
+from urllib.parse import urlsplit
+
+DEFAULT_BOOTSTRAP_PORT = 8998
+POLICIES = ("random", "round_robin", "least_load")
+
+
+def normalize_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"invalid worker URL {url!r}: expected http(s)://HOST:PORT")
+    return url
+
+
+@dataclass
+class RouterArgs:
+    prefill: list[tuple[str, int | None]] = field(default_factory=list)  # (url, bootstrap port)
+    decode: list[str] = field(default_factory=list)
+    worker: list[str] = field(default_factory=list)  # colocated workers (no PD)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "round_robin"
+    prefill_policy: str | None = None
+    decode_policy: str | None = None
+    health_check_interval: float = 5.0
+    health_check_timeout: float = 5.0
+    health_failure_threshold: int = 2
+    load_poll_interval: float = 1.0
+    request_timeout: float = 1800.0
+    max_retries: int = 1
+    cb_failure_threshold: int = 5
+    cb_cooldown: float = 30.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    log_level: str = "info"
+
+    def __post_init__(self):
+        self.prefill = [(normalize_url(u), p) for u, p in self.prefill]
+        self.decode = [normalize_url(u) for u in self.decode]
+        self.worker = [normalize_url(u) for u in self.worker]
+        pd = bool(self.prefill or self.decode)
+        if pd and self.worker:
+            raise ValueError("worker: --worker (colocated) cannot be mixed with --prefill/--decode")
+        if pd and not (self.prefill and self.decode):
+            raise ValueError("prefill/decode: PD mode needs at least one --prefill and one --decode")
+        if not pd and not self.worker:
+            raise ValueError("prefill/decode: give --prefill URL [BOOTSTRAP_PORT] and --decode URL, or --worker URL")
+        urls = [u for u, _ in self.prefill] + self.decode + self.worker
+        if len(set(urls)) != len(urls):
+            raise ValueError("worker URLs: each worker may be given only once")
+        for _, port in self.prefill:
+            if port is not None and not 0 < port < 65536:
+                raise ValueError(f"prefill: bootstrap port {port} out of range")
+        for name in ("policy", "prefill_policy", "decode_policy"):
+            value = getattr(self, name)
+            if value is not None and value not in POLICIES:
+                raise ValueError(f"{name}: unknown policy {value!r}, choose from {', '.join(POLICIES)}")
+        for name in ("health_check_interval", "health_check_timeout", "load_poll_interval",
+                     "request_timeout", "max_body_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive")
+        for name in ("max_retries", "cb_failure_threshold", "health_failure_threshold", "cb_cooldown"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must not be negative")
+
+    @property
+    def pd_mode(self) -> bool:
+        return bool(self.prefill)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _bootstrap_port(text: str) -> int | None:
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"prefill: bootstrap port must be an integer or 'none', got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve router", description="PD router: sends each request to a "
+                                "prefill and a decode server and returns decode's answer.")
+    p.add_argument("--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
+                   help=f"prefill server URL and optional bootstrap port (default {DEFAULT_BOOTSTRAP_PORT}, "
+                        "'none' sends null); repeatable")
+    p.add_argument("--decode", action="append", default=[], metavar="URL", help="decode server URL; repeatable")
+    p.add_argument("--worker", "--worker-urls", action="append", default=[], metavar="URL",
+                   help="colocated server URL (plain proxying, no PD fields); repeatable")
+    p.add_argument("--pd-disaggregation", action="store_true",
+                   help="accepted for sglang-router compatibility; PD mode follows --prefill/--decode")
+    d = RouterArgs.__dataclass_fields__
+    p.add_argument("--host", default=d["host"].default)
+    p.add_argument("--port", type=int, default=d["port"].default)
+    p.add_argument("--policy", choices=POLICIES, default=d["policy"].default)
+    p.add_argument("--prefill-policy", choices=POLICIES, default=None, help="overrides --policy for prefill")
+    p.add_argument("--decode-policy", choices=POLICIES, default=None, help="overrides --policy for decode")
+    p.add_argument("--health-check-interval", "--health-check-interval-secs", type=float,
+                   default=d["health_check_interval"].default, metavar="S")
+    p.add_argument("--health-check-timeout", "--health-check-timeout-secs", type=float,
+                   default=d["health_check_timeout"].default, metavar="S")
+    p.add_argument("--health-failure-threshold", type=int, default=d["health_failure_threshold"].default,
+                   help="consecutive failed health checks before a worker is taken out")
+    p.add_argument("--load-poll-interval", type=float, default=d["load_poll_interval"].default, metavar="S",
+                   help="how often least_load polls GET /get_load")
+    p.add_argument("--request-timeout", "--request-timeout-secs", type=float,
+                   default=d["request_timeout"].default, metavar="S")
+    p.add_argument("--max-retries", "--retry-max-retries", type=int, default=d["max_retries"].default,
+                   help="retries with a new (prefill, decode) pair after a failure before output")
+    p.add_argument("--cb-failure-threshold", type=int, default=d["cb_failure_threshold"].default,
+                   help="consecutive request failures that open a worker's circuit breaker (0: off)")
+    p.add_argument("--cb-cooldown", "--cb-timeout-duration-secs", type=float, default=d["cb_cooldown"].default,
+                   metavar="S", help="seconds an open breaker waits before letting one trial request through")
+    p.add_argument("--max-body-bytes", "--max-payload-size", type=int, default=d["max_body_bytes"].default)
+    p.add_argument("--log-level", default=d["log_level"].default,
+                   choices=["debug", "info", "warning", "warn", "error", "critical"])
+    return p
+
+
+def parse_args(argv: list[str]) -> RouterArgs:
+    """Parse a command line into ``RouterArgs``; raises ``ValueError`` naming the bad flag."""
+    ns = build_parser().parse_args(argv)
+    prefill = []
+    for values in ns.prefill:
+        if len(values) > 2:
+            raise ValueError(f"prefill: expected URL [BOOTSTRAP_PORT], got {' '.join(values)!r}")
+        port = _bootstrap_port(values[1]) if len(values) == 2 else DEFAULT_BOOTSTRAP_PORT
+        prefill.append((values[0], port))
+    level = "warning" if ns.log_level == "warn" else ns.log_level
+    return RouterArgs(
+        prefill=prefill, decode=ns.decode, worker=ns.worker, host=ns.host, port=ns.port, policy=ns.policy,
+        prefill_policy=ns.prefill_policy, decode_policy=ns.decode_policy,
+        health_check_interval=ns.health_check_interval, health_check_timeout=ns.health_check_timeout,
+        health_failure_threshold=ns.health_failure_threshold, load_poll_interval=ns.load_poll_interval,
+        request_timeout=ns.request_timeout, max_retries=ns.max_retries,
+        cb_failure_threshold=ns.cb_failure_threshold, cb_cooldown=ns.cb_cooldown,
+        max_body_bytes=ns.max_body_bytes, log_level=level)

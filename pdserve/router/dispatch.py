@@ -1,0 +1,295 @@
+"""Dual dispatch (DESIGN.md §2, §7, §8): pick a (prefill, decode) pair, send both the same body,
+answer with decode's response, retry on a new pair when a leg breaks before any output.
+
+The rules, for one attempt:
+- prefill fails first (connection error or non-2xx): decode is cancelled at once and the
+  prefill error is the answer (or a retry). Otherwise decode's status and body are the answer;
+- prefill's answer is awaited only to merge input logprobs (/generate with
+  ``return_logprob``); otherwise it is drained in the background and never holds decode back;
+- a stream is committed to the client (status 200) only once decode's first event arrived, so
+  failures before that can still be retried; a failure after it ends the stream with an SSE
+  error event and ``data: [DONE]``;
+- the client going away cancels whatever is in flight (closing a leg cancels it on the server).
+Colocated mode (``--worker``) is the same with no prefill leg and the body passed on unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pdserve.router import protocol
+from pdserve.router.legs import EventReader, Leg, LegResult, ProxyStream
+from pdserve.router.policy import make_policy
+from pdserve.router.workers import DECODE, PREFILL, REGULAR, Worker, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+_NOT_FORWARDED = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "te", "trailer",
+                  "upgrade", "proxy-connection", "expect", "accept-encoding", "content-type"}
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    return JSONResponse(protocol.error_body(status, message), status_code=status)
+
+
+@dataclass
+class Failure:
+    """A leg that broke before decode produced output; ``response`` is what the client gets."""
+
+    worker: Worker
+    result: LegResult
+
+    def response(self) -> Response:
+        r = self.result
+        if r.status is not None:
+            return Response(r.body, status_code=r.status, media_type=r.content_type)
+        return error_response(504 if r.timed_out else 502, r.error)
+
+
+@dataclass
+class Call:
+    """One client request, as every attempt sees it."""
+
+    path: str
+    raw: bytes
+    body: dict
+    headers: dict
+    stream: bool
+    merge_logprobs: bool
+    items: int | None  # batch size for per-item bootstrap fields
+    outputs: int  # decode outputs expected (inputs x samples), to map them to prefill items
+
+
+class Dispatcher:
+    def __init__(self, pool: WorkerPool, metrics, args):
+        self.pool = pool
+        self.metrics = metrics
+        self.args = args
+        self.policies = {PREFILL: make_policy(args.prefill_policy or args.policy),
+                         DECODE: make_policy(args.decode_policy or args.policy),
+                         REGULAR: make_policy(args.policy)}
+        self.client: httpx.AsyncClient | None = None
+        self._background: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        timeout = httpx.Timeout(self.args.request_timeout, connect=min(10.0, self.args.request_timeout))
+        limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
+
+    async def stop(self) -> None:
+        for t in list(self._background):
+            t.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        if self.client is not None:
+            await self.client.aclose()
+
+    def select(self, exclude: set[Worker]) -> tuple[list[Worker] | None, str]:
+        roles = [PREFILL, DECODE] if self.pool.by_role[PREFILL] else [REGULAR]
+        chosen = []
+        for role in roles:
+            candidates = self.pool.available(role, exclude)
+            if not candidates:
+                return None, f"no healthy {role} worker available"
+            chosen.append(self.policies[role].select(candidates))
+        return chosen, ""
+
+    def make_call(self, request: Request, path: str, raw: bytes, body: dict) -> Call:
+        headers = {k: v for k, v in request.headers.items() if k not in _NOT_FORWARDED}
+        headers.update({"content-type": "application/json", "accept-encoding": "identity"})
+        pd = bool(self.pool.by_role[PREFILL])
+        items = protocol.item_count(path, body) if pd else None
+        samples = protocol.sample_count(body) if path == "/generate" else 1
+        return Call(path, raw, body, headers, stream=bool(body.get("stream")),
+                    merge_logprobs=pd and path == "/generate" and bool(body.get("return_logprob")),
+                    items=items, outputs=(items or 1) * samples)
+
+    async def handle(self, call: Call) -> Response:
+        exclude: set[Worker] = set()
+        failure: Failure | None = None
+        for attempt in range(self.args.max_retries + 1):
+            pair, why = self.select(exclude)
+            if pair is None:
+                if failure is None:
+                    return error_response(503, why)
+                break
+            if attempt:
+                self.metrics.retries.labels(call.path).inc()
+                logger.info("retrying %s on %s after: %s", call.path, [w.url for w in pair],
+                            failure.result.error or f"HTTP {failure.result.status}")
+            prefill, main = (pair[0], pair[1]) if len(pair) == 2 else (None, pair[0])
+            payload = call.raw
+            if prefill is not None:
+                body = protocol.with_bootstrap(call.body, prefill.host, prefill.bootstrap_port, call.items)
+                payload = json.dumps(body, ensure_ascii=False).encode()
+                logger.debug("%s -> prefill %s, decode %s, room %s", call.path, prefill.url, main.url,
+                             body["bootstrap_room"])
+            attempt_fn = self._stream if call.stream else self._unary
+            outcome = await attempt_fn(call, prefill, main, payload)
+            if isinstance(outcome, Response):
+                return outcome
+            failure = outcome
+            if not failure.result.retryable:
+                break
+            exclude.add(failure.worker)
+        return failure.response()
+
+    def _legs(self, call: Call, prefill: Worker | None, main: Worker, payload: bytes):
+        def leg(w: Worker) -> Leg:
+            return Leg(self.client, w, call.path, payload, call.headers, self.pool.on_connect_error, self.metrics)
+        return (leg(prefill) if prefill is not None else None), leg(main)
+
+    async def _unary(self, call: Call, prefill, main, payload) -> Response | Failure:
+        p_leg, d_leg = self._legs(call, prefill, main, payload)
+        handed_off = False
+        try:
+            d_task = d_leg.result()
+            p_task = p_leg.result() if p_leg else None
+            fail = await self._watch_prefill(d_task, p_task, p_leg)
+            if fail:
+                return fail
+            dres: LegResult = d_task.result()
+            if not dres.ok:
+                return Failure(main, dres) if dres.retryable else Failure(main, dres).response()
+            if call.merge_logprobs:
+                pres: LegResult = await p_task
+                merged = protocol.merge_logprobs_json(dres.body, protocol.prefill_items(pres.body)) if pres.ok else None
+                if merged is not None:
+                    return Response(merged, status_code=dres.status, media_type="application/json")
+                logger.warning("could not merge input logprobs from %s: %s", prefill.url,
+                               pres.error or f"HTTP {pres.status}")
+            elif p_task is not None and not p_task.done():
+                self._drain(p_leg)
+                handed_off = True
+            return Response(dres.body, status_code=dres.status, media_type=dres.content_type)
+        finally:
+            await d_leg.close()
+            if p_leg is not None and not handed_off:
+                await p_leg.close()
+
+    async def _stream(self, call: Call, prefill, main, payload) -> Response | Failure:
+        p_leg, d_leg = self._legs(call, prefill, main, payload)
+        handed_off = False
+        try:
+            p_task = p_leg.result() if p_leg else None
+            fail = await self._watch_prefill(d_leg.headers_task, p_task, p_leg)
+            if fail:
+                return fail
+            try:
+                resp = d_leg.headers_task.result()
+            except httpx.HTTPError as e:
+                return Failure(main, d_leg.failed(e))
+            if resp.status_code != 200:
+                dres = await d_leg.result()
+                return Failure(main, dres) if dres.retryable else Failure(main, dres).response()
+            p_items = None
+            if call.merge_logprobs:
+                # Merging needs prefill's whole answer before decode's first event goes out.
+                pres: LegResult = await p_task
+                if not pres.ok:
+                    return Failure(prefill, pres)
+                p_items = protocol.prefill_items(pres.body)
+            reader = EventReader(resp.aiter_bytes())
+            first_task = asyncio.create_task(reader.next())
+            fail = await self._watch_prefill(first_task, p_task, p_leg)
+            if fail:
+                first_task.cancel()
+                await asyncio.wait({first_task})
+                return fail
+            try:
+                first = first_task.result()
+            except httpx.HTTPError as e:
+                return Failure(main, d_leg.failed(e))
+            handed_off = True
+            relay = self._relay(call, first, reader, p_leg, d_leg, p_items)
+            return ProxyStream(relay.chunks(), status_code=200, media_type=resp.headers.get("content-type"),
+                               on_close=relay.close)
+        finally:
+            if not handed_off:
+                await d_leg.close()
+                if p_leg is not None:
+                    await p_leg.close()
+
+    def _relay(self, call: Call, first: bytes, reader: EventReader, p_leg, d_leg, p_items) -> "_Relay":
+        return _Relay(self, call, first, reader, p_leg, d_leg, p_items)
+
+    async def _watch_prefill(self, task: asyncio.Task, p_task: asyncio.Task | None, p_leg) -> Failure | None:
+        """Wait for ``task`` (a decode step). If the prefill leg fails first, or together with
+        a decode step that did not succeed, return the prefill failure: decode cannot produce
+        output without prefill's KV, and prefill's error names the cause."""
+        pending = {task} if p_task is None else {task, p_task}
+        while not task.done():
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if p_task in done:
+                pending.discard(p_task)
+                if not p_task.result().ok and not task.done():
+                    return Failure(p_leg.worker, p_task.result())
+        if p_task is None or not p_task.done() or p_task.result().ok:
+            return None
+        decode_step = None if task.cancelled() or task.exception() is not None else task.result()
+        if isinstance(decode_step, LegResult) and decode_step.ok:
+            return None  # decode answered in full: its output stands
+        return Failure(p_leg.worker, p_task.result())
+
+    def _drain(self, leg: Leg) -> None:
+        """Let a prefill leg whose answer nobody needs finish in the background."""
+        async def run() -> None:
+            try:
+                await asyncio.wait_for(asyncio.shield(leg.result()), self.args.request_timeout)
+            except (asyncio.TimeoutError, httpx.HTTPError):
+                pass
+            finally:
+                await leg.close()
+        task = asyncio.create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+class _Relay:
+    """Decode's stream on its way to the client, after the 200 went out. ``close`` (always
+    called, even if the stream never started) releases both legs; prefill is left to finish
+    only when the stream completed."""
+
+    def __init__(self, dispatcher: Dispatcher, call: Call, first: bytes, reader: EventReader,
+                 p_leg: Leg | None, d_leg: Leg, p_items: list[dict] | None):
+        self.dispatcher = dispatcher
+        self.call = call
+        self.first = first
+        self.reader = reader
+        self.p_leg = p_leg
+        self.d_leg = d_leg
+        self.p_items = p_items
+        self.completed = False
+        self.closed = False
+
+    async def chunks(self):
+        chunk = self.first
+        try:
+            while chunk:
+                if self.p_items is not None:
+                    chunk = b"".join(protocol.merge_logprobs_event(e, self.p_items, self.call.outputs)
+                                     for e in protocol.split_events(chunk))
+                yield chunk
+                chunk = await self.reader.next()
+            self.d_leg.finish(True)
+            self.completed = True
+        except httpx.HTTPError as e:
+            result = self.d_leg.failed(e)
+            yield protocol.sse_error_event(502, f"decode stream broke: {result.error}")
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        await self.d_leg.close()
+        if self.p_leg is not None:
+            if self.completed and not self.p_leg.result().done():
+                self.dispatcher._drain(self.p_leg)
+            else:
+                await self.p_leg.close()

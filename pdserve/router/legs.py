@@ -1,0 +1,180 @@
+"""One upstream request of a routed request ("leg"), and the streaming response sent back.
+
+A ``Leg`` owns one HTTP request to one worker: it counts as in flight on that worker from
+creation until ``close()``, records its outcome once in the worker's circuit breaker, and
+``close()`` always tears the connection down, which cancels the request on pdserve servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import httpx
+from starlette.responses import StreamingResponse
+
+from pdserve.router.protocol import event_boundary
+from pdserve.router.workers import Worker
+
+logger = logging.getLogger(__name__)
+
+_TIMEOUTS = (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout)
+
+
+@dataclass
+class LegResult:
+    status: int | None  # None: no HTTP answer (connection error or timeout)
+    body: bytes = b""
+    content_type: str | None = None
+    error: str = ""
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300
+
+    @property
+    def retryable(self) -> bool:
+        """Worth another pair: the worker broke (5xx or transport error), not the request (4xx)."""
+        return (self.status is None and not self.timed_out) or (self.status is not None and self.status >= 500)
+
+
+class Leg:
+    def __init__(self, client: httpx.AsyncClient, worker: Worker, path: str, payload: bytes,
+                 headers: dict, on_connect_error, metrics):
+        self.worker = worker
+        self.metrics = metrics
+        self.on_connect_error = on_connect_error
+        self.started = time.monotonic()
+        self.response: httpx.Response | None = None
+        self.outcome: bool | None = None
+        self.closed = False
+        worker.in_flight += 1
+        worker.breaker.on_dispatch()
+        request = client.build_request("POST", worker.url + path, content=payload, headers=headers)
+        self.headers_task = asyncio.create_task(self._send(client, request))
+        self._result_task: asyncio.Task | None = None
+
+    async def _send(self, client: httpx.AsyncClient, request: httpx.Request) -> httpx.Response:
+        self.response = await client.send(request, stream=True)
+        return self.response
+
+    def result(self) -> asyncio.Task:
+        """Task resolving to the whole answer as a ``LegResult`` (started on first call)."""
+        if self._result_task is None:
+            self._result_task = asyncio.create_task(self._read())
+        return self._result_task
+
+    async def _read(self) -> LegResult:
+        try:
+            resp = await self.headers_task
+            body = await resp.aread()
+        except httpx.HTTPError as e:
+            return self.failed(e)
+        self.finish(resp.status_code < 500)
+        return LegResult(resp.status_code, body, resp.headers.get("content-type"))
+
+    def failed(self, error: Exception) -> LegResult:
+        self.finish(False)
+        if isinstance(error, httpx.ConnectError):
+            self.on_connect_error(self.worker, error)
+        message = f"{self.worker.role} {self.worker.url} failed: {error!r}"
+        logger.warning(message)
+        return LegResult(None, error=message, timed_out=isinstance(error, _TIMEOUTS))
+
+    def finish(self, ok: bool) -> None:
+        if self.outcome is not None:
+            return
+        self.outcome = ok
+        self.worker.breaker.record(ok)
+        self.metrics.upstream_latency.labels(self.worker.role).observe(time.monotonic() - self.started)
+        if not ok:
+            self.metrics.upstream_errors.labels(self.worker.role).inc()
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        tasks = [t for t in (self._result_task, self.headers_task) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks)
+        for t in tasks:
+            if not t.cancelled():
+                t.exception()  # retrieved: an error here was already handled or is moot
+        if self.response is not None:
+            await self.response.aclose()
+        self.worker.in_flight -= 1
+        if self.outcome is None:
+            self.worker.breaker.trial_in_flight = False  # abandoned, not failed
+
+
+class EventReader:
+    """Hands out decode's stream bytes cut at SSE event boundaries, so an upstream that dies
+    mid-event never leaves half an event in front of the router's error event."""
+
+    def __init__(self, chunks: AsyncIterator[bytes]):
+        self.chunks = chunks
+        self.buf = bytearray()
+        self.eof = False
+
+    async def next(self) -> bytes:
+        """The next whole events (or the unterminated tail at the end); b"" when finished."""
+        while True:
+            cut = event_boundary(self.buf)
+            if cut:
+                out = bytes(self.buf[:cut])
+                del self.buf[:cut]
+                return out
+            if self.eof:
+                out = bytes(self.buf)
+                self.buf.clear()
+                return out
+            try:
+                self.buf += await self.chunks.__anext__()
+            except StopAsyncIteration:
+                self.eof = True
+
+
+async def wait_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class ProxyStream(StreamingResponse):
+    """A streaming response that stops as soon as the client disconnects. ``on_close`` runs
+    once it is over, however it ended (also when it is never sent: call ``abandon``)."""
+
+    def __init__(self, content, *, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def abandon(self) -> None:
+        await self.body_iterator.aclose()
+        await self.on_close()
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def stream() -> None:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        sender = asyncio.create_task(stream())
+        watcher = asyncio.create_task(wait_disconnect(receive))
+        try:
+            await asyncio.wait({sender, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (sender, watcher):
+                t.cancel()
+            await asyncio.wait({sender, watcher})
+            await self.abandon()
+        if not watcher.cancelled():
+            watcher.exception()
+        if not sender.cancelled() and isinstance(sender.exception(), OSError):
+            logger.debug("client went away while streaming: %r", sender.exception())
+        elif not sender.cancelled() and sender.exception() is not None:
+            raise sender.exception()

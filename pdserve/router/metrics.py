@@ -1,0 +1,77 @@
+"""Prometheus metrics of one router (its own registry, so several routers can share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from pdserve.router.workers import WorkerPool
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class _WorkerCollector:
+    """Per-worker gauges read from the pool at scrape time."""
+
+    def __init__(self, pool: WorkerPool):
+        self.pool = pool
+
+    def collect(self):
+        in_flight = GaugeMetricFamily("pdserve_router_worker_in_flight", "requests in flight per worker",
+                                      labels=["worker", "role"])
+        healthy = GaugeMetricFamily("pdserve_router_worker_healthy", "1 if the worker passes health checks",
+                                    labels=["worker", "role"])
+        breaker = GaugeMetricFamily("pdserve_router_worker_circuit_open", "1 if the worker's breaker is not closed",
+                                    labels=["worker", "role"])
+        for w in self.pool.workers:
+            in_flight.add_metric([w.url, w.role], w.in_flight)
+            healthy.add_metric([w.url, w.role], int(w.healthy))
+            breaker.add_metric([w.url, w.role], int(w.breaker.state != "closed"))
+        yield from (in_flight, healthy, breaker)
+
+
+class RouterMetrics:
+    CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+    def __init__(self, pool: WorkerPool):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("pdserve_router_requests", "requests answered, by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=self.registry)
+        self.retries = Counter("pdserve_router_retries", "retries on a new worker pair", ["endpoint"],
+                               registry=self.registry)
+        self.upstream_errors = Counter("pdserve_router_upstream_errors", "failed upstream requests", ["role"],
+                                       registry=self.registry)
+        self.upstream_latency = Histogram("pdserve_router_upstream_latency_seconds",
+                                          "time from sending to a worker until its answer ended", ["role"],
+                                          buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_WorkerCollector(pool))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestCounter:
+    """ASGI middleware counting answered requests by route and status; a request whose client
+    left before any answer counts as 499."""
+
+    def __init__(self, app, metrics: RouterMetrics, endpoints: set[str]):
+        self.app = app
+        self.metrics = metrics
+        self.endpoints = endpoints
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 499
+
+        async def counting_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            path = scope.get("path", "")
+            self.metrics.requests.labels(path if path in self.endpoints else "other", str(status)).inc()
