@@ -18,7 +18,7 @@ from starlette.responses import Response
 from pdserve.engine.request import MAX_TOP_LOGPROBS
 from pdserve.server import http_util
 from pdserve.server.errors import bad_request
-from pdserve.server.tokenizer_manager import FAKE_BOOTSTRAP_HOST, ReqSpec, ReqState, TokenizerManager
+from pdserve.server.tokenizer_manager import ReqSpec, ReqState, TokenizerManager
 
 
 class GenerateRequest(msgspec.Struct):
@@ -163,12 +163,14 @@ async def _events(tm: TokenizerManager, states: list[ReqState], many: bool, with
     yield http_util.SSE_DONE
 
 
-def health_request(tm: TokenizerManager, rid: Optional[str] = None) -> ReqSpec:
-    """A one-token generation for warm-up and /health_generate (no real peer in PD modes)."""
-    fake_peer = tm.server_args.disaggregation_mode != "null"
-    return tm.make_spec(
-        "Hello", {"max_new_tokens": 1, "temperature": 0.0}, default_max_new_tokens=1, rid=rid,
-        bootstrap_host=FAKE_BOOTSTRAP_HOST if fake_peer else None, bootstrap_port=0 if fake_peer else None,
-        bootstrap_room=0 if fake_peer else None,
-    )
+def health_request(tm: TokenizerManager) -> ReqSpec:
+    """A one-token generation for warm-up and /health_generate. In a PD server it carries the
+    fake bootstrap host, for which the scheduler contacts no peer and moves no KV."""
+    bootstrap: dict = {}
+    if tm.server_args.disaggregation_mode != "null":
+        from pdserve.disagg.prefill import FAKE_BOOTSTRAP_HOST
+
+        bootstrap = {"bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_port": 0, "bootstrap_room": 0}
+    return tm.make_spec("Hello", {"max_new_tokens": 1, "temperature": 0.0}, default_max_new_tokens=1,
+                        **bootstrap)
 

@@ -28,10 +28,6 @@ from pdserve.server.scheduler_client import SchedulerClient
 logger = logging.getLogger(__name__)
 
 MAX_N = 64
-# Warm-up and /health_generate in a disaggregated server: the scheduler's transfer layer treats
-# this bootstrap host as "no peer" and completes the transfer without moving anything (SGLang's
-# FAKE_BOOTSTRAP_HOST convention).
-FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 
 
 @dataclass
