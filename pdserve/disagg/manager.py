@@ -120,6 +120,8 @@ class KVManager:
         """Queue ``msg`` to ``endpoint`` without blocking; False when it cannot be queued."""
         data = self.codec.encode(msg)
         with self._push_lock:
+            if self._closed.is_set():
+                return False
             entry = self._push.get(endpoint)
             if entry is None:
                 sock = self._ctx.socket(zmq.PUSH)
@@ -196,11 +198,12 @@ class KVManager:
         self._io.join(timeout=5)
         self.role.close()
         self.backend.close()
-        with self._push_lock:
+        with self._push_lock:  # no socket is created after this (send() checks _closed)
             socks = list(self._push.values())
             self._push.clear()
-        for sock, _ in socks:
-            sock.close(linger=0)
+        for sock, lock in socks:
+            with lock:
+                sock.close(linger=0)
         self._pull.close(linger=0)
         self._ctx.term()
 

@@ -93,6 +93,7 @@ class TransferRequest(Message, tag="transfer_request"):
     state_indices: list[int] = []
     required_dst_info_num: int = 1  # decode ranks that will ask this prefill rank for the room
     decode_prefix_pages: int = 0  # leading pages decode already holds; prefill skips them
+    reply_endpoint: str = ""  # lets prefill answer even when it does not know the session
 
 
 class TransferStatus(Message, tag="transfer_status"):
@@ -108,6 +109,7 @@ class Abort(Message, tag="abort"):
     room: int
     generation: int
     reason: str = ""
+    reply_endpoint: str = ""
 
 
 class AbortAck(Message, tag="abort_ack"):
@@ -124,6 +126,7 @@ class Heartbeat(Message, tag="heartbeat"):
     reply_endpoint: str = ""  # where the ack goes (set by decode)
     ack: bool = False
     prefill_rank: int = -1  # set on acks
+    known: bool = True  # on acks: False when the prefill rank does not know the session (restarted)
 
 
 AnyMessage = Union[Register, RegisterAck, TransferRequest, TransferStatus, Abort, AbortAck, Heartbeat]

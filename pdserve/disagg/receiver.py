@@ -184,6 +184,8 @@ class DecodeRole:
                 c = next((c for c in self.conns.values() if c.session_id == msg.session_id), None)
                 if c is not None:
                     c.hb_seen[msg.prefill_rank] = max(c.hb_seen.get(msg.prefill_rank, 0), msg.seq)
+            if c is not None and not msg.known and c.state == "ready":
+                self._fail_conn(c, f"prefill instance {c.addr} restarted (it no longer knows this decode rank)")
         elif isinstance(msg, AbortAck):
             with m.lock:
                 rs = self.rooms.get(msg.room)
@@ -242,10 +244,10 @@ class DecodeRole:
 
     def clear(self, rs: _RoomRecv) -> None:
         with self.mgr.lock:
-            if self.rooms.get(rs.room) is rs:
+            if self.rooms.get(rs.room) is rs:  # not a newer receiver of the same room
                 del self.rooms[rs.room]
                 self.mgr.status.clear(rs.room)
-            rs.conn.rooms.discard(rs.room)
+                rs.conn.rooms.discard(rs.room)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -303,7 +305,8 @@ class KVReceiver:
         reqs = [(t, TransferRequest(session_id=c.session_id, room=self.room, generation=rs.generation,
                                     dst_pages=[int(p) for p in dst_pages], aux_slot=int(aux_slot),
                                     state_indices=[int(i) for i in state_indices or []],
-                                    required_dst_info_num=1, decode_prefix_pages=int(decode_prefix_pages)))
+                                    required_dst_info_num=1, decode_prefix_pages=int(decode_prefix_pages),
+                                    reply_endpoint=m.endpoint(parse_addr(c.addr)[0])))
                 for t in c.targets]
         with m.lock:
             rs.sent_at = time.monotonic()
@@ -327,9 +330,10 @@ class KVReceiver:
                 return
             rs.abort_at = time.monotonic()
             pending = [t for t in rs.conn.targets if t.rank not in rs.stopped]
+        reply = self.mgr.endpoint(parse_addr(rs.conn.addr)[0])
         for t in pending:
-            self.mgr.send(t.endpoint, Abort(session_id=rs.conn.session_id, room=self.room,
-                                            generation=rs.generation, reason=reason))
+            self.mgr.send(t.endpoint, Abort(session_id=rs.conn.session_id, room=self.room, generation=rs.generation,
+                                            reason=reason, reply_endpoint=reply))
 
     def writes_drained(self) -> bool:
         """True when no prefill rank can still write into this room's pages: nothing was asked,

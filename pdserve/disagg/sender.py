@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -25,6 +26,7 @@ from pdserve.disagg.writer import Chunk, TransferWorkers
 logger = logging.getLogger(__name__)
 
 NUM_TRANSFER_WORKERS = 2
+MAX_TOMBSTONES = 16384
 
 
 @dataclass
@@ -55,6 +57,9 @@ class PrefillRole:
         self.rank = a.engine_rank * a.pp_size + a.pp_rank  # unique within the prefill instance
         self.sessions: dict[str, _Session] = {}
         self.rooms: dict[int, _Room] = {}
+        # rooms that ended here (or were aborted before anything arrived) -> why; a late
+        # TransferRequest or sender for them fails at once instead of waiting for a timeout
+        self._tombstones: OrderedDict[int, str] = OrderedDict()
         self.workers = TransferWorkers(self, NUM_TRANSFER_WORKERS)
         self._next_sweep = 0.0
         self.session_idle_s = max(mgr.heartbeat_interval * mgr.heartbeat_misses * 5, 30.0)
@@ -82,7 +87,7 @@ class PrefillRole:
                 if s is not None:
                     s.last_seen = time.monotonic()
             self.mgr.send(msg.reply_endpoint, Heartbeat(session_id=msg.session_id, seq=msg.seq, ack=True,
-                                                        prefill_rank=self.rank))
+                                                        prefill_rank=self.rank, known=s is not None))
         else:
             logger.warning("%s: unexpected %s from a decode rank", self.mgr.name, type(msg).__name__)
 
@@ -136,25 +141,34 @@ class PrefillRole:
         with m.lock:
             sess = self.sessions.get(msg.session_id)
             reason = ""
+            r = self.rooms.get(msg.room)
+            old = r.dsts.get(msg.session_id) if r is not None else None
             if sess is None:
                 reason = f"decode session {msg.session_id} is not registered with prefill rank {self.rank}"
             elif sess.error:
                 reason = sess.error
-            if reason:
-                m.update_status(msg.room, KVPoll.Failed, reason, create=True)
-                self.rooms.setdefault(msg.room, _Room(msg.room, time.monotonic()))
-            else:
+            elif msg.room in self._tombstones:
+                reason = f"prefill already ended room {msg.room}: {self._tombstones[msg.room]}"
+            elif (old is not None and old.generation != msg.generation
+                  and m.status.get(msg.room) in (KVPoll.Transferring, KVPoll.Success)):
+                # fence: never redirect writes of a transfer in progress to new pages
+                reason = f"decode re-requested room {msg.room} while its transfer was in progress"
+                m.update_status(msg.room, KVPoll.Failed, reason)
+            if not reason:
                 sess.last_seen = time.monotonic()
                 r = self.rooms.setdefault(msg.room, _Room(msg.room, time.monotonic()))
                 r.dsts[msg.session_id] = msg
                 r.required = max(1, msg.required_dst_info_num)
-                if m.get_status(msg.room) == KVPoll.Failed:
+                if m.status.get(msg.room) == KVPoll.Failed:
                     reason = m.failure_reason(msg.room) or "room already failed on prefill"
                 elif len(r.dsts) >= r.required:
                     m.update_status(msg.room, KVPoll.WaitingForInput, create=True)
+            elif sess is None or sess.error:
+                m.update_status(msg.room, KVPoll.Failed, reason, create=True)
+                self.rooms.setdefault(msg.room, _Room(msg.room, time.monotonic()))
         if reason:
-            endpoint = sess.reply_endpoint if sess is not None else None
-            if endpoint is None:
+            endpoint = sess.reply_endpoint if sess is not None else msg.reply_endpoint
+            if not endpoint:
                 logger.warning("%s: transfer request for room %d from unknown session %s", m.name, msg.room,
                                msg.session_id)
                 return
@@ -162,11 +176,16 @@ class PrefillRole:
                                             prefill_rank=self.rank, reason=reason))
 
     def _on_abort(self, msg: Abort) -> None:
-        self.mgr.update_status(msg.room, KVPoll.Failed, f"aborted by decode: {msg.reason}")
+        reason = f"aborted by decode: {msg.reason}"
         with self.mgr.lock:
             sess = self.sessions.get(msg.session_id)
-        if sess is not None:
-            self.workers.submit_abort_ack(msg.room, msg.generation, sess.reply_endpoint)
+            if msg.room in self.mgr.status:
+                self.mgr.update_status(msg.room, KVPoll.Failed, reason)
+            else:  # nothing arrived for the room yet: a sender created later fails at once
+                self._bury(msg.room, reason)
+        endpoint = sess.reply_endpoint if sess is not None else msg.reply_endpoint
+        if endpoint:
+            self.workers.submit_abort_ack(msg.room, msg.generation, endpoint)
 
     def tick(self, now: float) -> None:
         if now < self._next_sweep:
@@ -179,6 +198,7 @@ class PrefillRole:
             for room in [r.room for r in self.rooms.values() if not r.has_sender and now - r.created > orphan_after]:
                 self.rooms.pop(room, None)
                 m.status.clear(room)
+                self._bury(room, "the room expired before this prefill received the request")
             busy = {sid for r in self.rooms.values() for sid in r.dsts}
             idle = [s for s in self.sessions.values() if s.session_id not in busy and now - s.last_seen > self.session_idle_s]
             for s in idle:
@@ -188,11 +208,20 @@ class PrefillRole:
             m.backend.disconnect(s.session_id)
 
     # ---- scheduler-facing helpers ---------------------------------------------------------
+    def _bury(self, room: int, reason: str) -> None:
+        self._tombstones[room] = reason
+        self._tombstones.move_to_end(room)
+        while len(self._tombstones) > MAX_TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
     def add_sender(self, room: int) -> None:
         with self.mgr.lock:
             r = self.rooms.setdefault(room, _Room(room, time.monotonic()))
             r.has_sender = True
             self.mgr.status.add(room, KVPoll.Bootstrapping)
+            reason = self._tombstones.pop(room, None)
+            if reason is not None:
+                self.mgr.update_status(room, KVPoll.Failed, reason)
 
     def fail(self, room: int, reason: str) -> None:
         """Fail the room locally now and tell decode once in-flight writes are done."""
@@ -204,6 +233,11 @@ class PrefillRole:
 
     def clear(self, room: int) -> None:
         with self.mgr.lock:
+            st = self.mgr.status.get(room)
+            if st == KVPoll.Failed:
+                self._bury(room, "failed: " + (self.mgr.status.reason(room) or "unknown reason"))
+            elif st is not None:
+                self._bury(room, "finished" if st == KVPoll.Success else "released before its transfer")
             self.rooms.pop(room, None)
             self.mgr.status.clear(room)
 

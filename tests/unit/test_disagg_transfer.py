@@ -17,8 +17,8 @@ from pdserve.config import ServerArgs  # noqa: E402
 from pdserve.disagg.bootstrap import BootstrapServer  # noqa: E402
 from pdserve.disagg.kv_args import KVArgs  # noqa: E402
 from pdserve.disagg.manager import KVManager, get_kv_class  # noqa: E402
-from pdserve.disagg.messages import (BufferDesc, Heartbeat, Register, RegisterAck, TransferRequest,  # noqa: E402
-                                     TransferStatus, decode_message, encode_message)
+from pdserve.disagg.messages import (Abort, AbortAck, BufferDesc, Heartbeat, Register, RegisterAck,  # noqa: E402
+                                     TransferRequest, TransferStatus, decode_message, encode_message)
 from pdserve.disagg.metadata import MetadataBuffers  # noqa: E402
 from pdserve.disagg.poll import KVPoll  # noqa: E402
 from pdserve.engine.kv_pool import KVPool  # noqa: E402
@@ -92,7 +92,21 @@ def test_prefill_rejects_incompatible_register(prefill_mgr):
         assert "head_dim mismatch" in sender.failure_reason()
         push.send(encode_message(Heartbeat(session_id="s1", seq=5, reply_endpoint=f"tcp://127.0.0.1:{port}")))
         hb = decode_message(pull.recv())
-        assert isinstance(hb, Heartbeat) and hb.ack and hb.seq == 5
+        assert isinstance(hb, Heartbeat) and hb.ack and hb.seq == 5 and hb.known
+        # a prefill that does not know the session (e.g. restarted) says so, and fails its rooms
+        push.send(encode_message(Heartbeat(session_id="nope", seq=1, reply_endpoint=f"tcp://127.0.0.1:{port}")))
+        assert not decode_message(pull.recv()).known
+        push.send(encode_message(TransferRequest(session_id="nope", room=100, generation=1, dst_pages=[1],
+                                                 aux_slot=0, reply_endpoint=f"tcp://127.0.0.1:{port}")))
+        status = decode_message(pull.recv())
+        assert status.room == 100 and status.state == KVPoll.Failed and "not registered" in status.reason
+        # an abort for a room prefill has not seen yet: acknowledged, and a later sender fails at once
+        push.send(encode_message(Abort(session_id="nope", room=101, generation=3, reason="client left",
+                                       reply_endpoint=f"tcp://127.0.0.1:{port}")))
+        ack = decode_message(pull.recv())
+        assert isinstance(ack, AbortAck) and ack.room == 101 and ack.generation == 3
+        late = get_kv_class("local", "sender")(mgr, "x:1", 101)
+        assert late.poll() == KVPoll.Failed and late.failure_reason() == "aborted by decode: client left"
     finally:
         push.close(0)
         pull.close(0)
