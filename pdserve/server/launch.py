@@ -74,7 +74,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 def _load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # any loader failure is a start-up error with its reason
+        raise RuntimeError(f"cannot load the tokenizer from {path!r}: {e}") from None
 
 
 def _serve_http(server_args: ServerArgs, tokenizer, client: SchedulerClient) -> int:

@@ -22,20 +22,20 @@ SERVER_MAX_BODY_BYTES = 1 << 20
 READY_TIMEOUT_S = 300.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _children(pid: int) -> list[int]:
+def child_pids(pid: int) -> list[int]:
     kids: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         kids += [int(p) for p in (task / "children").read_text().split()]
     return kids
 
 
-def _alive(pid: int) -> bool:
+def is_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -100,7 +100,7 @@ def tiny_llama_path() -> str:
 
 @pytest.fixture(scope="session")
 def server(tiny_llama_path, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [
         sys.executable, "-m", "pdserve.cli", "serve", "--model-path", tiny_llama_path, "--port", str(port),
@@ -122,7 +122,7 @@ def server(tiny_llama_path, tmp_path_factory):
 
     try:
         wait_for(healthy, READY_TIMEOUT_S, "the server's /health", interval=0.25)
-        live.children = _children(proc.pid)
+        live.children = child_pids(proc.pid)
         yield live
     finally:
         live.http.close()
@@ -136,7 +136,7 @@ def server(tiny_llama_path, tmp_path_factory):
     # Shutdown contract: SIGTERM exits cleanly and takes the scheduler process with it.
     assert code == 0, live.log_tail()
     assert live.children, "the server should run its scheduler in a child process"
-    wait_for(lambda: not any(_alive(pid) for pid in live.children), 10, "the scheduler process to exit")
+    wait_for(lambda: not any(is_alive(pid) for pid in live.children), 10, "the scheduler process to exit")
 
 
 @pytest.fixture
