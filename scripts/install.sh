@@ -19,7 +19,7 @@ fi
 if [ "${1:-}" = "--test" ]; then
   $PIP -e ".[demo,bench,test]"
   # the real Rust router, for the wire-compatibility tests (a plain wheel, no torch)
-  $PIP sglang-router || echo "install.sh: sglang-router could not be installed on this platform" >&2
+  $PIP "sglang-router==0.3.2" || echo "install.sh: sglang-router could not be installed on this platform" >&2
 else
   $PIP -e ".[demo,bench]"
 fi

@@ -1,0 +1,149 @@
+"""Start real pdserve servers and routers as subprocesses for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import httpx
+
+READY_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(cond, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+class Proc:
+    """One HTTP process (server or router) started by a test."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, log_dir: Path, env: Optional[dict] = None):
+        self.name = name
+        self.cmd = cmd
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_dir / f"{name}.log"
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        self.proc: Optional[subprocess.Popen] = None
+        self.http = httpx.Client(base_url=self.url, timeout=120)
+
+    def start(self, wait: bool = True) -> "Proc":
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        def healthy() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                return self.http.get("/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(healthy, timeout, f"{self.name}'s /health", interval=0.25)
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def kill9(self) -> None:
+        """SIGKILL the whole process group (front end and scheduler)."""
+        if self.proc is not None and self.proc.poll() is None:
+            for pid in [self.proc.pid, *children(self.proc.pid)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.proc.wait()
+
+    def integrity(self) -> dict:
+        r = self.http.get("/debug/integrity")
+        assert r.status_code == 200, r.text
+        return r.json()["integrity"]
+
+    def wait_idle(self, timeout: float = 30.0) -> dict:
+        """Wait until nothing runs and every KV page and metadata slot is free or cached."""
+
+        def idle():
+            body = self.http.get("/debug/integrity").json()
+            pools = body["integrity"]
+            done = body.get("front_end_requests", 0) == 0 and pools["running"] == 0 and pools["waiting"] == 0 \
+                and pools["in_use_pages"] == 0 \
+                and pools.get("metadata_slots_free", 0) == pools.get("metadata_slots_total", 0)
+            return pools if done else None
+
+        pools = wait_for(idle, timeout, f"{self.name} to become idle", interval=0.1)
+        assert pools["free_pages"] + pools["cached_pages"] + pools["in_use_pages"] == pools["total_pages"], pools
+        return pools
+
+
+def children(pid: int) -> list[int]:
+    kids: list[int] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            kids += [int(p) for p in (task / "children").read_text().split()]
+    except OSError:
+        pass
+    return kids
+
+
+def server(name: str, model_path: str, log_dir: Path, *args: str, port: Optional[int] = None) -> Proc:
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model-path", model_path, "--port", str(port),
+           "--torch-num-threads", "1", *args]
+    return Proc(name, cmd, port, log_dir)
+
+
+def prefill(name: str, model_path: str, log_dir: Path, *args: str) -> tuple[Proc, int]:
+    bport = free_port()
+    p = server(name, model_path, log_dir, "--disaggregation-mode", "prefill",
+               "--disaggregation-bootstrap-port", str(bport), *args)
+    p.bootstrap_port = bport
+    return p, bport
+
+
+def decode(name: str, model_path: str, log_dir: Path, *args: str) -> Proc:
+    return server(name, model_path, log_dir, "--disaggregation-mode", "decode", *args)
+
+
+def router(name: str, prefills: list[Proc], decodes: list[Proc], log_dir: Path, *args: str) -> Proc:
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdserve.cli", "router", "--port", str(port), *args]
+    for p in prefills:
+        cmd += ["--prefill", p.url, str(p.bootstrap_port)]
+    for d in decodes:
+        cmd += ["--decode", d.url]
+    return Proc(name, cmd, port, log_dir)
