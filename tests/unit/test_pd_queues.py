@@ -1,0 +1,140 @@
+"""The PD queues inside the scheduler, without HTTP: state machine on the fake backend, and the
+real local backend between two schedulers in one process."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from pdserve.config import ServerArgs
+from pdserve.disagg.poll import KVPoll
+from pdserve.disagg.setup import attach_disaggregation
+from pdserve.engine.request import FinishKind, Req, SamplingParams
+from tests.helpers.checkpoints import build_tiny_checkpoint
+from tests.helpers.cluster import free_port
+
+torch.set_num_threads(1)
+
+
+def make(mode: str, backend: str, **kw) -> "Scheduler":
+    args = ServerArgs(model_path=build_tiny_checkpoint("llama"), max_total_tokens=4096, page_size=16,
+                      chunked_prefill_size=64, torch_num_threads=1, disaggregation_mode=mode,
+                      disaggregation_transfer_backend=backend, disaggregation_waiting_timeout=3,
+                      disaggregation_bootstrap_timeout=3, **kw)
+    return attach_disaggregation(args)
+
+
+def req(rid: str, ids: list[int], room: int, host: str = "127.0.0.1", port: int = 1, **sp) -> Req:
+    return Req(rid=rid, input_ids=list(ids), return_logprob=True, bootstrap_host=host, bootstrap_port=port,
+               bootstrap_room=room,
+               sampling=SamplingParams(**{"temperature": 0, "max_new_tokens": 6, "ignore_eos": True, **sp}))
+
+
+def run_until(cond, *schedulers, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        for s in schedulers:
+            s.step()
+
+
+def test_fake_backend_prefill_state_machine():
+    P = make("prefill", "fake")
+    r = req("a", range(100, 170), room=7)
+    P.add_request(r)
+    assert r in P.pd.bootstrap and r.sampling.max_new_tokens == 1
+    # fake sender: WaitingForInput at once, so the first step moves it to prefill
+    assert r.disagg.sender.poll() == KVPoll.WaitingForInput
+    P.step()
+    assert r not in P.pd.bootstrap
+    run_until(lambda: r.finished, P)
+    assert r.finish_reason.kind == FinishKind.LENGTH and len(r.output_ids) == 1
+    info = P.check_integrity()
+    assert info["in_use_pages"] == 0 and info["metadata_slots_free"] == info["metadata_slots_total"]
+
+
+def test_fake_backend_decode_computes_locally():
+    D = make("decode", "fake")
+    r = req("b", range(200, 240), room=9)
+    D.add_request(r)
+    assert r in D.pd.prealloc
+    run_until(lambda: r.finished, D)
+    # nothing arrived (fake): the row's room does not match, so decode ran the prompt itself
+    import pdserve
+
+    ref = pdserve.Engine(model_path=build_tiny_checkpoint("llama"), torch_num_threads=1, max_total_tokens=4096)
+    out = ref.generate(input_ids=list(range(200, 240)),
+                       sampling_params={"temperature": 0, "max_new_tokens": 6, "ignore_eos": True})
+    assert r.output_ids == out["output_ids"]
+    info = D.check_integrity()
+    assert info["in_use_pages"] == 0 and info["metadata_slots_free"] == info["metadata_slots_total"]
+
+
+@pytest.fixture(scope="module")
+def local_pair():
+    bport = free_port()
+    P = make("prefill", "local", disaggregation_bootstrap_port=bport)
+    D = make("decode", "local")
+    yield P, D, bport
+    P.pd.mgr.close()
+    D.pd.mgr.close()
+    P.pd.bootstrap_server.shutdown()
+
+
+def test_local_backend_queues_and_metadata(local_pair):
+    P, D, bport = local_pair
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (1, 16, 17, 63, 64, 65, 200)]
+    pairs = []
+    for i, ids in enumerate(prompts):
+        room = rng.randrange(2**63)
+        rp, rd = req(f"p{i}", ids, room, port=bport), req(f"d{i}", ids, room, port=bport)
+        P.add_request(rp)
+        D.add_request(rd)
+        pairs.append((rp, rd))
+    seen = set()
+
+    def progress():
+        for _, rd in pairs:
+            if rd in D.pd.prealloc:
+                seen.add("prealloc")
+            if rd in D.pd.transfer:
+                seen.add("transfer")
+        for rp, _ in pairs:
+            if rp in P.pd.inflight:
+                seen.add("inflight")
+        return all(rd.finished for _, rd in pairs)
+
+    run_until(progress, P, D)
+    assert {"prealloc", "transfer"} <= seen
+    run_until(lambda: all(rp.finished for rp, _ in pairs), P, D)
+    import pdserve
+
+    ref = pdserve.Engine(model_path=build_tiny_checkpoint("llama"), torch_num_threads=1, max_total_tokens=8192)
+    outs = ref.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
+                        return_logprob=True)
+    for (rp, rd), out in zip(pairs, outs):
+        assert rp.finish_reason.kind == FinishKind.LENGTH and rp.output_ids == out["output_ids"][:1]
+        assert rd.output_ids == out["output_ids"]
+        for (a, _), (b, _, _) in zip(rd.output_token_logprobs, out["meta_info"]["output_token_logprobs"]):
+            assert abs(a - b) < 1e-4
+    for s in (P, D):
+        info = s.check_integrity()
+        assert info["in_use_pages"] == 0 and info["metadata_slots_free"] == info["metadata_slots_total"]
+
+
+def test_decode_times_out_a_room_whose_prefill_never_comes(local_pair):
+    P, D, bport = local_pair
+    rd = req("lonely", [5, 6, 7], room=12345, port=bport)
+    D.add_request(rd)
+    t0 = time.monotonic()
+    run_until(lambda: rd.finished, D, P, timeout=20)
+    assert rd.finish_reason.kind == FinishKind.ABORT
+    assert "timed out" in rd.finish_reason.message
+    assert time.monotonic() - t0 < 15
+    run_until(lambda: not D.pd.has_work, D, P)
+    info = D.check_integrity()
+    assert info["in_use_pages"] == 0 and info["metadata_slots_free"] == info["metadata_slots_total"]
