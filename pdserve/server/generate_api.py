@@ -9,7 +9,7 @@ output_ids in every ``data:`` event (as SGLang does), ``"index"`` added for list
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator
 
 import msgspec
 from starlette.requests import Request
