@@ -134,8 +134,8 @@ async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
                 "finish_reason": finish_reason(fr), "matched_stop": matched_stop(fr)}
 
     if stream:
-        return http_util.sse_response(tm, states, 
-            _events(tm, states, {**head, "object": "chat.completion.chunk"}, chunk_choice, req.include_usage, n))
+        events = _events(tm, states, {**head, "object": "chat.completion.chunk"}, chunk_choice, req.include_usage, n)
+        return http_util.sse_response(tm, states, events)
     await http_util.unless_disconnected(request, http_util.wait_all(tm, states))
     choices = [{"index": i, "message": {"role": "assistant", "content": s.text}, "logprobs": logprobs(s, 0),
                 "finish_reason": finish_reason(s.finish_reason), "matched_stop": matched_stop(s.finish_reason)}
