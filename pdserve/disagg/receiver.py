@@ -112,14 +112,14 @@ class DecodeRole:
         if info.get("tp_size") != a.tp_size:
             errs.append(f"tp_size mismatch: prefill {info.get('tp_size')}, decode {a.tp_size} "
                         "(different TP sizes are not supported yet)")
-        if errs:
-            return self._fail_conn(c, f"prefill {c.addr} is incompatible: " + "; ".join(errs))
         c.info = info
         pp_size = int(info["pp_size"])
         tp_rank = a.engine_rank % int(info["tp_size"])
         for pp in range(pp_size):  # decode holds every layer: ask every prefill stage
             r = fetch_rank_info(host, port, 0, tp_rank, pp, timeout=2.0)
             c.targets.append(_Target(f"tcp://{r['rank_ip']}:{r['rank_port']}", tp_rank * pp_size + pp))
+        if errs:
+            return self._fail_conn(c, f"prefill {c.addr} is incompatible: " + "; ".join(errs), tell_prefill=True)
         reg = Register(session_id=c.session_id, decode_rank=a.engine_rank, decode_tp_size=a.tp_size,
                        reply_endpoint=m.endpoint(host), buffers=BufferDesc.from_kv_args(a),
                        compat=a.compat_info(), backend=m.backend_name, backend_info=m.backend.describe())
@@ -135,20 +135,30 @@ class DecodeRole:
                                       f"within {REGISTER_TIMEOUT_S:.0f}s")
         rejected = [ack.error for ack in c.acks.values() if not ack.ok]
         if rejected:
-            return self._fail_conn(c, f"prefill {c.addr} rejected registration: {'; '.join(rejected)}")
+            return self._fail_conn(c, f"prefill {c.addr} rejected registration: {'; '.join(rejected)}",
+                                   tell_prefill=True)
         with m.lock:
             if c.state == "connecting":
                 c.state = "ready"
                 c.next_hb = time.monotonic() + m.heartbeat_interval
                 for t in c.targets:
                     c.hb_seen[t.rank], c.hb_misses[t.rank] = 0, 0
+            # rooms aborted while the connection was being set up: tell prefill now
+            aborted = [(r, self.rooms[r]) for r in c.rooms if r in self.rooms and m.status.get(r) == KVPoll.Failed]
+            for _, rs in aborted:
+                rs.abort_at = time.monotonic()
+        for room, rs in aborted:
+            self._send_abort(c, room, rs.generation, m.failure_reason(room))
         logger.info("%s: connected to prefill %s (%d rank(s))", m.name, c.addr, len(c.targets))
 
-    def _fail_conn(self, c: _Conn, reason: str) -> None:
+    def _fail_conn(self, c: _Conn, reason: str, tell_prefill: bool = False) -> None:
+        """Fail the connection and its unfinished rooms. ``tell_prefill``: the prefill is alive
+        (e.g. incompatible), so abort the rooms there too instead of letting them time out."""
         m = self.mgr
+        failed = []
         with m.lock:
             if c.state == "failed":
-                return
+                return failed
             c.state, c.error = "failed", reason
             if self.conns.get(c.addr) is c:
                 del self.conns[c.addr]  # the next room to this address starts afresh
@@ -157,11 +167,19 @@ class DecodeRole:
                 if rs is not None and rs.conn is c and m.status.get(room) != KVPoll.Success:
                     rs.peer_dead = True
                     m.update_status(room, KVPoll.Failed, reason)
+                    failed.append((room, rs.generation))
         with c.acked:
             c.acked.notify_all()
-        for t in c.targets:
-            m.drop_peer(t.endpoint)
         logger.warning("%s: %s", m.name, reason)
+        if tell_prefill:
+            for room, generation in failed:
+                self._send_abort(c, room, generation, reason)
+
+    def _send_abort(self, c: _Conn, room: int, generation: int, reason: str) -> None:
+        reply = self.mgr.endpoint(parse_addr(c.addr)[0])
+        for t in c.targets:
+            self.mgr.send(t.endpoint, Abort(session_id=c.session_id, room=room, generation=generation,
+                                            reason=reason, reply_endpoint=reply))
 
     # ---- control messages (I/O thread) ----------------------------------------------------
     def on_message(self, msg) -> None:
@@ -224,6 +242,8 @@ class DecodeRole:
                 beats += [(t.endpoint, hb) for t in c.targets]
         for c, reason in dead:
             self._fail_conn(c, reason)
+            for t in c.targets:
+                m.drop_peer(t.endpoint)
         for endpoint, hb in beats:
             m.send(endpoint, hb)
 
@@ -324,16 +344,16 @@ class KVReceiver:
         self._send_abort(reason)
 
     def _send_abort(self, reason: str) -> None:
+        """Tell the prefill rank(s) to stop (or never start) the room. Only after send_metadata
+        can they write, so only then ``writes_drained`` waits for their acknowledgements."""
         rs = self._rs
         with self.mgr.lock:
-            if rs.sent_at is None or rs.abort_at is not None:
+            if rs.abort_at is not None or rs.peer_dead or rs.conn.state != "ready":
                 return
             rs.abort_at = time.monotonic()
-            pending = [t for t in rs.conn.targets if t.rank not in rs.stopped]
-        reply = self.mgr.endpoint(parse_addr(rs.conn.addr)[0])
-        for t in pending:
-            self.mgr.send(t.endpoint, Abort(session_id=rs.conn.session_id, room=self.room, generation=rs.generation,
-                                            reason=reason, reply_endpoint=reply))
+            if all(t.rank in rs.stopped for t in rs.conn.targets):
+                return
+        self.role._send_abort(rs.conn, self.room, rs.generation, reason)
 
     def writes_drained(self) -> bool:
         """True when no prefill rank can still write into this room's pages: nothing was asked,
@@ -346,6 +366,7 @@ class KVReceiver:
             if all(t.rank in rs.stopped for t in rs.conn.targets):
                 return True
             if rs.abort_at is not None and time.monotonic() - rs.abort_at > m.waiting_timeout:
+                # the prefill answers heartbeats but not the abort: stop waiting, but say so
                 logger.warning("%s: room %d: no abort acknowledgement within %.1fs; releasing its pages",
                                m.name, self.room, m.waiting_timeout)
                 rs.peer_dead = True

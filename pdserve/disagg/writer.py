@@ -90,8 +90,13 @@ class TransferWorkers:
             if m.status.get(job.room) in (None, KVPoll.Failed):
                 return  # cleared, aborted or failed: write nothing more
             targets = self.role.targets(job.room)
+            room = self.role.rooms.get(job.room)
+            required = room.required if room is not None else 1
         sess = None
         try:
+            if len(targets) < required:
+                raise RuntimeError(f"{len(targets)} of {required} decode destinations known for the room "
+                                   "(send() before poll() reached WaitingForInput?)")
             if job.ready_event is not None:
                 job.ready_event.synchronize()
             for sess, req in targets:

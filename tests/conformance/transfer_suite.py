@@ -99,6 +99,8 @@ def prefill_main(cfg: dict[str, Any], out, stop) -> None:
     deadline = time.monotonic() + cfg.get("deadline", 60)
     while not stop.is_set() and time.monotonic() < deadline:
         states = {room: s.poll() for room, s in senders.items()}
+        if all(st in (KVPoll.Success, KVPoll.Failed) for st in states.values()):
+            break
         ready = all(st >= KVPoll.WaitingForInput or st == KVPoll.Failed for st in states.values())
         if ready and not announced:
             out.put(("waiting", None))
@@ -121,6 +123,7 @@ def prefill_main(cfg: dict[str, Any], out, stop) -> None:
                     off += n
         time.sleep(0.005)
     out.put(("final", {room: (int(s.poll()), s.failure_reason()) for room, s in senders.items()}))
+    stop.wait(cfg.get("deadline", 60))  # keep answering decode until the test is done
     mgr.close()
     server.shutdown()
 
@@ -228,8 +231,6 @@ class Run:
         decode = self.expect(self.out_d, "decode")
         self.stop.set()
         res = {"decode": decode, "shm_left": self.expect(self.out_d, "shm_left")}
-        if self.prefill.is_alive():
-            res["prefill_final"] = self.expect(self.out_p, "final")
         self.close()
         return res
 
@@ -275,10 +276,11 @@ def protocol_run(backend):
     run = Run(backend, protocol_rooms(), barrier=True)
     try:
         expected = run.expect(run.out_p, "expected")
+        final = run.expect(run.out_p, "final")
         res = run.finish()
     finally:
         run.close()
-    res["expected"] = expected
+    res["expected"], res["prefill_final"] = expected, final
     return res
 
 
@@ -311,11 +313,20 @@ def test_decode_shared_memory_released(protocol_run):
 
 def test_incompatible_page_size_fails_with_both_values(backend):
     rooms = [room_spec(7, [1], [1], [1], prefill="hold")]
-    run = Run(backend, rooms, prefill_page_size=16, decode_page_size=1, prefill_pages=16, decode_pages=64)
-    res = run.finish()
+    run = Run(backend, rooms, prefill_page_size=16, decode_page_size=1, prefill_pages=16, decode_pages=64,
+              bootstrap_timeout=120)
+    t0 = time.monotonic()
+    try:
+        final = run.expect(run.out_p, "final")
+        res = run.finish()
+    finally:
+        run.close()
     got = res["decode"]["rooms"][7]
     assert got["state"] == FAILED
     assert "page_size mismatch: prefill 16, decode 1" in got["reason"]
+    # decode told prefill, which ended the request at once instead of at its 120 s timeout
+    assert final[7][0] == FAILED and "page_size mismatch: prefill 16, decode 1" in final[7][1]
+    assert time.monotonic() - t0 < 60
 
 
 def test_prefill_failures_and_aborts(backend):
@@ -326,8 +337,12 @@ def test_prefill_failures_and_aborts(backend):
         room_spec(14, [9], [9], [1], prefill="hold", decode="abort"),  # decode aborts
     ]
     run = Run(backend, rooms, waiting_timeout=1.5)
-    expected = run.expect(run.out_p, "expected")
-    res = run.finish()
+    try:
+        expected = run.expect(run.out_p, "expected")
+        final = run.expect(run.out_p, "final")
+        res = run.finish()
+    finally:
+        run.close()
     got = res["decode"]["rooms"]
     assert got[11]["state"] == SUCCESS and got[11]["bytes"] == expected[11]
     for room in (12, 13):
@@ -337,7 +352,6 @@ def test_prefill_failures_and_aborts(backend):
     assert got[14]["state"] == FAILED and got[14]["reason"] == "test abort"
     # every asked prefill rank acknowledged: the pages can be reused
     assert all(got[room]["drained"] for room in (12, 13, 14))
-    final = res["prefill_final"]
     assert final[11][0] == SUCCESS
     assert final[12][0] == FAILED and "aborted by decode: timed out" in final[12][1]
     assert final[14][0] == FAILED and final[14][1] == "aborted by decode: test abort"
