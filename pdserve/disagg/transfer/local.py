@@ -225,7 +225,8 @@ class LocalBackend(TransferBackend):
                     raise TransferError(f"unknown segment kind {s['kind']!r}")
                 kinds.append(s["kind"])
         except FileNotFoundError as e:
-            raise TransferError(f"peer's shared segment is gone (decode exited?): {e.filename}") from None
+            raise TransferError(f"decode's shared segment {e.filename} not found: decode exited, or it runs on "
+                                "another host (the local backend needs prefill and decode on one host)") from None
         except OSError as e:
             raise TransferError(f"cannot map peer's shared segment: {e}") from None
         pm = _PeerMap(
