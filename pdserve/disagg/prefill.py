@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -32,6 +34,8 @@ class _PrefillState:
     sender: Any
     slot: Optional[int] = None
     sent_pages: int = 0
+    first_send: Optional[float] = None  # monotonic time of the first chunk handed to the sender
+    last_send: Optional[float] = None
 
 
 class PrefillQueues:
@@ -45,6 +49,10 @@ class PrefillQueues:
         self.group = group
         self.bootstrap: list[Req] = []
         self.inflight: list[Req] = []
+        # per finished transfer: bytes moved and timings (served in /server_info for benchmarks)
+        self.recent_transfers: deque[dict] = deque(maxlen=256)
+        kv = scheduler.pool
+        self.page_bytes = kv.item_bytes * 2 * kv.num_layers
         scheduler.on_chunk_done = self.on_chunk_done
         scheduler.on_prefill_done = self.on_prefill_done
 
@@ -126,9 +134,26 @@ class PrefillQueues:
         states = poll_and_all_reduce([r.disagg.sender for r in self.inflight], self.group)
         for req, state in zip(list(self.inflight), states):
             if state == KVPoll.Success:
+                self._record_transfer(req)
                 self.s.finish(req, FinishReason(FinishKind.LENGTH, matched=len(req.output_ids)))
             elif state == KVPoll.Failed:
                 self._fail(req, req.disagg.sender.failure_reason() or "KV transfer failed")
+
+    def _record_transfer(self, req: Req) -> None:
+        st: _PrefillState = req.disagg
+        if st.first_send is None or req.bootstrap_room is None:
+            return
+        now = time.monotonic()
+        nbytes = st.sent_pages * self.page_bytes
+        window = now - st.first_send
+        self.recent_transfers.append({
+            "rid": req.rid, "room": req.bootstrap_room, "pages": st.sent_pages, "kv_bytes": nbytes,
+            "window_s": window, "after_last_chunk_s": now - st.last_send,
+            "gb_per_s": nbytes / window / 1e9 if window > 0 else None,
+        })
+
+    def stats(self) -> dict:
+        return {"recent_transfers": list(self.recent_transfers)}
 
     # ---- hooks called by the scheduler -------------------------------------------------------
     def on_chunk_done(self, req: Req) -> None:
@@ -138,6 +163,7 @@ class PrefillQueues:
             return
         full = req.kv_len // self.s.page_size
         if full > st.sent_pages:
+            st.first_send = st.first_send or time.monotonic()
             st.sender.send(req.pages[st.sent_pages:full], last_chunk=False)
             st.sent_pages = full
 
@@ -149,6 +175,8 @@ class PrefillQueues:
         top = req.output_top_logprobs[0] if req.output_top_logprobs else None
         self.meta.set_row(st.slot, req.bootstrap_room or 0, tok, logprob=logprob, top_logprobs=top,
                           cached_tokens=(req.cached_tokens, req.cached_tokens, 0, 0))
+        st.last_send = time.monotonic()
+        st.first_send = st.first_send or st.last_send
         st.sender.send(req.pages[st.sent_pages:], last_chunk=True)
         st.sent_pages = len(req.pages)
         self.s.running.remove(req)

@@ -149,6 +149,7 @@ class SchedulerLoop:
                 "kv_pages_used": a.capacity - a.num_free(),
                 "kv_pages_cached": s.tree.total_pages(),
                 **s.stats,
+                **(s.pd.stats() if s.pd is not None and hasattr(s.pd, "stats") else {}),
             }
         raise ValueError(f"unknown control op {op!r}")
 

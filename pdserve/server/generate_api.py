@@ -18,6 +18,7 @@ from starlette.responses import Response
 from pdserve.engine.request import MAX_TOP_LOGPROBS
 from pdserve.server import http_util
 from pdserve.server.errors import bad_request
+from pdserve.server.openai_protocol import split_bootstrap
 from pdserve.server.tokenizer_manager import ReqSpec, ReqState, TokenizerManager
 
 
@@ -89,19 +90,15 @@ def parse(tm: TokenizerManager, req: GenerateRequest, stream: bool) -> tuple[lis
     tops = _per_item("top_logprobs_num", req.top_logprobs_num, size, batch,
                      lambda v: _is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS,
                      f"an integer in [0, {MAX_TOP_LOGPROBS}]")
-    hosts = _per_item("bootstrap_host", req.bootstrap_host, size, batch,
-                      lambda v: v is None or isinstance(v, str), "a string")
-    ports = _per_item("bootstrap_port", req.bootstrap_port, size, batch,
-                      lambda v: v is None or _is_int(v), "an integer")
-    rooms = _per_item("bootstrap_room", req.bootstrap_room, size, batch,
-                      lambda v: v is None or _is_int(v), "an integer")
+    boots = split_bootstrap(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, size,
+                            max(sp.get("n", 1) if isinstance(sp, dict) else 1 for sp in sampling) or 1)
     specs = []
     for i, prompt in enumerate(prompts):
         sp = sampling[i] or {}
         specs.append(tm.make_spec(
             prompt, sp, default_max_new_tokens=128, return_logprob=want_lp[i], top_logprobs_num=tops[i],
             logprob_start_len=starts[i], stream=stream, rid=rids[i], no_stop_trim=bool(sp.get("no_stop_trim")),
-            bootstrap_host=hosts[i], bootstrap_port=ports[i], bootstrap_room=rooms[i],
+            **boots[i],
         ))
     return specs, batch or specs[0].sampling.n > 1
 

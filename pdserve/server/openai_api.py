@@ -65,8 +65,8 @@ async def completions(request: Request, tm: TokenizerManager) -> Response:
     stream = req.stream and args.disaggregation_mode != "prefill"
     specs = [tm.make_spec(p, req.sampling_params(req.max_tokens), default_max_new_tokens=16,
                           return_logprob=top is not None, top_logprobs_num=top or 0,
-                          logprob_start_len=0 if echo_logprobs else -1, stream=stream, **req.bootstrap())
-             for p in prompts]
+                          logprob_start_len=0 if echo_logprobs else -1, stream=stream, **boot)
+             for p, boot in zip(prompts, req.bootstrap(len(prompts)))]
     states = tm.submit_all(specs)
     n = req.n
     echo = [p if isinstance(p, str) else tm.tokenizer.decode(p) for p in prompts] if req.echo else None
@@ -117,7 +117,7 @@ async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     stream = req.stream and args.disaggregation_mode != "prefill"
     spec = tm.make_spec(input_ids, req.sampling_params(max_tokens), default_max_new_tokens=None,
-                        return_logprob=top is not None, top_logprobs_num=top or 0, stream=stream, **req.bootstrap())
+                        return_logprob=top is not None, top_logprobs_num=top or 0, stream=stream, **req.bootstrap()[0])
     states = tm.submit_all([spec])
     n = req.n
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": args.served_model_name}

@@ -36,10 +36,11 @@ class _Sampling(msgspec.Struct):
     no_stop_trim: bool = False
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    # disaggregation fields added by the router
-    bootstrap_host: Optional[str] = None
-    bootstrap_port: Optional[int] = None
-    bootstrap_room: Optional[int] = None
+    # disaggregation fields added by the router: scalars, or lists with one entry per prompt
+    # (completions) or per sample (chat with n > 1)
+    bootstrap_host: Union[str, list[str], None] = None
+    bootstrap_port: Union[int, list[Optional[int]], None] = None
+    bootstrap_room: Union[int, list[int], None] = None
 
     def sampling_params(self, max_new_tokens: Optional[int]) -> dict[str, Any]:
         d = {
@@ -56,9 +57,45 @@ class _Sampling(msgspec.Struct):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def bootstrap(self) -> dict[str, Any]:
-        return {"bootstrap_host": self.bootstrap_host, "bootstrap_port": self.bootstrap_port,
-                "bootstrap_room": self.bootstrap_room}
+    def bootstrap(self, num_prompts: int = 1) -> list[dict[str, Any]]:
+        """The bootstrap fields of each prompt (see ``split_bootstrap``)."""
+        return split_bootstrap(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room, num_prompts, self.n)
+
+
+ROOM_MOD = 2**63
+
+
+def split_bootstrap(host: Any, port: Any, room: Any, num_prompts: int, n: int) -> list[dict[str, Any]]:
+    """Per prompt: ``bootstrap_host/port`` and ``bootstrap_room``, where the room is an int
+    (sample i of the prompt uses room + i) or a list with one room per sample.
+
+    Accepted shapes, as routers send them: a scalar (prompt j gets room + j * n), a list with one
+    entry per prompt, or a list with one entry per sample (num_prompts * n). Prefill and decode
+    get the same body, so both derive the same room for every sample."""
+    n = max(1, n) if isinstance(n, int) else 1
+    kinds = {"bootstrap_host": str, "bootstrap_port": int, "bootstrap_room": int}
+    for name, value in (("bootstrap_host", host), ("bootstrap_port", port), ("bootstrap_room", room)):
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None and (isinstance(v, bool) or not isinstance(v, kinds[name])):
+                raise bad_request(f"{name}: must be {'a string' if name == 'bootstrap_host' else 'an integer'}, "
+                                  f"got {v!r}")
+            if name == "bootstrap_room" and v is not None and not 0 <= v < ROOM_MOD:
+                raise bad_request(f"bootstrap_room: must be in [0, 2^63), got {v}")
+
+    def pick(name: str, value: Any, j: int, is_room: bool) -> Any:
+        if not isinstance(value, list):
+            if is_room and value is not None:
+                return (value + j * n) % ROOM_MOD
+            return value
+        if len(value) == num_prompts:
+            return value[j]
+        if len(value) == num_prompts * n:
+            return value[j * n:(j + 1) * n] if is_room else value[j * n]
+        raise bad_request(f"{name}: the list has {len(value)} entries for {num_prompts} prompt(s) x n={n}")
+
+    return [{"bootstrap_host": pick("bootstrap_host", host, j, False),
+             "bootstrap_port": pick("bootstrap_port", port, j, False),
+             "bootstrap_room": pick("bootstrap_room", room, j, True)} for j in range(num_prompts)]
 
 
 class CompletionRequest(_Sampling):

@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional, Union
 
 from pdserve.engine.request import SamplingParams
 from pdserve.server.detokenizer import IncrementalDetokenizer
@@ -45,7 +45,7 @@ class ReqSpec:
     no_stop_trim: bool = False
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None
-    bootstrap_room: Optional[int] = None
+    bootstrap_room: Union[int, list[int], None] = None  # an int, or one room per sample
 
 
 class ReqState:
@@ -156,7 +156,7 @@ class TokenizerManager:
             return_logprob=spec.return_logprob, top_logprobs_num=spec.top_logprobs_num,
             logprob_start_len=spec.logprob_start_len, stream=spec.stream,
             bootstrap_host=spec.bootstrap_host, bootstrap_port=spec.bootstrap_port,
-            bootstrap_room=spec.bootstrap_room,
+            bootstrap_room=spec.bootstrap_room[0] if isinstance(spec.bootstrap_room, list) else spec.bootstrap_room,
         ))
         logger.debug("rid=%s submitted: prompt_tokens=%d max_new_tokens=%d", spec.rid, len(spec.input_ids),
                      p.max_new_tokens)
@@ -257,4 +257,6 @@ class TokenizerManager:
 def _sample_spec(spec: ReqSpec, i: int) -> ReqSpec:
     p = dataclasses.replace(spec.sampling, n=1, seed=None if spec.sampling.seed is None else spec.sampling.seed + i)
     rid = f"{spec.rid}-{i}" if spec.rid else None
-    return dataclasses.replace(spec, sampling=p, rid=rid, group_rid=spec.rid)
+    room = spec.bootstrap_room
+    room = room[i] if isinstance(room, list) else None if room is None else (room + i) % 2**63
+    return dataclasses.replace(spec, sampling=p, rid=rid, group_rid=spec.rid, bootstrap_room=room)

@@ -248,3 +248,30 @@ def test_every_page_and_slot_free_afterwards(pd):
     for name, proc in pd["servers"].items():
         pools = proc.wait_idle()
         assert pools["metadata_slots_free"] == pools["metadata_slots_total"], (name, pools)
+
+
+def test_batches_and_n_samples_get_one_room_each(pd, reference, server):
+    import openai
+
+    url = pd["routers"]["1p1d"].url
+    prompts = mixed_prompts(3, seed=5, max_len=200)
+    sp = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    r = httpx.post(url + "/generate", json={"input_ids": prompts, "sampling_params": sp}, timeout=120)
+    assert r.status_code == 200, r.text
+    for ids, out in zip(prompts, r.json()):
+        assert_same(out, reference(ids))
+    r = httpx.post(url + "/generate", json={"input_ids": prompts[0], "sampling_params": dict(sp, n=2)}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert [o["output_ids"] for o in r.json()] == [reference(prompts[0])["output_ids"]] * 2
+    pd_client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+    co_client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    msgs = [{"role": "user", "content": "Tell me a story"}]
+    a = pd_client.chat.completions.create(model="tiny-llama", messages=msgs, n=2, max_tokens=NEW_TOKENS, temperature=0)
+    b = co_client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=NEW_TOKENS, temperature=0)
+    assert [ch.message.content for ch in a.choices] == [b.choices[0].message.content] * 2
+    two = ["First prompt here", "And a second one"]
+    a = pd_client.completions.create(model="tiny-llama", prompt=two, max_tokens=NEW_TOKENS, temperature=0)
+    b = co_client.completions.create(model="tiny-llama", prompt=two, max_tokens=NEW_TOKENS, temperature=0)
+    assert sorted((ch.index, ch.text) for ch in a.choices) == sorted((ch.index, ch.text) for ch in b.choices)
+    for name in ("P1", "D1"):
+        pd["servers"][name].wait_idle()
