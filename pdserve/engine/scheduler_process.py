@@ -24,6 +24,9 @@ from pdserve.server import messages as m
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 5
+# While the only work is waiting on peers (PD bootstrap, transfers), poll at this period rather
+# than spinning: a spinning scheduler would take a core from the servers that compute.
+PEER_WAIT_POLL_MS = 1
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -92,7 +95,11 @@ class SchedulerLoop:
 
     def run(self) -> None:
         while True:
-            timeout = 0 if self.scheduler.has_work else IDLE_POLL_MS
+            s = self.scheduler
+            if s.waiting or s.running:
+                timeout = 0
+            else:
+                timeout = PEER_WAIT_POLL_MS if s.has_work else IDLE_POLL_MS
             while dict(self.poller.poll(timeout)).get(self.pull):
                 self.handle(m.decode_to_scheduler(self.pull.recv()))
                 timeout = 0
