@@ -24,7 +24,13 @@ class TorchAttnBackend(AttentionBackend):
     def init_forward(self, fb: ForwardBatch) -> None:
         self._fb = fb
         page = fb.kv_pool.page_size
+        kv_heads = fb.kv_pool.kv_heads
         device = fb.input_ids.device
+        heads = torch.arange(kv_heads, device=device)
+        # Row of each (new token, head) in the [num_pages * kv_heads * page_size, head_dim] view
+        # of one layer's K (or V): ((page * kv_heads + head) * page_size + offset). [T * kv_heads]
+        self._write_rows = ((fb.out_pages[:, None] * kv_heads + heads[None, :]) * page
+                            + fb.out_offsets[:, None]).reshape(-1)
         starts = fb.extend_starts
         seq_lens = fb.seq_lens
         dec = [i for i in range(fb.batch_size) if fb.extend_lens[i] == 1 and fb.prefix_lens[i] > 0]
@@ -32,10 +38,14 @@ class TorchAttnBackend(AttentionBackend):
         if dec:
             max_len = max(seq_lens[i] for i in dec)
             max_pages = (max_len + page - 1) // page
-            self._dec_pages = fb.page_table[dec, :max_pages]  # [Bd, max_pages]
+            dec_pages = fb.page_table[dec, :max_pages]  # [Bd, max_pages]
             lens = torch.tensor([seq_lens[i] for i in dec], device=device)
             self._dec_lens = lens
             self._dec_kpos = torch.arange(max_pages * page, device=device)  # [L]
+            tok_page = dec_pages[:, self._dec_kpos // page]  # [Bd, L]
+            # rows of every (request, head, position) to gather: [Bd, kv_heads, L]
+            self._dec_gather = ((tok_page[:, None, :] * kv_heads + heads[None, :, None]) * page
+                                + (self._dec_kpos % page)[None, None, :])
         self._dec_masks: dict[Optional[int], torch.Tensor] = {}
         dec_set = set(dec)
         # (row start, extend len, prefix len, pages of the whole sequence)
@@ -75,17 +85,16 @@ class TorchAttnBackend(AttentionBackend):
 
     def forward(self, layer_id, q, k, v, fb, scale, sliding_window=None):
         pool = fb.kv_pool
-        pool.write(layer_id, fb.out_pages, fb.out_offsets, k, v)
         kc, vc = pool.k_cache(layer_id), pool.v_cache(layer_id)  # [P, kv_heads, page, D]
         kv_heads, page, head_dim = kc.shape[1], kc.shape[2], kc.shape[3]
+        k_rows, v_rows = kc.view(-1, head_dim), vc.view(-1, head_dim)
+        k_rows.index_copy_(0, self._write_rows, k.reshape(-1, head_dim).to(kc.dtype))
+        v_rows.index_copy_(0, self._write_rows, v.reshape(-1, head_dim).to(vc.dtype))
         out = torch.empty_like(q)
 
         if self._dec_rows.numel():
-            pages = self._dec_pages
-            bd, mp = pages.shape
-            # [Bd, mp, kv_heads, page, D] -> [Bd, kv_heads, mp * page, D]
-            kk = kc[pages].permute(0, 2, 1, 3, 4).reshape(bd, kv_heads, mp * page, head_dim)
-            vv = vc[pages].permute(0, 2, 1, 3, 4).reshape(bd, kv_heads, mp * page, head_dim)
+            kk = k_rows[self._dec_gather]  # [Bd, kv_heads, L, D]
+            vv = v_rows[self._dec_gather]
             qq = q[self._dec_rows].unsqueeze(2)  # [Bd, heads, 1, D]
             o = F.scaled_dot_product_attention(
                 qq, kk.to(q.dtype), vv.to(q.dtype), attn_mask=self._decode_mask(sliding_window),
