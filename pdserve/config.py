@@ -17,6 +17,8 @@ TRANSFER_BACKENDS = ("local", "fake", "mooncake", "nixl")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+# where the transfer layer can be made to fail on purpose (tests and chaos runs); see disagg/faults.py
+FAULT_MODES = ("fail_transfer", "drop_status", "delay_transfer", "corrupt_aux_room", "kill_transfer_thread")
 
 
 def default_torch_threads() -> int:
@@ -63,10 +65,16 @@ class ServerArgs:
     disaggregation_waiting_timeout: float = 30.0
     disaggregation_heartbeat_interval: float = 1.0
     disaggregation_heartbeat_misses: int = 3
+    disaggregation_prealloc_timeout: float = 5.0  # decode: fail a request that cannot get pages this long
+    disaggregation_max_prealloc_queue: int = 0  # decode: refuse new requests beyond this many waiting (0: no limit)
     disaggregation_mooncake_protocol: Optional[str] = None
     disaggregation_ib_device: Optional[str] = None
     disaggregation_nixl_backend: str = "UCX"
     disaggregation_secret: Optional[str] = None
+    # fault injection (prefill's transfer layer): probability that a room gets a fault, which modes
+    disaggregation_fault_prob: float = 0.0
+    disaggregation_fault_mode: str = "fail_transfer"
+    disaggregation_fault_delay: float = 1.0  # seconds, for delay_transfer
 
     extra: dict = field(default_factory=dict, repr=False)
 
@@ -118,9 +126,24 @@ class ServerArgs:
         if self.num_reserved_decode_tokens < 0:
             bad("num_reserved_decode_tokens", f"must be >= 0, got {self.num_reserved_decode_tokens}")
         for name in ("disaggregation_bootstrap_timeout", "disaggregation_waiting_timeout",
-                     "disaggregation_heartbeat_interval"):
+                     "disaggregation_heartbeat_interval", "disaggregation_prealloc_timeout"):
             if getattr(self, name) <= 0:
                 bad(name, f"must be > 0, got {getattr(self, name)}")
+        if self.disaggregation_heartbeat_misses < 1:
+            bad("disaggregation_heartbeat_misses", f"must be >= 1, got {self.disaggregation_heartbeat_misses}")
+        if self.disaggregation_max_prealloc_queue < 0:
+            bad("disaggregation_max_prealloc_queue", f"must be >= 0, got {self.disaggregation_max_prealloc_queue}")
+        if not 0.0 <= self.disaggregation_fault_prob <= 1.0:
+            bad("disaggregation_fault_prob", f"must be in [0, 1], got {self.disaggregation_fault_prob}")
+        modes = [m.strip() for m in str(self.disaggregation_fault_mode).split(",") if m.strip()]
+        unknown = [m for m in modes if m not in FAULT_MODES]
+        if not modes or unknown:
+            bad("disaggregation_fault_mode", f"must be a comma-separated list of {FAULT_MODES}, "
+                                             f"got {self.disaggregation_fault_mode!r}")
+        if self.disaggregation_fault_delay < 0:
+            bad("disaggregation_fault_delay", f"must be >= 0, got {self.disaggregation_fault_delay}")
+        if self.disaggregation_secret == "":
+            bad("disaggregation_secret", "must not be empty (leave it unset to turn authentication off)")
         if self.served_model_name is None:
             self.served_model_name = self.model_path
         if self.tokenizer_path is None:

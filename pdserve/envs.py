@@ -17,7 +17,12 @@ ENV_TO_FIELD = {
     "PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL": "disaggregation_heartbeat_interval",
     "PDSERVE_DISAGGREGATION_HEARTBEAT_MISSES": "disaggregation_heartbeat_misses",
     "PDSERVE_NUM_RESERVED_DECODE_TOKENS": "num_reserved_decode_tokens",
+    "PDSERVE_DISAGGREGATION_PREALLOC_TIMEOUT": "disaggregation_prealloc_timeout",
+    "PDSERVE_DISAGGREGATION_MAX_PREALLOC_QUEUE": "disaggregation_max_prealloc_queue",
     "PDSERVE_DISAGGREGATION_SECRET": "disaggregation_secret",
+    "PDSERVE_DISAGGREGATION_FAULT_PROB": "disaggregation_fault_prob",
+    "PDSERVE_DISAGGREGATION_FAULT_MODE": "disaggregation_fault_mode",
+    "PDSERVE_DISAGGREGATION_FAULT_DELAY": "disaggregation_fault_delay",
     "PDSERVE_TORCH_NUM_THREADS": "torch_num_threads",
 }
 

@@ -4,10 +4,18 @@ Each prefill scheduler rank publishes its control endpoint and KV layout with ``
 Decode looks the instance up with ``GET /route`` (all indices -1: instance info, 503 until every
 rank registered; with indices: that rank's endpoint) and then talks to the ranks over ZMQ.
 The server holds topology only; buffer addresses travel peer to peer in ``Register``.
+
+With a shared secret (``--disaggregation-secret``) a registration must carry
+``X-PDServe-Timestamp`` (unix seconds) and ``X-PDServe-Auth`` (hex HMAC-SHA256 of
+``"<timestamp>\n" + body``); the server answers 401 to one without a valid tag or with a
+timestamp more than ``AUTH_WINDOW_S`` away from its clock, and logs it. Look-ups (GET) stay
+open: they reveal endpoints, and every message sent to those endpoints is authenticated.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import threading
@@ -30,6 +38,30 @@ RANK_FIELDS = {
 INSTANCE_FIELDS = ("tp_size", "dp_size", "pp_size", "page_size", "kv_dtype", "layout",
                    "model_fingerprint", "num_layers", "kv_heads", "head_dim")
 QUERY_PARAMS = ("prefill_dp_rank", "target_tp_rank", "target_pp_rank")
+AUTH_HEADER, TIME_HEADER = "X-PDServe-Auth", "X-PDServe-Timestamp"
+AUTH_WINDOW_S = 300.0
+
+
+def registration_tag(secret: bytes, timestamp: str, body: bytes) -> str:
+    return hmac.new(secret, timestamp.encode() + b"\n" + body, hashlib.sha256).hexdigest()
+
+
+def check_registration_auth(secret: Optional[bytes], headers, body: bytes) -> Optional[str]:
+    """Why a registration is not authentic, or None when it is (or no secret is set)."""
+    if secret is None:
+        return None
+    tag, ts = headers.get(AUTH_HEADER), headers.get(TIME_HEADER)
+    if not tag or not ts:
+        return "registration is not authenticated (this bootstrap server requires --disaggregation-secret)"
+    try:
+        skew = abs(time.time() - float(ts))
+    except ValueError:
+        return f"bad {TIME_HEADER} header {ts!r}"
+    if skew > AUTH_WINDOW_S:
+        return f"registration timestamp is {skew:.0f}s away from this server's clock (limit {AUTH_WINDOW_S:.0f}s)"
+    if not hmac.compare_digest(registration_tag(secret, ts, body), tag):
+        return "registration has a bad HMAC (forged, tampered, or a different secret)"
+    return None
 
 
 class BootstrapError(RuntimeError):
@@ -96,7 +128,15 @@ class _Handler(BaseHTTPRequestHandler):
             return self._reply(404, {"error": f"no route {url.path}"})
         try:
             length = int(self.headers.get("Content-Length", "0"))
-            info = json.loads(self.rfile.read(length) or b"null")
+            raw = self.rfile.read(length)
+        except ValueError as e:
+            return self._reply(400, {"error": f"bad Content-Length: {e}"})
+        why = check_registration_auth(self.server.secret, self.headers, raw)
+        if why:
+            logger.warning("bootstrap: rejected registration from %s: %s", self.address_string(), why)
+            return self._reply(401, {"error": why})
+        try:
+            info = json.loads(raw or b"null")
         except (ValueError, json.JSONDecodeError) as e:
             return self._reply(400, {"error": f"bad JSON body: {e}"})
         if not isinstance(info, dict):
@@ -145,16 +185,18 @@ class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     table: _RouteTable
+    secret: Optional[bytes] = None
 
 
 class BootstrapServer:
     """HTTP registry of one prefill instance's ranks, served from a daemon thread."""
 
-    def __init__(self, host: str, port: int, expected_ranks: int = 1):
+    def __init__(self, host: str, port: int, expected_ranks: int = 1, secret: Optional[str] = None):
         if expected_ranks < 1:
             raise ValueError(f"expected_ranks: must be >= 1, got {expected_ranks}")
         self._httpd = _HTTPServer((host, port), _Handler)
         self._httpd.table = _RouteTable(expected_ranks)
+        self._httpd.secret = secret.encode() if secret else None
         self.host = host
         self.port = self._httpd.server_address[1]  # port 0 picks a free one
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1},
@@ -185,10 +227,14 @@ def _url(host: str, port: int, path: str) -> str:
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via an HTTP proxy
 
 
-def _http(method: str, url: str, body: Optional[dict] = None, timeout: float = 5.0) -> tuple[int, Any]:
+def _http(method: str, url: str, body: Optional[dict] = None, timeout: float = 5.0,
+          secret: Optional[str] = None) -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"} if data else {})
+    headers = {"Content-Type": "application/json"} if data else {}
+    if secret and data is not None:
+        ts = f"{time.time():.3f}"
+        headers.update({TIME_HEADER: ts, AUTH_HEADER: registration_tag(secret.encode(), ts, data)})
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with _opener.open(req, timeout=timeout) as resp:
             raw = resp.read()
@@ -202,14 +248,15 @@ def _http(method: str, url: str, body: Optional[dict] = None, timeout: float = 5
 
 
 def register_rank(host: str, port: int, info: dict[str, Any], attempts: int = 10,
-                  backoff: float = 0.1, max_backoff: float = 2.0, timeout: float = 5.0) -> None:
-    """PUT this rank's info, retrying with exponential backoff while the server is not up.
-    A 4xx answer (bad body) is not retried."""
+                  backoff: float = 0.1, max_backoff: float = 2.0, timeout: float = 5.0,
+                  secret: Optional[str] = None) -> None:
+    """PUT this rank's info (signed when ``secret`` is given), retrying with exponential backoff
+    while the server is not up. A 4xx answer (bad body, failed authentication) is not retried."""
     url = _url(host, port, "/route")
     delay, last = backoff, ""
     for attempt in range(attempts):
         try:
-            code, body = _http("PUT", url, info, timeout)
+            code, body = _http("PUT", url, info, timeout, secret)
         except OSError as e:
             code, body = None, str(e)
         if code == 200:

@@ -8,7 +8,11 @@
   first token and its logprobs are committed, and the request joins the running batch without a
   prefill forward;
 - on Failed (or abort) the request ends at once with the reason; its preallocated pages are freed
-  only when no prefill rank can still write into them (``writes_drained``).
+  only when no prefill rank can still write into them (``writes_drained``);
+- backpressure: a request that cannot get its pages within ``--disaggregation-prealloc-timeout``
+  seconds of being ready for them, or that arrives while ``--disaggregation-max-prealloc-queue``
+  requests already wait, ends at once with 503 and the reason (the router then tries another
+  decode), and its prefill is told to drop the room instead of waiting for a timeout.
 
 Requests that arrive without bootstrap fields are served like on a colocated server.
 """
@@ -16,6 +20,7 @@ Requests that arrive without bootstrap fields are served like on a colocated ser
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -29,12 +34,14 @@ from pdserve.disagg.prefill import FAKE_BOOTSTRAP_HOST
 logger = logging.getLogger(__name__)
 
 TRANSFER_FAILED_STATUS = 503
+OVERLOADED_STATUS = 503
 
 
 @dataclass
 class _DecodeState:
     receiver: Any
     slot: Optional[int] = None
+    ready_since: Optional[float] = None  # when the connection was ready and pages were first wanted
 
 
 class DecodeQueues:
@@ -63,7 +70,12 @@ class DecodeQueues:
             receiver = self.receiver_cls(self.mgr, addr, req.bootstrap_room)
         receiver.init()
         req.disagg = _DecodeState(receiver)
+        limit = self.s.args.disaggregation_max_prealloc_queue
+        full = limit and len(self.prealloc) >= limit
         self.prealloc.append(req)
+        if full:
+            self._fail(req, f"decode is overloaded: {len(self.prealloc) - 1} requests already wait for KV pages "
+                            f"(--disaggregation-max-prealloc-queue {limit})", OVERLOADED_STATUS)
 
     def all_reqs(self) -> list[Req]:
         return self.prealloc + self.transfer
@@ -76,9 +88,10 @@ class DecodeQueues:
         return bool(self.prealloc or self.transfer or self.draining)
 
     def integrity(self) -> dict:
+        counts = self.mgr.counts() if hasattr(self.mgr, "counts") else {}
         return {"metadata_slots_total": self.slots.num_slots, "metadata_slots_free": self.slots.num_free(),
                 "prealloc_queue": len(self.prealloc), "transfer_queue": len(self.transfer),
-                "draining_rooms": len(self.draining)}
+                "draining_rooms": len(self.draining), **counts}
 
     def discard(self, req: Req) -> None:
         """The request ended before joining the running batch: park its pages until drained."""
@@ -91,8 +104,8 @@ class DecodeQueues:
         if req in self.transfer:
             self.transfer.remove(req)
         if in_flight:
-            if st.receiver.poll() != KVPoll.Failed:
-                st.receiver.abort(req.finish_reason.message if req.finish_reason else "aborted by decode")
+            # also when already Failed: ranks that did not report yet must stop (idempotent)
+            st.receiver.abort(req.finish_reason.message if req.finish_reason else "aborted by decode")
             self.draining.append((st.receiver, req.pages, st.slot))
             req.pages = []
         elif st.slot is not None:
@@ -105,9 +118,9 @@ class DecodeQueues:
         self._process_prealloc()
         self._process_transfer()
 
-    def _fail(self, req: Req, reason: str) -> None:
+    def _fail(self, req: Req, reason: str, status: int = TRANSFER_FAILED_STATUS) -> None:
         logger.warning("request %s (room %s) failed: %s", req.rid, req.bootstrap_room, reason)
-        self.s.finish(req, FinishReason(FinishKind.ABORT, message=reason, status_code=TRANSFER_FAILED_STATUS))
+        self.s.finish(req, FinishReason(FinishKind.ABORT, message=reason, status_code=status))
 
     def _process_draining(self) -> None:
         keep = []
@@ -131,6 +144,8 @@ class DecodeQueues:
         if not self.prealloc:
             return
         states = poll_and_all_reduce([r.disagg.receiver for r in self.prealloc], self.group)
+        now = time.monotonic()
+        blocked = False
         for req, state in zip(list(self.prealloc), states):
             st: _DecodeState = req.disagg
             if state == KVPoll.Failed:
@@ -138,23 +153,37 @@ class DecodeQueues:
                 continue
             if state < KVPoll.WaitingForInput:
                 continue
+            st.ready_since = st.ready_since or now
             need = (req.prompt_len + self.s.page_size - 1) // self.s.page_size
-            avail = self.s.pool.allocator.num_free() + self.s.tree.evictable_pages()
-            if avail < need + self._reserve_pages():
-                break  # keep headroom for running decodes; retry next step
-            slot = self.slots.alloc()
-            if slot is None:
-                break
-            pages = self.s.alloc_pages(need)
-            if pages is None:
-                self.slots.free(slot)
-                break
-            st.slot = slot
-            req.pages = pages
-            self.meta.clear_row(slot)
-            st.receiver.send_metadata(pages, slot)
-            self.prealloc.remove(req)
-            self.transfer.append(req)
+            if blocked or not self._try_prealloc(req, need):
+                blocked = True  # first come, first served: later requests wait behind this one
+                waited = now - st.ready_since
+                if waited > self.s.args.disaggregation_prealloc_timeout:
+                    free = self.s.pool.allocator.num_free() + self.s.tree.evictable_pages()
+                    self._fail(req, f"decode is overloaded: no room for {need} KV pages within {waited:.1f}s "
+                                    f"({free} free, {self._reserve_pages()} kept for running requests)",
+                               OVERLOADED_STATUS)
+
+    def _try_prealloc(self, req: Req, need: int) -> bool:
+        """Take pages and a metadata slot and ask prefill for the KV; False when out of either."""
+        st: _DecodeState = req.disagg
+        avail = self.s.pool.allocator.num_free() + self.s.tree.evictable_pages()
+        if avail < need + self._reserve_pages():
+            return False  # keep headroom for running decodes; retry next step
+        slot = self.slots.alloc()
+        if slot is None:
+            return False
+        pages = self.s.alloc_pages(need)
+        if pages is None:
+            self.slots.free(slot)
+            return False
+        st.slot = slot
+        req.pages = pages
+        self.meta.clear_row(slot)
+        st.receiver.send_metadata(pages, slot)
+        self.prealloc.remove(req)
+        self.transfer.append(req)
+        return True
 
     def _process_transfer(self) -> None:
         if not self.transfer:

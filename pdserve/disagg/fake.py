@@ -48,6 +48,9 @@ class FakeKVSender:
     def failure_reason(self) -> str:
         return self._failed
 
+    def keepalive(self) -> None:
+        pass
+
     def abort(self, reason: str = "aborted by prefill") -> None:
         self._failed = reason
 

@@ -24,8 +24,9 @@ from typing import Any, Optional
 
 import zmq
 
+from pdserve.disagg.faults import FaultInjector
 from pdserve.disagg.kv_args import KVArgs
-from pdserve.disagg.messages import Message, MessageCodec, ProtocolError
+from pdserve.disagg.messages import AuthError, Message, MessageCodec, ProtocolError
 from pdserve.disagg.poll import KVPoll, StatusTable
 from pdserve.disagg.transfer.base import get_backend
 
@@ -73,8 +74,10 @@ class KVManager:
         host = str(server_option(server_args, "host"))
         self.bootstrap_host = bootstrap_host or ("127.0.0.1" if _is_wildcard(host) else host)
         self.bootstrap_port = int(server_option(server_args, "disaggregation_bootstrap_port"))
-        secret = server_option(server_args, "disaggregation_secret")
-        self.codec = MessageCodec(secret.encode() if secret else None)
+        self.secret = server_option(server_args, "disaggregation_secret") or None
+        self.codec = MessageCodec(self.secret.encode() if self.secret else None)
+        self.faults = FaultInjector.from_args(server_args)
+        self.rejected_messages = 0  # undecodable or unauthenticated control messages
         self.name = f"{mode}-tp{kv_args.engine_rank}"
         self.session_prefix = uuid.uuid4().hex[:12]
 
@@ -151,11 +154,13 @@ class KVManager:
         with self.lock:
             return self.status.get(room)
 
-    def update_status(self, room: int, state: KVPoll, reason: str = "", create: bool = False) -> None:
+    def update_status(self, room: int, state: KVPoll, reason: str = "", create: bool = False) -> bool:
+        """Apply ``state``; True when the room's state changed."""
         with self.lock:
             changed = self.status.update(room, state, reason, create)
         if changed and state == KVPoll.Failed:
             logger.debug("%s: room %d failed: %s", self.name, room, reason)
+        return changed
 
     def failure_reason(self, room: int) -> str:
         with self.lock:
@@ -186,9 +191,19 @@ class KVManager:
         try:
             msg = self.codec.decode(data)
         except ProtocolError as e:
-            logger.warning("%s: dropped control message: %s", self.name, e)
+            self.rejected_messages += 1
+            n = self.rejected_messages
+            if n <= 10 or n % 1000 == 0:  # a flood of bad messages must not flood the log
+                kind = "rejected unauthenticated" if isinstance(e, AuthError) else "dropped"
+                logger.warning("%s: %s control message (%d so far): %s", self.name, kind, n, e)
             return
         self.role.on_message(msg)
+
+    def counts(self) -> dict:
+        """Room and peer counts for integrity checks (no room may outlive its request)."""
+        with self.lock:
+            return {"kv_rooms": len(self.status), **self.role.counts(),
+                    "rejected_control_messages": self.rejected_messages}
 
     # ---- shutdown -------------------------------------------------------------------------
     def close(self) -> None:

@@ -7,13 +7,17 @@ Decode -> prefill rank: ``Register`` (once per connection), ``TransferRequest`` 
 generation), ``Abort``, ``Heartbeat``.
 Prefill rank -> decode: ``RegisterAck``, ``TransferStatus``, ``AbortAck``, ``Heartbeat`` (ack).
 
-Authentication hook: every message has an ``auth`` field (empty today). A signer fills it with
-an HMAC over the message encoded with ``auth=b""``; ``MessageCodec`` is the one place that signs
-and verifies, so adding it touches nothing else.
+Authentication: with a shared secret (``--disaggregation-secret``) every message carries in
+``auth`` an HMAC-SHA256 over the message encoded with ``auth=b""``. ``MessageCodec`` is the one
+place that signs and verifies; a side with a secret rejects messages without a valid tag
+(``AuthError``). Replays of a captured message within a session are not detected: every message
+is fenced by session, room and generation, so a replay can only repeat what was already asked.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from typing import Any, Optional, Union
 
 import msgspec
@@ -23,6 +27,10 @@ PROTOCOL_VERSION = 1
 
 class ProtocolError(ValueError):
     """A control-plane message this side cannot accept (bad version, type or shape)."""
+
+
+class AuthError(ProtocolError):
+    """A control-plane message without a valid HMAC on a side that has a secret."""
 
 
 class Message(msgspec.Struct, tag_field="type", kw_only=True):
@@ -98,8 +106,8 @@ class TransferRequest(Message, tag="transfer_request"):
 
 class TransferStatus(Message, tag="transfer_status"):
     room: int
-    generation: int
-    state: int  # KVPoll value: Success or Failed
+    generation: int  # 0 on a Failed status means "every generation" (prefill did not know decode's)
+    state: int  # KVPoll value: Success, Failed, or Transferring ("queued or in progress here")
     prefill_rank: int
     reason: str = ""
 
@@ -143,14 +151,21 @@ _decoder = msgspec.msgpack.Decoder(AnyMessage)
 _header_decoder = msgspec.msgpack.Decoder(_Header)
 
 
+def message_tag(secret: bytes, data: bytes) -> bytes:
+    return hmac.new(secret, data, hashlib.sha256).digest()
+
+
 class MessageCodec:
-    """Encodes/decodes control messages; the place where authentication will sign/verify."""
+    """Encodes/decodes control messages, signing and verifying them when given a secret."""
 
     def __init__(self, secret: Optional[bytes] = None):
-        self.secret = secret  # reserved for the HMAC change; unused today
+        self.secret = secret or None
 
     def encode(self, msg: Message) -> bytes:
-        return _encoder.encode(msg)
+        if self.secret is None:
+            return _encoder.encode(msg)
+        unsigned = msgspec.structs.replace(msg, auth=b"")
+        return _encoder.encode(msgspec.structs.replace(msg, auth=message_tag(self.secret, _encoder.encode(unsigned))))
 
     def decode(self, data: bytes) -> AnyMessage:
         try:
@@ -163,9 +178,16 @@ class MessageCodec:
         if header.type not in MESSAGE_TYPES:
             raise ProtocolError(f"unknown control message type {header.type!r}")
         try:
-            return _decoder.decode(data)
+            msg = _decoder.decode(data)
         except msgspec.ValidationError as e:
             raise ProtocolError(f"invalid {header.type} message: {e}") from None
+        if self.secret is not None:
+            if not msg.auth:
+                raise AuthError(f"unauthenticated {header.type} message (this side requires --disaggregation-secret)")
+            expected = message_tag(self.secret, _encoder.encode(msgspec.structs.replace(msg, auth=b"")))
+            if not hmac.compare_digest(expected, msg.auth):
+                raise AuthError(f"{header.type} message with a bad HMAC (forged, tampered, or a different secret)")
+        return msg
 
 
 _default_codec = MessageCodec()

@@ -7,7 +7,14 @@
 - after the first token is sampled its metadata row is filled, the remaining pages and the row go
   out as the last chunk, and the request waits in the inflight queue (holding its KV);
 - Success: the KV is released (the prefix stays in the radix cache) and the HTTP request is
-  answered with the one token; Failed: the request ends with an error naming the cause.
+  answered with the one token; Failed: the request ends with an error naming the cause;
+- while a request is queued, prefilled or transferring here, decode hears about it every
+  ``keepalive_s`` (``KVSender.keepalive``), so its waiting timeout catches a silent prefill,
+  not a busy one;
+- a room that fails while its request is still being prefilled (decode aborted it, decode died)
+  ends the request at the next step instead of finishing a prefill nobody will use;
+- a request that ends here with an abort (client gone, timeout, error) fails its room, and
+  decode is told at once (``KVSender.abort``).
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ class PrefillQueues:
         self.inflight: list[Req] = []
         # per finished transfer: bytes moved and timings (served in /server_info for benchmarks)
         self.recent_transfers: deque[dict] = deque(maxlen=256)
+        self.keepalive_s = min(1.0, scheduler.args.disaggregation_waiting_timeout / 4)
+        self._next_keepalive = 0.0
         kv = scheduler.pool
         self.page_bytes = kv.item_bytes * 2 * kv.num_layers
         scheduler.on_chunk_done = self.on_chunk_done
@@ -81,8 +90,9 @@ class PrefillQueues:
         return bool(self.bootstrap or self.inflight)
 
     def integrity(self) -> dict:
+        counts = self.mgr.counts() if hasattr(self.mgr, "counts") else {}
         return {"metadata_slots_total": self.slots.num_slots, "metadata_slots_free": self.slots.num_free(),
-                "bootstrap_queue": len(self.bootstrap), "inflight_queue": len(self.inflight)}
+                "bootstrap_queue": len(self.bootstrap), "inflight_queue": len(self.inflight), **counts}
 
     def discard(self, req: Req) -> None:
         """The request ended (finished, failed or aborted): leave the queues, free the slot."""
@@ -94,7 +104,7 @@ class PrefillQueues:
         if req in self.inflight:
             self.inflight.remove(req)
         if req.finish_reason is not None and req.finish_reason.kind == FinishKind.ABORT:
-            st.sender.abort(req.finish_reason.message or "aborted")
+            st.sender.abort(f"prefill request aborted: {req.finish_reason.message or 'no reason given'}")
         st.sender.clear()
         if st.slot is not None:
             self.slots.free(st.slot)
@@ -104,7 +114,24 @@ class PrefillQueues:
     # ---- queues ---------------------------------------------------------------------------------
     def process_queues(self) -> None:
         self._process_bootstrap()
+        self._process_prefilling()
         self._process_inflight()
+
+    def _process_prefilling(self) -> None:
+        """End requests between the bootstrap and inflight queues whose room already failed;
+        tell decode that the others are alive and queued."""
+        reqs = [r for r in self.s.waiting + self.s.running if r.disagg is not None]
+        now = time.monotonic()
+        if now >= self._next_keepalive:
+            self._next_keepalive = now + self.keepalive_s
+            for r in reqs + self.inflight:
+                r.disagg.sender.keepalive()
+        if not reqs:
+            return
+        states = poll_and_all_reduce([r.disagg.sender for r in reqs], self.group)
+        for req, state in zip(reqs, states):
+            if state == KVPoll.Failed:
+                self._fail(req, req.disagg.sender.failure_reason() or "KV transfer failed")
 
     def _fail(self, req: Req, reason: str) -> None:
         logger.warning("request %s (room %s) failed: %s", req.rid, req.bootstrap_room, reason)

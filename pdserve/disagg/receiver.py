@@ -6,8 +6,11 @@ prefill instance is looked up / registered on a helper thread) -> connection rea
 (WaitingForInput) -> ``send_metadata`` (Transferring) -> Success from every required prefill
 rank (Success) | error status, incompatible prefill, timeout, unreachable prefill (Failed).
 
-Liveness: every ready connection is heartbeated; after ``heartbeat_misses`` unanswered beats the
-prefill instance is declared dead and all its unfinished rooms fail at once.
+Liveness: every ready connection is heartbeated every ``heartbeat_interval``; a prefill rank
+that answered none for ``heartbeat_misses * heartbeat_interval`` seconds gets its instance
+declared dead: all its unfinished rooms fail at once, and the next room for that address looks
+the instance up again and re-registers (so a restarted prefill is picked up without restarting
+decode).
 """
 
 from __future__ import annotations
@@ -48,11 +51,11 @@ class _Conn:
     info: dict = field(default_factory=dict)
     targets: list[_Target] = field(default_factory=list)
     rooms: set[int] = field(default_factory=set)
+    pending_aborts: dict[int, tuple[int, str]] = field(default_factory=dict)  # room -> (generation, reason)
     acks: dict[int, RegisterAck] = field(default_factory=dict)
     acked: threading.Condition = field(default_factory=threading.Condition)
     hb_seq: int = 0
-    hb_seen: dict[int, int] = field(default_factory=dict)  # rank -> last acked seq
-    hb_misses: dict[int, int] = field(default_factory=dict)
+    hb_acked: dict[int, float] = field(default_factory=dict)  # rank -> monotonic time of its last answer
     next_hb: float = 0.0
 
 
@@ -131,8 +134,9 @@ class DecodeRole:
             return
         missing = [t.endpoint for t in c.targets if t.rank not in c.acks]
         if missing:
+            hint = " (is --disaggregation-secret the same on both sides?)" if m.secret else ""
             return self._fail_conn(c, f"no registration answer from prefill rank(s) {', '.join(missing)} "
-                                      f"within {REGISTER_TIMEOUT_S:.0f}s")
+                                      f"within {REGISTER_TIMEOUT_S:.0f}s{hint}")
         rejected = [ack.error for ack in c.acks.values() if not ack.ok]
         if rejected:
             return self._fail_conn(c, f"prefill {c.addr} rejected registration: {'; '.join(rejected)}",
@@ -140,15 +144,19 @@ class DecodeRole:
         with m.lock:
             if c.state == "connecting":
                 c.state = "ready"
-                c.next_hb = time.monotonic() + m.heartbeat_interval
-                for t in c.targets:
-                    c.hb_seen[t.rank], c.hb_misses[t.rank] = 0, 0
-            # rooms aborted while the connection was being set up: tell prefill now
-            aborted = [(r, self.rooms[r]) for r in c.rooms if r in self.rooms and m.status.get(r) == KVPoll.Failed]
-            for _, rs in aborted:
-                rs.abort_at = time.monotonic()
-        for room, rs in aborted:
-            self._send_abort(c, room, rs.generation, m.failure_reason(room))
+                now = time.monotonic()
+                c.next_hb = now
+                c.hb_acked = {t.rank: now for t in c.targets}
+            # rooms aborted or failed while the connection was being set up: tell prefill now
+            aborted = dict(c.pending_aborts)
+            c.pending_aborts.clear()
+            for r in c.rooms:
+                rs = self.rooms.get(r)
+                if rs is not None and m.status.get(r) == KVPoll.Failed:
+                    rs.abort_at = time.monotonic()
+                    aborted[r] = (rs.generation, m.failure_reason(r))
+        for room, (generation, reason) in aborted.items():
+            self._send_abort(c, room, generation, reason)
         logger.info("%s: connected to prefill %s (%d rank(s))", m.name, c.addr, len(c.targets))
 
     def _fail_conn(self, c: _Conn, reason: str, tell_prefill: bool = False) -> None:
@@ -187,8 +195,15 @@ class DecodeRole:
         if isinstance(msg, TransferStatus):
             with m.lock:
                 rs = self.rooms.get(msg.room)
-                if rs is None or rs.generation != msg.generation:
+                any_gen = msg.generation == 0 and msg.state == KVPoll.Failed
+                if rs is None or (rs.generation != msg.generation and not any_gen):
                     return  # a cleared room or an older generation of it
+                if any_gen and m.status.get(msg.room) not in (KVPoll.Bootstrapping, KVPoll.WaitingForInput):
+                    return  # this decode already asked, so the prefill will answer for this generation
+                if msg.state == KVPoll.Transferring:  # progress: queued or writing on prefill
+                    if rs.sent_at is not None and m.status.get(msg.room) == KVPoll.Transferring:
+                        rs.sent_at = time.monotonic()
+                    return
                 rs.stopped.add(msg.prefill_rank)
                 if msg.state == KVPoll.Failed:
                     m.update_status(msg.room, KVPoll.Failed,
@@ -201,9 +216,10 @@ class DecodeRole:
             with m.lock:
                 c = next((c for c in self.conns.values() if c.session_id == msg.session_id), None)
                 if c is not None:
-                    c.hb_seen[msg.prefill_rank] = max(c.hb_seen.get(msg.prefill_rank, 0), msg.seq)
+                    c.hb_acked[msg.prefill_rank] = time.monotonic()
             if c is not None and not msg.known and c.state == "ready":
-                self._fail_conn(c, f"prefill instance {c.addr} restarted (it no longer knows this decode rank)")
+                self._fail_conn(c, f"prefill instance {c.addr} no longer knows this decode rank (it restarted, "
+                                   "or declared this decode dead)")
         elif isinstance(msg, AbortAck):
             with m.lock:
                 rs = self.rooms.get(msg.room)
@@ -223,19 +239,18 @@ class DecodeRole:
         m = self.mgr
         dead: list[tuple[_Conn, str]] = []
         beats: list[tuple[str, Heartbeat]] = []
+        dead_after = m.heartbeat_misses * m.heartbeat_interval
         with m.lock:
             for c in self.conns.values():
-                if c.state != "ready" or now < c.next_hb:
+                if c.state != "ready":
+                    continue
+                silent = now - min(c.hb_acked.values(), default=now)
+                if silent > dead_after:
+                    dead.append((c, f"prefill instance {c.addr} unreachable (no heartbeat answer for {silent:.1f}s)"))
+                    continue
+                if now < c.next_hb:
                     continue
                 c.next_hb = now + m.heartbeat_interval
-                if c.hb_seq:
-                    for t in c.targets:
-                        missed = c.hb_seen.get(t.rank, 0) < c.hb_seq
-                        c.hb_misses[t.rank] = c.hb_misses.get(t.rank, 0) + 1 if missed else 0
-                    if max(c.hb_misses.values(), default=0) >= m.heartbeat_misses:
-                        dead.append((c, f"prefill instance {c.addr} unreachable (no heartbeat answer "
-                                        f"for {m.heartbeat_misses * m.heartbeat_interval:.1f}s)"))
-                        continue
                 c.hb_seq += 1
                 host = parse_addr(c.addr)[0]
                 hb = Heartbeat(session_id=c.session_id, seq=c.hb_seq, reply_endpoint=m.endpoint(host))
@@ -272,6 +287,9 @@ class DecodeRole:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def counts(self) -> dict:
+        return {"kv_peer_connections": len(self.conns)}
+
 
 class KVReceiver:
     """One room on a decode rank. Call order: construct when the request arrives (look-up and
@@ -302,7 +320,7 @@ class KVReceiver:
                 m.status.update(self.room, KVPoll.WaitingForInput)
                 st = KVPoll.WaitingForInput
             elif st == KVPoll.Transferring and rs.sent_at is not None:
-                waited = time.monotonic() - rs.sent_at
+                waited = time.monotonic() - rs.sent_at  # since the request, or prefill's last progress
                 if waited > m.waiting_timeout:
                     timed_out = f"timed out after {waited:.1f}s waiting for KV from prefill {rs.conn.addr}"
         if timed_out:
@@ -348,6 +366,8 @@ class KVReceiver:
         can they write, so only then ``writes_drained`` waits for their acknowledgements."""
         rs = self._rs
         with self.mgr.lock:
+            if rs.conn.state == "connecting" and rs.abort_at is None:
+                rs.conn.pending_aborts[self.room] = (rs.generation, reason)  # sent once connected
             if rs.abort_at is not None or rs.peer_dead or rs.conn.state != "ready":
                 return
             rs.abort_at = time.monotonic()

@@ -7,6 +7,11 @@ last chunk's pages, state, metadata row (``bootstrap_room`` last) landed and ``T
 went to decode (Success) | anything fails (Failed, decode told why).
 
 Writes happen on the transfer workers (``writer.py``), never on the scheduler thread.
+
+Liveness: decode ranks heartbeat every session; a session silent for ``heartbeat_misses *
+heartbeat_interval`` seconds is declared dead, its rooms fail together ("decode instance
+HOST:PORT unreachable") and the scheduler frees their KV. Destinations are checked against
+what the session registered and what its other rooms hold (``destinations.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from pdserve.disagg.bootstrap import register_rank
+from pdserve.disagg.destinations import DestinationGuard
 from pdserve.disagg.kv_args import compat_mismatches
 from pdserve.disagg.messages import Abort, Heartbeat, Register, RegisterAck, TransferRequest, TransferStatus
 from pdserve.disagg.poll import KVPoll
@@ -36,9 +42,14 @@ class _Session:
     session_id: str
     reply_endpoint: str
     reg: Register
+    guard: DestinationGuard
     error: str = ""
     dst_kv_ptrs: list[int] = field(default_factory=list)  # decode's entries for this rank's layers
-    last_seen: float = 0.0
+    last_seen: float = 0.0  # last message from the session (heartbeats keep it fresh)
+
+    @property
+    def peer(self) -> str:
+        return self.reply_endpoint.removeprefix("tcp://")
 
 
 @dataclass
@@ -62,7 +73,7 @@ class PrefillRole:
         self._tombstones: OrderedDict[int, str] = OrderedDict()
         self.workers = TransferWorkers(self, NUM_TRANSFER_WORKERS)
         self._next_sweep = 0.0
-        self.session_idle_s = max(mgr.heartbeat_interval * mgr.heartbeat_misses * 5, 30.0)
+        self.dead_after_s = mgr.heartbeat_interval * mgr.heartbeat_misses
 
     # ---- bootstrap ------------------------------------------------------------------------
     def register_to_bootstrap(self) -> None:
@@ -71,7 +82,7 @@ class PrefillRole:
                 "dp_size": 1, "dp_rank": 0, "pp_size": a.pp_size, "pp_rank": a.pp_rank,
                 "rank_ip": m.local_ip(m.bootstrap_host), "rank_port": m.port}
         info.update(a.compat_info())
-        register_rank(m.bootstrap_host, m.bootstrap_port, info)
+        register_rank(m.bootstrap_host, m.bootstrap_port, info, secret=m.secret)
 
     # ---- control messages (I/O thread) ----------------------------------------------------
     def on_message(self, msg) -> None:
@@ -124,8 +135,8 @@ class PrefillRole:
                 self.mgr.backend.connect(msg.session_id, msg.backend_info, msg.buffers.regions())
             except Exception as e:
                 errs.append(f"cannot attach to decode buffers: {e}")
-        sess = _Session(msg.session_id, msg.reply_endpoint, msg, "; ".join(errs),
-                        list(msg.buffers.kv_data_ptrs[lo:hi]), time.monotonic())
+        sess = _Session(msg.session_id, msg.reply_endpoint, msg, DestinationGuard(msg.buffers, slice(lo, hi)),
+                        "; ".join(errs), list(msg.buffers.kv_data_ptrs[lo:hi]), time.monotonic())
         with self.mgr.lock:
             self.sessions[msg.session_id] = sess
         if errs:
@@ -140,7 +151,7 @@ class PrefillRole:
         m = self.mgr
         with m.lock:
             sess = self.sessions.get(msg.session_id)
-            reason = ""
+            reason, refused = "", False
             r = self.rooms.get(msg.room)
             old = r.dsts.get(msg.session_id) if r is not None else None
             if sess is None:
@@ -154,8 +165,15 @@ class PrefillRole:
                 # fence: never redirect writes of a transfer in progress to new pages
                 reason = f"decode re-requested room {msg.room} while its transfer was in progress"
                 m.update_status(msg.room, KVPoll.Failed, reason)
+            else:
+                reason = sess.guard.check(msg)
+                refused = bool(reason)
+                if refused:
+                    logger.warning("%s: refused transfer request for room %d from %s: %s", m.name, msg.room,
+                                   sess.peer, reason)
             if not reason:
                 sess.last_seen = time.monotonic()
+                sess.guard.claim(msg)
                 r = self.rooms.setdefault(msg.room, _Room(msg.room, time.monotonic()))
                 r.dsts[msg.session_id] = msg
                 r.required = max(1, msg.required_dst_info_num)
@@ -163,7 +181,7 @@ class PrefillRole:
                     reason = m.failure_reason(msg.room) or "room already failed on prefill"
                 elif len(r.dsts) >= r.required:
                     m.update_status(msg.room, KVPoll.WaitingForInput, create=True)
-            elif sess is None or sess.error:
+            elif sess is None or sess.error or refused:
                 m.update_status(msg.room, KVPoll.Failed, reason, create=True)
                 self.rooms.setdefault(msg.room, _Room(msg.room, time.monotonic()))
         if reason:
@@ -179,15 +197,20 @@ class PrefillRole:
         reason = f"aborted by decode: {msg.reason}"
         with self.mgr.lock:
             sess = self.sessions.get(msg.session_id)
-            if msg.room in self.mgr.status:
+            r = self.rooms.get(msg.room)
+            if r is not None and r.has_sender:
                 self.mgr.update_status(msg.room, KVPoll.Failed, reason)
-            else:  # nothing arrived for the room yet: a sender created later fails at once
+            else:  # this prefill never got the request: forget the room; a later sender fails at once
+                self.rooms.pop(msg.room, None)
+                self.mgr.status.clear(msg.room)
                 self._bury(msg.room, reason)
         endpoint = sess.reply_endpoint if sess is not None else msg.reply_endpoint
         if endpoint:
             self.workers.submit_abort_ack(msg.room, msg.generation, endpoint)
 
     def tick(self, now: float) -> None:
+        self.workers.supervise()
+        self._check_sessions(now)
         if now < self._next_sweep:
             return
         self._next_sweep = now + 1.0
@@ -199,13 +222,26 @@ class PrefillRole:
                 self.rooms.pop(room, None)
                 m.status.clear(room)
                 self._bury(room, "the room expired before this prefill received the request")
-            busy = {sid for r in self.rooms.values() for sid in r.dsts}
-            idle = [s for s in self.sessions.values() if s.session_id not in busy and now - s.last_seen > self.session_idle_s]
-            for s in idle:
+
+    def _check_sessions(self, now: float) -> None:
+        """Declare decode sessions that stopped heartbeating dead; fail all their rooms at once."""
+        m = self.mgr
+        with m.lock:
+            dead = [s for s in self.sessions.values() if now - s.last_seen > self.dead_after_s]
+            for s in dead:
                 del self.sessions[s.session_id]
-        for s in idle:
-            logger.info("%s: dropping idle decode session %s", m.name, s.reply_endpoint)
+            lost = {s.session_id: [r.room for r in self.rooms.values() if s.session_id in r.dsts] for s in dead}
+        for s in dead:
+            rooms = lost[s.session_id]
+            reason = f"decode instance {s.peer} unreachable (no heartbeat for {now - s.last_seen:.1f}s)"
+            for room in rooms:
+                self.fail(room, reason)
+            if rooms:
+                logger.warning("%s: %s; failed %d room(s)", m.name, reason, len(rooms))
+            else:
+                logger.info("%s: dropped decode session %s: %s", m.name, s.session_id, reason)
             m.backend.disconnect(s.session_id)
+            m.drop_peer(s.reply_endpoint)
 
     # ---- scheduler-facing helpers ---------------------------------------------------------
     def _bury(self, room: int, reason: str) -> None:
@@ -224,12 +260,23 @@ class PrefillRole:
                 self.mgr.update_status(room, KVPoll.Failed, reason)
 
     def fail(self, room: int, reason: str) -> None:
-        """Fail the room locally now and tell decode once in-flight writes are done."""
-        self.mgr.update_status(room, KVPoll.Failed, reason)
+        """Fail the room locally now and tell decode once in-flight writes are done. When no
+        decode rank has asked for the room yet, every registered session is told (generation 0:
+        any), so a decode still preallocating for it ends the request at once."""
+        if not self.mgr.update_status(room, KVPoll.Failed, reason):
+            return  # already failed (decode knows, or was told) or already cleared
         with self.mgr.lock:
-            targets = self.targets(room)
-        if targets:
-            self.workers.submit_failure(room, reason, targets)
+            targets = [(sess, req.generation) for sess, req in self.targets(room)]
+            r = self.rooms.get(room)
+            if r is None or not r.dsts:
+                targets = [(sess, 0) for sess in self.sessions.values() if not sess.error]
+        self.workers.submit_failure(room, reason, targets)
+
+    def release(self, room: int) -> None:
+        """This rank will not write for ``room`` again: its destinations may be reused."""
+        with self.mgr.lock:
+            for sess in self.sessions.values():
+                sess.guard.release(room)
 
     def clear(self, room: int) -> None:
         with self.mgr.lock:
@@ -240,9 +287,14 @@ class PrefillRole:
                 self._bury(room, "finished" if st == KVPoll.Success else "released before its transfer")
             self.rooms.pop(room, None)
             self.mgr.status.clear(room)
+        self.release(room)
+        self.mgr.faults.forget(room)
 
     def close(self) -> None:
         self.workers.close()
+
+    def counts(self) -> dict:
+        return {"kv_peer_sessions": len(self.sessions), "kv_dst_claims": sum(s.guard.rooms for s in self.sessions.values())}
 
     def targets(self, room: int) -> list[tuple[_Session, TransferRequest]]:
         """(session, request) of every decode rank that asked for the room (caller holds the lock)."""
@@ -272,7 +324,7 @@ class KVSender:
         st = self.mgr.get_status(self.room)
         if st is None:
             return KVPoll.Failed
-        if st == KVPoll.Bootstrapping:
+        if st == KVPoll.Bootstrapping:  # decode's request has not arrived
             waited = time.monotonic() - self.created
             if waited > self.mgr.bootstrap_timeout:
                 self.role.fail(self.room, f"timed out after {waited:.1f}s waiting for decode's transfer request "
@@ -315,6 +367,17 @@ class KVSender:
 
     def failure_reason(self) -> str:
         return self.mgr.failure_reason(self.room)
+
+    def keepalive(self) -> None:
+        """Tell decode the room is queued or in progress here, so its waiting timeout measures
+        silence rather than queueing (a busy prefill is not a dead one)."""
+        with self.mgr.lock:
+            if self.mgr.status.get(self.room) not in (KVPoll.WaitingForInput, KVPoll.Transferring):
+                return
+            targets = [(sess.reply_endpoint, req.generation) for sess, req in self.role.targets(self.room)]
+        for endpoint, generation in targets:
+            self.mgr.send(endpoint, TransferStatus(room=self.room, generation=generation,
+                                                   state=int(KVPoll.Transferring), prefill_rank=self.role.rank))
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         self.role.fail(self.room, reason)

@@ -37,7 +37,8 @@ def attach_disaggregation(args: ServerArgs, tokenizer=None):
 
         bootstrap = None
         if backend != "fake":
-            bootstrap = get_kv_class(backend, "bootstrap_server")(args.host, args.disaggregation_bootstrap_port, 1)
+            bootstrap = get_kv_class(backend, "bootstrap_server")(args.host, args.disaggregation_bootstrap_port, 1,
+                                                                   secret=args.disaggregation_secret)
         mgr = get_kv_class(backend, "manager")(kv_args, "prefill", args, backend)
         scheduler.pd = PrefillQueues(scheduler, mgr, metadata, get_kv_class(backend, "sender"), FakeKVSender)
         scheduler.pd.bootstrap_server = bootstrap

@@ -4,19 +4,30 @@ Every job of a room (chunks, abort acknowledgements, failure notices) goes to th
 queue (picked by room), in submission order. So a notice to decode leaves only after all earlier
 writes of the room finished: an ``AbortAck`` or a Failed status means "this rank will not write
 for the room again", and Success is sent after the metadata row's ``bootstrap_room`` landed.
+Before any of the three leaves, the room's destination claims are released (``destinations.py``).
+
+Supervision: a worker thread that dies (a bug, or the ``kill_transfer_thread`` fault) is found
+by the manager's I/O thread within one tick; the room it was working on and every room queued
+behind it fail with a reason, decode is told, and a fresh thread takes over the queue. A dead
+thread never leaves rooms hanging until a timeout.
+
+Fault injection (``faults.py``) happens here, where the real failures would.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
+from pdserve.disagg import faults as f
 from pdserve.disagg.descriptors import region_descriptors
 from pdserve.disagg.messages import AbortAck, TransferRequest, TransferStatus
 from pdserve.disagg.poll import KVPoll
+from pdserve.disagg.transfer.base import TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +49,18 @@ class TransferWorkers:
     def __init__(self, role, num_workers: int = 2):
         self.role = role
         self.mgr = role.mgr
+        self.faults = role.mgr.faults
+        self._stop = threading.Event()
         self._queues: list[queue.Queue] = [queue.Queue() for _ in range(num_workers)]
-        self._threads = [threading.Thread(target=self._loop, args=(q,), daemon=True,
-                                          name=f"pd-xfer-{self.mgr.name}-{i}") for i, q in enumerate(self._queues)]
-        for t in self._threads:
-            t.start()
+        self._current: list[Any] = [None] * num_workers  # the job each worker is running
+        self._deaths: list[str] = [""] * num_workers
+        self.restarts = 0
+        self._threads = [self._start(i) for i in range(num_workers)]
+
+    def _start(self, i: int) -> threading.Thread:
+        t = threading.Thread(target=self._loop, args=(i,), daemon=True, name=f"pd-xfer-{self.mgr.name}-{i}")
+        t.start()
+        return t
 
     def submit_chunk(self, chunk: Chunk) -> None:
         self._queue(chunk.room).put(chunk)
@@ -50,10 +68,12 @@ class TransferWorkers:
     def submit_abort_ack(self, room: int, generation: int, endpoint: str) -> None:
         self._queue(room).put(("abort_ack", room, generation, endpoint))
 
-    def submit_failure(self, room: int, reason: str, targets) -> None:
+    def submit_failure(self, room: int, reason: str, targets: list[tuple[Any, int]]) -> None:
+        """``targets``: (session, generation) pairs to tell, after the room's earlier jobs."""
         self._queue(room).put(("notify_failed", room, reason, targets))
 
     def close(self) -> None:
+        self._stop.set()
         for q in self._queues:
             q.put(None)
         for t in self._threads:
@@ -62,26 +82,68 @@ class TransferWorkers:
     def _queue(self, room: int) -> queue.Queue:
         return self._queues[room % len(self._queues)]
 
-    def _loop(self, q: queue.Queue) -> None:
-        while True:
-            job = q.get()
-            if job is None:
-                return
-            try:
-                if isinstance(job, Chunk):
-                    self._run_chunk(job)
-                elif job[0] == "abort_ack":
-                    _, room, gen, endpoint = job
-                    self.mgr.send(endpoint, AbortAck(room=room, generation=gen, prefill_rank=self.role.rank))
-                elif job[0] == "notify_failed":
-                    _, room, reason, targets = job
-                    self.notify(room, targets, KVPoll.Failed, reason)
-            except Exception:  # a bad job fails its room, never the worker
-                logger.exception("%s: transfer worker error", self.mgr.name)
+    def _loop(self, i: int) -> None:
+        q = self._queues[i]
+        try:
+            while True:
+                job = self._current[i] = q.get()
+                if job is None:
+                    return
+                try:
+                    self._run(job)
+                except Exception:  # a bad job fails its room, never the worker
+                    logger.exception("%s: transfer worker error", self.mgr.name)
+                self._current[i] = None
+        except f.InjectedThreadDeath as e:  # the thread ends here, as after a real crash
+            self._deaths[i] = repr(e)
+        except BaseException as e:
+            self._deaths[i] = repr(e)
+            raise
 
-    def notify(self, room: int, targets, state: KVPoll, reason: str = "") -> None:
-        for sess, req in targets:
-            self.mgr.send(sess.reply_endpoint, TransferStatus(room=room, generation=req.generation, state=int(state),
+    def _run(self, job) -> None:
+        if isinstance(job, Chunk):
+            if self.faults.is_(job.room, f.KILL_TRANSFER_THREAD):
+                raise f.InjectedThreadDeath(f"injected fault: transfer thread killed on room {job.room}")
+            self._run_chunk(job)
+        elif job[0] == "abort_ack":
+            _, room, gen, endpoint = job
+            self.role.release(room)
+            self.mgr.send(endpoint, AbortAck(room=room, generation=gen, prefill_rank=self.role.rank))
+        elif job[0] == "notify_failed":
+            _, room, reason, targets = job
+            self.notify(room, targets, KVPoll.Failed, reason)
+
+    def supervise(self) -> None:
+        """Called from the I/O thread: replace dead workers, failing what they held."""
+        for i, t in enumerate(self._threads):
+            if t.is_alive() or self._stop.is_set():
+                continue
+            why = self._deaths[i] or "unknown cause"
+            jobs = [self._current[i]]
+            while True:
+                try:
+                    jobs.append(self._queues[i].get_nowait())
+                except queue.Empty:
+                    break
+            self._current[i] = None
+            self.restarts += 1
+            self._threads[i] = self._start(i)
+            rooms = {j.room for j in jobs if isinstance(j, Chunk)}
+            logger.error("%s: transfer worker %s died (%s); failing %d room(s) it held and restarting it",
+                         self.mgr.name, t.name, why, len(rooms))
+            for room in rooms:
+                self.role.fail(room, f"prefill transfer worker died ({why})")
+            for job in jobs:  # acknowledgements and notices still go out, after the failures
+                if job is not None and not isinstance(job, Chunk):
+                    self._queues[i].put(job)
+
+    def notify(self, room: int, targets: list[tuple[Any, int]], state: KVPoll, reason: str = "") -> None:
+        self.role.release(room)
+        if state == KVPoll.Success and self.faults.is_(room, f.DROP_STATUS):
+            logger.warning("%s: room %d: injected fault: Success status not sent", self.mgr.name, room)
+            return
+        for sess, generation in targets:
+            self.mgr.send(sess.reply_endpoint, TransferStatus(room=room, generation=generation, state=int(state),
                                                               prefill_rank=self.role.rank, reason=reason))
 
     def _run_chunk(self, job: Chunk) -> None:
@@ -93,26 +155,32 @@ class TransferWorkers:
             room = self.role.rooms.get(job.room)
             required = room.required if room is not None else 1
         sess = None
+        pairs = [(s, req.generation) for s, req in targets]
         try:
             if len(targets) < required:
                 raise RuntimeError(f"{len(targets)} of {required} decode destinations known for the room "
                                    "(send() before poll() reached WaitingForInput?)")
             if job.ready_event is not None:
                 job.ready_event.synchronize()
+            fault = self.faults.mode(job.room) if self.faults.enabled else None
+            if fault == f.DELAY_TRANSFER:
+                self._stop.wait(self.faults.delay_s)
             for sess, req in targets:
-                self._write_chunk(sess, req, job)
+                if fault == f.FAIL_TRANSFER:
+                    raise TransferError("injected fault: the backend reported a failed write")
+                self._write_chunk(sess, req, job, corrupt_room=fault == f.CORRUPT_AUX_ROOM)
         except Exception as e:
-            where = sess.reply_endpoint if sess is not None else "decode"
+            where = sess.peer if sess is not None else "decode"
             reason = f"KV transfer to decode {where} failed: {e}"
             logger.warning("%s: room %d: %s", m.name, job.room, reason)
             m.update_status(job.room, KVPoll.Failed, reason)
-            self.notify(job.room, targets, KVPoll.Failed, reason)
+            self.notify(job.room, pairs, KVPoll.Failed, reason)
             return
         if job.last:
-            self.notify(job.room, targets, KVPoll.Success)
+            self.notify(job.room, pairs, KVPoll.Success)
             m.update_status(job.room, KVPoll.Success)
 
-    def _write_chunk(self, sess, req: TransferRequest, job: Chunk) -> None:
+    def _write_chunk(self, sess, req: TransferRequest, job: Chunk, corrupt_room: bool = False) -> None:
         a, backend = self.mgr.kv_args, self.mgr.backend
         n = len(job.src_pages)
         dst_pages = req.dst_pages[job.page_offset:job.page_offset + n]
@@ -138,4 +206,18 @@ class TransferWorkers:
             backend.write(sess.session_id, *body).wait(WRITE_TIMEOUT_S)
             tail = region_descriptors(a.aux_data_ptrs[-1:], b.aux_data_ptrs[-1:], a.aux_item_lens[-1:],
                                       [job.aux_slot], [req.aux_slot])
+            if corrupt_room:
+                _corrupt_room_field(a, job.aux_slot)
             backend.write(sess.session_id, *tail).wait(WRITE_TIMEOUT_S)
+
+
+def _corrupt_room_field(a, slot: int) -> Optional[int]:
+    """Fault injection: flip bits of the room id in prefill's own metadata row (CPU memory only),
+    so the row lands in decode naming another room."""
+    if not a.device.startswith("cpu"):
+        logger.warning("corrupt_aux_room fault needs CPU metadata buffers; not injected")
+        return None
+    field = ctypes.c_int64.from_address(a.aux_data_ptrs[-1] + slot * a.aux_item_lens[-1])
+    field.value ^= 0x5A5A5A
+    logger.warning("injected fault: metadata row %d now names room %d", slot, field.value)
+    return field.value

@@ -1,0 +1,84 @@
+"""What a decode session may ask a prefill rank to write (checked before any byte moves).
+
+A ``TransferRequest`` names destination pages, a metadata row and state slots by index. The
+prefill rank accepts it only when
+- every index lies inside the buffers that session registered (page < pages in its KV pool,
+  row < rows in its metadata buffers, slot < slots in its state buffers), and
+- no page or row is also the destination of another unfinished room of the same session
+  (what decode allocated to a room belongs to that room alone until the room ends here).
+This holds with or without ``--disaggregation-secret``: it protects decode memory from a buggy
+or forged request, and the backend checks the resulting addresses against the registered
+regions once more (``TransferBackend.write``).
+
+A room's claims are released when this rank stops writing for it (Success or Failed sent, an
+abort acknowledged, the room cleared), which is always before decode may reuse the pages.
+"""
+
+from __future__ import annotations
+
+from pdserve.disagg.messages import BufferDesc, TransferRequest
+
+
+def _rows(lens: list[int], items: list[int]) -> int:
+    counts = [length // item for length, item in zip(lens, items) if item > 0]
+    return min(counts) if counts else 0
+
+
+class DestinationGuard:
+    """One per registered decode session; the caller (the KV manager) holds its lock."""
+
+    def __init__(self, buffers: BufferDesc, kv_entries: slice):
+        # per registered region: [num_pages, item] for KV entries of this rank's layers
+        self.num_pages = _rows(buffers.kv_data_lens[kv_entries], buffers.kv_item_lens[kv_entries])
+        self.num_aux_rows = _rows(buffers.aux_data_lens, buffers.aux_item_lens)
+        self.num_state_slots = _rows(buffers.state_data_lens, buffers.state_item_lens)
+        self._pages: dict[int, int] = {}  # destination page -> room
+        self._rows: dict[int, int] = {}  # metadata row -> room
+        self._by_room: dict[int, TransferRequest] = {}
+
+    def check(self, req: TransferRequest) -> str:
+        """Why ``req`` must be refused ("" when it may be served)."""
+        bad = next((p for p in req.dst_pages if not 0 <= p < self.num_pages), None)
+        if bad is not None:
+            return (f"destination page {bad} is outside decode's registered KV pool "
+                    f"({self.num_pages} pages); nothing written")
+        if len(set(req.dst_pages)) != len(req.dst_pages):
+            return "destination pages repeat within the request; nothing written"
+        if req.aux_slot >= self.num_aux_rows or req.aux_slot < -1:
+            return (f"metadata row {req.aux_slot} is outside decode's registered metadata buffers "
+                    f"({self.num_aux_rows} rows); nothing written")
+        bad = next((i for i in req.state_indices if not 0 <= i < self.num_state_slots), None)
+        if bad is not None:
+            return (f"state slot {bad} is outside decode's registered state buffers "
+                    f"({self.num_state_slots} slots); nothing written")
+        owner = next((self._pages[p] for p in req.dst_pages if self._pages.get(p, req.room) != req.room), None)
+        if owner is not None:
+            return (f"destination pages overlap those of room {owner}, still in flight from the same decode; "
+                    "nothing written")
+        if req.aux_slot >= 0 and self._rows.get(req.aux_slot, req.room) != req.room:
+            return (f"metadata row {req.aux_slot} is the destination of room {self._rows[req.aux_slot]}, "
+                    "still in flight from the same decode; nothing written")
+        return ""
+
+    def claim(self, req: TransferRequest) -> None:
+        """Record ``req``'s destinations as its room's (after ``check`` passed)."""
+        self.release(req.room)
+        self._by_room[req.room] = req
+        for p in req.dst_pages:
+            self._pages[p] = req.room
+        if req.aux_slot >= 0:
+            self._rows[req.aux_slot] = req.room
+
+    def release(self, room: int) -> None:
+        req = self._by_room.pop(room, None)
+        if req is None:
+            return
+        for p in req.dst_pages:
+            if self._pages.get(p) == room:
+                del self._pages[p]
+        if self._rows.get(req.aux_slot) == room:
+            del self._rows[req.aux_slot]
+
+    @property
+    def rooms(self) -> int:
+        return len(self._by_room)
