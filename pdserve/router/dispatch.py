@@ -7,8 +7,11 @@ The rules, for one attempt:
 - prefill's answer is awaited only to merge input logprobs (/generate with
   ``return_logprob``); otherwise it is drained in the background and never holds decode back;
 - a stream is committed to the client (status 200) only once decode's first event arrived, so
-  failures before that can still be retried; a failure after it ends the stream with an SSE
-  error event and ``data: [DONE]``;
+  failures before that can still be retried; a first event that is an error (decode reports a
+  failed transfer in its stream) counts as a failure before output, answered with its own HTTP
+  status; a failure after it ends the stream with an SSE error event and ``data: [DONE]``;
+- a retry after a prefill failure keeps the same decode when it is still available (only the
+  prefill leg was at fault); a retry after a decode failure picks another decode;
 - the client going away cancels whatever is in flight (closing a leg cancels it on the server).
 Colocated mode (``--worker``) is the same with no prefill leg and the body passed on unchanged.
 """
@@ -31,6 +34,7 @@ from pdserve.router.workers import DECODE, PREFILL, REGULAR, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
 
+BLAME_GRACE_S = 0.5  # how long a decode error waits for prefill's answer to tell whose fault it was
 _NOT_FORWARDED = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "te", "trailer",
                   "upgrade", "proxy-connection", "expect", "accept-encoding", "content-type"}
 
@@ -90,14 +94,15 @@ class Dispatcher:
         if self.client is not None:
             await self.client.aclose()
 
-    def select(self, exclude: set[Worker]) -> tuple[list[Worker] | None, str]:
+    def select(self, exclude: set[Worker], keep: Worker | None = None) -> tuple[list[Worker] | None, str]:
         roles = [PREFILL, DECODE] if self.pool.by_role[PREFILL] else [REGULAR]
         chosen = []
         for role in roles:
             candidates = self.pool.available(role, exclude)
             if not candidates:
-                return None, f"no healthy {role} worker available"
-            chosen.append(self.policies[role].select(candidates))
+                tried = " (the others failed this request)" if any(w.role == role for w in exclude) else ""
+                return None, f"no healthy {role} worker available{tried}"
+            chosen.append(keep if keep is not None and keep in candidates else self.policies[role].select(candidates))
         return chosen, ""
 
     def make_call(self, request: Request, path: str, raw: bytes, body: dict) -> Call:
@@ -113,8 +118,9 @@ class Dispatcher:
     async def handle(self, call: Call) -> Response:
         exclude: set[Worker] = set()
         failure: Failure | None = None
+        keep: Worker | None = None
         for attempt in range(self.args.max_retries + 1):
-            pair, why = self.select(exclude)
+            pair, why = self.select(exclude, keep)
             if pair is None:
                 if failure is None:
                     return error_response(503, why)
@@ -138,6 +144,7 @@ class Dispatcher:
             if not failure.result.retryable:
                 break
             exclude.add(failure.worker)
+            keep = main if failure.worker is prefill else None
         return failure.response()
 
     def _legs(self, call: Call, prefill: Worker | None, main: Worker, payload: bytes):
@@ -206,6 +213,15 @@ class Dispatcher:
                 first = first_task.result()
             except httpx.HTTPError as e:
                 return Failure(main, d_leg.failed(e))
+            error = protocol.first_event_error(first)
+            if error is not None:
+                status, body = error
+                if p_task is not None and not p_task.done():  # a prefill failure usually answers too
+                    await asyncio.wait({p_task}, timeout=BLAME_GRACE_S)
+                p_failed = p_task is not None and p_task.done() and not p_task.result().ok
+                d_leg.finish(p_failed or status < 500)
+                culprit = prefill if p_failed else main
+                return Failure(culprit, LegResult(status, body, "application/json", error=body.decode(errors="replace")))
             handed_off = True
             relay = self._relay(call, first, reader, p_leg, d_leg, p_items)
             return ProxyStream(relay.chunks(), status_code=200, media_type=resp.headers.get("content-type"),

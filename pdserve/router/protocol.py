@@ -187,6 +187,27 @@ def merge_logprobs_event(event: bytes, p_items: list[dict], total: int) -> bytes
     return b"\n".join(lines) if changed else event
 
 
+def first_event_error(chunk: bytes) -> tuple[int, bytes] | None:
+    """(status, JSON error body) when the first SSE event of ``chunk`` is an error event."""
+    events = split_events(chunk)
+    if not events:
+        return None
+    for line in events[0].splitlines():
+        if not line.startswith(b"data:"):
+            continue
+        try:
+            obj = json.loads(line[5:])
+        except ValueError:
+            return None
+        err = obj.get("error") if isinstance(obj, dict) else None
+        if not isinstance(err, dict):
+            return None
+        code = err.get("code")
+        status = code if isinstance(code, int) and 400 <= code < 600 else 500
+        return status, json.dumps({"error": err}).encode()
+    return None
+
+
 def event_boundary(buf: bytes | bytearray) -> int:
     """Length of the prefix of ``buf`` made of whole SSE events (0 if none is complete)."""
     lf, crlf = buf.rfind(b"\n\n"), buf.rfind(b"\r\n\r\n")

@@ -93,6 +93,9 @@ class Worker:
             self.health_failures = 0
             if not self.healthy:
                 logger.info("%s %s is healthy", self.role, self.url)
+                if self.breaker.state != "closed":
+                    # back after being out (e.g. restarted): its old failures say nothing about it now
+                    self.breaker.failures, self.breaker.opened_at = 0, None
             self.healthy = True
             return
         self.health_failures += 1

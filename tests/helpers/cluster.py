@@ -101,7 +101,7 @@ class Proc:
             body = self.http.get("/debug/integrity").json()
             pools = body["integrity"]
             done = body.get("front_end_requests", 0) == 0 and pools["running"] == 0 and pools["waiting"] == 0 \
-                and pools["in_use_pages"] == 0 \
+                and pools["in_use_pages"] == 0 and pools.get("kv_rooms", 0) == 0 \
                 and pools.get("metadata_slots_free", 0) == pools.get("metadata_slots_total", 0)
             return pools if done else None
 

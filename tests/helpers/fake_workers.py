@@ -152,6 +152,7 @@ class FakeWorker:
         self.health_status = 200
         self.load = {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
         self.fail_status: int | None = None  # answer generation requests with this status
+        self.stream_error_status: int | None = None  # decode: answer a stream 200 + one SSE error event
         self.respond_gate = Gate(is_open=True)  # prefill: hold the HTTP answer (KV already "sent")
         self.stream_gate = Gate(is_open=True)  # decode: hold a stream after its first event, or a JSON answer
         self.die_mid_stream = False  # decode: drop the connection after the first chunk
@@ -167,6 +168,7 @@ class FakeWorker:
         self.health_status = 200
         self.load = {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
         self.fail_status = None
+        self.stream_error_status = None
         self.respond_gate.open()
         self.stream_gate.open()
         self.die_mid_stream = False
@@ -238,6 +240,10 @@ class FakeWorker:
                 return self._error(rec, 500, "KV transfer failed: prefill failed or timed out")
         if self.fail_status is not None:
             return self._error(rec, self.fail_status, f"{self.name} injected failure")
+        if self.stream_error_status is not None and body.get("stream"):
+            err = {"error": {"message": f"{self.name} injected stream failure", "code": self.stream_error_status}}
+            events = [f"data: {json.dumps(err)}\n\n".encode(), b"data: [DONE]\n\n"]
+            return StreamingResponse(self._stream(rec, events), media_type="text/event-stream")
         if not body.get("stream") and not await self.stream_gate.wait(request):
             rec.disconnected = True
             return Response(status_code=499)

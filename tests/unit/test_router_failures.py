@@ -1,0 +1,98 @@
+"""Router failure handling against fake workers: streamed errors before any output, which
+worker a retry replaces, circuit breakers of a worker that came back."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.router.args import RouterArgs
+from tests.helpers.fake_workers import FakeCluster, wait_until
+from tests.unit.test_router import GEN, RunningRouter, sse_events
+
+
+@pytest.fixture(scope="module")
+def workers():
+    c = FakeCluster()
+    for role in ("prefill", "prefill", "decode", "decode"):
+        c.add(role)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def pd(workers):
+    for w in workers.workers:
+        w.reset()
+    return tuple(workers.workers)
+
+
+@pytest.fixture
+def make_router():
+    routers = []
+
+    def make(prefill, decode, **kw) -> RunningRouter:
+        kw = {"health_check_interval": 0.2, "health_failure_threshold": 1, **kw}
+        r = RunningRouter(RouterArgs(prefill=[(p.url, p.bootstrap_port) for p in prefill],
+                                     decode=[d.url for d in decode], **kw))
+        routers.append(r)
+        r.wait_ready()
+        return r
+
+    yield make
+    for r in routers:
+        r.stop()
+
+
+def test_stream_whose_first_event_is_an_error_is_retried_on_another_decode(pd, make_router):
+    p0, _, d0, d1 = pd
+    d0.stream_error_status = 503
+    r = make_router([p0], [d0, d1], policy="round_robin", cb_failure_threshold=0)
+    for _ in range(2):  # whichever decode round robin picks first, the answer comes from decode1
+        resp = r.client.post("/generate", json={**GEN, "stream": True})
+        assert resp.status_code == 200
+        events = sse_events(resp.content)
+        assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1])
+    assert len(d1.generation_requests()) == 2
+
+
+def test_stream_error_without_a_retry_keeps_its_status_and_reason(pd, make_router):
+    p0, _, d0, _ = pd
+    d0.stream_error_status = 503
+    r = make_router([p0], [d0], cb_failure_threshold=0)
+    resp = r.client.post("/generate", json={**GEN, "stream": True})
+    assert resp.status_code == 503
+    assert resp.json()["error"]["message"] == "decode0 injected stream failure"
+    d0.stream_error_status = 400  # a client error is not retried and not a worker failure
+    resp = r.client.post("/generate", json={**GEN, "stream": True})
+    assert resp.status_code == 400 and len(d0.generation_requests()) == 2  # one decode: nothing to retry on
+
+
+def test_retry_after_a_prefill_failure_keeps_the_decode(pd, make_router):
+    p0, p1, d0, d1 = pd
+    p0.fail_status = 500
+    r = make_router([p0, p1], [d0, d1], policy="round_robin", cb_failure_threshold=0)
+    for stream in (False, True):
+        before = {d.name: len(d.generation_requests()) for d in (d0, d1)}
+        resp = r.client.post("/generate", json={**GEN, "stream": stream})
+        assert resp.status_code == 200
+        bad = p0.generation_requests()[-1].json["bootstrap_room"]
+        first = next(d for d in (d0, d1) if any(rec.json["bootstrap_room"] == bad for rec in d.generation_requests()))
+        # both attempts went to the same decode: only the prefill leg was at fault
+        assert len(first.generation_requests()) == before[first.name] + 2
+
+
+def test_a_worker_back_from_the_dead_gets_a_fresh_breaker(pd, make_router):
+    p0, _, d0, d1 = pd
+    r = make_router([p0], [d0, d1], cb_failure_threshold=1, cb_cooldown=60)
+    d0.fail_status = 503
+    for _ in range(2):
+        r.client.post("/generate", json=GEN)
+    assert r.worker(d0.url).breaker.state == "open"
+    d0.fail_status = None
+    d0.health_status = 503
+    wait_until(lambda: not r.worker(d0.url).healthy, what="decode0 out")
+    d0.health_status = 200  # e.g. restarted: health checks pass again
+    wait_until(lambda: r.worker(d0.url).healthy, what="decode0 back")
+    assert r.worker(d0.url).breaker.state == "closed"
+    served = {r.client.post("/generate", json=GEN).json()["meta_info"]["served_by"] for _ in range(2)}
+    assert "decode0" in served
