@@ -55,6 +55,7 @@ class Scheduler:
         # Called with each request that completes its prompt in prefill mode (instead of decoding).
         self.on_prefill_done: Optional[Callable[[Req], None]] = None
         self.on_chunk_done: Optional[Callable[[Req], None]] = None
+        self._reported_early = False
 
     # ---- requests in and out -------------------------------------------------------------
     def validate(self, req: Req) -> None:
@@ -181,6 +182,12 @@ class Scheduler:
     def step(self) -> list[Req]:
         if self.pd is not None:
             self.pd.process_queues()
+            if self.updated and not self._reported_early:
+                # First tokens committed from transferred KV go out now, not after a forward:
+                # otherwise PD's time to first token would include one decode step.
+                self._reported_early = True
+                return self.drain()
+        self._reported_early = False
         batch = self._schedule()
         if batch:
             self._run(batch)
