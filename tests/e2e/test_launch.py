@@ -1,0 +1,64 @@
+"""`pdserve launch`: the local PD cluster comes up, serves through its router, and Ctrl-C stops
+every process it started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.helpers.cluster import children, free_port, wait_for
+
+
+def _tree(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = children(p)
+        out += kids
+        todo += kids
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_launch_serves_and_stops_everything(tiny_llama_path, tmp_path):
+    port = free_port()
+    log = open(tmp_path / "launch.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "launch", "--model-path", tiny_llama_path, "--port", str(port),
+         "--num-prefill", "1", "--num-decode", "1", "--torch-num-threads", "1", "--max-total-tokens", "16384"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def ready():
+            assert proc.poll() is None, (tmp_path / "launch.log").read_text()[-3000:]
+            return b"pdserve cluster ready" in (tmp_path / "launch.log").read_bytes()
+
+        wait_for(ready, 300, "the cluster to be ready", interval=0.5)
+        r = httpx.post(url + "/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 4,
+                                                                                    "temperature": 0}}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["meta_info"]["completion_tokens"] == 4
+        descendants = _tree(proc.pid)
+        assert len(descendants) >= 5  # 2 front ends + 2 schedulers + router
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+        log.close()
+    assert code == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in descendants) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in descendants if _alive(p)], "processes left running after Ctrl-C"
