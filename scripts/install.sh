@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Install pdserve and what it needs. Usage: bash scripts/install.sh [--test]
-#   --test  also the test tools, the demo-model builder and the real sglang-router binary.
+# Install pdserve and what it needs. Usage: bash scripts/install.sh [--test|--backends]
+#   --test      also the test tools, the demo-model builder, the real sglang-router binary and the
+#               Mooncake and NIXL KV transfer backends (their tests skip, saying why, if these fail).
+#   --backends  pdserve plus the Mooncake and NIXL transfer backends.
 # A CUDA torch that is already installed is kept; otherwise a CPU-only machine gets the CPU
 # wheel (torch==2.13.0+cpu), which avoids pulling a multi-GB CUDA build.
 set -euo pipefail
@@ -16,10 +18,38 @@ if ! $PY -c "import torch" 2>/dev/null; then
   fi
 fi
 
+# KV transfer backends (--disaggregation-transfer-backend mooncake|nixl). Each step may fail on
+# an unusual platform: pdserve then runs without that backend and its tests say why they skip.
+install_transfer_backends() {
+  # Mooncake links libibverbs.so.1 even for TCP. Debian's libibverbs1 recommends ibverbs-providers,
+  # with which NIXL processes crash at exit: install the library alone.
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! ldconfig -p | grep -q "libibverbs.so.1 "; then
+    apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null; } \
+      || echo "install.sh: libibverbs1 could not be installed; the mooncake backend will not load" >&2
+  fi
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    $PIP "mooncake-transfer-engine" || echo "install.sh: mooncake-transfer-engine could not be installed" >&2
+  else
+    $PIP "mooncake-transfer-engine-non-cuda" \
+      || echo "install.sh: mooncake-transfer-engine-non-cuda could not be installed" >&2
+  fi
+  # NIXL: --no-deps, or pip pulls a CUDA torch and the wheels for every CUDA major; it needs only
+  # numpy and torch at run time. The nixl-cuXX wheel follows torch's CUDA major (12 on CPU hosts).
+  local cuda_major
+  cuda_major=$($PY -c "import torch; print((torch.version.cuda or '12').split('.')[0])" 2>/dev/null || echo 12)
+  $PIP --no-deps "nixl==1.5.1" "nixl-cu${cuda_major}==1.5.1" \
+    || echo "install.sh: nixl could not be installed" >&2
+}
+
 if [ "${1:-}" = "--test" ]; then
   $PIP -e ".[demo,bench,test]"
   # the real Rust router, for the wire-compatibility tests (a plain wheel, no torch)
   $PIP "sglang-router==0.3.2" || echo "install.sh: sglang-router could not be installed on this platform" >&2
+  install_transfer_backends
 else
   $PIP -e ".[demo,bench]"
+  if [ "${1:-}" = "--backends" ]; then
+    install_transfer_backends
+  fi
 fi

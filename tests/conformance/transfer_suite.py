@@ -18,6 +18,7 @@ import os
 import queue
 import random
 import socket
+import threading
 import time
 from typing import Any
 
@@ -93,11 +94,24 @@ def prefill_main(cfg: dict[str, Any], out, stop) -> None:
     Sender = get_kv_class(cfg["backend"], "sender")
     addr = f"127.0.0.1:{cfg['port']}"
     senders = {r["room"]: Sender(mgr, addr, r["room"]) for r in rooms}
+    spec_of = {r["room"]: r for r in rooms}
     slots = SlotAllocator(64)
     started: set[int] = set()
+    pending: dict[int, list] = {}  # room -> [chunks still to send, offset, time the next one is due]
+    chunk_delay = cfg.get("chunk_delay", 0.0)
     announced = False
     deadline = time.monotonic() + cfg.get("deadline", 60)
     while not stop.is_set() and time.monotonic() < deadline:
+        now = time.monotonic()
+        for room, p in list(pending.items()):  # chunk_delay > 0: one chunk every chunk_delay seconds
+            while p[0] and now >= p[2]:
+                n = p[0].pop(0)
+                senders[room].send(spec_of[room]["src"][p[1]:p[1] + n], last_chunk=not p[0])
+                p[1], p[2] = p[1] + n, now + chunk_delay
+                if chunk_delay:
+                    out.put(("sent_chunk", room))
+            if not p[0]:
+                del pending[room]
         states = {room: s.poll() for room, s in senders.items()}
         if all(st in (KVPoll.Success, KVPoll.Failed) for st in states.values()):
             break
@@ -117,10 +131,7 @@ def prefill_main(cfg: dict[str, Any], out, stop) -> None:
                 row = expected_row(room)
                 meta.set_row(slot, room, row["first_token"], row["logprob"], row["top_logprobs"],
                              row["cached_tokens"])
-                off = 0
-                for i, n in enumerate(r["chunks"]):
-                    s.send(r["src"][off:off + n], last_chunk=i == len(r["chunks"]) - 1)
-                    off += n
+                pending[room] = [list(r["chunks"]), 0, 0.0]
         time.sleep(0.005)
     out.put(("final", {room: (int(s.poll()), s.failure_reason()) for room, s in senders.items()}))
     stop.wait(cfg.get("deadline", 60))  # keep answering decode until the test is done
@@ -154,6 +165,21 @@ def decode_main(cfg: dict[str, Any], out, stop) -> None:
     max_in_flight = 0
     deadline = time.monotonic() + cfg.get("deadline", 60)
     terminal = (KVPoll.Success, KVPoll.Failed)
+    # decode="watch": the moment the metadata row shows the room, the pages must already be there
+    watched = {r["room"]: r for r in cfg["rooms"] if r["decode"] == "watch"}
+    at_row: dict[int, bytes] = {}
+    watching = threading.Event()
+
+    def watch() -> None:
+        while not watching.is_set() and len(at_row) < len(watched):
+            for room, r in watched.items():
+                slot = slot_of.get(room)
+                if room not in at_row and slot is not None and meta.row_room(slot) == room:
+                    at_row[room] = _page_bytes(pool, r["dst"])
+            time.sleep(0.0002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     while time.monotonic() < deadline:
         states = {room: rv.poll() for room, rv in recvs.items()}
         if all(st in terminal for st in states.values()):
@@ -171,6 +197,8 @@ def decode_main(cfg: dict[str, Any], out, stop) -> None:
         time.sleep(0.005)
     while time.monotonic() < deadline and not all(rv.writes_drained() for rv in recvs.values()):
         time.sleep(0.01)
+    watching.set()
+    watcher.join()
     result = {}
     for r in cfg["rooms"]:
         room, rv = r["room"], recvs[r["room"]]
@@ -182,6 +210,8 @@ def decode_main(cfg: dict[str, Any], out, stop) -> None:
             item["row"] = {"room": row.room, "first_token": row.first_token, "logprob": row.logprob,
                            "top_logprobs": row.top_logprobs, "cached_tokens": row.cached_tokens}
             item["row_room_ok"] = meta.row_room(slot_of[room]) == room
+            if room in watched:
+                item["bytes_at_row"] = at_row.get(room)
         result[room] = item
         rv.clear()
     out.put(("decode", {"rooms": result, "max_in_flight": max_in_flight}))
@@ -374,3 +404,90 @@ def test_dead_prefill_detected_by_heartbeat(backend):
         assert f"prefill instance 127.0.0.1:{run.cfg['port']} unreachable" in got["reason"]
         assert got["drained"]
     assert time.monotonic() - t0 < 20  # far below the 60 s waiting timeout
+
+
+# ---- large transfers and peers that die mid-transfer ----------------------------------------
+
+LARGE_PAGES = 4096
+
+
+def shuffled_runs(rng: random.Random, pages: list[int], max_run: int) -> list[int]:
+    """``pages`` cut into runs of 1..max_run consecutive pages, the runs in random order."""
+    runs, i = [], 0
+    while i < len(pages):
+        n = rng.randint(1, max_run)
+        runs.append(pages[i:i + n])
+        i += n
+    rng.shuffle(runs)
+    return [p for run in runs for p in run]
+
+
+def large_room_spec(room: int = 51) -> dict:
+    """4096 pages in 8 chunks: the first half in contiguous runs of random lengths (different on
+    each side), the second half page by page in random order (one descriptor per page)."""
+    rng = random.Random(room)
+    half = LARGE_PAGES // 2
+    src = shuffled_runs(rng, list(range(1, half + 1)), 48) + rng.sample(range(half + 1, LARGE_PAGES + 1), half)
+    dst = shuffled_runs(rng, list(range(1, half + 1)), 32) + rng.sample(range(half + 1, LARGE_PAGES + 1), half)
+    return room_spec(room, src, dst, [LARGE_PAGES // 8] * 8, decode="watch")
+
+
+def test_large_transfer_lands_before_its_metadata_row(backend):
+    spec = large_room_spec()
+    run = Run(backend, [spec], prefill_pages=LARGE_PAGES + 8, decode_pages=LARGE_PAGES + 8)
+    try:
+        expected = run.expect(run.out_p, "expected")
+        final = run.expect(run.out_p, "final")
+        res = run.finish()
+    finally:
+        run.close()
+    got = res["decode"]["rooms"][spec["room"]]
+    assert got["state"] == SUCCESS, got["reason"]
+    assert final[spec["room"]][0] == SUCCESS
+    assert got["bytes"] == expected[spec["room"]], "page bytes differ"
+    assert got["row"] == expected_row(spec["room"])
+    # decode saw the metadata row only after every page had landed (bootstrap_room is written last)
+    assert got["bytes_at_row"] == expected[spec["room"]]
+
+
+def paced_room(room: int) -> dict:
+    return room_spec(room, list(range(1, 41)), list(range(101, 141)), [4] * 10)  # one chunk every chunk_delay
+
+
+def test_prefill_dies_mid_transfer(backend):
+    run = Run(backend, [paced_room(61)], chunk_delay=0.3, heartbeat_interval=0.2, heartbeat_misses=2,
+              waiting_timeout=60)
+    try:
+        run.expect(run.out_p, "sent_chunk")  # the room's first pages are on their way
+        time.sleep(0.2)
+        run.prefill.kill()
+        t0 = time.monotonic()
+        res = run.finish()
+    finally:
+        run.close()
+    got = res["decode"]["rooms"][61]
+    assert got["state"] == FAILED
+    assert f"prefill instance 127.0.0.1:{run.cfg['port']} unreachable" in got["reason"]
+    assert got["drained"]
+    assert time.monotonic() - t0 < 15  # heartbeat deadline (0.4 s) plus process overhead, far below 60 s
+
+
+def test_decode_dies_mid_transfer(backend):
+    if backend == "local":
+        pytest.skip("local backend: prefill writes into decode's shared memory, which stays mapped after "
+                    "decode died, so a write cannot fail there (decode's death shows only in heartbeats)")
+    waiting_timeout = 5.0
+    run = Run(backend, [paced_room(71)], chunk_delay=0.3, waiting_timeout=waiting_timeout)
+    try:
+        run.expect(run.out_p, "sent_chunk")
+        time.sleep(0.2)
+        run.decode.kill()
+        t0 = time.monotonic()
+        final = run.expect(run.out_p, "final", timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        run.close()
+    state, reason = final[71]
+    assert state == FAILED, reason
+    assert "KV transfer to decode" in reason and "failed" in reason, reason
+    assert elapsed < waiting_timeout + 5  # the backend gives up on a write after the waiting timeout
