@@ -1,0 +1,427 @@
+"""``pdserve bench-transfer``: KV transfer bandwidth through pdserve vs the raw library vs memcpy.
+
+    pdserve bench-transfer --size 1GiB --page-sizes 16KiB,256KiB,4MiB --backends local,mooncake,nixl \\
+        --json transfer.json
+
+For every backend and page size, this process plays prefill and a spawned process plays decode,
+each with a real ``KVPool`` (one layer, K and V, one item per page; decode's pool from the
+backend's ``buffer_allocator``). Decode's destination pages are a random permutation, so every
+page is its own descriptor, as in a fragmented pool. Per repeat, alternately:
+- ``ours``: one room through ``KVManager`` / ``KVSender`` / ``KVReceiver``: ``send()`` of every
+  page, timed on prefill until ``poll()`` says Success (the writes, the metadata row and the
+  status message to decode included); decode checks every page's marker afterwards;
+- ``raw`` (mooncake, nixl): the same descriptors handed to the library directly on the same
+  engines/agents (Mooncake ``batch_transfer_sync_write`` in calls of 512 descriptors, as the
+  engine's default queue limits need; NIXL one ``WRITE`` request polled in a tight loop),
+  argument lists built before the clock starts.
+Once, in this process: ``memcpy``, ``ctypes.memmove`` of the same descriptors between two
+buffers, and ``bulk``, one ``torch`` copy of the whole size. The best of ``--repeats`` runs
+counts (the machines we measure on are shared and noisy); every sample goes to ``--json``.
+
+``--request`` also times one 2048-token request of the demo model (SmolLM2-135M: 30 layers, 3 KV
+heads, head dim 64, bf16, page size 16: 47 MB in 128 pages per layer and K|V) per backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import multiprocessing as mp
+import os
+import platform
+import queue
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+MOONCAKE_RAW_CALL = 512
+POLL_S = 1e-3  # how often both sides poll the room, as a scheduler iteration would
+DEMO_REQUEST = dict(layers=30, heads=3, head_dim=64, page_size=16, pages=128)  # 2048 tokens
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4096, 16KiB, 4MiB, 1GiB)")
+    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+
+
+def fmt_size(n: int) -> str:
+    for unit, k in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= k and n % k == 0:
+            return f"{n // k} {unit}"
+    return f"{n / 1e6:.1f} MB"
+
+
+@dataclass
+class Geometry:
+    """KV pools on both sides: [layers, 2, pool_pages, heads, page_size, head_dim] bf16;
+    ``pages`` pages are sent, source pages 1..pages, destinations a random permutation."""
+
+    layers: int
+    heads: int
+    head_dim: int
+    page_size: int
+    pages: int
+    seed: int = 0
+
+    @property
+    def item_bytes(self) -> int:
+        return self.heads * self.page_size * self.head_dim * 2
+
+    @property
+    def total_bytes(self) -> int:
+        return self.layers * 2 * self.pages * self.item_bytes
+
+    @property
+    def pool_pages(self) -> int:
+        return self.pages + 1  # page 0 stays unused, like the padding page
+
+    def src_pages(self) -> list[int]:
+        return list(range(1, self.pages + 1))
+
+    def dst_pages(self) -> list[int]:
+        return [int(p) for p in np.random.default_rng(self.seed).permutation(self.pages) + 1]
+
+    @classmethod
+    def for_page_bytes(cls, size: int, page_bytes: int) -> "Geometry":
+        if page_bytes % 1024:
+            raise ValueError(f"page size must be a multiple of 1 KiB, got {page_bytes}")
+        return cls(layers=1, heads=1, head_dim=512, page_size=page_bytes // 1024, pages=max(1, size // (2 * page_bytes)))
+
+
+# ---- the decode process ------------------------------------------------------------------
+
+
+def _server_args(backend: str, geo: Geometry, mode: str, port: int):
+    from pdserve.config import ServerArgs
+
+    return ServerArgs(model_path="bench-transfer", device="cpu", page_size=geo.page_size, disaggregation_mode=mode,
+                      disaggregation_transfer_backend=backend, disaggregation_bootstrap_port=port,
+                      chunked_prefill_size=max(2048, geo.page_size), disaggregation_waiting_timeout=120.0,
+                      disaggregation_bootstrap_timeout=120.0)
+
+
+def _items(pool) -> Any:
+    return pool._raw.view(pool.num_layers, 2, pool.num_pages, -1)  # [layers, K|V, pages, item bytes]
+
+
+def decode_main(backend: str, geo: Geometry, port: int, out, cmds) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s decode %(name)s: %(message)s")
+    from pdserve.disagg.kv_args import KVArgs
+    from pdserve.disagg.manager import KVManager, buffer_allocator, get_kv_class
+    from pdserve.disagg.metadata import MetadataBuffers
+    from pdserve.disagg.poll import KVPoll
+    from pdserve.engine.kv_pool import KVPool
+
+    alloc = buffer_allocator(backend, "decode")
+    pool = KVPool(geo.layers, geo.pool_pages, geo.page_size, geo.heads, geo.head_dim, torch.bfloat16, "cpu", alloc)
+    meta = MetadataBuffers(8, allocator=alloc)
+    kv_args = KVArgs.from_buffers(pool, meta, model_fingerprint="bench")
+    mgr = KVManager(kv_args, "decode", _server_args(backend, geo, "decode", port), backend,
+                    bootstrap_host="127.0.0.1")
+    Receiver = get_kv_class(backend, "receiver")
+    dst = torch.tensor(geo.dst_pages())
+    expected = torch.tensor(geo.src_pages())
+    markers = _items(pool)[:, :, dst, :8]
+    out.put(("ready", list(kv_args.kv_data_ptrs)))
+    try:
+        while True:
+            cmd = cmds.get()
+            if cmd[0] == "stop":
+                return
+            if cmd[0] == "clear":  # zero each destination item's marker before a run
+                _items(pool)[:, :, dst, :8] = 0
+                out.put(("cleared", None))
+                continue
+            if cmd[0] == "check":
+                markers = _items(pool)[:, :, dst, :8].contiguous().view(torch.int64)[..., 0]
+                out.put(("checked", bool((markers == expected).all())))
+                continue
+            room = cmd[1]
+            _items(pool)[:, :, dst, :8] = 0
+            rv = Receiver(mgr, f"127.0.0.1:{port}", room)
+            rv.init()
+            deadline = time.monotonic() + 120
+            while rv.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
+                time.sleep(0.001)
+            rv.send_metadata(geo.dst_pages(), 0)
+            while rv.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+            state = rv.poll()
+            markers = _items(pool)[:, :, dst, :8].contiguous().view(torch.int64)[..., 0]
+            out.put(("done", (room, int(state), rv.failure_reason(), bool((markers == expected).all()))))
+            rv.clear()
+    finally:
+        mgr.close()
+
+
+# ---- this process: prefill, raw calls, memcpy ----------------------------------------------
+
+
+class PrefillSide:
+    def __init__(self, backend: str, geo: Geometry):
+        import torch
+
+        from pdserve.disagg.bootstrap import BootstrapServer
+        from pdserve.disagg.kv_args import KVArgs
+        from pdserve.disagg.manager import KVManager, get_kv_class
+        from pdserve.disagg.metadata import MetadataBuffers
+        from pdserve.engine.kv_pool import KVPool
+
+        self.backend, self.geo = backend, geo
+        self.server = BootstrapServer("127.0.0.1", 0, expected_ranks=1)
+        self.port = self.server.port
+        self.pool = KVPool(geo.layers, geo.pool_pages, geo.page_size, geo.heads, geo.head_dim, torch.bfloat16, "cpu")
+        # each item's first 8 bytes: its page number, which decode checks at its destination
+        _items(self.pool)[..., :8] = torch.arange(geo.pool_pages).view(1, 1, -1, 1).expand(
+            geo.layers, 2, -1, 1).contiguous().view(torch.uint8).view(geo.layers, 2, geo.pool_pages, 8)
+        self.meta = MetadataBuffers(8)
+        self.kv_args = KVArgs.from_buffers(self.pool, self.meta, model_fingerprint="bench")
+        self.mgr = KVManager(self.kv_args, "prefill", _server_args(backend, geo, "prefill", self.port), backend,
+                             bootstrap_host="127.0.0.1")
+        self.Sender = get_kv_class(backend, "sender")
+        ctx = mp.get_context("spawn")
+        self.out, self.cmds = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=decode_main, args=(backend, geo, self.port, self.out, self.cmds), daemon=True)
+        self.proc.start()
+        self.dst_kv_ptrs = self._expect("ready")
+        self.room = 1000
+
+    def _expect(self, kind: str, timeout: float = 180) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                got, value = self.out.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"decode process: no {kind!r} within {timeout}s (alive={self.proc.is_alive()})")
+            if got == kind:
+                return value
+
+    def ours(self) -> float:
+        """Seconds from ``send()`` to Success on prefill, one room of every page."""
+        from pdserve.disagg.poll import KVPoll
+
+        self.room += 1
+        self.cmds.put(("room", self.room))
+        s = self.Sender(self.mgr, f"127.0.0.1:{self.port}", self.room)
+        deadline = time.monotonic() + 120
+        while s.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        s.init(self.geo.pages, 0)
+        self.meta.set_row(0, self.room, 1)
+        t0 = time.perf_counter()
+        s.send(self.geo.src_pages(), last_chunk=True)
+        while s.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        elapsed = time.perf_counter() - t0
+        state, reason = s.poll(), s.failure_reason()
+        s.clear()
+        room, dstate, dreason, pages_ok = self._expect("done")
+        if state != KVPoll.Success or dstate != KVPoll.Success:
+            raise RuntimeError(f"{self.backend}: transfer failed: {reason or dreason}")
+        if not pages_ok:
+            raise RuntimeError(f"{self.backend}: decode found pages that did not arrive or went to the wrong place")
+        return elapsed
+
+    def raw(self) -> Optional[float]:
+        """Seconds for the same descriptors through the library directly (None: no library)."""
+        from pdserve.disagg.descriptors import region_descriptors
+
+        src, dst, lens = region_descriptors(self.kv_args.kv_data_ptrs, self.dst_kv_ptrs, self.kv_args.kv_item_lens,
+                                            self.geo.src_pages(), self.geo.dst_pages())
+        b = self.mgr.backend
+        self.cmds.put(("clear",))
+        self._expect("cleared")
+        if self.backend == "mooncake":
+            (session,) = b._sessions.values()
+            calls = [(src[i:i + MOONCAKE_RAW_CALL].tolist(), dst[i:i + MOONCAKE_RAW_CALL].tolist(),
+                      lens[i:i + MOONCAKE_RAW_CALL].tolist()) for i in range(0, len(src), MOONCAKE_RAW_CALL)]
+            t0 = time.perf_counter()
+            for s_, d_, n_ in calls:
+                rc = b.engine.batch_transfer_sync_write(session, s_, d_, n_)
+                if rc != 0:
+                    raise RuntimeError(f"mooncake raw batch_transfer_sync_write returned {rc}")
+            elapsed = time.perf_counter() - t0
+        elif self.backend == "nixl":
+            ((remote, mem, dev),) = b._remote.values()
+            agent = b.agent
+            local = np.stack([src, lens, np.zeros_like(src)], axis=1).astype(np.uint64)
+            far = np.stack([dst, lens, np.full_like(dst, dev)], axis=1).astype(np.uint64)
+            t0 = time.perf_counter()
+            xfer = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(far, mem),
+                                         remote)
+            state = agent.transfer(xfer)
+            while state == "PROC":
+                state = agent.check_xfer_state(xfer)
+            elapsed = time.perf_counter() - t0
+            agent.release_xfer_handle(xfer)
+            if state != "DONE":
+                raise RuntimeError(f"nixl raw transfer ended in state {state}")
+        else:
+            return None
+        self.cmds.put(("check",))
+        if not self._expect("checked"):
+            raise RuntimeError(f"{self.backend}: raw transfer did not land")
+        return elapsed
+
+    def close(self) -> None:
+        self.cmds.put(("stop",))
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.mgr.close()
+        self.server.shutdown()
+
+
+def memcpy_baselines(geo: Geometry, repeats: int) -> dict[str, list[float]]:
+    """``memcpy``: ctypes.memmove of the same (src, dst, len) layout between two buffers of this
+    process; ``bulk``: one torch copy of the whole size."""
+    import torch
+
+    from pdserve.disagg.descriptors import region_descriptors
+
+    n = geo.layers * 2 * geo.pool_pages * geo.item_bytes
+    a, b = torch.ones(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    region = geo.pool_pages * geo.item_bytes
+    ptrs_a = [a.data_ptr() + i * region for i in range(geo.layers * 2)]
+    ptrs_b = [b.data_ptr() + i * region for i in range(geo.layers * 2)]
+    src, dst, lens = region_descriptors(ptrs_a, ptrs_b, [geo.item_bytes] * len(ptrs_a), geo.src_pages(),
+                                        geo.dst_pages())
+    out: dict[str, list[float]] = {"memcpy": [], "bulk": []}
+    for _ in range(repeats):
+        memmove = ctypes.memmove
+        t0 = time.perf_counter()
+        for d, s, k in zip(dst.tolist(), src.tolist(), lens.tolist()):
+            memmove(d, s, k)
+        out["memcpy"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        b[:geo.total_bytes].copy_(a[:geo.total_bytes])
+        out["bulk"].append(time.perf_counter() - t0)
+    del a, b
+    return out
+
+
+def available(backends: list[str]) -> tuple[list[str], dict[str, str]]:
+    from pdserve.disagg.transfer import get_backend
+
+    ok, skipped = [], {}
+    for name in backends:
+        try:
+            get_backend(name)
+            ok.append(name)
+        except ValueError as e:
+            skipped[name] = str(e)
+    return ok, skipped
+
+
+def run_backend(backend: str, geo: Geometry, repeats: int) -> dict[str, list[float]]:
+    side = PrefillSide(backend, geo)
+    try:
+        side.ours()  # warm-up: connections, first touch of decode's pages
+        samples: dict[str, list[float]] = {"ours": [], "raw": []}
+        for _ in range(repeats):  # interleaved, so drift on a shared machine hits both alike
+            samples["ours"].append(side.ours())
+            raw = side.raw()
+            if raw is not None:
+                samples["raw"].append(raw)
+        return samples
+    finally:
+        side.close()
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version()}
+
+
+def _gbps(nbytes: int, seconds: list[float]) -> Optional[float]:
+    return nbytes / min(seconds) / 1e9 if seconds else None
+
+
+def _fmt(x: Optional[float], spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve bench-transfer", description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", type=parse_size, default=parse_size("1GiB"), help="bytes per transfer (default 1GiB)")
+    p.add_argument("--page-sizes", default="16KiB,256KiB,4MiB", help="comma-separated bytes per page and K|V")
+    p.add_argument("--backends", default="local,mooncake,nixl", help="comma-separated transfer backends")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (the best counts)")
+    p.add_argument("--request", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time one 2048-token demo-model request (47 MB) per backend")
+    p.add_argument("--json", metavar="FILE", help="write every sample and the summary here")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        page_sizes = [parse_size(s) for s in args.page_sizes.split(",") if s.strip()]
+    except argparse.ArgumentTypeError as e:
+        p.error(str(e))
+    backends, skipped = available([b.strip() for b in args.backends.split(",") if b.strip()])
+    for name, why in skipped.items():
+        print(f"skipping {name}: {why}", file=sys.stderr)
+    import torch
+
+    torch.set_num_threads(1)
+    result: dict[str, Any] = {"command": "pdserve bench-transfer " + " ".join(argv if argv is not None else sys.argv[1:]),
+                              "machine": machine(), "size": args.size, "repeats": args.repeats,
+                              "skipped": skipped, "rows": [], "request": []}
+    print(f"# {fmt_size(args.size)} per transfer, best of {args.repeats}; {result['machine']['nproc']} CPUs, "
+          f"{result['machine']['cpu']}")
+    header = f"{'page':>8} {'backend':>9} {'ours GB/s':>10} {'raw GB/s':>9} {'memcpy':>7} {'bulk':>6} " \
+             f"{'ours/raw':>9} {'ours/memcpy':>12}"
+    print(header)
+    for page_bytes in page_sizes:
+        geo = Geometry.for_page_bytes(args.size, page_bytes)
+        base = memcpy_baselines(geo, args.repeats)
+        for backend in backends:
+            samples = run_backend(backend, geo, args.repeats)
+            row = {"page_bytes": page_bytes, "backend": backend, "bytes": geo.total_bytes,
+                   "descriptors": geo.layers * 2 * geo.pages, "samples_s": {**samples, **base},
+                   "ours_gbps": _gbps(geo.total_bytes, samples["ours"]), "raw_gbps": _gbps(geo.total_bytes, samples["raw"]),
+                   "memcpy_gbps": _gbps(geo.total_bytes, base["memcpy"]), "bulk_gbps": _gbps(geo.total_bytes, base["bulk"]),
+                   "ours_median_gbps": geo.total_bytes / statistics.median(samples["ours"]) / 1e9}
+            row["ours_over_raw"] = row["ours_gbps"] / row["raw_gbps"] if row["raw_gbps"] else None
+            row["ours_over_memcpy"] = row["ours_gbps"] / row["memcpy_gbps"]
+            result["rows"].append(row)
+            print(f"{fmt_size(page_bytes):>8} {backend:>9} {_fmt(row['ours_gbps']):>10} {_fmt(row['raw_gbps']):>9} "
+                  f"{_fmt(row['memcpy_gbps']):>7} {_fmt(row['bulk_gbps']):>6} {_fmt(row['ours_over_raw']):>9} "
+                  f"{_fmt(row['ours_over_memcpy']):>12}", flush=True)
+    if args.request:
+        geo = Geometry(**DEMO_REQUEST, seed=1)
+        print(f"\n# one 2048-token demo-model request: {geo.total_bytes / 1e6:.1f} MB, "
+              f"{geo.layers * 2 * geo.pages} descriptors (decode pages scattered)")
+        base = memcpy_baselines(geo, args.repeats)
+        print(f"{'backend':>9} {'ours ms':>8} {'raw ms':>7}   (memcpy {min(base['memcpy']) * 1e3:.1f} ms)")
+        for backend in backends:
+            samples = run_backend(backend, geo, args.repeats)
+            item = {"backend": backend, "bytes": geo.total_bytes, "samples_s": {**samples, **base},
+                    "ours_ms": min(samples["ours"]) * 1e3, "raw_ms": min(samples["raw"]) * 1e3 if samples["raw"] else None}
+            result["request"].append(item)
+            print(f"{backend:>9} {item['ours_ms']:>8.1f} {_fmt(item['raw_ms'], '.1f'):>7}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
