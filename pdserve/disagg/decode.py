@@ -33,7 +33,10 @@ from pdserve.disagg.prefill import FAKE_BOOTSTRAP_HOST
 
 logger = logging.getLogger(__name__)
 
-TRANSFER_FAILED_STATUS = 503
+# HTTP status of a failed request: 502 when its KV did not come from prefill (prefill failed,
+# died, timed out, sent an untrusted row), 503 when this decode is overloaded. The router blames
+# the prefill leg for a 502 and this decode for a 503.
+TRANSFER_FAILED_STATUS = 502
 OVERLOADED_STATUS = 503
 
 

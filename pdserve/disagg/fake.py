@@ -51,6 +51,9 @@ class FakeKVSender:
     def keepalive(self) -> None:
         pass
 
+    def failed_here(self) -> bool:
+        return bool(self._failed)
+
     def abort(self, reason: str = "aborted by prefill") -> None:
         self._failed = reason
 

@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 # Requests sent with this bootstrap host (warm-up) use the fake sender: nothing is transferred.
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+# HTTP status of a failed room: 502 when the decode side caused it (aborted, died, never asked),
+# 503 when this prefill did (its transfer failed). The router blames the other leg for a 502.
+PEER_FAILED_STATUS = 502
 TRANSFER_FAILED_STATUS = 503
 
 
@@ -135,7 +138,9 @@ class PrefillQueues:
 
     def _fail(self, req: Req, reason: str) -> None:
         logger.warning("request %s (room %s) failed: %s", req.rid, req.bootstrap_room, reason)
-        self.s.finish(req, FinishReason(FinishKind.ABORT, message=reason, status_code=TRANSFER_FAILED_STATUS))
+        local = req.disagg is not None and req.disagg.sender.failed_here()
+        status = TRANSFER_FAILED_STATUS if local else PEER_FAILED_STATUS
+        self.s.finish(req, FinishReason(FinishKind.ABORT, message=reason, status_code=status))
 
     def _process_bootstrap(self) -> None:
         if not self.bootstrap:
@@ -180,7 +185,11 @@ class PrefillQueues:
         })
 
     def stats(self) -> dict:
-        return {"recent_transfers": list(self.recent_transfers)}
+        out: dict = {"recent_transfers": list(self.recent_transfers)}
+        if hasattr(self.mgr, "faults"):
+            out["disaggregation_faults"] = self.mgr.faults.stats()
+            out["transfer_worker_restarts"] = self.mgr.role.workers.restarts
+        return out
 
     # ---- hooks called by the scheduler -------------------------------------------------------
     def on_chunk_done(self, req: Req) -> None:

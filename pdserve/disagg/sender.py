@@ -71,6 +71,7 @@ class PrefillRole:
         # rooms that ended here (or were aborted before anything arrived) -> why; a late
         # TransferRequest or sender for them fails at once instead of waiting for a timeout
         self._tombstones: OrderedDict[int, str] = OrderedDict()
+        self.failed_here: set[int] = set()  # rooms that failed through this prefill's own fault
         self.workers = TransferWorkers(self, NUM_TRANSFER_WORKERS)
         self._next_sweep = 0.0
         self.dead_after_s = mgr.heartbeat_interval * mgr.heartbeat_misses
@@ -259,13 +260,16 @@ class PrefillRole:
             if reason is not None:
                 self.mgr.update_status(room, KVPoll.Failed, reason)
 
-    def fail(self, room: int, reason: str) -> None:
+    def fail(self, room: int, reason: str, here: bool = False) -> None:
         """Fail the room locally now and tell decode once in-flight writes are done. When no
         decode rank has asked for the room yet, every registered session is told (generation 0:
-        any), so a decode still preallocating for it ends the request at once."""
+        any), so a decode still preallocating for it ends the request at once. ``here``: this
+        prefill caused it (not its decode peer)."""
         if not self.mgr.update_status(room, KVPoll.Failed, reason):
             return  # already failed (decode knows, or was told) or already cleared
         with self.mgr.lock:
+            if here:
+                self.failed_here.add(room)
             targets = [(sess, req.generation) for sess, req in self.targets(room)]
             r = self.rooms.get(room)
             if r is None or not r.dsts:
@@ -287,6 +291,7 @@ class PrefillRole:
                 self._bury(room, "finished" if st == KVPoll.Success else "released before its transfer")
             self.rooms.pop(room, None)
             self.mgr.status.clear(room)
+            self.failed_here.discard(room)
         self.release(room)
         self.mgr.faults.forget(room)
 
@@ -367,6 +372,11 @@ class KVSender:
 
     def failure_reason(self) -> str:
         return self.mgr.failure_reason(self.room)
+
+    def failed_here(self) -> bool:
+        """True when the room failed through this prefill's fault (its transfer), not decode's."""
+        with self.mgr.lock:
+            return self.room in self.role.failed_here
 
     def keepalive(self) -> None:
         """Tell decode the room is queued or in progress here, so its waiting timeout measures

@@ -132,7 +132,7 @@ class TransferWorkers:
             logger.error("%s: transfer worker %s died (%s); failing %d room(s) it held and restarting it",
                          self.mgr.name, t.name, why, len(rooms))
             for room in rooms:
-                self.role.fail(room, f"prefill transfer worker died ({why})")
+                self.role.fail(room, f"prefill transfer worker died ({why})", here=True)
             for job in jobs:  # acknowledgements and notices still go out, after the failures
                 if job is not None and not isinstance(job, Chunk):
                     self._queues[i].put(job)
@@ -173,7 +173,9 @@ class TransferWorkers:
             where = sess.peer if sess is not None else "decode"
             reason = f"KV transfer to decode {where} failed: {e}"
             logger.warning("%s: room %d: %s", m.name, job.room, reason)
-            m.update_status(job.room, KVPoll.Failed, reason)
+            if m.update_status(job.room, KVPoll.Failed, reason):
+                with m.lock:
+                    self.role.failed_here.add(job.room)
             self.notify(job.room, pairs, KVPoll.Failed, reason)
             return
         if job.last:

@@ -10,8 +10,12 @@ The rules, for one attempt:
   failures before that can still be retried; a first event that is an error (decode reports a
   failed transfer in its stream) counts as a failure before output, answered with its own HTTP
   status; a failure after it ends the stream with an SSE error event and ``data: [DONE]``;
-- a retry after a prefill failure keeps the same decode when it is still available (only the
-  prefill leg was at fault); a retry after a decode failure picks another decode;
+- blame: a leg that breaks is at fault, except that a 502 from a pdserve server means "my peer
+  failed" (decode: prefill's KV never came or was bad; prefill: decode aborted, died or never
+  asked), which blames the other leg. A prefill 502 waits briefly for decode's own answer,
+  which names the root cause (e.g. 503 "decode is overloaded");
+- a retry replaces only the worker at fault: after a prefill failure it keeps the same decode
+  when that is still available, after a decode failure it picks another decode;
 - the client going away cancels whatever is in flight (closing a leg cancels it on the server).
 Colocated mode (``--worker``) is the same with no prefill leg and the body passed on unchanged.
 """
@@ -28,13 +32,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pdserve.router import protocol
-from pdserve.router.legs import EventReader, Leg, LegResult, ProxyStream
+from pdserve.router.legs import PEER_FAILED, EventReader, Leg, LegResult, ProxyStream
 from pdserve.router.policy import make_policy
 from pdserve.router.workers import DECODE, PREFILL, REGULAR, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
 
-BLAME_GRACE_S = 0.5  # how long a decode error waits for prefill's answer to tell whose fault it was
+BLAME_GRACE_S = 0.5  # how long one leg's error waits for the other leg's answer to tell whose fault it was
 _NOT_FORWARDED = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "te", "trailer",
                   "upgrade", "proxy-connection", "expect", "accept-encoding", "content-type"}
 
@@ -47,14 +51,24 @@ def error_response(status: int, message: str) -> JSONResponse:
 class Failure:
     """A leg that broke before decode produced output; ``response`` is what the client gets."""
 
-    worker: Worker
+    worker: Worker  # whose answer this is
     result: LegResult
+    blame: Worker | None = None  # whose fault it was, when not ``worker``'s
+
+    @property
+    def blamed(self) -> Worker:
+        return self.blame or self.worker
 
     def response(self) -> Response:
         r = self.result
         if r.status is not None:
             return Response(r.body, status_code=r.status, media_type=r.content_type)
         return error_response(504 if r.timed_out else 502, r.error)
+
+
+def failure(answered: Worker, result: LegResult, other: Worker | None) -> Failure:
+    """The failure of the leg to ``answered``; its 502 blames ``other`` (see the module doc)."""
+    return Failure(answered, result, other if result.status == PEER_FAILED else None)
 
 
 @dataclass
@@ -143,8 +157,8 @@ class Dispatcher:
             failure = outcome
             if not failure.result.retryable:
                 break
-            exclude.add(failure.worker)
-            keep = main if failure.worker is prefill else None
+            exclude.add(failure.blamed)
+            keep = main if failure.blamed is prefill else None
         return failure.response()
 
     def _legs(self, call: Call, prefill: Worker | None, main: Worker, payload: bytes):
@@ -158,12 +172,12 @@ class Dispatcher:
         try:
             d_task = d_leg.result()
             p_task = p_leg.result() if p_leg else None
-            fail = await self._watch_prefill(d_task, p_task, p_leg)
+            fail = await self._watch_prefill(d_task, p_task, p_leg, main)
             if fail:
                 return fail
             dres: LegResult = d_task.result()
             if not dres.ok:
-                return Failure(main, dres) if dres.retryable else Failure(main, dres).response()
+                return failure(main, dres, prefill) if dres.retryable else Failure(main, dres).response()
             if call.merge_logprobs:
                 pres: LegResult = await p_task
                 merged = protocol.merge_logprobs_json(dres.body, protocol.prefill_items(pres.body)) if pres.ok else None
@@ -185,7 +199,7 @@ class Dispatcher:
         handed_off = False
         try:
             p_task = p_leg.result() if p_leg else None
-            fail = await self._watch_prefill(d_leg.headers_task, p_task, p_leg)
+            fail = await self._watch_prefill(d_leg.headers_task, p_task, p_leg, main)
             if fail:
                 return fail
             try:
@@ -194,17 +208,17 @@ class Dispatcher:
                 return Failure(main, d_leg.failed(e))
             if resp.status_code != 200:
                 dres = await d_leg.result()
-                return Failure(main, dres) if dres.retryable else Failure(main, dres).response()
+                return failure(main, dres, prefill) if dres.retryable else Failure(main, dres).response()
             p_items = None
             if call.merge_logprobs:
                 # Merging needs prefill's whole answer before decode's first event goes out.
                 pres: LegResult = await p_task
                 if not pres.ok:
-                    return Failure(prefill, pres)
+                    return failure(prefill, pres, main)
                 p_items = protocol.prefill_items(pres.body)
             reader = EventReader(resp.aiter_bytes())
             first_task = asyncio.create_task(reader.next())
-            fail = await self._watch_prefill(first_task, p_task, p_leg)
+            fail = await self._watch_prefill(first_task, p_task, p_leg, main)
             if fail:
                 first_task.cancel()
                 await asyncio.wait({first_task})
@@ -214,14 +228,16 @@ class Dispatcher:
             except httpx.HTTPError as e:
                 return Failure(main, d_leg.failed(e))
             error = protocol.first_event_error(first)
-            if error is not None:
+            if error is not None:  # decode failed before any output: still retryable
                 status, body = error
                 if p_task is not None and not p_task.done():  # a prefill failure usually answers too
                     await asyncio.wait({p_task}, timeout=BLAME_GRACE_S)
-                p_failed = p_task is not None and p_task.done() and not p_task.result().ok
-                d_leg.finish(p_failed or status < 500)
-                culprit = prefill if p_failed else main
-                return Failure(culprit, LegResult(status, body, "application/json", error=body.decode(errors="replace")))
+                pres = p_task.result() if p_task is not None and p_task.done() else None
+                prefill_at_fault = status == PEER_FAILED or (pres is not None and not pres.ok
+                                                             and pres.status != PEER_FAILED)
+                d_leg.finish(prefill_at_fault or status < 500)
+                dres = LegResult(status, body, "application/json", error=body.decode(errors="replace"))
+                return Failure(main, dres, prefill if prefill_at_fault else None)
             handed_off = True
             relay = self._relay(call, first, reader, p_leg, d_leg, p_items)
             return ProxyStream(relay.chunks(), status_code=200, media_type=resp.headers.get("content-type"),
@@ -235,23 +251,28 @@ class Dispatcher:
     def _relay(self, call: Call, first: bytes, reader: EventReader, p_leg, d_leg, p_items) -> "_Relay":
         return _Relay(self, call, first, reader, p_leg, d_leg, p_items)
 
-    async def _watch_prefill(self, task: asyncio.Task, p_task: asyncio.Task | None, p_leg) -> Failure | None:
+    async def _watch_prefill(self, task: asyncio.Task, p_task: asyncio.Task | None, p_leg,
+                             main: Worker) -> Failure | None:
         """Wait for ``task`` (a decode step). If the prefill leg fails first, or together with
         a decode step that did not succeed, return the prefill failure: decode cannot produce
-        output without prefill's KV, and prefill's error names the cause."""
+        output without prefill's KV, and prefill's error names the cause. When prefill says its
+        peer failed (502), decode's own answer (waited for briefly) is the one to return."""
         pending = {task} if p_task is None else {task, p_task}
         while not task.done():
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             if p_task in done:
                 pending.discard(p_task)
-                if not p_task.result().ok and not task.done():
-                    return Failure(p_leg.worker, p_task.result())
-        if p_task is None or not p_task.done() or p_task.result().ok:
+                pres = p_task.result()
+                if not pres.ok and not task.done() and pres.status == PEER_FAILED:
+                    await asyncio.wait({task}, timeout=BLAME_GRACE_S)
+                if not pres.ok and not task.done():
+                    return failure(p_leg.worker, pres, main)
+        if p_task is None or not p_task.done() or p_task.result().ok or p_task.result().status == PEER_FAILED:
             return None
         decode_step = None if task.cancelled() or task.exception() is not None else task.result()
         if isinstance(decode_step, LegResult) and decode_step.ok:
             return None  # decode answered in full: its output stands
-        return Failure(p_leg.worker, p_task.result())
+        return failure(p_leg.worker, p_task.result(), main)
 
     def _drain(self, leg: Leg) -> None:
         """Let a prefill leg whose answer nobody needs finish in the background."""

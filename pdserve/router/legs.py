@@ -22,6 +22,7 @@ from pdserve.router.workers import Worker
 logger = logging.getLogger(__name__)
 
 _TIMEOUTS = (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout)
+PEER_FAILED = 502  # a pdserve PD server's "my peer (the other leg) failed"
 
 
 @dataclass
@@ -74,7 +75,7 @@ class Leg:
             body = await resp.aread()
         except httpx.HTTPError as e:
             return self.failed(e)
-        self.finish(resp.status_code < 500)
+        self.finish(resp.status_code < 500 or resp.status_code == PEER_FAILED)  # a 502 blames the peer leg
         return LegResult(resp.status_code, body, resp.headers.get("content-type"))
 
     def failed(self, error: Exception) -> LegResult:

@@ -87,7 +87,7 @@ def test_prefill_side_abort_reaches_decode_at_once(pair):
     step_until(lambda: rd in D.pd.transfer and rp.disagg.sender.poll() >= KVPoll.WaitingForInput, P, D)
     P.abort(rp.rid)
     took = step_until(lambda: rd.finished, D)
-    assert rd.finish_reason.kind == FinishKind.ABORT and rd.finish_reason.status_code == 503
+    assert rd.finish_reason.kind == FinishKind.ABORT and rd.finish_reason.status_code == 502
     assert "prefill request aborted: aborted by client" in rd.finish_reason.message
     assert took < 2.0
     # decode has not asked yet (its request is still before preallocation): every session hears it
@@ -188,6 +188,7 @@ def test_decode_backpressure_fails_fast_and_frees_the_prefill():
         took = step_until(lambda: rd.finished and rp.finished, P, D, timeout=10)
         assert rd.finish_reason.status_code == 503 and "decode is overloaded" in rd.finish_reason.message
         assert "aborted by decode: decode is overloaded" in rp.finish_reason.message
+        assert rp.finish_reason.status_code == 502  # the peer's fault, as the router reads it
         assert took < 3  # not the 3 s bootstrap timeout of the prefill
         # over the queue limit: refused on arrival
         more = [pair.requests(300) for _ in range(3)]
@@ -226,6 +227,9 @@ def test_injected_faults_end_the_request_with_a_reason(mode, expect):
                 assert rd.finish_reason.kind == FinishKind.ABORT and expect in rd.finish_reason.message, \
                     rd.finish_reason
                 assert rd.output_ids == []  # no token from an untrusted or missing transfer
+                assert rd.finish_reason.status_code == 502  # its KV did not come: the prefill's fault
+                if mode in ("fail_transfer", "kill_transfer_thread"):
+                    assert rp.finish_reason.status_code == 503 and expect in rp.finish_reason.message
         assert P.pd.mgr.faults.stats()["injected"][mode] == 2
         if mode == "kill_transfer_thread":
             assert P.pd.mgr.role.workers.restarts >= 1

@@ -96,3 +96,22 @@ def test_a_worker_back_from_the_dead_gets_a_fresh_breaker(pd, make_router):
     assert r.worker(d0.url).breaker.state == "closed"
     served = {r.client.post("/generate", json=GEN).json()["meta_info"]["served_by"] for _ in range(2)}
     assert "decode0" in served
+
+
+def test_a_502_blames_the_other_leg(pd, make_router):
+    p0, p1, d0, d1 = pd
+    r = make_router([p0, p1], [d0, d1], policy="round_robin", cb_failure_threshold=0)
+    # decode says its KV never came (502): the retry replaces the prefill and keeps the decode
+    d0.fail_status = 502
+    resp = r.client.post("/generate", json=GEN)
+    assert resp.status_code == 502
+    assert len(d0.generation_requests()) == 2 and not d1.generation_requests()
+    assert len(p0.generation_requests()) == len(p1.generation_requests()) == 1
+    # prefill says its decode failed (502): decode's own answer decides, the retry replaces the decode
+    d0.reset()
+    for w in (p0, p1, d1):
+        w.reset()
+    p0.fail_status = p1.fail_status = 502
+    resp = r.client.post("/generate", json=GEN)
+    assert resp.status_code == 500 and "KV transfer failed" in resp.json()["error"]["message"]
+    assert len(d0.generation_requests()) == len(d1.generation_requests()) == 1
