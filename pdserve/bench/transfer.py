@@ -3,23 +3,21 @@
     pdserve bench-transfer --size 1GiB --page-sizes 16KiB,256KiB,4MiB --backends local,mooncake,nixl \\
         --json transfer.json
 
-For every backend and page size, this process plays prefill and a spawned process plays decode,
-each with a real ``KVPool`` (one layer, K and V, one item per page; decode's pool from the
-backend's ``buffer_allocator``). Decode's destination pages are a random permutation, so every
-page is its own descriptor, as in a fragmented pool. Per repeat, alternately:
-- ``ours``: one room through ``KVManager`` / ``KVSender`` / ``KVReceiver``: ``send()`` of every
-  page, timed on prefill until ``poll()`` says Success (the writes, the metadata row and the
-  status message to decode included); decode checks every page's marker afterwards;
-- ``raw`` (mooncake, nixl): the same descriptors handed to the library directly on the same
-  engines/agents (Mooncake ``batch_transfer_sync_write`` in calls of 512 descriptors, as the
-  engine's default queue limits need; NIXL one ``WRITE`` request polled in a tight loop),
-  argument lists built before the clock starts.
-Once, in this process: ``memcpy``, ``ctypes.memmove`` of the same descriptors between two
-buffers, and ``bulk``, one ``torch`` copy of the whole size. The best of ``--repeats`` runs
-counts (the machines we measure on are shared and noisy); every sample goes to ``--json``.
-
-``--request`` also times one 2048-token request of the demo model (SmolLM2-135M: 30 layers, 3 KV
-heads, head dim 64, bf16, page size 16: 47 MB in 128 pages per layer and K|V) per backend.
+Per backend and page size, this process plays prefill and a spawned one decode, each with a real
+``KVPool`` (one layer, K and V, one item per page; decode's from the backend's
+``buffer_allocator``); decode's pages are a random permutation, so every page is a descriptor.
+Each repeat runs, one after the other:
+- ``ours``: one room through ``KVManager`` / ``KVSender`` / ``KVReceiver``, timed on prefill from
+  ``send()`` of every page to ``poll()`` == Success (writes, metadata row and status message
+  included); decode then checks that every page arrived where it belongs;
+- ``raw`` (mooncake, nixl): the same descriptors through the library on the same engine/agent
+  (Mooncake ``batch_transfer_sync_write`` per 512 descriptors, the engine's default queue limit;
+  NIXL one ``WRITE`` polled in a tight loop), argument lists built before the clock starts;
+- ``memcpy``: ``ctypes.memmove`` of the same descriptors into a second buffer of this process,
+  and ``bulk``: one torch copy of the whole size.
+The best of ``--repeats`` counts (shared machines are noisy); ``--json`` keeps every sample.
+``--request`` also times one 2048-token request of the demo model (30 layers, 3 KV heads, head
+dim 64, bf16, page size 16: 47 MB in 7680 page items).
 """
 
 from __future__ import annotations
@@ -36,14 +34,15 @@ import re
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
 
 UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
 MOONCAKE_RAW_CALL = 512
-POLL_S = 1e-3  # how often both sides poll the room, as a scheduler iteration would
+POLL_S = 1e-3  # how often decode polls its room, as a scheduler iteration would
+PREFILL_POLL_S = 1e-4  # the clock stops at the first poll that sees Success: keep that error small
 DEMO_REQUEST = dict(layers=30, heads=3, head_dim=64, page_size=16, pages=128)  # 2048 tokens
 
 
@@ -95,7 +94,8 @@ class Geometry:
     def for_page_bytes(cls, size: int, page_bytes: int) -> "Geometry":
         if page_bytes % 1024:
             raise ValueError(f"page size must be a multiple of 1 KiB, got {page_bytes}")
-        return cls(layers=1, heads=1, head_dim=512, page_size=page_bytes // 1024, pages=max(1, size // (2 * page_bytes)))
+        pages = max(1, size // (2 * page_bytes))
+        return cls(layers=1, heads=1, head_dim=512, page_size=page_bytes // 1024, pages=pages)
 
 
 # ---- the decode process ------------------------------------------------------------------
@@ -132,37 +132,31 @@ def decode_main(backend: str, geo: Geometry, port: int, out, cmds) -> None:
     mgr = KVManager(kv_args, "decode", _server_args(backend, geo, "decode", port), backend,
                     bootstrap_host="127.0.0.1")
     Receiver = get_kv_class(backend, "receiver")
-    dst = torch.tensor(geo.dst_pages())
-    expected = torch.tensor(geo.src_pages())
-    markers = _items(pool)[:, :, dst, :8]
+    dst, expected = torch.tensor(geo.dst_pages()), torch.tensor(geo.src_pages())
+
+    def arrived() -> bool:  # every destination item starts with the number of its source page
+        return bool((_items(pool)[:, :, dst, :8].contiguous().view(torch.int64)[..., 0] == expected).all())
+
     out.put(("ready", list(kv_args.kv_data_ptrs)))
     try:
-        while True:
-            cmd = cmds.get()
-            if cmd[0] == "stop":
-                return
-            if cmd[0] == "clear":  # zero each destination item's marker before a run
-                _items(pool)[:, :, dst, :8] = 0
-                out.put(("cleared", None))
-                continue
+        while (cmd := cmds.get())[0] != "stop":
             if cmd[0] == "check":
-                markers = _items(pool)[:, :, dst, :8].contiguous().view(torch.int64)[..., 0]
-                out.put(("checked", bool((markers == expected).all())))
+                out.put(("checked", arrived()))
                 continue
-            room = cmd[1]
-            _items(pool)[:, :, dst, :8] = 0
-            rv = Receiver(mgr, f"127.0.0.1:{port}", room)
-            rv.init()
-            deadline = time.monotonic() + 120
-            while rv.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
-                time.sleep(0.001)
-            rv.send_metadata(geo.dst_pages(), 0)
-            while rv.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
-                time.sleep(POLL_S)
-            state = rv.poll()
-            markers = _items(pool)[:, :, dst, :8].contiguous().view(torch.int64)[..., 0]
-            out.put(("done", (room, int(state), rv.failure_reason(), bool((markers == expected).all()))))
-            rv.clear()
+            _items(pool)[:, :, dst, :8] = 0  # clear the markers before a run
+            if cmd[0] == "clear":  # a raw run follows
+                out.put(("cleared", None))
+            else:  # ("room", room): one room through the receiver
+                rv = Receiver(mgr, f"127.0.0.1:{port}", cmd[1])
+                rv.init()
+                deadline = time.monotonic() + 120
+                while rv.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                rv.send_metadata(geo.dst_pages(), 0)
+                while rv.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
+                    time.sleep(POLL_S)
+                out.put(("done", (cmd[1], int(rv.poll()), rv.failure_reason(), arrived())))
+                rv.clear()
     finally:
         mgr.close()
 
@@ -198,6 +192,7 @@ class PrefillSide:
         self.proc.start()
         self.dst_kv_ptrs = self._expect("ready")
         self.room = 1000
+        self._copy: Any = None
 
     def _expect(self, kind: str, timeout: float = 180) -> Any:
         deadline = time.monotonic() + timeout
@@ -224,7 +219,7 @@ class PrefillSide:
         t0 = time.perf_counter()
         s.send(self.geo.src_pages(), last_chunk=True)
         while s.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
-            time.sleep(POLL_S)
+            time.sleep(PREFILL_POLL_S)
         elapsed = time.perf_counter() - t0
         state, reason = s.poll(), s.failure_reason()
         s.clear()
@@ -276,7 +271,30 @@ class PrefillSide:
             raise RuntimeError(f"{self.backend}: raw transfer did not land")
         return elapsed
 
+    def memcpy(self) -> tuple[float, float]:
+        """Seconds for ``memcpy`` (ctypes.memmove of the same descriptors from this pool into a
+        second buffer of this process) and ``bulk`` (one torch copy of the whole size)."""
+        import torch
+
+        from pdserve.disagg.descriptors import region_descriptors
+
+        raw = self.pool._raw
+        if self._copy is None:
+            self._copy = torch.zeros_like(raw)  # touched now, not in the timed copy
+        region = self.geo.pool_pages * self.geo.item_bytes
+        dst_ptrs = [self._copy.data_ptr() + i * region for i in range(len(self.kv_args.kv_data_ptrs))]
+        src, dst, lens = region_descriptors(self.kv_args.kv_data_ptrs, dst_ptrs, self.kv_args.kv_item_lens,
+                                            self.geo.src_pages(), self.geo.dst_pages())
+        memmove = ctypes.memmove
+        t0 = time.perf_counter()
+        for d, s_, n in zip(dst.tolist(), src.tolist(), lens.tolist()):
+            memmove(d, s_, n)
+        t1 = time.perf_counter()
+        self._copy[:self.geo.total_bytes].copy_(raw[:self.geo.total_bytes])
+        return t1 - t0, time.perf_counter() - t1
+
     def close(self) -> None:
+        self._copy = None
         self.cmds.put(("stop",))
         self.proc.join(timeout=30)
         if self.proc.is_alive():
@@ -284,34 +302,6 @@ class PrefillSide:
             self.proc.join()
         self.mgr.close()
         self.server.shutdown()
-
-
-def memcpy_baselines(geo: Geometry, repeats: int) -> dict[str, list[float]]:
-    """``memcpy``: ctypes.memmove of the same (src, dst, len) layout between two buffers of this
-    process; ``bulk``: one torch copy of the whole size."""
-    import torch
-
-    from pdserve.disagg.descriptors import region_descriptors
-
-    n = geo.layers * 2 * geo.pool_pages * geo.item_bytes
-    a, b = torch.ones(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
-    region = geo.pool_pages * geo.item_bytes
-    ptrs_a = [a.data_ptr() + i * region for i in range(geo.layers * 2)]
-    ptrs_b = [b.data_ptr() + i * region for i in range(geo.layers * 2)]
-    src, dst, lens = region_descriptors(ptrs_a, ptrs_b, [geo.item_bytes] * len(ptrs_a), geo.src_pages(),
-                                        geo.dst_pages())
-    out: dict[str, list[float]] = {"memcpy": [], "bulk": []}
-    for _ in range(repeats):
-        memmove = ctypes.memmove
-        t0 = time.perf_counter()
-        for d, s, k in zip(dst.tolist(), src.tolist(), lens.tolist()):
-            memmove(d, s, k)
-        out["memcpy"].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        b[:geo.total_bytes].copy_(a[:geo.total_bytes])
-        out["bulk"].append(time.perf_counter() - t0)
-    del a, b
-    return out
 
 
 def available(backends: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -328,15 +318,20 @@ def available(backends: list[str]) -> tuple[list[str], dict[str, str]]:
 
 
 def run_backend(backend: str, geo: Geometry, repeats: int) -> dict[str, list[float]]:
+    """Samples (seconds) of ours, raw, memcpy and bulk, interleaved repeat by repeat, so that the
+    load of a shared machine hits every contender alike."""
     side = PrefillSide(backend, geo)
     try:
         side.ours()  # warm-up: connections, first touch of decode's pages
-        samples: dict[str, list[float]] = {"ours": [], "raw": []}
-        for _ in range(repeats):  # interleaved, so drift on a shared machine hits both alike
+        samples: dict[str, list[float]] = {"ours": [], "raw": [], "memcpy": [], "bulk": []}
+        for _ in range(repeats):
             samples["ours"].append(side.ours())
             raw = side.raw()
             if raw is not None:
                 samples["raw"].append(raw)
+            copy, bulk = side.memcpy()
+            samples["memcpy"].append(copy)
+            samples["bulk"].append(bulk)
         return samples
     finally:
         side.close()
@@ -360,6 +355,16 @@ def _fmt(x: Optional[float], spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def summarize(geo: Geometry, samples: dict[str, list[float]]) -> dict[str, Any]:
+    n = geo.total_bytes
+    row = {"bytes": n, "descriptors": geo.layers * 2 * geo.pages, "samples_s": samples,
+           **{f"{k}_gbps": _gbps(n, samples[k]) for k in ("ours", "raw", "memcpy", "bulk")},
+           "ours_median_gbps": n / statistics.median(samples["ours"]) / 1e9}
+    row["ours_over_raw"] = row["ours_gbps"] / row["raw_gbps"] if row["raw_gbps"] else None
+    row["ours_over_memcpy"] = row["ours_gbps"] / row["memcpy_gbps"]
+    return row
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench-transfer", description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=parse_size, default=parse_size("1GiB"), help="bytes per transfer (default 1GiB)")
@@ -369,6 +374,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--request", action=argparse.BooleanOptionalAction, default=True,
                    help="also time one 2048-token demo-model request (47 MB) per backend")
     p.add_argument("--json", metavar="FILE", help="write every sample and the summary here")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     try:
@@ -381,26 +387,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    result: dict[str, Any] = {"command": "pdserve bench-transfer " + " ".join(argv if argv is not None else sys.argv[1:]),
-                              "machine": machine(), "size": args.size, "repeats": args.repeats,
-                              "skipped": skipped, "rows": [], "request": []}
+    result: dict[str, Any] = {"command": " ".join(["pdserve bench-transfer", *argv]), "machine": machine(),
+                              "size": args.size, "repeats": args.repeats, "skipped": skipped, "rows": [],
+                              "request": []}
     print(f"# {fmt_size(args.size)} per transfer, best of {args.repeats}; {result['machine']['nproc']} CPUs, "
           f"{result['machine']['cpu']}")
-    header = f"{'page':>8} {'backend':>9} {'ours GB/s':>10} {'raw GB/s':>9} {'memcpy':>7} {'bulk':>6} " \
-             f"{'ours/raw':>9} {'ours/memcpy':>12}"
-    print(header)
+    print(f"{'page':>8} {'backend':>9} {'ours GB/s':>10} {'raw GB/s':>9} {'memcpy':>7} {'bulk':>6} {'ours/raw':>9} "
+          f"{'ours/memcpy':>12}")
     for page_bytes in page_sizes:
         geo = Geometry.for_page_bytes(args.size, page_bytes)
-        base = memcpy_baselines(geo, args.repeats)
         for backend in backends:
             samples = run_backend(backend, geo, args.repeats)
-            row = {"page_bytes": page_bytes, "backend": backend, "bytes": geo.total_bytes,
-                   "descriptors": geo.layers * 2 * geo.pages, "samples_s": {**samples, **base},
-                   "ours_gbps": _gbps(geo.total_bytes, samples["ours"]), "raw_gbps": _gbps(geo.total_bytes, samples["raw"]),
-                   "memcpy_gbps": _gbps(geo.total_bytes, base["memcpy"]), "bulk_gbps": _gbps(geo.total_bytes, base["bulk"]),
-                   "ours_median_gbps": geo.total_bytes / statistics.median(samples["ours"]) / 1e9}
-            row["ours_over_raw"] = row["ours_gbps"] / row["raw_gbps"] if row["raw_gbps"] else None
-            row["ours_over_memcpy"] = row["ours_gbps"] / row["memcpy_gbps"]
+            row = {"page_bytes": page_bytes, "backend": backend, **summarize(geo, samples)}
             result["rows"].append(row)
             print(f"{fmt_size(page_bytes):>8} {backend:>9} {_fmt(row['ours_gbps']):>10} {_fmt(row['raw_gbps']):>9} "
                   f"{_fmt(row['memcpy_gbps']):>7} {_fmt(row['bulk_gbps']):>6} {_fmt(row['ours_over_raw']):>9} "
@@ -409,17 +407,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         geo = Geometry(**DEMO_REQUEST, seed=1)
         print(f"\n# one 2048-token demo-model request: {geo.total_bytes / 1e6:.1f} MB, "
               f"{geo.layers * 2 * geo.pages} descriptors (decode pages scattered)")
-        base = memcpy_baselines(geo, args.repeats)
-        print(f"{'backend':>9} {'ours ms':>8} {'raw ms':>7}   (memcpy {min(base['memcpy']) * 1e3:.1f} ms)")
+        print(f"{'backend':>9} {'ours ms':>8} {'raw ms':>7} {'memcpy ms':>10}")
         for backend in backends:
-            samples = run_backend(backend, geo, args.repeats)
-            item = {"backend": backend, "bytes": geo.total_bytes, "samples_s": {**samples, **base},
-                    "ours_ms": min(samples["ours"]) * 1e3, "raw_ms": min(samples["raw"]) * 1e3 if samples["raw"] else None}
-            result["request"].append(item)
-            print(f"{backend:>9} {item['ours_ms']:>8.1f} {_fmt(item['raw_ms'], '.1f'):>7}", flush=True)
+            row = {"backend": backend, **summarize(geo, run_backend(backend, geo, args.repeats))}
+            ms = {k: min(v) * 1e3 if v else None for k, v in row["samples_s"].items()}
+            row.update(ours_ms=ms["ours"], raw_ms=ms["raw"], memcpy_ms=ms["memcpy"])
+            result["request"].append(row)
+            print(f"{backend:>9} {ms['ours']:>8.1f} {_fmt(ms['raw'], '.1f'):>7} {ms['memcpy']:>10.1f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
+            json.dump(result, f, indent=1)
     return 0
 
 

@@ -1,4 +1,7 @@
-"""The transfer scenarios of tests/unit/test_disagg_transfer.py against the network backends.
+"""The transfer scenarios of tests/unit/test_disagg_transfer.py (which runs them for ``local``)
+against the network backends. The rest of the conformance suite: test_backend_api.py (the backend
+contract in one process), test_transfer_scenarios.py (a 4096-page transfer, peers dying
+mid-transfer), test_bench_transfer.py.
 
 Each backend is skipped (with the reason) when its module or library is not installed.
 """
