@@ -1,20 +1,18 @@
 """``pdserve bench-transfer``: KV transfer bandwidth through pdserve vs the raw library vs memcpy.
 
-    pdserve bench-transfer --size 1GiB --page-sizes 16KiB,256KiB,4MiB --backends local,mooncake,nixl \\
-        --json transfer.json
+    pdserve bench-transfer --size 1GiB --page-sizes 16KiB,256KiB,4MiB --backends local,mooncake,nixl --json t.json
 
 Per backend and page size, this process plays prefill and a spawned one decode, each with a real
-``KVPool`` (one layer, K and V, one item per page; decode's from the backend's
-``buffer_allocator``); decode's pages are a random permutation, so every page is a descriptor.
-Each repeat runs, one after the other:
+``KVPool`` (one layer, K and V, one item per page; decode's from the backend's allocator); decode's
+pages are a random permutation, so every page is a descriptor. Each repeat runs, in turn:
 - ``ours``: one room through ``KVManager`` / ``KVSender`` / ``KVReceiver``, timed on prefill from
-  ``send()`` of every page to ``poll()`` == Success (writes, metadata row and status message
-  included); decode then checks that every page arrived where it belongs;
+  ``send()`` of every page to ``poll()`` == Success (writes, metadata row, status message);
+  decode then checks that every page arrived where it belongs;
 - ``raw`` (mooncake, nixl): the same descriptors through the library on the same engine/agent
   (Mooncake ``batch_transfer_sync_write`` per 512 descriptors, the engine's default queue limit;
   NIXL one ``WRITE`` polled in a tight loop), argument lists built before the clock starts;
-- ``memcpy``: ``ctypes.memmove`` of the same descriptors into a second buffer of this process,
-  and ``bulk``: one torch copy of the whole size.
+- ``memcpy``: ``ctypes.memmove`` of the same descriptors into a second buffer of this process;
+  ``bulk``: one torch copy of the whole size.
 The best of ``--repeats`` counts (shared machines are noisy); ``--json`` keeps every sample.
 ``--request`` also times one 2048-token request of the demo model (30 layers, 3 KV heads, head
 dim 64, bf16, page size 16: 47 MB in 7680 page items).
@@ -23,6 +21,7 @@ dim 64, bf16, page size 16: 47 MB in 7680 page items).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import logging
@@ -38,6 +37,17 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
+import torch
+
+from pdserve.config import ServerArgs
+from pdserve.disagg.bootstrap import BootstrapServer
+from pdserve.disagg.descriptors import region_descriptors
+from pdserve.disagg.kv_args import KVArgs
+from pdserve.disagg.manager import KVManager, buffer_allocator, get_kv_class
+from pdserve.disagg.metadata import MetadataBuffers
+from pdserve.disagg.poll import KVPoll
+from pdserve.disagg.transfer import get_backend
+from pdserve.engine.kv_pool import KVPool
 
 UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
 MOONCAKE_RAW_CALL = 512
@@ -54,10 +64,8 @@ def parse_size(text: str) -> int:
 
 
 def fmt_size(n: int) -> str:
-    for unit, k in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if n >= k and n % k == 0:
-            return f"{n // k} {unit}"
-    return f"{n / 1e6:.1f} MB"
+    unit, k = next(((u, k) for u, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)) if n % k == 0), ("B", 1))
+    return f"{n // k} {unit}"
 
 
 @dataclass
@@ -72,17 +80,10 @@ class Geometry:
     pages: int
     seed: int = 0
 
-    @property
-    def item_bytes(self) -> int:
-        return self.heads * self.page_size * self.head_dim * 2
-
-    @property
-    def total_bytes(self) -> int:
-        return self.layers * 2 * self.pages * self.item_bytes
-
-    @property
-    def pool_pages(self) -> int:
-        return self.pages + 1  # page 0 stays unused, like the padding page
+    def __post_init__(self) -> None:
+        self.item_bytes = self.heads * self.page_size * self.head_dim * 2
+        self.total_bytes = self.layers * 2 * self.pages * self.item_bytes
+        self.pool_pages = self.pages + 1  # page 0 stays unused, like the padding page
 
     def src_pages(self) -> list[int]:
         return list(range(1, self.pages + 1))
@@ -102,8 +103,6 @@ class Geometry:
 
 
 def _server_args(backend: str, geo: Geometry, mode: str, port: int):
-    from pdserve.config import ServerArgs
-
     return ServerArgs(model_path="bench-transfer", device="cpu", page_size=geo.page_size, disaggregation_mode=mode,
                       disaggregation_transfer_backend=backend, disaggregation_bootstrap_port=port,
                       chunked_prefill_size=max(2048, geo.page_size), disaggregation_waiting_timeout=120.0,
@@ -115,16 +114,8 @@ def _items(pool) -> Any:
 
 
 def decode_main(backend: str, geo: Geometry, port: int, out, cmds) -> None:
-    import torch
-
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s decode %(name)s: %(message)s")
-    from pdserve.disagg.kv_args import KVArgs
-    from pdserve.disagg.manager import KVManager, buffer_allocator, get_kv_class
-    from pdserve.disagg.metadata import MetadataBuffers
-    from pdserve.disagg.poll import KVPoll
-    from pdserve.engine.kv_pool import KVPool
-
     alloc = buffer_allocator(backend, "decode")
     pool = KVPool(geo.layers, geo.pool_pages, geo.page_size, geo.heads, geo.head_dim, torch.bfloat16, "cpu", alloc)
     meta = MetadataBuffers(8, allocator=alloc)
@@ -166,14 +157,6 @@ def decode_main(backend: str, geo: Geometry, port: int, out, cmds) -> None:
 
 class PrefillSide:
     def __init__(self, backend: str, geo: Geometry):
-        import torch
-
-        from pdserve.disagg.bootstrap import BootstrapServer
-        from pdserve.disagg.kv_args import KVArgs
-        from pdserve.disagg.manager import KVManager, get_kv_class
-        from pdserve.disagg.metadata import MetadataBuffers
-        from pdserve.engine.kv_pool import KVPool
-
         self.backend, self.geo = backend, geo
         self.server = BootstrapServer("127.0.0.1", 0, expected_ranks=1)
         self.port = self.server.port
@@ -195,18 +178,15 @@ class PrefillSide:
         self._copy: Any = None
 
     def _expect(self, kind: str, timeout: float = 180) -> Any:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                got, value = self.out.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise RuntimeError(f"decode process: no {kind!r} within {timeout}s (alive={self.proc.is_alive()})")
-            if got == kind:
-                return value
+        try:  # decode answers each command with one message, in order
+            got, value = self.out.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"decode process: no {kind!r} in {timeout}s (alive: {self.proc.is_alive()})") from None
+        assert got == kind, (got, kind)
+        return value
 
     def ours(self) -> float:
         """Seconds from ``send()`` to Success on prefill, one room of every page."""
-        from pdserve.disagg.poll import KVPoll
 
         self.room += 1
         self.cmds.put(("room", self.room))
@@ -223,17 +203,14 @@ class PrefillSide:
         elapsed = time.perf_counter() - t0
         state, reason = s.poll(), s.failure_reason()
         s.clear()
-        room, dstate, dreason, pages_ok = self._expect("done")
-        if state != KVPoll.Success or dstate != KVPoll.Success:
-            raise RuntimeError(f"{self.backend}: transfer failed: {reason or dreason}")
-        if not pages_ok:
-            raise RuntimeError(f"{self.backend}: decode found pages that did not arrive or went to the wrong place")
+        _, dstate, dreason, pages_ok = self._expect("done")
+        if state != KVPoll.Success or dstate != KVPoll.Success or not pages_ok:
+            raise RuntimeError(f"{self.backend}: transfer failed: "
+                               f"{reason or dreason or 'pages missing or misplaced at decode'}")
         return elapsed
 
     def raw(self) -> Optional[float]:
         """Seconds for the same descriptors through the library directly (None: no library)."""
-        from pdserve.disagg.descriptors import region_descriptors
-
         src, dst, lens = region_descriptors(self.kv_args.kv_data_ptrs, self.dst_kv_ptrs, self.kv_args.kv_item_lens,
                                             self.geo.src_pages(), self.geo.dst_pages())
         b = self.mgr.backend
@@ -274,10 +251,6 @@ class PrefillSide:
     def memcpy(self) -> tuple[float, float]:
         """Seconds for ``memcpy`` (ctypes.memmove of the same descriptors from this pool into a
         second buffer of this process) and ``bulk`` (one torch copy of the whole size)."""
-        import torch
-
-        from pdserve.disagg.descriptors import region_descriptors
-
         raw = self.pool._raw
         if self._copy is None:
             self._copy = torch.zeros_like(raw)  # touched now, not in the timed copy
@@ -305,16 +278,13 @@ class PrefillSide:
 
 
 def available(backends: list[str]) -> tuple[list[str], dict[str, str]]:
-    from pdserve.disagg.transfer import get_backend
-
-    ok, skipped = [], {}
+    skipped = {}
     for name in backends:
         try:
             get_backend(name)
-            ok.append(name)
         except ValueError as e:
             skipped[name] = str(e)
-    return ok, skipped
+    return [b for b in backends if b not in skipped], skipped
 
 
 def run_backend(backend: str, geo: Geometry, repeats: int) -> dict[str, list[float]]:
@@ -325,13 +295,9 @@ def run_backend(backend: str, geo: Geometry, repeats: int) -> dict[str, list[flo
         side.ours()  # warm-up: connections, first touch of decode's pages
         samples: dict[str, list[float]] = {"ours": [], "raw": [], "memcpy": [], "bulk": []}
         for _ in range(repeats):
-            samples["ours"].append(side.ours())
-            raw = side.raw()
-            if raw is not None:
-                samples["raw"].append(raw)
-            copy, bulk = side.memcpy()
-            samples["memcpy"].append(copy)
-            samples["bulk"].append(bulk)
+            got = {"ours": side.ours(), "raw": side.raw(), **dict(zip(("memcpy", "bulk"), side.memcpy()))}
+            for k, v in got.items():
+                samples[k] += [v] if v is not None else []
         return samples
     finally:
         side.close()
@@ -339,11 +305,8 @@ def run_backend(backend: str, geo: Geometry, repeats: int) -> dict[str, list[flo
 
 def machine() -> dict[str, Any]:
     cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version()}
 
 
@@ -384,7 +347,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     backends, skipped = available([b.strip() for b in args.backends.split(",") if b.strip()])
     for name, why in skipped.items():
         print(f"skipping {name}: {why}", file=sys.stderr)
-    import torch
 
     torch.set_num_threads(1)
     result: dict[str, Any] = {"command": " ".join(["pdserve bench-transfer", *argv]), "machine": machine(),
