@@ -1,4 +1,8 @@
-"""What a decode session may ask a prefill rank to write (checked before any byte moves).
+"""What a decode session may register with a prefill rank, and ask it to write (checked
+before any byte moves).
+
+``registration_errors``: a ``Register`` is accepted only when both sides agree on the model,
+layout, page size, dtype, transfer backend and TP size (errors name both sides' values).
 
 A ``TransferRequest`` names destination pages, a metadata row and state slots by index. The
 prefill rank accepts it only when
@@ -16,7 +20,32 @@ abort acknowledged, the room cleared), which is always before decode may reuse t
 
 from __future__ import annotations
 
-from pdserve.disagg.messages import BufferDesc, TransferRequest
+from pdserve.disagg.kv_args import compat_mismatches
+from pdserve.disagg.messages import BufferDesc, Register, TransferRequest
+
+
+def registration_errors(a, msg: Register, backend_name: str) -> list[str]:
+    """Why prefill rank ``a`` (its ``KVArgs``) cannot serve decode registration ``msg``."""
+    errs = compat_mismatches(a.compat_info(), msg.compat)
+    if msg.backend != backend_name:
+        errs.append(f"transfer backend mismatch: prefill {backend_name}, decode {msg.backend}")
+    if msg.decode_tp_size != a.tp_size:
+        errs.append(f"tp_size mismatch: prefill {a.tp_size}, decode {msg.decode_tp_size} "
+                    "(different TP sizes are not supported yet)")
+    per = a.kv_entries_per_layer
+    lo, hi = a.prefill_start_layer * per, (a.prefill_start_layer + a.num_local_layers) * per
+    dst_items = msg.buffers.kv_item_lens[lo:hi]
+    if len(msg.buffers.kv_data_ptrs) < hi:
+        errs.append(f"kv entries mismatch: prefill needs layers up to {hi // per}, "
+                    f"decode has {len(msg.buffers.kv_data_ptrs) // per}")
+    elif dst_items != list(a.kv_item_lens):
+        errs.append(f"kv page item bytes mismatch: prefill {sorted(set(a.kv_item_lens))}, "
+                    f"decode {sorted(set(dst_items))}")
+    if msg.buffers.aux_item_lens != list(a.aux_item_lens):
+        errs.append(f"metadata row layout mismatch: prefill {a.aux_item_lens}, decode {msg.buffers.aux_item_lens}")
+    if msg.buffers.state_type != a.state_type:
+        errs.append(f"state_type mismatch: prefill {a.state_type}, decode {msg.buffers.state_type}")
+    return errs
 
 
 def _rows(lens: list[int], items: list[int]) -> int:

@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from pdserve.disagg.bootstrap import register_rank
-from pdserve.disagg.destinations import DestinationGuard
-from pdserve.disagg.kv_args import compat_mismatches
+from pdserve.disagg.destinations import DestinationGuard, registration_errors
 from pdserve.disagg.messages import Abort, Heartbeat, Register, RegisterAck, TransferRequest, TransferStatus
 from pdserve.disagg.poll import KVPoll
 from pdserve.disagg.writer import Chunk, TransferWorkers
@@ -103,31 +102,8 @@ class PrefillRole:
         else:
             logger.warning("%s: unexpected %s from a decode rank", self.mgr.name, type(msg).__name__)
 
-    def _check_register(self, msg: Register) -> list[str]:
-        a = self.mgr.kv_args
-        errs = compat_mismatches(a.compat_info(), msg.compat)
-        if msg.backend != self.mgr.backend_name:
-            errs.append(f"transfer backend mismatch: prefill {self.mgr.backend_name}, decode {msg.backend}")
-        if msg.decode_tp_size != a.tp_size:
-            errs.append(f"tp_size mismatch: prefill {a.tp_size}, decode {msg.decode_tp_size} "
-                        "(different TP sizes are not supported yet)")
-        per = a.kv_entries_per_layer
-        lo, hi = a.prefill_start_layer * per, (a.prefill_start_layer + a.num_local_layers) * per
-        dst_items = msg.buffers.kv_item_lens[lo:hi]
-        if len(msg.buffers.kv_data_ptrs) < hi:
-            errs.append(f"kv entries mismatch: prefill needs layers up to {hi // per}, "
-                        f"decode has {len(msg.buffers.kv_data_ptrs) // per}")
-        elif dst_items != list(a.kv_item_lens):
-            errs.append(f"kv page item bytes mismatch: prefill {sorted(set(a.kv_item_lens))}, "
-                        f"decode {sorted(set(dst_items))}")
-        if msg.buffers.aux_item_lens != list(a.aux_item_lens):
-            errs.append(f"metadata row layout mismatch: prefill {a.aux_item_lens}, decode {msg.buffers.aux_item_lens}")
-        if msg.buffers.state_type != a.state_type:
-            errs.append(f"state_type mismatch: prefill {a.state_type}, decode {msg.buffers.state_type}")
-        return errs
-
     def _on_register(self, msg: Register) -> None:
-        errs = self._check_register(msg)
+        errs = registration_errors(self.mgr.kv_args, msg, self.mgr.backend_name)
         a = self.mgr.kv_args
         per = a.kv_entries_per_layer
         lo, hi = a.prefill_start_layer * per, (a.prefill_start_layer + a.num_local_layers) * per

@@ -97,6 +97,7 @@ class Outcome:
     error: str = ""
     finish: Optional[str] = None
     token_events: int = 0
+    done: bool = False  # a stream ended with data: [DONE]
     t_first: Optional[float] = None
     t_end: float = 0.0
     extra: dict = field(default_factory=dict)
@@ -131,6 +132,7 @@ def call(url: str, payload: dict, stream: bool, path: str = "/generate", timeout
                     if r.status_code != 200:
                         out.error = json.loads(r.read())["error"]["message"]
                     for line in (r.iter_lines() if r.status_code == 200 else []):
+                        out.done = out.done or line == "data: [DONE]"
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
                         event = json.loads(line[6:])
@@ -176,6 +178,10 @@ def transfers_done(decode: c.Proc) -> bool:
 
 def measured(what: str, seconds: float) -> None:
     print(f"MEASURED {what}: {seconds:.2f}s")
+
+
+def sample(what: str, o: Outcome) -> None:
+    print(f"SAMPLE {what}: HTTP {o.status}, {o.token_events} token events, [DONE]={o.done}: {o.error}")
 
 
 # ---- tests -----------------------------------------------------------------------------------
@@ -231,12 +237,22 @@ def test_corrupted_aux_room_is_detected_and_no_token_escapes(fx):
         outs = list(pool.map(lambda i: call(R.url, body(ids[i], 8, i % 2 == 0), i % 2 == 0), range(6)))
         p_fut, d_fut = direct(PC, D1, ids[0], 8, pool)
         d_out = d_fut.result()
+    sample("corrupted metadata row, through the router", outs[0])
     for o in outs:  # 502: decode's KV did not come right (the prefill's fault)
         assert o.status == 502 and o.output_ids is None and o.token_events == 0, o
         assert "metadata row" in o.error and "the KV cannot be trusted" in o.error, o.error
-    # the decode server itself: a stream whose only event is the error, no token before it
+    # the decode server itself: a stream whose only event is the error, then [DONE]; no token
     assert d_out.status == 200 and d_out.token_events == 0 and "the KV cannot be trusted" in d_out.error
+    assert d_out.done
     assert p_fut.result().status == 200  # prefill's side of the transfer looked fine to it
+    # OpenAI shapes: an error object with the status, streamed or not; never a "length" finish
+    with httpx.Client(timeout=60) as h:
+        for path, payload in (("/v1/completions", {"model": "tiny-llama", "prompt": "Hello there", "max_tokens": 5}),
+                              ("/v1/chat/completions", {"model": "tiny-llama", "max_tokens": 5, "stream": True,
+                                                        "messages": [{"role": "user", "content": "Hi"}]})):
+            r = h.post(R.url + path, json=payload)
+            err = r.json()["error"]
+            assert r.status_code == 502 and err["code"] == 502 and err["type"] and "metadata row" in err["message"]
     for p in (PC, D1):
         p.wait_idle()
     assert stats(PC)["disaggregation_faults"]["injected"]["corrupt_aux_room"] >= 7
@@ -262,6 +278,8 @@ def test_fault_probability_005_over_500_requests(fx, ref):
         assert p.http.get("/health").status_code == 200
         pools = p.wait_idle()
         assert pools["kv_rooms"] == 0 and pools.get("kv_dst_claims", 0) == 0
+    for kind in sorted({e.split(":")[0][:60] for e in failed}):
+        print(f"SAMPLE chaos error: {next(e for e in failed if e.startswith(kind))[:200]}")
     injected = stats(PF)["disaggregation_faults"]["injected"]
     print(f"MEASURED chaos: {len(outs) - len(failed)} ok, {len(failed)} failed, injected {injected}, "
           f"{wall:.1f}s wall")
@@ -283,6 +301,8 @@ def test_overloaded_decode_answers_503_fast_and_the_router_tries_another(fx, ref
         assert p_out.status == 502 and "aborted by decode: decode is overloaded" in p_out.error, p_out
         assert p_out.t_end - t0 < 5  # not the prefill's 10 s bootstrap timeout
         measured("overloaded decode -> 503 to the client", d_out.t_end - t0)
+        sample("decode stream on an overloaded decode", d_out)
+        sample("its prefill request", p_out)
         retries = _retries(R)
         outs = list(pool.map(lambda i: call(R.url, body(ids[i], 4, False), False), range(1, 5)))
         for i, o in enumerate(outs, start=1):
@@ -345,8 +365,8 @@ def test_kill9_prefill_mid_transfer_then_restart(fx, ref):
         routed = [pool.submit(call, R.url, body(ids, 4, True), True) for ids in heavy[:16]]
         direct_pairs = [direct(P1, D1, ids, 4, pool) for ids in heavy[16:]]
         c.wait_for(lambda: load(P1) >= 28, 30, "the heavy requests to reach the prefill")
-        P1.kill9()
         t_kill = time.monotonic()
+        P1.kill9()
         c.wait_for(lambda: transfers_done(D1), 15, "decode to let go of every room")
         measured("kill -9 prefill -> decode holds no room or page for it", time.monotonic() - t_kill)
         heavy_outs = [f.result() for f in routed] + [d.result() for _, d in direct_pairs]
@@ -361,6 +381,8 @@ def test_kill9_prefill_mid_transfer_then_restart(fx, ref):
         if i >= 16:  # straight from decode: its own detection
             assert f"prefill instance 127.0.0.1:{P1.bootstrap_port} unreachable" in o.error, o.error
     assert errors >= 24
+    sample("routed request after kill -9 of its prefill", next(o for o in heavy_outs[:16] if not o.ok))
+    sample("direct decode stream after kill -9 of its prefill", next(o for o in heavy_outs[16:] if not o.ok))
     measured("kill -9 prefill -> routed requests fail", max(o.t_end for o in heavy_outs[:16] if not o.ok) - t_kill)
     measured("kill -9 prefill -> decode detects (heartbeat)",
              max(o.t_end for o in heavy_outs[16:] if not o.ok) - t_kill)
@@ -393,13 +415,13 @@ def test_kill9_decode_mid_stream(fx):
         pairs = [direct(P1, D2, ids, 4, pool) for ids in heavy]
         c.wait_for(lambda: load(P1) >= 10 and D2.integrity()["transfer_queue"] >= 8, 30,
                    "decode to ask the prefill for the heavy requests")
-        D2.kill9()
         t_kill = time.monotonic()
+        D2.kill9()
         long_outs = [f.result() for f in long_futs]
         prefill_outs = [p.result() for p, _ in pairs]
         decode_outs = [d.result() for _, d in pairs]
-    for o in long_outs:  # streams through the router: a well-formed error at the end, promptly
-        assert o.status == 200 and o.error and o.t_end - t_kill < DEADLINE_S, o
+    for o in long_outs:  # streams through the router: a well-formed error event and [DONE], promptly
+        assert o.status == 200 and o.error and o.done and o.t_end - t_kill < DEADLINE_S, o
     for o in decode_outs:
         assert not o.ok and o.t_end - t_kill < DEADLINE_S
     # prefill's own detection; the others finished their transfer before the kill, or (a request
@@ -409,15 +431,28 @@ def test_kill9_decode_mid_stream(fx):
         assert o.status == 502 and "decode instance" in o.error and "unreachable" in o.error, o
         assert o.t_end - t_kill < DEADLINE_S
     assert len(lost) >= 6
+    sample("routed stream after kill -9 of its decode", long_outs[0])
+    sample("direct prefill request after kill -9 of its decode", lost[0])
     measured("kill -9 decode -> router streams end with an error", max(o.t_end for o in long_outs) - t_kill)
     measured("kill -9 decode -> prefill detects (heartbeat)", max(o.t_end for o in lost) - t_kill)
     pools = P1.wait_idle(timeout=10)
     assert pools["kv_rooms"] == 0 and pools["kv_dst_claims"] == 0
-    # new requests get an error at once, not a hang
+    # new requests get an error at once, not a hang; once health checks agree, a 503 with the reason
     t0 = time.monotonic()
     o = call(R.url, body([1, 2, 3], 4, False), False, timeout=30)
     assert o.status in (502, 503) and o.error and time.monotonic() - t0 < 10, o
+    c.wait_for(lambda: R.http.get("/health").status_code == 503, 10, "the router to take the decode out")
+    o = call(R.url, body([1, 2, 3], 4, True), True, timeout=30)
+    assert o.status == 503 and "no healthy decode worker available" in o.error, o
     assert call(fx["R1"].url, body([1, 2, 3], 4, False), False).ok  # the prefill still serves D1
+    # the decode comes back (same port): the prefill serves it again without a restart
+    p1_pid = P1.proc.pid
+    D2.start(wait=True)
+    c.wait_for(lambda: R.http.get("/health").status_code == 200, 30, "the router to see the decode again")
+    o = call(R.url, body(prompts(1, 50, seed=43)[0], 4, True), True)
+    assert o.ok and P1.proc.pid == p1_pid, o
+    for p in (P1, D2):
+        p.wait_idle()
 
 
 def test_two_prefills_one_killed(fx, ref):
