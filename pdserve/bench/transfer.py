@@ -6,7 +6,8 @@ Per backend and page size, this process plays prefill and a spawned one decode, 
 ``KVPool`` (one layer, K and V, one item per page; decode's from the backend's allocator); decode's
 pages are a random permutation, so every page is a descriptor. Each repeat runs, in turn:
 - ``ours``: one room through ``KVManager`` / ``KVSender`` / ``KVReceiver``, timed on prefill from
-  ``send()`` of every page to ``poll()`` == Success (writes, metadata row, status message);
+  ``send()`` of every page to the transfer worker marking it Success (writes, metadata row,
+  status message to decode);
   decode then checks that every page arrived where it belongs;
 - ``raw`` (mooncake, nixl): the same descriptors through the library on the same engine/agent
   (Mooncake ``batch_transfer_sync_write`` per 512 descriptors, the engine's default queue limit;
@@ -51,8 +52,7 @@ from pdserve.engine.kv_pool import KVPool
 
 UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
 MOONCAKE_RAW_CALL = 512
-POLL_S = 1e-3  # how often decode polls its room, as a scheduler iteration would
-PREFILL_POLL_S = 1e-4  # the clock stops at the first poll that sees Success: keep that error small
+POLL_S = 1e-3  # how often both sides poll their room, as a scheduler iteration would
 DEMO_REQUEST = dict(layers=30, heads=3, head_dim=64, page_size=16, pages=128)  # 2048 tokens
 
 
@@ -176,6 +176,17 @@ class PrefillSide:
         self.dst_kv_ptrs = self._expect("ready")
         self.room = 1000
         self._copy: Any = None
+        # the clock stops when the transfer worker marks the room Success, not when this thread's
+        # next poll sees it, so polling here can be lazy and steals no CPU from the transfer
+        self._success_at: dict[int, float] = {}
+        update = self.mgr.update_status
+
+        def update_status(room: int, state: KVPoll, *args: Any, **kwargs: Any) -> Any:
+            if state == KVPoll.Success:
+                self._success_at.setdefault(room, time.perf_counter())
+            return update(room, state, *args, **kwargs)
+
+        self.mgr.update_status = update_status
 
     def _expect(self, kind: str, timeout: float = 180) -> Any:
         try:  # decode answers each command with one message, in order
@@ -199,8 +210,8 @@ class PrefillSide:
         t0 = time.perf_counter()
         s.send(self.geo.src_pages(), last_chunk=True)
         while s.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
-            time.sleep(PREFILL_POLL_S)
-        elapsed = time.perf_counter() - t0
+            time.sleep(POLL_S)
+        elapsed = self._success_at.pop(self.room, time.perf_counter()) - t0
         state, reason = s.poll(), s.failure_reason()
         s.clear()
         _, dstate, dreason, pages_ok = self._expect("done")
@@ -307,7 +318,7 @@ def machine() -> dict[str, Any]:
     cpu = platform.processor()
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version()}
+    return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(), "loadavg": os.getloadavg()}
 
 
 def _gbps(nbytes: int, seconds: list[float]) -> Optional[float]:
@@ -353,7 +364,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                               "size": args.size, "repeats": args.repeats, "skipped": skipped, "rows": [],
                               "request": []}
     print(f"# {fmt_size(args.size)} per transfer, best of {args.repeats}; {result['machine']['nproc']} CPUs, "
-          f"{result['machine']['cpu']}")
+          f"{result['machine']['cpu']}, load average {result['machine']['loadavg'][0]:.1f}")
     print(f"{'page':>8} {'backend':>9} {'ours GB/s':>10} {'raw GB/s':>9} {'memcpy':>7} {'bulk':>6} {'ours/raw':>9} "
           f"{'ours/memcpy':>12}")
     for page_bytes in page_sizes:
@@ -376,6 +387,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             row.update(ours_ms=ms["ours"], raw_ms=ms["raw"], memcpy_ms=ms["memcpy"])
             result["request"].append(row)
             print(f"{backend:>9} {ms['ours']:>8.1f} {_fmt(ms['raw'], '.1f'):>7} {ms['memcpy']:>10.1f}", flush=True)
+    result["loadavg_after"] = os.getloadavg()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
