@@ -8,7 +8,7 @@ its first transfer job runs); the fault's kind is drawn from ``--disaggregation-
 - ``drop_status``: the Success status for the room is never sent (a lost control message);
 - ``delay_transfer``: every chunk of the room waits ``--disaggregation-fault-delay`` seconds on
   the transfer worker before it is written (a slow link; delays the rooms queued behind it too);
-- ``corrupt_aux_room``: the metadata row lands with a wrong ``bootstrap_room``;
+- ``corrupt_aux_room``: the metadata row lands with a wrong ``bootstrap_room`` (another row's);
 - ``kill_transfer_thread``: the transfer worker thread dies while handling the room's chunk.
 
 With P = 0 (the default) nothing here runs.

@@ -16,12 +16,11 @@ Fault injection (``faults.py``) happens here, where the real failures would.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from pdserve.disagg import faults as f
 from pdserve.disagg.descriptors import region_descriptors
@@ -206,20 +205,11 @@ class TransferWorkers:
             body = region_descriptors(a.aux_data_ptrs[:-1], b.aux_data_ptrs[:-1], a.aux_item_lens[:-1],
                                       [job.aux_slot], [req.aux_slot])
             backend.write(sess.session_id, *body).wait(WRITE_TIMEOUT_S)
+            src_slot = job.aux_slot
+            if corrupt_room:  # fault: the room id comes from another (empty or foreign) row
+                src_slot = (job.aux_slot + 1) % (a.aux_data_lens[-1] // a.aux_item_lens[-1])
+                logger.warning("%s: room %d: injected fault: metadata row lands with row %d's room id",
+                               self.mgr.name, job.room, src_slot)
             tail = region_descriptors(a.aux_data_ptrs[-1:], b.aux_data_ptrs[-1:], a.aux_item_lens[-1:],
-                                      [job.aux_slot], [req.aux_slot])
-            if corrupt_room:
-                _corrupt_room_field(a, job.aux_slot)
+                                      [src_slot], [req.aux_slot])
             backend.write(sess.session_id, *tail).wait(WRITE_TIMEOUT_S)
-
-
-def _corrupt_room_field(a, slot: int) -> Optional[int]:
-    """Fault injection: flip bits of the room id in prefill's own metadata row (CPU memory only),
-    so the row lands in decode naming another room."""
-    if not a.device.startswith("cpu"):
-        logger.warning("corrupt_aux_room fault needs CPU metadata buffers; not injected")
-        return None
-    field = ctypes.c_int64.from_address(a.aux_data_ptrs[-1] + slot * a.aux_item_lens[-1])
-    field.value ^= 0x5A5A5A
-    logger.warning("injected fault: metadata row %d now names room %d", slot, field.value)
-    return field.value
