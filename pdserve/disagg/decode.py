@@ -80,6 +80,15 @@ class DecodeQueues:
             self._fail(req, f"decode is overloaded: {len(self.prealloc) - 1} requests already wait for KV pages "
                             f"(--disaggregation-max-prealloc-queue {limit})", OVERLOADED_STATUS)
 
+    def reject(self, host: Optional[str], port: Optional[int], room: int, reason: str) -> None:
+        """The request for ``room`` was refused before it got here: tell its prefill (once the
+        connection is up) instead of letting it wait for its bootstrap timeout."""
+        if not host or host == FAKE_BOOTSTRAP_HOST or self.fake:
+            return
+        receiver = self.receiver_cls(self.mgr, f"{host}:{port or self.s.args.disaggregation_bootstrap_port}", room)
+        receiver.abort(f"decode request {reason}")
+        self.draining.append((receiver, [], None))
+
     def all_reqs(self) -> list[Req]:
         return self.prealloc + self.transfer
 

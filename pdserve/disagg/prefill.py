@@ -82,6 +82,11 @@ class PrefillQueues:
         req.disagg = _PrefillState(sender)
         self.bootstrap.append(req)
 
+    def reject(self, host: Optional[str], port: Optional[int], room: int, reason: str) -> None:
+        """The request for ``room`` was refused before it got here: end the room for decode now."""
+        if host and host != FAKE_BOOTSTRAP_HOST and hasattr(self.mgr, "role"):
+            self.mgr.role.reject(room, f"prefill request {reason}")
+
     def all_reqs(self) -> list[Req]:
         return self.bootstrap + self.inflight
 

@@ -252,6 +252,18 @@ class PrefillRole:
                 targets = [(sess, 0) for sess in self.sessions.values() if not sess.error]
         self.workers.submit_failure(room, reason, targets)
 
+    def reject(self, room: int, reason: str) -> None:
+        """The prefill request for ``room`` was refused before it got a sender: fail the room for
+        decode now (told at once, or when it asks) and forget it."""
+        with self.mgr.lock:
+            r = self.rooms.get(room)
+            if r is not None and r.has_sender:
+                return  # a live request owns this room
+            self.rooms.setdefault(room, _Room(room, time.monotonic()))
+            self.mgr.status.add(room, KVPoll.Bootstrapping)
+        self.fail(room, reason)
+        self.clear(room)
+
     def release(self, room: int) -> None:
         """This rank will not write for ``room`` again: its destinations may be reused."""
         with self.mgr.lock:

@@ -243,3 +243,24 @@ def test_injected_faults_end_the_request_with_a_reason(mode, expect):
         idle(P, D)
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("small", ["prefill", "decode"])
+def test_a_request_refused_by_one_side_ends_the_room_on_the_other(small):
+    kw = dict(max_total_tokens=256)
+    pair = Pair(prefill_kw=kw if small == "prefill" else None, decode_kw=kw if small == "decode" else None)
+    try:
+        P, D = pair.P, pair.D
+        rp, rd = pair.requests(400)  # more than the small side's whole KV pool
+        refusing, refused, other, waiting = (P, rp, D, rd) if small == "prefill" else (D, rd, P, rp)
+        other.add_request(waiting)
+        with pytest.raises(ValueError, match="KV cache capacity") as e:
+            refusing.add_request(refused)
+        # what the scheduler process does with a refused PD request
+        refusing.pd.reject("127.0.0.1", pair.bport, refused.bootstrap_room, f"refused: {e.value}")
+        took = step_until(lambda: waiting.finished, P, D, timeout=5)
+        assert f"{small} request refused: prompt" in waiting.finish_reason.message, waiting.finish_reason
+        assert took < 2  # not the other side's 3 s timeout
+        idle(P, D)
+    finally:
+        pair.close()
