@@ -122,7 +122,10 @@ class SchedulerLoop:
             except ValueError as e:
                 reason = FinishReason(FinishKind.ABORT, message=str(e), status_code=400)
                 if s.pd is not None and msg.bootstrap_room is not None:  # the PD peer must not wait for it
-                    s.pd.reject(msg.bootstrap_host, msg.bootstrap_port, msg.bootstrap_room, f"refused: {e}")
+                    try:
+                        s.pd.reject(msg.bootstrap_host, msg.bootstrap_port, msg.bootstrap_room, f"refused: {e}")
+                    except Exception:  # best effort: the peer's own timeout still ends the room
+                        logger.exception("could not end room %s on the PD peer", msg.bootstrap_room)
                 self.push.send(m.encode(m.BatchOut(outs=[m.TokenOut(rid=msg.rid, new_ids=[],
                                                                    finish_reason=reason.to_json())])))
         elif isinstance(msg, m.AbortReq):
