@@ -196,3 +196,19 @@ def test_disconnect_then_reconnect(pair):
         pair.dst_buf.zero_()
         pair.write_pages([5], [6])
         assert pair.dst_page(6) == pair.src_page(5)
+
+
+def test_nixl_notifications_reach_the_written_side(pair):
+    if pair.name != "nixl":
+        pytest.skip("NIXL only: notifications are a NIXL feature")
+    (remote, _, _), = pair.prefill._remote.values()
+    pair.prefill.agent.send_notif(remote, b"room 7 done")
+    got: dict = {}
+    for _ in range(500):  # prefill has no progress thread: its polls push the message out
+        pair.prefill.take_notifications()
+        for agent, msgs in pair.decode.take_notifications().items():
+            got.setdefault(agent, []).extend(msgs)
+        if got:
+            break
+        threading.Event().wait(0.01)
+    assert got == {pair.prefill.agent_name: [b"room 7 done"]}
