@@ -101,7 +101,8 @@ class TransferWorkers:
 
     def _run(self, job) -> None:
         if isinstance(job, Chunk):
-            if self.faults.is_(job.room, f.KILL_TRANSFER_THREAD):
+            live = self.mgr.get_status(job.room) not in (None, KVPoll.Failed)
+            if live and self.faults.is_(job.room, f.KILL_TRANSFER_THREAD):  # once per room: it fails
                 raise f.InjectedThreadDeath(f"injected fault: transfer thread killed on room {job.room}")
             self._run_chunk(job)
         elif job[0] == "abort_ack":
@@ -124,7 +125,7 @@ class TransferWorkers:
                     jobs.append(self._queues[i].get_nowait())
                 except queue.Empty:
                     break
-            self._current[i] = None
+            self._current[i], self._deaths[i] = None, ""
             self.restarts += 1
             self._threads[i] = self._start(i)
             rooms = {j.room for j in jobs if isinstance(j, Chunk)}
