@@ -244,6 +244,15 @@ class Run:
         self.prefill = ctx.Process(target=prefill_main, args=(self.cfg, self.out_p, self.stop), daemon=True)
         self.decode = ctx.Process(target=decode_main, args=(self.cfg, self.out_d, self.stop), daemon=True)
         self.prefill.start()
+        # decode's look-up waits at most its waiting timeout (short in some scenarios): start it
+        # once the prefill's bootstrap server accepts connections, however slow the start-up
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and self.prefill.is_alive():
+            try:
+                socket.create_connection(("127.0.0.1", self.cfg["port"]), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
         self.decode.start()
 
     def expect(self, q, kind: str, timeout: float = 90):
