@@ -86,8 +86,8 @@ class MooncakeBackend(TransferBackend):
             raise ValueError(f"disaggregation_mooncake_protocol: must be one of {PROTOCOLS}, got {protocol!r}")
         self.ib_device = options.get("ib_device") or getattr(sa, "disaggregation_ib_device", None) or ""
         if str(device).startswith("cuda") and self.protocol == "tcp":
-            logger.warning("Mooncake over tcp with KV in GPU memory: the engine must stage every page through "
-                           "host memory (and the non-CUDA wheel cannot); use rdma with GPUDirect where you can")
+            logger.warning("Mooncake over tcp with the KV pool in GPU memory: Mooncake's maintainers do not "
+                           "support GPU buffers over tcp; use --disaggregation-mooncake-protocol rdma with GPUDirect")
         self.max_descriptors = int(options.get("max_descriptors_per_call", MAX_DESCRIPTORS_PER_CALL))
         host = options.get("host") or local_host(sa)
         for key, value in ENGINE_ENV_DEFAULTS.items():
