@@ -219,7 +219,7 @@ def test_injected_faults_end_the_request_with_a_reason(mode, expect):
         for rp, rd in reqs:
             P.add_request(rp)
             D.add_request(rd)
-        step_until(lambda: all(rd.finished for _, rd in reqs), P, D, timeout=15)
+        step_until(lambda: all(rd.finished and rp.finished for rp, rd in reqs), P, D, timeout=15)
         for rp, rd in reqs:
             if expect is None:
                 assert rd.finish_reason.kind == FinishKind.LENGTH and len(rd.output_ids) == 6
