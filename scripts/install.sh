@@ -23,7 +23,7 @@ fi
 install_transfer_backends() {
   # Mooncake links libibverbs.so.1 even for TCP. Debian's libibverbs1 recommends ibverbs-providers,
   # with which NIXL processes crash at exit: install the library alone.
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! ldconfig -p | grep -q "libibverbs.so.1 "; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! ldconfig -p | grep "libibverbs.so.1 " >/dev/null; then
     apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null 2>&1 \
       || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null; } \
       || echo "install.sh: libibverbs1 could not be installed; the mooncake backend will not load" >&2
