@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from tests.helpers.cluster import children, free_port, wait_for
+from tests.helpers.cluster import children, free_port, is_alive, wait_for
 
 
 def _tree(pid: int) -> list[int]:
@@ -22,14 +22,6 @@ def _tree(pid: int) -> list[int]:
         out += kids
         todo += kids
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def test_launch_serves_and_stops_everything(tiny_llama_path, tmp_path):
@@ -59,6 +51,6 @@ def test_launch_serves_and_stops_everything(tiny_llama_path, tmp_path):
         log.close()
     assert code == 0, (tmp_path / "launch.log").read_text()[-3000:]
     deadline = time.monotonic() + 15
-    while any(_alive(p) for p in descendants) and time.monotonic() < deadline:
+    while any(is_alive(p) for p in descendants) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not [p for p in descendants if _alive(p)], "processes left running after Ctrl-C"
+    assert not [p for p in descendants if is_alive(p)], "processes left running after Ctrl-C"

@@ -110,6 +110,15 @@ class Proc:
         return pools
 
 
+def is_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
 def children(pid: int) -> list[int]:
     kids: list[int] = []
     try:
