@@ -199,3 +199,24 @@ def encode_message(msg: Message) -> bytes:
 
 def decode_message(data: bytes) -> AnyMessage:
     return _default_codec.decode(data)
+
+
+# ---- completion notices carried by a backend write (NIXL notifications) ----------------------
+
+NOTICE_PREFIX = b"pdserve-done:"
+
+
+def completion_notice(room: int, generation: int, rank: int) -> bytes:
+    """The backend notification carried by a room's last write (see ``parse_completion_notice``)."""
+    return NOTICE_PREFIX + f"{room}:{generation}:{rank}".encode()
+
+
+def parse_completion_notice(msg: bytes) -> Optional[tuple[int, int, int]]:
+    """(room, generation, prefill rank) of a completion notice, or None for anything else."""
+    if not msg.startswith(NOTICE_PREFIX):
+        return None
+    try:
+        room, generation, rank = (int(x) for x in msg[len(NOTICE_PREFIX):].split(b":"))
+    except ValueError:
+        return None
+    return room, generation, rank

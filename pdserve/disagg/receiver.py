@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 from pdserve.disagg.bootstrap import BootstrapNotReady, fetch_prefill_info, fetch_rank_info, parse_addr
 from pdserve.disagg.kv_args import COMPAT_FIELDS, compat_mismatches
 from pdserve.disagg.messages import (Abort, AbortAck, BufferDesc, Heartbeat, Register, RegisterAck,
-                                     TransferRequest, TransferStatus)
+                                     TransferRequest, TransferStatus, parse_completion_notice)
 from pdserve.disagg.poll import KVPoll
 
 logger = logging.getLogger(__name__)
@@ -237,6 +237,7 @@ class DecodeRole:
 
     def tick(self, now: float) -> None:
         m = self.mgr
+        self._take_completion_notices()
         dead: list[tuple[_Conn, str]] = []
         beats: list[tuple[str, Heartbeat]] = []
         dead_after = m.heartbeat_misses * m.heartbeat_interval
@@ -261,6 +262,20 @@ class DecodeRole:
                 m.drop_peer(t.endpoint)
         for endpoint, hb in beats:
             m.send(endpoint, hb)
+
+    def _take_completion_notices(self) -> None:
+        """Backends that notify on completion (NIXL) mark a room's rank done when its last write
+        landed, without waiting for the control-plane Success status."""
+        take = getattr(self.mgr.backend, "take_notifications", None)
+        if take is None:
+            return
+        for msgs in take().values():
+            for msg in msgs:
+                notice = parse_completion_notice(msg)
+                if notice is not None:
+                    room, generation, rank = notice
+                    self.on_message(TransferStatus(room=room, generation=generation, state=int(KVPoll.Success),
+                                                   prefill_rank=rank))
 
     # ---- receiver-facing helpers ----------------------------------------------------------
     def add_room(self, room: int, addr: str) -> _RoomRecv:

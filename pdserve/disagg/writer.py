@@ -24,7 +24,7 @@ from typing import Any
 
 from pdserve.disagg import faults as f
 from pdserve.disagg.descriptors import region_descriptors
-from pdserve.disagg.messages import AbortAck, TransferRequest, TransferStatus
+from pdserve.disagg.messages import AbortAck, TransferRequest, TransferStatus, completion_notice
 from pdserve.disagg.poll import KVPoll
 from pdserve.disagg.transfer.base import TransferError
 
@@ -213,4 +213,6 @@ class TransferWorkers:
                                self.mgr.name, job.room, src_slot)
             tail = region_descriptors(a.aux_data_ptrs[-1:], b.aux_data_ptrs[-1:], a.aux_item_lens[-1:],
                                       [src_slot], [req.aux_slot])
-            backend.write(sess.session_id, *tail).wait(WRITE_TIMEOUT_S)
+            # on backends that can, the last write itself tells decode the room is complete
+            done = completion_notice(job.room, req.generation, self.role.rank)
+            backend.write(sess.session_id, *tail, notify=done).wait(WRITE_TIMEOUT_S)

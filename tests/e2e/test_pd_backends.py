@@ -83,3 +83,32 @@ def test_mixed_requests_match_offline_engine(pd_cluster, reference):
     for proc in (P, D):
         pools = proc.wait_idle()
         assert pools["metadata_slots_free"] == pools["metadata_slots_total"], (proc.name, pools)
+
+
+def test_nixl_completion_notice_completes_rooms_without_status(tmp_path, tiny_llama_path, reference):
+    """With NIXL the room's last write carries a completion notification; decode marks the room
+    done from it. Prefill here never sends its Success status (fault ``drop_status`` on every
+    room), so requests can only complete through the notification."""
+    try:
+        get_backend("nixl")
+    except ValueError as e:
+        pytest.skip(str(e))
+    args = ["--page-size", "16", "--disaggregation-transfer-backend", "nixl", *COMMON]
+    P, _ = c.prefill("P-nixl-notify", tiny_llama_path, tmp_path, *args, "--disaggregation-fault-mode", "drop_status",
+                     "--disaggregation-fault-prob", "1")
+    D = c.decode("D-nixl-notify", tiny_llama_path, tmp_path, *args)
+    R = c.router("R-nixl-notify", [P], [D], tmp_path)
+    try:
+        for s in (P, D):
+            s.start(wait=False)
+        for s in (P, D):
+            s.wait_ready()
+        R.start()
+        for ids in mixed_prompts(6, seed=11, max_len=300):
+            assert_same(generate(R.url, ids, stream=False), reference(ids))
+        assert "Success status not sent" in P.log_tail(400)
+        D.wait_idle()
+        P.wait_idle()
+    finally:
+        for proc in (R, D, P):
+            proc.stop()

@@ -132,9 +132,15 @@ class TransferBackend:
             self.disconnect(peer)
 
     # -- data path ---------------------------------------------------------------------------
-    def write(self, peer_id: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> TransferHandle:
+    # Backends that can deliver a message to the written side once a write has landed
+    # (``notify`` of ``write``; the peer reads them with ``take_notifications``).
+    supports_notify = False
+
+    def write(self, peer_id: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray,
+              notify: Optional[bytes] = None) -> TransferHandle:
         """Validate the whole batch, then hand it to the backend. Nothing moves if any
-        descriptor is out of bounds."""
+        descriptor is out of bounds. ``notify`` reaches the peer after the batch landed, on
+        backends with ``supports_notify`` (ignored elsewhere)."""
         src = np.asarray(src, dtype=np.int64)
         dst = np.asarray(dst, dtype=np.int64)
         lengths = np.asarray(lengths, dtype=np.int64)
@@ -154,6 +160,8 @@ class TransferBackend:
                                 "registered buffers")
         if len(src) == 0:
             return CompletedHandle()
+        if notify is not None and self.supports_notify:
+            return self._write(peer_id, src, dst, lengths, notify=notify)
         return self._write(peer_id, src, dst, lengths)
 
     # -- what implementations provide --------------------------------------------------------

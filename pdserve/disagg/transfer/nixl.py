@@ -207,7 +207,10 @@ class NixlBackend(TransferBackend):
                 self._reg = None
 
     # ---- data path -----------------------------------------------------------------------
-    def _write(self, peer_id: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> TransferHandle:
+    supports_notify = True
+
+    def _write(self, peer_id: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray,
+               notify: Optional[bytes] = None) -> TransferHandle:
         with self._agent_lock:
             entry = self._remote.get(peer_id)
         if entry is None:
@@ -219,7 +222,8 @@ class NixlBackend(TransferBackend):
         with self._agent_lock:
             try:
                 xfer = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, self.mem_type),
-                                                  self.agent.get_xfer_descs(far, peer_mem), remote)
+                                                  self.agent.get_xfer_descs(far, peer_mem), remote,
+                                                  notify or b"")
                 state = self.agent.transfer(xfer)
             except Exception as e:
                 raise TransferError(f"NIXL cannot post a write of {len(src)} descriptors to {remote}: "
