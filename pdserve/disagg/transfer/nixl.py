@@ -11,8 +11,10 @@ Writes: one ``WRITE`` transfer request per batch (``initialize_xfer`` + ``transf
 KV manager reports Success only after every byte landed. A transfer still running after
 ``transfer_timeout`` (default: ``--disaggregation-waiting-timeout``, after which decode gives up
 on the room anyway) or in state ``ERR`` becomes a ``TransferError`` and fails the room.
-Notifications (NIXL's per-request messages) that reach this agent come out of
-``take_notifications()``.
+A write given ``notify`` carries it as the request's NIXL notification: the writer puts a
+completion notice on a room's last write, and the decode side reads them with
+``take_notifications()`` and marks the room's rank done without waiting for the control-plane
+Success status.
 
 Progress: with UCX over TCP (every plain host; NIXL's peer-failure mode rules out UCX's
 shared-memory transports) a WRITE needs the *target* agent to make progress too. NIXL's
