@@ -129,3 +129,25 @@ def sse_events(lines) -> list:
             data = line[len("data: "):]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+# greedy generation length of the PD tests' reference outputs
+PD_NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="session")
+def reference(offline_engine):
+    """Offline-engine greedy outputs (``PD_NEW_TOKENS`` tokens, ignore_eos), cached per
+    (prompt, logprobs); with logprobs, input logprobs start at token 0."""
+    cache: dict = {}
+
+    def get(ids: list[int], logprobs: bool = False) -> dict:
+        key = (tuple(ids), logprobs)
+        if key not in cache:
+            cache[key] = offline_engine.generate(
+                input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": PD_NEW_TOKENS, "ignore_eos": True},
+                return_logprob=logprobs, logprob_start_len=0 if logprobs else -1,
+            )
+        return cache[key]
+
+    return get

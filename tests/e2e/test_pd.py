@@ -13,13 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import torch
 
+from tests.e2e.conftest import PD_NEW_TOKENS as NEW_TOKENS
 from tests.helpers import cluster as c
 from tests.helpers.checkpoints import build_tiny_checkpoint
 from tests.helpers.sglang_router import sglang_router_available, start_sglang_router
 
-NEW_TOKENS = 8
 TIMEOUTS = ["--disaggregation-bootstrap-timeout", "10", "--disaggregation-waiting-timeout", "10"]
 COMMON = ["--max-total-tokens", "65536", "--served-model-name", "tiny-llama", *TIMEOUTS]
 
@@ -62,23 +61,6 @@ def pd(tmp_path_factory, tiny_llama_path):
     finally:
         for proc in [*locals().get("routers", {}).values(), *servers]:
             proc.stop()
-
-
-@pytest.fixture(scope="session")
-def reference(offline_engine):
-    """Offline-engine greedy outputs, cached per prompt."""
-    cache: dict = {}
-
-    def get(ids: list[int], logprobs: bool = False) -> dict:
-        key = (tuple(ids), logprobs)
-        if key not in cache:
-            cache[key] = offline_engine.generate(
-                input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
-                return_logprob=logprobs, logprob_start_len=0 if logprobs else -1,
-            )
-        return cache[key]
-
-    return get
 
 
 def generate(url: str, ids: list[int], stream: bool, logprobs: bool = False) -> dict:
@@ -157,7 +139,8 @@ def test_openai_client_through_router_matches_colocated(pd, server):
         assert ca.usage.completion_tokens == cb.usage.completion_tokens
         chunks = pd_client.chat.completions.create(model=model, messages=msgs, max_tokens=NEW_TOKENS,
                                                    temperature=0, stream=True)
-        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == cb.choices[0].message.content
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        assert streamed == cb.choices[0].message.content
 
 
 def _generation_tokens(proc: c.Proc) -> int:

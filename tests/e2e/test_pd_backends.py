@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pdserve.disagg.transfer import get_backend
-from tests.e2e.test_pd import COMMON, NEW_TOKENS, assert_same, generate, mixed_prompts
+from tests.e2e.test_pd import COMMON, assert_same, generate, mixed_prompts
 from tests.helpers import cluster as c
 
 BACKENDS = ["local", "mooncake", "nixl"]
@@ -47,23 +47,6 @@ def pd_cluster(request, tmp_path_factory, tiny_llama_path):
     # a backend library must not crash the servers as they exit (NIXL does with ibverbs-providers)
     codes = {proc.name: proc.proc.returncode for proc in (P, D)}
     assert codes == {P.name: 0, D.name: 0}, (codes, P.log_tail(20), D.log_tail(20))
-
-
-@pytest.fixture(scope="module")
-def reference(offline_engine):
-    """Offline-engine greedy outputs, cached per (prompt, logprobs) for every backend."""
-    cache: dict = {}
-
-    def get(ids: list[int], logprobs: bool = False) -> dict:
-        key = (tuple(ids), logprobs)
-        if key not in cache:
-            cache[key] = offline_engine.generate(
-                input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
-                return_logprob=logprobs, logprob_start_len=0 if logprobs else -1,
-            )
-        return cache[key]
-
-    return get
 
 
 def test_mixed_requests_match_offline_engine(pd_cluster, reference):
