@@ -86,7 +86,7 @@ class TorchAttnBackend(AttentionBackend):
     def forward(self, layer_id, q, k, v, fb, scale, sliding_window=None):
         pool = fb.kv_pool
         kc, vc = pool.k_cache(layer_id), pool.v_cache(layer_id)  # [P, kv_heads, page, D]
-        kv_heads, page, head_dim = kc.shape[1], kc.shape[2], kc.shape[3]
+        kv_heads, head_dim = kc.shape[1], kc.shape[3]
         k_rows, v_rows = kc.view(-1, head_dim), vc.view(-1, head_dim)
         k_rows.index_copy_(0, self._write_rows, k.reshape(-1, head_dim).to(kc.dtype))
         v_rows.index_copy_(0, self._write_rows, v.reshape(-1, head_dim).to(vc.dtype))
