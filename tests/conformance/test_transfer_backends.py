@@ -1,5 +1,5 @@
-"""The transfer scenarios of tests/unit/test_disagg_transfer.py (which runs them for ``local``)
-against the network backends. The rest of the conformance suite: test_backend_api.py (the backend
+"""The full-protocol transfer scenarios (transfer_suite.py) against every backend: local, mooncake
+and nixl (the ``backend`` fixture in conftest.py). The rest of the conformance suite: test_backend_api.py (the backend
 contract in one process), test_transfer_scenarios.py (a 4096-page transfer, peers dying
 mid-transfer), test_bench_transfer.py.
 
@@ -9,24 +9,8 @@ Each backend is skipped (with the reason) when its module or library is not inst
 import os
 import sys
 
-import pytest
-
 sys.path.insert(0, os.path.dirname(__file__))
 import transfer_suite as suite  # noqa: E402
-
-from pdserve.disagg.transfer import get_backend  # noqa: E402
-
-BACKENDS = ["mooncake", "nixl"]
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
-def backend(request):
-    try:
-        get_backend(request.param)
-    except ValueError as e:
-        pytest.skip(str(e))
-    return request.param
-
 
 protocol_run = suite.protocol_run
 test_pages_and_aux_byte_exact = suite.test_pages_and_aux_byte_exact

@@ -5,21 +5,8 @@ with the reason."""
 import os
 import sys
 
-import pytest
-
 sys.path.insert(0, os.path.dirname(__file__))
 import transfer_suite as suite  # noqa: E402
-
-from pdserve.disagg.transfer import get_backend  # noqa: E402
-
-
-@pytest.fixture(scope="module", params=["local", "mooncake", "nixl"])
-def backend(request):
-    try:
-        get_backend(request.param)
-    except ValueError as e:
-        pytest.skip(str(e))
-    return request.param
 
 
 test_large_transfer_lands_before_its_metadata_row = suite.test_large_transfer_lands_before_its_metadata_row

@@ -22,7 +22,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(cond, timeout: float, what: str, interval: float = 0.05):
+def wait_for(cond, timeout: float = 10.0, what: str = "condition", interval: float = 0.01):
     deadline = time.monotonic() + timeout
     while True:
         value = cond()

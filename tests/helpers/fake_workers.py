@@ -24,11 +24,13 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+
+from tests.helpers.cluster import wait_for as wait_until  # noqa: F401 (used by the router tests)
 
 MODEL = "fake-model"
 
@@ -37,18 +39,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_until(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0.01, what: str = "condition"):
-    """Poll ``cond`` until it returns a truthy value (returned) or fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 class AppServer:

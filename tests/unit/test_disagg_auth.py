@@ -21,21 +21,12 @@ from pdserve.disagg.messages import (AuthError, BufferDesc, MessageCodec, Regist
 from pdserve.disagg.metadata import MetadataBuffers
 from pdserve.disagg.poll import KVPoll
 from pdserve.engine.kv_pool import KVPool
+from tests.helpers.cluster import wait_for
 from tests.unit.test_disagg_bootstrap import rank_info
 
 torch.set_num_threads(1)
 SECRET = "s3cret"
 NUM_PAGES = 16
-
-
-def wait_for(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError("condition not met in time")
 
 
 # ---- codec ---------------------------------------------------------------------------------

@@ -1,7 +1,6 @@
 import multiprocessing as mp
 import socket
 
-import pytest
 
 from pdserve.disagg.poll import KVPoll, StatusTable, advance, poll_and_all_reduce
 

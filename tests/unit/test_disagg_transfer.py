@@ -1,17 +1,10 @@
-"""KV transfer through the full protocol with the ``local`` backend (real processes, ZMQ, HTTP),
-plus in-process checks of the prefill-side registration check and the fake classes."""
+"""In-process checks of the prefill-side registration check, the sender's bootstrap timeout and
+the fake classes (the full-protocol scenarios run per backend in tests/conformance)."""
 
-import os
-import sys
-import time
 
-import msgspec
 import pytest
 import torch
 import zmq
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "conformance"))
-import transfer_suite as suite  # noqa: E402
 
 from pdserve.config import ServerArgs  # noqa: E402
 from pdserve.disagg.bootstrap import BootstrapServer  # noqa: E402
@@ -22,35 +15,12 @@ from pdserve.disagg.messages import (Abort, AbortAck, BufferDesc, Heartbeat, Reg
 from pdserve.disagg.metadata import MetadataBuffers  # noqa: E402
 from pdserve.disagg.poll import KVPoll  # noqa: E402
 from pdserve.engine.kv_pool import KVPool  # noqa: E402
+from tests.helpers.cluster import wait_for  # noqa: E402
 
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module", params=["local"])
-def backend(request):
-    return request.param
-
-
-protocol_run = suite.protocol_run
-test_pages_and_aux_byte_exact = suite.test_pages_and_aux_byte_exact
-test_32_rooms_in_flight = suite.test_32_rooms_in_flight
-test_decode_shared_memory_released = suite.test_decode_shared_memory_released
-test_incompatible_page_size_fails_with_both_values = suite.test_incompatible_page_size_fails_with_both_values
-test_prefill_failures_and_aborts = suite.test_prefill_failures_and_aborts
-test_dead_prefill_detected_by_heartbeat = suite.test_dead_prefill_detected_by_heartbeat
-
-
 # ---- in-process ----------------------------------------------------------------------------
-
-
-def wait_for(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError("condition not met in time")
 
 
 @pytest.fixture

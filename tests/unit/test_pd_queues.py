@@ -13,13 +13,14 @@ from pdserve.config import ServerArgs
 from pdserve.disagg.poll import KVPoll
 from pdserve.disagg.setup import attach_disaggregation
 from pdserve.engine.request import FinishKind, Req, SamplingParams
+from pdserve.engine.scheduler import Scheduler
 from tests.helpers.checkpoints import build_tiny_checkpoint
 from tests.helpers.cluster import free_port
 
 torch.set_num_threads(1)
 
 
-def make(mode: str, backend: str, **kw) -> "Scheduler":
+def make(mode: str, backend: str, **kw) -> Scheduler:
     args = ServerArgs(model_path=build_tiny_checkpoint("llama"), max_total_tokens=4096, page_size=16,
                       chunked_prefill_size=64, torch_num_threads=1, disaggregation_mode=mode,
                       disaggregation_transfer_backend=backend, disaggregation_waiting_timeout=3,
