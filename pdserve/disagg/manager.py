@@ -101,7 +101,7 @@ class KVManager:
 
             self.role: Any = PrefillRole(self)
         else:
-            from pdserve.disagg.receiver import DecodeRole
+            from pdserve.disagg.decode_role import DecodeRole
 
             self.role = DecodeRole(self)
         self._io = threading.Thread(target=self._io_loop, name=f"pd-io-{self.name}", daemon=True)

@@ -1,0 +1,302 @@
+"""Decode side of a KV manager (``DecodeRole``): finds prefill ranks through their bootstrap
+server, registers this rank's buffers with them (once per connection), handles their control
+messages and tracks each room's completion. ``receiver.KVReceiver`` is the per-room face of it.
+
+Liveness: every ready connection is heartbeated every ``heartbeat_interval``; a prefill rank
+that answered none for ``heartbeat_misses * heartbeat_interval`` seconds gets its instance
+declared dead: all its unfinished rooms fail at once, and the next room for that address looks
+the instance up again and re-registers (so a restarted prefill is picked up without restarting
+decode).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pdserve.disagg.bootstrap import BootstrapNotReady, fetch_prefill_info, fetch_rank_info, parse_addr
+from pdserve.disagg.kv_args import COMPAT_FIELDS, compat_mismatches
+from pdserve.disagg.messages import (Abort, AbortAck, BufferDesc, Heartbeat, Register, RegisterAck,
+                                     TransferStatus, parse_completion_notice)
+from pdserve.disagg.poll import KVPoll
+
+logger = logging.getLogger(__name__)
+
+REGISTER_TIMEOUT_S = 10.0
+
+
+@dataclass
+class _Target:
+    endpoint: str
+    rank: int  # the prefill rank's unique id (tp_rank * pp_size + pp_rank)
+
+
+@dataclass
+class _Conn:
+    """Connection to one prefill instance (one bootstrap address)."""
+
+    addr: str
+    session_id: str
+    state: str = "connecting"  # connecting | ready | failed
+    error: str = ""
+    info: dict = field(default_factory=dict)
+    targets: list[_Target] = field(default_factory=list)
+    rooms: set[int] = field(default_factory=set)
+    pending_aborts: dict[int, tuple[int, str]] = field(default_factory=dict)  # room -> (generation, reason)
+    acks: dict[int, RegisterAck] = field(default_factory=dict)
+    acked: threading.Condition = field(default_factory=threading.Condition)
+    hb_seq: int = 0
+    hb_acked: dict[int, float] = field(default_factory=dict)  # rank -> monotonic time of its last answer
+    next_hb: float = 0.0
+
+
+@dataclass
+class _RoomRecv:
+    room: int
+    generation: int
+    conn: _Conn
+    sent_at: Optional[float] = None
+    succeeded: set[int] = field(default_factory=set)  # prefill ranks that reported Success
+    stopped: set[int] = field(default_factory=set)  # ranks that will not write again
+    abort_at: Optional[float] = None
+    peer_dead: bool = False
+
+
+class DecodeRole:
+    def __init__(self, mgr):
+        self.mgr = mgr
+        self.conns: dict[str, _Conn] = {}
+        self.rooms: dict[int, _RoomRecv] = {}
+        self._sessions = itertools.count()
+        self._generations = itertools.count(1)
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"pd-connect-{mgr.name}")
+
+    # ---- connections ----------------------------------------------------------------------
+    def get_conn(self, addr: str) -> _Conn:
+        """The connection to ``addr``, starting the look-up + registration if there is none."""
+        with self.mgr.lock:
+            c = self.conns.get(addr)
+            if c is None:
+                c = self.conns[addr] = _Conn(addr, f"{self.mgr.session_prefix}-{next(self._sessions)}")
+                self._pool.submit(self._connect, c)
+            return c
+
+    def _connect(self, c: _Conn) -> None:
+        try:
+            self._do_connect(c)
+        except Exception as e:  # any failure fails the connection's rooms, never hangs them
+            self._fail_conn(c, f"cannot connect to prefill {c.addr}: {e}")
+
+    def _do_connect(self, c: _Conn) -> None:
+        m, a = self.mgr, self.mgr.kv_args
+        host, port = parse_addr(c.addr)
+        deadline = time.monotonic() + m.waiting_timeout
+        delay = 0.05
+        while True:
+            try:
+                info = fetch_prefill_info(host, port, timeout=2.0)
+                break
+            except BootstrapNotReady as e:
+                if time.monotonic() + delay > deadline or m._closed.is_set():
+                    return self._fail_conn(c, f"prefill bootstrap server {c.addr} not ready after "
+                                              f"{m.waiting_timeout:.1f}s: {e}")
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        errs = compat_mismatches({k: info.get(k) for k in COMPAT_FIELDS}, a.compat_info())
+        if info.get("tp_size") != a.tp_size:
+            errs.append(f"tp_size mismatch: prefill {info.get('tp_size')}, decode {a.tp_size} "
+                        "(different TP sizes are not supported yet)")
+        c.info = info
+        pp_size = int(info["pp_size"])
+        tp_rank = a.engine_rank % int(info["tp_size"])
+        for pp in range(pp_size):  # decode holds every layer: ask every prefill stage
+            r = fetch_rank_info(host, port, 0, tp_rank, pp, timeout=2.0)
+            c.targets.append(_Target(f"tcp://{r['rank_ip']}:{r['rank_port']}", tp_rank * pp_size + pp))
+        if errs:
+            return self._fail_conn(c, f"prefill {c.addr} is incompatible: " + "; ".join(errs), tell_prefill=True)
+        reg = Register(session_id=c.session_id, decode_rank=a.engine_rank, decode_tp_size=a.tp_size,
+                       reply_endpoint=m.endpoint(host), buffers=BufferDesc.from_kv_args(a),
+                       compat=a.compat_info(), backend=m.backend_name, backend_info=m.backend.describe())
+        for t in c.targets:
+            m.send(t.endpoint, reg)
+        with c.acked:
+            c.acked.wait_for(lambda: len(c.acks) >= len(c.targets) or c.state == "failed", REGISTER_TIMEOUT_S)
+        if c.state == "failed":
+            return
+        missing = [t.endpoint for t in c.targets if t.rank not in c.acks]
+        if missing:
+            hint = " (is --disaggregation-secret the same on both sides?)" if m.secret else ""
+            return self._fail_conn(c, f"no registration answer from prefill rank(s) {', '.join(missing)} "
+                                      f"within {REGISTER_TIMEOUT_S:.0f}s{hint}")
+        rejected = [ack.error for ack in c.acks.values() if not ack.ok]
+        if rejected:
+            return self._fail_conn(c, f"prefill {c.addr} rejected registration: {'; '.join(rejected)}",
+                                   tell_prefill=True)
+        with m.lock:
+            if c.state == "connecting":
+                c.state = "ready"
+                now = time.monotonic()
+                c.next_hb = now
+                c.hb_acked = {t.rank: now for t in c.targets}
+            # rooms aborted or failed while the connection was being set up: tell prefill now
+            aborted = dict(c.pending_aborts)
+            c.pending_aborts.clear()
+            for r in c.rooms:
+                rs = self.rooms.get(r)
+                if rs is not None and m.status.get(r) == KVPoll.Failed:
+                    rs.abort_at = time.monotonic()
+                    aborted[r] = (rs.generation, m.failure_reason(r))
+        for room, (generation, reason) in aborted.items():
+            self._send_abort(c, room, generation, reason)
+        logger.info("%s: connected to prefill %s (%d rank(s))", m.name, c.addr, len(c.targets))
+
+    def _fail_conn(self, c: _Conn, reason: str, tell_prefill: bool = False) -> None:
+        """Fail the connection and its unfinished rooms. ``tell_prefill``: the prefill is alive
+        (e.g. incompatible), so abort the rooms there too instead of letting them time out."""
+        m = self.mgr
+        failed = []
+        with m.lock:
+            if c.state == "failed":
+                return failed
+            c.state, c.error = "failed", reason
+            if self.conns.get(c.addr) is c:
+                del self.conns[c.addr]  # the next room to this address starts afresh
+            for room in list(c.rooms):
+                rs = self.rooms.get(room)
+                if rs is not None and rs.conn is c and m.status.get(room) != KVPoll.Success:
+                    rs.peer_dead = True
+                    m.update_status(room, KVPoll.Failed, reason)
+                    failed.append((room, rs.generation))
+        with c.acked:
+            c.acked.notify_all()
+        logger.warning("%s: %s", m.name, reason)
+        if tell_prefill:
+            for room, generation in failed:
+                self._send_abort(c, room, generation, reason)
+
+    def _send_abort(self, c: _Conn, room: int, generation: int, reason: str) -> None:
+        reply = self.mgr.endpoint(parse_addr(c.addr)[0])
+        for t in c.targets:
+            self.mgr.send(t.endpoint, Abort(session_id=c.session_id, room=room, generation=generation,
+                                            reason=reason, reply_endpoint=reply))
+
+    # ---- control messages (I/O thread) ----------------------------------------------------
+    def on_message(self, msg) -> None:
+        m = self.mgr
+        if isinstance(msg, TransferStatus):
+            with m.lock:
+                rs = self.rooms.get(msg.room)
+                any_gen = msg.generation == 0 and msg.state == KVPoll.Failed
+                if rs is None or (rs.generation != msg.generation and not any_gen):
+                    return  # a cleared room or an older generation of it
+                if any_gen and m.status.get(msg.room) not in (KVPoll.Bootstrapping, KVPoll.WaitingForInput):
+                    return  # this decode already asked, so the prefill will answer for this generation
+                if msg.state == KVPoll.Transferring:  # progress: queued or writing on prefill
+                    if rs.sent_at is not None and m.status.get(msg.room) == KVPoll.Transferring:
+                        rs.sent_at = time.monotonic()
+                    return
+                rs.stopped.add(msg.prefill_rank)
+                if msg.state == KVPoll.Failed:
+                    m.update_status(msg.room, KVPoll.Failed,
+                                    f"prefill {rs.conn.addr} rank {msg.prefill_rank}: {msg.reason}")
+                elif msg.state == KVPoll.Success:
+                    rs.succeeded.add(msg.prefill_rank)
+                    if len(rs.succeeded) >= len(rs.conn.targets):
+                        m.update_status(msg.room, KVPoll.Success)
+        elif isinstance(msg, Heartbeat) and msg.ack:
+            with m.lock:
+                c = next((c for c in self.conns.values() if c.session_id == msg.session_id), None)
+                if c is not None:
+                    c.hb_acked[msg.prefill_rank] = time.monotonic()
+            if c is not None and not msg.known and c.state == "ready":
+                self._fail_conn(c, f"prefill instance {c.addr} no longer knows this decode rank (it restarted, "
+                                   "or declared this decode dead)")
+        elif isinstance(msg, AbortAck):
+            with m.lock:
+                rs = self.rooms.get(msg.room)
+                if rs is not None and rs.generation == msg.generation:
+                    rs.stopped.add(msg.prefill_rank)
+        elif isinstance(msg, RegisterAck):
+            with m.lock:
+                c = next((c for c in self.conns.values() if c.session_id == msg.session_id), None)
+            if c is not None:
+                with c.acked:
+                    c.acks[msg.prefill_rank] = msg
+                    c.acked.notify_all()
+        else:
+            logger.warning("%s: unexpected %s from a prefill rank", m.name, type(msg).__name__)
+
+    def tick(self, now: float) -> None:
+        m = self.mgr
+        self._take_completion_notices()
+        dead: list[tuple[_Conn, str]] = []
+        beats: list[tuple[str, Heartbeat]] = []
+        dead_after = m.heartbeat_misses * m.heartbeat_interval
+        with m.lock:
+            for c in self.conns.values():
+                if c.state != "ready":
+                    continue
+                silent = now - min(c.hb_acked.values(), default=now)
+                if silent > dead_after:
+                    dead.append((c, f"prefill instance {c.addr} unreachable (no heartbeat answer for {silent:.1f}s)"))
+                    continue
+                if now < c.next_hb:
+                    continue
+                c.next_hb = now + m.heartbeat_interval
+                c.hb_seq += 1
+                host = parse_addr(c.addr)[0]
+                hb = Heartbeat(session_id=c.session_id, seq=c.hb_seq, reply_endpoint=m.endpoint(host))
+                beats += [(t.endpoint, hb) for t in c.targets]
+        for c, reason in dead:
+            self._fail_conn(c, reason)
+            for t in c.targets:
+                m.drop_peer(t.endpoint)
+        for endpoint, hb in beats:
+            m.send(endpoint, hb)
+
+    def _take_completion_notices(self) -> None:
+        """Backends that notify on completion (NIXL) mark a room's rank done when its last write
+        landed, without waiting for the control-plane Success status."""
+        take = getattr(self.mgr.backend, "take_notifications", None)
+        if take is None:
+            return
+        for msgs in take().values():
+            for msg in msgs:
+                notice = parse_completion_notice(msg)
+                if notice is not None:
+                    room, generation, rank = notice
+                    self.on_message(TransferStatus(room=room, generation=generation, state=int(KVPoll.Success),
+                                                   prefill_rank=rank))
+
+    # ---- receiver-facing helpers ----------------------------------------------------------
+    def add_room(self, room: int, addr: str) -> _RoomRecv:
+        c = self.get_conn(addr)
+        with self.mgr.lock:
+            old = self.rooms.get(room)
+            if old is not None:
+                old.conn.rooms.discard(room)
+                self.mgr.status.clear(room)
+            rs = self.rooms[room] = _RoomRecv(room, next(self._generations), c)
+            c.rooms.add(room)
+            self.mgr.status.add(room, KVPoll.Bootstrapping)
+            if c.state == "failed":
+                self.mgr.update_status(room, KVPoll.Failed, c.error)
+        return rs
+
+    def clear(self, rs: _RoomRecv) -> None:
+        with self.mgr.lock:
+            if self.rooms.get(rs.room) is rs:  # not a newer receiver of the same room
+                del self.rooms[rs.room]
+                self.mgr.status.clear(rs.room)
+                rs.conn.rooms.discard(rs.room)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def counts(self) -> dict:
+        return {"kv_peer_connections": len(self.conns)}
