@@ -47,7 +47,6 @@ class Scheduler:
         self.context_length = self.runner.context_length
         self.waiting: list[Req] = []
         self.running: list[Req] = []
-        self.finished: list[Req] = []  # finished since the last drain (to be reported)
         self.updated: set[Req] = set()  # requests with output not yet reported
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cache_hit_tokens": 0, "retractions": 0}
         # Disaggregation queues plug in here (pdserve.disagg.prefill / decode).
@@ -109,14 +108,12 @@ class Scheduler:
         if self.pd is not None:
             self.pd.discard(req)
         self.release_kv(req)
-        self.finished.append(req)
         self.updated.add(req)
 
     def drain(self) -> list[Req]:
         """Requests with new output since the last call (finished ones included, once)."""
         out = list(self.updated)
         self.updated.clear()
-        self.finished.clear()
         return out
 
     @property
