@@ -15,6 +15,8 @@ from typing import Optional
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("local", "fake", "mooncake", "nixl")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 # where the transfer layer can be made to fail on purpose (tests and chaos runs); see disagg/faults.py
@@ -32,6 +34,8 @@ class ServerArgs:
     tokenizer_path: Optional[str] = None
     served_model_name: Optional[str] = None
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    attention_backend: str = "auto"  # auto: the CPU kernel on CPU when it builds, else torch
     device: str = "auto"
     load_format: str = "auto"
     context_length: Optional[int] = None
@@ -86,6 +90,10 @@ class ServerArgs:
             bad("model_path", "is required")
         if self.dtype not in DTYPES:
             bad("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.load_format not in LOAD_FORMATS:
             bad("load_format", f"must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.device == "auto":
@@ -94,6 +102,8 @@ class ServerArgs:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             bad("device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.attention_backend == "cpu" and self.device != "cpu":
+            bad("attention_backend", f"'cpu' runs on the CPU only, but device is {self.device!r}")
         if self.page_size < 1:
             bad("page_size", f"must be >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
@@ -183,6 +193,10 @@ class ServerArgs:
             kw: dict = {"type": kind, "default": default}
             if f.name == "dtype":
                 kw["choices"] = DTYPES
+            elif f.name == "kv_cache_dtype":
+                kw["choices"] = KV_CACHE_DTYPES
+            elif f.name == "attention_backend":
+                kw["choices"] = ATTENTION_BACKENDS
             elif f.name == "disaggregation_mode":
                 kw["choices"] = DISAGGREGATION_MODES
             elif f.name == "disaggregation_transfer_backend":

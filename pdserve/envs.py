@@ -32,6 +32,11 @@ def cache_dir() -> str:
     return os.environ.get("PDSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pdserve")
 
 
+def cpu_kernels_disabled() -> bool:
+    """``PDSERVE_DISABLE_CPU_KERNELS=1``: do not build or use the C++ CPU kernels (PyTorch paths only)."""
+    return os.environ.get("PDSERVE_DISABLE_CPU_KERNELS", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def apply_env_defaults(kwargs: dict[str, Any], explicit: Any = None) -> None:
     """Fill fields still at their built-in default from the environment."""
     from pdserve.config import ServerArgs

@@ -96,8 +96,8 @@ class Engine:
     def generate(
         self,
         prompt: Prompt = None,
-        input_ids: Ids = None,
         sampling_params: Union[dict, list[dict], None] = None,
+        input_ids: Ids = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,

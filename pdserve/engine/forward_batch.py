@@ -6,8 +6,8 @@ slice ``extend_starts[i] : extend_starts[i] + extend_lens[i]`` of it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -28,6 +28,7 @@ class ForwardBatch:
     logits_idx: torch.Tensor  # [N] rows of the flattened tokens whose logits are needed
     kv_pool: "KVPool"
     attn_backend: "AttentionBackend"
+    _int32: Optional[tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -44,6 +45,13 @@ class ForwardBatch:
             out.append(acc)
             acc += e
         return out
+
+    def int32_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page_table [B, max_pages], seq_lens [B]) as int32, what the CPU kernels take; built once."""
+        if self._int32 is None:
+            self._int32 = (self.page_table.to(torch.int32),
+                           torch.tensor(self.seq_lens, dtype=torch.int32, device=self.page_table.device))
+        return self._int32
 
     @property
     def is_decode_only(self) -> bool:

@@ -13,12 +13,17 @@ from typing import Callable, Optional
 
 import torch
 
+from pdserve.hostmem import huge_empty
+
 # (nbytes, device) -> uint8 tensor of exactly nbytes. Lets the transfer layer place the pool in
 # shared memory (local backend) or registered memory (RDMA backends).
 BufferAllocator = Callable[[int, torch.device], torch.Tensor]
 
 
 def default_allocator(nbytes: int, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        # decode attention streams the pages: 2 MiB pages spare it the TLB misses (zero-filled)
+        return huge_empty(nbytes)
     return torch.zeros(nbytes, dtype=torch.uint8, device=device)
 
 

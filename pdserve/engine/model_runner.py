@@ -7,31 +7,17 @@ import os
 
 import torch
 
+from pdserve import kernels
 from pdserve.config import ServerArgs
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.kv_pool import BufferAllocator, KVPool, default_allocator
+from pdserve.engine.precision import choose_compute_dtype, choose_kv_cache_dtype
 from pdserve.layers.attention.base import get_attention_backend
 
 logger = logging.getLogger(__name__)
 
 # Default share of available host memory for KV on CPU (servers often share one host).
 CPU_DEFAULT_KV_FRACTION = 0.1
-
-
-def cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "amx_bf16" in f.read()
-    except OSError:
-        return False
-
-
-def compute_dtype(args: ServerArgs) -> str:
-    """``auto`` keeps the checkpoint's dtype, except on CPUs without AMX: there PyTorch's bf16/fp16
-    matmuls run at about half the speed of fp32 ones, so the weights are upcast to fp32."""
-    if args.dtype == "auto" and args.device == "cpu" and not cpu_has_amx():
-        return "float32"
-    return args.dtype
 
 
 def _available_host_bytes() -> int:
@@ -47,36 +33,61 @@ def _available_host_bytes() -> int:
 
 class ModelRunner:
     def __init__(self, args: ServerArgs, kv_allocator: BufferAllocator = default_allocator):
-        from pdserve.models.loader import context_length, load_model, model_fingerprint
+        from pdserve.models.loader import context_length, load_config, load_model, model_fingerprint
 
         self.args = args
         self.device = torch.device(args.device)
+        # pdserve's CPU kernels (None on CUDA, or when they cannot be built: the PyTorch paths run)
+        self.ops = kernels.load() if self.device.type == "cpu" else None
+        hf_config = load_config(args.model_path)
+        self.dtype, why = choose_compute_dtype(args.dtype, self.device.type, hf_config, self.ops)
+        logger.info("compute dtype %s: %s", str(self.dtype).replace("torch.", ""), why)
         self.model, self.hf_config = load_model(
-            args.model_path, dtype=compute_dtype(args), device=args.device, load_format=args.load_format,
-            seed=args.random_seed,
+            args.model_path, dtype=str(self.dtype).replace("torch.", ""), device=args.device,
+            load_format=args.load_format, seed=args.random_seed,
         )
-        self.dtype = next(self.model.parameters()).dtype
-        self.fingerprint = model_fingerprint(self.hf_config, self.dtype)
+        if self.ops is not None:
+            self.model.use_cpu_kernels(self.ops)
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            packed = self.model.prepack(self.ops)
+            logger.info("matmul weights prepacked for bf16 (oneDNN%s): %.1f MiB", " + GEMV" if self.ops else "",
+                        packed / 2**20)
+        self.kv_dtype = choose_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
+        self.fingerprint = model_fingerprint(self.hf_config)
         model_ctx = context_length(self.hf_config)
         self.context_length = args.context_length or model_ctx
         self.vocab_size = self.model.vocab_size
         num_pages = self._num_pages()
         self.pool = KVPool(
             num_layers=self.model.num_layers, num_pages=num_pages, page_size=args.page_size,
-            kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim, dtype=self.dtype,
+            kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim, dtype=self.kv_dtype,
             device=self.device, allocator=kv_allocator,
         )
-        self.attn_backend = get_attention_backend("torch")
+        self.attn_backend_name = self._attention_backend()
+        self.attn_backend = get_attention_backend(self.attn_backend_name, **(
+            {"ops": self.ops} if self.attn_backend_name == "cpu" else {}))
+        if self.attn_backend_name == "cpu" and self.dtype == torch.bfloat16:
+            self.model.enable_decode_stack(self.ops)
         logger.info(
-            "model %s loaded: %d layers, dtype %s, KV pool %d pages x %d tokens (%.1f MiB)",
-            os.path.basename(args.model_path.rstrip("/")), self.model.num_layers, self.dtype, num_pages,
+            "model %s loaded: %d layers, dtype %s, KV cache %s in %d pages x %d tokens (%.1f MiB), attention %s",
+            os.path.basename(args.model_path.rstrip("/")), self.model.num_layers, self.dtype, self.kv_dtype, num_pages,
             args.page_size, self.pool.buffer.numel() * self.pool.buffer.element_size() / 2**20,
+            self.attn_backend_name,
         )
+
+    def _attention_backend(self) -> str:
+        name = self.args.attention_backend
+        if name == "auto":
+            return "cpu" if self.device.type == "cpu" and self.ops is not None else "torch"
+        if name == "cpu" and self.ops is None:
+            raise ValueError(f"attention_backend: 'cpu' needs pdserve's CPU kernels, which are not available "
+                             f"({kernels.unavailable_reason()})")
+        return name
 
     def _num_pages(self) -> int:
         args = self.args
         per_page = KVPool.bytes_per_page(
-            self.model.num_layers, args.page_size, self.model.num_kv_heads, self.model.head_dim, self.dtype
+            self.model.num_layers, args.page_size, self.model.num_kv_heads, self.model.head_dim, self.kv_dtype
         )
         if args.max_total_tokens is not None:
             return (args.max_total_tokens + args.page_size - 1) // args.page_size + 1

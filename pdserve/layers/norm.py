@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Optional
 
 import torch
@@ -10,12 +11,16 @@ from torch import nn
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)``; the statistics are taken in float32 and the result is
-    cast back to the input dtype before the weight multiplies it (bit-compatible with HF)."""
+    cast back to the input dtype before the weight multiplies it (bit-compatible with HF).
+
+    With ``ops`` (pdserve's CPU kernels) a 2-D input runs as one kernel, the residual add
+    included, with the same rounding steps."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops: Optional[ModuleType] = None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -26,7 +31,12 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: ``norm(x)``. With it: ``x + residual`` becomes the new residual
-        stream and ``(norm(x + residual), x + residual)`` is returned."""
+        stream and ``(norm(x + residual), x + residual)`` is returned (the kernel path updates
+        ``residual`` in place)."""
+        if self.ops is not None and x.dim() == 2 and x.stride(1) == 1:
+            out = torch.empty_like(x)
+            self.ops.rms_norm(out, x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

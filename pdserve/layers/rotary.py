@@ -105,9 +105,9 @@ class RotaryEmbedding(nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)  # [n, head_dim]
             self._cos, self._sin = emb.cos(), emb.sin()
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [T, head_dim] in ``dtype`` for ``positions`` [T] (after ``reserve``)."""
-        return self._cos[positions].to(dtype), self._sin[positions].to(dtype)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: float32 [T, head_dim] for ``positions`` [T] (after ``reserve``)."""
+        return self._cos[positions], self._sin[positions]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -116,6 +116,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x``: [T, heads, head_dim]; ``cos``/``sin``: [T, head_dim]."""
+    """``x``: [T, heads, head_dim]; ``cos``/``sin``: [T, head_dim] in ``x``'s dtype."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + _rotate_half(x) * sin

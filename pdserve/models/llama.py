@@ -8,6 +8,7 @@ activation is [T, ...] for the T new tokens of a ``ForwardBatch``.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Iterable, Optional
 
 import torch
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.layers.linear import MergedLinear
+from pdserve.layers.linear import Linear, MergedLinear, PackedBF16, prepack_linears
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
@@ -63,14 +64,15 @@ class LlamaAttention(nn.Module):
         self.sliding_window = layer_sliding_window(config, layer_id)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.ops: Optional[ModuleType] = None
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fb: ForwardBatch) -> torch.Tensor:
         t = h.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(h))
         q = q.view(t, self.num_heads, self.head_dim)
@@ -78,7 +80,10 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.ops is not None:
+            self.ops.rotary_embedding(q, k, *rope)  # in place, into the qkv output
+        else:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         o = fb.attn_backend.forward(self.layer_id, q, k, v, fb, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -91,10 +96,16 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         inter = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias)
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
+        self.down_proj = Linear(inter, config.hidden_size, bias=bias)
+        self.ops: Optional[ModuleType] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        if self.ops is not None and gate_up.dim() == 2:
+            act = gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+            self.ops.silu_and_mul(act, gate_up)
+            return self.down_proj(act)
+        gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -106,14 +117,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h, residual, cos, sin, fb):
+    def forward(self, h, residual, rope, fb):
         """Pre-norm block; ``residual`` is the stream before this block's input norm (None for the
         first layer). Returns (mlp output, residual) with the add deferred to the next norm."""
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(h, cos, sin, fb)
+        h = self.self_attn(h, rope, fb)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -129,14 +140,23 @@ class LlamaModel(nn.Module):
         head_dim = self.layers[0].self_attn.head_dim
         initial = min(config.max_position_embeddings, _ROPE_INITIAL_POSITIONS)
         self.rotary = RotaryEmbedding(head_dim, rope_parameters(config), initial)
+        self.ops: Optional[ModuleType] = None
+        # the decoder stack in C++ for decode-only batches (bf16 prepacked CPU models)
+        self.decode_stack = None
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(fb.input_ids)
         self.rotary.reserve(max(fb.seq_lens), h.device)
-        cos, sin = self.rotary(fb.positions, h.dtype)
+        cos, sin = self.rotary(fb.positions)  # float32; the kernel rounds them as HF does
+        rope = (cos, sin) if self.ops is not None else (cos.to(h.dtype), sin.to(h.dtype))
+        if self.decode_stack is not None and fb.is_decode_only:
+            table, lens = fb.int32_tables()
+            h, residual = self.decode_stack.forward(h, fb.kv_pool.buffer, table, lens, cos, sin)
+            h, _ = self.norm(h, residual)
+            return h
         residual = None
         for layer in self.layers:
-            h, residual = layer(h, residual, cos, sin, fb)
+            h, residual = layer(h, residual, rope, fb)
         h, _ = self.norm(h, residual)
         return h
 
@@ -161,7 +181,9 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied: the logits reuse the embedding matrix; no shared Parameter, which would come apart
         # when the loader materialises the model from the meta device.
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+        # tied embeddings on a prepacked CPU model: the logits' own packed copy of the embedding
+        self.tied_logits: Optional[PackedBF16] = None
         attn = self.model.layers[0].self_attn
         self.num_layers = config.num_hidden_layers
         self.num_heads = attn.num_heads
@@ -174,8 +196,49 @@ class LlamaForCausalLM(nn.Module):
         return self.model(fb)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.tied_logits is not None:
+            return self.tied_logits(hidden).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
+
+    # ---- CPU fast paths --------------------------------------------------------------------------
+    def use_cpu_kernels(self, ops: ModuleType) -> None:
+        """Run norms, RoPE and SiLU-mul with pdserve's CPU kernels (``pdserve.kernels``)."""
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
+
+    def enable_decode_stack(self, ops: ModuleType) -> None:
+        """Run decode-only batches through ``ops.DecodeModel`` (after ``prepack`` with ``ops``): the
+        same kernels as the layer-by-layer path, without Python between them."""
+        first = self.model.layers[0].self_attn
+        stack = ops.DecodeModel(first.num_heads, first.num_kv_heads, first.head_dim,
+                                self.model.norm.eps, first.scale)
+
+        def parts(linear: Linear) -> list:
+            impl = linear.impl
+            return [impl.vnni, impl.onednn, impl.bias]
+
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            stack.add_layer(
+                layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
+                parts(attn.qkv_proj), parts(attn.o_proj), parts(mlp.gate_up_proj), parts(mlp.down_proj),
+                None if attn.q_norm is None else attn.q_norm.weight.data,
+                None if attn.k_norm is None else attn.k_norm.weight.data,
+                attn.sliding_window or 0,
+            )
+        self.model.decode_stack = stack
+
+    def prepack(self, ops: Optional[ModuleType]) -> int:
+        """Prepack every matmul for bf16 on CPU (see ``layers/linear.py``); returns packed bytes."""
+        total = prepack_linears(self, ops)
+        if self.tie_word_embeddings:
+            self.tied_logits = PackedBF16(self.model.embed_tokens.weight, None, ops)
+            total += self.tied_logits.out_features * self.tied_logits.in_features * 2 * (
+                2 if self.tied_logits.vnni is not None else 1)
+        return total
 
     # ---- weights -----------------------------------------------------------------------------
     def checkpoint_weight_names(self) -> set[str]:

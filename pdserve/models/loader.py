@@ -109,10 +109,11 @@ def context_length(hf_config) -> int:
     return 2048
 
 
-def model_fingerprint(hf_config, dtype: torch.dtype | str) -> str:
-    """Short hash of the architecture, the shape-defining config fields and the dtype."""
+def model_fingerprint(hf_config) -> str:
+    """Short hash of the architecture and the shape-defining config fields. The compute dtype is
+    not in it (hosts may choose differently); what the KV bytes mean is checked on its own
+    (``kv_dtype`` at registration)."""
     fields = {name: getattr(hf_config, name, None) for name in _SHAPE_FIELDS}
     fields["architectures"] = list(getattr(hf_config, "architectures", None) or [])
-    fields["dtype"] = str(dtype).replace("torch.", "")
     blob = json.dumps(fields, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

@@ -16,7 +16,9 @@ from pdserve.engine.forward_batch import ForwardBatch
 
 _REGISTRY = {
     "torch": ("pdserve.layers.attention.torch_backend", "TorchAttnBackend"),
+    "cpu": ("pdserve.layers.attention.cpu_backend", "CpuAttnBackend"),
 }
+
 
 
 class AttentionBackend(abc.ABC):

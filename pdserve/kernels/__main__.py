@@ -1,0 +1,5 @@
+"""``python -m pdserve.kernels [-v]``: build the CPU kernels ahead of time (scripts/install.sh does)."""
+
+from pdserve.kernels import main
+
+raise SystemExit(main())

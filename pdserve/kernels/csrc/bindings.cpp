@@ -1,0 +1,60 @@
+// Python bindings of pdserve's CPU kernels and the run-time ISA checks they dispatch on.
+#include "common.h"
+
+#include <atomic>
+#include <string>
+
+namespace pds {
+
+bool cpu_has_avx512() {
+#if PDS_X86
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("fma");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx512_bf16() {
+#if PDS_X86
+  static const bool yes = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+namespace {
+std::atomic<bool> g_force_scalar{false};
+}
+
+bool use_avx512() { return cpu_has_avx512() && !g_force_scalar.load(std::memory_order_relaxed); }
+bool use_avx512_bf16() { return cpu_has_avx512_bf16() && !g_force_scalar.load(std::memory_order_relaxed); }
+
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& page_table, const at::Tensor& seq_lens, double scale, int64_t window);
+void rms_norm(at::Tensor out, at::Tensor x, c10::optional<at::Tensor> residual, const at::Tensor& weight, double eps);
+void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
+void silu_and_mul(at::Tensor out, const at::Tensor& gate_up);
+void linear_small_m(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, c10::optional<at::Tensor> bias);
+void bind_decode_model(pybind11::module& m);
+
+}  // namespace pds
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", []() {
+    return std::string(pds::use_avx512_bf16() ? "avx512_bf16" : pds::use_avx512() ? "avx512" : "scalar");
+  });
+  m.def("set_force_scalar", [](bool on) { pds::g_force_scalar = on; },
+        "run the portable scalar code even where the CPU has AVX-512 (tests)");
+  m.def("paged_decode_attention", &pds::paged_decode_attention, "paged decode attention (in place into out)",
+        pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("page_table"), pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("window"));
+  m.def("rms_norm", &pds::rms_norm, "RMSNorm, optionally after a residual add (in place)");
+  m.def("rotary_embedding", &pds::rotary_embedding, "rotate-half RoPE of q and k in place");
+  m.def("silu_and_mul", &pds::silu_and_mul, "out = silu(gate) * up");
+  pds::bind_decode_model(m);
+  m.def("linear_small_m", &pds::linear_small_m, "x w^T (+ bias) for 1..8 rows, bf16 weight packed [N/16, K/2, 16, 2]");
+}
