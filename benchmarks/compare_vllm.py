@@ -19,7 +19,7 @@ KV cache. Dtypes: pdserve ``--dtype auto`` (float32 on CPUs without AMX, bfloat1
 Workloads (``--backend openai``, /v1/completions, streamed, prompts are random token ids of the
 model's tokenizer decoded to text, ``--ignore-eos``, all requests at once):
   short  --num-prompts 64 --max-concurrency 64, 128 in / 64 out
-  long   --num-prompts 32 --max-concurrency 32, 1024 in / 64 out
+  long   --num-prompts 32 --max-concurrency 8, 1024 in / 64 out
 Each server is started, warmed up, benchmarked on every workload and stopped before the next
 one starts: only one contender runs at a time. ``--profile`` samples pdserve's front-end and
 scheduler processes with py-spy during each pdserve run and prints where the time goes.
@@ -44,9 +44,9 @@ from pdserve.bench import serving  # noqa: E402
 from tests.helpers import cluster as c  # noqa: E402
 
 VLLM_VERSION = "0.32.0"
-WORKLOADS = {  # name: (num prompts = max concurrency, input len, output len)
-    "short": (64, 128, 64),
-    "long": (32, 1024, 64),
+WORKLOADS = {  # name: (num prompts, max concurrency, input len, output len)
+    "short": (64, 64, 128, 64),
+    "long": (32, 8, 1024, 64),
 }
 PYSPY_RATE = 50  # samples per second
 CONTENDERS = ("pdserve", "vllm", "pdserve-bf16", "vllm-fp32")
@@ -93,10 +93,10 @@ def logged_dtype(proc: c.Proc) -> str:
 
 
 def bench(url: str, model: str, workload: str, out: Path, num_prompts: int | None = None) -> dict:
-    n, n_in, n_out = WORKLOADS[workload]
+    n, conc, n_in, n_out = WORKLOADS[workload]
     n = num_prompts or n
     argv = ["--backend", "openai", "--base-url", url, "--model", "demo", "--tokenizer", model,
-            "--num-prompts", str(n), "--max-concurrency", str(n), "--random-input-len", str(n_in),
+            "--num-prompts", str(n), "--max-concurrency", str(min(n, conc)), "--random-input-len", str(n_in),
             "--random-output-len", str(n_out), "--random-range-ratio", "1", "--ignore-eos",
             "--warmup-requests", "0", "--disable-tqdm", "--output-file", str(out)]
     if serving.main(argv) != 0:
@@ -270,7 +270,7 @@ def main() -> None:
             if (name, wl) not in results:
                 continue
             s = results[name, wl]["summary"]
-            print(f"| {wl} {WORKLOADS[wl][1]}/{WORKLOADS[wl][2]} | {name} | {dtypes.get(name, '?')} "
+            print(f"| {wl} {WORKLOADS[wl][2]}/{WORKLOADS[wl][3]} c{WORKLOADS[wl][1]} | {name} | {dtypes.get(name, '?')} "
                   f"| {s['completed']}/{s['completed'] + s['failed']} | {s['output_throughput']:.1f} "
                   f"| {s['total_throughput']:.1f} | {s['ttft_ms']['mean']:.0f} / {s['ttft_ms']['p90']:.0f} "
                   f"| {s['tpot_ms']['mean']:.0f} / {s['tpot_ms']['p90']:.0f} |")

@@ -10,6 +10,13 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 PIP="$PY -m pip install --disable-pip-version-check -q"
 
+# pdserve's CPU kernels are C++ built against torch: a C++ compiler is needed (ninja comes from PyPI)
+if ! command -v g++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get install -y -q --no-install-recommends g++ >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends g++ >/dev/null; } \
+    || echo "install.sh: g++ could not be installed; pdserve will run without its CPU kernels (slower)" >&2
+fi
+
 if ! $PY -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     $PIP torch
@@ -53,3 +60,7 @@ else
     install_transfer_backends
   fi
 fi
+
+# Build the CPU kernels now rather than at the first server start (about a minute; cached by
+# torch version and source hash). A failure is not fatal: pdserve then uses its PyTorch paths.
+$PY -m pdserve.kernels || echo "install.sh: the CPU kernels did not build; pdserve will use its slower PyTorch paths" >&2

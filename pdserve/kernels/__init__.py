@@ -26,9 +26,10 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp", "gemv.cpp", "decode_model.cpp")
+SOURCES = ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp", "gemv.cpp", "decode_model.cpp", "flash_attention.cpp")
 HEADERS = ("common.h",)
-CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno")
+# no FMA contraction: the kernels round where HF rounds (an explicit fmadd is the only fused op)
+CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-ffp-contract=off")
 
 _lock = threading.Lock()
 _loaded = False

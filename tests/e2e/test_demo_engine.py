@@ -23,3 +23,28 @@ def test_demo_model_answers_paris():
     assert out["meta_info"]["finish_reason"]["type"] == "stop"
     info = eng.check_integrity()
     assert info["in_use_pages"] == 0
+
+
+def test_demo_model_in_both_dtypes_against_hf():
+    """float32 (forced) equals HF float32 token for token; bf16 (what ``--dtype auto`` picks on a
+    host where prepacked bf16 is faster) equals HF bf16 up to ties (see test_engine_bf16.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.e2e.test_engine_bf16 import NEW_TOKENS, compare, hf_bf16
+
+    path = ensure_demo_model()
+    prompts = [[1, 504, 3458, 282, 4649, 314], list(range(1000, 1100))]
+    hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for dtype in ("float32", "bfloat16"):
+        eng = pdserve.Engine(model_path=path, torch_num_threads=1, max_total_tokens=4096, dtype=dtype)
+        assert eng.scheduler.runner.dtype == getattr(torch, dtype)
+        for ids in prompts:
+            out = eng.generate(input_ids=ids, return_logprob=True,
+                               sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})
+            if dtype == "float32":
+                with torch.no_grad():
+                    ref = hf32.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                        max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+                assert out["output_ids"] == ref[0, len(ids):].tolist()
+            else:
+                assert compare(out, *hf_bf16(path, ids, NEW_TOKENS)) >= NEW_TOKENS // 2

@@ -35,10 +35,14 @@ bool use_avx512_bf16() { return cpu_has_avx512_bf16() && !g_force_scalar.load(st
 
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& page_table, const at::Tensor& seq_lens, double scale, int64_t window);
+void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& q_starts,
+                          double scale, int64_t window);
+bool flash_supported(int64_t head_dim);
 void rms_norm(at::Tensor out, at::Tensor x, c10::optional<at::Tensor> residual, const at::Tensor& weight, double eps);
 void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
 void silu_and_mul(at::Tensor out, const at::Tensor& gate_up);
-void linear_small_m(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, c10::optional<at::Tensor> bias);
+void linear_vnni(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c10::optional<at::Tensor> bias);
 void bind_decode_model(pybind11::module& m);
 
 }  // namespace pds
@@ -52,9 +56,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &pds::paged_decode_attention, "paged decode attention (in place into out)",
         pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("page_table"), pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("window"));
+  m.def("paged_attention_bf16", &pds::paged_attention_bf16,
+        "bf16 attention of every new token (decode and prefill rows) over the paged pool",
+        pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("page_table"), pybind11::arg("seq_lens"), pybind11::arg("q_starts"), pybind11::arg("scale"),
+        pybind11::arg("window"));
+  m.def("flash_supported", &pds::flash_supported, "whether paged_attention_bf16 runs here for this head_dim");
   m.def("rms_norm", &pds::rms_norm, "RMSNorm, optionally after a residual add (in place)");
   m.def("rotary_embedding", &pds::rotary_embedding, "rotate-half RoPE of q and k in place");
   m.def("silu_and_mul", &pds::silu_and_mul, "out = silu(gate) * up");
   pds::bind_decode_model(m);
-  m.def("linear_small_m", &pds::linear_small_m, "x w^T (+ bias) for 1..8 rows, bf16 weight packed [N/16, K/2, 16, 2]");
+  m.def("linear_vnni", &pds::linear_vnni, "x w^T (+ bias), bf16 weight packed [N/16, K/2, 16, 2], bf16 or fp32 out");
 }

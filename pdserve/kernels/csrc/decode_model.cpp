@@ -17,13 +17,16 @@
 
 namespace pds {
 
+void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& q_starts,
+                          double scale, int64_t window);
+bool flash_supported(int64_t head_dim);
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& page_table, const at::Tensor& seq_lens, double scale, int64_t window);
 void rms_norm(at::Tensor out, at::Tensor x, c10::optional<at::Tensor> residual, const at::Tensor& weight, double eps);
 void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
 void silu_and_mul(at::Tensor out, const at::Tensor& gate_up);
-void linear_small_m(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c10::optional<at::Tensor> bias);
-int64_t linear_small_m_max_rows();
+void linear_vnni(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c10::optional<at::Tensor> bias);
 
 namespace {
 
@@ -42,10 +45,10 @@ struct Linear {
   c10::optional<at::Tensor> bias;
   int64_t out_features = 0;
 
-  at::Tensor operator()(const at::Tensor& x) const {
-    if (vnni.defined() && x.size(0) <= linear_small_m_max_rows()) {
+  at::Tensor operator()(const at::Tensor& x, int64_t gemv_max_rows) const {
+    if (vnni.defined() && x.size(0) <= gemv_max_rows) {
       at::Tensor out = at::empty({x.size(0), out_features}, x.options());
-      linear_small_m(out, x, vnni, bias);
+      linear_vnni(out, x, vnni, bias);
       return out;
     }
     return onednn_linear(x, onednn, bias);
@@ -68,8 +71,9 @@ at::Tensor heads_view(const at::Tensor& t, int64_t col, int64_t heads, int64_t D
 
 class DecodeModel {
  public:
-  DecodeModel(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
-      : heads_(heads), kv_heads_(kv_heads), D_(head_dim), eps_(eps), scale_(scale) {}
+  // gemv_max_rows: batches up to this size use the GEMV layout, larger ones oneDNN
+  DecodeModel(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, int64_t gemv_max_rows)
+      : heads_(heads), kv_heads_(kv_heads), D_(head_dim), gemv_rows_(gemv_max_rows), eps_(eps), scale_(scale) {}
 
   void add_layer(at::Tensor norm1, at::Tensor norm2, std::vector<c10::optional<at::Tensor>> qkv,
                  std::vector<c10::optional<at::Tensor>> o, std::vector<c10::optional<at::Tensor>> gate_up,
@@ -112,6 +116,8 @@ class DecodeModel {
       slot[i] = int64_t(table[i * page_table.stride(0) + pos / page_size]) * kv_heads_ * page_size + pos % page_size;
     }
     at::Tensor residual;
+    const bool flash = kv.scalar_type() == at::kBFloat16 && flash_supported(D_);
+    const at::Tensor q_starts = flash ? at::arange(M + 1, seq_lens.options()) : at::Tensor();
     const int64_t q_cols = heads_ * D_, kv_cols = kv_heads_ * D_;
     for (int64_t l = 0; l < num_layers(); ++l) {
       const Layer& L = layers_[l];
@@ -122,7 +128,7 @@ class DecodeModel {
       } else {
         rms_norm(x, h, residual, L.norm1, eps_);
       }
-      at::Tensor qkv = L.qkv(x);
+      at::Tensor qkv = L.qkv(x, gemv_rows_);
       at::Tensor q = heads_view(qkv, 0, heads_, D_);
       at::Tensor k = heads_view(qkv, q_cols, kv_heads_, D_);
       at::Tensor v = heads_view(qkv, q_cols + kv_cols, kv_heads_, D_);
@@ -141,14 +147,17 @@ class DecodeModel {
       store(kc, k, slot, page_size);
       store(vc, v, slot, page_size);
       at::Tensor attn = at::empty({M, heads_, D_}, qkv.options());
-      paged_decode_attention(attn, q, kc, vc, page_table, seq_lens, scale_, L.window);
-      h = L.o(attn.view({M, q_cols}));
+      if (flash)
+        paged_attention_bf16(attn, q, kc, vc, page_table, seq_lens, q_starts, scale_, L.window);
+      else
+        paged_decode_attention(attn, q, kc, vc, page_table, seq_lens, scale_, L.window);
+      h = L.o(attn.view({M, q_cols}), gemv_rows_);
       x = at::empty_like(h);
       rms_norm(x, h, residual, L.norm2, eps_);
-      at::Tensor gu = L.gate_up(x);
+      at::Tensor gu = L.gate_up(x, gemv_rows_);
       at::Tensor act = at::empty({M, gu.size(1) / 2}, gu.options());
       silu_and_mul(act, gu);
-      h = L.down(act);
+      h = L.down(act, gemv_rows_);
     }
     return {h, residual};
   }
@@ -184,14 +193,14 @@ class DecodeModel {
     }
   }
 
-  int64_t heads_, kv_heads_, D_;
+  int64_t heads_, kv_heads_, D_, gemv_rows_;
   double eps_, scale_;
   std::vector<Layer> layers_;
 };
 
 void bind_decode_model(pybind11::module& m) {
   pybind11::class_<DecodeModel>(m, "DecodeModel")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, double>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t>())
       .def("add_layer", &DecodeModel::add_layer)
       .def("num_layers", &DecodeModel::num_layers)
       .def("forward", &DecodeModel::forward);

@@ -1,7 +1,11 @@
-"""CPU attention: decode rows by pdserve's paged kernel, which reads each request's KV pages in
-place (no gather, online softmax; ``kernels/csrc/paged_attention.cpp``); extend rows (prefill)
-as the torch backend does, with SDPA's flash kernel over the new tokens (and the gathered prefix
-when there is one).
+"""CPU attention over the paged pool with pdserve's kernels (``kernels/csrc``); pages are read in
+place, never gathered.
+
+- bf16 q and KV (on CPUs with avx512_bf16, head_dim a multiple of 16): every row of the batch,
+  decode and prefill alike, in one call of the flash kernel (``flash_attention.cpp``).
+- otherwise (float32, or no avx512_bf16): decode rows by the paged decode kernel
+  (``paged_attention.cpp``), extend rows as the torch backend does (SDPA over the new tokens and
+  the gathered prefix).
 """
 
 from __future__ import annotations
@@ -25,9 +29,27 @@ class CpuAttnBackend(TorchAttnBackend):
                 raise RuntimeError(f"attention_backend 'cpu' needs pdserve's CPU kernels: {kernels.unavailable_reason()}")
         self.ops = ops
 
+    def uses_flash(self, fb: ForwardBatch) -> bool:
+        pool = fb.kv_pool
+        return pool.dtype == torch.bfloat16 and self.ops.flash_supported(pool.head_dim)
+
     def is_decode_row(self, fb: ForwardBatch, i: int) -> bool:
         # one new token, whatever its prefix: its K/V are in the pool before the kernel runs
         return fb.extend_lens[i] == 1
+
+    def init_forward(self, fb: ForwardBatch) -> None:
+        self._flash = None
+        if not self.uses_flash(fb):
+            return super().init_forward(fb)
+        self._fb = fb
+        page, kv_heads = fb.kv_pool.page_size, fb.kv_pool.kv_heads
+        heads = torch.arange(kv_heads)
+        self._write_rows = ((fb.out_pages[:, None] * kv_heads + heads[None, :]) * page
+                            + fb.out_offsets[:, None]).reshape(-1)
+        table, lens = fb.int32_tables()
+        starts = torch.zeros(fb.batch_size + 1, dtype=torch.int32)
+        starts[1:] = torch.tensor(fb.extend_lens, dtype=torch.int32).cumsum(0)
+        self._flash = (table, lens, starts)
 
     def init_decode(self, fb: ForwardBatch, dec: list[int]) -> None:
         self._dec = None
@@ -52,3 +74,16 @@ class CpuAttnBackend(TorchAttnBackend):
             o = torch.empty((n,) + tuple(q.shape[1:]), dtype=q.dtype)
             self.ops.paged_decode_attention(o, q.index_select(0, sel), kc, vc, table, lens, scale, sliding_window or 0)
             out[sel] = o
+
+    def forward(self, layer_id, q, k, v, fb, scale, sliding_window=None):
+        if self._flash is None:
+            return super().forward(layer_id, q, k, v, fb, scale, sliding_window)
+        pool = fb.kv_pool
+        kc, vc = pool.k_cache(layer_id), pool.v_cache(layer_id)  # [P, kv_heads, page, D]
+        head_dim = kc.shape[3]
+        kc.view(-1, head_dim).index_copy_(0, self._write_rows, k.reshape(-1, head_dim))
+        vc.view(-1, head_dim).index_copy_(0, self._write_rows, v.reshape(-1, head_dim))
+        out = torch.empty_like(q)
+        table, lens, starts = self._flash
+        self.ops.paged_attention_bf16(out, q, kc, vc, table, lens, starts, scale, sliding_window or 0)
+        return out

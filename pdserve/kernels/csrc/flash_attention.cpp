@@ -1,0 +1,316 @@
+// bf16 attention over the paged pool with AVX512-BF16 dot products, for decode and prefill rows.
+//
+// One task is (request, KV head, block of up to kQueries query positions); its rows are the G
+// query heads of that KV head at each position, so K and V are read once for all of them. Keys
+// go in blocks of 64, in the layout of a small GEMM:
+//   S[r][t] = sum_p (q_r[2p], q_r[2p+1]) . (k_t[2p], k_t[2p+1])   vdpbf16ps, 16 keys per vector
+// with K's 32-bit pairs transposed so one vector holds pair p of 16 keys, then an online softmax
+// in float32 and
+//   O[r][d] += sum_t (p_rt, p_r,t+1) . (v_t[d], v_t+1[d])           vdpbf16ps, 16 dims per vector
+// with two V rows interleaved. The probabilities are rounded to bf16 for the second product (as
+// GPU flash attention does) and the normaliser sums those rounded values, so the output is an
+// exact convex combination of V rows up to float32 accumulation. Causal and sliding-window masks
+// apply per row: row at position pos sees keys [pos - window + 1, pos] (window 0: [0, pos]).
+#include "common.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <limits>
+
+namespace pds {
+
+bool flash_supported(int64_t head_dim);
+
+#if PDS_X86
+namespace {
+
+constexpr int kQueries = 16;  // query positions per task
+constexpr int kMaxD = 256;
+constexpr int kMaxRows = 16 * 8;  // kQueries * (largest GQA group this kernel takes)
+
+struct FlashArgs {
+  const uint16_t* q;
+  uint16_t* out;
+  const uint16_t* k;
+  const uint16_t* v;
+  const int32_t* table;
+  const int32_t* lens;  // tokens in the request after this forward
+  const int32_t* q_starts;  // [B + 1]: rows of request b are q_starts[b] .. q_starts[b + 1]
+  int64_t q_stride_t, q_stride_h, out_stride_t, out_stride_h, table_stride;
+  int64_t heads, kv_heads, page_size, D, window;
+  float scale;
+};
+
+// 16x16 transpose of 32-bit elements: r[i] holds row i on entry, column i on exit.
+PDS_AVX512_BF16 inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // per 128-bit lane j: u[4g + k] holds element 4j + k of rows 4g .. 4g + 3
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    // lanes of u[k], u[4 + k], u[8 + k], u[12 + k]: lane j of each is element 4j + k of 4 rows
+    const __m512i a = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88);  // lanes 0, 2 of each
+    const __m512i b = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xDD);  // lanes 1, 3
+    const __m512i c = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88);
+    const __m512i d = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xDD);
+    r[k] = _mm512_shuffle_i32x4(a, c, 0x88);  // element k (lane 0)
+    r[8 + k] = _mm512_shuffle_i32x4(a, c, 0xDD);  // element 8 + k (lane 2)
+    r[4 + k] = _mm512_shuffle_i32x4(b, d, 0x88);  // element 4 + k (lane 1)
+    r[12 + k] = _mm512_shuffle_i32x4(b, d, 0xDD);  // element 12 + k (lane 3)
+  }
+}
+
+// Output dims are accumulated in an interleaved order: within a chunk of 32 dims starting at d0,
+// lane 4L + i of the "lo" vector is dim d0 + 8L + i and of the "hi" vector dim d0 + 8L + 4 + i.
+// These indices put them back in order (first and second 16 dims of the chunk).
+PDS_AVX512_BF16 inline void deinterleave(__m512 lo, __m512 hi, __m512& first, __m512& second) {
+  const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  first = _mm512_permutex2var_ps(lo, i0, hi);
+  second = _mm512_permutex2var_ps(lo, i1, hi);
+}
+
+constexpr int kKeys = 64;  // keys per block: 4 vectors of 16
+
+struct Scratch {
+  alignas(64) uint32_t kt[kMaxD / 2 * kKeys];  // [pair p][key t]
+  alignas(64) __m512i vi[kKeys / 2 * (kMaxD / 32) * 2];  // [key pair][chunk][lo, hi]
+  alignas(64) float o[kMaxRows * kMaxD];  // accumulators, interleaved dim order
+  alignas(64) uint32_t pp[kMaxRows * kKeys / 2];  // bf16 probability pairs [row][key pair]
+  float m[kMaxRows], l[kMaxRows];
+  int32_t pos[kMaxRows];  // position of each row
+  int64_t rows[kKeys];
+};
+
+PDS_AVX512_BF16 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_t q0, int64_t nq, Scratch& s) {
+  const int64_t D = a.D, G = a.heads / a.kv_heads, P = D / 2;
+  const int64_t nrows = nq * G;
+  const int64_t chunks = (D + 31) / 32;  // V chunks of 32 dims
+  const int64_t pchunks = (P + 15) / 16;  // K pair chunks of 16 pairs
+  const int64_t len = a.lens[b];
+  const int64_t first_row = a.q_starts[b], ext = a.q_starts[b + 1] - first_row;
+  // row r = (query i, head g): query position len - ext + q0 + i
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t g = 0; g < G; ++g) s.pos[i * G + g] = int32_t(len - ext + q0 + i);
+  for (int64_t r = 0; r < nrows; ++r) {
+    s.m[r] = -std::numeric_limits<float>::infinity();
+    s.l[r] = 0.f;
+    for (int64_t c = 0; c < chunks * 32; c += 16) _mm512_store_ps(s.o + r * kMaxD + c, _mm512_setzero_ps());
+  }
+  const int64_t last_pos = s.pos[nrows - 1];
+  const int64_t first_key = a.window > 0 ? std::max<int64_t>(0, s.pos[0] - a.window + 1) : 0;
+  const int32_t* pages = a.table + b * a.table_stride;
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  // page and offset of the next key, advanced incrementally (no division per key)
+  int64_t page = first_key / a.page_size, off = first_key % a.page_size;
+  for (int64_t k0 = first_key; k0 <= last_pos; k0 += kKeys) {
+    const int n = int(std::min<int64_t>(kKeys, last_pos + 1 - k0));
+    const int nv = (n + 15) / 16;  // key vectors in this block
+    for (int j = 0; j < n; ++j) {
+      s.rows[j] = (int64_t(pages[page]) * a.kv_heads + h) * a.page_size + off;
+      if (++off == a.page_size) {
+        off = 0;
+        ++page;
+      }
+    }
+    for (int j = n; j < nv * 16; ++j) s.rows[j] = s.rows[n - 1];  // padding keys, masked below
+    // K pairs transposed: kt[p][t]
+    for (int kv = 0; kv < nv; ++kv) {
+      for (int64_t pc = 0; pc < pchunks; ++pc) {
+        const __mmask16 mk = tail_mask(P - pc * 16);
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j)
+          r[j] = _mm512_maskz_loadu_epi32(mk, reinterpret_cast<const uint32_t*>(a.k + s.rows[kv * 16 + j] * D) + pc * 16);
+        transpose16(r);
+        for (int w = 0; w < 16 && pc * 16 + w < P; ++w) _mm512_store_si512(s.kt + (pc * 16 + w) * kKeys + kv * 16, r[w]);
+      }
+    }
+    // V rows interleaved by key pair
+    const int pairs = (n + 1) / 2;
+    for (int tp = 0; tp < pairs; ++tp) {
+      const uint16_t* v0 = a.v + s.rows[2 * tp] * D;
+      const uint16_t* v1 = a.v + s.rows[2 * tp + 1] * D;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __mmask32 mk = D - c * 32 >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << (D - c * 32)) - 1);
+        const __m512i x0 = _mm512_maskz_loadu_epi16(mk, v0 + c * 32);
+        const __m512i x1 = _mm512_maskz_loadu_epi16(mk, v1 + c * 32);
+        s.vi[(tp * chunks + c) * 2] = _mm512_unpacklo_epi16(x0, x1);
+        s.vi[(tp * chunks + c) * 2 + 1] = _mm512_unpackhi_epi16(x0, x1);
+      }
+    }
+    for (int64_t r0 = 0; r0 < nrows; r0 += 4) {
+      const int nr = int(std::min<int64_t>(4, nrows - r0));
+      // S = Q K^T for up to 4 rows x 64 keys
+      __m512 acc[4][4];
+      for (int i = 0; i < 4; ++i)
+        for (int kv = 0; kv < 4; ++kv) acc[i][kv] = _mm512_setzero_ps();
+      const uint32_t* qrow[4];
+      for (int i = 0; i < 4; ++i) {
+        const int64_t r = r0 + std::min(i, nr - 1), qi = r / G, g = r % G;
+        qrow[i] = reinterpret_cast<const uint32_t*>(a.q + (first_row + q0 + qi) * a.q_stride_t + (h * G + g) * a.q_stride_h);
+      }
+      for (int64_t p = 0; p < P; ++p) {
+        __m512i kt[4];
+        for (int kv = 0; kv < nv; ++kv) kt[kv] = _mm512_load_si512(s.kt + p * kKeys + kv * 16);
+        for (int i = 0; i < nr; ++i) {
+          const __m512bh qp = (__m512bh)_mm512_set1_epi32(int32_t(qrow[i][p]));
+          for (int kv = 0; kv < nv; ++kv) acc[i][kv] = _mm512_dpbf16_ps(acc[i][kv], qp, (__m512bh)kt[kv]);
+        }
+      }
+      // online softmax per row over the block's keys
+      for (int i = 0; i < nr; ++i) {
+        const int64_t r = r0 + i;
+        const int32_t pos = s.pos[r];
+        const int32_t lo = a.window > 0 ? pos - int32_t(a.window) + 1 : 0;
+        __m512 sv[4];
+        __mmask16 valid[4];
+        __m512 mx = neg_inf;
+        bool any = false;
+        for (int kv = 0; kv < nv; ++kv) {
+          const __m512i kpos = _mm512_add_epi32(_mm512_set1_epi32(int32_t(k0 + kv * 16)), lane);
+          valid[kv] = _mm512_cmple_epi32_mask(kpos, _mm512_set1_epi32(pos)) &
+                      _mm512_cmpge_epi32_mask(kpos, _mm512_set1_epi32(lo)) & tail_mask(n - kv * 16);
+          any |= valid[kv] != 0;
+          sv[kv] = _mm512_mask_mov_ps(neg_inf, valid[kv], _mm512_mul_ps(acc[i][kv], _mm512_set1_ps(a.scale)));
+          mx = _mm512_max_ps(mx, sv[kv]);
+        }
+        uint32_t* pr = s.pp + r * (kKeys / 2);
+        if (!any) {
+          for (int tp = 0; tp < nv * 8; ++tp) pr[tp] = 0;
+          continue;
+        }
+        const float mb = std::max(s.m[r], _mm512_reduce_max_ps(mx));
+        const __m512 vmb = _mm512_set1_ps(mb);
+        __m512 psum = _mm512_setzero_ps();
+        for (int kv = 0; kv < nv; ++kv) {
+          const __m256i pb = f32x16_to_bf16(_mm512_maskz_mov_ps(valid[kv], exp16(_mm512_sub_ps(sv[kv], vmb))));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + kv * 8), pb);
+          psum = _mm512_add_ps(psum, bf16x16_to_f32(pb));
+        }
+        const float alpha = std::exp(s.m[r] - mb);
+        s.l[r] = s.l[r] * alpha + _mm512_reduce_add_ps(psum);
+        s.m[r] = mb;
+        if (alpha != 1.f) {
+          const __m512 va = _mm512_set1_ps(alpha);
+          for (int64_t c = 0; c < chunks * 32; c += 16)
+            _mm512_store_ps(s.o + r * kMaxD + c, _mm512_mul_ps(_mm512_load_ps(s.o + r * kMaxD + c), va));
+        }
+      }
+    }
+    // O += P V: per 32-dim chunk, 4 rows' lo/hi accumulators in registers
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int64_t r0 = 0; r0 < nrows; r0 += 4) {
+        const int nr = int(std::min<int64_t>(4, nrows - r0));
+        __m512 lo[4], hi[4];
+        for (int i = 0; i < nr; ++i) {
+          lo[i] = _mm512_load_ps(s.o + (r0 + i) * kMaxD + c * 32);
+          hi[i] = _mm512_load_ps(s.o + (r0 + i) * kMaxD + c * 32 + 16);
+        }
+        for (int tp = 0; tp < pairs; ++tp) {
+          const __m512i vlo = s.vi[(tp * chunks + c) * 2], vhi = s.vi[(tp * chunks + c) * 2 + 1];
+          for (int i = 0; i < nr; ++i) {
+            const __m512bh p = (__m512bh)_mm512_set1_epi32(int32_t(s.pp[(r0 + i) * (kKeys / 2) + tp]));
+            lo[i] = _mm512_dpbf16_ps(lo[i], p, (__m512bh)vlo);
+            hi[i] = _mm512_dpbf16_ps(hi[i], p, (__m512bh)vhi);
+          }
+        }
+        for (int i = 0; i < nr; ++i) {
+          _mm512_store_ps(s.o + (r0 + i) * kMaxD + c * 32, lo[i]);
+          _mm512_store_ps(s.o + (r0 + i) * kMaxD + c * 32 + 16, hi[i]);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < nrows; ++r) {
+    const int64_t qi = r / G, g = r % G;
+    uint16_t* o = a.out + (first_row + q0 + qi) * a.out_stride_t + (h * G + g) * a.out_stride_h;
+    const __m512 inv = _mm512_set1_ps(s.l[r] > 0.f ? 1.f / s.l[r] : 0.f);
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m512 first, second;
+      deinterleave(_mm512_load_ps(s.o + r * kMaxD + c * 32), _mm512_load_ps(s.o + r * kMaxD + c * 32 + 16), first,
+                   second);
+      store16(o + c * 32, _mm512_mul_ps(first, inv), tail_mask(D - c * 32));
+      if (D - c * 32 > 16) store16(o + c * 32 + 16, _mm512_mul_ps(second, inv), tail_mask(D - c * 32 - 16));
+    }
+  }
+}
+
+}  // namespace
+#endif
+
+bool flash_supported(int64_t head_dim) {
+#if PDS_X86
+  return use_avx512_bf16() && head_dim % 16 == 0 && head_dim <= kMaxD;
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
+// Attention of every new token of a batch: request b's rows of q are q_starts[b] .. q_starts[b+1],
+// its last tokens at positions seq_lens[b] - (q_starts[b+1] - q_starts[b]) .. seq_lens[b] - 1,
+// and its K/V (new tokens included) in the pool pages of page_table[b]. All bf16.
+//   q, out: [T, heads, D] (head_dim contiguous); k_cache, v_cache: [pages, kv_heads, page_size, D]
+void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& q_starts,
+                          double scale, int64_t window) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
+                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
+              "paged_attention_bf16: q, out and the KV cache must be bfloat16");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.stride(2) == 1 && out.stride(2) == 1,
+              "paged_attention_bf16: q and out must be [T, heads, head_dim] with contiguous head_dim");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.size(3) == q.size(2),
+              "paged_attention_bf16: k_cache and v_cache must be contiguous [pages, kv_heads, page_size, head_dim]");
+  TORCH_CHECK(page_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  q_starts.scalar_type() == at::kInt && page_table.stride(1) == 1 && seq_lens.is_contiguous() &&
+                  q_starts.is_contiguous(),
+              "paged_attention_bf16: page_table, seq_lens and q_starts must be int32");
+  const int64_t B = seq_lens.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
+  TORCH_CHECK(q_starts.size(0) == B + 1 && page_table.size(0) == B, "paged_attention_bf16: batch sizes differ");
+  TORCH_CHECK(H % KVH == 0 && H / KVH <= 8, "paged_attention_bf16: GQA groups of 1 to 8 query heads, got ", H, "/", KVH);
+  TORCH_CHECK(flash_supported(D), "paged_attention_bf16: needs avx512_bf16 and head_dim a multiple of 16 up to 256");
+#if PDS_X86
+  const int32_t* qs = q_starts.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  // tasks: (request, kv head, query block)
+  std::vector<int64_t> task_req, task_q0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t ext = qs[b + 1] - qs[b];
+    TORCH_CHECK(ext >= 0 && ext <= lens[b], "paged_attention_bf16: request ", b, " has ", ext, " new tokens but length ",
+                lens[b]);
+    TORCH_CHECK(lens[b] <= page_table.size(1) * k_cache.size(2), "paged_attention_bf16: request ", b,
+                " is longer than its page table");
+    for (int64_t q0 = 0; q0 < ext; q0 += kQueries) {
+      task_req.push_back(b);
+      task_q0.push_back(q0);
+    }
+  }
+  FlashArgs a{reinterpret_cast<const uint16_t*>(q.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()),
+              reinterpret_cast<const uint16_t*>(k_cache.data_ptr()), reinterpret_cast<const uint16_t*>(v_cache.data_ptr()),
+              page_table.data_ptr<int32_t>(), lens, qs, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+              page_table.stride(0), H, KVH, k_cache.size(2), D, window, float(scale)};
+  const int64_t ntasks = int64_t(task_req.size()) * KVH;
+  at::parallel_for(0, ntasks, 1, [&](int64_t begin, int64_t end) {
+    auto scratch = std::make_unique<Scratch>();
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t i = t / KVH, h = t % KVH;
+      const int64_t b = task_req[i], q0 = task_q0[i];
+      const int64_t nq = std::min<int64_t>(kQueries, (qs[b + 1] - qs[b]) - q0);
+      flash_task(a, b, h, q0, nq, *scratch);
+    }
+  });
+#endif
+}
+
+}  // namespace pds

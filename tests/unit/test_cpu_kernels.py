@@ -1,0 +1,205 @@
+"""pdserve's C++ CPU kernels against float64 references, on their AVX-512 and portable paths.
+
+The kernels must build here (scripts/install.sh installs g++ and ninja): a test that cannot load
+them fails with the reason instead of skipping.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve import kernels
+from pdserve.layers.linear import pack_vnni16
+from pdserve.layers.rotary import apply_rotary
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    mod = kernels.load()
+    assert mod is not None, f"CPU kernels did not build: {kernels.unavailable_reason()}"
+    return mod
+
+
+@pytest.fixture(params=["simd", "scalar"])
+def path(request, ops):
+    """Run a test on the AVX-512 code (where the CPU has it) and on the portable scalar code."""
+    if request.param == "simd" and ops.isa() == "scalar":
+        pytest.skip("this CPU has no AVX-512: only the scalar code runs here")
+    ops.set_force_scalar(request.param == "scalar")
+    yield request.param
+    ops.set_force_scalar(False)
+
+
+def attention_reference(q, kc, vc, table, lens, scale, window):
+    """float64 softmax attention of each row's query over its pages."""
+    B, H, D = q.shape
+    kvh, page = kc.shape[1], kc.shape[2]
+    out = torch.zeros(B, H, D, dtype=torch.float64)
+    for b in range(B):
+        n = int(lens[b])
+        start = max(0, n - window) if window > 0 else 0
+        pos = torch.arange(start, n)
+        pages = table[b][pos // page].long()
+        k = kc[pages, :, pos % page].double()  # [n, kv_heads, D]
+        v = vc[pages, :, pos % page].double()
+        for h in range(H):
+            g = h // (H // kvh)
+            p = torch.softmax((k[:, g] @ q[b, h].double()) * scale, 0)
+            out[b, h] = p @ v[:, g]
+    return out
+
+
+CASES = [  # (group, head_dim, page_size, kv dtype, q dtype, window)
+    (1, 64, 1, torch.float32, torch.float32, 0),
+    (3, 64, 16, torch.float32, torch.float32, 0),
+    (4, 128, 32, torch.float32, torch.float32, 0),
+    (3, 64, 16, torch.bfloat16, torch.float32, 0),
+    (4, 128, 16, torch.bfloat16, torch.bfloat16, 0),
+    (1, 128, 32, torch.bfloat16, torch.bfloat16, 0),
+    (3, 64, 16, torch.float32, torch.float32, 100),
+    (4, 128, 1, torch.bfloat16, torch.bfloat16, 37),
+    (2, 80, 16, torch.float32, torch.float32, 0),
+    (2, 16, 4, torch.float32, torch.float32, 5),
+]
+
+
+@pytest.mark.parametrize("group,head_dim,page,kv_dtype,q_dtype,window", CASES)
+def test_paged_decode_attention_matches_float64(ops, path, group, head_dim, page, kv_dtype, q_dtype, window):
+    gen = torch.Generator().manual_seed(group * 1000 + head_dim + page)
+    kv_heads = 2
+    lens = torch.tensor([1, 2, 15, 16, 17, 300, 1001, 2000], dtype=torch.int32)
+    B = len(lens)
+    max_pages = (int(lens.max()) + page - 1) // page
+    num_pages = B * max_pages + 3
+    kc = torch.randn(num_pages, kv_heads, page, head_dim, generator=gen).to(kv_dtype)
+    vc = torch.randn(num_pages, kv_heads, page, head_dim, generator=gen).to(kv_dtype)
+    # every request's pages scattered over the pool (page 0 is never used)
+    table = (torch.randperm(num_pages - 1, generator=gen)[: B * max_pages] + 1).view(B, max_pages).to(torch.int32)
+    q = torch.randn(B, kv_heads * group, head_dim, generator=gen).to(q_dtype)
+    out = torch.full_like(q, float("nan"))
+    scale = 1 / math.sqrt(head_dim)
+    ops.paged_decode_attention(out, q, kc, vc, table, lens, scale, window)
+    ref = attention_reference(q, kc, vc, table, lens, scale, window)
+    # float32 output: accumulation error only; bf16 output: one rounding of values below ~4
+    tol = 2e-6 if q_dtype == torch.float32 else 2 ** -8 * 4
+    err = (out.double() - ref).abs().max().item()
+    assert err < tol, f"max abs error {err}"
+
+
+def test_paged_decode_attention_strided_rows_and_bad_input(ops):
+    # q as a view into a fused qkv output (row stride larger than heads * head_dim)
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(3, 5 * 64, generator=gen)
+    q = qkv[:, : 3 * 64].view(3, 3, 64)
+    kc = torch.randn(8, 1, 4, 64, generator=gen)
+    vc = torch.randn(8, 1, 4, 64, generator=gen)
+    table = torch.tensor([[1, 2], [3, 4], [5, 6]], dtype=torch.int32)
+    lens = torch.tensor([8, 5, 1], dtype=torch.int32)
+    out = torch.empty(3, 3, 64)
+    ops.paged_decode_attention(out, q, kc, vc, table, lens, 0.125, 0)
+    torch.testing.assert_close(out.double(), attention_reference(q, kc, vc, table, lens, 0.125, 0), atol=2e-6, rtol=0)
+    with pytest.raises(RuntimeError, match="int32"):
+        ops.paged_decode_attention(out, q, kc, vc, table.long(), lens, 0.125, 0)
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        ops.paged_decode_attention(torch.empty(3, 3, 64), q, kc.expand(8, 2, 4, 64).contiguous(),
+                                   vc.expand(8, 2, 4, 64).contiguous(), table, lens, 0.125, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 576, 100])
+def test_rms_norm_with_and_without_residual(ops, path, dtype, hidden):
+    gen = torch.Generator().manual_seed(hidden)
+    x = torch.randn(7, hidden, generator=gen).to(dtype)
+    res = torch.randn(7, hidden, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+
+    def ref(v):  # HF's LlamaRMSNorm: statistics in fp32, cast back, then the weight
+        vf = v.float()
+        return w * (vf * torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+
+    out = torch.empty_like(x)
+    ops.rms_norm(out, x, None, w, 1e-6)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(out, ref(x), **tol)
+    summed = x + res  # HF adds in the activation dtype
+    r = res.clone()
+    ops.rms_norm(out, x, r, w, 1e-6)
+    assert torch.equal(r, summed)
+    torch.testing.assert_close(out, ref(summed), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_rotary_embedding_matches_hf_formula(ops, path, dtype, head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    T = 9
+    qkv = torch.randn(T, (4 + 2 * 2) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, : 4 * head_dim].view(T, 4, head_dim)
+    k = qkv[:, 4 * head_dim: 6 * head_dim].view(T, 2, head_dim)
+    freqs = torch.outer(torch.arange(T, dtype=torch.float32) * 37, 1 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim))
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos(), emb.sin()
+    want_q = apply_rotary(q, cos.to(dtype), sin.to(dtype))
+    want_k = apply_rotary(k, cos.to(dtype), sin.to(dtype))
+    v_before = qkv[:, 6 * head_dim:].clone()
+    ops.rotary_embedding(q, k, cos, sin)
+    # the same products and sums as HF's eager code, each rounded to the dtype: bit-identical
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(qkv[:, 6 * head_dim:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(ops, path, dtype):
+    gen = torch.Generator().manual_seed(1)
+    gu = (3 * torch.randn(5, 2 * 1537, generator=gen)).to(dtype)
+    out = torch.empty(5, 1537, dtype=dtype)
+    ops.silu_and_mul(out, gu)
+    gate, up = gu.chunk(2, dim=-1)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(out, F.silu(gate) * up, **tol)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 21])
+@pytest.mark.parametrize("n,k", [(3072, 576), (37, 19), (100, 64)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_vnni_linear_matches_float64(ops, path, rows, n, k, out_dtype):
+    gen = torch.Generator().manual_seed(n + k + rows)
+    x = torch.randn(rows, k, generator=gen)
+    w = (0.1 * torch.randn(n, k, generator=gen)).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(out_dtype)
+    out = torch.empty(rows, n, dtype=out_dtype)
+    ops.linear_vnni(out, x, pack_vnni16(w), bias)
+    # x is rounded to bf16 (as in any bf16 GEMM); products and sums are exact up to fp32 accumulation
+    ref = x.to(torch.bfloat16).double() @ w.double().T + bias.double()
+    err = ((out.double() - ref).abs() / (ref.abs() + 1)).max().item()
+    assert err < (1e-5 if out_dtype == torch.float32 else 2 ** -8), err
+    # each row is computed alone: the same bits whatever the batch
+    single = torch.empty(1, n, dtype=out_dtype)
+    ops.linear_vnni(single, x[-1:], pack_vnni16(w), bias)
+    assert torch.equal(single[0], out[-1])
+    with pytest.raises(RuntimeError, match="do not agree"):
+        ops.linear_vnni(torch.empty(2, n), torch.randn(2, k + 2), pack_vnni16(w), None)
+
+
+def test_kernels_can_be_disabled(monkeypatch):
+    monkeypatch.setenv("PDSERVE_DISABLE_CPU_KERNELS", "1")
+    kernels._reset_for_tests()
+    try:
+        assert kernels.load() is None
+        assert "PDSERVE_DISABLE_CPU_KERNELS" in kernels.unavailable_reason()
+    finally:
+        monkeypatch.delenv("PDSERVE_DISABLE_CPU_KERNELS")
+        kernels._reset_for_tests()
+    assert kernels.load() is not None
+
+
+def test_build_is_keyed_by_torch_and_sources():
+    d = kernels.build_dir()
+    assert torch.__version__.replace("+", "_") in d.name and kernels.source_hash() in d.name
+    assert "-march=native" not in " ".join(kernels.CFLAGS)
