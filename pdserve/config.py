@@ -17,6 +17,7 @@ TRANSFER_BACKENDS = ("local", "fake", "mooncake", "nixl")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+QUANTIZATIONS = ("w8a8_int8",)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 # where the transfer layer can be made to fail on purpose (tests and chaos runs); see disagg/faults.py
@@ -36,6 +37,7 @@ class ServerArgs:
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"  # auto: the CPU kernel on CPU when it builds, else torch
+    quantization: Optional[str] = None  # w8a8_int8: int8 weights and per-token int8 activations (CPU)
     device: str = "auto"
     load_format: str = "auto"
     context_length: Optional[int] = None
@@ -102,6 +104,12 @@ class ServerArgs:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             bad("device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            bad("quantization", f"must be one of {QUANTIZATIONS} (or unset), got {self.quantization!r}")
+        if self.quantization is not None and self.device != "cpu":
+            bad("quantization", f"{self.quantization!r} is implemented for the CPU only, but device is {self.device!r}")
+        if self.quantization is not None and self.dtype in ("float32", "float16"):
+            bad("quantization", f"{self.quantization!r} computes in bfloat16; it cannot be combined with --dtype {self.dtype}")
         if self.attention_backend == "cpu" and self.device != "cpu":
             bad("attention_backend", f"'cpu' runs on the CPU only, but device is {self.device!r}")
         if self.page_size < 1:
@@ -197,6 +205,8 @@ class ServerArgs:
                 kw["choices"] = KV_CACHE_DTYPES
             elif f.name == "attention_backend":
                 kw["choices"] = ATTENTION_BACKENDS
+            elif f.name == "quantization":
+                kw["choices"] = QUANTIZATIONS
             elif f.name == "disaggregation_mode":
                 kw["choices"] = DISAGGREGATION_MODES
             elif f.name == "disaggregation_transfer_backend":

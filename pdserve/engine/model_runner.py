@@ -40,7 +40,11 @@ class ModelRunner:
         # pdserve's CPU kernels (None on CUDA, or when they cannot be built: the PyTorch paths run)
         self.ops = kernels.load() if self.device.type == "cpu" else None
         hf_config = load_config(args.model_path)
-        self.dtype, why = choose_compute_dtype(args.dtype, self.device.type, hf_config, self.ops)
+        if args.quantization is not None:
+            self._check_quantization_possible()
+            self.dtype, why = torch.bfloat16, f"--quantization {args.quantization} computes in bf16"
+        else:
+            self.dtype, why = choose_compute_dtype(args.dtype, self.device.type, hf_config, self.ops)
         logger.info("compute dtype %s: %s", str(self.dtype).replace("torch.", ""), why)
         self.model, self.hf_config = load_model(
             args.model_path, dtype=str(self.dtype).replace("torch.", ""), device=args.device,
@@ -49,9 +53,10 @@ class ModelRunner:
         if self.ops is not None:
             self.model.use_cpu_kernels(self.ops)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            packed = self.model.prepack(self.ops)
-            logger.info("matmul weights prepacked for bf16 (oneDNN%s): %.1f MiB", " + GEMV" if self.ops else "",
-                        packed / 2**20)
+            packed = self.model.prepack(self.ops, args.quantization)
+            what = f"{args.quantization} (int8 weights, LM head bf16)" if args.quantization else \
+                "bf16 (oneDNN" + (" + GEMV)" if self.ops else ")")
+            logger.info("matmul weights prepacked for %s: %.1f MiB", what, packed / 2**20)
         self.kv_dtype = choose_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.fingerprint = model_fingerprint(self.hf_config)
         model_ctx = context_length(self.hf_config)
@@ -74,6 +79,14 @@ class ModelRunner:
             args.page_size, self.pool.buffer.numel() * self.pool.buffer.element_size() / 2**20,
             self.attn_backend_name,
         )
+
+    def _check_quantization_possible(self) -> None:
+        if self.ops is None:
+            raise ValueError(f"quantization: {self.args.quantization!r} needs pdserve's CPU kernels, which are not "
+                             f"available ({kernels.unavailable_reason()})")
+        if not self.ops.has_int8_dot():
+            raise ValueError(f"quantization: {self.args.quantization!r} needs AVX512-VNNI int8 dot products, "
+                             "which this CPU does not have")
 
     def _attention_backend(self) -> str:
         name = self.args.attention_backend

@@ -74,6 +74,38 @@ class PackedBF16:
         return self.out_features * self.in_features * 2 * copies
 
 
+class PackedW8A8:
+    """``--quantization w8a8_int8``: the weight as int8 with one symmetric scale per output channel,
+    activations quantized to int8 per token on the fly (one symmetric scale per row), int32 sums
+    by AVX512-VNNI (``kernels/csrc/int8_gemm.cpp``), output in the activation dtype. The naming and
+    the scheme are SGLang's; the accuracy cost is measured in docs/benchmarks.md."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], ops: ModuleType):
+        w = weight.detach().float()
+        n, k = w.shape
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [N]
+        wq = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        n_pad, k_pad = -n % 16, -k % 4
+        wq = F.pad(wq, (0, k_pad, 0, n_pad))
+        self.out_features, self.in_features = n, k
+        self.colsum = wq.sum(dim=1, dtype=torch.int32).contiguous()  # [N padded to 16]
+        self.scale = F.pad(scale, (0, n_pad), value=1.0).contiguous()
+        packed = wq.view((n + n_pad) // 16, 16, (k + k_pad) // 4, 4).permute(0, 2, 1, 3).contiguous()
+        self.packed = huge_like(packed)
+        self.bias = None if bias is None else bias.detach()
+        self.ops = ops
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty((x.shape[0], self.out_features))
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        self.ops.linear_w8a8(out, x, self.packed, self.colsum, self.scale, bias)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.colsum.numel() * 4 + self.scale.numel() * 4
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` that runs ``impl`` (set by ``prepack_linears``) when it has one."""
 
@@ -111,15 +143,19 @@ class MergedLinear(Linear):
 
 
 def prepack_linears(model: nn.Module, ops: Optional[ModuleType], batch_hint: int = 64,
-                    float32_out: tuple[nn.Module, ...] = ()) -> int:
-    """Give every ``Linear`` of a bf16 CPU model a ``PackedBF16`` impl and drop its plain weight
-    (the packed copies replace it); the layers in ``float32_out`` keep float32 outputs. Returns
-    the bytes the packed weights take."""
+                    float32_out: tuple[nn.Module, ...] = (), quantization: Optional[str] = None) -> int:
+    """Give every ``Linear`` of a CPU model a prepacked impl and drop its plain weight (the packed
+    copies replace it): ``PackedBF16``, or ``PackedW8A8`` with ``quantization="w8a8_int8"``. The
+    layers in ``float32_out`` (the LM head) stay bf16 with float32 outputs. Returns the bytes the
+    packed weights take."""
     total = 0
     for module in model.modules():
         if isinstance(module, Linear) and module.impl is None:
-            impl = PackedBF16(module.weight, module.bias, ops, batch_hint,
-                              float32_out=any(module is m for m in float32_out))
+            head = any(module is m for m in float32_out)
+            if quantization == "w8a8_int8" and not head:
+                impl = PackedW8A8(module.weight, module.bias, ops)
+            else:
+                impl = PackedBF16(module.weight, module.bias, ops, batch_hint, float32_out=head)
             module.impl = impl
             # the plain weight is no longer read: keep a 0-element stand-in of the right dtype
             module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.layers.linear import GEMV_MAX_ROWS, Linear, MergedLinear, PackedBF16, prepack_linears
+from pdserve.layers.linear import GEMV_MAX_ROWS, Linear, MergedLinear, PackedBF16, PackedW8A8, prepack_linears
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
@@ -218,6 +218,9 @@ class LlamaForCausalLM(nn.Module):
 
         def parts(linear: Linear) -> list:
             impl = linear.impl
+            if isinstance(impl, PackedW8A8):
+                bias = None if impl.bias is None else impl.bias.to(torch.bfloat16)
+                return [None, None, bias, impl.packed, impl.colsum, impl.scale, torch.tensor(impl.out_features)]
             return [impl.vnni, impl.onednn, impl.bias]
 
         for layer in self.model.layers:
@@ -231,9 +234,11 @@ class LlamaForCausalLM(nn.Module):
             )
         self.model.decode_stack = stack
 
-    def prepack(self, ops: Optional[ModuleType]) -> int:
-        """Prepack every matmul for bf16 on CPU (see ``layers/linear.py``); returns packed bytes."""
-        total = prepack_linears(self, ops, float32_out=(self.lm_head,) if self.lm_head is not None else ())
+    def prepack(self, ops: Optional[ModuleType], quantization: Optional[str] = None) -> int:
+        """Prepack every matmul for bf16 on CPU, or int8 with ``quantization="w8a8_int8"`` (the LM
+        head stays bf16); see ``layers/linear.py``. Returns packed bytes."""
+        total = prepack_linears(self, ops, float32_out=(self.lm_head,) if self.lm_head is not None else (),
+                                quantization=quantization)
         if self.tie_word_embeddings:
             self.tied_logits = PackedBF16(self.model.embed_tokens.weight, None, ops, float32_out=True)
             total += self.tied_logits.nbytes

@@ -203,3 +203,36 @@ def test_build_is_keyed_by_torch_and_sources():
     d = kernels.build_dir()
     assert torch.__version__.replace("+", "_") in d.name and kernels.source_hash() in d.name
     assert "-march=native" not in " ".join(kernels.CFLAGS)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 21])
+@pytest.mark.parametrize("n,k", [(3072, 576), (37, 19)])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_linear_matches_its_quantization(ops, path, rows, n, k, x_dtype):
+    from pdserve.layers.linear import PackedW8A8
+
+    if path == "simd" and not ops.has_int8_dot():
+        pytest.skip("this CPU has no AVX512-VNNI: only the scalar int8 code runs here")
+    gen = torch.Generator().manual_seed(n + k + rows)
+    x = (2 * torch.randn(rows, k, generator=gen)).to(x_dtype)
+    w = 0.1 * torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    lin = PackedW8A8(w, bias, ops)
+    out = lin(x)
+    assert out.dtype == x_dtype and out.shape == (rows, n)
+    # the same scheme in float64: per-row activation scale, per-channel weight scale, exact int sums
+    # the kernel's quantization rule, in float32 as it runs it: scale = max|x| / 127, q = round(x * (1/scale))
+    x32 = x.float()
+    xs32 = x32.abs().amax(1, keepdim=True) / 127
+    xq = torch.round(x32 * (1 / xs32)).clamp(-127, 127).double()
+    xs, xf = xs32.double(), x.double()
+    ws = w.abs().amax(1, keepdim=True) / 127  # the packing's rule, in float32
+    wq = torch.round(w / ws).clamp(-127, 127).double()
+    ref = (xq @ wq.T) * xs * ws.double().T + bias.to(x_dtype).double()
+    err = ((out.double() - ref).abs() / (ref.abs() + 1)).max().item()
+    assert err < (1e-5 if x_dtype == torch.float32 else 2 ** -8), err
+    # against the unquantized product: the scheme's own error, about 1 % of the output scale
+    exact = xf @ w.double().T + bias.to(x_dtype).double()
+    assert ((out.double() - exact).abs().max() / exact.abs().max()).item() < 0.03
+    one = lin(x[-1:])  # integer sums: a row's result does not depend on the batch
+    assert torch.equal(one[0], out[-1])

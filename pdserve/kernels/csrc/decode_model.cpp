@@ -27,6 +27,8 @@ void rms_norm(at::Tensor out, at::Tensor x, c10::optional<at::Tensor> residual, 
 void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
 void silu_and_mul(at::Tensor out, const at::Tensor& gate_up);
 void linear_vnni(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c10::optional<at::Tensor> bias);
+void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& colsum,
+                 const at::Tensor& w_scale, c10::optional<at::Tensor> bias);
 
 namespace {
 
@@ -41,11 +43,17 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
 
 struct Linear {
   at::Tensor vnni;  // GEMV layout, or undefined
-  at::Tensor onednn;  // oneDNN prepacked
+  at::Tensor onednn;  // oneDNN prepacked, or undefined
+  at::Tensor q_packed, q_colsum, q_scale;  // w8a8_int8 weights, or undefined
   c10::optional<at::Tensor> bias;
   int64_t out_features = 0;
 
   at::Tensor operator()(const at::Tensor& x, int64_t gemv_max_rows) const {
+    if (q_packed.defined()) {
+      at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+      linear_w8a8(out, x, q_packed, q_colsum, q_scale, bias);
+      return out;
+    }
     if (vnni.defined() && x.size(0) <= gemv_max_rows) {
       at::Tensor out = at::empty({x.size(0), out_features}, x.options());
       linear_vnni(out, x, vnni, bias);
@@ -163,13 +171,22 @@ class DecodeModel {
   }
 
  private:
+  // parts: [vnni, onednn, bias] for bf16 weights, [None, None, bias, packed, colsum, scale, out_features]
+  // for w8a8_int8 (out_features as a 0-d int64 tensor)
   static Linear make_linear(const std::vector<c10::optional<at::Tensor>>& parts, const char* name) {
-    TORCH_CHECK(parts.size() == 3 && parts[1].has_value(), "DecodeModel.add_layer: ", name,
-                " must be [vnni or None, onednn, bias or None]");
     Linear lin;
+    lin.bias = parts.size() >= 3 ? parts[2] : c10::nullopt;
+    if (parts.size() == 7 && parts[3].has_value()) {
+      lin.q_packed = *parts[3];
+      lin.q_colsum = *parts[4];
+      lin.q_scale = *parts[5];
+      lin.out_features = parts[6]->item<int64_t>();
+      return lin;
+    }
+    TORCH_CHECK(parts.size() == 3 && parts[1].has_value(), "DecodeModel.add_layer: ", name,
+                " must be [vnni or None, onednn, bias or None] or the w8a8 form");
     if (parts[0].has_value()) lin.vnni = *parts[0];
     lin.onednn = *parts[1];
-    lin.bias = parts[2];
     lin.out_features = lin.onednn.size(0);
     return lin;
   }

@@ -1,0 +1,278 @@
+// w8a8_int8 linear layers: int8 weights (symmetric, one scale per output channel) times int8
+// activations (symmetric, one scale per token, quantized on the fly), int32 accumulation with
+// AVX512-VNNI vpdpbusd, dequantized to bf16 or float32.
+//
+// Weight layout ("VNNI-4"): packed[nb][kq][i][e] = wq[16 nb + i][4 kq + e], shape
+// [ceil(N/16), ceil(K/4), 16, 4]: one 64-byte line is 4 consecutive k of 16 outputs, which
+// vpdpbusd multiplies with 4 bytes of x broadcast. vpdpbusd takes unsigned x, so x is stored as
+// xq + 128 and the extra 128 * sum_k wq[n][k] (colsum, precomputed) is subtracted from each sum:
+//   y[m][n] = (acc[m][n] - 128 colsum[n]) * x_scale[m] * w_scale[n] + bias[n]
+// The integer sums are exact, so results do not depend on tiling or batching. Tiles as in the
+// bf16 kernel (gemv.cpp): R rows x J blocks of 16 outputs.
+#include "common.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+namespace pds {
+
+bool cpu_has_avx512_vnni() {
+#if PDS_X86
+  static const bool yes = cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+namespace {
+
+constexpr int64_t kPrefetchBytes = 2048;
+constexpr int64_t kSmallM = 8;
+
+struct Int8Args {
+  const int8_t* w;  // [NB, KQ, 16, 4]
+  const int32_t* colsum;  // [NB * 16]
+  const float* w_scale;  // [NB * 16]
+  const uint8_t* xq;  // [M, 4 KQ], x quantized + 128
+  const float* x_scale;  // [M]
+  const void* bias;  // [N] in out's dtype, or null
+  void* out;
+  int64_t M, N, KQ, NB, out_stride;
+  bool out_bf16;
+};
+
+// per row: scale = max|x| / 127, xq = round(x / scale) + 128 (zero padded to 4 KQ with 128)
+template <typename T>
+void quantize_rows(const T* x, int64_t stride, int64_t M, int64_t K, int64_t K4, uint8_t* xq, float* scale) {
+  for (int64_t m = 0; m < M; ++m) {
+    const T* row = x + m * stride;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(load_f32(row + k)));
+    const float s = amax > 0.f ? amax / 127.f : 1.f;
+    const float inv = 1.f / s;
+    scale[m] = s;
+    uint8_t* q = xq + m * K4;
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = std::nearbyint(load_f32(row + k) * inv);
+      q[k] = uint8_t(int32_t(std::max(-127.f, std::min(127.f, v))) + 128);
+    }
+    for (int64_t k = K; k < K4; ++k) q[k] = 128;
+  }
+}
+
+#if PDS_X86
+template <typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2"))) void quantize_rows_avx512(
+    const T* x, int64_t stride, int64_t M, int64_t K, int64_t K4, uint8_t* xq, float* scale) {
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    const T* row = x + m * stride;
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, load16(row + k, tail_mask(K - k))));
+    const float mx = _mm512_reduce_max_ps(amax);
+    const float s = mx > 0.f ? mx / 127.f : 1.f;
+    scale[m] = s;
+    const __m512 inv = _mm512_set1_ps(1.f / s);
+    uint8_t* q = xq + m * K4;
+    for (int64_t k = 0; k < K4; k += 16) {
+      const __mmask16 mk = tail_mask(K - k);  // beyond K: 0, stored as 128
+      const __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(load16(row + k, mk), inv),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      __m512i iv = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f)));
+      iv = _mm512_add_epi32(iv, _mm512_set1_epi32(128));
+      _mm_mask_storeu_epi8(q + k, tail_mask(K4 - k), _mm512_cvtepi32_epi8(iv));
+    }
+  }
+}
+#endif
+
+template <typename T>
+void quantize(const T* x, int64_t stride, int64_t M, int64_t K, int64_t K4, uint8_t* xq, float* scale) {
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+#if PDS_X86
+    if (use_avx512()) return quantize_rows_avx512(x + b * stride, stride, e - b, K, K4, xq + b * K4, scale + b);
+#endif
+    quantize_rows(x + b * stride, stride, e - b, K, K4, xq + b * K4, scale + b);
+  });
+}
+
+void int8_scalar(const Int8Args& a, int64_t nb0, int64_t nb1) {
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
+    const int8_t* blk = a.w + nb * a.KQ * 64;
+    for (int64_t m = 0; m < a.M; ++m) {
+      const uint8_t* x = a.xq + m * a.KQ * 4;
+      for (int i = 0; i < 16 && nb * 16 + i < a.N; ++i) {
+        int32_t acc = 0;
+        for (int64_t kq = 0; kq < a.KQ; ++kq)
+          for (int e = 0; e < 4; ++e) acc += int32_t(x[kq * 4 + e]) * int32_t(blk[kq * 64 + i * 4 + e]);
+        const int64_t n = nb * 16 + i;
+        float v = float(acc - 128 * a.colsum[n]) * a.x_scale[m] * a.w_scale[n];
+        if (a.bias) v += a.out_bf16 ? bf16_to_f32(static_cast<const uint16_t*>(a.bias)[n]) : static_cast<const float*>(a.bias)[n];
+        if (a.out_bf16)
+          static_cast<uint16_t*>(a.out)[m * a.out_stride + n] = f32_to_bf16(v);
+        else
+          static_cast<float*>(a.out)[m * a.out_stride + n] = v;
+      }
+    }
+  }
+}
+
+#if PDS_X86
+#define PDS_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2")))
+
+template <typename T>
+PDS_AVX512_VNNI inline void finish(const Int8Args& a, int64_t m, int64_t nb, __m512i acc) {
+  const int64_t n0 = nb * 16;
+  const __mmask16 mk = tail_mask(a.N - n0);
+  const __m512i fixed = _mm512_sub_epi32(acc, _mm512_slli_epi32(_mm512_loadu_si512(a.colsum + n0), 7));
+  __m512 r = _mm512_mul_ps(_mm512_cvtepi32_ps(fixed),
+                           _mm512_mul_ps(_mm512_set1_ps(a.x_scale[m]), _mm512_loadu_ps(a.w_scale + n0)));
+  if (a.bias) r = _mm512_add_ps(r, load16(static_cast<const T*>(a.bias) + n0, mk));
+  store16(static_cast<T*>(a.out) + m * a.out_stride + n0, r, mk);
+}
+
+// Steps kq0 .. kq1 of rows m0 .. m0 + R and blocks nb0 .. nb0 + J. The int32 sums start from
+// zero (kq0 == 0) or from `carry` ([R][J * 16], row stride ld) and end in `carry`, or, after the
+// last step, in the output.
+template <int R, int J>
+PDS_AVX512_VNNI void tile_vnni(const Int8Args& a, int64_t nb0, int64_t m0, int64_t kq0, int64_t kq1, bool prefetch,
+                               int32_t* carry, int64_t ld) {
+  const int64_t KQ = a.KQ;
+  const int32_t* x32 = reinterpret_cast<const int32_t*>(a.xq) + m0 * KQ;  // 4 bytes of x per step
+  const int8_t* blk[J];
+  for (int j = 0; j < J; ++j) blk[j] = a.w + (nb0 + j) * KQ * 64;
+  __m512i acc[R][J];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j)
+      acc[r][j] = kq0 == 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(carry + r * ld + j * 16);
+  for (int64_t kq = kq0; kq < kq1; ++kq) {
+    __m512i wv[J];
+    for (int j = 0; j < J; ++j) {
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(blk[j] + kq * 64) + kPrefetchBytes, _MM_HINT_T1);
+      wv[j] = _mm512_load_si512(blk[j] + kq * 64);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_set1_epi32(x32[r * KQ + kq]);
+      for (int j = 0; j < J; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], xv, wv[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) {
+      if (kq1 < KQ)
+        _mm512_storeu_si512(carry + r * ld + j * 16, acc[r][j]);
+      else if (a.out_bf16)
+        finish<uint16_t>(a, m0 + r, nb0 + j, acc[r][j]);
+      else
+        finish<float>(a, m0 + r, nb0 + j, acc[r][j]);
+    }
+}
+
+struct TileCall {
+  int64_t nb0, m0, kq0, kq1;
+  bool prefetch;
+  int32_t* carry;
+  int64_t ld;
+};
+
+template <int J>
+void tile_rows(const Int8Args& a, const TileCall& t, int64_t rows) {
+  switch (rows) {
+#define PDS_TILE(r, j) return tile_vnni<r, j>(a, t.nb0, t.m0, t.kq0, t.kq1, t.prefetch, t.carry, t.ld)
+    case 1: PDS_TILE(1, J);
+    case 2: PDS_TILE(2, J);
+    case 3: PDS_TILE(3, J);
+    case 4: PDS_TILE(4, J);
+    case 5: PDS_TILE(5, (J > 2 ? 2 : J));
+    case 6: PDS_TILE(6, (J > 2 ? 2 : J));
+    case 7: PDS_TILE(7, (J > 2 ? 2 : J));
+    default: PDS_TILE(8, (J > 2 ? 2 : J));
+#undef PDS_TILE
+  }
+}
+
+void run_tile(const Int8Args& a, const TileCall& t, int64_t blocks, int64_t rows) {
+  switch (blocks) {
+    case 1: return tile_rows<1>(a, t, rows);
+    case 2: return tile_rows<2>(a, t, rows);
+    case 3: return tile_rows<3>(a, t, rows);
+    default: return tile_rows<4>(a, t, rows);
+  }
+}
+
+constexpr int64_t kStepsPerChunk = 64;
+constexpr int64_t kRowsPerChunk = 256;  // k-steps per pass: a panel chunk of 4 x 64 x 64 B = 16 KiB stays in L1
+
+void run_panel(const Int8Args& a, int64_t nb0, int64_t nb1, std::vector<int32_t>& carry) {
+  if (a.M <= kSmallM) {  // one pass, the weight streamed from memory
+    const int64_t J = a.M <= 4 ? 4 : 2;
+    for (int64_t nb = nb0; nb < nb1; nb += J) run_tile(a, {nb, 0, 0, a.KQ, true, nullptr, 0}, std::min(J, nb1 - nb), a.M);
+    return;
+  }
+  // 4 x 4 tiles over a panel of 4 blocks, k in chunks so the panel's chunk stays in L1 while every
+  // row tile passes; partial sums carried between chunks (integers: the order does not matter)
+  // and rows in chunks whose quantized x stays in L2 while the panels pass
+  carry.resize(kRowsPerChunk * 64);
+  for (int64_t mc = 0; mc < a.M; mc += kRowsPerChunk) {
+    const int64_t mc1 = std::min(a.M, mc + kRowsPerChunk);
+    for (int64_t nb = nb0; nb < nb1; nb += 4) {
+      const int64_t blocks = std::min<int64_t>(4, nb1 - nb);
+      for (int64_t kq0 = 0; kq0 < a.KQ; kq0 += kStepsPerChunk) {
+        const int64_t kq1 = std::min(a.KQ, kq0 + kStepsPerChunk);
+        for (int64_t m0 = mc; m0 < mc1; m0 += 4)
+          run_tile(a, {nb, m0, kq0, kq1, m0 == mc, carry.data() + (m0 - mc) * 64, 64}, blocks,
+                   std::min<int64_t>(4, mc1 - m0));
+      }
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+// out [M, N] = dequant(quant(x) wq^T) (+ bias). x: [M, K] float32 or bf16 (rows contiguous);
+// packed: int8 [ceil(N/16), ceil(K/4), 16, 4], 64-byte aligned; colsum: int32 [ceil(N/16) * 16];
+// w_scale: float32 [ceil(N/16) * 16]; bias: [N] in out's dtype, optional; out: float32 or bf16.
+void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& colsum,
+                 const at::Tensor& w_scale, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 4 &&
+                  packed.is_contiguous() && reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0,
+              "linear_w8a8: weight must be packed as a contiguous, 64-byte aligned int8 [N/16, K/4, 16, 4] tensor");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "linear_w8a8: x and out must be float32 or bfloat16 2-D tensors with contiguous rows");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), NB = packed.size(0), KQ = packed.size(1);
+  TORCH_CHECK(NB == (N + 15) / 16 && KQ == (K + 3) / 4 && out.size(0) == M, "linear_w8a8: shapes x ", x.sizes(),
+              ", packed weight ", packed.sizes(), ", out ", out.sizes(), " do not agree");
+  TORCH_CHECK(colsum.scalar_type() == at::kInt && colsum.numel() == NB * 16 && colsum.is_contiguous() &&
+                  w_scale.scalar_type() == at::kFloat && w_scale.numel() == NB * 16 && w_scale.is_contiguous(),
+              "linear_w8a8: colsum (int32) and w_scale (float32) must be contiguous [N/16 * 16]");
+  if (bias.has_value())
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == out.scalar_type(),
+                "linear_w8a8: bias must be contiguous [N] in out's dtype");
+  if (M == 0) return;
+  std::vector<uint8_t> xq(M * KQ * 4);
+  std::vector<float> xs(M);
+  if (x.scalar_type() == at::kBFloat16)
+    quantize(data<uint16_t>(x), x.stride(0), M, K, KQ * 4, xq.data(), xs.data());
+  else
+    quantize(data<float>(x), x.stride(0), M, K, KQ * 4, xq.data(), xs.data());
+  Int8Args a{packed.data_ptr<int8_t>(), colsum.data_ptr<int32_t>(), w_scale.data_ptr<float>(), xq.data(), xs.data(),
+             bias.has_value() ? bias->data_ptr() : nullptr, out.data_ptr(), M, N, KQ, NB, out.stride(0),
+             out.scalar_type() == at::kBFloat16};
+  at::parallel_for(0, (NB + 3) / 4, 1, [&](int64_t b, int64_t e) {
+    const int64_t nb0 = b * 4, nb1 = std::min(NB, e * 4);
+#if PDS_X86
+    if (cpu_has_avx512_vnni() && use_avx512()) {
+      std::vector<int32_t> carry;
+      return run_panel(a, nb0, nb1, carry);
+    }
+#endif
+    int8_scalar(a, nb0, nb1);
+  });
+}
+
+}  // namespace pds
