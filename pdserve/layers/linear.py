@@ -31,14 +31,24 @@ logger = logging.getLogger(__name__)
 GEMV_MAX_ROWS = 8
 
 
-def pack_vnni16(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> the GEMV kernel's layout [ceil(N/16), ceil(K/2), 16, 2] bf16 (zero padded), in 2 MiB
-    pages: element [nb, kp, i, e] is weight[16 nb + i, 2 kp + e]."""
+# outputs per panel of the packed layouts: one sequential stream per 64 outputs
+PANEL = 64
+
+
+def pack_panels(weight: torch.Tensor, k_group: int) -> torch.Tensor:
+    """[N, K] -> [ceil(N/64), ceil(K/k_group), 4, 16, k_group] (zero padded) in 2 MiB pages: element
+    [np, kg, j, i, e] is weight[64 np + 16 j + i, k_group kg + e]. With k_group 2 and bf16 this is the
+    VNNI layout of vdpbf16ps, with 4 and int8 that of vpdpbusd."""
     n, k = weight.shape
-    n_pad, k_pad = -n % 16, -k % 2
-    w = F.pad(weight.to(torch.bfloat16), (0, k_pad, 0, n_pad))
-    w = w.view((n + n_pad) // 16, 16, (k + k_pad) // 2, 2).permute(0, 2, 1, 3)
+    n_pad, k_pad = -n % PANEL, -k % k_group
+    w = F.pad(weight, (0, k_pad, 0, n_pad))
+    w = w.view((n + n_pad) // PANEL, 4, 16, (k + k_pad) // k_group, k_group).permute(0, 3, 1, 2, 4)
     return huge_like(w.contiguous())
+
+
+def pack_vnni16(weight: torch.Tensor) -> torch.Tensor:
+    """The bf16 layout of ``linear_vnni``: [ceil(N/64), ceil(K/2), 4, 16, 2]."""
+    return pack_panels(weight.to(torch.bfloat16), 2)
 
 
 class PackedBF16:
@@ -85,13 +95,11 @@ class PackedW8A8:
         n, k = w.shape
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [N]
         wq = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        n_pad, k_pad = -n % 16, -k % 4
-        wq = F.pad(wq, (0, k_pad, 0, n_pad))
+        n_pad = -n % PANEL
         self.out_features, self.in_features = n, k
-        self.colsum = wq.sum(dim=1, dtype=torch.int32).contiguous()  # [N padded to 16]
+        self.colsum = F.pad(wq.sum(dim=1, dtype=torch.int32), (0, n_pad)).contiguous()  # [N padded to 64]
         self.scale = F.pad(scale, (0, n_pad), value=1.0).contiguous()
-        packed = wq.view((n + n_pad) // 16, 16, (k + k_pad) // 4, 4).permute(0, 2, 1, 3).contiguous()
-        self.packed = huge_like(packed)
+        self.packed = pack_panels(wq, 4)
         self.bias = None if bias is None else bias.detach()
         self.ops = ops
 

@@ -2,13 +2,14 @@
 // activations (symmetric, one scale per token, quantized on the fly), int32 accumulation with
 // AVX512-VNNI vpdpbusd, dequantized to bf16 or float32.
 //
-// Weight layout ("VNNI-4"): packed[nb][kq][i][e] = wq[16 nb + i][4 kq + e], shape
-// [ceil(N/16), ceil(K/4), 16, 4]: one 64-byte line is 4 consecutive k of 16 outputs, which
-// vpdpbusd multiplies with 4 bytes of x broadcast. vpdpbusd takes unsigned x, so x is stored as
+// Weight layout, in panels of 64 outputs ("VNNI-4x4"): packed[np][kq][j][i][e] =
+// wq[64 np + 16 j + i][4 kq + e], shape [ceil(N/64), ceil(K/4), 4, 16, 4] (zero padded): one
+// 64-byte line is 4 consecutive k of 16 outputs, which vpdpbusd multiplies with 4 bytes of x
+// broadcast, and a panel is one sequential stream. vpdpbusd takes unsigned x, so x is stored as
 // xq + 128 and the extra 128 * sum_k wq[n][k] (colsum, precomputed) is subtracted from each sum:
 //   y[m][n] = (acc[m][n] - 128 colsum[n]) * x_scale[m] * w_scale[n] + bias[n]
 // The integer sums are exact, so results do not depend on tiling or batching. Tiles as in the
-// bf16 kernel (gemv.cpp): R rows x J blocks of 16 outputs.
+// bf16 kernel (gemv.cpp): R rows x one panel.
 #include "common.h"
 
 #include <ATen/Parallel.h>
@@ -32,15 +33,17 @@ namespace {
 constexpr int64_t kPrefetchBytes = 2048;
 constexpr int64_t kSmallM = 8;
 
+constexpr int64_t kPanel = 64;
+
 struct Int8Args {
-  const int8_t* w;  // [NB, KQ, 16, 4]
-  const int32_t* colsum;  // [NB * 16]
-  const float* w_scale;  // [NB * 16]
+  const int8_t* w;  // [NP, KQ, 4, 16, 4]
+  const int32_t* colsum;  // [NP * 64]
+  const float* w_scale;  // [NP * 64]
   const uint8_t* xq;  // [M, 4 KQ], x quantized + 128
   const float* x_scale;  // [M]
   const void* bias;  // [N] in out's dtype, or null
   void* out;
-  int64_t M, N, KQ, NB, out_stride;
+  int64_t M, N, KQ, NP, out_stride;
   bool out_bf16;
 };
 
@@ -99,16 +102,16 @@ void quantize(const T* x, int64_t stride, int64_t M, int64_t K, int64_t K4, uint
   });
 }
 
-void int8_scalar(const Int8Args& a, int64_t nb0, int64_t nb1) {
-  for (int64_t nb = nb0; nb < nb1; ++nb) {
-    const int8_t* blk = a.w + nb * a.KQ * 64;
+void int8_scalar(const Int8Args& a, int64_t np0, int64_t np1) {
+  for (int64_t np = np0; np < np1; ++np) {
+    const int8_t* p = a.w + np * a.KQ * 256;
     for (int64_t m = 0; m < a.M; ++m) {
       const uint8_t* x = a.xq + m * a.KQ * 4;
-      for (int i = 0; i < 16 && nb * 16 + i < a.N; ++i) {
+      for (int o = 0; o < kPanel && np * kPanel + o < a.N; ++o) {
         int32_t acc = 0;
         for (int64_t kq = 0; kq < a.KQ; ++kq)
-          for (int e = 0; e < 4; ++e) acc += int32_t(x[kq * 4 + e]) * int32_t(blk[kq * 64 + i * 4 + e]);
-        const int64_t n = nb * 16 + i;
+          for (int e = 0; e < 4; ++e) acc += int32_t(x[kq * 4 + e]) * int32_t(p[kq * 256 + o * 4 + e]);
+        const int64_t n = np * kPanel + o;
         float v = float(acc - 128 * a.colsum[n]) * a.x_scale[m] * a.w_scale[n];
         if (a.bias) v += a.out_bf16 ? bf16_to_f32(static_cast<const uint16_t*>(a.bias)[n]) : static_cast<const float*>(a.bias)[n];
         if (a.out_bf16)
@@ -124,8 +127,8 @@ void int8_scalar(const Int8Args& a, int64_t nb0, int64_t nb1) {
 #define PDS_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2")))
 
 template <typename T>
-PDS_AVX512_VNNI inline void finish(const Int8Args& a, int64_t m, int64_t nb, __m512i acc) {
-  const int64_t n0 = nb * 16;
+PDS_AVX512_VNNI inline void finish(const Int8Args& a, int64_t m, int64_t n0, __m512i acc) {
+  if (n0 >= a.N) return;
   const __mmask16 mk = tail_mask(a.N - n0);
   const __m512i fixed = _mm512_sub_epi32(acc, _mm512_slli_epi32(_mm512_loadu_si512(a.colsum + n0), 7));
   __m512 r = _mm512_mul_ps(_mm512_cvtepi32_ps(fixed),
@@ -134,96 +137,70 @@ PDS_AVX512_VNNI inline void finish(const Int8Args& a, int64_t m, int64_t nb, __m
   store16(static_cast<T*>(a.out) + m * a.out_stride + n0, r, mk);
 }
 
-// Steps kq0 .. kq1 of rows m0 .. m0 + R and blocks nb0 .. nb0 + J. The int32 sums start from
-// zero (kq0 == 0) or from `carry` ([R][J * 16], row stride ld) and end in `carry`, or, after the
-// last step, in the output.
-template <int R, int J>
-PDS_AVX512_VNNI void tile_vnni(const Int8Args& a, int64_t nb0, int64_t m0, int64_t kq0, int64_t kq1, bool prefetch,
-                               int32_t* carry, int64_t ld) {
+// Steps kq0 .. kq1 of rows m0 .. m0 + R of panel np. The int32 sums start from zero (kq0 == 0) or
+// from `carry` ([R][64]) and end in `carry`, or, after the last step, in the output.
+template <int R>
+PDS_AVX512_VNNI void tile_vnni(const Int8Args& a, int64_t np, int64_t m0, int64_t kq0, int64_t kq1, bool prefetch,
+                               int32_t* carry) {
   const int64_t KQ = a.KQ;
   const int32_t* x32 = reinterpret_cast<const int32_t*>(a.xq) + m0 * KQ;  // 4 bytes of x per step
-  const int8_t* blk[J];
-  for (int j = 0; j < J; ++j) blk[j] = a.w + (nb0 + j) * KQ * 64;
-  __m512i acc[R][J];
+  const int8_t* p = a.w + np * KQ * 256;
+  __m512i acc[R][4];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j)
-      acc[r][j] = kq0 == 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(carry + r * ld + j * 16);
+    for (int j = 0; j < 4; ++j)
+      acc[r][j] = kq0 == 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(carry + r * kPanel + j * 16);
   for (int64_t kq = kq0; kq < kq1; ++kq) {
-    __m512i wv[J];
-    for (int j = 0; j < J; ++j) {
-      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(blk[j] + kq * 64) + kPrefetchBytes, _MM_HINT_T1);
-      wv[j] = _mm512_load_si512(blk[j] + kq * 64);
+    const int8_t* step = p + kq * 256;
+    if (prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(step) + kPrefetchBytes, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(step) + kPrefetchBytes + 128, _MM_HINT_T1);
     }
+    __m512i wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = _mm512_load_si512(step + j * 64);
     for (int r = 0; r < R; ++r) {
       const __m512i xv = _mm512_set1_epi32(x32[r * KQ + kq]);
-      for (int j = 0; j < J; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], xv, wv[j]);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], xv, wv[j]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) {
+    for (int j = 0; j < 4; ++j) {
       if (kq1 < KQ)
-        _mm512_storeu_si512(carry + r * ld + j * 16, acc[r][j]);
+        _mm512_storeu_si512(carry + r * kPanel + j * 16, acc[r][j]);
       else if (a.out_bf16)
-        finish<uint16_t>(a, m0 + r, nb0 + j, acc[r][j]);
+        finish<uint16_t>(a, m0 + r, np * kPanel + j * 16, acc[r][j]);
       else
-        finish<float>(a, m0 + r, nb0 + j, acc[r][j]);
+        finish<float>(a, m0 + r, np * kPanel + j * 16, acc[r][j]);
     }
 }
 
-struct TileCall {
-  int64_t nb0, m0, kq0, kq1;
-  bool prefetch;
-  int32_t* carry;
-  int64_t ld;
-};
-
-template <int J>
-void tile_rows(const Int8Args& a, const TileCall& t, int64_t rows) {
+void run_tile(const Int8Args& a, int64_t np, int64_t m0, int64_t rows, int64_t kq0, int64_t kq1, bool prefetch,
+              int32_t* carry) {
   switch (rows) {
-#define PDS_TILE(r, j) return tile_vnni<r, j>(a, t.nb0, t.m0, t.kq0, t.kq1, t.prefetch, t.carry, t.ld)
-    case 1: PDS_TILE(1, J);
-    case 2: PDS_TILE(2, J);
-    case 3: PDS_TILE(3, J);
-    case 4: PDS_TILE(4, J);
-    case 5: PDS_TILE(5, (J > 2 ? 2 : J));
-    case 6: PDS_TILE(6, (J > 2 ? 2 : J));
-    case 7: PDS_TILE(7, (J > 2 ? 2 : J));
-    default: PDS_TILE(8, (J > 2 ? 2 : J));
-#undef PDS_TILE
+    case 1: return tile_vnni<1>(a, np, m0, kq0, kq1, prefetch, carry);
+    case 2: return tile_vnni<2>(a, np, m0, kq0, kq1, prefetch, carry);
+    case 3: return tile_vnni<3>(a, np, m0, kq0, kq1, prefetch, carry);
+    default: return tile_vnni<4>(a, np, m0, kq0, kq1, prefetch, carry);
   }
 }
 
-void run_tile(const Int8Args& a, const TileCall& t, int64_t blocks, int64_t rows) {
-  switch (blocks) {
-    case 1: return tile_rows<1>(a, t, rows);
-    case 2: return tile_rows<2>(a, t, rows);
-    case 3: return tile_rows<3>(a, t, rows);
-    default: return tile_rows<4>(a, t, rows);
-  }
-}
+constexpr int64_t kStepsPerChunk = 64;  // k-steps per pass: 64 x 256 B = 16 KiB of the panel stays in L1
+constexpr int64_t kRowsPerChunk = 256;  // rows per pass: their quantized x stays in L2
 
-constexpr int64_t kStepsPerChunk = 64;
-constexpr int64_t kRowsPerChunk = 256;  // k-steps per pass: a panel chunk of 4 x 64 x 64 B = 16 KiB stays in L1
-
-void run_panel(const Int8Args& a, int64_t nb0, int64_t nb1, std::vector<int32_t>& carry) {
-  if (a.M <= kSmallM) {  // one pass, the weight streamed from memory
-    const int64_t J = a.M <= 4 ? 4 : 2;
-    for (int64_t nb = nb0; nb < nb1; nb += J) run_tile(a, {nb, 0, 0, a.KQ, true, nullptr, 0}, std::min(J, nb1 - nb), a.M);
+void run_panels(const Int8Args& a, int64_t np0, int64_t np1, std::vector<int32_t>& carry) {
+  if (a.M <= 4) {  // one pass, the weight streamed from memory
+    for (int64_t np = np0; np < np1; ++np) run_tile(a, np, 0, a.M, 0, a.KQ, true, nullptr);
     return;
   }
-  // 4 x 4 tiles over a panel of 4 blocks, k in chunks so the panel's chunk stays in L1 while every
-  // row tile passes; partial sums carried between chunks (integers: the order does not matter)
-  // and rows in chunks whose quantized x stays in L2 while the panels pass
-  carry.resize(kRowsPerChunk * 64);
+  // 4-row tiles; k in chunks so the panel's chunk stays in L1 while the row tiles pass, rows in
+  // chunks whose x stays in L2; partial sums carried between k chunks (integers: order is free)
+  carry.resize(kRowsPerChunk * kPanel);
   for (int64_t mc = 0; mc < a.M; mc += kRowsPerChunk) {
     const int64_t mc1 = std::min(a.M, mc + kRowsPerChunk);
-    for (int64_t nb = nb0; nb < nb1; nb += 4) {
-      const int64_t blocks = std::min<int64_t>(4, nb1 - nb);
+    for (int64_t np = np0; np < np1; ++np) {
       for (int64_t kq0 = 0; kq0 < a.KQ; kq0 += kStepsPerChunk) {
         const int64_t kq1 = std::min(a.KQ, kq0 + kStepsPerChunk);
         for (int64_t m0 = mc; m0 < mc1; m0 += 4)
-          run_tile(a, {nb, m0, kq0, kq1, m0 == mc, carry.data() + (m0 - mc) * 64, 64}, blocks,
-                   std::min<int64_t>(4, mc1 - m0));
+          run_tile(a, np, m0, std::min<int64_t>(4, mc1 - m0), kq0, kq1, m0 == mc, carry.data() + (m0 - mc) * kPanel);
       }
     }
   }
@@ -233,23 +210,23 @@ void run_panel(const Int8Args& a, int64_t nb0, int64_t nb1, std::vector<int32_t>
 }  // namespace
 
 // out [M, N] = dequant(quant(x) wq^T) (+ bias). x: [M, K] float32 or bf16 (rows contiguous);
-// packed: int8 [ceil(N/16), ceil(K/4), 16, 4], 64-byte aligned; colsum: int32 [ceil(N/16) * 16];
-// w_scale: float32 [ceil(N/16) * 16]; bias: [N] in out's dtype, optional; out: float32 or bf16.
+// packed: int8 [ceil(N/64), ceil(K/4), 4, 16, 4], 64-byte aligned; colsum: int32 [ceil(N/64) * 64];
+// w_scale: float32 [ceil(N/64) * 64]; bias: [N] in out's dtype, optional; out: float32 or bf16.
 void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& colsum,
                  const at::Tensor& w_scale, c10::optional<at::Tensor> bias) {
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 4 &&
-                  packed.is_contiguous() && reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0,
-              "linear_w8a8: weight must be packed as a contiguous, 64-byte aligned int8 [N/16, K/4, 16, 4] tensor");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 5 && packed.size(2) == 4 && packed.size(3) == 16 &&
+                  packed.size(4) == 4 && packed.is_contiguous() && reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0,
+              "linear_w8a8: weight must be packed as a contiguous, 64-byte aligned int8 [N/64, K/4, 4, 16, 4] tensor");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1 &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
               "linear_w8a8: x and out must be float32 or bfloat16 2-D tensors with contiguous rows");
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), NB = packed.size(0), KQ = packed.size(1);
-  TORCH_CHECK(NB == (N + 15) / 16 && KQ == (K + 3) / 4 && out.size(0) == M, "linear_w8a8: shapes x ", x.sizes(),
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), NP = packed.size(0), KQ = packed.size(1);
+  TORCH_CHECK(NP == (N + kPanel - 1) / kPanel && KQ == (K + 3) / 4 && out.size(0) == M, "linear_w8a8: shapes x ", x.sizes(),
               ", packed weight ", packed.sizes(), ", out ", out.sizes(), " do not agree");
-  TORCH_CHECK(colsum.scalar_type() == at::kInt && colsum.numel() == NB * 16 && colsum.is_contiguous() &&
-                  w_scale.scalar_type() == at::kFloat && w_scale.numel() == NB * 16 && w_scale.is_contiguous(),
-              "linear_w8a8: colsum (int32) and w_scale (float32) must be contiguous [N/16 * 16]");
+  TORCH_CHECK(colsum.scalar_type() == at::kInt && colsum.numel() == NP * kPanel && colsum.is_contiguous() &&
+                  w_scale.scalar_type() == at::kFloat && w_scale.numel() == NP * kPanel && w_scale.is_contiguous(),
+              "linear_w8a8: colsum (int32) and w_scale (float32) must be contiguous [N/64 * 64]");
   if (bias.has_value())
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == out.scalar_type(),
                 "linear_w8a8: bias must be contiguous [N] in out's dtype");
@@ -261,17 +238,16 @@ void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
   else
     quantize(data<float>(x), x.stride(0), M, K, KQ * 4, xq.data(), xs.data());
   Int8Args a{packed.data_ptr<int8_t>(), colsum.data_ptr<int32_t>(), w_scale.data_ptr<float>(), xq.data(), xs.data(),
-             bias.has_value() ? bias->data_ptr() : nullptr, out.data_ptr(), M, N, KQ, NB, out.stride(0),
+             bias.has_value() ? bias->data_ptr() : nullptr, out.data_ptr(), M, N, KQ, NP, out.stride(0),
              out.scalar_type() == at::kBFloat16};
-  at::parallel_for(0, (NB + 3) / 4, 1, [&](int64_t b, int64_t e) {
-    const int64_t nb0 = b * 4, nb1 = std::min(NB, e * 4);
+  at::parallel_for(0, NP, 1, [&](int64_t b, int64_t e) {
 #if PDS_X86
     if (cpu_has_avx512_vnni() && use_avx512()) {
       std::vector<int32_t> carry;
-      return run_panel(a, nb0, nb1, carry);
+      return run_panels(a, b, e, carry);
     }
 #endif
-    int8_scalar(a, nb0, nb1);
+    int8_scalar(a, b, e);
   });
 }
 

