@@ -113,12 +113,39 @@ PDS_AVX512_BF16 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   // page and offset of the next key, advanced incrementally (no division per key)
   int64_t page = first_key / a.page_size, off = first_key % a.page_size;
+  // A request's KV is a few short runs (one per page and head) scattered over the pool: too short
+  // for the hardware prefetcher, so the rows of the next block are prefetched into L2 while this
+  // one is computed (and the first block's before it starts).
+  const int64_t row_bytes = D * 2;
+  auto prefetch_block = [&](int64_t from) {
+    int64_t pg = from / a.page_size, of = from % a.page_size;
+    const int64_t until = std::min(last_pos + 1, from + kKeys);
+    for (int64_t key = from; key < until;) {
+      const int64_t run = std::min(a.page_size - of, until - key);  // keys left in this page
+      const int64_t row = (int64_t(pages[pg]) * a.kv_heads + h) * a.page_size + of;
+      const char* kp = reinterpret_cast<const char*>(a.k + row * D);
+      const char* vp = reinterpret_cast<const char*>(a.v + row * D);
+      for (int64_t b = 0; b < run * row_bytes; b += 64) {
+        _mm_prefetch(kp + b, _MM_HINT_T1);
+        _mm_prefetch(vp + b, _MM_HINT_T1);
+      }
+      key += run;
+      of = 0;
+      ++pg;
+    }
+  };
+  prefetch_block(first_key);
   for (int64_t k0 = first_key; k0 <= last_pos; k0 += kKeys) {
     const int n = int(std::min<int64_t>(kKeys, last_pos + 1 - k0));
     const int nv = (n + 15) / 16;  // key vectors in this block
-    for (int j = 0; j < n; ++j) {
-      s.rows[j] = (int64_t(pages[page]) * a.kv_heads + h) * a.page_size + off;
-      if (++off == a.page_size) {
+    if (k0 + kKeys <= last_pos) prefetch_block(k0 + kKeys);
+    for (int j = 0; j < n;) {  // one run of consecutive rows per page
+      const int64_t base = (int64_t(pages[page]) * a.kv_heads + h) * a.page_size;
+      const int run = int(std::min<int64_t>(a.page_size - off, n - j));
+      for (int t = 0; t < run; ++t) s.rows[j + t] = base + off + t;
+      j += run;
+      off += run;
+      if (off == a.page_size) {
         off = 0;
         ++page;
       }
@@ -193,7 +220,7 @@ PDS_AVX512_BF16 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_
         const __m512 vmb = _mm512_set1_ps(mb);
         __m512 psum = _mm512_setzero_ps();
         for (int kv = 0; kv < nv; ++kv) {
-          const __m256i pb = f32x16_to_bf16(_mm512_maskz_mov_ps(valid[kv], exp16(_mm512_sub_ps(sv[kv], vmb))));
+          const __m256i pb = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(valid[kv], exp16(_mm512_sub_ps(sv[kv], vmb))));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + kv * 8), pb);
           psum = _mm512_add_ps(psum, bf16x16_to_f32(pb));
         }
