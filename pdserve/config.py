@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
+
+from pdserve import envs
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("local", "fake", "mooncake", "nixl")
@@ -49,8 +51,8 @@ class ServerArgs:
     page_size: int = 16
     max_total_tokens: Optional[int] = None
     mem_fraction_static: float = 0.5
-    chunked_prefill_size: int = 2048
-    max_prefill_tokens: int = 8192
+    chunked_prefill_size: int = 2048  # prefill tokens of one request per batch
+    max_prefill_tokens: Optional[int] = None  # prefill tokens per batch (None: chunked_prefill_size)
     max_running_requests: int = 256
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
@@ -81,8 +83,6 @@ class ServerArgs:
     disaggregation_fault_prob: float = 0.0
     disaggregation_fault_mode: str = "fail_transfer"
     disaggregation_fault_delay: float = 1.0  # seconds, for delay_transfer
-
-    extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -120,6 +120,10 @@ class ServerArgs:
             bad("mem_fraction_static", f"must be in (0, 1], got {self.mem_fraction_static}")
         if self.chunked_prefill_size < self.page_size:
             bad("chunked_prefill_size", f"must be >= page_size ({self.page_size}), got {self.chunked_prefill_size}")
+        if self.max_prefill_tokens is None:
+            self.max_prefill_tokens = self.chunked_prefill_size
+        if self.max_prefill_tokens < 1:
+            bad("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
         if self.max_running_requests < 1:
             bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -172,9 +176,7 @@ class ServerArgs:
         return {"null": "serve", "prefill": "prefill", "decode": "decode"}[self.disaggregation_mode]
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d.pop("extra", None)
-        return d
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "ServerArgs":
@@ -188,8 +190,6 @@ class ServerArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(ServerArgs):
-            if f.name == "extra":
-                continue
             flag = "--" + f.name.replace("_", "-")
             default = f.default
             if f.type in ("bool",) or isinstance(default, bool):
@@ -219,9 +219,7 @@ class ServerArgs:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
-        from pdserve import envs
-
-        names = [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
+        names = [f.name for f in dataclasses.fields(cls)]
         kwargs = {n: getattr(args, n) for n in names if hasattr(args, n)}
-        envs.apply_env_defaults(kwargs, args)
+        envs.apply_env_defaults(kwargs, {f.name: f.default for f in dataclasses.fields(cls)})
         return cls(**kwargs)

@@ -6,7 +6,6 @@ environment, the environment wins over the built-in default.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -37,18 +36,16 @@ def cpu_kernels_disabled() -> bool:
     return os.environ.get("PDSERVE_DISABLE_CPU_KERNELS", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def apply_env_defaults(kwargs: dict[str, Any], explicit: Any = None) -> None:
-    """Fill fields still at their built-in default from the environment."""
-    from pdserve.config import ServerArgs
-
-    fields = {f.name: f for f in dataclasses.fields(ServerArgs)}
+def apply_env_defaults(kwargs: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """Fill server arguments still at their built-in default (``defaults``: field -> default) from
+    the environment."""
     for env, name in ENV_TO_FIELD.items():
         raw = os.environ.get(env)
-        if raw is None or name not in fields:
+        if raw is None or name not in defaults:
             continue
-        if name in kwargs and kwargs[name] != fields[name].default:
+        if name in kwargs and kwargs[name] != defaults[name]:
             continue  # an explicit value wins
-        default = fields[name].default
+        default = defaults[name]
         kind = type(default) if default is not None else str
         if name == "torch_num_threads":
             kind = int

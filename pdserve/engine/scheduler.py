@@ -3,8 +3,8 @@
 Each ``step()`` reads like the request lifecycle:
   1. disaggregation queues make progress (prefill: bootstrap/inflight; decode: prealloc/transfer);
   2. a batch is formed: every running request (decode rows first, then unfinished chunked
-     prefills), then waiting requests admitted within the chunked-prefill token budget and the
-     KV budget; when pages run out the least-advanced request is retracted (recomputed later);
+     prefills), then waiting requests admitted within the prefill token budget
+     (``max_prefill_tokens`` per batch, at most ``chunked_prefill_size`` per request) and the KV budget; when pages run out the least-advanced request is retracted (recomputed later);
   3. one forward over all scheduled tokens, one sample per request whose prompt is complete;
   4. finished requests release their KV into the radix cache.
 """
@@ -195,7 +195,8 @@ class Scheduler:
 
     def _schedule(self) -> list[tuple[Req, int]]:
         batch: list[tuple[Req, int]] = []
-        budget = self.args.chunked_prefill_size
+        budget = self.args.max_prefill_tokens  # prefill tokens in this batch
+        chunk = self.args.chunked_prefill_size  # prefill tokens of one request in one batch
         # 1. decode rows: one new token each; retract the least advanced request if pages run out
         decoding = sorted((r for r in self.running if r.extend_len == 1), key=lambda r: r.arrival_time)
         for req in decoding:
@@ -218,7 +219,7 @@ class Scheduler:
         # 2. unfinished chunked prefills continue within the token budget
         for req in self.running:
             if req.extend_len > 1 and budget > 0:
-                ext = min(req.extend_len, budget)
+                ext = min(req.extend_len, chunk, budget)
                 pages = self.alloc_pages(self._pages_needed(req, ext))
                 if pages is None:
                     continue
@@ -231,11 +232,11 @@ class Scheduler:
             order_waiting(self.waiting, self.args.schedule_policy, self.tree, self.page_size)
         while self.waiting and budget > 0 and len(self.running) < self.args.max_running_requests:
             req = self.waiting[0]
-            if not self._admit(req, budget, reserve):
+            if not self._admit(req, min(chunk, budget), reserve):
                 break
             self.waiting.pop(0)
             self.running.append(req)
-            ext = min(req.extend_len, budget)
+            ext = min(req.extend_len, chunk, budget)
             batch.append((req, ext))
             budget -= ext
         return batch

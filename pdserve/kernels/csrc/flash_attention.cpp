@@ -91,10 +91,55 @@ struct Scratch {
   int64_t rows[kKeys];
 };
 
+// acc[i][kv] = sum over pairs p of q_i's pair p times kt[p][16 kv .. 16 kv + 15]: 4 query rows x
+// 64 keys, every loop bound known at compile time so the 16 sums live in registers
+PDS_AVX512_BF16 inline void scores_4x64(const uint32_t* const* qrow, const uint32_t* kt, int64_t P, __m512 (&acc)[4][4]) {
+  for (int i = 0; i < 4; ++i)
+    for (int kv = 0; kv < 4; ++kv) acc[i][kv] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {
+    __m512i k[4];
+    for (int kv = 0; kv < 4; ++kv) k[kv] = _mm512_load_si512(kt + p * kKeys + kv * 16);
+    for (int i = 0; i < 4; ++i) {
+      const __m512bh qp = (__m512bh)_mm512_set1_epi32(int32_t(qrow[i][p]));
+      for (int kv = 0; kv < 4; ++kv) acc[i][kv] = _mm512_dpbf16_ps(acc[i][kv], qp, (__m512bh)k[kv]);
+    }
+  }
+}
+
+// o[i] += sum over key pairs of p_i's pair times V's interleaved pair, for NR rows x CH chunks
+template <int NR, int CH>
+PDS_AVX512_BF16 inline void pv_rows(float* o, const uint32_t* pp, const __m512i* vi, int pairs) {
+  __m512 acc[NR][CH][2];
+  for (int i = 0; i < NR; ++i)
+    for (int c = 0; c < CH; ++c) {
+      acc[i][c][0] = _mm512_load_ps(o + i * kMaxD + c * 32);
+      acc[i][c][1] = _mm512_load_ps(o + i * kMaxD + c * 32 + 16);
+    }
+  for (int tp = 0; tp < pairs; ++tp) {
+    __m512bh p[NR];
+    for (int i = 0; i < NR; ++i) p[i] = (__m512bh)_mm512_set1_epi32(int32_t(pp[i * (kKeys / 2) + tp]));
+    for (int c = 0; c < CH; ++c) {
+      const __m512i vlo = vi[(tp * CH + c) * 2], vhi = vi[(tp * CH + c) * 2 + 1];
+      for (int i = 0; i < NR; ++i) {
+        acc[i][c][0] = _mm512_dpbf16_ps(acc[i][c][0], p[i], (__m512bh)vlo);
+        acc[i][c][1] = _mm512_dpbf16_ps(acc[i][c][1], p[i], (__m512bh)vhi);
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int c = 0; c < CH; ++c) {
+      _mm512_store_ps(o + i * kMaxD + c * 32, acc[i][c][0]);
+      _mm512_store_ps(o + i * kMaxD + c * 32 + 16, acc[i][c][1]);
+    }
+}
+
+// CH = ceil(D / 32): chunks of 32 output dims, known at compile time so the P V accumulators of
+// a group of rows stay in registers
+template <int CH>
 PDS_AVX512_BF16 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_t q0, int64_t nq, Scratch& s) {
   const int64_t D = a.D, G = a.heads / a.kv_heads, P = D / 2;
   const int64_t nrows = nq * G;
-  const int64_t chunks = (D + 31) / 32;  // V chunks of 32 dims
+  constexpr int64_t chunks = CH;  // V chunks of 32 dims
   const int64_t pchunks = (P + 15) / 16;  // K pair chunks of 16 pairs
   const int64_t len = a.lens[b];
   const int64_t first_row = a.q_starts[b], ext = a.q_starts[b + 1] - first_row;
@@ -150,8 +195,10 @@ PDS_AVX512_BF16 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_
         ++page;
       }
     }
-    for (int j = n; j < nv * 16; ++j) s.rows[j] = s.rows[n - 1];  // padding keys, masked below
-    // K pairs transposed: kt[p][t]
+    for (int j = n; j < kKeys; ++j) s.rows[j] = s.rows[n - 1];  // padding keys, masked below
+    // K pairs transposed: kt[p][t]; the score kernel always computes 64 keys, unused ones are zero
+    for (int kv = nv; kv < 4; ++kv)
+      for (int64_t p = 0; p < P; ++p) _mm512_store_si512(s.kt + p * kKeys + kv * 16, _mm512_setzero_si512());
     for (int kv = 0; kv < nv; ++kv) {
       for (int64_t pc = 0; pc < pchunks; ++pc) {
         const __mmask16 mk = tail_mask(P - pc * 16);
@@ -177,50 +224,48 @@ PDS_AVX512_BF16 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_
     }
     for (int64_t r0 = 0; r0 < nrows; r0 += 4) {
       const int nr = int(std::min<int64_t>(4, nrows - r0));
-      // S = Q K^T for up to 4 rows x 64 keys
+      // S = Q K^T for 4 rows x 64 keys, in registers (rows past nrows repeat the last one, keys
+      // past n are padding; both are dropped below)
       __m512 acc[4][4];
-      for (int i = 0; i < 4; ++i)
-        for (int kv = 0; kv < 4; ++kv) acc[i][kv] = _mm512_setzero_ps();
       const uint32_t* qrow[4];
       for (int i = 0; i < 4; ++i) {
         const int64_t r = r0 + std::min(i, nr - 1), qi = r / G, g = r % G;
         qrow[i] = reinterpret_cast<const uint32_t*>(a.q + (first_row + q0 + qi) * a.q_stride_t + (h * G + g) * a.q_stride_h);
       }
-      for (int64_t p = 0; p < P; ++p) {
-        __m512i kt[4];
-        for (int kv = 0; kv < nv; ++kv) kt[kv] = _mm512_load_si512(s.kt + p * kKeys + kv * 16);
-        for (int i = 0; i < nr; ++i) {
-          const __m512bh qp = (__m512bh)_mm512_set1_epi32(int32_t(qrow[i][p]));
-          for (int kv = 0; kv < nv; ++kv) acc[i][kv] = _mm512_dpbf16_ps(acc[i][kv], qp, (__m512bh)kt[kv]);
-        }
-      }
-      // online softmax per row over the block's keys
+      scores_4x64(qrow, s.kt, P, acc);
+      // online softmax per row over the block's keys (m is kept in scaled units)
+      const __m512 vscale = _mm512_set1_ps(a.scale);
       for (int i = 0; i < nr; ++i) {
         const int64_t r = r0 + i;
         const int32_t pos = s.pos[r];
         const int32_t lo = a.window > 0 ? pos - int32_t(a.window) + 1 : 0;
-        __m512 sv[4];
+        // interior block (every key visible to this row): no masks
+        const bool full = n == nv * 16 && k0 >= lo && k0 + n - 1 <= pos;
         __mmask16 valid[4];
         __m512 mx = neg_inf;
-        bool any = false;
+        bool any = full;
         for (int kv = 0; kv < nv; ++kv) {
-          const __m512i kpos = _mm512_add_epi32(_mm512_set1_epi32(int32_t(k0 + kv * 16)), lane);
-          valid[kv] = _mm512_cmple_epi32_mask(kpos, _mm512_set1_epi32(pos)) &
-                      _mm512_cmpge_epi32_mask(kpos, _mm512_set1_epi32(lo)) & tail_mask(n - kv * 16);
-          any |= valid[kv] != 0;
-          sv[kv] = _mm512_mask_mov_ps(neg_inf, valid[kv], _mm512_mul_ps(acc[i][kv], _mm512_set1_ps(a.scale)));
-          mx = _mm512_max_ps(mx, sv[kv]);
+          if (full) {
+            valid[kv] = 0xffff;
+          } else {
+            const __m512i kpos = _mm512_add_epi32(_mm512_set1_epi32(int32_t(k0 + kv * 16)), lane);
+            valid[kv] = _mm512_cmple_epi32_mask(kpos, _mm512_set1_epi32(pos)) &
+                        _mm512_cmpge_epi32_mask(kpos, _mm512_set1_epi32(lo)) & tail_mask(n - kv * 16);
+            any |= valid[kv] != 0;
+          }
+          mx = _mm512_mask_max_ps(mx, valid[kv], mx, acc[i][kv]);
         }
         uint32_t* pr = s.pp + r * (kKeys / 2);
         if (!any) {
           for (int tp = 0; tp < nv * 8; ++tp) pr[tp] = 0;
           continue;
         }
-        const float mb = std::max(s.m[r], _mm512_reduce_max_ps(mx));
+        const float mb = std::max(s.m[r], _mm512_reduce_max_ps(mx) * a.scale);  // scale > 0
         const __m512 vmb = _mm512_set1_ps(mb);
         __m512 psum = _mm512_setzero_ps();
         for (int kv = 0; kv < nv; ++kv) {
-          const __m256i pb = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(valid[kv], exp16(_mm512_sub_ps(sv[kv], vmb))));
+          const __m512 e = exp16(_mm512_fmsub_ps(acc[i][kv], vscale, vmb));
+          const __m256i pb = (__m256i)_mm512_cvtneps_pbh(full ? e : _mm512_maskz_mov_ps(valid[kv], e));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + kv * 8), pb);
           psum = _mm512_add_ps(psum, bf16x16_to_f32(pb));
         }
@@ -234,27 +279,20 @@ PDS_AVX512_BF16 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_
         }
       }
     }
-    // O += P V: per 32-dim chunk, 4 rows' lo/hi accumulators in registers
-    for (int64_t c = 0; c < chunks; ++c) {
-      for (int64_t r0 = 0; r0 < nrows; r0 += 4) {
-        const int nr = int(std::min<int64_t>(4, nrows - r0));
-        __m512 lo[4], hi[4];
-        for (int i = 0; i < nr; ++i) {
-          lo[i] = _mm512_load_ps(s.o + (r0 + i) * kMaxD + c * 32);
-          hi[i] = _mm512_load_ps(s.o + (r0 + i) * kMaxD + c * 32 + 16);
-        }
-        for (int tp = 0; tp < pairs; ++tp) {
-          const __m512i vlo = s.vi[(tp * chunks + c) * 2], vhi = s.vi[(tp * chunks + c) * 2 + 1];
-          for (int i = 0; i < nr; ++i) {
-            const __m512bh p = (__m512bh)_mm512_set1_epi32(int32_t(s.pp[(r0 + i) * (kKeys / 2) + tp]));
-            lo[i] = _mm512_dpbf16_ps(lo[i], p, (__m512bh)vlo);
-            hi[i] = _mm512_dpbf16_ps(hi[i], p, (__m512bh)vhi);
-          }
-        }
-        for (int i = 0; i < nr; ++i) {
-          _mm512_store_ps(s.o + (r0 + i) * kMaxD + c * 32, lo[i]);
-          _mm512_store_ps(s.o + (r0 + i) * kMaxD + c * 32 + 16, hi[i]);
-        }
+    // O += P V: RG rows x all CH chunks (lo and hi) of accumulators in registers, 16 at most
+    constexpr int RG = CH >= 8 ? 1 : 8 / CH;
+    for (int64_t r0 = 0; r0 < nrows; r0 += RG) {
+      float* o = s.o + r0 * kMaxD;
+      const uint32_t* pr = s.pp + r0 * (kKeys / 2);
+      switch (std::min<int64_t>(RG, nrows - r0)) {
+        case 1: pv_rows<1, CH>(o, pr, s.vi, pairs); break;
+        case 2: pv_rows<(RG >= 2 ? 2 : 1), CH>(o, pr, s.vi, pairs); break;
+        case 3: pv_rows<(RG >= 3 ? 3 : 1), CH>(o, pr, s.vi, pairs); break;
+        case 4: pv_rows<(RG >= 4 ? 4 : 1), CH>(o, pr, s.vi, pairs); break;
+        case 5: pv_rows<(RG >= 5 ? 5 : 1), CH>(o, pr, s.vi, pairs); break;
+        case 6: pv_rows<(RG >= 6 ? 6 : 1), CH>(o, pr, s.vi, pairs); break;
+        case 7: pv_rows<(RG >= 7 ? 7 : 1), CH>(o, pr, s.vi, pairs); break;
+        default: pv_rows<(RG >= 8 ? 8 : 1), CH>(o, pr, s.vi, pairs); break;
       }
     }
   }
@@ -329,12 +367,21 @@ void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor&
               page_table.stride(0), H, KVH, k_cache.size(2), D, window, float(scale)};
   const int64_t ntasks = int64_t(task_req.size()) * KVH;
   at::parallel_for(0, ntasks, 1, [&](int64_t begin, int64_t end) {
-    auto scratch = std::make_unique<Scratch>();
+    std::unique_ptr<Scratch> scratch(new Scratch);  // not value-initialised: every field is written before use
     for (int64_t t = begin; t < end; ++t) {
       const int64_t i = t / KVH, h = t % KVH;
       const int64_t b = task_req[i], q0 = task_q0[i];
       const int64_t nq = std::min<int64_t>(kQueries, (qs[b + 1] - qs[b]) - q0);
-      flash_task(a, b, h, q0, nq, *scratch);
+      switch ((D + 31) / 32) {
+        case 1: flash_task<1>(a, b, h, q0, nq, *scratch); break;
+        case 2: flash_task<2>(a, b, h, q0, nq, *scratch); break;
+        case 3: flash_task<3>(a, b, h, q0, nq, *scratch); break;
+        case 4: flash_task<4>(a, b, h, q0, nq, *scratch); break;
+        case 5: flash_task<5>(a, b, h, q0, nq, *scratch); break;
+        case 6: flash_task<6>(a, b, h, q0, nq, *scratch); break;
+        case 7: flash_task<7>(a, b, h, q0, nq, *scratch); break;
+        default: flash_task<8>(a, b, h, q0, nq, *scratch); break;
+      }
     }
   });
 #endif
