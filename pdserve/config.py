@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from pdserve import envs
 
@@ -57,7 +57,7 @@ class ServerArgs:
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
     # process
-    torch_num_threads: Optional[int] = None
+    torch_num_threads: Optional[int] = None  # per rank (default: the host's cores / tp_size)
     tp_size: int = 1
     dp_size: int = 1
     log_level: str = "info"
@@ -83,6 +83,7 @@ class ServerArgs:
     disaggregation_fault_prob: float = 0.0
     disaggregation_fault_mode: str = "fail_transfer"
     disaggregation_fault_delay: float = 1.0  # seconds, for delay_transfer
+    disaggregation_fault_ranks: Optional[str] = None  # comma-separated TP ranks that inject (None: all)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -130,8 +131,8 @@ class ServerArgs:
             bad("schedule_policy", f"must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.context_length is not None and self.context_length < 1:
             bad("context_length", f"must be >= 1, got {self.context_length}")
-        if self.tp_size != 1:
-            bad("tp_size", "only 1 is supported in this version")
+        if self.tp_size < 1:
+            bad("tp_size", f"must be >= 1, got {self.tp_size}")
         if self.dp_size != 1:
             bad("dp_size", "only 1 is supported in this version")
         if self.torch_num_threads is not None and self.torch_num_threads < 1:
@@ -164,6 +165,14 @@ class ServerArgs:
                                              f"got {self.disaggregation_fault_mode!r}")
         if self.disaggregation_fault_delay < 0:
             bad("disaggregation_fault_delay", f"must be >= 0, got {self.disaggregation_fault_delay}")
+        if self.disaggregation_fault_ranks is not None:
+            try:
+                ranks = [int(r) for r in self.disaggregation_fault_ranks.split(",") if r.strip()]
+            except ValueError:
+                ranks = []
+            if not ranks or any(not 0 <= r < self.tp_size for r in ranks):
+                bad("disaggregation_fault_ranks", f"must be a comma-separated list of TP ranks in [0, {self.tp_size}), "
+                                                  f"got {self.disaggregation_fault_ranks!r}")
         if self.disaggregation_secret == "":
             bad("disaggregation_secret", "must not be empty (leave it unset to turn authentication off)")
         if self.served_model_name is None:
@@ -223,3 +232,11 @@ class ServerArgs:
         kwargs = {n: getattr(args, n) for n in names if hasattr(args, n)}
         envs.apply_env_defaults(kwargs, {f.name: f.default for f in dataclasses.fields(cls)})
         return cls(**kwargs)
+
+
+def server_option(server_args: Any, name: str) -> Any:
+    """``server_args.<name>``, or ServerArgs' default when no server args are given (parts such as
+    the KV manager can be built without a full configuration, e.g. in tests and benchmarks)."""
+    if server_args is not None and hasattr(server_args, name):
+        return getattr(server_args, name)
+    return {f.name: f.default for f in dataclasses.fields(ServerArgs)}[name]

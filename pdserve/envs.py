@@ -22,6 +22,7 @@ ENV_TO_FIELD = {
     "PDSERVE_DISAGGREGATION_FAULT_PROB": "disaggregation_fault_prob",
     "PDSERVE_DISAGGREGATION_FAULT_MODE": "disaggregation_fault_mode",
     "PDSERVE_DISAGGREGATION_FAULT_DELAY": "disaggregation_fault_delay",
+    "PDSERVE_DISAGGREGATION_FAULT_RANKS": "disaggregation_fault_ranks",
     "PDSERVE_TORCH_NUM_THREADS": "torch_num_threads",
 }
 

@@ -247,7 +247,7 @@ def _http(method: str, url: str, body: Optional[dict] = None, timeout: float = 5
         return code, raw.decode(errors="replace")
 
 
-def register_rank(host: str, port: int, info: dict[str, Any], attempts: int = 10,
+def register_rank(host: str, port: int, info: dict[str, Any], attempts: int = 30,
                   backoff: float = 0.1, max_backoff: float = 2.0, timeout: float = 5.0,
                   secret: Optional[str] = None) -> None:
     """PUT this rank's info (signed when ``secret`` is given), retrying with exponential backoff

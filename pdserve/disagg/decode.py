@@ -20,7 +20,6 @@ Requests that arrive without bootstrap fields are served like on a colocated ser
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -36,7 +35,7 @@ logger = logging.getLogger(__name__)
 # HTTP status of a failed request: 502 when its KV did not come from prefill (prefill failed,
 # died, timed out, sent an untrusted row), 503 when this decode is overloaded. The router blames
 # the prefill leg for a 502 and this decode for a 503.
-TRANSFER_FAILED_STATUS = 502
+KV_NOT_RECEIVED_STATUS = 502
 OVERLOADED_STATUS = 503
 
 
@@ -105,6 +104,10 @@ class DecodeQueues:
                 "prealloc_queue": len(self.prealloc), "transfer_queue": len(self.transfer),
                 "draining_rooms": len(self.draining), **counts}
 
+    def stats(self) -> dict:
+        return {"draining_rooms": len(self.draining), "prealloc_queue": len(self.prealloc),
+                "transfer_queue": len(self.transfer)}
+
     def discard(self, req: Req) -> None:
         """The request ended before joining the running batch: park its pages until drained."""
         st: Optional[_DecodeState] = req.disagg
@@ -130,7 +133,7 @@ class DecodeQueues:
         self._process_prealloc()
         self._process_transfer()
 
-    def _fail(self, req: Req, reason: str, status: int = TRANSFER_FAILED_STATUS) -> None:
+    def _fail(self, req: Req, reason: str, status: int = KV_NOT_RECEIVED_STATUS) -> None:
         logger.warning("request %s (room %s) failed: %s", req.rid, req.bootstrap_room, reason)
         self.s.finish(req, FinishReason(FinishKind.ABORT, message=reason, status_code=status))
 
@@ -156,7 +159,7 @@ class DecodeQueues:
         if not self.prealloc:
             return
         states = poll_and_all_reduce([r.disagg.receiver for r in self.prealloc], self.group)
-        now = time.monotonic()
+        now = self.s.now()  # the loop clock: every rank times out alike
         blocked = False
         for req, state in zip(list(self.prealloc), states):
             st: _DecodeState = req.disagg

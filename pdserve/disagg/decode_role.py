@@ -19,11 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pdserve.disagg import rank_map
 from pdserve.disagg.bootstrap import BootstrapNotReady, fetch_prefill_info, fetch_rank_info, parse_addr
 from pdserve.disagg.kv_args import COMPAT_FIELDS, compat_mismatches
 from pdserve.disagg.messages import (Abort, AbortAck, BufferDesc, Heartbeat, Register, RegisterAck,
                                      TransferStatus, parse_completion_notice)
 from pdserve.disagg.poll import KVPoll
+from pdserve.disagg.rank_map import HeadSlice
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,8 @@ REGISTER_TIMEOUT_S = 10.0
 class _Target:
     endpoint: str
     rank: int  # the prefill rank's unique id (tp_rank * pp_size + pp_rank)
+    slice: Optional[HeadSlice] = None  # the KV heads it writes into this rank
+    required_dst: int = 1  # decode ranks that ask this prefill rank for each room
 
 
 @dataclass
@@ -108,15 +112,19 @@ class DecodeRole:
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
         errs = compat_mismatches({k: info.get(k) for k in COMPAT_FIELDS}, a.compat_info())
-        if info.get("tp_size") != a.tp_size:
-            errs.append(f"tp_size mismatch: prefill {info.get('tp_size')}, decode {a.tp_size} "
-                        "(different TP sizes are not supported yet)")
         c.info = info
-        pp_size = int(info["pp_size"])
-        tp_rank = a.engine_rank % int(info["tp_size"])
-        for pp in range(pp_size):  # decode holds every layer: ask every prefill stage
-            r = fetch_rank_info(host, port, 0, tp_rank, pp, timeout=2.0)
-            c.targets.append(_Target(f"tcp://{r['rank_ip']}:{r['rank_port']}", tp_rank * pp_size + pp))
+        pp_size, p_tp = int(info["pp_size"]), int(info["tp_size"])
+        try:  # which prefill ranks write which of this rank's KV heads (rank_map.py)
+            slices = rank_map.sources(p_tp, a.tp_size, a.total_kv_head_num, a.num_heads, a.engine_rank)
+        except ValueError as e:
+            slices = []
+            errs.append(f"prefill tp {p_tp} and decode tp {a.tp_size} cannot exchange KV: {e}")
+        for sl in slices:
+            required = rank_map.destinations_of(p_tp, a.tp_size, a.total_kv_head_num, a.num_heads, sl.prefill_rank)
+            for pp in range(pp_size):  # decode holds every layer: ask every prefill stage
+                r = fetch_rank_info(host, port, 0, sl.prefill_rank, pp, timeout=2.0)
+                c.targets.append(_Target(f"tcp://{r['rank_ip']}:{r['rank_port']}", sl.prefill_rank * pp_size + pp,
+                                         sl, required))
         if errs:
             return self._fail_conn(c, f"prefill {c.addr} is incompatible: " + "; ".join(errs), tell_prefill=True)
         reg = Register(session_id=c.session_id, decode_rank=a.engine_rank, decode_tp_size=a.tp_size,
@@ -152,7 +160,7 @@ class DecodeRole:
                     rs.abort_at = time.monotonic()
                     aborted[r] = (rs.generation, m.failure_reason(r))
         for room, (generation, reason) in aborted.items():
-            self._send_abort(c, room, generation, reason)
+            self.send_abort(c, room, generation, reason)
         logger.info("%s: connected to prefill %s (%d rank(s))", m.name, c.addr, len(c.targets))
 
     def _fail_conn(self, c: _Conn, reason: str, tell_prefill: bool = False) -> None:
@@ -177,9 +185,9 @@ class DecodeRole:
         logger.warning("%s: %s", m.name, reason)
         if tell_prefill:
             for room, generation in failed:
-                self._send_abort(c, room, generation, reason)
+                self.send_abort(c, room, generation, reason)
 
-    def _send_abort(self, c: _Conn, room: int, generation: int, reason: str) -> None:
+    def send_abort(self, c: _Conn, room: int, generation: int, reason: str) -> None:
         reply = self.mgr.endpoint(parse_addr(c.addr)[0])
         for t in c.targets:
             self.mgr.send(t.endpoint, Abort(session_id=c.session_id, room=room, generation=generation,

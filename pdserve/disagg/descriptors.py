@@ -44,3 +44,23 @@ def region_descriptors(src_ptrs: Sequence[int], dst_ptrs: Sequence[int], item_le
     dst = (dp + d_start[None, :] * il).reshape(-1)
     lens = np.broadcast_to(n[None, :] * il, (len(sp), len(n))).reshape(-1)
     return src, dst, lens
+
+
+def head_slice_descriptors(src_ptrs: Sequence[int], dst_ptrs: Sequence[int], src_item: int, dst_item: int,
+                           src_items: Sequence[int], dst_items: Sequence[int], src_offset: int, dst_offset: int,
+                           length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Descriptors copying ``length`` bytes at ``src_offset`` of each source item to ``dst_offset``
+    of the matching destination item, in every region (item sizes differ between the sides: a
+    slice of a page's heads, for tensor-parallel ranks holding different heads). One descriptor per
+    (region, page): the slice of consecutive pages is not contiguous. Ordered region-major."""
+    if len(src_ptrs) != len(dst_ptrs):
+        raise ValueError(f"region lists differ: {len(src_ptrs)} src, {len(dst_ptrs)} dst")
+    s_items = np.asarray(src_items, dtype=np.int64)
+    d_items = np.asarray(dst_items, dtype=np.int64)
+    if len(s_items) != len(d_items):
+        raise ValueError(f"page lists differ in length: {len(s_items)} src, {len(d_items)} dst")
+    sp = np.asarray(src_ptrs, dtype=np.int64)[:, None]
+    dp = np.asarray(dst_ptrs, dtype=np.int64)[:, None]
+    src = (sp + s_items[None, :] * src_item + src_offset).reshape(-1)
+    dst = (dp + d_items[None, :] * dst_item + dst_offset).reshape(-1)
+    return src, dst, np.full(src.shape, length, dtype=np.int64)

@@ -2,7 +2,9 @@
 before any byte moves).
 
 ``registration_errors``: a ``Register`` is accepted only when both sides agree on the model,
-layout, page size, dtype, transfer backend and TP size (errors name both sides' values).
+layout, page size, dtype and transfer backend, and their TP sizes can be paired
+(``rank_map``: this rank writes some KV heads into that decode rank); errors name both sides'
+values.
 
 A ``TransferRequest`` names destination pages, a metadata row and state slots by index. The
 prefill rank accepts it only when
@@ -20,8 +22,17 @@ abort acknowledged, the room cleared), which is always before decode may reuse t
 
 from __future__ import annotations
 
+from pdserve.disagg import rank_map
 from pdserve.disagg.kv_args import compat_mismatches
 from pdserve.disagg.messages import BufferDesc, Register, TransferRequest
+from pdserve.disagg.rank_map import HeadSlice
+
+
+def head_slice(a, msg: Register) -> HeadSlice:
+    """The KV heads prefill rank ``a`` writes into the decode rank of ``msg`` (``rank_map``);
+    ValueError when the TP sizes cannot be paired or this rank writes nothing there."""
+    return rank_map.slice_for(a.tp_size, msg.decode_tp_size, a.total_kv_head_num, a.num_heads, a.engine_rank,
+                              msg.decode_rank)
 
 
 def registration_errors(a, msg: Register, backend_name: str) -> list[str]:
@@ -29,18 +40,22 @@ def registration_errors(a, msg: Register, backend_name: str) -> list[str]:
     errs = compat_mismatches(a.compat_info(), msg.compat)
     if msg.backend != backend_name:
         errs.append(f"transfer backend mismatch: prefill {backend_name}, decode {msg.backend}")
-    if msg.decode_tp_size != a.tp_size:
-        errs.append(f"tp_size mismatch: prefill {a.tp_size}, decode {msg.decode_tp_size} "
-                    "(different TP sizes are not supported yet)")
+    try:
+        sl = head_slice(a, msg)
+    except ValueError as e:
+        return errs + [f"prefill tp {a.tp_size} rank {a.engine_rank} and decode tp {msg.decode_tp_size} "
+                       f"rank {msg.decode_rank}: {e}"]
     per = a.kv_entries_per_layer
     lo, hi = a.prefill_start_layer * per, (a.prefill_start_layer + a.num_local_layers) * per
     dst_items = msg.buffers.kv_item_lens[lo:hi]
+    # one page item = the rank's KV heads x page_size x head_dim: the decode rank's holds its heads
+    want = [item // sl.src_heads * sl.dst_heads for item in a.kv_item_lens]
     if len(msg.buffers.kv_data_ptrs) < hi:
         errs.append(f"kv entries mismatch: prefill needs layers up to {hi // per}, "
                     f"decode has {len(msg.buffers.kv_data_ptrs) // per}")
-    elif dst_items != list(a.kv_item_lens):
-        errs.append(f"kv page item bytes mismatch: prefill {sorted(set(a.kv_item_lens))}, "
-                    f"decode {sorted(set(dst_items))}")
+    elif dst_items != want:
+        errs.append(f"kv page item bytes mismatch: decode rank {msg.decode_rank} should hold {sl.dst_heads} KV "
+                    f"head(s) per page ({sorted(set(want))} bytes), it registered {sorted(set(dst_items))}")
     if msg.buffers.aux_item_lens != list(a.aux_item_lens):
         errs.append(f"metadata row layout mismatch: prefill {a.aux_item_lens}, decode {msg.buffers.aux_item_lens}")
     if msg.buffers.state_type != a.state_type:

@@ -48,6 +48,9 @@ class FakeKVSender:
     def failure_reason(self) -> str:
         return self._failed
 
+    def written(self) -> tuple[int, int]:
+        return 0, 0
+
     def keepalive(self) -> None:
         pass
 

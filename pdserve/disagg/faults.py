@@ -11,7 +11,8 @@ its first transfer job runs); the fault's kind is drawn from ``--disaggregation-
 - ``corrupt_aux_room``: the metadata row lands with a wrong ``bootstrap_room`` (another row's);
 - ``kill_transfer_thread``: the transfer worker thread dies while handling the room's chunk.
 
-With P = 0 (the default) nothing here runs.
+``--disaggregation-fault-ranks 1`` limits the faults to those TP ranks of the server (default:
+every rank). With P = 0 (the default) nothing here runs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import random
 import threading
 from typing import Any, Optional
+
+from pdserve.config import server_option
 
 FAIL_TRANSFER = "fail_transfer"
 DROP_STATUS = "drop_status"
@@ -42,10 +45,11 @@ class FaultInjector:
         self.injected: dict[str, int] = {m: 0 for m in self.modes}
 
     @classmethod
-    def from_args(cls, server_args: Any) -> "FaultInjector":
-        from pdserve.disagg.manager import server_option
-
-        return cls(server_option(server_args, "disaggregation_fault_prob"),
+    def from_args(cls, server_args: Any, tp_rank: int = 0) -> "FaultInjector":
+        """The injector of one rank: off on ranks outside ``--disaggregation-fault-ranks``."""
+        ranks = server_option(server_args, "disaggregation_fault_ranks")
+        on = ranks is None or tp_rank in {int(r) for r in str(ranks).split(",") if r.strip()}
+        return cls(server_option(server_args, "disaggregation_fault_prob") if on else 0.0,
                    server_option(server_args, "disaggregation_fault_mode"),
                    server_option(server_args, "disaggregation_fault_delay"),
                    int(server_option(server_args, "random_seed")))

@@ -32,9 +32,11 @@ class KVArgs:
     state_item_lens: list[int] = field(default_factory=list)
     state_type: str = "none"
     state_dim_per_tensor: list[int] = field(default_factory=list)
-    # head slicing (non-MLA): heads held by this rank / by the whole model
+    # head slicing (non-MLA): KV heads held by this rank / by the whole model, query heads of the
+    # whole model (which KV heads a rank holds follows from them: distributed.kv_heads_for_rank)
     kv_head_num: int = 0
     total_kv_head_num: int = 0
+    num_heads: int = 0
     page_size: int = 1
     # parallelism
     tp_size: int = 1

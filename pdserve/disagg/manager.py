@@ -1,6 +1,7 @@
 """KV manager: one per scheduler rank; owns the control socket, the transfer backend and the
-per-room state. The role-specific halves live in ``sender.py`` (prefill) and ``receiver.py``
-(decode); ``fake.py`` has the no-protocol variant used for warmup and scheduler tests.
+per-room state. The role-specific halves live in ``prefill_role.py`` and ``decode_role.py``, the
+per-room handles the scheduler holds in ``sender.py`` and ``receiver.py``; ``fake.py`` has the
+no-protocol variant used for warmup and scheduler tests.
 
 Threads per manager:
 - the caller's (scheduler) thread: constructs senders/receivers and calls their methods;
@@ -14,7 +15,6 @@ one lock each. Nothing here blocks the scheduler on the network.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import socket
 import threading
@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import zmq
 
+from pdserve.config import server_option
 from pdserve.disagg.faults import FaultInjector
 from pdserve.disagg.kv_args import KVArgs
 from pdserve.disagg.messages import AuthError, Message, MessageCodec, ProtocolError
@@ -33,15 +34,6 @@ from pdserve.disagg.transfer.base import get_backend
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.05
-
-
-def server_option(server_args: Any, name: str) -> Any:
-    """``server_args.<name>``, or ServerArgs' default when no server args are given."""
-    if server_args is not None and hasattr(server_args, name):
-        return getattr(server_args, name)
-    from pdserve.config import ServerArgs
-
-    return {f.name: f.default for f in dataclasses.fields(ServerArgs)}[name]
 
 
 def route_ip(peer_host: str) -> str:
@@ -76,7 +68,7 @@ class KVManager:
         self.bootstrap_port = int(server_option(server_args, "disaggregation_bootstrap_port"))
         self.secret = server_option(server_args, "disaggregation_secret") or None
         self.codec = MessageCodec(self.secret.encode() if self.secret else None)
-        self.faults = FaultInjector.from_args(server_args)
+        self.faults = FaultInjector.from_args(server_args, kv_args.engine_rank)
         self.rejected_messages = 0  # undecodable or unauthenticated control messages
         self.name = f"{mode}-tp{kv_args.engine_rank}"
         self.session_prefix = uuid.uuid4().hex[:12]
@@ -97,7 +89,7 @@ class KVManager:
         self._closed = threading.Event()
 
         if mode == "prefill":
-            from pdserve.disagg.sender import PrefillRole
+            from pdserve.disagg.prefill_role import PrefillRole
 
             self.role: Any = PrefillRole(self)
         else:

@@ -77,17 +77,37 @@ class StatusTable:
 class Pollable(Protocol):
     def poll(self) -> KVPoll: ...
 
+    def failure_reason(self) -> str: ...
+
+    def abort(self, reason: str) -> None: ...
+
 
 def poll_and_all_reduce(pollers: Sequence[Pollable], group=None) -> list[KVPoll]:
     """Poll every sender/receiver and MIN-all-reduce the values over ``group`` (a CPU gloo
     process group of the server's TP ranks). Every rank must call this with its pollers for the
-    same rooms in the same order. Without a group the local values are returned."""
+    same rooms in the same order. Without a group the local values are returned.
+
+    A room that failed on some rank fails on every rank, with that rank's reason: the ranks that
+    had not failed it abort it locally (so they stop writing or waiting and tell their peers), and
+    all of them end the request with the same message."""
     values = [int(p.poll()) for p in pollers]
     if group is None or not values:
         return [KVPoll(v) for v in values]
+    import msgspec
     import torch
     import torch.distributed as dist
 
+    from pdserve.distributed import all_gather_bytes
+
     t = torch.tensor(values, dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return [KVPoll(int(v)) for v in t.tolist()]
+    reduced = [KVPoll(int(v)) for v in t.tolist()]
+    failed = [i for i, v in enumerate(reduced) if v == KVPoll.Failed]
+    if failed:  # every rank sees the same reduced states, so every rank takes this branch
+        mine = [pollers[i].failure_reason() if values[i] == KVPoll.Failed else "" for i in failed]
+        ranks = [msgspec.msgpack.decode(b) for b in all_gather_bytes(msgspec.msgpack.encode(mine), group)]
+        for k, i in enumerate(failed):
+            reason = next((r[k] for r in ranks if r[k]), "") or "KV transfer failed on another rank"
+            if values[i] != KVPoll.Failed or not mine[k]:
+                pollers[i].abort(reason)
+    return reduced

@@ -36,7 +36,7 @@ FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 # HTTP status of a failed room: 502 when the decode side caused it (aborted, died, never asked),
 # 503 when this prefill did (its transfer failed). The router blames the other leg for a 502.
 PEER_FAILED_STATUS = 502
-TRANSFER_FAILED_STATUS = 503
+OWN_TRANSFER_FAILED_STATUS = 503
 
 
 @dataclass
@@ -63,8 +63,6 @@ class PrefillQueues:
         self.recent_transfers: deque[dict] = deque(maxlen=256)
         self.keepalive_s = min(1.0, scheduler.args.disaggregation_waiting_timeout / 4)
         self._next_keepalive = 0.0
-        kv = scheduler.pool
-        self.page_bytes = kv.item_bytes * 2 * kv.num_layers
         scheduler.on_chunk_done = self.on_chunk_done
         scheduler.on_prefill_done = self.on_prefill_done
 
@@ -144,7 +142,7 @@ class PrefillQueues:
     def _fail(self, req: Req, reason: str) -> None:
         logger.warning("request %s (room %s) failed: %s", req.rid, req.bootstrap_room, reason)
         local = req.disagg is not None and req.disagg.sender.failed_here()
-        status = TRANSFER_FAILED_STATUS if local else PEER_FAILED_STATUS
+        status = OWN_TRANSFER_FAILED_STATUS if local else PEER_FAILED_STATUS
         self.s.finish(req, FinishReason(FinishKind.ABORT, message=reason, status_code=status))
 
     def _process_bootstrap(self) -> None:
@@ -181,11 +179,11 @@ class PrefillQueues:
         if st.first_send is None or req.bootstrap_room is None:
             return
         now = time.monotonic()
-        nbytes = st.sent_pages * self.page_bytes
+        descriptors, nbytes = st.sender.written()  # this rank's writes, into every decode rank it serves
         window = now - st.first_send
         self.recent_transfers.append({
             "rid": req.rid, "room": req.bootstrap_room, "pages": st.sent_pages, "kv_bytes": nbytes,
-            "window_s": window, "after_last_chunk_s": now - st.last_send,
+            "descriptors": descriptors, "window_s": window, "after_last_chunk_s": now - st.last_send,
             "gb_per_s": nbytes / window / 1e9 if window > 0 else None,
         })
 

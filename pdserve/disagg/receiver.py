@@ -69,10 +69,12 @@ class KVReceiver:
         if st < KVPoll.WaitingForInput:
             raise RuntimeError(f"send_metadata for room {self.room} before the connection is ready ({st.name})")
         c = rs.conn
+        # each target writes its KV heads; exactly one of them writes the metadata row
         reqs = [(t, TransferRequest(session_id=c.session_id, room=self.room, generation=rs.generation,
-                                    dst_pages=[int(p) for p in dst_pages], aux_slot=int(aux_slot),
+                                    dst_pages=[int(p) for p in dst_pages],
+                                    aux_slot=int(aux_slot) if t.slice is None or t.slice.writes_metadata else -1,
                                     state_indices=[int(i) for i in state_indices or []],
-                                    required_dst_info_num=1, decode_prefix_pages=int(decode_prefix_pages),
+                                    required_dst_info_num=t.required_dst, decode_prefix_pages=int(decode_prefix_pages),
                                     reply_endpoint=m.endpoint(parse_addr(c.addr)[0])))
                 for t in c.targets]
         with m.lock:
@@ -102,7 +104,7 @@ class KVReceiver:
             rs.abort_at = time.monotonic()
             if all(t.rank in rs.stopped for t in rs.conn.targets):
                 return
-        self.role._send_abort(rs.conn, self.room, rs.generation, reason)
+        self.role.send_abort(rs.conn, self.room, rs.generation, reason)
 
     def writes_drained(self) -> bool:
         """True when no prefill rank can still write into this room's pages: nothing was asked,

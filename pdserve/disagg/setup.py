@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from pdserve.config import ServerArgs
+from pdserve.distributed import SINGLE, TPGroup
 from pdserve.disagg.manager import buffer_allocator, get_kv_class
 from pdserve.disagg.metadata import MetadataBuffers
 
@@ -17,8 +18,8 @@ def num_metadata_slots(args: ServerArgs) -> int:
     return max(64, 2 * args.max_running_requests)
 
 
-def attach_disaggregation(args: ServerArgs, tokenizer=None):
-    """Build a ``Scheduler`` for ``args.disaggregation_mode`` in {prefill, decode}."""
+def attach_disaggregation(args: ServerArgs, tokenizer=None, tp: TPGroup = SINGLE):
+    """Build a ``Scheduler`` for ``args.disaggregation_mode`` in {prefill, decode} (one rank's)."""
     from pdserve.engine.scheduler import Scheduler
 
     mode, backend = args.disaggregation_mode, args.disaggregation_transfer_backend
@@ -26,27 +27,31 @@ def attach_disaggregation(args: ServerArgs, tokenizer=None):
     if mode == "decode" and not args.disable_radix_cache:
         # decode never prefills a bootstrapped request, so a prefix tree would only hold pages
         args.disable_radix_cache = True
-    scheduler = Scheduler(args, tokenizer, kv_allocator=allocator)
+    scheduler = Scheduler(args, tokenizer, kv_allocator=allocator, tp=tp)
     metadata = MetadataBuffers(num_metadata_slots(args), allocator=allocator, device=scheduler.runner.device)
     kv_args = get_kv_class(backend, "kv_args").from_buffers(
-        scheduler.pool, metadata, engine_rank=0, model_fingerprint=scheduler.runner.fingerprint,
+        scheduler.pool, metadata, engine_rank=tp.rank, tp_size=tp.size, model_fingerprint=scheduler.runner.fingerprint,
+        total_kv_head_num=scheduler.runner.model.total_kv_heads,
+        num_heads=scheduler.runner.model.config.num_attention_heads,
     )
+    group = tp.cpu_group if tp.size > 1 else None  # the room states are MIN-all-reduced over it
     if mode == "prefill":
         from pdserve.disagg.fake import FakeKVSender
         from pdserve.disagg.prefill import PrefillQueues
 
         bootstrap = None
-        if backend != "fake":
-            bootstrap = get_kv_class(backend, "bootstrap_server")(args.host, args.disaggregation_bootstrap_port, 1,
-                                                                   secret=args.disaggregation_secret)
+        if backend != "fake" and tp.rank == 0:  # one per server; it waits for every rank to register
+            bootstrap = get_kv_class(backend, "bootstrap_server")(args.host, args.disaggregation_bootstrap_port,
+                                                                   tp.size, secret=args.disaggregation_secret)
         mgr = get_kv_class(backend, "manager")(kv_args, "prefill", args, backend)
-        scheduler.pd = PrefillQueues(scheduler, mgr, metadata, get_kv_class(backend, "sender"), FakeKVSender)
+        scheduler.pd = PrefillQueues(scheduler, mgr, metadata, get_kv_class(backend, "sender"), FakeKVSender,
+                                     group=group)
         scheduler.pd.bootstrap_server = bootstrap
     else:
         from pdserve.disagg.decode import DecodeQueues
 
         mgr = get_kv_class(backend, "manager")(kv_args, "decode", args, backend)
         scheduler.pd = DecodeQueues(scheduler, mgr, metadata, get_kv_class(backend, "receiver"),
-                                    fake=backend == "fake")
+                                    fake=backend == "fake", group=group)
     logger.info("%s mode with the %s transfer backend", mode, backend)
     return scheduler

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.disagg import faults as f
-from pdserve.disagg.descriptors import region_descriptors
+from pdserve.disagg.descriptors import head_slice_descriptors, region_descriptors
 from pdserve.disagg.messages import AbortAck, TransferRequest, TransferStatus, completion_notice
 from pdserve.disagg.poll import KVPoll
 from pdserve.disagg.transfer.base import TransferError
@@ -152,8 +152,7 @@ class TransferWorkers:
             if m.status.get(job.room) in (None, KVPoll.Failed):
                 return  # cleared, aborted or failed: write nothing more
             targets = self.role.targets(job.room)
-            room = self.role.rooms.get(job.room)
-            required = room.required if room is not None else 1
+            required = self.role.required_destinations(job.room)
         sess = None
         pairs = [(s, req.generation) for s, req in targets]
         try:
@@ -175,7 +174,7 @@ class TransferWorkers:
             logger.warning("%s: room %d: %s", m.name, job.room, reason)
             if m.update_status(job.room, KVPoll.Failed, reason):
                 with m.lock:
-                    self.role.failed_here.add(job.room)
+                    self.role.mark_failed_here(job.room)
             self.notify(job.room, pairs, KVPoll.Failed, reason)
             return
         if job.last:
@@ -190,9 +189,19 @@ class TransferWorkers:
             raise RuntimeError(f"decode preallocated {len(req.dst_pages)} pages, prefill sends pages "
                                f"{job.page_offset}..{job.page_offset + n - 1}")
         if n:
-            # one descriptor per (layer, K|V) and page run contiguous on both sides
-            descs = region_descriptors(a.kv_data_ptrs, sess.dst_kv_ptrs, a.kv_item_lens, job.src_pages, dst_pages)
+            sl = sess.slice
+            if sl is None or sl.whole_pages:
+                # one descriptor per (layer, K|V) and page run contiguous on both sides
+                descs = region_descriptors(a.kv_data_ptrs, sess.dst_kv_ptrs, a.kv_item_lens, job.src_pages, dst_pages)
+            else:
+                # this rank's slice of heads into the decode rank's pages at their offset: one
+                # descriptor per (layer, K|V, page)
+                head = a.kv_item_lens[0] // sl.src_heads  # bytes of one head's part of a page
+                descs = head_slice_descriptors(a.kv_data_ptrs, sess.dst_kv_ptrs, a.kv_item_lens[0],
+                                               head * sl.dst_heads, job.src_pages, dst_pages,
+                                               sl.src_offset * head, sl.dst_offset * head, sl.num_heads * head)
             backend.write(sess.session_id, *descs).wait(WRITE_TIMEOUT_S)
+            self.role.count_written(job.room, len(descs[0]), int(descs[2].sum()))
         if not job.last:
             return
         b = sess.reg.buffers

@@ -49,6 +49,9 @@ class Engine:
         if model_path is not None:
             kwargs["model_path"] = model_path
         self.server_args = ServerArgs.from_kwargs(**kwargs)
+        if self.server_args.tp_size != 1:
+            raise ValueError("tp_size: the offline Engine runs one rank; serve a tensor-parallel model with "
+                             f"`pdserve serve --tp-size {self.server_args.tp_size}`")
         if self.server_args.torch_num_threads:
             torch.set_num_threads(self.server_args.torch_num_threads)
         self.tokenizer = AutoTokenizer.from_pretrained(self.server_args.tokenizer_path)

@@ -9,6 +9,7 @@ import torch
 
 from pdserve import kernels
 from pdserve.config import ServerArgs
+from pdserve.distributed import SINGLE, TPGroup
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.kv_pool import BufferAllocator, KVPool, default_allocator
 from pdserve.engine.precision import choose_compute_dtype, choose_kv_cache_dtype
@@ -32,10 +33,11 @@ def _available_host_bytes() -> int:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, kv_allocator: BufferAllocator = default_allocator):
+    def __init__(self, args: ServerArgs, kv_allocator: BufferAllocator = default_allocator, tp: TPGroup = SINGLE):
         from pdserve.models.loader import context_length, load_config, load_model, model_fingerprint
 
         self.args = args
+        self.tp = tp
         self.device = torch.device(args.device)
         # pdserve's CPU kernels (None on CUDA, or when they cannot be built: the PyTorch paths run)
         self.ops = kernels.load() if self.device.type == "cpu" else None
@@ -44,11 +46,11 @@ class ModelRunner:
             self._check_quantization_possible()
             self.dtype, why = torch.bfloat16, f"--quantization {args.quantization} computes in bf16"
         else:
-            self.dtype, why = choose_compute_dtype(args.dtype, self.device.type, hf_config, self.ops)
+            self.dtype, why = self._agree_on_dtype(hf_config)
         logger.info("compute dtype %s: %s", str(self.dtype).replace("torch.", ""), why)
         self.model, self.hf_config = load_model(
             args.model_path, dtype=str(self.dtype).replace("torch.", ""), device=args.device,
-            load_format=args.load_format, seed=args.random_seed,
+            load_format=args.load_format, seed=args.random_seed, tp=tp,
         )
         if self.ops is not None:
             self.model.use_cpu_kernels(self.ops)
@@ -72,13 +74,23 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(self.attn_backend_name, **(
             {"ops": self.ops} if self.attn_backend_name == "cpu" else {}))
         if self.attn_backend_name == "cpu" and self.dtype == torch.bfloat16:
-            self.model.enable_decode_stack(self.ops)
+            self.model.enable_decode_stack(self.ops)  # single-rank models only
         logger.info(
             "model %s loaded: %d layers, dtype %s, KV cache %s in %d pages x %d tokens (%.1f MiB), attention %s",
             os.path.basename(args.model_path.rstrip("/")), self.model.num_layers, self.dtype, self.kv_dtype, num_pages,
             args.page_size, self.pool.buffer.numel() * self.pool.buffer.element_size() / 2**20,
             self.attn_backend_name,
         )
+
+    def _agree_on_dtype(self, hf_config) -> tuple[torch.dtype, str]:
+        """Rank 0's choice on every rank (a measurement could differ between ranks)."""
+        if self.tp.rank == 0:
+            dtype, why = choose_compute_dtype(self.args.dtype, self.device.type, hf_config, self.ops)
+            choice = f"{str(dtype).replace('torch.', '')}|{why}"
+        else:
+            choice = None
+        name, _, why = self.tp.broadcast_object_str(choice).partition("|")
+        return getattr(torch, name), why
 
     def _check_quantization_possible(self) -> None:
         if self.ops is None:
@@ -98,6 +110,18 @@ class ModelRunner:
         return name
 
     def _num_pages(self) -> int:
+        """Pages of this rank's pool; every rank takes the smallest rank's count (the ranks must
+        take the same scheduling decisions, so their pools must be equal)."""
+        n = self._local_num_pages()
+        if self.tp.size > 1:
+            import torch.distributed as dist
+
+            t = torch.tensor([n], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp.cpu_group)
+            n = int(t.item())
+        return n
+
+    def _local_num_pages(self) -> int:
         args = self.args
         per_page = KVPool.bytes_per_page(
             self.model.num_layers, args.page_size, self.model.num_kv_heads, self.model.head_dim, self.kv_dtype

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 
 from pdserve.config import ServerArgs
+from pdserve.distributed import SINGLE, TPGroup
 from pdserve.engine import logprobs as lp
 from pdserve.engine.kv_pool import BufferAllocator, default_allocator
 from pdserve.engine.model_runner import ModelRunner
@@ -30,10 +31,49 @@ from pdserve.engine.stop import check_finish, eos_token_ids
 logger = logging.getLogger(__name__)
 
 
+class PDQueues(Protocol):
+    """What prefill/decode disaggregation plugs into the scheduler (``disagg/prefill.py`` and
+    ``disagg/decode.py`` implement it; ``disagg/setup.py`` builds it). Every method runs on the
+    scheduler thread, every rank calling them in the same order."""
+
+    @property
+    def has_work(self) -> bool:
+        """Requests in the PD queues (waiting on a peer or a transfer)."""
+
+    def accepts(self, req: Req) -> bool:
+        """Whether ``req`` goes to the PD queues rather than the scheduler's waiting queue."""
+
+    def add(self, req: Req) -> None: ...
+
+    def reject(self, host: Optional[str], port: Optional[int], room: int, reason: str) -> None:
+        """Tell the PD peer that a request this scheduler refused will not come (best effort)."""
+
+    def all_reqs(self) -> list[Req]:
+        """Requests held in the PD queues."""
+
+    def extra_pages(self) -> int:
+        """KV pages held by the queues outside requests (drained rooms), for the accounting."""
+
+    def discard(self, req: Req) -> None:
+        """Forget ``req`` (it finished or was aborted), releasing what the queues hold for it."""
+
+    def process_queues(self) -> None:
+        """Advance every queue once; called at the start of each scheduler step."""
+
+    def integrity(self) -> dict: ...
+
+    def stats(self) -> dict: ...
+
+
 class Scheduler:
-    def __init__(self, args: ServerArgs, tokenizer=None, kv_allocator: BufferAllocator = default_allocator):
+    def __init__(self, args: ServerArgs, tokenizer=None, kv_allocator: BufferAllocator = default_allocator,
+                 tp: TPGroup = SINGLE):
         self.args = args
-        self.runner = ModelRunner(args, kv_allocator)
+        self.tp = tp
+        # the scheduler loop's clock: rank 0's reading, set every iteration so that every rank
+        # takes time-based decisions (timeouts, arrival order) alike; None: the local clock
+        self.clock: Optional[float] = None
+        self.runner = ModelRunner(args, kv_allocator, tp)
         self.pool = self.runner.pool
         self.page_size = args.page_size
         self.tree = RadixCache(self.pool.allocator, self.page_size, disable=args.disable_radix_cache)
@@ -50,7 +90,7 @@ class Scheduler:
         self.updated: set[Req] = set()  # requests with output not yet reported
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cache_hit_tokens": 0, "retractions": 0}
         # Disaggregation queues plug in here (pdserve.disagg.prefill / decode).
-        self.pd = None
+        self.pd: Optional[PDQueues] = None
         # Called with each request that completes its prompt in prefill mode (instead of decoding).
         self.on_prefill_done: Optional[Callable[[Req], None]] = None
         self.on_chunk_done: Optional[Callable[[Req], None]] = None
@@ -80,11 +120,14 @@ class Scheduler:
     def add_request(self, req: Req) -> None:
         self.validate(req)
         req.sampling.max_new_tokens = min(req.sampling.max_new_tokens, self.context_length - req.prompt_len)
-        req.arrival_time = req.arrival_time or time.monotonic()
+        req.arrival_time = req.arrival_time or self.now()
         if self.pd is not None and self.pd.accepts(req):
             self.pd.add(req)
         else:
             self.waiting.append(req)
+
+    def now(self) -> float:
+        return self.clock if self.clock is not None else time.monotonic()
 
     def abort(self, rid: str, message: str = "aborted by client", status_code: int = 499) -> bool:
         """Abort one request (or every request when rid == ""); frees its KV at once."""

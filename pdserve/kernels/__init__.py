@@ -16,7 +16,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import logging
-import os
 import sys
 import threading
 from pathlib import Path

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.distributed import SINGLE, TPGroup
 from pdserve.hostmem import huge_like
 
 logger = logging.getLogger(__name__)
@@ -115,16 +116,44 @@ class PackedW8A8:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that runs ``impl`` (set by ``prepack_linears``) when it has one."""
+    """``nn.Linear`` that runs ``impl`` (set by ``prepack_linears``) when it has one. Under tensor
+    parallelism it is a column-parallel layer: its weight holds this rank's output rows."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__(in_features, out_features, bias=bias)
         self.impl: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
+    def matmul_bias(self) -> Optional[torch.Tensor]:
+        """The bias that belongs inside the matmul (what a prepacked impl adds)."""
+        return self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl is not None:
             return self.impl(x)
         return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(Linear):
+    """Input dimension split over the tensor-parallel ranks: each multiplies its slice of ``x`` by
+    its columns of the weight, the partial outputs are summed over the ranks, then the bias (held
+    whole on every rank) is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup = SINGLE):
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = tp
+
+    def matmul_bias(self) -> Optional[torch.Tensor]:
+        return self.bias if self.tp.size == 1 else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        y = self.impl(x) if self.impl is not None else F.linear(x, self.weight)
+        if y.dtype == torch.bfloat16:  # sum the partials in float32, round once
+            y = self.tp.all_reduce(y.float())
+            return (y + self.bias.float()).to(torch.bfloat16) if self.bias is not None else y.to(torch.bfloat16)
+        self.tp.all_reduce(y)
+        return y + self.bias if self.bias is not None else y
 
 
 class MergedLinear(Linear):
@@ -161,9 +190,9 @@ def prepack_linears(model: nn.Module, ops: Optional[ModuleType], batch_hint: int
         if isinstance(module, Linear) and module.impl is None:
             head = any(module is m for m in float32_out)
             if quantization == "w8a8_int8" and not head:
-                impl = PackedW8A8(module.weight, module.bias, ops)
+                impl = PackedW8A8(module.weight, module.matmul_bias(), ops)
             else:
-                impl = PackedBF16(module.weight, module.bias, ops, batch_hint, float32_out=head)
+                impl = PackedBF16(module.weight, module.matmul_bias(), ops, batch_hint, float32_out=head)
             module.impl = impl
             # the plain weight is no longer read: keep a 0-element stand-in of the right dtype
             module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)

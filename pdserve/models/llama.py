@@ -1,35 +1,32 @@
 """Llama-family decoder: Llama (GQA/MQA, llama3 RoPE), Qwen2 (qkv bias, optional sliding window),
-Qwen3 (per-head q/k RMSNorm), Mistral (sliding window).
+Qwen3 (per-head q/k RMSNorm), Mistral (sliding window), whole or as one tensor-parallel rank.
 
 Module names follow HF checkpoints except where projections are fused: q/k/v live in one
-``qkv_proj`` and gate/up in one ``gate_up_proj`` (see ``_FUSED``). Tokens are flattened: every
-activation is [T, ...] for the T new tokens of a ``ForwardBatch``.
+``qkv_proj`` and gate/up in one ``gate_up_proj`` (see ``models/weights.py``, which also shards
+them). Tokens are flattened: every activation is [T, ...] for the T new tokens of a
+``ForwardBatch``. Under tensor parallelism each rank holds its query heads, KV heads and MLP
+columns; o_proj and down_proj sum over the ranks, the embedding and the LM head split the
+vocabulary (``TPShards``).
 """
 
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.distributed import SINGLE, TPGroup
 from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.layers.linear import GEMV_MAX_ROWS, Linear, MergedLinear, PackedBF16, PackedW8A8, prepack_linears
+from pdserve.layers.linear import Linear, MergedLinear, PackedBF16, RowParallelLinear
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from pdserve.layers.vocab import VocabParallelEmbedding
+from pdserve.models.cpu_paths import CpuPathsMixin
+from pdserve.models.weights import TPShards, checkpoint_weight_names, load_weights
 
-# HF projection name -> (our fused module, shard index in it)
-_FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-# HF weights that carry no parameters of ours
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # First rotary table size; it grows by doubling if a longer sequence arrives.
 _ROPE_INITIAL_POSITIONS = 8192
 
@@ -54,17 +51,17 @@ def layer_sliding_window(config, layer_id: int) -> Optional[int]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, layer_id: int, shards: TPShards, qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_heads = shards.num_heads  # this rank's
+        self.num_kv_heads = shards.num_kv_heads
+        self.head_dim = shards.head_dim
         self.scale = self.head_dim ** -0.5
         self.sliding_window = layer_sliding_window(config, layer_id)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=o_bias, tp=shards.tp)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -89,14 +86,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, shards: TPShards):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act: only 'silu' is supported, got {config.hidden_act!r}")
         bias = bool(getattr(config, "mlp_bias", False))
-        inter = config.intermediate_size
+        inter = shards.intermediate  # this rank's columns
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias)
-        self.down_proj = Linear(inter, config.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, tp=shards.tp)
         self.ops: Optional[ModuleType] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,10 +107,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, **attn_kwargs):
+    def __init__(self, config, layer_id: int, shards: TPShards, **attn_kwargs):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, **attn_kwargs)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_id, shards, **attn_kwargs)
+        self.mlp = LlamaMLP(config, shards)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -130,11 +127,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, **attn_kwargs):
+    def __init__(self, config, shards: TPShards, **attn_kwargs):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(shards.vocab_rows, config.hidden_size, shards.vocab[0], shards.tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, **attn_kwargs) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, shards, **attn_kwargs) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = self.layers[0].self_attn.head_dim
@@ -161,9 +158,10 @@ class LlamaModel(nn.Module):
         return h
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CpuPathsMixin, nn.Module):
     """``model(fb) -> hidden [T, hidden_size]`` (final norm applied);
-    ``compute_logits(hidden [N, hidden_size]) -> [N, vocab_size]`` float32."""
+    ``compute_logits(hidden [N, hidden_size]) -> [N, vocab_size]`` float32 (every rank gets the
+    whole vocabulary's logits)."""
 
     qk_norm = False
 
@@ -173,21 +171,25 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
-    def __init__(self, config):
+    def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
         self.config = config
+        self.tp = tp
+        self.shards = TPShards.of(config, tp)
         qkv_bias, o_bias = self.attention_biases(config)
-        self.model = LlamaModel(config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm)
+        self.model = LlamaModel(config, self.shards, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied: the logits reuse the embedding matrix; no shared Parameter, which would come apart
         # when the loader materialises the model from the meta device.
-        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, self.shards.vocab_rows,
+                                                                    bias=False)
         # tied embeddings on a prepacked CPU model: the logits' own packed copy of the embedding
         self.tied_logits: Optional[PackedBF16] = None
         attn = self.model.layers[0].self_attn
         self.num_layers = config.num_hidden_layers
-        self.num_heads = attn.num_heads
-        self.num_kv_heads = attn.num_kv_heads
+        self.num_heads = attn.num_heads  # this rank's
+        self.num_kv_heads = attn.num_kv_heads  # this rank's (its KV pool's)
+        self.total_kv_heads = self.shards.total_kv_heads
         self.head_dim = attn.head_dim
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
@@ -197,100 +199,23 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()  # a no-op copy when the head outputs float32
-        if self.tied_logits is not None:
-            return self.tied_logits(hidden).float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
-
-    # ---- CPU fast paths --------------------------------------------------------------------------
-    def use_cpu_kernels(self, ops: ModuleType) -> None:
-        """Run norms, RoPE and SiLU-mul with pdserve's CPU kernels (``pdserve.kernels``)."""
-        for module in self.modules():
-            if hasattr(module, "ops"):
-                module.ops = ops
-
-    def enable_decode_stack(self, ops: ModuleType) -> None:
-        """Run decode-only batches through ``ops.DecodeModel`` (after ``prepack`` with ``ops``): the
-        same kernels as the layer-by-layer path, without Python between them."""
-        first = self.model.layers[0].self_attn
-        stack = ops.DecodeModel(first.num_heads, first.num_kv_heads, first.head_dim,
-                                self.model.norm.eps, first.scale, GEMV_MAX_ROWS)
-
-        def parts(linear: Linear) -> list:
-            impl = linear.impl
-            if isinstance(impl, PackedW8A8):
-                bias = None if impl.bias is None else impl.bias.to(torch.bfloat16)
-                return [None, None, bias, impl.packed, impl.colsum, impl.scale, torch.tensor(impl.out_features)]
-            return [impl.vnni, impl.onednn, impl.bias]
-
-        for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            stack.add_layer(
-                layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
-                parts(attn.qkv_proj), parts(attn.o_proj), parts(mlp.gate_up_proj), parts(mlp.down_proj),
-                None if attn.q_norm is None else attn.q_norm.weight.data,
-                None if attn.k_norm is None else attn.k_norm.weight.data,
-                attn.sliding_window or 0,
-            )
-        self.model.decode_stack = stack
-
-    def prepack(self, ops: Optional[ModuleType], quantization: Optional[str] = None) -> int:
-        """Prepack every matmul for bf16 on CPU, or int8 with ``quantization="w8a8_int8"`` (the LM
-        head stays bf16); see ``layers/linear.py``. Returns packed bytes."""
-        total = prepack_linears(self, ops, float32_out=(self.lm_head,) if self.lm_head is not None else (),
-                                quantization=quantization)
-        if self.tie_word_embeddings:
-            self.tied_logits = PackedBF16(self.model.embed_tokens.weight, None, ops, float32_out=True)
-            total += self.tied_logits.nbytes
-        return total
+            local = self.lm_head(hidden).float()  # a no-op copy when the head outputs float32
+        elif self.tied_logits is not None:
+            local = self.tied_logits(hidden).float()
+        else:
+            local = F.linear(hidden, self.model.embed_tokens.weight).float()
+        if self.tp.size == 1:
+            return local
+        return self.tp.all_gather_last_dim(local)[:, : self.vocab_size]  # vocabulary slices in rank order
 
     # ---- weights -----------------------------------------------------------------------------
     def checkpoint_weight_names(self) -> set[str]:
         """HF names of every weight this model needs from a checkpoint."""
-        fused = {}
-        for proj, (module, shard) in _FUSED.items():
-            fused.setdefault(module, {})[shard] = proj
-        names = set()
-        for name, _ in self.named_parameters():
-            module_path, _, leaf = name.rpartition(".")
-            parent, _, module = module_path.rpartition(".")
-            if module in fused:
-                names.update(f"{parent}.{proj}.{leaf}" for proj in fused[module].values())
-            else:
-                names.add(name)
-        return names
+        return checkpoint_weight_names(self)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the model. Every needed weight must come and nothing unknown
-        may (``ValueError`` naming the weights otherwise)."""
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.tie_word_embeddings):
-                continue
-            module_path, _, leaf = name.rpartition(".")
-            parent, _, proj = module_path.rpartition(".")
-            if proj in _FUSED:
-                module, shard = _FUSED[proj]
-                target = f"{parent}.{module}"
-                if f"{target}.{leaf}" not in params:
-                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
-                try:
-                    self.get_submodule(target).load_shard(shard, leaf, tensor)
-                except ValueError as e:
-                    raise ValueError(f"weight {name!r}: {e}") from None
-            else:
-                param = params.get(name)
-                if param is None:
-                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
-                if param.shape != tensor.shape:
-                    raise ValueError(f"weight {name!r}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
-                param.data.copy_(tensor)
-            loaded.add(name)
-        missing = sorted(self.checkpoint_weight_names() - loaded)
-        if missing:
-            shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
-            raise ValueError(f"checkpoint is missing weight(s): {shown}")
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Copy HF-named weights (tensors or safetensors slices) into this rank's shard."""
+        load_weights(self, weights, self.shards, tied_head=self.tie_word_embeddings)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -6,11 +6,12 @@ import hashlib
 import json
 import logging
 import os
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
+from pdserve.distributed import SINGLE, TPGroup
 from pdserve.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -48,9 +49,10 @@ def resolve_dtype(hf_config, dtype: str = "auto") -> torch.dtype:
     return getattr(torch, value) if isinstance(value, str) else value
 
 
-def iter_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, CPU tensor) for every tensor of ``model.safetensors`` or of the shards named by
-    ``model.safetensors.index.json``."""
+def iter_safetensors(model_path: str) -> Iterator[tuple[str, Any]]:
+    """(HF name, safetensors slice) for every tensor of ``model.safetensors`` or of the shards
+    named by ``model.safetensors.index.json``. A slice reads only what is indexed
+    (``s[a:b]``, ``s[:, a:b]``, ``s[:]`` for all of it), while the iteration is on it."""
     from safetensors import safe_open
 
     index = os.path.join(model_path, INDEX_FILE)
@@ -64,7 +66,7 @@ def iter_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for name in files:
         with safe_open(os.path.join(model_path, name), framework="pt", device="cpu") as st:
             for key in st.keys():
-                yield key, st.get_tensor(key)
+                yield key, st.get_slice(key)
 
 
 def init_dummy_weights(model: nn.Module, std: float, seed: int) -> None:
@@ -80,16 +82,18 @@ def init_dummy_weights(model: nn.Module, std: float, seed: int) -> None:
 
 
 def load_model(
-    model_path: str, dtype: str = "auto", device: str = "cpu", load_format: str = "auto", seed: int = 0
+    model_path: str, dtype: str = "auto", device: str = "cpu", load_format: str = "auto", seed: int = 0,
+    tp: TPGroup = SINGLE,
 ) -> tuple[nn.Module, object]:
-    """(model in eval mode on ``device``, HF config)."""
+    """(model in eval mode on ``device``, HF config); with ``tp``, this rank's shard of it (only
+    that shard is read from the checkpoint)."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format: must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
     hf_config = load_config(model_path)
     cls = model_class(hf_config)
     torch_dtype = resolve_dtype(hf_config, dtype)
     with torch.device("meta"):
-        model = cls(hf_config)
+        model = cls(hf_config, tp=tp)
     # parameters are allocated once, uninitialised, in their final dtype and place
     model = model.to(dtype=torch_dtype).to_empty(device=device)
     if load_format == "dummy":
@@ -97,7 +101,8 @@ def load_model(
     else:
         model.load_weights(iter_safetensors(model_path))
     model.eval().requires_grad_(False)
-    logger.info("loaded %s (%s, %s, %s) from %s", cls.__name__, torch_dtype, device, load_format, model_path)
+    logger.info("loaded %s (%s, %s, %s%s) from %s", cls.__name__, torch_dtype, device, load_format,
+                f", tp rank {tp.rank} of {tp.size}" if tp.size > 1 else "", model_path)
     return model, hf_config
 
 

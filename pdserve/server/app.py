@@ -60,9 +60,12 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
             on_fatal(f"warm-up failed: {e!r}")
 
     def scheduler_exited() -> None:
-        asyncio.get_running_loop().remove_reader(client.proc.sentinel)
-        client.proc.join(1)
-        reason = f"scheduler process exited (code {client.proc.exitcode})"
+        loop = asyncio.get_running_loop()
+        for fd in client.sentinels():
+            loop.remove_reader(fd)
+        for p in client.procs:
+            p.join(0.2)
+        reason = f"scheduler process exited ({client.exit_codes() or 'unknown'})"
         logger.error(reason)
         state["ready"] = False
         tm.fail_all(reason, 503)
@@ -73,14 +76,16 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
     async def lifespan(app: FastAPI):
         loop = asyncio.get_running_loop()
         client.start_receiving()
-        loop.add_reader(client.proc.sentinel, scheduler_exited)
+        for fd in client.sentinels():  # any rank's exit ends the server
+            loop.add_reader(fd, scheduler_exited)
         task = loop.create_task(warm_up())
         try:
             yield
         finally:
             task.cancel()
-            with contextlib.suppress(Exception):
-                loop.remove_reader(client.proc.sentinel)
+            for fd in client.sentinels():
+                with contextlib.suppress(Exception):
+                    loop.remove_reader(fd)
 
     app = FastAPI(title="pdserve", version=pdserve.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
 

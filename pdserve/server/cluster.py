@@ -1,7 +1,8 @@
 """``pdserve launch``: a local PD cluster (N prefill + K decode servers + the router) on one host.
 
-Servers use the ``local`` transfer backend (decode's KV pool in shared memory). Each server's
-torch thread count defaults to an equal share of the host's cores.
+Servers use the ``local`` transfer backend (decode's KV pool in shared memory). With
+``--tp-size`` (or ``--prefill-tp-size`` / ``--decode-tp-size``) each server runs that many ranks;
+each rank's torch thread count defaults to an equal share of the host's cores over all ranks.
 """
 
 from __future__ import annotations
@@ -57,12 +58,19 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--port", type=int, default=8000, help="router port")
     p.add_argument("--policy", default="round_robin")
     p.add_argument("--transfer-backend", default="local")
-    p.add_argument("--torch-num-threads", type=int, default=None)
+    p.add_argument("--torch-num-threads", type=int, default=None, help="per rank")
+    p.add_argument("--tp-size", type=int, default=1, help="ranks of every server")
+    p.add_argument("--prefill-tp-size", type=int, default=None, help="ranks of each prefill server (default --tp-size)")
+    p.add_argument("--decode-tp-size", type=int, default=None, help="ranks of each decode server (default --tp-size)")
     p.add_argument("--ready-timeout", type=float, default=600)
     p.add_argument("--log-level", default="info")
     args, extra = p.parse_known_args(argv)
     if args.num_prefill < 1 or args.num_decode < 1:
         p.error("--num-prefill and --num-decode must be >= 1")
+    args.prefill_tp_size = args.prefill_tp_size or args.tp_size
+    args.decode_tp_size = args.decode_tp_size or args.tp_size
+    if args.prefill_tp_size < 1 or args.decode_tp_size < 1:
+        p.error("TP sizes must be >= 1")
     return args, extra
 
 
@@ -74,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.models.demo import ensure_demo_model
 
         model = ensure_demo_model()
-    n_servers = args.num_prefill + args.num_decode
-    threads = args.torch_num_threads or max(1, (os.cpu_count() or 1) // n_servers)
+    n_ranks = args.num_prefill * args.prefill_tp_size + args.num_decode * args.decode_tp_size
+    threads = args.torch_num_threads or max(1, (os.cpu_count() or 1) // n_ranks)
     procs: list[tuple[str, str, subprocess.Popen]] = []
     py = [sys.executable, "-m", "pdserve.cli"]
     common = ["--model-path", model, "--host", args.host, "--torch-num-threads", str(threads),
@@ -99,14 +107,15 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.num_prefill):
             port, bport = free_port(port), free_port(bport)
             cmd = py + ["serve", *common, "--port", str(port), "--disaggregation-mode", "prefill",
-                        "--disaggregation-bootstrap-port", str(bport)]
+                        "--disaggregation-bootstrap-port", str(bport), "--tp-size", str(args.prefill_tp_size)]
             url = f"http://{args.host}:{port}"
             procs.append((f"prefill-{i}", url, subprocess.Popen(cmd)))
             prefill_specs += ["--prefill", url, str(bport)]
             port, bport = port + 1, bport + 1
         for j in range(args.num_decode):
             port = free_port(port)
-            cmd = py + ["serve", *common, "--port", str(port), "--disaggregation-mode", "decode"]
+            cmd = py + ["serve", *common, "--port", str(port), "--disaggregation-mode", "decode",
+                        "--tp-size", str(args.decode_tp_size)]
             url = f"http://{args.host}:{port}"
             procs.append((f"decode-{j}", url, subprocess.Popen(cmd)))
             decode_urls += ["--decode", url]

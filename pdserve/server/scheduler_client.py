@@ -1,10 +1,12 @@
-"""The front end's side of the scheduler link: the scheduler process and its two ZMQ sockets.
+"""The front end's side of the scheduler link: the scheduler processes (one per tensor-parallel
+rank) and rank 0's two ZMQ sockets.
 
-Contract with the scheduler process (``entry(server_args, in_addr, out_addr, ready_conn)``):
+Contract with a scheduler process (``entry(server_args, in_addr, out_addr, ready_conn, tp_rank,
+tp_init)``; ranks join each other at ``tp_init``):
 - the front end binds a PULL socket on ``out_addr`` and then starts the process; the scheduler
   binds a PULL on ``in_addr`` (``GenerateReq`` / ``AbortReq`` / ``ControlReq``) and connects a
   PUSH to ``out_addr`` (``BatchOut`` / ``ControlResp``), msgpack as in ``messages.py``;
-- it sends exactly one dict on ``ready_conn``: ``{"status": "ready", "info": {...}}`` or
+- every rank sends exactly one dict on its ``ready_conn``: ``{"status": "ready", "info": {...}}`` or
   ``{"status": "error", "message": ...}``;
 - every ``GenerateReq`` ends with a ``TokenOut`` carrying a finish reason, also after an abort;
 - every ``ControlReq`` gets one ``ControlResp`` with the same ``req_id``.
@@ -42,7 +44,7 @@ from pdserve.server.messages import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ENTRY = "pdserve.engine.scheduler_process:run_scheduler_process"
+DEFAULT_ENTRY = "pdserve.server.scheduler_process:run_scheduler_process"
 
 
 def _load_entry(spec: str) -> Callable:
@@ -50,13 +52,22 @@ def _load_entry(spec: str) -> Callable:
     return getattr(importlib.import_module(module), func)
 
 
-def _scheduler_main(entry: str, server_args, in_addr: str, out_addr: str, ready_conn) -> None:
+def _scheduler_main(entry: str, server_args, in_addr: str, out_addr: str, ready_conn, tp_rank: int,
+                    tp_init: str) -> None:
     try:
         fn = _load_entry(entry)
     except Exception as e:  # an import error must still reach the front end as a message
         ready_conn.send({"status": "error", "message": f"cannot load scheduler entry {entry!r}: {e!r}"})
         raise
-    fn(server_args, in_addr, out_addr, ready_conn)
+    fn(server_args, in_addr, out_addr, ready_conn, tp_rank, tp_init)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _log_send_error(fut: "asyncio.Future") -> None:
@@ -73,7 +84,7 @@ class SchedulerClient:
         self._ipc_dir = tempfile.mkdtemp(prefix="pdserve-")
         self.in_addr = f"ipc://{self._ipc_dir}/in"
         self.out_addr = f"ipc://{self._ipc_dir}/out"
-        self.proc: Optional[mp.process.BaseProcess] = None
+        self.procs: list[mp.process.BaseProcess] = []  # one per tensor-parallel rank
         self.info: dict[str, Any] = {}
         self._ctx: Optional[zmq.asyncio.Context] = None
         self._pull = self._push = None
@@ -82,9 +93,14 @@ class SchedulerClient:
         self.on_output: Callable[[TokenOut], None] = lambda out: None
         self._recv_task: Optional[asyncio.Task] = None
 
-    # ---- process -----------------------------------------------------------------------
+    # ---- processes ---------------------------------------------------------------------------
+    @property
+    def proc(self) -> Optional[mp.process.BaseProcess]:
+        """Rank 0's process (the one the front end talks to)."""
+        return self.procs[0] if self.procs else None
+
     def start_process(self) -> None:
-        """Bind the output socket, then start the scheduler (it connects to it)."""
+        """Bind the output socket, then start every rank's scheduler (rank 0 connects to it)."""
         self._ctx = zmq.asyncio.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(self.out_addr)
@@ -92,45 +108,63 @@ class SchedulerClient:
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.connect(self.in_addr)
         ctx = mp.get_context("spawn")
-        reader, writer = ctx.Pipe(duplex=False)
-        self._ready_reader = reader
-        self.proc = ctx.Process(
-            target=_scheduler_main,
-            args=(self.entry, self.server_args, self.in_addr, self.out_addr, writer),
-            name="pdserve-scheduler",
-        )
-        self.proc.start()
-        writer.close()
-        logger.info("scheduler process started (pid %d)", self.proc.pid)
+        n = getattr(self.server_args, "tp_size", 1)
+        tp_init = f"tcp://127.0.0.1:{_free_port()}" if n > 1 else ""
+        self._ready_readers = []
+        for rank in range(n):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_scheduler_main,
+                args=(self.entry, self.server_args, self.in_addr, self.out_addr, writer, rank, tp_init),
+                name=f"pdserve-scheduler-tp{rank}",
+            )
+            proc.start()
+            writer.close()
+            self.procs.append(proc)
+            self._ready_readers.append(reader)
+            logger.info("scheduler process tp%d started (pid %d)", rank, proc.pid)
 
     def wait_ready(self, timeout: float) -> dict[str, Any]:
-        """Block until the scheduler reports ready; raises RuntimeError on error, death or timeout."""
+        """Block until every rank reports ready; raises RuntimeError on an error, a death or timeout."""
         deadline = time.monotonic() + timeout
-        while not self._ready_reader.poll(0.2):
-            if not self.proc.is_alive():
-                raise RuntimeError(f"scheduler process exited with code {self.proc.exitcode} before ready")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"scheduler not ready after {timeout:.0f}s")
-        try:
-            msg = self._ready_reader.recv()
-        except EOFError:
-            raise RuntimeError("scheduler process closed its ready pipe without a message") from None
-        if msg.get("status") != "ready":
-            raise RuntimeError(f"scheduler failed to start: {msg.get('message', msg)}")
-        self.info = dict(msg.get("info") or {})
+        infos = []
+        for rank, (proc, reader) in enumerate(zip(self.procs, self._ready_readers)):
+            while not reader.poll(0.2):
+                dead = next((p for p in self.procs if not p.is_alive()), None)
+                if dead is not None:
+                    raise RuntimeError(f"scheduler process {dead.name} exited with code {dead.exitcode} before ready")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"scheduler tp{rank} not ready after {timeout:.0f}s")
+            try:
+                msg = reader.recv()
+            except EOFError:
+                raise RuntimeError(f"scheduler tp{rank} closed its ready pipe without a message") from None
+            if msg.get("status") != "ready":
+                raise RuntimeError(f"scheduler tp{rank} failed to start: {msg.get('message', msg)}")
+            infos.append(dict(msg.get("info") or {}))
+        self.info = infos[0]
         return self.info
 
     def is_alive(self) -> bool:
-        return self.proc is not None and self.proc.is_alive()
+        """Every rank is running (one dead rank stops the whole server)."""
+        return bool(self.procs) and all(p.is_alive() for p in self.procs)
+
+    def sentinels(self) -> list[int]:
+        return [p.sentinel for p in self.procs]
+
+    def exit_codes(self) -> str:
+        return ", ".join(f"{p.name} {p.exitcode}" for p in self.procs if not p.is_alive())
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self.proc is not None and self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(timeout)
-            if self.proc.is_alive():
-                logger.warning("scheduler did not exit after SIGTERM; killing it")
-                self.proc.kill()
-                self.proc.join(5)
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout)
+            if p.is_alive():
+                logger.warning("scheduler %s did not exit after SIGTERM; killing it", p.name)
+                p.kill()
+                p.join(5)
         for sock in (self._push, self._pull):
             if sock is not None:
                 sock.close(linger=0)

@@ -1,8 +1,15 @@
-"""The scheduler process: receives requests over ZMQ, steps the scheduler, streams outputs back.
+"""The scheduler process of one tensor-parallel rank: receives requests over ZMQ, steps the
+scheduler, streams outputs back.
 
-Contract with the front end: this process BINDs a PULL socket on ``in_addr`` and CONNECTs a PUSH
-socket to ``out_addr`` (bound by the front end first); it reports once on ``ready_conn``:
+Contract with the front end: rank 0 BINDs a PULL socket on ``in_addr`` and CONNECTs a PUSH socket
+to ``out_addr`` (bound by the front end first); every rank reports once on its ``ready_conn``:
 ``{"status": "ready", "info": {...}}`` or ``{"status": "error", "message": ...}``.
+
+With ``--tp-size N`` the N ranks take the same decisions from the same inputs: every loop
+iteration rank 0 drains the front end's messages and broadcasts them (msgpack bytes over the gloo
+group) with its clock reading; every rank handles them and steps its scheduler on that clock.
+Only rank 0 talks to the front end. A rank that dies makes the others' next collective fail (or
+time out): they exit, and the front end, which watches every rank, stops serving.
 """
 
 from __future__ import annotations
@@ -13,10 +20,12 @@ import threading
 import time
 import traceback
 
+import msgspec
 import torch
 import zmq
 
 from pdserve.config import ServerArgs
+from pdserve.distributed import SINGLE, TPGroup, init_tp
 from pdserve.engine.request import FinishKind, FinishReason, Req, SamplingParams
 from pdserve.log import role_tag, setup_logging
 from pdserve.server import messages as m
@@ -37,14 +46,14 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def build_scheduler(args: ServerArgs):
+def build_scheduler(args: ServerArgs, tp: TPGroup = SINGLE):
     from pdserve.engine.scheduler import Scheduler
 
     if args.disaggregation_mode == "null":
-        return Scheduler(args)
+        return Scheduler(args, tp=tp)
     from pdserve.disagg.setup import attach_disaggregation
 
-    return attach_disaggregation(args)
+    return attach_disaggregation(args, tp=tp)
 
 
 def token_out(req: Req) -> m.TokenOut:
@@ -68,16 +77,19 @@ def token_out(req: Req) -> m.TokenOut:
 
 
 class SchedulerLoop:
-    def __init__(self, args: ServerArgs, in_addr: str, out_addr: str):
+    def __init__(self, args: ServerArgs, in_addr: str, out_addr: str, tp: TPGroup = SINGLE):
         self.args = args
-        self.scheduler = build_scheduler(args)
+        self.tp = tp
+        self.scheduler = build_scheduler(args, tp)
         self.ctx = zmq.Context()
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.bind(in_addr)
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.push.connect(out_addr)
+        self.pull = self.push = None
         self.poller = zmq.Poller()
-        self.poller.register(self.pull, zmq.POLLIN)
+        if tp.rank == 0:  # the only rank that talks to the front end
+            self.pull = self.ctx.socket(zmq.PULL)
+            self.pull.bind(in_addr)
+            self.push = self.ctx.socket(zmq.PUSH)
+            self.push.connect(out_addr)
+            self.poller.register(self.pull, zmq.POLLIN)
 
     def info(self) -> dict:
         s = self.scheduler
@@ -100,12 +112,30 @@ class SchedulerLoop:
                 timeout = 0
             else:
                 timeout = PEER_WAIT_POLL_MS if s.has_work else IDLE_POLL_MS
-            while dict(self.poller.poll(timeout)).get(self.pull):
-                self.handle(m.decode_to_scheduler(self.pull.recv()))
-                timeout = 0
+            for raw in self._inputs(timeout):
+                self.handle(m.decode_to_scheduler(raw))
             updated = self.scheduler.step() if self.scheduler.has_work else self.scheduler.drain()
-            if updated:
+            if updated and self.push is not None:
                 self.push.send(m.encode(m.BatchOut(outs=[token_out(r) for r in updated])))
+
+    def _inputs(self, timeout_ms: int) -> list[bytes]:
+        """This iteration's messages from the front end, the same on every rank; sets the
+        scheduler's clock to rank 0's."""
+        raws: list[bytes] = []
+        if self.pull is not None:
+            while dict(self.poller.poll(timeout_ms)).get(self.pull):
+                raws.append(self.pull.recv())
+                timeout_ms = 0
+        now = time.monotonic()
+        if self.tp.size > 1:
+            data = self.tp.broadcast_bytes(msgspec.msgpack.encode([now, raws]) if self.tp.rank == 0 else None)
+            now, raws = msgspec.msgpack.decode(data)
+        self.scheduler.clock = now
+        return raws
+
+    def reply(self, msg) -> None:
+        if self.push is not None:
+            self.push.send(m.encode(msg))
 
     def handle(self, msg) -> None:
         s = self.scheduler
@@ -126,8 +156,7 @@ class SchedulerLoop:
                         s.pd.reject(msg.bootstrap_host, msg.bootstrap_port, msg.bootstrap_room, f"refused: {e}")
                     except Exception:  # best effort: the peer's own timeout still ends the room
                         logger.exception("could not end room %s on the PD peer", msg.bootstrap_room)
-                self.push.send(m.encode(m.BatchOut(outs=[m.TokenOut(rid=msg.rid, new_ids=[],
-                                                                   finish_reason=reason.to_json())])))
+                self.reply(m.BatchOut(outs=[m.TokenOut(rid=msg.rid, new_ids=[], finish_reason=reason.to_json())]))
         elif isinstance(msg, m.AbortReq):
             s.abort(msg.rid, msg.message)
         elif isinstance(msg, m.ControlReq):
@@ -136,7 +165,7 @@ class SchedulerLoop:
                 resp = m.ControlResp(req_id=msg.req_id, ok=True, result=result)
             except Exception as e:  # reported to the caller, the loop goes on
                 resp = m.ControlResp(req_id=msg.req_id, ok=False, error=f"{type(e).__name__}: {e}")
-            self.push.send(m.encode(resp))
+            self.reply(resp)
 
     def control(self, op: str, args: dict):
         s = self.scheduler
@@ -150,7 +179,19 @@ class SchedulerLoop:
         if op == "flush_cache":
             return s.tree.reset()
         if op == "integrity":
-            return s.check_integrity()
+            if self.tp.size == 1:
+                return s.check_integrity()
+            # every rank's own accounting (each has its pool and slots); a failed check must still
+            # reach the collective, or the other ranks would wait for it
+            try:
+                info = s.check_integrity()
+            except Exception as e:
+                info = {"error": f"{type(e).__name__}: {e}"}
+            ranks = [msgspec.json.decode(b) for b in self.tp.all_gather_bytes(msgspec.json.encode(info))]
+            bad = [f"tp{i}: {r['error']}" for i, r in enumerate(ranks) if "error" in r]
+            if bad:
+                raise AssertionError("; ".join(bad))
+            return {**info, "ranks": ranks}
         if op == "stats":
             a = s.pool.allocator
             return {
@@ -161,17 +202,19 @@ class SchedulerLoop:
                 "kv_pages_used": a.capacity - a.num_free(),
                 "kv_pages_cached": s.tree.total_pages(),
                 **s.stats,
-                **(s.pd.stats() if s.pd is not None and hasattr(s.pd, "stats") else {}),
+                **(s.pd.stats() if s.pd is not None else {}),
             }
         raise ValueError(f"unknown control op {op!r}")
 
 
-def run_scheduler_process(args: ServerArgs, in_addr: str, out_addr: str, ready_conn) -> None:
-    setup_logging(role_tag(args.role), args.log_level)
-    torch.set_num_threads(args.torch_num_threads or os.cpu_count() or 1)
+def run_scheduler_process(args: ServerArgs, in_addr: str, out_addr: str, ready_conn, tp_rank: int = 0,
+                          tp_init: str = "") -> None:
+    setup_logging(role_tag(args.role, tp_rank), args.log_level)
+    torch.set_num_threads(args.torch_num_threads or max(1, (os.cpu_count() or 1) // args.tp_size))
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     try:
-        loop = SchedulerLoop(args, in_addr, out_addr)
+        tp = init_tp(tp_rank, args.tp_size, tp_init, args.device)
+        loop = SchedulerLoop(args, in_addr, out_addr, tp)
     except Exception as e:
         logger.error("scheduler failed to start: %s\n%s", e, traceback.format_exc())
         ready_conn.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
@@ -182,5 +225,6 @@ def run_scheduler_process(args: ServerArgs, in_addr: str, out_addr: str, ready_c
     except KeyboardInterrupt:
         pass
     except Exception:
+        # a crash, or a collective that failed because another rank died: the whole server goes
         logger.error("scheduler crashed:\n%s", traceback.format_exc())
         os._exit(1)

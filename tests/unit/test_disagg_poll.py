@@ -6,11 +6,19 @@ from pdserve.disagg.poll import KVPoll, StatusTable, advance, poll_and_all_reduc
 
 
 class Const:
-    def __init__(self, state):
+    def __init__(self, state, reason=""):
         self.state = state
+        self.reason = reason
+        self.aborted = None
 
     def poll(self):
         return self.state
+
+    def failure_reason(self):
+        return self.reason
+
+    def abort(self, reason):
+        self.aborted = reason
 
 
 def test_advance_is_monotone_and_failed_wins():
@@ -53,7 +61,9 @@ def _rank_main(rank, port, values, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         group = dist.new_group([0, 1], backend="gloo")
-        out.put((rank, [int(v) for v in poll_and_all_reduce([Const(KVPoll(v)) for v in values], group)]))
+        pollers = [Const(KVPoll(v), f"rank {rank} failed room {i}" if v == 0 else "") for i, v in enumerate(values)]
+        states = [int(v) for v in poll_and_all_reduce(pollers, group)]
+        out.put((rank, states, [p.aborted for p in pollers]))
     finally:
         dist.destroy_process_group()
 
@@ -69,7 +79,9 @@ def test_poll_and_all_reduce_min_over_gloo():
     for p in procs:
         p.start()
     try:
-        got = dict(out.get(timeout=60) for _ in procs)
+        results = [out.get(timeout=60) for _ in procs]
+        got = {rank: states for rank, states, _ in results}
+        aborted = {rank: a for rank, _, a in results}
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -77,4 +89,7 @@ def test_poll_and_all_reduce_min_over_gloo():
                 p.kill()
     expected = [4, 3, 1, 0, 0]
     assert got == {0: expected, 1: expected}
+    # a room failed on one rank is aborted on the other with the failing rank's reason
+    assert aborted[0] == [None, None, None, "rank 1 failed room 3", None]
+    assert aborted[1] == [None, None, None, None, "rank 0 failed room 4"]
     assert all(p.exitcode == 0 for p in procs)

@@ -1,0 +1,61 @@
+"""The CPU fast paths of a Llama-family model (``CpuPathsMixin``): pdserve's kernels for the
+per-token ops, prepacked matmuls, and the C++ decoder stack for decode steps."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+from pdserve.layers.linear import GEMV_MAX_ROWS, Linear, PackedBF16, PackedW8A8, prepack_linears
+
+
+class CpuPathsMixin:
+    """Mixed into ``LlamaForCausalLM``; expects ``self.model`` (the decoder), ``self.lm_head``
+    (or None when tied), ``self.tied_logits`` and ``self.tp``."""
+
+    def use_cpu_kernels(self, ops: ModuleType) -> None:
+        """Run norms, RoPE and SiLU-mul with pdserve's CPU kernels (``pdserve.kernels``)."""
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
+
+    def prepack(self, ops: Optional[ModuleType], quantization: Optional[str] = None) -> int:
+        """Prepack every matmul for bf16 on CPU, or int8 with ``quantization="w8a8_int8"`` (the LM
+        head stays bf16); see ``layers/linear.py``. Returns packed bytes."""
+        total = prepack_linears(self, ops, float32_out=(self.lm_head,) if self.lm_head is not None else (),
+                                quantization=quantization)
+        if self.tie_word_embeddings:
+            self.tied_logits = PackedBF16(self.model.embed_tokens.weight, None, ops, float32_out=True)
+            total += self.tied_logits.nbytes
+        return total
+
+    def enable_decode_stack(self, ops: ModuleType) -> bool:
+        """Run decode-only batches through ``ops.DecodeModel`` (after ``prepack`` with ``ops``): the
+        same kernels as the layer-by-layer path, without Python between them. Single-rank models
+        only (the stack has no collectives); returns whether it was enabled."""
+        if self.tp.size > 1:
+            return False
+        first = self.model.layers[0].self_attn
+        stack = ops.DecodeModel(first.num_heads, first.num_kv_heads, first.head_dim,
+                                self.model.norm.eps, first.scale, GEMV_MAX_ROWS)
+
+        def parts(linear: Linear) -> list:
+            impl = linear.impl
+            if isinstance(impl, PackedW8A8):
+                bias = None if impl.bias is None else impl.bias.to(torch.bfloat16)
+                return [None, None, bias, impl.packed, impl.colsum, impl.scale, torch.tensor(impl.out_features)]
+            return [impl.vnni, impl.onednn, impl.bias]
+
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            stack.add_layer(
+                layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
+                parts(attn.qkv_proj), parts(attn.o_proj), parts(mlp.gate_up_proj), parts(mlp.down_proj),
+                None if attn.q_norm is None else attn.q_norm.weight.data,
+                None if attn.k_norm is None else attn.k_norm.weight.data,
+                attn.sliding_window or 0,
+            )
+        self.model.decode_stack = stack
+        return True

@@ -1,0 +1,162 @@
+"""HF checkpoint weights into a Llama-family model, whole or as one tensor-parallel rank's shard.
+
+``TPShards`` says what a rank holds: its query heads, its KV heads (split, or replicated when
+there are fewer KV heads than ranks), its slice of the MLP's intermediate dimension and of the
+vocabulary. ``load_weights`` reads each weight's shard straight from the checkpoint (safetensors
+slices: no rank materialises the full model) and copies it into the model, fusing q/k/v and
+gate/up into one matmul each.
+
+Sharding (Megatron style): q/k/v and gate/up are split by output rows (column parallel), o_proj
+and down_proj by input columns (row parallel, summed over ranks afterwards, bias added once),
+the embedding and the LM head by vocabulary rows (padded to a multiple of the TP size). Norm
+weights are replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from pdserve.distributed import SINGLE, TPGroup, kv_heads_for_rank, shard_range
+
+# HF projection name -> (our fused module, shard index in it)
+FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+# HF weights that carry no parameters of ours
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class TPShards:
+    tp: TPGroup
+    head_dim: int
+    heads: tuple[int, int]  # [start, end) of this rank's query heads
+    kv_heads: tuple[int, int]  # [start, end) of its KV heads
+    inter: tuple[int, int]  # [start, end) of its MLP intermediate columns
+    vocab: tuple[int, int]  # [start, end) of its vocabulary rows (end may pass the real vocab: padding)
+    total_kv_heads: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, config, tp: TPGroup = SINGLE) -> "TPShards":
+        heads = config.num_attention_heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        try:
+            h = shard_range(heads, tp.rank, tp.size)
+            kvr = kv_heads_for_rank(kv, heads, tp.rank, tp.size)
+            inter = shard_range(config.intermediate_size, tp.rank, tp.size)
+        except ValueError as e:
+            raise ValueError(f"tp_size: {e} (heads {heads}, KV heads {kv}, intermediate size "
+                             f"{config.intermediate_size})") from None
+        per_rank_vocab = -(-config.vocab_size // tp.size)
+        vocab = (tp.rank * per_rank_vocab, (tp.rank + 1) * per_rank_vocab)
+        return cls(tp, head_dim, h, kvr, inter, vocab, kv, config.vocab_size)
+
+    @property
+    def num_heads(self) -> int:
+        return self.heads[1] - self.heads[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+    @property
+    def intermediate(self) -> int:
+        return self.inter[1] - self.inter[0]
+
+    @property
+    def vocab_rows(self) -> int:
+        return self.vocab[1] - self.vocab[0]
+
+    def shard(self, name: str, src: Any) -> torch.Tensor:
+        """This rank's part of HF weight ``name``; ``src`` is a tensor or a safetensors slice."""
+        shape = tuple(src.shape) if isinstance(src, torch.Tensor) else tuple(src.get_shape())
+        if self.tp.size == 1:
+            return src[:] if shape else src[()]
+        leaf = name.rsplit(".", 2)
+        proj, kind = (leaf[-2], leaf[-1]) if len(leaf) >= 2 else ("", leaf[-1])
+        D = self.head_dim
+        if proj == "q_proj":
+            return _rows(src, self.heads[0] * D, self.heads[1] * D)
+        if proj in ("k_proj", "v_proj"):
+            return _rows(src, self.kv_heads[0] * D, self.kv_heads[1] * D)
+        if proj in ("gate_proj", "up_proj"):
+            return _rows(src, *self.inter)
+        if proj == "o_proj":
+            return _cols(src, self.heads[0] * D, self.heads[1] * D) if kind == "weight" else src[:]
+        if proj == "down_proj":
+            return _cols(src, *self.inter) if kind == "weight" else src[:]
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            start, end = self.vocab
+            part = _rows(src, start, min(end, shape[0]))
+            if part.shape[0] < end - start:  # the last rank's padding rows
+                part = torch.cat([part, part.new_zeros((end - start - part.shape[0],) + tuple(part.shape[1:]))])
+            return part
+        return src[:]  # norms: replicated
+
+
+def _rows(src: Any, start: int, end: int) -> torch.Tensor:
+    return src[start:end]
+
+
+def _cols(src: Any, start: int, end: int) -> torch.Tensor:
+    return src[:, start:end]
+
+
+def checkpoint_weight_names(model: torch.nn.Module) -> set[str]:
+    """HF names of every weight ``model`` needs from a checkpoint."""
+    fused: dict[str, dict[int, str]] = {}
+    for proj, (module, shard) in FUSED.items():
+        fused.setdefault(module, {})[shard] = proj
+    names = set()
+    for name, _ in model.named_parameters():
+        module_path, _, leaf = name.rpartition(".")
+        parent, _, module = module_path.rpartition(".")
+        if module in fused:
+            names.update(f"{parent}.{proj}.{leaf}" for proj in fused[module].values())
+        else:
+            names.add(name)
+    return names
+
+
+def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, Any]], shards: TPShards,
+                 tied_head: bool) -> None:
+    """Copy HF-named weights (tensors or safetensors slices) into ``model``, each rank its shard.
+    Every needed weight must come and nothing unknown may (``ValueError`` naming them otherwise)."""
+    params = dict(model.named_parameters())
+    loaded = set()
+    for name, src in weights:
+        if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and tied_head):
+            continue
+        module_path, _, leaf = name.rpartition(".")
+        parent, _, proj = module_path.rpartition(".")
+        if proj in FUSED:
+            module, index = FUSED[proj]
+            target = f"{parent}.{module}"
+            if f"{target}.{leaf}" not in params:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            try:
+                model.get_submodule(target).load_shard(index, leaf, shards.shard(name, src))
+            except ValueError as e:
+                raise ValueError(f"weight {name!r}: {e}") from None
+        else:
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            tensor = shards.shard(name, src)
+            if param.shape != tensor.shape:
+                raise ValueError(f"weight {name!r}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+            param.data.copy_(tensor)
+        loaded.add(name)
+    missing = sorted(checkpoint_weight_names(model) - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint is missing weight(s): {shown}")
