@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -47,6 +48,7 @@ class ServerArgs:
     # HTTP
     host: str = "127.0.0.1"
     port: int = 30000
+    api_key: Optional[str] = None  # clients send "Authorization: Bearer KEY" (all routes but /health, /metrics)
     # memory and scheduling
     page_size: int = 16
     max_total_tokens: Optional[int] = None
@@ -57,9 +59,11 @@ class ServerArgs:
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
     # process
-    torch_num_threads: Optional[int] = None  # per rank (default: the host's cores / tp_size)
+    torch_num_threads: Optional[int] = None  # per rank (default: the host's cores / ranks)
     tp_size: int = 1
-    dp_size: int = 1
+    dp_size: int = 1  # attention data-parallel groups (with enable_dp_attention)
+    enable_dp_attention: bool = False
+    pp_size: int = 1
     log_level: str = "info"
     enable_access_log: bool = False
     skip_warmup: bool = False
@@ -79,6 +83,7 @@ class ServerArgs:
     disaggregation_ib_device: Optional[str] = None
     disaggregation_nixl_backend: str = "UCX"
     disaggregation_secret: Optional[str] = None
+    disaggregation_require_secret: bool = False  # refuse to expose PD endpoints beyond loopback without a secret
     # fault injection (prefill's transfer layer): probability that a room gets a fault, which modes
     disaggregation_fault_prob: float = 0.0
     disaggregation_fault_mode: str = "fail_transfer"
@@ -133,8 +138,21 @@ class ServerArgs:
             bad("context_length", f"must be >= 1, got {self.context_length}")
         if self.tp_size < 1:
             bad("tp_size", f"must be >= 1, got {self.tp_size}")
-        if self.dp_size != 1:
-            bad("dp_size", "only 1 is supported in this version")
+        if self.dp_size < 1:
+            bad("dp_size", f"must be >= 1, got {self.dp_size}")
+        if self.dp_size > 1 and not self.enable_dp_attention:
+            bad("dp_size", f"{self.dp_size} needs --enable-dp-attention (data-parallel attention groups inside "
+                           "one server); for independent replicas run several servers behind the router")
+        if self.enable_dp_attention and (self.dp_size > self.tp_size or self.tp_size % self.dp_size):
+            bad("dp_size", f"with --enable-dp-attention it must divide --tp-size ({self.tp_size}), got {self.dp_size}")
+        if self.pp_size < 1:
+            bad("pp_size", f"must be >= 1, got {self.pp_size}")
+        if self.pp_size > 1 and (self.tp_size > 1 or self.dp_size > 1):
+            bad("pp_size", f"{self.pp_size} together with --tp-size {self.tp_size} / --dp-size {self.dp_size} is not "
+                           "supported in this version: use pipeline stages of one rank each")
+        if self.pp_size > 1 and self.disaggregation_mode == "decode":
+            bad("pp_size", "a decode server must have pp_size 1 (prefill's pipeline stages send their own layers; "
+                           "decode holds every layer)")
         if self.torch_num_threads is not None and self.torch_num_threads < 1:
             bad("torch_num_threads", f"must be >= 1, got {self.torch_num_threads}")
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
@@ -170,15 +188,44 @@ class ServerArgs:
                 ranks = [int(r) for r in self.disaggregation_fault_ranks.split(",") if r.strip()]
             except ValueError:
                 ranks = []
-            if not ranks or any(not 0 <= r < self.tp_size for r in ranks):
-                bad("disaggregation_fault_ranks", f"must be a comma-separated list of TP ranks in [0, {self.tp_size}), "
+            if not ranks or any(not 0 <= r < self.world_size for r in ranks):
+                bad("disaggregation_fault_ranks", f"must be a comma-separated list of ranks in [0, {self.world_size}), "
                                                   f"got {self.disaggregation_fault_ranks!r}")
         if self.disaggregation_secret == "":
             bad("disaggregation_secret", "must not be empty (leave it unset to turn authentication off)")
+        if self.api_key == "":
+            bad("api_key", "must not be empty (leave it unset to serve without a key)")
+        if self.disaggregation_require_secret and self.exposes_control_plane and not self.disaggregation_secret:
+            bad("disaggregation_require_secret", f"--host {self.host} exposes this {self.disaggregation_mode} "
+                "server's bootstrap and KV control endpoints beyond this host, and no --disaggregation-secret "
+                "is set to authenticate them")
         if self.served_model_name is None:
             self.served_model_name = self.model_path
         if self.tokenizer_path is None:
             self.tokenizer_path = self.model_path
+
+    @property
+    def exposes_control_plane(self) -> bool:
+        """A PD server whose bootstrap and ZMQ control endpoints (bound to ``host``) are reachable
+        from other hosts."""
+        return self.disaggregation_mode != "null" and not is_loopback(self.host)
+
+    def exposure_warnings(self) -> list[str]:
+        """What this configuration leaves open to the network (logged prominently at start-up)."""
+        out = []
+        if self.exposes_control_plane and not self.disaggregation_secret:
+            out.append(f"--host {self.host} exposes the bootstrap server and the KV control endpoints without "
+                       "--disaggregation-secret: anyone who reaches them can register ranks and send control "
+                       "messages (--disaggregation-require-secret refuses to start like this)")
+        if not is_loopback(self.host) and not self.api_key:
+            out.append(f"--host {self.host} serves HTTP beyond this host without --api-key: anyone who reaches "
+                       "it can generate and control the server")
+        return out
+
+    @property
+    def world_size(self) -> int:
+        """Scheduler processes of the server: tp_size ranks per pipeline stage."""
+        return self.tp_size * self.pp_size
 
     @property
     def role(self) -> str:
@@ -232,6 +279,17 @@ class ServerArgs:
         kwargs = {n: getattr(args, n) for n in names if hasattr(args, n)}
         envs.apply_env_defaults(kwargs, {f.name: f.default for f in dataclasses.fields(cls)})
         return cls(**kwargs)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps a socket reachable from this machine only (a wildcard or a
+    name other than localhost counts as reachable from elsewhere)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def server_option(server_args: Any, name: str) -> Any:

@@ -25,12 +25,13 @@ logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 120.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = None  # the model's collectives (gloo on CPU, NCCL on CUDA)
     cpu_group: Any = None  # control: input broadcast, KV poll all-reduce (always gloo)
+    ranks: tuple[int, ...] = (0,)  # the members' global ranks, in group-rank order
 
     @property
     def enabled(self) -> bool:
@@ -63,13 +64,13 @@ class TPGroup:
         import torch.distributed as dist
 
         n = torch.tensor([len(data) if self.rank == 0 and data else 0], dtype=torch.int64)
-        dist.broadcast(n, src=0, group=self.cpu_group)
+        dist.broadcast(n, src=self.ranks[0], group=self.cpu_group)
         size = int(n.item())
         if size == 0:
             return b""
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else \
             torch.empty(size, dtype=torch.uint8)
-        dist.broadcast(buf, src=0, group=self.cpu_group)
+        dist.broadcast(buf, src=self.ranks[0], group=self.cpu_group)
         return data if self.rank == 0 else buf.numpy().tobytes()
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
@@ -114,18 +115,117 @@ def all_gather_bytes(data: bytes, group) -> list[bytes]:
     return [p[: int(k.item())].numpy().tobytes() for p, k in zip(parts, sizes)]
 
 
-def init_tp(rank: int, size: int, init_address: str, device: str = "cpu") -> TPGroup:
-    """Join the server's ``size`` ranks at ``init_address`` (``tcp://host:port``, rank 0 listens)."""
-    if size == 1:
-        return TPGroup()
+@dataclass
+class Parallel:
+    """Where one scheduler rank sits in its server: ``world`` is every rank (rank 0 broadcasts
+    the front end's messages over it), ``tp`` this pipeline stage's tensor-parallel ranks (the
+    MLP's shards), ``attn`` this rank's attention group (query/KV heads and vocabulary: the whole
+    ``tp`` group, or with ``--enable-dp-attention`` one of ``dp_size`` groups of tp/dp ranks, each
+    with its own requests and KV pool)."""
+
+    world: TPGroup = SINGLE
+    tp: TPGroup = SINGLE
+    attn: TPGroup = SINGLE
+    # the ranks that run this rank's scheduler (its attention group in every pipeline stage): PD
+    # room states are MIN-all-reduced over it, so that they all admit and finish rooms alike
+    sched: TPGroup = SINGLE
+    dp_rank: int = 0
+    dp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    @property
+    def dp_attention(self) -> bool:
+        return self.dp_size > 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def leads_group(self) -> bool:
+        """This rank reports its attention group's outputs to the front end (the first rank of the
+        group in the first pipeline stage)."""
+        return self.attn.rank == 0 and self.pp_rank == 0
+
+    def stage_rank(self, pp_rank: int) -> int:
+        """Global rank of this rank's peer (same tp rank) in pipeline stage ``pp_rank``."""
+        return pp_rank * self.tp.size + self.tp.rank
+
+    def describe(self) -> str:
+        parts = [f"tp{self.tp.rank}/{self.tp.size}"]
+        if self.dp_attention:
+            parts.append(f"dp{self.dp_rank}/{self.dp_size} (attention tp{self.attn.rank}/{self.attn.size})")
+        if self.pp_size > 1:
+            parts.append(f"pp{self.pp_rank}/{self.pp_size}")
+        return " ".join(parts)
+
+
+SINGLE_RANK = Parallel()
+
+
+def rank_coordinates(rank: int, tp_size: int, dp_size: int) -> tuple[int, int, int, int]:
+    """(pp_rank, tp_rank, dp_rank, attention tp_rank) of global ``rank``: ranks are numbered
+    stage-major (stage p holds ``p*tp_size .. (p+1)*tp_size - 1``), and a stage's tp ranks form
+    ``dp_size`` consecutive attention groups."""
+    pp_rank, tp_rank = divmod(rank, tp_size)
+    attn_size = tp_size // dp_size
+    dp_rank, attn_rank = divmod(tp_rank, attn_size)
+    return pp_rank, tp_rank, dp_rank, attn_rank
+
+
+def init_parallel(rank: int, tp_size: int, init_address: str, device: str = "cpu", dp_size: int = 1,
+                  pp_size: int = 1) -> Parallel:
+    """Join the server's ``tp_size * pp_size`` ranks at ``init_address`` (``tcp://host:port``,
+    rank 0 listens) and build this rank's groups. Every rank creates every group, in the same
+    order (``torch.distributed.new_group`` is collective)."""
+    world_size = tp_size * pp_size
+    if world_size == 1:
+        return Parallel()
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=init_address, rank=rank, world_size=size, timeout=timeout)
-    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
-    logger.info("tensor-parallel rank %d of %d joined (%s)", rank, size, backend)
-    return TPGroup(rank=rank, size=size, group=dist.group.WORLD, cpu_group=cpu_group)
+    dist.init_process_group(backend, init_method=init_address, rank=rank, world_size=world_size, timeout=timeout)
+
+    def group(ranks: list[int]) -> TPGroup:
+        if len(ranks) == world_size:
+            g = dist.group.WORLD
+            cpu = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else g
+        else:
+            g = dist.new_group(ranks, backend=backend, timeout=timeout)
+            cpu = dist.new_group(ranks, backend="gloo", timeout=timeout) if backend != "gloo" else g
+        return TPGroup(rank=ranks.index(rank) if rank in ranks else -1, size=len(ranks), group=g, cpu_group=cpu,
+                       ranks=tuple(ranks))
+
+    pp_rank, _, dp_rank, _ = rank_coordinates(rank, tp_size, dp_size)
+    attn_size = tp_size // dp_size
+    world = group(list(range(world_size)))
+    mine: dict[str, TPGroup] = {}
+    for p in range(pp_size):  # every rank takes part in creating every group
+        stage = list(range(p * tp_size, (p + 1) * tp_size))
+        g = world if len(stage) == world_size else group(stage)
+        if p == pp_rank:
+            mine["tp"] = g
+        for d in range(dp_size):
+            members = stage[d * attn_size:(d + 1) * attn_size]
+            a = g if len(members) == len(stage) else group(members)
+            if p == pp_rank and d == dp_rank:
+                mine["attn"] = a
+    for d in range(dp_size):
+        members = [p * tp_size + d * attn_size + a for p in range(pp_size) for a in range(attn_size)]
+        g = world if len(members) == world_size else mine["attn"] if pp_size == 1 and d == dp_rank else \
+            None if pp_size == 1 else group(members)
+        if d == dp_rank:
+            mine["sched"] = g
+    par = Parallel(world=world, tp=mine["tp"], attn=mine["attn"], sched=mine["sched"], dp_rank=dp_rank,
+                   dp_size=dp_size, pp_rank=pp_rank, pp_size=pp_size)
+    logger.info("rank %d of %d joined (%s): %s", rank, world_size, backend, par.describe())
+    return par
 
 
 def shard_range(total: int, rank: int, size: int) -> tuple[int, int]:

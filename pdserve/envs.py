@@ -19,6 +19,7 @@ ENV_TO_FIELD = {
     "PDSERVE_DISAGGREGATION_PREALLOC_TIMEOUT": "disaggregation_prealloc_timeout",
     "PDSERVE_DISAGGREGATION_MAX_PREALLOC_QUEUE": "disaggregation_max_prealloc_queue",
     "PDSERVE_DISAGGREGATION_SECRET": "disaggregation_secret",
+    "PDSERVE_API_KEY": "api_key",
     "PDSERVE_DISAGGREGATION_FAULT_PROB": "disaggregation_fault_prob",
     "PDSERVE_DISAGGREGATION_FAULT_MODE": "disaggregation_fault_mode",
     "PDSERVE_DISAGGREGATION_FAULT_DELAY": "disaggregation_fault_delay",
@@ -30,6 +31,12 @@ ENV_TO_FIELD = {
 def cache_dir() -> str:
     """Where prepared models and other artefacts live (``PDSERVE_CACHE`` or ~/.cache/pdserve)."""
     return os.environ.get("PDSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pdserve")
+
+
+def api_key() -> str | None:
+    """``PDSERVE_API_KEY``: the router's ``--api-key`` when the flag is not given (servers read it
+    through ``ENV_TO_FIELD``)."""
+    return os.environ.get("PDSERVE_API_KEY") or None
 
 
 def cpu_kernels_disabled() -> bool:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install pdserve and what it needs. Usage: bash scripts/install.sh [--test|--backends]
-#   --test      also the test tools, the demo-model builder, the real sglang-router binary and the
-#               Mooncake and NIXL KV transfer backends (their tests skip, saying why, if these fail).
+#   --test      also the test tools, the demo-model builder, the real sglang-router binary, the
+#               Mooncake and NIXL KV transfer backends and (as root) Debian's iproute2 for the
+#               network-namespace tests (their tests skip, saying why, if these fail).
 #   --backends  pdserve plus the Mooncake and NIXL transfer backends.
 # A CUDA torch that is already installed is kept; otherwise a CPU-only machine gets the CPU
 # wheel (torch==2.13.0+cpu), which avoids pulling a multi-GB CUDA build.
@@ -15,6 +16,14 @@ if ! command -v g++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get 
   apt-get install -y -q --no-install-recommends g++ >/dev/null 2>&1 \
     || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends g++ >/dev/null; } \
     || echo "install.sh: g++ could not be installed; pdserve will run without its CPU kernels (slower)" >&2
+fi
+
+# the network-namespace tests (tests/e2e/test_netns*.py) need `ip` and `tc` from iproute2
+if [ "${1:-}" = "--test" ] && ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
+    && command -v apt-get >/dev/null 2>&1; then
+  apt-get install -y -q --no-install-recommends iproute2 >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends iproute2 >/dev/null; } \
+    || echo "install.sh: iproute2 could not be installed; the network-namespace tests will skip" >&2
 fi
 
 if ! $PY -c "import torch" 2>/dev/null; then

@@ -1,15 +1,16 @@
 """Bootstrap server (one per prefill server) and its client.
 
-Each prefill scheduler rank publishes its control endpoint and KV layout with ``PUT /route``.
-Decode looks the instance up with ``GET /route`` (all indices -1: instance info, 503 until every
-rank registered; with indices: that rank's endpoint) and then talks to the ranks over ZMQ.
-The server holds topology only; buffer addresses travel peer to peer in ``Register``.
+Each prefill scheduler rank publishes its control endpoint and KV layout with ``PUT /route``
+(ranks are keyed by ``(dp_rank, tp_rank, pp_rank)``). Decode looks the instance up with
+``GET /route`` (all indices -1: instance info, 503 until every rank of every DP group registered;
+with indices: that rank's endpoint) and then talks to the ranks over ZMQ. The server holds
+topology only; buffer addresses travel peer to peer in ``Register``. It also keeps which DP
+group took each room (``POST /register_dp_rank``, ``POST /query_dp_ranks``, see ``dp_rooms``).
 
-With a shared secret (``--disaggregation-secret``) a registration must carry
-``X-PDServe-Timestamp`` (unix seconds) and ``X-PDServe-Auth`` (hex HMAC-SHA256 of
-``"<timestamp>\n" + body``); the server answers 401 to one without a valid tag or with a
-timestamp more than ``AUTH_WINDOW_S`` away from its clock, and logs it. Look-ups (GET) stay
-open: they reveal endpoints, and every message sent to those endpoints is authenticated.
+With a shared secret (``--disaggregation-secret``) every request but ``GET /health`` must carry
+``X-PDServe-Timestamp`` (unix seconds) and ``X-PDServe-Auth``: hex HMAC-SHA256 of
+``"<timestamp>\n" + body``, where a GET's body is its request target (``/route?...``); the server
+answers 401 to one without a valid tag or more than ``AUTH_WINDOW_S`` off its clock, and logs it.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
+
+from pdserve.disagg.dp_rooms import DEFAULT_ENTRY_TTL_S, MAX_QUERY_ROOMS, DPRoomTable, parse_query, parse_registration
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +44,7 @@ INSTANCE_FIELDS = ("tp_size", "dp_size", "pp_size", "page_size", "kv_dtype", "la
 QUERY_PARAMS = ("prefill_dp_rank", "target_tp_rank", "target_pp_rank")
 AUTH_HEADER, TIME_HEADER = "X-PDServe-Auth", "X-PDServe-Timestamp"
 AUTH_WINDOW_S = 300.0
+MAX_BODY_BYTES = 1 << 20
 
 
 def registration_tag(secret: bytes, timestamp: str, body: bytes) -> str:
@@ -52,15 +57,15 @@ def check_registration_auth(secret: Optional[bytes], headers, body: bytes) -> Op
         return None
     tag, ts = headers.get(AUTH_HEADER), headers.get(TIME_HEADER)
     if not tag or not ts:
-        return "registration is not authenticated (this bootstrap server requires --disaggregation-secret)"
+        return "request is not authenticated (this bootstrap server requires --disaggregation-secret)"
     try:
         skew = abs(time.time() - float(ts))
     except ValueError:
         return f"bad {TIME_HEADER} header {ts!r}"
     if skew > AUTH_WINDOW_S:
-        return f"registration timestamp is {skew:.0f}s away from this server's clock (limit {AUTH_WINDOW_S:.0f}s)"
+        return f"request timestamp is {skew:.0f}s away from this server's clock (limit {AUTH_WINDOW_S:.0f}s)"
     if not hmac.compare_digest(registration_tag(secret, ts, body), tag):
-        return "registration has a bad HMAC (forged, tampered, or a different secret)"
+        return "request has a bad HMAC (forged, tampered, or a different secret)"
     return None
 
 
@@ -99,12 +104,24 @@ class _RouteTable:
             self.instance = instance
             key = (info["dp_rank"], info["tp_rank"], info["pp_rank"])
             self.ranks[key] = {"rank_ip": info["rank_ip"], "rank_port": info["rank_port"],
-                               "dp_rank": key[0], "tp_rank": key[1], "pp_rank": key[2]}
+                               "dp_rank": key[0], "tp_rank": key[1], "pp_rank": key[2],  # + a stage's layers:
+                               **{k: info[k] for k in ("start_layer", "end_layer") if isinstance(info.get(k), int)}}
         return None
 
-    def complete(self) -> bool:
+    def total_ranks(self) -> int:
+        """Ranks of all DP groups: the registered sizes tell, ``expected_ranks`` bounds from below."""
         with self.lock:
-            return self.instance is not None and len(self.ranks) >= self.expected_ranks
+            sizes = self.instance or {"dp_size": 1, "tp_size": 1, "pp_size": 1}
+            return max(self.expected_ranks, sizes["dp_size"] * sizes["tp_size"] * sizes["pp_size"])
+
+    def complete(self) -> bool:
+        total = self.total_ranks()
+        with self.lock:
+            return self.instance is not None and len(self.ranks) >= total
+
+
+class _Reject(Exception):
+    """``_Reject(status, message)``: an HTTP error answer raised from inside a route."""
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -122,31 +139,64 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def do_PUT(self) -> None:
-        url = urllib.parse.urlparse(self.path)
-        if url.path != "/route":
-            return self._reply(404, {"error": f"no route {url.path}"})
-        try:
-            length = int(self.headers.get("Content-Length", "0"))
-            raw = self.rfile.read(length)
-        except ValueError as e:
-            return self._reply(400, {"error": f"bad Content-Length: {e}"})
-        why = check_registration_auth(self.server.secret, self.headers, raw)
+    def _body(self, authenticate: bool) -> Any:
+        """The request's JSON body; ``authenticate``: a registration, checked against the secret."""
+        length = self.headers.get("Content-Length", "0")
+        if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+            self.close_connection = True  # the body is not read
+            raise _Reject(400, f"bad Content-Length {length!r} (at most {MAX_BODY_BYTES} bytes)")
+        raw = self.rfile.read(int(length))
+        why = check_registration_auth(self.server.secret, self.headers, raw) if authenticate else None
         if why:
-            logger.warning("bootstrap: rejected registration from %s: %s", self.address_string(), why)
-            return self._reply(401, {"error": why})
+            logger.warning("bootstrap: rejected %s from %s: %s", self.path, self.address_string(), why)
+            raise _Reject(401, why)
         try:
-            info = json.loads(raw or b"null")
-        except (ValueError, json.JSONDecodeError) as e:
-            return self._reply(400, {"error": f"bad JSON body: {e}"})
+            return json.loads(raw or b"null")
+        except ValueError as e:
+            raise _Reject(400, f"bad JSON body: {e}") from None
+
+    def _serve(self, routes: dict) -> None:
+        """Answer with what the route returns; a ``ValueError`` it raises (a bad body, its
+        message naming the field) is a 400."""
+        path = urllib.parse.urlparse(self.path).path
+        if path not in routes:
+            self.close_connection = True  # the body is not read
+            return self._reply(404, {"error": f"no route {path}"})
+        try:
+            self._reply(200, routes[path]())
+        except _Reject as e:
+            self._reply(e.args[0], {"error": e.args[1]})
+        except ValueError as e:
+            self._reply(400, {"error": str(e)})
+
+    def do_PUT(self) -> None:
+        self._serve({"/route": self._put_route})
+
+    def do_POST(self) -> None:
+        self._serve({"/register_dp_rank": self._register_dp_rank, "/query_dp_ranks": self._query_dp_ranks})
+
+    def _put_route(self) -> dict:
+        info = self._body(authenticate=True)
         if not isinstance(info, dict):
-            return self._reply(400, {"error": "body must be a JSON object"})
+            raise _Reject(400, "body must be a JSON object")
         err = self.server.table.put(info)
         if err:
-            return self._reply(400, {"error": err})
+            raise _Reject(400, err)
         logger.info("bootstrap: registered prefill rank dp%s tp%s pp%s at %s:%s", info["dp_rank"],
                     info["tp_rank"], info["pp_rank"], info["rank_ip"], info["rank_port"])
-        self._reply(200, {"ok": True})
+        return {"ok": True}
+
+    def _register_dp_rank(self) -> dict:
+        body = self._body(authenticate=True)
+        instance = self.server.table.instance  # replaced whole on registration, never changed in place
+        room, dp_rank = parse_registration(body, instance["dp_size"] if instance else None)
+        self.server.rooms.put(room, dp_rank)
+        logger.debug("bootstrap: room %d -> dp rank %d", room, dp_rank)
+        return {"ok": True}
+
+    def _query_dp_ranks(self) -> dict:
+        rooms = parse_query(self._body(authenticate=True))
+        return {str(room): rank for room, rank in self.server.rooms.get_many(rooms).items()}
 
     def do_GET(self) -> None:
         url = urllib.parse.urlparse(self.path)
@@ -154,6 +204,9 @@ class _Handler(BaseHTTPRequestHandler):
             return self._reply(200, b"OK")
         if url.path != "/route":
             return self._reply(404, {"error": f"no route {url.path}"})
+        if why := check_registration_auth(self.server.secret, self.headers, self.path.encode()):
+            logger.warning("bootstrap: rejected GET %s from %s: %s", url.path, self.address_string(), why)
+            return self._reply(401, {"error": why})
         query = urllib.parse.parse_qs(url.query)
         idx = []
         for name in QUERY_PARAMS:
@@ -167,9 +220,8 @@ class _Handler(BaseHTTPRequestHandler):
         table = self.server.table
         if all(i == -1 for i in idx):
             if not table.complete():
-                with table.lock:
-                    n = len(table.ranks)
-                return self._reply(503, {"error": f"{n} of {table.expected_ranks} prefill ranks registered"})
+                registered = len(table.ranks)  # one atomic read; a snapshot is all an error message needs
+                return self._reply(503, {"error": f"{registered} of {table.total_ranks()} prefill ranks registered"})
             with table.lock:
                 return self._reply(200, dict(table.instance))
         if any(i < 0 for i in idx):
@@ -185,17 +237,24 @@ class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     table: _RouteTable
+    rooms: DPRoomTable
     secret: Optional[bytes] = None
 
 
 class BootstrapServer:
-    """HTTP registry of one prefill instance's ranks, served from a daemon thread."""
+    """HTTP registry of one prefill instance's ranks, served from a daemon thread.
 
-    def __init__(self, host: str, port: int, expected_ranks: int = 1, secret: Optional[str] = None):
+    ``expected_ranks``: ranks of all DP groups together (dp_size * tp_size * pp_size); instance
+    info is served once that many registered (or more, when the registered sizes say so).
+    ``entry_ttl_s``: how long a room's DP rank registration is kept."""
+
+    def __init__(self, host: str, port: int, expected_ranks: int = 1, secret: Optional[str] = None,
+                 entry_ttl_s: float = DEFAULT_ENTRY_TTL_S):
         if expected_ranks < 1:
             raise ValueError(f"expected_ranks: must be >= 1, got {expected_ranks}")
+        rooms = DPRoomTable(entry_ttl_s)  # checks entry_ttl_s before the port is taken
         self._httpd = _HTTPServer((host, port), _Handler)
-        self._httpd.table = _RouteTable(expected_ranks)
+        self._httpd.table, self._httpd.rooms = _RouteTable(expected_ranks), rooms
         self._httpd.secret = secret.encode() if secret else None
         self.host = host
         self.port = self._httpd.server_address[1]  # port 0 picks a free one
@@ -231,14 +290,13 @@ def _http(method: str, url: str, body: Optional[dict] = None, timeout: float = 5
           secret: Optional[str] = None) -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
     headers = {"Content-Type": "application/json"} if data else {}
-    if secret and data is not None:
-        ts = f"{time.time():.3f}"
-        headers.update({TIME_HEADER: ts, AUTH_HEADER: registration_tag(secret.encode(), ts, data)})
+    if secret:  # a GET signs its request target in place of a body
+        ts, target = f"{time.time():.3f}", url[url.index("/", url.index("//") + 2):].encode()
+        headers.update({TIME_HEADER: ts, AUTH_HEADER: registration_tag(secret.encode(), ts, data or target)})
     req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with _opener.open(req, timeout=timeout) as resp:
-            raw = resp.read()
-            code = resp.status
+            raw, code = resp.read(), resp.status
     except urllib.error.HTTPError as e:
         raw, code = e.read(), e.code
     try:
@@ -270,10 +328,10 @@ def register_rank(host: str, port: int, info: dict[str, Any], attempts: int = 30
     raise BootstrapError(f"could not register with bootstrap server {host}:{port} after {attempts} attempts: {last}")
 
 
-def _get_route(host: str, port: int, dp: int, tp: int, pp: int, timeout: float) -> dict[str, Any]:
+def _get_route(host: str, port: int, dp: int, tp: int, pp: int, timeout: float, secret: Optional[str]) -> dict:
     q = urllib.parse.urlencode({"prefill_dp_rank": dp, "target_tp_rank": tp, "target_pp_rank": pp})
     try:
-        code, body = _http("GET", _url(host, port, f"/route?{q}"), timeout=timeout)
+        code, body = _http("GET", _url(host, port, f"/route?{q}"), timeout=timeout, secret=secret)
     except OSError as e:
         raise BootstrapNotReady(f"bootstrap server {host}:{port} unreachable: {e}") from None
     if code == 503:
@@ -283,16 +341,47 @@ def _get_route(host: str, port: int, dp: int, tp: int, pp: int, timeout: float) 
     return body
 
 
-def fetch_prefill_info(host: str, port: int, timeout: float = 5.0) -> dict[str, Any]:
-    """Instance info (sizes, layout, compatibility fields). Raises ``BootstrapNotReady`` while
-    the server is unreachable or incomplete, ``BootstrapError`` otherwise."""
-    return _get_route(host, port, -1, -1, -1, timeout)
+def fetch_prefill_info(host: str, port: int, timeout: float = 5.0, secret: Optional[str] = None) -> dict[str, Any]:
+    """Instance info (sizes, layout, compatibility fields), signed when ``secret`` is given. Raises
+    ``BootstrapNotReady`` while the server is unreachable or incomplete, ``BootstrapError`` otherwise."""
+    return _get_route(host, port, -1, -1, -1, timeout, secret)
 
 
 def fetch_rank_info(host: str, port: int, dp_rank: int, tp_rank: int, pp_rank: int,
-                    timeout: float = 5.0) -> dict[str, Any]:
+                    timeout: float = 5.0, secret: Optional[str] = None) -> dict[str, Any]:
     """``{rank_ip, rank_port, dp_rank, tp_rank, pp_rank}`` of one prefill rank."""
-    return _get_route(host, port, dp_rank, tp_rank, pp_rank, timeout)
+    return _get_route(host, port, dp_rank, tp_rank, pp_rank, timeout, secret)
+
+
+def register_dp_rank(host: str, port: int, room: int, dp_rank: int, secret: Optional[str] = None,
+                     timeout: float = 5.0) -> None:
+    """Record that DP group ``dp_rank`` of this prefill instance took ``room`` (signed when
+    ``secret`` is given). One attempt; raises ``BootstrapError`` saying why it failed."""
+    try:
+        code, answer = _http("POST", _url(host, port, "/register_dp_rank"),
+                             {"bootstrap_room": room, "dp_rank": dp_rank}, timeout, secret)
+    except OSError as e:
+        code, answer = None, f"unreachable: {e}"
+    if code != 200:
+        raise BootstrapError(f"bootstrap server {host}:{port} did not register room {room} -> dp rank {dp_rank}: "
+                             f"{f'HTTP {code}: ' if code else ''}{answer}")
+
+
+def query_dp_ranks(host: str, port: int, rooms: Iterable[int], timeout: float = 5.0,
+                   secret: Optional[str] = None) -> dict[int, int]:
+    """The prefill DP rank of each of ``rooms`` that the bootstrap server knows (unknown and expired
+    rooms left out). Raises ``BootstrapNotReady`` while it is unreachable, else ``BootstrapError``."""
+    rooms, found = list(rooms), {}
+    for start in range(0, len(rooms), MAX_QUERY_ROOMS):
+        batch = rooms[start:start + MAX_QUERY_ROOMS]
+        try:
+            code, body = _http("POST", _url(host, port, "/query_dp_ranks"), {"bootstrap_rooms": batch}, timeout, secret)
+        except OSError as e:
+            raise BootstrapNotReady(f"bootstrap server {host}:{port} unreachable: {e}") from None
+        if code != 200 or not isinstance(body, dict):
+            raise BootstrapError(f"bootstrap server {host}:{port} answered /query_dp_ranks with HTTP {code}: {body}")
+        found.update({int(room): rank for room, rank in body.items()})
+    return found
 
 
 def health(host: str, port: int, timeout: float = 2.0) -> bool:

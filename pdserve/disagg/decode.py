@@ -23,6 +23,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pdserve.disagg.dp_resolver import PrefillDPResolver, ResolvingReceiver
 from pdserve.disagg.fake import FakeKVReceiver
 from pdserve.disagg.metadata import MetadataBuffers, SlotAllocator
 from pdserve.disagg.poll import KVPoll, poll_and_all_reduce
@@ -59,6 +60,7 @@ class DecodeQueues:
         self.transfer: list[Req] = []
         # (receiver, pages, slot) of ended rooms whose writers may still be active
         self.draining: list[tuple[Any, list[int], Optional[int]]] = []
+        self.dp_resolver = PrefillDPResolver(getattr(mgr, "name", "decode"), getattr(mgr, "secret", None))
 
     # ---- scheduler interface ----------------------------------------------------------------
     def accepts(self, req: Req) -> bool:
@@ -69,7 +71,10 @@ class DecodeQueues:
             receiver = FakeKVReceiver(None, "", req.bootstrap_room)  # warm-up: no peer is contacted
         else:
             addr = f"{req.bootstrap_host}:{req.bootstrap_port or self.s.args.disaggregation_bootstrap_port}"
-            receiver = self.receiver_cls(self.mgr, addr, req.bootstrap_room)
+            if req.prefill_dp_rank is not None or self.fake:
+                receiver = self.receiver_cls(self.mgr, addr, req.bootstrap_room, prefill_dp_rank=req.prefill_dp_rank)
+            else:  # the prefill's bootstrap server says which of its DP groups holds the KV
+                receiver = ResolvingReceiver(self.mgr, addr, req.bootstrap_room, self.receiver_cls, self.dp_resolver)
         receiver.init()
         req.disagg = _DecodeState(receiver)
         limit = self.s.args.disaggregation_max_prealloc_queue
@@ -195,6 +200,7 @@ class DecodeQueues:
         st.slot = slot
         req.pages = pages
         self.meta.clear_row(slot)
+        req.mark("preallocated")  # before prefill can hear of it: the timeline stays causal
         st.receiver.send_metadata(pages, slot)
         self.prealloc.remove(req)
         self.transfer.append(req)
@@ -220,6 +226,7 @@ class DecodeQueues:
             self._fail(req, f"metadata row {st.slot} belongs to room {row.room}, expected room "
                             f"{req.bootstrap_room}; the KV cannot be trusted")
             return
+        req.mark("kv_received")
         self.transfer.remove(req)
         self.meta.clear_row(st.slot)
         self.slots.free(st.slot)

@@ -42,10 +42,11 @@ class _Target:
 
 @dataclass
 class _Conn:
-    """Connection to one prefill instance (one bootstrap address)."""
+    """Connection to one prefill instance (one bootstrap address), or to one of its DP groups."""
 
     addr: str
     session_id: str
+    dp_rank: int = 0  # the prefill's attention-DP group
     state: str = "connecting"  # connecting | ready | failed
     error: str = ""
     info: dict = field(default_factory=dict)
@@ -55,6 +56,7 @@ class _Conn:
     acks: dict[int, RegisterAck] = field(default_factory=dict)
     acked: threading.Condition = field(default_factory=threading.Condition)
     hb_seq: int = 0
+    key: tuple = ()
     hb_acked: dict[int, float] = field(default_factory=dict)  # rank -> monotonic time of its last answer
     next_hb: float = 0.0
 
@@ -74,19 +76,21 @@ class _RoomRecv:
 class DecodeRole:
     def __init__(self, mgr):
         self.mgr = mgr
-        self.conns: dict[str, _Conn] = {}
+        self.conns: dict[tuple[str, int], _Conn] = {}  # (bootstrap address, prefill DP group)
         self.rooms: dict[int, _RoomRecv] = {}
         self._sessions = itertools.count()
         self._generations = itertools.count(1)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"pd-connect-{mgr.name}")
 
     # ---- connections ----------------------------------------------------------------------
-    def get_conn(self, addr: str) -> _Conn:
-        """The connection to ``addr``, starting the look-up + registration if there is none."""
+    def get_conn(self, addr: str, dp_rank: int = 0) -> _Conn:
+        """The connection to DP group ``dp_rank`` of the prefill at ``addr``, starting the look-up
+        + registration if there is none."""
         with self.mgr.lock:
-            c = self.conns.get(addr)
+            c = self.conns.get((addr, dp_rank))
             if c is None:
-                c = self.conns[addr] = _Conn(addr, f"{self.mgr.session_prefix}-{next(self._sessions)}")
+                c = _Conn(addr, f"{self.mgr.session_prefix}-{next(self._sessions)}", dp_rank, key=(addr, dp_rank))
+                self.conns[c.key] = c
                 self._pool.submit(self._connect, c)
             return c
 
@@ -103,7 +107,7 @@ class DecodeRole:
         delay = 0.05
         while True:
             try:
-                info = fetch_prefill_info(host, port, timeout=2.0)
+                info = fetch_prefill_info(host, port, timeout=2.0, secret=m.secret)
                 break
             except BootstrapNotReady as e:
                 if time.monotonic() + delay > deadline or m._closed.is_set():
@@ -114,6 +118,8 @@ class DecodeRole:
         errs = compat_mismatches({k: info.get(k) for k in COMPAT_FIELDS}, a.compat_info())
         c.info = info
         pp_size, p_tp = int(info["pp_size"]), int(info["tp_size"])
+        if not 0 <= c.dp_rank < int(info.get("dp_size", 1)):
+            errs.append(f"prefill has {info.get('dp_size', 1)} DP group(s), the request names group {c.dp_rank}")
         try:  # which prefill ranks write which of this rank's KV heads (rank_map.py)
             slices = rank_map.sources(p_tp, a.tp_size, a.total_kv_head_num, a.num_heads, a.engine_rank)
         except ValueError as e:
@@ -122,7 +128,7 @@ class DecodeRole:
         for sl in slices:
             required = rank_map.destinations_of(p_tp, a.tp_size, a.total_kv_head_num, a.num_heads, sl.prefill_rank)
             for pp in range(pp_size):  # decode holds every layer: ask every prefill stage
-                r = fetch_rank_info(host, port, 0, sl.prefill_rank, pp, timeout=2.0)
+                r = fetch_rank_info(host, port, c.dp_rank, sl.prefill_rank, pp, timeout=2.0, secret=m.secret)
                 c.targets.append(_Target(f"tcp://{r['rank_ip']}:{r['rank_port']}", sl.prefill_rank * pp_size + pp,
                                          sl, required))
         if errs:
@@ -172,8 +178,8 @@ class DecodeRole:
             if c.state == "failed":
                 return failed
             c.state, c.error = "failed", reason
-            if self.conns.get(c.addr) is c:
-                del self.conns[c.addr]  # the next room to this address starts afresh
+            if self.conns.get(c.key) is c:
+                del self.conns[c.key]  # the next room to this address starts afresh
             for room in list(c.rooms):
                 rs = self.rooms.get(room)
                 if rs is not None and rs.conn is c and m.status.get(room) != KVPoll.Success:
@@ -282,8 +288,8 @@ class DecodeRole:
                                                    prefill_rank=rank))
 
     # ---- receiver-facing helpers ----------------------------------------------------------
-    def add_room(self, room: int, addr: str) -> _RoomRecv:
-        c = self.get_conn(addr)
+    def add_room(self, room: int, addr: str, dp_rank: int = 0) -> _RoomRecv:
+        c = self.get_conn(addr, dp_rank)
         with self.mgr.lock:
             old = self.rooms.get(room)
             if old is not None:

@@ -43,7 +43,9 @@ class KVArgs:
     pp_rank: int = 0
     pp_size: int = 1
     prefill_start_layer: int = 0  # first layer this rank holds (pipeline parallel prefill)
-    system_dp_rank: int = 0
+    system_dp_rank: int = 0  # the attention-DP group (SGLang's attn_dp_rank)
+    dp_size: int = 1
+    global_rank: int = 0  # the rank's index among all of its server's ranks
     # device / network
     gpu_id: int = 0
     device: str = "cpu"

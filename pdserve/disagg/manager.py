@@ -68,7 +68,7 @@ class KVManager:
         self.bootstrap_port = int(server_option(server_args, "disaggregation_bootstrap_port"))
         self.secret = server_option(server_args, "disaggregation_secret") or None
         self.codec = MessageCodec(self.secret.encode() if self.secret else None)
-        self.faults = FaultInjector.from_args(server_args, kv_args.engine_rank)
+        self.faults = FaultInjector.from_args(server_args, kv_args.global_rank)
         self.rejected_messages = 0  # undecodable or unauthenticated control messages
         self.name = f"{mode}-tp{kv_args.engine_rank}"
         self.session_prefix = uuid.uuid4().hex[:12]

@@ -22,9 +22,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pdserve.disagg.bootstrap import parse_addr, register_dp_rank
 from pdserve.disagg.metadata import MetadataBuffers, SlotAllocator
 from pdserve.disagg.poll import KVPoll, poll_and_all_reduce
 from pdserve.engine.request import FinishKind, FinishReason, Req
@@ -61,8 +63,10 @@ class PrefillQueues:
         self.inflight: list[Req] = []
         # per finished transfer: bytes moved and timings (served in /server_info for benchmarks)
         self.recent_transfers: deque[dict] = deque(maxlen=256)
+        self.kv_bytes_sent = 0  # by this rank, over all finished transfers
         self.keepalive_s = min(1.0, scheduler.args.disaggregation_waiting_timeout / 4)
         self._next_keepalive = 0.0
+        self._dp_publisher: Optional[ThreadPoolExecutor] = None
         scheduler.on_chunk_done = self.on_chunk_done
         scheduler.on_prefill_done = self.on_prefill_done
 
@@ -77,8 +81,27 @@ class PrefillQueues:
         else:
             addr = f"{req.bootstrap_host}:{req.bootstrap_port or self.s.args.disaggregation_bootstrap_port}"
             sender = self.sender_cls(self.mgr, addr, req.bootstrap_room)
+            self._publish_dp_rank(addr, req.bootstrap_room)
         req.disagg = _PrefillState(sender)
         self.bootstrap.append(req)
+
+    def _publish_dp_rank(self, addr: str, room: int) -> None:
+        """DP attention: tell the bootstrap server which group took the room (once per room, by
+        the group's first rank), for decodes that are not told (``disagg_prefill_dp_rank``)."""
+        a = getattr(self.mgr, "kv_args", None)
+        if a is None or a.dp_size == 1 or a.engine_rank != 0 or a.pp_rank != 0:
+            return
+        if self._dp_publisher is None:
+            self._dp_publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-dp-publish")
+        host, port = parse_addr(addr)
+
+        def publish() -> None:
+            try:
+                register_dp_rank(host, port, room, a.system_dp_rank, secret=getattr(self.mgr, "secret", None))
+            except Exception as e:  # decode then times out on the look-up, naming the room
+                logger.warning("could not record room %d's DP group at %s: %s", room, addr, e)
+
+        self._dp_publisher.submit(publish)
 
     def reject(self, host: Optional[str], port: Optional[int], room: int, reason: str) -> None:
         """The request for ``room`` was refused before it got here: end the room for decode now."""
@@ -98,7 +121,8 @@ class PrefillQueues:
     def integrity(self) -> dict:
         counts = self.mgr.counts() if hasattr(self.mgr, "counts") else {}
         return {"metadata_slots_total": self.slots.num_slots, "metadata_slots_free": self.slots.num_free(),
-                "bootstrap_queue": len(self.bootstrap), "inflight_queue": len(self.inflight), **counts}
+                "bootstrap_queue": len(self.bootstrap), "inflight_queue": len(self.inflight),
+                "kv_bytes_sent": self.kv_bytes_sent, **counts}
 
     def discard(self, req: Req) -> None:
         """The request ended (finished, failed or aborted): leave the queues, free the slot."""
@@ -161,6 +185,7 @@ class PrefillQueues:
                 num_pages = (req.prompt_len + self.s.page_size - 1) // self.s.page_size
                 st.sender.init(num_pages, slot)
                 self.bootstrap.remove(req)
+                req.mark("bootstrapped")
                 self.s.waiting.append(req)
 
     def _process_inflight(self) -> None:
@@ -169,6 +194,7 @@ class PrefillQueues:
         states = poll_and_all_reduce([r.disagg.sender for r in self.inflight], self.group)
         for req, state in zip(list(self.inflight), states):
             if state == KVPoll.Success:
+                req.mark("kv_sent")
                 self._record_transfer(req)
                 self.s.finish(req, FinishReason(FinishKind.LENGTH, matched=len(req.output_ids)))
             elif state == KVPoll.Failed:
@@ -181,6 +207,7 @@ class PrefillQueues:
         now = time.monotonic()
         descriptors, nbytes = st.sender.written()  # this rank's writes, into every decode rank it serves
         window = now - st.first_send
+        self.kv_bytes_sent += nbytes
         self.recent_transfers.append({
             "rid": req.rid, "room": req.bootstrap_room, "pages": st.sent_pages, "kv_bytes": nbytes,
             "descriptors": descriptors, "window_s": window, "after_last_chunk_s": now - st.last_send,
@@ -188,7 +215,8 @@ class PrefillQueues:
         })
 
     def stats(self) -> dict:
-        out: dict = {"recent_transfers": list(self.recent_transfers)}
+        out: dict = {"recent_transfers": list(self.recent_transfers), "bootstrap_queue": len(self.bootstrap),
+                     "inflight_queue": len(self.inflight), "kv_bytes_sent": self.kv_bytes_sent}
         if hasattr(self.mgr, "faults"):
             out["disaggregation_faults"] = self.mgr.faults.stats()
             out["transfer_worker_restarts"] = self.mgr.role.workers.restarts
@@ -209,6 +237,7 @@ class PrefillQueues:
     def on_prefill_done(self, req: Req) -> None:
         """The first token is sampled: fill the metadata row and send the last chunk."""
         st: _PrefillState = req.disagg
+        req.mark("forward_end")
         tok = req.output_ids[0]
         logprob = req.output_token_logprobs[0][0] if req.output_token_logprobs else None
         top = req.output_top_logprobs[0] if req.output_top_logprobs else None

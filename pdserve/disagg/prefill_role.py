@@ -85,8 +85,10 @@ class PrefillRole:
     def register_to_bootstrap(self) -> None:
         a, m = self.mgr.kv_args, self.mgr
         info = {"tp_size": a.tp_size, "tp_rank": a.engine_rank,
-                "dp_size": 1, "dp_rank": 0, "pp_size": a.pp_size, "pp_rank": a.pp_rank,
-                "rank_ip": m.local_ip(m.bootstrap_host), "rank_port": m.port}
+                "dp_size": a.dp_size, "dp_rank": a.system_dp_rank, "pp_size": a.pp_size, "pp_rank": a.pp_rank,
+                "rank_ip": m.local_ip(m.bootstrap_host), "rank_port": m.port,
+                # the pipeline stage's layers: it writes only these into decode's pool
+                "start_layer": a.prefill_start_layer, "end_layer": a.prefill_start_layer + a.num_local_layers}
         info.update(a.compat_info())
         register_rank(m.bootstrap_host, m.bootstrap_port, info, secret=m.secret)
 

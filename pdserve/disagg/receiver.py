@@ -32,7 +32,8 @@ class KVReceiver:
         self.role: DecodeRole = mgr.role
         self.bootstrap_addr = bootstrap_addr
         self.room = room
-        self._rs = self.role.add_room(room, bootstrap_addr)
+        self.prefill_dp_rank = prefill_dp_rank or 0
+        self._rs = self.role.add_room(room, bootstrap_addr, self.prefill_dp_rank)
 
     def init(self, prefill_dp_rank: Optional[int] = None) -> None:
         """Kept for the common call order (the fake receiver leaves Bootstrapping here); the real

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from pdserve.config import ServerArgs
-from pdserve.distributed import SINGLE, TPGroup
+from pdserve.distributed import SINGLE_RANK, Parallel
 from pdserve.disagg.manager import buffer_allocator, get_kv_class
 from pdserve.disagg.metadata import MetadataBuffers
 
@@ -18,8 +18,12 @@ def num_metadata_slots(args: ServerArgs) -> int:
     return max(64, 2 * args.max_running_requests)
 
 
-def attach_disaggregation(args: ServerArgs, tokenizer=None, tp: TPGroup = SINGLE):
-    """Build a ``Scheduler`` for ``args.disaggregation_mode`` in {prefill, decode} (one rank's)."""
+def attach_disaggregation(args: ServerArgs, tokenizer=None, par: Parallel = SINGLE_RANK):
+    """Build a ``Scheduler`` for ``args.disaggregation_mode`` in {prefill, decode} (one rank's).
+
+    Ranks are addressed as SGLang's: a rank's ``engine_rank`` / ``tp_size`` are its place in its
+    attention group (the whole TP group without DP attention), ``system_dp_rank`` its group,
+    ``pp_rank`` its pipeline stage."""
     from pdserve.engine.scheduler import Scheduler
 
     mode, backend = args.disaggregation_mode, args.disaggregation_transfer_backend
@@ -27,22 +31,26 @@ def attach_disaggregation(args: ServerArgs, tokenizer=None, tp: TPGroup = SINGLE
     if mode == "decode" and not args.disable_radix_cache:
         # decode never prefills a bootstrapped request, so a prefix tree would only hold pages
         args.disable_radix_cache = True
-    scheduler = Scheduler(args, tokenizer, kv_allocator=allocator, tp=tp)
+    scheduler = Scheduler(args, tokenizer, kv_allocator=allocator, par=par)
     metadata = MetadataBuffers(num_metadata_slots(args), allocator=allocator, device=scheduler.runner.device)
+    model = scheduler.runner.model
+    tp = par.attn
     kv_args = get_kv_class(backend, "kv_args").from_buffers(
         scheduler.pool, metadata, engine_rank=tp.rank, tp_size=tp.size, model_fingerprint=scheduler.runner.fingerprint,
-        total_kv_head_num=scheduler.runner.model.total_kv_heads,
-        num_heads=scheduler.runner.model.config.num_attention_heads,
+        total_kv_head_num=model.total_kv_heads, num_heads=model.config.num_attention_heads,
+        system_dp_rank=par.dp_rank, dp_size=par.dp_size, pp_rank=par.pp_rank, pp_size=par.pp_size,
+        prefill_start_layer=model.model.start, num_layers=model.total_layers, global_rank=par.world.rank,
     )
-    group = tp.cpu_group if tp.size > 1 else None  # the room states are MIN-all-reduced over it
+    # the room states are MIN-all-reduced over the ranks that share the scheduler
+    group = par.sched.cpu_group if par.sched.size > 1 else None
     if mode == "prefill":
         from pdserve.disagg.fake import FakeKVSender
         from pdserve.disagg.prefill import PrefillQueues
 
         bootstrap = None
-        if backend != "fake" and tp.rank == 0:  # one per server; it waits for every rank to register
+        if backend != "fake" and par.world.rank == 0:  # one per server; it waits for every rank to register
             bootstrap = get_kv_class(backend, "bootstrap_server")(args.host, args.disaggregation_bootstrap_port,
-                                                                   tp.size, secret=args.disaggregation_secret)
+                                                                   par.world.size, secret=args.disaggregation_secret)
         mgr = get_kv_class(backend, "manager")(kv_args, "prefill", args, backend)
         scheduler.pd = PrefillQueues(scheduler, mgr, metadata, get_kv_class(backend, "sender"), FakeKVSender,
                                      group=group)

@@ -49,9 +49,11 @@ class Engine:
         if model_path is not None:
             kwargs["model_path"] = model_path
         self.server_args = ServerArgs.from_kwargs(**kwargs)
-        if self.server_args.tp_size != 1:
-            raise ValueError("tp_size: the offline Engine runs one rank; serve a tensor-parallel model with "
-                             f"`pdserve serve --tp-size {self.server_args.tp_size}`")
+        a = self.server_args
+        if a.world_size != 1:
+            name = "tp_size" if a.tp_size != 1 else "pp_size"
+            raise ValueError(f"{name}: the offline Engine runs one rank; serve a parallel model with "
+                             f"`pdserve serve --tp-size {a.tp_size} --pp-size {a.pp_size}`")
         if self.server_args.torch_num_threads:
             torch.set_num_threads(self.server_args.torch_num_threads)
         self.tokenizer = AutoTokenizer.from_pretrained(self.server_args.tokenizer_path)

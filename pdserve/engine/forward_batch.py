@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 if TYPE_CHECKING:
+    from pdserve.engine.dp_attention import DPGather
     from pdserve.engine.kv_pool import KVPool
     from pdserve.layers.attention.base import AttentionBackend
 
@@ -28,6 +29,8 @@ class ForwardBatch:
     logits_idx: torch.Tensor  # [N] rows of the flattened tokens whose logits are needed
     kv_pool: "KVPool"
     attn_backend: "AttentionBackend"
+    dp: Optional["DPGather"] = None  # DP attention: the gather around the MLP
+    parts: Optional[tuple] = None  # pipeline parallel: the lists it was made of (to split it)
     _int32: Optional[tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False)
 
     @property

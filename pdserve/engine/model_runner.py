@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Optional
 
 import torch
 
 from pdserve import kernels
 from pdserve.config import ServerArgs
-from pdserve.distributed import SINGLE, TPGroup
+from pdserve.distributed import SINGLE_RANK, Parallel
+from pdserve.engine.dp_attention import DPGather
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.kv_pool import BufferAllocator, KVPool, default_allocator
 from pdserve.engine.precision import choose_compute_dtype, choose_kv_cache_dtype
+from pdserve.engine.pipeline import pipeline_forward
 from pdserve.layers.attention.base import get_attention_backend
 
 logger = logging.getLogger(__name__)
@@ -33,11 +36,12 @@ def _available_host_bytes() -> int:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, kv_allocator: BufferAllocator = default_allocator, tp: TPGroup = SINGLE):
+    def __init__(self, args: ServerArgs, kv_allocator: BufferAllocator = default_allocator,
+                 par: Parallel = SINGLE_RANK):
         from pdserve.models.loader import context_length, load_config, load_model, model_fingerprint
 
         self.args = args
-        self.tp = tp
+        self.par = par
         self.device = torch.device(args.device)
         # pdserve's CPU kernels (None on CUDA, or when they cannot be built: the PyTorch paths run)
         self.ops = kernels.load() if self.device.type == "cpu" else None
@@ -50,7 +54,7 @@ class ModelRunner:
         logger.info("compute dtype %s: %s", str(self.dtype).replace("torch.", ""), why)
         self.model, self.hf_config = load_model(
             args.model_path, dtype=str(self.dtype).replace("torch.", ""), device=args.device,
-            load_format=args.load_format, seed=args.random_seed, tp=tp,
+            load_format=args.load_format, seed=args.random_seed, par=par,
         )
         if self.ops is not None:
             self.model.use_cpu_kernels(self.ops)
@@ -84,12 +88,12 @@ class ModelRunner:
 
     def _agree_on_dtype(self, hf_config) -> tuple[torch.dtype, str]:
         """Rank 0's choice on every rank (a measurement could differ between ranks)."""
-        if self.tp.rank == 0:
+        if self.par.world.rank == 0:
             dtype, why = choose_compute_dtype(self.args.dtype, self.device.type, hf_config, self.ops)
             choice = f"{str(dtype).replace('torch.', '')}|{why}"
         else:
             choice = None
-        name, _, why = self.tp.broadcast_object_str(choice).partition("|")
+        name, _, why = self.par.world.broadcast_object_str(choice).partition("|")
         return getattr(torch, name), why
 
     def _check_quantization_possible(self) -> None:
@@ -110,14 +114,14 @@ class ModelRunner:
         return name
 
     def _num_pages(self) -> int:
-        """Pages of this rank's pool; every rank takes the smallest rank's count (the ranks must
-        take the same scheduling decisions, so their pools must be equal)."""
+        """Pages of this rank's pool; every rank takes the smallest rank's count (the ranks of a
+        group must take the same scheduling decisions, so their pools must be equal)."""
         n = self._local_num_pages()
-        if self.tp.size > 1:
+        if self.par.world.size > 1:
             import torch.distributed as dist
 
             t = torch.tensor([n], dtype=torch.int64)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp.cpu_group)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.par.world.cpu_group)
             n = int(t.item())
         return n
 
@@ -147,6 +151,7 @@ class ModelRunner:
         extend_lens: list[int],
         page_lists: list[list[int]],
         logits_idx: list[int],
+        dp_counts: Optional[list[int]] = None,
     ) -> ForwardBatch:
         dev = self.device
         page = self.pool.page_size
@@ -170,14 +175,25 @@ class ModelRunner:
             logits_idx=torch.tensor(logits_idx, dtype=torch.long, device=dev),
             kv_pool=self.pool,
             attn_backend=self.attn_backend,
+            dp=DPGather(self.par, dp_counts) if dp_counts is not None else None,
         )
+        if self.par.pp_size > 1:  # the pipeline splits the batch into micro-batches
+            fb.parts = (input_ids, positions, prefix_lens, extend_lens, page_lists, logits_idx)
         return fb
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Run the model; return float32 logits for the rows ``fb.logits_idx``: [N, vocab]."""
+        """Run the model; return float32 logits for the rows ``fb.logits_idx``: [N, vocab] (on every
+        pipeline stage: the last one computes them and broadcasts them)."""
+        if self.par.pp_size > 1:
+            return pipeline_forward(self, fb)
         self.attn_backend.init_forward(fb)
         hidden = self.model(fb)
         if fb.logits_idx.numel() == 0:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[fb.logits_idx])
+
+    @torch.inference_mode()
+    def idle_forward(self, dp_counts: list[int]) -> None:
+        """DP attention: this group has no tokens but another has; join the MLPs' collectives."""
+        self.model.model.idle_forward(DPGather(self.par, dp_counts))

@@ -6,10 +6,13 @@ The engine sees ``Req`` objects and batches of them, never HTTP objects.
 from __future__ import annotations
 
 import enum
+import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 MAX_TOP_LOGPROBS = 20
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -47,14 +50,25 @@ class SamplingParams:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"{name}: {why}")
 
+        def int64(name: str, v: int) -> None:  # what msgpack and torch carry across processes
+            if not INT64_MIN <= v <= INT64_MAX:
+                bad(name, f"must be in [-2^63, 2^63), got {v}")
+
         def number(name: str, integer: bool = False) -> None:
             v = getattr(self, name)
             ok = isinstance(v, int) if integer else isinstance(v, (int, float))
             if isinstance(v, bool) or not ok:
                 bad(name, f"must be {'an integer' if integer else 'a number'}, got {v!r}")
+            if not integer:  # an int here would cross the process boundary as an int, of any size
+                if isinstance(v, int) and abs(v) > 2**53:
+                    bad(name, f"must be a number of a sensible size, got {v}")
+                if not math.isfinite(v):
+                    bad(name, f"must be finite, got {v}")
+                setattr(self, name, float(v))
 
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
             number(name, integer=True)
+            int64(name, getattr(self, name))
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
                      "presence_penalty"):
             number(name)
@@ -88,8 +102,12 @@ class SamplingParams:
                 isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids
             ):
                 bad("stop_token_ids", f"must be a list of integers, got {self.stop_token_ids!r}")
+            for t in self.stop_token_ids:
+                int64("stop_token_ids", t)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None:
+            int64("seed", self.seed)
         if self.n < 1:
             bad("n", f"must be >= 1, got {self.n}")
         for name in ("ignore_eos", "skip_special_tokens"):
@@ -150,6 +168,7 @@ class Req:
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
+    prefill_dp_rank: Optional[int] = None  # decode: the prefill DP group holding its KV (None: ask bootstrap)
     arrival_time: float = 0.0
 
     output_ids: list[int] = field(default_factory=list)
@@ -174,6 +193,11 @@ class Req:
     sent_input_logprobs: bool = False
     # disaggregation state (sender/receiver, metadata slot), owned by the disagg queues
     disagg: Any = None
+    # event -> wall-clock time it first happened here (server/timeline.py names the events)
+    timeline: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, event: str) -> None:
+        self.timeline.setdefault(event, time.time())
 
     @property
     def all_ids(self) -> list[int]:

@@ -3,8 +3,9 @@
 Each ``step()`` reads like the request lifecycle:
   1. disaggregation queues make progress (prefill: bootstrap/inflight; decode: prealloc/transfer);
   2. a batch is formed: every running request (decode rows first, then unfinished chunked
-     prefills), then waiting requests admitted within the prefill token budget
-     (``max_prefill_tokens`` per batch, at most ``chunked_prefill_size`` per request) and the KV budget; when pages run out the least-advanced request is retracted (recomputed later);
+     prefills), then waiting requests within the prefill token budget (``max_prefill_tokens``
+     per batch, ``chunked_prefill_size`` per request) and the KV budget; when pages run out the
+     least-advanced request is retracted (recomputed later);
   3. one forward over all scheduled tokens, one sample per request whose prompt is complete;
   4. finished requests release their KV into the radix cache.
 """
@@ -13,14 +14,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional
 
 import torch
 
 from pdserve.config import ServerArgs
-from pdserve.distributed import SINGLE, TPGroup
+from pdserve.distributed import SINGLE_RANK, Parallel
+from pdserve.engine import dp_attention
 from pdserve.engine import logprobs as lp
 from pdserve.engine.kv_pool import BufferAllocator, default_allocator
+from pdserve.engine.pd_queues import PDQueues
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.radix_cache import RadixCache
 from pdserve.engine.request import MAX_TOP_LOGPROBS, FinishKind, FinishReason, Req
@@ -31,49 +34,15 @@ from pdserve.engine.stop import check_finish, eos_token_ids
 logger = logging.getLogger(__name__)
 
 
-class PDQueues(Protocol):
-    """What prefill/decode disaggregation plugs into the scheduler (``disagg/prefill.py`` and
-    ``disagg/decode.py`` implement it; ``disagg/setup.py`` builds it). Every method runs on the
-    scheduler thread, every rank calling them in the same order."""
-
-    @property
-    def has_work(self) -> bool:
-        """Requests in the PD queues (waiting on a peer or a transfer)."""
-
-    def accepts(self, req: Req) -> bool:
-        """Whether ``req`` goes to the PD queues rather than the scheduler's waiting queue."""
-
-    def add(self, req: Req) -> None: ...
-
-    def reject(self, host: Optional[str], port: Optional[int], room: int, reason: str) -> None:
-        """Tell the PD peer that a request this scheduler refused will not come (best effort)."""
-
-    def all_reqs(self) -> list[Req]:
-        """Requests held in the PD queues."""
-
-    def extra_pages(self) -> int:
-        """KV pages held by the queues outside requests (drained rooms), for the accounting."""
-
-    def discard(self, req: Req) -> None:
-        """Forget ``req`` (it finished or was aborted), releasing what the queues hold for it."""
-
-    def process_queues(self) -> None:
-        """Advance every queue once; called at the start of each scheduler step."""
-
-    def integrity(self) -> dict: ...
-
-    def stats(self) -> dict: ...
-
-
 class Scheduler:
     def __init__(self, args: ServerArgs, tokenizer=None, kv_allocator: BufferAllocator = default_allocator,
-                 tp: TPGroup = SINGLE):
+                 par: Parallel = SINGLE_RANK):
         self.args = args
-        self.tp = tp
+        self.par = par
         # the scheduler loop's clock: rank 0's reading, set every iteration so that every rank
         # takes time-based decisions (timeouts, arrival order) alike; None: the local clock
         self.clock: Optional[float] = None
-        self.runner = ModelRunner(args, kv_allocator, tp)
+        self.runner = ModelRunner(args, kv_allocator, par)
         self.pool = self.runner.pool
         self.page_size = args.page_size
         self.tree = RadixCache(self.pool.allocator, self.page_size, disable=args.disable_radix_cache)
@@ -95,6 +64,7 @@ class Scheduler:
         self.on_prefill_done: Optional[Callable[[Req], None]] = None
         self.on_chunk_done: Optional[Callable[[Req], None]] = None
         self._reported_early = False
+        self.groups_busy = 0  # DP attention: the busiest group's level at the last step
 
     # ---- requests in and out -------------------------------------------------------------
     def validate(self, req: Req) -> None:
@@ -226,12 +196,26 @@ class Scheduler:
                 # First tokens committed from transferred KV go out now, not after a forward:
                 # otherwise PD's time to first token would include one decode step.
                 self._reported_early = True
+                if self.par.dp_attention:
+                    self._dp_round([])
                 return self.drain()
         self._reported_early = False
         batch = self._schedule()
-        if batch:
+        if self.par.dp_attention:
+            self._dp_round(batch)
+        elif batch:
             self._run(batch)
         return self.drain()
+
+    def _dp_round(self, batch: list[tuple[Req, int]]) -> None:
+        """DP attention, once per step on every rank: when any group has tokens, every group
+        runs a forward (an idle one without tokens of its own) so the MLPs' collectives meet."""
+        busy = 2 if self.waiting or self.running else int(self.has_work)  # see sync_counts
+        counts, self.groups_busy = dp_attention.sync_counts(self.par, sum(e for _, e in batch), busy)
+        if batch:
+            self._run(batch, counts)
+        elif any(counts):
+            self.runner.idle_forward(counts)
 
     def _pages_needed(self, req: Req, ext: int) -> int:
         return (req.kv_len + ext + self.page_size - 1) // self.page_size - len(req.pages)
@@ -277,8 +261,8 @@ class Scheduler:
             req = self.waiting[0]
             if not self._admit(req, min(chunk, budget), reserve):
                 break
-            self.waiting.pop(0)
-            self.running.append(req)
+            self.running.append(self.waiting.pop(0))
+            req.mark("forward_start")
             ext = min(req.extend_len, chunk, budget)
             batch.append((req, ext))
             budget -= ext
@@ -313,7 +297,7 @@ class Scheduler:
             self.stats["prompt_tokens"] += req.prompt_len
         return True
 
-    def _run(self, batch: list[tuple[Req, int]]) -> None:
+    def _run(self, batch: list[tuple[Req, int]], dp_counts: Optional[list[int]] = None) -> None:
         ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
@@ -336,7 +320,7 @@ class Scheduler:
                 logits_rows.append(start + ext - 1)
         fb = self.runner.make_forward_batch(
             ids, positions, [r.kv_len for r, _ in batch], [e for _, e in batch],
-            [r.pages for r, _ in batch], logits_rows,
+            [r.pages for r, _ in batch], logits_rows, dp_counts,
         )
         logits = self.runner.forward(fb)
         for req, ext in batch:

@@ -13,7 +13,7 @@ from pdserve.layers.linear import GEMV_MAX_ROWS, Linear, PackedBF16, PackedW8A8,
 
 class CpuPathsMixin:
     """Mixed into ``LlamaForCausalLM``; expects ``self.model`` (the decoder), ``self.lm_head``
-    (or None when tied), ``self.tied_logits`` and ``self.tp``."""
+    (or None when tied), ``self.tied_logits``, ``self.shards`` and ``self.par``."""
 
     def use_cpu_kernels(self, ops: ModuleType) -> None:
         """Run norms, RoPE and SiLU-mul with pdserve's CPU kernels (``pdserve.kernels``)."""
@@ -26,7 +26,7 @@ class CpuPathsMixin:
         head stays bf16); see ``layers/linear.py``. Returns packed bytes."""
         total = prepack_linears(self, ops, float32_out=(self.lm_head,) if self.lm_head is not None else (),
                                 quantization=quantization)
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and self.shards.has_head:
             self.tied_logits = PackedBF16(self.model.embed_tokens.weight, None, ops, float32_out=True)
             total += self.tied_logits.nbytes
         return total
@@ -34,8 +34,9 @@ class CpuPathsMixin:
     def enable_decode_stack(self, ops: ModuleType) -> bool:
         """Run decode-only batches through ``ops.DecodeModel`` (after ``prepack`` with ``ops``): the
         same kernels as the layer-by-layer path, without Python between them. Single-rank models
-        only (the stack has no collectives); returns whether it was enabled."""
-        if self.tp.size > 1:
+        only (the stack has no collectives), whole models (no pipeline stage); returns whether it
+        was enabled."""
+        if self.par.world.size > 1:
             return False
         first = self.model.layers[0].self_attn
         stack = ops.DecodeModel(first.num_heads, first.num_kv_heads, first.head_dim,

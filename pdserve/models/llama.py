@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.distributed import SINGLE, TPGroup
+from pdserve.distributed import SINGLE, Parallel, TPGroup
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.layers.linear import Linear, MergedLinear, PackedBF16, RowParallelLinear
 from pdserve.layers.norm import RMSNorm
@@ -54,6 +54,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, config, layer_id: int, shards: TPShards, qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
         self.layer_id = layer_id
+        self.kv_layer = layer_id - shards.layers[0]  # its index in this stage's KV pool
         self.num_heads = shards.num_heads  # this rank's
         self.num_kv_heads = shards.num_kv_heads
         self.head_dim = shards.head_dim
@@ -61,7 +62,7 @@ class LlamaAttention(nn.Module):
         self.sliding_window = layer_sliding_window(config, layer_id)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
-        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=o_bias, tp=shards.tp)
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=o_bias, tp=shards.attn)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -81,7 +82,7 @@ class LlamaAttention(nn.Module):
             self.ops.rotary_embedding(q, k, *rope)  # in place, into the qkv output
         else:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        o = fb.attn_backend.forward(self.layer_id, q, k, v, fb, self.scale, self.sliding_window)
+        o = fb.attn_backend.forward(self.kv_layer, q, k, v, fb, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -123,39 +124,60 @@ class LlamaDecoderLayer(nn.Module):
             h, residual = self.input_layernorm(h, residual)
         h = self.self_attn(h, rope, fb)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        if fb.dp is None:
+            return self.mlp(h), residual
+        # DP attention: the MLP runs tensor-parallel over every group's tokens
+        return fb.dp.local(self.mlp(fb.dp.gather(h))), residual
 
 
 class LlamaModel(nn.Module):
+    """The decoder; in a pipeline stage only its layers (``shards.layers``; the others are
+    placeholders, so parameter names stay the checkpoint's) and the embedding where it is used."""
+
     def __init__(self, config, shards: TPShards, **attn_kwargs):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(shards.vocab_rows, config.hidden_size, shards.vocab[0], shards.tp)
+        self.start, self.end = shards.layers
+        self.embed_tokens = VocabParallelEmbedding(shards.vocab_rows, config.hidden_size, shards.vocab[0],
+                                                   shards.attn) if shards.embeds else None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, shards, **attn_kwargs) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, shards, **attn_kwargs) if self.start <= i < self.end else nn.Identity()
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        head_dim = self.layers[0].self_attn.head_dim
+        head_dim = self.layers[self.start].self_attn.head_dim
         initial = min(config.max_position_embeddings, _ROPE_INITIAL_POSITIONS)
         self.rotary = RotaryEmbedding(head_dim, rope_parameters(config), initial)
         self.ops: Optional[ModuleType] = None
         # the decoder stack in C++ for decode-only batches (bf16 prepacked CPU models)
         self.decode_stack = None
 
+    @property
+    def own_layers(self) -> list["LlamaDecoderLayer"]:
+        return list(self.layers)[self.start:self.end]
+
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        h = self.embed_tokens(fb.input_ids)
+        h, residual = self.forward_layers(fb, self.embed_tokens(fb.input_ids), None)
+        h, _ = self.norm(h, residual)
+        return h
+
+    def forward_layers(self, fb: ForwardBatch, h: torch.Tensor, residual: Optional[torch.Tensor]):
+        """This stage's layers over ``h`` (embeddings, or the previous stage's output and residual
+        stream); returns (output, residual) before the final norm."""
         self.rotary.reserve(max(fb.seq_lens), h.device)
         cos, sin = self.rotary(fb.positions)  # float32; the kernel rounds them as HF does
         rope = (cos, sin) if self.ops is not None else (cos.to(h.dtype), sin.to(h.dtype))
         if self.decode_stack is not None and fb.is_decode_only:
             table, lens = fb.int32_tables()
-            h, residual = self.decode_stack.forward(h, fb.kv_pool.buffer, table, lens, cos, sin)
-            h, _ = self.norm(h, residual)
-            return h
-        residual = None
-        for layer in self.layers:
+            return self.decode_stack.forward(h, fb.kv_pool.buffer, table, lens, cos, sin)
+        for layer in self.own_layers:
             h, residual = layer(h, residual, rope, fb)
-        h, _ = self.norm(h, residual)
-        return h
+        return h, residual
+
+    def idle_forward(self, dp) -> None:
+        """A DP-attention group with no tokens this step: join every layer's MLP collectives."""
+        empty = torch.empty((0, self.norm.weight.shape[0]), dtype=self.norm.weight.dtype)
+        for layer in self.own_layers:
+            layer.mlp(dp.gather(empty))
 
 
 class LlamaForCausalLM(CpuPathsMixin, nn.Module):
@@ -171,22 +193,25 @@ class LlamaForCausalLM(CpuPathsMixin, nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
-    def __init__(self, config, tp: TPGroup = SINGLE):
+    def __init__(self, config, tp: TPGroup = SINGLE, par: Optional[Parallel] = None):
         super().__init__()
+        par = Parallel(world=tp, tp=tp, attn=tp) if par is None else par
         self.config = config
-        self.tp = tp
-        self.shards = TPShards.of(config, tp)
+        self.par = par
+        self.tp = par.attn  # the logits' vocabulary is split over the attention group
+        self.shards = TPShards.of(config, par.tp, par.attn, par.pp_rank, par.pp_size)
         qkv_bias, o_bias = self.attention_biases(config)
         self.model = LlamaModel(config, self.shards, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied: the logits reuse the embedding matrix; no shared Parameter, which would come apart
         # when the loader materialises the model from the meta device.
-        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, self.shards.vocab_rows,
-                                                                    bias=False)
+        self.lm_head = None if self.tie_word_embeddings or not self.shards.has_head else \
+            Linear(config.hidden_size, self.shards.vocab_rows, bias=False)
         # tied embeddings on a prepacked CPU model: the logits' own packed copy of the embedding
         self.tied_logits: Optional[PackedBF16] = None
-        attn = self.model.layers[0].self_attn
-        self.num_layers = config.num_hidden_layers
+        attn = self.model.layers[self.model.start].self_attn
+        self.num_layers = self.model.end - self.model.start  # this stage's (its KV pool's)
+        self.total_layers = config.num_hidden_layers
         self.num_heads = attn.num_heads  # this rank's
         self.num_kv_heads = attn.num_kv_heads  # this rank's (its KV pool's)
         self.total_kv_heads = self.shards.total_kv_heads

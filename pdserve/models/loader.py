@@ -6,12 +6,12 @@ import hashlib
 import json
 import logging
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 
-from pdserve.distributed import SINGLE, TPGroup
+from pdserve.distributed import SINGLE, Parallel, TPGroup
 from pdserve.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def init_dummy_weights(model: nn.Module, std: float, seed: int) -> None:
 
 def load_model(
     model_path: str, dtype: str = "auto", device: str = "cpu", load_format: str = "auto", seed: int = 0,
-    tp: TPGroup = SINGLE,
+    tp: TPGroup = SINGLE, par: Optional[Parallel] = None,
 ) -> tuple[nn.Module, object]:
     """(model in eval mode on ``device``, HF config); with ``tp``, this rank's shard of it (only
     that shard is read from the checkpoint)."""
@@ -93,7 +93,7 @@ def load_model(
     cls = model_class(hf_config)
     torch_dtype = resolve_dtype(hf_config, dtype)
     with torch.device("meta"):
-        model = cls(hf_config, tp=tp)
+        model = cls(hf_config, tp=tp, par=par)
     # parameters are allocated once, uninitialised, in their final dtype and place
     model = model.to(dtype=torch_dtype).to_empty(device=device)
     if load_format == "dummy":
@@ -101,8 +101,9 @@ def load_model(
     else:
         model.load_weights(iter_safetensors(model_path))
     model.eval().requires_grad_(False)
-    logger.info("loaded %s (%s, %s, %s%s) from %s", cls.__name__, torch_dtype, device, load_format,
-                f", tp rank {tp.rank} of {tp.size}" if tp.size > 1 else "", model_path)
+    where = f", {par.describe()}" if par is not None and par.world.size > 1 else \
+        f", tp rank {tp.rank} of {tp.size}" if tp.size > 1 else ""
+    logger.info("loaded %s (%s, %s, %s%s) from %s", cls.__name__, torch_dtype, device, load_format, where, model_path)
     return model, hf_config
 
 

@@ -35,7 +35,8 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 @dataclass(frozen=True)
 class TPShards:
-    tp: TPGroup
+    tp: TPGroup  # the MLP's ranks
+    attn: TPGroup  # the attention's and the vocabulary's ranks (``tp``, or one DP-attention group)
     head_dim: int
     heads: tuple[int, int]  # [start, end) of this rank's query heads
     kv_heads: tuple[int, int]  # [start, end) of its KV heads
@@ -43,22 +44,43 @@ class TPShards:
     vocab: tuple[int, int]  # [start, end) of its vocabulary rows (end may pass the real vocab: padding)
     total_kv_heads: int
     vocab_size: int
+    layers: tuple[int, int] = (0, 0)  # [start, end) of the decoder layers it holds (pipeline stage)
+    num_layers: int = 0  # the model's
+    embeds: bool = True  # holds the embedding (first stage; the last too when the LM head is tied)
+    has_head: bool = True  # computes the logits (last stage)
 
     @classmethod
-    def of(cls, config, tp: TPGroup = SINGLE) -> "TPShards":
+    def of(cls, config, tp: TPGroup = SINGLE, attn: TPGroup | None = None, pp_rank: int = 0,
+           pp_size: int = 1) -> "TPShards":
+        attn = tp if attn is None else attn
+        layers = stage_layers(config.num_hidden_layers, pp_rank, pp_size)
+        last = pp_rank == pp_size - 1
+        tied = bool(getattr(config, "tie_word_embeddings", False))
         heads = config.num_attention_heads
         kv = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         try:
-            h = shard_range(heads, tp.rank, tp.size)
-            kvr = kv_heads_for_rank(kv, heads, tp.rank, tp.size)
+            h = shard_range(heads, attn.rank, attn.size)
+            kvr = kv_heads_for_rank(kv, heads, attn.rank, attn.size)
             inter = shard_range(config.intermediate_size, tp.rank, tp.size)
         except ValueError as e:
-            raise ValueError(f"tp_size: {e} (heads {heads}, KV heads {kv}, intermediate size "
+            what = "tp_size" if attn.size == tp.size else "tp_size / dp_size (the attention group's size)"
+            raise ValueError(f"{what}: {e} (heads {heads}, KV heads {kv}, intermediate size "
                              f"{config.intermediate_size})") from None
-        per_rank_vocab = -(-config.vocab_size // tp.size)
-        vocab = (tp.rank * per_rank_vocab, (tp.rank + 1) * per_rank_vocab)
-        return cls(tp, head_dim, h, kvr, inter, vocab, kv, config.vocab_size)
+        per_rank_vocab = -(-config.vocab_size // attn.size)
+        vocab = (attn.rank * per_rank_vocab, (attn.rank + 1) * per_rank_vocab)
+        return cls(tp, attn, head_dim, h, kvr, inter, vocab, kv, config.vocab_size, layers,
+                   config.num_hidden_layers, embeds=pp_rank == 0 or (last and tied), has_head=last)
+
+    def holds(self, name: str) -> bool:
+        """Whether HF weight ``name`` belongs to this pipeline stage."""
+        if name.startswith("model.layers."):
+            return self.layers[0] <= int(name.split(".")[2]) < self.layers[1]
+        if name == "model.embed_tokens.weight":
+            return self.embeds
+        if name == "lm_head.weight":
+            return self.has_head
+        return True  # the final norm: every stage (tiny)
 
     @property
     def num_heads(self) -> int:
@@ -79,7 +101,7 @@ class TPShards:
     def shard(self, name: str, src: Any) -> torch.Tensor:
         """This rank's part of HF weight ``name``; ``src`` is a tensor or a safetensors slice."""
         shape = tuple(src.shape) if isinstance(src, torch.Tensor) else tuple(src.get_shape())
-        if self.tp.size == 1:
+        if self.tp.size == 1 and self.attn.size == 1:
             return src[:] if shape else src[()]
         leaf = name.rsplit(".", 2)
         proj, kind = (leaf[-2], leaf[-1]) if len(leaf) >= 2 else ("", leaf[-1])
@@ -101,6 +123,16 @@ class TPShards:
                 part = torch.cat([part, part.new_zeros((end - start - part.shape[0],) + tuple(part.shape[1:]))])
             return part
         return src[:]  # norms: replicated
+
+
+def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """[start, end) of the layers of pipeline stage ``pp_rank``: equal shares, the first stages
+    taking one more when ``pp_size`` does not divide ``num_layers``."""
+    if pp_size > num_layers:
+        raise ValueError(f"pp_size: {pp_size} stages for {num_layers} layers; at most one stage per layer")
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (1 if pp_rank < extra else 0)
 
 
 def _rows(src: Any, start: int, end: int) -> torch.Tensor:
@@ -134,7 +166,7 @@ def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, Any]], sha
     params = dict(model.named_parameters())
     loaded = set()
     for name, src in weights:
-        if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and tied_head):
+        if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and tied_head) or not shards.holds(name):
             continue
         module_path, _, leaf = name.rpartition(".")
         parent, _, proj = module_path.rpartition(".")

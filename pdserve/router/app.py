@@ -16,6 +16,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pdserve.api_key import APIKeyMiddleware
 from pdserve.log import setup_logging
 from pdserve.router.args import RouterArgs, parse_args
 from pdserve.router.dispatch import Dispatcher, error_response
@@ -88,7 +89,7 @@ class Router:
     async def start(self) -> None:
         await self.dispatcher.start()
         await self.pool.start()
-        mode = "PD" if self.args.pd_mode else "colocated"
+        mode = ("PD" if self.args.pd_mode else "colocated") + (", DP-aware" if self.args.dp_aware else "")
         logger.info("router (%s, policy %s) on %s:%d with %d workers, %d healthy", mode, self.args.policy,
                     self.args.host, self.args.port, len(self.pool.workers), sum(w.healthy for w in self.pool.workers))
 
@@ -226,6 +227,8 @@ def create_app(args: RouterArgs) -> FastAPI:
         return Response(router.metrics.render(), media_type=RouterMetrics.CONTENT_TYPE)
 
     endpoints = {r.path for r in app.routes if hasattr(r, "path")}
+    if args.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
     app.add_middleware(RequestCounter, metrics=router.metrics, endpoints=endpoints)
     return app
 

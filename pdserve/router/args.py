@@ -11,6 +11,8 @@ import argparse
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
 
+from pdserve import envs
+
 DEFAULT_BOOTSTRAP_PORT = 8998
 POLICIES = ("random", "round_robin", "least_load")
 
@@ -35,6 +37,7 @@ class RouterArgs:
     policy: str = "round_robin"
     prefill_policy: str | None = None
     decode_policy: str | None = None
+    dp_aware: bool = False  # choose each worker's data-parallel group (routed_dp_rank) here
     health_check_interval: float = 5.0
     health_check_timeout: float = 5.0
     health_failure_threshold: int = 2
@@ -45,6 +48,8 @@ class RouterArgs:
     cb_cooldown: float = 30.0
     max_body_bytes: int = 32 * 1024 * 1024
     log_level: str = "info"
+    api_key: str | None = None  # clients of the router present it (see pdserve/api_key.py)
+    worker_api_key: str | None = None  # the router presents it to the workers (default: api_key)
 
     def __post_init__(self):
         self.prefill = [(normalize_url(u), p) for u, p in self.prefill]
@@ -75,12 +80,22 @@ class RouterArgs:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must not be negative")
 
+        for name in ("api_key", "worker_api_key"):
+            if getattr(self, name) == "":
+                raise ValueError(f"{name}: must not be empty (leave it unset for no key)")
+        if self.worker_api_key is None:
+            self.worker_api_key = self.api_key
+
     @property
     def pd_mode(self) -> bool:
         return bool(self.prefill)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        for name in ("api_key", "worker_api_key"):
+            if out[name]:
+                out[name] = "***"
+        return out
 
 
 def _bootstrap_port(text: str) -> int | None:
@@ -109,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=POLICIES, default=d["policy"].default)
     p.add_argument("--prefill-policy", choices=POLICIES, default=None, help="overrides --policy for prefill")
     p.add_argument("--decode-policy", choices=POLICIES, default=None, help="overrides --policy for decode")
+    p.add_argument("--dp-aware", action="store_true",
+                   help="pick each worker's data-parallel group too (its dp_size from /server_info, the least "
+                        "loaded group by /get_load, else in turn) and send it as routed_dp_rank; decode also "
+                        "gets disagg_prefill_dp_rank, prefill's group. Without it the servers choose")
     p.add_argument("--health-check-interval", "--health-check-interval-secs", type=float,
                    default=d["health_check_interval"].default, metavar="S")
     p.add_argument("--health-check-timeout", "--health-check-timeout-secs", type=float,
@@ -116,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-failure-threshold", type=int, default=d["health_failure_threshold"].default,
                    help="consecutive failed health checks before a worker is taken out")
     p.add_argument("--load-poll-interval", type=float, default=d["load_poll_interval"].default, metavar="S",
-                   help="how often least_load polls GET /get_load")
+                   help="how often least_load and --dp-aware poll GET /get_load")
     p.add_argument("--request-timeout", "--request-timeout-secs", type=float,
                    default=d["request_timeout"].default, metavar="S")
     p.add_argument("--max-retries", "--retry-max-retries", type=int, default=d["max_retries"].default,
@@ -126,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cb-cooldown", "--cb-timeout-duration-secs", type=float, default=d["cb_cooldown"].default,
                    metavar="S", help="seconds an open breaker waits before letting one trial request through")
     p.add_argument("--max-body-bytes", "--max-payload-size", type=int, default=d["max_body_bytes"].default)
+    p.add_argument("--api-key", default=None,
+                   help="clients must send 'Authorization: Bearer KEY' (all routes but /health and /metrics); "
+                        "default: $PDSERVE_API_KEY")
+    p.add_argument("--worker-api-key", default=None,
+                   help="the key the router presents to its workers (default: --api-key)")
     p.add_argument("--log-level", default=d["log_level"].default,
                    choices=["debug", "info", "warning", "warn", "error", "critical"])
     return p
@@ -143,9 +167,10 @@ def parse_args(argv: list[str]) -> RouterArgs:
     level = "warning" if ns.log_level == "warn" else ns.log_level
     return RouterArgs(
         prefill=prefill, decode=ns.decode, worker=ns.worker, host=ns.host, port=ns.port, policy=ns.policy,
-        prefill_policy=ns.prefill_policy, decode_policy=ns.decode_policy,
+        prefill_policy=ns.prefill_policy, decode_policy=ns.decode_policy, dp_aware=ns.dp_aware,
         health_check_interval=ns.health_check_interval, health_check_timeout=ns.health_check_timeout,
         health_failure_threshold=ns.health_failure_threshold, load_poll_interval=ns.load_poll_interval,
         request_timeout=ns.request_timeout, max_retries=ns.max_retries,
         cb_failure_threshold=ns.cb_failure_threshold, cb_cooldown=ns.cb_cooldown,
-        max_body_bytes=ns.max_body_bytes, log_level=level)
+        max_body_bytes=ns.max_body_bytes, log_level=level, api_key=ns.api_key or envs.api_key(),
+        worker_api_key=ns.worker_api_key)

@@ -17,7 +17,8 @@ The rules, for one attempt:
 - a retry replaces only the worker at fault: after a prefill failure it keeps the same decode
   when that is still available, after a decode failure it picks another decode;
 - the client going away cancels whatever is in flight (closing a leg cancels it on the server).
-Colocated mode (``--worker``) is the same with no prefill leg and the body passed on unchanged.
+Colocated mode (``--worker``) is the same with no prefill leg and the body passed on unchanged
+(but for ``routed_dp_rank`` with ``--dp-aware``).
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pdserve.router import protocol
+from pdserve.api_key import bearer
+from pdserve.router import protocol, timeline
 from pdserve.router.legs import PEER_FAILED, EventReader, Leg, LegResult, ProxyStream
 from pdserve.router.policy import make_policy
 from pdserve.router.workers import DECODE, PREFILL, REGULAR, Worker, WorkerPool
@@ -40,7 +43,8 @@ logger = logging.getLogger(__name__)
 
 BLAME_GRACE_S = 0.5  # how long one leg's error waits for the other leg's answer to tell whose fault it was
 _NOT_FORWARDED = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "te", "trailer",
-                  "upgrade", "proxy-connection", "expect", "accept-encoding", "content-type"}
+                  "upgrade", "proxy-connection", "expect", "accept-encoding", "content-type",
+                  "authorization"}  # the router's key stays here; workers get --worker-api-key
 
 
 def error_response(status: int, message: str) -> JSONResponse:
@@ -83,6 +87,31 @@ class Call:
     merge_logprobs: bool
     items: int | None  # batch size for per-item bootstrap fields
     outputs: int  # decode outputs expected (inputs x samples), to map them to prefill items
+    timeline: bool = False  # the client asked for the timeline (router/timeline.py)
+    events: dict = field(default_factory=dict)  # the router's timeline events of this request
+
+
+@dataclass
+class Outgoing:
+    """What one attempt sends: the body of the decode (or colocated) leg and of the prefill leg,
+    and the DP group each goes to (None: the server chooses, or not one group)."""
+
+    payload: bytes
+    p_payload: bytes | None = None
+    dp_rank: int | None = None
+    p_dp_rank: int | None = None
+
+
+def _encode(body: dict) -> bytes:
+    return json.dumps(body, ensure_ascii=False).encode()
+
+
+def _group(worker: Worker | None, body: dict | None) -> int | None:
+    """The DP group of ``worker`` that ``body`` is routed to, when it names one it has."""
+    rank = protocol.client_routed_rank(body) if body is not None else None
+    if worker is None or not isinstance(rank, int) or isinstance(rank, bool):
+        return None
+    return rank if 0 <= rank < (worker.dp_size or 1) else None
 
 
 class Dispatcher:
@@ -99,7 +128,7 @@ class Dispatcher:
     async def start(self) -> None:
         timeout = httpx.Timeout(self.args.request_timeout, connect=min(10.0, self.args.request_timeout))
         limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
-        self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=limits, headers=bearer(self.args.worker_api_key))
 
     async def stop(self) -> None:
         for t in list(self._background):
@@ -127,7 +156,8 @@ class Dispatcher:
         samples = protocol.sample_count(body) if path == "/generate" else 1
         return Call(path, raw, body, headers, stream=bool(body.get("stream")),
                     merge_logprobs=pd and path == "/generate" and bool(body.get("return_logprob")),
-                    items=items, outputs=(items or 1) * samples)
+                    items=items, outputs=(items or 1) * samples, timeline=timeline.requested(request.headers),
+                    events=timeline.events_of(request.scope))
 
     async def handle(self, call: Call) -> Response:
         exclude: set[Worker] = set()
@@ -144,14 +174,8 @@ class Dispatcher:
                 logger.info("retrying %s on %s after: %s", call.path, [w.url for w in pair],
                             failure.result.error or f"HTTP {failure.result.status}")
             prefill, main = (pair[0], pair[1]) if len(pair) == 2 else (None, pair[0])
-            payload = call.raw
-            if prefill is not None:
-                body = protocol.with_bootstrap(call.body, prefill.host, prefill.bootstrap_port, call.items)
-                payload = json.dumps(body, ensure_ascii=False).encode()
-                logger.debug("%s -> prefill %s, decode %s, room %s", call.path, prefill.url, main.url,
-                             body["bootstrap_room"])
             attempt_fn = self._stream if call.stream else self._unary
-            outcome = await attempt_fn(call, prefill, main, payload)
+            outcome = await attempt_fn(call, prefill, main, self.outgoing(call, prefill, main))
             if isinstance(outcome, Response):
                 return outcome
             failure = outcome
@@ -161,13 +185,32 @@ class Dispatcher:
             keep = main if failure.blamed is prefill else None
         return failure.response()
 
-    def _legs(self, call: Call, prefill: Worker | None, main: Worker, payload: bytes):
-        def leg(w: Worker) -> Leg:
-            return Leg(self.client, w, call.path, payload, call.headers, self.pool.on_connect_error, self.metrics)
-        return (leg(prefill) if prefill is not None else None), leg(main)
+    def outgoing(self, call: Call, prefill: Worker | None, main: Worker) -> Outgoing:
+        """The bodies for one attempt: bootstrap fields for PD, DP groups with ``--dp-aware``."""
+        if prefill is None and not self.args.dp_aware:
+            return Outgoing(call.raw)
+        body = call.body
+        if prefill is not None:
+            body = protocol.with_bootstrap(body, prefill.host, prefill.bootstrap_port, call.items)
+            logger.debug("%s -> prefill %s, decode %s, room %s", call.path, prefill.url, main.url,
+                         body["bootstrap_room"])
+        if not self.args.dp_aware:
+            payload = _encode(body)
+            return Outgoing(payload, payload)
+        p_body, d_body = protocol.with_dp_ranks(body, prefill.choose_dp_rank if prefill else None,
+                                                main.choose_dp_rank)
+        return Outgoing(_encode(d_body), p_body and _encode(p_body), _group(main, d_body), _group(prefill, p_body))
 
-    async def _unary(self, call: Call, prefill, main, payload) -> Response | Failure:
-        p_leg, d_leg = self._legs(call, prefill, main, payload)
+    def _legs(self, call: Call, prefill: Worker | None, main: Worker, out: Outgoing):
+        call.events["dispatched"] = time.time()
+        def leg(w: Worker, payload: bytes, dp_rank: int | None) -> Leg:
+            return Leg(self.client, w, call.path, payload, call.headers, self.pool.on_connect_error, self.metrics,
+                       dp_rank)
+        p_leg = leg(prefill, out.p_payload, out.p_dp_rank) if prefill is not None else None
+        return p_leg, leg(main, out.payload, out.dp_rank)
+
+    async def _unary(self, call: Call, prefill, main, out: Outgoing) -> Response | Failure:
+        p_leg, d_leg = self._legs(call, prefill, main, out)
         handed_off = False
         try:
             d_task = d_leg.result()
@@ -178,24 +221,29 @@ class Dispatcher:
             dres: LegResult = d_task.result()
             if not dres.ok:
                 return failure(main, dres, prefill) if dres.retryable else Failure(main, dres).response()
-            if call.merge_logprobs:
+            body, media_type, p_items = dres.body, dres.content_type, None
+            if call.merge_logprobs or (call.timeline and p_task is not None):
                 pres: LegResult = await p_task
-                merged = protocol.merge_logprobs_json(dres.body, protocol.prefill_items(pres.body)) if pres.ok else None
+                p_items = protocol.prefill_items(pres.body) if pres.ok else None
+                merged = protocol.merge_logprobs_json(body, p_items) if call.merge_logprobs and pres.ok else None
                 if merged is not None:
-                    return Response(merged, status_code=dres.status, media_type="application/json")
-                logger.warning("could not merge input logprobs from %s: %s", prefill.url,
-                               pres.error or f"HTTP {pres.status}")
+                    body, media_type = merged, "application/json"
+                elif call.merge_logprobs:
+                    logger.warning("could not merge input logprobs from %s: %s", prefill.url,
+                                   pres.error or f"HTTP {pres.status}")
             elif p_task is not None and not p_task.done():
                 self._drain(p_leg)
                 handed_off = True
-            return Response(dres.body, status_code=dres.status, media_type=dres.content_type)
+            if call.timeline:
+                body = timeline.merge_json(body, p_items, call.outputs, call.events)
+            return Response(body, status_code=dres.status, media_type=media_type)
         finally:
             await d_leg.close()
             if p_leg is not None and not handed_off:
                 await p_leg.close()
 
-    async def _stream(self, call: Call, prefill, main, payload) -> Response | Failure:
-        p_leg, d_leg = self._legs(call, prefill, main, payload)
+    async def _stream(self, call: Call, prefill, main, out: Outgoing) -> Response | Failure:
+        p_leg, d_leg = self._legs(call, prefill, main, out)
         handed_off = False
         try:
             p_task = p_leg.result() if p_leg else None
@@ -210,8 +258,9 @@ class Dispatcher:
                 dres = await d_leg.result()
                 return failure(main, dres, prefill) if dres.retryable else Failure(main, dres).response()
             p_items = None
-            if call.merge_logprobs:
-                # Merging needs prefill's whole answer before decode's first event goes out.
+            if call.merge_logprobs or (call.timeline and p_task is not None):
+                # Merging (input logprobs, the timeline) needs prefill's whole answer before
+                # decode's first event goes out.
                 pres: LegResult = await p_task
                 if not pres.ok:
                     return failure(prefill, pres, main)
@@ -309,9 +358,8 @@ class _Relay:
         chunk = self.first
         try:
             while chunk:
-                if self.p_items is not None:
-                    chunk = b"".join(protocol.merge_logprobs_event(e, self.p_items, self.call.outputs)
-                                     for e in protocol.split_events(chunk))
+                if self.call.merge_logprobs or self.call.timeline:
+                    chunk = b"".join(self.merge(e) for e in protocol.split_events(chunk))
                 yield chunk
                 chunk = await self.reader.next()
             self.d_leg.finish(True)
@@ -319,6 +367,14 @@ class _Relay:
         except httpx.HTTPError as e:
             result = self.d_leg.failed(e)
             yield protocol.sse_error_event(502, f"decode stream broke: {result.error}")
+
+    def merge(self, event: bytes) -> bytes:
+        """One of decode's events with prefill's input logprobs and the timeline merged in."""
+        if self.call.merge_logprobs and self.p_items is not None:
+            event = protocol.merge_logprobs_event(event, self.p_items, self.call.outputs)
+        if self.call.timeline:
+            event = timeline.merge_event(event, self.p_items, self.call.outputs, self.call.events)
+        return event
 
     async def close(self) -> None:
         if self.closed:

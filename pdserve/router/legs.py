@@ -1,8 +1,9 @@
 """One upstream request of a routed request ("leg"), and the streaming response sent back.
 
-A ``Leg`` owns one HTTP request to one worker: it counts as in flight on that worker from
-creation until ``close()``, records its outcome once in the worker's circuit breaker, and
-``close()`` always tears the connection down, which cancels the request on pdserve servers.
+A ``Leg`` owns one HTTP request to one worker: it counts as in flight on that worker (and on
+the worker's DP group, when it goes to one) from creation until ``close()``, records its outcome
+once in the worker's circuit breaker, and ``close()`` always tears the connection down, which
+cancels the request on pdserve servers.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ logger = logging.getLogger(__name__)
 
 _TIMEOUTS = (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout)
 PEER_FAILED = 502  # a pdserve PD server's "my peer (the other leg) failed"
+# errors that mean the worker's process is gone: the connection was refused, or closed in the
+# middle of a request (a killed server); a timeout is not one of them
+WORKER_GONE = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 
 
 @dataclass
@@ -45,8 +49,9 @@ class LegResult:
 
 class Leg:
     def __init__(self, client: httpx.AsyncClient, worker: Worker, path: str, payload: bytes,
-                 headers: dict, on_connect_error, metrics):
+                 headers: dict, on_connect_error, metrics, dp_rank: int | None = None):
         self.worker = worker
+        self.dp_rank = dp_rank
         self.metrics = metrics
         self.on_connect_error = on_connect_error
         self.started = time.monotonic()
@@ -54,6 +59,8 @@ class Leg:
         self.outcome: bool | None = None
         self.closed = False
         worker.in_flight += 1
+        if dp_rank is not None:
+            worker.group_in_flight[dp_rank] = worker.group_in_flight.get(dp_rank, 0) + 1
         worker.breaker.on_dispatch()
         request = client.build_request("POST", worker.url + path, content=payload, headers=headers)
         self.headers_task = asyncio.create_task(self._send(client, request))
@@ -80,7 +87,7 @@ class Leg:
 
     def failed(self, error: Exception) -> LegResult:
         self.finish(False)
-        if isinstance(error, httpx.ConnectError):
+        if isinstance(error, WORKER_GONE):
             self.on_connect_error(self.worker, error)
         message = f"{self.worker.role} {self.worker.url} failed: {error!r}"
         logger.warning(message)
@@ -109,6 +116,8 @@ class Leg:
         if self.response is not None:
             await self.response.aclose()
         self.worker.in_flight -= 1
+        if self.dp_rank is not None:
+            self.worker.group_in_flight[self.dp_rank] -= 1
         if self.outcome is None:
             self.worker.breaker.trial_in_flight = False  # abandoned, not failed
 

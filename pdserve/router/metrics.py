@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from pdserve.router import timeline
 from pdserve.router.workers import WorkerPool
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class _WorkerCollector:
@@ -44,6 +48,9 @@ class RouterMetrics:
         self.upstream_latency = Histogram("pdserve_router_upstream_latency_seconds",
                                           "time from sending to a worker until its answer ended", ["role"],
                                           buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.stage_latency = Histogram("pdserve_router_per_stage_req_latency_seconds",
+                                       "time routed requests spent in each stage (router/timeline.py)", ["stage"],
+                                       buckets=_STAGE_BUCKETS, registry=self.registry)
         self.registry.register(_WorkerCollector(pool))
 
     def render(self) -> bytes:
@@ -51,8 +58,9 @@ class RouterMetrics:
 
 
 class RequestCounter:
-    """ASGI middleware counting answered requests by route and status; a request whose client
-    left before any answer counts as 499."""
+    """ASGI middleware counting answered requests by route and status (a request whose client
+    left before any answer counts as 499) and recording the router's timeline events: received,
+    first and last body byte sent (the dispatcher adds ``dispatched``)."""
 
     def __init__(self, app, metrics: RouterMetrics, endpoints: set[str]):
         self.app = app
@@ -63,15 +71,25 @@ class RequestCounter:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         status = 499
+        events = timeline.events_of(scope)
+        events["received"] = time.time()
 
         async def counting_send(message):
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
             await send(message)
+            if message["type"] == "http.response.body":
+                if message.get("body"):
+                    events.setdefault("first_byte", time.time())
+                if not message.get("more_body", False):
+                    events["last_byte"] = time.time()
 
         try:
             await self.app(scope, receive, counting_send)
         finally:
             path = scope.get("path", "")
             self.metrics.requests.labels(path if path in self.endpoints else "other", str(status)).inc()
+            if "dispatched" in events:  # a generation request that reached the workers
+                for stage, seconds in timeline.stages(events):
+                    self.metrics.stage_latency.labels(stage).observe(seconds)

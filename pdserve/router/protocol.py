@@ -7,6 +7,10 @@ lists, /v1/completions by ``prompt`` list, /v1/chat/completions by ``n > 1``. ``
 multiplied in for /generate and /v1/completions: the server repeats a batch-sized room list
 ``n`` times itself (and turns a scalar room R into R, R+1, ... for a single input with ``n > 1``).
 
+With ``--dp-aware``, each leg also gets ``routed_dp_rank``, the data-parallel group chosen for it,
+and decode ``disagg_prefill_dp_rank``, prefill's group (``with_dp_ranks``): one scalar per
+request, which the servers apply to every item of a batch.
+
 Responses: prefill's input logprobs are prepended to decode's, for JSON bodies and SSE events.
 """
 
@@ -14,9 +18,13 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable
 from typing import Any
 
+from pdserve import json_body
+
 ROOM_LIMIT = 2**63
+MAX_SAMPLES = 1024  # chat's n that gets one room per sample (pdserve servers allow 64)
 INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -55,9 +63,15 @@ def parse_body(raw: bytes) -> dict:
         body = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as e:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    problem = json_body.problem(body)  # what could not be re-encoded for the workers
+    if problem:
+        raise BadRequest(problem)
     return body
+
 
 
 def _is_list_of_lists(value: Any) -> bool:
@@ -78,8 +92,9 @@ def item_count(path: str, body: dict) -> int | None:
             return len(prompt)  # list of strings or of token-id lists; a flat id list is one prompt
         return None
     if path == "/v1/chat/completions":
+        # beyond MAX_SAMPLES the servers refuse n anyway: no list of that many rooms is built
         n = body.get("n")
-        return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else None
+        return n if isinstance(n, int) and not isinstance(n, bool) and 1 < n <= MAX_SAMPLES else None
     return None
 
 
@@ -91,6 +106,37 @@ def with_bootstrap(body: dict, host: str, port: int | None, count: int | None) -
         out.update(bootstrap_host=[host] * count, bootstrap_port=[port] * count,
                    bootstrap_room=[new_room() for _ in range(count)])
     return out
+
+
+def client_routed_rank(body: dict) -> Any:
+    """The ``routed_dp_rank`` the client set (or its deprecated alias ``data_parallel_rank``)."""
+    routed = body.get("routed_dp_rank")
+    return routed if routed is not None else body.get("data_parallel_rank")
+
+
+def with_dp_ranks(body: dict, choose_prefill: Callable[[], int] | None,
+                  choose_main: Callable[[], int]) -> tuple[dict | None, dict]:
+    """The bodies of the prefill leg (None without ``choose_prefill``: colocated) and of the
+    decode or colocated leg, with the DP groups the choosers pick: ``routed_dp_rank`` on each
+    leg, and on decode ``disagg_prefill_dp_rank``, the group that prefill's body names.
+
+    Fields the client set win, as if it had sent the body to the servers itself: its
+    ``routed_dp_rank`` (or ``data_parallel_rank``) pins both legs, its ``disagg_prefill_dp_rank``
+    pins the prefill leg. A chooser is called only for a group left open."""
+    routed, prefill_hint = client_routed_rank(body), body.get("disagg_prefill_dp_rank")
+
+    def leg(chosen: Callable[[], int], prefill_rank: Any = None) -> dict:
+        out = dict(body)
+        if routed is None:
+            out["routed_dp_rank"] = chosen()
+        if prefill_rank is not None and prefill_hint is None:
+            out["disagg_prefill_dp_rank"] = prefill_rank
+        return out
+
+    if choose_prefill is None:
+        return None, leg(choose_main)
+    p_body = leg(choose_prefill if prefill_hint is None else lambda: prefill_hint)
+    return p_body, leg(choose_main, client_routed_rank(p_body))
 
 
 def sample_count(body: dict) -> int:

@@ -3,7 +3,12 @@
 All state here is touched only from the router's event loop, so there are no locks. A worker is
 *available* for new requests when its last health checks passed and its breaker lets requests
 through. Health checks (``GET /health``) run for every worker; ``GET /get_load`` is polled only
-when a load-aware policy needs it.
+when a load-aware policy or ``--dp-aware`` needs it.
+
+With ``--dp-aware`` the router also picks the data-parallel (DP) group of each worker a request
+goes to: a worker's ``dp_size`` comes from ``GET /server_info`` (read before it first counts as
+healthy, and again whenever it comes back or its load reports another number of groups; unknown
+counts as 1), the group is the least loaded one, ties (and no load known) taken in turn.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import time
 from urllib.parse import urlsplit
 
 import httpx
+
+from pdserve.api_key import bearer
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +53,13 @@ class CircuitBreaker:
         if self.state == "half_open":
             self.trial_in_flight = True
 
+    def half_open_now(self) -> None:
+        """Skip the rest of the cooldown: the next request is the trial. For a worker seen
+        healthy again after it was down (restarted): its old failures say little about it now."""
+        if self.opened_at is not None:
+            self.opened_at = min(self.opened_at, self.clock() - self.cooldown)
+            self.trial_in_flight = False
+
     def record(self, ok: bool) -> None:
         self.trial_in_flight = False
         if ok:
@@ -76,6 +90,13 @@ class Worker:
         self.in_flight = 0
         self.polled_load: tuple[int, int] | None = None  # (requests, tokens) from GET /get_load
         self.in_flight_at_poll = 0
+        # data-parallel groups (--dp-aware)
+        self.dp_size: int | None = None  # from GET /server_info; None: not known, treated as 1
+        self.dp_size_read_at = -float("inf")  # time.monotonic() of the last GET /server_info
+        self.group_loads: list[tuple[int, int]] | None = None  # per group, polled like polled_load
+        self.group_in_flight: dict[int, int] = {}  # legs open per group, as in_flight
+        self.group_in_flight_at_poll: dict[int, int] = {}
+        self._next_group = 0
 
     @property
     def available(self) -> bool:
@@ -88,14 +109,39 @@ class Worker:
         reqs, tokens = self.polled_load
         return max(self.in_flight, reqs + self.in_flight - self.in_flight_at_poll), tokens
 
+    def set_dp_size(self, value) -> None:
+        """``dp_size`` as ``/server_info`` reports it (absent: 1)."""
+        size = value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
+        if value is not None and size != value:
+            logger.warning("%s %s reports dp_size %r; treating it as 1", self.role, self.url, value)
+        if size != self.dp_size:
+            logger.info("%s %s has %d data-parallel group(s)", self.role, self.url, size)
+            self.dp_size, self.group_loads = size, None
+
+    def group_load(self, rank: int) -> tuple[int, int]:
+        """(requests, tokens) of DP group ``rank``, estimated like ``load_estimate``."""
+        in_flight = self.group_in_flight.get(rank, 0)
+        if self.group_loads is None or len(self.group_loads) != (self.dp_size or 1):
+            return in_flight, 0
+        reqs, tokens = self.group_loads[rank]
+        return max(in_flight, reqs + in_flight - self.group_in_flight_at_poll.get(rank, 0)), tokens
+
+    def choose_dp_rank(self) -> int:
+        """The least loaded DP group; among equals the first one after the last choice, so
+        groups take turns while their load is equal or unknown."""
+        size = self.dp_size or 1
+        loads = [self.group_load(g) for g in range(size)]
+        best = min(loads)
+        rank = next(g for g in ((self._next_group + k) % size for k in range(size)) if loads[g] == best)
+        self._next_group = (rank + 1) % size
+        return rank
+
     def set_health(self, ok: bool, threshold: int, reason: str = "") -> None:
         if ok:
             self.health_failures = 0
             if not self.healthy:
                 logger.info("%s %s is healthy", self.role, self.url)
-                if self.breaker.state != "closed":
-                    # back after being out (e.g. restarted): its old failures say nothing about it now
-                    self.breaker.failures, self.breaker.opened_at = 0, None
+                self.breaker.half_open_now()  # back after being out (e.g. restarted): try it at once
             self.healthy = True
             return
         self.health_failures += 1
@@ -108,11 +154,14 @@ class Worker:
                "circuit": self.breaker.state}
         if self.role == PREFILL:
             out["bootstrap_port"] = self.bootstrap_port
+        if self.dp_size is not None:
+            out["dp_size"] = self.dp_size
         return out
 
 
 def parse_load(payload) -> tuple[int, int]:
-    """Sum a ``GET /get_load`` answer: a list of per-DP-rank dicts (pdserve, sglang) or one dict."""
+    """Sum a ``GET /get_load`` answer: a list of per-DP-rank dicts (sglang) or one dict (pdserve:
+    its top-level totals, per-group ``dp`` entries aside)."""
     ranks = payload if isinstance(payload, list) else [payload]
     reqs = tokens = 0
     for r in ranks:
@@ -126,12 +175,33 @@ def parse_load(payload) -> tuple[int, int]:
     return reqs, tokens
 
 
+def parse_group_loads(payload) -> list[tuple[int, int]] | None:
+    """(requests, tokens) per DP group of a ``GET /get_load`` answer, by ``dp_rank``: the ``dp``
+    list of a dict (a dict without one is one group), or a list of per-rank dicts. None when
+    the groups are not numbered 0..N-1. Raises ``ValueError``/``TypeError`` for bad numbers."""
+    if isinstance(payload, dict) and payload.get("dp") is None:
+        return [parse_load(payload)]
+    groups = payload.get("dp") if isinstance(payload, dict) else payload
+    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
+        return None
+    ranks = [g.get("dp_rank", i) for i, g in enumerate(groups)]
+    if not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        return None
+    if sorted(ranks) != list(range(len(ranks))):
+        return None
+    loads = [(0, 0)] * len(groups)
+    for rank, group in zip(ranks, groups, strict=True):
+        loads[rank] = parse_load(group)
+    return loads
+
+
 class WorkerPool:
     """The router's workers and the background loops that keep their state fresh."""
 
     def __init__(self, args, poll_loads: bool):
         self.args = args
-        self.poll_loads = poll_loads
+        self.dp_aware = args.dp_aware
+        self.poll_loads = poll_loads or self.dp_aware
 
         def make(url: str, role: str, port: int | None = None) -> Worker:
             return Worker(url, role, port, CircuitBreaker(args.cb_failure_threshold, args.cb_cooldown))
@@ -154,7 +224,13 @@ class WorkerPool:
         return DECODE if self.by_role[PREFILL] else REGULAR
 
     def available(self, role: str, exclude: set[Worker] = frozenset()) -> list[Worker]:
-        return [w for w in self.by_role[role] if w.available and w not in exclude]
+        """Healthy workers of ``role`` whose breaker lets a request through. The only worker of
+        its role is never turned away by its breaker while its health checks pass: there is no
+        other worker to send the request to, and a 503 would only hide that it recovered."""
+        workers = self.by_role[role]
+        if len(workers) == 1:
+            return [w for w in workers if w.healthy and w not in exclude]
+        return [w for w in workers if w.available and w not in exclude]
 
     def ready(self) -> bool:
         if self.by_role[PREFILL]:
@@ -162,7 +238,8 @@ class WorkerPool:
         return bool(self.available(REGULAR))
 
     def on_connect_error(self, worker: Worker, error: Exception) -> None:
-        """A refused connection means the server is gone: take it out now, health checks bring it back."""
+        """A refused connection, or one closed in the middle of a request, means the server is
+        gone: take it out now, health checks bring it back (see ``Worker.set_health``)."""
         if worker.healthy:
             logger.warning("%s %s unreachable, marking unhealthy: %r", worker.role, worker.url, error)
         worker.healthy = False
@@ -170,7 +247,8 @@ class WorkerPool:
     # ------------------------------------------------------------------ background loops
     async def start(self) -> None:
         timeout = httpx.Timeout(self.args.health_check_timeout)
-        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_keepalive_connections=32))
+        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_keepalive_connections=32),
+                                        headers=bearer(self.args.worker_api_key))
         await self.check_health()
         self._tasks.append(asyncio.create_task(self._health_loop(), name="router-health"))
         if self.poll_loads:
@@ -208,21 +286,47 @@ class WorkerPool:
             ok, reason = resp.status_code == 200, f"GET /health returned {resp.status_code}"
         except httpx.HTTPError as e:
             ok, reason = False, repr(e)
+        if ok and self.dp_aware and (worker.dp_size is None or not worker.healthy):
+            await self.read_dp_size(worker)  # a worker that (re)starts may have another dp_size
         worker.set_health(ok, self.args.health_failure_threshold, reason)
+
+    async def read_dp_size(self, worker: Worker) -> None:
+        """Learn ``worker``'s dp_size from its server info. On failure it keeps what it had (if
+        never known: 1, and asked again at the next health check)."""
+        worker.dp_size_read_at = time.monotonic()
+        try:
+            resp = await self.client.get(worker.url + "/server_info")
+            if resp.status_code == 404:
+                resp = await self.client.get(worker.url + "/get_server_info")  # older sglang
+            resp.raise_for_status()
+            info = resp.json()
+        except (httpx.HTTPError, ValueError) as e:
+            level = logging.DEBUG if worker.healthy else logging.WARNING  # said once, when it comes up
+            logger.log(level, "%s %s: no server info (%r); dp_size stays %s", worker.role, worker.url, e,
+                       worker.dp_size or "unknown (1)")
+            return
+        worker.set_dp_size(info.get("dp_size") if isinstance(info, dict) else None)
 
     async def update_loads(self) -> None:
         await asyncio.gather(*(self._poll_one(w) for w in self.workers if w.healthy))
 
     async def _poll_one(self, worker: Worker) -> None:
-        in_flight = worker.in_flight
+        in_flight, group_in_flight = worker.in_flight, dict(worker.group_in_flight)
         try:
             resp = await self.client.get(worker.url + "/get_load")
             resp.raise_for_status()
-            worker.polled_load = parse_load(resp.json())
+            payload = resp.json()
+            worker.polled_load = parse_load(payload)
             worker.in_flight_at_poll = in_flight
+            worker.group_loads = parse_group_loads(payload) if self.dp_aware else None
+            worker.group_in_flight_at_poll = group_in_flight
         except (httpx.HTTPError, ValueError, TypeError) as e:
             logger.debug("GET %s/get_load failed: %r", worker.url, e)
-            worker.polled_load = None
+            worker.polled_load = worker.group_loads = None
+            return
+        stale = worker.group_loads is not None and len(worker.group_loads) != (worker.dp_size or 1)
+        if stale and time.monotonic() - worker.dp_size_read_at >= self.args.health_check_interval:
+            await self.read_dp_size(worker)  # restarted with another dp_size since it was read?
 
     async def fan_out(self, method: str, path: str, workers: list[Worker], timeout: float | None = None):
         """Send one request to each worker concurrently; returns ``(worker, response | exception)``."""

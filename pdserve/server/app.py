@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 import pdserve
+from pdserve.api_key import APIKeyMiddleware
 from pdserve.server import generate_api, http_util, openai_api
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.tokenizer_manager import TokenizerManager
@@ -151,13 +152,15 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
 
     async def server_info() -> Response:
         info = args.to_dict()
-        if info.get("disaggregation_secret"):
-            info["disaggregation_secret"] = "***"
+        for secret in ("disaggregation_secret", "api_key"):
+            if info.get(secret):
+                info[secret] = "***"
         info.update(status="ready" if state["ready"] else "starting", version=pdserve.__version__,
                     scheduler_info=client.info, max_total_num_tokens=client.info.get("max_total_tokens"),
                     model_context_length=tm.context_length, internal_states=[])
         with contextlib.suppress(APIError, RuntimeError):
-            info["internal_states"] = [await control("stats")]  # one per dp rank, as SGLang
+            stats = await control("stats")
+            info["internal_states"] = stats.get("dp") or [stats]  # one per DP group, as SGLang
         return http_util.json_response(info)
 
     def model_info() -> Response:
@@ -176,7 +179,9 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
     async def get_load() -> Response:
         load = await control("get_load")
         keys = ("num_reqs", "num_waiting_reqs", "num_tokens")
-        return http_util.json_response([{"dp_rank": 0, **{k: int(load.get(k, 0)) for k in keys}}])
+        groups = load.get("dp") or [{"dp_rank": 0, **load}]  # one entry per DP group, as SGLang
+        return http_util.json_response([{"dp_rank": g["dp_rank"], **{k: int(g.get(k, 0)) for k in keys}}
+                                        for g in groups])
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
@@ -199,4 +204,6 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
             return http_util.json_response({"ok": False, "error": str(e)}, status=500)
         return http_util.json_response({"ok": True, "integrity": result, "front_end_requests": len(tm.states)})
 
+    if args.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
     return app

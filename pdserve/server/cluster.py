@@ -1,15 +1,19 @@
 """``pdserve launch``: a local PD cluster (N prefill + K decode servers + the router) on one host.
 
-Servers use the ``local`` transfer backend (decode's KV pool in shared memory). With
+Servers use the ``local`` transfer backend (decode's KV pool in shared memory) when they listen on
+loopback, else a network backend (``--transfer-backend``'s help has the rule). With
 ``--tp-size`` (or ``--prefill-tp-size`` / ``--decode-tp-size``) each server runs that many ranks;
 each rank's torch thread count defaults to an equal share of the host's cores over all ranks.
+The servers share a random ``--disaggregation-secret`` unless one is given (flag or environment).
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -51,17 +55,30 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float, name: str) -> N
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(prog="pdserve launch", description=__doc__)
-    p.add_argument("--model-path", default=None, help="HF model directory (default: the demo model)")
+    p.add_argument("--model-path", default=None,
+                   help="HF model directory (default: the demo model, served as smollm2-135m-instruct)")
     p.add_argument("--num-prefill", type=int, default=1)
     p.add_argument("--num-decode", type=int, default=1)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="router port")
     p.add_argument("--policy", default="round_robin")
-    p.add_argument("--transfer-backend", default="local")
+    p.add_argument("--transfer-backend", default=None,
+                   help="KV transfer backend of every server. Default: local when --host is a loopback address "
+                        "(every server on this host, reached only from it), else mooncake (nixl when Mooncake is "
+                        "not installed), since servers reachable from other hosts may be paired with a peer "
+                        "there, which the local backend refuses")
     p.add_argument("--torch-num-threads", type=int, default=None, help="per rank")
     p.add_argument("--tp-size", type=int, default=1, help="ranks of every server")
     p.add_argument("--prefill-tp-size", type=int, default=None, help="ranks of each prefill server (default --tp-size)")
     p.add_argument("--decode-tp-size", type=int, default=None, help="ranks of each decode server (default --tp-size)")
+    p.add_argument("--prefill-pp-size", type=int, default=1, help="pipeline stages of each prefill server")
+    p.add_argument("--prefill-dp-size", type=int, default=1,
+                   help="attention-DP groups of each prefill server (--enable-dp-attention; divides its TP size)")
+    p.add_argument("--decode-dp-size", type=int, default=1,
+                   help="attention-DP groups of each decode server (--enable-dp-attention; divides its TP size)")
+    p.add_argument("--dp-aware", action="store_true", help="the router picks both legs' DP groups")
+    p.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY' to the router; "
+                   "its servers get the same key")
     p.add_argument("--ready-timeout", type=float, default=600)
     p.add_argument("--log-level", default="info")
     args, extra = p.parse_known_args(argv)
@@ -71,7 +88,48 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args.decode_tp_size = args.decode_tp_size or args.tp_size
     if args.prefill_tp_size < 1 or args.decode_tp_size < 1:
         p.error("TP sizes must be >= 1")
+    if args.prefill_pp_size < 1:
+        p.error("--prefill-pp-size must be >= 1")
+    for role in ("prefill", "decode"):
+        dp, tp = getattr(args, f"{role}_dp_size"), getattr(args, f"{role}_tp_size")
+        if dp < 1 or tp % dp:
+            p.error(f"--{role}-dp-size must divide the {role} TP size ({tp}), got {dp}")
     return args, extra
+
+
+def transfer_backend_for(host: str, requested: str | None) -> str:
+    """``--transfer-backend``, or the default rule of its help text."""
+    if requested:
+        return requested
+    if host == "localhost" or _is_loopback(host):
+        return "local"
+    from pdserve.disagg.transfer import get_backend
+
+    for name in ("mooncake", "nixl"):
+        try:
+            get_backend(name)
+            return name
+        except ValueError as e:
+            logger.info("transfer backend %s not usable: %s", name, e)
+    logger.warning("--host %s is not loopback but neither mooncake nor nixl is installed: using the local "
+                   "backend, so only servers on this host can be paired", host)
+    return "local"
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _parallel_flags(tp: int, dp: int, pp: int = 1) -> list[str]:
+    flags = ["--tp-size", str(tp)]
+    if dp > 1:
+        flags += ["--dp-size", str(dp), "--enable-dp-attention"]
+    if pp > 1:
+        flags += ["--pp-size", str(pp)]
+    return flags
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,15 +137,24 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("launch", args.log_level)
     model = args.model_path
     if model is None:
-        from pdserve.models.demo import ensure_demo_model
+        from pdserve.models.demo import DEMO_MODELS, ensure_demo_model
 
         model = ensure_demo_model()
-    n_ranks = args.num_prefill * args.prefill_tp_size + args.num_decode * args.decode_tp_size
+        if not any(a.split("=")[0] == "--served-model-name" for a in extra):
+            extra = ["--served-model-name", DEMO_MODELS[0], *extra]  # what clients send as "model"
+    n_ranks = args.num_prefill * args.prefill_tp_size * args.prefill_pp_size + args.num_decode * args.decode_tp_size
     threads = args.torch_num_threads or max(1, (os.cpu_count() or 1) // n_ranks)
     procs: list[tuple[str, str, subprocess.Popen]] = []
     py = [sys.executable, "-m", "pdserve.cli"]
+    backend = transfer_backend_for(args.host, args.transfer_backend)
     common = ["--model-path", model, "--host", args.host, "--torch-num-threads", str(threads),
-              "--disaggregation-transfer-backend", args.transfer_backend, "--log-level", args.log_level, *extra]
+              "--disaggregation-transfer-backend", backend, "--log-level", args.log_level, *extra]
+    # Passed through the environment, which (unlike a command line) other users cannot list.
+    if args.api_key:
+        os.environ["PDSERVE_API_KEY"] = args.api_key  # the servers and the router (its --worker-api-key too)
+    if not any(a.split("=")[0] == "--disaggregation-secret" for a in extra):
+        # the control plane is authenticated even when nobody asked for it
+        os.environ.setdefault("PDSERVE_DISAGGREGATION_SECRET", secrets.token_hex(32))
 
     def stop_all(*_):
         for _, _, proc in procs:
@@ -107,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.num_prefill):
             port, bport = free_port(port), free_port(bport)
             cmd = py + ["serve", *common, "--port", str(port), "--disaggregation-mode", "prefill",
-                        "--disaggregation-bootstrap-port", str(bport), "--tp-size", str(args.prefill_tp_size)]
+                        "--disaggregation-bootstrap-port", str(bport),
+                        *_parallel_flags(args.prefill_tp_size, args.prefill_dp_size, args.prefill_pp_size)]
             url = f"http://{args.host}:{port}"
             procs.append((f"prefill-{i}", url, subprocess.Popen(cmd)))
             prefill_specs += ["--prefill", url, str(bport)]
@@ -115,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         for j in range(args.num_decode):
             port = free_port(port)
             cmd = py + ["serve", *common, "--port", str(port), "--disaggregation-mode", "decode",
-                        "--tp-size", str(args.decode_tp_size)]
+                        *_parallel_flags(args.decode_tp_size, args.decode_dp_size)]
             url = f"http://{args.host}:{port}"
             procs.append((f"decode-{j}", url, subprocess.Popen(cmd)))
             decode_urls += ["--decode", url]
@@ -125,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("%s ready at %s", name, url)
         router_url = f"http://{args.host}:{args.port}"
         router = subprocess.Popen(py + ["router", *prefill_specs, *decode_urls, "--host", args.host,
-                                        "--port", str(args.port), "--policy", args.policy])
+                                        "--port", str(args.port), "--policy", args.policy,
+                                        *(["--dp-aware"] if args.dp_aware else [])])
         procs.append(("router", router_url, router))
         wait_ready(router_url, router, 60, "router")
         print(f"pdserve cluster ready: {router_url}  "

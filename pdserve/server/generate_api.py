@@ -1,7 +1,8 @@
 """SGLang's native ``POST /generate``: request parsing and the offline-API-shaped output.
 
 Output of one generation: ``{"text", "output_ids", "meta_info": {"id", "finish_reason",
-"prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency", [logprobs]}}``; a list for
+"prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency", [logprobs], [timeline]}}``
+(the timeline once finished, when the request has ``X-PDServe-Timeline: 1``); a list for
 a batch or ``n > 1`` (item i, sample j at ``i * n + j``). A stream sends the cumulative text and
 output_ids in every ``data:`` event (as SGLang does), ``"index"`` added for lists, then
 ``data: [DONE]``.
@@ -15,11 +16,11 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pdserve.engine.request import MAX_TOP_LOGPROBS
-from pdserve.server import http_util
+from pdserve.engine.request import INT64_MAX, MAX_TOP_LOGPROBS
+from pdserve.server import http_util, timeline
 from pdserve.server.errors import bad_request
-from pdserve.server.openai_protocol import split_bootstrap
-from pdserve.server.tokenizer_manager import ReqSpec, ReqState, TokenizerManager
+from pdserve.server.openai_protocol import split_bootstrap, split_dp_ranks
+from pdserve.server.tokenizer_manager import MAX_N, ReqSpec, ReqState, TokenizerManager
 
 
 class GenerateRequest(msgspec.Struct):
@@ -37,6 +38,9 @@ class GenerateRequest(msgspec.Struct):
     bootstrap_host: Any = None
     bootstrap_port: Any = None
     bootstrap_room: Any = None
+    routed_dp_rank: Any = None
+    disagg_prefill_dp_rank: Any = None
+    data_parallel_rank: Any = None  # deprecated alias of routed_dp_rank
 
 
 def _is_int(x: Any) -> bool:
@@ -75,6 +79,13 @@ def _per_item(name: str, value: Any, size: int, batch: bool, ok, what: str) -> l
     return values
 
 
+def _sample_count(sampling: Any) -> int:
+    """``n`` of a sampling dict for laying out bootstrap rooms: 1 unless it is a valid count
+    (an invalid one is reported by ``make_spec``)."""
+    n = sampling.get("n", 1) if isinstance(sampling, dict) else 1
+    return n if _is_int(n) and 1 <= n <= MAX_N else 1
+
+
 def parse(tm: TokenizerManager, req: GenerateRequest, stream: bool) -> tuple[list[ReqSpec], bool]:
     prompts, batch = _prompts(req)
     size = len(prompts)
@@ -86,19 +97,20 @@ def parse(tm: TokenizerManager, req: GenerateRequest, stream: bool) -> tuple[lis
     want_lp = _per_item("return_logprob", req.return_logprob, size, batch,
                         lambda v: isinstance(v, bool), "a boolean")
     starts = _per_item("logprob_start_len", req.logprob_start_len, size, batch,
-                       lambda v: _is_int(v) and v >= -1, "an integer >= -1")
+                       lambda v: _is_int(v) and -1 <= v <= INT64_MAX, "an integer >= -1")
     tops = _per_item("top_logprobs_num", req.top_logprobs_num, size, batch,
                      lambda v: _is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS,
                      f"an integer in [0, {MAX_TOP_LOGPROBS}]")
-    boots = split_bootstrap(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, size,
-                            max(sp.get("n", 1) if isinstance(sp, dict) else 1 for sp in sampling) or 1)
+    n = max(_sample_count(sp) for sp in sampling)
+    boots = split_bootstrap(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, size, n)
+    ranks = split_dp_ranks(req.routed_dp_rank, req.disagg_prefill_dp_rank, req.data_parallel_rank, size, n)
     specs = []
     for i, prompt in enumerate(prompts):
         sp = sampling[i] or {}
         specs.append(tm.make_spec(
             prompt, sp, default_max_new_tokens=128, return_logprob=want_lp[i], top_logprobs_num=tops[i],
             logprob_start_len=starts[i], stream=stream, rid=rids[i], no_stop_trim=bool(sp.get("no_stop_trim")),
-            **boots[i],
+            **boots[i], **ranks[i],
         ))
     return specs, batch or specs[0].sampling.n > 1
 
@@ -107,7 +119,7 @@ def _entries(tm: TokenizerManager, pairs, with_text: bool) -> list[list[Any]]:
     return [[lp, tid, tm.token_text(tid) if with_text else None] for lp, tid in pairs]
 
 
-def output_dict(tm: TokenizerManager, state: ReqState, with_text: bool) -> dict[str, Any]:
+def output_dict(tm: TokenizerManager, state: ReqState, with_text: bool, with_timeline: bool = False) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": state.rid,
         "finish_reason": state.finish_reason,
@@ -124,6 +136,8 @@ def output_dict(tm: TokenizerManager, state: ReqState, with_text: bool) -> dict[
             meta["input_top_logprobs"] = [
                 None if top is None else _entries(tm, top, with_text) for top in state.input_top_logprobs]
             meta["output_top_logprobs"] = [_entries(tm, top, with_text) for top in state.output_top_logprobs]
+    if with_timeline and state.finished:
+        meta["timeline"] = timeline.public(tm.server_args.disaggregation_mode, state.timeline)
     return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
 
 
@@ -136,13 +150,15 @@ async def handle(request: Request, tm: TokenizerManager) -> Response:
     specs, many = parse(tm, req, stream)
     states = tm.submit_all(specs)
     if stream:
-        return http_util.sse_response(tm, states, _events(tm, states, many, req.return_text_in_logprobs))
+        return http_util.sse_response(tm, states, _events(tm, states, many, req.return_text_in_logprobs,
+                                                          timeline.requested(request.headers)))
     await http_util.unless_disconnected(request, http_util.wait_all(tm, states))
-    outs = [output_dict(tm, s, req.return_text_in_logprobs) for s in states]
+    outs = [output_dict(tm, s, req.return_text_in_logprobs, timeline.requested(request.headers)) for s in states]
     return http_util.json_response(outs if many else outs[0])
 
 
-async def _events(tm: TokenizerManager, states: list[ReqState], many: bool, with_text: bool) -> AsyncIterator[bytes]:
+async def _events(tm: TokenizerManager, states: list[ReqState], many: bool, with_text: bool,
+                  with_timeline: bool) -> AsyncIterator[bytes]:
     sent: dict[int, tuple[int, bool]] = {}
     async for i, state in http_util.stream_all(tm, states):
         err = http_util.error_of(state)
@@ -153,7 +169,7 @@ async def _events(tm: TokenizerManager, states: list[ReqState], many: bool, with
         if sent.get(i) == progress:
             continue  # a second notification for output already sent
         sent[i] = progress
-        out = output_dict(tm, state, with_text)
+        out = output_dict(tm, state, with_text, with_timeline)
         if many:
             out["index"] = i
         yield http_util.sse_event(out)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
@@ -11,6 +12,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from pdserve import json_body
 from pdserve.server.errors import APIError, bad_request, from_abort
 from pdserve.server.tokenizer_manager import ReqState, TokenizerManager
 
@@ -41,7 +43,19 @@ async def read_body(request: Request, max_bytes: int, type_: type[T]) -> T:
     except msgspec.ValidationError as e:
         raise bad_request(f"invalid request: {e}") from None
     except msgspec.DecodeError as e:
-        raise bad_request(f"malformed JSON: {e}") from None
+        raise bad_request(_undecodable(body, e)) from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply") from None
+
+
+def _undecodable(body: bytes, error: Exception) -> str:
+    """What is wrong with a body msgspec could not read: Python's laxer reader may still read it
+    (a lone surrogate, a number beyond a float), and then the field can be named."""
+    try:
+        problem = json_body.problem(json.loads(body))
+    except (ValueError, RecursionError):
+        problem = None
+    return problem or f"malformed JSON: {error}"
 
 
 def json_response(obj: Any, status: int = 200) -> Response:

@@ -50,6 +50,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 2
     setup_logging(role_tag(server_args.role), server_args.log_level)
+    for warning in server_args.exposure_warnings():
+        logger.warning("SECURITY WARNING: %s", warning)
     if server_args.torch_num_threads and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(server_args.torch_num_threads)
     signal.signal(signal.SIGTERM, _on_sigterm)

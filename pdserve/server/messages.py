@@ -22,6 +22,8 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
+    routed_dp_rank: Optional[int] = None  # the attention-DP group that serves it
+    disagg_prefill_dp_rank: Optional[int] = None  # decode: the prefill DP group holding its KV
 
 
 class AbortReq(msgspec.Struct, tag="abort"):
@@ -51,6 +53,8 @@ class TokenOut(msgspec.Struct):
     # sent once, with the first output
     input_token_logprobs: Optional[list[tuple[Optional[float], int]]] = None
     input_top_logprobs: Optional[list[Optional[list[tuple[float, int]]]]] = None
+    # sent once, with the finish: the scheduler's events of this request (``Req.timeline``)
+    timeline: Optional[dict[str, float]] = None
 
 
 class BatchOut(msgspec.Struct, tag="batch_out"):

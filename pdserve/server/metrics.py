@@ -13,6 +13,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+_STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# gauge -> key of the scheduler's stats; the PD queues exist on prefill (bootstrap, inflight) or
+# decode (prealloc, transfer) servers only and stay 0 elsewhere
+_QUEUE_GAUGES = (
+    ("pdserve:num_prefill_bootstrap_queue_reqs", "bootstrap_queue", "Prefill: requests waiting for decode's KV pages"),
+    ("pdserve:num_prefill_inflight_queue_reqs", "inflight_queue", "Prefill: prefilled requests whose KV is being sent"),
+    ("pdserve:num_decode_prealloc_queue_reqs", "prealloc_queue", "Decode: requests waiting for KV pages or prefill"),
+    ("pdserve:num_decode_transfer_queue_reqs", "transfer_queue", "Decode: requests whose KV is on its way"),
+)
 
 
 class ServerMetrics:
@@ -46,8 +55,15 @@ class ServerMetrics:
         self.kv_pages_used = gauge("pdserve:kv_pages_used", "KV cache pages in use (requests + prefix cache)")
         self.kv_pages_free = gauge("pdserve:kv_pages_free", "Free KV cache pages")
         self.cache_hit_rate = gauge("pdserve:cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens")
+        self.stage_latency = Histogram(
+            "pdserve:per_stage_req_latency_seconds", "Time requests spent in each stage (server/timeline.py)",
+            labelnames=["model_name", "stage"], buckets=_STAGE_BUCKETS, registry=r,
+        )
+        self.queues = [(gauge(name, doc), key) for name, key, doc in _QUEUE_GAUGES]
+        self.kv_bytes_sent = counter("pdserve:kv_transfer_bytes", "KV cache bytes this prefill wrote to decodes")
         self._prompt_total = 0
         self._cached_total = 0
+        self._kv_bytes_seen = 0
 
     def on_tokens(self, n: int, since_last: float, first: bool) -> None:
         """``n`` new output tokens arrived, ``since_last`` seconds after the previous output
@@ -67,11 +83,21 @@ class ServerMetrics:
         self._cached_total += cached_tokens
         self.cache_hit_rate.set(self._cached_total / self._prompt_total if self._prompt_total else 0.0)
 
+    def on_stages(self, stages) -> None:
+        """``(stage, seconds)`` pairs of one finished request."""
+        for stage, seconds in stages:
+            self.stage_latency.labels(model_name=self._model_name, stage=stage).observe(seconds)
+
     def set_scheduler_stats(self, stats: dict[str, Any]) -> None:
         for gauge, key in ((self.running, "running"), (self.waiting, "waiting"),
-                           (self.kv_pages_used, "kv_pages_used"), (self.kv_pages_free, "kv_pages_free")):
+                           (self.kv_pages_used, "kv_pages_used"), (self.kv_pages_free, "kv_pages_free"),
+                           *self.queues):
             if isinstance(stats.get(key), (int, float)):
                 gauge.set(stats[key])
+        sent = stats.get("kv_bytes_sent")
+        if isinstance(sent, int) and sent > self._kv_bytes_seen:  # a running total in the scheduler
+            self.kv_bytes_sent.inc(sent - self._kv_bytes_seen)
+            self._kv_bytes_seen = sent
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -2,7 +2,8 @@
 
 Choice ``i`` of a request with P prompts and ``n`` samples is sample ``i % n`` of prompt
 ``i // n``. Usage counts each prompt once. A prefill server answers with one JSON object even
-for ``stream: true`` (see generate_api.handle).
+for ``stream: true`` (see generate_api.handle). With ``X-PDServe-Timeline: 1`` each finished
+choice carries ``"timeline"`` (server/timeline.py), as ``meta_info`` does on ``/generate``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pdserve.server import http_util
+from pdserve.server import http_util, timeline
 from pdserve.server.errors import APIError
 from pdserve.server.openai_protocol import (
     ChatRequest,
@@ -35,6 +36,13 @@ def check_model(tm: TokenizerManager, name: Optional[str]) -> None:
 def _usage(states: list[ReqState], n: int) -> dict[str, int]:
     prompt = sum(s.prompt_tokens for s in states[::n])
     return usage(prompt, sum(len(s.output_ids) for s in states))
+
+
+def _with_timeline(tm: TokenizerManager, choice: dict[str, Any], s: ReqState, want: bool) -> dict[str, Any]:
+    """A finished choice gets the request's timeline when the client asked (server/timeline.py)."""
+    if want and s.finished:
+        choice["timeline"] = timeline.public(tm.server_args.disaggregation_mode, s.timeline)
+    return choice
 
 
 def _tops(tops: list, j: int) -> list:
@@ -83,12 +91,15 @@ async def completions(request: Request, tm: TokenizerManager) -> Response:
             offset = len(echo_text) + len(s.text) - len(delta)
         return _completion_logprobs(tm, pairs, tops, offset)
 
+    want_timeline = timeline.requested(request.headers)
+
     def choice(i: int, s: ReqState, delta: str, token_start: int, first: bool) -> dict[str, Any]:
         fr = s.finish_reason
         echo_text = echo[i // n] if echo else ""
-        return {"index": i, "text": (echo_text if first else "") + delta,
-                "logprobs": logprobs(s, token_start, delta, echo_text),
-                "finish_reason": finish_reason(fr), "matched_stop": matched_stop(fr)}
+        return _with_timeline(tm, {"index": i, "text": (echo_text if first else "") + delta,
+                                   "logprobs": logprobs(s, token_start, delta, echo_text),
+                                   "finish_reason": finish_reason(fr), "matched_stop": matched_stop(fr)},
+                              s, want_timeline)
 
     if stream:
         return http_util.sse_response(tm, states, _events(tm, states, head, choice, req.include_usage, n))
@@ -127,18 +138,22 @@ async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
             return None
         return _chat_logprobs(tm, s.output_token_logprobs[start:], s.output_top_logprobs[start:])
 
+    want_timeline = timeline.requested(request.headers)
+
     def chunk_choice(i: int, s: ReqState, text: str, token_start: int, first: bool) -> dict[str, Any]:
         delta = {"role": "assistant", "content": text} if first else {"content": text}
         fr = s.finish_reason
-        return {"index": i, "delta": delta, "logprobs": logprobs(s, token_start),
-                "finish_reason": finish_reason(fr), "matched_stop": matched_stop(fr)}
+        return _with_timeline(tm, {"index": i, "delta": delta, "logprobs": logprobs(s, token_start),
+                                   "finish_reason": finish_reason(fr), "matched_stop": matched_stop(fr)},
+                              s, want_timeline)
 
     if stream:
         events = _events(tm, states, {**head, "object": "chat.completion.chunk"}, chunk_choice, req.include_usage, n)
         return http_util.sse_response(tm, states, events)
     await http_util.unless_disconnected(request, http_util.wait_all(tm, states))
-    choices = [{"index": i, "message": {"role": "assistant", "content": s.text}, "logprobs": logprobs(s, 0),
-                "finish_reason": finish_reason(s.finish_reason), "matched_stop": matched_stop(s.finish_reason)}
+    choices = [_with_timeline(tm, {"index": i, "message": {"role": "assistant", "content": s.text},
+                                   "logprobs": logprobs(s, 0), "finish_reason": finish_reason(s.finish_reason),
+                                   "matched_stop": matched_stop(s.finish_reason)}, s, want_timeline)
                for i, s in enumerate(states)]
     return http_util.json_response({**head, "object": "chat.completion", "choices": choices,
                                     "usage": _usage(states, n)})

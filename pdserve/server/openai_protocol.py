@@ -41,6 +41,10 @@ class _Sampling(msgspec.Struct):
     bootstrap_host: Union[str, list[str], None] = None
     bootstrap_port: Union[int, list[Optional[int]], None] = None
     bootstrap_room: Union[int, list[int], None] = None
+    # data-parallel groups, same shapes (checked by split_dp_ranks)
+    routed_dp_rank: Any = None
+    disagg_prefill_dp_rank: Any = None
+    data_parallel_rank: Any = None  # deprecated alias of routed_dp_rank
 
     def sampling_params(self, max_new_tokens: Optional[int]) -> dict[str, Any]:
         d = {
@@ -58,11 +62,28 @@ class _Sampling(msgspec.Struct):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def bootstrap(self, num_prompts: int = 1) -> list[dict[str, Any]]:
-        """The bootstrap fields of each prompt (see ``split_bootstrap``)."""
-        return split_bootstrap(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room, num_prompts, self.n)
+        """The bootstrap and DP rank fields of each prompt (see ``split_bootstrap``, ``split_dp_ranks``)."""
+        boots = split_bootstrap(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room, num_prompts, self.n)
+        ranks = split_dp_ranks(self.routed_dp_rank, self.disagg_prefill_dp_rank, self.data_parallel_rank,
+                               num_prompts, self.n)
+        return [{**b, **r} for b, r in zip(boots, ranks, strict=True)]
 
 
 ROOM_MOD = 2**63
+DP_RANK_LIMIT = 2**31
+
+
+def _for_prompt(name: str, value: Any, j: int, num_prompts: int, n: int, per_sample: bool) -> Any:
+    """Prompt ``j``'s share of a field sent as a scalar (all prompts), a list with one entry per
+    prompt, or a list with one entry per sample (``per_sample``: prompt j's n entries; else the
+    first of them)."""
+    if not isinstance(value, list):
+        return value
+    if len(value) == num_prompts:
+        return value[j]
+    if len(value) == num_prompts * n:
+        return value[j * n:(j + 1) * n] if per_sample else value[j * n]
+    raise bad_request(f"{name}: the list has {len(value)} entries for {num_prompts} prompt(s) x n={n}")
 
 
 def split_bootstrap(host: Any, port: Any, room: Any, num_prompts: int, n: int) -> list[dict[str, Any]]:
@@ -81,21 +102,39 @@ def split_bootstrap(host: Any, port: Any, room: Any, num_prompts: int, n: int) -
                                   f"got {v!r}")
             if name == "bootstrap_room" and v is not None and not 0 <= v < ROOM_MOD:
                 raise bad_request(f"bootstrap_room: must be in [0, 2^63), got {v}")
+            if name == "bootstrap_port" and v is not None and not 0 <= v < 65536:
+                raise bad_request(f"bootstrap_port: must be a TCP port in [0, 65536), got {v}")
 
-    def pick(name: str, value: Any, j: int, is_room: bool) -> Any:
-        if not isinstance(value, list):
-            if is_room and value is not None:
-                return (value + j * n) % ROOM_MOD
-            return value
-        if len(value) == num_prompts:
-            return value[j]
-        if len(value) == num_prompts * n:
-            return value[j * n:(j + 1) * n] if is_room else value[j * n]
-        raise bad_request(f"{name}: the list has {len(value)} entries for {num_prompts} prompt(s) x n={n}")
+    def room_of(j: int) -> Any:
+        if isinstance(room, int):
+            return (room + j * n) % ROOM_MOD
+        return _for_prompt("bootstrap_room", room, j, num_prompts, n, per_sample=True)
 
-    return [{"bootstrap_host": pick("bootstrap_host", host, j, False),
-             "bootstrap_port": pick("bootstrap_port", port, j, False),
-             "bootstrap_room": pick("bootstrap_room", room, j, True)} for j in range(num_prompts)]
+    return [{"bootstrap_host": _for_prompt("bootstrap_host", host, j, num_prompts, n, per_sample=False),
+             "bootstrap_port": _for_prompt("bootstrap_port", port, j, num_prompts, n, per_sample=False),
+             "bootstrap_room": room_of(j)} for j in range(num_prompts)]
+
+
+def split_dp_ranks(routed: Any, prefill: Any, alias: Any, num_prompts: int, n: int) -> list[dict[str, Any]]:
+    """Per prompt: ``routed_dp_rank`` (the DP group to run in; ``alias`` is its deprecated name
+    ``data_parallel_rank``) and ``disagg_prefill_dp_rank`` (decode: the prefill DP group that
+    holds the KV). Each is null (the server chooses) or an int >= 0, given as a scalar for every
+    sample, or a list shaped like ``bootstrap_room``'s: one entry per prompt or per sample (a
+    prompt then gets its samples' list)."""
+    n = max(1, n) if isinstance(n, int) else 1
+    for name, value in (("routed_dp_rank", routed), ("disagg_prefill_dp_rank", prefill), ("data_parallel_rank", alias)):
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None and not (_is_int(v) and 0 <= v < DP_RANK_LIMIT):
+                raise bad_request(f"{name}: must be null or an integer in [0, 2^31), got {v!r}")
+    routed_name = "routed_dp_rank"
+    if alias is not None:
+        if routed is not None and routed != alias:
+            raise bad_request(f"data_parallel_rank: is the deprecated alias of routed_dp_rank and disagrees with "
+                              f"it ({alias!r} vs {routed!r}); give only routed_dp_rank")
+        routed, routed_name = alias, "data_parallel_rank"
+    return [{"routed_dp_rank": _for_prompt(routed_name, routed, j, num_prompts, n, per_sample=True),
+             "disagg_prefill_dp_rank": _for_prompt("disagg_prefill_dp_rank", prefill, j, num_prompts, n,
+                                                   per_sample=True)} for j in range(num_prompts)]
 
 
 class CompletionRequest(_Sampling):

@@ -108,7 +108,7 @@ class SchedulerClient:
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.connect(self.in_addr)
         ctx = mp.get_context("spawn")
-        n = getattr(self.server_args, "tp_size", 1)
+        n = getattr(self.server_args, "world_size", 1)  # one process per rank (tp_size x pp_size)
         tp_init = f"tcp://127.0.0.1:{_free_port()}" if n > 1 else ""
         self._ready_readers = []
         for rank in range(n):
@@ -201,9 +201,10 @@ class SchedulerClient:
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
 
-    def send(self, msg: GenerateReq | AbortReq | ControlReq) -> None:
-        """Queue ``msg`` for the scheduler without waiting (order is kept; a PUSH never blocks here)."""
-        fut = self._push.send(encode(msg))
+    def send(self, msg: GenerateReq | AbortReq | ControlReq | bytes) -> None:
+        """Queue ``msg`` (or a message already encoded) for the scheduler without waiting (order
+        is kept; a PUSH never blocks here)."""
+        fut = self._push.send(msg if isinstance(msg, bytes) else encode(msg))
         fut.add_done_callback(_log_send_error)
 
     async def control(self, op: str, args: Optional[dict] = None, timeout: float = 30.0) -> Any:

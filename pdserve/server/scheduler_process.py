@@ -5,11 +5,15 @@ Contract with the front end: rank 0 BINDs a PULL socket on ``in_addr`` and CONNE
 to ``out_addr`` (bound by the front end first); every rank reports once on its ``ready_conn``:
 ``{"status": "ready", "info": {...}}`` or ``{"status": "error", "message": ...}``.
 
-With ``--tp-size N`` the N ranks take the same decisions from the same inputs: every loop
-iteration rank 0 drains the front end's messages and broadcasts them (msgpack bytes over the gloo
-group) with its clock reading; every rank handles them and steps its scheduler on that clock.
-Only rank 0 talks to the front end. A rank that dies makes the others' next collective fail (or
-time out): they exit, and the front end, which watches every rank, stops serving.
+With ``--tp-size N`` (times ``--pp-size``) the ranks take the same decisions from the same
+inputs: every loop iteration rank 0 drains the front end's messages and broadcasts them (msgpack
+bytes over the gloo group) with its clock reading; every rank handles them and steps its
+scheduler on that clock. Rank 0 receives from the front end and answers control calls. With DP
+attention each group's scheduler takes the requests the front end addressed to it
+(``routed_dp_rank``) and ignores the others, and the first rank of each group sends that group's
+outputs (every group leader connects a PUSH to the front end's PULL). A rank that dies makes the
+others' next collective fail (or time out): they exit, and the front end, which watches every
+rank, stops serving.
 """
 
 from __future__ import annotations
@@ -25,14 +29,14 @@ import torch
 import zmq
 
 from pdserve.config import ServerArgs
-from pdserve.distributed import SINGLE, TPGroup, init_tp
+from pdserve.distributed import SINGLE_RANK, Parallel, init_parallel
 from pdserve.engine.request import FinishKind, FinishReason, Req, SamplingParams
 from pdserve.log import role_tag, setup_logging
 from pdserve.server import messages as m
 
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_MS = 5
+IDLE_POLL_MS = 50  # a message wakes the poll at once: this only bounds idle wake-ups
 # While the only work is waiting on peers (PD bootstrap, transfers), poll at this period rather
 # than spinning: a spinning scheduler would take a core from the servers that compute.
 PEER_WAIT_POLL_MS = 1
@@ -46,14 +50,14 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def build_scheduler(args: ServerArgs, tp: TPGroup = SINGLE):
+def build_scheduler(args: ServerArgs, par: Parallel = SINGLE_RANK):
     from pdserve.engine.scheduler import Scheduler
 
     if args.disaggregation_mode == "null":
-        return Scheduler(args, tp=tp)
+        return Scheduler(args, par=par)
     from pdserve.disagg.setup import attach_disaggregation
 
-    return attach_disaggregation(args, tp=tp)
+    return attach_disaggregation(args, par=par)
 
 
 def token_out(req: Req) -> m.TokenOut:
@@ -65,6 +69,7 @@ def token_out(req: Req) -> m.TokenOut:
         finish_reason=req.finish_reason.to_json() if req.finished else None,
         prompt_tokens=req.prompt_len,
         cached_tokens=req.cached_tokens,
+        timeline=req.timeline if req.finished else None,
     )
     if req.return_logprob:
         out.output_token_logprobs = req.output_token_logprobs[start:]
@@ -77,19 +82,21 @@ def token_out(req: Req) -> m.TokenOut:
 
 
 class SchedulerLoop:
-    def __init__(self, args: ServerArgs, in_addr: str, out_addr: str, tp: TPGroup = SINGLE):
+    def __init__(self, args: ServerArgs, in_addr: str, out_addr: str, par: Parallel = SINGLE_RANK):
         self.args = args
-        self.tp = tp
-        self.scheduler = build_scheduler(args, tp)
+        self.par = par
+        self.world = par.world
+        self.scheduler = build_scheduler(args, par)
         self.ctx = zmq.Context()
         self.pull = self.push = None
         self.poller = zmq.Poller()
-        if tp.rank == 0:  # the only rank that talks to the front end
+        if self.world.rank == 0:  # the rank that receives from the front end
             self.pull = self.ctx.socket(zmq.PULL)
             self.pull.bind(in_addr)
+            self.poller.register(self.pull, zmq.POLLIN)
+        if par.leads_group:  # the ranks that send outputs: one per attention group
             self.push = self.ctx.socket(zmq.PUSH)
             self.push.connect(out_addr)
-            self.poller.register(self.pull, zmq.POLLIN)
 
     def info(self) -> dict:
         s = self.scheduler
@@ -103,18 +110,22 @@ class SchedulerLoop:
             "model_fingerprint": r.fingerprint,
             "eos_token_ids": sorted(s.eos_ids),
             "max_running_requests": self.args.max_running_requests,
+            "dp_size": self.par.dp_size,
         }
 
     def run(self) -> None:
         while True:
             s = self.scheduler
-            if s.waiting or s.running:
+            # with DP attention rank 0 must not hold back the other groups' steps
+            if s.waiting or s.running or s.groups_busy == 2:
                 timeout = 0
             else:
-                timeout = PEER_WAIT_POLL_MS if s.has_work else IDLE_POLL_MS
+                timeout = PEER_WAIT_POLL_MS if s.has_work or s.groups_busy else IDLE_POLL_MS
             for raw in self._inputs(timeout):
                 self.handle(m.decode_to_scheduler(raw))
-            updated = self.scheduler.step() if self.scheduler.has_work else self.scheduler.drain()
+            # DP attention: every group steps every iteration (the groups' forwards meet in the MLP)
+            stepping = self.scheduler.has_work or self.par.dp_attention
+            updated = self.scheduler.step() if stepping else self.scheduler.drain()
             if updated and self.push is not None:
                 self.push.send(m.encode(m.BatchOut(outs=[token_out(r) for r in updated])))
 
@@ -127,8 +138,8 @@ class SchedulerLoop:
                 raws.append(self.pull.recv())
                 timeout_ms = 0
         now = time.monotonic()
-        if self.tp.size > 1:
-            data = self.tp.broadcast_bytes(msgspec.msgpack.encode([now, raws]) if self.tp.rank == 0 else None)
+        if self.world.size > 1:
+            data = self.world.broadcast_bytes(msgspec.msgpack.encode([now, raws]) if self.world.rank == 0 else None)
             now, raws = msgspec.msgpack.decode(data)
         self.scheduler.clock = now
         return raws
@@ -137,17 +148,24 @@ class SchedulerLoop:
         if self.push is not None:
             self.push.send(m.encode(msg))
 
+    def reply_control(self, msg) -> None:
+        if self.world.rank == 0:
+            self.push.send(m.encode(msg))
+
     def handle(self, msg) -> None:
         s = self.scheduler
         if isinstance(msg, m.GenerateReq):
+            if self.par.dp_attention and (msg.routed_dp_rank or 0) != self.par.dp_rank:
+                return  # another attention group's request
             try:
                 req = Req(
                     rid=msg.rid, input_ids=msg.input_ids, sampling=SamplingParams.from_dict(msg.sampling_params),
                     return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
                     logprob_start_len=msg.logprob_start_len, stream=msg.stream,
                     bootstrap_host=msg.bootstrap_host, bootstrap_port=msg.bootstrap_port,
-                    bootstrap_room=msg.bootstrap_room,
+                    bootstrap_room=msg.bootstrap_room, prefill_dp_rank=msg.disagg_prefill_dp_rank,
                 )
+                req.mark("queued")
                 s.add_request(req)
             except ValueError as e:
                 reason = FinishReason(FinishKind.ABORT, message=str(e), status_code=400)
@@ -165,21 +183,32 @@ class SchedulerLoop:
                 resp = m.ControlResp(req_id=msg.req_id, ok=True, result=result)
             except Exception as e:  # reported to the caller, the loop goes on
                 resp = m.ControlResp(req_id=msg.req_id, ok=False, error=f"{type(e).__name__}: {e}")
-            self.reply(resp)
+            self.reply_control(resp)
+
+    def gather_groups(self, info: dict) -> list[dict]:
+        """Every attention group's ``info`` (its first rank's), in group order: a collective, so
+        every rank must call it for the same control call."""
+        if not self.par.dp_attention:
+            return [info]
+        per = [msgspec.json.decode(b) for b in self.world.all_gather_bytes(msgspec.json.encode(info))]
+        return per[:: self.par.attn.size][: self.par.dp_size]
 
     def control(self, op: str, args: dict):
         s = self.scheduler
         if op == "get_load":
             running = s.running + (s.pd.all_reqs() if s.pd else [])
-            return {
+            groups = self.gather_groups({
+                "dp_rank": self.par.dp_rank,
                 "num_reqs": len(running) + len(s.waiting),
                 "num_waiting_reqs": len(s.waiting),
                 "num_tokens": sum(r.seq_len for r in running),
-            }
+            })
+            total = {k: sum(g[k] for g in groups) for k in ("num_reqs", "num_waiting_reqs", "num_tokens")}
+            return {**total, "dp": groups} if self.par.dp_attention else total
         if op == "flush_cache":
             return s.tree.reset()
         if op == "integrity":
-            if self.tp.size == 1:
+            if self.world.size == 1:
                 return s.check_integrity()
             # every rank's own accounting (each has its pool and slots); a failed check must still
             # reach the collective, or the other ranks would wait for it
@@ -187,14 +216,14 @@ class SchedulerLoop:
                 info = s.check_integrity()
             except Exception as e:
                 info = {"error": f"{type(e).__name__}: {e}"}
-            ranks = [msgspec.json.decode(b) for b in self.tp.all_gather_bytes(msgspec.json.encode(info))]
-            bad = [f"tp{i}: {r['error']}" for i, r in enumerate(ranks) if "error" in r]
+            ranks = [msgspec.json.decode(b) for b in self.world.all_gather_bytes(msgspec.json.encode(info))]
+            bad = [f"rank {i}: {r['error']}" for i, r in enumerate(ranks) if "error" in r]
             if bad:
                 raise AssertionError("; ".join(bad))
             return {**info, "ranks": ranks}
         if op == "stats":
             a = s.pool.allocator
-            return {
+            groups = self.gather_groups({
                 "running": len(s.running),
                 "waiting": len(s.waiting),
                 "kv_pages_total": a.capacity,
@@ -203,18 +232,22 @@ class SchedulerLoop:
                 "kv_pages_cached": s.tree.total_pages(),
                 **s.stats,
                 **(s.pd.stats() if s.pd is not None else {}),
-            }
+            })
+            if len(groups) == 1:
+                return groups[0]
+            total = {k: sum(g[k] for g in groups) for k in groups[0] if isinstance(groups[0][k], (int, float))}
+            return {**total, "dp": groups}
         raise ValueError(f"unknown control op {op!r}")
 
 
 def run_scheduler_process(args: ServerArgs, in_addr: str, out_addr: str, ready_conn, tp_rank: int = 0,
                           tp_init: str = "") -> None:
     setup_logging(role_tag(args.role, tp_rank), args.log_level)
-    torch.set_num_threads(args.torch_num_threads or max(1, (os.cpu_count() or 1) // args.tp_size))
+    torch.set_num_threads(args.torch_num_threads or max(1, (os.cpu_count() or 1) // args.world_size))
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     try:
-        tp = init_tp(tp_rank, args.tp_size, tp_init, args.device)
-        loop = SchedulerLoop(args, in_addr, out_addr, tp)
+        par = init_parallel(tp_rank, args.tp_size, tp_init, args.device, dp_size=args.dp_size, pp_size=args.pp_size)
+        loop = SchedulerLoop(args, in_addr, out_addr, par)
     except Exception as e:
         logger.error("scheduler failed to start: %s\n%s", e, traceback.format_exc())
         ready_conn.send({"status": "error", "message": f"{type(e).__name__}: {e}"})

@@ -20,10 +20,11 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from pdserve.engine.request import SamplingParams
 from pdserve.server.detokenizer import IncrementalDetokenizer
-from pdserve.server.errors import APIError, bad_request
-from pdserve.server.messages import AbortReq, GenerateReq, TokenOut
+from pdserve.server.errors import bad_request
+from pdserve.server.messages import AbortReq, GenerateReq, TokenOut, encode
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.scheduler_client import SchedulerClient
+from pdserve.server.timeline import stages
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ class ReqSpec:
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None
     bootstrap_room: Union[int, list[int], None] = None  # an int, or one room per sample
+    routed_dp_rank: Union[int, list[int], None] = None  # the attention-DP group to run in (or one per sample)
+    disagg_prefill_dp_rank: Union[int, list[int], None] = None  # decode: prefill's DP group holding the KV
 
 
 class ReqState:
@@ -65,6 +68,8 @@ class ReqState:
         self.event = asyncio.Event()
         self.created = time.monotonic()
         self.last_output: Optional[float] = None
+        self.dp_rank: Optional[int] = None  # the attention-DP group serving it
+        self.timeline: dict[str, float] = {"received": time.time()}  # see server/timeline.py
 
     @property
     def text(self) -> str:
@@ -89,6 +94,8 @@ class TokenizerManager:
         self.context_length: int = int(info.get("context_length") or server_args.context_length or 1 << 30)
         self.vocab_size: int = int(info.get("vocab_size") or len(tokenizer))
         self.states: dict[str, ReqState] = {}
+        self.dp_size: int = int(info.get("dp_size") or 1)  # attention-DP groups of the scheduler
+        self._next_group = 0
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
         client.on_output = self._on_output
 
@@ -148,19 +155,48 @@ class TokenizerManager:
         if spec.rid in self.states:
             raise bad_request(f"rid: {spec.rid!r} is already in use by a running request")
         p = spec.sampling
+        group = self._dp_group(spec)
         state = ReqState(spec, IncrementalDetokenizer(
             self.tokenizer, skip_special_tokens=p.skip_special_tokens, stop=p.stop, trim_stop=not spec.no_stop_trim))
-        self.states[spec.rid] = state
-        self.client.send(GenerateReq(
-            rid=spec.rid, input_ids=spec.input_ids, sampling_params=p.to_dict(),
-            return_logprob=spec.return_logprob, top_logprobs_num=spec.top_logprobs_num,
-            logprob_start_len=spec.logprob_start_len, stream=spec.stream,
-            bootstrap_host=spec.bootstrap_host, bootstrap_port=spec.bootstrap_port,
-            bootstrap_room=spec.bootstrap_room[0] if isinstance(spec.bootstrap_room, list) else spec.bootstrap_room,
-        ))
+        state.dp_rank = group
+        try:  # validation should have caught whatever cannot cross; this names what slipped through
+            data = encode(GenerateReq(
+                rid=spec.rid, input_ids=spec.input_ids, sampling_params=p.to_dict(),
+                return_logprob=spec.return_logprob, top_logprobs_num=spec.top_logprobs_num,
+                logprob_start_len=spec.logprob_start_len, stream=spec.stream,
+                bootstrap_host=spec.bootstrap_host, bootstrap_port=spec.bootstrap_port,
+                bootstrap_room=spec.bootstrap_room[0] if isinstance(spec.bootstrap_room, list) else spec.bootstrap_room,
+                routed_dp_rank=group, disagg_prefill_dp_rank=_first(spec.disagg_prefill_dp_rank),
+            ))
+        except (OverflowError, UnicodeEncodeError, TypeError) as e:
+            raise bad_request(f"request cannot be passed to the scheduler: {e}") from None
+        self.states[spec.rid] = state  # registered only once nothing can fail before it is sent
+        self.client.send(data)
         logger.debug("rid=%s submitted: prompt_tokens=%d max_new_tokens=%d", spec.rid, len(spec.input_ids),
                      p.max_new_tokens)
         return state
+
+    def _dp_group(self, spec: ReqSpec) -> Optional[int]:
+        """The attention-DP group of a request: the one it names, else the one with the fewest
+        requests in flight (ties in turn). None without DP attention."""
+        named = _first(spec.routed_dp_rank)
+        if self.dp_size == 1:
+            if named not in (None, 0):
+                raise bad_request(f"routed_dp_rank: this server has one data-parallel group (0), got {named}")
+            return None
+        if named is not None:
+            if not 0 <= named < self.dp_size:
+                raise bad_request(f"routed_dp_rank: must be in [0, {self.dp_size}), got {named}")
+            return named
+        load = [0] * self.dp_size
+        for st in self.states.values():
+            if st.dp_rank is not None and not st.finished:
+                load[st.dp_rank] += 1
+        least = min(load)
+        order = [(self._next_group + k) % self.dp_size for k in range(self.dp_size)]
+        group = next(g for g in order if load[g] == least)
+        self._next_group = (group + 1) % self.dp_size
+        return group
 
     def submit_all(self, specs: list[ReqSpec]) -> list[ReqState]:
         """Submit each spec ``n`` times (sample i gets seed + i); all or nothing."""
@@ -171,7 +207,7 @@ class TokenizerManager:
                 for i in range(n):
                     one = spec if n == 1 else _sample_spec(spec, i)
                     states.append(self.submit(one))
-        except APIError:
+        except Exception:  # all or nothing: the samples already sent are aborted
             self.release(states, "batch rejected")
             raise
         return states
@@ -206,6 +242,7 @@ class TokenizerManager:
             return
         now = time.monotonic()
         if out.new_ids:
+            state.timeline.setdefault("first_token", time.time())
             first = state.last_output is None
             self.metrics.on_tokens(len(out.new_ids), now - (state.created if first else state.last_output), first)
             state.output_ids.extend(out.new_ids)
@@ -222,6 +259,9 @@ class TokenizerManager:
         if out.finish_reason is not None:
             state.finish_reason = dict(out.finish_reason)
             state.detok.finish(state.finish_reason.get("matched"))
+            state.timeline.update(out.timeline or {})
+            state.timeline["finished"] = time.time()
+            self.metrics.on_stages(stages(self.server_args.disaggregation_mode, state.timeline))
             self.metrics.on_finish(state.finish_reason.get("type", "unknown"), state.prompt_tokens,
                                    state.cached_tokens, state.e2e_latency)
             logger.debug("rid=%s finished: %s prompt_tokens=%d completion_tokens=%d e2e=%.3fs", state.rid,
@@ -255,8 +295,17 @@ class TokenizerManager:
 
 
 def _sample_spec(spec: ReqSpec, i: int) -> ReqSpec:
-    p = dataclasses.replace(spec.sampling, n=1, seed=None if spec.sampling.seed is None else spec.sampling.seed + i)
+    seed = spec.sampling.seed
+    seed = None if seed is None else (seed + i + 2**63) % 2**64 - 2**63  # stays an int64
+    p = dataclasses.replace(spec.sampling, n=1, seed=seed)
     rid = f"{spec.rid}-{i}" if spec.rid else None
     room = spec.bootstrap_room
     room = room[i] if isinstance(room, list) else None if room is None else (room + i) % 2**63
-    return dataclasses.replace(spec, sampling=p, rid=rid, group_rid=spec.rid, bootstrap_room=room)
+    routed, prefill_dp = (v[i] if isinstance(v, list) else v for v in (spec.routed_dp_rank, spec.disagg_prefill_dp_rank))
+    return dataclasses.replace(spec, sampling=p, rid=rid, group_rid=spec.rid, bootstrap_room=room,
+                               routed_dp_rank=routed, disagg_prefill_dp_rank=prefill_dp)
+
+
+def _first(value: Union[int, list[int], None]) -> Optional[int]:
+    """A per-request field that may come as one value per sample: the value of this sample."""
+    return value[0] if isinstance(value, list) else value

@@ -29,7 +29,7 @@ def mixed_prompts(n: int, seed: int = 0, max_len: int = 1500) -> list[list[int]]
     return [[rng.randrange(100, 40000) for _ in range(k)] for k in lens[:n]]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def pd(tmp_path_factory, tiny_llama_path):
     """Servers: P1 P2 D1 D2 (page 16), P1b D1b (page 1), DX (another model); routers over them."""
     logs = tmp_path_factory.mktemp("pd")

@@ -80,7 +80,7 @@ def reference(tp_models):
     return get
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tp(tmp_path_factory, tp_models):
     """Servers: colocated tp2 (llama, mqa); prefill P1 (tp1) / P2 (tp2); decode D1 (tp1) / D2 (tp2);
     routers for the three PD pairings."""

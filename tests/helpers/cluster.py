@@ -36,11 +36,13 @@ def wait_for(cond, timeout: float = 10.0, what: str = "condition", interval: flo
 class Proc:
     """One HTTP process (server or router) started by a test."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, log_dir: Path, env: Optional[dict] = None):
+    def __init__(self, name: str, cmd: list[str], port: int, log_dir: Path, env: Optional[dict] = None,
+                 host: str = "127.0.0.1"):
         self.name = name
         self.cmd = cmd
         self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+        self.host = host
+        self.url = f"http://{host}:{port}"
         self.log_path = log_dir / f"{name}.log"
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self.proc: Optional[subprocess.Popen] = None
@@ -100,9 +102,10 @@ class Proc:
         def idle():
             body = self.http.get("/debug/integrity").json()
             pools = body["integrity"]
-            done = body.get("front_end_requests", 0) == 0 and pools["running"] == 0 and pools["waiting"] == 0 \
-                and pools["in_use_pages"] == 0 and pools.get("kv_rooms", 0) == 0 \
-                and pools.get("metadata_slots_free", 0) == pools.get("metadata_slots_total", 0)
+            done = body.get("front_end_requests", 0) == 0 and all(  # every rank's, on a multi-rank server
+                p["running"] == 0 and p["waiting"] == 0 and p["in_use_pages"] == 0 and p.get("kv_rooms", 0) == 0
+                and p.get("metadata_slots_free", 0) == p.get("metadata_slots_total", 0)
+                for p in pools.get("ranks") or [pools])
             return pools if done else None
 
         pools = wait_for(idle, timeout, f"{self.name} to become idle", interval=0.1)

@@ -141,6 +141,8 @@ class FakeWorker:
         self.requests: list[Recorded] = []
         self.health_status = 200
         self.load = {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+        self.dp_size = 1  # reported in /server_info
+        self.group_loads: list[dict] | None = None  # /get_load: the totals plus these as "dp" (a pdserve with DP)
         self.fail_status: int | None = None  # answer generation requests with this status
         self.stream_error_status: int | None = None  # decode: answer a stream 200 + one SSE error event
         self.respond_gate = Gate(is_open=True)  # prefill: hold the HTTP answer (KV already "sent")
@@ -157,6 +159,8 @@ class FakeWorker:
         self.requests.clear()
         self.health_status = 200
         self.load = {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+        self.dp_size = 1
+        self.group_loads = None
         self.fail_status = None
         self.stream_error_status = None
         self.respond_gate.open()
@@ -186,7 +190,7 @@ class FakeWorker:
         @app.get("/server_info")
         @app.get("/get_server_info")
         async def server_info():
-            return {"model_path": MODEL, "served_model_name": MODEL, "tp_size": 1, "dp_size": 1,
+            return {"model_path": MODEL, "served_model_name": MODEL, "tp_size": 1, "dp_size": self.dp_size,
                     "disaggregation_mode": "null" if self.role == "regular" else self.role,
                     "name": self.name}
 
@@ -201,6 +205,8 @@ class FakeWorker:
 
         @app.get("/get_load")
         async def get_load():
+            if self.group_loads is not None:
+                return {**self.load, "dp": [{"dp_rank": i, **g} for i, g in enumerate(self.group_loads)]}
             return [{"dp_rank": 0, **self.load}]
 
         @app.api_route("/flush_cache", methods=["GET", "POST"])

@@ -7,6 +7,11 @@ prefill maps each one in ``connect()`` and writes with plain memmoves (or device
 descriptor per page run, translating decode addresses to its own mapping. One-sided: decode's
 CPU does nothing during a transfer.
 
+One host means one kernel and one network namespace: ``describe()`` carries the kernel's boot id
+and the network namespace of decode (``host_identity()``), and prefill refuses to attach to a
+decode whose identity differs from its own, naming the network backends to use instead. Servers
+in separate network namespaces behave as separate hosts (containers, the namespace tests).
+
 Segment lifetime: a decode process unlinks its segment files in ``close()`` and at exit; files
 left behind by a killed process are removed by the next process that allocates (names carry the
 pid namespace and pid of their owner).
@@ -45,6 +50,20 @@ def _pidns() -> str:
         return str(os.stat("/proc/self/ns/pid").st_ino)
     except OSError:
         return "0"
+
+
+def host_identity() -> str:
+    """``<boot id>/<network namespace inode>``: equal for two processes on one host."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown-boot"
+    try:
+        net = str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        net = "unknown-netns"
+    return f"{boot}/{net}"
 
 
 # ---- decode side: segments this process created -------------------------------------------
@@ -195,10 +214,16 @@ class LocalBackend(TransferBackend):
             if s.share is not None:
                 d["share"] = s.share
             segs.append(d)
-        return {"pid": os.getpid(), "dir": _shm_dir(), "segments": segs}
+        return {"pid": os.getpid(), "dir": _shm_dir(), "segments": segs, "host": host_identity()}
 
     def _connect(self, peer_id: str, info: dict[str, Any]) -> None:
         self._disconnect(peer_id)
+        peer_host, own_host = info.get("host"), host_identity()
+        if peer_host != own_host:
+            raise TransferError(
+                f"the local transfer backend needs prefill and decode on one host, and decode is on another "
+                f"(host {peer_host}, prefill {own_host}: boot id / network namespace); start both servers with "
+                "--disaggregation-transfer-backend mooncake (or nixl)")
         segs = sorted(info.get("segments", []), key=lambda s: s["base"])
         if not segs:
             raise TransferError("peer described no shared segments (is decode using the local backend?)")

@@ -1,0 +1,120 @@
+"""deploy/: the Kubernetes manifest is consistent with itself, with the image of deploy/Dockerfile
+and with pdserve's own command-line parsers (no cluster or image build here)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from pdserve.config import ServerArgs
+from pdserve.models.demo import DEMO_MODELS
+from pdserve.router.args import parse_args as parse_router_args
+from pdserve.server.launch import build_parser as server_parser
+
+yaml = pytest.importorskip("yaml", reason="PyYAML is not installed")
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+@pytest.fixture(scope="module")
+def manifest() -> dict[tuple[str, str], dict]:
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "k8s" / "pdserve-1p1d.yaml").read_text()) if d]
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> list[str]:
+    """The Dockerfile's instructions, continuation lines joined, comments dropped."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    lines = [ln for ln in text.splitlines() if not ln.lstrip().startswith("#")]
+    return [ln.strip() for ln in re.sub(r"\\\n", " ", "\n".join(lines)).splitlines() if ln.strip()]
+
+
+def container(manifest, name: str) -> dict:
+    (c,) = manifest[("Deployment", name)]["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def resolved_args(manifest, c: dict) -> list[str]:
+    """The container's arguments with ``$(VAR)`` replaced as Kubernetes does, from the Secret."""
+    secret = manifest[("Secret", "pdserve-secrets")]["stringData"]
+    env = {e["name"]: secret[e["valueFrom"]["secretKeyRef"]["key"]] for e in c.get("env", [])}
+    return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], str(a)) for a in c["args"]]
+
+
+def test_objects_and_selectors(manifest):
+    assert set(manifest) == {("Secret", "pdserve-secrets")} | {
+        (kind, f"pdserve-{role}") for kind in ("Deployment", "Service") for role in ("prefill", "decode", "router")}
+    for role in ("prefill", "decode", "router"):
+        dep, svc = manifest[("Deployment", f"pdserve-{role}")], manifest[("Service", f"pdserve-{role}")]
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert dep["spec"]["selector"]["matchLabels"] == labels == svc["spec"]["selector"]
+        assert dep["spec"]["replicas"] == 1
+        named_ports = {p["name"] for p in container(manifest, f"pdserve-{role}")["ports"]}
+        assert {p["targetPort"] for p in svc["spec"]["ports"]} <= named_ports
+
+
+def test_probes_resources_and_secrets(manifest):
+    secret_keys = set(manifest[("Secret", "pdserve-secrets")]["stringData"])
+    assert secret_keys == {"disaggregation-secret", "api-key"}
+    for role in ("prefill", "decode", "router"):
+        c = container(manifest, f"pdserve-{role}")
+        assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert "livenessProbe" in c
+        if role != "router":  # the router's /health reports its workers: a restart would not help
+            assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+            assert c["startupProbe"]["httpGet"]["path"] == "/health"
+        assert {"cpu", "memory"} <= set(c["resources"]["requests"])
+        refs = {e["valueFrom"]["secretKeyRef"]["key"] for e in c["env"]}
+        assert refs <= secret_keys and "api-key" in refs
+        if role != "router":
+            assert {e["name"] for e in c["env"]} >= {"PDSERVE_DISAGGREGATION_SECRET"}
+
+
+def test_server_args_parse_and_match_the_services(manifest, monkeypatch):
+    secret = manifest[("Secret", "pdserve-secrets")]["stringData"]["disaggregation-secret"]
+    monkeypatch.setenv("PDSERVE_DISAGGREGATION_SECRET", secret)
+    servers = {}
+    for role in ("prefill", "decode"):
+        args = resolved_args(manifest, container(manifest, f"pdserve-{role}"))
+        assert args[0] == "serve"
+        servers[role] = sa = ServerArgs.from_cli_args(server_parser().parse_args(args[1:]))
+        assert sa.disaggregation_mode == role
+        assert sa.disaggregation_secret == secret
+        assert sa.disaggregation_transfer_backend != "local"  # the two pods are two hosts
+        assert sa.host == "0.0.0.0"
+        assert sa.served_model_name == DEMO_MODELS[0]
+        ports = {p["name"]: p["containerPort"] for p in container(manifest, f"pdserve-{role}")["ports"]}
+        assert ports["http"] == sa.port
+    prefill_ports = {p["name"]: p["port"] for p in manifest[("Service", "pdserve-prefill")]["spec"]["ports"]}
+    assert prefill_ports["bootstrap"] == servers["prefill"].disaggregation_bootstrap_port
+
+    router = parse_router_args(resolved_args(manifest, container(manifest, "pdserve-router"))[1:])
+    decode_port = manifest[("Service", "pdserve-decode")]["spec"]["ports"][0]["port"]
+    assert router.prefill == [(f"http://pdserve-prefill:{prefill_ports['http']}", prefill_ports["bootstrap"])]
+    assert router.decode == [f"http://pdserve-decode:{decode_port}"]
+    router_port = manifest[("Service", "pdserve-router")]["spec"]["ports"][0]["port"]
+    assert router.port == router_port
+
+
+def test_image_has_what_the_manifest_runs(manifest, dockerfile):
+    assert dockerfile[0].startswith("FROM python:")
+    runs = " ".join(ln[4:] for ln in dockerfile if ln.startswith("RUN "))
+    torch_install = next(shlex.split(cmd) for cmd in runs.split("&&") if "torch==" in cmd)
+    assert "torch==2.13.0" in torch_install
+    assert "https://download.pytorch.org/whl/cpu" in torch_install
+    assert f"pdserve prepare-model {DEMO_MODELS[0]}" in runs
+    env = " ".join(ln for ln in dockerfile if ln.startswith("ENV "))
+    cache = re.search(r"PDSERVE_CACHE=(\S+)", env).group(1)
+    for role in ("prefill", "decode"):
+        args = container(manifest, f"pdserve-{role}")["args"]
+        # where `pdserve prepare-model` puts the demo model (pdserve.models.demo.demo_model_dir)
+        assert args[args.index("--model-path") + 1] == f"{cache}/models/{DEMO_MODELS[0]}"
+        assert container(manifest, f"pdserve-{role}")["image"] == container(manifest, "pdserve-router")["image"]
+    exposed = {int(p) for ln in dockerfile if ln.startswith("EXPOSE ") for p in ln.split()[1:]}
+    used = {p["containerPort"] for role in ("prefill", "decode", "router")
+            for p in container(manifest, f"pdserve-{role}")["ports"]}
+    assert used <= exposed
