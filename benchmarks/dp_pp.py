@@ -8,7 +8,8 @@
    ``--tp-size 2`` when the model's heads split in two (the demo model's 9 query / 3 KV heads do
    not: that row is then left out, saying so). Output tok/s, ITL median / p99.
 2. Prefill: ``--pp-size 2`` (one thread per stage) against ``--tp-size 1`` (one thread per core)
-   on ``--prefill-len``-token prompts with one output token: TTFT at concurrency 1 and 4.
+   on ``--prefill-len``-token prompts with one output token, radix cache off: TTFT at
+   concurrency 1 and 4.
 
 Servers are pinned to ``--cores`` with ``taskset``; the demo model is the default.
 """
@@ -88,7 +89,8 @@ def main() -> None:
         finally:
             p.stop()
     for name, (ranks, flags) in {"tp1": (1, []), "pp2": (2, ["--pp-size", "2"])}.items():
-        p = pinned(name, a.model_path, logs, a.cores, ranks, *flags).start()
+        # no prefix cache: the second concurrency would reuse the first one's prompts
+        p = pinned(name, a.model_path, logs, a.cores, ranks, *flags, "--disable-radix-cache").start()
         try:
             for conc in (1, 4):
                 print(f"== prefill {name} concurrency {conc} ({time.strftime('%H:%M:%S')})", file=sys.stderr)

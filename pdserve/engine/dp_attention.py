@@ -46,14 +46,12 @@ class DPGather:
         tp = self.par.tp
         buf = h.new_zeros((self.longest, h.shape[1]))
         buf[: h.shape[0]] = h
-        # gloo moves bf16 as its bits
-        wire = buf.view(torch.int16) if buf.dtype in (torch.bfloat16, torch.float16) else buf
+        wire = buf.view(torch.uint8)  # gloo moves bytes of any dtype (it has no bf16 all-gather)
         parts = [torch.empty_like(wire) for _ in range(tp.size)]
         dist.all_gather(parts, wire, group=tp.group)
         per = self.par.attn.size
         rows = [parts[g * per][:c] for g, c in enumerate(self.counts) if c]
-        out = torch.cat(rows) if rows else wire[:0]
-        return out.view(h.dtype) if out.dtype != h.dtype else out
+        return (torch.cat(rows) if rows else wire[:0]).view(h.dtype)
 
     def local(self, y: torch.Tensor) -> torch.Tensor:
         """This group's rows of the MLP output (every rank holds all of them after the reduce)."""

@@ -61,18 +61,17 @@ def split(parts: tuple, n: int) -> list[tuple[tuple, int]]:
 def _send(t: torch.Tensor, dst: int, group) -> "object":
     import torch.distributed as dist
 
-    wire = t.contiguous()
-    wire = wire.view(torch.int16) if wire.dtype in (torch.bfloat16, torch.float16) else wire
+    wire = t.contiguous().view(torch.uint8)  # bytes: gloo has no bf16 point-to-point
     return dist.isend(wire, dst, group=group), wire
 
 
 def _recv(shape: tuple, dtype: torch.dtype, src: int, group) -> torch.Tensor:
     import torch.distributed as dist
 
-    wire_dtype = torch.int16 if dtype in (torch.bfloat16, torch.float16) else dtype
-    buf = torch.empty(shape, dtype=wire_dtype)
-    dist.recv(buf, src, group=group)
-    return buf.view(dtype) if wire_dtype != dtype else buf
+    buf = torch.empty(shape, dtype=dtype)
+    wire = buf.view(torch.uint8)
+    dist.recv(wire, src, group=group)
+    return buf
 
 
 def pipeline_forward(runner: "ModelRunner", fb: ForwardBatch) -> torch.Tensor:

@@ -5,7 +5,8 @@ The rules, for one attempt:
 - prefill fails first (connection error or non-2xx): decode is cancelled at once and the
   prefill error is the answer (or a retry). Otherwise decode's status and body are the answer;
 - prefill's answer is awaited only to merge input logprobs (/generate with
-  ``return_logprob``); otherwise it is drained in the background and never holds decode back;
+  ``return_logprob``) or the timeline (``X-PDServe-Timeline``, router/timeline.py); otherwise it
+  is drained in the background and never holds decode back;
 - a stream is committed to the client (status 200) only once decode's first event arrived, so
   failures before that can still be retried; a first event that is an error (decode reports a
   failed transfer in its stream) counts as a failure before output, answered with its own HTTP

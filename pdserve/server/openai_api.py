@@ -75,9 +75,9 @@ async def completions(request: Request, tm: TokenizerManager) -> Response:
                           return_logprob=top is not None, top_logprobs_num=top or 0,
                           logprob_start_len=0 if echo_logprobs else -1, stream=stream, **boot)
              for p, boot in zip(prompts, req.bootstrap(len(prompts)))]
-    states = tm.submit_all(specs)
-    n = req.n
     echo = [p if isinstance(p, str) else tm.tokenizer.decode(p) for p in prompts] if req.echo else None
+    states = tm.submit_all(specs)  # the last step that can fail before the states are owned
+    n = req.n
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": args.served_model_name}
 

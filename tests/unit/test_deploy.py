@@ -38,10 +38,15 @@ def container(manifest, name: str) -> dict:
     return c
 
 
-def resolved_args(manifest, c: dict) -> list[str]:
-    """The container's arguments with ``$(VAR)`` replaced as Kubernetes does, from the Secret."""
+def container_env(manifest, c: dict) -> dict[str, str]:
+    """The container's environment, its secret references resolved from the Secret."""
     secret = manifest[("Secret", "pdserve-secrets")]["stringData"]
-    env = {e["name"]: secret[e["valueFrom"]["secretKeyRef"]["key"]] for e in c.get("env", [])}
+    return {e["name"]: secret[e["valueFrom"]["secretKeyRef"]["key"]] for e in c.get("env", [])}
+
+
+def resolved_args(manifest, c: dict) -> list[str]:
+    """The container's arguments with ``$(VAR)`` replaced as Kubernetes does."""
+    env = container_env(manifest, c)
     return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], str(a)) for a in c["args"]]
 
 
@@ -75,15 +80,18 @@ def test_probes_resources_and_secrets(manifest):
 
 
 def test_server_args_parse_and_match_the_services(manifest, monkeypatch):
-    secret = manifest[("Secret", "pdserve-secrets")]["stringData"]["disaggregation-secret"]
-    monkeypatch.setenv("PDSERVE_DISAGGREGATION_SECRET", secret)
+    secrets = manifest[("Secret", "pdserve-secrets")]["stringData"]
     servers = {}
     for role in ("prefill", "decode"):
-        args = resolved_args(manifest, container(manifest, f"pdserve-{role}"))
+        c = container(manifest, f"pdserve-{role}")
+        for name, value in container_env(manifest, c).items():
+            monkeypatch.setenv(name, value)
+        args = resolved_args(manifest, c)
         assert args[0] == "serve"
         servers[role] = sa = ServerArgs.from_cli_args(server_parser().parse_args(args[1:]))
         assert sa.disaggregation_mode == role
-        assert sa.disaggregation_secret == secret
+        assert sa.disaggregation_secret == secrets["disaggregation-secret"]
+        assert sa.api_key == secrets["api-key"]
         assert sa.disaggregation_transfer_backend != "local"  # the two pods are two hosts
         assert sa.host == "0.0.0.0"
         assert sa.served_model_name == DEMO_MODELS[0]
@@ -92,7 +100,12 @@ def test_server_args_parse_and_match_the_services(manifest, monkeypatch):
     prefill_ports = {p["name"]: p["port"] for p in manifest[("Service", "pdserve-prefill")]["spec"]["ports"]}
     assert prefill_ports["bootstrap"] == servers["prefill"].disaggregation_bootstrap_port
 
-    router = parse_router_args(resolved_args(manifest, container(manifest, "pdserve-router"))[1:])
+    monkeypatch.delenv("PDSERVE_API_KEY")
+    c = container(manifest, "pdserve-router")
+    for name, value in container_env(manifest, c).items():
+        monkeypatch.setenv(name, value)
+    router = parse_router_args(resolved_args(manifest, c)[1:])
+    assert router.api_key == router.worker_api_key == secrets["api-key"]  # the servers' key too
     decode_port = manifest[("Service", "pdserve-decode")]["spec"]["ports"][0]["port"]
     assert router.prefill == [(f"http://pdserve-prefill:{prefill_ports['http']}", prefill_ports["bootstrap"])]
     assert router.decode == [f"http://pdserve-decode:{decode_port}"]

@@ -111,3 +111,17 @@ def test_supported_layouts():
     assert ServerArgs(model_path="/m", tp_size=4, dp_size=2, enable_dp_attention=True).world_size == 4
     assert ServerArgs(model_path="/m", pp_size=2, disaggregation_mode="prefill").world_size == 2
     ServerArgs(model_path="/m", pp_size=2, disaggregation_fault_ranks="1")
+
+
+def test_launch_passes_parallel_flags():
+    from pdserve.server import cluster
+
+    args, _ = cluster.parse_args(["--prefill-pp-size", "2", "--decode-tp-size", "2", "--decode-dp-size", "2",
+                                  "--dp-aware"])
+    assert cluster._parallel_flags(args.prefill_tp_size, args.prefill_dp_size, args.prefill_pp_size) == \
+        ["--tp-size", "1", "--pp-size", "2"]
+    assert cluster._parallel_flags(args.decode_tp_size, args.decode_dp_size) == \
+        ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"]
+    assert args.dp_aware
+    with pytest.raises(SystemExit):
+        cluster.parse_args(["--decode-tp-size", "2", "--decode-dp-size", "3"])

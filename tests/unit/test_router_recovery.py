@@ -124,6 +124,7 @@ def test_router_api_key_and_the_key_it_gives_workers(pd, make_router):
 
 
 def test_router_key_flags(monkeypatch):
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
     base = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
     assert parse_args([*base, "--api-key", "k"]).worker_api_key == "k"  # workers share the router's key
     assert parse_args([*base, "--api-key", "k", "--worker-api-key", "w"]).worker_api_key == "w"

@@ -3,6 +3,7 @@ with --disaggregation-require-secret), and signed bootstrap look-ups."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -48,7 +49,8 @@ def test_exposed_pd_server_without_secret_is_warned_about_or_refused():
 def test_serve_refuses_to_start_exposed_without_a_secret():
     cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model-path", "unused", "--device", "cpu",
            "--disaggregation-mode", "prefill", "--host", "0.0.0.0", "--disaggregation-require-secret"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_DISAGGREGATION_SECRET"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, check=False)
     assert done.returncode == 2, done.stderr
     assert "disaggregation_require_secret" in done.stderr and "--disaggregation-secret" in done.stderr
 

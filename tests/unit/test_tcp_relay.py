@@ -32,8 +32,11 @@ def relay():
 
 def _echo(conn: socket.socket) -> None:
     with conn:
-        while data := conn.recv(4096):
-            conn.sendall(data)
+        try:
+            while data := conn.recv(4096):
+                conn.sendall(data)
+        except ConnectionResetError:
+            pass  # the relay's reset reaches this side too
 
 
 def _roundtrip(sock: socket.socket, payload: bytes = b"ping") -> float:
