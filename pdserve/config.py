@@ -58,6 +58,10 @@ class ServerArgs:
     max_running_requests: int = 256
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
+    # KV cache events (ZMQ PUB, vLLM/SGLang wire format); the port is offset by the DP group
+    kv_events_endpoint: Optional[str] = None  # e.g. tcp://*:5557
+    kv_events_replay_endpoint: Optional[str] = None  # e.g. tcp://*:5558
+    kv_events_topic: str = ""
     # process
     torch_num_threads: Optional[int] = None  # per rank (default: the host's cores / ranks)
     tp_size: int = 1
@@ -145,6 +149,12 @@ class ServerArgs:
                            "one server); for independent replicas run several servers behind the router")
         if self.enable_dp_attention and (self.dp_size > self.tp_size or self.tp_size % self.dp_size):
             bad("dp_size", f"with --enable-dp-attention it must divide --tp-size ({self.tp_size}), got {self.dp_size}")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and "://" not in value:
+                bad(name, f"must be a ZMQ endpoint such as tcp://*:5557, got {value!r}")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            bad("kv_events_replay_endpoint", "needs --kv-events-endpoint")
         if self.pp_size < 1:
             bad("pp_size", f"must be >= 1, got {self.pp_size}")
         if self.pp_size > 1 and (self.tp_size > 1 or self.dp_size > 1):

@@ -19,11 +19,12 @@ from __future__ import annotations
 import heapq
 from typing import Iterator, Optional
 
+from pdserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, chain_hashes
 from pdserve.engine.kv_pool import PageAllocator
 
 
 class Node:
-    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access")
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "hashes")
 
     def __init__(self, key: tuple, pages: list[int], parent: Optional["Node"], last_access: int = 0):
         self.key = key  # token ids, len(key) == len(pages) * page_size
@@ -33,6 +34,7 @@ class Node:
         # Number of locks on this node or any descendant (a lock pins the whole path to root).
         self.lock_ref = 0
         self.last_access = last_access
+        self.hashes: list[int] = []  # its pages' chained block hashes (only with KV events on)
 
     def __repr__(self) -> str:
         return f"Node(tokens={len(self.key)}, pages={self.pages}, lock_ref={self.lock_ref})"
@@ -49,6 +51,8 @@ class RadixCache:
         self._clock = 0  # logical time for LRU; ticks on every match/insert
         self._total_pages = 0
         self._protected_pages = 0  # pages in nodes with lock_ref > 0
+        # KV events (``kv_events.py``): a list that collects them, None when off
+        self.events: Optional[list] = None
 
     # ----- counters (O(1); the scheduler reads them every step) -----
 
@@ -113,6 +117,11 @@ class RadixCache:
                 child = Node(tokens[pos:], list(pages[pos // ps :]), node)
                 node.children[first] = child
                 self._total_pages += len(child.pages)
+                if self.events is not None:
+                    parent = node.hashes[-1] if node.hashes else None
+                    child.hashes = chain_hashes(parent, child.key, ps)
+                    self.events.append(BlockStored(block_hashes=list(child.hashes), parent_block_hash=parent,
+                                                   token_ids=list(child.key), block_size=ps))
                 canonical.extend(child.pages)
                 node = child
                 break
@@ -153,6 +162,7 @@ class RadixCache:
         parent = node.parent
         prefix = Node(node.key[:cut], node.pages[:n_pages], parent, node.last_access)
         prefix.lock_ref = node.lock_ref
+        prefix.hashes, node.hashes = node.hashes[:n_pages], node.hashes[n_pages:]
         node.key = node.key[cut:]
         node.pages = node.pages[n_pages:]
         node.parent = prefix
@@ -207,6 +217,9 @@ class RadixCache:
                 tail = leaf.pages[-need:]
                 leaf.pages = leaf.pages[:-need]
                 leaf.key = leaf.key[: len(leaf.pages) * self.page_size]
+                if self.events is not None:
+                    self.events.append(BlockRemoved(block_hashes=leaf.hashes[-need:]))
+                    leaf.hashes = leaf.hashes[:-need]
                 self.allocator.free(tail)
                 self._total_pages -= need
                 freed += need
@@ -214,6 +227,8 @@ class RadixCache:
             self.allocator.free(leaf.pages)
             self._total_pages -= len(leaf.pages)
             freed += len(leaf.pages)
+            if self.events is not None:
+                self.events.append(BlockRemoved(block_hashes=list(leaf.hashes)))
             parent = leaf.parent
             del parent.children[leaf.key[: self.page_size]]
             leaf.parent = None
@@ -233,7 +248,21 @@ class RadixCache:
         self.root = Node((), [], None)
         self._total_pages = 0
         self._protected_pages = 0
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
         return True
+
+    def stored_events(self) -> list[BlockStored]:
+        """The whole tree as ``BlockStored`` events, parents first (a KV-events snapshot)."""
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            if node is not self.root and node.hashes:
+                parent = node.parent.hashes[-1] if node.parent.hashes else None
+                out.append(BlockStored(block_hashes=list(node.hashes), parent_block_hash=parent,
+                                       token_ids=list(node.key), block_size=self.page_size))
+            stack.extend(node.children.values())
+        return out
 
     # ----- debugging -----
 

@@ -22,6 +22,7 @@ from pdserve.config import ServerArgs
 from pdserve.distributed import SINGLE_RANK, Parallel
 from pdserve.engine import dp_attention
 from pdserve.engine import logprobs as lp
+from pdserve.engine.kv_events import KVEventPublisher
 from pdserve.engine.kv_pool import BufferAllocator, default_allocator
 from pdserve.engine.pd_queues import PDQueues
 from pdserve.engine.model_runner import ModelRunner
@@ -46,6 +47,13 @@ class Scheduler:
         self.pool = self.runner.pool
         self.page_size = args.page_size
         self.tree = RadixCache(self.pool.allocator, self.page_size, disable=args.disable_radix_cache)
+        self.kv_events: Optional[KVEventPublisher] = None
+        if args.kv_events_endpoint and par.leads_group:  # one publisher per attention group
+            self.tree.events = []
+            self.kv_events = KVEventPublisher(
+                _offset_port(args.kv_events_endpoint, par.dp_rank), _offset_port(args.kv_events_replay_endpoint,
+                                                                                  par.dp_rank),
+                args.kv_events_topic, par.dp_rank if par.dp_attention else None)
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -95,6 +103,12 @@ class Scheduler:
             self.pd.add(req)
         else:
             self.waiting.append(req)
+
+    def publish_kv_events(self) -> None:
+        """Send what the radix cache stored and evicted since the last call (one batch)."""
+        if self.kv_events is not None and self.tree.events:
+            events, self.tree.events = self.tree.events, []
+            self.kv_events.publish(events)
 
     def now(self) -> float:
         return self.clock if self.clock is not None else time.monotonic()
@@ -368,3 +382,11 @@ class Scheduler:
             reason = check_finish(req, self.eos_ids, self.tokenizer, self.context_length)
             if reason is not None:
                 self.finish(req, reason)
+
+
+def _offset_port(endpoint: Optional[str], offset: int) -> Optional[str]:
+    """``tcp://host:port`` with ``port + offset`` (each DP group publishes on its own port)."""
+    if not endpoint or not offset:
+        return endpoint
+    head, _, port = endpoint.rpartition(":")
+    return f"{head}:{int(port) + offset}" if port.isdigit() else endpoint

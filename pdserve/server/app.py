@@ -183,6 +183,14 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
         return http_util.json_response([{"dp_rank": g["dp_rank"], **{k: int(g.get(k, 0)) for k in keys}}
                                         for g in groups])
 
+    @app.get("/kv_events/snapshot")
+    async def kv_events_snapshot() -> Response:
+        """What the radix cache holds, as BlockStored events per DP group, with the seq of the last
+        published batch it reflects (a subscriber that lost events starts again from here)."""
+        if not args.kv_events_endpoint:
+            raise APIError(404, "KV events are off: start the server with --kv-events-endpoint")
+        return http_util.json_response(await control("kv_events_snapshot"))
+
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
         if not await control("flush_cache"):

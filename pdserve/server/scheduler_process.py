@@ -126,6 +126,7 @@ class SchedulerLoop:
             # DP attention: every group steps every iteration (the groups' forwards meet in the MLP)
             stepping = self.scheduler.has_work or self.par.dp_attention
             updated = self.scheduler.step() if stepping else self.scheduler.drain()
+            self.scheduler.publish_kv_events()
             if updated and self.push is not None:
                 self.push.send(m.encode(m.BatchOut(outs=[token_out(r) for r in updated])))
 
@@ -207,6 +208,15 @@ class SchedulerLoop:
             return {**total, "dp": groups} if self.par.dp_attention else total
         if op == "flush_cache":
             return s.tree.reset()
+        if op == "kv_events_snapshot":  # the cache's content, and the seq of the last batch it includes
+            s.publish_kv_events()
+            groups = self.gather_groups({
+                "dp_rank": self.par.dp_rank,
+                "seq": s.kv_events.seq - 1 if s.kv_events else None,
+                "events": [{"type": "BlockStored", "block_hashes": e.block_hashes, "parent_block_hash": e.parent_block_hash,
+                            "token_ids": e.token_ids} for e in s.tree.stored_events()] if s.kv_events else [],
+            })
+            return {"block_size": s.page_size, "groups": groups}
         if op == "integrity":
             if self.world.size == 1:
                 return s.check_integrity()

@@ -49,29 +49,19 @@ def test_pd_across_namespaces_matches_offline_engine(netns_pd, backend, referenc
         assert pools.get("kv_rooms", 0) == 0 and pools.get("kv_dst_claims", 0) == 0, (proc.name, pools)
 
 
-def test_local_backend_between_hosts_is_refused_at_registration(netns_hosts, tiny_llama_path, tmp_path):
-    h = netns_hosts
-    args = [*nx.PD_ARGS, "--disaggregation-transfer-backend", "local"]
-    P = h.prefill("A", "P-local", tiny_llama_path, tmp_path, *args)
-    D = h.decode("B", "D-local", tiny_llama_path, tmp_path, *args)
-    procs = [P, D]
-    try:
-        nx.start_all(procs)
-        R = h.router("C", "R-local", [P], [D.url], tmp_path)
-        procs.append(R)
-        R.start()
-        t0 = time.monotonic()
-        r = httpx.post(R.url + "/generate", timeout=60, json={
-            "input_ids": [5, 6, 7, 8], "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
-        elapsed = nx.since(t0)
-        msg = r.json()["error"]["message"]
-        print(f"SAMPLE local backend across namespaces: HTTP {r.status_code} after {elapsed:.2f}s: {msg}")
-        assert r.status_code == 502, r.text
-        assert "rejected registration" in msg and "one host" in msg, msg
-        assert "--disaggregation-transfer-backend mooncake" in msg and "nixl" in msg, msg
-        assert elapsed < 10  # at registration, not at a timeout
-        assert "rejected decode registration" in P.log_tail(200)
-        for proc in (P, D):
-            proc.wait_idle()
-    finally:
-        nx.stop_all(procs)
+def test_local_backend_between_hosts_is_refused_at_registration(netns_pd):
+    pd = netns_pd("local")
+    P, D, R = pd["prefill"], pd["decode"], pd["router"]
+    t0 = time.monotonic()
+    r = httpx.post(R.url + "/generate", timeout=60, json={
+        "input_ids": [5, 6, 7, 8], "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
+    elapsed = nx.since(t0)
+    msg = r.json()["error"]["message"]
+    print(f"SAMPLE local backend across namespaces: HTTP {r.status_code} after {elapsed:.2f}s: {msg}")
+    assert r.status_code == 502, r.text
+    assert "rejected registration" in msg and "one host" in msg, msg
+    assert "--disaggregation-transfer-backend mooncake" in msg and "nixl" in msg, msg
+    assert elapsed < 10  # at registration, not at a timeout
+    assert "rejected decode registration" in P.log_tail(200)
+    for proc in (P, D):
+        proc.wait_idle()

@@ -205,30 +205,26 @@ def test_cut_decode_link_during_streaming(fx, ref):
 # ---- through the relay: delay, stall, reset ------------------------------------------------------
 
 
-def _gaps(url: str, ids: list[int], n: int) -> tuple[Outcome, float]:
-    """One stream; mean seconds between its token events."""
-    times: list[float] = []
-
-    class Marker:  # call() sets its ``started`` at every token event
-        def set(self) -> None:
-            times.append(time.monotonic())
-
-    o = call(url, body(ids, n, True), True, started=Marker())
-    return o, (times[-1] - times[0]) / max(1, len(times) - 1)
+def _ttft(url: str, ids: list[int], n: int) -> tuple[Outcome, float]:
+    """One stream; seconds from sending it to its first token event."""
+    t0 = time.monotonic()
+    o = call(url, body(ids, n, True), True)
+    return o, (o.t_first or o.t_end) - t0
 
 
 def test_relay_delay_on_the_decode_stream(fx, ref):
     RR, relay = fx["RR"], fx["relay"]
-    ids = prompts(2, 30, seed=101)
-    o_fast, gap_fast = _gaps(RR.url, ids[0], 32)
-    relay.delay(20)
-    o_slow, gap_slow = _gaps(RR.url, ids[1], 32)
+    ids = prompts(6, 30, seed=101)
+    fast = [_ttft(RR.url, x, 16) for x in ids[:3]]
+    relay.delay(20)  # both ways: the request to decode, and every stream chunk back
+    slow = [_ttft(RR.url, x, 16) for x in ids[3:]]
     relay.passthrough()
-    for x, o in zip(ids, (o_fast, o_slow)):
-        assert o.ok and o.output_ids == ref(x, 32), o
-    measured("relay delay 20 ms per chunk: mean gap between token events, without", gap_fast)
-    measured("relay delay 20 ms per chunk: mean gap between token events, with", gap_slow)
-    assert gap_slow > gap_fast + 0.010, (gap_fast, gap_slow)
+    for x, (o, _) in zip(ids, fast + slow):
+        assert o.ok and o.output_ids == ref(x, 16), o
+    t_fast, t_slow = min(t for _, t in fast), min(t for _, t in slow)
+    measured("relay delay 20 ms each way on router->decode: time to first token, without", t_fast)
+    measured("relay delay 20 ms each way on router->decode: time to first token, with", t_slow)
+    assert t_slow > t_fast + 0.035, (t_fast, t_slow)  # at least one delayed request and one delayed reply
     serves_again(fx, ref, RR, seed=102)
 
 

@@ -320,32 +320,50 @@ def netns_hosts():
         hosts.down()
 
 
+# what the namespace suites use; all started together on first use, each skipped if not installed
+NETNS_BACKENDS = ("mooncake", "nixl", "local")
+
+
 @pytest.fixture(scope="session")
 def netns_pd(netns_hosts, tiny_llama_path, tmp_path_factory):
-    """``get(backend)``: prefill in A, decode in B, router in C with that transfer backend, started
-    on first use and kept for the session."""
+    """``get(backend)``: prefill in A, decode in B, router in C with that transfer backend. On the
+    first call the pairs of every ``NETNS_BACKENDS`` entry start at once (startup dominates on a
+    small machine) and stay for the session."""
     from pdserve.disagg.transfer import get_backend
 
     clusters: dict[str, dict] = {}
+    missing: dict[str, str] = {}
     started: list[c.Proc] = []
+    tried: list[bool] = []
 
-    def get(backend: str) -> dict:
-        if backend not in clusters:
+    def start() -> None:
+        h, pairs = netns_hosts, {}
+        for backend in NETNS_BACKENDS:
             try:
                 get_backend(backend)
             except ValueError as e:
-                pytest.skip(str(e))
-            h, logs = netns_hosts, tmp_path_factory.mktemp(f"netns-{backend}")
+                missing[backend] = str(e)
+                continue
+            logs = tmp_path_factory.mktemp(f"netns-{backend}")
             args = [*PD_ARGS, "--disaggregation-transfer-backend", backend]
             env = UCX_ENV if backend == "nixl" else None
-            P = h.prefill("A", f"P-{backend}", tiny_llama_path, logs, *args, env=env)
-            D = h.decode("B", f"D-{backend}", tiny_llama_path, logs, *args, env=env)
-            started.extend([P, D])
-            start_all([P, D])
-            R = h.router("C", f"R-{backend}", [P], [D.url], logs, "--health-check-interval", "1")
-            started.append(R)
-            R.start()
-            clusters[backend] = {"backend": backend, "prefill": P, "decode": D, "router": R, "logs": logs}
+            pairs[backend] = (h.prefill("A", f"P-{backend}", tiny_llama_path, logs, *args, env=env),
+                              h.decode("B", f"D-{backend}", tiny_llama_path, logs, *args, env=env), logs)
+            started.extend(pairs[backend][:2])
+        start_all(started)
+        routers = {b: h.router("C", f"R-{b}", [P], [D.url], logs, "--health-check-interval", "1")
+                   for b, (P, D, logs) in pairs.items()}
+        started.extend(routers.values())
+        start_all(list(routers.values()))
+        for b, (P, D, logs) in pairs.items():
+            clusters[b] = {"backend": b, "prefill": P, "decode": D, "router": routers[b], "logs": logs}
+
+    def get(backend: str) -> dict:
+        if not tried:
+            tried.append(True)
+            start()
+        if backend in missing:
+            pytest.skip(missing[backend])
         return clusters[backend]
 
     try:

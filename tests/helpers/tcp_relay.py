@@ -6,8 +6,8 @@ in a daemon thread. The mode applies to every connection, current and new, and c
 time from the test:
 
 - ``passthrough()``: forward as read;
-- ``delay(ms)``: hold every chunk ``ms`` milliseconds before forwarding it (added latency per
-  read, i.e. per message on a request/response or streaming connection);
+- ``delay(ms)``: forward every chunk ``ms`` milliseconds after it arrived (added one-way
+  latency in both directions, like ``netem delay``; throughput is not limited);
 - ``stall()``: stop forwarding (and reading, so TCP flow control pushes back on the sender) until
   the mode changes: a peer that went silent with its connection still open;
 - ``reset()``: abort every open connection with a TCP RST on both sides (new connections are
@@ -125,21 +125,40 @@ class Relay:
             w.close()
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, counter: str) -> None:
+        """Chunks are read as they come and each is written ``delay`` after it arrived (added
+        latency, like ``netem delay``, not a rate limit); b"" marks the end of the stream."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def read() -> None:
+            data = b""
+            try:
+                while True:
+                    await self._open.wait()
+                    data = await reader.read(65536)
+                    if not data:
+                        break
+                    queue.put_nowait((self._loop.time(), data))
+            except (ConnectionError, OSError):
+                data = b""
+            queue.put_nowait((self._loop.time(), data))
+
+        reading = asyncio.ensure_future(read())
         try:
             while True:
+                arrived, data = await queue.get()
+                wait = arrived + self._delay_s - self._loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
                 await self._open.wait()
-                data = await reader.read(65536)
                 if not data:
                     break
-                if self._delay_s:
-                    await asyncio.sleep(self._delay_s)
-                await self._open.wait()
                 writer.write(data)
                 await writer.drain()
                 self.counts[counter] += len(data)
             if writer in self._conns and writer.can_write_eof():
                 writer.write_eof()
         except (ConnectionError, OSError, RuntimeError):
-            for w in (writer,):
-                if w in self._conns:
-                    w.transport.abort()
+            if writer in self._conns:
+                writer.transport.abort()
+        finally:
+            reading.cancel()
