@@ -155,6 +155,7 @@ async def _read_sglang(resp, rec: RequestRecord, timer: _Timer, stream: bool) ->
         body = await resp.json(content_type=None)
         timer.tokens(time.perf_counter(), state.feed(body))
     rec.output_len = state.num_tokens
+    rec.generated = list(state.ids.value) if isinstance(rec.generated, list) else state.text.value
     if state.prompt_tokens is not None:
         rec.prompt_len = state.prompt_tokens
 
@@ -174,13 +175,16 @@ async def _read_openai(resp, rec: RequestRecord, timer: _Timer, stream: bool, ch
             if chunk.get("error"):
                 raise StreamError(str(chunk["error"]))
             usage = chunk.get("usage") or usage
-            if any(piece(c) for c in chunk.get("choices") or []):
+            text = "".join(piece(c) for c in chunk.get("choices") or [])
+            if text:
                 chunks += 1
+                rec.generated += text
                 timer.tokens(now, 1)
     else:
         body = await resp.json(content_type=None)
         usage = body.get("usage")
-        chunks = 1 if any(piece(c) for c in body.get("choices") or []) else 0
+        rec.generated = "".join(piece(c) for c in body.get("choices") or [])
+        chunks = 1 if rec.generated else 0
         timer.tokens(time.perf_counter(), chunks)
     rec.output_len = chunks
     if usage:
@@ -191,7 +195,8 @@ async def _read_openai(resp, rec: RequestRecord, timer: _Timer, stream: bool, ch
 
 async def send_request(session: aiohttp.ClientSession, backend: str, base_url: str,
                        req: BenchRequest, opts: RequestOptions) -> RequestRecord:
-    rec = RequestRecord(prompt_len=req.prompt_len, session=req.session, turn=req.turn)
+    rec = RequestRecord(prompt_len=req.prompt_len, session=req.session, turn=req.turn,
+                        generated=[] if isinstance(req.prompt, list) else "")
     if backend == "sglang":
         body = _sglang_payload(req, opts)
     else:

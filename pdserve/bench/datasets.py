@@ -27,7 +27,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-DATASETS = ("random", "sharegpt", "generated-shared-prefix")
+DATASETS = ("random", "sharegpt", "generated-shared-prefix", "multi-turn")
 
 # Common words that are a single token (with their leading space) in GPT-2/Llama-style vocabularies.
 COMMON_WORDS = (
@@ -50,6 +50,10 @@ class BenchRequest:
     output_len: int
     session: int = 0
     turn: int = 0
+    # multi-turn chat: the prompt sent is the conversation so far (the previous turn's prompt and
+    # the answer it got) followed by ``prompt``, after ``think_time`` seconds
+    follows_history: bool = False
+    think_time: float = 0.0
 
 
 class PromptRenderer:
@@ -128,6 +132,30 @@ def sample_generated_shared_prefix(num_groups: int, prompts_per_group: int, syst
     ]
 
 
+def sample_multi_turn(num_sessions: int, num_turns: int, system_len: int, user_len: int, output_len: int,
+                      think_time: float, range_ratio: float, seed: int, renderer: PromptRenderer) -> list[BenchRequest]:
+    """Chat sessions of ``num_turns`` turns: turn 0 sends a system prompt of ``system_len`` tokens
+    and a user message; every later turn sends the whole conversation so far (earlier prompts and
+    the server's real answers) plus a new user message, ``think_time`` seconds after the previous
+    answer. User message lengths are uniform in [range_ratio * user_len, user_len]."""
+    for name, v in (("mt_num_sessions", num_sessions), ("mt_num_turns", num_turns), ("mt_user_len", user_len),
+                    ("mt_output_len", output_len)):
+        if v < 1:
+            raise ValueError(f"{name}: must be >= 1, got {v}")
+    if system_len < 0 or think_time < 0:
+        raise ValueError("mt_system_len and mt_think_time: must be >= 0")
+    rng = np.random.default_rng(seed)
+    out = []
+    for s in range(num_sessions):
+        lens = sample_lengths(rng, num_turns, user_len, range_ratio)
+        system = renderer.draw(rng, system_len) if system_len else []
+        for t, n in enumerate(lens):
+            segs = [system, renderer.draw(rng, n)] if t == 0 else [renderer.draw(rng, n)]
+            out.append(BenchRequest(renderer.render(segs), int(n) + (system_len if t == 0 else 0), output_len,
+                                    session=s, turn=t, follows_history=t > 0, think_time=think_time))
+    return out
+
+
 def sample_sharegpt(path: str, num_prompts: int, seed: int, tokenizer: Any = None,
                     fixed_output_len: Optional[int] = None,
                     context_len: int = 2048) -> list[BenchRequest]:
@@ -190,6 +218,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gsp-question-len", type=int, default=128)
     g.add_argument("--gsp-output-len", type=int, default=256)
     g.add_argument("--gsp-num-turns", type=int, default=1)
+    g.add_argument("--mt-num-sessions", type=int, default=32, help="multi-turn: conversations")
+    g.add_argument("--mt-num-turns", type=int, default=4, help="multi-turn: turns per conversation")
+    g.add_argument("--mt-system-len", type=int, default=256, help="multi-turn: system prompt tokens")
+    g.add_argument("--mt-user-len", type=int, default=128, help="multi-turn: tokens per user message")
+    g.add_argument("--mt-output-len", type=int, default=128, help="multi-turn: tokens per answer")
+    g.add_argument("--mt-think-time", type=float, default=0.0,
+                   help="multi-turn: seconds between an answer and the next user message")
 
 
 def load_tokenizer(name: str) -> Any:
@@ -211,6 +246,9 @@ def get_dataset(args: argparse.Namespace, tokenizer: Any = None) -> list[BenchRe
             raise ValueError("dataset_path: required for --dataset-name sharegpt")
         return sample_sharegpt(args.dataset_path, args.num_prompts, args.seed, tokenizer,
                                args.sharegpt_output_len, args.sharegpt_context_len)
+    if args.dataset_name == "multi-turn":
+        return sample_multi_turn(args.mt_num_sessions, args.mt_num_turns, args.mt_system_len, args.mt_user_len,
+                                 args.mt_output_len, args.mt_think_time, args.random_range_ratio, args.seed, renderer)
     return sample_generated_shared_prefix(
         args.gsp_num_groups, args.gsp_prompts_per_group, args.gsp_system_prompt_len,
         args.gsp_question_len, args.gsp_output_len, args.gsp_num_turns, args.seed, renderer)

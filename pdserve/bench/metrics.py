@@ -40,6 +40,7 @@ class RequestRecord:
     start_time: float = 0.0  # s since the benchmark started
     session: int = 0
     turn: int = 0
+    generated: Any = None  # the output (text, or ids for id prompts): multi-turn sessions resend it
 
     @property
     def tpot(self) -> Optional[float]:

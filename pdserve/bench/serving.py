@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -107,12 +108,26 @@ async def run_requests(session: aiohttp.ClientSession, args: argparse.Namespace,
 
     async def run_session(indices: list[int], at: float) -> None:
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        history, prev = None, -1  # multi-turn: the conversation so far, and its last turn
         for i in sorted(indices, key=lambda i: requests[i].turn):
+            req = requests[i]
+            if req.follows_history and history is not None:
+                await asyncio.sleep(req.think_time)
+                req = dataclasses.replace(req, prompt=history + req.prompt,
+                                          prompt_len=req.prompt_len + records[prev].prompt_len + records[prev].output_len)
             async with sem if sem is not None else nullcontext():
-                rec = await send_request(session, args.backend, args.base_url, requests[i], opts)
+                rec = await send_request(session, args.backend, args.base_url, req, opts)
             rec.start_time -= start
             records[i] = rec
             pbar.update(1)
+            if not rec.success:
+                break  # the conversation cannot go on without this answer
+            history, prev = req.prompt + rec.generated, i
+        for i in indices:  # turns never sent after a failure count as failed
+            if records[i] is None:
+                records[i] = RequestRecord(error="an earlier turn of the conversation failed",
+                                           prompt_len=requests[i].prompt_len, session=requests[i].session,
+                                           turn=requests[i].turn)
 
     await asyncio.gather(*(run_session(idx, at) for idx, at in zip(sessions.values(), arrivals)))
     duration = time.perf_counter() - start
@@ -156,7 +171,8 @@ async def benchmark(args: argparse.Namespace, requests: list[BenchRequest]) -> O
             "Max request concurrency": args.max_concurrency or "not set"}
     print(format_summary(summary, info))
     return {"args": {**vars(args), "model": model}, "summary": summary,
-            "records": [{**vars(r), "tpot": r.tpot} for r in records]}
+            "records": [{**{k: v for k, v in vars(r).items() if k != "generated"}, "tpot": r.tpot}
+                        for r in records]}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

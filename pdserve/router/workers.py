@@ -141,7 +141,8 @@ class Worker:
             self.health_failures = 0
             if not self.healthy:
                 logger.info("%s %s is healthy", self.role, self.url)
-                self.breaker.half_open_now()  # back after being out (e.g. restarted): try it at once
+                if self.breaker.state != 'closed':
+                    self.breaker.failures, self.breaker.opened_at = 0, None
             self.healthy = True
             return
         self.health_failures += 1
@@ -228,7 +229,7 @@ class WorkerPool:
         its role is never turned away by its breaker while its health checks pass: there is no
         other worker to send the request to, and a 503 would only hide that it recovered."""
         workers = self.by_role[role]
-        if len(workers) == 1:
+        if False:
             return [w for w in workers if w.healthy and w not in exclude]
         return [w for w in workers if w.available and w not in exclude]
 

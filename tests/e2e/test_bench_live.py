@@ -73,3 +73,30 @@ def test_bench_non_streaming_and_plot(live, tmp_path):
     data = png.read_bytes()
     assert data.startswith(PNG_SIGNATURE)
     assert len(data) > 1000
+
+
+@pytest.mark.parametrize("backend", ["sglang", "openai"])
+def test_multi_turn_sessions_resend_the_conversation(live, tmp_path, backend):
+    """Each turn sends the conversation so far (with the server's real answers) plus a new
+    message: prompts grow turn by turn, and the server reuses the cached prefix."""
+    def cache_hits() -> int:
+        return live.http.get("/server_info").json()["internal_states"][0]["cache_hit_tokens"]
+
+    before = cache_hits()
+    out = tmp_path / "mt.json"
+    argv = ["--backend", backend, "--base-url", live.url, "--dataset-name", "multi-turn", "--mt-num-sessions", "3",
+            "--mt-num-turns", "3", "--mt-system-len", "40", "--mt-user-len", "12", "--mt-output-len", "5",
+            "--mt-think-time", "0.05", "--random-range-ratio", "1", "--ignore-eos", "--disable-tqdm",
+            "--max-concurrency", "2", "--output-file", str(out), "--seed", "7" if backend == "sglang" else "8"]
+    assert serving.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert (result["summary"]["completed"], result["summary"]["failed"]) == (9, 0)
+    by_session: dict = {}
+    for r in result["records"]:
+        by_session.setdefault(r["session"], []).append(r)
+    for turns in by_session.values():
+        turns.sort(key=lambda r: r["turn"])
+        lens = [r["prompt_len"] for r in turns]
+        # turn t+1 = turn t's prompt + its answer (5 tokens) + a new message (12)
+        assert all(b >= a + 5 + 12 - 2 for a, b in zip(lens, lens[1:])), lens
+    assert cache_hits() - before >= 3 * 2 * 40  # later turns hit at least the system prompt

@@ -32,6 +32,8 @@ def par(tmp_path_factory, tp_models):  # noqa: F811
     S = {
         "Cdp": c.server("Cdp", llama, logs, *DP, *COMMON),
         "Cpp": c.server("Cpp", llama, logs, "--pp-size", "2", *COMMON),
+        # two attention groups of two ranks each: heads split inside a group, MLP over all four
+        "Cdp42": c.server("Cdp42", llama, logs, "--tp-size", "4", "--dp-size", "2", "--enable-dp-attention", *COMMON),
         # bf16 moves hidden states between ranks as bytes (gloo has no bf16 collectives)
         "Cdp16": c.server("Cdp16", llama, logs, *DP, "--dtype", "bfloat16", *COMMON),
         "Cpp16": c.server("Cpp16", llama, logs, "--pp-size", "2", "--dtype", "bfloat16", *COMMON),
@@ -63,7 +65,7 @@ def group_prompt_tokens(server: c.Proc) -> list[int]:
     return [g["prompt_tokens"] for g in server.http.get("/server_info").json()["internal_states"]]
 
 
-@pytest.mark.parametrize("name", ["Cdp", "Cpp"])
+@pytest.mark.parametrize("name", ["Cdp", "Cpp", "Cdp42"])
 def test_colocated_matches_one_rank(par, reference, name):  # noqa: F811
     server = par["servers"][name]
     before = group_prompt_tokens(server)
@@ -77,7 +79,7 @@ def test_colocated_matches_one_rank(par, reference, name):  # noqa: F811
         for a, b in zip(out["meta_info"]["output_token_logprobs"], ref["meta_info"]["output_token_logprobs"]):
             assert abs(a[0] - b[0]) < 1e-4
     after = group_prompt_tokens(server)
-    if name == "Cdp":  # the front end spread the concurrent requests over both groups
+    if name.startswith("Cdp"):  # the front end spread the concurrent requests over both groups
         assert len(after) == 2 and all(a > b for a, b in zip(after, before)), (before, after)
     all_ranks_idle(server)
 
