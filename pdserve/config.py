@@ -77,6 +77,8 @@ class ServerArgs:
     disaggregation_transfer_backend: str = "local"
     disaggregation_bootstrap_port: int = 8998
     num_reserved_decode_tokens: int = 512
+    # decode keeps finished requests' KV in its radix cache; prefill sends only the pages it lacks
+    disaggregation_decode_enable_radix_cache: bool = False
     disaggregation_bootstrap_timeout: float = 30.0
     disaggregation_waiting_timeout: float = 30.0
     disaggregation_heartbeat_interval: float = 1.0

@@ -126,8 +126,10 @@ class DecodeQueues:
         if in_flight:
             # also when already Failed: ranks that did not report yet must stop (idempotent)
             st.receiver.abort(req.finish_reason.message if req.finish_reason else "aborted by decode")
-            self.draining.append((st.receiver, req.pages, st.slot))
-            req.pages = []
+            self.draining.append((st.receiver, req.pages[req.num_cached_pages:], st.slot))
+            if req.last_node is not None:  # the cached prefix stays in the tree, unlocked
+                self.s.tree.dec_lock(req.last_node)
+            req.pages, req.num_cached_pages, req.last_node = [], 0, None
         elif st.slot is not None:
             self.slots.free(st.slot)
         req.disagg = None
@@ -187,21 +189,28 @@ class DecodeQueues:
     def _try_prealloc(self, req: Req, need: int) -> bool:
         """Take pages and a metadata slot and ask prefill for the KV; False when out of either."""
         st: _DecodeState = req.disagg
+        # decode prefix cache: the leading full pages this server holds stay (locked) and are not sent;
+        # at least the prompt's last page comes from prefill, with the first token
+        cached, node = self.s.tree.match_prefix(req.input_ids, max_pages=(req.prompt_len - 1) // self.s.page_size)
+        node = node if cached else None
+        if node is not None:
+            self.s.tree.inc_lock(node)
+        need -= len(cached)
         avail = self.s.pool.allocator.num_free() + self.s.tree.evictable_pages()
-        if avail < need + self._reserve_pages():
-            return False  # keep headroom for running decodes; retry next step
-        slot = self.slots.alloc()
-        if slot is None:
-            return False
-        pages = self.s.alloc_pages(need)
-        if pages is None:
-            self.slots.free(slot)
+        slot = self.slots.alloc() if avail >= need + self._reserve_pages() else None
+        pages = self.s.alloc_pages(need) if slot is not None else None
+        if pages is None:  # keep headroom for running decodes; retry next step
+            if slot is not None:
+                self.slots.free(slot)
+            if node is not None:
+                self.s.tree.dec_lock(node)
             return False
         st.slot = slot
-        req.pages = pages
+        req.pages, req.num_cached_pages, req.last_node = list(cached) + pages, len(cached), node
+        self.s.stats["cache_hit_tokens"] += len(cached) * self.s.page_size
         self.meta.clear_row(slot)
         req.mark("preallocated")  # before prefill can hear of it: the timeline stays causal
-        st.receiver.send_metadata(pages, slot)
+        st.receiver.send_metadata(pages, slot, decode_prefix_pages=len(cached))
         self.prealloc.remove(req)
         self.transfer.append(req)
         return True

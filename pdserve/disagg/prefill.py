@@ -45,7 +45,8 @@ OWN_TRANSFER_FAILED_STATUS = 503
 class _PrefillState:
     sender: Any
     slot: Optional[int] = None
-    sent_pages: int = 0
+    sent_pages: int = 0  # pages of the request handled so far (decode's cached prefix included)
+    decode_prefix: int = 0  # leading pages decode already held: not sent
     first_send: Optional[float] = None  # monotonic time of the first chunk handed to the sender
     last_send: Optional[float] = None
 
@@ -183,7 +184,10 @@ class PrefillQueues:
                     break  # every metadata slot is in flight; try again next step
                 st.slot = slot
                 num_pages = (req.prompt_len + self.s.page_size - 1) // self.s.page_size
-                st.sender.init(num_pages, slot)
+                # decode's prefix cache holds the first pages: they are computed (or taken from this
+                # prefill's cache) but not sent
+                st.sent_pages = st.decode_prefix = st.sender.decode_prefix_pages()
+                st.sender.init(num_pages - st.decode_prefix, slot)
                 self.bootstrap.remove(req)
                 req.mark("bootstrapped")
                 self.s.waiting.append(req)
@@ -209,7 +213,8 @@ class PrefillQueues:
         window = now - st.first_send
         self.kv_bytes_sent += nbytes
         self.recent_transfers.append({
-            "rid": req.rid, "room": req.bootstrap_room, "pages": st.sent_pages, "kv_bytes": nbytes,
+            "rid": req.rid, "room": req.bootstrap_room, "pages": st.sent_pages - st.decode_prefix,
+            "decode_prefix_pages": st.decode_prefix, "kv_bytes": nbytes,
             "descriptors": descriptors, "window_s": window, "after_last_chunk_s": now - st.last_send,
             "gb_per_s": nbytes / window / 1e9 if window > 0 else None,
         })

@@ -28,8 +28,8 @@ def attach_disaggregation(args: ServerArgs, tokenizer=None, par: Parallel = SING
 
     mode, backend = args.disaggregation_mode, args.disaggregation_transfer_backend
     allocator = buffer_allocator(backend, mode)
-    if mode == "decode" and not args.disable_radix_cache:
-        # decode never prefills a bootstrapped request, so a prefix tree would only hold pages
+    if mode == "decode" and not args.disaggregation_decode_enable_radix_cache:
+        # without the decode prefix cache a tree would only hold pages nobody reuses
         args.disable_radix_cache = True
     scheduler = Scheduler(args, tokenizer, kv_allocator=allocator, par=par)
     metadata = MetadataBuffers(num_metadata_slots(args), allocator=allocator, device=scheduler.runner.device)

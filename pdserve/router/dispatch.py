@@ -44,8 +44,7 @@ logger = logging.getLogger(__name__)
 
 BLAME_GRACE_S = 0.5  # how long one leg's error waits for the other leg's answer to tell whose fault it was
 _NOT_FORWARDED = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "te", "trailer",
-                  "upgrade", "proxy-connection", "expect", "accept-encoding", "content-type",
-                  "authorization"}  # the router's key stays here; workers get --worker-api-key
+                  "upgrade", "proxy-connection", "expect", "accept-encoding", "content-type"}
 
 
 def error_response(status: int, message: str) -> JSONResponse:
@@ -151,6 +150,8 @@ class Dispatcher:
 
     def make_call(self, request: Request, path: str, raw: bytes, body: dict) -> Call:
         headers = {k: v for k, v in request.headers.items() if k not in _NOT_FORWARDED}
+        if self.args.worker_api_key:  # the client's key is for the router; workers get the router's
+            headers.pop("authorization", None)
         headers.update({"content-type": "application/json", "accept-encoding": "identity"})
         pd = bool(self.pool.by_role[PREFILL])
         items = protocol.item_count(path, body) if pd else None

@@ -26,7 +26,7 @@ _TIMEOUTS = (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout)
 PEER_FAILED = 502  # a pdserve PD server's "my peer (the other leg) failed"
 # errors that mean the worker's process is gone: the connection was refused, or closed in the
 # middle of a request (a killed server); a timeout is not one of them
-WORKER_GONE = (httpx.ConnectError,)
+WORKER_GONE = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 
 
 @dataclass

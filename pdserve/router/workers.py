@@ -14,6 +14,7 @@ counts as 1), the group is the least loaded one, ties (and no load known) taken 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from urllib.parse import urlsplit
@@ -141,8 +142,7 @@ class Worker:
             self.health_failures = 0
             if not self.healthy:
                 logger.info("%s %s is healthy", self.role, self.url)
-                if self.breaker.state != 'closed':
-                    self.breaker.failures, self.breaker.opened_at = 0, None
+                self.breaker.half_open_now()  # back after being out (e.g. restarted): try it at once
             self.healthy = True
             return
         self.health_failures += 1
@@ -214,6 +214,7 @@ class WorkerPool:
         }
         self.client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task] = []
+        self._worker_out = asyncio.Event()  # set when a request found a worker gone: recheck soon
 
     @property
     def workers(self) -> list[Worker]:
@@ -229,7 +230,7 @@ class WorkerPool:
         its role is never turned away by its breaker while its health checks pass: there is no
         other worker to send the request to, and a 503 would only hide that it recovered."""
         workers = self.by_role[role]
-        if False:
+        if len(workers) == 1:
             return [w for w in workers if w.healthy and w not in exclude]
         return [w for w in workers if w.available and w not in exclude]
 
@@ -244,6 +245,7 @@ class WorkerPool:
         if worker.healthy:
             logger.warning("%s %s unreachable, marking unhealthy: %r", worker.role, worker.url, error)
         worker.healthy = False
+        self._worker_out.set()
 
     # ------------------------------------------------------------------ background loops
     async def start(self) -> None:
@@ -270,7 +272,9 @@ class WorkerPool:
             interval = self.args.health_check_interval
             if not all(w.healthy for w in self.workers):
                 interval = min(interval, 1.0)
-            await asyncio.sleep(interval)
+            with contextlib.suppress(asyncio.TimeoutError):  # a worker taken out by a request ends the wait
+                await asyncio.wait_for(self._worker_out.wait(), interval)
+            self._worker_out.clear()
             await self.check_health()
 
     async def _load_loop(self) -> None:

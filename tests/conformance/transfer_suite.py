@@ -32,9 +32,12 @@ PAGE_SIZE = 4
 
 
 def room_spec(room: int, src: list[int], dst: list[int], chunks: list[int], prefill: str = "send",
-              decode: str = "normal") -> dict[str, Any]:
-    assert len(src) == len(dst) == sum(chunks)
-    return {"room": room, "src": src, "dst": dst, "chunks": chunks, "prefill": prefill, "decode": decode}
+              decode: str = "normal", prefix: int = 0) -> dict[str, Any]:
+    """``prefix``: decode already holds the first ``prefix`` pages (``dst[:prefix]``, its cached
+    prefix): it asks for the rest only, and prefill sends ``src[prefix:]``."""
+    assert len(src) == len(dst) and sum(chunks) == len(src) - prefix
+    return {"room": room, "src": src, "dst": dst, "chunks": chunks, "prefill": prefill, "decode": decode,
+            "prefix": prefix}
 
 
 def expected_row(room: int) -> dict[str, Any]:
@@ -87,7 +90,7 @@ def prefill_main(cfg: dict[str, Any], out, stop) -> None:
     raw = pool.buffer.view(-1).view(torch.uint8)
     raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
     rooms = [r for r in cfg["rooms"] if r["prefill"] != "absent"]
-    out.put(("expected", {r["room"]: _page_bytes(pool, r["src"]) for r in rooms}))
+    out.put(("expected", {r["room"]: _page_bytes(pool, r["src"][r["prefix"]:]) for r in rooms}))
 
     kv_args = KVArgs.from_buffers(pool, meta, model_fingerprint=cfg.get("prefill_fingerprint", "tiny"))
     mgr = KVManager(kv_args, "prefill", args, cfg["backend"], bootstrap_host="127.0.0.1")
@@ -106,7 +109,8 @@ def prefill_main(cfg: dict[str, Any], out, stop) -> None:
         for room, p in list(pending.items()):  # chunk_delay > 0: one chunk every chunk_delay seconds
             while p[0] and now >= p[2]:
                 n = p[0].pop(0)
-                senders[room].send(spec_of[room]["src"][p[1]:p[1] + n], last_chunk=not p[0])
+                src = spec_of[room]["src"][spec_of[room]["prefix"]:]  # decode holds the prefix
+                senders[room].send(src[p[1]:p[1] + n], last_chunk=not p[0])
                 p[1], p[2] = p[1] + n, now + chunk_delay
                 if chunk_delay:
                     out.put(("sent_chunk", room))
@@ -126,8 +130,8 @@ def prefill_main(cfg: dict[str, Any], out, stop) -> None:
                     continue
                 started.add(room)
                 s, slot = senders[room], slots.alloc()
-                assert s.decode_prefix_pages() == 0
-                s.init(len(r["src"]), slot)
+                assert s.decode_prefix_pages() == r["prefix"]
+                s.init(len(r["src"]) - r["prefix"], slot)
                 row = expected_row(room)
                 meta.set_row(slot, room, row["first_token"], row["logprob"], row["top_logprobs"],
                              row["cached_tokens"])
@@ -180,6 +184,8 @@ def decode_main(cfg: dict[str, Any], out, stop) -> None:
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
+    # decode's cached prefix pages: the transfer must leave them as they are
+    prefix_before = {r["room"]: _page_bytes(pool, r["dst"][:r["prefix"]]) for r in cfg["rooms"] if r["prefix"]}
     while time.monotonic() < deadline:
         states = {room: rv.poll() for room, rv in recvs.items()}
         if all(st in terminal for st in states.values()):
@@ -188,7 +194,7 @@ def decode_main(cfg: dict[str, Any], out, stop) -> None:
             room = r["room"]
             if states[room] == KVPoll.WaitingForInput and room not in slot_of:
                 slot_of[room] = slots.alloc()
-                recvs[room].send_metadata(r["dst"], slot_of[room])
+                recvs[room].send_metadata(r["dst"][r["prefix"]:], slot_of[room], decode_prefix_pages=r["prefix"])
                 if r["decode"] == "abort":
                     recvs[room].abort("test abort")
                 # requested and not finished as of the snapshot taken before this pass
@@ -206,7 +212,9 @@ def decode_main(cfg: dict[str, Any], out, stop) -> None:
         item = {"state": int(st), "reason": rv.failure_reason(), "drained": rv.writes_drained()}
         if st == KVPoll.Success:
             row = meta.get_row(slot_of[room])
-            item["bytes"] = _page_bytes(pool, r["dst"])
+            item["bytes"] = _page_bytes(pool, r["dst"][r["prefix"]:])
+            if r["prefix"]:
+                item["prefix_untouched"] = _page_bytes(pool, r["dst"][:r["prefix"]]) == prefix_before[room]
             item["row"] = {"room": row.room, "first_token": row.first_token, "logprob": row.logprob,
                            "top_logprobs": row.top_logprobs, "cached_tokens": row.cached_tokens}
             item["row_room_ok"] = meta.row_room(slot_of[room]) == room
@@ -237,7 +245,7 @@ class Run:
     def __init__(self, backend: str, rooms: list[dict], **cfg: Any):
         self.cfg = {"backend": backend, "port": free_port(), "rooms": rooms, "seed": 1234,
                     "prefill_page_size": PAGE_SIZE, "decode_page_size": PAGE_SIZE,
-                    "prefill_pages": 128, "decode_pages": 192, **cfg}
+                    "prefill_pages": 128, "decode_pages": 200, **cfg}
         ctx = mp.get_context("spawn")
         self.out_p, self.out_d = ctx.Queue(), ctx.Queue()
         self.stop = ctx.Event()
@@ -295,6 +303,7 @@ def protocol_rooms() -> list[dict]:
         room_spec(103, [60, 3, 45, 46, 9], list(range(60, 65)), [5]),  # contiguous dst only
         room_spec(104, [70, 69, 68, 1, 2], [90, 80, 81, 100, 99], [1, 1, 3]),  # neither, reversed
         room_spec(2**63 - 1, [127], [191], [1]),  # single page, largest room id
+        room_spec(105, list(range(110, 117)), list(range(192, 199)), [2, 1], prefix=4),  # decode holds 4 pages
     ]
     free = list(range(101, 191))
     for i in range(32):  # 32 more rooms, all in flight together
@@ -332,8 +341,15 @@ def _check_room(res, room):
 
 
 def test_pages_and_aux_byte_exact(protocol_run):
-    for room in (101, 102, 103, 104, 2**63 - 1):
+    for room in (101, 102, 103, 104, 105, 2**63 - 1):
         _check_room(protocol_run, room)
+
+
+def test_decode_prefix_pages_are_not_sent(protocol_run):
+    """Decode already holds the first pages (its prefix cache): prefill writes only the rest,
+    page i of what it sends into decode's i-th requested page, and the prefix stays untouched."""
+    got = protocol_run["decode"]["rooms"][105]
+    assert got["state"] == SUCCESS and got["prefix_untouched"], got["reason"]
     assert all(st == SUCCESS for st, _ in protocol_run["prefill_final"].values())
 
 

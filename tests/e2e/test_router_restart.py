@@ -64,8 +64,10 @@ def test_only_prefill_killed_and_restarted_under_load(tmp_path_factory, tiny_lla
             s.start(wait=False)
         for s in (P, D):
             s.wait_ready()
-        # a breaker that opens after two failed legs, with the default cooldown
-        R = c.router("RR", [P], [D], logs, "--cb-failure-threshold", "2", "--cb-cooldown", str(COOLDOWN_S))
+        # A breaker that opens after two failed legs, with the default cooldown; health checks far
+        # apart, so that they cannot notice the outage by themselves (as with a quick restart).
+        R = c.router("RR", [P], [D], logs, "--cb-failure-threshold", "2", "--cb-cooldown", str(COOLDOWN_S),
+                     "--health-check-interval", "120")
         procs.append(R.start())
         load = Load(R.url)
         c.wait_for(lambda: len(load.ok_after(0)) >= 6, 60, "requests to succeed before the kill")

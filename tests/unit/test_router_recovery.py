@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.router.args import RouterArgs, parse_args
 from pdserve.router.workers import CircuitBreaker
-from tests.helpers.fake_workers import FakeCluster
+from tests.helpers.fake_workers import FakeCluster, wait_until
 from tests.unit.test_router import GEN, RunningRouter
 
 
@@ -50,10 +50,15 @@ def test_connection_closed_mid_request_takes_the_worker_out(pd, make_router):
     d0.die_mid_stream = True
     # health checks far apart: only the broken request can have taken decode0 out
     r = make_router([p0], [d0], health_check_interval=30, cb_failure_threshold=0)
+    d0.health_status = 503  # as a restarting server would answer; the health loop is asleep for 30 s
     resp = r.client.post("/generate", json={**GEN, "stream": True})
     assert resp.status_code == 200 and b"decode stream broke" in resp.content
     assert not r.worker(d0.url).healthy
     assert r.client.get("/health").status_code == 503
+    # taken out by a request, it is checked again within about a second, not after 30 s
+    d0.die_mid_stream, d0.health_status = False, 200
+    wait_until(lambda: r.worker(d0.url).healthy, timeout=5, what="decode0 back")
+    assert r.client.post("/generate", json=GEN).status_code == 200
 
 
 def test_the_only_worker_of_a_role_is_not_turned_away_by_its_breaker(pd, make_router):
