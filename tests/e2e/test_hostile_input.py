@@ -73,6 +73,7 @@ CASES = [
     ("seed 2**70", "/generate", {"text": "a", "sampling_params": {"seed": 2**70, "max_new_tokens": 2}}, ["seed"]),
     ("seed 2**70 (completions)", "/v1/completions", {"prompt": "a", "seed": 2**70, "max_tokens": 2}, ["seed"]),
     ("seed 2**70 (chat)", "/v1/chat/completions", {"messages": MSGS, "seed": 2**70, "max_tokens": 2}, ["seed"]),
+    ("seed 2**63 (past the router, not the server)", "/v1/completions", {"prompt": "a", "seed": 2**63}, ["seed"]),
     ("seed below int64", "/generate", {"text": "a", "sampling_params": {"seed": -(2**63) - 1}}, ["seed"]),
     ("max_new_tokens 2**64", "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2**64 - 1}},
      ["max_new_tokens"]),
@@ -174,9 +175,10 @@ def bodies(draw) -> tuple[str, dict]:
         sampling["max_new_tokens"] = draw(_count(st.integers(0, 4)))
         if "min_tokens" in sampling:
             sampling["min_new_tokens"] = sampling.pop("min_tokens")
-        prompt = draw(st.one_of(
-            st.fixed_dictionaries({"text": _sometimes_junk(st.one_of(PROMPT, st.lists(PROMPT, min_size=1, max_size=3)))}),
-            st.fixed_dictionaries({"input_ids": _sometimes_junk(st.one_of(IDS, st.lists(IDS, min_size=1, max_size=3)))})))
+        texts = st.one_of(PROMPT, st.lists(PROMPT, min_size=1, max_size=3))
+        ids = st.one_of(IDS, st.lists(IDS, min_size=1, max_size=3))
+        prompt = draw(st.one_of(st.fixed_dictionaries({"text": _sometimes_junk(texts)}),
+                                st.fixed_dictionaries({"input_ids": _sometimes_junk(ids)})))
         body = {**prompt, "sampling_params": draw(_sometimes_junk(st.just(sampling))),
                 **draw(some_of({**common, "return_logprob": _sometimes_junk(st.booleans()),
                                 "logprob_start_len": _sometimes_junk(st.integers(-1, 3)),

@@ -43,6 +43,11 @@ def test_launch_serves_and_stops_everything(tiny_llama_path, tmp_path):
                                                                                     "temperature": 0}}, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["meta_info"]["completion_tokens"] == 4
+        prefill = httpx.get(url + "/server_info", timeout=60).json()["prefill"][0]
+        assert prefill["server_info"]["disaggregation_secret"] == "***"  # launch gave its servers one
+        lookup = httpx.get(f"http://127.0.0.1:{prefill['bootstrap_port']}/route?prefill_dp_rank=-1&target_tp_rank=-1"
+                           "&target_pp_rank=-1", timeout=10)
+        assert lookup.status_code == 401  # unsigned bootstrap look-ups are refused
         descendants = _tree(proc.pid)
         assert len(descendants) >= 5  # 2 front ends + 2 schedulers + router
     finally:

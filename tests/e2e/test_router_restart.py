@@ -80,7 +80,7 @@ def test_only_prefill_killed_and_restarted_under_load(tmp_path_factory, tiny_lla
         P.wait_ready()
         healthy = time.monotonic()
 
-        c.wait_for(lambda: load.ok_after(healthy), RECOVERY_LIMIT_S, "a request to succeed after the prefill is healthy")
+        c.wait_for(lambda: load.ok_after(healthy), RECOVERY_LIMIT_S, "a success after the prefill is healthy")
         first = min(load.ok_after(healthy), key=lambda r: r[1])
         assert first[1] - healthy < RECOVERY_LIMIT_S < COOLDOWN_S
         # and from then on it keeps serving: the last requests all succeed
