@@ -232,7 +232,8 @@ class FakeWorker:
         if self.role == "decode":
             rooms = _as_list(body.get("bootstrap_room"))
             ok = await self.cluster.wait_rooms(rooms, self.room_timeout)
-            if not ok:
+            if not ok:  # a real decode notices at its next poll, after prefill has answered
+                await asyncio.sleep(0.05)
                 return self._error(rec, 500, "KV transfer failed: prefill failed or timed out")
         if self.fail_status is not None:
             return self._error(rec, self.fail_status, f"{self.name} injected failure")
