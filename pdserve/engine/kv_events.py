@@ -83,6 +83,14 @@ def chain_hashes(parent: Optional[int], tokens, page_size: int) -> list[int]:
     return out
 
 
+def offset_port(endpoint: Optional[str], offset: int) -> Optional[str]:
+    """``tcp://host:port`` with ``port + offset`` (each DP group publishes on its own port)."""
+    if not endpoint or not offset:
+        return endpoint
+    head, _, port = endpoint.rpartition(":")
+    return f"{head}:{int(port) + offset}" if port.isdigit() else endpoint
+
+
 class KVEventPublisher:
     """Publishes batches of events (one per scheduler step that changed the cache)."""
 

@@ -22,7 +22,7 @@ from pdserve.config import ServerArgs
 from pdserve.distributed import SINGLE_RANK, Parallel
 from pdserve.engine import dp_attention
 from pdserve.engine import logprobs as lp
-from pdserve.engine.kv_events import KVEventPublisher
+from pdserve.engine.kv_events import KVEventPublisher, offset_port
 from pdserve.engine.kv_pool import BufferAllocator, default_allocator
 from pdserve.engine.pd_queues import PDQueues
 from pdserve.engine.model_runner import ModelRunner
@@ -50,10 +50,9 @@ class Scheduler:
         self.kv_events: Optional[KVEventPublisher] = None
         if args.kv_events_endpoint and par.leads_group:  # one publisher per attention group
             self.tree.events = []
-            self.kv_events = KVEventPublisher(
-                _offset_port(args.kv_events_endpoint, par.dp_rank), _offset_port(args.kv_events_replay_endpoint,
-                                                                                  par.dp_rank),
-                args.kv_events_topic, par.dp_rank if par.dp_attention else None)
+            endpoints = (offset_port(e, par.dp_rank) for e in (args.kv_events_endpoint, args.kv_events_replay_endpoint))
+            self.kv_events = KVEventPublisher(*endpoints, args.kv_events_topic,
+                                              par.dp_rank if par.dp_attention else None)
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -382,11 +381,3 @@ class Scheduler:
             reason = check_finish(req, self.eos_ids, self.tokenizer, self.context_length)
             if reason is not None:
                 self.finish(req, reason)
-
-
-def _offset_port(endpoint: Optional[str], offset: int) -> Optional[str]:
-    """``tcp://host:port`` with ``port + offset`` (each DP group publishes on its own port)."""
-    if not endpoint or not offset:
-        return endpoint
-    head, _, port = endpoint.rpartition(":")
-    return f"{head}:{int(port) + offset}" if port.isdigit() else endpoint

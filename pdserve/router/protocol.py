@@ -214,8 +214,9 @@ def merge_logprobs_json(decode_raw: bytes, p_items: list[dict]) -> bytes | None:
     return json.dumps(out, ensure_ascii=False).encode()
 
 
-def merge_logprobs_event(event: bytes, p_items: list[dict], total: int) -> bytes:
-    """One SSE event (ending in a blank line) with prefill's input logprobs merged in."""
+def rewrite_event_objects(event: bytes, edit: Callable[[dict], bool]) -> bytes:
+    """One SSE event with ``edit`` applied to each JSON object of its ``data:`` lines; a line is
+    re-serialised only when ``edit`` returns True (the event is returned as it was otherwise)."""
     lines = event.split(b"\n")
     changed = False
     for k, line in enumerate(lines):
@@ -225,12 +226,20 @@ def merge_logprobs_event(event: bytes, p_items: list[dict], total: int) -> bytes
             obj = json.loads(line[5:])
         except ValueError:
             continue
-        index = obj.get("index", 0) if isinstance(obj, dict) else 0
-        if isinstance(obj, dict) and _merge_item(obj, _prefill_for(index if isinstance(index, int) else 0,
-                                                                   total, p_items)):
+        if isinstance(obj, dict) and edit(obj):
             lines[k] = b"data: " + json.dumps(obj, ensure_ascii=False).encode()
             changed = True
     return b"\n".join(lines) if changed else event
+
+
+def merge_logprobs_event(event: bytes, p_items: list[dict], total: int) -> bytes:
+    """One SSE event (ending in a blank line) with prefill's input logprobs merged in."""
+
+    def edit(obj: dict) -> bool:
+        index = obj.get("index", 0)
+        return _merge_item(obj, _prefill_for(index if isinstance(index, int) else 0, total, p_items))
+
+    return rewrite_event_objects(event, edit)
 
 
 def first_event_error(chunk: bytes) -> tuple[int, bytes] | None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 from typing import Any, Iterator, Mapping, Optional
 
+from pdserve.router.protocol import rewrite_event_objects
+
 HEADER = "x-pdserve-timeline"  # the servers read the same header
 SCOPE_KEY = "pdserve.timeline"  # the request's events, in its ASGI scope
 
@@ -98,23 +100,13 @@ def merge_event(event: bytes, p_items: Optional[list[dict]], total: int, events:
     """One SSE event with the timeline of the output it finishes merged."""
     p_timelines = prefill_timelines(p_items)
     total = max(total, len(p_timelines))
-    lines = event.split(b"\n")
-    changed = False
-    for k, line in enumerate(lines):
-        if not line.startswith(b"data:") or line[5:].strip() in (b"", b"[DONE]"):
-            continue
-        try:
-            obj = json.loads(line[5:])
-        except ValueError:
-            continue
-        if not isinstance(obj, dict):
-            continue
+
+    def edit(obj: dict) -> bool:
         done = False
         for h in _holders(obj):
             owner = h if "index" in h else obj  # a /generate event's index is on the item
             index = owner.get("index", 0) if isinstance(owner.get("index", 0), int) else 0
             done = _merge(h, index, total, p_timelines, events) or done
-        if done:
-            lines[k] = b"data: " + json.dumps(obj, ensure_ascii=False).encode()
-            changed = True
-    return b"\n".join(lines) if changed else event
+        return done
+
+    return rewrite_event_objects(event, edit)

@@ -57,27 +57,6 @@ class RunningRouter:
         self.server.stop()
 
 
-@pytest.fixture
-def make_router():
-    routers = []
-
-    def make(prefill=(), decode=(), worker=(), wait=True, **kw) -> RunningRouter:
-        kw.setdefault("health_check_interval", 0.2)
-        kw.setdefault("health_failure_threshold", 1)
-        kw.setdefault("load_poll_interval", 0.05)
-        args = RouterArgs(prefill=[(p.url, p.bootstrap_port) for p in prefill], decode=[d.url for d in decode],
-                          worker=[w.url for w in worker], **kw)
-        r = RunningRouter(args)
-        routers.append(r)
-        if wait:
-            r.wait_ready()
-        return r
-
-    yield make
-    for r in routers:
-        r.stop()
-
-
 def gen_requests(*workers):
     return [r for w in workers for r in w.generation_requests()]
 

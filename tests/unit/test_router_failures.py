@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.router.args import RouterArgs
 from tests.helpers.fake_workers import FakeCluster, wait_until
-from tests.unit.test_router import GEN, RunningRouter, sse_events
+from tests.unit.test_router import GEN, sse_events
 
 
 @pytest.fixture(scope="module")
@@ -24,23 +23,6 @@ def pd(workers):
     for w in workers.workers:
         w.reset()
     return tuple(workers.workers)
-
-
-@pytest.fixture
-def make_router():
-    routers = []
-
-    def make(prefill, decode, **kw) -> RunningRouter:
-        kw = {"health_check_interval": 0.2, "health_failure_threshold": 1, **kw}
-        r = RunningRouter(RouterArgs(prefill=[(p.url, p.bootstrap_port) for p in prefill],
-                                     decode=[d.url for d in decode], **kw))
-        routers.append(r)
-        r.wait_ready()
-        return r
-
-    yield make
-    for r in routers:
-        r.stop()
 
 
 def test_stream_whose_first_event_is_an_error_is_retried_on_another_decode(pd, make_router):

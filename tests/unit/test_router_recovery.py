@@ -9,7 +9,7 @@ import pytest
 from pdserve.router.args import RouterArgs, parse_args
 from pdserve.router.workers import CircuitBreaker
 from tests.helpers.fake_workers import FakeCluster, wait_until
-from tests.unit.test_router import GEN, RunningRouter
+from tests.unit.test_router import GEN
 
 
 @pytest.fixture(scope="module")
@@ -26,23 +26,6 @@ def pd(workers):
     for w in workers.workers:
         w.reset()
     return tuple(workers.workers)
-
-
-@pytest.fixture
-def make_router():
-    routers = []
-
-    def make(prefill, decode, **kw) -> RunningRouter:
-        kw = {"health_check_interval": 0.2, "health_failure_threshold": 1, **kw}
-        r = RunningRouter(RouterArgs(prefill=[(p.url, p.bootstrap_port) for p in prefill],
-                                     decode=[d.url for d in decode], **kw))
-        routers.append(r)
-        r.wait_ready()
-        return r
-
-    yield make
-    for r in routers:
-        r.stop()
 
 
 def test_connection_closed_mid_request_takes_the_worker_out(pd, make_router):

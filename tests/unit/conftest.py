@@ -1,0 +1,29 @@
+"""Fixtures shared by the router tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.router.args import RouterArgs
+from tests.unit.test_router import RunningRouter
+
+
+@pytest.fixture
+def make_router():
+    routers = []
+
+    def make(prefill=(), decode=(), worker=(), wait=True, **kw) -> RunningRouter:
+        kw.setdefault("health_check_interval", 0.2)
+        kw.setdefault("health_failure_threshold", 1)
+        kw.setdefault("load_poll_interval", 0.05)
+        args = RouterArgs(prefill=[(p.url, p.bootstrap_port) for p in prefill], decode=[d.url for d in decode],
+                          worker=[w.url for w in worker], **kw)
+        r = RunningRouter(args)
+        routers.append(r)
+        if wait:
+            r.wait_ready()
+        return r
+
+    yield make
+    for r in routers:
+        r.stop()
