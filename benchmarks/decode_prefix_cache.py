@@ -43,10 +43,7 @@ def run(setup: str, model: str, logs: Path, a) -> dict:
     D = pinned(f"D-{setup}", model, logs, "1", "--disaggregation-mode", "decode", *extra)
     R = None
     try:
-        for s in (P, D):
-            s.start(wait=False)
-        for s in (P, D):
-            s.wait_ready()
+        c.start_all((P, D))
         R = c.router(f"R-{setup}", [P], [D], logs).start()
         out = logs / f"{setup.replace(' ', '_')}.json"
         argv = ["--backend", "openai", "--base-url", R.url, "--model", "demo", "--tokenizer", model,

@@ -132,10 +132,7 @@ def main() -> None:
         D = pinned("D2", a.model_path, logs, a.cores, 2, "--disaggregation-mode", "decode")
         R = None
         try:
-            for s in (P, D):
-                s.start(wait=False)
-            for s in (P, D):
-                s.wait_ready()
+            c.start_all((P, D))
             R = c.router("R", [P], [D], logs).start()
             print(f"== transfer tp{p_tp} -> tp2 ({time.strftime('%H:%M:%S')})", file=sys.stderr)
             result["transfer"][f"tp{p_tp}->tp2"] = transfer(R, P, a.transfer_len, a.transfer_reps)

@@ -28,10 +28,7 @@ def keyed(tmp_path_factory, tiny_llama_path):
     for s in procs:  # what the tests' own checks (wait_idle) send
         s.http.headers["Authorization"] = f"Bearer {WORKER_KEY}"
     try:
-        for s in (P, D):
-            s.start(wait=False)
-        for s in (P, D):
-            s.wait_ready()  # /health needs no key
+        c.start_all((P, D))  # /health needs no key
         R = c.router("KR", [P], [D], logs, "--api-key", ROUTER_KEY, "--worker-api-key", WORKER_KEY,
                      "--policy", "least_load")  # least_load: the router polls /get_load with the key
         procs.append(R.start())

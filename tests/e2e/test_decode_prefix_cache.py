@@ -23,10 +23,7 @@ def pd_cached(tmp_path_factory, tiny_llama_path):
     D = c.decode("Ddc", tiny_llama_path, logs, "--disaggregation-decode-enable-radix-cache", *COMMON)
     R = None
     try:
-        for s in (P, D):
-            s.start(wait=False)
-        for s in (P, D):
-            s.wait_ready()
+        c.start_all((P, D))
         R = c.router("Rdc", [P], [D], logs).start()
         yield P, D, R
     finally:

@@ -44,10 +44,7 @@ def par(tmp_path_factory, tp_models):  # noqa: F811
         "Ddp": c.decode("Ddp", llama, logs, *DP, *COMMON),
     }
     try:
-        for s in S.values():
-            s.start(wait=False)
-        for s in S.values():
-            s.wait_ready()
+        c.start_all(S.values())
         routers = {"pp2->1": c.router("Rpp", [S["Ppp"]], [S["D1"]], logs),
                    "1->dp": c.router("R1dp", [S["P1"]], [S["Ddp"]], logs),
                    "dp->dp": c.router("Rdpdp", [S["Pdp"]], [S["Ddp"]], logs),
@@ -165,10 +162,7 @@ def test_fault_in_one_prefill_group_leaves_the_other_alone(tmp_path, tp_models):
                      "1", "--disaggregation-fault-mode", "fail_transfer", *COMMON)
     D = c.decode("Df", llama, tmp_path, *DP, *COMMON)
     try:
-        for s in (P, D):
-            s.start(wait=False)
-        for s in (P, D):
-            s.wait_ready()
+        c.start_all((P, D))
 
         def run(group: int, hint: bool) -> tuple[int, str, int, str]:
             room = random.randrange(2**63)

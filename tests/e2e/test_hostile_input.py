@@ -45,10 +45,7 @@ def pd_router(tmp_path_factory, tiny_llama_path):
     D = c.decode("HD", tiny_llama_path, logs, *common)
     procs = [P, D]
     try:
-        for s in (P, D):
-            s.start(wait=False)
-        for s in (P, D):
-            s.wait_ready()
+        c.start_all((P, D))
         R = c.router("HR", [P], [D], logs)
         procs.append(R.start())
         yield Front("router", R.url, [P, D])

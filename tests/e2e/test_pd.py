@@ -45,10 +45,7 @@ def pd(tmp_path_factory, tiny_llama_path):
     DX = c.decode("DX", other_model, logs, *p16)
     servers = [P1, P2, P1b, D1, D2, D1b, DX]
     try:
-        for s in servers:
-            s.start(wait=False)
-        for s in servers:
-            s.wait_ready()
+        c.start_all(servers)
         routers = {
             "1p1d": c.router("R11", [P1], [D1], logs),
             "1p2d": c.router("R12", [P1], [D1, D2], logs, "--policy", "round_robin"),

@@ -33,10 +33,7 @@ def pd_cluster(request, tmp_path_factory, tiny_llama_path):
     D = c.decode(f"D-{backend}", tiny_llama_path, logs, *args)
     procs = [P, D]
     try:
-        for s in (P, D):
-            s.start(wait=False)
-        for s in (P, D):
-            s.wait_ready()
+        c.start_all((P, D))
         R = c.router(f"R-{backend}", [P], [D], logs)
         procs.append(R)
         R.start()
@@ -82,10 +79,7 @@ def test_nixl_completion_notice_completes_rooms_without_status(tmp_path, tiny_ll
     D = c.decode("D-nixl-notify", tiny_llama_path, tmp_path, *args)
     R = c.router("R-nixl-notify", [P], [D], tmp_path)
     try:
-        for s in (P, D):
-            s.start(wait=False)
-        for s in (P, D):
-            s.wait_ready()
+        c.start_all((P, D))
         R.start()
         for ids in mixed_prompts(6, seed=11, max_len=300):
             assert_same(generate(R.url, ids, stream=False), reference(ids))

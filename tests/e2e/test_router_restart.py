@@ -60,10 +60,7 @@ def test_only_prefill_killed_and_restarted_under_load(tmp_path_factory, tiny_lla
     procs = [P, D]
     load = None
     try:
-        for s in (P, D):
-            s.start(wait=False)
-        for s in (P, D):
-            s.wait_ready()
+        c.start_all((P, D))
         # A breaker that opens after two failed legs, with the default cooldown; health checks far
         # apart, so that they cannot notice the outage by themselves (as with a quick restart).
         R = c.router("RR", [P], [D], logs, "--cb-failure-threshold", "2", "--cb-cooldown", str(COOLDOWN_S),

@@ -95,10 +95,7 @@ def tp(tmp_path_factory, tp_models):
         "D2": c.decode("D2", llama, logs, "--tp-size", "2", *COMMON),
     }
     try:
-        for s in S.values():
-            s.start(wait=False)
-        for s in S.values():
-            s.wait_ready()
+        c.start_all(S.values())
         routers = {"1->2": c.router("R12", [S["P1"]], [S["D2"]], logs),
                    "2->1": c.router("R21", [S["P2"]], [S["D1"]], logs),
                    "2->2": c.router("R22", [S["P2"]], [S["D2"]], logs)}
@@ -167,10 +164,7 @@ def test_fault_on_one_prefill_rank_fails_the_room_everywhere(tmp_path, tp_models
                      "--disaggregation-fault-ranks", "1", "--disaggregation-fault-mode", "fail_transfer", *COMMON)
     D = c.decode("Df", llama, tmp_path, "--tp-size", "2", *COMMON)
     try:
-        for s in (P, D):
-            s.start(wait=False)
-        for s in (P, D):
-            s.wait_ready()
+        c.start_all((P, D))
         room = random.randrange(2**63)
         body = {"input_ids": list(range(100, 140)), "sampling_params": {"temperature": 0, "max_new_tokens": 4},
                 "bootstrap_host": "127.0.0.1", "bootstrap_port": P.bootstrap_port, "bootstrap_room": room}
@@ -195,10 +189,7 @@ def test_a_killed_decode_rank_takes_its_server_down(tmp_path, tp_models):
     D = c.decode("Dk", llama, tmp_path, "--tp-size", "2", *COMMON)
     router = None
     try:
-        for s in (P, D):
-            s.start(wait=False)
-        for s in (P, D):
-            s.wait_ready()
+        c.start_all((P, D))
         router = c.router("Rk", [P], [D], tmp_path).start()
         assert generate(router.url, [5, 6, 7])["output_ids"]
         schedulers = [pid for pid in c.children(D.proc.pid)

@@ -113,6 +113,15 @@ class Proc:
         return pools
 
 
+def start_all(procs) -> None:
+    """Start every process at once, then wait until each is ready (servers load in parallel)."""
+    procs = list(procs)
+    for p in procs:
+        p.start(wait=False)
+    for p in procs:
+        p.wait_ready()
+
+
 def is_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
     try:
