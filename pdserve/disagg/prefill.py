@@ -65,6 +65,7 @@ class PrefillQueues:
         # per finished transfer: bytes moved and timings (served in /server_info for benchmarks)
         self.recent_transfers: deque[dict] = deque(maxlen=256)
         self.kv_bytes_sent = 0  # by this rank, over all finished transfers
+        self.transfer_rate: Optional[float] = None  # bytes/s of recent transfers (moving average), for routers
         self.keepalive_s = min(1.0, scheduler.args.disaggregation_waiting_timeout / 4)
         self._next_keepalive = 0.0
         self._dp_publisher: Optional[ThreadPoolExecutor] = None
@@ -212,6 +213,9 @@ class PrefillQueues:
         descriptors, nbytes = st.sender.written()  # this rank's writes, into every decode rank it serves
         window = now - st.first_send
         self.kv_bytes_sent += nbytes
+        if window > 0 and nbytes:
+            rate = nbytes / window
+            self.transfer_rate = rate if self.transfer_rate is None else 0.8 * self.transfer_rate + 0.2 * rate
         self.recent_transfers.append({
             "rid": req.rid, "room": req.bootstrap_room, "pages": st.sent_pages - st.decode_prefix,
             "decode_prefix_pages": st.decode_prefix, "kv_bytes": nbytes,

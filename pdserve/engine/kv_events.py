@@ -113,7 +113,8 @@ class KVEventPublisher:
             self.replay = self.ctx.socket(zmq.ROUTER)
             self.replay.bind(replay_endpoint)
             self.replay_endpoint = self.replay.getsockopt_string(zmq.LAST_ENDPOINT)
-            threading.Thread(target=self._serve_replay, name="kv-events-replay", daemon=True).start()
+            self._replay_thread = threading.Thread(target=self._serve_replay, name="kv-events-replay", daemon=True)
+            self._replay_thread.start()
         logger.info("KV events on %s%s", self.endpoint,
                     f" (replay {self.replay_endpoint})" if self.replay is not None else "")
 
@@ -149,6 +150,8 @@ class KVEventPublisher:
 
     def close(self) -> None:
         self._stop.set()
+        if self.replay is not None:
+            self._replay_thread.join(1.0)  # it polls the replay socket: stop it before the socket goes
         self.pub.close(linger=0)
         if self.replay is not None:
             self.replay.close(linger=0)

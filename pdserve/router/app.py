@@ -20,8 +20,11 @@ from pdserve.api_key import APIKeyMiddleware
 from pdserve.log import setup_logging
 from pdserve.router.args import RouterArgs, parse_args
 from pdserve.router.dispatch import Dispatcher, error_response
+from pdserve.router import pairing
+from pdserve.router.kv_index import KVIndex
 from pdserve.router.legs import ProxyStream, wait_disconnect
 from pdserve.router.metrics import RequestCounter, RouterMetrics
+from pdserve.router.prompt import PromptReader
 from pdserve.router.protocol import BadRequest, parse_body
 from pdserve.router.workers import DECODE, PREFILL, REGULAR, Worker, WorkerPool
 
@@ -81,19 +84,49 @@ class Router:
 
     def __init__(self, args: RouterArgs):
         self.args = args
-        policies = {args.policy, args.prefill_policy, args.decode_policy}
-        self.pool = WorkerPool(args, poll_loads="least_load" in policies)
+        follow = args.follows_kv_events
+        self.pool = WorkerPool(args, poll_loads=bool({"least_load", "cache_aware"} & args.policies) or follow,
+                               needs_info=follow or args.pd_mode)  # PD: backends and hosts (router/pairing.py)
         self.metrics = RouterMetrics(self.pool)
-        self.dispatcher = Dispatcher(self.pool, self.metrics, args)
+        self.index = KVIndex(self.metrics, lambda: self.pool.client) if follow else None
+        self.prompts = PromptReader(args.tokenizer_path) if args.reads_prompts else None
+        self._tokenizer_task: asyncio.Task | None = None
+        self.pool.info_listeners.append(self.on_worker_info)
+        if self.index is not None:
+            self.metrics.watch_index(self.index)
+        self.dispatcher = Dispatcher(self.pool, self.metrics, args, self.index, self.prompts)
+
+    def on_worker_info(self, worker: Worker, info: dict) -> None:
+        if worker.role in (PREFILL, DECODE):
+            others = self.pool.by_role[DECODE if worker.role == PREFILL else PREFILL]
+            pairs = [(worker, o) if worker.role == PREFILL else (o, worker) for o in others if o.info is not None]
+            for why in filter(None, (pairing.why_not(p, d) for p, d in pairs)):
+                logger.warning("these two will not be paired: %s", why)
+        if self.index is None:
+            return
+        self.index.attach(worker, info)
+        if self.prompts is not None and self.prompts.tokenizer is None and self._tokenizer_task is None:
+            path = info.get("tokenizer_path") or info.get("model_path")
+            self._tokenizer_task = asyncio.create_task(asyncio.to_thread(self.prompts.load, path))
+
+    @property
+    def loading_tokenizer(self) -> bool:
+        return self._tokenizer_task is not None and not self._tokenizer_task.done()
 
     async def start(self) -> None:
         await self.dispatcher.start()
         await self.pool.start()
+        if self.prompts is not None and self.args.tokenizer_path and self._tokenizer_task is None:
+            self._tokenizer_task = asyncio.create_task(asyncio.to_thread(self.prompts.load))
         mode = ("PD" if self.args.pd_mode else "colocated") + (", DP-aware" if self.args.dp_aware else "")
+        if self.args.pd_policy != "always":
+            mode += f", --pd-policy {self.args.pd_policy}"
         logger.info("router (%s, policy %s) on %s:%d with %d workers, %d healthy", mode, self.args.policy,
                     self.args.host, self.args.port, len(self.pool.workers), sum(w.healthy for w in self.pool.workers))
 
     async def stop(self) -> None:
+        if self.index is not None:
+            await self.index.stop()
         await self.pool.stop()
         await self.dispatcher.stop()
 
@@ -153,6 +186,8 @@ def create_app(args: RouterArgs) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if router.loading_tokenizer:
+            return error_response(503, "loading the tokenizer for prompt matching")
         if router.pool.ready():
             return JSONResponse({"status": "ok"})
         missing = [r for r in router.roles() if not router.pool.available(r)]
@@ -221,6 +256,15 @@ def create_app(args: RouterArgs) -> FastAPI:
         failed = [{"url": w.url, "error": repr(r) if isinstance(r, Exception) else f"HTTP {r.status_code}"}
                   for w, r in results if w.url not in flushed]
         return JSONResponse({"flushed": flushed, "failed": failed}, status_code=502 if failed else 200)
+
+    @app.get("/kv_index")
+    async def kv_index():
+        """What the router knows of each worker's KV cache (router/kv_index.py)."""
+        if router.index is None:
+            return error_response(404, "the router follows no KV events (policy cache_aware or "
+                                       "--pd-policy conditional turn them on)")
+        return JSONResponse({"tokenizer": router.prompts is not None and router.prompts.tokenizer is not None,
+                             "workers": router.index.describe()})
 
     @app.get("/metrics")
     async def metrics():

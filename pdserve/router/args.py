@@ -14,7 +14,8 @@ from urllib.parse import urlsplit
 from pdserve import envs
 
 DEFAULT_BOOTSTRAP_PORT = 8998
-POLICIES = ("random", "round_robin", "least_load")
+POLICIES = ("random", "round_robin", "least_load", "cache_aware")
+PD_POLICIES = ("always", "conditional")
 
 
 def normalize_url(url: str) -> str:
@@ -38,6 +39,15 @@ class RouterArgs:
     prefill_policy: str | None = None
     decode_policy: str | None = None
     dp_aware: bool = False  # choose each worker's data-parallel group (routed_dp_rank) here
+    cache_aware_balance: float = 1.0  # cache_aware: weight of a worker's load against its cached prefix
+    tokenizer_path: str | None = None  # for matching text prompts (default: the workers' model path)
+    pd_policy: str = "always"  # where PD requests prefill (router/pd_policy.py)
+    pd_local_max_tokens: int = 512
+    pd_itl_weight: float = 0.1
+    pd_kv_bandwidth: float = 1e9  # bytes/s, until a prefill reports its measured rate
+    pd_overhead_s: float = 0.005
+    pd_prefill_fixed_s: float | None = None  # override the servers' calibration
+    pd_prefill_s_per_token: float | None = None
     health_check_interval: float = 5.0
     health_check_timeout: float = 5.0
     health_failure_threshold: int = 2
@@ -72,12 +82,18 @@ class RouterArgs:
             value = getattr(self, name)
             if value is not None and value not in POLICIES:
                 raise ValueError(f"{name}: unknown policy {value!r}, choose from {', '.join(POLICIES)}")
+        if self.pd_policy not in PD_POLICIES:
+            raise ValueError(f"pd_policy: unknown {self.pd_policy!r}, choose from {', '.join(PD_POLICIES)}")
+        if self.pd_policy == "conditional" and not pd:
+            raise ValueError("pd_policy: conditional needs PD mode (--prefill and --decode)")
         for name in ("health_check_interval", "health_check_timeout", "load_poll_interval",
-                     "request_timeout", "max_body_bytes"):
+                     "request_timeout", "max_body_bytes", "pd_kv_bandwidth"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
-        for name in ("max_retries", "cb_failure_threshold", "health_failure_threshold", "cb_cooldown"):
-            if getattr(self, name) < 0:
+        for name in ("max_retries", "cb_failure_threshold", "health_failure_threshold", "cb_cooldown",
+                     "cache_aware_balance", "pd_local_max_tokens", "pd_itl_weight", "pd_overhead_s",
+                     "pd_prefill_fixed_s", "pd_prefill_s_per_token"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name}: must not be negative")
 
         for name in ("api_key", "worker_api_key"):
@@ -89,6 +105,19 @@ class RouterArgs:
     @property
     def pd_mode(self) -> bool:
         return bool(self.prefill)
+
+    @property
+    def policies(self) -> set[str]:
+        return {p for p in (self.policy, self.prefill_policy, self.decode_policy) if p}
+
+    @property
+    def follows_kv_events(self) -> bool:
+        """The router keeps the workers' KV indices (router/kv_index.py)."""
+        return "cache_aware" in self.policies or self.pd_policy == "conditional"
+
+    @property
+    def reads_prompts(self) -> bool:
+        return self.follows_kv_events
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -128,6 +157,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pick each worker's data-parallel group too (its dp_size from /server_info, the least "
                         "loaded group by /get_load, else in turn) and send it as routed_dp_rank; decode also "
                         "gets disagg_prefill_dp_rank, prefill's group. Without it the servers choose")
+    p.add_argument("--cache-aware-balance", type=float, default=d["cache_aware_balance"].default, metavar="W",
+                   help="cache_aware: weight of a worker's load (tokens in hand) against the prompt tokens its "
+                        "cache spares it; 0 follows the cache alone")
+    p.add_argument("--tokenizer-path", default=None,
+                   help="tokenizer for matching text prompts against the workers' caches (default: the model "
+                        "path the workers report, when it exists here)")
+    p.add_argument("--pd-policy", choices=PD_POLICIES, default=d["pd_policy"].default,
+                   help="always: every request prefills on a prefill server; conditional: the router may have "
+                        "the decode server prefill it itself when that is estimated faster (pdserve decode "
+                        "servers only; see docs)")
+    p.add_argument("--pd-local-max-tokens", type=int, default=d["pd_local_max_tokens"].default, metavar="N",
+                   help="conditional: never prefill on decode more than N tokens it does not hold")
+    p.add_argument("--pd-itl-weight", type=float, default=d["pd_itl_weight"].default, metavar="W",
+                   help="conditional: weight of the stall a local prefill inflicts on each running stream")
+    p.add_argument("--pd-kv-bandwidth", type=float, default=d["pd_kv_bandwidth"].default, metavar="BYTES_PER_S",
+                   help="conditional: KV transfer rate assumed until a prefill reports its measured one")
+    p.add_argument("--pd-overhead-s", type=float, default=d["pd_overhead_s"].default, metavar="S",
+                   help="conditional: fixed cost of the PD path (second leg, bootstrap, handshake)")
+    p.add_argument("--pd-prefill-fixed-s", type=float, default=None, metavar="S",
+                   help="conditional: prefill fixed time, instead of the servers' start-up calibration")
+    p.add_argument("--pd-prefill-s-per-token", type=float, default=None, metavar="S",
+                   help="conditional: prefill time per token, instead of the servers' start-up calibration")
     p.add_argument("--health-check-interval", "--health-check-interval-secs", type=float,
                    default=d["health_check_interval"].default, metavar="S")
     p.add_argument("--health-check-timeout", "--health-check-timeout-secs", type=float,
@@ -168,6 +219,10 @@ def parse_args(argv: list[str]) -> RouterArgs:
     return RouterArgs(
         prefill=prefill, decode=ns.decode, worker=ns.worker, host=ns.host, port=ns.port, policy=ns.policy,
         prefill_policy=ns.prefill_policy, decode_policy=ns.decode_policy, dp_aware=ns.dp_aware,
+        cache_aware_balance=ns.cache_aware_balance, tokenizer_path=ns.tokenizer_path, pd_policy=ns.pd_policy,
+        pd_local_max_tokens=ns.pd_local_max_tokens, pd_itl_weight=ns.pd_itl_weight,
+        pd_kv_bandwidth=ns.pd_kv_bandwidth, pd_overhead_s=ns.pd_overhead_s,
+        pd_prefill_fixed_s=ns.pd_prefill_fixed_s, pd_prefill_s_per_token=ns.pd_prefill_s_per_token,
         health_check_interval=ns.health_check_interval, health_check_timeout=ns.health_check_timeout,
         health_failure_threshold=ns.health_failure_threshold, load_poll_interval=ns.load_poll_interval,
         request_timeout=ns.request_timeout, max_retries=ns.max_retries,

@@ -35,9 +35,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pdserve.api_key import bearer
-from pdserve.router import protocol, timeline
+from pdserve.router import pairing, pd_policy, protocol, timeline
+from pdserve.router.kv_index import KVIndex, PromptBlocks
 from pdserve.router.legs import PEER_FAILED, EventReader, Leg, LegResult, ProxyStream
+from pdserve.router.pd_policy import LOCAL, Decision, PDPolicy
 from pdserve.router.policy import make_policy
+from pdserve.router.prompt import PromptReader
 from pdserve.router.workers import DECODE, PREFILL, REGULAR, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -89,6 +92,17 @@ class Call:
     outputs: int  # decode outputs expected (inputs x samples), to map them to prefill items
     timeline: bool = False  # the client asked for the timeline (router/timeline.py)
     events: dict = field(default_factory=dict)  # the router's timeline events of this request
+    prompt: PromptBlocks | None = None  # the prompt's tokens, when a policy needs them and they are known
+    decision: Decision | None = None  # where the answering attempt prefilled (--pd-policy)
+
+    @property
+    def rewrites(self) -> bool:
+        """Decode's answer is edited on its way (merges, the PD decision in meta_info)."""
+        return self.merge_logprobs or self.timeline or self.shows_decision
+
+    @property
+    def shows_decision(self) -> bool:
+        return self.decision is not None and self.decision.reason != "always" and self.path == "/generate"
 
 
 @dataclass
@@ -115,13 +129,18 @@ def _group(worker: Worker | None, body: dict | None) -> int | None:
 
 
 class Dispatcher:
-    def __init__(self, pool: WorkerPool, metrics, args):
+    def __init__(self, pool: WorkerPool, metrics, args, index: KVIndex | None = None,
+                 prompts: PromptReader | None = None):
         self.pool = pool
         self.metrics = metrics
         self.args = args
-        self.policies = {PREFILL: make_policy(args.prefill_policy or args.policy),
-                         DECODE: make_policy(args.decode_policy or args.policy),
-                         REGULAR: make_policy(args.policy)}
+        self.index = index
+        self.prompts = prompts
+        balance = args.cache_aware_balance
+        self.policies = {PREFILL: make_policy(args.prefill_policy or args.policy, index, balance),
+                         DECODE: make_policy(args.decode_policy or args.policy, index, balance),
+                         REGULAR: make_policy(args.policy, index, balance)}
+        self.pd = PDPolicy(args, index)
         self.client: httpx.AsyncClient | None = None
         self._background: set[asyncio.Task] = set()
 
@@ -137,7 +156,8 @@ class Dispatcher:
         if self.client is not None:
             await self.client.aclose()
 
-    def select(self, exclude: set[Worker], keep: Worker | None = None) -> tuple[list[Worker] | None, str]:
+    def select(self, exclude: set[Worker], keep: Worker | None = None,
+               prompt: PromptBlocks | None = None) -> tuple[list[Worker] | None, str]:
         roles = [PREFILL, DECODE] if self.pool.by_role[PREFILL] else [REGULAR]
         chosen = []
         for role in roles:
@@ -145,8 +165,39 @@ class Dispatcher:
             if not candidates:
                 tried = " (the others failed this request)" if any(w.role == role for w in exclude) else ""
                 return None, f"no healthy {role} worker available{tried}"
-            chosen.append(keep if keep is not None and keep in candidates else self.policies[role].select(candidates))
+            if role == PREFILL:  # only prefills that some decode can work with
+                decodes = self.pool.available(DECODE, exclude)
+                fits = [p for p in candidates if any(pairing.why_not(p, d) is None for d in decodes)]
+                if decodes and not fits:
+                    return None, pairing.why_not(candidates[0], decodes[0])
+                candidates = fits or candidates
+            elif role == DECODE:
+                fits = [d for d in candidates if pairing.why_not(chosen[0], d) is None]
+                if not fits:
+                    return None, pairing.why_not(chosen[0], candidates[0])
+                candidates = fits
+            policy = self.policies[role]
+            worker = keep if keep is not None and keep in candidates else policy.select(candidates, prompt)
+            if policy.needs_index and prompt is not None and prompt.ids:
+                matched = self.index.matched_tokens(worker, prompt)[0]
+                self.metrics.cache_matched_tokens.labels(role).observe(matched / len(prompt.ids))
+            chosen.append(worker)
         return chosen, ""
+
+    def decide(self, call: Call, prefill: Worker | None, main: Worker) -> Worker | None:
+        """The prefill leg's worker for this attempt: ``prefill``, or None when decode prefills
+        locally (``--pd-policy conditional``)."""
+        if prefill is None:
+            return None
+        call.decision = d = self.pd.decide(call.prompt, prefill, main, batch=call.items is not None or call.outputs > 1)
+        self.metrics.pd_decisions.labels(d.mode, d.reason).inc()
+        if d.ttft_pd_s is not None:
+            self.metrics.pd_estimated_ttft.labels("pd").observe(d.ttft_pd_s)
+            self.metrics.pd_estimated_ttft.labels("local").observe(d.ttft_local_s + d.itl_penalty_s)
+        if d.mode == LOCAL:
+            logger.debug("%s prefilled on decode %s: %s", call.path, main.url, d.meta())
+            return None
+        return prefill
 
     def make_call(self, request: Request, path: str, raw: bytes, body: dict) -> Call:
         headers = {k: v for k, v in request.headers.items() if k not in _NOT_FORWARDED}
@@ -156,17 +207,22 @@ class Dispatcher:
         pd = bool(self.pool.by_role[PREFILL])
         items = protocol.item_count(path, body) if pd else None
         samples = protocol.sample_count(body) if path == "/generate" else 1
+        prompt = None
+        if self.prompts is not None and protocol.item_count(path, body) is None:
+            ids = self.prompts.ids(path, body)
+            prompt = PromptBlocks(ids) if ids else None
         return Call(path, raw, body, headers, stream=bool(body.get("stream")),
                     merge_logprobs=pd and path == "/generate" and bool(body.get("return_logprob")),
                     items=items, outputs=(items or 1) * samples, timeline=timeline.requested(request.headers),
-                    events=timeline.events_of(request.scope))
+                    events=timeline.events_of(request.scope), prompt=prompt)
 
     async def handle(self, call: Call) -> Response:
         exclude: set[Worker] = set()
         failure: Failure | None = None
         keep: Worker | None = None
+        merge_logprobs = call.merge_logprobs
         for attempt in range(self.args.max_retries + 1):
-            pair, why = self.select(exclude, keep)
+            pair, why = self.select(exclude, keep, call.prompt)
             if pair is None:
                 if failure is None:
                     return error_response(503, why)
@@ -176,9 +232,13 @@ class Dispatcher:
                 logger.info("retrying %s on %s after: %s", call.path, [w.url for w in pair],
                             failure.result.error or f"HTTP {failure.result.status}")
             prefill, main = (pair[0], pair[1]) if len(pair) == 2 else (None, pair[0])
+            prefill = self.decide(call, prefill, main)
+            call.merge_logprobs = merge_logprobs and prefill is not None  # decode has them all when local
             attempt_fn = self._stream if call.stream else self._unary
             outcome = await attempt_fn(call, prefill, main, self.outgoing(call, prefill, main))
             if isinstance(outcome, Response):
+                if call.decision is not None and call.decision.reason != "always":
+                    outcome.headers[pd_policy.HEADER] = call.decision.mode
                 return outcome
             failure = outcome
             if not failure.result.retryable:
@@ -238,6 +298,8 @@ class Dispatcher:
                 handed_off = True
             if call.timeline:
                 body = timeline.merge_json(body, p_items, call.outputs, call.events)
+            if call.shows_decision:
+                body = pd_policy.add_to_meta_json(body, call.decision.meta())
             return Response(body, status_code=dres.status, media_type=media_type)
         finally:
             await d_leg.close()
@@ -360,7 +422,7 @@ class _Relay:
         chunk = self.first
         try:
             while chunk:
-                if self.call.merge_logprobs or self.call.timeline:
+                if self.call.rewrites:
                     chunk = b"".join(self.merge(e) for e in protocol.split_events(chunk))
                 yield chunk
                 chunk = await self.reader.next()
@@ -376,6 +438,8 @@ class _Relay:
             event = protocol.merge_logprobs_event(event, self.p_items, self.call.outputs)
         if self.call.timeline:
             event = timeline.merge_event(event, self.p_items, self.call.outputs, self.call.events)
+        if self.call.shows_decision:
+            event = pd_policy.add_to_meta_event(event, self.call.decision.meta())
         return event
 
     async def close(self) -> None:

@@ -34,6 +34,20 @@ class _WorkerCollector:
         yield from (in_flight, healthy, breaker)
 
 
+class _IndexCollector:
+    """Blocks in the router's KV index per worker, read at scrape time."""
+
+    def __init__(self, index):
+        self.index = index
+
+    def collect(self):
+        blocks = GaugeMetricFamily("pdserve_router_kv_index_blocks", "KV blocks the router knows a worker holds",
+                                   labels=["worker"])
+        for url, n in self.index.blocks().items():
+            blocks.add_metric([url], n)
+        yield blocks
+
+
 class RouterMetrics:
     CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -51,7 +65,27 @@ class RouterMetrics:
         self.stage_latency = Histogram("pdserve_router_per_stage_req_latency_seconds",
                                        "time routed requests spent in each stage (router/timeline.py)", ["stage"],
                                        buckets=_STAGE_BUCKETS, registry=self.registry)
+        self.kv_event_batches = Counter("pdserve_router_kv_event_batches", "KV event batches applied to the "
+                                        "router's index, per worker", ["worker"], registry=self.registry)
+        self.kv_events_rejected = Counter("pdserve_router_kv_events_rejected", "KV event batches (or snapshots) "
+                                          "rejected, per worker and reason", ["worker", "reason"],
+                                          registry=self.registry)
+        self.kv_index_resyncs = Counter("pdserve_router_kv_index_resyncs", "KV index rebuilds from a snapshot "
+                                        "(or gaps filled by replay: reason 'replayed'), per worker and reason",
+                                        ["worker", "reason"], registry=self.registry)
+        self.cache_matched_tokens = Histogram("pdserve_router_cache_matched_ratio", "share of the prompt the "
+                                              "chosen worker holds (cache_aware)", ["role"],
+                                              buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1),
+                                              registry=self.registry)
+        self.pd_decisions = Counter("pdserve_router_pd_decisions", "where PD requests were prefilled "
+                                    "(--pd-policy), by mode and reason", ["mode", "reason"], registry=self.registry)
+        self.pd_estimated_ttft = Histogram("pdserve_router_pd_estimated_ttft_seconds", "estimated time to first "
+                                           "token of the two ways (--pd-policy conditional)", ["path"],
+                                           buckets=_STAGE_BUCKETS, registry=self.registry)
         self.registry.register(_WorkerCollector(pool))
+
+    def watch_index(self, index) -> None:
+        self.registry.register(_IndexCollector(index))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

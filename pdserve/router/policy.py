@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import itertools
 import random
-from typing import Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from pdserve.router.workers import Worker
+
+if TYPE_CHECKING:
+    from pdserve.router.kv_index import KVIndex, PromptBlocks
 
 
 class Policy:
@@ -21,8 +24,11 @@ class Policy:
 
     name = ""
     needs_load = False  # True: the router polls GET /get_load for this policy
+    needs_index = False  # True: the router follows the workers' KV events (router/kv_index.py)
 
-    def select(self, candidates: Sequence[Worker]) -> Worker:
+    def select(self, candidates: Sequence[Worker], prompt: Optional["PromptBlocks"] = None) -> Worker:
+        """``prompt``: the request's prompt blocks when the router knows them (policies that
+        weigh caches need them; the others ignore them)."""
         raise NotImplementedError
 
 
@@ -34,18 +40,21 @@ def register(cls: type[Policy]) -> type[Policy]:
     return cls
 
 
-def make_policy(name: str) -> Policy:
-    try:
-        return _REGISTRY[name]()
-    except KeyError:
-        raise ValueError(f"policy: unknown policy {name!r}, choose from {', '.join(_REGISTRY)}") from None
+def make_policy(name: str, index: Optional["KVIndex"] = None, balance: float = 1.0) -> Policy:
+    if name not in _REGISTRY:
+        raise ValueError(f"policy: unknown policy {name!r}, choose from {', '.join(_REGISTRY)}")
+    if name == CacheAwarePolicy.name:
+        if index is None:
+            raise ValueError("policy: cache_aware needs the router's KV index")
+        return CacheAwarePolicy(index, balance)
+    return _REGISTRY[name]()
 
 
 @register
 class RandomPolicy(Policy):
     name = "random"
 
-    def select(self, candidates: Sequence[Worker]) -> Worker:
+    def select(self, candidates: Sequence[Worker], prompt=None) -> Worker:
         return random.choice(candidates)
 
 
@@ -56,7 +65,7 @@ class RoundRobinPolicy(Policy):
     def __init__(self):
         self._counter = itertools.count()
 
-    def select(self, candidates: Sequence[Worker]) -> Worker:
+    def select(self, candidates: Sequence[Worker], prompt=None) -> Worker:
         return candidates[next(self._counter) % len(candidates)]
 
 
@@ -68,7 +77,46 @@ class LeastLoadPolicy(Policy):
     name = "least_load"
     needs_load = True
 
-    def select(self, candidates: Sequence[Worker]) -> Worker:
+    def select(self, candidates: Sequence[Worker], prompt=None) -> Worker:
         loads = [w.load_estimate() for w in candidates]
         best = min(loads)
         return random.choice([w for w, load in zip(candidates, loads, strict=True) if load == best])
+
+
+@register
+class CacheAwarePolicy(Policy):
+    """The worker that would start this prompt soonest, by what its cache holds and its load.
+
+    A worker's cost is the prompt tokens it would have to compute (those past the longest
+    prefix its KV index holds) plus ``balance`` times the tokens it already has in hand (polled
+    ``num_tokens``, plus this prompt's length for each request sent to it since the poll). The
+    cheapest wins, ties by fewer requests then at random. When no worker holds any of the prompt
+    (or the prompt is not known) this is ``least_load``. ``balance`` 0 follows the cache alone;
+    larger values spread load sooner (a worker holding the prompt is passed over once its load
+    exceeds another's by more than matched/balance tokens).
+    """
+
+    name = "cache_aware"
+    needs_load = True
+    needs_index = True
+
+    def __init__(self, index: "KVIndex", balance: float = 1.0):
+        self.index = index
+        self.balance = balance
+        self.fallback = LeastLoadPolicy()
+        self.last: dict = {}  # the last choice's inputs, for tests and logs
+
+    def select(self, candidates: Sequence[Worker], prompt=None) -> Worker:
+        matched = [self.index.matched_tokens(w, prompt)[0] for w in candidates]
+        if prompt is None or not any(matched):
+            self.last = {"matched": matched, "fallback": "least_load"}
+            return self.fallback.select(candidates)
+        length = len(prompt.ids)
+        costs = []
+        for w, m in zip(candidates, matched, strict=True):
+            reqs, tokens = w.load_estimate()
+            since_poll = max(0, w.in_flight - w.in_flight_at_poll) if w.polled_load is not None else w.in_flight
+            costs.append(((length - m) + self.balance * (tokens + since_poll * length), reqs))
+        best = min(costs)
+        self.last = {"matched": matched, "costs": [c for c, _ in costs]}
+        return random.choice([w for w, c in zip(candidates, costs, strict=True) if c == best])

@@ -90,6 +90,8 @@ class Worker:
         self.health_failures = 0
         self.in_flight = 0
         self.polled_load: tuple[int, int] | None = None  # (requests, tokens) from GET /get_load
+        self.kv_bandwidth: float | None = None  # a prefill's KV transfer rate, bytes/s (its /get_load)
+        self.info: dict | None = None  # its GET /server_info, when the router needs it
         self.in_flight_at_poll = 0
         # data-parallel groups (--dp-aware)
         self.dp_size: int | None = None  # from GET /server_info; None: not known, treated as 1
@@ -176,6 +178,14 @@ def parse_load(payload) -> tuple[int, int]:
     return reqs, tokens
 
 
+def parse_bandwidth(payload) -> float | None:
+    """A prefill's ``kv_transfer_bytes_per_s`` from its ``GET /get_load`` (the mean over groups that report one)."""
+    ranks = payload if isinstance(payload, list) else [payload]
+    rates = [r["kv_transfer_bytes_per_s"] for r in ranks if isinstance(r, dict)
+             and isinstance(r.get("kv_transfer_bytes_per_s"), (int, float)) and r["kv_transfer_bytes_per_s"] > 0]
+    return sum(rates) / len(rates) if rates else None
+
+
 def parse_group_loads(payload) -> list[tuple[int, int]] | None:
     """(requests, tokens) per DP group of a ``GET /get_load`` answer, by ``dp_rank``: the ``dp``
     list of a dict (a dict without one is one group), or a list of per-rank dicts. None when
@@ -199,10 +209,12 @@ def parse_group_loads(payload) -> list[tuple[int, int]] | None:
 class WorkerPool:
     """The router's workers and the background loops that keep their state fresh."""
 
-    def __init__(self, args, poll_loads: bool):
+    def __init__(self, args, poll_loads: bool, needs_info: bool = False):
         self.args = args
         self.dp_aware = args.dp_aware
         self.poll_loads = poll_loads or self.dp_aware
+        self.needs_info = needs_info or self.dp_aware  # read each worker's /server_info when it comes up
+        self.info_listeners: list = []  # called with (worker, info) after each read
 
         def make(url: str, role: str, port: int | None = None) -> Worker:
             return Worker(url, role, port, CircuitBreaker(args.cb_failure_threshold, args.cb_cooldown))
@@ -291,13 +303,14 @@ class WorkerPool:
             ok, reason = resp.status_code == 200, f"GET /health returned {resp.status_code}"
         except httpx.HTTPError as e:
             ok, reason = False, repr(e)
-        if ok and self.dp_aware and (worker.dp_size is None or not worker.healthy):
-            await self.read_dp_size(worker)  # a worker that (re)starts may have another dp_size
+        if ok and self.needs_info and (worker.info is None or not worker.healthy):
+            await self.read_info(worker)  # a worker that (re)starts may have another configuration
         worker.set_health(ok, self.args.health_failure_threshold, reason)
 
-    async def read_dp_size(self, worker: Worker) -> None:
-        """Learn ``worker``'s dp_size from its server info. On failure it keeps what it had (if
-        never known: 1, and asked again at the next health check)."""
+    async def read_info(self, worker: Worker) -> None:
+        """Read ``worker``'s server info: its dp_size (``--dp-aware``), its KV events endpoints
+        and calibration. On failure it keeps what it had (dp_size never known: 1), and it is
+        asked again at the next health check."""
         worker.dp_size_read_at = time.monotonic()
         try:
             resp = await self.client.get(worker.url + "/server_info")
@@ -310,7 +323,12 @@ class WorkerPool:
             logger.log(level, "%s %s: no server info (%r); dp_size stays %s", worker.role, worker.url, e,
                        worker.dp_size or "unknown (1)")
             return
-        worker.set_dp_size(info.get("dp_size") if isinstance(info, dict) else None)
+        info = info if isinstance(info, dict) else {}
+        worker.info = info
+        if self.dp_aware:
+            worker.set_dp_size(info.get("dp_size"))
+        for listener in self.info_listeners:
+            listener(worker, info)
 
     async def update_loads(self) -> None:
         await asyncio.gather(*(self._poll_one(w) for w in self.workers if w.healthy))
@@ -322,6 +340,7 @@ class WorkerPool:
             resp.raise_for_status()
             payload = resp.json()
             worker.polled_load = parse_load(payload)
+            worker.kv_bandwidth = parse_bandwidth(payload)
             worker.in_flight_at_poll = in_flight
             worker.group_loads = parse_group_loads(payload) if self.dp_aware else None
             worker.group_in_flight_at_poll = group_in_flight
@@ -331,7 +350,7 @@ class WorkerPool:
             return
         stale = worker.group_loads is not None and len(worker.group_loads) != (worker.dp_size or 1)
         if stale and time.monotonic() - worker.dp_size_read_at >= self.args.health_check_interval:
-            await self.read_dp_size(worker)  # restarted with another dp_size since it was read?
+            await self.read_info(worker)  # restarted with another dp_size since it was read?
 
     async def fan_out(self, method: str, path: str, workers: list[Worker], timeout: float | None = None):
         """Send one request to each worker concurrently; returns ``(worker, response | exception)``."""

@@ -22,6 +22,8 @@ from starlette.responses import Response
 import pdserve
 from pdserve.api_key import APIKeyMiddleware
 from pdserve.server import generate_api, http_util, openai_api
+from pdserve.disagg.transfer.local import host_identity
+from pdserve.server.calibration import calibrate
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.tokenizer_manager import TokenizerManager
 
@@ -54,6 +56,8 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
                 t0 = time.monotonic()
                 await one_token(WARMUP_TIMEOUT_S)
                 logger.info("warm-up generation passed in %.2fs", time.monotonic() - t0)
+                state["calibration"] = await asyncio.wait_for(
+                    calibrate(tm, lambda: control("flush_cache")), WARMUP_TIMEOUT_S)
             state["ready"] = True
             logger.info("server ready on http://%s:%d", args.host, args.port)
         except Exception as e:
@@ -157,7 +161,8 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
                 info[secret] = "***"
         info.update(status="ready" if state["ready"] else "starting", version=pdserve.__version__,
                     scheduler_info=client.info, max_total_num_tokens=client.info.get("max_total_tokens"),
-                    model_context_length=tm.context_length, internal_states=[])
+                    model_context_length=tm.context_length, internal_states=[],
+                    calibration=state.get("calibration"), host_id=host_identity())
         with contextlib.suppress(APIError, RuntimeError):
             stats = await control("stats")
             info["internal_states"] = stats.get("dp") or [stats]  # one per DP group, as SGLang
@@ -180,8 +185,9 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
         load = await control("get_load")
         keys = ("num_reqs", "num_waiting_reqs", "num_tokens")
         groups = load.get("dp") or [{"dp_rank": 0, **load}]  # one entry per DP group, as SGLang
-        return http_util.json_response([{"dp_rank": g["dp_rank"], **{k: int(g.get(k, 0)) for k in keys}}
-                                        for g in groups])
+        rate = "kv_transfer_bytes_per_s"  # a prefill's recent KV transfer speed, once it has moved some
+        return http_util.json_response([{"dp_rank": g["dp_rank"], **{k: int(g.get(k, 0)) for k in keys},
+                                         **({rate: round(g[rate])} if g.get(rate) else {})} for g in groups])
 
     @app.get("/kv_events/snapshot")
     async def kv_events_snapshot() -> Response:

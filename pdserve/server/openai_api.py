@@ -33,9 +33,9 @@ def check_model(tm: TokenizerManager, name: Optional[str]) -> None:
         raise APIError(404, f"model {name!r} does not exist; this server serves {served!r}")
 
 
-def _usage(states: list[ReqState], n: int) -> dict[str, int]:
+def _usage(states: list[ReqState], n: int) -> dict:
     prompt = sum(s.prompt_tokens for s in states[::n])
-    return usage(prompt, sum(len(s.output_ids) for s in states))
+    return usage(prompt, sum(len(s.output_ids) for s in states), sum(s.cached_tokens for s in states[::n]))
 
 
 def _with_timeline(tm: TokenizerManager, choice: dict[str, Any], s: ReqState, want: bool) -> dict[str, Any]:

@@ -30,6 +30,7 @@ import zmq
 
 from pdserve.config import ServerArgs
 from pdserve.distributed import SINGLE_RANK, Parallel, init_parallel
+from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.request import FinishKind, FinishReason, Req, SamplingParams
 from pdserve.log import role_tag, setup_logging
 from pdserve.server import messages as m
@@ -111,6 +112,10 @@ class SchedulerLoop:
             "eos_token_ids": sorted(s.eos_ids),
             "max_running_requests": self.args.max_running_requests,
             "dp_size": self.par.dp_size,
+            # the whole model's KV per token (all layers, K and V, every rank's heads): what a PD
+            # transfer moves per prompt token
+            "kv_bytes_per_token": KVPool.bytes_per_page(r.hf_config.num_hidden_layers, 1, r.pool.kv_heads,
+                                                        r.pool.head_dim, r.pool.dtype) * self.par.attn.size,
         }
 
     def run(self) -> None:
@@ -203,9 +208,12 @@ class SchedulerLoop:
                 "num_reqs": len(running) + len(s.waiting),
                 "num_waiting_reqs": len(s.waiting),
                 "num_tokens": sum(r.seq_len for r in running),
+                **({"kv_transfer_bytes_per_s": s.pd.transfer_rate} if getattr(s.pd, "transfer_rate", None) else {}),
             })
             total = {k: sum(g[k] for g in groups) for k in ("num_reqs", "num_waiting_reqs", "num_tokens")}
-            return {**total, "dp": groups} if self.par.dp_attention else total
+            if self.par.dp_attention:
+                return {**total, "dp": groups}
+            return {**groups[0], **total}
         if op == "flush_cache":
             return s.tree.reset()
         if op == "kv_events_snapshot":  # the cache's content, and the seq of the last batch it includes

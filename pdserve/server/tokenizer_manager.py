@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional, Union
 
+from pdserve.chat_template import ChatTemplateError, chat_input_ids
 from pdserve.engine.request import SamplingParams
 from pdserve.server.detokenizer import IncrementalDetokenizer
 from pdserve.server.errors import bad_request
@@ -104,16 +105,10 @@ class TokenizerManager:
         return self.tokenizer(text)["input_ids"]
 
     def chat_input_ids(self, messages: list[dict], continue_final_message: bool = False) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise bad_request("messages: this model has no chat template; use /v1/completions")
         try:
-            prompt = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=not continue_final_message,
-                continue_final_message=continue_final_message,
-            )
-        except Exception as e:  # template errors (e.g. roles must alternate) are the caller's
-            raise bad_request(f"messages: cannot apply the chat template: {e}") from None
-        return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            return chat_input_ids(self.tokenizer, messages, continue_final_message)
+        except ChatTemplateError as e:
+            raise bad_request(str(e)) from None
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

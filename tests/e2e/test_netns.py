@@ -5,8 +5,9 @@ KV bytes all cross veth links and a bridge instead of loopback.
 - Per network backend (``mooncake`` over TCP, ``nixl`` with UCX over TCP): greedy outputs equal
   the offline engine's token for token, the KV went through the backend, and every page, metadata
   slot and room is free afterwards on both sides.
-- The ``local`` backend (shared memory) between two namespaces is refused at registration with an
-  error naming the backends to use.
+- The ``local`` backend (shared memory) between two namespaces: the router does not pair the two
+  (503 at once), and a client that pairs them itself is refused at registration; both errors name
+  the backends to use.
 
 Skips with the exact reason when namespaces cannot be created (not root, no iproute2) or a
 backend library is missing.
@@ -49,15 +50,23 @@ def test_pd_across_namespaces_matches_offline_engine(netns_pd, backend, referenc
         assert pools.get("kv_rooms", 0) == 0 and pools.get("kv_dst_claims", 0) == 0, (proc.name, pools)
 
 
-def test_local_backend_between_hosts_is_refused_at_registration(netns_pd):
+def test_local_backend_between_hosts_is_refused_by_the_router_and_at_registration(netns_pd):
     pd = netns_pd("local")
     P, D, R = pd["prefill"], pd["decode"], pd["router"]
+    body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
+    # the router knows both servers' backend and host (/server_info) and does not pair them
+    r = httpx.post(R.url + "/generate", timeout=60, json=body)
+    msg = r.json()["error"]["message"]
+    print(f"SAMPLE local backend across namespaces, router: HTTP {r.status_code}: {msg}")
+    assert r.status_code == 503, r.text
+    assert "different hosts" in msg and "mooncake" in msg and "nixl" in msg, msg
+    # a client that pairs them itself: decode's registration is refused by prefill
     t0 = time.monotonic()
-    r = httpx.post(R.url + "/generate", timeout=60, json={
-        "input_ids": [5, 6, 7, 8], "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
+    room = {"bootstrap_host": P.host, "bootstrap_port": P.bootstrap_port, "bootstrap_room": 77}
+    r = httpx.post(D.url + "/generate", timeout=60, json={**body, **room})
     elapsed = nx.since(t0)
     msg = r.json()["error"]["message"]
-    print(f"SAMPLE local backend across namespaces: HTTP {r.status_code} after {elapsed:.2f}s: {msg}")
+    print(f"SAMPLE local backend across namespaces, direct: HTTP {r.status_code} after {elapsed:.2f}s: {msg}")
     assert r.status_code == 502, r.text
     assert "rejected registration" in msg and "one host" in msg, msg
     assert "--disaggregation-transfer-backend mooncake" in msg and "nixl" in msg, msg

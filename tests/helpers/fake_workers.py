@@ -142,6 +142,7 @@ class FakeWorker:
         self.health_status = 200
         self.load = {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
         self.dp_size = 1  # reported in /server_info
+        self.info_extra: dict = {}  # more /server_info fields (transfer backend, host_id, ...)
         self.group_loads: list[dict] | None = None  # /get_load: the totals plus these as "dp" (a pdserve with DP)
         self.fail_status: int | None = None  # answer generation requests with this status
         self.stream_error_status: int | None = None  # decode: answer a stream 200 + one SSE error event
@@ -160,6 +161,7 @@ class FakeWorker:
         self.health_status = 200
         self.load = {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
         self.dp_size = 1
+        self.info_extra = {}
         self.group_loads = None
         self.fail_status = None
         self.stream_error_status = None
@@ -192,7 +194,7 @@ class FakeWorker:
         async def server_info():
             return {"model_path": MODEL, "served_model_name": MODEL, "tp_size": 1, "dp_size": self.dp_size,
                     "disaggregation_mode": "null" if self.role == "regular" else self.role,
-                    "name": self.name}
+                    "name": self.name, **self.info_extra}
 
         @app.get("/model_info")
         @app.get("/get_model_info")

@@ -108,7 +108,7 @@ def test_random_policy_only_picks_candidates_and_unknown_policy_fails():
     ws = workers(2)
     assert {make_policy("random").select(ws) for _ in range(50)} <= set(ws)
     with pytest.raises(ValueError, match="policy"):
-        make_policy("cache_aware")
+        make_policy("no_such_policy")
 
 
 def test_worker_helpers():

@@ -1,0 +1,248 @@
+"""KV-aware routing and conditional disaggregation against real servers: the router follows the
+workers' KV events, sends a follow-up to the worker holding its prefix (and away from it when
+that worker is overloaded), rebuilds a restarted worker's index, and with ``--pd-policy
+conditional`` lets decode prefill short prompts itself; outputs stay the reference's."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import PD_NEW_TOKENS
+from tests.helpers import cluster as c
+
+COMMON = ["--page-size", "16", "--max-total-tokens", "16384", "--disaggregation-bootstrap-timeout", "20",
+          "--disaggregation-waiting-timeout", "20"]
+# fixed prefill costs for the conditional router, so its choices do not depend on how fast the
+# servers happened to be at start-up (the calibration itself is tested in test_calibration)
+FIT = ["--pd-prefill-fixed-s", "0.005", "--pd-prefill-s-per-token", "0.00001"]
+
+
+def events(name: str) -> list[str]:
+    return ["--kv-events-endpoint", f"tcp://127.0.0.1:{c.free_port()}", "--kv-events-replay-endpoint",
+            f"tcp://127.0.0.1:{c.free_port()}"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_llama_path):
+    logs = tmp_path_factory.mktemp("kv_routing")
+    Pa, _ = c.prefill("Pka", tiny_llama_path, logs, *COMMON, *events("Pka"))
+    Pb, _ = c.prefill("Pkb", tiny_llama_path, logs, *COMMON, *events("Pkb"))
+    D = c.decode("Dk", tiny_llama_path, logs, "--disaggregation-decode-enable-radix-cache", *COMMON, *events("Dk"))
+    Wa = c.server("Wka", tiny_llama_path, logs, *COMMON, *events("Wka"))
+    Wb = c.server("Wkb", tiny_llama_path, logs, *COMMON, *events("Wkb"))
+    procs = [Pa, Pb, D, Wa, Wb]
+    try:
+        c.start_all(procs)
+        fast = ["--load-poll-interval", "0.05", "--health-check-interval", "0.5"]
+        routers = {
+            "pd_cache": c.router("Rk1", [Pa, Pb], [D], logs, "--prefill-policy", "cache_aware", *fast),
+            "pd_cond": c.router("Rk2", [Pa, Pb], [D], logs, "--prefill-policy", "cache_aware",
+                                "--pd-policy", "conditional", "--pd-local-max-tokens", "100", *FIT, *fast),
+        }
+        workers = [arg for w in (Wa, Wb) for arg in ("--worker", w.url)]
+        routers["colocated"] = c.router("Rk3", [], [], logs, "--policy", "cache_aware", *fast, *workers)
+        for r in routers.values():
+            procs.append(r)
+            r.start()
+        yield {"P": (Pa, Pb), "D": D, "W": (Wa, Wb), **routers}
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def gen(url: str, ids: list[int], n: int = PD_NEW_TOKENS, **extra) -> httpx.Response:
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}, **extra}
+    r = httpx.post(url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def index_blocks(router: c.Proc) -> dict[str, int]:
+    workers = router.http.get("/kv_index").json()["workers"]
+    return {url: sum(g["blocks"] for g in groups) for url, groups in workers.items()}
+
+
+def holds(router: c.Proc, worker: c.Proc, before: dict, more: int) -> bool:
+    return index_blocks(router).get(worker.url, 0) >= before.get(worker.url, 0) + more
+
+
+def prefill_hits(p: c.Proc) -> int:
+    return p.http.get("/server_info").json()["internal_states"][0]["cache_hit_tokens"]
+
+
+def prefill_transfers(p: c.Proc) -> int:
+    return len(p.http.get("/server_info").json()["internal_states"][0]["recent_transfers"])
+
+
+def test_colocated_follow_up_goes_to_the_worker_holding_its_prefix(cluster, reference):
+    R, (Wa, Wb) = cluster["colocated"], cluster["W"]
+    rng = random.Random(11)
+    for k in range(4):
+        turn1 = [rng.randrange(100, 40000) for _ in range(70)]
+        before = index_blocks(R)
+        out1 = gen(R.url, turn1).json()
+        assert out1["output_ids"] == reference(turn1)["output_ids"]
+        c.wait_for(lambda: holds(R, Wa, before, 4) or holds(R, Wb, before, 4), 10, "router sees the new blocks")
+        turn2 = turn1 + out1["output_ids"] + [rng.randrange(100, 40000) for _ in range(20)]
+        out2 = gen(R.url, turn2).json()
+        assert out2["output_ids"] == reference(turn2)["output_ids"]
+        # only the worker that served turn 1 holds its pages (both start empty for this prompt)
+        assert out2["meta_info"]["cached_tokens"] >= 64, (k, out2["meta_info"])
+    # text prompts are tokenized by the router as the server does: chat turns share the prefix
+    messages = [{"role": "user", "content": "Tell me about the sea and the ships that sail on it, " * 4}]
+    before = index_blocks(R)
+    body = {"messages": messages, "max_tokens": 6, "temperature": 0}
+    first = httpx.post(R.url + "/v1/chat/completions", json=body, timeout=60).json()
+    c.wait_for(lambda: holds(R, Wa, before, 2) or holds(R, Wb, before, 2), 10, "router sees the chat blocks")
+    messages += [first["choices"][0]["message"], {"role": "user", "content": "And the wind?"}]
+    second = httpx.post(R.url + "/v1/chat/completions", json={**body, "messages": messages}, timeout=60).json()
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32, second["usage"]
+
+
+def test_colocated_overloaded_worker_is_passed_over(cluster, reference):
+    R, (Wa, Wb) = cluster["colocated"], cluster["W"]
+    rng = random.Random(12)
+    turn1 = [rng.randrange(100, 40000) for _ in range(70)]
+    before = index_blocks(R)
+    out1 = gen(R.url, turn1).json()["output_ids"]
+    c.wait_for(lambda: holds(R, Wa, before, 4) or holds(R, Wb, before, 4), 10, "router sees the new blocks")
+    holder = Wa if holds(R, Wa, before, 4) else Wb
+    # load the holder directly (the router does not see these requests, only their load)
+    stop = threading.Event()
+
+    def long_stream():
+        body = {"input_ids": [rng.randrange(100, 40000) for _ in range(100)], "stream": True,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 2000, "ignore_eos": True}}
+        with httpx.stream("POST", holder.url + "/generate", json=body, timeout=120) as r:
+            for _ in r.iter_bytes():
+                if stop.is_set():
+                    return
+
+    threads = [threading.Thread(target=long_stream, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        c.wait_for(lambda: holder.http.get("/get_load").json()[0]["num_tokens"] > 400, 20, "holder loaded")
+        time.sleep(0.3)  # a few load polls
+        turn2 = turn1 + out1 + [rng.randrange(100, 40000) for _ in range(20)]
+        out2 = gen(R.url, turn2).json()
+        assert out2["output_ids"] == reference(turn2)["output_ids"]
+        assert out2["meta_info"]["cached_tokens"] == 0, "went to the overloaded worker that holds the prefix"
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    holder.wait_idle()
+
+
+def test_restarted_worker_index_is_rebuilt_not_stale(cluster):
+    R, (Wa, Wb) = cluster["colocated"], cluster["W"]
+    c.wait_for(lambda: index_blocks(R).get(Wa.url, 0) > 0, 10, "worker a holds blocks")
+    Wa.kill9()
+    c.wait_for(lambda: index_blocks(R).get(Wa.url, 0) == 0, 10, "index of the dead worker dropped")
+    Wa.start()
+    c.wait_for(lambda: all(g["synced"] for g in R.http.get("/kv_index").json()["workers"][Wa.url]), 30,
+               "index rebuilt after the restart")
+    assert index_blocks(R)[Wa.url] == 0  # the new process holds nothing
+    metrics = R.http.get("/metrics").text
+    assert f'pdserve_router_kv_index_resyncs_total{{reason="reconnected",worker="{Wa.url}"}}' in metrics
+    rng = random.Random(13)
+    ids = [rng.randrange(100, 40000) for _ in range(40)]
+    gen(Wa.url, ids)  # the restarted worker's new blocks reach the index again
+    c.wait_for(lambda: index_blocks(R)[Wa.url] >= 2, 10, "new blocks of the restarted worker")
+
+
+def test_pd_prefill_routing_follows_the_prefill_caches(cluster, reference):
+    R, (Pa, Pb), D = cluster["pd_cache"], cluster["P"], cluster["D"]
+    rng = random.Random(21)
+    for k in range(3):
+        turn1 = [rng.randrange(100, 40000) for _ in range(70)]
+        before = index_blocks(R)
+        out1 = gen(R.url, turn1).json()
+        assert out1["output_ids"] == reference(turn1)["output_ids"]
+        assert "pd_decision" not in out1["meta_info"]  # --pd-policy always: every request through prefill
+        c.wait_for(lambda: holds(R, Pa, before, 4) or holds(R, Pb, before, 4), 10, "router sees prefill's blocks")
+        holder = Pa if holds(R, Pa, before, 4) else Pb
+        hits = prefill_hits(holder)
+        turn2 = turn1 + out1["output_ids"] + [rng.randrange(100, 40000) for _ in range(20)]
+        assert gen(R.url, turn2).json()["output_ids"] == reference(turn2)["output_ids"]
+        assert prefill_hits(holder) - hits >= 64, k
+    D.wait_idle()
+
+
+def test_conditional_short_prompt_on_decode_long_prompt_through_prefill(cluster, reference):
+    R, (Pa, Pb), D = cluster["pd_cond"], cluster["P"], cluster["D"]
+    for server in (Pa, D):  # each server measured its own prefill at start-up
+        cal = server.http.get("/server_info").json()["calibration"]
+        assert cal["prefill_fixed_s"] > 0 and cal["prefill_s_per_token"] >= 0 and len(cal["measured"]) == 2, cal
+    D.wait_idle()
+    rng = random.Random(31)
+    transfers = prefill_transfers(Pa) + prefill_transfers(Pb)
+    short = [rng.randrange(100, 40000) for _ in range(20)]
+    r = gen(R.url, short)
+    decision = r.json()["meta_info"]["pd_decision"]
+    assert decision["mode"] == "local" and r.headers["x-pdserve-pd-mode"] == "local", decision
+    assert r.json()["output_ids"] == reference(short)["output_ids"]
+    assert prefill_transfers(Pa) + prefill_transfers(Pb) == transfers  # no prefill was involved
+    # streamed: the decision comes with the last event
+    body = {"input_ids": short[:18], "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": PD_NEW_TOKENS, "ignore_eos": True}}
+    with httpx.stream("POST", R.url + "/generate", json=body, timeout=60) as s:
+        text = s.read().decode()
+    assert '"pd_decision": {"mode": "local"' in text and s.headers["x-pdserve-pd-mode"] == "local"
+
+    long = [rng.randrange(100, 40000) for _ in range(200)]
+    r = gen(R.url, long)
+    decision = r.json()["meta_info"]["pd_decision"]
+    assert (decision["mode"], decision["reason"]) == ("pd", "too_long"), decision
+    assert r.json()["output_ids"] == reference(long)["output_ids"]
+    assert prefill_transfers(Pa) + prefill_transfers(Pb) == transfers + 1
+    # the next turn: decode holds the conversation, so only the new tokens are left to prefill there
+    c.wait_for(lambda: index_blocks(R).get(D.url, 0) >= 12, 10, "router sees decode's blocks")
+    turn2 = long + r.json()["output_ids"] + [rng.randrange(100, 40000) for _ in range(30)]
+    r2 = gen(R.url, turn2)
+    decision = r2.json()["meta_info"]["pd_decision"]
+    assert decision["mode"] == "local" and decision["decode_cached_tokens"] >= 192, decision
+    assert r2.json()["output_ids"] == reference(turn2)["output_ids"]
+    metrics = R.http.get("/metrics").text
+    assert 'pdserve_router_pd_decisions_total{mode="local",reason="faster_local"}' in metrics
+    assert 'pdserve_router_pd_decisions_total{mode="pd",reason="too_long"}' in metrics
+    D.wait_idle()
+    for p in (Pa, Pb):
+        p.wait_idle()
+
+
+def test_conditional_sends_long_prompts_to_prefill_when_decode_is_busy(cluster):
+    """The penalty for decode's running streams turns a short prompt to PD when decode is busy."""
+    R, D = cluster["pd_cond"], cluster["D"]
+    rng = random.Random(41)
+    stop = threading.Event()
+
+    def long_stream():
+        body = {"input_ids": [rng.randrange(100, 40000) for _ in range(30)], "stream": True,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 3000, "ignore_eos": True}}
+        with httpx.stream("POST", D.url + "/generate", json=body, timeout=120) as r:
+            for _ in r.iter_bytes():
+                if stop.is_set():
+                    return
+
+    threads = [threading.Thread(target=long_stream, daemon=True) for _ in range(16)]
+    for t in threads:
+        t.start()
+    try:
+        c.wait_for(lambda: D.http.get("/get_load").json()[0]["num_reqs"] >= 16, 20, "decode busy")
+        time.sleep(0.3)
+        r = gen(R.url, [rng.randrange(100, 40000) for _ in range(90)])
+        decision = r.json()["meta_info"]["pd_decision"]
+        assert (decision["mode"], decision["reason"]) == ("pd", "faster_pd"), decision
+        assert decision["itl_penalty_s"] > 0
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    D.wait_idle()
