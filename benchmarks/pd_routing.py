@@ -76,11 +76,11 @@ def kv_events() -> list[str]:
             "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{c.free_port()}"]
 
 
-def pinned(name: str, model: str, logs: Path, core: str, threads: int, *args: str) -> c.Proc:
+def pinned(name: str, model: str, logs: Path, core: str, threads: int, dtype: str, *args: str) -> c.Proc:
     port = c.free_port()
     cmd = ["taskset", "-c", core, sys.executable, "-m", "pdserve.cli", "serve", "--model-path", model,
            "--port", str(port), "--torch-num-threads", str(threads), "--served-model-name", "demo",
-           "--max-total-tokens", "65536", *kv_events(), *args]
+           "--max-total-tokens", "65536", "--dtype", dtype, *kv_events(), *args]
     return c.Proc(name, cmd, port, logs, env={"OMP_NUM_THREADS": str(threads)})
 
 
@@ -220,17 +220,17 @@ def run(setup: Setup, workload: str, model: str, logs: Path, a) -> dict:
     prefills: list[c.Proc] = []
     decode: Optional[c.Proc] = None
     if setup.colocated:
-        W = pinned(f"W-{tag}", model, logs, "0,1", 2)
+        W = pinned(f"W-{tag}", model, logs, "0,1", 2, a.dtype)
         servers = prefills = [W]
     else:
         for i in range(setup.prefills):
             bport = c.free_port()
-            P = pinned(f"P{i}-{tag}", model, logs, "0", 1, "--disaggregation-mode", "prefill",
+            P = pinned(f"P{i}-{tag}", model, logs, "0", 1, a.dtype, "--disaggregation-mode", "prefill",
                        "--disaggregation-bootstrap-port", str(bport))
             P.bootstrap_port = bport
             prefills.append(P)
         extra = ["--disaggregation-decode-enable-radix-cache"] if setup.decode_cache else []
-        decode = pinned(f"D-{tag}", model, logs, "1", 1, "--disaggregation-mode", "decode", *extra)
+        decode = pinned(f"D-{tag}", model, logs, "1", 1, a.dtype, "--disaggregation-mode", "decode", *extra)
         servers = [*prefills, decode]
     R = None
     try:
@@ -351,6 +351,10 @@ def main() -> None:
     g.add_argument("--warmup-prompts", type=int, default=4)
     g.add_argument("--warmup-input-len", type=int, default=600,
                    help="tokens; above the router's --pd-local-max-tokens (512) so conditional warms the PD path")
+    ap.add_argument("--dtype", default="bfloat16", choices=("auto", "bfloat16", "float32"),
+                    help="every server's --dtype. Not auto by default: auto times bf16 against float32 at start-up "
+                         "on each server, servers starting together can choose differently, and a prefill and a "
+                         "decode with different KV dtypes cannot pair (kv_dtype mismatch)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     setups = pick_setups(a.setups)
@@ -372,7 +376,7 @@ def main() -> None:
     cpu = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")), "?")
     print(f"machine: {platform.machine()}, {cpu}, {os.cpu_count()} cores; prefill(s) on core 0, decode on core 1, "
           "one torch thread each; colocated on cores 0,1 with two threads; router and load generator unpinned")
-    print(f"model: {a.model_path}; --max-total-tokens 65536; SLO: TTFT <= {a.slo_ttft_ms:g} ms, "
+    print(f"model: {a.model_path}; --dtype {a.dtype}; --max-total-tokens 65536; SLO: TTFT <= {a.slo_ttft_ms:g} ms, "
           f"TPOT <= {a.slo_tpot_ms:g} ms; wall time {total_s / 60:.1f} min")
     lo_in = max(1, int(a.long_range_ratio * a.long_input_len))
     lo_out = max(1, int(a.long_range_ratio * a.long_output_len))

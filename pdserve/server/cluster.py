@@ -23,6 +23,7 @@ import time
 import httpx
 
 from pdserve.log import setup_logging
+from pdserve.router.args import PD_POLICIES, POLICIES
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--num-decode", type=int, default=1)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="router port")
-    p.add_argument("--policy", default="round_robin")
+    p.add_argument("--policy", default="round_robin", choices=POLICIES, help="the router's policy")
+    p.add_argument("--prefill-policy", default=None, choices=POLICIES,
+                   help="the router's policy for prefill (e.g. cache_aware with several prefills)")
+    p.add_argument("--pd-policy", default="always", choices=PD_POLICIES,
+                   help="conditional: the router may have decode prefill short prompts itself")
+    p.add_argument("--decode-radix-cache", action="store_true",
+                   help="decode keeps finished requests' KV; a next turn gets only its new pages from prefill")
     p.add_argument("--transfer-backend", default=None,
                    help="KV transfer backend of every server. Default: local when --host is a loopback address "
                         "(every server on this host, reached only from it), else mooncake (nixl when Mooncake is "
@@ -167,6 +174,20 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
 
+    events_port = 5557
+    follows_events = "cache_aware" in (args.policy, args.prefill_policy) or args.pd_policy == "conditional"
+
+    def kv_events() -> list[str]:
+        """KV event endpoints for one server when the router follows the caches (one port per DP group)."""
+        nonlocal events_port
+        if not follows_events:
+            return []
+        pub = free_port(events_port)
+        replay = free_port(pub + 1000)
+        events_port = pub + 1 + 8  # room for DP groups' ports (endpoint port + group)
+        return ["--kv-events-endpoint", f"tcp://{args.host}:{pub}", "--kv-events-replay-endpoint",
+                f"tcp://{args.host}:{replay}"]
+
     port = 30000
     prefill_specs, decode_urls = [], []
     try:
@@ -174,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.num_prefill):
             port, bport = free_port(port), free_port(bport)
             cmd = py + ["serve", *common, "--port", str(port), "--disaggregation-mode", "prefill",
-                        "--disaggregation-bootstrap-port", str(bport),
+                        "--disaggregation-bootstrap-port", str(bport), *kv_events(),
                         *_parallel_flags(args.prefill_tp_size, args.prefill_dp_size, args.prefill_pp_size)]
             url = f"http://{args.host}:{port}"
             procs.append((f"prefill-{i}", url, subprocess.Popen(cmd)))
@@ -182,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             port, bport = port + 1, bport + 1
         for j in range(args.num_decode):
             port = free_port(port)
-            cmd = py + ["serve", *common, "--port", str(port), "--disaggregation-mode", "decode",
+            cmd = py + ["serve", *common, "--port", str(port), "--disaggregation-mode", "decode", *kv_events(),
+                        *(["--disaggregation-decode-enable-radix-cache"] if args.decode_radix_cache else []),
                         *_parallel_flags(args.decode_tp_size, args.decode_dp_size)]
             url = f"http://{args.host}:{port}"
             procs.append((f"decode-{j}", url, subprocess.Popen(cmd)))
@@ -194,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         router_url = f"http://{args.host}:{args.port}"
         router = subprocess.Popen(py + ["router", *prefill_specs, *decode_urls, "--host", args.host,
                                         "--port", str(args.port), "--policy", args.policy,
-                                        *(["--dp-aware"] if args.dp_aware else [])])
+                                        *(["--prefill-policy", args.prefill_policy] if args.prefill_policy else []),
+                                        "--pd-policy", args.pd_policy, *(["--dp-aware"] if args.dp_aware else [])])
         procs.append(("router", router_url, router))
         wait_ready(router_url, router, 60, "router")
         print(f"pdserve cluster ready: {router_url}  "

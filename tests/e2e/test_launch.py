@@ -29,7 +29,8 @@ def test_launch_serves_and_stops_everything(tiny_llama_path, tmp_path):
     log = open(tmp_path / "launch.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "launch", "--model-path", tiny_llama_path, "--port", str(port),
-         "--num-prefill", "1", "--num-decode", "1", "--torch-num-threads", "1", "--max-total-tokens", "16384"],
+         "--num-prefill", "1", "--num-decode", "1", "--torch-num-threads", "1", "--max-total-tokens", "16384",
+         "--pd-policy", "conditional", "--decode-radix-cache"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     url = f"http://127.0.0.1:{port}"
@@ -43,6 +44,12 @@ def test_launch_serves_and_stops_everything(tiny_llama_path, tmp_path):
                                                                                     "temperature": 0}}, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["meta_info"]["completion_tokens"] == 4
+        assert r.json()["meta_info"]["pd_decision"]["mode"] in ("local", "pd")
+        # the servers publish KV events and the router follows them (conditional needs the caches)
+        index = httpx.get(url + "/kv_index", timeout=10).json()
+        assert len(index["workers"]) == 2 and index["tokenizer"], index
+        wait_for(lambda: all(g["synced"] for gs in httpx.get(url + "/kv_index", timeout=10).json()["workers"].values()
+                             for g in gs), 10, "KV indices in sync")
         prefill = httpx.get(url + "/server_info", timeout=60).json()["prefill"][0]
         assert prefill["server_info"]["disaggregation_secret"] == "***"  # launch gave its servers one
         lookup = httpx.get(f"http://127.0.0.1:{prefill['bootstrap_port']}/route?prefill_dp_rank=-1&target_tp_rank=-1"
