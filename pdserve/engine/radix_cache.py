@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 from typing import Iterator, Optional
 
-from pdserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, chain_hashes
+from pdserve.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, chain_hashes
 from pdserve.engine.kv_pool import PageAllocator
 
 

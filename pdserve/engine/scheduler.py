@@ -22,7 +22,7 @@ from pdserve.config import ServerArgs
 from pdserve.distributed import SINGLE_RANK, Parallel
 from pdserve.engine import dp_attention
 from pdserve.engine import logprobs as lp
-from pdserve.engine.kv_events import KVEventPublisher, offset_port
+from pdserve.kv_events import KVEventPublisher, offset_port
 from pdserve.engine.kv_pool import BufferAllocator, default_allocator
 from pdserve.engine.pd_queues import PDQueues
 from pdserve.engine.model_runner import ModelRunner

@@ -1,5 +1,5 @@
 """What each worker's KV cache holds, kept by the router from the workers' KV events
-(``engine/kv_events.py``), for ``cache_aware`` routing and ``--pd-policy conditional``.
+(``kv_events.py``), for ``cache_aware`` routing and ``--pd-policy conditional``.
 
 One ``GroupFeed`` per publisher (a worker, or each DP group of one: group ``g`` publishes on the
 worker's endpoint port + g) holds the set of block hashes the group stores. Its life:
@@ -32,7 +32,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pdserve.engine.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, chain_hashes,
+from pdserve.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, chain_hashes,
                                       offset_port)
 from pdserve.router.workers import Worker
 

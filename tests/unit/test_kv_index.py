@@ -10,7 +10,7 @@ import types
 import msgspec
 import pytest
 
-from pdserve.engine.kv_events import BlockRemoved, BlockStored, KVEventBatch, KVEventPublisher, chain_hashes
+from pdserve.kv_events import BlockRemoved, BlockStored, KVEventBatch, KVEventPublisher, chain_hashes
 from pdserve.router.kv_index import KVIndex, PromptBlocks
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import make_policy
