@@ -172,6 +172,13 @@ def test_pd_prefill_routing_follows_the_prefill_caches(cluster, reference):
         turn2 = turn1 + out1["output_ids"] + [rng.randrange(100, 40000) for _ in range(20)]
         assert gen(R.url, turn2).json()["output_ids"] == reference(turn2)["output_ids"]
         assert prefill_hits(holder) - hits >= 64, k
+    # --pd-policy always: a short prompt, with decode idle, still goes through a prefill
+    D.wait_idle()
+    transfers = prefill_transfers(Pa) + prefill_transfers(Pb)
+    short = [rng.randrange(100, 40000) for _ in range(20)]
+    r = gen(R.url, short)
+    assert r.json()["output_ids"] == reference(short)["output_ids"] and "x-pdserve-pd-mode" not in r.headers
+    c.wait_for(lambda: prefill_transfers(Pa) + prefill_transfers(Pb) == transfers + 1, 10, "one transfer")
     D.wait_idle()
 
 
@@ -201,7 +208,7 @@ def test_conditional_short_prompt_on_decode_long_prompt_through_prefill(cluster,
     decision = r.json()["meta_info"]["pd_decision"]
     assert (decision["mode"], decision["reason"]) == ("pd", "too_long"), decision
     assert r.json()["output_ids"] == reference(long)["output_ids"]
-    assert prefill_transfers(Pa) + prefill_transfers(Pb) == transfers + 1
+    c.wait_for(lambda: prefill_transfers(Pa) + prefill_transfers(Pb) == transfers + 1, 10, "one transfer")
     # the next turn: decode holds the conversation, so only the new tokens are left to prefill there
     c.wait_for(lambda: index_blocks(R).get(D.url, 0) >= 12, 10, "router sees decode's blocks")
     turn2 = long + r.json()["output_ids"] + [rng.randrange(100, 40000) for _ in range(30)]
