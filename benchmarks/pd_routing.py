@@ -36,7 +36,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -55,7 +54,7 @@ class Setup:
     prefills: int = 1
     decode_cache: bool = False
     pd_policy: str = "always"
-    prefill_policy: Optional[str] = None
+    prefill_policy: str | None = None
 
 
 SETUPS = (
@@ -98,7 +97,7 @@ def prom(proc: c.Proc) -> dict[tuple, float]:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
-def sample_sum(samples: dict[tuple, float], name: str, **labels: str) -> Optional[float]:
+def sample_sum(samples: dict[tuple, float], name: str, **labels: str) -> float | None:
     vals = [v for (n, lab), v in samples.items() if n == name and all(dict(lab).get(k) == x for k, x in labels.items())]
     return sum(vals) if vals else None
 
@@ -130,7 +129,7 @@ def router_counters(router: c.Proc) -> dict:
                            if n == "pdserve_router_requests_total" and dict(lab).get("status") != "200")}
 
 
-def snapshot(prefills: list[c.Proc], decode: Optional[c.Proc], router: c.Proc) -> dict:
+def snapshot(prefills: list[c.Proc], decode: c.Proc | None, router: c.Proc) -> dict:
     return {"prefills": [server_counters(p) for p in prefills],
             "decode": server_counters(decode) if decode is not None else None,
             "router": router_counters(router)}
@@ -198,9 +197,9 @@ def workload_argv(workload: str, a) -> list[str]:
                 "--mt-system-len", str(a.system_len), "--mt-user-len", str(a.user_len), "--mt-output-len",
                 str(a.output_len), "--mt-think-time", str(a.think_time), "--random-range-ratio", "1",
                 "--max-concurrency", str(a.concurrency), *slo]
-    return ["--dataset-name", "random", "--num-prompts", str(a.long_prompts), "--random-input-len", str(a.long_input_len),
-            "--random-output-len", str(a.long_output_len), "--random-range-ratio", str(a.long_range_ratio),
-            "--request-rate", str(a.long_rate), *slo]
+    return ["--dataset-name", "random", "--num-prompts", str(a.long_prompts),
+            "--random-input-len", str(a.long_input_len), "--random-output-len", str(a.long_output_len),
+            "--random-range-ratio", str(a.long_range_ratio), "--request-rate", str(a.long_rate), *slo]
 
 
 def warm_up(url: str, model: str, a, logs: Path, tag: str) -> None:
@@ -208,7 +207,7 @@ def warm_up(url: str, model: str, a, logs: Path, tag: str) -> None:
             "--random-input-len", str(a.warmup_input_len), "--random-output-len", "8", "--random-range-ratio", "1",
             "--max-concurrency", "2", "--seed", "4242", "--warmup-requests", "0",
             "--output-file", str(logs / f"{tag}.warmup.json")]
-    with contextlib.redirect_stdout(open(os.devnull, "w")):
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
         rc = serving.main(argv)
     if rc != 0:
         raise RuntimeError(f"warm-up of {tag} failed")
@@ -218,7 +217,7 @@ def run(setup: Setup, workload: str, model: str, logs: Path, a) -> dict:
     tag = f"{setup.key}.{workload}"
     servers: list[c.Proc] = []
     prefills: list[c.Proc] = []
-    decode: Optional[c.Proc] = None
+    decode: c.Proc | None = None
     if setup.colocated:
         W = pinned(f"W-{tag}", model, logs, "0,1", 2, a.dtype)
         servers = prefills = [W]
@@ -237,16 +236,25 @@ def run(setup: Setup, workload: str, model: str, logs: Path, a) -> dict:
         t0 = time.monotonic()
         c.start_all(servers)
         if setup.colocated:
-            R = colocated_router(f"R-{tag}", servers[0], logs, "--policy", "round_robin", "--tokenizer-path", model)
+            router_args = ["--policy", "round_robin", "--tokenizer-path", model]
+            R = colocated_router(f"R-{tag}", servers[0], logs, *router_args)
         else:
-            extra = ["--tokenizer-path", model, "--pd-policy", setup.pd_policy]
+            router_args = ["--tokenizer-path", model, "--pd-policy", setup.pd_policy]
             if setup.prefill_policy:
-                extra += ["--prefill-policy", setup.prefill_policy]
-            R = c.router(f"R-{tag}", prefills, [decode], logs, *extra)
+                router_args += ["--prefill-policy", setup.prefill_policy]
+            if setup.pd_policy == "conditional" and a.pd_prefill_fit:
+                fixed, per_token = a.pd_prefill_fit.split(",")
+                router_args += ["--pd-prefill-fixed-s", fixed, "--pd-prefill-s-per-token", per_token]
+            R = c.router(f"R-{tag}", prefills, [decode], logs, *router_args)
         R.start()
         started_s = time.monotonic() - t0
         print(f"== {setup.name} / {workload} ({time.strftime('%H:%M:%S')}, servers up in {started_s:.0f} s)",
               file=sys.stderr)
+        if setup.pd_policy == "conditional":
+            for s in servers:
+                cal = (s.http.get("/server_info").json().get("calibration") or {})
+                print(f"   {s.name} calibration: {cal.get('prefill_fixed_s')} s + {cal.get('prefill_s_per_token')} "
+                      "s/token", file=sys.stderr)
         warm_up(R.url, model, a, logs, tag)
         time.sleep(0.5)  # let the last KV events and transfer records land
         before = snapshot(prefills, decode, R)
@@ -264,11 +272,14 @@ def run(setup: Setup, workload: str, model: str, logs: Path, a) -> dict:
         counters, warnings = diff(before, after, summary["completed"])
         if setup.colocated:  # its only server is in the prefill slot; it moves no KV
             counters["kv_bytes"], counters["kv_bytes_per_request"] = 0.0, None
-        warmup_transfers = [len(s["transfers"]) for s in before["prefills"]] if not setup.colocated else []
+        # includes the servers' own start-up prefills (warm-up, calibration), which move no KV
+        transfers_before = [len(s["transfers"]) for s in before["prefills"]] if not setup.colocated else []
+        calibration = {s.name: (s.http.get("/server_info").json().get("calibration") or {}) for s in servers}
         for w in warnings:
             print(f"   warning: {w}", file=sys.stderr)
         return {"setup": setup.name, "key": setup.key, "workload": workload, "summary": summary,
-                **counters, "warnings": warnings, "warmup_transfers_per_prefill": warmup_transfers,
+                **counters, "warnings": warnings, "transfer_records_before_run_per_prefill": transfers_before,
+                "calibration": calibration, "router_args": router_args,
                 "startup_s": started_s, "bench_s": bench_s, "bench_argv": argv}
     finally:
         for s in [x for x in (R, *reversed(servers)) if x is not None]:
@@ -276,11 +287,11 @@ def run(setup: Setup, workload: str, model: str, logs: Path, a) -> dict:
 
 
 # ---- report ---------------------------------------------------------------------------------
-def fmt(x: Optional[float], spec: str = ".0f") -> str:
+def fmt(x: float | None, spec: str = ".0f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def ratio(x: Optional[float], base: Optional[float]) -> str:
+def ratio(x: float | None, base: float | None) -> str:
     if x is None or not base:
         return "-"
     return f"{x / base:.2f}x"
@@ -288,10 +299,10 @@ def ratio(x: Optional[float], base: Optional[float]) -> str:
 
 def table(rows: list[dict]) -> list[str]:
     base = next((r for r in rows if r["setup"] == BASELINE), None)
-    lines = ["| set-up | done | TTFT mean / p90 / p99 ms | ITL p99 ms | TPOT mean ms | goodput req/s (share) | "
-             f"TTFT mean vs {BASELINE} | goodput vs {BASELINE} | KV KB/req | prefilled on decode | "
-             "prefill cache hits (tok) | decode cache hits (tok) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    header = ("| set-up | done | TTFT mean / p90 / p99 ms | ITL p99 ms | TPOT mean ms | goodput req/s (share) | "
+              f"TTFT mean vs {BASELINE} | goodput vs {BASELINE} | KV MB/req | prefilled on decode | "
+              "prefill cache hits (tok) | decode cache hits (tok) |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s = r["summary"]
         ttft, itl, tpot, good = s["ttft_ms"] or {}, s["itl_ms"] or {}, s["tpot_ms"] or {}, s["goodput"] or {}
@@ -305,7 +316,7 @@ def table(rows: list[dict]) -> list[str]:
             f"| {fmt(good.get('rate'), '.3f')} ({fmt(100 * good['share'] if good else None)}%) "
             f"| {ratio(ttft.get('mean'), (b.get('ttft_ms') or {}).get('mean'))} "
             f"| {ratio(good.get('rate'), (b.get('goodput') or {}).get('rate'))} "
-            f"| {'-' if kv is None else f'{kv / 1e3:.0f}'} "
+            f"| {'-' if kv is None else f'{kv / 1e6:.1f}'} "
             f"| {'-' if local is None else f'{100 * local:.0f}%'} "
             f"| {r['prefill_cache_hit_tokens']} | {fmt(r.get('decode_cache_hit_tokens'))} |")
     return lines
@@ -351,6 +362,10 @@ def main() -> None:
     g.add_argument("--warmup-prompts", type=int, default=4)
     g.add_argument("--warmup-input-len", type=int, default=600,
                    help="tokens; above the router's --pd-local-max-tokens (512) so conditional warms the PD path")
+    ap.add_argument("--pd-prefill-fit", default=None, metavar="FIXED_S,S_PER_TOKEN",
+                    help="conditional set-ups: give the router this prefill cost (--pd-prefill-fixed-s, "
+                         "--pd-prefill-s-per-token) instead of the servers' start-up calibration, which is noisy "
+                         "when servers start together on a busy machine")
     ap.add_argument("--dtype", default="bfloat16", choices=("auto", "bfloat16", "float32"),
                     help="every server's --dtype. Not auto by default: auto times bf16 against float32 at start-up "
                          "on each server, servers starting together can choose differently, and a prefill and a "
@@ -358,6 +373,11 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     setups = pick_setups(a.setups)
+    if a.pd_prefill_fit:
+        try:
+            _fixed, _per_token = (float(x) for x in a.pd_prefill_fit.split(","))
+        except ValueError:
+            raise SystemExit(f"--pd-prefill-fit: expected FIXED_S,S_PER_TOKEN, got {a.pd_prefill_fit!r}") from None
     workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
     for w in workloads:
         if w not in WORKLOADS:
@@ -378,6 +398,8 @@ def main() -> None:
           "one torch thread each; colocated on cores 0,1 with two threads; router and load generator unpinned")
     print(f"model: {a.model_path}; --dtype {a.dtype}; --max-total-tokens 65536; SLO: TTFT <= {a.slo_ttft_ms:g} ms, "
           f"TPOT <= {a.slo_tpot_ms:g} ms; wall time {total_s / 60:.1f} min")
+    print("conditional router's prefill cost: " + (f"--pd-prefill-fit {a.pd_prefill_fit}" if a.pd_prefill_fit
+                                                    else "the servers' start-up calibration (in --json)"))
     lo_in = max(1, int(a.long_range_ratio * a.long_input_len))
     lo_out = max(1, int(a.long_range_ratio * a.long_output_len))
     params = {
@@ -399,7 +421,7 @@ def main() -> None:
     print()
     print(f"Notes: counters are differences between a read after our own warm-up ({a.warmup_prompts} random "
           f"prompts of {a.warmup_input_len} tokens, another seed) and one after the run, so they count the "
-          "measured requests only; the bench's own warm-up is off. KV KB/req: KV bytes the prefills wrote into "
+          "measured requests only; the bench's own warm-up is off. KV MB/req: KV bytes the prefills wrote into "
           "decode (pdserve:kv_transfer_bytes_total) over completed requests, local ones included. 'prefilled on "
           "decode': router decisions with mode=local over all decisions. Cache hits are the servers' "
           "cache_hit_tokens (colocated: its one server, in the prefill column; decode's include local prefills). "

@@ -24,12 +24,11 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pdserve.disagg.dp_resolver import PrefillDPResolver, ResolvingReceiver
-from pdserve.disagg.fake import FakeKVReceiver
+from pdserve.disagg.fake import FakeKVReceiver, is_fake_host
 from pdserve.disagg.metadata import MetadataBuffers, SlotAllocator
 from pdserve.disagg.poll import KVPoll, poll_and_all_reduce
 from pdserve.engine.request import FinishKind, FinishReason, Req
 from pdserve.engine.stop import check_finish
-from pdserve.disagg.prefill import FAKE_BOOTSTRAP_HOST
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +66,7 @@ class DecodeQueues:
         return req.bootstrap_host is not None and req.bootstrap_room is not None
 
     def add(self, req: Req) -> None:
-        if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
+        if is_fake_host(req.bootstrap_host):
             receiver = FakeKVReceiver(None, "", req.bootstrap_room)  # warm-up: no peer is contacted
         else:
             addr = f"{req.bootstrap_host}:{req.bootstrap_port or self.s.args.disaggregation_bootstrap_port}"
@@ -87,7 +86,7 @@ class DecodeQueues:
     def reject(self, host: Optional[str], port: Optional[int], room: int, reason: str) -> None:
         """The request for ``room`` was refused before it got here: tell its prefill (once the
         connection is up) instead of letting it wait for its bootstrap timeout."""
-        if not host or host == FAKE_BOOTSTRAP_HOST or self.fake:
+        if not host or is_fake_host(host) or self.fake:
             return
         receiver = self.receiver_cls(self.mgr, f"{host}:{port or self.s.args.disaggregation_bootstrap_port}", room)
         receiver.abort(f"decode request {reason}")

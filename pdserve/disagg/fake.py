@@ -12,6 +12,21 @@ from typing import Any, Optional, Sequence
 
 from pdserve.disagg.poll import KVPoll
 
+# Requests sent with this bootstrap host (warm-up, calibration, /health_generate) use the fake
+# sender/receiver: no peer is contacted and nothing is transferred.
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+
+
+def is_fake_host(host: Optional[str]) -> bool:
+    return host == FAKE_BOOTSTRAP_HOST
+
+
+def fake_bootstrap(disaggregation_mode: str) -> dict:
+    """The bootstrap fields of a server's own requests (warm-up and the like): fake in PD modes, none otherwise."""
+    if disaggregation_mode == "null":
+        return {}
+    return {"bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_port": 0, "bootstrap_room": 0}
+
 
 class FakeKVManager:
     def __init__(self, kv_args=None, mode: str = "prefill", server_args: Any = None, backend_name: str = "fake",

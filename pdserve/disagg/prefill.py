@@ -27,14 +27,13 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pdserve.disagg.bootstrap import parse_addr, register_dp_rank
+from pdserve.disagg.fake import is_fake_host
 from pdserve.disagg.metadata import MetadataBuffers, SlotAllocator
 from pdserve.disagg.poll import KVPoll, poll_and_all_reduce
 from pdserve.engine.request import FinishKind, FinishReason, Req
 
 logger = logging.getLogger(__name__)
 
-# Requests sent with this bootstrap host (warm-up) use the fake sender: nothing is transferred.
-FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 # HTTP status of a failed room: 502 when the decode side caused it (aborted, died, never asked),
 # 503 when this prefill did (its transfer failed). The router blames the other leg for a 502.
 PEER_FAILED_STATUS = 502
@@ -78,7 +77,7 @@ class PrefillQueues:
 
     def add(self, req: Req) -> None:
         req.sampling.max_new_tokens = 1
-        if req.bootstrap_host is None or req.bootstrap_host == FAKE_BOOTSTRAP_HOST or req.bootstrap_room is None:
+        if req.bootstrap_host is None or is_fake_host(req.bootstrap_host) or req.bootstrap_room is None:
             sender = self.fake_sender_cls(None, "", req.bootstrap_room or 0)
         else:
             addr = f"{req.bootstrap_host}:{req.bootstrap_port or self.s.args.disaggregation_bootstrap_port}"
@@ -107,7 +106,7 @@ class PrefillQueues:
 
     def reject(self, host: Optional[str], port: Optional[int], room: int, reason: str) -> None:
         """The request for ``room`` was refused before it got here: end the room for decode now."""
-        if host and host != FAKE_BOOTSTRAP_HOST and hasattr(self.mgr, "role"):
+        if host and not is_fake_host(host) and hasattr(self.mgr, "role"):
             self.mgr.role.reject(room, f"prefill request {reason}")
 
     def all_reqs(self) -> list[Req]:

@@ -16,6 +16,7 @@ import random
 import time
 from typing import Any, Awaitable, Callable
 
+from pdserve.disagg.fake import fake_bootstrap
 from pdserve.server import http_util
 from pdserve.server.tokenizer_manager import TokenizerManager
 
@@ -50,11 +51,8 @@ async def calibrate(tm: TokenizerManager, flush: Callable[[], Awaitable[Any]]) -
 
 
 async def _time_prefill(tm: TokenizerManager, ids: list[int]) -> float:
-    bootstrap: dict = {}
-    if tm.server_args.disaggregation_mode == "prefill":
-        from pdserve.disagg.prefill import FAKE_BOOTSTRAP_HOST
-
-        bootstrap = {"bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_port": 0, "bootstrap_room": 0}
+    # a decode server prefills locally (no bootstrap fields); a prefill server with the fake host
+    bootstrap = fake_bootstrap("prefill") if tm.server_args.disaggregation_mode == "prefill" else {}
     spec = tm.make_spec(ids, {"max_new_tokens": 1, "temperature": 0.0}, default_max_new_tokens=1, **bootstrap)
     t0 = time.perf_counter()
     state = tm.submit(spec)

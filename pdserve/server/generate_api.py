@@ -16,6 +16,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pdserve.disagg.fake import fake_bootstrap
 from pdserve.engine.request import INT64_MAX, MAX_TOP_LOGPROBS
 from pdserve.server import http_util, timeline
 from pdserve.server.errors import bad_request
@@ -179,11 +180,6 @@ async def _events(tm: TokenizerManager, states: list[ReqState], many: bool, with
 def health_request(tm: TokenizerManager) -> ReqSpec:
     """A one-token generation for warm-up and /health_generate. In a PD server it carries the
     fake bootstrap host, for which the scheduler contacts no peer and moves no KV."""
-    bootstrap: dict = {}
-    if tm.server_args.disaggregation_mode != "null":
-        from pdserve.disagg.prefill import FAKE_BOOTSTRAP_HOST
-
-        bootstrap = {"bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_port": 0, "bootstrap_room": 0}
     return tm.make_spec("Hello", {"max_new_tokens": 1, "temperature": 0.0}, default_max_new_tokens=1,
-                        **bootstrap)
+                        **fake_bootstrap(tm.server_args.disaggregation_mode))
 
