@@ -136,5 +136,7 @@ def compat_mismatches(prefill: dict[str, Any], decode: dict[str, Any]) -> list[s
         if name == "model_fingerprint" and (not p or not d):
             continue
         if p != d:
-            out.append(f"{name} mismatch: prefill {p}, decode {d}")
+            hint = " (give both servers the same --kv-cache-dtype or --dtype: --dtype auto measures on each server)" \
+                if name == "kv_dtype" else ""
+            out.append(f"{name} mismatch: prefill {p}, decode {d}{hint}")
     return out

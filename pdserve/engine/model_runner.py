@@ -76,7 +76,7 @@ class ModelRunner:
         )
         self.attn_backend_name = self._attention_backend()
         self.attn_backend = get_attention_backend(self.attn_backend_name, **(
-            {"ops": self.ops} if self.attn_backend_name == "cpu" else {}))
+            {"ops": self.ops, "compute_dtype": self.dtype} if self.attn_backend_name == "cpu" else {}))
         if self.attn_backend_name == "cpu" and self.dtype == torch.bfloat16:
             self.model.enable_decode_stack(self.ops)  # single-rank models only
         logger.info(

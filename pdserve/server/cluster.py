@@ -130,6 +130,23 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def shared_dtype_flags(model: str, extra: list[str]) -> list[str]:
+    """``--dtype`` for every server, decided once here. ``--dtype auto`` measures bf16 against
+    float32 on each server at start-up; servers starting together on a busy host can measure
+    differently, and a prefill and a decode that keep their KV in different dtypes cannot be
+    paired. Nothing when the user chose ``--dtype`` or ``--kv-cache-dtype`` (or quantization)."""
+    if any(a.split("=")[0] in ("--dtype", "--kv-cache-dtype", "--quantization", "--device") for a in extra):
+        return []
+    from pdserve import kernels
+    from pdserve.engine.precision import choose_compute_dtype
+    from pdserve.models.loader import load_config
+
+    dtype, why = choose_compute_dtype("auto", "cpu", load_config(model), kernels.load())
+    name = str(dtype).replace("torch.", "")
+    logger.info("every server computes in %s: %s", name, why)
+    return ["--dtype", name]
+
+
 def _parallel_flags(tp: int, dp: int, pp: int = 1) -> list[str]:
     flags = ["--tp-size", str(tp)]
     if dp > 1:
@@ -154,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[tuple[str, str, subprocess.Popen]] = []
     py = [sys.executable, "-m", "pdserve.cli"]
     backend = transfer_backend_for(args.host, args.transfer_backend)
+    extra = [*shared_dtype_flags(model, extra), *extra]
     common = ["--model-path", model, "--host", args.host, "--torch-num-threads", str(threads),
               "--disaggregation-transfer-backend", backend, "--log-level", args.log_level, *extra]
     # Passed through the environment, which (unlike a command line) other users cannot list.

@@ -1,7 +1,7 @@
 """CPU attention over the paged pool with pdserve's kernels (``kernels/csrc``); pages are read in
 place, never gathered.
 
-- bf16 q and KV (on CPUs with avx512_bf16, head_dim a multiple of 16): every row of the batch,
+- bf16 compute and KV (on CPUs with avx512_bf16, head_dim a multiple of 16): every row of the batch,
   decode and prefill alike, in one call of the flash kernel (``flash_attention.cpp``).
 - otherwise (float32, or no avx512_bf16): decode rows by the paged decode kernel
   (``paged_attention.cpp``), extend rows as the torch backend does (SDPA over the new tokens and
@@ -19,8 +19,9 @@ from pdserve.layers.attention.torch_backend import TorchAttnBackend
 
 
 class CpuAttnBackend(TorchAttnBackend):
-    def __init__(self, ops=None, **_):
+    def __init__(self, ops=None, compute_dtype: torch.dtype = torch.bfloat16, **_):
         super().__init__()
+        self.compute_dtype = compute_dtype
         if ops is None:
             from pdserve import kernels
 
@@ -31,7 +32,7 @@ class CpuAttnBackend(TorchAttnBackend):
 
     def uses_flash(self, fb: ForwardBatch) -> bool:
         pool = fb.kv_pool
-        return pool.dtype == torch.bfloat16 and self.ops.flash_supported(pool.head_dim)
+        return pool.dtype == self.compute_dtype == torch.bfloat16 and self.ops.flash_supported(pool.head_dim)
 
     def is_decode_row(self, fb: ForwardBatch, i: int) -> bool:
         # one new token, whatever its prefix: its K/V are in the pool before the kernel runs
@@ -81,8 +82,8 @@ class CpuAttnBackend(TorchAttnBackend):
         pool = fb.kv_pool
         kc, vc = pool.k_cache(layer_id), pool.v_cache(layer_id)  # [P, kv_heads, page, D]
         head_dim = kc.shape[3]
-        kc.view(-1, head_dim).index_copy_(0, self._write_rows, k.reshape(-1, head_dim))
-        vc.view(-1, head_dim).index_copy_(0, self._write_rows, v.reshape(-1, head_dim))
+        kc.view(-1, head_dim).index_copy_(0, self._write_rows, k.reshape(-1, head_dim).to(kc.dtype))
+        vc.view(-1, head_dim).index_copy_(0, self._write_rows, v.reshape(-1, head_dim).to(vc.dtype))
         out = torch.empty_like(q)
         table, lens, starts = self._flash
         self.ops.paged_attention_bf16(out, q, kc, vc, table, lens, starts, scale, sliding_window or 0)
