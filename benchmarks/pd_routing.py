@@ -266,7 +266,9 @@ def run(setup: Setup, workload: str, model: str, logs: Path, a) -> dict:
         bench_s = time.monotonic() - t1
         if rc != 0:
             raise RuntimeError(f"benchmark of {setup.name} / {workload} failed (rc {rc}); logs in {logs}")
-        summary = json.loads(out.read_text())["summary"]
+        saved = json.loads(out.read_text())
+        summary = saved["summary"]
+        turns = breakdown(saved["records"], a.slo_ttft_ms)
         time.sleep(0.5)
         after = snapshot(prefills, decode, R)
         counters, warnings = diff(before, after, summary["completed"])
@@ -277,7 +279,7 @@ def run(setup: Setup, workload: str, model: str, logs: Path, a) -> dict:
         calibration = {s.name: (s.http.get("/server_info").json().get("calibration") or {}) for s in servers}
         for w in warnings:
             print(f"   warning: {w}", file=sys.stderr)
-        return {"setup": setup.name, "key": setup.key, "workload": workload, "summary": summary,
+        return {"setup": setup.name, "key": setup.key, "workload": workload, "summary": summary, "breakdown": turns,
                 **counters, "warnings": warnings, "transfer_records_before_run_per_prefill": transfers_before,
                 "calibration": calibration, "router_args": router_args,
                 "startup_s": started_s, "bench_s": bench_s, "bench_argv": argv}
@@ -320,6 +322,49 @@ def table(rows: list[dict]) -> list[str]:
             f"| {'-' if local is None else f'{100 * local:.0f}%'} "
             f"| {r['prefill_cache_hit_tokens']} | {fmt(r.get('decode_cache_hit_tokens'))} |")
     return lines
+
+
+def breakdown(records: list[dict], slo_ttft_ms: float) -> dict:
+    """From the bench's per-request records: TTFT of first turns and of later ones (the prefix
+    reuse shows in the later ones), and the share meeting each SLO alone and TPOT <= 100 ms."""
+    ok = [r for r in records if r.get("success")]
+
+    def mean(xs):
+        return 1e3 * sum(xs) / len(xs) if xs else None
+
+    def share(pred):
+        return sum(1 for r in ok if pred(r)) / len(records) if records else None
+
+    ttft_ok = lambda r: r["ttft"] * 1e3 <= slo_ttft_ms  # noqa: E731
+    tpot = lambda r: r.get("tpot") or 0.0  # noqa: E731
+    return {"ttft_first_turn_ms": mean([r["ttft"] for r in ok if r.get("turn") in (0, None)]),
+            "ttft_later_turns_ms": mean([r["ttft"] for r in ok if (r.get("turn") or 0) > 0]),
+            "share_ttft_slo": share(ttft_ok), "share_tpot_50": share(lambda r: tpot(r) <= 0.05),
+            "share_ttft_and_tpot_100": share(lambda r: ttft_ok(r) and tpot(r) <= 0.1)}
+
+
+def breakdown_table(rows: list[tuple[str, dict]], slo_ttft_ms: float) -> list[str]:
+    lines = [f"| set-up | TTFT first turns ms | TTFT later turns ms | share TTFT <= {slo_ttft_ms / 1e3:g} s "
+             f"| share TPOT <= 50 ms | share TTFT <= {slo_ttft_ms / 1e3:g} s and TPOT <= 100 ms |",
+             "|---|---|---|---|---|---|"]
+    for name, b in rows:
+        pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"  # noqa: E731
+        lines.append(f"| {name} | {fmt(b['ttft_first_turn_ms'])} | {fmt(b['ttft_later_turns_ms'])} "
+                     f"| {pct(b['share_ttft_slo'])} | {pct(b['share_tpot_50'])} | {pct(b['share_ttft_and_tpot_100'])} |")
+    return lines
+
+
+def retabulate(logdir: Path, slo_ttft_ms: float) -> None:
+    """The breakdown tables again, from the per-run JSONs a run left in its log folder."""
+    for workload in WORKLOADS:
+        rows = []
+        for setup in SETUPS:
+            f = logdir / f"{setup.key}.{workload}.json"
+            if f.exists():
+                rows.append((setup.name, breakdown(json.loads(f.read_text())["records"], slo_ttft_ms)))
+        if rows:
+            print(f"\n### {workload}: by turn and by SLO ({logdir})\n")
+            print("\n".join(breakdown_table(rows, slo_ttft_ms)))
 
 
 def pick_setups(text: str) -> list[Setup]:
@@ -371,7 +416,11 @@ def main() -> None:
                          "on each server, servers starting together can choose differently, and a prefill and a "
                          "decode with different KV dtypes cannot pair (kv_dtype mismatch)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--retabulate", default=None, metavar="LOGDIR",
+                    help="print the by-turn / by-SLO tables from a finished run's log folder, run nothing")
     a = ap.parse_args()
+    if a.retabulate:
+        return retabulate(Path(a.retabulate), a.slo_ttft_ms)
     setups = pick_setups(a.setups)
     if a.pd_prefill_fit:
         try:
@@ -415,6 +464,8 @@ def main() -> None:
         print(f"### {params[w]}")
         print()
         print("\n".join(table(results[w])))
+        print()
+        print("\n".join(breakdown_table([(r["setup"], r["breakdown"]) for r in results[w]], a.slo_ttft_ms)))
         for r in results[w]:
             for warning in r["warnings"]:
                 print(f"- {r['setup']}: {warning}")

@@ -43,7 +43,7 @@ class RouterArgs:
     tokenizer_path: str | None = None  # for matching text prompts (default: the workers' model path)
     pd_policy: str = "always"  # where PD requests prefill (router/pd_policy.py)
     pd_local_max_tokens: int = 512
-    pd_itl_weight: float = 0.1
+    pd_itl_weight: float = 1.0  # 1: a second of stall on each running stream weighs as much as a second of TTFT
     pd_kv_bandwidth: float = 1e9  # bytes/s, until a prefill reports its measured rate
     pd_overhead_s: float = 0.005
     pd_prefill_fixed_s: float | None = None  # override the servers' calibration
@@ -170,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pd-local-max-tokens", type=int, default=d["pd_local_max_tokens"].default, metavar="N",
                    help="conditional: never prefill on decode more than N tokens it does not hold")
     p.add_argument("--pd-itl-weight", type=float, default=d["pd_itl_weight"].default, metavar="W",
-                   help="conditional: weight of the stall a local prefill inflicts on each running stream")
+                   help="conditional: weight of the stall a local prefill inflicts on each running stream, against "
+                        "the TTFT it saves (1: minimise the total latency added; lower favours TTFT over ITL)")
     p.add_argument("--pd-kv-bandwidth", type=float, default=d["pd_kv_bandwidth"].default, metavar="BYTES_PER_S",
                    help="conditional: KV transfer rate assumed until a prefill reports its measured one")
     p.add_argument("--pd-overhead-s", type=float, default=d["pd_overhead_s"].default, metavar="S",

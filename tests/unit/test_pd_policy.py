@@ -50,9 +50,11 @@ def test_busy_decode_slow_decode_busy_prefill_and_cached_prefixes():
     d.polled_load = (30, 9000)  # 30 streams would stall while decode prefills 400 tokens
     busy = policy().decide(prompt, p, d, batch=False)
     assert (busy.mode, busy.reason) == (PD, "faster_pd") and busy.itl_penalty_s > 0
-    # but decode holding all but 20 tokens of the prompt makes the local prefill short
-    cached = policy(held={d.url: 380}).decide(prompt, p, d, batch=False)
+    # decode holding all but 20 tokens of the prompt makes the local prefill short: worth the
+    # 30 streams' stall when the stall weighs less than the TTFT (--pd-itl-weight 0.1), not at 1
+    cached = policy(held={d.url: 380}, pd_itl_weight=0.1).decide(prompt, p, d, batch=False)
     assert cached.mode == LOCAL and cached.decode_cached_tokens == 380
+    assert policy(held={d.url: 380}).decide(prompt, p, d, batch=False).mode == PD
     d.polled_load = (0, 0)
     p2, d2 = pair(decode_fit=(0.5, 1e-3))  # a much slower decode prefill
     assert policy().decide(prompt, p2, d2, batch=False).mode == PD
