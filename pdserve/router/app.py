@@ -21,7 +21,7 @@ from pdserve.log import setup_logging
 from pdserve.router.args import RouterArgs, parse_args
 from pdserve.router.dispatch import Dispatcher, error_response
 from pdserve.router import pairing
-from pdserve.router.kv_index import KVIndex
+from pdserve.router.kv_index import KVIndex, PromptBlocks
 from pdserve.router.legs import ProxyStream, wait_disconnect
 from pdserve.router.metrics import RequestCounter, RouterMetrics
 from pdserve.router.prompt import PromptReader
@@ -265,6 +265,28 @@ def create_app(args: RouterArgs) -> FastAPI:
                                        "--pd-policy conditional turn them on)")
         return JSONResponse({"tokenizer": router.prompts is not None and router.prompts.tokenizer is not None,
                              "workers": router.index.describe()})
+
+    @app.post("/kv_index/match")
+    async def kv_index_match(request: Request):
+        """How much of a request's prompt each worker holds, as the router sees it: the body of a
+        generation request, its endpoint in ``?path=`` (default /generate)."""
+        if router.index is None:
+            return error_response(404, "the router follows no KV events (policy cache_aware or "
+                                       "--pd-policy conditional turn them on)")
+        path = request.query_params.get("path", "/generate")
+        if path not in GENERATE_PATHS:
+            return error_response(400, f"path: must be one of {', '.join(GENERATE_PATHS)}")
+        try:
+            body = parse_body(await read_body(request, args.max_body_bytes))
+        except BadRequest as e:
+            return error_response(e.status, str(e))
+        ids = router.prompts.ids(path, body) if router.prompts is not None else None
+        if not ids:
+            return error_response(400, "no prompt tokens: a single prompt (input_ids, or text with the tokenizer "
+                                       "loaded) is needed")
+        prompt = PromptBlocks(ids)
+        return JSONResponse({"prompt_tokens": len(ids),
+                             "workers": {w.url: router.index.matched_tokens(w, prompt)[0] for w in router.pool.workers}})
 
     @app.get("/metrics")
     async def metrics():

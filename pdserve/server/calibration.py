@@ -1,7 +1,7 @@
 """Start-up calibration: how long this server takes to prefill, measured on itself.
 
 After the warm-up the front end times a one-token generation of a short and of a longer prompt
-(random token ids, so no cache hit; the best of two runs each) and fits
+(random token ids, so no cache hit; the best of three runs each) and fits
 ``prefill_s(n) = fixed_s + s_per_token * n``. A router that decides per request where to prefill
 (``pdserve router --pd-policy conditional``) reads the fit from ``/server_info``
 (``calibration``). A prefill server runs the prompts with the warm-up's fake bootstrap host, so
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 SHORT_TOKENS = 32
 LONG_TOKENS = 256
-RUNS = 2
+RUNS = 3
 
 
 async def calibrate(tm: TokenizerManager, flush: Callable[[], Awaitable[Any]]) -> dict:

@@ -67,8 +67,17 @@ def index_blocks(router: c.Proc) -> dict[str, int]:
     return {url: sum(g["blocks"] for g in groups) for url, groups in workers.items()}
 
 
-def holds(router: c.Proc, worker: c.Proc, before: dict, more: int) -> bool:
-    return index_blocks(router).get(worker.url, 0) >= before.get(worker.url, 0) + more
+def matched(router: c.Proc, body: dict, path: str = "/generate") -> dict[str, int]:
+    """Tokens of ``body``'s prompt each worker holds, as the router sees it."""
+    r = router.http.post("/kv_index/match", params={"path": path}, json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["workers"]
+
+
+def wait_held(router: c.Proc, body: dict, tokens: int, path: str = "/generate") -> str:
+    """The worker the router sees holding ``tokens`` of ``body``'s prompt (waits for the events)."""
+    c.wait_for(lambda: max(matched(router, body, path).values()) >= tokens, 10, "router sees the prompt's blocks")
+    return max(matched(router, body, path).items(), key=lambda kv: kv[1])[0]
 
 
 def prefill_hits(p: c.Proc) -> int:
@@ -84,10 +93,9 @@ def test_colocated_follow_up_goes_to_the_worker_holding_its_prefix(cluster, refe
     rng = random.Random(11)
     for k in range(4):
         turn1 = [rng.randrange(100, 40000) for _ in range(70)]
-        before = index_blocks(R)
         out1 = gen(R.url, turn1).json()
         assert out1["output_ids"] == reference(turn1)["output_ids"]
-        c.wait_for(lambda: holds(R, Wa, before, 4) or holds(R, Wb, before, 4), 10, "router sees the new blocks")
+        wait_held(R, {"input_ids": turn1}, 64)
         turn2 = turn1 + out1["output_ids"] + [rng.randrange(100, 40000) for _ in range(20)]
         out2 = gen(R.url, turn2).json()
         assert out2["output_ids"] == reference(turn2)["output_ids"]
@@ -95,10 +103,9 @@ def test_colocated_follow_up_goes_to_the_worker_holding_its_prefix(cluster, refe
         assert out2["meta_info"]["cached_tokens"] >= 64, (k, out2["meta_info"])
     # text prompts are tokenized by the router as the server does: chat turns share the prefix
     messages = [{"role": "user", "content": "Tell me about the sea and the ships that sail on it, " * 4}]
-    before = index_blocks(R)
     body = {"messages": messages, "max_tokens": 6, "temperature": 0}
     first = httpx.post(R.url + "/v1/chat/completions", json=body, timeout=60).json()
-    c.wait_for(lambda: holds(R, Wa, before, 2) or holds(R, Wb, before, 2), 10, "router sees the chat blocks")
+    wait_held(R, body, 32, "/v1/chat/completions")
     messages += [first["choices"][0]["message"], {"role": "user", "content": "And the wind?"}]
     second = httpx.post(R.url + "/v1/chat/completions", json={**body, "messages": messages}, timeout=60).json()
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32, second["usage"]
@@ -108,10 +115,8 @@ def test_colocated_overloaded_worker_is_passed_over(cluster, reference):
     R, (Wa, Wb) = cluster["colocated"], cluster["W"]
     rng = random.Random(12)
     turn1 = [rng.randrange(100, 40000) for _ in range(70)]
-    before = index_blocks(R)
     out1 = gen(R.url, turn1).json()["output_ids"]
-    c.wait_for(lambda: holds(R, Wa, before, 4) or holds(R, Wb, before, 4), 10, "router sees the new blocks")
-    holder = Wa if holds(R, Wa, before, 4) else Wb
+    holder = Wa if wait_held(R, {"input_ids": turn1}, 64) == Wa.url else Wb
     # load the holder directly (the router does not see these requests, only their load)
     stop = threading.Event()
 
@@ -162,12 +167,12 @@ def test_pd_prefill_routing_follows_the_prefill_caches(cluster, reference):
     rng = random.Random(21)
     for k in range(3):
         turn1 = [rng.randrange(100, 40000) for _ in range(70)]
-        before = index_blocks(R)
         out1 = gen(R.url, turn1).json()
         assert out1["output_ids"] == reference(turn1)["output_ids"]
         assert "pd_decision" not in out1["meta_info"]  # --pd-policy always: every request through prefill
-        c.wait_for(lambda: holds(R, Pa, before, 4) or holds(R, Pb, before, 4), 10, "router sees prefill's blocks")
-        holder = Pa if holds(R, Pa, before, 4) else Pb
+        c.wait_for(lambda: max(matched(R, {"input_ids": turn1})[p.url] for p in (Pa, Pb)) >= 64, 10,
+                   "router sees prefill's blocks")
+        holder = Pa if matched(R, {"input_ids": turn1})[Pa.url] >= 64 else Pb
         hits = prefill_hits(holder)
         turn2 = turn1 + out1["output_ids"] + [rng.randrange(100, 40000) for _ in range(20)]
         assert gen(R.url, turn2).json()["output_ids"] == reference(turn2)["output_ids"]
@@ -210,7 +215,7 @@ def test_conditional_short_prompt_on_decode_long_prompt_through_prefill(cluster,
     assert r.json()["output_ids"] == reference(long)["output_ids"]
     c.wait_for(lambda: prefill_transfers(Pa) + prefill_transfers(Pb) == transfers + 1, 10, "one transfer")
     # the next turn: decode holds the conversation, so only the new tokens are left to prefill there
-    c.wait_for(lambda: index_blocks(R).get(D.url, 0) >= 12, 10, "router sees decode's blocks")
+    c.wait_for(lambda: matched(R, {"input_ids": long})[D.url] >= 192, 10, "router sees decode's blocks")
     turn2 = long + r.json()["output_ids"] + [rng.randrange(100, 40000) for _ in range(30)]
     r2 = gen(R.url, turn2)
     decision = r2.json()["meta_info"]["pd_decision"]
