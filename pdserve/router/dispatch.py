@@ -39,7 +39,7 @@ from pdserve.router import pairing, pd_policy, protocol, timeline
 from pdserve.router.kv_index import KVIndex, PromptBlocks
 from pdserve.router.legs import PEER_FAILED, EventReader, Leg, LegResult, ProxyStream
 from pdserve.router.pd_policy import LOCAL, Decision, PDPolicy
-from pdserve.router.policy import make_policy
+from pdserve.router.policy import CacheAwarePolicy, make_policy
 from pdserve.router.prompt import PromptReader
 from pdserve.router.workers import DECODE, PREFILL, REGULAR, Worker, WorkerPool
 
@@ -259,9 +259,16 @@ class Dispatcher:
         if not self.args.dp_aware:
             payload = _encode(body)
             return Outgoing(payload, payload)
-        p_body, d_body = protocol.with_dp_ranks(body, prefill.choose_dp_rank if prefill else None,
-                                                main.choose_dp_rank)
+        p_body, d_body = protocol.with_dp_ranks(body, prefill and self.group_chooser(prefill, call.prompt),
+                                                self.group_chooser(main, call.prompt))
         return Outgoing(_encode(d_body), p_body and _encode(p_body), _group(main, d_body), _group(prefill, p_body))
+
+    def group_chooser(self, worker: Worker, prompt: PromptBlocks | None):
+        """How ``worker``'s DP group is chosen: by its groups' caches under ``cache_aware``, else by load."""
+        policy = self.policies[worker.role]
+        if prompt is not None and isinstance(policy, CacheAwarePolicy):
+            return lambda: policy.choose_group(worker, prompt)
+        return worker.choose_dp_rank
 
     def _legs(self, call: Call, prefill: Worker | None, main: Worker, out: Outgoing):
         call.events["dispatched"] = time.time()

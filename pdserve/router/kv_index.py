@@ -337,6 +337,10 @@ class KVIndex:
                 best, group = n, f.dp_rank
         return best, group
 
+    def group_matches(self, worker: Worker, prompt: PromptBlocks) -> dict[int, int]:
+        """Tokens of ``prompt``'s longest cached prefix in each of ``worker``'s DP groups."""
+        return {f.dp_rank: f.matched_blocks(prompt) * (f.block_size or 0) for f in self.feeds.get(worker.url, [])}
+
     def known(self, worker: Worker) -> bool:
         return any(f.synced for f in self.feeds.get(worker.url, []))
 

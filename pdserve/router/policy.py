@@ -120,3 +120,17 @@ class CacheAwarePolicy(Policy):
         best = min(costs)
         self.last = {"matched": matched, "costs": [c for c, _ in costs]}
         return random.choice([w for w, c in zip(candidates, costs, strict=True) if c == best])
+
+    def choose_group(self, worker: Worker, prompt) -> int:
+        """``worker``'s DP group for ``prompt`` (``--dp-aware``): the same cost over its groups
+        (their polled loads), the usual least-loaded choice when no group holds any of it."""
+        matched = self.index.group_matches(worker, prompt) if prompt is not None else {}
+        if not any(matched.values()):
+            return worker.choose_dp_rank()
+        length = len(prompt.ids)
+
+        def cost(g: int) -> tuple[float, int]:
+            reqs, tokens = worker.group_load(g)
+            return (length - matched.get(g, 0)) + self.balance * tokens, reqs
+
+        return min(range(worker.dp_size or 1), key=cost)

@@ -195,3 +195,26 @@ def test_cache_aware_prefers_the_cache_until_load_outweighs_it():
     assert empty.select([a, b], None) is b
     with pytest.raises(ValueError, match="KV index"):
         make_policy("cache_aware")
+
+
+class _GroupIndex(_Index):
+    def __init__(self, groups: dict):
+        super().__init__({})
+        self.groups = groups
+
+    def group_matches(self, worker, prompt):
+        return self.groups
+
+
+def test_cache_aware_picks_the_dp_group_holding_the_prefix_unless_it_is_loaded():
+    w = Worker("http://a:1", "prefill")
+    w.set_dp_size(4)
+    w.group_loads = [(0, 0)] * 4
+    prompt = PromptBlocks(list(range(100)))
+    policy = make_policy("cache_aware", _GroupIndex({0: 0, 1: 0, 2: 96, 3: 0}), balance=1.0)
+    assert all(policy.choose_group(w, prompt) == 2 for _ in range(5))
+    w.group_loads = [(0, 0), (0, 0), (4, 500), (0, 0)]  # the holder is busy: the least loaded instead
+    assert policy.choose_group(w, prompt) in (0, 1, 3)
+    nothing = make_policy("cache_aware", _GroupIndex({0: 0, 1: 0, 2: 0, 3: 0}))
+    w.group_loads = [(3, 0), (1, 0), (2, 0), (5, 0)]
+    assert nothing.choose_group(w, prompt) == 1  # least loaded, as without the cache
