@@ -30,7 +30,8 @@ def par(tmp_path_factory, tp_models):  # noqa: F811
     logs = tmp_path_factory.mktemp("dp_pp")
     llama = tp_models["llama"]
     S = {
-        "Cdp": c.server("Cdp", llama, logs, *DP, *COMMON),
+        # its groups publish KV events (port + group) for the cache-aware, DP-aware router below
+        "Cdp": c.server("Cdp", llama, logs, *DP, *COMMON, "--kv-events-endpoint", f"tcp://127.0.0.1:{c.free_port()}"),
         "Cpp": c.server("Cpp", llama, logs, "--pp-size", "2", *COMMON),
         # two attention groups of two ranks each: heads split inside a group, MLP over all four
         "Cdp42": c.server("Cdp42", llama, logs, "--tp-size", "4", "--dp-size", "2", "--enable-dp-attention", *COMMON),
@@ -48,7 +49,9 @@ def par(tmp_path_factory, tp_models):  # noqa: F811
         routers = {"pp2->1": c.router("Rpp", [S["Ppp"]], [S["D1"]], logs),
                    "1->dp": c.router("R1dp", [S["P1"]], [S["Ddp"]], logs),
                    "dp->dp": c.router("Rdpdp", [S["Pdp"]], [S["Ddp"]], logs),
-                   "dp->dp aware": c.router("Rdpdpa", [S["Pdp"]], [S["Ddp"]], logs, "--dp-aware")}
+                   "dp->dp aware": c.router("Rdpdpa", [S["Pdp"]], [S["Ddp"]], logs, "--dp-aware"),
+                   "cache dp": c.router("Rcdp", [], [], logs, "--worker", S["Cdp"].url, "--dp-aware", "--policy",
+                                        "cache_aware", "--load-poll-interval", "0.05")}
         for r in routers.values():
             r.start()
         yield {"servers": S, "routers": routers, "logs": logs}
@@ -108,6 +111,26 @@ def test_routed_dp_rank_pins_the_group(par, reference):  # noqa: F811
         assert [a - b for a, b in zip(after, before)] == [len(ids) if g == group else 0 for g in (0, 1)]
     r = httpx.post(server.url + "/generate", json={"input_ids": ids, "routed_dp_rank": 2}, timeout=10)
     assert r.status_code == 400 and "routed_dp_rank" in r.text
+
+
+def test_cache_aware_dp_aware_router_sends_a_follow_up_to_the_group_holding_it(par, reference):  # noqa: F811
+    server, router = par["servers"]["Cdp"], par["routers"]["cache dp"]
+    rng = random.Random(71)
+    for k in range(3):
+        turn1 = [rng.randrange(100, 1000) for _ in range(70)]
+        out1 = generate(router.url, turn1)["output_ids"]
+
+        def seen() -> bool:
+            r = router.http.post("/kv_index/match", json={"input_ids": turn1})
+            return r.json()["workers"][server.url] >= 64
+
+        c.wait_for(seen, 10, "router sees the group's blocks")
+        before = server.http.get("/server_info").json()["internal_states"]
+        turn2 = turn1 + out1 + [rng.randrange(100, 1000) for _ in range(20)]
+        assert generate(router.url, turn2)["output_ids"] == reference("llama", turn2)["output_ids"]
+        after = server.http.get("/server_info").json()["internal_states"]
+        [group] = [g for g in (0, 1) if after[g]["prompt_tokens"] > before[g]["prompt_tokens"]]
+        assert after[group]["cache_hit_tokens"] - before[group]["cache_hit_tokens"] >= 64, (k, group)
 
 
 @pytest.mark.parametrize("pairing", ["pp2->1", "1->dp", "dp->dp", "dp->dp aware"])
