@@ -83,12 +83,6 @@ def pinned(name: str, model: str, logs: Path, core: str, threads: int, dtype: st
     return c.Proc(name, cmd, port, logs, env={"OMP_NUM_THREADS": str(threads)})
 
 
-def colocated_router(name: str, worker: c.Proc, logs: Path, *args: str) -> c.Proc:
-    port = c.free_port()
-    cmd = [sys.executable, "-m", "pdserve.cli", "router", "--port", str(port), "--worker", worker.url, *args]
-    return c.Proc(name, cmd, port, logs)
-
-
 # ---- counters -------------------------------------------------------------------------------
 def prom(proc: c.Proc) -> dict[tuple, float]:
     """Every sample of ``/metrics``: (name, sorted labels) -> value."""
@@ -237,7 +231,7 @@ def run(setup: Setup, workload: str, model: str, logs: Path, a) -> dict:
         c.start_all(servers)
         if setup.colocated:
             router_args = ["--policy", "round_robin", "--tokenizer-path", model]
-            R = colocated_router(f"R-{tag}", servers[0], logs, *router_args)
+            R = c.router(f"R-{tag}", [], [], logs, "--worker", servers[0].url, *router_args)
         else:
             router_args = ["--tokenizer-path", model, "--pd-policy", setup.pd_policy]
             if setup.prefill_policy:

@@ -31,6 +31,7 @@ from pdserve.router.workers import DECODE, PREFILL, REGULAR, Worker, WorkerPool
 logger = logging.getLogger(__name__)
 
 GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+NO_INDEX = "the router follows no KV events (policy cache_aware or --pd-policy conditional turn them on)"
 _DRAIN_LIMIT = 64 * 1024 * 1024  # read at most this much of an oversized body before giving up
 
 
@@ -85,11 +86,11 @@ class Router:
     def __init__(self, args: RouterArgs):
         self.args = args
         follow = args.follows_kv_events
-        self.pool = WorkerPool(args, poll_loads=bool({"least_load", "cache_aware"} & args.policies) or follow,
+        self.pool = WorkerPool(args, poll_loads="least_load" in args.policies or follow,
                                needs_info=follow or args.pd_mode)  # PD: backends and hosts (router/pairing.py)
         self.metrics = RouterMetrics(self.pool)
         self.index = KVIndex(self.metrics, lambda: self.pool.client) if follow else None
-        self.prompts = PromptReader(args.tokenizer_path) if args.reads_prompts else None
+        self.prompts = PromptReader(args.tokenizer_path) if follow else None  # the index needs prompt tokens
         self._tokenizer_task: asyncio.Task | None = None
         self.pool.info_listeners.append(self.on_worker_info)
         if self.index is not None:
@@ -261,8 +262,7 @@ def create_app(args: RouterArgs) -> FastAPI:
     async def kv_index():
         """What the router knows of each worker's KV cache (router/kv_index.py)."""
         if router.index is None:
-            return error_response(404, "the router follows no KV events (policy cache_aware or "
-                                       "--pd-policy conditional turn them on)")
+            return error_response(404, NO_INDEX)
         return JSONResponse({"tokenizer": router.prompts is not None and router.prompts.tokenizer is not None,
                              "workers": router.index.describe()})
 
@@ -271,8 +271,7 @@ def create_app(args: RouterArgs) -> FastAPI:
         """How much of a request's prompt each worker holds, as the router sees it: the body of a
         generation request, its endpoint in ``?path=`` (default /generate)."""
         if router.index is None:
-            return error_response(404, "the router follows no KV events (policy cache_aware or "
-                                       "--pd-policy conditional turn them on)")
+            return error_response(404, NO_INDEX)
         path = request.query_params.get("path", "/generate")
         if path not in GENERATE_PATHS:
             return error_response(400, f"path: must be one of {', '.join(GENERATE_PATHS)}")

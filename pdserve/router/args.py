@@ -115,10 +115,6 @@ class RouterArgs:
         """The router keeps the workers' KV indices (router/kv_index.py)."""
         return "cache_aware" in self.policies or self.pd_policy == "conditional"
 
-    @property
-    def reads_prompts(self) -> bool:
-        return self.follows_kv_events
-
     def to_dict(self) -> dict:
         out = asdict(self)
         for name in ("api_key", "worker_api_key"):

@@ -1,5 +1,6 @@
-"""Dual dispatch (DESIGN.md §2, §7, §8): pick a (prefill, decode) pair, send both the same body,
-answer with decode's response, retry on a new pair when a leg breaks before any output.
+"""Dual dispatch (docs/architecture.md, "Request path (PD)"): pick a (prefill, decode) pair
+(``selection.py``), send both the same body, answer with decode's response (a stream through
+``relay.py``), retry on a new pair when a leg breaks before any output.
 
 The rules, for one attempt:
 - prefill fails first (connection error or non-2xx): decode is cancelled at once and the
@@ -35,13 +36,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pdserve.api_key import bearer
-from pdserve.router import pairing, pd_policy, protocol, timeline
+from pdserve.router import pd_policy, protocol, timeline
 from pdserve.router.kv_index import KVIndex, PromptBlocks
 from pdserve.router.legs import PEER_FAILED, EventReader, Leg, LegResult, ProxyStream
-from pdserve.router.pd_policy import LOCAL, Decision, PDPolicy
-from pdserve.router.policy import CacheAwarePolicy, make_policy
+from pdserve.router.pd_policy import Decision
 from pdserve.router.prompt import PromptReader
-from pdserve.router.workers import DECODE, PREFILL, REGULAR, Worker, WorkerPool
+from pdserve.router.relay import Relay
+from pdserve.router.selection import Selector
+from pdserve.router.workers import PREFILL, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
 
@@ -134,13 +136,8 @@ class Dispatcher:
         self.pool = pool
         self.metrics = metrics
         self.args = args
-        self.index = index
         self.prompts = prompts
-        balance = args.cache_aware_balance
-        self.policies = {PREFILL: make_policy(args.prefill_policy or args.policy, index, balance),
-                         DECODE: make_policy(args.decode_policy or args.policy, index, balance),
-                         REGULAR: make_policy(args.policy, index, balance)}
-        self.pd = PDPolicy(args, index)
+        self.selector = Selector(pool, metrics, args, index)
         self.client: httpx.AsyncClient | None = None
         self._background: set[asyncio.Task] = set()
 
@@ -156,59 +153,17 @@ class Dispatcher:
         if self.client is not None:
             await self.client.aclose()
 
-    def select(self, exclude: set[Worker], keep: Worker | None = None,
-               prompt: PromptBlocks | None = None) -> tuple[list[Worker] | None, str]:
-        roles = [PREFILL, DECODE] if self.pool.by_role[PREFILL] else [REGULAR]
-        chosen = []
-        for role in roles:
-            candidates = self.pool.available(role, exclude)
-            if not candidates:
-                tried = " (the others failed this request)" if any(w.role == role for w in exclude) else ""
-                return None, f"no healthy {role} worker available{tried}"
-            if role == PREFILL:  # only prefills that some decode can work with
-                decodes = self.pool.available(DECODE, exclude)
-                fits = [p for p in candidates if any(pairing.why_not(p, d) is None for d in decodes)]
-                if decodes and not fits:
-                    return None, pairing.why_not(candidates[0], decodes[0])
-                candidates = fits or candidates
-            elif role == DECODE:
-                fits = [d for d in candidates if pairing.why_not(chosen[0], d) is None]
-                if not fits:
-                    return None, pairing.why_not(chosen[0], candidates[0])
-                candidates = fits
-            policy = self.policies[role]
-            worker = keep if keep is not None and keep in candidates else policy.select(candidates, prompt)
-            if policy.needs_index and prompt is not None and prompt.ids:
-                matched = self.index.matched_tokens(worker, prompt)[0]
-                self.metrics.cache_matched_tokens.labels(role).observe(matched / len(prompt.ids))
-            chosen.append(worker)
-        return chosen, ""
-
-    def decide(self, call: Call, prefill: Worker | None, main: Worker) -> Worker | None:
-        """The prefill leg's worker for this attempt: ``prefill``, or None when decode prefills
-        locally (``--pd-policy conditional``)."""
-        if prefill is None:
-            return None
-        call.decision = d = self.pd.decide(call.prompt, prefill, main, batch=call.items is not None or call.outputs > 1)
-        self.metrics.pd_decisions.labels(d.mode, d.reason).inc()
-        if d.ttft_pd_s is not None:
-            self.metrics.pd_estimated_ttft.labels("pd").observe(d.ttft_pd_s)
-            self.metrics.pd_estimated_ttft.labels("local").observe(d.ttft_local_s + d.itl_penalty_s)
-        if d.mode == LOCAL:
-            logger.debug("%s prefilled on decode %s: %s", call.path, main.url, d.meta())
-            return None
-        return prefill
-
     def make_call(self, request: Request, path: str, raw: bytes, body: dict) -> Call:
         headers = {k: v for k, v in request.headers.items() if k not in _NOT_FORWARDED}
         if self.args.worker_api_key:  # the client's key is for the router; workers get the router's
             headers.pop("authorization", None)
         headers.update({"content-type": "application/json", "accept-encoding": "identity"})
         pd = bool(self.pool.by_role[PREFILL])
-        items = protocol.item_count(path, body) if pd else None
+        batch = protocol.item_count(path, body)
+        items = batch if pd else None
         samples = protocol.sample_count(body) if path == "/generate" else 1
         prompt = None
-        if self.prompts is not None and protocol.item_count(path, body) is None:
+        if self.prompts is not None and batch is None:
             ids = self.prompts.ids(path, body)
             prompt = PromptBlocks(ids) if ids else None
         return Call(path, raw, body, headers, stream=bool(body.get("stream")),
@@ -222,7 +177,7 @@ class Dispatcher:
         keep: Worker | None = None
         merge_logprobs = call.merge_logprobs
         for attempt in range(self.args.max_retries + 1):
-            pair, why = self.select(exclude, keep, call.prompt)
+            pair, why = self.selector.select(exclude, keep, call.prompt)
             if pair is None:
                 if failure is None:
                     return error_response(503, why)
@@ -232,7 +187,9 @@ class Dispatcher:
                 logger.info("retrying %s on %s after: %s", call.path, [w.url for w in pair],
                             failure.result.error or f"HTTP {failure.result.status}")
             prefill, main = (pair[0], pair[1]) if len(pair) == 2 else (None, pair[0])
-            prefill = self.decide(call, prefill, main)
+            if prefill is not None:
+                prefill, call.decision = self.selector.decide(call.prompt, prefill, main, call.path,
+                                                              batch=call.items is not None or call.outputs > 1)
             call.merge_logprobs = merge_logprobs and prefill is not None  # decode has them all when local
             attempt_fn = self._stream if call.stream else self._unary
             outcome = await attempt_fn(call, prefill, main, self.outgoing(call, prefill, main))
@@ -259,16 +216,10 @@ class Dispatcher:
         if not self.args.dp_aware:
             payload = _encode(body)
             return Outgoing(payload, payload)
-        p_body, d_body = protocol.with_dp_ranks(body, prefill and self.group_chooser(prefill, call.prompt),
-                                                self.group_chooser(main, call.prompt))
+        choose = self.selector.group_chooser
+        p_body, d_body = protocol.with_dp_ranks(body, prefill and choose(prefill, call.prompt),
+                                                choose(main, call.prompt))
         return Outgoing(_encode(d_body), p_body and _encode(p_body), _group(main, d_body), _group(prefill, p_body))
-
-    def group_chooser(self, worker: Worker, prompt: PromptBlocks | None):
-        """How ``worker``'s DP group is chosen: by its groups' caches under ``cache_aware``, else by load."""
-        policy = self.policies[worker.role]
-        if prompt is not None and isinstance(policy, CacheAwarePolicy):
-            return lambda: policy.choose_group(worker, prompt)
-        return worker.choose_dp_rank
 
     def _legs(self, call: Call, prefill: Worker | None, main: Worker, out: Outgoing):
         call.events["dispatched"] = time.time()
@@ -359,7 +310,7 @@ class Dispatcher:
                 dres = LegResult(status, body, "application/json", error=body.decode(errors="replace"))
                 return Failure(main, dres, prefill if prefill_at_fault else None)
             handed_off = True
-            relay = self._relay(call, first, reader, p_leg, d_leg, p_items)
+            relay = Relay(call, first, reader, p_leg, d_leg, p_items, self._drain)
             return ProxyStream(relay.chunks(), status_code=200, media_type=resp.headers.get("content-type"),
                                on_close=relay.close)
         finally:
@@ -367,9 +318,6 @@ class Dispatcher:
                 await d_leg.close()
                 if p_leg is not None:
                     await p_leg.close()
-
-    def _relay(self, call: Call, first: bytes, reader: EventReader, p_leg, d_leg, p_items) -> "_Relay":
-        return _Relay(self, call, first, reader, p_leg, d_leg, p_items)
 
     async def _watch_prefill(self, task: asyncio.Task, p_task: asyncio.Task | None, p_leg,
                              main: Worker) -> Failure | None:
@@ -406,56 +354,3 @@ class Dispatcher:
         task = asyncio.create_task(run())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-
-class _Relay:
-    """Decode's stream on its way to the client, after the 200 went out. ``close`` (always
-    called, even if the stream never started) releases both legs; prefill is left to finish
-    only when the stream completed."""
-
-    def __init__(self, dispatcher: Dispatcher, call: Call, first: bytes, reader: EventReader,
-                 p_leg: Leg | None, d_leg: Leg, p_items: list[dict] | None):
-        self.dispatcher = dispatcher
-        self.call = call
-        self.first = first
-        self.reader = reader
-        self.p_leg = p_leg
-        self.d_leg = d_leg
-        self.p_items = p_items
-        self.completed = False
-        self.closed = False
-
-    async def chunks(self):
-        chunk = self.first
-        try:
-            while chunk:
-                if self.call.rewrites:
-                    chunk = b"".join(self.merge(e) for e in protocol.split_events(chunk))
-                yield chunk
-                chunk = await self.reader.next()
-            self.d_leg.finish(True)
-            self.completed = True
-        except httpx.HTTPError as e:
-            result = self.d_leg.failed(e)
-            yield protocol.sse_error_event(502, f"decode stream broke: {result.error}")
-
-    def merge(self, event: bytes) -> bytes:
-        """One of decode's events with prefill's input logprobs and the timeline merged in."""
-        if self.call.merge_logprobs and self.p_items is not None:
-            event = protocol.merge_logprobs_event(event, self.p_items, self.call.outputs)
-        if self.call.timeline:
-            event = timeline.merge_event(event, self.p_items, self.call.outputs, self.call.events)
-        if self.call.shows_decision:
-            event = pd_policy.add_to_meta_event(event, self.call.decision.meta())
-        return event
-
-    async def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        await self.d_leg.close()
-        if self.p_leg is not None:
-            if self.completed and not self.p_leg.result().done():
-                self.dispatcher._drain(self.p_leg)
-            else:
-                await self.p_leg.close()

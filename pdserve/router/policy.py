@@ -115,8 +115,7 @@ class CacheAwarePolicy(Policy):
         costs = []
         for w, m in zip(candidates, matched, strict=True):
             reqs, tokens = w.load_estimate()
-            since_poll = max(0, w.in_flight - w.in_flight_at_poll) if w.polled_load is not None else w.in_flight
-            costs.append(((length - m) + self.balance * (tokens + since_poll * length), reqs))
+            costs.append(((length - m) + self.balance * (tokens + w.sent_since_poll() * length), reqs))
         best = min(costs)
         self.last = {"matched": matched, "costs": [c for c, _ in costs]}
         return random.choice([w for w, c in zip(candidates, costs, strict=True) if c == best])

@@ -112,6 +112,10 @@ class Worker:
         reqs, tokens = self.polled_load
         return max(self.in_flight, reqs + self.in_flight - self.in_flight_at_poll), tokens
 
+    def sent_since_poll(self) -> int:
+        """Requests this router sent since the last load poll (all in flight before any poll)."""
+        return self.in_flight if self.polled_load is None else max(0, self.in_flight - self.in_flight_at_poll)
+
     def set_dp_size(self, value) -> None:
         """``dp_size`` as ``/server_info`` reports it (absent: 1)."""
         size = value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1

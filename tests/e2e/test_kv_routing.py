@@ -5,6 +5,7 @@ conditional`` lets decode prefill short prompts itself; outputs stay the referen
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -22,7 +23,7 @@ COMMON = ["--page-size", "16", "--max-total-tokens", "16384", "--disaggregation-
 FIT = ["--pd-prefill-fixed-s", "0.005", "--pd-prefill-s-per-token", "0.00001"]
 
 
-def events(name: str) -> list[str]:
+def events() -> list[str]:
     return ["--kv-events-endpoint", f"tcp://127.0.0.1:{c.free_port()}", "--kv-events-replay-endpoint",
             f"tcp://127.0.0.1:{c.free_port()}"]
 
@@ -30,11 +31,11 @@ def events(name: str) -> list[str]:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_llama_path):
     logs = tmp_path_factory.mktemp("kv_routing")
-    Pa, _ = c.prefill("Pka", tiny_llama_path, logs, *COMMON, *events("Pka"))
-    Pb, _ = c.prefill("Pkb", tiny_llama_path, logs, *COMMON, *events("Pkb"))
-    D = c.decode("Dk", tiny_llama_path, logs, "--disaggregation-decode-enable-radix-cache", *COMMON, *events("Dk"))
-    Wa = c.server("Wka", tiny_llama_path, logs, *COMMON, *events("Wka"))
-    Wb = c.server("Wkb", tiny_llama_path, logs, *COMMON, *events("Wkb"))
+    Pa, _ = c.prefill("Pka", tiny_llama_path, logs, *COMMON, *events())
+    Pb, _ = c.prefill("Pkb", tiny_llama_path, logs, *COMMON, *events())
+    D = c.decode("Dk", tiny_llama_path, logs, "--disaggregation-decode-enable-radix-cache", *COMMON, *events())
+    Wa = c.server("Wka", tiny_llama_path, logs, *COMMON, *events())
+    Wb = c.server("Wkb", tiny_llama_path, logs, *COMMON, *events())
     procs = [Pa, Pb, D, Wa, Wb]
     try:
         c.start_all(procs)
@@ -53,6 +54,33 @@ def cluster(tmp_path_factory, tiny_llama_path):
     finally:
         for p in reversed(procs):
             p.stop()
+
+
+@contextlib.contextmanager
+def streams_on(server: c.Proc, count: int, prompt_len: int, new_tokens: int, rng: random.Random):
+    """``count`` long greedy streams running on ``server`` (sent to it directly, so a router sees
+    only their load) until the block ends."""
+    stop = threading.Event()
+
+    def stream(ids: list[int]) -> None:
+        body = {"input_ids": ids, "stream": True,
+                "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}}
+        with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as r:
+            for _ in r.iter_bytes():
+                if stop.is_set():
+                    return
+
+    prompts = [[rng.randrange(100, 40000) for _ in range(prompt_len)] for _ in range(count)]
+    threads = [threading.Thread(target=stream, args=(ids,), daemon=True) for ids in prompts]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        server.wait_idle()
 
 
 def gen(url: str, ids: list[int], n: int = PD_NEW_TOKENS, **extra) -> httpx.Response:
@@ -89,7 +117,7 @@ def prefill_transfers(p: c.Proc) -> int:
 
 
 def test_colocated_follow_up_goes_to_the_worker_holding_its_prefix(cluster, reference):
-    R, (Wa, Wb) = cluster["colocated"], cluster["W"]
+    R = cluster["colocated"]
     rng = random.Random(11)
     for k in range(4):
         turn1 = [rng.randrange(100, 40000) for _ in range(70)]
@@ -117,36 +145,17 @@ def test_colocated_overloaded_worker_is_passed_over(cluster, reference):
     turn1 = [rng.randrange(100, 40000) for _ in range(70)]
     out1 = gen(R.url, turn1).json()["output_ids"]
     holder = Wa if wait_held(R, {"input_ids": turn1}, 64) == Wa.url else Wb
-    # load the holder directly (the router does not see these requests, only their load)
-    stop = threading.Event()
-
-    def long_stream():
-        body = {"input_ids": [rng.randrange(100, 40000) for _ in range(100)], "stream": True,
-                "sampling_params": {"temperature": 0, "max_new_tokens": 2000, "ignore_eos": True}}
-        with httpx.stream("POST", holder.url + "/generate", json=body, timeout=120) as r:
-            for _ in r.iter_bytes():
-                if stop.is_set():
-                    return
-
-    threads = [threading.Thread(target=long_stream, daemon=True) for _ in range(4)]
-    for t in threads:
-        t.start()
-    try:
+    with streams_on(holder, 4, 100, 2000, rng):
         c.wait_for(lambda: holder.http.get("/get_load").json()[0]["num_tokens"] > 400, 20, "holder loaded")
         time.sleep(0.3)  # a few load polls
         turn2 = turn1 + out1 + [rng.randrange(100, 40000) for _ in range(20)]
         out2 = gen(R.url, turn2).json()
         assert out2["output_ids"] == reference(turn2)["output_ids"]
         assert out2["meta_info"]["cached_tokens"] == 0, "went to the overloaded worker that holds the prefix"
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(30)
-    holder.wait_idle()
 
 
 def test_restarted_worker_index_is_rebuilt_not_stale(cluster):
-    R, (Wa, Wb) = cluster["colocated"], cluster["W"]
+    R, (Wa, _) = cluster["colocated"], cluster["W"]
     c.wait_for(lambda: index_blocks(R).get(Wa.url, 0) > 0, 10, "worker a holds blocks")
     Wa.kill9()
     c.wait_for(lambda: index_blocks(R).get(Wa.url, 0) == 0, 10, "index of the dead worker dropped")
@@ -233,28 +242,10 @@ def test_conditional_sends_long_prompts_to_prefill_when_decode_is_busy(cluster):
     """The penalty for decode's running streams turns a short prompt to PD when decode is busy."""
     R, D = cluster["pd_cond"], cluster["D"]
     rng = random.Random(41)
-    stop = threading.Event()
-
-    def long_stream():
-        body = {"input_ids": [rng.randrange(100, 40000) for _ in range(30)], "stream": True,
-                "sampling_params": {"temperature": 0, "max_new_tokens": 3000, "ignore_eos": True}}
-        with httpx.stream("POST", D.url + "/generate", json=body, timeout=120) as r:
-            for _ in r.iter_bytes():
-                if stop.is_set():
-                    return
-
-    threads = [threading.Thread(target=long_stream, daemon=True) for _ in range(16)]
-    for t in threads:
-        t.start()
-    try:
+    with streams_on(D, 16, 30, 3000, rng):
         c.wait_for(lambda: D.http.get("/get_load").json()[0]["num_reqs"] >= 16, 20, "decode busy")
         time.sleep(0.3)
         r = gen(R.url, [rng.randrange(100, 40000) for _ in range(90)])
         decision = r.json()["meta_info"]["pd_decision"]
         assert (decision["mode"], decision["reason"]) == ("pd", "faster_pd"), decision
         assert decision["itl_penalty_s"] > 0
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(30)
-    D.wait_idle()
