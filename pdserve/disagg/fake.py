@@ -42,6 +42,7 @@ class FakeKVManager:
 class FakeKVSender:
     def __init__(self, mgr=None, bootstrap_addr: str = "", room: int = 0, **_: Any):
         self.room = room
+        self.sent_pages = 0
         self._sent = False
         self._failed = ""
 
@@ -58,6 +59,7 @@ class FakeKVSender:
 
     def send(self, src_pages: Sequence[int], last_chunk: bool = False,
              state_indices: Optional[Sequence[int]] = None) -> None:
+        self.sent_pages += len(src_pages)
         self._sent = True
 
     def failure_reason(self) -> str:

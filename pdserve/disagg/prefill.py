@@ -44,10 +44,14 @@ OWN_TRANSFER_FAILED_STATUS = 503
 class _PrefillState:
     sender: Any
     slot: Optional[int] = None
-    sent_pages: int = 0  # pages of the request handled so far (decode's cached prefix included)
     decode_prefix: int = 0  # leading pages decode already held: not sent
     first_send: Optional[float] = None  # monotonic time of the first chunk handed to the sender
     last_send: Optional[float] = None
+
+    @property
+    def sent_pages(self) -> int:
+        """Pages of the request handled so far: decode's cached prefix and those the sender took."""
+        return self.decode_prefix + self.sender.sent_pages
 
 
 class PrefillQueues:
@@ -186,7 +190,7 @@ class PrefillQueues:
                 num_pages = (req.prompt_len + self.s.page_size - 1) // self.s.page_size
                 # decode's prefix cache holds the first pages: they are computed (or taken from this
                 # prefill's cache) but not sent
-                st.sent_pages = st.decode_prefix = st.sender.decode_prefix_pages()
+                st.decode_prefix = st.sender.decode_prefix_pages()
                 st.sender.init(num_pages - st.decode_prefix, slot)
                 self.bootstrap.remove(req)
                 req.mark("bootstrapped")
@@ -216,7 +220,7 @@ class PrefillQueues:
             rate = nbytes / window
             self.transfer_rate = rate if self.transfer_rate is None else 0.8 * self.transfer_rate + 0.2 * rate
         self.recent_transfers.append({
-            "rid": req.rid, "room": req.bootstrap_room, "pages": st.sent_pages - st.decode_prefix,
+            "rid": req.rid, "room": req.bootstrap_room, "pages": st.sender.sent_pages,
             "decode_prefix_pages": st.decode_prefix, "kv_bytes": nbytes,
             "descriptors": descriptors, "window_s": window, "after_last_chunk_s": now - st.last_send,
             "gb_per_s": nbytes / window / 1e9 if window > 0 else None,
@@ -240,7 +244,6 @@ class PrefillQueues:
         if full > st.sent_pages:
             st.first_send = st.first_send or time.monotonic()
             st.sender.send(req.pages[st.sent_pages:full], last_chunk=False)
-            st.sent_pages = full
 
     def on_prefill_done(self, req: Req) -> None:
         """The first token is sampled: fill the metadata row and send the last chunk."""
@@ -254,6 +257,5 @@ class PrefillQueues:
         st.last_send = time.monotonic()
         st.first_send = st.first_send or st.last_send
         st.sender.send(req.pages[st.sent_pages:], last_chunk=True)
-        st.sent_pages = len(req.pages)
         self.s.running.remove(req)
         self.inflight.append(req)
