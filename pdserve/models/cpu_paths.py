@@ -34,10 +34,10 @@ class CpuPathsMixin:
     def enable_decode_stack(self, ops: ModuleType) -> bool:
         """Run decode-only batches through ``ops.DecodeModel`` (after ``prepack`` with ``ops``): the
         same kernels as the layer-by-layer path, without Python between them. Single-rank models
-        only (the stack has no collectives), whole models (no pipeline stage); returns whether it
-        was enabled."""
-        if self.par.world.size > 1:
-            return False
+        only (the stack has no collectives), whole models (no pipeline stage), one cache group;
+        returns whether it was enabled."""
+        if self.par.world.size > 1 or len(set(self.kv_cache_specs())) > 1:
+            return False  # the stack has no collectives and reads one pool (one cache group)
         first = self.model.layers[0].self_attn
         stack = ops.DecodeModel(first.num_heads, first.num_kv_heads, first.head_dim,
                                 self.model.norm.eps, first.scale, GEMV_MAX_ROWS)

@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.distributed import SINGLE, Parallel, TPGroup
-from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.forward_batch import ForwardBatch
+from pdserve.kv_spec import CacheSpec, FullAttention, SlidingWindow
+from pdserve.layers.attention.base import AttnLayer
 from pdserve.layers.linear import Linear, MergedLinear, PackedBF16, RowParallelLinear
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
@@ -60,6 +62,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = shards.head_dim
         self.scale = self.head_dim ** -0.5
         self.sliding_window = layer_sliding_window(config, layer_id)
+        self.attn = AttnLayer(self.kv_layer, self.scale, self.sliding_window)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=o_bias, tp=shards.attn)
@@ -82,7 +85,7 @@ class LlamaAttention(nn.Module):
             self.ops.rotary_embedding(q, k, *rope)  # in place, into the qkv output
         else:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        o = fb.attn_backend.forward(self.kv_layer, q, k, v, fb, self.scale, self.sliding_window)
+        o = fb.attn_backend.forward(self.attn, q, k, v, fb)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -167,8 +170,8 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary(fb.positions)  # float32; the kernel rounds them as HF does
         rope = (cos, sin) if self.ops is not None else (cos.to(h.dtype), sin.to(h.dtype))
         if self.decode_stack is not None and fb.is_decode_only:
-            table, lens = fb.int32_tables()
-            return self.decode_stack.forward(h, fb.kv_pool.buffer, table, lens, cos, sin)
+            table, lens = fb.int32_tables()  # the stack exists only for one-group models
+            return self.decode_stack.forward(h, fb.groups[0].pool.buffer, table, lens, cos, sin)
         for layer in self.own_layers:
             h, residual = layer(h, residual, rope, fb)
         return h, residual
@@ -218,9 +221,35 @@ class LlamaForCausalLM(CpuPathsMixin, nn.Module):
         self.head_dim = attn.head_dim
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
+        self.first_layer = self.model.start
+        self.num_attention_heads = config.num_attention_heads
 
+    # ---- the model interface (models/base.py) ------------------------------------------------
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         return self.model(fb)
+
+    def kv_cache_specs(self) -> list[CacheSpec]:
+        specs: list[CacheSpec] = []
+        for layer in self.model.own_layers:
+            a = layer.self_attn
+            specs.append(FullAttention(a.num_kv_heads, a.head_dim) if a.sliding_window is None
+                         else SlidingWindow(a.num_kv_heads, a.head_dim, a.sliding_window))
+        return specs
+
+    def attention_layers(self) -> list[AttnLayer]:
+        return [layer.self_attn.attn for layer in self.model.own_layers]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward_layers(self, fb, h, residual):
+        return self.model.forward_layers(fb, h, residual)
+
+    def final_norm(self, h: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+        return self.model.norm(h, residual)[0]
+
+    def idle_forward(self, dp) -> None:
+        self.model.idle_forward(dp)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:

@@ -1,18 +1,25 @@
-"""Attention backends: attention of new tokens against the paged KV pool.
+"""Attention backends: attention of new tokens against the paged KV cache.
 
-A backend stores the new tokens' K/V in the pool and attends each new token to its request's
-prefix plus the new tokens before it (causal), optionally within a sliding window.
+A backend stores the new tokens' K/V in their layer's pool (``ForwardBatch.kv``) and attends each
+new token to its request's prefix plus the new tokens before it (causal), within the layer's
+sliding window if it has one, with the layer's logit soft-capping if it has one.
+
+Each backend declares the cache kinds (``kv_spec`` kinds) and layer features it supports;
+``check_supported`` turns an unsupported combination into a start-up error that names both,
+never a failure in the middle of a request.
 """
 
 from __future__ import annotations
 
 import abc
 import importlib
-from typing import Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Iterable, Optional
 
 import torch
 
-from pdserve.engine.forward_batch import ForwardBatch
+if TYPE_CHECKING:
+    from pdserve.forward_batch import ForwardBatch
 
 _REGISTRY = {
     "torch": ("pdserve.layers.attention.torch_backend", "TorchAttnBackend"),
@@ -20,29 +27,49 @@ _REGISTRY = {
 }
 
 
+@dataclass(frozen=True)
+class AttnLayer:
+    """What a backend needs to know of one attention layer.
+
+    ``layer_id``: the layer's index in this stage (0 = the stage's first layer), which is how
+    ``ForwardBatch`` finds its cache group and pool slot. ``sliding_window``: query i sees keys
+    i-W < j <= i. ``logit_softcap``: scores become ``cap * tanh(scores / cap)`` before the mask
+    (Gemma 2)."""
+
+    layer_id: int
+    scale: float
+    sliding_window: Optional[int] = None
+    logit_softcap: Optional[float] = None
+
 
 class AttentionBackend(abc.ABC):
     """Contract: ``forward`` is called once per layer per forward, from the scheduler thread only.
 
     ``q``: [T, num_heads, head_dim]; ``k``/``v``: [T, kv_heads, head_dim] for the flattened new
-    tokens of ``fb``. It must write k/v into ``fb.kv_pool`` at ``fb.out_pages/out_offsets`` and
-    return [T, num_heads, head_dim].
+    tokens of ``fb``. It must write k/v into the layer's pool at its group's ``out_pages`` and
+    ``fb.out_offsets`` and return [T, num_heads, head_dim].
     """
 
-    def init_forward(self, fb: ForwardBatch) -> None:
+    name: ClassVar[str] = ""
+    cache_kinds: ClassVar[frozenset[str]] = frozenset({"full_attention", "sliding_window"})
+    supports_softcap: ClassVar[bool] = True
+
+    def init_forward(self, fb: "ForwardBatch") -> None:
         """Precompute per-forward metadata shared by all layers (optional)."""
 
     @abc.abstractmethod
-    def forward(
-        self,
-        layer_id: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        fb: ForwardBatch,
-        scale: float,
-        sliding_window: Optional[int] = None,
-    ) -> torch.Tensor: ...
+    def forward(self, layer: AttnLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                fb: "ForwardBatch") -> torch.Tensor: ...
+
+    def check_supported(self, cache_kinds: Iterable[str], layers: Iterable[AttnLayer], model: str) -> None:
+        """Raise ``ValueError`` naming the model's cache kind or layer feature this backend lacks."""
+        missing = sorted(set(cache_kinds) - self.cache_kinds)
+        if missing:
+            raise ValueError(f"attention_backend: {self.name!r} does not support the cache kind(s) {missing} "
+                             f"of {model}; it supports {sorted(self.cache_kinds)}")
+        if not self.supports_softcap and any(layer.logit_softcap for layer in layers):
+            raise ValueError(f"attention_backend: {self.name!r} does not support the attention logit "
+                             f"soft-capping of {model}")
 
 
 def get_attention_backend(name: str, **kwargs) -> AttentionBackend:

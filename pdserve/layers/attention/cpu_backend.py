@@ -10,15 +10,16 @@ place, never gathered.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.layers.attention.torch_backend import TorchAttnBackend
+from pdserve.forward_batch import ForwardBatch
+from pdserve.layers.attention.torch_backend import TorchAttnBackend, write_rows
 
 
 class CpuAttnBackend(TorchAttnBackend):
+    name = "cpu"
+    supports_softcap = False  # the kernels have no soft-cap; such models run on the torch backend
+
     def __init__(self, ops=None, compute_dtype: torch.dtype = torch.bfloat16, **_):
         super().__init__()
         self.compute_dtype = compute_dtype
@@ -31,8 +32,8 @@ class CpuAttnBackend(TorchAttnBackend):
         self.ops = ops
 
     def uses_flash(self, fb: ForwardBatch) -> bool:
-        pool = fb.kv_pool
-        return pool.dtype == self.compute_dtype == torch.bfloat16 and self.ops.flash_supported(pool.head_dim)
+        return all(g.pool.dtype == self.compute_dtype == torch.bfloat16 and self.ops.flash_supported(g.pool.head_dim)
+                   for g in fb.groups)
 
     def is_decode_row(self, fb: ForwardBatch, i: int) -> bool:
         # one new token, whatever its prefix: its K/V are in the pool before the kernel runs
@@ -43,48 +44,47 @@ class CpuAttnBackend(TorchAttnBackend):
         if not self.uses_flash(fb):
             return super().init_forward(fb)
         self._fb = fb
-        page, kv_heads = fb.kv_pool.page_size, fb.kv_pool.kv_heads
-        heads = torch.arange(kv_heads)
-        self._write_rows = ((fb.out_pages[:, None] * kv_heads + heads[None, :]) * page
-                            + fb.out_offsets[:, None]).reshape(-1)
-        table, lens = fb.int32_tables()
         starts = torch.zeros(fb.batch_size + 1, dtype=torch.int32)
         starts[1:] = torch.tensor(fb.extend_lens, dtype=torch.int32).cumsum(0)
-        self._flash = (table, lens, starts)
+        # per group: (write rows, page table, seq lens)
+        self._flash = [(write_rows(g, fb.out_offsets), *fb.int32_tables(i)) for i, g in enumerate(fb.groups)]
+        self._starts = starts
 
     def init_decode(self, fb: ForwardBatch, dec: list[int]) -> None:
         self._dec = None
         if not dec:
             return
         rows = [fb.extend_starts[i] for i in dec]
-        table, lens = fb.int32_tables()
+        tables = [fb.int32_tables(g) for g in range(len(fb.groups))]
         if rows == list(range(len(rows))):  # decode rows lead the batch: views, not copies
-            self._dec = (None, len(dec), table[: len(dec)], lens[: len(dec)])
+            self._dec = (None, len(dec), [(t[: len(dec)], n[: len(dec)]) for t, n in tables])
         else:
             idx = torch.tensor(dec, dtype=torch.long)
-            self._dec = (torch.tensor(rows, dtype=torch.long), len(dec), table[idx], lens[idx])
+            self._dec = (torch.tensor(rows, dtype=torch.long), len(dec), [(t[idx], n[idx]) for t, n in tables])
 
-    def decode(self, out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float,
-               sliding_window: Optional[int]) -> None:
+    def decode(self, out, q, kc, vc, layer, group) -> None:
         if self._dec is None:
             return
-        sel, n, table, lens = self._dec
+        sel, n, tables = self._dec
+        table, lens = tables[group]
+        window = layer.sliding_window or 0
         if sel is None:
-            self.ops.paged_decode_attention(out[:n], q[:n], kc, vc, table, lens, scale, sliding_window or 0)
+            self.ops.paged_decode_attention(out[:n], q[:n], kc, vc, table, lens, layer.scale, window)
         else:
             o = torch.empty((n,) + tuple(q.shape[1:]), dtype=q.dtype)
-            self.ops.paged_decode_attention(o, q.index_select(0, sel), kc, vc, table, lens, scale, sliding_window or 0)
+            self.ops.paged_decode_attention(o, q.index_select(0, sel), kc, vc, table, lens, layer.scale, window)
             out[sel] = o
 
-    def forward(self, layer_id, q, k, v, fb, scale, sliding_window=None):
+    def forward(self, layer, q, k, v, fb):
         if self._flash is None:
-            return super().forward(layer_id, q, k, v, fb, scale, sliding_window)
-        pool = fb.kv_pool
-        kc, vc = pool.k_cache(layer_id), pool.v_cache(layer_id)  # [P, kv_heads, page, D]
+            return super().forward(layer, q, k, v, fb)
+        group = fb.layer_group[layer.layer_id]
+        kc, vc = fb.kv(layer.layer_id)  # [P, kv_heads, page, D]
+        rows, table, lens = self._flash[group]
         head_dim = kc.shape[3]
-        kc.view(-1, head_dim).index_copy_(0, self._write_rows, k.reshape(-1, head_dim).to(kc.dtype))
-        vc.view(-1, head_dim).index_copy_(0, self._write_rows, v.reshape(-1, head_dim).to(vc.dtype))
+        kc.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(kc.dtype))
+        vc.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(vc.dtype))
         out = torch.empty_like(q)
-        table, lens, starts = self._flash
-        self.ops.paged_attention_bf16(out, q, kc, vc, table, lens, starts, scale, sliding_window or 0)
+        self.ops.paged_attention_bf16(out, q, kc, vc, table, lens, self._starts, layer.scale,
+                                      layer.sliding_window or 0)
         return out

@@ -1,24 +1,65 @@
-"""Attention on the paged KV pool with ``torch.nn.functional.scaled_dot_product_attention``.
+"""Attention on the paged KV cache with ``torch.nn.functional.scaled_dot_product_attention``.
 
 Decode rows (one new token with a prefix) are batched: their pages are gathered into a padded
 [B, kv_heads, max_len, head_dim] tensor with a length mask. Extend rows (prefill, chunked
 prefill, prefill after a prefix-cache hit) run one request at a time with a causal mask offset
-by the prefix length. Correct on CPU and CUDA; the ``cpu`` backend replaces the decode part
-with a kernel that reads the pages in place.
+by the prefix length. Layers with logit soft-capping run the same math written out (SDPA has no
+soft-cap). Correct on CPU and CUDA; the ``cpu`` backend replaces the decode part with a kernel
+that reads the pages in place.
+
+Per-forward state is kept per cache group (each group has its own pool and page ids); which rows
+are decode rows is the same for every group.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.layers.attention.base import AttentionBackend
+from pdserve.forward_batch import ForwardBatch, GroupTable
+from pdserve.layers.attention.base import AttentionBackend, AttnLayer
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+              softcap: Optional[float]) -> torch.Tensor:
+    """``q`` [B, H, Lq, D], ``k``/``v`` [B, KVH, Lk, D], ``mask`` bool (True: attend) or None for
+    causal; returns [B, H, Lq, D]."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=True)
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        lq, lk = q.shape[2], k.shape[2]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+@dataclass
+class _Group:
+    write_rows: torch.Tensor  # [T * kv_heads] rows of the new tokens in the pool's [rows, head_dim] view
+    dec_gather: Optional[torch.Tensor]  # [Bd, kv_heads, L] rows of the decode rows' keys
+    ext_pages: list[torch.Tensor]  # per extend row: the pages of its whole sequence
+
+
+def write_rows(g: GroupTable, out_offsets: torch.Tensor) -> torch.Tensor:
+    """Row of each (new token, head) in the [num_pages * kv_heads * page_size, head_dim] view of
+    one layer's K (or V): ((page * kv_heads + head) * page_size + offset). [T * kv_heads]"""
+    page, kv_heads = g.pool.page_size, g.pool.kv_heads
+    heads = torch.arange(kv_heads, device=out_offsets.device)
+    return ((g.out_pages[:, None] * kv_heads + heads[None, :]) * page + out_offsets[:, None]).reshape(-1)
 
 
 class TorchAttnBackend(AttentionBackend):
+    name = "torch"
+
     def __init__(self, **_):
         self._fb: Optional[ForwardBatch] = None
 
@@ -28,48 +69,41 @@ class TorchAttnBackend(AttentionBackend):
 
     def init_forward(self, fb: ForwardBatch) -> None:
         self._fb = fb
-        page = fb.kv_pool.page_size
-        kv_heads = fb.kv_pool.kv_heads
-        # Row of each (new token, head) in the [num_pages * kv_heads * page_size, head_dim] view
-        # of one layer's K (or V): ((page * kv_heads + head) * page_size + offset). [T * kv_heads]
-        heads = torch.arange(kv_heads, device=fb.input_ids.device)
-        self._write_rows = ((fb.out_pages[:, None] * kv_heads + heads[None, :]) * page
-                            + fb.out_offsets[:, None]).reshape(-1)
-        starts = fb.extend_starts
-        seq_lens = fb.seq_lens
-        dec = [i for i in range(fb.batch_size) if self.is_decode_row(fb, i)]
-        self.init_decode(fb, dec)
-        dec_set = set(dec)
-        # (row start, extend len, prefix len, pages of the whole sequence)
-        self._ext = []
-        for i in range(fb.batch_size):
-            if i in dec_set:
-                continue
-            n_pages = (seq_lens[i] + page - 1) // page
-            self._ext.append((starts[i], fb.extend_lens[i], fb.prefix_lens[i], fb.page_table[i, :n_pages]))
-        self._ext_masks: dict[tuple[int, Optional[int]], torch.Tensor] = {}
-
-    # ---- decode rows: gather + SDPA -------------------------------------------------------------
-    def init_decode(self, fb: ForwardBatch, dec: list[int]) -> None:
-        page = fb.kv_pool.page_size
-        kv_heads = fb.kv_pool.kv_heads
         device = fb.input_ids.device
-        starts = fb.extend_starts
-        seq_lens = fb.seq_lens
+        starts, seq_lens = fb.extend_starts, fb.seq_lens
+        dec = [i for i in range(fb.batch_size) if self.is_decode_row(fb, i)]
+        self._ext_rows = [i for i in range(fb.batch_size) if i not in set(dec)]
+        # (row start, extend len, prefix len) of each extend row
+        self._ext = [(starts[i], fb.extend_lens[i], fb.prefix_lens[i]) for i in self._ext_rows]
+        self._ext_masks: dict[tuple[int, Optional[int]], torch.Tensor] = {}
         self._dec_rows = torch.tensor([starts[i] for i in dec], dtype=torch.long, device=device)
         self._dec_masks: dict[Optional[int], torch.Tensor] = {}
+        self._dec = dec
         if dec:
-            heads = torch.arange(kv_heads, device=device)
+            page = fb.groups[0].pool.page_size
             max_len = max(seq_lens[i] for i in dec)
-            max_pages = (max_len + page - 1) // page
-            dec_pages = fb.page_table[dec, :max_pages]  # [Bd, max_pages]
             self._dec_lens = torch.tensor([seq_lens[i] for i in dec], device=device)
-            self._dec_kpos = torch.arange(max_pages * page, device=device)  # [L]
-            tok_page = dec_pages[:, self._dec_kpos // page]  # [Bd, L]
-            # rows of every (request, head, position) to gather: [Bd, kv_heads, L]
-            self._dec_gather = ((tok_page[:, None, :] * kv_heads + heads[None, :, None]) * page
-                                + (self._dec_kpos % page)[None, None, :])
+            self._dec_kpos = torch.arange(-(-max_len // page) * page, device=device)  # [L]
+        self._groups = [self._init_group(fb, g) for g in fb.groups]
+        self.init_decode(fb, dec)
 
+    def _init_group(self, fb: ForwardBatch, g: GroupTable) -> _Group:
+        page, kv_heads = g.pool.page_size, g.pool.kv_heads
+        seq_lens = fb.seq_lens
+        gather = None
+        if self._dec:
+            kpos = self._dec_kpos
+            dec_pages = g.page_table[self._dec, : kpos.numel() // page]  # [Bd, max_pages]
+            tok_page = dec_pages[:, kpos // page]  # [Bd, L]
+            heads = torch.arange(kv_heads, device=kpos.device)
+            gather = (tok_page[:, None, :] * kv_heads + heads[None, :, None]) * page + (kpos % page)[None, None, :]
+        ext_pages = [g.page_table[i, : -(-seq_lens[i] // page)] for i in self._ext_rows]
+        return _Group(write_rows(g, fb.out_offsets), gather, ext_pages)
+
+    def init_decode(self, fb: ForwardBatch, dec: list[int]) -> None:
+        """Extra per-forward state for the decode rows (the ``cpu`` backend's kernel tables)."""
+
+    # ---- decode rows: gather + SDPA -------------------------------------------------------------
     def _decode_mask(self, window: Optional[int]) -> torch.Tensor:
         m = self._dec_masks.get(window)
         if m is None:
@@ -82,20 +116,18 @@ class TorchAttnBackend(AttentionBackend):
             self._dec_masks[window] = m
         return m
 
-    def decode(self, out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float,
-               sliding_window: Optional[int]) -> None:
+    def decode(self, out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, layer: AttnLayer,
+               group: int) -> None:
         """Attention of the decode rows, written into their rows of ``out``."""
         if not self._dec_rows.numel():
             return
+        gather = self._groups[group].dec_gather
         head_dim = kc.shape[3]
-        k_rows, v_rows = kc.view(-1, head_dim), vc.view(-1, head_dim)
-        kk = k_rows[self._dec_gather]  # [Bd, kv_heads, L, D]
-        vv = v_rows[self._dec_gather]
+        kk = kc.view(-1, head_dim)[gather]  # [Bd, kv_heads, L, D]
+        vv = vc.view(-1, head_dim)[gather]
         qq = q[self._dec_rows].unsqueeze(2)  # [Bd, heads, 1, D]
-        o = F.scaled_dot_product_attention(
-            qq, kk.to(q.dtype), vv.to(q.dtype), attn_mask=self._decode_mask(sliding_window),
-            scale=scale, enable_gqa=True,
-        )
+        mask = self._decode_mask(layer.sliding_window).expand(-1, 1, 1, -1)
+        o = attention(qq, kk.to(q.dtype), vv.to(q.dtype), mask, layer.scale, layer.logit_softcap)
         out[self._dec_rows] = o.squeeze(2)
 
     # ---- extend rows ------------------------------------------------------------------------------
@@ -113,30 +145,34 @@ class TorchAttnBackend(AttentionBackend):
             self._ext_masks[key] = m
         return m
 
-    def forward(self, layer_id, q, k, v, fb, scale, sliding_window=None):
-        pool = fb.kv_pool
-        kc, vc = pool.k_cache(layer_id), pool.v_cache(layer_id)  # [P, kv_heads, page, D]
-        kv_heads, head_dim = kc.shape[1], kc.shape[3]
-        k_rows, v_rows = kc.view(-1, head_dim), vc.view(-1, head_dim)
-        k_rows.index_copy_(0, self._write_rows, k.reshape(-1, head_dim).to(kc.dtype))
-        v_rows.index_copy_(0, self._write_rows, v.reshape(-1, head_dim).to(vc.dtype))
-        out = torch.empty_like(q)
-        self.decode(out, q, kc, vc, scale, sliding_window)
+    def store(self, layer: AttnLayer, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch):
+        """Write the new tokens' K/V into the layer's pool; returns (group, K cache, V cache)."""
+        group = fb.layer_group[layer.layer_id]
+        kc, vc = fb.kv(layer.layer_id)  # [P, kv_heads, page, D]
+        head_dim = kc.shape[3]
+        rows = self._groups[group].write_rows
+        kc.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(kc.dtype))
+        vc.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(vc.dtype))
+        return group, kc, vc
 
-        for idx, (start, ext, prefix, pages) in enumerate(self._ext):
+    def forward(self, layer, q, k, v, fb):
+        group, kc, vc = self.store(layer, k, v, fb)
+        kv_heads, head_dim = kc.shape[1], kc.shape[3]
+        out = torch.empty_like(q)
+        self.decode(out, q, kc, vc, layer, group)
+        ext_pages = self._groups[group].ext_pages
+        for idx, (start, ext, prefix) in enumerate(self._ext):
             qq = q[start:start + ext].transpose(0, 1).unsqueeze(0)  # [1, heads, ext, D]
             if prefix == 0:
                 kk = k[start:start + ext].transpose(0, 1)  # [kv_heads, ext, D]
                 vv = v[start:start + ext].transpose(0, 1)
             else:
-                seq = prefix + ext
+                seq, pages = prefix + ext, ext_pages[idx]
                 # [n_pages, kv_heads, page, D] -> [kv_heads, n_pages * page, D] -> first seq tokens
                 kk = kc[pages].permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :seq]
                 vv = vc[pages].permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :seq]
-            mask = self._extend_mask(idx, ext, prefix, sliding_window, q.device)
-            o = F.scaled_dot_product_attention(
-                qq, kk.unsqueeze(0).to(q.dtype), vv.unsqueeze(0).to(q.dtype), attn_mask=mask,
-                is_causal=mask is None, scale=scale, enable_gqa=True,
-            )
+            mask = self._extend_mask(idx, ext, prefix, layer.sliding_window, q.device)
+            o = attention(qq, kk.unsqueeze(0).to(q.dtype), vv.unsqueeze(0).to(q.dtype), mask, layer.scale,
+                          layer.logit_softcap)
             out[start:start + ext] = o[0].transpose(0, 1)
         return out

@@ -1,0 +1,85 @@
+"""``ForwardBatch``: what one model forward needs, built by the engine from a list of requests.
+
+Tokens of all requests are flattened into one sequence of ``T`` tokens; request ``i`` owns the
+slice ``extend_starts[i] : extend_starts[i] + extend_lens[i]`` of it.
+
+The cache is described per cache group (``kv_spec.CacheGroup``): each group has its own pool and
+its own page ids, so each has its own page table and write locations (``GroupTable``). Entries
+of a page table that a group no longer keeps (pages that slid out of a window) are 0, the
+padding page; a backend never reads them because its mask excludes those positions. A layer
+finds its group through ``layer_group`` and its slot in that group's pool through ``layer_slot``.
+
+This module is the contract between the engine and ``models``/``layers``; it imports neither.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass
+class GroupTable:
+    """One cache group's view of the batch."""
+
+    pool: Any  # engine.kv_pool.KVPool of this group
+    page_table: torch.Tensor  # [B, max_pages] int64 page of each of a request's logical pages (0: none)
+    out_pages: torch.Tensor  # [T] page of each new token's KV in this group
+    _int32: Optional[tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False)
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, absolute position of each token in its sequence
+    prefix_lens: list[int]  # per request: tokens already in the KV pool before this forward
+    extend_lens: list[int]  # per request: tokens computed in this forward
+    groups: list[GroupTable]  # per cache group
+    layer_group: list[int]  # per layer of this stage (its index from the stage's first layer)
+    layer_slot: list[int]  # ... the layer's index in its group's pool
+    out_offsets: torch.Tensor  # [T] offset of each new token inside its page (every group alike)
+    logits_idx: torch.Tensor  # [N] rows of the flattened tokens whose logits are needed
+    attn_backend: Any  # layers.attention.base.AttentionBackend
+    dp: Any = None  # DP attention: the engine.dp_attention.DPGather around the MLP
+    parts: Optional[tuple] = None  # pipeline parallel: the lists it was made of (to split it)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+
+    @property
+    def extend_starts(self) -> list[int]:
+        out, acc = [], 0
+        for e in self.extend_lens:
+            out.append(acc)
+            acc += e
+        return out
+
+    def table(self, layer: int) -> GroupTable:
+        """The group table of stage layer ``layer``."""
+        return self.groups[self.layer_group[layer]]
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of stage layer ``layer``: [num_pages, kv_heads, page_size, head_dim] each."""
+        pool = self.groups[self.layer_group[layer]].pool
+        slot = self.layer_slot[layer]
+        return pool.k_cache(slot), pool.v_cache(slot)
+
+    def int32_tables(self, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page_table [B, max_pages], seq_lens [B]) of one group as int32, what the CPU kernels
+        take; built once per group."""
+        g = self.groups[group]
+        if g._int32 is None:
+            g._int32 = (g.page_table.to(torch.int32),
+                        torch.tensor(self.seq_lens, dtype=torch.int32, device=g.page_table.device))
+        return g._int32
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(e == 1 for e in self.extend_lens)

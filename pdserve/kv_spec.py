@@ -1,0 +1,146 @@
+"""Cache specs: what one layer keeps per token (or per request), declared by the model.
+
+A model returns one spec per layer it runs (``CausalLM.kv_cache_specs``); layers with equal specs
+form a ``CacheGroup`` (``group_layers``), and each group gets its own pool and page allocator
+(``engine/kv_cache.py``). Everything that sizes, allocates or transfers the cache reads these
+specs, never the model's shapes:
+
+- ``FullAttention``: K and V per token per KV head; a sequence keeps every page.
+- ``SlidingWindow``: the same per token, but a query at position i sees keys i-W < j <= i, so a
+  sequence keeps only the pages that the next query can still see (``first_live_page``).
+- ``LatentAttention``: one latent vector per token (MLA): no head axis, replicated over
+  attention TP.
+- ``RecurrentState``: fixed-size tensors per request (linear attention / SSM): one slot, not
+  pages.
+
+This module is the contract between ``models`` and ``engine``; it imports neither.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import ClassVar, Optional, Sequence
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Base of the specs. ``kind`` names the spec in errors, logs and the transfer layout."""
+
+    kind: ClassVar[str] = ""
+    per_request: ClassVar[bool] = False  # one slot per request instead of pages per token
+
+    def page_bytes(self, page_size: int, dtype_bytes: int) -> int:
+        """Bytes one page of one layer takes (per-request kinds: one slot of one layer)."""
+        raise NotImplementedError
+
+    def first_live_page(self, kv_len: int, page_size: int) -> int:
+        """The first page a sequence with ``kv_len`` tokens in the cache still needs for its next
+        query (every page before it may be freed)."""
+        return 0
+
+    def pages_kept(self, seq_len: int, page_size: int) -> int:
+        """Pages a sequence of ``seq_len`` tokens holds once its next token is being computed
+        (the page of that token included)."""
+        return (seq_len + page_size) // page_size - self.first_live_page(seq_len, page_size)
+
+    def describe(self) -> dict:
+        """The fields a peer must agree on (transfer compatibility), with the kind."""
+        return {"kind": self.kind, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class FullAttention(CacheSpec):
+    """Keys and values of ``num_kv_heads`` heads (this rank's) of ``head_dim`` per token."""
+
+    kind: ClassVar[str] = "full_attention"
+    num_kv_heads: int
+    head_dim: int
+
+    def page_bytes(self, page_size: int, dtype_bytes: int) -> int:
+        return 2 * self.num_kv_heads * page_size * self.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class SlidingWindow(FullAttention):
+    """Attention within the last ``window`` keys (the query's own included)."""
+
+    kind: ClassVar[str] = "sliding_window"
+    window: int = 0
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"sliding window: must be >= 1, got {self.window}")
+
+    def first_live_page(self, kv_len: int, page_size: int) -> int:
+        # the next query sits at position kv_len and sees keys kv_len - window + 1 .. kv_len
+        return max(0, kv_len - self.window + 1) // page_size
+
+
+@dataclass(frozen=True)
+class LatentAttention(CacheSpec):
+    """One compressed latent (``latent_dim``) plus its rotary part (``rope_dim``) per token."""
+
+    kind: ClassVar[str] = "latent_attention"
+    latent_dim: int
+    rope_dim: int
+
+    def page_bytes(self, page_size: int, dtype_bytes: int) -> int:
+        return page_size * (self.latent_dim + self.rope_dim) * dtype_bytes
+
+
+@dataclass(frozen=True)
+class RecurrentState(CacheSpec):
+    """Per-request state tensors (e.g. a convolution window and an SSM state), ``shapes`` per
+    layer in elements, each of ``dtype_bytes_each``."""
+
+    kind: ClassVar[str] = "recurrent_state"
+    per_request: ClassVar[bool] = True
+    shapes: tuple[tuple[int, ...], ...]
+    dtype_bytes_each: tuple[int, ...]
+
+    def page_bytes(self, page_size: int, dtype_bytes: int) -> int:
+        total = 0
+        for shape, nbytes in zip(self.shapes, self.dtype_bytes_each):
+            n = nbytes
+            for s in shape:
+                n *= s
+            total += n
+        return total
+
+    def pages_kept(self, seq_len: int, page_size: int) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """Layers that share one spec, one pool and one index space. ``layers``: the model's layer
+    ids (global, ascending); a layer's slot in the group's pool is its index in ``layers``."""
+
+    id: int
+    spec: CacheSpec
+    layers: tuple[int, ...]
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    def describe(self) -> dict:
+        return {"id": self.id, "layers": list(self.layers), **self.spec.describe()}
+
+
+def group_layers(specs: Sequence[CacheSpec], first_layer: int = 0) -> list[CacheGroup]:
+    """Group layers ``first_layer, first_layer + 1, ...`` by equal spec, in order of first use."""
+    order: list[CacheSpec] = []
+    members: dict[CacheSpec, list[int]] = {}
+    for i, spec in enumerate(specs):
+        if spec not in members:
+            order.append(spec)
+            members[spec] = []
+        members[spec].append(first_layer + i)
+    return [CacheGroup(g, spec, tuple(members[spec])) for g, spec in enumerate(order)]
+
+
+def layer_window(spec: CacheSpec) -> Optional[int]:
+    return spec.window if isinstance(spec, SlidingWindow) else None
