@@ -53,6 +53,8 @@ class ServerArgs:
     page_size: int = 16
     max_total_tokens: Optional[int] = None
     mem_fraction_static: float = 0.5
+    # sliding-window cache groups get this share of the full-attention groups' tokens (SGLang's flag)
+    swa_full_tokens_ratio: float = 0.8
     chunked_prefill_size: int = 2048  # prefill tokens of one request per batch
     max_prefill_tokens: Optional[int] = None  # prefill tokens per batch (None: chunked_prefill_size)
     max_running_requests: int = 256
@@ -130,6 +132,8 @@ class ServerArgs:
             bad("max_total_tokens", f"must be >= page_size ({self.page_size}), got {self.max_total_tokens}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             bad("mem_fraction_static", f"must be in (0, 1], got {self.mem_fraction_static}")
+        if not 0.0 < self.swa_full_tokens_ratio <= 1.0:
+            bad("swa_full_tokens_ratio", f"must be in (0, 1], got {self.swa_full_tokens_ratio}")
         if self.chunked_prefill_size < self.page_size:
             bad("chunked_prefill_size", f"must be >= page_size ({self.page_size}), got {self.chunked_prefill_size}")
         if self.max_prefill_tokens is None:

@@ -45,6 +45,16 @@ class CacheSpec:
         (the page of that token included)."""
         return (seq_len + page_size) // page_size - self.first_live_page(seq_len, page_size)
 
+    def peak_pages(self, seq_len: int, chunk: int, page_size: int) -> int:
+        """Most pages one sequence of ``seq_len`` tokens holds at once when prefilled in chunks
+        of ``chunk`` tokens."""
+        return seq_len // page_size + 1
+
+    @property
+    def drops_pages(self) -> bool:
+        """Whether a sequence lets go of pages as it grows (a window)."""
+        return False
+
     def describe(self) -> dict:
         """The fields a peer must agree on (transfer compatibility), with the kind."""
         return {"kind": self.kind, **asdict(self)}
@@ -76,6 +86,14 @@ class SlidingWindow(FullAttention):
     def first_live_page(self, kv_len: int, page_size: int) -> int:
         # the next query sits at position kv_len and sees keys kv_len - window + 1 .. kv_len
         return max(0, kv_len - self.window + 1) // page_size
+
+    def peak_pages(self, seq_len: int, chunk: int, page_size: int) -> int:
+        # a chunk's queries see back one window from its first token: window + chunk tokens
+        return min(seq_len // page_size + 1, (self.window + chunk) // page_size + 2)
+
+    @property
+    def drops_pages(self) -> bool:
+        return True
 
 
 @dataclass(frozen=True)
@@ -110,6 +128,9 @@ class RecurrentState(CacheSpec):
         return total
 
     def pages_kept(self, seq_len: int, page_size: int) -> int:
+        return 0
+
+    def peak_pages(self, seq_len: int, chunk: int, page_size: int) -> int:
         return 0
 
 

@@ -57,8 +57,8 @@ class DecodeQueues:
         self.group = group
         self.prealloc: list[Req] = []
         self.transfer: list[Req] = []
-        # (receiver, pages, slot) of ended rooms whose writers may still be active
-        self.draining: list[tuple[Any, list[int], Optional[int]]] = []
+        # (receiver, pages per cache group, slot) of ended rooms whose writers may still be active
+        self.draining: list[tuple[Any, list[list[int]], Optional[int]]] = []
         self.dp_resolver = PrefillDPResolver(getattr(mgr, "name", "decode"), getattr(mgr, "secret", None))
 
     # ---- scheduler interface ----------------------------------------------------------------
@@ -90,13 +90,17 @@ class DecodeQueues:
             return
         receiver = self.receiver_cls(self.mgr, f"{host}:{port or self.s.args.disaggregation_bootstrap_port}", room)
         receiver.abort(f"decode request {reason}")
-        self.draining.append((receiver, [], None))
+        self.draining.append((receiver, [], None))  # no pages
 
     def all_reqs(self) -> list[Req]:
         return self.prealloc + self.transfer
 
-    def extra_pages(self) -> int:
-        return sum(len(pages) for _, pages, _ in self.draining)
+    def extra_pages(self) -> list[int]:
+        out = [0] * self.s.kv.num_groups
+        for _, pages, _ in self.draining:
+            for g, ids in enumerate(pages):
+                out[g] += len(ids)
+        return out
 
     @property
     def has_work(self) -> bool:
@@ -125,10 +129,8 @@ class DecodeQueues:
         if in_flight:
             # also when already Failed: ranks that did not report yet must stop (idempotent)
             st.receiver.abort(req.finish_reason.message if req.finish_reason else "aborted by decode")
-            self.draining.append((st.receiver, req.pages[req.num_cached_pages:], st.slot))
-            if req.last_node is not None:  # the cached prefix stays in the tree, unlocked
-                self.s.tree.dec_lock(req.last_node)
-            req.pages, req.num_cached_pages, req.last_node = [], 0, None
+            # the cached prefix stays in the tree, unlocked; the own pages wait until drained
+            self.draining.append((st.receiver, self.s.kv.park(req), st.slot))
         elif st.slot is not None:
             self.slots.free(st.slot)
         req.disagg = None
@@ -148,8 +150,7 @@ class DecodeQueues:
         for receiver, pages, slot in self.draining:
             if receiver.writes_drained():
                 receiver.clear()
-                if pages:
-                    self.s.pool.allocator.free(pages)
+                self.s.kv.free(pages)
                 if slot is not None:
                     self.meta.clear_row(slot)
                     self.slots.free(slot)
@@ -180,7 +181,7 @@ class DecodeQueues:
                 blocked = True  # first come, first served: later requests wait behind this one
                 waited = now - st.ready_since
                 if waited > self.s.args.disaggregation_prealloc_timeout:
-                    free = self.s.pool.allocator.num_free() + self.s.tree.evictable_pages()
+                    free = self.s.kv.available(0)
                     self._fail(req, f"decode is overloaded: no room for {need} KV pages within {waited:.1f}s "
                                     f"({free} free, {self._reserve_pages()} kept for running requests)",
                                OVERLOADED_STATUS)
@@ -188,28 +189,20 @@ class DecodeQueues:
     def _try_prealloc(self, req: Req, need: int) -> bool:
         """Take pages and a metadata slot and ask prefill for the KV; False when out of either."""
         st: _DecodeState = req.disagg
-        # decode prefix cache: the leading full pages this server holds stay (locked) and are not sent;
-        # at least the prompt's last page comes from prefill, with the first token
-        cached, node = self.s.tree.match_prefix(req.input_ids, max_pages=(req.prompt_len - 1) // self.s.page_size)
-        node = node if cached else None
-        if node is not None:
-            self.s.tree.inc_lock(node)
-        need -= len(cached)
-        avail = self.s.pool.allocator.num_free() + self.s.tree.evictable_pages()
-        slot = self.slots.alloc() if avail >= need + self._reserve_pages() else None
-        pages = self.s.alloc_pages(need) if slot is not None else None
-        if pages is None:  # keep headroom for running decodes; retry next step
+        slot = self.slots.alloc()
+        # decode prefix cache: the leading full pages this server holds stay (locked) and are not
+        # sent; at least the prompt's last page comes from prefill, with the first token
+        got = self.s.kv.prealloc(req, self._reserve_pages()) if slot is not None else None
+        if got is None:  # keep headroom for running decodes; retry next step
             if slot is not None:
                 self.slots.free(slot)
-            if node is not None:
-                self.s.tree.dec_lock(node)
             return False
+        pages, cached = got
         st.slot = slot
-        req.pages, req.num_cached_pages, req.last_node = list(cached) + pages, len(cached), node
-        self.s.stats["cache_hit_tokens"] += len(cached) * self.s.page_size
+        self.s.stats["cache_hit_tokens"] += cached * self.s.page_size
         self.meta.clear_row(slot)
         req.mark("preallocated")  # before prefill can hear of it: the timeline stays causal
-        st.receiver.send_metadata(pages, slot, decode_prefix_pages=len(cached))
+        st.receiver.send_metadata(pages[0], slot, decode_prefix_pages=cached)
         self.prealloc.remove(req)
         self.transfer.append(req)
         return True
@@ -260,8 +253,7 @@ class DecodeQueues:
         """Fake backend: no KV arrived, so run the prompt here like a colocated server."""
         st: _DecodeState = req.disagg
         self.transfer.remove(req)
-        self.s.pool.allocator.free(req.pages)
-        req.pages = []
+        self.s.kv.free(self.s.kv.park(req))
         self.slots.free(st.slot)
         req.disagg = None
         self.s.waiting.append(req)

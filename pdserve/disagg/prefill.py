@@ -44,14 +44,15 @@ OWN_TRANSFER_FAILED_STATUS = 503
 class _PrefillState:
     sender: Any
     slot: Optional[int] = None
-    decode_prefix: int = 0  # leading pages decode already held: not sent
+    decode_prefix: int = 0  # leading pages decode already held
+    start: int = 0  # the first page sent (decode's prefix, or a window's first page it still sees)
     first_send: Optional[float] = None  # monotonic time of the first chunk handed to the sender
     last_send: Optional[float] = None
 
     @property
     def sent_pages(self) -> int:
-        """Pages of the request handled so far: decode's cached prefix and those the sender took."""
-        return self.decode_prefix + self.sender.sent_pages
+        """Pages of the request handled so far: those before ``start`` and those the sender took."""
+        return self.start + self.sender.sent_pages
 
 
 class PrefillQueues:
@@ -116,8 +117,8 @@ class PrefillQueues:
     def all_reqs(self) -> list[Req]:
         return self.bootstrap + self.inflight
 
-    def extra_pages(self) -> int:
-        return 0
+    def extra_pages(self) -> list[int]:
+        return [0] * self.s.kv.num_groups
 
     @property
     def has_work(self) -> bool:
@@ -191,7 +192,8 @@ class PrefillQueues:
                 # decode's prefix cache holds the first pages: they are computed (or taken from this
                 # prefill's cache) but not sent
                 st.decode_prefix = st.sender.decode_prefix_pages()
-                st.sender.init(num_pages - st.decode_prefix, slot)
+                st.start = self.s.kv.transfer_start(0, req.prompt_len, st.decode_prefix)
+                st.sender.init(num_pages - st.start, slot)
                 self.bootstrap.remove(req)
                 req.mark("bootstrapped")
                 self.s.waiting.append(req)
@@ -238,12 +240,12 @@ class PrefillQueues:
     def on_chunk_done(self, req: Req) -> None:
         """After a forward: send the full pages completed by a non-last chunk."""
         st: Optional[_PrefillState] = req.disagg
-        if st is None or req.kv_len >= req.prompt_len:
+        if st is None or req.kv_len >= req.prompt_len or not self.s.kv.sent_with_chunks(0):
             return
         full = req.kv_len // self.s.page_size
         if full > st.sent_pages:
             st.first_send = st.first_send or time.monotonic()
-            st.sender.send(req.pages[st.sent_pages:full], last_chunk=False)
+            st.sender.send(self.s.kv.send_pages(req, 0, st.sent_pages, full), last_chunk=False)
 
     def on_prefill_done(self, req: Req) -> None:
         """The first token is sampled: fill the metadata row and send the last chunk."""
@@ -256,6 +258,6 @@ class PrefillQueues:
                           cached_tokens=(req.cached_tokens, req.cached_tokens, 0, 0))
         st.last_send = time.monotonic()
         st.first_send = st.first_send or st.last_send
-        st.sender.send(req.pages[st.sent_pages:], last_chunk=True)
+        st.sender.send(self.s.kv.send_pages(req, 0, st.sent_pages), last_chunk=True)
         self.s.running.remove(req)
         self.inflight.append(req)

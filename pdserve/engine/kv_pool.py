@@ -128,6 +128,10 @@ class KVPool:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return num_layers * 2 * kv_heads * page_size * head_dim * itemsize
 
+    @property
+    def nbytes(self) -> int:
+        return self._raw.numel()
+
     def k_cache(self, layer: int) -> torch.Tensor:
         return self.buffer[layer, 0]  # [num_pages, kv_heads, page_size, head_dim]
 

@@ -12,10 +12,11 @@ from pdserve import kernels
 from pdserve.config import ServerArgs
 from pdserve.distributed import SINGLE_RANK, Parallel
 from pdserve.engine.dp_attention import DPGather
-from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.kv_pool import BufferAllocator, KVPool, default_allocator
 from pdserve.engine.precision import choose_compute_dtype, choose_kv_cache_dtype
 from pdserve.engine.pipeline import pipeline_forward
+from pdserve.forward_batch import ForwardBatch, GroupTable
+from pdserve.kv_spec import DTYPE_BYTES, CacheGroup, FullAttention, group_layers
 from pdserve.layers.attention.base import get_attention_backend
 
 logger = logging.getLogger(__name__)
@@ -68,23 +69,38 @@ class ModelRunner:
         model_ctx = context_length(self.hf_config)
         self.context_length = args.context_length or model_ctx
         self.vocab_size = self.model.vocab_size
-        num_pages = self._num_pages()
-        self.pool = KVPool(
-            num_layers=self.model.num_layers, num_pages=num_pages, page_size=args.page_size,
-            kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim, dtype=self.kv_dtype,
-            device=self.device, allocator=kv_allocator,
-        )
+        specs = self.model.kv_cache_specs()
+        self.cache_groups: list[CacheGroup] = group_layers(specs, self.model.first_layer)
+        # per layer of this stage: its cache group and its slot in that group's pool
+        self.layer_group = [next(g.id for g in self.cache_groups if i in g.layers)
+                            for i in range(self.model.first_layer, self.model.first_layer + len(specs))]
+        self.layer_slot = [self.cache_groups[g].layers.index(self.model.first_layer + i)
+                           for i, g in enumerate(self.layer_group)]
+        counts = self._num_pages()
+        self.pools = [self._make_pool(g, n, kv_allocator) for g, n in zip(self.cache_groups, counts)]
+        self.pool = self.pools[0]
         self.attn_backend_name = self._attention_backend()
         self.attn_backend = get_attention_backend(self.attn_backend_name, **(
             {"ops": self.ops, "compute_dtype": self.dtype} if self.attn_backend_name == "cpu" else {}))
+        arch = ",".join(getattr(self.hf_config, "architectures", None) or ["?"])
+        self.attn_backend.check_supported({g.kind for g in self.cache_groups}, self.model.attention_layers(), arch)
         if self.attn_backend_name == "cpu" and self.dtype == torch.bfloat16:
-            self.model.enable_decode_stack(self.ops)  # single-rank models only
+            self.model.enable_decode_stack(self.ops)  # when the model offers one for its configuration
         logger.info(
-            "model %s loaded: %d layers, dtype %s, KV cache %s in %d pages x %d tokens (%.1f MiB), attention %s",
-            os.path.basename(args.model_path.rstrip("/")), self.model.num_layers, self.dtype, self.kv_dtype, num_pages,
-            args.page_size, self.pool.buffer.numel() * self.pool.buffer.element_size() / 2**20,
+            "model %s loaded: %d layers, dtype %s, KV cache %s in %s, attention %s",
+            os.path.basename(args.model_path.rstrip("/")), len(specs), self.dtype, self.kv_dtype,
+            "; ".join(f"{len(g.layers)} {g.kind} layer(s): {p.num_pages} pages x {args.page_size} tokens "
+                      f"({p.nbytes / 2**20:.1f} MiB)" for g, p in zip(self.cache_groups, self.pools)),
             self.attn_backend_name,
         )
+
+    def _make_pool(self, group: CacheGroup, num_pages: int, allocator: BufferAllocator) -> KVPool:
+        spec = group.spec
+        if not isinstance(spec, FullAttention):
+            raise ValueError(f"cache kind {group.kind!r} (layers {list(group.layers)}) has no pool in this engine")
+        return KVPool(num_layers=len(group.layers), num_pages=num_pages, page_size=self.args.page_size,
+                      kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=self.kv_dtype, device=self.device,
+                      allocator=allocator)
 
     def _agree_on_dtype(self, hf_config) -> tuple[torch.dtype, str]:
         """Rank 0's choice on every rank (a measurement could differ between ranks)."""
@@ -107,41 +123,49 @@ class ModelRunner:
     def _attention_backend(self) -> str:
         name = self.args.attention_backend
         if name == "auto":
-            return "cpu" if self.device.type == "cpu" and self.ops is not None else "torch"
+            softcap = any(layer.logit_softcap for layer in self.model.attention_layers())
+            return "cpu" if self.device.type == "cpu" and self.ops is not None and not softcap else "torch"
         if name == "cpu" and self.ops is None:
             raise ValueError(f"attention_backend: 'cpu' needs pdserve's CPU kernels, which are not available "
                              f"({kernels.unavailable_reason()})")
         return name
 
-    def _num_pages(self) -> int:
-        """Pages of this rank's pool; every rank takes the smallest rank's count (the ranks of a
-        group must take the same scheduling decisions, so their pools must be equal)."""
-        n = self._local_num_pages()
+    def _num_pages(self) -> list[int]:
+        """Pages of each group's pool on this rank; every rank takes the smallest rank's counts
+        (the ranks of a group must take the same scheduling decisions, so their pools must be
+        equal)."""
+        counts = self._local_num_pages()
         if self.par.world.size > 1:
             import torch.distributed as dist
 
-            t = torch.tensor([n], dtype=torch.int64)
+            t = torch.tensor(counts, dtype=torch.int64)
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.par.world.cpu_group)
-            n = int(t.item())
-        return n
+            counts = [int(x) for x in t.tolist()]
+        return counts
 
-    def _local_num_pages(self) -> int:
+    def _local_num_pages(self) -> list[int]:
+        """One budget for all groups: full-attention groups get equal token counts, windowed
+        groups ``--swa-full-tokens-ratio`` of that (all of it when every group is windowed);
+        ``--max-total-tokens`` is the full groups' token count."""
         args = self.args
-        per_page = KVPool.bytes_per_page(
-            self.model.num_layers, args.page_size, self.model.num_kv_heads, self.model.head_dim, self.kv_dtype
-        )
+        item = DTYPE_BYTES[str(self.kv_dtype).replace("torch.", "")]
+        per_page = [len(g.layers) * g.spec.page_bytes(args.page_size, item) for g in self.cache_groups]
+        mixed = any(not g.spec.drops_pages for g in self.cache_groups)
+        share = [args.swa_full_tokens_ratio if mixed and g.spec.drops_pages else 1.0 for g in self.cache_groups]
         if args.max_total_tokens is not None:
-            return (args.max_total_tokens + args.page_size - 1) // args.page_size + 1
+            return [int(-(-args.max_total_tokens * s // args.page_size)) + 1 for s in share]
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * args.mem_fraction_static)
         else:
             budget = int(_available_host_bytes() * min(args.mem_fraction_static, CPU_DEFAULT_KV_FRACTION))
-        return max(2, budget // per_page + 1)
+        pages = budget / sum(s * b for s, b in zip(share, per_page))
+        return [max(2, int(pages * s) + 1) for s in share]
 
     @property
     def max_total_tokens(self) -> int:
-        return (self.pool.num_pages - 1) * self.pool.page_size
+        """Tokens the largest group's pool holds (the full-attention tokens of a mixed model)."""
+        return max(p.num_pages - 1 for p in self.pools) * self.args.page_size
 
     def make_forward_batch(
         self,
@@ -149,31 +173,37 @@ class ModelRunner:
         positions: list[int],
         prefix_lens: list[int],
         extend_lens: list[int],
-        page_lists: list[list[int]],
+        page_lists: list[list[list[int]]],
         logits_idx: list[int],
         dp_counts: Optional[list[int]] = None,
     ) -> ForwardBatch:
+        """``page_lists[i][g]``: request i's pages of cache group g (0: not kept)."""
         dev = self.device
-        page = self.pool.page_size
-        max_pages = max(len(p) for p in page_lists)
-        table = torch.zeros((len(page_lists), max_pages), dtype=torch.long)
-        out_pages: list[int] = []
+        page = self.args.page_size
+        max_pages = max(len(p[0]) for p in page_lists)
+        token_page: list[int] = []  # logical page of each new token, as row * max_pages + page
         out_offsets: list[int] = []
-        for i, pages in enumerate(page_lists):
-            table[i, : len(pages)] = torch.tensor(pages, dtype=torch.long)
+        for i in range(len(page_lists)):
             for pos in range(prefix_lens[i], prefix_lens[i] + extend_lens[i]):
-                out_pages.append(pages[pos // page])
+                token_page.append(i * max_pages + pos // page)
                 out_offsets.append(pos % page)
+        where = torch.tensor(token_page, dtype=torch.long)
+        groups = []
+        for g, pool in enumerate(self.pools):
+            table = torch.zeros((len(page_lists), max_pages), dtype=torch.long)
+            for i, pages in enumerate(page_lists):
+                table[i, : len(pages[g])] = torch.tensor(pages[g], dtype=torch.long)
+            groups.append(GroupTable(pool, table.to(dev), table.view(-1)[where].to(dev)))
         fb = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             prefix_lens=prefix_lens,
             extend_lens=extend_lens,
-            page_table=table.to(dev),
-            out_pages=torch.tensor(out_pages, dtype=torch.long, device=dev),
+            groups=groups,
+            layer_group=self.layer_group,
+            layer_slot=self.layer_slot,
             out_offsets=torch.tensor(out_offsets, dtype=torch.long, device=dev),
             logits_idx=torch.tensor(logits_idx, dtype=torch.long, device=dev),
-            kv_pool=self.pool,
             attn_backend=self.attn_backend,
             dp=DPGather(self.par, dp_counts) if dp_counts is not None else None,
         )
@@ -196,4 +226,4 @@ class ModelRunner:
     @torch.inference_mode()
     def idle_forward(self, dp_counts: list[int]) -> None:
         """DP attention: this group has no tokens but another has; join the MLPs' collectives."""
-        self.model.model.idle_forward(DPGather(self.par, dp_counts))
+        self.model.idle_forward(DPGather(self.par, dp_counts))

@@ -28,7 +28,7 @@ class PDQueues(Protocol):
     def all_reqs(self) -> list[Req]:
         """Requests held in the PD queues."""
 
-    def extra_pages(self) -> int:
+    def extra_pages(self) -> list[int]:
         """KV pages held by the queues outside requests (drained rooms), for the accounting."""
 
     def discard(self, req: Req) -> None:

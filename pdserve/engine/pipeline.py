@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
     from pdserve.engine.model_runner import ModelRunner
@@ -78,7 +78,6 @@ def pipeline_forward(runner: "ModelRunner", fb: ForwardBatch) -> torch.Tensor:
     import torch.distributed as dist
 
     par, model = runner.par, runner.model
-    decoder = model.model
     group = par.world.cpu_group
     hidden = model.hidden_size
     assert fb.parts is not None
@@ -91,17 +90,17 @@ def pipeline_forward(runner: "ModelRunner", fb: ForwardBatch) -> torch.Tensor:
         runner.attn_backend.init_forward(mb)
         t = len(parts[0])
         if par.is_first_stage:
-            h, residual = decoder.embed_tokens(mb.input_ids), None
+            h, residual = model.embed(mb.input_ids), None
         else:
             prev = par.stage_rank(par.pp_rank - 1)
             h = _recv((t, hidden), runner.dtype, prev, group)
             residual = _recv((t, hidden), runner.dtype, prev, group)
-        h, residual = decoder.forward_layers(mb, h, residual)
+        h, residual = model.forward_layers(mb, h, residual)
         if not par.is_last_stage:
             nxt = par.stage_rank(par.pp_rank + 1)
             pending += [_send(h, nxt, group), _send(residual, nxt, group)]
         elif mb.logits_idx.numel():
-            out, _ = decoder.norm(h, residual)
+            out = model.final_norm(h, residual)
             logits.append(model.compute_logits(out[mb.logits_idx]))
     for work, _ in pending:
         work.wait()

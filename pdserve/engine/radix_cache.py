@@ -4,6 +4,14 @@ Every node holds a run of token ids whose length is a multiple of ``page_size`` 
 holding their KV (one page per ``page_size`` tokens). A node's children are keyed by the tuple of
 their first page's token ids, so a lookup steps one page at a time (``page_size`` 1 included).
 
+Cache groups (``kv_spec``): a model whose layers keep different caches (full attention, sliding
+window) has one page id per group for every page of tokens. ``node.pages`` holds group 0's ids
+and ``node.extra`` one list per further group, all of the node's length. An id of 0 is a
+tombstone: that group no longer keeps the page (it slid out of a window before the sequence was
+cached). A prefix is a hit only up to a page boundary at which every group still holds the pages
+its next query can see (``CacheSpec.first_live_page``): for full attention that is every page,
+for a window the pages of its last ``window`` tokens (vLLM's rule for sliding-window groups).
+
 Ownership: a page is either free in the allocator, held by the tree, or held by a running
 request (its "in use" pages, not yet inserted). ``insert`` hands pages to the tree; the tree
 gives them back to the allocator only through ``evict``/``reset`` or as duplicates on insert.
@@ -17,18 +25,20 @@ it before anything else can evict. Only the scheduler loop calls this class; not
 from __future__ import annotations
 
 import heapq
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence, Union
 
 from pdserve.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, chain_hashes
 from pdserve.engine.kv_pool import PageAllocator
 
 
 class Node:
-    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "hashes")
+    __slots__ = ("key", "pages", "extra", "children", "parent", "lock_ref", "last_access", "hashes")
 
-    def __init__(self, key: tuple, pages: list[int], parent: Optional["Node"], last_access: int = 0):
+    def __init__(self, key: tuple, pages: list[int], parent: Optional["Node"], last_access: int = 0,
+                 extra: Optional[list[list[int]]] = None):
         self.key = key  # token ids, len(key) == len(pages) * page_size
-        self.pages = pages
+        self.pages = pages  # group 0's page ids
+        self.extra = extra or []  # the other groups' page ids (0: tombstone), each len(pages) long
         self.children: dict[tuple, Node] = {}  # first page's token ids -> child
         self.parent = parent
         # Number of locks on this node or any descendant (a lock pins the whole path to root).
@@ -37,86 +47,145 @@ class Node:
         self.hashes: list[int] = []  # its pages' chained block hashes (only with KV events on)
 
     def __repr__(self) -> str:
-        return f"Node(tokens={len(self.key)}, pages={self.pages}, lock_ref={self.lock_ref})"
+        return f"Node(tokens={len(self.key)}, pages={self.pages}, extra={self.extra}, lock_ref={self.lock_ref})"
+
+    def groups(self) -> list[list[int]]:
+        return [self.pages, *self.extra]
+
+    def held(self) -> list[int]:
+        """Pages (not tombstones) the node holds, per group."""
+        return [sum(1 for p in ids if p) for ids in self.groups()]
 
 
 class RadixCache:
-    def __init__(self, allocator: PageAllocator, page_size: int, disable: bool = False):
+    def __init__(self, allocator: Union[PageAllocator, Sequence[PageAllocator]], page_size: int,
+                 disable: bool = False, specs: Optional[Sequence] = None):
+        """``allocator``: one per cache group (or one); ``specs``: the groups' ``CacheSpec``s, for
+        the window rule of ``match_prefix`` (None: every group keeps every page)."""
         if page_size < 1:
             raise ValueError(f"page_size: must be >= 1, got {page_size}")
-        self.allocator = allocator
+        self.allocators = [allocator] if isinstance(allocator, PageAllocator) else list(allocator)
+        self.allocator = self.allocators[0]
+        self.num_groups = len(self.allocators)
+        self.specs = list(specs) if specs is not None else [None] * self.num_groups
+        self._windowed = [g for g, spec in enumerate(self.specs) if spec is not None and spec.drops_pages]
         self.page_size = page_size
         self.disable = disable
-        self.root = Node((), [], None)
+        self.root = self._node((), [], None)
         self._clock = 0  # logical time for LRU; ticks on every match/insert
-        self._total_pages = 0
-        self._protected_pages = 0  # pages in nodes with lock_ref > 0
+        self._total = [0] * self.num_groups  # pages held per group
+        self._protected = [0] * self.num_groups  # ... in nodes with lock_ref > 0
         # KV events (``kv_events.py``): a list that collects them, None when off
         self.events: Optional[list] = None
 
     # ----- counters (O(1); the scheduler reads them every step) -----
 
-    def total_pages(self) -> int:
-        return self._total_pages
+    def total_pages(self, group: int = 0) -> int:
+        return self._total[group]
 
-    def protected_pages(self) -> int:
-        return self._protected_pages
+    def protected_pages(self, group: int = 0) -> int:
+        return self._protected[group]
 
-    def evictable_pages(self) -> int:
-        return self._total_pages - self._protected_pages
+    def evictable_pages(self, group: int = 0) -> int:
+        return self._total[group] - self._protected[group]
+
+    def _node(self, key: tuple, pages: list[list[int]], parent: Optional[Node], last_access: int = 0) -> Node:
+        pages = pages or [[] for _ in range(self.num_groups)]
+        return Node(key, list(pages[0]), parent, last_access, [list(p) for p in pages[1:]])
+
+    def _count(self, node: Node, sign: int, protected: bool = False) -> None:
+        counters = self._protected if protected else self._total
+        for g, n in enumerate(node.held()):
+            counters[g] += sign * n
 
     # ----- lookup and insertion -----
 
     def match_prefix(self, token_ids: list[int], *, max_pages: Optional[int] = None) -> tuple[list[int], Node]:
         """Longest cached prefix of ``token_ids`` in full pages (at most ``max_pages``).
 
-        Returns its pages in order and the node ending exactly at the match (root if none). The
-        caller caps ``max_pages`` when it needs at least one token left to compute.
+        Returns its pages (group 0's) in order and the node ending exactly at the match (root if
+        none). The caller caps ``max_pages`` when it needs at least one token left to compute.
         """
+        pages, node = self.match_groups(token_ids, max_pages=max_pages)
+        return pages[0], node
+
+    def match_groups(self, token_ids: list[int], *, max_pages: Optional[int] = None) -> tuple[list[list[int]], Node]:
+        """``match_prefix`` for every group: the pages per group (tombstones as 0) of the longest
+        prefix at whose end every group holds what its next query sees."""
         if self.disable:
-            return [], self.root
+            return [[] for _ in range(self.num_groups)], self.root
+        if self._windowed:
+            max_pages = self._usable_pages(token_ids, max_pages)
+        return self._walk(token_ids, max_pages)
+
+    def _usable_pages(self, token_ids: list[int], max_pages: Optional[int]) -> int:
+        """The longest match (in pages) whose windowed groups are whole at its end."""
+        ps = self.page_size
+        found, _ = self._walk(token_ids, max_pages, split=False)
+        k = len(found[0])
+        while k > 0:
+            if all(all(found[g][self.specs[g].first_live_page(k * ps, ps):k]) for g in self._windowed):
+                return k
+            k -= 1
+        return 0
+
+    def _walk(self, token_ids: list[int], max_pages: Optional[int], split: bool = True):
         ps = self.page_size
         n_pages = len(token_ids) // ps
         if max_pages is not None:
             n_pages = max(0, min(n_pages, max_pages))
         tokens = tuple(token_ids[: n_pages * ps])
-        node, pos, pages = self.root, 0, []
+        node, pos, pages = self.root, 0, [[] for _ in range(self.num_groups)]
         while pos < len(tokens):
             child = node.children.get(tokens[pos : pos + ps])
             if child is None:
                 break
             n = self._common_pages(child.key, tokens, pos)
-            if n < len(child.pages):
-                child = self._split(child, n)
-            pages.extend(child.pages)
+            if not split:
+                for g, ids in enumerate(child.groups()):
+                    pages[g].extend(ids[:n])
+                if n < len(child.pages):
+                    break
+            else:
+                if n < len(child.pages):
+                    child = self._split(child, n)
+                for g, ids in enumerate(child.groups()):
+                    pages[g].extend(ids)
             pos += n * ps
             node = child
-        self._touch(node)
+        if split:
+            self._touch(node)
         return pages, node
 
-    def insert(self, token_ids: list[int], pages: list[int]) -> tuple[list[int], Node]:
-        """Add ``token_ids`` (full pages only) to the tree; the tree takes ownership of ``pages``.
+    def insert(self, token_ids: list[int], pages: list[int],
+               extra: Optional[list[list[int]]] = None) -> tuple[list[int], Node]:
+        """Add ``token_ids`` (full pages only) to the tree; the tree takes ownership of ``pages``
+        (group 0's ids) and ``extra`` (the other groups', 0 where a group holds none).
 
         Where the tree already holds a prefix, its pages win and each passed page that differs
-        from the tree's page at that position is freed as a duplicate. Returns the canonical
-        pages for the whole sequence and the node ending exactly at it.
+        from the tree's page at that position is freed as a duplicate; a tombstone in the tree
+        takes the passed page instead. Returns group 0's canonical pages for the whole sequence
+        and the node ending exactly at it.
         """
         ps = self.page_size
-        assert len(token_ids) == len(pages) * ps, (
-            f"insert: {len(token_ids)} tokens but {len(pages)} pages of {ps} tokens"
+        groups = [list(pages), *(extra or [])]
+        assert len(groups) == self.num_groups, f"insert: {len(groups)} page lists for {self.num_groups} groups"
+        assert all(len(token_ids) == len(ids) * ps for ids in groups), (
+            f"insert: {len(token_ids)} tokens but {[len(ids) for ids in groups]} pages of {ps} tokens"
         )
         if self.disable:
-            self.allocator.free(pages)
+            self._free(groups)
             return [], self.root
         tokens = tuple(token_ids)
-        node, pos, canonical, duplicates = self.root, 0, [], []
+        node, pos, canonical = self.root, 0, []
+        duplicates: list[list[int]] = [[] for _ in range(self.num_groups)]
         while pos < len(tokens):
             first = tokens[pos : pos + ps]
             child = node.children.get(first)
             if child is None:
-                child = Node(tokens[pos:], list(pages[pos // ps :]), node)
+                child = self._node(tokens[pos:], [ids[pos // ps :] for ids in groups], node)
                 node.children[first] = child
-                self._total_pages += len(child.pages)
+                self._count(child, +1)
                 if self.events is not None:
                     parent = node.hashes[-1] if node.hashes else None
                     child.hashes = chain_hashes(parent, child.key, ps)
@@ -129,16 +198,30 @@ class RadixCache:
             if n < len(child.pages):
                 child = self._split(child, n)
             base = pos // ps
-            for i, tree_page in enumerate(child.pages):
-                if pages[base + i] != tree_page:
-                    duplicates.append(pages[base + i])
+            for g, tree_ids in enumerate(child.groups()):
+                for i, tree_page in enumerate(tree_ids):
+                    page = groups[g][base + i]
+                    if page == tree_page or not page:
+                        continue
+                    if tree_page:
+                        duplicates[g].append(page)
+                    else:  # a tombstone: the tree takes the page
+                        tree_ids[i] = page
+                        self._total[g] += 1
+                        if child.lock_ref > 0:
+                            self._protected[g] += 1
             canonical.extend(child.pages)
             pos += n * ps
             node = child
-        if duplicates:
-            self.allocator.free(duplicates)
+        self._free(duplicates)
         self._touch(node)
         return canonical, node
+
+    def _free(self, groups: list[list[int]]) -> None:
+        for alloc, ids in zip(self.allocators, groups):
+            held = [p for p in ids if p]
+            if held:
+                alloc.free(held)
 
     def _common_pages(self, key: tuple, tokens: tuple, start: int) -> int:
         """Number of leading full pages of ``key`` equal to ``tokens[start:]``."""
@@ -160,11 +243,12 @@ class RadixCache:
         ps = self.page_size
         cut = n_pages * ps
         parent = node.parent
-        prefix = Node(node.key[:cut], node.pages[:n_pages], parent, node.last_access)
+        prefix = self._node(node.key[:cut], [ids[:n_pages] for ids in node.groups()], parent, node.last_access)
         prefix.lock_ref = node.lock_ref
         prefix.hashes, node.hashes = node.hashes[:n_pages], node.hashes[n_pages:]
         node.key = node.key[cut:]
         node.pages = node.pages[n_pages:]
+        node.extra = [ids[n_pages:] for ids in node.extra]
         node.parent = prefix
         prefix.children[node.key[:ps]] = node
         parent.children[prefix.key[:ps]] = prefix
@@ -181,7 +265,7 @@ class RadixCache:
     def inc_lock(self, node: Node) -> None:
         while node is not None:
             if node.lock_ref == 0:
-                self._protected_pages += len(node.pages)
+                self._count(node, +1, protected=True)
             node.lock_ref += 1
             node = node.parent
 
@@ -191,14 +275,15 @@ class RadixCache:
         while node is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self._protected_pages -= len(node.pages)
+                self._count(node, -1, protected=True)
             node = node.parent
 
     # ----- eviction -----
 
-    def evict(self, num_pages: int) -> int:
-        """Free at least ``num_pages`` pages if possible, least recently used unlocked leaves
-        first (a leaf larger than needed loses only its tail pages). Returns pages freed."""
+    def evict(self, num_pages: int, group: int = 0) -> int:
+        """Free at least ``num_pages`` pages of ``group`` if possible, least recently used unlocked
+        leaves first (a leaf larger than needed loses only its tail pages; every group's pages of
+        what is evicted are freed). Returns the pages of ``group`` freed."""
         if num_pages <= 0:
             return 0
         seq = 0  # tie-breaker so the heap never compares nodes
@@ -212,21 +297,28 @@ class RadixCache:
         while freed < num_pages and heap:
             _, _, leaf = heapq.heappop(heap)
             need = num_pages - freed
-            if len(leaf.pages) > need:
+            held = leaf.held()[group]
+            if held > need:
                 # Keep the head of the leaf: its prefix is the part most likely to be reused.
-                tail = leaf.pages[-need:]
-                leaf.pages = leaf.pages[:-need]
-                leaf.key = leaf.key[: len(leaf.pages) * self.page_size]
+                ids, cut = leaf.groups()[group], len(leaf.pages)
+                got = 0
+                while got < need:
+                    cut -= 1
+                    got += ids[cut] != 0
+                tail = [g_ids[cut:] for g_ids in leaf.groups()]
+                self._count(leaf, -1)
+                leaf.pages, leaf.extra = leaf.pages[:cut], [g_ids[:cut] for g_ids in leaf.extra]
+                leaf.key = leaf.key[: cut * self.page_size]
+                self._count(leaf, +1)
                 if self.events is not None:
-                    self.events.append(BlockRemoved(block_hashes=leaf.hashes[-need:]))
-                    leaf.hashes = leaf.hashes[:-need]
-                self.allocator.free(tail)
-                self._total_pages -= need
-                freed += need
+                    self.events.append(BlockRemoved(block_hashes=leaf.hashes[cut:]))
+                    leaf.hashes = leaf.hashes[:cut]
+                self._free(tail)
+                freed += got
                 break
-            self.allocator.free(leaf.pages)
-            self._total_pages -= len(leaf.pages)
-            freed += len(leaf.pages)
+            self._free(leaf.groups())
+            self._count(leaf, -1)
+            freed += held
             if self.events is not None:
                 self.events.append(BlockRemoved(block_hashes=list(leaf.hashes)))
             parent = leaf.parent
@@ -242,12 +334,11 @@ class RadixCache:
         node is locked."""
         if self.root.lock_ref > 0:
             return False
-        pages = [p for node in self._iter_nodes() for p in node.pages]
-        if pages:
-            self.allocator.free(pages)
-        self.root = Node((), [], None)
-        self._total_pages = 0
-        self._protected_pages = 0
+        for node in self._iter_nodes():
+            self._free(node.groups())
+        self.root = self._node((), [], None)
+        self._total = [0] * self.num_groups
+        self._protected = [0] * self.num_groups
         if self.events is not None:
             self.events.append(AllBlocksCleared())
         return True
@@ -273,17 +364,18 @@ class RadixCache:
             yield node
             stack.extend(node.children.values())
 
-    def check_integrity(self, in_use_pages: int) -> None:
-        """Assert the tree is well formed and ``free + cached + in_use == capacity``.
+    def check_integrity(self, in_use_pages, groups: Optional[Sequence[int]] = None) -> None:
+        """Assert the tree is well formed and ``free + cached + in_use == capacity`` per group.
 
-        ``in_use_pages``: pages held by requests and not (yet) in the tree; pages a request
-        matched from the tree count as cached, not in use.
+        ``in_use_pages``: pages held by requests and not (yet) in the tree, one count per group
+        (or one int: group 0's); pages a request matched from the tree count as cached.
         """
         ps = self.page_size
-        seen: set[int] = set()
-        total = protected = 0
+        in_use = [in_use_pages] if isinstance(in_use_pages, int) else list(in_use_pages)
+        seen: list[set[int]] = [set() for _ in range(self.num_groups)]
+        total, protected = [0] * self.num_groups, [0] * self.num_groups
         for node in self._iter_nodes():
-            assert len(node.key) == len(node.pages) * ps, f"{node!r}: {len(node.key)} tokens"
+            assert all(len(node.key) == len(ids) * ps for ids in node.groups()), f"{node!r}: {len(node.key)} tokens"
             assert node is self.root or node.pages, f"empty non-root node {node!r}"
             assert node.lock_ref >= 0, f"negative lock_ref on {node!r}"
             child_locks = 0
@@ -294,20 +386,20 @@ class RadixCache:
             assert node.lock_ref >= child_locks, (
                 f"{node!r}: lock_ref below its children's total {child_locks}"
             )
-            for p in node.pages:
-                assert p not in seen, f"page {p} appears twice in the tree"
-                assert not self.allocator.is_free(p), f"page {p} is in the tree but free in the allocator"
-                seen.add(p)
-            total += len(node.pages)
-            if node.lock_ref > 0:
-                protected += len(node.pages)
-        assert total == self._total_pages, f"total_pages counter {self._total_pages}, tree holds {total}"
-        assert protected == self._protected_pages, (
-            f"protected_pages counter {self._protected_pages}, tree has {protected} locked"
-        )
-        free = self.allocator.num_free()
-        cap = self.allocator.capacity
-        assert free + total + in_use_pages == cap, (
-            f"page leak: free {free} + cached {total} + in use {in_use_pages} "
-            f"= {free + total + in_use_pages} != capacity {cap}"
-        )
+            for g, ids in enumerate(node.groups()):
+                for p in ids:
+                    if not p:
+                        continue
+                    assert p not in seen[g], f"page {p} of group {g} appears twice in the tree"
+                    assert not self.allocators[g].is_free(p), f"page {p} of group {g} is in the tree but free in the allocator"
+                    seen[g].add(p)
+                    total[g] += 1
+                    protected[g] += node.lock_ref > 0
+        assert total == self._total, f"total_pages counters {self._total}, tree holds {total}"
+        assert protected == self._protected, f"protected_pages counters {self._protected}, tree has {protected} locked"
+        for g in range(len(in_use)):
+            free, cap = self.allocators[g].num_free(), self.allocators[g].capacity
+            assert free + total[g] + in_use[g] == cap, (
+                f"page leak{f' in cache group {g}' if self.num_groups > 1 else ''}: free {free} + cached "
+                f"{total[g]} + in use {in_use[g]} = {free + total[g] + in_use[g]} != capacity {cap}"
+            )

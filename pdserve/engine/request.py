@@ -148,13 +148,33 @@ class FinishReason:
         return d
 
 
+@dataclass
+class KVSlots:
+    """Where a request's KV lives, per cache group (``engine/kv_cache.py`` owns every change).
+
+    ``pages[g]`` lists group g's page of each logical page of ``all_ids[:kv_len]`` (and of the
+    tokens being computed), in order; 0 where the group no longer keeps that page (it slid out of
+    a window). The first ``cached`` logical pages belong to the radix cache (locked through
+    ``node``) in every group; the rest are owned by the request until it finishes or is
+    retracted. ``live_from[g]``: pages before it have been dropped from group g.
+    """
+
+    pages: list[list[int]]
+    cached: int = 0
+    node: Any = None
+    live_from: list[int] = field(default_factory=list)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages[0]) if self.pages else 0
+
+
 @dataclass(eq=False)
 class Req:
     """One generation request as the scheduler sees it.
 
-    KV ownership: ``pages`` lists the KV pages of ``all_ids[:kv_len]`` in order; the first
-    ``num_cached_pages`` of them belong to the radix cache (locked through ``last_node``), the
-    rest are owned by this request until it finishes or is retracted.
+    KV ownership: ``kv`` (a ``KVSlots``, None while it holds nothing) says which pages of each
+    cache group hold ``all_ids[:kv_len]``; only the KV cache manager changes it.
     """
 
     rid: str
@@ -174,10 +194,8 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: Optional[FinishReason] = None
     # KV state
-    pages: list[int] = field(default_factory=list)
+    kv: Optional[KVSlots] = None
     kv_len: int = 0  # tokens of all_ids whose KV is in the pool
-    num_cached_pages: int = 0  # leading pages shared with the radix cache
-    last_node: Any = None  # radix node locked for this request
     cached_tokens: int = 0  # prefix tokens reported as cache hits (first admission)
     num_retractions: int = 0
     # logprobs

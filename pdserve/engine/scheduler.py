@@ -23,10 +23,10 @@ from pdserve.distributed import SINGLE_RANK, Parallel
 from pdserve.engine import dp_attention
 from pdserve.engine import logprobs as lp
 from pdserve.kv_events import KVEventPublisher, offset_port
+from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.kv_pool import BufferAllocator, default_allocator
 from pdserve.engine.pd_queues import PDQueues
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.radix_cache import RadixCache
 from pdserve.engine.request import MAX_TOP_LOGPROBS, FinishKind, FinishReason, Req
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.schedule_policy import order_waiting
@@ -44,9 +44,11 @@ class Scheduler:
         # takes time-based decisions (timeouts, arrival order) alike; None: the local clock
         self.clock: Optional[float] = None
         self.runner = ModelRunner(args, kv_allocator, par)
-        self.pool = self.runner.pool
         self.page_size = args.page_size
-        self.tree = RadixCache(self.pool.allocator, self.page_size, disable=args.disable_radix_cache)
+        # every page of every cache group, and the prefix cache: requests' KV changes only there
+        self.kv = KVCacheManager(self.runner.cache_groups, self.runner.pools, self.page_size,
+                                 disable_radix_cache=args.disable_radix_cache)
+        self.tree = self.kv.tree
         self.kv_events: Optional[KVEventPublisher] = None
         if args.kv_events_endpoint and par.leads_group:  # one publisher per attention group
             self.tree.events = []
@@ -86,9 +88,10 @@ class Scheduler:
         bad = [t for t in req.input_ids if not 0 <= t < self.runner.vocab_size]
         if bad:
             raise ValueError(f"input_ids: token id {bad[0]} outside the vocabulary [0, {self.runner.vocab_size})")
-        need = (n + self.page_size) // self.page_size
-        if need > self.pool.allocator.capacity:
-            raise ValueError(f"prompt: {n} tokens exceed the KV cache capacity ({self.runner.max_total_tokens} tokens)")
+        why = self.kv.capacity_error(n, self.args.chunked_prefill_size)
+        if why:
+            raise ValueError(f"prompt: {n} tokens exceed the KV cache capacity ({self.runner.max_total_tokens} "
+                             f"tokens): {why}")
         if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs_num: must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs_num}")
         if req.logprob_start_len >= n:
@@ -146,45 +149,19 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or (self.pd is not None and self.pd.has_work))
 
-    # ---- KV bookkeeping -------------------------------------------------------------------
-    def alloc_pages(self, n: int) -> Optional[list[int]]:
-        pages = self.pool.allocator.alloc(n)
-        if pages is None and n > 0:
-            self.tree.evict(n - self.pool.allocator.num_free())
-            pages = self.pool.allocator.alloc(n)
-        return pages
-
+    # ---- KV bookkeeping (the cache manager's; the PD queues add what they hold) ---------------
     def release_kv(self, req: Req) -> None:
-        """Give a request's pages back: full pages into the radix cache, the rest to the pool."""
-        if req.last_node is None and not req.pages:
-            return
-        full = min(req.kv_len // self.page_size, len(req.pages))
-        own_tail = req.pages[max(full, req.num_cached_pages):]
-        if full > 0 and not self.args.disable_radix_cache:
-            self.tree.insert(req.all_ids[: full * self.page_size], req.pages[:full])
-        else:
-            own_tail = req.pages[req.num_cached_pages:]
-        if own_tail:
-            self.pool.allocator.free(own_tail)
-        if req.last_node is not None:
-            self.tree.dec_lock(req.last_node)
-        req.pages, req.kv_len, req.num_cached_pages, req.last_node = [], 0, 0, None
+        self.kv.release(req)
 
-    def in_use_pages(self) -> int:
-        reqs = self.running + (self.pd.all_reqs() if self.pd else [])
-        return sum(len(r.pages) - r.num_cached_pages for r in reqs) + (self.pd.extra_pages() if self.pd else 0)
+    def in_use_pages(self) -> list[int]:
+        """Pages per cache group held by requests (and the PD queues), not the prefix cache."""
+        used = self.kv.in_use(self.running + (self.pd.all_reqs() if self.pd else []))
+        extra = self.pd.extra_pages() if self.pd else [0] * len(used)
+        return [u + e for u, e in zip(used, extra)]
 
     def check_integrity(self) -> dict:
-        in_use = self.in_use_pages()
-        self.tree.check_integrity(in_use)
-        info = {
-            "total_pages": self.pool.allocator.capacity,
-            "free_pages": self.pool.allocator.num_free(),
-            "cached_pages": self.tree.total_pages(),
-            "in_use_pages": in_use,
-            "running": len(self.running),
-            "waiting": len(self.waiting),
-        }
+        info = self.kv.check_integrity(self.in_use_pages())
+        info.update(running=len(self.running), waiting=len(self.waiting))
         if self.pd is not None:
             info.update(self.pd.integrity())
         return info
@@ -230,9 +207,6 @@ class Scheduler:
         elif any(counts):
             self.runner.idle_forward(counts)
 
-    def _pages_needed(self, req: Req, ext: int) -> int:
-        return (req.kv_len + ext + self.page_size - 1) // self.page_size - len(req.pages)
-
     def _schedule(self) -> list[tuple[Req, int]]:
         batch: list[tuple[Req, int]] = []
         budget = self.args.max_prefill_tokens  # prefill tokens in this batch
@@ -242,28 +216,24 @@ class Scheduler:
         for req in decoding:
             if req not in self.running:
                 continue  # retracted below to make room for an earlier one
-            need = self._pages_needed(req, 1)
-            pages = self.alloc_pages(need)
-            while pages is None:
+            grown = self.kv.grow(req, 1)
+            while not grown:
                 scheduled = {r for r, _ in batch}
                 victim = min((r for r in self.running if r not in scheduled),
                              key=lambda r: (len(r.output_ids), -r.arrival_time))
                 self.retract(victim)
                 if victim is req:
                     break
-                pages = self.alloc_pages(need)
-            if pages is None:
+                grown = self.kv.grow(req, 1)
+            if not grown:
                 continue
-            req.pages.extend(pages)
             batch.append((req, 1))
         # 2. unfinished chunked prefills continue within the token budget
         for req in self.running:
             if req.extend_len > 1 and budget > 0:
                 ext = min(req.extend_len, chunk, budget)
-                pages = self.alloc_pages(self._pages_needed(req, ext))
-                if pages is None:
+                if not self.kv.grow(req, ext):
                     continue
-                req.pages.extend(pages)
                 batch.append((req, ext))
                 budget -= ext
         # 3. admit waiting requests
@@ -287,19 +257,8 @@ class Scheduler:
         if req.return_logprob and not req.input_logprobs_done:
             # input logprobs need the logits from position start - 1 on: do not skip them
             max_pages = min(max_pages, max(req.effective_logprob_start - 1, 0) // self.page_size)
-        cached, node = self.tree.match_prefix(ids, max_pages=max_pages)
-        self.tree.inc_lock(node)
-        req.pages, req.num_cached_pages, req.last_node = list(cached), len(cached), node
-        req.kv_len = len(cached) * self.page_size
-        ext = min(req.extend_len, budget)
-        need = self._pages_needed(req, ext)
-        avail = self.pool.allocator.num_free() + self.tree.evictable_pages()
-        pages = self.alloc_pages(need) if avail >= need + reserve else None
-        if pages is None:
-            self.tree.dec_lock(node)
-            req.pages, req.num_cached_pages, req.last_node, req.kv_len = [], 0, None, 0
+        if not self.kv.admit(req, budget, reserve, max_pages):
             return False
-        req.pages.extend(pages)
         if req.num_retractions == 0:
             req.cached_tokens = req.kv_len
             if req.return_logprob and req.effective_logprob_start == 0:
@@ -333,7 +292,7 @@ class Scheduler:
                 logits_rows.append(start + ext - 1)
         fb = self.runner.make_forward_batch(
             ids, positions, [r.kv_len for r, _ in batch], [e for _, e in batch],
-            [r.pages for r, _ in batch], logits_rows, dp_counts,
+            [r.kv.pages for r, _ in batch], logits_rows, dp_counts,
         )
         logits = self.runner.forward(fb)
         for req, ext in batch:

@@ -30,7 +30,7 @@ import zmq
 
 from pdserve.config import ServerArgs
 from pdserve.distributed import SINGLE_RANK, Parallel, init_parallel
-from pdserve.engine.kv_pool import KVPool
+from pdserve.kv_spec import DTYPE_BYTES
 from pdserve.engine.request import FinishKind, FinishReason, Req, SamplingParams
 from pdserve.log import role_tag, setup_logging
 from pdserve.server import messages as m
@@ -82,6 +82,18 @@ def token_out(req: Req) -> m.TokenOut:
     return out
 
 
+
+def kv_bytes_per_token(runner) -> int:
+    """K and V of every layer of the model for one token, counting each KV head once (a head
+    replicated over TP ranks is sent once)."""
+    item = DTYPE_BYTES[str(runner.kv_dtype).replace("torch.", "")]
+    groups = [g for g in runner.cache_groups if not g.spec.drops_pages] or runner.cache_groups
+    model = runner.model
+    stage = sum(len(g.layers) for g in runner.cache_groups)
+    per_layer = {g.id: 2 * model.total_kv_heads * g.spec.head_dim * item for g in groups}
+    stage_bytes = sum(per_layer[g.id] * len(g.layers) for g in groups)
+    return stage_bytes * model.total_layers // max(stage, 1)
+
 class SchedulerLoop:
     def __init__(self, args: ServerArgs, in_addr: str, out_addr: str, par: Parallel = SINGLE_RANK):
         self.args = args
@@ -107,15 +119,15 @@ class SchedulerLoop:
             "vocab_size": r.vocab_size,
             "max_total_tokens": r.max_total_tokens,
             "page_size": s.page_size,
-            "num_pages": s.pool.num_pages,
+            "num_pages": r.pool.num_pages,
+            "cache_groups": [g.describe() for g in r.cache_groups],
             "model_fingerprint": r.fingerprint,
             "eos_token_ids": sorted(s.eos_ids),
             "max_running_requests": self.args.max_running_requests,
             "dp_size": self.par.dp_size,
-            # the whole model's KV per token (all layers, K and V, every rank's heads): what a PD
-            # transfer moves per prompt token
-            "kv_bytes_per_token": KVPool.bytes_per_page(r.hf_config.num_hidden_layers, 1, r.pool.kv_heads,
-                                                        r.pool.head_dim, r.pool.dtype) * self.par.attn.size,
+            # the whole model's KV per prompt token that a PD transfer moves (windowed layers move
+            # a bounded amount and are left out when the model has full-attention layers)
+            "kv_bytes_per_token": kv_bytes_per_token(r),
         }
 
     def run(self) -> None:
@@ -240,7 +252,7 @@ class SchedulerLoop:
                 raise AssertionError("; ".join(bad))
             return {**info, "ranks": ranks}
         if op == "stats":
-            a = s.pool.allocator
+            a = s.runner.pool.allocator
             groups = self.gather_groups({
                 "running": len(s.running),
                 "waiting": len(s.waiting),

@@ -101,7 +101,7 @@ def test_float32_compute_with_bf16_kv_on_both_attention_backends():
     for backend in ("cpu", "torch"):
         eng = pdserve.Engine(model_path=build_tiny_checkpoint("llama"), torch_num_threads=1, max_total_tokens=4096,
                              dtype="float32", kv_cache_dtype="bfloat16", attention_backend=backend)
-        assert eng.scheduler.pool.dtype == torch.bfloat16
+        assert eng.scheduler.runner.pool.dtype == torch.bfloat16
         outs.append(eng.generate(input_ids=list(range(100, 160)),
                                  sampling_params={"temperature": 0, "max_new_tokens": 8})["output_ids"])
     assert outs[0] == outs[1]
