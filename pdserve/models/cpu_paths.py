@@ -38,6 +38,8 @@ class CpuPathsMixin:
         returns whether it was enabled."""
         if self.par.world.size > 1 or len(set(self.kv_cache_specs())) > 1:
             return False  # the stack has no collectives and reads one pool (one cache group)
+        if self.model.layers[0].mlp.activation != "silu":
+            return False  # its MLP kernel is SiLU-and-mul
         first = self.model.layers[0].self_attn
         stack = ops.DecodeModel(first.num_heads, first.num_kv_heads, first.head_dim,
                                 self.model.norm.eps, first.scale, GEMV_MAX_ROWS)

@@ -1,5 +1,6 @@
 """Llama-family decoder: Llama (GQA/MQA, llama3 RoPE), Qwen2 (qkv bias, optional sliding window),
-Qwen3 (per-head q/k RMSNorm), Mistral (sliding window), whole or as one tensor-parallel rank.
+Qwen3 (per-head q/k RMSNorm), Mistral (sliding window), whole or as one tensor-parallel rank. Its
+blocks (attention, gated MLP, decoder, model) are what other families build on (``gemma.py``).
 
 Module names follow HF checkpoints except where projections are fused: q/k/v live in one
 ``qkv_proj`` and gate/up in one ``gate_up_proj`` (see ``models/weights.py``, which also shards
@@ -11,8 +12,9 @@ vocabulary (``TPShards``).
 
 from __future__ import annotations
 
+from functools import partial
 from types import ModuleType
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +33,11 @@ from pdserve.models.weights import TPShards, checkpoint_weight_names, load_weigh
 
 # First rotary table size; it grows by doubling if a longer sequence arrives.
 _ROPE_INITIAL_POSITIONS = 8192
+# the gated MLP's activations, by their HF config names (``silu`` also has a CPU kernel)
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+}
 
 
 def layer_sliding_window(config, layer_id: int) -> Optional[int]:
@@ -53,22 +60,27 @@ def layer_sliding_window(config, layer_id: int) -> Optional[int]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_id: int, shards: TPShards, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    """Self-attention with fused q/k/v. ``scale`` defaults to head_dim^-0.5; ``logit_softcap``
+    and ``norm`` (the class of the optional per-head q/k norms) are for families that differ."""
+
+    def __init__(self, config, layer_id: int, shards: TPShards, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 scale: Optional[float] = None, logit_softcap: Optional[float] = None,
+                 norm: type[nn.Module] = RMSNorm):
         super().__init__()
         self.layer_id = layer_id
         self.kv_layer = layer_id - shards.layers[0]  # its index in this stage's KV pool
         self.num_heads = shards.num_heads  # this rank's
         self.num_kv_heads = shards.num_kv_heads
         self.head_dim = shards.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim ** -0.5 if scale is None else scale
         self.sliding_window = layer_sliding_window(config, layer_id)
-        self.attn = AttnLayer(self.kv_layer, self.scale, self.sliding_window)
+        self.attn = AttnLayer(self.kv_layer, self.scale, self.sliding_window, logit_softcap)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=o_bias, tp=shards.attn)
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = norm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = norm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
         self.ops: Optional[ModuleType] = None
@@ -90,10 +102,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, shards: TPShards):
+    """``down(act(gate(x)) * up(x))``; the activation is the config's ``activation_field``."""
+
+    def __init__(self, config, shards: TPShards, activation_field: str = "hidden_act"):
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act: only 'silu' is supported, got {config.hidden_act!r}")
+        self.activation = getattr(config, activation_field, None)
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"{activation_field}: {self.activation!r} is not supported; supported: "
+                             f"{sorted(ACTIVATIONS)}")
+        self.act = ACTIVATIONS[self.activation]
         bias = bool(getattr(config, "mlp_bias", False))
         inter = shards.intermediate  # this rank's columns
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias)
@@ -102,15 +119,24 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.ops is not None and gate_up.dim() == 2:
+        if self.ops is not None and gate_up.dim() == 2 and self.activation == "silu":
             act = gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
             self.ops.silu_and_mul(act, gate_up)
             return self.down_proj(act)
         gate, up = self.gate_up_proj.split(gate_up)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
+
+
+def run_mlp(mlp: nn.Module, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    """The MLP over ``h``; under DP attention it runs tensor-parallel over every group's tokens."""
+    if fb.dp is None:
+        return mlp(h)
+    return fb.dp.local(mlp(fb.dp.gather(h)))
 
 
 class LlamaDecoderLayer(nn.Module):
+    rope_kind = "default"  # the key of its RoPE table in ``LlamaModel.rotaries``
+
     def __init__(self, config, layer_id: int, shards: TPShards, **attn_kwargs):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, shards, **attn_kwargs)
@@ -127,35 +153,43 @@ class LlamaDecoderLayer(nn.Module):
             h, residual = self.input_layernorm(h, residual)
         h = self.self_attn(h, rope, fb)
         h, residual = self.post_attention_layernorm(h, residual)
-        if fb.dp is None:
-            return self.mlp(h), residual
-        # DP attention: the MLP runs tensor-parallel over every group's tokens
-        return fb.dp.local(self.mlp(fb.dp.gather(h))), residual
+        return run_mlp(self.mlp, h, fb), residual
 
 
 class LlamaModel(nn.Module):
     """The decoder; in a pipeline stage only its layers (``shards.layers``; the others are
-    placeholders, so parameter names stay the checkpoint's) and the embedding where it is used."""
+    placeholders, so parameter names stay the checkpoint's) and the embedding where it is used.
+    A family changes its blocks through the class attributes and ``rope_settings``."""
+
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+    norm_cls: type[nn.Module] = RMSNorm
+    embedding_cls: type[nn.Module] = VocabParallelEmbedding
 
     def __init__(self, config, shards: TPShards, **attn_kwargs):
         super().__init__()
         self.start, self.end = shards.layers
-        self.embed_tokens = VocabParallelEmbedding(shards.vocab_rows, config.hidden_size, shards.vocab[0],
-                                                   shards.attn) if shards.embeds else None
+        self.embed_tokens = self.embedding_cls(shards.vocab_rows, config.hidden_size, shards.vocab[0],
+                                               shards.attn) if shards.embeds else None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, shards, **attn_kwargs) if self.start <= i < self.end else nn.Identity()
+            self.layer_cls(config, i, shards, **attn_kwargs) if self.start <= i < self.end else nn.Identity()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
         head_dim = self.layers[self.start].self_attn.head_dim
         initial = min(config.max_position_embeddings, _ROPE_INITIAL_POSITIONS)
-        self.rotary = RotaryEmbedding(head_dim, rope_parameters(config), initial)
+        self.rotaries = nn.ModuleDict({kind: RotaryEmbedding(head_dim, params, initial)
+                                       for kind, params in self.rope_settings(config).items()})
         self.ops: Optional[ModuleType] = None
         # the decoder stack in C++ for decode-only batches (bf16 prepacked CPU models)
         self.decode_stack = None
 
+    @staticmethod
+    def rope_settings(config) -> dict[str, dict]:
+        """RoPE parameters by kind (a layer's ``rope_kind``); one kind for the Llama family."""
+        return {"default": rope_parameters(config)}
+
     @property
-    def own_layers(self) -> list["LlamaDecoderLayer"]:
+    def own_layers(self) -> list[nn.Module]:
         return list(self.layers)[self.start:self.end]
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -166,14 +200,17 @@ class LlamaModel(nn.Module):
     def forward_layers(self, fb: ForwardBatch, h: torch.Tensor, residual: Optional[torch.Tensor]):
         """This stage's layers over ``h`` (embeddings, or the previous stage's output and residual
         stream); returns (output, residual) before the final norm."""
-        self.rotary.reserve(max(fb.seq_lens), h.device)
-        cos, sin = self.rotary(fb.positions)  # float32; the kernel rounds them as HF does
-        rope = (cos, sin) if self.ops is not None else (cos.to(h.dtype), sin.to(h.dtype))
+        ropes = {}  # kind -> (cos, sin) [T, head_dim]
+        for kind, rotary in self.rotaries.items():
+            rotary.reserve(max(fb.seq_lens), h.device)
+            cos, sin = rotary(fb.positions)  # float32; the kernel rounds them as HF does
+            ropes[kind] = (cos, sin) if self.ops is not None else (cos.to(h.dtype), sin.to(h.dtype))
         if self.decode_stack is not None and fb.is_decode_only:
             table, lens = fb.int32_tables()  # the stack exists only for one-group models
+            cos, sin = ropes["default"]  # float32: the stack exists only with the kernels
             return self.decode_stack.forward(h, fb.groups[0].pool.buffer, table, lens, cos, sin)
         for layer in self.own_layers:
-            h, residual = layer(h, residual, rope, fb)
+            h, residual = layer(h, residual, ropes[layer.rope_kind], fb)
         return h, residual
 
     def idle_forward(self, dp) -> None:
@@ -188,6 +225,7 @@ class LlamaForCausalLM(CpuPathsMixin, nn.Module):
     ``compute_logits(hidden [N, hidden_size]) -> [N, vocab_size]`` float32 (every rank gets the
     whole vocabulary's logits)."""
 
+    model_cls: type[nn.Module] = LlamaModel
     qk_norm = False
 
     @staticmethod
@@ -196,6 +234,11 @@ class LlamaForCausalLM(CpuPathsMixin, nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
+    def attention_options(self, config) -> dict:
+        """Keyword arguments of every layer's attention (``LlamaAttention``)."""
+        qkv_bias, o_bias = self.attention_biases(config)
+        return dict(qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm)
+
     def __init__(self, config, tp: TPGroup = SINGLE, par: Optional[Parallel] = None):
         super().__init__()
         par = Parallel(world=tp, tp=tp, attn=tp) if par is None else par
@@ -203,8 +246,7 @@ class LlamaForCausalLM(CpuPathsMixin, nn.Module):
         self.par = par
         self.tp = par.attn  # the logits' vocabulary is split over the attention group
         self.shards = TPShards.of(config, par.tp, par.attn, par.pp_rank, par.pp_size)
-        qkv_bias, o_bias = self.attention_biases(config)
-        self.model = LlamaModel(config, self.shards, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm)
+        self.model = self.model_cls(config, self.shards, **self.attention_options(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied: the logits reuse the embedding matrix; no shared Parameter, which would come apart
         # when the loader materialises the model from the meta device.

@@ -11,6 +11,8 @@ _MODELS = {
     "Qwen2ForCausalLM": ("pdserve.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("pdserve.models.llama", "Qwen3ForCausalLM"),
     "MistralForCausalLM": ("pdserve.models.llama", "MistralForCausalLM"),
+    "Gemma2ForCausalLM": ("pdserve.models.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("pdserve.models.gemma", "Gemma3ForCausalLM"),
 }
 
 

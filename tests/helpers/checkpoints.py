@@ -1,8 +1,10 @@
-"""Tiny random HF checkpoints (Llama, Qwen2, Qwen3, Mistral) for tests, built once and cached.
+"""Tiny random HF checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3) for tests, built once and cached.
 
 Each is a normal HF directory (config.json, safetensors, the SmolLM2 tokenizer) under
 ``$PDSERVE_TEST_CACHE`` (default ``/tmp/pdserve-test-cache``), keyed by architecture and
 overrides. Weights use ``initializer_range=0.08`` so greedy argmaxes are not decided by noise.
+Gemma norms store their weight as an offset from 1, which HF initialises to zero; the Gemma
+recipes draw those offsets at random so that the (1 + w) shows in the outputs.
 """
 
 from __future__ import annotations
@@ -55,11 +57,28 @@ ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(
         head_dim=16, sliding_window=32, rope_parameters=dict(rope_type="default", rope_theta=10000.0),
     )),
+    # layers S, F, S, F; both soft-caps bite at these weights (attention scores reach ~3)
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=16, num_hidden_layers=4, sliding_window=16, query_pre_attn_scalar=24,
+        attn_logit_softcapping=2.0, final_logit_softcapping=5.0, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+    )),
+    # layers S, S, F, S, S, F; local RoPE theta 1e4, global 1e6 with linear scaling
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, num_hidden_layers=6, sliding_window=16, sliding_window_pattern=3, query_pre_attn_scalar=24,
+        tie_word_embeddings=True, rope_parameters=dict(
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+            full_attention=dict(rope_type="linear", rope_theta=1000000.0, factor=8.0),
+        ),
+    )),
 }
+# archs whose norm weights are offsets from 1 (drawn from N(0, 0.2) instead of HF's zeros)
+_NORM_OFFSETS = ("gemma2", "gemma3")
 
 # Named variants used across tests.
 LLAMA_MQA_TIED = dict(num_key_value_heads=1, tie_word_embeddings=True, head_dim=32, attention_bias=True, mlp_bias=True)
 QWEN2_SLIDING = dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)
+GEMMA_MQA = dict(num_key_value_heads=1)
 
 
 def checkpoint_cache_dir() -> str:
@@ -110,6 +129,11 @@ def build_tiny_checkpoint(arch: str, out_dir: str | None = None, *, max_shard_si
     try:
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if arch in _NORM_OFFSETS:
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if name.endswith("norm.weight"):
+                        param.normal_(0.0, 0.2)
         kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
         model.save_pretrained(tmp, **kwargs)
         for name in os.listdir(tokenizer_dir):
