@@ -1,0 +1,113 @@
+"""The KV cache manager with a full-attention and a sliding-window group: pages held per group,
+pages freed as the window slides, admission counted per group, prefix-cache hits only where every
+window is whole, PD preallocation of the window only, and the accounting after all of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.request import Req, SamplingParams
+from pdserve.kv_spec import FullAttention, SlidingWindow, group_layers
+
+WINDOW = 8
+
+
+def manager(page_size: int, full_pages: int = 64, swa_pages: int = 64, disable: bool = False) -> KVCacheManager:
+    specs = [FullAttention(2, 4), SlidingWindow(2, 4, WINDOW), SlidingWindow(2, 4, WINDOW)]
+    groups = group_layers(specs)
+    pools = [KVPool(len(g.layers), n, page_size, 2, 4, torch.float32, "cpu")
+             for g, n in zip(groups, (full_pages, swa_pages))]
+    return KVCacheManager(groups, pools, page_size, disable_radix_cache=disable)
+
+
+def req(ids: list[int], rid: str = "r") -> Req:
+    return Req(rid, ids, SamplingParams(max_new_tokens=100))
+
+
+def run(m: KVCacheManager, r: Req, chunk: int) -> None:
+    """Prefill ``r`` in chunks of ``chunk`` tokens as the scheduler does, without a model."""
+    assert m.admit(r, chunk, 0, (len(r.all_ids) - 1) // m.page_size)
+    while True:
+        r.kv_len += min(chunk, r.seq_len - r.kv_len)
+        if r.kv_len == r.seq_len:
+            return
+        assert m.grow(r, min(chunk, r.seq_len - r.kv_len))
+
+
+def integrity(m: KVCacheManager, *running: Req) -> None:
+    m.check_integrity(m.in_use(running))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_window_group_holds_only_the_window(page_size):
+    m = manager(page_size)
+    r = req(list(range(100, 140)))  # 40 tokens, window 8
+    run(m, r, chunk=8)
+    full, swa = m.held(r)
+    assert full == -(-40 // page_size)
+    # the window group kept what the last chunk (tokens 32..39) saw: keys from 25 on
+    assert swa == -(-40 // page_size) - m.specs[1].first_live_page(32, page_size)
+    # decode steps keep it bounded: the pages sliding out are freed
+    for _ in range(13):
+        r.output_ids.append(7)
+        assert m.grow(r, 1)
+        r.kv_len += 1
+        full, swa = m.held(r)
+        assert swa == m.specs[1].pages_kept(r.kv_len - 1, page_size)
+        assert full == r.kv_len // page_size + (r.kv_len % page_size > 0)
+    integrity(m, r)
+    m.release(r)
+    integrity(m)
+
+
+def test_admission_counts_the_window_group():
+    # full-attention pages are plenty; the window group's 5 pages hold one request's window
+    m = manager(page_size=4, full_pages=64, swa_pages=6, disable=True)
+    a, b = req(list(range(100, 140)), "a"), req(list(range(200, 240)), "b")
+    run(m, a, chunk=8)
+    assert m.held(a)[1] == 4  # what the last chunk saw: keys 25..39 on pages 6..9
+    assert not m.admit(b, 8, 0, 9)  # b's first chunk needs 2 window pages, 1 is free
+    assert b.kv is None
+    integrity(m, a)
+    m.release(a)
+    assert m.admit(b, 8, 0, 9)
+    m.release(b)
+    integrity(m)
+
+
+def test_prefix_hit_needs_the_whole_window():
+    ps = 4
+    m = manager(ps)
+    first = req(list(range(100, 140)))
+    run(m, first, chunk=16)
+    m.release(first)  # 10 full pages cached; the window group kept pages 8..9 (tokens 32..39)
+    integrity(m)
+    # a follow-up of the whole sequence hits all of it: its window is cached
+    follow = req(list(range(100, 140)) + [5, 6, 7])
+    assert m.admit(follow, 16, 0, (len(follow.all_ids) - 1) // ps)
+    assert follow.kv.cached == 10 and follow.kv_len == 40
+    m.release(follow)
+    # a prompt that leaves after 24 tokens cannot use that prefix: its window (tokens 17..23) is gone
+    branch = req(list(range(100, 124)) + [9] * 10)
+    assert m.admit(branch, 16, 0, (len(branch.all_ids) - 1) // ps)
+    assert branch.kv.cached == 0
+    m.release(branch)
+    integrity(m)
+
+
+def test_decode_prealloc_takes_the_window_only():
+    ps = 4
+    m = manager(ps)
+    r = req(list(range(100, 150)))  # 50 tokens: 13 pages; the window at the end covers keys 43..50
+    pages, cached = m.prealloc(r, reserve=0)
+    assert cached == 0
+    assert len(pages[0]) == 13
+    start = m.transfer_start(1, 50, 0)
+    assert start == (50 - WINDOW + 1) // ps and len(pages[1]) == 13 - start
+    assert r.kv.pages[1][:start] == [0] * start
+    integrity(m, r)
+    m.free(m.park(r))
+    integrity(m)
