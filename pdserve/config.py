@@ -55,6 +55,8 @@ class ServerArgs:
     mem_fraction_static: float = 0.5
     # sliding-window cache groups get this share of the full-attention groups' tokens (SGLang's flag)
     swa_full_tokens_ratio: float = 0.8
+    # keep every page of sliding-window layers (the window is applied by masking only), as SGLang's flag
+    disable_hybrid_swa_memory: bool = False
     chunked_prefill_size: int = 2048  # prefill tokens of one request per batch
     max_prefill_tokens: Optional[int] = None  # prefill tokens per batch (None: chunked_prefill_size)
     max_running_requests: int = 256

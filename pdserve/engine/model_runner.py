@@ -70,6 +70,8 @@ class ModelRunner:
         self.context_length = args.context_length or model_ctx
         self.vocab_size = self.model.vocab_size
         specs = self.model.kv_cache_specs()
+        if args.disable_hybrid_swa_memory:  # windows by masking over full pages
+            specs = [FullAttention(s.num_kv_heads, s.head_dim) if isinstance(s, FullAttention) else s for s in specs]
         self.cache_groups: list[CacheGroup] = group_layers(specs, self.model.first_layer)
         # per layer of this stage: its cache group and its slot in that group's pool
         self.layer_group = [next(g.id for g in self.cache_groups if i in g.layers)

@@ -79,7 +79,6 @@ class RadixCache:
         self.events: Optional[list] = None
 
     # ----- counters (O(1); the scheduler reads them every step) -----
-
     def total_pages(self, group: int = 0) -> int:
         return self._total[group]
 
@@ -99,13 +98,10 @@ class RadixCache:
             counters[g] += sign * n
 
     # ----- lookup and insertion -----
-
     def match_prefix(self, token_ids: list[int], *, max_pages: Optional[int] = None) -> tuple[list[int], Node]:
-        """Longest cached prefix of ``token_ids`` in full pages (at most ``max_pages``).
-
-        Returns its pages (group 0's) in order and the node ending exactly at the match (root if
-        none). The caller caps ``max_pages`` when it needs at least one token left to compute.
-        """
+        """Longest cached prefix of ``token_ids`` in full pages (at most ``max_pages``): group 0's
+        pages in order and the node ending exactly at the match (root if none). The caller caps
+        ``max_pages`` when it needs at least one token left to compute."""
         pages, node = self.match_groups(token_ids, max_pages=max_pages)
         return pages[0], node
 
@@ -330,8 +326,7 @@ class RadixCache:
         return freed
 
     def reset(self) -> bool:
-        """Drop the whole tree, freeing its pages. Returns False (and changes nothing) if any
-        node is locked."""
+        """Drop the whole tree, freeing its pages; False (nothing changed) if a node is locked."""
         if self.root.lock_ref > 0:
             return False
         for node in self._iter_nodes():
@@ -356,7 +351,6 @@ class RadixCache:
         return out
 
     # ----- debugging -----
-
     def _iter_nodes(self) -> Iterator[Node]:
         stack = [self.root]
         while stack:
