@@ -120,7 +120,7 @@ class SchedulerLoop:
             "max_total_tokens": r.max_total_tokens,
             "page_size": s.page_size,
             "num_pages": r.pool.num_pages,
-            "cache_groups": [g.describe() for g in r.cache_groups],
+            "cache_groups": [{**g.describe(), "num_pages": p.num_pages} for g, p in zip(r.cache_groups, r.pools)],
             "model_fingerprint": r.fingerprint,
             "eos_token_ids": sorted(s.eos_ids),
             "max_running_requests": self.args.max_running_requests,
