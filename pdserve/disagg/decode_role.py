@@ -36,7 +36,7 @@ REGISTER_TIMEOUT_S = 10.0
 class _Target:
     endpoint: str
     rank: int  # the prefill rank's unique id (tp_rank * pp_size + pp_rank)
-    slice: Optional[HeadSlice] = None  # the KV heads it writes into this rank
+    slice: Optional[HeadSlice] = None  # the KV heads it writes into this rank (empty: none, see rank_map)
     required_dst: int = 1  # decode ranks that ask this prefill rank for each room
 
 
@@ -120,7 +120,7 @@ class DecodeRole:
         pp_size, p_tp = int(info["pp_size"]), int(info["tp_size"])
         if not 0 <= c.dp_rank < int(info.get("dp_size", 1)):
             errs.append(f"prefill has {info.get('dp_size', 1)} DP group(s), the request names group {c.dp_rank}")
-        try:  # which prefill ranks write which of this rank's KV heads (rank_map.py)
+        try:  # which prefill ranks write which of this rank's KV heads, or only conclude (rank_map.py)
             slices = rank_map.sources(p_tp, a.tp_size, a.total_kv_head_num, a.num_heads, a.engine_rank)
         except ValueError as e:
             slices = []
@@ -167,7 +167,10 @@ class DecodeRole:
                     aborted[r] = (rs.generation, m.failure_reason(r))
         for room, (generation, reason) in aborted.items():
             self.send_abort(c, room, generation, reason)
-        logger.info("%s: connected to prefill %s (%d rank(s))", m.name, c.addr, len(c.targets))
+        idle = sum(1 for t in c.targets if t.slice is not None and t.slice.empty)
+        logger.info("%s: connected to prefill %s (%d rank(s)%s)", m.name, c.addr, len(c.targets),
+                    f"; {idle} of them write nothing here, their heads are read from other replicas, and "
+                    "only conclude each room" if idle else "")
 
     def _fail_conn(self, c: _Conn, reason: str, tell_prefill: bool = False) -> None:
         """Fail the connection and its unfinished rooms. ``tell_prefill``: the prefill is alive

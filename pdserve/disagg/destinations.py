@@ -3,15 +3,17 @@ before any byte moves).
 
 ``registration_errors``: a ``Register`` is accepted only when both sides agree on the model,
 layout, page size, dtype and transfer backend, and their TP sizes can be paired
-(``rank_map``: this rank writes some KV heads into that decode rank); errors name both sides'
-values.
+(``rank_map``: this rank writes some KV heads into that decode rank, or holds an empty slice for
+it and only concludes its rooms); errors name both sides' values.
 
 A ``TransferRequest`` names destination pages, a metadata row and state slots by index. The
 prefill rank accepts it only when
 - every index lies inside the buffers that session registered (page < pages in its KV pool,
   row < rows in its metadata buffers, slot < slots in its state buffers), and
 - no page or row is also the destination of another unfinished room of the same session
-  (what decode allocated to a room belongs to that room alone until the room ends here).
+  (what decode allocated to a room belongs to that room alone until the room ends here), and
+- it names no page, row or slot at all when this rank's slice for that decode rank is empty
+  (the two sides disagree on ``rank_map`` otherwise).
 This holds with or without ``--disaggregation-secret``: it protects decode memory from a buggy
 or forged request, and the backend checks the resulting addresses against the registered
 regions once more (``TransferBackend.write``).
@@ -29,8 +31,9 @@ from pdserve.disagg.rank_map import HeadSlice
 
 
 def head_slice(a, msg: Register) -> HeadSlice:
-    """The KV heads prefill rank ``a`` writes into the decode rank of ``msg`` (``rank_map``);
-    ValueError when the TP sizes cannot be paired or this rank writes nothing there."""
+    """The KV heads prefill rank ``a`` writes into the decode rank of ``msg`` (``rank_map``; an
+    empty slice: none); ValueError when the TP sizes cannot be paired or that decode rank has no
+    business with this rank."""
     return rank_map.slice_for(a.tp_size, msg.decode_tp_size, a.total_kv_head_num, a.num_heads, a.engine_rank,
                               msg.decode_rank)
 
@@ -71,7 +74,8 @@ def _rows(lens: list[int], items: list[int]) -> int:
 class DestinationGuard:
     """One per registered decode session; the caller (the KV manager) holds its lock."""
 
-    def __init__(self, buffers: BufferDesc, kv_entries: slice):
+    def __init__(self, buffers: BufferDesc, kv_entries: slice, empty_slice: bool = False):
+        self.empty_slice = empty_slice  # this rank writes nothing into that decode rank
         # per registered region: [num_pages, item] for KV entries of this rank's layers
         self.num_pages = _rows(buffers.kv_data_lens[kv_entries], buffers.kv_item_lens[kv_entries])
         self.num_aux_rows = _rows(buffers.aux_data_lens, buffers.aux_item_lens)
@@ -82,6 +86,11 @@ class DestinationGuard:
 
     def check(self, req: TransferRequest) -> str:
         """Why ``req`` must be refused ("" when it may be served)."""
+        if self.empty_slice and (req.dst_pages or req.aux_slot >= 0 or req.state_indices):
+            return (f"the request names {len(req.dst_pages)} destination page(s), metadata row {req.aux_slot} and "
+                    f"{len(req.state_indices)} state slot(s), but this prefill rank holds none of that decode "
+                    "rank's KV heads to write (prefill and decode disagree on which rank writes what); "
+                    "nothing written")
         bad = next((p for p in req.dst_pages if not 0 <= p < self.num_pages), None)
         if bad is not None:
             return (f"destination page {bad} is outside decode's registered KV pool "

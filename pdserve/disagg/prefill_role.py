@@ -9,7 +9,10 @@ went to decode (Success) | anything fails (Failed, decode told why).
 
 With tensor parallelism each rank writes its KV heads into the decode ranks ``rank_map`` pairs
 it with (``_Session.slice``): whole pages when both hold the same heads, a slice of each page's
-heads at the right offset otherwise.
+heads at the right offset otherwise. A rank whose heads decode reads from other replicas holds
+an empty slice for one decode rank: that rank's request names no page, and the room goes through
+the same lifecycle here with nothing written (Success, or Failed and decode told), so this rank
+concludes its part of every room like the others.
 
 Liveness: decode ranks heartbeat every session; a session silent for ``heartbeat_misses *
 heartbeat_interval`` seconds is declared dead, its rooms fail together ("decode instance
@@ -120,16 +123,19 @@ class PrefillRole:
                 self.mgr.backend.connect(msg.session_id, msg.backend_info, msg.buffers.regions())
             except Exception as e:
                 errs.append(f"cannot attach to decode buffers: {e}")
-        sess = _Session(msg.session_id, msg.reply_endpoint, msg, DestinationGuard(msg.buffers, slice(lo, hi)),
-                        "; ".join(errs), list(msg.buffers.kv_data_ptrs[lo:hi]), time.monotonic(),
-                        None if errs else head_slice(a, msg))
+        sl = None if errs else head_slice(a, msg)
+        guard = DestinationGuard(msg.buffers, slice(lo, hi), empty_slice=sl is not None and sl.empty)
+        sess = _Session(msg.session_id, msg.reply_endpoint, msg, guard, "; ".join(errs),
+                        list(msg.buffers.kv_data_ptrs[lo:hi]), time.monotonic(), sl)
         with self.mgr.lock:
             self.sessions[msg.session_id] = sess
         if errs:
             logger.warning("%s: rejected decode registration from %s: %s", self.mgr.name, msg.reply_endpoint,
                            sess.error)
         else:
-            logger.info("%s: decode rank %d registered (%s)", self.mgr.name, msg.decode_rank, msg.reply_endpoint)
+            logger.info("%s: decode rank %d registered (%s)%s", self.mgr.name, msg.decode_rank, msg.reply_endpoint,
+                        "; it reads none of this rank's KV heads, this rank only concludes its rooms"
+                        if sl.empty else "")
         self.mgr.send(msg.reply_endpoint, RegisterAck(session_id=msg.session_id, prefill_rank=self.rank,
                                                       ok=not errs, error=sess.error))
 
@@ -299,10 +305,17 @@ class PrefillRole:
     def counts(self) -> dict:
         return {"kv_peer_sessions": len(self.sessions), "kv_dst_claims": sum(s.guard.rooms for s in self.sessions.values())}
 
-    def destinations(self, room: int) -> list[TransferRequest]:
-        """The transfer requests decode ranks sent for ``room`` so far (caller holds the lock)."""
+    def destinations(self, room: int, writing_only: bool = False) -> list[TransferRequest]:
+        """The transfer requests decode ranks sent for ``room`` so far (caller holds the lock).
+        ``writing_only``: leave out those of sessions this rank writes nothing into."""
         r = self.rooms.get(room)
-        return list(r.dsts.values()) if r is not None else []
+        if r is None:
+            return []
+        return [req for sid, req in r.dsts.items() if not (writing_only and self._writes_nothing(sid))]
+
+    def _writes_nothing(self, session_id: str) -> bool:
+        s = self.sessions.get(session_id)
+        return s is not None and s.slice is not None and s.slice.empty
 
     def required_destinations(self, room: int) -> int:
         """Decode ranks that will ask for ``room`` (caller holds the lock)."""

@@ -8,6 +8,14 @@ ranks), so every destination byte is written exactly once. Consecutive heads fro
 prefill rank form one ``HeadSlice``. The lowest prefill rank of a decode rank's sources writes
 its metadata row (first token, room id).
 
+A prefill rank whose heads are all read from other replicas (MQA, GQA with fewer KV heads than
+prefill ranks, MLA's latent) still runs every room with the other prefill ranks, and their room
+states are MIN-all-reduced, so it must conclude its part too. It gets one *empty* slice (no heads,
+no metadata row) into decode rank ``prefill_rank % decode_tp``: that decode rank registers with
+it and sends it a transfer request naming no page, and it reports Success without writing. So
+every prefill rank has at least one destination per room, and a room never waits for a request
+no decode rank sends.
+
 With equal TP sizes (and any head counts) decode rank r reads everything from prefill rank r,
 whole pages: the plain case.
 
@@ -40,6 +48,11 @@ class HeadSlice:
         return self.heads[1] - self.heads[0]
 
     @property
+    def empty(self) -> bool:
+        """No heads: the prefill rank writes nothing here and only concludes its part of the room."""
+        return self.num_heads == 0
+
+    @property
     def whole_pages(self) -> bool:
         """The slice is every head of a page on both sides: pages copy as they are."""
         return self.num_heads == self.src_heads == self.dst_heads
@@ -68,18 +81,26 @@ def plan(prefill_tp: int, decode_tp: int, kv_heads: int, num_heads: int) -> tupl
         for p, h0, h1 in runs:
             pa, pb = p_ranges[p]
             out.append(HeadSlice(p, d, (h0, h1), h0 - pa, h0 - d0, pb - pa, d1 - d0, p == meta_writer))
+    writing = {s.prefill_rank for s in out}
+    for p in range(prefill_tp):  # every replica of p's heads is read elsewhere: an empty slice
+        if p not in writing:
+            d = p % decode_tp
+            (pa, pb), (d0, d1) = p_ranges[p], kv_heads_for_rank(kv_heads, num_heads, d, decode_tp)
+            out.append(HeadSlice(p, d, (pa, pa), 0, 0, pb - pa, d1 - d0, False))
     return tuple(out)
 
 
 def sources(prefill_tp: int, decode_tp: int, kv_heads: int, num_heads: int, decode_rank: int) -> list[HeadSlice]:
-    """The slices decode rank ``decode_rank`` receives, by prefill rank."""
+    """The slices decode rank ``decode_rank`` receives, by prefill rank: the prefill ranks it
+    registers with and asks for every room (empty slices included)."""
     return sorted((s for s in plan(prefill_tp, decode_tp, kv_heads, num_heads) if s.decode_rank == decode_rank),
                   key=lambda s: s.prefill_rank)
 
 
 def slice_for(prefill_tp: int, decode_tp: int, kv_heads: int, num_heads: int, prefill_rank: int,
               decode_rank: int) -> HeadSlice:
-    """The one slice prefill rank ``prefill_rank`` writes into decode rank ``decode_rank``."""
+    """The one slice (maybe empty) prefill rank ``prefill_rank`` writes into decode rank
+    ``decode_rank``; ValueError when that decode rank does not contact it."""
     found = [s for s in plan(prefill_tp, decode_tp, kv_heads, num_heads)
              if s.prefill_rank == prefill_rank and s.decode_rank == decode_rank]
     if len(found) != 1:
@@ -89,5 +110,6 @@ def slice_for(prefill_tp: int, decode_tp: int, kv_heads: int, num_heads: int, pr
 
 
 def destinations_of(prefill_tp: int, decode_tp: int, kv_heads: int, num_heads: int, prefill_rank: int) -> int:
-    """How many decode ranks prefill rank ``prefill_rank`` writes into (per room)."""
+    """How many decode ranks ask prefill rank ``prefill_rank`` for each room (empty slices
+    included: at least one)."""
     return sum(1 for s in plan(prefill_tp, decode_tp, kv_heads, num_heads) if s.prefill_rank == prefill_rank)

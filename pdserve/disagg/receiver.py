@@ -70,14 +70,18 @@ class KVReceiver:
         if st < KVPoll.WaitingForInput:
             raise RuntimeError(f"send_metadata for room {self.room} before the connection is ready ({st.name})")
         c = rs.conn
-        # each target writes its KV heads; exactly one of them writes the metadata row
-        reqs = [(t, TransferRequest(session_id=c.session_id, room=self.room, generation=rs.generation,
-                                    dst_pages=[int(p) for p in dst_pages],
-                                    aux_slot=int(aux_slot) if t.slice is None or t.slice.writes_metadata else -1,
-                                    state_indices=[int(i) for i in state_indices or []],
-                                    required_dst_info_num=t.required_dst, decode_prefix_pages=int(decode_prefix_pages),
-                                    reply_endpoint=m.endpoint(parse_addr(c.addr)[0])))
-                for t in c.targets]
+        # each target writes its KV heads; exactly one of them writes the metadata row; a target
+        # with an empty slice (rank_map) is asked for nothing, which lets it conclude the room
+        reqs = []
+        for t in c.targets:
+            writes = t.slice is None or not t.slice.empty
+            reqs.append((t, TransferRequest(
+                session_id=c.session_id, room=self.room, generation=rs.generation,
+                dst_pages=[int(p) for p in dst_pages] if writes else [],
+                aux_slot=int(aux_slot) if t.slice is None or t.slice.writes_metadata else -1,
+                state_indices=[int(i) for i in state_indices or []] if writes else [],
+                required_dst_info_num=t.required_dst, decode_prefix_pages=int(decode_prefix_pages),
+                reply_endpoint=m.endpoint(parse_addr(c.addr)[0]))))
         with m.lock:
             rs.sent_at = time.monotonic()
             m.status.update(self.room, KVPoll.Transferring)

@@ -51,7 +51,8 @@ class KVSender:
     def init(self, num_pages: int, aux_slot: int) -> None:
         self.num_pages, self.aux_slot = num_pages, aux_slot
         with self.mgr.lock:
-            short = [len(q.dst_pages) for q in self.role.destinations(self.room) if len(q.dst_pages) < num_pages]
+            short = [len(q.dst_pages) for q in self.role.destinations(self.room, writing_only=True)
+                     if len(q.dst_pages) < num_pages]
         if short:
             self.role.fail(self.room, f"decode preallocated {short[0]} pages, prefill needs {num_pages}")
 

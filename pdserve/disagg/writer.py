@@ -182,6 +182,8 @@ class TransferWorkers:
             m.update_status(job.room, KVPoll.Success)
 
     def _write_chunk(self, sess, req: TransferRequest, job: Chunk, corrupt_room: bool = False) -> None:
+        if sess.slice is not None and sess.slice.empty:
+            return  # decode reads none of this rank's heads (rank_map): the room only concludes here
         a, backend = self.mgr.kv_args, self.mgr.backend
         n = len(job.src_pages)
         dst_pages = req.dst_pages[job.page_offset:job.page_offset + n]

@@ -1,7 +1,9 @@
 """Tensor parallelism end to end: ``pdserve serve --tp-size 2`` against one rank, and PD between
 servers of equal and different TP sizes (P tp1 -> D tp2, P tp2 -> D tp1, P tp2 -> D tp2), through
 pdserve's router and the real sglang-router, with every rank's pools and metadata slots free
-afterwards; a fault on one prefill rank fails the room everywhere; a killed decode rank takes its
+afterwards; pairings where some prefill ranks hold no KV head decode reads from them (MQA tp2 ->
+tp1, tp4 -> tp2 and tp1; GQA with 2 KV heads tp4 -> tp2 and tp1), a room failed there ending on
+every rank; a fault on one prefill rank fails the room everywhere; a killed decode rank takes its
 server down.
 
 Reference outputs come from the offline engine (one rank, float32), itself checked against HF.
@@ -39,6 +41,29 @@ def generate(url: str, ids: list[int], logprobs: bool = False) -> dict:
     r = httpx.post(url + "/generate", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def generate_pd(prefill: c.Proc, decode: c.Proc, ids: list[int], decode_ids: list[int] | None = None):
+    """One request sent to prefill and decode as a router sends it (``decode_ids``: decode gets
+    another prompt); returns both responses."""
+    room = random.randrange(2**63)
+
+    def body(x: list[int]) -> dict:
+        return {"input_ids": x, "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS,
+                                                    "ignore_eos": True},
+                "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": room}
+
+    with ThreadPoolExecutor(2) as ex:
+        fp = ex.submit(httpx.post, prefill.url + "/generate", json=body(ids), timeout=120)
+        fd = ex.submit(httpx.post, decode.url + "/generate", json=body(decode_ids or ids), timeout=120)
+        return fp.result(), fd.result()
+
+
+def idle(proc: c.Proc) -> None:
+    if proc.http.get("/server_info").json()["tp_size"] > 1:
+        all_ranks_idle(proc)
+    else:
+        proc.wait_idle()
 
 
 def all_ranks_idle(proc: c.Proc) -> None:
@@ -134,10 +159,67 @@ def test_pd_across_tp_sizes_matches_one_rank(tp, reference, pairing):
         assert out["output_ids"] == reference("llama", ids)["output_ids"], f"{pairing}: prompt of {len(ids)} tokens"
     S = tp["servers"]
     for name in {"1->2": ("P1", "D2"), "2->1": ("P2", "D1"), "2->2": ("P2", "D2")}[pairing]:
-        if S[name].http.get("/server_info").json()["tp_size"] > 1:
-            all_ranks_idle(S[name])
-        else:
-            S[name].wait_idle()
+        idle(S[name])
+
+
+@pytest.fixture(scope="module")
+def tp_heads(tp, tmp_path_factory, tp_models):
+    """Servers where some prefill ranks hold no KV head any decode rank reads from them: prefill
+    tp4 of llama (2 KV heads, each on 2 ranks) next to ``tp``'s D1 and D2; of the MQA model (1 KV
+    head on every rank) prefill tp2 and tp4, decode tp1 and tp2. Small pools: few, short requests."""
+    logs = tmp_path_factory.mktemp("tp_heads")
+    small = [*COMMON, "--max-total-tokens", "4096"]
+    llama, mqa = tp_models["llama"], tp_models["mqa"]
+    S = {"P4": c.prefill("P4", llama, logs, "--tp-size", "4", *small)[0],
+         "P2mqa": c.prefill("P2mqa", mqa, logs, "--tp-size", "2", *small)[0],
+         "P4mqa": c.prefill("P4mqa", mqa, logs, "--tp-size", "4", *small)[0],
+         "D1mqa": c.decode("D1mqa", mqa, logs, *small),
+         "D2mqa": c.decode("D2mqa", mqa, logs, "--tp-size", "2", *small)}
+    try:
+        c.start_all(S.values())
+        yield {**S, "D1": tp["servers"]["D1"], "D2": tp["servers"]["D2"]}
+    finally:
+        for p in S.values():
+            p.stop()
+
+
+# pairing -> (model, prefill, decode); the prefill ranks that write nothing follow rank_map
+HEAD_PAIRINGS = {"llama 4->2": ("llama", "P4", "D2"),  # ranks 1, 2 write nothing
+                 "llama 4->1": ("llama", "P4", "D1"),  # ranks 1, 3
+                 "mqa 2->1": ("mqa", "P2mqa", "D1mqa"),  # rank 1
+                 "mqa 4->2": ("mqa", "P4mqa", "D2mqa"),  # ranks 2, 3
+                 "mqa 4->1": ("mqa", "P4mqa", "D1mqa")}  # ranks 1, 2, 3
+
+
+@pytest.mark.parametrize("pairing", sorted(HEAD_PAIRINGS))
+def test_pd_with_prefill_ranks_that_write_nothing(tp_heads, reference, pairing):
+    """A prefill rank whose heads decode reads from other replicas concludes every room without
+    writing, so no request waits for it (it would fail after the bootstrap timeout otherwise)."""
+    model, p, d = HEAD_PAIRINGS[pairing]
+    P, D = tp_heads[p], tp_heads[d]
+    ps = prompts(6, seed=40 + sorted(HEAD_PAIRINGS).index(pairing))
+    with ThreadPoolExecutor(3) as ex:
+        outs = list(ex.map(lambda ids: generate_pd(P, D, ids), ps))
+    for ids, (rp, rd) in zip(ps, outs):
+        assert rp.status_code == 200 and rd.status_code == 200, (pairing, rp.text, rd.text)
+        assert rd.json()["output_ids"] == reference(model, ids)["output_ids"], f"{pairing}: prompt of {len(ids)} tokens"
+    for s in (P, D):
+        idle(s)
+
+
+def test_a_room_failed_by_the_writing_ranks_ends_on_the_idle_ones(tp_heads, reference):
+    """Decode preallocates for a shorter prompt than prefill's: prefill ranks 0 and 1 (the writing
+    ones) fail the room, ranks 2 and 3 (which write nothing and so check no page count) fail it
+    through the all-reduce, decode is told, and every rank of both servers frees what it held."""
+    P, D = tp_heads["P4mqa"], tp_heads["D2mqa"]
+    rp, rd = generate_pd(P, D, list(range(100, 300)), decode_ids=list(range(100, 120)))
+    assert rp.status_code >= 400 and rd.status_code >= 400, (rp.text, rd.text)
+    assert "preallocated" in rd.text, rd.text
+    for s in (P, D):
+        all_ranks_idle(s)
+    ids = prompts(1, seed=50)[0]  # both servers serve the next request
+    rp, rd = generate_pd(P, D, ids)
+    assert rd.status_code == 200 and rd.json()["output_ids"] == reference("mqa", ids)["output_ids"], rd.text
 
 
 @pytest.mark.skipif(not sglang_router_available(), reason="sglang-router is not installed")

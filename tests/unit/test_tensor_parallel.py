@@ -36,7 +36,7 @@ def test_every_decode_head_is_written_exactly_once(p_tp, d_tp, kv, heads):
     plan = rank_map.plan(p_tp, d_tp, kv, heads)
     for d in range(d_tp):
         d0, d1 = kv_heads_for_rank(kv, heads, d, d_tp)
-        mine = [s for s in plan if s.decode_rank == d]
+        mine = [s for s in plan if s.decode_rank == d and not s.empty]
         covered = sorted(itertools.chain.from_iterable(range(*s.heads) for s in mine))
         assert covered == list(range(d0, d1)), (d, mine)
         assert sum(s.writes_metadata for s in mine) == 1  # one metadata writer per decode rank
@@ -50,10 +50,53 @@ def test_every_decode_head_is_written_exactly_once(p_tp, d_tp, kv, heads):
         assert rank_map.destinations_of(p_tp, d_tp, kv, heads, p) == sum(s.prefill_rank == p for s in plan)
 
 
+# (prefill tp, decode tp, KV heads, query heads) -> prefill ranks whose heads are all read elsewhere
+IDLE_PREFILL_RANKS = {
+    (2, 1, 1, 4): [1],  # MQA: one replicated head, one source suffices
+    (4, 2, 1, 4): [2, 3],
+    (4, 1, 1, 4): [1, 2, 3],
+    (4, 2, 2, 4): [1, 2],  # GQA, each head on 2 prefill ranks; decode ranks read different replicas
+    (4, 1, 2, 4): [1, 3],
+    (8, 2, 2, 8): [1, 2, 3, 4, 6, 7],
+    (2, 1, 2, 4): [],  # decode needs both ranks' heads
+    (4, 4, 1, 4): [],  # equal TP: rank to rank
+}
+
+
+@pytest.mark.parametrize("p_tp, d_tp, kv, heads", sorted(IDLE_PREFILL_RANKS))
+def test_every_prefill_rank_concludes_every_room(p_tp, d_tp, kv, heads):
+    """Each prefill rank has at least one destination per room, so its part of a room always
+    ends; a rank decode reads nothing from gets exactly one empty slice (no heads, no metadata row),
+    and every decode rank still reads each of its heads from exactly one writing rank."""
+    plan = rank_map.plan(p_tp, d_tp, kv, heads)
+    idle = sorted({s.prefill_rank for s in plan if s.empty})
+    assert idle == IDLE_PREFILL_RANKS[(p_tp, d_tp, kv, heads)]
+    for p in range(p_tp):
+        mine = [s for s in plan if s.prefill_rank == p]
+        assert rank_map.destinations_of(p_tp, d_tp, kv, heads, p) == len(mine) >= 1
+        if p in idle:  # an empty slice only, into decode rank p % d_tp, which asks it for nothing
+            assert len(mine) == 1 and mine[0].decode_rank == p % d_tp and not mine[0].writes_metadata
+            assert rank_map.slice_for(p_tp, d_tp, kv, heads, p, p % d_tp).empty
+            assert not mine[0].whole_pages
+        else:
+            assert not any(s.empty for s in mine)
+    for d in range(d_tp):
+        src = rank_map.sources(p_tp, d_tp, kv, heads, d)
+        assert [s.prefill_rank for s in src] == sorted(s.prefill_rank for s in src)
+        assert sum(s.writes_metadata for s in src) == 1 and not any(s.writes_metadata and s.empty for s in src)
+        d0, d1 = kv_heads_for_rank(kv, heads, d, d_tp)
+        assert sum(s.num_heads for s in src) == d1 - d0
+    pairs = {(s.prefill_rank, s.decode_rank) for s in plan}
+    for p, d in itertools.product(range(p_tp), range(d_tp)):
+        if (p, d) not in pairs:  # no business together: registration between them is refused
+            with pytest.raises(ValueError, match="expected exactly one"):
+                rank_map.slice_for(p_tp, d_tp, kv, heads, p, d)
+
+
 def test_replicated_heads_are_read_from_different_replicas():
     # 2 KV heads on 4 prefill ranks (each held twice), 2 decode ranks of 1 head each... and 1 of 2
     plan = rank_map.plan(4, 1, 2, 8)
-    assert [(s.prefill_rank, s.heads) for s in plan] == [(0, (0, 1)), (2, (1, 2))]
+    assert [(s.prefill_rank, s.heads) for s in plan if not s.empty] == [(0, (0, 1)), (2, (1, 2))]
     plan = rank_map.plan(4, 4, 2, 8)
     assert sorted({s.prefill_rank for s in plan}) == [0, 1, 2, 3]
 
