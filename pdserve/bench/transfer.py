@@ -143,7 +143,7 @@ def decode_main(backend: str, geo: Geometry, port: int, out, cmds) -> None:
                 deadline = time.monotonic() + 120
                 while rv.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
                     time.sleep(0.001)
-                rv.send_metadata(geo.dst_pages(), 0)
+                rv.send_metadata([geo.dst_pages()], 0)
                 while rv.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
                     time.sleep(POLL_S)
                 out.put(("done", (cmd[1], int(rv.poll()), rv.failure_reason(), arrived())))
@@ -205,10 +205,10 @@ class PrefillSide:
         deadline = time.monotonic() + 120
         while s.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
             time.sleep(0.0005)
-        s.init(self.geo.pages, 0)
+        s.init([self.geo.pages], 0)
         self.meta.set_row(0, self.room, 1)
         t0 = time.perf_counter()
-        s.send(self.geo.src_pages(), last_chunk=True)
+        s.send([self.geo.src_pages()], last_chunk=True)
         while s.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
             time.sleep(POLL_S)
         elapsed = self._success_at.pop(self.room, time.perf_counter()) - t0

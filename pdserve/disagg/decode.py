@@ -202,7 +202,7 @@ class DecodeQueues:
         self.s.stats["cache_hit_tokens"] += cached * self.s.page_size
         self.meta.clear_row(slot)
         req.mark("preallocated")  # before prefill can hear of it: the timeline stays causal
-        st.receiver.send_metadata(pages[0], slot, decode_prefix_pages=cached)
+        st.receiver.send_metadata(pages, slot, decode_prefix_pages=cached)
         self.prealloc.remove(req)
         self.transfer.append(req)
         return True

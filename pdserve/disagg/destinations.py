@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from pdserve.disagg import rank_map
 from pdserve.disagg.kv_args import compat_mismatches
+from pdserve.disagg.layout import group_rows, pair_regions
 from pdserve.disagg.messages import BufferDesc, Register, TransferRequest
 from pdserve.disagg.rank_map import HeadSlice
 
@@ -48,22 +49,27 @@ def registration_errors(a, msg: Register, backend_name: str) -> list[str]:
     except ValueError as e:
         return errs + [f"prefill tp {a.tp_size} rank {a.engine_rank} and decode tp {msg.decode_tp_size} "
                        f"rank {msg.decode_rank}: {e}"]
-    per = a.kv_entries_per_layer
-    lo, hi = a.prefill_start_layer * per, (a.prefill_start_layer + a.num_local_layers) * per
-    dst_items = msg.buffers.kv_item_lens[lo:hi]
-    # one page item = the rank's KV heads x page_size x head_dim: the decode rank's holds its heads
-    want = [item // sl.src_heads * sl.dst_heads for item in a.kv_item_lens]
-    if len(msg.buffers.kv_data_ptrs) < hi:
-        errs.append(f"kv entries mismatch: prefill needs layers up to {hi // per}, "
-                    f"decode has {len(msg.buffers.kv_data_ptrs) // per}")
-    elif dst_items != want:
-        errs.append(f"kv page item bytes mismatch: decode rank {msg.decode_rank} should hold {sl.dst_heads} KV "
-                    f"head(s) per page ({sorted(set(want))} bytes), it registered {sorted(set(dst_items))}")
+    paired, why = dst_regions(a, msg.buffers)
+    if why:
+        errs.append(f"kv regions mismatch: {why}")
+    else:
+        dst_items = [msg.buffers.kv_item_lens[j] for j in paired]
+        # one page item = the rank's KV heads x page_size x head_dim: the decode rank's holds its heads
+        want = [item // sl.src_heads * sl.dst_heads for item in a.kv_item_lens]
+        if dst_items != want:
+            errs.append(f"kv page item bytes mismatch: decode rank {msg.decode_rank} should hold {sl.dst_heads} "
+                        f"KV head(s) per page ({sorted(set(want))} bytes), it registered {sorted(set(dst_items))}")
     if msg.buffers.aux_item_lens != list(a.aux_item_lens):
         errs.append(f"metadata row layout mismatch: prefill {a.aux_item_lens}, decode {msg.buffers.aux_item_lens}")
     if msg.buffers.state_type != a.state_type:
         errs.append(f"state_type mismatch: prefill {a.state_type}, decode {msg.buffers.state_type}")
     return errs
+
+
+def dst_regions(a, buffers: BufferDesc) -> tuple[list[int], str]:
+    """The decode region of every KV region of prefill rank ``a``, paired by cache group and
+    layer (``layout.pair_regions``): a pipeline stage pairs only its own layers."""
+    return pair_regions(a.kv_region_group, a.kv_region_layer, buffers.kv_region_group, buffers.kv_region_layer)
 
 
 def _rows(lens: list[int], items: list[int]) -> int:
@@ -74,29 +80,37 @@ def _rows(lens: list[int], items: list[int]) -> int:
 class DestinationGuard:
     """One per registered decode session; the caller (the KV manager) holds its lock."""
 
-    def __init__(self, buffers: BufferDesc, kv_entries: slice, empty_slice: bool = False):
+    def __init__(self, buffers: BufferDesc, kv_entries: list[int], num_groups: int, empty_slice: bool = False):
         self.empty_slice = empty_slice  # this rank writes nothing into that decode rank
-        # per registered region: [num_pages, item] for KV entries of this rank's layers
-        self.num_pages = _rows(buffers.kv_data_lens[kv_entries], buffers.kv_item_lens[kv_entries])
+        # pages per cache group in the decode regions this rank writes (``kv_entries``)
+        self.num_pages = group_rows([buffers.kv_data_lens[j] for j in kv_entries],
+                                    [buffers.kv_item_lens[j] for j in kv_entries],
+                                    [buffers.kv_region_group[j] for j in kv_entries], num_groups)
         self.num_aux_rows = _rows(buffers.aux_data_lens, buffers.aux_item_lens)
         self.num_state_slots = _rows(buffers.state_data_lens, buffers.state_item_lens)
-        self._pages: dict[int, int] = {}  # destination page -> room
+        self._pages: dict[tuple[int, int], int] = {}  # (cache group, destination page) -> room
         self._rows: dict[int, int] = {}  # metadata row -> room
         self._by_room: dict[int, TransferRequest] = {}
 
     def check(self, req: TransferRequest) -> str:
         """Why ``req`` must be refused ("" when it may be served)."""
-        if self.empty_slice and (req.dst_pages or req.aux_slot >= 0 or req.state_indices):
-            return (f"the request names {len(req.dst_pages)} destination page(s), metadata row {req.aux_slot} and "
+        pages = [p for g in req.dst_pages for p in g]
+        if self.empty_slice and (pages or req.aux_slot >= 0 or req.state_indices):
+            return (f"the request names {len(pages)} destination page(s), metadata row {req.aux_slot} and "
                     f"{len(req.state_indices)} state slot(s), but this prefill rank holds none of that decode "
                     "rank's KV heads to write (prefill and decode disagree on which rank writes what); "
                     "nothing written")
-        bad = next((p for p in req.dst_pages if not 0 <= p < self.num_pages), None)
-        if bad is not None:
-            return (f"destination page {bad} is outside decode's registered KV pool "
-                    f"({self.num_pages} pages); nothing written")
-        if len(set(req.dst_pages)) != len(req.dst_pages):
-            return "destination pages repeat within the request; nothing written"
+        if len(req.dst_pages) > len(self.num_pages):
+            return (f"the request names destination pages of {len(req.dst_pages)} cache groups, decode registered "
+                    f"{len(self.num_pages)}; nothing written")
+        for g, ids in enumerate(req.dst_pages):
+            bad = next((p for p in ids if not 0 <= p < self.num_pages[g]), None)
+            if bad is not None:
+                where = f" of cache group {g}" if len(self.num_pages) > 1 else ""
+                return (f"destination page {bad}{where} is outside decode's registered KV pool "
+                        f"({self.num_pages[g]} pages); nothing written")
+            if len(set(ids)) != len(ids):
+                return "destination pages repeat within the request; nothing written"
         if req.aux_slot >= self.num_aux_rows or req.aux_slot < -1:
             return (f"metadata row {req.aux_slot} is outside decode's registered metadata buffers "
                     f"({self.num_aux_rows} rows); nothing written")
@@ -104,7 +118,8 @@ class DestinationGuard:
         if bad is not None:
             return (f"state slot {bad} is outside decode's registered state buffers "
                     f"({self.num_state_slots} slots); nothing written")
-        owner = next((self._pages[p] for p in req.dst_pages if self._pages.get(p, req.room) != req.room), None)
+        owner = next((self._pages[(g, p)] for g, ids in enumerate(req.dst_pages) for p in ids
+                      if self._pages.get((g, p), req.room) != req.room), None)
         if owner is not None:
             return (f"destination pages overlap those of room {owner}, still in flight from the same decode; "
                     "nothing written")
@@ -117,8 +132,9 @@ class DestinationGuard:
         """Record ``req``'s destinations as its room's (after ``check`` passed)."""
         self.release(req.room)
         self._by_room[req.room] = req
-        for p in req.dst_pages:
-            self._pages[p] = req.room
+        for g, ids in enumerate(req.dst_pages):
+            for p in ids:
+                self._pages[(g, p)] = req.room
         if req.aux_slot >= 0:
             self._rows[req.aux_slot] = req.room
 
@@ -126,9 +142,10 @@ class DestinationGuard:
         req = self._by_room.pop(room, None)
         if req is None:
             return
-        for p in req.dst_pages:
-            if self._pages.get(p) == room:
-                del self._pages[p]
+        for g, ids in enumerate(req.dst_pages):
+            for p in ids:
+                if self._pages.get((g, p)) == room:
+                    del self._pages[(g, p)]
         if self._rows.get(req.aux_slot) == room:
             del self._rows[req.aux_slot]
 

@@ -133,7 +133,7 @@ class ResolvingReceiver:
     def failure_reason(self) -> str:
         return self.inner.failure_reason() if self.inner is not None else (self.failed or "")
 
-    def send_metadata(self, dst_pages: Sequence[int], aux_slot: int, state_indices=None,
+    def send_metadata(self, dst_pages: Sequence[Sequence[int]], aux_slot: int, state_indices=None,
                       decode_prefix_pages: int = 0) -> None:
         if self.inner is None:
             raise RuntimeError(f"send_metadata for room {self.room} before its prefill DP group is known")

@@ -42,7 +42,7 @@ class FakeKVManager:
 class FakeKVSender:
     def __init__(self, mgr=None, bootstrap_addr: str = "", room: int = 0, **_: Any):
         self.room = room
-        self.sent_pages = 0
+        self.sent_pages: list[int] = []  # per cache group
         self._sent = False
         self._failed = ""
 
@@ -54,12 +54,12 @@ class FakeKVSender:
     def decode_prefix_pages(self) -> int:
         return 0
 
-    def init(self, num_pages: int, aux_slot: int) -> None:
-        pass
+    def init(self, num_pages: Sequence[int], aux_slot: int) -> None:
+        self.sent_pages = [0] * len(num_pages)
 
-    def send(self, src_pages: Sequence[int], last_chunk: bool = False,
+    def send(self, src_pages: Sequence[Sequence[int]], last_chunk: bool = False,
              state_indices: Optional[Sequence[int]] = None) -> None:
-        self.sent_pages += len(src_pages)
+        self.sent_pages = [n + len(p) for n, p in zip(self.sent_pages or [0] * len(src_pages), src_pages)]
         self._sent = True
 
     def failure_reason(self) -> str:
@@ -95,7 +95,8 @@ class FakeKVReceiver:
     def poll(self) -> KVPoll:
         return KVPoll.Failed if self._failed else self._state
 
-    def send_metadata(self, dst_pages: Sequence[int], aux_slot: int, state_indices: Optional[Sequence[int]] = None,
+    def send_metadata(self, dst_pages: Sequence[Sequence[int]], aux_slot: int,
+                      state_indices: Optional[Sequence[int]] = None,
                       decode_prefix_pages: int = 0) -> None:
         if self._state == KVPoll.WaitingForInput:
             self._state = KVPoll.Success

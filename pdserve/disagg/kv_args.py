@@ -1,27 +1,36 @@
 """``KVArgs``: what one scheduler rank registers with the KV transfer layer, and the
 compatibility rules between a prefill rank and a decode rank.
 
-KV regions are listed per (layer, K|V), layer-major (``[L0.K, L0.V, L1.K, ...]``), as
-``KVPool.buffer_info()`` returns them; one item is one page of one layer's K (or V).
+KV regions are listed per cache group, then per (layer, K|V) layer-major within the group
+(``[g0.L0.K, g0.L0.V, g0.L1.K, ..., g1.L1.K, ...]``), as each group's ``KVPool.buffer_info()``
+returns them; one item is one page of one layer's K (or V). ``kv_region_group`` and
+``kv_region_layer`` say which group and which (global) layer each region holds, so the transfer
+layer pairs regions by (group, layer) and never counts "entries per layer"; it does not need to
+know what a group's kind is, only that its pages are addressed by the group's own page ids.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 STATE_TYPES = ("none", "swa", "mamba", "nsa")
-KV_LAYOUT = "layer,kv,page,head,token,dim"  # [num_layers, 2, num_pages, kv_heads, page_size, head_dim]
+# per group: [num_layers, 2, num_pages, kv_heads, page_size, head_dim]
+KV_LAYOUT = "group,layer,kv,page,head,token,dim"
 
 
 @dataclass
 class KVArgs:
     engine_rank: int = 0
-    # KV pool: one entry per (layer, K|V), layer-major; draft-model entries appended
+    # KV pools: one entry per (group, layer, K|V), group-major then layer-major
     kv_data_ptrs: list[int] = field(default_factory=list)
     kv_data_lens: list[int] = field(default_factory=list)
     kv_item_lens: list[int] = field(default_factory=list)
+    kv_region_group: list[int] = field(default_factory=list)  # cache group of each entry
+    kv_region_layer: list[int] = field(default_factory=list)  # global layer of each entry
+    # per layer this rank holds: {"layer", "group", "kind", "head_dim", "window"?} (kv_spec)
+    layer_specs: list[dict] = field(default_factory=list)
     # metadata buffers (MetadataBuffers.buffer_info()), bootstrap_room last
     aux_data_ptrs: list[int] = field(default_factory=list)
     aux_data_lens: list[int] = field(default_factory=list)
@@ -68,37 +77,63 @@ class KVArgs:
                 raise ValueError(f"{prefix}_data_ptrs/lens/item_lens: lengths differ ({sorted(n)})")
         if self.page_size < 1:
             raise ValueError(f"page_size: must be >= 1, got {self.page_size}")
+        if not self.kv_region_group and self.kv_data_ptrs:  # one group of consecutive layers
+            self.kv_region_group = [0] * len(self.kv_data_ptrs)
+            self.kv_region_layer = [self.prefill_start_layer + i // 2 for i in range(len(self.kv_data_ptrs))]
+        if not len(self.kv_region_group) == len(self.kv_region_layer) == len(self.kv_data_ptrs):
+            raise ValueError(f"kv_region_group/layer: {len(self.kv_region_group)}/{len(self.kv_region_layer)} "
+                             f"entries for {len(self.kv_data_ptrs)} KV regions")
 
     @classmethod
-    def from_buffers(cls, kv_pool, metadata_buffers, *, engine_rank: int = 0, model_fingerprint: str = "",
-                     total_kv_head_num: Optional[int] = None, **kwargs: Any) -> "KVArgs":
-        """Build from a ``KVPool`` and ``MetadataBuffers`` (the common case)."""
-        kv = kv_pool.buffer_info()
+    def from_buffers(cls, kv_pools, metadata_buffers, *, engine_rank: int = 0, model_fingerprint: str = "",
+                     total_kv_head_num: Optional[int] = None, cache_groups: Optional[Sequence] = None,
+                     **kwargs: Any) -> "KVArgs":
+        """Build from the ranks' ``KVPool`` (one, or one per cache group, with ``cache_groups``:
+        the ``kv_spec.CacheGroup`` of each) and ``MetadataBuffers`` (the common case)."""
+        pools = [kv_pools] if not isinstance(kv_pools, (list, tuple)) else list(kv_pools)
+        start = kwargs.get("prefill_start_layer", 0)
+        if cache_groups is None:  # one full-attention group of the pool's layers
+            from pdserve.kv_spec import CacheGroup, FullAttention
+
+            p = pools[0]
+            cache_groups = [CacheGroup(0, FullAttention(p.kv_heads, p.head_dim), tuple(range(start, start + p.num_layers)))]
+        ptrs, lens, items, groups, layers, specs = [], [], [], [], [], []
+        for g, pool in zip(cache_groups, pools):
+            kv = pool.buffer_info()
+            ptrs += kv.data_ptrs
+            lens += kv.data_lens
+            items += kv.item_lens
+            groups += [g.id] * len(kv.data_ptrs)
+            layers += [layer for layer in g.layers for _ in (0, 1)]  # K and V of each layer
+            desc = {k: v for k, v in g.spec.describe().items() if k != "num_kv_heads"}  # heads differ across TP
+            specs += [{"layer": layer, "group": g.id, **desc} for layer in g.layers]
+        first = pools[0].buffer_info()
         aux = metadata_buffers.buffer_info()
         return cls(
             engine_rank=engine_rank,
-            kv_data_ptrs=list(kv.data_ptrs), kv_data_lens=list(kv.data_lens), kv_item_lens=list(kv.item_lens),
+            kv_data_ptrs=ptrs, kv_data_lens=lens, kv_item_lens=items, kv_region_group=groups,
+            kv_region_layer=layers, layer_specs=sorted(specs, key=lambda d: d["layer"]),
             aux_data_ptrs=list(aux.data_ptrs), aux_data_lens=list(aux.data_lens),
             aux_item_lens=list(aux.item_lens),
-            kv_head_num=kv.kv_heads,
-            total_kv_head_num=total_kv_head_num if total_kv_head_num is not None else kv.kv_heads,
-            page_size=kv.page_size,
-            device=str(kv_pool.device),
-            gpu_id=kv_pool.device.index or 0,
+            kv_head_num=first.kv_heads,
+            total_kv_head_num=total_kv_head_num if total_kv_head_num is not None else first.kv_heads,
+            page_size=first.page_size,
+            device=str(pools[0].device),
+            gpu_id=pools[0].device.index or 0,
             model_fingerprint=model_fingerprint,
-            num_layers=kwargs.pop("num_layers", kv_pool.num_layers),
-            head_dim=kv.head_dim,
-            kv_dtype=kv.dtype,
+            num_layers=kwargs.pop("num_layers", sum(len(g.layers) for g in cache_groups)),
+            head_dim=first.head_dim,
+            kv_dtype=first.dtype,
             **kwargs,
         )
 
     @property
     def num_local_layers(self) -> int:
-        return len(self.kv_data_ptrs) // self.kv_entries_per_layer if self.kv_data_ptrs else 0
+        return len(set(self.kv_region_layer))
 
     @property
-    def kv_entries_per_layer(self) -> int:
-        return 2  # K and V (an MLA pool would have 1)
+    def num_groups(self) -> int:
+        return max(self.kv_region_group, default=-1) + 1
 
     def compat_info(self) -> dict[str, Any]:
         """The fields a peer must agree on (also published on the bootstrap server)."""
@@ -110,6 +145,7 @@ class KVArgs:
             "kv_dtype": self.kv_dtype,
             "page_size": self.page_size,
             "layout": self.layout,
+            "layer_specs": self.layer_specs,
         }
 
     def regions(self) -> list[tuple[int, int]]:
@@ -123,7 +159,27 @@ class KVArgs:
         return dataclasses.asdict(self)
 
 
-COMPAT_FIELDS = ("model_fingerprint", "num_layers", "kv_heads", "head_dim", "kv_dtype", "page_size", "layout")
+COMPAT_FIELDS = ("model_fingerprint", "num_layers", "kv_heads", "head_dim", "kv_dtype", "page_size", "layout",
+                 "layer_specs")
+
+
+def _describe(spec: dict) -> str:
+    extra = ", ".join(f"{k} {v}" for k, v in spec.items() if k not in ("layer", "group", "kind"))
+    return f"{spec.get('kind')} ({extra})" if extra else str(spec.get("kind"))
+
+
+def _layer_spec_mismatches(prefill: list[dict], decode: list[dict]) -> list[str]:
+    """The cache layout of the layers prefill sends (a pipeline stage sends only its own) must
+    be decode's for the same layers: kind, window, head size and cache group."""
+    by_layer = {s["layer"]: s for s in decode}
+    for p in prefill:
+        d = by_layer.get(p["layer"])
+        if d is None:
+            return [f"layer {p['layer']} cache: prefill has {_describe(p)}, decode has no such layer"]
+        if {k: v for k, v in p.items()} != {k: v for k, v in d.items()}:
+            return [f"layer {p['layer']} cache mismatch: prefill {_describe(p)} in group {p.get('group')}, "
+                    f"decode {_describe(d)} in group {d.get('group')}"]
+    return []
 
 
 def compat_mismatches(prefill: dict[str, Any], decode: dict[str, Any]) -> list[str]:
@@ -134,6 +190,9 @@ def compat_mismatches(prefill: dict[str, Any], decode: dict[str, Any]) -> list[s
     for name in COMPAT_FIELDS:
         p, d = prefill.get(name), decode.get(name)
         if name == "model_fingerprint" and (not p or not d):
+            continue
+        if name == "layer_specs":
+            out += _layer_spec_mismatches(p or [], d or [])
             continue
         if p != d:
             hint = " (give both servers the same --kv-cache-dtype or --dtype: --dtype auto measures on each server)" \

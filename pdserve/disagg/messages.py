@@ -22,7 +22,7 @@ from typing import Any, Optional, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: KV regions tagged by cache group and layer, destination pages per group
 
 
 class ProtocolError(ValueError):
@@ -44,6 +44,8 @@ class BufferDesc(msgspec.Struct):
     kv_data_ptrs: list[int]
     kv_data_lens: list[int]
     kv_item_lens: list[int]
+    kv_region_group: list[int]  # cache group of each KV region
+    kv_region_layer: list[int]  # global layer of each KV region
     aux_data_ptrs: list[int]
     aux_data_lens: list[int]
     aux_item_lens: list[int]
@@ -60,7 +62,8 @@ class BufferDesc(msgspec.Struct):
     def from_kv_args(cls, a) -> "BufferDesc":
         return cls(
             kv_data_ptrs=list(a.kv_data_ptrs), kv_data_lens=list(a.kv_data_lens),
-            kv_item_lens=list(a.kv_item_lens), aux_data_ptrs=list(a.aux_data_ptrs),
+            kv_item_lens=list(a.kv_item_lens), kv_region_group=list(a.kv_region_group),
+            kv_region_layer=list(a.kv_region_layer), aux_data_ptrs=list(a.aux_data_ptrs),
             aux_data_lens=list(a.aux_data_lens), aux_item_lens=list(a.aux_item_lens),
             state_data_ptrs=list(a.state_data_ptrs), state_data_lens=list(a.state_data_lens),
             state_item_lens=list(a.state_item_lens), state_type=a.state_type,
@@ -96,7 +99,9 @@ class TransferRequest(Message, tag="transfer_request"):
     session_id: str
     room: int
     generation: int  # fences writes: a newer generation of the same room replaces the older
-    dst_pages: list[int]  # decode page i receives the request's (decode_prefix_pages + i)-th page
+    # per cache group: decode page i receives the i-th page prefill sends of that group (the
+    # request's page transfer_start + i: decode_prefix_pages on, or the window's first page on)
+    dst_pages: list[list[int]]
     aux_slot: int  # -1: no metadata row (dummy destination)
     state_indices: list[int] = []
     required_dst_info_num: int = 1  # decode ranks that will ask this prefill rank for the room

@@ -23,7 +23,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pdserve.disagg.bootstrap import parse_addr, register_dp_rank
@@ -45,14 +45,16 @@ class _PrefillState:
     sender: Any
     slot: Optional[int] = None
     decode_prefix: int = 0  # leading pages decode already held
-    start: int = 0  # the first page sent (decode's prefix, or a window's first page it still sees)
+    # per cache group: the first page sent (decode's prefix, or the first page a window still sees)
+    starts: list[int] = field(default_factory=list)
     first_send: Optional[float] = None  # monotonic time of the first chunk handed to the sender
     last_send: Optional[float] = None
 
     @property
-    def sent_pages(self) -> int:
-        """Pages of the request handled so far: those before ``start`` and those the sender took."""
-        return self.start + self.sender.sent_pages
+    def sent_pages(self) -> list[int]:
+        """Per cache group, pages of the request handled so far: those before its start and those
+        the sender took."""
+        return [s + n for s, n in zip(self.starts, self.sender.sent_pages)]
 
 
 class PrefillQueues:
@@ -192,8 +194,9 @@ class PrefillQueues:
                 # decode's prefix cache holds the first pages: they are computed (or taken from this
                 # prefill's cache) but not sent
                 st.decode_prefix = st.sender.decode_prefix_pages()
-                st.start = self.s.kv.transfer_start(0, req.prompt_len, st.decode_prefix)
-                st.sender.init(num_pages - st.start, slot)
+                kv = self.s.kv
+                st.starts = [kv.transfer_start(g, req.prompt_len, st.decode_prefix) for g in range(kv.num_groups)]
+                st.sender.init([num_pages - start for start in st.starts], slot)
                 self.bootstrap.remove(req)
                 req.mark("bootstrapped")
                 self.s.waiting.append(req)
@@ -222,7 +225,8 @@ class PrefillQueues:
             rate = nbytes / window
             self.transfer_rate = rate if self.transfer_rate is None else 0.8 * self.transfer_rate + 0.2 * rate
         self.recent_transfers.append({
-            "rid": req.rid, "room": req.bootstrap_room, "pages": st.sender.sent_pages,
+            "rid": req.rid, "room": req.bootstrap_room, "pages": sum(st.sender.sent_pages),
+            "pages_per_group": list(st.sender.sent_pages),
             "decode_prefix_pages": st.decode_prefix, "kv_bytes": nbytes,
             "descriptors": descriptors, "window_s": window, "after_last_chunk_s": now - st.last_send,
             "gb_per_s": nbytes / window / 1e9 if window > 0 else None,
@@ -240,12 +244,15 @@ class PrefillQueues:
     def on_chunk_done(self, req: Req) -> None:
         """After a forward: send the full pages completed by a non-last chunk."""
         st: Optional[_PrefillState] = req.disagg
-        if st is None or req.kv_len >= req.prompt_len or not self.s.kv.sent_with_chunks(0):
+        if st is None or req.kv_len >= req.prompt_len:
             return
-        full = req.kv_len // self.s.page_size
-        if full > st.sent_pages:
+        kv, full = self.s.kv, req.kv_len // self.s.page_size
+        # groups whose pages are final once computed go now; the others (a window) after the last chunk
+        pages = [kv.send_pages(req, g, sent, full) if kv.sent_with_chunks(g) and full > sent else []
+                 for g, sent in enumerate(st.sent_pages)]
+        if any(pages):
             st.first_send = st.first_send or time.monotonic()
-            st.sender.send(self.s.kv.send_pages(req, 0, st.sent_pages, full), last_chunk=False)
+            st.sender.send(pages, last_chunk=False)
 
     def on_prefill_done(self, req: Req) -> None:
         """The first token is sampled: fill the metadata row and send the last chunk."""
@@ -258,6 +265,6 @@ class PrefillQueues:
                           cached_tokens=(req.cached_tokens, req.cached_tokens, 0, 0))
         st.last_send = time.monotonic()
         st.first_send = st.first_send or st.last_send
-        st.sender.send(self.s.kv.send_pages(req, 0, st.sent_pages), last_chunk=True)
+        st.sender.send([self.s.kv.send_pages(req, g, sent) for g, sent in enumerate(st.sent_pages)], last_chunk=True)
         self.s.running.remove(req)
         self.inflight.append(req)

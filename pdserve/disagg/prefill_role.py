@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pdserve.disagg.bootstrap import register_rank
-from pdserve.disagg.destinations import DestinationGuard, head_slice, registration_errors
+from pdserve.disagg.destinations import DestinationGuard, dst_regions, head_slice, registration_errors
 from pdserve.disagg.messages import Abort, Heartbeat, Register, RegisterAck, TransferRequest, TransferStatus
 from pdserve.disagg.poll import KVPoll
 from pdserve.disagg.rank_map import HeadSlice
@@ -50,7 +50,7 @@ class _Session:
     reg: Register
     guard: DestinationGuard
     error: str = ""
-    dst_kv_ptrs: list[int] = field(default_factory=list)  # decode's entries for this rank's layers
+    dst_kv_ptrs: list[int] = field(default_factory=list)  # decode's region paired with each of this rank's
     last_seen: float = 0.0  # last message from the session (heartbeats keep it fresh)
     slice: Optional[HeadSlice] = None  # the KV heads this rank writes into that decode rank
 
@@ -116,17 +116,16 @@ class PrefillRole:
     def _on_register(self, msg: Register) -> None:
         errs = registration_errors(self.mgr.kv_args, msg, self.mgr.backend_name)
         a = self.mgr.kv_args
-        per = a.kv_entries_per_layer
-        lo, hi = a.prefill_start_layer * per, (a.prefill_start_layer + a.num_local_layers) * per
+        paired = [] if errs else dst_regions(a, msg.buffers)[0]  # decode's region for each of ours
         if not errs:
             try:
                 self.mgr.backend.connect(msg.session_id, msg.backend_info, msg.buffers.regions())
             except Exception as e:
                 errs.append(f"cannot attach to decode buffers: {e}")
         sl = None if errs else head_slice(a, msg)
-        guard = DestinationGuard(msg.buffers, slice(lo, hi), empty_slice=sl is not None and sl.empty)
+        guard = DestinationGuard(msg.buffers, paired, a.num_groups, empty_slice=sl is not None and sl.empty)
         sess = _Session(msg.session_id, msg.reply_endpoint, msg, guard, "; ".join(errs),
-                        list(msg.buffers.kv_data_ptrs[lo:hi]), time.monotonic(), sl)
+                        [msg.buffers.kv_data_ptrs[j] for j in paired], time.monotonic(), sl)
         with self.mgr.lock:
             self.sessions[msg.session_id] = sess
         if errs:

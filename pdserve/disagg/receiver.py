@@ -59,10 +59,12 @@ class KVReceiver:
             return KVPoll.Failed
         return st
 
-    def send_metadata(self, dst_pages: Sequence[int], aux_slot: int, state_indices: Optional[Sequence[int]] = None,
+    def send_metadata(self, dst_pages: Sequence[Sequence[int]], aux_slot: int,
+                      state_indices: Optional[Sequence[int]] = None,
                       decode_prefix_pages: int = 0) -> None:
-        """Ask the prefill rank(s) to write the request's pages (after ``decode_prefix_pages``) into
-        ``dst_pages`` and its metadata row into ``aux_slot``. Requires poll() >= WaitingForInput."""
+        """Ask the prefill rank(s) to write the request's pages into ``dst_pages`` (per cache group,
+        from the group's first page sent: ``decode_prefix_pages`` on, or the first page a window
+        still sees) and its metadata row into ``aux_slot``. Requires poll() >= WaitingForInput."""
         m, rs = self.mgr, self._rs
         st = m.get_status(self.room)
         if st in (None, KVPoll.Failed):
@@ -77,7 +79,7 @@ class KVReceiver:
             writes = t.slice is None or not t.slice.empty
             reqs.append((t, TransferRequest(
                 session_id=c.session_id, room=self.room, generation=rs.generation,
-                dst_pages=[int(p) for p in dst_pages] if writes else [],
+                dst_pages=[[int(p) for p in g] for g in dst_pages] if writes else [[] for _ in dst_pages],
                 aux_slot=int(aux_slot) if t.slice is None or t.slice.writes_metadata else -1,
                 state_indices=[int(i) for i in state_indices or []] if writes else [],
                 required_dst_info_num=t.required_dst, decode_prefix_pages=int(decode_prefix_pages),

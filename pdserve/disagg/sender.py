@@ -18,7 +18,8 @@ class KVSender:
     """One room on a prefill rank. Call order: construct when the request arrives; ``poll()``
     until WaitingForInput; ``init(num_pages, aux_slot)``; ``send(pages)`` per chunk (the last
     one with ``last_chunk=True`` after the metadata row is filled); ``poll()`` until Success or
-    Failed; ``clear()``. ``abort()`` at any time."""
+    Failed; ``clear()``. ``abort()`` at any time. Pages are given per cache group: ``num_pages[g]``
+    pages of group g will be sent, ``send`` gets the next pages of each group (maybe none)."""
 
     def __init__(self, mgr, bootstrap_addr: str, room: int, **_: Any):
         self.mgr = mgr
@@ -26,9 +27,9 @@ class KVSender:
         self.bootstrap_addr = bootstrap_addr
         self.room = room
         self.created = time.monotonic()
-        self.num_pages: Optional[int] = None
+        self.num_pages: Optional[list[int]] = None
         self.aux_slot = -1
-        self.sent_pages = 0
+        self.sent_pages: list[int] = [0] * mgr.kv_args.num_groups  # per cache group
         self.role.add_sender(room)
 
     def poll(self) -> KVPoll:
@@ -48,21 +49,23 @@ class KVSender:
         with self.mgr.lock:
             return max((q.decode_prefix_pages for q in self.role.destinations(self.room)), default=0)
 
-    def init(self, num_pages: int, aux_slot: int) -> None:
-        self.num_pages, self.aux_slot = num_pages, aux_slot
+    def init(self, num_pages: Sequence[int], aux_slot: int) -> None:
+        self.num_pages, self.aux_slot = list(num_pages), aux_slot
         with self.mgr.lock:
-            short = [len(q.dst_pages) for q in self.role.destinations(self.room, writing_only=True)
-                     if len(q.dst_pages) < num_pages]
-        if short:
-            self.role.fail(self.room, f"decode preallocated {short[0]} pages, prefill needs {num_pages}")
+            have = [[len(g) for g in q.dst_pages] for q in self.role.destinations(self.room, writing_only=True)]
+        short = next((h for h in have if len(h) < len(num_pages) or any(a < b for a, b in zip(h, num_pages))), None)
+        if short is not None:
+            self.role.fail(self.room, f"decode preallocated {short} pages per cache group, prefill needs {num_pages}")
 
-    def send(self, src_pages: Sequence[int], last_chunk: bool = False,
+    def send(self, src_pages: Sequence[Sequence[int]], last_chunk: bool = False,
              state_indices: Optional[Sequence[int]] = None) -> None:
-        """Queue one chunk: ``src_pages`` are the next pages of the request, in order."""
+        """Queue one chunk: ``src_pages[g]`` are the next pages of cache group g, in order."""
         if self.mgr.get_status(self.room) in (None, KVPoll.Failed):
             return
-        if self.num_pages is not None and self.sent_pages + len(src_pages) > self.num_pages:
-            self.role.fail(self.room, f"prefill sent {self.sent_pages + len(src_pages)} pages, init() said {self.num_pages}")
+        after = [n + len(p) for n, p in zip(self.sent_pages, src_pages)]
+        if len(src_pages) != len(self.sent_pages) or (
+                self.num_pages is not None and any(a > b for a, b in zip(after, self.num_pages))):
+            self.role.fail(self.room, f"prefill sent {after} pages per cache group, init() said {self.num_pages}")
             return
         event = None
         if self.mgr.kv_args.device.startswith("cuda"):
@@ -71,9 +74,9 @@ class KVSender:
             event = torch.cuda.Event()
             event.record()
         self.mgr.update_status(self.room, KVPoll.Transferring)
-        self.role.workers.submit_chunk(Chunk(self.room, self.sent_pages, [int(p) for p in src_pages], last_chunk,
-                                             self.aux_slot, [int(i) for i in state_indices or []], event))
-        self.sent_pages += len(src_pages)
+        self.role.workers.submit_chunk(Chunk(self.room, list(self.sent_pages), [[int(p) for p in g] for g in src_pages],
+                                             last_chunk, self.aux_slot, [int(i) for i in state_indices or []], event))
+        self.sent_pages = after
 
     def failure_reason(self) -> str:
         return self.mgr.failure_reason(self.room)

@@ -32,15 +32,11 @@ def attach_disaggregation(args: ServerArgs, tokenizer=None, par: Parallel = SING
         # without the decode prefix cache a tree would only hold pages nobody reuses
         args.disable_radix_cache = True
     scheduler = Scheduler(args, tokenizer, kv_allocator=allocator, par=par)
-    groups = scheduler.runner.cache_groups
-    if len(groups) > 1:
-        raise ValueError(f"disaggregation_mode: {mode!r} serves models with one cache group; this model has "
-                         f"{len(groups)} ({', '.join(f'{len(g.layers)} {g.kind} layers' for g in groups)})")
     metadata = MetadataBuffers(num_metadata_slots(args), allocator=allocator, device=scheduler.runner.device)
     model = scheduler.runner.model
     tp = par.attn
     kv_args = get_kv_class(backend, "kv_args").from_buffers(
-        scheduler.runner.pool, metadata, engine_rank=tp.rank, tp_size=tp.size, model_fingerprint=scheduler.runner.fingerprint,
+        scheduler.runner.pools, metadata, cache_groups=scheduler.runner.cache_groups, engine_rank=tp.rank, tp_size=tp.size, model_fingerprint=scheduler.runner.fingerprint,
         total_kv_head_num=model.total_kv_heads, num_heads=model.num_attention_heads,
         system_dp_rank=par.dp_rank, dp_size=par.dp_size, pp_rank=par.pp_rank, pp_size=par.pp_size,
         prefill_start_layer=model.first_layer, num_layers=model.total_layers, global_rank=par.world.rank,

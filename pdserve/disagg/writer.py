@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.disagg import faults as f
-from pdserve.disagg.descriptors import head_slice_descriptors, region_descriptors
+from pdserve.disagg.descriptors import region_descriptors
+from pdserve.disagg.layout import chunk_descriptors
 from pdserve.disagg.messages import AbortAck, TransferRequest, TransferStatus, completion_notice
 from pdserve.disagg.poll import KVPoll
 from pdserve.disagg.transfer.base import TransferError
@@ -36,8 +37,8 @@ WRITE_TIMEOUT_S = 60.0
 @dataclass
 class Chunk:
     room: int
-    page_offset: int  # index (among the pages to send) of src_pages[0]
-    src_pages: list[int]
+    page_offsets: list[int]  # per cache group: index (among its pages to send) of src_pages[g][0]
+    src_pages: list[list[int]]  # per cache group
     last: bool
     aux_slot: int
     state_indices: list[int]
@@ -185,23 +186,16 @@ class TransferWorkers:
         if sess.slice is not None and sess.slice.empty:
             return  # decode reads none of this rank's heads (rank_map): the room only concludes here
         a, backend = self.mgr.kv_args, self.mgr.backend
-        n = len(job.src_pages)
-        dst_pages = req.dst_pages[job.page_offset:job.page_offset + n]
-        if len(dst_pages) != n:
-            raise RuntimeError(f"decode preallocated {len(req.dst_pages)} pages, prefill sends pages "
-                               f"{job.page_offset}..{job.page_offset + n - 1}")
-        if n:
-            sl = sess.slice
-            if sl is None or sl.whole_pages:
-                # one descriptor per (layer, K|V) and page run contiguous on both sides
-                descs = region_descriptors(a.kv_data_ptrs, sess.dst_kv_ptrs, a.kv_item_lens, job.src_pages, dst_pages)
-            else:
-                # this rank's slice of heads into the decode rank's pages at their offset: one
-                # descriptor per (layer, K|V, page)
-                head = a.kv_item_lens[0] // sl.src_heads  # bytes of one head's part of a page
-                descs = head_slice_descriptors(a.kv_data_ptrs, sess.dst_kv_ptrs, a.kv_item_lens[0],
-                                               head * sl.dst_heads, job.src_pages, dst_pages,
-                                               sl.src_offset * head, sl.dst_offset * head, sl.num_heads * head)
+        dst_pages = []
+        for g, (src, off) in enumerate(zip(job.src_pages, job.page_offsets)):
+            have = req.dst_pages[g] if g < len(req.dst_pages) else []
+            dst = have[off:off + len(src)]
+            if len(dst) != len(src):
+                raise RuntimeError(f"decode preallocated {len(have)} pages of cache group {g}, prefill sends its "
+                                   f"pages {off}..{off + len(src) - 1}")
+            dst_pages.append(dst)
+        descs = chunk_descriptors(a, sess.dst_kv_ptrs, sess.slice, job.src_pages, dst_pages)
+        if descs is not None:
             backend.write(sess.session_id, *descs).wait(WRITE_TIMEOUT_S)
             self.role.count_written(job.room, len(descs[0]), int(descs[2].sum()))
         if not job.last:

@@ -71,6 +71,27 @@ def _page_bytes(pool, pages: list[int]) -> bytes:
     return pool.buffer[:, :, pages].contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()
 
 
+def _bytes(pools, pages: list[int]) -> bytes:
+    """The pages' bytes in every cache group's pool (the rooms use the same page ids in each)."""
+    return b"".join(_page_bytes(p, pages) for p in pools)
+
+
+def _pools(cfg: dict[str, Any], num_pages: int, page_size: int, alloc):
+    """One pool, or with ``groups=2`` a second cache group (one layer, another head size) whose
+    pages are final only after the last chunk, as a sliding window's are; and their groups."""
+    import torch
+
+    from pdserve.engine.kv_pool import KVPool
+    from pdserve.kv_spec import CacheGroup, FullAttention, SlidingWindow
+
+    pools = [KVPool(LAYERS, num_pages, page_size, HEADS, HEAD_DIM, torch.bfloat16, "cpu", alloc)]
+    groups = [CacheGroup(0, FullAttention(HEADS, HEAD_DIM), tuple(range(LAYERS)))]
+    if cfg.get("groups", 1) == 2:
+        pools.append(KVPool(1, num_pages, page_size, HEADS, 2 * HEAD_DIM, torch.bfloat16, "cpu", alloc))
+        groups.append(CacheGroup(1, SlidingWindow(HEADS, 2 * HEAD_DIM, 8), (LAYERS,)))
+    return pools, groups
+
+
 def prefill_main(cfg: dict[str, Any], out, stop) -> None:
     import torch
 
@@ -80,19 +101,20 @@ def prefill_main(cfg: dict[str, Any], out, stop) -> None:
     from pdserve.disagg.manager import KVManager, buffer_allocator, get_kv_class
     from pdserve.disagg.metadata import MetadataBuffers, SlotAllocator
     from pdserve.disagg.poll import KVPoll
-    from pdserve.engine.kv_pool import KVPool
 
     server = BootstrapServer("127.0.0.1", cfg["port"], expected_ranks=1)
     alloc = buffer_allocator(cfg["backend"], "prefill")
-    pool = KVPool(LAYERS, cfg["prefill_pages"], args.page_size, HEADS, HEAD_DIM, torch.bfloat16, "cpu", alloc)
+    pools, groups = _pools(cfg, cfg["prefill_pages"], args.page_size, alloc)
     meta = MetadataBuffers(64, allocator=alloc)
     gen = torch.Generator().manual_seed(cfg["seed"])
-    raw = pool.buffer.view(-1).view(torch.uint8)
-    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+    for pool in pools:
+        raw = pool.buffer.view(-1).view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
     rooms = [r for r in cfg["rooms"] if r["prefill"] != "absent"]
-    out.put(("expected", {r["room"]: _page_bytes(pool, r["src"][r["prefix"]:]) for r in rooms}))
+    out.put(("expected", {r["room"]: _bytes(pools, r["src"][r["prefix"]:]) for r in rooms}))
 
-    kv_args = KVArgs.from_buffers(pool, meta, model_fingerprint=cfg.get("prefill_fingerprint", "tiny"))
+    kv_args = KVArgs.from_buffers(pools, meta, cache_groups=groups,
+                                  model_fingerprint=cfg.get("prefill_fingerprint", "tiny"))
     mgr = KVManager(kv_args, "prefill", args, cfg["backend"], bootstrap_host="127.0.0.1")
     Sender = get_kv_class(cfg["backend"], "sender")
     addr = f"127.0.0.1:{cfg['port']}"
@@ -110,7 +132,9 @@ def prefill_main(cfg: dict[str, Any], out, stop) -> None:
             while p[0] and now >= p[2]:
                 n = p[0].pop(0)
                 src = spec_of[room]["src"][spec_of[room]["prefix"]:]  # decode holds the prefix
-                senders[room].send(src[p[1]:p[1] + n], last_chunk=not p[0])
+                # a later group's pages only with the last chunk, all of them
+                later = [src if not p[0] else [] for _ in pools[1:]]
+                senders[room].send([src[p[1]:p[1] + n], *later], last_chunk=not p[0])
                 p[1], p[2] = p[1] + n, now + chunk_delay
                 if chunk_delay:
                     out.put(("sent_chunk", room))
@@ -131,7 +155,7 @@ def prefill_main(cfg: dict[str, Any], out, stop) -> None:
                 started.add(room)
                 s, slot = senders[room], slots.alloc()
                 assert s.decode_prefix_pages() == r["prefix"]
-                s.init(len(r["src"]) - r["prefix"], slot)
+                s.init([len(r["src"]) - r["prefix"]] * len(pools), slot)
                 row = expected_row(room)
                 meta.set_row(slot, room, row["first_token"], row["logprob"], row["top_logprobs"],
                              row["cached_tokens"])
@@ -151,12 +175,12 @@ def decode_main(cfg: dict[str, Any], out, stop) -> None:
     from pdserve.disagg.manager import KVManager, buffer_allocator, get_kv_class
     from pdserve.disagg.metadata import MetadataBuffers, SlotAllocator
     from pdserve.disagg.poll import KVPoll
-    from pdserve.engine.kv_pool import KVPool
 
     alloc = buffer_allocator(cfg["backend"], "decode")
-    pool = KVPool(LAYERS, cfg["decode_pages"], args.page_size, HEADS, HEAD_DIM, torch.bfloat16, "cpu", alloc)
+    pools, groups = _pools(cfg, cfg["decode_pages"], args.page_size, alloc)
     meta = MetadataBuffers(64, allocator=alloc)
-    kv_args = KVArgs.from_buffers(pool, meta, model_fingerprint=cfg.get("decode_fingerprint", "tiny"))
+    kv_args = KVArgs.from_buffers(pools, meta, cache_groups=groups,
+                                  model_fingerprint=cfg.get("decode_fingerprint", "tiny"))
     mgr = KVManager(kv_args, "decode", args, cfg["backend"], bootstrap_host="127.0.0.1")
     Receiver = get_kv_class(cfg["backend"], "receiver")
     addr = f"127.0.0.1:{cfg['port']}"
@@ -179,13 +203,13 @@ def decode_main(cfg: dict[str, Any], out, stop) -> None:
             for room, r in watched.items():
                 slot = slot_of.get(room)
                 if room not in at_row and slot is not None and meta.row_room(slot) == room:
-                    at_row[room] = _page_bytes(pool, r["dst"])
+                    at_row[room] = _bytes(pools, r["dst"])
             time.sleep(0.0002)
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     # decode's cached prefix pages: the transfer must leave them as they are
-    prefix_before = {r["room"]: _page_bytes(pool, r["dst"][:r["prefix"]]) for r in cfg["rooms"] if r["prefix"]}
+    prefix_before = {r["room"]: _bytes(pools, r["dst"][:r["prefix"]]) for r in cfg["rooms"] if r["prefix"]}
     while time.monotonic() < deadline:
         states = {room: rv.poll() for room, rv in recvs.items()}
         if all(st in terminal for st in states.values()):
@@ -194,7 +218,8 @@ def decode_main(cfg: dict[str, Any], out, stop) -> None:
             room = r["room"]
             if states[room] == KVPoll.WaitingForInput and room not in slot_of:
                 slot_of[room] = slots.alloc()
-                recvs[room].send_metadata(r["dst"][r["prefix"]:], slot_of[room], decode_prefix_pages=r["prefix"])
+                recvs[room].send_metadata([r["dst"][r["prefix"]:]] * len(pools), slot_of[room],
+                                          decode_prefix_pages=r["prefix"])
                 if r["decode"] == "abort":
                     recvs[room].abort("test abort")
                 # requested and not finished as of the snapshot taken before this pass
@@ -212,9 +237,9 @@ def decode_main(cfg: dict[str, Any], out, stop) -> None:
         item = {"state": int(st), "reason": rv.failure_reason(), "drained": rv.writes_drained()}
         if st == KVPoll.Success:
             row = meta.get_row(slot_of[room])
-            item["bytes"] = _page_bytes(pool, r["dst"][r["prefix"]:])
+            item["bytes"] = _bytes(pools, r["dst"][r["prefix"]:])
             if r["prefix"]:
-                item["prefix_untouched"] = _page_bytes(pool, r["dst"][:r["prefix"]]) == prefix_before[room]
+                item["prefix_untouched"] = _bytes(pools, r["dst"][:r["prefix"]]) == prefix_before[room]
             item["row"] = {"room": row.room, "first_token": row.first_token, "logprob": row.logprob,
                            "top_logprobs": row.top_logprobs, "cached_tokens": row.cached_tokens}
             item["row_room_ok"] = meta.row_room(slot_of[room]) == room
@@ -364,6 +389,26 @@ def test_32_rooms_in_flight(protocol_run):
 
 def test_decode_shared_memory_released(protocol_run):
     assert protocol_run["shm_left"] == []
+
+
+def test_two_cache_groups_byte_exact(backend):
+    """A second cache group (another head size, pages final only after the last chunk, as a
+    sliding window's) moves with its own page ids next to the first, byte for byte, on every
+    backend; a later group's pages go in the last chunk only."""
+    rooms = [room_spec(201, list(range(1, 9)), list(range(10, 18)), [3, 3, 2]),
+             room_spec(202, [60, 3, 45, 46, 9], list(range(60, 65)), [2, 3]),
+             room_spec(203, list(range(110, 117)), list(range(192, 199)), [2, 1], prefix=4)]
+    run = Run(backend, rooms, groups=2)
+    try:
+        expected = run.expect(run.out_p, "expected")
+        final = run.expect(run.out_p, "final")
+        res = run.finish()
+    finally:
+        run.close()
+    res["expected"], res["prefill_final"] = expected, final
+    for room in (201, 202, 203):
+        _check_room(res, room)
+    assert res["decode"]["rooms"][203]["prefix_untouched"]
 
 
 def test_incompatible_page_size_fails_with_both_values(backend):

@@ -105,11 +105,13 @@ class Proc:
             done = body.get("front_end_requests", 0) == 0 and all(  # every rank's, on a multi-rank server
                 p["running"] == 0 and p["waiting"] == 0 and p["in_use_pages"] == 0 and p.get("kv_rooms", 0) == 0
                 and p.get("metadata_slots_free", 0) == p.get("metadata_slots_total", 0)
+                and all(g["in_use_pages"] == 0 for g in p.get("groups", []))  # every cache group's
                 for p in pools.get("ranks") or [pools])
             return pools if done else None
 
         pools = wait_for(idle, timeout, f"{self.name} to become idle", interval=0.1)
-        assert pools["free_pages"] + pools["cached_pages"] + pools["in_use_pages"] == pools["total_pages"], pools
+        for g in [pools, *pools.get("groups", [])]:
+            assert g["free_pages"] + g["cached_pages"] + g["in_use_pages"] == g["total_pages"], pools
         return pools
 
 

@@ -33,15 +33,15 @@ NUM_PAGES = 16
 
 
 def test_codec_signs_and_rejects_unsigned_tampered_and_foreign_messages():
-    msg = TransferRequest(session_id="s", room=7, generation=1, dst_pages=[3, 4], aux_slot=0)
+    msg = TransferRequest(session_id="s", room=7, generation=1, dst_pages=[[3, 4]], aux_slot=0)
     signed = MessageCodec(SECRET.encode()).encode(msg)
-    assert MessageCodec(SECRET.encode()).decode(signed).dst_pages == [3, 4]
+    assert MessageCodec(SECRET.encode()).decode(signed).dst_pages == [[3, 4]]
     with pytest.raises(AuthError, match="unauthenticated"):
         MessageCodec(SECRET.encode()).decode(encode_message(msg))
     with pytest.raises(AuthError, match="bad HMAC"):
         MessageCodec(b"other").decode(signed)
     tampered = msgspec.msgpack.decode(signed)
-    tampered["dst_pages"] = [9, 10]
+    tampered["dst_pages"] = [[9, 10]]
     with pytest.raises(AuthError, match="bad HMAC"):
         MessageCodec(SECRET.encode()).decode(msgspec.msgpack.encode(tampered))
     assert MessageCodec().decode(signed).room == 7  # a side without a secret ignores the tag
@@ -130,15 +130,15 @@ def test_unauthenticated_register_and_forged_transfer_request_are_rejected(authe
                        buffers=BufferDesc.from_kv_args(a), compat=a.compat_info(), backend="local")
         push.send(encode_message(reg))  # no HMAC
         push.send(MessageCodec(b"guess").encode(reg))  # wrong key
-        forged = TransferRequest(session_id=session, room=1, generation=1, dst_pages=[1, 2], aux_slot=0,
+        forged = TransferRequest(session_id=session, room=1, generation=1, dst_pages=[[1, 2]], aux_slot=0,
                                  reply_endpoint=f"tcp://127.0.0.1:{port}")
         push.send(MessageCodec(b"guess").encode(forged))
         wait_for(lambda: m.P.rejected_messages >= 3)
         assert pull.poll(300) == 0  # no answer to any of them
         assert m.P.counts()["kv_peer_sessions"] == 1
         assert sender.poll() == KVPoll.Bootstrapping  # the forged request did not reach the room
-        sender.init(2, 0)
-        sender.send([1, 2], last_chunk=True)  # not WaitingForInput: nothing may be written
+        sender.init([2], 0)
+        sender.send([[1, 2]], last_chunk=True)  # not WaitingForInput: nothing may be written
         time.sleep(0.2)
         assert m.decode_untouched()
     finally:
@@ -156,17 +156,17 @@ def plain():
 def test_destination_outside_the_registered_pool_is_refused(plain):
     m = plain
     sender, receiver = m.pair(room=5)
-    receiver.send_metadata([2, NUM_PAGES + 40], aux_slot=0)
+    receiver.send_metadata([[2, NUM_PAGES + 40]], aux_slot=0)
     wait_for(lambda: receiver.poll() == KVPoll.Failed)
     assert "outside decode's registered KV pool" in receiver.failure_reason()
     assert sender.poll() == KVPoll.Failed
-    sender.init(2, 0)
-    sender.send([1, 2], last_chunk=True)
+    sender.init([2], 0)
+    sender.send([[1, 2]], last_chunk=True)
     time.sleep(0.2)
     assert m.decode_untouched()
     # a metadata row outside the buffers, too
     sender, receiver = m.pair(room=6)
-    receiver.send_metadata([2, 3], aux_slot=99)
+    receiver.send_metadata([[2, 3]], aux_slot=99)
     wait_for(lambda: receiver.poll() == KVPoll.Failed)
     assert "metadata row 99 is outside" in receiver.failure_reason()
 
@@ -175,34 +175,35 @@ def test_pages_of_a_room_in_flight_are_not_given_to_another_room(plain):
     m = plain
     s1, r1 = m.pair(room=11)
     s2, r2 = m.pair(room=12)
-    r1.send_metadata([3, 4], aux_slot=0)
+    r1.send_metadata([[3, 4]], aux_slot=0)
     wait_for(lambda: s1.poll() == KVPoll.WaitingForInput)
-    r2.send_metadata([4, 5], aux_slot=1)
+    r2.send_metadata([[4, 5]], aux_slot=1)
     wait_for(lambda: r2.poll() == KVPoll.Failed)
     assert "overlap those of room 11" in r2.failure_reason()
     # once room 11 is done, its pages may serve another room
-    s1.init(2, 0)
+    s1.init([2], 0)
     m.p_meta.set_row(0, 11, 42)
-    s1.send([1, 2], last_chunk=True)
+    s1.send([[1, 2]], last_chunk=True)
     wait_for(lambda: r1.poll() == KVPoll.Success)
     assert not m.decode_untouched()
     s3, r3 = m.pair(room=13)
-    r3.send_metadata([4, 5], aux_slot=0)
+    r3.send_metadata([[4, 5]], aux_slot=0)
     wait_for(lambda: s3.poll() == KVPoll.WaitingForInput)
 
 
 def test_guard_bounds_and_release():
     buffers = BufferDesc(kv_data_ptrs=[0, 0], kv_data_lens=[800, 800], kv_item_lens=[100, 100],
+                         kv_region_group=[0, 0], kv_region_layer=[0, 0],
                          aux_data_ptrs=[0], aux_data_lens=[256], aux_item_lens=[64])
-    g = DestinationGuard(buffers, slice(0, 2))
-    assert (g.num_pages, g.num_aux_rows) == (8, 4)
-    ok = TransferRequest(session_id="s", room=1, generation=1, dst_pages=[0, 7], aux_slot=3)
+    g = DestinationGuard(buffers, [0, 1], 1)
+    assert (g.num_pages, g.num_aux_rows) == ([8], 4)
+    ok = TransferRequest(session_id="s", room=1, generation=1, dst_pages=[[0, 7]], aux_slot=3)
     assert g.check(ok) == ""
     g.claim(ok)
-    assert "repeat" in g.check(TransferRequest(session_id="s", room=2, generation=1, dst_pages=[1, 1], aux_slot=0))
-    assert "outside" in g.check(TransferRequest(session_id="s", room=2, generation=1, dst_pages=[-1], aux_slot=0))
-    assert "room 1" in g.check(TransferRequest(session_id="s", room=2, generation=1, dst_pages=[1], aux_slot=3))
-    assert g.check(TransferRequest(session_id="s", room=1, generation=2, dst_pages=[7], aux_slot=3)) == ""
+    assert "repeat" in g.check(TransferRequest(session_id="s", room=2, generation=1, dst_pages=[[1, 1]], aux_slot=0))
+    assert "outside" in g.check(TransferRequest(session_id="s", room=2, generation=1, dst_pages=[[-1]], aux_slot=0))
+    assert "room 1" in g.check(TransferRequest(session_id="s", room=2, generation=1, dst_pages=[[1]], aux_slot=3))
+    assert g.check(TransferRequest(session_id="s", room=1, generation=2, dst_pages=[[7]], aux_slot=3)) == ""
     g.release(1)
     assert g.rooms == 0
-    assert g.check(TransferRequest(session_id="s", room=2, generation=1, dst_pages=[7], aux_slot=3)) == ""
+    assert g.check(TransferRequest(session_id="s", room=2, generation=1, dst_pages=[[7]], aux_slot=3)) == ""

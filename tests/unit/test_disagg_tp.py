@@ -61,7 +61,7 @@ def _start_room(prefill, decode, addr: str, room: int, dst: list[int]):
     senders = [Sender(mgr, addr, room) for mgr, _, _ in prefill]
     receiver = Receiver(decode[0], addr, room)
     wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput, 20, "decode's connection to prefill")
-    receiver.send_metadata(dst, 1)
+    receiver.send_metadata([dst], 1)
     wait_for(lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders), 20,
              "every prefill rank's transfer request, the idle rank's included")
     return senders, receiver
@@ -80,8 +80,8 @@ def test_the_idle_prefill_rank_concludes_a_room_without_writing(mqa_pd):
     assert [s.decode_prefix_pages() for s in senders] == [0, 0]
     prefill[0][2].set_row(0, room, 42)
     for s in senders:  # the scheduler drives every rank alike
-        s.init(len(src), 0)
-        s.send(src, last_chunk=True)
+        s.init([len(src)], 0)
+        s.send([src], last_chunk=True)
     wait_for(lambda: [s.poll() for s in senders] == [KVPoll.Success] * 2, 20, "Success on both prefill ranks")
     wait_for(lambda: receiver.poll() == KVPoll.Success, 20, "Success on decode")
     d_pool, p_pool = decode[1], prefill[0][1]
@@ -111,9 +111,9 @@ def test_an_abort_reaches_the_idle_prefill_rank(mqa_pd):
 
 def test_a_request_naming_pages_to_a_rank_that_writes_nothing_is_refused():
     pool, meta = KVPool(1, 4, 4, 1, 8, torch.float32, "cpu"), MetadataBuffers(2)
-    guard = DestinationGuard(BufferDesc.from_kv_args(KVArgs.from_buffers(pool, meta)), slice(0, 2),
+    guard = DestinationGuard(BufferDesc.from_kv_args(KVArgs.from_buffers(pool, meta)), [0, 1], 1,
                              empty_slice=True)
-    assert guard.check(TransferRequest(session_id="s", room=1, generation=1, dst_pages=[], aux_slot=-1)) == ""
-    why = guard.check(TransferRequest(session_id="s", room=1, generation=1, dst_pages=[0, 1], aux_slot=-1))
+    assert guard.check(TransferRequest(session_id="s", room=1, generation=1, dst_pages=[[]], aux_slot=-1)) == ""
+    why = guard.check(TransferRequest(session_id="s", room=1, generation=1, dst_pages=[[0, 1]], aux_slot=-1))
     assert "holds none of that decode rank's KV heads" in why and "2 destination page(s)" in why
-    assert guard.check(TransferRequest(session_id="s", room=1, generation=1, dst_pages=[], aux_slot=0))
+    assert guard.check(TransferRequest(session_id="s", room=1, generation=1, dst_pages=[[]], aux_slot=0))

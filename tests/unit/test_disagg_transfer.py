@@ -54,7 +54,7 @@ def test_prefill_rejects_incompatible_register(prefill_mgr):
         assert "head_dim mismatch: prefill 8, decode 16" in ack.error
         # a sender for the room fails at once, and decode is told why
         sender = get_kv_class("local", "sender")(mgr, "x:1", 99)
-        push.send(encode_message(TransferRequest(session_id="s1", room=99, generation=1, dst_pages=[1], aux_slot=0)))
+        push.send(encode_message(TransferRequest(session_id="s1", room=99, generation=1, dst_pages=[[1]], aux_slot=0)))
         status = decode_message(pull.recv())
         assert isinstance(status, TransferStatus) and status.state == KVPoll.Failed
         assert "head_dim mismatch: prefill 8, decode 16" in status.reason
@@ -66,7 +66,7 @@ def test_prefill_rejects_incompatible_register(prefill_mgr):
         # a prefill that does not know the session (e.g. restarted) says so, and fails its rooms
         push.send(encode_message(Heartbeat(session_id="nope", seq=1, reply_endpoint=f"tcp://127.0.0.1:{port}")))
         assert not decode_message(pull.recv()).known
-        push.send(encode_message(TransferRequest(session_id="nope", room=100, generation=1, dst_pages=[1],
+        push.send(encode_message(TransferRequest(session_id="nope", room=100, generation=1, dst_pages=[[1]],
                                                  aux_slot=0, reply_endpoint=f"tcp://127.0.0.1:{port}")))
         status = decode_message(pull.recv())
         assert status.room == 100 and status.state == KVPoll.Failed and "not registered" in status.reason
@@ -105,15 +105,15 @@ def test_fake_sender_receiver_state_machine():
     mgr = get_kv_class("fake", "manager")(None, "decode", None, "fake")
     s = Sender(mgr, "2.2.2.2:8998", 1)
     assert s.poll() == KVPoll.WaitingForInput
-    s.init(3, 0)
+    s.init([3], 0)
     assert s.poll() == KVPoll.WaitingForInput
-    s.send([1, 2, 3], last_chunk=True)
+    s.send([[1, 2, 3]], last_chunk=True)
     assert s.poll() == KVPoll.Success
     r = Receiver(mgr, "2.2.2.2:8998", 1)
     assert r.poll() == KVPoll.Bootstrapping
     r.init()
     assert r.poll() == KVPoll.WaitingForInput
-    r.send_metadata([4, 5, 6], 0)
+    r.send_metadata([[4, 5, 6]], 0)
     assert r.poll() == KVPoll.Success
     r2 = Receiver(mgr, "2.2.2.2:8998", 2)
     r2.abort("gone")
