@@ -8,6 +8,7 @@ page and is never handed out.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -89,8 +90,29 @@ class PageAllocator:
         return bool(self._is_free[page])
 
 
-class KVPool:
-    """The KV tensors of every layer plus the page allocator."""
+class BaseKVPool(abc.ABC):
+    """The buffers of one cache group (``kv_spec.CacheGroup``): one allocation (so a transfer
+    backend registers it once), an allocator of its items (pages, or per-request slots), and a
+    description of its regions for the transfer layer (``buffer_info``). A new cache kind is a
+    spec and a subclass; the cache manager, the scheduler and the PD queues see only this."""
+
+    num_pages: int
+    page_size: int
+    device: torch.device
+    allocator: PageAllocator
+
+    @property
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of the pool's one allocation."""
+
+    @abc.abstractmethod
+    def buffer_info(self) -> KVBufferInfo:
+        """Its regions, in the order the transfer layer registers and pairs them."""
+
+
+class KVPool(BaseKVPool):
+    """Full or sliding-window attention: K and V of every layer of the group, per KV head."""
 
     def __init__(
         self,

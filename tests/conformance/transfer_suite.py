@@ -344,9 +344,10 @@ def protocol_rooms() -> list[dict]:
     return rooms
 
 
-@pytest.fixture(scope="module")
-def protocol_run(backend):
-    run = Run(backend, protocol_rooms(), barrier=True)
+def run_rooms(backend: str, rooms: list[dict], **cfg: Any) -> dict[str, Any]:
+    """Run a scenario to its end: decode's results, with what prefill sent (``expected``) and
+    its final room states (``prefill_final``)."""
+    run = Run(backend, rooms, **cfg)
     try:
         expected = run.expect(run.out_p, "expected")
         final = run.expect(run.out_p, "final")
@@ -355,6 +356,11 @@ def protocol_run(backend):
         run.close()
     res["expected"], res["prefill_final"] = expected, final
     return res
+
+
+@pytest.fixture(scope="module")
+def protocol_run(backend):
+    return run_rooms(backend, protocol_rooms(), barrier=True)
 
 
 def _check_room(res, room):
@@ -398,14 +404,7 @@ def test_two_cache_groups_byte_exact(backend):
     rooms = [room_spec(201, list(range(1, 9)), list(range(10, 18)), [3, 3, 2]),
              room_spec(202, [60, 3, 45, 46, 9], list(range(60, 65)), [2, 3]),
              room_spec(203, list(range(110, 117)), list(range(192, 199)), [2, 1], prefix=4)]
-    run = Run(backend, rooms, groups=2)
-    try:
-        expected = run.expect(run.out_p, "expected")
-        final = run.expect(run.out_p, "final")
-        res = run.finish()
-    finally:
-        run.close()
-    res["expected"], res["prefill_final"] = expected, final
+    res = run_rooms(backend, rooms, groups=2)
     for room in (201, 202, 203):
         _check_room(res, room)
     assert res["decode"]["rooms"][203]["prefix_untouched"]

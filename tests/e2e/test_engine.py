@@ -100,6 +100,26 @@ def test_variants_match_hf(variant, request):
         assert out["output_ids"] == hf_greedy(path, ids, NEW_TOKENS)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_qwen2_window_layers_match_hf_past_the_window(page_size, request):
+    """Qwen2 with max_window_layers: layer 0 full, layer 1 sliding (window 16) in its own cache
+    group that keeps only the window; prompts several windows long, prefilled in chunks of 24
+    (across the window boundary), then 24 tokens decoded past it; logprobs as HF's."""
+    path = build_tiny_checkpoint("qwen2", **QWEN2_SLIDING)
+    eng = make_engine(path, page_size=page_size, chunked_prefill_size=24)
+    request.node._engine = eng
+    assert [g.kind for g in eng.scheduler.runner.cache_groups] == ["full_attention", "sliding_window"]
+    for ids in prompts_for(3)[3:6]:  # 40, 95, 160 tokens
+        out = eng.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 24, "ignore_eos": True},
+                           return_logprob=True)
+        assert out["output_ids"] == hf_greedy(path, ids, 24)
+        full = ids + out["output_ids"]
+        with torch.no_grad():
+            ref = torch.log_softmax(hf_model(path)(torch.tensor([full])).logits[0].float(), dim=-1)
+        for k, (v, tok, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
+            assert abs(v - ref[len(ids) - 1 + k, tok].item()) < 1e-4
+
+
 def test_logprobs_match_hf(request):
     path = build_tiny_checkpoint("qwen2")
     eng = make_engine(path, page_size=16, chunked_prefill_size=32)

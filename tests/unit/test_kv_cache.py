@@ -111,3 +111,32 @@ def test_decode_prealloc_takes_the_window_only():
     integrity(m, r)
     m.free(m.park(r))
     integrity(m)
+
+
+def test_decode_server_admits_the_predicted_number_of_long_requests():
+    """A decode server (tiny Gemma 3: S,S,F,S,S,F, window 16) preallocates a long prompt's full
+    pages in the full-attention pool and only its window's in the sliding-window pool. 1200
+    full-attention tokens and a window pool of a tenth of that (2 x 1200 + 4 x 120 = 2880
+    layer-tokens): 6 prompts of 90 tokens fit at once (5 window pages each, 30 in that pool),
+    against 5 when every layer keeps every page (--disable-hybrid-swa-memory) in the same
+    memory (2880 / 6 = 480 tokens: 120 pages of 23 per prompt)."""
+    from pdserve.config import ServerArgs
+    from pdserve.disagg.setup import attach_disaggregation
+    from tests.helpers.checkpoints import build_tiny_checkpoint
+
+    def admitted(max_total_tokens: int, **kw) -> tuple[int, list]:
+        args = ServerArgs(model_path=build_tiny_checkpoint("gemma3"), max_total_tokens=max_total_tokens, page_size=4,
+                          chunked_prefill_size=128, torch_num_threads=1, disaggregation_mode="decode",
+                          disaggregation_transfer_backend="fake", dtype="float32", **kw)
+        s = attach_disaggregation(args)
+        for i in range(20):
+            s.add_request(Req(f"r{i}", [100 + i] * 90, SamplingParams(max_new_tokens=4), bootstrap_host="127.0.0.1",
+                              bootstrap_port=1, bootstrap_room=i))
+        s.pd._process_prealloc()
+        held = [s.kv.held(r) for r in s.pd.transfer]
+        return len(s.pd.transfer), held
+
+    n, held = admitted(1200, swa_full_tokens_ratio=0.1)
+    assert n == 6 and all(h == [5, 23] for h in held), (n, held)  # [window group, full group] pages
+    n, held = admitted(480, disable_hybrid_swa_memory=True)
+    assert n == 5 and all(h == [23] for h in held), (n, held)
