@@ -158,7 +158,8 @@ class Worker:
 
     def describe(self) -> dict:
         out = {"url": self.url, "healthy": self.healthy, "in_flight": self.in_flight,
-               "circuit": self.breaker.state}
+               "circuit": self.breaker.state,
+               "polled_load": list(self.polled_load) if self.polled_load is not None else None}
         if self.role == PREFILL:
             out["bootstrap_port"] = self.bootstrap_port
         if self.dp_size is not None:

@@ -103,8 +103,12 @@ def matched(router: c.Proc, body: dict, path: str = "/generate") -> dict[str, in
 
 
 def wait_held(router: c.Proc, body: dict, tokens: int, path: str = "/generate") -> str:
-    """The worker the router sees holding ``tokens`` of ``body``'s prompt (waits for the events)."""
+    """The worker the router sees holding ``tokens`` of ``body``'s prompt (waits for the events,
+    and for a load poll of every worker after the request that stored them: a poll taken while it
+    ran would still count its tokens against the holder)."""
     c.wait_for(lambda: max(matched(router, body, path).values()) >= tokens, 10, "router sees the prompt's blocks")
+    c.wait_for(lambda: all(w.get("polled_load") in ([0, 0], None) for ws in router.http.get("/get_load").json().values()
+                           for w in ws), 10, "router polls the workers idle")
     return max(matched(router, body, path).items(), key=lambda kv: kv[1])[0]
 
 
