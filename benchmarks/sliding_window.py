@@ -1,7 +1,7 @@
 """Sliding-window cache groups against the full-KV layout (windows by masking) on a Gemma-3-shaped
 model of realistic size, side by side in one run.
 
-  python benchmarks/sliding_window.py [--lens 4096,8192,16384] [--ratio 0.8] [--json OUT]
+  python benchmarks/sliding_window.py [--lens 4096,8192,16384] [--ratio 0.8] [--layouts groups,masking] [--json OUT]
 
 The model: Gemma 3 text as its 1B config has it (hidden 1152, 26 layers of which every 6th is
 global, 4 query heads, 1 KV head of 256, window 512, GeGLU 6912), with the SmolLM2 vocabulary
@@ -148,14 +148,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lens", default="4096,8192,16384")
     ap.add_argument("--ratio", type=float, default=0.8, help="--swa-full-tokens-ratio of the grouped layout")
+    ap.add_argument("--layouts", default="groups,masking")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     lens = [int(x) for x in args.lens.split(",")]
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-swa-"))
-    rows = run_layout("groups", ["--max-total-tokens", str(groups_tokens(args.ratio)),
-                                 "--swa-full-tokens-ratio", str(args.ratio)], lens, logs)
-    rows += run_layout("masking", ["--max-total-tokens", str(MASKING_TOKENS), "--disable-hybrid-swa-memory"],
-                       lens, logs)
+    rows = []
+    if "groups" in args.layouts:
+        rows += run_layout("groups", ["--max-total-tokens", str(groups_tokens(args.ratio)),
+                                      "--swa-full-tokens-ratio", str(args.ratio)], lens, logs)
+    if "masking" in args.layouts:
+        rows += run_layout("masking", ["--max-total-tokens", str(MASKING_TOKENS), "--disable-hybrid-swa-memory"],
+                           lens, logs)
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model_name = next((l.split(":", 1)[1].strip() for l in lscpu.splitlines() if l.startswith("Model name")), "?")
     print(f"\nmachine: {platform.machine()} {model_name}, {os.cpu_count()} cores; ratio {args.ratio}; logs {logs}")

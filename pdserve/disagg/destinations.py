@@ -53,6 +53,11 @@ def registration_errors(a, msg: Register, backend_name: str) -> list[str]:
     if why:
         errs.append(f"kv regions mismatch: {why}")
     else:
+        finals = [msg.buffers.kv_region_final[j] for j in paired]
+        if finals != list(a.kv_region_final):
+            i = next(i for i, (p, d) in enumerate(zip(a.kv_region_final, finals)) if p != d)
+            errs.append(f"kv region final mismatch: cache group {a.kv_region_group[i]} layer {a.kv_region_layer[i]} "
+                        f"is final {a.kv_region_final[i]} on prefill, {finals[i]} on decode")
         dst_items = [msg.buffers.kv_item_lens[j] for j in paired]
         # one page item = the rank's KV heads x page_size x head_dim: the decode rank's holds its heads
         want = [item // sl.src_heads * sl.dst_heads for item in a.kv_item_lens]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 STATE_TYPES = ("none", "swa", "mamba", "nsa")
+REGION_FINAL = ("per_chunk", "last_chunk")
 # per group: [num_layers, 2, num_pages, kv_heads, page_size, head_dim]
 KV_LAYOUT = "group,layer,kv,page,head,token,dim"
 
@@ -29,6 +30,9 @@ class KVArgs:
     kv_item_lens: list[int] = field(default_factory=list)
     kv_region_group: list[int] = field(default_factory=list)  # cache group of each entry
     kv_region_layer: list[int] = field(default_factory=list)  # global layer of each entry
+    # when each entry's pages are final: "per_chunk" (sent as chunks complete) or "last_chunk"
+    # (only after the last forward: a window still drops pages while the prompt is computed)
+    kv_region_final: list[str] = field(default_factory=list)
     # per layer this rank holds: {"layer", "group", "kind", "head_dim", "window"?} (kv_spec)
     layer_specs: list[dict] = field(default_factory=list)
     # metadata buffers (MetadataBuffers.buffer_info()), bootstrap_room last
@@ -80,9 +84,15 @@ class KVArgs:
         if not self.kv_region_group and self.kv_data_ptrs:  # one group of consecutive layers
             self.kv_region_group = [0] * len(self.kv_data_ptrs)
             self.kv_region_layer = [self.prefill_start_layer + i // 2 for i in range(len(self.kv_data_ptrs))]
-        if not len(self.kv_region_group) == len(self.kv_region_layer) == len(self.kv_data_ptrs):
-            raise ValueError(f"kv_region_group/layer: {len(self.kv_region_group)}/{len(self.kv_region_layer)} "
-                             f"entries for {len(self.kv_data_ptrs)} KV regions")
+        if not self.kv_region_final:
+            self.kv_region_final = ["per_chunk"] * len(self.kv_data_ptrs)
+        n = {len(self.kv_region_group), len(self.kv_region_layer), len(self.kv_region_final), len(self.kv_data_ptrs)}
+        if len(n) != 1:
+            raise ValueError(f"kv_region_group/layer/final: {len(self.kv_region_group)}/{len(self.kv_region_layer)}/"
+                             f"{len(self.kv_region_final)} entries for {len(self.kv_data_ptrs)} KV regions")
+        bad = sorted(set(self.kv_region_final) - set(REGION_FINAL))
+        if bad:
+            raise ValueError(f"kv_region_final: {bad} not in {REGION_FINAL}")
 
     @classmethod
     def from_buffers(cls, kv_pools, metadata_buffers, *, engine_rank: int = 0, model_fingerprint: str = "",
@@ -97,7 +107,7 @@ class KVArgs:
 
             p = pools[0]
             cache_groups = [CacheGroup(0, FullAttention(p.kv_heads, p.head_dim), tuple(range(start, start + p.num_layers)))]
-        ptrs, lens, items, groups, layers, specs = [], [], [], [], [], []
+        ptrs, lens, items, groups, layers, finals, specs = [], [], [], [], [], [], []
         for g, pool in zip(cache_groups, pools):
             kv = pool.buffer_info()
             ptrs += kv.data_ptrs
@@ -105,6 +115,7 @@ class KVArgs:
             items += kv.item_lens
             groups += [g.id] * len(kv.data_ptrs)
             layers += [layer for layer in g.layers for _ in (0, 1)]  # K and V of each layer
+            finals += ["last_chunk" if g.spec.drops_pages else "per_chunk"] * len(kv.data_ptrs)
             desc = {k: v for k, v in g.spec.describe().items() if k != "num_kv_heads"}  # heads differ across TP
             specs += [{"layer": layer, "group": g.id, **desc} for layer in g.layers]
         first = pools[0].buffer_info()
@@ -112,7 +123,7 @@ class KVArgs:
         return cls(
             engine_rank=engine_rank,
             kv_data_ptrs=ptrs, kv_data_lens=lens, kv_item_lens=items, kv_region_group=groups,
-            kv_region_layer=layers, layer_specs=sorted(specs, key=lambda d: d["layer"]),
+            kv_region_layer=layers, kv_region_final=finals, layer_specs=sorted(specs, key=lambda d: d["layer"]),
             aux_data_ptrs=list(aux.data_ptrs), aux_data_lens=list(aux.data_lens),
             aux_item_lens=list(aux.item_lens),
             kv_head_num=first.kv_heads,
@@ -134,6 +145,10 @@ class KVArgs:
     @property
     def num_groups(self) -> int:
         return max(self.kv_region_group, default=-1) + 1
+
+    def final_after_last_chunk(self, group: int) -> bool:
+        """Whether ``group``'s pages may only be sent with the last chunk."""
+        return any(f == "last_chunk" for g, f in zip(self.kv_region_group, self.kv_region_final) if g == group)
 
     def compat_info(self) -> dict[str, Any]:
         """The fields a peer must agree on (also published on the bootstrap server)."""

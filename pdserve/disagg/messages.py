@@ -46,6 +46,7 @@ class BufferDesc(msgspec.Struct):
     kv_item_lens: list[int]
     kv_region_group: list[int]  # cache group of each KV region
     kv_region_layer: list[int]  # global layer of each KV region
+    kv_region_final: list[str]  # "per_chunk" or "last_chunk" (KVArgs)
     aux_data_ptrs: list[int]
     aux_data_lens: list[int]
     aux_item_lens: list[int]
@@ -63,7 +64,8 @@ class BufferDesc(msgspec.Struct):
         return cls(
             kv_data_ptrs=list(a.kv_data_ptrs), kv_data_lens=list(a.kv_data_lens),
             kv_item_lens=list(a.kv_item_lens), kv_region_group=list(a.kv_region_group),
-            kv_region_layer=list(a.kv_region_layer), aux_data_ptrs=list(a.aux_data_ptrs),
+            kv_region_layer=list(a.kv_region_layer), kv_region_final=list(a.kv_region_final),
+            aux_data_ptrs=list(a.aux_data_ptrs),
             aux_data_lens=list(a.aux_data_lens), aux_item_lens=list(a.aux_item_lens),
             state_data_ptrs=list(a.state_data_ptrs), state_data_lens=list(a.state_data_lens),
             state_item_lens=list(a.state_item_lens), state_type=a.state_type,

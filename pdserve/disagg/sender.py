@@ -62,6 +62,12 @@ class KVSender:
         """Queue one chunk: ``src_pages[g]`` are the next pages of cache group g, in order."""
         if self.mgr.get_status(self.room) in (None, KVPoll.Failed):
             return
+        early = next((g for g, p in enumerate(src_pages) if p and not last_chunk
+                      and self.mgr.kv_args.final_after_last_chunk(g)), None)
+        if early is not None:
+            self.role.fail(self.room, f"prefill sent pages of cache group {early} before the last chunk; that "
+                                      "group's pages are final only after the last forward")
+            return
         after = [n + len(p) for n, p in zip(self.sent_pages, src_pages)]
         if len(src_pages) != len(self.sent_pages) or (
                 self.num_pages is not None and any(a > b for a, b in zip(after, self.num_pages))):

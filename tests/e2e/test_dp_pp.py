@@ -125,6 +125,10 @@ def test_cache_aware_dp_aware_router_sends_a_follow_up_to_the_group_holding_it(p
             return r.json()["workers"][server.url] >= 64
 
         c.wait_for(seen, 10, "router sees the group's blocks")
+        # a load poll taken while turn 1 ran counts its tokens against the holding group
+        c.wait_for(lambda: all(w.get("polled_load") in ([0, 0], None)
+                               for ws in router.http.get("/get_load").json().values() for w in ws),
+                   10, "router polls the server idle")
         before = server.http.get("/server_info").json()["internal_states"]
         turn2 = turn1 + out1 + [rng.randrange(100, 1000) for _ in range(20)]
         assert generate(router.url, turn2)["output_ids"] == reference("llama", turn2)["output_ids"]

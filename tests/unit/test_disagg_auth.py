@@ -193,7 +193,7 @@ def test_pages_of_a_room_in_flight_are_not_given_to_another_room(plain):
 
 def test_guard_bounds_and_release():
     buffers = BufferDesc(kv_data_ptrs=[0, 0], kv_data_lens=[800, 800], kv_item_lens=[100, 100],
-                         kv_region_group=[0, 0], kv_region_layer=[0, 0],
+                         kv_region_group=[0, 0], kv_region_layer=[0, 0], kv_region_final=["per_chunk"] * 2,
                          aux_data_ptrs=[0], aux_data_lens=[256], aux_item_lens=[64])
     g = DestinationGuard(buffers, [0, 1], 1)
     assert (g.num_pages, g.num_aux_rows) == ([8], 4)
