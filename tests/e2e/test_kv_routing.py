@@ -102,13 +102,18 @@ def matched(router: c.Proc, body: dict, path: str = "/generate") -> dict[str, in
     return r.json()["workers"]
 
 
+def wait_polled_idle(router: c.Proc) -> None:
+    """Until the router's last load poll of every worker found it idle."""
+    c.wait_for(lambda: all(w.get("polled_load") in ([0, 0], None) for ws in router.http.get("/get_load").json().values()
+                           for w in ws), 10, "router polls the workers idle")
+
+
 def wait_held(router: c.Proc, body: dict, tokens: int, path: str = "/generate") -> str:
     """The worker the router sees holding ``tokens`` of ``body``'s prompt (waits for the events,
     and for a load poll of every worker after the request that stored them: a poll taken while it
     ran would still count its tokens against the holder)."""
     c.wait_for(lambda: max(matched(router, body, path).values()) >= tokens, 10, "router sees the prompt's blocks")
-    c.wait_for(lambda: all(w.get("polled_load") in ([0, 0], None) for ws in router.http.get("/get_load").json().values()
-                           for w in ws), 10, "router polls the workers idle")
+    wait_polled_idle(router)
     return max(matched(router, body, path).items(), key=lambda kv: kv[1])[0]
 
 
@@ -186,6 +191,7 @@ def test_pd_prefill_routing_follows_the_prefill_caches(cluster, reference):
         c.wait_for(lambda: max(matched(R, {"input_ids": turn1})[p.url] for p in (Pa, Pb)) >= 64, 10,
                    "router sees prefill's blocks")
         holder = Pa if matched(R, {"input_ids": turn1})[Pa.url] >= 64 else Pb
+        wait_polled_idle(R)  # a poll taken while turn 1 ran counts its tokens against the holder
         hits = prefill_hits(holder)
         turn2 = turn1 + out1["output_ids"] + [rng.randrange(100, 40000) for _ in range(20)]
         assert gen(R.url, turn2).json()["output_ids"] == reference(turn2)["output_ids"]
