@@ -32,8 +32,9 @@ class CacheSpec:
     per_request: ClassVar[bool] = False  # one slot per request instead of pages per token
 
     def page_bytes(self, page_size: int, dtype_bytes: int) -> int:
-        """Bytes one page of one layer takes (per-request kinds: one slot of one layer)."""
-        raise NotImplementedError
+        """Bytes one page of one layer takes (per-request kinds: one slot of one layer); every
+        concrete spec defines it."""
+        raise NotImplementedError(f"{type(self).__name__} does not say its page size")
 
     def first_live_page(self, kv_len: int, page_size: int) -> int:
         """The first page a sequence with ``kv_len`` tokens in the cache still needs for its next

@@ -90,8 +90,7 @@ def kv_bytes_per_token(runner) -> int:
     groups = [g for g in runner.cache_groups if not g.spec.drops_pages] or runner.cache_groups
     model = runner.model
     stage = sum(len(g.layers) for g in runner.cache_groups)
-    per_layer = {g.id: 2 * model.total_kv_heads * g.spec.head_dim * item for g in groups}
-    stage_bytes = sum(per_layer[g.id] * len(g.layers) for g in groups)
+    stage_bytes = sum(2 * model.total_kv_heads * g.spec.head_dim * item * len(g.layers) for g in groups)
     return stage_bytes * model.total_layers // max(stage, 1)
 
 class SchedulerLoop:

@@ -72,7 +72,8 @@ class TorchAttnBackend(AttentionBackend):
         device = fb.input_ids.device
         starts, seq_lens = fb.extend_starts, fb.seq_lens
         dec = [i for i in range(fb.batch_size) if self.is_decode_row(fb, i)]
-        self._ext_rows = [i for i in range(fb.batch_size) if i not in set(dec)]
+        dec_set = set(dec)
+        self._ext_rows = [i for i in range(fb.batch_size) if i not in dec_set]
         # (row start, extend len, prefix len) of each extend row
         self._ext = [(starts[i], fb.extend_lens[i], fb.prefix_lens[i]) for i in self._ext_rows]
         self._ext_masks: dict[tuple[int, Optional[int]], torch.Tensor] = {}
@@ -126,8 +127,8 @@ class TorchAttnBackend(AttentionBackend):
         kk = kc.view(-1, head_dim)[gather]  # [Bd, kv_heads, L, D]
         vv = vc.view(-1, head_dim)[gather]
         qq = q[self._dec_rows].unsqueeze(2)  # [Bd, heads, 1, D]
-        mask = self._decode_mask(layer.sliding_window).expand(-1, 1, 1, -1)
-        o = attention(qq, kk.to(q.dtype), vv.to(q.dtype), mask, layer.scale, layer.logit_softcap)
+        o = attention(qq, kk.to(q.dtype), vv.to(q.dtype), self._decode_mask(layer.sliding_window), layer.scale,
+                      layer.logit_softcap)
         out[self._dec_rows] = o.squeeze(2)
 
     # ---- extend rows ------------------------------------------------------------------------------
