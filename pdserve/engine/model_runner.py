@@ -17,7 +17,7 @@ from pdserve.engine.precision import choose_compute_dtype, choose_kv_cache_dtype
 from pdserve.engine.pipeline import pipeline_forward
 from pdserve.forward_batch import ForwardBatch, GroupTable
 from pdserve.kv_spec import DTYPE_BYTES, CacheGroup, FullAttention, group_layers
-from pdserve.layers.attention.base import get_attention_backend
+from pdserve.layers.attention.base import attention_backend_class, get_attention_backend
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class ModelRunner:
         logger.info("compute dtype %s: %s", str(self.dtype).replace("torch.", ""), why)
         self.model, self.hf_config = load_model(
             args.model_path, dtype=str(self.dtype).replace("torch.", ""), device=args.device,
-            load_format=args.load_format, seed=args.random_seed, par=par,
+            load_format=args.load_format, seed=args.random_seed, par=par, moe=args.moe_options(),
         )
         if self.ops is not None:
             self.model.use_cpu_kernels(self.ops)
@@ -124,9 +124,9 @@ class ModelRunner:
 
     def _attention_backend(self) -> str:
         name = self.args.attention_backend
-        if name == "auto":
-            softcap = any(layer.logit_softcap for layer in self.model.attention_layers())
-            return "cpu" if self.device.type == "cpu" and self.ops is not None and not softcap else "torch"
+        if name == "auto":  # the kernels where they run and support every layer feature of the model
+            fits = not attention_backend_class("cpu").missing_features(self.model.attention_layers())
+            return "cpu" if self.device.type == "cpu" and self.ops is not None and fits else "torch"
         if name == "cpu" and self.ops is None:
             raise ValueError(f"attention_backend: 'cpu' needs pdserve's CPU kernels, which are not available "
                              f"({kernels.unavailable_reason()})")

@@ -130,9 +130,9 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         cap = getattr(config, "attn_logit_softcapping", None) if self.attn_softcap else None
         return {**super().attention_options(config), "logit_softcap": cap}
 
-    def __init__(self, config, tp: TPGroup = SINGLE, par: Optional[Parallel] = None):
+    def __init__(self, config, tp: TPGroup = SINGLE, par: Optional[Parallel] = None, moe=None):
         check_config(config)
-        super().__init__(config, tp, par)
+        super().__init__(config, tp, par, moe)
         self.final_logit_softcap: Optional[float] = getattr(config, "final_logit_softcapping", None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -60,12 +60,13 @@ def layer_sliding_window(config, layer_id: int) -> Optional[int]:
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention with fused q/k/v. ``scale`` defaults to head_dim^-0.5; ``logit_softcap``
-    and ``norm`` (the class of the optional per-head q/k norms) are for families that differ."""
+    """Self-attention with fused q/k/v. ``scale`` defaults to head_dim^-0.5; ``logit_softcap``,
+    ``norm`` (the class of the optional per-head q/k norms) and ``sinks`` (a learned sink logit per
+    query head, the parameter ``sinks`` of this rank's heads) are for families that differ."""
 
     def __init__(self, config, layer_id: int, shards: TPShards, qkv_bias: bool, o_bias: bool, qk_norm: bool,
                  scale: Optional[float] = None, logit_softcap: Optional[float] = None,
-                 norm: type[nn.Module] = RMSNorm):
+                 norm: type[nn.Module] = RMSNorm, sinks: bool = False):
         super().__init__()
         self.layer_id = layer_id
         self.kv_layer = layer_id - shards.layers[0]  # its index in this stage's KV pool
@@ -74,7 +75,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = shards.head_dim
         self.scale = self.head_dim ** -0.5 if scale is None else scale
         self.sliding_window = layer_sliding_window(config, layer_id)
-        self.attn = AttnLayer(self.kv_layer, self.scale, self.sliding_window, logit_softcap)
+        self.attn = AttnLayer(self.kv_layer, self.scale, self.sliding_window, logit_softcap, has_sinks=sinks)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if sinks else None
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=o_bias, tp=shards.attn)
@@ -97,7 +99,7 @@ class LlamaAttention(nn.Module):
             self.ops.rotary_embedding(q, k, *rope)  # in place, into the qkv output
         else:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        o = fb.attn_backend.forward(self.attn, q, k, v, fb)
+        o = fb.attn_backend.forward(self.attn, q, k, v, fb, sinks=self.sinks)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -128,7 +130,11 @@ class LlamaMLP(nn.Module):
 
 
 def run_mlp(mlp: nn.Module, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-    """The MLP over ``h``; under DP attention it runs tensor-parallel over every group's tokens."""
+    """The MLP over ``h``; under DP attention it runs tensor-parallel over every group's tokens.
+    A block with its own communication (MoE, replicated MLPs) has ``run(h, dp)``."""
+    run = getattr(mlp, "run", None)
+    if run is not None:
+        return run(h, fb.dp)
     if fb.dp is None:
         return mlp(h)
     return fb.dp.local(mlp(fb.dp.gather(h)))
@@ -217,7 +223,8 @@ class LlamaModel(nn.Module):
         """A DP-attention group with no tokens this step: join every layer's MLP collectives."""
         empty = torch.empty((0, self.norm.weight.shape[0]), dtype=self.norm.weight.dtype)
         for layer in self.own_layers:
-            layer.mlp(dp.gather(empty))
+            run = getattr(layer.mlp, "run", None)
+            run(empty, dp) if run is not None else layer.mlp(dp.gather(empty))
 
 
 class LlamaForCausalLM(CpuPathsMixin, nn.Module):
@@ -239,14 +246,19 @@ class LlamaForCausalLM(CpuPathsMixin, nn.Module):
         qkv_bias, o_bias = self.attention_biases(config)
         return dict(qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm)
 
-    def __init__(self, config, tp: TPGroup = SINGLE, par: Optional[Parallel] = None):
+    def layer_options(self, config) -> dict:
+        """Keyword arguments of every decoder layer: the attention's (MoE families add theirs)."""
+        return self.attention_options(config)
+
+    def __init__(self, config, tp: TPGroup = SINGLE, par: Optional[Parallel] = None, moe: Any = None):
         super().__init__()
         par = Parallel(world=tp, tp=tp, attn=tp) if par is None else par
         self.config = config
         self.par = par
+        self.moe_options = moe  # MoE families' options (``layers/moe/context.py``); dense ones ignore it
         self.tp = par.attn  # the logits' vocabulary is split over the attention group
         self.shards = TPShards.of(config, par.tp, par.attn, par.pp_rank, par.pp_size)
-        self.model = self.model_cls(config, self.shards, **self.attention_options(config))
+        self.model = self.model_cls(config, self.shards, **self.layer_options(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied: the logits reuse the embedding matrix; no shared Parameter, which would come apart
         # when the loader materialises the model from the meta device.

@@ -83,7 +83,7 @@ def init_dummy_weights(model: nn.Module, std: float, seed: int) -> None:
 
 def load_model(
     model_path: str, dtype: str = "auto", device: str = "cpu", load_format: str = "auto", seed: int = 0,
-    tp: TPGroup = SINGLE, par: Optional[Parallel] = None,
+    tp: TPGroup = SINGLE, par: Optional[Parallel] = None, moe: Any = None,
 ) -> tuple[nn.Module, object]:
     """(model in eval mode on ``device``, HF config); with ``tp``, this rank's shard of it (only
     that shard is read from the checkpoint)."""
@@ -93,7 +93,7 @@ def load_model(
     cls = model_class(hf_config)
     torch_dtype = resolve_dtype(hf_config, dtype)
     with torch.device("meta"):
-        model = cls(hf_config, tp=tp, par=par)
+        model = cls(hf_config, tp=tp, par=par, moe=moe)
     # parameters are allocated once, uninitialised, in their final dtype and place
     model = model.to(dtype=torch_dtype).to_empty(device=device)
     if load_format == "dummy":

@@ -13,6 +13,9 @@ _MODELS = {
     "MistralForCausalLM": ("pdserve.models.llama", "MistralForCausalLM"),
     "Gemma2ForCausalLM": ("pdserve.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("pdserve.models.gemma", "Gemma3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("pdserve.models.moe", "Qwen3MoeForCausalLM"),
+    "Qwen2MoeForCausalLM": ("pdserve.models.moe", "Qwen2MoeForCausalLM"),
+    "MixtralForCausalLM": ("pdserve.models.moe", "MixtralForCausalLM"),
 }
 
 

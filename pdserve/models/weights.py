@@ -108,6 +108,8 @@ class TPShards:
         D = self.head_dim
         if proj == "q_proj":
             return _rows(src, self.heads[0] * D, self.heads[1] * D)
+        if proj == "self_attn" and kind == "sinks":  # one per query head
+            return _rows(src, *self.heads)
         if proj in ("k_proj", "v_proj"):
             return _rows(src, self.kv_heads[0] * D, self.kv_heads[1] * D)
         if proj in ("gate_proj", "up_proj"):
@@ -143,13 +145,33 @@ def _cols(src: Any, start: int, end: int) -> torch.Tensor:
     return src[:, start:end]
 
 
+def self_loading_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Modules that name and load their own HF weights (``checkpoint_names`` /
+    ``load_checkpoint``: MoE experts, MLPs sharded their own way), by their path."""
+    return {path: m for path, m in model.named_modules()
+            if path and hasattr(m, "checkpoint_names") and hasattr(m, "load_checkpoint")}
+
+
+def _owner(name: str, owners: dict[str, torch.nn.Module]) -> tuple[str, torch.nn.Module] | None:
+    """The self-loading module whose path prefixes HF weight ``name``, with the rest of the name."""
+    path = name
+    while "." in path:
+        path = path.rpartition(".")[0]
+        if path in owners:
+            return name[len(path) + 1:], owners[path]
+    return None
+
+
 def checkpoint_weight_names(model: torch.nn.Module) -> set[str]:
     """HF names of every weight ``model`` needs from a checkpoint."""
     fused: dict[str, dict[int, str]] = {}
     for proj, (module, shard) in FUSED.items():
         fused.setdefault(module, {})[shard] = proj
-    names = set()
+    owners = self_loading_modules(model)
+    names = {f"{path}.{n}" for path, m in owners.items() for n in m.checkpoint_names()}
     for name, _ in model.named_parameters():
+        if _owner(name, owners) is not None:
+            continue
         module_path, _, leaf = name.rpartition(".")
         parent, _, module = module_path.rpartition(".")
         if module in fused:
@@ -164,9 +186,19 @@ def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, Any]], sha
     """Copy HF-named weights (tensors or safetensors slices) into ``model``, each rank its shard.
     Every needed weight must come and nothing unknown may (``ValueError`` naming them otherwise)."""
     params = dict(model.named_parameters())
+    owners = self_loading_modules(model)
     loaded = set()
     for name, src in weights:
         if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and tied_head) or not shards.holds(name):
+            continue
+        owned = _owner(name, owners)
+        if owned is not None:
+            rest, module = owned
+            try:
+                module.load_checkpoint(rest, src)
+            except ValueError as e:
+                raise ValueError(f"weight {name!r}: {e}") from None
+            loaded.add(name)
             continue
         module_path, _, leaf = name.rpartition(".")
         parent, _, proj = module_path.rpartition(".")
@@ -188,6 +220,9 @@ def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, Any]], sha
                 raise ValueError(f"weight {name!r}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
             param.data.copy_(tensor)
         loaded.add(name)
+    for module in owners.values():
+        if hasattr(module, "finish_loading"):
+            module.finish_loading()
     missing = sorted(checkpoint_weight_names(model) - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")

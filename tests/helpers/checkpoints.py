@@ -71,7 +71,26 @@ ARCHS = {
             full_attention=dict(rope_type="linear", rope_theta=1000000.0, factor=8.0),
         ),
     )),
+    # layers: sparse, dense (mlp_only_layers), sparse; 8 experts, top 2
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=16, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+    )),
+    # every layer sparse, with a gated shared expert
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        decoder_sparse_step=1, norm_topk_prob=False, use_sliding_window=False,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+    )),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+    )),
 }
+# MoE router weights scaled up: decisive routing (no near-ties between experts), many experts hit
+_ROUTER_SCALE = 8.0
+_ROUTER_SUFFIXES = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")
 # archs whose norm weights are offsets from 1 (drawn from N(0, 0.2) instead of HF's zeros)
 _NORM_OFFSETS = ("gemma2", "gemma3")
 
@@ -129,11 +148,12 @@ def build_tiny_checkpoint(arch: str, out_dir: str | None = None, *, max_shard_si
     try:
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        if arch in _NORM_OFFSETS:
-            with torch.no_grad():
-                for name, param in model.named_parameters():
-                    if name.endswith("norm.weight"):
-                        param.normal_(0.0, 0.2)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if arch in _NORM_OFFSETS and name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.2)
+                if name.endswith(_ROUTER_SUFFIXES):
+                    param.mul_(_ROUTER_SCALE)
         kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
         model.save_pretrained(tmp, **kwargs)
         for name in os.listdir(tokenizer_dir):

@@ -1,0 +1,74 @@
+"""A gated MLP that shards and loads itself: ``down(act(gate(x)) * up(x))`` over ``tp`` (its
+intermediate columns split, the down projection's partial sums added), or replicated (``tp`` of
+size 1: every rank holds all of it and runs only its own tokens).
+
+MoE models use it where the Llama MLP's sharding (by ``config.intermediate_size`` over the
+stage's ranks) does not fit: shared experts (their own intermediate size) and dense layers with
+``--moe-dense-tp-size 1``. It reads its HF weights itself (``checkpoint_names`` /
+``load_checkpoint``, see ``models/weights.py``)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from pdserve.distributed import SINGLE, TPGroup, shard_range
+from pdserve.layers.linear import MergedLinear, RowParallelLinear
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: Callable[[torch.Tensor], torch.Tensor],
+                 tp: TPGroup = SINGLE, bias: bool = False, silu: bool = True):
+        super().__init__()
+        try:
+            self.inter = shard_range(intermediate, tp.rank, tp.size)
+        except ValueError as e:
+            raise ValueError(f"tp_size: {e} (MLP intermediate size {intermediate})") from None
+        n = self.inter[1] - self.inter[0]
+        self.tp = tp
+        self.act = act
+        self.activation = "silu" if silu else "other"
+        self.gate_up_proj = MergedLinear(hidden, [n, n], bias=bias)
+        self.down_proj = RowParallelLinear(n, hidden, bias=bias, tp=tp)
+        self.ops = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.ops is not None and gate_up.dim() == 2 and self.activation == "silu":
+            act = gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+            self.ops.silu_and_mul(act, gate_up)
+            return self.down_proj(act)
+        gate, up = self.gate_up_proj.split(gate_up)
+        return self.down_proj(self.act(gate) * up)
+
+    def run(self, h: torch.Tensor, dp: Optional[Any]) -> torch.Tensor:
+        """This DP group's output: tensor-parallel over every group's tokens (gathered), or, when
+        replicated, over its own tokens only."""
+        if dp is None or self.tp.size == 1:
+            return self(h)
+        return dp.local(self(dp.gather(h)))
+
+    # ---- weights -----------------------------------------------------------------------------
+    def checkpoint_names(self) -> list[str]:
+        names = [f"{p}.weight" for p in PROJECTIONS]
+        if self.down_proj.bias is not None:
+            names += [f"{p}.bias" for p in PROJECTIONS]
+        return names
+
+    def load_checkpoint(self, name: str, src: Any) -> None:
+        proj, _, leaf = name.partition(".")
+        if proj not in PROJECTIONS or leaf not in ("weight", "bias"):
+            raise ValueError(f"unexpected MLP weight {name!r}")
+        i0, i1 = self.inter
+        if proj == "down_proj":
+            t = src[:, i0:i1] if leaf == "weight" else src[:]
+            target = getattr(self.down_proj, leaf).data
+            if target.shape != t.shape:
+                raise ValueError(f"weight {name!r}: expected shape {tuple(target.shape)}, got {tuple(t.shape)}")
+            target.copy_(t)
+        else:
+            self.gate_up_proj.load_shard(0 if proj == "gate_proj" else 1, leaf, src[i0:i1])

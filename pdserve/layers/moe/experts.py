@@ -1,0 +1,198 @@
+"""The experts of one MoE layer that this rank holds, and the reference ways to run them.
+
+Weights: ``w13`` [S, 2*I, H] (rows [0, I) the gate projection, [I, 2I) the up projection, as
+``nn.Linear`` stores them), ``w2`` [S, H, I], optional biases ``b13`` [S, 2*I] and ``b2`` [S, H],
+for the S slots of this rank (``placement.py``) and its slice of the expert MLP's intermediate
+dimension (TP inside an expert group: the down projection's partial sums add up over the
+group, its bias is held by the group's first rank only).
+
+``forward(x, ids, weights)`` takes the tokens' local slot ids [T, K] (-1: the expert is not on
+this rank) and weights, and returns the float32 sum over slots of ``weight * expert(x)``: a
+partial sum, completed over the ranks by the MoE block (``layer.py``). Runners:
+
+- ``loop``: one ``F.linear`` pair per expert hit, in ascending slot order (HF's eager order);
+- ``grouped_mm``: tokens sorted by expert, ``torch.nn.functional.grouped_mm`` over all of them
+  (transformers' default; needs 16-byte aligned rows);
+- ``fused``: pdserve's CPU kernel over prepacked bf16 or int8 weights (``fused.py``), set by
+  ``prepack``.
+
+Activations: ``silu`` (``silu(gate) * up``) and ``swiglu_oai`` (GPT-OSS: gate clamped above at
+``limit``, up clamped to ±``limit``, ``(up + 1) * gate * sigmoid(alpha * gate)``).
+
+Checkpoint formats (``fmt``): ``per_expert`` (``experts.E.{gate,up,down}_proj.weight``: Qwen,
+DeepSeek), ``mixtral`` (``experts.E.{w1,w3,w2}.weight``), ``gpt_oss`` (3-D ``gate_up_proj``
+[E, H, 2I] with gate and up interleaved, ``down_proj`` [E, I, H], and their biases; stored
+transposed, de-interleaved here at load).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACTIVATIONS = ("silu", "swiglu_oai")
+RUNNERS = ("loop", "grouped_mm")
+FORMATS = {"per_expert": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+
+
+class Experts(nn.Module):
+    def __init__(self, hidden: int, inter: tuple[int, int], slots: list[int], activation: str = "silu",
+                 bias: bool = False, fmt: str = "per_expert", alpha: float = 1.702, limit: float = 7.0,
+                 down_bias_here: bool = True, runner: str = "grouped_mm"):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"expert activation: {activation!r} is not supported; supported: {ACTIVATIONS}")
+        if fmt not in FORMATS and fmt != "gpt_oss":
+            raise ValueError(f"expert checkpoint format {fmt!r} unknown")
+        self.hidden = hidden
+        self.inter = inter  # [start, end) of this rank's intermediate columns
+        self.slots = list(slots)  # logical expert of each local slot
+        self.activation, self.alpha, self.limit = activation, alpha, limit
+        self.fmt = fmt
+        self.down_bias_here = down_bias_here
+        self.runner = runner
+        n, i = len(slots), inter[1] - inter[0]
+        self.w13 = nn.Parameter(torch.empty(n, 2 * i, hidden))
+        self.w2 = nn.Parameter(torch.empty(n, hidden, i))
+        self.b13 = nn.Parameter(torch.empty(n, 2 * i)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(n, hidden)) if bias else None
+        # the fused kernel's prepacked weights (``prepack``); the plain ones are dropped then
+        self.impl: Optional[Callable[..., torch.Tensor]] = None
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slots)
+
+    @property
+    def intermediate(self) -> int:
+        return self.inter[1] - self.inter[0]
+
+    # ---- compute -----------------------------------------------------------------------------
+    def act(self, gu: torch.Tensor) -> torch.Tensor:
+        gate, up = gu.chunk(2, dim=-1)
+        if self.activation == "silu":
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Float32 [T, H]: sum over k of ``weights[t, k] * expert_{ids[t, k]}(x[t])`` for the
+        slots on this rank (``ids`` -1 elsewhere)."""
+        if self.impl is not None:
+            return self.impl(x, ids.to(torch.int32), weights.float())
+        out = torch.zeros((x.shape[0], self.hidden), dtype=torch.float32, device=x.device)
+        if x.shape[0] == 0:
+            return out
+        flat = ids.reshape(-1)
+        pairs = torch.nonzero(flat >= 0).squeeze(1)
+        if pairs.numel() == 0:
+            return out
+        k = ids.shape[1]
+        if self.runner == "grouped_mm" and self._aligned(x):
+            return self._grouped(x, flat, pairs, k, weights, out)
+        return self._loop(x, ids, weights, out)
+
+    def _aligned(self, x: torch.Tensor) -> bool:
+        size = x.element_size()
+        return (self.hidden * size) % 16 == 0 and (self.intermediate * size) % 16 == 0 and x.dtype != torch.float64
+
+    def _loop(self, x, ids, weights, out):
+        for slot in torch.unique(ids[ids >= 0]).tolist():  # ascending, as HF's eager loop
+            tok, pos = torch.where(ids == slot)
+            gu = F.linear(x[tok], self.w13[slot], None if self.b13 is None else self.b13[slot])
+            y = F.linear(self.act(gu), self.w2[slot], None if self.b2 is None else self.b2[slot])
+            out.index_add_(0, tok, y.float() * weights[tok, pos, None].float())
+        return out
+
+    def _grouped(self, x, flat, pairs, k, weights, out):
+        slot = flat[pairs]
+        order = torch.argsort(slot, stable=True)
+        pairs, slot = pairs[order], slot[order]
+        tok = pairs // k
+        offs = torch.cumsum(torch.bincount(slot, minlength=self.num_slots), 0).to(torch.int32)
+        gu = F.grouped_mm(x[tok], self.w13.transpose(1, 2), offs=offs)
+        if self.b13 is not None:
+            gu = gu + self.b13[slot]
+        y = F.grouped_mm(self.act(gu), self.w2.transpose(1, 2), offs=offs)
+        if self.b2 is not None:
+            y = y + self.b2[slot]
+        out.index_add_(0, tok, y.float() * weights.reshape(-1)[pairs, None].float())
+        return out
+
+    # ---- weights -----------------------------------------------------------------------------
+    def _local(self, expert: int) -> list[int]:
+        return [s for s, e in enumerate(self.slots) if e == expert]
+
+    def checkpoint_names(self) -> list[str]:
+        """HF names (relative to this module) of the weights this rank needs."""
+        if self.fmt == "gpt_oss":
+            return ["gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"]
+        return [f"{e}.{p}.weight" for e in sorted(set(self.slots)) for p in FORMATS[self.fmt]]
+
+    def load_checkpoint(self, name: str, src: Any) -> None:
+        """Copy HF weight ``name`` (relative to this module) into every slot holding its expert;
+        a weight of an expert held elsewhere is skipped."""
+        i0, i1 = self.inter
+        if self.fmt == "gpt_oss":
+            return self._load_gpt_oss(name, src)
+        parts = name.split(".")
+        if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in FORMATS[self.fmt] or parts[2] != "weight":
+            raise ValueError(f"unexpected expert weight {name!r}")
+        gate, up, down = FORMATS[self.fmt]
+        for s in self._local(int(parts[0])):
+            if parts[1] == down:
+                self._copy(self.w2.data[s], src[:, i0:i1], name)
+            else:
+                rows = slice(0, i1 - i0) if parts[1] == gate else slice(i1 - i0, 2 * (i1 - i0))
+                self._copy(self.w13.data[s, rows], src[i0:i1], name)
+
+    def _load_gpt_oss(self, name: str, src: Any) -> None:
+        i0, i1 = self.inter
+        n = i1 - i0
+        for s, e in enumerate(self.slots):
+            t = src[e:e + 1][0]
+            if name == "gate_up_proj":  # [H, 2I], x @ W, gate and up interleaved
+                self._copy(self.w13.data[s, :n], t[:, 0::2][:, i0:i1].t(), name)
+                self._copy(self.w13.data[s, n:], t[:, 1::2][:, i0:i1].t(), name)
+            elif name == "gate_up_proj_bias":
+                self._copy(self.b13.data[s, :n], t[0::2][i0:i1], name)
+                self._copy(self.b13.data[s, n:], t[1::2][i0:i1], name)
+            elif name == "down_proj":  # [I, H]
+                self._copy(self.w2.data[s], t[i0:i1].t(), name)
+            elif name == "down_proj_bias":
+                self.b2.data[s].copy_(t if self.down_bias_here else torch.zeros_like(t))
+            else:
+                raise ValueError(f"unexpected expert weight {name!r}")
+
+    @staticmethod
+    def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+        if dst.shape != src.shape:
+            raise ValueError(f"expert weight {name!r}: expected shape {tuple(dst.shape)}, got {tuple(src.shape)}")
+        dst.copy_(src)
+
+    def finish_loading(self) -> None:
+        """Biases of the down projection count once over the ranks that split an expert."""
+        if self.b2 is not None and not self.down_bias_here and self.fmt != "gpt_oss":
+            self.b2.data.zero_()
+
+    # ---- CPU fast path -----------------------------------------------------------------------
+    def prepack(self, ops, quantization: Optional[str] = None) -> int:
+        """Hand the weights to the fused kernel (bf16, or int8 with ``w8a8_int8``); returns the
+        packed bytes. Without the kernels the reference runner stays."""
+        if ops is None:
+            return 0
+        try:
+            from pdserve.layers.moe.fused import PackedExperts
+        except ImportError:  # a build of the kernels without the MoE kernel
+            return 0
+
+        self.impl = PackedExperts(self.w13.data, self.w2.data, None if self.b13 is None else self.b13.data,
+                                  None if self.b2 is None else self.b2.data, self.activation, self.alpha,
+                                  self.limit, ops=ops, quantization=quantization)
+        for name in ("w13", "w2"):
+            setattr(self, name, nn.Parameter(getattr(self, name).new_empty(0), requires_grad=False))
+        return self.impl.nbytes

@@ -1,0 +1,186 @@
+"""Mixture-of-experts decoders on the Llama blocks: Qwen3-MoE, Qwen2-MoE and Mixtral.
+
+The attention is their dense relatives' (Qwen3: per-head q/k norms; Qwen2: q/k/v biases;
+Mixtral: Llama's, with Mistral's optional sliding window); the MLP of a sparse layer is a
+``SparseMoE`` (``layers/moe/``), HF's formulas:
+
+- Qwen3-MoE: softmax router, top-k, renormalised when ``norm_topk_prob``, weights cast back to the
+  model dtype; a layer is sparse iff it is not in ``mlp_only_layers`` and
+  ``(layer + 1) % decoder_sparse_step == 0``; the other layers have a dense MLP of
+  ``intermediate_size``;
+- Qwen2-MoE: the same router and layer rule, plus a shared expert of
+  ``shared_expert_intermediate_size`` gated by ``sigmoid(shared_expert_gate(x))``;
+- Mixtral: every layer sparse, always renormalised, weights kept in float32; checkpoint names
+  ``block_sparse_moe.experts.E.w1/w2/w3`` (w1 gate, w3 up, w2 down).
+
+Dense layers of these models are tensor-parallel as in Llama, or replicated with
+``--moe-dense-tp-size 1``. Expert parallelism and the dispatch backend: ``layers/moe/context.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from pdserve.distributed import SINGLE
+from pdserve.layers.linear import Linear
+from pdserve.layers.mlp import GatedMLP
+from pdserve.layers.moe.context import MoEContext, MoEOptions
+from pdserve.layers.moe.experts import Experts
+from pdserve.layers.moe.layer import SparseMoE
+from pdserve.layers.moe.placement import ExpertPlacement
+from pdserve.layers.moe.router import Router, mixtral_router, qwen_router
+from pdserve.layers.norm import RMSNorm
+from pdserve.distributed import shard_range
+from pdserve.models.llama import ACTIVATIONS, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from pdserve.models.weights import TPShards
+
+
+class MoEDecoderLayer(LlamaDecoderLayer):
+    """A Llama block whose MLP is the model's choice for this layer (``MoEForCausalLM.make_mlp``),
+    registered under the checkpoint's name (``mlp``, or ``block_sparse_moe`` for Mixtral)."""
+
+    def __init__(self, config, layer_id: int, shards: TPShards, make_mlp=None, mlp_name: str = "mlp",
+                 **attn_kwargs):
+        nn.Module.__init__(self)
+        self.self_attn = LlamaAttention(config, layer_id, shards, **attn_kwargs)
+        self.mlp_name = mlp_name
+        setattr(self, mlp_name, make_mlp(config, layer_id, shards))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MixtralDecoderLayer(MoEDecoderLayer):
+    @property
+    def mlp(self) -> nn.Module:  # the checkpoint calls it block_sparse_moe
+        return self.block_sparse_moe
+
+
+class MoEModel(LlamaForCausalLM.model_cls):
+    layer_cls = MoEDecoderLayer
+
+
+class MixtralModel(MoEModel):
+    layer_cls = MixtralDecoderLayer
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """The shared part: which layers are sparse, the MoE context, the MLP of each layer."""
+
+    model_cls = MoEModel
+    mlp_name = "mlp"
+    expert_format = "per_expert"
+
+    # ---- what a family defines --------------------------------------------------------------
+    @staticmethod
+    def num_experts(config) -> int:
+        return config.num_experts
+
+    @staticmethod
+    def expert_intermediate(config) -> int:
+        return config.moe_intermediate_size
+
+    def is_sparse(self, config, layer_id: int) -> bool:
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        return (layer_id not in (getattr(config, "mlp_only_layers", None) or [])
+                and self.num_experts(config) > 0 and (layer_id + 1) % step == 0)
+
+    def make_router(self, config) -> Router:
+        return qwen_router(config)
+
+    def make_shared(self, config, layer_id: int, tp) -> tuple[Optional[nn.Module], Optional[Linear]]:
+        return None, None
+
+    # ---- construction ---------------------------------------------------------------------
+    def layer_options(self, config) -> dict:
+        self.moe_context(config)
+        return {**self.attention_options(config), "make_mlp": self.make_mlp, "mlp_name": self.mlp_name}
+
+    def moe_context(self, config) -> MoEContext:
+        if getattr(self, "_moe_ctx", None) is None:
+            options = self.moe_options if isinstance(self.moe_options, MoEOptions) else MoEOptions()
+            ctx = MoEContext(self.par, options)
+            num = self.num_experts(config)
+            ctx.check(num)
+            start, end = TPShards.of(config, self.par.tp, self.par.attn, self.par.pp_rank, self.par.pp_size).layers
+            layers = [i for i in range(start, end) if self.is_sparse(config, i)]
+            ctx.placement = self.expert_placement(config, layers, ctx)
+            self._moe_ctx = ctx
+        return self._moe_ctx
+
+    def expert_placement(self, config, layers: list[int], ctx: MoEContext) -> ExpertPlacement:
+        return ExpertPlacement.trivial(layers, self.num_experts(config), ctx.ep_size)
+
+    def make_mlp(self, config, layer_id: int, shards: TPShards) -> nn.Module:
+        ctx = self._moe_ctx
+        act = ACTIVATIONS[config.hidden_act]
+        if not self.is_sparse(config, layer_id):
+            if ctx.options.dense_tp_size == 1:
+                return GatedMLP(config.hidden_size, config.intermediate_size, act, SINGLE)
+            return LlamaMLP(config, shards)
+        try:
+            inter = shard_range(self.expert_intermediate(config), ctx.moe_tp_rank, ctx.moe_tp_size)
+        except ValueError as e:
+            raise ValueError(f"ep_size: {e} (expert intermediate size {self.expert_intermediate(config)}, "
+                             f"--tp-size {ctx.tp.size} / --ep-size {ctx.ep_size} ranks per expert)") from None
+        runner = "loop" if ctx.options.runner == "loop" else "grouped_mm"
+        experts = Experts(config.hidden_size, inter, ctx.placement.rank_slots(layer_id, ctx.ep_rank),
+                          fmt=self.expert_format, runner=runner, down_bias_here=ctx.moe_tp_rank == 0)
+        shared, gate = self.make_shared(config, layer_id, SINGLE if ctx.a2a else ctx.tp)
+        return SparseMoE(layer_id, self.make_router(config), experts, ctx, shared=shared, shared_gate=gate)
+
+    # ---- CPU fast paths ---------------------------------------------------------------------
+    def prepack(self, ops, quantization: Optional[str] = None) -> int:
+        total = super().prepack(ops, quantization)
+        runner = self._moe_ctx.options.runner
+        if runner in ("auto", "fused"):
+            for module in self.modules():
+                if isinstance(module, Experts):
+                    packed = module.prepack(ops, quantization)
+                    if packed == 0 and runner == "fused":
+                        raise ValueError("moe_runner_backend: 'fused' needs pdserve's CPU kernels, which are "
+                                         "not available here (see the log); use 'auto'")
+                    total += packed
+        return total
+
+    def enable_decode_stack(self, ops) -> bool:
+        return False  # the C++ decode stack is the dense Llama block
+
+
+class Qwen3MoeForCausalLM(MoEForCausalLM):
+    qk_norm = True
+
+
+class Qwen2MoeForCausalLM(MoEForCausalLM):
+    @staticmethod
+    def attention_biases(config) -> tuple[bool, bool]:
+        return True, False
+
+    def make_shared(self, config, layer_id, tp):
+        size = getattr(config, "shared_expert_intermediate_size", 0) or 0
+        if not size:
+            return None, None
+        shared = GatedMLP(config.hidden_size, size, ACTIVATIONS[config.hidden_act], tp)
+        return shared, Linear(config.hidden_size, 1, bias=False)
+
+
+class MixtralForCausalLM(MoEForCausalLM):
+    model_cls = MixtralModel
+    mlp_name = "block_sparse_moe"
+    expert_format = "mixtral"
+
+    @staticmethod
+    def num_experts(config) -> int:
+        return config.num_local_experts
+
+    @staticmethod
+    def expert_intermediate(config) -> int:
+        return config.intermediate_size
+
+    def is_sparse(self, config, layer_id: int) -> bool:
+        return True
+
+    def make_router(self, config) -> Router:
+        return mixtral_router(config)
