@@ -16,6 +16,9 @@ from typing import Any, Optional
 from pdserve import envs
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
+MOE_A2A_BACKENDS = ("none", "torch")
+MOE_RUNNER_BACKENDS = ("auto", "fused", "grouped_mm", "loop")
+EXPERT_RECORDER_MODES = ("stat",)
 TRANSFER_BACKENDS = ("local", "fake", "mooncake", "nixl")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -72,10 +75,25 @@ class ServerArgs:
     dp_size: int = 1  # attention data-parallel groups (with enable_dp_attention)
     enable_dp_attention: bool = False
     pp_size: int = 1
+    # mixture of experts (SGLang's flags; layers/moe/context.py)
+    ep_size: int = 1  # expert-parallel groups over the tp ranks (experts split by id)
+    moe_a2a_backend: str = "none"  # none: all-gather + all-reduce; torch: all-to-all dispatch (needs ep == tp)
+    moe_dense_tp_size: Optional[int] = None  # 1: the dense layers of MoE models are replicated
+    moe_runner_backend: str = "auto"  # auto (the fused CPU kernel where it runs), fused, grouped_mm, loop
+    init_expert_location: str = "trivial"  # or a placement / distribution file (JSON)
+    ep_num_redundant_experts: int = 0  # extra expert slots holding copies of hot experts
+    expert_distribution_recorder_mode: Optional[str] = None  # stat: count tokens per layer per expert
+    enable_return_routed_experts: bool = False  # requests may ask for return_routed_experts
     log_level: str = "info"
     enable_access_log: bool = False
     skip_warmup: bool = False
     max_body_bytes: int = 32 * 1024 * 1024
+    # one server over several hosts (SGLang's flags; server/nodes.py): node 0 runs the front end and
+    # ranks [0, world/nnodes), node r only ranks [r*world/nnodes, (r+1)*world/nnodes)
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: Optional[str] = None  # HOST:PORT on node 0: torch.distributed at PORT, outputs at PORT+1
+    dist_timeout: float = 120.0  # seconds a collective may wait (distributed.COLLECTIVE_TIMEOUT_S)
     # disaggregation
     disaggregation_mode: str = "null"
     disaggregation_transfer_backend: str = "local"
@@ -165,6 +183,7 @@ class ServerArgs:
             bad("kv_events_replay_endpoint", "needs --kv-events-endpoint")
         if self.pp_size < 1:
             bad("pp_size", f"must be >= 1, got {self.pp_size}")
+        self._check_moe(bad)
         if self.pp_size > 1 and (self.tp_size > 1 or self.dp_size > 1):
             bad("pp_size", f"{self.pp_size} together with --tp-size {self.tp_size} / --dp-size {self.dp_size} is not "
                            "supported in this version: use pipeline stages of one rank each")
@@ -217,10 +236,72 @@ class ServerArgs:
             bad("disaggregation_require_secret", f"--host {self.host} exposes this {self.disaggregation_mode} "
                 "server's bootstrap and KV control endpoints beyond this host, and no --disaggregation-secret "
                 "is set to authenticate them")
+        self._check_nodes(bad)
         if self.served_model_name is None:
             self.served_model_name = self.model_path
         if self.tokenizer_path is None:
             self.tokenizer_path = self.model_path
+
+    def _check_moe(self, bad) -> None:
+        """The MoE flags against the rank layout (what needs the model, e.g. the expert count, is
+        checked when it loads)."""
+        if self.ep_size < 1 or self.tp_size % self.ep_size:
+            bad("ep_size", f"must divide --tp-size ({self.tp_size}), got {self.ep_size}")
+        if self.moe_a2a_backend not in MOE_A2A_BACKENDS:
+            bad("moe_a2a_backend", f"must be one of {MOE_A2A_BACKENDS}, got {self.moe_a2a_backend!r}")
+        if self.moe_a2a_backend == "torch" and self.ep_size == 1:
+            bad("moe_a2a_backend", "'torch' dispatches tokens to the ranks that hold their experts and needs "
+                                   f"expert parallelism (--ep-size > 1), got --ep-size {self.ep_size}")
+        if self.moe_a2a_backend == "torch" and self.ep_size != self.tp_size:
+            bad("moe_a2a_backend", f"'torch' needs --ep-size equal to --tp-size ({self.tp_size}), got --ep-size "
+                                   f"{self.ep_size}; TP inside expert groups runs with --moe-a2a-backend none")
+        if self.moe_dense_tp_size not in (None, 1):
+            bad("moe_dense_tp_size", f"must be 1 (replicated dense layers) or unset, got {self.moe_dense_tp_size}")
+        if self.moe_runner_backend not in MOE_RUNNER_BACKENDS:
+            bad("moe_runner_backend", f"must be one of {MOE_RUNNER_BACKENDS}, got {self.moe_runner_backend!r}")
+        if self.ep_num_redundant_experts < 0:
+            bad("ep_num_redundant_experts", f"must be >= 0, got {self.ep_num_redundant_experts}")
+        if self.expert_distribution_recorder_mode not in (None,) + EXPERT_RECORDER_MODES:
+            bad("expert_distribution_recorder_mode", f"must be one of {EXPERT_RECORDER_MODES} (or unset), got "
+                                                     f"{self.expert_distribution_recorder_mode!r}")
+        if self.init_expert_location != "trivial" and not os.path.isfile(self.init_expert_location):
+            bad("init_expert_location", f"must be 'trivial' or a JSON file, got {self.init_expert_location!r} "
+                                        "(no such file)")
+
+    def moe_options(self):
+        """The MoE part, as the model layers take it (``layers/moe/context.py``)."""
+        from pdserve.layers.moe.context import MoEOptions
+
+        return MoEOptions(ep_size=self.ep_size, a2a_backend=self.moe_a2a_backend,
+                          dense_tp_size=self.moe_dense_tp_size, runner=self.moe_runner_backend,
+                          init_expert_location=self.init_expert_location,
+                          num_redundant_experts=self.ep_num_redundant_experts,
+                          record_experts=self.expert_distribution_recorder_mode == "stat",
+                          capture_routed_experts=self.enable_return_routed_experts)
+
+    def _check_nodes(self, bad) -> None:
+        """The multi-host flags against the rank layout."""
+        if self.nnodes < 1:
+            bad("nnodes", f"must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            bad("node_rank", f"must be in [0, --nnodes {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            bad("dist_init_addr", f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address, "
+                                  "where every node's ranks join)")
+        if self.world_size % self.nnodes:
+            bad("nnodes", f"the world size --tp-size {self.tp_size} x --pp-size {self.pp_size} = {self.world_size} "
+                          f"is not divisible by --nnodes {self.nnodes}")
+        if self.dist_init_addr is not None:
+            try:
+                split_host_port(self.dist_init_addr)
+            except ValueError as e:
+                bad("dist_init_addr", str(e))
+        if self.dist_timeout <= 0:
+            bad("dist_timeout", f"must be > 0 seconds, got {self.dist_timeout}")
+        if self.nnodes > 1 and self.disaggregation_mode != "null":
+            bad("nnodes", f"--nnodes {self.nnodes} with --disaggregation-mode {self.disaggregation_mode} is not "
+                          "supported in this version (the other nodes' ranks would register with a bootstrap "
+                          "server on their own host): run PD servers of one host each")
 
     @property
     def exposes_control_plane(self) -> bool:
@@ -238,6 +319,10 @@ class ServerArgs:
         if not is_loopback(self.host) and not self.api_key:
             out.append(f"--host {self.host} serves HTTP beyond this host without --api-key: anyone who reaches "
                        "it can generate and control the server")
+        if self.nnodes > 1:
+            out.append(f"--nnodes {self.nnodes}: torch.distributed and the front end's output socket listen on "
+                       f"--dist-init-addr {self.dist_init_addr} (that port and the next) without authentication: "
+                       "keep them on a network only the server's nodes reach")
         return out
 
     @property
@@ -289,6 +374,10 @@ class ServerArgs:
                 kw["choices"] = LOAD_FORMATS
             elif f.name == "schedule_policy":
                 kw["choices"] = SCHEDULE_POLICIES
+            elif f.name == "moe_a2a_backend":
+                kw["choices"] = MOE_A2A_BACKENDS
+            elif f.name == "moe_runner_backend":
+                kw["choices"] = MOE_RUNNER_BACKENDS
             parser.add_argument(flag, **kw)
 
     @classmethod
@@ -297,6 +386,18 @@ class ServerArgs:
         kwargs = {n: getattr(args, n) for n in names if hasattr(args, n)}
         envs.apply_env_defaults(kwargs, {f.name: f.default for f in dataclasses.fields(cls)})
         return cls(**kwargs)
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[V6]:PORT`` for IPv6) as (host, port); ValueError naming ``addr`` otherwise.
+    The port must leave room for the next one (a multi-host server's output socket uses it)."""
+    host, sep, port = str(addr).rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or (":" in host and not addr.startswith("[")):
+        raise ValueError(f"must be HOST:PORT (e.g. 10.0.0.1:5000, [fd00::1]:5000), got {addr!r}")
+    if not 0 < int(port) < 65535:
+        raise ValueError(f"port must be in [1, 65534] (the next port is used too), got {addr!r}")
+    return host, int(port)
 
 
 def is_loopback(host: str) -> bool:
