@@ -1,4 +1,5 @@
-"""RMSNorm, optionally fused with the residual add that precedes it in a pre-norm block."""
+"""RMSNorm as Llama, Gemma and GPT-OSS round it, optionally fused with the residual add that
+precedes it in a pre-norm block."""
 
 from __future__ import annotations
 
@@ -68,6 +69,34 @@ class GemmaRMSNorm(nn.Module):
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """As ``RMSNorm.forward``: with ``residual``, ``(norm(x + residual), x + residual)``."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
+class GptOssRMSNorm(nn.Module):
+    """GPT-OSS's RMSNorm: ``weight * x / sqrt(mean(x^2) + eps)`` with the weight's product taken in
+    float32 and one rounding to the input dtype at the end (HF: ``(weight * x).to(dtype)``;
+    Llama rounds before the weight multiplies). The weight may be held in any float dtype (HF
+    keeps it in float32; a bf16 checkpoint's values are exact in either). No kernel path: the CPU
+    kernel rounds the Llama way."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As ``RMSNorm.forward``: with ``residual``, ``(norm(x + residual), x + residual)``, the add
+        in the activation dtype as HF's decoder layer does it."""
         if residual is None:
             return self._norm(x)
         x = x + residual

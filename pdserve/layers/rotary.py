@@ -1,10 +1,15 @@
-"""Rotary position embedding (rotate-half convention) with ``default``, ``linear`` and ``llama3``
-frequency scaling.
+"""Rotary position embedding (rotate-half convention) with ``default``, ``linear``, ``llama3`` and
+``yarn`` frequency scaling.
 
 HF configs describe RoPE in two ways: transformers 4 writes ``rope_theta`` plus an optional
 ``rope_scaling`` dict (type under ``type`` or ``rope_type``); transformers 5 writes one
 ``rope_parameters`` dict that also holds ``rope_theta``. ``rope_parameters()`` turns either into the
 transformers 5 form, which is what ``RotaryEmbedding`` takes.
+
+The frequencies, and YaRN's attention factor (which multiplies cos and sin), are computed with the
+same float32 and float64 steps as transformers' ``modeling_rope_utils``, so the tables match HF's
+bit for bit. GPT-OSS rotates the two halves of each head (``torch.chunk(x, 2)``): the rotate-half
+convention, with the same products and sums.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ _ROPE_FIELDS = {
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    # also beta_fast, beta_slow, truncate, mscale, mscale_all_dim, attention_factor (all optional)
+    "yarn": ("factor", "original_max_position_embeddings"),
 }
 SUPPORTED_ROPE_TYPES = tuple(_ROPE_FIELDS)
 DEFAULT_ROPE_THETA = 10000.0
@@ -49,6 +56,17 @@ def rope_parameters(config: Any) -> dict:
         out["rope_theta"] = float(theta) if theta is not None else DEFAULT_ROPE_THETA
     if out["rope_type"] not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type: {out['rope_type']!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    if out["rope_type"] in ("llama3", "yarn"):
+        # as transformers' standardize_rope_params: the config's own field wins, else the model's length
+        original = _field(config, "original_max_position_embeddings")
+        if original is not None:
+            out["original_max_position_embeddings"] = original
+        elif out.get("original_max_position_embeddings") is None:
+            out["original_max_position_embeddings"] = _field(config, "max_position_embeddings")
+    if out["rope_type"] == "yarn" and out.get("factor") is None:
+        longest = _field(config, "max_position_embeddings")  # DeepSeek-V3 style: the context's growth
+        if longest is not None and out.get("original_max_position_embeddings"):
+            out["factor"] = longest / out["original_max_position_embeddings"]
     missing = [f for f in _ROPE_FIELDS[out["rope_type"]] if out.get(f) is None]
     if missing:
         raise ValueError(f"rope_parameters: rope_type {out['rope_type']!r} needs {missing}; got {out}")
@@ -73,19 +91,65 @@ def inv_frequencies(head_dim: int, params: dict) -> torch.Tensor:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         in_band = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
         return torch.where(in_band, blended, scaled)
+    if kind == "yarn":
+        return _yarn_inv_frequencies(head_dim, params)
     return inv_freq
+
+
+def _yarn_inv_frequencies(head_dim: int, params: dict) -> torch.Tensor:
+    """YaRN: dimensions that turn fewer than ``beta_slow`` times over the original context are
+    interpolated (frequency / factor), those that turn more than ``beta_fast`` times are kept, and a
+    linear ramp over the dimension index blends the ones between."""
+    base, factor = params["rope_theta"], params["factor"]
+    old_ctx = params["original_max_position_embeddings"]
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over old_ctx
+        return (head_dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # 1: the original frequency, 0: the interpolated one
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def attention_factor(params: dict) -> float:
+    """The factor that multiplies cos and sin: YaRN's ``attention_factor``, by default
+    ``0.1 * ln(factor) + 1`` (with ``mscale`` / ``mscale_all_dim``: the ratio of two such terms);
+    1 for the other types."""
+    if params["rope_type"] != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return params["attention_factor"]
+    factor, mscale, mscale_all_dim = params["factor"], params.get("mscale"), params.get("mscale_all_dim")
+
+    def mscale_of(scale: float, m: float = 1) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if mscale and mscale_all_dim:
+        return float(mscale_of(factor, mscale) / mscale_of(factor, mscale_all_dim))
+    return mscale_of(factor)
 
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for positions ``[0, capacity)``, kept in float32 (not buffers, so casting
-    the model to bf16 leaves them exact). Built on first use on the device that asks, grown by
-    doubling when a longer sequence comes."""
+    the model to bf16 leaves them exact), times ``attention_factor(params)``. Built on first use on
+    the device that asks, grown by doubling when a longer sequence comes."""
 
     def __init__(self, head_dim: int, params: dict, initial_positions: int):
         super().__init__()
         self.head_dim = head_dim
         self.params = params
         self.inv_freq = inv_frequencies(head_dim, params)
+        self.scaling = attention_factor(params)
         self._initial = max(1, initial_positions)
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
@@ -104,6 +168,8 @@ class RotaryEmbedding(nn.Module):
             freqs = torch.outer(positions, self.inv_freq.to(device))  # [n, head_dim / 2]
             emb = torch.cat((freqs, freqs), dim=-1)  # [n, head_dim]
             self._cos, self._sin = emb.cos(), emb.sin()
+            if self.scaling != 1.0:
+                self._cos, self._sin = self._cos * self.scaling, self._sin * self.scaling
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin: float32 [T, head_dim] for ``positions`` [T] (after ``reserve``)."""

@@ -34,10 +34,11 @@ bool use_avx512() { return cpu_has_avx512() && !g_force_scalar.load(std::memory_
 bool use_avx512_bf16() { return cpu_has_avx512_bf16() && !g_force_scalar.load(std::memory_order_relaxed); }
 
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& page_table, const at::Tensor& seq_lens, double scale, int64_t window);
+                            const at::Tensor& page_table, const at::Tensor& seq_lens, double scale, int64_t window,
+                            const c10::optional<at::Tensor>& sinks);
 void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& q_starts,
-                          double scale, int64_t window);
+                          double scale, int64_t window, const c10::optional<at::Tensor>& sinks);
 bool flash_supported(int64_t head_dim);
 void rms_norm(at::Tensor out, at::Tensor x, c10::optional<at::Tensor> residual, const at::Tensor& weight, double eps);
 void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
@@ -58,12 +59,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "run the portable scalar code even where the CPU has AVX-512 (tests)");
   m.def("paged_decode_attention", &pds::paged_decode_attention, "paged decode attention (in place into out)",
         pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
-        pybind11::arg("page_table"), pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("window"));
+        pybind11::arg("page_table"), pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("window"),
+        pybind11::arg("sinks") = pybind11::none());
   m.def("paged_attention_bf16", &pds::paged_attention_bf16,
         "bf16 attention of every new token (decode and prefill rows) over the paged pool",
         pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("page_table"), pybind11::arg("seq_lens"), pybind11::arg("q_starts"), pybind11::arg("scale"),
-        pybind11::arg("window"));
+        pybind11::arg("window"), pybind11::arg("sinks") = pybind11::none());
   m.def("flash_supported", &pds::flash_supported, "whether paged_attention_bf16 runs here for this head_dim");
   m.def("rms_norm", &pds::rms_norm, "RMSNorm, optionally after a residual add (in place)");
   m.def("rotary_embedding", &pds::rotary_embedding, "rotate-half RoPE of q and k in place");

@@ -11,6 +11,8 @@
 // GPU flash attention does) and the normaliser sums those rounded values, so the output is an
 // exact convex combination of V rows up to float32 accumulation. Causal and sliding-window masks
 // apply per row: row at position pos sees keys [pos - window + 1, pos] (window 0: [0, pos]).
+// Attention sinks (optional, one float32 logit per query head) add exp(sink) to the softmax's
+// denominator only: a row's online softmax starts with max = sink and sum = 1 instead of -inf, 0.
 #include "common.h"
 
 #include <ATen/Parallel.h>
@@ -21,6 +23,7 @@
 namespace pds {
 
 bool flash_supported(int64_t head_dim);
+const float* checked_sinks(const c10::optional<at::Tensor>& sinks, int64_t heads, const char* kernel);
 
 #if PDS_X86
 namespace {
@@ -40,6 +43,7 @@ struct FlashArgs {
   int64_t q_stride_t, q_stride_h, out_stride_t, out_stride_h, table_stride;
   int64_t heads, kv_heads, page_size, D, window;
   float scale;
+  const float* sinks;  // [heads] or nullptr
 };
 
 // 16x16 transpose of 32-bit elements: r[i] holds row i on entry, column i on exit.
@@ -147,8 +151,8 @@ PDS_AVX512_BF16 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_
   for (int64_t i = 0; i < nq; ++i)
     for (int64_t g = 0; g < G; ++g) s.pos[i * G + g] = int32_t(len - ext + q0 + i);
   for (int64_t r = 0; r < nrows; ++r) {
-    s.m[r] = -std::numeric_limits<float>::infinity();
-    s.l[r] = 0.f;
+    s.m[r] = a.sinks ? a.sinks[h * G + r % G] : -std::numeric_limits<float>::infinity();
+    s.l[r] = a.sinks ? 1.f : 0.f;
     for (int64_t c = 0; c < chunks * 32; c += 16) _mm512_store_ps(s.o + r * kMaxD + c, _mm512_setzero_ps());
   }
   const int64_t last_pos = s.pos[nrows - 1];
@@ -324,11 +328,12 @@ bool flash_supported(int64_t head_dim) {
 
 // Attention of every new token of a batch: request b's rows of q are q_starts[b] .. q_starts[b+1],
 // its last tokens at positions seq_lens[b] - (q_starts[b+1] - q_starts[b]) .. seq_lens[b] - 1,
-// and its K/V (new tokens included) in the pool pages of page_table[b]. All bf16.
+// and its K/V (new tokens included) in the pool pages of page_table[b]. All bf16 but the sinks.
 //   q, out: [T, heads, D] (head_dim contiguous); k_cache, v_cache: [pages, kv_heads, page_size, D]
+//   sinks: [heads] float32, or none
 void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& q_starts,
-                          double scale, int64_t window) {
+                          double scale, int64_t window, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
                   k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
               "paged_attention_bf16: q, out and the KV cache must be bfloat16");
@@ -345,6 +350,7 @@ void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor&
   TORCH_CHECK(q_starts.size(0) == B + 1 && page_table.size(0) == B, "paged_attention_bf16: batch sizes differ");
   TORCH_CHECK(H % KVH == 0 && H / KVH <= 8, "paged_attention_bf16: GQA groups of 1 to 8 query heads, got ", H, "/", KVH);
   TORCH_CHECK(flash_supported(D), "paged_attention_bf16: needs avx512_bf16 and head_dim a multiple of 16 up to 256");
+  const float* sink_ptr = checked_sinks(sinks, H, "paged_attention_bf16");
 #if PDS_X86
   const int32_t* qs = q_starts.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -364,7 +370,7 @@ void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor&
   FlashArgs a{reinterpret_cast<const uint16_t*>(q.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()),
               reinterpret_cast<const uint16_t*>(k_cache.data_ptr()), reinterpret_cast<const uint16_t*>(v_cache.data_ptr()),
               page_table.data_ptr<int32_t>(), lens, qs, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-              page_table.stride(0), H, KVH, k_cache.size(2), D, window, float(scale)};
+              page_table.stride(0), H, KVH, k_cache.size(2), D, window, float(scale), sink_ptr};
   const int64_t ntasks = int64_t(task_req.size()) * KVH;
   at::parallel_for(0, ntasks, 1, [&](int64_t begin, int64_t end) {
     std::unique_ptr<Scratch> scratch(new Scratch);  // not value-initialised: every field is written before use
@@ -384,7 +390,16 @@ void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor&
       }
     }
   });
+#else
+  (void)sink_ptr;
 #endif
+}
+
+// Without sinks (the fused decoder stack's call).
+void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& q_starts,
+                          double scale, int64_t window) {
+  paged_attention_bf16(out, q, k_cache, v_cache, page_table, seq_lens, q_starts, scale, window, c10::nullopt);
 }
 
 }  // namespace pds

@@ -5,6 +5,10 @@
 // token `pos` of request b for KV head h is ((table[b][pos / page_size] * kv_heads + h) *
 // page_size + pos % page_size). Each task is one (request, KV head): the G = heads / kv_heads
 // query heads that share the KV head are computed together, so every K/V row is read once.
+//
+// Attention sinks (optional, one float32 logit per query head): the softmax gets one more term
+// exp(sink) in its denominator and none in the numerator. The online softmax starts from it: the
+// running max is the sink and the running sum exp(sink - sink) = 1, instead of -inf and 0.
 #include "common.h"
 
 #include <ATen/Parallel.h>
@@ -32,6 +36,7 @@ struct DecodeArgs {
   int64_t heads, kv_heads, page_size, head_dim, window;
   float scale;
   bool q_bf16;
+  const float* sinks;  // [heads] or nullptr
 };
 
 // Rows (in units of head_dim elements) of positions [pos, pos + n) of request b, KV head h.
@@ -50,6 +55,12 @@ inline void block_rows(const DecodeArgs& a, int64_t b, int64_t h, int64_t pos, i
 
 inline int64_t first_position(const DecodeArgs& a, int64_t len) {
   return a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
+}
+
+// Running max and sum of query head `head` before any key: its sink, or nothing.
+inline void softmax_start(const DecodeArgs& a, int64_t head, float& m, float& l) {
+  m = a.sinks ? a.sinks[head] : -std::numeric_limits<float>::infinity();
+  l = a.sinks ? 1.f : 0.f;
 }
 
 // ---- portable scalar version ------------------------------------------------------------------
@@ -71,8 +82,7 @@ void decode_scalar(const DecodeArgs& a, int64_t task_begin, int64_t task_end) {
         qf[g * D + d] = x * a.scale;
         acc[g * D + d] = 0.f;
       }
-      m[g] = -std::numeric_limits<float>::infinity();
-      l[g] = 0.f;
+      softmax_start(a, h * G + g, m[g], l[g]);
     }
     for (int64_t pos = first_position(a, len); pos < len; pos += kBlock) {
       const int n = int(std::min<int64_t>(kBlock, len - pos));
@@ -166,8 +176,7 @@ PDS_AVX512 void decode_avx512(const DecodeArgs& a, int64_t task_begin, int64_t t
         _mm512_store_ps(qf + (g * NC + c) * 16, _mm512_mul_ps(x, vscale));
         _mm512_store_ps(acc + (g * NC + c) * 16, _mm512_setzero_ps());
       }
-      m[g] = -std::numeric_limits<float>::infinity();
-      l[g] = 0.f;
+      softmax_start(a, h * G + g, m[g], l[g]);
     }
     for (int64_t pos = first_position(a, len); pos < len; pos += kBlock) {
       const int n = int(std::min<int64_t>(kBlock, len - pos));
@@ -240,14 +249,27 @@ bool is_float_or_bf16(const at::Tensor& t) {
 
 }  // namespace
 
+// The data of an attention kernel's optional sinks argument after checking it ([heads] float32
+// contiguous on the CPU), or nullptr without one. Shared with flash_attention.cpp.
+const float* checked_sinks(const c10::optional<at::Tensor>& sinks, int64_t heads, const char* kernel) {
+  if (!sinks.has_value()) return nullptr;
+  const at::Tensor& t = *sinks;
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 1 && t.is_contiguous(), kernel,
+              ": sinks must be a contiguous float32 CPU tensor [heads]");
+  TORCH_CHECK(t.size(0) == heads, kernel, ": sinks has ", t.size(0), " values for ", heads, " query heads");
+  return t.data_ptr<float>();
+}
+
 // out[b, :, :] = softmax(q[b] k^T * scale) v over positions [start, seq_lens[b]) of request b,
-// start = max(0, seq_lens[b] - window) when window > 0, else 0.
+// start = max(0, seq_lens[b] - window) when window > 0, else 0; with sinks, the softmax's
+// denominator also has exp(sinks[head]).
 //   q, out: [B, heads, head_dim] (last dim contiguous), float32 or bfloat16, same dtype
 //   k_cache, v_cache: [num_pages, kv_heads, page_size, head_dim] contiguous, float32 or bfloat16
 //   page_table: [B, max_pages] int32 (row stride free, last dim contiguous); seq_lens: [B] int32
+//   sinks: [heads] float32 contiguous, or none
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& page_table, const at::Tensor& seq_lens,
-                            double scale, int64_t window) {
+                            double scale, int64_t window, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "paged_decode_attention: q and out must be [B, heads, head_dim]");
   TORCH_CHECK(is_float_or_bf16(q) && out.scalar_type() == q.scalar_type(),
@@ -269,11 +291,12 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
               ") must be a multiple of kv_heads (", KVH, ") with at most ", kMaxGroup, " per group");
   TORCH_CHECK(D >= 1 && D <= kMaxHeadDim, "paged_decode_attention: head_dim must be in [1, ", kMaxHeadDim, "]");
   TORCH_CHECK(page_table.size(0) == B && seq_lens.size(0) == B, "paged_decode_attention: batch sizes differ");
+  const float* sink_ptr = checked_sinks(sinks, H, "paged_decode_attention");
   if (B == 0) return;
   DecodeArgs a{q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                page_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                q.stride(0), q.stride(1), out.stride(0), out.stride(1), page_table.stride(0),
-               H, KVH, k_cache.size(2), D, window, float(scale), q.scalar_type() == at::kBFloat16};
+               H, KVH, k_cache.size(2), D, window, float(scale), q.scalar_type() == at::kBFloat16, sink_ptr};
   const bool kv_bf16 = k_cache.scalar_type() == at::kBFloat16;
   const bool simd = use_avx512();
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
@@ -291,6 +314,13 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
     else
       decode_scalar<float>(a, begin, end);
   });
+}
+
+// Without sinks (the fused decoder stack's call).
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& page_table, const at::Tensor& seq_lens,
+                            double scale, int64_t window) {
+  paged_decode_attention(out, q, k_cache, v_cache, page_table, seq_lens, scale, window, c10::nullopt);
 }
 
 }  // namespace pds

@@ -2,7 +2,8 @@
 
 A backend stores the new tokens' K/V in their layer's pool (``ForwardBatch.kv``) and attends each
 new token to its request's prefix plus the new tokens before it (causal), within the layer's
-sliding window if it has one, with the layer's logit soft-capping if it has one.
+sliding window if it has one, with the layer's logit soft-capping and attention sinks if it has
+them.
 
 Each backend declares the cache kinds (``kv_spec`` kinds) and layer features it supports;
 ``check_supported`` turns an unsupported combination into a start-up error that names both,
@@ -34,12 +35,24 @@ class AttnLayer:
     ``layer_id``: the layer's index in this stage (0 = the stage's first layer), which is how
     ``ForwardBatch`` finds its cache group and pool slot. ``sliding_window``: query i sees keys
     i-W < j <= i. ``logit_softcap``: scores become ``cap * tanh(scores / cap)`` before the mask
-    (Gemma 2)."""
+    (Gemma 2). ``has_sinks``: each query head has a learned sink logit (GPT-OSS): its softmax runs
+    over the visible keys' scaled, masked scores plus one more column holding the sink, and that
+    column is then dropped, so the sink only adds ``exp(sink)`` to the denominator (no value, no
+    KV). The sink values are the model's parameter, passed to ``AttentionBackend.forward`` at each
+    call (they are loaded after this descriptor is made)."""
 
     layer_id: int
     scale: float
     sliding_window: Optional[int] = None
     logit_softcap: Optional[float] = None
+    has_sinks: bool = False
+
+
+# layer feature -> (the backend flag that says it is supported, whether a layer has it)
+_FEATURES = {
+    "attention logit soft-capping": ("supports_softcap", lambda layer: bool(layer.logit_softcap)),
+    "attention sinks": ("supports_sinks", lambda layer: layer.has_sinks),
+}
 
 
 class AttentionBackend(abc.ABC):
@@ -47,19 +60,29 @@ class AttentionBackend(abc.ABC):
 
     ``q``: [T, num_heads, head_dim]; ``k``/``v``: [T, kv_heads, head_dim] for the flattened new
     tokens of ``fb``. It must write k/v into the layer's pool at its group's ``out_pages`` and
-    ``fb.out_offsets`` and return [T, num_heads, head_dim].
+    ``fb.out_offsets`` and return [T, num_heads, head_dim]. ``sinks``: [num_heads] (this rank's
+    heads, any float dtype) exactly when ``layer.has_sinks``, else None.
     """
 
     name: ClassVar[str] = ""
     cache_kinds: ClassVar[frozenset[str]] = frozenset({"full_attention", "sliding_window"})
     supports_softcap: ClassVar[bool] = True
+    supports_sinks: ClassVar[bool] = True
 
     def init_forward(self, fb: "ForwardBatch") -> None:
         """Precompute per-forward metadata shared by all layers (optional)."""
 
     @abc.abstractmethod
     def forward(self, layer: AttnLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                fb: "ForwardBatch") -> torch.Tensor: ...
+                fb: "ForwardBatch", sinks: Optional[torch.Tensor] = None) -> torch.Tensor: ...
+
+    @classmethod
+    def missing_features(cls, layers: Iterable[AttnLayer]) -> list[str]:
+        """The layer features of ``layers`` this backend does not support (``auto`` chooses a
+        backend by this; ``check_supported`` refuses it)."""
+        layers = list(layers)
+        return [feature for feature, (flag, has) in _FEATURES.items()
+                if not getattr(cls, flag) and any(has(layer) for layer in layers)]
 
     def check_supported(self, cache_kinds: Iterable[str], layers: Iterable[AttnLayer], model: str) -> None:
         """Raise ``ValueError`` naming the model's cache kind or layer feature this backend lacks."""
@@ -67,13 +90,18 @@ class AttentionBackend(abc.ABC):
         if missing:
             raise ValueError(f"attention_backend: {self.name!r} does not support the cache kind(s) {missing} "
                              f"of {model}; it supports {sorted(self.cache_kinds)}")
-        if not self.supports_softcap and any(layer.logit_softcap for layer in layers):
-            raise ValueError(f"attention_backend: {self.name!r} does not support the attention logit "
-                             f"soft-capping of {model}")
+        lacking = self.missing_features(layers)
+        if lacking:
+            raise ValueError(f"attention_backend: {self.name!r} does not support the {' and '.join(lacking)} "
+                             f"of {model}")
 
 
-def get_attention_backend(name: str, **kwargs) -> AttentionBackend:
+def attention_backend_class(name: str) -> type[AttentionBackend]:
     if name not in _REGISTRY:
         raise ValueError(f"attention_backend: unknown {name!r}; available: {sorted(_REGISTRY)}")
     module, cls = _REGISTRY[name]
-    return getattr(importlib.import_module(module), cls)(**kwargs)
+    return getattr(importlib.import_module(module), cls)
+
+
+def get_attention_backend(name: str, **kwargs) -> AttentionBackend:
+    return attention_backend_class(name)(**kwargs)

@@ -6,9 +6,14 @@ place, never gathered.
 - otherwise (float32, or no avx512_bf16): decode rows by the paged decode kernel
   (``paged_attention.cpp``), extend rows as the torch backend does (SDPA over the new tokens and
   the gathered prefix).
+
+Both kernels take the layer's attention sinks (float32, one per query head): the online softmax
+starts from the sink as its running max with a running sum of 1, which is the extra softmax column.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -62,22 +67,25 @@ class CpuAttnBackend(TorchAttnBackend):
             idx = torch.tensor(dec, dtype=torch.long)
             self._dec = (torch.tensor(rows, dtype=torch.long), len(dec), [(t[idx], n[idx]) for t, n in tables])
 
-    def decode(self, out, q, kc, vc, layer, group) -> None:
+    def decode(self, out, q, kc, vc, layer, group, sinks) -> None:
         if self._dec is None:
             return
         sel, n, tables = self._dec
         table, lens = tables[group]
         window = layer.sliding_window or 0
+        sinks = _float32(sinks)
         if sel is None:
-            self.ops.paged_decode_attention(out[:n], q[:n], kc, vc, table, lens, layer.scale, window)
+            self.ops.paged_decode_attention(out[:n], q[:n], kc, vc, table, lens, layer.scale, window, sinks)
         else:
             o = torch.empty((n,) + tuple(q.shape[1:]), dtype=q.dtype)
-            self.ops.paged_decode_attention(o, q.index_select(0, sel), kc, vc, table, lens, layer.scale, window)
+            self.ops.paged_decode_attention(o, q.index_select(0, sel), kc, vc, table, lens, layer.scale, window,
+                                            sinks)
             out[sel] = o
 
-    def forward(self, layer, q, k, v, fb):
+    def forward(self, layer, q, k, v, fb, sinks=None):
         if self._flash is None:
-            return super().forward(layer, q, k, v, fb)
+            return super().forward(layer, q, k, v, fb, sinks)
+        assert (sinks is not None) == layer.has_sinks, f"layer {layer.layer_id}: sinks must come exactly with has_sinks"
         group = fb.layer_group[layer.layer_id]
         kc, vc = fb.kv(layer.layer_id)  # [P, kv_heads, page, D]
         rows, table, lens = self._flash[group]
@@ -86,5 +94,11 @@ class CpuAttnBackend(TorchAttnBackend):
         vc.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(vc.dtype))
         out = torch.empty_like(q)
         self.ops.paged_attention_bf16(out, q, kc, vc, table, lens, self._starts, layer.scale,
-                                      layer.sliding_window or 0)
+                                      layer.sliding_window or 0, _float32(sinks))
         return out
+
+
+def _float32(sinks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The sinks as the kernels take them: float32, contiguous (a bf16 model's parameter is cast
+    at each call; it is one value per head)."""
+    return None if sinks is None else sinks.detach().float().contiguous()

@@ -3,9 +3,9 @@
 Decode rows (one new token with a prefix) are batched: their pages are gathered into a padded
 [B, kv_heads, max_len, head_dim] tensor with a length mask. Extend rows (prefill, chunked
 prefill, prefill after a prefix-cache hit) run one request at a time with a causal mask offset
-by the prefix length. Layers with logit soft-capping run the same math written out (SDPA has no
-soft-cap). Correct on CPU and CUDA; the ``cpu`` backend replaces the decode part with a kernel
-that reads the pages in place.
+by the prefix length. Layers with logit soft-capping or attention sinks run the same math written
+out (SDPA has neither), a block of query rows at a time so the scores stay small. Correct on CPU
+and CUDA; the ``cpu`` backend replaces the decode part with a kernel that reads the pages in place.
 
 Per-forward state is kept per cache group (each group has its own pool and page ids); which rows
 are decode rows is the same for every group.
@@ -23,23 +23,46 @@ from pdserve.forward_batch import ForwardBatch, GroupTable
 from pdserve.layers.attention.base import AttentionBackend, AttnLayer
 
 
+# scores (float32) of at most this many (head, query, key) triples at a time on the written-out path
+_MATH_BLOCK = 1 << 25
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
-              softcap: Optional[float]) -> torch.Tensor:
-    """``q`` [B, H, Lq, D], ``k``/``v`` [B, KVH, Lk, D], ``mask`` bool (True: attend) or None for
-    causal; returns [B, H, Lq, D]."""
-    if softcap is None:
+              softcap: Optional[float], sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``q`` [B, H, Lq, D], ``k``/``v`` [B, KVH, Lk, D], ``mask`` bool (True: attend; [..., Lq, Lk])
+    or None for causal, ``sinks`` [H] or None; returns [B, H, Lq, D]."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                               enable_gqa=True)
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    lq, lk = q.shape[2], k.shape[2]
     if mask is None:
-        lq, lk = q.shape[2], k.shape[2]
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    rows = max(1, _MATH_BLOCK // (q.shape[0] * q.shape[1] * lk))
+    if rows >= lq:
+        return _written_out(q, k, v, mask, scale, softcap, sinks)
+    out = q.new_empty(q.shape[:3] + (v.shape[3],))
+    for a in range(0, lq, rows):
+        out[:, :, a:a + rows] = _written_out(q[:, :, a:a + rows], k, v, mask[..., a:a + rows, :], scale, softcap,
+                                             sinks)
+    return out
+
+
+def _written_out(q, k, v, mask, scale, softcap, sinks) -> torch.Tensor:
+    """The attention math with ``k``/``v`` already at q's head count; softmax in float32."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:
+        # one more column per row holding its head's sink; the softmax covers it, then it is dropped
+        b, h, lq, _ = scores.shape
+        sink = sinks.to(device=q.device, dtype=torch.float32).view(1, h, 1, 1).expand(b, h, lq, 1)
+        probs = torch.softmax(torch.cat([scores.float(), sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 @dataclass
@@ -118,7 +141,7 @@ class TorchAttnBackend(AttentionBackend):
         return m
 
     def decode(self, out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, layer: AttnLayer,
-               group: int) -> None:
+               group: int, sinks: Optional[torch.Tensor]) -> None:
         """Attention of the decode rows, written into their rows of ``out``."""
         if not self._dec_rows.numel():
             return
@@ -128,7 +151,7 @@ class TorchAttnBackend(AttentionBackend):
         vv = vc.view(-1, head_dim)[gather]
         qq = q[self._dec_rows].unsqueeze(2)  # [Bd, heads, 1, D]
         o = attention(qq, kk.to(q.dtype), vv.to(q.dtype), self._decode_mask(layer.sliding_window), layer.scale,
-                      layer.logit_softcap)
+                      layer.logit_softcap, sinks)
         out[self._dec_rows] = o.squeeze(2)
 
     # ---- extend rows ------------------------------------------------------------------------------
@@ -156,11 +179,12 @@ class TorchAttnBackend(AttentionBackend):
         vc.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(vc.dtype))
         return group, kc, vc
 
-    def forward(self, layer, q, k, v, fb):
+    def forward(self, layer, q, k, v, fb, sinks=None):
+        assert (sinks is not None) == layer.has_sinks, f"layer {layer.layer_id}: sinks must come exactly with has_sinks"
         group, kc, vc = self.store(layer, k, v, fb)
         kv_heads, head_dim = kc.shape[1], kc.shape[3]
         out = torch.empty_like(q)
-        self.decode(out, q, kc, vc, layer, group)
+        self.decode(out, q, kc, vc, layer, group, sinks)
         ext_pages = self._groups[group].ext_pages
         for idx, (start, ext, prefix) in enumerate(self._ext):
             qq = q[start:start + ext].transpose(0, 1).unsqueeze(0)  # [1, heads, ext, D]
@@ -174,6 +198,6 @@ class TorchAttnBackend(AttentionBackend):
                 vv = vc[pages].permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :seq]
             mask = self._extend_mask(idx, ext, prefix, layer.sliding_window, q.device)
             o = attention(qq, kk.unsqueeze(0).to(q.dtype), vv.unsqueeze(0).to(q.dtype), mask, layer.scale,
-                          layer.logit_softcap)
+                          layer.logit_softcap, sinks)
             out[start:start + ext] = o[0].transpose(0, 1)
         return out
