@@ -4,7 +4,9 @@ Servers use the ``local`` transfer backend (decode's KV pool in shared memory) w
 loopback, else a network backend (``--transfer-backend``'s help has the rule). With
 ``--tp-size`` (or ``--prefill-tp-size`` / ``--decode-tp-size``) each server runs that many ranks;
 each rank's torch thread count defaults to an equal share of the host's cores over all ranks.
-The servers share a random ``--disaggregation-secret`` unless one is given (flag or environment).
+Any other flag of ``pdserve serve`` applies to every server, or to one role's servers when
+prefixed with the role: ``--decode-ep-size 2 --decode-moe-a2a-backend torch`` (MoE decode with
+expert parallelism), ``--prefill-chunked-prefill-size 4096``. The servers share a random ``--disaggregation-secret`` unless one is given (flag or environment).
 """
 
 from __future__ import annotations
@@ -147,6 +149,42 @@ def shared_dtype_flags(model: str, extra: list[str]) -> list[str]:
     return ["--dtype", name]
 
 
+ROLES = ("prefill", "decode")
+
+
+def split_role_flags(extra: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """Server flags for one role only: ``--prefill-X`` / ``--decode-X`` where ``--X`` is a flag of
+    ``pdserve serve`` (e.g. ``--decode-ep-size 2``, ``--prefill-moe-a2a-backend torch``) go to that
+    role's servers as ``--X``. Returns (flags for every server, {role: its own flags})."""
+    import dataclasses
+
+    from pdserve.config import ServerArgs
+
+    fields = {f.name: f for f in dataclasses.fields(ServerArgs)}
+    common: list[str] = []
+    per_role: dict[str, list[str]] = {role: [] for role in ROLES}
+    i = 0
+    while i < len(extra):
+        token = extra[i]
+        flag, eq, value = token.partition("=")
+        role = next((r for r in ROLES if flag.startswith(f"--{r}-")), None)
+        name = flag[len(f"--{role}-"):].replace("-", "_") if role else ""
+        if role is None or name not in fields:
+            common.append(token)
+            i += 1
+            continue
+        out = f"--{name.replace('_', '-')}"
+        if eq or isinstance(fields[name].default, bool):
+            per_role[role].append(f"{out}={value}" if eq else out)
+            i += 1
+        else:
+            if i + 1 >= len(extra):
+                raise ValueError(f"{flag}: expected a value")
+            per_role[role] += [out, extra[i + 1]]
+            i += 2
+    return common, per_role
+
+
 def _parallel_flags(tp: int, dp: int, pp: int = 1) -> list[str]:
     flags = ["--tp-size", str(tp)]
     if dp > 1:
@@ -171,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[tuple[str, str, subprocess.Popen]] = []
     py = [sys.executable, "-m", "pdserve.cli"]
     backend = transfer_backend_for(args.host, args.transfer_backend)
+    try:
+        extra, role_flags = split_role_flags(extra)
+    except ValueError as e:
+        logger.error("%s", e)
+        return 2
     extra = [*shared_dtype_flags(model, extra), *extra]
     common = ["--model-path", model, "--host", args.host, "--torch-num-threads", str(threads),
               "--disaggregation-transfer-backend", backend, "--log-level", args.log_level, *extra]
@@ -214,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             port, bport = free_port(port), free_port(bport)
             cmd = py + ["serve", *common, "--port", str(port), "--disaggregation-mode", "prefill",
                         "--disaggregation-bootstrap-port", str(bport), *kv_events(),
-                        *_parallel_flags(args.prefill_tp_size, args.prefill_dp_size, args.prefill_pp_size)]
+                        *_parallel_flags(args.prefill_tp_size, args.prefill_dp_size, args.prefill_pp_size),
+                        *role_flags["prefill"]]
             url = f"http://{args.host}:{port}"
             procs.append((f"prefill-{i}", url, subprocess.Popen(cmd)))
             prefill_specs += ["--prefill", url, str(bport)]
@@ -223,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port(port)
             cmd = py + ["serve", *common, "--port", str(port), "--disaggregation-mode", "decode", *kv_events(),
                         *(["--disaggregation-decode-enable-radix-cache"] if args.decode_radix_cache else []),
-                        *_parallel_flags(args.decode_tp_size, args.decode_dp_size)]
+                        *_parallel_flags(args.decode_tp_size, args.decode_dp_size), *role_flags["decode"]]
             url = f"http://{args.host}:{port}"
             procs.append((f"decode-{j}", url, subprocess.Popen(cmd)))
             decode_urls += ["--decode", url]

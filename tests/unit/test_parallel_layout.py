@@ -125,3 +125,16 @@ def test_launch_passes_parallel_flags():
     assert args.dp_aware
     with pytest.raises(SystemExit):
         cluster.parse_args(["--decode-tp-size", "2", "--decode-dp-size", "3"])
+
+
+def test_launch_passes_role_prefixed_server_flags():
+    from pdserve.server import cluster
+
+    common, roles = cluster.split_role_flags(
+        ["--max-total-tokens", "4096", "--decode-ep-size", "2", "--decode-moe-a2a-backend=torch",
+         "--prefill-enable-return-routed-experts", "--decode-moe-dense-tp-size", "1", "--decode-unknown", "x"])
+    assert common == ["--max-total-tokens", "4096", "--decode-unknown", "x"]
+    assert roles == {"prefill": ["--enable-return-routed-experts"],
+                     "decode": ["--ep-size", "2", "--moe-a2a-backend=torch", "--moe-dense-tp-size", "1"]}
+    with pytest.raises(ValueError, match="--decode-ep-size: expected a value"):
+        cluster.split_role_flags(["--decode-ep-size"])
