@@ -24,6 +24,7 @@ from pdserve.layers.attention.torch_backend import TorchAttnBackend, write_rows
 class CpuAttnBackend(TorchAttnBackend):
     name = "cpu"
     supports_softcap = False  # the kernels have no soft-cap; such models run on the torch backend
+    supports_sinks = True  # both kernels take them
 
     def __init__(self, ops=None, compute_dtype: torch.dtype = torch.bfloat16, **_):
         super().__init__()

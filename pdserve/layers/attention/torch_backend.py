@@ -29,8 +29,8 @@ _MATH_BLOCK = 1 << 25
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
               softcap: Optional[float], sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``q`` [B, H, Lq, D], ``k``/``v`` [B, KVH, Lk, D], ``mask`` bool (True: attend; [..., Lq, Lk])
-    or None for causal, ``sinks`` [H] or None; returns [B, H, Lq, D]."""
+    """``q`` [B, H, Lq, D], ``k``/``v`` [B, KVH, Lk, D], ``mask`` bool (True: attend; [..., Lq or 1,
+    Lk]) or None for causal with Lq == Lk (a prefill), ``sinks`` [H] or None; returns [B, H, Lq, D]."""
     if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                               enable_gqa=True)
@@ -44,8 +44,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[
         return _written_out(q, k, v, mask, scale, softcap, sinks)
     out = q.new_empty(q.shape[:3] + (v.shape[3],))
     for a in range(0, lq, rows):
-        out[:, :, a:a + rows] = _written_out(q[:, :, a:a + rows], k, v, mask[..., a:a + rows, :], scale, softcap,
-                                             sinks)
+        block_mask = mask if mask.shape[-2] == 1 else mask[..., a:a + rows, :]
+        out[:, :, a:a + rows] = _written_out(q[:, :, a:a + rows], k, v, block_mask, scale, softcap, sinks)
     return out
 
 
