@@ -47,6 +47,14 @@ void linear_vnni(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
 void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& colsum,
                  const at::Tensor& w_scale, c10::optional<at::Tensor> bias);
 bool cpu_has_avx512_vnni();
+void moe_experts_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                      const at::Tensor& w13, const at::Tensor& w2, c10::optional<at::Tensor> b13,
+                      c10::optional<at::Tensor> b2, const std::string& activation, double alpha, double limit);
+void moe_experts_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                      const at::Tensor& w13, const at::Tensor& w13_colsum, const at::Tensor& w13_scale,
+                      const at::Tensor& w2, const at::Tensor& w2_colsum, const at::Tensor& w2_scale,
+                      c10::optional<at::Tensor> b13, c10::optional<at::Tensor> b2, const std::string& activation,
+                      double alpha, double limit);
 void bind_decode_model(pybind11::module& m);
 
 }  // namespace pds
@@ -74,4 +82,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_w8a8", &pds::linear_w8a8, "int8 weights x per-token int8 activations (w8a8_int8), dequantized");
   m.def("has_int8_dot", []() { return pds::cpu_has_avx512_vnni(); }, "whether the CPU has AVX512-VNNI");
   m.def("linear_vnni", &pds::linear_vnni, "x w^T (+ bias), bf16 weight packed [N/16, K/2, 16, 2], bf16 or fp32 out");
+  m.def("moe_experts_bf16", &pds::moe_experts_bf16,
+        "fused MoE experts (gate/up, activation, down, weighted sum over slots), bf16 weights packed per expert");
+  m.def("moe_experts_w8a8", &pds::moe_experts_w8a8, "fused MoE experts with w8a8_int8 weights and activations");
 }
