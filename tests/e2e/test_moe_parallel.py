@@ -1,0 +1,122 @@
+"""Expert parallelism end to end on the tiny Qwen3-MoE (8 experts, top 2; layers 0 and 2 sparse,
+layer 1 dense): every layout serves the offline one-rank engine's tokens (float32; the only
+difference is the order of partial sums over the ranks), colocated and through PD, behind
+pdserve's router and the real sglang-router, with every rank's pools free afterwards.
+
+Colocated: ``--ep-size 2`` (all-to-all dispatch), DP attention + EP under both
+``--moe-a2a-backend`` values (one with ``--moe-dense-tp-size 1``), and TP inside the expert
+groups (``--tp-size 4 --ep-size 2``). PD: prefill tp2 -> decode tp2 dp2 (DP attention) ep2, and
+prefill tp1 -> decode tp2 ep2.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.e2e.test_tp import COMMON, NEW_TOKENS, generate, idle, prompts
+from tests.helpers import cluster as c
+from tests.helpers.checkpoints import build_tiny_checkpoint
+from tests.helpers.sglang_router import sglang_router_available, start_sglang_router
+
+DP_EP = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2"]
+COLOCATED = {
+    "ep2 torch": ["--tp-size", "2", "--ep-size", "2", "--moe-a2a-backend", "torch"],
+    "dp2 ep2 none dense-tp1": [*DP_EP, "--moe-dense-tp-size", "1"],
+    "dp2 ep2 torch": [*DP_EP, "--moe-a2a-backend", "torch"],
+    "tp4 ep2": ["--tp-size", "4", "--ep-size", "2"],
+}
+
+
+@pytest.fixture(scope="module")
+def moe_model():
+    return build_tiny_checkpoint("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def reference(moe_model):
+    import torch
+
+    import pdserve
+
+    torch.set_num_threads(1)
+    eng = pdserve.Engine(model_path=moe_model, torch_num_threads=1, max_total_tokens=16384, page_size=16)
+    cache: dict = {}
+
+    def get(ids: list[int]) -> dict:
+        if tuple(ids) not in cache:
+            cache[tuple(ids)] = eng.generate(
+                input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+                return_logprob=True, logprob_start_len=0)
+        return cache[tuple(ids)]
+
+    yield get
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory, moe_model):
+    logs = tmp_path_factory.mktemp("moe")
+    small = [*COMMON, "--max-total-tokens", "4096"]
+    S = {name: c.server(f"C {name}".replace(" ", "_"), moe_model, logs, *args, *small)
+         for name, args in COLOCATED.items()}
+    S["P2"] = c.prefill("P2", moe_model, logs, "--tp-size", "2", *small)[0]
+    S["Ddp"] = c.decode("Ddp", moe_model, logs, *DP_EP, "--moe-a2a-backend", "torch", *small)
+    S["P1"] = c.prefill("P1", moe_model, logs, *small)[0]
+    S["Dep"] = c.decode("Dep", moe_model, logs, "--tp-size", "2", "--ep-size", "2", *small)
+    try:
+        c.start_all(S.values())
+        routers = {"tp2 -> dp2 ep2": c.router("R_dp", [S["P2"]], [S["Ddp"]], logs),
+                   "tp1 -> tp2 ep2": c.router("R_ep", [S["P1"]], [S["Dep"]], logs)}
+        for r in routers.values():
+            r.start()
+        yield {"servers": S, "routers": routers}
+    finally:
+        for p in list(locals().get("routers", {}).values()) + list(S.values()):
+            p.stop()
+
+
+def check_outputs(url: str, reference, ps: list[list[int]], what: str, logprobs: bool = False) -> None:
+    with ThreadPoolExecutor(4) as ex:
+        outs = list(ex.map(lambda ids: generate(url, ids, logprobs=logprobs), ps))
+    for ids, out in zip(ps, outs):
+        ref = reference(ids)
+        assert out["output_ids"] == ref["output_ids"], f"{what}: prompt of {len(ids)} tokens"
+        if logprobs:
+            for a, b in zip(out["meta_info"]["output_token_logprobs"], ref["meta_info"]["output_token_logprobs"]):
+                assert abs(a[0] - b[0]) < 1e-4, what
+
+
+@pytest.mark.parametrize("layout", sorted(COLOCATED))
+def test_colocated_expert_parallel_matches_one_rank(moe, reference, layout):
+    server = moe["servers"][layout]
+    check_outputs(server.url, reference, prompts(8, seed=sorted(COLOCATED).index(layout), max_len=200), layout,
+                  logprobs=True)
+    idle(server)
+
+
+PAIRS = {"tp2 -> dp2 ep2": ("P2", "Ddp"), "tp1 -> tp2 ep2": ("P1", "Dep")}
+
+
+@pytest.mark.parametrize("pairing", sorted(PAIRS))
+def test_pd_expert_parallel_matches_one_rank(moe, reference, pairing):
+    check_outputs(moe["routers"][pairing].url, reference, prompts(8, seed=20 + sorted(PAIRS).index(pairing)),
+                  pairing)
+    for name in PAIRS[pairing]:
+        idle(moe["servers"][name])
+
+
+@pytest.mark.skipif(not sglang_router_available(), reason="sglang-router is not installed")
+def test_pd_expert_parallel_behind_the_real_sglang_router(moe, reference, tmp_path):
+    S = moe["servers"]
+    port = c.free_port()
+    proc = start_sglang_router([(S["P2"].url, S["P2"].bootstrap_port), (S["P1"].url, S["P1"].bootstrap_port)],
+                               [S["Ddp"].url, S["Dep"].url], port, log_path=str(tmp_path / "sglang-router.log"))
+    try:
+        check_outputs(f"http://127.0.0.1:{port}", reference, prompts(8, seed=40), "sglang-router")
+    finally:
+        proc.terminate()
+        proc.wait()
+    for name in ("P2", "Ddp", "P1", "Dep"):
+        idle(S[name])
