@@ -319,7 +319,7 @@ class ServerArgs:
         if not is_loopback(self.host) and not self.api_key:
             out.append(f"--host {self.host} serves HTTP beyond this host without --api-key: anyone who reaches "
                        "it can generate and control the server")
-        if self.nnodes > 1:
+        if self.nnodes > 1 and not is_loopback(split_host_port(self.dist_init_addr)[0]):
             out.append(f"--nnodes {self.nnodes}: torch.distributed and the front end's output socket listen on "
                        f"--dist-init-addr {self.dist_init_addr} (that port and the next) without authentication: "
                        "keep them on a network only the server's nodes reach")

@@ -21,7 +21,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# A collective that waits longer than this means a rank died or hangs: every rank raises and exits.
+# A collective that waits longer than this means a rank died or hangs: every rank raises and exits
+# (the default of --dist-timeout).
 COLLECTIVE_TIMEOUT_S = 120.0
 
 
@@ -179,16 +180,17 @@ def rank_coordinates(rank: int, tp_size: int, dp_size: int) -> tuple[int, int, i
 
 
 def init_parallel(rank: int, tp_size: int, init_address: str, device: str = "cpu", dp_size: int = 1,
-                  pp_size: int = 1) -> Parallel:
+                  pp_size: int = 1, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Parallel:
     """Join the server's ``tp_size * pp_size`` ranks at ``init_address`` (``tcp://host:port``,
     rank 0 listens) and build this rank's groups. Every rank creates every group, in the same
-    order (``torch.distributed.new_group`` is collective)."""
+    order (``torch.distributed.new_group`` is collective). ``timeout_s`` (``--dist-timeout``)
+    bounds the join and every later collective."""
     world_size = tp_size * pp_size
     if world_size == 1:
         return Parallel()
     import torch.distributed as dist
 
-    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=init_address, rank=rank, world_size=world_size, timeout=timeout)
 

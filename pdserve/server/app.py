@@ -1,8 +1,10 @@
 """The HTTP front end: FastAPI routes over one ``TokenizerManager``.
 
 Readiness: ``/health`` answers 200 only after the scheduler reported ready and the warm-up
-generation passed (or was skipped), and while the scheduler process is alive. When the
-scheduler dies every running request fails with 503 and ``on_fatal`` stops the server.
+generation passed (or was skipped), and while the scheduler process is alive. When a scheduler
+rank dies (on a multi-host server also when a rank on another node is lost: the ranks here exit)
+every running request fails with 503, ``/health`` and the generation routes answer 503 with the
+reason for ``LOST_SCHEDULER_LINGER_S``, and then ``on_fatal`` stops the server.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ logger = logging.getLogger(__name__)
 WARMUP_TIMEOUT_S = 600.0
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 CONTROL_TIMEOUT_S = 10.0
+# after the scheduler is lost the front end answers 503 with the reason this long, then exits
+LOST_SCHEDULER_LINGER_S = 5.0
 
 
 class AbortRequest(msgspec.Struct):
@@ -70,12 +74,17 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
             loop.remove_reader(fd)
         for p in client.procs:
             p.join(0.2)
-        reason = f"scheduler process exited ({client.exit_codes() or 'unknown'})"
-        logger.error(reason)
+        reason = client.exit_reason()
+        logger.error("%s; answering 503 for %.0fs, then stopping", reason, LOST_SCHEDULER_LINGER_S)
         state["ready"] = False
+        state["lost"] = reason
         tm.fail_all(reason, 503)
         client.fail_controls(reason)
-        on_fatal(reason)
+        loop.call_later(LOST_SCHEDULER_LINGER_S, on_fatal, reason)
+
+    def refuse_if_lost() -> None:
+        if state.get("lost"):
+            raise APIError(503, f"the scheduler is gone: {state['lost']}")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -116,14 +125,17 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
     # ---- generation ----------------------------------------------------------------------
     @app.post("/generate")
     async def generate(request: Request) -> Response:
+        refuse_if_lost()
         return await generate_api.handle(request, tm)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        refuse_if_lost()
         return await openai_api.completions(request, tm)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        refuse_if_lost()
         return await openai_api.chat_completions(request, tm)
 
     @app.post("/abort_request")
@@ -136,12 +148,14 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
     # ---- health and info -----------------------------------------------------------------
     @app.get("/health")
     async def health() -> Response:
+        refuse_if_lost()
         if not state["ready"] or not client.is_alive():
             raise APIError(503, "server is starting" if client.is_alive() else "scheduler is not running")
         return Response(status_code=200)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
+        refuse_if_lost()
         try:
             await one_token(HEALTH_GENERATE_TIMEOUT_S)
         except (asyncio.TimeoutError, APIError) as e:

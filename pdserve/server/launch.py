@@ -4,6 +4,10 @@ Start-up: bind the scheduler's output socket, spawn the scheduler, load the toke
 loads the model, wait for its ready message (which carries the model facts), start HTTP, run
 one warm-up generation (unless ``--skip-warmup``); ``/health`` turns 200 after that.
 
+With ``--nnodes N --node-rank R`` (R > 0) it starts this node's ranks only, logs when they are
+ready (which they are only once every node's are) and blocks without any HTTP server; it exits
+1 when one of its ranks exits (a lost peer or a crash takes the whole server down).
+
 Shutdown: SIGINT/SIGTERM stop uvicorn gracefully, then the scheduler is terminated (killed if it
 does not exit). If the front end dies without cleaning up, the scheduler notices that its
 parent is gone and exits (see scheduler_client._watch_parent). Exit code 0 after a signal, 1 when
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import multiprocessing.connection as mp_connection
 import signal
 import sys
 from typing import Optional
@@ -49,7 +54,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 2
-    setup_logging(role_tag(server_args.role), server_args.log_level)
+    node = server_args.node_rank  # a node other than 0 runs ranks only: its tag names the node
+    setup_logging(role_tag(server_args.role) if node == 0 else f"{server_args.role}-node{node}", server_args.log_level)
     for warning in server_args.exposure_warnings():
         logger.warning("SECURITY WARNING: %s", warning)
     if server_args.torch_num_threads and "torch" in sys.modules:
@@ -58,6 +64,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     client = SchedulerClient(server_args)
     try:
         client.start_process()
+        if server_args.node_rank > 0:
+            return _run_ranks_only(client)
         tokenizer = _load_tokenizer(server_args.tokenizer_path)
         info = client.wait_ready(SCHEDULER_READY_TIMEOUT_S)
         logger.info("scheduler ready: %s", info)
@@ -71,6 +79,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         client.stop()
         logger.info("scheduler stopped")
+
+
+def _run_ranks_only(client: SchedulerClient) -> int:
+    """A node other than 0: run this node's ranks, no HTTP server, until one of them exits (a
+    lost peer, a crash: the server is down) or a signal stops them."""
+    layout = client.layout
+    client.wait_ready(SCHEDULER_READY_TIMEOUT_S)
+    logger.info("%s ready: serving through node 0's front end (torch.distributed at %s, outputs to %s)",
+                layout.describe(), layout.init_address, client.out_addr)
+    mp_connection.wait(client.sentinels())
+    for p in client.procs:
+        p.join(1.0)
+    logger.error("%s stops: %s", layout.describe(), client.exit_codes() or "a rank exited")
+    return 1
 
 
 def _load_tokenizer(path: str):

@@ -1,13 +1,19 @@
 """The front end's side of the scheduler link: the scheduler processes (one per tensor-parallel
 rank) and rank 0's two ZMQ sockets.
 
+With ``--nnodes N`` this node starts only its own ranks (``nodes.NodeLayout``), the outputs come
+over TCP (``--dist-init-addr``'s port + 1, bound on node 0) and rank 0's ready message stands for
+every rank of every node (they exchange their start-up outcome first); a node other than 0 has
+no sockets, only its ranks.
+
 Contract with a scheduler process (``entry(server_args, in_addr, out_addr, ready_conn, tp_rank,
 tp_init)``; ranks join each other at ``tp_init``):
 - the front end binds a PULL socket on ``out_addr`` and then starts the process; the scheduler
   binds a PULL on ``in_addr`` (``GenerateReq`` / ``AbortReq`` / ``ControlReq``) and connects a
   PUSH to ``out_addr`` (``BatchOut`` / ``ControlResp``), msgpack as in ``messages.py``;
 - every rank sends exactly one dict on its ``ready_conn``: ``{"status": "ready", "info": {...}}`` or
-  ``{"status": "error", "message": ...}``;
+  ``{"status": "error", "message": ...}``, and a rank that loses a peer of a multi-host server a
+  last ``{"status": "lost", "message": ...}`` naming it;
 - every ``GenerateReq`` ends with a ``TokenOut`` carrying a finish reason, also after an abort;
 - every ``ControlReq`` gets one ``ControlResp`` with the same ``req_id``.
 
@@ -41,6 +47,7 @@ from pdserve.server.messages import (
     decode_from_scheduler,
     encode,
 )
+from pdserve.server.nodes import NodeLayout, zmq_ipv6
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +88,13 @@ class SchedulerClient:
     def __init__(self, server_args, entry: str = DEFAULT_ENTRY):
         self.server_args = server_args
         self.entry = entry
+        self.layout = NodeLayout.from_args(server_args)
         self._ipc_dir = tempfile.mkdtemp(prefix="pdserve-")
-        self.in_addr = f"ipc://{self._ipc_dir}/in"
-        self.out_addr = f"ipc://{self._ipc_dir}/out"
-        self.procs: list[mp.process.BaseProcess] = []  # one per tensor-parallel rank
+        self.in_addr = f"ipc://{self._ipc_dir}/in"  # rank 0's, always next to the front end
+        self.out_addr = self.layout.output_address or f"ipc://{self._ipc_dir}/out"
+        self.procs: list[mp.process.BaseProcess] = []  # one per tensor-parallel rank of this node
+        self.ranks: list[int] = []  # their global ranks
+        self._ready_readers: list = []  # one pipe per process: its ready message (and a last word)
         self.info: dict[str, Any] = {}
         self._ctx: Optional[zmq.asyncio.Context] = None
         self._pull = self._push = None
@@ -100,18 +110,23 @@ class SchedulerClient:
         return self.procs[0] if self.procs else None
 
     def start_process(self) -> None:
-        """Bind the output socket, then start every rank's scheduler (rank 0 connects to it)."""
-        self._ctx = zmq.asyncio.Context()
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.bind(self.out_addr)
-        self._push = self._ctx.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.LINGER, 0)
-        self._push.connect(self.in_addr)
+        """Bind the output socket, then start this node's ranks (the group leaders connect to it)."""
+        if self.layout.node_rank == 0:  # the front end's node
+            self._ctx = zmq.asyncio.Context()
+            self._pull = self._ctx.socket(zmq.PULL)
+            if self.layout.multi_node:
+                self._pull.setsockopt(zmq.IPV6, int(zmq_ipv6(self.out_addr)))
+                self._pull.bind(self.layout.output_bind_address())
+            else:
+                self._pull.bind(self.out_addr)
+            self._push = self._ctx.socket(zmq.PUSH)
+            self._push.setsockopt(zmq.LINGER, 0)
+            self._push.connect(self.in_addr)
         ctx = mp.get_context("spawn")
         n = getattr(self.server_args, "world_size", 1)  # one process per rank (tp_size x pp_size)
-        tp_init = f"tcp://127.0.0.1:{_free_port()}" if n > 1 else ""
+        tp_init = self.layout.init_address or (f"tcp://127.0.0.1:{_free_port()}" if n > 1 else "")
         self._ready_readers = []
-        for rank in range(n):
+        for rank in self.layout.ranks():
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_scheduler_main,
@@ -121,18 +136,27 @@ class SchedulerClient:
             proc.start()
             writer.close()
             self.procs.append(proc)
+            self.ranks.append(rank)
             self._ready_readers.append(reader)
             logger.info("scheduler process tp%d started (pid %d)", rank, proc.pid)
 
     def wait_ready(self, timeout: float) -> dict[str, Any]:
-        """Block until every rank reports ready; raises RuntimeError on an error, a death or timeout."""
+        """Block until every rank of this node reports ready (rank 0: every rank of every node);
+        raises RuntimeError on an error, a death or timeout."""
         deadline = time.monotonic() + timeout
         infos = []
-        for rank, (proc, reader) in enumerate(zip(self.procs, self._ready_readers)):
+        for rank, proc, reader in zip(self.ranks, self.procs, self._ready_readers):
             while not reader.poll(0.2):
-                dead = next((p for p in self.procs if not p.is_alive()), None)
-                if dead is not None:
-                    raise RuntimeError(f"scheduler process {dead.name} exited with code {dead.exitcode} before ready")
+                dead = next((i for i, p in enumerate(self.procs) if not p.is_alive()), None)
+                if dead is not None:  # its error message, when it left one, says more than its exit code
+                    try:
+                        said = self._ready_readers[dead].poll(0) and self._ready_readers[dead].recv()
+                    except (EOFError, OSError):
+                        said = None
+                    if said and said.get("status") == "error":
+                        raise RuntimeError(f"scheduler tp{self.ranks[dead]} failed to start: {said.get('message')}")
+                    p = self.procs[dead]
+                    raise RuntimeError(f"scheduler process {p.name} exited with code {p.exitcode} before ready")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"scheduler tp{rank} not ready after {timeout:.0f}s")
             try:
@@ -154,6 +178,20 @@ class SchedulerClient:
 
     def exit_codes(self) -> str:
         return ", ".join(f"{p.name} {p.exitcode}" for p in self.procs if not p.is_alive())
+
+    def exit_reason(self) -> str:
+        """Why the ranks here exited: the lost peer a rank named before it went (multi-host), else
+        their exit codes."""
+        said = []
+        for rank, reader in zip(self.ranks, self._ready_readers):
+            try:
+                while reader.poll(0):
+                    msg = reader.recv()
+                    if msg.get("status") == "lost":
+                        said.append(f"tp{rank}: {msg.get('message')}")
+            except (EOFError, OSError):
+                pass
+        return "; ".join(said[:1]) or f"scheduler process exited ({self.exit_codes() or 'unknown'})"
 
     def stop(self, timeout: float = 10.0) -> None:
         for p in self.procs:

@@ -3,7 +3,8 @@ scheduler, streams outputs back.
 
 Contract with the front end: rank 0 BINDs a PULL socket on ``in_addr`` and CONNECTs a PUSH socket
 to ``out_addr`` (bound by the front end first); every rank reports once on its ``ready_conn``:
-``{"status": "ready", "info": {...}}`` or ``{"status": "error", "message": ...}``.
+``{"status": "ready", "info": {...}}`` or ``{"status": "error", "message": ...}``; a rank of a
+multi-host server that loses a peer says ``{"status": "lost", "message": ...}`` there before it exits.
 
 With ``--tp-size N`` (times ``--pp-size``) the ranks take the same decisions from the same
 inputs: every loop iteration rank 0 drains the front end's messages and broadcasts them (msgpack
@@ -13,7 +14,9 @@ attention each group's scheduler takes the requests the front end addressed to i
 (``routed_dp_rank``) and ignores the others, and the first rank of each group sends that group's
 outputs (every group leader connects a PUSH to the front end's PULL). A rank that dies makes the
 others' next collective fail (or time out): they exit, and the front end, which watches every
-rank, stops serving.
+rank, stops serving. With ``--nnodes`` the ranks also exchange their start-up outcome (every
+rank ready or none serves) and watch each other's heartbeats, which name a lost node
+(``nodes.py``, ``heartbeat.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from pdserve.kv_spec import DTYPE_BYTES
 from pdserve.engine.request import FinishKind, FinishReason, Req, SamplingParams
 from pdserve.log import role_tag, setup_logging
 from pdserve.server import messages as m
+from pdserve.server.heartbeat import Heartbeat, first_line
+from pdserve.server.nodes import NodeLayout, choose_gloo_interface, gather_start_up, join_error, zmq_ipv6
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +111,9 @@ class SchedulerLoop:
             self.pull = self.ctx.socket(zmq.PULL)
             self.pull.bind(in_addr)
             self.poller.register(self.pull, zmq.POLLIN)
-        if par.leads_group:  # the ranks that send outputs: one per attention group
+        if par.leads_group:  # the ranks that send outputs: one per attention group, on any node
             self.push = self.ctx.socket(zmq.PUSH)
+            self.push.setsockopt(zmq.IPV6, int(zmq_ipv6(out_addr)))
             self.push.connect(out_addr)
 
     def info(self) -> dict:
@@ -269,24 +275,55 @@ class SchedulerLoop:
         raise ValueError(f"unknown control op {op!r}")
 
 
+def _exit_lost(ready_conn, verdict: str) -> None:
+    """A peer rank or node is gone (heartbeat verdict): this rank cannot go on alone. Its last
+    word on ``ready_conn`` gives the front end the reason for the requests it fails."""
+    logger.error("%s; this rank exits (the server is down)", verdict)
+    try:
+        ready_conn.send({"status": "lost", "message": verdict})
+    except Exception:  # the front end may be gone too
+        pass
+    os._exit(1)
+
+
 def run_scheduler_process(args: ServerArgs, in_addr: str, out_addr: str, ready_conn, tp_rank: int = 0,
                           tp_init: str = "") -> None:
     setup_logging(role_tag(args.role, tp_rank), args.log_level)
-    torch.set_num_threads(args.torch_num_threads or max(1, (os.cpu_count() or 1) // args.world_size))
+    layout = NodeLayout.from_args(args)
+    torch.set_num_threads(args.torch_num_threads or max(1, (os.cpu_count() or 1) // layout.ranks_per_node))
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    par, heartbeat = None, None
     try:
-        par = init_parallel(tp_rank, args.tp_size, tp_init, args.device, dp_size=args.dp_size, pp_size=args.pp_size)
+        choose_gloo_interface(layout)
+        try:
+            par = init_parallel(tp_rank, args.tp_size, tp_init, args.device, dp_size=args.dp_size,
+                                pp_size=args.pp_size, timeout_s=args.dist_timeout)
+        except Exception as e:
+            raise RuntimeError(join_error(layout, args.dist_timeout, e)) if layout.multi_node else e
+        if layout.multi_node:
+            heartbeat = Heartbeat(layout, tp_rank, args.dist_timeout, on_lost=lambda v: _exit_lost(ready_conn, v))
         loop = SchedulerLoop(args, in_addr, out_addr, par)
+        status = {"status": "ready", "info": loop.info()}
     except Exception as e:
         logger.error("scheduler failed to start: %s\n%s", e, traceback.format_exc())
-        ready_conn.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
+        status = {"status": "error", "message": f"{type(e).__name__}: {e}"}
+    if par is not None and layout.multi_node:  # every rank on every node ready, or none serves
+        status = gather_start_up(par.world, layout, status)
+    ready_conn.send(status)
+    if status["status"] != "ready":
         return
-    ready_conn.send({"status": "ready", "info": loop.info()})
+    if heartbeat is not None:
+        heartbeat.start()
+        logger.info("%s ready; heartbeats every %gs, a peer silent for %gs is lost", layout.describe(),
+                    heartbeat.interval, heartbeat.lost_after)
     try:
         loop.run()
     except KeyboardInterrupt:
         pass
-    except Exception:
+    except Exception as e:
         # a crash, or a collective that failed because another rank died: the whole server goes
-        logger.error("scheduler crashed:\n%s", traceback.format_exc())
-        os._exit(1)
+        verdict = heartbeat.wait_lost(heartbeat.lost_after + heartbeat.interval) if heartbeat else None
+        if verdict is None:
+            logger.error("scheduler crashed:\n%s", traceback.format_exc())
+            os._exit(1)
+        _exit_lost(ready_conn, f"{verdict} (a collective failed: {type(e).__name__}: {first_line(e)})")
