@@ -38,18 +38,21 @@ def cpu_info() -> dict:
     return {"model": info.get("Model name", "?").strip(), "flags": flags}
 
 
-def bench(fn, calls: list, min_time: float = 1.0, min_reps: int = 3) -> float:
-    """Median seconds per call, cycling through ``calls`` (argument tuples) after one warm-up."""
-    fn(*calls[0])
-    times: list[float] = []
+def bench(kinds: dict, calls: list, min_time: float, min_reps: int = 3) -> dict[str, float]:
+    """Median seconds per call of each kind, the kinds taking turns call by call (so that a busy
+    host slows all of them alike), cycling through ``calls`` (argument tuples), after a warm-up."""
+    for fn in kinds.values():
+        fn(*calls[0])
+    times: dict[str, list[float]] = {name: [] for name in kinds}
     start = time.perf_counter()
     i = 0
-    while len(times) < min_reps or time.perf_counter() - start < min_time:
-        t0 = time.perf_counter()
-        fn(*calls[i % len(calls)])
-        times.append(time.perf_counter() - t0)
+    while i < min_reps or time.perf_counter() - start < min_time * len(kinds):
+        for name, fn in kinds.items():
+            t0 = time.perf_counter()
+            fn(*calls[i % len(calls)])
+            times[name].append(time.perf_counter() - t0)
         i += 1
-    return statistics.median(times)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def routing(T: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +106,7 @@ def main() -> int:
     ap.add_argument("--tokens", default="1,32,256,2048")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--int8", action="store_true", help="add rows for the w8a8_int8 kernel")
-    ap.add_argument("--min-time", type=float, default=1.0, help="seconds per measurement (at least 3 calls)")
+    ap.add_argument("--min-time", type=float, default=1.0, help="seconds per kind and row (at least 3 calls each)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -135,9 +138,8 @@ def main() -> int:
             flop = 2 * 3 * HIDDEN * INTER * T * TOP_K
             ref = kinds["loop"](*calls[0])
             result = {"threads": threads, "tokens": T, "experts_hit": hit}
-            for name, fn in kinds.items():
-                err = ((fn(*calls[0]) - ref).abs().max() / ref.abs().max()).item()
-                s = bench(fn, calls, args.min_time)
+            for name, s in bench(kinds, calls, args.min_time).items():
+                err = ((kinds[name](*calls[0]) - ref).abs().max() / ref.abs().max()).item()
                 result[name] = {"ms": s * 1e3, "gb_s": hit * bytes_per_expert[name] / s / 1e9,
                                 "gflop_s": flop / s / 1e9, "max_rel_err_vs_loop": err}
             rows.append(result)

@@ -158,7 +158,7 @@ def test_fused_experts_match_the_reference(ops, path, quantization, T, K, E, H, 
 
 
 @pytest.mark.parametrize("quantization", [None, "w8a8_int8"])
-def test_same_result_on_one_and_two_threads(ops, quantization):
+def test_same_result_on_one_and_two_threads_and_float32_input(ops, quantization):
     from pdserve.layers.moe.fused import PackedExperts
 
     w13, w2, b13, b2 = make_layer(12, 136, 80, True, 7)
@@ -172,6 +172,8 @@ def test_same_result_on_one_and_two_threads(ops, quantization):
     finally:
         torch.set_num_threads(1)
     assert torch.equal(one, two)
+    # float32 activations are rounded to bf16 first, as a bf16 matmul does
+    assert torch.equal(experts(x.float(), ids, weights), one)
 
 
 def test_bad_arguments_are_named(ops):
