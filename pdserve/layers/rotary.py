@@ -114,8 +114,9 @@ def _yarn_inv_frequencies(head_dim: int, params: dict) -> torch.Tensor:
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # no zero-width ramp
-    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    pos_freqs = base ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
+    # on the CPU explicitly: models are built under a meta-device context, where tensors hold no data
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, head_dim, 2, device="cpu").to(dtype=torch.float) / head_dim)
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     keep = 1 - ramp  # 1: the original frequency, 0: the interpolated one
     return interpolation * (1 - keep) + extrapolation * keep

@@ -42,14 +42,16 @@ class MoEDecoderLayer(LlamaDecoderLayer):
     """A Llama block whose MLP is the model's choice for this layer (``MoEForCausalLM.make_mlp``),
     registered under the checkpoint's name (``mlp``, or ``block_sparse_moe`` for Mixtral)."""
 
+    norm_cls: type[nn.Module] = RMSNorm
+
     def __init__(self, config, layer_id: int, shards: TPShards, make_mlp=None, mlp_name: str = "mlp",
                  **attn_kwargs):
         nn.Module.__init__(self)
         self.self_attn = LlamaAttention(config, layer_id, shards, **attn_kwargs)
         self.mlp_name = mlp_name
         setattr(self, mlp_name, make_mlp(config, layer_id, shards))
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
 
 
 class MixtralDecoderLayer(MoEDecoderLayer):
@@ -93,6 +95,12 @@ class MoEForCausalLM(LlamaForCausalLM):
     def make_shared(self, config, layer_id: int, tp) -> tuple[Optional[nn.Module], Optional[Linear]]:
         return None, None
 
+    router_name = "gate"
+
+    def expert_options(self, config) -> dict:
+        """Keyword arguments of ``Experts`` beyond the layout (activation, biases)."""
+        return {}
+
     # ---- construction ---------------------------------------------------------------------
     def layer_options(self, config) -> dict:
         self.moe_context(config)
@@ -127,9 +135,11 @@ class MoEForCausalLM(LlamaForCausalLM):
                              f"--tp-size {ctx.tp.size} / --ep-size {ctx.ep_size} ranks per expert)") from None
         runner = "loop" if ctx.options.runner == "loop" else "grouped_mm"
         experts = Experts(config.hidden_size, inter, ctx.placement.rank_slots(layer_id, ctx.ep_rank),
-                          fmt=self.expert_format, runner=runner, down_bias_here=ctx.moe_tp_rank == 0)
+                          fmt=self.expert_format, runner=runner, down_bias_here=ctx.moe_tp_rank == 0,
+                          **self.expert_options(config))
         shared, gate = self.make_shared(config, layer_id, SINGLE if ctx.a2a else ctx.tp)
-        return SparseMoE(layer_id, self.make_router(config), experts, ctx, shared=shared, shared_gate=gate)
+        return SparseMoE(layer_id, self.make_router(config), experts, ctx, router_name=self.router_name,
+                         shared=shared, shared_gate=gate)
 
     # ---- CPU fast paths ---------------------------------------------------------------------
     def prepack(self, ops, quantization: Optional[str] = None) -> int:

@@ -16,6 +16,7 @@ _MODELS = {
     "Qwen3MoeForCausalLM": ("pdserve.models.moe", "Qwen3MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("pdserve.models.moe", "Qwen2MoeForCausalLM"),
     "MixtralForCausalLM": ("pdserve.models.moe", "MixtralForCausalLM"),
+    "GptOssForCausalLM": ("pdserve.models.gpt_oss", "GptOssForCausalLM"),
 }
 
 

@@ -66,3 +66,46 @@ def test_launch_serves_and_stops_everything(tiny_llama_path, tmp_path):
     while any(is_alive(p) for p in descendants) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in descendants if is_alive(p)], "processes left running after Ctrl-C"
+
+
+def test_launch_moe_prefill_tp_decode_dp_attention_ep(tmp_path):
+    """The README's MoE command on the tiny Qwen3-MoE: prefill tp2, decode tp2 with DP attention and
+    expert parallelism (all-to-all dispatch); the tokens equal the one-rank engine's."""
+    import pdserve
+    from tests.helpers.checkpoints import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint("qwen3_moe")
+    port = free_port()
+    log = open(tmp_path / "launch.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "launch", "--model-path", path, "--port", str(port),
+         "--torch-num-threads", "1", "--max-total-tokens", "4096", "--prefill-tp-size", "2",
+         "--decode-tp-size", "2", "--decode-dp-size", "2", "--decode-ep-size", "2",
+         "--decode-moe-a2a-backend", "torch"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    ids = [101, 2042, 377, 9001, 31337, 12, 4444, 805]
+    sp = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    try:
+        def ready():
+            assert proc.poll() is None, (tmp_path / "launch.log").read_text()[-3000:]
+            return b"pdserve cluster ready" in (tmp_path / "launch.log").read_bytes()
+
+        wait_for(ready, 300, "the cluster to be ready", interval=0.5)
+        info = httpx.get(url + "/server_info", timeout=60).json()
+        decode = info["decode"][0]["server_info"]
+        assert (decode["tp_size"], decode["dp_size"], decode["ep_size"], decode["moe_a2a_backend"]) == \
+            (2, 2, 2, "torch")
+        assert info["prefill"][0]["server_info"]["ep_size"] == 1
+        r = httpx.post(url + "/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=120)
+        assert r.status_code == 200, r.text
+        eng = pdserve.Engine(model_path=path, torch_num_threads=1, max_total_tokens=4096)
+        try:
+            assert r.json()["output_ids"] == eng.generate(input_ids=ids, sampling_params=sp)["output_ids"]
+        finally:
+            eng.shutdown()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        log.close()

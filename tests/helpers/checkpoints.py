@@ -87,6 +87,11 @@ ARCHS = {
         head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
         rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
     )),
+    # layers S, F, S, F (window 8), attention sinks, YaRN RoPE, 4 experts top 2 with biases
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        head_dim=16, num_hidden_layers=4, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=32,
+    )),
 }
 # MoE router weights scaled up: decisive routing (no near-ties between experts), many experts hit
 _ROUTER_SCALE = 8.0

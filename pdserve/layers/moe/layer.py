@@ -46,9 +46,10 @@ class SparseMoE(nn.Module):
         # device, where a tensor made now would hold no data)
         self._dispatch: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
-    @property
-    def router(self) -> Router:
-        return getattr(self, self.router_name)
+    def routing(self, x: torch.Tensor) -> Routing:
+        """The router's choice for ``x`` (the router is registered as ``router_name``)."""
+        router: Router = getattr(self, self.router_name)
+        return router(x)
 
     def physical(self, ids: torch.Tensor) -> torch.Tensor:
         """Logical expert ids [T, K] -> physical slots (``placement.to_physical``)."""
@@ -62,7 +63,7 @@ class SparseMoE(nn.Module):
         if self.ctx.a2a:
             return self._run_a2a(h)
         x = dp.gather(h) if dp is not None else h
-        routing = self.router(x)
+        routing = self.routing(x)
         self._observe(routing, counted=self.ctx.tp.rank == 0)
         if self.ctx.options.capture_routed_experts:
             self.ctx.captured[self.layer_id] = dp.local(routing.ids) if dp is not None else routing.ids
@@ -95,7 +96,7 @@ class SparseMoE(nn.Module):
         per = -(-t // attn.size) if attn.size > 1 else t
         start = min(t, attn.rank * per) if attn.size > 1 else 0
         mine = h[start:min(t, start + per)]
-        routing = self.router(mine)
+        routing = self.routing(mine)
         self._observe(routing, counted=True)
         slots = self.physical(routing.ids)
         dest = slots // self.slots_per_rank  # [n, K] the rank of each slot
