@@ -55,7 +55,8 @@ class SparseMoE(nn.Module):
         """Logical expert ids [T, K] -> physical slots (``placement.to_physical``)."""
         if self._dispatch is None:
             with torch.device("cpu"):
-                self._dispatch = self.ctx.placement.dispatch_table(self.layer_id)
+                table, counts = self.ctx.placement.dispatch_table(self.layer_id)
+            self._dispatch = (table.to(ids.device), counts.to(ids.device))
         return to_physical(ids, *self._dispatch)
 
     # ---- the two dispatch paths --------------------------------------------------------------
@@ -130,22 +131,23 @@ def dispatch_combine(experts: Experts, x: torch.Tensor, local: torch.Tensor, des
         w = weights[tok].float()
         rows.append(tok)
         blocks.append(pack_rows(x[tok], ids, w))
-    send_counts = torch.tensor([len(t) for t in rows], dtype=torch.int64)
+    dev = x.device  # NCCL on CUDA moves device tensors only
+    send_counts = torch.tensor([len(t) for t in rows], dtype=torch.int64, device=dev)
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group.group)
     row_bytes = hdim * x.element_size() + 8 * k
     send = torch.cat(blocks) if blocks else x.new_empty((0, row_bytes), dtype=torch.uint8)
-    recv = torch.empty((int(recv_counts.sum()), row_bytes), dtype=torch.uint8)
+    recv = torch.empty((int(recv_counts.sum()), row_bytes), dtype=torch.uint8, device=dev)
     dist.all_to_all_single(recv, send, [int(c) for c in recv_counts], [int(c) for c in send_counts],
                            group=group.group)
     rx, rids, rw = unpack_rows(recv, hdim, k, x.dtype)
     ry = experts(rx, rids, rw).contiguous()
     n_sent = int(send_counts.sum())
-    back = torch.empty((n_sent, hdim), dtype=torch.float32)
+    back = torch.empty((n_sent, hdim), dtype=torch.float32, device=dev)
     dist.all_to_all_single(back.view(-1).view(torch.uint8), ry.view(-1).view(torch.uint8),
                            [int(c) * hdim * 4 for c in send_counts], [int(c) * hdim * 4 for c in recv_counts],
                            group=group.group)
-    out = torch.zeros((n, hdim), dtype=torch.float32)
+    out = torch.zeros((n, hdim), dtype=torch.float32, device=dev)
     if n_sent:
         out.index_add_(0, torch.cat(rows), back)
     return out
@@ -155,7 +157,7 @@ def pack_rows(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tens
     """[n, H] activations, [n, K] int32 slot ids and [n, K] float32 weights as [n, bytes] rows."""
     return torch.cat([x.contiguous().view(torch.uint8).view(x.shape[0], -1), ids.contiguous().view(torch.uint8),
                       w.contiguous().view(torch.uint8)], dim=1) if x.shape[0] else \
-        torch.empty((0, x.shape[1] * x.element_size() + 8 * ids.shape[1]), dtype=torch.uint8)
+        torch.empty((0, x.shape[1] * x.element_size() + 8 * ids.shape[1]), dtype=torch.uint8, device=x.device)
 
 
 def unpack_rows(buf: torch.Tensor, hdim: int, k: int, dtype: torch.dtype):
