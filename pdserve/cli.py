@@ -12,12 +12,14 @@ COMMANDS = {
     "bench": ("pdserve.bench.serving", "main", "serving benchmark against an HTTP endpoint (and `bench plot`)"),
     "bench-transfer": ("pdserve.bench.transfer", "main", "KV transfer bandwidth benchmark"),
     "prepare-model": ("pdserve.models.demo", "main", "build the demo model as an HF directory"),
+    "expert-placement": ("pdserve.layers.moe.placement_file", "main",
+                         "MoE expert placement (--init-expert-location) from a recorded distribution"),
 }
 
 
 def usage() -> str:
     lines = ["usage: pdserve COMMAND [ARGS...]", "", "commands:"]
-    lines += [f"  {name:<15} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    lines += [f"  {name:<17} {help_}" for name, (_, _, help_) in COMMANDS.items()]
     return "\n".join(lines)
 
 

@@ -30,7 +30,9 @@ from pdserve.layers.mlp import GatedMLP
 from pdserve.layers.moe.context import MoEContext, MoEOptions
 from pdserve.layers.moe.experts import Experts
 from pdserve.layers.moe.layer import SparseMoE
-from pdserve.layers.moe.placement import ExpertPlacement
+from pdserve.layers.moe.placement import ExpertPlacement, MoEModelInfo
+from pdserve.layers.moe.placement_file import initial_placement
+from pdserve.layers.moe.recorder import ExpertRecorder
 from pdserve.layers.moe.router import Router, mixtral_router, qwen_router
 from pdserve.layers.norm import RMSNorm
 from pdserve.distributed import shard_range
@@ -115,11 +117,26 @@ class MoEForCausalLM(LlamaForCausalLM):
             start, end = TPShards.of(config, self.par.tp, self.par.attn, self.par.pp_rank, self.par.pp_size).layers
             layers = [i for i in range(start, end) if self.is_sparse(config, i)]
             ctx.placement = self.expert_placement(config, layers, ctx)
+            # --expert-distribution-recorder-mode stat: tokens per layer per expert slot
+            self.expert_recorder = None
+            if options.record_experts:
+                self.expert_recorder = ExpertRecorder(self.moe_info(config), ctx.placement)
+                ctx.observers.append(self.expert_recorder.observe)
             self._moe_ctx = ctx
         return self._moe_ctx
 
+    def moe_info(self, config) -> MoEModelInfo:
+        """The facts a placement or a recorded distribution must agree with."""
+        arch = (getattr(config, "architectures", None) or [type(self).__name__])[0]
+        n = config.num_hidden_layers
+        return MoEModelInfo(arch, n, self.num_experts(config), tuple(i for i in range(n) if self.is_sparse(config, i)))
+
     def expert_placement(self, config, layers: list[int], ctx: MoEContext) -> ExpertPlacement:
-        return ExpertPlacement.trivial(layers, self.num_experts(config), ctx.ep_size)
+        """``--init-expert-location`` (trivial, a placement or a distribution file) for this stage's
+        MoE ``layers``, with ``--ep-num-redundant-experts`` extra slots (``placement_file.py``)."""
+        o = ctx.options
+        return initial_placement(o.init_expert_location, self.moe_info(config), layers, ctx.ep_size,
+                                 o.num_redundant_experts)
 
     def make_mlp(self, config, layer_id: int, shards: TPShards) -> nn.Module:
         ctx = self._moe_ctx

@@ -23,7 +23,7 @@ from starlette.responses import Response
 
 import pdserve
 from pdserve.api_key import APIKeyMiddleware
-from pdserve.server import generate_api, http_util, openai_api
+from pdserve.server import expert_api, generate_api, http_util, openai_api
 from pdserve.disagg.transfer.local import host_identity
 from pdserve.server.calibration import calibrate
 from pdserve.server.errors import APIError, bad_request
@@ -217,10 +217,15 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
             raise bad_request("cache not flushed: requests are running or waiting")
         return http_util.json_response({"success": True})
 
+    # MoE expert load: SGLang's record endpoints, load metrics (--expert-distribution-recorder-mode)
+    experts = expert_api.add_routes(app, args, control, tm.metrics.registry)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         with contextlib.suppress(APIError, RuntimeError):
             tm.metrics.set_scheduler_stats(await control("stats"))
+        with contextlib.suppress(APIError, RuntimeError):
+            await experts.refresh_metrics()
         return Response(tm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/debug/integrity")

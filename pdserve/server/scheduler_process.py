@@ -272,6 +272,10 @@ class SchedulerLoop:
                 return groups[0]
             total = {k: sum(g[k] for g in groups) for k in groups[0] if isinstance(groups[0][k], (int, float))}
             return {**total, "dp": groups}
+        if op == "expert_distribution":  # the MoE expert load recorder (server/expert_api.py)
+            from pdserve.server.expert_api import scheduler_control
+
+            return scheduler_control(self, args)
         raise ValueError(f"unknown control op {op!r}")
 
 

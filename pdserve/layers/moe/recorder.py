@@ -1,0 +1,76 @@
+"""Expert load accounting (``--expert-distribution-recorder-mode stat``): tokens per MoE layer
+per physical expert slot, counted on the routing this rank is responsible for.
+
+The recorder is an observer of the model's ``MoEContext`` (``layer.py`` calls it with the
+logical ids [T, K] of the routing it counts): every (token, k) pair counts 1 on the slot that
+``to_physical`` sends it to, so the counts are exact per copy of an expert, and the logical
+counts are the sums over the copies. Who counts what: with the ``none`` backend every rank of a
+stage routes the same gathered tokens and only tp rank 0 observes; with ``torch`` each rank
+observes its own share; a pipeline stage observes its own layers. A server's totals are
+therefore the sum of every rank's counts (``server/expert_api.py`` gathers them).
+
+Cost per MoE layer per step: a gather (plus a sort when the layer has copies) and one
+``torch.bincount`` added into an int64 [layers, slots] tensor; no Python per token.
+
+Two views: ``counts`` since start-up (the Prometheus counters), and the record window that
+``start`` / ``stop`` / ``dump`` control (SGLang's ``/start_expert_distribution_record`` and
+friends): a dump returns the window and starts a new one.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pdserve.layers.moe.placement import ExpertPlacement, MoEModelInfo, to_physical
+
+
+class ExpertRecorder:
+    def __init__(self, info: MoEModelInfo, placement: ExpertPlacement):
+        self.info = info
+        self.placement = placement
+        # [num_layers, slots]: tokens since start-up (rows of layers counted elsewhere stay 0)
+        self.counts = torch.zeros((info.num_layers, placement.num_slots), dtype=torch.int64, device="cpu")
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.recording = False
+        self._since: Optional[torch.Tensor] = None  # counts at the window's start (None: no window)
+        self._until: Optional[torch.Tensor] = None  # counts at stop
+
+    def observe(self, layer_id: int, ids: torch.Tensor) -> None:
+        table = self._tables.get(layer_id)
+        if table is None:
+            with torch.device("cpu"):
+                table = self._tables[layer_id] = self.placement.dispatch_table(layer_id)
+        slots = to_physical(ids.to(table[0].device), *table)
+        self.counts[layer_id] += torch.bincount(slots.reshape(-1), minlength=self.placement.num_slots)
+
+    # ---- the record window ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._since, self._until = self.counts.clone(), None
+        self.recording = True
+
+    def stop(self) -> None:
+        if self.recording:
+            self._until = self.counts.clone()
+        self.recording = False
+
+    def window(self) -> torch.Tensor:
+        """[num_layers, slots] tokens of the record window (zeros before the first start)."""
+        if self._since is None:
+            return torch.zeros_like(self.counts)
+        end = self.counts if self.recording else self._until
+        return end - self._since
+
+    def restart_window(self) -> None:
+        """After a dump: the next window starts now (empty while stopped)."""
+        if self._since is not None:
+            self._since = (self.counts if self.recording else self._until).clone()
+
+    # ---- what this rank reports --------------------------------------------------------------
+    def report(self, window: bool) -> dict:
+        """This rank's slot counts and placement of its stage's MoE layers (JSON-ready)."""
+        counts = self.window() if window else self.counts
+        layers = sorted(self.placement.physical_to_logical)
+        return {"counts": {str(layer): counts[layer].tolist() for layer in layers},
+                "placement": {str(layer): self.placement.physical_to_logical[layer] for layer in layers}}
