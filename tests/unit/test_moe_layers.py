@@ -134,7 +134,7 @@ def test_copies_of_an_expert_share_its_tokens():
     ids = torch.tensor([[0, 2], [0, 3], [1, 0], [0, 1]])
     slots = to_physical(ids, table, counts)
     assert [p.physical_to_logical[0][s] for s in slots.flatten().tolist()] == ids.flatten().tolist()
-    assert slots[:, 0].tolist() == [0, 3, 1, 3]  # token t takes copy t % 2 of its expert
+    assert slots[:, 0].tolist() == [0, 3, 1, 3]  # the j-th pair routed to an expert takes copy j % 2
     assert p.rank_slots(0, 1) == [0, 3, 1]
 
 
