@@ -38,39 +38,46 @@ class ExpertRecorder:
         self._until: Optional[torch.Tensor] = None  # counts at stop
 
     def observe(self, layer_id: int, ids: torch.Tensor) -> None:
+        if self.counts.device != ids.device:  # count where the routing runs: no copy per layer
+            self.counts = self.counts.to(ids.device)
         table = self._tables.get(layer_id)
         if table is None:
             with torch.device("cpu"):
-                table = self._tables[layer_id] = self.placement.dispatch_table(layer_id)
-        slots = to_physical(ids.to(table[0].device), *table)
+                copies, n = self.placement.dispatch_table(layer_id)
+            table = self._tables[layer_id] = (copies.to(ids.device), n.to(ids.device))
+        slots = to_physical(ids, *table)
         self.counts[layer_id] += torch.bincount(slots.reshape(-1), minlength=self.placement.num_slots)
 
     # ---- the record window ---------------------------------------------------------------------
+    def snapshot(self) -> torch.Tensor:
+        """The counts since start-up, on the CPU."""
+        return self.counts.to("cpu", copy=True)
+
     def start(self) -> None:
-        self._since, self._until = self.counts.clone(), None
+        self._since, self._until = self.snapshot(), None
         self.recording = True
 
     def stop(self) -> None:
         if self.recording:
-            self._until = self.counts.clone()
+            self._until = self.snapshot()
         self.recording = False
 
     def window(self) -> torch.Tensor:
         """[num_layers, slots] tokens of the record window (zeros before the first start)."""
         if self._since is None:
-            return torch.zeros_like(self.counts)
-        end = self.counts if self.recording else self._until
+            return torch.zeros(self.counts.shape, dtype=torch.int64)
+        end = self.snapshot() if self.recording else self._until
         return end - self._since
 
     def restart_window(self) -> None:
         """After a dump: the next window starts now (empty while stopped)."""
         if self._since is not None:
-            self._since = (self.counts if self.recording else self._until).clone()
+            self._since = self.snapshot() if self.recording else self._until.clone()
 
     # ---- what this rank reports --------------------------------------------------------------
     def report(self, window: bool) -> dict:
         """This rank's slot counts and placement of its stage's MoE layers (JSON-ready)."""
-        counts = self.window() if window else self.counts
+        counts = self.window() if window else self.snapshot()
         layers = sorted(self.placement.physical_to_logical)
         return {"counts": {str(layer): counts[layer].tolist() for layer in layers},
                 "placement": {str(layer): self.placement.physical_to_logical[layer] for layer in layers}}
