@@ -38,7 +38,9 @@ class CpuPathsMixin:
         returns whether it was enabled."""
         if self.par.world.size > 1 or len(set(self.kv_cache_specs())) > 1:
             return False  # the stack has no collectives and reads one pool (one cache group)
-        if self.model.layers[0].mlp.activation != "silu":
+        if any(layer.has_sinks or layer.logit_softcap for layer in self.attention_layers()):
+            return False  # its attention kernel has no sinks and no soft-cap
+        if getattr(self.model.layers[0].mlp, "activation", None) != "silu":
             return False  # its MLP kernel is SiLU-and-mul
         first = self.model.layers[0].self_attn
         stack = ops.DecodeModel(first.num_heads, first.num_kv_heads, first.head_dim,
