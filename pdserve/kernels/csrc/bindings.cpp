@@ -55,6 +55,7 @@ void moe_experts_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& ids
                       const at::Tensor& w2, const at::Tensor& w2_colsum, const at::Tensor& w2_scale,
                       c10::optional<at::Tensor> b13, c10::optional<at::Tensor> b2, const std::string& activation,
                       double alpha, double limit);
+void moe_pack_experts(at::Tensor out, const at::Tensor& w, const at::Tensor& rows);
 void bind_decode_model(pybind11::module& m);
 
 }  // namespace pds
@@ -85,4 +86,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_experts_bf16", &pds::moe_experts_bf16,
         "fused MoE experts (gate/up, activation, down, weighted sum over slots), bf16 weights packed per expert");
   m.def("moe_experts_w8a8", &pds::moe_experts_w8a8, "fused MoE experts with w8a8_int8 weights and activations");
+  m.def("moe_pack_experts", &pds::moe_pack_experts, "lay out [E, N, K] expert weights in the fused MoE kernel's panels");
 }

@@ -546,6 +546,46 @@ void moe_impl(at::Tensor out, const at::Tensor& x, const at::Tensor& ids, const 
 
 }  // namespace
 
+// out [E, NP, KS, 4, 16, kg] <- w [E, N, K] (bf16 with kg 2, int8 with kg 4): output row o of a
+// panel np is w's row rows[64 np + o] (-1: zeros), k beyond K zero. A lane group (kg elements of
+// one row) is 4 contiguous bytes of w.
+void moe_pack_experts(at::Tensor out, const at::Tensor& w, const at::Tensor& rows) {
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && out.dim() == 6 && out.is_contiguous() &&
+                  out.scalar_type() == w.scalar_type() && out.size(0) == w.size(0) && out.size(3) == 4 &&
+                  out.size(4) == 16 && out.size(5) * w.element_size() == 4 &&
+                  out.size(2) == (w.size(2) + out.size(5) - 1) / out.size(5),
+              "moe_pack_experts: out ", out.sizes(), " ", out.scalar_type(), " cannot hold w ", w.sizes(), " ",
+              w.scalar_type());
+  const int64_t N = w.size(1), K = w.size(2), NP = out.size(1), KS = out.size(2), es = w.element_size();
+  TORCH_CHECK(rows.scalar_type() == at::kInt && rows.is_contiguous() && rows.numel() == NP * kPanel,
+              "moe_pack_experts: rows must be int32 [", NP * kPanel, "]");
+  const int32_t* map = rows.data_ptr<int32_t>();
+  for (int64_t o = 0; o < NP * kPanel; ++o)
+    TORCH_CHECK(map[o] < N, "moe_pack_experts: rows[", o, "] = ", map[o], " but w has ", N, " rows");
+  const uint8_t* src = static_cast<const uint8_t*>(w.data_ptr());
+  uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
+  const int64_t whole = K * es / 4;  // k steps with all of their kg elements inside the row
+  at::parallel_for(0, w.size(0) * NP, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const uint8_t* row[kPanel];  // the panel's 64 source rows (null: zeros), read side by side
+      for (int64_t o = 0; o < kPanel; ++o) {
+        const int32_t r = map[(i % NP) * kPanel + o];
+        row[o] = r < 0 ? nullptr : src + ((i / NP) * N + r) * K * es;
+      }
+      uint8_t* lane = dst + i * KS * kStep;  // written in order
+      for (int64_t s = 0; s < KS; ++s)
+        for (int64_t o = 0; o < kPanel; ++o, lane += 4) {
+          if (row[o] && s < whole) {
+            std::memcpy(lane, row[o] + s * 4, 4);
+          } else {
+            std::memset(lane, 0, 4);
+            if (row[o]) std::memcpy(lane, row[o] + s * 4, std::max<int64_t>(0, K * es - s * 4));
+          }
+        }
+    }
+  });
+}
+
 // out [T, H] float32 = sum over slots of weights * expert MLP(x), bf16 experts (layout above).
 void moe_experts_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
                       const at::Tensor& w13, const at::Tensor& w2, c10::optional<at::Tensor> b13,
