@@ -255,6 +255,10 @@ class ServerArgs:
         if self.moe_a2a_backend == "torch" and self.ep_size != self.tp_size:
             bad("moe_a2a_backend", f"'torch' needs --ep-size equal to --tp-size ({self.tp_size}), got --ep-size "
                                    f"{self.ep_size}; TP inside expert groups runs with --moe-a2a-backend none")
+        if self.enable_return_routed_experts and self.pp_size > 1:
+            bad("enable_return_routed_experts", f"--enable-return-routed-experts needs every layer on one rank; "
+                                                f"with --pp-size {self.pp_size} each pipeline stage sees only its "
+                                                "own layers' routing")
         if self.moe_dense_tp_size not in (None, 1):
             bad("moe_dense_tp_size", f"must be 1 (replicated dense layers) or unset, got {self.moe_dense_tp_size}")
         if self.moe_runner_backend not in MOE_RUNNER_BACKENDS:

@@ -115,7 +115,7 @@ class DecodeRole:
                                               f"{m.waiting_timeout:.1f}s: {e}")
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
-        errs = compat_mismatches({k: info.get(k) for k in COMPAT_FIELDS}, a.compat_info())
+        errs = compat_mismatches({k: info[k] for k in COMPAT_FIELDS if k in info}, a.compat_info())
         c.info = info
         pp_size, p_tp = int(info["pp_size"]), int(info["tp_size"])
         if not 0 <= c.dp_rank < int(info.get("dp_size", 1)):

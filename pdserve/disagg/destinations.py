@@ -66,6 +66,9 @@ def registration_errors(a, msg: Register, backend_name: str) -> list[str]:
                         f"KV head(s) per page ({sorted(set(want))} bytes), it registered {sorted(set(dst_items))}")
     if msg.buffers.aux_item_lens != list(a.aux_item_lens):
         errs.append(f"metadata row layout mismatch: prefill {a.aux_item_lens}, decode {msg.buffers.aux_item_lens}")
+    if msg.buffers.routed_item_lens != list(a.routed_item_lens):
+        errs.append(f"routed experts region mismatch: prefill pages of {a.routed_item_lens} bytes, decode "
+                    f"{msg.buffers.routed_item_lens} (both need --enable-return-routed-experts)")
     if msg.buffers.state_type != a.state_type:
         errs.append(f"state_type mismatch: prefill {a.state_type}, decode {msg.buffers.state_type}")
     return errs
@@ -85,12 +88,15 @@ def _rows(lens: list[int], items: list[int]) -> int:
 class DestinationGuard:
     """One per registered decode session; the caller (the KV manager) holds its lock."""
 
-    def __init__(self, buffers: BufferDesc, kv_entries: list[int], num_groups: int, empty_slice: bool = False):
+    def __init__(self, buffers: BufferDesc, kv_entries: list[int], num_groups: int, empty_slice: bool = False,
+                 routed_group: int = -1):
         self.empty_slice = empty_slice  # this rank writes nothing into that decode rank
-        # pages per cache group in the decode regions this rank writes (``kv_entries``)
-        self.num_pages = group_rows([buffers.kv_data_lens[j] for j in kv_entries],
-                                    [buffers.kv_item_lens[j] for j in kv_entries],
-                                    [buffers.kv_region_group[j] for j in kv_entries], num_groups)
+        # pages per cache group in the decode regions this rank writes (``kv_entries``, and the
+        # routed experts' region, addressed by ``routed_group``'s pages)
+        entries = [(buffers.kv_data_lens[j], buffers.kv_item_lens[j], buffers.kv_region_group[j]) for j in kv_entries]
+        if 0 <= routed_group < num_groups:
+            entries += [(n, item, routed_group) for n, item in zip(buffers.routed_data_lens, buffers.routed_item_lens)]
+        self.num_pages = group_rows(*zip(*entries), num_groups) if entries else [0] * num_groups
         self.num_aux_rows = _rows(buffers.aux_data_lens, buffers.aux_item_lens)
         self.num_state_slots = _rows(buffers.state_data_lens, buffers.state_item_lens)
         self._pages: dict[tuple[int, int], int] = {}  # (cache group, destination page) -> room

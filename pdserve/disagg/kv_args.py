@@ -45,6 +45,13 @@ class KVArgs:
     state_item_lens: list[int] = field(default_factory=list)
     state_type: str = "none"
     state_dim_per_tensor: list[int] = field(default_factory=list)
+    # routed experts of every token slot (--enable-return-routed-experts; engine/routed_experts.py):
+    # one region, item i = page i of cache group ``routed_group``, sent with that group's pages
+    routed_data_ptrs: list[int] = field(default_factory=list)
+    routed_data_lens: list[int] = field(default_factory=list)
+    routed_item_lens: list[int] = field(default_factory=list)
+    routed_group: int = -1
+    routed_experts: Optional[dict] = None  # RoutedExpertsSpec.describe(): both sides must agree
     # head slicing (non-MLA): KV heads held by this rank / by the whole model, query heads of the
     # whole model (which KV heads a rank holds follows from them: distributed.kv_heads_for_rank)
     kv_head_num: int = 0
@@ -74,7 +81,7 @@ class KVArgs:
     def __post_init__(self) -> None:
         if self.state_type not in STATE_TYPES:
             raise ValueError(f"state_type: must be one of {STATE_TYPES}, got {self.state_type!r}")
-        for prefix in ("kv", "aux", "state"):
+        for prefix in ("kv", "aux", "state", "routed"):
             n = {len(getattr(self, f"{prefix}_data_{s}")) for s in ("ptrs", "lens")}
             n.add(len(getattr(self, f"{prefix}_item_lens")))
             if len(n) != 1:
@@ -93,6 +100,8 @@ class KVArgs:
         bad = sorted(set(self.kv_region_final) - set(REGION_FINAL))
         if bad:
             raise ValueError(f"kv_region_final: {bad} not in {REGION_FINAL}")
+        if self.routed_data_ptrs and self.routed_group not in self.kv_region_group:
+            raise ValueError(f"routed_group: {self.routed_group} is not one of the KV regions' cache groups")
 
     @classmethod
     def from_buffers(cls, kv_pools, metadata_buffers, *, engine_rank: int = 0, model_fingerprint: str = "",
@@ -161,12 +170,13 @@ class KVArgs:
             "page_size": self.page_size,
             "layout": self.layout,
             "layer_specs": self.layer_specs,
+            "routed_experts": self.routed_experts,
         }
 
     def regions(self) -> list[tuple[int, int]]:
         """Every (ptr, nbytes) this rank registers with its transfer backend."""
         out = []
-        for prefix in ("kv", "aux", "state"):
+        for prefix in ("kv", "aux", "state", "routed"):
             out += zip(getattr(self, f"{prefix}_data_ptrs"), getattr(self, f"{prefix}_data_lens"))
         return [(int(p), int(n)) for p, n in out]
 
@@ -175,7 +185,12 @@ class KVArgs:
 
 
 COMPAT_FIELDS = ("model_fingerprint", "num_layers", "kv_heads", "head_dim", "kv_dtype", "page_size", "layout",
-                 "layer_specs")
+                 "layer_specs", "routed_experts")
+_HINTS = {
+    "kv_dtype": " (give both servers the same --kv-cache-dtype or --dtype: --dtype auto measures on each server)",
+    "routed_experts": " (start prefill and decode both with --enable-return-routed-experts, or neither: the ids "
+                      "travel with the KV pages)",
+}
 
 
 def _describe(spec: dict) -> str:
@@ -200,9 +215,12 @@ def _layer_spec_mismatches(prefill: list[dict], decode: list[dict]) -> list[str]
 def compat_mismatches(prefill: dict[str, Any], decode: dict[str, Any]) -> list[str]:
     """Human-readable differences between a prefill and a decode ``compat_info()``, e.g.
     ``"page_size mismatch: prefill 16, decode 1"``. An empty fingerprint means "unknown" and is
-    not compared."""
+    not compared, nor is a field one side does not list (the bootstrap server publishes only the
+    instance fields; ``Register`` carries them all)."""
     out = []
     for name in COMPAT_FIELDS:
+        if name not in prefill or name not in decode:
+            continue
         p, d = prefill.get(name), decode.get(name)
         if name == "model_fingerprint" and (not p or not d):
             continue
@@ -210,7 +228,5 @@ def compat_mismatches(prefill: dict[str, Any], decode: dict[str, Any]) -> list[s
             out += _layer_spec_mismatches(p or [], d or [])
             continue
         if p != d:
-            hint = " (give both servers the same --kv-cache-dtype or --dtype: --dtype auto measures on each server)" \
-                if name == "kv_dtype" else ""
-            out.append(f"{name} mismatch: prefill {p}, decode {d}{hint}")
+            out.append(f"{name} mismatch: prefill {p}, decode {d}{_HINTS.get(name, '')}")
     return out

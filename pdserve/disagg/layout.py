@@ -80,3 +80,14 @@ def chunk_descriptors(a, dst_ptrs: Sequence[int], sl, src_pages: Sequence[Sequen
     if not parts:
         return None
     return tuple(np.concatenate([p[k] for p in parts]) for k in range(3))
+
+
+def routed_descriptors(a, dst_ptrs: Sequence[int], src_pages: Sequence[Sequence[int]],
+                       dst_pages: Sequence[Sequence[int]]) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Descriptors writing the routed experts' rows of the pages of group ``a.routed_group`` that
+    this chunk sends into the decode region at ``dst_ptrs`` (whole pages: every rank of an
+    attention group holds the same ids). None when there is nothing to write."""
+    g = a.routed_group
+    if not a.routed_data_ptrs or not dst_ptrs or g < 0 or g >= len(src_pages) or not src_pages[g]:
+        return None
+    return region_descriptors(a.routed_data_ptrs, dst_ptrs, a.routed_item_lens, src_pages[g], dst_pages[g])

@@ -55,6 +55,9 @@ class BufferDesc(msgspec.Struct):
     state_item_lens: list[int] = []
     state_type: str = "none"
     state_dim_per_tensor: list[int] = []
+    routed_data_ptrs: list[int] = []  # routed experts' region (KVArgs), when both sides return them
+    routed_data_lens: list[int] = []
+    routed_item_lens: list[int] = []
     kv_head_num: int = 0
     gpu_id: int = 0
     device: str = "cpu"
@@ -69,13 +72,15 @@ class BufferDesc(msgspec.Struct):
             aux_data_lens=list(a.aux_data_lens), aux_item_lens=list(a.aux_item_lens),
             state_data_ptrs=list(a.state_data_ptrs), state_data_lens=list(a.state_data_lens),
             state_item_lens=list(a.state_item_lens), state_type=a.state_type,
-            state_dim_per_tensor=list(a.state_dim_per_tensor), kv_head_num=a.kv_head_num,
+            state_dim_per_tensor=list(a.state_dim_per_tensor), routed_data_ptrs=list(a.routed_data_ptrs),
+            routed_data_lens=list(a.routed_data_lens), routed_item_lens=list(a.routed_item_lens),
+            kv_head_num=a.kv_head_num,
             gpu_id=a.gpu_id, device=a.device,
         )
 
     def regions(self) -> list[tuple[int, int]]:
-        ptrs = self.kv_data_ptrs + self.aux_data_ptrs + self.state_data_ptrs
-        lens = self.kv_data_lens + self.aux_data_lens + self.state_data_lens
+        ptrs = self.kv_data_ptrs + self.aux_data_ptrs + self.state_data_ptrs + self.routed_data_ptrs
+        lens = self.kv_data_lens + self.aux_data_lens + self.state_data_lens + self.routed_data_lens
         return list(zip(ptrs, lens))
 
 

@@ -123,7 +123,8 @@ class PrefillRole:
             except Exception as e:
                 errs.append(f"cannot attach to decode buffers: {e}")
         sl = None if errs else head_slice(a, msg)
-        guard = DestinationGuard(msg.buffers, paired, a.num_groups, empty_slice=sl is not None and sl.empty)
+        guard = DestinationGuard(msg.buffers, paired, a.num_groups, empty_slice=sl is not None and sl.empty,
+                                 routed_group=a.routed_group)
         sess = _Session(msg.session_id, msg.reply_endpoint, msg, guard, "; ".join(errs),
                         [msg.buffers.kv_data_ptrs[j] for j in paired], time.monotonic(), sl)
         with self.mgr.lock:

@@ -18,6 +18,17 @@ def num_metadata_slots(args: ServerArgs) -> int:
     return max(64, 2 * args.max_running_requests)
 
 
+def routed_regions(runner) -> dict:
+    """The ``KVArgs`` fields of the routed experts' store (--enable-return-routed-experts): its
+    rows go with the pages of its cache group, so decode's copy of a page carries prefill's ids."""
+    store = runner.routed
+    if store is None:
+        return {}
+    ptr, nbytes, item = store.buffer_info()
+    return {"routed_data_ptrs": [ptr], "routed_data_lens": [nbytes], "routed_item_lens": [item],
+            "routed_group": store.spec.group, "routed_experts": store.spec.describe()}
+
+
 def attach_disaggregation(args: ServerArgs, tokenizer=None, par: Parallel = SINGLE_RANK):
     """Build a ``Scheduler`` for ``args.disaggregation_mode`` in {prefill, decode} (one rank's).
 
@@ -40,6 +51,7 @@ def attach_disaggregation(args: ServerArgs, tokenizer=None, par: Parallel = SING
         total_kv_head_num=model.total_kv_heads, num_heads=model.num_attention_heads,
         system_dp_rank=par.dp_rank, dp_size=par.dp_size, pp_rank=par.pp_rank, pp_size=par.pp_size,
         prefill_start_layer=model.first_layer, num_layers=model.total_layers, global_rank=par.world.rank,
+        **routed_regions(scheduler.runner),
     )
     # the room states are MIN-all-reduced over the ranks that share the scheduler
     group = par.sched.cpu_group if par.sched.size > 1 else None

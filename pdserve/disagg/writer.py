@@ -22,9 +22,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from pdserve.disagg import faults as f
 from pdserve.disagg.descriptors import region_descriptors
-from pdserve.disagg.layout import chunk_descriptors
+from pdserve.disagg.layout import chunk_descriptors, routed_descriptors
 from pdserve.disagg.messages import AbortAck, TransferRequest, TransferStatus, completion_notice
 from pdserve.disagg.poll import KVPoll
 from pdserve.disagg.transfer.base import TransferError
@@ -194,13 +196,19 @@ class TransferWorkers:
                 raise RuntimeError(f"decode preallocated {len(have)} pages of cache group {g}, prefill sends its "
                                    f"pages {off}..{off + len(src) - 1}")
             dst_pages.append(dst)
+        b = sess.reg.buffers
         descs = chunk_descriptors(a, sess.dst_kv_ptrs, sess.slice, job.src_pages, dst_pages)
+        # the routed experts' rows of the same pages, from the rank that writes the metadata row
+        routed = routed_descriptors(a, b.routed_data_ptrs, job.src_pages, dst_pages) \
+            if sess.slice is None or sess.slice.writes_metadata else None
+        parts = [d for d in (descs, routed) if d is not None]
+        if parts:  # one batch: the KV and the ids of a page land together
+            batch = [np.concatenate([d[k] for d in parts]) for k in range(3)]
+            backend.write(sess.session_id, *batch).wait(WRITE_TIMEOUT_S)
         if descs is not None:
-            backend.write(sess.session_id, *descs).wait(WRITE_TIMEOUT_S)
             self.role.count_written(job.room, len(descs[0]), int(descs[2].sum()))
         if not job.last:
             return
-        b = sess.reg.buffers
         if job.state_indices and req.state_indices:
             k = min(len(job.state_indices), len(req.state_indices))
             descs = region_descriptors(a.state_data_ptrs, b.state_data_ptrs, a.state_item_lens,

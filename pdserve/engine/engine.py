@@ -5,6 +5,7 @@ The scheduler runs in this process; ``generate`` steps it until every submitted 
 
 from __future__ import annotations
 
+import base64
 import itertools
 import logging
 import uuid
@@ -60,7 +61,8 @@ class Engine:
         self.scheduler = Scheduler(self.server_args, self.tokenizer)
         self._ids = itertools.count()
 
-    def _make_reqs(self, prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, logprob_start_len):
+    def _make_reqs(self, prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, logprob_start_len,
+                   return_routed_experts=False):
         if (prompt is None) == (input_ids is None):
             raise ValueError("prompt/input_ids: give exactly one of them")
         if prompt is not None:
@@ -87,12 +89,15 @@ class Engine:
             raise ValueError(f"return_logprob: must be a boolean, got {return_logprob!r}")
         if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int):
             raise ValueError(f"top_logprobs_num: must be an integer, got {top_logprobs_num!r}")
+        if not isinstance(return_routed_experts, bool):
+            raise ValueError(f"return_routed_experts: must be a boolean, got {return_routed_experts!r}")
         reqs = []
         for ids, sp in zip(ids_list, sps):
             for _ in range(sp.n):
                 reqs.append(Req(
                     rid=uuid.uuid4().hex, input_ids=ids, sampling=sp, return_logprob=return_logprob,
                     top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+                    return_routed_experts=return_routed_experts,
                 ))
         for req in reqs:
             self.scheduler.validate(req)
@@ -106,9 +111,12 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
+        return_routed_experts: bool = False,
     ) -> Union[dict, list[dict]]:
+        """``return_routed_experts``: ``meta_info["routed_experts"]`` as the server's (base64, see
+        ``engine/routed_experts.py``); needs ``enable_return_routed_experts=True``."""
         single, reqs = self._make_reqs(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                                       logprob_start_len)
+                                       logprob_start_len, return_routed_experts)
         for req in reqs:
             self.scheduler.add_request(req)
         pending = set(reqs)
@@ -131,6 +139,8 @@ class Engine:
             meta["output_top_logprobs"] = top_entries(req.output_top_logprobs)
             meta["input_token_logprobs"] = logprob_entries(req.input_token_logprobs)
             meta["input_top_logprobs"] = top_entries(req.input_top_logprobs)
+        if req.routed_experts is not None:
+            meta["routed_experts"] = base64.b64encode(req.routed_experts).decode("ascii")
         return {"text": output_text(req, self.tokenizer), "output_ids": list(req.output_ids), "meta_info": meta}
 
     def check_integrity(self) -> dict:

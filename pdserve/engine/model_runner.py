@@ -15,6 +15,7 @@ from pdserve.engine.dp_attention import DPGather
 from pdserve.engine.kv_pool import BufferAllocator, KVPool, default_allocator
 from pdserve.engine.precision import choose_compute_dtype, choose_kv_cache_dtype
 from pdserve.engine.pipeline import pipeline_forward
+from pdserve.engine import routed_experts
 from pdserve.forward_batch import ForwardBatch, GroupTable
 from pdserve.kv_spec import DTYPE_BYTES, CacheGroup, FullAttention, group_layers
 from pdserve.layers.attention.base import attention_backend_class, get_attention_backend
@@ -78,9 +79,18 @@ class ModelRunner:
                             for i in range(self.model.first_layer, self.model.first_layer + len(specs))]
         self.layer_slot = [self.cache_groups[g].layers.index(self.model.first_layer + i)
                            for i, g in enumerate(self.layer_group)]
+        # --enable-return-routed-experts: the ids of every token, kept with the pages of one group
+        self.routed_spec = routed_experts.plan(self.model, self.cache_groups) \
+            if args.enable_return_routed_experts else None
         counts = self._num_pages()
         self.pools = [self._make_pool(g, n, kv_allocator) for g, n in zip(self.cache_groups, counts)]
         self.pool = self.pools[0]
+        self.routed: Optional[routed_experts.RoutedExpertsStore] = None
+        if self.routed_spec is not None:
+            spec = self.routed_spec
+            self.routed = routed_experts.RoutedExpertsStore(
+                spec, self.pools[spec.group].num_pages, args.page_size, routed_experts.moe_blocks(self.model)[0].ctx,
+                self.device, kv_allocator)
         self.attn_backend_name = self._attention_backend()
         self.attn_backend = get_attention_backend(self.attn_backend_name, **(
             {"ops": self.ops, "compute_dtype": self.dtype} if self.attn_backend_name == "cpu" else {}))
@@ -152,6 +162,8 @@ class ModelRunner:
         args = self.args
         item = DTYPE_BYTES[str(self.kv_dtype).replace("torch.", "")]
         per_page = [len(g.layers) * g.spec.page_bytes(args.page_size, item) for g in self.cache_groups]
+        if self.routed_spec is not None:  # the routed experts' rows live with this group's pages
+            per_page[self.routed_spec.group] += self.routed_spec.bytes_per_page(args.page_size)
         mixed = any(not g.spec.drops_pages for g in self.cache_groups)
         share = [args.swa_full_tokens_ratio if mixed and g.spec.drops_pages else 1.0 for g in self.cache_groups]
         if args.max_total_tokens is not None:
@@ -220,7 +232,11 @@ class ModelRunner:
         if self.par.pp_size > 1:
             return pipeline_forward(self, fb)
         self.attn_backend.init_forward(fb)
+        if self.routed is not None:
+            self.routed.begin_forward()
         hidden = self.model(fb)
+        if self.routed is not None:
+            self.routed.write(fb)
         if fb.logits_idx.numel() == 0:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[fb.logits_idx])

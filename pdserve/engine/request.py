@@ -184,6 +184,9 @@ class Req:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     stream: bool = False
+    # routed experts of every token run from this position on (engine/routed_experts.py)
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
     # disaggregation (set by the front end from the router's fields)
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None
@@ -203,6 +206,7 @@ class Req:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_token_logprobs: list[tuple[Optional[float], int]] = field(default_factory=list)
     input_top_logprobs: list[Optional[list[tuple[float, int]]]] = field(default_factory=list)
+    routed_experts: Optional[bytes] = None  # set when it finishes (return_routed_experts)
     # sampling state
     generator: Any = None
     input_logprobs_done: bool = False

@@ -28,6 +28,7 @@ from pdserve.engine.kv_pool import BufferAllocator, default_allocator
 from pdserve.engine.pd_queues import PDQueues
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import MAX_TOP_LOGPROBS, FinishKind, FinishReason, Req
+from pdserve.engine.routed_experts import refusal as routed_experts_refusal
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.schedule_policy import order_waiting
 from pdserve.engine.stop import check_finish, eos_token_ids
@@ -96,6 +97,10 @@ class Scheduler:
             raise ValueError(f"top_logprobs_num: must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs_num}")
         if req.logprob_start_len >= n:
             raise ValueError(f"logprob_start_len: must be < prompt length {n}, got {req.logprob_start_len}")
+        if req.return_routed_experts:
+            why = routed_experts_refusal(self.args, self.runner.routed_spec, req.routed_experts_start_len, n)
+            if why:
+                raise ValueError(why)
 
     def add_request(self, req: Req) -> None:
         self.validate(req)
@@ -136,8 +141,17 @@ class Scheduler:
             self.waiting.remove(req)
         if self.pd is not None:
             self.pd.discard(req)
+        self._collect_routed_experts(req)
         self.release_kv(req)
         self.updated.add(req)
+
+    def _collect_routed_experts(self, req: Req) -> None:
+        """A finishing request that asked gets the ids of every token it ran, read from its pages
+        before they go (a prefill server leaves that to decode's answer)."""
+        store = self.runner.routed
+        if (req.return_routed_experts and store is not None and req.kv is not None
+                and req.finish_reason.kind != FinishKind.ABORT and self.args.disaggregation_mode != "prefill"):
+            req.routed_experts = store.collect(req)
 
     def drain(self) -> list[Req]:
         """Requests with new output since the last call (finished ones included, once)."""

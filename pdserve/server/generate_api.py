@@ -1,8 +1,9 @@
 """SGLang's native ``POST /generate``: request parsing and the offline-API-shaped output.
 
 Output of one generation: ``{"text", "output_ids", "meta_info": {"id", "finish_reason",
-"prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency", [logprobs], [timeline]}}``
-(the timeline once finished, when the request has ``X-PDServe-Timeline: 1``); a list for
+"prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency", [logprobs], [routed_experts],
+[timeline]}}`` (``routed_experts`` once finished, when asked: base64, ``engine/routed_experts.py``; the
+timeline once finished, when the request has ``X-PDServe-Timeline: 1``); a list for
 a batch or ``n > 1`` (item i, sample j at ``i * n + j``). A stream sends the cumulative text and
 output_ids in every ``data:`` event (as SGLang does), ``"index"`` added for lists, then
 ``data: [DONE]``.
@@ -10,6 +11,7 @@ output_ids in every ``data:`` event (as SGLang does), ``"index"`` added for list
 
 from __future__ import annotations
 
+import base64
 from typing import Any, AsyncIterator
 
 import msgspec
@@ -36,6 +38,8 @@ class GenerateRequest(msgspec.Struct):
     logprob_start_len: Any = -1
     top_logprobs_num: Any = 0
     return_text_in_logprobs: bool = False
+    return_routed_experts: Any = False
+    routed_experts_start_len: Any = 0
     bootstrap_host: Any = None
     bootstrap_port: Any = None
     bootstrap_room: Any = None
@@ -102,6 +106,10 @@ def parse(tm: TokenizerManager, req: GenerateRequest, stream: bool) -> tuple[lis
     tops = _per_item("top_logprobs_num", req.top_logprobs_num, size, batch,
                      lambda v: _is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS,
                      f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+    want_re = _per_item("return_routed_experts", req.return_routed_experts, size, batch,
+                        lambda v: isinstance(v, bool), "a boolean")
+    re_starts = _per_item("routed_experts_start_len", req.routed_experts_start_len, size, batch,
+                          lambda v: _is_int(v) and v >= 0, "an integer >= 0")
     n = max(_sample_count(sp) for sp in sampling)
     boots = split_bootstrap(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, size, n)
     ranks = split_dp_ranks(req.routed_dp_rank, req.disagg_prefill_dp_rank, req.data_parallel_rank, size, n)
@@ -111,7 +119,7 @@ def parse(tm: TokenizerManager, req: GenerateRequest, stream: bool) -> tuple[lis
         specs.append(tm.make_spec(
             prompt, sp, default_max_new_tokens=128, return_logprob=want_lp[i], top_logprobs_num=tops[i],
             logprob_start_len=starts[i], stream=stream, rid=rids[i], no_stop_trim=bool(sp.get("no_stop_trim")),
-            **boots[i], **ranks[i],
+            return_routed_experts=want_re[i], routed_experts_start_len=re_starts[i], **boots[i], **ranks[i],
         ))
     return specs, batch or specs[0].sampling.n > 1
 
@@ -137,6 +145,8 @@ def output_dict(tm: TokenizerManager, state: ReqState, with_text: bool, with_tim
             meta["input_top_logprobs"] = [
                 None if top is None else _entries(tm, top, with_text) for top in state.input_top_logprobs]
             meta["output_top_logprobs"] = [_entries(tm, top, with_text) for top in state.output_top_logprobs]
+    if spec.return_routed_experts and state.routed_experts is not None:
+        meta["routed_experts"] = base64.b64encode(state.routed_experts).decode("ascii")
     if with_timeline and state.finished:
         meta["timeline"] = timeline.public(tm.server_args.disaggregation_mode, state.timeline)
     return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}

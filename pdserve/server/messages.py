@@ -19,6 +19,8 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     stream: bool = False
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
@@ -55,6 +57,8 @@ class TokenOut(msgspec.Struct):
     input_top_logprobs: Optional[list[Optional[list[tuple[float, int]]]]] = None
     # sent once, with the finish: the scheduler's events of this request (``Req.timeline``)
     timeline: Optional[dict[str, float]] = None
+    # sent once, with the finish: little-endian int32 [tokens, layers, top_k] (engine/routed_experts.py)
+    routed_experts: Optional[bytes] = None
 
 
 class BatchOut(msgspec.Struct, tag="batch_out"):

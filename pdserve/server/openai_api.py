@@ -3,11 +3,15 @@
 Choice ``i`` of a request with P prompts and ``n`` samples is sample ``i % n`` of prompt
 ``i // n``. Usage counts each prompt once. A prefill server answers with one JSON object even
 for ``stream: true`` (see generate_api.handle). With ``X-PDServe-Timeline: 1`` each finished
-choice carries ``"timeline"`` (server/timeline.py), as ``meta_info`` does on ``/generate``.
+choice carries ``"timeline"`` (server/timeline.py), as ``meta_info`` does on ``/generate``. With
+``return_routed_experts`` the answer carries SGLang's ``sglext.routed_experts`` (base64 of the
+first choice's ids, ``engine/routed_experts.py``); a stream sends it in a chunk without choices
+before the usage chunk.
 """
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Optional
@@ -45,6 +49,18 @@ def _with_timeline(tm: TokenizerManager, choice: dict[str, Any], s: ReqState, wa
     return choice
 
 
+def _sglext(states: list[ReqState]) -> Optional[dict[str, Any]]:
+    """SGLang's response-level extension: ``routed_experts`` (base64) of the first choice that has
+    them, as SGLang fills it (per-choice ids: ``/generate``, or one choice per request)."""
+    data = next((s.routed_experts for s in states if s.spec.return_routed_experts and s.routed_experts), None)
+    return None if data is None else {"routed_experts": base64.b64encode(data).decode("ascii")}
+
+
+def _with_sglext(body: dict[str, Any], states: list[ReqState]) -> dict[str, Any]:
+    ext = _sglext(states)
+    return body if ext is None else {**body, "sglext": ext}
+
+
 def _tops(tops: list, j: int) -> list:
     return tops[j] if j < len(tops) and tops[j] is not None else []
 
@@ -73,7 +89,8 @@ async def completions(request: Request, tm: TokenizerManager) -> Response:
     stream = req.stream and args.disaggregation_mode != "prefill"
     specs = [tm.make_spec(p, req.sampling_params(req.max_tokens), default_max_new_tokens=16,
                           return_logprob=top is not None, top_logprobs_num=top or 0,
-                          logprob_start_len=0 if echo_logprobs else -1, stream=stream, **boot)
+                          logprob_start_len=0 if echo_logprobs else -1, stream=stream,
+                          return_routed_experts=req.return_routed_experts, **boot)
              for p, boot in zip(prompts, req.bootstrap(len(prompts)))]
     echo = [p if isinstance(p, str) else tm.tokenizer.decode(p) for p in prompts] if req.echo else None
     states = tm.submit_all(specs)  # the last step that can fail before the states are owned
@@ -104,8 +121,9 @@ async def completions(request: Request, tm: TokenizerManager) -> Response:
     if stream:
         return http_util.sse_response(tm, states, _events(tm, states, head, choice, req.include_usage, n))
     await http_util.unless_disconnected(request, http_util.wait_all(tm, states))
-    return http_util.json_response({
-        **head, "choices": [choice(i, s, s.text, 0, True) for i, s in enumerate(states)], "usage": _usage(states, n)})
+    return http_util.json_response(_with_sglext({
+        **head, "choices": [choice(i, s, s.text, 0, True) for i, s in enumerate(states)], "usage": _usage(states, n)},
+        states))
 
 
 # ---- chat ----------------------------------------------------------------------------------
@@ -128,7 +146,8 @@ async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     stream = req.stream and args.disaggregation_mode != "prefill"
     spec = tm.make_spec(input_ids, req.sampling_params(max_tokens), default_max_new_tokens=None,
-                        return_logprob=top is not None, top_logprobs_num=top or 0, stream=stream, **req.bootstrap()[0])
+                        return_logprob=top is not None, top_logprobs_num=top or 0, stream=stream,
+                        return_routed_experts=req.return_routed_experts, **req.bootstrap()[0])
     states = tm.submit_all([spec])
     n = req.n
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": args.served_model_name}
@@ -155,8 +174,8 @@ async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
                                    "logprobs": logprobs(s, 0), "finish_reason": finish_reason(s.finish_reason),
                                    "matched_stop": matched_stop(s.finish_reason)}, s, want_timeline)
                for i, s in enumerate(states)]
-    return http_util.json_response({**head, "object": "chat.completion", "choices": choices,
-                                    "usage": _usage(states, n)})
+    return http_util.json_response(_with_sglext({**head, "object": "chat.completion", "choices": choices,
+                                                 "usage": _usage(states, n)}, states))
 
 
 # ---- streaming -----------------------------------------------------------------------------
@@ -165,8 +184,9 @@ async def _events(
     choice: Callable[[int, ReqState, str, int, bool], dict[str, Any]], include_usage: bool, n: int,
 ) -> AsyncIterator[bytes]:
     """A chunk per choice update that brings text, logprobs or the finish (the first one always);
-    ``choice(i, state, new_text, first_new_token, is_first_chunk)`` shapes it. Then usage (if
-    asked) and [DONE]."""
+    ``choice(i, state, new_text, first_new_token, is_first_chunk)`` shapes it. Then, as SGLang
+    sends them, a chunk without choices carrying ``sglext`` (routed experts, when asked), usage
+    (if asked) and [DONE]."""
     sent_chars = [0] * len(states)
     sent_tokens = [0] * len(states)
     started = [False] * len(states)
@@ -185,6 +205,9 @@ async def _events(
         yield http_util.sse_event({**head, "choices": [choice(i, s, delta, sent_tokens[i], not started[i])]})
         sent_chars[i], sent_tokens[i] = len(s.text), len(s.output_ids)
         started[i], finished[i] = True, s.finished
+    ext = _sglext(states)
+    if ext is not None:
+        yield http_util.sse_event({**head, "choices": [], "sglext": ext})
     if include_usage:
         yield http_util.sse_event({**head, "choices": [], "usage": _usage(states, n)})
     yield http_util.SSE_DONE

@@ -34,6 +34,7 @@ class _Sampling(msgspec.Struct):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    return_routed_experts: bool = False  # SGLang's extension: the answer's sglext.routed_experts
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     # disaggregation fields added by the router: scalars, or lists with one entry per prompt

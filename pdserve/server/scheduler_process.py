@@ -76,6 +76,7 @@ def token_out(req: Req) -> m.TokenOut:
         prompt_tokens=req.prompt_len,
         cached_tokens=req.cached_tokens,
         timeline=req.timeline if req.finished else None,
+        routed_experts=req.routed_experts if req.finished else None,
     )
     if req.return_logprob:
         out.output_token_logprobs = req.output_token_logprobs[start:]
@@ -133,6 +134,8 @@ class SchedulerLoop:
             # the whole model's KV per prompt token that a PD transfer moves (windowed layers move
             # a bounded amount and are left out when the model has full-attention layers)
             "kv_bytes_per_token": kv_bytes_per_token(r),
+            # --enable-return-routed-experts on a MoE model: the layout of the returned ids
+            "routed_experts": r.routed_spec.describe() if r.routed_spec is not None else None,
         }
 
     def run(self) -> None:
@@ -185,6 +188,8 @@ class SchedulerLoop:
                     rid=msg.rid, input_ids=msg.input_ids, sampling=SamplingParams.from_dict(msg.sampling_params),
                     return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
                     logprob_start_len=msg.logprob_start_len, stream=msg.stream,
+                    return_routed_experts=msg.return_routed_experts,
+                    routed_experts_start_len=msg.routed_experts_start_len,
                     bootstrap_host=msg.bootstrap_host, bootstrap_port=msg.bootstrap_port,
                     bootstrap_room=msg.bootstrap_room, prefill_dp_rank=msg.disagg_prefill_dp_rank,
                 )

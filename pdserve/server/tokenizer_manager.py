@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from pdserve.chat_template import ChatTemplateError, chat_input_ids
 from pdserve.engine.request import SamplingParams
+from pdserve.engine.routed_experts import refusal as routed_experts_refusal
 from pdserve.server.detokenizer import IncrementalDetokenizer
 from pdserve.server.errors import bad_request
 from pdserve.server.messages import AbortReq, GenerateReq, TokenOut, encode
@@ -45,6 +46,8 @@ class ReqSpec:
     rid: Optional[str] = None
     group_rid: Optional[str] = None  # the user's rid of a request with n > 1 samples
     no_stop_trim: bool = False
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None
     bootstrap_room: Union[int, list[int], None] = None  # an int, or one room per sample
@@ -63,6 +66,7 @@ class ReqState:
         self.input_token_logprobs: list[tuple[Optional[float], int]] = []
         self.input_top_logprobs: list[Optional[list[tuple[float, int]]]] = []
         self.finish_reason: Optional[dict[str, Any]] = None
+        self.routed_experts: Optional[bytes] = None  # with the finish, when the spec asked
         self.prompt_tokens = len(spec.input_ids)
         self.cached_tokens = 0
         self.pending: list[TokenOut] = []
@@ -141,6 +145,11 @@ class TokenizerManager:
             raise bad_request(f"sampling_params: {e}") from None
         if params.n > MAX_N:
             raise bad_request(f"n: must be <= {MAX_N}, got {params.n}")
+        if fields.get("return_routed_experts"):
+            why = routed_experts_refusal(self.server_args, self.client.info.get("routed_experts"),
+                                         fields.get("routed_experts_start_len", 0), len(input_ids))
+            if why:
+                raise bad_request(why)
         return ReqSpec(input_ids=list(input_ids), sampling=params, **fields)
 
     # ---- requests ----------------------------------------------------------------------
@@ -159,6 +168,8 @@ class TokenizerManager:
                 rid=spec.rid, input_ids=spec.input_ids, sampling_params=p.to_dict(),
                 return_logprob=spec.return_logprob, top_logprobs_num=spec.top_logprobs_num,
                 logprob_start_len=spec.logprob_start_len, stream=spec.stream,
+                return_routed_experts=spec.return_routed_experts,
+                routed_experts_start_len=spec.routed_experts_start_len,
                 bootstrap_host=spec.bootstrap_host, bootstrap_port=spec.bootstrap_port,
                 bootstrap_room=spec.bootstrap_room[0] if isinstance(spec.bootstrap_room, list) else spec.bootstrap_room,
                 routed_dp_rank=group, disagg_prefill_dp_rank=_first(spec.disagg_prefill_dp_rank),
@@ -253,6 +264,7 @@ class TokenizerManager:
                 state.input_top_logprobs = list(out.input_top_logprobs or [])
         if out.finish_reason is not None:
             state.finish_reason = dict(out.finish_reason)
+            state.routed_experts = out.routed_experts
             state.detok.finish(state.finish_reason.get("matched"))
             state.timeline.update(out.timeline or {})
             state.timeline["finished"] = time.time()
