@@ -120,3 +120,15 @@ def test_pd_expert_parallel_behind_the_real_sglang_router(moe, reference, tmp_pa
         proc.wait()
     for name in ("P2", "Ddp", "P1", "Dep"):
         idle(S[name])
+
+
+def test_expert_layout_the_model_cannot_take_is_a_start_up_error(moe_model, tmp_path):
+    """8 experts + 1 redundant slot over 2 expert-parallel ranks: the server exits at start-up
+    naming the flag and the numbers."""
+    bad = c.server("bad_ep", moe_model, tmp_path, "--tp-size", "2", "--ep-size", "2",
+                   "--ep-num-redundant-experts", "1", *COMMON)
+    try:
+        with pytest.raises(RuntimeError, match=r"ep_size: 2 does not divide the model's 8 experts plus 1 redundant"):
+            bad.start()
+    finally:
+        bad.stop()
