@@ -17,6 +17,8 @@ from pdserve import envs
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 MOE_A2A_BACKENDS = ("none", "torch")
+# SGLang's other spellings of a flag
+FLAG_ALIASES = {"ep_size": ("--ep", "--expert-parallel-size")}
 MOE_RUNNER_BACKENDS = ("auto", "fused", "grouped_mm", "loop")
 EXPERT_RECORDER_MODES = ("stat",)
 TRANSFER_BACKENDS = ("local", "fake", "mooncake", "nixl")
@@ -382,7 +384,7 @@ class ServerArgs:
                 kw["choices"] = MOE_A2A_BACKENDS
             elif f.name == "moe_runner_backend":
                 kw["choices"] = MOE_RUNNER_BACKENDS
-            parser.add_argument(flag, **kw)
+            parser.add_argument(flag, *FLAG_ALIASES.get(f.name, ()), **kw)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":

@@ -168,3 +168,14 @@ def test_server_flags_are_checked(tmp_path):
     for kw, msg in cases:
         with pytest.raises(ValueError, match=msg):
             ServerArgs(model_path=str(tmp_path), **kw)
+
+
+def test_sglang_spellings_of_the_ep_flag():
+    import argparse
+
+    from pdserve.config import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    for flag in ("--ep-size", "--ep", "--expert-parallel-size"):
+        assert parser.parse_args(["--model-path", "m", flag, "2"]).ep_size == 2
