@@ -22,6 +22,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -38,6 +41,42 @@ constexpr int64_t kRowChunk = 128;  // rows per item (64 to 512 measured alike)
 constexpr int64_t kPrefetchBytes = 2048;
 
 enum class Act { kSilu, kSwigluOai };
+
+// Runs fn(part) for part in [0, parts) side by side. at::parallel_for would, but it runs the whole
+// range on the calling thread when the extension is built without OpenMP (as pdserve's is: no
+// -fopenmp); then parts 1.. go to torch's inter-op thread pool while the caller runs part 0.
+template <typename Fn>
+void run_parts(int64_t parts, const Fn& fn) {
+#ifdef INTRA_OP_PARALLEL
+  at::parallel_for(0, parts, 1, [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p) fn(p);
+  });
+#else
+  if (parts <= 1) {
+    if (parts == 1) fn(0);
+    return;
+  }
+  int64_t pending = parts - 1;
+  std::mutex m;
+  std::condition_variable done;
+  for (int64_t p = 1; p < parts; ++p)
+    at::launch([&, p] {
+      fn(p);
+      std::lock_guard<std::mutex> lock(m);
+      if (--pending == 0) done.notify_one();
+    });
+  fn(0);
+  std::unique_lock<std::mutex> lock(m);
+  done.wait(lock, [&] { return pending == 0; });
+#endif
+}
+
+// fn(b, e) over [0, n) in at most one contiguous range per thread, ranges of at least `grain`
+template <typename Fn>
+void parallel_ranges(int64_t n, int64_t grain, const Fn& fn) {
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / std::max<int64_t>(grain, 1)));
+  run_parts(parts, [&](int64_t p) { fn(n * p / parts, n * (p + 1) / parts); });
+}
 
 // One of the two matmuls over all experts.
 struct Gemm {
@@ -374,10 +413,10 @@ void for_items(const Routing& rt, int64_t NP, const Fn& fn) {
     }
   if (items.empty()) return;
   const int64_t parts = std::min<int64_t>(at::get_num_threads(), int64_t(items.size()));
-  at::parallel_for(0, parts, 1, [&](int64_t b, int64_t e) {
-    const auto lo = std::lower_bound(cost.begin(), cost.end() - 1, cost.back() * b / parts) - cost.begin();
-    const auto hi = std::lower_bound(cost.begin(), cost.end() - 1, cost.back() * e / parts) - cost.begin();
-    for (int64_t i = lo; i < (e == parts ? int64_t(items.size()) : hi); ++i) fn(items[i]);
+  run_parts(parts, [&](int64_t p) {
+    const auto lo = std::lower_bound(cost.begin(), cost.end() - 1, cost.back() * p / parts) - cost.begin();
+    const auto hi = std::lower_bound(cost.begin(), cost.end() - 1, cost.back() * (p + 1) / parts) - cost.begin();
+    for (int64_t i = lo; i < (p + 1 == parts ? int64_t(items.size()) : hi); ++i) fn(items[i]);
   });
 }
 
@@ -487,7 +526,7 @@ void moe_impl(at::Tensor out, const at::Tensor& x, const at::Tensor& ids, const 
   if (int8) {
     xq.resize(T * xw);
     xs.resize(T);
-    at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+    parallel_ranges(T, 16, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) isa.quantize_row(xb + t * xb_stride, H, xw, xq.data() + t * xw, &xs[t]);
     });
     g1.colsum = int8_extra[0]->data_ptr<int32_t>();
@@ -516,7 +555,7 @@ void moe_impl(at::Tensor out, const at::Tensor& x, const at::Tensor& ids, const 
     const int64_t aw = KS2 * 4;
     aq.resize(P * aw);
     as.resize(P);
-    at::parallel_for(0, P, 16, [&](int64_t b, int64_t e) {
+    parallel_ranges(P, 16, [&](int64_t b, int64_t e) {
       for (int64_t s = b; s < e; ++s) isa.quantize_row(ap + s * I32, aw, aw, aq.data() + s * aw, &as[s]);
     });
     g2.colsum = int8_extra[2]->data_ptr<int32_t>();
@@ -539,7 +578,7 @@ void moe_impl(at::Tensor out, const at::Tensor& x, const at::Tensor& ids, const 
   const int32_t* idp = ids.data_ptr<int32_t>();
   const float* wp = weights.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+  parallel_ranges(T, 8, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) isa.combine(op + t * H, yp + t * K * H, idp + t * K, wp + t * K, K, H);
   });
 }
@@ -565,7 +604,7 @@ void moe_pack_experts(at::Tensor out, const at::Tensor& w, const at::Tensor& row
   const uint8_t* src = static_cast<const uint8_t*>(w.data_ptr());
   uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
   const int64_t whole = K * es / 4;  // k steps with all of their kg elements inside the row
-  at::parallel_for(0, w.size(0) * NP, 1, [&](int64_t b, int64_t e) {
+  parallel_ranges(w.size(0) * NP, 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const uint8_t* row[kPanel];  // the panel's 64 source rows (null: zeros), read side by side
       for (int64_t o = 0; o < kPanel; ++o) {
