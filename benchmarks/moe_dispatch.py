@@ -3,6 +3,7 @@ against all-to-all (``torch``), timing the real ``SparseMoE.run`` over gloo.
 
   python benchmarks/moe_dispatch.py [--tokens 1,32,256] [--layouts dp,tp] [--hidden 2048]
       [--experts 128] [--top-k 8] [--inter 768] [--rounds 5] [--json out.json]
+  python benchmarks/moe_dispatch.py --server-model PATH [--server-prompts 32] [--json out.json]
 
 Two processes (one per core, one torch thread each) join a gloo group as a ``--tp-size 2
 --ep-size 2`` server's scheduler ranks do (``distributed.init_parallel``) and build one sparse
@@ -27,6 +28,11 @@ timed): what a rank sends to the other ranks (all-to-all: its remote splits; all
 block to every other rank; all-reduce: a ring's 2 (P-1)/P of the buffer), summed over the ranks,
 per token of the step. The formulas this reproduces, and what they predict at more ranks, are
 printed after the table (``predict``).
+
+``--server-model PATH`` instead serves an MoE checkpoint (e.g. ``compare_vllm_moe.py
+--build-only --num-layers 8``) with ``pdserve serve --tp-size 2 --ep-size 2 --enable-dp-attention
+--dp-size 2 --moe-a2a-backend B`` for each backend in turn, one server at a time, and runs
+``compare_vllm.py``'s short workload against it (``--server-prompts`` requests at once).
 """
 
 from __future__ import annotations
@@ -274,6 +280,33 @@ def kib(n: float) -> str:
     return f"{n / 1024:.1f}"
 
 
+def serve_backends(model: str, prompts: int, out_dir: Path) -> list[dict]:
+    """Each backend's short-workload summary through a 2-rank DP-attention + EP server."""
+    import tempfile
+
+    import compare_vllm
+    from tests.helpers import cluster as c
+
+    logs = Path(tempfile.mkdtemp(prefix="moe-dispatch-"))
+    out = []
+    for backend in ("none", "torch"):
+        port = c.free_port()
+        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model-path", model, "--served-model-name", "demo",
+               "--port", str(port), "--tp-size", "2", "--ep-size", "2", "--enable-dp-attention", "--dp-size", "2",
+               "--moe-a2a-backend", backend, "--torch-num-threads", "1", "--dtype", "bfloat16",
+               "--max-total-tokens", "32768"]
+        proc = c.Proc(f"pdserve-{backend}", cmd, port, logs)
+        try:
+            proc.start(wait=False)
+            proc.wait_ready(1200)
+            compare_vllm.bench(proc.url, model, "short", logs / f"warmup-{backend}.json", num_prompts=4)
+            r = compare_vllm.bench(proc.url, model, "short", out_dir / f"server-{backend}.json", num_prompts=prompts)
+        finally:
+            proc.stop()
+        out.append({"backend": backend, **r["summary"]})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="1,32,256", help="tokens per rank (dp) / per step (tp)")
@@ -289,7 +322,24 @@ def main() -> None:
     ap.add_argument("--no-fused", action="store_true", help="run the experts with grouped_mm")
     ap.add_argument("--predict-ranks", default="2,8,64")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--server-model", default=None, help="serve this MoE checkpoint with each backend instead")
+    ap.add_argument("--server-prompts", type=int, default=32)
     a = ap.parse_args()
+    if a.server_model:
+        out_dir = Path(a.json).parent if a.json else Path(".")
+        rows = serve_backends(a.server_model, a.server_prompts, out_dir)
+        print(f"machine: {machine()}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        print(f"{a.server_model}: --tp-size 2 --ep-size 2 --enable-dp-attention --dp-size 2, short workload, "
+              f"{a.server_prompts} x 128 in / 64 out at once")
+        print("| backend | out tok/s | TTFT mean / p90 ms | TPOT mean / p90 ms |")
+        print("|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['backend']} | {r['output_throughput']:.1f} | {r['ttft_ms']['mean']:.0f} / {r['ttft_ms']['p90']:.0f} "
+                  f"| {r['tpot_ms']['mean']:.0f} / {r['tpot_ms']['p90']:.0f} |")
+        print(f"torch / none output throughput = {rows[1]['output_throughput'] / rows[0]['output_throughput']:.2f}")
+        if a.json:
+            Path(a.json).write_text(json.dumps(rows, indent=2))
+        return
     a.tokens = [int(x) for x in a.tokens.split(",")]
     import tempfile
 
