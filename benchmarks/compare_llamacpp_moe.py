@@ -2,7 +2,7 @@
 
   python benchmarks/compare_llamacpp_moe.py [--core 1] [--rounds 2] [--prompt-len 128] [--new-tokens 64]
 
-The model is ``compare_vllm_moe.py``'s (5.0 B parameters, 64 experts top 8, random bf16
+The model is ``compare_vllm_moe.py``'s (5.3 B parameters, 64 experts top 8, random bf16
 weights), converted once to a bf16 GGUF by llama.cpp's own ``convert_hf_to_gguf.py`` (which maps
 Qwen3MoeForCausalLM to its ``qwen3moe`` architecture): the same weights on both sides. The
 contenders, their workers and llama-cpp-python's build are ``compare_llamacpp.py``'s: one

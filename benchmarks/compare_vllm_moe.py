@@ -6,10 +6,10 @@ The model is built once from its config with random bf16 weights into ``--cache-
 ``~/.cache/pdserve/models``), one safetensors shard per decoder layer so that memory stays low
 while writing it: Qwen3MoeForCausalLM, hidden 2048, 16 layers, all sparse, 64 experts, top 8
 (renormalised), expert MLP 768, 32 query heads / 4 KV heads of 128, vocabulary 49152 with the
-SmolLM2 tokenizer (the Qwen3 tokenizer is not available offline), untied LM head: 5.0 B
-parameters, 10 GB in bf16, 0.9 B active per token. Weights are N(0, 0.02), norms 1, the router's
-weights scaled by ``ROUTER_SCALE`` so that a token's expert choice is decisive (softmax logits
-with a standard deviation of about 3.6 instead of 0.9).
+SmolLM2 tokenizer (the Qwen3 tokenizer is not available offline), untied LM head: 5.3 B
+parameters, 10.7 GB in bf16, 1.0 B active per token with the LM head. Weights are N(0, 0.02),
+norms 1, the router's weights scaled by ``ROUTER_SCALE`` so that a token's expert choice is
+decisive (softmax logits with a standard deviation of about 3.6 instead of 0.9).
 
 Every other option goes to ``compare_vllm.py`` (``--contenders``, ``--workloads``,
 ``--num-prompts``, ``--cores``, ``--profile``, ``--out-dir``...), with ``--model-path`` set to the
