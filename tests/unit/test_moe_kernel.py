@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve import kernels
+from pdserve.layers.moe.fused import PackedExperts
 
 torch.set_num_threads(1)
 
@@ -133,8 +134,6 @@ CASES = [  # T, K, E, H, I, activation, bias
 @pytest.mark.parametrize("quantization", [None, "w8a8_int8"])
 @pytest.mark.parametrize("T,K,E,H,inter,activation,bias", CASES)
 def test_fused_experts_match_the_reference(ops, path, quantization, T, K, E, H, inter, activation, bias):
-    from pdserve.layers.moe.fused import PackedExperts
-
     if quantization and path == "simd" and not ops.has_int8_dot():
         pytest.skip("this CPU has no AVX512-VNNI: only the scalar int8 code runs here")
     seed = T * 100 + K * 10 + E
@@ -159,8 +158,6 @@ def test_fused_experts_match_the_reference(ops, path, quantization, T, K, E, H, 
 
 @pytest.mark.parametrize("quantization", [None, "w8a8_int8"])
 def test_same_result_on_one_and_two_threads_and_float32_input(ops, quantization):
-    from pdserve.layers.moe.fused import PackedExperts
-
     w13, w2, b13, b2 = make_layer(12, 136, 80, True, 7)
     ids, weights = make_routing(300, 8, 12, 7, unused=(3, 5))
     x = torch.randn(300, 136, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
@@ -177,8 +174,6 @@ def test_same_result_on_one_and_two_threads_and_float32_input(ops, quantization)
 
 
 def test_bad_arguments_are_named(ops):
-    from pdserve.layers.moe.fused import PackedExperts
-
     w13, w2, _, _ = make_layer(4, 40, 24, False, 1)
     with pytest.raises(ValueError, match="activation"):
         PackedExperts(w13, w2, activation="gelu", ops=ops)

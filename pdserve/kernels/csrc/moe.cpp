@@ -12,17 +12,17 @@
 // one accumulator summed over k in order, written by exactly one item: results do not depend on
 // the thread count, the tiling, or which other tokens share the call.
 //
-// Weight layout (the Python side packs it): per expert, panels of 64 outputs, each k step 256
-// bytes = 4 lines of 16 outputs: bf16 [E, NP, K/2, 4, 16, 2] (pairs of k), int8 [E, NP, K/4, 4,
-// 16, 4] (quads of k). W13's panel p holds gate rows [32p, 32p+32) then up rows [32p, 32p+32),
-// each half zero padded to a multiple of 32. Biases, colsums and scales: float32/int32 [E, NP*64]
-// in panel order. int8 as in int8_gemm.cpp: x stored as xq + 128, sum corrected by 128 colsum.
+// Weight layout (moe_pack_experts, in the row order layers/moe/fused.py gives): per expert,
+// panels of 64 outputs, each k step 256 bytes = 4 lines of 16 outputs: bf16 [E, NP, K/2, 4, 16,
+// 2] (pairs of k), int8 [E, NP, K/4, 4, 16, 4] (quads of k). W13's panel p holds gate rows
+// [32p, 32p+32) then up rows [32p, 32p+32), each half zero padded to a multiple of 32. Biases,
+// colsums and scales: float32/int32 [E, NP*64] in panel order. int8 as in int8_gemm.cpp: x
+// stored as xq + 128, each sum corrected by 128 colsum.
 #include "common.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <condition_variable>
 #include <mutex>
 #include <string>
