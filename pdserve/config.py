@@ -14,13 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pdserve import envs
+from pdserve.moe_args import MOE_A2A_BACKENDS, MOE_RUNNER_BACKENDS, check_moe_args, moe_options
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
-MOE_A2A_BACKENDS = ("none", "torch")
-# SGLang's other spellings of a flag
-FLAG_ALIASES = {"ep_size": ("--ep", "--expert-parallel-size")}
-MOE_RUNNER_BACKENDS = ("auto", "fused", "grouped_mm", "loop")
-EXPERT_RECORDER_MODES = ("stat",)
 TRANSFER_BACKENDS = ("local", "fake", "mooncake", "nixl")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -30,6 +26,16 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 # where the transfer layer can be made to fail on purpose (tests and chaos runs); see disagg/faults.py
 FAULT_MODES = ("fail_transfer", "drop_status", "delay_transfer", "corrupt_aux_room", "kill_transfer_thread")
+# the allowed values of the flags that have a fixed set (argparse ``choices``)
+CHOICES = {
+    "dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "attention_backend": ATTENTION_BACKENDS,
+    "quantization": QUANTIZATIONS, "disaggregation_mode": DISAGGREGATION_MODES,
+    "disaggregation_transfer_backend": TRANSFER_BACKENDS, "load_format": LOAD_FORMATS,
+    "schedule_policy": SCHEDULE_POLICIES, "moe_a2a_backend": MOE_A2A_BACKENDS,
+    "moe_runner_backend": MOE_RUNNER_BACKENDS,
+}
+# SGLang's other spellings of a flag
+FLAG_ALIASES = {"ep_size": ("--ep", "--expert-parallel-size")}
 
 
 def default_torch_threads() -> int:
@@ -185,7 +191,7 @@ class ServerArgs:
             bad("kv_events_replay_endpoint", "needs --kv-events-endpoint")
         if self.pp_size < 1:
             bad("pp_size", f"must be >= 1, got {self.pp_size}")
-        self._check_moe(bad)
+        check_moe_args(self, bad)
         if self.pp_size > 1 and (self.tp_size > 1 or self.dp_size > 1):
             bad("pp_size", f"{self.pp_size} together with --tp-size {self.tp_size} / --dp-size {self.dp_size} is not "
                            "supported in this version: use pipeline stages of one rank each")
@@ -244,46 +250,9 @@ class ServerArgs:
         if self.tokenizer_path is None:
             self.tokenizer_path = self.model_path
 
-    def _check_moe(self, bad) -> None:
-        """The MoE flags against the rank layout (what needs the model, e.g. the expert count, is
-        checked when it loads)."""
-        if self.ep_size < 1 or self.tp_size % self.ep_size:
-            bad("ep_size", f"must divide --tp-size ({self.tp_size}), got {self.ep_size}")
-        if self.moe_a2a_backend not in MOE_A2A_BACKENDS:
-            bad("moe_a2a_backend", f"must be one of {MOE_A2A_BACKENDS}, got {self.moe_a2a_backend!r}")
-        if self.moe_a2a_backend == "torch" and self.ep_size == 1:
-            bad("moe_a2a_backend", "'torch' dispatches tokens to the ranks that hold their experts and needs "
-                                   f"expert parallelism (--ep-size > 1), got --ep-size {self.ep_size}")
-        if self.moe_a2a_backend == "torch" and self.ep_size != self.tp_size:
-            bad("moe_a2a_backend", f"'torch' needs --ep-size equal to --tp-size ({self.tp_size}), got --ep-size "
-                                   f"{self.ep_size}; TP inside expert groups runs with --moe-a2a-backend none")
-        if self.enable_return_routed_experts and self.pp_size > 1:
-            bad("enable_return_routed_experts", f"--enable-return-routed-experts needs every layer on one rank; "
-                                                f"with --pp-size {self.pp_size} each pipeline stage sees only its "
-                                                "own layers' routing")
-        if self.moe_dense_tp_size not in (None, 1):
-            bad("moe_dense_tp_size", f"must be 1 (replicated dense layers) or unset, got {self.moe_dense_tp_size}")
-        if self.moe_runner_backend not in MOE_RUNNER_BACKENDS:
-            bad("moe_runner_backend", f"must be one of {MOE_RUNNER_BACKENDS}, got {self.moe_runner_backend!r}")
-        if self.ep_num_redundant_experts < 0:
-            bad("ep_num_redundant_experts", f"must be >= 0, got {self.ep_num_redundant_experts}")
-        if self.expert_distribution_recorder_mode not in (None,) + EXPERT_RECORDER_MODES:
-            bad("expert_distribution_recorder_mode", f"must be one of {EXPERT_RECORDER_MODES} (or unset), got "
-                                                     f"{self.expert_distribution_recorder_mode!r}")
-        if self.init_expert_location != "trivial" and not os.path.isfile(self.init_expert_location):
-            bad("init_expert_location", f"must be 'trivial' or a JSON file, got {self.init_expert_location!r} "
-                                        "(no such file)")
-
     def moe_options(self):
         """The MoE part, as the model layers take it (``layers/moe/context.py``)."""
-        from pdserve.layers.moe.context import MoEOptions
-
-        return MoEOptions(ep_size=self.ep_size, a2a_backend=self.moe_a2a_backend,
-                          dense_tp_size=self.moe_dense_tp_size, runner=self.moe_runner_backend,
-                          init_expert_location=self.init_expert_location,
-                          num_redundant_experts=self.ep_num_redundant_experts,
-                          record_experts=self.expert_distribution_recorder_mode == "stat",
-                          capture_routed_experts=self.enable_return_routed_experts)
+        return moe_options(self)
 
     def _check_nodes(self, bad) -> None:
         """The multi-host flags against the rank layout."""
@@ -364,26 +333,8 @@ class ServerArgs:
                 str(f.type).replace("Optional[", "").rstrip("]"), str
             )
             kw: dict = {"type": kind, "default": default}
-            if f.name == "dtype":
-                kw["choices"] = DTYPES
-            elif f.name == "kv_cache_dtype":
-                kw["choices"] = KV_CACHE_DTYPES
-            elif f.name == "attention_backend":
-                kw["choices"] = ATTENTION_BACKENDS
-            elif f.name == "quantization":
-                kw["choices"] = QUANTIZATIONS
-            elif f.name == "disaggregation_mode":
-                kw["choices"] = DISAGGREGATION_MODES
-            elif f.name == "disaggregation_transfer_backend":
-                kw["choices"] = TRANSFER_BACKENDS
-            elif f.name == "load_format":
-                kw["choices"] = LOAD_FORMATS
-            elif f.name == "schedule_policy":
-                kw["choices"] = SCHEDULE_POLICIES
-            elif f.name == "moe_a2a_backend":
-                kw["choices"] = MOE_A2A_BACKENDS
-            elif f.name == "moe_runner_backend":
-                kw["choices"] = MOE_RUNNER_BACKENDS
+            if f.name in CHOICES:
+                kw["choices"] = CHOICES[f.name]
             parser.add_argument(flag, *FLAG_ALIASES.get(f.name, ()), **kw)
 
     @classmethod

@@ -9,9 +9,12 @@ stage's ranks) does not fit: shared experts (their own intermediate size) and de
 
 from __future__ import annotations
 
+from functools import partial
+from types import ModuleType
 from typing import Any, Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pdserve.distributed import SINGLE, TPGroup, shard_range
@@ -20,21 +23,24 @@ from pdserve.layers.linear import MergedLinear, RowParallelLinear
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, act: Callable[[torch.Tensor], torch.Tensor],
-                 tp: TPGroup = SINGLE, bias: bool = False, silu: bool = True):
-        super().__init__()
-        try:
-            self.inter = shard_range(intermediate, tp.rank, tp.size)
-        except ValueError as e:
-            raise ValueError(f"tp_size: {e} (MLP intermediate size {intermediate})") from None
-        n = self.inter[1] - self.inter[0]
-        self.tp = tp
-        self.act = act
-        self.activation = "silu" if silu else "other"
-        self.gate_up_proj = MergedLinear(hidden, [n, n], bias=bias)
-        self.down_proj = RowParallelLinear(n, hidden, bias=bias, tp=tp)
-        self.ops = None
+# the gated MLP's activations, by their HF config names (``silu`` also has a CPU kernel)
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+}
+
+
+class GatedProjections(nn.Module):
+    """``down(act(gate(x)) * up(x))`` over fused ``gate_up_proj`` and ``down_proj`` (which the
+    subclass makes); ``activation`` is the HF config name, SiLU runs as one CPU kernel with
+    ``ops``. The Llama MLP and ``GatedMLP`` share it."""
+
+    def set_activation(self, activation: str, field: str = "hidden_act") -> None:
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"{field}: {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
+        self.activation = activation
+        self.act = ACTIVATIONS[activation]
+        self.ops: Optional[ModuleType] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -44,6 +50,22 @@ class GatedMLP(nn.Module):
             return self.down_proj(act)
         gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(self.act(gate) * up)
+
+
+class GatedMLP(GatedProjections):
+    """Split over ``tp`` by its own ``intermediate`` (or replicated at size 1); loads itself."""
+
+    def __init__(self, hidden: int, intermediate: int, activation: str, tp: TPGroup = SINGLE, bias: bool = False):
+        super().__init__()
+        try:
+            self.inter = shard_range(intermediate, tp.rank, tp.size)
+        except ValueError as e:
+            raise ValueError(f"tp_size: {e} (MLP intermediate size {intermediate})") from None
+        n = self.inter[1] - self.inter[0]
+        self.tp = tp
+        self.set_activation(activation)
+        self.gate_up_proj = MergedLinear(hidden, [n, n], bias=bias)
+        self.down_proj = RowParallelLinear(n, hidden, bias=bias, tp=tp)
 
     def run(self, h: torch.Tensor, dp: Optional[Any]) -> torch.Tensor:
         """This DP group's output: tensor-parallel over every group's tokens (gathered), or, when

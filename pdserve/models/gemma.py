@@ -38,7 +38,8 @@ from pdserve.forward_batch import ForwardBatch
 from pdserve.layers.norm import GemmaRMSNorm
 from pdserve.layers.rotary import rope_parameters
 from pdserve.layers.vocab import VocabParallelEmbedding
-from pdserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, run_mlp
+from pdserve.models.llama import (LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, check_layer_types,
+                                  run_mlp)
 from pdserve.models.weights import TPShards
 
 
@@ -112,12 +113,7 @@ def check_config(config) -> None:
     """What the HF configs allow but this implementation does not do."""
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention: only causal attention is supported")
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is None or len(layer_types) != config.num_hidden_layers:
-        raise ValueError(f"layer_types: one per layer expected, got {layer_types!r}")
-    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
-    if unknown:
-        raise ValueError(f"layer_types: {unknown} not supported; supported: full_attention, sliding_attention")
+    check_layer_types(config)
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):

@@ -19,11 +19,10 @@ a bf16 copy (transformers dequantizes them: ``Mxfp4Config(dequantize=True)`` the
 
 from __future__ import annotations
 
-from torch import nn
-
 from pdserve.layers.moe.router import Router, TopKSoftmax
 from pdserve.layers.norm import GptOssRMSNorm
-from pdserve.models.moe import MoEDecoderLayer, MoEForCausalLM, MoEModel
+from pdserve.models.llama import check_layer_types
+from pdserve.models.moe import LocalExperts, MoEDecoderLayer, MoEForCausalLM, MoEModel
 
 # HF's GptOssExperts fixes the SwiGLU's sigmoid scale
 SWIGLU_ALPHA = 1.702
@@ -46,15 +45,10 @@ def check_config(config) -> None:
             f"quantization_config: GPT-OSS checkpoints quantized with {str(method)!r} are not supported; "
             "dequantize to bf16 first (transformers: from_pretrained(..., quantization_config="
             "Mxfp4Config(dequantize=True)) then save_pretrained)")
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is None or len(layer_types) != config.num_hidden_layers:
-        raise ValueError(f"layer_types: one per layer expected, got {layer_types!r}")
-    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
-    if unknown:
-        raise ValueError(f"layer_types: {unknown} not supported; supported: full_attention, sliding_attention")
+    check_layer_types(config)
 
 
-class GptOssForCausalLM(MoEForCausalLM):
+class GptOssForCausalLM(LocalExperts, MoEForCausalLM):
     model_cls = GptOssModel
     expert_format = "gpt_oss"
     router_name = "router"
@@ -70,17 +64,6 @@ class GptOssForCausalLM(MoEForCausalLM):
 
     def attention_options(self, config) -> dict:
         return {**super().attention_options(config), "sinks": True}
-
-    @staticmethod
-    def num_experts(config) -> int:
-        return config.num_local_experts
-
-    @staticmethod
-    def expert_intermediate(config) -> int:
-        return config.intermediate_size
-
-    def is_sparse(self, config, layer_id: int) -> bool:
-        return True
 
     def make_router(self, config) -> Router:
         return TopKSoftmax(config.hidden_size, config.num_local_experts, config.num_experts_per_tok, bias=True)

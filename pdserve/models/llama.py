@@ -12,9 +12,8 @@ vocabulary (``TPShards``).
 
 from __future__ import annotations
 
-from functools import partial
 from types import ModuleType
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +24,7 @@ from pdserve.forward_batch import ForwardBatch
 from pdserve.kv_spec import CacheSpec, FullAttention, SlidingWindow
 from pdserve.layers.attention.base import AttnLayer
 from pdserve.layers.linear import Linear, MergedLinear, PackedBF16, RowParallelLinear
+from pdserve.layers.mlp import GatedProjections
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from pdserve.layers.vocab import VocabParallelEmbedding
@@ -33,11 +33,6 @@ from pdserve.models.weights import TPShards, checkpoint_weight_names, load_weigh
 
 # First rotary table size; it grows by doubling if a longer sequence arrives.
 _ROPE_INITIAL_POSITIONS = 8192
-# the gated MLP's activations, by their HF config names (``silu`` also has a CPU kernel)
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
-}
 
 
 def layer_sliding_window(config, layer_id: int) -> Optional[int]:
@@ -57,6 +52,17 @@ def layer_sliding_window(config, layer_id: int) -> Optional[int]:
     if max_window_layers is not None and layer_id < max_window_layers:
         return None
     return window
+
+
+def check_layer_types(config) -> None:
+    """``config.layer_types`` (families that alternate windowed and full layers): one per layer,
+    each a kind this engine runs."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None or len(layer_types) != config.num_hidden_layers:
+        raise ValueError(f"layer_types: one per layer expected, got {layer_types!r}")
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"layer_types: {unknown} not supported; supported: full_attention, sliding_attention")
 
 
 class LlamaAttention(nn.Module):
@@ -103,30 +109,17 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
-class LlamaMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))``; the activation is the config's ``activation_field``."""
+class LlamaMLP(GatedProjections):
+    """``down(act(gate(x)) * up(x))``; the activation is the config's ``activation_field``; sharded
+    by ``TPShards`` (its weights come through the loader's fused projections)."""
 
     def __init__(self, config, shards: TPShards, activation_field: str = "hidden_act"):
         super().__init__()
-        self.activation = getattr(config, activation_field, None)
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"{activation_field}: {self.activation!r} is not supported; supported: "
-                             f"{sorted(ACTIVATIONS)}")
-        self.act = ACTIVATIONS[self.activation]
+        self.set_activation(getattr(config, activation_field, None), activation_field)
         bias = bool(getattr(config, "mlp_bias", False))
         inter = shards.intermediate  # this rank's columns
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, tp=shards.tp)
-        self.ops: Optional[ModuleType] = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.ops is not None and gate_up.dim() == 2 and self.activation == "silu":
-            act = gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
-            self.ops.silu_and_mul(act, gate_up)
-            return self.down_proj(act)
-        gate, up = self.gate_up_proj.split(gate_up)
-        return self.down_proj(self.act(gate) * up)
 
 
 def run_mlp(mlp: nn.Module, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:

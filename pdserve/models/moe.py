@@ -36,7 +36,7 @@ from pdserve.layers.moe.recorder import ExpertRecorder
 from pdserve.layers.moe.router import Router, mixtral_router, qwen_router
 from pdserve.layers.norm import RMSNorm
 from pdserve.distributed import shard_range
-from pdserve.models.llama import ACTIVATIONS, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from pdserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from pdserve.models.weights import TPShards
 
 
@@ -140,10 +140,9 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def make_mlp(self, config, layer_id: int, shards: TPShards) -> nn.Module:
         ctx = self._moe_ctx
-        act = ACTIVATIONS[config.hidden_act]
         if not self.is_sparse(config, layer_id):
             if ctx.options.dense_tp_size == 1:
-                return GatedMLP(config.hidden_size, config.intermediate_size, act, SINGLE)
+                return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, SINGLE)
             return LlamaMLP(config, shards)
         try:
             inter = shard_range(self.expert_intermediate(config), ctx.moe_tp_rank, ctx.moe_tp_size)
@@ -189,14 +188,13 @@ class Qwen2MoeForCausalLM(MoEForCausalLM):
         size = getattr(config, "shared_expert_intermediate_size", 0) or 0
         if not size:
             return None, None
-        shared = GatedMLP(config.hidden_size, size, ACTIVATIONS[config.hidden_act], tp)
+        shared = GatedMLP(config.hidden_size, size, config.hidden_act, tp)
         return shared, Linear(config.hidden_size, 1, bias=False)
 
 
-class MixtralForCausalLM(MoEForCausalLM):
-    model_cls = MixtralModel
-    mlp_name = "block_sparse_moe"
-    expert_format = "mixtral"
+class LocalExperts:
+    """Mixtral's and GPT-OSS's config names: every layer sparse, ``num_local_experts`` experts of
+    ``intermediate_size`` (mixed in before ``MoEForCausalLM``)."""
 
     @staticmethod
     def num_experts(config) -> int:
@@ -208,6 +206,12 @@ class MixtralForCausalLM(MoEForCausalLM):
 
     def is_sparse(self, config, layer_id: int) -> bool:
         return True
+
+
+class MixtralForCausalLM(LocalExperts, MoEForCausalLM):
+    model_cls = MixtralModel
+    mlp_name = "block_sparse_moe"
+    expert_format = "mixtral"
 
     def make_router(self, config) -> Router:
         return mixtral_router(config)
