@@ -1,4 +1,4 @@
-"""Fixtures shared by the router tests."""
+"""Fixtures shared by the unit tests: routers, and the two code paths of the CPU kernels."""
 
 from __future__ import annotations
 
@@ -27,3 +27,14 @@ def make_router():
     yield make
     for r in routers:
         r.stop()
+
+
+@pytest.fixture(params=["simd", "scalar"])
+def path(request, ops):
+    """Run a kernel test on the AVX-512 code (where the CPU has it) and on the portable scalar code;
+    ``ops`` is the test module's fixture for the loaded kernels."""
+    if request.param == "simd" and ops.isa() == "scalar":
+        pytest.skip("this CPU has no AVX-512: only the scalar code runs here")
+    ops.set_force_scalar(request.param == "scalar")
+    yield request.param
+    ops.set_force_scalar(False)

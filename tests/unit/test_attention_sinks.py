@@ -211,13 +211,6 @@ def test_backends_declare_sinks_and_refuse_by_name():
 
 # ---- the kernels on their own ------------------------------------------------------------------
 
-@pytest.fixture(params=["simd", "scalar"])
-def path(request, ops):
-    if request.param == "simd" and ops.isa() == "scalar":
-        pytest.skip("this CPU has no AVX-512: only the scalar code runs here")
-    ops.set_force_scalar(request.param == "scalar")
-    yield request.param
-    ops.set_force_scalar(False)
 
 
 def paged_case(gen, lens, page, kv_dtype):

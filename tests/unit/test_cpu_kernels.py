@@ -26,14 +26,6 @@ def ops():
     return mod
 
 
-@pytest.fixture(params=["simd", "scalar"])
-def path(request, ops):
-    """Run a test on the AVX-512 code (where the CPU has it) and on the portable scalar code."""
-    if request.param == "simd" and ops.isa() == "scalar":
-        pytest.skip("this CPU has no AVX-512: only the scalar code runs here")
-    ops.set_force_scalar(request.param == "scalar")
-    yield request.param
-    ops.set_force_scalar(False)
 
 
 def attention_reference(q, kc, vc, table, lens, scale, window):

@@ -33,14 +33,6 @@ def ops():
     return mod
 
 
-@pytest.fixture(params=["simd", "scalar"])
-def path(request, ops):
-    """Run on the AVX-512 code (where the CPU has it) and on the portable scalar code."""
-    if request.param == "simd" and ops.isa() == "scalar":
-        pytest.skip("this CPU has no AVX-512: only the scalar code runs here")
-    ops.set_force_scalar(request.param == "scalar")
-    yield request.param
-    ops.set_force_scalar(False)
 
 
 def bf16(t: torch.Tensor) -> torch.Tensor:
