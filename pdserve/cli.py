@@ -32,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"pdserve: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    from pdserve import envs, lifetime
+
+    parent = envs.take_parent_pid()
+    if parent is not None:  # started by `pdserve launch`: ends when the launcher does
+        lifetime.end_with_parent(parent)
     module, func, _ = COMMANDS[name]
     return int(getattr(importlib.import_module(module), func)(rest) or 0)
 

@@ -44,6 +44,14 @@ def cpu_kernels_disabled() -> bool:
     return os.environ.get("PDSERVE_DISABLE_CPU_KERNELS", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def take_parent_pid() -> int | None:
+    """``PDSERVE_PARENT_PID``: the pid of the process this one must not outlive (``pdserve launch``
+    sets it for its servers and router; ``lifetime.end_with_parent``). Removed from the
+    environment once read, so this process's own children do not inherit it."""
+    raw = os.environ.pop("PDSERVE_PARENT_PID", "").strip()
+    return int(raw) if raw.isdigit() else None
+
+
 def apply_env_defaults(kwargs: dict[str, Any], defaults: dict[str, Any]) -> None:
     """Fill server arguments still at their built-in default (``defaults``: field -> default) from
     the environment."""

@@ -6,7 +6,15 @@ loopback, else a network backend (``--transfer-backend``'s help has the rule). W
 each rank's torch thread count defaults to an equal share of the host's cores over all ranks.
 Any other flag of ``pdserve serve`` applies to every server, or to one role's servers when
 prefixed with the role: ``--decode-ep-size 2 --decode-moe-a2a-backend torch`` (MoE decode with
-expert parallelism), ``--prefill-chunked-prefill-size 4096``. The servers share a random ``--disaggregation-secret`` unless one is given (flag or environment).
+expert parallelism), ``--prefill-chunked-prefill-size 4096``. The servers share a random
+``--disaggregation-secret`` unless one is given (flag or environment).
+
+Stopping: SIGINT or SIGTERM (handled even when the launcher inherited SIGINT ignored, as a
+script's background job does) stops the router, then the decode servers, then the prefill
+servers, each with SIGTERM (SIGKILL after ``STOP_TIMEOUT_S``, or at a second signal). However
+the launcher ends, SIGKILL included, its children end with it: each gets SIGTERM from the kernel
+when the launcher exits (``lifetime.end_with_parent``), and so do their scheduler processes when
+a server exits.
 """
 
 from __future__ import annotations
@@ -24,10 +32,14 @@ import time
 
 import httpx
 
+from pdserve import lifetime
 from pdserve.log import setup_logging
 from pdserve.router.args import PD_POLICIES, POLICIES
 
 logger = logging.getLogger(__name__)
+
+# per group of the stop order: a server's graceful shutdown (5 s) then its scheduler's (up to 10 s)
+STOP_TIMEOUT_S = 20.0
 
 
 def free_port(start: int) -> int:
@@ -194,9 +206,54 @@ def _parallel_flags(tp: int, dp: int, pp: int = 1) -> list[str]:
     return flags
 
 
+def stop_in_order(procs: list[tuple[str, str, subprocess.Popen]]) -> None:
+    """The router first (no new requests), then the decode servers (nothing pulls KV any more),
+    then the prefill servers: each group gets SIGTERM, and SIGKILL after ``STOP_TIMEOUT_S`` or
+    at once after a second SIGINT/SIGTERM."""
+    hurry: list[int] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        if not hurry:
+            logger.warning("%s while stopping: killing what is left", signal.Signals(signum).name)
+        hurry.append(signum)
+
+    lifetime.handle_stop_signals(on_signal)
+    for role in ("router", "decode", "prefill"):
+        group = [proc for name, _, proc in procs if name.partition("-")[0] == role and proc.poll() is None]
+        for proc in group:
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while any(proc.poll() is None for proc in group) and time.monotonic() < deadline and not hurry:
+            time.sleep(0.05)
+        for proc in group:
+            if proc.poll() is None:
+                logger.warning("pid %d did not stop after SIGTERM; killing it", proc.pid)
+                proc.kill()
+                proc.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(list(argv or []))
     setup_logging("launch", args.log_level)
+    # Ctrl-C and SIGTERM stop the cluster in order, also when this process inherited SIGINT
+    # ignored (a script's background job); however this process ends, its children end with it
+    # (PDSERVE_PARENT_PID, read by pdserve.cli).
+    lifetime.handle_stop_signals(lifetime.raise_interrupt)
+    os.environ["PDSERVE_PARENT_PID"] = str(os.getpid())
+    procs: list[tuple[str, str, subprocess.Popen]] = []
+    try:
+        return _run(args, extra, procs)
+    except KeyboardInterrupt:
+        logger.info("stopping the cluster")
+        return 0
+    except (RuntimeError, TimeoutError) as e:
+        logger.error("%s", e)
+        return 1
+    finally:
+        stop_in_order(procs)
+
+
+def _run(args: argparse.Namespace, extra: list[str], procs: list[tuple[str, str, subprocess.Popen]]) -> int:
     model = args.model_path
     if model is None:
         from pdserve.models.demo import DEMO_MODELS, ensure_demo_model
@@ -206,7 +263,6 @@ def main(argv: list[str] | None = None) -> int:
             extra = ["--served-model-name", DEMO_MODELS[0], *extra]  # what clients send as "model"
     n_ranks = args.num_prefill * args.prefill_tp_size * args.prefill_pp_size + args.num_decode * args.decode_tp_size
     threads = args.torch_num_threads or max(1, (os.cpu_count() or 1) // n_ranks)
-    procs: list[tuple[str, str, subprocess.Popen]] = []
     py = [sys.executable, "-m", "pdserve.cli"]
     backend = transfer_backend_for(args.host, args.transfer_backend)
     try:
@@ -224,17 +280,6 @@ def main(argv: list[str] | None = None) -> int:
         # the control plane is authenticated even when nobody asked for it
         os.environ.setdefault("PDSERVE_DISAGGREGATION_SECRET", secrets.token_hex(32))
 
-    def stop_all(*_):
-        for _, _, proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for _, _, proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
     events_port = 5557
     follows_events = "cache_aware" in (args.policy, args.prefill_policy) or args.pd_policy == "conditional"
 
@@ -251,49 +296,40 @@ def main(argv: list[str] | None = None) -> int:
 
     port = 30000
     prefill_specs, decode_urls = [], []
-    try:
-        bport = 8998
-        for i in range(args.num_prefill):
-            port, bport = free_port(port), free_port(bport)
-            cmd = py + ["serve", *common, "--port", str(port), "--disaggregation-mode", "prefill",
-                        "--disaggregation-bootstrap-port", str(bport), *kv_events(),
-                        *_parallel_flags(args.prefill_tp_size, args.prefill_dp_size, args.prefill_pp_size),
-                        *role_flags["prefill"]]
-            url = f"http://{args.host}:{port}"
-            procs.append((f"prefill-{i}", url, subprocess.Popen(cmd)))
-            prefill_specs += ["--prefill", url, str(bport)]
-            port, bport = port + 1, bport + 1
-        for j in range(args.num_decode):
-            port = free_port(port)
-            cmd = py + ["serve", *common, "--port", str(port), "--disaggregation-mode", "decode", *kv_events(),
-                        *(["--disaggregation-decode-enable-radix-cache"] if args.decode_radix_cache else []),
-                        *_parallel_flags(args.decode_tp_size, args.decode_dp_size), *role_flags["decode"]]
-            url = f"http://{args.host}:{port}"
-            procs.append((f"decode-{j}", url, subprocess.Popen(cmd)))
-            decode_urls += ["--decode", url]
-            port += 1
-        for name, url, proc in procs:
-            wait_ready(url, proc, args.ready_timeout, name)
-            logger.info("%s ready at %s", name, url)
-        router_url = f"http://{args.host}:{args.port}"
-        router = subprocess.Popen(py + ["router", *prefill_specs, *decode_urls, "--host", args.host,
-                                        "--port", str(args.port), "--policy", args.policy,
-                                        *(["--prefill-policy", args.prefill_policy] if args.prefill_policy else []),
-                                        "--pd-policy", args.pd_policy, *(["--dp-aware"] if args.dp_aware else [])])
-        procs.append(("router", router_url, router))
-        wait_ready(router_url, router, 60, "router")
-        print(f"pdserve cluster ready: {router_url}  "
-              f"({args.num_prefill} prefill + {args.num_decode} decode, model {model})", flush=True)
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-        while all(proc.poll() is None for _, _, proc in procs):
-            time.sleep(1)
-        dead = [name for name, _, proc in procs if proc.poll() is not None]
-        logger.error("%s exited; stopping the cluster", ", ".join(dead))
-        return 1
-    except KeyboardInterrupt:
-        return 0
-    except (RuntimeError, TimeoutError) as e:
-        logger.error("%s", e)
-        return 1
-    finally:
-        stop_all()
+    bport = 8998
+    for i in range(args.num_prefill):
+        port, bport = free_port(port), free_port(bport)
+        cmd = py + ["serve", *common, "--port", str(port), "--disaggregation-mode", "prefill",
+                    "--disaggregation-bootstrap-port", str(bport), *kv_events(),
+                    *_parallel_flags(args.prefill_tp_size, args.prefill_dp_size, args.prefill_pp_size),
+                    *role_flags["prefill"]]
+        url = f"http://{args.host}:{port}"
+        procs.append((f"prefill-{i}", url, subprocess.Popen(cmd)))
+        prefill_specs += ["--prefill", url, str(bport)]
+        port, bport = port + 1, bport + 1
+    for j in range(args.num_decode):
+        port = free_port(port)
+        cmd = py + ["serve", *common, "--port", str(port), "--disaggregation-mode", "decode", *kv_events(),
+                    *(["--disaggregation-decode-enable-radix-cache"] if args.decode_radix_cache else []),
+                    *_parallel_flags(args.decode_tp_size, args.decode_dp_size), *role_flags["decode"]]
+        url = f"http://{args.host}:{port}"
+        procs.append((f"decode-{j}", url, subprocess.Popen(cmd)))
+        decode_urls += ["--decode", url]
+        port += 1
+    for name, url, proc in procs:
+        wait_ready(url, proc, args.ready_timeout, name)
+        logger.info("%s ready at %s", name, url)
+    router_url = f"http://{args.host}:{args.port}"
+    router = subprocess.Popen(py + ["router", *prefill_specs, *decode_urls, "--host", args.host,
+                                    "--port", str(args.port), "--policy", args.policy,
+                                    *(["--prefill-policy", args.prefill_policy] if args.prefill_policy else []),
+                                    "--pd-policy", args.pd_policy, *(["--dp-aware"] if args.dp_aware else [])])
+    procs.append(("router", router_url, router))
+    wait_ready(router_url, router, 60, "router")
+    print(f"pdserve cluster ready: {router_url}  "
+          f"({args.num_prefill} prefill + {args.num_decode} decode, model {model})", flush=True)
+    while all(proc.poll() is None for _, _, proc in procs):
+        time.sleep(1)
+    dead = [name for name, _, proc in procs if proc.poll() is not None]
+    logger.error("%s exited; stopping the cluster", ", ".join(dead))
+    return 1

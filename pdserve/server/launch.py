@@ -8,10 +8,10 @@ With ``--nnodes N --node-rank R`` (R > 0) it starts this node's ranks only, logs
 ready (which they are only once every node's are) and blocks without any HTTP server; it exits
 1 when one of its ranks exits (a lost peer or a crash takes the whole server down).
 
-Shutdown: SIGINT/SIGTERM stop uvicorn gracefully, then the scheduler is terminated (killed if it
-does not exit). If the front end dies without cleaning up, the scheduler notices that its
-parent is gone and exits (see scheduler_client._watch_parent). Exit code 0 after a signal, 1 when
-the scheduler failed or died, 2 for bad arguments.
+Shutdown: SIGINT/SIGTERM stop uvicorn gracefully (also when SIGINT was inherited ignored), then
+the scheduler is terminated (killed if it does not exit). If the front end dies without cleaning
+up, its scheduler processes get SIGTERM from the kernel (``lifetime.end_with_parent``). Exit code 0
+after a signal, 1 when the scheduler failed or died, 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         logger.warning("SECURITY WARNING: %s", warning)
     if server_args.torch_num_threads and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(server_args.torch_num_threads)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
     signal.signal(signal.SIGTERM, _on_sigterm)
     client = SchedulerClient(server_args)
     try:

@@ -17,9 +17,9 @@ tp_init)``; ranks join each other at ``tp_init``):
 - every ``GenerateReq`` ends with a ``TokenOut`` carrying a finish reason, also after an abort;
 - every ``ControlReq`` gets one ``ControlResp`` with the same ``req_id``.
 
-- it exits by itself when its parent (the front end) disappears (the entry polls the parent
-  pid), so a SIGKILLed front end leaves no orphan; on a normal exit the front end terminates it
-  (``stop``: SIGTERM, then SIGKILL after a grace period).
+- it exits by itself when its parent (the front end) disappears (the entry arms
+  ``lifetime.end_with_parent``), so a SIGKILLed front end leaves no orphan; on a normal exit the
+  front end terminates it (``stop``: SIGTERM, then SIGKILL after a grace period).
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 import traceback
 
@@ -35,6 +34,7 @@ from pdserve.config import ServerArgs
 from pdserve.distributed import SINGLE_RANK, Parallel, init_parallel
 from pdserve.kv_spec import DTYPE_BYTES
 from pdserve.engine.request import FinishKind, FinishReason, Req, SamplingParams
+from pdserve.lifetime import end_with_parent
 from pdserve.log import role_tag, setup_logging
 from pdserve.server import messages as m
 from pdserve.server.heartbeat import Heartbeat, first_line
@@ -46,14 +46,6 @@ IDLE_POLL_MS = 50  # a message wakes the poll at once: this only bounds idle wak
 # While the only work is waiting on peers (PD bootstrap, transfers), poll at this period rather
 # than spinning: a spinning scheduler would take a core from the servers that compute.
 PEER_WAIT_POLL_MS = 1
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """Exit when the front end dies, so no scheduler is ever orphaned."""
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(1)
-        time.sleep(0.5)
 
 
 def build_scheduler(args: ServerArgs, par: Parallel = SINGLE_RANK):
@@ -300,7 +292,7 @@ def run_scheduler_process(args: ServerArgs, in_addr: str, out_addr: str, ready_c
     setup_logging(role_tag(args.role, tp_rank), args.log_level)
     layout = NodeLayout.from_args(args)
     torch.set_num_threads(args.torch_num_threads or max(1, (os.cpu_count() or 1) // layout.ranks_per_node))
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    end_with_parent(os.getppid())  # a front end that dies however it dies takes its ranks along
     par, heartbeat = None, None
     try:
         choose_gloo_interface(layout)

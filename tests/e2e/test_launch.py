@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -109,3 +110,81 @@ def test_launch_moe_prefill_tp_decode_dp_attention_ep(tmp_path):
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
         log.close()
+
+
+def _start_cluster(model_path: str, tmp_path, name: str) -> tuple[subprocess.Popen, str]:
+    """``pdserve launch`` (1 prefill + 1 decode, no warm-up) started the way a script's background
+    job starts it: with SIGINT ignored, which the launcher inherits. Returns it once ready."""
+    port = free_port()
+    log_path = tmp_path / f"{name}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", "launch", "--model-path", model_path, "--port", str(port),
+             "--torch-num-threads", "1", "--max-total-tokens", "4096", "--skip-warmup"],
+            stdout=log, stderr=subprocess.STDOUT, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PDSERVE_DISABLE_CPU_KERNELS": "1"},
+        )
+
+    def ready():
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        return b"pdserve cluster ready" in log_path.read_bytes()
+
+    wait_for(ready, 300, "the cluster to be ready", interval=0.5)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _cluster_ports(url: str) -> list[int]:
+    """The router's port, every server's HTTP port and every prefill's bootstrap port."""
+    info = httpx.get(url + "/server_info", timeout=60).json()
+    workers = info["prefill"] + info["decode"]
+    assert len(workers) == 2, info
+    return [int(url.rsplit(":", 1)[1]), *(int(w["url"].rsplit(":", 1)[1]) for w in workers),
+            *(w["bootstrap_port"] for w in info["prefill"])]
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binding it again would
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _assert_all_gone(pids: list[int], ports: list[int], within: float) -> None:
+    wait_for(lambda: not any(is_alive(p) for p in pids), within, "every process of the cluster to exit", interval=0.1)
+    wait_for(lambda: all(_port_free(p) for p in ports), 5, f"ports {ports} to be free", interval=0.1)
+
+
+def test_launch_from_a_background_job_stops_on_sigint(tiny_llama_path, tmp_path):
+    """SIGINT ignored at start (a background job's lot) does not make the launcher deaf to it."""
+    proc, url = _start_cluster(tiny_llama_path, tmp_path, "launch")
+    try:
+        descendants, ports = _tree(proc.pid), _cluster_ports(url)
+        assert len(descendants) >= 5, descendants  # 2 front ends + 2 schedulers + router
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    _assert_all_gone(descendants, ports, 15)
+
+
+def test_launcher_killed_takes_its_cluster_along(tiny_llama_path, tmp_path):
+    """SIGKILL leaves the launcher no chance to clean up: its servers (and their schedulers) and its
+    router end by themselves and free their ports."""
+    proc, url = _start_cluster(tiny_llama_path, tmp_path, "launch")
+    descendants, ports = _tree(proc.pid), _cluster_ports(url)
+    assert len(descendants) >= 5, descendants
+    t0 = time.monotonic()
+    proc.kill()
+    proc.wait()
+    try:
+        _assert_all_gone(descendants, ports, 20)
+    finally:
+        for pid in descendants:  # never leave orphans behind, even when the test fails
+            if is_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    print(f"cluster gone {time.monotonic() - t0:.1f}s after the launcher was killed")
