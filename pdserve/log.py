@@ -34,3 +34,12 @@ def setup_logging(tag: str, level: str = "info") -> None:
 
 def role_tag(role: str, rank: int = 0) -> str:
     return "router" if role == "router" else f"{role}-tp{rank}"
+
+
+def retag(tag: str) -> None:
+    """Change the tag of this process's lines (a server that switched its role)."""
+    for handler in logging.getLogger().handlers:
+        for f in handler.filters:
+            if isinstance(f, _TagFilter):
+                f.tag = tag
+    os.environ["PDSERVE_LOG_TAG"] = tag

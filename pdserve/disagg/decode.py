@@ -135,6 +135,11 @@ class DecodeQueues:
             self.slots.free(st.slot)
         req.disagg = None
 
+    def close(self) -> None:
+        """Stop the KV manager and the look-up threads (a role switch)."""
+        self.dp_resolver.close()
+        self.mgr.close()
+
     # ---- queues ---------------------------------------------------------------------------------
     def process_queues(self) -> None:
         self._process_draining()

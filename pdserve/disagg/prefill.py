@@ -75,6 +75,7 @@ class PrefillQueues:
         self.keepalive_s = min(1.0, scheduler.args.disaggregation_waiting_timeout / 4)
         self._next_keepalive = 0.0
         self._dp_publisher: Optional[ThreadPoolExecutor] = None
+        self.bootstrap_server = None  # the server's, on its first rank (disagg/setup.py)
         scheduler.on_chunk_done = self.on_chunk_done
         scheduler.on_prefill_done = self.on_prefill_done
 
@@ -148,6 +149,15 @@ class PrefillQueues:
             self.slots.free(st.slot)
             st.slot = None
         req.disagg = None
+
+    def close(self) -> None:
+        """Stop the KV manager, the bootstrap server and the queues' threads (a role switch)."""
+        if self._dp_publisher is not None:
+            self._dp_publisher.shutdown(wait=True)
+        self.mgr.close()
+        if self.bootstrap_server is not None:
+            self.bootstrap_server.shutdown()
+        self.s.on_chunk_done = self.s.on_prefill_done = None
 
     # ---- queues ---------------------------------------------------------------------------------
     def process_queues(self) -> None:

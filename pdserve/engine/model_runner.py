@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from typing import Optional
@@ -82,15 +83,7 @@ class ModelRunner:
         # --enable-return-routed-experts: the ids of every token, kept with the pages of one group
         self.routed_spec = routed_experts.plan(self.model, self.cache_groups) \
             if args.enable_return_routed_experts else None
-        counts = self._num_pages()
-        self.pools = [self._make_pool(g, n, kv_allocator) for g, n in zip(self.cache_groups, counts)]
-        self.pool = self.pools[0]
-        self.routed: Optional[routed_experts.RoutedExpertsStore] = None
-        if self.routed_spec is not None:
-            spec = self.routed_spec
-            self.routed = routed_experts.RoutedExpertsStore(
-                spec, self.pools[spec.group].num_pages, args.page_size, routed_experts.moe_blocks(self.model)[0].ctx,
-                self.device, kv_allocator)
+        self._allocate_kv(self._num_pages(), kv_allocator)
         self.attn_backend_name = self._attention_backend()
         self.attn_backend = get_attention_backend(self.attn_backend_name, **(
             {"ops": self.ops, "compute_dtype": self.dtype} if self.attn_backend_name == "cpu" else {}))
@@ -105,6 +98,27 @@ class ModelRunner:
                       f"({p.nbytes / 2**20:.1f} MiB)" for g, p in zip(self.cache_groups, self.pools)),
             self.attn_backend_name,
         )
+
+    def _allocate_kv(self, counts: list[int], kv_allocator: BufferAllocator) -> None:
+        """The pools of the cache groups (``counts`` pages each) and the routed experts' store."""
+        self.pools = [self._make_pool(g, n, kv_allocator) for g, n in zip(self.cache_groups, counts)]
+        self.pool = self.pools[0]
+        self.routed: Optional[routed_experts.RoutedExpertsStore] = None
+        if self.routed_spec is not None:
+            spec = self.routed_spec
+            self.routed = routed_experts.RoutedExpertsStore(
+                spec, self.pools[spec.group].num_pages, self.args.page_size,
+                routed_experts.moe_blocks(self.model)[0].ctx, self.device, kv_allocator)
+
+    def reallocate_kv(self, kv_allocator: BufferAllocator) -> None:
+        """Empty pools of the same sizes from ``kv_allocator`` (a role switch: a decode's must be
+        visible to its transfer backend). The old ones are dropped first, so that their memory is
+        not held twice; the caller holds no reference to them."""
+        counts = [p.num_pages for p in self.pools]
+        self.pools, self.pool, self.routed = [], None, None
+        self.attn_backend.drop_forward_state()
+        gc.collect()  # what held the old pools may sit in reference cycles (a closed KV manager's)
+        self._allocate_kv(counts, kv_allocator)
 
     def _make_pool(self, group: CacheGroup, num_pages: int, allocator: BufferAllocator) -> KVPool:
         spec = group.spec

@@ -37,6 +37,10 @@ class PDQueues(Protocol):
     def process_queues(self) -> None:
         """Advance every queue once; called at the start of each scheduler step."""
 
+    def close(self) -> None:
+        """Release the KV manager and every thread and port of the queues (a role switch; only
+        when ``has_work`` is false)."""
+
     def integrity(self) -> dict: ...
 
     def stats(self) -> dict: ...

@@ -164,6 +164,19 @@ class Scheduler:
         return bool(self.waiting or self.running or (self.pd is not None and self.pd.has_work))
 
     # ---- KV bookkeeping (the cache manager's; the PD queues add what they hold) ---------------
+    def reset_kv(self, kv_allocator: BufferAllocator) -> None:
+        """Empty pools of the same sizes from ``kv_allocator`` and an empty prefix cache (a role
+        switch, while nothing runs; KV event subscribers see the cache cleared)."""
+        assert not self.has_work, "reset_kv while requests are held"
+        events = self.tree.events
+        self.tree.reset()
+        self.kv = self.tree = None  # the old pools' last references (see reallocate_kv)
+        self.runner.reallocate_kv(kv_allocator)
+        self.kv = KVCacheManager(self.runner.cache_groups, self.runner.pools, self.page_size,
+                                 disable_radix_cache=self.args.disable_radix_cache)
+        self.tree = self.kv.tree
+        self.tree.events = events
+
     def release_kv(self, req: Req) -> None:
         self.kv.release(req)
 

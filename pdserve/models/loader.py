@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+import types
 from typing import Any, Iterator, Optional
 
 import torch
@@ -123,3 +124,25 @@ def model_fingerprint(hf_config) -> str:
     fields["architectures"] = list(getattr(hf_config, "architectures", None) or [])
     blob = json.dumps(fields, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def weights_digest(model: nn.Module) -> dict:
+    """Where the loaded weights live: the model object's id and a hash of (name, data pointer,
+    bytes) over every parameter, buffer and prepacked weight (the tensors a module's helper
+    objects hold, e.g. a ``Linear``'s packed impl). The same digest later: nothing was loaded or
+    packed again (a role switch asserts it)."""
+    h = hashlib.sha256()
+    count = nbytes = 0
+    for name, mod in model.named_modules():
+        tensors = [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]
+        for attr, obj in vars(mod).items():
+            if attr.startswith("_") or isinstance(obj, (torch.Tensor, nn.Module, types.ModuleType)):
+                continue
+            held = getattr(obj, "__dict__", None)
+            if isinstance(held, dict):
+                tensors += [(f"{attr}.{k}", t) for k, t in held.items() if isinstance(t, torch.Tensor)]
+        for key, t in tensors:
+            if t is not None:
+                h.update(f"{name}.{key}:{t.data_ptr()}:{t.nbytes};".encode())
+                count, nbytes = count + 1, nbytes + t.nbytes
+    return {"model_id": f"{id(model):x}", "tensors": count, "bytes": nbytes, "digest": h.hexdigest()[:16]}

@@ -23,7 +23,7 @@ from starlette.responses import Response
 
 import pdserve
 from pdserve.api_key import APIKeyMiddleware
-from pdserve.server import expert_api, generate_api, http_util, openai_api
+from pdserve.server import expert_api, generate_api, http_util, openai_api, role_switch
 from pdserve.disagg.transfer.local import host_identity
 from pdserve.server.calibration import calibrate
 from pdserve.server.errors import APIError, bad_request
@@ -53,6 +53,8 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
         req = tm.submit(generate_api.health_request(tm))
         await asyncio.wait_for(tm.wait(req), timeout)
         http_util.raise_if_failed([req])
+
+    switcher = role_switch.RoleSwitch(tm, one_token)  # POST /switch_role
 
     async def warm_up() -> None:
         try:
@@ -85,6 +87,11 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
     def refuse_if_lost() -> None:
         if state.get("lost"):
             raise APIError(503, f"the scheduler is gone: {state['lost']}")
+
+    def refuse_if_unavailable() -> None:
+        """503 while the server cannot take new work: its scheduler is gone, or it switches its role."""
+        refuse_if_lost()
+        switcher.refuse_if_switching()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -125,17 +132,17 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
     # ---- generation ----------------------------------------------------------------------
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        refuse_if_lost()
+        refuse_if_unavailable()
         return await generate_api.handle(request, tm)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        refuse_if_lost()
+        refuse_if_unavailable()
         return await openai_api.completions(request, tm)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        refuse_if_lost()
+        refuse_if_unavailable()
         return await openai_api.chat_completions(request, tm)
 
     @app.post("/abort_request")
@@ -148,14 +155,14 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
     # ---- health and info -----------------------------------------------------------------
     @app.get("/health")
     async def health() -> Response:
-        refuse_if_lost()
+        refuse_if_unavailable()
         if not state["ready"] or not client.is_alive():
             raise APIError(503, "server is starting" if client.is_alive() else "scheduler is not running")
         return Response(status_code=200)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        refuse_if_lost()
+        refuse_if_unavailable()
         try:
             await one_token(HEALTH_GENERATE_TIMEOUT_S)
         except (asyncio.TimeoutError, APIError) as e:
@@ -173,7 +180,9 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
         for secret in ("disaggregation_secret", "api_key"):
             if info.get(secret):
                 info[secret] = "***"
-        info.update(status="ready" if state["ready"] else "starting", version=pdserve.__version__,
+        status = ("switching" if switcher.current else "failed" if switcher.broken
+                  else "ready" if state["ready"] else "starting")
+        info.update(status=status, version=pdserve.__version__, **role_switch.server_info_fields(switcher),
                     scheduler_info=client.info, max_total_num_tokens=client.info.get("max_total_tokens"),
                     model_context_length=tm.context_length, internal_states=[],
                     calibration=state.get("calibration"), host_id=host_identity())
@@ -216,6 +225,8 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
         if not await control("flush_cache"):
             raise bad_request("cache not flushed: requests are running or waiting")
         return http_util.json_response({"success": True})
+
+    role_switch.add_routes(app, tm, switcher, refuse_if_lost, lambda: state["ready"])
 
     # MoE expert load: SGLang's record endpoints, load metrics (--expert-distribution-recorder-mode)
     experts = expert_api.add_routes(app, args, control, tm.metrics.registry)

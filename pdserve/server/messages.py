@@ -31,10 +31,11 @@ class GenerateReq(msgspec.Struct, tag="generate"):
 class AbortReq(msgspec.Struct, tag="abort"):
     rid: str  # "" aborts every request
     message: str = "aborted by client"
+    status_code: int = 499  # the HTTP status the request ends with (503: the server is switching its role)
 
 
 class ControlReq(msgspec.Struct, tag="control"):
-    """Synchronous control call: ``op`` in get_load | flush_cache | integrity | server_stats."""
+    """Synchronous control call: ``op`` in get_load | flush_cache | integrity | stats | switch_role | ..."""
 
     req_id: int
     op: str

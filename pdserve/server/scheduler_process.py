@@ -21,6 +21,7 @@ rank ready or none serves) and watch each other's heartbeats, which name a lost 
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -36,6 +37,7 @@ from pdserve.kv_spec import DTYPE_BYTES
 from pdserve.engine.request import FinishKind, FinishReason, Req, SamplingParams
 from pdserve.lifetime import end_with_parent
 from pdserve.log import role_tag, setup_logging
+from pdserve.models.loader import weights_digest
 from pdserve.server import messages as m
 from pdserve.server.heartbeat import Heartbeat, first_line
 from pdserve.server.nodes import NodeLayout, choose_gloo_interface, gather_start_up, join_error, zmq_ipv6
@@ -96,7 +98,10 @@ class SchedulerLoop:
         self.args = args
         self.par = par
         self.world = par.world
+        self.started_args = copy.copy(args)  # as given: a role switch applies its rules to these
+        t0 = time.monotonic()
         self.scheduler = build_scheduler(args, par)
+        self.start_s = time.monotonic() - t0  # model load, packing, pools (a role switch keeps the model)
         self.ctx = zmq.Context()
         self.pull = self.push = None
         self.poller = zmq.Poller()
@@ -128,6 +133,9 @@ class SchedulerLoop:
             "kv_bytes_per_token": kv_bytes_per_token(r),
             # --enable-return-routed-experts on a MoE model: the layout of the returned ids
             "routed_experts": r.routed_spec.describe() if r.routed_spec is not None else None,
+            "disaggregation_mode": self.args.disaggregation_mode,
+            "scheduler_start_s": round(self.start_s, 3),
+            "weights": weights_digest(r.model),  # where the weights live (unchanged by a role switch)
         }
 
     def run(self) -> None:
@@ -196,7 +204,7 @@ class SchedulerLoop:
                         logger.exception("could not end room %s on the PD peer", msg.bootstrap_room)
                 self.reply(m.BatchOut(outs=[m.TokenOut(rid=msg.rid, new_ids=[], finish_reason=reason.to_json())]))
         elif isinstance(msg, m.AbortReq):
-            s.abort(msg.rid, msg.message)
+            s.abort(msg.rid, msg.message, msg.status_code)
         elif isinstance(msg, m.ControlReq):
             try:
                 result = self.control(msg.op, msg.args)
@@ -273,6 +281,10 @@ class SchedulerLoop:
             from pdserve.server.expert_api import scheduler_control
 
             return scheduler_control(self, args)
+        if op == "switch_role":  # POST /switch_role (server/role_switch.py); every rank re-wires itself
+            from pdserve.disagg.setup import switch_role_control
+
+            return switch_role_control(self, args)
         raise ValueError(f"unknown control op {op!r}")
 
 

@@ -311,3 +311,7 @@ class LocalBackend(TransferBackend):
         with _segments_lock:
             for seg in self._own_segments:
                 _unlink(seg)
+            # forgotten here too: the memory goes with the last tensor over it (a role switch
+            # drops the pools; a process that exits does not care)
+            own = {id(seg) for seg in self._own_segments}
+            _segments[:] = [seg for seg in _segments if id(seg) not in own]

@@ -72,6 +72,11 @@ class AttentionBackend(abc.ABC):
     def init_forward(self, fb: "ForwardBatch") -> None:
         """Precompute per-forward metadata shared by all layers (optional)."""
 
+    def drop_forward_state(self) -> None:
+        """Forget the last forward's batch, which holds the KV pools (a role switch reallocates
+        them: the old ones must not stay alive here); ``init_forward`` sets it again."""
+        self._fb = None
+
     @abc.abstractmethod
     def forward(self, layer: AttnLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 fb: "ForwardBatch", sinks: Optional[torch.Tensor] = None) -> torch.Tensor: ...
