@@ -23,7 +23,7 @@ from starlette.responses import Response
 
 import pdserve
 from pdserve.api_key import APIKeyMiddleware
-from pdserve.server import expert_api, generate_api, http_util, openai_api, role_switch
+from pdserve.server import api_schema, expert_api, generate_api, http_util, openai_api, role_switch
 from pdserve.disagg.transfer.local import host_identity
 from pdserve.server.calibration import calibrate
 from pdserve.server.errors import APIError, bad_request
@@ -109,6 +109,7 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
                     loop.remove_reader(fd)
 
     app = FastAPI(title="pdserve", version=pdserve.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    api_schema.install(app)  # /openapi.json: bodies and answers of the routes below
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:

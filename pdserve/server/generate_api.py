@@ -12,7 +12,7 @@ output_ids in every ``data:`` event (as SGLang does), ``"index"`` added for list
 from __future__ import annotations
 
 import base64
-from typing import Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator, Callable, ClassVar, NamedTuple
 
 import msgspec
 from starlette.requests import Request
@@ -22,34 +22,86 @@ from pdserve.disagg.fake import fake_bootstrap
 from pdserve.engine.request import INT64_MAX, MAX_TOP_LOGPROBS
 from pdserve.server import http_util, timeline
 from pdserve.server.errors import bad_request
-from pdserve.server.openai_protocol import split_bootstrap, split_dp_ranks
+from pdserve.server.openai_protocol import BOOTSTRAP_SCHEMAS, DPRank, split_bootstrap, split_dp_ranks
 from pdserve.server.tokenizer_manager import MAX_N, ReqSpec, ReqState, TokenizerManager
 
 
-class GenerateRequest(msgspec.Struct):
-    """The body; unknown fields (the router adds many) are ignored."""
+class Check(NamedTuple):
+    """One rule for a field, stated once: ``ok`` validates, ``what`` names it in the 400 message,
+    ``schema`` is its JSON Schema in /openapi.json."""
 
-    text: Any = None
-    input_ids: Any = None
-    sampling_params: Any = None
-    rid: Any = None
-    stream: bool = False
-    return_logprob: Any = False
-    logprob_start_len: Any = -1
-    top_logprobs_num: Any = 0
-    return_text_in_logprobs: bool = False
-    return_routed_experts: Any = False
-    routed_experts_start_len: Any = 0
-    bootstrap_host: Any = None
-    bootstrap_port: Any = None
-    bootstrap_room: Any = None
-    routed_dp_rank: Any = None
-    disagg_prefill_dp_rank: Any = None
-    data_parallel_rank: Any = None  # deprecated alias of routed_dp_rank
+    ok: Callable[[Any], bool]
+    what: str
+    schema: dict[str, Any]
+
+    def per_item(self, description: str) -> msgspec.Meta:
+        """The field's schema where a batch may give one value per prompt."""
+        return msgspec.Meta(description=description + " (a batch may give a list: one per prompt)",
+                            extra_json_schema={"anyOf": [self.schema, {"type": "array", "items": self.schema}]})
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+BOOL = Check(lambda v: isinstance(v, bool), "a boolean", {"type": "boolean"})
+SAMPLING = Check(lambda v: v is None or isinstance(v, dict), "an object",
+                 {"anyOf": [{"$ref": "#/components/schemas/SamplingParams"}, {"type": "null"}]})
+RID = Check(lambda v: v is None or isinstance(v, str), "a string", {"type": ["string", "null"]})
+LOGPROB_START = Check(lambda v: _is_int(v) and -1 <= v <= INT64_MAX, "an integer >= -1",
+                      {"type": "integer", "minimum": -1, "maximum": INT64_MAX})
+TOP_LOGPROBS = Check(lambda v: _is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS, f"an integer in [0, {MAX_TOP_LOGPROBS}]",
+                     {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS})
+NON_NEGATIVE = Check(lambda v: _is_int(v) and v >= 0, "an integer >= 0", {"type": "integer", "minimum": 0})
+TEXT_SCHEMA = {"description": "the prompt, or a batch of prompts; exactly one of text and input_ids",
+               "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                         {"type": "null"}]}
+IDS_SCHEMA = {"description": "the prompt's token ids, or a batch of such lists; exactly one of text and input_ids",
+              "anyOf": [{"type": "array", "items": {"type": "integer"}},
+                        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}, "minItems": 1},
+                        {"type": "null"}]}
+
+
+def _present(name: str) -> dict[str, Any]:
+    return {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
+
+
+# fields that a batch may give per prompt (``_per_item``); a single prompt takes no list there
+PER_ITEM = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
+            "return_routed_experts", "routed_experts_start_len")
+_SINGLE_PROMPT = {"anyOf": [{"required": ["text"], "properties": {"text": {"type": "string"}}},
+                            {"required": ["input_ids"], "properties": {"input_ids": {"items": {"type": "integer"}}}}]}
+
+
+class GenerateRequest(msgspec.Struct):
+    """A native generation request; unknown fields are ignored."""
+
+    # (unknown fields: the router adds many.) Fields typed ``Any`` are checked by ``parse`` with
+    # the ``Check`` their schema comes from. Across fields (as ``_prompts`` and ``parse`` check):
+    # exactly one of text and input_ids (null counts as absent); a single prompt takes no
+    # per-prompt list; a batch takes no single rid.
+    JSON_SCHEMA: ClassVar[dict[str, Any]] = {
+        "oneOf": [_present("text"), _present("input_ids")], "if": _SINGLE_PROMPT,
+        "then": {"properties": {name: {"not": {"type": "array"}} for name in PER_ITEM}},
+        "else": {"properties": {"rid": {"not": {"type": "string"}}}}}
+
+    text: Annotated[Any, msgspec.Meta(extra_json_schema=TEXT_SCHEMA)] = None
+    input_ids: Annotated[Any, msgspec.Meta(extra_json_schema=IDS_SCHEMA)] = None
+    sampling_params: Annotated[Any, SAMPLING.per_item("sampling parameters")] = None
+    rid: Annotated[Any, RID.per_item("request id")] = None
+    stream: bool = False
+    return_logprob: Annotated[Any, BOOL.per_item("return token logprobs")] = False
+    logprob_start_len: Annotated[Any, LOGPROB_START.per_item("first prompt position with logprobs; -1: none")] = -1
+    top_logprobs_num: Annotated[Any, TOP_LOGPROBS.per_item("alternatives per token")] = 0
+    return_text_in_logprobs: bool = False
+    return_routed_experts: Annotated[Any, BOOL.per_item("return the routed experts' ids")] = False
+    routed_experts_start_len: Annotated[Any, NON_NEGATIVE.per_item("first position with routed experts")] = 0
+    bootstrap_host: Annotated[Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_host"])] = None
+    bootstrap_port: Annotated[Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_port"])] = None
+    bootstrap_room: Annotated[Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_room"])] = None
+    routed_dp_rank: DPRank = None
+    disagg_prefill_dp_rank: DPRank = None
+    data_parallel_rank: DPRank = None  # deprecated alias of routed_dp_rank
 
 
 def _prompts(req: GenerateRequest) -> tuple[list[Any], bool]:
@@ -70,7 +122,7 @@ def _prompts(req: GenerateRequest) -> tuple[list[Any], bool]:
     raise bad_request("input_ids: must be a list of token ids or a non-empty list of such lists")
 
 
-def _per_item(name: str, value: Any, size: int, batch: bool, ok, what: str) -> list[Any]:
+def _per_item(name: str, value: Any, size: int, batch: bool, check: Check) -> list[Any]:
     """One value per prompt: a scalar applies to all, a list (batches only) gives each its own."""
     if batch and isinstance(value, list):
         if len(value) != size:
@@ -79,8 +131,8 @@ def _per_item(name: str, value: Any, size: int, batch: bool, ok, what: str) -> l
     else:
         values = [value] * size
     for v in values:
-        if not ok(v):
-            raise bad_request(f"{name}: must be {what}, got {v!r}")
+        if not check.ok(v):
+            raise bad_request(f"{name}: must be {check.what}, got {v!r}")
     return values
 
 
@@ -94,22 +146,15 @@ def _sample_count(sampling: Any) -> int:
 def parse(tm: TokenizerManager, req: GenerateRequest, stream: bool) -> tuple[list[ReqSpec], bool]:
     prompts, batch = _prompts(req)
     size = len(prompts)
-    sampling = _per_item("sampling_params", req.sampling_params, size, batch,
-                         lambda v: v is None or isinstance(v, dict), "an object")
-    rids = _per_item("rid", req.rid, size, batch, lambda v: v is None or isinstance(v, str), "a string")
+    sampling = _per_item("sampling_params", req.sampling_params, size, batch, SAMPLING)
+    rids = _per_item("rid", req.rid, size, batch, RID)
     if batch and isinstance(req.rid, str):
         raise bad_request("rid: a batch needs a list of request ids, one per prompt")
-    want_lp = _per_item("return_logprob", req.return_logprob, size, batch,
-                        lambda v: isinstance(v, bool), "a boolean")
-    starts = _per_item("logprob_start_len", req.logprob_start_len, size, batch,
-                       lambda v: _is_int(v) and -1 <= v <= INT64_MAX, "an integer >= -1")
-    tops = _per_item("top_logprobs_num", req.top_logprobs_num, size, batch,
-                     lambda v: _is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS,
-                     f"an integer in [0, {MAX_TOP_LOGPROBS}]")
-    want_re = _per_item("return_routed_experts", req.return_routed_experts, size, batch,
-                        lambda v: isinstance(v, bool), "a boolean")
-    re_starts = _per_item("routed_experts_start_len", req.routed_experts_start_len, size, batch,
-                          lambda v: _is_int(v) and v >= 0, "an integer >= 0")
+    want_lp = _per_item("return_logprob", req.return_logprob, size, batch, BOOL)
+    starts = _per_item("logprob_start_len", req.logprob_start_len, size, batch, LOGPROB_START)
+    tops = _per_item("top_logprobs_num", req.top_logprobs_num, size, batch, TOP_LOGPROBS)
+    want_re = _per_item("return_routed_experts", req.return_routed_experts, size, batch, BOOL)
+    re_starts = _per_item("routed_experts_start_len", req.routed_experts_start_len, size, batch, NON_NEGATIVE)
     n = max(_sample_count(sp) for sp in sampling)
     boots = split_bootstrap(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, size, n)
     ranks = split_dp_ranks(req.routed_dp_rank, req.disagg_prefill_dp_rank, req.data_parallel_rank, size, n)

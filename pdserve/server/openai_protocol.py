@@ -1,8 +1,12 @@
-"""OpenAI request bodies (typed; unknown fields ignored) and their mapping to our parameters."""
+"""OpenAI request bodies (typed; unknown fields ignored) and their mapping to our parameters.
+
+A field whose rule is checked here by hand (typed ``Any`` for msgspec) carries that rule's JSON
+Schema next to the check, for /openapi.json (``server/api_schema.py``); ``REQUIRED`` names the
+fields a body must have."""
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Annotated, Any, ClassVar, Optional, Union
 
 import msgspec
 
@@ -10,6 +14,24 @@ from pdserve.engine.request import MAX_TOP_LOGPROBS
 from pdserve.server.errors import bad_request
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+ROOM_MOD = 2**63
+DP_RANK_LIMIT = 2**31
+
+
+def _one_or_list(item: dict[str, Any]) -> dict[str, Any]:
+    """A value for every prompt, or a list: one per prompt, or one per sample (``_for_prompt``)."""
+    return {"anyOf": [item, {"type": "array", "items": item}]}
+
+
+# what split_bootstrap and split_dp_ranks accept
+BOOTSTRAP_SCHEMAS = {
+    "bootstrap_host": _one_or_list({"type": ["string", "null"]}),
+    "bootstrap_port": _one_or_list({"type": ["integer", "null"], "minimum": 0, "maximum": 65535}),
+    "bootstrap_room": _one_or_list({"type": ["integer", "null"], "minimum": 0, "exclusiveMaximum": ROOM_MOD}),
+}
+DPRank = Annotated[Any, msgspec.Meta(
+    description="attention-DP group (null: the server chooses)",
+    extra_json_schema=_one_or_list({"type": ["integer", "null"], "minimum": 0, "exclusiveMaximum": DP_RANK_LIMIT}))]
 
 
 class StreamOptions(msgspec.Struct):
@@ -39,13 +61,14 @@ class _Sampling(msgspec.Struct):
     stream_options: Optional[StreamOptions] = None
     # disaggregation fields added by the router: scalars, or lists with one entry per prompt
     # (completions) or per sample (chat with n > 1)
-    bootstrap_host: Union[str, list[str], None] = None
-    bootstrap_port: Union[int, list[Optional[int]], None] = None
-    bootstrap_room: Union[int, list[int], None] = None
+    # (checked by split_bootstrap, as on /generate)
+    bootstrap_host: Annotated[Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_host"])] = None
+    bootstrap_port: Annotated[Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_port"])] = None
+    bootstrap_room: Annotated[Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_room"])] = None
     # data-parallel groups, same shapes (checked by split_dp_ranks)
-    routed_dp_rank: Any = None
-    disagg_prefill_dp_rank: Any = None
-    data_parallel_rank: Any = None  # deprecated alias of routed_dp_rank
+    routed_dp_rank: DPRank = None
+    disagg_prefill_dp_rank: DPRank = None
+    data_parallel_rank: DPRank = None  # deprecated alias of routed_dp_rank
 
     def sampling_params(self, max_new_tokens: Optional[int]) -> dict[str, Any]:
         d = {
@@ -69,9 +92,6 @@ class _Sampling(msgspec.Struct):
                                num_prompts, self.n)
         return [{**b, **r} for b, r in zip(boots, ranks, strict=True)]
 
-
-ROOM_MOD = 2**63
-DP_RANK_LIMIT = 2**31
 
 
 def _for_prompt(name: str, value: Any, j: int, num_prompts: int, n: int, per_sample: bool) -> Any:
@@ -139,7 +159,14 @@ def split_dp_ranks(routed: Any, prefill: Any, alias: Any, num_prompts: int, n: i
 
 
 class CompletionRequest(_Sampling):
-    prompt: Any = None
+    REQUIRED: ClassVar[tuple[str, ...]] = ("prompt",)
+
+    prompt: Annotated[Any, msgspec.Meta(
+        description="a string, a list of strings, a list of token ids or a list of such lists",
+        extra_json_schema={"anyOf": [
+            {"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
+            {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+            {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}, "minItems": 1}]})] = None
     logprobs: Optional[int] = None
     echo: bool = False
 
@@ -169,8 +196,19 @@ class CompletionRequest(_Sampling):
         return self.logprobs
 
 
+_TEXT_PART = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+              "required": ["type", "text"]}
+_MESSAGE = {"type": "object", "required": ["role"], "properties": {
+    "role": {"type": "string"}, "content": {"anyOf": [{"type": "string"}, {"type": "null"},
+                                                      {"type": "array", "items": _TEXT_PART}]}}}
+
+
 class ChatRequest(_Sampling):
-    messages: Any = None
+    REQUIRED: ClassVar[tuple[str, ...]] = ("messages",)
+
+    messages: Annotated[Any, msgspec.Meta(
+        description="the conversation; a content is a string, null or a list of text parts",
+        extra_json_schema={"type": "array", "items": _MESSAGE, "minItems": 1})] = None
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None

@@ -1,0 +1,347 @@
+"""The server's ``/openapi.json``: each route's body is the msgspec type it decodes with
+(``GenerateRequest``, ``CompletionRequest``, ``ChatRequest``, ...), each answer one of the
+shapes below. The handlers build their answers as plain dicts (no model instance per request);
+``tests/e2e/test_openapi.py`` validates real answers, streamed chunks included, against these
+shapes, and checks that the request schemas accept and refuse what the routes do.
+
+``sampling_params`` of ``/generate`` is the engine's ``SamplingParams`` (its fields, types and
+defaults); ``SAMPLING_BOUNDS`` states the ranges its ``validate`` enforces.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+import msgspec
+
+from pdserve.engine.request import SamplingParams
+from pdserve.openapi import Docs, Operation
+from pdserve.server.generate_api import GenerateRequest
+from pdserve.server.openai_protocol import ChatRequest, CompletionRequest
+from pdserve.server.role_switch import SwitchRoleRequest
+from pdserve.server.tokenizer_manager import MAX_N
+
+Object = dict[str, Any]
+Timeline = Optional[dict[str, float]]  # with the X-PDServe-Timeline: 1 header, once finished
+Matched = Union[int, str, None]  # the stop token id or string that ended the choice
+
+
+# ---- errors and shared parts ------------------------------------------------------------------
+class ErrorBody(msgspec.Struct):
+    message: str
+    type: str
+    code: int
+
+
+class ErrorResponse(msgspec.Struct):
+    """Every error, native or OpenAI (in a stream: one event, then [DONE])."""
+
+    error: ErrorBody
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class SGLangExt(msgspec.Struct):
+    routed_experts: str  # base64 of little-endian int32 [tokens, layers, top_k]
+
+
+# ---- /v1/completions ----------------------------------------------------------------------------
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[Optional[float]]
+    top_logprobs: list[Optional[dict[str, float]]]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs]
+    finish_reason: Optional[str]
+    matched_stop: Matched
+    timeline: Timeline = None
+
+
+class Completion(msgspec.Struct):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    sglext: Optional[SGLangExt] = None
+
+
+class CompletionChunk(msgspec.Struct):
+    """A streamed update; the last chunks may have no choices (sglext, then usage if asked)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+    sglext: Optional[SGLangExt] = None
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------------
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(msgspec.Struct):
+    role: Literal["assistant"]
+    content: Optional[str]
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: Optional[ChatLogprobs]
+    finish_reason: Optional[str]
+    matched_stop: Matched
+    timeline: Timeline = None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    sglext: Optional[SGLangExt] = None
+
+
+class ChatDelta(msgspec.Struct):
+    content: str
+    role: Optional[Literal["assistant"]] = None  # in a choice's first chunk
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: Optional[ChatLogprobs]
+    finish_reason: Optional[str]
+    matched_stop: Matched
+    timeline: Timeline = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    """A streamed update; the last chunks may have no choices (sglext, then usage if asked)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[Usage] = None
+    sglext: Optional[SGLangExt] = None
+
+
+# ---- /generate ----------------------------------------------------------------------------------
+LogprobEntry = tuple[Optional[float], int, Optional[str]]  # (logprob, token id, its text if asked)
+
+
+class FinishReasonBody(msgspec.Struct):
+    type: Literal["stop", "length", "abort"]
+    matched: Matched = None
+    length: Optional[int] = None
+    message: Optional[str] = None
+    status_code: Optional[int] = None
+
+
+class MetaInfo(msgspec.Struct):
+    id: str
+    finish_reason: Optional[FinishReasonBody]  # null until finished (streams)
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    e2e_latency: float
+    input_token_logprobs: Optional[list[LogprobEntry]] = None
+    output_token_logprobs: Optional[list[LogprobEntry]] = None
+    input_top_logprobs: Optional[list[Optional[list[LogprobEntry]]]] = None
+    output_top_logprobs: Optional[list[list[LogprobEntry]]] = None
+    routed_experts: Optional[str] = None
+    timeline: Timeline = None
+
+
+class GenerateOutput(msgspec.Struct):
+    """One generation (a list of them for a batch or n > 1: item i, sample j at i * n + j)."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+
+
+class GenerateChunk(msgspec.Struct):
+    """A streamed update: the text and output ids so far; ``index`` for a batch or n > 1."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+    index: Optional[int] = None
+
+
+# ---- the other routes ---------------------------------------------------------------------------
+class ModelCard(msgspec.Struct):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+class ModelList(msgspec.Struct):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class ModelInfo(msgspec.Struct):
+    model_path: str
+    tokenizer_path: Optional[str]
+    is_generation: bool
+    served_model_name: str
+    context_length: Optional[int]
+    vocab_size: Optional[int]
+    model_fingerprint: Any
+    eos_token_ids: Optional[list[int]]
+    page_size: Optional[int]
+
+
+class ServerInfo(msgspec.Struct):
+    """Every server argument (secrets shown as ``***``), and these."""
+
+    status: str
+    version: str
+    model_path: str
+    served_model_name: str
+    disaggregation_mode: str
+    tp_size: int
+    dp_size: int
+    max_total_num_tokens: Optional[int]
+    model_context_length: int
+    scheduler_info: Object
+    internal_states: list[Object]  # one per DP group
+    calibration: Optional[Object]
+    host_id: str
+
+
+class DPLoad(msgspec.Struct):
+    dp_rank: int
+    num_reqs: int
+    num_waiting_reqs: int
+    num_tokens: int
+    kv_transfer_bytes_per_s: Optional[int] = None
+
+
+class Aborted(msgspec.Struct):
+    aborted: int  # how many requests
+
+
+class Success(msgspec.Struct):
+    success: bool
+
+
+class Integrity(msgspec.Struct):
+    ok: bool
+    integrity: Optional[Object] = None
+    front_end_requests: Optional[int] = None
+    error: Optional[str] = None
+
+
+# ---- sampling_params ----------------------------------------------------------------------------
+# The ranges SamplingParams.validate enforces (tests/e2e/test_openapi.py probes each edge).
+SAMPLING_BOUNDS: dict[str, dict[str, float]] = {
+    "max_new_tokens": {"minimum": 0}, "min_new_tokens": {"minimum": 0}, "temperature": {"minimum": 0},
+    "top_p": {"exclusiveMinimum": 0, "maximum": 1}, "min_p": {"minimum": 0, "maximum": 1},
+    "repetition_penalty": {"exclusiveMinimum": 0}, "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "presence_penalty": {"minimum": -2, "maximum": 2}, "n": {"minimum": 1, "maximum": MAX_N},
+}
+
+
+def sampling_params_schema() -> dict[str, Any]:
+    """``SamplingParams``' fields as the body gives them: each may be null (the default then),
+    ``stop`` may be one string, top_k is -1 or >= 1; ``no_stop_trim`` is read by /generate."""
+    (_, ), components = msgspec.json.schema_components([SamplingParams], ref_template="#/components/schemas/{name}")
+    schema = components["SamplingParams"]
+    props = schema["properties"]
+    text = {"type": "string", "minLength": 1}
+    props["stop"] = {"anyOf": [text, {"type": "array", "items": text}]}
+    props["top_k"] = {"anyOf": [{"const": -1}, {"type": "integer", "minimum": 1}], "default": -1}
+    props["no_stop_trim"] = {"type": "boolean", "default": False}
+    for name, prop in props.items():
+        bound = {**prop, **SAMPLING_BOUNDS.get(name, {})}
+        default = bound.pop("default", None)
+        props[name] = {"anyOf": [bound, {"type": "null"}], "default": default}
+    schema["description"] = "Sampling parameters; unknown keys are ignored."
+    return {"SamplingParams": schema}
+
+
+# ---- the routes ---------------------------------------------------------------------------------
+GENERATION_ERRORS = (400, 404, 413, 503)
+
+
+def route_docs() -> Docs:
+    from pdserve.server.app import AbortRequest  # app imports this module
+
+    docs: Docs = {
+        ("post", "/generate"): Operation("Generate (SGLang's native API)", GenerateRequest,
+                                         Union[GenerateOutput, list[GenerateOutput]], GenerateChunk,
+                                         errors=GENERATION_ERRORS),
+        ("post", "/v1/completions"): Operation("OpenAI completions", CompletionRequest, Completion, CompletionChunk,
+                                               errors=GENERATION_ERRORS),
+        ("post", "/v1/chat/completions"): Operation("OpenAI chat completions", ChatRequest, ChatCompletion,
+                                                    ChatCompletionChunk, errors=GENERATION_ERRORS),
+        ("post", "/abort_request"): Operation("Abort a request by rid, or all", AbortRequest, Aborted),
+        ("get", "/health"): Operation("200 once ready (warm-up passed), 503 before or once the scheduler is gone",
+                                      errors=(503,)),
+        ("get", "/health_generate"): Operation("Generate one token; 200 if that works", errors=(503,)),
+        ("get", "/v1/models"): Operation("The served model", response=ModelList, errors=()),
+        ("get", "/get_load"): Operation("Load per DP group", response=list[DPLoad], errors=(503,)),
+        ("get", "/kv_events/snapshot"): Operation("The radix cache as KV events per DP group", response=Object,
+                                                  errors=(404, 503)),
+        ("get", "/metrics"): Operation("Prometheus metrics", media_type="text/plain", errors=()),
+        ("get", "/debug/integrity"): Operation("The pools' accounting", response=Integrity, errors=(500,)),
+    }
+    for path in ("/server_info", "/get_server_info"):
+        docs[("get", path)] = Operation("Server arguments and state", response=ServerInfo, errors=())
+    for path in ("/model_info", "/get_model_info"):
+        docs[("get", path)] = Operation("Model facts", response=ModelInfo, errors=())
+    for method in ("get", "post"):
+        docs[(method, "/flush_cache")] = Operation("Empty the prefix cache (400 while requests run)", response=Success)
+        for action in ("start", "stop", "dump"):
+            docs[(method, f"/{action}_expert_distribution_record")] = Operation(
+                f"MoE expert load record: {action}", response=Object, errors=(400, 503))
+    docs[("post", "/switch_role")] = Operation("Switch between prefill, decode and colocated, keeping the weights",
+                                               SwitchRoleRequest, Object, errors=(400, 409, 500, 503))
+    return docs
+
+
+def install(app) -> None:
+    from pdserve import openapi
+
+    openapi.install(app, route_docs, ErrorResponse, sampling_params_schema)
