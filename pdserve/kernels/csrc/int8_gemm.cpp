@@ -145,31 +145,35 @@ PDS_AVX512_VNNI void tile_vnni(const Int8Args& a, int64_t np, int64_t m0, int64_
   const int64_t KQ = a.KQ;
   const int32_t* x32 = reinterpret_cast<const int32_t*>(a.xq) + m0 * KQ;  // 4 bytes of x per step
   const int8_t* p = a.w + np * KQ * 256;
-  __m512i acc[R][4];
+  // int32-lane vectors, the type the builtin takes: with __m512i (64-bit lanes) GCC copies every
+  // accumulator through other registers and the stack on each step (as it did in moe.cpp)
+  __v16si acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j)
-      acc[r][j] = kq0 == 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(carry + r * kPanel + j * 16);
+      acc[r][j] = __v16si(kq0 == 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(carry + r * kPanel + j * 16));
   for (int64_t kq = kq0; kq < kq1; ++kq) {
     const int8_t* step = p + kq * 256;
     if (prefetch) {
       _mm_prefetch(reinterpret_cast<const char*>(step) + kPrefetchBytes, _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(step) + kPrefetchBytes + 128, _MM_HINT_T1);
     }
-    __m512i wv[4];
-    for (int j = 0; j < 4; ++j) wv[j] = _mm512_load_si512(step + j * 64);
+    __v16si wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = __v16si(_mm512_load_si512(step + j * 64));
     for (int r = 0; r < R; ++r) {
-      const __m512i xv = _mm512_set1_epi32(x32[r * KQ + kq]);
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], xv, wv[j]);
+      const __v16si xv = __v16si(_mm512_set1_epi32(x32[r * KQ + kq]));
+      for (int j = 0; j < 4; ++j)
+        acc[r][j] = __v16si(_mm512_dpbusd_epi32(__m512i(acc[r][j]), __m512i(xv), __m512i(wv[j])));
     }
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) {
+      const __m512i sum = __m512i(acc[r][j]);
       if (kq1 < KQ)
-        _mm512_storeu_si512(carry + r * kPanel + j * 16, acc[r][j]);
+        _mm512_storeu_si512(carry + r * kPanel + j * 16, sum);
       else if (a.out_bf16)
-        finish<uint16_t>(a, m0 + r, np * kPanel + j * 16, acc[r][j]);
+        finish<uint16_t>(a, m0 + r, np * kPanel + j * 16, sum);
       else
-        finish<float>(a, m0 + r, np * kPanel + j * 16, acc[r][j]);
+        finish<float>(a, m0 + r, np * kPanel + j * 16, sum);
     }
 }
 
