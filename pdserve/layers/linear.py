@@ -61,19 +61,25 @@ class PackedBF16:
     first word of an answer); float32 logits keep the order the bf16 network computed."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], ops: Optional[ModuleType],
-                 batch_hint: int = 64, float32_out: bool = False):
+                 batch_hint: int = 64, float32_out: bool = False, batch_invariant: bool = False):
         w = weight.detach().to(torch.bfloat16).contiguous()
         self.out_features, self.in_features = w.shape
         self.bias = None if bias is None else bias.detach().to(torch.float32 if float32_out else torch.bfloat16).contiguous()
         self.ops = ops
         self.vnni = pack_vnni16(w) if ops is not None else None
         self.float32_out = float32_out and self.vnni is not None
-        # the float32-output path never calls oneDNN: no second copy of the weight
-        self.onednn = None if self.float32_out else torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
+        # batch invariant: the GEMV kernel at every row count (its per-output sum does not depend on
+        # the rows in the call; oneDNN's blocking does)
+        self.batch_invariant = batch_invariant and self.vnni is not None
+        if batch_invariant and self.vnni is None:
+            raise ValueError("a batch-invariant bf16 matmul needs pdserve's CPU kernels")
+        # the GEMV-only paths never call oneDNN: no second copy of the weight
+        self.onednn = None if self.float32_out or self.batch_invariant else \
+            torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.float32_out or (self.vnni is not None and 0 < rows <= GEMV_MAX_ROWS):
+        if self.float32_out or self.batch_invariant or (self.vnni is not None and 0 < rows <= GEMV_MAX_ROWS):
             out = x.new_empty((rows, self.out_features), dtype=torch.float32 if self.float32_out else x.dtype)
             self.ops.linear_vnni(out, x, self.vnni, self.bias)
             return out
@@ -83,6 +89,30 @@ class PackedBF16:
     def nbytes(self) -> int:
         copies = (self.vnni is not None) + (self.onednn is not None)
         return self.out_features * self.in_features * 2 * copies
+
+
+class PackedF32:
+    """``y = x w^T + b`` in float32 with one k-ordered FMA chain per output (``linear_f32`` of
+    ``kernels/csrc/gemm_f32.cpp``): a row's result does not depend on the other rows of the call,
+    as BLAS's does (its blocking follows the shapes). The matmul of float32 models under
+    ``--enable-deterministic-inference``."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], ops: ModuleType):
+        w = weight.detach().float().contiguous()
+        self.out_features, self.in_features = w.shape
+        self.packed = pack_panels(w, 1)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.ops = ops
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float().contiguous()
+        out = x.new_empty((x.shape[0], self.out_features))
+        self.ops.linear_f32(out, x, self.packed, self.bias)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * 4
 
 
 class PackedW8A8:
@@ -180,19 +210,27 @@ class MergedLinear(Linear):
 
 
 def prepack_linears(model: nn.Module, ops: Optional[ModuleType], batch_hint: int = 64,
-                    float32_out: tuple[nn.Module, ...] = (), quantization: Optional[str] = None) -> int:
+                    float32_out: tuple[nn.Module, ...] = (), quantization: Optional[str] = None,
+                    dtype: torch.dtype = torch.bfloat16, batch_invariant: bool = False) -> int:
     """Give every ``Linear`` of a CPU model a prepacked impl and drop its plain weight (the packed
     copies replace it): ``PackedBF16``, or ``PackedW8A8`` with ``quantization="w8a8_int8"``. The
-    layers in ``float32_out`` (the LM head) stay bf16 with float32 outputs. Returns the bytes the
-    packed weights take."""
+    layers in ``float32_out`` (the LM head) stay bf16 with float32 outputs. ``batch_invariant``
+    (``--enable-deterministic-inference``): matmuls whose rows do not depend on each other, the
+    GEMV kernel at every size in bf16, ``PackedF32`` for a float32 model (int8 already is: its sums
+    are exact). Returns the bytes the packed weights take."""
+    if dtype == torch.float32 and not batch_invariant:
+        return 0  # float32 models run F.linear
     total = 0
     for module in model.modules():
         if isinstance(module, Linear) and module.impl is None:
             head = any(module is m for m in float32_out)
-            if quantization == "w8a8_int8" and not head:
+            if dtype == torch.float32:
+                impl = PackedF32(module.weight, module.matmul_bias(), ops)
+            elif quantization == "w8a8_int8" and not head:
                 impl = PackedW8A8(module.weight, module.matmul_bias(), ops)
             else:
-                impl = PackedBF16(module.weight, module.matmul_bias(), ops, batch_hint, float32_out=head)
+                impl = PackedBF16(module.weight, module.matmul_bias(), ops, batch_hint, float32_out=head,
+                                  batch_invariant=batch_invariant)
             module.impl = impl
             # the plain weight is no longer read: keep a 0-element stand-in of the right dtype
             module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)

@@ -44,6 +44,7 @@ void rms_norm(at::Tensor out, at::Tensor x, c10::optional<at::Tensor> residual, 
 void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
 void silu_and_mul(at::Tensor out, const at::Tensor& gate_up);
 void linear_vnni(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c10::optional<at::Tensor> bias);
+void linear_f32(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c10::optional<at::Tensor> bias);
 void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& colsum,
                  const at::Tensor& w_scale, c10::optional<at::Tensor> bias);
 bool cpu_has_avx512_vnni();
@@ -80,6 +81,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &pds::rotary_embedding, "rotate-half RoPE of q and k in place");
   m.def("silu_and_mul", &pds::silu_and_mul, "out = silu(gate) * up");
   pds::bind_decode_model(m);
+  m.def("linear_f32", &pds::linear_f32, "x w^T (+ bias) in float32, one k-ordered FMA chain per output (batch invariant)");
   m.def("linear_w8a8", &pds::linear_w8a8, "int8 weights x per-token int8 activations (w8a8_int8), dequantized");
   m.def("has_int8_dot", []() { return pds::cpu_has_avx512_vnni(); }, "whether the CPU has AVX512-VNNI");
   m.def("linear_vnni", &pds::linear_vnni, "x w^T (+ bias), bf16 weight packed [N/16, K/2, 16, 2], bf16 or fp32 out");

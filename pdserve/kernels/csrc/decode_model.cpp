@@ -171,7 +171,8 @@ class DecodeModel {
   }
 
  private:
-  // parts: [vnni, onednn, bias] for bf16 weights, [None, None, bias, packed, colsum, scale, out_features]
+  // parts: [vnni, onednn, bias] for bf16 weights, [vnni, None, bias, out_features] for bf16 weights
+  // without oneDNN, [None, None, bias, packed, colsum, scale, out_features]
   // for w8a8_int8 (out_features as a 0-d int64 tensor)
   static Linear make_linear(const std::vector<c10::optional<at::Tensor>>& parts, const char* name) {
     Linear lin;
@@ -183,9 +184,15 @@ class DecodeModel {
       lin.out_features = parts[6]->item<int64_t>();
       return lin;
     }
-    TORCH_CHECK(parts.size() == 3 && parts[1].has_value(), "DecodeModel.add_layer: ", name,
-                " must be [vnni or None, onednn, bias or None] or the w8a8 form");
+    // [vnni, None, bias, out_features]: GEMV only, at every batch size (batch invariant)
+    const bool gemv_only = parts.size() == 4 && parts[0].has_value() && !parts[1].has_value() && parts[3].has_value();
+    TORCH_CHECK((parts.size() == 3 && parts[1].has_value()) || gemv_only, "DecodeModel.add_layer: ", name,
+                " must be [vnni or None, onednn, bias or None], [vnni, None, bias or None, out_features] or the w8a8 form");
     if (parts[0].has_value()) lin.vnni = *parts[0];
+    if (gemv_only) {
+      lin.out_features = parts[3]->item<int64_t>();
+      return lin;
+    }
     lin.onednn = *parts[1];
     lin.out_features = lin.onednn.size(0);
     return lin;

@@ -156,7 +156,10 @@ PDS_AVX512_BF16 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_
     for (int64_t c = 0; c < chunks * 32; c += 16) _mm512_store_ps(s.o + r * kMaxD + c, _mm512_setzero_ps());
   }
   const int64_t last_pos = s.pos[nrows - 1];
-  const int64_t first_key = a.window > 0 ? std::max<int64_t>(0, s.pos[0] - a.window + 1) : 0;
+  // key blocks start at multiples of kKeys whatever the task's first row, so a row's keys fall into
+  // the same blocks (the same online-softmax steps) however the rows of its request are split
+  // into tasks and forwards: chunked prefill, a prefix-cache hit and decode give the same bits
+  const int64_t first_key = a.window > 0 ? std::max<int64_t>(0, s.pos[0] - a.window + 1) / kKeys * kKeys : 0;
   const int32_t* pages = a.table + b * a.table_stride;
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
