@@ -2,7 +2,8 @@
 # Install pdserve and what it needs. Usage: bash scripts/install.sh [--test|--backends]
 #   --test      also the test tools, the demo-model builder, the real sglang-router binary, the
 #               Mooncake and NIXL KV transfer backends and (as root) Debian's iproute2 for the
-#               network-namespace tests (their tests skip, saying why, if these fail).
+#               network-namespace tests and dnsmasq for the DNS discovery tests (their tests
+#               skip, saying why, if these fail).
 #   --backends  pdserve plus the Mooncake and NIXL transfer backends.
 # A CUDA torch that is already installed is kept; otherwise a CPU-only machine gets the CPU
 # wheel (torch==2.13.0+cpu), which avoids pulling a multi-GB CUDA build.
@@ -24,6 +25,14 @@ if [ "${1:-}" = "--test" ] && ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 
   apt-get install -y -q --no-install-recommends iproute2 >/dev/null 2>&1 \
     || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends iproute2 >/dev/null; } \
     || echo "install.sh: iproute2 could not be installed; the network-namespace tests will skip" >&2
+fi
+
+# the DNS discovery tests (tests/e2e/test_router_dns.py) run Debian's dnsmasq unprivileged on a high port
+if [ "${1:-}" = "--test" ] && ! [ -x /usr/sbin/dnsmasq ] && ! command -v dnsmasq >/dev/null 2>&1 \
+    && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get install -y -q --no-install-recommends dnsmasq >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends dnsmasq >/dev/null; } \
+    || echo "install.sh: dnsmasq could not be installed; the DNS discovery tests will skip" >&2
 fi
 
 if ! $PY -c "import torch" 2>/dev/null; then

@@ -19,10 +19,12 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.api_key import APIKeyMiddleware
 from pdserve.log import setup_logging
 from pdserve.router.args import RouterArgs, parse_args
+from pdserve.router.discovery import DNSDiscovery
 from pdserve.router.dispatch import Dispatcher, error_response
-from pdserve.router import pairing
+from pdserve.router import pairing, worker_api
 from pdserve.router.kv_index import KVIndex, PromptBlocks
 from pdserve.router.legs import ProxyStream, wait_disconnect
+from pdserve.router.membership import Membership
 from pdserve.router.metrics import RequestCounter, RouterMetrics
 from pdserve.router.prompt import PromptReader
 from pdserve.router.protocol import BadRequest, parse_body
@@ -95,7 +97,10 @@ class Router:
         self.pool.info_listeners.append(self.on_worker_info)
         if self.index is not None:
             self.metrics.watch_index(self.index)
+            self.pool.forget_listeners.append(self.index.detach)
         self.dispatcher = Dispatcher(self.pool, self.metrics, args, self.index, self.prompts)
+        self.membership = Membership(self.pool, args)  # workers joining and leaving at run time
+        self.discovery = DNSDiscovery(self.pool, self.membership, args) if args.prefill_dns or args.decode_dns else None
 
     def on_worker_info(self, worker: Worker, info: dict) -> None:
         if worker.role in (PREFILL, DECODE):
@@ -117,6 +122,8 @@ class Router:
     async def start(self) -> None:
         await self.dispatcher.start()
         await self.pool.start()
+        if self.discovery is not None:
+            await self.discovery.start()
         if self.prompts is not None and self.args.tokenizer_path and self._tokenizer_task is None:
             self._tokenizer_task = asyncio.create_task(asyncio.to_thread(self.prompts.load))
         mode = ("PD" if self.args.pd_mode else "colocated") + (", DP-aware" if self.args.dp_aware else "")
@@ -126,6 +133,9 @@ class Router:
                     self.args.host, self.args.port, len(self.pool.workers), sum(w.healthy for w in self.pool.workers))
 
     async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
+        await self.membership.stop()
         if self.index is not None:
             await self.index.stop()
         await self.pool.stop()
@@ -286,6 +296,8 @@ def create_app(args: RouterArgs) -> FastAPI:
         prompt = PromptBlocks(ids)
         return JSONResponse({"prompt_tokens": len(ids),
                              "workers": {w.url: router.index.matched_tokens(w, prompt)[0] for w in router.pool.workers}})
+
+    worker_api.add_routes(app, router.pool, router.membership, args.worker_api_key)
 
     @app.get("/metrics")
     async def metrics():

@@ -23,9 +23,26 @@ def normalize_url(url: str) -> str:
     if "://" not in url:
         url = "http://" + url
     parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    try:
+        parts.port  # noqa: B018  (raises ValueError for a port that is no number or out of range)
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or " " in url:
         raise ValueError(f"invalid worker URL {url!r}: expected http(s)://HOST:PORT")
     return url
+
+
+def dns_server_address(text: str) -> tuple[str, int]:
+    """(host, port) of ``--dns-server HOST[:PORT]`` (an IPv6 address in brackets when it has a port)."""
+    host, port = text, "53"
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else (rest or "53")
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"dns_server: expected HOST[:PORT], got {text!r}")
+    return host, int(port)
 
 
 @dataclass
@@ -33,6 +50,14 @@ class RouterArgs:
     prefill: list[tuple[str, int | None]] = field(default_factory=list)  # (url, bootstrap port)
     decode: list[str] = field(default_factory=list)
     worker: list[str] = field(default_factory=list)  # colocated workers (no PD)
+    pd_disaggregation: bool = False  # PD mode even with no --prefill/--decode (workers join at run time)
+    # discovery through DNS (router/discovery.py): (name, port, bootstrap port) and (name, port)
+    prefill_dns: list[tuple[str, int, int | None]] = field(default_factory=list)
+    decode_dns: list[tuple[str, int]] = field(default_factory=list)
+    dns_interval: float = 5.0
+    dns_server: str | None = None  # HOST[:PORT]; None: the system resolver
+    add_worker_timeout: float = 10.0  # how long a new worker may take to answer /health and /server_info
+    drain_timeout: float = 300.0  # a removed worker's running requests get this long to finish
     host: str = "127.0.0.1"
     port: int = 8000
     policy: str = "round_robin"
@@ -65,13 +90,20 @@ class RouterArgs:
         self.prefill = [(normalize_url(u), p) for u, p in self.prefill]
         self.decode = [normalize_url(u) for u in self.decode]
         self.worker = [normalize_url(u) for u in self.worker]
-        pd = bool(self.prefill or self.decode)
+        pd = self.pd_mode
+        elastic = self.pd_disaggregation or bool(self.prefill_dns or self.decode_dns)
         if pd and self.worker:
             raise ValueError("worker: --worker (colocated) cannot be mixed with --prefill/--decode")
-        if pd and not (self.prefill and self.decode):
-            raise ValueError("prefill/decode: PD mode needs at least one --prefill and one --decode")
+        if pd and not elastic and not (self.prefill and self.decode):
+            raise ValueError("prefill/decode: PD mode needs at least one --prefill and one --decode (or "
+                             "--pd-disaggregation, to add workers at run time)")
         if not pd and not self.worker:
-            raise ValueError("prefill/decode: give --prefill URL [BOOTSTRAP_PORT] and --decode URL, or --worker URL")
+            raise ValueError("prefill/decode: give --prefill URL [BOOTSTRAP_PORT] and --decode URL, or --worker URL "
+                             "(or --pd-disaggregation, to add workers at run time)")
+        for name, port, *bootstrap in self.prefill_dns + self.decode_dns:
+            if not name or any(p is not None and not 0 < p < 65536 for p in (port, *bootstrap)):
+                raise ValueError(f"prefill_dns/decode_dns: bad entry {name!r}:{port}: expected NAME:PORT with a "
+                                 "port in 1-65535")
         urls = [u for u, _ in self.prefill] + self.decode + self.worker
         if len(set(urls)) != len(urls):
             raise ValueError("worker URLs: each worker may be given only once")
@@ -87,7 +119,8 @@ class RouterArgs:
         if self.pd_policy == "conditional" and not pd:
             raise ValueError("pd_policy: conditional needs PD mode (--prefill and --decode)")
         for name in ("health_check_interval", "health_check_timeout", "load_poll_interval",
-                     "request_timeout", "max_body_bytes", "pd_kv_bandwidth"):
+                     "request_timeout", "max_body_bytes", "pd_kv_bandwidth", "dns_interval",
+                     "add_worker_timeout", "drain_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
         for name in ("max_retries", "cb_failure_threshold", "health_failure_threshold", "cb_cooldown",
@@ -96,6 +129,8 @@ class RouterArgs:
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name}: must not be negative")
 
+        if self.dns_server is not None:
+            dns_server_address(self.dns_server)
         for name in ("api_key", "worker_api_key"):
             if getattr(self, name) == "":
                 raise ValueError(f"{name}: must not be empty (leave it unset for no key)")
@@ -104,7 +139,7 @@ class RouterArgs:
 
     @property
     def pd_mode(self) -> bool:
-        return bool(self.prefill)
+        return bool(self.prefill or self.decode or self.prefill_dns or self.decode_dns or self.pd_disaggregation)
 
     @property
     def policies(self) -> set[str]:
@@ -132,6 +167,20 @@ def _bootstrap_port(text: str) -> int | None:
         raise ValueError(f"prefill: bootstrap port must be an integer or 'none', got {text!r}") from None
 
 
+def _dns_target(text: str, with_bootstrap: bool) -> tuple:
+    """``NAME:PORT`` (decode) or ``NAME:PORT[:BOOTSTRAP_PORT]`` (prefill; default bootstrap port:
+    what each server's /server_info reports)."""
+    name, form = ("prefill_dns", "NAME:PORT[:BOOTSTRAP_PORT]") if with_bootstrap else ("decode_dns", "NAME:PORT")
+    parts = text.split(":")
+    if len(parts) not in ((2, 3) if with_bootstrap else (2,)) or not parts[0]:
+        raise ValueError(f"{name}: expected {form}, got {text!r}")
+    try:
+        ports = [int(p) for p in parts[1:]]
+    except ValueError:
+        raise ValueError(f"{name}: ports must be integers, got {text!r}") from None
+    return (parts[0], ports[0], ports[1] if len(ports) > 1 else None) if with_bootstrap else (parts[0], ports[0])
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve router", description="PD router: sends each request to a "
                                 "prefill and a decode server and returns decode's answer.")
@@ -142,7 +191,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker", "--worker-urls", action="append", default=[], metavar="URL",
                    help="colocated server URL (plain proxying, no PD fields); repeatable")
     p.add_argument("--pd-disaggregation", action="store_true",
-                   help="accepted for sglang-router compatibility; PD mode follows --prefill/--decode")
+                   help="PD mode (also implied by --prefill/--decode); alone, the router starts with no worker "
+                        "and they join through POST /workers or DNS")
+    p.add_argument("--prefill-dns", action="append", default=[], metavar="NAME:PORT[:BOOTSTRAP_PORT]",
+                   help="prefill servers are the addresses NAME resolves to (e.g. a Kubernetes headless Service), "
+                        "on PORT; re-resolved every --dns-interval: new addresses are added, gone ones drained. "
+                        "Bootstrap port default: what each server reports. Repeatable")
+    p.add_argument("--decode-dns", action="append", default=[], metavar="NAME:PORT",
+                   help="decode servers by DNS name, like --prefill-dns; repeatable")
+    p.add_argument("--dns-interval", type=float, default=RouterArgs.dns_interval, metavar="S",
+                   help="how often --prefill-dns/--decode-dns names are resolved again")
+    p.add_argument("--dns-server", default=None, metavar="HOST[:PORT]",
+                   help="ask this DNS server (port default 53) instead of the system resolver")
+    p.add_argument("--add-worker-timeout", type=float, default=RouterArgs.add_worker_timeout, metavar="S",
+                   help="a worker being added (POST /workers, DNS) must answer GET /health with 200 and GET "
+                        "/server_info within S seconds, else it is refused")
+    p.add_argument("--drain-timeout", type=float, default=RouterArgs.drain_timeout, metavar="S",
+                   help="a worker being removed takes no new request; what it runs gets S seconds to finish, then "
+                        "ends with an error naming the removal")
     d = RouterArgs.__dataclass_fields__
     p.add_argument("--host", default=d["host"].default)
     p.add_argument("--port", type=int, default=d["port"].default)
@@ -214,7 +280,11 @@ def parse_args(argv: list[str]) -> RouterArgs:
         prefill.append((values[0], port))
     level = "warning" if ns.log_level == "warn" else ns.log_level
     return RouterArgs(
-        prefill=prefill, decode=ns.decode, worker=ns.worker, host=ns.host, port=ns.port, policy=ns.policy,
+        prefill=prefill, decode=ns.decode, worker=ns.worker, pd_disaggregation=ns.pd_disaggregation,
+        prefill_dns=[_dns_target(t, True) for t in ns.prefill_dns],
+        decode_dns=[_dns_target(t, False) for t in ns.decode_dns], dns_interval=ns.dns_interval,
+        dns_server=ns.dns_server, add_worker_timeout=ns.add_worker_timeout, drain_timeout=ns.drain_timeout,
+        host=ns.host, port=ns.port, policy=ns.policy,
         prefill_policy=ns.prefill_policy, decode_policy=ns.decode_policy, dp_aware=ns.dp_aware,
         cache_aware_balance=ns.cache_aware_balance, tokenizer_path=ns.tokenizer_path, pd_policy=ns.pd_policy,
         pd_local_max_tokens=ns.pd_local_max_tokens, pd_itl_weight=ns.pd_itl_weight,

@@ -43,7 +43,7 @@ from pdserve.router.pd_policy import Decision
 from pdserve.router.prompt import PromptReader
 from pdserve.router.relay import Relay
 from pdserve.router.selection import Selector
-from pdserve.router.workers import PREFILL, Worker, WorkerPool
+from pdserve.router.workers import Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class Dispatcher:
         if self.args.worker_api_key:  # the client's key is for the router; workers get the router's
             headers.pop("authorization", None)
         headers.update({"content-type": "application/json", "accept-encoding": "identity"})
-        pd = bool(self.pool.by_role[PREFILL])
+        pd = self.pool.pd_mode
         batch = protocol.item_count(path, body)
         items = batch if pd else None
         samples = protocol.sample_count(body) if path == "/generate" else 1

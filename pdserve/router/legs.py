@@ -3,7 +3,8 @@
 A ``Leg`` owns one HTTP request to one worker: it counts as in flight on that worker (and on
 the worker's DP group, when it goes to one) from creation until ``close()``, records its outcome
 once in the worker's circuit breaker, and ``close()`` always tears the connection down, which
-cancels the request on pdserve servers.
+cancels the request on pdserve servers. ``abort(reason)`` ends it early (a worker whose drain
+timed out, ``router/membership.py``): whoever waits on it gets ``LegAborted`` naming the reason.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ PEER_FAILED = 502  # a pdserve PD server's "my peer (the other leg) failed"
 # errors that mean the worker's process is gone: the connection was refused, or closed in the
 # middle of a request (a killed server); a timeout is not one of them
 WORKER_GONE = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
+class LegAborted(httpx.TransportError):
+    """The router ended the leg itself; the message says why."""
 
 
 @dataclass
@@ -58,7 +63,11 @@ class Leg:
         self.response: httpx.Response | None = None
         self.outcome: bool | None = None
         self.closed = False
+        self.abort_reason: str | None = None
+        self.reader: asyncio.Task | None = None  # the task reading its stream, while it waits for bytes
         worker.in_flight += 1
+        worker.dispatched += 1
+        worker.legs.add(self)
         if dp_rank is not None:
             worker.group_in_flight[dp_rank] = worker.group_in_flight.get(dp_rank, 0) + 1
         worker.breaker.on_dispatch()
@@ -67,8 +76,22 @@ class Leg:
         self._result_task: asyncio.Task | None = None
 
     async def _send(self, client: httpx.AsyncClient, request: httpx.Request) -> httpx.Response:
-        self.response = await client.send(request, stream=True)
+        try:
+            self.response = await client.send(request, stream=True)
+        except asyncio.CancelledError:
+            if self.abort_reason is None:
+                raise
+            raise LegAborted(self.abort_reason) from None
         return self.response
+
+    def abort(self, reason: str) -> None:
+        """End the leg now: its waiters get ``LegAborted(reason)`` (a relay reading its stream too)."""
+        if self.closed or self.abort_reason is not None:
+            return
+        self.abort_reason = reason
+        for task in (self.headers_task, self._result_task, self.reader):
+            if task is not None and not task.done():
+                task.cancel()
 
     def result(self) -> asyncio.Task:
         """Task resolving to the whole answer as a ``LegResult`` (started on first call)."""
@@ -82,6 +105,10 @@ class Leg:
             body = await resp.aread()
         except httpx.HTTPError as e:
             return self.failed(e)
+        except asyncio.CancelledError:
+            if self.abort_reason is None:
+                raise
+            return self.failed(LegAborted(self.abort_reason))
         self.finish(resp.status_code < 500 or resp.status_code == PEER_FAILED)  # a 502 blames the peer leg
         return LegResult(resp.status_code, body, resp.headers.get("content-type"))
 
@@ -90,6 +117,8 @@ class Leg:
         if isinstance(error, WORKER_GONE):
             self.on_connect_error(self.worker, error)
         message = f"{self.worker.role} {self.worker.url} failed: {error!r}"
+        if isinstance(error, LegAborted):
+            message = str(error)
         logger.warning(message)
         return LegResult(None, error=message, timed_out=isinstance(error, _TIMEOUTS))
 
@@ -116,6 +145,7 @@ class Leg:
         if self.response is not None:
             await self.response.aclose()
         self.worker.in_flight -= 1
+        self.worker.legs.discard(self)
         if self.dp_rank is not None:
             self.worker.group_in_flight[self.dp_rank] -= 1
         if self.outcome is None:

@@ -4,12 +4,13 @@ decision merged into its events as the client asked."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Callable
 
 import httpx
 
 from pdserve.router import pd_policy, protocol, timeline
-from pdserve.router.legs import EventReader, Leg
+from pdserve.router.legs import EventReader, Leg, LegAborted
 
 if TYPE_CHECKING:
     from pdserve.router.dispatch import Call
@@ -39,12 +40,31 @@ class Relay:
                 if self.call.rewrites:
                     chunk = b"".join(self.merge(e) for e in protocol.split_events(chunk))
                 yield chunk
-                chunk = await self.reader.next()
+                chunk = await self._next()
             self.d_leg.finish(True)
             self.completed = True
+        except LegAborted as e:  # its decode was removed and the drain timed out (router/membership.py)
+            self.d_leg.failed(e)
+            yield protocol.sse_error_event(503, str(e))
         except httpx.HTTPError as e:
             result = self.d_leg.failed(e)
             yield protocol.sse_error_event(502, f"decode stream broke: {result.error}")
+
+    async def _next(self) -> bytes:
+        """Decode's next events; ``Leg.abort`` cancels the wait, which becomes ``LegAborted``."""
+        leg = self.d_leg
+        if leg.abort_reason is not None:
+            raise LegAborted(leg.abort_reason)
+        leg.reader = asyncio.current_task()
+        try:
+            return await self.reader.next()
+        except asyncio.CancelledError:
+            if leg.abort_reason is None:
+                raise
+            leg.reader.uncancel()
+            raise LegAborted(leg.abort_reason) from None
+        finally:
+            leg.reader = None
 
     def merge(self, event: bytes) -> bytes:
         """One of decode's events with prefill's input logprobs and the timeline merged in."""

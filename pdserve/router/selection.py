@@ -31,7 +31,7 @@ class Selector:
                prompt: PromptBlocks | None = None) -> tuple[list[Worker] | None, str]:
         """[prefill, decode] (PD) or [worker] (colocated), or None and why not. ``keep``: a
         worker to keep from the last attempt when it is still available."""
-        roles = [PREFILL, DECODE] if self.pool.by_role[PREFILL] else [REGULAR]
+        roles = [PREFILL, DECODE] if self.pool.pd_mode else [REGULAR]
         chosen = []
         for role in roles:
             candidates = self.pool.available(role, exclude)

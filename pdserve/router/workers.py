@@ -17,11 +17,13 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from urllib.parse import urlsplit
 
 import httpx
 
 from pdserve.api_key import bearer
+from pdserve.router.load_report import parse_bandwidth, parse_group_loads, parse_load  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -78,17 +80,28 @@ def bootstrap_host(url: str) -> str:
     return f"[{host}]" if ":" in host else host  # IPv6 literals stay bracketed
 
 
+def worker_id(url: str) -> str:
+    """A worker's id in the worker API: a UUID derived from its URL, so it is the same in every
+    router process and across restarts."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, url))
+
+
 class Worker:
     def __init__(self, url: str, role: str, bootstrap_port: int | None = None,
-                 breaker: CircuitBreaker | None = None):
+                 breaker: CircuitBreaker | None = None, source: str = "command line"):
         self.url = url
+        self.id = worker_id(url)
         self.role = role
         self.bootstrap_port = bootstrap_port
         self.host = bootstrap_host(url)
         self.breaker = breaker or CircuitBreaker(0, 0.0)
+        self.source = source  # how it joined: "command line", "api" or "dns NAME" (router/membership.py)
+        self.draining: str | None = None  # why it is being removed; it then takes no new request
         self.healthy = False  # becomes True on the first passing health check
         self.health_failures = 0
         self.in_flight = 0
+        self.dispatched = 0  # legs ever sent to it
+        self.legs: set = set()  # its open legs (router/legs.py), aborted when a drain times out
         self.polled_load: tuple[int, int] | None = None  # (requests, tokens) from GET /get_load
         self.kv_bandwidth: float | None = None  # a prefill's KV transfer rate, bytes/s (its /get_load)
         self.info: dict | None = None  # its GET /server_info, when the router needs it
@@ -103,7 +116,7 @@ class Worker:
 
     @property
     def available(self) -> bool:
-        return self.healthy and self.breaker.allows()
+        return self.healthy and self.draining is None and self.breaker.allows()
 
     def load_estimate(self) -> tuple[int, int]:
         """(requests, tokens): the last polled load plus what this router sent since the poll."""
@@ -167,50 +180,6 @@ class Worker:
         return out
 
 
-def parse_load(payload) -> tuple[int, int]:
-    """Sum a ``GET /get_load`` answer: a list of per-DP-rank dicts (sglang) or one dict (pdserve:
-    its top-level totals, per-group ``dp`` entries aside)."""
-    ranks = payload if isinstance(payload, list) else [payload]
-    reqs = tokens = 0
-    for r in ranks:
-        if not isinstance(r, dict):
-            continue
-        if "load" in r and "num_reqs" not in r:
-            reqs += int(r["load"])
-            continue
-        reqs += int(r.get("num_reqs", 0)) + int(r.get("num_waiting_reqs", 0))
-        tokens += int(r.get("num_tokens", 0))
-    return reqs, tokens
-
-
-def parse_bandwidth(payload) -> float | None:
-    """A prefill's ``kv_transfer_bytes_per_s`` from its ``GET /get_load`` (the mean over groups that report one)."""
-    ranks = payload if isinstance(payload, list) else [payload]
-    rates = [r["kv_transfer_bytes_per_s"] for r in ranks if isinstance(r, dict)
-             and isinstance(r.get("kv_transfer_bytes_per_s"), (int, float)) and r["kv_transfer_bytes_per_s"] > 0]
-    return sum(rates) / len(rates) if rates else None
-
-
-def parse_group_loads(payload) -> list[tuple[int, int]] | None:
-    """(requests, tokens) per DP group of a ``GET /get_load`` answer, by ``dp_rank``: the ``dp``
-    list of a dict (a dict without one is one group), or a list of per-rank dicts. None when
-    the groups are not numbered 0..N-1. Raises ``ValueError``/``TypeError`` for bad numbers."""
-    if isinstance(payload, dict) and payload.get("dp") is None:
-        return [parse_load(payload)]
-    groups = payload.get("dp") if isinstance(payload, dict) else payload
-    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
-        return None
-    ranks = [g.get("dp_rank", i) for i, g in enumerate(groups)]
-    if not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
-        return None
-    if sorted(ranks) != list(range(len(ranks))):
-        return None
-    loads = [(0, 0)] * len(groups)
-    for rank, group in zip(ranks, groups, strict=True):
-        loads[rank] = parse_load(group)
-    return loads
-
-
 class WorkerPool:
     """The router's workers and the background loops that keep their state fresh."""
 
@@ -224,23 +193,50 @@ class WorkerPool:
         def make(url: str, role: str, port: int | None = None) -> Worker:
             return Worker(url, role, port, CircuitBreaker(args.cb_failure_threshold, args.cb_cooldown))
 
+        self.make = make
+        self.pd_mode = args.pd_mode
+        # the workers that take new requests, by role; workers being drained are in ``draining``
         self.by_role: dict[str, list[Worker]] = {
             PREFILL: [make(u, PREFILL, p) for u, p in args.prefill],
             DECODE: [make(u, DECODE) for u in args.decode],
             REGULAR: [make(u, REGULAR) for u in args.worker],
         }
+        self.draining: list[Worker] = []
+        self.forget_listeners: list = []  # called with (worker) once a removed worker is gone
         self.client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task] = []
         self._worker_out = asyncio.Event()  # set when a request found a worker gone: recheck soon
 
     @property
     def workers(self) -> list[Worker]:
-        return [w for ws in self.by_role.values() for w in ws]
+        """Every worker the router knows, those being drained included."""
+        return [w for ws in self.by_role.values() for w in ws] + self.draining
 
     @property
     def main_role(self) -> str:
         """The role whose answer goes back to the client."""
-        return DECODE if self.by_role[PREFILL] else REGULAR
+        return DECODE if self.pd_mode else REGULAR
+
+    def find(self, url: str) -> Worker | None:
+        return next((w for w in self.workers if w.url == url), None)
+
+    def add(self, worker: Worker, info: dict | None) -> None:
+        """Let a worker checked by ``router/membership.py`` take requests."""
+        worker.set_health(True, self.args.health_failure_threshold)
+        if info is not None:
+            self.accept_info(worker, info)
+        self.by_role[worker.role].append(worker)
+
+    def start_draining(self, worker: Worker, reason: str) -> None:
+        """Take ``worker`` out of selection; what it runs goes on (``router/membership.py``)."""
+        worker.draining = reason
+        self.by_role[worker.role].remove(worker)
+        self.draining.append(worker)
+
+    def forget(self, worker: Worker) -> None:
+        self.draining.remove(worker)
+        for listener in self.forget_listeners:
+            listener(worker)
 
     def available(self, role: str, exclude: set[Worker] = frozenset()) -> list[Worker]:
         """Healthy workers of ``role`` whose breaker lets a request through. The only worker of
@@ -252,7 +248,7 @@ class WorkerPool:
         return [w for w in workers if w.available and w not in exclude]
 
     def ready(self) -> bool:
-        if self.by_role[PREFILL]:
+        if self.pd_mode:
             return bool(self.available(PREFILL) and self.available(DECODE))
         return bool(self.available(REGULAR))
 
@@ -328,7 +324,9 @@ class WorkerPool:
             logger.log(level, "%s %s: no server info (%r); dp_size stays %s", worker.role, worker.url, e,
                        worker.dp_size or "unknown (1)")
             return
-        info = info if isinstance(info, dict) else {}
+        self.accept_info(worker, info if isinstance(info, dict) else {})
+
+    def accept_info(self, worker: Worker, info: dict) -> None:
         worker.info = info
         if self.dp_aware:
             worker.set_dp_size(info.get("dp_size"))

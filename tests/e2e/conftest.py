@@ -15,6 +15,7 @@ import pytest
 from tests.helpers.checkpoints import build_tiny_checkpoint
 from tests.helpers.cluster import children as child_pids, free_port, is_alive, wait_for  # noqa: F401
 from tests.helpers.netns import netns_hosts, netns_pd  # noqa: F401  (session fixtures)
+from tests.helpers.elastic import elastic_servers  # noqa: F401  (session fixture)
 
 SERVED_MODEL_NAME = "tiny-llama"
 SERVER_MAX_TOTAL_TOKENS = 65536

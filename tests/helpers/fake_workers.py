@@ -151,7 +151,11 @@ class FakeWorker:
         self.die_mid_stream = False  # decode: drop the connection after the first chunk
         self.sse_prefill = False  # prefill: answer stream=true with SSE instead of one JSON
         self.room_timeout = 5.0  # decode: how long to wait for a room's prefill
-        self.bootstrap_port = free_port() if role == "prefill" else None
+        self.bootstrap_port = None
+        self.bootstrap_sock: socket.socket | None = None
+        if role == "prefill":  # listens, as a prefill's bootstrap server does (nothing is served on it)
+            self.bootstrap_sock = socket.create_server(("127.0.0.1", 0))
+            self.bootstrap_port = self.bootstrap_sock.getsockname()[1]
         self.server = AppServer(self._build_app())
         self.url = self.server.url
 
@@ -176,6 +180,8 @@ class FakeWorker:
 
     def stop(self) -> None:
         self.server.stop(force=True)
+        if self.bootstrap_sock is not None:
+            self.bootstrap_sock.close()
 
     # ------------------------------------------------------------------ app
     def _build_app(self) -> FastAPI:

@@ -107,8 +107,14 @@ def test_server_args_parse_and_match_the_services(manifest, monkeypatch):
     router = parse_router_args(resolved_args(manifest, c)[1:])
     assert router.api_key == router.worker_api_key == secrets["api-key"]  # the servers' key too
     decode_port = manifest[("Service", "pdserve-decode")]["spec"]["ports"][0]["port"]
-    assert router.prefill == [(f"http://pdserve-prefill:{prefill_ports['http']}", prefill_ports["bootstrap"])]
-    assert router.decode == [f"http://pdserve-decode:{decode_port}"]
+    # scalable: the router follows the headless Services' pods through DNS
+    assert router.prefill == router.decode == [] and router.pd_mode
+    assert router.prefill_dns == [("pdserve-prefill", prefill_ports["http"], prefill_ports["bootstrap"])]
+    assert router.decode_dns == [("pdserve-decode", decode_port)]
+    for role in ("prefill", "decode"):
+        assert manifest[("Service", f"pdserve-{role}")]["spec"]["clusterIP"] == "None"
+        pod = manifest[("Deployment", f"pdserve-{role}")]["spec"]["template"]["spec"]
+        assert router.drain_timeout + 2 * router.dns_interval < pod["terminationGracePeriodSeconds"]
     router_port = manifest[("Service", "pdserve-router")]["spec"]["ports"][0]["port"]
     assert router.port == router_port
 
@@ -131,3 +137,17 @@ def test_image_has_what_the_manifest_runs(manifest, dockerfile):
     used = {p["containerPort"] for role in ("prefill", "decode", "router")
             for p in container(manifest, f"pdserve-{role}")["ports"]}
     assert used <= exposed
+
+
+def test_pre_stop_waits_on_metrics_the_server_exports(manifest):
+    """The servers' preStop hook is Python that polls gauges the server really has."""
+    from pdserve.server.metrics import ServerMetrics
+
+    exported = [m.name for m in ServerMetrics("m").registry.collect()]
+    for role in ("prefill", "decode"):
+        command = container(manifest, f"pdserve-{role}")["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[:2] == ["python", "-c"]
+        code = command[2]
+        compile(code, "preStop", "exec")
+        prefixes = re.findall(r"'(pdserve:[a-z_]+)'", code)
+        assert prefixes and all(any(name.startswith(p) for name in exported) for p in prefixes), prefixes
