@@ -7,6 +7,14 @@ that answered none for ``heartbeat_misses * heartbeat_interval`` seconds gets it
 declared dead: all its unfinished rooms fail at once, and the next room for that address looks
 the instance up again and re-registers (so a restarted prefill is picked up without restarting
 decode).
+
+Fencing (``transfer/window.py``): with a network backend on CPU each connection registers its
+own window of this rank's buffers and prefill is told only the window's addresses. The pages of a
+room whose writer may still have bytes under way (its prefill declared dead, an abort never
+acknowledged, a write prefill reports as failed, see ``TransferStatus.unsettled``) are freed only
+after that window was fenced, so a late write can never land in pages given to another request.
+A dead connection is fenced at once; a live one with such a room is retired (new rooms get a new
+connection and window) and fenced once it holds only such rooms.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
+
+import msgspec
 
 from pdserve.disagg import rank_map
 from pdserve.disagg.bootstrap import BootstrapNotReady, fetch_prefill_info, fetch_rank_info, parse_addr
@@ -59,6 +69,9 @@ class _Conn:
     key: tuple = ()
     hb_acked: dict[int, float] = field(default_factory=dict)  # rank -> monotonic time of its last answer
     next_hb: float = 0.0
+    windowed: bool = False  # prefill writes through this connection's own window (fenceable)
+    fenced: bool = False
+    retired: bool = False  # takes no new room; fenced once only suspect rooms are left
 
 
 @dataclass
@@ -71,12 +84,15 @@ class _RoomRecv:
     stopped: set[int] = field(default_factory=set)  # ranks that will not write again
     abort_at: Optional[float] = None
     peer_dead: bool = False
+    suspect: bool = False  # a writer may still have bytes of this room under way
 
 
 class DecodeRole:
     def __init__(self, mgr):
         self.mgr = mgr
         self.conns: dict[tuple[str, int], _Conn] = {}  # (bootstrap address, prefill DP group)
+        self.retired: dict[str, _Conn] = {}  # session id -> live connection waiting to be fenced
+        self.fenced_windows = 0
         self.rooms: dict[int, _RoomRecv] = {}
         self._sessions = itertools.count()
         self._generations = itertools.count(1)
@@ -133,8 +149,13 @@ class DecodeRole:
                                          sl, required))
         if errs:
             return self._fail_conn(c, f"prefill {c.addr} is incompatible: " + "; ".join(errs), tell_prefill=True)
+        buffers = BufferDesc.from_kv_args(a)
+        window = m.backend.open_window(c.session_id)
+        if window is not None:  # this connection's own addresses, fenced when it fails
+            buffers = _translated(buffers, window.translate)
+            c.windowed = True
         reg = Register(session_id=c.session_id, decode_rank=a.engine_rank, decode_tp_size=a.tp_size,
-                       reply_endpoint=m.endpoint(host), buffers=BufferDesc.from_kv_args(a),
+                       reply_endpoint=m.endpoint(host), buffers=buffers,
                        compat=a.compat_info(), backend=m.backend_name, backend_info=m.backend.describe())
         for t in c.targets:
             m.send(t.endpoint, reg)
@@ -183,6 +204,7 @@ class DecodeRole:
             c.state, c.error = "failed", reason
             if self.conns.get(c.key) is c:
                 del self.conns[c.key]  # the next room to this address starts afresh
+            self.retired.pop(c.session_id, None)
             for room in list(c.rooms):
                 rs = self.rooms.get(room)
                 if rs is not None and rs.conn is c and m.status.get(room) != KVPoll.Success:
@@ -191,10 +213,59 @@ class DecodeRole:
                     failed.append((room, rs.generation))
         with c.acked:
             c.acked.notify_all()
+        self._fence(c)  # before any of its rooms' pages can be freed (writes_drained waits for it)
         logger.warning("%s: %s", m.name, reason)
         if tell_prefill:
             for room, generation in failed:
                 self.send_abort(c, room, generation, reason)
+
+    # ---- fencing ----------------------------------------------------------------------------
+    def fenced(self, c: _Conn) -> bool:
+        """True when no write of ``c``'s prefill session can reach this rank's buffers any more,
+        or when the backend cannot fence (no window: the session's writes are not fenced)."""
+        with self.mgr.lock:
+            return c.fenced or not c.windowed
+
+    def _fence(self, c: _Conn) -> None:
+        if not c.windowed or c.fenced:
+            return
+        try:
+            self.mgr.backend.fence_window(c.session_id)
+        except Exception:  # never free the pages of an unfenced window: its rooms stay parked
+            logger.exception("%s: cannot fence the window of prefill %s (session %s); retrying", self.mgr.name,
+                             c.addr, c.session_id)
+            with self.mgr.lock:
+                self.retired[c.session_id] = c  # tick() tries again
+            return
+        with self.mgr.lock:
+            c.fenced = True
+            self.fenced_windows += 1
+        logger.info("%s: fenced the KV window of prefill %s (session %s): its late writes land in scratch "
+                    "memory", self.mgr.name, c.addr, c.session_id)
+
+    def mark_suspect(self, rs: _RoomRecv) -> None:
+        """A writer of the room may still have bytes under way: free its pages only after the
+        connection's window is fenced. The connection takes no new room from now on."""
+        m, c = self.mgr, rs.conn
+        with m.lock:
+            rs.suspect = True
+            if not c.windowed or c.retired or c.state == "failed":
+                return
+            c.retired = True
+            if self.conns.get(c.key) is c:
+                del self.conns[c.key]
+            self.retired[c.session_id] = c
+        logger.warning("%s: room %d: a write from prefill %s may still arrive; its pages wait until the "
+                       "connection's window is fenced, new rooms use a new connection", m.name, rs.room, c.addr)
+
+    def _fence_retired(self) -> None:
+        with self.mgr.lock:
+            ready = [c for c in self.retired.values() if c.state == "failed" or all(
+                (rs := self.rooms.get(r)) is None or rs.conn is not c or rs.suspect for r in c.rooms)]
+            for c in ready:
+                del self.retired[c.session_id]  # heartbeats stop; prefill drops the session
+        for c in ready:
+            self._fence(c)
 
     def send_abort(self, c: _Conn, room: int, generation: int, reason: str) -> None:
         reply = self.mgr.endpoint(parse_addr(c.addr)[0])
@@ -218,6 +289,8 @@ class DecodeRole:
                         rs.sent_at = time.monotonic()
                     return
                 rs.stopped.add(msg.prefill_rank)
+                if msg.state == KVPoll.Failed and msg.unsettled:
+                    self.mark_suspect(rs)
                 if msg.state == KVPoll.Failed:
                     m.update_status(msg.room, KVPoll.Failed,
                                     f"prefill {rs.conn.addr} rank {msg.prefill_rank}: {msg.reason}")
@@ -227,7 +300,7 @@ class DecodeRole:
                         m.update_status(msg.room, KVPoll.Success)
         elif isinstance(msg, Heartbeat) and msg.ack:
             with m.lock:
-                c = next((c for c in self.conns.values() if c.session_id == msg.session_id), None)
+                c = self._by_session(msg.session_id)
                 if c is not None:
                     c.hb_acked[msg.prefill_rank] = time.monotonic()
             if c is not None and not msg.known and c.state == "ready":
@@ -240,7 +313,7 @@ class DecodeRole:
                     rs.stopped.add(msg.prefill_rank)
         elif isinstance(msg, RegisterAck):
             with m.lock:
-                c = next((c for c in self.conns.values() if c.session_id == msg.session_id), None)
+                c = self._by_session(msg.session_id)
             if c is not None:
                 with c.acked:
                     c.acks[msg.prefill_rank] = msg
@@ -248,14 +321,19 @@ class DecodeRole:
         else:
             logger.warning("%s: unexpected %s from a prefill rank", m.name, type(msg).__name__)
 
+    def _by_session(self, session_id: str) -> Optional[_Conn]:
+        c = next((c for c in self.conns.values() if c.session_id == session_id), None)
+        return c if c is not None else self.retired.get(session_id)
+
     def tick(self, now: float) -> None:
         m = self.mgr
         self._take_completion_notices()
+        self._fence_retired()
         dead: list[tuple[_Conn, str]] = []
         beats: list[tuple[str, Heartbeat]] = []
         dead_after = m.heartbeat_misses * m.heartbeat_interval
         with m.lock:
-            for c in self.conns.values():
+            for c in [*self.conns.values(), *self.retired.values()]:
                 if c.state != "ready":
                     continue
                 silent = now - min(c.hb_acked.values(), default=now)
@@ -316,4 +394,16 @@ class DecodeRole:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def counts(self) -> dict:
-        return {"kv_peer_connections": len(self.conns)}
+        return {"kv_peer_connections": len(self.conns), "kv_retired_connections": len(self.retired),
+                "kv_fenced_windows": self.fenced_windows}
+
+
+def _translated(b: BufferDesc, translate) -> BufferDesc:
+    """``b`` with every buffer address replaced by its window address."""
+    def tr(ptrs: list[int], lens: list[int]) -> list[int]:
+        return [translate(p) if n > 0 else p for p, n in zip(ptrs, lens)]
+
+    return msgspec.structs.replace(
+        b, kv_data_ptrs=tr(b.kv_data_ptrs, b.kv_data_lens), aux_data_ptrs=tr(b.aux_data_ptrs, b.aux_data_lens),
+        state_data_ptrs=tr(b.state_data_ptrs, b.state_data_lens),
+        routed_data_ptrs=tr(b.routed_data_ptrs, b.routed_data_lens))

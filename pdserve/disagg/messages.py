@@ -122,6 +122,9 @@ class TransferStatus(Message, tag="transfer_status"):
     state: int  # KVPoll value: Success, Failed, or Transferring ("queued or in progress here")
     prefill_rank: int
     reason: str = ""
+    # Failed only: a write of the room failed or timed out in the backend, so some of its bytes
+    # may still be queued on the way (decode frees the pages only after fencing the session)
+    unsettled: bool = False
 
 
 class Abort(Message, tag="abort"):

@@ -115,21 +115,24 @@ class KVReceiver:
 
     def writes_drained(self) -> bool:
         """True when no prefill rank can still write into this room's pages: nothing was asked,
-        every asked rank reported Success/Failed or acknowledged an abort, or the prefill was
-        declared dead. Free preallocated pages of a failed room only after this."""
+        every asked rank reported Success/Failed or acknowledged an abort, or, where a writer may
+        still have bytes under way (prefill declared dead, abort unacknowledged, a failed write),
+        the connection's window was fenced. Free preallocated pages of a failed room only after
+        this."""
         m, rs = self.mgr, self._rs
         with m.lock:
-            if rs.sent_at is None or rs.peer_dead or m.status.get(self.room) == KVPoll.Success:
+            if rs.sent_at is None or m.status.get(self.room) == KVPoll.Success:
                 return True
+            if rs.peer_dead or rs.suspect:  # bytes may still be under way: only a fence ends them
+                return self.role.fenced(rs.conn)
             if all(t.rank in rs.stopped for t in rs.conn.targets):
                 return True
-            if rs.abort_at is not None and time.monotonic() - rs.abort_at > m.waiting_timeout:
-                # the prefill answers heartbeats but not the abort: stop waiting, but say so
-                logger.warning("%s: room %d: no abort acknowledgement within %.1fs; releasing its pages",
-                               m.name, self.room, m.waiting_timeout)
-                rs.peer_dead = True
-                return True
-            return False
+            if rs.abort_at is None or time.monotonic() - rs.abort_at <= m.waiting_timeout:
+                return False
+        # the prefill answers heartbeats but not the abort: stop waiting for it, fence instead
+        logger.warning("%s: room %d: no abort acknowledgement within %.1fs", m.name, self.room, m.waiting_timeout)
+        self.role.mark_suspect(rs)
+        return self.role.fenced(rs.conn)
 
     def clear(self) -> None:
         self.role.clear(self._rs)

@@ -140,14 +140,16 @@ class TransferWorkers:
                 if job is not None and not isinstance(job, Chunk):
                     self._queues[i].put(job)
 
-    def notify(self, room: int, targets: list[tuple[Any, int]], state: KVPoll, reason: str = "") -> None:
+    def notify(self, room: int, targets: list[tuple[Any, int]], state: KVPoll, reason: str = "",
+               unsettled: bool = False) -> None:
         self.role.release(room)
         if state == KVPoll.Success and self.faults.is_(room, f.DROP_STATUS):
             logger.warning("%s: room %d: injected fault: Success status not sent", self.mgr.name, room)
             return
         for sess, generation in targets:
             self.mgr.send(sess.reply_endpoint, TransferStatus(room=room, generation=generation, state=int(state),
-                                                              prefill_rank=self.role.rank, reason=reason))
+                                                              prefill_rank=self.role.rank, reason=reason,
+                                                              unsettled=unsettled))
 
     def _run_chunk(self, job: Chunk) -> None:
         m = self.mgr
@@ -158,6 +160,7 @@ class TransferWorkers:
             required = self.role.required_destinations(job.room)
         sess = None
         pairs = [(s, req.generation) for s, req in targets]
+        writing = False  # a backend write was submitted: a failure may leave bytes under way
         try:
             if len(targets) < required:
                 raise RuntimeError(f"{len(targets)} of {required} decode destinations known for the room "
@@ -170,6 +173,7 @@ class TransferWorkers:
             for sess, req in targets:
                 if fault == f.FAIL_TRANSFER:
                     raise TransferError("injected fault: the backend reported a failed write")
+                writing = True
                 self._write_chunk(sess, req, job, corrupt_room=fault == f.CORRUPT_AUX_ROOM)
         except Exception as e:
             where = sess.peer if sess is not None else "decode"
@@ -178,7 +182,7 @@ class TransferWorkers:
             if m.update_status(job.room, KVPoll.Failed, reason):
                 with m.lock:
                     self.role.mark_failed_here(job.room)
-            self.notify(job.room, pairs, KVPoll.Failed, reason)
+            self.notify(job.room, pairs, KVPoll.Failed, reason, unsettled=writing and isinstance(e, TransferError))
             return
         if job.last:
             self.notify(job.room, pairs, KVPoll.Success)

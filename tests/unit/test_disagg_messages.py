@@ -26,6 +26,8 @@ SAMPLES = [
     TransferRequest(session_id="s", room=0, generation=1, dst_pages=[[]], aux_slot=-1),
     TransferStatus(room=99, generation=1, state=int(KVPoll.Success), prefill_rank=0),
     TransferStatus(room=99, generation=1, state=int(KVPoll.Failed), prefill_rank=1, reason="boom"),
+    TransferStatus(room=99, generation=1, state=int(KVPoll.Failed), prefill_rank=1, reason="write failed",
+                   unsettled=True),
     Abort(session_id="s", room=5, generation=2, reason="client went away"),
     AbortAck(room=5, generation=2, prefill_rank=0),
     Heartbeat(session_id="s", seq=10, reply_endpoint="tcp://127.0.0.1:1"),

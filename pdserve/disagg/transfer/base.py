@@ -16,6 +16,12 @@ Contract (one backend object per KV manager, i.e. per scheduler rank):
    waited for the earlier one, which is how "bootstrap_room last" is ordered.
 5. ``disconnect(peer_id)`` / ``close()``: detach from a peer / deregister everything. ``close``
    of the side that owns shared buffers also releases them (e.g. unlinks shm segments).
+6. Written side, backends with ``supports_windows``: ``open_window(key)`` gives one peer session
+   its own view of the registered buffers (``window.py``; the peer is told only its window's
+   addresses, and only windows are registered); ``fence_window(key)`` deregisters it and points
+   it at scratch memory, after which no write of that session, however late, reaches the
+   buffers. ``open_window`` returns None where windows are impossible (device memory), and the
+   buffers themselves are registered as before.
 
 Threading: ``write`` and ``wait`` may be called from several transfer worker threads at once,
 ``connect``/``disconnect`` from the manager's I/O thread; implementations lock what they share.
@@ -34,6 +40,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from pdserve.disagg.transfer.window import Window, forget_files, windows_possible
 from pdserve.engine.kv_pool import BufferAllocator, default_allocator
 
 
@@ -102,6 +109,9 @@ class TransferBackend:
         self.device = device
         self.options = options
         self._own = RegionSet([])
+        self._own_regions: list[tuple[int, int]] = []
+        self._windowed = False  # written side: peers write through windows only
+        self._windows: dict[str, Window] = {}
         self._peers: dict[str, RegionSet] = {}
         self._lock = threading.Lock()
 
@@ -112,7 +122,10 @@ class TransferBackend:
     # -- lifecycle ---------------------------------------------------------------------------
     def register_regions(self, regions: Sequence[tuple[int, int]]) -> None:
         self._own = RegionSet(regions)
-        self._register(list(regions))
+        self._own_regions = [(int(p), int(n)) for p, n in regions if n > 0]
+        self._windowed = self.role == "decode" and self.supports_windows and windows_possible(self._own_regions)
+        if not self._windowed:
+            self._register(list(regions))
 
     def describe(self) -> dict[str, Any]:
         return {}
@@ -130,6 +143,44 @@ class TransferBackend:
     def close(self) -> None:
         for peer in list(self._peers):
             self.disconnect(peer)
+        with self._lock:
+            windows, self._windows = list(self._windows.values()), {}
+        for win in windows:
+            if not win.fenced:
+                self._unregister_window(win)
+            win.release()
+        if self._windowed:
+            forget_files(self._own_regions)  # the pools go with their last tensor (a role switch)
+
+    # -- written side: one fenceable window per peer session ---------------------------------
+    supports_windows = False
+
+    def open_window(self, key: str) -> Optional[Window]:
+        """A new window over every registered buffer for peer session ``key``, registered with
+        the backend; None when this side registers its buffers directly (no windows)."""
+        if not self._windowed:
+            return None
+        win = Window(key, self._own_regions)
+        try:
+            self._register_window(win, win.regions(self._own_regions))
+        except BaseException:
+            win.release()
+            raise
+        with self._lock:
+            self._windows[key] = win
+        return win
+
+    def fence_window(self, key: str) -> bool:
+        """Deregister session ``key``'s window and point it at scratch memory. True once fenced
+        (also when it already was); False when there is no such window."""
+        with self._lock:
+            win = self._windows.get(key)
+        if win is None:
+            return False
+        if not win.fenced:
+            self._unregister_window(win)  # first: an RDMA NIC must lose the pages before the remap
+            win.fence()
+        return True
 
     # -- data path ---------------------------------------------------------------------------
     # Backends that can deliver a message to the written side once a write has landed
@@ -173,6 +224,12 @@ class TransferBackend:
 
     def _disconnect(self, peer_id: str) -> None:
         pass
+
+    def _register_window(self, win: Window, regions: list[tuple[int, int]]) -> None:
+        raise NotImplementedError
+
+    def _unregister_window(self, win: Window) -> None:
+        """Must not raise: a failure is logged, and the remap still fences the window."""
 
     def _write(self, peer_id: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> TransferHandle:
         raise NotImplementedError

@@ -6,9 +6,13 @@ session id ``host:rpc_port`` travels to the peer in ``Register`` (``describe()``
 Protocol ``--disaggregation-mooncake-protocol`` (default ``rdma`` when the host has an RDMA
 device, else ``tcp``); ``--disaggregation-ib-device`` picks the NICs for ``rdma``.
 
-Memory: every KV, aux and state region is registered in ONE ``batch_register_memory`` call at
-start-up; decode's pool and metadata buffers are ordinary memory (TCP) or memory the NICs can
-reach (RDMA: device memory with GPUDirect, or host memory).
+Memory: prefill registers every KV, aux and state region in ONE ``batch_register_memory`` call
+at start-up. Decode on CPU keeps its pool and metadata buffers in memfd files and registers one
+window of them per prefill session instead (``window.py``): fencing a session unregisters its
+window, so the TCP receiver refuses any later write header into it (it checks every header
+against the registered buffers) and the connection closes, and remaps it to scratch memory, so a
+write whose header was accepted before the fence finishes there. Decode's device memory
+(GPUDirect RDMA) is registered directly, without windows.
 
 Writes are one-sided pushes, ``batch_transfer_sync_write`` (the GIL is released while it runs),
 split into calls of at most ``MAX_DESCRIPTORS_PER_CALL`` descriptors: a call larger than the
@@ -29,11 +33,13 @@ import logging
 import os
 import socket
 import threading
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
 from pdserve.disagg.transfer.base import CompletedHandle, TransferBackend, TransferError, TransferHandle
+from pdserve.disagg.transfer.window import Window, memfd_allocator
+from pdserve.engine.kv_pool import BufferAllocator
 
 try:
     from mooncake.engine import TransferEngine
@@ -105,7 +111,28 @@ class MooncakeBackend(TransferBackend):
         logger.info("Mooncake engine %s (%s%s)", self.session_id, self.protocol,
                     f", devices {self.ib_device}" if self.ib_device else "")
 
+    supports_windows = True
+
+    @classmethod
+    def buffer_allocator(cls, device: Optional[str] = None) -> BufferAllocator:
+        return memfd_allocator
+
     # ---- lifecycle ---------------------------------------------------------------------
+    def _register_window(self, win: Window, regions: list[tuple[int, int]]) -> None:
+        rc = self.engine.batch_register_memory([p for p, _ in regions], [n for _, n in regions])
+        if rc != 0:
+            raise TransferError(f"Mooncake batch_register_memory of a window ({len(regions)} regions) failed "
+                                f"with return code {rc}")
+        win.registered = [p for p, _ in regions]
+
+    def _unregister_window(self, win: Window) -> None:
+        ptrs = win.registered or []
+        if ptrs:
+            rc = self.engine.batch_unregister_memory(ptrs)
+            if rc != 0:
+                logger.warning("Mooncake batch_unregister_memory of window %s returned %d", win.key, rc)
+            win.registered = []
+
     def _register(self, regions: list[tuple[int, int]]) -> None:
         regions = [(int(p), int(n)) for p, n in regions if n > 0]
         if not regions:

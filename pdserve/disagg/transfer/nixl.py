@@ -1,10 +1,14 @@
 """``nixl`` backend: NVIDIA NIXL agents (UCX by default), prefill and decode on any hosts.
 
 One ``nixl_agent`` per backend object (one per scheduler rank) with the plugin named by
-``--disaggregation-nixl-backend`` (default ``UCX``). Every KV, aux and state region is
-registered in one ``register_memory`` call at start-up (``DRAM`` on CPU, ``VRAM`` on CUDA);
-``describe()`` returns the agent's name and metadata (which include those registrations), and the
-writer side loads it with ``add_remote_agent`` in ``connect()``.
+``--disaggregation-nixl-backend`` (default ``UCX``). Prefill registers every KV, aux and state
+region in one ``register_memory`` call at start-up (``DRAM`` on CPU, ``VRAM`` on CUDA). Decode
+on CPU registers one window of its buffers per prefill session (``window.py``), decode's device
+memory is registered directly; ``describe()`` returns the agent's name and metadata (which
+include the registrations), and the writer side loads it with ``add_remote_agent`` in
+``connect()`` (loading a known agent again updates it). Deregistering alone does not fence a
+session over UCX's TCP transport (a write with stale metadata still lands: measured with NIXL
+1.5.1), which is why a fenced window is also remapped to scratch memory.
 
 Writes: one ``WRITE`` transfer request per batch (``initialize_xfer`` + ``transfer``);
 ``TransferHandle.wait`` polls ``check_xfer_state`` until the target confirmed the data, so the
@@ -49,6 +53,8 @@ from typing import Any, Optional
 import numpy as np
 
 from pdserve.disagg.transfer.base import TransferBackend, TransferError, TransferHandle
+from pdserve.disagg.transfer.window import Window, memfd_allocator
+from pdserve.engine.kv_pool import BufferAllocator
 
 try:
     import nixl._api as _nixl_api
@@ -144,7 +150,32 @@ class NixlBackend(TransferBackend):
         logger.info("NIXL agent %s (%s, progress thread %s)", self.agent_name, self.plugin,
                     "spinning" if self.progress_thread else "event-driven" if role == "decode" else "off")
 
+    supports_windows = True
+
+    @classmethod
+    def buffer_allocator(cls, device: Optional[str] = None) -> BufferAllocator:
+        return memfd_allocator
+
     # ---- lifecycle ---------------------------------------------------------------------
+    def _register_window(self, win: Window, regions: list[tuple[int, int]]) -> None:
+        descs = [(p, n, self.dev_id, "") for p, n in regions]
+        with self._agent_lock:
+            try:
+                win.registered = self.agent.register_memory(descs, self.mem_type, backends=[self.plugin])
+            except Exception as e:
+                raise TransferError(f"NIXL register_memory of a window ({len(descs)} regions) failed: {e}") from e
+
+    def _unregister_window(self, win: Window) -> None:
+        reg = win.registered
+        if reg is None:
+            return
+        with self._agent_lock:
+            try:
+                self.agent.deregister_memory(reg)
+            except Exception as e:
+                logger.warning("NIXL deregister_memory of window %s failed: %s", win.key, e)
+        win.registered = None
+
     def _register(self, regions: list[tuple[int, int]]) -> None:
         descs = [(int(p), int(n), self.dev_id, "") for p, n in regions if n > 0]
         if not descs:
