@@ -31,14 +31,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pdserve.api_key import bearer
 from pdserve.router import pd_policy, protocol, timeline
 from pdserve.router.kv_index import KVIndex, PromptBlocks
-from pdserve.router.legs import PEER_FAILED, EventReader, Leg, LegResult, ProxyStream
+from pdserve.router.legs import (PEER_FAILED, EventReader, Leg, LegResult, ProxyStream, UpstreamError,
+                                 new_session)
 from pdserve.router.pd_policy import Decision
 from pdserve.router.prompt import PromptReader
 from pdserve.router.relay import Relay
@@ -138,20 +139,18 @@ class Dispatcher:
         self.args = args
         self.prompts = prompts
         self.selector = Selector(pool, metrics, args, index)
-        self.client: httpx.AsyncClient | None = None
+        self.client: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        timeout = httpx.Timeout(self.args.request_timeout, connect=min(10.0, self.args.request_timeout))
-        limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
-        self.client = httpx.AsyncClient(timeout=timeout, limits=limits, headers=bearer(self.args.worker_api_key))
+        self.client = new_session(self.args.request_timeout, bearer(self.args.worker_api_key))
 
     async def stop(self) -> None:
         for t in list(self._background):
             t.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         if self.client is not None:
-            await self.client.aclose()
+            await self.client.close()
 
     def make_call(self, request: Request, path: str, raw: bytes, body: dict) -> Call:
         headers = {k: v for k, v in request.headers.items() if k not in _NOT_FORWARDED}
@@ -274,9 +273,9 @@ class Dispatcher:
                 return fail
             try:
                 resp = d_leg.headers_task.result()
-            except httpx.HTTPError as e:
+            except UpstreamError as e:
                 return Failure(main, d_leg.failed(e))
-            if resp.status_code != 200:
+            if resp.status != 200:
                 dres = await d_leg.result()
                 return failure(main, dres, prefill) if dres.retryable else Failure(main, dres).response()
             p_items = None
@@ -287,7 +286,7 @@ class Dispatcher:
                 if not pres.ok:
                     return failure(prefill, pres, main)
                 p_items = protocol.prefill_items(pres.body)
-            reader = EventReader(resp.aiter_bytes())
+            reader = EventReader(d_leg.chunks())
             first_task = asyncio.create_task(reader.next())
             fail = await self._watch_prefill(first_task, p_task, p_leg, main)
             if fail:
@@ -296,7 +295,7 @@ class Dispatcher:
                 return fail
             try:
                 first = first_task.result()
-            except httpx.HTTPError as e:
+            except UpstreamError as e:
                 return Failure(main, d_leg.failed(e))
             error = protocol.first_event_error(first)
             if error is not None:  # decode failed before any output: still retryable
@@ -347,7 +346,7 @@ class Dispatcher:
         async def run() -> None:
             try:
                 await asyncio.wait_for(asyncio.shield(leg.result()), self.args.request_timeout)
-            except (asyncio.TimeoutError, httpx.HTTPError):
+            except (asyncio.TimeoutError, UpstreamError):
                 pass
             finally:
                 await leg.close()

@@ -2,9 +2,15 @@
 
 A ``Leg`` owns one HTTP request to one worker: it counts as in flight on that worker (and on
 the worker's DP group, when it goes to one) from creation until ``close()``, records its outcome
-once in the worker's circuit breaker, and ``close()`` always tears the connection down, which
-cancels the request on pdserve servers. ``abort(reason)`` ends it early (a worker whose drain
+once in the worker's circuit breaker, and ``close()`` tears the connection down unless the
+answer was read to its end (closing cancels the request on pdserve servers; a whole answer
+leaves the connection to the next leg). ``abort(reason)`` ends it early (a worker whose drain
 timed out, ``router/membership.py``): whoever waits on it gets ``LegAborted`` naming the reason.
+
+Legs go through aiohttp's client (C parser, a connection pool looked up by host): with httpx
+the pool's bookkeeping grew with the open connections and took most of the router's CPU under
+load (docs/benchmarks.md, "Router overhead"). Its errors become ``UpstreamError`` here, so the
+rest of the router names one error type.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-import httpx
+import aiohttp
 from starlette.responses import StreamingResponse
 
 from pdserve.router.protocol import event_boundary
@@ -23,15 +29,49 @@ from pdserve.router.workers import Worker
 
 logger = logging.getLogger(__name__)
 
-_TIMEOUTS = (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout)
 PEER_FAILED = 502  # a pdserve PD server's "my peer (the other leg) failed"
-# errors that mean the worker's process is gone: the connection was refused, or closed in the
-# middle of a request (a killed server); a timeout is not one of them
-WORKER_GONE = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+# the client's errors that end a leg; asyncio.TimeoutError waiting for a pooled connection
+CLIENT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
-class LegAborted(httpx.TransportError):
+class UpstreamError(Exception):
+    """A leg's HTTP request failed without a whole answer; ``cause`` is the client's error."""
+
+    def __init__(self, cause: BaseException | None = None, message: str | None = None):
+        super().__init__(message or repr(cause))
+        self.cause = cause
+
+    @property
+    def timed_out(self) -> bool:
+        """The worker stopped answering (read timeout, no free connection in time); a connect
+        timeout is not one: nothing was sent, another worker may take the request."""
+        c = self.cause
+        return isinstance(c, asyncio.TimeoutError) and not isinstance(c, aiohttp.ConnectionTimeoutError)
+
+    @property
+    def worker_gone(self) -> bool:
+        """The worker's process is gone: the connection was refused, or closed or reset in the
+        middle of a request (a killed server); a timeout is not one of them."""
+        c = self.cause
+        return (isinstance(c, (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
+                               aiohttp.ClientPayloadError, aiohttp.ClientOSError, ConnectionError))
+                and not isinstance(c, asyncio.TimeoutError))
+
+
+class LegAborted(UpstreamError):
     """The router ended the leg itself; the message says why."""
+
+    def __init__(self, reason: str):
+        super().__init__(message=reason)
+
+
+def new_session(timeout: float, headers: dict) -> aiohttp.ClientSession:
+    """The client of the legs: ``timeout`` for each read and for a free connection, connecting
+    within 10 s; bodies passed on as they come (no decompression)."""
+    limits = aiohttp.TCPConnector(limit=4096, limit_per_host=0, keepalive_timeout=30)
+    return aiohttp.ClientSession(connector=limits, headers=headers, auto_decompress=False,
+                                 timeout=aiohttp.ClientTimeout(total=None, connect=timeout,
+                                                               sock_connect=min(10.0, timeout), sock_read=timeout))
 
 
 @dataclass
@@ -53,14 +93,15 @@ class LegResult:
 
 
 class Leg:
-    def __init__(self, client: httpx.AsyncClient, worker: Worker, path: str, payload: bytes,
+    def __init__(self, client: aiohttp.ClientSession, worker: Worker, path: str, payload: bytes,
                  headers: dict, on_connect_error, metrics, dp_rank: int | None = None):
         self.worker = worker
         self.dp_rank = dp_rank
         self.metrics = metrics
         self.on_connect_error = on_connect_error
         self.started = time.monotonic()
-        self.response: httpx.Response | None = None
+        self.response: aiohttp.ClientResponse | None = None
+        self.complete = False  # the answer was read to its end: its connection can serve another leg
         self.outcome: bool | None = None
         self.closed = False
         self.abort_reason: str | None = None
@@ -71,13 +112,16 @@ class Leg:
         if dp_rank is not None:
             worker.group_in_flight[dp_rank] = worker.group_in_flight.get(dp_rank, 0) + 1
         worker.breaker.on_dispatch()
-        request = client.build_request("POST", worker.url + path, content=payload, headers=headers)
-        self.headers_task = asyncio.create_task(self._send(client, request))
+        self.headers_task = asyncio.create_task(self._send(client, worker.url + path, payload, headers))
         self._result_task: asyncio.Task | None = None
 
-    async def _send(self, client: httpx.AsyncClient, request: httpx.Request) -> httpx.Response:
+    async def _send(self, client: aiohttp.ClientSession, url: str, payload: bytes,
+                    headers: dict) -> aiohttp.ClientResponse:
+        """The answer's status and headers (its body is read by ``_read`` or ``chunks``)."""
         try:
-            self.response = await client.send(request, stream=True)
+            self.response = await client.post(url, data=payload, headers=headers)
+        except CLIENT_ERRORS as e:
+            raise UpstreamError(e) from e
         except asyncio.CancelledError:
             if self.abort_reason is None:
                 raise
@@ -102,25 +146,40 @@ class Leg:
     async def _read(self) -> LegResult:
         try:
             resp = await self.headers_task
-            body = await resp.aread()
-        except httpx.HTTPError as e:
+            try:
+                body = await resp.read()
+            except CLIENT_ERRORS as e:
+                raise UpstreamError(e) from e
+        except UpstreamError as e:
             return self.failed(e)
         except asyncio.CancelledError:
             if self.abort_reason is None:
                 raise
             return self.failed(LegAborted(self.abort_reason))
-        self.finish(resp.status_code < 500 or resp.status_code == PEER_FAILED)  # a 502 blames the peer leg
-        return LegResult(resp.status_code, body, resp.headers.get("content-type"))
+        self.complete = True
+        self.finish(resp.status < 500 or resp.status == PEER_FAILED)  # a 502 blames the peer leg
+        return LegResult(resp.status, body, resp.headers.get("content-type"))
 
-    def failed(self, error: Exception) -> LegResult:
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The answer's body as it arrives (after ``headers_task``); ``UpstreamError`` when it breaks."""
+        content = self.response.content
+        while True:
+            try:
+                chunk = await content.readany()
+            except CLIENT_ERRORS as e:
+                raise UpstreamError(e) from e
+            if not chunk:
+                self.complete = True
+                return
+            yield chunk
+
+    def failed(self, error: UpstreamError) -> LegResult:
         self.finish(False)
-        if isinstance(error, WORKER_GONE):
-            self.on_connect_error(self.worker, error)
-        message = f"{self.worker.role} {self.worker.url} failed: {error!r}"
-        if isinstance(error, LegAborted):
-            message = str(error)
+        if error.worker_gone:
+            self.on_connect_error(self.worker, error.cause)
+        message = str(error) if isinstance(error, LegAborted) else f"{self.worker.role} {self.worker.url} failed: {error}"
         logger.warning(message)
-        return LegResult(None, error=message, timed_out=isinstance(error, _TIMEOUTS))
+        return LegResult(None, error=message, timed_out=error.timed_out)
 
     def finish(self, ok: bool) -> None:
         if self.outcome is not None:
@@ -143,7 +202,10 @@ class Leg:
             if not t.cancelled():
                 t.exception()  # retrieved: an error here was already handled or is moot
         if self.response is not None:
-            await self.response.aclose()
+            if self.complete:
+                self.response.release()  # back to the pool for the next leg
+            else:
+                self.response.close()  # drops the connection: the server cancels the request
         self.worker.in_flight -= 1
         self.worker.legs.discard(self)
         if self.dp_rank is not None:

@@ -7,10 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Callable
 
-import httpx
-
 from pdserve.router import pd_policy, protocol, timeline
-from pdserve.router.legs import EventReader, Leg, LegAborted
+from pdserve.router.legs import EventReader, Leg, LegAborted, UpstreamError
 
 if TYPE_CHECKING:
     from pdserve.router.dispatch import Call
@@ -46,7 +44,7 @@ class Relay:
         except LegAborted as e:  # its decode was removed and the drain timed out (router/membership.py)
             self.d_leg.failed(e)
             yield protocol.sse_error_event(503, str(e))
-        except httpx.HTTPError as e:
+        except UpstreamError as e:
             result = self.d_leg.failed(e)
             yield protocol.sse_error_event(502, f"decode stream broke: {result.error}")
 
