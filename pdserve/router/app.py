@@ -21,9 +21,9 @@ from pdserve.log import setup_logging
 from pdserve.router.args import RouterArgs, parse_args
 from pdserve.router.discovery import DNSDiscovery
 from pdserve.router.dispatch import Dispatcher, error_response
-from pdserve.router import pairing, worker_api
+from pdserve.router import pairing, processes, worker_api
 from pdserve.router.kv_index import KVIndex, PromptBlocks
-from pdserve.router.legs import ProxyStream, wait_disconnect
+from pdserve.router.legs import wait_disconnect
 from pdserve.router.membership import Membership
 from pdserve.router.metrics import RequestCounter, RouterMetrics
 from pdserve.router.prompt import PromptReader
@@ -57,22 +57,43 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 async def until_disconnect(request: Request, work_coro) -> Response:
-    """Run a dispatch, cancelling it (and so its upstream legs) if the client goes away first."""
-    work = asyncio.create_task(work_coro)
-    watch = asyncio.create_task(wait_disconnect(request.receive))
+    """Run a dispatch in this task, cancelling it (and so its upstream legs) if the client goes
+    away first. One watcher task per request; the dispatch itself runs here, not in a task."""
+    me = asyncio.current_task()
+    left = False
+
+    async def watch() -> None:
+        nonlocal left
+        await wait_disconnect(request.receive)
+        left = True
+        me.cancel()
+
+    watcher = asyncio.create_task(watch())
     try:
-        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        return await work_coro
+    except asyncio.CancelledError:
+        if not left:
+            raise
+        me.uncancel()
     finally:
-        watch.cancel()
-        if not work.done():
-            work.cancel()
-        await asyncio.wait({work, watch})
-    if work in done:
-        return work.result()
-    if not work.cancelled() and work.exception() is None and isinstance(work.result(), ProxyStream):
-        await work.result().abandon()
+        watcher.cancel()
     logger.info("client left before %s was answered; upstream requests cancelled", request.url.path)
     return Response(status_code=499)
+
+
+class RouterApp(FastAPI):
+    """FastAPI, except that a POST to a generation route skips FastAPI's own middleware and
+    routing (error pages, telemetry, body limits, dependency solving: a third of the router's
+    CPU per request, docs/benchmarks.md "Router overhead") and goes through the router's
+    middleware straight to ``generate``. The routes stay registered for /openapi.json."""
+
+    fast_path = None  # an ASGI app for GENERATE_PATHS, set by ``create_app``
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (self.fast_path is not None and scope["type"] == "http" and scope["method"] == "POST"
+                and scope["path"] in GENERATE_PATHS):
+            return await self.fast_path(scope, receive, send)
+        await super().__call__(scope, receive, send)
 
 
 def _json_or_text(resp: httpx.Response):
@@ -180,7 +201,7 @@ def create_app(args: RouterArgs) -> FastAPI:
         finally:
             await router.stop()
 
-    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    app = RouterApp(title="pdserve router", lifespan=lifespan)
     app.state.router = router
 
     async def generate(request: Request) -> Response:
@@ -194,6 +215,10 @@ def create_app(args: RouterArgs) -> FastAPI:
 
     for path in GENERATE_PATHS:
         app.add_api_route(path, generate, methods=["POST"])
+
+    async def generate_asgi(scope, receive, send) -> None:
+        response = await generate(Request(scope, receive))
+        await response(scope, receive, send)
 
     @app.get("/health")
     async def health():
@@ -304,10 +329,27 @@ def create_app(args: RouterArgs) -> FastAPI:
         return Response(router.metrics.render(), media_type=RouterMetrics.CONTENT_TYPE)
 
     endpoints = {r.path for r in app.routes if hasattr(r, "path")}
+    fast = generate_asgi
+    if args.workers > 1:  # inside the key check: a caller without the key still gets 401
+        app.add_middleware(processes.FrozenMembership)
     if args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+        fast = APIKeyMiddleware(fast, api_key=args.api_key)
     app.add_middleware(RequestCounter, metrics=router.metrics, endpoints=endpoints)
+    app.fast_path = RequestCounter(fast, metrics=router.metrics, endpoints=endpoints)
     return app
+
+
+def serve(args: RouterArgs, role: str = "router", sockets=None) -> None:
+    """Run one router process until it is stopped (on ``sockets`` when given, else host:port)."""
+    setup_logging(role, args.log_level)
+    for noisy in ("httpx", "httpcore"):  # one INFO line per upstream request otherwise
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    app = create_app(args)
+    level = "warning" if args.log_level == "info" else args.log_level  # uvicorn's INFO lines are per request
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, log_level=level,
+                            access_log=False, timeout_graceful_shutdown=10)
+    uvicorn.Server(config).run(sockets=sockets)
 
 
 def main(argv: list[str]) -> int:
@@ -316,11 +358,8 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"pdserve router: {e}", file=sys.stderr)
         return 2
-    setup_logging("router", args.log_level)
-    for noisy in ("httpx", "httpcore"):  # one INFO line per upstream request otherwise
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
-    app = create_app(args)
-    level = "warning" if args.log_level == "info" else args.log_level  # uvicorn's INFO lines are per request
-    uvicorn.run(app, host=args.host, port=args.port, log_config=None, log_level=level, access_log=False,
-                timeout_graceful_shutdown=10)
+    if args.workers > 1:
+        setup_logging("router", args.log_level)
+        return processes.run(args)
+    serve(args)
     return 0

@@ -60,6 +60,7 @@ class RouterArgs:
     drain_timeout: float = 300.0  # a removed worker's running requests get this long to finish
     host: str = "127.0.0.1"
     port: int = 8000
+    workers: int = 1  # router processes on one port (SO_REUSEPORT), sharing nothing (router/processes.py)
     policy: str = "round_robin"
     prefill_policy: str | None = None
     decode_policy: str | None = None
@@ -129,6 +130,8 @@ class RouterArgs:
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name}: must not be negative")
 
+        if self.workers < 1:
+            raise ValueError("workers: must be at least 1")
         if self.dns_server is not None:
             dns_server_address(self.dns_server)
         for name in ("api_key", "worker_api_key"):
@@ -212,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = RouterArgs.__dataclass_fields__
     p.add_argument("--host", default=d["host"].default)
     p.add_argument("--port", type=int, default=d["port"].default)
+    p.add_argument("--workers", type=int, default=d["workers"].default, metavar="N",
+                   help="router processes serving --port (SO_REUSEPORT), each with its own state; the worker "
+                        "API then refuses changes: use --prefill-dns/--decode-dns (docs/architecture.md)")
     p.add_argument("--policy", choices=POLICIES, default=d["policy"].default)
     p.add_argument("--prefill-policy", choices=POLICIES, default=None, help="overrides --policy for prefill")
     p.add_argument("--decode-policy", choices=POLICIES, default=None, help="overrides --policy for decode")
@@ -284,7 +290,7 @@ def parse_args(argv: list[str]) -> RouterArgs:
         prefill_dns=[_dns_target(t, True) for t in ns.prefill_dns],
         decode_dns=[_dns_target(t, False) for t in ns.decode_dns], dns_interval=ns.dns_interval,
         dns_server=ns.dns_server, add_worker_timeout=ns.add_worker_timeout, drain_timeout=ns.drain_timeout,
-        host=ns.host, port=ns.port, policy=ns.policy,
+        host=ns.host, port=ns.port, workers=ns.workers, policy=ns.policy,
         prefill_policy=ns.prefill_policy, decode_policy=ns.decode_policy, dp_aware=ns.dp_aware,
         cache_aware_balance=ns.cache_aware_balance, tokenizer_path=ns.tokenizer_path, pd_policy=ns.pd_policy,
         pd_local_max_tokens=ns.pd_local_max_tokens, pd_itl_weight=ns.pd_itl_weight,
