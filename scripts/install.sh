@@ -79,6 +79,7 @@ else
   fi
 fi
 
-# Build the CPU kernels now rather than at the first server start (about a minute; cached by
-# torch version and source hash). A failure is not fatal: pdserve then uses its PyTorch paths.
+# Build the CPU kernels now rather than at the first server start (about 300 CPU-seconds, the
+# files side by side; cached by source and compiler key, docs/architecture.md "Building the
+# kernels"). A failure is not fatal: pdserve then uses its PyTorch paths.
 $PY -m pdserve.kernels || echo "install.sh: the CPU kernels did not build; pdserve will use its slower PyTorch paths" >&2

@@ -42,9 +42,9 @@ constexpr int64_t kPrefetchBytes = 2048;
 
 enum class Act { kSilu, kSwigluOai };
 
-// Runs fn(part) for part in [0, parts) side by side. at::parallel_for would, but it runs the whole
-// range on the calling thread when the extension is built without OpenMP (as pdserve's is: no
-// -fopenmp); then parts 1.. go to torch's inter-op thread pool while the caller runs part 0.
+// Runs fn(part) for part in [0, parts) side by side: at::parallel_for in a build with OpenMP
+// (pdserve's, where torch has it). Without OpenMP at::parallel_for runs the whole range on the
+// calling thread, so parts 1.. go to torch's inter-op thread pool while the caller runs part 0.
 template <typename Fn>
 void run_parts(int64_t parts, const Fn& fn) {
 #ifdef INTRA_OP_PARALLEL

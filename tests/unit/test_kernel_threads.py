@@ -1,0 +1,158 @@
+"""pdserve's kernels give the same bits on 1 and 2 threads: every output is computed by one thread
+in a fixed order (each ``at::parallel_for`` splits rows, panels or (request, head) tasks, never a
+sum), and the build uses torch's OpenMP runtime, so 2 threads do split the work."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+
+import pytest
+import torch
+
+from pdserve import kernels
+from pdserve.layers.linear import PackedW8A8, pack_vnni16
+from pdserve.layers.moe.fused import PackedExperts
+
+
+@pytest.fixture(scope="module")
+def ops():
+    mod = kernels.load()
+    assert mod is not None, f"CPU kernels did not build: {kernels.unavailable_reason()}"
+    return mod
+
+
+def at_1_and_2_threads(fn):
+    """fn()'s results at 1 and at 2 threads (fn builds fresh outputs on each call)."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fn()
+        torch.set_num_threads(2)
+        assert torch.get_num_threads() == 2
+        two = fn()
+    finally:
+        torch.set_num_threads(before)
+    return one, two
+
+
+def assert_same(pair):
+    one, two = pair
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+
+
+def test_the_module_uses_torchs_openmp_runtime(ops):
+    needed = subprocess.run(["readelf", "-d", str(kernels.kernel_build().library)], capture_output=True,
+                            text=True, check=True).stdout
+    assert "libgomp.so.1" in needed, "built without -fopenmp: at::parallel_for would run on one thread"
+    with open("/proc/self/maps") as f:
+        runtimes = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(runtimes) == 1, f"two OpenMP runtimes loaded: {runtimes}"
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_linear_vnni(ops, path, rows, out_dtype):
+    gen = torch.Generator().manual_seed(rows)
+    w, bias = torch.randn(1000, 384, generator=gen), torch.randn(1000, generator=gen).to(out_dtype)
+    x, packed = torch.randn(rows, 384, generator=gen).bfloat16(), pack_vnni16(w)
+
+    def run():
+        out = torch.empty(rows, 1000, dtype=out_dtype)
+        ops.linear_vnni(out, x, packed, bias)
+        return [out]
+
+    assert_same(at_1_and_2_threads(run))
+
+
+@pytest.mark.parametrize("rows", [2, 40])
+def test_linear_w8a8(ops, path, rows):
+    if path == "simd" and not ops.has_int8_dot():
+        pytest.skip("this CPU has no AVX512-VNNI: only the scalar int8 code runs here")
+    gen = torch.Generator().manual_seed(rows)
+    lin = PackedW8A8(0.1 * torch.randn(700, 320, generator=gen), torch.randn(700, generator=gen), ops)
+    x = torch.randn(rows, 320, generator=gen).bfloat16()
+    assert_same(at_1_and_2_threads(lambda: [lin(x)]))
+
+
+def _pool(gen, lens, kvh, D, page, dtype):
+    pages = sum(-(-n // page) for n in lens)
+    kc = torch.randn(pages + 1, kvh, page, D, generator=gen).to(dtype)
+    vc = torch.randn(pages + 1, kvh, page, D, generator=gen).to(dtype)
+    width = max(-(-n // page) for n in lens)
+    perm = (torch.randperm(pages, generator=gen) + 1).to(torch.int32)
+    table, used = torch.zeros(len(lens), width, dtype=torch.int32), 0
+    for b, n in enumerate(lens):
+        table[b, : -(-n // page)] = perm[used: used + -(-n // page)]
+        used += -(-n // page)
+    return kc, vc, table
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention(ops, path, kv_dtype):
+    gen = torch.Generator().manual_seed(1)
+    lens = [1, 17, 300, 45, 129]
+    kc, vc, table = _pool(gen, lens, 2, 64, 16, kv_dtype)
+    q = torch.randn(len(lens), 6, 64, generator=gen).to(kv_dtype)
+
+    def run():
+        out = torch.empty_like(q)
+        ops.paged_decode_attention(out, q, kc, vc, table, torch.tensor(lens, dtype=torch.int32), 0.125, 0)
+        return [out]
+
+    assert_same(at_1_and_2_threads(run))
+
+
+def test_flash_attention(ops):
+    if not ops.flash_supported(64):
+        pytest.skip("the flash kernel needs avx512_bf16, which this CPU lacks")
+    gen = torch.Generator().manual_seed(2)
+    lens, new = [150, 70, 33], [150, 20, 1]  # a prefill, a chunk after a prefix, a decode row
+    kc, vc, table = _pool(gen, lens, 2, 64, 16, torch.bfloat16)
+    q = torch.randn(sum(new), 6, 64, generator=gen).bfloat16()
+    starts = torch.tensor([0, 150, 170, 171], dtype=torch.int32)
+
+    def run():
+        out = torch.empty_like(q)
+        ops.paged_attention_bf16(out, q, kc, vc, table, torch.tensor(lens, dtype=torch.int32), starts,
+                                 1 / math.sqrt(64), 0)
+        return [out]
+
+    assert_same(at_1_and_2_threads(run))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_rope_silu(ops, path, dtype):
+    gen = torch.Generator().manual_seed(3)
+    x, res = (torch.randn(70, 576, generator=gen).to(dtype) for _ in range(2))
+    w = torch.randn(576, generator=gen).to(dtype)
+    qk = torch.randn(70, 6, 64, generator=gen).to(dtype)
+    ang = torch.outer(torch.arange(70.0), 1 / 10000 ** (torch.arange(0, 64, 2) / 64))
+    cos, sin = torch.cat([ang.cos()] * 2, 1), torch.cat([ang.sin()] * 2, 1)
+    gu = torch.randn(70, 2 * 900, generator=gen).to(dtype)
+
+    def run():
+        out, r = torch.empty_like(x), res.clone()
+        ops.rms_norm(out, x.clone(), r, w, 1e-6)
+        q, k = qk[:, :4].clone(), qk[:, 4:].clone()
+        ops.rotary_embedding(q, k, cos, sin)
+        act = torch.empty(70, 900, dtype=dtype)
+        ops.silu_and_mul(act, gu)
+        return [out, r, q, k, act]
+
+    assert_same(at_1_and_2_threads(run))
+
+
+@pytest.mark.parametrize("quantization", [None, "w8a8_int8"])
+def test_fused_moe(ops, quantization):
+    if quantization and not ops.has_int8_dot():
+        pytest.skip("this CPU has no AVX512-VNNI")
+    gen = torch.Generator().manual_seed(4)
+    E, H, inter, T, K = 6, 128, 96, 200, 2
+    experts = PackedExperts(torch.randn(E, 2 * inter, H, generator=gen) * 0.1,
+                            torch.randn(E, H, inter, generator=gen) * 0.1, ops=ops, quantization=quantization)
+    x = torch.randn(T, H, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(torch.int32)
+    weights = torch.rand(T, K, generator=gen)
+    assert_same(at_1_and_2_threads(lambda: [experts(x, ids, weights)]))
