@@ -55,7 +55,8 @@ class PrefillFit:
         if len(ns) < 2:
             raise PlanError(f"prefill: need times at two prompt lengths or more, got {points}")
         cols = [[1.0] * len(ns), [float(n) for n in ns]] + ([[float(n) ** 2 for n in ns]] if len(ns) >= 3 else [])
-        coef = _nonneg_lstsq(np.array(cols).T, np.array([points[n] for n in ns]))
+        # drop the n^2 term first, then the fixed cost: the per-token cost dominates
+        coef = _nonneg_lstsq(np.array(cols).T, np.array([points[n] for n in ns]), (2, 0))
         return cls(*coef) if len(coef) == 3 else cls(coef[0], coef[1])
 
 
@@ -77,22 +78,24 @@ class DecodeFit:
             raise PlanError(f"decode: need step times at two batch sizes or more, got {points}")
         per_req = {round(c / b) for b, c, _ in pts}
         cols = [[1.0] * len(pts), [b for b, _, _ in pts]] + ([[c for _, c, _ in pts]] if len(per_req) >= 2 else [])
-        coef = _nonneg_lstsq(np.array(cols).T, np.array([s for _, _, s in pts]))
+        coef = _nonneg_lstsq(np.array(cols).T, np.array([s for _, _, s in pts]), (2, 1))
         return cls(*coef) if len(coef) == 3 else cls(coef[0], coef[1])
 
 
-def _nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> list[float]:
-    """Least squares with every coefficient >= 0: columns whose coefficient comes out negative
-    are dropped (their coefficient 0) and the rest refitted."""
+def _nonneg_lstsq(a: np.ndarray, y: np.ndarray, drop_order: Sequence[int]) -> list[float]:
+    """Least squares with every coefficient >= 0: while one comes out negative, the next column
+    of ``drop_order`` still in the fit is dropped (its coefficient 0) and the rest refitted, so
+    noise never makes a term negative and the secondary terms go first."""
     keep = list(range(a.shape[1]))
+    order = [i for i in drop_order if i in keep]
     while True:
         coef = np.linalg.lstsq(a[:, keep], y, rcond=None)[0]
-        if all(c >= 0 for c in coef) or len(keep) == 1:
+        if all(c >= 0 for c in coef) or not order:
             out = [0.0] * a.shape[1]
             for i, c in zip(keep, coef):
                 out[i] = max(float(c), 0.0)
             return out
-        keep.pop(int(np.argmin(coef)))
+        keep.remove(order.pop(0))
 
 
 @dataclass

@@ -139,6 +139,9 @@ def test_fits_recover_their_coefficients():
     pts = [(b, b * c, d.step_s(b, b * c)) for b, c in ((1, 40), (8, 40), (32, 40), (4, 520))]
     got = DecodeFit.fit(pts)
     assert (got.fixed_s, got.s_per_request, got.s_per_context_token) == pytest.approx((0.02, 0.0005, 1e-6), rel=1e-6)
+    # noise (a longer prompt measured faster) gives no negative term: the n^2 term goes first
+    noisy_prefill = PrefillFit.fit({32: 0.0539, 256: 0.0515, 512: 0.0724})
+    assert noisy_prefill.s_per_token > 0 and noisy_prefill.s_per_token2 == 0 and noisy_prefill.fixed_s > 0
     # a coefficient the noise makes negative is dropped, not kept below zero
     noisy = DecodeFit.fit([(1, 40, 0.03), (8, 320, 0.029), (32, 1280, 0.031)])
     assert min(noisy.fixed_s, noisy.s_per_request, noisy.s_per_context_token) >= 0
