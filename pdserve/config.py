@@ -56,6 +56,9 @@ class ServerArgs:
     load_format: str = "auto"
     context_length: Optional[int] = None
     random_seed: int = 0
+    # a request's tokens and logprobs do not depend on the batch, chunking, prefix-cache hits or PD
+    # (batch-invariant matmuls and attention; SGLang's flag; docs/determinism.md)
+    enable_deterministic_inference: bool = False
     # HTTP
     host: str = "127.0.0.1"
     port: int = 30000
@@ -150,6 +153,9 @@ class ServerArgs:
             bad("quantization", f"must be one of {QUANTIZATIONS} (or unset), got {self.quantization!r}")
         if self.quantization is not None and self.device != "cpu":
             bad("quantization", f"{self.quantization!r} is implemented for the CPU only, but device is {self.device!r}")
+        if self.enable_deterministic_inference and self.moe_runner_backend == "grouped_mm":
+            bad("moe_runner_backend", "'grouped_mm' sums a row differently with the batch; "
+                "--enable-deterministic-inference runs the experts on the fused kernel ('auto')")
         if self.quantization is not None and self.dtype in ("float32", "float16"):
             bad("quantization", f"{self.quantization!r} computes in bfloat16; it cannot be combined with --dtype {self.dtype}")
         if self.attention_backend == "cpu" and self.device != "cpu":

@@ -61,9 +61,14 @@ class ModelRunner:
         )
         if self.ops is not None:
             self.model.use_cpu_kernels(self.ops)
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            packed = self.model.prepack(self.ops, args.quantization)
+        deterministic = args.enable_deterministic_inference
+        if deterministic:
+            self._check_deterministic_possible()
+        if self.device.type == "cpu" and (self.dtype == torch.bfloat16 or deterministic):
+            packed = self.model.prepack(self.ops, args.quantization, batch_invariant=deterministic)
             what = f"{args.quantization} (int8 weights, LM head bf16)" if args.quantization else \
+                "float32 (batch invariant)" if self.dtype == torch.float32 else \
+                "bf16 (GEMV at every batch size: batch invariant)" if deterministic else \
                 "bf16 (oneDNN" + (" + GEMV)" if self.ops else ")")
             logger.info("matmul weights prepacked for %s: %.1f MiB", what, packed / 2**20)
         self.kv_dtype = choose_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
@@ -86,11 +91,17 @@ class ModelRunner:
         self._allocate_kv(self._num_pages(), kv_allocator)
         self.attn_backend_name = self._attention_backend()
         self.attn_backend = get_attention_backend(self.attn_backend_name, **(
-            {"ops": self.ops, "compute_dtype": self.dtype} if self.attn_backend_name == "cpu" else {}))
+            {"ops": self.ops, "compute_dtype": self.dtype, "deterministic": deterministic}
+            if self.attn_backend_name == "cpu" else {}))
+        if deterministic and self.attn_backend_name != "cpu":
+            raise ValueError("enable_deterministic_inference: this model's attention runs on the 'torch' backend "
+                             f"(SDPA), whose rows are not independent of the batch; it needs the 'cpu' backend, "
+                             f"which does not support it: {self._why_not_cpu_attention()}")
         arch = ",".join(getattr(self.hf_config, "architectures", None) or ["?"])
         self.attn_backend.check_supported({g.kind for g in self.cache_groups}, self.model.attention_layers(), arch)
         if self.attn_backend_name == "cpu" and self.dtype == torch.bfloat16:
-            self.model.enable_decode_stack(self.ops)  # when the model offers one for its configuration
+            # when the model offers one for its configuration
+            self.model.enable_decode_stack(self.ops, batch_invariant=deterministic)
         logger.info(
             "model %s loaded: %d layers, dtype %s, KV cache %s in %s, attention %s",
             os.path.basename(args.model_path.rstrip("/")), len(specs), self.dtype, self.kv_dtype,
@@ -137,6 +148,21 @@ class ModelRunner:
             choice = None
         name, _, why = self.par.world.broadcast_object_str(choice).partition("|")
         return getattr(torch, name), why
+
+    def _check_deterministic_possible(self) -> None:
+        if self.device.type != "cpu":
+            raise ValueError("enable_deterministic_inference: implemented for CPU serving only (batch-invariant "
+                             "GEMMs and attention are pdserve's CPU kernels); it is not available on "
+                             f"{self.device.type}")
+        if self.ops is None:
+            raise ValueError("enable_deterministic_inference: needs pdserve's CPU kernels (batch-invariant GEMMs and "
+                             f"attention), which are not available ({kernels.unavailable_reason()})")
+
+    def _why_not_cpu_attention(self) -> str:
+        if self.args.attention_backend == "torch":
+            return "--attention-backend torch was asked for"
+        missing = attention_backend_class("cpu").missing_features(self.model.attention_layers())
+        return f"the model's attention uses {', '.join(missing)}" if missing else "the kernels are not available"
 
     def _check_quantization_possible(self) -> None:
         if self.ops is None:

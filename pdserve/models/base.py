@@ -61,9 +61,11 @@ class CausalLM(Protocol):
     # CPU fast paths (optional work; a model may do nothing in them)
     def use_cpu_kernels(self, ops: ModuleType) -> None: ...
 
-    def prepack(self, ops: Optional[ModuleType], quantization: Optional[str] = None) -> int:
-        """Prepack matmul weights for bf16 (or int8) on CPU; returns the packed bytes."""
+    def prepack(self, ops: Optional[ModuleType], quantization: Optional[str] = None,
+                batch_invariant: bool = False) -> int:
+        """Prepack matmul weights for bf16 (or int8) on CPU, and with ``batch_invariant`` for any
+        dtype, on matmuls whose rows do not depend on each other; returns the packed bytes."""
 
-    def enable_decode_stack(self, ops: ModuleType) -> bool:
+    def enable_decode_stack(self, ops: ModuleType, batch_invariant: bool = False) -> bool:
         """Offer a fused decode-step implementation (e.g. the C++ Llama stack); False when the
         model has none for its configuration."""

@@ -138,7 +138,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             return logits
         return torch.tanh(logits / cap) * cap  # HF's order of operations (exact in float32)
 
-    def enable_decode_stack(self, ops: ModuleType) -> bool:
+    def enable_decode_stack(self, ops: ModuleType, batch_invariant: bool = False) -> bool:
         return False  # the C++ stack is the Llama block (two norms, SiLU, no soft-cap)
 
 

@@ -158,20 +158,23 @@ class MoEForCausalLM(LlamaForCausalLM):
                          shared=shared, shared_gate=gate)
 
     # ---- CPU fast paths ---------------------------------------------------------------------
-    def prepack(self, ops, quantization: Optional[str] = None) -> int:
-        total = super().prepack(ops, quantization)
+    def prepack(self, ops, quantization: Optional[str] = None, batch_invariant: bool = False) -> int:
+        total = super().prepack(ops, quantization, batch_invariant)
+        for module in self.modules():
+            if isinstance(module, Router):
+                total += module.prepack(ops, batch_invariant)
         runner = self._moe_ctx.options.runner
-        if runner in ("auto", "fused"):
+        if runner in ("auto", "fused") or batch_invariant:
             for module in self.modules():
                 if isinstance(module, Experts):
-                    packed = module.prepack(ops, quantization)
+                    packed = module.prepack(ops, quantization, batch_invariant)
                     if packed == 0 and runner == "fused":
                         raise ValueError("moe_runner_backend: 'fused' needs pdserve's CPU kernels, which are "
                                          "not available here (see the log); use 'auto'")
                     total += packed
         return total
 
-    def enable_decode_stack(self, ops) -> bool:
+    def enable_decode_stack(self, ops, batch_invariant: bool = False) -> bool:
         return False  # the C++ decode stack is the dense Llama block
 
 

@@ -7,6 +7,12 @@ place, never gathered.
   (``paged_attention.cpp``), extend rows as the torch backend does (SDPA over the new tokens and
   the gathered prefix).
 
+With ``deterministic`` (``--enable-deterministic-inference``) a row's attention does not depend on
+the other rows of the forward, on how its request's rows are split into chunks, or on a cached
+prefix: the flash kernel's key blocks start at multiples of 64 (always); without it, every row,
+prefill rows too, runs the paged decode kernel as its own query (blocks of 16 keys from position
+0), instead of SDPA over the new tokens.
+
 Both kernels take the layer's attention sinks (float32, one per query head): the online softmax
 starts from the sink as its running max with a running sum of 1, which is the extra softmax column.
 """
@@ -26,9 +32,10 @@ class CpuAttnBackend(TorchAttnBackend):
     supports_softcap = False  # the kernels have no soft-cap; such models run on the torch backend
     supports_sinks = True  # both kernels take them
 
-    def __init__(self, ops=None, compute_dtype: torch.dtype = torch.bfloat16, **_):
+    def __init__(self, ops=None, compute_dtype: torch.dtype = torch.bfloat16, deterministic: bool = False, **_):
         super().__init__()
         self.compute_dtype = compute_dtype
+        self.deterministic = deterministic
         if ops is None:
             from pdserve import kernels
 
@@ -47,7 +54,10 @@ class CpuAttnBackend(TorchAttnBackend):
 
     def init_forward(self, fb: ForwardBatch) -> None:
         self._flash = None
+        self._rowwise = None
         if not self.uses_flash(fb):
+            if self.deterministic:
+                return self._init_rowwise(fb)
             return super().init_forward(fb)
         self._fb = fb
         starts = torch.zeros(fb.batch_size + 1, dtype=torch.int32)
@@ -55,6 +65,15 @@ class CpuAttnBackend(TorchAttnBackend):
         # per group: (write rows, page table, seq lens)
         self._flash = [(write_rows(g, fb.out_offsets), *fb.int32_tables(i)) for i, g in enumerate(fb.groups)]
         self._starts = starts
+
+    def _init_rowwise(self, fb: ForwardBatch) -> None:
+        """Every new token as one decode query: its request's page table, its own length."""
+        self._fb = fb
+        req = torch.repeat_interleave(torch.arange(fb.batch_size), torch.tensor(fb.extend_lens))
+        lens = torch.cat([torch.arange(p + 1, p + e + 1, dtype=torch.int32)
+                          for p, e in zip(fb.prefix_lens, fb.extend_lens)])
+        self._rowwise = [(write_rows(g, fb.out_offsets), fb.int32_tables(i)[0].index_select(0, req).contiguous(), lens)
+                         for i, g in enumerate(fb.groups)]
 
     def init_decode(self, fb: ForwardBatch, dec: list[int]) -> None:
         self._dec = None
@@ -84,18 +103,22 @@ class CpuAttnBackend(TorchAttnBackend):
             out[sel] = o
 
     def forward(self, layer, q, k, v, fb, sinks=None):
-        if self._flash is None:
+        if self._flash is None and self._rowwise is None:
             return super().forward(layer, q, k, v, fb, sinks)
         assert (sinks is not None) == layer.has_sinks, f"layer {layer.layer_id}: sinks must come exactly with has_sinks"
         group = fb.layer_group[layer.layer_id]
         kc, vc = fb.kv(layer.layer_id)  # [P, kv_heads, page, D]
-        rows, table, lens = self._flash[group]
+        rows, table, lens = (self._flash or self._rowwise)[group]
         head_dim = kc.shape[3]
         kc.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(kc.dtype))
         vc.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(vc.dtype))
         out = torch.empty_like(q)
-        self.ops.paged_attention_bf16(out, q, kc, vc, table, lens, self._starts, layer.scale,
-                                      layer.sliding_window or 0, _float32(sinks))
+        if self._rowwise is not None:
+            self.ops.paged_decode_attention(out, q, kc, vc, table, lens, layer.scale, layer.sliding_window or 0,
+                                            _float32(sinks))
+        else:
+            self.ops.paged_attention_bf16(out, q, kc, vc, table, lens, self._starts, layer.scale,
+                                          layer.sliding_window or 0, _float32(sinks))
         return out
 
 

@@ -100,11 +100,16 @@ class Experts(nn.Module):
         size = x.element_size()
         return (self.hidden * size) % 16 == 0 and (self.intermediate * size) % 16 == 0 and x.dtype != torch.float64
 
-    def _loop(self, x, ids, weights, out):
+    def _loop(self, x, ids, weights, out, linears=None):
+        """``linears``: per slot, the (gate/up, down) matmuls to use instead of ``F.linear``."""
         for slot in torch.unique(ids[ids >= 0]).tolist():  # ascending, as HF's eager loop
             tok, pos = torch.where(ids == slot)
-            gu = F.linear(x[tok], self.w13[slot], None if self.b13 is None else self.b13[slot])
-            y = F.linear(self.act(gu), self.w2[slot], None if self.b2 is None else self.b2[slot])
+            if linears is None:
+                gu = F.linear(x[tok], self.w13[slot], None if self.b13 is None else self.b13[slot])
+                y = F.linear(self.act(gu), self.w2[slot], None if self.b2 is None else self.b2[slot])
+            else:
+                w13, w2 = linears[slot]
+                y = w2(self.act(w13(x[tok])))
             out.index_add_(0, tok, y.float() * weights[tok, pos, None].float())
         return out
 
@@ -180,11 +185,26 @@ class Experts(nn.Module):
             self.b2.data.zero_()
 
     # ---- CPU fast path -----------------------------------------------------------------------
-    def prepack(self, ops, quantization: Optional[str] = None) -> int:
+    def prepack(self, ops, quantization: Optional[str] = None, batch_invariant: bool = False) -> int:
         """Hand the weights to the fused kernel (bf16, or int8 with ``w8a8_int8``); returns the
-        packed bytes. Without the kernels the reference runner stays."""
+        packed bytes. Without the kernels the reference runner stays. A float32 model with
+        ``batch_invariant`` runs the loop over ``PackedF32`` matmuls (rows independent of each
+        other, as the fused kernel's are)."""
         if ops is None:
             return 0
+        if self.w13.dtype == torch.float32:
+            if not batch_invariant:
+                return 0
+            from pdserve.layers.linear import PackedF32
+
+            linears = [(PackedF32(self.w13.data[s], None if self.b13 is None else self.b13.data[s], ops),
+                        PackedF32(self.w2.data[s], None if self.b2 is None else self.b2.data[s], ops))
+                       for s in range(self.num_slots)]
+            self.impl = lambda x, ids, weights: self._loop(
+                x, ids, weights, torch.zeros((x.shape[0], self.hidden), dtype=torch.float32), linears)
+            for name in ("w13", "w2"):
+                setattr(self, name, nn.Parameter(getattr(self, name).new_empty(0), requires_grad=False))
+            return sum(a.nbytes + b.nbytes for a, b in linears)
         try:
             from pdserve.layers.moe.fused import PackedExperts
         except ImportError:  # a build of the kernels without the MoE kernel

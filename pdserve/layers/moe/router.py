@@ -50,7 +50,25 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
 
+    def prepack(self, ops, batch_invariant: bool) -> int:
+        """With ``batch_invariant``: the gate matmul on pdserve's kernels, whose rows do not depend on
+        each other (``F.linear``'s do: BLAS blocks by shape); returns the packed bytes."""
+        if not batch_invariant:
+            return 0
+        from pdserve.layers.linear import PackedBF16, PackedF32
+
+        bias = None if self.bias is None else self.bias.data
+        if self.fp32_logits or self.weight.dtype == torch.float32:
+            self.invariant = PackedF32(self.weight.data, bias, ops)
+        else:
+            self.invariant = PackedBF16(self.weight.data, bias, ops, batch_invariant=True)
+        return self.invariant.nbytes
+
+    invariant = None  # the batch-invariant gate matmul, set by ``prepack``
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self.invariant is not None:
+            return self.invariant(h)
         if self.fp32_logits:
             return F.linear(h.float(), self.weight.float(), None if self.bias is None else self.bias.float())
         return F.linear(h, self.weight, self.bias)
