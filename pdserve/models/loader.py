@@ -143,6 +143,8 @@ def weights_digest(model: nn.Module) -> dict:
                 tensors += [(f"{attr}.{k}", t) for k, t in held.items() if isinstance(t, torch.Tensor)]
         for key, t in tensors:
             if t is not None:
-                h.update(f"{name}.{key}:{t.data_ptr()}:{t.nbytes};".encode())
+                # oneDNN's prepacked weights are opaque (no storage, no data pointer): the object's id
+                where = id(t) if t.is_mkldnn else t.data_ptr()
+                h.update(f"{name}.{key}:{where}:{t.nbytes};".encode())
                 count, nbytes = count + 1, nbytes + t.nbytes
     return {"model_id": f"{id(model):x}", "tensors": count, "bytes": nbytes, "digest": h.hexdigest()[:16]}
