@@ -165,7 +165,12 @@ class Leg:
         content = self.response.content
         while True:
             try:
-                chunk = await content.readany()
+                if content.exception() is not None and content._buffer:
+                    # aiohttp raises a broken connection's error before handing out the bytes
+                    # that came ahead of it: those go out first, as they would from the server
+                    chunk = content._read_nowait(-1)
+                else:
+                    chunk = await content.readany()
             except CLIENT_ERRORS as e:
                 raise UpstreamError(e) from e
             if not chunk:
@@ -259,24 +264,28 @@ class ProxyStream(StreamingResponse):
         await self.on_close()
 
     async def __call__(self, scope, receive, send) -> None:
-        async def stream() -> None:
+        """Send the stream in this task; a watcher task cancels it when the client disconnects."""
+        me = asyncio.current_task()
+        left = False
+
+        async def watch() -> None:
+            nonlocal left
+            await wait_disconnect(receive)
+            left = True
+            me.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for chunk in self.body_iterator:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        sender = asyncio.create_task(stream())
-        watcher = asyncio.create_task(wait_disconnect(receive))
-        try:
-            await asyncio.wait({sender, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            if not left:
+                raise
+            me.uncancel()
+        except OSError as e:
+            logger.debug("client went away while streaming: %r", e)
         finally:
-            for t in (sender, watcher):
-                t.cancel()
-            await asyncio.wait({sender, watcher})
+            watcher.cancel()
             await self.abandon()
-        if not watcher.cancelled():
-            watcher.exception()
-        if not sender.cancelled() and isinstance(sender.exception(), OSError):
-            logger.debug("client went away while streaming: %r", sender.exception())
-        elif not sender.cancelled() and sender.exception() is not None:
-            raise sender.exception()
