@@ -5,7 +5,9 @@ sum), and the build uses torch's OpenMP runtime, so 2 threads do split the work.
 from __future__ import annotations
 
 import math
+import os
 import subprocess
+import time
 
 import pytest
 import torch
@@ -49,6 +51,35 @@ def test_the_module_uses_torchs_openmp_runtime(ops):
     with open("/proc/self/maps") as f:
         runtimes = {line.split()[-1] for line in f if "libgomp" in line}
     assert len(runtimes) == 1, f"two OpenMP runtimes loaded: {runtimes}"
+
+
+def _cpu_ticks_per_thread() -> dict[str, int]:
+    ticks = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            ticks[tid] = int(f.read().rsplit(")", 1)[1].split()[11])  # utime, in clock ticks
+    return ticks
+
+
+def test_two_threads_share_the_work(ops):
+    """At 2 threads a prefill-size GEMM runs on two OS threads, about half each (a build without
+    OpenMP runs it all on the calling thread)."""
+    x, packed = torch.randn(512, 1024).bfloat16(), pack_vnni16(torch.randn(4096, 1024))
+    out = torch.empty(512, 4096, dtype=torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ops.linear_vnni(out, x, packed, None)
+        start, deadline = _cpu_ticks_per_thread(), time.monotonic() + 60
+        while True:  # until 40 ticks of CPU time are spent, so the split is measurable
+            ops.linear_vnni(out, x, packed, None)
+            now = _cpu_ticks_per_thread()
+            spent = sorted((now[t] - start.get(t, 0) for t in now), reverse=True)
+            if sum(spent) >= 40 or time.monotonic() > deadline:
+                break
+    finally:
+        torch.set_num_threads(before)
+    assert spent[1] >= 0.3 * sum(spent), f"CPU ticks per thread: {spent[:4]}"
 
 
 @pytest.mark.parametrize("rows", [1, 3, 64])
