@@ -52,6 +52,8 @@ class Membership:
         self.args = args
         self.adding: set[str] = set()  # URLs being checked
         self._drains: dict[Worker, asyncio.Task] = {}
+        self._rejoins: dict[str, asyncio.Task] = {}
+        pool.info_listeners.append(self._follow_role)
 
     def roles(self) -> tuple[str, ...]:
         return (PREFILL, DECODE) if self.pool.pd_mode else (REGULAR,)
@@ -173,6 +175,35 @@ class Membership:
         if others and all(reasons):
             raise MembershipError(f"{worker.url} cannot be paired with any {others[0].role} worker: {reasons[0]}")
 
+    # ------------------------------------------------------------------ role switches
+    def _follow_role(self, worker: Worker, info: dict) -> None:
+        """A server that switched role (its ``disaggregation_mode`` or ``role_epoch`` changed) leaves
+        its old role and joins again with the checks of ``add``: the new role's bootstrap port and
+        pairing. It drained itself before switching, so its drain here is short."""
+        epoch = info.get("role_epoch")
+        known, worker.role_epoch = worker.role_epoch, epoch
+        reported = _MODES.get(info.get("disaggregation_mode", "unknown"))
+        changed = reported is not None and reported != worker.role
+        if not changed and (known is None or epoch == known):
+            return
+        if worker.draining is not None or worker.url in self._rejoins:
+            return
+        why = f"switched to {info.get('disaggregation_mode')} (role epoch {epoch})"
+        self._rejoins[worker.url] = asyncio.create_task(self._rejoin(worker, why), name=f"router-rejoin-{worker.url}")
+
+    async def _rejoin(self, worker: Worker, why: str) -> None:
+        try:
+            self.remove(worker, why)
+            drain = self._drains.get(worker)
+            if drain is not None:
+                await drain
+            try:
+                await self.add(worker.url, source=worker.source)
+            except MembershipError as e:
+                logger.warning("%s %s: not taken back after it %s: %s", worker.role, worker.url, why, e)
+        finally:
+            self._rejoins.pop(worker.url, None)
+
     # ------------------------------------------------------------------ leaving
     def remove(self, worker: Worker, reason: str) -> None:
         """Start draining ``worker`` (at once; it is forgotten once its legs have ended)."""
@@ -204,6 +235,6 @@ class Membership:
             self._drains.pop(worker, None)
 
     async def stop(self) -> None:
-        for task in list(self._drains.values()):
+        for task in list(self._drains.values()) + list(self._rejoins.values()):
             task.cancel()
-        await asyncio.gather(*self._drains.values(), return_exceptions=True)
+        await asyncio.gather(*self._drains.values(), *self._rejoins.values(), return_exceptions=True)

@@ -96,6 +96,7 @@ class Worker:
         self.host = bootstrap_host(url)
         self.breaker = breaker or CircuitBreaker(0, 0.0)
         self.source = source  # how it joined: "command line", "api" or "dns NAME" (router/membership.py)
+        self.role_epoch = None  # the server's /server_info role_epoch when last read (POST /switch_role)
         self.draining: str | None = None  # why it is being removed; it then takes no new request
         self.healthy = False  # becomes True on the first passing health check
         self.health_failures = 0
@@ -188,6 +189,9 @@ class WorkerPool:
         self.dp_aware = args.dp_aware
         self.poll_loads = poll_loads or self.dp_aware
         self.needs_info = needs_info or self.dp_aware  # read each worker's /server_info when it comes up
+        # PD: read it at every health check too, so a server that switched role (POST /switch_role)
+        # is moved to its new role (router/membership.py)
+        self.follow_roles = args.pd_mode
         self.info_listeners: list = []  # called with (worker, info) after each read
 
         def make(url: str, role: str, port: int | None = None) -> Worker:
@@ -304,7 +308,7 @@ class WorkerPool:
             ok, reason = resp.status_code == 200, f"GET /health returned {resp.status_code}"
         except httpx.HTTPError as e:
             ok, reason = False, repr(e)
-        if ok and self.needs_info and (worker.info is None or not worker.healthy):
+        if ok and (self.follow_roles or self.needs_info and (worker.info is None or not worker.healthy)):
             await self.read_info(worker)  # a worker that (re)starts may have another configuration
         worker.set_health(ok, self.args.health_failure_threshold, reason)
 

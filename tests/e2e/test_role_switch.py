@@ -1,7 +1,8 @@
 """``POST /switch_role`` end to end: two servers behind pdserve's router swap prefill and decode
 under load, one becomes colocated and goes back, all without loading their weights again; the
-router lets them go and takes them back through its worker API, reading their new roles from
-their ``/server_info``.
+router notices a switch by itself (the server's ``/server_info`` role and ``role_epoch``, read at
+each health check), lets the server go from its old role and takes it in its new one; a server
+can also be taken out and put back through the router's worker API.
 
 Every request either completes with the offline engine's tokens or, having arrived during the
 drain (or still running at its timeout), ends with a 503 naming the switch; the switched servers
@@ -181,17 +182,13 @@ def test_swap_roles_under_load(pair, reference):
     assert status == 200 and last["error"]["code"] == 503, last  # ended in its stream, naming why
     assert SWITCHING in last["error"]["message"] and "drain timeout" in last["error"]["message"]
 
-    # A: prefill -> decode; then R1 takes both again in their new roles, read from their /server_info
-    for p in (A, B):
-        leave(R1, p)
+    # A: prefill -> decode, still among R1's workers: R1 reads both servers' new roles from their
+    # /server_info at its health checks, lets each go from its old role and takes it in its new one
     resp = switch(A, role="decode")
     assert resp.status_code == 200, resp.text
     assert resp.json()["weights"] == started["A"]["weights"]
-    for p in (B, A):
-        r = R1.http.post("/workers", json={"url": p.url})  # no worker_type: the role the server reports
-        assert r.status_code == 202, r.text
-    roles = {w["url"]: (w["worker_type"], w.get("bootstrap_port")) for w in R1.http.get("/workers").json()["workers"]}
-    assert roles == {B.url: ("prefill", B.bootstrap_port), A.url: ("decode", None)}
+    want = {B.url: ("prefill", B.bootstrap_port), A.url: ("decode", None)}
+    c.wait_for(lambda: worker_roles(R1) == want, 30, "R1 to take A and B in their new roles")
     with ThreadPoolExecutor(6) as ex:
         swapped = list(ex.map(lambda j: generate(R1.url, *j), [(ids, i % 2 == 1) for i, ids in enumerate(sample)]))
     assert [out["output_ids"] for _, out in swapped] == [out["output_ids"] for _, out in fresh]
@@ -202,6 +199,12 @@ def test_swap_roles_under_load(pair, reference):
         pools = p.wait_idle()
         assert pools["total_pages"] == started[p.name]["num_pages"] - 1
     pair["swapped"] = True
+
+
+def worker_roles(router: c.Proc) -> dict:
+    """url -> (role, bootstrap port) of the router's workers that take requests."""
+    return {w["url"]: (w["worker_type"], w.get("bootstrap_port"))
+            for w in router.http.get("/workers").json()["workers"] if not w.get("draining")}
 
 
 def leave(router: c.Proc, proc: c.Proc) -> None:
