@@ -165,9 +165,10 @@ class Leg:
         content = self.response.content
         while True:
             try:
-                if content.exception() is not None and content._buffer:
+                if content.exception() is not None and getattr(content, "_buffer", None):
                     # aiohttp raises a broken connection's error before handing out the bytes
-                    # that came ahead of it: those go out first, as they would from the server
+                    # that came ahead of it (its private buffer, checked by
+                    # tests/unit/test_router_legs.py): those go out first, as the server sent them
                     chunk = content._read_nowait(-1)
                 else:
                     chunk = await content.readany()
