@@ -38,15 +38,16 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
                             const c10::optional<at::Tensor>& sinks);
 void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& q_starts,
-                          double scale, int64_t window, const c10::optional<at::Tensor>& sinks);
+                          double scale, int64_t window, const c10::optional<at::Tensor>& sinks, int64_t amx_min_rows);
 bool flash_supported(int64_t head_dim);
 void rms_norm(at::Tensor out, at::Tensor x, c10::optional<at::Tensor> residual, const at::Tensor& weight, double eps);
 void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
 void silu_and_mul(at::Tensor out, const at::Tensor& gate_up);
-void linear_vnni(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c10::optional<at::Tensor> bias);
+void linear_vnni(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c10::optional<at::Tensor> bias,
+                 int64_t amx_min_rows);
 void linear_f32(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c10::optional<at::Tensor> bias);
 void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& colsum,
-                 const at::Tensor& w_scale, c10::optional<at::Tensor> bias);
+                 const at::Tensor& w_scale, c10::optional<at::Tensor> bias, int64_t amx_min_rows);
 bool cpu_has_avx512_vnni();
 void moe_experts_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
                       const at::Tensor& w13, const at::Tensor& w2, c10::optional<at::Tensor> b13,
@@ -58,11 +59,14 @@ void moe_experts_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& ids
                       double alpha, double limit);
 void moe_pack_experts(at::Tensor out, const at::Tensor& w, const at::Tensor& rows);
 void bind_decode_model(pybind11::module& m);
+void bind_amx(pybind11::module& m);
+const char* amx_isa_name();
 
 }  // namespace pds
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", []() {
+    if (const char* amx = pds::amx_isa_name()) return std::string(amx);
     return std::string(pds::use_avx512_bf16() ? "avx512_bf16" : pds::use_avx512() ? "avx512" : "scalar");
   });
   m.def("set_force_scalar", [](bool on) { pds::g_force_scalar = on; },
@@ -75,16 +79,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16 attention of every new token (decode and prefill rows) over the paged pool",
         pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("page_table"), pybind11::arg("seq_lens"), pybind11::arg("q_starts"), pybind11::arg("scale"),
-        pybind11::arg("window"), pybind11::arg("sinks") = pybind11::none());
+        pybind11::arg("window"), pybind11::arg("sinks") = pybind11::none(), pybind11::arg("amx_min_rows") = -1);
   m.def("flash_supported", &pds::flash_supported, "whether paged_attention_bf16 runs here for this head_dim");
   m.def("rms_norm", &pds::rms_norm, "RMSNorm, optionally after a residual add (in place)");
   m.def("rotary_embedding", &pds::rotary_embedding, "rotate-half RoPE of q and k in place");
   m.def("silu_and_mul", &pds::silu_and_mul, "out = silu(gate) * up");
   pds::bind_decode_model(m);
+  pds::bind_amx(m);
   m.def("linear_f32", &pds::linear_f32, "x w^T (+ bias) in float32, one k-ordered FMA chain per output (batch invariant)");
-  m.def("linear_w8a8", &pds::linear_w8a8, "int8 weights x per-token int8 activations (w8a8_int8), dequantized");
+  m.def("linear_w8a8", &pds::linear_w8a8, "int8 weights x per-token int8 activations (w8a8_int8), dequantized",
+        pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("colsum"), pybind11::arg("w_scale"),
+        pybind11::arg("bias"), pybind11::arg("amx_min_rows") = -1);
   m.def("has_int8_dot", []() { return pds::cpu_has_avx512_vnni(); }, "whether the CPU has AVX512-VNNI");
-  m.def("linear_vnni", &pds::linear_vnni, "x w^T (+ bias), bf16 weight packed [N/16, K/2, 16, 2], bf16 or fp32 out");
+  m.def("linear_vnni", &pds::linear_vnni, "x w^T (+ bias), bf16 weight packed [N/64, K/2, 4, 16, 2], bf16 or fp32 out",
+        pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"),
+        pybind11::arg("amx_min_rows") = -1);
   m.def("moe_experts_bf16", &pds::moe_experts_bf16,
         "fused MoE experts (gate/up, activation, down, weighted sum over slots), bf16 weights packed per expert");
   m.def("moe_experts_w8a8", &pds::moe_experts_w8a8, "fused MoE experts with w8a8_int8 weights and activations");

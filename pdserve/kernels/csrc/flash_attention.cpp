@@ -13,7 +13,10 @@
 // apply per row: row at position pos sees keys [pos - window + 1, pos] (window 0: [0, pos]).
 // Attention sinks (optional, one float32 logit per query head) add exp(sink) to the softmax's
 // denominator only: a row's online softmax starts with max = sink and sum = 1 instead of -inf, 0.
-#include "common.h"
+//
+// On AMX hosts tasks of at least amx_min_rows rows run on tiles instead (amx_attention.cpp: the
+// same per-row arithmetic, key blocks at fixed positions).
+#include "amx.h"
 
 #include <ATen/Parallel.h>
 
@@ -334,9 +337,11 @@ bool flash_supported(int64_t head_dim) {
 // and its K/V (new tokens included) in the pool pages of page_table[b]. All bf16 but the sinks.
 //   q, out: [T, heads, D] (head_dim contiguous); k_cache, v_cache: [pages, kv_heads, page_size, D]
 //   sinks: [heads] float32, or none
+//   amx_min_rows: tasks of at least this many rows (query positions x GQA group) take AMX where it
+//   is used (-1: the process default, see amx.h)
 void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& q_starts,
-                          double scale, int64_t window, const c10::optional<at::Tensor>& sinks) {
+                          double scale, int64_t window, const c10::optional<at::Tensor>& sinks, int64_t amx_min_rows) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
                   k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
               "paged_attention_bf16: q, out and the KV cache must be bfloat16");
@@ -375,12 +380,22 @@ void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor&
               page_table.data_ptr<int32_t>(), lens, qs, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
               page_table.stride(0), H, KVH, k_cache.size(2), D, window, float(scale), sink_ptr};
   const int64_t ntasks = int64_t(task_req.size()) * KVH;
+  const int64_t amx_rows = amx_attention_min_rows(amx_min_rows);
+  const TileBackend tb = ntasks > 0 ? amx_backend() : TileBackend::kNone;
+  const AmxAttention amx{a.q, a.out, a.k, a.v, a.table, a.lens, a.q_starts, a.q_stride_t, a.q_stride_h, a.out_stride_t,
+                         a.out_stride_h, a.table_stride, a.heads, a.kv_heads, a.page_size, a.D, a.window, a.scale,
+                         a.sinks};
   at::parallel_for(0, ntasks, 1, [&](int64_t begin, int64_t end) {
-    std::unique_ptr<Scratch> scratch(new Scratch);  // not value-initialised: every field is written before use
+    std::unique_ptr<Scratch> scratch;  // not value-initialised: every field is written before use
     for (int64_t t = begin; t < end; ++t) {
       const int64_t i = t / KVH, h = t % KVH;
       const int64_t b = task_req[i], q0 = task_q0[i];
       const int64_t nq = std::min<int64_t>(kQueries, (qs[b + 1] - qs[b]) - q0);
+      if (tb != TileBackend::kNone && nq * (H / KVH) >= amx_rows) {
+        amx_attention_task(amx, b, h, q0, nq, tb);
+        continue;
+      }
+      if (!scratch) scratch.reset(new Scratch);
       switch ((D + 31) / 32) {
         case 1: flash_task<1>(a, b, h, q0, nq, *scratch); break;
         case 2: flash_task<2>(a, b, h, q0, nq, *scratch); break;
@@ -402,7 +417,7 @@ void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor&
 void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& q_starts,
                           double scale, int64_t window) {
-  paged_attention_bf16(out, q, k_cache, v_cache, page_table, seq_lens, q_starts, scale, window, c10::nullopt);
+  paged_attention_bf16(out, q, k_cache, v_cache, page_table, seq_lens, q_starts, scale, window, c10::nullopt, -1);
 }
 
 }  // namespace pds

@@ -13,7 +13,10 @@
 // accumulator summed over k in order, whatever the tile: a row's result does not depend on how
 // many rows share the call (batch invariance). Without avx512_bf16 the pairs are widened to fp32
 // and multiplied with FMAs (the same per-output order on that path).
-#include "common.h"
+//
+// On AMX hosts calls of at least amx_min_rows rows run on tiles instead (amx_gemm.cpp: the same
+// packed weight, the same per-output order but for the order inside a pair of k).
+#include "amx.h"
 
 #include <ATen/Parallel.h>
 
@@ -160,7 +163,10 @@ void run_panels(const GemvArgs& a, const uint16_t* xb, int64_t np0, int64_t np1)
 // out: [M, N] (rows contiguous), float32 or bf16; x: [M, K] (rows contiguous), float32 or bf16;
 // packed: the weight [N, K] in the layout above, [ceil(N/64), ceil(K/2), 4, 16, 2] bf16, 64-byte
 // aligned; bias: [N] in out's dtype, optional.
-void linear_vnni(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c10::optional<at::Tensor> bias) {
+// amx_min_rows: calls of at least this many rows take AMX where it is used (-1: the process
+// default, see amx.h; 1: every call, for one kernel at every batch size)
+void linear_vnni(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c10::optional<at::Tensor> bias,
+                 int64_t amx_min_rows) {
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 5 && packed.size(2) == 4 &&
                   packed.size(3) == 16 && packed.size(4) == 2 && packed.is_contiguous() &&
                   reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0,
@@ -178,6 +184,10 @@ void linear_vnni(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == out.scalar_type(),
                 "linear_vnni: bias must be contiguous [N] in out's dtype");
   if (M == 0) return;
+  if (M >= amx_linear_min_rows(amx_min_rows)) {
+    const TileBackend tb = amx_backend();
+    if (tb != TileBackend::kNone) return amx_linear_bf16(out, x, packed, bias, tb);
+  }
   // x as bf16 pairs, zero padded to 2 KP
   std::vector<uint16_t> xb(M * 2 * KP, 0);
   const bool x_bf16 = x.scalar_type() == at::kBFloat16;
@@ -194,6 +204,10 @@ void linear_vnni(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
 #endif
     gemv_scalar(a, xb.data(), b, e);
   });
+}
+
+void linear_vnni(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c10::optional<at::Tensor> bias) {
+  linear_vnni(out, x, packed, bias, -1);
 }
 
 }  // namespace pds

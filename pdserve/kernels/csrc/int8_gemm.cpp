@@ -9,8 +9,9 @@
 // xq + 128 and the extra 128 * sum_k wq[n][k] (colsum, precomputed) is subtracted from each sum:
 //   y[m][n] = (acc[m][n] - 128 colsum[n]) * x_scale[m] * w_scale[n] + bias[n]
 // The integer sums are exact, so results do not depend on tiling or batching. Tiles as in the
-// bf16 kernel (gemv.cpp): R rows x one panel.
-#include "common.h"
+// bf16 kernel (gemv.cpp): R rows x one panel. On AMX hosts calls of at least amx_min_rows rows
+// run on tiles (TDPBUSD, amx_gemm.cpp) on the same packed weight, with the same results.
+#include "amx.h"
 
 #include <ATen/Parallel.h>
 
@@ -216,8 +217,9 @@ void run_panels(const Int8Args& a, int64_t np0, int64_t np1, std::vector<int32_t
 // out [M, N] = dequant(quant(x) wq^T) (+ bias). x: [M, K] float32 or bf16 (rows contiguous);
 // packed: int8 [ceil(N/64), ceil(K/4), 4, 16, 4], 64-byte aligned; colsum: int32 [ceil(N/64) * 64];
 // w_scale: float32 [ceil(N/64) * 64]; bias: [N] in out's dtype, optional; out: float32 or bf16.
+// amx_min_rows: as linear_vnni's.
 void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& colsum,
-                 const at::Tensor& w_scale, c10::optional<at::Tensor> bias) {
+                 const at::Tensor& w_scale, c10::optional<at::Tensor> bias, int64_t amx_min_rows) {
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 5 && packed.size(2) == 4 && packed.size(3) == 16 &&
                   packed.size(4) == 4 && packed.is_contiguous() && reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0,
               "linear_w8a8: weight must be packed as a contiguous, 64-byte aligned int8 [N/64, K/4, 4, 16, 4] tensor");
@@ -235,12 +237,22 @@ void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == out.scalar_type(),
                 "linear_w8a8: bias must be contiguous [N] in out's dtype");
   if (M == 0) return;
-  std::vector<uint8_t> xq(M * KQ * 4);
+  const TileBackend tb = M >= amx_linear_min_rows(amx_min_rows) ? amx_backend() : TileBackend::kNone;
+  // AMX reads x in tiles: rows padded to 16, k to 64 (the padding is 128, i.e. zero)
+  const int64_t x_stride = tb != TileBackend::kNone ? (KQ * 4 + 63) / 64 * 64 : KQ * 4;
+  const int64_t x_rows = tb != TileBackend::kNone ? (M + 15) / 16 * 16 : M;
+  std::vector<uint8_t> xq(x_rows * x_stride, 128);
   std::vector<float> xs(M);
   if (x.scalar_type() == at::kBFloat16)
-    quantize(data<uint16_t>(x), x.stride(0), M, K, KQ * 4, xq.data(), xs.data());
+    quantize(data<uint16_t>(x), x.stride(0), M, K, x_stride, xq.data(), xs.data());
   else
-    quantize(data<float>(x), x.stride(0), M, K, KQ * 4, xq.data(), xs.data());
+    quantize(data<float>(x), x.stride(0), M, K, x_stride, xq.data(), xs.data());
+  if (tb != TileBackend::kNone)
+    return amx_linear_w8a8(AmxInt8Gemm{packed.data_ptr<int8_t>(), colsum.data_ptr<int32_t>(), w_scale.data_ptr<float>(),
+                                       xq.data(), xs.data(), bias.has_value() ? bias->data_ptr() : nullptr,
+                                       out.data_ptr(), M, N, KQ, NP, x_stride, out.stride(0),
+                                       out.scalar_type() == at::kBFloat16},
+                           tb);
   Int8Args a{packed.data_ptr<int8_t>(), colsum.data_ptr<int32_t>(), w_scale.data_ptr<float>(), xq.data(), xs.data(),
              bias.has_value() ? bias->data_ptr() : nullptr, out.data_ptr(), M, N, KQ, NP, out.stride(0),
              out.scalar_type() == at::kBFloat16};
@@ -253,6 +265,11 @@ void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
 #endif
     int8_scalar(a, b, e);
   });
+}
+
+void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& colsum,
+                 const at::Tensor& w_scale, c10::optional<at::Tensor> bias) {
+  linear_w8a8(out, x, packed, colsum, w_scale, bias, -1);
 }
 
 }  // namespace pds
