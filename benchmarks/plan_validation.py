@@ -12,7 +12,7 @@ For each workload, with every server up and idle:
   2. ``pdserve bench`` against each set-up: the same prompts, the same Poisson arrival times.
 Then a table: predicted and measured goodput, TTFT and TPOT percentiles, per split.
 
-  python benchmarks/plan_validation.py [--workloads short,long] [--num-prompts 40]
+  python benchmarks/plan_validation.py [--workloads short,long] [--num-prompts N]
       [--out-dir docs/bench/plan_validation]
   python benchmarks/plan_validation.py --report-only      # re-read the saved JSONs
 """
@@ -36,8 +36,10 @@ from pdserve.bench.metrics import RequestRecord, is_good  # noqa: E402
 
 # input/output: the longest length; lengths are uniform in [range_ratio * len, len] (bench's)
 WORKLOADS = {
-    "short": dict(input_len=64, output_len=256, range_ratio=0.5, rate=1.0, slo_ttft_ms=1000.0, slo_tpot_ms=40.0),
-    "long": dict(input_len=1024, output_len=16, range_ratio=0.5, rate=0.6, slo_ttft_ms=3000.0, slo_tpot_ms=200.0),
+    "short": dict(input_len=64, output_len=256, range_ratio=0.5, rate=0.8, slo_ttft_ms=1500.0, slo_tpot_ms=60.0,
+                  num_prompts=30),
+    "long": dict(input_len=1024, output_len=16, range_ratio=0.5, rate=0.3, slo_ttft_ms=6000.0, slo_tpot_ms=200.0,
+                 num_prompts=24),
 }
 SPLITS = {"pd": "1P1D", "colocated": "2 colocated"}
 SEED = 100
@@ -50,6 +52,10 @@ def workload_args(name: str, a: argparse.Namespace) -> argparse.Namespace:
                               slo_tpot_ms=w["slo_tpot_ms"])
 
 
+def num_prompts(name: str, a: argparse.Namespace) -> int:
+    return a.num_prompts or WORKLOADS[name]["num_prompts"]
+
+
 def lengths(n: int, ratio: float) -> str:
     return f"{max(1, int(ratio * n))}-{n}"
 
@@ -59,7 +65,7 @@ def run_plan(router_url: str, name: str, a: argparse.Namespace) -> dict:
     cmd = [sys.executable, "-m", "pdserve.cli", "plan", "--router", router_url, "--budget", "2",
            "--request-rate", str(w["rate"]), "--input-len", lengths(w["input_len"], w["range_ratio"]),
            "--output-len", lengths(w["output_len"], w["range_ratio"]), "--slo-ttft-ms", str(w["slo_ttft_ms"]),
-           "--slo-tpot-ms", str(w["slo_tpot_ms"]), "--num-requests", str(a.num_prompts), "--seed", str(SEED),
+           "--slo-tpot-ms", str(w["slo_tpot_ms"]), "--num-requests", str(num_prompts(name, a)), "--seed", str(SEED),
            "--json", "--save-calibration", str(a.out_dir / f"calibration-{name}.json")]
     print("$ " + " ".join(cmd[1:]), file=sys.stderr)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -92,7 +98,7 @@ def run_study(a: argparse.Namespace, names: list[str]) -> None:
                 print(f"== {name} on {setup} ({time.strftime('%H:%M:%S')}, load {loads[setup][0]:.2f})",
                       file=sys.stderr)
                 pvc.bench(router.url, a.out_dir / f"bench-{name}-{setup}.json", WORKLOADS[name]["rate"], SEED,
-                          wa, a.num_prompts)
+                          wa, num_prompts(name, a))
                 loads[setup].append(round(os.getloadavg()[0], 2))
                 pvc.wait_idle(servers)
             (a.out_dir / f"load-{name}.json").write_text(json.dumps(loads))
@@ -123,7 +129,8 @@ def report(a: argparse.Namespace, names: list[str]) -> str:
         by_split = {c["split"]: c for c in plan["candidates"]}
         lines += ["", f"**{name}**: prompts {lengths(w['input_len'], w['range_ratio'])} tokens, outputs "
                   f"{lengths(w['output_len'], w['range_ratio'])} tokens, Poisson {w['rate']:g} req/s, "
-                  f"{a.num_prompts} requests, SLOs TTFT <= {w['slo_ttft_ms']:g} ms, TPOT <= {w['slo_tpot_ms']:g} ms. "
+                  f"{num_prompts(name, a)} requests, SLOs TTFT <= {w['slo_ttft_ms']:g} ms, "
+                  f"TPOT <= {w['slo_tpot_ms']:g} ms. "
                   f"Recommended: **{plan['recommended']['split']}**.", "",
                   "| split | goodput req/s pred / meas | SLOs met pred / meas | TTFT p50 ms pred / meas "
                   "| TTFT p90 pred / meas | TPOT p50 ms pred / meas | TPOT p90 pred / meas | max rate pred | load |",
@@ -146,7 +153,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None, help="default: the demo model (SmolLM2-135M-Instruct)")
     ap.add_argument("--workloads", default="short,long", help=f"from {', '.join(WORKLOADS)}")
-    ap.add_argument("--num-prompts", type=int, default=40, help="per (workload, set-up)")
+    ap.add_argument("--num-prompts", type=int, default=None, help="per (workload, set-up); default: the workload's")
     ap.add_argument("--vocab-size", type=int, default=49152)
     ap.add_argument("--out-dir", type=Path, default=Path("docs/bench/plan_validation"))
     ap.add_argument("--report-only", action="store_true")
