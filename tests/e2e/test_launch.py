@@ -31,7 +31,7 @@ def test_launch_serves_and_stops_everything(tiny_llama_path, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "launch", "--model-path", tiny_llama_path, "--port", str(port),
          "--num-prefill", "1", "--num-decode", "1", "--torch-num-threads", "1", "--max-total-tokens", "16384",
-         "--pd-policy", "conditional", "--decode-radix-cache"],
+         "--pd-policy", "conditional", "--decode-radix-cache", "--enable-deterministic-inference"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     url = f"http://127.0.0.1:{port}"
@@ -53,6 +53,7 @@ def test_launch_serves_and_stops_everything(tiny_llama_path, tmp_path):
                              for g in gs), 10, "KV indices in sync")
         prefill = httpx.get(url + "/server_info", timeout=60).json()["prefill"][0]
         assert prefill["server_info"]["disaggregation_secret"] == "***"  # launch gave its servers one
+        assert prefill["server_info"]["enable_deterministic_inference"] is True  # the README's flag reaches them
         lookup = httpx.get(f"http://127.0.0.1:{prefill['bootstrap_port']}/route?prefill_dp_rank=-1&target_tp_rank=-1"
                            "&target_pp_rank=-1", timeout=10)
         assert lookup.status_code == 401  # unsigned bootstrap look-ups are refused
