@@ -158,18 +158,20 @@ def probe(view: ServerView, batches: tuple[int, ...], long_prompt: int, api_key:
     def prompts(b: int, n: int) -> list[list[int]]:
         return [[int(x) for x in rng.integers(min(100, vocab - 1), vocab, size=n)] for _ in range(b)]
 
+    def point(b: int, n: int) -> None:
+        # again with 4x the tokens when the requests did not decode together for long enough
+        # (their prefills spread out on a busy host)
+        for new_tokens in (PROBE_NEW_TOKENS, 4 * PROBE_NEW_TOKENS):
+            b = max(1, min(b, capacity // (n + new_tokens + 1)))
+            pt = _decode_point(n, *asyncio.run(_batch(view.url, api_key, prompts(b, n), new_tokens)))
+            if pt:
+                points.append(pt)
+                return
+
     points, raw = [], {"decode": [], "prefill": {}}
     for b in batches:
-        b = max(1, min(b, capacity // (SHORT_PROMPT + PROBE_NEW_TOKENS + 1)))
-        pt = _decode_point(SHORT_PROMPT, *asyncio.run(_batch(view.url, api_key, prompts(b, SHORT_PROMPT),
-                                                             PROBE_NEW_TOKENS)))
-        if pt:
-            points.append(pt)
-    long_ctx = max(SHORT_PROMPT * 8, min(512, context - PROBE_NEW_TOKENS - 2))
-    b_long = max(1, min(4, capacity // (long_ctx + PROBE_NEW_TOKENS + 1)))
-    pt = _decode_point(long_ctx, *asyncio.run(_batch(view.url, api_key, prompts(b_long, long_ctx), PROBE_NEW_TOKENS)))
-    if pt:
-        points.append(pt)
+        point(b, SHORT_PROMPT)
+    point(4, max(SHORT_PROMPT * 8, min(512, context - 4 * PROBE_NEW_TOKENS - 2)))
     raw["decode"] = [[b, round(c), round(s, 6)] for b, c, s in points]
     if len({p[0] for p in points}) < 2:
         raise PlanError(f"probe: {view.url} gave too few decode measurements ({raw['decode']}); is it overloaded?")
