@@ -60,9 +60,11 @@ def run(path: str, dtype: str, deterministic: bool, workload: str, threads: int)
     finally:
         eng.shutdown()
     tokens = n * out
-    decode_s = max(total - prefill, 1e-9)
+    # the decode phase: the full run minus its prefill (nan when noise made the difference negative)
+    decode_s = total - prefill
     return {"prefill_s": prefill, "total_s": total, "out_tok_s": tokens / total,
-            "decode_tok_s": n * (out - 1) / decode_s, "ids": [o["output_ids"] for o in outs]}
+            "decode_tok_s": n * (out - 1) / decode_s if decode_s > 0 else float("nan"),
+            "ids": [o["output_ids"] for o in outs]}
 
 
 def main() -> None:
