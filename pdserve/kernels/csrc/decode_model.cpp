@@ -41,6 +41,14 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
   return op.call(x, w, bias, "none", c10::List<c10::optional<at::Scalar>>(), c10::nullopt);
 }
 
+// `buf` as a [sizes] tensor of like's dtype, allocated only when it has another shape: a decode
+// step's activations take the same few buffers in every layer
+at::Tensor workspace(at::Tensor& buf, at::IntArrayRef sizes, const at::Tensor& like) {
+  if (!buf.defined() || buf.sizes() != sizes || buf.scalar_type() != like.scalar_type())
+    buf = at::empty(sizes, like.options());
+  return buf;
+}
+
 struct Linear {
   at::Tensor vnni;  // GEMV layout, or undefined
   at::Tensor onednn;  // oneDNN prepacked, or undefined
@@ -48,18 +56,15 @@ struct Linear {
   c10::optional<at::Tensor> bias;
   int64_t out_features = 0;
 
-  at::Tensor operator()(const at::Tensor& x, int64_t gemv_max_rows) const {
-    if (q_packed.defined()) {
-      at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  // x Wᵀ (+ bias) into `buf` (reallocated when its shape differs), or a new tensor from oneDNN
+  at::Tensor operator()(const at::Tensor& x, int64_t gemv_max_rows, at::Tensor& buf) const {
+    if (!q_packed.defined() && !(vnni.defined() && x.size(0) <= gemv_max_rows)) return onednn_linear(x, onednn, bias);
+    at::Tensor out = workspace(buf, {x.size(0), out_features}, x);
+    if (q_packed.defined())
       linear_w8a8(out, x, q_packed, q_colsum, q_scale, bias);
-      return out;
-    }
-    if (vnni.defined() && x.size(0) <= gemv_max_rows) {
-      at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+    else
       linear_vnni(out, x, vnni, bias);
-      return out;
-    }
-    return onednn_linear(x, onednn, bias);
+    return out;
   }
 };
 
@@ -127,22 +132,25 @@ class DecodeModel {
     const bool flash = kv.scalar_type() == at::kBFloat16 && flash_supported(D_);
     const at::Tensor q_starts = flash ? at::arange(M + 1, seq_lens.options()) : at::Tensor();
     const int64_t q_cols = heads_ * D_, kv_cols = kv_heads_ * D_;
+    // one set of activation buffers for all layers (each is consumed before the next layer writes
+    // it; h_buf never aliases the residual, which starts as the caller's h)
+    at::Tensor x_buf, qkv_buf, qn_buf, kn_buf, attn_buf, h_buf, gu_buf, act_buf;
     for (int64_t l = 0; l < num_layers(); ++l) {
       const Layer& L = layers_[l];
-      at::Tensor x = at::empty_like(h);
+      at::Tensor x = workspace(x_buf, h.sizes(), h);
       if (l == 0) {
         residual = h;
         rms_norm(x, h, c10::nullopt, L.norm1, eps_);
       } else {
         rms_norm(x, h, residual, L.norm1, eps_);
       }
-      at::Tensor qkv = L.qkv(x, gemv_rows_);
+      at::Tensor qkv = L.qkv(x, gemv_rows_, qkv_buf);
       at::Tensor q = heads_view(qkv, 0, heads_, D_);
       at::Tensor k = heads_view(qkv, q_cols, kv_heads_, D_);
       at::Tensor v = heads_view(qkv, q_cols + kv_cols, kv_heads_, D_);
       if (L.q_norm.has_value()) {
-        at::Tensor qn = at::empty({M * heads_, D_}, qkv.options());
-        at::Tensor kn = at::empty({M * kv_heads_, D_}, qkv.options());
+        at::Tensor qn = workspace(qn_buf, {M * heads_, D_}, qkv);
+        at::Tensor kn = workspace(kn_buf, {M * kv_heads_, D_}, qkv);
         rms_norm(qn, q.reshape({M * heads_, D_}), c10::nullopt, *L.q_norm, eps_);
         rms_norm(kn, k.reshape({M * kv_heads_, D_}), c10::nullopt, *L.k_norm, eps_);
         q = qn.view({M, heads_, D_});
@@ -154,18 +162,18 @@ class DecodeModel {
       at::Tensor vc = kv.select(0, l).select(0, 1);
       store(kc, k, slot, page_size);
       store(vc, v, slot, page_size);
-      at::Tensor attn = at::empty({M, heads_, D_}, qkv.options());
+      at::Tensor attn = workspace(attn_buf, {M, heads_, D_}, qkv);
       if (flash)
         paged_attention_bf16(attn, q, kc, vc, page_table, seq_lens, q_starts, scale_, L.window);
       else
         paged_decode_attention(attn, q, kc, vc, page_table, seq_lens, scale_, L.window);
-      h = L.o(attn.view({M, q_cols}), gemv_rows_);
-      x = at::empty_like(h);
+      h = L.o(attn.view({M, q_cols}), gemv_rows_, h_buf);
+      x = workspace(x_buf, h.sizes(), h);
       rms_norm(x, h, residual, L.norm2, eps_);
-      at::Tensor gu = L.gate_up(x, gemv_rows_);
-      at::Tensor act = at::empty({M, gu.size(1) / 2}, gu.options());
+      at::Tensor gu = L.gate_up(x, gemv_rows_, gu_buf);
+      at::Tensor act = workspace(act_buf, {M, gu.size(1) / 2}, gu);
       silu_and_mul(act, gu);
-      h = L.down(act, gemv_rows_);
+      h = L.down(act, gemv_rows_, h_buf);
     }
     return {h, residual};
   }

@@ -34,6 +34,7 @@ struct GemvArgs {
   void* out;  // [M, N] row stride out_stride
   int64_t M, N, K, KP, NP, out_stride;
   bool out_bf16;
+  int64_t x_stride;  // x's row stride in bf16 elements (even: rows of whole pairs)
 };
 
 inline const uint16_t* panel_ptr(const GemvArgs& a, int64_t np) { return a.w + np * a.KP * 128; }
@@ -46,7 +47,7 @@ inline void put(const GemvArgs& a, int64_t m, int64_t n, float v) {
     static_cast<float*>(a.out)[m * a.out_stride + n] = v;
 }
 
-// xb: x rounded to bf16, [M, 2 KP] zero padded
+// xb: x rounded to bf16, M rows of 2 KP (zero padded), row stride a.x_stride
 void gemv_scalar(const GemvArgs& a, const uint16_t* xb, int64_t np0, int64_t np1) {
   for (int64_t np = np0; np < np1; ++np) {
     const uint16_t* p = panel_ptr(a, np);
@@ -54,8 +55,8 @@ void gemv_scalar(const GemvArgs& a, const uint16_t* xb, int64_t np0, int64_t np1
       float acc[kPanel] = {0};
       for (int64_t kp = 0; kp < a.KP; ++kp)
         for (int o = 0; o < kPanel; ++o)
-          acc[o] += bf16_to_f32(xb[m * 2 * a.KP + 2 * kp]) * bf16_to_f32(p[kp * 128 + 2 * o]) +
-                    bf16_to_f32(xb[m * 2 * a.KP + 2 * kp + 1]) * bf16_to_f32(p[kp * 128 + 2 * o + 1]);
+          acc[o] += bf16_to_f32(xb[m * a.x_stride + 2 * kp]) * bf16_to_f32(p[kp * 128 + 2 * o]) +
+                    bf16_to_f32(xb[m * a.x_stride + 2 * kp + 1]) * bf16_to_f32(p[kp * 128 + 2 * o + 1]);
       for (int o = 0; o < kPanel && np * kPanel + o < a.N; ++o) put(a, m, np * kPanel + o, acc[o]);
     }
   }
@@ -80,8 +81,8 @@ PDS_AVX512 inline void store_result(const GemvArgs& a, int64_t m, int64_t n0, __
 // rows m0 .. m0 + R of panel np
 template <int R>
 PDS_AVX512_BF16 void tile_dp(const GemvArgs& a, const uint16_t* xb, int64_t np, int64_t m0, bool prefetch) {
-  const int64_t KP = a.KP;
-  const uint32_t* x32 = reinterpret_cast<const uint32_t*>(xb) + m0 * KP;  // bf16 pairs
+  const int64_t KP = a.KP, xs = a.x_stride / 2;
+  const uint32_t* x32 = reinterpret_cast<const uint32_t*>(xb + m0 * a.x_stride);  // bf16 pairs
   const uint16_t* p = panel_ptr(a, np);
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
@@ -95,7 +96,7 @@ PDS_AVX512_BF16 void tile_dp(const GemvArgs& a, const uint16_t* xb, int64_t np, 
     __m512i wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = _mm512_load_si512(step + j * 32);
     for (int r = 0; r < R; ++r) {
-      const __m512bh xp = (__m512bh)_mm512_set1_epi32(int32_t(x32[r * KP + kp]));
+      const __m512bh xp = (__m512bh)_mm512_set1_epi32(int32_t(x32[r * xs + kp]));
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xp, (__m512bh)wv[j]);
     }
   }
@@ -106,8 +107,8 @@ PDS_AVX512_BF16 void tile_dp(const GemvArgs& a, const uint16_t* xb, int64_t np, 
 // AVX-512 without bf16 dot products: even and odd k of each pair widened to fp32 separately.
 template <int R>
 PDS_AVX512 void tile_fma(const GemvArgs& a, const uint16_t* xb, int64_t np, int64_t m0, bool prefetch) {
-  const int64_t KP = a.KP;
-  const uint16_t* x = xb + m0 * 2 * KP;
+  const int64_t KP = a.KP, xs = a.x_stride;
+  const uint16_t* x = xb + m0 * xs;
   const __m512i hi_mask = _mm512_set1_epi32(int(0xffff0000u));
   const uint16_t* p = panel_ptr(a, np);
   __m512 acc[R][4];
@@ -126,8 +127,8 @@ PDS_AVX512 void tile_fma(const GemvArgs& a, const uint16_t* xb, int64_t np, int6
       odd[j] = _mm512_castsi512_ps(_mm512_and_si512(wv, hi_mask));
     }
     for (int r = 0; r < R; ++r) {
-      const __m512 x0 = _mm512_set1_ps(bf16_to_f32(x[r * 2 * KP + 2 * kp]));
-      const __m512 x1 = _mm512_set1_ps(bf16_to_f32(x[r * 2 * KP + 2 * kp + 1]));
+      const __m512 x0 = _mm512_set1_ps(bf16_to_f32(x[r * xs + 2 * kp]));
+      const __m512 x1 = _mm512_set1_ps(bf16_to_f32(x[r * xs + 2 * kp + 1]));
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(x1, odd[j], _mm512_fmadd_ps(x0, even[j], acc[r][j]));
     }
   }
@@ -188,21 +189,28 @@ void linear_vnni(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
     const TileBackend tb = amx_backend();
     if (tb != TileBackend::kNone) return amx_linear_bf16(out, x, packed, bias, tb);
   }
-  // x as bf16 pairs, zero padded to 2 KP
-  std::vector<uint16_t> xb(M * 2 * KP, 0);
+  // x as rows of bf16 pairs: read in place when it is bf16 with whole pairs per row (a decode
+  // step's every call), else rounded into a zero-padded copy
   const bool x_bf16 = x.scalar_type() == at::kBFloat16;
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t k = 0; k < K; ++k) {
-      xb[m * 2 * KP + k] = x_bf16 ? data<uint16_t>(x)[m * x.stride(0) + k] : f32_to_bf16(data<float>(x)[m * x.stride(0) + k]);
+  const bool in_place = x_bf16 && K == 2 * KP && x.stride(0) % 2 == 0 &&
+                        reinterpret_cast<uintptr_t>(x.data_ptr()) % sizeof(uint32_t) == 0;
+  std::vector<uint16_t> xb;
+  if (!in_place) {
+    xb.assign(M * 2 * KP, 0);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t k = 0; k < K; ++k) {
+        xb[m * 2 * KP + k] = x_bf16 ? data<uint16_t>(x)[m * x.stride(0) + k] : f32_to_bf16(data<float>(x)[m * x.stride(0) + k]);
+      }
     }
   }
+  const uint16_t* xp = in_place ? data<uint16_t>(x) : xb.data();
   GemvArgs a{data<uint16_t>(packed), bias.has_value() ? bias->data_ptr() : nullptr, out.data_ptr(),
-             M, N, K, KP, NP, out.stride(0), out.scalar_type() == at::kBFloat16};
+             M, N, K, KP, NP, out.stride(0), out.scalar_type() == at::kBFloat16, in_place ? x.stride(0) : 2 * KP};
   at::parallel_for(0, NP, 1, [&](int64_t b, int64_t e) {
 #if PDS_X86
-    if (use_avx512()) return run_panels(a, xb.data(), b, e);
+    if (use_avx512()) return run_panels(a, xp, b, e);
 #endif
-    gemv_scalar(a, xb.data(), b, e);
+    gemv_scalar(a, xp, b, e);
   });
 }
 
