@@ -3,7 +3,8 @@
 Servers use the ``local`` transfer backend (decode's KV pool in shared memory) when they listen on
 loopback, else a network backend (``--transfer-backend``'s help has the rule). With
 ``--tp-size`` (or ``--prefill-tp-size`` / ``--decode-tp-size``) each server runs that many ranks;
-each rank's torch thread count defaults to an equal share of the host's cores over all ranks.
+each rank's torch thread count defaults to an equal share of the host's cores over all ranks
+(``default_threads``; on 2 cores 1P1D that is one thread each, which measured best there).
 Any other flag of ``pdserve serve`` applies to every server, or to one role's servers when
 prefixed with the role: ``--decode-ep-size 2 --decode-moe-a2a-backend torch`` (MoE decode with
 expert parallelism), ``--prefill-chunked-prefill-size 4096``. The servers share a random
@@ -81,6 +82,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="the router's policy for prefill (e.g. cache_aware with several prefills)")
     p.add_argument("--pd-policy", default="always", choices=PD_POLICIES,
                    help="conditional: the router may have decode prefill short prompts itself")
+    p.add_argument("--pd-local-max-tokens", type=int, default=None, metavar="N",
+                   help="conditional: the router never has decode prefill more than N tokens it does not hold "
+                        "(the router's default unless given)")
+    p.add_argument("--pd-itl-weight", type=float, default=None, metavar="W",
+                   help="conditional: weight of the stall a local prefill inflicts on decode's running streams "
+                        "(the router's default unless given)")
     p.add_argument("--decode-radix-cache", action="store_true",
                    help="decode keeps finished requests' KV; a next turn gets only its new pages from prefill")
     p.add_argument("--transfer-backend", default=None,
@@ -88,7 +95,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         "(every server on this host, reached only from it), else mooncake (nixl when Mooncake is "
                         "not installed), since servers reachable from other hosts may be paired with a peer "
                         "there, which the local backend refuses")
-    p.add_argument("--torch-num-threads", type=int, default=None, help="per rank")
+    p.add_argument("--torch-num-threads", type=int, default=None,
+                   help="per rank (default: the cores divided among all ranks, at least 1)")
     p.add_argument("--tp-size", type=int, default=1, help="ranks of every server")
     p.add_argument("--prefill-tp-size", type=int, default=None, help="ranks of each prefill server (default --tp-size)")
     p.add_argument("--decode-tp-size", type=int, default=None, help="ranks of each decode server (default --tp-size)")
@@ -197,6 +205,25 @@ def split_role_flags(extra: list[str]) -> tuple[list[str], dict[str, list[str]]]
     return common, per_role
 
 
+def default_threads(cores: int, n_ranks: int) -> int:
+    """Torch threads per rank without ``--torch-num-threads``: the host's cores divided among all
+    ranks, at least one. Also on a small host: on 2 cores, 1P1D, 1,024-token prompts, giving both
+    servers both cores (2 threads each, 4 on 2 cores) ran at 0.33-0.67x the output rate of one
+    thread each, and one colocated server with 2 threads at 0.72-0.76x (docs/benchmarks.md, "PD on
+    two cores"): oversubscribed OpenMP threads wait for each other."""
+    return max(1, cores // n_ranks)
+
+
+def router_pd_flags(args: argparse.Namespace) -> list[str]:
+    """The conditional policy's flags given to the launcher, for the router."""
+    flags = []
+    for name in ("pd_local_max_tokens", "pd_itl_weight"):
+        value = getattr(args, name)
+        if value is not None:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    return flags
+
+
 def _parallel_flags(tp: int, dp: int, pp: int = 1) -> list[str]:
     flags = ["--tp-size", str(tp)]
     if dp > 1:
@@ -262,7 +289,8 @@ def _run(args: argparse.Namespace, extra: list[str], procs: list[tuple[str, str,
         if not any(a.split("=")[0] == "--served-model-name" for a in extra):
             extra = ["--served-model-name", DEMO_MODELS[0], *extra]  # what clients send as "model"
     n_ranks = args.num_prefill * args.prefill_tp_size * args.prefill_pp_size + args.num_decode * args.decode_tp_size
-    threads = args.torch_num_threads or max(1, (os.cpu_count() or 1) // n_ranks)
+    threads = args.torch_num_threads or default_threads(os.cpu_count() or 1, n_ranks)
+    logger.info("%d torch thread(s) per rank (%d rank(s) on %d core(s))", threads, n_ranks, os.cpu_count() or 1)
     py = [sys.executable, "-m", "pdserve.cli"]
     backend = transfer_backend_for(args.host, args.transfer_backend)
     try:
@@ -323,7 +351,8 @@ def _run(args: argparse.Namespace, extra: list[str], procs: list[tuple[str, str,
     router = subprocess.Popen(py + ["router", *prefill_specs, *decode_urls, "--host", args.host,
                                     "--port", str(args.port), "--policy", args.policy,
                                     *(["--prefill-policy", args.prefill_policy] if args.prefill_policy else []),
-                                    "--pd-policy", args.pd_policy, *(["--dp-aware"] if args.dp_aware else [])])
+                                    "--pd-policy", args.pd_policy, *router_pd_flags(args),
+                                    *(["--dp-aware"] if args.dp_aware else [])])
     procs.append(("router", router_url, router))
     wait_ready(router_url, router, 60, "router")
     print(f"pdserve cluster ready: {router_url}  "
