@@ -26,7 +26,8 @@ class CpuPathsMixin:
         """Prepack every matmul for bf16 on CPU, or int8 with ``quantization="w8a8_int8"`` (the LM
         head stays bf16); with ``batch_invariant`` the matmuls of a float32 model too (``PackedF32``);
         see ``layers/linear.py``. Returns packed bytes."""
-        dtype = self.model.embed_tokens.weight.dtype
+        # the weights' dtype (a later pipeline stage has no embedding)
+        dtype = next((m.weight.dtype for m in self.modules() if isinstance(m, Linear)), torch.bfloat16)
         total = prepack_linears(self, ops, float32_out=(self.lm_head,) if self.lm_head is not None else (),
                                 quantization=quantization, dtype=dtype, batch_invariant=batch_invariant)
         if self.tie_word_embeddings and self.shards.has_head and (dtype != torch.float32 or batch_invariant):
