@@ -222,7 +222,9 @@ class PrefillSide:
 
     def raw(self) -> Optional[float]:
         """Seconds for the same descriptors through the library directly (None: no library)."""
-        src, dst, lens = region_descriptors(self.kv_args.kv_data_ptrs, self.dst_kv_ptrs, self.kv_args.kv_item_lens,
+        # decode's buffers as this session sees them (a window of them on backends that fence late writes)
+        (sess,) = self.mgr.role.sessions.values()
+        src, dst, lens = region_descriptors(self.kv_args.kv_data_ptrs, sess.dst_kv_ptrs, self.kv_args.kv_item_lens,
                                             self.geo.src_pages(), self.geo.dst_pages())
         b = self.mgr.backend
         self.cmds.put(("clear",))

@@ -38,10 +38,14 @@ class Pair:
         self.src_buf = torch.randint(0, 256, (kv_bytes + AUX_BYTES,), dtype=torch.uint8,
                                      generator=torch.Generator().manual_seed(5))
         d, s = self.dst_buf.data_ptr(), self.src_buf.data_ptr()
-        self.dst_kv, self.dst_aux = d, d + kv_bytes + GAP
         self.src_kv, self.src_aux = s, s + kv_bytes
+        self.decode.register_regions([(d, kv_bytes), (d + kv_bytes + GAP, AUX_BYTES)])
+        # backends that fence a peer's late writes give each peer session its own window (a second
+        # mapping of the same memory, docs/reliability.md): the peer writes to the window's addresses
+        window = self.decode.open_window(PEER)
+        at = window.translate if window is not None else (lambda ptr: ptr)
+        self.dst_kv, self.dst_aux = at(d), at(d + kv_bytes + GAP)  # where prefill writes
         self.dst_regions = [(self.dst_kv, kv_bytes), (self.dst_aux, AUX_BYTES)]
-        self.decode.register_regions(self.dst_regions)
         self.prefill.register_regions([(self.src_kv, kv_bytes), (self.src_aux, AUX_BYTES)])
         self.prefill.connect(PEER, self.decode.describe(), self.dst_regions)
 
