@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.e2e.test_engine import hf_model, make_engine, prompts_for
-from tests.e2e.test_engine_bf16 import NEW_TOKENS as BF16_TOKENS
+from tests.e2e.test_engine_bf16 import LOGPROB_ULPS, NEW_TOKENS as BF16_TOKENS
 from tests.e2e.test_engine_bf16 import compare, hf_bf16
 from tests.helpers.checkpoints import build_tiny_checkpoint
 
@@ -104,7 +104,12 @@ def test_moe_bf16_matches_hf_bf16_up_to_ties(arch):
     outs = eng.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": BF16_TOKENS,
                                                             "ignore_eos": True}, return_logprob=True)
     reference = hf_bf16_weights_float32 if arch == "gpt_oss" else hf_bf16
-    compared = sum(compare(out, *reference(path, ids, BF16_TOKENS)) for ids, out in zip(prompts, outs))
+    # GPT-OSS's window-8 layers: the flash kernel's 64-key blocks start at fixed positions, so a
+    # windowed row's keys straddle two blocks (one more online-softmax rescale, other bf16 roundings
+    # of P); measured up to 3.02 spacings at a logprob of -8.1, hence 4 for this model
+    ulps = 4 if arch == "gpt_oss" else LOGPROB_ULPS
+    compared = sum(compare(out, *reference(path, ids, BF16_TOKENS), logprob_ulps=ulps)
+                   for ids, out in zip(prompts, outs))
     total = BF16_TOKENS * len(prompts)
     assert compared >= total // 2, f"only {compared} of {total} positions compared"
     assert eng.check_integrity()["in_use_pages"] == 0
