@@ -21,102 +21,55 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Optional
 
 import msgspec
 
 from pdserve.disagg import rank_map
 from pdserve.disagg.bootstrap import BootstrapNotReady, fetch_prefill_info, fetch_rank_info, parse_addr
+from pdserve.disagg.decode_conns import PrefillConn, PrefillTarget, RoomRecv
 from pdserve.disagg.kv_args import COMPAT_FIELDS, compat_mismatches
 from pdserve.disagg.messages import (Abort, AbortAck, BufferDesc, Heartbeat, Register, RegisterAck,
                                      TransferStatus, parse_completion_notice)
 from pdserve.disagg.poll import KVPoll
-from pdserve.disagg.rank_map import HeadSlice
 
 logger = logging.getLogger(__name__)
 
 REGISTER_TIMEOUT_S = 10.0
 
 
-@dataclass
-class _Target:
-    endpoint: str
-    rank: int  # the prefill rank's unique id (tp_rank * pp_size + pp_rank)
-    slice: Optional[HeadSlice] = None  # the KV heads it writes into this rank (empty: none, see rank_map)
-    required_dst: int = 1  # decode ranks that ask this prefill rank for each room
-
-
-@dataclass
-class _Conn:
-    """Connection to one prefill instance (one bootstrap address), or to one of its DP groups."""
-
-    addr: str
-    session_id: str
-    dp_rank: int = 0  # the prefill's attention-DP group
-    state: str = "connecting"  # connecting | ready | failed
-    error: str = ""
-    info: dict = field(default_factory=dict)
-    targets: list[_Target] = field(default_factory=list)
-    rooms: set[int] = field(default_factory=set)
-    pending_aborts: dict[int, tuple[int, str]] = field(default_factory=dict)  # room -> (generation, reason)
-    acks: dict[int, RegisterAck] = field(default_factory=dict)
-    acked: threading.Condition = field(default_factory=threading.Condition)
-    hb_seq: int = 0
-    key: tuple = ()
-    hb_acked: dict[int, float] = field(default_factory=dict)  # rank -> monotonic time of its last answer
-    next_hb: float = 0.0
-    windowed: bool = False  # prefill writes through this connection's own window (fenceable)
-    fenced: bool = False
-    retired: bool = False  # takes no new room; fenced once only suspect rooms are left
-
-
-@dataclass
-class _RoomRecv:
-    room: int
-    generation: int
-    conn: _Conn
-    sent_at: Optional[float] = None
-    succeeded: set[int] = field(default_factory=set)  # prefill ranks that reported Success
-    stopped: set[int] = field(default_factory=set)  # ranks that will not write again
-    abort_at: Optional[float] = None
-    peer_dead: bool = False
-    suspect: bool = False  # a writer may still have bytes of this room under way
-
-
 class DecodeRole:
     def __init__(self, mgr):
         self.mgr = mgr
-        self.conns: dict[tuple[str, int], _Conn] = {}  # (bootstrap address, prefill DP group)
-        self.retired: dict[str, _Conn] = {}  # session id -> live connection waiting to be fenced
+        self.conns: dict[tuple[str, int], PrefillConn] = {}  # (bootstrap address, prefill DP group)
+        self.retired: dict[str, PrefillConn] = {}  # session id -> live connection waiting to be fenced
         self.fenced_windows = 0
-        self.rooms: dict[int, _RoomRecv] = {}
+        self.rooms: dict[int, RoomRecv] = {}
         self._sessions = itertools.count()
         self._generations = itertools.count(1)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"pd-connect-{mgr.name}")
 
     # ---- connections ----------------------------------------------------------------------
-    def get_conn(self, addr: str, dp_rank: int = 0) -> _Conn:
+    def get_conn(self, addr: str, dp_rank: int = 0) -> PrefillConn:
         """The connection to DP group ``dp_rank`` of the prefill at ``addr``, starting the look-up
         + registration if there is none."""
         with self.mgr.lock:
             c = self.conns.get((addr, dp_rank))
             if c is None:
-                c = _Conn(addr, f"{self.mgr.session_prefix}-{next(self._sessions)}", dp_rank, key=(addr, dp_rank))
+                c = PrefillConn(addr, f"{self.mgr.session_prefix}-{next(self._sessions)}", dp_rank, key=(addr, dp_rank))
                 self.conns[c.key] = c
                 self._pool.submit(self._connect, c)
             return c
 
-    def _connect(self, c: _Conn) -> None:
+    def _connect(self, c: PrefillConn) -> None:
         try:
             self._do_connect(c)
         except Exception as e:  # any failure fails the connection's rooms, never hangs them
             self._fail_conn(c, f"cannot connect to prefill {c.addr}: {e}")
 
-    def _do_connect(self, c: _Conn) -> None:
+    def _do_connect(self, c: PrefillConn) -> None:
         m, a = self.mgr, self.mgr.kv_args
         host, port = parse_addr(c.addr)
         deadline = time.monotonic() + m.waiting_timeout
@@ -145,7 +98,7 @@ class DecodeRole:
             required = rank_map.destinations_of(p_tp, a.tp_size, a.total_kv_head_num, a.num_heads, sl.prefill_rank)
             for pp in range(pp_size):  # decode holds every layer: ask every prefill stage
                 r = fetch_rank_info(host, port, c.dp_rank, sl.prefill_rank, pp, timeout=2.0, secret=m.secret)
-                c.targets.append(_Target(f"tcp://{r['rank_ip']}:{r['rank_port']}", sl.prefill_rank * pp_size + pp,
+                c.targets.append(PrefillTarget(f"tcp://{r['rank_ip']}:{r['rank_port']}", sl.prefill_rank * pp_size + pp,
                                          sl, required))
         if errs:
             return self._fail_conn(c, f"prefill {c.addr} is incompatible: " + "; ".join(errs), tell_prefill=True)
@@ -193,7 +146,7 @@ class DecodeRole:
                     f"; {idle} of them write nothing here, their heads are read from other replicas, and "
                     "only conclude each room" if idle else "")
 
-    def _fail_conn(self, c: _Conn, reason: str, tell_prefill: bool = False) -> None:
+    def _fail_conn(self, c: PrefillConn, reason: str, tell_prefill: bool = False) -> None:
         """Fail the connection and its unfinished rooms. ``tell_prefill``: the prefill is alive
         (e.g. incompatible), so abort the rooms there too instead of letting them time out."""
         m = self.mgr
@@ -220,13 +173,13 @@ class DecodeRole:
                 self.send_abort(c, room, generation, reason)
 
     # ---- fencing ----------------------------------------------------------------------------
-    def fenced(self, c: _Conn) -> bool:
+    def fenced(self, c: PrefillConn) -> bool:
         """True when no write of ``c``'s prefill session can reach this rank's buffers any more,
         or when the backend cannot fence (no window: the session's writes are not fenced)."""
         with self.mgr.lock:
             return c.fenced or not c.windowed
 
-    def _fence(self, c: _Conn) -> None:
+    def _fence(self, c: PrefillConn) -> None:
         if not c.windowed or c.fenced:
             return
         try:
@@ -243,7 +196,7 @@ class DecodeRole:
         logger.info("%s: fenced the KV window of prefill %s (session %s): its late writes land in scratch "
                     "memory", self.mgr.name, c.addr, c.session_id)
 
-    def mark_suspect(self, rs: _RoomRecv) -> None:
+    def mark_suspect(self, rs: RoomRecv) -> None:
         """A writer of the room may still have bytes under way: free its pages only after the
         connection's window is fenced. The connection takes no new room from now on."""
         m, c = self.mgr, rs.conn
@@ -267,7 +220,7 @@ class DecodeRole:
         for c in ready:
             self._fence(c)
 
-    def send_abort(self, c: _Conn, room: int, generation: int, reason: str) -> None:
+    def send_abort(self, c: PrefillConn, room: int, generation: int, reason: str) -> None:
         reply = self.mgr.endpoint(parse_addr(c.addr)[0])
         for t in c.targets:
             self.mgr.send(t.endpoint, Abort(session_id=c.session_id, room=room, generation=generation,
@@ -321,7 +274,7 @@ class DecodeRole:
         else:
             logger.warning("%s: unexpected %s from a prefill rank", m.name, type(msg).__name__)
 
-    def _by_session(self, session_id: str) -> Optional[_Conn]:
+    def _by_session(self, session_id: str) -> Optional[PrefillConn]:
         c = next((c for c in self.conns.values() if c.session_id == session_id), None)
         return c if c is not None else self.retired.get(session_id)
 
@@ -329,7 +282,7 @@ class DecodeRole:
         m = self.mgr
         self._take_completion_notices()
         self._fence_retired()
-        dead: list[tuple[_Conn, str]] = []
+        dead: list[tuple[PrefillConn, str]] = []
         beats: list[tuple[str, Heartbeat]] = []
         dead_after = m.heartbeat_misses * m.heartbeat_interval
         with m.lock:
@@ -369,21 +322,21 @@ class DecodeRole:
                                                    prefill_rank=rank))
 
     # ---- receiver-facing helpers ----------------------------------------------------------
-    def add_room(self, room: int, addr: str, dp_rank: int = 0) -> _RoomRecv:
+    def add_room(self, room: int, addr: str, dp_rank: int = 0) -> RoomRecv:
         c = self.get_conn(addr, dp_rank)
         with self.mgr.lock:
             old = self.rooms.get(room)
             if old is not None:
                 old.conn.rooms.discard(room)
                 self.mgr.status.clear(room)
-            rs = self.rooms[room] = _RoomRecv(room, next(self._generations), c)
+            rs = self.rooms[room] = RoomRecv(room, next(self._generations), c)
             c.rooms.add(room)
             self.mgr.status.add(room, KVPoll.Bootstrapping)
             if c.state == "failed":
                 self.mgr.update_status(room, KVPoll.Failed, c.error)
         return rs
 
-    def clear(self, rs: _RoomRecv) -> None:
+    def clear(self, rs: RoomRecv) -> None:
         with self.mgr.lock:
             if self.rooms.get(rs.room) is rs:  # not a newer receiver of the same room
                 del self.rooms[rs.room]
