@@ -17,19 +17,19 @@ import argparse
 import json
 import random
 import subprocess
-import time
 
 import torch
+
+from offline_throughput import lscpu_model, pdserve_run
 
 WORKLOADS = {"short": (32, 128, 32), "long": (8, 1024, 16)}
 
 
 def lscpu() -> dict:
     out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = fields.get("Flags", "").split()
+    flags = next((ln.split(":", 1)[1].split() for ln in out.splitlines() if ln.startswith("Flags")), [])
     wanted = [f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma")]
-    return {"model": fields.get("Model name", "?").strip(), "flags": " ".join(wanted)}
+    return {"model": lscpu_model(), "flags": " ".join(wanted)}
 
 
 def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -38,33 +38,15 @@ def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def run(path: str, dtype: str, deterministic: bool, workload: str, threads: int) -> dict:
-    import pdserve
-
+    """``offline_throughput.py``'s measurement (warm-up, a one-token prefill run, the full run)."""
     n, inp, out = WORKLOADS[workload]
-    ps = prompts(n, inp)
-    eng = pdserve.Engine(model_path=path, dtype=dtype, torch_num_threads=threads, max_total_tokens=1 << 17,
-                         disable_radix_cache=True, enable_deterministic_inference=deterministic,
-                         max_running_requests=n)
-
-    def sp(k):
-        return {"temperature": 0, "max_new_tokens": k, "ignore_eos": True}
-
-    try:
-        eng.generate(input_ids=ps[:2], sampling_params=sp(4))  # warm-up
-        t0 = time.perf_counter()
-        eng.generate(input_ids=ps, sampling_params=sp(1))
-        prefill = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        outs = eng.generate(input_ids=ps, sampling_params=sp(out))
-        total = time.perf_counter() - t0
-    finally:
-        eng.shutdown()
-    tokens = n * out
+    res = pdserve_run(path, prompts(n, inp), out, threads, dtype=dtype,
+                      enable_deterministic_inference=deterministic, max_running_requests=n)
+    res.pop("engine").shutdown()
     # the decode phase: the full run minus its prefill (nan when noise made the difference negative)
-    decode_s = total - prefill
-    return {"prefill_s": prefill, "total_s": total, "out_tok_s": tokens / total,
-            "decode_tok_s": n * (out - 1) / decode_s if decode_s > 0 else float("nan"),
-            "ids": [o["output_ids"] for o in outs]}
+    decode_s = res["total_s"] - res["prefill_s"]
+    return {"prefill_s": res["prefill_s"], "total_s": res["total_s"], "out_tok_s": res["tok_s"],
+            "decode_tok_s": n * (out - 1) / decode_s if decode_s > 0 else float("nan"), "ids": res["ids"]}
 
 
 def main() -> None:

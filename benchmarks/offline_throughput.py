@@ -77,7 +77,8 @@ def pdserve_run(path, prompts, out_len, threads, **kw) -> dict:
     runner = eng.scheduler.runner
     return {"engine": eng, "dtype": str(runner.dtype).replace("torch.", "") + (f"+{kw['quantization']}" if
             kw.get("quantization") else ""), "tok_s": n / total,
-            "decode_tok_s": len(prompts) * (out_len - 1) / (total - prefill), "prefill_s": prefill, "total_s": total}
+            "decode_tok_s": len(prompts) * (out_len - 1) / (total - prefill), "prefill_s": prefill, "total_s": total,
+            "ids": [o["output_ids"] for o in outs]}
 
 
 def matmul_roofline(hf_config, rows: int, passes: int = 5) -> dict:
