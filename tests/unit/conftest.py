@@ -29,6 +29,26 @@ def make_router():
         r.stop()
 
 
+@pytest.fixture(scope="module")
+def workers(request):
+    """Fake workers in the roles the test module lists in ``WORKER_ROLES``, shared by its tests."""
+    from tests.helpers.fake_workers import FakeCluster
+
+    c = FakeCluster()
+    for role in request.module.WORKER_ROLES:
+        c.add(role)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def pd(workers):
+    """The module's fake workers, reset, in ``WORKER_ROLES`` order."""
+    for w in workers.workers:
+        w.reset()
+    return tuple(workers.workers)
+
+
 @pytest.fixture(params=["simd", "scalar"])
 def path(request, ops):
     """Run a kernel test on the AVX-512 code (where the CPU has it) and on the portable scalar code;

@@ -5,24 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.fake_workers import FakeCluster, wait_until
+from tests.helpers.fake_workers import wait_until
 from tests.unit.test_router import GEN, sse_events
 
 
-@pytest.fixture(scope="module")
-def workers():
-    c = FakeCluster()
-    for role in ("prefill", "prefill", "decode", "decode"):
-        c.add(role)
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def pd(workers):
-    for w in workers.workers:
-        w.reset()
-    return tuple(workers.workers)
+# the fake workers of this module (tests/unit/conftest.py: ``workers``, ``pd``)
+WORKER_ROLES = ("prefill", "prefill", "decode", "decode")
 
 
 def test_stream_whose_first_event_is_an_error_is_retried_on_another_decode(pd, make_router):

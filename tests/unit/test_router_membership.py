@@ -9,27 +9,15 @@ import httpx
 import pytest
 
 from pdserve.router.workers import worker_id
-from tests.helpers.fake_workers import FakeCluster, free_port, wait_until
+from tests.helpers.fake_workers import free_port, wait_until
 from tests.unit.test_router import GEN, sse_events
 
 WORKER_KEYS = {"id", "url", "model_id", "priority", "cost", "worker_type", "is_healthy", "load", "connection_mode",
                "metadata", "disable_health_check"}  # what sglang-router 0.3.2 lists for each worker
 
 
-@pytest.fixture(scope="module")
-def workers():
-    c = FakeCluster()
-    for role in ("prefill", "prefill", "decode", "decode", "regular"):
-        c.add(role)
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def pd(workers):
-    for w in workers.workers:
-        w.reset()
-    return tuple(workers.workers)
+# the fake workers of this module (tests/unit/conftest.py: ``workers``, ``pd``)
+WORKER_ROLES = ("prefill", "prefill", "decode", "decode", "regular")
 
 
 def served_by(r, n: int = 4) -> list[str]:

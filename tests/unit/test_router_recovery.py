@@ -8,24 +8,12 @@ import pytest
 
 from pdserve.router.args import RouterArgs, parse_args
 from pdserve.router.workers import CircuitBreaker
-from tests.helpers.fake_workers import FakeCluster, wait_until
+from tests.helpers.fake_workers import wait_until
 from tests.unit.test_router import GEN
 
 
-@pytest.fixture(scope="module")
-def workers():
-    c = FakeCluster()
-    for role in ("prefill", "decode", "decode"):
-        c.add(role)
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def pd(workers):
-    for w in workers.workers:
-        w.reset()
-    return tuple(workers.workers)
+# the fake workers of this module (tests/unit/conftest.py: ``workers``, ``pd``)
+WORKER_ROLES = ("prefill", "decode", "decode")
 
 
 def test_connection_closed_mid_request_takes_the_worker_out(pd, make_router):
