@@ -189,8 +189,8 @@ class WorkerPool:
         self.dp_aware = args.dp_aware
         self.poll_loads = poll_loads or self.dp_aware
         self.needs_info = needs_info or self.dp_aware  # read each worker's /server_info when it comes up
-        # PD: read it at every health check too, so a server that switched role (POST /switch_role)
-        # is moved to its new role (router/membership.py)
+        # PD: check its role at every health check too, so a server that switched role
+        # (POST /switch_role) is moved to its new role (router/membership.py)
         self.follow_roles = args.pd_mode
         self.info_listeners: list = []  # called with (worker, info) after each read
 
@@ -308,8 +308,10 @@ class WorkerPool:
             ok, reason = resp.status_code == 200, f"GET /health returned {resp.status_code}"
         except httpx.HTTPError as e:
             ok, reason = False, repr(e)
-        if ok and (self.follow_roles or self.needs_info and (worker.info is None or not worker.healthy)):
+        if ok and self.needs_info and (worker.info is None or not worker.healthy):
             await self.read_info(worker)  # a worker that (re)starts may have another configuration
+        elif ok and self.follow_roles:
+            await self.check_role(worker)
         worker.set_health(ok, self.args.health_failure_threshold, reason)
 
     async def read_info(self, worker: Worker) -> None:
@@ -329,6 +331,23 @@ class WorkerPool:
                        worker.dp_size or "unknown (1)")
             return
         self.accept_info(worker, info if isinstance(info, dict) else {})
+
+    async def check_role(self, worker: Worker) -> None:
+        """Read ``worker``'s server info again and take it (its listeners run) only when its role
+        or role epoch changed since the last read (``POST /switch_role``); the rest of the info is
+        read when a worker comes up."""
+        try:
+            resp = await self.client.get(worker.url + "/server_info")
+            resp.raise_for_status()
+            info = resp.json()
+        except (httpx.HTTPError, ValueError) as e:
+            logger.debug("%s %s: no server info (%r)", worker.role, worker.url, e)
+            return
+        if not isinstance(info, dict):
+            return
+        old = worker.info or {}
+        if worker.info is None or any(info.get(k) != old.get(k) for k in ("disaggregation_mode", "role_epoch")):
+            self.accept_info(worker, info)
 
     def accept_info(self, worker: Worker, info: dict) -> None:
         worker.info = info
