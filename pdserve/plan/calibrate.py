@@ -105,7 +105,8 @@ def calibrate_model(model_path: str, serve_args: list[str], *, threads: int, bat
                     long_prompt: int, kv_bandwidth: Optional[float], pd_overhead_s: float) -> Profile:
     """Start ``pdserve serve`` (colocated) on this machine, measure it as a running server, stop it.
     The server inherits this process's CPU affinity (run under ``taskset`` to pin it)."""
-    port = _free_port()
+    reserved = _reserve_port()  # held until the server listens on it (uvicorn binds with SO_REUSEADDR too)
+    port = reserved.getsockname()[1]
     cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model-path", model_path, "--port", str(port),
            "--host", "127.0.0.1", "--torch-num-threads", str(threads), *serve_args]
     log = tempfile.NamedTemporaryFile(prefix="pdserve-plan-calibrate-", suffix=".log", delete=False)
@@ -114,7 +115,10 @@ def calibrate_model(model_path: str, serve_args: list[str], *, threads: int, bat
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(proc, url, Path(log.name))
+        try:
+            _wait_ready(proc, url, Path(log.name))
+        finally:
+            reserved.close()
         (profile,) = from_servers([(url, "colocated")], batches=batches, long_prompt=long_prompt,
                                   kv_bandwidth=kv_bandwidth, pd_overhead_s=pd_overhead_s)
         profile.sources["server"] = " ".join(cmd[3:])
@@ -128,12 +132,15 @@ def calibrate_model(model_path: str, serve_args: list[str], *, threads: int, bat
             proc.wait()
 
 
-def _free_port() -> int:
+def _reserve_port() -> "socket.socket":
+    """A loopback port held by a bound, never listening socket: no outgoing connection can take
+    it while the server starts, and the server's own SO_REUSEADDR bind still succeeds."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
 
 
 def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:

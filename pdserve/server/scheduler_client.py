@@ -30,6 +30,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
+import socket
 import tempfile
 import time
 from typing import Any, Callable, Optional
@@ -69,12 +70,15 @@ def _scheduler_main(entry: str, server_args, in_addr: str, out_addr: str, ready_
     fn(server_args, in_addr, out_addr, ready_conn, tp_rank, tp_init)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _reserve_port() -> socket.socket:
+    """A loopback port for rank 0's rendezvous store, held by a bound (never listening) socket
+    until the ranks have joined: a port merely picked and let go is in the ephemeral range, where
+    any outgoing connection made during the ranks' start-up (seconds of imports) may take it. Rank
+    0's store still binds it, since both sockets set SO_REUSEADDR and neither listens before."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
 
 
 def _log_send_error(fut: "asyncio.Future") -> None:
@@ -102,6 +106,7 @@ class SchedulerClient:
         self._control_waiters: dict[int, asyncio.Future] = {}
         self.on_output: Callable[[TokenOut], None] = lambda out: None
         self._recv_task: Optional[asyncio.Task] = None
+        self._init_port: Optional[socket.socket] = None  # the rendezvous port, held until every rank joined
 
     # ---- processes ---------------------------------------------------------------------------
     @property
@@ -124,7 +129,10 @@ class SchedulerClient:
             self._push.connect(self.in_addr)
         ctx = mp.get_context("spawn")
         n = getattr(self.server_args, "world_size", 1)  # one process per rank (tp_size x pp_size)
-        tp_init = self.layout.init_address or (f"tcp://127.0.0.1:{_free_port()}" if n > 1 else "")
+        tp_init = self.layout.init_address
+        if not tp_init and n > 1:
+            self._init_port = _reserve_port()
+            tp_init = f"tcp://127.0.0.1:{self._init_port.getsockname()[1]}"
         self._ready_readers = []
         for rank in self.layout.ranks():
             reader, writer = ctx.Pipe(duplex=False)
@@ -143,6 +151,14 @@ class SchedulerClient:
     def wait_ready(self, timeout: float) -> dict[str, Any]:
         """Block until every rank of this node reports ready (rank 0: every rank of every node);
         raises RuntimeError on an error, a death or timeout."""
+        try:
+            return self._wait_ready(timeout)
+        finally:  # joined (a rank is ready only after it joined) or failed: the port is rank 0's now
+            if self._init_port is not None:
+                self._init_port.close()
+                self._init_port = None
+
+    def _wait_ready(self, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         infos = []
         for rank, proc, reader in zip(self.ranks, self.procs, self._ready_readers):
@@ -194,6 +210,9 @@ class SchedulerClient:
         return "; ".join(said[:1]) or f"scheduler process exited ({self.exit_codes() or 'unknown'})"
 
     def stop(self, timeout: float = 10.0) -> None:
+        if self._init_port is not None:
+            self._init_port.close()
+            self._init_port = None
         for p in self.procs:
             if p.is_alive():
                 p.terminate()

@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.ports import free_port
+
 LAYERS, HEADS, HEAD_DIM = 2, 2, 8
 PAGE_SIZE = 4
 
@@ -256,12 +258,6 @@ def decode_main(cfg: dict[str, Any], out, stop) -> None:
 
 
 # ---- running a scenario --------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Run:

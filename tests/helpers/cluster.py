@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,13 +12,9 @@ from typing import Optional
 
 import httpx
 
+from tests.helpers.ports import free_port  # noqa: F401 (the tests take it from here too)
+
 READY_TIMEOUT_S = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(cond, timeout: float = 10.0, what: str = "condition", interval: float = 0.01):

@@ -31,14 +31,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from tests.helpers.cluster import wait_for as wait_until  # noqa: F401 (used by the router tests)
+from tests.helpers.ports import free_port  # noqa: F401 (used by the router tests)
 
 MODEL = "fake-model"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class AppServer:

@@ -9,22 +9,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 
+from tests.helpers.ports import free_port
+
 
 def sglang_router_available() -> bool:
     return importlib.util.find_spec("sglang_router") is not None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 2.0) -> int:
@@ -56,7 +51,7 @@ def start_sglang_router(
     """
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
            "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
            "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", str(int(timeout)),
            "--health-check-interval-secs", "1", "--log-level", "warn"]
     for url, bootstrap_port in prefill_urls_with_bootstrap_ports:

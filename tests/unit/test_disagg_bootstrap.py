@@ -1,5 +1,4 @@
 import json
-import socket
 import threading
 import time
 import urllib.request
@@ -8,6 +7,7 @@ import pytest
 
 from pdserve.disagg.bootstrap import (BootstrapError, BootstrapNotReady, BootstrapServer, fetch_prefill_info,
                                       fetch_rank_info, health, register_rank)
+from tests.helpers.ports import free_port
 
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -84,9 +84,7 @@ def test_bad_registrations_rejected(server):
 
 
 def test_register_retries_until_server_is_up():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     started = []
 
     def start_later():
@@ -106,9 +104,7 @@ def test_register_retries_until_server_is_up():
 
 
 def test_unreachable_server_is_not_ready():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with pytest.raises(BootstrapNotReady, match="unreachable"):
         fetch_prefill_info("127.0.0.1", port, timeout=1)
     with pytest.raises(BootstrapError, match="after 2 attempts"):

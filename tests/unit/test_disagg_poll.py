@@ -1,8 +1,7 @@
 import multiprocessing as mp
-import socket
-
 
 from pdserve.disagg.poll import KVPoll, StatusTable, advance, poll_and_all_reduce
+from tests.helpers.ports import free_port
 
 
 class Const:
@@ -69,9 +68,7 @@ def _rank_main(rank, port, values, out):
 
 
 def test_poll_and_all_reduce_min_over_gloo():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     rank_values = [[4, 3, 2, 4, 0], [4, 4, 1, 0, 4]]

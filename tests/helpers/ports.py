@@ -1,0 +1,56 @@
+"""Ports for test servers.
+
+A port taken with ``bind(0)`` comes from the kernel's ephemeral range, the same range every
+outgoing connection (gloo, ZMQ, HTTP clients) takes its local port from. A test server that is
+handed such a port binds it only after its start-up (tens of seconds under load), and by then an
+outgoing connection may hold it: "address already in use". So the ports handed out here come from
+below the ephemeral range, where the kernel never picks one by itself, each at most once per
+process, and free when handed out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import threading
+
+LOW = 20000  # above the ports transfer engines pick for themselves (Mooncake's RPC ports: 12000-17999)
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_HIGH = max(LOW + 1000, _ephemeral_low())
+_lock = threading.Lock()
+# each process walks the range from its own offset, so concurrent test processes rarely meet
+_next = itertools.count(LOW + (os.getpid() * 7919) % (_HIGH - LOW))
+
+
+def _free(port: int) -> bool:
+    for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            with socket.socket(family) as s:
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                s.bind((host, port))
+        except OSError as e:
+            if family == socket.AF_INET6 and e.errno in (97, 99):  # no IPv6 here
+                continue
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A port no test of this process was handed before, free on every address right now."""
+    with _lock:
+        for _ in range(_HIGH - LOW):
+            port = LOW + (next(_next) - LOW) % (_HIGH - LOW)
+            if _free(port):
+                return port
+    raise RuntimeError(f"no free port in {LOW}-{_HIGH - 1}")
