@@ -5,7 +5,9 @@ outgoing connection (gloo, ZMQ, HTTP clients) takes its local port from. A test 
 handed such a port binds it only after its start-up (tens of seconds under load), and by then an
 outgoing connection may hold it: "address already in use". So the ports handed out here come from
 below the ephemeral range, where the kernel never picks one by itself, each at most once per
-process, and free when handed out.
+process, and free when handed out. Each comes with the next BLOCK - 1 ports, free as well and handed
+to nobody else: servers derive ports from a given one (a DP group's KV-event publisher at port +
+group, a multi-host front end's output socket at --dist-init-addr's port + 1).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import socket
 import threading
 
 LOW = 20000  # above the ports transfer engines pick for themselves (Mooncake's RPC ports: 12000-17999)
+BLOCK = 4
 
 
 def _ephemeral_low() -> int:
@@ -29,7 +32,8 @@ def _ephemeral_low() -> int:
 _HIGH = max(LOW + 1000, _ephemeral_low())
 _lock = threading.Lock()
 # each process walks the range from its own offset, so concurrent test processes rarely meet
-_next = itertools.count(LOW + (os.getpid() * 7919) % (_HIGH - LOW))
+_blocks = (_HIGH - LOW) // BLOCK
+_next = itertools.count((os.getpid() * 7919) % _blocks)
 
 
 def _free(port: int) -> bool:
@@ -47,10 +51,11 @@ def _free(port: int) -> bool:
 
 
 def free_port() -> int:
-    """A port no test of this process was handed before, free on every address right now."""
+    """A port no test of this process was handed before, free on every address right now, with
+    the BLOCK - 1 ports after it."""
     with _lock:
-        for _ in range(_HIGH - LOW):
-            port = LOW + (next(_next) - LOW) % (_HIGH - LOW)
-            if _free(port):
+        for _ in range(_blocks):
+            port = LOW + (next(_next) % _blocks) * BLOCK
+            if all(_free(port + i) for i in range(BLOCK)):
                 return port
-    raise RuntimeError(f"no free port in {LOW}-{_HIGH - 1}")
+    raise RuntimeError(f"no free block of {BLOCK} ports in {LOW}-{_HIGH - 1}")
