@@ -6,7 +6,9 @@
   and their indices go to prefill (``send_metadata``);
 - transfer queue: on Success the metadata row is checked (its room must be the request's), the
   first token and its logprobs are committed, and the request joins the running batch without a
-  prefill forward;
+  prefill forward; while ``--max-running-requests`` requests run, a request whose KV arrived
+  waits in the transfer queue, first come first served (``GET /get_load`` counts it in
+  ``num_waiting_reqs``, as SGLang's decode counts its waiting queue);
 - on Failed (or abort) the request ends at once with the reason; its preallocated pages are freed
   only when no prefill rank can still write into them (``writes_drained``);
 - backpressure: a request that cannot get its pages within ``--disaggregation-prealloc-timeout``
@@ -57,6 +59,7 @@ class DecodeQueues:
         self.group = group
         self.prealloc: list[Req] = []
         self.transfer: list[Req] = []
+        self._kv_ready = 0  # of ``transfer``: KV arrived, the batch was full at the last step
         # (receiver, pages per cache group, slot) of ended rooms whose writers may still be active
         self.draining: list[tuple[Any, list[list[int]], Optional[int]]] = []
         self.dp_resolver = PrefillDPResolver(getattr(mgr, "name", "decode"), getattr(mgr, "secret", None))
@@ -113,8 +116,16 @@ class DecodeQueues:
                 "draining_rooms": len(self.draining), **counts}
 
     def stats(self) -> dict:
-        return {"draining_rooms": len(self.draining), "prealloc_queue": len(self.prealloc),
-                "transfer_queue": len(self.transfer)}
+        return {"draining_rooms": len(self.draining), **self.queues()}
+
+    def queues(self) -> dict[str, int]:
+        """Requests in this role's queues (``GET /get_load``): waiting for KV pages, or for their KV."""
+        return {"prealloc_queue": len(self.prealloc), "transfer_queue": len(self.transfer) - self.kv_ready}
+
+    @property
+    def kv_ready(self) -> int:
+        """Requests whose KV arrived, waiting for a place in the running batch."""
+        return self._kv_ready
 
     def discard(self, req: Req) -> None:
         """The request ended before joining the running batch: park its pages until drained."""
@@ -213,11 +224,15 @@ class DecodeQueues:
         return True
 
     def _process_transfer(self) -> None:
+        self._kv_ready = 0
         if not self.transfer:
             return
         states = poll_and_all_reduce([r.disagg.receiver for r in self.transfer], self.group)
         for req, state in zip(list(self.transfer), states):
             if state == KVPoll.Success:
+                if len(self.s.running) >= self.s.args.max_running_requests or self._kv_ready:
+                    self._kv_ready += 1  # the batch is full (or one before it waits): next step
+                    continue
                 self._commit(req)
             elif state == KVPoll.Failed:
                 self._fail(req, req.disagg.receiver.failure_reason() or "KV transfer failed")

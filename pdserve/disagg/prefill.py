@@ -242,9 +242,14 @@ class PrefillQueues:
             "gb_per_s": nbytes / window / 1e9 if window > 0 else None,
         })
 
+    def queues(self) -> dict[str, int]:
+        """Requests in this role's queues (``GET /get_load``): waiting for decode's pages, or
+        prefilled and being sent."""
+        return {"bootstrap_queue": len(self.bootstrap), "inflight_queue": len(self.inflight)}
+
     def stats(self) -> dict:
-        out: dict = {"recent_transfers": list(self.recent_transfers), "bootstrap_queue": len(self.bootstrap),
-                     "inflight_queue": len(self.inflight), "kv_bytes_sent": self.kv_bytes_sent}
+        out: dict = {"recent_transfers": list(self.recent_transfers), **self.queues(),
+                     "kv_bytes_sent": self.kv_bytes_sent}
         if hasattr(self.mgr, "faults"):
             out["disaggregation_faults"] = self.mgr.faults.stats()
             out["transfer_worker_restarts"] = self.mgr.role.workers.restarts

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.api_key import APIKeyMiddleware
 from pdserve.log import setup_logging
 from pdserve.router.args import RouterArgs, parse_args
+from pdserve.router.autoscale import Autoscaler
 from pdserve.router.discovery import DNSDiscovery
 from pdserve.router.dispatch import Dispatcher, error_response
 from pdserve.router import pairing, processes, worker_api
@@ -123,6 +124,7 @@ class Router:
         self.dispatcher = Dispatcher(self.pool, self.metrics, args, self.index, self.prompts)
         self.membership = Membership(self.pool, args)  # workers joining and leaving at run time
         self.discovery = DNSDiscovery(self.pool, self.membership, args) if args.prefill_dns or args.decode_dns else None
+        self.autoscaler = Autoscaler(self.pool, self.membership, args) if args.autoscale else None
 
     def on_worker_info(self, worker: Worker, info: dict) -> None:
         if worker.role in (PREFILL, DECODE):
@@ -146,6 +148,8 @@ class Router:
         await self.pool.start()
         if self.discovery is not None:
             await self.discovery.start()
+        if self.autoscaler is not None:
+            await self.autoscaler.start()
         if self.prompts is not None and self.args.tokenizer_path and self._tokenizer_task is None:
             self._tokenizer_task = asyncio.create_task(asyncio.to_thread(self.prompts.load))
         mode = ("PD" if self.args.pd_mode else "colocated") + (", DP-aware" if self.args.dp_aware else "")
@@ -155,6 +159,8 @@ class Router:
                     self.args.host, self.args.port, len(self.pool.workers), sum(w.healthy for w in self.pool.workers))
 
     async def stop(self) -> None:
+        if self.autoscaler is not None:
+            await self.autoscaler.stop()
         if self.discovery is not None:
             await self.discovery.stop()
         await self.membership.stop()
@@ -324,6 +330,14 @@ def create_app(args: RouterArgs) -> FastAPI:
                              "workers": {w.url: router.index.matched_tokens(w, prompt)[0] for w in router.pool.workers}})
 
     worker_api.add_routes(app, router.pool, router.membership, args.worker_api_key)
+
+    @app.get("/autoscale")
+    async def autoscale():
+        """The autoscaler's state (router/autoscale.py): backlog per server of each role, the switch
+        under way, the last switches with their reasons and outcomes."""
+        if router.autoscaler is None:
+            return error_response(404, "autoscaling is off: start the router with --autoscale")
+        return JSONResponse(router.autoscaler.state())
 
     @app.get("/metrics")
     async def metrics():

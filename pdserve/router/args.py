@@ -58,6 +58,14 @@ class RouterArgs:
     dns_server: str | None = None  # HOST[:PORT]; None: the system resolver
     add_worker_timeout: float = 10.0  # how long a new worker may take to answer /health and /server_info
     drain_timeout: float = 300.0  # a removed worker's running requests get this long to finish
+    # switching servers between prefill and decode when the queues show the split is off (router/autoscale.py)
+    autoscale: bool = False
+    autoscale_interval: float = 2.0  # seconds between queue samples
+    autoscale_window: float = 30.0  # a backlog must last this long
+    autoscale_cooldown: float = 60.0  # after a switch, before the next may start
+    autoscale_queue: float = 2.0  # requests waiting per server that count as a backlog
+    autoscale_min_prefill: int = 1
+    autoscale_min_decode: int = 1
     host: str = "127.0.0.1"
     port: int = 8000
     workers: int = 1  # router processes on one port (SO_REUSEPORT), sharing nothing (router/processes.py)
@@ -132,6 +140,24 @@ class RouterArgs:
 
         if self.workers < 1:
             raise ValueError("workers: must be at least 1")
+        for name in ("autoscale_interval", "autoscale_window", "autoscale_queue"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive")
+        if self.autoscale_cooldown < 0:
+            raise ValueError("autoscale_cooldown: must not be negative")
+        for name in ("autoscale_min_prefill", "autoscale_min_decode"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1 (a PD cluster needs both roles)")
+        if self.autoscale:
+            if not pd:
+                raise ValueError("autoscale: switches servers between prefill and decode, so it needs PD mode "
+                                 "(--prefill/--decode or --pd-disaggregation)")
+            if self.workers > 1:
+                raise ValueError("autoscale: router processes share nothing, so each would switch servers on its "
+                                 "own; run the autoscaling router with --workers 1")
+            if self.prefill_dns or self.decode_dns:
+                raise ValueError("autoscale: with --prefill-dns/--decode-dns the DNS name decides each server's "
+                                 "role; scale those through the orchestrator (kubectl scale)")
         if self.dns_server is not None:
             dns_server_address(self.dns_server)
         for name in ("api_key", "worker_api_key"):
@@ -212,6 +238,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=RouterArgs.drain_timeout, metavar="S",
                    help="a worker being removed takes no new request; what it runs gets S seconds to finish, then "
                         "ends with an error naming the removal")
+    p.add_argument("--autoscale", action="store_true",
+                   help="switch a server between prefill and decode (POST /switch_role, no weight reload) when one "
+                        "role's queues hold a backlog and moving a server from the other shortens the longer queue "
+                        "(router/autoscale.py; GET /autoscale shows its state)")
+    p.add_argument("--autoscale-interval", type=float, default=RouterArgs.autoscale_interval, metavar="S",
+                   help="how often the servers' queues are sampled (GET /get_load)")
+    p.add_argument("--autoscale-window", type=float, default=RouterArgs.autoscale_window, metavar="S",
+                   help="a backlog must be in every sample of the last S seconds before a server is switched")
+    p.add_argument("--autoscale-cooldown", type=float, default=RouterArgs.autoscale_cooldown, metavar="S",
+                   help="after a switch, the queues settle this long before the next is considered")
+    p.add_argument("--autoscale-queue", type=float, default=RouterArgs.autoscale_queue, metavar="N",
+                   help="requests waiting per server of a role (prefill: not prefilled yet; decode: waiting for KV "
+                        "pages or a batch slot) that make a backlog")
+    p.add_argument("--autoscale-min-prefill", type=int, default=RouterArgs.autoscale_min_prefill, metavar="N",
+                   help="never switch away the last N prefill servers")
+    p.add_argument("--autoscale-min-decode", type=int, default=RouterArgs.autoscale_min_decode, metavar="N",
+                   help="never switch away the last N decode servers")
     d = RouterArgs.__dataclass_fields__
     p.add_argument("--host", default=d["host"].default)
     p.add_argument("--port", type=int, default=d["port"].default)
@@ -290,6 +333,9 @@ def parse_args(argv: list[str]) -> RouterArgs:
         prefill_dns=[_dns_target(t, True) for t in ns.prefill_dns],
         decode_dns=[_dns_target(t, False) for t in ns.decode_dns], dns_interval=ns.dns_interval,
         dns_server=ns.dns_server, add_worker_timeout=ns.add_worker_timeout, drain_timeout=ns.drain_timeout,
+        autoscale=ns.autoscale, autoscale_interval=ns.autoscale_interval, autoscale_window=ns.autoscale_window,
+        autoscale_cooldown=ns.autoscale_cooldown, autoscale_queue=ns.autoscale_queue,
+        autoscale_min_prefill=ns.autoscale_min_prefill, autoscale_min_decode=ns.autoscale_min_decode,
         host=ns.host, port=ns.port, workers=ns.workers, policy=ns.policy,
         prefill_policy=ns.prefill_policy, decode_policy=ns.decode_policy, dp_aware=ns.dp_aware,
         cache_aware_balance=ns.cache_aware_balance, tokenizer_path=ns.tokenizer_path, pd_policy=ns.pd_policy,

@@ -213,6 +213,12 @@ class Membership:
         logger.info("draining %s %s (%s): %d leg(s) in flight", worker.role, worker.url, reason, worker.in_flight)
         self._drains[worker] = asyncio.create_task(self._drain(worker), name=f"router-drain-{worker.url}")
 
+    async def drained(self, worker: Worker) -> None:
+        """Wait until ``worker``, being removed, is forgotten."""
+        task = self._drains.get(worker)
+        if task is not None:
+            await asyncio.shield(task)
+
     async def _drain(self, worker: Worker) -> None:
         timeout = self.args.drain_timeout
         deadline = time.monotonic() + timeout

@@ -256,6 +256,12 @@ class DPLoad(msgspec.Struct):
     num_waiting_reqs: int
     num_tokens: int
     kv_transfer_bytes_per_s: Optional[int] = None
+    # a PD server's queues: a prefill's requests waiting for decode's pages and being sent, a
+    # decode's waiting for KV pages and for their KV
+    bootstrap_queue: Optional[int] = None
+    inflight_queue: Optional[int] = None
+    prealloc_queue: Optional[int] = None
+    transfer_queue: Optional[int] = None
 
 
 class Aborted(msgspec.Struct):

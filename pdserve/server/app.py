@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 WARMUP_TIMEOUT_S = 600.0
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 CONTROL_TIMEOUT_S = 10.0
+# a PD server's queues in GET /get_load (disagg/prefill.py and decode.py ``queues``)
+QUEUE_KEYS = ("bootstrap_queue", "inflight_queue", "prealloc_queue", "transfer_queue")
 # after the scheduler is lost the front end answers 503 with the reason this long, then exits
 LOST_SCHEDULER_LINGER_S = 5.0
 
@@ -210,8 +212,10 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
         keys = ("num_reqs", "num_waiting_reqs", "num_tokens")
         groups = load.get("dp") or [{"dp_rank": 0, **load}]  # one entry per DP group, as SGLang
         rate = "kv_transfer_bytes_per_s"  # a prefill's recent KV transfer speed, once it has moved some
+        queues = [k for k in QUEUE_KEYS if k in load]  # a PD role's queues (the router's --autoscale reads them)
         return http_util.json_response([{"dp_rank": g["dp_rank"], **{k: int(g.get(k, 0)) for k in keys},
-                                         **({rate: round(g[rate])} if g.get(rate) else {})} for g in groups])
+                                         **({rate: round(g[rate])} if g.get(rate) else {}),
+                                         **{k: int(g[k]) for k in queues}} for g in groups])
 
     @app.get("/kv_events/snapshot")
     async def kv_events_snapshot() -> Response:

@@ -228,11 +228,13 @@ class SchedulerLoop:
             groups = self.gather_groups({
                 "dp_rank": self.par.dp_rank,
                 "num_reqs": len(running) + len(s.waiting),
-                "num_waiting_reqs": len(s.waiting),
+                "num_waiting_reqs": len(s.waiting) + getattr(s.pd, "kv_ready", 0),  # decode: KV here, no batch slot
                 "num_tokens": sum(r.seq_len for r in running),
                 **({"kv_transfer_bytes_per_s": s.pd.transfer_rate} if getattr(s.pd, "transfer_rate", None) else {}),
+                **(s.pd.queues() if s.pd else {}),
             })
-            total = {k: sum(g[k] for g in groups) for k in ("num_reqs", "num_waiting_reqs", "num_tokens")}
+            counts = ("num_reqs", "num_waiting_reqs", "num_tokens", *(s.pd.queues() if s.pd else ()))
+            total = {k: sum(g[k] for g in groups) for k in counts}
             if self.par.dp_attention:
                 return {**total, "dp": groups}
             return {**groups[0], **total}
