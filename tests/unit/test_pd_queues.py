@@ -127,6 +127,42 @@ def test_local_backend_queues_and_metadata(local_pair):
         assert info["in_use_pages"] == 0 and info["metadata_slots_free"] == info["metadata_slots_total"]
 
 
+def test_decode_batch_limit_holds_requests_whose_kv_arrived(local_pair):
+    """--max-running-requests bounds decode's batch for PD requests too: a request whose KV has
+    arrived waits in the transfer queue (GET /get_load: num_waiting_reqs) until a place frees."""
+    P, D, bport = local_pair
+    rng = random.Random(5)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(5, 80))] for _ in range(5)]
+    pairs = []
+    for i, ids in enumerate(prompts):
+        room = rng.randrange(2**63)
+        rp, rd = req(f"lp{i}", ids, room, port=bport), req(f"ld{i}", ids, room, port=bport)
+        P.add_request(rp)
+        D.add_request(rd)
+        pairs.append((rp, rd))
+    most, waited = 0, 0
+    D.args.max_running_requests = 2
+    try:
+        def progress():
+            nonlocal most, waited
+            most, waited = max(most, len(D.running)), max(waited, D.pd.kv_ready)
+            return all(rd.finished for _, rd in pairs)
+
+        run_until(progress, P, D)
+    finally:
+        D.args.max_running_requests = ServerArgs.max_running_requests
+    assert most == 2 and waited >= 1
+    import pdserve
+
+    ref = pdserve.Engine(model_path=build_tiny_checkpoint("llama"), torch_num_threads=1, max_total_tokens=8192)
+    outs = ref.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 6, "ignore_eos": True})
+    assert [rd.output_ids for _, rd in pairs] == [o["output_ids"] for o in outs]
+    run_until(lambda: all(rp.finished for rp, _ in pairs), P, D)
+    for s in (P, D):
+        info = s.check_integrity()
+        assert info["in_use_pages"] == 0 and info["metadata_slots_free"] == info["metadata_slots_total"]
+
+
 def test_decode_times_out_a_room_whose_prefill_never_comes(local_pair):
     P, D, bport = local_pair
     rd = req("lonely", [5, 6, 7], room=12345, port=bport)
