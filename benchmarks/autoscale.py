@@ -13,7 +13,8 @@ For each load: first a router without ``--autoscale`` over the split the servers
 (measured for ``--seconds``), then an autoscaling router over the same servers, run until its
 first switch has completed and then measured for ``--seconds`` again. The decode-heavy load
 starts from the split the prefill-heavy one left. Reported per phase: completed requests/s,
-output tokens/s, request latency p50/p90; and the ratios autoscaled / fixed.
+output tokens/s, request latency p50/p90 (of the requests that ended in the measured window, after
+``--warmup`` seconds); and the ratios autoscaled / fixed.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class Load:
         time.sleep(seconds)
         t1 = time.monotonic()
         with self.lock:
-            inside = [d for d in self.done if d[0] >= t0 and d[1] <= t1]
+            inside = [d for d in self.done if t0 <= d[1] <= t1]  # ended in the window
             failed = sum(1 for d in self.done if d[2] != 200)
         lat = sorted(d[1] - d[0] for d in inside if d[2] == 200)
         return {"seconds": round(t1 - t0, 2), "requests": len(lat), "failed_total": failed,
@@ -150,6 +151,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", default=None, help="default: the demo model (pdserve prepare-model)")
     ap.add_argument("--seconds", type=float, default=40.0, help="measured time per phase")
+    ap.add_argument("--warmup", type=float, default=20.0, help="unmeasured seconds before each phase")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--max-running-requests", type=int, default=4, help="each server's batch limit")
     ap.add_argument("--switch-timeout", type=float, default=300.0)
@@ -178,7 +180,7 @@ def main() -> None:
             row = {"load": load_name, "prompt_tokens": list(lengths), "output_tokens": new_tokens}
             r = router(f"fixed-{i}", prefills, decodes, [])
             load = Load(r.url, lengths, new_tokens, a.clients, seed=2 * i)
-            time.sleep(5)  # past the first requests' start-up
+            time.sleep(a.warmup)  # until the queues reached their steady length
             row["fixed"] = {"split": split(prefills, decodes), **load.measure(a.seconds)}
             load.finish()
             r.stop()
@@ -195,7 +197,7 @@ def main() -> None:
                 time.sleep(1)
             prefills, decodes = roles_of(r)
             row["switch"] = switch and {**switch, "after_s": round(time.monotonic() - t0, 1)}
-            time.sleep(5)
+            time.sleep(a.warmup)
             row["autoscaled"] = {"split": split(prefills, decodes), **load.measure(a.seconds)}
             load.finish()
             r.stop()
