@@ -142,10 +142,17 @@ class Window:
             raise
 
     def translate(self, ptr: int) -> int:
-        """The window's address of main-mapping address ``ptr``."""
+        """The window's address of main-mapping address ``ptr``. A buffer's end may be a pointer
+        one past a file's last byte; it counts as that file's only when no file holds ``ptr``
+        itself: files are often mapped back to back, and the next file's first byte has the
+        same address as the previous file's end (taken for it, a region's bytes would go to the
+        window of the file before it)."""
         for base, win, size in self.spans:
-            if base <= ptr < base + size or (ptr == base + size and size):
+            if base <= ptr < base + size:
                 return win + (ptr - base)
+        for base, win, size in self.spans:
+            if ptr == base + size and size:
+                return win + size
         raise ValueError(f"address {ptr:#x} is not in a windowed buffer")
 
     def regions(self, regions: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
