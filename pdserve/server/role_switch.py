@@ -56,9 +56,6 @@ POLL_S = 0.02
 ABORT_WAIT_S = 10.0  # for the scheduler to end the requests aborted at the drain timeout
 RECONFIGURE_TIMEOUT_S = 600.0  # one re-wiring on the scheduler (pools of many GB take a while)
 WARMUP_TIMEOUT_S = 120.0
-# a process that ran as a prefill over these and then becomes a decode was seen to receive wrong
-# KV (its transfers complete, its pages do not hold the prompt): refused until understood
-NETWORK_BACKENDS = ("mooncake", "nixl")
 
 
 def role_name(mode: str) -> str:
@@ -78,7 +75,6 @@ class RoleSwitch:
     def __init__(self, tm: TokenizerManager, warm_up: Callable[[float], Awaitable[None]]):
         self.tm = tm
         self.warm_up = warm_up  # one generation in the current role, within a timeout
-        self.started_mode = tm.server_args.disaggregation_mode
         self.epoch = 0  # completed switches
         self.current: Optional[dict] = None  # the switch in progress: from, to, since
         self.broken: Optional[str] = None  # a switch that left the server unusable
@@ -115,11 +111,6 @@ class RoleSwitch:
         if body.bootstrap_port is not None and mode != "prefill":
             raise bad_request("bootstrap_port: only a prefill server has a bootstrap server")
         port = args.disaggregation_bootstrap_port if body.bootstrap_port is None else body.bootstrap_port
-        backend = args.disaggregation_transfer_backend
-        if mode == "decode" and self.started_mode != "decode" and backend in NETWORK_BACKENDS:
-            raise bad_request(f"role: with --disaggregation-transfer-backend {backend} only a server started as a "
-                              "decode can become one again (a decode built later in the process receives "
-                              "wrong KV: known limitation); use the local backend, or start a decode server")
         try:  # the start-up rules for the new role (multi-host servers, decode with pipeline stages, ...)
             dataclasses.replace(args, disaggregation_mode=mode, disaggregation_bootstrap_port=port)
         except ValueError as e:

@@ -123,8 +123,7 @@ class TransferBackend:
     def register_regions(self, regions: Sequence[tuple[int, int]]) -> None:
         self._own = RegionSet(regions)
         self._own_regions = [(int(p), int(n)) for p, n in regions if n > 0]
-        self._windowed = self.role == "decode" and self.supports_windows and windows_possible(
-            self._own_regions, self.max_window_files)
+        self._windowed = self.role == "decode" and self.supports_windows and windows_possible(self._own_regions)
         if not self._windowed:
             self._register(list(regions))
 
@@ -155,7 +154,6 @@ class TransferBackend:
 
     # -- written side: one fenceable window per peer session ---------------------------------
     supports_windows = False
-    max_window_files: Optional[int] = None  # windows only over at most this many memfd files
 
     def open_window(self, key: str) -> Optional[Window]:
         """A new window over every registered buffer for peer session ``key``, registered with

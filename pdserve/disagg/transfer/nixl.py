@@ -157,11 +157,6 @@ class NixlBackend(TransferBackend):
         return memfd_allocator
 
     # ---- lifecycle ---------------------------------------------------------------------
-    # Writes into a window over three files (two cache groups' pools and the metadata buffers)
-    # were seen to report success with the bytes not in the pool (tests/conformance, two cache
-    # groups); one pool and the metadata (two files) land. Until that is understood, a decode with
-    # more buffers registers them directly: no window, no fence (docs/reliability.md, Limits).
-    max_window_files = 2
 
     def _register_window(self, win: Window, regions: list[tuple[int, int]]) -> None:
         descs = [(p, n, self.dev_id, "") for p, n in regions]

@@ -115,9 +115,8 @@ def _files_for(regions: Sequence[tuple[int, int]]) -> Optional[list[_File]]:
     return sorted(used.values(), key=lambda f: f.base)
 
 
-def windows_possible(regions: Sequence[tuple[int, int]], max_files: Optional[int] = None) -> bool:
-    files = _files_for(regions)
-    return files is not None and (max_files is None or len(files) <= max_files)
+def windows_possible(regions: Sequence[tuple[int, int]]) -> bool:
+    return _files_for(regions) is not None
 
 
 class Window:
