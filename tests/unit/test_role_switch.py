@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import random
 import socket
+import time
 from types import SimpleNamespace
 
 import msgspec
@@ -138,12 +139,12 @@ def transfer(P, D, bport: int, prompts: list[list[int]], seed: int) -> list[list
         P.add_request(rp)
         D.add_request(rd)
         pairs.append((rp, rd))
-    for _ in range(20000):
-        if all(rp.finished and rd.finished for rp, rd in pairs):
-            break
+    deadline = time.monotonic() + 60  # by time, not steps: a connection set up under load takes a while
+    while not all(rp.finished and rd.finished for rp, rd in pairs) and time.monotonic() < deadline:
         P.step()
         D.step()
-    assert all(rd.finish_reason.kind == FinishKind.LENGTH for _, rd in pairs), [rd.finish_reason for _, rd in pairs]
+    assert all(rd.finish_reason is not None and rd.finish_reason.kind == FinishKind.LENGTH for _, rd in pairs), \
+        [rd.finish_reason for _, rd in pairs]
     return [rd.output_ids for _, rd in pairs]
 
 
