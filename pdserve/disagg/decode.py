@@ -59,7 +59,7 @@ class DecodeQueues:
         self.group = group
         self.prealloc: list[Req] = []
         self.transfer: list[Req] = []
-        self._kv_ready = 0  # of ``transfer``: KV arrived, the batch was full at the last step
+        self.kv_ready = 0  # of ``transfer``: KV arrived, waiting for a place in the batch (at the last step)
         # (receiver, pages per cache group, slot) of ended rooms whose writers may still be active
         self.draining: list[tuple[Any, list[list[int]], Optional[int]]] = []
         self.dp_resolver = PrefillDPResolver(getattr(mgr, "name", "decode"), getattr(mgr, "secret", None))
@@ -121,11 +121,6 @@ class DecodeQueues:
     def queues(self) -> dict[str, int]:
         """Requests in this role's queues (``GET /get_load``): waiting for KV pages, or for their KV."""
         return {"prealloc_queue": len(self.prealloc), "transfer_queue": len(self.transfer) - self.kv_ready}
-
-    @property
-    def kv_ready(self) -> int:
-        """Requests whose KV arrived, waiting for a place in the running batch."""
-        return self._kv_ready
 
     def discard(self, req: Req) -> None:
         """The request ended before joining the running batch: park its pages until drained."""
@@ -224,14 +219,14 @@ class DecodeQueues:
         return True
 
     def _process_transfer(self) -> None:
-        self._kv_ready = 0
+        self.kv_ready = 0
         if not self.transfer:
             return
         states = poll_and_all_reduce([r.disagg.receiver for r in self.transfer], self.group)
         for req, state in zip(list(self.transfer), states):
             if state == KVPoll.Success:
-                if len(self.s.running) >= self.s.args.max_running_requests or self._kv_ready:
-                    self._kv_ready += 1  # the batch is full (or one before it waits): next step
+                if len(self.s.running) >= self.s.args.max_running_requests or self.kv_ready:
+                    self.kv_ready += 1  # the batch is full (or one before it waits): next step
                     continue
                 self._commit(req)
             elif state == KVPoll.Failed:

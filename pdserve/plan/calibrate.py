@@ -23,6 +23,7 @@ from typing import Optional
 import httpx
 
 from pdserve.plan import measure
+from pdserve.ports import reserve_port
 from pdserve.plan.profile import PrefillFit, Profile
 from pdserve.plan.workload import PlanError
 
@@ -105,7 +106,7 @@ def calibrate_model(model_path: str, serve_args: list[str], *, threads: int, bat
                     long_prompt: int, kv_bandwidth: Optional[float], pd_overhead_s: float) -> Profile:
     """Start ``pdserve serve`` (colocated) on this machine, measure it as a running server, stop it.
     The server inherits this process's CPU affinity (run under ``taskset`` to pin it)."""
-    reserved = _reserve_port()  # held until the server listens on it (uvicorn binds with SO_REUSEADDR too)
+    reserved = reserve_port()  # held until the server listens on it (uvicorn binds with SO_REUSEADDR too)
     port = reserved.getsockname()[1]
     cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model-path", model_path, "--port", str(port),
            "--host", "127.0.0.1", "--torch-num-threads", str(threads), *serve_args]
@@ -130,17 +131,6 @@ def calibrate_model(model_path: str, serve_args: list[str], *, threads: int, bat
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _reserve_port() -> "socket.socket":
-    """A loopback port held by a bound, never listening socket: no outgoing connection can take
-    it while the server starts, and the server's own SO_REUSEADDR bind still succeeds."""
-    import socket
-
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("127.0.0.1", 0))
-    return s
 
 
 def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:

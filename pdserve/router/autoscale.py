@@ -167,8 +167,6 @@ class Autoscaler:
                 logger.exception("autoscale round failed")
 
     async def step(self) -> None:
-        if self.moving is not None:
-            return
         sample = await self._sample()
         now = time.monotonic()
         if sample is None or (self.samples and sample.servers != self.samples[-1].servers):

@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 import zmq
 import zmq.asyncio
 
+from pdserve.ports import reserve_port
 from pdserve.server.messages import (
     AbortReq,
     BatchOut,
@@ -68,17 +69,6 @@ def _scheduler_main(entry: str, server_args, in_addr: str, out_addr: str, ready_
         ready_conn.send({"status": "error", "message": f"cannot load scheduler entry {entry!r}: {e!r}"})
         raise
     fn(server_args, in_addr, out_addr, ready_conn, tp_rank, tp_init)
-
-
-def _reserve_port() -> socket.socket:
-    """A loopback port for rank 0's rendezvous store, held by a bound (never listening) socket
-    until the ranks have joined: a port merely picked and let go is in the ephemeral range, where
-    any outgoing connection made during the ranks' start-up (seconds of imports) may take it. Rank
-    0's store still binds it, since both sockets set SO_REUSEADDR and neither listens before."""
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("127.0.0.1", 0))
-    return s
 
 
 def _log_send_error(fut: "asyncio.Future") -> None:
@@ -131,7 +121,7 @@ class SchedulerClient:
         n = getattr(self.server_args, "world_size", 1)  # one process per rank (tp_size x pp_size)
         tp_init = self.layout.init_address
         if not tp_init and n > 1:
-            self._init_port = _reserve_port()
+            self._init_port = reserve_port()
             tp_init = f"tcp://127.0.0.1:{self._init_port.getsockname()[1]}"
         self._ready_readers = []
         for rank in self.layout.ranks():

@@ -85,17 +85,23 @@ def local_pair():
     P.pd.bootstrap_server.shutdown()
 
 
+def submit_pairs(P, D, bport: int, prompts: list[list[int]], rng: random.Random, tag: str = "") -> list:
+    """One prefill and one decode request per prompt, sharing a random room; [(prefill's, decode's)]."""
+    pairs = []
+    for i, ids in enumerate(prompts):
+        room = rng.randrange(2**63)
+        rp, rd = req(f"{tag}p{i}", ids, room, port=bport), req(f"{tag}d{i}", ids, room, port=bport)
+        P.add_request(rp)
+        D.add_request(rd)
+        pairs.append((rp, rd))
+    return pairs
+
+
 def test_local_backend_queues_and_metadata(local_pair):
     P, D, bport = local_pair
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (1, 16, 17, 63, 64, 65, 200)]
-    pairs = []
-    for i, ids in enumerate(prompts):
-        room = rng.randrange(2**63)
-        rp, rd = req(f"p{i}", ids, room, port=bport), req(f"d{i}", ids, room, port=bport)
-        P.add_request(rp)
-        D.add_request(rd)
-        pairs.append((rp, rd))
+    pairs = submit_pairs(P, D, bport, prompts, rng)
     seen = set()
 
     def progress():
@@ -133,13 +139,7 @@ def test_decode_batch_limit_holds_requests_whose_kv_arrived(local_pair):
     P, D, bport = local_pair
     rng = random.Random(5)
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(5, 80))] for _ in range(5)]
-    pairs = []
-    for i, ids in enumerate(prompts):
-        room = rng.randrange(2**63)
-        rp, rd = req(f"lp{i}", ids, room, port=bport), req(f"ld{i}", ids, room, port=bport)
-        P.add_request(rp)
-        D.add_request(rd)
-        pairs.append((rp, rd))
+    pairs = submit_pairs(P, D, bport, prompts, rng, tag="l")
     most, waited = 0, 0
     D.args.max_running_requests = 2
     try:
