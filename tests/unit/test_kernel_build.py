@@ -201,3 +201,47 @@ def test_a_source_edited_during_the_build_is_not_marked_complete(tmp_path, monke
     with pytest.raises(RuntimeError, match="value.h changed during the build"):
         build.ensure_built(b)
     assert not b.complete()
+
+
+def test_a_new_build_compiles_only_what_changed(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="pdserve.kernels")
+    tiny = make_ext(tmp_path, 42)
+    (tiny.source_dir / "twice.cpp").write_text("long twice(long v) { return 2 * v; }\n")
+    ext = build.Extension("tiny", tiny.source_dir, (*tiny.sources, "twice.cpp"), tiny.cflags)
+    b = build.locate(ext, tmp_path / "cache")
+    assert build.ensure_built(b)
+    (ext.source_dir / "value.cpp").write_text('#include "value.h"\nlong the_value() { return VALUE + 1; }\n')
+    b2 = build.locate(ext, tmp_path / "cache")
+    assert b2.directory != b.directory
+    caplog.clear()
+    assert build.ensure_built(b2)
+    log = messages(caplog)
+    # twice.o is taken; main.cpp defines the module, whose name follows the sources' key: compiled
+    assert f"1 of 3 objects are unchanged since {b.directory.name}: compiling 2" in log
+    assert "building 2 files" in log and "compiled value.cpp" in log and "compiled main.cpp" in log
+    assert "twice.cpp" not in log and "[3/3] linked" in log
+    assert (b2.directory / "twice.o").stat().st_ino == (b.directory / "twice.o").stat().st_ino
+    assert value_of(b2) == 43
+    # a header both value.cpp and main.cpp include: only twice.o is taken again
+    (ext.source_dir / "value.h").write_text("#pragma once\n#define VALUE 50\nlong the_value();\n")
+    b3 = build.locate(ext, tmp_path / "cache")
+    caplog.clear()
+    assert build.ensure_built(b3)
+    assert "1 of 3 objects are unchanged" in messages(caplog) and value_of(b3) == 51
+    # rebuild compiles everything
+    caplog.clear()
+    assert build.ensure_built(b3, rebuild=True)
+    assert "unchanged since" not in messages(caplog) and "[4/4] linked" in messages(caplog)
+
+
+def test_object_keys_follow_local_includes(tmp_path):
+    ext = make_ext(tmp_path, 1)
+    (ext.source_dir / "extra.h").write_text("// included by nothing\n")
+    before = ext.object_keys("cc", "m1")
+    (ext.source_dir / "extra.h").write_text("// still included by nothing\n")
+    assert ext.object_keys("cc", "m1") == before
+    assert ext.local_includes("main.cpp") == {"value.h"}
+    assert ext.object_keys("other cc", "m1") != before
+    # the module's name changes only the object that defines the module
+    renamed = ext.object_keys("cc", "m2")
+    assert renamed["value.o"] == before["value.o"] and renamed["main.o"] != before["main.o"]
