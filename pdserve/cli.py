@@ -34,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     from pdserve import envs, lifetime
+    from pdserve.kernels import cap_library_isas
 
+    cap_library_isas(envs.cpu_isa())  # before torch runs anything, here and in the servers started
     parent = envs.take_parent_pid()
     if parent is not None:  # started by `pdserve launch`: ends when the launcher does
         lifetime.end_with_parent(parent)

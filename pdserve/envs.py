@@ -44,6 +44,14 @@ def cpu_kernels_disabled() -> bool:
     return os.environ.get("PDSERVE_DISABLE_CPU_KERNELS", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def cpu_isa() -> str | None:
+    """``PDSERVE_CPU_ISA``: cap pdserve's CPU kernels at an instruction-set tier (``scalar``, ``avx2``,
+    ``avx2_vnni``, ``avx512``, ``avx512_bf16``, ``amx``; on Arm ``neon``, ``neon_dotprod``,
+    ``neon_bf16``, ``sve``), so that one host runs the paths of hosts with less; ``pdserve``'s
+    commands also cap oneDNN, MKL and ATen at it (``pdserve.kernels.cap_library_isas``)."""
+    return os.environ.get("PDSERVE_CPU_ISA", "").strip().lower() or None
+
+
 def take_parent_pid() -> int | None:
     """``PDSERVE_PARENT_PID``: the pid of the process this one must not outlive (``pdserve launch``
     sets it for its servers and router; ``lifetime.end_with_parent``). Removed from the

@@ -169,8 +169,9 @@ class ModelRunner:
             raise ValueError(f"quantization: {self.args.quantization!r} needs pdserve's CPU kernels, which are not "
                              f"available ({kernels.unavailable_reason()})")
         if not self.ops.has_int8_dot():
-            raise ValueError(f"quantization: {self.args.quantization!r} needs AVX512-VNNI int8 dot products, "
-                             "which this CPU does not have")
+            raise ValueError(f"quantization: {self.args.quantization!r} needs SIMD int8 dot products (AVX2, AVX-VNNI "
+                             f"or AVX512-VNNI on x86-64, NEON on Arm), which this CPU (or PDSERVE_CPU_ISA="
+                             f"{self.ops.isa()}) does not offer")
 
     def _attention_backend(self) -> str:
         name = self.args.attention_backend

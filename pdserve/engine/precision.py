@@ -48,14 +48,15 @@ def _best_time(fn, repeats: int = PROBE_REPEATS) -> float:
     return best
 
 
-def measure_linear_times(hf_config, ops: Optional[ModuleType]) -> dict[str, float]:
+def measure_linear_times(hf_config, ops: Optional[ModuleType], onednn: bool = True) -> dict[str, float]:
     """Seconds for one pass over a decoder layer's matmuls at each of ``PROBE_ROWS``, summed, in
-    float32 (``F.linear``) and in prepacked bf16 (what ``PackedBF16`` runs)."""
+    float32 (``F.linear``) and in prepacked bf16 (what ``PackedBF16`` runs: oneDNN and pdserve's
+    GEMV, or, with ``onednn`` False, pdserve's kernel at every row count)."""
     from pdserve.layers.linear import PackedBF16
 
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in _layer_shapes(hf_config)]
-    packed = [PackedBF16(w, None, ops) for w in weights]
+    packed = [PackedBF16(w, None, ops, onednn=onednn) for w in weights]
     out = {"float32": 0.0, "bfloat16": 0.0}
     for rows in PROBE_ROWS:
         xs = {k: torch.randn(rows, k, generator=gen) for k in {w.shape[1] for w in weights}}
@@ -74,12 +75,22 @@ def choose_compute_dtype(dtype: str, device: str, hf_config, ops: Optional[Modul
     ckpt = resolve_dtype(hf_config, "auto")
     if device != "cpu" or ckpt == torch.float32:
         return ckpt, f"the checkpoint's dtype ({str(ckpt).replace('torch.', '')})"
-    if not torch.backends.mkldnn.is_available():
-        return torch.float32, "oneDNN is not available in this torch build: bf16 matmuls would be slow"
-    times = measure_linear_times(hf_config, ops)
+    from pdserve.kernels import onednn_bf16
+
+    onednn, why_not = onednn_bf16()
+    if not onednn:
+        logger.info("bf16 matmuls: not on oneDNN (%s)%s", why_not, "" if ops is None else "; pdserve's kernels probed")
+        if ops is None:
+            return torch.float32, f"{why_not}, and pdserve's CPU kernels are not available: bf16 matmuls would be slow"
+    try:
+        times = measure_linear_times(hf_config, ops, onednn)
+    except Exception as e:  # an instruction the library lacks here, or any other failure: not available
+        logger.warning("the bf16 matmul probe failed (%s: %s); computing in float32", type(e).__name__, e)
+        return torch.float32, f"the bf16 matmul probe failed ({type(e).__name__}: {str(e).splitlines()[0]})"
     ratio = times["bfloat16"] / times["float32"]
     detail = (f"layer matmuls at {'/'.join(map(str, PROBE_ROWS))} rows took {times['bfloat16'] * 1e3:.1f} ms "
-              f"in prepacked bf16 vs {times['float32'] * 1e3:.1f} ms in float32 ({ratio:.2f}x)")
+              f"in prepacked bf16 ({'oneDNN + GEMV' if onednn else 'pdserve kernels'}) vs "
+              f"{times['float32'] * 1e3:.1f} ms in float32 ({ratio:.2f}x)")
     if ratio < 1.0:
         return torch.bfloat16, f"measured: {detail}"
     return torch.float32, f"measured: {detail}; upcasting the {str(ckpt).replace('torch.', '')} checkpoint"

@@ -1,9 +1,13 @@
 """pdserve's CPU kernels: a small C++ extension of torch (``csrc/``), built by ``build.py``.
 
-Paged decode attention, RMSNorm (+ residual), RoPE, SiLU-mul, a bf16 GEMV for small batches and
-the decoder stack of a bf16 model for decode steps (``csrc/``). The build is compiled for the baseline ISA of the host compiler: functions that use
-AVX-512 name their ISA extensions in a ``target`` attribute and run only where the CPU has them
-(checked at run time), so one build serves every x86-64 host and never uses ``-march=native``.
+Paged decode attention, flash attention, RMSNorm (+ residual), RoPE, SiLU-mul, bf16 / float32 /
+int8 matmuls, fused MoE experts and the decoder stack of a bf16 model for decode steps
+(``csrc/``). The build is compiled for the baseline ISA of the host compiler: functions that use
+an extension (AVX2, AVX-512, AMX; Arm's dot products, BF16, I8MM) name it in a ``target``
+attribute and run only where the CPU has it (checked at run time, ``csrc/isa.h``), so one build
+serves every host of an architecture and never uses ``-march=native``. Every kernel has a path
+for each tier: AVX-512 (and AMX) code of its own, one 8-lane source for AVX2 and NEON
+(``csrc/vec8.h``), and portable scalar code. ``PDSERVE_CPU_ISA`` (or ``ops.set_isa``) caps the tier.
 It is compiled with OpenMP, as torch is, so ``at::parallel_for`` runs on torch's intra-op threads.
 
 It is built on first use (or ahead of time by ``python -m pdserve.kernels``) into
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -27,7 +32,7 @@ from pdserve.kernels import build
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp", "gemv.cpp", "decode_model.cpp", "flash_attention.cpp", "int8_gemm.cpp", "gemm_f32.cpp", "moe.cpp", "amx.cpp", "amx_gemm.cpp", "amx_attention.cpp", "amx_selfcheck.cpp")
+SOURCES = ("bindings.cpp", "isa.cpp", "elementwise_vec8.cpp", "paged_attention.cpp", "elementwise.cpp", "gemv.cpp", "decode_model.cpp", "flash_attention.cpp", "int8_gemm.cpp", "gemm_f32.cpp", "moe.cpp", "amx.cpp", "amx_gemm.cpp", "amx_attention.cpp", "amx_selfcheck.cpp")
 # no FMA contraction: the kernels round where HF rounds (an explicit fmadd is the only fused op)
 CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-ffp-contract=off")
 # at::parallel_for is inline (ATen/ParallelOpenMP.h): without -fopenmp it runs on the calling
@@ -92,7 +97,17 @@ def load(rebuild: bool = False) -> Optional[ModuleType]:
             logger.warning("CPU kernels could not be loaded (%s); using the slower PyTorch code paths. "
                            "`python -m pdserve.kernels --rebuild` builds them again.", _why_not)
             return None
-        logger.info("CPU kernels loaded (ISA %s) from %s", _module.isa(), b.directory)
+        from pdserve.envs import cpu_isa
+
+        forced = cpu_isa()
+        if forced:
+            try:
+                _module.set_isa(forced)
+            except ValueError as e:
+                raise ValueError(f"PDSERVE_CPU_ISA: {e}") from None
+        logger.info("CPU kernels loaded (ISA %s%s; CPU: %s; tiers here: %s) from %s", _module.isa(),
+                    ", forced by PDSERVE_CPU_ISA" if forced else "", " ".join(_module.cpu_features()) or "baseline",
+                    ", ".join(_module.available_isas()), b.directory)
         return _module
 
 
@@ -105,6 +120,44 @@ def _built(rebuild: bool) -> build.Build:
         b = kernel_build()
         build.ensure_built(b, rebuild=rebuild)
     return b
+
+
+# What oneDNN, MKL and ATen are capped at for each tier, so that a process run at a lower tier
+# than its host's runs the libraries' code of such a host too (their variables are read once, at
+# first use: the cap must be set before torch runs anything).
+_LIBRARY_CAPS = {
+    "scalar": {"ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ATEN_CPU_CAPABILITY": "default"},
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+    "avx2_vnni": {"ONEDNN_MAX_CPU_ISA": "AVX2_VNNI", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+                  "ATEN_CPU_CAPABILITY": "avx2"},
+    "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI", "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+               "ATEN_CPU_CAPABILITY": "avx512"},
+    "avx512_bf16": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "ATEN_CPU_CAPABILITY": "avx512"},
+}
+# tiers without the instructions oneDNN's bf16 matmuls need (avx512bw/vl/dq, or avx_ne_convert)
+_NO_ONEDNN_BF16 = ("scalar", "avx2", "avx2_vnni", "neon", "neon_dotprod")
+
+
+def cap_library_isas(tier: Optional[str]) -> None:
+    """Cap oneDNN, MKL and ATen at ``tier`` (where the environment does not already say), for this
+    process and its children; nothing for None or a tier they have no cap for."""
+    for name, value in _LIBRARY_CAPS.get(tier or "", {}).items():
+        os.environ.setdefault(name, value)
+
+
+def onednn_bf16() -> tuple[bool, str]:
+    """Whether oneDNN can prepack and run bf16 matmuls here, and why not."""
+    import torch
+
+    from pdserve.envs import cpu_isa
+
+    if not torch.backends.mkldnn.is_available():
+        return False, "oneDNN is not available in this torch build"
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False, "oneDNN's bf16 matmuls need avx512bw, avx512vl and avx512dq (or avx_ne_convert), which this CPU lacks"
+    if cpu_isa() in _NO_ONEDNN_BF16:
+        return False, f"PDSERVE_CPU_ISA={cpu_isa()} is below what oneDNN's bf16 matmuls need (avx512bw/vl/dq)"
+    return True, ""
 
 
 def unavailable_reason() -> Optional[str]:
@@ -131,5 +184,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     if mod is None:
         print(f"pdserve CPU kernels: not available ({_why_not})")
         return 1
-    print(f"pdserve CPU kernels: ready in {build_dir()} (ISA {mod.isa()})")
+    print(f"pdserve CPU kernels: ready in {build_dir()} (ISA {mod.isa()}; tiers here: "
+          f"{', '.join(mod.available_isas())})")
     return 0

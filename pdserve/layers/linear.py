@@ -65,7 +65,16 @@ class PackedBF16:
     first word of an answer); float32 logits keep the order the bf16 network computed."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], ops: Optional[ModuleType],
-                 batch_hint: int = 64, float32_out: bool = False, batch_invariant: bool = False):
+                 batch_hint: int = 64, float32_out: bool = False, batch_invariant: bool = False,
+                 onednn: Optional[bool] = None):
+        """``onednn``: whether oneDNN's bf16 matmuls may run (None: ``kernels.onednn_bf16()``);
+        without them pdserve's kernel runs at every row count."""
+        if onednn is None:
+            from pdserve.kernels import onednn_bf16
+
+            onednn = onednn_bf16()[0]
+        if ops is None and not onednn:
+            raise ValueError("a prepacked bf16 matmul needs pdserve's CPU kernels or oneDNN's bf16 matmuls")
         w = weight.detach().to(torch.bfloat16).contiguous()
         self.out_features, self.in_features = w.shape
         self.bias = None if bias is None else bias.detach().to(torch.float32 if float32_out else torch.bfloat16).contiguous()
@@ -78,12 +87,12 @@ class PackedBF16:
         if batch_invariant and self.vnni is None:
             raise ValueError("a batch-invariant bf16 matmul needs pdserve's CPU kernels")
         # the GEMV-only paths never call oneDNN: no second copy of the weight
-        self.onednn = None if self.float32_out or self.batch_invariant else \
+        self.onednn = None if self.float32_out or self.batch_invariant or not onednn else \
             torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.float32_out or self.batch_invariant or (self.vnni is not None and 0 < rows <= GEMV_MAX_ROWS):
+        if self.onednn is None or (self.vnni is not None and 0 < rows <= GEMV_MAX_ROWS):
             out = x.new_empty((rows, self.out_features), dtype=torch.float32 if self.float32_out else x.dtype)
             self.ops.linear_vnni(out, x, self.vnni, self.bias)
             return out
@@ -224,6 +233,14 @@ def prepack_linears(model: nn.Module, ops: Optional[ModuleType], batch_hint: int
     are exact). Returns the bytes the packed weights take."""
     if dtype == torch.float32 and not batch_invariant:
         return 0  # float32 models run F.linear
+    if ops is None:
+        from pdserve.kernels import onednn_bf16
+
+        usable, why_not = onednn_bf16()
+        if not usable:
+            logger.warning("bf16 matmuls run on PyTorch's own code (slow): %s, and pdserve's CPU kernels are not "
+                           "available", why_not)
+            return 0
     total = 0
     for module in model.modules():
         if isinstance(module, Linear) and module.impl is None:

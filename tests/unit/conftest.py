@@ -49,12 +49,28 @@ def pd(workers):
     return tuple(workers.workers)
 
 
-@pytest.fixture(params=["simd", "scalar"])
+def host_isas() -> list[str]:
+    """The instruction-set tiers pdserve's kernels can run on this CPU (``scalar`` up to the host's
+    own), or one name that makes the tests fail with the reason the kernels did not load."""
+    from pdserve import kernels
+
+    ops = kernels.load()
+    return ops.available_isas() if ops is not None else [f"kernels-unavailable: {kernels.unavailable_reason()}"]
+
+
+def pytest_generate_tests(metafunc):
+    # ``path``: one run of the test per tier this host can run, not only its best one
+    if "path" in metafunc.fixturenames:
+        metafunc.parametrize("path", host_isas(), indirect=True)
+
+
+@pytest.fixture
 def path(request, ops):
-    """Run a kernel test on the AVX-512 code (where the CPU has it) and on the portable scalar code;
-    ``ops`` is the test module's fixture for the loaded kernels."""
-    if request.param == "simd" and ops.isa() == "scalar":
-        pytest.skip("this CPU has no AVX-512: only the scalar code runs here")
-    ops.set_force_scalar(request.param == "scalar")
+    """Run a kernel test with the kernels capped at one instruction-set tier (``ops.set_isa``):
+    ``scalar``, ``avx2``, ``avx2_vnni``, ``avx512``, ``avx512_bf16``, ``amx`` (or ``neon``,
+    ``neon_dotprod``, ``neon_bf16``, ``sve``), whichever this CPU has; ``ops`` is the test module's
+    fixture for the loaded kernels."""
+    top = ops.available_isas()[-1]
+    ops.set_isa(request.param)
     yield request.param
-    ops.set_force_scalar(False)
+    ops.set_isa(top)

@@ -33,19 +33,20 @@ def test_linear_f32_matches_float64(ops, path, rows, n, k):
     assert err < 1e-5 * math.sqrt(k), f"max abs error {err}"
 
 
-def test_linear_f32_portable_path_gives_the_same_bits(ops):
-    if ops.isa() == "scalar":
-        pytest.skip("this CPU has no AVX-512: only the portable code runs here")
+def test_linear_f32_gives_the_same_bits_on_every_path(ops):
+    """One k-ordered FMA chain per output, whatever the tier: scalar (std::fma), AVX2 / NEON and
+    AVX-512 tiles agree to the bit."""
     gen = torch.Generator().manual_seed(3)
     w, x = torch.randn(200, 300, generator=gen), torch.randn(7, 300, generator=gen)
-    packed, outs = pack_panels(w, 1), []
-    for scalar in (False, True):
-        ops.set_force_scalar(scalar)
+    packed, outs = pack_panels(w, 1), {}
+    top = ops.available_isas()[-1]
+    for isa in ops.available_isas():
+        ops.set_isa(isa)
         out = torch.empty(7, 200)
         ops.linear_f32(out, x, packed, None)
-        outs.append(out)
-    ops.set_force_scalar(False)
-    assert torch.equal(outs[0], outs[1])
+        outs[isa] = out
+    ops.set_isa(top)
+    assert all(torch.equal(outs["scalar"], out) for out in outs.values()), list(outs)
 
 
 def test_linear_f32_rejects_bad_shapes(ops):

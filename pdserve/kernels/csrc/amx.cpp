@@ -92,22 +92,7 @@ int run_self_check(TileBackend tb) {
 
 }  // namespace
 
-bool cpu_has_amx() {
-#if PDS_X86
-  static const bool yes = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    if (!((d >> 22) & 1) || !((d >> 24) & 1) || !((d >> 25) & 1)) return false;  // amx-bf16, amx-tile, amx-int8
-    if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return false;  // OSXSAVE
-    uint32_t lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    return ((lo >> 17) & 3) == 3;  // XTILECFG and XTILEDATA enabled by the OS
-  }();
-  return yes;
-#else
-  return false;
-#endif
-}
+bool cpu_has_amx() { return (cpu_features() & kAmx) != 0; }
 
 ScopedTileBackend::ScopedTileBackend(TileBackend tb) : saved(t_forced) { t_forced = int(tb); }
 ScopedTileBackend::~ScopedTileBackend() { t_forced = saved; }
@@ -115,9 +100,9 @@ ScopedTileBackend::~ScopedTileBackend() { t_forced = saved; }
 TileBackend amx_backend() {
   if (t_forced >= 0) return TileBackend(t_forced);
   if (!g_enabled.load(std::memory_order_relaxed) || !use_avx512_bf16()) return TileBackend::kNone;
-  const TileBackend tb = g_emulate.load(std::memory_order_relaxed) ? TileBackend::kEmulated
-                         : hardware_usable()                       ? TileBackend::kHardware
-                                                                   : TileBackend::kNone;
+  const TileBackend tb = g_emulate.load(std::memory_order_relaxed)      ? TileBackend::kEmulated
+                         : use_amx_tiles() && hardware_usable()         ? TileBackend::kHardware
+                                                                        : TileBackend::kNone;
   if (tb == TileBackend::kNone) return tb;
   int s = g_check[int(tb)].load(std::memory_order_acquire);
   if (s == 0) s = run_self_check(tb);
@@ -286,7 +271,7 @@ void bind_amx(pybind11::module& m) {
   m.def("set_amx", [](bool on) { g_enabled = on; },
         "use the AMX kernels where the CPU has them (default) or never (False: the AVX-512 kernels)");
   m.def("set_amx_emulation", [](bool on) {
-        TORCH_CHECK(!on || cpu_has_avx512_bf16(), "set_amx_emulation: the AMX kernels' code around the tiles is "
+        TORCH_CHECK(!on || (cpu_features() & kAvx512Bf16), "set_amx_emulation: the AMX kernels' code around the tiles is "
                                                   "AVX-512: this CPU has no avx512_bf16");
         g_emulate = on;
       },

@@ -1,37 +1,9 @@
 // Python bindings of pdserve's CPU kernels and the run-time ISA checks they dispatch on.
 #include "common.h"
 
-#include <atomic>
 #include <string>
 
 namespace pds {
-
-bool cpu_has_avx512() {
-#if PDS_X86
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                          __builtin_cpu_supports("fma");
-  return yes;
-#else
-  return false;
-#endif
-}
-
-bool cpu_has_avx512_bf16() {
-#if PDS_X86
-  static const bool yes = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
-  return yes;
-#else
-  return false;
-#endif
-}
-
-namespace {
-std::atomic<bool> g_force_scalar{false};
-}
-
-bool use_avx512() { return cpu_has_avx512() && !g_force_scalar.load(std::memory_order_relaxed); }
-bool use_avx512_bf16() { return cpu_has_avx512_bf16() && !g_force_scalar.load(std::memory_order_relaxed); }
 
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& page_table, const at::Tensor& seq_lens, double scale, int64_t window,
@@ -48,7 +20,6 @@ void linear_vnni(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
 void linear_f32(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c10::optional<at::Tensor> bias);
 void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& colsum,
                  const at::Tensor& w_scale, c10::optional<at::Tensor> bias, int64_t amx_min_rows);
-bool cpu_has_avx512_vnni();
 void moe_experts_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
                       const at::Tensor& w13, const at::Tensor& w2, c10::optional<at::Tensor> b13,
                       c10::optional<at::Tensor> b2, const std::string& activation, double alpha, double limit);
@@ -67,10 +38,19 @@ const char* amx_isa_name();
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", []() {
     if (const char* amx = pds::amx_isa_name()) return std::string(amx);
-    return std::string(pds::use_avx512_bf16() ? "avx512_bf16" : pds::use_avx512() ? "avx512" : "scalar");
-  });
-  m.def("set_force_scalar", [](bool on) { pds::g_force_scalar = on; },
-        "run the portable scalar code even where the CPU has AVX-512 (tests)");
+    const std::string tier = pds::isa_tier();
+    return tier == "amx" ? std::string("avx512_bf16") : tier;  // tiles unused (disabled, not checked yet)
+  }, "the instruction-set tier the kernels run at now (amx_bf16 / amx_bf16_emulated when tiles are used)");
+  m.def("available_isas", &pds::available_isas, "the tiers this CPU can run, lowest first");
+  m.def("cpu_features", []() { return pds::feature_names(pds::cpu_features()); },
+        "the instruction-set extensions the kernels found on this CPU");
+  m.def("set_isa", [](const std::string& name) {
+    if (!pds::set_isa_tier(name)) {
+      std::string have;
+      for (const auto& t : pds::available_isas()) have += (have.empty() ? "" : ", ") + t;
+      throw pybind11::value_error("ISA tier '" + name + "' is not available on this CPU (available: " + have + ")");
+    }
+  }, "cap the kernels at a tier of available_isas() (tests, benchmarks)");
   m.def("paged_decode_attention", &pds::paged_decode_attention, "paged decode attention (in place into out)",
         pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("page_table"), pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("window"),
@@ -90,7 +70,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_w8a8", &pds::linear_w8a8, "int8 weights x per-token int8 activations (w8a8_int8), dequantized",
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("colsum"), pybind11::arg("w_scale"),
         pybind11::arg("bias"), pybind11::arg("amx_min_rows") = -1);
-  m.def("has_int8_dot", []() { return pds::cpu_has_avx512_vnni(); }, "whether the CPU has AVX512-VNNI");
+  m.def("has_int8_dot", []() { return pds::use_avx2() || pds::use_neon(); },
+        "whether the int8 kernels run on SIMD dot products here (AVX2, AVX-VNNI, AVX512-VNNI, NEON)");
   m.def("linear_vnni", &pds::linear_vnni, "x w^T (+ bias), bf16 weight packed [N/64, K/2, 4, 16, 2], bf16 or fp32 out",
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"),
         pybind11::arg("amx_min_rows") = -1);

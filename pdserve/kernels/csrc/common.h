@@ -1,9 +1,6 @@
-// Shared helpers of pdserve's CPU kernels: bf16 conversions, an AVX-512 exp, run-time ISA checks.
-//
-// The file is compiled for the baseline x86-64 (or any other) target. Functions that use AVX-512
-// carry a `target` attribute naming the ISA extensions they need, and are only called after
-// `cpu_has_avx512()` (or `cpu_has_avx512_bf16()`) said the running CPU has them: one build runs
-// on every host, and a host without AVX-512 takes the portable scalar code.
+// Shared helpers of pdserve's CPU kernels that use torch: tensor access, and the AVX-512 vector
+// helpers (a 16-lane exp, bf16 loads and stores). What dispatches where is in isa.h; bf16
+// scalars in bf16.h; the 8-lane AVX2 / NEON helpers in vec8.h.
 #pragma once
 
 #include <torch/extension.h>
@@ -12,52 +9,14 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#define PDS_X86 1
+#include "bf16.h"
+#include "isa.h"
+
+#if PDS_X86
 #include <immintrin.h>
-#define PDS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2,f16c")))
-#define PDS_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,avx2")))
-#else
-#define PDS_X86 0
 #endif
 
 namespace pds {
-
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// Round to nearest even, as torch does (NaN stays NaN).
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
-
-template <typename T>
-inline float load_f32(const T* p);
-template <>
-inline float load_f32<float>(const float* p) { return *p; }
-template <>
-inline float load_f32<uint16_t>(const uint16_t* p) { return bf16_to_f32(*p); }
-
-template <typename T>
-inline void store_f32(T* p, float v);
-template <>
-inline void store_f32<float>(float* p, float v) { *p = v; }
-template <>
-inline void store_f32<uint16_t>(uint16_t* p, float v) { *p = f32_to_bf16(v); }
-
-bool cpu_has_avx512();
-bool cpu_has_avx512_bf16();
-// what the kernels dispatch on: the CPU's ISA unless the scalar code is forced (tests)
-bool use_avx512();
-bool use_avx512_bf16();
 
 // Raw element pointer of a float32 or bfloat16 tensor (bf16 as uint16_t).
 template <typename T>

@@ -58,7 +58,7 @@ struct Linear {
 
   // x Wᵀ (+ bias) into `buf` (reallocated when its shape differs), or a new tensor from oneDNN
   at::Tensor operator()(const at::Tensor& x, int64_t gemv_max_rows, at::Tensor& buf) const {
-    if (!q_packed.defined() && !(vnni.defined() && x.size(0) <= gemv_max_rows)) return onednn_linear(x, onednn, bias);
+    if (onednn.defined() && !(vnni.defined() && x.size(0) <= gemv_max_rows)) return onednn_linear(x, onednn, bias);
     at::Tensor out = workspace(buf, {x.size(0), out_features}, x);
     if (q_packed.defined())
       linear_w8a8(out, x, q_packed, q_colsum, q_scale, bias);

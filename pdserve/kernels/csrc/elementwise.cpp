@@ -3,6 +3,7 @@
 // SiLU(gate) * up. Rounding follows HF transformers' eager code step by step: in bfloat16 every
 // intermediate that HF rounds to bf16 is rounded here too; statistics are taken in float32.
 #include "common.h"
+#include "vec8_kernels.h"
 
 #include <ATen/Parallel.h>
 
@@ -10,14 +11,6 @@
 
 namespace pds {
 namespace {
-
-// round a float32 value to the activation dtype T and back (identity for float)
-template <typename T>
-inline float round_to(float v);
-template <>
-inline float round_to<float>(float v) { return v; }
-template <>
-inline float round_to<uint16_t>(float v) { return bf16_to_f32(f32_to_bf16(v)); }
 
 #if PDS_X86
 template <typename T>
@@ -90,11 +83,12 @@ void rms_norm_impl(at::Tensor& out, at::Tensor& x, at::Tensor* residual, const a
   const int64_t rs = residual ? residual->stride(0) : 0;
   T* op = data<T>(out);
   const T* wp = data<T>(w);
-  const bool simd = use_avx512();
+  const bool simd = use_avx512(), v8 = use_vec8();
   at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
 #if PDS_X86
     if (simd) return rms_rows_avx512<T>(xp, x.stride(0), rp, rs, op, out.stride(0), wp, H, eps, b, e);
 #endif
+    if (v8) return rms_rows_vec8<T>(xp, x.stride(0), rp, rs, op, out.stride(0), wp, H, eps, b, e);
     rms_rows_scalar<T>(xp, x.stride(0), rp, rs, op, out.stride(0), wp, H, eps, b, e);
   });
 }
@@ -163,11 +157,12 @@ void rope_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   T* xp = data<T>(x);
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  const bool simd = use_avx512();
+  const bool simd = use_avx512(), v8 = use_vec8();
   at::parallel_for(0, T_, 16, [&](int64_t b, int64_t e) {
 #if PDS_X86
     if (simd) return rope_rows_avx512<T>(xp, x.stride(0), x.stride(1), heads, D, cp, sp, b, e);
 #endif
+    if (v8) return rope_rows_vec8<T>(xp, x.stride(0), x.stride(1), heads, D, cp, sp, b, e);
     rope_rows_scalar<T>(xp, x.stride(0), x.stride(1), heads, D, cp, sp, b, e);
   });
 }
@@ -213,11 +208,12 @@ void silu_impl(at::Tensor& out, const at::Tensor& gate_up) {
   const int64_t rows = gate_up.size(0), I = out.size(1);
   const T* ip = data<T>(gate_up);
   T* op = data<T>(out);
-  const bool simd = use_avx512();
+  const bool simd = use_avx512(), v8 = use_vec8();
   at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
 #if PDS_X86
     if (simd) return silu_rows_avx512<T>(ip, gate_up.stride(0), op, out.stride(0), I, b, e);
 #endif
+    if (v8) return silu_rows_vec8<T>(ip, gate_up.stride(0), op, out.stride(0), I, b, e);
     silu_rows_scalar<T>(ip, gate_up.stride(0), op, out.stride(0), I, b, e);
   });
 }

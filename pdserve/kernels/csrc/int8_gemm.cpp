@@ -20,15 +20,6 @@
 
 namespace pds {
 
-bool cpu_has_avx512_vnni() {
-#if PDS_X86
-  static const bool yes = cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
-  return yes;
-#else
-  return false;
-#endif
-}
-
 namespace {
 
 constexpr int64_t kPrefetchBytes = 2048;
@@ -258,7 +249,7 @@ void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
              out.scalar_type() == at::kBFloat16};
   at::parallel_for(0, NP, 1, [&](int64_t b, int64_t e) {
 #if PDS_X86
-    if (cpu_has_avx512_vnni() && use_avx512()) {
+    if (use_avx512_vnni()) {
       std::vector<int32_t> carry;
       return run_panels(a, b, e, carry);
     }

@@ -30,8 +30,6 @@
 
 namespace pds {
 
-bool cpu_has_avx512_vnni();
-
 namespace {
 
 constexpr int64_t kPanel = 64;
@@ -356,7 +354,7 @@ struct Isa {
 Isa pick_isa(bool int8) {
 #if PDS_X86
   if (use_avx512()) {
-    void (*tile)(const Tile&) = int8 ? (cpu_has_avx512_vnni() ? &ByRows<VnniTile>::run : &tile_int8_scalar)
+    void (*tile)(const Tile&) = int8 ? (use_avx512_vnni() ? &ByRows<VnniTile>::run : &tile_int8_scalar)
                                      : (use_avx512_bf16() ? &ByRows<DpTile>::run : &ByRows<FmaTile>::run);
     return {tile, &finish_act_avx512, &finish_out_avx512, &combine_avx512, &quantize_row_avx512};
   }
