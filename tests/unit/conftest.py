@@ -59,9 +59,12 @@ def host_isas() -> list[str]:
 
 
 def pytest_generate_tests(metafunc):
-    # ``path``: one run of the test per tier this host can run, not only its best one
+    # ``path``: one run of the test per tier this host can run, not only its best one;
+    # ``flash_path``: the tiers the bf16 flash kernel has code for (all but scalar)
     if "path" in metafunc.fixturenames:
         metafunc.parametrize("path", host_isas(), indirect=True)
+    if "flash_path" in metafunc.fixturenames:
+        metafunc.parametrize("flash_path", [t for t in host_isas() if t != "scalar"], indirect=True)
 
 
 @pytest.fixture
@@ -72,5 +75,16 @@ def path(request, ops):
     fixture for the loaded kernels."""
     top = ops.available_isas()[-1]
     ops.set_isa(request.param)
+    yield request.param
+    ops.set_isa(top)
+
+
+@pytest.fixture
+def flash_path(request, ops):
+    """As ``path``, over the tiers the bf16 flash kernel runs on (a scalar-only CPU has none: the
+    cpu backend then takes the decode kernel and SDPA, test_cpu_kernels checks that it says so)."""
+    top = ops.available_isas()[-1]
+    ops.set_isa(request.param)
+    assert ops.flash_supported(64), f"the flash kernel does not run at tier {request.param}"
     yield request.param
     ops.set_isa(top)

@@ -7,6 +7,7 @@ them fails with the reason instead of skipping.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -157,7 +158,7 @@ def test_silu_and_mul(ops, path, dtype):
     torch.testing.assert_close(out, F.silu(gate) * up, **tol)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 21])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 21, 100])
 @pytest.mark.parametrize("n,k", [(3072, 576), (37, 19), (100, 64)])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_vnni_linear_matches_float64(ops, path, rows, n, k, out_dtype):
@@ -197,6 +198,44 @@ def test_vnni_linear_reads_bf16_rows_in_place(ops, path, layout):
     assert ((out.double() - exact).abs() / (exact.abs() + 1)).max().item() < 1e-5
 
 
+def test_isa_tiers_can_be_forced(ops):
+    tiers = ops.available_isas()
+    top = tiers[-1]
+    assert tiers[0] == "scalar" and ops.cpu_features() is not None
+    try:
+        for tier in tiers:
+            ops.set_isa(tier)
+            assert ops.isa() == (tier if tier != "amx" else "avx512_bf16") or ops.isa().startswith("amx")
+            # every tier but scalar has SIMD code for the flash kernel and the int8 dot products
+            assert ops.flash_supported(64) == (tier != "scalar") and ops.has_int8_dot() == (tier != "scalar")
+        with pytest.raises(ValueError, match=r"ISA tier 'avx1024' is not available on this CPU \(available: scalar"):
+            ops.set_isa("avx1024")
+    finally:
+        ops.set_isa(top)
+    assert ops.available_isas()[-1] == top
+
+
+def test_pdserve_cpu_isa_caps_the_kernels_and_the_libraries():
+    """A process started with PDSERVE_CPU_ISA runs the kernels (and oneDNN, MKL, ATen) at that tier,
+    and does not take oneDNN's bf16 matmuls below AVX-512; an unknown tier is refused by name."""
+    import subprocess
+    import sys
+
+    lowest_simd = (kernels.load().available_isas() + ["scalar"])[1]
+    script = ("import os, torch; from pdserve import kernels; kernels.cap_library_isas(os.environ['PDSERVE_CPU_ISA']); "
+              "ops = kernels.load(); print(ops.isa(), kernels.onednn_bf16()[0], os.environ.get('ONEDNN_MAX_CPU_ISA'))")
+    env = {**os.environ, "PDSERVE_CPU_ISA": lowest_simd}
+    env.pop("ONEDNN_MAX_CPU_ISA", None)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    isa, onednn, cap = out.stdout.split()
+    assert isa == lowest_simd and onednn == "False" and cap == {"avx2": "AVX2", "scalar": "SSE41"}.get(lowest_simd, cap)
+    env["PDSERVE_CPU_ISA"] = "avx1024"
+    out = subprocess.run([sys.executable, "-c", "from pdserve import kernels; kernels.load()"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "PDSERVE_CPU_ISA: ISA tier 'avx1024' is not available" in out.stderr
+
+
 def test_kernels_can_be_disabled(monkeypatch):
     monkeypatch.setenv("PDSERVE_DISABLE_CPU_KERNELS", "1")
     kernels._reset_for_tests()
@@ -215,8 +254,8 @@ def test_build_is_keyed_by_torch_and_sources():
     assert "-march=native" not in " ".join(kernels.CFLAGS)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 21])
-@pytest.mark.parametrize("n,k", [(3072, 576), (37, 19)])
+@pytest.mark.parametrize("rows,n,k", [(r, n, k) for r in (1, 2, 3, 8, 21) for n, k in ((3072, 576), (37, 19))]
+                         + [(300, 200, 130)])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_w8a8_linear_matches_its_quantization(ops, path, rows, n, k, x_dtype):
     from pdserve.layers.linear import PackedW8A8

@@ -135,9 +135,7 @@ def test_paged_decode_attention(ops, path, kv_dtype):
     assert_same(at_1_and_2_threads(run))
 
 
-def test_flash_attention(ops):
-    if not ops.flash_supported(64):
-        pytest.skip("the flash kernel needs avx512_bf16, which this CPU lacks")
+def test_flash_attention(ops, flash_path):
     gen = torch.Generator().manual_seed(2)
     lens, new = [150, 70, 33], [150, 20, 1]  # a prefill, a chunk after a prefix, a decode row
     kc, vc, table = _pool(gen, lens, 2, 64, 16, torch.bfloat16)

@@ -15,39 +15,31 @@
 // denominator only: a row's online softmax starts with max = sink and sum = 1 instead of -inf, 0.
 //
 // On AMX hosts tasks of at least amx_min_rows rows run on tiles instead (amx_attention.cpp: the
-// same per-row arithmetic, key blocks at fixed positions).
+// same per-row arithmetic, key blocks at fixed positions). Without avx512_bf16 the 8-lane kernel
+// of attention_vec8.cpp runs (AVX2, NEON): float32 products, key blocks of 64 at fixed positions,
+// the same masks and sinks.
 #include "amx.h"
+#include "vec8_kernels.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <limits>
+#include <memory>
+#include <vector>
 
 namespace pds {
 
 bool flash_supported(int64_t head_dim);
 const float* checked_sinks(const c10::optional<at::Tensor>& sinks, int64_t heads, const char* kernel);
 
+constexpr int kQueries = 16;  // query positions per task
+
 #if PDS_X86
 namespace {
 
-constexpr int kQueries = 16;  // query positions per task
 constexpr int kMaxD = 256;
 constexpr int kMaxRows = 16 * 8;  // kQueries * (largest GQA group this kernel takes)
-
-struct FlashArgs {
-  const uint16_t* q;
-  uint16_t* out;
-  const uint16_t* k;
-  const uint16_t* v;
-  const int32_t* table;
-  const int32_t* lens;  // tokens in the request after this forward
-  const int32_t* q_starts;  // [B + 1]: rows of request b are q_starts[b] .. q_starts[b + 1]
-  int64_t q_stride_t, q_stride_h, out_stride_t, out_stride_h, table_stride;
-  int64_t heads, kv_heads, page_size, D, window;
-  float scale;
-  const float* sinks;  // [heads] or nullptr
-};
 
 // 16x16 transpose of 32-bit elements: r[i] holds row i on entry, column i on exit.
 PDS_AVX512_BF16 inline void transpose16(__m512i* r) {
@@ -324,12 +316,7 @@ PDS_AVX512_BF16 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_
 #endif
 
 bool flash_supported(int64_t head_dim) {
-#if PDS_X86
-  return use_avx512_bf16() && head_dim % 16 == 0 && head_dim <= kMaxD;
-#else
-  (void)head_dim;
-  return false;
-#endif
+  return (use_avx512_bf16() || use_vec8()) && head_dim % 16 == 0 && head_dim <= 256;
 }
 
 // Attention of every new token of a batch: request b's rows of q are q_starts[b] .. q_starts[b+1],
@@ -357,9 +344,9 @@ void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor&
   const int64_t B = seq_lens.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
   TORCH_CHECK(q_starts.size(0) == B + 1 && page_table.size(0) == B, "paged_attention_bf16: batch sizes differ");
   TORCH_CHECK(H % KVH == 0 && H / KVH <= 8, "paged_attention_bf16: GQA groups of 1 to 8 query heads, got ", H, "/", KVH);
-  TORCH_CHECK(flash_supported(D), "paged_attention_bf16: needs avx512_bf16 and head_dim a multiple of 16 up to 256");
+  TORCH_CHECK(flash_supported(D), "paged_attention_bf16: needs AVX2, NEON or avx512_bf16 and head_dim a multiple of 16 "
+              "up to 256");
   const float* sink_ptr = checked_sinks(sinks, H, "paged_attention_bf16");
-#if PDS_X86
   const int32_t* qs = q_starts.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   // tasks: (request, kv head, query block)
@@ -380,6 +367,17 @@ void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor&
               page_table.data_ptr<int32_t>(), lens, qs, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
               page_table.stride(0), H, KVH, k_cache.size(2), D, window, float(scale), sink_ptr};
   const int64_t ntasks = int64_t(task_req.size()) * KVH;
+  if (!use_avx512_bf16()) {  // the 8-lane kernel (AVX2, NEON)
+    at::parallel_for(0, ntasks, 1, [&](int64_t begin, int64_t end) {
+      std::unique_ptr<FlashScratchVec8, void (*)(FlashScratchVec8*)> scratch(flash_scratch_vec8(), flash_scratch_free_vec8);
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t i = t / KVH, b = task_req[i], q0 = task_q0[i];
+        flash_task_vec8(a, b, t % KVH, q0, std::min<int64_t>(kQueries, (qs[b + 1] - qs[b]) - q0), *scratch);
+      }
+    });
+    return;
+  }
+#if PDS_X86
   const int64_t amx_rows = amx_attention_min_rows(amx_min_rows);
   const TileBackend tb = ntasks > 0 ? amx_backend() : TileBackend::kNone;
   const AmxAttention amx{a.q, a.out, a.k, a.v, a.table, a.lens, a.q_starts, a.q_stride_t, a.q_stride_h, a.out_stride_t,
@@ -409,7 +407,7 @@ void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor&
     }
   });
 #else
-  (void)sink_ptr;
+  (void)amx_min_rows;
 #endif
 }
 

@@ -5,12 +5,14 @@
 // the last bits with the number of rows in the call; a prompt computed whole and the same prompt
 // computed after a cached prefix then differ. Here every output is one float32 accumulator summed
 // over k = 0 .. K-1 in order with a fused multiply-add, whatever M, the tile or the thread: the
-// AVX-512 tiles and the portable loop (std::fma) give the same bits.
+// AVX-512 tiles, the 8-lane ones (gemm_vec8.cpp) and the portable loop (std::fma) give the same
+// bits.
 //
 // The weight [N, K] is packed once in panels of 64 outputs:
 //   packed[np][k][j][i] = w[64 np + 16 j + i][k]   shape [ceil(N/64), K, 4, 16] (zero padded)
 // so a panel is one sequential stream, read once per tile of up to 4 rows.
 #include "common.h"
+#include "vec8_kernels.h"
 
 #include <ATen/Parallel.h>
 
@@ -20,14 +22,6 @@ namespace pds {
 namespace {
 
 constexpr int64_t kPanel = 64;
-
-struct F32Args {
-  const float* w;  // [NP, K, 64]
-  const float* bias;  // [N] or null
-  const float* x;  // [M, K], row stride x_stride
-  float* out;  // [M, N], row stride out_stride
-  int64_t M, N, K, x_stride, out_stride;
-};
 
 void panel_scalar(const F32Args& a, int64_t np) {
   const float* p = a.w + np * a.K * kPanel;
@@ -102,10 +96,12 @@ void linear_f32(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c
   if (M == 0) return;
   F32Args a{data<float>(packed), bias.has_value() ? data<float>(*bias) : nullptr, data<float>(x), data<float>(out),
             M, N, K, x.stride(0), out.stride(0)};
+  const bool avx512 = use_avx512(), v8 = use_vec8();
   at::parallel_for(0, packed.size(0), 1, [&](int64_t b, int64_t e) {
+    if (v8 && !avx512) return linear_f32_panels_vec8(a, b, e);
     for (int64_t np = b; np < e; ++np) {
 #if PDS_X86
-      if (use_avx512()) {
+      if (avx512) {
         panel_avx512(a, np);
         continue;
       }

@@ -12,11 +12,14 @@
 // with many rows, 4-row tiles pass over a panel that stays in L2. Every output is one float32
 // accumulator summed over k in order, whatever the tile: a row's result does not depend on how
 // many rows share the call (batch invariance). Without avx512_bf16 the pairs are widened to fp32
-// and multiplied with FMAs (the same per-output order on that path).
+// and multiplied with FMAs (the same per-output order on that path); on AVX2 and NEON hosts by the
+// 8-lane kernels of gemm_vec8.cpp, in that order too, which also serve prefill-sized calls where
+// oneDNN has no bf16 matmul.
 //
 // On AMX hosts calls of at least amx_min_rows rows run on tiles instead (amx_gemm.cpp: the same
 // packed weight, the same per-output order but for the order inside a pair of k).
 #include "amx.h"
+#include "vec8_kernels.h"
 
 #include <ATen/Parallel.h>
 
@@ -27,15 +30,6 @@ namespace {
 
 constexpr int64_t kPanel = 64;  // outputs per panel (4 vectors of 16)
 constexpr int64_t kPrefetchBytes = 2048;  // how far ahead to prefetch the weight stream into L2
-
-struct GemvArgs {
-  const uint16_t* w;  // packed, [NP, KP, 4, 16, 2]
-  const void* bias;  // [N] or null, dtype of out
-  void* out;  // [M, N] row stride out_stride
-  int64_t M, N, K, KP, NP, out_stride;
-  bool out_bf16;
-  int64_t x_stride;  // x's row stride in bf16 elements (even: rows of whole pairs)
-};
 
 inline const uint16_t* panel_ptr(const GemvArgs& a, int64_t np) { return a.w + np * a.KP * 128; }
 
@@ -206,10 +200,12 @@ void linear_vnni(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
   const uint16_t* xp = in_place ? data<uint16_t>(x) : xb.data();
   GemvArgs a{data<uint16_t>(packed), bias.has_value() ? bias->data_ptr() : nullptr, out.data_ptr(),
              M, N, K, KP, NP, out.stride(0), out.scalar_type() == at::kBFloat16, in_place ? x.stride(0) : 2 * KP};
+  const bool avx512 = use_avx512(), v8 = use_vec8();
   at::parallel_for(0, NP, 1, [&](int64_t b, int64_t e) {
 #if PDS_X86
-    if (use_avx512()) return run_panels(a, xp, b, e);
+    if (avx512) return run_panels(a, xp, b, e);
 #endif
+    if (v8) return linear_vnni_panels_vec8(a, xp, b, e);
     gemv_scalar(a, xp, b, e);
   });
 }

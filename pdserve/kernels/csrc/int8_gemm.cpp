@@ -1,6 +1,7 @@
 // w8a8_int8 linear layers: int8 weights (symmetric, one scale per output channel) times int8
 // activations (symmetric, one scale per token, quantized on the fly), int32 accumulation with
-// AVX512-VNNI vpdpbusd, dequantized to bf16 or float32.
+// AVX512-VNNI vpdpbusd (AMX's TDPBUSD, or the 8-lane kernels of int8_vec8.cpp: AVX2, AVX-VNNI,
+// NEON, SDOT, USDOT), dequantized to bf16 or float32.
 //
 // Weight layout, in panels of 64 outputs ("VNNI-4x4"): packed[np][kq][j][i][e] =
 // wq[64 np + 16 j + i][4 kq + e], shape [ceil(N/64), ceil(K/4), 4, 16, 4] (zero padded): one
@@ -12,6 +13,7 @@
 // bf16 kernel (gemv.cpp): R rows x one panel. On AMX hosts calls of at least amx_min_rows rows
 // run on tiles (TDPBUSD, amx_gemm.cpp) on the same packed weight, with the same results.
 #include "amx.h"
+#include "vec8_kernels.h"
 
 #include <ATen/Parallel.h>
 
@@ -26,18 +28,6 @@ constexpr int64_t kPrefetchBytes = 2048;
 constexpr int64_t kSmallM = 8;
 
 constexpr int64_t kPanel = 64;
-
-struct Int8Args {
-  const int8_t* w;  // [NP, KQ, 4, 16, 4]
-  const int32_t* colsum;  // [NP * 64]
-  const float* w_scale;  // [NP * 64]
-  const uint8_t* xq;  // [M, 4 KQ], x quantized + 128
-  const float* x_scale;  // [M]
-  const void* bias;  // [N] in out's dtype, or null
-  void* out;
-  int64_t M, N, KQ, NP, out_stride;
-  bool out_bf16;
-};
 
 // per row: scale = max|x| / 127, xq = round(x / scale) + 128 (zero padded to 4 KQ with 128)
 template <typename T>
@@ -90,6 +80,7 @@ void quantize(const T* x, int64_t stride, int64_t M, int64_t K, int64_t K4, uint
 #if PDS_X86
     if (use_avx512()) return quantize_rows_avx512(x + b * stride, stride, e - b, K, K4, xq + b * K4, scale + b);
 #endif
+    if (use_vec8()) return quantize_rows_vec8(x + b * stride, stride, e - b, K, K4, xq + b * K4, scale + b);
     quantize_rows(x + b * stride, stride, e - b, K, K4, xq + b * K4, scale + b);
   });
 }
@@ -247,13 +238,15 @@ void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
   Int8Args a{packed.data_ptr<int8_t>(), colsum.data_ptr<int32_t>(), w_scale.data_ptr<float>(), xq.data(), xs.data(),
              bias.has_value() ? bias->data_ptr() : nullptr, out.data_ptr(), M, N, KQ, NP, out.stride(0),
              out.scalar_type() == at::kBFloat16};
+  const bool vnni512 = use_avx512_vnni(), v8 = use_vec8();
   at::parallel_for(0, NP, 1, [&](int64_t b, int64_t e) {
 #if PDS_X86
-    if (use_avx512_vnni()) {
+    if (vnni512) {
       std::vector<int32_t> carry;
       return run_panels(a, b, e, carry);
     }
 #endif
+    if (v8) return linear_w8a8_panels_vec8(a, b, e);
     int8_scalar(a, b, e);
   });
 }

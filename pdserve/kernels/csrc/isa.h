@@ -27,9 +27,9 @@
 #elif defined(__aarch64__)
 #define PDS_X86 0
 #define PDS_ARM 1
-#define PDS_NEON_DOT __attribute__((target("+dotprod")))
-#define PDS_NEON_BF16 __attribute__((target("+bf16+dotprod")))
-#define PDS_NEON_I8MM __attribute__((target("+i8mm+dotprod")))
+#define PDS_NEON_DOT __attribute__((target("arch=armv8.2-a+dotprod")))
+#define PDS_NEON_BF16 __attribute__((target("arch=armv8.2-a+bf16+dotprod")))
+#define PDS_NEON_I8MM __attribute__((target("arch=armv8.2-a+i8mm+dotprod")))
 #else
 #define PDS_X86 0
 #define PDS_ARM 0

@@ -19,6 +19,7 @@
 // colsums and scales: float32/int32 [E, NP*64] in panel order. int8 as in int8_gemm.cpp: x
 // stored as xq + 128, each sum corrected by 128 colsum.
 #include "common.h"
+#include "vec8_kernels.h"
 
 #include <ATen/Parallel.h>
 
@@ -34,11 +35,11 @@ namespace {
 
 constexpr int64_t kPanel = 64;
 constexpr int64_t kStep = 256;  // bytes of a panel per k step
-constexpr int kTileRows = 6;  // 6 x 4 accumulators + 4 weight vectors of the 32 registers
+constexpr int kTileRows = kMoeTileRows;  // AVX-512: 6 x 4 accumulators + 4 weight vectors of 32 registers
 constexpr int64_t kRowChunk = 128;  // rows per item (64 to 512 measured alike)
 constexpr int64_t kPrefetchBytes = 2048;
 
-enum class Act { kSilu, kSwigluOai };
+using Act = MoeAct;
 
 // Runs fn(part) for part in [0, parts) side by side: at::parallel_for in a build with OpenMP
 // (pdserve's, where torch has it). Without OpenMP at::parallel_for runs the whole range on the
@@ -89,21 +90,11 @@ struct Gemm {
   const int32_t* x_row;  // input row of each sorted pair (null: the sorted position itself)
 };
 
-// One register tile: up to kTileRows input rows against a whole panel; float results [rows][64]
-// (int8: dequantized). The panel is read from memory by the first tile of an item (prefetched
-// into L2 ahead of the reads), from L2 by the others: splitting k into chunks that stay in L1 or
-// L2 measured no faster on Zen 4, also at hidden size 7168.
-struct Tile {
-  const uint32_t* xr[kTileRows];
-  float xs[kTileRows];
-  int rows;
-  const uint8_t* panel;
-  int64_t KS;
-  bool prefetch;
-  const int32_t* colsum;  // this panel's 64
-  const float* w_scale;
-  float* res;
-};
+// One register tile (vec8_kernels.h): up to kTileRows input rows against a whole panel; float
+// results [rows][64] (int8: dequantized). The panel is read from memory by the first tile of an
+// item (prefetched into L2 ahead of the reads), from L2 by the others: splitting k into chunks
+// that stay in L1 or L2 measured no faster on Zen 4, also at hidden size 7168.
+using Tile = MoeTile;
 
 void tile_bf16_scalar(const Tile& t) {
   for (int r = 0; r < t.rows; ++r)
@@ -354,10 +345,15 @@ struct Isa {
 Isa pick_isa(bool int8) {
 #if PDS_X86
   if (use_avx512()) {
-    void (*tile)(const Tile&) = int8 ? (use_avx512_vnni() ? &ByRows<VnniTile>::run : &tile_int8_scalar)
+    void (*tile)(const Tile&) = int8 ? (use_avx512_vnni() ? &ByRows<VnniTile>::run : &moe_tile_int8_vec8)
                                      : (use_avx512_bf16() ? &ByRows<DpTile>::run : &ByRows<FmaTile>::run);
     return {tile, &finish_act_avx512, &finish_out_avx512, &combine_avx512, &quantize_row_avx512};
   }
+#endif
+#if PDS_HAS_V8
+  if (use_vec8())
+    return {int8 ? &moe_tile_int8_vec8 : &moe_tile_bf16_vec8, &moe_finish_act_vec8, &moe_finish_out_vec8,
+            &moe_combine_vec8, &moe_quantize_row_vec8};
 #endif
   return {int8 ? &tile_int8_scalar : &tile_bf16_scalar, &finish_act_scalar, &finish_out_scalar, &combine_scalar,
           &quantize_row_scalar};

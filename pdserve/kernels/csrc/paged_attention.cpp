@@ -10,6 +10,7 @@
 // exp(sink) in its denominator and none in the numerator. The online softmax starts from it: the
 // running max is the sink and the running sum exp(sink - sink) = 1, instead of -inf and 0.
 #include "common.h"
+#include "vec8_kernels.h"
 
 #include <ATen/Parallel.h>
 
@@ -23,21 +24,6 @@ namespace {
 constexpr int kBlock = 16;  // tokens per softmax block
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxGroup = 32;
-
-struct DecodeArgs {
-  const void* q;
-  void* out;
-  const void* k;
-  const void* v;
-  const int32_t* table;
-  const int32_t* lens;
-  int64_t q_stride_b, q_stride_h, out_stride_b, out_stride_h;
-  int64_t table_stride;
-  int64_t heads, kv_heads, page_size, head_dim, window;
-  float scale;
-  bool q_bf16;
-  const float* sinks;  // [heads] or nullptr
-};
 
 // Rows (in units of head_dim elements) of positions [pos, pos + n) of request b, KV head h.
 inline void block_rows(const DecodeArgs& a, int64_t b, int64_t h, int64_t pos, int n, int64_t* rows) {
@@ -298,7 +284,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
                q.stride(0), q.stride(1), out.stride(0), out.stride(1), page_table.stride(0),
                H, KVH, k_cache.size(2), D, window, float(scale), q.scalar_type() == at::kBFloat16, sink_ptr};
   const bool kv_bf16 = k_cache.scalar_type() == at::kBFloat16;
-  const bool simd = use_avx512();
+  const bool simd = use_avx512(), v8 = use_vec8();
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
 #if PDS_X86
     if (simd) {
@@ -309,6 +295,13 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
       return;
     }
 #endif
+    if (v8) {
+      if (kv_bf16)
+        decode_attention_vec8<uint16_t>(a, begin, end);
+      else
+        decode_attention_vec8<float>(a, begin, end);
+      return;
+    }
     if (kv_bf16)
       decode_scalar<uint16_t>(a, begin, end);
     else

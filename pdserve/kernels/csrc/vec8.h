@@ -283,6 +283,27 @@ PDS_VI void load_pairs(const uint16_t* p, F8& first, F8& second) {
 #endif
 }
 
+// acc[r][2 j + h] += x_r . w over every k pair of a panel in the VNNI-16x2 layout (gemv.cpp:
+// 128 bf16 per pair step, 16 outputs x 2 k per line): outputs 16 (j0 + j) + 8 h .. + 8 of the
+// panel, rows x[r] (bf16 pairs as uint32). Per output, k then k + 1, one FMA each, in order.
+template <int R, int J>
+PDS_VI void pair_panel_tile(const uint32_t* const* x, const uint16_t* panel, int64_t KP, int j0, F8 (&acc)[R][2 * J]) {
+  for (int64_t kp = 0; kp < KP; ++kp) {
+    const uint16_t* step = panel + kp * 128 + j0 * 32;
+    F8 x0[R], x1[R];
+    for (int r = 0; r < R; ++r) {
+      const uint32_t pair = x[r][kp];
+      x0[r] = set1(bf16_to_f32(uint16_t(pair)));
+      x1[r] = set1(bf16_to_f32(uint16_t(pair >> 16)));
+    }
+    for (int c = 0; c < 2 * J; ++c) {
+      F8 first, second;
+      load_pairs(step + c * 16, first, second);
+      for (int r = 0; r < R; ++r) acc[r][c] = fma(x1[r], second, fma(x0[r], first, acc[r][c]));
+    }
+  }
+}
+
 // ---- int32 lanes --------------------------------------------------------------------------------
 #if PDS_X86
 PDS_VI I8 izero() { return {_mm256_setzero_si256()}; }

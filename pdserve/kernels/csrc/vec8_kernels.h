@@ -98,6 +98,7 @@ void flash_scratch_free_vec8(FlashScratchVec8* s);
 void flash_task_vec8(const FlashArgs& a, int64_t b, int64_t h, int64_t q0, int64_t nq, FlashScratchVec8& s);
 
 // ---- moe.cpp ------------------------------------------------------------------------------------
+enum class MoeAct : int { kSilu, kSwigluOai };
 constexpr int kMoeTileRows = 6;
 // One register tile of the fused MoE kernel: up to kMoeTileRows input rows against a whole panel
 // of 64 outputs; float results [rows][64] (int8: dequantized).
@@ -114,8 +115,8 @@ struct MoeTile {
 };
 void moe_tile_bf16_vec8(const MoeTile& t);
 void moe_tile_int8_vec8(const MoeTile& t);
-// first matmul: 32 gate and 32 up results (+ bias) -> 32 values of a (act 0: silu, 1: swiglu_oai)
-void moe_finish_act_vec8(const float* res, const float* bias, uint16_t* a, int act, float alpha, float limit);
+// first matmul: 32 gate and 32 up results (+ bias) -> 32 values of a
+void moe_finish_act_vec8(const float* res, const float* bias, uint16_t* a, MoeAct act, float alpha, float limit);
 void moe_finish_out_vec8(const float* res, const float* bias, uint16_t* y, int64_t n);
 void moe_combine_vec8(float* out, const uint16_t* y, const int32_t* ids, const float* w, int64_t K, int64_t H);
 void moe_quantize_row_vec8(const uint16_t* x, int64_t K, int64_t K4, uint8_t* q, float* scale);

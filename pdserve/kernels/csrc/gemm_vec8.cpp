@@ -1,0 +1,207 @@
+// linear_f32 and linear_vnni (bf16 weights) on 8 lanes (AVX2 + FMA, NEON).
+//
+// Both sum every output over k in order, one fused multiply-add per k, in float32: the float32
+// kernel gives the bits of the scalar loop (std::fma) and of the AVX-512 tiles; the bf16 one those
+// of the AVX-512 FMA tiles (gemv.cpp's tile_fma), whatever the rows in the call.
+//
+// Register tiles are R rows x 16 outputs (2 vectors): 6 x 16 is 12 accumulators, 2 weight
+// vectors and a broadcast of x, within the 16 registers of AVX2 (NEON: 16 pairs). A panel's 64
+// outputs are 4 such column blocks.
+// - float32 (weights [NP, K, 64]): the column block of a panel is read per row tile, rows in
+//   blocks of kRowBlock whose x stays in cache across the panels.
+// - bf16 with few rows (decode): the packed pairs are widened in registers as they stream in
+//   (one row: all 64 outputs per step, the panel read once; 2 rows: 32; 3-4 rows: 16).
+// - bf16 with more rows (prefill): a chunk of kChunkPairs k-pairs of a panel is widened once into
+//   a float32 buffer [2 kc][64] and the float32 tiles run on it, partial sums carried between
+//   chunks in float32 (exact: the same sums as one pass).
+#include "vec8.h"
+#include "vec8_kernels.h"
+
+#include <vector>
+
+#if PDS_HAS_V8
+namespace pds {
+namespace {
+using namespace v8;
+
+constexpr int64_t kPanel = 64;
+constexpr int kTileRows = 6;
+constexpr int64_t kRowBlock = 96;
+constexpr int64_t kChunkPairs = 128;  // 256 k: a widened chunk of a panel is 64 KiB
+
+// acc[r] += sum over k < kn of x[r][k] w[k][0 .. 16), in k order; x rows xs apart, w rows ws apart
+template <int R>
+PDS_VI void tile16(const float* x, int64_t xs, const float* w, int64_t ws, int64_t kn, F8 (&acc)[R][2]) {
+  for (int64_t k = 0; k < kn; ++k) {
+    const F8 w0 = load(w + k * ws), w1 = load(w + k * ws + 8);
+    for (int r = 0; r < R; ++r) {
+      const F8 xv = set1(x[r * xs + k]);
+      acc[r][0] = fma(xv, w0, acc[r][0]);
+      acc[r][1] = fma(xv, w1, acc[r][1]);
+    }
+  }
+}
+
+// out[r][n0 .. n0 + min(16, N - n0)) = acc[r] + bias
+template <typename T, int R>
+PDS_VI void store16(const F8 (&acc)[R][2], const T* bias, T* out, int64_t out_stride, int64_t n0, int64_t N) {
+  const int64_t n = std::min<int64_t>(16, N - n0);
+  for (int h = 0; h < 2 && 8 * h < n; ++h) {
+    const F8 b = bias ? load_upto(bias + n0 + 8 * h, n - 8 * h) : zero();
+    for (int r = 0; r < R; ++r) store_upto(out + r * out_stride + n0 + 8 * h, add(acc[r][h], b), n - 8 * h);
+  }
+}
+
+// ---- float32 ------------------------------------------------------------------------------------
+template <int R>
+PDS_V8 void f32_tile(const F32Args& a, int64_t np, int64_t j, int64_t m0) {
+  F8 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = zero();
+  tile16<R>(a.x + m0 * a.x_stride, a.x_stride, a.w + np * a.K * kPanel + 16 * j, kPanel, a.K, acc);
+  store16<float, R>(acc, a.bias, a.out + m0 * a.out_stride, a.out_stride, np * kPanel + 16 * j, a.N);
+}
+
+void f32_rows(const F32Args& a, int64_t np, int64_t j, int64_t m0, int rows) {
+  switch (rows) {
+    case 1: return f32_tile<1>(a, np, j, m0);
+    case 2: return f32_tile<2>(a, np, j, m0);
+    case 3: return f32_tile<3>(a, np, j, m0);
+    case 4: return f32_tile<4>(a, np, j, m0);
+    case 5: return f32_tile<5>(a, np, j, m0);
+    default: return f32_tile<6>(a, np, j, m0);
+  }
+}
+
+// ---- bf16, few rows: widened as they stream in ----------------------------------------------------
+// rows m0 .. m0 + R, J lines of 16 outputs from line j0 of panel np
+template <int R, int J>
+PDS_V8 void bf16_stream_tile(const GemvArgs& a, const uint16_t* xb, int64_t np, int64_t j0) {
+  F8 acc[R][2 * J];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2 * J; ++c) acc[r][c] = zero();
+  const uint32_t* x[R];
+  for (int r = 0; r < R; ++r) x[r] = reinterpret_cast<const uint32_t*>(xb + r * a.x_stride);
+  pair_panel_tile<R, J>(x, a.w + np * a.KP * 128, a.KP, int(j0), acc);
+  for (int j = 0; j < J; ++j) {
+    F8 part[R][2];
+    for (int r = 0; r < R; ++r) part[r][0] = acc[r][2 * j], part[r][1] = acc[r][2 * j + 1];
+    const int64_t n0 = np * kPanel + (j0 + j) * 16;
+    if (n0 >= a.N) break;
+    if (a.out_bf16)
+      store16<uint16_t, R>(part, static_cast<const uint16_t*>(a.bias), static_cast<uint16_t*>(a.out), a.out_stride, n0, a.N);
+    else
+      store16<float, R>(part, static_cast<const float*>(a.bias), static_cast<float*>(a.out), a.out_stride, n0, a.N);
+  }
+}
+
+void bf16_stream(const GemvArgs& a, const uint16_t* xb, int64_t np) {
+  switch (a.M) {
+    case 1: return bf16_stream_tile<1, 4>(a, xb, np, 0);
+    case 2:
+      for (int64_t j0 = 0; j0 < 4; j0 += 2) bf16_stream_tile<2, 2>(a, xb, np, j0);
+      return;
+    case 3:
+      for (int64_t j0 = 0; j0 < 4; ++j0) bf16_stream_tile<3, 1>(a, xb, np, j0);
+      return;
+    default:
+      for (int64_t j0 = 0; j0 < 4; ++j0) bf16_stream_tile<4, 1>(a, xb, np, j0);
+      return;
+  }
+}
+
+// ---- bf16, many rows: chunks widened once, float32 tiles on them ---------------------------------
+// pairs kp0 .. kp0 + kc of panel np, as float32 rows [2 kc][64]
+PDS_V8 void widen_chunk(const GemvArgs& a, int64_t np, int64_t kp0, int64_t kc, float* wf) {
+  const uint16_t* p = a.w + (np * a.KP + kp0) * 128;
+  for (int64_t kp = 0; kp < kc; ++kp)
+    for (int64_t c = 0; c < 8; ++c) {  // 8 outputs per vector
+      F8 first, second;
+      load_pairs(p + kp * 128 + c * 16, first, second);
+      store(wf + (2 * kp) * kPanel + 8 * c, first);
+      store(wf + (2 * kp + 1) * kPanel + 8 * c, second);
+    }
+}
+
+// rows of the float32 copy of x (xf, row stride xs) into output rows m .. m + R, column block j of
+// panel np, k of the chunk from k0; sums start from zero (first chunk) or `carry` [R][64] and end
+// there or, after the last chunk, in out
+template <int R>
+PDS_V8 void bf16_chunk_tile(const GemvArgs& a, const float* xf, int64_t xs, const float* wf, int64_t kn,
+                            int64_t np, int64_t j, int64_t m, int64_t k0, bool first, bool last, float* carry) {
+  F8 acc[R][2];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) acc[r][h] = first ? zero() : load(carry + r * kPanel + 16 * j + 8 * h);
+  tile16<R>(xf + k0, xs, wf + 16 * j, kPanel, kn, acc);
+  if (!last) {
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) store(carry + r * kPanel + 16 * j + 8 * h, acc[r][h]);
+    return;
+  }
+  const int64_t n0 = np * kPanel + 16 * j;
+  if (a.out_bf16)
+    store16<uint16_t, R>(acc, static_cast<const uint16_t*>(a.bias), static_cast<uint16_t*>(a.out) + m * a.out_stride,
+                         a.out_stride, n0, a.N);
+  else
+    store16<float, R>(acc, static_cast<const float*>(a.bias), static_cast<float*>(a.out) + m * a.out_stride,
+                      a.out_stride, n0, a.N);
+}
+
+void bf16_chunk_rows(const GemvArgs& a, const float* xf, int64_t xs, const float* wf, int64_t kn, int64_t np,
+                     int64_t j, int64_t m, int rows, int64_t k0, bool first, bool last, float* carry) {
+  switch (rows) {
+    case 1: return bf16_chunk_tile<1>(a, xf, xs, wf, kn, np, j, m, k0, first, last, carry);
+    case 2: return bf16_chunk_tile<2>(a, xf, xs, wf, kn, np, j, m, k0, first, last, carry);
+    case 3: return bf16_chunk_tile<3>(a, xf, xs, wf, kn, np, j, m, k0, first, last, carry);
+    case 4: return bf16_chunk_tile<4>(a, xf, xs, wf, kn, np, j, m, k0, first, last, carry);
+    case 5: return bf16_chunk_tile<5>(a, xf, xs, wf, kn, np, j, m, k0, first, last, carry);
+    default: return bf16_chunk_tile<6>(a, xf, xs, wf, kn, np, j, m, k0, first, last, carry);
+  }
+}
+
+PDS_V8 void widen_rows(const uint16_t* xb, int64_t x_stride, int64_t rows, int64_t K2, float* xf) {
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t k = 0; k < K2; k += 8) store_upto(xf + m * K2 + k, load_upto(xb + m * x_stride + k, K2 - k), K2 - k);
+}
+
+void bf16_chunked(const GemvArgs& a, const uint16_t* xb, int64_t np0, int64_t np1) {
+  const int64_t K2 = 2 * a.KP;
+  std::vector<float> xf(std::min(a.M, kRowBlock) * K2), wf(2 * kChunkPairs * kPanel), carry(kRowBlock * kPanel);
+  for (int64_t mb = 0; mb < a.M; mb += kRowBlock) {
+    const int64_t rows = std::min(kRowBlock, a.M - mb);
+    widen_rows(xb + mb * a.x_stride, a.x_stride, rows, K2, xf.data());
+    for (int64_t np = np0; np < np1; ++np)
+      for (int64_t kp0 = 0; kp0 < a.KP; kp0 += kChunkPairs) {
+        const int64_t kc = std::min(kChunkPairs, a.KP - kp0);
+        widen_chunk(a, np, kp0, kc, wf.data());
+        const bool first = kp0 == 0, last = kp0 + kc == a.KP;
+        for (int64_t j = 0; j < 4 && np * kPanel + 16 * j < a.N; ++j)
+          for (int64_t m0 = 0; m0 < rows; m0 += kTileRows)
+            bf16_chunk_rows(a, xf.data() + m0 * K2, K2, wf.data(), 2 * kc, np, j, mb + m0,
+                            int(std::min<int64_t>(kTileRows, rows - m0)), 2 * kp0, first, last,
+                            carry.data() + m0 * kPanel);
+      }
+  }
+}
+
+}  // namespace
+
+void linear_f32_panels_vec8(const F32Args& a, int64_t np0, int64_t np1) {
+  for (int64_t mb = 0; mb < a.M; mb += kRowBlock) {
+    const int64_t m1 = std::min(a.M, mb + kRowBlock);
+    for (int64_t np = np0; np < np1; ++np) {
+      for (int64_t j = 0; j < 4 && np * kPanel + 16 * j < a.N; ++j)
+        for (int64_t m0 = mb; m0 < m1; m0 += kTileRows) f32_rows(a, np, j, m0, int(std::min<int64_t>(kTileRows, m1 - m0)));
+    }
+  }
+}
+
+void linear_vnni_panels_vec8(const GemvArgs& a, const uint16_t* xb, int64_t np0, int64_t np1) {
+  if (a.M <= 4) {
+    for (int64_t np = np0; np < np1; ++np) bf16_stream(a, xb, np);
+    return;
+  }
+  bf16_chunked(a, xb, np0, np1);
+}
+
+}  // namespace pds
+#endif

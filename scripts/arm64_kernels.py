@@ -1,0 +1,239 @@
+"""Build pdserve's CPU kernels for aarch64 and run their unit tests under qemu-user, on emulated Arm
+CPUs of each instruction-set tier (Advanced SIMD, dot products, BF16/I8MM/SVE): no Arm hardware.
+
+    python3 scripts/arm64_kernels.py [--quick] [--cpus cortex-a72,neoverse-n1,max] [--setup-only]
+                                     [--cache DIR] [-- PYTEST ARGS]
+
+Phases, each timed (a Debian x86-64 host, root for the first two when something is missing):
+  tools     Debian's cross g++, qemu-user-static, debootstrap and ninja (apt-get)
+  root      a Debian bookworm arm64 userland with Python 3.11: debootstrap's first stage, its .debs
+            unpacked with dpkg-deb (nothing in it is run natively: no binfmt_misc is needed)
+  packages  aarch64 wheels (torch, numpy, pytest) from PyPI, pip --target with --platform
+  build     `python -m pdserve.kernels`, emulated, with CXX a wrapper of aarch64-linux-gnu-g++: qemu
+            passes the execve of ninja and the compiler (x86 programs) to the kernel, so they run
+            natively; the build is build.py's own, cached by its key under <cache>/kernels
+  test:CPU  for each CPU model, the kernels' tier and features, then their tests (pytest, emulated)
+Everything lives in ${PDSERVE_CACHE:-~/.cache/pdserve}/arm64; a second run only tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MIRROR = os.environ.get("PDSERVE_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+# Debian packages for the tools this script runs on the host
+TOOLS = {"aarch64-linux-gnu-g++": "g++-aarch64-linux-gnu", "qemu-aarch64-static": "qemu-user-static",
+         "debootstrap": "debootstrap", "ninja": "ninja-build", "dpkg-deb": "dpkg"}
+ROOT_PACKAGES = "python3,libpython3.11-dev,libgomp1"
+# torch 2.10.0 is the newest CPU-only aarch64 wheel on PyPI: from 2.11 on it is a CUDA 13 build
+# whose libtorch_cpu.so needs libcudart.so.13 (GBs of NVIDIA wheels just to import torch)
+TORCH = "torch==2.10.0"
+# torch's own dependencies are named here (pip would read its markers for x86-64, this host)
+WHEELS = ("numpy", "pytest", "pytest-timeout", "filelock", "typing-extensions", "sympy", "networkx",
+          "jinja2", "fsspec", "setuptools")
+PIP_TARGET = ("--platform", "manylinux_2_28_aarch64", "--python-version", "3.11", "--implementation", "cp",
+              "--only-binary=:all:")
+CPUS = ("cortex-a72", "neoverse-n1", "max")  # Advanced SIMD; + dot products; + BF16, I8MM, SVE
+TESTS = ("tests/unit/test_cpu_kernels.py", "tests/unit/test_batch_invariance.py",
+         "tests/unit/test_moe_kernel.py", "tests/unit/test_attention_sinks.py")
+# not kernel tests, and they need transformers (not in the arm64 root)
+DESELECT = ("tests/unit/test_attention_sinks.py::test_reference_is_hf_eager_attention",
+            "tests/unit/test_attention_sinks.py::test_sinks_parameter_is_split_by_query_heads")
+# run in the emulated Python, one process per CPU model: the kernels' tier, then pytest
+GUEST = """
+import sys
+from pdserve import kernels
+ops = kernels.load()
+if ops is None:
+    sys.exit(f"pdserve's kernels did not load: {kernels.unavailable_reason()}")
+print(f"isa: {ops.isa()}; available_isas: {', '.join(ops.available_isas())}; "
+      f"cpu_features: {' '.join(ops.cpu_features()) or 'none'}", flush=True)
+import pytest
+sys.exit(pytest.main(sys.argv[1:]))
+"""
+
+
+class SetupError(RuntimeError):
+    """The arm64 environment could not be prepared on this host."""
+
+
+class Arm64:
+    def __init__(self, cache: Path):
+        self.dir = cache
+        self.root = cache / "root"
+        self.site = cache / "site"
+        self.bin = cache / "bin"
+        self.cxx = self.bin / "pdserve-aarch64-g++"
+        self.python = self.root / "usr/bin/python3.11"
+
+    def tools(self) -> None:
+        missing = sorted({pkg for tool, pkg in TOOLS.items() if not _which(tool)})
+        if not missing:
+            return
+        if os.geteuid() != 0 or not shutil.which("apt-get"):
+            raise SetupError(f"missing Debian packages {' '.join(missing)}, and this is not root on a Debian host "
+                             "to install them with apt-get")
+        _apt_install(missing)
+
+    def make_root(self) -> None:
+        """A bookworm arm64 userland with Python 3.11 in ``root`` (kept once complete)."""
+        done = self.root / ".pdserve-complete"
+        if done.exists():
+            return
+        tmp = self.dir / "root.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        # --foreign: download and unpack only, nothing aarch64 is run
+        _run([_which("debootstrap"), "--arch=arm64", "--foreign", "--variant=minbase", f"--include={ROOT_PACKAGES}",
+              "bookworm", str(tmp), MIRROR], "debootstrap")
+        debs = sorted((tmp / "var/cache/apt/archives").glob("*.deb"))
+        for deb in debs:  # the second stage's unpacking, without its configuration
+            _run(["dpkg-deb", "-x", str(deb), str(tmp)], f"dpkg-deb -x {deb.name}")
+        for deb in debs:
+            deb.unlink()
+        if not (tmp / "usr/bin/python3.11").exists():
+            raise SetupError(f"debootstrap from {MIRROR} gave no usr/bin/python3.11 in {tmp}")
+        _precompile(tmp / "usr/lib/python3.11")
+        shutil.rmtree(self.root, ignore_errors=True)
+        tmp.rename(self.root)
+        done.write_text(f"{ROOT_PACKAGES} from {MIRROR}\n")
+
+    def install_wheels(self) -> None:
+        """aarch64 wheels in ``site`` (read by the emulated Python through a .pth file)."""
+        wanted = f"{TORCH} (no deps) {' '.join(WHEELS)}\n"
+        done = self.site / ".pdserve-complete"
+        if not (done.exists() and done.read_text() == wanted):
+            tmp = self.dir / "site.partial"
+            shutil.rmtree(tmp, ignore_errors=True)
+            pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target", str(tmp),
+                   *PIP_TARGET]
+            _run([*pip, "--no-deps", TORCH], f"pip install {TORCH} for aarch64")
+            _run([*pip, *WHEELS], "pip install the test wheels for aarch64")
+            _precompile(tmp)
+            shutil.rmtree(self.site, ignore_errors=True)
+            tmp.rename(self.site)
+            done.write_text(wanted)
+        (self.root / "usr/lib/python3/dist-packages/pdserve-arm64.pth").write_text(f"{self.site}\n")
+
+    def write_compiler(self) -> None:
+        """``CXX`` for the emulated build: the cross g++, which runs natively and so sees the host's
+        files: Python's headers include ``<aarch64-linux-gnu/python3.11/pyconfig.h>``, in the root."""
+        self.bin.mkdir(parents=True, exist_ok=True)
+        self.cxx.write_text("#!/bin/sh\n# pdserve's aarch64 kernels (scripts/arm64_kernels.py)\n"
+                            f'exec {_which("aarch64-linux-gnu-g++")} -idirafter "{self.root}/usr/include" "$@"\n')
+        self.cxx.chmod(0o755)
+
+    def guest(self, cpu: str, *args: str) -> list[str]:
+        return [_which("qemu-aarch64-static"), "-cpu", cpu, "-L", str(self.root), str(self.python), *args]
+
+    def env(self) -> dict:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "QEMU_", "VIRTUAL_ENV"))}
+        # ninja comes from /usr/bin; the kernels build into <cache>/kernels, apart from the host's
+        env.update(CXX=str(self.cxx), PDSERVE_CACHE=str(self.dir), PATH=f"{self.bin}:/usr/bin:/bin",
+                   MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
+        return env
+
+    def build(self) -> None:
+        _run(self.guest("max", "-m", "pdserve.kernels"), "the aarch64 kernel build", env=self.env(), show=True)
+
+    def test(self, cpu: str, pytest_args: list[str]) -> dict:
+        """One CPU model's run: its tiers and pytest's summary line."""
+        args = ["-q", "-p", "no:cacheprovider", "-rfE", *TESTS, *(f"--deselect={d}" for d in DESELECT), *pytest_args]
+        proc = subprocess.Popen(self.guest(cpu, "-c", GUEST, *args), cwd=REPO, env=self.env(), text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, errors="replace")
+        isa, summary = "", ""
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            print(f"  [{cpu}] {line}", end="", flush=True)
+            if line.startswith("isa: "):
+                isa = line.strip()
+            if re.search(r"\b(passed|failed|error|errors|no tests ran)\b.* in [0-9.]+s", line):
+                summary = line.strip("= \n")
+        rc = proc.wait()
+        return {"rc": rc, "isa": isa or "(the kernels did not load)", "summary": summary or f"exit status {rc}"}
+
+
+def _which(tool: str) -> str:
+    return shutil.which(tool) or shutil.which(tool, path="/usr/sbin:/sbin") or ""
+
+
+def _apt_install(packages: list[str]) -> None:
+    cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    if subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode != 0:
+        _run(["apt-get", "update", "-q"], "apt-get update")
+        _run(cmd, f"apt-get install {' '.join(packages)}", env=env)
+
+
+def _precompile(path: Path) -> None:
+    """Byte-compile natively what the emulated Python would compile at its first imports (the .pyc
+    format is the same across Python 3.11 releases)."""
+    if sys.version_info[:2] == (3, 11):
+        subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "2", str(path)], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+
+
+def _run(cmd: list[str], what: str, env: dict | None = None, show: bool = False) -> None:
+    """Run ``cmd``; on failure raise naming ``what`` with the end of its output."""
+    if show:
+        rc, out = subprocess.run(cmd, cwd=REPO, env=env).returncode, ""
+    else:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, errors="replace")
+        rc, out = proc.returncode, (proc.stdout + proc.stderr).strip()
+    if rc != 0:
+        tail = "\n".join(out.splitlines()[-15:])
+        raise SetupError(f"{what} failed (exit status {rc}){': ' + tail if tail else ''}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpus", default=",".join(CPUS), help="qemu CPU models, comma-separated (default %(default)s)")
+    p.add_argument("--quick", action="store_true", help="a short run: each model tests its own top tier only")
+    p.add_argument("--setup-only", action="store_true", help="prepare and build, run no tests")
+    p.add_argument("--cache", type=Path, help="default: ${PDSERVE_CACHE:-~/.cache/pdserve}/arm64")
+    p.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
+    args = p.parse_args(argv)
+    cache = args.cache or Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache/pdserve") / "arm64"
+    arm = Arm64(cache.resolve())
+    times: list[tuple[str, float]] = []
+
+    def phase(name, fn, *a):
+        print(f"arm64: {name} ...", flush=True)
+        t0 = time.monotonic()
+        try:
+            return fn(*a)
+        finally:
+            times.append((name, time.monotonic() - t0))
+            print(f"arm64: {name}: {times[-1][1]:.0f} s", flush=True)
+
+    try:
+        phase("tools", arm.tools)
+        phase("root", arm.make_root)
+        phase("packages", arm.install_wheels)
+        arm.write_compiler()
+        phase("build", arm.build)
+    except SetupError as e:
+        print(f"arm64: FAILED: {e}", file=sys.stderr)
+        return 2
+    results = {}
+    if not args.setup_only:
+        pytest_args = list(args.pytest_args)
+        for cpu in args.cpus.split(","):
+            extra = ["-k", "not ISA_TIER"] if False else []
+            results[cpu] = phase(f"test:{cpu}", arm.test, cpu, [*extra, *pytest_args])
+    print("\narm64 summary (" + ", ".join(f"{n} {s:.0f} s" for n, s in times) + ")")
+    for cpu, r in results.items():
+        print(f"  {cpu:12} {'ok    ' if r['rc'] == 0 else 'FAILED'} {r['summary']}\n  {'':12} {r['isa']}")
+    return 1 if any(r["rc"] != 0 for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
