@@ -41,7 +41,9 @@ WHEELS = ("numpy", "pytest", "pytest-timeout", "filelock", "typing-extensions", 
           "jinja2", "fsspec", "setuptools")
 PIP_TARGET = ("--platform", "manylinux_2_28_aarch64", "--python-version", "3.11", "--implementation", "cp",
               "--only-binary=:all:")
-CPUS = ("cortex-a72", "neoverse-n1", "max")  # Advanced SIMD; + dot products; + BF16, I8MM, SVE
+# Advanced SIMD (and SVE, which the neon tier leaves alone); + dot products; + BF16, I8MM, SVE. Not
+# cortex-a57/a72 (ARMv8.0): torch's aarch64 libraries run ARMv8.1 atomics (LSE) as they load.
+CPUS = ("a64fx", "neoverse-n1", "max")
 TESTS = ("tests/unit/test_cpu_kernels.py", "tests/unit/test_batch_invariance.py",
          "tests/unit/test_moe_kernel.py", "tests/unit/test_attention_sinks.py")
 # not kernel tests, and they need transformers (not in the arm64 root)

@@ -66,10 +66,13 @@ class ModelRunner:
             self._check_deterministic_possible()
         if self.device.type == "cpu" and (self.dtype == torch.bfloat16 or deterministic):
             packed = self.model.prepack(self.ops, args.quantization, batch_invariant=deterministic)
+            onednn = kernels.onednn_bf16()[0]
             what = f"{args.quantization} (int8 weights, LM head bf16)" if args.quantization else \
                 "float32 (batch invariant)" if self.dtype == torch.float32 else \
                 "bf16 (GEMV at every batch size: batch invariant)" if deterministic else \
-                "bf16 (oneDNN" + (" + GEMV)" if self.ops else ")")
+                ("bf16 (oneDNN" + (" + GEMV)" if self.ops else ")")) if onednn else \
+                f"bf16 (pdserve's kernels at every batch size, ISA {self.ops.isa()}: no oneDNN bf16 here)" \
+                if self.ops else "bf16 (PyTorch's own matmuls: neither oneDNN bf16 nor pdserve's kernels here)"
             logger.info("matmul weights prepacked for %s: %.1f MiB", what, packed / 2**20)
         self.kv_dtype = choose_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.fingerprint = model_fingerprint(self.hf_config)

@@ -153,10 +153,10 @@ def onednn_bf16() -> tuple[bool, str]:
 
     if not torch.backends.mkldnn.is_available():
         return False, "oneDNN is not available in this torch build"
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return False, "oneDNN's bf16 matmuls need avx512bw, avx512vl and avx512dq (or avx_ne_convert), which this CPU lacks"
     if cpu_isa() in _NO_ONEDNN_BF16:
         return False, f"PDSERVE_CPU_ISA={cpu_isa()} is below what oneDNN's bf16 matmuls need (avx512bw/vl/dq)"
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False, "oneDNN's bf16 matmuls need avx512bw, avx512vl and avx512dq (or avx_ne_convert), which this CPU lacks"
     return True, ""
 
 

@@ -50,6 +50,26 @@ def test_demo_model_in_both_dtypes_against_hf():
                 assert compare(out, *hf_bf16(path, ids, NEW_TOKENS)) >= NEW_TOKENS // 2
 
 
+def readme_answers(eng) -> tuple:
+    """The README's example on ``eng``: its (text, logprobs) fresh, with the whole prompt cached and
+    with its first 32 tokens cached."""
+    ids = eng.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
+    if not isinstance(ids, list):
+        ids = ids["input_ids"]
+    sp = {"temperature": 0, "max_new_tokens": 16}
+
+    def answer() -> tuple:
+        out = eng.generate(input_ids=ids, sampling_params=sp, return_logprob=True)
+        return out["text"], [lp for lp, *_ in out["meta_info"]["output_token_logprobs"]]
+
+    fresh = answer()
+    warm = answer()
+    eng.flush_cache()
+    eng.generate(input_ids=ids[:32] + [5], sampling_params={"max_new_tokens": 1})
+    return fresh, warm, answer()
+
+
 def test_readme_example_answers_one_way_fresh_and_warm():
     """The README's example under --enable-deterministic-inference, in bf16: the same tokens and
     logprobs on a fresh engine, with the whole prompt cached and with its first 32 tokens cached
@@ -58,21 +78,7 @@ def test_readme_example_answers_one_way_fresh_and_warm():
     eng = pdserve.Engine(model_path=path, torch_num_threads=1, max_total_tokens=4096, dtype="bfloat16",
                          enable_deterministic_inference=True)
     try:
-        ids = eng.tokenizer.apply_chat_template(
-            [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
-        if not isinstance(ids, list):
-            ids = ids["input_ids"]
-        sp = {"temperature": 0, "max_new_tokens": 16}
-
-        def answer() -> tuple:
-            out = eng.generate(input_ids=ids, sampling_params=sp, return_logprob=True)
-            return out["text"], [lp for lp, *_ in out["meta_info"]["output_token_logprobs"]]
-
-        fresh = answer()
-        warm = answer()
-        eng.flush_cache()
-        eng.generate(input_ids=ids[:32] + [5], sampling_params={"max_new_tokens": 1})
-        partial = answer()
+        fresh, warm, partial = readme_answers(eng)
     finally:
         eng.shutdown()
     assert "Paris" in fresh[0], fresh[0]

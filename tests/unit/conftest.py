@@ -1,15 +1,23 @@
-"""Fixtures shared by the unit tests: routers, and the two code paths of the CPU kernels."""
+"""Fixtures shared by the unit tests: routers, fake workers, and the instruction-set tiers of the CPU kernels."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import pytest
 
 from pdserve.router.args import RouterArgs
-from tests.unit.test_router import RunningRouter
+
+if TYPE_CHECKING:
+    from tests.unit.test_router import RunningRouter
 
 
 @pytest.fixture
 def make_router():
+    # imported here: the kernel tests share this file and run without the router's packages (fastapi,
+    # aiohttp, ...) in scripts/arm64_kernels.py's emulated aarch64 Python
+    from tests.unit.test_router import RunningRouter
+
     routers = []
 
     def make(prefill=(), decode=(), worker=(), wait=True, **kw) -> RunningRouter:
@@ -59,16 +67,16 @@ def host_isas() -> list[str]:
 
 
 def pytest_generate_tests(metafunc):
-    # ``path``: one run of the test per tier this host can run, not only its best one;
-    # ``flash_path``: the tiers the bf16 flash kernel has code for (all but scalar)
-    if "path" in metafunc.fixturenames:
-        metafunc.parametrize("path", host_isas(), indirect=True)
-    if "flash_path" in metafunc.fixturenames:
-        metafunc.parametrize("flash_path", [t for t in host_isas() if t != "scalar"], indirect=True)
+    # ``isa``: one run of the test per tier this host can run, not only its best one;
+    # ``flash_isa``: the tiers the bf16 flash kernel has code for (all but scalar)
+    if "isa" in metafunc.fixturenames:
+        metafunc.parametrize("isa", host_isas(), indirect=True)
+    if "flash_isa" in metafunc.fixturenames:
+        metafunc.parametrize("flash_isa", [t for t in host_isas() if t != "scalar"], indirect=True)
 
 
 @pytest.fixture
-def path(request, ops):
+def isa(request, ops):
     """Run a kernel test with the kernels capped at one instruction-set tier (``ops.set_isa``):
     ``scalar``, ``avx2``, ``avx2_vnni``, ``avx512``, ``avx512_bf16``, ``amx`` (or ``neon``,
     ``neon_dotprod``, ``neon_bf16``, ``sve``), whichever this CPU has; ``ops`` is the test module's
@@ -80,8 +88,8 @@ def path(request, ops):
 
 
 @pytest.fixture
-def flash_path(request, ops):
-    """As ``path``, over the tiers the bf16 flash kernel runs on (a scalar-only CPU has none: the
+def flash_isa(request, ops):
+    """As ``isa``, over the tiers the bf16 flash kernel runs on (a scalar-only CPU has none: the
     cpu backend then takes the decode kernel and SDPA, test_cpu_kernels checks that it says so)."""
     top = ops.available_isas()[-1]
     ops.set_isa(request.param)

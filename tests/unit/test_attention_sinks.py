@@ -164,7 +164,7 @@ def test_backend_matches_eager_reference(ops, name, page):
 
 
 @pytest.mark.parametrize("page", [1, 16])
-def test_bf16_backend_matches_eager_reference(ops, flash_path, page):
+def test_bf16_backend_matches_eager_reference(ops, flash_isa, page):
     _backend_matches_eager_reference(ops, "cpu-bf16", page)
 
 
@@ -241,7 +241,7 @@ def sequence_kv(kc, vc, table, b, n):
 @pytest.mark.parametrize("window", [0, 37])
 @pytest.mark.parametrize("kv_dtype,q_dtype,page", [(torch.float32, torch.float32, 16), (torch.bfloat16, torch.float32, 1),
                                                    (torch.bfloat16, torch.bfloat16, 16)])
-def test_decode_kernel_with_sinks(ops, path, kv_dtype, q_dtype, page, window):
+def test_decode_kernel_with_sinks(ops, isa, kv_dtype, q_dtype, page, window):
     gen = torch.Generator().manual_seed(page + window)
     lens = [1, 2, 15, 17, 300, 1001]
     kc, vc, table = paged_case(gen, lens, page, kv_dtype)
@@ -268,7 +268,7 @@ def test_decode_kernel_with_sinks(ops, path, kv_dtype, q_dtype, page, window):
 
 @pytest.mark.parametrize("window", [0, 70])
 @pytest.mark.parametrize("page", [1, 16])
-def test_flash_kernel_with_and_without_sinks(ops, flash_path, page, window):
+def test_flash_kernel_with_and_without_sinks(ops, flash_isa, page, window):
     gen = torch.Generator().manual_seed(page * 100 + window)
     # (new tokens, length): decode rows, short and long prefills, extends after a prefix; more than
     # one query block (16) and key block (64)

@@ -23,7 +23,7 @@ def ops():
 
 
 @pytest.mark.parametrize("rows,n,k", [(1, 64, 64), (5, 100, 37), (33, 257, 128), (64, 64, 1000)])
-def test_linear_f32_matches_float64(ops, path, rows, n, k):
+def test_linear_f32_matches_float64(ops, isa, rows, n, k):
     gen = torch.Generator().manual_seed(rows * n + k)
     w, b, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(rows, k, generator=gen)
     out = torch.full((rows, n), float("nan"))
@@ -68,7 +68,7 @@ def _matmuls(ops, gen):
 
 
 @pytest.mark.parametrize("kind", ["float32", "bf16", "bf16-logits", "w8a8"])
-def test_matmul_rows_do_not_depend_on_the_batch(ops, path, kind):
+def test_matmul_rows_do_not_depend_on_the_batch(ops, isa, kind):
     gen = torch.Generator().manual_seed(11)
     mm, dtype = _matmuls(ops, gen)[kind]
     x = torch.randn(64, 160, generator=gen).to(dtype)
@@ -100,7 +100,7 @@ def _pool(gen, length, kv_heads, head_dim, page):
 
 @pytest.mark.parametrize("window", [0, 50])
 @pytest.mark.parametrize("with_sinks", [False, True])
-def test_flash_attention_rows_do_not_depend_on_chunks_or_neighbours(ops, flash_path, window, with_sinks):
+def test_flash_attention_rows_do_not_depend_on_chunks_or_neighbours(ops, flash_isa, window, with_sinks):
     """One request's rows computed as a whole prefill, as chunks after a cached prefix, one at a time
     as decode, and beside another request: the same bits."""
     gen = torch.Generator().manual_seed(window + with_sinks)
@@ -131,7 +131,7 @@ def test_flash_attention_rows_do_not_depend_on_chunks_or_neighbours(ops, flash_p
     assert torch.equal(out[20:], whole[100:])
 
 
-def test_decode_kernel_as_row_attention_matches_itself_in_any_batch(ops, path):
+def test_decode_kernel_as_row_attention_matches_itself_in_any_batch(ops, isa):
     """The float32 deterministic path runs every row (prefill rows too) as its own decode query."""
     gen = torch.Generator().manual_seed(5)
     L, kvh, G, D, page = 90, 2, 2, 32, 8

@@ -63,7 +63,7 @@ CASES = [  # (group, head_dim, page_size, kv dtype, q dtype, window)
 
 
 @pytest.mark.parametrize("group,head_dim,page,kv_dtype,q_dtype,window", CASES)
-def test_paged_decode_attention_matches_float64(ops, path, group, head_dim, page, kv_dtype, q_dtype, window):
+def test_paged_decode_attention_matches_float64(ops, isa, group, head_dim, page, kv_dtype, q_dtype, window):
     gen = torch.Generator().manual_seed(group * 1000 + head_dim + page)
     kv_heads = 2
     lens = torch.tensor([1, 2, 15, 16, 17, 300, 1001, 2000], dtype=torch.int32)
@@ -106,7 +106,7 @@ def test_paged_decode_attention_strided_rows_and_bad_input(ops):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [64, 576, 100])
-def test_rms_norm_with_and_without_residual(ops, path, dtype, hidden):
+def test_rms_norm_with_and_without_residual(ops, isa, dtype, hidden):
     gen = torch.Generator().manual_seed(hidden)
     x = torch.randn(7, hidden, generator=gen).to(dtype)
     res = torch.randn(7, hidden, generator=gen).to(dtype)
@@ -129,7 +129,7 @@ def test_rms_norm_with_and_without_residual(ops, path, dtype, hidden):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
-def test_rotary_embedding_matches_hf_formula(ops, path, dtype, head_dim):
+def test_rotary_embedding_matches_hf_formula(ops, isa, dtype, head_dim):
     gen = torch.Generator().manual_seed(head_dim)
     T = 9
     qkv = torch.randn(T, (4 + 2 * 2) * head_dim, generator=gen).to(dtype)
@@ -148,7 +148,7 @@ def test_rotary_embedding_matches_hf_formula(ops, path, dtype, head_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_and_mul(ops, path, dtype):
+def test_silu_and_mul(ops, isa, dtype):
     gen = torch.Generator().manual_seed(1)
     gu = (3 * torch.randn(5, 2 * 1537, generator=gen)).to(dtype)
     out = torch.empty(5, 1537, dtype=dtype)
@@ -161,7 +161,7 @@ def test_silu_and_mul(ops, path, dtype):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 21, 100])
 @pytest.mark.parametrize("n,k", [(3072, 576), (37, 19), (100, 64)])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_vnni_linear_matches_float64(ops, path, rows, n, k, out_dtype):
+def test_vnni_linear_matches_float64(ops, isa, rows, n, k, out_dtype):
     gen = torch.Generator().manual_seed(n + k + rows)
     x = torch.randn(rows, k, generator=gen)
     w = (0.1 * torch.randn(n, k, generator=gen)).to(torch.bfloat16)
@@ -181,7 +181,7 @@ def test_vnni_linear_matches_float64(ops, path, rows, n, k, out_dtype):
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "column slice", "odd offset"])
-def test_vnni_linear_reads_bf16_rows_in_place(ops, path, layout):
+def test_vnni_linear_reads_bf16_rows_in_place(ops, isa, layout):
     # bf16 rows of whole pairs are read where they are (any even row stride); other layouts are
     # copied first: the same bits either way
     gen = torch.Generator().manual_seed(7)
@@ -257,7 +257,7 @@ def test_build_is_keyed_by_torch_and_sources():
 @pytest.mark.parametrize("rows,n,k", [(r, n, k) for r in (1, 2, 3, 8, 21) for n, k in ((3072, 576), (37, 19))]
                          + [(300, 200, 130)])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_w8a8_linear_matches_its_quantization(ops, path, rows, n, k, x_dtype):
+def test_w8a8_linear_matches_its_quantization(ops, isa, rows, n, k, x_dtype):
     from pdserve.layers.linear import PackedW8A8
 
     gen = torch.Generator().manual_seed(n + k + rows)

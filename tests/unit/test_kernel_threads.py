@@ -86,7 +86,7 @@ def test_two_threads_share_the_work(ops):
 
 @pytest.mark.parametrize("rows", [1, 3, 64])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_linear_vnni(ops, path, rows, out_dtype):
+def test_linear_vnni(ops, isa, rows, out_dtype):
     gen = torch.Generator().manual_seed(rows)
     w, bias = torch.randn(1000, 384, generator=gen), torch.randn(1000, generator=gen).to(out_dtype)
     x, packed = torch.randn(rows, 384, generator=gen).bfloat16(), pack_vnni16(w)
@@ -100,7 +100,7 @@ def test_linear_vnni(ops, path, rows, out_dtype):
 
 
 @pytest.mark.parametrize("rows", [2, 40])
-def test_linear_w8a8(ops, path, rows):
+def test_linear_w8a8(ops, isa, rows):
     gen = torch.Generator().manual_seed(rows)
     lin = PackedW8A8(0.1 * torch.randn(700, 320, generator=gen), torch.randn(700, generator=gen), ops)
     x = torch.randn(rows, 320, generator=gen).bfloat16()
@@ -121,7 +121,7 @@ def _pool(gen, lens, kvh, D, page, dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_attention(ops, path, kv_dtype):
+def test_paged_decode_attention(ops, isa, kv_dtype):
     gen = torch.Generator().manual_seed(1)
     lens = [1, 17, 300, 45, 129]
     kc, vc, table = _pool(gen, lens, 2, 64, 16, kv_dtype)
@@ -135,7 +135,7 @@ def test_paged_decode_attention(ops, path, kv_dtype):
     assert_same(at_1_and_2_threads(run))
 
 
-def test_flash_attention(ops, flash_path):
+def test_flash_attention(ops, flash_isa):
     gen = torch.Generator().manual_seed(2)
     lens, new = [150, 70, 33], [150, 20, 1]  # a prefill, a chunk after a prefix, a decode row
     kc, vc, table = _pool(gen, lens, 2, 64, 16, torch.bfloat16)
@@ -152,7 +152,7 @@ def test_flash_attention(ops, flash_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_rope_silu(ops, path, dtype):
+def test_norm_rope_silu(ops, isa, dtype):
     gen = torch.Generator().manual_seed(3)
     x, res = (torch.randn(70, 576, generator=gen).to(dtype) for _ in range(2))
     w = torch.randn(576, generator=gen).to(dtype)

@@ -125,7 +125,7 @@ CASES = [  # T, K, E, H, I, activation, bias
 
 @pytest.mark.parametrize("quantization", [None, "w8a8_int8"])
 @pytest.mark.parametrize("T,K,E,H,inter,activation,bias", CASES)
-def test_fused_experts_match_the_reference(ops, path, quantization, T, K, E, H, inter, activation, bias):
+def test_fused_experts_match_the_reference(ops, isa, quantization, T, K, E, H, inter, activation, bias):
     seed = T * 100 + K * 10 + E
     w13, w2, b13, b2 = make_layer(E, H, inter, bias, seed)
     ids, weights = make_routing(T, K, E, seed, unused=(1,))

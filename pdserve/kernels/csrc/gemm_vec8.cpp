@@ -28,6 +28,7 @@ constexpr int64_t kPanel = 64;
 constexpr int kTileRows = 6;
 constexpr int64_t kRowBlock = 96;
 constexpr int64_t kChunkPairs = 128;  // 256 k: a widened chunk of a panel is 64 KiB
+constexpr int64_t kStreamRows = 16;  // up to this many rows, bf16 pairs are widened in registers
 
 // acc[r] += sum over k < kn of x[r][k] w[k][0 .. 16), in k order; x rows xs apart, w rows ws apart
 template <int R>
@@ -72,41 +73,69 @@ void f32_rows(const F32Args& a, int64_t np, int64_t j, int64_t m0, int rows) {
   }
 }
 
-// ---- bf16, few rows: widened as they stream in ----------------------------------------------------
-// rows m0 .. m0 + R, J lines of 16 outputs from line j0 of panel np
+// ---- bf16, few rows: widened in registers --------------------------------------------------------
+// The panel goes in chunks of kStreamPairs pair steps (16 KiB, in L1): the first pass over a chunk
+// reads it from memory, prefetching whole steps ahead (the stream stays sequential whatever the
+// tile shape), the others from L1; tiles of rows x lines of 16 outputs carry their sums between
+// chunks in `carry` [M][64].
+constexpr int64_t kStreamPairs = 64;
+
 template <int R, int J>
-PDS_V8 void bf16_stream_tile(const GemvArgs& a, const uint16_t* xb, int64_t np, int64_t j0) {
+PDS_V8 void stream_tile(const GemvArgs& a, const float* const* x, int64_t np, int64_t kp0, int64_t kp1, int j0,
+                        int64_t m0, float* carry, bool streams) {
+  const uint16_t* panel = a.w + np * a.KP * 128;
+  const bool first = kp0 == 0, last = kp1 == a.KP;
   F8 acc[R][2 * J];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 2 * J; ++c) acc[r][c] = zero();
-  const uint32_t* x[R];
-  for (int r = 0; r < R; ++r) x[r] = reinterpret_cast<const uint32_t*>(xb + r * a.x_stride);
-  pair_panel_tile<R, J>(x, a.w + np * a.KP * 128, a.KP, int(j0), acc);
+    for (int c = 0; c < 2 * J; ++c) acc[r][c] = first ? zero() : load(carry + (m0 + r) * kPanel + j0 * 16 + c * 8);
+  if (streams)
+    pair_panel_tile<R, J, true>(x + m0, panel, kp0, kp1, j0, acc);
+  else
+    pair_panel_tile<R, J, false>(x + m0, panel, kp0, kp1, j0, acc);
+  if (!last) {
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 2 * J; ++c) store(carry + (m0 + r) * kPanel + j0 * 16 + c * 8, acc[r][c]);
+    return;
+  }
   for (int j = 0; j < J; ++j) {
     F8 part[R][2];
     for (int r = 0; r < R; ++r) part[r][0] = acc[r][2 * j], part[r][1] = acc[r][2 * j + 1];
     const int64_t n0 = np * kPanel + (j0 + j) * 16;
     if (n0 >= a.N) break;
     if (a.out_bf16)
-      store16<uint16_t, R>(part, static_cast<const uint16_t*>(a.bias), static_cast<uint16_t*>(a.out), a.out_stride, n0, a.N);
+      store16<uint16_t, R>(part, static_cast<const uint16_t*>(a.bias), static_cast<uint16_t*>(a.out) + m0 * a.out_stride,
+                           a.out_stride, n0, a.N);
     else
-      store16<float, R>(part, static_cast<const float*>(a.bias), static_cast<float*>(a.out), a.out_stride, n0, a.N);
+      store16<float, R>(part, static_cast<const float*>(a.bias), static_cast<float*>(a.out) + m0 * a.out_stride,
+                        a.out_stride, n0, a.N);
   }
 }
 
-void bf16_stream(const GemvArgs& a, const uint16_t* xb, int64_t np) {
-  switch (a.M) {
-    case 1: return bf16_stream_tile<1, 4>(a, xb, np, 0);
-    case 2:
-      for (int64_t j0 = 0; j0 < 4; j0 += 2) bf16_stream_tile<2, 2>(a, xb, np, j0);
-      return;
-    case 3:
-      for (int64_t j0 = 0; j0 < 4; ++j0) bf16_stream_tile<3, 1>(a, xb, np, j0);
-      return;
-    default:
-      for (int64_t j0 = 0; j0 < 4; ++j0) bf16_stream_tile<4, 1>(a, xb, np, j0);
-      return;
-  }
+using StreamTile = void (*)(const GemvArgs&, const float* const*, int64_t, int64_t, int64_t, int, int64_t, float*, bool);
+
+void bf16_stream(const GemvArgs& a, const float* const* x, int64_t np0, int64_t np1, float* carry) {
+  // one row: all 64 outputs in one pass; two: halves; more: lines
+  static const StreamTile line[6] = {nullptr, &stream_tile<1, 1>, &stream_tile<2, 1>, &stream_tile<3, 1>,
+                                     &stream_tile<4, 1>, &stream_tile<5, 1>};
+  // rows split into tiles of up to 5 (10 accumulators), as even as can be: 7 = 4 + 3, 9 = 5 + 4
+  const int64_t tiles = (a.M + 4) / 5;
+  for (int64_t np = np0; np < np1; ++np)
+    for (int64_t kp0 = 0; kp0 < a.KP; kp0 += kStreamPairs) {
+      const int64_t kp1 = std::min(a.KP, kp0 + kStreamPairs);
+      if (a.M == 1) {
+        stream_tile<1, 4>(a, x, np, kp0, kp1, 0, 0, carry, true);
+      } else if (a.M == 2) {
+        stream_tile<2, 2>(a, x, np, kp0, kp1, 0, 0, carry, true);
+        stream_tile<2, 2>(a, x, np, kp0, kp1, 2, 0, carry, false);
+      } else {
+        for (int j = 0; j < 4; ++j)
+          for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
+            const int64_t rows = a.M / tiles + (t < a.M % tiles);
+            line[rows](a, x, np, kp0, kp1, j, m0, carry, j == 0 && m0 == 0);
+            m0 += rows;
+          }
+      }
+    }
 }
 
 // ---- bf16, many rows: chunks widened once, float32 tiles on them ---------------------------------
@@ -196,11 +225,13 @@ void linear_f32_panels_vec8(const F32Args& a, int64_t np0, int64_t np1) {
 }
 
 void linear_vnni_panels_vec8(const GemvArgs& a, const uint16_t* xb, int64_t np0, int64_t np1) {
-  if (a.M <= 4) {
-    for (int64_t np = np0; np < np1; ++np) bf16_stream(a, xb, np);
-    return;
-  }
-  bf16_chunked(a, xb, np0, np1);
+  if (a.M > kStreamRows) return bf16_chunked(a, xb, np0, np1);
+  const int64_t K2 = 2 * a.KP;
+  std::vector<float> xf(a.M * K2), carry(a.M * kPanel);
+  widen_rows(xb, a.x_stride, a.M, K2, xf.data());
+  const float* x[kStreamRows];
+  for (int64_t m = 0; m < a.M; ++m) x[m] = xf.data() + m * K2;
+  bf16_stream(a, x, np0, np1, carry.data());
 }
 
 }  // namespace pds

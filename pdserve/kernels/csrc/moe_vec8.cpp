@@ -17,7 +17,10 @@ PDS_V8 void bf16_rows(const MoeTile& t, int r0) {
     F8 acc[R][2 * J];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 2 * J; ++c) acc[r][c] = zero();
-    pair_panel_tile<R, J>(t.xr + r0, reinterpret_cast<const uint16_t*>(t.panel), t.KS, j0, acc);
+    if (t.prefetch && r0 == 0 && j0 == 0)
+      pair_panel_tile<R, J, true>(t.xr + r0, reinterpret_cast<const uint16_t*>(t.panel), 0, t.KS, j0, acc);
+    else
+      pair_panel_tile<R, J, false>(t.xr + r0, reinterpret_cast<const uint16_t*>(t.panel), 0, t.KS, j0, acc);
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 2 * J; ++c) store(t.res + (r0 + r) * 64 + j0 * 16 + c * 8, acc[r][c]);
   }

@@ -283,19 +283,53 @@ PDS_VI void load_pairs(const uint16_t* p, F8& first, F8& second) {
 #endif
 }
 
-// acc[r][2 j + h] += x_r . w over every k pair of a panel in the VNNI-16x2 layout (gemv.cpp:
-// 128 bf16 per pair step, 16 outputs x 2 k per line): outputs 16 (j0 + j) + 8 h .. + 8 of the
-// panel, rows x[r] (bf16 pairs as uint32). Per output, k then k + 1, one FMA each, in order.
-template <int R, int J>
-PDS_VI void pair_panel_tile(const uint32_t* const* x, const uint16_t* panel, int64_t KP, int j0, F8 (&acc)[R][2 * J]) {
-  for (int64_t kp = 0; kp < KP; ++kp) {
+// the pair (x[2 kp], x[2 kp + 1]) of a row, broadcast: from float32 (one load each) or bf16 pairs
+PDS_VI void pair_of(const float* x, int64_t kp, F8& x0, F8& x1) {
+  x0 = set1(x[2 * kp]);
+  x1 = set1(x[2 * kp + 1]);
+}
+PDS_VI void pair_of(const uint32_t* x, int64_t kp, F8& x0, F8& x1) {
+  const uint32_t pair = x[kp];
+  x0 = set1(bf16_to_f32(uint16_t(pair)));
+  x1 = set1(bf16_to_f32(uint16_t(pair >> 16)));
+}
+
+// a hint to bring the 64 bytes at p into the cache ahead of a read (L2 and up, as the AVX-512
+// kernels do)
+PDS_VI void prefetch(const void* p) {
+#if PDS_X86
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
+// acc[r][2 j + h] += x_r . w over the k pairs kp0 .. kp1 of a panel in the VNNI-16x2 layout
+// (gemv.cpp: 128 bf16 per pair step, 16 outputs x 2 k per line): outputs 16 (j0 + j) + 8 h .. + 8
+// of the panel, rows x[r] (float32, or bf16 pairs as uint32). Per output, k then k + 1, one FMA
+// each, in order. Prefetch: whole pair steps ahead, far enough that a pass doing a quarter of a
+// step's work still hides memory latency (the pass that streams the panel).
+template <int R, int J, bool Prefetch, typename XT>
+PDS_VI void pair_panel_tile(const XT* const* x, const uint16_t* panel, int64_t kp0, int64_t kp1, int j0,
+                            F8 (&acc)[R][2 * J]) {
+  for (int64_t kp = kp0; kp < kp1; ++kp) {
     const uint16_t* step = panel + kp * 128 + j0 * 32;
-    F8 x0[R], x1[R];
-    for (int r = 0; r < R; ++r) {
-      const uint32_t pair = x[r][kp];
-      x0[r] = set1(bf16_to_f32(uint16_t(pair)));
-      x1[r] = set1(bf16_to_f32(uint16_t(pair >> 16)));
+    if (Prefetch)  // bf16 elements ahead: 32 steps (8 KiB) for one line per step, 16 for more
+      for (int l = 0; l < 4; ++l) prefetch(panel + kp * 128 + (J == 1 ? 4096 : 3072) + l * 32);
+    if (J == 1) {  // up to 4 rows: the line's 4 vectors stay, one broadcast of x at a time
+      F8 f0, s0, f1, s1;
+      load_pairs(step, f0, s0);
+      load_pairs(step + 16, f1, s1);
+      for (int r = 0; r < R; ++r) {
+        F8 x0, x1;
+        pair_of(x[r], kp, x0, x1);
+        acc[r][0] = fma(x1, s0, fma(x0, f0, acc[r][0]));
+        acc[r][1] = fma(x1, s1, fma(x0, f1, acc[r][1]));
+      }
+      continue;
     }
+    F8 x0[R], x1[R];
+    for (int r = 0; r < R; ++r) pair_of(x[r], kp, x0[r], x1[r]);
     for (int c = 0; c < 2 * J; ++c) {
       F8 first, second;
       load_pairs(step + c * 16, first, second);

@@ -1,0 +1,131 @@
+"""pdserve on hosts with less than this one: the kernels capped at a lower instruction-set tier
+(``PDSERVE_CPU_ISA``; in-process ``ops.set_isa``), as on an AVX2-only x86 host (or a plain NEON
+Arm host), and at ``scalar`` (no SIMD at all).
+
+At such a tier oneDNN's bf16 matmuls count as unavailable (they need AVX-512), so ``--dtype auto``
+probes pdserve's own kernels and bf16 runs on them at every row count. Checked at each tier: the
+demo model starts with ``--dtype auto`` and answers; float32 equals HF token for token; bf16
+equals HF up to ties; ``--enable-deterministic-inference`` gives one answer fresh and cached; and,
+at the lowest SIMD tier, a PD cluster whose servers run with ``PDSERVE_CPU_ISA`` serves the
+colocated engine's bits.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+import pdserve
+from pdserve import kernels
+from pdserve.models.demo import ensure_demo_model
+from tests.e2e.test_demo_engine import readme_answers
+from tests.e2e.test_deterministic import GREEDY, SEEDED, WIDE_LLAMA, one, others, result, target
+from tests.helpers import cluster as c
+from tests.helpers.checkpoints import build_tiny_checkpoint
+
+torch.set_num_threads(1)
+
+
+def lower_tiers() -> list[str]:
+    """The lowest SIMD tier (an AVX2-only or plain NEON host) and scalar, where this host has more."""
+    tiers = kernels.load().available_isas()
+    return [t for t in dict.fromkeys([tiers[min(1, len(tiers) - 1)], "scalar"]) if t != tiers[-1]] or [tiers[0]]
+
+
+@pytest.fixture(params=lower_tiers())
+def tier(request, monkeypatch):
+    """This process's kernels capped at a tier; ``PDSERVE_CPU_ISA`` set too, so that oneDNN's bf16
+    matmuls are not taken (what ``--dtype auto`` and the bf16 layers ask)."""
+    ops = kernels.load()
+    top = ops.available_isas()[-1]
+    monkeypatch.setenv("PDSERVE_CPU_ISA", request.param)
+    ops.set_isa(request.param)
+    yield request.param
+    ops.set_isa(top)
+
+
+def engine(path: str, **kw) -> pdserve.Engine:
+    return pdserve.Engine(model_path=path, torch_num_threads=1, max_total_tokens=4096, **kw)
+
+
+def test_demo_model_with_dtype_auto_answers(tier, caplog):
+    caplog.set_level("INFO", logger="pdserve")
+    eng = engine(ensure_demo_model())
+    try:
+        why = next(r.getMessage() for r in caplog.records if "compute dtype" in r.getMessage())
+        # the probe ran without oneDNN's bf16 (or, at scalar, chose float32 for slow bf16)
+        assert "oneDNN" not in why or "pdserve kernels" in why, why
+        assert kernels.load().isa() == tier
+        ids = eng.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                                add_generation_prompt=True)
+        out = eng.generate(input_ids=list(ids if isinstance(ids, list) else ids["input_ids"]),
+                           sampling_params={"temperature": 0, "max_new_tokens": 16})
+        assert "Paris" in out["text"], out["text"]
+        assert eng.check_integrity()["in_use_pages"] == 0
+    finally:
+        eng.shutdown()
+
+
+def test_demo_model_against_hf_in_both_dtypes(tier):
+    from tests.e2e.test_demo_engine import test_demo_model_in_both_dtypes_against_hf
+
+    test_demo_model_in_both_dtypes_against_hf()
+
+
+def test_readme_example_is_deterministic(tier):
+    eng = engine(ensure_demo_model(), dtype="bfloat16", enable_deterministic_inference=True)
+    try:
+        fresh, warm, partial = readme_answers(eng)
+    finally:
+        eng.shutdown()
+    assert "Paris" in fresh[0], fresh[0]
+    assert warm == fresh and partial == fresh
+
+
+@pytest.fixture(scope="module")
+def low_tier_pd(tmp_path_factory):
+    """A 1P1D cluster whose servers run at the lowest SIMD tier (bf16, deterministic)."""
+    tier = lower_tiers()[0]
+    path = build_tiny_checkpoint("llama", **WIDE_LLAMA)
+    logs = tmp_path_factory.mktemp("isa")
+    args = ["--dtype", "bfloat16", "--enable-deterministic-inference", "--max-total-tokens", "8192",
+            "--chunked-prefill-size", "32"]
+    P, _ = c.prefill("P", path, logs, *args)
+    D = c.decode("D", path, logs, *args)
+    for p in (P, D):
+        p.env["PDSERVE_CPU_ISA"] = tier
+    c.start_all([P, D])
+    R = c.router("R", [P], [D], logs)
+    c.start_all([R])
+    yield tier, path, P, D, R
+    for p in (R, D, P):
+        p.stop()
+
+
+def test_pd_at_the_lowest_tier_serves_the_colocated_bits(low_tier_pd, monkeypatch):
+    tier, path, P, D, R = low_tier_pd
+    assert f"ISA {tier}, forced by PDSERVE_CPU_ISA" in P.log_tail(400) + D.log_tail(400)
+    ops = kernels.load()
+    top = ops.available_isas()[-1]
+    monkeypatch.setenv("PDSERVE_CPU_ISA", tier)
+    ops.set_isa(tier)
+    ids = target()
+    prompts, params = others(8, seed=5)
+    try:
+        eng = pdserve.Engine(model_path=path, dtype="bfloat16", torch_num_threads=1, max_total_tokens=8192,
+                             page_size=4, enable_deterministic_inference=True)
+        try:
+            want = [one(eng, p, sp) for p, sp in zip([ids] + prompts + [ids], [GREEDY] + params + [SEEDED])]
+        finally:
+            eng.shutdown()
+    finally:
+        ops.set_isa(top)
+    body = {"input_ids": [ids] + prompts + [ids], "sampling_params": [GREEDY] + params + [SEEDED],
+            "return_logprob": True}
+    r = httpx.post(f"{R.url}/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    assert [result(o) for o in r.json()] == want
+    for s in (P, D):
+        info = s.wait_idle()
+        assert info["in_use_pages"] == 0, info
