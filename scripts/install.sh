@@ -27,6 +27,14 @@ if [ "${1:-}" = "--test" ] && ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 
     || echo "install.sh: iproute2 could not be installed; the network-namespace tests will skip" >&2
 fi
 
+# tests/e2e/test_isa_tiers.py runs pdserve on an emulated CPU without AVX-512 (qemu-user)
+if [ "${1:-}" = "--test" ] && ! command -v qemu-x86_64-static >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
+    && command -v apt-get >/dev/null 2>&1; then
+  apt-get install -y -q --no-install-recommends qemu-user-static >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends qemu-user-static >/dev/null; } \
+    || echo "install.sh: qemu-user-static could not be installed; the emulated-CPU test will fail saying so" >&2
+fi
+
 # the DNS discovery tests (tests/e2e/test_router_dns.py) run Debian's dnsmasq unprivileged on a high port
 if [ "${1:-}" = "--test" ] && ! [ -x /usr/sbin/dnsmasq ] && ! command -v dnsmasq >/dev/null 2>&1 \
     && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -3,7 +3,8 @@
 Arm host), and at ``scalar`` (no SIMD at all).
 
 At such a tier oneDNN's bf16 matmuls count as unavailable (they need AVX-512), so ``--dtype auto``
-probes pdserve's own kernels and bf16 runs on them at every row count. Checked at each tier: the
+probes pdserve's own kernels and bf16 runs on them at every row count. And once on a CPU that
+really lacks AVX-512, emulated by qemu-user, against this host capped at avx2. Checked at each tier: the
 demo model starts with ``--dtype auto`` and answers; float32 equals HF token for token; bf16
 equals HF up to ties; ``--enable-deterministic-inference`` gives one answer fresh and cached; and,
 at the lowest SIMD tier, a PD cluster whose servers run with ``PDSERVE_CPU_ISA`` serves the
@@ -11,6 +12,14 @@ colocated engine's bits.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,9 +31,11 @@ from pdserve.models.demo import ensure_demo_model
 from tests.e2e.test_demo_engine import readme_answers
 from tests.e2e.test_deterministic import GREEDY, SEEDED, WIDE_LLAMA, one, others, result, target
 from tests.helpers import cluster as c
-from tests.helpers.checkpoints import build_tiny_checkpoint
+from tests.helpers.checkpoints import as_bf16_checkpoint, build_tiny_checkpoint
+from tests.helpers.isa_probe import probe
 
 torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[2]
 
 
 def lower_tiers() -> list[str]:
@@ -129,3 +140,35 @@ def test_pd_at_the_lowest_tier_serves_the_colocated_bits(low_tier_pd, monkeypatc
     for s in (P, D):
         info = s.wait_idle()
         assert info["in_use_pages"] == 0, info
+
+
+QEMU_X86 = shutil.which("qemu-x86_64-static")
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="emulates an x86-64 CPU: meaningful on x86-64 hosts")
+def test_on_an_emulated_cpu_without_avx512(tmp_path, monkeypatch):
+    """The same process on a CPU that really lacks AVX-512: qemu-user emulating an AMD EPYC Milan
+    (Zen 3: AVX2, FMA, F16C; no AVX-512, no AVX-VNNI) reports that to the kernels, torch and
+    oneDNN alike. The kernels run at avx2 with no higher tier offered, oneDNN has no bf16,
+    ``--dtype auto`` probes pdserve's kernels instead of crashing, and a deterministic bf16 engine
+    gives the bits this host gives with its kernels capped at avx2."""
+    assert QEMU_X86, "qemu-x86_64-static is missing (scripts/install.sh --test installs qemu-user-static)"
+    model = as_bf16_checkpoint(build_tiny_checkpoint("llama"), str(tmp_path / "bf16"))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("PDSERVE_CPU_ISA", None)
+    run = subprocess.run([QEMU_X86, "-cpu", "EPYC-Milan-v1", sys.executable, "-m", "tests.helpers.isa_probe", model],
+                         env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    emulated = json.loads(run.stdout.strip().splitlines()[-1])
+    assert emulated["isa"] == "avx2" and emulated["tiers"] == ["scalar", "avx2"], emulated
+    assert emulated["features"] == ["avx2+fma+f16c"] and emulated["onednn_bf16"] is False, emulated
+    assert "pdserve kernels" in emulated["auto_why"], emulated["auto_why"]
+    ops = kernels.load()
+    top = ops.available_isas()[-1]
+    monkeypatch.setenv("PDSERVE_CPU_ISA", "avx2")
+    ops.set_isa("avx2")
+    try:
+        here = probe(model)
+    finally:
+        ops.set_isa(top)
+    assert (emulated["output_ids"], emulated["logprobs"]) == (here["output_ids"], here["logprobs"])

@@ -168,3 +168,18 @@ def build_tiny_checkpoint(arch: str, out_dir: str | None = None, *, max_shard_si
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def as_bf16_checkpoint(src: str, dst: str) -> str:
+    """``src``'s files linked into ``dst`` with a config that names bfloat16 as the checkpoint's
+    dtype (what ``--dtype auto`` decides on); returns ``dst``."""
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if name != "config.json":
+            os.symlink(os.path.join(src, name), os.path.join(dst, name))
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return dst

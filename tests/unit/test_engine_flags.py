@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import pytest
 import torch
 
 from pdserve.config import ServerArgs
 from pdserve.engine.precision import choose_compute_dtype, choose_kv_cache_dtype, measure_linear_times
-from tests.helpers.checkpoints import build_tiny_checkpoint
+from tests.helpers.checkpoints import as_bf16_checkpoint, build_tiny_checkpoint
 
 
 def parse(argv: list[str]) -> ServerArgs:
@@ -57,15 +55,7 @@ def test_dtype_choice(tmp_path):
     assert choose_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert choose_kv_cache_dtype("float32", torch.bfloat16) == torch.float32
     # a bf16 checkpoint: decided by timing the model's own shapes; the reason says what was measured
-    src = build_tiny_checkpoint("llama")
-    dst = tmp_path / "bf16"
-    dst.mkdir()
-    for name in os.listdir(src):
-        os.symlink(os.path.join(src, name), dst / name)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
-    (dst / "config.json").unlink()
-    (dst / "config.json").write_text(json.dumps(cfg))
+    dst = as_bf16_checkpoint(build_tiny_checkpoint("llama"), str(tmp_path / "bf16"))
     dtype, why = choose_compute_dtype("auto", "cpu", _config(str(dst)), None)
     times = measure_linear_times(_config(str(dst)), None)
     assert dtype in (torch.bfloat16, torch.float32)
