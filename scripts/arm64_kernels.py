@@ -45,7 +45,7 @@ PIP_TARGET = ("--platform", "manylinux_2_28_aarch64", "--python-version", "3.11"
 # cortex-a57/a72 (ARMv8.0): torch's aarch64 libraries run ARMv8.1 atomics (LSE) as they load.
 CPUS = ("a64fx", "neoverse-n1", "max")
 TESTS = ("tests/unit/test_cpu_kernels.py", "tests/unit/test_batch_invariance.py",
-         "tests/unit/test_moe_kernel.py", "tests/unit/test_attention_sinks.py")
+         "tests/unit/test_moe_kernel.py", "tests/unit/test_attention_sinks.py", "tests/unit/test_kernel_threads.py")
 # not kernel tests, and they need transformers (not in the arm64 root)
 DESELECT = ("tests/unit/test_attention_sinks.py::test_reference_is_hf_eager_attention",
             "tests/unit/test_attention_sinks.py::test_sinks_parameter_is_split_by_query_heads")
@@ -74,7 +74,9 @@ class Arm64:
         self.site = cache / "site"
         self.bin = cache / "bin"
         self.cxx = self.bin / "pdserve-aarch64-g++"
-        self.python = self.root / "usr/bin/python3.11"
+        # the emulated Python as a host program (next to python3.11, where it finds its prefix): its
+        # sys.executable, so that tests which start `sys.executable` start it emulated too
+        self.python = self.root / "usr/bin/python3.11-qemu"
 
     def tools(self) -> None:
         missing = sorted({pkg for tool, pkg in TOOLS.items() if not _which(tool)})
@@ -125,31 +127,31 @@ class Arm64:
             done.write_text(wanted)
         (self.root / "usr/lib/python3/dist-packages/pdserve-arm64.pth").write_text(f"{self.site}\n")
 
-    def write_compiler(self) -> None:
-        """``CXX`` for the emulated build: the cross g++, which runs natively and so sees the host's
-        files: Python's headers include ``<aarch64-linux-gnu/python3.11/pyconfig.h>``, in the root."""
+    def write_wrappers(self) -> None:
+        """Two host scripts: ``python`` runs ``qemu-aarch64-static -0 <itself> python3.11`` (the CPU
+        model and the root from QEMU_CPU and QEMU_LD_PREFIX); ``cxx``, the build's CXX, is the cross
+        g++, which runs natively and so sees the host's files: Python's headers include
+        ``<aarch64-linux-gnu/python3.11/pyconfig.h>``, which is in the root."""
         self.bin.mkdir(parents=True, exist_ok=True)
-        self.cxx.write_text("#!/bin/sh\n# pdserve's aarch64 kernels (scripts/arm64_kernels.py)\n"
-                            f'exec {_which("aarch64-linux-gnu-g++")} -idirafter "{self.root}/usr/include" "$@"\n')
-        self.cxx.chmod(0o755)
+        for path, cmd in ((self.python, f'{_which("qemu-aarch64-static")} -0 "$0" {self.root}/usr/bin/python3.11'),
+                          (self.cxx, f'{_which("aarch64-linux-gnu-g++")} -idirafter {self.root}/usr/include')):
+            path.write_text(f'#!/bin/sh\n# written by pdserve\'s scripts/arm64_kernels.py\nexec {cmd} "$@"\n')
+            path.chmod(0o755)
 
-    def guest(self, cpu: str, *args: str) -> list[str]:
-        return [_which("qemu-aarch64-static"), "-cpu", cpu, "-L", str(self.root), str(self.python), *args]
-
-    def env(self) -> dict:
+    def env(self, cpu: str) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "QEMU_", "VIRTUAL_ENV"))}
         # ninja comes from /usr/bin; the kernels build into <cache>/kernels, apart from the host's
-        env.update(CXX=str(self.cxx), PDSERVE_CACHE=str(self.dir), PATH=f"{self.bin}:/usr/bin:/bin",
-                   MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
+        env.update(QEMU_CPU=cpu, QEMU_LD_PREFIX=str(self.root), CXX=str(self.cxx), PDSERVE_CACHE=str(self.dir),
+                   PATH=f"{self.bin}:/usr/bin:/bin", MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
         return env
 
     def build(self) -> None:
-        _run(self.guest("max", "-m", "pdserve.kernels"), "the aarch64 kernel build", env=self.env(), show=True)
+        _run([str(self.python), "-m", "pdserve.kernels"], "the aarch64 kernel build", env=self.env("max"), show=True)
 
     def test(self, cpu: str, pytest_args: list[str]) -> dict:
         """One CPU model's run: its tiers and pytest's summary line."""
         args = ["-q", "-p", "no:cacheprovider", "-rfE", *TESTS, *(f"--deselect={d}" for d in DESELECT), *pytest_args]
-        proc = subprocess.Popen(self.guest(cpu, "-c", GUEST, *args), cwd=REPO, env=self.env(), text=True,
+        proc = subprocess.Popen([str(self.python), "-c", GUEST, *args], cwd=REPO, env=self.env(cpu), text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, errors="replace")
         isa, summary = "", ""
         assert proc.stdout is not None
@@ -220,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         phase("tools", arm.tools)
         phase("root", arm.make_root)
         phase("packages", arm.install_wheels)
-        arm.write_compiler()
+        arm.write_wrappers()
         phase("build", arm.build)
     except SetupError as e:
         print(f"arm64: FAILED: {e}", file=sys.stderr)

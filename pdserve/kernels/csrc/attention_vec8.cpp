@@ -18,21 +18,27 @@ using namespace v8;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// a row's elements d .. d + 8, or the ones before `end` (Whole: every row has whole vectors)
+template <bool Whole, typename T>
+PDS_VI F8 load_row(const T* row, int64_t d, int64_t end) {
+  return Whole ? load(row + d) : load_upto(row + d, end - d);
+}
+
 // r[j] = the dot product of q (float32, zero padded to whole vectors) with key row j (float32, or
 // bf16 when KT is uint16_t), over d dims
-template <typename KT>
+template <bool Whole, typename KT>
 PDS_VI F8 dots8(const float* q, const KT* const* keys, int64_t d) {
   F8 acc[8];
   for (int j = 0; j < 8; ++j) acc[j] = zero();
-  for (int64_t c = 0; c * 8 < d; ++c) {
-    const F8 qc = load(q + 8 * c);
-    for (int j = 0; j < 8; ++j) acc[j] = fma(qc, load_upto(keys[j] + 8 * c, d - 8 * c), acc[j]);
+  for (int64_t c = 0; c < d; c += 8) {
+    const F8 qc = load(q + c);
+    for (int j = 0; j < 8; ++j) acc[j] = fma(qc, load_row<Whole>(keys[j], c, d), acc[j]);
   }
   return reduce_add8(acc);
 }
 
 // o[0 .. d) = o * alpha + sum over j < n of p[j] v_j, in j order (v_j = rows[j], d dims)
-template <typename VT>
+template <bool Whole, typename VT>
 PDS_VI void accumulate_pv(float* o, float alpha, const float* p, const VT* const* rows, int n, int64_t d) {
   for (int64_t c0 = 0; c0 < d; c0 += 64) {  // 8 vectors of o in registers at a time
     const int nc = int(std::min<int64_t>(8, (d - c0 + 7) / 8));
@@ -41,7 +47,7 @@ PDS_VI void accumulate_pv(float* o, float alpha, const float* p, const VT* const
     for (int c = 0; c < nc; ++c) acc[c] = mul(load(o + c0 + 8 * c), va);
     for (int j = 0; j < n; ++j) {
       const F8 w = set1(p[j]);
-      for (int c = 0; c < nc; ++c) acc[c] = fma(w, load_upto(rows[j] + c0 + 8 * c, d - c0 - 8 * c), acc[c]);
+      for (int c = 0; c < nc; ++c) acc[c] = fma(w, load_row<Whole>(rows[j], c0 + 8 * c, d), acc[c]);
     }
     for (int c = 0; c < nc; ++c) store(o + c0 + 8 * c, acc[c]);
   }
@@ -52,7 +58,7 @@ constexpr int kBlock = 16;
 constexpr int kMaxD = 256;
 constexpr int kMaxGroup = 32;
 
-template <typename KT>
+template <bool Whole, typename KT>
 PDS_V8 void decode_tasks(const DecodeArgs& a, int64_t task_begin, int64_t task_end) {
   const int64_t D = a.head_dim, G = a.heads / a.kv_heads, NC = (D + 7) / 8;
   // per query head: the scaled query and the output accumulators, zero padded to NC vectors
@@ -91,7 +97,7 @@ PDS_V8 void decode_tasks(const DecodeArgs& a, int64_t task_begin, int64_t task_e
       for (int64_t g = 0; g < G; ++g) {
         F8 s[2];
         for (int half = 0; half < 2; ++half)
-          s[half] = select(range_mask(8 * half, 0, n - 1, 8), dots8(qs + g * kMaxD, krow + 8 * half, D), set1(kNegInf));
+          s[half] = select(range_mask(8 * half, 0, n - 1, 8), dots8<Whole>(qs + g * kMaxD, krow + 8 * half, D), set1(kNegInf));
         const float mb = std::max(m[g], std::max(reduce_max(s[0]), reduce_max(s[1])));
         const F8 vmb = set1(mb);
         const F8 p0 = exp(sub(s[0], vmb)), p1 = exp(sub(s[1], vmb));
@@ -100,7 +106,7 @@ PDS_V8 void decode_tasks(const DecodeArgs& a, int64_t task_begin, int64_t task_e
         const float alpha = std::exp(m[g] - mb);
         l[g] = l[g] * alpha + (reduce_add(p0) + reduce_add(p1));
         m[g] = mb;
-        accumulate_pv(acc + g * kMaxD, alpha, p, vrow, n, D);
+        accumulate_pv<Whole>(acc + g * kMaxD, alpha, p, vrow, n, D);
       }
     }
     for (int64_t g = 0; g < G; ++g) {
@@ -121,7 +127,10 @@ PDS_V8 void decode_tasks(const DecodeArgs& a, int64_t task_begin, int64_t task_e
 
 template <typename KT>
 void decode_attention_vec8(const DecodeArgs& a, int64_t task_begin, int64_t task_end) {
-  decode_tasks<KT>(a, task_begin, task_end);
+  if (a.head_dim % 8 == 0)
+    decode_tasks<true, KT>(a, task_begin, task_end);
+  else
+    decode_tasks<false, KT>(a, task_begin, task_end);
 }
 template void decode_attention_vec8<float>(const DecodeArgs&, int64_t, int64_t);
 template void decode_attention_vec8<uint16_t>(const DecodeArgs&, int64_t, int64_t);
@@ -197,7 +206,7 @@ PDS_V8 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_t q0, int
         const float* k8[8];
         for (int j = 0; j < 8; ++j) k8[j] = krow[std::min(8 * kg + j, n - 1)];
         const M8 visible = range_mask(8 * kg, t0, t1 - 1, 8);
-        sv[kg] = select(visible, mul(dots8(s.qf + r * D, k8, D), set1(a.scale)), set1(kNegInf));
+        sv[kg] = select(visible, mul(dots8<true>(s.qf + r * D, k8, D), set1(a.scale)), set1(kNegInf));
         mx = std::max(mx, reduce_max(sv[kg]));
       }
       const float mb = std::max(s.m[r], mx);
@@ -211,7 +220,7 @@ PDS_V8 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_t q0, int
       const float alpha = std::exp(s.m[r] - mb);
       s.l[r] = s.l[r] * alpha + sum;
       s.m[r] = mb;
-      accumulate_pv(s.o + r * D, alpha, s.p + t0, vrow + t0, t1 - t0, D);
+      accumulate_pv<true>(s.o + r * D, alpha, s.p + t0, vrow + t0, t1 - t0, D);
     }
   }
   for (int64_t r = 0; r < nrows; ++r) {
