@@ -47,7 +47,7 @@ def cpu_kernels_disabled() -> bool:
 def cpu_isa() -> str | None:
     """``PDSERVE_CPU_ISA``: cap pdserve's CPU kernels at an instruction-set tier (``scalar``, ``avx2``,
     ``avx2_vnni``, ``avx512``, ``avx512_bf16``, ``amx``; on Arm ``neon``, ``neon_dotprod``,
-    ``neon_bf16``, ``sve``), so that one host runs the paths of hosts with less; ``pdserve``'s
+    ``neon_bf16``), so that one host runs the paths of hosts with less; ``pdserve``'s
     commands also cap oneDNN, MKL and ATen at it (``pdserve.kernels.cap_library_isas``)."""
     return os.environ.get("PDSERVE_CPU_ISA", "").strip().lower() or None
 

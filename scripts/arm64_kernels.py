@@ -49,20 +49,6 @@ TESTS = ("tests/unit/test_cpu_kernels.py", "tests/unit/test_batch_invariance.py"
 # not kernel tests, and they need transformers (not in the arm64 root)
 DESELECT = ("tests/unit/test_attention_sinks.py::test_reference_is_hf_eager_attention",
             "tests/unit/test_attention_sinks.py::test_sinks_parameter_is_split_by_query_heads")
-# run in the emulated Python, one process per CPU model: the kernels' tier, then pytest
-GUEST = """
-import sys
-from pdserve import kernels
-ops = kernels.load()
-if ops is None:
-    sys.exit(f"pdserve's kernels did not load: {kernels.unavailable_reason()}")
-print(f"isa: {ops.isa()}; available_isas: {', '.join(ops.available_isas())}; "
-      f"cpu_features: {' '.join(ops.cpu_features()) or 'none'}", flush=True)
-import pytest
-sys.exit(pytest.main(sys.argv[1:]))
-"""
-
-
 class SetupError(RuntimeError):
     """The arm64 environment could not be prepared on this host."""
 
@@ -148,21 +134,25 @@ class Arm64:
     def build(self) -> None:
         _run([str(self.python), "-m", "pdserve.kernels"], "the aarch64 kernel build", env=self.env("max"), show=True)
 
-    def test(self, cpu: str, pytest_args: list[str]) -> dict:
-        """One CPU model's run: its tiers and pytest's summary line."""
+    def test(self, cpu: str, pytest_args: list[str], skip_tiers: set[str]) -> dict:
+        """One CPU model's run (scripts/arm64_guest.py): its tiers and pytest's summary line."""
         args = ["-q", "-p", "no:cacheprovider", "-rfE", *TESTS, *(f"--deselect={d}" for d in DESELECT), *pytest_args]
-        proc = subprocess.Popen([str(self.python), "-c", GUEST, *args], cwd=REPO, env=self.env(cpu), text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, errors="replace")
-        isa, summary = "", ""
+        env = {**self.env(cpu), "PDSERVE_ARM64_SKIP_TIERS": ",".join(sorted(skip_tiers))}
+        proc = subprocess.Popen([str(self.python), str(REPO / "scripts/arm64_guest.py"), *args], cwd=REPO, env=env,
+                                text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, errors="replace")
+        r = {"isa": "(the kernels did not load)", "tested": "", "summary": ""}
         assert proc.stdout is not None
         for line in proc.stdout:
             print(f"  [{cpu}] {line}", end="", flush=True)
             if line.startswith("isa: "):
-                isa = line.strip()
-            if re.search(r"\b(passed|failed|error|errors|no tests ran)\b.* in [0-9.]+s", line):
-                summary = line.strip("= \n")
-        rc = proc.wait()
-        return {"rc": rc, "isa": isa or "(the kernels did not load)", "summary": summary or f"exit status {rc}"}
+                r["isa"] = line.strip()
+            if line.startswith("tiers tested: "):
+                r["tested"] = line.split(":", 1)[1].strip()
+            if re.search(r"\b(passed|failed|errors?|no tests ran)\b.* in [0-9.]+s", line):
+                r["summary"] = line.strip("= \n")
+        r["rc"] = proc.wait()
+        r["summary"] = r["summary"] or f"exit status {r['rc']}"
+        return r
 
 
 def _which(tool: str) -> str:
@@ -200,7 +190,8 @@ def _run(cmd: list[str], what: str, env: dict | None = None, show: bool = False)
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpus", default=",".join(CPUS), help="qemu CPU models, comma-separated (default %(default)s)")
-    p.add_argument("--quick", action="store_true", help="a short run: each model tests its own top tier only")
+    p.add_argument("--quick", action="store_true",
+                   help="test each tier once, on the first model that has it (the tier-parametrized tests)")
     p.add_argument("--setup-only", action="store_true", help="prepare and build, run no tests")
     p.add_argument("--cache", type=Path, help="default: ${PDSERVE_CACHE:-~/.cache/pdserve}/arm64")
     p.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
@@ -227,15 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     except SetupError as e:
         print(f"arm64: FAILED: {e}", file=sys.stderr)
         return 2
-    results = {}
-    if not args.setup_only:
-        pytest_args = list(args.pytest_args)
-        for cpu in args.cpus.split(","):
-            extra = ["-k", "not ISA_TIER"] if False else []
-            results[cpu] = phase(f"test:{cpu}", arm.test, cpu, [*extra, *pytest_args])
+    results: dict[str, dict] = {}
+    tested: set[str] = set()  # --quick: the tiers an earlier (lesser) model ran
+    for cpu in [] if args.setup_only else args.cpus.split(","):
+        results[cpu] = r = phase(f"test:{cpu}", arm.test, cpu, args.pytest_args, tested if args.quick else set())
+        tested |= set(r["tested"].split(","))
     print("\narm64 summary (" + ", ".join(f"{n} {s:.0f} s" for n, s in times) + ")")
     for cpu, r in results.items():
-        print(f"  {cpu:12} {'ok    ' if r['rc'] == 0 else 'FAILED'} {r['summary']}\n  {'':12} {r['isa']}")
+        print(f"  {cpu:12} {'ok    ' if r['rc'] == 0 else 'FAILED'} {r['summary']}\n  {'':12} {r['isa']}; "
+              f"tiers tested: {r['tested']}")
     return 1 if any(r["rc"] != 0 for r in results.values()) else 0
 
 

@@ -79,7 +79,7 @@ def pytest_generate_tests(metafunc):
 def isa(request, ops):
     """Run a kernel test with the kernels capped at one instruction-set tier (``ops.set_isa``):
     ``scalar``, ``avx2``, ``avx2_vnni``, ``avx512``, ``avx512_bf16``, ``amx`` (or ``neon``,
-    ``neon_dotprod``, ``neon_bf16``, ``sve``), whichever this CPU has; ``ops`` is the test module's
+    ``neon_dotprod``, ``neon_bf16``), whichever this CPU has; ``ops`` is the test module's
     fixture for the loaded kernels."""
     top = ops.available_isas()[-1]
     ops.set_isa(request.param)

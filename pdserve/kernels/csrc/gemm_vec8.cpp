@@ -14,6 +14,8 @@
 // - bf16 with more rows (prefill): a chunk of kChunkPairs k-pairs of a panel is widened once into
 //   a float32 buffer [2 kc][64] and the float32 tiles run on it, partial sums carried between
 //   chunks in float32 (exact: the same sums as one pass).
+// - bf16 on Arm with BFDOT (neon_bf16): one BFDOT per pair of k and 4 outputs, x as bf16 pairs, at
+//   every row count (its rounding of the pair differs from two FMAs: one kind of step for all rows).
 #include "vec8.h"
 #include "vec8_kernels.h"
 
@@ -80,18 +82,11 @@ void f32_rows(const F32Args& a, int64_t np, int64_t j, int64_t m0, int rows) {
 // chunks in `carry` [M][64].
 constexpr int64_t kStreamPairs = 64;
 
+// the sums of a tile of rows m0 .. m0 + R, lines j0 .. j0 + J of panel np: to `carry` [M][64] when
+// more k follows, else (+ bias) to out
 template <int R, int J>
-PDS_V8 void stream_tile(const GemvArgs& a, const float* const* x, int64_t np, int64_t kp0, int64_t kp1, int j0,
-                        int64_t m0, float* carry, bool streams) {
-  const uint16_t* panel = a.w + np * a.KP * 128;
-  const bool first = kp0 == 0, last = kp1 == a.KP;
-  F8 acc[R][2 * J];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 2 * J; ++c) acc[r][c] = first ? zero() : load(carry + (m0 + r) * kPanel + j0 * 16 + c * 8);
-  if (streams)
-    pair_panel_tile<R, J, true>(x + m0, panel, kp0, kp1, j0, acc);
-  else
-    pair_panel_tile<R, J, false>(x + m0, panel, kp0, kp1, j0, acc);
+PDS_VI void finish_tile(const GemvArgs& a, const F8 (&acc)[R][2 * J], int64_t np, int j0, int64_t m0, float* carry,
+                        bool last) {
   if (!last) {
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 2 * J; ++c) store(carry + (m0 + r) * kPanel + j0 * 16 + c * 8, acc[r][c]);
@@ -111,22 +106,44 @@ PDS_V8 void stream_tile(const GemvArgs& a, const float* const* x, int64_t np, in
   }
 }
 
-using StreamTile = void (*)(const GemvArgs&, const float* const*, int64_t, int64_t, int64_t, int, int64_t, float*, bool);
+template <int R, int J>
+PDS_VI void start_tile(F8 (&acc)[R][2 * J], int j0, int64_t m0, const float* carry, bool first) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2 * J; ++c) acc[r][c] = first ? zero() : load(carry + (m0 + r) * kPanel + j0 * 16 + c * 8);
+}
 
-void bf16_stream(const GemvArgs& a, const float* const* x, int64_t np0, int64_t np1, float* carry) {
-  // one row: all 64 outputs in one pass; two: halves; more: lines
-  static const StreamTile line[6] = {nullptr, &stream_tile<1, 1>, &stream_tile<2, 1>, &stream_tile<3, 1>,
-                                     &stream_tile<4, 1>, &stream_tile<5, 1>};
-  // rows split into tiles of up to 5 (10 accumulators), as even as can be: 7 = 4 + 3, 9 = 5 + 4
-  const int64_t tiles = (a.M + 4) / 5;
+template <int R, int J>
+PDS_V8 void stream_tile(const GemvArgs& a, const float* const* x, int64_t np, int64_t kp0, int64_t kp1, int j0,
+                        int64_t m0, float* carry, bool streams) {
+  const uint16_t* panel = a.w + np * a.KP * 128;
+  F8 acc[R][2 * J];
+  start_tile<R, J>(acc, j0, m0, carry, kp0 == 0);
+  if (streams)
+    pair_panel_tile<R, J, true>(x + m0, panel, kp0, kp1, j0, acc);
+  else
+    pair_panel_tile<R, J, false>(x + m0, panel, kp0, kp1, j0, acc);
+  finish_tile<R, J>(a, acc, np, j0, m0, carry, kp1 == a.KP);
+}
+
+// tile(a, x rows, np, kp0, kp1, j0, m0, carry, streams)
+template <typename X>
+using StreamTile = void (*)(const GemvArgs&, const X* const*, int64_t, int64_t, int64_t, int, int64_t, float*, bool);
+
+// Every row, every panel of np0 .. np1, chunk by chunk: one row takes all 64 outputs in one pass,
+// two rows halves, more rows lines of 16 outputs in tiles of up to kMaxLineRows rows, as even as
+// can be (7 = 4 + 3 for 5 at most)
+template <typename X, int kMaxLineRows>
+void stream_panels(const GemvArgs& a, const X* const* x, int64_t np0, int64_t np1, float* carry, StreamTile<X> one,
+                   StreamTile<X> two, const StreamTile<X>* line) {
+  const int64_t tiles = (a.M + kMaxLineRows - 1) / kMaxLineRows;
   for (int64_t np = np0; np < np1; ++np)
     for (int64_t kp0 = 0; kp0 < a.KP; kp0 += kStreamPairs) {
       const int64_t kp1 = std::min(a.KP, kp0 + kStreamPairs);
       if (a.M == 1) {
-        stream_tile<1, 4>(a, x, np, kp0, kp1, 0, 0, carry, true);
+        one(a, x, np, kp0, kp1, 0, 0, carry, true);
       } else if (a.M == 2) {
-        stream_tile<2, 2>(a, x, np, kp0, kp1, 0, 0, carry, true);
-        stream_tile<2, 2>(a, x, np, kp0, kp1, 2, 0, carry, false);
+        two(a, x, np, kp0, kp1, 0, 0, carry, true);
+        two(a, x, np, kp0, kp1, 2, 0, carry, false);
       } else {
         for (int j = 0; j < 4; ++j)
           for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
@@ -137,6 +154,48 @@ void bf16_stream(const GemvArgs& a, const float* const* x, int64_t np0, int64_t 
       }
     }
 }
+
+void bf16_stream(const GemvArgs& a, const float* const* x, int64_t np0, int64_t np1, float* carry) {
+  // 5 rows x 2 vectors: 10 accumulators, the line's 4 vectors and a broadcast
+  static const StreamTile<float> line[6] = {nullptr, &stream_tile<1, 1>, &stream_tile<2, 1>, &stream_tile<3, 1>,
+                                            &stream_tile<4, 1>, &stream_tile<5, 1>};
+  stream_panels<float, 5>(a, x, np0, np1, carry, &stream_tile<1, 4>, &stream_tile<2, 2>, line);
+}
+
+#if PDS_ARM
+// ---- bf16 on Arm's BFDOT (neon_bf16): both k of a pair in one instruction, at every row count ----
+// acc[r][q] (4 outputs) += (x[r][2 kp], x[r][2 kp + 1]) . (w[o][2 kp], w[o][2 kp + 1]): the panel's
+// lines as they are (a 128-bit register is 4 outputs x one pair), x as bf16 pairs
+template <int R, int J>
+PDS_NEON_BF16 void bfdot_tile(const GemvArgs& a, const uint32_t* const* x, int64_t np, int64_t kp0, int64_t kp1,
+                              int j0, int64_t m0, float* carry, bool streams) {
+  const uint16_t* panel = a.w + np * a.KP * 128;
+  F8 acc[R][2 * J];
+  start_tile<R, J>(acc, j0, m0, carry, kp0 == 0);
+  for (int64_t kp = kp0; kp < kp1; ++kp) {
+    const uint16_t* step = panel + kp * 128 + j0 * 32;
+    if (streams)
+      for (int l = 0; l < 4; ++l) prefetch(panel + kp * 128 + (J == 1 ? 4096 : 3072) + l * 32);
+    bfloat16x8_t w[4 * J];
+    for (int q = 0; q < 4 * J; ++q) w[q] = vreinterpretq_bf16_u16(vld1q_u16(step + 8 * q));
+    for (int r = 0; r < R; ++r) {
+      const bfloat16x8_t xp = vreinterpretq_bf16_u32(vdupq_n_u32(x[r + m0][kp]));
+      for (int c = 0; c < 2 * J; ++c) {
+        acc[r][c].lo = vbfdotq_f32(acc[r][c].lo, w[2 * c], xp);
+        acc[r][c].hi = vbfdotq_f32(acc[r][c].hi, w[2 * c + 1], xp);
+      }
+    }
+  }
+  finish_tile<R, J>(a, acc, np, j0, m0, carry, kp1 == a.KP);
+}
+
+void bfdot_stream(const GemvArgs& a, const uint32_t* const* x, int64_t np0, int64_t np1, float* carry) {
+  // 6 rows x 4 registers: 24 accumulators of the 32, the line's 4 and a broadcast
+  static const StreamTile<uint32_t> line[7] = {nullptr, &bfdot_tile<1, 1>, &bfdot_tile<2, 1>, &bfdot_tile<3, 1>,
+                                               &bfdot_tile<4, 1>, &bfdot_tile<5, 1>, &bfdot_tile<6, 1>};
+  stream_panels<uint32_t, 6>(a, x, np0, np1, carry, &bfdot_tile<1, 4>, &bfdot_tile<2, 2>, line);
+}
+#endif
 
 // ---- bf16, many rows: chunks widened once, float32 tiles on them ---------------------------------
 // pairs kp0 .. kp0 + kc of panel np, as float32 rows [2 kc][64]
@@ -225,6 +284,14 @@ void linear_f32_panels_vec8(const F32Args& a, int64_t np0, int64_t np1) {
 }
 
 void linear_vnni_panels_vec8(const GemvArgs& a, const uint16_t* xb, int64_t np0, int64_t np1) {
+#if PDS_ARM
+  if (use_bfdot()) {  // BFDOT's own rounding at every row count: rows stay independent of the batch
+    std::vector<const uint32_t*> x(a.M);
+    std::vector<float> carry(a.M * kPanel);
+    for (int64_t m = 0; m < a.M; ++m) x[m] = reinterpret_cast<const uint32_t*>(xb + m * a.x_stride);
+    return bfdot_stream(a, x.data(), np0, np1, carry.data());
+  }
+#endif
   if (a.M > kStreamRows) return bf16_chunked(a, xb, np0, np1);
   const int64_t K2 = 2 * a.KP;
   std::vector<float> xf(a.M * K2), carry(a.M * kPanel);

@@ -35,7 +35,6 @@ constexpr Tier kTiers[] = {
     {"neon", kNeon, kNeon},
     {"neon_dotprod", kNeon | kDotProd, kNeon | kDotProd},
     {"neon_bf16", kNeon | kBf16, kNB},
-    {"sve", kNeon | kBf16 | kSve, kNB | kSve},
 };
 #else
 constexpr Tier kTiers[] = {{"scalar", 0, 0}};

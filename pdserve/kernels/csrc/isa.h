@@ -10,7 +10,10 @@
 //   x86-64:  scalar | avx2 (AVX2, FMA, F16C) | avx2_vnni (+ AVX-VNNI) | avx512 (F, BW, VL, DQ, and
 //            AVX512-VNNI / AVX-VNNI where present) | avx512_bf16 | amx (AMX tiles)
 //   aarch64: scalar | neon (Advanced SIMD) | neon_dotprod (+ SDOT/UDOT) | neon_bf16 (+ BFDOT, and
-//            I8MM's USDOT where present) | sve (+ SVE)
+//            I8MM's USDOT where present)
+// SVE is reported (cpu_features) but no kernel uses it: on the Arm server cores that have it
+// (Neoverse V1: 2 x 256-bit SVE beside 4 x 128-bit NEON pipes; V2 / Grace: 128-bit SVE2) it
+// gives no more multiply-adds per cycle than NEON does for these kernels.
 #pragma once
 
 #include <cstdint>
@@ -59,7 +62,7 @@ enum Feature : uint32_t {
   kDotProd = 1u << 9,
   kBf16 = 1u << 10,
   kI8mm = 1u << 11,
-  kSve = 1u << 12,
+  kSve = 1u << 12,  // detected and reported only
 };
 
 uint32_t cpu_features();  // what the running CPU (and OS) offer
