@@ -320,7 +320,11 @@ def run_scheduler_process(args: ServerArgs, in_addr: str, out_addr: str, ready_c
         loop = SchedulerLoop(args, in_addr, out_addr, par)
         status = {"status": "ready", "info": loop.info()}
     except Exception as e:
-        logger.error("scheduler failed to start: %s\n%s", e, traceback.format_exc())
+        if isinstance(e, ValueError):  # a refusal of the configuration or the host: its message says it all
+            logger.error("scheduler failed to start: %s", e)
+            logger.debug("where: %s", traceback.format_exc())
+        else:
+            logger.error("scheduler failed to start: %s\n%s", e, traceback.format_exc())
         status = {"status": "error", "message": f"{type(e).__name__}: {e}"}
     if par is not None and layout.multi_node:  # every rank on every node ready, or none serves
         status = gather_start_up(par.world, layout, status)

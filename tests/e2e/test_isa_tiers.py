@@ -49,11 +49,11 @@ def tier(request, monkeypatch):
     """This process's kernels capped at a tier; ``PDSERVE_CPU_ISA`` set too, so that oneDNN's bf16
     matmuls are not taken (what ``--dtype auto`` and the bf16 layers ask)."""
     ops = kernels.load()
-    top = ops.available_isas()[-1]
+    before = ops.isa_tier()
     monkeypatch.setenv("PDSERVE_CPU_ISA", request.param)
     ops.set_isa(request.param)
     yield request.param
-    ops.set_isa(top)
+    ops.set_isa(before)
 
 
 def engine(path: str, **kw) -> pdserve.Engine:
@@ -118,7 +118,7 @@ def test_pd_at_the_lowest_tier_serves_the_colocated_bits(low_tier_pd, monkeypatc
     tier, path, P, D, R = low_tier_pd
     assert f"ISA {tier}, forced by PDSERVE_CPU_ISA" in P.log_tail(400) + D.log_tail(400)
     ops = kernels.load()
-    top = ops.available_isas()[-1]
+    before = ops.isa_tier()
     monkeypatch.setenv("PDSERVE_CPU_ISA", tier)
     ops.set_isa(tier)
     ids = target()
@@ -131,7 +131,7 @@ def test_pd_at_the_lowest_tier_serves_the_colocated_bits(low_tier_pd, monkeypatc
         finally:
             eng.shutdown()
     finally:
-        ops.set_isa(top)
+        ops.set_isa(before)
     body = {"input_ids": [ids] + prompts + [ids], "sampling_params": [GREEDY] + params + [SEEDED],
             "return_logprob": True}
     r = httpx.post(f"{R.url}/generate", json=body, timeout=300)
@@ -164,11 +164,23 @@ def test_on_an_emulated_cpu_without_avx512(tmp_path, monkeypatch):
     assert emulated["features"] == ["avx2+fma+f16c"] and emulated["onednn_bf16"] is False, emulated
     assert "pdserve kernels" in emulated["auto_why"], emulated["auto_why"]
     ops = kernels.load()
-    top = ops.available_isas()[-1]
+    before = ops.isa_tier()
     monkeypatch.setenv("PDSERVE_CPU_ISA", "avx2")
     ops.set_isa("avx2")
     try:
         here = probe(model)
     finally:
-        ops.set_isa(top)
+        ops.set_isa(before)
     assert (emulated["output_ids"], emulated["logprobs"]) == (here["output_ids"], here["logprobs"])
+
+
+def test_a_refusal_at_start_up_is_one_line(tmp_path):
+    """What a host cannot serve is refused when the server starts, in one line naming the missing
+    instructions, not with a stack trace: w8a8_int8 with no SIMD int8 dot products (scalar)."""
+    s = c.server("S", build_tiny_checkpoint("llama"), tmp_path, "--quantization", "w8a8_int8")
+    s.env["PDSERVE_CPU_ISA"] = "scalar"
+    s.start(wait=False)
+    assert s.proc.wait(timeout=120) != 0
+    log = s.log_path.read_text()
+    assert "needs SIMD int8 dot products (AVX2, AVX-VNNI or AVX512-VNNI on x86-64, NEON on Arm)" in log, log
+    assert "Traceback" not in log, log

@@ -81,18 +81,18 @@ def isa(request, ops):
     ``scalar``, ``avx2``, ``avx2_vnni``, ``avx512``, ``avx512_bf16``, ``amx`` (or ``neon``,
     ``neon_dotprod``, ``neon_bf16``), whichever this CPU has; ``ops`` is the test module's
     fixture for the loaded kernels."""
-    top = ops.available_isas()[-1]
+    before = ops.isa_tier()
     ops.set_isa(request.param)
     yield request.param
-    ops.set_isa(top)
+    ops.set_isa(before)
 
 
 @pytest.fixture
 def flash_isa(request, ops):
     """As ``isa``, over the tiers the bf16 flash kernel runs on (a scalar-only CPU has none: the
     cpu backend then takes the decode kernel and SDPA, test_cpu_kernels checks that it says so)."""
-    top = ops.available_isas()[-1]
+    before = ops.isa_tier()
     ops.set_isa(request.param)
     assert ops.flash_supported(64), f"the flash kernel does not run at tier {request.param}"
     yield request.param
-    ops.set_isa(top)
+    ops.set_isa(before)

@@ -200,19 +200,20 @@ def test_vnni_linear_reads_bf16_rows_in_place(ops, isa, layout):
 
 def test_isa_tiers_can_be_forced(ops):
     tiers = ops.available_isas()
-    top = tiers[-1]
-    assert tiers[0] == "scalar" and ops.cpu_features() is not None
+    before = ops.isa_tier()
+    assert tiers[0] == "scalar" and ops.cpu_features() is not None and before in tiers
     try:
         for tier in tiers:
             ops.set_isa(tier)
+            assert ops.isa_tier() == tier
             assert ops.isa() == (tier if tier != "amx" else "avx512_bf16") or ops.isa().startswith("amx")
             # every tier but scalar has SIMD code for the flash kernel and the int8 dot products
             assert ops.flash_supported(64) == (tier != "scalar") and ops.has_int8_dot() == (tier != "scalar")
         with pytest.raises(ValueError, match=r"ISA tier 'avx1024' is not available on this CPU \(available: scalar"):
             ops.set_isa("avx1024")
     finally:
-        ops.set_isa(top)
-    assert ops.available_isas()[-1] == top
+        ops.set_isa(before)
+    assert ops.isa_tier() == before and ops.available_isas() == tiers
 
 
 def test_pdserve_cpu_isa_caps_the_kernels_and_the_libraries():

@@ -41,6 +41,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const std::string tier = pds::isa_tier();
     return tier == "amx" ? std::string("avx512_bf16") : tier;  // tiles unused (disabled, not checked yet)
   }, "the instruction-set tier the kernels run at now (amx_bf16 / amx_bf16_emulated when tiles are used)");
+  m.def("isa_tier", &pds::isa_tier, "the tier the kernels are capped at (what set_isa set, else the host's top)");
   m.def("available_isas", &pds::available_isas, "the tiers this CPU can run, lowest first");
   m.def("cpu_features", []() { return pds::feature_names(pds::cpu_features()); },
         "the instruction-set extensions the kernels found on this CPU");
