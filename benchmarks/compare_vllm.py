@@ -22,7 +22,9 @@ Workloads (``--backend openai``, /v1/completions, streamed, prompts are random t
 model's tokenizer decoded to text, ``--ignore-eos``, all requests at once):
   short  --num-prompts 64 --max-concurrency 64, 128 in / 64 out
   long   --num-prompts 32 --max-concurrency 8, 1024 in / 64 out
-``--num-prompts`` lowers a workload's prompt count (the concurrency is capped by it) for models
+A pdserve contender may name a tier of its CPU kernels, ``pdserve@avx2``, ``pdserve-w8a8@avx2``:
+its server runs with ``PDSERVE_CPU_ISA`` (oneDNN, MKL and ATen capped too), as on a host without
+more; vllm runs as the host is. ``--num-prompts`` lowers a workload's prompt count (the concurrency is capped by it) for models
 too slow to run the full set in a few minutes. Each server is started, warmed up, benchmarked on
 every workload and stopped before the next one starts: only one contender runs at a time.
 ``--profile`` samples pdserve's front-end and scheduler processes with py-spy during each pdserve
@@ -81,8 +83,9 @@ def vllm_server(py: Path, model: str, cores: str, dtype: str, kv_gib: int, logs:
     return c.Proc(f"vllm-{dtype}", cmd, port, logs, env=env)
 
 
-def pdserve_server(model: str, cores: str, variant: str, logs: Path) -> c.Proc:
-    """``variant``: auto | bf16 | fp32 | w8a8 (``--quantization w8a8_int8``)."""
+def pdserve_server(model: str, cores: str, variant: str, logs: Path, tier: str = "") -> c.Proc:
+    """``variant``: auto | bf16 | fp32 | w8a8 (``--quantization w8a8_int8``); ``tier``: the kernels'
+    instruction-set tier (``PDSERVE_CPU_ISA``), or the host's own."""
     threads = len(cores.split(","))
     port = c.free_port()
     extra = {"auto": ["--dtype", "auto"], "bf16": ["--dtype", "bfloat16"], "fp32": ["--dtype", "float32"],
@@ -90,7 +93,8 @@ def pdserve_server(model: str, cores: str, variant: str, logs: Path) -> c.Proc:
     cmd = ["taskset", "-c", cores, sys.executable, "-m", "pdserve.cli", "serve", "--model-path", model,
            "--served-model-name", "demo", "--port", str(port), "--torch-num-threads", str(threads),
            "--max-total-tokens", "65536", *extra]
-    return c.Proc(f"pdserve-{variant}", cmd, port, logs, env={"OMP_NUM_THREADS": str(threads)})
+    env = {"OMP_NUM_THREADS": str(threads), **({"PDSERVE_CPU_ISA": tier} if tier else {})}
+    return c.Proc(f"pdserve-{variant}{'@' + tier if tier else ''}", cmd, port, logs, env=env)
 
 
 def logged_dtype(proc: c.Proc) -> str:
@@ -219,8 +223,9 @@ def main() -> None:
     contenders = a.contenders.split(",")
     workloads = a.workloads.split(",")
     for name in contenders:
-        if name not in CONTENDERS:
-            ap.error(f"--contenders: unknown {name!r}")
+        base, _, tier = name.partition("@")
+        if base not in CONTENDERS or (tier and not base.startswith("pdserve")):
+            ap.error(f"--contenders: unknown {name!r} (from {', '.join(CONTENDERS)}; pdserve ones may add @TIER)")
     for name in workloads:
         if name not in WORKLOADS:
             ap.error(f"--workloads: unknown {name!r}")
@@ -254,7 +259,8 @@ def main() -> None:
             proc = vllm_server(vllm_py, a.model_path, a.cores, "float32" if name == "vllm-fp32" else "bfloat16",
                                a.vllm_kv_gib, logs)
         else:
-            proc = pdserve_server(a.model_path, a.cores, name.partition("-")[2] or "auto", logs)
+            base, _, tier = name.partition("@")
+            proc = pdserve_server(a.model_path, a.cores, base.partition("-")[2] or "auto", logs, tier)
         try:
             proc.start(wait=False)
             proc.wait_ready(a.ready_timeout)

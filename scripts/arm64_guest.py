@@ -1,8 +1,8 @@
 """Run inside the emulated aarch64 Python by scripts/arm64_kernels.py: say which tiers pdserve's
 kernels see on this CPU model, then run pytest with the given arguments.
 
-``PDSERVE_ARM64_SKIP_TIERS`` (comma-separated): the tests parametrized over tiers (fixtures ``path``
-and ``flash_path``) run only at the other tiers; a line ``tiers tested: ...`` says which.
+``PDSERVE_ARM64_TIERS`` (comma-separated, each one the CPU must have; unset or empty: all it has):
+the tiers at which the tests parametrized over tiers (fixtures ``path`` and ``flash_path``) run.
 """
 
 from __future__ import annotations
@@ -20,21 +20,21 @@ from pdserve import kernels  # noqa: E402
 TIER_FIXTURES = ("path", "flash_path")
 
 
-class SkipTiers:
-    """Deselects the tier-parametrized tests at ``tiers``."""
+class OnlyTiers:
+    """Deselects the tier-parametrized tests at other tiers than ``tiers``."""
 
-    def __init__(self, tiers: set[str]):
+    def __init__(self, tiers: list[str]):
         self.tiers = tiers
 
     def pytest_collection_modifyitems(self, config, items):
-        def skipped(item):
-            params = getattr(item, "callspec", None)
-            return params is not None and any(params.params.get(f) in self.tiers for f in TIER_FIXTURES)
-
-        drop = [i for i in items if skipped(i)]
+        keep, drop = [], []
+        for item in items:
+            params = item.callspec.params if hasattr(item, "callspec") else {}
+            at = [params[f] for f in TIER_FIXTURES if f in params]
+            (drop if any(t not in self.tiers for t in at) else keep).append(item)
         if drop:
             config.hook.pytest_deselected(items=drop)
-            items[:] = [i for i in items if not skipped(i)]
+            items[:] = keep
 
 
 def main() -> int:
@@ -42,12 +42,16 @@ def main() -> int:
     if ops is None:
         print(f"pdserve's kernels did not load: {kernels.unavailable_reason()}", file=sys.stderr)
         return 3
-    tiers = list(ops.available_isas())
-    skip = {t for t in os.environ.get("PDSERVE_ARM64_SKIP_TIERS", "").split(",") if t}
-    print(f"isa: {ops.isa()}; available_isas: {', '.join(tiers)}; "
+    have = list(ops.available_isas())
+    print(f"isa: {ops.isa()}; available_isas: {', '.join(have)}; "
           f"cpu_features: {' '.join(ops.cpu_features()) or 'none'}", flush=True)
-    print(f"tiers tested: {','.join(t for t in tiers if t not in skip) or 'none'}", flush=True)
-    return pytest.main(sys.argv[1:], plugins=[SkipTiers(skip)])
+    tiers = [t for t in os.environ.get("PDSERVE_ARM64_TIERS", "").split(",") if t] or have
+    if set(tiers) - set(have):
+        print(f"this CPU model lacks the tiers {', '.join(sorted(set(tiers) - set(have)))} it is to test",
+              file=sys.stderr)
+        return 3
+    print(f"tiers tested: {', '.join(tiers)}", flush=True)
+    return pytest.main(sys.argv[1:], plugins=[OnlyTiers(tiers)])
 
 
 if __name__ == "__main__":

@@ -1,54 +1,59 @@
 """Build pdserve's CPU kernels for aarch64 and run their unit tests under qemu-user, on emulated Arm
 CPUs of each instruction-set tier (Advanced SIMD, dot products, BF16/I8MM/SVE): no Arm hardware.
 
-    python3 scripts/arm64_kernels.py [--quick] [--cpus cortex-a72,neoverse-n1,max] [--setup-only]
-                                     [--cache DIR] [-- PYTEST ARGS]
+    python3 scripts/arm64_kernels.py [--quick] [--cpus a64fx,neoverse-n1,max] [--jobs 2]
+                                     [--setup-only] [--cache DIR] [-- PYTEST ARGS]
 
-Phases, each timed (a Debian x86-64 host, root for the first two when something is missing):
+Phases, each timed (a Debian x86-64 host; root when a tool is missing or the userland not yet made):
   tools     Debian's cross g++, qemu-user-static, debootstrap and ninja (apt-get)
   root      a Debian bookworm arm64 userland with Python 3.11: debootstrap's first stage, its .debs
             unpacked with dpkg-deb (nothing in it is run natively: no binfmt_misc is needed)
-  packages  aarch64 wheels (torch, numpy, pytest) from PyPI, pip --target with --platform
+  packages  aarch64 wheels from PyPI (torch, numpy, pytest): pip --target with --platform
   build     `python -m pdserve.kernels`, emulated, with CXX a wrapper of aarch64-linux-gnu-g++: qemu
-            passes the execve of ninja and the compiler (x86 programs) to the kernel, so they run
-            natively; the build is build.py's own, cached by its key under <cache>/kernels
-  test:CPU  for each CPU model, the kernels' tier and features, then their tests (pytest, emulated)
-Everything lives in ${PDSERVE_CACHE:-~/.cache/pdserve}/arm64; a second run only tests.
+            passes the execve of ninja and of the compiler (x86 programs) to the kernel, so they
+            run natively; the build is build.py's own, cached by its key under <cache>/kernels
+  test:CPU  per CPU model (scripts/arm64_guest.py): the kernels' tier and features, then pytest
+Everything is cached in ${PDSERVE_CACHE:-~/.cache/pdserve}/arm64: a second run only tests.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MIRROR = os.environ.get("PDSERVE_DEBIAN_MIRROR", "http://deb.debian.org/debian")
-# Debian packages for the tools this script runs on the host
+# the host's tools, by the Debian package that has them
 TOOLS = {"aarch64-linux-gnu-g++": "g++-aarch64-linux-gnu", "qemu-aarch64-static": "qemu-user-static",
          "debootstrap": "debootstrap", "ninja": "ninja-build", "dpkg-deb": "dpkg"}
 ROOT_PACKAGES = "python3,libpython3.11-dev,libgomp1"
-# torch 2.10.0 is the newest CPU-only aarch64 wheel on PyPI: from 2.11 on it is a CUDA 13 build
-# whose libtorch_cpu.so needs libcudart.so.13 (GBs of NVIDIA wheels just to import torch)
+# torch 2.10.0 is the newest CPU-only aarch64 torch on PyPI: from 2.11 on PyPI's aarch64 wheel is a
+# CUDA 13 build whose libtorch_cpu.so needs libcudart.so.13 (GBs of NVIDIA wheels to import torch)
 TORCH = "torch==2.10.0"
-# torch's own dependencies are named here (pip would read its markers for x86-64, this host)
+# torch's own dependencies are named here: pip would evaluate its markers for this host (x86-64)
 WHEELS = ("numpy", "pytest", "pytest-timeout", "filelock", "typing-extensions", "sympy", "networkx",
           "jinja2", "fsspec", "setuptools")
 PIP_TARGET = ("--platform", "manylinux_2_28_aarch64", "--python-version", "3.11", "--implementation", "cp",
               "--only-binary=:all:")
-# Advanced SIMD (and SVE, which the neon tier leaves alone); + dot products; + BF16, I8MM, SVE. Not
-# cortex-a57/a72 (ARMv8.0): torch's aarch64 libraries run ARMv8.1 atomics (LSE) as they load.
-CPUS = ("a64fx", "neoverse-n1", "max")
-TESTS = ("tests/unit/test_cpu_kernels.py", "tests/unit/test_batch_invariance.py",
-         "tests/unit/test_moe_kernel.py", "tests/unit/test_attention_sinks.py", "tests/unit/test_kernel_threads.py")
-# not kernel tests, and they need transformers (not in the arm64 root)
+# qemu 7.2's models, with the tiers --quick tests on each (each Arm tier once): Advanced SIMD only
+# (a64fx also has SVE, which the kernels use only at the sve tier), + dot products, + BF16, I8MM,
+# SVE. Not cortex-a57/a72 (ARMv8.0): torch's libraries execute ARMv8.1 atomics (LSE) as they load.
+QUICK_TIERS = {"a64fx": ("neon",), "neoverse-n1": ("neon_dotprod",), "max": ("neon_bf16", "sve")}
+TESTS = ("tests/unit/test_cpu_kernels.py", "tests/unit/test_batch_invariance.py", "tests/unit/test_moe_kernel.py",
+         "tests/unit/test_attention_sinks.py", "tests/unit/test_kernel_threads.py")
+# not kernel tests, and they need transformers (not in the arm64 userland)
 DESELECT = ("tests/unit/test_attention_sinks.py::test_reference_is_hf_eager_attention",
             "tests/unit/test_attention_sinks.py::test_sinks_parameter_is_split_by_query_heads")
+
+
 class SetupError(RuntimeError):
     """The arm64 environment could not be prepared on this host."""
 
@@ -58,14 +63,15 @@ class Arm64:
         self.dir = cache
         self.root = cache / "root"
         self.site = cache / "site"
-        self.bin = cache / "bin"
-        self.cxx = self.bin / "pdserve-aarch64-g++"
-        # the emulated Python as a host program (next to python3.11, where it finds its prefix): its
-        # sys.executable, so that tests which start `sys.executable` start it emulated too
+        self.cxx = cache / "bin/pdserve-aarch64-g++"
+        # the emulated Python as a host program, next to python3.11 (where it finds its prefix): it is
+        # sys.executable, so the tests that start `sys.executable` start it emulated too
         self.python = self.root / "usr/bin/python3.11-qemu"
 
     def tools(self) -> None:
         missing = sorted({pkg for tool, pkg in TOOLS.items() if not _which(tool)})
+        if importlib.util.find_spec("pip") is None:
+            missing.append("python3-pip")
         if not missing:
             return
         if os.geteuid() != 0 or not shutil.which("apt-get"):
@@ -78,16 +84,17 @@ class Arm64:
         done = self.root / ".pdserve-complete"
         if done.exists():
             return
+        if os.geteuid() != 0:
+            raise SetupError(f"debootstrap needs root to make the arm64 userland in {self.root}")
         tmp = self.dir / "root.partial"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.parent.mkdir(parents=True, exist_ok=True)
-        # --foreign: download and unpack only, nothing aarch64 is run
+        # --foreign: download and unpack only, run nothing of the target
         _run([_which("debootstrap"), "--arch=arm64", "--foreign", "--variant=minbase", f"--include={ROOT_PACKAGES}",
-              "bookworm", str(tmp), MIRROR], "debootstrap")
+              "bookworm", str(tmp), MIRROR], f"debootstrap from {MIRROR}")
         debs = sorted((tmp / "var/cache/apt/archives").glob("*.deb"))
         for deb in debs:  # the second stage's unpacking, without its configuration
             _run(["dpkg-deb", "-x", str(deb), str(tmp)], f"dpkg-deb -x {deb.name}")
-        for deb in debs:
             deb.unlink()
         if not (tmp / "usr/bin/python3.11").exists():
             raise SetupError(f"debootstrap from {MIRROR} gave no usr/bin/python3.11 in {tmp}")
@@ -97,7 +104,7 @@ class Arm64:
         done.write_text(f"{ROOT_PACKAGES} from {MIRROR}\n")
 
     def install_wheels(self) -> None:
-        """aarch64 wheels in ``site`` (read by the emulated Python through a .pth file)."""
+        """aarch64 wheels in ``site``, which the emulated Python reads through a .pth file."""
         wanted = f"{TORCH} (no deps) {' '.join(WHEELS)}\n"
         done = self.site / ".pdserve-complete"
         if not (done.exists() and done.read_text() == wanted):
@@ -115,43 +122,46 @@ class Arm64:
 
     def write_wrappers(self) -> None:
         """Two host scripts: ``python`` runs ``qemu-aarch64-static -0 <itself> python3.11`` (the CPU
-        model and the root from QEMU_CPU and QEMU_LD_PREFIX); ``cxx``, the build's CXX, is the cross
-        g++, which runs natively and so sees the host's files: Python's headers include
+        model and the root from QEMU_CPU and QEMU_LD_PREFIX); ``cxx``, the build's CXX, the cross g++,
+        which runs natively and so sees the host's files: Python's headers include
         ``<aarch64-linux-gnu/python3.11/pyconfig.h>``, which is in the root."""
-        self.bin.mkdir(parents=True, exist_ok=True)
+        self.cxx.parent.mkdir(parents=True, exist_ok=True)
         for path, cmd in ((self.python, f'{_which("qemu-aarch64-static")} -0 "$0" {self.root}/usr/bin/python3.11'),
                           (self.cxx, f'{_which("aarch64-linux-gnu-g++")} -idirafter {self.root}/usr/include')):
             path.write_text(f'#!/bin/sh\n# written by pdserve\'s scripts/arm64_kernels.py\nexec {cmd} "$@"\n')
             path.chmod(0o755)
 
-    def env(self, cpu: str) -> dict:
+    def env(self, cpu: str, **more: str) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "QEMU_", "VIRTUAL_ENV"))}
-        # ninja comes from /usr/bin; the kernels build into <cache>/kernels, apart from the host's
+        # ninja from /usr/bin; the kernels build into <cache>/kernels, apart from the host's own
         env.update(QEMU_CPU=cpu, QEMU_LD_PREFIX=str(self.root), CXX=str(self.cxx), PDSERVE_CACHE=str(self.dir),
-                   PATH=f"{self.bin}:/usr/bin:/bin", MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
+                   PATH="/usr/bin:/bin", MAX_JOBS=os.environ.get("MAX_JOBS", "2"), **more)
         return env
 
     def build(self) -> None:
+        self.write_wrappers()
         _run([str(self.python), "-m", "pdserve.kernels"], "the aarch64 kernel build", env=self.env("max"), show=True)
 
-    def test(self, cpu: str, pytest_args: list[str], skip_tiers: set[str]) -> dict:
-        """One CPU model's run (scripts/arm64_guest.py): its tiers and pytest's summary line."""
+    def test(self, cpu: str, tiers: tuple[str, ...], pytest_args: list[str]) -> dict:
+        """One CPU model's pytest run (scripts/arm64_guest.py) at ``tiers`` (empty: all it has)."""
+        t0 = time.monotonic()
         args = ["-q", "-p", "no:cacheprovider", "-rfE", *TESTS, *(f"--deselect={d}" for d in DESELECT), *pytest_args]
-        env = {**self.env(cpu), "PDSERVE_ARM64_SKIP_TIERS": ",".join(sorted(skip_tiers))}
-        proc = subprocess.Popen([str(self.python), str(REPO / "scripts/arm64_guest.py"), *args], cwd=REPO, env=env,
-                                text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, errors="replace")
-        r = {"isa": "(the kernels did not load)", "tested": "", "summary": ""}
+        proc = subprocess.Popen([str(self.python), str(REPO / "scripts/arm64_guest.py"), *args], cwd=REPO,
+                                env=self.env(cpu, PDSERVE_ARM64_TIERS=",".join(tiers)), text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, errors="replace")
+        r = {"isa": "the kernels did not load", "tested": "none", "summary": ""}
         assert proc.stdout is not None
         for line in proc.stdout:
-            print(f"  [{cpu}] {line}", end="", flush=True)
+            print(f"[{cpu}] {line}", end="", flush=True)
             if line.startswith("isa: "):
-                r["isa"] = line.strip()
-            if line.startswith("tiers tested: "):
-                r["tested"] = line.split(":", 1)[1].strip()
+                r["isa"] = line[len("isa: "):].strip()
+            elif line.startswith("tiers tested: "):
+                r["tested"] = line[len("tiers tested: "):].strip()
             if re.search(r"\b(passed|failed|errors?|no tests ran)\b.* in [0-9.]+s", line):
                 r["summary"] = line.strip("= \n")
         r["rc"] = proc.wait()
         r["summary"] = r["summary"] or f"exit status {r['rc']}"
+        r["seconds"] = time.monotonic() - t0
         return r
 
 
@@ -168,15 +178,15 @@ def _apt_install(packages: list[str]) -> None:
 
 
 def _precompile(path: Path) -> None:
-    """Byte-compile natively what the emulated Python would compile at its first imports (the .pyc
-    format is the same across Python 3.11 releases)."""
+    """Byte-compile natively what the emulated Python would compile at its first imports (one .pyc
+    format for every Python 3.11)."""
     if sys.version_info[:2] == (3, 11):
         subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "2", str(path)], stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
 
 
 def _run(cmd: list[str], what: str, env: dict | None = None, show: bool = False) -> None:
-    """Run ``cmd``; on failure raise naming ``what`` with the end of its output."""
+    """Run ``cmd`` (its output shown, or kept for the error); a failure raises naming ``what``."""
     if show:
         rc, out = subprocess.run(cmd, cwd=REPO, env=env).returncode, ""
     else:
@@ -189,9 +199,11 @@ def _run(cmd: list[str], what: str, env: dict | None = None, show: bool = False)
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cpus", default=",".join(CPUS), help="qemu CPU models, comma-separated (default %(default)s)")
+    p.add_argument("--cpus", default=",".join(QUICK_TIERS),
+                   help="qemu CPU models, the least capable first (default %(default)s)")
     p.add_argument("--quick", action="store_true",
-                   help="test each tier once, on the first model that has it (the tier-parametrized tests)")
+                   help=f"the tier-parametrized tests at each Arm tier once: {QUICK_TIERS} (others: all tiers)")
+    p.add_argument("--jobs", type=int, default=2, help="CPU models tested at once (default %(default)s)")
     p.add_argument("--setup-only", action="store_true", help="prepare and build, run no tests")
     p.add_argument("--cache", type=Path, help="default: ${PDSERVE_CACHE:-~/.cache/pdserve}/arm64")
     p.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
@@ -199,34 +211,25 @@ def main(argv: list[str] | None = None) -> int:
     cache = args.cache or Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache/pdserve") / "arm64"
     arm = Arm64(cache.resolve())
     times: list[tuple[str, float]] = []
-
-    def phase(name, fn, *a):
-        print(f"arm64: {name} ...", flush=True)
-        t0 = time.monotonic()
-        try:
-            return fn(*a)
-        finally:
-            times.append((name, time.monotonic() - t0))
-            print(f"arm64: {name}: {times[-1][1]:.0f} s", flush=True)
-
     try:
-        phase("tools", arm.tools)
-        phase("root", arm.make_root)
-        phase("packages", arm.install_wheels)
-        arm.write_wrappers()
-        phase("build", arm.build)
+        for name, step in (("tools", arm.tools), ("root", arm.make_root), ("packages", arm.install_wheels),
+                           ("build", arm.build)):
+            print(f"arm64: {name} ...", flush=True)
+            t0 = time.monotonic()
+            step()
+            times.append((name, time.monotonic() - t0))
     except SetupError as e:
         print(f"arm64: FAILED: {e}", file=sys.stderr)
         return 2
-    results: dict[str, dict] = {}
-    tested: set[str] = set()  # --quick: the tiers an earlier (lesser) model ran
-    for cpu in [] if args.setup_only else args.cpus.split(","):
-        results[cpu] = r = phase(f"test:{cpu}", arm.test, cpu, args.pytest_args, tested if args.quick else set())
-        tested |= set(r["tested"].split(","))
-    print("\narm64 summary (" + ", ".join(f"{n} {s:.0f} s" for n, s in times) + ")")
+    cpus = [] if args.setup_only else args.cpus.split(",")
+    tiers = {cpu: QUICK_TIERS.get(cpu, ()) if args.quick else () for cpu in cpus}
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # the most capable (most tiers, longest) first
+        runs = {cpu: pool.submit(arm.test, cpu, tiers[cpu], args.pytest_args) for cpu in reversed(cpus)}
+        results = {cpu: runs[cpu].result() for cpu in cpus}
+    print("\narm64 summary: " + ", ".join(f"{n} {s:.0f} s" for n, s in times))
     for cpu, r in results.items():
-        print(f"  {cpu:12} {'ok    ' if r['rc'] == 0 else 'FAILED'} {r['summary']}\n  {'':12} {r['isa']}; "
-              f"tiers tested: {r['tested']}")
+        print(f"  {cpu:12} {'ok' if r['rc'] == 0 else 'FAILED':6} {r['seconds']:4.0f} s  {r['summary']}\n"
+              f"  {'':25}isa: {r['isa']}; tiers tested: {r['tested']}")
     return 1 if any(r["rc"] != 0 for r in results.values()) else 0
 
 
