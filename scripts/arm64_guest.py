@@ -2,7 +2,7 @@
 kernels see on this CPU model, then run pytest with the given arguments.
 
 ``PDSERVE_ARM64_TIERS`` (comma-separated, each one the CPU must have; unset or empty: all it has):
-the tiers at which the tests parametrized over tiers (fixtures ``path`` and ``flash_path``) run.
+the tiers at which the tests parametrized over tiers (by conftest's ``isa`` and ``flash_isa``) run.
 """
 
 from __future__ import annotations
@@ -17,21 +17,18 @@ import pytest  # noqa: E402
 
 from pdserve import kernels  # noqa: E402
 
-TIER_FIXTURES = ("path", "flash_path")
-
-
 class OnlyTiers:
-    """Deselects the tier-parametrized tests at other tiers than ``tiers``."""
+    """Deselects the tests parametrized with a tier of ``have`` (a parameter's value is its name)
+    other than ``tiers``."""
 
-    def __init__(self, tiers: list[str]):
-        self.tiers = tiers
+    def __init__(self, tiers: list[str], have: list[str]):
+        self.others = set(have) - set(tiers)
 
     def pytest_collection_modifyitems(self, config, items):
         keep, drop = [], []
         for item in items:
-            params = item.callspec.params if hasattr(item, "callspec") else {}
-            at = [params[f] for f in TIER_FIXTURES if f in params]
-            (drop if any(t not in self.tiers for t in at) else keep).append(item)
+            params = item.callspec.params.values() if hasattr(item, "callspec") else ()
+            (drop if any(isinstance(p, str) and p in self.others for p in params) else keep).append(item)
         if drop:
             config.hook.pytest_deselected(items=drop)
             items[:] = keep
@@ -40,18 +37,18 @@ class OnlyTiers:
 def main() -> int:
     ops = kernels.load()
     if ops is None:
-        print(f"pdserve's kernels did not load: {kernels.unavailable_reason()}", file=sys.stderr)
+        print(f"ERROR pdserve's kernels did not load: {kernels.unavailable_reason()}", file=sys.stderr)
         return 3
     have = list(ops.available_isas())
     print(f"isa: {ops.isa()}; available_isas: {', '.join(have)}; "
           f"cpu_features: {' '.join(ops.cpu_features()) or 'none'}", flush=True)
     tiers = [t for t in os.environ.get("PDSERVE_ARM64_TIERS", "").split(",") if t] or have
     if set(tiers) - set(have):
-        print(f"this CPU model lacks the tiers {', '.join(sorted(set(tiers) - set(have)))} it is to test",
+        print(f"ERROR this CPU model lacks the tiers {', '.join(sorted(set(tiers) - set(have)))} it is to test",
               file=sys.stderr)
         return 3
     print(f"tiers tested: {', '.join(tiers)}", flush=True)
-    return pytest.main(sys.argv[1:], plugins=[OnlyTiers(tiers)])
+    return pytest.main(sys.argv[1:], plugins=[OnlyTiers(tiers, have)])
 
 
 if __name__ == "__main__":

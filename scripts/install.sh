@@ -91,3 +91,12 @@ fi
 # files side by side; cached by source and compiler key, docs/architecture.md "Building the
 # kernels"). A failure is not fatal: pdserve then uses its PyTorch paths.
 $PY -m pdserve.kernels || echo "install.sh: the CPU kernels did not build; pdserve will use its slower PyTorch paths" >&2
+
+# --test: pdserve's kernels on emulated Arm CPUs (tests/unit/test_kernels_arm64.py, docs/arm64.md):
+# Debian's aarch64 cross g++ and qemu-user, an arm64 userland with torch, and the aarch64 build of
+# the kernels, cached in ~/.cache/pdserve/arm64 (cold: about 1 minute of downloads and 4 minutes of
+# compiling on 2 cores). If this fails, that test fails saying why.
+if [ "${1:-}" = "--test" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  $PY scripts/arm64_kernels.py --setup-only >/dev/null 2>&1 \
+    || echo "install.sh: the arm64 kernel tests could not be prepared (run scripts/arm64_kernels.py --setup-only to see why)" >&2
+fi

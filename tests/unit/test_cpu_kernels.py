@@ -209,6 +209,9 @@ def test_isa_tiers_can_be_forced(ops):
             assert ops.isa() == (tier if tier != "amx" else "avx512_bf16") or ops.isa().startswith("amx")
             # every tier but scalar has SIMD code for the flash kernel and the int8 dot products
             assert ops.flash_supported(64) == (tier != "scalar") and ops.has_int8_dot() == (tier != "scalar")
+            # bf16 above the GEMV's rows goes to oneDNN only with bf16 dot products (or AMX)
+            native = tier in ("avx512_bf16", "amx", "neon_bf16") and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            assert kernels.onednn_bf16()[0] == native, (tier, kernels.onednn_bf16())
         with pytest.raises(ValueError, match=r"ISA tier 'avx1024' is not available on this CPU \(available: scalar"):
             ops.set_isa("avx1024")
     finally:
