@@ -82,23 +82,33 @@ def pdserve_run(path, prompts, out_len, threads, **kw) -> dict:
 
 
 def matmul_roofline(hf_config, rows: int, passes: int = 5) -> dict:
-    """Time of the matmuls of one decode step at ``rows`` rows in prepacked bf16 (oneDNN)."""
+    """Time of the matmuls of one decode step at ``rows`` rows in prepacked bf16: oneDNN where it
+    has bf16 here, else pdserve's own bf16 kernel (``PackedBF16`` without oneDNN)."""
+    from pdserve import kernels
     from pdserve.engine.precision import _layer_shapes
+    from pdserve.layers.linear import PackedBF16
 
     gen = torch.Generator().manual_seed(0)
     shapes = _layer_shapes(hf_config)
-    packed = [torch.ops.mkldnn._reorder_linear_weight((torch.randn(n, k, generator=gen) * 0.02).bfloat16(), rows)
-              for n, k in shapes]
-    head = torch.ops.mkldnn._reorder_linear_weight(
-        (torch.randn(hf_config.vocab_size, hf_config.hidden_size, generator=gen) * 0.02).bfloat16(), rows)
+    onednn = kernels.onednn_bf16()[0]
+
+    def matmul(n: int, k: int):
+        w = (torch.randn(n, k, generator=gen) * 0.02).bfloat16()
+        if not onednn:
+            return PackedBF16(w, None, kernels.load(), onednn=False)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    packed = [matmul(n, k) for n, k in shapes]
+    head = matmul(hf_config.vocab_size, hf_config.hidden_size)
     xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for _, k in shapes}
     xs[hf_config.hidden_size] = torch.randn(rows, hf_config.hidden_size, generator=gen).bfloat16()
 
     def step():
         for _ in range(hf_config.num_hidden_layers):
-            for (_, k), w in zip(shapes, packed):
-                torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
-        torch.ops.mkldnn._linear_pointwise(xs[hf_config.hidden_size], head, None, "none", [], "")
+            for (_, k), mm in zip(shapes, packed):
+                mm(xs[k])
+        head(xs[hf_config.hidden_size])
 
     step()
     best = float("inf")
