@@ -84,10 +84,15 @@ def test_matmul_rows_do_not_depend_on_the_batch(ops, isa, kind):
 
 
 def test_bf16_matmul_without_the_flag_is_what_the_default_runs(ops):
-    # the default path hands more than GEMV_MAX_ROWS rows to oneDNN; the batch-invariant one never does
+    # the default path hands more than GEMV_MAX_ROWS rows to oneDNN where it takes oneDNN's bf16
+    # (kernels.onednn_bf16), else pdserve's kernel at every row count; the batch-invariant one never
+    # calls oneDNN
     w = torch.randn(64, 64)
-    assert PackedBF16(w, None, ops, onednn=True).onednn is not None
-    assert PackedBF16(w, None, ops, onednn=True, batch_invariant=True).onednn is None
+    assert (PackedBF16(w, None, ops).onednn is not None) == kernels.onednn_bf16()[0]
+    assert PackedBF16(w, None, ops, onednn=False).onednn is None
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():  # oneDNN can prepack bf16 on this CPU
+        assert PackedBF16(w, None, ops, onednn=True).onednn is not None
+        assert PackedBF16(w, None, ops, onednn=True, batch_invariant=True).onednn is None
 
 
 def _pool(gen, length, kv_heads, head_dim, page):
