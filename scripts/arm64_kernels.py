@@ -12,7 +12,7 @@ Phases, each timed (a Debian x86-64 host; root when a tool is missing or the use
   build     `python -m pdserve.kernels`, emulated, with CXX a wrapper of aarch64-linux-gnu-g++: qemu
             passes the execve of ninja and of the compiler (x86 programs) to the kernel, so they
             run natively; the build is build.py's own, cached by its key under <cache>/kernels
-  test:CPU  per CPU model (scripts/arm64_guest.py): the kernels' tier and features, then pytest
+  tests     per CPU model (scripts/arm64_guest.py): the kernels' tiers and CPU features, then pytest
 Everything is cached in ${PDSERVE_CACHE:-~/.cache/pdserve}/arm64: a second run only tests.
 """
 
@@ -47,6 +47,10 @@ PIP_TARGET = ("--platform", "manylinux_2_28_aarch64", "--python-version", "3.11"
 # (and SVE, which the kernels detect but do not use), + dot products, + BF16, I8MM and SVE. Not
 # cortex-a57/a72 (ARMv8.0): torch's libraries execute ARMv8.1 atomics (LSE) as they load.
 QUICK_TIERS = {"a64fx": ("neon",), "neoverse-n1": ("neon_dotprod",), "max": ("neon_bf16",)}
+# tests whose outcome does not depend on the CPU model (the build's OpenMP threads, PDSERVE_CPU_ISA's
+# caps): --quick runs them on the first model only (the first took 95 s on max, at neon_bf16)
+QUICK_ONCE = ("tests/unit/test_kernel_threads.py::test_two_threads_share_the_work",
+              "tests/unit/test_cpu_kernels.py::test_pdserve_cpu_isa_caps_the_kernels_and_the_libraries")
 TESTS = ("tests/unit/test_cpu_kernels.py", "tests/unit/test_batch_invariance.py", "tests/unit/test_moe_kernel.py",
          "tests/unit/test_attention_sinks.py", "tests/unit/test_kernel_threads.py")
 # not kernel tests, and they need transformers (not in the arm64 userland)
@@ -166,7 +170,8 @@ class Arm64:
 
 
 def _which(tool: str) -> str:
-    return shutil.which(tool) or shutil.which(tool, path="/usr/sbin:/sbin") or ""
+    """Debian's ``tool`` (the emulated processes' PATH is /usr/bin:/bin), or ''."""
+    return shutil.which(tool, path="/usr/bin:/bin:/usr/sbin:/sbin") or ""
 
 
 def _apt_install(packages: list[str]) -> None:
@@ -203,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="qemu CPU models, the least capable first (default %(default)s)")
     p.add_argument("--quick", action="store_true",
                    help="the tier-parametrized tests at each Arm tier once: on " + ", ".join(
-                       f"{cpu} at {'+'.join(t)}" for cpu, t in QUICK_TIERS.items()) + " (other models: all tiers)")
+                       f"{cpu} at {'+'.join(t)}" for cpu, t in QUICK_TIERS.items()) + " (other models: all their "
+                       "tiers); the tests of QUICK_ONCE on the first model only")
     p.add_argument("--jobs", type=int, default=2, help="CPU models tested at once (default %(default)s)")
     p.add_argument("--setup-only", action="store_true", help="prepare and build, run no tests")
     p.add_argument("--cache", type=Path, help="default: ${PDSERVE_CACHE:-~/.cache/pdserve}/arm64")
@@ -219,14 +225,21 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             step()
             times.append((name, time.monotonic() - t0))
+            print(f"arm64: {name}: {times[-1][1]:.0f} s", flush=True)
     except SetupError as e:
         print(f"arm64: FAILED: {e}", file=sys.stderr)
         return 2
     cpus = [] if args.setup_only else args.cpus.split(",")
-    tiers = {cpu: QUICK_TIERS.get(cpu, ()) if args.quick else () for cpu in cpus}
-    with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # the most capable (most tiers, longest) first
-        runs = {cpu: pool.submit(arm.test, cpu, tiers[cpu], args.pytest_args) for cpu in reversed(cpus)}
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # the most capable first: the longest full run
+        runs = {}
+        for cpu in reversed(cpus):
+            tiers = QUICK_TIERS.get(cpu, ()) if args.quick else ()
+            once = [f"--deselect={t}" for t in QUICK_ONCE] if args.quick and cpu != cpus[0] else []
+            runs[cpu] = pool.submit(arm.test, cpu, tiers, [*once, *args.pytest_args])
         results = {cpu: runs[cpu].result() for cpu in cpus}
+    if cpus:
+        times.append(("tests", time.monotonic() - t0))
     print("\narm64 summary: " + ", ".join(f"{n} {s:.0f} s" for n, s in times))
     for cpu, r in results.items():
         print(f"  {cpu:12} {'ok' if r['rc'] == 0 else 'FAILED':6} {r['seconds']:4.0f} s  {r['summary']}\n"

@@ -23,9 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 def test_kernels_pass_their_tests_on_emulated_arm_cpus():
     proc = subprocess.run([sys.executable, str(REPO / "scripts/arm64_kernels.py"), "--quick"], cwd=REPO,
                           capture_output=True, text=True, errors="replace")
-    out = (proc.stdout + proc.stderr).splitlines()
-    # a setup step that failed, pytest's failures and error lines per CPU model, the summary
-    why = [ln for ln in out if re.match(r"(arm64: FAILED|\[[\w-]+\] (FAILED|ERROR|E) )", ln)]
-    summary = out[max((i for i, ln in enumerate(out) if ln.startswith("arm64 summary")), default=len(out)):]
-    assert proc.returncode == 0, "\n".join([f"scripts/arm64_kernels.py --quick exited {proc.returncode}:", *why,
-                                            *summary])
+    out = proc.stdout.splitlines()
+    # the setup step that failed (stderr), each model's failures and error lines, the summary
+    why = [ln for ln in proc.stderr.splitlines() + out if re.match(r"(arm64: FAILED|\[[\w-]+\] (FAILED|ERROR|E) )", ln)]
+    summary = out[next((i for i, ln in enumerate(out) if ln.startswith("arm64 summary")), len(out)):]
+    rc = proc.returncode
+    assert rc == 0, "\n".join([f"scripts/arm64_kernels.py --quick exited {rc}:", *why, *summary])
