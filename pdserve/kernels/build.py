@@ -10,10 +10,8 @@ Without the marker a process builds under an exclusive flock on the directory (r
 if its holder dies): the others log that they wait, then load what it built. A killed build leaves
 no marker; the next process finishes it (ninja redoes what the log does not show as done).
 
-A new build compiles only the sources that changed: every finished build records a key per object
-file (its source's bytes, the bytes of the headers of the source directory it includes, directly
-or not, the rules, torch, Python and the compiler), and a new directory takes the objects whose key
-a finished sibling build already has (hard links or copies), compiling the rest.
+A new build compiles only the sources that changed (``objects.py``): a new directory takes the
+object files a finished sibling build made from the same inputs.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ import importlib.util
 import json
 import logging
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -36,13 +33,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Optional
 
+from pdserve.kernels import objects
+
 logger = logging.getLogger("pdserve.kernels")
 
 MARKER = "BUILD_COMPLETE"
 LOCK = ".pdserve-build.lock"
-OBJECTS = "objects.json"  # {object file: key}, written with the marker
 _STATUS = "@pdserve-ninja "  # NINJA_STATUS prefix: tells ninja's progress lines from compiler output
-_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
 # Everything in the ninja file but the paths (the variables in _paths), which the key leaves out.
 _RULES = """\
@@ -106,34 +103,6 @@ class Extension:
 
     def source_key(self) -> str:
         return _digest(self.inputs())[:12]
-
-    def object_keys(self, compiler: Optional[str], module: str) -> dict[str, str]:
-        """{object file: key} over what changes that object alone: its source, the local headers it
-        includes (transitively), the rules, torch, Python, the compiler, and the module's name where
-        the source uses it (the module's init function is named after it)."""
-        inputs = self.inputs()
-        files = inputs["files"]
-        common = {k: inputs[k] for k in ("rules", "torch", "python")} | {"compiler": compiler}
-        keys = {}
-        for s in self.sources:
-            headers = sorted(self.local_includes(s))
-            names = any("TORCH_EXTENSION_NAME" in (self.source_dir / f).read_text(errors="replace")
-                        for f in (s, *headers))
-            keys[_object_name(s)] = _digest({**common, "source": files[s], "headers": {h: files[h] for h in headers},
-                                             "module": module if names else None})
-        return keys
-
-    def local_includes(self, name: str) -> set[str]:
-        """The headers of the source directory that ``name`` includes, directly or through others."""
-        seen: set[str] = set()
-        todo = [name]
-        while todo:
-            text = (self.source_dir / todo.pop()).read_text(errors="replace")
-            for inc in _INCLUDE.findall(text):
-                if inc not in seen and (self.source_dir / inc).is_file():
-                    seen.add(inc)
-                    todo.append(inc)
-        return seen
 
 
 def compiler_command() -> list[str]:
@@ -244,8 +213,8 @@ def _build(b: Build, rebuild: bool) -> None:
             if p.name != LOCK:
                 p.unlink()
     fresh = not (d / "build.ninja").exists()
-    keys = b.ext.object_keys(b.compiler, b.module)
-    reused = _reuse_objects(b, keys) if fresh and not rebuild else {}
+    keys = objects.object_keys(b.ext, b.compiler, b.module)
+    reused = objects.reuse(b, keys) if fresh and not rebuild else {}
     _write_ninja_file(b, skip=set(reused))
     if reused:
         donors = sorted(set(reused.values()))
@@ -267,7 +236,7 @@ def _build(b: Build, rebuild: bool) -> None:
         raise SourcesChanged(f"{', '.join(edited)} changed during the build; it is not marked complete")
     with open(b.library, "rb") as f:
         os.fsync(f.fileno())
-    (d / OBJECTS).write_text(json.dumps(keys, indent=1))
+    (d / objects.OBJECTS).write_text(json.dumps(keys, indent=1))
     info = {"module": b.module, "library": b.library.name, "compiler": b.compiler, "inputs": inputs,
             "built": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": round(seconds, 1), "jobs": jobs}
     tmp = d / f".{MARKER}.{os.getpid()}"
@@ -291,41 +260,13 @@ def _paths(b: Build) -> str:
     ])
 
 
-def _object_name(source: str) -> str:
-    return Path(source).stem + ".o"
-
-
-def _reuse_objects(b: Build, keys: dict[str, str]) -> dict[str, str]:
-    """Link (or copy) into ``b``'s fresh directory the objects whose key a finished sibling build of
-    the same compiler has; returns {object: the donor directory's name}."""
-    reused: dict[str, str] = {}
-    donors = sorted((m.parent for m in b.directory.parent.glob(f"*/{MARKER}")),
-                    key=lambda p: p.stat().st_mtime, reverse=True)
-    for donor in donors:
-        if donor == b.directory or _read_marker(donor).get("compiler") != b.compiler:
-            continue
-        try:
-            have = json.loads((donor / OBJECTS).read_text())
-        except (OSError, ValueError):
-            continue
-        for obj, key in keys.items():
-            if obj in reused or have.get(obj) != key or not (donor / obj).is_file():
-                continue
-            try:
-                os.link(donor / obj, b.directory / obj)
-            except OSError:
-                shutil.copy2(donor / obj, b.directory / obj)
-            reused[obj] = donor.name
-    return reused
-
-
 def _write_ninja_file(b: Build, skip: frozenset[str] | set[str] = frozenset()) -> None:
     """``skip``: objects already in the directory (taken from an earlier build): linked, not compiled."""
-    objects = [_object_name(s) for s in b.ext.sources]
+    names = [objects.object_name(s) for s in b.ext.sources]
     src = _ninja_path(b.ext.source_dir.resolve())
-    edges = [f"build {o}: compile {src}/{s}\n  label = {s}" for o, s in zip(objects, b.ext.sources)
+    edges = [f"build {o}: compile {src}/{s}\n  label = {s}" for o, s in zip(names, b.ext.sources)
              if o not in skip]
-    edges.append(f"build $module.so: link {' '.join(objects)}\n  label = $module.so\ndefault $module.so")
+    edges.append(f"build $module.so: link {' '.join(names)}\n  label = $module.so\ndefault $module.so")
     text = f"{_paths(b)}\n{b.ext.rules()}\n" + "\n".join(edges) + "\n"
     (b.directory / "build.ninja").write_text(text)
 

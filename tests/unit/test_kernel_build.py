@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pdserve import kernels
-from pdserve.kernels import build
+from pdserve.kernels import build, objects
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -237,11 +237,11 @@ def test_a_new_build_compiles_only_what_changed(tmp_path, caplog):
 def test_object_keys_follow_local_includes(tmp_path):
     ext = make_ext(tmp_path, 1)
     (ext.source_dir / "extra.h").write_text("// included by nothing\n")
-    before = ext.object_keys("cc", "m1")
+    before = objects.object_keys(ext, "cc", "m1")
     (ext.source_dir / "extra.h").write_text("// still included by nothing\n")
-    assert ext.object_keys("cc", "m1") == before
-    assert ext.local_includes("main.cpp") == {"value.h"}
-    assert ext.object_keys("other cc", "m1") != before
+    assert objects.object_keys(ext, "cc", "m1") == before
+    assert objects.local_includes(ext, "main.cpp") == {"value.h"}
+    assert objects.object_keys(ext, "other cc", "m1") != before
     # the module's name changes only the object that defines the module
-    renamed = ext.object_keys("cc", "m2")
+    renamed = objects.object_keys(ext, "cc", "m2")
     assert renamed["value.o"] == before["value.o"] and renamed["main.o"] != before["main.o"]
