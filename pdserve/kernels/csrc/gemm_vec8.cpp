@@ -211,27 +211,15 @@ PDS_V8 void widen_chunk(const GemvArgs& a, int64_t np, int64_t kp0, int64_t kc, 
 }
 
 // rows of the float32 copy of x (xf, row stride xs) into output rows m .. m + R, column block j of
-// panel np, k of the chunk from k0; sums start from zero (first chunk) or `carry` [R][64] and end
+// panel np, k of the chunk from k0; sums start from zero (first chunk) or `carry` [M][64] and end
 // there or, after the last chunk, in out
 template <int R>
 PDS_V8 void bf16_chunk_tile(const GemvArgs& a, const float* xf, int64_t xs, const float* wf, int64_t kn,
                             int64_t np, int64_t j, int64_t m, int64_t k0, bool first, bool last, float* carry) {
   F8 acc[R][2];
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) acc[r][h] = first ? zero() : load(carry + r * kPanel + 16 * j + 8 * h);
+  start_tile<R, 1>(acc, int(j), m, carry, first);
   tile16<R>(xf + k0, xs, wf + 16 * j, kPanel, kn, acc);
-  if (!last) {
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < 2; ++h) store(carry + r * kPanel + 16 * j + 8 * h, acc[r][h]);
-    return;
-  }
-  const int64_t n0 = np * kPanel + 16 * j;
-  if (a.out_bf16)
-    store16<uint16_t, R>(acc, static_cast<const uint16_t*>(a.bias), static_cast<uint16_t*>(a.out) + m * a.out_stride,
-                         a.out_stride, n0, a.N);
-  else
-    store16<float, R>(acc, static_cast<const float*>(a.bias), static_cast<float*>(a.out) + m * a.out_stride,
-                      a.out_stride, n0, a.N);
+  finish_tile<R, 1>(a, acc, np, int(j), m, carry, last);
 }
 
 void bf16_chunk_rows(const GemvArgs& a, const float* xf, int64_t xs, const float* wf, int64_t kn, int64_t np,
@@ -253,7 +241,7 @@ PDS_V8 void widen_rows(const uint16_t* xb, int64_t x_stride, int64_t rows, int64
 
 void bf16_chunked(const GemvArgs& a, const uint16_t* xb, int64_t np0, int64_t np1) {
   const int64_t K2 = 2 * a.KP;
-  std::vector<float> xf(std::min(a.M, kRowBlock) * K2), wf(2 * kChunkPairs * kPanel), carry(kRowBlock * kPanel);
+  std::vector<float> xf(std::min(a.M, kRowBlock) * K2), wf(2 * kChunkPairs * kPanel), carry(a.M * kPanel);
   for (int64_t mb = 0; mb < a.M; mb += kRowBlock) {
     const int64_t rows = std::min(kRowBlock, a.M - mb);
     widen_rows(xb + mb * a.x_stride, a.x_stride, rows, K2, xf.data());
@@ -265,8 +253,7 @@ void bf16_chunked(const GemvArgs& a, const uint16_t* xb, int64_t np0, int64_t np
         for (int64_t j = 0; j < 4 && np * kPanel + 16 * j < a.N; ++j)
           for (int64_t m0 = 0; m0 < rows; m0 += kTileRows)
             bf16_chunk_rows(a, xf.data() + m0 * K2, K2, wf.data(), 2 * kc, np, j, mb + m0,
-                            int(std::min<int64_t>(kTileRows, rows - m0)), 2 * kp0, first, last,
-                            carry.data() + m0 * kPanel);
+                            int(std::min<int64_t>(kTileRows, rows - m0)), 2 * kp0, first, last, carry.data());
       }
   }
 }
