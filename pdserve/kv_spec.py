@@ -18,7 +18,7 @@ This module is the contract between ``models`` and ``engine``; it imports neithe
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import ClassVar, Optional, Sequence
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -60,6 +60,11 @@ class CacheSpec:
         """The fields a peer must agree on (transfer compatibility), with the kind."""
         return {"kind": self.kind, **asdict(self)}
 
+    def whole(self, total_kv_heads: int) -> "CacheSpec":
+        """The spec of the whole model where this rank holds a share (of the KV heads); kinds
+        whose cache every rank holds whole return themselves."""
+        return self
+
 
 @dataclass(frozen=True)
 class FullAttention(CacheSpec):
@@ -71,6 +76,9 @@ class FullAttention(CacheSpec):
 
     def page_bytes(self, page_size: int, dtype_bytes: int) -> int:
         return 2 * self.num_kv_heads * page_size * self.head_dim * dtype_bytes
+
+    def whole(self, total_kv_heads: int) -> "CacheSpec":
+        return replace(self, num_kv_heads=total_kv_heads)
 
 
 @dataclass(frozen=True)
@@ -162,6 +170,16 @@ def group_layers(specs: Sequence[CacheSpec], first_layer: int = 0) -> list[Cache
             members[spec] = []
         members[spec].append(first_layer + i)
     return [CacheGroup(g, spec, tuple(members[spec])) for g, spec in enumerate(order)]
+
+
+def transfer_bytes_per_token(groups: Sequence[CacheGroup], total_kv_heads: int, dtype_bytes: int) -> int:
+    """Bytes the cache of ``groups`` takes per prompt token, counting each byte once however many
+    ranks hold it (a KV head replicated over TP ranks, a latent every rank holds): what PD moves
+    per token of a long prompt. Windows are left out when another group keeps every page (a long
+    prompt sends only a window's last pages), per-request state always (it is per request)."""
+    paged = [g for g in groups if not g.spec.per_request]
+    kept = [g for g in paged if not g.spec.drops_pages] or paged
+    return sum(g.spec.whole(total_kv_heads).page_bytes(1, dtype_bytes) * len(g.layers) for g in kept)
 
 
 def layer_window(spec: CacheSpec) -> Optional[int]:

@@ -128,7 +128,7 @@ def decode_main(backend: str, geo: Geometry, port: int, out, cmds) -> None:
     def arrived() -> bool:  # every destination item starts with the number of its source page
         return bool((_items(pool)[:, :, dst, :8].contiguous().view(torch.int64)[..., 0] == expected).all())
 
-    out.put(("ready", list(kv_args.kv_data_ptrs)))
+    out.put(("ready", [r.ptr for r in kv_args.regions]))
     try:
         while (cmd := cmds.get())[0] != "stop":
             if cmd[0] == "check":
@@ -224,8 +224,9 @@ class PrefillSide:
         """Seconds for the same descriptors through the library directly (None: no library)."""
         # decode's buffers as this session sees them (a window of them on backends that fence late writes)
         (sess,) = self.mgr.role.sessions.values()
-        src, dst, lens = region_descriptors(self.kv_args.kv_data_ptrs, sess.dst_kv_ptrs, self.kv_args.kv_item_lens,
-                                            self.geo.src_pages(), self.geo.dst_pages())
+        regions = self.kv_args.regions
+        src, dst, lens = region_descriptors([r.ptr for r in regions], [r.ptr for r in sess.dst_regions],
+                                            [r.item_bytes for r in regions], self.geo.src_pages(), self.geo.dst_pages())
         b = self.mgr.backend
         self.cmds.put(("clear",))
         self._expect("cleared")
@@ -268,8 +269,9 @@ class PrefillSide:
         if self._copy is None:
             self._copy = torch.zeros_like(raw)  # touched now, not in the timed copy
         region = self.geo.pool_pages * self.geo.item_bytes
-        dst_ptrs = [self._copy.data_ptr() + i * region for i in range(len(self.kv_args.kv_data_ptrs))]
-        src, dst, lens = region_descriptors(self.kv_args.kv_data_ptrs, dst_ptrs, self.kv_args.kv_item_lens,
+        regions = self.kv_args.regions
+        dst_ptrs = [self._copy.data_ptr() + i * region for i in range(len(regions))]
+        src, dst, lens = region_descriptors([r.ptr for r in regions], dst_ptrs, [r.item_bytes for r in regions],
                                             self.geo.src_pages(), self.geo.dst_pages())
         memmove = ctypes.memmove
         t0 = time.perf_counter()

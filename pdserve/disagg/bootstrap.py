@@ -36,11 +36,11 @@ logger = logging.getLogger(__name__)
 RANK_FIELDS = {
     "tp_size": int, "tp_rank": int, "dp_size": int, "dp_rank": int, "pp_size": int, "pp_rank": int,
     "rank_ip": str, "rank_port": int, "page_size": int, "kv_dtype": str, "layout": str,
-    "model_fingerprint": str, "num_layers": int, "kv_heads": int, "head_dim": int,
+    "model_fingerprint": str, "num_layers": int, "kv_heads": int,
 }
 # fields that describe the instance (must agree across ranks); the rest are per rank
 INSTANCE_FIELDS = ("tp_size", "dp_size", "pp_size", "page_size", "kv_dtype", "layout",
-                   "model_fingerprint", "num_layers", "kv_heads", "head_dim")
+                   "model_fingerprint", "num_layers", "kv_heads")
 QUERY_PARAMS = ("prefill_dp_rank", "target_tp_rank", "target_pp_rank")
 AUTH_HEADER, TIME_HEADER = "X-PDServe-Auth", "X-PDServe-Timestamp"
 AUTH_WINDOW_S = 300.0

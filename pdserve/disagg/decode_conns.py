@@ -9,14 +9,14 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pdserve.disagg.messages import RegisterAck
-from pdserve.disagg.rank_map import HeadSlice
+from pdserve.disagg.rank_map import PairPlan
 
 
 @dataclass
 class PrefillTarget:
     endpoint: str
     rank: int  # the prefill rank's unique id (tp_rank * pp_size + pp_rank)
-    slice: Optional[HeadSlice] = None  # the KV heads it writes into this rank (empty: none, see rank_map)
+    pair: Optional[PairPlan] = None  # what it writes into this rank (empty: nothing, see rank_map)
     required_dst: int = 1  # decode ranks that ask this prefill rank for each room
 
 

@@ -89,13 +89,14 @@ class DecodeRole:
         pp_size, p_tp = int(info["pp_size"]), int(info["tp_size"])
         if not 0 <= c.dp_rank < int(info.get("dp_size", 1)):
             errs.append(f"prefill has {info.get('dp_size', 1)} DP group(s), the request names group {c.dp_rank}")
-        try:  # which prefill ranks write which of this rank's KV heads, or only conclude (rank_map.py)
-            slices = rank_map.sources(p_tp, a.tp_size, a.total_kv_head_num, a.num_heads, a.engine_rank)
+        try:  # which prefill ranks write what of this rank's regions, or only conclude (rank_map.py)
+            pairs = rank_map.sources(p_tp, a.tp_size, a.total_kv_head_num, a.num_heads, a.engine_rank, a.splits)
         except ValueError as e:
-            slices = []
+            pairs = []
             errs.append(f"prefill tp {p_tp} and decode tp {a.tp_size} cannot exchange KV: {e}")
-        for sl in slices:
-            required = rank_map.destinations_of(p_tp, a.tp_size, a.total_kv_head_num, a.num_heads, sl.prefill_rank)
+        for sl in pairs:
+            required = rank_map.destinations_of(p_tp, a.tp_size, a.total_kv_head_num, a.num_heads, sl.prefill_rank,
+                                                a.splits)
             for pp in range(pp_size):  # decode holds every layer: ask every prefill stage
                 r = fetch_rank_info(host, port, c.dp_rank, sl.prefill_rank, pp, timeout=2.0, secret=m.secret)
                 c.targets.append(PrefillTarget(f"tcp://{r['rank_ip']}:{r['rank_port']}", sl.prefill_rank * pp_size + pp,
@@ -141,7 +142,7 @@ class DecodeRole:
                     aborted[r] = (rs.generation, m.failure_reason(r))
         for room, (generation, reason) in aborted.items():
             self.send_abort(c, room, generation, reason)
-        idle = sum(1 for t in c.targets if t.slice is not None and t.slice.empty)
+        idle = sum(1 for t in c.targets if t.pair is not None and t.pair.empty)
         logger.info("%s: connected to prefill %s (%d rank(s)%s)", m.name, c.addr, len(c.targets),
                     f"; {idle} of them write nothing here, their heads are read from other replicas, and "
                     "only conclude each room" if idle else "")
@@ -357,6 +358,5 @@ def _translated(b: BufferDesc, translate) -> BufferDesc:
         return [translate(p) if n > 0 else p for p, n in zip(ptrs, lens)]
 
     return msgspec.structs.replace(
-        b, kv_data_ptrs=tr(b.kv_data_ptrs, b.kv_data_lens), aux_data_ptrs=tr(b.aux_data_ptrs, b.aux_data_lens),
-        state_data_ptrs=tr(b.state_data_ptrs, b.state_data_lens),
-        routed_data_ptrs=tr(b.routed_data_ptrs, b.routed_data_lens))
+        b, regions=[r.at(translate(r.ptr)) if r.nbytes > 0 else r for r in b.regions],
+        aux_data_ptrs=tr(b.aux_data_ptrs, b.aux_data_lens))

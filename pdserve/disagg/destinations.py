@@ -3,16 +3,17 @@ before any byte moves).
 
 ``registration_errors``: a ``Register`` is accepted only when both sides agree on the model,
 layout, page size, dtype and transfer backend, and their TP sizes can be paired
-(``rank_map``: this rank writes some KV heads into that decode rank, or holds an empty slice for
-it and only concludes its rooms); errors name both sides' values.
+(``rank_map``: this rank writes some of that decode rank's bytes, or holds an empty pair with it
+and only concludes its rooms), and every region this rank sends has a decode region of the same
+key, split and finality, of the size the split says; errors name both sides' values.
 
-A ``TransferRequest`` names destination pages, a metadata row and state slots by index. The
+A ``TransferRequest`` names destination pages per cache group and a metadata row by index. The
 prefill rank accepts it only when
-- every index lies inside the buffers that session registered (page < pages in its KV pool,
-  row < rows in its metadata buffers, slot < slots in its state buffers), and
+- every index lies inside the buffers that session registered (page < pages of that group's
+  regions, row < rows in its metadata buffers), and
 - no page or row is also the destination of another unfinished room of the same session
   (what decode allocated to a room belongs to that room alone until the room ends here), and
-- it names no page, row or slot at all when this rank's slice for that decode rank is empty
+- it names no page or row at all when this rank's pair with that decode rank is empty
   (the two sides disagree on ``rank_map`` otherwise).
 This holds with or without ``--disaggregation-secret``: it protects decode memory from a buggy
 or forged request, and the backend checks the resulting addresses against the registered
@@ -26,17 +27,18 @@ from __future__ import annotations
 
 from pdserve.disagg import rank_map
 from pdserve.disagg.kv_args import compat_mismatches
-from pdserve.disagg.layout import group_rows, pair_regions
+from pdserve.disagg.layout import dst_item_bytes, dst_segments, group_rows, pair_regions
 from pdserve.disagg.messages import BufferDesc, Register, TransferRequest
-from pdserve.disagg.rank_map import HeadSlice
+from pdserve.disagg.rank_map import PairPlan
+from pdserve.kv_region import Region
 
 
-def head_slice(a, msg: Register) -> HeadSlice:
-    """The KV heads prefill rank ``a`` writes into the decode rank of ``msg`` (``rank_map``; an
-    empty slice: none); ValueError when the TP sizes cannot be paired or that decode rank has no
-    business with this rank."""
-    return rank_map.slice_for(a.tp_size, msg.decode_tp_size, a.total_kv_head_num, a.num_heads, a.engine_rank,
-                              msg.decode_rank)
+def pair_plan(a, msg: Register) -> PairPlan:
+    """What prefill rank ``a`` writes into the decode rank of ``msg`` (``rank_map``; an empty pair:
+    nothing); ValueError when the TP sizes cannot be paired or that decode rank has no business
+    with this rank."""
+    return rank_map.pair_for(a.tp_size, msg.decode_tp_size, a.total_kv_head_num, a.num_heads, a.engine_rank,
+                             msg.decode_rank, a.splits)
 
 
 def registration_errors(a, msg: Register, backend_name: str) -> list[str]:
@@ -45,39 +47,56 @@ def registration_errors(a, msg: Register, backend_name: str) -> list[str]:
     if msg.backend != backend_name:
         errs.append(f"transfer backend mismatch: prefill {backend_name}, decode {msg.backend}")
     try:
-        sl = head_slice(a, msg)
+        pair = pair_plan(a, msg)
     except ValueError as e:
         return errs + [f"prefill tp {a.tp_size} rank {a.engine_rank} and decode tp {msg.decode_tp_size} "
                        f"rank {msg.decode_rank}: {e}"]
     paired, why = dst_regions(a, msg.buffers)
     if why:
-        errs.append(f"kv regions mismatch: {why}")
+        errs.append(f"regions mismatch: {why}")
     else:
-        finals = [msg.buffers.kv_region_final[j] for j in paired]
-        if finals != list(a.kv_region_final):
-            i = next(i for i, (p, d) in enumerate(zip(a.kv_region_final, finals)) if p != d)
-            errs.append(f"kv region final mismatch: cache group {a.kv_region_group[i]} layer {a.kv_region_layer[i]} "
-                        f"is final {a.kv_region_final[i]} on prefill, {finals[i]} on decode")
-        dst_items = [msg.buffers.kv_item_lens[j] for j in paired]
-        # one page item = the rank's KV heads x page_size x head_dim: the decode rank's holds its heads
-        want = [item // sl.src_heads * sl.dst_heads for item in a.kv_item_lens]
-        if dst_items != want:
-            errs.append(f"kv page item bytes mismatch: decode rank {msg.decode_rank} should hold {sl.dst_heads} "
-                        f"KV head(s) per page ({sorted(set(want))} bytes), it registered {sorted(set(dst_items))}")
+        errs += _region_mismatches(a.regions, [msg.buffers.regions[j] for j in paired], pair, a.tp_size,
+                                   msg.decode_tp_size, msg.decode_rank)
     if msg.buffers.aux_item_lens != list(a.aux_item_lens):
         errs.append(f"metadata row layout mismatch: prefill {a.aux_item_lens}, decode {msg.buffers.aux_item_lens}")
-    if msg.buffers.routed_item_lens != list(a.routed_item_lens):
-        errs.append(f"routed experts region mismatch: prefill pages of {a.routed_item_lens} bytes, decode "
-                    f"{msg.buffers.routed_item_lens} (both need --enable-return-routed-experts)")
-    if msg.buffers.state_type != a.state_type:
-        errs.append(f"state_type mismatch: prefill {a.state_type}, decode {msg.buffers.state_type}")
+    return errs
+
+
+def _region_mismatches(src: list[Region], dst: list[Region], pair: PairPlan, p_tp: int, d_tp: int,
+                       d_rank: int) -> list[str]:
+    """The first disagreement between each prefill region and its decode region, per kind of
+    disagreement: split, finality, item size."""
+    errs = []
+    split = next(((s, d) for s, d in zip(src, dst) if s.split != d.split), None)
+    if split:
+        s, d = split
+        errs.append(f"region split mismatch: {s.name} is split {s.describe_split()} on prefill, "
+                    f"{d.describe_split()} on decode")
+    final = next(((s, d) for s, d in zip(src, dst) if s.final != d.final), None)
+    if final:
+        s, d = final
+        errs.append(f"region final mismatch: {s.name} is final {s.final} on prefill, {d.final} on decode")
+    if split:
+        return errs
+    for s, d in zip(src, dst):
+        want = dst_item_bytes(s, pair, p_tp, d_tp)
+        if s.split == "segments" and d.segments != dst_segments(s, p_tp, d_tp):
+            errs.append(f"region segments mismatch: decode rank {d_rank} of tp {d_tp} should hold segments of "
+                        f"{list(dst_segments(s, p_tp, d_tp))} bytes of {s.name}, it registered {list(d.segments)}")
+            break
+        if d.item_bytes != want:
+            what = (f"{pair.dst_heads} KV head(s) per page" if s.split == "heads"
+                    else f"its share of {s.name}" if s.split == "segments" else f"all of {s.name}")
+            errs.append(f"region item bytes mismatch: decode rank {d_rank} should hold {what} ({want} bytes per "
+                        f"item of {s.name}), it registered {d.item_bytes}")
+            break
     return errs
 
 
 def dst_regions(a, buffers: BufferDesc) -> tuple[list[int], str]:
-    """The decode region of every KV region of prefill rank ``a``, paired by cache group and
-    layer (``layout.pair_regions``): a pipeline stage pairs only its own layers."""
-    return pair_regions(a.kv_region_group, a.kv_region_layer, buffers.kv_region_group, buffers.kv_region_layer)
+    """The decode region of every region of prefill rank ``a``, paired by key
+    (``layout.pair_regions``): a pipeline stage pairs only its own layers."""
+    return pair_regions(a.regions, buffers.regions)
 
 
 def _rows(lens: list[int], items: list[int]) -> int:
@@ -88,17 +107,11 @@ def _rows(lens: list[int], items: list[int]) -> int:
 class DestinationGuard:
     """One per registered decode session; the caller (the KV manager) holds its lock."""
 
-    def __init__(self, buffers: BufferDesc, kv_entries: list[int], num_groups: int, empty_slice: bool = False,
-                 routed_group: int = -1):
-        self.empty_slice = empty_slice  # this rank writes nothing into that decode rank
-        # pages per cache group in the decode regions this rank writes (``kv_entries``, and the
-        # routed experts' region, addressed by ``routed_group``'s pages)
-        entries = [(buffers.kv_data_lens[j], buffers.kv_item_lens[j], buffers.kv_region_group[j]) for j in kv_entries]
-        if 0 <= routed_group < num_groups:
-            entries += [(n, item, routed_group) for n, item in zip(buffers.routed_data_lens, buffers.routed_item_lens)]
-        self.num_pages = group_rows(*zip(*entries), num_groups) if entries else [0] * num_groups
+    def __init__(self, buffers: BufferDesc, regions: list[Region], num_groups: int, empty: bool = False):
+        self.empty = empty  # this rank writes nothing into that decode rank
+        # pages per cache group in the decode regions this rank writes (``regions``)
+        self.num_pages = group_rows(regions, num_groups)
         self.num_aux_rows = _rows(buffers.aux_data_lens, buffers.aux_item_lens)
-        self.num_state_slots = _rows(buffers.state_data_lens, buffers.state_item_lens)
         self._pages: dict[tuple[int, int], int] = {}  # (cache group, destination page) -> room
         self._rows: dict[int, int] = {}  # metadata row -> room
         self._by_room: dict[int, TransferRequest] = {}
@@ -106,11 +119,10 @@ class DestinationGuard:
     def check(self, req: TransferRequest) -> str:
         """Why ``req`` must be refused ("" when it may be served)."""
         pages = [p for g in req.dst_pages for p in g]
-        if self.empty_slice and (pages or req.aux_slot >= 0 or req.state_indices):
-            return (f"the request names {len(pages)} destination page(s), metadata row {req.aux_slot} and "
-                    f"{len(req.state_indices)} state slot(s), but this prefill rank holds none of that decode "
-                    "rank's KV heads to write (prefill and decode disagree on which rank writes what); "
-                    "nothing written")
+        if self.empty and (pages or req.aux_slot >= 0):
+            return (f"the request names {len(pages)} destination page(s) and metadata row {req.aux_slot}, but this "
+                    "prefill rank holds none of that decode rank's bytes to write (prefill and decode disagree on "
+                    "which rank writes what); nothing written")
         if len(req.dst_pages) > len(self.num_pages):
             return (f"the request names destination pages of {len(req.dst_pages)} cache groups, decode registered "
                     f"{len(self.num_pages)}; nothing written")
@@ -125,10 +137,6 @@ class DestinationGuard:
         if req.aux_slot >= self.num_aux_rows or req.aux_slot < -1:
             return (f"metadata row {req.aux_slot} is outside decode's registered metadata buffers "
                     f"({self.num_aux_rows} rows); nothing written")
-        bad = next((i for i in req.state_indices if not 0 <= i < self.num_state_slots), None)
-        if bad is not None:
-            return (f"state slot {bad} is outside decode's registered state buffers "
-                    f"({self.num_state_slots} slots); nothing written")
         owner = next((self._pages[(g, p)] for g, ids in enumerate(req.dst_pages) for p in ids
                       if self._pages.get((g, p), req.room) != req.room), None)
         if owner is not None:

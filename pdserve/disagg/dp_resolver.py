@@ -133,11 +133,10 @@ class ResolvingReceiver:
     def failure_reason(self) -> str:
         return self.inner.failure_reason() if self.inner is not None else (self.failed or "")
 
-    def send_metadata(self, dst_pages: Sequence[Sequence[int]], aux_slot: int, state_indices=None,
-                      decode_prefix_pages: int = 0) -> None:
+    def send_metadata(self, dst_pages: Sequence[Sequence[int]], aux_slot: int, decode_prefix_pages: int = 0) -> None:
         if self.inner is None:
             raise RuntimeError(f"send_metadata for room {self.room} before its prefill DP group is known")
-        self.inner.send_metadata(dst_pages, aux_slot, state_indices, decode_prefix_pages)
+        self.inner.send_metadata(dst_pages, aux_slot, decode_prefix_pages)
 
     def abort(self, reason: str = "aborted by decode") -> None:
         if self.inner is not None:

@@ -57,8 +57,7 @@ class FakeKVSender:
     def init(self, num_pages: Sequence[int], aux_slot: int) -> None:
         self.sent_pages = [0] * len(num_pages)
 
-    def send(self, src_pages: Sequence[Sequence[int]], last_chunk: bool = False,
-             state_indices: Optional[Sequence[int]] = None) -> None:
+    def send(self, src_pages: Sequence[Sequence[int]], last_chunk: bool = False) -> None:
         self.sent_pages = [n + len(p) for n, p in zip(self.sent_pages or [0] * len(src_pages), src_pages)]
         self._sent = True
 
@@ -95,9 +94,7 @@ class FakeKVReceiver:
     def poll(self) -> KVPoll:
         return KVPoll.Failed if self._failed else self._state
 
-    def send_metadata(self, dst_pages: Sequence[Sequence[int]], aux_slot: int,
-                      state_indices: Optional[Sequence[int]] = None,
-                      decode_prefix_pages: int = 0) -> None:
+    def send_metadata(self, dst_pages: Sequence[Sequence[int]], aux_slot: int, decode_prefix_pages: int = 0) -> None:
         if self._state == KVPoll.WaitingForInput:
             self._state = KVPoll.Success
 

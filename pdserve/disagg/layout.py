@@ -1,12 +1,12 @@
 """The KV transfer layout: which prefill region lands in which decode region, and the write
-descriptors of one chunk, per cache group.
+descriptors of one chunk, per cache group and per split.
 
-A rank's KV regions (``KVArgs.kv_data_*``) are tagged with their cache group and layer
-(``kv_region_group`` / ``kv_region_layer``); K comes before V within a layer. A prefill region is
-paired with the decode region of the same group, layer and position within the layer, which is
-how a pipeline stage writes only its own layers, and how a model with several cache groups (full
-attention next to a sliding window) moves each group's pages with that group's page ids. Nothing
-here knows what a group is; a group is an index space of pages with regions that share it.
+A rank's regions (``KVArgs.regions``, ``kv_region.Region``) say their cache group, layer and
+part; a prefill region is paired with the decode region of the same key, which is how a
+pipeline stage writes only its own layers, and how a model with several cache groups (full
+attention next to a sliding window) moves each group's pages with that group's page ids. The
+bytes of a page that a prefill rank writes into a decode rank follow from the region's split and
+the ranks' ``rank_map.PairPlan``. Nothing here knows what a group or a part is.
 """
 
 from __future__ import annotations
@@ -16,78 +16,92 @@ from typing import Optional, Sequence
 import numpy as np
 
 from pdserve.disagg.descriptors import head_slice_descriptors, region_descriptors
+from pdserve.kv_region import Region
 
 
-def region_keys(groups: Sequence[int], layers: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(group, layer, ordinal within the layer) of each region."""
-    seen: dict[tuple[int, int], int] = {}
-    out = []
-    for g, layer in zip(groups, layers):
-        k = seen.get((g, layer), 0)
-        seen[(g, layer)] = k + 1
-        out.append((g, layer, k))
-    return out
-
-
-def pair_regions(src_groups: Sequence[int], src_layers: Sequence[int], dst_groups: Sequence[int],
-                 dst_layers: Sequence[int]) -> tuple[list[int], str]:
+def pair_regions(src: Sequence[Region], dst: Sequence[Region]) -> tuple[list[int], str]:
     """For every source region the index of its destination region, and "" — or [] and why not."""
-    where = {key: i for i, key in enumerate(region_keys(dst_groups, dst_layers))}
+    where = {r.key: i for i, r in enumerate(dst)}
     out = []
-    for g, layer, k in region_keys(src_groups, src_layers):
-        j = where.get((g, layer, k))
+    for r in src:
+        j = where.get(r.key)
         if j is None:
-            return [], (f"decode registered no KV region for cache group {g}, layer {layer} "
-                        f"({'K' if k == 0 else 'V' if k == 1 else f'entry {k}'})")
+            return [], f"decode registered no region for {r.name}"
         out.append(j)
     return out, ""
 
 
-def group_rows(data_lens: Sequence[int], item_lens: Sequence[int], groups: Sequence[int],
-               num_groups: int) -> list[int]:
+def dst_item_bytes(r: Region, pair, prefill_tp: int, decode_tp: int) -> int:
+    """Bytes of one item of the decode region paired with prefill region ``r``."""
+    if r.split == "heads":
+        return r.item_bytes // pair.src_heads * pair.dst_heads if pair.src_heads else r.item_bytes
+    if r.split == "segments":
+        return r.item_bytes * prefill_tp // decode_tp
+    return r.item_bytes
+
+
+def dst_segments(r: Region, prefill_tp: int, decode_tp: int) -> tuple[int, ...]:
+    return tuple(n * prefill_tp // decode_tp for n in r.segments)
+
+
+def group_rows(regions: Sequence[Region], num_groups: int) -> list[int]:
     """Pages each group's regions hold (the smallest region's count)."""
     rows = [-1] * num_groups
-    for n, item, g in zip(data_lens, item_lens, groups):
-        if item > 0 and g < num_groups:
-            r = n // item
-            rows[g] = r if rows[g] < 0 else min(rows[g], r)
-    return [max(r, 0) for r in rows]
+    for r in regions:
+        if r.item_bytes > 0 and r.group < num_groups:
+            rows[r.group] = r.items if rows[r.group] < 0 else min(rows[r.group], r.items)
+    return [max(n, 0) for n in rows]
 
 
-def chunk_descriptors(a, dst_ptrs: Sequence[int], sl, src_pages: Sequence[Sequence[int]],
-                      dst_pages: Sequence[Sequence[int]]) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Descriptors writing ``src_pages[g]`` of every group g of prefill rank ``a`` (its
-    ``KVArgs``) into ``dst_pages[g]`` of a decode rank whose paired region pointers are
-    ``dst_ptrs`` (in ``a``'s region order). ``sl``: the ``rank_map.HeadSlice`` between them
-    (None: whole pages). None when nothing is to be written."""
-    parts = []
-    for g, (src, dst) in enumerate(zip(src_pages, dst_pages)):
-        if not src:
+def chunk_descriptors(src: Sequence[Region], dst: Sequence[Region], pair, src_pages: Sequence[Sequence[int]],
+                      dst_pages: Sequence[Sequence[int]], prefill_tp: int = 1, decode_tp: int = 1
+                      ) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Descriptors writing ``src_pages[g]`` of every group g of a prefill rank's regions ``src``
+    into ``dst_pages[g]`` of the paired decode regions ``dst`` (``dst[i]`` pairs ``src[i]``).
+    ``pair``: the ``rank_map.PairPlan`` between the two ranks (None: everything, whole pages).
+    Regions of equal shape go through one vectorised call. None when nothing is to be written."""
+    buckets: dict[tuple, list[int]] = {}
+    for i, r in enumerate(src):
+        g = r.group
+        if g >= len(src_pages) or not src_pages[g]:
             continue
-        idx = [i for i, rg in enumerate(a.kv_region_group) if rg == g]
-        sp = [a.kv_data_ptrs[i] for i in idx]
-        dp = [dst_ptrs[i] for i in idx]
-        items = [a.kv_item_lens[i] for i in idx]
-        if sl is None or sl.whole_pages:
-            # one descriptor per region and page run contiguous on both sides
-            parts.append(region_descriptors(sp, dp, items, src, dst))
-        else:
+        if pair is not None and not _writes(r, pair):
+            continue
+        buckets.setdefault((g, r.split, r.item_bytes, dst[i].item_bytes, r.segments), []).append(i)
+    parts = []
+    for (g, split, item, dst_item, segments), idx in buckets.items():
+        sp, dp = [src[i].ptr for i in idx], [dst[i].ptr for i in idx]
+        s_pages, d_pages = src_pages[g], dst_pages[g]
+        whole = pair is None or split == "replicated" or (split == "heads" and pair.whole_pages) \
+            or (split == "segments" and prefill_tp == decode_tp)
+        if whole:
+            # the same bytes on both sides: one descriptor per region and page run contiguous on both
+            parts.append(region_descriptors(sp, dp, [item] * len(idx), s_pages, d_pages))
+        elif split == "heads":
             # this rank's slice of heads into the decode rank's pages at their offset: one
             # descriptor per (region, page)
-            head = items[0] // sl.src_heads  # bytes of one head's part of a page
-            parts.append(head_slice_descriptors(sp, dp, items[0], head * sl.dst_heads, src, dst,
-                                                sl.src_offset * head, sl.dst_offset * head, sl.num_heads * head))
+            head = item // pair.src_heads  # bytes of one head's part of a page
+            parts.append(head_slice_descriptors(sp, dp, item, dst_item, s_pages, d_pages, pair.src_offset * head,
+                                                pair.dst_offset * head, pair.num_heads * head))
+        elif split == "segments":
+            a, b = pair.parts
+            p0, d0 = pair.part_range(pair.prefill_rank, prefill_tp)[0], pair.part_range(pair.decode_rank, decode_tp)[0]
+            src_off = dst_off = 0
+            for seg in segments:
+                unit = seg * prefill_tp // pair.num_parts  # bytes of one part of this segment
+                parts.append(head_slice_descriptors(sp, dp, item, dst_item, s_pages, d_pages,
+                                                    src_off + (a - p0) * unit, dst_off + (a - d0) * unit,
+                                                    (b - a) * unit))
+                src_off += seg
+                dst_off += seg * prefill_tp // decode_tp
     if not parts:
         return None
     return tuple(np.concatenate([p[k] for p in parts]) for k in range(3))
 
 
-def routed_descriptors(a, dst_ptrs: Sequence[int], src_pages: Sequence[Sequence[int]],
-                       dst_pages: Sequence[Sequence[int]]) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Descriptors writing the routed experts' rows of the pages of group ``a.routed_group`` that
-    this chunk sends into the decode region at ``dst_ptrs`` (whole pages: every rank of an
-    attention group holds the same ids). None when there is nothing to write."""
-    g = a.routed_group
-    if not a.routed_data_ptrs or not dst_ptrs or g < 0 or g >= len(src_pages) or not src_pages[g]:
-        return None
-    return region_descriptors(a.routed_data_ptrs, dst_ptrs, a.routed_item_lens, src_pages[g], dst_pages[g])
+def _writes(r: Region, pair) -> bool:
+    if r.split == "heads":
+        return pair.num_heads > 0
+    if r.split == "segments":
+        return pair.parts is not None
+    return pair.replicated

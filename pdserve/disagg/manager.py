@@ -76,7 +76,7 @@ class KVManager:
         self.lock = threading.RLock()
         self.status = StatusTable()
         self.backend = get_backend(backend_name)(mode, device=kv_args.device, server_args=server_args)
-        self.backend.register_regions(kv_args.regions())
+        self.backend.register_regions(kv_args.buffers())
 
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)

@@ -22,7 +22,11 @@ from typing import Any, Optional, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: KV regions tagged by cache group and layer, destination pages per group
+from pdserve.kv_region import Region
+
+# 2: KV regions tagged by cache group and layer, destination pages per group
+# 3: one list of typed regions (kv_region.Region: group, layer, part, final, split); no state slots
+PROTOCOL_VERSION = 3
 
 
 class ProtocolError(ValueError):
@@ -41,47 +45,21 @@ class Message(msgspec.Struct, tag_field="type", kw_only=True):
 class BufferDesc(msgspec.Struct):
     """Where a rank's registered buffers live in its own address space (KVArgs subset)."""
 
-    kv_data_ptrs: list[int]
-    kv_data_lens: list[int]
-    kv_item_lens: list[int]
-    kv_region_group: list[int]  # cache group of each KV region
-    kv_region_layer: list[int]  # global layer of each KV region
-    kv_region_final: list[str]  # "per_chunk" or "last_chunk" (KVArgs)
+    regions: list[Region]  # KVArgs.regions
     aux_data_ptrs: list[int]
     aux_data_lens: list[int]
     aux_item_lens: list[int]
-    state_data_ptrs: list[int] = []
-    state_data_lens: list[int] = []
-    state_item_lens: list[int] = []
-    state_type: str = "none"
-    state_dim_per_tensor: list[int] = []
-    routed_data_ptrs: list[int] = []  # routed experts' region (KVArgs), when both sides return them
-    routed_data_lens: list[int] = []
-    routed_item_lens: list[int] = []
-    kv_head_num: int = 0
     gpu_id: int = 0
     device: str = "cpu"
 
     @classmethod
     def from_kv_args(cls, a) -> "BufferDesc":
-        return cls(
-            kv_data_ptrs=list(a.kv_data_ptrs), kv_data_lens=list(a.kv_data_lens),
-            kv_item_lens=list(a.kv_item_lens), kv_region_group=list(a.kv_region_group),
-            kv_region_layer=list(a.kv_region_layer), kv_region_final=list(a.kv_region_final),
-            aux_data_ptrs=list(a.aux_data_ptrs),
-            aux_data_lens=list(a.aux_data_lens), aux_item_lens=list(a.aux_item_lens),
-            state_data_ptrs=list(a.state_data_ptrs), state_data_lens=list(a.state_data_lens),
-            state_item_lens=list(a.state_item_lens), state_type=a.state_type,
-            state_dim_per_tensor=list(a.state_dim_per_tensor), routed_data_ptrs=list(a.routed_data_ptrs),
-            routed_data_lens=list(a.routed_data_lens), routed_item_lens=list(a.routed_item_lens),
-            kv_head_num=a.kv_head_num,
-            gpu_id=a.gpu_id, device=a.device,
-        )
+        return cls(regions=list(a.regions), aux_data_ptrs=list(a.aux_data_ptrs), aux_data_lens=list(a.aux_data_lens),
+                   aux_item_lens=list(a.aux_item_lens), gpu_id=a.gpu_id, device=a.device)
 
-    def regions(self) -> list[tuple[int, int]]:
-        ptrs = self.kv_data_ptrs + self.aux_data_ptrs + self.state_data_ptrs + self.routed_data_ptrs
-        lens = self.kv_data_lens + self.aux_data_lens + self.state_data_lens + self.routed_data_lens
-        return list(zip(ptrs, lens))
+    def spans(self) -> list[tuple[int, int]]:
+        """Every (ptr, nbytes) of the buffers."""
+        return [(r.ptr, r.nbytes) for r in self.regions] + list(zip(self.aux_data_ptrs, self.aux_data_lens))
 
 
 class Register(Message, tag="register"):
@@ -110,7 +88,6 @@ class TransferRequest(Message, tag="transfer_request"):
     # request's page transfer_start + i: decode_prefix_pages on, or the window's first page on)
     dst_pages: list[list[int]]
     aux_slot: int  # -1: no metadata row (dummy destination)
-    state_indices: list[int] = []
     required_dst_info_num: int = 1  # decode ranks that will ask this prefill rank for the room
     decode_prefix_pages: int = 0  # leading pages decode already holds; prefill skips them
     reply_endpoint: str = ""  # lets prefill answer even when it does not know the session

@@ -4,15 +4,16 @@ requests, pushes KV pages and the metadata row into decode memory (through the t
 
 Room lifecycle on a prefill rank: ``KVSender`` created (Bootstrapping) -> every expected decode
 rank sent its ``TransferRequest`` (WaitingForInput) -> ``send()`` chunks (Transferring) -> the
-last chunk's pages, state, metadata row (``bootstrap_room`` last) landed and ``TransferStatus``
+last chunk's pages and metadata row (``bootstrap_room`` last) landed and ``TransferStatus``
 went to decode (Success) | anything fails (Failed, decode told why).
 
-With tensor parallelism each rank writes its KV heads into the decode ranks ``rank_map`` pairs
-it with (``_Session.slice``): whole pages when both hold the same heads, a slice of each page's
-heads at the right offset otherwise. A rank whose heads decode reads from other replicas holds
-an empty slice for one decode rank: that rank's request names no page, and the room goes through
-the same lifecycle here with nothing written (Success, or Failed and decode told), so this rank
-concludes its part of every room like the others.
+With tensor parallelism each rank writes into the decode ranks ``rank_map`` pairs it with
+(``_Session.pair``) what each region's split says: whole pages when both hold the same bytes, a
+slice of each page (its KV heads, its share of each segment) at the right offset otherwise, the
+replicated regions from one prefill rank per decode rank. A rank whose bytes decode reads from
+other ranks holds an empty pair with one decode rank: that rank's request names no page, and the
+room goes through the same lifecycle here with nothing written (Success, or Failed and decode
+told), so this rank concludes its part of every room like the others.
 
 Liveness: decode ranks heartbeat every session; a session silent for ``heartbeat_misses *
 heartbeat_interval`` seconds is declared dead, its rooms fail together ("decode instance
@@ -29,10 +30,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pdserve.disagg.bootstrap import register_rank
-from pdserve.disagg.destinations import DestinationGuard, dst_regions, head_slice, registration_errors
+from pdserve.disagg.destinations import DestinationGuard, dst_regions, pair_plan, registration_errors
 from pdserve.disagg.messages import Abort, Heartbeat, Register, RegisterAck, TransferRequest, TransferStatus
 from pdserve.disagg.poll import KVPoll
-from pdserve.disagg.rank_map import HeadSlice
+from pdserve.disagg.rank_map import PairPlan
+from pdserve.kv_region import Region
 from pdserve.disagg.writer import TransferWorkers
 
 logger = logging.getLogger(__name__)
@@ -50,9 +52,9 @@ class _Session:
     reg: Register
     guard: DestinationGuard
     error: str = ""
-    dst_kv_ptrs: list[int] = field(default_factory=list)  # decode's region paired with each of this rank's
+    dst_regions: list[Region] = field(default_factory=list)  # decode's region paired with each of this rank's
     last_seen: float = 0.0  # last message from the session (heartbeats keep it fresh)
-    slice: Optional[HeadSlice] = None  # the KV heads this rank writes into that decode rank
+    pair: Optional[PairPlan] = None  # what this rank writes into that decode rank
 
     @property
     def peer(self) -> str:
@@ -119,14 +121,14 @@ class PrefillRole:
         paired = [] if errs else dst_regions(a, msg.buffers)[0]  # decode's region for each of ours
         if not errs:
             try:
-                self.mgr.backend.connect(msg.session_id, msg.backend_info, msg.buffers.regions())
+                self.mgr.backend.connect(msg.session_id, msg.backend_info, msg.buffers.spans())
             except Exception as e:
                 errs.append(f"cannot attach to decode buffers: {e}")
-        sl = None if errs else head_slice(a, msg)
-        guard = DestinationGuard(msg.buffers, paired, a.num_groups, empty_slice=sl is not None and sl.empty,
-                                 routed_group=a.routed_group)
-        sess = _Session(msg.session_id, msg.reply_endpoint, msg, guard, "; ".join(errs),
-                        [msg.buffers.kv_data_ptrs[j] for j in paired], time.monotonic(), sl)
+        pair = None if errs else pair_plan(a, msg)
+        regions = [msg.buffers.regions[j] for j in paired]
+        guard = DestinationGuard(msg.buffers, regions, a.num_groups, empty=pair is not None and pair.empty)
+        sess = _Session(msg.session_id, msg.reply_endpoint, msg, guard, "; ".join(errs), regions, time.monotonic(),
+                        pair)
         with self.mgr.lock:
             self.sessions[msg.session_id] = sess
         if errs:
@@ -134,8 +136,8 @@ class PrefillRole:
                            sess.error)
         else:
             logger.info("%s: decode rank %d registered (%s)%s", self.mgr.name, msg.decode_rank, msg.reply_endpoint,
-                        "; it reads none of this rank's KV heads, this rank only concludes its rooms"
-                        if sl.empty else "")
+                        "; it reads none of this rank's bytes, this rank only concludes its rooms"
+                        if pair.empty else "")
         self.mgr.send(msg.reply_endpoint, RegisterAck(session_id=msg.session_id, prefill_rank=self.rank,
                                                       ok=not errs, error=sess.error))
 
@@ -315,7 +317,7 @@ class PrefillRole:
 
     def _writes_nothing(self, session_id: str) -> bool:
         s = self.sessions.get(session_id)
-        return s is not None and s.slice is not None and s.slice.empty
+        return s is not None and s.pair is not None and s.pair.empty
 
     def required_destinations(self, room: int) -> int:
         """Decode ranks that will ask for ``room`` (caller holds the lock)."""

@@ -59,9 +59,7 @@ class KVReceiver:
             return KVPoll.Failed
         return st
 
-    def send_metadata(self, dst_pages: Sequence[Sequence[int]], aux_slot: int,
-                      state_indices: Optional[Sequence[int]] = None,
-                      decode_prefix_pages: int = 0) -> None:
+    def send_metadata(self, dst_pages: Sequence[Sequence[int]], aux_slot: int, decode_prefix_pages: int = 0) -> None:
         """Ask the prefill rank(s) to write the request's pages into ``dst_pages`` (per cache group,
         from the group's first page sent: ``decode_prefix_pages`` on, or the first page a window
         still sees) and its metadata row into ``aux_slot``. Requires poll() >= WaitingForInput."""
@@ -72,16 +70,15 @@ class KVReceiver:
         if st < KVPoll.WaitingForInput:
             raise RuntimeError(f"send_metadata for room {self.room} before the connection is ready ({st.name})")
         c = rs.conn
-        # each target writes its KV heads; exactly one of them writes the metadata row; a target
-        # with an empty slice (rank_map) is asked for nothing, which lets it conclude the room
+        # each target writes its share; exactly one of them writes the metadata row; a target
+        # with an empty pair (rank_map) is asked for nothing, which lets it conclude the room
         reqs = []
         for t in c.targets:
-            writes = t.slice is None or not t.slice.empty
+            writes = t.pair is None or not t.pair.empty
             reqs.append((t, TransferRequest(
                 session_id=c.session_id, room=self.room, generation=rs.generation,
                 dst_pages=[[int(p) for p in g] for g in dst_pages] if writes else [[] for _ in dst_pages],
-                aux_slot=int(aux_slot) if t.slice is None or t.slice.writes_metadata else -1,
-                state_indices=[int(i) for i in state_indices or []] if writes else [],
+                aux_slot=int(aux_slot) if t.pair is None or t.pair.writes_metadata else -1,
                 required_dst_info_num=t.required_dst, decode_prefix_pages=int(decode_prefix_pages),
                 reply_endpoint=m.endpoint(parse_addr(c.addr)[0]))))
         with m.lock:

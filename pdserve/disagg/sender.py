@@ -57,8 +57,7 @@ class KVSender:
         if short is not None:
             self.role.fail(self.room, f"decode preallocated {short} pages per cache group, prefill needs {num_pages}")
 
-    def send(self, src_pages: Sequence[Sequence[int]], last_chunk: bool = False,
-             state_indices: Optional[Sequence[int]] = None) -> None:
+    def send(self, src_pages: Sequence[Sequence[int]], last_chunk: bool = False) -> None:
         """Queue one chunk: ``src_pages[g]`` are the next pages of cache group g, in order."""
         if self.mgr.get_status(self.room) in (None, KVPoll.Failed):
             return
@@ -81,7 +80,7 @@ class KVSender:
             event.record()
         self.mgr.update_status(self.room, KVPoll.Transferring)
         self.role.workers.submit_chunk(Chunk(self.room, list(self.sent_pages), [[int(p) for p in g] for g in src_pages],
-                                             last_chunk, self.aux_slot, [int(i) for i in state_indices or []], event))
+                                             last_chunk, self.aux_slot, event))
         self.sent_pages = after
 
     def failure_reason(self) -> str:

@@ -34,13 +34,11 @@ def num_metadata_slots(args: ServerArgs) -> int:
 
 def routed_regions(runner) -> dict:
     """The ``KVArgs`` fields of the routed experts' store (--enable-return-routed-experts): its
-    rows go with the pages of its cache group, so decode's copy of a page carries prefill's ids."""
+    rows are a region of its cache group's pages, so decode's copy of a page carries prefill's ids."""
     store = runner.routed
     if store is None:
         return {}
-    ptr, nbytes, item = store.buffer_info()
-    return {"routed_data_ptrs": [ptr], "routed_data_lens": [nbytes], "routed_item_lens": [item],
-            "routed_group": store.spec.group, "routed_experts": store.spec.describe()}
+    return {"extra_regions": [store.region()], "routed_experts": store.spec.describe()}
 
 
 def apply_role_rules(args: ServerArgs, disable_radix_cache: bool) -> None:

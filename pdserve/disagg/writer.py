@@ -22,11 +22,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 
 from pdserve.disagg import faults as f
 from pdserve.disagg.descriptors import region_descriptors
-from pdserve.disagg.layout import chunk_descriptors, routed_descriptors
+from pdserve.disagg.layout import chunk_descriptors
 from pdserve.disagg.messages import AbortAck, TransferRequest, TransferStatus, completion_notice
 from pdserve.disagg.poll import KVPoll
 from pdserve.disagg.transfer.base import TransferError
@@ -43,7 +42,6 @@ class Chunk:
     src_pages: list[list[int]]  # per cache group
     last: bool
     aux_slot: int
-    state_indices: list[int]
     ready_event: Any = None  # CUDA event recorded at send(): the KV is written once it fires
 
 
@@ -189,8 +187,8 @@ class TransferWorkers:
             m.update_status(job.room, KVPoll.Success)
 
     def _write_chunk(self, sess, req: TransferRequest, job: Chunk, corrupt_room: bool = False) -> None:
-        if sess.slice is not None and sess.slice.empty:
-            return  # decode reads none of this rank's heads (rank_map): the room only concludes here
+        if sess.pair is not None and sess.pair.empty:
+            return  # decode reads none of this rank's bytes (rank_map): the room only concludes here
         a, backend = self.mgr.kv_args, self.mgr.backend
         dst_pages = []
         for g, (src, off) in enumerate(zip(job.src_pages, job.page_offsets)):
@@ -201,23 +199,14 @@ class TransferWorkers:
                                    f"pages {off}..{off + len(src) - 1}")
             dst_pages.append(dst)
         b = sess.reg.buffers
-        descs = chunk_descriptors(a, sess.dst_kv_ptrs, sess.slice, job.src_pages, dst_pages)
-        # the routed experts' rows of the same pages, from the rank that writes the metadata row
-        routed = routed_descriptors(a, b.routed_data_ptrs, job.src_pages, dst_pages) \
-            if sess.slice is None or sess.slice.writes_metadata else None
-        parts = [d for d in (descs, routed) if d is not None]
-        if parts:  # one batch: the KV and the ids of a page land together
-            batch = [np.concatenate([d[k] for d in parts]) for k in range(3)]
-            backend.write(sess.session_id, *batch).wait(WRITE_TIMEOUT_S)
+        # one batch: every region of a page (the KV, the ids of its tokens, ...) lands together
+        descs = chunk_descriptors(a.regions, sess.dst_regions, sess.pair, job.src_pages, dst_pages, a.tp_size,
+                                  sess.reg.decode_tp_size)
         if descs is not None:
+            backend.write(sess.session_id, *descs).wait(WRITE_TIMEOUT_S)
             self.role.count_written(job.room, len(descs[0]), int(descs[2].sum()))
         if not job.last:
             return
-        if job.state_indices and req.state_indices:
-            k = min(len(job.state_indices), len(req.state_indices))
-            descs = region_descriptors(a.state_data_ptrs, b.state_data_ptrs, a.state_item_lens,
-                                       job.state_indices[:k], req.state_indices[:k])
-            backend.write(sess.session_id, *descs).wait(WRITE_TIMEOUT_S)
         if a.pp_rank == a.pp_size - 1 and job.aux_slot >= 0 and req.aux_slot >= 0 and a.aux_data_ptrs:
             # every metadata field, then bootstrap_room (the last field) in a later batch
             body = region_descriptors(a.aux_data_ptrs[:-1], b.aux_data_ptrs[:-1], a.aux_item_lens[:-1],

@@ -1,20 +1,26 @@
-"""Paged KV cache: one contiguous allocation per rank and an O(1) page allocator.
+"""Paged cache pools (one contiguous allocation per cache group and rank) and an O(1) page
+allocator; ``make_pool`` picks the pool of a cache group's spec (``POOLS``).
 
-Layout: ``[num_layers, 2 (K|V), num_pages, kv_heads, page_size, head_dim]`` ("head-major pages").
-One page of one layer's K (or V) is one contiguous item of ``kv_heads * page_size * head_dim``
-elements, and one head's slice of a page is contiguous too. Page 0 is reserved as a padding
-page and is never handed out.
+- ``KVPool`` (full attention, sliding window): ``[num_layers, 2 (K|V), num_pages, kv_heads,
+  page_size, head_dim]`` ("head-major pages"). One page of one layer's K (or V) is one contiguous
+  item of ``kv_heads * page_size * head_dim`` elements, and one head's slice of a page is
+  contiguous too: its regions split along the KV heads.
+- ``LatentPool`` (latent attention): ``[num_layers, num_pages, page_size, latent_dim + rope_dim]``,
+  no head axis; every rank of an attention group holds the same latent: its regions are
+  replicated.
+
+Page 0 is reserved as a padding page and is never handed out.
 """
 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from pdserve.hostmem import huge_empty
+from pdserve.kv_region import Region
 
 # (nbytes, device) -> uint8 tensor of exactly nbytes. Lets the transfer layer place the pool in
 # shared memory (local backend) or registered memory (RDMA backends).
@@ -26,20 +32,6 @@ def default_allocator(nbytes: int, device: torch.device) -> torch.Tensor:
         # decode attention streams the pages: 2 MiB pages spare it the TLB misses (zero-filled)
         return huge_empty(nbytes)
     return torch.zeros(nbytes, dtype=torch.uint8, device=device)
-
-
-@dataclass(frozen=True)
-class KVBufferInfo:
-    """What the transfer layer registers: one entry per (layer, K|V), layer-major."""
-
-    data_ptrs: list[int]
-    data_lens: list[int]  # bytes of each (layer, K|V) region
-    item_lens: list[int]  # bytes of one page of that region
-    page_size: int
-    num_pages: int
-    kv_heads: int
-    head_dim: int
-    dtype: str
 
 
 class PageAllocator:
@@ -93,13 +85,15 @@ class PageAllocator:
 class BaseKVPool(abc.ABC):
     """The buffers of one cache group (``kv_spec.CacheGroup``): one allocation (so a transfer
     backend registers it once), an allocator of its items (pages, or per-request slots), and a
-    description of its regions for the transfer layer (``buffer_info``). A new cache kind is a
+    description of its regions for the transfer layer (``regions``). A new cache kind is a
     spec and a subclass; the cache manager, the scheduler and the PD queues see only this."""
 
     num_pages: int
     page_size: int
     device: torch.device
+    dtype: torch.dtype
     allocator: PageAllocator
+    kv_heads: int = 0  # KV heads of this rank in a "heads"-split region's item (0: none)
 
     @property
     @abc.abstractmethod
@@ -107,8 +101,13 @@ class BaseKVPool(abc.ABC):
         """Bytes of the pool's one allocation."""
 
     @abc.abstractmethod
-    def buffer_info(self) -> KVBufferInfo:
-        """Its regions, in the order the transfer layer registers and pairs them."""
+    def regions(self, group) -> list[Region]:
+        """Its regions for the transfer layer, as the pool of cache group ``group``
+        (``kv_spec.CacheGroup``: the ids and the spec of its layers, in pool order)."""
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).replace("torch.", "")
 
 
 class KVPool(BaseKVPool):
@@ -132,17 +131,9 @@ class KVPool(BaseKVPool):
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_layers, 2, num_pages, kv_heads, page_size, head_dim)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = itemsize
-        for s in shape:
-            nbytes *= s
-        raw = allocator(nbytes, self.device)
-        if raw.numel() != nbytes or raw.dtype != torch.uint8:
-            raise ValueError(f"allocator returned {raw.numel()} {raw.dtype} bytes, expected {nbytes} uint8")
-        self._raw = raw
         # [num_layers, 2, num_pages, kv_heads, page_size, head_dim]
-        self.buffer = raw.view(dtype).view(shape)
+        self._raw, self.buffer = _allocate((num_layers, 2, num_pages, kv_heads, page_size, head_dim), dtype,
+                                           self.device, allocator)
         self.allocator = PageAllocator(num_pages)
 
     @staticmethod
@@ -165,21 +156,91 @@ class KVPool(BaseKVPool):
         """Bytes of one page of one (layer, K|V)."""
         return self.kv_heads * self.page_size * self.head_dim * self.buffer.element_size()
 
-    def buffer_info(self) -> KVBufferInfo:
-        region = self.num_pages * self.item_bytes
-        ptrs = [self.buffer[l, kv].data_ptr() for l in range(self.num_layers) for kv in (0, 1)]
-        return KVBufferInfo(
-            data_ptrs=ptrs,
-            data_lens=[region] * len(ptrs),
-            item_lens=[self.item_bytes] * len(ptrs),
-            page_size=self.page_size,
-            num_pages=self.num_pages,
-            kv_heads=self.kv_heads,
-            head_dim=self.head_dim,
-            dtype=str(self.dtype).replace("torch.", ""),
-        )
+    def regions(self, group) -> list[Region]:
+        nbytes, final = self.num_pages * self.item_bytes, "last_chunk" if group.spec.drops_pages else "per_chunk"
+        return [Region(ptr=self.buffer[i, kv].data_ptr(), nbytes=nbytes, item_bytes=self.item_bytes, group=group.id,
+                       layer=layer, part=part, final=final, split="heads")
+                for i, layer in enumerate(group.layers) for kv, part in ((0, "k"), (1, "v"))]
+
+    def as_group(self, first_layer: int = 0):
+        """The full-attention cache group of this pool's layers (a pool built without a model)."""
+        from pdserve.kv_spec import CacheGroup, FullAttention
+
+        return CacheGroup(0, FullAttention(self.kv_heads, self.head_dim),
+                          tuple(range(first_layer, first_layer + self.num_layers)))
+
+    @classmethod
+    def for_spec(cls, spec, num_layers: int, num_pages: int, page_size: int, dtype: torch.dtype, device,
+                 allocator: BufferAllocator = default_allocator) -> "KVPool":
+        return cls(num_layers, num_pages, page_size, spec.num_kv_heads, spec.head_dim, dtype, device, allocator)
 
     def write(self, layer: int, page_idx: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V. ``page_idx``/``offsets``: [T]; ``k``/``v``: [T, kv_heads, head_dim]."""
         self.buffer[layer, 0][page_idx, :, offsets] = k.to(self.dtype)
         self.buffer[layer, 1][page_idx, :, offsets] = v.to(self.dtype)
+
+
+def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, allocator: BufferAllocator):
+    nbytes = torch.empty((), dtype=dtype).element_size()
+    for n in shape:
+        nbytes *= n
+    raw = allocator(nbytes, device)
+    if raw.numel() != nbytes or raw.dtype != torch.uint8:
+        raise ValueError(f"allocator returned {raw.numel()} {raw.dtype} bytes, expected {nbytes} uint8")
+    return raw, raw.view(dtype).view(shape)
+
+
+class LatentPool(BaseKVPool):
+    """Latent attention (MLA): per layer and token one compressed latent (``latent_dim``) and its
+    rotary key part (``rope_dim``), stored together; the same on every TP rank."""
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, latent_dim: int, rope_dim: int,
+                 dtype: torch.dtype, device: torch.device | str, allocator: BufferAllocator = default_allocator):
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.latent_dim, self.rope_dim = latent_dim, rope_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        # [num_layers, num_pages, page_size, latent_dim + rope_dim]
+        self._raw, self.buffer = _allocate((num_layers, num_pages, page_size, latent_dim + rope_dim), dtype,
+                                           self.device, allocator)
+        self.allocator = PageAllocator(num_pages)
+
+    @classmethod
+    def for_spec(cls, spec, num_layers: int, num_pages: int, page_size: int, dtype: torch.dtype, device,
+                 allocator: BufferAllocator = default_allocator) -> "LatentPool":
+        return cls(num_layers, num_pages, page_size, spec.latent_dim, spec.rope_dim, dtype, device, allocator)
+
+    @property
+    def nbytes(self) -> int:
+        return self._raw.numel()
+
+    @property
+    def item_bytes(self) -> int:
+        """Bytes of one page of one layer."""
+        return self.page_size * (self.latent_dim + self.rope_dim) * self.buffer.element_size()
+
+    def latent_cache(self, layer: int) -> torch.Tensor:
+        return self.buffer[layer]  # [num_pages, page_size, latent_dim + rope_dim]
+
+    def regions(self, group) -> list[Region]:
+        nbytes, final = self.num_pages * self.item_bytes, "last_chunk" if group.spec.drops_pages else "per_chunk"
+        return [Region(ptr=self.buffer[i].data_ptr(), nbytes=nbytes, item_bytes=self.item_bytes, group=group.id,
+                       layer=layer, part="latent", final=final, split="replicated")
+                for i, layer in enumerate(group.layers)]
+
+    def write(self, layer: int, page_idx: torch.Tensor, offsets: torch.Tensor, latent: torch.Tensor) -> None:
+        """Store new tokens' latents. ``page_idx``/``offsets``: [T]; ``latent``: [T, latent_dim + rope_dim]."""
+        self.buffer[layer][page_idx, offsets] = latent.to(self.dtype)
+
+
+# cache kind (kv_spec.CacheSpec.kind) -> the pool that holds it
+POOLS: dict[str, type] = {"full_attention": KVPool, "sliding_window": KVPool, "latent_attention": LatentPool}
+
+
+def make_pool(group, num_pages: int, page_size: int, dtype: torch.dtype, device,
+              allocator: BufferAllocator = default_allocator) -> BaseKVPool:
+    """The pool of cache group ``group`` (``kv_spec.CacheGroup``), by its spec's kind."""
+    cls = POOLS.get(group.kind)
+    if cls is None:
+        raise ValueError(f"cache kind {group.kind!r} (layers {list(group.layers)}) has no pool in this engine "
+                         f"(pools: {', '.join(sorted(POOLS))})")
+    return cls.for_spec(group.spec, len(group.layers), num_pages, page_size, dtype, device, allocator)

@@ -13,7 +13,7 @@ from pdserve import kernels
 from pdserve.config import ServerArgs
 from pdserve.distributed import SINGLE_RANK, Parallel
 from pdserve.engine.dp_attention import DPGather
-from pdserve.engine.kv_pool import BufferAllocator, KVPool, default_allocator
+from pdserve.engine.kv_pool import BaseKVPool, BufferAllocator, default_allocator, make_pool
 from pdserve.engine.precision import choose_compute_dtype, choose_kv_cache_dtype
 from pdserve.engine.pipeline import pipeline_forward
 from pdserve.engine import routed_experts
@@ -134,13 +134,8 @@ class ModelRunner:
         gc.collect()  # what held the old pools may sit in reference cycles (a closed KV manager's)
         self._allocate_kv(counts, kv_allocator)
 
-    def _make_pool(self, group: CacheGroup, num_pages: int, allocator: BufferAllocator) -> KVPool:
-        spec = group.spec
-        if not isinstance(spec, FullAttention):
-            raise ValueError(f"cache kind {group.kind!r} (layers {list(group.layers)}) has no pool in this engine")
-        return KVPool(num_layers=len(group.layers), num_pages=num_pages, page_size=self.args.page_size,
-                      kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=self.kv_dtype, device=self.device,
-                      allocator=allocator)
+    def _make_pool(self, group: CacheGroup, num_pages: int, allocator: BufferAllocator) -> BaseKVPool:
+        return make_pool(group, num_pages, self.args.page_size, self.kv_dtype, self.device, allocator)
 
     def _agree_on_dtype(self, hf_config) -> tuple[torch.dtype, str]:
         """Rank 0's choice on every rank (a measurement could differ between ranks)."""

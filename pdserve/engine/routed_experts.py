@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.kv_pool import BufferAllocator, default_allocator
+from pdserve.kv_region import Region
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def refusal(args, spec, start_len: int, prompt_len: int) -> str:
 class RoutedExpertsStore:
     """The rows of one rank's pages (see the module docstring). Written by ``write`` after every
     forward, read by ``collect`` when a request finishes; only the scheduler loop touches it (and
-    the transfer layer, through ``buffer_info``, the pages of rooms in flight)."""
+    the transfer layer, through ``region``, the pages of rooms in flight)."""
 
     def __init__(self, spec: RoutedExpertsSpec, num_pages: int, page_size: int, ctx, device: torch.device,
                  allocator: BufferAllocator = default_allocator):
@@ -127,9 +128,11 @@ class RoutedExpertsStore:
     def nbytes(self) -> int:
         return self.rows.numel() * self.rows.element_size()
 
-    def buffer_info(self) -> tuple[int, int, int]:
-        """(ptr, total bytes, bytes of one page) of the one transfer region."""
-        return self.rows.data_ptr(), self.nbytes, self.rows[0].numel() * self.rows.element_size()
+    def region(self) -> Region:
+        """The one transfer region: a row per page of the spec's cache group, the same on every
+        rank of an attention group (replicated), so decode reads it from one prefill rank."""
+        return Region(ptr=self.rows.data_ptr(), nbytes=self.nbytes, item_bytes=self.rows[0].numel() * self.rows.element_size(),
+                      group=self.spec.group, part="routed_experts", split="replicated")
 
     def begin_forward(self) -> None:
         self.ctx.captured.clear()

@@ -33,7 +33,7 @@ import zmq
 
 from pdserve.config import ServerArgs
 from pdserve.distributed import SINGLE_RANK, Parallel, init_parallel
-from pdserve.kv_spec import DTYPE_BYTES
+from pdserve.kv_spec import DTYPE_BYTES, transfer_bytes_per_token
 from pdserve.engine.request import FinishKind, FinishReason, Req, SamplingParams
 from pdserve.lifetime import end_with_parent
 from pdserve.log import role_tag, setup_logging
@@ -84,14 +84,13 @@ def token_out(req: Req) -> m.TokenOut:
 
 
 def kv_bytes_per_token(runner) -> int:
-    """K and V of every layer of the model for one token, counting each KV head once (a head
-    replicated over TP ranks is sent once)."""
+    """Cache bytes of the whole model for one prompt token, each byte counted once
+    (``kv_spec.transfer_bytes_per_token``; a pipeline stage scales its own layers to the model's)."""
     item = DTYPE_BYTES[str(runner.kv_dtype).replace("torch.", "")]
-    groups = [g for g in runner.cache_groups if not g.spec.drops_pages] or runner.cache_groups
     model = runner.model
     stage = sum(len(g.layers) for g in runner.cache_groups)
-    stage_bytes = sum(2 * model.total_kv_heads * g.spec.head_dim * item * len(g.layers) for g in groups)
-    return stage_bytes * model.total_layers // max(stage, 1)
+    return transfer_bytes_per_token(runner.cache_groups, model.total_kv_heads, item) * model.total_layers // max(stage, 1)
+
 
 class SchedulerLoop:
     def __init__(self, args: ServerArgs, in_addr: str, out_addr: str, par: Parallel = SINGLE_RANK):

@@ -69,8 +69,12 @@ def _setup(cfg: dict[str, Any], role: str):
 
 
 def _page_bytes(pool, pages: list[int]) -> bytes:
-    # [num_layers, 2, n, kv_heads, page_size, head_dim] -> raw bytes, layer-major
-    return pool.buffer[:, :, pages].contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()
+    # KVPool [num_layers, 2, n, kv_heads, page_size, head_dim] or LatentPool [num_layers, n, page_size, dim]
+    # -> raw bytes, layer-major
+    from pdserve.engine.kv_pool import KVPool
+
+    rows = pool.buffer[:, :, pages] if isinstance(pool, KVPool) else pool.buffer[:, pages]
+    return rows.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()
 
 
 def _bytes(pools, pages: list[int]) -> bytes:
@@ -79,19 +83,20 @@ def _bytes(pools, pages: list[int]) -> bytes:
 
 
 def _pools(cfg: dict[str, Any], num_pages: int, page_size: int, alloc):
-    """One pool, or with ``groups=2`` a second cache group (one layer, another head size) whose
-    pages are final only after the last chunk, as a sliding window's are; and their groups."""
+    """One pool (regions split by KV heads), or with ``groups=2`` a second cache group (one layer,
+    another head size) whose pages are final only after the last chunk, as a sliding window's are,
+    and with ``groups=3`` a third, latent one (replicated regions, no head axis); and their groups."""
     import torch
 
-    from pdserve.engine.kv_pool import KVPool
-    from pdserve.kv_spec import CacheGroup, FullAttention, SlidingWindow
+    from pdserve.engine.kv_pool import make_pool
+    from pdserve.kv_spec import CacheGroup, FullAttention, LatentAttention, SlidingWindow
 
-    pools = [KVPool(LAYERS, num_pages, page_size, HEADS, HEAD_DIM, torch.bfloat16, "cpu", alloc)]
     groups = [CacheGroup(0, FullAttention(HEADS, HEAD_DIM), tuple(range(LAYERS)))]
-    if cfg.get("groups", 1) == 2:
-        pools.append(KVPool(1, num_pages, page_size, HEADS, 2 * HEAD_DIM, torch.bfloat16, "cpu", alloc))
+    if cfg.get("groups", 1) >= 2:
         groups.append(CacheGroup(1, SlidingWindow(HEADS, 2 * HEAD_DIM, 8), (LAYERS,)))
-    return pools, groups
+    if cfg.get("groups", 1) >= 3:
+        groups.append(CacheGroup(2, LatentAttention(4 * HEAD_DIM, HEAD_DIM), (LAYERS + 1, LAYERS + 2)))
+    return [make_pool(g, num_pages, page_size, torch.bfloat16, "cpu", alloc) for g in groups], groups
 
 
 def prefill_main(cfg: dict[str, Any], out, stop) -> None:
@@ -404,6 +409,18 @@ def test_two_cache_groups_byte_exact(backend):
     for room in (201, 202, 203):
         _check_room(res, room)
     assert res["decode"]["rooms"][203]["prefix_untouched"]
+
+
+def test_head_window_and_replicated_regions_byte_exact(backend):
+    """Three cache groups whose regions split three ways (by KV heads; a window's, final after the
+    last chunk; a latent's, replicated) move together, each with its own page ids, byte for byte."""
+    rooms = [room_spec(211, list(range(1, 9)), list(range(10, 18)), [3, 3, 2]),
+             room_spec(212, [60, 3, 45, 46, 9], list(range(60, 65)), [5]),
+             room_spec(213, list(range(110, 117)), list(range(192, 199)), [2, 1], prefix=4)]
+    res = run_rooms(backend, rooms, groups=3)
+    for room in (211, 212, 213):
+        _check_room(res, room)
+    assert res["decode"]["rooms"][213]["prefix_untouched"]
 
 
 def test_incompatible_page_size_fails_with_both_values(backend):

@@ -20,6 +20,7 @@ from pdserve.disagg.messages import (AuthError, BufferDesc, MessageCodec, Regist
                                      encode_message)
 from pdserve.disagg.metadata import MetadataBuffers
 from pdserve.disagg.poll import KVPoll
+from pdserve.kv_region import Region
 from pdserve.engine.kv_pool import KVPool
 from tests.helpers.cluster import wait_for
 from tests.unit.test_disagg_bootstrap import rank_info
@@ -192,10 +193,9 @@ def test_pages_of_a_room_in_flight_are_not_given_to_another_room(plain):
 
 
 def test_guard_bounds_and_release():
-    buffers = BufferDesc(kv_data_ptrs=[0, 0], kv_data_lens=[800, 800], kv_item_lens=[100, 100],
-                         kv_region_group=[0, 0], kv_region_layer=[0, 0], kv_region_final=["per_chunk"] * 2,
+    buffers = BufferDesc(regions=[Region(ptr=0, nbytes=800, item_bytes=100, group=0, layer=0, part=p) for p in "kv"],
                          aux_data_ptrs=[0], aux_data_lens=[256], aux_item_lens=[64])
-    g = DestinationGuard(buffers, [0, 1], 1)
+    g = DestinationGuard(buffers, buffers.regions, 1)
     assert (g.num_pages, g.num_aux_rows) == ([8], 4)
     ok = TransferRequest(session_id="s", room=1, generation=1, dst_pages=[[0, 7]], aux_slot=3)
     assert g.check(ok) == ""

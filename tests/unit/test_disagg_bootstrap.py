@@ -16,7 +16,7 @@ def rank_info(tp_rank, pp_rank=0, tp_size=2, pp_size=1, port=None, **over):
     info = {"tp_size": tp_size, "tp_rank": tp_rank, "dp_size": 1, "dp_rank": 0, "pp_size": pp_size,
             "pp_rank": pp_rank, "rank_ip": "127.0.0.1", "rank_port": port or 40000 + 10 * tp_rank + pp_rank,
             "page_size": 16, "kv_dtype": "bfloat16", "layout": "layer,kv,page,head,token,dim",
-            "model_fingerprint": "fp1", "num_layers": 4, "kv_heads": 8, "head_dim": 64}
+            "model_fingerprint": "fp1", "num_layers": 4, "kv_heads": 8}
     info.update(over)
     return info
 
@@ -47,7 +47,7 @@ def test_instance_info_503_until_all_ranks(server):
     info = fetch_prefill_info("127.0.0.1", server.port)
     assert info == {"tp_size": 2, "dp_size": 1, "pp_size": 1, "page_size": 16, "kv_dtype": "bfloat16",
                     "layout": "layer,kv,page,head,token,dim", "model_fingerprint": "fp1", "num_layers": 4,
-                    "kv_heads": 8, "head_dim": 64}
+                    "kv_heads": 8}
     assert server.num_registered == 2
 
 

@@ -42,15 +42,14 @@ def kv_args(gs: list[CacheGroup], alloc=None, pages: int = 16, **kw) -> tuple[KV
 def test_regions_pair_by_group_and_layer():
     whole, _, _ = kv_args(groups(layers=6))
     stage, _, _ = kv_args(groups(first=3, layers=3), prefill_start_layer=3)  # a pipeline stage: layers 3..5
-    assert whole.kv_region_final[:2] == ["last_chunk"] * 2 and whole.kv_region_final[-1] == "per_chunk"
-    paired, why = pair_regions(stage.kv_region_group, stage.kv_region_layer, whole.kv_region_group,
-                               whole.kv_region_layer)
+    assert [r.final for r in whole.regions[:2]] == ["last_chunk"] * 2 and whole.regions[-1].final == "per_chunk"
+    paired, why = pair_regions(stage.regions, whole.regions)
     assert why == ""
-    assert [(whole.kv_region_group[j], whole.kv_region_layer[j]) for j in paired] == \
-        list(zip(stage.kv_region_group, stage.kv_region_layer))
+    assert [whole.regions[j].key for j in paired] == [r.key for r in stage.regions]
+    assert [(r.group, r.layer, r.part) for r in stage.regions[:2]] == [(0, 3, "k"), (0, 3, "v")]
     assert len(set(paired)) == len(paired)  # K and V of a layer land in K and V
-    _, why = pair_regions(whole.kv_region_group, whole.kv_region_layer, stage.kv_region_group, stage.kv_region_layer)
-    assert "cache group 0, layer 0 (K)" in why
+    _, why = pair_regions(whole.regions, stage.regions)
+    assert why == "decode registered no region for cache group 0 layer 0 k"
 
 
 def test_layer_specs_mismatch_names_both_values():
@@ -67,16 +66,16 @@ def test_layer_specs_mismatch_names_both_values():
 
 def test_chunk_descriptors_address_each_group_with_its_own_pages():
     a, pools, _ = kv_args(groups())
-    dst = [p + 10**9 for p in a.kv_data_ptrs]  # decode's paired regions, somewhere else
+    dst = [r.at(r.ptr + 10**9) for r in a.regions]  # decode's paired regions, somewhere else
     src_pages, dst_pages = [[], [3, 4]], [[], [7, 8]]  # only the full group moves in this chunk
-    s, d, n = chunk_descriptors(a, dst, None, src_pages, dst_pages)
-    full = [i for i, g in enumerate(a.kv_region_group) if g == 1]
+    s, d, n = chunk_descriptors(a.regions, dst, None, src_pages, dst_pages)
+    full = [i for i, r in enumerate(a.regions) if r.group == 1]
     item = pools[1].item_bytes
-    assert list(s) == [a.kv_data_ptrs[i] + 3 * item for i in full]  # one run of 2 pages per region
-    assert list(d) == [dst[i] + 7 * item for i in full] and list(n) == [2 * item] * len(full)
-    assert chunk_descriptors(a, dst, None, [[], []], [[], []]) is None
-    s, _, _ = chunk_descriptors(a, dst, None, [[1], [3, 4]], [[2], [7, 8]])
-    assert len(s) == len(a.kv_data_ptrs) and np.all(s > 0)
+    assert list(s) == [a.regions[i].ptr + 3 * item for i in full]  # one run of 2 pages per region
+    assert list(d) == [dst[i].ptr + 7 * item for i in full] and list(n) == [2 * item] * len(full)
+    assert chunk_descriptors(a.regions, dst, None, [[], []], [[], []]) is None
+    s, _, _ = chunk_descriptors(a.regions, dst, None, [[1], [3, 4]], [[2], [7, 8]])
+    assert len(s) == len(a.regions) and np.all(s > 0)
 
 
 @pytest.fixture

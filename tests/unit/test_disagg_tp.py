@@ -111,9 +111,9 @@ def test_an_abort_reaches_the_idle_prefill_rank(mqa_pd):
 
 def test_a_request_naming_pages_to_a_rank_that_writes_nothing_is_refused():
     pool, meta = KVPool(1, 4, 4, 1, 8, torch.float32, "cpu"), MetadataBuffers(2)
-    guard = DestinationGuard(BufferDesc.from_kv_args(KVArgs.from_buffers(pool, meta)), [0, 1], 1,
-                             empty_slice=True)
+    buffers = BufferDesc.from_kv_args(KVArgs.from_buffers(pool, meta))
+    guard = DestinationGuard(buffers, buffers.regions, 1, empty=True)
     assert guard.check(TransferRequest(session_id="s", room=1, generation=1, dst_pages=[[]], aux_slot=-1)) == ""
     why = guard.check(TransferRequest(session_id="s", room=1, generation=1, dst_pages=[[0, 1]], aux_slot=-1))
-    assert "holds none of that decode rank's KV heads" in why and "2 destination page(s)" in why
+    assert "holds none of that decode rank's bytes" in why and "2 destination page(s)" in why
     assert guard.check(TransferRequest(session_id="s", room=1, generation=1, dst_pages=[[]], aux_slot=0))

@@ -51,15 +51,15 @@ def test_prefill_rejects_incompatible_register(prefill_mgr):
             buffers=BufferDesc.from_kv_args(bad), compat=bad.compat_info(), backend="local")))
         ack = decode_message(pull.recv())
         assert isinstance(ack, RegisterAck) and not ack.ok
-        assert "head_dim mismatch: prefill 8, decode 16" in ack.error
+        assert "layer 0 cache mismatch: prefill full_attention (head_dim 8) in group 0, decode full_attention (head_dim 16)" in ack.error
         # a sender for the room fails at once, and decode is told why
         sender = get_kv_class("local", "sender")(mgr, "x:1", 99)
         push.send(encode_message(TransferRequest(session_id="s1", room=99, generation=1, dst_pages=[[1]], aux_slot=0)))
         status = decode_message(pull.recv())
         assert isinstance(status, TransferStatus) and status.state == KVPoll.Failed
-        assert "head_dim mismatch: prefill 8, decode 16" in status.reason
+        assert "prefill full_attention (head_dim 8)" in status.reason
         assert wait_for(lambda: sender.poll() == KVPoll.Failed)
-        assert "head_dim mismatch" in sender.failure_reason()
+        assert "layer 0 cache mismatch" in sender.failure_reason()
         push.send(encode_message(Heartbeat(session_id="s1", seq=5, reply_endpoint=f"tcp://127.0.0.1:{port}")))
         hb = decode_message(pull.recv())
         assert isinstance(hb, Heartbeat) and hb.ack and hb.seq == 5 and hb.known

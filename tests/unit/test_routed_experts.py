@@ -13,8 +13,10 @@ import torch
 
 from pdserve.disagg.destinations import DestinationGuard
 from pdserve.disagg.kv_args import KVArgs, compat_mismatches
-from pdserve.disagg.layout import routed_descriptors
+from pdserve.disagg import rank_map
+from pdserve.disagg.layout import chunk_descriptors
 from pdserve.disagg.messages import BufferDesc, Register, TransferRequest, decode_message, encode_message
+from pdserve.kv_region import Region
 from pdserve.engine.routed_experts import RoutedExpertsSpec, RoutedExpertsStore, decode, encode, refusal
 
 torch.set_num_threads(1)
@@ -71,11 +73,14 @@ def test_requests_are_refused_with_the_reason():
     assert "routed_experts_start_len" in refusal(on, SPEC, True, 5)
 
 
+ROUTED = Region(ptr=1 << 20, nbytes=10 * 64, item_bytes=64, group=0, part="routed_experts", split="replicated")
+
+
 def kv_args(routed: bool, **kw) -> KVArgs:
-    extra = dict(routed_data_ptrs=[1 << 20], routed_data_lens=[10 * 64], routed_item_lens=[64], routed_group=0,
-                 routed_experts=SPEC.describe()) if routed else {}
-    return KVArgs(kv_data_ptrs=[4096, 8192], kv_data_lens=[16 * 128] * 2, kv_item_lens=[128] * 2, page_size=4,
-                  kv_region_group=[0, 0], kv_region_layer=[0, 0], **extra, **kw)
+    kv = [Region(ptr=p, nbytes=16 * 128, item_bytes=128, group=0, layer=0, part=part)
+          for p, part in ((4096, "k"), (8192, "v"))]
+    extra = dict(routed_experts=SPEC.describe()) if routed else {}
+    return KVArgs(regions=kv + [ROUTED] * routed, page_size=4, total_kv_head_num=1, kv_head_num=1, **extra, **kw)
 
 
 def test_prefill_and_decode_must_agree_on_returning_routed_experts():
@@ -85,9 +90,6 @@ def test_prefill_and_decode_must_agree_on_returning_routed_experts():
     assert err.startswith("routed_experts mismatch: prefill {") and "--enable-return-routed-experts" in err
     # a side that does not list the field (the bootstrap server's instance info) is not compared
     assert compat_mismatches({k: v for k, v in without.items() if k != "routed_experts"}, with_ids) == []
-    with pytest.raises(ValueError, match="routed_group: 3 is not one of the KV regions' cache groups"):
-        KVArgs(kv_data_ptrs=[1], kv_data_lens=[8], kv_item_lens=[8], kv_region_group=[0], kv_region_layer=[0],
-               routed_data_ptrs=[2], routed_data_lens=[8], routed_item_lens=[8], routed_group=3)
 
 
 def test_register_carries_the_region_and_destinations_are_bounded_by_it():
@@ -95,18 +97,25 @@ def test_register_carries_the_region_and_destinations_are_bounded_by_it():
     msg = Register(session_id="s", decode_rank=0, decode_tp_size=1, reply_endpoint="tcp://127.0.0.1:1",
                    buffers=BufferDesc.from_kv_args(a), compat=a.compat_info(), backend="local")
     back = decode_message(encode_message(msg))
-    assert back == msg and back.buffers.routed_item_lens == [64] and (1 << 20, 640) in back.buffers.regions()
+    assert back == msg and ROUTED in back.buffers.regions and (1 << 20, 640) in back.buffers.spans()
     # the KV regions hold 16 pages, the routed region 10: page 10 is out of bounds
-    guard = DestinationGuard(back.buffers, [0, 1], 1, routed_group=0)
+    guard = DestinationGuard(back.buffers, back.buffers.regions, 1)
     req = TransferRequest(session_id="s", room=1, generation=1, dst_pages=[[9, 10]], aux_slot=-1)
     assert "outside decode's registered KV pool (10 pages)" in guard.check(req)
 
 
 def test_routed_rows_go_with_the_groups_pages():
     a = kv_args(True)
-    src, dst, lens = routed_descriptors(a, [5 << 20], [[2, 3, 7]], [[4, 5, 6]])
-    # pages 2-3 -> 4-5 are one run, 7 -> 6 another; 64 bytes a page
-    assert src.tolist() == [(1 << 20) + 2 * 64, (1 << 20) + 7 * 64]
-    assert dst.tolist() == [(5 << 20) + 4 * 64, (5 << 20) + 6 * 64] and lens.tolist() == [128, 64]
-    assert routed_descriptors(a, [], [[2]], [[4]]) is None  # decode registered no region
-    assert routed_descriptors(kv_args(False), [5 << 20], [[2]], [[4]]) is None
+    dst = [r.at(r.ptr + (4 << 20)) for r in a.regions]
+    src, dst_, lens = chunk_descriptors(a.regions, dst, rank_map.pair_for(1, 1, 1, 1, 0, 0, a.splits),
+                                        [[2, 3, 7]], [[4, 5, 6]])
+    # pages 2-3 -> 4-5 are one run, 7 -> 6 another, in each region; the routed rows are 64 bytes a page
+    routed = [i for i, s in enumerate(src.tolist()) if s >= 1 << 20]
+    assert [src[i] for i in routed] == [(1 << 20) + 2 * 64, (1 << 20) + 7 * 64]
+    assert [dst_[i] for i in routed] == [(5 << 20) + 4 * 64, (5 << 20) + 6 * 64]
+    assert [lens[i] for i in routed] == [128, 64] and len(src) == 6
+    # a decode rank that another prefill rank writes (tp 2 -> 1: rank 0 writes), none from rank 1
+    split = kv_args(True, tp_size=2)
+    assert rank_map.pair_for(2, 1, 1, 2, 1, 0, split.splits).empty
+    assert chunk_descriptors(split.regions, dst, rank_map.pair_for(2, 1, 1, 2, 1, 0, split.splits),
+                             [[2]], [[4]]) is None

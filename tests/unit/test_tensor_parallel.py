@@ -76,7 +76,7 @@ def test_every_prefill_rank_concludes_every_room(p_tp, d_tp, kv, heads):
         assert rank_map.destinations_of(p_tp, d_tp, kv, heads, p) == len(mine) >= 1
         if p in idle:  # an empty slice only, into decode rank p % d_tp, which asks it for nothing
             assert len(mine) == 1 and mine[0].decode_rank == p % d_tp and not mine[0].writes_metadata
-            assert rank_map.slice_for(p_tp, d_tp, kv, heads, p, p % d_tp).empty
+            assert rank_map.pair_for(p_tp, d_tp, kv, heads, p, p % d_tp).empty
             assert not mine[0].whole_pages
         else:
             assert not any(s.empty for s in mine)
@@ -90,7 +90,7 @@ def test_every_prefill_rank_concludes_every_room(p_tp, d_tp, kv, heads):
     for p, d in itertools.product(range(p_tp), range(d_tp)):
         if (p, d) not in pairs:  # no business together: registration between them is refused
             with pytest.raises(ValueError, match="expected exactly one"):
-                rank_map.slice_for(p_tp, d_tp, kv, heads, p, d)
+                rank_map.pair_for(p_tp, d_tp, kv, heads, p, d)
 
 
 def test_replicated_heads_are_read_from_different_replicas():
