@@ -71,6 +71,10 @@ class ForwardBatch:
         slot = self.layer_slot[layer]
         return pool.k_cache(slot), pool.v_cache(slot)
 
+    def latent(self, layer: int) -> torch.Tensor:
+        """The latent cache of stage layer ``layer`` (latent attention): [num_pages, page_size, dim]."""
+        return self.groups[self.layer_group[layer]].pool.latent_cache(self.layer_slot[layer])
+
     def int32_tables(self, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(page_table [B, max_pages], seq_lens [B]) of one group as int32, what the CPU kernels
         take; built once per group."""

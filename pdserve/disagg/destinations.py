@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from pdserve.disagg import rank_map
 from pdserve.disagg.kv_args import compat_mismatches
-from pdserve.disagg.layout import dst_item_bytes, dst_segments, group_rows, pair_regions
+from pdserve.disagg.layout import dst_item_bytes, dst_segments, group_rows, pair_regions, writes
 from pdserve.disagg.messages import BufferDesc, Register, TransferRequest
 from pdserve.disagg.rank_map import PairPlan
 from pdserve.kv_region import Region
@@ -79,6 +79,8 @@ def _region_mismatches(src: list[Region], dst: list[Region], pair: PairPlan, p_t
     if split:
         return errs
     for s, d in zip(src, dst):
+        if not writes(s, pair):  # nothing of it goes there (the other ranks check its size)
+            continue
         want = dst_item_bytes(s, pair, p_tp, d_tp)
         if s.split == "segments" and d.segments != dst_segments(s, p_tp, d_tp):
             errs.append(f"region segments mismatch: decode rank {d_rank} of tp {d_tp} should hold segments of "

@@ -65,7 +65,7 @@ def chunk_descriptors(src: Sequence[Region], dst: Sequence[Region], pair, src_pa
         g = r.group
         if g >= len(src_pages) or not src_pages[g]:
             continue
-        if pair is not None and not _writes(r, pair):
+        if pair is not None and not writes(r, pair):
             continue
         buckets.setdefault((g, r.split, r.item_bytes, dst[i].item_bytes, r.segments), []).append(i)
     parts = []
@@ -99,7 +99,8 @@ def chunk_descriptors(src: Sequence[Region], dst: Sequence[Region], pair, src_pa
     return tuple(np.concatenate([p[k] for p in parts]) for k in range(3))
 
 
-def _writes(r: Region, pair) -> bool:
+def writes(r: Region, pair) -> bool:
+    """Whether prefill region ``r``'s bytes go into the decode rank of ``pair``."""
     if r.split == "heads":
         return pair.num_heads > 0
     if r.split == "segments":

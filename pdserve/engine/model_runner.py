@@ -159,7 +159,9 @@ class ModelRunner:
     def _why_not_cpu_attention(self) -> str:
         if self.args.attention_backend == "torch":
             return "--attention-backend torch was asked for"
-        missing = attention_backend_class("cpu").missing_features(self.model.attention_layers())
+        cpu = attention_backend_class("cpu")
+        missing = cpu.missing_features(self.model.attention_layers())
+        missing += sorted({g.kind for g in self.cache_groups} - cpu.cache_kinds)
         return f"the model's attention uses {', '.join(missing)}" if missing else "the kernels are not available"
 
     def _check_quantization_possible(self) -> None:
@@ -173,8 +175,10 @@ class ModelRunner:
 
     def _attention_backend(self) -> str:
         name = self.args.attention_backend
-        if name == "auto":  # the kernels where they run and support every layer feature of the model
-            fits = not attention_backend_class("cpu").missing_features(self.model.attention_layers())
+        if name == "auto":  # the kernels where they run and support every cache kind and layer feature
+            cpu = attention_backend_class("cpu")
+            fits = not cpu.missing_features(self.model.attention_layers()) and \
+                {g.kind for g in self.cache_groups} <= cpu.cache_kinds
             return "cpu" if self.device.type == "cpu" and self.ops is not None and fits else "torch"
         if name == "cpu" and self.ops is None:
             raise ValueError(f"attention_backend: 'cpu' needs pdserve's CPU kernels, which are not available "

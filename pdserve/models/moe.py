@@ -98,6 +98,7 @@ class MoEForCausalLM(LlamaForCausalLM):
         return None, None
 
     router_name = "gate"
+    shared_name = "shared_expert"
 
     def expert_options(self, config) -> dict:
         """Keyword arguments of ``Experts`` beyond the layout (activation, biases)."""
@@ -155,7 +156,7 @@ class MoEForCausalLM(LlamaForCausalLM):
                           **self.expert_options(config))
         shared, gate = self.make_shared(config, layer_id, SINGLE if ctx.a2a else ctx.tp)
         return SparseMoE(layer_id, self.make_router(config), experts, ctx, router_name=self.router_name,
-                         shared=shared, shared_gate=gate)
+                         shared=shared, shared_gate=gate, shared_name=self.shared_name)
 
     # ---- CPU fast paths ---------------------------------------------------------------------
     def prepack(self, ops, quantization: Optional[str] = None, batch_invariant: bool = False) -> int:

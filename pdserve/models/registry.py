@@ -17,6 +17,8 @@ _MODELS = {
     "Qwen2MoeForCausalLM": ("pdserve.models.moe", "Qwen2MoeForCausalLM"),
     "MixtralForCausalLM": ("pdserve.models.moe", "MixtralForCausalLM"),
     "GptOssForCausalLM": ("pdserve.models.gpt_oss", "GptOssForCausalLM"),
+    "DeepseekV2ForCausalLM": ("pdserve.models.deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("pdserve.models.deepseek", "DeepseekV3ForCausalLM"),
 }
 
 

@@ -1,4 +1,5 @@
-"""Tiny random HF checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3) for tests, built once and cached.
+"""Tiny random HF checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, the MoE families,
+DeepSeek V2/V3) for tests, built once and cached.
 
 Each is a normal HF directory (config.json, safetensors, the SmolLM2 tokenizer) under
 ``$PDSERVE_TEST_CACHE`` (default ``/tmp/pdserve-test-cache``), keyed by architecture and
@@ -92,6 +93,21 @@ ARCHS = {
         head_dim=16, num_hidden_layers=4, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
         intermediate_size=32,
     )),
+    # latent attention (kv_lora 32, q_lora 48, nope 16, rope 8, v 16); layer 0 dense, layers 1-2
+    # sparse: 8 experts top 2 plus a shared one; V2 greedy softmax routing scaled by 1.5
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, topk_method="greedy", routed_scaling_factor=1.5,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+    )),
+    # the same shapes, V3 routing: 4 groups of 2 experts, the best 2 groups, a correction bias
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        norm_topk_prob=True, rope_interleave=True, rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+    )),
 }
 # MoE router weights scaled up: decisive routing (no near-ties between experts), many experts hit
 _ROUTER_SCALE = 8.0
@@ -159,6 +175,9 @@ def build_tiny_checkpoint(arch: str, out_dir: str | None = None, *, max_shard_si
                     param.normal_(0.0, 0.2)
                 if name.endswith(_ROUTER_SUFFIXES):
                     param.mul_(_ROUTER_SCALE)
+            for name, buf in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):  # HF starts it at 0: make it decide something
+                    buf.normal_(0.0, 0.3)
         kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
         model.save_pretrained(tmp, **kwargs)
         for name in os.listdir(tokenizer_dir):

@@ -81,6 +81,19 @@ class AttentionBackend(abc.ABC):
     def forward(self, layer: AttnLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 fb: "ForwardBatch", sinks: Optional[torch.Tensor] = None) -> torch.Tensor: ...
 
+    def forward_latent(self, layer: AttnLayer, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
+                       fb: "ForwardBatch", w_kc: torch.Tensor, w_vc: torch.Tensor) -> torch.Tensor:
+        """Latent attention (MLA) of a ``latent_attention`` layer. ``q_nope`` [T, H, N] and
+        ``q_rope`` [T, H, r] (rotated): the query's two parts; ``latent`` [T, R + r]: the new
+        tokens' compressed latent (normalised) and rotated key part, which this call stores;
+        ``w_kc`` [H, N, R] and ``w_vc`` [H, V, R]: the key and value up-projections of this
+        rank's heads. Key j of head h is ``[w_kc[h] @ c_j, k_rope_j]``, its value ``w_vc[h] @
+        c_j``; returns [T, H, V]. A backend may attend in the decompressed form (the keys and
+        values built per head) or the absorbed one (``w_kc`` folded into the query, attention over
+        the latents as one shared head of R + r dims whose values are their first R, ``w_vc``
+        applied after), which agree up to rounding."""
+        raise NotImplementedError(f"attention backend {self.name!r} has no latent attention")
+
     @classmethod
     def missing_features(cls, layers: Iterable[AttnLayer]) -> list[str]:
         """The layer features of ``layers`` this backend does not support (``auto`` chooses a

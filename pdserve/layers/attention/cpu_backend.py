@@ -29,6 +29,7 @@ from pdserve.layers.attention.torch_backend import TorchAttnBackend, write_rows
 
 class CpuAttnBackend(TorchAttnBackend):
     name = "cpu"
+    cache_kinds = frozenset({"full_attention", "sliding_window"})  # no latent kernel yet: MLA runs on "torch"
     supports_softcap = False  # the kernels have no soft-cap; such models run on the torch backend
     supports_sinks = True  # both kernels take them
 

@@ -9,6 +9,12 @@ and CUDA; the ``cpu`` backend replaces the decode part with a kernel that reads 
 
 Per-forward state is kept per cache group (each group has its own pool and page ids); which rows
 are decode rows is the same for every group.
+
+Latent attention (MLA, ``forward_latent``): a latent page is one row per token (no head axis).
+Decode rows attend in the absorbed form (the key up-projection folded into the query: one shared
+key of R + r dims, values its first R, the value up-projection after), extend rows in the
+decompressed form (per-head keys and values built from the sequence's latents), which is cheaper
+where many queries share the keys.
 """
 
 from __future__ import annotations
@@ -72,16 +78,22 @@ class _Group:
     ext_pages: list[torch.Tensor]  # per extend row: the pages of its whole sequence
 
 
+def page_heads(pool) -> int:
+    """Rows per token in a page: its KV heads; a latent page has no head axis (one row)."""
+    return pool.kv_heads or 1
+
+
 def write_rows(g: GroupTable, out_offsets: torch.Tensor) -> torch.Tensor:
     """Row of each (new token, head) in the [num_pages * kv_heads * page_size, head_dim] view of
     one layer's K (or V): ((page * kv_heads + head) * page_size + offset). [T * kv_heads]"""
-    page, kv_heads = g.pool.page_size, g.pool.kv_heads
+    page, kv_heads = g.pool.page_size, page_heads(g.pool)
     heads = torch.arange(kv_heads, device=out_offsets.device)
     return ((g.out_pages[:, None] * kv_heads + heads[None, :]) * page + out_offsets[:, None]).reshape(-1)
 
 
 class TorchAttnBackend(AttentionBackend):
     name = "torch"
+    cache_kinds = frozenset({"full_attention", "sliding_window", "latent_attention"})
 
     def __init__(self, **_):
         self._fb: Optional[ForwardBatch] = None
@@ -112,7 +124,7 @@ class TorchAttnBackend(AttentionBackend):
         self.init_decode(fb, dec)
 
     def _init_group(self, fb: ForwardBatch, g: GroupTable) -> _Group:
-        page, kv_heads = g.pool.page_size, g.pool.kv_heads
+        page, kv_heads = g.pool.page_size, page_heads(g.pool)
         seq_lens = fb.seq_lens
         gather = None
         if self._dec:
@@ -199,5 +211,34 @@ class TorchAttnBackend(AttentionBackend):
             mask = self._extend_mask(idx, ext, prefix, layer.sliding_window, q.device)
             o = attention(qq, kk.unsqueeze(0).to(q.dtype), vv.unsqueeze(0).to(q.dtype), mask, layer.scale,
                           layer.logit_softcap, sinks)
+            out[start:start + ext] = o[0].transpose(0, 1)
+        return out
+
+    # ---- latent attention (MLA) -------------------------------------------------------------------
+    def forward_latent(self, layer, q_nope, q_rope, latent, fb, w_kc, w_vc):
+        group = fb.layer_group[layer.layer_id]
+        cache = fb.latent(layer.layer_id)  # [P, page, R + r]
+        dim, rank = cache.shape[-1], w_kc.shape[2]
+        cache.view(-1, dim).index_copy_(0, self._groups[group].write_rows, latent.to(cache.dtype))
+        out = q_nope.new_empty(q_nope.shape[:2] + (w_vc.shape[1],))
+        if self._dec_rows.numel():  # absorbed: one shared key head of R + r dims, values its first R
+            lat = cache.view(-1, dim)[self._groups[group].dec_gather].to(q_nope.dtype)  # [Bd, 1, L, R + r]
+            rows = self._dec_rows
+            q = torch.cat([torch.einsum("bhn,hnr->bhr", q_nope[rows], w_kc), q_rope[rows]], dim=-1)
+            o = attention(q.unsqueeze(2), lat, lat[..., :rank], self._decode_mask(layer.sliding_window), layer.scale,
+                          None)  # [Bd, H, 1, R]
+            out[rows] = torch.einsum("bhr,hvr->bhv", o.squeeze(2), w_vc)
+        ext_pages = self._groups[group].ext_pages
+        for idx, (start, ext, prefix) in enumerate(self._ext):  # decompressed, per request
+            seq = prefix + ext
+            lat = latent[start:start + ext] if prefix == 0 else \
+                cache[ext_pages[idx]].reshape(-1, dim)[:seq].to(q_nope.dtype)  # [S, R + r]
+            c, k_rope = lat[:, :rank], lat[:, rank:]
+            k = torch.cat([torch.einsum("sr,hnr->hsn", c, w_kc),
+                           k_rope.unsqueeze(0).expand(w_kc.shape[0], -1, -1)], dim=-1)  # [H, S, N + r]
+            v = torch.einsum("sr,hvr->hsv", c, w_vc)  # [H, S, V]
+            q = torch.cat([q_nope[start:start + ext], q_rope[start:start + ext]], dim=-1).transpose(0, 1)
+            mask = self._extend_mask(idx, ext, prefix, layer.sliding_window, q.device)
+            o = attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, layer.scale, None)
             out[start:start + ext] = o[0].transpose(0, 1)
         return out

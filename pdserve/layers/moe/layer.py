@@ -4,7 +4,7 @@ layouts and the two dispatch backends).
 ``SparseMoE.run(h, dp)`` takes this DP group's tokens [T, H] and returns their outputs [T, H] in
 the model dtype. The experts' weighted outputs are summed in float32 and rounded once (HF rounds
 after each expert in bf16; the two agree exactly in float32). An optional shared expert
-(``shared``, a ``GatedMLP``) is added with weight 1, or ``sigmoid(shared_gate(x))`` when
+(``shared``, a ``GatedMLP``, registered as ``shared_name``) is added with weight 1, or ``sigmoid(shared_gate(x))`` when
 there is a gate (Qwen2-MoE).
 
 Module names are the checkpoint's: the router is registered under ``router_name`` (``gate`` for
@@ -28,15 +28,16 @@ from pdserve.layers.moe.router import Router, Routing
 class SparseMoE(nn.Module):
     def __init__(self, layer_id: int, router: Router, experts: Experts, ctx: MoEContext,
                  router_name: str = "gate", shared: Optional[nn.Module] = None,
-                 shared_gate: Optional[Linear] = None):
+                 shared_gate: Optional[Linear] = None, shared_name: str = "shared_expert"):
         super().__init__()
         self.layer_id = layer_id
         self.router_name = router_name
         setattr(self, router_name, router)
         self.experts = experts
         self.ctx = ctx
+        self.shared_name = shared_name  # the checkpoint's: shared_expert (Qwen2-MoE), shared_experts (DeepSeek)
         if shared is not None:
-            self.shared_expert = shared
+            setattr(self, shared_name, shared)
         if shared_gate is not None:
             self.shared_expert_gate = shared_gate
         self.has_shared = shared is not None
@@ -79,7 +80,7 @@ class SparseMoE(nn.Module):
     def _with_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if not self.has_shared:
             return y
-        s = self.shared_expert(x)
+        s = getattr(self, self.shared_name)(x)
         if self.has_shared_gate:
             s = torch.sigmoid(self.shared_expert_gate(x)) * s
         return y + s

@@ -114,3 +114,96 @@ def qwen_router(config, hidden: Optional[int] = None) -> SoftmaxTopK:
 def mixtral_router(config) -> SoftmaxTopK:
     return SoftmaxTopK(config.hidden_size, config.num_local_experts, config.num_experts_per_tok,
                        renormalize=True, cast_back=False)
+
+
+def topk_ordered(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the ``k`` largest of each row, by the defined rule: highest first, the
+    lowest index first among equal values. ``torch.topk`` breaks ties in an order that depends on
+    the row's length and the kernel; a stable descending sort does not."""
+    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
+def _group_mask(scores: torch.Tensor, group_scores: torch.Tensor, topk_group: int) -> torch.Tensor:
+    """[T, E] True for the experts of each row's ``topk_group`` best groups."""
+    groups = group_scores.shape[-1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, topk_ordered(group_scores, topk_group)[1], True)
+    return keep.unsqueeze(-1).expand(-1, groups, scores.shape[-1] // groups).reshape(scores.shape)
+
+
+class GroupedSoftmaxTopK(Router):
+    """DeepSeek-V2: softmax over the experts in float32; ``greedy`` takes the top k, and
+    ``group_limited_greedy`` first keeps the ``topk_group`` groups whose best expert scores
+    highest (the others' scores become 0); the weights are the scores times
+    ``routed_scaling_factor``, not renormalised."""
+
+    fp32_logits = True
+    METHODS = ("greedy", "group_limited_greedy")
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, method: str, n_group: int, topk_group: int,
+                 scaling: float):
+        super().__init__(hidden, num_experts, top_k)
+        if method not in self.METHODS:
+            raise ValueError(f"topk_method: {method!r} is not supported for this model; supported: {self.METHODS}")
+        if method == "group_limited_greedy":
+            _check_groups(num_experts, top_k, n_group, topk_group)
+        self.method, self.n_group, self.topk_group, self.scaling = method, n_group, topk_group, scaling
+
+    def select(self, logits: torch.Tensor) -> Routing:
+        scores = logits.softmax(dim=-1, dtype=torch.float32)
+        if self.method == "group_limited_greedy":
+            best = scores.view(-1, self.n_group, self.num_experts // self.n_group).amax(dim=-1)
+            scores = scores.masked_fill(~_group_mask(scores, best, self.topk_group), 0.0)
+        weights, ids = topk_ordered(scores, self.top_k)
+        return Routing(ids, weights * self.scaling)
+
+
+class GroupedSigmoidTopK(Router):
+    """DeepSeek-V3 (and GLM-4.5): sigmoid scores in float32; the selection adds
+    ``e_score_correction_bias`` (float32, selection only), scores each group by the sum of its two
+    best experts, keeps the ``topk_group`` best groups and takes the top k of their experts; the
+    weights are the unbiased scores of the chosen experts, renormalised when ``norm_topk_prob``,
+    times ``routed_scaling_factor``. The gate weight and the bias stay float32 in any model dtype,
+    as HF keeps them."""
+
+    fp32_logits = True
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, n_group: int, topk_group: int, renormalize: bool,
+                 scaling: float):
+        super().__init__(hidden, num_experts, top_k)
+        _check_groups(num_experts, top_k, n_group, topk_group)
+        if num_experts // n_group < 2:
+            raise ValueError(f"n_group: {n_group} groups of {num_experts // n_group} expert(s); a group's score is "
+                             "the sum of its two best experts, so each group needs at least 2")
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
+        self.n_group, self.topk_group, self.renormalize, self.scaling = n_group, topk_group, renormalize, scaling
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        for p in (self.weight, self.e_score_correction_bias):  # float32 whatever the model's dtype
+            if p.dtype != torch.float32:
+                p.data = p.data.float()
+        return out
+
+    def select(self, logits: torch.Tensor) -> Routing:
+        scores = logits.float().sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        per_group = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+        group_scores = topk_ordered(per_group, 2)[0].sum(dim=-1)
+        choice = choice.masked_fill(~_group_mask(choice, group_scores, self.topk_group), float("-inf"))
+        ids = topk_ordered(choice, self.top_k)[1]
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return Routing(ids, weights * self.scaling)
+
+
+def _check_groups(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
+    if n_group < 1 or num_experts % n_group:
+        raise ValueError(f"n_group: {n_group} does not divide the {num_experts} routed experts")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group: {topk_group} must be in [1, n_group = {n_group}]")
+    if topk_group * (num_experts // n_group) < top_k:
+        raise ValueError(f"num_experts_per_tok: {top_k} experts cannot come from {topk_group} group(s) of "
+                         f"{num_experts // n_group}")

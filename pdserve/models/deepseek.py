@@ -1,0 +1,264 @@
+"""DeepSeek-V2 / V2-Lite and DeepSeek-V3 (and R1): latent attention (MLA) and grouped expert
+routing, whole or as one tensor-parallel rank.
+
+**Attention (MLA).** A token's query is ``q_proj(h)`` (or ``q_b_proj(norm(q_a_proj(h)))`` with
+``q_lora_rank``), per head ``[q_nope (N) | q_rope (r)]``. Its key and value come from one
+compressed latent: ``kv_a_proj_with_mqa(h) = [c (R) | k_rope (r)]``, ``c`` normalised
+(``kv_a_layernorm``), ``k_rope`` rotated and shared by every head; the cache keeps ``[c | k_rope]``,
+R + r values per token per layer (576 at DeepSeek-V3's sizes) and no head axis
+(``kv_spec.LatentAttention``, ``engine/kv_pool.LatentPool``). Head h's key is ``[W_kc[h] c |
+k_rope]`` and its value ``W_vc[h] c`` (``kv_b_proj`` holds W_kc and W_vc of every head); the
+attention backend attends in the decompressed or absorbed form (``AttentionBackend.forward_latent``).
+RoPE rotates interleaved pairs (V2; V3 with ``rope_interleave``, its default) or halves (V3
+without). The scale is ``(N + r)^-0.5``, times YaRN's ``mscale_all_dim`` factor squared.
+
+**Tensor parallelism.** The query heads (``q_proj``/``q_b_proj`` rows, ``kv_b_proj`` rows,
+``o_proj`` columns) are split over the attention group; the latent path (``q_a_proj``,
+``kv_a_proj_with_mqa``, their norms) is replicated, so every rank caches the same latent, and in
+PD a decode rank reads it from one prefill rank (a ``replicated`` transfer region).
+
+**MoE.** Layers ``>= first_k_dense_replace`` are sparse: ``n_routed_experts`` experts of
+``moe_intermediate_size`` plus ``n_shared_experts`` shared ones (one MLP of
+``moe_intermediate_size * n_shared_experts``, added with weight 1); the others are dense MLPs of
+``intermediate_size``. Routing (``layers/moe/router.py``): V2 softmax with ``greedy`` or
+``group_limited_greedy``; V3 grouped sigmoid with ``e_score_correction_bias``. Top-k ties go to
+the lowest expert id. Checkpoint names are HF's (``mlp.experts.E.{gate,up,down}_proj``,
+``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``, ``mlp.shared_experts.*``). The MTP
+layers a V3 checkpoint carries past ``num_hidden_layers`` are read and set aside
+(``mtp_weights``); speculative decoding is what would use them.
+
+What pdserve does not implement is refused at load, naming the field: another ``scoring_func``
+or ``topk_method``, FP8 block-quantized weights (``quantization_config``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from pdserve.distributed import shard_range
+from pdserve.forward_batch import ForwardBatch
+from pdserve.kv_spec import CacheSpec, LatentAttention
+from pdserve.layers.attention.base import AttnLayer
+from pdserve.layers.linear import Linear, RowParallelLinear
+from pdserve.layers.moe.router import GroupedSigmoidTopK, GroupedSoftmaxTopK, Router
+from pdserve.layers.norm import RMSNorm
+from pdserve.layers.rotary import apply_rotary, rope_parameters
+from pdserve.models.llama import LlamaDecoderLayer, LlamaModel
+from pdserve.models.moe import MoEForCausalLM
+from pdserve.models.weights import TPShards
+
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: HF builds them with the default eps
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved pairs (x0, x1), (x2, x3), ...; the result holds the pairs' first
+    elements, then their second ones (the same dot products as re-interleaving, one copy less).
+    ``cos``/``sin`` [T, r] hold each pair's angle twice (``cat(freqs, freqs)``)."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]  # x: [T, heads, r]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+class UpProjection(nn.Module):
+    """``kv_b_proj``'s weight [H * (N + V), R] of this rank's heads, used as per-head matrices
+    (never as one matmul, so it is not a ``Linear`` that prepacking would replace)."""
+
+    def __init__(self, rows: int, rank: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, rank))
+
+
+class MLAttention(nn.Module):
+    """Latent attention of one layer; loads and shards its own weights."""
+
+    def __init__(self, config, layer_id: int, shards: TPShards, interleave: bool = True):
+        super().__init__()
+        self.layer_id = layer_id
+        self.tp = shards.attn
+        h0, h1 = shard_range(config.num_attention_heads, self.tp.rank, self.tp.size)
+        self.heads = (h0, h1)
+        self.num_heads = h1 - h0  # this rank's
+        self.num_kv_heads = 0  # no KV heads: one latent per token
+        self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_dim, self.rank = config.v_head_dim, config.kv_lora_rank
+        self.q_lora = getattr(config, "q_lora_rank", None)
+        self.head_dim = self.rope  # what the model's rotary table is built for
+        self.interleave = interleave
+        params = rope_parameters(config)
+        scale = (self.nope + self.rope) ** -0.5
+        if params["rope_type"] != "default" and params.get("mscale_all_dim"):
+            scale *= yarn_mscale(params["factor"], params["mscale_all_dim"]) ** 2
+        self.scale = scale
+        self.attn = AttnLayer(layer_id - shards.layers[0], scale)
+        bias = bool(getattr(config, "attention_bias", False))
+        hidden, qk = config.hidden_size, self.nope + self.rope
+        if self.q_lora:
+            self.q_a_proj = Linear(hidden, self.q_lora, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora, LATENT_NORM_EPS)
+            self.q_b_proj = Linear(self.q_lora, self.num_heads * qk, bias=False)
+        else:
+            self.q_proj = Linear(hidden, self.num_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
+        self.kv_b_proj = UpProjection(self.num_heads * (self.nope + self.v_dim), self.rank)
+        self.o_proj = RowParallelLinear(self.num_heads * self.v_dim, hidden, bias=bias, tp=self.tp)
+
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fb: ForwardBatch) -> torch.Tensor:
+        t = h.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h))) if self.q_lora else self.q_proj(h)
+        q = q.view(t, self.num_heads, self.nope + self.rope)
+        q_nope, q_rope = q[..., :self.nope], q[..., self.nope:]
+        ckv = self.kv_a_proj_with_mqa(h)
+        c, k_rope = self.kv_a_layernorm(ckv[:, :self.rank].contiguous()), ckv[:, self.rank:]
+        rotate = rotate_interleaved if self.interleave else apply_rotary
+        q_rope, k_rope = rotate(q_rope, *rope), rotate(k_rope.unsqueeze(1), *rope)[:, 0]
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        o = fb.attn_backend.forward_latent(self.attn, q_nope, q_rope, torch.cat([c, k_rope], dim=-1), fb,
+                                           w[:, :self.nope], w[:, self.nope:])
+        return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
+
+    # ---- weights -----------------------------------------------------------------------------
+    def checkpoint_names(self) -> list[str]:
+        q = ["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"] if self.q_lora else ["q_proj.weight"]
+        names = q + ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"]
+        if self.o_proj.bias is not None:
+            names += ["kv_a_proj_with_mqa.bias", "o_proj.bias"] + (["q_a_proj.bias"] if self.q_lora else [])
+        return names
+
+    def load_checkpoint(self, name: str, src: Any) -> None:
+        if name not in self.checkpoint_names():
+            raise ValueError(f"unexpected latent attention weight {name!r}")
+        module, _, leaf = name.partition(".")
+        h0, h1 = self.heads
+        if module in ("q_proj", "q_b_proj"):  # this rank's heads' rows
+            qk = self.nope + self.rope
+            t = src[h0 * qk:h1 * qk]
+        elif module == "kv_b_proj":
+            per = self.nope + self.v_dim
+            t = src[h0 * per:h1 * per]
+        elif module == "o_proj" and leaf == "weight":  # row parallel: this rank's heads' columns
+            t = src[:, h0 * self.v_dim:h1 * self.v_dim]
+        else:  # the latent path and biases: whole on every rank
+            t = src[:]
+        target = getattr(getattr(self, module), leaf).data
+        if target.shape != t.shape:
+            raise ValueError(f"expected shape {tuple(target.shape)}, got {tuple(t.shape)}")
+        target.copy_(t)
+
+
+class DeepseekDecoderLayer(LlamaDecoderLayer):
+    """Pre-norm block of latent attention and a dense or sparse MLP (``make_mlp``)."""
+
+    def __init__(self, config, layer_id: int, shards: TPShards, make_mlp=None, interleave: bool = True, **_):
+        nn.Module.__init__(self)
+        self.self_attn = MLAttention(config, layer_id, shards, interleave)
+        self.mlp = make_mlp(config, layer_id, shards)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekModel(LlamaModel):
+    layer_cls = DeepseekDecoderLayer
+
+
+class DeepseekV2ForCausalLM(MoEForCausalLM):
+    model_cls = DeepseekModel
+    shared_name = "shared_experts"
+    SCORING = "softmax"
+
+    def __init__(self, config, *args, **kwargs):
+        self.check_config(config)
+        super().__init__(config, *args, **kwargs)
+        self.total_kv_heads = 1  # one latent per token, the same on every rank (no KV heads to split)
+        self.mtp_weights: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        """Refuse, naming the field, what this implementation does not compute."""
+        quant = getattr(config, "quantization_config", None)
+        if quant:
+            method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+            raise ValueError(f"quantization_config: {method!r} weights (e.g. DeepSeek's FP8 blocks with their "
+                             "scale_inv tensors) are not supported; use a bf16 or float32 checkpoint")
+        scoring = getattr(config, "scoring_func", None)
+        if scoring is not None and scoring != cls.SCORING:
+            raise ValueError(f"scoring_func: {scoring!r} is not supported for {cls.__name__} (it scores experts "
+                             f"with {cls.SCORING!r})")
+        if getattr(config, "kv_lora_rank", None) is None:
+            raise ValueError("kv_lora_rank: missing; latent attention needs it")
+
+    @staticmethod
+    def num_experts(config) -> int:
+        return config.n_routed_experts or 0
+
+    def is_sparse(self, config, layer_id: int) -> bool:
+        return self.num_experts(config) > 0 and layer_id >= config.first_k_dense_replace
+
+    def make_router(self, config) -> Router:
+        return GroupedSoftmaxTopK(config.hidden_size, config.n_routed_experts, config.num_experts_per_tok,
+                                  getattr(config, "topk_method", "greedy") or "greedy", config.n_group or 1,
+                                  config.topk_group or 1, config.routed_scaling_factor)
+
+    def make_shared(self, config, layer_id, tp):
+        from pdserve.layers.mlp import GatedMLP
+
+        n = getattr(config, "n_shared_experts", 0) or 0
+        if not n:
+            return None, None
+        return GatedMLP(config.hidden_size, config.moe_intermediate_size * n, config.hidden_act, tp), None
+
+    @staticmethod
+    def rope_interleave(config) -> bool:
+        return True  # V2 rotates interleaved pairs, always
+
+    def layer_options(self, config) -> dict:
+        self.moe_context(config)
+        return {"make_mlp": self.make_mlp, "interleave": self.rope_interleave(config)}
+
+    def kv_cache_specs(self) -> list[CacheSpec]:
+        return [LatentAttention(layer.self_attn.rank, layer.self_attn.rope) for layer in self.model.own_layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """HF names; the MTP layers (``model.layers.N`` with N >= ``num_hidden_layers``) are kept
+        aside in ``mtp_weights``, unused here."""
+        def ours() -> Iterable[tuple[str, Any]]:
+            for name, src in weights:
+                if name.startswith("model.layers.") and int(name.split(".")[2]) >= self.total_layers:
+                    self.mtp_weights[name] = src[:]
+                    continue
+                yield name, src
+
+        super().load_weights(ours())
+
+    def enable_decode_stack(self, ops, batch_invariant: bool = False) -> bool:
+        return False  # the C++ decode stack is the Llama block
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    SCORING = "sigmoid"
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        super().check_config(config)
+        method = getattr(config, "topk_method", None)
+        if method is not None and method != "noaux_tc":
+            raise ValueError(f"topk_method: {method!r} is not supported for DeepseekV3ForCausalLM (it routes with "
+                             "'noaux_tc': grouped sigmoid scores and a correction bias)")
+
+    @staticmethod
+    def rope_interleave(config) -> bool:
+        return bool(getattr(config, "rope_interleave", True))
+
+    def make_router(self, config) -> Router:
+        return GroupedSigmoidTopK(config.hidden_size, config.n_routed_experts, config.num_experts_per_tok,
+                                  config.n_group or 1, config.topk_group or 1,
+                                  bool(getattr(config, "norm_topk_prob", True)), config.routed_scaling_factor)

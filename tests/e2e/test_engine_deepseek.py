@@ -1,0 +1,76 @@
+"""DeepSeek models (latent attention, grouped routing) through the offline engine against HF
+transformers: V2 with greedy and group-limited routing (and no q_lora_rank), V3 with MoE (groups,
+the correction bias, a shared expert), V3 dense-only and V3 without q_lora_rank; greedy tokens
+identical in float32 with logprobs within 1e-4, prompts prefilled in chunks smaller than the
+prompt at page sizes 1 and 16, a prefix-cache hit; the latent cache's pool and the model's
+transfer bytes per token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.e2e.test_engine import make_engine, prompts_for
+from tests.e2e.test_engine_moe import hf_reference
+from tests.helpers.checkpoints import build_tiny_checkpoint
+
+torch.set_num_threads(1)
+
+NEW_TOKENS = 8
+VARIANTS = {
+    "v2-greedy": ("deepseek_v2", {}),
+    "v2-group-limited-no-qlora": ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4,
+                                                  "topk_group": 2, "q_lora_rank": None}),
+    "v3-moe": ("deepseek_v3", {}),
+    "v3-dense": ("deepseek_v3", {"first_k_dense_replace": 3}),
+    "v3-no-qlora": ("deepseek_v3", {"q_lora_rank": None, "rope_interleave": False}),
+}
+
+
+def checkpoint(name: str) -> str:
+    arch, overrides = VARIANTS[name]
+    return build_tiny_checkpoint(arch, **overrides)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_deepseek_matches_hf_float32(request, name, page_size):
+    path = checkpoint(name)
+    eng = make_engine(path, page_size=page_size, chunked_prefill_size=64, dtype="float32")
+    request.node._engine = eng
+    runner = eng.scheduler.runner
+    assert [g.kind for g in runner.cache_groups] == ["latent_attention"] and runner.attn_backend_name == "torch"
+    assert type(runner.pools[0]).__name__ == "LatentPool"
+    prompts = prompts_for(3)[:6]  # up to 160 tokens: three chunks
+    sp = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    outs = eng.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
+    for ids, out in zip(prompts, outs):
+        ref_tokens, ref_lp = hf_reference(path, ids, NEW_TOKENS)
+        assert out["output_ids"] == ref_tokens, f"{name}: prompt of {len(ids)} tokens"
+        for k, (v, tok, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
+            assert abs(v - ref_lp[len(ids) - 1 + k, tok].item()) < 1e-4, (name, len(ids), k)
+    follow = prompts[-1] + outs[-1]["output_ids"] + prompts[1]  # the next turn hits the prefix cache
+    out = eng.generate(input_ids=follow, sampling_params=sp)
+    assert out["meta_info"]["cached_tokens"] >= 16
+    assert out["output_ids"] == hf_reference(path, follow, NEW_TOKENS)[0]
+    info = eng.check_integrity()
+    assert info["in_use_pages"] == 0 and info["running"] == 0
+
+
+def test_the_latent_cache_is_what_pd_moves():
+    """One latent of kv_lora_rank + qk_rope_head_dim per token and layer: the pool, the transfer
+    regions (replicated, no head axis) and the bytes per token the router and the planner use."""
+    from pdserve.disagg.kv_args import KVArgs
+    from pdserve.disagg.metadata import MetadataBuffers
+    from pdserve.server.scheduler_process import kv_bytes_per_token
+
+    eng = make_engine(checkpoint("v3-moe"), page_size=16, dtype="float32")
+    try:
+        runner = eng.scheduler.runner
+        assert kv_bytes_per_token(runner) == 3 * (32 + 8) * 4  # layers x (kv_lora + rope) x float32
+        a = KVArgs.from_buffers(runner.pools, MetadataBuffers(4), cache_groups=runner.cache_groups)
+        assert [(r.layer, r.part, r.split, r.item_bytes) for r in a.regions] == [
+            (i, "latent", "replicated", 16 * 40 * 4) for i in range(3)]
+        assert a.splits == ("replicated",) and a.kv_head_num == 0
+    finally:
+        eng.shutdown()
