@@ -68,6 +68,33 @@ def yarn_mscale(scale: float, mscale: float) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+def refuse_unsupported(config, model: str, scoring: str, topk_methods: tuple[str, ...]) -> None:
+    """Refuse, naming the field, what this implementation does not compute: quantized weights,
+    another expert scoring function or top-k method (a field the config leaves out is HF's
+    default, which is what pdserve computes)."""
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+        raise ValueError(f"quantization_config: {method!r} weights (e.g. DeepSeek's FP8 blocks with their "
+                         "scale_inv tensors) are not supported; use a bf16 or float32 checkpoint")
+    value = getattr(config, "scoring_func", None)
+    if value is not None and value != scoring:
+        raise ValueError(f"scoring_func: {value!r} is not supported for {model} (it scores experts with {scoring!r})")
+    value = getattr(config, "topk_method", None)
+    if value is not None and value not in topk_methods:
+        raise ValueError(f"topk_method: {value!r} is not supported for {model}; supported: {', '.join(topk_methods)}")
+
+
+def set_aside_mtp(weights: Iterable[tuple[str, Any]], num_layers: int, store: dict) -> Iterable[tuple[str, Any]]:
+    """``weights`` without the MTP layers (``model.layers.N``, N >= ``num_layers``), which go into
+    ``store`` (read, unused here: speculative decoding is what would use them)."""
+    for name, src in weights:
+        if name.startswith("model.layers.") and int(name.split(".")[2]) >= num_layers:
+            store[name] = src[:]
+            continue
+        yield name, src
+
+
 class UpProjection(nn.Module):
     """``kv_b_proj``'s weight [H * (N + V), R] of this rank's heads, used as per-head matrices
     (never as one matmul, so it is not a ``Linear`` that prepacking would replace)."""
@@ -91,7 +118,7 @@ class MLAttention(nn.Module):
         self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_dim, self.rank = config.v_head_dim, config.kv_lora_rank
         self.q_lora = getattr(config, "q_lora_rank", None)
-        self.head_dim = self.rope  # what the model's rotary table is built for
+        self.head_dim = self.rotary_dim = self.rope  # what the model's rotary table is built for
         self.interleave = interleave
         params = rope_parameters(config)
         scale = (self.nope + self.rope) ** -0.5
@@ -120,6 +147,7 @@ class MLAttention(nn.Module):
         ckv = self.kv_a_proj_with_mqa(h)
         c, k_rope = self.kv_a_layernorm(ckv[:, :self.rank].contiguous()), ckv[:, self.rank:]
         rotate = rotate_interleaved if self.interleave else apply_rotary
+        rope = tuple(x.to(h.dtype) for x in rope)
         q_rope, k_rope = rotate(q_rope, *rope), rotate(k_rope.unsqueeze(1), *rope)[:, 0]
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
         o = fb.attn_backend.forward_latent(self.attn, q_nope, q_rope, torch.cat([c, k_rope], dim=-1), fb,
@@ -174,6 +202,7 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
     model_cls = DeepseekModel
     shared_name = "shared_experts"
     SCORING = "softmax"
+    TOPK_METHODS = GroupedSoftmaxTopK.METHODS
 
     def __init__(self, config, *args, **kwargs):
         self.check_config(config)
@@ -183,16 +212,7 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
 
     @classmethod
     def check_config(cls, config) -> None:
-        """Refuse, naming the field, what this implementation does not compute."""
-        quant = getattr(config, "quantization_config", None)
-        if quant:
-            method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
-            raise ValueError(f"quantization_config: {method!r} weights (e.g. DeepSeek's FP8 blocks with their "
-                             "scale_inv tensors) are not supported; use a bf16 or float32 checkpoint")
-        scoring = getattr(config, "scoring_func", None)
-        if scoring is not None and scoring != cls.SCORING:
-            raise ValueError(f"scoring_func: {scoring!r} is not supported for {cls.__name__} (it scores experts "
-                             f"with {cls.SCORING!r})")
+        refuse_unsupported(config, cls.__name__, cls.SCORING, cls.TOPK_METHODS)
         if getattr(config, "kv_lora_rank", None) is None:
             raise ValueError("kv_lora_rank: missing; latent attention needs it")
 
@@ -228,16 +248,7 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
         return [LatentAttention(layer.self_attn.rank, layer.self_attn.rope) for layer in self.model.own_layers]
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """HF names; the MTP layers (``model.layers.N`` with N >= ``num_hidden_layers``) are kept
-        aside in ``mtp_weights``, unused here."""
-        def ours() -> Iterable[tuple[str, Any]]:
-            for name, src in weights:
-                if name.startswith("model.layers.") and int(name.split(".")[2]) >= self.total_layers:
-                    self.mtp_weights[name] = src[:]
-                    continue
-                yield name, src
-
-        super().load_weights(ours())
+        super().load_weights(set_aside_mtp(weights, self.total_layers, self.mtp_weights))
 
     def enable_decode_stack(self, ops, batch_invariant: bool = False) -> bool:
         return False  # the C++ decode stack is the Llama block
@@ -245,14 +256,7 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     SCORING = "sigmoid"
-
-    @classmethod
-    def check_config(cls, config) -> None:
-        super().check_config(config)
-        method = getattr(config, "topk_method", None)
-        if method is not None and method != "noaux_tc":
-            raise ValueError(f"topk_method: {method!r} is not supported for DeepseekV3ForCausalLM (it routes with "
-                             "'noaux_tc': grouped sigmoid scores and a correction bias)")
+    TOPK_METHODS = ("noaux_tc",)  # grouped sigmoid scores and a correction bias
 
     @staticmethod
     def rope_interleave(config) -> bool:

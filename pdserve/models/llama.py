@@ -174,7 +174,8 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
-        head_dim = self.layers[self.start].self_attn.head_dim
+        attn = self.layers[self.start].self_attn
+        head_dim = getattr(attn, "rotary_dim", attn.head_dim)  # the dims RoPE turns (all, or a head's first part)
         initial = min(config.max_position_embeddings, _ROPE_INITIAL_POSITIONS)
         self.rotaries = nn.ModuleDict({kind: RotaryEmbedding(head_dim, params, initial)
                                        for kind, params in self.rope_settings(config).items()})

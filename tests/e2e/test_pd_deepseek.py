@@ -1,0 +1,133 @@
+"""DeepSeek-V3 (latent attention, grouped routing, a shared expert) across TP layouts and PD on
+the tiny checkpoint, every layout against one offline one-rank engine (float32; the only
+difference is the order of partial sums over the ranks).
+
+Colocated: tp2 (query heads split, the latent replicated) and DP attention with EP
+(``--tp-size 2 --dp-size 2 --enable-dp-attention --ep-size 2 --moe-dense-tp-size 1``). PD: prefill
+tp1 -> decode tp2, tp2 -> tp1 and tp2 -> (tp2, dp2, DP attention, EP2), through pdserve's router
+and the real sglang-router. The latent is a replicated region: each decode rank reads it from
+exactly one prefill rank, which the prefill ranks' transfer counters show, and the bytes a
+request moves are layers x (kv_lora_rank + qk_rope_head_dim) x 4 per token, counted once."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.e2e.test_moe_parallel import check_outputs
+from tests.e2e.test_tp import COMMON, NEW_TOKENS, all_ranks_idle, generate, idle, prompts
+from tests.helpers import cluster as c
+from tests.helpers.checkpoints import build_tiny_checkpoint
+from tests.helpers.sglang_router import sglang_router_available, start_sglang_router
+
+DP_EP = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2", "--moe-dense-tp-size", "1"]
+F32 = ["--dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def ds_model():
+    return build_tiny_checkpoint("deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def reference(ds_model):
+    import torch
+
+    import pdserve
+
+    torch.set_num_threads(1)
+    eng = pdserve.Engine(model_path=ds_model, torch_num_threads=1, max_total_tokens=16384, page_size=16,
+                         dtype="float32")
+    cache: dict = {}
+
+    def get(ids: list[int]) -> dict:
+        if tuple(ids) not in cache:
+            cache[tuple(ids)] = eng.generate(
+                input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+                return_logprob=True, logprob_start_len=0)
+        return cache[tuple(ids)]
+
+    yield get
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ds(tmp_path_factory, ds_model):
+    logs = tmp_path_factory.mktemp("deepseek")
+    small = [*COMMON, *F32, "--max-total-tokens", "4096"]
+    S = {"C tp2": c.server("C_tp2", ds_model, logs, "--tp-size", "2", *small),
+         "C dp2 ep2": c.server("C_dp2_ep2", ds_model, logs, *DP_EP, *small)}
+    S["P1"] = c.prefill("P1", ds_model, logs, *small)[0]
+    S["P2"] = c.prefill("P2", ds_model, logs, "--tp-size", "2", *small)[0]
+    S["D1"] = c.decode("D1", ds_model, logs, *small)
+    S["D2"] = c.decode("D2", ds_model, logs, "--tp-size", "2", *small)
+    S["Ddp"] = c.decode("Ddp", ds_model, logs, *DP_EP, *small)
+    try:
+        c.start_all(S.values())
+        routers = {"tp1 -> tp2": c.router("R_12", [S["P1"]], [S["D2"]], logs),
+                   "tp2 -> tp1": c.router("R_21", [S["P2"]], [S["D1"]], logs),
+                   "tp2 -> dp2 ep2": c.router("R_dp", [S["P2"]], [S["Ddp"]], logs)}
+        for r in routers.values():
+            r.start()
+        yield {"servers": S, "routers": routers}
+    finally:
+        for p in list(locals().get("routers", {}).values()) + list(S.values()):
+            p.stop()
+
+
+@pytest.mark.parametrize("layout", ["C tp2", "C dp2 ep2"])
+def test_colocated_layouts_match_one_rank(ds, reference, layout):
+    server = ds["servers"][layout]
+    check_outputs(server.url, reference, prompts(6, seed=60 + len(layout), max_len=200), layout, logprobs=True)
+    idle(server)
+
+
+PAIRS = {"tp1 -> tp2": ("P1", "D2"), "tp2 -> tp1": ("P2", "D1"), "tp2 -> dp2 ep2": ("P2", "Ddp")}
+# bytes each prefill rank writes for one request, in units of one copy of its latent pages
+COPIES = {"tp1 -> tp2": [2], "tp2 -> tp1": [1, 0], "tp2 -> dp2 ep2": [1, 0]}
+
+
+def _sent(server) -> list[int]:
+    ranks = server.http.get("/debug/integrity").json()["integrity"].get("ranks")
+    return [r["kv_bytes_sent"] for r in ranks] if ranks else \
+        [server.http.get("/debug/integrity").json()["integrity"]["kv_bytes_sent"]]
+
+
+@pytest.mark.parametrize("pairing", sorted(PAIRS))
+def test_pd_matches_one_rank_and_reads_the_latent_from_one_prefill_rank(ds, reference, pairing):
+    p_name, d_name = PAIRS[pairing]
+    P, D = ds["servers"][p_name], ds["servers"][d_name]
+    url = ds["routers"][pairing].url
+    check_outputs(url, reference, prompts(6, seed=70 + sorted(PAIRS).index(pairing)), pairing)
+    idle(P)
+    ids = prompts(1, seed=80)[0]
+    before = _sent(P)
+    assert generate(url, ids)["output_ids"] == reference(ids)["output_ids"]
+    c.wait_for(lambda: sum(_sent(P)) > sum(before), 10, "the transfer counters")
+    delta = [a - b for a, b in zip(_sent(P), before)]
+    cfg = json.load(open(P.http.get("/server_info").json()["model_path"] + "/config.json"))
+    pages = -(-len(ids) // 16)
+    copy = pages * 16 * cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+    assert delta == [n * copy for n in COPIES[pairing]], (pairing, delta, copy)
+    per_token = P.http.get("/server_info").json()["scheduler_info"]["kv_bytes_per_token"]
+    assert per_token == cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+    for s in (P, D):
+        idle(s)
+    if P.http.get("/server_info").json()["tp_size"] > 1:
+        all_ranks_idle(P)
+
+
+@pytest.mark.skipif(not sglang_router_available(), reason="sglang-router is not installed")
+def test_pd_behind_the_real_sglang_router(ds, reference, tmp_path):
+    S = ds["servers"]
+    port = c.free_port()
+    proc = start_sglang_router([(S["P2"].url, S["P2"].bootstrap_port), (S["P1"].url, S["P1"].bootstrap_port)],
+                               [S["D1"].url, S["D2"].url], port, log_path=str(tmp_path / "sglang-router.log"))
+    try:
+        check_outputs(f"http://127.0.0.1:{port}", reference, prompts(6, seed=90), "sglang-router")
+    finally:
+        proc.terminate()
+        proc.wait()
+    for name in ("P1", "P2", "D1", "D2"):
+        idle(S[name])
