@@ -52,7 +52,7 @@ QUICK_TIERS = {"a64fx": ("neon",), "neoverse-n1": ("neon_dotprod",), "max": ("ne
 QUICK_ONCE = ("tests/unit/test_kernel_threads.py::test_two_threads_share_the_work",
               "tests/unit/test_cpu_kernels.py::test_pdserve_cpu_isa_caps_the_kernels_and_the_libraries")
 TESTS = ("tests/unit/test_cpu_kernels.py", "tests/unit/test_batch_invariance.py", "tests/unit/test_moe_kernel.py",
-         "tests/unit/test_attention_sinks.py", "tests/unit/test_kernel_threads.py")
+         "tests/unit/test_attention_sinks.py", "tests/unit/test_kernel_threads.py", "tests/unit/test_mla_kernel.py")
 # not kernel tests, and they need transformers (not in the arm64 userland)
 DESELECT = ("tests/unit/test_attention_sinks.py::test_reference_is_hf_eager_attention",
             "tests/unit/test_attention_sinks.py::test_sinks_parameter_is_split_by_query_heads")

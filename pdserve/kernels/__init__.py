@@ -32,7 +32,7 @@ from pdserve.kernels import build
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("bindings.cpp", "isa.cpp", "elementwise_vec8.cpp", "gemm_vec8.cpp", "int8_vec8.cpp", "attention_vec8.cpp", "moe_vec8.cpp", "paged_attention.cpp", "elementwise.cpp", "gemv.cpp", "decode_model.cpp", "flash_attention.cpp", "int8_gemm.cpp", "gemm_f32.cpp", "moe.cpp", "amx.cpp", "amx_gemm.cpp", "amx_attention.cpp", "amx_selfcheck.cpp")
+SOURCES = ("bindings.cpp", "isa.cpp", "elementwise_vec8.cpp", "gemm_vec8.cpp", "int8_vec8.cpp", "attention_vec8.cpp", "moe_vec8.cpp", "paged_attention.cpp", "mla_attention.cpp", "elementwise.cpp", "gemv.cpp", "decode_model.cpp", "flash_attention.cpp", "int8_gemm.cpp", "gemm_f32.cpp", "moe.cpp", "amx.cpp", "amx_gemm.cpp", "amx_attention.cpp", "amx_selfcheck.cpp")
 # no FMA contraction: the kernels round where HF rounds (an explicit fmadd is the only fused op)
 CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-ffp-contract=off")
 # at::parallel_for is inline (ATen/ParallelOpenMP.h): without -fopenmp it runs on the calling

@@ -1,6 +1,7 @@
 """``--enable-deterministic-inference``: a request's tokens and logprobs are the same bits alone, in
 batches of mixed requests, at several chunked-prefill sizes, after a cached prefix (whole or
-partial), and through PD; in bf16 and float32, dense and MoE (sliding windows and sinks too)."""
+partial), and through PD; in bf16 and float32, dense and MoE (sliding windows and sinks too), and
+latent attention (DeepSeek-V3)."""
 
 from __future__ import annotations
 
@@ -105,6 +106,13 @@ def test_bf16_moe_with_sliding_window_and_sinks():
 
 def test_float32_moe():
     check_invariance(build_tiny_checkpoint("qwen3_moe"), "float32", chunks=(2048, 9), batches=(15,))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_latent_attention_with_grouped_routing(dtype):
+    """DeepSeek-V3: every row on the absorbed MLA kernel, the up-projections and the router in
+    k-ordered chains."""
+    check_invariance(build_tiny_checkpoint("deepseek_v3"), dtype, chunks=(2048, 7), batches=(15,))
 
 
 def test_the_mode_refuses_what_it_cannot_make_deterministic(tiny_llama_path):

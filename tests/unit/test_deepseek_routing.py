@@ -92,3 +92,15 @@ def test_unsupported_config_fields_are_refused_naming_them(arch, field, value, n
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace("[", r"\[")):
         with torch.device("meta"):
             model_class(config)(config)
+
+
+def test_router_scores_do_not_depend_on_the_row_count():
+    """V3's sigmoid scores of a token are the same bits alone or among others (PyTorch's remainder
+    path, which rows of fewer columns than a vector land in, can differ in the last bit)."""
+    from pdserve.layers.moe.router import rowwise_sigmoid
+
+    x = torch.randn(67, 8, generator=torch.Generator().manual_seed(3)) * 4
+    full = rowwise_sigmoid(x)
+    for rows in (1, 2, 3, 5, 17, 66):
+        assert torch.equal(rowwise_sigmoid(x[:rows]), full[:rows]), rows
+    torch.testing.assert_close(full, x.sigmoid(), rtol=0, atol=1e-7)

@@ -5,6 +5,8 @@
 
 namespace pds {
 
+void mla_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& cache, const at::Tensor& page_table,
+                          const at::Tensor& seq_lens, double scale, int64_t v_dim);
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& page_table, const at::Tensor& seq_lens, double scale, int64_t window,
                             const c10::optional<at::Tensor>& sinks);
@@ -61,6 +63,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("page_table"), pybind11::arg("seq_lens"), pybind11::arg("q_starts"), pybind11::arg("scale"),
         pybind11::arg("window"), pybind11::arg("sinks") = pybind11::none(), pybind11::arg("amx_min_rows") = -1);
+  m.def("mla_decode_attention", &pds::mla_decode_attention,
+        "latent attention decode, absorbed form: keys are the latent rows, values their first v_dim dims",
+        py::arg("out"), py::arg("q"), py::arg("cache"), py::arg("page_table"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("v_dim"));
   m.def("flash_supported", &pds::flash_supported, "whether paged_attention_bf16 runs here for this head_dim");
   m.def("rms_norm", &pds::rms_norm, "RMSNorm, optionally after a residual add (in place)");
   m.def("rotary_embedding", &pds::rotary_embedding, "rotate-half RoPE of q and k in place");

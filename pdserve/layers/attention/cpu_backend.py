@@ -29,12 +29,12 @@ from pdserve.layers.attention.torch_backend import TorchAttnBackend, write_rows
 
 class CpuAttnBackend(TorchAttnBackend):
     name = "cpu"
-    cache_kinds = frozenset({"full_attention", "sliding_window"})  # no latent kernel yet: MLA runs on "torch"
     supports_softcap = False  # the kernels have no soft-cap; such models run on the torch backend
     supports_sinks = True  # both kernels take them
 
     def __init__(self, ops=None, compute_dtype: torch.dtype = torch.bfloat16, deterministic: bool = False, **_):
         super().__init__()
+        self._absorb: dict[int, tuple[list, list]] = {}  # latent layer -> its heads' up-projections (deterministic)
         self.compute_dtype = compute_dtype
         self.deterministic = deterministic
         if ops is None:
@@ -46,8 +46,8 @@ class CpuAttnBackend(TorchAttnBackend):
         self.ops = ops
 
     def uses_flash(self, fb: ForwardBatch) -> bool:
-        return all(g.pool.dtype == self.compute_dtype == torch.bfloat16 and self.ops.flash_supported(g.pool.head_dim)
-                   for g in fb.groups)
+        return all(g.pool.kv_heads and g.pool.dtype == self.compute_dtype == torch.bfloat16
+                   and self.ops.flash_supported(g.pool.head_dim) for g in fb.groups)  # no latent pages
 
     def is_decode_row(self, fb: ForwardBatch, i: int) -> bool:
         # one new token, whatever its prefix: its K/V are in the pool before the kernel runs
@@ -121,6 +121,44 @@ class CpuAttnBackend(TorchAttnBackend):
             self.ops.paged_attention_bf16(out, q, kc, vc, table, lens, self._starts, layer.scale,
                                           layer.sliding_window or 0, _float32(sinks))
         return out
+
+
+    # ---- latent attention (MLA) ----------------------------------------------------------------
+    def decode_latent(self, out, layer, q_nope, q_rope, cache, group, w_kc, w_vc) -> None:
+        """The decode rows on ``mla_decode_attention`` (the latent pages read in place)."""
+        if self._dec is None:
+            return
+        sel, n, tables = self._dec
+        table, lens = tables[group]
+        rows = torch.arange(n) if sel is None else sel
+        q = torch.cat([torch.einsum("bhn,hnr->bhr", q_nope[rows], w_kc), q_rope[rows]], dim=-1).to(cache.dtype)
+        o = q.new_empty(q.shape[:2] + (w_kc.shape[2],))
+        self.ops.mla_decode_attention(o, q.contiguous(), cache, table, lens, layer.scale, w_kc.shape[2])
+        out[rows] = torch.einsum("bhr,hvr->bhv", o.to(q_nope.dtype), w_vc)
+
+    def forward_latent(self, layer, q_nope, q_rope, latent, fb, w_kc, w_vc):
+        if self._rowwise is None:
+            return super().forward_latent(layer, q_nope, q_rope, latent, fb, w_kc, w_vc)
+        # deterministic: every row its own absorbed query on the kernel, the up-projections one
+        # k-ordered chain per output (linear_f32), so nothing depends on the rest of the batch
+        rows, table, lens = self._rowwise[fb.layer_group[layer.layer_id]]
+        cache = fb.latent(layer.layer_id)
+        dim, rank = cache.shape[-1], w_kc.shape[2]
+        cache.view(-1, dim).index_copy_(0, rows, latent.to(cache.dtype))
+        kc, vc = self._absorbing(layer.layer_id, w_kc, w_vc)
+        q = torch.cat([torch.stack([kc[h](q_nope[:, h]) for h in range(len(kc))], dim=1), q_rope.float()], dim=-1)
+        o = q.new_empty(q.shape[:2] + (rank,))
+        self.ops.mla_decode_attention(o, q, cache, table, lens, layer.scale, rank)
+        return torch.stack([vc[h](o[:, h]) for h in range(len(vc))], dim=1).to(q_nope.dtype)
+
+    def _absorbing(self, layer_id: int, w_kc: torch.Tensor, w_vc: torch.Tensor) -> tuple[list, list]:
+        """Per head: ``q_nope -> w_kc[h]^T q_nope`` and ``o -> w_vc[h] o`` as ``PackedF32``."""
+        if layer_id not in self._absorb:
+            from pdserve.layers.linear import PackedF32
+
+            self._absorb[layer_id] = ([PackedF32(w.transpose(0, 1), None, self.ops) for w in w_kc],
+                                      [PackedF32(w, None, self.ops) for w in w_vc])
+        return self._absorb[layer_id]
 
 
 def _float32(sinks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -221,13 +221,7 @@ class TorchAttnBackend(AttentionBackend):
         dim, rank = cache.shape[-1], w_kc.shape[2]
         cache.view(-1, dim).index_copy_(0, self._groups[group].write_rows, latent.to(cache.dtype))
         out = q_nope.new_empty(q_nope.shape[:2] + (w_vc.shape[1],))
-        if self._dec_rows.numel():  # absorbed: one shared key head of R + r dims, values its first R
-            lat = cache.view(-1, dim)[self._groups[group].dec_gather].to(q_nope.dtype)  # [Bd, 1, L, R + r]
-            rows = self._dec_rows
-            q = torch.cat([torch.einsum("bhn,hnr->bhr", q_nope[rows], w_kc), q_rope[rows]], dim=-1)
-            o = attention(q.unsqueeze(2), lat, lat[..., :rank], self._decode_mask(layer.sliding_window), layer.scale,
-                          None)  # [Bd, H, 1, R]
-            out[rows] = torch.einsum("bhr,hvr->bhv", o.squeeze(2), w_vc)
+        self.decode_latent(out, layer, q_nope, q_rope, cache, group, w_kc, w_vc)
         ext_pages = self._groups[group].ext_pages
         for idx, (start, ext, prefix) in enumerate(self._ext):  # decompressed, per request
             seq = prefix + ext
@@ -242,3 +236,16 @@ class TorchAttnBackend(AttentionBackend):
             o = attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, layer.scale, None)
             out[start:start + ext] = o[0].transpose(0, 1)
         return out
+
+    def decode_latent(self, out, layer, q_nope, q_rope, cache, group, w_kc, w_vc) -> None:
+        """The decode rows in the absorbed form: one shared key head of R + r dims, values its
+        first R, written into their rows of ``out``."""
+        if not self._dec_rows.numel():
+            return
+        dim, rank = cache.shape[-1], w_kc.shape[2]
+        lat = cache.view(-1, dim)[self._groups[group].dec_gather].to(q_nope.dtype)  # [Bd, 1, L, R + r]
+        rows = self._dec_rows
+        q = torch.cat([torch.einsum("bhn,hnr->bhr", q_nope[rows], w_kc), q_rope[rows]], dim=-1)
+        o = attention(q.unsqueeze(2), lat, lat[..., :rank], self._decode_mask(layer.sliding_window), layer.scale,
+                      None)  # [Bd, H, 1, R]
+        out[rows] = torch.einsum("bhr,hvr->bhv", o.squeeze(2), w_vc)

@@ -187,7 +187,7 @@ class GroupedSigmoidTopK(Router):
         return out
 
     def select(self, logits: torch.Tensor) -> Routing:
-        scores = logits.float().sigmoid()
+        scores = rowwise_sigmoid(logits.float())
         choice = scores + self.e_score_correction_bias.float()
         per_group = choice.view(-1, self.n_group, self.num_experts // self.n_group)
         group_scores = topk_ordered(per_group, 2)[0].sum(dim=-1)
@@ -197,6 +197,17 @@ class GroupedSigmoidTopK(Router):
         if self.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return Routing(ids, weights * self.scaling)
+
+
+def rowwise_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``sigmoid`` of [T, E] whose rows do not depend on T. PyTorch runs an elementwise op over the
+    flattened tensor in whole SIMD vectors and the remainder on a scalar path, which can differ in
+    the last bit; with fewer columns than a vector, which rows fall in the remainder depends on the
+    row count. Padding each row to a multiple of 64 columns puts every element in a whole vector."""
+    pad = -x.shape[-1] % 64
+    if pad == 0:
+        return x.sigmoid()
+    return torch.nn.functional.pad(x, (0, pad)).sigmoid()[..., :x.shape[-1]]
 
 
 def _check_groups(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
