@@ -75,6 +75,10 @@ class ForwardBatch:
         """The latent cache of stage layer ``layer`` (latent attention): [num_pages, page_size, dim]."""
         return self.groups[self.layer_group[layer]].pool.latent_cache(self.layer_slot[layer])
 
+    def index_keys(self, layer: int) -> torch.Tensor:
+        """The sparse-attention indexer's key cache of stage layer ``layer``: [num_pages, page_size, dim]."""
+        return self.groups[self.layer_group[layer]].pool.index_cache(self.layer_slot[layer])
+
     def int32_tables(self, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(page_table [B, max_pages], seq_lens [B]) of one group as int32, what the CPU kernels
         take; built once per group."""

@@ -9,7 +9,7 @@ specs, never the model's shapes:
 - ``SlidingWindow``: the same per token, but a query at position i sees keys i-W < j <= i, so a
   sequence keeps only the pages that the next query can still see (``first_live_page``).
 - ``LatentAttention``: one latent vector per token (MLA): no head axis, replicated over
-  attention TP.
+  attention TP; with DeepSeek-V3.2's indexer, its key on the same pages.
 - ``RecurrentState``: fixed-size tensors per request (linear attention / SSM): one slot, not
   pages.
 
@@ -107,14 +107,17 @@ class SlidingWindow(FullAttention):
 
 @dataclass(frozen=True)
 class LatentAttention(CacheSpec):
-    """One compressed latent (``latent_dim``) plus its rotary part (``rope_dim``) per token."""
+    """One compressed latent (``latent_dim``) plus its rotary part (``rope_dim``) per token; with
+    ``index_dim``, a second cache on the same pages: the sparse-attention indexer's key
+    (DeepSeek-V3.2), one vector of ``index_dim`` per token."""
 
     kind: ClassVar[str] = "latent_attention"
     latent_dim: int
     rope_dim: int
+    index_dim: int = 0
 
     def page_bytes(self, page_size: int, dtype_bytes: int) -> int:
-        return page_size * (self.latent_dim + self.rope_dim) * dtype_bytes
+        return page_size * (self.latent_dim + self.rope_dim + self.index_dim) * dtype_bytes
 
 
 @dataclass(frozen=True)

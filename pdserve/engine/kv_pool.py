@@ -192,22 +192,30 @@ def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, 
 
 class LatentPool(BaseKVPool):
     """Latent attention (MLA): per layer and token one compressed latent (``latent_dim``) and its
-    rotary key part (``rope_dim``), stored together; the same on every TP rank."""
+    rotary key part (``rope_dim``), stored together; with ``index_dim``, the sparse-attention
+    indexer's key (DeepSeek-V3.2) too, in a second array of the same pages. The same on every TP
+    rank. One allocation: the latents, then the indexer keys."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, latent_dim: int, rope_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, allocator: BufferAllocator = default_allocator):
+                 dtype: torch.dtype, device: torch.device | str, allocator: BufferAllocator = default_allocator,
+                 index_dim: int = 0):
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
-        self.latent_dim, self.rope_dim = latent_dim, rope_dim
+        self.latent_dim, self.rope_dim, self.index_dim = latent_dim, rope_dim, index_dim
         self.dtype, self.device = dtype, torch.device(device)
-        # [num_layers, num_pages, page_size, latent_dim + rope_dim]
-        self._raw, self.buffer = _allocate((num_layers, num_pages, page_size, latent_dim + rope_dim), dtype,
-                                           self.device, allocator)
+        dim = latent_dim + rope_dim
+        self._raw, flat = _allocate((num_layers * num_pages * page_size * (dim + index_dim),), dtype, self.device,
+                                    allocator)
+        n = num_layers * num_pages * page_size * dim
+        # [num_layers, num_pages, page_size, latent_dim + rope_dim] and [..., index_dim]
+        self.buffer = flat[:n].view(num_layers, num_pages, page_size, dim)
+        self.index = flat[n:].view(num_layers, num_pages, page_size, index_dim) if index_dim else None
         self.allocator = PageAllocator(num_pages)
 
     @classmethod
     def for_spec(cls, spec, num_layers: int, num_pages: int, page_size: int, dtype: torch.dtype, device,
                  allocator: BufferAllocator = default_allocator) -> "LatentPool":
-        return cls(num_layers, num_pages, page_size, spec.latent_dim, spec.rope_dim, dtype, device, allocator)
+        return cls(num_layers, num_pages, page_size, spec.latent_dim, spec.rope_dim, dtype, device, allocator,
+                   spec.index_dim)
 
     @property
     def nbytes(self) -> int:
@@ -215,17 +223,25 @@ class LatentPool(BaseKVPool):
 
     @property
     def item_bytes(self) -> int:
-        """Bytes of one page of one layer."""
+        """Bytes of one page of one layer's latents."""
         return self.page_size * (self.latent_dim + self.rope_dim) * self.buffer.element_size()
 
     def latent_cache(self, layer: int) -> torch.Tensor:
         return self.buffer[layer]  # [num_pages, page_size, latent_dim + rope_dim]
 
+    def index_cache(self, layer: int) -> torch.Tensor:
+        return self.index[layer]  # [num_pages, page_size, index_dim]
+
     def regions(self, group) -> list[Region]:
-        nbytes, final = self.num_pages * self.item_bytes, "last_chunk" if group.spec.drops_pages else "per_chunk"
-        return [Region(ptr=self.buffer[i].data_ptr(), nbytes=nbytes, item_bytes=self.item_bytes, group=group.id,
-                       layer=layer, part="latent", final=final, split="replicated")
-                for i, layer in enumerate(group.layers)]
+        final = "last_chunk" if group.spec.drops_pages else "per_chunk"
+        out = []
+        for i, layer in enumerate(group.layers):
+            parts = [("latent", self.buffer[i])] + ([("index_k", self.index[i])] if self.index is not None else [])
+            for part, t in parts:
+                item = t[0].numel() * t.element_size()
+                out.append(Region(ptr=t.data_ptr(), nbytes=item * self.num_pages, item_bytes=item, group=group.id,
+                                  layer=layer, part=part, final=final, split="replicated"))
+        return out
 
     def write(self, layer: int, page_idx: torch.Tensor, offsets: torch.Tensor, latent: torch.Tensor) -> None:
         """Store new tokens' latents. ``page_idx``/``offsets``: [T]; ``latent``: [T, latent_dim + rope_dim]."""

@@ -257,3 +257,30 @@ def prepack_linears(model: nn.Module, ops: Optional[ModuleType], batch_hint: int
             module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
             total += impl.nbytes
     return total
+
+
+class Float32Linear(nn.Module):
+    """``x w^T`` in float32 whatever the model's dtype: a weight HF keeps in float32 (e.g.
+    DeepSeek-V3.2's indexer ``weights_proj``). With ``prepack(batch_invariant=True)`` its rows do not
+    depend on each other (``PackedF32``); otherwise ``F.linear``."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float32))
+        self.invariant: Optional[PackedF32] = None
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        if self.weight.dtype != torch.float32:  # float32 in any model dtype
+            self.weight.data = self.weight.data.float()
+        return out
+
+    def prepack(self, ops, batch_invariant: bool) -> int:
+        if not batch_invariant or ops is None:
+            return 0
+        self.invariant = PackedF32(self.weight.data, None, ops)
+        return self.invariant.nbytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return self.invariant(x) if self.invariant is not None else F.linear(x, self.weight)

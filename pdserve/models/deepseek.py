@@ -43,7 +43,7 @@ from pdserve.distributed import shard_range
 from pdserve.forward_batch import ForwardBatch
 from pdserve.kv_spec import CacheSpec, LatentAttention
 from pdserve.layers.attention.base import AttnLayer
-from pdserve.layers.linear import Linear, RowParallelLinear
+from pdserve.layers.linear import Float32Linear, Linear, RowParallelLinear
 from pdserve.layers.moe.router import GroupedSigmoidTopK, GroupedSoftmaxTopK, Router
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import apply_rotary, rope_parameters
@@ -104,6 +104,36 @@ class UpProjection(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, rank))
 
 
+class Indexer(nn.Module):
+    """DeepSeek-V3.2's lightning indexer: which earlier tokens each query attends to. Its key (one
+    head of ``index_head_dim``) is cached with the latent (``index_k``); its queries
+    (``index_n_heads``) come from the attention's ``q_lora`` output. Both get half-split RoPE on
+    their first ``qk_rope_head_dim`` dims. Key t scores ``sum_h w_h relu(q_h . k_t / sqrt(D))``
+    with ``w = weights_proj(x) / sqrt(H)`` (float32, as HF keeps ``weights_proj``); the
+    ``index_topk`` best are kept, ties to the lowest position (``AttentionBackend.index_select``).
+    Replicated over TP ranks, so every rank selects the same keys."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.heads, self.dim = config.index_n_heads, config.index_head_dim
+        self.rope, self.topk = config.qk_rope_head_dim, config.index_topk
+        if self.rope > self.dim:
+            raise ValueError(f"index_head_dim: {self.dim} is smaller than qk_rope_head_dim {self.rope}")
+        self.wq_b = Linear(config.q_lora_rank, self.heads * self.dim, bias=False)
+        self.wk = Linear(config.hidden_size, self.dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.dim, eps=1e-6)
+        self.weights_proj = Float32Linear(config.hidden_size, self.heads)
+
+    def forward(self, h: torch.Tensor, q_resid: torch.Tensor, rope, fb: ForwardBatch, layer: AttnLayer):
+        t, r = h.shape[0], self.rope
+        q = self.wq_b(q_resid).view(t, self.heads, self.dim)
+        k = self.k_norm(self.wk(h))
+        q = torch.cat([apply_rotary(q[..., :r], *rope), q[..., r:]], dim=-1)
+        k = torch.cat([apply_rotary(k[:, None, :r], *rope)[:, 0], k[:, r:]], dim=-1)
+        w = self.weights_proj(h) * self.heads ** -0.5
+        return fb.attn_backend.index_select(layer, q.float(), w, k, fb, self.topk, self.dim ** -0.5)
+
+
 class MLAttention(nn.Module):
     """Latent attention of one layer; loads and shards its own weights."""
 
@@ -138,10 +168,16 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
         self.kv_b_proj = UpProjection(self.num_heads * (self.nope + self.v_dim), self.rank)
         self.o_proj = RowParallelLinear(self.num_heads * self.v_dim, hidden, bias=bias, tp=self.tp)
+        self.indexer = Indexer(config) if getattr(config, "index_topk", None) else None
+
+    @property
+    def cache_spec(self) -> LatentAttention:
+        return LatentAttention(self.rank, self.rope, self.indexer.dim if self.indexer is not None else 0)
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fb: ForwardBatch) -> torch.Tensor:
         t = h.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h))) if self.q_lora else self.q_proj(h)
+        q_resid = self.q_a_layernorm(self.q_a_proj(h)) if self.q_lora else None
+        q = self.q_b_proj(q_resid) if self.q_lora else self.q_proj(h)
         q = q.view(t, self.num_heads, self.nope + self.rope)
         q_nope, q_rope = q[..., :self.nope], q[..., self.nope:]
         ckv = self.kv_a_proj_with_mqa(h)
@@ -150,8 +186,9 @@ class MLAttention(nn.Module):
         rope = tuple(x.to(h.dtype) for x in rope)
         q_rope, k_rope = rotate(q_rope, *rope), rotate(k_rope.unsqueeze(1), *rope)[:, 0]
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        selection = self.indexer(h, q_resid, rope, fb, self.attn) if self.indexer is not None else None
         o = fb.attn_backend.forward_latent(self.attn, q_nope, q_rope, torch.cat([c, k_rope], dim=-1), fb,
-                                           w[:, :self.nope], w[:, self.nope:])
+                                           w[:, :self.nope], w[:, self.nope:], selection)
         return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
 
     # ---- weights -----------------------------------------------------------------------------
@@ -160,12 +197,16 @@ class MLAttention(nn.Module):
         names = q + ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"]
         if self.o_proj.bias is not None:
             names += ["kv_a_proj_with_mqa.bias", "o_proj.bias"] + (["q_a_proj.bias"] if self.q_lora else [])
+        if self.indexer is not None:
+            names += [f"indexer.{n}" for n in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias",
+                                               "weights_proj.weight")]
         return names
 
     def load_checkpoint(self, name: str, src: Any) -> None:
         if name not in self.checkpoint_names():
             raise ValueError(f"unexpected latent attention weight {name!r}")
-        module, _, leaf = name.partition(".")
+        module = name.partition(".")[0]
+        path, _, leaf = name.rpartition(".")
         h0, h1 = self.heads
         if module in ("q_proj", "q_b_proj"):  # this rank's heads' rows
             qk = self.nope + self.rope
@@ -175,9 +216,9 @@ class MLAttention(nn.Module):
             t = src[h0 * per:h1 * per]
         elif module == "o_proj" and leaf == "weight":  # row parallel: this rank's heads' columns
             t = src[:, h0 * self.v_dim:h1 * self.v_dim]
-        else:  # the latent path and biases: whole on every rank
+        else:  # the latent path, the indexer and biases: whole on every rank
             t = src[:]
-        target = getattr(getattr(self, module), leaf).data
+        target = getattr(self.get_submodule(path), leaf).data
         if target.shape != t.shape:
             raise ValueError(f"expected shape {tuple(target.shape)}, got {tuple(t.shape)}")
         target.copy_(t)
@@ -245,7 +286,11 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
         return {"make_mlp": self.make_mlp, "interleave": self.rope_interleave(config)}
 
     def kv_cache_specs(self) -> list[CacheSpec]:
-        return [LatentAttention(layer.self_attn.rank, layer.self_attn.rope) for layer in self.model.own_layers]
+        return [layer.self_attn.cache_spec for layer in self.model.own_layers]
+
+    def prepack(self, ops, quantization=None, batch_invariant: bool = False) -> int:
+        total = super().prepack(ops, quantization, batch_invariant)
+        return total + sum(m.prepack(ops, batch_invariant) for m in self.modules() if isinstance(m, Float32Linear))
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         super().load_weights(set_aside_mtp(weights, self.total_layers, self.mtp_weights))
@@ -266,3 +311,21 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
         return GroupedSigmoidTopK(config.hidden_size, config.n_routed_experts, config.num_experts_per_tok,
                                   config.n_group or 1, config.topk_group or 1,
                                   bool(getattr(config, "norm_topk_prob", True)), config.routed_scaling_factor)
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V3.2: V3 with the sparse-attention indexer on every layer (``Indexer``)."""
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        super().check_config(config)
+        for field in ("index_topk", "index_head_dim", "index_n_heads", "q_lora_rank"):
+            if not getattr(config, field, None):
+                raise ValueError(f"{field}: missing; DeepSeek-V3.2's indexer needs it")
+        kinds = set(getattr(config, "layer_types", None) or ["indexed_attention"])
+        if kinds != {"indexed_attention"}:
+            raise ValueError(f"layer_types: {sorted(kinds)} not supported; supported: indexed_attention")
+
+    @staticmethod
+    def rope_interleave(config) -> bool:
+        return True  # V3.2's attention rotates interleaved pairs (its indexer, halves)

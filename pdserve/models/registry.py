@@ -19,6 +19,7 @@ _MODELS = {
     "GptOssForCausalLM": ("pdserve.models.gpt_oss", "GptOssForCausalLM"),
     "DeepseekV2ForCausalLM": ("pdserve.models.deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("pdserve.models.deepseek", "DeepseekV3ForCausalLM"),
+    "DeepseekV32ForCausalLM": ("pdserve.models.deepseek", "DeepseekV32ForCausalLM"),
     "Glm4MoeForCausalLM": ("pdserve.models.glm", "Glm4MoeForCausalLM"),
 }
 

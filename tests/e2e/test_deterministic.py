@@ -115,6 +115,11 @@ def test_latent_attention_with_grouped_routing(dtype):
     check_invariance(build_tiny_checkpoint("deepseek_v3"), dtype, chunks=(2048, 7), batches=(15,))
 
 
+def test_sparse_attention_selects_alike():
+    """DeepSeek-V3.2 with 8 keys per query: the indexer's scores and choices are the same bits."""
+    check_invariance(build_tiny_checkpoint("deepseek_v32", index_topk=8), "float32", chunks=(2048, 5), batches=(15,))
+
+
 def test_the_mode_refuses_what_it_cannot_make_deterministic(tiny_llama_path):
     with pytest.raises(ValueError, match="enable_deterministic_inference: this model's attention runs on the 'torch'"):
         pdserve.Engine(model_path=tiny_llama_path, dtype="bfloat16", torch_num_threads=1, max_total_tokens=1024,

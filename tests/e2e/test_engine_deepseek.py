@@ -1,6 +1,7 @@
 """DeepSeek models (latent attention, grouped routing) through the offline engine against HF
 transformers: V2 with greedy and group-limited routing (and no q_lora_rank), V3 with MoE (groups,
-the correction bias, a shared expert), V3 dense-only and V3 without q_lora_rank, and GLM-4.5's
+the correction bias, a shared expert), V3 dense-only and V3 without q_lora_rank, V3.2 whose indexer
+keeps every key (its sparse path: ``test_sparse_attention.py``), and GLM-4.5's
 shape (V3's routing over standard attention with partial RoPE, q/k norms, q/k/v biases); greedy tokens
 identical in float32 with logprobs within 1e-4, prompts prefilled in chunks smaller than the
 prompt at page sizes 1 and 16, a prefix-cache hit; the latent cache's pool and the model's
@@ -25,6 +26,7 @@ VARIANTS = {
     "v3-moe": ("deepseek_v3", {}),
     "v3-dense": ("deepseek_v3", {"first_k_dense_replace": 3}),
     "v3-no-qlora": ("deepseek_v3", {"q_lora_rank": None, "rope_interleave": False}),
+    "v32-dense": ("deepseek_v32", {}),  # the indexer with index_topk above every prompt: HF's dense result
     "glm4-moe": ("glm4_moe", {}),
 }
 

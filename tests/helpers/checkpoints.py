@@ -108,6 +108,14 @@ ARCHS = {
         n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
         norm_topk_prob=True, rope_interleave=True, rope_parameters=dict(rope_type="default", rope_theta=10000.0),
     )),
+    # V3 with the sparse-attention indexer (4 heads of 16); index_topk >= every prompt here: dense
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
+        num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        norm_topk_prob=True, index_topk=4096, index_head_dim=16, index_n_heads=4,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+    )),
     # GLM-4.5's shape: q/k/v biases, q/k norms, RoPE on half of each head, layer 0 dense, V3 routing
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
         head_dim=16, num_hidden_layers=3, attention_bias=True, use_qk_norm=True, n_routed_experts=8,

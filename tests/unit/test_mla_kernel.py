@@ -93,3 +93,65 @@ def test_bad_input_is_refused(ops):
         ops.mla_decode_attention(torch.empty(1, 2, 30), torch.zeros(1, 2, 24), cache, table, lens, 1.0, 30)
     with pytest.raises(RuntimeError, match="out must be"):
         ops.mla_decode_attention(torch.empty(1, 2, 8), torch.zeros(1, 2, 24), cache, table, lens, 1.0, 16)
+
+
+def test_sparse_positions_select_the_keys(ops):
+    """With ``positions`` a row attends to its listed keys only; listing every key is the dense
+    result, bit for bit."""
+    gen = torch.Generator().manual_seed(11)
+    cache = torch.randn(20, 4, 40, generator=gen)
+    table = torch.arange(1, 17, dtype=torch.int32).view(2, 8)
+    q = torch.randn(2, 3, 40, generator=gen)
+    dense_lens = torch.tensor([30, 19], dtype=torch.int32)
+    dense = torch.empty(2, 3, 32)
+    ops.mla_decode_attention(dense, q, cache, table, dense_lens, 0.3, 32)
+    every = torch.stack([torch.arange(32, dtype=torch.int32)] * 2)
+    again = torch.empty(2, 3, 32)
+    ops.mla_decode_attention(again, q, cache, table, dense_lens, 0.3, 32, every)
+    assert torch.equal(again, dense)
+    picked = torch.tensor([[0, 5, 29, 0], [3, 4, 17, 18]], dtype=torch.int32)
+    counts = torch.tensor([3, 4], dtype=torch.int32)
+    sparse = torch.empty(2, 3, 32)
+    ops.mla_decode_attention(sparse, q, cache, table, counts, 0.3, 32, picked)
+    for b in range(2):  # the same as a dense call over a cache holding only those keys
+        rows = torch.stack([cache[table[b, p // 4], p % 4] for p in picked[b, :counts[b]].tolist()])
+        p = torch.softmax(q[b].double() @ rows.double().T * 0.3, -1)
+        torch.testing.assert_close(sparse[b].double(), p @ rows[:, :32].double(), rtol=0, atol=1e-6)
+
+
+def indexer_reference(q, w, keys, n, topk, scale):
+    """The rule in float64: score_t = sum_h w_h relu(scale q_h . k_t); highest first, lowest position
+    among equals; ascending."""
+    s = (w.double()[:, None] * torch.relu(q.double() @ keys[:n].double().T * scale)).sum(0)
+    order = torch.sort(s, descending=True, stable=True).indices[:topk]
+    return torch.sort(order).values.tolist()
+
+
+def test_indexer_topk_follows_the_rule_with_ties(ops, isa):
+    gen = torch.Generator().manual_seed(5)
+    page, dim, heads = 4, 24, 5
+    cache = torch.randn(30, page, dim, generator=gen)
+    cache[3, 1] = -cache[3, 1].abs()  # some keys every head scores <= 0: exact-zero ties after the ReLU
+    table = torch.arange(1, 29, dtype=torch.int32).view(2, 14)
+    keys = [torch.stack([cache[table[b, t // page], t % page] for t in range(56)]) for b in range(2)]
+    q = torch.randn(6, heads, dim, generator=gen).abs()  # positive queries: keys of negative entries score 0
+    w = torch.rand(6, heads, generator=gen)
+    req = [0, 0, 0, 1, 1, 1]
+    lens = torch.tensor([1, 9, 13, 5, 40, 56], dtype=torch.int32)
+    out = torch.full((6, 8), -1, dtype=torch.int32)
+    count = torch.empty(6, dtype=torch.int32)
+    ops.indexer_topk(out, count, q, w, cache, table[req].contiguous(), lens, dim ** -0.5)
+    for i in range(6):
+        want = indexer_reference(q[i], w[i], keys[req[i]], int(lens[i]), 8, dim ** -0.5)
+        assert count[i] == len(want) and out[i, :count[i]].tolist() == want, i
+    # a key that scores exactly zero loses to any positive one, and ties go to the lowest position
+    zero = torch.zeros(1, heads, dim)
+    ops.indexer_topk(out[:1], count[:1], zero, w[:1], cache, table[:1].contiguous(), lens[4:5], 1.0)
+    assert out[0, :count[0]].tolist() == list(range(8))
+
+
+def test_indexer_bad_input_is_refused(ops):
+    with pytest.raises(RuntimeError, match="q must be a contiguous float32"):
+        ops.indexer_topk(torch.empty(1, 2, dtype=torch.int32), torch.empty(1, dtype=torch.int32),
+                         torch.zeros(1, 2, 8, dtype=torch.bfloat16), torch.zeros(1, 2), torch.zeros(2, 4, 8),
+                         torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0)

@@ -6,7 +6,10 @@
 namespace pds {
 
 void mla_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& cache, const at::Tensor& page_table,
-                          const at::Tensor& seq_lens, double scale, int64_t v_dim);
+                          const at::Tensor& seq_lens, double scale, int64_t v_dim,
+                          const c10::optional<at::Tensor>& positions);
+void indexer_topk(at::Tensor out, at::Tensor count, const at::Tensor& q, const at::Tensor& weights,
+                  const at::Tensor& cache, const at::Tensor& page_table, const at::Tensor& seq_lens, double scale);
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& page_table, const at::Tensor& seq_lens, double scale, int64_t window,
                             const c10::optional<at::Tensor>& sinks);
@@ -66,7 +69,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mla_decode_attention", &pds::mla_decode_attention,
         "latent attention decode, absorbed form: keys are the latent rows, values their first v_dim dims",
         py::arg("out"), py::arg("q"), py::arg("cache"), py::arg("page_table"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("v_dim"));
+        py::arg("v_dim"), py::arg("positions") = py::none());
+  m.def("indexer_topk", &pds::indexer_topk,
+        "DeepSeek-V3.2's lightning indexer: each row's top-k key positions (ascending; ties to the lowest position)",
+        py::arg("out"), py::arg("count"), py::arg("q"), py::arg("weights"), py::arg("cache"), py::arg("page_table"),
+        py::arg("seq_lens"), py::arg("scale"));
   m.def("flash_supported", &pds::flash_supported, "whether paged_attention_bf16 runs here for this head_dim");
   m.def("rms_norm", &pds::rms_norm, "RMSNorm, optionally after a residual add (in place)");
   m.def("rotary_embedding", &pds::rotary_embedding, "rotate-half RoPE of q and k in place");

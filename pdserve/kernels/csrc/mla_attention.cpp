@@ -4,7 +4,8 @@
 // folded into its first Dk - r dims); the cache holds one latent row of Dk values per token (no
 // head axis): [num_pages, page_size, Dk]. A token's key is its whole row, its value the row's
 // first Dv values (DeepSeek-V3: Dk 576, Dv 512). Row b attends to positions [0, lens[b]) of its
-// page table; out[b, h] = softmax(scale * q[b, h] . K) V, Dv values per head.
+// page table (or, with `positions`, to the lens[b] positions listed for it: sparse attention);
+// out[b, h] = softmax(scale * q[b, h] . K) V, Dv values per head.
 //
 // A task is (row, 16 heads): the 16 heads' queries are held transposed, so a score is 16 lanes
 // of partial sums over the key's dims, each in dim order; values are added in key order. Blocks of
@@ -36,7 +37,8 @@ struct MlaArgs {
   const void* cache;
   const int32_t* table;
   const int32_t* lens;
-  int64_t q_stride_b, q_stride_h, out_stride_b, out_stride_h, table_stride;
+  const int32_t* positions;  // optional [rows, positions_stride]: the keys a row attends to (ascending), lens[b] of them
+  int64_t q_stride_b, q_stride_h, out_stride_b, out_stride_h, table_stride, positions_stride;
   int64_t heads, page_size, dk, dv;
   float scale;
   bool q_bf16, cache_bf16;
@@ -75,7 +77,7 @@ inline __attribute__((always_inline)) void mla_tasks(const MlaArgs& a, int64_t b
     for (int64_t pos = 0; pos < len; pos += kBlock) {
       const int n = int(std::min<int64_t>(kBlock, len - pos));
       for (int j = 0; j < n; ++j) {
-        const int64_t p = pos + j;
+        const int64_t p = a.positions ? a.positions[b * a.positions_stride + pos + j] : pos + j;
         const KT* row = cache + (int64_t(pages[p / a.page_size]) * a.page_size + p % a.page_size) * Dk;
         float* kr = keys.data() + j * Dk;
         for (int64_t d = 0; d < Dk; ++d) kr[d] = at_f32(row, d);
@@ -151,10 +153,110 @@ void mla_run(const MlaArgs& a, int64_t begin, int64_t end) {
   mla_scalar<QT, KT>(a, begin, end);
 }
 
+// ---- the lightning indexer (DeepSeek-V3.2): which keys each query attends to --------------------
+struct IndexArgs {
+  const float* q;        // [rows, heads, dim], scaled by the caller as it likes
+  const float* weights;  // [rows, heads]
+  const void* cache;     // [pages, page_size, dim] index keys
+  const int32_t* table;
+  const int32_t* lens;
+  int32_t* out;     // [rows, topk]: selected positions, ascending
+  int32_t* count;   // [rows]: how many (min(topk, len))
+  int64_t table_stride, heads, dim, page_size, topk;
+  float scale;
+};
+
+// score(t) = sum over heads h, in order, of weights[h] * relu(scale * (q[h] . k[t])), each dot in
+// dim order (16 heads' partial sums at a time, across the heads); the topk highest scores, the
+// lowest position first among equal ones (exact zeros from the ReLU tie often); then ascending.
+template <typename KT>
+inline __attribute__((always_inline)) void index_rows(const IndexArgs& a, int64_t begin, int64_t end) {
+  const int64_t Hp = (a.heads + kHeads - 1) / kHeads * kHeads, D = a.dim;
+  std::vector<float> qt(D * Hp), dots(Hp), kr(D), score;
+  std::vector<int32_t> order;
+  const KT* cache = static_cast<const KT*>(a.cache);
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t len = a.lens[b];
+    const float* q = a.q + b * a.heads * D;
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t h = 0; h < Hp; ++h) qt[d * Hp + h] = h < a.heads ? q[h * D + d] : 0.f;
+    score.resize(len);
+    const int32_t* pages = a.table + b * a.table_stride;
+    for (int64_t t = 0; t < len; ++t) {
+      const KT* row = cache + (int64_t(pages[t / a.page_size]) * a.page_size + t % a.page_size) * D;
+      for (int64_t d = 0; d < D; ++d) kr[d] = at_f32(row, d);
+      for (int64_t h = 0; h < Hp; ++h) dots[h] = 0.f;
+      for (int64_t d = 0; d < D; ++d) {
+        const float kd = kr[d];
+        const float* qd = qt.data() + d * Hp;
+        for (int64_t h = 0; h < Hp; ++h) dots[h] += qd[h] * kd;
+      }
+      float s = 0.f;
+      for (int64_t h = 0; h < a.heads; ++h) s += a.weights[b * a.heads + h] * std::max(dots[h] * a.scale, 0.f);
+      score[t] = s;
+    }
+    const int64_t k = std::min<int64_t>(a.topk, len);
+    order.resize(len);
+    for (int64_t t = 0; t < len; ++t) order[t] = int32_t(t);
+    auto better = [&](int32_t x, int32_t y) { return score[x] > score[y] || (score[x] == score[y] && x < y); };
+    if (k < len) std::nth_element(order.begin(), order.begin() + k, order.end(), better);
+    std::sort(order.begin(), order.begin() + k);
+    std::copy(order.begin(), order.begin() + k, a.out + b * a.topk);
+    a.count[b] = int32_t(k);
+  }
+}
+
+template <typename KT>
+void index_scalar(const IndexArgs& a, int64_t begin, int64_t end) { index_rows<KT>(a, begin, end); }
+#if PDS_X86
+template <typename KT>
+PDS_AVX2 void index_avx2(const IndexArgs& a, int64_t begin, int64_t end) { index_rows<KT>(a, begin, end); }
+template <typename KT>
+PDS_AVX512 void index_avx512(const IndexArgs& a, int64_t begin, int64_t end) { index_rows<KT>(a, begin, end); }
+#endif
+
+template <typename KT>
+void index_run(const IndexArgs& a, int64_t begin, int64_t end) {
+#if PDS_X86
+  if (use_avx512()) return index_avx512<KT>(a, begin, end);
+  if (use_avx2()) return index_avx2<KT>(a, begin, end);
+#endif
+  index_scalar<KT>(a, begin, end);
+}
+
 }  // namespace
 
+void indexer_topk(at::Tensor out, at::Tensor count, const at::Tensor& q, const at::Tensor& weights,
+                  const at::Tensor& cache, const at::Tensor& page_table, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "indexer_topk: q must be a contiguous float32 [rows, heads, dim]");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.dim() == 2 &&
+                  weights.size(0) == B && weights.size(1) == H,
+              "indexer_topk: weights must be a contiguous float32 [rows, heads]");
+  TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous() && float_or_bf16(cache) && cache.size(2) == D,
+              "indexer_topk: the cache must be a contiguous float32 or bfloat16 [pages, page_size, dim]");
+  TORCH_CHECK(out.scalar_type() == at::kInt && out.dim() == 2 && out.size(0) == B && out.is_contiguous() &&
+                  count.scalar_type() == at::kInt && count.dim() == 1 && count.size(0) == B,
+              "indexer_topk: out must be int32 [rows, topk] and count int32 [rows]");
+  TORCH_CHECK(page_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  page_table.dim() == 2 && page_table.size(0) == B && page_table.stride(1) == 1 &&
+                  seq_lens.size(0) == B && seq_lens.is_contiguous(),
+              "indexer_topk: page_table and seq_lens must be int32, [rows, pages] and [rows]");
+  TORCH_CHECK(D <= kMaxDim, "indexer_topk: dim ", D, " > ", kMaxDim);
+  if (B == 0) return;
+  IndexArgs a{q.data_ptr<float>(), weights.data_ptr<float>(), cache.data_ptr(), page_table.data_ptr<int32_t>(),
+              seq_lens.data_ptr<int32_t>(), out.data_ptr<int32_t>(), count.data_ptr<int32_t>(),
+              page_table.stride(0), H, D, cache.size(1), out.size(1), float(scale)};
+  const bool bf16 = cache.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    bf16 ? index_run<uint16_t>(a, begin, end) : index_run<float>(a, begin, end);
+  });
+}
+
 void mla_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& cache, const at::Tensor& page_table,
-                          const at::Tensor& seq_lens, double scale, int64_t v_dim) {
+                          const at::Tensor& seq_lens, double scale, int64_t v_dim,
+                          const c10::optional<at::Tensor>& positions) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3, "mla_decode_attention: q and out must be [rows, heads, dims]");
   TORCH_CHECK(float_or_bf16(q) && out.scalar_type() == q.scalar_type(),
               "mla_decode_attention: q and out must both be float32 or both bfloat16");
@@ -171,10 +273,19 @@ void mla_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor&
   TORCH_CHECK(out.size(0) == B && out.size(1) == H && out.size(2) == v_dim, "mla_decode_attention: out must be [",
               B, ", ", H, ", ", v_dim, "]");
   TORCH_CHECK(page_table.size(0) == B && seq_lens.size(0) == B, "mla_decode_attention: batch sizes differ");
+  const int32_t* pos = nullptr;
+  if (positions.has_value()) {  // sparse attention: each row's selected keys
+    const at::Tensor& p = *positions;
+    TORCH_CHECK(p.scalar_type() == at::kInt && p.dim() == 2 && p.size(0) == B && p.stride(1) == 1,
+                "mla_decode_attention: positions must be int32 [rows, k]");
+    TORCH_CHECK(B == 0 || seq_lens.max().item<int32_t>() <= p.size(1),
+                "mla_decode_attention: with positions, seq_lens counts each row's positions (at most ", p.size(1), ")");
+    pos = p.data_ptr<int32_t>();
+  }
   if (B == 0) return;
   MlaArgs a{q.data_ptr(), out.data_ptr(), cache.data_ptr(), page_table.data_ptr<int32_t>(),
-            seq_lens.data_ptr<int32_t>(), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            page_table.stride(0), H, cache.size(1), Dk, v_dim, float(scale),
+            seq_lens.data_ptr<int32_t>(), pos, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            page_table.stride(0), pos ? positions->stride(0) : 0, H, cache.size(1), Dk, v_dim, float(scale),
             q.scalar_type() == at::kBFloat16, cache.scalar_type() == at::kBFloat16};
   const int64_t tasks = B * ((H + kHeads - 1) / kHeads);
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {

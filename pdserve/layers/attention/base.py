@@ -82,7 +82,8 @@ class AttentionBackend(abc.ABC):
                 fb: "ForwardBatch", sinks: Optional[torch.Tensor] = None) -> torch.Tensor: ...
 
     def forward_latent(self, layer: AttnLayer, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
-                       fb: "ForwardBatch", w_kc: torch.Tensor, w_vc: torch.Tensor) -> torch.Tensor:
+                       fb: "ForwardBatch", w_kc: torch.Tensor, w_vc: torch.Tensor,
+                       selection: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """Latent attention (MLA) of a ``latent_attention`` layer. ``q_nope`` [T, H, N] and
         ``q_rope`` [T, H, r] (rotated): the query's two parts; ``latent`` [T, R + r]: the new
         tokens' compressed latent (normalised) and rotated key part, which this call stores;
@@ -91,8 +92,19 @@ class AttentionBackend(abc.ABC):
         c_j``; returns [T, H, V]. A backend may attend in the decompressed form (the keys and
         values built per head) or the absorbed one (``w_kc`` folded into the query, attention over
         the latents as one shared head of R + r dims whose values are their first R, ``w_vc``
-        applied after), which agree up to rounding."""
+        applied after), which agree up to rounding. ``selection`` (sparse attention, from
+        ``index_select``): each row attends to its listed positions only."""
         raise NotImplementedError(f"attention backend {self.name!r} has no latent attention")
+
+    def index_select(self, layer: AttnLayer, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                     fb: "ForwardBatch", topk: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3.2's lightning indexer for a latent layer with an indexer cache: stores the
+        new tokens' ``keys`` [T, D] and returns, per new token, the positions it attends to:
+        (positions [T, topk] int32, ascending, counts [T] int32 = min(topk, the keys it sees)).
+        A key's score for query row t is ``sum_h weights[t, h] * relu(scale * q[t, h] . key)``
+        (``q`` [T, H, D], ``weights`` [T, H], float32); the ``topk`` highest are chosen, the
+        lowest position first among equal scores, so chunking, PD and decode choose alike."""
+        raise NotImplementedError(f"attention backend {self.name!r} has no sparse-attention indexer")
 
     @classmethod
     def missing_features(cls, layers: Iterable[AttnLayer]) -> list[str]:

@@ -56,6 +56,7 @@ class CpuAttnBackend(TorchAttnBackend):
     def init_forward(self, fb: ForwardBatch) -> None:
         self._flash = None
         self._rowwise = None
+        self._row_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # group -> per-token tables
         if not self.uses_flash(fb):
             if self.deterministic:
                 return self._init_rowwise(fb)
@@ -124,32 +125,63 @@ class CpuAttnBackend(TorchAttnBackend):
 
 
     # ---- latent attention (MLA) ----------------------------------------------------------------
-    def decode_latent(self, out, layer, q_nope, q_rope, cache, group, w_kc, w_vc) -> None:
+    def decode_latent(self, out, layer, q_nope, q_rope, cache, group, w_kc, w_vc, selection=None) -> None:
         """The decode rows on ``mla_decode_attention`` (the latent pages read in place)."""
         if self._dec is None:
             return
         sel, n, tables = self._dec
         table, lens = tables[group]
         rows = torch.arange(n) if sel is None else sel
+        positions = None
+        if selection is not None:  # sparse: each row's selected positions, that many
+            positions, lens = selection[0][rows].contiguous(), selection[1][rows].contiguous()
         q = torch.cat([torch.einsum("bhn,hnr->bhr", q_nope[rows], w_kc), q_rope[rows]], dim=-1).to(cache.dtype)
         o = q.new_empty(q.shape[:2] + (w_kc.shape[2],))
-        self.ops.mla_decode_attention(o, q.contiguous(), cache, table, lens, layer.scale, w_kc.shape[2])
+        self.ops.mla_decode_attention(o, q.contiguous(), cache, table, lens, layer.scale, w_kc.shape[2], positions)
         out[rows] = torch.einsum("bhr,hvr->bhv", o.to(q_nope.dtype), w_vc)
 
-    def forward_latent(self, layer, q_nope, q_rope, latent, fb, w_kc, w_vc):
+    def forward_latent(self, layer, q_nope, q_rope, latent, fb, w_kc, w_vc, selection=None):
         if self._rowwise is None:
-            return super().forward_latent(layer, q_nope, q_rope, latent, fb, w_kc, w_vc)
+            return super().forward_latent(layer, q_nope, q_rope, latent, fb, w_kc, w_vc, selection)
         # deterministic: every row its own absorbed query on the kernel, the up-projections one
         # k-ordered chain per output (linear_f32), so nothing depends on the rest of the batch
         rows, table, lens = self._rowwise[fb.layer_group[layer.layer_id]]
+        positions = None
+        if selection is not None:
+            positions, lens = selection
         cache = fb.latent(layer.layer_id)
         dim, rank = cache.shape[-1], w_kc.shape[2]
         cache.view(-1, dim).index_copy_(0, rows, latent.to(cache.dtype))
         kc, vc = self._absorbing(layer.layer_id, w_kc, w_vc)
         q = torch.cat([torch.stack([kc[h](q_nope[:, h]) for h in range(len(kc))], dim=1), q_rope.float()], dim=-1)
         o = q.new_empty(q.shape[:2] + (rank,))
-        self.ops.mla_decode_attention(o, q, cache, table, lens, layer.scale, rank)
+        self.ops.mla_decode_attention(o, q, cache, table, lens, layer.scale, rank, positions)
         return torch.stack([vc[h](o[:, h]) for h in range(len(vc))], dim=1).to(q_nope.dtype)
+
+    def index_select(self, layer, q, weights, keys, fb, topk, scale):
+        """The indexer on ``indexer_topk``: every new token a row with its request's pages and its
+        own length."""
+        group = fb.layer_group[layer.layer_id]
+        cache = fb.index_keys(layer.layer_id)
+        cache.view(-1, cache.shape[-1]).index_copy_(0, write_rows(fb.groups[group], fb.out_offsets),
+                                                    keys.to(cache.dtype))
+        table, lens = self._row_tables(fb, group)
+        positions = torch.empty((q.shape[0], topk), dtype=torch.int32)
+        counts = torch.empty(q.shape[0], dtype=torch.int32)
+        self.ops.indexer_topk(positions, counts, q.float().contiguous(), weights.float().contiguous(), cache, table,
+                              lens, scale)
+        return positions, counts
+
+    def _row_tables(self, fb: ForwardBatch, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per new token: its request's page table and the keys it sees (its position + 1)."""
+        if self._rowwise is not None:
+            return self._rowwise[group][1:]
+        if group not in self._row_cache:
+            req = torch.repeat_interleave(torch.arange(fb.batch_size), torch.tensor(fb.extend_lens))
+            lens = torch.cat([torch.arange(p + 1, p + e + 1, dtype=torch.int32)
+                              for p, e in zip(fb.prefix_lens, fb.extend_lens)])
+            self._row_cache[group] = (fb.int32_tables(group)[0].index_select(0, req).contiguous(), lens)
+        return self._row_cache[group]
 
     def _absorbing(self, layer_id: int, w_kc: torch.Tensor, w_vc: torch.Tensor) -> tuple[list, list]:
         """Per head: ``q_nope -> w_kc[h]^T q_nope`` and ``o -> w_vc[h] o`` as ``PackedF32``."""

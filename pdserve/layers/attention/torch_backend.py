@@ -215,13 +215,13 @@ class TorchAttnBackend(AttentionBackend):
         return out
 
     # ---- latent attention (MLA) -------------------------------------------------------------------
-    def forward_latent(self, layer, q_nope, q_rope, latent, fb, w_kc, w_vc):
+    def forward_latent(self, layer, q_nope, q_rope, latent, fb, w_kc, w_vc, selection=None):
         group = fb.layer_group[layer.layer_id]
         cache = fb.latent(layer.layer_id)  # [P, page, R + r]
         dim, rank = cache.shape[-1], w_kc.shape[2]
         cache.view(-1, dim).index_copy_(0, self._groups[group].write_rows, latent.to(cache.dtype))
         out = q_nope.new_empty(q_nope.shape[:2] + (w_vc.shape[1],))
-        self.decode_latent(out, layer, q_nope, q_rope, cache, group, w_kc, w_vc)
+        self.decode_latent(out, layer, q_nope, q_rope, cache, group, w_kc, w_vc, selection)
         ext_pages = self._groups[group].ext_pages
         for idx, (start, ext, prefix) in enumerate(self._ext):  # decompressed, per request
             seq = prefix + ext
@@ -233,11 +233,13 @@ class TorchAttnBackend(AttentionBackend):
             v = torch.einsum("sr,hvr->hsv", c, w_vc)  # [H, S, V]
             q = torch.cat([q_nope[start:start + ext], q_rope[start:start + ext]], dim=-1).transpose(0, 1)
             mask = self._extend_mask(idx, ext, prefix, layer.sliding_window, q.device)
+            if selection is not None:  # sparse attention: the indexer's keys only
+                mask = selected_mask(selection, torch.arange(start, start + ext), seq)
             o = attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, layer.scale, None)
             out[start:start + ext] = o[0].transpose(0, 1)
         return out
 
-    def decode_latent(self, out, layer, q_nope, q_rope, cache, group, w_kc, w_vc) -> None:
+    def decode_latent(self, out, layer, q_nope, q_rope, cache, group, w_kc, w_vc, selection=None) -> None:
         """The decode rows in the absorbed form: one shared key head of R + r dims, values its
         first R, written into their rows of ``out``."""
         if not self._dec_rows.numel():
@@ -246,6 +248,46 @@ class TorchAttnBackend(AttentionBackend):
         lat = cache.view(-1, dim)[self._groups[group].dec_gather].to(q_nope.dtype)  # [Bd, 1, L, R + r]
         rows = self._dec_rows
         q = torch.cat([torch.einsum("bhn,hnr->bhr", q_nope[rows], w_kc), q_rope[rows]], dim=-1)
-        o = attention(q.unsqueeze(2), lat, lat[..., :rank], self._decode_mask(layer.sliding_window), layer.scale,
-                      None)  # [Bd, H, 1, R]
+        mask = self._decode_mask(layer.sliding_window)
+        if selection is not None:
+            mask = mask & selected_mask(selection, rows, mask.shape[-1])[:, None, None, :]
+        o = attention(q.unsqueeze(2), lat, lat[..., :rank], mask, layer.scale, None)  # [Bd, H, 1, R]
         out[rows] = torch.einsum("bhr,hvr->bhv", o.squeeze(2), w_vc)
+
+    # ---- the sparse-attention indexer (DeepSeek-V3.2) -------------------------------------------
+    def index_select(self, layer, q, weights, keys, fb, topk, scale):
+        group = fb.layer_group[layer.layer_id]
+        cache = fb.index_keys(layer.layer_id)  # [P, page, D]
+        dim, page = cache.shape[-1], cache.shape[1]
+        cache.view(-1, dim).index_copy_(0, self._groups[group].write_rows, keys.to(cache.dtype))
+        positions = torch.zeros((q.shape[0], topk), dtype=torch.int32)
+        counts = torch.zeros(q.shape[0], dtype=torch.int32)
+        table = fb.groups[group].page_table
+        for i, (start, ext) in enumerate(zip(fb.extend_starts, fb.extend_lens)):
+            seq = fb.prefix_lens[i] + ext
+            k = cache[table[i, :-(-seq // page)]].reshape(-1, dim)[:seq].double()  # [S, D]
+            rel = torch.relu(torch.einsum("thd,sd->ths", q[start:start + ext].double(), k) * scale)
+            score = torch.einsum("th,ths->ts", weights[start:start + ext].double(), rel)  # [ext, S]
+            for j in range(ext):
+                n = fb.prefix_lens[i] + j + 1  # the keys this token sees
+                chosen = rule_topk(score[j, :n], topk)
+                positions[start + j, :len(chosen)] = chosen.to(torch.int32)
+                counts[start + j] = len(chosen)
+        return positions, counts
+
+
+def rule_topk(score: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` positions of the highest scores, the lowest position first among equal ones,
+    returned ascending: the indexer's defined rule (``torch.topk`` leaves ties open)."""
+    order = torch.sort(score, descending=True, stable=True).indices[:k]
+    return torch.sort(order).values
+
+
+def selected_mask(selection, rows: torch.Tensor, width: int) -> torch.Tensor:
+    """[len(rows), width] True at the positions ``selection`` (positions, counts) lists for each row."""
+    positions, counts = selection
+    pos = positions[rows].long()
+    valid = torch.arange(pos.shape[1])[None, :] < counts[rows].long()[:, None]
+    m = torch.zeros((len(rows), width + 1), dtype=torch.bool)
+    m.scatter_(1, torch.where(valid, pos, width), True)  # invalid entries land in the extra column
+    return m[:, :width]
