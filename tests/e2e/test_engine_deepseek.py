@@ -118,3 +118,34 @@ def test_bf16_matches_hf_bf16_up_to_ties(name):
         assert eng.check_integrity()["in_use_pages"] == 0
     finally:
         eng.shutdown()
+
+
+def test_mtp_layers_of_a_v3_checkpoint_are_read_and_set_aside(tmp_path):
+    """A V3 checkpoint carries its multi-token-prediction layer past ``num_hidden_layers``
+    (``model.layers.3`` here): it loads, the weights are kept aside, the outputs are the model's."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    src = checkpoint("v3-moe")
+    dst = tmp_path / "with-mtp"
+    dst.mkdir()
+    for f in os.listdir(src):
+        os.symlink(os.path.join(src, f), dst / f)
+    mtp = {"model.layers.3.eh_proj.weight": torch.randn(64, 128), "model.layers.3.enorm.weight": torch.ones(64)}
+    save_file(mtp, str(dst / "mtp.safetensors"))
+    index = {"weight_map": {**{k: "mtp.safetensors" for k in mtp}}}
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(src, "model.safetensors"), "pt") as f:
+        index["weight_map"].update({k: "model.safetensors" for k in f.keys()})
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    ids = prompts_for(3)[3]
+    sp = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    eng = make_engine(str(dst), dtype="float32")
+    try:
+        assert sorted(eng.scheduler.runner.model.mtp_weights) == sorted(mtp)
+        assert eng.generate(input_ids=ids, sampling_params=sp)["output_ids"] == hf_reference(src, ids, NEW_TOKENS)[0]
+    finally:
+        eng.shutdown()
