@@ -59,7 +59,7 @@ inline __attribute__((always_inline)) float at_f32(const T* p, int64_t i) {
 template <typename QT, typename KT>
 inline __attribute__((always_inline)) void mla_tasks(const MlaArgs& a, int64_t begin, int64_t end) {
   const int64_t Dk = a.dk, Dv = a.dv, groups = (a.heads + kHeads - 1) / kHeads;
-  std::vector<float> qt(Dk * kHeads), acc(kHeads * Dv), keys(kBlock * Dk), s(kBlock * kHeads);
+  std::vector<float> qt(Dk * kHeads), acc(kHeads * Dv), keys(kBlock * Dk), s(kBlock * kHeads);  // kBlock % 4 == 0
   float m[kHeads], l[kHeads];
   const QT* q = static_cast<const QT*>(a.q);
   const KT* cache = static_cast<const KT*>(a.cache);
@@ -81,12 +81,26 @@ inline __attribute__((always_inline)) void mla_tasks(const MlaArgs& a, int64_t b
         const KT* row = cache + (int64_t(pages[p / a.page_size]) * a.page_size + p % a.page_size) * Dk;
         float* kr = keys.data() + j * Dk;
         for (int64_t d = 0; d < Dk; ++d) kr[d] = at_f32(row, d);
-        float* sj = s.data() + j * kHeads;
-        for (int g = 0; g < kHeads; ++g) sj[g] = 0.f;
+      }
+      const int n4 = (n + 3) & ~3;  // scores four keys at a time (rows past n are zeros, unused)
+      std::fill(keys.begin() + n * Dk, keys.begin() + n4 * Dk, 0.f);
+      for (int j = 0; j < n4; j += 4) {
+        float s0[kHeads] = {}, s1[kHeads] = {}, s2[kHeads] = {}, s3[kHeads] = {};
+        const float *k0 = keys.data() + j * Dk, *k1 = k0 + Dk, *k2 = k1 + Dk, *k3 = k2 + Dk;
         for (int64_t d = 0; d < Dk; ++d) {  // 16 heads' partial sums, each in dim order
-          const float kd = kr[d];
           const float* qd = qt.data() + d * kHeads;
-          for (int g = 0; g < kHeads; ++g) sj[g] += qd[g] * kd;
+          for (int g = 0; g < kHeads; ++g) {
+            s0[g] += qd[g] * k0[d];
+            s1[g] += qd[g] * k1[d];
+            s2[g] += qd[g] * k2[d];
+            s3[g] += qd[g] * k3[d];
+          }
+        }
+        for (int g = 0; g < kHeads; ++g) {
+          s[(j + 0) * kHeads + g] = s0[g];
+          s[(j + 1) * kHeads + g] = s1[g];
+          s[(j + 2) * kHeads + g] = s2[g];
+          s[(j + 3) * kHeads + g] = s3[g];
         }
       }
       for (int64_t g = 0; g < H; ++g) {
@@ -104,13 +118,21 @@ inline __attribute__((always_inline)) void mla_tasks(const MlaArgs& a, int64_t b
         float* o = acc.data() + g * Dv;
         for (int64_t d = 0; d < Dv; ++d) o[d] *= alpha;
       }
-      for (int j = 0; j < n; ++j) {  // values: the first Dv dims of each key, in key order
-        const float* vr = keys.data() + j * Dk;
-        for (int64_t g = 0; g < H; ++g) {
-          const float p = s[j * kHeads + g];
-          float* o = acc.data() + g * Dv;
-          for (int64_t d = 0; d < Dv; ++d) o[d] += p * vr[d];
+      for (int64_t g = 0; g < H; ++g) {  // values: the first Dv dims of each key, in key order
+        float* o = acc.data() + g * Dv;
+        int64_t d0 = 0;
+        for (; d0 + 16 <= Dv; d0 += 16) {  // 16 dims at a time held across the block's keys
+          float t[16];
+          for (int i = 0; i < 16; ++i) t[i] = o[d0 + i];
+          for (int j = 0; j < n; ++j) {
+            const float pj = s[j * kHeads + g];
+            const float* vr = keys.data() + j * Dk + d0;
+            for (int i = 0; i < 16; ++i) t[i] += pj * vr[i];
+          }
+          for (int i = 0; i < 16; ++i) o[d0 + i] = t[i];
         }
+        for (; d0 < Dv; ++d0)
+          for (int j = 0; j < n; ++j) o[d0] += s[j * kHeads + g] * keys[j * Dk + d0];
       }
     }
     for (int64_t g = 0; g < H; ++g) {
