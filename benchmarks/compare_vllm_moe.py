@@ -108,46 +108,15 @@ def layer_tensors(i: int, g, torch) -> dict:
 def ensure_model(cache_dir: Path) -> Path:
     """The model's directory, built once (shard by shard, published by a rename when complete)."""
     import torch
-    from safetensors.torch import save_file
 
-    from tests.helpers.checkpoints import smollm2_tokenizer_dir
+    from random_checkpoint import write_sharded
 
-    out = model_dir(cache_dir)
-    if (out / "model.safetensors.index.json").exists():
-        return out
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".qwen3-moe-", dir=cache_dir))
-    try:
-        g = torch.Generator().manual_seed(0)
-        n = CONFIG["num_hidden_layers"]
-        names = [f"model-{k + 1:05d}-of-{n + 1:05d}.safetensors" for k in range(n + 1)]
-        weight_map, total = {}, 0
-        for k in range(n + 1):
-            if k < n:
-                tensors = layer_tensors(k, g, torch)
-            else:
-                v, h = CONFIG["vocab_size"], CONFIG["hidden_size"]
-                tensors = {"model.embed_tokens.weight": (torch.randn(v, h, generator=g) * STD).bfloat16(),
-                           "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-                           "lm_head.weight": (torch.randn(v, h, generator=g) * STD).bfloat16()}
-            save_file(tensors, str(tmp / names[k]), metadata={"format": "pt"})
-            for name, t in tensors.items():
-                weight_map[name] = names[k]
-                total += t.numel() * t.element_size()
-            print(f"wrote {names[k]} ({len(tensors)} tensors)", file=sys.stderr, flush=True)
-            del tensors
-        (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-        (tmp / "config.json").write_text(json.dumps(CONFIG, indent=2))
-        (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-        tok = Path(smollm2_tokenizer_dir())
-        for f in tok.iterdir():
-            if not f.name.startswith("."):
-                shutil.copy(f, tmp / f.name)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    g = torch.Generator().manual_seed(0)
+    v, h = CONFIG["vocab_size"], CONFIG["hidden_size"]
+    return write_sharded(model_dir(cache_dir), CONFIG, lambda i: layer_tensors(i, g, torch), lambda: {
+        "model.embed_tokens.weight": (torch.randn(v, h, generator=g) * STD).bfloat16(),
+        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+        "lm_head.weight": (torch.randn(v, h, generator=g) * STD).bfloat16()})
 
 
 def first_layers(full: Path, n: int) -> Path:

@@ -38,7 +38,6 @@ import json
 import os
 import platform
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CONFIG = dict(
     architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
@@ -110,46 +110,18 @@ def layer_tensors(i: int, g, torch) -> dict:
 def ensure_model(cache_dir: Path, layers: int) -> Path:
     """The checkpoint of the first ``layers`` layers, built once, shard by shard."""
     import torch
-    from safetensors.torch import save_file
 
-    from tests.helpers.checkpoints import smollm2_tokenizer_dir
+    from random_checkpoint import write_sharded
 
     config = {**CONFIG, "num_hidden_layers": layers}
     key = json.dumps([RECIPE_VERSION, config, STD, ROUTER_SCALE], sort_keys=True)
     out = cache_dir / f"deepseek-v2-lite-{layers}l-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
-    if (out / "model.safetensors.index.json").exists():
-        return out
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".deepseek-", dir=cache_dir))
-    try:
-        g = torch.Generator().manual_seed(0)
-        names = [f"model-{k + 1:05d}-of-{layers + 1:05d}.safetensors" for k in range(layers + 1)]
-        weight_map, total = {}, 0
-        for k in range(layers + 1):
-            if k < layers:
-                tensors = layer_tensors(k, g, torch)
-            else:
-                v, h = config["vocab_size"], config["hidden_size"]
-                tensors = {"model.embed_tokens.weight": (torch.randn(v, h, generator=g) * STD).bfloat16(),
-                           "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-                           "lm_head.weight": (torch.randn(v, h, generator=g) * STD).bfloat16()}
-            save_file(tensors, str(tmp / names[k]), metadata={"format": "pt"})
-            for name, t in tensors.items():
-                weight_map[name] = names[k]
-                total += t.numel() * t.element_size()
-            print(f"wrote {names[k]} ({len(tensors)} tensors)", file=sys.stderr, flush=True)
-            del tensors
-        (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-        for f in Path(smollm2_tokenizer_dir()).iterdir():
-            if not f.name.startswith("."):
-                shutil.copy(f, tmp / f.name)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    g = torch.Generator().manual_seed(0)
+    v, h = config["vocab_size"], config["hidden_size"]
+    return write_sharded(out, config, lambda i: layer_tensors(i, g, torch), lambda: {
+        "model.embed_tokens.weight": (torch.randn(v, h, generator=g) * STD).bfloat16(),
+        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+        "lm_head.weight": (torch.randn(v, h, generator=g) * STD).bfloat16()})
 
 
 def median_time(fn, reps: int) -> float:
