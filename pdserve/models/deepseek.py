@@ -239,23 +239,24 @@ class DeepseekModel(LlamaModel):
     layer_cls = DeepseekDecoderLayer
 
 
-class DeepseekV2ForCausalLM(MoEForCausalLM):
-    model_cls = DeepseekModel
+class DeepseekMoE(MoEForCausalLM):
+    """DeepSeek's MoE layout, shared by V2, V3 and GLM-4.5: layers from ``first_k_dense_replace``
+    on are sparse (``n_routed_experts``), with ``n_shared_experts`` shared ones as one MLP; the
+    MTP layers past ``num_hidden_layers`` are set aside; the routing fields this implementation
+    lacks are refused (``SCORING``, ``TOPK_METHODS``)."""
+
     shared_name = "shared_experts"
     SCORING = "softmax"
-    TOPK_METHODS = GroupedSoftmaxTopK.METHODS
+    TOPK_METHODS: tuple[str, ...] = ()
 
     def __init__(self, config, *args, **kwargs):
         self.check_config(config)
         super().__init__(config, *args, **kwargs)
-        self.total_kv_heads = 1  # one latent per token, the same on every rank (no KV heads to split)
         self.mtp_weights: dict[str, torch.Tensor] = {}
 
     @classmethod
     def check_config(cls, config) -> None:
         refuse_unsupported(config, cls.__name__, cls.SCORING, cls.TOPK_METHODS)
-        if getattr(config, "kv_lora_rank", None) is None:
-            raise ValueError("kv_lora_rank: missing; latent attention needs it")
 
     @staticmethod
     def num_experts(config) -> int:
@@ -264,11 +265,6 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
     def is_sparse(self, config, layer_id: int) -> bool:
         return self.num_experts(config) > 0 and layer_id >= config.first_k_dense_replace
 
-    def make_router(self, config) -> Router:
-        return GroupedSoftmaxTopK(config.hidden_size, config.n_routed_experts, config.num_experts_per_tok,
-                                  getattr(config, "topk_method", "greedy") or "greedy", config.n_group or 1,
-                                  config.topk_group or 1, config.routed_scaling_factor)
-
     def make_shared(self, config, layer_id, tp):
         from pdserve.layers.mlp import GatedMLP
 
@@ -276,6 +272,36 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
         if not n:
             return None, None
         return GatedMLP(config.hidden_size, config.moe_intermediate_size * n, config.hidden_act, tp), None
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        super().load_weights(set_aside_mtp(weights, self.total_layers, self.mtp_weights))
+
+
+def sigmoid_router(config) -> Router:
+    """DeepSeek-V3's routing (``noaux_tc``), GLM-4.5's too."""
+    return GroupedSigmoidTopK(config.hidden_size, config.n_routed_experts, config.num_experts_per_tok,
+                              config.n_group or 1, config.topk_group or 1, bool(getattr(config, "norm_topk_prob", True)),
+                              config.routed_scaling_factor)
+
+
+class DeepseekV2ForCausalLM(DeepseekMoE):
+    model_cls = DeepseekModel
+    TOPK_METHODS = GroupedSoftmaxTopK.METHODS
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self.total_kv_heads = 1  # one latent per token, the same on every rank (no KV heads to split)
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        super().check_config(config)
+        if getattr(config, "kv_lora_rank", None) is None:
+            raise ValueError("kv_lora_rank: missing; latent attention needs it")
+
+    def make_router(self, config) -> Router:
+        return GroupedSoftmaxTopK(config.hidden_size, config.n_routed_experts, config.num_experts_per_tok,
+                                  getattr(config, "topk_method", "greedy") or "greedy", config.n_group or 1,
+                                  config.topk_group or 1, config.routed_scaling_factor)
 
     @staticmethod
     def rope_interleave(config) -> bool:
@@ -292,9 +318,6 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
         total = super().prepack(ops, quantization, batch_invariant)
         return total + sum(m.prepack(ops, batch_invariant) for m in self.modules() if isinstance(m, Float32Linear))
 
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        super().load_weights(set_aside_mtp(weights, self.total_layers, self.mtp_weights))
-
     def enable_decode_stack(self, ops, batch_invariant: bool = False) -> bool:
         return False  # the C++ decode stack is the Llama block
 
@@ -308,9 +331,7 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
         return bool(getattr(config, "rope_interleave", True))
 
     def make_router(self, config) -> Router:
-        return GroupedSigmoidTopK(config.hidden_size, config.n_routed_experts, config.num_experts_per_tok,
-                                  config.n_group or 1, config.topk_group or 1,
-                                  bool(getattr(config, "norm_topk_prob", True)), config.routed_scaling_factor)
+        return sigmoid_router(config)
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):

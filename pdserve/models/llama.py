@@ -101,12 +101,16 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.ops is not None:
-            self.ops.rotary_embedding(q, k, *rope)  # in place, into the qkv output
-        else:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = self.rotate(q, k, rope)
         o = fb.attn_backend.forward(self.attn, q, k, v, fb, sinks=self.sinks)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """RoPE on q [T, heads, D] and k [T, kv_heads, D]."""
+        if self.ops is not None:
+            self.ops.rotary_embedding(q, k, *rope)  # in place, into the qkv output
+            return q, k
+        return apply_rotary(q, *rope), apply_rotary(k, *rope)
 
 
 class LlamaMLP(GatedProjections):

@@ -19,9 +19,8 @@ Dense layers of these models are tensor-parallel as in Llama, or replicated with
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
-import torch
 from torch import nn
 
 from pdserve.distributed import SINGLE
@@ -45,11 +44,12 @@ class MoEDecoderLayer(LlamaDecoderLayer):
     registered under the checkpoint's name (``mlp``, or ``block_sparse_moe`` for Mixtral)."""
 
     norm_cls: type[nn.Module] = RMSNorm
+    attn_cls: type[nn.Module] = LlamaAttention
 
     def __init__(self, config, layer_id: int, shards: TPShards, make_mlp=None, mlp_name: str = "mlp",
                  **attn_kwargs):
         nn.Module.__init__(self)
-        self.self_attn = LlamaAttention(config, layer_id, shards, **attn_kwargs)
+        self.self_attn = self.attn_cls(config, layer_id, shards, **attn_kwargs)
         self.mlp_name = mlp_name
         setattr(self, mlp_name, make_mlp(config, layer_id, shards))
         self.input_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps)

@@ -29,7 +29,7 @@ from typing import Any, Optional
 import httpx
 import numpy as np
 
-from pdserve.plan.profile import DecodeFit, PrefillFit, Profile
+from pdserve.plan.profile import DecodeFit
 from pdserve.plan.workload import PlanError
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.e2e.test_engine import make_engine, prompts_for
-from tests.e2e.test_engine_moe import hf_reference
+from tests.e2e.test_engine_moe import assert_matches_hf, hf_reference
 from tests.helpers.checkpoints import build_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -52,11 +52,7 @@ def test_deepseek_matches_hf_float32(request, name, page_size):
     prompts = prompts_for(3)[:6]  # up to 160 tokens: three chunks
     sp = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
     outs = eng.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
-    for ids, out in zip(prompts, outs):
-        ref_tokens, ref_lp = hf_reference(path, ids, NEW_TOKENS)
-        assert out["output_ids"] == ref_tokens, f"{name}: prompt of {len(ids)} tokens"
-        for k, (v, tok, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
-            assert abs(v - ref_lp[len(ids) - 1 + k, tok].item()) < 1e-4, (name, len(ids), k)
+    assert_matches_hf(path, prompts, outs, NEW_TOKENS, name)
     follow = prompts[-1] + outs[-1]["output_ids"] + prompts[1]  # the next turn hits the prefix cache
     out = eng.generate(input_ids=follow, sampling_params=sp)
     assert out["meta_info"]["cached_tokens"] >= 16

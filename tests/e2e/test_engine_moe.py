@@ -37,6 +37,15 @@ def hf_reference(path: str, ids: list[int], n: int) -> tuple[list[int], torch.Te
     return out, torch.log_softmax(logits, dim=-1)
 
 
+def assert_matches_hf(path: str, prompts: list[list[int]], outs: list[dict], n: int, what: str) -> None:
+    """Each output HF's greedy tokens, its logprobs within 1e-4 of HF's (float32)."""
+    for ids, out in zip(prompts, outs):
+        ref_tokens, ref_lp = hf_reference(path, ids, n)
+        assert out["output_ids"] == ref_tokens, f"{what}: prompt of {len(ids)} tokens"
+        for k, (v, tok, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
+            assert abs(v - ref_lp[len(ids) - 1 + k, tok].item()) < 1e-4, (what, len(ids), k)
+
+
 @pytest.mark.parametrize("name", sorted(ARCHS))
 def test_moe_matches_hf_float32(request, name):
     path = checkpoint(name)
@@ -45,11 +54,7 @@ def test_moe_matches_hf_float32(request, name):
     prompts = prompts_for(3)[:6]  # up to 160 tokens: three chunks
     sp = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
     outs = eng.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
-    for ids, out in zip(prompts, outs):
-        ref_tokens, ref_lp = hf_reference(path, ids, NEW_TOKENS)
-        assert out["output_ids"] == ref_tokens, f"{name}: prompt of {len(ids)} tokens"
-        for k, (v, tok, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
-            assert abs(v - ref_lp[len(ids) - 1 + k, tok].item()) < 1e-4, (name, len(ids), k)
+    assert_matches_hf(path, prompts, outs, NEW_TOKENS, name)
     # the next turn of the longest conversation hits the prefix cache
     follow = prompts[-1] + outs[-1]["output_ids"] + prompts[1]
     out = eng.generate(input_ids=follow, sampling_params=sp)

@@ -34,14 +34,14 @@ def moe_model():
     return build_tiny_checkpoint("qwen3_moe")
 
 
-@pytest.fixture(scope="module")
-def reference(moe_model):
+def one_rank_reference(model_path: str, **engine_kw):
+    """A fixture body: ``get(ids)`` is the offline one-rank engine's greedy answer (with logprobs)."""
     import torch
 
     import pdserve
 
     torch.set_num_threads(1)
-    eng = pdserve.Engine(model_path=moe_model, torch_num_threads=1, max_total_tokens=16384, page_size=16)
+    eng = pdserve.Engine(model_path=model_path, torch_num_threads=1, max_total_tokens=16384, page_size=16, **engine_kw)
     cache: dict = {}
 
     def get(ids: list[int]) -> dict:
@@ -53,6 +53,11 @@ def reference(moe_model):
 
     yield get
     eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(moe_model):
+    yield from one_rank_reference(moe_model)
 
 
 @pytest.fixture(scope="module")

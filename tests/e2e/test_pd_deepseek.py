@@ -15,8 +15,8 @@ import json
 
 import pytest
 
-from tests.e2e.test_moe_parallel import check_outputs
-from tests.e2e.test_tp import COMMON, NEW_TOKENS, all_ranks_idle, generate, idle, prompts
+from tests.e2e.test_moe_parallel import check_outputs, one_rank_reference
+from tests.e2e.test_tp import COMMON, all_ranks_idle, generate, idle, prompts
 from tests.helpers import cluster as c
 from tests.helpers.checkpoints import build_tiny_checkpoint
 from tests.helpers.sglang_router import sglang_router_available, start_sglang_router
@@ -32,24 +32,7 @@ def ds_model():
 
 @pytest.fixture(scope="module")
 def reference(ds_model):
-    import torch
-
-    import pdserve
-
-    torch.set_num_threads(1)
-    eng = pdserve.Engine(model_path=ds_model, torch_num_threads=1, max_total_tokens=16384, page_size=16,
-                         dtype="float32")
-    cache: dict = {}
-
-    def get(ids: list[int]) -> dict:
-        if tuple(ids) not in cache:
-            cache[tuple(ids)] = eng.generate(
-                input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
-                return_logprob=True, logprob_start_len=0)
-        return cache[tuple(ids)]
-
-    yield get
-    eng.shutdown()
+    yield from one_rank_reference(ds_model, dtype="float32")
 
 
 @pytest.fixture(scope="module")
