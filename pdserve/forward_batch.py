@@ -7,7 +7,8 @@ The cache is described per cache group (``kv_spec.CacheGroup``): each group has 
 its own page ids, so each has its own page table and write locations (``GroupTable``). Entries
 of a page table that a group no longer keeps (pages that slid out of a window) are 0, the
 padding page; a backend never reads them because its mask excludes those positions. A layer
-finds its group through ``layer_group`` and its slot in that group's pool through ``layer_slot``.
+finds its group through ``layer_group`` and its slot in that group's pool through ``layer_slot``;
+a layer that keeps several caches (a latent and an indexer key) finds each in ``layer_caches``.
 
 This module is the contract between the engine and ``models``/``layers``; it imports neither.
 """
@@ -44,6 +45,8 @@ class ForwardBatch:
     attn_backend: Any  # layers.attention.base.AttentionBackend
     dp: Any = None  # DP attention: the engine.dp_attention.DPGather around the MLP
     parts: Optional[tuple] = None  # pipeline parallel: the lists it was made of (to split it)
+    # per layer: {cache kind: (group, slot)} of every cache it keeps (a layer may keep several)
+    layer_caches: Optional[list[dict]] = None
 
     @property
     def batch_size(self) -> int:
@@ -71,13 +74,26 @@ class ForwardBatch:
         slot = self.layer_slot[layer]
         return pool.k_cache(slot), pool.v_cache(slot)
 
+    def cache_group(self, layer: int, kind: str) -> int:
+        """The group holding stage layer ``layer``'s cache of ``kind``."""
+        if self.layer_caches is None:
+            return self.layer_group[layer]
+        return self.layer_caches[layer][kind][0]
+
     def latent(self, layer: int) -> torch.Tensor:
         """The latent cache of stage layer ``layer`` (latent attention): [num_pages, page_size, dim]."""
-        return self.groups[self.layer_group[layer]].pool.latent_cache(self.layer_slot[layer])
+        group, slot = self._cache(layer, "latent_attention")
+        return self.groups[group].pool.latent_cache(slot)
 
     def index_keys(self, layer: int) -> torch.Tensor:
         """The sparse-attention indexer's key cache of stage layer ``layer``: [num_pages, page_size, dim]."""
-        return self.groups[self.layer_group[layer]].pool.index_cache(self.layer_slot[layer])
+        group, slot = self._cache(layer, "index_keys")
+        return self.groups[group].pool.index_cache(slot)
+
+    def _cache(self, layer: int, kind: str) -> tuple[int, int]:
+        if self.layer_caches is None:
+            return self.layer_group[layer], self.layer_slot[layer]
+        return self.layer_caches[layer][kind]
 
     def int32_tables(self, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(page_table [B, max_pages], seq_lens [B]) of one group as int32, what the CPU kernels

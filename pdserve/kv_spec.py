@@ -1,7 +1,8 @@
 """Cache specs: what one layer keeps per token (or per request), declared by the model.
 
-A model returns one spec per layer it runs (``CausalLM.kv_cache_specs``); layers with equal specs
-form a ``CacheGroup`` (``group_layers``), and each group gets its own pool and page allocator
+A model returns the specs of each layer it runs (``CausalLM.kv_cache_specs``: one, or a tuple when a
+layer keeps several caches); layers with equal specs form a ``CacheGroup`` (``group_layers``; a
+layer of several caches is in several groups), and each group gets its own pool and page allocator
 (``engine/kv_cache.py``). Everything that sizes, allocates or transfers the cache reads these
 specs, never the model's shapes:
 
@@ -9,7 +10,8 @@ specs, never the model's shapes:
 - ``SlidingWindow``: the same per token, but a query at position i sees keys i-W < j <= i, so a
   sequence keeps only the pages that the next query can still see (``first_live_page``).
 - ``LatentAttention``: one latent vector per token (MLA): no head axis, replicated over
-  attention TP; with DeepSeek-V3.2's indexer, its key on the same pages.
+  attention TP.
+- ``IndexKeys``: one key vector per token (DeepSeek-V3.2's indexer), beside a layer's latent.
 - ``RecurrentState``: fixed-size tensors per request (linear attention / SSM): one slot, not
   pages.
 
@@ -107,17 +109,26 @@ class SlidingWindow(FullAttention):
 
 @dataclass(frozen=True)
 class LatentAttention(CacheSpec):
-    """One compressed latent (``latent_dim``) plus its rotary part (``rope_dim``) per token; with
-    ``index_dim``, a second cache on the same pages: the sparse-attention indexer's key
-    (DeepSeek-V3.2), one vector of ``index_dim`` per token."""
+    """One compressed latent (``latent_dim``) plus its rotary part (``rope_dim``) per token."""
 
     kind: ClassVar[str] = "latent_attention"
     latent_dim: int
     rope_dim: int
-    index_dim: int = 0
 
     def page_bytes(self, page_size: int, dtype_bytes: int) -> int:
-        return page_size * (self.latent_dim + self.rope_dim + self.index_dim) * dtype_bytes
+        return page_size * (self.latent_dim + self.rope_dim) * dtype_bytes
+
+
+@dataclass(frozen=True)
+class IndexKeys(CacheSpec):
+    """One key vector (``dim``) per token, no head axis: the sparse-attention indexer's
+    (DeepSeek-V3.2), a second cache of the same layers as their latents."""
+
+    kind: ClassVar[str] = "index_keys"
+    dim: int
+
+    def page_bytes(self, page_size: int, dtype_bytes: int) -> int:
+        return page_size * self.dim * dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -163,15 +174,22 @@ class CacheGroup:
         return {"id": self.id, "layers": list(self.layers), **self.spec.describe()}
 
 
-def group_layers(specs: Sequence[CacheSpec], first_layer: int = 0) -> list[CacheGroup]:
-    """Group layers ``first_layer, first_layer + 1, ...`` by equal spec, in order of first use."""
+def specs_of(entry) -> tuple[CacheSpec, ...]:
+    """The specs of one layer's entry in ``kv_cache_specs``: a spec, or a tuple of them."""
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def group_layers(specs: Sequence, first_layer: int = 0) -> list[CacheGroup]:
+    """Group layers ``first_layer, first_layer + 1, ...`` by equal spec, in order of first use;
+    ``specs[i]`` is layer i's spec or tuple of specs (a layer in several groups)."""
     order: list[CacheSpec] = []
     members: dict[CacheSpec, list[int]] = {}
-    for i, spec in enumerate(specs):
-        if spec not in members:
-            order.append(spec)
-            members[spec] = []
-        members[spec].append(first_layer + i)
+    for i, entry in enumerate(specs):
+        for spec in specs_of(entry):
+            if spec not in members:
+                order.append(spec)
+                members[spec] = []
+            members[spec].append(first_layer + i)
     return [CacheGroup(g, spec, tuple(members[spec])) for g, spec in enumerate(order)]
 
 

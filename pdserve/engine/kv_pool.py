@@ -192,30 +192,27 @@ def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, 
 
 class LatentPool(BaseKVPool):
     """Latent attention (MLA): per layer and token one compressed latent (``latent_dim``) and its
-    rotary key part (``rope_dim``), stored together; with ``index_dim``, the sparse-attention
-    indexer's key (DeepSeek-V3.2) too, in a second array of the same pages. The same on every TP
-    rank. One allocation: the latents, then the indexer keys."""
+    rotary key part (``rope_dim``), stored together; the same on every TP rank. Also the pool of
+    other per-token vectors without a head axis (``IndexKeys``: ``rope_dim`` 0, regions named
+    ``part``)."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, latent_dim: int, rope_dim: int,
                  dtype: torch.dtype, device: torch.device | str, allocator: BufferAllocator = default_allocator,
-                 index_dim: int = 0):
+                 part: str = "latent"):
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
-        self.latent_dim, self.rope_dim, self.index_dim = latent_dim, rope_dim, index_dim
+        self.latent_dim, self.rope_dim, self.part = latent_dim, rope_dim, part
         self.dtype, self.device = dtype, torch.device(device)
-        dim = latent_dim + rope_dim
-        self._raw, flat = _allocate((num_layers * num_pages * page_size * (dim + index_dim),), dtype, self.device,
-                                    allocator)
-        n = num_layers * num_pages * page_size * dim
-        # [num_layers, num_pages, page_size, latent_dim + rope_dim] and [..., index_dim]
-        self.buffer = flat[:n].view(num_layers, num_pages, page_size, dim)
-        self.index = flat[n:].view(num_layers, num_pages, page_size, index_dim) if index_dim else None
+        # [num_layers, num_pages, page_size, latent_dim + rope_dim]
+        self._raw, self.buffer = _allocate((num_layers, num_pages, page_size, latent_dim + rope_dim), dtype,
+                                           self.device, allocator)
         self.allocator = PageAllocator(num_pages)
 
     @classmethod
     def for_spec(cls, spec, num_layers: int, num_pages: int, page_size: int, dtype: torch.dtype, device,
                  allocator: BufferAllocator = default_allocator) -> "LatentPool":
-        return cls(num_layers, num_pages, page_size, spec.latent_dim, spec.rope_dim, dtype, device, allocator,
-                   spec.index_dim)
+        if spec.kind == "index_keys":
+            return cls(num_layers, num_pages, page_size, spec.dim, 0, dtype, device, allocator, part="index_k")
+        return cls(num_layers, num_pages, page_size, spec.latent_dim, spec.rope_dim, dtype, device, allocator)
 
     @property
     def nbytes(self) -> int:
@@ -223,25 +220,19 @@ class LatentPool(BaseKVPool):
 
     @property
     def item_bytes(self) -> int:
-        """Bytes of one page of one layer's latents."""
+        """Bytes of one page of one layer."""
         return self.page_size * (self.latent_dim + self.rope_dim) * self.buffer.element_size()
 
     def latent_cache(self, layer: int) -> torch.Tensor:
         return self.buffer[layer]  # [num_pages, page_size, latent_dim + rope_dim]
 
-    def index_cache(self, layer: int) -> torch.Tensor:
-        return self.index[layer]  # [num_pages, page_size, index_dim]
+    index_cache = latent_cache  # an IndexKeys group's vectors
 
     def regions(self, group) -> list[Region]:
-        final = "last_chunk" if group.spec.drops_pages else "per_chunk"
-        out = []
-        for i, layer in enumerate(group.layers):
-            parts = [("latent", self.buffer[i])] + ([("index_k", self.index[i])] if self.index is not None else [])
-            for part, t in parts:
-                item = t[0].numel() * t.element_size()
-                out.append(Region(ptr=t.data_ptr(), nbytes=item * self.num_pages, item_bytes=item, group=group.id,
-                                  layer=layer, part=part, final=final, split="replicated"))
-        return out
+        nbytes, final = self.num_pages * self.item_bytes, "last_chunk" if group.spec.drops_pages else "per_chunk"
+        return [Region(ptr=self.buffer[i].data_ptr(), nbytes=nbytes, item_bytes=self.item_bytes, group=group.id,
+                       layer=layer, part=self.part, final=final, split="replicated")
+                for i, layer in enumerate(group.layers)]
 
     def write(self, layer: int, page_idx: torch.Tensor, offsets: torch.Tensor, latent: torch.Tensor) -> None:
         """Store new tokens' latents. ``page_idx``/``offsets``: [T]; ``latent``: [T, latent_dim + rope_dim]."""
@@ -249,7 +240,8 @@ class LatentPool(BaseKVPool):
 
 
 # cache kind (kv_spec.CacheSpec.kind) -> the pool that holds it
-POOLS: dict[str, type] = {"full_attention": KVPool, "sliding_window": KVPool, "latent_attention": LatentPool}
+POOLS: dict[str, type] = {"full_attention": KVPool, "sliding_window": KVPool, "latent_attention": LatentPool,
+                          "index_keys": LatentPool}
 
 
 def make_pool(group, num_pages: int, page_size: int, dtype: torch.dtype, device,

@@ -18,7 +18,7 @@ from pdserve.engine.precision import choose_compute_dtype, choose_kv_cache_dtype
 from pdserve.engine.pipeline import pipeline_forward
 from pdserve.engine import routed_experts
 from pdserve.forward_batch import ForwardBatch, GroupTable
-from pdserve.kv_spec import DTYPE_BYTES, CacheGroup, FullAttention, group_layers
+from pdserve.kv_spec import DTYPE_BYTES, CacheGroup, FullAttention, group_layers, specs_of
 from pdserve.layers.attention.base import attention_backend_class, get_attention_backend
 
 logger = logging.getLogger(__name__)
@@ -79,15 +79,18 @@ class ModelRunner:
         model_ctx = context_length(self.hf_config)
         self.context_length = args.context_length or model_ctx
         self.vocab_size = self.model.vocab_size
-        specs = self.model.kv_cache_specs()
+        specs = [specs_of(entry) for entry in self.model.kv_cache_specs()]  # per layer: its caches
         if args.disable_hybrid_swa_memory:  # windows by masking over full pages
-            specs = [FullAttention(s.num_kv_heads, s.head_dim) if isinstance(s, FullAttention) else s for s in specs]
+            specs = [tuple(FullAttention(s.num_kv_heads, s.head_dim) if isinstance(s, FullAttention) else s
+                           for s in entry) for entry in specs]
         self.cache_groups: list[CacheGroup] = group_layers(specs, self.model.first_layer)
-        # per layer of this stage: its cache group and its slot in that group's pool
-        self.layer_group = [next(g.id for g in self.cache_groups if i in g.layers)
-                            for i in range(self.model.first_layer, self.model.first_layer + len(specs))]
-        self.layer_slot = [self.cache_groups[g].layers.index(self.model.first_layer + i)
-                           for i, g in enumerate(self.layer_group)]
+        # per layer of this stage and cache kind it keeps: its group and its slot in that group's pool
+        first = self.model.first_layer
+        self.layer_caches = [{g.kind: (g.id, g.layers.index(first + i)) for g in self.cache_groups
+                              if first + i in g.layers} for i in range(len(specs))]
+        # the group and slot of each layer's first cache
+        self.layer_group = [self.layer_caches[i][entry[0].kind][0] for i, entry in enumerate(specs)]
+        self.layer_slot = [self.layer_caches[i][entry[0].kind][1] for i, entry in enumerate(specs)]
         # --enable-return-routed-experts: the ids of every token, kept with the pages of one group
         self.routed_spec = routed_experts.plan(self.model, self.cache_groups) \
             if args.enable_return_routed_experts else None
@@ -259,6 +262,7 @@ class ModelRunner:
             groups=groups,
             layer_group=self.layer_group,
             layer_slot=self.layer_slot,
+            layer_caches=self.layer_caches,
             out_offsets=torch.tensor(out_offsets, dtype=torch.long, device=dev),
             logits_idx=torch.tensor(logits_idx, dtype=torch.long, device=dev),
             attn_backend=self.attn_backend,

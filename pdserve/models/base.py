@@ -16,7 +16,6 @@ from typing import Any, Iterable, Optional, Protocol, runtime_checkable
 import torch
 
 from pdserve.forward_batch import ForwardBatch
-from pdserve.kv_spec import CacheSpec
 from pdserve.layers.attention.base import AttnLayer
 
 
@@ -35,9 +34,10 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> [N, vocab_size] float32, the whole vocabulary on every rank."""
 
-    def kv_cache_specs(self) -> list[CacheSpec]:
-        """One spec per layer this rank runs, in layer order (``kv_spec.group_layers`` groups
-        them)."""
+    def kv_cache_specs(self) -> list:
+        """Per layer this rank runs, in layer order, its cache spec, or a tuple of specs when the
+        layer keeps several caches (``kv_spec.group_layers`` groups them; such a layer is in
+        several groups)."""
 
     def attention_layers(self) -> list[AttnLayer]:
         """The attention layers this rank runs (the backend checks it supports them)."""

@@ -41,7 +41,7 @@ from torch import nn
 
 from pdserve.distributed import shard_range
 from pdserve.forward_batch import ForwardBatch
-from pdserve.kv_spec import CacheSpec, LatentAttention
+from pdserve.kv_spec import CacheSpec, IndexKeys, LatentAttention
 from pdserve.layers.attention.base import AttnLayer
 from pdserve.layers.linear import Float32Linear, Linear, RowParallelLinear
 from pdserve.layers.moe.router import GroupedSigmoidTopK, GroupedSoftmaxTopK, Router
@@ -171,8 +171,10 @@ class MLAttention(nn.Module):
         self.indexer = Indexer(config) if getattr(config, "index_topk", None) else None
 
     @property
-    def cache_spec(self) -> LatentAttention:
-        return LatentAttention(self.rank, self.rope, self.indexer.dim if self.indexer is not None else 0)
+    def cache_specs(self) -> tuple[CacheSpec, ...]:
+        """The latent, and with the indexer its keys: two caches of this layer, two groups."""
+        latent = LatentAttention(self.rank, self.rope)
+        return (latent,) if self.indexer is None else (latent, IndexKeys(self.indexer.dim))
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fb: ForwardBatch) -> torch.Tensor:
         t = h.shape[0]
@@ -312,7 +314,7 @@ class DeepseekV2ForCausalLM(DeepseekMoE):
         return {"make_mlp": self.make_mlp, "interleave": self.rope_interleave(config)}
 
     def kv_cache_specs(self) -> list[CacheSpec]:
-        return [layer.self_attn.cache_spec for layer in self.model.own_layers]
+        return [layer.self_attn.cache_specs for layer in self.model.own_layers]
 
     def prepack(self, ops, quantization=None, batch_invariant: bool = False) -> int:
         total = super().prepack(ops, quantization, batch_invariant)

@@ -46,6 +46,10 @@ def test_deepseek_matches_hf_float32(request, name, page_size):
     assert runner.attn_backend_name == "cpu"  # decode rows on pdserve's kernels
     if name.startswith("glm"):  # K and V per head
         assert [g.kind for g in runner.cache_groups] == ["full_attention"]
+    elif name.startswith("v32"):  # two caches per layer, two groups: the latent and the indexer's key
+        assert [(g.kind, g.layers) for g in runner.cache_groups] == [("latent_attention", (0, 1, 2)),
+                                                                     ("index_keys", (0, 1, 2))]
+        assert [type(p).__name__ for p in runner.pools] == ["LatentPool", "LatentPool"]
     else:  # the latent
         assert [g.kind for g in runner.cache_groups] == ["latent_attention"]
         assert type(runner.pools[0]).__name__ == "LatentPool"

@@ -2,7 +2,7 @@
 query): the same tokens at chunk sizes 1, 7, 64 and whole-prompt prefill, colocated and through
 PD, and the same as HF's model whose indexer follows pdserve's stated top-k rule (highest score
 first, the lowest position among equal scores: HF's ``torch.topk`` leaves ties open, and exact zeros
-from the ReLU tie often). The indexer keys move with their pages in PD (a replicated region)."""
+from the ReLU tie often). The indexer keys, a cache group of their own, move in PD with their pages."""
 
 from __future__ import annotations
 

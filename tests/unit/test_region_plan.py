@@ -203,3 +203,26 @@ def test_the_pool_of_a_spec_describes_its_regions():
     assert make_pool(CacheGroup(0, FullAttention(2, 8), (0,)), 2, 4, torch.float32, "cpu").kv_heads == 2
     with pytest.raises(ValueError, match="cache kind 'recurrent_state' .* has no pool in this engine"):
         make_pool(CacheGroup(0, RecurrentState(((4,),), (2,)), (0,)), 2, 4, torch.float32, "cpu")
+
+
+def test_a_layer_may_keep_two_caches_in_two_groups():
+    """DeepSeek-V3.2's layers keep a latent and an indexer key: each layer is in both groups, and
+    the transfer layer registers both regions of each layer under its own group."""
+    import torch
+
+    from pdserve.disagg.kv_args import KVArgs
+    from pdserve.disagg.metadata import MetadataBuffers
+    from pdserve.engine.kv_pool import make_pool
+    from pdserve.kv_spec import IndexKeys, LatentAttention, group_layers
+
+    specs = [(LatentAttention(32, 8), IndexKeys(16))] * 2 + [LatentAttention(32, 8)]
+    groups = group_layers(specs, first_layer=4)
+    assert [(g.id, g.kind, g.layers) for g in groups] == [(0, "latent_attention", (4, 5, 6)),
+                                                          (1, "index_keys", (4, 5))]
+    pools = [make_pool(g, 5, 4, torch.float32, "cpu") for g in groups]
+    a = KVArgs.from_buffers(pools, MetadataBuffers(2), cache_groups=groups, prefill_start_layer=4)
+    assert sorted((r.layer, r.group, r.part) for r in a.regions) == [
+        (4, 0, "latent"), (4, 1, "index_k"), (5, 0, "latent"), (5, 1, "index_k"), (6, 0, "latent")]
+    assert [(s["layer"], s["group"], s["kind"]) for s in a.layer_specs] == [
+        (4, 0, "latent_attention"), (4, 1, "index_keys"), (5, 0, "latent_attention"), (5, 1, "index_keys"),
+        (6, 0, "latent_attention")]

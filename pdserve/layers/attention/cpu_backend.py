@@ -145,7 +145,7 @@ class CpuAttnBackend(TorchAttnBackend):
             return super().forward_latent(layer, q_nope, q_rope, latent, fb, w_kc, w_vc, selection)
         # deterministic: every row its own absorbed query on the kernel, the up-projections one
         # k-ordered chain per output (linear_f32), so nothing depends on the rest of the batch
-        rows, table, lens = self._rowwise[fb.layer_group[layer.layer_id]]
+        rows, table, lens = self._rowwise[fb.cache_group(layer.layer_id, "latent_attention")]
         positions = None
         if selection is not None:
             positions, lens = selection
@@ -161,7 +161,7 @@ class CpuAttnBackend(TorchAttnBackend):
     def index_select(self, layer, q, weights, keys, fb, topk, scale):
         """The indexer on ``indexer_topk``: every new token a row with its request's pages and its
         own length."""
-        group = fb.layer_group[layer.layer_id]
+        group = fb.cache_group(layer.layer_id, "index_keys")
         cache = fb.index_keys(layer.layer_id)
         cache.view(-1, cache.shape[-1]).index_copy_(0, write_rows(fb.groups[group], fb.out_offsets),
                                                     keys.to(cache.dtype))

@@ -93,7 +93,7 @@ def write_rows(g: GroupTable, out_offsets: torch.Tensor) -> torch.Tensor:
 
 class TorchAttnBackend(AttentionBackend):
     name = "torch"
-    cache_kinds = frozenset({"full_attention", "sliding_window", "latent_attention"})
+    cache_kinds = frozenset({"full_attention", "sliding_window", "latent_attention", "index_keys"})
 
     def __init__(self, **_):
         self._fb: Optional[ForwardBatch] = None
@@ -216,7 +216,7 @@ class TorchAttnBackend(AttentionBackend):
 
     # ---- latent attention (MLA) -------------------------------------------------------------------
     def forward_latent(self, layer, q_nope, q_rope, latent, fb, w_kc, w_vc, selection=None):
-        group = fb.layer_group[layer.layer_id]
+        group = fb.cache_group(layer.layer_id, "latent_attention")
         cache = fb.latent(layer.layer_id)  # [P, page, R + r]
         dim, rank = cache.shape[-1], w_kc.shape[2]
         cache.view(-1, dim).index_copy_(0, self._groups[group].write_rows, latent.to(cache.dtype))
@@ -256,7 +256,7 @@ class TorchAttnBackend(AttentionBackend):
 
     # ---- the sparse-attention indexer (DeepSeek-V3.2) -------------------------------------------
     def index_select(self, layer, q, weights, keys, fb, topk, scale):
-        group = fb.layer_group[layer.layer_id]
+        group = fb.cache_group(layer.layer_id, "index_keys")
         cache = fb.index_keys(layer.layer_id)  # [P, page, D]
         dim, page = cache.shape[-1], cache.shape[1]
         cache.view(-1, dim).index_copy_(0, self._groups[group].write_rows, keys.to(cache.dtype))
