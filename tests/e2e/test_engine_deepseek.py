@@ -38,10 +38,16 @@ def checkpoint(name: str) -> str:
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_deepseek_matches_hf_float32(request, name, page_size):
+def test_deepseek_matches_hf_float32(name, page_size):
     path = checkpoint(name)
     eng = make_engine(path, page_size=page_size, chunked_prefill_size=64, dtype="float32")
-    request.node._engine = eng
+    try:
+        check_against_hf(eng, path, name)
+    finally:
+        eng.shutdown()
+
+
+def check_against_hf(eng, path: str, name: str) -> None:
     runner = eng.scheduler.runner
     assert runner.attn_backend_name == "cpu"  # decode rows on pdserve's kernels
     if name.startswith("glm"):  # K and V per head

@@ -2,10 +2,10 @@
 the tiny checkpoint, every layout against one offline one-rank engine (float32; the only
 difference is the order of partial sums over the ranks).
 
-Colocated: tp2 (query heads split, the latent replicated) and DP attention with EP
-(``--tp-size 2 --dp-size 2 --enable-dp-attention --ep-size 2 --moe-dense-tp-size 1``). PD: prefill
-tp1 -> decode tp2, tp2 -> tp1 and tp2 -> (tp2, dp2, DP attention, EP2), through pdserve's router
-and the real sglang-router. The latent is a replicated region: each decode rank reads it from
+PD: prefill tp1 -> decode tp2, tp2 -> tp1 and tp2 -> (tp2, dp2, DP attention, EP2 with
+``--moe-dense-tp-size 1``), through pdserve's router and the real sglang-router: the layouts run
+prefill and decode steps (tp2: query heads split, the latent replicated; DP attention with EP),
+each server a layout, so no colocated server of each is needed besides. The latent is a replicated region: each decode rank reads it from
 exactly one prefill rank, which the prefill ranks' transfer counters show, and the bytes a
 request moves are layers x (kv_lora_rank + qk_rope_head_dim) x 4 per token, counted once."""
 
@@ -39,9 +39,7 @@ def reference(ds_model):
 def ds(tmp_path_factory, ds_model):
     logs = tmp_path_factory.mktemp("deepseek")
     small = [*COMMON, *F32, "--max-total-tokens", "4096"]
-    S = {"C tp2": c.server("C_tp2", ds_model, logs, "--tp-size", "2", *small),
-         "C dp2 ep2": c.server("C_dp2_ep2", ds_model, logs, *DP_EP, *small)}
-    S["P1"] = c.prefill("P1", ds_model, logs, *small)[0]
+    S = {"P1": c.prefill("P1", ds_model, logs, *small)[0]}
     S["P2"] = c.prefill("P2", ds_model, logs, "--tp-size", "2", *small)[0]
     S["D1"] = c.decode("D1", ds_model, logs, *small)
     S["D2"] = c.decode("D2", ds_model, logs, "--tp-size", "2", *small)
@@ -57,13 +55,6 @@ def ds(tmp_path_factory, ds_model):
     finally:
         for p in list(locals().get("routers", {}).values()) + list(S.values()):
             p.stop()
-
-
-@pytest.mark.parametrize("layout", ["C tp2", "C dp2 ep2"])
-def test_colocated_layouts_match_one_rank(ds, reference, layout):
-    server = ds["servers"][layout]
-    check_outputs(server.url, reference, prompts(6, seed=60 + len(layout), max_len=200), layout, logprobs=True)
-    idle(server)
 
 
 PAIRS = {"tp1 -> tp2": ("P1", "D2"), "tp2 -> tp1": ("P2", "D1"), "tp2 -> dp2 ep2": ("P2", "Ddp")}
