@@ -30,11 +30,9 @@ import multiprocessing as mp
 import os
 import platform
 import queue
-import re
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -48,55 +46,12 @@ from pdserve.disagg.manager import KVManager, buffer_allocator, get_kv_class
 from pdserve.disagg.metadata import MetadataBuffers
 from pdserve.disagg.poll import KVPoll
 from pdserve.disagg.transfer import get_backend
+from pdserve.bench.geometry import Geometry, fmt_size, parse_size
 from pdserve.engine.kv_pool import KVPool
 
-UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
 MOONCAKE_RAW_CALL = 512
 POLL_S = 1e-3  # how often both sides poll their room, as a scheduler iteration would
 DEMO_REQUEST = dict(layers=30, heads=3, head_dim=64, page_size=16, pages=128)  # 2048 tokens
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4096, 16KiB, 4MiB, 1GiB)")
-    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
-
-
-def fmt_size(n: int) -> str:
-    unit, k = next(((u, k) for u, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)) if n % k == 0), ("B", 1))
-    return f"{n // k} {unit}"
-
-
-@dataclass
-class Geometry:
-    """KV pools on both sides: [layers, 2, pool_pages, heads, page_size, head_dim] bf16;
-    ``pages`` pages are sent, source pages 1..pages, destinations a random permutation."""
-
-    layers: int
-    heads: int
-    head_dim: int
-    page_size: int
-    pages: int
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        self.item_bytes = self.heads * self.page_size * self.head_dim * 2
-        self.total_bytes = self.layers * 2 * self.pages * self.item_bytes
-        self.pool_pages = self.pages + 1  # page 0 stays unused, like the padding page
-
-    def src_pages(self) -> list[int]:
-        return list(range(1, self.pages + 1))
-
-    def dst_pages(self) -> list[int]:
-        return [int(p) for p in np.random.default_rng(self.seed).permutation(self.pages) + 1]
-
-    @classmethod
-    def for_page_bytes(cls, size: int, page_bytes: int) -> "Geometry":
-        if page_bytes % 1024:
-            raise ValueError(f"page size must be a multiple of 1 KiB, got {page_bytes}")
-        pages = max(1, size // (2 * page_bytes))
-        return cls(layers=1, heads=1, head_dim=512, page_size=page_bytes // 1024, pages=pages)
 
 
 # ---- the decode process ------------------------------------------------------------------
@@ -128,7 +83,7 @@ def decode_main(backend: str, geo: Geometry, port: int, out, cmds) -> None:
     def arrived() -> bool:  # every destination item starts with the number of its source page
         return bool((_items(pool)[:, :, dst, :8].contiguous().view(torch.int64)[..., 0] == expected).all())
 
-    out.put(("ready", [r.ptr for r in kv_args.regions]))
+    out.put(("ready", None))
     try:
         while (cmd := cmds.get())[0] != "stop":
             if cmd[0] == "check":
@@ -173,7 +128,7 @@ class PrefillSide:
         self.out, self.cmds = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=decode_main, args=(backend, geo, self.port, self.out, self.cmds), daemon=True)
         self.proc.start()
-        self.dst_kv_ptrs = self._expect("ready")
+        self._expect("ready")
         self.room = 1000
         self._copy: Any = None
         # the clock stops when the transfer worker marks the room Success, not when this thread's
@@ -220,13 +175,17 @@ class PrefillSide:
                                f"{reason or dreason or 'pages missing or misplaced at decode'}")
         return elapsed
 
+    def _descriptors(self, dst_ptrs: list[int]):
+        """This pool's ``src_pages`` into ``dst_pages`` of the regions at ``dst_ptrs``, region by region."""
+        regions = self.kv_args.regions
+        return region_descriptors([r.ptr for r in regions], dst_ptrs, [r.item_bytes for r in regions],
+                                  self.geo.src_pages(), self.geo.dst_pages())
+
     def raw(self) -> Optional[float]:
         """Seconds for the same descriptors through the library directly (None: no library)."""
         # decode's buffers as this session sees them (a window of them on backends that fence late writes)
         (sess,) = self.mgr.role.sessions.values()
-        regions = self.kv_args.regions
-        src, dst, lens = region_descriptors([r.ptr for r in regions], [r.ptr for r in sess.dst_regions],
-                                            [r.item_bytes for r in regions], self.geo.src_pages(), self.geo.dst_pages())
+        src, dst, lens = self._descriptors([r.ptr for r in sess.dst_regions])
         b = self.mgr.backend
         self.cmds.put(("clear",))
         self._expect("cleared")
@@ -269,10 +228,8 @@ class PrefillSide:
         if self._copy is None:
             self._copy = torch.zeros_like(raw)  # touched now, not in the timed copy
         region = self.geo.pool_pages * self.geo.item_bytes
-        regions = self.kv_args.regions
-        dst_ptrs = [self._copy.data_ptr() + i * region for i in range(len(regions))]
-        src, dst, lens = region_descriptors([r.ptr for r in regions], dst_ptrs, [r.item_bytes for r in regions],
-                                            self.geo.src_pages(), self.geo.dst_pages())
+        src, dst, lens = self._descriptors([self._copy.data_ptr() + i * region
+                                            for i in range(len(self.kv_args.regions))])
         memmove = ctypes.memmove
         t0 = time.perf_counter()
         for d, s_, n in zip(dst.tolist(), src.tolist(), lens.tolist()):

@@ -114,16 +114,22 @@ def test_pd_expert_parallel_matches_one_rank(moe, reference, pairing):
 
 @pytest.mark.skipif(not sglang_router_available(), reason="sglang-router is not installed")
 def test_pd_expert_parallel_behind_the_real_sglang_router(moe, reference, tmp_path):
-    S = moe["servers"]
+    check_behind_sglang_router(moe["servers"], ("P2", "P1"), ("Ddp", "Dep"), reference, prompts(8, seed=40), tmp_path)
+
+
+def check_behind_sglang_router(S: dict, prefill: tuple, decode: tuple, reference, ps: list[list[int]],
+                               tmp_path) -> None:
+    """The real sglang-router in front of servers ``S[prefill]`` / ``S[decode]`` serves the
+    reference's tokens; every server idle afterwards."""
     port = c.free_port()
-    proc = start_sglang_router([(S["P2"].url, S["P2"].bootstrap_port), (S["P1"].url, S["P1"].bootstrap_port)],
-                               [S["Ddp"].url, S["Dep"].url], port, log_path=str(tmp_path / "sglang-router.log"))
+    proc = start_sglang_router([(S[p].url, S[p].bootstrap_port) for p in prefill], [S[d].url for d in decode], port,
+                               log_path=str(tmp_path / "sglang-router.log"))
     try:
-        check_outputs(f"http://127.0.0.1:{port}", reference, prompts(8, seed=40), "sglang-router")
+        check_outputs(f"http://127.0.0.1:{port}", reference, ps, "sglang-router")
     finally:
         proc.terminate()
         proc.wait()
-    for name in ("P2", "Ddp", "P1", "Dep"):
+    for name in (*prefill, *decode):
         idle(S[name])
 
 

@@ -15,11 +15,11 @@ import json
 
 import pytest
 
-from tests.e2e.test_moe_parallel import check_outputs, one_rank_reference
-from tests.e2e.test_tp import COMMON, all_ranks_idle, generate, idle, prompts
+from tests.e2e.test_moe_parallel import check_behind_sglang_router, check_outputs, one_rank_reference
+from tests.e2e.test_tp import COMMON, generate, idle, prompts
 from tests.helpers import cluster as c
 from tests.helpers.checkpoints import build_tiny_checkpoint
-from tests.helpers.sglang_router import sglang_router_available, start_sglang_router
+from tests.helpers.sglang_router import sglang_router_available
 
 DP_EP = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2", "--moe-dense-tp-size", "1"]
 F32 = ["--dtype", "float32"]
@@ -87,21 +87,9 @@ def test_pd_matches_one_rank_and_reads_the_latent_from_one_prefill_rank(ds, refe
     per_token = P.http.get("/server_info").json()["scheduler_info"]["kv_bytes_per_token"]
     assert per_token == cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
     for s in (P, D):
-        idle(s)
-    if P.http.get("/server_info").json()["tp_size"] > 1:
-        all_ranks_idle(P)
+        idle(s)  # every rank's, on a TP server
 
 
 @pytest.mark.skipif(not sglang_router_available(), reason="sglang-router is not installed")
 def test_pd_behind_the_real_sglang_router(ds, reference, tmp_path):
-    S = ds["servers"]
-    port = c.free_port()
-    proc = start_sglang_router([(S["P2"].url, S["P2"].bootstrap_port), (S["P1"].url, S["P1"].bootstrap_port)],
-                               [S["D1"].url, S["D2"].url], port, log_path=str(tmp_path / "sglang-router.log"))
-    try:
-        check_outputs(f"http://127.0.0.1:{port}", reference, prompts(6, seed=90), "sglang-router")
-    finally:
-        proc.terminate()
-        proc.wait()
-    for name in ("P1", "P2", "D1", "D2"):
-        idle(S[name])
+    check_behind_sglang_router(ds["servers"], ("P2", "P1"), ("D1", "D2"), reference, prompts(6, seed=90), tmp_path)

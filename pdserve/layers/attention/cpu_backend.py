@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from pdserve.forward_batch import ForwardBatch
-from pdserve.layers.attention.torch_backend import TorchAttnBackend, write_rows
+from pdserve.layers.attention.torch_backend import TorchAttnBackend, absorbed_query, write_rows
 
 
 class CpuAttnBackend(TorchAttnBackend):
@@ -71,11 +71,7 @@ class CpuAttnBackend(TorchAttnBackend):
     def _init_rowwise(self, fb: ForwardBatch) -> None:
         """Every new token as one decode query: its request's page table, its own length."""
         self._fb = fb
-        req = torch.repeat_interleave(torch.arange(fb.batch_size), torch.tensor(fb.extend_lens))
-        lens = torch.cat([torch.arange(p + 1, p + e + 1, dtype=torch.int32)
-                          for p, e in zip(fb.prefix_lens, fb.extend_lens)])
-        self._rowwise = [(write_rows(g, fb.out_offsets), fb.int32_tables(i)[0].index_select(0, req).contiguous(), lens)
-                         for i, g in enumerate(fb.groups)]
+        self._rowwise = [(write_rows(g, fb.out_offsets), *self._row_tables(fb, i)) for i, g in enumerate(fb.groups)]
 
     def init_decode(self, fb: ForwardBatch, dec: list[int]) -> None:
         self._dec = None
@@ -135,7 +131,7 @@ class CpuAttnBackend(TorchAttnBackend):
         positions = None
         if selection is not None:  # sparse: each row's selected positions, that many
             positions, lens = selection[0][rows].contiguous(), selection[1][rows].contiguous()
-        q = torch.cat([torch.einsum("bhn,hnr->bhr", q_nope[rows], w_kc), q_rope[rows]], dim=-1).to(cache.dtype)
+        q = absorbed_query(q_nope, q_rope, w_kc, rows).to(cache.dtype)
         o = q.new_empty(q.shape[:2] + (w_kc.shape[2],))
         self.ops.mla_decode_attention(o, q.contiguous(), cache, table, lens, layer.scale, w_kc.shape[2], positions)
         out[rows] = torch.einsum("bhr,hvr->bhv", o.to(q_nope.dtype), w_vc)
@@ -174,13 +170,13 @@ class CpuAttnBackend(TorchAttnBackend):
 
     def _row_tables(self, fb: ForwardBatch, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per new token: its request's page table and the keys it sees (its position + 1)."""
-        if self._rowwise is not None:
-            return self._rowwise[group][1:]
         if group not in self._row_cache:
-            req = torch.repeat_interleave(torch.arange(fb.batch_size), torch.tensor(fb.extend_lens))
-            lens = torch.cat([torch.arange(p + 1, p + e + 1, dtype=torch.int32)
-                              for p, e in zip(fb.prefix_lens, fb.extend_lens)])
-            self._row_cache[group] = (fb.int32_tables(group)[0].index_select(0, req).contiguous(), lens)
+            if not self._row_cache:  # the forward's first group: which request each token is, its length
+                self._row_req = torch.repeat_interleave(torch.arange(fb.batch_size), torch.tensor(fb.extend_lens))
+                self._row_lens = torch.cat([torch.arange(p + 1, p + e + 1, dtype=torch.int32)
+                                            for p, e in zip(fb.prefix_lens, fb.extend_lens)])
+            table = fb.int32_tables(group)[0].index_select(0, self._row_req).contiguous()
+            self._row_cache[group] = (table, self._row_lens)
         return self._row_cache[group]
 
     def _absorbing(self, layer_id: int, w_kc: torch.Tensor, w_vc: torch.Tensor) -> tuple[list, list]:

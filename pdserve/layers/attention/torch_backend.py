@@ -247,7 +247,7 @@ class TorchAttnBackend(AttentionBackend):
         dim, rank = cache.shape[-1], w_kc.shape[2]
         lat = cache.view(-1, dim)[self._groups[group].dec_gather].to(q_nope.dtype)  # [Bd, 1, L, R + r]
         rows = self._dec_rows
-        q = torch.cat([torch.einsum("bhn,hnr->bhr", q_nope[rows], w_kc), q_rope[rows]], dim=-1)
+        q = absorbed_query(q_nope, q_rope, w_kc, rows)
         mask = self._decode_mask(layer.sliding_window)
         if selection is not None:
             mask = mask & selected_mask(selection, rows, mask.shape[-1])[:, None, None, :]
@@ -274,6 +274,11 @@ class TorchAttnBackend(AttentionBackend):
                 positions[start + j, :len(chosen)] = chosen.to(torch.int32)
                 counts[start + j] = len(chosen)
         return positions, counts
+
+
+def absorbed_query(q_nope: torch.Tensor, q_rope: torch.Tensor, w_kc: torch.Tensor, rows) -> torch.Tensor:
+    """[len(rows), H, R + r]: those rows' queries with the key up-projection folded in."""
+    return torch.cat([torch.einsum("bhn,hnr->bhr", q_nope[rows], w_kc), q_rope[rows]], dim=-1)
 
 
 def rule_topk(score: torch.Tensor, k: int) -> torch.Tensor:
