@@ -24,6 +24,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 QUANTIZATIONS = ("w8a8_int8",)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")
 # where the transfer layer can be made to fail on purpose (tests and chaos runs); see disagg/faults.py
 FAULT_MODES = ("fail_transfer", "drop_status", "delay_transfer", "corrupt_aux_room", "kill_transfer_thread")
 # the allowed values of the flags that have a fixed set (argparse ``choices``)
@@ -32,7 +33,7 @@ CHOICES = {
     "quantization": QUANTIZATIONS, "disaggregation_mode": DISAGGREGATION_MODES,
     "disaggregation_transfer_backend": TRANSFER_BACKENDS, "load_format": LOAD_FORMATS,
     "schedule_policy": SCHEDULE_POLICIES, "moe_a2a_backend": MOE_A2A_BACKENDS,
-    "moe_runner_backend": MOE_RUNNER_BACKENDS,
+    "moe_runner_backend": MOE_RUNNER_BACKENDS, "grammar_backend": GRAMMAR_BACKENDS,
 }
 # SGLang's other spellings of a flag
 FLAG_ALIASES = {"ep_size": ("--ep", "--expert-parallel-size")}
@@ -95,6 +96,11 @@ class ServerArgs:
     ep_num_redundant_experts: int = 0  # extra expert slots holding copies of hot experts
     expert_distribution_recorder_mode: Optional[str] = None  # stat: count tokens per layer per expert
     enable_return_routed_experts: bool = False  # requests may ask for return_routed_experts
+    # the OpenAI API's structured outputs, tool calls and reasoning (server/openai_tools.py)
+    grammar_backend: str = "xgrammar"  # the engine of response_format / json_schema / regex / ebnf
+    tool_call_parser: Optional[str] = None  # llama3, qwen25, mistral, gpt-oss, deepseekv3, ... (SGLang's names)
+    reasoning_parser: Optional[str] = None  # deepseek-r1, qwen3, gpt-oss, ...
+    chat_template: Optional[str] = None  # a Jinja file (or the template itself) instead of the tokenizer's
     log_level: str = "info"
     enable_access_log: bool = False
     skip_warmup: bool = False

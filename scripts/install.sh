@@ -87,6 +87,10 @@ else
   fi
 fi
 
+# The default grammar engine (structured outputs). --no-deps: its declared dependencies pull a CUDA
+# torch and triton, which it does not need on CPU (torch and transformers are already here).
+$PIP --no-deps "xgrammar==0.2.9" || echo "install.sh: xgrammar could not be installed; use --grammar-backend llguidance" >&2
+
 # Build the CPU kernels now rather than at the first server start (about 300 CPU-seconds, the
 # files side by side; cached by source and compiler key, docs/architecture.md "Building the
 # kernels"). A failure is not fatal: pdserve then uses its PyTorch paths.

@@ -252,6 +252,14 @@ class DecodeQueues:
         req.cached_tokens = row.cached_tokens[0]
         req.input_logprobs_done = True
         req.output_ids.append(row.first_token)
+        if req.grammar is not None:  # continue the grammar from prefill's first token
+            req.grammar.replay(req.output_ids)
+            if req.grammar.failed:
+                self.s.running.append(req)
+                self.s.finish(req, FinishReason(FinishKind.ABORT, status_code=500, message=(
+                    f"prefill's first token {row.first_token} is not allowed by the request's grammar here: "
+                    f"prefill and decode disagree on the grammar")))
+                return
         if req.return_logprob:
             req.output_token_logprobs.append((row.logprob if row.logprob is not None else 0.0, row.first_token))
             if req.top_logprobs_num:

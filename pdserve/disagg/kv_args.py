@@ -56,6 +56,7 @@ class KVArgs:
     num_layers: int = 0  # layers of the whole model
     kv_dtype: str = ""
     layout: str = KV_LAYOUT
+    grammar: str = ""  # the grammar engine and the vocabulary it masks ("" unknown)
 
     def __post_init__(self) -> None:
         self.regions = [r if isinstance(r, Region) else Region(**r) for r in self.regions]
@@ -135,6 +136,7 @@ class KVArgs:
             "layout": self.layout,
             "layer_specs": self.layer_specs,
             "routed_experts": self.routed_experts,
+            "grammar": self.grammar,
         }
 
     def buffers(self) -> list[tuple[int, int]]:
@@ -148,11 +150,13 @@ class KVArgs:
 
 
 COMPAT_FIELDS = ("model_fingerprint", "num_layers", "kv_heads", "kv_dtype", "page_size", "layout", "layer_specs",
-                 "routed_experts")
+                 "routed_experts", "grammar")
 _HINTS = {
     "kv_dtype": " (give both servers the same --kv-cache-dtype or --dtype: --dtype auto measures on each server)",
     "routed_experts": " (start prefill and decode both with --enable-return-routed-experts, or neither: the ids "
                       "travel with the KV pages)",
+    "grammar": " (give both servers the same --grammar-backend and tokenizer: decode continues the grammar "
+               "from prefill's first token, so both must allow the same tokens)",
 }
 
 
@@ -190,7 +194,7 @@ def compat_mismatches(prefill: dict[str, Any], decode: dict[str, Any]) -> list[s
         if name not in prefill or name not in decode:
             continue
         p, d = prefill.get(name), decode.get(name)
-        if name == "model_fingerprint" and (not p or not d):
+        if name in ("model_fingerprint", "grammar") and (not p or not d):
             continue
         if name == "layer_specs":
             out += _layer_spec_mismatches(p or [], d or [])

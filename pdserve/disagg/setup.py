@@ -86,7 +86,7 @@ def attach_role(scheduler, par: Parallel, bootstrap=None) -> None:
         model_fingerprint=runner.fingerprint, total_kv_head_num=model.total_kv_heads,
         num_heads=model.num_attention_heads, system_dp_rank=par.dp_rank, dp_size=par.dp_size, pp_rank=par.pp_rank,
         pp_size=par.pp_size, prefill_start_layer=model.first_layer, num_layers=model.total_layers,
-        global_rank=par.world.rank, **routed_regions(runner),
+        global_rank=par.world.rank, grammar=scheduler.grammars.fingerprint, **routed_regions(runner),
     )
     # the room states are MIN-all-reduced over the ranks that share the scheduler
     group = par.sched.cpu_group if par.sched.size > 1 else None

@@ -15,6 +15,7 @@ import torch
 
 from pdserve.config import ServerArgs
 from pdserve.engine.request import FinishKind, Req, SamplingParams
+from pdserve.grammar import spec_from_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +81,13 @@ class Engine:
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(ids_list):
                 raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(ids_list)} prompts")
-            sps = [SamplingParams.from_dict(s) for s in sampling_params]
+            dicts = [dict(s or {}) for s in sampling_params]
         else:
             if sampling_params is not None and not isinstance(sampling_params, dict):
                 raise ValueError("sampling_params: must be an object or a list of objects")
-            sps = [SamplingParams.from_dict(sampling_params) for _ in ids_list]
+            dicts = [dict(sampling_params or {}) for _ in ids_list]
+        grammars = [spec_from_sampling(d) for d in dicts]  # json_schema / regex / ebnf
+        sps = [SamplingParams.from_dict(d) for d in dicts]
         if not isinstance(return_logprob, bool):
             raise ValueError(f"return_logprob: must be a boolean, got {return_logprob!r}")
         if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int):
@@ -92,12 +95,12 @@ class Engine:
         if not isinstance(return_routed_experts, bool):
             raise ValueError(f"return_routed_experts: must be a boolean, got {return_routed_experts!r}")
         reqs = []
-        for ids, sp in zip(ids_list, sps):
+        for ids, sp, grammar in zip(ids_list, sps, grammars):
             for _ in range(sp.n):
                 reqs.append(Req(
                     rid=uuid.uuid4().hex, input_ids=ids, sampling=sp, return_logprob=return_logprob,
                     top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
-                    return_routed_experts=return_routed_experts,
+                    return_routed_experts=return_routed_experts, grammar_spec=grammar,
                 ))
         for req in reqs:
             self.scheduler.validate(req)

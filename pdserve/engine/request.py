@@ -193,6 +193,10 @@ class Req:
     bootstrap_room: Optional[int] = None
     prefill_dp_rank: Optional[int] = None  # decode: the prefill DP group holding its KV (None: ask bootstrap)
     arrival_time: float = 0.0
+    # constrained decoding: what the output must match (a pdserve.grammar.GrammarSpec) and the
+    # end-of-reasoning token ids after which it starts (None: from the first token)
+    grammar_spec: Any = None
+    grammar_start_after: Optional[list[int]] = None
 
     output_ids: list[int] = field(default_factory=list)
     finish_reason: Optional[FinishReason] = None
@@ -209,6 +213,7 @@ class Req:
     routed_experts: Optional[bytes] = None  # set when it finishes (return_routed_experts)
     # sampling state
     generator: Any = None
+    grammar: Any = None  # pdserve.grammar.request_grammar.RequestGrammar, made by the scheduler
     input_logprobs_done: bool = False
     # what the front end has been sent so far
     sent_output_len: int = 0

@@ -3,7 +3,8 @@
 Per row, in order: repetition penalty (vLLM: over prompt + output tokens, positive logits
 divided, negative multiplied), frequency/presence penalties (OpenAI: over output tokens,
 ``logit -= freq * count + presence * (count > 0)``), the ``min_new_tokens`` ban on EOS and
-``stop_token_ids``, then greedy argmax (``temperature == 0`` or ``top_k == 1``) or
+``stop_token_ids``, the grammar mask of a constrained row (``pdserve/grammar``: disallowed tokens
+become -inf; if the bans leave the grammar nothing, the grammar wins), then greedy argmax (``temperature == 0`` or ``top_k == 1``) or
 temperature -> top_k -> top_p (over the top-k renormalised distribution) -> min_p -> draw.
 
 Reported logprobs are those of the raw logits (before penalties and temperature).
@@ -25,6 +26,7 @@ import torch
 
 from pdserve.engine.logprobs import TopList, token_logprobs, top_logprobs
 from pdserve.engine.request import Req, SamplingParams
+from pdserve.grammar.mask import apply_bitmask
 
 _MASK64 = (1 << 64) - 1
 # Filtered rows look at this many most likely tokens before falling back to a full sort.
@@ -117,7 +119,9 @@ class Sampler:
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, reqs: Sequence[Req]) -> SampleOutput:
+    def sample(self, logits: torch.Tensor, reqs: Sequence[Req],
+               grammar: Optional[tuple[torch.Tensor, list[int]]] = None) -> SampleOutput:
+        """``grammar``: (bitmask [G, words], the G constrained rows) or None."""
         assert logits.dim() == 2 and logits.shape[0] == len(reqs), (logits.shape, len(reqs))
         assert logits.shape[1] >= self.vocab_size, (logits.shape, self.vocab_size)
         raw = logits[:, : self.vocab_size]
@@ -125,12 +129,14 @@ class Sampler:
         greedy = [r.sampling.is_greedy for r in reqs]
         penalized, banned = _rows_to_process(reqs)
 
-        if all(greedy) and not penalized and not banned:
+        if all(greedy) and not penalized and not banned and grammar is None:
             # Fast path; argmax is exact in any float dtype.
             next_ids = raw.argmax(dim=-1)
         else:
             x = raw.to(torch.float32, copy=True)
             self._process(x, reqs, penalized, banned)
+            if grammar is not None:
+                self._constrain(x, raw, *grammar)
             greedy_rows = [i for i in range(num) if greedy[i]]
             sampled_rows = [i for i in range(num) if not greedy[i]]
             if not sampled_rows:
@@ -161,6 +167,17 @@ class Sampler:
             self._apply_penalties(x, reqs, penalized)
         if banned:
             self._ban_stop_tokens(x, reqs, banned)
+
+    def _constrain(self, x: torch.Tensor, raw: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Grammar masks on ``rows``. A row the min_new_tokens ban left without an allowed token
+        (the grammar wants EOS) takes the grammar's mask over its unbanned logits."""
+        index = self._index(rows, x)
+        apply_bitmask(x, bitmask, index)
+        dead = torch.isneginf(x.index_select(0, index).amax(dim=-1)).nonzero().view(-1)
+        if dead.numel():
+            redo = raw.index_select(0, index[dead]).to(torch.float32)
+            apply_bitmask(redo, bitmask.index_select(0, dead.cpu()), torch.arange(dead.numel(), device=x.device))
+            x.index_copy_(0, index[dead], redo)
 
     @staticmethod
     def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:

@@ -22,16 +22,17 @@ from pdserve.config import ServerArgs
 from pdserve.distributed import SINGLE_RANK, Parallel
 from pdserve.engine import dp_attention
 from pdserve.engine import logprobs as lp
-from pdserve.kv_events import KVEventPublisher, offset_port
+from pdserve.engine.grammar_masks import GrammarMasks
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.kv_pool import BufferAllocator, default_allocator
-from pdserve.engine.pd_queues import PDQueues
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.pd_queues import PDQueues
 from pdserve.engine.request import MAX_TOP_LOGPROBS, FinishKind, FinishReason, Req
 from pdserve.engine.routed_experts import refusal as routed_experts_refusal
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.schedule_policy import order_waiting
 from pdserve.engine.stop import check_finish, eos_token_ids
+from pdserve.kv_events import KVEventPublisher, offset_port
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class Scheduler:
         self.on_chunk_done: Optional[Callable[[Req], None]] = None
         self._reported_early = False
         self.groups_busy = 0  # DP attention: the busiest group's level at the last step
+        self.grammars = GrammarMasks(args.grammar_backend, tokenizer, self.runner.vocab_size, self.eos_ids)
 
     # ---- requests in and out -------------------------------------------------------------
     def validate(self, req: Req) -> None:
@@ -104,6 +106,8 @@ class Scheduler:
 
     def add_request(self, req: Req) -> None:
         self.validate(req)
+        if req.grammar_spec is not None:
+            req.grammar = self.grammars.for_request(req.grammar_spec, req.grammar_start_after)
         req.sampling.max_new_tokens = min(req.sampling.max_new_tokens, self.context_length - req.prompt_len)
         req.arrival_time = req.arrival_time or self.now()
         if self.pd is not None and self.pd.accepts(req):
@@ -321,13 +325,14 @@ class Scheduler:
             ids, positions, [r.kv_len for r, _ in batch], [e for _, e in batch],
             [r.kv.pages for r, _ in batch], logits_rows, dp_counts,
         )
+        masks = self.grammars.start([r for r, _ in sample_at if r.sampling.max_new_tokens > 0])
         logits = self.runner.forward(fb)
         for req, ext in batch:
             req.kv_len += ext
             if self.on_chunk_done is not None:
                 self.on_chunk_done(req)
         self._record_input_logprobs(logits, input_lp)
-        self._sample(logits, sample_at)
+        self._sample(logits, sample_at, None if masks is None else masks.result())
 
     def _record_input_logprobs(self, logits: torch.Tensor, items) -> None:
         for req, row, targets in items:
@@ -340,7 +345,7 @@ class Scheduler:
             if req.kv_len >= req.prompt_len - 1:
                 req.input_logprobs_done = True
 
-    def _sample(self, logits: torch.Tensor, sample_at: list[tuple[Req, int]]) -> None:
+    def _sample(self, logits: torch.Tensor, sample_at: list[tuple[Req, int]], grammar=None) -> None:
         for req, _ in sample_at:
             req.input_logprobs_done = True
         todo = [(r, i) for r, i in sample_at if r.sampling.max_new_tokens > 0]
@@ -351,10 +356,12 @@ class Scheduler:
             return
         rows = torch.tensor([i for _, i in todo], device=logits.device)
         reqs = [r for r, _ in todo]
-        out = self.sampler.sample(logits[rows], reqs)
+        out = self.sampler.sample(logits[rows], reqs, grammar)
         for k, req in enumerate(reqs):
             tok = out.next_ids[k]
             req.output_ids.append(tok)
+            if req.grammar is not None:
+                req.grammar.advance(req.output_ids)
             self.stats["generation_tokens"] += 1
             if req.return_logprob:
                 req.output_token_logprobs.append((out.logprobs[k], tok))
@@ -365,5 +372,9 @@ class Scheduler:
                 self.on_prefill_done(req)
                 continue
             reason = check_finish(req, self.eos_ids, self.tokenizer, self.context_length)
+            if reason is None and req.grammar is not None and req.grammar.terminated:
+                reason = FinishReason(FinishKind.STOP, matched=tok)  # complete, even with ignore_eos
+            if req.grammar is not None and req.grammar.failed:  # an engine fault, not the client's
+                reason = FinishReason(FinishKind.ABORT, message=f"grammar: {req.grammar.failed}", status_code=500)
             if reason is not None:
                 self.finish(req, reason)

@@ -10,6 +10,8 @@ from typing import Any, Optional, Union
 
 import msgspec
 
+from pdserve.grammar import GrammarSpec
+
 
 class GenerateReq(msgspec.Struct, tag="generate"):
     rid: str
@@ -26,6 +28,8 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     bootstrap_room: Optional[int] = None
     routed_dp_rank: Optional[int] = None  # the attention-DP group that serves it
     disagg_prefill_dp_rank: Optional[int] = None  # decode: the prefill DP group holding its KV
+    grammar: Optional[GrammarSpec] = None  # what the output must match (pdserve/grammar)
+    grammar_start_after: Optional[list[int]] = None  # the end-of-reasoning tokens it starts after
 
 
 class AbortReq(msgspec.Struct, tag="abort"):

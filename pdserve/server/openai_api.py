@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pdserve.server import http_util, timeline
+from pdserve.server.constraints import grammar_of_response_format
 from pdserve.server.errors import APIError
 from pdserve.server.openai_protocol import (
     ChatRequest,
@@ -87,7 +88,8 @@ async def completions(request: Request, tm: TokenizerManager) -> Response:
     top = req.top_logprobs()
     echo_logprobs = req.echo and top is not None
     stream = req.stream and args.disaggregation_mode != "prefill"
-    specs = [tm.make_spec(p, req.sampling_params(req.max_tokens), default_max_new_tokens=16,
+    grammar = grammar_of_response_format(req.response_format)
+    specs = [tm.make_spec(p, req.sampling_params(req.max_tokens), default_max_new_tokens=16, grammar=grammar,
                           return_logprob=top is not None, top_logprobs_num=top or 0,
                           logprob_start_len=0 if echo_logprobs else -1, stream=stream,
                           return_routed_experts=req.return_routed_experts, **boot)

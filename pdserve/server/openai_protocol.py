@@ -34,6 +34,16 @@ DPRank = Annotated[Any, msgspec.Meta(
     extra_json_schema=_one_or_list({"type": ["integer", "null"], "minimum": 0, "exclusiveMaximum": DP_RANK_LIMIT}))]
 
 
+RESPONSE_FORMAT = {"anyOf": [
+    {"type": "null"},
+    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+    {"type": "object", "required": ["type", "json_schema"], "properties": {
+        "type": {"const": "json_schema"},
+        "json_schema": {"type": "object", "properties": {
+            "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
+            "schema": {"type": ["object", "boolean"]}, "strict": {"type": ["boolean", "null"]}}}}}]}
+
+
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
@@ -57,6 +67,12 @@ class _Sampling(msgspec.Struct):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     return_routed_experts: bool = False  # SGLang's extension: the answer's sglext.routed_experts
+    # structured outputs (server/constraints.py): OpenAI's response_format, or SGLang's extensions
+    response_format: Annotated[Any, msgspec.Meta(
+        description="text, json_object, or json_schema with its schema", extra_json_schema=RESPONSE_FORMAT)] = None
+    json_schema: Annotated[Any, msgspec.Meta(extra_json_schema={"type": ["object", "string", "null"]})] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     # disaggregation fields added by the router: scalars, or lists with one entry per prompt
@@ -78,6 +94,7 @@ class _Sampling(msgspec.Struct):
             "repetition_penalty": self.repetition_penalty, "seed": self.seed, "stop": self.stop,
             "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens, "n": self.n,
+            "json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf,
         }
         return {k: v for k, v in d.items() if v is not None}
 

@@ -191,6 +191,7 @@ class SchedulerLoop:
                     routed_experts_start_len=msg.routed_experts_start_len,
                     bootstrap_host=msg.bootstrap_host, bootstrap_port=msg.bootstrap_port,
                     bootstrap_room=msg.bootstrap_room, prefill_dp_rank=msg.disagg_prefill_dp_rank,
+                    grammar_spec=msg.grammar, grammar_start_after=msg.grammar_start_after,
                 )
                 req.mark("queued")
                 s.add_request(req)

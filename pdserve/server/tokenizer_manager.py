@@ -21,6 +21,8 @@ from typing import Any, AsyncIterator, Optional, Union
 from pdserve.chat_template import ChatTemplateError, chat_input_ids
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.routed_experts import refusal as routed_experts_refusal
+from pdserve.grammar import GrammarSpec, backend_class
+from pdserve.server.constraints import grammar_of_sampling
 from pdserve.server.detokenizer import IncrementalDetokenizer
 from pdserve.server.errors import bad_request
 from pdserve.server.messages import AbortReq, GenerateReq, TokenOut, encode
@@ -53,6 +55,8 @@ class ReqSpec:
     bootstrap_room: Union[int, list[int], None] = None  # an int, or one room per sample
     routed_dp_rank: Union[int, list[int], None] = None  # the attention-DP group to run in (or one per sample)
     disagg_prefill_dp_rank: Union[int, list[int], None] = None  # decode: prefill's DP group holding the KV
+    grammar: Optional[GrammarSpec] = None  # what the output must match (checked by the grammar engine)
+    grammar_start_after: Optional[list[int]] = None  # the end-of-reasoning token ids it starts after
 
 
 class ReqState:
@@ -114,6 +118,24 @@ class TokenizerManager:
         except ChatTemplateError as e:
             raise bad_request(str(e)) from None
 
+    def check_grammar(self, spec: GrammarSpec) -> GrammarSpec:
+        """``spec`` if the grammar engine takes it, else a 400 naming the problem (cached)."""
+        why = self._grammar_error(spec)
+        if why:
+            raise bad_request(why)
+        return spec
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019 (one manager per process)
+    def _grammar_error(self, spec: GrammarSpec) -> str:
+        name = self.server_args.grammar_backend
+        if name == "none":
+            return "this server has no grammar engine (--grammar-backend none): structured outputs are not available"
+        try:
+            backend_class(name).validate(spec)
+        except ValueError as e:
+            return str(e)
+        return ""
+
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -136,6 +158,9 @@ class TokenizerManager:
             raise bad_request(
                 f"prompt is too long: {len(input_ids)} tokens, the context length is {self.context_length}")
         sampling = dict(sampling)
+        grammar = grammar_of_sampling(sampling, fields.get("grammar"))
+        if grammar is not None:
+            fields["grammar"] = self.check_grammar(grammar)
         if sampling.get("max_new_tokens") is None:
             default = room if default_max_new_tokens is None else default_max_new_tokens
             sampling["max_new_tokens"] = min(default, room)
@@ -173,6 +198,7 @@ class TokenizerManager:
                 bootstrap_host=spec.bootstrap_host, bootstrap_port=spec.bootstrap_port,
                 bootstrap_room=spec.bootstrap_room[0] if isinstance(spec.bootstrap_room, list) else spec.bootstrap_room,
                 routed_dp_rank=group, disagg_prefill_dp_rank=_first(spec.disagg_prefill_dp_rank),
+                grammar=spec.grammar, grammar_start_after=spec.grammar_start_after,
             ))
         except (OverflowError, UnicodeEncodeError, TypeError) as e:
             raise bad_request(f"request cannot be passed to the scheduler: {e}") from None
