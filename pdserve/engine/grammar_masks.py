@@ -51,7 +51,9 @@ class GrammarMasks:
         return RequestGrammar(self.backend.matcher(spec), start_after)
 
     def cache_info(self) -> dict[str, int]:
-        return {} if self._backend is None else self._backend.cache_info()
+        if self._backend is None:
+            return {"size": 0, "capacity": 0, "hits": 0, "misses": 0}
+        return self._backend.cache_info()
 
     def start(self, reqs: list[Req]) -> Optional[Future]:
         """Start filling the masks of the constrained ``reqs`` (the rows about to be sampled, in

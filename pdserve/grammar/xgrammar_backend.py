@@ -64,8 +64,8 @@ class XGrammarBackend(GrammarBackend):
         try:
             if spec.kind == "json_schema":
                 return c.compile_json_schema(_schema_text(spec.value), any_whitespace=False)
-            if spec.kind == "json_object":
-                return c.compile_builtin_json_grammar()
+            if spec.kind == "json_object":  # compact, as json_schema (no free whitespace)
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if spec.kind == "regex":
                 return c.compile_regex(spec.value)
             return c.compile_grammar(spec.value)

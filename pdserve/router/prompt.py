@@ -68,7 +68,10 @@ class PromptReader:
             if self.tokenizer is None or not isinstance(messages, list) or not messages:
                 return None
             try:
-                return chat_input_ids(self.tokenizer, messages, bool(body.get("continue_final_message")))
+                tools = body.get("tools") if body.get("tool_choice") != "none" else None
+                kwargs = body.get("chat_template_kwargs")
+                return chat_input_ids(self.tokenizer, messages, bool(body.get("continue_final_message")),
+                                      tools or None, kwargs if isinstance(kwargs, dict) else None)
             except (ChatTemplateError, TypeError, ValueError):
                 return None  # the server answers 400 for it
         return None

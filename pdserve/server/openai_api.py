@@ -12,6 +12,7 @@ before the usage chunk.
 from __future__ import annotations
 
 import base64
+import json
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Optional
@@ -20,8 +21,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pdserve.server import http_util, timeline
+from pdserve.grammar import GrammarSpec
+from pdserve.server.chat_output import ChatSetup, ChoiceOutput, thinking_on
 from pdserve.server.constraints import grammar_of_response_format
-from pdserve.server.errors import APIError
+from pdserve.server.errors import APIError, bad_request
 from pdserve.server.openai_protocol import (
     ChatRequest,
     CompletionRequest,
@@ -30,6 +33,7 @@ from pdserve.server.openai_protocol import (
     usage,
 )
 from pdserve.server.tokenizer_manager import ReqState, TokenizerManager
+from pdserve.server.tool_choice import tool_choice_schema, validate_tool_choice, validate_tools
 
 
 def check_model(tm: TokenizerManager, name: Optional[str]) -> None:
@@ -138,21 +142,64 @@ def _chat_logprobs(tm: TokenizerManager, pairs, tops) -> dict[str, list]:
                         for j, (lp, tid) in enumerate(pairs)]}
 
 
+def _chat_setup(tm: TokenizerManager, req: ChatRequest) -> ChatSetup:
+    """The request's tools, tool choice and reasoning split, validated (400s name the field)."""
+    args = tm.server_args
+    try:
+        tools = validate_tools(req.tools) if req.tools is not None else None
+        choice = validate_tool_choice(req.tool_choice, tools)
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+    if choice == "none" or not tools:
+        tools = None
+    if tools is not None and choice in (None, "auto") and not args.tool_call_parser:
+        raise bad_request("tools: this server has no --tool-call-parser, so tool_choice 'auto' cannot find the "
+                          "calls in the output; start it with one, or use tool_choice 'required' or a named function")
+    reasoning = args.reasoning_parser if req.separate_reasoning else None
+    if reasoning and not thinking_on(reasoning, req.chat_template_kwargs):
+        reasoning = None
+    return ChatSetup(reasoning=reasoning, tools=tools, tool_choice=choice, tool_parser=args.tool_call_parser)
+
+
+def _chat_grammar(tm: TokenizerManager, req: ChatRequest, setup: ChatSetup) -> Optional[GrammarSpec]:
+    grammar = grammar_of_response_format(req.response_format)
+    if setup.forced:
+        if grammar is not None:
+            raise bad_request("response_format: cannot be combined with tool_choice 'required' or a named function")
+        schema = tool_choice_schema(setup.tools, setup.tool_choice, req.parallel_tool_calls)
+        grammar = GrammarSpec("json_schema", json.dumps(schema))
+    return grammar
+
+
 async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
     args = tm.server_args
     req = await http_util.read_body(request, args.max_body_bytes, ChatRequest)
     check_model(tm, req.model)
     messages = req.chat_messages()
     top = req.top_logprobs_num()
-    input_ids = tm.chat_input_ids(messages, req.continue_final_message)
+    setup = _chat_setup(tm, req)
+    input_ids = tm.chat_input_ids(messages, req.continue_final_message, setup.tools, req.chat_template_kwargs)
+    grammar = _chat_grammar(tm, req, setup)
+    start_after = None
+    if setup.reasoning:
+        setup.force_reasoning = tm.opens_reasoning(setup.reasoning, input_ids)
+        # a grammar waits for the reasoning the prompt opened; a model that may open it itself
+        # (Qwen3 with thinking left to it) is constrained from the first token, so it answers
+        if grammar is not None and setup.force_reasoning:
+            start_after = tm.reasoning_end_ids(setup.reasoning)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     stream = req.stream and args.disaggregation_mode != "prefill"
-    spec = tm.make_spec(input_ids, req.sampling_params(max_tokens), default_max_new_tokens=None,
+    sampling = req.sampling_params(max_tokens)
+    if ChoiceOutput(setup).keeps_special_tokens:
+        sampling["skip_special_tokens"] = False
+    spec = tm.make_spec(input_ids, sampling, default_max_new_tokens=None,
                         return_logprob=top is not None, top_logprobs_num=top or 0, stream=stream,
-                        return_routed_experts=req.return_routed_experts, **req.bootstrap()[0])
+                        return_routed_experts=req.return_routed_experts, grammar=grammar,
+                        grammar_start_after=start_after, **req.bootstrap()[0])
     states = tm.submit_all([spec])
     n = req.n
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": args.served_model_name}
+    outputs = [ChoiceOutput(setup) for _ in states]
 
     def logprobs(s: ReqState, start: int) -> Optional[dict]:
         if top is None:
@@ -161,21 +208,32 @@ async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
 
     want_timeline = timeline.requested(request.headers)
 
-    def chunk_choice(i: int, s: ReqState, text: str, token_start: int, first: bool) -> dict[str, Any]:
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
-        fr = s.finish_reason
-        return _with_timeline(tm, {"index": i, "delta": delta, "logprobs": logprobs(s, token_start),
-                                   "finish_reason": finish_reason(fr), "matched_stop": matched_stop(fr)},
-                              s, want_timeline)
+    def chunk_choice(i: int, s: ReqState, text: str, token_start: int, first: bool) -> Optional[dict[str, Any]]:
+        delta = outputs[i].feed(text)
+        if s.finished:
+            for key, value in outputs[i].finish().items():
+                delta[key] = delta.get(key, "" if key != "tool_calls" else []) + value
+        lp = logprobs(s, token_start)
+        if not (first or delta or lp or s.finished):
+            return None  # text held back (it may be a marker)
+        if first:
+            delta = {"role": "assistant", "content": "", **delta}
+        fr = outputs[i].finish_reason(finish_reason(s.finish_reason))
+        return _with_timeline(tm, {"index": i, "delta": delta, "logprobs": lp, "finish_reason": fr,
+                                   "matched_stop": matched_stop(s.finish_reason)}, s, want_timeline)
 
     if stream:
         events = _events(tm, states, {**head, "object": "chat.completion.chunk"}, chunk_choice, req.include_usage, n)
         return http_util.sse_response(tm, states, events)
     await http_util.unless_disconnected(request, http_util.wait_all(tm, states))
-    choices = [_with_timeline(tm, {"index": i, "message": {"role": "assistant", "content": s.text},
-                                   "logprobs": logprobs(s, 0), "finish_reason": finish_reason(s.finish_reason),
-                                   "matched_stop": matched_stop(s.finish_reason)}, s, want_timeline)
-               for i, s in enumerate(states)]
+    choices = []
+    for i, s in enumerate(states):
+        out = outputs[i]
+        message = out.message(s.text)
+        choices.append(_with_timeline(tm, {
+            "index": i, "message": message, "logprobs": logprobs(s, 0),
+            "finish_reason": out.finish_reason(finish_reason(s.finish_reason)),
+            "matched_stop": matched_stop(s.finish_reason)}, s, want_timeline))
     return http_util.json_response(_with_sglext({**head, "object": "chat.completion", "choices": choices,
                                                  "usage": _usage(states, n)}, states))
 
@@ -183,10 +241,11 @@ async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
 # ---- streaming -----------------------------------------------------------------------------
 async def _events(
     tm: TokenizerManager, states: list[ReqState], head: dict[str, Any],
-    choice: Callable[[int, ReqState, str, int, bool], dict[str, Any]], include_usage: bool, n: int,
+    choice: Callable[[int, ReqState, str, int, bool], Optional[dict[str, Any]]], include_usage: bool, n: int,
 ) -> AsyncIterator[bytes]:
     """A chunk per choice update that brings text, logprobs or the finish (the first one always);
-    ``choice(i, state, new_text, first_new_token, is_first_chunk)`` shapes it. Then, as SGLang
+    ``choice(i, state, new_text, first_new_token, is_first_chunk)`` shapes it (None: nothing to
+    send yet). Then, as SGLang
     sends them, a chunk without choices carrying ``sglext`` (routed experts, when asked), usage
     (if asked) and [DONE]."""
     sent_chars = [0] * len(states)
@@ -204,7 +263,9 @@ async def _events(
         new_logprobs = s.spec.return_logprob and len(s.output_ids) > sent_tokens[i]
         if started[i] and not (delta or new_logprobs or s.finished):
             continue
-        yield http_util.sse_event({**head, "choices": [choice(i, s, delta, sent_tokens[i], not started[i])]})
+        c = choice(i, s, delta, sent_tokens[i], not started[i])
+        if c is not None:
+            yield http_util.sse_event({**head, "choices": [c]})
         sent_chars[i], sent_tokens[i] = len(s.text), len(s.output_ids)
         started[i], finished[i] = True, s.finished
     ext = _sglext(states)

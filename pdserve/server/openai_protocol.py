@@ -6,6 +6,7 @@ fields a body must have."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Optional, Union
 
 import msgspec
@@ -215,9 +216,24 @@ class CompletionRequest(_Sampling):
 
 _TEXT_PART = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
               "required": ["type", "text"]}
+_TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string"}, "arguments": {"type": ["string", "object"]}}}}}
 _MESSAGE = {"type": "object", "required": ["role"], "properties": {
     "role": {"type": "string"}, "content": {"anyOf": [{"type": "string"}, {"type": "null"},
-                                                      {"type": "array", "items": _TEXT_PART}]}}}
+                                                      {"type": "array", "items": _TEXT_PART}]},
+    "tool_calls": {"type": ["array", "null"], "items": _TOOL_CALL}, "tool_call_id": {"type": ["string", "null"]}}}
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": "^[a-zA-Z0-9_.-]{1,64}$"}, "description": {"type": "string"},
+        "parameters": {"type": "object"}, "strict": {"type": ["boolean", "null"]}}}}}
+_TOOL_CHOICE = {"anyOf": [{"type": "null"}, {"enum": ["auto", "none", "required"]},
+                          {"type": "object", "required": ["type", "function"], "properties": {
+                              "type": {"const": "function"},
+                              "function": {"type": "object", "required": ["name"],
+                                           "properties": {"name": {"type": "string"}}}}}]}
 
 
 class ChatRequest(_Sampling):
@@ -230,6 +246,12 @@ class ChatRequest(_Sampling):
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
     continue_final_message: bool = False
+    # tool calls (server/tool_parser.py) and reasoning (server/reasoning_parser.py)
+    tools: Annotated[Any, msgspec.Meta(extra_json_schema={"type": ["array", "null"], "items": _TOOL})] = None
+    tool_choice: Annotated[Any, msgspec.Meta(extra_json_schema=_TOOL_CHOICE)] = None
+    parallel_tool_calls: bool = True
+    separate_reasoning: bool = True  # SGLang: reasoning_content apart from content (with --reasoning-parser)
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": false}
 
     def top_logprobs_num(self) -> Optional[int]:
         """None when logprobs are off; else how many alternatives per token."""
@@ -261,8 +283,30 @@ class ChatRequest(_Sampling):
                 content = "".join(texts)
             elif content is not None and not isinstance(content, str):
                 raise bad_request(f"messages[{i}].content: must be a string, a list of text parts or null")
-            out.append({**m, "content": content})
+            out.append({**m, "content": content, **_tool_calls_for_template(i, m.get("tool_calls"))})
         return out
+
+
+def _tool_calls_for_template(i: int, calls: Any) -> dict[str, Any]:
+    """An assistant message's earlier ``tool_calls``, their JSON ``arguments`` as objects (what
+    chat templates render)."""
+    if calls is None:
+        return {}
+    if not isinstance(calls, list):
+        raise bad_request(f"messages[{i}].tool_calls: must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"messages[{i}].tool_calls[{j}].function.name: is required")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments: is not valid JSON") from None
+        out.append({**call, "type": "function", "function": {**fn, "arguments": args}})
+    return {"tool_calls": out}
 
 
 def _is_int(x: Any) -> bool:

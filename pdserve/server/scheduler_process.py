@@ -274,6 +274,7 @@ class SchedulerLoop:
                 "kv_pages_cached": s.tree.total_pages(),
                 **s.stats,
                 **(s.pd.stats() if s.pd is not None else {}),
+                "grammar_cache": s.grammars.cache_info(),
             })
             if len(groups) == 1:
                 return groups[0]

@@ -18,11 +18,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional, Union
 
-from pdserve.chat_template import ChatTemplateError, chat_input_ids
+from pdserve.chat_template import ChatTemplateError, chat_input_ids, load_template
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.routed_experts import refusal as routed_experts_refusal
 from pdserve.grammar import GrammarSpec, backend_class
 from pdserve.server.constraints import grammar_of_sampling
+from pdserve.server.reasoning_parser import reasoning_parser, think_end_text
+from pdserve.server.tool_parser import tool_parser
 from pdserve.server.detokenizer import IncrementalDetokenizer
 from pdserve.server.errors import bad_request
 from pdserve.server.messages import AbortReq, GenerateReq, TokenOut, encode
@@ -106,17 +108,39 @@ class TokenizerManager:
         self.dp_size: int = int(info.get("dp_size") or 1)  # attention-DP groups of the scheduler
         self._next_group = 0
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
+        self.chat_template = load_template(server_args.chat_template)
+        # unknown parser names fail the start-up, naming the choices
+        if server_args.tool_call_parser:
+            tool_parser(server_args.tool_call_parser, [])
+        if server_args.reasoning_parser:
+            reasoning_parser(server_args.reasoning_parser)
         client.on_output = self._on_output
 
     # ---- input -------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text)["input_ids"]
 
-    def chat_input_ids(self, messages: list[dict], continue_final_message: bool = False) -> list[int]:
+    def chat_input_ids(self, messages: list[dict], continue_final_message: bool = False,
+                       tools: Optional[list[dict]] = None, template_kwargs: Optional[dict] = None) -> list[int]:
         try:
-            return chat_input_ids(self.tokenizer, messages, continue_final_message)
+            return chat_input_ids(self.tokenizer, messages, continue_final_message, tools, template_kwargs,
+                                  self.chat_template)
         except ChatTemplateError as e:
             raise bad_request(str(e)) from None
+
+    # ---- reasoning (server/reasoning_parser.py) ------------------------------------------
+    def opens_reasoning(self, parser: str, input_ids: list[int]) -> bool:
+        """Whether the prompt ends inside the reasoning (the template opened it, as DeepSeek-R1's
+        does), so the output starts as reasoning."""
+        p = reasoning_parser(parser)
+        tail = self.tokenizer.decode(input_ids[-16:], skip_special_tokens=False)
+        return p.always_forced or bool(p.start) and tail.rstrip().endswith(p.start)
+
+    @functools.lru_cache(maxsize=16)  # noqa: B019 (one manager per process)
+    def reasoning_end_ids(self, parser: str) -> Optional[list[int]]:
+        """The tokens that end the reasoning: a grammar starts after them."""
+        text = think_end_text(parser)
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else None
 
     def check_grammar(self, spec: GrammarSpec) -> GrammarSpec:
         """``spec`` if the grammar engine takes it, else a 400 naming the problem (cached)."""

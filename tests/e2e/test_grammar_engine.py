@@ -151,3 +151,24 @@ def test_a_schema_is_compiled_once(engine):
         engine.generate(prompt=PROMPTS[1], sampling_params={"max_new_tokens": 16, "temperature": 0,
                                                             "json_schema": schema})
     assert engine.scheduler.grammars.cache_info()["misses"] == before + 1
+
+
+def test_the_grammar_starts_after_the_reasoning_ends(engine):
+    """With ``grammar_start_after`` (a reasoning model's end-of-thinking tokens) the output is
+    free until those tokens, then follows the grammar. The free run's first two tokens stand in
+    for the marker, so the random model does produce it."""
+    import re
+
+    from pdserve.engine.request import Req, SamplingParams
+
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    free = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 2, "temperature": 0})["output_ids"]
+    req = Req(rid="gated", input_ids=ids, sampling=SamplingParams(max_new_tokens=MAX_NEW, temperature=0),
+              grammar_spec=GRAMMARS["regex"], grammar_start_after=free)
+    engine.scheduler.add_request(req)
+    while not req.finished:
+        engine.scheduler.step()
+    assert req.output_ids[:2] == free
+    answer = engine.tokenizer.decode(req.output_ids[2:], skip_special_tokens=True)
+    assert re.fullmatch(GRAMMARS["regex"].value, answer), answer
+    assert req.finish_reason.kind.value == "stop"

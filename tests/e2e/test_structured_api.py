@@ -1,0 +1,286 @@
+"""Structured outputs, tool calls and reasoning through the HTTP API with the official ``openai``
+client: colocated, through PD (local and Mooncake transfer, pdserve's router) and behind the real
+sglang-router; every output parses and validates against its schema, and PD's greedy outputs equal
+the colocated server's, streamed and not."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from pdserve.disagg.transfer import get_backend
+from tests.e2e.conftest import sse_events
+from tests.helpers import cluster as c
+from tests.helpers.sglang_router import sglang_router_available, start_sglang_router
+
+# A Qwen-style template: tools in the system turn, <tool_call> blocks, <think> opened by the
+# generation prompt when enable_thinking is set.
+TEMPLATE = (Path(__file__).parent / "data" / "tools_think_template.jinja").read_text()
+FLAGS = ["--served-model-name", "tiny", "--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3", "--page-size", "16",
+         "--max-total-tokens", "8192"]
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris and in Rome?"}]
+SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["city", "unit", "days", "source"],
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
+        "source": {"type": "object", "additionalProperties": False, "required": ["name", "live"],
+                   "properties": {"name": {"type": "string", "maxLength": 8}, "live": {"type": "boolean"}}},
+    },
+}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city", "unit"],
+    "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"],
+    "properties": {"zone": {"type": "string", "maxLength": 6}}}}}
+TOOLS = [WEATHER, TIME]
+# tool_choice auto: the parser finds a call in the model's own format (here forced by a grammar)
+HERMES_CALL = ('root ::= "<tool_call>\\n{\\"name\\": \\"get_time\\", \\"arguments\\": {\\"zone\\": \\"" [a-z] [a-z]? '
+               '[a-z]? "\\"}}\\n</tool_call>"')
+CASES = {
+    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "weather", "schema": SCHEMA, "strict": True}}},
+    "json_object": {"response_format": {"type": "json_object"}},
+    "tools_required_parallel": {"tools": TOOLS, "tool_choice": "required"},
+    "tools_required_one": {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False},
+    "tools_named": {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    "tools_auto": {"tools": TOOLS, "tool_choice": "auto", "extra_body": {"ebnf": HERMES_CALL}},
+}
+MAX_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def template_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("template") / "chat.jinja"
+    path.write_text(TEMPLATE)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, tiny_llama_path, template_file):
+    logs = tmp_path_factory.mktemp("structured")
+    flags = [*FLAGS, "--chat-template", template_file]
+    colo = c.server("colo", tiny_llama_path, logs, *flags)
+    P, _ = c.prefill("P", tiny_llama_path, logs, *flags)
+    D = c.decode("D", tiny_llama_path, logs, *flags)
+    procs = [colo, P, D]
+    try:
+        get_backend("mooncake")
+        mooncake = ["--disaggregation-transfer-backend", "mooncake"]
+        Pm, _ = c.prefill("P-mooncake", tiny_llama_path, logs, *flags, *mooncake)
+        Dm = c.decode("D-mooncake", tiny_llama_path, logs, *flags, *mooncake)
+        procs += [Pm, Dm]
+    except ValueError:
+        Pm = Dm = None
+    try:
+        c.start_all(procs)
+        R = c.router("R", [P], [D], logs)
+        procs.append(R)
+        R.start()
+        out = {"colocated": colo, "pd": R, "P": P, "D": D, "logs": logs}
+        if Pm is not None:
+            Rm = c.router("R-mooncake", [Pm], [Dm], logs)
+            procs.append(Rm)
+            Rm.start()
+            out.update({"pd-mooncake": Rm, "Pm": Pm, "Dm": Dm})
+        yield out
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat(url: str, case: dict, stream: bool, messages=MESSAGES, **extra) -> dict:
+    """The choice as (content, reasoning, tool calls without ids, finish reason), assembled from
+    the stream's deltas when streamed."""
+    kw = {**case, **extra}
+    with _client(url) as cl:
+        r = cl.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                       stream=stream, **kw)
+        if not stream:
+            m = r.choices[0].message
+            calls = [(t.function.name, t.function.arguments) for t in (m.tool_calls or [])]
+            assert all(t.id and t.type == "function" for t in (m.tool_calls or []))
+            return {"content": m.content, "reasoning": getattr(m, "reasoning_content", None), "calls": calls,
+                    "finish": r.choices[0].finish_reason}
+        content, reasoning, calls, finish = "", "", {}, None
+        for chunk in r:
+            if not chunk.choices:
+                continue
+            ch = chunk.choices[0]
+            d = ch.delta
+            content += d.content or ""
+            reasoning += getattr(d, "reasoning_content", None) or ""
+            for t in d.tool_calls or []:
+                entry = calls.setdefault(t.index, ["", ""])
+                if t.function.name:
+                    entry[0] += t.function.name
+                entry[1] += t.function.arguments or ""
+            finish = ch.finish_reason or finish
+        return {"content": content or None, "reasoning": reasoning or None,
+                "calls": [tuple(calls[k]) for k in sorted(calls)], "finish": finish}
+
+
+def check_valid(name: str, out: dict) -> None:
+    if name == "json_schema":
+        jsonschema.validate(json.loads(out["content"]), SCHEMA)
+    elif name == "json_object":  # a random model may write one string until max_tokens
+        if out["finish"] == "stop":
+            assert isinstance(json.loads(out["content"]), dict)
+        else:
+            assert out["finish"] == "length" and out["content"].startswith('{"'), out
+    else:
+        params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        assert out["calls"] and out["finish"] == "tool_calls", out
+        for fn, args in out["calls"]:
+            jsonschema.validate(json.loads(args), params[fn])
+        if name == "tools_named":
+            assert [fn for fn, _ in out["calls"]] == ["get_weather"]
+        if name in ("tools_required_one", "tools_named", "tools_auto"):
+            assert len(out["calls"]) == 1
+        if name == "tools_auto":
+            assert out["calls"][0][0] == "get_time" and not out["content"]
+
+
+@pytest.fixture(scope="module")
+def colocated_outputs(servers):
+    url = servers["colocated"].url
+    outs = {}
+    for name, case in CASES.items():
+        whole, streamed = chat(url, case, False), chat(url, case, True)
+        assert streamed == whole, (name, streamed, whole)
+        check_valid(name, whole)
+        outs[name] = whole
+    return outs
+
+
+def test_colocated_outputs_validate_streamed_and_not(colocated_outputs, servers):
+    assert set(colocated_outputs) == set(CASES)
+    servers["colocated"].wait_idle()
+
+
+@pytest.mark.parametrize("target", ["pd", "pd-mooncake", "sglang-router"])
+def test_pd_matches_colocated(servers, colocated_outputs, target):
+    if target == "pd-mooncake" and target not in servers:
+        pytest.skip("the mooncake transfer engine is not installed")
+    if target == "sglang-router":
+        if not sglang_router_available():
+            pytest.skip("sglang-router is not installed")
+        port = c.free_port()
+        proc = start_sglang_router([(servers["P"].url, servers["P"].bootstrap_port)], [servers["D"].url], port,
+                                   log_path=str(servers["logs"] / "sglang-router.log"))
+        url = f"http://127.0.0.1:{port}"
+    else:
+        proc, url = None, servers[target].url
+    try:
+        for name, case in CASES.items():
+            for stream in (False, True):
+                assert chat(url, case, stream) == colocated_outputs[name], (target, name, stream)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait()
+    for key in (("Pm", "Dm") if target == "pd-mooncake" else ("P", "D")):
+        servers[key].wait_idle()
+
+
+def test_completions_and_generate_take_grammars(servers):
+    url = servers["colocated"].url
+    regex = r"(yes|no), [0-9]{1,3} (apples|pears)"
+    with _client(url) as cl:
+        r = cl.completions.create(model="tiny", prompt="Answer:", max_tokens=MAX_TOKENS, temperature=0,
+                                  extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                      "name": "w", "schema": SCHEMA}}})
+        jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
+        r = cl.completions.create(model="tiny", prompt="Answer:", max_tokens=40, temperature=0,
+                                  extra_body={"regex": regex})
+        assert re.fullmatch(regex, r.choices[0].text)
+        text = "".join(ch.choices[0].text for ch in cl.completions.create(
+            model="tiny", prompt="Answer:", max_tokens=40, temperature=0, stream=True, extra_body={"regex": regex}))
+        assert text == r.choices[0].text
+    with httpx.Client(base_url=url, timeout=120) as h:
+        for params in ({"json_schema": json.dumps(SCHEMA)}, {"regex": regex},
+                       {"ebnf": 'root ::= "x=" [0-9] [0-9]? ";"'}):
+            body = {"text": "Answer:", "sampling_params": {"max_new_tokens": 80, "temperature": 0, **params}}
+            whole = h.post("/generate", json=body).json()
+            with h.stream("POST", "/generate", json={**body, "stream": True}) as r:
+                events = sse_events(r.iter_lines())
+            assert events[-1] == "[DONE]" and events[-2]["text"] == whole["text"], params
+            if "json_schema" in params:
+                jsonschema.validate(json.loads(whole["text"]), SCHEMA)
+            elif "regex" in params:
+                assert re.fullmatch(regex, whole["text"])
+            else:
+                assert re.fullmatch(r"x=[0-9]{1,2};", whole["text"])
+    servers["colocated"].wait_idle()
+
+
+BAD = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "objekt"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, r"tools\[0\].function.name"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "launch"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"extra_body": {"regex": "a(b"}}, "regex"),
+    ({"extra_body": {"regex": "a", "ebnf": 'root ::= "a"'}}, "at most one"),
+    ({"extra_body": {"chat_template_kwargs": {"tokenize": True}}}, "chat_template_kwargs"),
+]
+
+
+@pytest.mark.parametrize("target", ["colocated", "pd"])
+def test_bad_input_is_a_400_naming_the_problem(servers, target):
+    with _client(servers[target].url) as cl:
+        for case, needle in BAD:
+            for stream in (False, True):
+                with pytest.raises(openai.BadRequestError) as e:
+                    r = cl.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, stream=stream,
+                                                   **case)
+                    list(r) if stream else None
+                assert re.search(needle, str(e.value)), (case, str(e.value))
+    for key in (("colocated",) if target == "colocated" else ("P", "D")):
+        servers[key].wait_idle()
+        info = servers[key].http.get("/server_info").json()["internal_states"][0]
+        cache = info["grammar_cache"]
+        assert cache["size"] <= cache["capacity"] and cache["size"] <= cache["misses"], cache
+
+
+def test_reasoning_is_returned_apart_from_the_answer(servers):
+    """The template opens <think> when thinking is on, so the tiny model's whole answer (it never
+    closes the reasoning) is reasoning; with thinking off it is all content."""
+    url = servers["colocated"].url
+    think = {"extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}
+    plain = chat(url, {"extra_body": {"chat_template_kwargs": {"enable_thinking": True},
+                                      "separate_reasoning": False}}, False)
+    for stream in (False, True):
+        out = chat(url, think, stream)
+        assert out["reasoning"] == plain["content"].strip() and not out["content"], out
+    off = chat(url, {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}, False)
+    assert off["reasoning"] is None and off["content"]
+
+
+def test_the_template_receives_the_tools(servers, tiny_llama_path, template_file):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_path)
+    with _client(servers["colocated"].url) as cl:
+        for tools, choice in ((TOOLS, "required"), (TOOLS, "none")):
+            r = cl.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1, tools=tools,
+                                           tool_choice=choice)
+            shown = tools if choice != "none" else None
+            want = tok.apply_chat_template(MESSAGES, tools=shown, chat_template=TEMPLATE, tokenize=False,
+                                           add_generation_prompt=True)
+            assert r.usage.prompt_tokens == len(tok(want, add_special_tokens=False)["input_ids"]), choice
+    assert "get_weather" in tok.apply_chat_template(MESSAGES, tools=TOOLS, chat_template=TEMPLATE, tokenize=False)
