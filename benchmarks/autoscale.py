@@ -38,8 +38,21 @@ LOADS = {  # name: (prompt length range, output tokens)
     "prefill-heavy": ((1500, 2500), 4),
     "decode-heavy": ((8, 32), 96),
 }
-AUTOSCALE = ["--autoscale", "--autoscale-interval", "1", "--autoscale-window", "8", "--autoscale-cooldown", "5",
-             "--autoscale-queue", "1.5", "--drain-timeout", "120", "--health-check-interval", "1"]
+AUTOSCALE = [
+    "--autoscale",
+    "--autoscale-interval",
+    "1",
+    "--autoscale-window",
+    "8",
+    "--autoscale-cooldown",
+    "5",
+    "--autoscale-queue",
+    "1.5",
+    "--drain-timeout",
+    "120",
+    "--health-check-interval",
+    "1",
+]
 
 
 def free_port() -> int:
@@ -54,7 +67,9 @@ def free_port() -> int:
 class Proc:
     def __init__(self, name: str, cmd: list[str], port: int, threads: int):
         self.name, self.port, self.url = name, port, f"http://127.0.0.1:{port}"
-        self.log = tempfile.NamedTemporaryFile(prefix=f"autoscale-{name}-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile(
+            prefix=f"autoscale-{name}-", suffix=".log", delete=False
+        )
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
@@ -62,7 +77,9 @@ class Proc:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise SystemExit(f"{self.name} exited with {self.proc.returncode}; log: {self.log.name}")
+                raise SystemExit(
+                    f"{self.name} exited with {self.proc.returncode}; log: {self.log.name}"
+                )
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -81,13 +98,17 @@ class Proc:
 
 
 class Load:
-    def __init__(self, url: str, lengths: tuple[int, int], new_tokens: int, clients: int, seed: int):
+    def __init__(
+        self, url: str, lengths: tuple[int, int], new_tokens: int, clients: int, seed: int
+    ):
         self.url, self.lengths, self.new_tokens = url, lengths, new_tokens
         self.stop = threading.Event()
         self.done: list[tuple[float, float, int, int]] = []  # (start, end, status, output tokens)
         self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run, args=(random.Random(seed * 1000 + i),), daemon=True)
-                        for i in range(clients)]
+        self.threads = [
+            threading.Thread(target=self._run, args=(random.Random(seed * 1000 + i),), daemon=True)
+            for i in range(clients)
+        ]
         for t in self.threads:
             t.start()
 
@@ -97,9 +118,21 @@ class Load:
                 ids = [rng.randrange(100, 40000) for _ in range(rng.randint(*self.lengths))]
                 t0 = time.monotonic()
                 try:
-                    r = h.post(self.url + "/generate", json={"input_ids": ids, "sampling_params": {
-                        "temperature": 0, "max_new_tokens": self.new_tokens, "ignore_eos": True}})
-                    status, n = r.status_code, len(r.json().get("output_ids", [])) if r.status_code == 200 else 0
+                    r = h.post(
+                        self.url + "/generate",
+                        json={
+                            "input_ids": ids,
+                            "sampling_params": {
+                                "temperature": 0,
+                                "max_new_tokens": self.new_tokens,
+                                "ignore_eos": True,
+                            },
+                        },
+                    )
+                    status, n = (
+                        r.status_code,
+                        len(r.json().get("output_ids", [])) if r.status_code == 200 else 0,
+                    )
                 except httpx.HTTPError:
                     status, n = -1, 0
                 with self.lock:
@@ -113,11 +146,15 @@ class Load:
             inside = [d for d in self.done if t0 <= d[1] <= t1]  # ended in the window
             failed = sum(1 for d in self.done if d[2] != 200)
         lat = sorted(d[1] - d[0] for d in inside if d[2] == 200)
-        return {"seconds": round(t1 - t0, 2), "requests": len(lat), "failed_total": failed,
-                "req_per_s": round(len(lat) / (t1 - t0), 3),
-                "output_tok_per_s": round(sum(d[3] for d in inside if d[2] == 200) / (t1 - t0), 1),
-                "latency_p50_s": round(statistics.median(lat), 3) if lat else None,
-                "latency_p90_s": round(lat[int(0.9 * (len(lat) - 1))], 3) if lat else None}
+        return {
+            "seconds": round(t1 - t0, 2),
+            "requests": len(lat),
+            "failed_total": failed,
+            "req_per_s": round(len(lat) / (t1 - t0), 3),
+            "output_tok_per_s": round(sum(d[3] for d in inside if d[2] == 200) / (t1 - t0), 1),
+            "latency_p50_s": round(statistics.median(lat), 3) if lat else None,
+            "latency_p90_s": round(lat[int(0.9 * (len(lat) - 1))], 3) if lat else None,
+        }
 
     def finish(self) -> None:
         self.stop.set()
@@ -125,7 +162,9 @@ class Load:
             t.join(600)
 
 
-def router(name: str, prefills: list[tuple[str, int]], decodes: list[str], extra: list[str]) -> Proc:
+def router(
+    name: str, prefills: list[tuple[str, int]], decodes: list[str], extra: list[str]
+) -> Proc:
     port = free_port()
     cmd = [sys.executable, "-m", "pdserve.cli", "router", "--port", str(port), *extra]
     for url, bport in prefills:
@@ -143,32 +182,76 @@ def split(prefills, decodes) -> str:
 
 def roles_of(r: Proc) -> tuple[list[tuple[str, int]], list[str]]:
     ws = [w for w in httpx.get(r.url + "/workers").json()["workers"] if not w["draining"]]
-    return ([(w["url"], w["bootstrap_port"]) for w in ws if w["worker_type"] == "prefill"],
-            [w["url"] for w in ws if w["worker_type"] == "decode"])
+    return (
+        [(w["url"], w["bootstrap_port"]) for w in ws if w["worker_type"] == "prefill"],
+        [w["url"] for w in ws if w["worker_type"] == "decode"],
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-path", default=None, help="default: the demo model (pdserve prepare-model)")
+    ap.add_argument(
+        "--model-path", default=None, help="default: the demo model (pdserve prepare-model)"
+    )
     ap.add_argument("--seconds", type=float, default=40.0, help="measured time per phase")
-    ap.add_argument("--warmup", type=float, default=20.0, help="unmeasured seconds before each phase")
+    ap.add_argument(
+        "--warmup", type=float, default=20.0, help="unmeasured seconds before each phase"
+    )
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--max-running-requests", type=int, default=4, help="each server's batch limit")
     ap.add_argument("--switch-timeout", type=float, default=300.0)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    model = a.model_path or subprocess.run([sys.executable, "-m", "pdserve.cli", "prepare-model",
-                                            "smollm2-135m-instruct"], check=True, capture_output=True,
-                                           text=True).stdout.strip().splitlines()[-1]
-    common = ["--model-path", model, "--torch-num-threads", "1", "--max-total-tokens", "65536",
-              "--max-running-requests", str(a.max_running_requests), "--disaggregation-bootstrap-timeout", "300",
-              "--disaggregation-waiting-timeout", "300", "--disaggregation-prealloc-timeout", "300"]
+    model = (
+        a.model_path
+        or subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "prepare-model", "smollm2-135m-instruct"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
+    common = [
+        "--model-path",
+        model,
+        "--torch-num-threads",
+        "1",
+        "--max-total-tokens",
+        "65536",
+        "--max-running-requests",
+        str(a.max_running_requests),
+        "--disaggregation-bootstrap-timeout",
+        "300",
+        "--disaggregation-waiting-timeout",
+        "300",
+        "--disaggregation-prealloc-timeout",
+        "300",
+    ]
     servers = []
     for name, mode in (("P1", "prefill"), ("D1", "decode"), ("D2", "decode")):
         port, bport = free_port(), free_port()
-        servers.append(Proc(name, [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port),
-                                   "--disaggregation-mode", mode, "--disaggregation-bootstrap-port", str(bport),
-                                   *common], port, 1))
+        servers.append(
+            Proc(
+                name,
+                [
+                    sys.executable,
+                    "-m",
+                    "pdserve.cli",
+                    "serve",
+                    "--port",
+                    str(port),
+                    "--disaggregation-mode",
+                    mode,
+                    "--disaggregation-bootstrap-port",
+                    str(bport),
+                    *common,
+                ],
+                port,
+                1,
+            )
+        )
         servers[-1].bootstrap_port = bport
     results = []
     try:
@@ -190,7 +273,11 @@ def main() -> None:
             t0 = time.monotonic()
             switch = None
             while time.monotonic() - t0 < a.switch_timeout:
-                done = [s for s in httpx.get(r.url + "/autoscale").json()["switches"] if s["outcome"] != "running"]
+                done = [
+                    s
+                    for s in httpx.get(r.url + "/autoscale").json()["switches"]
+                    if s["outcome"] != "running"
+                ]
                 if done:
                     switch = done[0]
                     break
@@ -202,24 +289,39 @@ def main() -> None:
             load.finish()
             r.stop()
             f, s = row["fixed"], row["autoscaled"]
-            row["ratio_req_per_s"] = round(s["req_per_s"] / f["req_per_s"], 2) if f["req_per_s"] else None
-            row["ratio_latency_p50"] = (round(s["latency_p50_s"] / f["latency_p50_s"], 2)
-                                        if f["latency_p50_s"] and s["latency_p50_s"] else None)
+            row["ratio_req_per_s"] = (
+                round(s["req_per_s"] / f["req_per_s"], 2) if f["req_per_s"] else None
+            )
+            row["ratio_latency_p50"] = (
+                round(s["latency_p50_s"] / f["latency_p50_s"], 2)
+                if f["latency_p50_s"] and s["latency_p50_s"]
+                else None
+            )
             print(json.dumps(row), flush=True)
             results.append(row)
     finally:
         for s in servers:
             s.stop()
-    out = {"command": " ".join(sys.argv), "machine": lscpu(), "python": platform.python_version(),
-           "clients": a.clients, "max_running_requests": a.max_running_requests, "results": results}
-    print("\n| load | fixed split | req/s | p50 s | autoscaled split | req/s | p50 s | req/s ratio | p50 ratio | "
-          "switched after s |")
+    out = {
+        "command": " ".join(sys.argv),
+        "machine": lscpu(),
+        "python": platform.python_version(),
+        "clients": a.clients,
+        "max_running_requests": a.max_running_requests,
+        "results": results,
+    }
+    print(
+        "\n| load | fixed split | req/s | p50 s | autoscaled split | req/s | p50 s | req/s ratio | p50 ratio | "
+        "switched after s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for row in results:
         f, s, sw = row["fixed"], row["autoscaled"], row["switch"] or {}
-        print(f"| {row['load']} | {f['split']} | {f['req_per_s']} | {f['latency_p50_s']} | {s['split']} | "
-              f"{s['req_per_s']} | {s['latency_p50_s']} | {row['ratio_req_per_s']} | {row['ratio_latency_p50']} | "
-              f"{sw.get('after_s')} ({sw.get('seconds')} s switch) |")
+        print(
+            f"| {row['load']} | {f['split']} | {f['req_per_s']} | {f['latency_p50_s']} | {s['split']} | "
+            f"{s['req_per_s']} | {s['latency_p50_s']} | {row['ratio_req_per_s']} | {row['ratio_latency_p50']} | "
+            f"{sw.get('after_s')} ({sw.get('seconds')} s switch) |"
+        )
     if a.out:
         with open(a.out, "w") as fh:
             json.dump(out, fh, indent=1)

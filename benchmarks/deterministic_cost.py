@@ -19,7 +19,6 @@ import random
 import subprocess
 
 import torch
-
 from offline_throughput import lscpu_model, pdserve_run
 
 WORKLOADS = {"short": (32, 128, 32), "long": (8, 1024, 16)}
@@ -27,7 +26,9 @@ WORKLOADS = {"short": (32, 128, 32), "long": (8, 1024, 16)}
 
 def lscpu() -> dict:
     out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    flags = next((ln.split(":", 1)[1].split() for ln in out.splitlines() if ln.startswith("Flags")), [])
+    flags = next(
+        (ln.split(":", 1)[1].split() for ln in out.splitlines() if ln.startswith("Flags")), []
+    )
     wanted = [f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma")]
     return {"model": lscpu_model(), "flags": " ".join(wanted)}
 
@@ -40,13 +41,25 @@ def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 def run(path: str, dtype: str, deterministic: bool, workload: str, threads: int) -> dict:
     """``offline_throughput.py``'s measurement (warm-up, a one-token prefill run, the full run)."""
     n, inp, out = WORKLOADS[workload]
-    res = pdserve_run(path, prompts(n, inp), out, threads, dtype=dtype,
-                      enable_deterministic_inference=deterministic, max_running_requests=n)
+    res = pdserve_run(
+        path,
+        prompts(n, inp),
+        out,
+        threads,
+        dtype=dtype,
+        enable_deterministic_inference=deterministic,
+        max_running_requests=n,
+    )
     res.pop("engine").shutdown()
     # the decode phase: the full run minus its prefill (nan when noise made the difference negative)
     decode_s = res["total_s"] - res["prefill_s"]
-    return {"prefill_s": res["prefill_s"], "total_s": res["total_s"], "out_tok_s": res["tok_s"],
-            "decode_tok_s": n * (out - 1) / decode_s if decode_s > 0 else float("nan"), "ids": res["ids"]}
+    return {
+        "prefill_s": res["prefill_s"],
+        "total_s": res["total_s"],
+        "out_tok_s": res["tok_s"],
+        "decode_tok_s": n * (out - 1) / decode_s if decode_s > 0 else float("nan"),
+        "ids": res["ids"],
+    }
 
 
 def main() -> None:
@@ -65,34 +78,53 @@ def main() -> None:
 
         path = ensure_demo_model()
     results: dict = {"machine": lscpu(), "threads": args.threads, "rows": []}
-    print(f"# {results['machine']['model']} ({results['machine']['flags']}), {args.threads} thread(s)")
-    print("| dtype | workload | prefill s (default ; det) | ratio | decode tok/s (default ; det) | ratio | "
-          "out tok/s (default ; det) | ratio | same tokens every round |")
+    print(
+        f"# {results['machine']['model']} ({results['machine']['flags']}), {args.threads} thread(s)"
+    )
+    print(
+        "| dtype | workload | prefill s (default ; det) | ratio | decode tok/s (default ; det) | ratio | "
+        "out tok/s (default ; det) | ratio | same tokens every round |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for dtype in args.dtypes.split(","):
         for workload in args.workloads.split(","):
             best: dict = {False: None, True: None}
             det_ids = []
             for r in range(args.rounds):
-                for det in ((False, True) if r % 2 == 0 else (True, False)):
+                for det in (False, True) if r % 2 == 0 else (True, False):
                     res = run(path, dtype, det, workload, args.threads)
                     if det:
                         det_ids.append(res.pop("ids"))
                     else:
                         res.pop("ids")
                     b = best[det]
-                    best[det] = res if b is None else {
-                        "prefill_s": min(b["prefill_s"], res["prefill_s"]), "total_s": min(b["total_s"], res["total_s"]),
-                        "out_tok_s": max(b["out_tok_s"], res["out_tok_s"]),
-                        "decode_tok_s": max(b["decode_tok_s"], res["decode_tok_s"])}
+                    best[det] = (
+                        res
+                        if b is None
+                        else {
+                            "prefill_s": min(b["prefill_s"], res["prefill_s"]),
+                            "total_s": min(b["total_s"], res["total_s"]),
+                            "out_tok_s": max(b["out_tok_s"], res["out_tok_s"]),
+                            "decode_tok_s": max(b["decode_tok_s"], res["decode_tok_s"]),
+                        }
+                    )
             d, x = best[False], best[True]
             same = all(ids == det_ids[0] for ids in det_ids)
-            row = {"dtype": dtype, "workload": workload, "default": d, "deterministic": x, "same_tokens": same}
+            row = {
+                "dtype": dtype,
+                "workload": workload,
+                "default": d,
+                "deterministic": x,
+                "same_tokens": same,
+            }
             results["rows"].append(row)
-            print(f"| {dtype} | {workload} {WORKLOADS[workload]} | {d['prefill_s']:.2f} ; {x['prefill_s']:.2f} | "
-                  f"{x['prefill_s'] / d['prefill_s']:.2f} | {d['decode_tok_s']:.1f} ; {x['decode_tok_s']:.1f} | "
-                  f"{x['decode_tok_s'] / d['decode_tok_s']:.2f} | {d['out_tok_s']:.1f} ; {x['out_tok_s']:.1f} | "
-                  f"{x['out_tok_s'] / d['out_tok_s']:.2f} | {same} |", flush=True)
+            print(
+                f"| {dtype} | {workload} {WORKLOADS[workload]} | {d['prefill_s']:.2f} ; {x['prefill_s']:.2f} | "
+                f"{x['prefill_s'] / d['prefill_s']:.2f} | {d['decode_tok_s']:.1f} ; {x['decode_tok_s']:.1f} | "
+                f"{x['decode_tok_s'] / d['decode_tok_s']:.2f} | {d['out_tok_s']:.1f} ; {x['out_tok_s']:.1f} | "
+                f"{x['out_tok_s'] / d['out_tok_s']:.2f} | {same} |",
+                flush=True,
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

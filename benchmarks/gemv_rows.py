@@ -32,7 +32,9 @@ def best(fn, passes: int = 3) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--rows", default="8,16,32,64,128")
     p.add_argument("--shapes", default="1b", choices=SHAPES)
     p.add_argument("--threads", type=int, default=1)
@@ -51,11 +53,24 @@ def main() -> None:
     for m in (int(r) for r in a.rows.split(",")):
         xs = {k: torch.randn(m, k).bfloat16() for _, k in shapes}
         outs = {n: torch.empty(m, n, dtype=torch.bfloat16) for n, _ in shapes}
-        g = best(lambda: [ops.linear_vnni(outs[w.out_features], xs[w.in_features], w.vnni, None) for w in ws])
-        o = best(lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.in_features], w.onednn, None, "none", [], "")
-                          for w in ws])
+        g = best(
+            lambda: [
+                ops.linear_vnni(outs[w.out_features], xs[w.in_features], w.vnni, None) for w in ws
+            ]
+        )
+        o = best(
+            lambda: [
+                torch.ops.mkldnn._linear_pointwise(
+                    xs[w.in_features], w.onednn, None, "none", [], ""
+                )
+                for w in ws
+            ]
+        )
         flops = 2 * m * sum(n * k for n, k in shapes)
-        print(f"| {m} | {g * 1e3:.2f} | {o * 1e3:.2f} | {g / o:.2f} | {flops / g / 1e9:.0f} |", flush=True)
+        print(
+            f"| {m} | {g * 1e3:.2f} | {o * 1e3:.2f} | {g / o:.2f} | {flops / g / 1e9:.0f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -132,7 +132,10 @@ print(json.dumps(out))
 def lscpu() -> dict:
     text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    return {"model": fields.get("Model name", "?").strip(), "flags": fields.get("Flags", "").strip()}
+    return {
+        "model": fields.get("Model name", "?").strip(),
+        "flags": fields.get("Flags", "").strip(),
+    }
 
 
 def run_tier(tier: str) -> dict:
@@ -142,15 +145,21 @@ def run_tier(tier: str) -> dict:
     for name in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY"):
         env.pop(name, None)
     env.update(_LIBRARY_CAPS.get(tier, {}))
-    proc = subprocess.run([sys.executable, "-c", WORKER], env=env, capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run(
+        [sys.executable, "-c", WORKER], env=env, capture_output=True, text=True, timeout=3600
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"tier {tier}: {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tiers", default=None, help="comma-separated (default: every tier this host has)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--tiers", default=None, help="comma-separated (default: every tier this host has)"
+    )
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     from pdserve import kernels
@@ -162,7 +171,11 @@ def main() -> None:
     print("|---|" + "---|" * len(tiers))
     for k in rows:
         cells = [results[t].get(k, "") for t in tiers]
-        print(f"| {k} | " + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in cells) + " |")
+        print(
+            f"| {k} | "
+            + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in cells)
+            + " |"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"machine": lscpu(), "tiers": results}, f, indent=2)

@@ -42,20 +42,36 @@ def workloads(ops):
 
     gen = torch.Generator().manual_seed(0)
     w_dec = pack_vnni16(torch.randn(8192, 4096, generator=gen))
-    x_dec, out_dec = torch.randn(1, 4096, generator=gen).bfloat16(), torch.empty(1, 8192, dtype=torch.bfloat16)
+    x_dec, out_dec = (
+        torch.randn(1, 4096, generator=gen).bfloat16(),
+        torch.empty(1, 8192, dtype=torch.bfloat16),
+    )
     w_pre = pack_vnni16(torch.randn(4096, 1024, generator=gen))
-    x_pre, out_pre = torch.randn(512, 1024, generator=gen).bfloat16(), torch.empty(512, 4096, dtype=torch.bfloat16)
+    x_pre, out_pre = (
+        torch.randn(512, 1024, generator=gen).bfloat16(),
+        torch.empty(512, 4096, dtype=torch.bfloat16),
+    )
     L, H, KVH, D, page = 1024, 16, 8, 128, 16
     kc = torch.randn(L // page + 1, KVH, page, D, generator=gen).bfloat16()
     vc = torch.randn(L // page + 1, KVH, page, D, generator=gen).bfloat16()
     table = torch.arange(1, L // page + 1, dtype=torch.int32)[None]
-    q, attn = torch.randn(L, H, D, generator=gen).bfloat16(), torch.empty(L, H, D, dtype=torch.bfloat16)
+    q, attn = (
+        torch.randn(L, H, D, generator=gen).bfloat16(),
+        torch.empty(L, H, D, dtype=torch.bfloat16),
+    )
     lens, starts = torch.tensor([L], dtype=torch.int32), torch.tensor([0, L], dtype=torch.int32)
     return {
         "decode GEMV 1x4096->8192": (lambda: ops.linear_vnni(out_dec, x_dec, w_dec, None), 20),
-        "prefill linear_vnni 512x1024->4096": (lambda: ops.linear_vnni(out_pre, x_pre, w_pre, None), 3),
+        "prefill linear_vnni 512x1024->4096": (
+            lambda: ops.linear_vnni(out_pre, x_pre, w_pre, None),
+            3,
+        ),
         "flash attention 1024 tokens": (
-            lambda: ops.paged_attention_bf16(attn, q, kc, vc, table, lens, starts, 1 / math.sqrt(D), 0), 2),
+            lambda: ops.paged_attention_bf16(
+                attn, q, kc, vc, table, lens, starts, 1 / math.sqrt(D), 0
+            ),
+            2,
+        ),
     }
 
 
@@ -72,8 +88,12 @@ def load(library: str | None):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--library", help="a built kernels module to time instead of pdserve's current build")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--library", help="a built kernels module to time instead of pdserve's current build"
+    )
     p.add_argument("--repeat", type=int, default=15)
     args = p.parse_args()
     ops = load(args.library)

@@ -73,7 +73,9 @@ class WireCounter:
         self.rank, self.world = rank, world
         self.active = False
         self.sent: dict[str, int] = {}
-        self._orig = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "all_to_all_single")}
+        self._orig = {
+            name: getattr(dist, name) for name in ("all_reduce", "all_gather", "all_to_all_single")
+        }
         for name, fn in self._orig.items():
             setattr(dist, name, self._wrap(name, fn))
 
@@ -93,10 +95,14 @@ class WireCounter:
                     t = args[1]
                     self._add("all_gather", (size - 1) * t.numel() * t.element_size())
                 else:
-                    out, inp = args[0], args[1]
+                    _, inp = args[0], args[1]
                     in_splits = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
                     me = torch.distributed.get_rank(group)
-                    row = inp[0].numel() * inp.element_size() if inp.dim() > 1 and inp.shape[0] else inp.element_size()
+                    row = (
+                        inp[0].numel() * inp.element_size()
+                        if inp.dim() > 1 and inp.shape[0]
+                        else inp.element_size()
+                    )
                     if in_splits is None:
                         per = inp.numel() * inp.element_size() // size
                         remote = per * (size - 1)
@@ -125,7 +131,9 @@ def make_weights(args, ep_rank: int, placement):
 
     g = torch.Generator().manual_seed(0)
     router = SoftmaxTopK(args.hidden, args.experts, args.top_k, renormalize=True, cast_back=True)
-    router.weight.data = (torch.randn(args.experts, args.hidden, generator=g) * 0.02 * args.router_scale).bfloat16()
+    router.weight.data = (
+        torch.randn(args.experts, args.hidden, generator=g) * 0.02 * args.router_scale
+    ).bfloat16()
     slots = placement.rank_slots(0, ep_rank)
     experts = Experts(args.hidden, (0, args.inter), slots)
     w13 = torch.empty(len(slots), 2 * args.inter, args.hidden, dtype=torch.bfloat16)
@@ -166,7 +174,9 @@ def worker(rank: int, layout: str, port: int, args, out_path: str) -> None:
     from pdserve.engine.dp_attention import DPGather
     from pdserve.layers.moe.placement import ExpertPlacement
 
-    par = init_parallel(rank, WORLD, f"tcp://127.0.0.1:{port}", dp_size=WORLD if layout == "dp" else 1)
+    par = init_parallel(
+        rank, WORLD, f"tcp://127.0.0.1:{port}", dp_size=WORLD if layout == "dp" else 1
+    )
     counter = WireCounter(rank, WORLD)
     placement = ExpertPlacement.trivial([0], args.experts, WORLD)
     router, experts, runner = make_weights(args, rank, placement)
@@ -208,28 +218,45 @@ def worker(rank: int, layout: str, port: int, args, out_path: str) -> None:
                     times[b].append(time.perf_counter() - t0)
                     expert_s[b].append((timed.total if timed else 0.0) - e0)
         # the slower rank per iteration, every rank's bytes
-        mine = torch.tensor([times[b] for b in layers] + [expert_s[b] for b in layers], dtype=torch.float64)
+        mine = torch.tensor(
+            [times[b] for b in layers] + [expert_s[b] for b in layers], dtype=torch.float64
+        )
         parts = [torch.empty_like(mine) for _ in range(WORLD)]
         dist.all_gather(parts, mine, group=par.tp.cpu_group)
         slow = torch.stack(parts).amax(0)
         # every rank's bytes per backend and collective, as one int64 tensor
-        mine_b = torch.tensor([[wire[b].get(k, 0) for k in KINDS] for b in layers], dtype=torch.int64)
+        mine_b = torch.tensor(
+            [[wire[b].get(k, 0) for k in KINDS] for b in layers], dtype=torch.int64
+        )
         parts_b = [torch.empty_like(mine_b) for _ in range(WORLD)]
         dist.all_gather(parts_b, mine_b, group=par.tp.cpu_group)
         summed = torch.stack(parts_b).sum(0)
         step_tokens = t * WORLD if layout == "dp" else t
-        row = {"layout": layout, "tokens_per_rank": t, "step_tokens": step_tokens, "iters": iters * args.rounds,
-               "runner": runner, "max_abs_diff": diff}
+        row = {
+            "layout": layout,
+            "tokens_per_rank": t,
+            "step_tokens": step_tokens,
+            "iters": iters * args.rounds,
+            "runner": runner,
+            "max_abs_diff": diff,
+        }
         for i, b in enumerate(layers):
-            row[b] = {"ms": 1e3 * statistics.median(slow[i].tolist()),
-                      "experts_ms": 1e3 * statistics.median(slow[len(layers) + i].tolist()),
-                      "bytes_per_token": int(summed[i].sum()) / step_tokens,
-                      "by_collective": {k: int(summed[i, j]) / step_tokens for j, k in enumerate(KINDS)
-                                        if summed[i, j]}}
+            row[b] = {
+                "ms": 1e3 * statistics.median(slow[i].tolist()),
+                "experts_ms": 1e3 * statistics.median(slow[len(layers) + i].tolist()),
+                "bytes_per_token": int(summed[i].sum()) / step_tokens,
+                "by_collective": {
+                    k: int(summed[i, j]) / step_tokens for j, k in enumerate(KINDS) if summed[i, j]
+                },
+            }
         results.append(row)
         if rank == 0:
-            print(f"[{layout}] T={t}: none {row['none']['ms']:.2f} ms, torch {row['torch']['ms']:.2f} ms "
-                  f"({iters} x {args.rounds} iters, outputs differ by {diff:.2e})", file=sys.stderr, flush=True)
+            print(
+                f"[{layout}] T={t}: none {row['none']['ms']:.2f} ms, torch {row['torch']['ms']:.2f} ms "
+                f"({iters} x {args.rounds} iters, outputs differ by {diff:.2e})",
+                file=sys.stderr,
+                flush=True,
+            )
     if rank == 0:
         Path(out_path).write_text(json.dumps(results))
     dist.barrier(group=par.tp.cpu_group)
@@ -264,14 +291,22 @@ def predict(layout: str, p: int, hidden: int, experts: int, k: int) -> dict[str,
     else:
         none = 8 * h * (p - 1)
         torch_ = distinct_remote(p, experts, k) * (6 * h + 8 * k) + 2 * h * (p - 1)
-    return {"none": none, "torch": torch_, "torch_worst": min(k, p - 1) * (6 * h + 8 * k)
-            + (2 * h * (p - 1) if layout == "tp" else 0)}
+    return {
+        "none": none,
+        "torch": torch_,
+        "torch_worst": min(k, p - 1) * (6 * h + 8 * k) + (2 * h * (p - 1) if layout == "tp" else 0),
+    }
 
 
 def machine() -> str:
     text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("Model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("Flags")), [])
+    name = next(
+        (ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("Model name")),
+        "?",
+    )
+    flags = next(
+        (ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("Flags")), []
+    )
     isa = " ".join(f for f in flags if f.startswith(("avx512", "amx")))
     return f"{platform.machine()} {name}, {os.cpu_count()} cores, flags: {isa or 'no avx512/amx'}"
 
@@ -285,22 +320,50 @@ def serve_backends(model: str, prompts: int, out_dir: Path) -> list[dict]:
     import tempfile
 
     import compare_vllm
+
     from tests.helpers import cluster as c
 
     logs = Path(tempfile.mkdtemp(prefix="moe-dispatch-"))
     out = []
     for backend in ("none", "torch"):
         port = c.free_port()
-        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model-path", model, "--served-model-name", "demo",
-               "--port", str(port), "--tp-size", "2", "--ep-size", "2", "--enable-dp-attention", "--dp-size", "2",
-               "--moe-a2a-backend", backend, "--torch-num-threads", "1", "--dtype", "bfloat16",
-               "--max-total-tokens", "32768"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "serve",
+            "--model-path",
+            model,
+            "--served-model-name",
+            "demo",
+            "--port",
+            str(port),
+            "--tp-size",
+            "2",
+            "--ep-size",
+            "2",
+            "--enable-dp-attention",
+            "--dp-size",
+            "2",
+            "--moe-a2a-backend",
+            backend,
+            "--torch-num-threads",
+            "1",
+            "--dtype",
+            "bfloat16",
+            "--max-total-tokens",
+            "32768",
+        ]
         proc = c.Proc(f"pdserve-{backend}", cmd, port, logs)
         try:
             proc.start(wait=False)
             proc.wait_ready(1200)
-            compare_vllm.bench(proc.url, model, "short", logs / f"warmup-{backend}.json", num_prompts=4)
-            r = compare_vllm.bench(proc.url, model, "short", out_dir / f"server-{backend}.json", num_prompts=prompts)
+            compare_vllm.bench(
+                proc.url, model, "short", logs / f"warmup-{backend}.json", num_prompts=4
+            )
+            r = compare_vllm.bench(
+                proc.url, model, "short", out_dir / f"server-{backend}.json", num_prompts=prompts
+            )
         finally:
             proc.stop()
         out.append({"backend": backend, **r["summary"]})
@@ -308,7 +371,9 @@ def serve_backends(model: str, prompts: int, out_dir: Path) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--tokens", default="1,32,256", help="tokens per rank (dp) / per step (tp)")
     ap.add_argument("--layouts", default="dp,tp")
     ap.add_argument("--hidden", type=int, default=2048)
@@ -322,21 +387,29 @@ def main() -> None:
     ap.add_argument("--no-fused", action="store_true", help="run the experts with grouped_mm")
     ap.add_argument("--predict-ranks", default="2,8,64")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--server-model", default=None, help="serve this MoE checkpoint with each backend instead")
+    ap.add_argument(
+        "--server-model", default=None, help="serve this MoE checkpoint with each backend instead"
+    )
     ap.add_argument("--server-prompts", type=int, default=32)
     a = ap.parse_args()
     if a.server_model:
         out_dir = Path(a.json).parent if a.json else Path(".")
         rows = serve_backends(a.server_model, a.server_prompts, out_dir)
         print(f"machine: {machine()}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-        print(f"{a.server_model}: --tp-size 2 --ep-size 2 --enable-dp-attention --dp-size 2, short workload, "
-              f"{a.server_prompts} x 128 in / 64 out at once")
+        print(
+            f"{a.server_model}: --tp-size 2 --ep-size 2 --enable-dp-attention --dp-size 2, short workload, "
+            f"{a.server_prompts} x 128 in / 64 out at once"
+        )
         print("| backend | out tok/s | TTFT mean / p90 ms | TPOT mean / p90 ms |")
         print("|---|---|---|---|")
         for r in rows:
-            print(f"| {r['backend']} | {r['output_throughput']:.1f} | {r['ttft_ms']['mean']:.0f} / {r['ttft_ms']['p90']:.0f} "
-                  f"| {r['tpot_ms']['mean']:.0f} / {r['tpot_ms']['p90']:.0f} |")
-        print(f"torch / none output throughput = {rows[1]['output_throughput'] / rows[0]['output_throughput']:.2f}")
+            print(
+                f"| {r['backend']} | {r['output_throughput']:.1f} | {r['ttft_ms']['mean']:.0f} / {r['ttft_ms']['p90']:.0f} "
+                f"| {r['tpot_ms']['mean']:.0f} / {r['tpot_ms']['p90']:.0f} |"
+            )
+        print(
+            f"torch / none output throughput = {rows[1]['output_throughput'] / rows[0]['output_throughput']:.2f}"
+        )
         if a.json:
             Path(a.json).write_text(json.dumps(rows, indent=2))
         return
@@ -350,34 +423,51 @@ def main() -> None:
         if layout not in ("dp", "tp"):
             ap.error(f"--layouts: unknown {layout!r} (dp, tp)")
         if layout == "tp" and any(t % WORLD for t in a.tokens):
-            print(f"[tp] token counts not divisible by {WORLD} leave one rank a smaller share", file=sys.stderr)
+            print(
+                f"[tp] token counts not divisible by {WORLD} leave one rank a smaller share",
+                file=sys.stderr,
+            )
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            mp.start_processes(worker, args=(layout, free_port(), a, f.name), nprocs=WORLD, start_method="spawn")
+            mp.start_processes(
+                worker, args=(layout, free_port(), a, f.name), nprocs=WORLD, start_method="spawn"
+            )
             rows += json.loads(Path(f.name).read_text())
-    print(f"machine: {machine()}; torch {torch.__version__}; load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"layer: hidden {a.hidden}, {a.experts} experts top {a.top_k}, expert MLP {a.inter}, bf16; "
-          f"{WORLD} ranks x 1 thread, gloo over loopback; experts: {rows[0]['runner']}")
-    print("| layout | tokens/rank | backend | ms / layer | of which experts ms | bytes/token/layer (KiB) "
-          "| by collective (KiB/token) | torch / none time |")
+    print(
+        f"machine: {machine()}; torch {torch.__version__}; load average "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
+    print(
+        f"layer: hidden {a.hidden}, {a.experts} experts top {a.top_k}, expert MLP {a.inter}, bf16; "
+        f"{WORLD} ranks x 1 thread, gloo over loopback; experts: {rows[0]['runner']}"
+    )
+    print(
+        "| layout | tokens/rank | backend | ms / layer | of which experts ms | bytes/token/layer (KiB) "
+        "| by collective (KiB/token) | torch / none time |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         for b in ("none", "torch"):
             x = r[b]
             by = ", ".join(f"{k} {kib(v)}" for k, v in sorted(x["by_collective"].items()))
             ratio = f"**{r['torch']['ms'] / r['none']['ms']:.2f}**" if b == "torch" else ""
-            print(f"| {r['layout']} | {r['tokens_per_rank']} | {b} | {x['ms']:.2f} | {x['experts_ms']:.2f} "
-                  f"| {kib(x['bytes_per_token'])} | {by} | {ratio} |")
+            print(
+                f"| {r['layout']} | {r['tokens_per_rank']} | {b} | {x['ms']:.2f} | {x['experts_ms']:.2f} "
+                f"| {kib(x['bytes_per_token'])} | {by} | {ratio} |"
+            )
     print("\npredicted bytes per token per layer (KiB; uniform routing, formulas in predict()):")
-    print("| layout | ranks | none | torch (expected) | torch (worst: min(k, P-1) ranks) | none / torch |")
+    print(
+        "| layout | ranks | none | torch (expected) | torch (worst: min(k, P-1) ranks) | none / torch |"
+    )
     print("|---|---|---|---|---|---|")
     for layout in a.layouts.split(","):
         for p in (int(x) for x in a.predict_ranks.split(",")):
             if p < 2 or a.experts % p:
                 continue  # the experts must split evenly over the ranks
             x = predict(layout, p, a.hidden, a.experts, a.top_k)
-            print(f"| {layout} | {p} | {kib(x['none'])} | {kib(x['torch'])} | {kib(x['torch_worst'])} "
-                  f"| {x['none'] / x['torch']:.1f} |")
+            print(
+                f"| {layout} | {p} | {kib(x['none'])} | {kib(x['torch'])} | {kib(x['torch_worst'])} "
+                f"| {x['none'] / x['torch']:.1f} |"
+            )
     diffs = max(r["max_abs_diff"] for r in rows)
     print(f"\nlargest difference between the backends' outputs: {diffs:.3e}")
     if a.json:

@@ -91,7 +91,7 @@ def loop_experts(w13: torch.Tensor, w2: torch.Tensor):
         for e, c in enumerate(counts):
             if c == 0:
                 continue
-            pairs = order[start:start + c]
+            pairs = order[start : start + c]
             start += c
             tokens = pairs // K
             y = F.linear(silu_mul(F.linear(x[tokens], w13[e])), w2[e])
@@ -102,11 +102,18 @@ def loop_experts(w13: torch.Tensor, w2: torch.Tensor):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--tokens", default="1,32,256,2048")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--int8", action="store_true", help="add rows for the w8a8_int8 kernel")
-    ap.add_argument("--min-time", type=float, default=1.0, help="seconds per kind and row (at least 3 calls each)")
+    ap.add_argument(
+        "--min-time",
+        type=float,
+        default=1.0,
+        help="seconds per kind and row (at least 3 calls each)",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -140,19 +147,27 @@ def main() -> int:
             result = {"threads": threads, "tokens": T, "experts_hit": hit}
             for name, s in bench(kinds, calls, args.min_time).items():
                 err = ((kinds[name](*calls[0]) - ref).abs().max() / ref.abs().max()).item()
-                result[name] = {"ms": s * 1e3, "gb_s": hit * bytes_per_expert[name] / s / 1e9,
-                                "gflop_s": flop / s / 1e9, "max_rel_err_vs_loop": err}
+                result[name] = {
+                    "ms": s * 1e3,
+                    "gb_s": hit * bytes_per_expert[name] / s / 1e9,
+                    "gflop_s": flop / s / 1e9,
+                    "max_rel_err_vs_loop": err,
+                }
             rows.append(result)
             print(json.dumps(result), flush=True)
 
-    print("\n| threads | tokens | experts hit | kernel | ms | GB/s of experts | GFLOP/s | vs grouped_mm | vs loop |")
+    print(
+        "\n| threads | tokens | experts hit | kernel | ms | GB/s of experts | GFLOP/s | vs grouped_mm | vs loop |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         for name in kinds:
             m = r[name]
             ratio = lambda other: f"{m['ms'] / r[other]['ms']:.2f}"  # noqa: E731
-            print(f"| {r['threads']} | {r['tokens']} | {r['experts_hit']:.1f} | {name} | {m['ms']:.2f} | "
-                  f"{m['gb_s']:.1f} | {m['gflop_s']:.0f} | {ratio('grouped_mm')} | {ratio('loop')} |")
+            print(
+                f"| {r['threads']} | {r['tokens']} | {r['experts_hit']:.1f} | {name} | {m['ms']:.2f} | "
+                f"{m['gb_s']:.1f} | {m['gflop_s']:.0f} | {ratio('grouped_mm')} | {ratio('loop')} |"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu": cpu, "isa": ops.isa(), "rows": rows}, f, indent=1)

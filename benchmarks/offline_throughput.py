@@ -38,7 +38,9 @@ import torch
 
 def lscpu_model() -> str:
     out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
+    return next(
+        (ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?"
+    )
 
 
 def hf_generate(path, prompts, out_len, batch):
@@ -52,10 +54,16 @@ def hf_generate(path, prompts, out_len, batch):
     n_tokens = 0
     with torch.no_grad():
         for i in range(0, len(prompts), batch):
-            chunk = prompts[i:i + batch]
+            chunk = prompts[i : i + batch]
             ids = torch.tensor(chunk)  # equal lengths: no padding needed
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
-                                 min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=out_len,
+                min_new_tokens=out_len,
+                do_sample=False,
+                pad_token_id=0,
+            )
             n_tokens += (out.shape[1] - ids.shape[1]) * len(chunk)
     return n_tokens / (time.perf_counter() - t0)
 
@@ -63,8 +71,13 @@ def hf_generate(path, prompts, out_len, batch):
 def pdserve_run(path, prompts, out_len, threads, **kw) -> dict:
     import pdserve
 
-    eng = pdserve.Engine(model_path=path, torch_num_threads=threads, max_total_tokens=1 << 17,
-                         disable_radix_cache=True, **kw)
+    eng = pdserve.Engine(
+        model_path=path,
+        torch_num_threads=threads,
+        max_total_tokens=1 << 17,
+        disable_radix_cache=True,
+        **kw,
+    )
     sp = lambda n: {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}  # noqa: E731
     eng.generate(input_ids=prompts[:2], sampling_params=sp(4))  # warm-up
     t0 = time.perf_counter()
@@ -75,10 +88,16 @@ def pdserve_run(path, prompts, out_len, threads, **kw) -> dict:
     total = time.perf_counter() - t0
     n = sum(len(o["output_ids"]) for o in outs)
     runner = eng.scheduler.runner
-    return {"engine": eng, "dtype": str(runner.dtype).replace("torch.", "") + (f"+{kw['quantization']}" if
-            kw.get("quantization") else ""), "tok_s": n / total,
-            "decode_tok_s": len(prompts) * (out_len - 1) / (total - prefill), "prefill_s": prefill, "total_s": total,
-            "ids": [o["output_ids"] for o in outs]}
+    return {
+        "engine": eng,
+        "dtype": str(runner.dtype).replace("torch.", "")
+        + (f"+{kw['quantization']}" if kw.get("quantization") else ""),
+        "tok_s": n / total,
+        "decode_tok_s": len(prompts) * (out_len - 1) / (total - prefill),
+        "prefill_s": prefill,
+        "total_s": total,
+        "ids": [o["output_ids"] for o in outs],
+    }
 
 
 def matmul_roofline(hf_config, rows: int, passes: int = 5) -> dict:
@@ -116,15 +135,26 @@ def matmul_roofline(hf_config, rows: int, passes: int = 5) -> dict:
         t0 = time.perf_counter()
         step()
         best = min(best, time.perf_counter() - t0)
-    flops = 2 * rows * (hf_config.num_hidden_layers * sum(n * k for n, k in shapes)
-                        + hf_config.vocab_size * hf_config.hidden_size)
+    flops = (
+        2
+        * rows
+        * (
+            hf_config.num_hidden_layers * sum(n * k for n, k in shapes)
+            + hf_config.vocab_size * hf_config.hidden_size
+        )
+    )
     return {"step_s": best, "gflop_per_s": flops / best / 1e9, "tok_s": rows / best}
 
 
 KINDS = {  # kernel (pdserve.kernels function or matmul impl) -> kind of work
-    "linear_vnni": "matmul", "linear_w8a8": "matmul", "onednn": "matmul",
-    "paged_attention_bf16": "attention", "paged_decode_attention": "attention",
-    "rms_norm": "norm", "rotary_embedding": "rope", "silu_and_mul": "silu_mul",
+    "linear_vnni": "matmul",
+    "linear_w8a8": "matmul",
+    "onednn": "matmul",
+    "paged_attention_bf16": "attention",
+    "paged_decode_attention": "attention",
+    "rms_norm": "norm",
+    "rotary_embedding": "rope",
+    "silu_and_mul": "silu_mul",
 }
 
 
@@ -146,6 +176,7 @@ class _TimedOps:
                 return fn(*args, **kw)
             finally:
                 self._totals[kind] += time.perf_counter() - t0
+
         return timed
 
 
@@ -173,9 +204,15 @@ def profile_decode_step(eng, prompts) -> list[tuple[str, float]]:
             totals["matmul"] += time.perf_counter() - t0
 
     sched = eng.scheduler
-    sp = {"temperature": 0, "max_new_tokens": 10_000, "ignore_eos": True}  # nobody finishes before the profiled step
+    sp = {
+        "temperature": 0,
+        "max_new_tokens": 10_000,
+        "ignore_eos": True,
+    }  # nobody finishes before the profiled step
     for i, ids in enumerate(prompts):
-        sched.add_request(Req(rid=f"profile-{i}", input_ids=ids, sampling=SamplingParams.from_dict(sp)))
+        sched.add_request(
+            Req(rid=f"profile-{i}", input_ids=ids, sampling=SamplingParams.from_dict(sp))
+        )
     while sched.waiting or any(r.extend_len > 1 for r in sched.running) or not sched.running:
         sched.step()  # prefill (chunked) until every request decodes
     sched.step()  # one decode step, warm
@@ -216,7 +253,9 @@ def profile_decode_step(eng, prompts) -> list[tuple[str, float]]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model-path", default=None, help="default: the demo model")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
@@ -232,38 +271,56 @@ def main() -> None:
 
     path = a.model_path or ensure_demo_model()
     rng = random.Random(0)
-    prompts = [[rng.randrange(100, 40000) for _ in range(a.input_len)] for _ in range(a.num_prompts)]
+    prompts = [
+        [rng.randrange(100, 40000) for _ in range(a.input_len)] for _ in range(a.num_prompts)
+    ]
     roof = matmul_roofline(load_config(path), a.num_prompts)
     rows = []
     profiles = {}
-    for name, kw in (("pdserve auto", {}), ("pdserve float32", {"dtype": "float32"}),
-                     ("pdserve w8a8_int8", {"quantization": "w8a8_int8"})):
+    for name, kw in (
+        ("pdserve auto", {}),
+        ("pdserve float32", {"dtype": "float32"}),
+        ("pdserve w8a8_int8", {"quantization": "w8a8_int8"}),
+    ):
         r = pdserve_run(path, prompts, a.output_len, a.threads, **kw)
         if a.profile:
             profiles[f"{name} ({r['dtype']})"] = profile_decode_step(r["engine"], prompts)
         del r["engine"]
-        rows.append({"contender": name, **r, "roofline_fraction": r["decode_tok_s"] / roof["tok_s"]})
+        rows.append(
+            {"contender": name, **r, "roofline_fraction": r["decode_tok_s"] / roof["tok_s"]}
+        )
     hf_b = hf_generate(path, prompts, a.output_len, batch=a.num_prompts)
     hf_1 = hf_generate(path, prompts[: a.hf_batch1_prompts], a.output_len, batch=1)
     rows.append({"contender": "HF transformers batched", "tok_s": hf_b})
     rows.append({"contender": "HF transformers batch 1", "tok_s": hf_1})
 
-    print(f"machine: {platform.machine()}, {lscpu_model()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}")
-    print(f"workload: {a.num_prompts} prompts x {a.input_len} in x {a.output_len} out, greedy, ignore_eos; {path}")
-    print(f"matmul roofline at batch {a.num_prompts}: {roof['gflop_per_s']:.0f} GFLOP/s prepacked bf16, "
-          f"a decode step of matmuls only = {roof['step_s'] * 1e3:.1f} ms = {roof['tok_s']:.0f} tok/s")
+    print(
+        f"machine: {platform.machine()}, {lscpu_model()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    )
+    print(
+        f"workload: {a.num_prompts} prompts x {a.input_len} in x {a.output_len} out, greedy, ignore_eos; {path}"
+    )
+    print(
+        f"matmul roofline at batch {a.num_prompts}: {roof['gflop_per_s']:.0f} GFLOP/s prepacked bf16, "
+        f"a decode step of matmuls only = {roof['step_s'] * 1e3:.1f} ms = {roof['tok_s']:.0f} tok/s"
+    )
     print("| contender | dtype | out tok/s | decode tok/s | of roofline | prefill s | total s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         if "decode_tok_s" in r:
-            print(f"| {r['contender']} | {r['dtype']} | {r['tok_s']:.1f} | {r['decode_tok_s']:.1f} "
-                  f"| {r['roofline_fraction']:.2f} | {r['prefill_s']:.2f} | {r['total_s']:.2f} |")
+            print(
+                f"| {r['contender']} | {r['dtype']} | {r['tok_s']:.1f} | {r['decode_tok_s']:.1f} "
+                f"| {r['roofline_fraction']:.2f} | {r['prefill_s']:.2f} | {r['total_s']:.2f} |"
+            )
         else:
             print(f"| {r['contender']} | checkpoint | {r['tok_s']:.1f} | | | | |")
     for name, split in profiles.items():
         print(f"\none decode step at batch {a.num_prompts}, layer-by-layer path, {name}:")
         for kind, value in split:
-            print(f"  {kind:<36} " + (f"{value:.1f}" if kind == "step ms" else f"{value * 100:5.1f} %"))
+            print(
+                f"  {kind:<36} "
+                + (f"{value:.1f}" if kind == "step ms" else f"{value * 100:5.1f} %")
+            )
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"roofline": roof, "rows": rows, "profiles": profiles}, f, indent=1)

@@ -51,7 +51,14 @@ SETUPS = {
     "pd-2t": ["launch", "--torch-num-threads", "2"],
     "pd-1t-cond": ["launch", "--torch-num-threads", "1", *PD_COND],
     "pd-2t-cond": ["launch", "--torch-num-threads", "2", *PD_COND],
-    "pd-1t-cond-c256": ["launch", "--torch-num-threads", "1", *PD_COND, "--decode-chunked-prefill-size", "256"],
+    "pd-1t-cond-c256": [
+        "launch",
+        "--torch-num-threads",
+        "1",
+        *PD_COND,
+        "--decode-chunked-prefill-size",
+        "256",
+    ],
     "pd-auto": ["launch"],
     "vllm": [],
 }
@@ -65,27 +72,74 @@ def start(name: str, model: str, logs: Path) -> c.Proc:
         return compare_vllm.vllm_server(py, model, CORES, "bfloat16", 2, logs).start(wait=False)
     port = c.free_port()
     kind, *flags = SETUPS[name]
-    common = ["--model-path", model, "--served-model-name", "demo", "--dtype", "bfloat16",
-              "--max-total-tokens", "65536"]
-    cmd = ["taskset", "-c", CORES, sys.executable, "-m", "pdserve.cli", kind, *common, "--port", str(port), *flags]
+    common = [
+        "--model-path",
+        model,
+        "--served-model-name",
+        "demo",
+        "--dtype",
+        "bfloat16",
+        "--max-total-tokens",
+        "65536",
+    ]
+    cmd = [
+        "taskset",
+        "-c",
+        CORES,
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        kind,
+        *common,
+        "--port",
+        str(port),
+        *flags,
+    ]
     proc = c.Proc(name, cmd, port, logs)
     proc.env.pop("OMP_NUM_THREADS")  # as a user starts it: the thread counts come from the flags
     return proc.start(wait=False)
 
 
 def bench(url: str, model: str, out: Path, n: int, a: argparse.Namespace) -> dict:
-    argv = ["--backend", "openai", "--base-url", url, "--model", "demo", "--tokenizer", model,
-            "--num-prompts", str(n), "--max-concurrency", str(min(n, CONCURRENCY)),
-            "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
-            "--random-range-ratio", "1", "--ignore-eos", "--warmup-requests", "0", "--disable-tqdm",
-            "--slo-ttft-ms", str(a.slo_ttft_ms), "--slo-tpot-ms", str(a.slo_tpot_ms), "--output-file", str(out)]
+    argv = [
+        "--backend",
+        "openai",
+        "--base-url",
+        url,
+        "--model",
+        "demo",
+        "--tokenizer",
+        model,
+        "--num-prompts",
+        str(n),
+        "--max-concurrency",
+        str(min(n, CONCURRENCY)),
+        "--random-input-len",
+        str(INPUT_LEN),
+        "--random-output-len",
+        str(OUTPUT_LEN),
+        "--random-range-ratio",
+        "1",
+        "--ignore-eos",
+        "--warmup-requests",
+        "0",
+        "--disable-tqdm",
+        "--slo-ttft-ms",
+        str(a.slo_ttft_ms),
+        "--slo-tpot-ms",
+        str(a.slo_tpot_ms),
+        "--output-file",
+        str(out),
+    ]
     if serving.main(argv) != 0:
         raise RuntimeError(f"benchmark against {url} failed")
     return json.loads(out.read_text())
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--setups", default="colocated,pd-1t,pd-2t,pd-1t-cond,pd-2t-cond,vllm")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
@@ -112,26 +166,47 @@ def main() -> None:
                 proc.wait_ready(a.ready_timeout)
                 bench(proc.url, model, logs / f"warmup-{name}-{rnd}.json", 4, a)
                 load = os.getloadavg()[0]
-                print(f"== {name} round {rnd + 1} ({time.strftime('%H:%M:%S')}, load {load:.2f})", file=sys.stderr)
+                print(
+                    f"== {name} round {rnd + 1} ({time.strftime('%H:%M:%S')}, load {load:.2f})",
+                    file=sys.stderr,
+                )
                 res = bench(proc.url, model, a.out_dir / f"{name}-{rnd + 1}.json", a.num_prompts, a)
-                rows.append({"setup": name, "round": rnd + 1, "load": [load, os.getloadavg()[0]], **res["summary"]})
+                rows.append(
+                    {
+                        "setup": name,
+                        "round": rnd + 1,
+                        "load": [load, os.getloadavg()[0]],
+                        **res["summary"],
+                    }
+                )
             finally:
                 proc.stop()
             (a.out_dir / "summary.json").write_text(json.dumps(rows, indent=1))
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model_name = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")), "?")
-    print(f"machine: {platform.machine()}, {model_name}, {os.cpu_count()} cores, taskset -c {CORES}")
-    print(f"workload: {a.num_prompts} x {INPUT_LEN} in / {OUTPUT_LEN} out, concurrency {CONCURRENCY}; "
-          f"SLO TTFT <= {a.slo_ttft_ms:g} ms and TPOT <= {a.slo_tpot_ms:g} ms")
-    print("| round | set-up | done | out tok/s | TTFT p50 / p90 ms | TPOT p50 / p90 ms | ITL p50 ms "
-          "| good | goodput req/s | load before / after |")
+    model_name = next(
+        (ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")),
+        "?",
+    )
+    print(
+        f"machine: {platform.machine()}, {model_name}, {os.cpu_count()} cores, taskset -c {CORES}"
+    )
+    print(
+        f"workload: {a.num_prompts} x {INPUT_LEN} in / {OUTPUT_LEN} out, concurrency {CONCURRENCY}; "
+        f"SLO TTFT <= {a.slo_ttft_ms:g} ms and TPOT <= {a.slo_tpot_ms:g} ms"
+    )
+    print(
+        "| round | set-up | done | out tok/s | TTFT p50 / p90 ms | TPOT p50 / p90 ms | ITL p50 ms "
+        "| good | goodput req/s | load before / after |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         g = r["goodput"]
-        print(f"| {r['round']} | {r['setup']} | {r['completed']}/{r['completed'] + r['failed']} "
-              f"| {r['output_throughput']:.1f} | {r['ttft_ms']['median']:.0f} / {r['ttft_ms']['p90']:.0f} "
-              f"| {r['tpot_ms']['median']:.0f} / {r['tpot_ms']['p90']:.0f} | {r['itl_ms']['median']:.0f} "
-              f"| {g['good']} | {g['rate']:.3f} | {r['load'][0]:.1f} / {r['load'][1]:.1f} |")
+        print(
+            f"| {r['round']} | {r['setup']} | {r['completed']}/{r['completed'] + r['failed']} "
+            f"| {r['output_throughput']:.1f} | {r['ttft_ms']['median']:.0f} / {r['ttft_ms']['p90']:.0f} "
+            f"| {r['tpot_ms']['median']:.0f} / {r['tpot_ms']['p90']:.0f} | {r['itl_ms']['median']:.0f} "
+            f"| {g['good']} | {g['rate']:.3f} | {r['load'][0]:.1f} / {r['load'][1]:.1f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -49,10 +49,28 @@ SETUPS = {
 SERVED_NAME = "demo"
 
 
-def pinned_server(name: str, model_path: str, logs: Path, cores: str, threads: int, *args: str) -> c.Proc:
+def pinned_server(
+    name: str, model_path: str, logs: Path, cores: str, threads: int, *args: str
+) -> c.Proc:
     port = c.free_port()
-    cmd = ["taskset", "-c", cores, sys.executable, "-m", "pdserve.cli", "serve", "--model-path", model_path,
-           "--port", str(port), "--torch-num-threads", str(threads), "--served-model-name", SERVED_NAME, *args]
+    cmd = [
+        "taskset",
+        "-c",
+        cores,
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "serve",
+        "--model-path",
+        model_path,
+        "--port",
+        str(port),
+        "--torch-num-threads",
+        str(threads),
+        "--served-model-name",
+        SERVED_NAME,
+        *args,
+    ]
     return c.Proc(name, cmd, port, logs, env={"OMP_NUM_THREADS": str(threads)})
 
 
@@ -64,8 +82,11 @@ class VllmServer(c.Proc):
 
         def idle() -> bool:
             text = httpx.get(self.url + "/metrics", timeout=10).text
-            busy = [ln for ln in text.splitlines() if ln.startswith(("vllm:num_requests_running",
-                                                                     "vllm:num_requests_waiting"))]
+            busy = [
+                ln
+                for ln in text.splitlines()
+                if ln.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))
+            ]
             return all(float(ln.rsplit(" ", 1)[1]) == 0 for ln in busy)
 
         c.wait_for(idle, timeout, "vllm to become idle")
@@ -79,10 +100,12 @@ def start_vllm(model_path: str, logs: Path, cores: str, kv_gib: int) -> VllmServ
     return VllmServer(proc.name, proc.cmd, proc.port, logs, env=proc.env)
 
 
-def start_setup(name: str, model_path: str, logs: Path, server_args: list[str]) -> tuple[c.Proc, list[c.Proc]]:
+def start_setup(
+    name: str, model_path: str, logs: Path, server_args: list[str]
+) -> tuple[c.Proc, list[c.Proc]]:
     """Start one set-up's servers and router; returns (the URL's process, servers)."""
     if name == "vllm":
-        (_, cores, _), = SETUPS[name]
+        ((_, cores, _),) = SETUPS[name]
         p = start_vllm(model_path, logs, cores, kv_gib=2)
         return p.start(), [p]
     servers, prefills, decodes = [], [], []
@@ -90,7 +113,12 @@ def start_setup(name: str, model_path: str, logs: Path, server_args: list[str]) 
         extra = list(server_args)
         if role == "prefill":
             bport = c.free_port()
-            extra += ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bport)]
+            extra += [
+                "--disaggregation-mode",
+                "prefill",
+                "--disaggregation-bootstrap-port",
+                str(bport),
+            ]
         elif role == "decode":
             extra += ["--disaggregation-mode", "decode"]
         p = pinned_server(f"{name}-{role}{i}", model_path, logs, cores, threads, *extra)
@@ -106,22 +134,65 @@ def start_setup(name: str, model_path: str, logs: Path, server_args: list[str]) 
         router = c.router(f"{name}-router", prefills, decodes, logs)
     else:
         port = c.free_port()
-        cmd = [sys.executable, "-m", "pdserve.cli", "router", "--port", str(port), "--policy", "round_robin"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "router",
+            "--port",
+            str(port),
+            "--policy",
+            "round_robin",
+        ]
         for p in servers:
             cmd += ["--worker", p.url]
         router = c.Proc(f"{name}-router", cmd, port, logs)
     return router.start(), servers
 
 
-def bench(url: str, out: Path, rate: float, seed: int, a: argparse.Namespace, num_prompts: int,
-          warmup: int = 0) -> None:
-    argv = ["--backend", "openai", "--base-url", url, "--model", SERVED_NAME, "--tokenizer", a.model_path,
-            "--num-prompts", str(num_prompts),
-            "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
-            "--random-range-ratio", str(a.range_ratio), "--random-vocab-size", str(a.vocab_size),
-            "--ignore-eos", "--request-rate", str(rate), "--seed", str(seed),
-            "--warmup-requests", str(warmup), "--slo-ttft-ms", str(a.slo_ttft_ms),
-            "--slo-tpot-ms", str(a.slo_tpot_ms), "--disable-tqdm", "--output-file", str(out)]
+def bench(
+    url: str,
+    out: Path,
+    rate: float,
+    seed: int,
+    a: argparse.Namespace,
+    num_prompts: int,
+    warmup: int = 0,
+) -> None:
+    argv = [
+        "--backend",
+        "openai",
+        "--base-url",
+        url,
+        "--model",
+        SERVED_NAME,
+        "--tokenizer",
+        a.model_path,
+        "--num-prompts",
+        str(num_prompts),
+        "--random-input-len",
+        str(a.input_len),
+        "--random-output-len",
+        str(a.output_len),
+        "--random-range-ratio",
+        str(a.range_ratio),
+        "--random-vocab-size",
+        str(a.vocab_size),
+        "--ignore-eos",
+        "--request-rate",
+        str(rate),
+        "--seed",
+        str(seed),
+        "--warmup-requests",
+        str(warmup),
+        "--slo-ttft-ms",
+        str(a.slo_ttft_ms),
+        "--slo-tpot-ms",
+        str(a.slo_tpot_ms),
+        "--disable-tqdm",
+        "--output-file",
+        str(out),
+    ]
     if serving.main(argv) != 0:
         raise RuntimeError(f"benchmark against {url} failed; see the log above")
 
@@ -143,7 +214,9 @@ def run_study(a: argparse.Namespace, setups: list[str], rates: list[float]) -> N
     print(f"server logs: {logs}", file=sys.stderr)
     server_args = ["--max-total-tokens", str(a.max_total_tokens)]
     started: dict[str, tuple[c.Proc, list[c.Proc]]] = {}
-    loads: dict[str, list[float]] = {}  # "set-up@rate" -> 1-min load average before and after the run
+    loads: dict[
+        str, list[float]
+    ] = {}  # "set-up@rate" -> 1-min load average before and after the run
     try:
         for name in setups:
             started[name] = start_setup(name, a.model_path, logs, server_args)
@@ -156,8 +229,13 @@ def run_study(a: argparse.Namespace, setups: list[str], rates: list[float]) -> N
             for name in order:
                 router, servers = started[name]
                 load = os.getloadavg()[0]
-                print(f"== {name} @ {rate} req/s ({time.strftime('%H:%M:%S')}, load {load:.2f})", file=sys.stderr)
-                bench(router.url, a.out_dir / f"{name}@{rate:g}.json", rate, 100 + i, a, a.num_prompts)
+                print(
+                    f"== {name} @ {rate} req/s ({time.strftime('%H:%M:%S')}, load {load:.2f})",
+                    file=sys.stderr,
+                )
+                bench(
+                    router.url, a.out_dir / f"{name}@{rate:g}.json", rate, 100 + i, a, a.num_prompts
+                )
                 loads[f"{name}@{rate:g}"] = [round(load, 2), round(os.getloadavg()[0], 2)]
                 (a.out_dir / "load.json").write_text(json.dumps(loads, indent=1))
                 wait_idle(servers)
@@ -182,11 +260,18 @@ def report(a: argparse.Namespace, setups: list[str], rates: list[float]) -> str:
                 results[name, rate] = json.loads(path.read_text())
     load_path = a.out_dir / "load.json"
     loads = json.loads(load_path.read_text()) if load_path.exists() else {}
-    lines = [(f"SLOs: TTFT <= {a.slo_ttft_ms:g} ms, TPOT <= {a.slo_tpot_ms:g} ms. Goodput in good requests/s. "
-              "Load: the host's 1-minute load average before / after the run."), "",
-             ("| rate req/s | set-up | done | req/s | out tok/s | TTFT mean / p90 ms | TPOT mean / p90 ms "
-              "| goodput TTFT | goodput TPOT | goodput both | load |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            f"SLOs: TTFT <= {a.slo_ttft_ms:g} ms, TPOT <= {a.slo_tpot_ms:g} ms. Goodput in good requests/s. "
+            "Load: the host's 1-minute load average before / after the run."
+        ),
+        "",
+        (
+            "| rate req/s | set-up | done | req/s | out tok/s | TTFT mean / p90 ms | TPOT mean / p90 ms "
+            "| goodput TTFT | goodput TPOT | goodput both | load |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     rows: dict[tuple[str, float], dict] = {}
     for rate in rates:
         for name in setups:
@@ -197,8 +282,10 @@ def report(a: argparse.Namespace, setups: list[str], rates: list[float]) -> str:
             recs = [RequestRecord.from_json(r) for r in res["records"]]
             dur = s["duration_s"]
             row = {
-                "req_s": s["request_throughput"], "tok_s": s["output_throughput"],
-                "ttft": s["ttft_ms"], "tpot": s["tpot_ms"],
+                "req_s": s["request_throughput"],
+                "tok_s": s["output_throughput"],
+                "ttft": s["ttft_ms"],
+                "tpot": s["tpot_ms"],
                 "g_ttft": goodput(recs, dur, a.slo_ttft_ms, None),
                 "g_tpot": goodput(recs, dur, None, a.slo_tpot_ms),
                 "g_both": goodput(recs, dur, a.slo_ttft_ms, a.slo_tpot_ms),
@@ -209,13 +296,18 @@ def report(a: argparse.Namespace, setups: list[str], rates: list[float]) -> str:
                 f"| {row['tok_s']:.1f} | {row['ttft']['mean']:.0f} / {row['ttft']['p90']:.0f} "
                 f"| {row['tpot']['mean']:.0f} / {row['tpot']['p90']:.0f} | {row['g_ttft']:.3f} "
                 f"| {row['g_tpot']:.3f} | {row['g_both']:.3f} "
-                f"| {' / '.join(f'{x:.1f}' for x in loads.get(f'{name}@{rate:g}', [])) or '-'} |")
+                f"| {' / '.join(f'{x:.1f}' for x in loads.get(f'{name}@{rate:g}', [])) or '-'} |"
+            )
     if len(setups) >= 2:
         for other in setups[1:]:
             x, y = setups[0], other
-            lines += ["", f"Ratios {x} / {y} (> 1: {x} higher):", "",
-                      "| rate req/s | out tok/s | TTFT p90 | TPOT p90 | goodput TTFT | goodput TPOT | goodput both |",
-                      "|---|---|---|---|---|---|---|"]
+            lines += [
+                "",
+                f"Ratios {x} / {y} (> 1: {x} higher):",
+                "",
+                "| rate req/s | out tok/s | TTFT p90 | TPOT p90 | goodput TTFT | goodput TPOT | goodput both |",
+                "|---|---|---|---|---|---|---|",
+            ]
 
             def ratio(u: float, v: float) -> str:
                 return f"{u / v:.2f}" if v > 0 else ("inf" if u > 0 else "-")
@@ -223,43 +315,64 @@ def report(a: argparse.Namespace, setups: list[str], rates: list[float]) -> str:
             for rate in rates:
                 if (x, rate) in rows and (y, rate) in rows:
                     p, q = rows[x, rate], rows[y, rate]
-                    lines.append(f"| {rate:g} | {ratio(p['tok_s'], q['tok_s'])} "
-                                 f"| {ratio(p['ttft']['p90'], q['ttft']['p90'])} "
-                                 f"| {ratio(p['tpot']['p90'], q['tpot']['p90'])} "
-                                 f"| {ratio(p['g_ttft'], q['g_ttft'])} | {ratio(p['g_tpot'], q['g_tpot'])} "
-                                 f"| {ratio(p['g_both'], q['g_both'])} |")
+                    lines.append(
+                        f"| {rate:g} | {ratio(p['tok_s'], q['tok_s'])} "
+                        f"| {ratio(p['ttft']['p90'], q['ttft']['p90'])} "
+                        f"| {ratio(p['tpot']['p90'], q['tpot']['p90'])} "
+                        f"| {ratio(p['g_ttft'], q['g_ttft'])} | {ratio(p['g_tpot'], q['g_tpot'])} "
+                        f"| {ratio(p['g_both'], q['g_both'])} |"
+                    )
     return "\n".join(lines)
 
 
 def plot(a: argparse.Namespace, setups: list[str], rates: list[float]) -> None:
-    files = [str(a.out_dir / f"{n}@{r:g}.json") for r in rates for n in setups
-             if (a.out_dir / f"{n}@{r:g}.json").exists()]
+    files = [
+        str(a.out_dir / f"{n}@{r:g}.json")
+        for r in rates
+        for n in setups
+        if (a.out_dir / f"{n}@{r:g}.json").exists()
+    ]
     if files:
         serving.main(["plot", *files, "--output", a.plot])
     # Latency CDFs at the highest rate, where the set-ups differ most.
-    top = [str(a.out_dir / f"{n}@{rates[-1]:g}.json") for n in setups
-           if (a.out_dir / f"{n}@{rates[-1]:g}.json").exists()]
+    top = [
+        str(a.out_dir / f"{n}@{rates[-1]:g}.json")
+        for n in setups
+        if (a.out_dir / f"{n}@{rates[-1]:g}.json").exists()
+    ]
     if top:
         stem, ext = os.path.splitext(a.plot)
         serving.main(["plot", *top, "--output", f"{stem}_at_{rates[-1]:g}{ext}"])
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", default=None, help="default: the demo model (SmolLM2-135M-Instruct)")
-    ap.add_argument("--setups", default="pd,colocated", help=f"comma-separated, from {', '.join(SETUPS)}")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model-path", default=None, help="default: the demo model (SmolLM2-135M-Instruct)"
+    )
+    ap.add_argument(
+        "--setups", default="pd,colocated", help=f"comma-separated, from {', '.join(SETUPS)}"
+    )
     ap.add_argument("--rates", default="0.15,0.3,0.45,0.6,0.8")
     ap.add_argument("--num-prompts", type=int, default=30, help="per (set-up, rate)")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in [ratio * len, len]")
-    ap.add_argument("--vocab-size", type=int, default=49152, help="prompt token ids are drawn from [0, N)")
+    ap.add_argument(
+        "--range-ratio", type=float, default=0.5, help="lengths uniform in [ratio * len, len]"
+    )
+    ap.add_argument(
+        "--vocab-size", type=int, default=49152, help="prompt token ids are drawn from [0, N)"
+    )
     ap.add_argument("--max-total-tokens", type=int, default=32768, help="KV pool of each server")
     ap.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=200.0)
     ap.add_argument("--out-dir", type=Path, default=Path("docs/bench/pd_vs_colocated"))
     ap.add_argument("--plot", default="docs/pd_vs_colocated.png")
-    ap.add_argument("--report-only", action="store_true", help="only tabulate and plot the saved JSONs")
+    ap.add_argument(
+        "--report-only", action="store_true", help="only tabulate and plot the saved JSONs"
+    )
     a = ap.parse_args()
     setups = a.setups.split(",")
     for name in setups:
@@ -271,10 +384,14 @@ def main() -> None:
         t0 = time.time()
         run_study(a, setups, rates)
         print(f"study took {time.time() - t0:.0f} s", file=sys.stderr)
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; load average now "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"workload: random, input {a.input_len} x [{a.range_ratio:g}, 1], output {a.output_len} x "
-          f"[{a.range_ratio:g}, 1], ignore_eos, {a.num_prompts} prompts per point, Poisson arrivals")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores; load average now "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
+    print(
+        f"workload: random, input {a.input_len} x [{a.range_ratio:g}, 1], output {a.output_len} x "
+        f"[{a.range_ratio:g}, 1], ignore_eos, {a.num_prompts} prompts per point, Poisson arrivals"
+    )
     print(report(a, setups, rates))
     plot(a, setups, rates)
 

@@ -36,10 +36,24 @@ from pdserve.bench.metrics import RequestRecord, is_good  # noqa: E402
 
 # input/output: the longest length; lengths are uniform in [range_ratio * len, len] (bench's)
 WORKLOADS = {
-    "short": dict(input_len=64, output_len=256, range_ratio=0.5, rate=0.8, slo_ttft_ms=1500.0, slo_tpot_ms=60.0,
-                  num_prompts=30),
-    "long": dict(input_len=1024, output_len=16, range_ratio=0.5, rate=0.3, slo_ttft_ms=6000.0, slo_tpot_ms=200.0,
-                 num_prompts=24),
+    "short": dict(
+        input_len=64,
+        output_len=256,
+        range_ratio=0.5,
+        rate=0.8,
+        slo_ttft_ms=1500.0,
+        slo_tpot_ms=60.0,
+        num_prompts=30,
+    ),
+    "long": dict(
+        input_len=1024,
+        output_len=16,
+        range_ratio=0.5,
+        rate=0.3,
+        slo_ttft_ms=6000.0,
+        slo_tpot_ms=200.0,
+        num_prompts=24,
+    ),
 }
 SPLITS = {"pd": "1P1D", "colocated": "2 colocated"}
 SEED = 100
@@ -47,9 +61,15 @@ SEED = 100
 
 def workload_args(name: str, a: argparse.Namespace) -> argparse.Namespace:
     w = WORKLOADS[name]
-    return argparse.Namespace(model_path=a.model_path, input_len=w["input_len"], output_len=w["output_len"],
-                              range_ratio=w["range_ratio"], vocab_size=a.vocab_size, slo_ttft_ms=w["slo_ttft_ms"],
-                              slo_tpot_ms=w["slo_tpot_ms"])
+    return argparse.Namespace(
+        model_path=a.model_path,
+        input_len=w["input_len"],
+        output_len=w["output_len"],
+        range_ratio=w["range_ratio"],
+        vocab_size=a.vocab_size,
+        slo_ttft_ms=w["slo_ttft_ms"],
+        slo_tpot_ms=w["slo_tpot_ms"],
+    )
 
 
 def num_prompts(name: str, a: argparse.Namespace) -> int:
@@ -62,11 +82,33 @@ def lengths(n: int, ratio: float) -> str:
 
 def run_plan(router_url: str, name: str, a: argparse.Namespace) -> dict:
     w = WORKLOADS[name]
-    cmd = [sys.executable, "-m", "pdserve.cli", "plan", "--router", router_url, "--budget", "2",
-           "--request-rate", str(w["rate"]), "--input-len", lengths(w["input_len"], w["range_ratio"]),
-           "--output-len", lengths(w["output_len"], w["range_ratio"]), "--slo-ttft-ms", str(w["slo_ttft_ms"]),
-           "--slo-tpot-ms", str(w["slo_tpot_ms"]), "--num-requests", str(num_prompts(name, a)), "--seed", str(SEED),
-           "--json", "--save-calibration", str(a.out_dir / f"calibration-{name}.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "plan",
+        "--router",
+        router_url,
+        "--budget",
+        "2",
+        "--request-rate",
+        str(w["rate"]),
+        "--input-len",
+        lengths(w["input_len"], w["range_ratio"]),
+        "--output-len",
+        lengths(w["output_len"], w["range_ratio"]),
+        "--slo-ttft-ms",
+        str(w["slo_ttft_ms"]),
+        "--slo-tpot-ms",
+        str(w["slo_tpot_ms"]),
+        "--num-requests",
+        str(num_prompts(name, a)),
+        "--seed",
+        str(SEED),
+        "--json",
+        "--save-calibration",
+        str(a.out_dir / f"calibration-{name}.json"),
+    ]
     print("$ " + " ".join(cmd[1:]), file=sys.stderr)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
@@ -84,21 +126,33 @@ def run_study(a: argparse.Namespace, names: list[str]) -> None:
     started = {}
     try:
         for setup in SPLITS:
-            started[setup] = pvc.start_setup(setup, a.model_path, logs, ["--max-total-tokens", "32768"])
+            started[setup] = pvc.start_setup(
+                setup, a.model_path, logs, ["--max-total-tokens", "32768"]
+            )
         for name in names:
             wa = workload_args(name, a)
             for setup, (router, servers) in started.items():  # warm-up at the workload's shapes
-                pvc.bench(router.url, logs / f"warmup-{name}-{setup}.json", float("inf"), 10_000, wa, 2)
+                pvc.bench(
+                    router.url, logs / f"warmup-{name}-{setup}.json", float("inf"), 10_000, wa, 2
+                )
                 pvc.wait_idle(servers)
             plan = run_plan(started["pd"][0].url, name, a)
             (a.out_dir / f"plan-{name}.json").write_text(json.dumps(plan, indent=1))
             loads = {}
             for setup, (router, servers) in started.items():
                 loads[setup] = [round(os.getloadavg()[0], 2)]
-                print(f"== {name} on {setup} ({time.strftime('%H:%M:%S')}, load {loads[setup][0]:.2f})",
-                      file=sys.stderr)
-                pvc.bench(router.url, a.out_dir / f"bench-{name}-{setup}.json", WORKLOADS[name]["rate"], SEED,
-                          wa, num_prompts(name, a))
+                print(
+                    f"== {name} on {setup} ({time.strftime('%H:%M:%S')}, load {loads[setup][0]:.2f})",
+                    file=sys.stderr,
+                )
+                pvc.bench(
+                    router.url,
+                    a.out_dir / f"bench-{name}-{setup}.json",
+                    WORKLOADS[name]["rate"],
+                    SEED,
+                    wa,
+                    num_prompts(name, a),
+                )
                 loads[setup].append(round(os.getloadavg()[0], 2))
                 pvc.wait_idle(servers)
             (a.out_dir / f"load-{name}.json").write_text(json.dumps(loads))
@@ -114,7 +168,12 @@ def measured(path: Path, w: dict) -> dict:
     s = res["summary"]
     recs = [RequestRecord.from_json(r) for r in res["records"]]
     good = sum(is_good(r, w["slo_ttft_ms"], w["slo_tpot_ms"]) for r in recs)
-    return {"goodput": good / s["duration_s"], "share": good / len(recs), "ttft": s["ttft_ms"], "tpot": s["tpot_ms"]}
+    return {
+        "goodput": good / s["duration_s"],
+        "share": good / len(recs),
+        "ttft": s["ttft_ms"],
+        "tpot": s["tpot_ms"],
+    }
 
 
 def report(a: argparse.Namespace, names: list[str]) -> str:
@@ -127,14 +186,18 @@ def report(a: argparse.Namespace, names: list[str]) -> str:
         plan = json.loads(plan_path.read_text())
         loads = json.loads((a.out_dir / f"load-{name}.json").read_text())
         by_split = {c["split"]: c for c in plan["candidates"]}
-        lines += ["", f"**{name}**: prompts {lengths(w['input_len'], w['range_ratio'])} tokens, outputs "
-                  f"{lengths(w['output_len'], w['range_ratio'])} tokens, Poisson {w['rate']:g} req/s, "
-                  f"{num_prompts(name, a)} requests, SLOs TTFT <= {w['slo_ttft_ms']:g} ms, "
-                  f"TPOT <= {w['slo_tpot_ms']:g} ms. "
-                  f"Recommended: **{plan['recommended']['split']}**.", "",
-                  "| split | goodput req/s pred / meas | SLOs met pred / meas | TTFT p50 ms pred / meas "
-                  "| TTFT p90 pred / meas | TPOT p50 ms pred / meas | TPOT p90 pred / meas | max rate pred | load |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"**{name}**: prompts {lengths(w['input_len'], w['range_ratio'])} tokens, outputs "
+            f"{lengths(w['output_len'], w['range_ratio'])} tokens, Poisson {w['rate']:g} req/s, "
+            f"{num_prompts(name, a)} requests, SLOs TTFT <= {w['slo_ttft_ms']:g} ms, "
+            f"TPOT <= {w['slo_tpot_ms']:g} ms. "
+            f"Recommended: **{plan['recommended']['split']}**.",
+            "",
+            "| split | goodput req/s pred / meas | SLOs met pred / meas | TTFT p50 ms pred / meas "
+            "| TTFT p90 pred / meas | TPOT p50 ms pred / meas | TPOT p90 pred / meas | max rate pred | load |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for setup, split in SPLITS.items():
             path = a.out_dir / f"bench-{name}-{setup}.json"
             if not path.exists():
@@ -145,15 +208,25 @@ def report(a: argparse.Namespace, names: list[str]) -> str:
                 f"| {p['ttft_ms']['p50']:.0f} / {m['ttft']['median']:.0f} | {p['ttft_ms']['p90']:.0f} / "
                 f"{m['ttft']['p90']:.0f} | {p['tpot_ms']['p50']:.1f} / {m['tpot']['median']:.1f} "
                 f"| {p['tpot_ms']['p90']:.1f} / {m['tpot']['p90']:.1f} | {p['max_rate']:.2f} "
-                f"| {' / '.join(f'{x:.1f}' for x in loads.get(setup, []))} |")
+                f"| {' / '.join(f'{x:.1f}' for x in loads.get(setup, []))} |"
+            )
     return "\n".join(lines)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", default=None, help="default: the demo model (SmolLM2-135M-Instruct)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model-path", default=None, help="default: the demo model (SmolLM2-135M-Instruct)"
+    )
     ap.add_argument("--workloads", default="short,long", help=f"from {', '.join(WORKLOADS)}")
-    ap.add_argument("--num-prompts", type=int, default=None, help="per (workload, set-up); default: the workload's")
+    ap.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="per (workload, set-up); default: the workload's",
+    )
     ap.add_argument("--vocab-size", type=int, default=49152)
     ap.add_argument("--out-dir", type=Path, default=Path("docs/bench/plan_validation"))
     ap.add_argument("--report-only", action="store_true")

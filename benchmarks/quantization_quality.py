@@ -62,7 +62,9 @@ TEXT = (
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True
+    )
     return ids if isinstance(ids, list) else ids["input_ids"]
 
 
@@ -73,7 +75,9 @@ def compare(ref, cand, prompts: list[list[int]], new_tokens: int) -> dict:
     outs_c = cand.generate(input_ids=prompts, sampling_params=sp)
     identical, first_diff = 0, []
     for r, c in zip(outs_ref, outs_c):
-        diff = next((i for i, (x, y) in enumerate(zip(r["output_ids"], c["output_ids"])) if x != y), None)
+        diff = next(
+            (i for i, (x, y) in enumerate(zip(r["output_ids"], c["output_ids"])) if x != y), None
+        )
         identical += diff is None
         first_diff.append(new_tokens if diff is None else diff)
     # teacher forcing: the candidate scores the reference's continuation token by token
@@ -81,12 +85,18 @@ def compare(ref, cand, prompts: list[list[int]], new_tokens: int) -> dict:
     lp_gap = []
     for ids, r in zip(prompts, outs_ref):
         full = ids + r["output_ids"]
-        kw = dict(sampling_params={"temperature": 0, "max_new_tokens": 1}, return_logprob=True,
-                  logprob_start_len=len(ids) - 1)
+        kw = dict(
+            sampling_params={"temperature": 0, "max_new_tokens": 1},
+            return_logprob=True,
+            logprob_start_len=len(ids) - 1,
+        )
         out = cand.generate(input_ids=full, top_logprobs_num=1, **kw)
         ref_out = ref.generate(input_ids=full, **kw)
         tops = out["meta_info"]["input_top_logprobs"]
-        given, ref_given = out["meta_info"]["input_token_logprobs"], ref_out["meta_info"]["input_token_logprobs"]
+        given, ref_given = (
+            out["meta_info"]["input_token_logprobs"],
+            ref_out["meta_info"]["input_token_logprobs"],
+        )
         for k, tok in enumerate(r["output_ids"]):  # entry k + 1 predicts token len(ids) + k
             total += 1
             agree += tops[k + 1][0][1] == tok
@@ -105,15 +115,23 @@ def compare(ref, cand, prompts: list[list[int]], new_tokens: int) -> dict:
 
 def perplexity(eng) -> float:
     ids = eng.tokenizer.encode(TEXT)
-    out = eng.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 1},
-                       return_logprob=True, logprob_start_len=0)
+    out = eng.generate(
+        input_ids=ids,
+        sampling_params={"temperature": 0, "max_new_tokens": 1},
+        return_logprob=True,
+        logprob_start_len=0,
+    )
     lps = [v for v, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
     return math.exp(-sum(lps) / len(lps))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", default=None, help="default: the demo model (SmolLM2-135M-Instruct)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model-path", default=None, help="default: the demo model (SmolLM2-135M-Instruct)"
+    )
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -122,19 +140,29 @@ def main() -> None:
     from pdserve.models.demo import ensure_demo_model
 
     path = a.model_path or ensure_demo_model()
-    common = dict(model_path=path, torch_num_threads=1, max_total_tokens=32768, disable_radix_cache=True)
+    common = dict(
+        model_path=path, torch_num_threads=1, max_total_tokens=32768, disable_radix_cache=True
+    )
     engines = {
         "bfloat16": pdserve.Engine(dtype="bfloat16", **common),
         "w8a8_int8": pdserve.Engine(quantization="w8a8_int8", **common),
         "float32": pdserve.Engine(dtype="float32", **common),
     }
     prompts = [chat_ids(engines["bfloat16"].tokenizer, q) for q in QUESTIONS]
-    result = {"model": path, "prompts": len(prompts), "new_tokens": a.new_tokens,
-              "machine": platform.processor() or platform.machine(),
-              "perplexity": {name: round(perplexity(e), 3) for name, e in engines.items()}}
+    result = {
+        "model": path,
+        "prompts": len(prompts),
+        "new_tokens": a.new_tokens,
+        "machine": platform.processor() or platform.machine(),
+        "perplexity": {name: round(perplexity(e), 3) for name, e in engines.items()},
+    }
     # the int8 cost, and for scale the cost of bf16 itself against float32
-    result["w8a8_int8 vs bfloat16"] = compare(engines["bfloat16"], engines["w8a8_int8"], prompts, a.new_tokens)
-    result["bfloat16 vs float32"] = compare(engines["float32"], engines["bfloat16"], prompts, a.new_tokens)
+    result["w8a8_int8 vs bfloat16"] = compare(
+        engines["bfloat16"], engines["w8a8_int8"], prompts, a.new_tokens
+    )
+    result["bfloat16 vs float32"] = compare(
+        engines["float32"], engines["bfloat16"], prompts, a.new_tokens
+    )
     print(json.dumps(result, indent=2))
     if a.json:
         with open(a.json, "w") as f:

@@ -15,7 +15,9 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def write_sharded(out: Path, config: dict, layer_tensors: Callable[[int], dict], top_tensors: Callable[[], dict]) -> Path:
+def write_sharded(
+    out: Path, config: dict, layer_tensors: Callable[[int], dict], top_tensors: Callable[[], dict]
+) -> Path:
     """``out`` with ``config``'s ``num_hidden_layers`` shards of ``layer_tensors(i)`` and one of
     ``top_tensors()`` (embedding, final norm, LM head); returns ``out`` (built once)."""
     from safetensors.torch import save_file
@@ -39,9 +41,12 @@ def write_sharded(out: Path, config: dict, layer_tensors: Callable[[int], dict],
             print(f"wrote {names[k]} ({len(tensors)} tensors)", file=sys.stderr, flush=True)
             del tensors
         (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+        )
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+        (tmp / "generation_config.json").write_text(
+            json.dumps({"bos_token_id": 1, "eos_token_id": 2})
+        )
         for f in Path(smollm2_tokenizer_dir()).iterdir():
             if not f.name.startswith("."):
                 shutil.copy(f, tmp / f.name)

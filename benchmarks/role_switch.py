@@ -39,25 +39,54 @@ def free_port() -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-path", default=None, help="default: the demo model (pdserve prepare-model)")
+    ap.add_argument(
+        "--model-path", default=None, help="default: the demo model (pdserve prepare-model)"
+    )
     ap.add_argument("--cycles", type=int, default=2)
-    ap.add_argument("--max-total-tokens", type=int, default=None, help="default: the server's own sizing")
+    ap.add_argument(
+        "--max-total-tokens", type=int, default=None, help="default: the server's own sizing"
+    )
     ap.add_argument("--torch-num-threads", type=int, default=1)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    model = a.model_path or subprocess.run([sys.executable, "-m", "pdserve.cli", "prepare-model",
-                                            "smollm2-135m-instruct"], check=True, capture_output=True,
-                                           text=True).stdout.strip().splitlines()[-1]
+    model = (
+        a.model_path
+        or subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "prepare-model", "smollm2-135m-instruct"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     port, bport = free_port(), free_port()
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model-path", model, "--port", str(port),
-           "--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", str(bport),
-           "--torch-num-threads", str(a.torch_num_threads)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "serve",
+        "--model-path",
+        model,
+        "--port",
+        str(port),
+        "--disaggregation-mode",
+        "decode",
+        "--disaggregation-bootstrap-port",
+        str(bport),
+        "--torch-num-threads",
+        str(a.torch_num_threads),
+    ]
     if a.max_total_tokens:
         cmd += ["--max-total-tokens", str(a.max_total_tokens)]
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_NUM_THREADS": str(a.torch_num_threads)})
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": str(a.torch_num_threads)},
+    )
     try:
         with httpx.Client(base_url=url, timeout=600) as h:
             while True:
@@ -80,22 +109,37 @@ def main() -> None:
                     assert r.status_code == 200, r.text
                     out = r.json()
                     assert out["weights"] == info["weights"], "weights changed"
-                    switches.append({"from": out["previous_role"], "to": role, "wall_s": round(wall, 4),
-                                     **out["timings"]})
-                    print(f"{out['previous_role']:>9} -> {role:<9} call {wall:7.3f}s  re-wiring "
-                          f"{out['timings']['reconfigure_s']:6.3f}s  warm-up {out['timings']['warmup_s']:6.3f}s")
+                    switches.append(
+                        {
+                            "from": out["previous_role"],
+                            "to": role,
+                            "wall_s": round(wall, 4),
+                            **out["timings"],
+                        }
+                    )
+                    print(
+                        f"{out['previous_role']:>9} -> {role:<9} call {wall:7.3f}s  re-wiring "
+                        f"{out['timings']['reconfigure_s']:6.3f}s  warm-up {out['timings']['warmup_s']:6.3f}s"
+                    )
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     result = {
-        "model": model, "machine": f"{platform.machine()}, {os.cpu_count()} cores", "command": cmd[1:],
-        "start_to_healthy_s": round(to_healthy, 3), "scheduler_start_s": info["scheduler_start_s"],
-        "kv_pages": info["num_pages"], "page_size": info["page_size"],
-        "weights_bytes": info["weights"]["bytes"], "switches": switches,
+        "model": model,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "command": cmd[1:],
+        "start_to_healthy_s": round(to_healthy, 3),
+        "scheduler_start_s": info["scheduler_start_s"],
+        "kv_pages": info["num_pages"],
+        "page_size": info["page_size"],
+        "weights_bytes": info["weights"]["bytes"],
+        "switches": switches,
         "median_switch_wall_s": round(statistics.median(s["wall_s"] for s in switches), 4),
     }
-    print(f"start to /health 200: {to_healthy:.2f}s (scheduler {info['scheduler_start_s']:.2f}s); "
-          f"median switch {result['median_switch_wall_s']:.3f}s; KV pool {info['num_pages']} pages")
+    print(
+        f"start to /health 200: {to_healthy:.2f}s (scheduler {info['scheduler_start_s']:.2f}s); "
+        f"median switch {result['median_switch_wall_s']:.3f}s; KV pool {info['num_pages']} pages"
+    )
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
 

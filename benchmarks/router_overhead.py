@@ -48,14 +48,40 @@ BOOTSTRAP_PORT = 18998  # only named in the bodies; the fakes never listen on it
 MODEL = "fake-model"
 
 BODIES = {  # endpoint: (path, body); a chat-sized prompt, a handful of sampling fields
-    "generate": ("/generate", {"text": "The quick brown fox jumps over the lazy dog. " * 8,
-                               "sampling_params": {"max_new_tokens": 8, "temperature": 0}}),
-    "generate-stream": ("/generate", {"text": "The quick brown fox jumps over the lazy dog. " * 8,
-                                      "sampling_params": {"max_new_tokens": 8, "temperature": 0}, "stream": True}),
-    "chat": ("/v1/chat/completions", {"model": MODEL, "max_tokens": 8, "temperature": 0,
-                                      "messages": [{"role": "user", "content": "Tell me about foxes. " * 16}]}),
-    "chat-stream": ("/v1/chat/completions", {"model": MODEL, "max_tokens": 8, "temperature": 0, "stream": True,
-                                             "messages": [{"role": "user", "content": "Tell me about foxes. " * 16}]}),
+    "generate": (
+        "/generate",
+        {
+            "text": "The quick brown fox jumps over the lazy dog. " * 8,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+        },
+    ),
+    "generate-stream": (
+        "/generate",
+        {
+            "text": "The quick brown fox jumps over the lazy dog. " * 8,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+            "stream": True,
+        },
+    ),
+    "chat": (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "max_tokens": 8,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "Tell me about foxes. " * 16}],
+        },
+    ),
+    "chat-stream": (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "max_tokens": 8,
+            "temperature": 0,
+            "stream": True,
+            "messages": [{"role": "user", "content": "Tell me about foxes. " * 16}],
+        },
+    ),
 }
 
 
@@ -96,7 +122,9 @@ class FakeWorker(asyncio.Protocol):
             lines = head.split("\r\n")
             parts = lines[0].split(" ")
             if len(parts) != 3 or not parts[2].startswith("HTTP/1"):  # e.g. an HTTP/2 (gRPC) probe
-                self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                self.transport.write(
+                    b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                )
                 self.transport.close()
                 return
             headers = {}
@@ -112,13 +140,15 @@ class FakeWorker(asyncio.Protocol):
                 n = int(headers.get("content-length", "0"))
                 if len(self.buf) < start + n:
                     return
-                body, used = self.buf[start:start + n], start + n
+                body, used = self.buf[start : start + n], start + n
             self.buf = self.buf[used:]
             self.answer(parts[0], parts[1].split("?")[0], body)
 
     def send(self, status: int, body: bytes, ctype: str = "application/json") -> None:
-        self.transport.write(b"HTTP/1.1 %d OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
-                             % (status, ctype.encode(), len(body), body))
+        self.transport.write(
+            b"HTTP/1.1 %d OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
+            % (status, ctype.encode(), len(body), body)
+        )
 
     def answer(self, method: str, path: str, body: bytes) -> None:
         if method == "GET":
@@ -126,14 +156,28 @@ class FakeWorker(asyncio.Protocol):
             if path in ("/health", "/health_generate", "/readiness", "/liveness"):
                 return self.send(200, b"{}")
             if path in ("/server_info", "/get_server_info"):
-                return self.send(200, _json({"model_path": MODEL, "disaggregation_mode": self.role, "dp_size": 1,
-                                             "disaggregation_transfer_backend": "mooncake", "tp_size": 1}))
+                return self.send(
+                    200,
+                    _json(
+                        {
+                            "model_path": MODEL,
+                            "disaggregation_mode": self.role,
+                            "dp_size": 1,
+                            "disaggregation_transfer_backend": "mooncake",
+                            "tp_size": 1,
+                        }
+                    ),
+                )
             if path in ("/model_info", "/get_model_info"):
                 return self.send(200, _json({"model_path": MODEL, "is_generation": True}))
             if path == "/v1/models":
-                return self.send(200, _json({"object": "list", "data": [{"id": MODEL, "object": "model"}]}))
+                return self.send(
+                    200, _json({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+                )
             if path == "/get_load":
-                return self.send(200, _json({"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}))
+                return self.send(
+                    200, _json({"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0})
+                )
             if path == "/stats":
                 return self.send(200, _json(FakeWorker.stats))
             return self.send(404, b'{"error":"not found"}')
@@ -143,27 +187,65 @@ class FakeWorker(asyncio.Protocol):
         if b'"bootstrap_room"' in body:
             FakeWorker.stats["with_bootstrap"] += 1
         chat = path == "/v1/chat/completions"
-        if self.role == "prefill":  # one token, as one JSON object (what decode's answer does not need)
-            return self.send(200, _json({"text": "", "output_ids": [1], "meta_info": {"id": "p", "prompt_tokens": 16}}))
+        if (
+            self.role == "prefill"
+        ):  # one token, as one JSON object (what decode's answer does not need)
+            return self.send(
+                200,
+                _json(
+                    {"text": "", "output_ids": [1], "meta_info": {"id": "p", "prompt_tokens": 16}}
+                ),
+            )
         if not _STREAM_RE.search(body):
             if chat:
-                out = {"id": "c", "object": "chat.completion", "created": 0, "model": MODEL,
-                       "choices": [{"index": 0, "message": {"role": "assistant", "content": "tok " * self.tokens},
-                                    "finish_reason": "length"}],
-                       "usage": {"prompt_tokens": 16, "completion_tokens": self.tokens, "total_tokens": 16 + self.tokens}}
+                out = {
+                    "id": "c",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": MODEL,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": "tok " * self.tokens},
+                            "finish_reason": "length",
+                        }
+                    ],
+                    "usage": {
+                        "prompt_tokens": 16,
+                        "completion_tokens": self.tokens,
+                        "total_tokens": 16 + self.tokens,
+                    },
+                }
             else:
-                out = {"text": "tok " * self.tokens, "output_ids": list(range(self.tokens)),
-                       "meta_info": {"id": "d", "prompt_tokens": 16, "completion_tokens": self.tokens,
-                                     "finish_reason": {"type": "length", "length": self.tokens}}}
+                out = {
+                    "text": "tok " * self.tokens,
+                    "output_ids": list(range(self.tokens)),
+                    "meta_info": {
+                        "id": "d",
+                        "prompt_tokens": 16,
+                        "completion_tokens": self.tokens,
+                        "finish_reason": {"type": "length", "length": self.tokens},
+                    },
+                }
             return self.send(200, _json(out))
-        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        self.transport.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
         for i in range(self.tokens):  # one write per token, as a server's detokenizer sends them
             if chat:
-                ev = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
-                      "choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}]}
+                ev = {
+                    "id": "c",
+                    "object": "chat.completion.chunk",
+                    "created": 0,
+                    "model": MODEL,
+                    "choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}],
+                }
             else:
-                ev = {"text": "tok " * (i + 1), "output_ids": list(range(i + 1)),
-                      "meta_info": {"id": "d", "prompt_tokens": 16, "completion_tokens": i + 1}}
+                ev = {
+                    "text": "tok " * (i + 1),
+                    "output_ids": list(range(i + 1)),
+                    "meta_info": {"id": "d", "prompt_tokens": 16, "completion_tokens": i + 1},
+                }
             data = b"data: " + _json(ev) + b"\n\n"
             self.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
         done = b"data: [DONE]\n\n"
@@ -183,7 +265,7 @@ def _dechunk(buf: bytes, start: int) -> tuple[bytes | None, int]:
             return (b"".join(out), end + 2) if end >= 0 else (None, 0)
         if len(buf) < eol + 2 + size + 2:
             return None, 0
-        out.append(buf[eol + 2:eol + 2 + size])
+        out.append(buf[eol + 2 : eol + 2 + size])
         pos = eol + 2 + size + 2
 
 
@@ -193,7 +275,9 @@ def run_fake(role: str, port: int) -> None:
 
     async def main():
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(FakeWorker, "127.0.0.1", port, backlog=4096, reuse_address=True)
+        server = await loop.create_server(
+            FakeWorker, "127.0.0.1", port, backlog=4096, reuse_address=True
+        )
         async with server:
             await server.serve_forever()
 
@@ -245,14 +329,23 @@ class Conn:
         return status, body
 
 
-async def _load(url: str, path: str, body: dict, concurrency: int, warmup: float, duration: float,
-                pids: list[int]) -> dict:
+async def _load(
+    url: str,
+    path: str,
+    body: dict,
+    concurrency: int,
+    warmup: float,
+    duration: float,
+    pids: list[int],
+) -> dict:
     import psutil
 
     host, port = url.split("//")[1].split(":")
     payload = json.dumps(body).encode()
-    raw = (f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
-           f"content-length: {len(payload)}\r\n\r\n").encode() + payload
+    raw = (
+        f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(payload)}\r\n\r\n"
+    ).encode() + payload
     stream = bool(body.get("stream"))
     procs = []
     for pid in pids:  # the router's processes: the one started and all its descendants
@@ -312,18 +405,27 @@ async def _load(url: str, path: str, body: dict, concurrency: int, warmup: float
     n = len(latencies)
     wall = marks["t1"] - marks["t0"]
     cpu_s = marks["cpu1"] - marks["cpu0"]
-    return {"requests": n, "rps": n / wall, "p50_ms": 1e3 * latencies[n // 2] if n else None,
-            "p99_ms": 1e3 * latencies[min(n - 1, int(n * 0.99))] if n else None,
-            "mean_ms": 1e3 * statistics.fmean(latencies) if n else None,
-            "cpu_s_per_1k": 1e3 * cpu_s / n if n and pids else None, "cpu_util": cpu_s / wall if pids else None,
-            "errors": len(errors), "first_errors": errors[:3]}
+    return {
+        "requests": n,
+        "rps": n / wall,
+        "p50_ms": 1e3 * latencies[n // 2] if n else None,
+        "p99_ms": 1e3 * latencies[min(n - 1, int(n * 0.99))] if n else None,
+        "mean_ms": 1e3 * statistics.fmean(latencies) if n else None,
+        "cpu_s_per_1k": 1e3 * cpu_s / n if n and pids else None,
+        "cpu_util": cpu_s / wall if pids else None,
+        "errors": len(errors),
+        "first_errors": errors[:3],
+    }
 
 
 def run_load(spec: str) -> None:
     a = json.loads(spec)
     _use_uvloop()
-    out = asyncio.run(_load(a["url"], a["path"], a["body"], a["concurrency"], a["warmup"], a["duration"],
-                            a["pids"]))
+    out = asyncio.run(
+        _load(
+            a["url"], a["path"], a["body"], a["concurrency"], a["warmup"], a["duration"], a["pids"]
+        )
+    )
     print(json.dumps(out))
 
 
@@ -378,27 +480,45 @@ class Bench:
         self.logs = logs
         self.procs: list[subprocess.Popen] = []
 
-    def spawn(self, name: str, cpus: str | None, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+    def spawn(
+        self, name: str, cpus: str | None, cmd: list[str], env: dict | None = None
+    ) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "ab")
-        proc = subprocess.Popen(pinned(cpus, cmd), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**os.environ, **(env or {})}, start_new_session=True)
+        proc = subprocess.Popen(
+            pinned(cpus, cmd),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
         log.close()
         self.procs.append(proc)
         return proc
 
     def fake(self, role: str) -> tuple[str, subprocess.Popen]:
         port = free_port()
-        proc = self.spawn(f"fake-{role}-{port}", self.a.worker_cpus,
-                          [sys.executable, __file__, "--run-fake", role, str(port)])
+        proc = self.spawn(
+            f"fake-{role}-{port}",
+            self.a.worker_cpus,
+            [sys.executable, __file__, "--run-fake", role, str(port)],
+        )
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", proc)
         return url, proc
 
-    def pdserve_router(self, mode: str, workers: dict[str, str], processes: int = 1,
-                       tree: str | None = None) -> tuple[str, subprocess.Popen]:
+    def pdserve_router(
+        self, mode: str, workers: dict[str, str], processes: int = 1, tree: str | None = None
+    ) -> tuple[str, subprocess.Popen]:
         port = free_port()
         if mode == "pd":
-            targets = ["--prefill", workers["prefill"], str(BOOTSTRAP_PORT), "--decode", workers["decode"]]
+            targets = [
+                "--prefill",
+                workers["prefill"],
+                str(BOOTSTRAP_PORT),
+                "--decode",
+                workers["decode"],
+            ]
         else:
             targets = ["--worker", workers["regular"]]
         extra = ["--workers", str(processes)] if processes > 1 else []
@@ -406,9 +526,27 @@ class Bench:
         if tree is not None:
             paths = [tree] + ([str(self.no_uvloop())] if self.a.baseline_asyncio else [])
             env["PYTHONPATH"] = os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")])
-        proc = self.spawn(f"pdserve-router-{mode}-{processes}{'-base' if tree else ''}", self.a.router_cpus,
-                          [sys.executable, "-m", "pdserve.cli", "router", "--host", "127.0.0.1", "--port", str(port),
-                           "--policy", "round_robin", "--log-level", "warning", *targets, *extra], env=env)
+        proc = self.spawn(
+            f"pdserve-router-{mode}-{processes}{'-base' if tree else ''}",
+            self.a.router_cpus,
+            [
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--policy",
+                "round_robin",
+                "--log-level",
+                "warning",
+                *targets,
+                *extra,
+            ],
+            env=env,
+        )
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", proc)
         return url, proc
@@ -418,31 +556,70 @@ class Bench:
         stub = self.logs / "no-uvloop"
         for name in ("uvloop", "httptools"):
             (stub / name).mkdir(parents=True, exist_ok=True)
-            (stub / name / "__init__.py").write_text(f"raise ImportError('{name} hidden by the benchmark')\n")
+            (stub / name / "__init__.py").write_text(
+                f"raise ImportError('{name} hidden by the benchmark')\n"
+            )
         return stub
 
     def sglang_router(self, mode: str, workers: dict[str, str]) -> tuple[str, subprocess.Popen]:
         port = free_port()
         if mode == "pd":
-            targets = ["--pd-disaggregation", "--prefill", workers["prefill"], str(BOOTSTRAP_PORT),
-                       "--decode", workers["decode"]]
+            targets = [
+                "--pd-disaggregation",
+                "--prefill",
+                workers["prefill"],
+                str(BOOTSTRAP_PORT),
+                "--decode",
+                workers["decode"],
+            ]
         else:
             targets = ["--worker-urls", workers["regular"]]
-        proc = self.spawn(f"sglang-router-{mode}", self.a.router_cpus,
-                          [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                           "--port", str(port), "--policy", "round_robin", "--log-level", "warn",
-                           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *targets])
+        proc = self.spawn(
+            f"sglang-router-{mode}",
+            self.a.router_cpus,
+            [
+                sys.executable,
+                "-m",
+                "sglang_router.launch_router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--policy",
+                "round_robin",
+                "--log-level",
+                "warn",
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(free_port()),
+                *targets,
+            ],
+        )
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/readiness", proc, timeout=120)
         return url, proc
 
     def load(self, url: str, endpoint: str, concurrency: int, pids: list[int]) -> dict:
         path, body = BODIES[endpoint]
-        spec = json.dumps({"url": url, "path": path, "body": body, "concurrency": concurrency,
-                           "warmup": self.a.warmup, "duration": self.a.duration, "pids": pids})
-        out = subprocess.run(pinned(self.a.client_cpus, [sys.executable, __file__, "--run-load", spec]),
-                             capture_output=True, text=True, cwd=ROOT,
-                             timeout=self.a.warmup + self.a.duration + 120)
+        spec = json.dumps(
+            {
+                "url": url,
+                "path": path,
+                "body": body,
+                "concurrency": concurrency,
+                "warmup": self.a.warmup,
+                "duration": self.a.duration,
+                "pids": pids,
+            }
+        )
+        out = subprocess.run(
+            pinned(self.a.client_cpus, [sys.executable, __file__, "--run-load", spec]),
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=self.a.warmup + self.a.duration + 120,
+        )
         if out.returncode != 0:
             raise RuntimeError(f"load generator failed: {out.stderr[-2000:]}")
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -469,7 +646,7 @@ def run_mode(bench: Bench, mode: str, results: list[dict]) -> None:
         targets["sglang"] = (url, [proc.pid])
     names = list(targets)
     for rep in range(a.repeats):
-        order = names[rep % len(names):] + names[:rep % len(names)]  # rotate who goes first
+        order = names[rep % len(names) :] + names[: rep % len(names)]  # rotate who goes first
         for endpoint in a.endpoints:
             for conc in a.concurrency:
                 for name in order:
@@ -477,34 +654,66 @@ def run_mode(bench: Bench, mode: str, results: list[dict]) -> None:
                     before = {r: get_json(u + "/stats") for r, u in workers.items()}
                     r = bench.load(url, endpoint, conc, pids)
                     after = {r_: get_json(u + "/stats") for r_, u in workers.items()}
-                    r.update(mode=mode, endpoint=endpoint, concurrency=conc, target=name, repeat=rep)
+                    r.update(
+                        mode=mode, endpoint=endpoint, concurrency=conc, target=name, repeat=rep
+                    )
                     # every routed PD request must reach both fakes with bootstrap fields
-                    got = {role: after[role]["with_bootstrap"] - before[role]["with_bootstrap"] for role in after}
+                    got = {
+                        role: after[role]["with_bootstrap"] - before[role]["with_bootstrap"]
+                        for role in after
+                    }
                     r["reached"] = got
                     results.append(r)
-                    print(f"{mode:7s} {endpoint:15s} c={conc:<4d} {name:8s} rep {rep}: {r['rps']:8.0f} req/s  "
-                          + (f"p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms  " if r["requests"] else "")
-                          + (f"cpu {r['cpu_s_per_1k']:.3f} s/1k ({r['cpu_util']:.2f} cores)  " if r["cpu_s_per_1k"] else "")
-                          + f"errors {r['errors']} reached {got}" + (f" {r['first_errors']}" if r["errors"] else ""),
-                          flush=True)
+                    print(
+                        f"{mode:7s} {endpoint:15s} c={conc:<4d} {name:8s} rep {rep}: {r['rps']:8.0f} req/s  "
+                        + (
+                            f"p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms  "
+                            if r["requests"]
+                            else ""
+                        )
+                        + (
+                            f"cpu {r['cpu_s_per_1k']:.3f} s/1k ({r['cpu_util']:.2f} cores)  "
+                            if r["cpu_s_per_1k"]
+                            else ""
+                        )
+                        + f"errors {r['errors']} reached {got}"
+                        + (f" {r['first_errors']}" if r["errors"] else ""),
+                        flush=True,
+                    )
 
 
 def summarize(results: list[dict], a) -> str:
     """Medians over repeats, and pdserve / sglang ratios (added latency: minus direct)."""
+
     def med(rows, key):
         vals = [r[key] for r in rows if r.get(key) is not None]
         return statistics.median(vals) if vals else None
 
-    lines = ["| mode | endpoint | conc | target | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms "
-             "| router CPU s/1k req | router cores busy |", "|" + "---|" * 11]
-    ratios = ["| mode | endpoint | conc | pdserve | req/s sglang/pdserve | added p50 pdserve/sglang "
-              "| added p99 pdserve/sglang | CPU/req pdserve/sglang |", "|" + "---|" * 8]
-    keys = sorted({(r["mode"], r["endpoint"], r["concurrency"]) for r in results},
-                  key=lambda k: (a.modes.index(k[0]), a.endpoints.index(k[1]), k[2]))
+    lines = [
+        "| mode | endpoint | conc | target | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms "
+        "| router CPU s/1k req | router cores busy |",
+        "|" + "---|" * 11,
+    ]
+    ratios = [
+        "| mode | endpoint | conc | pdserve | req/s sglang/pdserve | added p50 pdserve/sglang "
+        "| added p99 pdserve/sglang | CPU/req pdserve/sglang |",
+        "|" + "---|" * 8,
+    ]
+    keys = sorted(
+        {(r["mode"], r["endpoint"], r["concurrency"]) for r in results},
+        key=lambda k: (a.modes.index(k[0]), a.endpoints.index(k[1]), k[2]),
+    )
     for mode, endpoint, conc in keys:
         names = list(dict.fromkeys(r["target"] for r in results))
-        rows = {t: [r for r in results if (r["mode"], r["endpoint"], r["concurrency"], r["target"])
-                    == (mode, endpoint, conc, t)] for t in names}
+        rows = {
+            t: [
+                r
+                for r in results
+                if (r["mode"], r["endpoint"], r["concurrency"], r["target"])
+                == (mode, endpoint, conc, t)
+            ]
+            for t in names
+        }
         direct = {k: med(rows["direct"], k) for k in ("p50_ms", "p99_ms")}
         stats = {}
         for t, rs in rows.items():
@@ -516,24 +725,37 @@ def summarize(results: list[dict], a) -> str:
             s["add99"] = s["p99_ms"] - direct["p99_ms"] if known else None
             stats[t] = s
             fmt = lambda v, f="{:.2f}": "" if v is None else f.format(v)  # noqa: E731
-            spread = f" ({min(r['rps'] for r in rs):.0f}-{max(r['rps'] for r in rs):.0f})" if len(rs) > 1 else ""
-            lines.append(f"| {mode} | {endpoint} | {conc} | {t} | {s['rps']:.0f}{spread} | {fmt(s['p50_ms'])} "
-                         f"| {fmt(s['p99_ms'])} | {fmt(s['add50'])} | {fmt(s['add99'])} "
-                         f"| {fmt(s['cpu_s_per_1k'], '{:.3f}')} | {fmt(s['cpu_util'])} |")
+            spread = (
+                f" ({min(r['rps'] for r in rs):.0f}-{max(r['rps'] for r in rs):.0f})"
+                if len(rs) > 1
+                else ""
+            )
+            lines.append(
+                f"| {mode} | {endpoint} | {conc} | {t} | {s['rps']:.0f}{spread} | {fmt(s['p50_ms'])} "
+                f"| {fmt(s['p99_ms'])} | {fmt(s['add50'])} | {fmt(s['add99'])} "
+                f"| {fmt(s['cpu_s_per_1k'], '{:.3f}')} | {fmt(s['cpu_util'])} |"
+            )
         for t in (t for t in stats if t.startswith("pdserve") and "sglang" in stats):
             p, g = stats[t], stats["sglang"]
             ratio = lambda x, y: f"{x / y:.2f}" if x is not None and y and y > 0 else "n/a"  # noqa: E731
-            ratios.append(f"| {mode} | {endpoint} | {conc} | {t} | {ratio(g['rps'], p['rps'])} "
-                          f"| {ratio(p['add50'], g['add50'])} | {ratio(p['add99'], g['add99'])} "
-                          f"| {ratio(p['cpu_s_per_1k'], g['cpu_s_per_1k'])} |")
+            ratios.append(
+                f"| {mode} | {endpoint} | {conc} | {t} | {ratio(g['rps'], p['rps'])} "
+                f"| {ratio(p['add50'], g['add50'])} | {ratio(p['add99'], g['add99'])} "
+                f"| {ratio(p['cpu_s_per_1k'], g['cpu_s_per_1k'])} |"
+            )
     return "\n".join(lines) + "\n\n" + "\n".join(ratios)
 
 
 def machine() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
-        flags = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Flags")), "")
+        model = next(
+            (ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")),
+            "?",
+        )
+        flags = next(
+            (ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Flags")), ""
+        )
     except OSError:
         model, flags = platform.processor(), ""
     wanted = [f for f in flags.split() if f.startswith(("avx", "amx")) or f in ("sse4_2", "fma")]
@@ -552,13 +774,24 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=5.0, help="measured seconds per run")
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--router-cpus", default="1", help="taskset list for the routers ('' to not pin)")
+    ap.add_argument(
+        "--router-cpus", default="1", help="taskset list for the routers ('' to not pin)"
+    )
     ap.add_argument("--worker-cpus", default="0", help="taskset list for the fake workers")
     ap.add_argument("--client-cpus", default="0", help="taskset list for the load generator")
-    ap.add_argument("--pdserve-workers", default="1", help="pdserve router process counts (--workers) to run, "
-                    "each a target of its own")
-    ap.add_argument("--baseline-tree", default=None, help="a directory holding an older pdserve package")
-    ap.add_argument("--baseline-asyncio", action="store_true", help="run the baseline without uvloop and httptools")
+    ap.add_argument(
+        "--pdserve-workers",
+        default="1",
+        help="pdserve router process counts (--workers) to run, each a target of its own",
+    )
+    ap.add_argument(
+        "--baseline-tree", default=None, help="a directory holding an older pdserve package"
+    )
+    ap.add_argument(
+        "--baseline-asyncio",
+        action="store_true",
+        help="run the baseline without uvloop and httptools",
+    )
     ap.add_argument("--skip-sglang", action="store_true")
     ap.add_argument("--out", default=None, help="write every run and the summary as JSON here")
     a = ap.parse_args()
@@ -573,11 +806,15 @@ def main() -> None:
         import importlib.util
 
         if importlib.util.find_spec("sglang_router") is None:
-            ap.error("sglang-router is not installed (pip install sglang-router==0.3.2), or pass --skip-sglang")
+            ap.error(
+                "sglang-router is not installed (pip install sglang-router==0.3.2), or pass --skip-sglang"
+            )
     sys.path.insert(0, str(ROOT))
     from pdserve import lifetime
 
-    lifetime.handle_stop_signals(lifetime.raise_interrupt)  # also when started with SIGINT ignored (nohup ... &)
+    lifetime.handle_stop_signals(
+        lifetime.raise_interrupt
+    )  # also when started with SIGINT ignored (nohup ... &)
     logs = Path(tempfile.mkdtemp(prefix="router-overhead-"))
     print(f"machine: {machine()}\nlogs: {logs}", flush=True)
     results: list[dict] = []
@@ -590,8 +827,12 @@ def main() -> None:
     summary = summarize(results, a)
     print("\n" + summary)
     if a.out:
-        Path(a.out).write_text(json.dumps({"machine": machine(), "args": vars(a), "runs": results,
-                                           "summary": summary}, indent=1))
+        Path(a.out).write_text(
+            json.dumps(
+                {"machine": machine(), "args": vars(a), "runs": results, "summary": summary},
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

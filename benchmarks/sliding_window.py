@@ -58,11 +58,24 @@ def model_dir() -> str:
         return out
     os.makedirs(out, exist_ok=True)
     cfg = transformers.Gemma3TextConfig(
-        vocab_size=49152, hidden_size=1152, intermediate_size=6912, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=HEAD_DIM, sliding_window=WINDOW,
-        sliding_window_pattern=PATTERN, max_position_embeddings=32768, query_pre_attn_scalar=256,
-        rope_theta=1e6, rope_local_base_freq=1e4, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-        tie_word_embeddings=True, dtype="bfloat16",
+        vocab_size=49152,
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=HEAD_DIM,
+        sliding_window=WINDOW,
+        sliding_window_pattern=PATTERN,
+        max_position_embeddings=32768,
+        query_pre_attn_scalar=256,
+        rope_theta=1e6,
+        rope_local_base_freq=1e4,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=True,
+        dtype="bfloat16",
     )
     cfg.architectures = ["Gemma3ForCausalLM"]
     cfg.save_pretrained(out)
@@ -83,18 +96,28 @@ def pinned(proc: c.Proc, core: str) -> c.Proc:
     return proc
 
 
-def ttft_and_decode_memory(router: c.Proc, decode: c.Proc, ids: list[int]) -> tuple[float, list[dict]]:
-    body = {"input_ids": ids, "stream": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}}
+def ttft_and_decode_memory(
+    router: c.Proc, decode: c.Proc, ids: list[int]
+) -> tuple[float, list[dict]]:
+    body = {
+        "input_ids": ids,
+        "stream": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
+    }
     t0 = time.perf_counter()
     ttft, groups = None, []
-    with httpx.Client(timeout=3600) as h, h.stream("POST", router.url + "/generate", json=body) as r:
+    with (
+        httpx.Client(timeout=3600) as h,
+        h.stream("POST", router.url + "/generate", json=body) as r,
+    ):
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]" and ttft is None:
                 ttft = time.perf_counter() - t0
                 info = decode.http.get("/debug/integrity").json()["integrity"]
-                groups = info.get("groups") or [{"kind": "one group", "in_use_pages": info["in_use_pages"]}]
+                groups = info.get("groups") or [
+                    {"kind": "one group", "in_use_pages": info["in_use_pages"]}
+                ]
     return ttft, groups
 
 
@@ -102,7 +125,11 @@ def admitted(info: dict, prompt_len: int) -> int:
     """Requests of ``prompt_len`` tokens decode preallocates at once in pools of its sizes."""
     specs = []
     for g in info["cache_groups"]:
-        spec = SlidingWindow(1, HEAD_DIM, g["window"]) if g["kind"] == "sliding_window" else FullAttention(1, HEAD_DIM)
+        spec = (
+            SlidingWindow(1, HEAD_DIM, g["window"])
+            if g["kind"] == "sliding_window"
+            else FullAttention(1, HEAD_DIM)
+        )
         specs += [(layer, spec) for layer in g["layers"]]
     groups = group_layers([s for _, s in sorted(specs, key=lambda t: t[0])])
     pools = [SimpleNamespace(allocator=PageAllocator(g["num_pages"])) for g in info["cache_groups"]]
@@ -115,9 +142,23 @@ def admitted(info: dict, prompt_len: int) -> int:
 
 def run_layout(name: str, extra: list[str], lens: list[int], logs: Path) -> list[dict]:
     model = model_dir()
-    common = ["--dtype", "bfloat16", "--load-format", "dummy", "--page-size", str(PAGE),
-              "--chunked-prefill-size", "4096", "--context-length", "32768",
-              "--disaggregation-bootstrap-timeout", "3600", "--disaggregation-waiting-timeout", "3600", *extra]
+    common = [
+        "--dtype",
+        "bfloat16",
+        "--load-format",
+        "dummy",
+        "--page-size",
+        str(PAGE),
+        "--chunked-prefill-size",
+        "4096",
+        "--context-length",
+        "32768",
+        "--disaggregation-bootstrap-timeout",
+        "3600",
+        "--disaggregation-waiting-timeout",
+        "3600",
+        *extra,
+    ]
     P, _ = c.prefill(f"P-{name}", model, logs, *common)
     D = c.decode(f"D-{name}", model, logs, *common)
     pinned(P, "0"), pinned(D, "1")
@@ -126,16 +167,28 @@ def run_layout(name: str, extra: list[str], lens: list[int], logs: Path) -> list
         c.start_all(servers)
         R = c.router(f"R-{name}", [P], [D], logs).start()
         info = D.http.get("/server_info").json()["scheduler_info"]
-        per_page = {g["id"]: len(g["layers"]) * KV_BYTES_PER_LAYER_TOKEN * PAGE for g in info["cache_groups"]}
+        per_page = {
+            g["id"]: len(g["layers"]) * KV_BYTES_PER_LAYER_TOKEN * PAGE
+            for g in info["cache_groups"]
+        }
         rng = random.Random(0)
         for n in lens:
             ids = [rng.randrange(100, 40000) for _ in range(n)]
             ttft, groups = ttft_and_decode_memory(R, D, ids)
             last = P.http.get("/server_info").json()["internal_states"][0]["recent_transfers"][-1]
             mem = sum(g["in_use_pages"] * per_page[i] for i, g in enumerate(groups))
-            rows.append({"layout": name, "prompt": n, "ttft_s": ttft, "kv_bytes": last["kv_bytes"],
-                         "pages_per_group": last.get("pages_per_group"), "decode_kv_bytes": mem,
-                         "admitted": admitted(info, n), "pool_pages": [g["num_pages"] for g in info["cache_groups"]]})
+            rows.append(
+                {
+                    "layout": name,
+                    "prompt": n,
+                    "ttft_s": ttft,
+                    "kv_bytes": last["kv_bytes"],
+                    "pages_per_group": last.get("pages_per_group"),
+                    "decode_kv_bytes": mem,
+                    "admitted": admitted(info, n),
+                    "pool_pages": [g["num_pages"] for g in info["cache_groups"]],
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
             D.wait_idle(600)
     finally:
@@ -145,9 +198,13 @@ def run_layout(name: str, extra: list[str], lens: list[int], logs: Path) -> list
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--lens", default="4096,8192,16384")
-    ap.add_argument("--ratio", type=float, default=0.8, help="--swa-full-tokens-ratio of the grouped layout")
+    ap.add_argument(
+        "--ratio", type=float, default=0.8, help="--swa-full-tokens-ratio of the grouped layout"
+    )
     ap.add_argument("--layouts", default="groups,masking")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -155,19 +212,43 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-swa-"))
     rows = []
     if "groups" in args.layouts:
-        rows += run_layout("groups", ["--max-total-tokens", str(groups_tokens(args.ratio)),
-                                      "--swa-full-tokens-ratio", str(args.ratio)], lens, logs)
+        rows += run_layout(
+            "groups",
+            [
+                "--max-total-tokens",
+                str(groups_tokens(args.ratio)),
+                "--swa-full-tokens-ratio",
+                str(args.ratio),
+            ],
+            lens,
+            logs,
+        )
     if "masking" in args.layouts:
-        rows += run_layout("masking", ["--max-total-tokens", str(MASKING_TOKENS), "--disable-hybrid-swa-memory"],
-                           lens, logs)
+        rows += run_layout(
+            "masking",
+            ["--max-total-tokens", str(MASKING_TOKENS), "--disable-hybrid-swa-memory"],
+            lens,
+            logs,
+        )
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model_name = next((l.split(":", 1)[1].strip() for l in lscpu.splitlines() if l.startswith("Model name")), "?")
-    print(f"\nmachine: {platform.machine()} {model_name}, {os.cpu_count()} cores; ratio {args.ratio}; logs {logs}")
+    model_name = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in lscpu.splitlines()
+            if line.startswith("Model name")
+        ),
+        "?",
+    )
+    print(
+        f"\nmachine: {platform.machine()} {model_name}, {os.cpu_count()} cores; ratio {args.ratio}; logs {logs}"
+    )
     print("| prompt | layout | TTFT s | KV moved MB | decode KV MB | admitted at once |")
     print("|---|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: (r["prompt"], r["layout"])):
-        print(f"| {r['prompt']} | {r['layout']} | {r['ttft_s']:.1f} | {r['kv_bytes'] / 1e6:.1f} | "
-              f"{r['decode_kv_bytes'] / 1e6:.1f} | {r['admitted']} |")
+        print(
+            f"| {r['prompt']} | {r['layout']} | {r['ttft_s']:.1f} | {r['kv_bytes'] / 1e6:.1f} | "
+            f"{r['decode_kv_bytes'] / 1e6:.1f} | {r['admitted']} |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -43,10 +43,23 @@ class APIKeyMiddleware:
         presented = _presented_key(scope.get("headers") or [])
         if presented is not None and hmac.compare_digest(presented, self.key):
             return await self.app(scope, receive, send)
-        message = ("missing API key: send it as 'Authorization: Bearer <key>'" if presented is None
-                   else "incorrect API key provided")
-        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": 401}}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
+        message = (
+            "missing API key: send it as 'Authorization: Bearer <key>'"
+            if presented is None
+            else "incorrect API key provided"
+        )
+        body = json.dumps(
+            {"error": {"message": message, "type": "invalid_request_error", "code": 401}}
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

@@ -24,14 +24,32 @@ def load_template(value: Optional[str]) -> Optional[str]:
 
 
 # apply_chat_template's own arguments, which chat_template_kwargs may not override
-_RESERVED = {"conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
-             "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-             "return_assistant_tokens_mask", "tokenizer_kwargs"}
+_RESERVED = {
+    "conversation",
+    "tools",
+    "documents",
+    "chat_template",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+}
 
 
-def chat_prompt(tokenizer, messages: list[dict], continue_final_message: bool = False,
-                tools: Optional[list[dict]] = None, template_kwargs: Optional[dict[str, Any]] = None,
-                template: Optional[str] = None) -> str:
+def chat_prompt(
+    tokenizer,
+    messages: list[dict],
+    continue_final_message: bool = False,
+    tools: Optional[list[dict]] = None,
+    template_kwargs: Optional[dict[str, Any]] = None,
+    template: Optional[str] = None,
+) -> str:
     """The rendered prompt. ``tools``: OpenAI tool definitions, given to the template as its
     ``tools`` variable; ``template_kwargs``: extra template variables (``enable_thinking``, ...);
     ``template``: a Jinja template instead of the tokenizer's."""
@@ -43,16 +61,27 @@ def chat_prompt(tokenizer, messages: list[dict], continue_final_message: bool = 
         raise ChatTemplateError(f"chat_template_kwargs: may not set {', '.join(bad)}")
     try:
         return tokenizer.apply_chat_template(
-            messages, tools=tools, chat_template=template, tokenize=False,
-            add_generation_prompt=not continue_final_message, continue_final_message=continue_final_message,
+            messages,
+            tools=tools,
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=not continue_final_message,
+            continue_final_message=continue_final_message,
             **kwargs,
         )
     except Exception as e:  # template errors (e.g. roles must alternate) are the caller's
         raise ChatTemplateError(f"messages: cannot apply the chat template: {e}") from None
 
 
-def chat_input_ids(tokenizer, messages: list[dict], continue_final_message: bool = False,
-                   tools: Optional[list[dict]] = None, template_kwargs: Optional[dict[str, Any]] = None,
-                   template: Optional[str] = None) -> list[int]:
-    prompt = chat_prompt(tokenizer, messages, continue_final_message, tools, template_kwargs, template)
+def chat_input_ids(
+    tokenizer,
+    messages: list[dict],
+    continue_final_message: bool = False,
+    tools: Optional[list[dict]] = None,
+    template_kwargs: Optional[dict[str, Any]] = None,
+    template: Optional[str] = None,
+) -> list[int]:
+    prompt = chat_prompt(
+        tokenizer, messages, continue_final_message, tools, template_kwargs, template
+    )
     return tokenizer(prompt, add_special_tokens=False)["input_ids"]

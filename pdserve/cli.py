@@ -8,13 +8,24 @@ import sys
 COMMANDS = {
     "serve": ("pdserve.server.launch", "main", "run a server (colocated, prefill or decode)"),
     "router": ("pdserve.router.app", "main", "run the PD router"),
-    "launch": ("pdserve.server.cluster", "main", "run a local PD cluster (prefill + decode + router)"),
-    "bench": ("pdserve.bench.serving", "main", "serving benchmark against an HTTP endpoint (and `bench plot`)"),
+    "launch": (
+        "pdserve.server.cluster",
+        "main",
+        "run a local PD cluster (prefill + decode + router)",
+    ),
+    "bench": (
+        "pdserve.bench.serving",
+        "main",
+        "serving benchmark against an HTTP endpoint (and `bench plot`)",
+    ),
     "plan": ("pdserve.plan.cli", "main", "prefill/decode split of a server budget for a workload"),
     "bench-transfer": ("pdserve.bench.transfer", "main", "KV transfer bandwidth benchmark"),
     "prepare-model": ("pdserve.models.demo", "main", "build the demo model as an HF directory"),
-    "expert-placement": ("pdserve.layers.moe.placement_file", "main",
-                         "MoE expert placement (--init-expert-location) from a recorded distribution"),
+    "expert-placement": (
+        "pdserve.layers.moe.placement_file",
+        "main",
+        "MoE expert placement (--init-expert-location) from a recorded distribution",
+    ),
 }
 
 

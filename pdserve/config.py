@@ -26,14 +26,26 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")
 # where the transfer layer can be made to fail on purpose (tests and chaos runs); see disagg/faults.py
-FAULT_MODES = ("fail_transfer", "drop_status", "delay_transfer", "corrupt_aux_room", "kill_transfer_thread")
+FAULT_MODES = (
+    "fail_transfer",
+    "drop_status",
+    "delay_transfer",
+    "corrupt_aux_room",
+    "kill_transfer_thread",
+)
 # the allowed values of the flags that have a fixed set (argparse ``choices``)
 CHOICES = {
-    "dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "attention_backend": ATTENTION_BACKENDS,
-    "quantization": QUANTIZATIONS, "disaggregation_mode": DISAGGREGATION_MODES,
-    "disaggregation_transfer_backend": TRANSFER_BACKENDS, "load_format": LOAD_FORMATS,
-    "schedule_policy": SCHEDULE_POLICIES, "moe_a2a_backend": MOE_A2A_BACKENDS,
-    "moe_runner_backend": MOE_RUNNER_BACKENDS, "grammar_backend": GRAMMAR_BACKENDS,
+    "dtype": DTYPES,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
+    "attention_backend": ATTENTION_BACKENDS,
+    "quantization": QUANTIZATIONS,
+    "disaggregation_mode": DISAGGREGATION_MODES,
+    "disaggregation_transfer_backend": TRANSFER_BACKENDS,
+    "load_format": LOAD_FORMATS,
+    "schedule_policy": SCHEDULE_POLICIES,
+    "moe_a2a_backend": MOE_A2A_BACKENDS,
+    "moe_runner_backend": MOE_RUNNER_BACKENDS,
+    "grammar_backend": GRAMMAR_BACKENDS,
 }
 # SGLang's other spellings of a flag
 FLAG_ALIASES = {"ep_size": ("--ep", "--expert-parallel-size")}
@@ -52,7 +64,9 @@ class ServerArgs:
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"  # auto: the CPU kernel on CPU when it builds, else torch
-    quantization: Optional[str] = None  # w8a8_int8: int8 weights and per-token int8 activations (CPU)
+    quantization: Optional[str] = (
+        None  # w8a8_int8: int8 weights and per-token int8 activations (CPU)
+    )
     device: str = "auto"
     load_format: str = "auto"
     context_length: Optional[int] = None
@@ -63,7 +77,9 @@ class ServerArgs:
     # HTTP
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: Optional[str] = None  # clients send "Authorization: Bearer KEY" (all routes but /health, /metrics)
+    api_key: Optional[str] = (
+        None  # clients send "Authorization: Bearer KEY" (all routes but /health, /metrics)
+    )
     # memory and scheduling
     page_size: int = 16
     max_total_tokens: Optional[int] = None
@@ -73,7 +89,9 @@ class ServerArgs:
     # keep every page of sliding-window layers (the window is applied by masking only), as SGLang's flag
     disable_hybrid_swa_memory: bool = False
     chunked_prefill_size: int = 2048  # prefill tokens of one request per batch
-    max_prefill_tokens: Optional[int] = None  # prefill tokens per batch (None: chunked_prefill_size)
+    max_prefill_tokens: Optional[int] = (
+        None  # prefill tokens per batch (None: chunked_prefill_size)
+    )
     max_running_requests: int = 256
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
@@ -89,18 +107,28 @@ class ServerArgs:
     pp_size: int = 1
     # mixture of experts (SGLang's flags; layers/moe/context.py)
     ep_size: int = 1  # expert-parallel groups over the tp ranks (experts split by id)
-    moe_a2a_backend: str = "none"  # none: all-gather + all-reduce; torch: all-to-all dispatch (needs ep == tp)
+    moe_a2a_backend: str = (
+        "none"  # none: all-gather + all-reduce; torch: all-to-all dispatch (needs ep == tp)
+    )
     moe_dense_tp_size: Optional[int] = None  # 1: the dense layers of MoE models are replicated
-    moe_runner_backend: str = "auto"  # auto (the fused CPU kernel where it runs), fused, grouped_mm, loop
+    moe_runner_backend: str = (
+        "auto"  # auto (the fused CPU kernel where it runs), fused, grouped_mm, loop
+    )
     init_expert_location: str = "trivial"  # or a placement / distribution file (JSON)
     ep_num_redundant_experts: int = 0  # extra expert slots holding copies of hot experts
-    expert_distribution_recorder_mode: Optional[str] = None  # stat: count tokens per layer per expert
+    expert_distribution_recorder_mode: Optional[str] = (
+        None  # stat: count tokens per layer per expert
+    )
     enable_return_routed_experts: bool = False  # requests may ask for return_routed_experts
     # the OpenAI API's structured outputs, tool calls and reasoning (server/openai_tools.py)
     grammar_backend: str = "xgrammar"  # the engine of response_format / json_schema / regex / ebnf
-    tool_call_parser: Optional[str] = None  # llama3, qwen25, mistral, gpt-oss, deepseekv3, ... (SGLang's names)
+    tool_call_parser: Optional[str] = (
+        None  # llama3, qwen25, mistral, gpt-oss, deepseekv3, ... (SGLang's names)
+    )
     reasoning_parser: Optional[str] = None  # deepseek-r1, qwen3, gpt-oss, ...
-    chat_template: Optional[str] = None  # a Jinja file (or the template itself) instead of the tokenizer's
+    chat_template: Optional[str] = (
+        None  # a Jinja file (or the template itself) instead of the tokenizer's
+    )
     log_level: str = "info"
     enable_access_log: bool = False
     skip_warmup: bool = False
@@ -109,7 +137,9 @@ class ServerArgs:
     # ranks [0, world/nnodes), node r only ranks [r*world/nnodes, (r+1)*world/nnodes)
     nnodes: int = 1
     node_rank: int = 0
-    dist_init_addr: Optional[str] = None  # HOST:PORT on node 0: torch.distributed at PORT, outputs at PORT+1
+    dist_init_addr: Optional[str] = (
+        None  # HOST:PORT on node 0: torch.distributed at PORT, outputs at PORT+1
+    )
     dist_timeout: float = 120.0  # seconds a collective may wait (distributed.COLLECTIVE_TIMEOUT_S)
     # disaggregation
     disaggregation_mode: str = "null"
@@ -122,18 +152,26 @@ class ServerArgs:
     disaggregation_waiting_timeout: float = 30.0
     disaggregation_heartbeat_interval: float = 1.0
     disaggregation_heartbeat_misses: int = 3
-    disaggregation_prealloc_timeout: float = 5.0  # decode: fail a request that cannot get pages this long
-    disaggregation_max_prealloc_queue: int = 0  # decode: refuse new requests beyond this many waiting (0: no limit)
+    disaggregation_prealloc_timeout: float = (
+        5.0  # decode: fail a request that cannot get pages this long
+    )
+    disaggregation_max_prealloc_queue: int = (
+        0  # decode: refuse new requests beyond this many waiting (0: no limit)
+    )
     disaggregation_mooncake_protocol: Optional[str] = None
     disaggregation_ib_device: Optional[str] = None
     disaggregation_nixl_backend: str = "UCX"
     disaggregation_secret: Optional[str] = None
-    disaggregation_require_secret: bool = False  # refuse to expose PD endpoints beyond loopback without a secret
+    disaggregation_require_secret: bool = (
+        False  # refuse to expose PD endpoints beyond loopback without a secret
+    )
     # fault injection (prefill's transfer layer): probability that a room gets a fault, which modes
     disaggregation_fault_prob: float = 0.0
     disaggregation_fault_mode: str = "fail_transfer"
     disaggregation_fault_delay: float = 1.0  # seconds, for delay_transfer
-    disaggregation_fault_ranks: Optional[str] = None  # comma-separated TP ranks that inject (None: all)
+    disaggregation_fault_ranks: Optional[str] = (
+        None  # comma-separated TP ranks that inject (None: all)
+    )
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -146,7 +184,10 @@ class ServerArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+            bad(
+                "attention_backend",
+                f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+            )
         if self.load_format not in LOAD_FORMATS:
             bad("load_format", f"must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.device == "auto":
@@ -156,26 +197,44 @@ class ServerArgs:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             bad("device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            bad("quantization", f"must be one of {QUANTIZATIONS} (or unset), got {self.quantization!r}")
+            bad(
+                "quantization",
+                f"must be one of {QUANTIZATIONS} (or unset), got {self.quantization!r}",
+            )
         if self.quantization is not None and self.device != "cpu":
-            bad("quantization", f"{self.quantization!r} is implemented for the CPU only, but device is {self.device!r}")
+            bad(
+                "quantization",
+                f"{self.quantization!r} is implemented for the CPU only, but device is {self.device!r}",
+            )
         if self.enable_deterministic_inference and self.moe_runner_backend == "grouped_mm":
-            bad("moe_runner_backend", "'grouped_mm' sums a row differently with the batch; "
-                "--enable-deterministic-inference runs the experts on the fused kernel ('auto')")
+            bad(
+                "moe_runner_backend",
+                "'grouped_mm' sums a row differently with the batch; "
+                "--enable-deterministic-inference runs the experts on the fused kernel ('auto')",
+            )
         if self.quantization is not None and self.dtype in ("float32", "float16"):
-            bad("quantization", f"{self.quantization!r} computes in bfloat16; it cannot be combined with --dtype {self.dtype}")
+            bad(
+                "quantization",
+                f"{self.quantization!r} computes in bfloat16; it cannot be combined with --dtype {self.dtype}",
+            )
         if self.attention_backend == "cpu" and self.device != "cpu":
             bad("attention_backend", f"'cpu' runs on the CPU only, but device is {self.device!r}")
         if self.page_size < 1:
             bad("page_size", f"must be >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
-            bad("max_total_tokens", f"must be >= page_size ({self.page_size}), got {self.max_total_tokens}")
+            bad(
+                "max_total_tokens",
+                f"must be >= page_size ({self.page_size}), got {self.max_total_tokens}",
+            )
         if not 0.0 < self.mem_fraction_static <= 1.0:
             bad("mem_fraction_static", f"must be in (0, 1], got {self.mem_fraction_static}")
         if not 0.0 < self.swa_full_tokens_ratio <= 1.0:
             bad("swa_full_tokens_ratio", f"must be in (0, 1], got {self.swa_full_tokens_ratio}")
         if self.chunked_prefill_size < self.page_size:
-            bad("chunked_prefill_size", f"must be >= page_size ({self.page_size}), got {self.chunked_prefill_size}")
+            bad(
+                "chunked_prefill_size",
+                f"must be >= page_size ({self.page_size}), got {self.chunked_prefill_size}",
+            )
         if self.max_prefill_tokens is None:
             self.max_prefill_tokens = self.chunked_prefill_size
         if self.max_prefill_tokens < 1:
@@ -183,7 +242,10 @@ class ServerArgs:
         if self.max_running_requests < 1:
             bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
-            bad("schedule_policy", f"must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+            bad(
+                "schedule_policy",
+                f"must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}",
+            )
         if self.context_length is not None and self.context_length < 1:
             bad("context_length", f"must be >= 1, got {self.context_length}")
         if self.tp_size < 1:
@@ -191,10 +253,18 @@ class ServerArgs:
         if self.dp_size < 1:
             bad("dp_size", f"must be >= 1, got {self.dp_size}")
         if self.dp_size > 1 and not self.enable_dp_attention:
-            bad("dp_size", f"{self.dp_size} needs --enable-dp-attention (data-parallel attention groups inside "
-                           "one server); for independent replicas run several servers behind the router")
-        if self.enable_dp_attention and (self.dp_size > self.tp_size or self.tp_size % self.dp_size):
-            bad("dp_size", f"with --enable-dp-attention it must divide --tp-size ({self.tp_size}), got {self.dp_size}")
+            bad(
+                "dp_size",
+                f"{self.dp_size} needs --enable-dp-attention (data-parallel attention groups inside "
+                "one server); for independent replicas run several servers behind the router",
+            )
+        if self.enable_dp_attention and (
+            self.dp_size > self.tp_size or self.tp_size % self.dp_size
+        ):
+            bad(
+                "dp_size",
+                f"with --enable-dp-attention it must divide --tp-size ({self.tp_size}), got {self.dp_size}",
+            )
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             value = getattr(self, name)
             if value is not None and "://" not in value:
@@ -205,57 +275,102 @@ class ServerArgs:
             bad("pp_size", f"must be >= 1, got {self.pp_size}")
         check_moe_args(self, bad)
         if self.pp_size > 1 and (self.tp_size > 1 or self.dp_size > 1):
-            bad("pp_size", f"{self.pp_size} together with --tp-size {self.tp_size} / --dp-size {self.dp_size} is not "
-                           "supported in this version: use pipeline stages of one rank each")
+            bad(
+                "pp_size",
+                f"{self.pp_size} together with --tp-size {self.tp_size} / --dp-size {self.dp_size} is not "
+                "supported in this version: use pipeline stages of one rank each",
+            )
         if self.pp_size > 1 and self.disaggregation_mode == "decode":
-            bad("pp_size", "a decode server must have pp_size 1 (prefill's pipeline stages send their own layers; "
-                           "decode holds every layer)")
+            bad(
+                "pp_size",
+                "a decode server must have pp_size 1 (prefill's pipeline stages send their own layers; "
+                "decode holds every layer)",
+            )
         if self.torch_num_threads is not None and self.torch_num_threads < 1:
             bad("torch_num_threads", f"must be >= 1, got {self.torch_num_threads}")
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
-            bad("disaggregation_mode", f"must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}")
+            bad(
+                "disaggregation_mode",
+                f"must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}",
+            )
         if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
             bad(
                 "disaggregation_transfer_backend",
                 f"must be one of {TRANSFER_BACKENDS}, got {self.disaggregation_transfer_backend!r}",
             )
         if not 0 < self.disaggregation_bootstrap_port < 65536:
-            bad("disaggregation_bootstrap_port", f"must be a TCP port, got {self.disaggregation_bootstrap_port}")
+            bad(
+                "disaggregation_bootstrap_port",
+                f"must be a TCP port, got {self.disaggregation_bootstrap_port}",
+            )
         if self.num_reserved_decode_tokens < 0:
-            bad("num_reserved_decode_tokens", f"must be >= 0, got {self.num_reserved_decode_tokens}")
-        for name in ("disaggregation_bootstrap_timeout", "disaggregation_waiting_timeout",
-                     "disaggregation_heartbeat_interval", "disaggregation_prealloc_timeout"):
+            bad(
+                "num_reserved_decode_tokens", f"must be >= 0, got {self.num_reserved_decode_tokens}"
+            )
+        for name in (
+            "disaggregation_bootstrap_timeout",
+            "disaggregation_waiting_timeout",
+            "disaggregation_heartbeat_interval",
+            "disaggregation_prealloc_timeout",
+        ):
             if getattr(self, name) <= 0:
                 bad(name, f"must be > 0, got {getattr(self, name)}")
         if self.disaggregation_heartbeat_misses < 1:
-            bad("disaggregation_heartbeat_misses", f"must be >= 1, got {self.disaggregation_heartbeat_misses}")
+            bad(
+                "disaggregation_heartbeat_misses",
+                f"must be >= 1, got {self.disaggregation_heartbeat_misses}",
+            )
         if self.disaggregation_max_prealloc_queue < 0:
-            bad("disaggregation_max_prealloc_queue", f"must be >= 0, got {self.disaggregation_max_prealloc_queue}")
+            bad(
+                "disaggregation_max_prealloc_queue",
+                f"must be >= 0, got {self.disaggregation_max_prealloc_queue}",
+            )
         if not 0.0 <= self.disaggregation_fault_prob <= 1.0:
-            bad("disaggregation_fault_prob", f"must be in [0, 1], got {self.disaggregation_fault_prob}")
+            bad(
+                "disaggregation_fault_prob",
+                f"must be in [0, 1], got {self.disaggregation_fault_prob}",
+            )
         modes = [m.strip() for m in str(self.disaggregation_fault_mode).split(",") if m.strip()]
         unknown = [m for m in modes if m not in FAULT_MODES]
         if not modes or unknown:
-            bad("disaggregation_fault_mode", f"must be a comma-separated list of {FAULT_MODES}, "
-                                             f"got {self.disaggregation_fault_mode!r}")
+            bad(
+                "disaggregation_fault_mode",
+                f"must be a comma-separated list of {FAULT_MODES}, "
+                f"got {self.disaggregation_fault_mode!r}",
+            )
         if self.disaggregation_fault_delay < 0:
-            bad("disaggregation_fault_delay", f"must be >= 0, got {self.disaggregation_fault_delay}")
+            bad(
+                "disaggregation_fault_delay", f"must be >= 0, got {self.disaggregation_fault_delay}"
+            )
         if self.disaggregation_fault_ranks is not None:
             try:
                 ranks = [int(r) for r in self.disaggregation_fault_ranks.split(",") if r.strip()]
             except ValueError:
                 ranks = []
             if not ranks or any(not 0 <= r < self.world_size for r in ranks):
-                bad("disaggregation_fault_ranks", f"must be a comma-separated list of ranks in [0, {self.world_size}), "
-                                                  f"got {self.disaggregation_fault_ranks!r}")
+                bad(
+                    "disaggregation_fault_ranks",
+                    f"must be a comma-separated list of ranks in [0, {self.world_size}), "
+                    f"got {self.disaggregation_fault_ranks!r}",
+                )
         if self.disaggregation_secret == "":
-            bad("disaggregation_secret", "must not be empty (leave it unset to turn authentication off)")
+            bad(
+                "disaggregation_secret",
+                "must not be empty (leave it unset to turn authentication off)",
+            )
         if self.api_key == "":
             bad("api_key", "must not be empty (leave it unset to serve without a key)")
-        if self.disaggregation_require_secret and self.exposes_control_plane and not self.disaggregation_secret:
-            bad("disaggregation_require_secret", f"--host {self.host} exposes this {self.disaggregation_mode} "
+        if (
+            self.disaggregation_require_secret
+            and self.exposes_control_plane
+            and not self.disaggregation_secret
+        ):
+            bad(
+                "disaggregation_require_secret",
+                f"--host {self.host} exposes this {self.disaggregation_mode} "
                 "server's bootstrap and KV control endpoints beyond this host, and no --disaggregation-secret "
-                "is set to authenticate them")
+                "is set to authenticate them",
+            )
         self._check_nodes(bad)
         if self.served_model_name is None:
             self.served_model_name = self.model_path
@@ -273,11 +388,17 @@ class ServerArgs:
         if not 0 <= self.node_rank < self.nnodes:
             bad("node_rank", f"must be in [0, --nnodes {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and not self.dist_init_addr:
-            bad("dist_init_addr", f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address, "
-                                  "where every node's ranks join)")
+            bad(
+                "dist_init_addr",
+                f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address, "
+                "where every node's ranks join)",
+            )
         if self.world_size % self.nnodes:
-            bad("nnodes", f"the world size --tp-size {self.tp_size} x --pp-size {self.pp_size} = {self.world_size} "
-                          f"is not divisible by --nnodes {self.nnodes}")
+            bad(
+                "nnodes",
+                f"the world size --tp-size {self.tp_size} x --pp-size {self.pp_size} = {self.world_size} "
+                f"is not divisible by --nnodes {self.nnodes}",
+            )
         if self.dist_init_addr is not None:
             try:
                 split_host_port(self.dist_init_addr)
@@ -286,9 +407,12 @@ class ServerArgs:
         if self.dist_timeout <= 0:
             bad("dist_timeout", f"must be > 0 seconds, got {self.dist_timeout}")
         if self.nnodes > 1 and self.disaggregation_mode != "null":
-            bad("nnodes", f"--nnodes {self.nnodes} with --disaggregation-mode {self.disaggregation_mode} is not "
-                          "supported in this version (the other nodes' ranks would register with a bootstrap "
-                          "server on their own host): run PD servers of one host each")
+            bad(
+                "nnodes",
+                f"--nnodes {self.nnodes} with --disaggregation-mode {self.disaggregation_mode} is not "
+                "supported in this version (the other nodes' ranks would register with a bootstrap "
+                "server on their own host): run PD servers of one host each",
+            )
 
     @property
     def exposes_control_plane(self) -> bool:
@@ -300,16 +424,22 @@ class ServerArgs:
         """What this configuration leaves open to the network (logged prominently at start-up)."""
         out = []
         if self.exposes_control_plane and not self.disaggregation_secret:
-            out.append(f"--host {self.host} exposes the bootstrap server and the KV control endpoints without "
-                       "--disaggregation-secret: anyone who reaches them can register ranks and send control "
-                       "messages (--disaggregation-require-secret refuses to start like this)")
+            out.append(
+                f"--host {self.host} exposes the bootstrap server and the KV control endpoints without "
+                "--disaggregation-secret: anyone who reaches them can register ranks and send control "
+                "messages (--disaggregation-require-secret refuses to start like this)"
+            )
         if not is_loopback(self.host) and not self.api_key:
-            out.append(f"--host {self.host} serves HTTP beyond this host without --api-key: anyone who reaches "
-                       "it can generate and control the server")
+            out.append(
+                f"--host {self.host} serves HTTP beyond this host without --api-key: anyone who reaches "
+                "it can generate and control the server"
+            )
         if self.nnodes > 1 and not is_loopback(split_host_port(self.dist_init_addr)[0]):
-            out.append(f"--nnodes {self.nnodes}: torch.distributed and the front end's output socket listen on "
-                       f"--dist-init-addr {self.dist_init_addr} (that port and the next) without authentication: "
-                       "keep them on a network only the server's nodes reach")
+            out.append(
+                f"--nnodes {self.nnodes}: torch.distributed and the front end's output socket listen on "
+                f"--dist-init-addr {self.dist_init_addr} (that port and the next) without authentication: "
+                "keep them on a network only the server's nodes reach"
+            )
         return out
 
     @property

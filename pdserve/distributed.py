@@ -69,8 +69,11 @@ class TPGroup:
         size = int(n.item())
         if size == 0:
             return b""
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else \
-            torch.empty(size, dtype=torch.uint8)
+        buf = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if self.rank == 0
+            else torch.empty(size, dtype=torch.uint8)
+        )
         dist.broadcast(buf, src=self.ranks[0], group=self.cpu_group)
         return data if self.rank == 0 else buf.numpy().tobytes()
 
@@ -80,7 +83,9 @@ class TPGroup:
 
     def broadcast_object_str(self, value: Optional[str]) -> str:
         """A short string from rank 0 (e.g. a decision every rank must share)."""
-        return self.broadcast_bytes(value.encode() if self.rank == 0 and value is not None else None).decode()
+        return self.broadcast_bytes(
+            value.encode() if self.rank == 0 and value is not None else None
+        ).decode()
 
     def barrier(self) -> None:
         if self.size > 1:
@@ -160,7 +165,9 @@ class Parallel:
     def describe(self) -> str:
         parts = [f"tp{self.tp.rank}/{self.tp.size}"]
         if self.dp_attention:
-            parts.append(f"dp{self.dp_rank}/{self.dp_size} (attention tp{self.attn.rank}/{self.attn.size})")
+            parts.append(
+                f"dp{self.dp_rank}/{self.dp_size} (attention tp{self.attn.rank}/{self.attn.size})"
+            )
         if self.pp_size > 1:
             parts.append(f"pp{self.pp_rank}/{self.pp_size}")
         return " ".join(parts)
@@ -179,8 +186,15 @@ def rank_coordinates(rank: int, tp_size: int, dp_size: int) -> tuple[int, int, i
     return pp_rank, tp_rank, dp_rank, attn_rank
 
 
-def init_parallel(rank: int, tp_size: int, init_address: str, device: str = "cpu", dp_size: int = 1,
-                  pp_size: int = 1, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Parallel:
+def init_parallel(
+    rank: int,
+    tp_size: int,
+    init_address: str,
+    device: str = "cpu",
+    dp_size: int = 1,
+    pp_size: int = 1,
+    timeout_s: float = COLLECTIVE_TIMEOUT_S,
+) -> Parallel:
     """Join the server's ``tp_size * pp_size`` ranks at ``init_address`` (``tcp://host:port``,
     rank 0 listens) and build this rank's groups. Every rank creates every group, in the same
     order (``torch.distributed.new_group`` is collective). ``timeout_s`` (``--dist-timeout``)
@@ -192,7 +206,9 @@ def init_parallel(rank: int, tp_size: int, init_address: str, device: str = "cpu
 
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=init_address, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(
+        backend, init_method=init_address, rank=rank, world_size=world_size, timeout=timeout
+    )
 
     def group(ranks: list[int]) -> TPGroup:
         if len(ranks) == world_size:
@@ -201,8 +217,13 @@ def init_parallel(rank: int, tp_size: int, init_address: str, device: str = "cpu
         else:
             g = dist.new_group(ranks, backend=backend, timeout=timeout)
             cpu = dist.new_group(ranks, backend="gloo", timeout=timeout) if backend != "gloo" else g
-        return TPGroup(rank=ranks.index(rank) if rank in ranks else -1, size=len(ranks), group=g, cpu_group=cpu,
-                       ranks=tuple(ranks))
+        return TPGroup(
+            rank=ranks.index(rank) if rank in ranks else -1,
+            size=len(ranks),
+            group=g,
+            cpu_group=cpu,
+            ranks=tuple(ranks),
+        )
 
     pp_rank, _, dp_rank, _ = rank_coordinates(rank, tp_size, dp_size)
     attn_size = tp_size // dp_size
@@ -214,18 +235,35 @@ def init_parallel(rank: int, tp_size: int, init_address: str, device: str = "cpu
         if p == pp_rank:
             mine["tp"] = g
         for d in range(dp_size):
-            members = stage[d * attn_size:(d + 1) * attn_size]
+            members = stage[d * attn_size : (d + 1) * attn_size]
             a = g if len(members) == len(stage) else group(members)
             if p == pp_rank and d == dp_rank:
                 mine["attn"] = a
     for d in range(dp_size):
-        members = [p * tp_size + d * attn_size + a for p in range(pp_size) for a in range(attn_size)]
-        g = world if len(members) == world_size else mine["attn"] if pp_size == 1 and d == dp_rank else \
-            None if pp_size == 1 else group(members)
+        members = [
+            p * tp_size + d * attn_size + a for p in range(pp_size) for a in range(attn_size)
+        ]
+        g = (
+            world
+            if len(members) == world_size
+            else mine["attn"]
+            if pp_size == 1 and d == dp_rank
+            else None
+            if pp_size == 1
+            else group(members)
+        )
         if d == dp_rank:
             mine["sched"] = g
-    par = Parallel(world=world, tp=mine["tp"], attn=mine["attn"], sched=mine["sched"], dp_rank=dp_rank,
-                   dp_size=dp_size, pp_rank=pp_rank, pp_size=pp_size)
+    par = Parallel(
+        world=world,
+        tp=mine["tp"],
+        attn=mine["attn"],
+        sched=mine["sched"],
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+    )
     logger.info("rank %d of %d joined (%s): %s", rank, world_size, backend, par.describe())
     return par
 
@@ -245,8 +283,10 @@ def kv_heads_for_rank(total_kv_heads: int, num_heads: int, rank: int, size: int)
     if total_kv_heads >= size:
         return shard_range(total_kv_heads, rank, size)
     if size % total_kv_heads:
-        raise ValueError(f"tp_size {size} must be a multiple of num_key_value_heads ({total_kv_heads}) "
-                         "when it is larger")
+        raise ValueError(
+            f"tp_size {size} must be a multiple of num_key_value_heads ({total_kv_heads}) "
+            "when it is larger"
+        )
     q_start, _ = shard_range(num_heads, rank, size)
     kv = q_start // (num_heads // total_kv_heads)
     return kv, kv + 1

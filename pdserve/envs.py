@@ -30,7 +30,9 @@ ENV_TO_FIELD = {
 
 def cache_dir() -> str:
     """Where prepared models and other artefacts live (``PDSERVE_CACHE`` or ~/.cache/pdserve)."""
-    return os.environ.get("PDSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pdserve")
+    return os.environ.get("PDSERVE_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "pdserve"
+    )
 
 
 def api_key() -> str | None:
@@ -41,7 +43,12 @@ def api_key() -> str | None:
 
 def cpu_kernels_disabled() -> bool:
     """``PDSERVE_DISABLE_CPU_KERNELS=1``: do not build or use the C++ CPU kernels (PyTorch paths only)."""
-    return os.environ.get("PDSERVE_DISABLE_CPU_KERNELS", "").strip().lower() in ("1", "true", "yes", "on")
+    return os.environ.get("PDSERVE_DISABLE_CPU_KERNELS", "").strip().lower() in (
+        "1",
+        "true",
+        "yes",
+        "on",
+    )
 
 
 def cpu_isa() -> str | None:

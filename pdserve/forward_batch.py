@@ -26,7 +26,9 @@ class GroupTable:
     """One cache group's view of the batch."""
 
     pool: Any  # engine.kv_pool.KVPool of this group
-    page_table: torch.Tensor  # [B, max_pages] int64 page of each of a request's logical pages (0: none)
+    page_table: (
+        torch.Tensor
+    )  # [B, max_pages] int64 page of each of a request's logical pages (0: none)
     out_pages: torch.Tensor  # [T] page of each new token's KV in this group
     _int32: Optional[tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False)
 
@@ -100,8 +102,10 @@ class ForwardBatch:
         take; built once per group."""
         g = self.groups[group]
         if g._int32 is None:
-            g._int32 = (g.page_table.to(torch.int32),
-                        torch.tensor(self.seq_lens, dtype=torch.int32, device=g.page_table.device))
+            g._int32 = (
+                g.page_table.to(torch.int32),
+                torch.tensor(self.seq_lens, dtype=torch.int32, device=g.page_table.device),
+            )
         return g._int32
 
     @property

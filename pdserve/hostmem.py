@@ -28,7 +28,7 @@ def huge_empty(nbytes: int) -> torch.Tensor:
             pass  # THP disabled on this host: small pages
     whole = torch.frombuffer(buf, dtype=torch.uint8)  # keeps ``buf`` alive
     skip = (-whole.data_ptr()) % HUGE_PAGE
-    return whole[skip: skip + nbytes]
+    return whole[skip : skip + nbytes]
 
 
 def huge_like(t: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,11 @@ def problem(body: Any) -> Optional[str]:
             return f"{path or 'body'}: holds a lone UTF-16 surrogate, which is not valid Unicode"
         elif isinstance(value, float) and not math.isfinite(value):
             return f"{path or 'body'}: number out of range"
-        elif isinstance(value, int) and not isinstance(value, bool) and not INT_MIN <= value < INT_LIMIT:
+        elif (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and not INT_MIN <= value < INT_LIMIT
+        ):
             return f"{path or 'body'}: integer out of the 64-bit range"
     return None
 

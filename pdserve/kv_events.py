@@ -78,7 +78,7 @@ def chain_hashes(parent: Optional[int], tokens, page_size: int) -> list[int]:
     """The hashes of the full pages of ``tokens``, chained from ``parent``."""
     out = []
     for i in range(0, len(tokens) - page_size + 1, page_size):
-        parent = block_hash(parent, tokens[i:i + page_size])
+        parent = block_hash(parent, tokens[i : i + page_size])
         out.append(parent)
     return out
 
@@ -94,8 +94,13 @@ def offset_port(endpoint: Optional[str], offset: int) -> Optional[str]:
 class KVEventPublisher:
     """Publishes batches of events (one per scheduler step that changed the cache)."""
 
-    def __init__(self, endpoint: str, replay_endpoint: Optional[str] = None, topic: str = "",
-                 dp_rank: Optional[int] = None):
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: Optional[str] = None,
+        topic: str = "",
+        dp_rank: Optional[int] = None,
+    ):
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
@@ -113,15 +118,22 @@ class KVEventPublisher:
             self.replay = self.ctx.socket(zmq.ROUTER)
             self.replay.bind(replay_endpoint)
             self.replay_endpoint = self.replay.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._replay_thread = threading.Thread(target=self._serve_replay, name="kv-events-replay", daemon=True)
+            self._replay_thread = threading.Thread(
+                target=self._serve_replay, name="kv-events-replay", daemon=True
+            )
             self._replay_thread.start()
-        logger.info("KV events on %s%s", self.endpoint,
-                    f" (replay {self.replay_endpoint})" if self.replay is not None else "")
+        logger.info(
+            "KV events on %s%s",
+            self.endpoint,
+            f" (replay {self.replay_endpoint})" if self.replay is not None else "",
+        )
 
     def publish(self, events: list[Event]) -> None:
         if not events:
             return
-        payload = self.encoder.encode(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=self.dp_rank))
+        payload = self.encoder.encode(
+            KVEventBatch(ts=time.time(), events=events, data_parallel_rank=self.dp_rank)
+        )
         with self.lock:
             seq = self.seq
             self.seq += 1
@@ -142,7 +154,9 @@ class KVEventPublisher:
                     batches = [(s, p) for s, p in self.buffer if s >= start_seq]
                 for s, p in batches:
                     self.replay.send_multipart([client, b"", self.topic, s.to_bytes(8, "big"), p])
-                self.replay.send_multipart([client, b"", b"", struct.pack(">q", END_OF_REPLAY), b""])
+                self.replay.send_multipart(
+                    [client, b"", b"", struct.pack(">q", END_OF_REPLAY), b""]
+                )
             except zmq.ZMQError:
                 if self._stop.is_set():
                     return
@@ -151,7 +165,9 @@ class KVEventPublisher:
     def close(self) -> None:
         self._stop.set()
         if self.replay is not None:
-            self._replay_thread.join(1.0)  # it polls the replay socket: stop it before the socket goes
+            self._replay_thread.join(
+                1.0
+            )  # it polls the replay socket: stop it before the socket goes
         self.pub.close(linger=0)
         if self.replay is not None:
             self.replay.close(linger=0)

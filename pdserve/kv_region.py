@@ -25,7 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 SPLITS = ("heads", "replicated", "segments")
-FINALS = ("per_chunk", "last_chunk")  # last_chunk: pages still change until the last forward (a window)
+FINALS = (
+    "per_chunk",
+    "last_chunk",
+)  # last_chunk: pages still change until the last forward (a window)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +68,9 @@ class Region:
         if (self.split == "segments") != bool(self.segments):
             return f"{self.name}: segments {list(self.segments)} with split {self.split!r}"
         if self.segments and sum(self.segments) != self.item_bytes:
-            return f"{self.name}: segments of {sum(self.segments)} bytes in items of {self.item_bytes}"
+            return (
+                f"{self.name}: segments of {sum(self.segments)} bytes in items of {self.item_bytes}"
+            )
         return ""
 
     def describe_split(self) -> str:

@@ -193,14 +193,18 @@ def group_layers(specs: Sequence, first_layer: int = 0) -> list[CacheGroup]:
     return [CacheGroup(g, spec, tuple(members[spec])) for g, spec in enumerate(order)]
 
 
-def transfer_bytes_per_token(groups: Sequence[CacheGroup], total_kv_heads: int, dtype_bytes: int) -> int:
+def transfer_bytes_per_token(
+    groups: Sequence[CacheGroup], total_kv_heads: int, dtype_bytes: int
+) -> int:
     """Bytes the cache of ``groups`` takes per prompt token, counting each byte once however many
     ranks hold it (a KV head replicated over TP ranks, a latent every rank holds): what PD moves
     per token of a long prompt. Windows are left out when another group keeps every page (a long
     prompt sends only a window's last pages), per-request state always (it is per request)."""
     paged = [g for g in groups if not g.spec.per_request]
     kept = [g for g in paged if not g.spec.drops_pages] or paged
-    return sum(g.spec.whole(total_kv_heads).page_bytes(1, dtype_bytes) * len(g.layers) for g in kept)
+    return sum(
+        g.spec.whole(total_kv_heads).page_bytes(1, dtype_bytes) * len(g.layers) for g in kept
+    )
 
 
 def layer_window(spec: CacheSpec) -> Optional[int]:

@@ -45,7 +45,9 @@ def end_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> str:
     parent is already gone. Returns how: ``"prctl"`` or ``"watch"``."""
     how = "prctl" if set_parent_death_signal(sig) else "watch"
     if how == "watch":
-        threading.Thread(target=_watch, args=(parent_pid, sig), name="parent-watch", daemon=True).start()
+        threading.Thread(
+            target=_watch, args=(parent_pid, sig), name="parent-watch", daemon=True
+        ).start()
     if os.getppid() != parent_pid:  # the parent died before the signal was armed
         os.kill(os.getpid(), sig)
     return how

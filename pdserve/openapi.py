@@ -22,12 +22,20 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 REF = "#/components/schemas/{name}"
-SSE_DESCRIPTION = ("with \"stream\": true: server-sent events, each `data: <JSON>` (described by "
-                   "x-sse-data), then `data: [DONE]`")
-STATUS_TEXT = {400: "invalid request (the message names the field)", 401: "missing or wrong API key",
-               404: "not found (e.g. an unknown model name)", 413: "request body too large",
-               499: "the client went away", 500: "internal error", 502: "a worker failed",
-               503: "not ready, or the scheduler is gone"}
+SSE_DESCRIPTION = (
+    'with "stream": true: server-sent events, each `data: <JSON>` (described by '
+    "x-sse-data), then `data: [DONE]`"
+)
+STATUS_TEXT = {
+    400: "invalid request (the message names the field)",
+    401: "missing or wrong API key",
+    404: "not found (e.g. an unknown model name)",
+    413: "request body too large",
+    499: "the client went away",
+    500: "internal error",
+    502: "a worker failed",
+    503: "not ready, or the scheduler is gone",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +56,13 @@ class Operation:
 Docs = dict[tuple[str, str], Operation]  # (method in lower case, path) -> its documentation
 
 
-def build(app: FastAPI, docs: Docs, error: type, extra_components: Optional[dict[str, dict]] = None) -> dict:
+def build(
+    app: FastAPI, docs: Docs, error: type, extra_components: Optional[dict[str, dict]] = None
+) -> dict:
     """The OpenAPI 3.1 document of ``app`` with ``docs`` applied."""
-    spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    spec = get_openapi(
+        title=app.title, version=app.version, description=app.description, routes=app.routes
+    )
     types: list[Any] = [error]
     for op in docs.values():
         types += [t for t in (op.body, op.response, op.stream) if t is not None]
@@ -66,7 +78,10 @@ def build(app: FastAPI, docs: Docs, error: type, extra_components: Optional[dict
                     component["properties"][name].pop("default", None)
             component.update(getattr(t, "JSON_SCHEMA", None) or {})
     components.update(extra_components or {})
-    spec.setdefault("components", {})["schemas"] = {**spec.get("components", {}).get("schemas", {}), **components}
+    spec.setdefault("components", {})["schemas"] = {
+        **spec.get("components", {}).get("schemas", {}),
+        **components,
+    }
     error_content = {"application/json": {"schema": schema_of[_key(error)]}}
     for path, methods in spec.get("paths", {}).items():
         for method, operation in methods.items():
@@ -78,13 +93,19 @@ def build(app: FastAPI, docs: Docs, error: type, extra_components: Optional[dict
     return spec
 
 
-def install(app: FastAPI, docs: Callable[[], Docs], error: type,
-            extra_components: Optional[Callable[[], dict[str, dict]]] = None) -> None:
+def install(
+    app: FastAPI,
+    docs: Callable[[], Docs],
+    error: type,
+    extra_components: Optional[Callable[[], dict[str, dict]]] = None,
+) -> None:
     """Serve ``build``'s document as ``app.openapi()`` (so at /openapi.json), built once."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            app.openapi_schema = build(app, docs(), error, extra_components() if extra_components else None)
+            app.openapi_schema = build(
+                app, docs(), error, extra_components() if extra_components else None
+            )
         return app.openapi_schema
 
     app.openapi = openapi
@@ -93,8 +114,10 @@ def install(app: FastAPI, docs: Callable[[], Docs], error: type,
 def _apply(operation: dict, op: Operation, schema_of: dict, error_content: dict) -> None:
     operation["summary"] = op.summary
     if op.body is not None:
-        operation["requestBody"] = {"required": True,
-                                    "content": {"application/json": {"schema": schema_of[_key(op.body)]}}}
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": schema_of[_key(op.body)]}},
+        }
     ok: dict[str, Any] = {"description": "success"}
     if op.media_type != "application/json":
         ok["content"] = {op.media_type: {"schema": {"type": "string"}}}
@@ -106,10 +129,16 @@ def _apply(operation: dict, op: Operation, schema_of: dict, error_content: dict)
         ok["description"] = "the answer; " + SSE_DESCRIPTION
         ok.setdefault("content", {})["text/event-stream"] = {
             "schema": {"type": "string"},
-            "x-sse-data": {"oneOf": [schema_of[_key(op.stream)], error_content["application/json"]["schema"]]}}
+            "x-sse-data": {
+                "oneOf": [schema_of[_key(op.stream)], error_content["application/json"]["schema"]]
+            },
+        }
     responses = {"200": ok}
     for status in op.errors:
-        responses[str(status)] = {"description": STATUS_TEXT.get(status, "error"), "content": error_content}
+        responses[str(status)] = {
+            "description": STATUS_TEXT.get(status, "error"),
+            "content": error_content,
+        }
     operation["responses"] = responses
 
 

@@ -17,6 +17,7 @@ import pytest  # noqa: E402
 
 from pdserve import kernels  # noqa: E402
 
+
 class OnlyTiers:
     """Deselects the tests parametrized with a tier of ``have`` (a parameter's value is its name)
     other than ``tiers``."""
@@ -28,7 +29,9 @@ class OnlyTiers:
         keep, drop = [], []
         for item in items:
             params = item.callspec.params.values() if hasattr(item, "callspec") else ()
-            (drop if any(isinstance(p, str) and p in self.others for p in params) else keep).append(item)
+            (drop if any(isinstance(p, str) and p in self.others for p in params) else keep).append(
+                item
+            )
         if drop:
             config.hook.pytest_deselected(items=drop)
             items[:] = keep
@@ -37,15 +40,22 @@ class OnlyTiers:
 def main() -> int:
     ops = kernels.load()
     if ops is None:
-        print(f"ERROR pdserve's kernels did not load: {kernels.unavailable_reason()}", file=sys.stderr)
+        print(
+            f"ERROR pdserve's kernels did not load: {kernels.unavailable_reason()}", file=sys.stderr
+        )
         return 3
     have = list(ops.available_isas())
-    print(f"isa: {ops.isa()}; available_isas: {', '.join(have)}; "
-          f"cpu_features: {' '.join(ops.cpu_features()) or 'none'}", flush=True)
+    print(
+        f"isa: {ops.isa()}; available_isas: {', '.join(have)}; "
+        f"cpu_features: {' '.join(ops.cpu_features()) or 'none'}",
+        flush=True,
+    )
     tiers = [t for t in os.environ.get("PDSERVE_ARM64_TIERS", "").split(",") if t] or have
     if set(tiers) - set(have):
-        print(f"ERROR this CPU model lacks the tiers {', '.join(sorted(set(tiers) - set(have)))} it is to test",
-              file=sys.stderr)
+        print(
+            f"ERROR this CPU model lacks the tiers {', '.join(sorted(set(tiers) - set(have)))} it is to test",
+            file=sys.stderr,
+        )
         return 3
     print(f"tiers tested: {', '.join(tiers)}", flush=True)
     return pytest.main(sys.argv[1:], plugins=[OnlyTiers(tiers, have)])

@@ -32,30 +32,62 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 MIRROR = os.environ.get("PDSERVE_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 # the host's tools, by the Debian package that has them
-TOOLS = {"aarch64-linux-gnu-g++": "g++-aarch64-linux-gnu", "qemu-aarch64-static": "qemu-user-static",
-         "debootstrap": "debootstrap", "ninja": "ninja-build", "dpkg-deb": "dpkg"}
+TOOLS = {
+    "aarch64-linux-gnu-g++": "g++-aarch64-linux-gnu",
+    "qemu-aarch64-static": "qemu-user-static",
+    "debootstrap": "debootstrap",
+    "ninja": "ninja-build",
+    "dpkg-deb": "dpkg",
+}
 ROOT_PACKAGES = "python3,libpython3.11-dev,libgomp1"
 # torch 2.10.0 is the newest CPU-only aarch64 torch on PyPI: from 2.11 on PyPI's aarch64 wheel is a
 # CUDA 13 build whose libtorch_cpu.so needs libcudart.so.13 (GBs of NVIDIA wheels to import torch)
 TORCH = "torch==2.10.0"
 # torch's own dependencies are named here: pip would evaluate its markers for this host (x86-64)
-WHEELS = ("numpy", "pytest", "pytest-timeout", "filelock", "typing-extensions", "sympy", "networkx",
-          "jinja2", "fsspec", "setuptools")
-PIP_TARGET = ("--platform", "manylinux_2_28_aarch64", "--python-version", "3.11", "--implementation", "cp",
-              "--only-binary=:all:")
+WHEELS = (
+    "numpy",
+    "pytest",
+    "pytest-timeout",
+    "filelock",
+    "typing-extensions",
+    "sympy",
+    "networkx",
+    "jinja2",
+    "fsspec",
+    "setuptools",
+)
+PIP_TARGET = (
+    "--platform",
+    "manylinux_2_28_aarch64",
+    "--python-version",
+    "3.11",
+    "--implementation",
+    "cp",
+    "--only-binary=:all:",
+)
 # qemu 7.2's models, with the tiers --quick tests on each (each Arm tier once): Advanced SIMD only
 # (and SVE, which the kernels detect but do not use), + dot products, + BF16, I8MM and SVE. Not
 # cortex-a57/a72 (ARMv8.0): torch's libraries execute ARMv8.1 atomics (LSE) as they load.
 QUICK_TIERS = {"a64fx": ("neon",), "neoverse-n1": ("neon_dotprod",), "max": ("neon_bf16",)}
 # tests whose outcome does not depend on the CPU model (the build's OpenMP threads, PDSERVE_CPU_ISA's
 # caps): --quick runs them on the first model only (the first took 95 s on max, at neon_bf16)
-QUICK_ONCE = ("tests/unit/test_kernel_threads.py::test_two_threads_share_the_work",
-              "tests/unit/test_cpu_kernels.py::test_pdserve_cpu_isa_caps_the_kernels_and_the_libraries")
-TESTS = ("tests/unit/test_cpu_kernels.py", "tests/unit/test_batch_invariance.py", "tests/unit/test_moe_kernel.py",
-         "tests/unit/test_attention_sinks.py", "tests/unit/test_kernel_threads.py", "tests/unit/test_mla_kernel.py")
+QUICK_ONCE = (
+    "tests/unit/test_kernel_threads.py::test_two_threads_share_the_work",
+    "tests/unit/test_cpu_kernels.py::test_pdserve_cpu_isa_caps_the_kernels_and_the_libraries",
+)
+TESTS = (
+    "tests/unit/test_cpu_kernels.py",
+    "tests/unit/test_batch_invariance.py",
+    "tests/unit/test_moe_kernel.py",
+    "tests/unit/test_attention_sinks.py",
+    "tests/unit/test_kernel_threads.py",
+    "tests/unit/test_mla_kernel.py",
+)
 # not kernel tests, and they need transformers (not in the arm64 userland)
-DESELECT = ("tests/unit/test_attention_sinks.py::test_reference_is_hf_eager_attention",
-            "tests/unit/test_attention_sinks.py::test_sinks_parameter_is_split_by_query_heads")
+DESELECT = (
+    "tests/unit/test_attention_sinks.py::test_reference_is_hf_eager_attention",
+    "tests/unit/test_attention_sinks.py::test_sinks_parameter_is_split_by_query_heads",
+)
 
 
 class SetupError(RuntimeError):
@@ -79,8 +111,10 @@ class Arm64:
         if not missing:
             return
         if os.geteuid() != 0 or not shutil.which("apt-get"):
-            raise SetupError(f"missing Debian packages {' '.join(missing)}, and this is not root on a Debian host "
-                             "to install them with apt-get")
+            raise SetupError(
+                f"missing Debian packages {' '.join(missing)}, and this is not root on a Debian host "
+                "to install them with apt-get"
+            )
         _apt_install(missing)
 
     def make_root(self) -> None:
@@ -94,8 +128,19 @@ class Arm64:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.parent.mkdir(parents=True, exist_ok=True)
         # --foreign: download and unpack only, run nothing of the target
-        _run([_which("debootstrap"), "--arch=arm64", "--foreign", "--variant=minbase", f"--include={ROOT_PACKAGES}",
-              "bookworm", str(tmp), MIRROR], f"debootstrap from {MIRROR}")
+        _run(
+            [
+                _which("debootstrap"),
+                "--arch=arm64",
+                "--foreign",
+                "--variant=minbase",
+                f"--include={ROOT_PACKAGES}",
+                "bookworm",
+                str(tmp),
+                MIRROR,
+            ],
+            f"debootstrap from {MIRROR}",
+        )
         debs = sorted((tmp / "var/cache/apt/archives").glob("*.deb"))
         for deb in debs:  # the second stage's unpacking, without its configuration
             _run(["dpkg-deb", "-x", str(deb), str(tmp)], f"dpkg-deb -x {deb.name}")
@@ -114,8 +159,17 @@ class Arm64:
         if not (done.exists() and done.read_text() == wanted):
             tmp = self.dir / "site.partial"
             shutil.rmtree(tmp, ignore_errors=True)
-            pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target", str(tmp),
-                   *PIP_TARGET]
+            pip = [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--disable-pip-version-check",
+                "--target",
+                str(tmp),
+                *PIP_TARGET,
+            ]
             _run([*pip, "--no-deps", TORCH], f"pip install {TORCH} for aarch64")
             _run([*pip, *WHEELS], "pip install the test wheels for aarch64")
             _precompile(tmp)
@@ -130,37 +184,74 @@ class Arm64:
         which runs natively and so sees the host's files: Python's headers include
         ``<aarch64-linux-gnu/python3.11/pyconfig.h>``, which is in the root."""
         self.cxx.parent.mkdir(parents=True, exist_ok=True)
-        for path, cmd in ((self.python, f'{_which("qemu-aarch64-static")} -0 "$0" {self.root}/usr/bin/python3.11'),
-                          (self.cxx, f'{_which("aarch64-linux-gnu-g++")} -idirafter {self.root}/usr/include')):
-            path.write_text(f'#!/bin/sh\n# written by pdserve\'s scripts/arm64_kernels.py\nexec {cmd} "$@"\n')
+        for path, cmd in (
+            (
+                self.python,
+                f'{_which("qemu-aarch64-static")} -0 "$0" {self.root}/usr/bin/python3.11',
+            ),
+            (self.cxx, f"{_which('aarch64-linux-gnu-g++')} -idirafter {self.root}/usr/include"),
+        ):
+            path.write_text(
+                f'#!/bin/sh\n# written by pdserve\'s scripts/arm64_kernels.py\nexec {cmd} "$@"\n'
+            )
             path.chmod(0o755)
 
     def env(self, cpu: str, **more: str) -> dict:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "QEMU_", "VIRTUAL_ENV"))}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("PYTHON", "QEMU_", "VIRTUAL_ENV"))
+        }
         # ninja from /usr/bin; the kernels build into <cache>/kernels, apart from the host's own
-        env.update(QEMU_CPU=cpu, QEMU_LD_PREFIX=str(self.root), CXX=str(self.cxx), PDSERVE_CACHE=str(self.dir),
-                   PATH="/usr/bin:/bin", MAX_JOBS=os.environ.get("MAX_JOBS", "2"), **more)
+        env.update(
+            QEMU_CPU=cpu,
+            QEMU_LD_PREFIX=str(self.root),
+            CXX=str(self.cxx),
+            PDSERVE_CACHE=str(self.dir),
+            PATH="/usr/bin:/bin",
+            MAX_JOBS=os.environ.get("MAX_JOBS", "2"),
+            **more,
+        )
         return env
 
     def build(self) -> None:
         self.write_wrappers()
-        _run([str(self.python), "-m", "pdserve.kernels"], "the aarch64 kernel build", env=self.env("max"), show=True)
+        _run(
+            [str(self.python), "-m", "pdserve.kernels"],
+            "the aarch64 kernel build",
+            env=self.env("max"),
+            show=True,
+        )
 
     def test(self, cpu: str, tiers: tuple[str, ...], pytest_args: list[str]) -> dict:
         """One CPU model's pytest run (scripts/arm64_guest.py) at ``tiers`` (empty: all it has)."""
         t0 = time.monotonic()
-        args = ["-q", "-p", "no:cacheprovider", "-rfE", *TESTS, *(f"--deselect={d}" for d in DESELECT), *pytest_args]
-        proc = subprocess.Popen([str(self.python), str(REPO / "scripts/arm64_guest.py"), *args], cwd=REPO,
-                                env=self.env(cpu, PDSERVE_ARM64_TIERS=",".join(tiers)), text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, errors="replace")
+        args = [
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-rfE",
+            *TESTS,
+            *(f"--deselect={d}" for d in DESELECT),
+            *pytest_args,
+        ]
+        proc = subprocess.Popen(
+            [str(self.python), str(REPO / "scripts/arm64_guest.py"), *args],
+            cwd=REPO,
+            env=self.env(cpu, PDSERVE_ARM64_TIERS=",".join(tiers)),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            errors="replace",
+        )
         r = {"isa": "the kernels did not load", "tested": "none", "summary": ""}
         assert proc.stdout is not None
         for line in proc.stdout:
             print(f"[{cpu}] {line}", end="", flush=True)
             if line.startswith("isa: "):
-                r["isa"] = line[len("isa: "):].strip()
+                r["isa"] = line[len("isa: ") :].strip()
             elif line.startswith("tiers tested: "):
-                r["tested"] = line[len("tiers tested: "):].strip()
+                r["tested"] = line[len("tiers tested: ") :].strip()
             if re.search(r"\b(passed|failed|errors?|no tests ran)\b.* in [0-9.]+s", line):
                 r["summary"] = line.strip("= \n")
         r["rc"] = proc.wait()
@@ -177,7 +268,12 @@ def _which(tool: str) -> str:
 def _apt_install(packages: list[str]) -> None:
     cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    if subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode != 0:
+    if (
+        subprocess.run(
+            cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        ).returncode
+        != 0
+    ):
         _run(["apt-get", "update", "-q"], "apt-get update")
         _run(cmd, f"apt-get install {' '.join(packages)}", env=env)
 
@@ -186,8 +282,11 @@ def _precompile(path: Path) -> None:
     """Byte-compile natively what the emulated Python would compile at its first imports (one .pyc
     format for every Python 3.11)."""
     if sys.version_info[:2] == (3, 11):
-        subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "2", str(path)], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "compileall", "-q", "-j", "2", str(path)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
 
 def _run(cmd: list[str], what: str, env: dict | None = None, show: bool = False) -> None:
@@ -195,7 +294,9 @@ def _run(cmd: list[str], what: str, env: dict | None = None, show: bool = False)
     if show:
         rc, out = subprocess.run(cmd, cwd=REPO, env=env).returncode, ""
     else:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, errors="replace")
+        proc = subprocess.run(
+            cmd, cwd=REPO, env=env, capture_output=True, text=True, errors="replace"
+        )
         rc, out = proc.returncode, (proc.stdout + proc.stderr).strip()
     if rc != 0:
         tail = "\n".join(out.splitlines()[-15:])
@@ -203,24 +304,42 @@ def _run(cmd: list[str], what: str, env: dict | None = None, show: bool = False)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cpus", default=",".join(QUICK_TIERS),
-                   help="qemu CPU models, the least capable first (default %(default)s)")
-    p.add_argument("--quick", action="store_true",
-                   help="the tier-parametrized tests at each Arm tier once: on " + ", ".join(
-                       f"{cpu} at {'+'.join(t)}" for cpu, t in QUICK_TIERS.items()) + " (other models: all their "
-                       "tiers); the tests of QUICK_ONCE on the first model only")
-    p.add_argument("--jobs", type=int, default=2, help="CPU models tested at once (default %(default)s)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--cpus",
+        default=",".join(QUICK_TIERS),
+        help="qemu CPU models, the least capable first (default %(default)s)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="the tier-parametrized tests at each Arm tier once: on "
+        + ", ".join(f"{cpu} at {'+'.join(t)}" for cpu, t in QUICK_TIERS.items())
+        + " (other models: all their "
+        "tiers); the tests of QUICK_ONCE on the first model only",
+    )
+    p.add_argument(
+        "--jobs", type=int, default=2, help="CPU models tested at once (default %(default)s)"
+    )
     p.add_argument("--setup-only", action="store_true", help="prepare and build, run no tests")
     p.add_argument("--cache", type=Path, help="default: ${PDSERVE_CACHE:-~/.cache/pdserve}/arm64")
     p.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = p.parse_args(argv)
-    cache = args.cache or Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache/pdserve") / "arm64"
+    cache = (
+        args.cache
+        or Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache/pdserve") / "arm64"
+    )
     arm = Arm64(cache.resolve())
     times: list[tuple[str, float]] = []
     try:
-        for name, step in (("tools", arm.tools), ("root", arm.make_root), ("packages", arm.install_wheels),
-                           ("build", arm.build)):
+        for name, step in (
+            ("tools", arm.tools),
+            ("root", arm.make_root),
+            ("packages", arm.install_wheels),
+            ("build", arm.build),
+        ):
             print(f"arm64: {name} ...", flush=True)
             t0 = time.monotonic()
             step()
@@ -231,7 +350,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cpus = [] if args.setup_only else args.cpus.split(",")
     t0 = time.monotonic()
-    with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # the most capable first: the longest full run
+    with ThreadPoolExecutor(
+        max(1, args.jobs)
+    ) as pool:  # the most capable first: the longest full run
         runs = {}
         for cpu in reversed(cpus):
             tiers = QUICK_TIERS.get(cpu, ()) if args.quick else ()
@@ -242,8 +363,10 @@ def main(argv: list[str] | None = None) -> int:
         times.append(("tests", time.monotonic() - t0))
     print("\narm64 summary: " + ", ".join(f"{n} {s:.0f} s" for n, s in times))
     for cpu, r in results.items():
-        print(f"  {cpu:12} {'ok' if r['rc'] == 0 else 'FAILED':6} {r['seconds']:4.0f} s  {r['summary']}\n"
-              f"  {'':25}isa: {r['isa']}; tiers tested: {r['tested']}")
+        print(
+            f"  {cpu:12} {'ok' if r['rc'] == 0 else 'FAILED':6} {r['seconds']:4.0f} s  {r['summary']}\n"
+            f"  {'':25}isa: {r['isa']}; tiers tested: {r['tested']}"
+        )
     return 1 if any(r["rc"] != 0 for r in results.values()) else 0
 
 

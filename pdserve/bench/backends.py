@@ -18,8 +18,11 @@ import aiohttp
 from pdserve.bench.datasets import BenchRequest
 from pdserve.bench.metrics import RequestRecord
 
-ENDPOINTS = {"sglang": "/generate", "openai": "/v1/completions",
-             "openai-chat": "/v1/chat/completions"}
+ENDPOINTS = {
+    "sglang": "/generate",
+    "openai": "/v1/completions",
+    "openai-chat": "/v1/chat/completions",
+}
 
 
 class StreamError(Exception):
@@ -124,15 +127,22 @@ class _Timer:
 def _sglang_payload(req: BenchRequest, opts: RequestOptions) -> dict[str, Any]:
     key = "input_ids" if isinstance(req.prompt, list) else "text"
     body: dict[str, Any] = {key: req.prompt}
-    body["sampling_params"] = {"max_new_tokens": req.output_len, "temperature": 0.0,
-                               "ignore_eos": opts.ignore_eos}
+    body["sampling_params"] = {
+        "max_new_tokens": req.output_len,
+        "temperature": 0.0,
+        "ignore_eos": opts.ignore_eos,
+    }
     body["stream"] = opts.stream
     return body
 
 
 def _openai_payload(req: BenchRequest, opts: RequestOptions, chat: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": opts.model, "max_tokens": req.output_len, "temperature": 0.0,
-                            "stream": opts.stream}
+    body: dict[str, Any] = {
+        "model": opts.model,
+        "max_tokens": req.output_len,
+        "temperature": 0.0,
+        "stream": opts.stream,
+    }
     if chat:
         body["messages"] = [{"role": "user", "content": req.prompt}]
     else:
@@ -193,10 +203,19 @@ async def _read_openai(resp, rec: RequestRecord, timer: _Timer, stream: bool, ch
             rec.prompt_len = int(usage["prompt_tokens"])
 
 
-async def send_request(session: aiohttp.ClientSession, backend: str, base_url: str,
-                       req: BenchRequest, opts: RequestOptions) -> RequestRecord:
-    rec = RequestRecord(prompt_len=req.prompt_len, session=req.session, turn=req.turn,
-                        generated=[] if isinstance(req.prompt, list) else "")
+async def send_request(
+    session: aiohttp.ClientSession,
+    backend: str,
+    base_url: str,
+    req: BenchRequest,
+    opts: RequestOptions,
+) -> RequestRecord:
+    rec = RequestRecord(
+        prompt_len=req.prompt_len,
+        session=req.session,
+        turn=req.turn,
+        generated=[] if isinstance(req.prompt, list) else "",
+    )
     if backend == "sglang":
         body = _sglang_payload(req, opts)
     else:
@@ -222,4 +241,3 @@ async def send_request(session: aiohttp.ClientSession, backend: str, base_url: s
         rec.e2e_latency = time.perf_counter() - start
         rec.error = f"{type(e).__name__}: {e}"
     return rec
-

@@ -92,8 +92,14 @@ def sample_lengths(rng: np.random.Generator, n: int, length: int, range_ratio: f
     return rng.integers(low, length + 1, size=n)
 
 
-def sample_random(num_prompts: int, input_len: int, output_len: int, range_ratio: float,
-                  seed: int, renderer: PromptRenderer) -> list[BenchRequest]:
+def sample_random(
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    seed: int,
+    renderer: PromptRenderer,
+) -> list[BenchRequest]:
     rng = np.random.default_rng(seed)
     in_lens = sample_lengths(rng, num_prompts, input_len, range_ratio)
     out_lens = sample_lengths(rng, num_prompts, output_len, range_ratio)
@@ -103,15 +109,26 @@ def sample_random(num_prompts: int, input_len: int, output_len: int, range_ratio
     ]
 
 
-def sample_generated_shared_prefix(num_groups: int, prompts_per_group: int, system_prompt_len: int,
-                                   question_len: int, output_len: int, num_turns: int, seed: int,
-                                   renderer: PromptRenderer) -> list[BenchRequest]:
+def sample_generated_shared_prefix(
+    num_groups: int,
+    prompts_per_group: int,
+    system_prompt_len: int,
+    question_len: int,
+    output_len: int,
+    num_turns: int,
+    seed: int,
+    renderer: PromptRenderer,
+) -> list[BenchRequest]:
     """``num_groups`` system prompts, each shared by ``prompts_per_group`` sessions of
     ``num_turns`` turns. Turn t of a session is its turn t-1 prompt plus one more question (the
     model's previous answer is not spliced in, so every prompt and its length is fixed by the
     seed). Sessions are shuffled so that groups interleave; ``--num-prompts`` is not used."""
-    for name, v in (("gsp_num_groups", num_groups), ("gsp_prompts_per_group", prompts_per_group),
-                    ("gsp_num_turns", num_turns), ("gsp_output_len", output_len)):
+    for name, v in (
+        ("gsp_num_groups", num_groups),
+        ("gsp_prompts_per_group", prompts_per_group),
+        ("gsp_num_turns", num_turns),
+        ("gsp_output_len", output_len),
+    ):
         if v < 1:
             raise ValueError(f"{name}: must be >= 1, got {v}")
     rng = np.random.default_rng(seed)
@@ -132,14 +149,27 @@ def sample_generated_shared_prefix(num_groups: int, prompts_per_group: int, syst
     ]
 
 
-def sample_multi_turn(num_sessions: int, num_turns: int, system_len: int, user_len: int, output_len: int,
-                      think_time: float, range_ratio: float, seed: int, renderer: PromptRenderer) -> list[BenchRequest]:
+def sample_multi_turn(
+    num_sessions: int,
+    num_turns: int,
+    system_len: int,
+    user_len: int,
+    output_len: int,
+    think_time: float,
+    range_ratio: float,
+    seed: int,
+    renderer: PromptRenderer,
+) -> list[BenchRequest]:
     """Chat sessions of ``num_turns`` turns: turn 0 sends a system prompt of ``system_len`` tokens
     and a user message; every later turn sends the whole conversation so far (earlier prompts and
     the server's real answers) plus a new user message, ``think_time`` seconds after the previous
     answer. User message lengths are uniform in [range_ratio * user_len, user_len]."""
-    for name, v in (("mt_num_sessions", num_sessions), ("mt_num_turns", num_turns), ("mt_user_len", user_len),
-                    ("mt_output_len", output_len)):
+    for name, v in (
+        ("mt_num_sessions", num_sessions),
+        ("mt_num_turns", num_turns),
+        ("mt_user_len", user_len),
+        ("mt_output_len", output_len),
+    ):
         if v < 1:
             raise ValueError(f"{name}: must be >= 1, got {v}")
     if system_len < 0 or think_time < 0:
@@ -151,14 +181,28 @@ def sample_multi_turn(num_sessions: int, num_turns: int, system_len: int, user_l
         system = renderer.draw(rng, system_len) if system_len else []
         for t, n in enumerate(lens):
             segs = [system, renderer.draw(rng, n)] if t == 0 else [renderer.draw(rng, n)]
-            out.append(BenchRequest(renderer.render(segs), int(n) + (system_len if t == 0 else 0), output_len,
-                                    session=s, turn=t, follows_history=t > 0, think_time=think_time))
+            out.append(
+                BenchRequest(
+                    renderer.render(segs),
+                    int(n) + (system_len if t == 0 else 0),
+                    output_len,
+                    session=s,
+                    turn=t,
+                    follows_history=t > 0,
+                    think_time=think_time,
+                )
+            )
     return out
 
 
-def sample_sharegpt(path: str, num_prompts: int, seed: int, tokenizer: Any = None,
-                    fixed_output_len: Optional[int] = None,
-                    context_len: int = 2048) -> list[BenchRequest]:
+def sample_sharegpt(
+    path: str,
+    num_prompts: int,
+    seed: int,
+    tokenizer: Any = None,
+    fixed_output_len: Optional[int] = None,
+    context_len: int = 2048,
+) -> list[BenchRequest]:
     """First human turn as the prompt, the reply after it gives the output length.
 
     Like bench_serving, conversations are shuffled, then a pair is dropped when the prompt or the
@@ -191,8 +235,11 @@ def sample_sharegpt(path: str, num_prompts: int, seed: int, tokenizer: Any = Non
             continue
         out.append(BenchRequest(prompt, prompt_len, output_len, session=len(out)))
     if len(out) < num_prompts:
-        logger.warning("sharegpt: only %d of %d requested prompts pass the length filters",
-                       len(out), num_prompts)
+        logger.warning(
+            "sharegpt: only %d of %d requested prompts pass the length filters",
+            len(out),
+            num_prompts,
+        )
     return out
 
 
@@ -201,16 +248,31 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset-name", choices=DATASETS, default="random")
     g.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file")
     g.add_argument("--num-prompts", type=int, default=1000)
-    g.add_argument("--tokenizer", default=None,
-                   help="HF tokenizer name or path; without it prompts are ids or common words")
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="HF tokenizer name or path; without it prompts are ids or common words",
+    )
     g.add_argument("--random-input-len", type=int, default=1024)
     g.add_argument("--random-output-len", type=int, default=1024)
-    g.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="lengths are uniform in [ratio * len, len]")
-    g.add_argument("--random-vocab-size", type=int, default=256,
-                   help="token ids are drawn from [0, N) when no tokenizer is given")
-    g.add_argument("--sharegpt-output-len", type=int, default=None,
-                   help="fixed output length instead of the reply's length")
+    g.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths are uniform in [ratio * len, len]",
+    )
+    g.add_argument(
+        "--random-vocab-size",
+        type=int,
+        default=256,
+        help="token ids are drawn from [0, N) when no tokenizer is given",
+    )
+    g.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="fixed output length instead of the reply's length",
+    )
     g.add_argument("--sharegpt-context-len", type=int, default=2048)
     g.add_argument("--gsp-num-groups", type=int, default=64)
     g.add_argument("--gsp-prompts-per-group", type=int, default=16)
@@ -220,11 +282,19 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gsp-num-turns", type=int, default=1)
     g.add_argument("--mt-num-sessions", type=int, default=32, help="multi-turn: conversations")
     g.add_argument("--mt-num-turns", type=int, default=4, help="multi-turn: turns per conversation")
-    g.add_argument("--mt-system-len", type=int, default=256, help="multi-turn: system prompt tokens")
-    g.add_argument("--mt-user-len", type=int, default=128, help="multi-turn: tokens per user message")
+    g.add_argument(
+        "--mt-system-len", type=int, default=256, help="multi-turn: system prompt tokens"
+    )
+    g.add_argument(
+        "--mt-user-len", type=int, default=128, help="multi-turn: tokens per user message"
+    )
     g.add_argument("--mt-output-len", type=int, default=128, help="multi-turn: tokens per answer")
-    g.add_argument("--mt-think-time", type=float, default=0.0,
-                   help="multi-turn: seconds between an answer and the next user message")
+    g.add_argument(
+        "--mt-think-time",
+        type=float,
+        default=0.0,
+        help="multi-turn: seconds between an answer and the next user message",
+    )
 
 
 def load_tokenizer(name: str) -> Any:
@@ -236,19 +306,48 @@ def load_tokenizer(name: str) -> Any:
 def get_dataset(args: argparse.Namespace, tokenizer: Any = None) -> list[BenchRequest]:
     if args.num_prompts < 1:
         raise ValueError(f"num_prompts: must be >= 1, got {args.num_prompts}")
-    renderer = PromptRenderer(tokenizer, as_ids=args.backend == "sglang",
-                              vocab_size=args.random_vocab_size)
+    renderer = PromptRenderer(
+        tokenizer, as_ids=args.backend == "sglang", vocab_size=args.random_vocab_size
+    )
     if args.dataset_name == "random":
-        return sample_random(args.num_prompts, args.random_input_len, args.random_output_len,
-                             args.random_range_ratio, args.seed, renderer)
+        return sample_random(
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.seed,
+            renderer,
+        )
     if args.dataset_name == "sharegpt":
         if not args.dataset_path:
             raise ValueError("dataset_path: required for --dataset-name sharegpt")
-        return sample_sharegpt(args.dataset_path, args.num_prompts, args.seed, tokenizer,
-                               args.sharegpt_output_len, args.sharegpt_context_len)
+        return sample_sharegpt(
+            args.dataset_path,
+            args.num_prompts,
+            args.seed,
+            tokenizer,
+            args.sharegpt_output_len,
+            args.sharegpt_context_len,
+        )
     if args.dataset_name == "multi-turn":
-        return sample_multi_turn(args.mt_num_sessions, args.mt_num_turns, args.mt_system_len, args.mt_user_len,
-                                 args.mt_output_len, args.mt_think_time, args.random_range_ratio, args.seed, renderer)
+        return sample_multi_turn(
+            args.mt_num_sessions,
+            args.mt_num_turns,
+            args.mt_system_len,
+            args.mt_user_len,
+            args.mt_output_len,
+            args.mt_think_time,
+            args.random_range_ratio,
+            args.seed,
+            renderer,
+        )
     return sample_generated_shared_prefix(
-        args.gsp_num_groups, args.gsp_prompts_per_group, args.gsp_system_prompt_len,
-        args.gsp_question_len, args.gsp_output_len, args.gsp_num_turns, args.seed, renderer)
+        args.gsp_num_groups,
+        args.gsp_prompts_per_group,
+        args.gsp_system_prompt_len,
+        args.gsp_question_len,
+        args.gsp_output_len,
+        args.gsp_num_turns,
+        args.seed,
+        renderer,
+    )

@@ -9,7 +9,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+}
 
 
 def parse_size(text: str) -> int:
@@ -20,7 +29,10 @@ def parse_size(text: str) -> int:
 
 
 def fmt_size(n: int) -> str:
-    unit, k = next(((u, k) for u, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)) if n % k == 0), ("B", 1))
+    unit, k = next(
+        ((u, k) for u, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)) if n % k == 0),
+        ("B", 1),
+    )
     return f"{n // k} {unit}"
 
 

@@ -73,9 +73,12 @@ def is_good(r: RequestRecord, slo_ttft_ms: Optional[float], slo_tpot_ms: Optiona
     return True
 
 
-def summarize(records: Sequence[RequestRecord], duration_s: float,
-              slo_ttft_ms: Optional[float] = None,
-              slo_tpot_ms: Optional[float] = None) -> dict[str, Any]:
+def summarize(
+    records: Sequence[RequestRecord],
+    duration_s: float,
+    slo_ttft_ms: Optional[float] = None,
+    slo_tpot_ms: Optional[float] = None,
+) -> dict[str, Any]:
     ok = [r for r in records if r.success]
     dur = max(duration_s, 1e-9)
     n_in = sum(r.prompt_len for r in ok)
@@ -136,10 +139,12 @@ def format_summary(summary: dict[str, Any], info: dict[str, Any]) -> str:
     if goodput:
         row("Goodput (req/s)", goodput["rate"])
         row("Requests meeting SLOs (%)", 100.0 * goodput["share"])
-    sections = (("e2e_ms", "End-to-End Latency", "E2E Latency"),
-                ("ttft_ms", "Time to First Token", "TTFT"),
-                ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),
-                ("itl_ms", "Inter-Token Latency", "ITL"))
+    sections = (
+        ("e2e_ms", "End-to-End Latency", "E2E Latency"),
+        ("ttft_ms", "Time to First Token", "TTFT"),
+        ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),
+        ("itl_ms", "Inter-Token Latency", "ITL"),
+    )
     for key, title, short in sections:
         lines.append(title.center(width, "-"))
         dist = summary.get(key)

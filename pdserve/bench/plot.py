@@ -100,9 +100,11 @@ def _rate_row(axes, results: list[dict[str, Any]], labels: list[str], group_by: 
         if np.isfinite(request_rate(result)):
             name = series_name(result, label, group_by)
             series.setdefault(name, []).append((request_rate(result), result["summary"]))
-    panels = (("request_throughput", "Request throughput (req/s)"),
-              ("output_throughput", "Output throughput (tok/s)"),
-              ("goodput", "Goodput (req/s)"))
+    panels = (
+        ("request_throughput", "Request throughput (req/s)"),
+        ("output_throughput", "Output throughput (tok/s)"),
+        ("goodput", "Goodput (req/s)"),
+    )
     for ax, (key, title) in zip(axes, panels):
         for name, points in series.items():
             points.sort(key=lambda p: p[0])
@@ -123,8 +125,11 @@ def _rate_row(axes, results: list[dict[str, Any]], labels: list[str], group_by: 
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="pdserve bench plot", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pdserve bench plot",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("results", nargs="+", help="JSON files written by --output-file")
     p.add_argument("--output", required=True, help="image file (.png, .svg, .pdf)")
     p.add_argument("--labels", default=None, help="comma-separated, one per result")

@@ -48,15 +48,22 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pdserve bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pdserve bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--backend", choices=sorted(ENDPOINTS), default="sglang")
     p.add_argument("--base-url", default=None, help="overrides --host/--port")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--model", default=None, help="default: the first model of /v1/models")
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="sessions per second (Poisson); inf sends all at once")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="sessions per second (Poisson); inf sends all at once",
+    )
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--warmup-requests", type=int, default=1)
     p.add_argument("--seed", type=int, default=1)
@@ -93,9 +100,12 @@ async def fetch_model(session: aiohttp.ClientSession, base_url: str) -> Optional
         return None
 
 
-async def run_requests(session: aiohttp.ClientSession, args: argparse.Namespace,
-                       requests: list[BenchRequest], opts: RequestOptions,
-                       ) -> tuple[list[RequestRecord], float]:
+async def run_requests(
+    session: aiohttp.ClientSession,
+    args: argparse.Namespace,
+    requests: list[BenchRequest],
+    opts: RequestOptions,
+) -> tuple[list[RequestRecord], float]:
     """Send ``requests``; returns their records (in the order of ``requests``) and the duration."""
     sessions: dict[int, list[int]] = {}
     for i, req in enumerate(requests):
@@ -113,8 +123,11 @@ async def run_requests(session: aiohttp.ClientSession, args: argparse.Namespace,
             req = requests[i]
             if req.follows_history and history is not None:
                 await asyncio.sleep(req.think_time)
-                req = dataclasses.replace(req, prompt=history + req.prompt,
-                                          prompt_len=req.prompt_len + records[prev].prompt_len + records[prev].output_len)
+                req = dataclasses.replace(
+                    req,
+                    prompt=history + req.prompt,
+                    prompt_len=req.prompt_len + records[prev].prompt_len + records[prev].output_len,
+                )
             async with sem if sem is not None else nullcontext():
                 rec = await send_request(session, args.backend, args.base_url, req, opts)
             rec.start_time -= start
@@ -125,9 +138,12 @@ async def run_requests(session: aiohttp.ClientSession, args: argparse.Namespace,
             history, prev = req.prompt + rec.generated, i
         for i in indices:  # turns never sent after a failure count as failed
             if records[i] is None:
-                records[i] = RequestRecord(error="an earlier turn of the conversation failed",
-                                           prompt_len=requests[i].prompt_len, session=requests[i].session,
-                                           turn=requests[i].turn)
+                records[i] = RequestRecord(
+                    error="an earlier turn of the conversation failed",
+                    prompt_len=requests[i].prompt_len,
+                    session=requests[i].session,
+                    turn=requests[i].turn,
+                )
 
     await asyncio.gather(*(run_session(idx, at) for idx, at in zip(sessions.values(), arrivals)))
     duration = time.perf_counter() - start
@@ -154,25 +170,37 @@ async def benchmark(args: argparse.Namespace, requests: list[BenchRequest]) -> O
         if model is None and args.backend != "sglang":
             logger.error("no --model given and %s/v1/models did not name one", args.base_url)
             return None
-        opts = RequestOptions(model=model, ignore_eos=args.ignore_eos,
-                              stream=not args.disable_stream,
-                              extra_body=args.extra_request_body or {})
+        opts = RequestOptions(
+            model=model,
+            ignore_eos=args.ignore_eos,
+            stream=not args.disable_stream,
+            extra_body=args.extra_request_body or {},
+        )
         if args.warmup_requests:
             warm = [requests[i % len(requests)] for i in range(args.warmup_requests)]
             recs = await asyncio.gather(
-                *(send_request(session, args.backend, args.base_url, r, opts) for r in warm))
+                *(send_request(session, args.backend, args.base_url, r, opts) for r in warm)
+            )
             if not any(r.success for r in recs):
                 logger.error("all warm-up requests failed: %s", recs[0].error)
                 return None
         records, duration = await run_requests(session, args, requests, opts)
     summary = summarize(records, duration, args.slo_ttft_ms, args.slo_tpot_ms)
-    info = {"Backend": args.backend, "Model": model or "-",
-            "Traffic request rate": args.request_rate,
-            "Max request concurrency": args.max_concurrency or "not set"}
+    info = {
+        "Backend": args.backend,
+        "Model": model or "-",
+        "Traffic request rate": args.request_rate,
+        "Max request concurrency": args.max_concurrency or "not set",
+    }
     print(format_summary(summary, info))
-    return {"args": {**vars(args), "model": model}, "summary": summary,
-            "records": [{**{k: v for k, v in vars(r).items() if k != "generated"}, "tpot": r.tpot}
-                        for r in records]}
+    return {
+        "args": {**vars(args), "model": model},
+        "summary": summary,
+        "records": [
+            {**{k: v for k, v in vars(r).items() if k != "generated"}, "tpot": r.tpot}
+            for r in records
+        ],
+    }
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -38,6 +38,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from pdserve.bench.geometry import Geometry, fmt_size, parse_size
 from pdserve.config import ServerArgs
 from pdserve.disagg.bootstrap import BootstrapServer
 from pdserve.disagg.descriptors import region_descriptors
@@ -46,7 +47,6 @@ from pdserve.disagg.manager import KVManager, buffer_allocator, get_kv_class
 from pdserve.disagg.metadata import MetadataBuffers
 from pdserve.disagg.poll import KVPoll
 from pdserve.disagg.transfer import get_backend
-from pdserve.bench.geometry import Geometry, fmt_size, parse_size
 from pdserve.engine.kv_pool import KVPool
 
 MOONCAKE_RAW_CALL = 512
@@ -58,30 +58,55 @@ DEMO_REQUEST = dict(layers=30, heads=3, head_dim=64, page_size=16, pages=128)  #
 
 
 def _server_args(backend: str, geo: Geometry, mode: str, port: int):
-    return ServerArgs(model_path="bench-transfer", device="cpu", page_size=geo.page_size, disaggregation_mode=mode,
-                      disaggregation_transfer_backend=backend, disaggregation_bootstrap_port=port,
-                      chunked_prefill_size=max(2048, geo.page_size), disaggregation_waiting_timeout=120.0,
-                      disaggregation_bootstrap_timeout=120.0)
+    return ServerArgs(
+        model_path="bench-transfer",
+        device="cpu",
+        page_size=geo.page_size,
+        disaggregation_mode=mode,
+        disaggregation_transfer_backend=backend,
+        disaggregation_bootstrap_port=port,
+        chunked_prefill_size=max(2048, geo.page_size),
+        disaggregation_waiting_timeout=120.0,
+        disaggregation_bootstrap_timeout=120.0,
+    )
 
 
 def _items(pool) -> Any:
-    return pool._raw.view(pool.num_layers, 2, pool.num_pages, -1)  # [layers, K|V, pages, item bytes]
+    return pool._raw.view(
+        pool.num_layers, 2, pool.num_pages, -1
+    )  # [layers, K|V, pages, item bytes]
 
 
 def decode_main(backend: str, geo: Geometry, port: int, out, cmds) -> None:
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s decode %(name)s: %(message)s")
     alloc = buffer_allocator(backend, "decode")
-    pool = KVPool(geo.layers, geo.pool_pages, geo.page_size, geo.heads, geo.head_dim, torch.bfloat16, "cpu", alloc)
+    pool = KVPool(
+        geo.layers,
+        geo.pool_pages,
+        geo.page_size,
+        geo.heads,
+        geo.head_dim,
+        torch.bfloat16,
+        "cpu",
+        alloc,
+    )
     meta = MetadataBuffers(8, allocator=alloc)
     kv_args = KVArgs.from_buffers(pool, meta, model_fingerprint="bench")
-    mgr = KVManager(kv_args, "decode", _server_args(backend, geo, "decode", port), backend,
-                    bootstrap_host="127.0.0.1")
+    mgr = KVManager(
+        kv_args,
+        "decode",
+        _server_args(backend, geo, "decode", port),
+        backend,
+        bootstrap_host="127.0.0.1",
+    )
     Receiver = get_kv_class(backend, "receiver")
     dst, expected = torch.tensor(geo.dst_pages()), torch.tensor(geo.src_pages())
 
     def arrived() -> bool:  # every destination item starts with the number of its source page
-        return bool((_items(pool)[:, :, dst, :8].contiguous().view(torch.int64)[..., 0] == expected).all())
+        return bool(
+            (_items(pool)[:, :, dst, :8].contiguous().view(torch.int64)[..., 0] == expected).all()
+        )
 
     out.put(("ready", None))
     try:
@@ -99,7 +124,9 @@ def decode_main(backend: str, geo: Geometry, port: int, out, cmds) -> None:
                 while rv.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
                     time.sleep(0.001)
                 rv.send_metadata([geo.dst_pages()], 0)
-                while rv.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
+                while (
+                    rv.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline
+                ):
                     time.sleep(POLL_S)
                 out.put(("done", (cmd[1], int(rv.poll()), rv.failure_reason(), arrived())))
                 rv.clear()
@@ -115,18 +142,39 @@ class PrefillSide:
         self.backend, self.geo = backend, geo
         self.server = BootstrapServer("127.0.0.1", 0, expected_ranks=1)
         self.port = self.server.port
-        self.pool = KVPool(geo.layers, geo.pool_pages, geo.page_size, geo.heads, geo.head_dim, torch.bfloat16, "cpu")
+        self.pool = KVPool(
+            geo.layers,
+            geo.pool_pages,
+            geo.page_size,
+            geo.heads,
+            geo.head_dim,
+            torch.bfloat16,
+            "cpu",
+        )
         # each item's first 8 bytes: its page number, which decode checks at its destination
-        _items(self.pool)[..., :8] = torch.arange(geo.pool_pages).view(1, 1, -1, 1).expand(
-            geo.layers, 2, -1, 1).contiguous().view(torch.uint8).view(geo.layers, 2, geo.pool_pages, 8)
+        _items(self.pool)[..., :8] = (
+            torch.arange(geo.pool_pages)
+            .view(1, 1, -1, 1)
+            .expand(geo.layers, 2, -1, 1)
+            .contiguous()
+            .view(torch.uint8)
+            .view(geo.layers, 2, geo.pool_pages, 8)
+        )
         self.meta = MetadataBuffers(8)
         self.kv_args = KVArgs.from_buffers(self.pool, self.meta, model_fingerprint="bench")
-        self.mgr = KVManager(self.kv_args, "prefill", _server_args(backend, geo, "prefill", self.port), backend,
-                             bootstrap_host="127.0.0.1")
+        self.mgr = KVManager(
+            self.kv_args,
+            "prefill",
+            _server_args(backend, geo, "prefill", self.port),
+            backend,
+            bootstrap_host="127.0.0.1",
+        )
         self.Sender = get_kv_class(backend, "sender")
         ctx = mp.get_context("spawn")
         self.out, self.cmds = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=decode_main, args=(backend, geo, self.port, self.out, self.cmds), daemon=True)
+        self.proc = ctx.Process(
+            target=decode_main, args=(backend, geo, self.port, self.out, self.cmds), daemon=True
+        )
         self.proc.start()
         self._expect("ready")
         self.room = 1000
@@ -147,7 +195,9 @@ class PrefillSide:
         try:  # decode answers each command with one message, in order
             got, value = self.out.get(timeout=timeout)
         except queue.Empty:
-            raise RuntimeError(f"decode process: no {kind!r} in {timeout}s (alive: {self.proc.is_alive()})") from None
+            raise RuntimeError(
+                f"decode process: no {kind!r} in {timeout}s (alive: {self.proc.is_alive()})"
+            ) from None
         assert got == kind, (got, kind)
         return value
 
@@ -171,15 +221,22 @@ class PrefillSide:
         s.clear()
         _, dstate, dreason, pages_ok = self._expect("done")
         if state != KVPoll.Success or dstate != KVPoll.Success or not pages_ok:
-            raise RuntimeError(f"{self.backend}: transfer failed: "
-                               f"{reason or dreason or 'pages missing or misplaced at decode'}")
+            raise RuntimeError(
+                f"{self.backend}: transfer failed: "
+                f"{reason or dreason or 'pages missing or misplaced at decode'}"
+            )
         return elapsed
 
     def _descriptors(self, dst_ptrs: list[int]):
         """This pool's ``src_pages`` into ``dst_pages`` of the regions at ``dst_ptrs``, region by region."""
         regions = self.kv_args.regions
-        return region_descriptors([r.ptr for r in regions], dst_ptrs, [r.item_bytes for r in regions],
-                                  self.geo.src_pages(), self.geo.dst_pages())
+        return region_descriptors(
+            [r.ptr for r in regions],
+            dst_ptrs,
+            [r.item_bytes for r in regions],
+            self.geo.src_pages(),
+            self.geo.dst_pages(),
+        )
 
     def raw(self) -> Optional[float]:
         """Seconds for the same descriptors through the library directly (None: no library)."""
@@ -191,8 +248,14 @@ class PrefillSide:
         self._expect("cleared")
         if self.backend == "mooncake":
             (session,) = b._sessions.values()
-            calls = [(src[i:i + MOONCAKE_RAW_CALL].tolist(), dst[i:i + MOONCAKE_RAW_CALL].tolist(),
-                      lens[i:i + MOONCAKE_RAW_CALL].tolist()) for i in range(0, len(src), MOONCAKE_RAW_CALL)]
+            calls = [
+                (
+                    src[i : i + MOONCAKE_RAW_CALL].tolist(),
+                    dst[i : i + MOONCAKE_RAW_CALL].tolist(),
+                    lens[i : i + MOONCAKE_RAW_CALL].tolist(),
+                )
+                for i in range(0, len(src), MOONCAKE_RAW_CALL)
+            ]
             t0 = time.perf_counter()
             for s_, d_, n_ in calls:
                 rc = b.engine.batch_transfer_sync_write(session, s_, d_, n_)
@@ -205,8 +268,9 @@ class PrefillSide:
             local = np.stack([src, lens, np.zeros_like(src)], axis=1).astype(np.uint64)
             far = np.stack([dst, lens, np.full_like(dst, dev)], axis=1).astype(np.uint64)
             t0 = time.perf_counter()
-            xfer = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(far, mem),
-                                         remote)
+            xfer = agent.initialize_xfer(
+                "WRITE", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(far, mem), remote
+            )
             state = agent.transfer(xfer)
             while state == "PROC":
                 state = agent.check_xfer_state(xfer)
@@ -228,14 +292,15 @@ class PrefillSide:
         if self._copy is None:
             self._copy = torch.zeros_like(raw)  # touched now, not in the timed copy
         region = self.geo.pool_pages * self.geo.item_bytes
-        src, dst, lens = self._descriptors([self._copy.data_ptr() + i * region
-                                            for i in range(len(self.kv_args.regions))])
+        src, dst, lens = self._descriptors(
+            [self._copy.data_ptr() + i * region for i in range(len(self.kv_args.regions))]
+        )
         memmove = ctypes.memmove
         t0 = time.perf_counter()
         for d, s_, n in zip(dst.tolist(), src.tolist(), lens.tolist()):
             memmove(d, s_, n)
         t1 = time.perf_counter()
-        self._copy[:self.geo.total_bytes].copy_(raw[:self.geo.total_bytes])
+        self._copy[: self.geo.total_bytes].copy_(raw[: self.geo.total_bytes])
         return t1 - t0, time.perf_counter() - t1
 
     def close(self) -> None:
@@ -267,7 +332,11 @@ def run_backend(backend: str, geo: Geometry, repeats: int) -> dict[str, list[flo
         side.ours()  # warm-up: connections, first touch of decode's pages
         samples: dict[str, list[float]] = {"ours": [], "raw": [], "memcpy": [], "bulk": []}
         for _ in range(repeats):
-            got = {"ours": side.ours(), "raw": side.raw(), **dict(zip(("memcpy", "bulk"), side.memcpy()))}
+            got = {
+                "ours": side.ours(),
+                "raw": side.raw(),
+                **dict(zip(("memcpy", "bulk"), side.memcpy())),
+            }
             for k, v in got.items():
                 samples[k] += [v] if v is not None else []
         return samples
@@ -278,8 +347,15 @@ def run_backend(backend: str, geo: Geometry, repeats: int) -> dict[str, list[flo
 def machine() -> dict[str, Any]:
     cpu = platform.processor()
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(), "loadavg": os.getloadavg()}
+        cpu = next(
+            (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu
+        )
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "loadavg": os.getloadavg(),
+    }
 
 
 def _gbps(nbytes: int, seconds: list[float]) -> Optional[float]:
@@ -292,9 +368,13 @@ def _fmt(x: Optional[float], spec: str = ".2f") -> str:
 
 def summarize(geo: Geometry, samples: dict[str, list[float]]) -> dict[str, Any]:
     n = geo.total_bytes
-    row = {"bytes": n, "descriptors": geo.layers * 2 * geo.pages, "samples_s": samples,
-           **{f"{k}_gbps": _gbps(n, samples[k]) for k in ("ours", "raw", "memcpy", "bulk")},
-           "ours_median_gbps": n / statistics.median(samples["ours"]) / 1e9}
+    row = {
+        "bytes": n,
+        "descriptors": geo.layers * 2 * geo.pages,
+        "samples_s": samples,
+        **{f"{k}_gbps": _gbps(n, samples[k]) for k in ("ours", "raw", "memcpy", "bulk")},
+        "ours_median_gbps": n / statistics.median(samples["ours"]) / 1e9,
+    }
     row["ours_over_raw"] = row["ours_gbps"] / row["raw_gbps"] if row["raw_gbps"] else None
     row["ours_over_memcpy"] = row["ours_gbps"] / row["memcpy_gbps"]
     return row
@@ -302,12 +382,27 @@ def summarize(geo: Geometry, samples: dict[str, list[float]]) -> dict[str, Any]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench-transfer", description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", type=parse_size, default=parse_size("1GiB"), help="bytes per transfer (default 1GiB)")
-    p.add_argument("--page-sizes", default="16KiB,256KiB,4MiB", help="comma-separated bytes per page and K|V")
-    p.add_argument("--backends", default="local,mooncake,nixl", help="comma-separated transfer backends")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (the best counts)")
-    p.add_argument("--request", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time one 2048-token demo-model request (47 MB) per backend")
+    p.add_argument(
+        "--size",
+        type=parse_size,
+        default=parse_size("1GiB"),
+        help="bytes per transfer (default 1GiB)",
+    )
+    p.add_argument(
+        "--page-sizes", default="16KiB,256KiB,4MiB", help="comma-separated bytes per page and K|V"
+    )
+    p.add_argument(
+        "--backends", default="local,mooncake,nixl", help="comma-separated transfer backends"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per measurement (the best counts)"
+    )
+    p.add_argument(
+        "--request",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time one 2048-token demo-model request (47 MB) per backend",
+    )
     p.add_argument("--json", metavar="FILE", help="write every sample and the summary here")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
@@ -321,33 +416,51 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"skipping {name}: {why}", file=sys.stderr)
 
     torch.set_num_threads(1)
-    result: dict[str, Any] = {"command": " ".join(["pdserve bench-transfer", *argv]), "machine": machine(),
-                              "size": args.size, "repeats": args.repeats, "skipped": skipped, "rows": [],
-                              "request": []}
-    print(f"# {fmt_size(args.size)} per transfer, best of {args.repeats}; {result['machine']['nproc']} CPUs, "
-          f"{result['machine']['cpu']}, load average {result['machine']['loadavg'][0]:.1f}")
-    print(f"{'page':>8} {'backend':>9} {'ours GB/s':>10} {'raw GB/s':>9} {'memcpy':>7} {'bulk':>6} {'ours/raw':>9} "
-          f"{'ours/memcpy':>12}")
+    result: dict[str, Any] = {
+        "command": " ".join(["pdserve bench-transfer", *argv]),
+        "machine": machine(),
+        "size": args.size,
+        "repeats": args.repeats,
+        "skipped": skipped,
+        "rows": [],
+        "request": [],
+    }
+    print(
+        f"# {fmt_size(args.size)} per transfer, best of {args.repeats}; {result['machine']['nproc']} CPUs, "
+        f"{result['machine']['cpu']}, load average {result['machine']['loadavg'][0]:.1f}"
+    )
+    print(
+        f"{'page':>8} {'backend':>9} {'ours GB/s':>10} {'raw GB/s':>9} {'memcpy':>7} {'bulk':>6} {'ours/raw':>9} "
+        f"{'ours/memcpy':>12}"
+    )
     for page_bytes in page_sizes:
         geo = Geometry.for_page_bytes(args.size, page_bytes)
         for backend in backends:
             samples = run_backend(backend, geo, args.repeats)
             row = {"page_bytes": page_bytes, "backend": backend, **summarize(geo, samples)}
             result["rows"].append(row)
-            print(f"{fmt_size(page_bytes):>8} {backend:>9} {_fmt(row['ours_gbps']):>10} {_fmt(row['raw_gbps']):>9} "
-                  f"{_fmt(row['memcpy_gbps']):>7} {_fmt(row['bulk_gbps']):>6} {_fmt(row['ours_over_raw']):>9} "
-                  f"{_fmt(row['ours_over_memcpy']):>12}", flush=True)
+            print(
+                f"{fmt_size(page_bytes):>8} {backend:>9} {_fmt(row['ours_gbps']):>10} {_fmt(row['raw_gbps']):>9} "
+                f"{_fmt(row['memcpy_gbps']):>7} {_fmt(row['bulk_gbps']):>6} {_fmt(row['ours_over_raw']):>9} "
+                f"{_fmt(row['ours_over_memcpy']):>12}",
+                flush=True,
+            )
     if args.request:
         geo = Geometry(**DEMO_REQUEST, seed=1)
-        print(f"\n# one 2048-token demo-model request: {geo.total_bytes / 1e6:.1f} MB, "
-              f"{geo.layers * 2 * geo.pages} descriptors (decode pages scattered)")
+        print(
+            f"\n# one 2048-token demo-model request: {geo.total_bytes / 1e6:.1f} MB, "
+            f"{geo.layers * 2 * geo.pages} descriptors (decode pages scattered)"
+        )
         print(f"{'backend':>9} {'ours ms':>8} {'raw ms':>7} {'memcpy ms':>10}")
         for backend in backends:
             row = {"backend": backend, **summarize(geo, run_backend(backend, geo, args.repeats))}
             ms = {k: min(v) * 1e3 if v else None for k, v in row["samples_s"].items()}
             row.update(ours_ms=ms["ours"], raw_ms=ms["raw"], memcpy_ms=ms["memcpy"])
             result["request"].append(row)
-            print(f"{backend:>9} {ms['ours']:>8.1f} {_fmt(ms['raw'], '.1f'):>7} {ms['memcpy']:>10.1f}", flush=True)
+            print(
+                f"{backend:>9} {ms['ours']:>8.1f} {_fmt(ms['raw'], '.1f'):>7} {ms['memcpy']:>10.1f}",
+                flush=True,
+            )
     result["loadavg_after"] = os.getloadavg()
     if args.json:
         with open(args.json, "w") as f:

@@ -49,7 +49,15 @@ class _DecodeState:
 
 
 class DecodeQueues:
-    def __init__(self, scheduler, mgr, metadata: MetadataBuffers, receiver_cls, fake: bool = False, group=None):
+    def __init__(
+        self,
+        scheduler,
+        mgr,
+        metadata: MetadataBuffers,
+        receiver_cls,
+        fake: bool = False,
+        group=None,
+    ):
         self.s = scheduler
         self.mgr = mgr
         self.meta = metadata
@@ -59,10 +67,14 @@ class DecodeQueues:
         self.group = group
         self.prealloc: list[Req] = []
         self.transfer: list[Req] = []
-        self.kv_ready = 0  # of ``transfer``: KV arrived, waiting for a place in the batch (at the last step)
+        self.kv_ready = (
+            0  # of ``transfer``: KV arrived, waiting for a place in the batch (at the last step)
+        )
         # (receiver, pages per cache group, slot) of ended rooms whose writers may still be active
         self.draining: list[tuple[Any, list[list[int]], Optional[int]]] = []
-        self.dp_resolver = PrefillDPResolver(getattr(mgr, "name", "decode"), getattr(mgr, "secret", None))
+        self.dp_resolver = PrefillDPResolver(
+            getattr(mgr, "name", "decode"), getattr(mgr, "secret", None)
+        )
 
     # ---- scheduler interface ----------------------------------------------------------------
     def accepts(self, req: Req) -> bool:
@@ -74,24 +86,34 @@ class DecodeQueues:
         else:
             addr = f"{req.bootstrap_host}:{req.bootstrap_port or self.s.args.disaggregation_bootstrap_port}"
             if req.prefill_dp_rank is not None or self.fake:
-                receiver = self.receiver_cls(self.mgr, addr, req.bootstrap_room, prefill_dp_rank=req.prefill_dp_rank)
+                receiver = self.receiver_cls(
+                    self.mgr, addr, req.bootstrap_room, prefill_dp_rank=req.prefill_dp_rank
+                )
             else:  # the prefill's bootstrap server says which of its DP groups holds the KV
-                receiver = ResolvingReceiver(self.mgr, addr, req.bootstrap_room, self.receiver_cls, self.dp_resolver)
+                receiver = ResolvingReceiver(
+                    self.mgr, addr, req.bootstrap_room, self.receiver_cls, self.dp_resolver
+                )
         receiver.init()
         req.disagg = _DecodeState(receiver)
         limit = self.s.args.disaggregation_max_prealloc_queue
         full = limit and len(self.prealloc) >= limit
         self.prealloc.append(req)
         if full:
-            self._fail(req, f"decode is overloaded: {len(self.prealloc) - 1} requests already wait for KV pages "
-                            f"(--disaggregation-max-prealloc-queue {limit})", OVERLOADED_STATUS)
+            self._fail(
+                req,
+                f"decode is overloaded: {len(self.prealloc) - 1} requests already wait for KV pages "
+                f"(--disaggregation-max-prealloc-queue {limit})",
+                OVERLOADED_STATUS,
+            )
 
     def reject(self, host: Optional[str], port: Optional[int], room: int, reason: str) -> None:
         """The request for ``room`` was refused before it got here: tell its prefill (once the
         connection is up) instead of letting it wait for its bootstrap timeout."""
         if not host or is_fake_host(host) or self.fake:
             return
-        receiver = self.receiver_cls(self.mgr, f"{host}:{port or self.s.args.disaggregation_bootstrap_port}", room)
+        receiver = self.receiver_cls(
+            self.mgr, f"{host}:{port or self.s.args.disaggregation_bootstrap_port}", room
+        )
         receiver.abort(f"decode request {reason}")
         self.draining.append((receiver, [], None))  # no pages
 
@@ -111,16 +133,24 @@ class DecodeQueues:
 
     def integrity(self) -> dict:
         counts = self.mgr.counts() if hasattr(self.mgr, "counts") else {}
-        return {"metadata_slots_total": self.slots.num_slots, "metadata_slots_free": self.slots.num_free(),
-                "prealloc_queue": len(self.prealloc), "transfer_queue": len(self.transfer),
-                "draining_rooms": len(self.draining), **counts}
+        return {
+            "metadata_slots_total": self.slots.num_slots,
+            "metadata_slots_free": self.slots.num_free(),
+            "prealloc_queue": len(self.prealloc),
+            "transfer_queue": len(self.transfer),
+            "draining_rooms": len(self.draining),
+            **counts,
+        }
 
     def stats(self) -> dict:
         return {"draining_rooms": len(self.draining), **self.queues()}
 
     def queues(self) -> dict[str, int]:
         """Requests in this role's queues (``GET /get_load``): waiting for KV pages, or for their KV."""
-        return {"prealloc_queue": len(self.prealloc), "transfer_queue": len(self.transfer) - self.kv_ready}
+        return {
+            "prealloc_queue": len(self.prealloc),
+            "transfer_queue": len(self.transfer) - self.kv_ready,
+        }
 
     def discard(self, req: Req) -> None:
         """The request ended before joining the running batch: park its pages until drained."""
@@ -134,7 +164,9 @@ class DecodeQueues:
             self.transfer.remove(req)
         if in_flight:
             # also when already Failed: ranks that did not report yet must stop (idempotent)
-            st.receiver.abort(req.finish_reason.message if req.finish_reason else "aborted by decode")
+            st.receiver.abort(
+                req.finish_reason.message if req.finish_reason else "aborted by decode"
+            )
             # the cached prefix stays in the tree, unlocked; the own pages wait until drained
             self.draining.append((st.receiver, self.s.kv.park(req), st.slot))
         elif st.slot is not None:
@@ -182,7 +214,9 @@ class DecodeQueues:
         for req, state in zip(list(self.prealloc), states):
             st: _DecodeState = req.disagg
             if state == KVPoll.Failed:
-                self._fail(req, st.receiver.failure_reason() or "KV transfer failed while bootstrapping")
+                self._fail(
+                    req, st.receiver.failure_reason() or "KV transfer failed while bootstrapping"
+                )
                 continue
             if state < KVPoll.WaitingForInput:
                 continue
@@ -193,9 +227,12 @@ class DecodeQueues:
                 waited = now - st.ready_since
                 if waited > self.s.args.disaggregation_prealloc_timeout:
                     free = self.s.kv.available(0)
-                    self._fail(req, f"decode is overloaded: no room for {need} KV pages within {waited:.1f}s "
-                                    f"({free} free, {self._reserve_pages()} kept for running requests)",
-                               OVERLOADED_STATUS)
+                    self._fail(
+                        req,
+                        f"decode is overloaded: no room for {need} KV pages within {waited:.1f}s "
+                        f"({free} free, {self._reserve_pages()} kept for running requests)",
+                        OVERLOADED_STATUS,
+                    )
 
     def _try_prealloc(self, req: Req, need: int) -> bool:
         """Take pages and a metadata slot and ask prefill for the KV; False when out of either."""
@@ -236,11 +273,16 @@ class DecodeQueues:
         st: _DecodeState = req.disagg
         row = self.meta.get_row(st.slot)
         if row.room != req.bootstrap_room:
-            if isinstance(st.receiver, FakeKVReceiver):  # warm-up or the fake backend: nothing arrived
+            if isinstance(
+                st.receiver, FakeKVReceiver
+            ):  # warm-up or the fake backend: nothing arrived
                 self._compute_locally(req)
                 return
-            self._fail(req, f"metadata row {st.slot} belongs to room {row.room}, expected room "
-                            f"{req.bootstrap_room}; the KV cannot be trusted")
+            self._fail(
+                req,
+                f"metadata row {st.slot} belongs to room {row.room}, expected room "
+                f"{req.bootstrap_room}; the KV cannot be trusted",
+            )
             return
         req.mark("kv_received")
         self.transfer.remove(req)
@@ -256,12 +298,22 @@ class DecodeQueues:
             req.grammar.replay(req.output_ids)
             if req.grammar.failed:
                 self.s.running.append(req)
-                self.s.finish(req, FinishReason(FinishKind.ABORT, status_code=500, message=(
-                    f"prefill's first token {row.first_token} is not allowed by the request's grammar here: "
-                    f"prefill and decode disagree on the grammar")))
+                self.s.finish(
+                    req,
+                    FinishReason(
+                        FinishKind.ABORT,
+                        status_code=500,
+                        message=(
+                            f"prefill's first token {row.first_token} is not allowed by the request's grammar here: "
+                            f"prefill and decode disagree on the grammar"
+                        ),
+                    ),
+                )
                 return
         if req.return_logprob:
-            req.output_token_logprobs.append((row.logprob if row.logprob is not None else 0.0, row.first_token))
+            req.output_token_logprobs.append(
+                (row.logprob if row.logprob is not None else 0.0, row.first_token)
+            )
             if req.top_logprobs_num:
                 req.output_top_logprobs.append(list(row.top_logprobs[: req.top_logprobs_num]))
         self.s.stats["prompt_tokens"] += req.prompt_len

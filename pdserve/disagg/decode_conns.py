@@ -32,12 +32,16 @@ class PrefillConn:
     info: dict = field(default_factory=dict)
     targets: list[PrefillTarget] = field(default_factory=list)
     rooms: set[int] = field(default_factory=set)
-    pending_aborts: dict[int, tuple[int, str]] = field(default_factory=dict)  # room -> (generation, reason)
+    pending_aborts: dict[int, tuple[int, str]] = field(
+        default_factory=dict
+    )  # room -> (generation, reason)
     acks: dict[int, RegisterAck] = field(default_factory=dict)
     acked: threading.Condition = field(default_factory=threading.Condition)
     hb_seq: int = 0
     key: tuple = ()
-    hb_acked: dict[int, float] = field(default_factory=dict)  # rank -> monotonic time of its last answer
+    hb_acked: dict[int, float] = field(
+        default_factory=dict
+    )  # rank -> monotonic time of its last answer
     next_hb: float = 0.0
     windowed: bool = False  # prefill writes through this connection's own window (fenceable)
     fenced: bool = False

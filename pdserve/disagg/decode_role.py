@@ -28,11 +28,24 @@ from typing import Optional
 import msgspec
 
 from pdserve.disagg import rank_map
-from pdserve.disagg.bootstrap import BootstrapNotReady, fetch_prefill_info, fetch_rank_info, parse_addr
+from pdserve.disagg.bootstrap import (
+    BootstrapNotReady,
+    fetch_prefill_info,
+    fetch_rank_info,
+    parse_addr,
+)
 from pdserve.disagg.decode_conns import PrefillConn, PrefillTarget, RoomRecv
 from pdserve.disagg.kv_args import COMPAT_FIELDS, compat_mismatches
-from pdserve.disagg.messages import (Abort, AbortAck, BufferDesc, Heartbeat, Register, RegisterAck,
-                                     TransferStatus, parse_completion_notice)
+from pdserve.disagg.messages import (
+    Abort,
+    AbortAck,
+    BufferDesc,
+    Heartbeat,
+    Register,
+    RegisterAck,
+    TransferStatus,
+    parse_completion_notice,
+)
 from pdserve.disagg.poll import KVPoll
 
 logger = logging.getLogger(__name__)
@@ -44,7 +57,9 @@ class DecodeRole:
     def __init__(self, mgr):
         self.mgr = mgr
         self.conns: dict[tuple[str, int], PrefillConn] = {}  # (bootstrap address, prefill DP group)
-        self.retired: dict[str, PrefillConn] = {}  # session id -> live connection waiting to be fenced
+        self.retired: dict[
+            str, PrefillConn
+        ] = {}  # session id -> live connection waiting to be fenced
         self.fenced_windows = 0
         self.rooms: dict[int, RoomRecv] = {}
         self._sessions = itertools.count()
@@ -58,7 +73,12 @@ class DecodeRole:
         with self.mgr.lock:
             c = self.conns.get((addr, dp_rank))
             if c is None:
-                c = PrefillConn(addr, f"{self.mgr.session_prefix}-{next(self._sessions)}", dp_rank, key=(addr, dp_rank))
+                c = PrefillConn(
+                    addr,
+                    f"{self.mgr.session_prefix}-{next(self._sessions)}",
+                    dp_rank,
+                    key=(addr, dp_rank),
+                )
                 self.conns[c.key] = c
                 self._pool.submit(self._connect, c)
             return c
@@ -80,52 +100,85 @@ class DecodeRole:
                 break
             except BootstrapNotReady as e:
                 if time.monotonic() + delay > deadline or m._closed.is_set():
-                    return self._fail_conn(c, f"prefill bootstrap server {c.addr} not ready after "
-                                              f"{m.waiting_timeout:.1f}s: {e}")
+                    return self._fail_conn(
+                        c,
+                        f"prefill bootstrap server {c.addr} not ready after "
+                        f"{m.waiting_timeout:.1f}s: {e}",
+                    )
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
         errs = compat_mismatches({k: info[k] for k in COMPAT_FIELDS if k in info}, a.compat_info())
         c.info = info
         pp_size, p_tp = int(info["pp_size"]), int(info["tp_size"])
         if not 0 <= c.dp_rank < int(info.get("dp_size", 1)):
-            errs.append(f"prefill has {info.get('dp_size', 1)} DP group(s), the request names group {c.dp_rank}")
+            errs.append(
+                f"prefill has {info.get('dp_size', 1)} DP group(s), the request names group {c.dp_rank}"
+            )
         try:  # which prefill ranks write what of this rank's regions, or only conclude (rank_map.py)
-            pairs = rank_map.sources(p_tp, a.tp_size, a.total_kv_head_num, a.num_heads, a.engine_rank, a.splits)
+            pairs = rank_map.sources(
+                p_tp, a.tp_size, a.total_kv_head_num, a.num_heads, a.engine_rank, a.splits
+            )
         except ValueError as e:
             pairs = []
             errs.append(f"prefill tp {p_tp} and decode tp {a.tp_size} cannot exchange KV: {e}")
         for sl in pairs:
-            required = rank_map.destinations_of(p_tp, a.tp_size, a.total_kv_head_num, a.num_heads, sl.prefill_rank,
-                                                a.splits)
+            required = rank_map.destinations_of(
+                p_tp, a.tp_size, a.total_kv_head_num, a.num_heads, sl.prefill_rank, a.splits
+            )
             for pp in range(pp_size):  # decode holds every layer: ask every prefill stage
-                r = fetch_rank_info(host, port, c.dp_rank, sl.prefill_rank, pp, timeout=2.0, secret=m.secret)
-                c.targets.append(PrefillTarget(f"tcp://{r['rank_ip']}:{r['rank_port']}", sl.prefill_rank * pp_size + pp,
-                                         sl, required))
+                r = fetch_rank_info(
+                    host, port, c.dp_rank, sl.prefill_rank, pp, timeout=2.0, secret=m.secret
+                )
+                c.targets.append(
+                    PrefillTarget(
+                        f"tcp://{r['rank_ip']}:{r['rank_port']}",
+                        sl.prefill_rank * pp_size + pp,
+                        sl,
+                        required,
+                    )
+                )
         if errs:
-            return self._fail_conn(c, f"prefill {c.addr} is incompatible: " + "; ".join(errs), tell_prefill=True)
+            return self._fail_conn(
+                c, f"prefill {c.addr} is incompatible: " + "; ".join(errs), tell_prefill=True
+            )
         buffers = BufferDesc.from_kv_args(a)
         window = m.backend.open_window(c.session_id)
         if window is not None:  # this connection's own addresses, fenced when it fails
             buffers = _translated(buffers, window.translate)
             c.windowed = True
-        reg = Register(session_id=c.session_id, decode_rank=a.engine_rank, decode_tp_size=a.tp_size,
-                       reply_endpoint=m.endpoint(host), buffers=buffers,
-                       compat=a.compat_info(), backend=m.backend_name, backend_info=m.backend.describe())
+        reg = Register(
+            session_id=c.session_id,
+            decode_rank=a.engine_rank,
+            decode_tp_size=a.tp_size,
+            reply_endpoint=m.endpoint(host),
+            buffers=buffers,
+            compat=a.compat_info(),
+            backend=m.backend_name,
+            backend_info=m.backend.describe(),
+        )
         for t in c.targets:
             m.send(t.endpoint, reg)
         with c.acked:
-            c.acked.wait_for(lambda: len(c.acks) >= len(c.targets) or c.state == "failed", REGISTER_TIMEOUT_S)
+            c.acked.wait_for(
+                lambda: len(c.acks) >= len(c.targets) or c.state == "failed", REGISTER_TIMEOUT_S
+            )
         if c.state == "failed":
             return
         missing = [t.endpoint for t in c.targets if t.rank not in c.acks]
         if missing:
             hint = " (is --disaggregation-secret the same on both sides?)" if m.secret else ""
-            return self._fail_conn(c, f"no registration answer from prefill rank(s) {', '.join(missing)} "
-                                      f"within {REGISTER_TIMEOUT_S:.0f}s{hint}")
+            return self._fail_conn(
+                c,
+                f"no registration answer from prefill rank(s) {', '.join(missing)} "
+                f"within {REGISTER_TIMEOUT_S:.0f}s{hint}",
+            )
         rejected = [ack.error for ack in c.acks.values() if not ack.ok]
         if rejected:
-            return self._fail_conn(c, f"prefill {c.addr} rejected registration: {'; '.join(rejected)}",
-                                   tell_prefill=True)
+            return self._fail_conn(
+                c,
+                f"prefill {c.addr} rejected registration: {'; '.join(rejected)}",
+                tell_prefill=True,
+            )
         with m.lock:
             if c.state == "connecting":
                 c.state = "ready"
@@ -143,9 +196,16 @@ class DecodeRole:
         for room, (generation, reason) in aborted.items():
             self.send_abort(c, room, generation, reason)
         idle = sum(1 for t in c.targets if t.pair is not None and t.pair.empty)
-        logger.info("%s: connected to prefill %s (%d rank(s)%s)", m.name, c.addr, len(c.targets),
-                    f"; {idle} of them write nothing here, their heads are read from other replicas, and "
-                    "only conclude each room" if idle else "")
+        logger.info(
+            "%s: connected to prefill %s (%d rank(s)%s)",
+            m.name,
+            c.addr,
+            len(c.targets),
+            f"; {idle} of them write nothing here, their heads are read from other replicas, and "
+            "only conclude each room"
+            if idle
+            else "",
+        )
 
     def _fail_conn(self, c: PrefillConn, reason: str, tell_prefill: bool = False) -> None:
         """Fail the connection and its unfinished rooms. ``tell_prefill``: the prefill is alive
@@ -186,16 +246,25 @@ class DecodeRole:
         try:
             self.mgr.backend.fence_window(c.session_id)
         except Exception:  # never free the pages of an unfenced window: its rooms stay parked
-            logger.exception("%s: cannot fence the window of prefill %s (session %s); retrying", self.mgr.name,
-                             c.addr, c.session_id)
+            logger.exception(
+                "%s: cannot fence the window of prefill %s (session %s); retrying",
+                self.mgr.name,
+                c.addr,
+                c.session_id,
+            )
             with self.mgr.lock:
                 self.retired[c.session_id] = c  # tick() tries again
             return
         with self.mgr.lock:
             c.fenced = True
             self.fenced_windows += 1
-        logger.info("%s: fenced the KV window of prefill %s (session %s): its late writes land in scratch "
-                    "memory", self.mgr.name, c.addr, c.session_id)
+        logger.info(
+            "%s: fenced the KV window of prefill %s (session %s): its late writes land in scratch "
+            "memory",
+            self.mgr.name,
+            c.addr,
+            c.session_id,
+        )
 
     def mark_suspect(self, rs: RoomRecv) -> None:
         """A writer of the room may still have bytes under way: free its pages only after the
@@ -209,13 +278,25 @@ class DecodeRole:
             if self.conns.get(c.key) is c:
                 del self.conns[c.key]
             self.retired[c.session_id] = c
-        logger.warning("%s: room %d: a write from prefill %s may still arrive; its pages wait until the "
-                       "connection's window is fenced, new rooms use a new connection", m.name, rs.room, c.addr)
+        logger.warning(
+            "%s: room %d: a write from prefill %s may still arrive; its pages wait until the "
+            "connection's window is fenced, new rooms use a new connection",
+            m.name,
+            rs.room,
+            c.addr,
+        )
 
     def _fence_retired(self) -> None:
         with self.mgr.lock:
-            ready = [c for c in self.retired.values() if c.state == "failed" or all(
-                (rs := self.rooms.get(r)) is None or rs.conn is not c or rs.suspect for r in c.rooms)]
+            ready = [
+                c
+                for c in self.retired.values()
+                if c.state == "failed"
+                or all(
+                    (rs := self.rooms.get(r)) is None or rs.conn is not c or rs.suspect
+                    for r in c.rooms
+                )
+            ]
             for c in ready:
                 del self.retired[c.session_id]  # heartbeats stop; prefill drops the session
         for c in ready:
@@ -224,8 +305,16 @@ class DecodeRole:
     def send_abort(self, c: PrefillConn, room: int, generation: int, reason: str) -> None:
         reply = self.mgr.endpoint(parse_addr(c.addr)[0])
         for t in c.targets:
-            self.mgr.send(t.endpoint, Abort(session_id=c.session_id, room=room, generation=generation,
-                                            reason=reason, reply_endpoint=reply))
+            self.mgr.send(
+                t.endpoint,
+                Abort(
+                    session_id=c.session_id,
+                    room=room,
+                    generation=generation,
+                    reason=reason,
+                    reply_endpoint=reply,
+                ),
+            )
 
     # ---- control messages (I/O thread) ----------------------------------------------------
     def on_message(self, msg) -> None:
@@ -236,7 +325,10 @@ class DecodeRole:
                 any_gen = msg.generation == 0 and msg.state == KVPoll.Failed
                 if rs is None or (rs.generation != msg.generation and not any_gen):
                     return  # a cleared room or an older generation of it
-                if any_gen and m.status.get(msg.room) not in (KVPoll.Bootstrapping, KVPoll.WaitingForInput):
+                if any_gen and m.status.get(msg.room) not in (
+                    KVPoll.Bootstrapping,
+                    KVPoll.WaitingForInput,
+                ):
                     return  # this decode already asked, so the prefill will answer for this generation
                 if msg.state == KVPoll.Transferring:  # progress: queued or writing on prefill
                     if rs.sent_at is not None and m.status.get(msg.room) == KVPoll.Transferring:
@@ -246,8 +338,11 @@ class DecodeRole:
                 if msg.state == KVPoll.Failed and msg.unsettled:
                     self.mark_suspect(rs)
                 if msg.state == KVPoll.Failed:
-                    m.update_status(msg.room, KVPoll.Failed,
-                                    f"prefill {rs.conn.addr} rank {msg.prefill_rank}: {msg.reason}")
+                    m.update_status(
+                        msg.room,
+                        KVPoll.Failed,
+                        f"prefill {rs.conn.addr} rank {msg.prefill_rank}: {msg.reason}",
+                    )
                 elif msg.state == KVPoll.Success:
                     rs.succeeded.add(msg.prefill_rank)
                     if len(rs.succeeded) >= len(rs.conn.targets):
@@ -258,8 +353,11 @@ class DecodeRole:
                 if c is not None:
                     c.hb_acked[msg.prefill_rank] = time.monotonic()
             if c is not None and not msg.known and c.state == "ready":
-                self._fail_conn(c, f"prefill instance {c.addr} no longer knows this decode rank (it restarted, "
-                                   "or declared this decode dead)")
+                self._fail_conn(
+                    c,
+                    f"prefill instance {c.addr} no longer knows this decode rank (it restarted, "
+                    "or declared this decode dead)",
+                )
         elif isinstance(msg, AbortAck):
             with m.lock:
                 rs = self.rooms.get(msg.room)
@@ -292,14 +390,21 @@ class DecodeRole:
                     continue
                 silent = now - min(c.hb_acked.values(), default=now)
                 if silent > dead_after:
-                    dead.append((c, f"prefill instance {c.addr} unreachable (no heartbeat answer for {silent:.1f}s)"))
+                    dead.append(
+                        (
+                            c,
+                            f"prefill instance {c.addr} unreachable (no heartbeat answer for {silent:.1f}s)",
+                        )
+                    )
                     continue
                 if now < c.next_hb:
                     continue
                 c.next_hb = now + m.heartbeat_interval
                 c.hb_seq += 1
                 host = parse_addr(c.addr)[0]
-                hb = Heartbeat(session_id=c.session_id, seq=c.hb_seq, reply_endpoint=m.endpoint(host))
+                hb = Heartbeat(
+                    session_id=c.session_id, seq=c.hb_seq, reply_endpoint=m.endpoint(host)
+                )
                 beats += [(t.endpoint, hb) for t in c.targets]
         for c, reason in dead:
             self._fail_conn(c, reason)
@@ -319,8 +424,14 @@ class DecodeRole:
                 notice = parse_completion_notice(msg)
                 if notice is not None:
                     room, generation, rank = notice
-                    self.on_message(TransferStatus(room=room, generation=generation, state=int(KVPoll.Success),
-                                                   prefill_rank=rank))
+                    self.on_message(
+                        TransferStatus(
+                            room=room,
+                            generation=generation,
+                            state=int(KVPoll.Success),
+                            prefill_rank=rank,
+                        )
+                    )
 
     # ---- receiver-facing helpers ----------------------------------------------------------
     def add_room(self, room: int, addr: str, dp_rank: int = 0) -> RoomRecv:
@@ -348,15 +459,21 @@ class DecodeRole:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def counts(self) -> dict:
-        return {"kv_peer_connections": len(self.conns), "kv_retired_connections": len(self.retired),
-                "kv_fenced_windows": self.fenced_windows}
+        return {
+            "kv_peer_connections": len(self.conns),
+            "kv_retired_connections": len(self.retired),
+            "kv_fenced_windows": self.fenced_windows,
+        }
 
 
 def _translated(b: BufferDesc, translate) -> BufferDesc:
     """``b`` with every buffer address replaced by its window address."""
+
     def tr(ptrs: list[int], lens: list[int]) -> list[int]:
         return [translate(p) if n > 0 else p for p, n in zip(ptrs, lens)]
 
     return msgspec.structs.replace(
-        b, regions=[r.at(translate(r.ptr)) if r.nbytes > 0 else r for r in b.regions],
-        aux_data_ptrs=tr(b.aux_data_ptrs, b.aux_data_lens))
+        b,
+        regions=[r.at(translate(r.ptr)) if r.nbytes > 0 else r for r in b.regions],
+        aux_data_ptrs=tr(b.aux_data_ptrs, b.aux_data_lens),
+    )

@@ -13,7 +13,9 @@ from typing import Sequence
 import numpy as np
 
 
-def page_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def page_runs(
+    src_pages: Sequence[int], dst_pages: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Split at every position where either side is not consecutive.
     Returns (src_run_starts, dst_run_starts, run_lengths)."""
     src = np.asarray(src_pages, dtype=np.int64)
@@ -29,13 +31,20 @@ def page_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> tuple[np.nd
     return src[starts], dst[starts], lengths
 
 
-def region_descriptors(src_ptrs: Sequence[int], dst_ptrs: Sequence[int], item_lens: Sequence[int],
-                       src_items: Sequence[int], dst_items: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def region_descriptors(
+    src_ptrs: Sequence[int],
+    dst_ptrs: Sequence[int],
+    item_lens: Sequence[int],
+    src_items: Sequence[int],
+    dst_items: Sequence[int],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Descriptors copying items ``src_items[i]`` -> ``dst_items[i]`` in every region.
     Region e: src ``src_ptrs[e]``, dst ``dst_ptrs[e]``, item size ``item_lens[e]`` (same on both
     sides). Ordered region-major."""
     if not (len(src_ptrs) == len(dst_ptrs) == len(item_lens)):
-        raise ValueError(f"region lists differ: {len(src_ptrs)} src, {len(dst_ptrs)} dst, {len(item_lens)} item lens")
+        raise ValueError(
+            f"region lists differ: {len(src_ptrs)} src, {len(dst_ptrs)} dst, {len(item_lens)} item lens"
+        )
     s_start, d_start, n = page_runs(src_items, dst_items)
     sp = np.asarray(src_ptrs, dtype=np.int64)[:, None]  # [E, 1]
     dp = np.asarray(dst_ptrs, dtype=np.int64)[:, None]
@@ -46,9 +55,17 @@ def region_descriptors(src_ptrs: Sequence[int], dst_ptrs: Sequence[int], item_le
     return src, dst, lens
 
 
-def head_slice_descriptors(src_ptrs: Sequence[int], dst_ptrs: Sequence[int], src_item: int, dst_item: int,
-                           src_items: Sequence[int], dst_items: Sequence[int], src_offset: int, dst_offset: int,
-                           length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def head_slice_descriptors(
+    src_ptrs: Sequence[int],
+    dst_ptrs: Sequence[int],
+    src_item: int,
+    dst_item: int,
+    src_items: Sequence[int],
+    dst_items: Sequence[int],
+    src_offset: int,
+    dst_offset: int,
+    length: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Descriptors copying ``length`` bytes at ``src_offset`` of each source item to ``dst_offset``
     of the matching destination item, in every region (item sizes differ between the sides: a
     slice of a page's heads, for tensor-parallel ranks holding different heads). One descriptor per

@@ -37,8 +37,15 @@ def pair_plan(a, msg: Register) -> PairPlan:
     """What prefill rank ``a`` writes into the decode rank of ``msg`` (``rank_map``; an empty pair:
     nothing); ValueError when the TP sizes cannot be paired or that decode rank has no business
     with this rank."""
-    return rank_map.pair_for(a.tp_size, msg.decode_tp_size, a.total_kv_head_num, a.num_heads, a.engine_rank,
-                             msg.decode_rank, a.splits)
+    return rank_map.pair_for(
+        a.tp_size,
+        msg.decode_tp_size,
+        a.total_kv_head_num,
+        a.num_heads,
+        a.engine_rank,
+        msg.decode_rank,
+        a.splits,
+    )
 
 
 def registration_errors(a, msg: Register, backend_name: str) -> list[str]:
@@ -49,33 +56,48 @@ def registration_errors(a, msg: Register, backend_name: str) -> list[str]:
     try:
         pair = pair_plan(a, msg)
     except ValueError as e:
-        return errs + [f"prefill tp {a.tp_size} rank {a.engine_rank} and decode tp {msg.decode_tp_size} "
-                       f"rank {msg.decode_rank}: {e}"]
+        return errs + [
+            f"prefill tp {a.tp_size} rank {a.engine_rank} and decode tp {msg.decode_tp_size} "
+            f"rank {msg.decode_rank}: {e}"
+        ]
     paired, why = dst_regions(a, msg.buffers)
     if why:
         errs.append(f"regions mismatch: {why}")
     else:
-        errs += _region_mismatches(a.regions, [msg.buffers.regions[j] for j in paired], pair, a.tp_size,
-                                   msg.decode_tp_size, msg.decode_rank)
+        errs += _region_mismatches(
+            a.regions,
+            [msg.buffers.regions[j] for j in paired],
+            pair,
+            a.tp_size,
+            msg.decode_tp_size,
+            msg.decode_rank,
+        )
     if msg.buffers.aux_item_lens != list(a.aux_item_lens):
-        errs.append(f"metadata row layout mismatch: prefill {a.aux_item_lens}, decode {msg.buffers.aux_item_lens}")
+        errs.append(
+            f"metadata row layout mismatch: prefill {a.aux_item_lens}, decode {msg.buffers.aux_item_lens}"
+        )
     return errs
 
 
-def _region_mismatches(src: list[Region], dst: list[Region], pair: PairPlan, p_tp: int, d_tp: int,
-                       d_rank: int) -> list[str]:
+def _region_mismatches(
+    src: list[Region], dst: list[Region], pair: PairPlan, p_tp: int, d_tp: int, d_rank: int
+) -> list[str]:
     """The first disagreement between each prefill region and its decode region, per kind of
     disagreement: split, finality, item size."""
     errs = []
     split = next(((s, d) for s, d in zip(src, dst) if s.split != d.split), None)
     if split:
         s, d = split
-        errs.append(f"region split mismatch: {s.name} is split {s.describe_split()} on prefill, "
-                    f"{d.describe_split()} on decode")
+        errs.append(
+            f"region split mismatch: {s.name} is split {s.describe_split()} on prefill, "
+            f"{d.describe_split()} on decode"
+        )
     final = next(((s, d) for s, d in zip(src, dst) if s.final != d.final), None)
     if final:
         s, d = final
-        errs.append(f"region final mismatch: {s.name} is final {s.final} on prefill, {d.final} on decode")
+        errs.append(
+            f"region final mismatch: {s.name} is final {s.final} on prefill, {d.final} on decode"
+        )
     if split:
         return errs
     for s, d in zip(src, dst):
@@ -83,14 +105,23 @@ def _region_mismatches(src: list[Region], dst: list[Region], pair: PairPlan, p_t
             continue
         want = dst_item_bytes(s, pair, p_tp, d_tp)
         if s.split == "segments" and d.segments != dst_segments(s, p_tp, d_tp):
-            errs.append(f"region segments mismatch: decode rank {d_rank} of tp {d_tp} should hold segments of "
-                        f"{list(dst_segments(s, p_tp, d_tp))} bytes of {s.name}, it registered {list(d.segments)}")
+            errs.append(
+                f"region segments mismatch: decode rank {d_rank} of tp {d_tp} should hold segments of "
+                f"{list(dst_segments(s, p_tp, d_tp))} bytes of {s.name}, it registered {list(d.segments)}"
+            )
             break
         if d.item_bytes != want:
-            what = (f"{pair.dst_heads} KV head(s) per page" if s.split == "heads"
-                    else f"its share of {s.name}" if s.split == "segments" else f"all of {s.name}")
-            errs.append(f"region item bytes mismatch: decode rank {d_rank} should hold {what} ({want} bytes per "
-                        f"item of {s.name}), it registered {d.item_bytes}")
+            what = (
+                f"{pair.dst_heads} KV head(s) per page"
+                if s.split == "heads"
+                else f"its share of {s.name}"
+                if s.split == "segments"
+                else f"all of {s.name}"
+            )
+            errs.append(
+                f"region item bytes mismatch: decode rank {d_rank} should hold {what} ({want} bytes per "
+                f"item of {s.name}), it registered {d.item_bytes}"
+            )
             break
     return errs
 
@@ -109,7 +140,9 @@ def _rows(lens: list[int], items: list[int]) -> int:
 class DestinationGuard:
     """One per registered decode session; the caller (the KV manager) holds its lock."""
 
-    def __init__(self, buffers: BufferDesc, regions: list[Region], num_groups: int, empty: bool = False):
+    def __init__(
+        self, buffers: BufferDesc, regions: list[Region], num_groups: int, empty: bool = False
+    ):
         self.empty = empty  # this rank writes nothing into that decode rank
         # pages per cache group in the decode regions this rank writes (``regions``)
         self.num_pages = group_rows(regions, num_groups)
@@ -122,31 +155,50 @@ class DestinationGuard:
         """Why ``req`` must be refused ("" when it may be served)."""
         pages = [p for g in req.dst_pages for p in g]
         if self.empty and (pages or req.aux_slot >= 0):
-            return (f"the request names {len(pages)} destination page(s) and metadata row {req.aux_slot}, but this "
-                    "prefill rank holds none of that decode rank's bytes to write (prefill and decode disagree on "
-                    "which rank writes what); nothing written")
+            return (
+                f"the request names {len(pages)} destination page(s) and metadata row {req.aux_slot}, but this "
+                "prefill rank holds none of that decode rank's bytes to write (prefill and decode disagree on "
+                "which rank writes what); nothing written"
+            )
         if len(req.dst_pages) > len(self.num_pages):
-            return (f"the request names destination pages of {len(req.dst_pages)} cache groups, decode registered "
-                    f"{len(self.num_pages)}; nothing written")
+            return (
+                f"the request names destination pages of {len(req.dst_pages)} cache groups, decode registered "
+                f"{len(self.num_pages)}; nothing written"
+            )
         for g, ids in enumerate(req.dst_pages):
             bad = next((p for p in ids if not 0 <= p < self.num_pages[g]), None)
             if bad is not None:
                 where = f" of cache group {g}" if len(self.num_pages) > 1 else ""
-                return (f"destination page {bad}{where} is outside decode's registered KV pool "
-                        f"({self.num_pages[g]} pages); nothing written")
+                return (
+                    f"destination page {bad}{where} is outside decode's registered KV pool "
+                    f"({self.num_pages[g]} pages); nothing written"
+                )
             if len(set(ids)) != len(ids):
                 return "destination pages repeat within the request; nothing written"
         if req.aux_slot >= self.num_aux_rows or req.aux_slot < -1:
-            return (f"metadata row {req.aux_slot} is outside decode's registered metadata buffers "
-                    f"({self.num_aux_rows} rows); nothing written")
-        owner = next((self._pages[(g, p)] for g, ids in enumerate(req.dst_pages) for p in ids
-                      if self._pages.get((g, p), req.room) != req.room), None)
+            return (
+                f"metadata row {req.aux_slot} is outside decode's registered metadata buffers "
+                f"({self.num_aux_rows} rows); nothing written"
+            )
+        owner = next(
+            (
+                self._pages[(g, p)]
+                for g, ids in enumerate(req.dst_pages)
+                for p in ids
+                if self._pages.get((g, p), req.room) != req.room
+            ),
+            None,
+        )
         if owner is not None:
-            return (f"destination pages overlap those of room {owner}, still in flight from the same decode; "
-                    "nothing written")
+            return (
+                f"destination pages overlap those of room {owner}, still in flight from the same decode; "
+                "nothing written"
+            )
         if req.aux_slot >= 0 and self._rows.get(req.aux_slot, req.room) != req.room:
-            return (f"metadata row {req.aux_slot} is the destination of room {self._rows[req.aux_slot]}, "
-                    "still in flight from the same decode; nothing written")
+            return (
+                f"metadata row {req.aux_slot} is the destination of room {self._rows[req.aux_slot]}, "
+                "still in flight from the same decode; nothing written"
+            )
         return ""
 
     def claim(self, req: TransferRequest) -> None:

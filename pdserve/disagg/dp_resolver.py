@@ -72,7 +72,9 @@ class PrefillDPResolver:
             try:
                 if dp_size is None:
                     try:
-                        dp_size = int(fetch_prefill_info(host, port, 2.0, self.secret).get("dp_size", 1))
+                        dp_size = int(
+                            fetch_prefill_info(host, port, 2.0, self.secret).get("dp_size", 1)
+                        )
                     except Exception:
                         # not up (yet), unreachable: group 0, whose connection reports the problem
                         # in the usual way (the look-up is tried again for the next room)
@@ -80,14 +82,20 @@ class PrefillDPResolver:
                     else:
                         with self.lock:
                             self.dp_sizes[addr] = dp_size
-                got = {r: 0 for r in rooms} if dp_size == 1 else query_dp_ranks(host, port, rooms, 2.0, self.secret)
+                got = (
+                    {r: 0 for r in rooms}
+                    if dp_size == 1
+                    else query_dp_ranks(host, port, rooms, 2.0, self.secret)
+                )
                 with self.lock:
                     self.errors.pop(addr, None)
                     for room, dp in got.items():
                         if room in self.wanted.get(addr, ()):
                             self.found[(addr, room)] = int(dp)
                             self.wanted[addr].discard(room)
-            except Exception as e:  # not up yet, or unreachable: the rooms time out with this reason
+            except (
+                Exception
+            ) as e:  # not up yet, or unreachable: the rooms time out with this reason
                 with self.lock:
                     self.errors[addr] = f"{type(e).__name__}: {e}"
             time.sleep(RETRY_S)
@@ -100,7 +108,9 @@ class ResolvingReceiver:
     """A room's receiver whose prefill DP group is not known yet (see the module docstring);
     the same interface as ``KVReceiver``, whose work starts once the group is known."""
 
-    def __init__(self, mgr, bootstrap_addr: str, room: int, receiver_cls, resolver: PrefillDPResolver):
+    def __init__(
+        self, mgr, bootstrap_addr: str, room: int, receiver_cls, resolver: PrefillDPResolver
+    ):
         self.mgr, self.bootstrap_addr, self.room = mgr, bootstrap_addr, room
         self.receiver_cls, self.resolver = receiver_cls, resolver
         self.inner: Optional[Any] = None
@@ -114,11 +124,16 @@ class ResolvingReceiver:
         dp = self.resolver.lookup(self.bootstrap_addr, self.room)
         if dp is not None:
             self.resolver.forget(self.bootstrap_addr, self.room)
-            self.inner = self.receiver_cls(self.mgr, self.bootstrap_addr, self.room, prefill_dp_rank=dp)
+            self.inner = self.receiver_cls(
+                self.mgr, self.bootstrap_addr, self.room, prefill_dp_rank=dp
+            )
         elif time.monotonic() - self.started > self.mgr.waiting_timeout:
             why = self.resolver.error(self.bootstrap_addr)
-            self.failed = (f"prefill {self.bootstrap_addr} did not say which of its DP groups holds room {self.room} "
-                           f"within {self.mgr.waiting_timeout:.1f}s" + (f" (last look-up: {why})" if why else ""))
+            self.failed = (
+                f"prefill {self.bootstrap_addr} did not say which of its DP groups holds room {self.room} "
+                f"within {self.mgr.waiting_timeout:.1f}s"
+                + (f" (last look-up: {why})" if why else "")
+            )
             self.resolver.forget(self.bootstrap_addr, self.room)
 
     def init(self, prefill_dp_rank: Optional[int] = None) -> None:
@@ -133,9 +148,13 @@ class ResolvingReceiver:
     def failure_reason(self) -> str:
         return self.inner.failure_reason() if self.inner is not None else (self.failed or "")
 
-    def send_metadata(self, dst_pages: Sequence[Sequence[int]], aux_slot: int, decode_prefix_pages: int = 0) -> None:
+    def send_metadata(
+        self, dst_pages: Sequence[Sequence[int]], aux_slot: int, decode_prefix_pages: int = 0
+    ) -> None:
         if self.inner is None:
-            raise RuntimeError(f"send_metadata for room {self.room} before its prefill DP group is known")
+            raise RuntimeError(
+                f"send_metadata for room {self.room} before its prefill DP group is known"
+            )
         self.inner.send_metadata(dst_pages, aux_slot, decode_prefix_pages)
 
     def abort(self, reason: str = "aborted by decode") -> None:

@@ -25,7 +25,9 @@ class DPRoomTable:
     """room -> (dp_rank, registration time). Thread-safe; expired entries are dropped whenever
     the table is read or written."""
 
-    def __init__(self, ttl_s: float = DEFAULT_ENTRY_TTL_S, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, ttl_s: float = DEFAULT_ENTRY_TTL_S, clock: Callable[[], float] = time.monotonic
+    ):
         if ttl_s <= 0:
             raise ValueError(f"entry_ttl_s: must be positive, got {ttl_s}")
         self.ttl_s = ttl_s
@@ -93,5 +95,7 @@ def parse_query(body: Any) -> list[int]:
     if not isinstance(rooms, list):
         raise ValueError(f"bootstrap_rooms: must be a list of rooms, got {type(rooms).__name__}")
     if len(rooms) > MAX_QUERY_ROOMS:
-        raise ValueError(f"bootstrap_rooms: at most {MAX_QUERY_ROOMS} rooms per query, got {len(rooms)}")
+        raise ValueError(
+            f"bootstrap_rooms: at most {MAX_QUERY_ROOMS} rooms per query, got {len(rooms)}"
+        )
     return [_check_room("bootstrap_rooms", room) for room in rooms]

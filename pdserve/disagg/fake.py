@@ -29,8 +29,14 @@ def fake_bootstrap(disaggregation_mode: str) -> dict:
 
 
 class FakeKVManager:
-    def __init__(self, kv_args=None, mode: str = "prefill", server_args: Any = None, backend_name: str = "fake",
-                 bootstrap_host: Optional[str] = None):
+    def __init__(
+        self,
+        kv_args=None,
+        mode: str = "prefill",
+        server_args: Any = None,
+        backend_name: str = "fake",
+        bootstrap_host: Optional[str] = None,
+    ):
         self.kv_args = kv_args
         self.mode = mode
         self.backend_name = backend_name
@@ -58,7 +64,9 @@ class FakeKVSender:
         self.sent_pages = [0] * len(num_pages)
 
     def send(self, src_pages: Sequence[Sequence[int]], last_chunk: bool = False) -> None:
-        self.sent_pages = [n + len(p) for n, p in zip(self.sent_pages or [0] * len(src_pages), src_pages)]
+        self.sent_pages = [
+            n + len(p) for n, p in zip(self.sent_pages or [0] * len(src_pages), src_pages)
+        ]
         self._sent = True
 
     def failure_reason(self) -> str:
@@ -81,8 +89,14 @@ class FakeKVSender:
 
 
 class FakeKVReceiver:
-    def __init__(self, mgr=None, bootstrap_addr: str = "", room: int = 0, prefill_dp_rank: Optional[int] = None,
-                 **_: Any):
+    def __init__(
+        self,
+        mgr=None,
+        bootstrap_addr: str = "",
+        room: int = 0,
+        prefill_dp_rank: Optional[int] = None,
+        **_: Any,
+    ):
         self.room = room
         self._state = KVPoll.Bootstrapping
         self._failed = ""
@@ -94,7 +108,9 @@ class FakeKVReceiver:
     def poll(self) -> KVPoll:
         return KVPoll.Failed if self._failed else self._state
 
-    def send_metadata(self, dst_pages: Sequence[Sequence[int]], aux_slot: int, decode_prefix_pages: int = 0) -> None:
+    def send_metadata(
+        self, dst_pages: Sequence[Sequence[int]], aux_slot: int, decode_prefix_pages: int = 0
+    ) -> None:
         if self._state == KVPoll.WaitingForInput:
             self._state = KVPoll.Success
 

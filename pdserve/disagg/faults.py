@@ -35,7 +35,9 @@ class InjectedThreadDeath(BaseException):
 
 
 class FaultInjector:
-    def __init__(self, prob: float = 0.0, modes: str = FAIL_TRANSFER, delay_s: float = 1.0, seed: int = 0):
+    def __init__(
+        self, prob: float = 0.0, modes: str = FAIL_TRANSFER, delay_s: float = 1.0, seed: int = 0
+    ):
         self.prob = float(prob)
         self.modes = [m.strip() for m in modes.split(",") if m.strip()]
         self.delay_s = float(delay_s)
@@ -49,10 +51,12 @@ class FaultInjector:
         """The injector of one rank: off on ranks outside ``--disaggregation-fault-ranks``."""
         ranks = server_option(server_args, "disaggregation_fault_ranks")
         on = ranks is None or tp_rank in {int(r) for r in str(ranks).split(",") if r.strip()}
-        return cls(server_option(server_args, "disaggregation_fault_prob") if on else 0.0,
-                   server_option(server_args, "disaggregation_fault_mode"),
-                   server_option(server_args, "disaggregation_fault_delay"),
-                   int(server_option(server_args, "random_seed")))
+        return cls(
+            server_option(server_args, "disaggregation_fault_prob") if on else 0.0,
+            server_option(server_args, "disaggregation_fault_mode"),
+            server_option(server_args, "disaggregation_fault_delay"),
+            int(server_option(server_args, "random_seed")),
+        )
 
     @property
     def enabled(self) -> bool:

@@ -66,7 +66,9 @@ class KVArgs:
         keys = [r.key for r in self.regions]
         if len(set(keys)) != len(keys):
             dup = next(k for k in keys if keys.count(k) > 1)
-            raise ValueError(f"regions: two regions of cache group {dup[0]}, layer {dup[1]}, part {dup[2]!r}")
+            raise ValueError(
+                f"regions: two regions of cache group {dup[0]}, layer {dup[1]}, part {dup[2]!r}"
+            )
         n = {len(getattr(self, f"aux_{s}")) for s in ("data_ptrs", "data_lens", "item_lens")}
         if len(n) != 1:
             raise ValueError(f"aux_data_ptrs/lens/item_lens: lengths differ ({sorted(n)})")
@@ -74,9 +76,18 @@ class KVArgs:
             raise ValueError(f"page_size: must be >= 1, got {self.page_size}")
 
     @classmethod
-    def from_buffers(cls, kv_pools, metadata_buffers, *, engine_rank: int = 0, model_fingerprint: str = "",
-                     total_kv_head_num: Optional[int] = None, cache_groups: Optional[Sequence] = None,
-                     extra_regions: Sequence[Region] = (), **kwargs: Any) -> "KVArgs":
+    def from_buffers(
+        cls,
+        kv_pools,
+        metadata_buffers,
+        *,
+        engine_rank: int = 0,
+        model_fingerprint: str = "",
+        total_kv_head_num: Optional[int] = None,
+        cache_groups: Optional[Sequence] = None,
+        extra_regions: Sequence[Region] = (),
+        **kwargs: Any,
+    ) -> "KVArgs":
         """Build from the rank's pools (one, or one per cache group, with ``cache_groups``: the
         ``kv_spec.CacheGroup`` of each), its ``MetadataBuffers`` and ``extra_regions`` (regions
         addressed by a group's pages that no pool owns: the routed expert ids)."""
@@ -87,7 +98,9 @@ class KVArgs:
         regions, specs = [], []
         for g, pool in zip(cache_groups, pools):
             regions += pool.regions(g)
-            desc = {k: v for k, v in g.spec.describe().items() if k != "num_kv_heads"}  # heads differ across TP
+            desc = {
+                k: v for k, v in g.spec.describe().items() if k != "num_kv_heads"
+            }  # heads differ across TP
             specs += [{"layer": layer, "group": g.id, **desc} for layer in g.layers]
         heads = max((p.kv_heads for p in pools), default=0)
         aux = metadata_buffers.buffer_info()
@@ -95,7 +108,8 @@ class KVArgs:
             engine_rank=engine_rank,
             regions=regions + list(extra_regions),
             layer_specs=sorted(specs, key=lambda d: (d["layer"], d["group"])),
-            aux_data_ptrs=list(aux.data_ptrs), aux_data_lens=list(aux.data_lens),
+            aux_data_ptrs=list(aux.data_ptrs),
+            aux_data_lens=list(aux.data_lens),
             aux_item_lens=list(aux.item_lens),
             kv_head_num=heads,
             total_kv_head_num=total_kv_head_num if total_kv_head_num is not None else heads,
@@ -149,14 +163,23 @@ class KVArgs:
         return dataclasses.asdict(self)
 
 
-COMPAT_FIELDS = ("model_fingerprint", "num_layers", "kv_heads", "kv_dtype", "page_size", "layout", "layer_specs",
-                 "routed_experts", "grammar")
+COMPAT_FIELDS = (
+    "model_fingerprint",
+    "num_layers",
+    "kv_heads",
+    "kv_dtype",
+    "page_size",
+    "layout",
+    "layer_specs",
+    "routed_experts",
+    "grammar",
+)
 _HINTS = {
     "kv_dtype": " (give both servers the same --kv-cache-dtype or --dtype: --dtype auto measures on each server)",
     "routed_experts": " (start prefill and decode both with --enable-return-routed-experts, or neither: the ids "
-                      "travel with the KV pages)",
+    "travel with the KV pages)",
     "grammar": " (give both servers the same --grammar-backend and tokenizer: decode continues the grammar "
-               "from prefill's first token, so both must allow the same tokens)",
+    "from prefill's first token, so both must allow the same tokens)",
 }
 
 
@@ -175,12 +198,18 @@ def _layer_spec_mismatches(prefill: list[dict], decode: list[dict]) -> list[str]
         if d is None:
             theirs = [s for s in decode if s["layer"] == p["layer"]]
             if not theirs:
-                return [f"layer {p['layer']} cache: prefill has {_describe(p)}, decode has no such layer"]
-            return [f"layer {p['layer']} cache mismatch: prefill {_describe(p)} in group {p.get('group')}, decode "
-                    + ", ".join(f"{_describe(t)} in group {t.get('group')}" for t in theirs)]
+                return [
+                    f"layer {p['layer']} cache: prefill has {_describe(p)}, decode has no such layer"
+                ]
+            return [
+                f"layer {p['layer']} cache mismatch: prefill {_describe(p)} in group {p.get('group')}, decode "
+                + ", ".join(f"{_describe(t)} in group {t.get('group')}" for t in theirs)
+            ]
         if p != d:
-            return [f"layer {p['layer']} cache mismatch: prefill {_describe(p)} in group {p.get('group')}, "
-                    f"decode {_describe(d)} in group {d.get('group')}"]
+            return [
+                f"layer {p['layer']} cache mismatch: prefill {_describe(p)} in group {p.get('group')}, "
+                f"decode {_describe(d)} in group {d.get('group')}"
+            ]
     return []
 
 

@@ -53,9 +53,15 @@ def group_rows(regions: Sequence[Region], num_groups: int) -> list[int]:
     return [max(n, 0) for n in rows]
 
 
-def chunk_descriptors(src: Sequence[Region], dst: Sequence[Region], pair, src_pages: Sequence[Sequence[int]],
-                      dst_pages: Sequence[Sequence[int]], prefill_tp: int = 1, decode_tp: int = 1
-                      ) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def chunk_descriptors(
+    src: Sequence[Region],
+    dst: Sequence[Region],
+    pair,
+    src_pages: Sequence[Sequence[int]],
+    dst_pages: Sequence[Sequence[int]],
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
+) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Descriptors writing ``src_pages[g]`` of every group g of a prefill rank's regions ``src``
     into ``dst_pages[g]`` of the paired decode regions ``dst`` (``dst[i]`` pairs ``src[i]``).
     ``pair``: the ``rank_map.PairPlan`` between the two ranks (None: everything, whole pages).
@@ -72,8 +78,12 @@ def chunk_descriptors(src: Sequence[Region], dst: Sequence[Region], pair, src_pa
     for (g, split, item, dst_item, segments), idx in buckets.items():
         sp, dp = [src[i].ptr for i in idx], [dst[i].ptr for i in idx]
         s_pages, d_pages = src_pages[g], dst_pages[g]
-        whole = pair is None or split == "replicated" or (split == "heads" and pair.whole_pages) \
+        whole = (
+            pair is None
+            or split == "replicated"
+            or (split == "heads" and pair.whole_pages)
             or (split == "segments" and prefill_tp == decode_tp)
+        )
         if whole:
             # the same bytes on both sides: one descriptor per region and page run contiguous on both
             parts.append(region_descriptors(sp, dp, [item] * len(idx), s_pages, d_pages))
@@ -81,17 +91,41 @@ def chunk_descriptors(src: Sequence[Region], dst: Sequence[Region], pair, src_pa
             # this rank's slice of heads into the decode rank's pages at their offset: one
             # descriptor per (region, page)
             head = item // pair.src_heads  # bytes of one head's part of a page
-            parts.append(head_slice_descriptors(sp, dp, item, dst_item, s_pages, d_pages, pair.src_offset * head,
-                                                pair.dst_offset * head, pair.num_heads * head))
+            parts.append(
+                head_slice_descriptors(
+                    sp,
+                    dp,
+                    item,
+                    dst_item,
+                    s_pages,
+                    d_pages,
+                    pair.src_offset * head,
+                    pair.dst_offset * head,
+                    pair.num_heads * head,
+                )
+            )
         elif split == "segments":
             a, b = pair.parts
-            p0, d0 = pair.part_range(pair.prefill_rank, prefill_tp)[0], pair.part_range(pair.decode_rank, decode_tp)[0]
+            p0, d0 = (
+                pair.part_range(pair.prefill_rank, prefill_tp)[0],
+                pair.part_range(pair.decode_rank, decode_tp)[0],
+            )
             src_off = dst_off = 0
             for seg in segments:
                 unit = seg * prefill_tp // pair.num_parts  # bytes of one part of this segment
-                parts.append(head_slice_descriptors(sp, dp, item, dst_item, s_pages, d_pages,
-                                                    src_off + (a - p0) * unit, dst_off + (a - d0) * unit,
-                                                    (b - a) * unit))
+                parts.append(
+                    head_slice_descriptors(
+                        sp,
+                        dp,
+                        item,
+                        dst_item,
+                        s_pages,
+                        d_pages,
+                        src_off + (a - p0) * unit,
+                        dst_off + (a - d0) * unit,
+                        (b - a) * unit,
+                    )
+                )
                 src_off += seg
                 dst_off += seg * prefill_tp // decode_tp
     if not parts:

@@ -51,17 +51,27 @@ def _is_wildcard(host: str) -> bool:
 
 
 class KVManager:
-    def __init__(self, kv_args: KVArgs, mode: str, server_args: Any = None, backend_name: str = "local",
-                 bootstrap_host: Optional[str] = None):
+    def __init__(
+        self,
+        kv_args: KVArgs,
+        mode: str,
+        server_args: Any = None,
+        backend_name: str = "local",
+        bootstrap_host: Optional[str] = None,
+    ):
         if mode not in ("prefill", "decode"):
             raise ValueError(f"mode: must be 'prefill' or 'decode', got {mode!r}")
         self.kv_args = kv_args
         self.mode = mode
         self.server_args = server_args
         self.backend_name = backend_name
-        self.bootstrap_timeout = float(server_option(server_args, "disaggregation_bootstrap_timeout"))
+        self.bootstrap_timeout = float(
+            server_option(server_args, "disaggregation_bootstrap_timeout")
+        )
         self.waiting_timeout = float(server_option(server_args, "disaggregation_waiting_timeout"))
-        self.heartbeat_interval = float(server_option(server_args, "disaggregation_heartbeat_interval"))
+        self.heartbeat_interval = float(
+            server_option(server_args, "disaggregation_heartbeat_interval")
+        )
         self.heartbeat_misses = int(server_option(server_args, "disaggregation_heartbeat_misses"))
         host = str(server_option(server_args, "host"))
         self.bootstrap_host = bootstrap_host or ("127.0.0.1" if _is_wildcard(host) else host)
@@ -75,7 +85,9 @@ class KVManager:
 
         self.lock = threading.RLock()
         self.status = StatusTable()
-        self.backend = get_backend(backend_name)(mode, device=kv_args.device, server_args=server_args)
+        self.backend = get_backend(backend_name)(
+            mode, device=kv_args.device, server_args=server_args
+        )
         self.backend.register_regions(kv_args.buffers())
 
         self._ctx = zmq.Context()
@@ -100,7 +112,12 @@ class KVManager:
         self._io.start()
         if mode == "prefill":
             self.role.register_to_bootstrap()
-        logger.info("KV manager %s: control endpoint %s, backend %s", self.name, self.endpoint(), backend_name)
+        logger.info(
+            "KV manager %s: control endpoint %s, backend %s",
+            self.name,
+            self.endpoint(),
+            backend_name,
+        )
 
     # ---- endpoints and sockets ------------------------------------------------------------
     def local_ip(self, peer_host: Optional[str] = None) -> str:
@@ -130,7 +147,9 @@ class KVManager:
                 sock.send(data, zmq.NOBLOCK)
                 return True
             except zmq.ZMQError as e:
-                logger.warning("%s: cannot send %s to %s: %s", self.name, type(msg).__name__, endpoint, e)
+                logger.warning(
+                    "%s: cannot send %s to %s: %s", self.name, type(msg).__name__, endpoint, e
+                )
                 return False
 
     def drop_peer(self, endpoint: str) -> None:
@@ -146,7 +165,9 @@ class KVManager:
         with self.lock:
             return self.status.get(room)
 
-    def update_status(self, room: int, state: KVPoll, reason: str = "", create: bool = False) -> bool:
+    def update_status(
+        self, room: int, state: KVPoll, reason: str = "", create: bool = False
+    ) -> bool:
         """Apply ``state``; True when the room's state changed."""
         with self.lock:
             changed = self.status.update(room, state, reason, create)
@@ -194,8 +215,11 @@ class KVManager:
     def counts(self) -> dict:
         """Room and peer counts for integrity checks (no room may outlive its request)."""
         with self.lock:
-            return {"kv_rooms": len(self.status), **self.role.counts(),
-                    "rejected_control_messages": self.rejected_messages}
+            return {
+                "kv_rooms": len(self.status),
+                **self.role.counts(),
+                "rejected_control_messages": self.rejected_messages,
+            }
 
     # ---- shutdown -------------------------------------------------------------------------
     def close(self) -> None:
@@ -229,7 +253,9 @@ def get_kv_class(backend: str, kind: str):
     if kind not in KV_CLASS_KINDS:
         raise ValueError(f"kind: must be one of {KV_CLASS_KINDS}, got {kind!r}")
     if backend not in backend_names():
-        raise ValueError(f"unknown transfer backend {backend!r}; known: {', '.join(backend_names())}")
+        raise ValueError(
+            f"unknown transfer backend {backend!r}; known: {', '.join(backend_names())}"
+        )
     if kind == "kv_args":
         return KVArgs
     if kind == "bootstrap_server":
@@ -239,7 +265,11 @@ def get_kv_class(backend: str, kind: str):
     if backend == "fake":
         from pdserve.disagg import fake
 
-        return {"manager": fake.FakeKVManager, "sender": fake.FakeKVSender, "receiver": fake.FakeKVReceiver}[kind]
+        return {
+            "manager": fake.FakeKVManager,
+            "sender": fake.FakeKVSender,
+            "receiver": fake.FakeKVReceiver,
+        }[kind]
     if kind == "manager":
         return KVManager
     if kind == "sender":

@@ -54,12 +54,20 @@ class BufferDesc(msgspec.Struct):
 
     @classmethod
     def from_kv_args(cls, a) -> "BufferDesc":
-        return cls(regions=list(a.regions), aux_data_ptrs=list(a.aux_data_ptrs), aux_data_lens=list(a.aux_data_lens),
-                   aux_item_lens=list(a.aux_item_lens), gpu_id=a.gpu_id, device=a.device)
+        return cls(
+            regions=list(a.regions),
+            aux_data_ptrs=list(a.aux_data_ptrs),
+            aux_data_lens=list(a.aux_data_lens),
+            aux_item_lens=list(a.aux_item_lens),
+            gpu_id=a.gpu_id,
+            device=a.device,
+        )
 
     def spans(self) -> list[tuple[int, int]]:
         """Every (ptr, nbytes) of the buffers."""
-        return [(r.ptr, r.nbytes) for r in self.regions] + list(zip(self.aux_data_ptrs, self.aux_data_lens))
+        return [(r.ptr, r.nbytes) for r in self.regions] + list(
+            zip(self.aux_data_ptrs, self.aux_data_lens)
+        )
 
 
 class Register(Message, tag="register"):
@@ -129,7 +137,9 @@ class Heartbeat(Message, tag="heartbeat"):
     known: bool = True  # on acks: False when the prefill rank does not know the session (restarted)
 
 
-AnyMessage = Union[Register, RegisterAck, TransferRequest, TransferStatus, Abort, AbortAck, Heartbeat]
+AnyMessage = Union[
+    Register, RegisterAck, TransferRequest, TransferStatus, Abort, AbortAck, Heartbeat
+]
 MESSAGE_TYPES = {cls.__struct_config__.tag: cls for cls in AnyMessage.__args__}
 
 
@@ -157,7 +167,9 @@ class MessageCodec:
         if self.secret is None:
             return _encoder.encode(msg)
         unsigned = msgspec.structs.replace(msg, auth=b"")
-        return _encoder.encode(msgspec.structs.replace(msg, auth=message_tag(self.secret, _encoder.encode(unsigned))))
+        return _encoder.encode(
+            msgspec.structs.replace(msg, auth=message_tag(self.secret, _encoder.encode(unsigned)))
+        )
 
     def decode(self, data: bytes) -> AnyMessage:
         try:
@@ -166,7 +178,8 @@ class MessageCodec:
             raise ProtocolError(f"malformed control message: {e}") from None
         if header.v != PROTOCOL_VERSION:
             raise ProtocolError(
-                f"unsupported control protocol version {header.v!r} (this side speaks {PROTOCOL_VERSION})")
+                f"unsupported control protocol version {header.v!r} (this side speaks {PROTOCOL_VERSION})"
+            )
         if header.type not in MESSAGE_TYPES:
             raise ProtocolError(f"unknown control message type {header.type!r}")
         try:
@@ -175,10 +188,16 @@ class MessageCodec:
             raise ProtocolError(f"invalid {header.type} message: {e}") from None
         if self.secret is not None:
             if not msg.auth:
-                raise AuthError(f"unauthenticated {header.type} message (this side requires --disaggregation-secret)")
-            expected = message_tag(self.secret, _encoder.encode(msgspec.structs.replace(msg, auth=b"")))
+                raise AuthError(
+                    f"unauthenticated {header.type} message (this side requires --disaggregation-secret)"
+                )
+            expected = message_tag(
+                self.secret, _encoder.encode(msgspec.structs.replace(msg, auth=b""))
+            )
             if not hmac.compare_digest(expected, msg.auth):
-                raise AuthError(f"{header.type} message with a bad HMAC (forged, tampered, or a different secret)")
+                raise AuthError(
+                    f"{header.type} message with a bad HMAC (forged, tampered, or a different secret)"
+                )
         return msg
 
 
@@ -208,7 +227,7 @@ def parse_completion_notice(msg: bytes) -> Optional[tuple[int, int, int]]:
     if not msg.startswith(NOTICE_PREFIX):
         return None
     try:
-        room, generation, rank = (int(x) for x in msg[len(NOTICE_PREFIX):].split(b":"))
+        room, generation, rank = (int(x) for x in msg[len(NOTICE_PREFIX) :].split(b":"))
     except ValueError:
         return None
     return room, generation, rank

@@ -75,8 +75,14 @@ class MetadataBuffers:
     """Row buffers indexed by slot (see ``SlotAllocator``). Not thread-safe: the scheduler owns
     it; the transfer layer only reads/writes raw rows through the registered pointers."""
 
-    def __init__(self, num_slots: int, hidden_size: int = 0, hidden_dtype: torch.dtype = torch.float32,
-                 allocator: BufferAllocator = default_allocator, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_slots: int,
+        hidden_size: int = 0,
+        hidden_dtype: torch.dtype = torch.float32,
+        allocator: BufferAllocator = default_allocator,
+        device: torch.device | str = "cpu",
+    ):
         if num_slots < 1:
             raise ValueError(f"num_slots: must be >= 1, got {num_slots}")
         self.num_slots = num_slots
@@ -90,14 +96,16 @@ class MetadataBuffers:
             total += num_slots * width * torch.empty((), dtype=dtype).element_size()
         raw = allocator(total, self.device)
         if raw.numel() != total or raw.dtype != torch.uint8:
-            raise ValueError(f"allocator returned {raw.numel()} {raw.dtype} bytes, expected {total} uint8")
+            raise ValueError(
+                f"allocator returned {raw.numel()} {raw.dtype} bytes, expected {total} uint8"
+            )
         self._raw = raw
         self.names = [name for name, _, _ in spec]
         self.buffers: dict[str, torch.Tensor] = {}
         for (name, dtype, width), off in zip(spec, offsets):
             nbytes = num_slots * width * torch.empty((), dtype=dtype).element_size()
             # [num_slots, width]
-            self.buffers[name] = raw[off:off + nbytes].view(dtype).view(num_slots, width)
+            self.buffers[name] = raw[off : off + nbytes].view(dtype).view(num_slots, width)
         self.buffers["bootstrap_room"].fill_(EMPTY_ROOM)
 
     def __getattr__(self, name: str) -> torch.Tensor:
@@ -116,15 +124,24 @@ class MetadataBuffers:
             names=list(self.names),
         )
 
-    def set_row(self, slot: int, room: int, first_token: int, logprob: Optional[float] = None,
-                top_logprobs: Optional[Sequence[tuple[float, int]]] = None,
-                cached_tokens: Sequence[int] = (0, 0, 0, 0),
-                topk_p: Optional[Sequence[float]] = None, topk_index: Optional[Sequence[int]] = None,
-                hidden_states: Optional[torch.Tensor] = None) -> None:
+    def set_row(
+        self,
+        slot: int,
+        room: int,
+        first_token: int,
+        logprob: Optional[float] = None,
+        top_logprobs: Optional[Sequence[tuple[float, int]]] = None,
+        cached_tokens: Sequence[int] = (0, 0, 0, 0),
+        topk_p: Optional[Sequence[float]] = None,
+        topk_index: Optional[Sequence[int]] = None,
+        hidden_states: Optional[torch.Tensor] = None,
+    ) -> None:
         b = self.buffers
         top = list(top_logprobs or [])
         if len(top) > b["output_top_logprobs_val"].shape[1]:
-            raise ValueError(f"top_logprobs: at most {b['output_top_logprobs_val'].shape[1]}, got {len(top)}")
+            raise ValueError(
+                f"top_logprobs: at most {b['output_top_logprobs_val'].shape[1]}, got {len(top)}"
+            )
         for name in self.names:
             if name != "bootstrap_room":
                 b[name][slot].zero_()
@@ -135,36 +152,50 @@ class MetadataBuffers:
             b["output_token_logprobs_val"][slot, 0] = logprob
             b["output_token_logprobs_idx"][slot, 0] = first_token
         if top:
-            b["output_top_logprobs_val"][slot, :len(top)] = torch.tensor([lp for lp, _ in top])
-            b["output_top_logprobs_idx"][slot, :len(top)] = torch.tensor([t for _, t in top], dtype=torch.int32)
+            b["output_top_logprobs_val"][slot, : len(top)] = torch.tensor([lp for lp, _ in top])
+            b["output_top_logprobs_idx"][slot, : len(top)] = torch.tensor(
+                [t for _, t in top], dtype=torch.int32
+            )
         cached = list(cached_tokens)[:4]
-        b["cached_tokens"][slot, :len(cached)] = torch.tensor(cached, dtype=torch.int32)
+        b["cached_tokens"][slot, : len(cached)] = torch.tensor(cached, dtype=torch.int32)
         if topk_p is not None:
-            b["output_topk_p"][slot, :len(topk_p)] = torch.as_tensor(list(topk_p), dtype=torch.float32)
+            b["output_topk_p"][slot, : len(topk_p)] = torch.as_tensor(
+                list(topk_p), dtype=torch.float32
+            )
         if topk_index is not None:
-            b["output_topk_index"][slot, :len(topk_index)] = torch.as_tensor(list(topk_index), dtype=torch.int64)
+            b["output_topk_index"][slot, : len(topk_index)] = torch.as_tensor(
+                list(topk_index), dtype=torch.int64
+            )
         if hidden_states is not None:
             if "output_hidden_states" not in b:
                 raise ValueError("hidden_states: these buffers were built with hidden_size=0")
             h = hidden_states.reshape(-1)
-            b["output_hidden_states"][slot, :h.numel()] = h
+            b["output_hidden_states"][slot, : h.numel()] = h
         b["bootstrap_room"][slot, 0] = room  # last
 
     def get_row(self, slot: int) -> MetadataRow:
         b = self.buffers
         ids = b["output_ids"][slot].tolist()
         n_top = ids[_OUT_NUM_TOP]
-        top = list(zip(b["output_top_logprobs_val"][slot, :n_top].tolist(),
-                       b["output_top_logprobs_idx"][slot, :n_top].tolist()))
+        top = list(
+            zip(
+                b["output_top_logprobs_val"][slot, :n_top].tolist(),
+                b["output_top_logprobs_idx"][slot, :n_top].tolist(),
+            )
+        )
         return MetadataRow(
             room=int(b["bootstrap_room"][slot, 0]),
             first_token=ids[_OUT_TOKEN],
-            logprob=float(b["output_token_logprobs_val"][slot, 0]) if ids[_OUT_HAS_LOGPROB] else None,
+            logprob=float(b["output_token_logprobs_val"][slot, 0])
+            if ids[_OUT_HAS_LOGPROB]
+            else None,
             top_logprobs=top,
             cached_tokens=tuple(b["cached_tokens"][slot, :4].tolist()),
             topk_p=b["output_topk_p"][slot].tolist(),
             topk_index=b["output_topk_index"][slot].tolist(),
-            hidden_states=b["output_hidden_states"][slot, :self.hidden_size].clone() if "output_hidden_states" in b else None,
+            hidden_states=b["output_hidden_states"][slot, : self.hidden_size].clone()
+            if "output_hidden_states" in b
+            else None,
         )
 
     def row_room(self, slot: int) -> int:

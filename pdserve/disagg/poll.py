@@ -105,7 +105,9 @@ def poll_and_all_reduce(pollers: Sequence[Pollable], group=None) -> list[KVPoll]
     failed = [i for i, v in enumerate(reduced) if v == KVPoll.Failed]
     if failed:  # every rank sees the same reduced states, so every rank takes this branch
         mine = [pollers[i].failure_reason() if values[i] == KVPoll.Failed else "" for i in failed]
-        ranks = [msgspec.msgpack.decode(b) for b in all_gather_bytes(msgspec.msgpack.encode(mine), group)]
+        ranks = [
+            msgspec.msgpack.decode(b) for b in all_gather_bytes(msgspec.msgpack.encode(mine), group)
+        ]
         for k, i in enumerate(failed):
             reason = next((r[k] for r in ranks if r[k]), "") or "KV transfer failed on another rank"
             if values[i] != KVPoll.Failed or not mine[k]:

@@ -58,7 +58,9 @@ class _PrefillState:
 
 
 class PrefillQueues:
-    def __init__(self, scheduler, mgr, metadata: MetadataBuffers, sender_cls, fake_sender_cls, group=None):
+    def __init__(
+        self, scheduler, mgr, metadata: MetadataBuffers, sender_cls, fake_sender_cls, group=None
+    ):
         self.s = scheduler
         self.mgr = mgr
         self.meta = metadata
@@ -71,7 +73,9 @@ class PrefillQueues:
         # per finished transfer: bytes moved and timings (served in /server_info for benchmarks)
         self.recent_transfers: deque[dict] = deque(maxlen=256)
         self.kv_bytes_sent = 0  # by this rank, over all finished transfers
-        self.transfer_rate: Optional[float] = None  # bytes/s of recent transfers (moving average), for routers
+        self.transfer_rate: Optional[float] = (
+            None  # bytes/s of recent transfers (moving average), for routers
+        )
         self.keepalive_s = min(1.0, scheduler.args.disaggregation_waiting_timeout / 4)
         self._next_keepalive = 0.0
         self._dp_publisher: Optional[ThreadPoolExecutor] = None
@@ -85,7 +89,11 @@ class PrefillQueues:
 
     def add(self, req: Req) -> None:
         req.sampling.max_new_tokens = 1
-        if req.bootstrap_host is None or is_fake_host(req.bootstrap_host) or req.bootstrap_room is None:
+        if (
+            req.bootstrap_host is None
+            or is_fake_host(req.bootstrap_host)
+            or req.bootstrap_room is None
+        ):
             sender = self.fake_sender_cls(None, "", req.bootstrap_room or 0)
         else:
             addr = f"{req.bootstrap_host}:{req.bootstrap_port or self.s.args.disaggregation_bootstrap_port}"
@@ -101,12 +109,16 @@ class PrefillQueues:
         if a is None or a.dp_size == 1 or a.engine_rank != 0 or a.pp_rank != 0:
             return
         if self._dp_publisher is None:
-            self._dp_publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-dp-publish")
+            self._dp_publisher = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="pd-dp-publish"
+            )
         host, port = parse_addr(addr)
 
         def publish() -> None:
             try:
-                register_dp_rank(host, port, room, a.system_dp_rank, secret=getattr(self.mgr, "secret", None))
+                register_dp_rank(
+                    host, port, room, a.system_dp_rank, secret=getattr(self.mgr, "secret", None)
+                )
             except Exception as e:  # decode then times out on the look-up, naming the room
                 logger.warning("could not record room %d's DP group at %s: %s", room, addr, e)
 
@@ -129,9 +141,14 @@ class PrefillQueues:
 
     def integrity(self) -> dict:
         counts = self.mgr.counts() if hasattr(self.mgr, "counts") else {}
-        return {"metadata_slots_total": self.slots.num_slots, "metadata_slots_free": self.slots.num_free(),
-                "bootstrap_queue": len(self.bootstrap), "inflight_queue": len(self.inflight),
-                "kv_bytes_sent": self.kv_bytes_sent, **counts}
+        return {
+            "metadata_slots_total": self.slots.num_slots,
+            "metadata_slots_free": self.slots.num_free(),
+            "bootstrap_queue": len(self.bootstrap),
+            "inflight_queue": len(self.inflight),
+            "kv_bytes_sent": self.kv_bytes_sent,
+            **counts,
+        }
 
     def discard(self, req: Req) -> None:
         """The request ended (finished, failed or aborted): leave the queues, free the slot."""
@@ -143,7 +160,9 @@ class PrefillQueues:
         if req in self.inflight:
             self.inflight.remove(req)
         if req.finish_reason is not None and req.finish_reason.kind == FinishKind.ABORT:
-            st.sender.abort(f"prefill request aborted: {req.finish_reason.message or 'no reason given'}")
+            st.sender.abort(
+                f"prefill request aborted: {req.finish_reason.message or 'no reason given'}"
+            )
         st.sender.clear()
         if st.slot is not None:
             self.slots.free(st.slot)
@@ -194,7 +213,9 @@ class PrefillQueues:
         for req, state in zip(list(self.bootstrap), states):
             st: _PrefillState = req.disagg
             if state == KVPoll.Failed:
-                self._fail(req, st.sender.failure_reason() or "KV transfer failed while bootstrapping")
+                self._fail(
+                    req, st.sender.failure_reason() or "KV transfer failed while bootstrapping"
+                )
             elif state >= KVPoll.WaitingForInput:
                 slot = self.slots.alloc()
                 if slot is None:
@@ -205,7 +226,10 @@ class PrefillQueues:
                 # prefill's cache) but not sent
                 st.decode_prefix = st.sender.decode_prefix_pages()
                 kv = self.s.kv
-                st.starts = [kv.transfer_start(g, req.prompt_len, st.decode_prefix) for g in range(kv.num_groups)]
+                st.starts = [
+                    kv.transfer_start(g, req.prompt_len, st.decode_prefix)
+                    for g in range(kv.num_groups)
+                ]
                 st.sender.init([num_pages - start for start in st.starts], slot)
                 self.bootstrap.remove(req)
                 req.mark("bootstrapped")
@@ -228,19 +252,30 @@ class PrefillQueues:
         if st.first_send is None or req.bootstrap_room is None:
             return
         now = time.monotonic()
-        descriptors, nbytes = st.sender.written()  # this rank's writes, into every decode rank it serves
+        descriptors, nbytes = (
+            st.sender.written()
+        )  # this rank's writes, into every decode rank it serves
         window = now - st.first_send
         self.kv_bytes_sent += nbytes
         if window > 0 and nbytes:
             rate = nbytes / window
-            self.transfer_rate = rate if self.transfer_rate is None else 0.8 * self.transfer_rate + 0.2 * rate
-        self.recent_transfers.append({
-            "rid": req.rid, "room": req.bootstrap_room, "pages": sum(st.sender.sent_pages),
-            "pages_per_group": list(st.sender.sent_pages),
-            "decode_prefix_pages": st.decode_prefix, "kv_bytes": nbytes,
-            "descriptors": descriptors, "window_s": window, "after_last_chunk_s": now - st.last_send,
-            "gb_per_s": nbytes / window / 1e9 if window > 0 else None,
-        })
+            self.transfer_rate = (
+                rate if self.transfer_rate is None else 0.8 * self.transfer_rate + 0.2 * rate
+            )
+        self.recent_transfers.append(
+            {
+                "rid": req.rid,
+                "room": req.bootstrap_room,
+                "pages": sum(st.sender.sent_pages),
+                "pages_per_group": list(st.sender.sent_pages),
+                "decode_prefix_pages": st.decode_prefix,
+                "kv_bytes": nbytes,
+                "descriptors": descriptors,
+                "window_s": window,
+                "after_last_chunk_s": now - st.last_send,
+                "gb_per_s": nbytes / window / 1e9 if window > 0 else None,
+            }
+        )
 
     def queues(self) -> dict[str, int]:
         """Requests in this role's queues (``GET /get_load``): waiting for decode's pages, or
@@ -248,8 +283,11 @@ class PrefillQueues:
         return {"bootstrap_queue": len(self.bootstrap), "inflight_queue": len(self.inflight)}
 
     def stats(self) -> dict:
-        out: dict = {"recent_transfers": list(self.recent_transfers), **self.queues(),
-                     "kv_bytes_sent": self.kv_bytes_sent}
+        out: dict = {
+            "recent_transfers": list(self.recent_transfers),
+            **self.queues(),
+            "kv_bytes_sent": self.kv_bytes_sent,
+        }
         if hasattr(self.mgr, "faults"):
             out["disaggregation_faults"] = self.mgr.faults.stats()
             out["transfer_worker_restarts"] = self.mgr.role.workers.restarts
@@ -263,8 +301,10 @@ class PrefillQueues:
             return
         kv, full = self.s.kv, req.kv_len // self.s.page_size
         # groups whose pages are final once computed go now; the others (a window) after the last chunk
-        pages = [kv.send_pages(req, g, sent, full) if kv.sent_with_chunks(g) and full > sent else []
-                 for g, sent in enumerate(st.sent_pages)]
+        pages = [
+            kv.send_pages(req, g, sent, full) if kv.sent_with_chunks(g) and full > sent else []
+            for g, sent in enumerate(st.sent_pages)
+        ]
         if any(pages):
             st.first_send = st.first_send or time.monotonic()
             st.sender.send(pages, last_chunk=False)
@@ -276,10 +316,19 @@ class PrefillQueues:
         tok = req.output_ids[0]
         logprob = req.output_token_logprobs[0][0] if req.output_token_logprobs else None
         top = req.output_top_logprobs[0] if req.output_top_logprobs else None
-        self.meta.set_row(st.slot, req.bootstrap_room or 0, tok, logprob=logprob, top_logprobs=top,
-                          cached_tokens=(req.cached_tokens, req.cached_tokens, 0, 0))
+        self.meta.set_row(
+            st.slot,
+            req.bootstrap_room or 0,
+            tok,
+            logprob=logprob,
+            top_logprobs=top,
+            cached_tokens=(req.cached_tokens, req.cached_tokens, 0, 0),
+        )
         st.last_send = time.monotonic()
         st.first_send = st.first_send or st.last_send
-        st.sender.send([self.s.kv.send_pages(req, g, sent) for g, sent in enumerate(st.sent_pages)], last_chunk=True)
+        st.sender.send(
+            [self.s.kv.send_pages(req, g, sent) for g, sent in enumerate(st.sent_pages)],
+            last_chunk=True,
+        )
         self.s.running.remove(req)
         self.inflight.append(req)

@@ -30,12 +30,24 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pdserve.disagg.bootstrap import register_rank
-from pdserve.disagg.destinations import DestinationGuard, dst_regions, pair_plan, registration_errors
-from pdserve.disagg.messages import Abort, Heartbeat, Register, RegisterAck, TransferRequest, TransferStatus
+from pdserve.disagg.destinations import (
+    DestinationGuard,
+    dst_regions,
+    pair_plan,
+    registration_errors,
+)
+from pdserve.disagg.messages import (
+    Abort,
+    Heartbeat,
+    Register,
+    RegisterAck,
+    TransferRequest,
+    TransferStatus,
+)
 from pdserve.disagg.poll import KVPoll
 from pdserve.disagg.rank_map import PairPlan
-from pdserve.kv_region import Region
 from pdserve.disagg.writer import TransferWorkers
+from pdserve.kv_region import Region
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +64,9 @@ class _Session:
     reg: Register
     guard: DestinationGuard
     error: str = ""
-    dst_regions: list[Region] = field(default_factory=list)  # decode's region paired with each of this rank's
+    dst_regions: list[Region] = field(
+        default_factory=list
+    )  # decode's region paired with each of this rank's
     last_seen: float = 0.0  # last message from the session (heartbeats keep it fresh)
     pair: Optional[PairPlan] = None  # what this rank writes into that decode rank
 
@@ -81,7 +95,9 @@ class PrefillRole:
         # TransferRequest or sender for them fails at once instead of waiting for a timeout
         self._tombstones: OrderedDict[int, str] = OrderedDict()
         self.failed_here: set[int] = set()  # rooms that failed through this prefill's own fault
-        self._written: dict[int, list[int]] = {}  # room -> [KV descriptors, KV bytes] written so far
+        self._written: dict[
+            int, list[int]
+        ] = {}  # room -> [KV descriptors, KV bytes] written so far
         self.workers = TransferWorkers(self, NUM_TRANSFER_WORKERS)
         self._next_sweep = 0.0
         self.dead_after_s = mgr.heartbeat_interval * mgr.heartbeat_misses
@@ -89,11 +105,19 @@ class PrefillRole:
     # ---- bootstrap ------------------------------------------------------------------------
     def register_to_bootstrap(self) -> None:
         a, m = self.mgr.kv_args, self.mgr
-        info = {"tp_size": a.tp_size, "tp_rank": a.engine_rank,
-                "dp_size": a.dp_size, "dp_rank": a.system_dp_rank, "pp_size": a.pp_size, "pp_rank": a.pp_rank,
-                "rank_ip": m.local_ip(m.bootstrap_host), "rank_port": m.port,
-                # the pipeline stage's layers: it writes only these into decode's pool
-                "start_layer": a.prefill_start_layer, "end_layer": a.prefill_start_layer + a.num_local_layers}
+        info = {
+            "tp_size": a.tp_size,
+            "tp_rank": a.engine_rank,
+            "dp_size": a.dp_size,
+            "dp_rank": a.system_dp_rank,
+            "pp_size": a.pp_size,
+            "pp_rank": a.pp_rank,
+            "rank_ip": m.local_ip(m.bootstrap_host),
+            "rank_port": m.port,
+            # the pipeline stage's layers: it writes only these into decode's pool
+            "start_layer": a.prefill_start_layer,
+            "end_layer": a.prefill_start_layer + a.num_local_layers,
+        }
         info.update(a.compat_info())
         register_rank(m.bootstrap_host, m.bootstrap_port, info, secret=m.secret)
 
@@ -110,10 +134,20 @@ class PrefillRole:
                 s = self.sessions.get(msg.session_id)
                 if s is not None:
                     s.last_seen = time.monotonic()
-            self.mgr.send(msg.reply_endpoint, Heartbeat(session_id=msg.session_id, seq=msg.seq, ack=True,
-                                                        prefill_rank=self.rank, known=s is not None))
+            self.mgr.send(
+                msg.reply_endpoint,
+                Heartbeat(
+                    session_id=msg.session_id,
+                    seq=msg.seq,
+                    ack=True,
+                    prefill_rank=self.rank,
+                    known=s is not None,
+                ),
+            )
         else:
-            logger.warning("%s: unexpected %s from a decode rank", self.mgr.name, type(msg).__name__)
+            logger.warning(
+                "%s: unexpected %s from a decode rank", self.mgr.name, type(msg).__name__
+            )
 
     def _on_register(self, msg: Register) -> None:
         errs = registration_errors(self.mgr.kv_args, msg, self.mgr.backend_name)
@@ -126,20 +160,44 @@ class PrefillRole:
                 errs.append(f"cannot attach to decode buffers: {e}")
         pair = None if errs else pair_plan(a, msg)
         regions = [msg.buffers.regions[j] for j in paired]
-        guard = DestinationGuard(msg.buffers, regions, a.num_groups, empty=pair is not None and pair.empty)
-        sess = _Session(msg.session_id, msg.reply_endpoint, msg, guard, "; ".join(errs), regions, time.monotonic(),
-                        pair)
+        guard = DestinationGuard(
+            msg.buffers, regions, a.num_groups, empty=pair is not None and pair.empty
+        )
+        sess = _Session(
+            msg.session_id,
+            msg.reply_endpoint,
+            msg,
+            guard,
+            "; ".join(errs),
+            regions,
+            time.monotonic(),
+            pair,
+        )
         with self.mgr.lock:
             self.sessions[msg.session_id] = sess
         if errs:
-            logger.warning("%s: rejected decode registration from %s: %s", self.mgr.name, msg.reply_endpoint,
-                           sess.error)
+            logger.warning(
+                "%s: rejected decode registration from %s: %s",
+                self.mgr.name,
+                msg.reply_endpoint,
+                sess.error,
+            )
         else:
-            logger.info("%s: decode rank %d registered (%s)%s", self.mgr.name, msg.decode_rank, msg.reply_endpoint,
-                        "; it reads none of this rank's bytes, this rank only concludes its rooms"
-                        if pair.empty else "")
-        self.mgr.send(msg.reply_endpoint, RegisterAck(session_id=msg.session_id, prefill_rank=self.rank,
-                                                      ok=not errs, error=sess.error))
+            logger.info(
+                "%s: decode rank %d registered (%s)%s",
+                self.mgr.name,
+                msg.decode_rank,
+                msg.reply_endpoint,
+                "; it reads none of this rank's bytes, this rank only concludes its rooms"
+                if pair.empty
+                else "",
+            )
+        self.mgr.send(
+            msg.reply_endpoint,
+            RegisterAck(
+                session_id=msg.session_id, prefill_rank=self.rank, ok=not errs, error=sess.error
+            ),
+        )
 
     def _on_transfer_request(self, msg: TransferRequest) -> None:
         m = self.mgr
@@ -154,8 +212,11 @@ class PrefillRole:
                 reason = sess.error
             elif msg.room in self._tombstones:
                 reason = f"prefill already ended room {msg.room}: {self._tombstones[msg.room]}"
-            elif (old is not None and old.generation != msg.generation
-                  and m.status.get(msg.room) in (KVPoll.Transferring, KVPoll.Success)):
+            elif (
+                old is not None
+                and old.generation != msg.generation
+                and m.status.get(msg.room) in (KVPoll.Transferring, KVPoll.Success)
+            ):
                 # fence: never redirect writes of a transfer in progress to new pages
                 reason = f"decode re-requested room {msg.room} while its transfer was in progress"
                 m.update_status(msg.room, KVPoll.Failed, reason)
@@ -163,8 +224,13 @@ class PrefillRole:
                 reason = sess.guard.check(msg)
                 refused = bool(reason)
                 if refused:
-                    logger.warning("%s: refused transfer request for room %d from %s: %s", m.name, msg.room,
-                                   sess.peer, reason)
+                    logger.warning(
+                        "%s: refused transfer request for room %d from %s: %s",
+                        m.name,
+                        msg.room,
+                        sess.peer,
+                        reason,
+                    )
             if not reason:
                 sess.last_seen = time.monotonic()
                 sess.guard.claim(msg)
@@ -181,11 +247,23 @@ class PrefillRole:
         if reason:
             endpoint = sess.reply_endpoint if sess is not None else msg.reply_endpoint
             if not endpoint:
-                logger.warning("%s: transfer request for room %d from unknown session %s", m.name, msg.room,
-                               msg.session_id)
+                logger.warning(
+                    "%s: transfer request for room %d from unknown session %s",
+                    m.name,
+                    msg.room,
+                    msg.session_id,
+                )
                 return
-            m.send(endpoint, TransferStatus(room=msg.room, generation=msg.generation, state=int(KVPoll.Failed),
-                                            prefill_rank=self.rank, reason=reason))
+            m.send(
+                endpoint,
+                TransferStatus(
+                    room=msg.room,
+                    generation=msg.generation,
+                    state=int(KVPoll.Failed),
+                    prefill_rank=self.rank,
+                    reason=reason,
+                ),
+            )
 
     def _on_abort(self, msg: Abort) -> None:
         reason = f"aborted by decode: {msg.reason}"
@@ -212,7 +290,11 @@ class PrefillRole:
         orphan_after = m.bootstrap_timeout + m.waiting_timeout
         with m.lock:
             # requests whose prefill-side request never arrived (or was already released)
-            for room in [r.room for r in self.rooms.values() if not r.has_sender and now - r.created > orphan_after]:
+            for room in [
+                r.room
+                for r in self.rooms.values()
+                if not r.has_sender and now - r.created > orphan_after
+            ]:
                 self.rooms.pop(room, None)
                 m.status.clear(room)
                 self._bury(room, "the room expired before this prefill received the request")
@@ -224,10 +306,15 @@ class PrefillRole:
             dead = [s for s in self.sessions.values() if now - s.last_seen > self.dead_after_s]
             for s in dead:
                 del self.sessions[s.session_id]
-            lost = {s.session_id: [r.room for r in self.rooms.values() if s.session_id in r.dsts] for s in dead}
+            lost = {
+                s.session_id: [r.room for r in self.rooms.values() if s.session_id in r.dsts]
+                for s in dead
+            }
         for s in dead:
             rooms = lost[s.session_id]
-            reason = f"decode instance {s.peer} unreachable (no heartbeat for {now - s.last_seen:.1f}s)"
+            reason = (
+                f"decode instance {s.peer} unreachable (no heartbeat for {now - s.last_seen:.1f}s)"
+            )
             for room in rooms:
                 self.fail(room, reason)
             if rooms:
@@ -293,7 +380,9 @@ class PrefillRole:
             if st == KVPoll.Failed:
                 self._bury(room, "failed: " + (self.mgr.status.reason(room) or "unknown reason"))
             elif st is not None:
-                self._bury(room, "finished" if st == KVPoll.Success else "released before its transfer")
+                self._bury(
+                    room, "finished" if st == KVPoll.Success else "released before its transfer"
+                )
             self.rooms.pop(room, None)
             self.mgr.status.clear(room)
             self.failed_here.discard(room)
@@ -305,7 +394,10 @@ class PrefillRole:
         self.workers.close()
 
     def counts(self) -> dict:
-        return {"kv_peer_sessions": len(self.sessions), "kv_dst_claims": sum(s.guard.rooms for s in self.sessions.values())}
+        return {
+            "kv_peer_sessions": len(self.sessions),
+            "kv_dst_claims": sum(s.guard.rooms for s in self.sessions.values()),
+        }
 
     def destinations(self, room: int, writing_only: bool = False) -> list[TransferRequest]:
         """The transfer requests decode ranks sent for ``room`` so far (caller holds the lock).
@@ -313,7 +405,9 @@ class PrefillRole:
         r = self.rooms.get(room)
         if r is None:
             return []
-        return [req for sid, req in r.dsts.items() if not (writing_only and self._writes_nothing(sid))]
+        return [
+            req for sid, req in r.dsts.items() if not (writing_only and self._writes_nothing(sid))
+        ]
 
     def _writes_nothing(self, session_id: str) -> bool:
         s = self.sessions.get(session_id)

@@ -77,7 +77,9 @@ class PairPlan:
         return rank * n, (rank + 1) * n
 
 
-def _head_runs(prefill_tp: int, decode_tp: int, kv_heads: int, num_heads: int, d: int) -> dict[int, dict]:
+def _head_runs(
+    prefill_tp: int, decode_tp: int, kv_heads: int, num_heads: int, d: int
+) -> dict[int, dict]:
     p_ranges = [kv_heads_for_rank(kv_heads, num_heads, p, prefill_tp) for p in range(prefill_tp)]
     d0, d1 = kv_heads_for_rank(kv_heads, num_heads, d, decode_tp)
     runs: list[list[int]] = []  # [prefill rank, first head, end head]
@@ -91,16 +93,28 @@ def _head_runs(prefill_tp: int, decode_tp: int, kv_heads: int, num_heads: int, d
     out: dict[int, dict] = {}
     for p, h0, h1 in runs:
         if p in out:
-            raise ValueError(f"decode rank {d} would read two runs of KV heads from prefill rank {p}")
+            raise ValueError(
+                f"decode rank {d} would read two runs of KV heads from prefill rank {p}"
+            )
         pa, pb = p_ranges[p]
-        out[p] = {"heads": (h0, h1), "src_offset": h0 - pa, "dst_offset": h0 - d0, "src_heads": pb - pa,
-                  "dst_heads": d1 - d0}
+        out[p] = {
+            "heads": (h0, h1),
+            "src_offset": h0 - pa,
+            "dst_offset": h0 - d0,
+            "src_heads": pb - pa,
+            "dst_heads": d1 - d0,
+        }
     return out
 
 
 @lru_cache(maxsize=64)
-def plan(prefill_tp: int, decode_tp: int, kv_heads: int, num_heads: int,
-         splits: tuple[str, ...] = ("heads",)) -> tuple[PairPlan, ...]:
+def plan(
+    prefill_tp: int,
+    decode_tp: int,
+    kv_heads: int,
+    num_heads: int,
+    splits: tuple[str, ...] = ("heads",),
+) -> tuple[PairPlan, ...]:
     """Every (prefill rank -> decode rank) pair, for regions of the given ``splits``. Raises
     ValueError when a side's TP size cannot hold the model's heads (see ``kv_heads_for_rank``)."""
     num_heads = num_heads or kv_heads  # unknown query heads: MHA
@@ -121,7 +135,10 @@ def plan(prefill_tp: int, decode_tp: int, kv_heads: int, num_heads: int,
         if not pairs:  # nothing at all to move (no regions): the plain pairing, empty
             pairs[d % prefill_tp] = {}
         meta = min(pairs)
-        out += [PairPlan(p, d, writes_metadata=p == meta, num_parts=parts, **f) for p, f in sorted(pairs.items())]
+        out += [
+            PairPlan(p, d, writes_metadata=p == meta, num_parts=parts, **f)
+            for p, f in sorted(pairs.items())
+        ]
     writing = {s.prefill_rank for s in out}
     for p in range(prefill_tp):  # everything p holds is read from other ranks: an empty pair
         if p not in writing:
@@ -129,29 +146,63 @@ def plan(prefill_tp: int, decode_tp: int, kv_heads: int, num_heads: int,
     return tuple(out)
 
 
-def sources(prefill_tp: int, decode_tp: int, kv_heads: int, num_heads: int, decode_rank: int,
-            splits: tuple[str, ...] = ("heads",)) -> list[PairPlan]:
+def sources(
+    prefill_tp: int,
+    decode_tp: int,
+    kv_heads: int,
+    num_heads: int,
+    decode_rank: int,
+    splits: tuple[str, ...] = ("heads",),
+) -> list[PairPlan]:
     """The pairs decode rank ``decode_rank`` receives, by prefill rank: the prefill ranks it
     registers with and asks for every room (empty pairs included)."""
-    return sorted((s for s in plan(prefill_tp, decode_tp, kv_heads, num_heads, splits) if s.decode_rank == decode_rank),
-                  key=lambda s: s.prefill_rank)
+    return sorted(
+        (
+            s
+            for s in plan(prefill_tp, decode_tp, kv_heads, num_heads, splits)
+            if s.decode_rank == decode_rank
+        ),
+        key=lambda s: s.prefill_rank,
+    )
 
 
-def pair_for(prefill_tp: int, decode_tp: int, kv_heads: int, num_heads: int, prefill_rank: int, decode_rank: int,
-             splits: tuple[str, ...] = ("heads",)) -> PairPlan:
+def pair_for(
+    prefill_tp: int,
+    decode_tp: int,
+    kv_heads: int,
+    num_heads: int,
+    prefill_rank: int,
+    decode_rank: int,
+    splits: tuple[str, ...] = ("heads",),
+) -> PairPlan:
     """The one pair (maybe empty) of prefill rank ``prefill_rank`` and decode rank
     ``decode_rank``; ValueError when that decode rank does not contact it."""
-    found = [s for s in plan(prefill_tp, decode_tp, kv_heads, num_heads, splits)
-             if s.prefill_rank == prefill_rank and s.decode_rank == decode_rank]
+    found = [
+        s
+        for s in plan(prefill_tp, decode_tp, kv_heads, num_heads, splits)
+        if s.prefill_rank == prefill_rank and s.decode_rank == decode_rank
+    ]
     if len(found) != 1:
-        raise ValueError(f"prefill rank {prefill_rank} writes {len(found)} pairs into decode rank {decode_rank} "
-                         f"(tp {prefill_tp} -> {decode_tp}, {kv_heads} KV heads, splits {list(splits)}); "
-                         "expected exactly one")
+        raise ValueError(
+            f"prefill rank {prefill_rank} writes {len(found)} pairs into decode rank {decode_rank} "
+            f"(tp {prefill_tp} -> {decode_tp}, {kv_heads} KV heads, splits {list(splits)}); "
+            "expected exactly one"
+        )
     return found[0]
 
 
-def destinations_of(prefill_tp: int, decode_tp: int, kv_heads: int, num_heads: int, prefill_rank: int,
-                    splits: tuple[str, ...] = ("heads",)) -> int:
+def destinations_of(
+    prefill_tp: int,
+    decode_tp: int,
+    kv_heads: int,
+    num_heads: int,
+    prefill_rank: int,
+    splits: tuple[str, ...] = ("heads",),
+) -> int:
     """How many decode ranks ask prefill rank ``prefill_rank`` for each room (empty pairs
     included: at least one)."""
-    return sum(1 for s in plan(prefill_tp, decode_tp, kv_heads, num_heads, splits) if s.prefill_rank == prefill_rank)
+    return sum(
+        1
+        for s in plan(prefill_tp, decode_tp, kv_heads, num_heads, splits)
+        if s.prefill_rank == prefill_rank
+    )

@@ -27,7 +27,9 @@ class KVReceiver:
     Success (then check ``MetadataBuffers.row_room(slot) == room``) or Failed; ``clear()``.
     ``abort()`` at any time; free the pages only once ``writes_drained()``."""
 
-    def __init__(self, mgr, bootstrap_addr: str, room: int, prefill_dp_rank: Optional[int] = None, **_: Any):
+    def __init__(
+        self, mgr, bootstrap_addr: str, room: int, prefill_dp_rank: Optional[int] = None, **_: Any
+    ):
         self.mgr = mgr
         self.role: DecodeRole = mgr.role
         self.bootstrap_addr = bootstrap_addr
@@ -50,16 +52,22 @@ class KVReceiver:
                 m.status.update(self.room, KVPoll.WaitingForInput)
                 st = KVPoll.WaitingForInput
             elif st == KVPoll.Transferring and rs.sent_at is not None:
-                waited = time.monotonic() - rs.sent_at  # since the request, or prefill's last progress
+                waited = (
+                    time.monotonic() - rs.sent_at
+                )  # since the request, or prefill's last progress
                 if waited > m.waiting_timeout:
-                    timed_out = f"timed out after {waited:.1f}s waiting for KV from prefill {rs.conn.addr}"
+                    timed_out = (
+                        f"timed out after {waited:.1f}s waiting for KV from prefill {rs.conn.addr}"
+                    )
         if timed_out:
             m.update_status(self.room, KVPoll.Failed, timed_out)
             self._send_abort(timed_out)
             return KVPoll.Failed
         return st
 
-    def send_metadata(self, dst_pages: Sequence[Sequence[int]], aux_slot: int, decode_prefix_pages: int = 0) -> None:
+    def send_metadata(
+        self, dst_pages: Sequence[Sequence[int]], aux_slot: int, decode_prefix_pages: int = 0
+    ) -> None:
         """Ask the prefill rank(s) to write the request's pages into ``dst_pages`` (per cache group,
         from the group's first page sent: ``decode_prefix_pages`` on, or the first page a window
         still sees) and its metadata row into ``aux_slot``. Requires poll() >= WaitingForInput."""
@@ -68,19 +76,32 @@ class KVReceiver:
         if st in (None, KVPoll.Failed):
             return
         if st < KVPoll.WaitingForInput:
-            raise RuntimeError(f"send_metadata for room {self.room} before the connection is ready ({st.name})")
+            raise RuntimeError(
+                f"send_metadata for room {self.room} before the connection is ready ({st.name})"
+            )
         c = rs.conn
         # each target writes its share; exactly one of them writes the metadata row; a target
         # with an empty pair (rank_map) is asked for nothing, which lets it conclude the room
         reqs = []
         for t in c.targets:
             writes = t.pair is None or not t.pair.empty
-            reqs.append((t, TransferRequest(
-                session_id=c.session_id, room=self.room, generation=rs.generation,
-                dst_pages=[[int(p) for p in g] for g in dst_pages] if writes else [[] for _ in dst_pages],
-                aux_slot=int(aux_slot) if t.pair is None or t.pair.writes_metadata else -1,
-                required_dst_info_num=t.required_dst, decode_prefix_pages=int(decode_prefix_pages),
-                reply_endpoint=m.endpoint(parse_addr(c.addr)[0]))))
+            reqs.append(
+                (
+                    t,
+                    TransferRequest(
+                        session_id=c.session_id,
+                        room=self.room,
+                        generation=rs.generation,
+                        dst_pages=[[int(p) for p in g] for g in dst_pages]
+                        if writes
+                        else [[] for _ in dst_pages],
+                        aux_slot=int(aux_slot) if t.pair is None or t.pair.writes_metadata else -1,
+                        required_dst_info_num=t.required_dst,
+                        decode_prefix_pages=int(decode_prefix_pages),
+                        reply_endpoint=m.endpoint(parse_addr(c.addr)[0]),
+                    ),
+                )
+            )
         with m.lock:
             rs.sent_at = time.monotonic()
             m.status.update(self.room, KVPoll.Transferring)
@@ -127,7 +148,12 @@ class KVReceiver:
             if rs.abort_at is None or time.monotonic() - rs.abort_at <= m.waiting_timeout:
                 return False
         # the prefill answers heartbeats but not the abort: stop waiting for it, fence instead
-        logger.warning("%s: room %d: no abort acknowledgement within %.1fs", m.name, self.room, m.waiting_timeout)
+        logger.warning(
+            "%s: room %d: no abort acknowledgement within %.1fs",
+            m.name,
+            self.room,
+            m.waiting_timeout,
+        )
         self.role.mark_suspect(rs)
         return self.role.fenced(rs.conn)
 

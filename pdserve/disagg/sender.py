@@ -39,38 +39,69 @@ class KVSender:
         if st == KVPoll.Bootstrapping:  # decode's request has not arrived
             waited = time.monotonic() - self.created
             if waited > self.mgr.bootstrap_timeout:
-                self.role.fail(self.room, f"timed out after {waited:.1f}s waiting for decode's transfer request "
-                                          "(KVPoll.Bootstrapping)")
+                self.role.fail(
+                    self.room,
+                    f"timed out after {waited:.1f}s waiting for decode's transfer request "
+                    "(KVPoll.Bootstrapping)",
+                )
                 return KVPoll.Failed
         return st
 
     def decode_prefix_pages(self) -> int:
         """Leading pages decode already holds (skip them: page 0 of ``send`` is this page)."""
         with self.mgr.lock:
-            return max((q.decode_prefix_pages for q in self.role.destinations(self.room)), default=0)
+            return max(
+                (q.decode_prefix_pages for q in self.role.destinations(self.room)), default=0
+            )
 
     def init(self, num_pages: Sequence[int], aux_slot: int) -> None:
         self.num_pages, self.aux_slot = list(num_pages), aux_slot
         with self.mgr.lock:
-            have = [[len(g) for g in q.dst_pages] for q in self.role.destinations(self.room, writing_only=True)]
-        short = next((h for h in have if len(h) < len(num_pages) or any(a < b for a, b in zip(h, num_pages))), None)
+            have = [
+                [len(g) for g in q.dst_pages]
+                for q in self.role.destinations(self.room, writing_only=True)
+            ]
+        short = next(
+            (
+                h
+                for h in have
+                if len(h) < len(num_pages) or any(a < b for a, b in zip(h, num_pages))
+            ),
+            None,
+        )
         if short is not None:
-            self.role.fail(self.room, f"decode preallocated {short} pages per cache group, prefill needs {num_pages}")
+            self.role.fail(
+                self.room,
+                f"decode preallocated {short} pages per cache group, prefill needs {num_pages}",
+            )
 
     def send(self, src_pages: Sequence[Sequence[int]], last_chunk: bool = False) -> None:
         """Queue one chunk: ``src_pages[g]`` are the next pages of cache group g, in order."""
         if self.mgr.get_status(self.room) in (None, KVPoll.Failed):
             return
-        early = next((g for g, p in enumerate(src_pages) if p and not last_chunk
-                      and self.mgr.kv_args.final_after_last_chunk(g)), None)
+        early = next(
+            (
+                g
+                for g, p in enumerate(src_pages)
+                if p and not last_chunk and self.mgr.kv_args.final_after_last_chunk(g)
+            ),
+            None,
+        )
         if early is not None:
-            self.role.fail(self.room, f"prefill sent pages of cache group {early} before the last chunk; that "
-                                      "group's pages are final only after the last forward")
+            self.role.fail(
+                self.room,
+                f"prefill sent pages of cache group {early} before the last chunk; that "
+                "group's pages are final only after the last forward",
+            )
             return
         after = [n + len(p) for n, p in zip(self.sent_pages, src_pages)]
         if len(src_pages) != len(self.sent_pages) or (
-                self.num_pages is not None and any(a > b for a, b in zip(after, self.num_pages))):
-            self.role.fail(self.room, f"prefill sent {after} pages per cache group, init() said {self.num_pages}")
+            self.num_pages is not None and any(a > b for a, b in zip(after, self.num_pages))
+        ):
+            self.role.fail(
+                self.room,
+                f"prefill sent {after} pages per cache group, init() said {self.num_pages}",
+            )
             return
         event = None
         if self.mgr.kv_args.device.startswith("cuda"):
@@ -79,8 +110,16 @@ class KVSender:
             event = torch.cuda.Event()
             event.record()
         self.mgr.update_status(self.room, KVPoll.Transferring)
-        self.role.workers.submit_chunk(Chunk(self.room, list(self.sent_pages), [[int(p) for p in g] for g in src_pages],
-                                             last_chunk, self.aux_slot, event))
+        self.role.workers.submit_chunk(
+            Chunk(
+                self.room,
+                list(self.sent_pages),
+                [[int(p) for p in g] for g in src_pages],
+                last_chunk,
+                self.aux_slot,
+                event,
+            )
+        )
         self.sent_pages = after
 
     def failure_reason(self) -> str:
@@ -101,10 +140,19 @@ class KVSender:
         with self.mgr.lock:
             if self.mgr.status.get(self.room) not in (KVPoll.WaitingForInput, KVPoll.Transferring):
                 return
-            targets = [(sess.reply_endpoint, req.generation) for sess, req in self.role.targets(self.room)]
+            targets = [
+                (sess.reply_endpoint, req.generation) for sess, req in self.role.targets(self.room)
+            ]
         for endpoint, generation in targets:
-            self.mgr.send(endpoint, TransferStatus(room=self.room, generation=generation,
-                                                   state=int(KVPoll.Transferring), prefill_rank=self.role.rank))
+            self.mgr.send(
+                endpoint,
+                TransferStatus(
+                    room=self.room,
+                    generation=generation,
+                    state=int(KVPoll.Transferring),
+                    prefill_rank=self.role.rank,
+                ),
+            )
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         self.role.fail(self.room, reason)

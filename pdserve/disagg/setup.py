@@ -20,9 +20,9 @@ import time
 import msgspec
 
 from pdserve.config import ServerArgs
-from pdserve.distributed import SINGLE_RANK, Parallel
 from pdserve.disagg.manager import buffer_allocator, get_kv_class
 from pdserve.disagg.metadata import MetadataBuffers
+from pdserve.distributed import SINGLE_RANK, Parallel
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,9 @@ def routed_regions(runner) -> dict:
 def apply_role_rules(args: ServerArgs, disable_radix_cache: bool) -> None:
     """What a role changes in the arguments it runs with (``disable_radix_cache``: the user's)."""
     # without the decode prefix cache a tree would only hold pages nobody reuses
-    decode_without_cache = args.disaggregation_mode == "decode" and not args.disaggregation_decode_enable_radix_cache
+    decode_without_cache = (
+        args.disaggregation_mode == "decode" and not args.disaggregation_decode_enable_radix_cache
+    )
     args.disable_radix_cache = disable_radix_cache or decode_without_cache
 
 
@@ -66,10 +68,19 @@ def attach_disaggregation(args: ServerArgs, tokenizer=None, par: Parallel = SING
 def start_bootstrap(args: ServerArgs, par: Parallel):
     """A prefill's bootstrap server: one per server, on its first rank (it waits for every rank
     to register); None elsewhere, for other roles and for the fake backend."""
-    if args.disaggregation_mode != "prefill" or args.disaggregation_transfer_backend == "fake" or par.world.rank:
+    if (
+        args.disaggregation_mode != "prefill"
+        or args.disaggregation_transfer_backend == "fake"
+        or par.world.rank
+    ):
         return None
     cls = get_kv_class(args.disaggregation_transfer_backend, "bootstrap_server")
-    return cls(args.host, args.disaggregation_bootstrap_port, par.world.size, secret=args.disaggregation_secret)
+    return cls(
+        args.host,
+        args.disaggregation_bootstrap_port,
+        par.world.size,
+        secret=args.disaggregation_secret,
+    )
 
 
 def attach_role(scheduler, par: Parallel, bootstrap=None) -> None:
@@ -77,16 +88,29 @@ def attach_role(scheduler, par: Parallel, bootstrap=None) -> None:
     args = scheduler.args
     mode, backend = args.disaggregation_mode, args.disaggregation_transfer_backend
     runner = scheduler.runner
-    metadata = MetadataBuffers(num_metadata_slots(args), allocator=buffer_allocator(backend, mode),
-                               device=runner.device)
+    metadata = MetadataBuffers(
+        num_metadata_slots(args), allocator=buffer_allocator(backend, mode), device=runner.device
+    )
     model = runner.model
     tp = par.attn
     kv_args = get_kv_class(backend, "kv_args").from_buffers(
-        runner.pools, metadata, cache_groups=runner.cache_groups, engine_rank=tp.rank, tp_size=tp.size,
-        model_fingerprint=runner.fingerprint, total_kv_head_num=model.total_kv_heads,
-        num_heads=model.num_attention_heads, system_dp_rank=par.dp_rank, dp_size=par.dp_size, pp_rank=par.pp_rank,
-        pp_size=par.pp_size, prefill_start_layer=model.first_layer, num_layers=model.total_layers,
-        global_rank=par.world.rank, grammar=scheduler.grammars.fingerprint, **routed_regions(runner),
+        runner.pools,
+        metadata,
+        cache_groups=runner.cache_groups,
+        engine_rank=tp.rank,
+        tp_size=tp.size,
+        model_fingerprint=runner.fingerprint,
+        total_kv_head_num=model.total_kv_heads,
+        num_heads=model.num_attention_heads,
+        system_dp_rank=par.dp_rank,
+        dp_size=par.dp_size,
+        pp_rank=par.pp_rank,
+        pp_size=par.pp_size,
+        prefill_start_layer=model.first_layer,
+        num_layers=model.total_layers,
+        global_rank=par.world.rank,
+        grammar=scheduler.grammars.fingerprint,
+        **routed_regions(runner),
     )
     # the room states are MIN-all-reduced over the ranks that share the scheduler
     group = par.sched.cpu_group if par.sched.size > 1 else None
@@ -95,14 +119,21 @@ def attach_role(scheduler, par: Parallel, bootstrap=None) -> None:
         from pdserve.disagg.fake import FakeKVSender
         from pdserve.disagg.prefill import PrefillQueues
 
-        scheduler.pd = PrefillQueues(scheduler, mgr, metadata, get_kv_class(backend, "sender"), FakeKVSender,
-                                     group=group)
+        scheduler.pd = PrefillQueues(
+            scheduler, mgr, metadata, get_kv_class(backend, "sender"), FakeKVSender, group=group
+        )
         scheduler.pd.bootstrap_server = bootstrap
     else:
         from pdserve.disagg.decode import DecodeQueues
 
-        scheduler.pd = DecodeQueues(scheduler, mgr, metadata, get_kv_class(backend, "receiver"),
-                                    fake=backend == "fake", group=group)
+        scheduler.pd = DecodeQueues(
+            scheduler,
+            mgr,
+            metadata,
+            get_kv_class(backend, "receiver"),
+            fake=backend == "fake",
+            group=group,
+        )
     logger.info("%s mode with the %s transfer backend", mode, backend)
 
 
@@ -115,6 +146,7 @@ def detach_role(scheduler) -> None:
 
 
 # ---- role switch (every rank, one control call) ----------------------------------------------
+
 
 class SwitchFailed(RuntimeError):
     pass
@@ -138,11 +170,17 @@ def idle_reason(scheduler) -> str:
         return f"{len(s.running)} request(s) running, {len(s.waiting)} waiting"
     if s.pd is not None and s.pd.has_work:
         held = len(s.pd.all_reqs())
-        return f"{held} request(s) in the PD queues" if held else "ended rooms still draining (a peer may write)"
+        return (
+            f"{held} request(s) in the PD queues"
+            if held
+            else "ended rooms still draining (a peer may write)"
+        )
     return ""
 
 
-def switch_role(scheduler, started: ServerArgs, mode: str, bootstrap_port: int, par: Parallel) -> dict:
+def switch_role(
+    scheduler, started: ServerArgs, mode: str, bootstrap_port: int, par: Parallel
+) -> dict:
     """Re-wire an idle scheduler for ``mode`` (null, prefill, decode). ``started``: the arguments
     the server was started with (the user's, before any role rule). Returns ``{"busy": why}``
     while any rank still holds work (the front end asks again), else the timings; raises
@@ -153,7 +191,9 @@ def switch_role(scheduler, started: ServerArgs, mode: str, bootstrap_port: int, 
     args = scheduler.args
     old = (args.disaggregation_mode, args.disaggregation_bootstrap_port)
     # validated as at start-up (the front end checked already; this is the scheduler's copy)
-    dataclasses.replace(started, disaggregation_mode=mode, disaggregation_bootstrap_port=bootstrap_port)
+    dataclasses.replace(
+        started, disaggregation_mode=mode, disaggregation_bootstrap_port=bootstrap_port
+    )
     t0 = time.monotonic()
     try:
         _rewire(scheduler, started, mode, bootstrap_port, par)
@@ -162,9 +202,13 @@ def switch_role(scheduler, started: ServerArgs, mode: str, bootstrap_port: int, 
         try:
             _rewire(scheduler, started, *old, par)  # what ran a moment ago
         except Exception:
-            logger.critical("cannot go back to the %s role either; this rank exits", old[0], exc_info=True)
+            logger.critical(
+                "cannot go back to the %s role either; this rank exits", old[0], exc_info=True
+            )
             raise SystemExit(1) from None  # the front end sees the rank go and stops serving
-        raise RuntimeError(f"cannot switch to {mode!r}: {e}; the server keeps its role {old[0]!r}") from None
+        raise RuntimeError(
+            f"cannot switch to {mode!r}: {e}; the server keeps its role {old[0]!r}"
+        ) from None
     return {"reconfigure_s": time.monotonic() - t0}
 
 
@@ -206,14 +250,25 @@ def switch_role_control(loop, request: dict) -> dict:
     s = loop.scheduler
     model, before = s.runner.model, weights_digest(s.runner.model)
     old = s.args.disaggregation_mode
-    out = switch_role(s, loop.started_args, request["mode"], int(request["bootstrap_port"]), loop.par)
+    out = switch_role(
+        s, loop.started_args, request["mode"], int(request["bootstrap_port"]), loop.par
+    )
     if "busy" in out:
         return out
     after = weights_digest(s.runner.model)
-    assert s.runner.model is model and after == before, f"the weights changed in a role switch: {before} -> {after}"
+    assert s.runner.model is model and after == before, (
+        f"the weights changed in a role switch: {before} -> {after}"
+    )
     retag(role_tag(s.args.role, loop.world.rank))
-    logger.info("role switched from %s to %s in %.3fs: KV pools of %s pages reallocated, prefix cache flushed, "
-                "weights kept (%d tensors, %.1f MiB, digest %s)", old, s.args.disaggregation_mode, out["reconfigure_s"],
-                "/".join(str(p.num_pages) for p in s.runner.pools), after["tensors"], after["bytes"] / 2**20,
-                after["digest"])
+    logger.info(
+        "role switched from %s to %s in %.3fs: KV pools of %s pages reallocated, prefix cache flushed, "
+        "weights kept (%d tensors, %.1f MiB, digest %s)",
+        old,
+        s.args.disaggregation_mode,
+        out["reconfigure_s"],
+        "/".join(str(p.num_pages) for p in s.runner.pools),
+        after["tensors"],
+        after["bytes"] / 2**20,
+        after["digest"],
+    )
     return {**out, "weights": after, "info": loop.info()}

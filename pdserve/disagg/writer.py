@@ -22,7 +22,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-
 from pdserve.disagg import faults as f
 from pdserve.disagg.descriptors import region_descriptors
 from pdserve.disagg.layout import chunk_descriptors
@@ -58,7 +57,9 @@ class TransferWorkers:
         self._threads = [self._start(i) for i in range(num_workers)]
 
     def _start(self, i: int) -> threading.Thread:
-        t = threading.Thread(target=self._loop, args=(i,), daemon=True, name=f"pd-xfer-{self.mgr.name}-{i}")
+        t = threading.Thread(
+            target=self._loop, args=(i,), daemon=True, name=f"pd-xfer-{self.mgr.name}-{i}"
+        )
         t.start()
         return t
 
@@ -103,13 +104,19 @@ class TransferWorkers:
     def _run(self, job) -> None:
         if isinstance(job, Chunk):
             live = self.mgr.get_status(job.room) not in (None, KVPoll.Failed)
-            if live and self.faults.is_(job.room, f.KILL_TRANSFER_THREAD):  # once per room: it fails
-                raise f.InjectedThreadDeath(f"injected fault: transfer thread killed on room {job.room}")
+            if live and self.faults.is_(
+                job.room, f.KILL_TRANSFER_THREAD
+            ):  # once per room: it fails
+                raise f.InjectedThreadDeath(
+                    f"injected fault: transfer thread killed on room {job.room}"
+                )
             self._run_chunk(job)
         elif job[0] == "abort_ack":
             _, room, gen, endpoint = job
             self.role.release(room)
-            self.mgr.send(endpoint, AbortAck(room=room, generation=gen, prefill_rank=self.role.rank))
+            self.mgr.send(
+                endpoint, AbortAck(room=room, generation=gen, prefill_rank=self.role.rank)
+            )
         elif job[0] == "notify_failed":
             _, room, reason, targets = job
             self.notify(room, targets, KVPoll.Failed, reason)
@@ -130,24 +137,45 @@ class TransferWorkers:
             self.restarts += 1
             self._threads[i] = self._start(i)
             rooms = {j.room for j in jobs if isinstance(j, Chunk)}
-            logger.error("%s: transfer worker %s died (%s); failing %d room(s) it held and restarting it",
-                         self.mgr.name, t.name, why, len(rooms))
+            logger.error(
+                "%s: transfer worker %s died (%s); failing %d room(s) it held and restarting it",
+                self.mgr.name,
+                t.name,
+                why,
+                len(rooms),
+            )
             for room in rooms:
                 self.role.fail(room, f"prefill transfer worker died ({why})", here=True)
             for job in jobs:  # acknowledgements and notices still go out, after the failures
                 if job is not None and not isinstance(job, Chunk):
                     self._queues[i].put(job)
 
-    def notify(self, room: int, targets: list[tuple[Any, int]], state: KVPoll, reason: str = "",
-               unsettled: bool = False) -> None:
+    def notify(
+        self,
+        room: int,
+        targets: list[tuple[Any, int]],
+        state: KVPoll,
+        reason: str = "",
+        unsettled: bool = False,
+    ) -> None:
         self.role.release(room)
         if state == KVPoll.Success and self.faults.is_(room, f.DROP_STATUS):
-            logger.warning("%s: room %d: injected fault: Success status not sent", self.mgr.name, room)
+            logger.warning(
+                "%s: room %d: injected fault: Success status not sent", self.mgr.name, room
+            )
             return
         for sess, generation in targets:
-            self.mgr.send(sess.reply_endpoint, TransferStatus(room=room, generation=generation, state=int(state),
-                                                              prefill_rank=self.role.rank, reason=reason,
-                                                              unsettled=unsettled))
+            self.mgr.send(
+                sess.reply_endpoint,
+                TransferStatus(
+                    room=room,
+                    generation=generation,
+                    state=int(state),
+                    prefill_rank=self.role.rank,
+                    reason=reason,
+                    unsettled=unsettled,
+                ),
+            )
 
     def _run_chunk(self, job: Chunk) -> None:
         m = self.mgr
@@ -161,8 +189,10 @@ class TransferWorkers:
         writing = False  # a backend write was submitted: a failure may leave bytes under way
         try:
             if len(targets) < required:
-                raise RuntimeError(f"{len(targets)} of {required} decode destinations known for the room "
-                                   "(send() before poll() reached WaitingForInput?)")
+                raise RuntimeError(
+                    f"{len(targets)} of {required} decode destinations known for the room "
+                    "(send() before poll() reached WaitingForInput?)"
+                )
             if job.ready_event is not None:
                 job.ready_event.synchronize()
             fault = self.faults.mode(job.room) if self.faults.enabled else None
@@ -180,45 +210,81 @@ class TransferWorkers:
             if m.update_status(job.room, KVPoll.Failed, reason):
                 with m.lock:
                     self.role.mark_failed_here(job.room)
-            self.notify(job.room, pairs, KVPoll.Failed, reason, unsettled=writing and isinstance(e, TransferError))
+            self.notify(
+                job.room,
+                pairs,
+                KVPoll.Failed,
+                reason,
+                unsettled=writing and isinstance(e, TransferError),
+            )
             return
         if job.last:
             self.notify(job.room, pairs, KVPoll.Success)
             m.update_status(job.room, KVPoll.Success)
 
-    def _write_chunk(self, sess, req: TransferRequest, job: Chunk, corrupt_room: bool = False) -> None:
+    def _write_chunk(
+        self, sess, req: TransferRequest, job: Chunk, corrupt_room: bool = False
+    ) -> None:
         if sess.pair is not None and sess.pair.empty:
             return  # decode reads none of this rank's bytes (rank_map): the room only concludes here
         a, backend = self.mgr.kv_args, self.mgr.backend
         dst_pages = []
         for g, (src, off) in enumerate(zip(job.src_pages, job.page_offsets)):
             have = req.dst_pages[g] if g < len(req.dst_pages) else []
-            dst = have[off:off + len(src)]
+            dst = have[off : off + len(src)]
             if len(dst) != len(src):
-                raise RuntimeError(f"decode preallocated {len(have)} pages of cache group {g}, prefill sends its "
-                                   f"pages {off}..{off + len(src) - 1}")
+                raise RuntimeError(
+                    f"decode preallocated {len(have)} pages of cache group {g}, prefill sends its "
+                    f"pages {off}..{off + len(src) - 1}"
+                )
             dst_pages.append(dst)
         b = sess.reg.buffers
         # one batch: every region of a page (the KV, the ids of its tokens, ...) lands together
-        descs = chunk_descriptors(a.regions, sess.dst_regions, sess.pair, job.src_pages, dst_pages, a.tp_size,
-                                  sess.reg.decode_tp_size)
+        descs = chunk_descriptors(
+            a.regions,
+            sess.dst_regions,
+            sess.pair,
+            job.src_pages,
+            dst_pages,
+            a.tp_size,
+            sess.reg.decode_tp_size,
+        )
         if descs is not None:
             backend.write(sess.session_id, *descs).wait(WRITE_TIMEOUT_S)
             self.role.count_written(job.room, len(descs[0]), int(descs[2].sum()))
         if not job.last:
             return
-        if a.pp_rank == a.pp_size - 1 and job.aux_slot >= 0 and req.aux_slot >= 0 and a.aux_data_ptrs:
+        if (
+            a.pp_rank == a.pp_size - 1
+            and job.aux_slot >= 0
+            and req.aux_slot >= 0
+            and a.aux_data_ptrs
+        ):
             # every metadata field, then bootstrap_room (the last field) in a later batch
-            body = region_descriptors(a.aux_data_ptrs[:-1], b.aux_data_ptrs[:-1], a.aux_item_lens[:-1],
-                                      [job.aux_slot], [req.aux_slot])
+            body = region_descriptors(
+                a.aux_data_ptrs[:-1],
+                b.aux_data_ptrs[:-1],
+                a.aux_item_lens[:-1],
+                [job.aux_slot],
+                [req.aux_slot],
+            )
             backend.write(sess.session_id, *body).wait(WRITE_TIMEOUT_S)
             src_slot = job.aux_slot
             if corrupt_room:  # fault: the room id comes from another (empty or foreign) row
                 src_slot = (job.aux_slot + 1) % (a.aux_data_lens[-1] // a.aux_item_lens[-1])
-                logger.warning("%s: room %d: injected fault: metadata row lands with row %d's room id",
-                               self.mgr.name, job.room, src_slot)
-            tail = region_descriptors(a.aux_data_ptrs[-1:], b.aux_data_ptrs[-1:], a.aux_item_lens[-1:],
-                                      [src_slot], [req.aux_slot])
+                logger.warning(
+                    "%s: room %d: injected fault: metadata row lands with row %d's room id",
+                    self.mgr.name,
+                    job.room,
+                    src_slot,
+                )
+            tail = region_descriptors(
+                a.aux_data_ptrs[-1:],
+                b.aux_data_ptrs[-1:],
+                a.aux_item_lens[-1:],
+                [src_slot],
+                [req.aux_slot],
+            )
             # on backends that can, the last write itself tells decode the room is complete
             done = completion_notice(job.room, req.generation, self.role.rank)
             backend.write(sess.session_id, *tail, notify=done).wait(WRITE_TIMEOUT_S)

@@ -27,7 +27,9 @@ def sync_counts(par: Parallel, num_tokens: int, busy: int) -> tuple[list[int], i
     parts = [torch.zeros(2, dtype=torch.int64) for _ in range(tp.size)]
     dist.all_gather(parts, mine, group=tp.cpu_group)
     per = par.attn.size
-    return [int(parts[g * per][0].item()) for g in range(par.dp_size)], max(int(p[1].item()) for p in parts)
+    return [int(parts[g * per][0].item()) for g in range(par.dp_size)], max(
+        int(p[1].item()) for p in parts
+    )
 
 
 class DPGather:
@@ -37,7 +39,7 @@ class DPGather:
         self.par = par
         self.counts = counts
         self.longest = max(counts)
-        self.offset = sum(counts[:par.dp_rank])
+        self.offset = sum(counts[: par.dp_rank])
 
     def gather(self, h: torch.Tensor) -> torch.Tensor:
         """[this group's tokens, H] -> [every group's tokens, H], in group order."""
@@ -55,4 +57,4 @@ class DPGather:
 
     def local(self, y: torch.Tensor) -> torch.Tensor:
         """This group's rows of the MLP output (every rank holds all of them after the reduce)."""
-        return y[self.offset: self.offset + self.counts[self.par.dp_rank]]
+        return y[self.offset : self.offset + self.counts[self.par.dp_rank]]

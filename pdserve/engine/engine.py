@@ -54,16 +54,26 @@ class Engine:
         a = self.server_args
         if a.world_size != 1:
             name = "tp_size" if a.tp_size != 1 else "pp_size"
-            raise ValueError(f"{name}: the offline Engine runs one rank; serve a parallel model with "
-                             f"`pdserve serve --tp-size {a.tp_size} --pp-size {a.pp_size}`")
+            raise ValueError(
+                f"{name}: the offline Engine runs one rank; serve a parallel model with "
+                f"`pdserve serve --tp-size {a.tp_size} --pp-size {a.pp_size}`"
+            )
         if self.server_args.torch_num_threads:
             torch.set_num_threads(self.server_args.torch_num_threads)
         self.tokenizer = AutoTokenizer.from_pretrained(self.server_args.tokenizer_path)
         self.scheduler = Scheduler(self.server_args, self.tokenizer)
         self._ids = itertools.count()
 
-    def _make_reqs(self, prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, logprob_start_len,
-                   return_routed_experts=False):
+    def _make_reqs(
+        self,
+        prompt,
+        input_ids,
+        sampling_params,
+        return_logprob,
+        top_logprobs_num,
+        logprob_start_len,
+        return_routed_experts=False,
+    ):
         if (prompt is None) == (input_ids is None):
             raise ValueError("prompt/input_ids: give exactly one of them")
         if prompt is not None:
@@ -77,10 +87,14 @@ class Engine:
             ids_list = [list(input_ids)] if single else [list(x) for x in input_ids]
             for ids in ids_list:
                 if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                    raise ValueError("input_ids: must be a list of integers or a list of such lists")
+                    raise ValueError(
+                        "input_ids: must be a list of integers or a list of such lists"
+                    )
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(ids_list):
-                raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(ids_list)} prompts")
+                raise ValueError(
+                    f"sampling_params: {len(sampling_params)} given for {len(ids_list)} prompts"
+                )
             dicts = [dict(s or {}) for s in sampling_params]
         else:
             if sampling_params is not None and not isinstance(sampling_params, dict):
@@ -93,15 +107,24 @@ class Engine:
         if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int):
             raise ValueError(f"top_logprobs_num: must be an integer, got {top_logprobs_num!r}")
         if not isinstance(return_routed_experts, bool):
-            raise ValueError(f"return_routed_experts: must be a boolean, got {return_routed_experts!r}")
+            raise ValueError(
+                f"return_routed_experts: must be a boolean, got {return_routed_experts!r}"
+            )
         reqs = []
         for ids, sp, grammar in zip(ids_list, sps, grammars):
             for _ in range(sp.n):
-                reqs.append(Req(
-                    rid=uuid.uuid4().hex, input_ids=ids, sampling=sp, return_logprob=return_logprob,
-                    top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
-                    return_routed_experts=return_routed_experts, grammar_spec=grammar,
-                ))
+                reqs.append(
+                    Req(
+                        rid=uuid.uuid4().hex,
+                        input_ids=ids,
+                        sampling=sp,
+                        return_logprob=return_logprob,
+                        top_logprobs_num=top_logprobs_num,
+                        logprob_start_len=logprob_start_len,
+                        return_routed_experts=return_routed_experts,
+                        grammar_spec=grammar,
+                    )
+                )
         for req in reqs:
             self.scheduler.validate(req)
         return single and len(reqs) == 1, reqs
@@ -118,8 +141,15 @@ class Engine:
     ) -> Union[dict, list[dict]]:
         """``return_routed_experts``: ``meta_info["routed_experts"]`` as the server's (base64, see
         ``engine/routed_experts.py``); needs ``enable_return_routed_experts=True``."""
-        single, reqs = self._make_reqs(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                                       logprob_start_len, return_routed_experts)
+        single, reqs = self._make_reqs(
+            prompt,
+            input_ids,
+            sampling_params,
+            return_logprob,
+            top_logprobs_num,
+            logprob_start_len,
+            return_routed_experts,
+        )
         for req in reqs:
             self.scheduler.add_request(req)
         pending = set(reqs)
@@ -144,7 +174,11 @@ class Engine:
             meta["input_top_logprobs"] = top_entries(req.input_top_logprobs)
         if req.routed_experts is not None:
             meta["routed_experts"] = base64.b64encode(req.routed_experts).decode("ascii")
-        return {"text": output_text(req, self.tokenizer), "output_ids": list(req.output_ids), "meta_info": meta}
+        return {
+            "text": output_text(req, self.tokenizer),
+            "output_ids": list(req.output_ids),
+            "meta_info": meta,
+        }
 
     def check_integrity(self) -> dict:
         return self.scheduler.check_integrity()

@@ -28,9 +28,13 @@ class GrammarMasks:
             from pdserve.grammar import make_backend
 
             if self.backend_name == "none" or self.tokenizer is None:
-                raise ValueError("this server has no grammar engine (--grammar-backend none, or no tokenizer): "
-                                 "response_format, json_schema, regex and ebnf are not available")
-            self._backend = make_backend(self.backend_name, self.tokenizer, self.vocab_size, self.eos_ids)
+                raise ValueError(
+                    "this server has no grammar engine (--grammar-backend none, or no tokenizer): "
+                    "response_format, json_schema, regex and ebnf are not available"
+                )
+            self._backend = make_backend(
+                self.backend_name, self.tokenizer, self.vocab_size, self.eos_ids
+            )
         return self._backend
 
     @property
@@ -40,8 +44,13 @@ class GrammarMasks:
         if self._fingerprint is None:
             from pdserve.grammar.base import GrammarBackend
 
-            self._fingerprint = "" if self.tokenizer is None else (
-                f"{self.backend_name}:{GrammarBackend.fingerprint_of(self.tokenizer, self.vocab_size)}")
+            self._fingerprint = (
+                ""
+                if self.tokenizer is None
+                else (
+                    f"{self.backend_name}:{GrammarBackend.fingerprint_of(self.tokenizer, self.vocab_size)}"
+                )
+            )
         return self._fingerprint
 
     def for_request(self, spec: Any, start_after: Optional[list[int]] = None):

@@ -27,14 +27,21 @@ from pdserve.kv_spec import CacheGroup
 
 
 class KVCacheManager:
-    def __init__(self, groups: list[CacheGroup], pools: list[KVPool], page_size: int,
-                 disable_radix_cache: bool = False):
+    def __init__(
+        self,
+        groups: list[CacheGroup],
+        pools: list[KVPool],
+        page_size: int,
+        disable_radix_cache: bool = False,
+    ):
         self.groups = groups
         self.pools = pools
         self.page_size = page_size
         self.specs = [g.spec for g in groups]
         self.allocators = [p.allocator for p in pools]
-        self.tree = RadixCache(self.allocators, page_size, disable=disable_radix_cache, specs=self.specs)
+        self.tree = RadixCache(
+            self.allocators, page_size, disable=disable_radix_cache, specs=self.specs
+        )
         # groups that drop pages: their first live page moves with the sequence
         self.windowed = [g.id for g in groups if g.spec.drops_pages]
 
@@ -126,7 +133,9 @@ class KVCacheManager:
         req.kv_len = cached * self.page_size
         ext = min(req.extend_len, budget)
         need = self._pages(req.kv_len + ext) - cached
-        if any(self.available(g) < need + reserve for g in range(self.num_groups)) or not self.grow(req, ext):
+        if any(self.available(g) < need + reserve for g in range(self.num_groups)) or not self.grow(
+            req, ext
+        ):
             self.tree.dec_lock(node)
             req.kv, req.kv_len = None, 0
             return False
@@ -140,11 +149,14 @@ class KVCacheManager:
             return
         full = min(req.kv_len // self.page_size, kv.num_pages)
         if full > 0 and not self.tree.disable:
-            self.tree.insert(req.all_ids[: full * self.page_size], kv.pages[0][:full],
-                             [ids[:full] for ids in kv.pages[1:]])
-            self.free(ids[max(full, kv.cached):] for ids in kv.pages)
+            self.tree.insert(
+                req.all_ids[: full * self.page_size],
+                kv.pages[0][:full],
+                [ids[:full] for ids in kv.pages[1:]],
+            )
+            self.free(ids[max(full, kv.cached) :] for ids in kv.pages)
         else:
-            self.free(ids[kv.cached:] for ids in kv.pages)
+            self.free(ids[kv.cached :] for ids in kv.pages)
         if kv.node is not None:
             self.tree.dec_lock(kv.node)
         req.kv, req.kv_len = None, 0
@@ -155,7 +167,7 @@ class KVCacheManager:
         kv = req.kv
         if kv is None:
             return [[] for _ in range(self.num_groups)]
-        own = [[p for p in ids[kv.cached:] if p] for ids in kv.pages]
+        own = [[p for p in ids[kv.cached :] if p] for ids in kv.pages]
         if kv.node is not None:
             self.tree.dec_lock(kv.node)
         req.kv, req.kv_len = None, 0
@@ -194,8 +206,12 @@ class KVCacheManager:
             if node is not None:
                 self.tree.dec_lock(node)
             return None
-        req.kv = KVSlots([list(p) + [0] * (s - cached) + new for p, s, new in zip(pages, starts, got)],
-                         cached, node, [0] * self.num_groups)
+        req.kv = KVSlots(
+            [list(p) + [0] * (s - cached) + new for p, s, new in zip(pages, starts, got)],
+            cached,
+            node,
+            [0] * self.num_groups,
+        )
         return got, cached
 
     def send_pages(self, req: Req, group: int, start: int, end: Optional[int] = None) -> list[int]:
@@ -209,7 +225,7 @@ class KVCacheManager:
         for r in reqs:
             if r.kv is not None:
                 for g, ids in enumerate(r.kv.pages):
-                    out[g] += sum(1 for p in ids[r.kv.cached:] if p)
+                    out[g] += sum(1 for p in ids[r.kv.cached :] if p)
         return out
 
     def held(self, req: Req) -> list[int]:
@@ -229,7 +245,15 @@ class KVCacheManager:
             "in_use_pages": in_use[0],
         }
         if self.num_groups > 1:
-            info["groups"] = [{"kind": g.kind, "layers": len(g.layers), "total_pages": a.capacity,
-                               "free_pages": a.num_free(), "cached_pages": self.tree.total_pages(g.id),
-                               "in_use_pages": in_use[g.id]} for g, a in zip(self.groups, self.allocators)]
+            info["groups"] = [
+                {
+                    "kind": g.kind,
+                    "layers": len(g.layers),
+                    "total_pages": a.capacity,
+                    "free_pages": a.num_free(),
+                    "cached_pages": self.tree.total_pages(g.id),
+                    "in_use_pages": in_use[g.id],
+                }
+                for g, a in zip(self.groups, self.allocators)
+            ]
         return info

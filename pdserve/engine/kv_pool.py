@@ -42,7 +42,9 @@ class PageAllocator:
 
     def __init__(self, num_pages: int):
         if num_pages < 2:
-            raise ValueError(f"num_pages: need at least 2 (one is the padding page), got {num_pages}")
+            raise ValueError(
+                f"num_pages: need at least 2 (one is the padding page), got {num_pages}"
+            )
         self.num_pages = num_pages
         self._free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() hands out low pages first
         self._is_free = bytearray(num_pages)
@@ -132,12 +134,15 @@ class KVPool(BaseKVPool):
         self.dtype = dtype
         self.device = torch.device(device)
         # [num_layers, 2, num_pages, kv_heads, page_size, head_dim]
-        self._raw, self.buffer = _allocate((num_layers, 2, num_pages, kv_heads, page_size, head_dim), dtype,
-                                           self.device, allocator)
+        self._raw, self.buffer = _allocate(
+            (num_layers, 2, num_pages, kv_heads, page_size, head_dim), dtype, self.device, allocator
+        )
         self.allocator = PageAllocator(num_pages)
 
     @staticmethod
-    def bytes_per_page(num_layers: int, page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_page(
+        num_layers: int, page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return num_layers * 2 * kv_heads * page_size * head_dim * itemsize
 
@@ -157,36 +162,81 @@ class KVPool(BaseKVPool):
         return self.kv_heads * self.page_size * self.head_dim * self.buffer.element_size()
 
     def regions(self, group) -> list[Region]:
-        nbytes, final = self.num_pages * self.item_bytes, "last_chunk" if group.spec.drops_pages else "per_chunk"
-        return [Region(ptr=self.buffer[i, kv].data_ptr(), nbytes=nbytes, item_bytes=self.item_bytes, group=group.id,
-                       layer=layer, part=part, final=final, split="heads")
-                for i, layer in enumerate(group.layers) for kv, part in ((0, "k"), (1, "v"))]
+        nbytes, final = (
+            self.num_pages * self.item_bytes,
+            "last_chunk" if group.spec.drops_pages else "per_chunk",
+        )
+        return [
+            Region(
+                ptr=self.buffer[i, kv].data_ptr(),
+                nbytes=nbytes,
+                item_bytes=self.item_bytes,
+                group=group.id,
+                layer=layer,
+                part=part,
+                final=final,
+                split="heads",
+            )
+            for i, layer in enumerate(group.layers)
+            for kv, part in ((0, "k"), (1, "v"))
+        ]
 
     def as_group(self, first_layer: int = 0):
         """The full-attention cache group of this pool's layers (a pool built without a model)."""
         from pdserve.kv_spec import CacheGroup, FullAttention
 
-        return CacheGroup(0, FullAttention(self.kv_heads, self.head_dim),
-                          tuple(range(first_layer, first_layer + self.num_layers)))
+        return CacheGroup(
+            0,
+            FullAttention(self.kv_heads, self.head_dim),
+            tuple(range(first_layer, first_layer + self.num_layers)),
+        )
 
     @classmethod
-    def for_spec(cls, spec, num_layers: int, num_pages: int, page_size: int, dtype: torch.dtype, device,
-                 allocator: BufferAllocator = default_allocator) -> "KVPool":
-        return cls(num_layers, num_pages, page_size, spec.num_kv_heads, spec.head_dim, dtype, device, allocator)
+    def for_spec(
+        cls,
+        spec,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device,
+        allocator: BufferAllocator = default_allocator,
+    ) -> "KVPool":
+        return cls(
+            num_layers,
+            num_pages,
+            page_size,
+            spec.num_kv_heads,
+            spec.head_dim,
+            dtype,
+            device,
+            allocator,
+        )
 
-    def write(self, layer: int, page_idx: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(
+        self,
+        layer: int,
+        page_idx: torch.Tensor,
+        offsets: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
         """Store new tokens' K/V. ``page_idx``/``offsets``: [T]; ``k``/``v``: [T, kv_heads, head_dim]."""
         self.buffer[layer, 0][page_idx, :, offsets] = k.to(self.dtype)
         self.buffer[layer, 1][page_idx, :, offsets] = v.to(self.dtype)
 
 
-def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, allocator: BufferAllocator):
+def _allocate(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, allocator: BufferAllocator
+):
     nbytes = torch.empty((), dtype=dtype).element_size()
     for n in shape:
         nbytes *= n
     raw = allocator(nbytes, device)
     if raw.numel() != nbytes or raw.dtype != torch.uint8:
-        raise ValueError(f"allocator returned {raw.numel()} {raw.dtype} bytes, expected {nbytes} uint8")
+        raise ValueError(
+            f"allocator returned {raw.numel()} {raw.dtype} bytes, expected {nbytes} uint8"
+        )
     return raw, raw.view(dtype).view(shape)
 
 
@@ -196,23 +246,60 @@ class LatentPool(BaseKVPool):
     other per-token vectors without a head axis (``IndexKeys``: ``rope_dim`` 0, regions named
     ``part``)."""
 
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, latent_dim: int, rope_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, allocator: BufferAllocator = default_allocator,
-                 part: str = "latent"):
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        latent_dim: int,
+        rope_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        allocator: BufferAllocator = default_allocator,
+        part: str = "latent",
+    ):
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.latent_dim, self.rope_dim, self.part = latent_dim, rope_dim, part
         self.dtype, self.device = dtype, torch.device(device)
         # [num_layers, num_pages, page_size, latent_dim + rope_dim]
-        self._raw, self.buffer = _allocate((num_layers, num_pages, page_size, latent_dim + rope_dim), dtype,
-                                           self.device, allocator)
+        self._raw, self.buffer = _allocate(
+            (num_layers, num_pages, page_size, latent_dim + rope_dim), dtype, self.device, allocator
+        )
         self.allocator = PageAllocator(num_pages)
 
     @classmethod
-    def for_spec(cls, spec, num_layers: int, num_pages: int, page_size: int, dtype: torch.dtype, device,
-                 allocator: BufferAllocator = default_allocator) -> "LatentPool":
+    def for_spec(
+        cls,
+        spec,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device,
+        allocator: BufferAllocator = default_allocator,
+    ) -> "LatentPool":
         if spec.kind == "index_keys":
-            return cls(num_layers, num_pages, page_size, spec.dim, 0, dtype, device, allocator, part="index_k")
-        return cls(num_layers, num_pages, page_size, spec.latent_dim, spec.rope_dim, dtype, device, allocator)
+            return cls(
+                num_layers,
+                num_pages,
+                page_size,
+                spec.dim,
+                0,
+                dtype,
+                device,
+                allocator,
+                part="index_k",
+            )
+        return cls(
+            num_layers,
+            num_pages,
+            page_size,
+            spec.latent_dim,
+            spec.rope_dim,
+            dtype,
+            device,
+            allocator,
+        )
 
     @property
     def nbytes(self) -> int:
@@ -229,26 +316,55 @@ class LatentPool(BaseKVPool):
     index_cache = latent_cache  # an IndexKeys group's vectors
 
     def regions(self, group) -> list[Region]:
-        nbytes, final = self.num_pages * self.item_bytes, "last_chunk" if group.spec.drops_pages else "per_chunk"
-        return [Region(ptr=self.buffer[i].data_ptr(), nbytes=nbytes, item_bytes=self.item_bytes, group=group.id,
-                       layer=layer, part=self.part, final=final, split="replicated")
-                for i, layer in enumerate(group.layers)]
+        nbytes, final = (
+            self.num_pages * self.item_bytes,
+            "last_chunk" if group.spec.drops_pages else "per_chunk",
+        )
+        return [
+            Region(
+                ptr=self.buffer[i].data_ptr(),
+                nbytes=nbytes,
+                item_bytes=self.item_bytes,
+                group=group.id,
+                layer=layer,
+                part=self.part,
+                final=final,
+                split="replicated",
+            )
+            for i, layer in enumerate(group.layers)
+        ]
 
-    def write(self, layer: int, page_idx: torch.Tensor, offsets: torch.Tensor, latent: torch.Tensor) -> None:
+    def write(
+        self, layer: int, page_idx: torch.Tensor, offsets: torch.Tensor, latent: torch.Tensor
+    ) -> None:
         """Store new tokens' latents. ``page_idx``/``offsets``: [T]; ``latent``: [T, latent_dim + rope_dim]."""
         self.buffer[layer][page_idx, offsets] = latent.to(self.dtype)
 
 
 # cache kind (kv_spec.CacheSpec.kind) -> the pool that holds it
-POOLS: dict[str, type] = {"full_attention": KVPool, "sliding_window": KVPool, "latent_attention": LatentPool,
-                          "index_keys": LatentPool}
+POOLS: dict[str, type] = {
+    "full_attention": KVPool,
+    "sliding_window": KVPool,
+    "latent_attention": LatentPool,
+    "index_keys": LatentPool,
+}
 
 
-def make_pool(group, num_pages: int, page_size: int, dtype: torch.dtype, device,
-              allocator: BufferAllocator = default_allocator) -> BaseKVPool:
+def make_pool(
+    group,
+    num_pages: int,
+    page_size: int,
+    dtype: torch.dtype,
+    device,
+    allocator: BufferAllocator = default_allocator,
+) -> BaseKVPool:
     """The pool of cache group ``group`` (``kv_spec.CacheGroup``), by its spec's kind."""
     cls = POOLS.get(group.kind)
     if cls is None:
-        raise ValueError(f"cache kind {group.kind!r} (layers {list(group.layers)}) has no pool in this engine "
-                         f"(pools: {', '.join(sorted(POOLS))})")
-    return cls.for_spec(group.spec, len(group.layers), num_pages, page_size, dtype, device, allocator)
+        raise ValueError(
+            f"cache kind {group.kind!r} (layers {list(group.layers)}) has no pool in this engine "
+            f"(pools: {', '.join(sorted(POOLS))})"
+        )
+    return cls.for_spec(
+        group.spec, len(group.layers), num_pages, page_size, dtype, device, allocator
+    )

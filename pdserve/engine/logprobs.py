@@ -70,7 +70,7 @@ def input_logprobs(
     if start == 0:
         token_out.append((None, input_ids[0]))
         top_out.append(None)
-    targets = input_ids[first_row_pos + 1:]
+    targets = input_ids[first_row_pos + 1 :]
     if targets:
         target_t = torch.tensor(targets, dtype=torch.long, device=logits.device)
         token_out.extend(zip(token_logprobs(logits, target_t), targets))

@@ -12,11 +12,11 @@ import torch
 from pdserve import kernels
 from pdserve.config import ServerArgs
 from pdserve.distributed import SINGLE_RANK, Parallel
+from pdserve.engine import routed_experts
 from pdserve.engine.dp_attention import DPGather
 from pdserve.engine.kv_pool import BaseKVPool, BufferAllocator, default_allocator, make_pool
-from pdserve.engine.precision import choose_compute_dtype, choose_kv_cache_dtype
 from pdserve.engine.pipeline import pipeline_forward
-from pdserve.engine import routed_experts
+from pdserve.engine.precision import choose_compute_dtype, choose_kv_cache_dtype
 from pdserve.forward_batch import ForwardBatch, GroupTable
 from pdserve.kv_spec import DTYPE_BYTES, CacheGroup, FullAttention, group_layers, specs_of
 from pdserve.layers.attention.base import attention_backend_class, get_attention_backend
@@ -39,8 +39,12 @@ def _available_host_bytes() -> int:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, kv_allocator: BufferAllocator = default_allocator,
-                 par: Parallel = SINGLE_RANK):
+    def __init__(
+        self,
+        args: ServerArgs,
+        kv_allocator: BufferAllocator = default_allocator,
+        par: Parallel = SINGLE_RANK,
+    ):
         from pdserve.models.loader import context_length, load_config, load_model, model_fingerprint
 
         self.args = args
@@ -56,8 +60,13 @@ class ModelRunner:
             self.dtype, why = self._agree_on_dtype(hf_config)
         logger.info("compute dtype %s: %s", str(self.dtype).replace("torch.", ""), why)
         self.model, self.hf_config = load_model(
-            args.model_path, dtype=str(self.dtype).replace("torch.", ""), device=args.device,
-            load_format=args.load_format, seed=args.random_seed, par=par, moe=args.moe_options(),
+            args.model_path,
+            dtype=str(self.dtype).replace("torch.", ""),
+            device=args.device,
+            load_format=args.load_format,
+            seed=args.random_seed,
+            par=par,
+            moe=args.moe_options(),
         )
         if self.ops is not None:
             self.model.use_cpu_kernels(self.ops)
@@ -67,12 +76,19 @@ class ModelRunner:
         if self.device.type == "cpu" and (self.dtype == torch.bfloat16 or deterministic):
             packed = self.model.prepack(self.ops, args.quantization, batch_invariant=deterministic)
             onednn = kernels.onednn_bf16()[0]
-            what = f"{args.quantization} (int8 weights, LM head bf16)" if args.quantization else \
-                "float32 (batch invariant)" if self.dtype == torch.float32 else \
-                "bf16 (GEMV at every batch size: batch invariant)" if deterministic else \
-                ("bf16 (oneDNN" + (" + GEMV)" if self.ops else ")")) if onednn else \
-                f"bf16 (pdserve's kernels at every batch size, ISA {self.ops.isa()}: no oneDNN bf16 here)" \
-                if self.ops else "bf16 (PyTorch's own matmuls: neither oneDNN bf16 nor pdserve's kernels here)"
+            what = (
+                f"{args.quantization} (int8 weights, LM head bf16)"
+                if args.quantization
+                else "float32 (batch invariant)"
+                if self.dtype == torch.float32
+                else "bf16 (GEMV at every batch size: batch invariant)"
+                if deterministic
+                else ("bf16 (oneDNN" + (" + GEMV)" if self.ops else ")"))
+                if onednn
+                else f"bf16 (pdserve's kernels at every batch size, ISA {self.ops.isa()}: no oneDNN bf16 here)"
+                if self.ops
+                else "bf16 (PyTorch's own matmuls: neither oneDNN bf16 nor pdserve's kernels here)"
+            )
             logger.info("matmul weights prepacked for %s: %.1f MiB", what, packed / 2**20)
         self.kv_dtype = choose_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.fingerprint = model_fingerprint(self.hf_config)
@@ -81,51 +97,87 @@ class ModelRunner:
         self.vocab_size = self.model.vocab_size
         specs = [specs_of(entry) for entry in self.model.kv_cache_specs()]  # per layer: its caches
         if args.disable_hybrid_swa_memory:  # windows by masking over full pages
-            specs = [tuple(FullAttention(s.num_kv_heads, s.head_dim) if isinstance(s, FullAttention) else s
-                           for s in entry) for entry in specs]
+            specs = [
+                tuple(
+                    FullAttention(s.num_kv_heads, s.head_dim) if isinstance(s, FullAttention) else s
+                    for s in entry
+                )
+                for entry in specs
+            ]
         self.cache_groups: list[CacheGroup] = group_layers(specs, self.model.first_layer)
         # per layer of this stage and cache kind it keeps: its group and its slot in that group's pool
         first = self.model.first_layer
-        self.layer_caches = [{g.kind: (g.id, g.layers.index(first + i)) for g in self.cache_groups
-                              if first + i in g.layers} for i in range(len(specs))]
+        self.layer_caches = [
+            {
+                g.kind: (g.id, g.layers.index(first + i))
+                for g in self.cache_groups
+                if first + i in g.layers
+            }
+            for i in range(len(specs))
+        ]
         # the group and slot of each layer's first cache
         self.layer_group = [self.layer_caches[i][entry[0].kind][0] for i, entry in enumerate(specs)]
         self.layer_slot = [self.layer_caches[i][entry[0].kind][1] for i, entry in enumerate(specs)]
         # --enable-return-routed-experts: the ids of every token, kept with the pages of one group
-        self.routed_spec = routed_experts.plan(self.model, self.cache_groups) \
-            if args.enable_return_routed_experts else None
+        self.routed_spec = (
+            routed_experts.plan(self.model, self.cache_groups)
+            if args.enable_return_routed_experts
+            else None
+        )
         self._allocate_kv(self._num_pages(), kv_allocator)
         self.attn_backend_name = self._attention_backend()
-        self.attn_backend = get_attention_backend(self.attn_backend_name, **(
-            {"ops": self.ops, "compute_dtype": self.dtype, "deterministic": deterministic}
-            if self.attn_backend_name == "cpu" else {}))
+        self.attn_backend = get_attention_backend(
+            self.attn_backend_name,
+            **(
+                {"ops": self.ops, "compute_dtype": self.dtype, "deterministic": deterministic}
+                if self.attn_backend_name == "cpu"
+                else {}
+            ),
+        )
         if deterministic and self.attn_backend_name != "cpu":
-            raise ValueError("enable_deterministic_inference: this model's attention runs on the 'torch' backend "
-                             f"(SDPA), whose rows are not independent of the batch; it needs the 'cpu' backend, "
-                             f"which does not support it: {self._why_not_cpu_attention()}")
+            raise ValueError(
+                "enable_deterministic_inference: this model's attention runs on the 'torch' backend "
+                f"(SDPA), whose rows are not independent of the batch; it needs the 'cpu' backend, "
+                f"which does not support it: {self._why_not_cpu_attention()}"
+            )
         arch = ",".join(getattr(self.hf_config, "architectures", None) or ["?"])
-        self.attn_backend.check_supported({g.kind for g in self.cache_groups}, self.model.attention_layers(), arch)
+        self.attn_backend.check_supported(
+            {g.kind for g in self.cache_groups}, self.model.attention_layers(), arch
+        )
         if self.attn_backend_name == "cpu" and self.dtype == torch.bfloat16:
             # when the model offers one for its configuration
             self.model.enable_decode_stack(self.ops, batch_invariant=deterministic)
         logger.info(
             "model %s loaded: %d layers, dtype %s, KV cache %s in %s, attention %s",
-            os.path.basename(args.model_path.rstrip("/")), len(specs), self.dtype, self.kv_dtype,
-            "; ".join(f"{len(g.layers)} {g.kind} layer(s): {p.num_pages} pages x {args.page_size} tokens "
-                      f"({p.nbytes / 2**20:.1f} MiB)" for g, p in zip(self.cache_groups, self.pools)),
+            os.path.basename(args.model_path.rstrip("/")),
+            len(specs),
+            self.dtype,
+            self.kv_dtype,
+            "; ".join(
+                f"{len(g.layers)} {g.kind} layer(s): {p.num_pages} pages x {args.page_size} tokens "
+                f"({p.nbytes / 2**20:.1f} MiB)"
+                for g, p in zip(self.cache_groups, self.pools)
+            ),
             self.attn_backend_name,
         )
 
     def _allocate_kv(self, counts: list[int], kv_allocator: BufferAllocator) -> None:
         """The pools of the cache groups (``counts`` pages each) and the routed experts' store."""
-        self.pools = [self._make_pool(g, n, kv_allocator) for g, n in zip(self.cache_groups, counts)]
+        self.pools = [
+            self._make_pool(g, n, kv_allocator) for g, n in zip(self.cache_groups, counts)
+        ]
         self.pool = self.pools[0]
         self.routed: Optional[routed_experts.RoutedExpertsStore] = None
         if self.routed_spec is not None:
             spec = self.routed_spec
             self.routed = routed_experts.RoutedExpertsStore(
-                spec, self.pools[spec.group].num_pages, self.args.page_size,
-                routed_experts.moe_blocks(self.model)[0].ctx, self.device, kv_allocator)
+                spec,
+                self.pools[spec.group].num_pages,
+                self.args.page_size,
+                routed_experts.moe_blocks(self.model)[0].ctx,
+                self.device,
+                kv_allocator,
+            )
 
     def reallocate_kv(self, kv_allocator: BufferAllocator) -> None:
         """Empty pools of the same sizes from ``kv_allocator`` (a role switch: a decode's must be
@@ -137,13 +189,19 @@ class ModelRunner:
         gc.collect()  # what held the old pools may sit in reference cycles (a closed KV manager's)
         self._allocate_kv(counts, kv_allocator)
 
-    def _make_pool(self, group: CacheGroup, num_pages: int, allocator: BufferAllocator) -> BaseKVPool:
-        return make_pool(group, num_pages, self.args.page_size, self.kv_dtype, self.device, allocator)
+    def _make_pool(
+        self, group: CacheGroup, num_pages: int, allocator: BufferAllocator
+    ) -> BaseKVPool:
+        return make_pool(
+            group, num_pages, self.args.page_size, self.kv_dtype, self.device, allocator
+        )
 
     def _agree_on_dtype(self, hf_config) -> tuple[torch.dtype, str]:
         """Rank 0's choice on every rank (a measurement could differ between ranks)."""
         if self.par.world.rank == 0:
-            dtype, why = choose_compute_dtype(self.args.dtype, self.device.type, hf_config, self.ops)
+            dtype, why = choose_compute_dtype(
+                self.args.dtype, self.device.type, hf_config, self.ops
+            )
             choice = f"{str(dtype).replace('torch.', '')}|{why}"
         else:
             choice = None
@@ -152,12 +210,16 @@ class ModelRunner:
 
     def _check_deterministic_possible(self) -> None:
         if self.device.type != "cpu":
-            raise ValueError("enable_deterministic_inference: implemented for CPU serving only (batch-invariant "
-                             "GEMMs and attention are pdserve's CPU kernels); it is not available on "
-                             f"{self.device.type}")
+            raise ValueError(
+                "enable_deterministic_inference: implemented for CPU serving only (batch-invariant "
+                "GEMMs and attention are pdserve's CPU kernels); it is not available on "
+                f"{self.device.type}"
+            )
         if self.ops is None:
-            raise ValueError("enable_deterministic_inference: needs pdserve's CPU kernels (batch-invariant GEMMs and "
-                             f"attention), which are not available ({kernels.unavailable_reason()})")
+            raise ValueError(
+                "enable_deterministic_inference: needs pdserve's CPU kernels (batch-invariant GEMMs and "
+                f"attention), which are not available ({kernels.unavailable_reason()})"
+            )
 
     def _why_not_cpu_attention(self) -> str:
         if self.args.attention_backend == "torch":
@@ -165,27 +227,41 @@ class ModelRunner:
         cpu = attention_backend_class("cpu")
         missing = cpu.missing_features(self.model.attention_layers())
         missing += sorted({g.kind for g in self.cache_groups} - cpu.cache_kinds)
-        return f"the model's attention uses {', '.join(missing)}" if missing else "the kernels are not available"
+        return (
+            f"the model's attention uses {', '.join(missing)}"
+            if missing
+            else "the kernels are not available"
+        )
 
     def _check_quantization_possible(self) -> None:
         if self.ops is None:
-            raise ValueError(f"quantization: {self.args.quantization!r} needs pdserve's CPU kernels, which are not "
-                             f"available ({kernels.unavailable_reason()})")
+            raise ValueError(
+                f"quantization: {self.args.quantization!r} needs pdserve's CPU kernels, which are not "
+                f"available ({kernels.unavailable_reason()})"
+            )
         if not self.ops.has_int8_dot():
-            raise ValueError(f"quantization: {self.args.quantization!r} needs SIMD int8 dot products (AVX2, AVX-VNNI "
-                             f"or AVX512-VNNI on x86-64, NEON on Arm), which this CPU (or PDSERVE_CPU_ISA="
-                             f"{self.ops.isa()}) does not offer")
+            raise ValueError(
+                f"quantization: {self.args.quantization!r} needs SIMD int8 dot products (AVX2, AVX-VNNI "
+                f"or AVX512-VNNI on x86-64, NEON on Arm), which this CPU (or PDSERVE_CPU_ISA="
+                f"{self.ops.isa()}) does not offer"
+            )
 
     def _attention_backend(self) -> str:
         name = self.args.attention_backend
-        if name == "auto":  # the kernels where they run and support every cache kind and layer feature
+        if (
+            name == "auto"
+        ):  # the kernels where they run and support every cache kind and layer feature
             cpu = attention_backend_class("cpu")
-            fits = not cpu.missing_features(self.model.attention_layers()) and \
-                {g.kind for g in self.cache_groups} <= cpu.cache_kinds
+            fits = (
+                not cpu.missing_features(self.model.attention_layers())
+                and {g.kind for g in self.cache_groups} <= cpu.cache_kinds
+            )
             return "cpu" if self.device.type == "cpu" and self.ops is not None and fits else "torch"
         if name == "cpu" and self.ops is None:
-            raise ValueError(f"attention_backend: 'cpu' needs pdserve's CPU kernels, which are not available "
-                             f"({kernels.unavailable_reason()})")
+            raise ValueError(
+                f"attention_backend: 'cpu' needs pdserve's CPU kernels, which are not available "
+                f"({kernels.unavailable_reason()})"
+            )
         return name
 
     def _num_pages(self) -> list[int]:
@@ -207,18 +283,25 @@ class ModelRunner:
         ``--max-total-tokens`` is the full groups' token count."""
         args = self.args
         item = DTYPE_BYTES[str(self.kv_dtype).replace("torch.", "")]
-        per_page = [len(g.layers) * g.spec.page_bytes(args.page_size, item) for g in self.cache_groups]
+        per_page = [
+            len(g.layers) * g.spec.page_bytes(args.page_size, item) for g in self.cache_groups
+        ]
         if self.routed_spec is not None:  # the routed experts' rows live with this group's pages
             per_page[self.routed_spec.group] += self.routed_spec.bytes_per_page(args.page_size)
         mixed = any(not g.spec.drops_pages for g in self.cache_groups)
-        share = [args.swa_full_tokens_ratio if mixed and g.spec.drops_pages else 1.0 for g in self.cache_groups]
+        share = [
+            args.swa_full_tokens_ratio if mixed and g.spec.drops_pages else 1.0
+            for g in self.cache_groups
+        ]
         if args.max_total_tokens is not None:
             return [int(-(-args.max_total_tokens * s // args.page_size)) + 1 for s in share]
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * args.mem_fraction_static)
         else:
-            budget = int(_available_host_bytes() * min(args.mem_fraction_static, CPU_DEFAULT_KV_FRACTION))
+            budget = int(
+                _available_host_bytes() * min(args.mem_fraction_static, CPU_DEFAULT_KV_FRACTION)
+            )
         pages = budget / sum(s * b for s, b in zip(share, per_page))
         return [max(2, int(pages * s) + 1) for s in share]
 

@@ -29,7 +29,9 @@ MIN_MICRO_BATCH_TOKENS = 128
 def num_micro_batches(num_tokens: int, pp_size: int) -> int:
     """P micro-batches for small batches (decode steps), up to 4 P for long prompts (the
     pipeline's fill and drain then cost 1/(4 P) of the time instead of (P-1)/P)."""
-    return max(1, min(num_tokens, max(pp_size, min(4 * pp_size, num_tokens // MIN_MICRO_BATCH_TOKENS))))
+    return max(
+        1, min(num_tokens, max(pp_size, min(4 * pp_size, num_tokens // MIN_MICRO_BATCH_TOKENS)))
+    )
 
 
 def split(parts: tuple, n: int) -> list[tuple[tuple, int]]:

@@ -35,7 +35,12 @@ def _layer_shapes(hf_config) -> list[tuple[int, int]]:
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
     inter = hf_config.intermediate_size
-    return [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim), (2 * inter, hidden), (hidden, inter)]
+    return [
+        ((heads + 2 * kv_heads) * head_dim, hidden),
+        (hidden, heads * head_dim),
+        (2 * inter, hidden),
+        (hidden, inter),
+    ]
 
 
 def _best_time(fn, repeats: int = PROBE_REPEATS) -> float:
@@ -48,7 +53,9 @@ def _best_time(fn, repeats: int = PROBE_REPEATS) -> float:
     return best
 
 
-def measure_linear_times(hf_config, ops: Optional[ModuleType], onednn: bool = True) -> dict[str, float]:
+def measure_linear_times(
+    hf_config, ops: Optional[ModuleType], onednn: bool = True
+) -> dict[str, float]:
     """Seconds for one pass over a decoder layer's matmuls at each of ``PROBE_ROWS``, summed, in
     float32 (``F.linear``) and in prepacked bf16 (what ``PackedBF16`` runs: oneDNN and pdserve's
     GEMV, or, with ``onednn`` False, pdserve's kernel at every row count)."""
@@ -66,7 +73,9 @@ def measure_linear_times(hf_config, ops: Optional[ModuleType], onednn: bool = Tr
     return out
 
 
-def choose_compute_dtype(dtype: str, device: str, hf_config, ops: Optional[ModuleType]) -> tuple[torch.dtype, str]:
+def choose_compute_dtype(
+    dtype: str, device: str, hf_config, ops: Optional[ModuleType]
+) -> tuple[torch.dtype, str]:
     """(compute dtype, why) for ``--dtype`` on ``device``."""
     from pdserve.models.loader import resolve_dtype
 
@@ -79,21 +88,38 @@ def choose_compute_dtype(dtype: str, device: str, hf_config, ops: Optional[Modul
 
     onednn, why_not = onednn_bf16()
     if not onednn:
-        logger.info("bf16 matmuls: not on oneDNN (%s)%s", why_not, "" if ops is None else "; pdserve's kernels probed")
+        logger.info(
+            "bf16 matmuls: not on oneDNN (%s)%s",
+            why_not,
+            "" if ops is None else "; pdserve's kernels probed",
+        )
         if ops is None:
-            return torch.float32, f"{why_not}, and pdserve's CPU kernels are not available: bf16 matmuls would be slow"
+            return (
+                torch.float32,
+                f"{why_not}, and pdserve's CPU kernels are not available: bf16 matmuls would be slow",
+            )
     try:
         times = measure_linear_times(hf_config, ops, onednn)
-    except Exception as e:  # an instruction the library lacks here, or any other failure: not available
-        logger.warning("the bf16 matmul probe failed (%s: %s); computing in float32", type(e).__name__, e)
-        return torch.float32, f"the bf16 matmul probe failed ({type(e).__name__}: {str(e).splitlines()[0]})"
+    except Exception as e:  # an instruction the library lacks here, or any failure: not available
+        logger.warning(
+            "the bf16 matmul probe failed (%s: %s); computing in float32", type(e).__name__, e
+        )
+        return (
+            torch.float32,
+            f"the bf16 matmul probe failed ({type(e).__name__}: {str(e).splitlines()[0]})",
+        )
     ratio = times["bfloat16"] / times["float32"]
-    detail = (f"layer matmuls at {'/'.join(map(str, PROBE_ROWS))} rows took {times['bfloat16'] * 1e3:.1f} ms "
-              f"in prepacked bf16 ({'oneDNN + GEMV' if onednn else 'pdserve kernels'}) vs "
-              f"{times['float32'] * 1e3:.1f} ms in float32 ({ratio:.2f}x)")
+    detail = (
+        f"layer matmuls at {'/'.join(map(str, PROBE_ROWS))} rows took {times['bfloat16'] * 1e3:.1f} ms "
+        f"in prepacked bf16 ({'oneDNN + GEMV' if onednn else 'pdserve kernels'}) vs "
+        f"{times['float32'] * 1e3:.1f} ms in float32 ({ratio:.2f}x)"
+    )
     if ratio < 1.0:
         return torch.bfloat16, f"measured: {detail}"
-    return torch.float32, f"measured: {detail}; upcasting the {str(ckpt).replace('torch.', '')} checkpoint"
+    return (
+        torch.float32,
+        f"measured: {detail}; upcasting the {str(ckpt).replace('torch.', '')} checkpoint",
+    )
 
 
 def choose_kv_cache_dtype(kv_cache_dtype: str, compute: torch.dtype) -> torch.dtype:

@@ -27,15 +27,21 @@ from __future__ import annotations
 import heapq
 from typing import Iterator, Optional, Sequence, Union
 
-from pdserve.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, chain_hashes
 from pdserve.engine.kv_pool import PageAllocator
+from pdserve.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, chain_hashes
 
 
 class Node:
     __slots__ = ("key", "pages", "extra", "children", "parent", "lock_ref", "last_access", "hashes")
 
-    def __init__(self, key: tuple, pages: list[int], parent: Optional["Node"], last_access: int = 0,
-                 extra: Optional[list[list[int]]] = None):
+    def __init__(
+        self,
+        key: tuple,
+        pages: list[int],
+        parent: Optional["Node"],
+        last_access: int = 0,
+        extra: Optional[list[list[int]]] = None,
+    ):
         self.key = key  # token ids, len(key) == len(pages) * page_size
         self.pages = pages  # group 0's page ids
         self.extra = extra or []  # the other groups' page ids (0: tombstone), each len(pages) long
@@ -58,8 +64,13 @@ class Node:
 
 
 class RadixCache:
-    def __init__(self, allocator: Union[PageAllocator, Sequence[PageAllocator]], page_size: int,
-                 disable: bool = False, specs: Optional[Sequence] = None):
+    def __init__(
+        self,
+        allocator: Union[PageAllocator, Sequence[PageAllocator]],
+        page_size: int,
+        disable: bool = False,
+        specs: Optional[Sequence] = None,
+    ):
         """``allocator``: one per cache group (or one); ``specs``: the groups' ``CacheSpec``s, for
         the window rule of ``match_prefix`` (None: every group keeps every page)."""
         if page_size < 1:
@@ -68,7 +79,9 @@ class RadixCache:
         self.allocator = self.allocators[0]
         self.num_groups = len(self.allocators)
         self.specs = list(specs) if specs is not None else [None] * self.num_groups
-        self._windowed = [g for g, spec in enumerate(self.specs) if spec is not None and spec.drops_pages]
+        self._windowed = [
+            g for g, spec in enumerate(self.specs) if spec is not None and spec.drops_pages
+        ]
         self.page_size = page_size
         self.disable = disable
         self.root = self._node((), [], None)
@@ -88,7 +101,9 @@ class RadixCache:
     def evictable_pages(self, group: int = 0) -> int:
         return self._total[group] - self._protected[group]
 
-    def _node(self, key: tuple, pages: list[list[int]], parent: Optional[Node], last_access: int = 0) -> Node:
+    def _node(
+        self, key: tuple, pages: list[list[int]], parent: Optional[Node], last_access: int = 0
+    ) -> Node:
         pages = pages or [[] for _ in range(self.num_groups)]
         return Node(key, list(pages[0]), parent, last_access, [list(p) for p in pages[1:]])
 
@@ -98,14 +113,18 @@ class RadixCache:
             counters[g] += sign * n
 
     # ----- lookup and insertion -----
-    def match_prefix(self, token_ids: list[int], *, max_pages: Optional[int] = None) -> tuple[list[int], Node]:
+    def match_prefix(
+        self, token_ids: list[int], *, max_pages: Optional[int] = None
+    ) -> tuple[list[int], Node]:
         """Longest cached prefix of ``token_ids`` in full pages (at most ``max_pages``): group 0's
         pages in order and the node ending exactly at the match (root if none). The caller caps
         ``max_pages`` when it needs at least one token left to compute."""
         pages, node = self.match_groups(token_ids, max_pages=max_pages)
         return pages[0], node
 
-    def match_groups(self, token_ids: list[int], *, max_pages: Optional[int] = None) -> tuple[list[list[int]], Node]:
+    def match_groups(
+        self, token_ids: list[int], *, max_pages: Optional[int] = None
+    ) -> tuple[list[list[int]], Node]:
         """``match_prefix`` for every group: the pages per group (tombstones as 0) of the longest
         prefix at whose end every group holds what its next query sees."""
         if self.disable:
@@ -120,7 +139,9 @@ class RadixCache:
         found, _ = self._walk(token_ids, max_pages, split=False)
         k = len(found[0])
         while k > 0:
-            if all(all(found[g][self.specs[g].first_live_page(k * ps, ps):k]) for g in self._windowed):
+            if all(
+                all(found[g][self.specs[g].first_live_page(k * ps, ps) : k]) for g in self._windowed
+            ):
                 return k
             k -= 1
         return 0
@@ -153,8 +174,9 @@ class RadixCache:
             self._touch(node)
         return pages, node
 
-    def insert(self, token_ids: list[int], pages: list[int],
-               extra: Optional[list[list[int]]] = None) -> tuple[list[int], Node]:
+    def insert(
+        self, token_ids: list[int], pages: list[int], extra: Optional[list[list[int]]] = None
+    ) -> tuple[list[int], Node]:
         """Add ``token_ids`` (full pages only) to the tree; the tree takes ownership of ``pages``
         (group 0's ids) and ``extra`` (the other groups', 0 where a group holds none).
 
@@ -165,7 +187,9 @@ class RadixCache:
         """
         ps = self.page_size
         groups = [list(pages), *(extra or [])]
-        assert len(groups) == self.num_groups, f"insert: {len(groups)} page lists for {self.num_groups} groups"
+        assert len(groups) == self.num_groups, (
+            f"insert: {len(groups)} page lists for {self.num_groups} groups"
+        )
         assert all(len(token_ids) == len(ids) * ps for ids in groups), (
             f"insert: {len(token_ids)} tokens but {[len(ids) for ids in groups]} pages of {ps} tokens"
         )
@@ -185,8 +209,14 @@ class RadixCache:
                 if self.events is not None:
                     parent = node.hashes[-1] if node.hashes else None
                     child.hashes = chain_hashes(parent, child.key, ps)
-                    self.events.append(BlockStored(block_hashes=list(child.hashes), parent_block_hash=parent,
-                                                   token_ids=list(child.key), block_size=ps))
+                    self.events.append(
+                        BlockStored(
+                            block_hashes=list(child.hashes),
+                            parent_block_hash=parent,
+                            token_ids=list(child.key),
+                            block_size=ps,
+                        )
+                    )
                 canonical.extend(child.pages)
                 node = child
                 break
@@ -239,7 +269,9 @@ class RadixCache:
         ps = self.page_size
         cut = n_pages * ps
         parent = node.parent
-        prefix = self._node(node.key[:cut], [ids[:n_pages] for ids in node.groups()], parent, node.last_access)
+        prefix = self._node(
+            node.key[:cut], [ids[:n_pages] for ids in node.groups()], parent, node.last_access
+        )
         prefix.lock_ref = node.lock_ref
         prefix.hashes, node.hashes = node.hashes[:n_pages], node.hashes[n_pages:]
         node.key = node.key[cut:]
@@ -345,8 +377,14 @@ class RadixCache:
             node = stack.pop()
             if node is not self.root and node.hashes:
                 parent = node.parent.hashes[-1] if node.parent.hashes else None
-                out.append(BlockStored(block_hashes=list(node.hashes), parent_block_hash=parent,
-                                       token_ids=list(node.key), block_size=self.page_size))
+                out.append(
+                    BlockStored(
+                        block_hashes=list(node.hashes),
+                        parent_block_hash=parent,
+                        token_ids=list(node.key),
+                        block_size=self.page_size,
+                    )
+                )
             stack.extend(node.children.values())
         return out
 
@@ -369,7 +407,9 @@ class RadixCache:
         seen: list[set[int]] = [set() for _ in range(self.num_groups)]
         total, protected = [0] * self.num_groups, [0] * self.num_groups
         for node in self._iter_nodes():
-            assert all(len(node.key) == len(ids) * ps for ids in node.groups()), f"{node!r}: {len(node.key)} tokens"
+            assert all(len(node.key) == len(ids) * ps for ids in node.groups()), (
+                f"{node!r}: {len(node.key)} tokens"
+            )
             assert node is self.root or node.pages, f"empty non-root node {node!r}"
             assert node.lock_ref >= 0, f"negative lock_ref on {node!r}"
             child_locks = 0
@@ -385,12 +425,16 @@ class RadixCache:
                     if not p:
                         continue
                     assert p not in seen[g], f"page {p} of group {g} appears twice in the tree"
-                    assert not self.allocators[g].is_free(p), f"page {p} of group {g} is in the tree but free in the allocator"
+                    assert not self.allocators[g].is_free(p), (
+                        f"page {p} of group {g} is in the tree but free in the allocator"
+                    )
                     seen[g].add(p)
                     total[g] += 1
                     protected[g] += node.lock_ref > 0
         assert total == self._total, f"total_pages counters {self._total}, tree holds {total}"
-        assert protected == self._protected, f"protected_pages counters {self._protected}, tree has {protected} locked"
+        assert protected == self._protected, (
+            f"protected_pages counters {self._protected}, tree has {protected} locked"
+        )
         for g in range(len(in_use)):
             free, cap = self.allocators[g].num_free(), self.allocators[g].capacity
             assert free + total[g] + in_use[g] == cap, (

@@ -69,15 +69,24 @@ class SamplingParams:
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
             number(name, integer=True)
             int64(name, getattr(self, name))
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
-                     "presence_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+        ):
             number(name)
         if self.max_new_tokens < 0:
             bad("max_new_tokens", f"must be >= 0, got {self.max_new_tokens}")
         if self.min_new_tokens < 0:
             bad("min_new_tokens", f"must be >= 0, got {self.min_new_tokens}")
         if self.min_new_tokens > self.max_new_tokens:
-            bad("min_new_tokens", f"must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}")
+            bad(
+                "min_new_tokens",
+                f"must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}",
+            )
         if self.temperature < 0:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -104,7 +113,9 @@ class SamplingParams:
                 bad("stop_token_ids", f"must be a list of integers, got {self.stop_token_ids!r}")
             for t in self.stop_token_ids:
                 int64("stop_token_ids", t)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
             bad("seed", f"must be an integer, got {self.seed!r}")
         if self.seed is not None:
             int64("seed", self.seed)
@@ -191,7 +202,9 @@ class Req:
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
-    prefill_dp_rank: Optional[int] = None  # decode: the prefill DP group holding its KV (None: ask bootstrap)
+    prefill_dp_rank: Optional[int] = (
+        None  # decode: the prefill DP group holding its KV (None: ask bootstrap)
+    )
     arrival_time: float = 0.0
     # constrained decoding: what the output must match (a pdserve.grammar.GrammarSpec) and the
     # end-of-reasoning token ids after which it starts (None: from the first token)

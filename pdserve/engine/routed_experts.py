@@ -53,19 +53,30 @@ class RoutedExpertsSpec:
         return torch.int16 if self.num_experts <= torch.iinfo(torch.int16).max else torch.int32
 
     def bytes_per_page(self, page_size: int) -> int:
-        return page_size * len(self.moe_layers) * self.top_k * torch.empty((), dtype=self.dtype).element_size()
+        return (
+            page_size
+            * len(self.moe_layers)
+            * self.top_k
+            * torch.empty((), dtype=self.dtype).element_size()
+        )
 
     def describe(self) -> dict:
         """What a PD peer must agree on, and what the front end needs to validate requests."""
-        return {"num_layers": self.num_layers, "moe_layers": list(self.moe_layers), "top_k": self.top_k,
-                "dtype": str(self.dtype).replace("torch.", "")}
+        return {
+            "num_layers": self.num_layers,
+            "moe_layers": list(self.moe_layers),
+            "top_k": self.top_k,
+            "dtype": str(self.dtype).replace("torch.", ""),
+        }
 
 
 def moe_blocks(model) -> list:
     """The model's ``SparseMoE`` blocks by layer."""
     from pdserve.layers.moe.layer import SparseMoE
 
-    return sorted((m for m in model.modules() if isinstance(m, SparseMoE)), key=lambda m: m.layer_id)
+    return sorted(
+        (m for m in model.modules() if isinstance(m, SparseMoE)), key=lambda m: m.layer_id
+    )
 
 
 def plan(model, cache_groups: Sequence) -> Optional[RoutedExpertsSpec]:
@@ -74,20 +85,31 @@ def plan(model, cache_groups: Sequence) -> Optional[RoutedExpertsSpec]:
     stages, which see only their own layers, are refused with the flag in ``ServerArgs``.)"""
     blocks = moe_blocks(model)
     if not blocks:
-        logger.warning("%s: the model has no MoE layers; requests that ask for routed experts get 400", FLAG)
+        logger.warning(
+            "%s: the model has no MoE layers; requests that ask for routed experts get 400", FLAG
+        )
         return None
     routers = [getattr(m, m.router_name) for m in blocks]
     ks = {r.top_k for r in routers}
     if len(ks) != 1:
-        raise ValueError(f"enable_return_routed_experts: the MoE layers route to different numbers of experts "
-                         f"{sorted(ks)}")
+        raise ValueError(
+            f"enable_return_routed_experts: the MoE layers route to different numbers of experts "
+            f"{sorted(ks)}"
+        )
     group = next((g.id for g in cache_groups if not g.spec.drops_pages), None)
     if group is None:
-        raise ValueError(f"enable_return_routed_experts: {FLAG} keeps the ids with the KV pages of a cache group "
-                         "that keeps every page; every layer of this model has a sliding window (start with "
-                         "--disable-hybrid-swa-memory)")
-    return RoutedExpertsSpec(tuple(m.layer_id for m in blocks), int(model.total_layers), ks.pop(),
-                             max(r.num_experts for r in routers), group)
+        raise ValueError(
+            f"enable_return_routed_experts: {FLAG} keeps the ids with the KV pages of a cache group "
+            "that keeps every page; every layer of this model has a sliding window (start with "
+            "--disable-hybrid-swa-memory)"
+        )
+    return RoutedExpertsSpec(
+        tuple(m.layer_id for m in blocks),
+        int(model.total_layers),
+        ks.pop(),
+        max(r.num_experts for r in routers),
+        group,
+    )
 
 
 def refusal(args, spec, start_len: int, prompt_len: int) -> str:
@@ -97,9 +119,15 @@ def refusal(args, spec, start_len: int, prompt_len: int) -> str:
         return f"return_routed_experts: this server was started without {FLAG}"
     if spec is None:
         return "return_routed_experts: the model has no MoE layers, so there are no routed experts to return"
-    if isinstance(start_len, bool) or not isinstance(start_len, int) or not 0 <= start_len <= prompt_len:
-        return (f"routed_experts_start_len: must be an integer in [0, {prompt_len}] (the prompt length), "
-                f"got {start_len!r}")
+    if (
+        isinstance(start_len, bool)
+        or not isinstance(start_len, int)
+        or not 0 <= start_len <= prompt_len
+    ):
+        return (
+            f"routed_experts_start_len: must be an integer in [0, {prompt_len}] (the prompt length), "
+            f"got {start_len!r}"
+        )
     return ""
 
 
@@ -108,8 +136,15 @@ class RoutedExpertsStore:
     forward, read by ``collect`` when a request finishes; only the scheduler loop touches it (and
     the transfer layer, through ``region``, the pages of rooms in flight)."""
 
-    def __init__(self, spec: RoutedExpertsSpec, num_pages: int, page_size: int, ctx, device: torch.device,
-                 allocator: BufferAllocator = default_allocator):
+    def __init__(
+        self,
+        spec: RoutedExpertsSpec,
+        num_pages: int,
+        page_size: int,
+        ctx,
+        device: torch.device,
+        allocator: BufferAllocator = default_allocator,
+    ):
         self.spec = spec
         self.page_size = page_size
         self.ctx = ctx  # the model's MoEContext: ``captured`` holds the last forward's ids
@@ -117,7 +152,9 @@ class RoutedExpertsStore:
         nbytes = num_pages * spec.bytes_per_page(page_size)
         raw = allocator(nbytes, self.device)
         # [num_pages, page_size, num_moe_layers, top_k]
-        self.rows = raw.view(spec.dtype).view(num_pages, page_size, len(spec.moe_layers), spec.top_k)
+        self.rows = raw.view(spec.dtype).view(
+            num_pages, page_size, len(spec.moe_layers), spec.top_k
+        )
         self._cols = torch.tensor(spec.moe_layers, dtype=torch.long)
 
     @property
@@ -131,8 +168,14 @@ class RoutedExpertsStore:
     def region(self) -> Region:
         """The one transfer region: a row per page of the spec's cache group, the same on every
         rank of an attention group (replicated), so decode reads it from one prefill rank."""
-        return Region(ptr=self.rows.data_ptr(), nbytes=self.nbytes, item_bytes=self.rows[0].numel() * self.rows.element_size(),
-                      group=self.spec.group, part="routed_experts", split="replicated")
+        return Region(
+            ptr=self.rows.data_ptr(),
+            nbytes=self.nbytes,
+            item_bytes=self.rows[0].numel() * self.rows.element_size(),
+            group=self.spec.group,
+            part="routed_experts",
+            split="replicated",
+        )
 
     def begin_forward(self) -> None:
         self.ctx.captured.clear()
@@ -147,8 +190,10 @@ class RoutedExpertsStore:
             ids = self.ctx.captured.get(layer)
             if ids is None or tuple(ids.shape) != (n, self.spec.top_k):
                 got = None if ids is None else tuple(ids.shape)
-                raise RuntimeError(f"routed experts of MoE layer {layer}: the forward of {n} tokens captured {got}, "
-                                   f"expected ({n}, {self.spec.top_k})")
+                raise RuntimeError(
+                    f"routed experts of MoE layer {layer}: the forward of {n} tokens captured {got}, "
+                    f"expected ({n}, {self.spec.top_k})"
+                )
             cols.append(ids)
         ids = torch.stack(cols, dim=1).to(self.device, self.spec.dtype)  # [T, moe_layers, K]
         self.rows[fb.groups[self.spec.group].out_pages, fb.out_offsets] = ids
@@ -160,8 +205,10 @@ class RoutedExpertsStore:
         pos = torch.arange(start, end, dtype=torch.long)
         table = torch.tensor(list(pages), dtype=torch.long)
         if len(pos) and int(pos[-1]) // self.page_size >= len(table):
-            raise AssertionError(f"positions up to {end} need {end // self.page_size + 1} pages, "
-                                 f"the request holds {len(table)}")
+            raise AssertionError(
+                f"positions up to {end} need {end // self.page_size + 1} pages, "
+                f"the request holds {len(table)}"
+            )
         page = table[pos // self.page_size].to(self.device)
         compact = self.rows[page, (pos % self.page_size).to(self.device)].to("cpu", torch.int32)
         out = torch.zeros((len(pos), self.spec.num_layers, self.spec.top_k), dtype=torch.int32)

@@ -56,13 +56,16 @@ def _rows_to_process(reqs: Sequence[Req]) -> tuple[list[int], list[int]]:
     return penalized, banned
 
 
-def _pairs(rows: list[int], id_lists: list[list[int]], device,
-           *per_row: list[float]) -> list[torch.Tensor]:
+def _pairs(
+    rows: list[int], id_lists: list[list[int]], device, *per_row: list[float]
+) -> list[torch.Tensor]:
     """Flattened (row, token) index pairs of each row's token list, plus each ``per_row`` value
     list repeated to one value per pair."""
     lengths = torch.tensor([len(ids) for ids in id_lists], dtype=torch.long)
-    out = [torch.tensor(rows, dtype=torch.long).repeat_interleave(lengths),
-           torch.tensor([t for ids in id_lists for t in ids], dtype=torch.long)]
+    out = [
+        torch.tensor(rows, dtype=torch.long).repeat_interleave(lengths),
+        torch.tensor([t for ids in id_lists for t in ids], dtype=torch.long),
+    ]
     out += [torch.tensor(v, dtype=torch.float32).repeat_interleave(lengths) for v in per_row]
     return [t.to(device) for t in out]
 
@@ -72,8 +75,9 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     The first index whose cumulative mass exceeds u * total always has nonzero probability."""
     cum = probs.cumsum(dim=-1)
     total = cum[:, -1:]
-    target = torch.minimum(uniforms.unsqueeze(1) * total,
-                           torch.nextafter(total, torch.zeros_like(total)))
+    target = torch.minimum(
+        uniforms.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total))
+    )
     return torch.searchsorted(cum, target, right=True).view(-1)
 
 
@@ -81,7 +85,7 @@ def _draw_sorted(probs: torch.Tensor, token_ids: torch.Tensor, knobs: torch.Tens
     """Apply top_k, top_p, min_p to ``probs`` [R, W] (each row sorted descending; the first
     W tokens of the row by probability, ids in ``token_ids``) and draw a token id per row.
     ``knobs`` columns: top_k, top_p, min_p, total mass of the row, uniform."""
-    top_k, top_p, min_p, row_total = (knobs[:, i:i + 1] for i in range(4))
+    top_k, top_p, min_p, row_total = (knobs[:, i : i + 1] for i in range(4))
     width = probs.shape[-1]
     rank = torch.arange(width, device=probs.device)
     probs = probs.masked_fill(rank.unsqueeze(0) >= top_k, 0.0)
@@ -119,8 +123,12 @@ class Sampler:
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, reqs: Sequence[Req],
-               grammar: Optional[tuple[torch.Tensor, list[int]]] = None) -> SampleOutput:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        reqs: Sequence[Req],
+        grammar: Optional[tuple[torch.Tensor, list[int]]] = None,
+    ) -> SampleOutput:
         """``grammar``: (bitmask [G, words], the G constrained rows) or None."""
         assert logits.dim() == 2 and logits.shape[0] == len(reqs), (logits.shape, len(reqs))
         assert logits.shape[1] >= self.vocab_size, (logits.shape, self.vocab_size)
@@ -161,14 +169,17 @@ class Sampler:
         self._process(x, reqs, penalized, banned)
         return x
 
-    def _process(self, x: torch.Tensor, reqs: Sequence[Req], penalized: list[int],
-                 banned: list[int]) -> None:
+    def _process(
+        self, x: torch.Tensor, reqs: Sequence[Req], penalized: list[int], banned: list[int]
+    ) -> None:
         if penalized:
             self._apply_penalties(x, reqs, penalized)
         if banned:
             self._ban_stop_tokens(x, reqs, banned)
 
-    def _constrain(self, x: torch.Tensor, raw: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    def _constrain(
+        self, x: torch.Tensor, raw: torch.Tensor, bitmask: torch.Tensor, rows: list[int]
+    ) -> None:
         """Grammar masks on ``rows``. A row the min_new_tokens ban left without an allowed token
         (the grammar wants EOS) takes the grammar's mask over its unbanned logits."""
         index = self._index(rows, x)
@@ -176,7 +187,11 @@ class Sampler:
         dead = torch.isneginf(x.index_select(0, index).amax(dim=-1)).nonzero().view(-1)
         if dead.numel():
             redo = raw.index_select(0, index[dead]).to(torch.float32)
-            apply_bitmask(redo, bitmask.index_select(0, dead.cpu()), torch.arange(dead.numel(), device=x.device))
+            apply_bitmask(
+                redo,
+                bitmask.index_select(0, dead.cpu()),
+                torch.arange(dead.numel(), device=x.device),
+            )
             x.index_copy_(0, index[dead], redo)
 
     @staticmethod
@@ -189,16 +204,24 @@ class Sampler:
         params = {i: reqs[i].sampling for i in rows}
         rep = [i for i in rows if params[i].repetition_penalty != 1.0]
         if rep:
-            r, t, penalty = _pairs(rep, [reqs[i].all_ids for i in rep], x.device,
-                                   [params[i].repetition_penalty for i in rep])
+            r, t, penalty = _pairs(
+                rep,
+                [reqs[i].all_ids for i in rep],
+                x.device,
+                [params[i].repetition_penalty for i in rep],
+            )
             vals = x[r, t]
             # A repeated token writes the same value several times: applied once per token.
             x[r, t] = torch.where(vals > 0, vals / penalty, vals * penalty)
         occ = [i for i in rows if params[i].frequency_penalty or params[i].presence_penalty]
         if occ:
-            r, t, freq, presence = _pairs(occ, [reqs[i].output_ids for i in occ], x.device,
-                                          [params[i].frequency_penalty for i in occ],
-                                          [params[i].presence_penalty for i in occ])
+            r, t, freq, presence = _pairs(
+                occ,
+                [reqs[i].output_ids for i in occ],
+                x.device,
+                [params[i].frequency_penalty for i in occ],
+                [params[i].presence_penalty for i in occ],
+            )
             x.index_put_((r, t), -freq, accumulate=True)  # once per occurrence
             x[r, t] = x[r, t] - presence  # once per distinct token, as above
 
@@ -236,8 +259,9 @@ class Sampler:
         choice[f] = self._sample_filtered(probs[f], uniforms[f], [params[j] for j in filtered])
         return choice
 
-    def _sample_filtered(self, probs: torch.Tensor, uniforms: torch.Tensor,
-                         params: list[SamplingParams]) -> torch.Tensor:
+    def _sample_filtered(
+        self, probs: torch.Tensor, uniforms: torch.Tensor, params: list[SamplingParams]
+    ) -> torch.Tensor:
         """Rows with top_k/top_p/min_p. A full sort is slow on CPU (~0.4 s for 64 x 49k), so
         each row first takes its most likely ``_CANDIDATES`` tokens; only rows whose filters may
         keep a token outside them are sorted in full."""
@@ -246,7 +270,8 @@ class Sampler:
         # per-row knobs, columns: top_k (vocab when disabled), top_p, min_p, total mass, uniform
         knobs = torch.tensor(
             [[min(p.top_k, vocab) if p.top_k > 0 else vocab, p.top_p, p.min_p] for p in params],
-            dtype=torch.float32, device=probs.device,
+            dtype=torch.float32,
+            device=probs.device,
         )
         knobs = torch.cat([knobs, probs.sum(-1, keepdim=True), uniforms.unsqueeze(1)], dim=1)
         top_k, top_p, min_p, total = knobs[:, 0:1], knobs[:, 1:2], knobs[:, 2:3], knobs[:, 3:4]
@@ -255,8 +280,11 @@ class Sampler:
         # The candidates suffice when the tail is dropped for sure, and the top_p total (the
         # mass of the top_k tokens) is known without looking at the tail.
         total_known = (top_k <= width) | (top_k >= vocab) | (top_p >= 1.0)
-        tail_dropped = ((top_k <= width) | (cand.sum(-1, keepdim=True) > top_p * total)
-                        | (cand[:, -1:] < min_p * cand[:, :1]))
+        tail_dropped = (
+            (top_k <= width)
+            | (cand.sum(-1, keepdim=True) > top_p * total)
+            | (cand[:, -1:] < min_p * cand[:, :1])
+        )
         fits = (total_known & tail_dropped).view(-1)
         if bool(fits.all()):
             return _draw_sorted(cand, cand_ids, knobs)
@@ -291,8 +319,9 @@ class Sampler:
 
     # -- output ------------------------------------------------------------------------------
 
-    def _output(self, raw: torch.Tensor, next_ids: torch.Tensor,
-                reqs: Sequence[Req]) -> SampleOutput:
+    def _output(
+        self, raw: torch.Tensor, next_ids: torch.Tensor, reqs: Sequence[Req]
+    ) -> SampleOutput:
         num = len(reqs)
         logprobs: list[Optional[float]] = [None] * num
         tops: list[Optional[TopList]] = [None] * num

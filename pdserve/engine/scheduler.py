@@ -38,8 +38,13 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, tokenizer=None, kv_allocator: BufferAllocator = default_allocator,
-                 par: Parallel = SINGLE_RANK):
+    def __init__(
+        self,
+        args: ServerArgs,
+        tokenizer=None,
+        kv_allocator: BufferAllocator = default_allocator,
+        par: Parallel = SINGLE_RANK,
+    ):
         self.args = args
         self.par = par
         # the scheduler loop's clock: rank 0's reading, set every iteration so that every rank
@@ -48,27 +53,42 @@ class Scheduler:
         self.runner = ModelRunner(args, kv_allocator, par)
         self.page_size = args.page_size
         # every page of every cache group, and the prefix cache: requests' KV changes only there
-        self.kv = KVCacheManager(self.runner.cache_groups, self.runner.pools, self.page_size,
-                                 disable_radix_cache=args.disable_radix_cache)
+        self.kv = KVCacheManager(
+            self.runner.cache_groups,
+            self.runner.pools,
+            self.page_size,
+            disable_radix_cache=args.disable_radix_cache,
+        )
         self.tree = self.kv.tree
         self.kv_events: Optional[KVEventPublisher] = None
         if args.kv_events_endpoint and par.leads_group:  # one publisher per attention group
             self.tree.events = []
-            endpoints = (offset_port(e, par.dp_rank) for e in (args.kv_events_endpoint, args.kv_events_replay_endpoint))
-            self.kv_events = KVEventPublisher(*endpoints, args.kv_events_topic,
-                                              par.dp_rank if par.dp_attention else None)
+            endpoints = (
+                offset_port(e, par.dp_rank)
+                for e in (args.kv_events_endpoint, args.kv_events_replay_endpoint)
+            )
+            self.kv_events = KVEventPublisher(
+                *endpoints, args.kv_events_topic, par.dp_rank if par.dp_attention else None
+            )
         if tokenizer is None:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
         self.tokenizer = tokenizer
         self.eos_ids = eos_token_ids(self.runner.hf_config, tokenizer, args.model_path)
-        self.sampler = Sampler(self.runner.vocab_size, self.runner.device, self.eos_ids, seed=args.random_seed)
+        self.sampler = Sampler(
+            self.runner.vocab_size, self.runner.device, self.eos_ids, seed=args.random_seed
+        )
         self.context_length = self.runner.context_length
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.updated: set[Req] = set()  # requests with output not yet reported
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cache_hit_tokens": 0, "retractions": 0}
+        self.stats = {
+            "prompt_tokens": 0,
+            "generation_tokens": 0,
+            "cache_hit_tokens": 0,
+            "retractions": 0,
+        }
         # Disaggregation queues plug in here (pdserve.disagg.prefill / decode).
         self.pd: Optional[PDQueues] = None
         # Called with each request that completes its prompt in prefill mode (instead of decoding).
@@ -76,7 +96,9 @@ class Scheduler:
         self.on_chunk_done: Optional[Callable[[Req], None]] = None
         self._reported_early = False
         self.groups_busy = 0  # DP attention: the busiest group's level at the last step
-        self.grammars = GrammarMasks(args.grammar_backend, tokenizer, self.runner.vocab_size, self.eos_ids)
+        self.grammars = GrammarMasks(
+            args.grammar_backend, tokenizer, self.runner.vocab_size, self.eos_ids
+        )
 
     # ---- requests in and out -------------------------------------------------------------
     def validate(self, req: Req) -> None:
@@ -90,17 +112,27 @@ class Scheduler:
             )
         bad = [t for t in req.input_ids if not 0 <= t < self.runner.vocab_size]
         if bad:
-            raise ValueError(f"input_ids: token id {bad[0]} outside the vocabulary [0, {self.runner.vocab_size})")
+            raise ValueError(
+                f"input_ids: token id {bad[0]} outside the vocabulary [0, {self.runner.vocab_size})"
+            )
         why = self.kv.capacity_error(n, self.args.chunked_prefill_size)
         if why:
-            raise ValueError(f"prompt: {n} tokens exceed the KV cache capacity ({self.runner.max_total_tokens} "
-                             f"tokens): {why}")
+            raise ValueError(
+                f"prompt: {n} tokens exceed the KV cache capacity ({self.runner.max_total_tokens} "
+                f"tokens): {why}"
+            )
         if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs_num: must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs_num}")
+            raise ValueError(
+                f"top_logprobs_num: must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs_num}"
+            )
         if req.logprob_start_len >= n:
-            raise ValueError(f"logprob_start_len: must be < prompt length {n}, got {req.logprob_start_len}")
+            raise ValueError(
+                f"logprob_start_len: must be < prompt length {n}, got {req.logprob_start_len}"
+            )
         if req.return_routed_experts:
-            why = routed_experts_refusal(self.args, self.runner.routed_spec, req.routed_experts_start_len, n)
+            why = routed_experts_refusal(
+                self.args, self.runner.routed_spec, req.routed_experts_start_len, n
+            )
             if why:
                 raise ValueError(why)
 
@@ -108,7 +140,9 @@ class Scheduler:
         self.validate(req)
         if req.grammar_spec is not None:
             req.grammar = self.grammars.for_request(req.grammar_spec, req.grammar_start_after)
-        req.sampling.max_new_tokens = min(req.sampling.max_new_tokens, self.context_length - req.prompt_len)
+        req.sampling.max_new_tokens = min(
+            req.sampling.max_new_tokens, self.context_length - req.prompt_len
+        )
         req.arrival_time = req.arrival_time or self.now()
         if self.pd is not None and self.pd.accepts(req):
             self.pd.add(req)
@@ -127,11 +161,15 @@ class Scheduler:
     def abort(self, rid: str, message: str = "aborted by client", status_code: int = 499) -> bool:
         """Abort one request (or every request when rid == ""); frees its KV at once."""
         hit = False
-        for req in list(self.waiting) + list(self.running) + (self.pd.all_reqs() if self.pd else []):
+        for req in (
+            list(self.waiting) + list(self.running) + (self.pd.all_reqs() if self.pd else [])
+        ):
             if rid and req.rid != rid:
                 continue
             hit = True
-            self.finish(req, FinishReason(FinishKind.ABORT, message=message, status_code=status_code))
+            self.finish(
+                req, FinishReason(FinishKind.ABORT, message=message, status_code=status_code)
+            )
         return hit
 
     def finish(self, req: Req, reason: FinishReason) -> None:
@@ -153,8 +191,13 @@ class Scheduler:
         """A finishing request that asked gets the ids of every token it ran, read from its pages
         before they go (a prefill server leaves that to decode's answer)."""
         store = self.runner.routed
-        if (req.return_routed_experts and store is not None and req.kv is not None
-                and req.finish_reason.kind != FinishKind.ABORT and self.args.disaggregation_mode != "prefill"):
+        if (
+            req.return_routed_experts
+            and store is not None
+            and req.kv is not None
+            and req.finish_reason.kind != FinishKind.ABORT
+            and self.args.disaggregation_mode != "prefill"
+        ):
             req.routed_experts = store.collect(req)
 
     def drain(self) -> list[Req]:
@@ -176,8 +219,12 @@ class Scheduler:
         self.tree.reset()
         self.kv = self.tree = None  # the old pools' last references (see reallocate_kv)
         self.runner.reallocate_kv(kv_allocator)
-        self.kv = KVCacheManager(self.runner.cache_groups, self.runner.pools, self.page_size,
-                                 disable_radix_cache=self.args.disable_radix_cache)
+        self.kv = KVCacheManager(
+            self.runner.cache_groups,
+            self.runner.pools,
+            self.page_size,
+            disable_radix_cache=self.args.disable_radix_cache,
+        )
         self.tree = self.kv.tree
         self.tree.events = events
 
@@ -202,8 +249,10 @@ class Scheduler:
         self.running.remove(req)
         self.release_kv(req)
         if not req.input_logprobs_done:
-            del req.input_token_logprobs[1 if req.effective_logprob_start == 0 else 0:]
-            del req.input_top_logprobs[1 if req.effective_logprob_start == 0 and req.top_logprobs_num else 0:]
+            del req.input_token_logprobs[1 if req.effective_logprob_start == 0 else 0 :]
+            del req.input_top_logprobs[
+                1 if req.effective_logprob_start == 0 and req.top_logprobs_num else 0 :
+            ]
         req.num_retractions += 1
         self.stats["retractions"] += 1
         self.waiting.insert(0, req)
@@ -232,7 +281,9 @@ class Scheduler:
         """DP attention, once per step on every rank: when any group has tokens, every group
         runs a forward (an idle one without tokens of its own) so the MLPs' collectives meet."""
         busy = 2 if self.waiting or self.running else int(self.has_work)  # see sync_counts
-        counts, self.groups_busy = dp_attention.sync_counts(self.par, sum(e for _, e in batch), busy)
+        counts, self.groups_busy = dp_attention.sync_counts(
+            self.par, sum(e for _, e in batch), busy
+        )
         if batch:
             self._run(batch, counts)
         elif any(counts):
@@ -243,15 +294,19 @@ class Scheduler:
         budget = self.args.max_prefill_tokens  # prefill tokens in this batch
         chunk = self.args.chunked_prefill_size  # prefill tokens of one request in one batch
         # 1. decode rows: one new token each; retract the least advanced request if pages run out
-        decoding = sorted((r for r in self.running if r.extend_len == 1), key=lambda r: r.arrival_time)
+        decoding = sorted(
+            (r for r in self.running if r.extend_len == 1), key=lambda r: r.arrival_time
+        )
         for req in decoding:
             if req not in self.running:
                 continue  # retracted below to make room for an earlier one
             grown = self.kv.grow(req, 1)
             while not grown:
                 scheduled = {r for r, _ in batch}
-                victim = min((r for r in self.running if r not in scheduled),
-                             key=lambda r: (len(r.output_ids), -r.arrival_time))
+                victim = min(
+                    (r for r in self.running if r not in scheduled),
+                    key=lambda r: (len(r.output_ids), -r.arrival_time),
+                )
                 self.retract(victim)
                 if victim is req:
                     break
@@ -309,21 +364,26 @@ class Scheduler:
         for req, ext in batch:
             start = len(ids)
             all_ids = req.all_ids
-            ids.extend(all_ids[req.kv_len: req.kv_len + ext])
+            ids.extend(all_ids[req.kv_len : req.kv_len + ext])
             positions.extend(range(req.kv_len, req.kv_len + ext))
             if req.return_logprob and not req.input_logprobs_done:
                 # logits at position p predict prompt token p + 1
                 lo = max(req.kv_len, req.effective_logprob_start - 1)
                 hi = min(req.kv_len + ext, req.prompt_len - 1)
                 if hi > lo:
-                    input_lp.append((req, len(logits_rows), req.input_ids[lo + 1: hi + 1]))
+                    input_lp.append((req, len(logits_rows), req.input_ids[lo + 1 : hi + 1]))
                     logits_rows.extend(range(start + lo - req.kv_len, start + hi - req.kv_len))
             if req.kv_len + ext == req.seq_len:
                 sample_at.append((req, len(logits_rows)))
                 logits_rows.append(start + ext - 1)
         fb = self.runner.make_forward_batch(
-            ids, positions, [r.kv_len for r, _ in batch], [e for _, e in batch],
-            [r.kv.pages for r, _ in batch], logits_rows, dp_counts,
+            ids,
+            positions,
+            [r.kv_len for r, _ in batch],
+            [e for _, e in batch],
+            [r.kv.pages for r, _ in batch],
+            logits_rows,
+            dp_counts,
         )
         masks = self.grammars.start([r for r, _ in sample_at if r.sampling.max_new_tokens > 0])
         logits = self.runner.forward(fb)
@@ -336,7 +396,7 @@ class Scheduler:
 
     def _record_input_logprobs(self, logits: torch.Tensor, items) -> None:
         for req, row, targets in items:
-            rows = logits[row: row + len(targets)]
+            rows = logits[row : row + len(targets)]
             vals = lp.token_logprobs(rows, torch.tensor(targets, device=rows.device))
             req.input_token_logprobs.extend(zip(vals, targets))
             if req.top_logprobs_num:
@@ -368,13 +428,21 @@ class Scheduler:
                 if req.top_logprobs_num:
                     req.output_top_logprobs.append(out.top_logprobs[k] or [])
             self.updated.add(req)
-            if self.on_prefill_done is not None and len(req.output_ids) == 1 and req.num_retractions == 0:
+            if (
+                self.on_prefill_done is not None
+                and len(req.output_ids) == 1
+                and req.num_retractions == 0
+            ):
                 self.on_prefill_done(req)
                 continue
             reason = check_finish(req, self.eos_ids, self.tokenizer, self.context_length)
             if reason is None and req.grammar is not None and req.grammar.terminated:
-                reason = FinishReason(FinishKind.STOP, matched=tok)  # complete, even with ignore_eos
+                reason = FinishReason(
+                    FinishKind.STOP, matched=tok
+                )  # complete, even with ignore_eos
             if req.grammar is not None and req.grammar.failed:  # an engine fault, not the client's
-                reason = FinishReason(FinishKind.ABORT, message=f"grammar: {req.grammar.failed}", status_code=500)
+                reason = FinishReason(
+                    FinishKind.ABORT, message=f"grammar: {req.grammar.failed}", status_code=500
+                )
             if reason is not None:
                 self.finish(req, reason)

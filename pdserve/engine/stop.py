@@ -29,7 +29,9 @@ def eos_token_ids(hf_config, tokenizer, model_path: str) -> set[int]:
     return ids
 
 
-def check_finish(req: Req, eos_ids: set[int], tokenizer, context_length: int) -> Optional[FinishReason]:
+def check_finish(
+    req: Req, eos_ids: set[int], tokenizer, context_length: int
+) -> Optional[FinishReason]:
     """Called after each new output token."""
     sp = req.sampling
     tok = req.output_ids[-1]
@@ -52,10 +54,12 @@ def _match_stop_string(req: Req, tokenizer) -> Optional[str]:
     # A stop string of s characters ending at the newest token spans at most s tokens (plus
     # a few for tokens that carry partial UTF-8 bytes).
     longest = max(len(s) for s in req.sampling.stop)
-    tail = req.output_ids[-(longest + 3):]
+    tail = req.output_ids[-(longest + 3) :]
     prev = tail[:-1]
     text = tokenizer.decode(tail, skip_special_tokens=req.sampling.skip_special_tokens)
-    prev_text = tokenizer.decode(prev, skip_special_tokens=req.sampling.skip_special_tokens) if prev else ""
+    prev_text = (
+        tokenizer.decode(prev, skip_special_tokens=req.sampling.skip_special_tokens) if prev else ""
+    )
     for s in req.sampling.stop:
         # only occurrences that end in the newest token count (earlier ones were checked before)
         if s in text and (s not in prev_text or text.count(s) > prev_text.count(s)):

@@ -24,6 +24,7 @@ __all__ = ["BACKENDS", "GrammarError", "GrammarSpec", "make_backend", "spec_from
 class GrammarError(ValueError):
     """A grammar the engine refuses; the message names the problem (the request gets a 400)."""
 
+
 # kind -> what ``value`` holds
 KINDS = {
     "json_schema": "a JSON Schema, as JSON text",
@@ -47,14 +48,18 @@ class GrammarSpec(msgspec.Struct, frozen=True):
 SAMPLING_KEYS = ("json_schema", "regex", "ebnf")  # SGLang's sampling parameters that constrain
 
 
-def spec_from_sampling(sampling: dict[str, Any], given: Optional[GrammarSpec] = None) -> Optional[GrammarSpec]:
+def spec_from_sampling(
+    sampling: dict[str, Any], given: Optional[GrammarSpec] = None
+) -> Optional[GrammarSpec]:
     """Take ``json_schema`` / ``regex`` / ``ebnf`` out of a sampling dict (in place) as a spec
     (ValueError naming the problem). ``given``: a constraint the request already has (OpenAI's
     response_format, a tool choice that forces calls); at most one is allowed."""
     found = [(k, sampling.pop(k)) for k in SAMPLING_KEYS if sampling.get(k) is not None]
     for k in SAMPLING_KEYS:
         sampling.pop(k, None)
-    names = [k for k, _ in found] + (["response_format or tool_choice"] if given is not None else [])
+    names = [k for k, _ in found] + (
+        ["response_format or tool_choice"] if given is not None else []
+    )
     if len(names) > 1:
         raise ValueError(f"{' and '.join(names)}: give at most one constraint on the output")
     if not found:
@@ -64,8 +69,10 @@ def spec_from_sampling(sampling: dict[str, Any], given: Optional[GrammarSpec] = 
         if isinstance(value, (dict, bool)):
             value = json.dumps(value)
         if not isinstance(value, str):
-            raise ValueError(f"json_schema: must be a JSON Schema (an object, or its JSON text), "
-                             f"got {type(value).__name__}")
+            raise ValueError(
+                f"json_schema: must be a JSON Schema (an object, or its JSON text), "
+                f"got {type(value).__name__}"
+            )
     elif not isinstance(value, str) or not value:
         raise ValueError(f"{key}: must be a non-empty string")
     return GrammarSpec(key, value)
@@ -80,7 +87,9 @@ BACKENDS = {
 
 def backend_class(name: str) -> "type[GrammarBackend]":
     if name not in BACKENDS:
-        raise ValueError(f"--grammar-backend: unknown backend {name!r}; choose from {', '.join(BACKENDS)}, none")
+        raise ValueError(
+            f"--grammar-backend: unknown backend {name!r}; choose from {', '.join(BACKENDS)}, none"
+        )
     module, cls = BACKENDS[name].split(":")
     try:
         return getattr(importlib.import_module(module), cls)
@@ -88,7 +97,9 @@ def backend_class(name: str) -> "type[GrammarBackend]":
         raise ValueError(f"--grammar-backend {name}: the package is not installed ({e})") from None
 
 
-def make_backend(name: Optional[str], tokenizer, vocab_size: int, stop_ids: set[int]) -> "Optional[GrammarBackend]":
+def make_backend(
+    name: Optional[str], tokenizer, vocab_size: int, stop_ids: set[int]
+) -> "Optional[GrammarBackend]":
     """The backend a server compiles with; None for ``none``."""
     if name in (None, "none"):
         return None

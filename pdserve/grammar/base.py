@@ -64,8 +64,7 @@ class GrammarBackend(ABC):
         """The engine's compiled form of ``spec``; raises GrammarError naming the problem."""
 
     @abstractmethod
-    def _matcher(self, compiled: Any) -> Matcher:
-        ...
+    def _matcher(self, compiled: Any) -> Matcher: ...
 
     @staticmethod
     @abstractmethod
@@ -92,8 +91,12 @@ class GrammarBackend(ABC):
 
     def cache_info(self) -> dict[str, int]:
         with self._lock:
-            return {"size": len(self._compiled), "capacity": self.CACHE_SIZE, "hits": self.hits,
-                    "misses": self.misses}
+            return {
+                "size": len(self._compiled),
+                "capacity": self.CACHE_SIZE,
+                "hits": self.hits,
+                "misses": self.misses,
+            }
 
     @property
     def bitmask_words(self) -> int:

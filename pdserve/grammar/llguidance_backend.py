@@ -41,7 +41,9 @@ class LLGuidanceBackend(GrammarBackend):
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]):
         super().__init__(tokenizer, vocab_size, stop_ids)
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_ids or None)
+        self._tokenizer = llguidance.hf.from_tokenizer(
+            tokenizer, n_vocab=vocab_size, eos_token=stop_ids or None
+        )
 
     @staticmethod
     def _grammar(spec) -> str:
@@ -50,7 +52,9 @@ class LLGuidanceBackend(GrammarBackend):
                 json.loads(spec.value)
                 return llguidance.LLMatcher.grammar_from_json_schema(spec.value, defaults=_DEFAULTS)
             if spec.kind == "json_object":
-                return llguidance.LLMatcher.grammar_from_json_schema(_JSON_OBJECT, defaults=_DEFAULTS)
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    _JSON_OBJECT, defaults=_DEFAULTS
+                )
             if spec.kind == "regex":
                 return llguidance.LLMatcher.grammar_from_regex(spec.value)
             return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec.value))

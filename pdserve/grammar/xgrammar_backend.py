@@ -41,7 +41,9 @@ class XGrammarBackend(GrammarBackend):
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]):
         super().__init__(tokenizer, vocab_size, stop_ids)
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids
+        )
         # one compile thread: the scheduler's compiles are few and cached, the cores run the model
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
@@ -65,7 +67,9 @@ class XGrammarBackend(GrammarBackend):
             if spec.kind == "json_schema":
                 return c.compile_json_schema(_schema_text(spec.value), any_whitespace=False)
             if spec.kind == "json_object":  # compact, as json_schema (no free whitespace)
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+                return c.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=False, strict_mode=False
+                )
             if spec.kind == "regex":
                 return c.compile_regex(spec.value)
             return c.compile_grammar(spec.value)

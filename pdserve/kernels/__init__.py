@@ -32,7 +32,28 @@ from pdserve.kernels import build
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("bindings.cpp", "isa.cpp", "elementwise_vec8.cpp", "gemm_vec8.cpp", "int8_vec8.cpp", "attention_vec8.cpp", "moe_vec8.cpp", "paged_attention.cpp", "mla_attention.cpp", "elementwise.cpp", "gemv.cpp", "decode_model.cpp", "flash_attention.cpp", "int8_gemm.cpp", "gemm_f32.cpp", "moe.cpp", "amx.cpp", "amx_gemm.cpp", "amx_attention.cpp", "amx_selfcheck.cpp")
+SOURCES = (
+    "bindings.cpp",
+    "isa.cpp",
+    "elementwise_vec8.cpp",
+    "gemm_vec8.cpp",
+    "int8_vec8.cpp",
+    "attention_vec8.cpp",
+    "moe_vec8.cpp",
+    "paged_attention.cpp",
+    "mla_attention.cpp",
+    "elementwise.cpp",
+    "gemv.cpp",
+    "decode_model.cpp",
+    "flash_attention.cpp",
+    "int8_gemm.cpp",
+    "gemm_f32.cpp",
+    "moe.cpp",
+    "amx.cpp",
+    "amx_gemm.cpp",
+    "amx_attention.cpp",
+    "amx_selfcheck.cpp",
+)
 # no FMA contraction: the kernels round where HF rounds (an explicit fmadd is the only fused op)
 CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-ffp-contract=off")
 # at::parallel_for is inline (ATen/ParallelOpenMP.h): without -fopenmp it runs on the calling
@@ -84,18 +105,29 @@ def load(rebuild: bool = False) -> Optional[ModuleType]:
         try:
             b = _built(rebuild)
         except Exception as e:  # no compiler, no ninja, a failed build: serve without the kernels
-            _why_not = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-            hint = (" Install a C++ compiler (e.g. Debian's g++) and ninja to enable them."
-                    if isinstance(e, build.MissingTool) else "")
-            logger.warning("CPU kernels could not be built (%s); using the slower PyTorch code paths.%s",
-                           _why_not, hint)
+            _why_not = (
+                f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+            )
+            hint = (
+                " Install a C++ compiler (e.g. Debian's g++) and ninja to enable them."
+                if isinstance(e, build.MissingTool)
+                else ""
+            )
+            logger.warning(
+                "CPU kernels could not be built (%s); using the slower PyTorch code paths.%s",
+                _why_not,
+                hint,
+            )
             return None
         try:
             _module = build.import_module(b)
         except Exception as e:
             _why_not = f"{type(e).__name__} loading {b.library}: {e}"
-            logger.warning("CPU kernels could not be loaded (%s); using the slower PyTorch code paths. "
-                           "`python -m pdserve.kernels --rebuild` builds them again.", _why_not)
+            logger.warning(
+                "CPU kernels could not be loaded (%s); using the slower PyTorch code paths. "
+                "`python -m pdserve.kernels --rebuild` builds them again.",
+                _why_not,
+            )
             return None
         from pdserve.envs import cpu_isa
 
@@ -105,9 +137,14 @@ def load(rebuild: bool = False) -> Optional[ModuleType]:
                 _module.set_isa(forced)
             except ValueError as e:
                 raise ValueError(f"PDSERVE_CPU_ISA: {e}") from None
-        logger.info("CPU kernels loaded (ISA %s%s; CPU: %s; tiers here: %s) from %s", _module.isa(),
-                    ", forced by PDSERVE_CPU_ISA" if forced else "", " ".join(_module.cpu_features()) or "baseline",
-                    ", ".join(_module.available_isas()), b.directory)
+        logger.info(
+            "CPU kernels loaded (ISA %s%s; CPU: %s; tiers here: %s) from %s",
+            _module.isa(),
+            ", forced by PDSERVE_CPU_ISA" if forced else "",
+            " ".join(_module.cpu_features()) or "baseline",
+            ", ".join(_module.available_isas()),
+            b.directory,
+        )
         return _module
 
 
@@ -115,7 +152,7 @@ def _built(rebuild: bool) -> build.Build:
     try:
         b = kernel_build()
         build.ensure_built(b, rebuild=rebuild)
-    except build.SourcesChanged as e:  # edited while this process started: once more, for the new sources
+    except build.SourcesChanged as e:  # edited while this process started: once more, anew
         logger.warning("CPU kernels: %s; building for the sources as they are now", e)
         b = kernel_build()
         build.ensure_built(b, rebuild=rebuild)
@@ -126,12 +163,26 @@ def _built(rebuild: bool) -> build.Build:
 # than its host's runs the libraries' code of such a host too (their variables are read once, at
 # first use: the cap must be set before torch runs anything).
 _LIBRARY_CAPS = {
-    "scalar": {"ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ATEN_CPU_CAPABILITY": "default"},
-    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
-    "avx2_vnni": {"ONEDNN_MAX_CPU_ISA": "AVX2_VNNI", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-                  "ATEN_CPU_CAPABILITY": "avx2"},
-    "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI", "MKL_ENABLE_INSTRUCTIONS": "AVX512",
-               "ATEN_CPU_CAPABILITY": "avx512"},
+    "scalar": {
+        "ONEDNN_MAX_CPU_ISA": "SSE41",
+        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+        "ATEN_CPU_CAPABILITY": "default",
+    },
+    "avx2": {
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+    },
+    "avx2_vnni": {
+        "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+    },
+    "avx512": {
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+        "ATEN_CPU_CAPABILITY": "avx512",
+    },
     "avx512_bf16": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "ATEN_CPU_CAPABILITY": "avx512"},
 }
 # tiers without the instructions oneDNN's bf16 matmuls need (avx512bw/vl/dq, or avx_ne_convert)
@@ -164,10 +215,15 @@ def onednn_bf16() -> tuple[bool, str]:
     if tier in _NO_ONEDNN_BF16:
         return False, f"{forced} is below what oneDNN's bf16 matmuls need (avx512bw/vl/dq)"
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return False, "oneDNN's bf16 matmuls need avx512bw, avx512vl and avx512dq (or avx_ne_convert), which this CPU lacks"
+        return (
+            False,
+            "oneDNN's bf16 matmuls need avx512bw, avx512vl and avx512dq (or avx_ne_convert), which this CPU lacks",
+        )
     if tier in _SLOW_ONEDNN_BF16:
-        return False, (f"{forced} has AVX-512 without bf16 dot products (avx512_bf16): oneDNN converts there and is "
-                       "slower than pdserve's kernels")
+        return False, (
+            f"{forced} has AVX-512 without bf16 dot products (avx512_bf16): oneDNN converts there and is "
+            "slower than pdserve's kernels"
+        )
     return True, ""
 
 
@@ -185,7 +241,9 @@ def _reset_for_tests() -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m pdserve.kernels``: build (or find) the kernels and say which ISA they use."""
     p = argparse.ArgumentParser(prog="python -m pdserve.kernels", description=main.__doc__)
-    p.add_argument("--rebuild", action="store_true", help="compile again even if a finished build exists")
+    p.add_argument(
+        "--rebuild", action="store_true", help="compile again even if a finished build exists"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="also log the compiler's output")
     args = p.parse_args(argv)
     from pdserve.log import setup_logging
@@ -195,6 +253,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if mod is None:
         print(f"pdserve CPU kernels: not available ({_why_not})")
         return 1
-    print(f"pdserve CPU kernels: ready in {build_dir()} (ISA {mod.isa()}; tiers here: "
-          f"{', '.join(mod.available_isas())})")
+    print(
+        f"pdserve CPU kernels: ready in {build_dir()} (ISA {mod.isa()}; tiers here: "
+        f"{', '.join(mod.available_isas())})"
+    )
     return 0

@@ -39,7 +39,9 @@ logger = logging.getLogger("pdserve.kernels")
 
 MARKER = "BUILD_COMPLETE"
 LOCK = ".pdserve-build.lock"
-_STATUS = "@pdserve-ninja "  # NINJA_STATUS prefix: tells ninja's progress lines from compiler output
+_STATUS = (
+    "@pdserve-ninja "  # NINJA_STATUS prefix: tells ninja's progress lines from compiler output
+)
 
 # Everything in the ninja file but the paths (the variables in _paths), which the key leaves out.
 _RULES = """\
@@ -95,11 +97,17 @@ class Extension:
         """What the source key covers, kept in the marker to say later what changed."""
         import torch
 
-        files = {n: hashlib.sha256((self.source_dir / n).read_bytes()).hexdigest()[:16]
-                 for n in (*self.sources, *self.headers())}
-        return {"files": files, "sources": list(self.sources), "rules": self.rules(),
-                "torch": f"{torch.__version__} ({torch.version.git_version})",
-                "python": sysconfig.get_config_var("EXT_SUFFIX") or sys.version}
+        files = {
+            n: hashlib.sha256((self.source_dir / n).read_bytes()).hexdigest()[:16]
+            for n in (*self.sources, *self.headers())
+        }
+        return {
+            "files": files,
+            "sources": list(self.sources),
+            "rules": self.rules(),
+            "torch": f"{torch.__version__} ({torch.version.git_version})",
+            "python": sysconfig.get_config_var("EXT_SUFFIX") or sys.version,
+        }
 
     def source_key(self) -> str:
         return _digest(self.inputs())[:12]
@@ -113,7 +121,9 @@ def compiler_identity() -> Optional[str]:
     """``<cxx> --version``'s first line and target, or None when there is no compiler to run."""
     cxx = compiler_command()
     try:
-        version = subprocess.run([*cxx, "--version"], capture_output=True, text=True, check=True, timeout=60)
+        version = subprocess.run(
+            [*cxx, "--version"], capture_output=True, text=True, check=True, timeout=60
+        )
         target = subprocess.run([*cxx, "-dumpmachine"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return None
@@ -148,7 +158,9 @@ def locate(ext: Extension, root: Path) -> Build:
     tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}-{key}"
     compiler = compiler_identity()
     if compiler is None:
-        for marker in sorted(root.glob(f"{tag}-*/{MARKER}"), key=lambda p: p.stat().st_mtime, reverse=True):
+        for marker in sorted(
+            root.glob(f"{tag}-*/{MARKER}"), key=lambda p: p.stat().st_mtime, reverse=True
+        ):
             b = Build(ext, marker.parent, _read_marker(marker.parent).get("module", ""), None, key)
             if b.complete():
                 return b
@@ -170,10 +182,14 @@ def ensure_built(b: Build, rebuild: bool = False) -> bool:
         except BlockingIOError:
             lk.seek(0)
             holder = lk.read().strip() or "another process"
-            logger.info("CPU kernels: waiting for %s, which is building them in %s", holder, b.directory)
+            logger.info(
+                "CPU kernels: waiting for %s, which is building them in %s", holder, b.directory
+            )
             t0 = time.monotonic()
             fcntl.flock(lk, fcntl.LOCK_EX)
-            logger.info("CPU kernels: waited %.0f s for the build in %s", time.monotonic() - t0, b.directory)
+            logger.info(
+                "CPU kernels: waited %.0f s for the build in %s", time.monotonic() - t0, b.directory
+            )
             if b.complete():
                 return False
         lk.seek(0)
@@ -200,7 +216,9 @@ def import_module(b: Build) -> ModuleType:
 
 def _build(b: Build, rebuild: bool) -> None:
     if b.compiler is None:
-        raise MissingTool(f"no C++ compiler to run ({' '.join(compiler_command())}; set CXX to use another)")
+        raise MissingTool(
+            f"no C++ compiler to run ({' '.join(compiler_command())}; set CXX to use another)"
+        )
     if shutil.which("ninja") is None:
         raise MissingTool("ninja is not installed (pip install ninja)")
     inputs = b.ext.inputs()
@@ -218,8 +236,13 @@ def _build(b: Build, rebuild: bool) -> None:
     _write_ninja_file(b, skip=set(reused))
     if reused:
         donors = sorted(set(reused.values()))
-        logger.info("CPU kernels: %d of %d objects are unchanged since %s: compiling %d", len(reused),
-                    len(keys), ", ".join(donors), len(keys) - len(reused))
+        logger.info(
+            "CPU kernels: %d of %d objects are unchanged since %s: compiling %d",
+            len(reused),
+            len(keys),
+            ", ".join(donors),
+            len(keys) - len(reused),
+        )
     if rebuild:
         reason = "a rebuild was asked for"
     elif fresh:
@@ -227,18 +250,33 @@ def _build(b: Build, rebuild: bool) -> None:
     else:
         reason = f"an earlier build here did not finish; {_explain(d)}"
     jobs = _jobs()
-    logger.info("CPU kernels: building %d files with %d jobs in %s: %s", len(keys) - len(reused), jobs, d, reason)
+    logger.info(
+        "CPU kernels: building %d files with %d jobs in %s: %s",
+        len(keys) - len(reused),
+        jobs,
+        d,
+        reason,
+    )
     t0 = time.monotonic()
     _run_ninja(d, jobs, t0)
     seconds = time.monotonic() - t0
     edited = [n for n, h in b.ext.inputs()["files"].items() if inputs["files"].get(n) != h]
     if edited:  # what was compiled may not be what the key says: not complete
-        raise SourcesChanged(f"{', '.join(edited)} changed during the build; it is not marked complete")
+        raise SourcesChanged(
+            f"{', '.join(edited)} changed during the build; it is not marked complete"
+        )
     with open(b.library, "rb") as f:
         os.fsync(f.fileno())
     (d / objects.OBJECTS).write_text(json.dumps(keys, indent=1))
-    info = {"module": b.module, "library": b.library.name, "compiler": b.compiler, "inputs": inputs,
-            "built": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": round(seconds, 1), "jobs": jobs}
+    info = {
+        "module": b.module,
+        "library": b.library.name,
+        "compiler": b.compiler,
+        "inputs": inputs,
+        "built": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "seconds": round(seconds, 1),
+        "jobs": jobs,
+    }
     tmp = d / f".{MARKER}.{os.getpid()}"
     tmp.write_text(json.dumps(info, indent=1))
     with open(tmp, "rb") as f:
@@ -251,36 +289,50 @@ def _paths(b: Build) -> str:
     import torch.utils.cpp_extension as cpp
 
     includes = [*cpp.include_paths(), sysconfig.get_path("include", scheme="posix_prefix")]
-    return "\n".join([
-        f"cxx = {_shell(*compiler_command())}",
-        f"module = {b.module}",
-        f"src = {_shell(b.ext.source_dir.resolve())}",
-        "system_includes = " + " ".join(f"-isystem {_shell(p)}" for p in includes),
-        f"torch_lib = {_shell(cpp.library_paths()[0])}",
-    ])
+    return "\n".join(
+        [
+            f"cxx = {_shell(*compiler_command())}",
+            f"module = {b.module}",
+            f"src = {_shell(b.ext.source_dir.resolve())}",
+            "system_includes = " + " ".join(f"-isystem {_shell(p)}" for p in includes),
+            f"torch_lib = {_shell(cpp.library_paths()[0])}",
+        ]
+    )
 
 
 def _write_ninja_file(b: Build, skip: frozenset[str] | set[str] = frozenset()) -> None:
     """``skip``: objects already in the directory (taken from an earlier build): linked, not compiled."""
     names = [objects.object_name(s) for s in b.ext.sources]
     src = _ninja_path(b.ext.source_dir.resolve())
-    edges = [f"build {o}: compile {src}/{s}\n  label = {s}" for o, s in zip(names, b.ext.sources)
-             if o not in skip]
-    edges.append(f"build $module.so: link {' '.join(names)}\n  label = $module.so\ndefault $module.so")
+    edges = [
+        f"build {o}: compile {src}/{s}\n  label = {s}"
+        for o, s in zip(names, b.ext.sources)
+        if o not in skip
+    ]
+    edges.append(
+        f"build $module.so: link {' '.join(names)}\n  label = $module.so\ndefault $module.so"
+    )
     text = f"{_paths(b)}\n{b.ext.rules()}\n" + "\n".join(edges) + "\n"
     (b.directory / "build.ninja").write_text(text)
 
 
 def _run_ninja(d: Path, jobs: int, t0: float) -> None:
     env = {**os.environ, "NINJA_STATUS": _STATUS + "[%f/%t] "}
-    proc = subprocess.Popen(["ninja", "-j", str(jobs)], cwd=d, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, errors="replace")
+    proc = subprocess.Popen(
+        ["ninja", "-j", str(jobs)],
+        cwd=d,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+    )
     output = []
     assert proc.stdout is not None
     for line in proc.stdout:
         line = line.rstrip("\n")
         if line.startswith(_STATUS):
-            logger.info("CPU kernels: %s (%.0f s)", line[len(_STATUS):], time.monotonic() - t0)
+            logger.info("CPU kernels: %s (%.0f s)", line[len(_STATUS) :], time.monotonic() - t0)
         elif line.strip():
             output.append(line)
     if proc.wait() != 0:
@@ -296,8 +348,11 @@ def _run_ninja(d: Path, jobs: int, t0: float) -> None:
 def _explain(d: Path) -> str:
     """What ninja would redo and why (its ``-d explain`` lines, the first few)."""
     out = subprocess.run(["ninja", "-n", "-d", "explain"], cwd=d, capture_output=True, text=True)
-    lines = [ln.split("ninja explain: ", 1)[1] for ln in (out.stdout + out.stderr).splitlines()
-             if ln.startswith("ninja explain: ")]
+    lines = [
+        ln.split("ninja explain: ", 1)[1]
+        for ln in (out.stdout + out.stderr).splitlines()
+        if ln.startswith("ninja explain: ")
+    ]
     more = f" (+{len(lines) - 3} more)" if len(lines) > 3 else ""
     return "ninja: " + "; ".join(lines[:3]) + more if lines else "ninja finds nothing left to do"
 
@@ -307,16 +362,26 @@ def _what_changed(b: Build) -> str:
     newest, newest_t = None, 0.0
     for marker in b.directory.parent.glob(f"*/{MARKER}"):
         info, t = _read_marker(marker.parent), marker.stat().st_mtime
-        if info.get("module", "").startswith(b.ext.name + "_") and "inputs" in info and t > newest_t:
+        if (
+            info.get("module", "").startswith(b.ext.name + "_")
+            and "inputs" in info
+            and t > newest_t
+        ):
             newest, newest_t = info, t
     if newest is None:
         return f"none in {b.directory.parent}"
     old, new = newest["inputs"], b.ext.inputs()
-    changes = [f"{n} changed" for n in new["files"] if n in old["files"] and old["files"][n] != new["files"][n]]
+    changes = [
+        f"{n} changed"
+        for n in new["files"]
+        if n in old["files"] and old["files"][n] != new["files"][n]
+    ]
     changes += [f"{n} added" for n in new["files"] if n not in old["files"]]
     changes += [f"{n} removed" for n in old["files"] if n not in new["files"]]
     changes += [f"{k} changed" for k in ("sources", "rules") if old.get(k) != new[k]]
-    changes += [f"{k} {old.get(k)} -> {new[k]}" for k in ("torch", "python") if old.get(k) != new[k]]
+    changes += [
+        f"{k} {old.get(k)} -> {new[k]}" for k in ("torch", "python") if old.get(k) != new[k]
+    ]
     if newest.get("compiler") != b.compiler:
         changes.append(f"compiler {newest.get('compiler')} -> {b.compiler}")
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(newest_t))

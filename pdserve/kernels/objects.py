@@ -51,9 +51,18 @@ def object_keys(ext: "Extension", compiler: Optional[str], module: str) -> dict[
     keys = {}
     for s in ext.sources:
         headers = sorted(local_includes(ext, s))
-        names = any("TORCH_EXTENSION_NAME" in (ext.source_dir / f).read_text(errors="replace") for f in (s, *headers))
-        keys[object_name(s)] = _digest({**common, "source": files[s], "headers": {h: files[h] for h in headers},
-                                        "module": module if names else None})
+        names = any(
+            "TORCH_EXTENSION_NAME" in (ext.source_dir / f).read_text(errors="replace")
+            for f in (s, *headers)
+        )
+        keys[object_name(s)] = _digest(
+            {
+                **common,
+                "source": files[s],
+                "headers": {h: files[h] for h in headers},
+                "module": module if names else None,
+            }
+        )
     return keys
 
 
@@ -63,8 +72,11 @@ def reuse(b: "Build", keys: dict[str, str]) -> dict[str, str]:
     from pdserve.kernels.build import MARKER, _read_marker
 
     reused: dict[str, str] = {}
-    donors = sorted((m.parent for m in b.directory.parent.glob(f"*/{MARKER}")),
-                    key=lambda p: p.stat().st_mtime, reverse=True)
+    donors = sorted(
+        (m.parent for m in b.directory.parent.glob(f"*/{MARKER}")),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
     for donor in donors:
         if donor == b.directory or _read_marker(donor).get("compiler") != b.compiler:
             continue

@@ -64,9 +64,16 @@ class PackedBF16:
     them turns close candidates into exact ties (seen on the demo model: "The" vs "L" for the
     first word of an answer); float32 logits keep the order the bf16 network computed."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], ops: Optional[ModuleType],
-                 batch_hint: int = 64, float32_out: bool = False, batch_invariant: bool = False,
-                 onednn: Optional[bool] = None):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        ops: Optional[ModuleType],
+        batch_hint: int = 64,
+        float32_out: bool = False,
+        batch_invariant: bool = False,
+        onednn: Optional[bool] = None,
+    ):
         """``onednn``: whether oneDNN's bf16 matmuls may run (None: ``kernels.onednn_bf16()``);
         without them pdserve's kernel runs at every row count."""
         if onednn is None:
@@ -74,10 +81,16 @@ class PackedBF16:
 
             onednn = onednn_bf16()[0]
         if ops is None and not onednn:
-            raise ValueError("a prepacked bf16 matmul needs pdserve's CPU kernels or oneDNN's bf16 matmuls")
+            raise ValueError(
+                "a prepacked bf16 matmul needs pdserve's CPU kernels or oneDNN's bf16 matmuls"
+            )
         w = weight.detach().to(torch.bfloat16).contiguous()
         self.out_features, self.in_features = w.shape
-        self.bias = None if bias is None else bias.detach().to(torch.float32 if float32_out else torch.bfloat16).contiguous()
+        self.bias = (
+            None
+            if bias is None
+            else bias.detach().to(torch.float32 if float32_out else torch.bfloat16).contiguous()
+        )
         self.ops = ops
         self.vnni = pack_vnni16(w) if ops is not None else None
         self.float32_out = float32_out and self.vnni is not None
@@ -87,13 +100,18 @@ class PackedBF16:
         if batch_invariant and self.vnni is None:
             raise ValueError("a batch-invariant bf16 matmul needs pdserve's CPU kernels")
         # the GEMV-only paths never call oneDNN: no second copy of the weight
-        self.onednn = None if self.float32_out or self.batch_invariant or not onednn else \
-            torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
+        self.onednn = (
+            None
+            if self.float32_out or self.batch_invariant or not onednn
+            else torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self.onednn is None or (self.vnni is not None and 0 < rows <= GEMV_MAX_ROWS):
-            out = x.new_empty((rows, self.out_features), dtype=torch.float32 if self.float32_out else x.dtype)
+            out = x.new_empty(
+                (rows, self.out_features), dtype=torch.float32 if self.float32_out else x.dtype
+            )
             self.ops.linear_vnni(out, x, self.vnni, self.bias)
             return out
         return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
@@ -141,7 +159,9 @@ class PackedW8A8:
         wq = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
         n_pad = -n % PANEL
         self.out_features, self.in_features = n, k
-        self.colsum = F.pad(wq.sum(dim=1, dtype=torch.int32), (0, n_pad)).contiguous()  # [N padded to 64]
+        self.colsum = F.pad(
+            wq.sum(dim=1, dtype=torch.int32), (0, n_pad)
+        ).contiguous()  # [N padded to 64]
         self.scale = F.pad(scale, (0, n_pad), value=1.0).contiguous()
         self.packed = pack_panels(wq, 4)
         self.bias = None if bias is None else bias.detach()
@@ -194,7 +214,11 @@ class RowParallelLinear(Linear):
         y = self.impl(x) if self.impl is not None else F.linear(x, self.weight)
         if y.dtype == torch.bfloat16:  # sum the partials in float32, round once
             y = self.tp.all_reduce(y.float())
-            return (y + self.bias.float()).to(torch.bfloat16) if self.bias is not None else y.to(torch.bfloat16)
+            return (
+                (y + self.bias.float()).to(torch.bfloat16)
+                if self.bias is not None
+                else y.to(torch.bfloat16)
+            )
         self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
@@ -213,18 +237,26 @@ class MergedLinear(Linear):
     def load_shard(self, shard: int, name: str, tensor: torch.Tensor) -> None:
         """Copy one projection's ``weight`` or ``bias`` (``name``) into its rows."""
         start = sum(self.output_sizes[:shard])
-        rows = getattr(self, name).data[start:start + self.output_sizes[shard]]
+        rows = getattr(self, name).data[start : start + self.output_sizes[shard]]
         if rows.shape != tensor.shape:
-            raise ValueError(f"shard {shard} {name}: expected shape {tuple(rows.shape)}, got {tuple(tensor.shape)}")
+            raise ValueError(
+                f"shard {shard} {name}: expected shape {tuple(rows.shape)}, got {tuple(tensor.shape)}"
+            )
         rows.copy_(tensor)
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return out.split(self.output_sizes, dim=-1)
 
 
-def prepack_linears(model: nn.Module, ops: Optional[ModuleType], batch_hint: int = 64,
-                    float32_out: tuple[nn.Module, ...] = (), quantization: Optional[str] = None,
-                    dtype: torch.dtype = torch.bfloat16, batch_invariant: bool = False) -> int:
+def prepack_linears(
+    model: nn.Module,
+    ops: Optional[ModuleType],
+    batch_hint: int = 64,
+    float32_out: tuple[nn.Module, ...] = (),
+    quantization: Optional[str] = None,
+    dtype: torch.dtype = torch.bfloat16,
+    batch_invariant: bool = False,
+) -> int:
     """Give every ``Linear`` of a CPU model a prepacked impl and drop its plain weight (the packed
     copies replace it): ``PackedBF16``, or ``PackedW8A8`` with ``quantization="w8a8_int8"``. The
     layers in ``float32_out`` (the LM head) stay bf16 with float32 outputs. ``batch_invariant``
@@ -238,8 +270,11 @@ def prepack_linears(model: nn.Module, ops: Optional[ModuleType], batch_hint: int
 
         usable, why_not = onednn_bf16()
         if not usable:
-            logger.warning("bf16 matmuls run on PyTorch's own code (slow): %s, and pdserve's CPU kernels are not "
-                           "available", why_not)
+            logger.warning(
+                "bf16 matmuls run on PyTorch's own code (slow): %s, and pdserve's CPU kernels are not "
+                "available",
+                why_not,
+            )
             return 0
     total = 0
     for module in model.modules():
@@ -250,8 +285,14 @@ def prepack_linears(model: nn.Module, ops: Optional[ModuleType], batch_hint: int
             elif quantization == "w8a8_int8" and not head:
                 impl = PackedW8A8(module.weight, module.matmul_bias(), ops)
             else:
-                impl = PackedBF16(module.weight, module.matmul_bias(), ops, batch_hint, float32_out=head,
-                                  batch_invariant=batch_invariant)
+                impl = PackedBF16(
+                    module.weight,
+                    module.matmul_bias(),
+                    ops,
+                    batch_hint,
+                    float32_out=head,
+                    batch_invariant=batch_invariant,
+                )
             module.impl = impl
             # the plain weight is no longer read: keep a 0-element stand-in of the right dtype
             module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)

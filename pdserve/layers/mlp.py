@@ -37,7 +37,9 @@ class GatedProjections(nn.Module):
 
     def set_activation(self, activation: str, field: str = "hidden_act") -> None:
         if activation not in ACTIVATIONS:
-            raise ValueError(f"{field}: {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
+            raise ValueError(
+                f"{field}: {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}"
+            )
         self.activation = activation
         self.act = ACTIVATIONS[activation]
         self.ops: Optional[ModuleType] = None
@@ -55,7 +57,14 @@ class GatedProjections(nn.Module):
 class GatedMLP(GatedProjections):
     """Split over ``tp`` by its own ``intermediate`` (or replicated at size 1); loads itself."""
 
-    def __init__(self, hidden: int, intermediate: int, activation: str, tp: TPGroup = SINGLE, bias: bool = False):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        activation: str,
+        tp: TPGroup = SINGLE,
+        bias: bool = False,
+    ):
         super().__init__()
         try:
             self.inter = shard_range(intermediate, tp.rank, tp.size)
@@ -90,7 +99,9 @@ class GatedMLP(GatedProjections):
             t = src[:, i0:i1] if leaf == "weight" else src[:]
             target = getattr(self.down_proj, leaf).data
             if target.shape != t.shape:
-                raise ValueError(f"weight {name!r}: expected shape {tuple(target.shape)}, got {tuple(t.shape)}")
+                raise ValueError(
+                    f"weight {name!r}: expected shape {tuple(target.shape)}, got {tuple(t.shape)}"
+                )
             target.copy_(t)
         else:
             self.gate_up_proj.load_shard(0 if proj == "gate_proj" else 1, leaf, src[i0:i1])

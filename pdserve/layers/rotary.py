@@ -43,7 +43,9 @@ def rope_parameters(config: Any) -> dict:
     ``rope_theta`` and the scaling fields of that type."""
     params = _field(config, "rope_parameters")
     if params and any(isinstance(v, dict) for v in params.values()):
-        raise ValueError(f"rope_parameters: per-layer-type RoPE settings are not supported: {params}")
+        raise ValueError(
+            f"rope_parameters: per-layer-type RoPE settings are not supported: {params}"
+        )
     out = dict(params or {})
     # transformers 4 fields fill what rope_parameters does not say
     for key, value in (_field(config, "rope_scaling") or {}).items():
@@ -55,7 +57,9 @@ def rope_parameters(config: Any) -> dict:
         theta = _field(config, "rope_theta")
         out["rope_theta"] = float(theta) if theta is not None else DEFAULT_ROPE_THETA
     if out["rope_type"] not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope_type: {out['rope_type']!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+        raise ValueError(
+            f"rope_type: {out['rope_type']!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
+        )
     if out["rope_type"] in ("llama3", "yarn"):
         # as transformers' standardize_rope_params: the config's own field wins, else the model's length
         original = _field(config, "original_max_position_embeddings")
@@ -64,12 +68,16 @@ def rope_parameters(config: Any) -> dict:
         elif out.get("original_max_position_embeddings") is None:
             out["original_max_position_embeddings"] = _field(config, "max_position_embeddings")
     if out["rope_type"] == "yarn" and out.get("factor") is None:
-        longest = _field(config, "max_position_embeddings")  # DeepSeek-V3 style: the context's growth
+        longest = _field(
+            config, "max_position_embeddings"
+        )  # DeepSeek-V3 style: the context's growth
         if longest is not None and out.get("original_max_position_embeddings"):
             out["factor"] = longest / out["original_max_position_embeddings"]
     missing = [f for f in _ROPE_FIELDS[out["rope_type"]] if out.get(f) is None]
     if missing:
-        raise ValueError(f"rope_parameters: rope_type {out['rope_type']!r} needs {missing}; got {out}")
+        raise ValueError(
+            f"rope_parameters: rope_type {out['rope_type']!r} needs {missing}; got {out}"
+        )
     return out
 
 
@@ -105,7 +113,9 @@ def _yarn_inv_frequencies(head_dim: int, params: dict) -> torch.Tensor:
     beta_fast = params.get("beta_fast") or 32
     beta_slow = params.get("beta_slow") or 1
 
-    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over old_ctx
+    def dim_of(
+        rotations: float,
+    ) -> float:  # the dimension that turns `rotations` times over old_ctx
         return (head_dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
     low, high = dim_of(beta_fast), dim_of(beta_slow)
@@ -115,8 +125,12 @@ def _yarn_inv_frequencies(head_dim: int, params: dict) -> torch.Tensor:
     if low == high:
         high += 0.001  # no zero-width ramp
     # on the CPU explicitly: models are built under a meta-device context, where tensors hold no data
-    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
-    pos_freqs = base ** (torch.arange(0, head_dim, 2, device="cpu").to(dtype=torch.float) / head_dim)
+    ramp = torch.clamp(
+        (torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1
+    )
+    pos_freqs = base ** (
+        torch.arange(0, head_dim, 2, device="cpu").to(dtype=torch.float) / head_dim
+    )
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     keep = 1 - ramp  # 1: the original frequency, 0: the interpolated one
     return interpolation * (1 - keep) + extrapolation * keep
@@ -130,7 +144,11 @@ def attention_factor(params: dict) -> float:
         return 1.0
     if params.get("attention_factor") is not None:
         return params["attention_factor"]
-    factor, mscale, mscale_all_dim = params["factor"], params.get("mscale"), params.get("mscale_all_dim")
+    factor, mscale, mscale_all_dim = (
+        params["factor"],
+        params.get("mscale"),
+        params.get("mscale_all_dim"),
+    )
 
     def mscale_of(scale: float, m: float = 1) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0

@@ -45,8 +45,9 @@ class CausalLM(Protocol):
     # pipeline parallelism: a stage runs embed (first stage), its layers, final_norm (last stage)
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 
-    def forward_layers(self, fb: ForwardBatch, h: torch.Tensor,
-                       residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]: ...
+    def forward_layers(
+        self, fb: ForwardBatch, h: torch.Tensor, residual: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]: ...
 
     def final_norm(self, h: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor: ...
 
@@ -61,8 +62,12 @@ class CausalLM(Protocol):
     # CPU fast paths (optional work; a model may do nothing in them)
     def use_cpu_kernels(self, ops: ModuleType) -> None: ...
 
-    def prepack(self, ops: Optional[ModuleType], quantization: Optional[str] = None,
-                batch_invariant: bool = False) -> int:
+    def prepack(
+        self,
+        ops: Optional[ModuleType],
+        quantization: Optional[str] = None,
+        batch_invariant: bool = False,
+    ) -> int:
         """Prepack matmul weights for bf16 (or int8) on CPU, and with ``batch_invariant`` for any
         dtype, on matmuls whose rows do not depend on each other; returns the packed bytes."""
 

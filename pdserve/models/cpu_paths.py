@@ -8,7 +8,14 @@ from typing import Optional
 
 import torch
 
-from pdserve.layers.linear import GEMV_MAX_ROWS, Linear, PackedBF16, PackedF32, PackedW8A8, prepack_linears
+from pdserve.layers.linear import (
+    GEMV_MAX_ROWS,
+    Linear,
+    PackedBF16,
+    PackedF32,
+    PackedW8A8,
+    prepack_linears,
+)
 
 
 class CpuPathsMixin:
@@ -21,19 +28,38 @@ class CpuPathsMixin:
             if hasattr(module, "ops"):
                 module.ops = ops
 
-    def prepack(self, ops: Optional[ModuleType], quantization: Optional[str] = None,
-                batch_invariant: bool = False) -> int:
+    def prepack(
+        self,
+        ops: Optional[ModuleType],
+        quantization: Optional[str] = None,
+        batch_invariant: bool = False,
+    ) -> int:
         """Prepack every matmul for bf16 on CPU, or int8 with ``quantization="w8a8_int8"`` (the LM
         head stays bf16); with ``batch_invariant`` the matmuls of a float32 model too (``PackedF32``);
         see ``layers/linear.py``. Returns packed bytes."""
         # the weights' dtype (a later pipeline stage has no embedding)
-        dtype = next((m.weight.dtype for m in self.modules() if isinstance(m, Linear)), torch.bfloat16)
-        total = prepack_linears(self, ops, float32_out=(self.lm_head,) if self.lm_head is not None else (),
-                                quantization=quantization, dtype=dtype, batch_invariant=batch_invariant)
-        if self.tie_word_embeddings and self.shards.has_head and (dtype != torch.float32 or batch_invariant):
+        dtype = next(
+            (m.weight.dtype for m in self.modules() if isinstance(m, Linear)), torch.bfloat16
+        )
+        total = prepack_linears(
+            self,
+            ops,
+            float32_out=(self.lm_head,) if self.lm_head is not None else (),
+            quantization=quantization,
+            dtype=dtype,
+            batch_invariant=batch_invariant,
+        )
+        if (
+            self.tie_word_embeddings
+            and self.shards.has_head
+            and (dtype != torch.float32 or batch_invariant)
+        ):
             weight = self.model.embed_tokens.weight
-            self.tied_logits = PackedF32(weight, None, ops) if dtype == torch.float32 else \
-                PackedBF16(weight, None, ops, float32_out=True)
+            self.tied_logits = (
+                PackedF32(weight, None, ops)
+                if dtype == torch.float32
+                else PackedBF16(weight, None, ops, float32_out=True)
+            )
             total += self.tied_logits.nbytes
         return total
 
@@ -50,14 +76,28 @@ class CpuPathsMixin:
             return False  # its MLP kernel is SiLU-and-mul
         first = self.model.layers[0].self_attn
         # batch invariant: the GEMV kernel at every batch size, as the layer-by-layer path runs
-        stack = ops.DecodeModel(first.num_heads, first.num_kv_heads, first.head_dim,
-                                self.model.norm.eps, first.scale, 1 << 62 if batch_invariant else GEMV_MAX_ROWS)
+        stack = ops.DecodeModel(
+            first.num_heads,
+            first.num_kv_heads,
+            first.head_dim,
+            self.model.norm.eps,
+            first.scale,
+            1 << 62 if batch_invariant else GEMV_MAX_ROWS,
+        )
 
         def parts(linear: Linear) -> list:
             impl = linear.impl
             if isinstance(impl, PackedW8A8):
                 bias = None if impl.bias is None else impl.bias.to(torch.bfloat16)
-                return [None, None, bias, impl.packed, impl.colsum, impl.scale, torch.tensor(impl.out_features)]
+                return [
+                    None,
+                    None,
+                    bias,
+                    impl.packed,
+                    impl.colsum,
+                    impl.scale,
+                    torch.tensor(impl.out_features),
+                ]
             if impl.onednn is None:  # batch invariant: GEMV only
                 return [impl.vnni, None, impl.bias, torch.tensor(impl.out_features)]
             return [impl.vnni, impl.onednn, impl.bias]
@@ -65,8 +105,12 @@ class CpuPathsMixin:
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             stack.add_layer(
-                layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
-                parts(attn.qkv_proj), parts(attn.o_proj), parts(mlp.gate_up_proj), parts(mlp.down_proj),
+                layer.input_layernorm.weight.data,
+                layer.post_attention_layernorm.weight.data,
+                parts(attn.qkv_proj),
+                parts(attn.o_proj),
+                parts(mlp.gate_up_proj),
+                parts(mlp.down_proj),
                 None if attn.q_norm is None else attn.q_norm.weight.data,
                 None if attn.k_norm is None else attn.k_norm.weight.data,
                 attn.sliding_window or 0,

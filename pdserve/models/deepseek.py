@@ -74,18 +74,30 @@ def refuse_unsupported(config, model: str, scoring: str, topk_methods: tuple[str
     default, which is what pdserve computes)."""
     quant = getattr(config, "quantization_config", None)
     if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
-        raise ValueError(f"quantization_config: {method!r} weights (e.g. DeepSeek's FP8 blocks with their "
-                         "scale_inv tensors) are not supported; use a bf16 or float32 checkpoint")
+        method = (
+            quant.get("quant_method")
+            if isinstance(quant, dict)
+            else getattr(quant, "quant_method", quant)
+        )
+        raise ValueError(
+            f"quantization_config: {method!r} weights (e.g. DeepSeek's FP8 blocks with their "
+            "scale_inv tensors) are not supported; use a bf16 or float32 checkpoint"
+        )
     value = getattr(config, "scoring_func", None)
     if value is not None and value != scoring:
-        raise ValueError(f"scoring_func: {value!r} is not supported for {model} (it scores experts with {scoring!r})")
+        raise ValueError(
+            f"scoring_func: {value!r} is not supported for {model} (it scores experts with {scoring!r})"
+        )
     value = getattr(config, "topk_method", None)
     if value is not None and value not in topk_methods:
-        raise ValueError(f"topk_method: {value!r} is not supported for {model}; supported: {', '.join(topk_methods)}")
+        raise ValueError(
+            f"topk_method: {value!r} is not supported for {model}; supported: {', '.join(topk_methods)}"
+        )
 
 
-def set_aside_mtp(weights: Iterable[tuple[str, Any]], num_layers: int, store: dict) -> Iterable[tuple[str, Any]]:
+def set_aside_mtp(
+    weights: Iterable[tuple[str, Any]], num_layers: int, store: dict
+) -> Iterable[tuple[str, Any]]:
     """``weights`` without the MTP layers (``model.layers.N``, N >= ``num_layers``), which go into
     ``store`` (read, unused here: speculative decoding is what would use them)."""
     for name, src in weights:
@@ -118,20 +130,24 @@ class Indexer(nn.Module):
         self.heads, self.dim = config.index_n_heads, config.index_head_dim
         self.rope, self.topk = config.qk_rope_head_dim, config.index_topk
         if self.rope > self.dim:
-            raise ValueError(f"index_head_dim: {self.dim} is smaller than qk_rope_head_dim {self.rope}")
+            raise ValueError(
+                f"index_head_dim: {self.dim} is smaller than qk_rope_head_dim {self.rope}"
+            )
         self.wq_b = Linear(config.q_lora_rank, self.heads * self.dim, bias=False)
         self.wk = Linear(config.hidden_size, self.dim, bias=False)
         self.k_norm = nn.LayerNorm(self.dim, eps=1e-6)
         self.weights_proj = Float32Linear(config.hidden_size, self.heads)
 
-    def forward(self, h: torch.Tensor, q_resid: torch.Tensor, rope, fb: ForwardBatch, layer: AttnLayer):
+    def forward(
+        self, h: torch.Tensor, q_resid: torch.Tensor, rope, fb: ForwardBatch, layer: AttnLayer
+    ):
         t, r = h.shape[0], self.rope
         q = self.wq_b(q_resid).view(t, self.heads, self.dim)
         k = self.k_norm(self.wk(h))
         q = torch.cat([apply_rotary(q[..., :r], *rope), q[..., r:]], dim=-1)
         k = torch.cat([apply_rotary(k[:, None, :r], *rope)[:, 0], k[:, r:]], dim=-1)
-        w = self.weights_proj(h) * self.heads ** -0.5
-        return fb.attn_backend.index_select(layer, q.float(), w, k, fb, self.topk, self.dim ** -0.5)
+        w = self.weights_proj(h) * self.heads**-0.5
+        return fb.attn_backend.index_select(layer, q.float(), w, k, fb, self.topk, self.dim**-0.5)
 
 
 class MLAttention(nn.Module):
@@ -176,32 +192,63 @@ class MLAttention(nn.Module):
         latent = LatentAttention(self.rank, self.rope)
         return (latent,) if self.indexer is None else (latent, IndexKeys(self.indexer.dim))
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fb: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fb: ForwardBatch
+    ) -> torch.Tensor:
         t = h.shape[0]
         q_resid = self.q_a_layernorm(self.q_a_proj(h)) if self.q_lora else None
         q = self.q_b_proj(q_resid) if self.q_lora else self.q_proj(h)
         q = q.view(t, self.num_heads, self.nope + self.rope)
-        q_nope, q_rope = q[..., :self.nope], q[..., self.nope:]
+        q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]
         ckv = self.kv_a_proj_with_mqa(h)
-        c, k_rope = self.kv_a_layernorm(ckv[:, :self.rank].contiguous()), ckv[:, self.rank:]
+        c, k_rope = self.kv_a_layernorm(ckv[:, : self.rank].contiguous()), ckv[:, self.rank :]
         rotate = rotate_interleaved if self.interleave else apply_rotary
         rope = tuple(x.to(h.dtype) for x in rope)
         q_rope, k_rope = rotate(q_rope, *rope), rotate(k_rope.unsqueeze(1), *rope)[:, 0]
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
-        selection = self.indexer(h, q_resid, rope, fb, self.attn) if self.indexer is not None else None
-        o = fb.attn_backend.forward_latent(self.attn, q_nope, q_rope, torch.cat([c, k_rope], dim=-1), fb,
-                                           w[:, :self.nope], w[:, self.nope:], selection)
+        selection = (
+            self.indexer(h, q_resid, rope, fb, self.attn) if self.indexer is not None else None
+        )
+        o = fb.attn_backend.forward_latent(
+            self.attn,
+            q_nope,
+            q_rope,
+            torch.cat([c, k_rope], dim=-1),
+            fb,
+            w[:, : self.nope],
+            w[:, self.nope :],
+            selection,
+        )
         return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
 
     # ---- weights -----------------------------------------------------------------------------
     def checkpoint_names(self) -> list[str]:
-        q = ["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"] if self.q_lora else ["q_proj.weight"]
-        names = q + ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"]
+        q = (
+            ["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"]
+            if self.q_lora
+            else ["q_proj.weight"]
+        )
+        names = q + [
+            "kv_a_proj_with_mqa.weight",
+            "kv_a_layernorm.weight",
+            "kv_b_proj.weight",
+            "o_proj.weight",
+        ]
         if self.o_proj.bias is not None:
-            names += ["kv_a_proj_with_mqa.bias", "o_proj.bias"] + (["q_a_proj.bias"] if self.q_lora else [])
+            names += ["kv_a_proj_with_mqa.bias", "o_proj.bias"] + (
+                ["q_a_proj.bias"] if self.q_lora else []
+            )
         if self.indexer is not None:
-            names += [f"indexer.{n}" for n in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias",
-                                               "weights_proj.weight")]
+            names += [
+                f"indexer.{n}"
+                for n in (
+                    "wq_b.weight",
+                    "wk.weight",
+                    "k_norm.weight",
+                    "k_norm.bias",
+                    "weights_proj.weight",
+                )
+            ]
         return names
 
     def load_checkpoint(self, name: str, src: Any) -> None:
@@ -212,12 +259,12 @@ class MLAttention(nn.Module):
         h0, h1 = self.heads
         if module in ("q_proj", "q_b_proj"):  # this rank's heads' rows
             qk = self.nope + self.rope
-            t = src[h0 * qk:h1 * qk]
+            t = src[h0 * qk : h1 * qk]
         elif module == "kv_b_proj":
             per = self.nope + self.v_dim
-            t = src[h0 * per:h1 * per]
+            t = src[h0 * per : h1 * per]
         elif module == "o_proj" and leaf == "weight":  # row parallel: this rank's heads' columns
-            t = src[:, h0 * self.v_dim:h1 * self.v_dim]
+            t = src[:, h0 * self.v_dim : h1 * self.v_dim]
         else:  # the latent path, the indexer and biases: whole on every rank
             t = src[:]
         target = getattr(self.get_submodule(path), leaf).data
@@ -229,7 +276,9 @@ class MLAttention(nn.Module):
 class DeepseekDecoderLayer(LlamaDecoderLayer):
     """Pre-norm block of latent attention and a dense or sparse MLP (``make_mlp``)."""
 
-    def __init__(self, config, layer_id: int, shards: TPShards, make_mlp=None, interleave: bool = True, **_):
+    def __init__(
+        self, config, layer_id: int, shards: TPShards, make_mlp=None, interleave: bool = True, **_
+    ):
         nn.Module.__init__(self)
         self.self_attn = MLAttention(config, layer_id, shards, interleave)
         self.mlp = make_mlp(config, layer_id, shards)
@@ -273,7 +322,9 @@ class DeepseekMoE(MoEForCausalLM):
         n = getattr(config, "n_shared_experts", 0) or 0
         if not n:
             return None, None
-        return GatedMLP(config.hidden_size, config.moe_intermediate_size * n, config.hidden_act, tp), None
+        return GatedMLP(
+            config.hidden_size, config.moe_intermediate_size * n, config.hidden_act, tp
+        ), None
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         super().load_weights(set_aside_mtp(weights, self.total_layers, self.mtp_weights))
@@ -281,9 +332,15 @@ class DeepseekMoE(MoEForCausalLM):
 
 def sigmoid_router(config) -> Router:
     """DeepSeek-V3's routing (``noaux_tc``), GLM-4.5's too."""
-    return GroupedSigmoidTopK(config.hidden_size, config.n_routed_experts, config.num_experts_per_tok,
-                              config.n_group or 1, config.topk_group or 1, bool(getattr(config, "norm_topk_prob", True)),
-                              config.routed_scaling_factor)
+    return GroupedSigmoidTopK(
+        config.hidden_size,
+        config.n_routed_experts,
+        config.num_experts_per_tok,
+        config.n_group or 1,
+        config.topk_group or 1,
+        bool(getattr(config, "norm_topk_prob", True)),
+        config.routed_scaling_factor,
+    )
 
 
 class DeepseekV2ForCausalLM(DeepseekMoE):
@@ -292,7 +349,9 @@ class DeepseekV2ForCausalLM(DeepseekMoE):
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        self.total_kv_heads = 1  # one latent per token, the same on every rank (no KV heads to split)
+        self.total_kv_heads = (
+            1  # one latent per token, the same on every rank (no KV heads to split)
+        )
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -301,9 +360,15 @@ class DeepseekV2ForCausalLM(DeepseekMoE):
             raise ValueError("kv_lora_rank: missing; latent attention needs it")
 
     def make_router(self, config) -> Router:
-        return GroupedSoftmaxTopK(config.hidden_size, config.n_routed_experts, config.num_experts_per_tok,
-                                  getattr(config, "topk_method", "greedy") or "greedy", config.n_group or 1,
-                                  config.topk_group or 1, config.routed_scaling_factor)
+        return GroupedSoftmaxTopK(
+            config.hidden_size,
+            config.n_routed_experts,
+            config.num_experts_per_tok,
+            getattr(config, "topk_method", "greedy") or "greedy",
+            config.n_group or 1,
+            config.topk_group or 1,
+            config.routed_scaling_factor,
+        )
 
     @staticmethod
     def rope_interleave(config) -> bool:
@@ -318,7 +383,9 @@ class DeepseekV2ForCausalLM(DeepseekMoE):
 
     def prepack(self, ops, quantization=None, batch_invariant: bool = False) -> int:
         total = super().prepack(ops, quantization, batch_invariant)
-        return total + sum(m.prepack(ops, batch_invariant) for m in self.modules() if isinstance(m, Float32Linear))
+        return total + sum(
+            m.prepack(ops, batch_invariant) for m in self.modules() if isinstance(m, Float32Linear)
+        )
 
     def enable_decode_stack(self, ops, batch_invariant: bool = False) -> bool:
         return False  # the C++ decode stack is the Llama block
@@ -347,7 +414,9 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
                 raise ValueError(f"{field}: missing; DeepSeek-V3.2's indexer needs it")
         kinds = set(getattr(config, "layer_types", None) or ["indexed_attention"])
         if kinds != {"indexed_attention"}:
-            raise ValueError(f"layer_types: {sorted(kinds)} not supported; supported: indexed_attention")
+            raise ValueError(
+                f"layer_types: {sorted(kinds)} not supported; supported: indexed_attention"
+            )
 
     @staticmethod
     def rope_interleave(config) -> bool:

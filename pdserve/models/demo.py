@@ -94,7 +94,9 @@ def _build_smollm2(out_dir: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     pkg_dir, gguf_file = gguf_source()
-    gguf_model = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=gguf_file, dtype=torch.float32)
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        pkg_dir, gguf_file=gguf_file, dtype=torch.float32
+    )
     config_dict = gguf_model.config.to_dict()
     config_dict.pop("quantization_config", None)
     config = LlamaConfig.from_dict(config_dict)
@@ -131,7 +133,9 @@ def ensure_demo_model(name: str = DEMO_MODELS[0]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdserve prepare-model", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="pdserve prepare-model", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("model", choices=DEMO_MODELS)
     args = parser.parse_args(argv)
     print(ensure_demo_model(args.model))

@@ -38,8 +38,14 @@ from pdserve.forward_batch import ForwardBatch
 from pdserve.layers.norm import GemmaRMSNorm
 from pdserve.layers.rotary import rope_parameters
 from pdserve.layers.vocab import VocabParallelEmbedding
-from pdserve.models.llama import (LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, check_layer_types,
-                                  run_mlp)
+from pdserve.models.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+    check_layer_types,
+    run_mlp,
+)
 from pdserve.models.weights import TPShards
 
 
@@ -49,7 +55,7 @@ class ScaledEmbedding(VocabParallelEmbedding):
 
     def __init__(self, rows: int, hidden: int, start: int = 0, tp: TPGroup = SINGLE):
         super().__init__(rows, hidden, start, tp)
-        self.scale = hidden ** 0.5
+        self.scale = hidden**0.5
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         scale = torch.tensor(self.scale, dtype=torch.float32)  # HF's buffer is float32
@@ -68,8 +74,14 @@ class GemmaDecoderLayer(nn.Module):
     def __init__(self, config, layer_id: int, shards: TPShards, **attn_kwargs):
         super().__init__()
         eps = config.rms_norm_eps
-        self.self_attn = LlamaAttention(config, layer_id, shards, scale=config.query_pre_attn_scalar ** -0.5,
-                                        norm=GemmaRMSNorm, **attn_kwargs)
+        self.self_attn = LlamaAttention(
+            config,
+            layer_id,
+            shards,
+            scale=config.query_pre_attn_scalar**-0.5,
+            norm=GemmaRMSNorm,
+            **attn_kwargs,
+        )
         self.mlp = LlamaMLP(config, shards, activation_field="hidden_activation")
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
@@ -105,7 +117,9 @@ class GemmaModel(LlamaModel):
             return {"default": rope_parameters(config)}
         missing = sorted(set(config.layer_types) - set(params))
         if missing:
-            raise ValueError(f"rope_parameters: no settings for the layer type(s) {missing}; got {params}")
+            raise ValueError(
+                f"rope_parameters: no settings for the layer type(s) {missing}; got {params}"
+            )
         return {kind: rope_parameters({"rope_parameters": p}) for kind, p in params.items()}
 
 

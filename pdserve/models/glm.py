@@ -13,14 +13,16 @@ import torch
 
 from pdserve.layers.moe.router import Router
 from pdserve.layers.rotary import apply_rotary, rope_parameters
-from pdserve.models.llama import LlamaAttention
 from pdserve.models.deepseek import DeepseekMoE, sigmoid_router
+from pdserve.models.llama import LlamaAttention
 from pdserve.models.moe import MoEDecoderLayer, MoEModel
 
 
 def rotary_fraction(config) -> float:
     params = getattr(config, "rope_parameters", None) or {}
-    return float(params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0)
+    return float(
+        params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+    )
 
 
 class PartialRotaryAttention(LlamaAttention):
@@ -30,14 +32,18 @@ class PartialRotaryAttention(LlamaAttention):
         super().__init__(config, layer_id, shards, **kwargs)
         self.rotary_dim = int(self.head_dim * rotary_fraction(config))
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
-            raise ValueError(f"partial_rotary_factor: {rotary_fraction(config)} of head_dim {self.head_dim} gives "
-                             f"{self.rotary_dim} rotary dims; need an even number in [2, {self.head_dim}]")
+            raise ValueError(
+                f"partial_rotary_factor: {rotary_fraction(config)} of head_dim {self.head_dim} gives "
+                f"{self.rotary_dim} rotary dims; need an even number in [2, {self.head_dim}]"
+            )
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         r = self.rotary_dim
         cos, sin = (x.to(q.dtype) for x in rope)
-        return (torch.cat([apply_rotary(q[..., :r], cos, sin), q[..., r:]], dim=-1),
-                torch.cat([apply_rotary(k[..., :r], cos, sin), k[..., r:]], dim=-1))
+        return (
+            torch.cat([apply_rotary(q[..., :r], cos, sin), q[..., r:]], dim=-1),
+            torch.cat([apply_rotary(k[..., :r], cos, sin), k[..., r:]], dim=-1),
+        )
 
 
 class GlmDecoderLayer(MoEDecoderLayer):
@@ -64,7 +70,10 @@ class Glm4MoeForCausalLM(DeepseekMoE):
         return bool(getattr(config, "attention_bias", False)), False
 
     def attention_options(self, config) -> dict:
-        return {**super().attention_options(config), "qk_norm": bool(getattr(config, "use_qk_norm", False))}
+        return {
+            **super().attention_options(config),
+            "qk_norm": bool(getattr(config, "use_qk_norm", False)),
+        }
 
     def make_router(self, config) -> Router:
         return sigmoid_router(config)

@@ -39,12 +39,17 @@ class GptOssModel(MoEModel):
 
 def check_config(config) -> None:
     quant = getattr(config, "quantization_config", None)
-    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    method = (
+        quant.get("quant_method")
+        if isinstance(quant, dict)
+        else getattr(quant, "quant_method", None)
+    )
     if method is not None:
         raise ValueError(
             f"quantization_config: GPT-OSS checkpoints quantized with {str(method)!r} are not supported; "
             "dequantize to bf16 first (transformers: from_pretrained(..., quantization_config="
-            "Mxfp4Config(dequantize=True)) then save_pretrained)")
+            "Mxfp4Config(dequantize=True)) then save_pretrained)"
+        )
     check_layer_types(config)
 
 
@@ -66,8 +71,14 @@ class GptOssForCausalLM(LocalExperts, MoEForCausalLM):
         return {**super().attention_options(config), "sinks": True}
 
     def make_router(self, config) -> Router:
-        return TopKSoftmax(config.hidden_size, config.num_local_experts, config.num_experts_per_tok, bias=True)
+        return TopKSoftmax(
+            config.hidden_size, config.num_local_experts, config.num_experts_per_tok, bias=True
+        )
 
     def expert_options(self, config) -> dict:
-        return dict(activation="swiglu_oai", bias=True, alpha=SWIGLU_ALPHA,
-                    limit=float(getattr(config, "swiglu_limit", 7.0)))
+        return dict(
+            activation="swiglu_oai",
+            bias=True,
+            alpha=SWIGLU_ALPHA,
+            limit=float(getattr(config, "swiglu_limit", 7.0)),
+        )

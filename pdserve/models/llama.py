@@ -62,7 +62,9 @@ def check_layer_types(config) -> None:
         raise ValueError(f"layer_types: one per layer expected, got {layer_types!r}")
     unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
     if unknown:
-        raise ValueError(f"layer_types: {unknown} not supported; supported: full_attention, sliding_attention")
+        raise ValueError(
+            f"layer_types: {unknown} not supported; supported: full_attention, sliding_attention"
+        )
 
 
 class LlamaAttention(nn.Module):
@@ -70,18 +72,30 @@ class LlamaAttention(nn.Module):
     ``norm`` (the class of the optional per-head q/k norms) and ``sinks`` (a learned sink logit per
     query head, the parameter ``sinks`` of this rank's heads) are for families that differ."""
 
-    def __init__(self, config, layer_id: int, shards: TPShards, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 scale: Optional[float] = None, logit_softcap: Optional[float] = None,
-                 norm: type[nn.Module] = RMSNorm, sinks: bool = False):
+    def __init__(
+        self,
+        config,
+        layer_id: int,
+        shards: TPShards,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        scale: Optional[float] = None,
+        logit_softcap: Optional[float] = None,
+        norm: type[nn.Module] = RMSNorm,
+        sinks: bool = False,
+    ):
         super().__init__()
         self.layer_id = layer_id
         self.kv_layer = layer_id - shards.layers[0]  # its index in this stage's KV pool
         self.num_heads = shards.num_heads  # this rank's
         self.num_kv_heads = shards.num_kv_heads
         self.head_dim = shards.head_dim
-        self.scale = self.head_dim ** -0.5 if scale is None else scale
+        self.scale = self.head_dim**-0.5 if scale is None else scale
         self.sliding_window = layer_sliding_window(config, layer_id)
-        self.attn = AttnLayer(self.kv_layer, self.scale, self.sliding_window, logit_softcap, has_sinks=sinks)
+        self.attn = AttnLayer(
+            self.kv_layer, self.scale, self.sliding_window, logit_softcap, has_sinks=sinks
+        )
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if sinks else None
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
@@ -93,7 +107,9 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.ops: Optional[ModuleType] = None
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fb: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fb: ForwardBatch
+    ) -> torch.Tensor:
         t = h.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(h))
         q = q.view(t, self.num_heads, self.head_dim)
@@ -171,18 +187,29 @@ class LlamaModel(nn.Module):
     def __init__(self, config, shards: TPShards, **attn_kwargs):
         super().__init__()
         self.start, self.end = shards.layers
-        self.embed_tokens = self.embedding_cls(shards.vocab_rows, config.hidden_size, shards.vocab[0],
-                                               shards.attn) if shards.embeds else None
+        self.embed_tokens = (
+            self.embedding_cls(shards.vocab_rows, config.hidden_size, shards.vocab[0], shards.attn)
+            if shards.embeds
+            else None
+        )
         self.layers = nn.ModuleList(
-            self.layer_cls(config, i, shards, **attn_kwargs) if self.start <= i < self.end else nn.Identity()
+            self.layer_cls(config, i, shards, **attn_kwargs)
+            if self.start <= i < self.end
+            else nn.Identity()
             for i in range(config.num_hidden_layers)
         )
         self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
         attn = self.layers[self.start].self_attn
-        head_dim = getattr(attn, "rotary_dim", attn.head_dim)  # the dims RoPE turns (all, or a head's first part)
+        head_dim = getattr(
+            attn, "rotary_dim", attn.head_dim
+        )  # the dims RoPE turns (all, or a head's first part)
         initial = min(config.max_position_embeddings, _ROPE_INITIAL_POSITIONS)
-        self.rotaries = nn.ModuleDict({kind: RotaryEmbedding(head_dim, params, initial)
-                                       for kind, params in self.rope_settings(config).items()})
+        self.rotaries = nn.ModuleDict(
+            {
+                kind: RotaryEmbedding(head_dim, params, initial)
+                for kind, params in self.rope_settings(config).items()
+            }
+        )
         self.ops: Optional[ModuleType] = None
         # the decoder stack in C++ for decode-only batches (bf16 prepacked CPU models)
         self.decode_stack = None
@@ -194,7 +221,7 @@ class LlamaModel(nn.Module):
 
     @property
     def own_layers(self) -> list[nn.Module]:
-        return list(self.layers)[self.start:self.end]
+        return list(self.layers)[self.start : self.end]
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         h, residual = self.forward_layers(fb, self.embed_tokens(fb.input_ids), None)
@@ -248,20 +275,27 @@ class LlamaForCausalLM(CpuPathsMixin, nn.Module):
         """Keyword arguments of every decoder layer: the attention's (MoE families add theirs)."""
         return self.attention_options(config)
 
-    def __init__(self, config, tp: TPGroup = SINGLE, par: Optional[Parallel] = None, moe: Any = None):
+    def __init__(
+        self, config, tp: TPGroup = SINGLE, par: Optional[Parallel] = None, moe: Any = None
+    ):
         super().__init__()
         par = Parallel(world=tp, tp=tp, attn=tp) if par is None else par
         self.config = config
         self.par = par
-        self.moe_options = moe  # MoE families' options (``layers/moe/context.py``); dense ones ignore it
+        self.moe_options = (
+            moe  # MoE families' options (``layers/moe/context.py``); dense ones ignore it
+        )
         self.tp = par.attn  # the logits' vocabulary is split over the attention group
         self.shards = TPShards.of(config, par.tp, par.attn, par.pp_rank, par.pp_size)
         self.model = self.model_cls(config, self.shards, **self.layer_options(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied: the logits reuse the embedding matrix; no shared Parameter, which would come apart
         # when the loader materialises the model from the meta device.
-        self.lm_head = None if self.tie_word_embeddings or not self.shards.has_head else \
-            Linear(config.hidden_size, self.shards.vocab_rows, bias=False)
+        self.lm_head = (
+            None
+            if self.tie_word_embeddings or not self.shards.has_head
+            else Linear(config.hidden_size, self.shards.vocab_rows, bias=False)
+        )
         # tied embeddings on a prepacked CPU model: the logits' own packed copy of the embedding
         self.tied_logits: Optional[PackedBF16] = None
         attn = self.model.layers[self.model.start].self_attn
@@ -284,8 +318,11 @@ class LlamaForCausalLM(CpuPathsMixin, nn.Module):
         specs: list[CacheSpec] = []
         for layer in self.model.own_layers:
             a = layer.self_attn
-            specs.append(FullAttention(a.num_kv_heads, a.head_dim) if a.sliding_window is None
-                         else SlidingWindow(a.num_kv_heads, a.head_dim, a.sliding_window))
+            specs.append(
+                FullAttention(a.num_kv_heads, a.head_dim)
+                if a.sliding_window is None
+                else SlidingWindow(a.num_kv_heads, a.head_dim, a.sliding_window)
+            )
         return specs
 
     def attention_layers(self) -> list[AttnLayer]:
@@ -312,7 +349,9 @@ class LlamaForCausalLM(CpuPathsMixin, nn.Module):
             local = F.linear(hidden, self.model.embed_tokens.weight).float()
         if self.tp.size == 1:
             return local
-        return self.tp.all_gather_last_dim(local)[:, : self.vocab_size]  # vocabulary slices in rank order
+        return self.tp.all_gather_last_dim(local)[
+            :, : self.vocab_size
+        ]  # vocabulary slices in rank order
 
     # ---- weights -----------------------------------------------------------------------------
     def checkpoint_weight_names(self) -> set[str]:

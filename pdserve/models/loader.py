@@ -21,8 +21,13 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Config fields that decide tensor shapes: two servers whose fingerprints match can share KV.
 _SHAPE_FIELDS = (
-    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "intermediate_size", "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
 )
 
 
@@ -83,13 +88,21 @@ def init_dummy_weights(model: nn.Module, std: float, seed: int) -> None:
 
 
 def load_model(
-    model_path: str, dtype: str = "auto", device: str = "cpu", load_format: str = "auto", seed: int = 0,
-    tp: TPGroup = SINGLE, par: Optional[Parallel] = None, moe: Any = None,
+    model_path: str,
+    dtype: str = "auto",
+    device: str = "cpu",
+    load_format: str = "auto",
+    seed: int = 0,
+    tp: TPGroup = SINGLE,
+    par: Optional[Parallel] = None,
+    moe: Any = None,
 ) -> tuple[nn.Module, object]:
     """(model in eval mode on ``device``, HF config); with ``tp``, this rank's shard of it (only
     that shard is read from the checkpoint)."""
     if load_format not in ("auto", "safetensors", "dummy"):
-        raise ValueError(f"load_format: must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
+        raise ValueError(
+            f"load_format: must be 'auto', 'safetensors' or 'dummy', got {load_format!r}"
+        )
     hf_config = load_config(model_path)
     cls = model_class(hf_config)
     torch_dtype = resolve_dtype(hf_config, dtype)
@@ -102,9 +115,22 @@ def load_model(
     else:
         model.load_weights(iter_safetensors(model_path))
     model.eval().requires_grad_(False)
-    where = f", {par.describe()}" if par is not None and par.world.size > 1 else \
-        f", tp rank {tp.rank} of {tp.size}" if tp.size > 1 else ""
-    logger.info("loaded %s (%s, %s, %s%s) from %s", cls.__name__, torch_dtype, device, load_format, where, model_path)
+    where = (
+        f", {par.describe()}"
+        if par is not None and par.world.size > 1
+        else f", tp rank {tp.rank} of {tp.size}"
+        if tp.size > 1
+        else ""
+    )
+    logger.info(
+        "loaded %s (%s, %s, %s%s) from %s",
+        cls.__name__,
+        torch_dtype,
+        device,
+        load_format,
+        where,
+        model_path,
+    )
     return model, hf_config
 
 
@@ -140,11 +166,18 @@ def weights_digest(model: nn.Module) -> dict:
                 continue
             held = getattr(obj, "__dict__", None)
             if isinstance(held, dict):
-                tensors += [(f"{attr}.{k}", t) for k, t in held.items() if isinstance(t, torch.Tensor)]
+                tensors += [
+                    (f"{attr}.{k}", t) for k, t in held.items() if isinstance(t, torch.Tensor)
+                ]
         for key, t in tensors:
             if t is not None:
                 # oneDNN's prepacked weights are opaque (no storage, no data pointer): the object's id
                 where = id(t) if t.is_mkldnn else t.data_ptr()
                 h.update(f"{name}.{key}:{where}:{t.nbytes};".encode())
                 count, nbytes = count + 1, nbytes + t.nbytes
-    return {"model_id": f"{id(model):x}", "tensors": count, "bytes": nbytes, "digest": h.hexdigest()[:16]}
+    return {
+        "model_id": f"{id(model):x}",
+        "tensors": count,
+        "bytes": nbytes,
+        "digest": h.hexdigest()[:16],
+    }

@@ -23,7 +23,7 @@ from typing import Optional
 
 from torch import nn
 
-from pdserve.distributed import SINGLE
+from pdserve.distributed import SINGLE, shard_range
 from pdserve.layers.linear import Linear
 from pdserve.layers.mlp import GatedMLP
 from pdserve.layers.moe.context import MoEContext, MoEOptions
@@ -34,7 +34,6 @@ from pdserve.layers.moe.placement_file import initial_placement
 from pdserve.layers.moe.recorder import ExpertRecorder
 from pdserve.layers.moe.router import Router, mixtral_router, qwen_router
 from pdserve.layers.norm import RMSNorm
-from pdserve.distributed import shard_range
 from pdserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from pdserve.models.weights import TPShards
 
@@ -46,8 +45,15 @@ class MoEDecoderLayer(LlamaDecoderLayer):
     norm_cls: type[nn.Module] = RMSNorm
     attn_cls: type[nn.Module] = LlamaAttention
 
-    def __init__(self, config, layer_id: int, shards: TPShards, make_mlp=None, mlp_name: str = "mlp",
-                 **attn_kwargs):
+    def __init__(
+        self,
+        config,
+        layer_id: int,
+        shards: TPShards,
+        make_mlp=None,
+        mlp_name: str = "mlp",
+        **attn_kwargs,
+    ):
         nn.Module.__init__(self)
         self.self_attn = self.attn_cls(config, layer_id, shards, **attn_kwargs)
         self.mlp_name = mlp_name
@@ -88,13 +94,18 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def is_sparse(self, config, layer_id: int) -> bool:
         step = getattr(config, "decoder_sparse_step", 1) or 1
-        return (layer_id not in (getattr(config, "mlp_only_layers", None) or [])
-                and self.num_experts(config) > 0 and (layer_id + 1) % step == 0)
+        return (
+            layer_id not in (getattr(config, "mlp_only_layers", None) or [])
+            and self.num_experts(config) > 0
+            and (layer_id + 1) % step == 0
+        )
 
     def make_router(self, config) -> Router:
         return qwen_router(config)
 
-    def make_shared(self, config, layer_id: int, tp) -> tuple[Optional[nn.Module], Optional[Linear]]:
+    def make_shared(
+        self, config, layer_id: int, tp
+    ) -> tuple[Optional[nn.Module], Optional[Linear]]:
         return None, None
 
     router_name = "gate"
@@ -107,7 +118,11 @@ class MoEForCausalLM(LlamaForCausalLM):
     # ---- construction ---------------------------------------------------------------------
     def layer_options(self, config) -> dict:
         self.moe_context(config)
-        return {**self.attention_options(config), "make_mlp": self.make_mlp, "mlp_name": self.mlp_name}
+        return {
+            **self.attention_options(config),
+            "make_mlp": self.make_mlp,
+            "mlp_name": self.mlp_name,
+        }
 
     def moe_context(self, config) -> MoEContext:
         if getattr(self, "_moe_ctx", None) is None:
@@ -115,7 +130,9 @@ class MoEForCausalLM(LlamaForCausalLM):
             ctx = MoEContext(self.par, options)
             num = self.num_experts(config)
             ctx.check(num)
-            start, end = TPShards.of(config, self.par.tp, self.par.attn, self.par.pp_rank, self.par.pp_size).layers
+            start, end = TPShards.of(
+                config, self.par.tp, self.par.attn, self.par.pp_rank, self.par.pp_size
+            ).layers
             layers = [i for i in range(start, end) if self.is_sparse(config, i)]
             ctx.placement = self.expert_placement(config, layers, ctx)
             # --expert-distribution-recorder-mode stat: tokens per layer per expert slot
@@ -130,36 +147,66 @@ class MoEForCausalLM(LlamaForCausalLM):
         """The facts a placement or a recorded distribution must agree with."""
         arch = (getattr(config, "architectures", None) or [type(self).__name__])[0]
         n = config.num_hidden_layers
-        return MoEModelInfo(arch, n, self.num_experts(config), tuple(i for i in range(n) if self.is_sparse(config, i)))
+        return MoEModelInfo(
+            arch,
+            n,
+            self.num_experts(config),
+            tuple(i for i in range(n) if self.is_sparse(config, i)),
+        )
 
     def expert_placement(self, config, layers: list[int], ctx: MoEContext) -> ExpertPlacement:
         """``--init-expert-location`` (trivial, a placement or a distribution file) for this stage's
         MoE ``layers``, with ``--ep-num-redundant-experts`` extra slots (``placement_file.py``)."""
         o = ctx.options
-        return initial_placement(o.init_expert_location, self.moe_info(config), layers, ctx.ep_size,
-                                 o.num_redundant_experts)
+        return initial_placement(
+            o.init_expert_location,
+            self.moe_info(config),
+            layers,
+            ctx.ep_size,
+            o.num_redundant_experts,
+        )
 
     def make_mlp(self, config, layer_id: int, shards: TPShards) -> nn.Module:
         ctx = self._moe_ctx
         if not self.is_sparse(config, layer_id):
             if ctx.options.dense_tp_size == 1:
-                return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, SINGLE)
+                return GatedMLP(
+                    config.hidden_size, config.intermediate_size, config.hidden_act, SINGLE
+                )
             return LlamaMLP(config, shards)
         try:
             inter = shard_range(self.expert_intermediate(config), ctx.moe_tp_rank, ctx.moe_tp_size)
         except ValueError as e:
-            raise ValueError(f"ep_size: {e} (expert intermediate size {self.expert_intermediate(config)}, "
-                             f"--tp-size {ctx.tp.size} / --ep-size {ctx.ep_size} ranks per expert)") from None
+            raise ValueError(
+                f"ep_size: {e} (expert intermediate size {self.expert_intermediate(config)}, "
+                f"--tp-size {ctx.tp.size} / --ep-size {ctx.ep_size} ranks per expert)"
+            ) from None
         runner = "loop" if ctx.options.runner == "loop" else "grouped_mm"
-        experts = Experts(config.hidden_size, inter, ctx.placement.rank_slots(layer_id, ctx.ep_rank),
-                          fmt=self.expert_format, runner=runner, down_bias_here=ctx.moe_tp_rank == 0,
-                          **self.expert_options(config))
+        experts = Experts(
+            config.hidden_size,
+            inter,
+            ctx.placement.rank_slots(layer_id, ctx.ep_rank),
+            fmt=self.expert_format,
+            runner=runner,
+            down_bias_here=ctx.moe_tp_rank == 0,
+            **self.expert_options(config),
+        )
         shared, gate = self.make_shared(config, layer_id, SINGLE if ctx.a2a else ctx.tp)
-        return SparseMoE(layer_id, self.make_router(config), experts, ctx, router_name=self.router_name,
-                         shared=shared, shared_gate=gate, shared_name=self.shared_name)
+        return SparseMoE(
+            layer_id,
+            self.make_router(config),
+            experts,
+            ctx,
+            router_name=self.router_name,
+            shared=shared,
+            shared_gate=gate,
+            shared_name=self.shared_name,
+        )
 
     # ---- CPU fast paths ---------------------------------------------------------------------
-    def prepack(self, ops, quantization: Optional[str] = None, batch_invariant: bool = False) -> int:
+    def prepack(
+        self, ops, quantization: Optional[str] = None, batch_invariant: bool = False
+    ) -> int:
         total = super().prepack(ops, quantization, batch_invariant)
         for module in self.modules():
             if isinstance(module, Router):
@@ -170,8 +217,10 @@ class MoEForCausalLM(LlamaForCausalLM):
                 if isinstance(module, Experts):
                     packed = module.prepack(ops, quantization, batch_invariant)
                     if packed == 0 and runner == "fused":
-                        raise ValueError("moe_runner_backend: 'fused' needs pdserve's CPU kernels, which are "
-                                         "not available here (see the log); use 'auto'")
+                        raise ValueError(
+                            "moe_runner_backend: 'fused' needs pdserve's CPU kernels, which are "
+                            "not available here (see the log); use 'auto'"
+                        )
                     total += packed
         return total
 

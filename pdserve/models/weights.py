@@ -41,7 +41,9 @@ class TPShards:
     heads: tuple[int, int]  # [start, end) of this rank's query heads
     kv_heads: tuple[int, int]  # [start, end) of its KV heads
     inter: tuple[int, int]  # [start, end) of its MLP intermediate columns
-    vocab: tuple[int, int]  # [start, end) of its vocabulary rows (end may pass the real vocab: padding)
+    vocab: tuple[
+        int, int
+    ]  # [start, end) of its vocabulary rows (end may pass the real vocab: padding)
     total_kv_heads: int
     vocab_size: int
     layers: tuple[int, int] = (0, 0)  # [start, end) of the decoder layers it holds (pipeline stage)
@@ -50,8 +52,14 @@ class TPShards:
     has_head: bool = True  # computes the logits (last stage)
 
     @classmethod
-    def of(cls, config, tp: TPGroup = SINGLE, attn: TPGroup | None = None, pp_rank: int = 0,
-           pp_size: int = 1) -> "TPShards":
+    def of(
+        cls,
+        config,
+        tp: TPGroup = SINGLE,
+        attn: TPGroup | None = None,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+    ) -> "TPShards":
         attn = tp if attn is None else attn
         layers = stage_layers(config.num_hidden_layers, pp_rank, pp_size)
         last = pp_rank == pp_size - 1
@@ -64,13 +72,32 @@ class TPShards:
             kvr = kv_heads_for_rank(kv, heads, attn.rank, attn.size)
             inter = shard_range(config.intermediate_size, tp.rank, tp.size)
         except ValueError as e:
-            what = "tp_size" if attn.size == tp.size else "tp_size / dp_size (the attention group's size)"
-            raise ValueError(f"{what}: {e} (heads {heads}, KV heads {kv}, intermediate size "
-                             f"{config.intermediate_size})") from None
+            what = (
+                "tp_size"
+                if attn.size == tp.size
+                else "tp_size / dp_size (the attention group's size)"
+            )
+            raise ValueError(
+                f"{what}: {e} (heads {heads}, KV heads {kv}, intermediate size "
+                f"{config.intermediate_size})"
+            ) from None
         per_rank_vocab = -(-config.vocab_size // attn.size)
         vocab = (attn.rank * per_rank_vocab, (attn.rank + 1) * per_rank_vocab)
-        return cls(tp, attn, head_dim, h, kvr, inter, vocab, kv, config.vocab_size, layers,
-                   config.num_hidden_layers, embeds=pp_rank == 0 or (last and tied), has_head=last)
+        return cls(
+            tp,
+            attn,
+            head_dim,
+            h,
+            kvr,
+            inter,
+            vocab,
+            kv,
+            config.vocab_size,
+            layers,
+            config.num_hidden_layers,
+            embeds=pp_rank == 0 or (last and tied),
+            has_head=last,
+        )
 
     def holds(self, name: str) -> bool:
         """Whether HF weight ``name`` belongs to this pipeline stage."""
@@ -122,7 +149,9 @@ class TPShards:
             start, end = self.vocab
             part = _rows(src, start, min(end, shape[0]))
             if part.shape[0] < end - start:  # the last rank's padding rows
-                part = torch.cat([part, part.new_zeros((end - start - part.shape[0],) + tuple(part.shape[1:]))])
+                part = torch.cat(
+                    [part, part.new_zeros((end - start - part.shape[0],) + tuple(part.shape[1:]))]
+                )
             return part
         return src[:]  # norms: replicated
 
@@ -131,7 +160,9 @@ def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]
     """[start, end) of the layers of pipeline stage ``pp_rank``: equal shares, the first stages
     taking one more when ``pp_size`` does not divide ``num_layers``."""
     if pp_size > num_layers:
-        raise ValueError(f"pp_size: {pp_size} stages for {num_layers} layers; at most one stage per layer")
+        raise ValueError(
+            f"pp_size: {pp_size} stages for {num_layers} layers; at most one stage per layer"
+        )
     base, extra = divmod(num_layers, pp_size)
     start = pp_rank * base + min(pp_rank, extra)
     return start, start + base + (1 if pp_rank < extra else 0)
@@ -148,8 +179,11 @@ def _cols(src: Any, start: int, end: int) -> torch.Tensor:
 def self_loading_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """Modules that name and load their own HF weights (``checkpoint_names`` /
     ``load_checkpoint``: MoE experts, MLPs sharded their own way), by their path."""
-    return {path: m for path, m in model.named_modules()
-            if path and hasattr(m, "checkpoint_names") and hasattr(m, "load_checkpoint")}
+    return {
+        path: m
+        for path, m in model.named_modules()
+        if path and hasattr(m, "checkpoint_names") and hasattr(m, "load_checkpoint")
+    }
 
 
 def _owner(name: str, owners: dict[str, torch.nn.Module]) -> tuple[str, torch.nn.Module] | None:
@@ -158,7 +192,7 @@ def _owner(name: str, owners: dict[str, torch.nn.Module]) -> tuple[str, torch.nn
     while "." in path:
         path = path.rpartition(".")[0]
         if path in owners:
-            return name[len(path) + 1:], owners[path]
+            return name[len(path) + 1 :], owners[path]
     return None
 
 
@@ -181,15 +215,20 @@ def checkpoint_weight_names(model: torch.nn.Module) -> set[str]:
     return names
 
 
-def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, Any]], shards: TPShards,
-                 tied_head: bool) -> None:
+def load_weights(
+    model: torch.nn.Module, weights: Iterable[tuple[str, Any]], shards: TPShards, tied_head: bool
+) -> None:
     """Copy HF-named weights (tensors or safetensors slices) into ``model``, each rank its shard.
     Every needed weight must come and nothing unknown may (``ValueError`` naming them otherwise)."""
     params = dict(model.named_parameters())
     owners = self_loading_modules(model)
     loaded = set()
     for name, src in weights:
-        if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and tied_head) or not shards.holds(name):
+        if (
+            name.endswith(IGNORED_SUFFIXES)
+            or (name == "lm_head.weight" and tied_head)
+            or not shards.holds(name)
+        ):
             continue
         owned = _owner(name, owners)
         if owned is not None:
@@ -217,7 +256,9 @@ def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, Any]], sha
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
             tensor = shards.shard(name, src)
             if param.shape != tensor.shape:
-                raise ValueError(f"weight {name!r}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+                raise ValueError(
+                    f"weight {name!r}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}"
+                )
             param.data.copy_(tensor)
         loaded.add(name)
     for module in owners.values():
@@ -225,5 +266,7 @@ def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, Any]], sha
             module.finish_loading()
     missing = sorted(checkpoint_weight_names(model) - loaded)
     if missing:
-        shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
+        shown = ", ".join(missing[:8]) + (
+            f", ... ({len(missing)} in all)" if len(missing) > 8 else ""
+        )
         raise ValueError(f"checkpoint is missing weight(s): {shown}")

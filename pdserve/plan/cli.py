@@ -21,7 +21,9 @@ import logging
 import sys
 from typing import Optional
 
-from pdserve.plan import calibrate, measure, planner, profile as prof_mod, workload as wl
+from pdserve.plan import calibrate, measure, planner
+from pdserve.plan import profile as prof_mod
+from pdserve.plan import workload as wl
 from pdserve.plan.profile import Profile
 from pdserve.plan.workload import PlanError
 
@@ -29,49 +31,111 @@ logger = logging.getLogger(__name__)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pdserve plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pdserve plan",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     g = p.add_argument_group("workload (flags override the file's keys)")
-    g.add_argument("--workload", default=None, help="JSON or YAML file with the keys below (snake_case)")
-    g.add_argument("--request-rate", type=float, default=None, help="requests/s (Poisson); without it, splits "
-                   "are ranked by the highest rate they sustain")
-    g.add_argument("--input-len", default=None, help="prompt tokens: N, LOW-HIGH (uniform) or N1,N2,... (drawn)")
+    g.add_argument(
+        "--workload", default=None, help="JSON or YAML file with the keys below (snake_case)"
+    )
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="requests/s (Poisson); without it, splits are ranked by the highest rate they sustain",
+    )
+    g.add_argument(
+        "--input-len",
+        default=None,
+        help="prompt tokens: N, LOW-HIGH (uniform) or N1,N2,... (drawn)",
+    )
     g.add_argument("--output-len", default=None, help="output tokens, as --input-len")
     g.add_argument("--slo-ttft-ms", type=float, default=None)
     g.add_argument("--slo-tpot-ms", type=float, default=None)
-    g.add_argument("--num-requests", type=int, default=None, help="requests simulated (default 400)")
+    g.add_argument(
+        "--num-requests", type=int, default=None, help="requests simulated (default 400)"
+    )
     g.add_argument("--seed", type=int, default=None, help="as pdserve bench's --seed (default 1)")
     b = p.add_argument_group("budget and output")
-    b.add_argument("--budget", type=int, default=None,
-                   help="units to split: cores or GPUs, one per rank (a TP-2 server takes 2)")
-    b.add_argument("--attainment", type=float, default=0.9,
-                   help="max rate: the highest rate at which this share of requests meets both SLOs")
+    b.add_argument(
+        "--budget",
+        type=int,
+        default=None,
+        help="units to split: cores or GPUs, one per rank (a TP-2 server takes 2)",
+    )
+    b.add_argument(
+        "--attainment",
+        type=float,
+        default=0.9,
+        help="max rate: the highest rate at which this share of requests meets both SLOs",
+    )
     b.add_argument("--no-max-rate", action="store_true", help="skip the max-rate search (faster)")
     b.add_argument("--json", action="store_true", help="print JSON instead of the table")
     c = p.add_argument_group("calibration")
-    c.add_argument("--calibration", action="append", default=[], metavar="FILE",
-                   help="a profile written by --calibrate (repeat for several TP/DP sizes)")
-    c.add_argument("--prefill", action="append", default=[], metavar="URL", help="a running prefill server")
-    c.add_argument("--decode", action="append", default=[], metavar="URL", help="a running decode server")
-    c.add_argument("--server", action="append", default=[], metavar="URL", help="a running colocated server")
-    c.add_argument("--router", default=None, metavar="URL", help="a pdserve router: its GET /workers")
+    c.add_argument(
+        "--calibration",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a profile written by --calibrate (repeat for several TP/DP sizes)",
+    )
+    c.add_argument(
+        "--prefill", action="append", default=[], metavar="URL", help="a running prefill server"
+    )
+    c.add_argument(
+        "--decode", action="append", default=[], metavar="URL", help="a running decode server"
+    )
+    c.add_argument(
+        "--server", action="append", default=[], metavar="URL", help="a running colocated server"
+    )
+    c.add_argument(
+        "--router", default=None, metavar="URL", help="a pdserve router: its GET /workers"
+    )
     c.add_argument("--api-key", default=None, help="for servers and router started with --api-key")
-    c.add_argument("--save-calibration", default=None, metavar="FILE",
-                   help="also write the profile measured from the servers (one shape only)")
-    c.add_argument("--probe-batches", default="1,8,32", help="decode batch sizes the probe measures")
-    c.add_argument("--probe-long-prompt", type=int, default=None,
-                   help="prompt tokens of the probe's long prefill (default: the workload's longest, else 1024)")
-    c.add_argument("--kv-bandwidth", type=float, default=None, metavar="BYTES_PER_S",
-                   help="KV transfer rate (default: measured; see the docs)")
-    c.add_argument("--pd-overhead-s", type=float, default=0.005,
-                   help="per PD request: the router's second leg, bootstrap, handshake (as pdserve router's)")
+    c.add_argument(
+        "--save-calibration",
+        default=None,
+        metavar="FILE",
+        help="also write the profile measured from the servers (one shape only)",
+    )
+    c.add_argument(
+        "--probe-batches", default="1,8,32", help="decode batch sizes the probe measures"
+    )
+    c.add_argument(
+        "--probe-long-prompt",
+        type=int,
+        default=None,
+        help="prompt tokens of the probe's long prefill (default: the workload's longest, else 1024)",
+    )
+    c.add_argument(
+        "--kv-bandwidth",
+        type=float,
+        default=None,
+        metavar="BYTES_PER_S",
+        help="KV transfer rate (default: measured; see the docs)",
+    )
+    c.add_argument(
+        "--pd-overhead-s",
+        type=float,
+        default=0.005,
+        help="per PD request: the router's second leg, bootstrap, handshake (as pdserve router's)",
+    )
     k = p.add_argument_group("--calibrate: measure a server started here and write its profile")
     k.add_argument("--calibrate", action="store_true")
     k.add_argument("--model-path", default=None)
     k.add_argument("--torch-num-threads", type=int, default=1)
-    k.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
-                   help="passed to pdserve serve (repeat; e.g. --serve-arg=--max-total-tokens --serve-arg=32768)")
-    k.add_argument("--output", default=None, metavar="FILE", help="where --calibrate writes the profile")
+    k.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="passed to pdserve serve (repeat; e.g. --serve-arg=--max-total-tokens --serve-arg=32768)",
+    )
+    k.add_argument(
+        "--output", default=None, metavar="FILE", help="where --calibrate writes the profile"
+    )
     return p.parse_args(argv)
 
 
@@ -95,8 +159,11 @@ def _batches(text: str) -> tuple[int, ...]:
 
 
 def profiles_from(a: argparse.Namespace, w: Optional[wl.Workload]) -> list[Profile]:
-    servers = [(u, "prefill") for u in a.prefill] + [(u, "decode") for u in a.decode] \
+    servers = (
+        [(u, "prefill") for u in a.prefill]
+        + [(u, "decode") for u in a.decode]
         + [(u, "colocated") for u in a.server]
+    )
     if a.router:
         servers += measure.router_workers(a.router, a.api_key)
     if a.calibration and servers:
@@ -104,26 +171,40 @@ def profiles_from(a: argparse.Namespace, w: Optional[wl.Workload]) -> list[Profi
     if a.calibration:
         return [prof_mod.load(path) for path in a.calibration]
     long_prompt = a.probe_long_prompt or (w.input_len.high if w else 1024)
-    profs = calibrate.from_servers(servers, batches=_batches(a.probe_batches), long_prompt=long_prompt,
-                                   api_key=a.api_key, kv_bandwidth=a.kv_bandwidth, pd_overhead_s=a.pd_overhead_s)
+    profs = calibrate.from_servers(
+        servers,
+        batches=_batches(a.probe_batches),
+        long_prompt=long_prompt,
+        api_key=a.api_key,
+        kv_bandwidth=a.kv_bandwidth,
+        pd_overhead_s=a.pd_overhead_s,
+    )
     if a.save_calibration:
         if len(profs) != 1:
-            raise PlanError(f"save_calibration: the servers have {len(profs)} shapes; a file holds one")
+            raise PlanError(
+                f"save_calibration: the servers have {len(profs)} shapes; a file holds one"
+            )
         prof_mod.save(profs[0], a.save_calibration)
     return profs
 
 
 def describe(p: Profile) -> str:
     pf, df = p.prefill, p.decode
-    text = (f"{p.name} ({p.units} unit{'s' * (p.units > 1)}): prefill {pf.fixed_s * 1e3:.1f} ms + "
-            f"{pf.s_per_token * 1e3:.3f} ms/token")
+    text = (
+        f"{p.name} ({p.units} unit{'s' * (p.units > 1)}): prefill {pf.fixed_s * 1e3:.1f} ms + "
+        f"{pf.s_per_token * 1e3:.3f} ms/token"
+    )
     if pf.s_per_token2:
         text += f" + {pf.s_per_token2 * 1e9:.3f} ns x n^2"
     if df is not None:
-        text += (f"; decode step {df.fixed_s * 1e3:.1f} ms + {df.s_per_request * 1e3:.3f} ms/row + "
-                 f"{df.s_per_context_token * 1e6:.3f} us/context token")
-    text += (f"; KV {p.kv_bytes_per_token} B/token at {p.kv_bandwidth / 1e9:.2f} GB/s; pool {p.max_total_tokens} "
-             f"tokens; overhead {p.request_overhead_s * 1e3:.1f} ms/request")
+        text += (
+            f"; decode step {df.fixed_s * 1e3:.1f} ms + {df.s_per_request * 1e3:.3f} ms/row + "
+            f"{df.s_per_context_token * 1e6:.3f} us/context token"
+        )
+    text += (
+        f"; KV {p.kv_bytes_per_token} B/token at {p.kv_bandwidth / 1e9:.2f} GB/s; pool {p.max_total_tokens} "
+        f"tokens; overhead {p.request_overhead_s * 1e3:.1f} ms/request"
+    )
     return text
 
 
@@ -134,13 +215,18 @@ def table(w: wl.Workload, preds: list[planner.Prediction], attainment: float) ->
     def num(x: Optional[float], f: str = ".2f") -> str:
         return format(x, f) if x is not None else "-"
 
-    lines = [f"| split | units | goodput req/s | SLOs met | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms "
-             f"| max rate (>= {attainment:.0%}) |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| split | units | goodput req/s | SLOs met | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms "
+        f"| max rate (>= {attainment:.0%}) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for i, p in enumerate(preds):
         share = f"{p.share:.0%}" if p.share is not None else "-"
-        lines.append(f"| {p.candidate.label}{' **recommended**' if i == 0 else ''} | {p.candidate.units} "
-                     f"| {num(p.goodput, '.3f')} | {share} | {pcts(p.ttft_ms)} | {pcts(p.tpot_ms)} "
-                     f"| {num(p.max_rate)} |")
+        lines.append(
+            f"| {p.candidate.label}{' **recommended**' if i == 0 else ''} | {p.candidate.units} "
+            f"| {num(p.goodput, '.3f')} | {share} | {pcts(p.ttft_ms)} | {pcts(p.tpot_ms)} "
+            f"| {num(p.max_rate)} |"
+        )
     return "\n".join(lines)
 
 
@@ -160,15 +246,29 @@ def main(argv: Optional[list[str]] = None) -> int:
         profs = profiles_from(a, w)
         d_profs = [p for p in profs if p.decode is not None]
         if not d_profs:
-            raise PlanError("calibration: no profile has a decode fit (give a decode or colocated server)")
-        preds = planner.plan(w, a.budget, profs, d_profs, a.attainment, search_max_rate=not a.no_max_rate)
+            raise PlanError(
+                "calibration: no profile has a decode fit (give a decode or colocated server)"
+            )
+        preds = planner.plan(
+            w, a.budget, profs, d_profs, a.attainment, search_max_rate=not a.no_max_rate
+        )
     except PlanError as e:
         print(f"pdserve plan: {e}", file=sys.stderr)
         return 2
     if a.json:
-        print(json.dumps({"workload": w.describe(), "budget": a.budget, "attainment": a.attainment,
-                          "profiles": [p.to_json() for p in profs],
-                          "recommended": preds[0].to_json(), "candidates": [p.to_json() for p in preds]}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "workload": w.describe(),
+                    "budget": a.budget,
+                    "attainment": a.attainment,
+                    "profiles": [p.to_json() for p in profs],
+                    "recommended": preds[0].to_json(),
+                    "candidates": [p.to_json() for p in preds],
+                },
+                indent=1,
+            )
+        )
         return 0
     print(f"workload: {w.describe()}; budget {a.budget}")
     for p in profs:
@@ -186,9 +286,15 @@ def run_calibrate(a: argparse.Namespace) -> int:
         raise PlanError("output: --calibrate needs --output FILE")
     if a.torch_num_threads < 1:
         raise PlanError(f"torch_num_threads: must be >= 1, got {a.torch_num_threads}")
-    profile = calibrate.calibrate_model(a.model_path, a.serve_arg, threads=a.torch_num_threads,
-                                        batches=_batches(a.probe_batches), long_prompt=a.probe_long_prompt or 1024,
-                                        kv_bandwidth=a.kv_bandwidth, pd_overhead_s=a.pd_overhead_s)
+    profile = calibrate.calibrate_model(
+        a.model_path,
+        a.serve_arg,
+        threads=a.torch_num_threads,
+        batches=_batches(a.probe_batches),
+        long_prompt=a.probe_long_prompt or 1024,
+        kv_bandwidth=a.kv_bandwidth,
+        pd_overhead_s=a.pd_overhead_s,
+    )
     prof_mod.save(profile, a.output)
     print(f"profile {describe(profile)}")
     print(f"wrote {a.output}")

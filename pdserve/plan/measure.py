@@ -77,14 +77,18 @@ def read_server(url: str, role: Optional[str], api_key: Optional[str] = None) ->
     with httpx.Client(timeout=30, headers=_headers(api_key)) as client:
         info = _get(client, url + "/server_info", "server")
         if not isinstance(info, dict) or "scheduler_info" not in info:
-            raise PlanError(f"server: {url}/server_info is not a pdserve server's (no scheduler_info)")
+            raise PlanError(
+                f"server: {url}/server_info is not a pdserve server's (no scheduler_info)"
+            )
         mode = info.get("disaggregation_mode") or "null"
         actual = {"null": "colocated"}.get(mode, mode)
         if role is not None and role != actual:
             raise PlanError(f"server: {url} was given as {role} but is a {actual} server")
         if info.get("status") != "ready" or not info.get("calibration"):
-            raise PlanError(f"server: {url} is {info.get('status')!r} and reports no calibration yet "
-                            "(servers calibrate after their warm-up)")
+            raise PlanError(
+                f"server: {url} is {info.get('status')!r} and reports no calibration yet "
+                "(servers calibrate after their warm-up)"
+            )
         load = {}
         if actual == "prefill":
             load = _get(client, url + "/get_load", "server")
@@ -98,20 +102,32 @@ def router_workers(url: str, api_key: Optional[str] = None) -> list[tuple[str, s
         data = _get(client, url.rstrip("/") + "/workers", "router")
     workers = data.get("workers") if isinstance(data, dict) else None
     if not isinstance(workers, list):
-        raise PlanError(f"router: {url}/workers lists no workers (is it a pdserve or sglang router?)")
+        raise PlanError(
+            f"router: {url}/workers lists no workers (is it a pdserve or sglang router?)"
+        )
     roles = {"prefill": "prefill", "decode": "decode", "regular": "colocated"}
-    return [(w["url"], roles[w.get("worker_type", "regular")]) for w in workers
-            if isinstance(w, dict) and w.get("is_healthy", True) and not w.get("draining")]
+    return [
+        (w["url"], roles[w.get("worker_type", "regular")])
+        for w in workers
+        if isinstance(w, dict) and w.get("is_healthy", True) and not w.get("draining")
+    ]
 
 
 # -- the probe ----------------------------------------------------------------------------------
-async def _stream(client: httpx.AsyncClient, url: str, ids: list[int], new_tokens: int) -> list[tuple[float, int]]:
-    body = {"input_ids": ids, "stream": True,
-            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}}
+async def _stream(
+    client: httpx.AsyncClient, url: str, ids: list[int], new_tokens: int
+) -> list[tuple[float, int]]:
+    body = {
+        "input_ids": ids,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True},
+    }
     marks: list[tuple[float, int]] = []
     async with client.stream("POST", url + "/generate", json=body) as r:
         if r.status_code != 200:
-            raise PlanError(f"probe: {url}/generate answered {r.status_code}: {(await r.aread())[:200]!r}")
+            raise PlanError(
+                f"probe: {url}/generate answered {r.status_code}: {(await r.aread())[:200]!r}"
+            )
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 meta = json.loads(line[6:]).get("meta_info") or {}
@@ -119,14 +135,18 @@ async def _stream(client: httpx.AsyncClient, url: str, ids: list[int], new_token
     return marks
 
 
-async def _batch(url: str, api_key, prompts: list[list[int]], new_tokens: int) -> tuple[float, list]:
+async def _batch(
+    url: str, api_key, prompts: list[list[int]], new_tokens: int
+) -> tuple[float, list]:
     async with httpx.AsyncClient(timeout=TIMEOUT_S, headers=_headers(api_key)) as client:
         t0 = time.perf_counter()
         marks = await asyncio.gather(*(_stream(client, url, p, new_tokens) for p in prompts))
     return t0, marks
 
 
-def _decode_point(prompt: int, t0: float, marks: list[list[tuple[float, int]]]) -> Optional[tuple[int, float, float]]:
+def _decode_point(
+    prompt: int, t0: float, marks: list[list[tuple[float, int]]]
+) -> Optional[tuple[int, float, float]]:
     """(batch, context tokens, step seconds) from the window where every request decodes."""
     start = max(m[0][0] for m in marks)
     end = min(m[-1][0] for m in marks)
@@ -144,26 +164,37 @@ def _decode_point(prompt: int, t0: float, marks: list[list[tuple[float, int]]]) 
     return len(marks), float(ctx), (end - start) / steps
 
 
-def probe(view: ServerView, batches: tuple[int, ...], long_prompt: int, api_key: Optional[str] = None,
-          seed: int = 0) -> tuple[DecodeFit, dict[int, float], float, dict]:
+def probe(
+    view: ServerView,
+    batches: tuple[int, ...],
+    long_prompt: int,
+    api_key: Optional[str] = None,
+    seed: int = 0,
+) -> tuple[DecodeFit, dict[int, float], float, dict]:
     """Decode fit, measured prefill times {tokens: s} at ``long_prompt``, the HTTP overhead, raw points."""
     if view.role == "prefill":
-        raise PlanError(f"probe: {view.url} is a prefill server; decode steps are measured on a decode or "
-                        "colocated server")
+        raise PlanError(
+            f"probe: {view.url} is a prefill server; decode steps are measured on a decode or "
+            "colocated server"
+        )
     rng = np.random.default_rng(seed)
     vocab = int(view.sched.get("vocab_size") or 1000)
     capacity = int(view.sched.get("max_total_tokens") or 4096)
     context = int(view.info.get("model_context_length") or 2048)
 
     def prompts(b: int, n: int) -> list[list[int]]:
-        return [[int(x) for x in rng.integers(min(100, vocab - 1), vocab, size=n)] for _ in range(b)]
+        return [
+            [int(x) for x in rng.integers(min(100, vocab - 1), vocab, size=n)] for _ in range(b)
+        ]
 
     def point(b: int, n: int) -> None:
         # again with 4x the tokens when the requests did not decode together for long enough
         # (their prefills spread out on a busy host)
         for new_tokens in (PROBE_NEW_TOKENS, 4 * PROBE_NEW_TOKENS):
             b = max(1, min(b, capacity // (n + new_tokens + 1)))
-            pt = _decode_point(n, *asyncio.run(_batch(view.url, api_key, prompts(b, n), new_tokens)))
+            pt = _decode_point(
+                n, *asyncio.run(_batch(view.url, api_key, prompts(b, n), new_tokens))
+            )
             if pt:
                 points.append(pt)
                 return
@@ -174,7 +205,9 @@ def probe(view: ServerView, batches: tuple[int, ...], long_prompt: int, api_key:
     point(4, max(SHORT_PROMPT * 8, min(512, context - 4 * PROBE_NEW_TOKENS - 2)))
     raw["decode"] = [[b, round(c), round(s, 6)] for b, c, s in points]
     if len({p[0] for p in points}) < 2:
-        raise PlanError(f"probe: {view.url} gave too few decode measurements ({raw['decode']}); is it overloaded?")
+        raise PlanError(
+            f"probe: {view.url} gave too few decode measurements ({raw['decode']}); is it overloaded?"
+        )
     decode = DecodeFit.fit(points)
 
     def ttft(n: int) -> float:

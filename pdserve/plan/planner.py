@@ -42,7 +42,11 @@ class Candidate:
         if self.colocated:
             name = self.d_prof.name
             return f"{self.colocated} colocated" + (f" ({name})" if name != "tp1" else "")
-        tags = "" if self.p_prof.name == self.d_prof.name == "tp1" else f" (P {self.p_prof.name}, D {self.d_prof.name})"
+        tags = (
+            ""
+            if self.p_prof.name == self.d_prof.name == "tp1"
+            else f" (P {self.p_prof.name}, D {self.d_prof.name})"
+        )
         return f"{self.prefill}P{self.decode}D{tags}"
 
     @property
@@ -54,7 +58,9 @@ class Candidate:
     def run(self, reqs: Requests) -> simulate.Result:
         if self.colocated:
             return simulate.colocated(self.d_prof, self.colocated, reqs, float("inf"))
-        return simulate.disaggregated(self.p_prof, self.d_prof, self.prefill, self.decode, reqs, float("inf"))
+        return simulate.disaggregated(
+            self.p_prof, self.d_prof, self.prefill, self.decode, reqs, float("inf")
+        )
 
 
 @dataclass
@@ -70,11 +76,22 @@ class Prediction:
 
     def to_json(self) -> dict:
         c = self.candidate
-        return {"split": c.label, "prefill": c.prefill, "decode": c.decode, "colocated": c.colocated,
-                "prefill_profile": c.p_prof.name if c.p_prof else None, "decode_profile": c.d_prof.name,
-                "units": c.units, "rate": self.rate, "goodput": self.goodput, "slo_share": self.share,
-                "throughput": self.throughput, "ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms,
-                "max_rate": self.max_rate}
+        return {
+            "split": c.label,
+            "prefill": c.prefill,
+            "decode": c.decode,
+            "colocated": c.colocated,
+            "prefill_profile": c.p_prof.name if c.p_prof else None,
+            "decode_profile": c.d_prof.name,
+            "units": c.units,
+            "rate": self.rate,
+            "goodput": self.goodput,
+            "slo_share": self.share,
+            "throughput": self.throughput,
+            "ttft_ms": self.ttft_ms,
+            "tpot_ms": self.tpot_ms,
+            "max_rate": self.max_rate,
+        }
 
 
 def candidates(budget: int, p_profs: list[Profile], d_profs: list[Profile]) -> list[Candidate]:
@@ -97,7 +114,9 @@ def candidates(budget: int, p_profs: list[Profile], d_profs: list[Profile]) -> l
                 out.append(Candidate(np_, nd, 0, p, d))
     if not out:
         sizes = sorted({x.units for x in p_profs + d_profs})
-        raise PlanError(f"budget: {budget} unit(s) hold no server of the profiles given (sizes {sizes})")
+        raise PlanError(
+            f"budget: {budget} unit(s) hold no server of the profiles given (sizes {sizes})"
+        )
     return out
 
 
@@ -122,15 +141,26 @@ def evaluate(c: Candidate, w: Workload, rate: float) -> Prediction:
     res = c.run(reqs)
     good = good_mask(res, w)
     done = ~np.isnan(res.finish)
-    span = max(float(np.nanmax(res.finish)) - float(reqs.arrivals[0]), 1e-9) if done.any() else float("inf")
-    return Prediction(c, rate, goodput=float(good.sum()) / span, share=float(good.mean()),
-                      throughput=float(done.sum()) / span, ttft_ms=percentiles_ms(res.ttft),
-                      tpot_ms=percentiles_ms(res.tpot))
+    span = (
+        max(float(np.nanmax(res.finish)) - float(reqs.arrivals[0]), 1e-9)
+        if done.any()
+        else float("inf")
+    )
+    return Prediction(
+        c,
+        rate,
+        goodput=float(good.sum()) / span,
+        share=float(good.mean()),
+        throughput=float(done.sum()) / span,
+        ttft_ms=percentiles_ms(res.ttft),
+        tpot_ms=percentiles_ms(res.tpot),
+    )
 
 
 def max_rate(c: Candidate, w: Workload, attainment: float, iters: int = 7) -> float:
     """The highest rate at which ``attainment`` of the requests meet both SLOs (0 if none does):
     doubling or halving from 1 req/s to bracket it, then bisection on a log scale."""
+
     def meets(rate: float) -> bool:
         return evaluate(c, w, rate).share >= attainment
 
@@ -153,8 +183,14 @@ def max_rate(c: Candidate, w: Workload, attainment: float, iters: int = 7) -> fl
     return lo
 
 
-def plan(w: Workload, budget: int, p_profs: list[Profile], d_profs: list[Profile],
-         attainment: float = 0.9, search_max_rate: bool = True) -> list[Prediction]:
+def plan(
+    w: Workload,
+    budget: int,
+    p_profs: list[Profile],
+    d_profs: list[Profile],
+    attainment: float = 0.9,
+    search_max_rate: bool = True,
+) -> list[Prediction]:
     """Every candidate's prediction, the recommended one first."""
     if not 0 < attainment <= 1:
         raise PlanError(f"attainment: must be in (0, 1], got {attainment}")

@@ -54,7 +54,9 @@ class PrefillFit:
         ns = sorted(points)
         if len(ns) < 2:
             raise PlanError(f"prefill: need times at two prompt lengths or more, got {points}")
-        cols = [[1.0] * len(ns), [float(n) for n in ns]] + ([[float(n) ** 2 for n in ns]] if len(ns) >= 3 else [])
+        cols = [[1.0] * len(ns), [float(n) for n in ns]] + (
+            [[float(n) ** 2 for n in ns]] if len(ns) >= 3 else []
+        )
         # drop the n^2 term first, then the fixed cost: the per-token cost dominates
         coef = _nonneg_lstsq(np.array(cols).T, np.array([points[n] for n in ns]), (2, 0))
         return cls(*coef) if len(coef) == 3 else cls(coef[0], coef[1])
@@ -77,7 +79,9 @@ class DecodeFit:
         if len({p[0] for p in pts}) < 2:
             raise PlanError(f"decode: need step times at two batch sizes or more, got {points}")
         per_req = {round(c / b) for b, c, _ in pts}
-        cols = [[1.0] * len(pts), [b for b, _, _ in pts]] + ([[c for _, c, _ in pts]] if len(per_req) >= 2 else [])
+        cols = [[1.0] * len(pts), [b for b, _, _ in pts]] + (
+            [[c for _, c, _ in pts]] if len(per_req) >= 2 else []
+        )
         coef = _nonneg_lstsq(np.array(cols).T, np.array([s for _, _, s in pts]), (2, 1))
         return cls(*coef) if len(coef) == 3 else cls(coef[0], coef[1])
 
@@ -118,20 +122,37 @@ class Profile:
     measured: dict[str, Any] = field(default_factory=dict)  # the raw points the fits came from
 
     def __post_init__(self):
-        checks = {"kv_bytes_per_token": self.kv_bytes_per_token, "kv_bandwidth": self.kv_bandwidth,
-                  "max_total_tokens": self.max_total_tokens, "max_running_requests": self.max_running_requests,
-                  "max_prefill_tokens": self.max_prefill_tokens, "chunked_prefill_size": self.chunked_prefill_size,
-                  "tp_size": self.tp_size, "dp_size": self.dp_size, "pp_size": self.pp_size}
+        checks = {
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_bandwidth": self.kv_bandwidth,
+            "max_total_tokens": self.max_total_tokens,
+            "max_running_requests": self.max_running_requests,
+            "max_prefill_tokens": self.max_prefill_tokens,
+            "chunked_prefill_size": self.chunked_prefill_size,
+            "tp_size": self.tp_size,
+            "dp_size": self.dp_size,
+            "pp_size": self.pp_size,
+        }
         for name, v in checks.items():
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+            if (
+                not isinstance(v, (int, float))
+                or isinstance(v, bool)
+                or not math.isfinite(v)
+                or v <= 0
+            ):
                 raise PlanError(f"calibration: {name} must be a number > 0, got {v!r}")
-        for name, v in (("request_overhead_s", self.request_overhead_s), ("pd_overhead_s", self.pd_overhead_s),
-                        *((f"prefill.{k}", x) for k, x in asdict(self.prefill).items()),
-                        *((f"decode.{k}", x) for k, x in (asdict(self.decode) if self.decode else {}).items())):
+        for name, v in (
+            ("request_overhead_s", self.request_overhead_s),
+            ("pd_overhead_s", self.pd_overhead_s),
+            *((f"prefill.{k}", x) for k, x in asdict(self.prefill).items()),
+            *((f"decode.{k}", x) for k, x in (asdict(self.decode) if self.decode else {}).items()),
+        ):
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise PlanError(f"calibration: {name} must be a number >= 0, got {v!r}")
         if self.decode is not None and self.decode.step_s(1, 1) <= 0:
-            raise PlanError("calibration: a decode step must take some time (decode fit is all zero)")
+            raise PlanError(
+                "calibration: a decode step must take some time (decode fit is all zero)"
+            )
         if self.prefill.time(1) <= 0:
             raise PlanError("calibration: a prefill must take some time (prefill fit is all zero)")
 
@@ -141,8 +162,11 @@ class Profile:
 
     @property
     def name(self) -> str:
-        parts = [f"tp{self.tp_size}"] + ([f"dp{self.dp_size}"] if self.dp_size > 1 else []) \
+        parts = (
+            [f"tp{self.tp_size}"]
+            + ([f"dp{self.dp_size}"] if self.dp_size > 1 else [])
             + ([f"pp{self.pp_size}"] if self.pp_size > 1 else [])
+        )
         return "".join(parts)
 
     def to_json(self) -> dict[str, Any]:
@@ -153,7 +177,9 @@ class Profile:
         if not isinstance(data, dict):
             raise PlanError(f"{where}: expected a JSON object")
         if data.get("version") != VERSION:
-            raise PlanError(f"{where}: version {data.get('version')!r}, this pdserve reads version {VERSION}")
+            raise PlanError(
+                f"{where}: version {data.get('version')!r}, this pdserve reads version {VERSION}"
+            )
         known = set(cls.__dataclass_fields__) | {"version"}
         unknown = sorted(set(data) - known)
         if unknown:

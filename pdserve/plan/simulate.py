@@ -61,11 +61,20 @@ class Server:
     """One server's scheduler loop. ``mode``: colocated (prefill + decode), prefill (a request
     ends with its prompt: ``on_prompt_done``), decode (requests come prefilled: ``join``)."""
 
-    runs = True  # decode-only forwards as one event per run (False: one per forward; the same result)
+    runs = (
+        True  # decode-only forwards as one event per run (False: one per forward; the same result)
+    )
 
-    def __init__(self, clock: Clock, prof: Profile, mode: str, reqs: Requests, res: Result,
-                 on_prompt_done: Optional[Callable[[int], None]] = None,
-                 on_finish: Optional[Callable[[int], None]] = None):
+    def __init__(
+        self,
+        clock: Clock,
+        prof: Profile,
+        mode: str,
+        reqs: Requests,
+        res: Result,
+        on_prompt_done: Optional[Callable[[int], None]] = None,
+        on_finish: Optional[Callable[[int], None]] = None,
+    ):
         self.clock, self.prof, self.mode, self.reqs, self.res = clock, prof, mode, reqs, res
         self.on_prompt_done, self.on_finish = on_prompt_done, on_finish
         self.waiting: deque[int] = deque()  # prompts not started
@@ -159,7 +168,11 @@ class Server:
             ext = min(int(self.reqs.prompts[i]) - done, p.chunked_prefill_size, budget)
             chunks.append((entry, ext))
             budget -= ext
-        while self.waiting and budget > 0 and self.rows + len(self.prefilling) < p.max_running_requests:
+        while (
+            self.waiting
+            and budget > 0
+            and self.rows + len(self.prefilling) < p.max_running_requests
+        ):
             i = self.waiting[0]
             need = self.reserve(i) if self.mode == "colocated" else 0
             if self.kv_used + need > p.max_total_tokens and (self.rows or self.prefilling):
@@ -180,11 +193,15 @@ class Server:
             first = p.decode.step_s(self.rows, ctx)
             steps = self.ends[0][0] - self.steps
             self.run = (self.clock.now, first, p.decode.s_per_context_token * self.rows, steps)
-            self.clock.at(self.clock.now + self._run_time(steps), self._forward_done, [], steps, self.gen)
+            self.clock.at(
+                self.clock.now + self._run_time(steps), self._forward_done, [], steps, self.gen
+            )
             return
         t = p.decode.step_s(self.rows, ctx) if self.rows else p.prefill.fixed_s
         t += sum(p.prefill.chunk_s(ext, entry[1]) for entry, ext in chunks)
-        self.clock.at(self.clock.now + t, self._forward_done, chunks, 1 if self.rows else 0, self.gen)
+        self.clock.at(
+            self.clock.now + t, self._forward_done, chunks, 1 if self.rows else 0, self.gen
+        )
 
     def _forward_done(self, chunks, decoded: int, gen: int) -> None:
         if gen != self.gen:
@@ -232,8 +249,9 @@ def colocated(prof: Profile, servers: int, reqs: Requests, horizon: float) -> Re
     return _finish_result(res, reqs, prof.request_overhead_s)
 
 
-def disaggregated(p_prof: Profile, d_prof: Profile, prefills: int, decodes: int, reqs: Requests,
-                  horizon: float) -> Result:
+def disaggregated(
+    p_prof: Profile, d_prof: Profile, prefills: int, decodes: int, reqs: Requests, horizon: float
+) -> Result:
     clock, res = Clock(), _empty(reqs)
     link_free = [0.0] * prefills  # when each prefill server's KV link is next free
     pending: list[deque[int]] = [deque() for _ in range(decodes)]  # decode's pre-allocation queue
@@ -244,7 +262,10 @@ def disaggregated(p_prof: Profile, d_prof: Profile, prefills: int, decodes: int,
             i = pending[d][0]
             need = srv.reserve(i)
             held = srv.kv_used > 0
-            if held and (srv.kv_used + need > d_prof.max_total_tokens or reserved[d] >= d_prof.max_running_requests):
+            if held and (
+                srv.kv_used + need > d_prof.max_total_tokens
+                or reserved[d] >= d_prof.max_running_requests
+            ):
                 return
             pending[d].popleft()
             srv.kv_used += need
@@ -254,7 +275,9 @@ def disaggregated(p_prof: Profile, d_prof: Profile, prefills: int, decodes: int,
     def prompt_done(i: int) -> None:
         p = i % prefills
         start = max(clock.now, link_free[p])
-        link_free[p] = start + int(reqs.prompts[i]) * p_prof.kv_bytes_per_token / p_prof.kv_bandwidth
+        link_free[p] = (
+            start + int(reqs.prompts[i]) * p_prof.kv_bytes_per_token / p_prof.kv_bandwidth
+        )
         clock.at(link_free[p] + p_prof.pd_overhead_s, dec[i % decodes].join, i)
 
     def finished(i: int) -> None:
@@ -267,7 +290,10 @@ def disaggregated(p_prof: Profile, d_prof: Profile, prefills: int, decodes: int,
         admit(i % decodes)
 
     reserved = [0] * decodes
-    pre = [Server(clock, p_prof, "prefill", reqs, res, on_prompt_done=prompt_done) for _ in range(prefills)]
+    pre = [
+        Server(clock, p_prof, "prefill", reqs, res, on_prompt_done=prompt_done)
+        for _ in range(prefills)
+    ]
     dec = [Server(clock, d_prof, "decode", reqs, res, on_finish=finished) for _ in range(decodes)]
     for i, t in enumerate(reqs.arrivals):
         clock.at(float(t), arrive, i)

@@ -62,8 +62,10 @@ class Lengths:
                 return cls._of_values(name, text.split(","))
             lo, sep, hi = text.partition("-")
             return cls._range(name, _int(name, lo), _int(name, hi) if sep else _int(name, lo))
-        raise PlanError(f"{name}: expected N, 'LOW-HIGH', a list of lengths or {{uniform: [LOW, HIGH]}}, "
-                        f"got {spec!r}")
+        raise PlanError(
+            f"{name}: expected N, 'LOW-HIGH', a list of lengths or {{uniform: [LOW, HIGH]}}, "
+            f"got {spec!r}"
+        )
 
     @classmethod
     def _range(cls, name: str, low: int, high: int) -> "Lengths":
@@ -75,7 +77,9 @@ class Lengths:
     def _of_values(cls, name: str, items) -> "Lengths":
         values = tuple(_int(name, x) for x in items)
         if not values or min(values) < 1:
-            raise PlanError(f"{name}: a list of lengths needs at least one value, all >= 1, got {list(items)!r}")
+            raise PlanError(
+                f"{name}: a list of lengths needs at least one value, all >= 1, got {list(items)!r}"
+            )
         return cls(min(values), max(values), values)
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
@@ -89,7 +93,11 @@ class Lengths:
 
     def __str__(self) -> str:
         if self.values:
-            return ",".join(map(str, self.values)) if len(self.values) <= 6 else f"{len(self.values)} values"
+            return (
+                ",".join(map(str, self.values))
+                if len(self.values) <= 6
+                else f"{len(self.values)} values"
+            )
         return str(self.low) if self.low == self.high else f"{self.low}-{self.high}"
 
 
@@ -113,8 +121,12 @@ class Workload:
     seed: int = 1
 
     def __post_init__(self):
-        if self.request_rate is not None and not (math.isfinite(self.request_rate) and self.request_rate > 0):
-            raise PlanError(f"request_rate: must be a finite number > 0 (requests/s), got {self.request_rate}")
+        if self.request_rate is not None and not (
+            math.isfinite(self.request_rate) and self.request_rate > 0
+        ):
+            raise PlanError(
+                f"request_rate: must be a finite number > 0 (requests/s), got {self.request_rate}"
+            )
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             v = getattr(self, name)
             if v is not None and not (math.isfinite(v) and v > 0):
@@ -134,11 +146,23 @@ class Workload:
         return Requests(arrivals, prompts.astype(np.int64), outputs.astype(np.int64))
 
     def describe(self) -> str:
-        rate = f"{self.request_rate:g} req/s" if self.request_rate else "rate: the highest each split sustains"
-        slos = ", ".join(f"{k} <= {v:g} ms" for k, v in (("TTFT", self.slo_ttft_ms), ("TPOT", self.slo_tpot_ms))
-                         if v is not None) or "no SLO"
-        return (f"{rate}, prompts {self.input_len} tokens, outputs {self.output_len} tokens, {slos}; "
-                f"{self.num_requests} requests (seed {self.seed})")
+        rate = (
+            f"{self.request_rate:g} req/s"
+            if self.request_rate
+            else "rate: the highest each split sustains"
+        )
+        slos = (
+            ", ".join(
+                f"{k} <= {v:g} ms"
+                for k, v in (("TTFT", self.slo_ttft_ms), ("TPOT", self.slo_tpot_ms))
+                if v is not None
+            )
+            or "no SLO"
+        )
+        return (
+            f"{rate}, prompts {self.input_len} tokens, outputs {self.output_len} tokens, {slos}; "
+            f"{self.num_requests} requests (seed {self.seed})"
+        )
 
 
 @dataclass
@@ -170,15 +194,21 @@ def load_file(path: Union[str, Path]) -> dict[str, Any]:
         else:
             data = json.loads(text)
     except ImportError:
-        raise PlanError(f"workload file {p}: reading YAML needs PyYAML; write it as JSON instead") from None
+        raise PlanError(
+            f"workload file {p}: reading YAML needs PyYAML; write it as JSON instead"
+        ) from None
     except Exception as e:  # json.JSONDecodeError, yaml.YAMLError
-        raise PlanError(f"workload file {p}: not valid {'YAML' if yaml_file else 'JSON'}: {e}") from None
+        raise PlanError(
+            f"workload file {p}: not valid {'YAML' if yaml_file else 'JSON'}: {e}"
+        ) from None
     if not isinstance(data, dict):
         raise PlanError(f"workload file {p}: expected a mapping of {', '.join(sorted(KEYS))}")
     data = {str(k).replace("-", "_"): v for k, v in data.items()}
     unknown = sorted(set(data) - KEYS)
     if unknown:
-        raise PlanError(f"workload file {p}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(KEYS))}")
+        raise PlanError(
+            f"workload file {p}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(KEYS))}"
+        )
     return data
 
 
@@ -187,8 +217,10 @@ def make(values: dict[str, Any]) -> Workload:
     for name in ("input_len", "output_len"):
         if values.get(name) is None:
             raise PlanError(f"{name}: required (--{name.replace('_', '-')} or the workload file)")
-    out: dict[str, Any] = {"input_len": Lengths.parse("input_len", values["input_len"]),
-                           "output_len": Lengths.parse("output_len", values["output_len"])}
+    out: dict[str, Any] = {
+        "input_len": Lengths.parse("input_len", values["input_len"]),
+        "output_len": Lengths.parse("output_len", values["output_len"]),
+    }
     for name in ("request_rate", "slo_ttft_ms", "slo_tpot_ms"):
         v = values.get(name)
         if v is not None:

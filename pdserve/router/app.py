@@ -18,11 +18,11 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.api_key import APIKeyMiddleware
 from pdserve.log import setup_logging
+from pdserve.router import pairing, processes, worker_api
 from pdserve.router.args import RouterArgs, parse_args
 from pdserve.router.autoscale import Autoscaler
 from pdserve.router.discovery import DNSDiscovery
 from pdserve.router.dispatch import Dispatcher, error_response
-from pdserve.router import pairing, processes, worker_api
 from pdserve.router.kv_index import KVIndex, PromptBlocks
 from pdserve.router.legs import wait_disconnect
 from pdserve.router.membership import Membership
@@ -34,7 +34,9 @@ from pdserve.router.workers import DECODE, PREFILL, REGULAR, Worker, WorkerPool
 logger = logging.getLogger(__name__)
 
 GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
-NO_INDEX = "the router follows no KV events (policy cache_aware or --pd-policy conditional turn them on)"
+NO_INDEX = (
+    "the router follows no KV events (policy cache_aware or --pd-policy conditional turn them on)"
+)
 _DRAIN_LIMIT = 64 * 1024 * 1024  # read at most this much of an oversized body before giving up
 
 
@@ -92,8 +94,12 @@ class RouterApp(FastAPI):
     fast_path = None  # an ASGI app for GENERATE_PATHS, set by ``create_app``
 
     async def __call__(self, scope, receive, send) -> None:
-        if (self.fast_path is not None and scope["type"] == "http" and scope["method"] == "POST"
-                and scope["path"] in GENERATE_PATHS):
+        if (
+            self.fast_path is not None
+            and scope["type"] == "http"
+            and scope["method"] == "POST"
+            and scope["path"] in GENERATE_PATHS
+        ):
             return await self.fast_path(scope, receive, send)
         await super().__call__(scope, receive, send)
 
@@ -111,11 +117,16 @@ class Router:
     def __init__(self, args: RouterArgs):
         self.args = args
         follow = args.follows_kv_events
-        self.pool = WorkerPool(args, poll_loads="least_load" in args.policies or follow,
-                               needs_info=follow or args.pd_mode)  # PD: backends and hosts (router/pairing.py)
+        self.pool = WorkerPool(
+            args,
+            poll_loads="least_load" in args.policies or follow,
+            needs_info=follow or args.pd_mode,
+        )  # PD: backends and hosts (router/pairing.py)
         self.metrics = RouterMetrics(self.pool)
         self.index = KVIndex(self.metrics, lambda: self.pool.client) if follow else None
-        self.prompts = PromptReader(args.tokenizer_path) if follow else None  # the index needs prompt tokens
+        self.prompts = (
+            PromptReader(args.tokenizer_path) if follow else None
+        )  # the index needs prompt tokens
         self._tokenizer_task: asyncio.Task | None = None
         self.pool.info_listeners.append(self.on_worker_info)
         if self.index is not None:
@@ -123,19 +134,31 @@ class Router:
             self.pool.forget_listeners.append(self.index.detach)
         self.dispatcher = Dispatcher(self.pool, self.metrics, args, self.index, self.prompts)
         self.membership = Membership(self.pool, args)  # workers joining and leaving at run time
-        self.discovery = DNSDiscovery(self.pool, self.membership, args) if args.prefill_dns or args.decode_dns else None
+        self.discovery = (
+            DNSDiscovery(self.pool, self.membership, args)
+            if args.prefill_dns or args.decode_dns
+            else None
+        )
         self.autoscaler = Autoscaler(self.pool, self.membership, args) if args.autoscale else None
 
     def on_worker_info(self, worker: Worker, info: dict) -> None:
         if worker.role in (PREFILL, DECODE):
             others = self.pool.by_role[DECODE if worker.role == PREFILL else PREFILL]
-            pairs = [(worker, o) if worker.role == PREFILL else (o, worker) for o in others if o.info is not None]
+            pairs = [
+                (worker, o) if worker.role == PREFILL else (o, worker)
+                for o in others
+                if o.info is not None
+            ]
             for why in filter(None, (pairing.why_not(p, d) for p, d in pairs)):
                 logger.warning("these two will not be paired: %s", why)
         if self.index is None:
             return
         self.index.attach(worker, info)
-        if self.prompts is not None and self.prompts.tokenizer is None and self._tokenizer_task is None:
+        if (
+            self.prompts is not None
+            and self.prompts.tokenizer is None
+            and self._tokenizer_task is None
+        ):
             path = info.get("tokenizer_path") or info.get("model_path")
             self._tokenizer_task = asyncio.create_task(asyncio.to_thread(self.prompts.load, path))
 
@@ -152,11 +175,20 @@ class Router:
             await self.autoscaler.start()
         if self.prompts is not None and self.args.tokenizer_path and self._tokenizer_task is None:
             self._tokenizer_task = asyncio.create_task(asyncio.to_thread(self.prompts.load))
-        mode = ("PD" if self.args.pd_mode else "colocated") + (", DP-aware" if self.args.dp_aware else "")
+        mode = ("PD" if self.args.pd_mode else "colocated") + (
+            ", DP-aware" if self.args.dp_aware else ""
+        )
         if self.args.pd_policy != "always":
             mode += f", --pd-policy {self.args.pd_policy}"
-        logger.info("router (%s, policy %s) on %s:%d with %d workers, %d healthy", mode, self.args.policy,
-                    self.args.host, self.args.port, len(self.pool.workers), sum(w.healthy for w in self.pool.workers))
+        logger.info(
+            "router (%s, policy %s) on %s:%d with %d workers, %d healthy",
+            mode,
+            self.args.policy,
+            self.args.host,
+            self.args.port,
+            len(self.pool.workers),
+            sum(w.healthy for w in self.pool.workers),
+        )
 
     async def stop(self) -> None:
         if self.autoscaler is not None:
@@ -176,7 +208,9 @@ class Router:
                 return workers[0]
         return None
 
-    async def get_with_alias(self, worker: Worker, path: str, alias: str | None = None) -> httpx.Response:
+    async def get_with_alias(
+        self, worker: Worker, path: str, alias: str | None = None
+    ) -> httpx.Response:
         resp = await self.pool.client.get(worker.url + path)
         if resp.status_code == 404 and alias:
             resp = await self.pool.client.get(worker.url + alias)
@@ -191,7 +225,9 @@ class Router:
             resp = await self.get_with_alias(worker, path, alias)
         except httpx.HTTPError as e:
             return error_response(502, f"{worker.url}{path} failed: {e!r}")
-        return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+        return Response(
+            resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type")
+        )
 
     def roles(self) -> tuple[str, ...]:
         return (PREFILL, DECODE) if self.args.pd_mode else (REGULAR,)
@@ -238,9 +274,15 @@ def create_app(args: RouterArgs) -> FastAPI:
 
     @app.get("/health_generate")
     async def health_generate():
-        results = await router.pool.fan_out("GET", "/health_generate", [w for w in router.pool.workers if w.available],
-                                            timeout=max(args.health_check_timeout, 60.0))
-        ok_roles = {w.role for w, r in results if isinstance(r, httpx.Response) and r.status_code == 200}
+        results = await router.pool.fan_out(
+            "GET",
+            "/health_generate",
+            [w for w in router.pool.workers if w.available],
+            timeout=max(args.health_check_timeout, 60.0),
+        )
+        ok_roles = {
+            w.role for w, r in results if isinstance(r, httpx.Response) and r.status_code == 200
+        }
         missing = [r for r in router.roles() if r not in ok_roles]
         if missing:
             return error_response(503, f"no {' or '.join(missing)} worker could generate")
@@ -254,7 +296,9 @@ def create_app(args: RouterArgs) -> FastAPI:
     @app.get("/model_info")
     async def model_info(request: Request):
         path = request.url.path
-        return await router.proxy_get("model info", path, "/get_model_info" if path == "/model_info" else "/model_info")
+        return await router.proxy_get(
+            "model info", path, "/get_model_info" if path == "/model_info" else "/model_info"
+        )
 
     @app.get("/get_server_info")
     @app.get("/server_info")
@@ -271,12 +315,20 @@ def create_app(args: RouterArgs) -> FastAPI:
 
         infos = await asyncio.gather(*(one(w) for w in router.pool.workers))
         out: dict = {}
-        main = next((i["server_info"] for i, w in zip(infos, router.pool.workers, strict=True)
-                     if w.role == router.pool.main_role and isinstance(i.get("server_info"), dict)), None)
+        main = next(
+            (
+                i["server_info"]
+                for i, w in zip(infos, router.pool.workers, strict=True)
+                if w.role == router.pool.main_role and isinstance(i.get("server_info"), dict)
+            ),
+            None,
+        )
         out.update(main or {})  # top level looks like a server's, for clients that read it
         out["router"] = args.to_dict()
         for role in router.roles():
-            out[role] = [i for i, w in zip(infos, router.pool.workers, strict=True) if w.role == role]
+            out[role] = [
+                i for i, w in zip(infos, router.pool.workers, strict=True) if w.role == role
+            ]
         return out
 
     @app.get("/get_load")
@@ -295,18 +347,32 @@ def create_app(args: RouterArgs) -> FastAPI:
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         results = await router.pool.fan_out("POST", "/flush_cache", router.pool.workers)
-        flushed = [w.url for w, r in results if isinstance(r, httpx.Response) and r.status_code == 200]
-        failed = [{"url": w.url, "error": repr(r) if isinstance(r, Exception) else f"HTTP {r.status_code}"}
-                  for w, r in results if w.url not in flushed]
-        return JSONResponse({"flushed": flushed, "failed": failed}, status_code=502 if failed else 200)
+        flushed = [
+            w.url for w, r in results if isinstance(r, httpx.Response) and r.status_code == 200
+        ]
+        failed = [
+            {
+                "url": w.url,
+                "error": repr(r) if isinstance(r, Exception) else f"HTTP {r.status_code}",
+            }
+            for w, r in results
+            if w.url not in flushed
+        ]
+        return JSONResponse(
+            {"flushed": flushed, "failed": failed}, status_code=502 if failed else 200
+        )
 
     @app.get("/kv_index")
     async def kv_index():
         """What the router knows of each worker's KV cache (router/kv_index.py)."""
         if router.index is None:
             return error_response(404, NO_INDEX)
-        return JSONResponse({"tokenizer": router.prompts is not None and router.prompts.tokenizer is not None,
-                             "workers": router.index.describe()})
+        return JSONResponse(
+            {
+                "tokenizer": router.prompts is not None and router.prompts.tokenizer is not None,
+                "workers": router.index.describe(),
+            }
+        )
 
     @app.post("/kv_index/match")
     async def kv_index_match(request: Request):
@@ -323,11 +389,20 @@ def create_app(args: RouterArgs) -> FastAPI:
             return error_response(e.status, str(e))
         ids = router.prompts.ids(path, body) if router.prompts is not None else None
         if not ids:
-            return error_response(400, "no prompt tokens: a single prompt (input_ids, or text with the tokenizer "
-                                       "loaded) is needed")
+            return error_response(
+                400,
+                "no prompt tokens: a single prompt (input_ids, or text with the tokenizer "
+                "loaded) is needed",
+            )
         prompt = PromptBlocks(ids)
-        return JSONResponse({"prompt_tokens": len(ids),
-                             "workers": {w.url: router.index.matched_tokens(w, prompt)[0] for w in router.pool.workers}})
+        return JSONResponse(
+            {
+                "prompt_tokens": len(ids),
+                "workers": {
+                    w.url: router.index.matched_tokens(w, prompt)[0] for w in router.pool.workers
+                },
+            }
+        )
 
     worker_api.add_routes(app, router.pool, router.membership, args.worker_api_key)
 
@@ -361,9 +436,18 @@ def serve(args: RouterArgs, role: str = "router", sockets=None) -> None:
     for noisy in ("httpx", "httpcore"):  # one INFO line per upstream request otherwise
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     app = create_app(args)
-    level = "warning" if args.log_level == "info" else args.log_level  # uvicorn's INFO lines are per request
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, log_level=level,
-                            access_log=False, timeout_graceful_shutdown=10)
+    level = (
+        "warning" if args.log_level == "info" else args.log_level
+    )  # uvicorn's INFO lines are per request
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_config=None,
+        log_level=level,
+        access_log=False,
+        timeout_graceful_shutdown=10,
+    )
     uvicorn.Server(config).run(sockets=sockets)
 
 

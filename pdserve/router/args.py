@@ -50,13 +50,17 @@ class RouterArgs:
     prefill: list[tuple[str, int | None]] = field(default_factory=list)  # (url, bootstrap port)
     decode: list[str] = field(default_factory=list)
     worker: list[str] = field(default_factory=list)  # colocated workers (no PD)
-    pd_disaggregation: bool = False  # PD mode even with no --prefill/--decode (workers join at run time)
+    pd_disaggregation: bool = (
+        False  # PD mode even with no --prefill/--decode (workers join at run time)
+    )
     # discovery through DNS (router/discovery.py): (name, port, bootstrap port) and (name, port)
     prefill_dns: list[tuple[str, int, int | None]] = field(default_factory=list)
     decode_dns: list[tuple[str, int]] = field(default_factory=list)
     dns_interval: float = 5.0
     dns_server: str | None = None  # HOST[:PORT]; None: the system resolver
-    add_worker_timeout: float = 10.0  # how long a new worker may take to answer /health and /server_info
+    add_worker_timeout: float = (
+        10.0  # how long a new worker may take to answer /health and /server_info
+    )
     drain_timeout: float = 300.0  # a removed worker's running requests get this long to finish
     # switching servers between prefill and decode when the queues show the split is off (router/autoscale.py)
     autoscale: bool = False
@@ -68,16 +72,24 @@ class RouterArgs:
     autoscale_min_decode: int = 1
     host: str = "127.0.0.1"
     port: int = 8000
-    workers: int = 1  # router processes on one port (SO_REUSEPORT), sharing nothing (router/processes.py)
+    workers: int = (
+        1  # router processes on one port (SO_REUSEPORT), sharing nothing (router/processes.py)
+    )
     policy: str = "round_robin"
     prefill_policy: str | None = None
     decode_policy: str | None = None
     dp_aware: bool = False  # choose each worker's data-parallel group (routed_dp_rank) here
-    cache_aware_balance: float = 1.0  # cache_aware: weight of a worker's load against its cached prefix
-    tokenizer_path: str | None = None  # for matching text prompts (default: the workers' model path)
+    cache_aware_balance: float = (
+        1.0  # cache_aware: weight of a worker's load against its cached prefix
+    )
+    tokenizer_path: str | None = (
+        None  # for matching text prompts (default: the workers' model path)
+    )
     pd_policy: str = "always"  # where PD requests prefill (router/pd_policy.py)
     pd_local_max_tokens: int = 512
-    pd_itl_weight: float = 1.0  # 1: a second of stall on each running stream weighs as much as a second of TTFT
+    pd_itl_weight: float = (
+        1.0  # 1: a second of stall on each running stream weighs as much as a second of TTFT
+    )
     pd_kv_bandwidth: float = 1e9  # bytes/s, until a prefill reports its measured rate
     pd_overhead_s: float = 0.005
     pd_prefill_fixed_s: float | None = None  # override the servers' calibration
@@ -104,15 +116,21 @@ class RouterArgs:
         if pd and self.worker:
             raise ValueError("worker: --worker (colocated) cannot be mixed with --prefill/--decode")
         if pd and not elastic and not (self.prefill and self.decode):
-            raise ValueError("prefill/decode: PD mode needs at least one --prefill and one --decode (or "
-                             "--pd-disaggregation, to add workers at run time)")
+            raise ValueError(
+                "prefill/decode: PD mode needs at least one --prefill and one --decode (or "
+                "--pd-disaggregation, to add workers at run time)"
+            )
         if not pd and not self.worker:
-            raise ValueError("prefill/decode: give --prefill URL [BOOTSTRAP_PORT] and --decode URL, or --worker URL "
-                             "(or --pd-disaggregation, to add workers at run time)")
+            raise ValueError(
+                "prefill/decode: give --prefill URL [BOOTSTRAP_PORT] and --decode URL, or --worker URL "
+                "(or --pd-disaggregation, to add workers at run time)"
+            )
         for name, port, *bootstrap in self.prefill_dns + self.decode_dns:
             if not name or any(p is not None and not 0 < p < 65536 for p in (port, *bootstrap)):
-                raise ValueError(f"prefill_dns/decode_dns: bad entry {name!r}:{port}: expected NAME:PORT with a "
-                                 "port in 1-65535")
+                raise ValueError(
+                    f"prefill_dns/decode_dns: bad entry {name!r}:{port}: expected NAME:PORT with a "
+                    "port in 1-65535"
+                )
         urls = [u for u, _ in self.prefill] + self.decode + self.worker
         if len(set(urls)) != len(urls):
             raise ValueError("worker URLs: each worker may be given only once")
@@ -122,19 +140,40 @@ class RouterArgs:
         for name in ("policy", "prefill_policy", "decode_policy"):
             value = getattr(self, name)
             if value is not None and value not in POLICIES:
-                raise ValueError(f"{name}: unknown policy {value!r}, choose from {', '.join(POLICIES)}")
+                raise ValueError(
+                    f"{name}: unknown policy {value!r}, choose from {', '.join(POLICIES)}"
+                )
         if self.pd_policy not in PD_POLICIES:
-            raise ValueError(f"pd_policy: unknown {self.pd_policy!r}, choose from {', '.join(PD_POLICIES)}")
+            raise ValueError(
+                f"pd_policy: unknown {self.pd_policy!r}, choose from {', '.join(PD_POLICIES)}"
+            )
         if self.pd_policy == "conditional" and not pd:
             raise ValueError("pd_policy: conditional needs PD mode (--prefill and --decode)")
-        for name in ("health_check_interval", "health_check_timeout", "load_poll_interval",
-                     "request_timeout", "max_body_bytes", "pd_kv_bandwidth", "dns_interval",
-                     "add_worker_timeout", "drain_timeout"):
+        for name in (
+            "health_check_interval",
+            "health_check_timeout",
+            "load_poll_interval",
+            "request_timeout",
+            "max_body_bytes",
+            "pd_kv_bandwidth",
+            "dns_interval",
+            "add_worker_timeout",
+            "drain_timeout",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
-        for name in ("max_retries", "cb_failure_threshold", "health_failure_threshold", "cb_cooldown",
-                     "cache_aware_balance", "pd_local_max_tokens", "pd_itl_weight", "pd_overhead_s",
-                     "pd_prefill_fixed_s", "pd_prefill_s_per_token"):
+        for name in (
+            "max_retries",
+            "cb_failure_threshold",
+            "health_failure_threshold",
+            "cb_cooldown",
+            "cache_aware_balance",
+            "pd_local_max_tokens",
+            "pd_itl_weight",
+            "pd_overhead_s",
+            "pd_prefill_fixed_s",
+            "pd_prefill_s_per_token",
+        ):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name}: must not be negative")
 
@@ -150,14 +189,20 @@ class RouterArgs:
                 raise ValueError(f"{name}: must be at least 1 (a PD cluster needs both roles)")
         if self.autoscale:
             if not pd:
-                raise ValueError("autoscale: switches servers between prefill and decode, so it needs PD mode "
-                                 "(--prefill/--decode or --pd-disaggregation)")
+                raise ValueError(
+                    "autoscale: switches servers between prefill and decode, so it needs PD mode "
+                    "(--prefill/--decode or --pd-disaggregation)"
+                )
             if self.workers > 1:
-                raise ValueError("autoscale: router processes share nothing, so each would switch servers on its "
-                                 "own; run the autoscaling router with --workers 1")
+                raise ValueError(
+                    "autoscale: router processes share nothing, so each would switch servers on its "
+                    "own; run the autoscaling router with --workers 1"
+                )
             if self.prefill_dns or self.decode_dns:
-                raise ValueError("autoscale: with --prefill-dns/--decode-dns the DNS name decides each server's "
-                                 "role; scale those through the orchestrator (kubectl scale)")
+                raise ValueError(
+                    "autoscale: with --prefill-dns/--decode-dns the DNS name decides each server's "
+                    "role; scale those through the orchestrator (kubectl scale)"
+                )
         if self.dns_server is not None:
             dns_server_address(self.dns_server)
         for name in ("api_key", "worker_api_key"):
@@ -168,7 +213,13 @@ class RouterArgs:
 
     @property
     def pd_mode(self) -> bool:
-        return bool(self.prefill or self.decode or self.prefill_dns or self.decode_dns or self.pd_disaggregation)
+        return bool(
+            self.prefill
+            or self.decode
+            or self.prefill_dns
+            or self.decode_dns
+            or self.pd_disaggregation
+        )
 
     @property
     def policies(self) -> set[str]:
@@ -193,13 +244,19 @@ def _bootstrap_port(text: str) -> int | None:
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"prefill: bootstrap port must be an integer or 'none', got {text!r}") from None
+        raise ValueError(
+            f"prefill: bootstrap port must be an integer or 'none', got {text!r}"
+        ) from None
 
 
 def _dns_target(text: str, with_bootstrap: bool) -> tuple:
     """``NAME:PORT`` (decode) or ``NAME:PORT[:BOOTSTRAP_PORT]`` (prefill; default bootstrap port:
     what each server's /server_info reports)."""
-    name, form = ("prefill_dns", "NAME:PORT[:BOOTSTRAP_PORT]") if with_bootstrap else ("decode_dns", "NAME:PORT")
+    name, form = (
+        ("prefill_dns", "NAME:PORT[:BOOTSTRAP_PORT]")
+        if with_bootstrap
+        else ("decode_dns", "NAME:PORT")
+    )
     parts = text.split(":")
     if len(parts) not in ((2, 3) if with_bootstrap else (2,)) or not parts[0]:
         raise ValueError(f"{name}: expected {form}, got {text!r}")
@@ -207,114 +264,304 @@ def _dns_target(text: str, with_bootstrap: bool) -> tuple:
         ports = [int(p) for p in parts[1:]]
     except ValueError:
         raise ValueError(f"{name}: ports must be integers, got {text!r}") from None
-    return (parts[0], ports[0], ports[1] if len(ports) > 1 else None) if with_bootstrap else (parts[0], ports[0])
+    return (
+        (parts[0], ports[0], ports[1] if len(ports) > 1 else None)
+        if with_bootstrap
+        else (parts[0], ports[0])
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve router", description="PD router: sends each request to a "
-                                "prefill and a decode server and returns decode's answer.")
-    p.add_argument("--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
-                   help=f"prefill server URL and optional bootstrap port (default {DEFAULT_BOOTSTRAP_PORT}, "
-                        "'none' sends null); repeatable")
-    p.add_argument("--decode", action="append", default=[], metavar="URL", help="decode server URL; repeatable")
-    p.add_argument("--worker", "--worker-urls", action="append", default=[], metavar="URL",
-                   help="colocated server URL (plain proxying, no PD fields); repeatable")
-    p.add_argument("--pd-disaggregation", action="store_true",
-                   help="PD mode (also implied by --prefill/--decode); alone, the router starts with no worker "
-                        "and they join through POST /workers or DNS")
-    p.add_argument("--prefill-dns", action="append", default=[], metavar="NAME:PORT[:BOOTSTRAP_PORT]",
-                   help="prefill servers are the addresses NAME resolves to (e.g. a Kubernetes headless Service), "
-                        "on PORT; re-resolved every --dns-interval: new addresses are added, gone ones drained. "
-                        "Bootstrap port default: what each server reports. Repeatable")
-    p.add_argument("--decode-dns", action="append", default=[], metavar="NAME:PORT",
-                   help="decode servers by DNS name, like --prefill-dns; repeatable")
-    p.add_argument("--dns-interval", type=float, default=RouterArgs.dns_interval, metavar="S",
-                   help="how often --prefill-dns/--decode-dns names are resolved again")
-    p.add_argument("--dns-server", default=None, metavar="HOST[:PORT]",
-                   help="ask this DNS server (port default 53) instead of the system resolver")
-    p.add_argument("--add-worker-timeout", type=float, default=RouterArgs.add_worker_timeout, metavar="S",
-                   help="a worker being added (POST /workers, DNS) must answer GET /health with 200 and GET "
-                        "/server_info within S seconds, else it is refused")
-    p.add_argument("--drain-timeout", type=float, default=RouterArgs.drain_timeout, metavar="S",
-                   help="a worker being removed takes no new request; what it runs gets S seconds to finish, then "
-                        "ends with an error naming the removal")
-    p.add_argument("--autoscale", action="store_true",
-                   help="switch a server between prefill and decode (POST /switch_role, no weight reload) when one "
-                        "role's queues hold a backlog and moving a server from the other shortens the longer queue "
-                        "(router/autoscale.py; GET /autoscale shows its state)")
-    p.add_argument("--autoscale-interval", type=float, default=RouterArgs.autoscale_interval, metavar="S",
-                   help="how often the servers' queues are sampled (GET /get_load)")
-    p.add_argument("--autoscale-window", type=float, default=RouterArgs.autoscale_window, metavar="S",
-                   help="a backlog must be in every sample of the last S seconds before a server is switched")
-    p.add_argument("--autoscale-cooldown", type=float, default=RouterArgs.autoscale_cooldown, metavar="S",
-                   help="after a switch, the queues settle this long before the next is considered")
-    p.add_argument("--autoscale-queue", type=float, default=RouterArgs.autoscale_queue, metavar="N",
-                   help="requests waiting per server of a role (prefill: not prefilled yet; decode: waiting for KV "
-                        "pages or a batch slot) that make a backlog")
-    p.add_argument("--autoscale-min-prefill", type=int, default=RouterArgs.autoscale_min_prefill, metavar="N",
-                   help="never switch away the last N prefill servers")
-    p.add_argument("--autoscale-min-decode", type=int, default=RouterArgs.autoscale_min_decode, metavar="N",
-                   help="never switch away the last N decode servers")
+    p = argparse.ArgumentParser(
+        prog="pdserve router",
+        description="PD router: sends each request to a "
+        "prefill and a decode server and returns decode's answer.",
+    )
+    p.add_argument(
+        "--prefill",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar=("URL", "BOOTSTRAP_PORT"),
+        help=f"prefill server URL and optional bootstrap port (default {DEFAULT_BOOTSTRAP_PORT}, "
+        "'none' sends null); repeatable",
+    )
+    p.add_argument(
+        "--decode", action="append", default=[], metavar="URL", help="decode server URL; repeatable"
+    )
+    p.add_argument(
+        "--worker",
+        "--worker-urls",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="colocated server URL (plain proxying, no PD fields); repeatable",
+    )
+    p.add_argument(
+        "--pd-disaggregation",
+        action="store_true",
+        help="PD mode (also implied by --prefill/--decode); alone, the router starts with no worker "
+        "and they join through POST /workers or DNS",
+    )
+    p.add_argument(
+        "--prefill-dns",
+        action="append",
+        default=[],
+        metavar="NAME:PORT[:BOOTSTRAP_PORT]",
+        help="prefill servers are the addresses NAME resolves to (e.g. a Kubernetes headless Service), "
+        "on PORT; re-resolved every --dns-interval: new addresses are added, gone ones drained. "
+        "Bootstrap port default: what each server reports. Repeatable",
+    )
+    p.add_argument(
+        "--decode-dns",
+        action="append",
+        default=[],
+        metavar="NAME:PORT",
+        help="decode servers by DNS name, like --prefill-dns; repeatable",
+    )
+    p.add_argument(
+        "--dns-interval",
+        type=float,
+        default=RouterArgs.dns_interval,
+        metavar="S",
+        help="how often --prefill-dns/--decode-dns names are resolved again",
+    )
+    p.add_argument(
+        "--dns-server",
+        default=None,
+        metavar="HOST[:PORT]",
+        help="ask this DNS server (port default 53) instead of the system resolver",
+    )
+    p.add_argument(
+        "--add-worker-timeout",
+        type=float,
+        default=RouterArgs.add_worker_timeout,
+        metavar="S",
+        help="a worker being added (POST /workers, DNS) must answer GET /health with 200 and GET "
+        "/server_info within S seconds, else it is refused",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=RouterArgs.drain_timeout,
+        metavar="S",
+        help="a worker being removed takes no new request; what it runs gets S seconds to finish, then "
+        "ends with an error naming the removal",
+    )
+    p.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="switch a server between prefill and decode (POST /switch_role, no weight reload) when one "
+        "role's queues hold a backlog and moving a server from the other shortens the longer queue "
+        "(router/autoscale.py; GET /autoscale shows its state)",
+    )
+    p.add_argument(
+        "--autoscale-interval",
+        type=float,
+        default=RouterArgs.autoscale_interval,
+        metavar="S",
+        help="how often the servers' queues are sampled (GET /get_load)",
+    )
+    p.add_argument(
+        "--autoscale-window",
+        type=float,
+        default=RouterArgs.autoscale_window,
+        metavar="S",
+        help="a backlog must be in every sample of the last S seconds before a server is switched",
+    )
+    p.add_argument(
+        "--autoscale-cooldown",
+        type=float,
+        default=RouterArgs.autoscale_cooldown,
+        metavar="S",
+        help="after a switch, the queues settle this long before the next is considered",
+    )
+    p.add_argument(
+        "--autoscale-queue",
+        type=float,
+        default=RouterArgs.autoscale_queue,
+        metavar="N",
+        help="requests waiting per server of a role (prefill: not prefilled yet; decode: waiting for KV "
+        "pages or a batch slot) that make a backlog",
+    )
+    p.add_argument(
+        "--autoscale-min-prefill",
+        type=int,
+        default=RouterArgs.autoscale_min_prefill,
+        metavar="N",
+        help="never switch away the last N prefill servers",
+    )
+    p.add_argument(
+        "--autoscale-min-decode",
+        type=int,
+        default=RouterArgs.autoscale_min_decode,
+        metavar="N",
+        help="never switch away the last N decode servers",
+    )
     d = RouterArgs.__dataclass_fields__
     p.add_argument("--host", default=d["host"].default)
     p.add_argument("--port", type=int, default=d["port"].default)
-    p.add_argument("--workers", type=int, default=d["workers"].default, metavar="N",
-                   help="router processes serving --port (SO_REUSEPORT), each with its own state; the worker "
-                        "API then refuses changes: use --prefill-dns/--decode-dns (docs/architecture.md)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=d["workers"].default,
+        metavar="N",
+        help="router processes serving --port (SO_REUSEPORT), each with its own state; the worker "
+        "API then refuses changes: use --prefill-dns/--decode-dns (docs/architecture.md)",
+    )
     p.add_argument("--policy", choices=POLICIES, default=d["policy"].default)
-    p.add_argument("--prefill-policy", choices=POLICIES, default=None, help="overrides --policy for prefill")
-    p.add_argument("--decode-policy", choices=POLICIES, default=None, help="overrides --policy for decode")
-    p.add_argument("--dp-aware", action="store_true",
-                   help="pick each worker's data-parallel group too (its dp_size from /server_info, the least "
-                        "loaded group by /get_load, else in turn) and send it as routed_dp_rank; decode also "
-                        "gets disagg_prefill_dp_rank, prefill's group. Without it the servers choose")
-    p.add_argument("--cache-aware-balance", type=float, default=d["cache_aware_balance"].default, metavar="W",
-                   help="cache_aware: weight of a worker's load (tokens in hand) against the prompt tokens its "
-                        "cache spares it; 0 follows the cache alone")
-    p.add_argument("--tokenizer-path", default=None,
-                   help="tokenizer for matching text prompts against the workers' caches (default: the model "
-                        "path the workers report, when it exists here)")
-    p.add_argument("--pd-policy", choices=PD_POLICIES, default=d["pd_policy"].default,
-                   help="always: every request prefills on a prefill server; conditional: the router may have "
-                        "the decode server prefill it itself when that is estimated faster (pdserve decode "
-                        "servers only; see docs)")
-    p.add_argument("--pd-local-max-tokens", type=int, default=d["pd_local_max_tokens"].default, metavar="N",
-                   help="conditional: never prefill on decode more than N tokens it does not hold")
-    p.add_argument("--pd-itl-weight", type=float, default=d["pd_itl_weight"].default, metavar="W",
-                   help="conditional: weight of the stall a local prefill inflicts on each running stream, against "
-                        "the TTFT it saves (1: minimise the total latency added; lower favours TTFT over ITL)")
-    p.add_argument("--pd-kv-bandwidth", type=float, default=d["pd_kv_bandwidth"].default, metavar="BYTES_PER_S",
-                   help="conditional: KV transfer rate assumed until a prefill reports its measured one")
-    p.add_argument("--pd-overhead-s", type=float, default=d["pd_overhead_s"].default, metavar="S",
-                   help="conditional: fixed cost of the PD path (second leg, bootstrap, handshake)")
-    p.add_argument("--pd-prefill-fixed-s", type=float, default=None, metavar="S",
-                   help="conditional: prefill fixed time, instead of the servers' start-up calibration")
-    p.add_argument("--pd-prefill-s-per-token", type=float, default=None, metavar="S",
-                   help="conditional: prefill time per token, instead of the servers' start-up calibration")
-    p.add_argument("--health-check-interval", "--health-check-interval-secs", type=float,
-                   default=d["health_check_interval"].default, metavar="S")
-    p.add_argument("--health-check-timeout", "--health-check-timeout-secs", type=float,
-                   default=d["health_check_timeout"].default, metavar="S")
-    p.add_argument("--health-failure-threshold", type=int, default=d["health_failure_threshold"].default,
-                   help="consecutive failed health checks before a worker is taken out")
-    p.add_argument("--load-poll-interval", type=float, default=d["load_poll_interval"].default, metavar="S",
-                   help="how often least_load and --dp-aware poll GET /get_load")
-    p.add_argument("--request-timeout", "--request-timeout-secs", type=float,
-                   default=d["request_timeout"].default, metavar="S")
-    p.add_argument("--max-retries", "--retry-max-retries", type=int, default=d["max_retries"].default,
-                   help="retries with a new (prefill, decode) pair after a failure before output")
-    p.add_argument("--cb-failure-threshold", type=int, default=d["cb_failure_threshold"].default,
-                   help="consecutive request failures that open a worker's circuit breaker (0: off)")
-    p.add_argument("--cb-cooldown", "--cb-timeout-duration-secs", type=float, default=d["cb_cooldown"].default,
-                   metavar="S", help="seconds an open breaker waits before letting one trial request through")
-    p.add_argument("--max-body-bytes", "--max-payload-size", type=int, default=d["max_body_bytes"].default)
-    p.add_argument("--api-key", default=None,
-                   help="clients must send 'Authorization: Bearer KEY' (all routes but /health and /metrics); "
-                        "default: $PDSERVE_API_KEY")
-    p.add_argument("--worker-api-key", default=None,
-                   help="the key the router presents to its workers (default: --api-key)")
-    p.add_argument("--log-level", default=d["log_level"].default,
-                   choices=["debug", "info", "warning", "warn", "error", "critical"])
+    p.add_argument(
+        "--prefill-policy", choices=POLICIES, default=None, help="overrides --policy for prefill"
+    )
+    p.add_argument(
+        "--decode-policy", choices=POLICIES, default=None, help="overrides --policy for decode"
+    )
+    p.add_argument(
+        "--dp-aware",
+        action="store_true",
+        help="pick each worker's data-parallel group too (its dp_size from /server_info, the least "
+        "loaded group by /get_load, else in turn) and send it as routed_dp_rank; decode also "
+        "gets disagg_prefill_dp_rank, prefill's group. Without it the servers choose",
+    )
+    p.add_argument(
+        "--cache-aware-balance",
+        type=float,
+        default=d["cache_aware_balance"].default,
+        metavar="W",
+        help="cache_aware: weight of a worker's load (tokens in hand) against the prompt tokens its "
+        "cache spares it; 0 follows the cache alone",
+    )
+    p.add_argument(
+        "--tokenizer-path",
+        default=None,
+        help="tokenizer for matching text prompts against the workers' caches (default: the model "
+        "path the workers report, when it exists here)",
+    )
+    p.add_argument(
+        "--pd-policy",
+        choices=PD_POLICIES,
+        default=d["pd_policy"].default,
+        help="always: every request prefills on a prefill server; conditional: the router may have "
+        "the decode server prefill it itself when that is estimated faster (pdserve decode "
+        "servers only; see docs)",
+    )
+    p.add_argument(
+        "--pd-local-max-tokens",
+        type=int,
+        default=d["pd_local_max_tokens"].default,
+        metavar="N",
+        help="conditional: never prefill on decode more than N tokens it does not hold",
+    )
+    p.add_argument(
+        "--pd-itl-weight",
+        type=float,
+        default=d["pd_itl_weight"].default,
+        metavar="W",
+        help="conditional: weight of the stall a local prefill inflicts on each running stream, against "
+        "the TTFT it saves (1: minimise the total latency added; lower favours TTFT over ITL)",
+    )
+    p.add_argument(
+        "--pd-kv-bandwidth",
+        type=float,
+        default=d["pd_kv_bandwidth"].default,
+        metavar="BYTES_PER_S",
+        help="conditional: KV transfer rate assumed until a prefill reports its measured one",
+    )
+    p.add_argument(
+        "--pd-overhead-s",
+        type=float,
+        default=d["pd_overhead_s"].default,
+        metavar="S",
+        help="conditional: fixed cost of the PD path (second leg, bootstrap, handshake)",
+    )
+    p.add_argument(
+        "--pd-prefill-fixed-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="conditional: prefill fixed time, instead of the servers' start-up calibration",
+    )
+    p.add_argument(
+        "--pd-prefill-s-per-token",
+        type=float,
+        default=None,
+        metavar="S",
+        help="conditional: prefill time per token, instead of the servers' start-up calibration",
+    )
+    p.add_argument(
+        "--health-check-interval",
+        "--health-check-interval-secs",
+        type=float,
+        default=d["health_check_interval"].default,
+        metavar="S",
+    )
+    p.add_argument(
+        "--health-check-timeout",
+        "--health-check-timeout-secs",
+        type=float,
+        default=d["health_check_timeout"].default,
+        metavar="S",
+    )
+    p.add_argument(
+        "--health-failure-threshold",
+        type=int,
+        default=d["health_failure_threshold"].default,
+        help="consecutive failed health checks before a worker is taken out",
+    )
+    p.add_argument(
+        "--load-poll-interval",
+        type=float,
+        default=d["load_poll_interval"].default,
+        metavar="S",
+        help="how often least_load and --dp-aware poll GET /get_load",
+    )
+    p.add_argument(
+        "--request-timeout",
+        "--request-timeout-secs",
+        type=float,
+        default=d["request_timeout"].default,
+        metavar="S",
+    )
+    p.add_argument(
+        "--max-retries",
+        "--retry-max-retries",
+        type=int,
+        default=d["max_retries"].default,
+        help="retries with a new (prefill, decode) pair after a failure before output",
+    )
+    p.add_argument(
+        "--cb-failure-threshold",
+        type=int,
+        default=d["cb_failure_threshold"].default,
+        help="consecutive request failures that open a worker's circuit breaker (0: off)",
+    )
+    p.add_argument(
+        "--cb-cooldown",
+        "--cb-timeout-duration-secs",
+        type=float,
+        default=d["cb_cooldown"].default,
+        metavar="S",
+        help="seconds an open breaker waits before letting one trial request through",
+    )
+    p.add_argument(
+        "--max-body-bytes", "--max-payload-size", type=int, default=d["max_body_bytes"].default
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="clients must send 'Authorization: Bearer KEY' (all routes but /health and /metrics); "
+        "default: $PDSERVE_API_KEY",
+    )
+    p.add_argument(
+        "--worker-api-key",
+        default=None,
+        help="the key the router presents to its workers (default: --api-key)",
+    )
+    p.add_argument(
+        "--log-level",
+        default=d["log_level"].default,
+        choices=["debug", "info", "warning", "warn", "error", "critical"],
+    )
     return p
 
 
@@ -329,22 +576,49 @@ def parse_args(argv: list[str]) -> RouterArgs:
         prefill.append((values[0], port))
     level = "warning" if ns.log_level == "warn" else ns.log_level
     return RouterArgs(
-        prefill=prefill, decode=ns.decode, worker=ns.worker, pd_disaggregation=ns.pd_disaggregation,
+        prefill=prefill,
+        decode=ns.decode,
+        worker=ns.worker,
+        pd_disaggregation=ns.pd_disaggregation,
         prefill_dns=[_dns_target(t, True) for t in ns.prefill_dns],
-        decode_dns=[_dns_target(t, False) for t in ns.decode_dns], dns_interval=ns.dns_interval,
-        dns_server=ns.dns_server, add_worker_timeout=ns.add_worker_timeout, drain_timeout=ns.drain_timeout,
-        autoscale=ns.autoscale, autoscale_interval=ns.autoscale_interval, autoscale_window=ns.autoscale_window,
-        autoscale_cooldown=ns.autoscale_cooldown, autoscale_queue=ns.autoscale_queue,
-        autoscale_min_prefill=ns.autoscale_min_prefill, autoscale_min_decode=ns.autoscale_min_decode,
-        host=ns.host, port=ns.port, workers=ns.workers, policy=ns.policy,
-        prefill_policy=ns.prefill_policy, decode_policy=ns.decode_policy, dp_aware=ns.dp_aware,
-        cache_aware_balance=ns.cache_aware_balance, tokenizer_path=ns.tokenizer_path, pd_policy=ns.pd_policy,
-        pd_local_max_tokens=ns.pd_local_max_tokens, pd_itl_weight=ns.pd_itl_weight,
-        pd_kv_bandwidth=ns.pd_kv_bandwidth, pd_overhead_s=ns.pd_overhead_s,
-        pd_prefill_fixed_s=ns.pd_prefill_fixed_s, pd_prefill_s_per_token=ns.pd_prefill_s_per_token,
-        health_check_interval=ns.health_check_interval, health_check_timeout=ns.health_check_timeout,
-        health_failure_threshold=ns.health_failure_threshold, load_poll_interval=ns.load_poll_interval,
-        request_timeout=ns.request_timeout, max_retries=ns.max_retries,
-        cb_failure_threshold=ns.cb_failure_threshold, cb_cooldown=ns.cb_cooldown,
-        max_body_bytes=ns.max_body_bytes, log_level=level, api_key=ns.api_key or envs.api_key(),
-        worker_api_key=ns.worker_api_key)
+        decode_dns=[_dns_target(t, False) for t in ns.decode_dns],
+        dns_interval=ns.dns_interval,
+        dns_server=ns.dns_server,
+        add_worker_timeout=ns.add_worker_timeout,
+        drain_timeout=ns.drain_timeout,
+        autoscale=ns.autoscale,
+        autoscale_interval=ns.autoscale_interval,
+        autoscale_window=ns.autoscale_window,
+        autoscale_cooldown=ns.autoscale_cooldown,
+        autoscale_queue=ns.autoscale_queue,
+        autoscale_min_prefill=ns.autoscale_min_prefill,
+        autoscale_min_decode=ns.autoscale_min_decode,
+        host=ns.host,
+        port=ns.port,
+        workers=ns.workers,
+        policy=ns.policy,
+        prefill_policy=ns.prefill_policy,
+        decode_policy=ns.decode_policy,
+        dp_aware=ns.dp_aware,
+        cache_aware_balance=ns.cache_aware_balance,
+        tokenizer_path=ns.tokenizer_path,
+        pd_policy=ns.pd_policy,
+        pd_local_max_tokens=ns.pd_local_max_tokens,
+        pd_itl_weight=ns.pd_itl_weight,
+        pd_kv_bandwidth=ns.pd_kv_bandwidth,
+        pd_overhead_s=ns.pd_overhead_s,
+        pd_prefill_fixed_s=ns.pd_prefill_fixed_s,
+        pd_prefill_s_per_token=ns.pd_prefill_s_per_token,
+        health_check_interval=ns.health_check_interval,
+        health_check_timeout=ns.health_check_timeout,
+        health_failure_threshold=ns.health_failure_threshold,
+        load_poll_interval=ns.load_poll_interval,
+        request_timeout=ns.request_timeout,
+        max_retries=ns.max_retries,
+        cb_failure_threshold=ns.cb_failure_threshold,
+        cb_cooldown=ns.cb_cooldown,
+        max_body_bytes=ns.max_body_bytes,
+        log_level=level,
+        api_key=ns.api_key or envs.api_key(),
+        worker_api_key=ns.worker_api_key,
+    )

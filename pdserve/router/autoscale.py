@@ -81,8 +81,10 @@ class Move:
     after: float  # and predicted after the move
 
     def describe(self) -> str:
-        return (f"{self.target} falls behind: the longer queue per server would go from {self.before:.1f} to "
-                f"{self.after:.1f} requests with one {self.source} server fewer")
+        return (
+            f"{self.target} falls behind: the longer queue per server would go from {self.before:.1f} to "
+            f"{self.after:.1f} requests with one {self.source} server fewer"
+        )
 
 
 def decide(samples: list[Sample], queue: float, minimum: dict[str, int]) -> Optional[Move]:
@@ -97,7 +99,9 @@ def decide(samples: list[Sample], queue: float, minimum: dict[str, int]) -> Opti
     for target, source in ((PREFILL, DECODE), (DECODE, PREFILL)):
         if n[source] <= minimum[source] or any(s.per_server[target] < queue for s in samples):
             continue
-        after = max(mean[target] * n[target] / (n[target] + 1), mean[source] * n[source] / (n[source] - 1))
+        after = max(
+            mean[target] * n[target] / (n[target] + 1), mean[source] * n[source] / (n[source] - 1)
+        )
         if after < before and (best is None or after < best.after):
             best = Move(source, target, before, after)
     return best
@@ -116,8 +120,15 @@ class Switch:
     outcome: str = "running"
 
     def to_json(self) -> dict:
-        return {"url": self.url, "from": WORKER_TYPES[self.source], "to": WORKER_TYPES[self.target],
-                "reason": self.reason, "started": self.started, "seconds": self.seconds, "outcome": self.outcome}
+        return {
+            "url": self.url,
+            "from": WORKER_TYPES[self.source],
+            "to": WORKER_TYPES[self.target],
+            "reason": self.reason,
+            "started": self.started,
+            "seconds": self.seconds,
+            "outcome": self.outcome,
+        }
 
 
 class Autoscaler:
@@ -134,10 +145,16 @@ class Autoscaler:
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="router-autoscale")
-        logger.info("autoscaling: queues sampled every %gs; a backlog of %g requests per server for %gs moves a "
-                    "server (cooldown %gs; at least %d prefill and %d decode)", self.args.autoscale_interval,
-                    self.args.autoscale_queue, self.args.autoscale_window, self.args.autoscale_cooldown,
-                    self.minimum[PREFILL], self.minimum[DECODE])
+        logger.info(
+            "autoscaling: queues sampled every %gs; a backlog of %g requests per server for %gs moves a "
+            "server (cooldown %gs; at least %d prefill and %d decode)",
+            self.args.autoscale_interval,
+            self.args.autoscale_queue,
+            self.args.autoscale_window,
+            self.args.autoscale_cooldown,
+            self.minimum[PREFILL],
+            self.minimum[DECODE],
+        )
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -147,10 +164,16 @@ class Autoscaler:
     def state(self) -> dict:
         last = self.samples[-1] if self.samples else None
         return {
-            "enabled": True, "interval_s": self.args.autoscale_interval, "window_s": self.args.autoscale_window,
-            "cooldown_s": self.args.autoscale_cooldown, "queue": self.args.autoscale_queue,
-            "min_prefill": self.minimum[PREFILL], "min_decode": self.minimum[DECODE],
-            "backlog_per_server": ({WORKER_TYPES[r]: last.per_server[r] for r in ROLES} if last else None),
+            "enabled": True,
+            "interval_s": self.args.autoscale_interval,
+            "window_s": self.args.autoscale_window,
+            "cooldown_s": self.args.autoscale_cooldown,
+            "queue": self.args.autoscale_queue,
+            "min_prefill": self.minimum[PREFILL],
+            "min_decode": self.minimum[DECODE],
+            "backlog_per_server": (
+                {WORKER_TYPES[r]: last.per_server[r] for r in ROLES} if last else None
+            ),
             "servers": {WORKER_TYPES[r]: len(self.pool.available(r)) for r in ROLES},
             "samples_in_window": len(self.samples),
             "switching": self.moving.to_json() if self.moving else None,
@@ -177,7 +200,10 @@ class Autoscaler:
         self.since = self.since if self.since is not None else sample.t
         while self.samples[0].t < now - self.args.autoscale_window:
             self.samples.popleft()
-        if now - self.since < self.args.autoscale_window or now - self.last_move < self.args.autoscale_cooldown:
+        if (
+            now - self.since < self.args.autoscale_window
+            or now - self.last_move < self.args.autoscale_cooldown
+        ):
             return
         move = decide(list(self.samples), self.args.autoscale_queue, self.minimum)
         if move is None:
@@ -205,7 +231,9 @@ class Autoscaler:
 
         async def one(role: str, w: Worker) -> Optional[int]:
             try:
-                resp = await self.pool.client.get(w.url + "/get_load", timeout=self.args.health_check_timeout)
+                resp = await self.pool.client.get(
+                    w.url + "/get_load", timeout=self.args.health_check_timeout
+                )
                 resp.raise_for_status()
                 return backlog(role, resp.json())
             except (httpx.HTTPError, ValueError, TypeError) as e:
@@ -215,38 +243,60 @@ class Autoscaler:
         got = {r: await asyncio.gather(*(one(r, w) for w in ws)) for r, ws in workers.items()}
         if any(v is None for vs in got.values() for v in vs):
             return None
-        return Sample(time.monotonic(), {r: sum(vs) / len(vs) for r, vs in got.items()},
-                      {r: len(vs) for r, vs in got.items()})
+        return Sample(
+            time.monotonic(),
+            {r: sum(vs) / len(vs) for r, vs in got.items()},
+            {r: len(vs) for r, vs in got.items()},
+        )
 
     def _donor(self, move: Move) -> Optional[Worker]:
-        candidates = [w for w in self.pool.available(move.source) if (w.url, move.target) not in self.refused]
+        candidates = [
+            w for w in self.pool.available(move.source) if (w.url, move.target) not in self.refused
+        ]
         return min(candidates, key=lambda w: w.load_estimate()[0], default=None)
 
     # ------------------------------------------------------------------ moving a server
     async def _move(self, worker: Worker, move: Move) -> None:
         sw, t0 = self.moving, time.monotonic()
         target = WORKER_TYPES[move.target]
-        logger.info("autoscale: switching %s %s to %s: %s", WORKER_TYPES[move.source], worker.url, target, sw.reason)
+        logger.info(
+            "autoscale: switching %s %s to %s: %s",
+            WORKER_TYPES[move.source],
+            worker.url,
+            target,
+            sw.reason,
+        )
         self.membership.remove(worker, f"autoscale: becoming a {target} server")
         await self.membership.drained(worker)
         try:
-            resp = await self.pool.client.post(worker.url + "/switch_role",
-                                               json={"role": target, "drain_timeout": self.args.drain_timeout},
-                                               timeout=self.args.drain_timeout + SWITCH_EXTRA_S)
+            resp = await self.pool.client.post(
+                worker.url + "/switch_role",
+                json={"role": target, "drain_timeout": self.args.drain_timeout},
+                timeout=self.args.drain_timeout + SWITCH_EXTRA_S,
+            )
             ok, said = resp.status_code == 200, _message(resp)
         except httpx.HTTPError as e:
             ok, said = False, repr(e)
         role = move.target if ok else move.source
         if not ok:
             self.refused.add((worker.url, move.target))
-            logger.warning("autoscale: %s refused to become a %s server (%s); back as %s", worker.url, target, said,
-                           WORKER_TYPES[role])
+            logger.warning(
+                "autoscale: %s refused to become a %s server (%s); back as %s",
+                worker.url,
+                target,
+                said,
+                WORKER_TYPES[role],
+            )
         try:
             await self.membership.add(worker.url, WORKER_TYPES[role], source=worker.source)
             sw.outcome = "switched" if ok else f"refused: {said}"
         except MembershipError as e:
-            sw.outcome = (f"switched, not taken back: {e}" if ok else f"refused ({said}), not taken back: {e}")
-            logger.warning("autoscale: %s not taken back as %s: %s", worker.url, WORKER_TYPES[role], e)
+            sw.outcome = (
+                f"switched, not taken back: {e}" if ok else f"refused ({said}), not taken back: {e}"
+            )
+            logger.warning(
+                "autoscale: %s not taken back as %s: %s", worker.url, WORKER_TYPES[role], e
+            )
         sw.seconds = round(time.monotonic() - t0, 3)
         logger.info("autoscale: %s %s after %.1fs", worker.url, sw.outcome, sw.seconds)
 
@@ -257,5 +307,9 @@ def _message(resp: httpx.Response) -> str:
     except ValueError:
         return f"HTTP {resp.status_code}: {resp.text[:200]}"
     err = body.get("error") if isinstance(body, dict) else None
-    msg = err.get("message") if isinstance(err, dict) else (body.get("message") if isinstance(body, dict) else None)
+    msg = (
+        err.get("message")
+        if isinstance(err, dict)
+        else (body.get("message") if isinstance(body, dict) else None)
+    )
     return f"HTTP {resp.status_code}: {msg or body}"

@@ -48,15 +48,18 @@ class Target:
 
 
 def targets(args) -> list[Target]:
-    return ([Target(PREFILL, n, p, b) for n, p, b in args.prefill_dns]
-            + [Target(DECODE, n, p) for n, p in args.decode_dns])
+    return [Target(PREFILL, n, p, b) for n, p, b in args.prefill_dns] + [
+        Target(DECODE, n, p) for n, p in args.decode_dns
+    ]
 
 
 class SystemResolver:
     async def addresses(self, name: str) -> set[str] | None:
         """The name's addresses; empty when it has none; None when the resolver failed."""
         try:
-            infos = await asyncio.get_running_loop().getaddrinfo(name, None, type=socket.SOCK_STREAM)
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                name, None, type=socket.SOCK_STREAM
+            )
         except socket.gaierror as e:
             return set() if e.errno in _NO_SUCH_NAME else None
         return {info[4][0] for info in infos}
@@ -91,8 +94,12 @@ class ServerResolver:
                 failed = failed or f"{rdtype}: {e!r}"
                 continue
             found |= {r.address for r in answer}
-        if failed and not found:  # addresses of one family are enough; none, after a failure, says nothing
-            logger.warning("DNS query for %s failed (%s); keeping its workers as they are", name, failed)
+        if (
+            failed and not found
+        ):  # addresses of one family are enough; none, after a failure, says nothing
+            logger.warning(
+                "DNS query for %s failed (%s); keeping its workers as they are", name, failed
+            )
             return None
         return found
 
@@ -104,7 +111,9 @@ class DNSDiscovery:
         self.interval = args.dns_interval
         self.targets = targets(args)
         timeout = min(args.dns_interval, 5.0)
-        self.resolver = ServerResolver(args.dns_server, timeout) if args.dns_server else SystemResolver()
+        self.resolver = (
+            ServerResolver(args.dns_server, timeout) if args.dns_server else SystemResolver()
+        )
         self._adding: dict[str, asyncio.Task] = {}
         self._refused: dict[str, str] = {}  # url -> why it was last refused (logged once)
         self._task: asyncio.Task | None = None
@@ -132,17 +141,25 @@ class DNSDiscovery:
         if addresses is None:
             return
         urls = {target.url(a) for a in addresses}
-        for worker in [w for w in self.pool.workers if w.source == target.source and w.draining is None]:
+        for worker in [
+            w for w in self.pool.workers if w.source == target.source and w.draining is None
+        ]:
             if worker.url not in urls:
                 self.membership.remove(worker, f"its address left DNS name {target.name}")
         for url in sorted(urls):
             if self.pool.find(url) is None and url not in self._adding:
-                self._adding[url] = asyncio.create_task(self._add(target, url), name=f"router-dns-add-{url}")
+                self._adding[url] = asyncio.create_task(
+                    self._add(target, url), name=f"router-dns-add-{url}"
+                )
 
     async def _add(self, target: Target, url: str) -> None:
         try:
-            await self.membership.add(url, "prefill" if target.role == PREFILL else "decode", target.bootstrap_port,
-                                      source=target.source)
+            await self.membership.add(
+                url,
+                "prefill" if target.role == PREFILL else "decode",
+                target.bootstrap_port,
+                source=target.source,
+            )
             self._refused.pop(url, None)
         except MembershipError as e:
             if self._refused.get(url) != str(e):  # said once per reason; tried again every round

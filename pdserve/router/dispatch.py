@@ -38,8 +38,15 @@ from starlette.responses import JSONResponse, Response
 from pdserve.api_key import bearer
 from pdserve.router import pd_policy, protocol, timeline
 from pdserve.router.kv_index import KVIndex, PromptBlocks
-from pdserve.router.legs import (PEER_FAILED, EventReader, Leg, LegResult, ProxyStream, UpstreamError,
-                                 new_session)
+from pdserve.router.legs import (
+    PEER_FAILED,
+    EventReader,
+    Leg,
+    LegResult,
+    ProxyStream,
+    UpstreamError,
+    new_session,
+)
 from pdserve.router.pd_policy import Decision
 from pdserve.router.prompt import PromptReader
 from pdserve.router.relay import Relay
@@ -48,9 +55,23 @@ from pdserve.router.workers import Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
 
-BLAME_GRACE_S = 0.5  # how long one leg's error waits for the other leg's answer to tell whose fault it was
-_NOT_FORWARDED = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "te", "trailer",
-                  "upgrade", "proxy-connection", "expect", "accept-encoding", "content-type"}
+BLAME_GRACE_S = (
+    0.5  # how long one leg's error waits for the other leg's answer to tell whose fault it was
+)
+_NOT_FORWARDED = {
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "te",
+    "trailer",
+    "upgrade",
+    "proxy-connection",
+    "expect",
+    "accept-encoding",
+    "content-type",
+}
 
 
 def error_response(status: int, message: str) -> JSONResponse:
@@ -95,7 +116,9 @@ class Call:
     outputs: int  # decode outputs expected (inputs x samples), to map them to prefill items
     timeline: bool = False  # the client asked for the timeline (router/timeline.py)
     events: dict = field(default_factory=dict)  # the router's timeline events of this request
-    prompt: PromptBlocks | None = None  # the prompt's tokens, when a policy needs them and they are known
+    prompt: PromptBlocks | None = (
+        None  # the prompt's tokens, when a policy needs them and they are known
+    )
     decision: Decision | None = None  # where the answering attempt prefilled (--pd-policy)
 
     @property
@@ -105,7 +128,11 @@ class Call:
 
     @property
     def shows_decision(self) -> bool:
-        return self.decision is not None and self.decision.reason != "always" and self.path == "/generate"
+        return (
+            self.decision is not None
+            and self.decision.reason != "always"
+            and self.path == "/generate"
+        )
 
 
 @dataclass
@@ -132,8 +159,14 @@ def _group(worker: Worker | None, body: dict | None) -> int | None:
 
 
 class Dispatcher:
-    def __init__(self, pool: WorkerPool, metrics, args, index: KVIndex | None = None,
-                 prompts: PromptReader | None = None):
+    def __init__(
+        self,
+        pool: WorkerPool,
+        metrics,
+        args,
+        index: KVIndex | None = None,
+        prompts: PromptReader | None = None,
+    ):
         self.pool = pool
         self.metrics = metrics
         self.args = args
@@ -165,10 +198,19 @@ class Dispatcher:
         if self.prompts is not None and batch is None:
             ids = self.prompts.ids(path, body)
             prompt = PromptBlocks(ids) if ids else None
-        return Call(path, raw, body, headers, stream=bool(body.get("stream")),
-                    merge_logprobs=pd and path == "/generate" and bool(body.get("return_logprob")),
-                    items=items, outputs=(items or 1) * samples, timeline=timeline.requested(request.headers),
-                    events=timeline.events_of(request.scope), prompt=prompt)
+        return Call(
+            path,
+            raw,
+            body,
+            headers,
+            stream=bool(body.get("stream")),
+            merge_logprobs=pd and path == "/generate" and bool(body.get("return_logprob")),
+            items=items,
+            outputs=(items or 1) * samples,
+            timeline=timeline.requested(request.headers),
+            events=timeline.events_of(request.scope),
+            prompt=prompt,
+        )
 
     async def handle(self, call: Call) -> Response:
         exclude: set[Worker] = set()
@@ -183,13 +225,24 @@ class Dispatcher:
                 break
             if attempt:
                 self.metrics.retries.labels(call.path).inc()
-                logger.info("retrying %s on %s after: %s", call.path, [w.url for w in pair],
-                            failure.result.error or f"HTTP {failure.result.status}")
+                logger.info(
+                    "retrying %s on %s after: %s",
+                    call.path,
+                    [w.url for w in pair],
+                    failure.result.error or f"HTTP {failure.result.status}",
+                )
             prefill, main = (pair[0], pair[1]) if len(pair) == 2 else (None, pair[0])
             if prefill is not None:
-                prefill, call.decision = self.selector.decide(call.prompt, prefill, main, call.path,
-                                                              batch=call.items is not None or call.outputs > 1)
-            call.merge_logprobs = merge_logprobs and prefill is not None  # decode has them all when local
+                prefill, call.decision = self.selector.decide(
+                    call.prompt,
+                    prefill,
+                    main,
+                    call.path,
+                    batch=call.items is not None or call.outputs > 1,
+                )
+            call.merge_logprobs = (
+                merge_logprobs and prefill is not None
+            )  # decode has them all when local
             attempt_fn = self._stream if call.stream else self._unary
             outcome = await attempt_fn(call, prefill, main, self.outgoing(call, prefill, main))
             if isinstance(outcome, Response):
@@ -210,21 +263,42 @@ class Dispatcher:
         body = call.body
         if prefill is not None:
             body = protocol.with_bootstrap(body, prefill.host, prefill.bootstrap_port, call.items)
-            logger.debug("%s -> prefill %s, decode %s, room %s", call.path, prefill.url, main.url,
-                         body["bootstrap_room"])
+            logger.debug(
+                "%s -> prefill %s, decode %s, room %s",
+                call.path,
+                prefill.url,
+                main.url,
+                body["bootstrap_room"],
+            )
         if not self.args.dp_aware:
             payload = _encode(body)
             return Outgoing(payload, payload)
         choose = self.selector.group_chooser
-        p_body, d_body = protocol.with_dp_ranks(body, prefill and choose(prefill, call.prompt),
-                                                choose(main, call.prompt))
-        return Outgoing(_encode(d_body), p_body and _encode(p_body), _group(main, d_body), _group(prefill, p_body))
+        p_body, d_body = protocol.with_dp_ranks(
+            body, prefill and choose(prefill, call.prompt), choose(main, call.prompt)
+        )
+        return Outgoing(
+            _encode(d_body),
+            p_body and _encode(p_body),
+            _group(main, d_body),
+            _group(prefill, p_body),
+        )
 
     def _legs(self, call: Call, prefill: Worker | None, main: Worker, out: Outgoing):
         call.events["dispatched"] = time.time()
+
         def leg(w: Worker, payload: bytes, dp_rank: int | None) -> Leg:
-            return Leg(self.client, w, call.path, payload, call.headers, self.pool.on_connect_error, self.metrics,
-                       dp_rank)
+            return Leg(
+                self.client,
+                w,
+                call.path,
+                payload,
+                call.headers,
+                self.pool.on_connect_error,
+                self.metrics,
+                dp_rank,
+            )
+
         p_leg = leg(prefill, out.p_payload, out.p_dp_rank) if prefill is not None else None
         return p_leg, leg(main, out.payload, out.dp_rank)
 
@@ -239,17 +313,28 @@ class Dispatcher:
                 return fail
             dres: LegResult = d_task.result()
             if not dres.ok:
-                return failure(main, dres, prefill) if dres.retryable else Failure(main, dres).response()
+                return (
+                    failure(main, dres, prefill)
+                    if dres.retryable
+                    else Failure(main, dres).response()
+                )
             body, media_type, p_items = dres.body, dres.content_type, None
             if call.merge_logprobs or (call.timeline and p_task is not None):
                 pres: LegResult = await p_task
                 p_items = protocol.prefill_items(pres.body) if pres.ok else None
-                merged = protocol.merge_logprobs_json(body, p_items) if call.merge_logprobs and pres.ok else None
+                merged = (
+                    protocol.merge_logprobs_json(body, p_items)
+                    if call.merge_logprobs and pres.ok
+                    else None
+                )
                 if merged is not None:
                     body, media_type = merged, "application/json"
                 elif call.merge_logprobs:
-                    logger.warning("could not merge input logprobs from %s: %s", prefill.url,
-                                   pres.error or f"HTTP {pres.status}")
+                    logger.warning(
+                        "could not merge input logprobs from %s: %s",
+                        prefill.url,
+                        pres.error or f"HTTP {pres.status}",
+                    )
             elif p_task is not None and not p_task.done():
                 self._drain(p_leg)
                 handed_off = True
@@ -277,7 +362,11 @@ class Dispatcher:
                 return Failure(main, d_leg.failed(e))
             if resp.status != 200:
                 dres = await d_leg.result()
-                return failure(main, dres, prefill) if dres.retryable else Failure(main, dres).response()
+                return (
+                    failure(main, dres, prefill)
+                    if dres.retryable
+                    else Failure(main, dres).response()
+                )
             p_items = None
             if call.merge_logprobs or (call.timeline and p_task is not None):
                 # Merging (input logprobs, the timeline) needs prefill's whole answer before
@@ -300,26 +389,36 @@ class Dispatcher:
             error = protocol.first_event_error(first)
             if error is not None:  # decode failed before any output: still retryable
                 status, body = error
-                if p_task is not None and not p_task.done():  # a prefill failure usually answers too
+                if (
+                    p_task is not None and not p_task.done()
+                ):  # a prefill failure usually answers too
                     await asyncio.wait({p_task}, timeout=BLAME_GRACE_S)
                 pres = p_task.result() if p_task is not None and p_task.done() else None
-                prefill_at_fault = status == PEER_FAILED or (pres is not None and not pres.ok
-                                                             and pres.status != PEER_FAILED)
+                prefill_at_fault = status == PEER_FAILED or (
+                    pres is not None and not pres.ok and pres.status != PEER_FAILED
+                )
                 d_leg.finish(prefill_at_fault or status < 500)
-                dres = LegResult(status, body, "application/json", error=body.decode(errors="replace"))
+                dres = LegResult(
+                    status, body, "application/json", error=body.decode(errors="replace")
+                )
                 return Failure(main, dres, prefill if prefill_at_fault else None)
             handed_off = True
             relay = Relay(call, first, reader, p_leg, d_leg, p_items, self._drain)
-            return ProxyStream(relay.chunks(), status_code=200, media_type=resp.headers.get("content-type"),
-                               on_close=relay.close)
+            return ProxyStream(
+                relay.chunks(),
+                status_code=200,
+                media_type=resp.headers.get("content-type"),
+                on_close=relay.close,
+            )
         finally:
             if not handed_off:
                 await d_leg.close()
                 if p_leg is not None:
                     await p_leg.close()
 
-    async def _watch_prefill(self, task: asyncio.Task, p_task: asyncio.Task | None, p_leg,
-                             main: Worker) -> Failure | None:
+    async def _watch_prefill(
+        self, task: asyncio.Task, p_task: asyncio.Task | None, p_leg, main: Worker
+    ) -> Failure | None:
         """Wait for ``task`` (a decode step). If the prefill leg fails first, or together with
         a decode step that did not succeed, return the prefill failure: decode cannot produce
         output without prefill's KV, and prefill's error names the cause. When prefill says its
@@ -334,7 +433,12 @@ class Dispatcher:
                     await asyncio.wait({task}, timeout=BLAME_GRACE_S)
                 if not pres.ok and not task.done():
                     return failure(p_leg.worker, pres, main)
-        if p_task is None or not p_task.done() or p_task.result().ok or p_task.result().status == PEER_FAILED:
+        if (
+            p_task is None
+            or not p_task.done()
+            or p_task.result().ok
+            or p_task.result().status == PEER_FAILED
+        ):
             return None
         decode_step = None if task.cancelled() or task.exception() is not None else task.result()
         if isinstance(decode_step, LegResult) and decode_step.ok:
@@ -343,6 +447,7 @@ class Dispatcher:
 
     def _drain(self, leg: Leg) -> None:
         """Let a prefill leg whose answer nobody needs finish in the background."""
+
         async def run() -> None:
             try:
                 await asyncio.wait_for(asyncio.shield(leg.result()), self.args.request_timeout)
@@ -350,6 +455,7 @@ class Dispatcher:
                 pass
             finally:
                 await leg.close()
+
         task = asyncio.create_task(run())
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -32,8 +32,14 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pdserve.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, chain_hashes,
-                                      offset_port)
+from pdserve.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    chain_hashes,
+    offset_port,
+)
 from pdserve.router.workers import Worker
 
 logger = logging.getLogger(__name__)
@@ -77,8 +83,15 @@ class PromptBlocks:
 class GroupFeed:
     """One publisher's blocks, kept up to date (see the module doc)."""
 
-    def __init__(self, index: "KVIndex", worker: Worker, dp_rank: int, endpoint: str,
-                 replay: Optional[str], topic: bytes):
+    def __init__(
+        self,
+        index: "KVIndex",
+        worker: Worker,
+        dp_rank: int,
+        endpoint: str,
+        replay: Optional[str],
+        topic: bytes,
+    ):
         self.index = index
         self.worker = worker
         self.dp_rank = dp_rank
@@ -107,8 +120,14 @@ class GroupFeed:
         return n
 
     def describe(self) -> dict:
-        return {"dp_rank": self.dp_rank, "endpoint": self.endpoint, "synced": self.synced,
-                "blocks": len(self.hashes), "block_size": self.block_size, "next_seq": self.expected}
+        return {
+            "dp_rank": self.dp_rank,
+            "endpoint": self.endpoint,
+            "synced": self.synced,
+            "blocks": len(self.hashes),
+            "block_size": self.block_size,
+            "next_seq": self.expected,
+        }
 
     def drop(self) -> None:
         self.hashes.clear()
@@ -127,10 +146,14 @@ class GroupFeed:
 
     def _check_stored(self, e: BlockStored) -> None:
         if e.block_size != self.block_size:
-            raise BadEvent("block_size", f"block size {e.block_size}, the worker's is {self.block_size}")
+            raise BadEvent(
+                "block_size", f"block size {e.block_size}, the worker's is {self.block_size}"
+            )
         if len(e.token_ids) != len(e.block_hashes) * e.block_size:
-            raise BadEvent("token_count", f"{len(e.token_ids)} tokens for {len(e.block_hashes)} blocks "
-                                          f"of {e.block_size}")
+            raise BadEvent(
+                "token_count",
+                f"{len(e.token_ids)} tokens for {len(e.block_hashes)} blocks of {e.block_size}",
+            )
         if chain_hashes(e.parent_block_hash, e.token_ids, e.block_size) != e.block_hashes:
             raise BadEvent("hash_chain", "block hashes do not chain from the tokens")
 
@@ -173,12 +196,17 @@ class GroupFeed:
             while True:
                 if self._resync_needed:
                     await self._resync(sub, self._resync_needed)
-                ready = dict(await poller.poll(RESYNC_RETRY_S * 1000 if self._resync_needed else None))
+                ready = dict(
+                    await poller.poll(RESYNC_RETRY_S * 1000 if self._resync_needed else None)
+                )
                 if monitor in ready:
                     event = parse_monitor_message(await monitor.recv_multipart())["event"]
                     if event == zmq.EVENT_DISCONNECTED:
-                        logger.info("KV events of %s (dp %d): disconnected; index dropped", self.worker.url,
-                                    self.dp_rank)
+                        logger.info(
+                            "KV events of %s (dp %d): disconnected; index dropped",
+                            self.worker.url,
+                            self.dp_rank,
+                        )
                         self.drop()
                     elif event == zmq.EVENT_CONNECTED:
                         if connected_once:
@@ -198,12 +226,20 @@ class GroupFeed:
                 await self._fill_gap(gap_from, frames)
         except BadEvent as e:
             self.index.metrics.kv_events_rejected.labels(self.worker.url, e.reason).inc()
-            logger.warning("KV events of %s (dp %d): rejected a batch (%s); rebuilding the index",
-                           self.worker.url, self.dp_rank, e)
+            logger.warning(
+                "KV events of %s (dp %d): rejected a batch (%s); rebuilding the index",
+                self.worker.url,
+                self.dp_rank,
+                e,
+            )
             self._resync_needed = "bad_event"
         except _Restarted as e:
-            logger.info("KV events of %s (dp %d): %s (publisher restarted); rebuilding the index",
-                        self.worker.url, self.dp_rank, e)
+            logger.info(
+                "KV events of %s (dp %d): %s (publisher restarted); rebuilding the index",
+                self.worker.url,
+                self.dp_rank,
+                e,
+            )
             self._resync_needed = "restart"
 
     async def _fill_gap(self, start: int, trigger: list[bytes]) -> None:
@@ -242,30 +278,51 @@ class GroupFeed:
             snap = await self.index.snapshot(self.worker)
             group = next(g for g in snap["groups"] if g.get("dp_rank", 0) == self.dp_rank)
             self.block_size = int(snap["block_size"])
-            stored = [BlockStored(block_hashes=e["block_hashes"], parent_block_hash=e["parent_block_hash"],
-                                  token_ids=e["token_ids"], block_size=self.block_size) for e in group["events"]]
+            stored = [
+                BlockStored(
+                    block_hashes=e["block_hashes"],
+                    parent_block_hash=e["parent_block_hash"],
+                    token_ids=e["token_ids"],
+                    block_size=self.block_size,
+                )
+                for e in group["events"]
+            ]
             self.apply(stored)
             seq = group["seq"]
         except BadEvent as e:
             self.index.metrics.kv_events_rejected.labels(self.worker.url, e.reason).inc()
-            logger.warning("KV events snapshot of %s (dp %d) rejected: %s", self.worker.url, self.dp_rank, e)
+            logger.warning(
+                "KV events snapshot of %s (dp %d) rejected: %s", self.worker.url, self.dp_rank, e
+            )
             self.drop()
             return
         except (httpx.HTTPError, ValueError, KeyError, TypeError, StopIteration) as e:
-            logger.debug("KV events snapshot of %s (dp %d) failed: %r", self.worker.url, self.dp_rank, e)
+            logger.debug(
+                "KV events snapshot of %s (dp %d) failed: %r", self.worker.url, self.dp_rank, e
+            )
             self.drop()
             return
         self.expected = (seq if isinstance(seq, int) else -1) + 1
         self._resync_needed = None
         self.index.metrics.kv_index_resyncs.labels(self.worker.url, reason).inc()
-        logger.info("KV index of %s (dp %d) rebuilt (%s): %d blocks, next seq %d", self.worker.url,
-                    self.dp_rank, reason, len(self.hashes), self.expected)
+        logger.info(
+            "KV index of %s (dp %d) rebuilt (%s): %d blocks, next seq %d",
+            self.worker.url,
+            self.dp_rank,
+            reason,
+            len(self.hashes),
+            self.expected,
+        )
         while True:  # what was published while the snapshot was on its way
             try:
                 frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) == 3 and len(frames[1]) == 8 and int.from_bytes(frames[1], "big") < self.expected:
+            if (
+                len(frames) == 3
+                and len(frames[1]) == 8
+                and int.from_bytes(frames[1], "big") < self.expected
+            ):
                 continue  # already in the snapshot
             await self._receive(sub, frames)
 
@@ -293,15 +350,29 @@ class KVIndex:
         endpoint = info.get("kv_events_endpoint")
         if not isinstance(endpoint, str) or not endpoint:
             if worker.url not in self.feeds:
-                logger.warning("%s %s publishes no KV events (start it with --kv-events-endpoint); "
-                               "its cache is not known to the router", worker.role, worker.url)
+                logger.warning(
+                    "%s %s publishes no KV events (start it with --kv-events-endpoint); "
+                    "its cache is not known to the router",
+                    worker.role,
+                    worker.url,
+                )
             self.detach(worker)
             return
         replay = info.get("kv_events_replay_endpoint") or None
         topic = str(info.get("kv_events_topic") or "").encode()
-        dp_size = info.get("dp_size") if isinstance(info.get("dp_size"), int) and info["dp_size"] >= 1 else 1
-        wanted = [(g, _worker_endpoint(offset_port(endpoint, g), worker.host),
-                   replay and _worker_endpoint(offset_port(replay, g), worker.host)) for g in range(dp_size)]
+        dp_size = (
+            info.get("dp_size")
+            if isinstance(info.get("dp_size"), int) and info["dp_size"] >= 1
+            else 1
+        )
+        wanted = [
+            (
+                g,
+                _worker_endpoint(offset_port(endpoint, g), worker.host),
+                replay and _worker_endpoint(offset_port(replay, g), worker.host),
+            )
+            for g in range(dp_size)
+        ]
         current = self.feeds.get(worker.url)
         if current and [(f.dp_rank, f.endpoint, f.replay) for f in current] == wanted:
             return
@@ -310,8 +381,12 @@ class KVIndex:
         for f in feeds:
             f.task = asyncio.create_task(f.run(), name=f"kv-events-{worker.url}-{f.dp_rank}")
         self.feeds[worker.url] = feeds
-        logger.info("following the KV events of %s %s on %s", worker.role, worker.url,
-                    ", ".join(f.endpoint for f in feeds))
+        logger.info(
+            "following the KV events of %s %s on %s",
+            worker.role,
+            worker.url,
+            ", ".join(f.endpoint for f in feeds),
+        )
 
     def detach(self, worker: Worker) -> None:
         for f in self.feeds.pop(worker.url, []):
@@ -326,7 +401,9 @@ class KVIndex:
         self.feeds.clear()
         self.ctx.term()
 
-    def matched_tokens(self, worker: Worker, prompt: Optional[PromptBlocks]) -> tuple[int, Optional[int]]:
+    def matched_tokens(
+        self, worker: Worker, prompt: Optional[PromptBlocks]
+    ) -> tuple[int, Optional[int]]:
         """(tokens of ``prompt``'s longest prefix that one of ``worker``'s groups holds, that group)."""
         if prompt is None:
             return 0, None
@@ -339,7 +416,10 @@ class KVIndex:
 
     def group_matches(self, worker: Worker, prompt: PromptBlocks) -> dict[int, int]:
         """Tokens of ``prompt``'s longest cached prefix in each of ``worker``'s DP groups."""
-        return {f.dp_rank: f.matched_blocks(prompt) * (f.block_size or 0) for f in self.feeds.get(worker.url, [])}
+        return {
+            f.dp_rank: f.matched_blocks(prompt) * (f.block_size or 0)
+            for f in self.feeds.get(worker.url, [])
+        }
 
     def known(self, worker: Worker) -> bool:
         return any(f.synced for f in self.feeds.get(worker.url, []))

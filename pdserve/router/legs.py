@@ -46,16 +46,25 @@ class UpstreamError(Exception):
         """The worker stopped answering (read timeout, no free connection in time); a connect
         timeout is not one: nothing was sent, another worker may take the request."""
         c = self.cause
-        return isinstance(c, asyncio.TimeoutError) and not isinstance(c, aiohttp.ConnectionTimeoutError)
+        return isinstance(c, asyncio.TimeoutError) and not isinstance(
+            c, aiohttp.ConnectionTimeoutError
+        )
 
     @property
     def worker_gone(self) -> bool:
         """The worker's process is gone: the connection was refused, or closed or reset in the
         middle of a request (a killed server); a timeout is not one of them."""
         c = self.cause
-        return (isinstance(c, (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
-                               aiohttp.ClientPayloadError, aiohttp.ClientOSError, ConnectionError))
-                and not isinstance(c, asyncio.TimeoutError))
+        return isinstance(
+            c,
+            (
+                aiohttp.ClientConnectorError,
+                aiohttp.ServerDisconnectedError,
+                aiohttp.ClientPayloadError,
+                aiohttp.ClientOSError,
+                ConnectionError,
+            ),
+        ) and not isinstance(c, asyncio.TimeoutError)
 
 
 class LegAborted(UpstreamError):
@@ -69,9 +78,14 @@ def new_session(timeout: float, headers: dict) -> aiohttp.ClientSession:
     """The client of the legs: ``timeout`` for each read and for a free connection, connecting
     within 10 s; bodies passed on as they come (no decompression)."""
     limits = aiohttp.TCPConnector(limit=4096, limit_per_host=0, keepalive_timeout=30)
-    return aiohttp.ClientSession(connector=limits, headers=headers, auto_decompress=False,
-                                 timeout=aiohttp.ClientTimeout(total=None, connect=timeout,
-                                                               sock_connect=min(10.0, timeout), sock_read=timeout))
+    return aiohttp.ClientSession(
+        connector=limits,
+        headers=headers,
+        auto_decompress=False,
+        timeout=aiohttp.ClientTimeout(
+            total=None, connect=timeout, sock_connect=min(10.0, timeout), sock_read=timeout
+        ),
+    )
 
 
 @dataclass
@@ -89,34 +103,52 @@ class LegResult:
     @property
     def retryable(self) -> bool:
         """Worth another pair: the worker broke (5xx or transport error), not the request (4xx)."""
-        return (self.status is None and not self.timed_out) or (self.status is not None and self.status >= 500)
+        return (self.status is None and not self.timed_out) or (
+            self.status is not None and self.status >= 500
+        )
 
 
 class Leg:
-    def __init__(self, client: aiohttp.ClientSession, worker: Worker, path: str, payload: bytes,
-                 headers: dict, on_connect_error, metrics, dp_rank: int | None = None):
+    def __init__(
+        self,
+        client: aiohttp.ClientSession,
+        worker: Worker,
+        path: str,
+        payload: bytes,
+        headers: dict,
+        on_connect_error,
+        metrics,
+        dp_rank: int | None = None,
+    ):
         self.worker = worker
         self.dp_rank = dp_rank
         self.metrics = metrics
         self.on_connect_error = on_connect_error
         self.started = time.monotonic()
         self.response: aiohttp.ClientResponse | None = None
-        self.complete = False  # the answer was read to its end: its connection can serve another leg
+        self.complete = (
+            False  # the answer was read to its end: its connection can serve another leg
+        )
         self.outcome: bool | None = None
         self.closed = False
         self.abort_reason: str | None = None
-        self.reader: asyncio.Task | None = None  # the task reading its stream, while it waits for bytes
+        self.reader: asyncio.Task | None = (
+            None  # the task reading its stream, while it waits for bytes
+        )
         worker.in_flight += 1
         worker.dispatched += 1
         worker.legs.add(self)
         if dp_rank is not None:
             worker.group_in_flight[dp_rank] = worker.group_in_flight.get(dp_rank, 0) + 1
         worker.breaker.on_dispatch()
-        self.headers_task = asyncio.create_task(self._send(client, worker.url + path, payload, headers))
+        self.headers_task = asyncio.create_task(
+            self._send(client, worker.url + path, payload, headers)
+        )
         self._result_task: asyncio.Task | None = None
 
-    async def _send(self, client: aiohttp.ClientSession, url: str, payload: bytes,
-                    headers: dict) -> aiohttp.ClientResponse:
+    async def _send(
+        self, client: aiohttp.ClientSession, url: str, payload: bytes, headers: dict
+    ) -> aiohttp.ClientResponse:
         """The answer's status and headers (its body is read by ``_read`` or ``chunks``)."""
         try:
             self.response = await client.post(url, data=payload, headers=headers)
@@ -183,7 +215,11 @@ class Leg:
         self.finish(False)
         if error.worker_gone:
             self.on_connect_error(self.worker, error.cause)
-        message = str(error) if isinstance(error, LegAborted) else f"{self.worker.role} {self.worker.url} failed: {error}"
+        message = (
+            str(error)
+            if isinstance(error, LegAborted)
+            else f"{self.worker.role} {self.worker.url} failed: {error}"
+        )
         logger.warning(message)
         return LegResult(None, error=message, timed_out=error.timed_out)
 
@@ -192,7 +228,9 @@ class Leg:
             return
         self.outcome = ok
         self.worker.breaker.record(ok)
-        self.metrics.upstream_latency.labels(self.worker.role).observe(time.monotonic() - self.started)
+        self.metrics.upstream_latency.labels(self.worker.role).observe(
+            time.monotonic() - self.started
+        )
         if not ok:
             self.metrics.upstream_errors.labels(self.worker.role).inc()
 
@@ -277,7 +315,13 @@ class ProxyStream(StreamingResponse):
 
         watcher = asyncio.create_task(watch())
         try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
             async for chunk in self.body_iterator:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -23,8 +23,13 @@ def parse_load(payload) -> tuple[int, int]:
 def parse_bandwidth(payload) -> float | None:
     """A prefill's ``kv_transfer_bytes_per_s`` from its ``GET /get_load`` (the mean over groups that report one)."""
     ranks = payload if isinstance(payload, list) else [payload]
-    rates = [r["kv_transfer_bytes_per_s"] for r in ranks if isinstance(r, dict)
-             and isinstance(r.get("kv_transfer_bytes_per_s"), (int, float)) and r["kv_transfer_bytes_per_s"] > 0]
+    rates = [
+        r["kv_transfer_bytes_per_s"]
+        for r in ranks
+        if isinstance(r, dict)
+        and isinstance(r.get("kv_transfer_bytes_per_s"), (int, float))
+        and r["kv_transfer_bytes_per_s"] > 0
+    ]
     return sum(rates) / len(rates) if rates else None
 
 

@@ -11,7 +11,26 @@ from pdserve.router import timeline
 from pdserve.router.workers import WorkerPool
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
-_STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_STAGE_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+    300,
+)
 
 
 class _WorkerCollector:
@@ -21,12 +40,21 @@ class _WorkerCollector:
         self.pool = pool
 
     def collect(self):
-        in_flight = GaugeMetricFamily("pdserve_router_worker_in_flight", "requests in flight per worker",
-                                      labels=["worker", "role"])
-        healthy = GaugeMetricFamily("pdserve_router_worker_healthy", "1 if the worker passes health checks",
-                                    labels=["worker", "role"])
-        breaker = GaugeMetricFamily("pdserve_router_worker_circuit_open", "1 if the worker's breaker is not closed",
-                                    labels=["worker", "role"])
+        in_flight = GaugeMetricFamily(
+            "pdserve_router_worker_in_flight",
+            "requests in flight per worker",
+            labels=["worker", "role"],
+        )
+        healthy = GaugeMetricFamily(
+            "pdserve_router_worker_healthy",
+            "1 if the worker passes health checks",
+            labels=["worker", "role"],
+        )
+        breaker = GaugeMetricFamily(
+            "pdserve_router_worker_circuit_open",
+            "1 if the worker's breaker is not closed",
+            labels=["worker", "role"],
+        )
         for w in self.pool.workers:
             in_flight.add_metric([w.url, w.role], w.in_flight)
             healthy.add_metric([w.url, w.role], int(w.healthy))
@@ -41,8 +69,11 @@ class _IndexCollector:
         self.index = index
 
     def collect(self):
-        blocks = GaugeMetricFamily("pdserve_router_kv_index_blocks", "KV blocks the router knows a worker holds",
-                                   labels=["worker"])
+        blocks = GaugeMetricFamily(
+            "pdserve_router_kv_index_blocks",
+            "KV blocks the router knows a worker holds",
+            labels=["worker"],
+        )
         for url, n in self.index.blocks().items():
             blocks.add_metric([url], n)
         yield blocks
@@ -53,35 +84,77 @@ class RouterMetrics:
 
     def __init__(self, pool: WorkerPool):
         self.registry = CollectorRegistry()
-        self.requests = Counter("pdserve_router_requests", "requests answered, by endpoint and HTTP status",
-                                ["endpoint", "status"], registry=self.registry)
-        self.retries = Counter("pdserve_router_retries", "retries on a new worker pair", ["endpoint"],
-                               registry=self.registry)
-        self.upstream_errors = Counter("pdserve_router_upstream_errors", "failed upstream requests", ["role"],
-                                       registry=self.registry)
-        self.upstream_latency = Histogram("pdserve_router_upstream_latency_seconds",
-                                          "time from sending to a worker until its answer ended", ["role"],
-                                          buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.stage_latency = Histogram("pdserve_router_per_stage_req_latency_seconds",
-                                       "time routed requests spent in each stage (router/timeline.py)", ["stage"],
-                                       buckets=_STAGE_BUCKETS, registry=self.registry)
-        self.kv_event_batches = Counter("pdserve_router_kv_event_batches", "KV event batches applied to the "
-                                        "router's index, per worker", ["worker"], registry=self.registry)
-        self.kv_events_rejected = Counter("pdserve_router_kv_events_rejected", "KV event batches (or snapshots) "
-                                          "rejected, per worker and reason", ["worker", "reason"],
-                                          registry=self.registry)
-        self.kv_index_resyncs = Counter("pdserve_router_kv_index_resyncs", "KV index rebuilds from a snapshot "
-                                        "(or gaps filled by replay: reason 'replayed'), per worker and reason",
-                                        ["worker", "reason"], registry=self.registry)
-        self.cache_matched_tokens = Histogram("pdserve_router_cache_matched_ratio", "share of the prompt the "
-                                              "chosen worker holds (cache_aware)", ["role"],
-                                              buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1),
-                                              registry=self.registry)
-        self.pd_decisions = Counter("pdserve_router_pd_decisions", "where PD requests were prefilled "
-                                    "(--pd-policy), by mode and reason", ["mode", "reason"], registry=self.registry)
-        self.pd_estimated_ttft = Histogram("pdserve_router_pd_estimated_ttft_seconds", "estimated time to first "
-                                           "token of the two ways (--pd-policy conditional)", ["path"],
-                                           buckets=_STAGE_BUCKETS, registry=self.registry)
+        self.requests = Counter(
+            "pdserve_router_requests",
+            "requests answered, by endpoint and HTTP status",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "pdserve_router_retries",
+            "retries on a new worker pair",
+            ["endpoint"],
+            registry=self.registry,
+        )
+        self.upstream_errors = Counter(
+            "pdserve_router_upstream_errors",
+            "failed upstream requests",
+            ["role"],
+            registry=self.registry,
+        )
+        self.upstream_latency = Histogram(
+            "pdserve_router_upstream_latency_seconds",
+            "time from sending to a worker until its answer ended",
+            ["role"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.stage_latency = Histogram(
+            "pdserve_router_per_stage_req_latency_seconds",
+            "time routed requests spent in each stage (router/timeline.py)",
+            ["stage"],
+            buckets=_STAGE_BUCKETS,
+            registry=self.registry,
+        )
+        self.kv_event_batches = Counter(
+            "pdserve_router_kv_event_batches",
+            "KV event batches applied to the router's index, per worker",
+            ["worker"],
+            registry=self.registry,
+        )
+        self.kv_events_rejected = Counter(
+            "pdserve_router_kv_events_rejected",
+            "KV event batches (or snapshots) rejected, per worker and reason",
+            ["worker", "reason"],
+            registry=self.registry,
+        )
+        self.kv_index_resyncs = Counter(
+            "pdserve_router_kv_index_resyncs",
+            "KV index rebuilds from a snapshot "
+            "(or gaps filled by replay: reason 'replayed'), per worker and reason",
+            ["worker", "reason"],
+            registry=self.registry,
+        )
+        self.cache_matched_tokens = Histogram(
+            "pdserve_router_cache_matched_ratio",
+            "share of the prompt the chosen worker holds (cache_aware)",
+            ["role"],
+            buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1),
+            registry=self.registry,
+        )
+        self.pd_decisions = Counter(
+            "pdserve_router_pd_decisions",
+            "where PD requests were prefilled (--pd-policy), by mode and reason",
+            ["mode", "reason"],
+            registry=self.registry,
+        )
+        self.pd_estimated_ttft = Histogram(
+            "pdserve_router_pd_estimated_ttft_seconds",
+            "estimated time to first token of the two ways (--pd-policy conditional)",
+            ["path"],
+            buckets=_STAGE_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_WorkerCollector(pool))
 
     def watch_index(self, index) -> None:
@@ -123,7 +196,9 @@ class RequestCounter:
             await self.app(scope, receive, counting_send)
         finally:
             path = scope.get("path", "")
-            self.metrics.requests.labels(path if path in self.endpoints else "other", str(status)).inc()
+            self.metrics.requests.labels(
+                path if path in self.endpoints else "other", str(status)
+            ).inc()
             if "dispatched" in events:  # a generation request that reached the workers
                 for stage, seconds in timeline.stages(events):
                     self.metrics.stage_latency.labels(stage).observe(seconds)

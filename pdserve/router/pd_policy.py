@@ -49,7 +49,11 @@ class Decision:
     itl_penalty_s: Optional[float] = None
 
     def meta(self) -> dict:
-        return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items() if v is not None}
+        return {
+            k: round(v, 6) if isinstance(v, float) else v
+            for k, v in asdict(self).items()
+            if v is not None
+        }
 
 
 @dataclass
@@ -69,10 +73,16 @@ class PDPolicy:
 
     def fit(self, worker: Worker) -> Optional[PrefillFit]:
         cal = (worker.info or {}).get("calibration") or {}
-        fixed = self.args.pd_prefill_fixed_s if self.args.pd_prefill_fixed_s is not None \
+        fixed = (
+            self.args.pd_prefill_fixed_s
+            if self.args.pd_prefill_fixed_s is not None
             else cal.get("prefill_fixed_s")
-        per_token = self.args.pd_prefill_s_per_token if self.args.pd_prefill_s_per_token is not None \
+        )
+        per_token = (
+            self.args.pd_prefill_s_per_token
+            if self.args.pd_prefill_s_per_token is not None
             else cal.get("prefill_s_per_token")
+        )
         if not isinstance(fixed, (int, float)) or not isinstance(per_token, (int, float)):
             return None
         return PrefillFit(float(fixed), float(per_token))
@@ -80,7 +90,9 @@ class PDPolicy:
     def cached(self, worker: Worker, prompt: PromptBlocks) -> int:
         return self.index.matched_tokens(worker, prompt)[0] if self.index is not None else 0
 
-    def decide(self, prompt: Optional[PromptBlocks], prefill: Worker, decode: Worker, batch: bool) -> Decision:
+    def decide(
+        self, prompt: Optional[PromptBlocks], prefill: Worker, decode: Worker, batch: bool
+    ) -> Decision:
         if not self.conditional:
             return Decision(PD, "always")
         if batch:
@@ -96,7 +108,9 @@ class PDPolicy:
         out = Decision(PD, "", n, p_cached, d_cached)
         p_reqs, p_tokens = prefill.load_estimate()
         queue_s = p_fit.s_per_token * p_tokens + p_fit.fixed_s * p_reqs
-        kv_per_token = ((decode.info or {}).get("scheduler_info") or {}).get("kv_bytes_per_token") or 0
+        kv_per_token = ((decode.info or {}).get("scheduler_info") or {}).get(
+            "kv_bytes_per_token"
+        ) or 0
         bandwidth = prefill.kv_bandwidth or self.args.pd_kv_bandwidth
         transfer_s = d_todo * kv_per_token / bandwidth
         out.ttft_pd_s = queue_s + p_fit.time(n - p_cached) + transfer_s + self.args.pd_overhead_s

@@ -26,7 +26,9 @@ class Policy:
     needs_load = False  # True: the router polls GET /get_load for this policy
     needs_index = False  # True: the router follows the workers' KV events (router/kv_index.py)
 
-    def select(self, candidates: Sequence[Worker], prompt: Optional["PromptBlocks"] = None) -> Worker:
+    def select(
+        self, candidates: Sequence[Worker], prompt: Optional["PromptBlocks"] = None
+    ) -> Worker:
         """``prompt``: the request's prompt blocks when the router knows them (policies that
         weigh caches need them; the others ignore them)."""
         raise NotImplementedError
@@ -115,7 +117,9 @@ class CacheAwarePolicy(Policy):
         costs = []
         for w, m in zip(candidates, matched, strict=True):
             reqs, tokens = w.load_estimate()
-            costs.append(((length - m) + self.balance * (tokens + w.sent_since_poll() * length), reqs))
+            costs.append(
+                ((length - m) + self.balance * (tokens + w.sent_since_poll() * length), reqs)
+            )
         best = min(costs)
         self.last = {"matched": matched, "costs": [c for c, _ in costs]}
         return random.choice([w for w, c in zip(candidates, costs, strict=True) if c == best])

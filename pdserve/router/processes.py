@@ -40,14 +40,17 @@ from pdserve.router.protocol import error_body
 logger = logging.getLogger(__name__)
 
 MUTATING = ("POST", "PUT", "DELETE")
-FROZEN = ("the worker list cannot change at run time with --workers N > 1: each router process keeps its "
-          "own; let every process find workers through --prefill-dns/--decode-dns, or run one process")
+FROZEN = (
+    "the worker list cannot change at run time with --workers N > 1: each router process keeps its "
+    "own; let every process find workers through --prefill-dns/--decode-dns, or run one process"
+)
 
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to (host, port) with SO_REUSEPORT, for one of the router processes."""
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                      flags=socket.AI_PASSIVE)[0]
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -63,11 +66,22 @@ class FrozenMembership:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] in MUTATING and scope["path"].startswith("/workers"):
+        if (
+            scope["type"] == "http"
+            and scope["method"] in MUTATING
+            and scope["path"].startswith("/workers")
+        ):
             body = json.dumps(error_body(409, FROZEN, "invalid_request_error")).encode()
-            await send({"type": "http.response.start", "status": 409,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 409,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
             return
         await self.app(scope, receive, send)
@@ -83,8 +97,13 @@ def _child(args, index: int, parent_pid: int) -> None:
 def run(args) -> int:
     """Start ``args.workers`` router processes and wait. SIGINT/SIGTERM stop them all; one that
     exits on its own stops the others too (exit code 1), so a supervisor sees the failure."""
-    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each: no event loop or sockets inherited
-    procs = [ctx.Process(target=_child, args=(args, i, os.getpid()), name=f"router-{i}") for i in range(args.workers)]
+    ctx = multiprocessing.get_context(
+        "spawn"
+    )  # a fresh interpreter each: no event loop or sockets inherited
+    procs = [
+        ctx.Process(target=_child, args=(args, i, os.getpid()), name=f"router-{i}")
+        for i in range(args.workers)
+    ]
     stopping = False
 
     def stop(signum, _frame) -> None:

@@ -20,7 +20,11 @@ logger = logging.getLogger(__name__)
 
 
 def _token_list(value: Any) -> Optional[list[int]]:
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    ):
         return value
     return None
 
@@ -38,8 +42,11 @@ class PromptReader:
         path = self.tokenizer_path or path
         if not path or not os.path.exists(path):
             if not self._warned:
-                logger.warning("no tokenizer on this machine (%s): cache-aware routing matches only requests "
-                               "that send input_ids; give --tokenizer-path", path or "no path known")
+                logger.warning(
+                    "no tokenizer on this machine (%s): cache-aware routing matches only requests "
+                    "that send input_ids; give --tokenizer-path",
+                    path or "no path known",
+                )
                 self._warned = True
             return False
         try:
@@ -47,8 +54,12 @@ class PromptReader:
 
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as e:  # a broken or foreign tokenizer: route without prompt matching
-            logger.warning("cannot load the tokenizer from %s (%r): cache-aware routing matches only "
-                           "requests that send input_ids", path, e)
+            logger.warning(
+                "cannot load the tokenizer from %s (%r): cache-aware routing matches only "
+                "requests that send input_ids",
+                path,
+                e,
+            )
             return False
         logger.info("tokenizer for prompt matching loaded from %s", path)
         return True
@@ -70,8 +81,13 @@ class PromptReader:
             try:
                 tools = body.get("tools") if body.get("tool_choice") != "none" else None
                 kwargs = body.get("chat_template_kwargs")
-                return chat_input_ids(self.tokenizer, messages, bool(body.get("continue_final_message")),
-                                      tools or None, kwargs if isinstance(kwargs, dict) else None)
+                return chat_input_ids(
+                    self.tokenizer,
+                    messages,
+                    bool(body.get("continue_final_message")),
+                    tools or None,
+                    kwargs if isinstance(kwargs, dict) else None,
+                )
             except (ChatTemplateError, TypeError, ValueError):
                 return None  # the server answers 400 for it
         return None

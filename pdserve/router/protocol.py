@@ -28,8 +28,14 @@ MAX_SAMPLES = 1024  # chat's n that gets one room per sample (pdserve servers al
 INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 DONE_EVENT = b"data: [DONE]\n\n"
 
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
-                502: "upstream_error", 503: "service_unavailable", 504: "upstream_timeout"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "upstream_timeout",
+}
 
 
 class BadRequest(ValueError):
@@ -45,8 +51,13 @@ def new_room() -> int:
 
 
 def error_body(status: int, message: str, type_: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_ or _ERROR_TYPES.get(status, "server_error"),
-                      "code": status}}
+    return {
+        "error": {
+            "message": message,
+            "type": type_ or _ERROR_TYPES.get(status, "server_error"),
+            "code": status,
+        }
+    }
 
 
 def sse_error_event(status: int, message: str) -> bytes:
@@ -73,7 +84,6 @@ def parse_body(raw: bytes) -> dict:
     return body
 
 
-
 def _is_list_of_lists(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(v, list) for v in value)
 
@@ -94,7 +104,9 @@ def item_count(path: str, body: dict) -> int | None:
     if path == "/v1/chat/completions":
         # beyond MAX_SAMPLES the servers refuse n anyway: no list of that many rooms is built
         n = body.get("n")
-        return n if isinstance(n, int) and not isinstance(n, bool) and 1 < n <= MAX_SAMPLES else None
+        return (
+            n if isinstance(n, int) and not isinstance(n, bool) and 1 < n <= MAX_SAMPLES else None
+        )
     return None
 
 
@@ -103,8 +115,11 @@ def with_bootstrap(body: dict, host: str, port: int | None, count: int | None) -
     if count is None:
         out.update(bootstrap_host=host, bootstrap_port=port, bootstrap_room=new_room())
     else:
-        out.update(bootstrap_host=[host] * count, bootstrap_port=[port] * count,
-                   bootstrap_room=[new_room() for _ in range(count)])
+        out.update(
+            bootstrap_host=[host] * count,
+            bootstrap_port=[port] * count,
+            bootstrap_room=[new_room() for _ in range(count)],
+        )
     return out
 
 
@@ -114,8 +129,9 @@ def client_routed_rank(body: dict) -> Any:
     return routed if routed is not None else body.get("data_parallel_rank")
 
 
-def with_dp_ranks(body: dict, choose_prefill: Callable[[], int] | None,
-                  choose_main: Callable[[], int]) -> tuple[dict | None, dict]:
+def with_dp_ranks(
+    body: dict, choose_prefill: Callable[[], int] | None, choose_main: Callable[[], int]
+) -> tuple[dict | None, dict]:
     """The bodies of the prefill leg (None without ``choose_prefill``: colocated) and of the
     decode or colocated leg, with the DP groups the choosers pick: ``routed_dp_rank`` on each
     leg, and on decode ``disagg_prefill_dp_rank``, the group that prefill's body names.
@@ -237,7 +253,9 @@ def merge_logprobs_event(event: bytes, p_items: list[dict], total: int) -> bytes
 
     def edit(obj: dict) -> bool:
         index = obj.get("index", 0)
-        return _merge_item(obj, _prefill_for(index if isinstance(index, int) else 0, total, p_items))
+        return _merge_item(
+            obj, _prefill_for(index if isinstance(index, int) else 0, total, p_items)
+        )
 
     return rewrite_event_objects(event, edit)
 

@@ -19,8 +19,16 @@ class Relay:
     called, even if the stream never started) releases both legs; prefill is left to finish
     only when the stream completed."""
 
-    def __init__(self, call: "Call", first: bytes, reader: EventReader, p_leg: Leg | None, d_leg: Leg,
-                 p_items: list[dict] | None, drain: Callable[[Leg], None]):
+    def __init__(
+        self,
+        call: "Call",
+        first: bytes,
+        reader: EventReader,
+        p_leg: Leg | None,
+        d_leg: Leg,
+        p_items: list[dict] | None,
+        drain: Callable[[Leg], None],
+    ):
         self.drain = drain  # lets a prefill leg nobody waits for finish in the background
         self.call = call
         self.first = first
@@ -41,7 +49,9 @@ class Relay:
                 chunk = await self._next()
             self.d_leg.finish(True)
             self.completed = True
-        except LegAborted as e:  # its decode was removed and the drain timed out (router/membership.py)
+        except (
+            LegAborted
+        ) as e:  # its decode was removed and the drain timed out (router/membership.py)
             self.d_leg.failed(e)
             yield protocol.sse_error_event(503, str(e))
         except UpstreamError as e:

@@ -22,13 +22,16 @@ class Selector:
         self.metrics = metrics
         self.index = index
         balance = args.cache_aware_balance
-        self.policies = {PREFILL: make_policy(args.prefill_policy or args.policy, index, balance),
-                         DECODE: make_policy(args.decode_policy or args.policy, index, balance),
-                         REGULAR: make_policy(args.policy, index, balance)}
+        self.policies = {
+            PREFILL: make_policy(args.prefill_policy or args.policy, index, balance),
+            DECODE: make_policy(args.decode_policy or args.policy, index, balance),
+            REGULAR: make_policy(args.policy, index, balance),
+        }
         self.pd = PDPolicy(args, index)
 
-    def select(self, exclude: set[Worker], keep: Worker | None = None,
-               prompt: PromptBlocks | None = None) -> tuple[list[Worker] | None, str]:
+    def select(
+        self, exclude: set[Worker], keep: Worker | None = None, prompt: PromptBlocks | None = None
+    ) -> tuple[list[Worker] | None, str]:
         """[prefill, decode] (PD) or [worker] (colocated), or None and why not. ``keep``: a
         worker to keep from the last attempt when it is still available."""
         roles = [PREFILL, DECODE] if self.pool.pd_mode else [REGULAR]
@@ -36,11 +39,17 @@ class Selector:
         for role in roles:
             candidates = self.pool.available(role, exclude)
             if not candidates:
-                tried = " (the others failed this request)" if any(w.role == role for w in exclude) else ""
+                tried = (
+                    " (the others failed this request)"
+                    if any(w.role == role for w in exclude)
+                    else ""
+                )
                 return None, f"no healthy {role} worker available{tried}"
             if role == PREFILL:  # only prefills that some decode can work with
                 decodes = self.pool.available(DECODE, exclude)
-                fits = [p for p in candidates if any(pairing.why_not(p, d) is None for d in decodes)]
+                fits = [
+                    p for p in candidates if any(pairing.why_not(p, d) is None for d in decodes)
+                ]
                 if decodes and not fits:
                     return None, pairing.why_not(candidates[0], decodes[0])
                 candidates = fits or candidates
@@ -50,15 +59,20 @@ class Selector:
                     return None, pairing.why_not(chosen[0], candidates[0])
                 candidates = fits
             policy = self.policies[role]
-            worker = keep if keep is not None and keep in candidates else policy.select(candidates, prompt)
+            worker = (
+                keep
+                if keep is not None and keep in candidates
+                else policy.select(candidates, prompt)
+            )
             if policy.needs_index and prompt is not None and prompt.ids:
                 matched = self.index.matched_tokens(worker, prompt)[0]
                 self.metrics.cache_matched_tokens.labels(role).observe(matched / len(prompt.ids))
             chosen.append(worker)
         return chosen, ""
 
-    def decide(self, prompt: PromptBlocks | None, prefill: Worker, main: Worker, path: str,
-               batch: bool) -> tuple[Worker | None, Decision]:
+    def decide(
+        self, prompt: PromptBlocks | None, prefill: Worker, main: Worker, path: str, batch: bool
+    ) -> tuple[Worker | None, Decision]:
         """The prefill leg's worker for this attempt (``prefill``, or None when decode prefills
         locally) and the decision, recorded in the metrics."""
         d = self.pd.decide(prompt, prefill, main, batch=batch)

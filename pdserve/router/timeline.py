@@ -50,9 +50,15 @@ def _holders(obj: Any) -> list[dict]:
     OpenAI answer or chunk, else the ``meta_info`` of each /generate item."""
     if isinstance(obj, dict) and isinstance(obj.get("choices"), list):
         choices = [c for c in obj["choices"] if isinstance(c, dict)]
-        return sorted(choices, key=lambda c: c.get("index") if isinstance(c.get("index"), int) else 0)
+        return sorted(
+            choices, key=lambda c: c.get("index") if isinstance(c.get("index"), int) else 0
+        )
     items = obj if isinstance(obj, list) else [obj]
-    return [i["meta_info"] for i in items if isinstance(i, dict) and isinstance(i.get("meta_info"), dict)]
+    return [
+        i["meta_info"]
+        for i in items
+        if isinstance(i, dict) and isinstance(i.get("meta_info"), dict)
+    ]
 
 
 def prefill_timelines(p_items: Optional[list[dict]]) -> list[dict]:
@@ -73,7 +79,9 @@ def _prefill_for(index: int, total: int, p_timelines: list[dict]) -> dict:
     return p_timelines[min(index // per_input, len(p_timelines) - 1)]
 
 
-def _merge(holder: dict, index: int, total: int, p_timelines: list[dict], events: Mapping[str, float]) -> bool:
+def _merge(
+    holder: dict, index: int, total: int, p_timelines: list[dict], events: Mapping[str, float]
+) -> bool:
     own = holder.get("timeline")
     if not isinstance(own, dict):
         return False  # not finished yet (or the worker does not record timelines)
@@ -83,7 +91,9 @@ def _merge(holder: dict, index: int, total: int, p_timelines: list[dict], events
     return True
 
 
-def merge_json(raw: bytes, p_items: Optional[list[dict]], total: int, events: Mapping[str, float]) -> bytes:
+def merge_json(
+    raw: bytes, p_items: Optional[list[dict]], total: int, events: Mapping[str, float]
+) -> bytes:
     """A worker's JSON answer with every output's timeline merged (unchanged when not JSON)."""
     try:
         obj = json.loads(raw)
@@ -96,7 +106,9 @@ def merge_json(raw: bytes, p_items: Optional[list[dict]], total: int, events: Ma
     return json.dumps(obj, ensure_ascii=False).encode() if any(changed) else raw
 
 
-def merge_event(event: bytes, p_items: Optional[list[dict]], total: int, events: Mapping[str, float]) -> bytes:
+def merge_event(
+    event: bytes, p_items: Optional[list[dict]], total: int, events: Mapping[str, float]
+) -> bytes:
     """One SSE event with the timeline of the output it finishes merged."""
     p_timelines = prefill_timelines(p_items)
     total = max(total, len(p_timelines))

@@ -71,7 +71,9 @@ class CircuitBreaker:
         self.failures += 1
         if self.threshold and (self.failures >= self.threshold or self.opened_at is not None):
             if self.opened_at is None:
-                logger.warning("circuit breaker opened after %d consecutive failures", self.failures)
+                logger.warning(
+                    "circuit breaker opened after %d consecutive failures", self.failures
+                )
             self.opened_at = self.clock()
 
 
@@ -87,16 +89,26 @@ def worker_id(url: str) -> str:
 
 
 class Worker:
-    def __init__(self, url: str, role: str, bootstrap_port: int | None = None,
-                 breaker: CircuitBreaker | None = None, source: str = "command line"):
+    def __init__(
+        self,
+        url: str,
+        role: str,
+        bootstrap_port: int | None = None,
+        breaker: CircuitBreaker | None = None,
+        source: str = "command line",
+    ):
         self.url = url
         self.id = worker_id(url)
         self.role = role
         self.bootstrap_port = bootstrap_port
         self.host = bootstrap_host(url)
         self.breaker = breaker or CircuitBreaker(0, 0.0)
-        self.source = source  # how it joined: "command line", "api" or "dns NAME" (router/membership.py)
-        self.role_epoch = None  # the server's /server_info role_epoch when last read (POST /switch_role)
+        self.source = (
+            source  # how it joined: "command line", "api" or "dns NAME" (router/membership.py)
+        )
+        self.role_epoch = (
+            None  # the server's /server_info role_epoch when last read (POST /switch_role)
+        )
         self.draining: str | None = None  # why it is being removed; it then takes no new request
         self.healthy = False  # becomes True on the first passing health check
         self.health_failures = 0
@@ -104,7 +116,9 @@ class Worker:
         self.dispatched = 0  # legs ever sent to it
         self.legs: set = set()  # its open legs (router/legs.py), aborted when a drain times out
         self.polled_load: tuple[int, int] | None = None  # (requests, tokens) from GET /get_load
-        self.kv_bandwidth: float | None = None  # a prefill's KV transfer rate, bytes/s (its /get_load)
+        self.kv_bandwidth: float | None = (
+            None  # a prefill's KV transfer rate, bytes/s (its /get_load)
+        )
         self.info: dict | None = None  # its GET /server_info, when the router needs it
         self.in_flight_at_poll = 0
         # data-parallel groups (--dp-aware)
@@ -128,7 +142,11 @@ class Worker:
 
     def sent_since_poll(self) -> int:
         """Requests this router sent since the last load poll (all in flight before any poll)."""
-        return self.in_flight if self.polled_load is None else max(0, self.in_flight - self.in_flight_at_poll)
+        return (
+            self.in_flight
+            if self.polled_load is None
+            else max(0, self.in_flight - self.in_flight_at_poll)
+        )
 
     def set_dp_size(self, value) -> None:
         """``dp_size`` as ``/server_info`` reports it (absent: 1)."""
@@ -153,7 +171,9 @@ class Worker:
         size = self.dp_size or 1
         loads = [self.group_load(g) for g in range(size)]
         best = min(loads)
-        rank = next(g for g in ((self._next_group + k) % size for k in range(size)) if loads[g] == best)
+        rank = next(
+            g for g in ((self._next_group + k) % size for k in range(size)) if loads[g] == best
+        )
         self._next_group = (rank + 1) % size
         return rank
 
@@ -171,9 +191,13 @@ class Worker:
             self.healthy = False
 
     def describe(self) -> dict:
-        out = {"url": self.url, "healthy": self.healthy, "in_flight": self.in_flight,
-               "circuit": self.breaker.state,
-               "polled_load": list(self.polled_load) if self.polled_load is not None else None}
+        out = {
+            "url": self.url,
+            "healthy": self.healthy,
+            "in_flight": self.in_flight,
+            "circuit": self.breaker.state,
+            "polled_load": list(self.polled_load) if self.polled_load is not None else None,
+        }
         if self.role == PREFILL:
             out["bootstrap_port"] = self.bootstrap_port
         if self.dp_size is not None:
@@ -188,14 +212,18 @@ class WorkerPool:
         self.args = args
         self.dp_aware = args.dp_aware
         self.poll_loads = poll_loads or self.dp_aware
-        self.needs_info = needs_info or self.dp_aware  # read each worker's /server_info when it comes up
+        self.needs_info = (
+            needs_info or self.dp_aware
+        )  # read each worker's /server_info when it comes up
         # PD: check its role at every health check too, so a server that switched role
         # (POST /switch_role) is moved to its new role (router/membership.py)
         self.follow_roles = args.pd_mode
         self.info_listeners: list = []  # called with (worker, info) after each read
 
         def make(url: str, role: str, port: int | None = None) -> Worker:
-            return Worker(url, role, port, CircuitBreaker(args.cb_failure_threshold, args.cb_cooldown))
+            return Worker(
+                url, role, port, CircuitBreaker(args.cb_failure_threshold, args.cb_cooldown)
+            )
 
         self.make = make
         self.pd_mode = args.pd_mode
@@ -260,15 +288,20 @@ class WorkerPool:
         """A refused connection, or one closed in the middle of a request, means the server is
         gone: take it out now, health checks bring it back (see ``Worker.set_health``)."""
         if worker.healthy:
-            logger.warning("%s %s unreachable, marking unhealthy: %r", worker.role, worker.url, error)
+            logger.warning(
+                "%s %s unreachable, marking unhealthy: %r", worker.role, worker.url, error
+            )
         worker.healthy = False
         self._worker_out.set()
 
     # ------------------------------------------------------------------ background loops
     async def start(self) -> None:
         timeout = httpx.Timeout(self.args.health_check_timeout)
-        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_keepalive_connections=32),
-                                        headers=bearer(self.args.worker_api_key))
+        self.client = httpx.AsyncClient(
+            timeout=timeout,
+            limits=httpx.Limits(max_keepalive_connections=32),
+            headers=bearer(self.args.worker_api_key),
+        )
         await self.check_health()
         self._tasks.append(asyncio.create_task(self._health_loop(), name="router-health"))
         if self.poll_loads:
@@ -289,7 +322,9 @@ class WorkerPool:
             interval = self.args.health_check_interval
             if not all(w.healthy for w in self.workers):
                 interval = min(interval, 1.0)
-            with contextlib.suppress(asyncio.TimeoutError):  # a worker taken out by a request ends the wait
+            with contextlib.suppress(
+                asyncio.TimeoutError
+            ):  # a worker taken out by a request ends the wait
                 await asyncio.wait_for(self._worker_out.wait(), interval)
             self._worker_out.clear()
             await self.check_health()
@@ -326,9 +361,17 @@ class WorkerPool:
             resp.raise_for_status()
             info = resp.json()
         except (httpx.HTTPError, ValueError) as e:
-            level = logging.DEBUG if worker.healthy else logging.WARNING  # said once, when it comes up
-            logger.log(level, "%s %s: no server info (%r); dp_size stays %s", worker.role, worker.url, e,
-                       worker.dp_size or "unknown (1)")
+            level = (
+                logging.DEBUG if worker.healthy else logging.WARNING
+            )  # said once, when it comes up
+            logger.log(
+                level,
+                "%s %s: no server info (%r); dp_size stays %s",
+                worker.role,
+                worker.url,
+                e,
+                worker.dp_size or "unknown (1)",
+            )
             return
         self.accept_info(worker, info if isinstance(info, dict) else {})
 
@@ -346,7 +389,9 @@ class WorkerPool:
         if not isinstance(info, dict):
             return
         old = worker.info or {}
-        if worker.info is None or any(info.get(k) != old.get(k) for k in ("disaggregation_mode", "role_epoch")):
+        if worker.info is None or any(
+            info.get(k) != old.get(k) for k in ("disaggregation_mode", "role_epoch")
+        ):
             self.accept_info(worker, info)
 
     def accept_info(self, worker: Worker, info: dict) -> None:
@@ -378,11 +423,17 @@ class WorkerPool:
         if stale and time.monotonic() - worker.dp_size_read_at >= self.args.health_check_interval:
             await self.read_info(worker)  # restarted with another dp_size since it was read?
 
-    async def fan_out(self, method: str, path: str, workers: list[Worker], timeout: float | None = None):
+    async def fan_out(
+        self, method: str, path: str, workers: list[Worker], timeout: float | None = None
+    ):
         """Send one request to each worker concurrently; returns ``(worker, response | exception)``."""
+
         async def one(w: Worker):
             try:
-                return w, await self.client.request(method, w.url + path, timeout=timeout or httpx.USE_CLIENT_DEFAULT)
+                return w, await self.client.request(
+                    method, w.url + path, timeout=timeout or httpx.USE_CLIENT_DEFAULT
+                )
             except httpx.HTTPError as e:
                 return w, e
+
         return await asyncio.gather(*(one(w) for w in workers))

@@ -282,17 +282,24 @@ class Integrity(msgspec.Struct):
 # ---- sampling_params ----------------------------------------------------------------------------
 # The ranges SamplingParams.validate enforces (tests/e2e/test_openapi.py probes each edge).
 SAMPLING_BOUNDS: dict[str, dict[str, float]] = {
-    "max_new_tokens": {"minimum": 0}, "min_new_tokens": {"minimum": 0}, "temperature": {"minimum": 0},
-    "top_p": {"exclusiveMinimum": 0, "maximum": 1}, "min_p": {"minimum": 0, "maximum": 1},
-    "repetition_penalty": {"exclusiveMinimum": 0}, "frequency_penalty": {"minimum": -2, "maximum": 2},
-    "presence_penalty": {"minimum": -2, "maximum": 2}, "n": {"minimum": 1, "maximum": MAX_N},
+    "max_new_tokens": {"minimum": 0},
+    "min_new_tokens": {"minimum": 0},
+    "temperature": {"minimum": 0},
+    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "min_p": {"minimum": 0, "maximum": 1},
+    "repetition_penalty": {"exclusiveMinimum": 0},
+    "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "presence_penalty": {"minimum": -2, "maximum": 2},
+    "n": {"minimum": 1, "maximum": MAX_N},
 }
 
 
 def sampling_params_schema() -> dict[str, Any]:
     """``SamplingParams``' fields as the body gives them: each may be null (the default then),
     ``stop`` may be one string, top_k is -1 or >= 1; ``no_stop_trim`` is read by /generate."""
-    (_, ), components = msgspec.json.schema_components([SamplingParams], ref_template="#/components/schemas/{name}")
+    (_,), components = msgspec.json.schema_components(
+        [SamplingParams], ref_template="#/components/schemas/{name}"
+    )
     schema = components["SamplingParams"]
     props = schema["properties"]
     text = {"type": "string", "minLength": 1}
@@ -315,35 +322,67 @@ def route_docs() -> Docs:
     from pdserve.server.app import AbortRequest  # app imports this module
 
     docs: Docs = {
-        ("post", "/generate"): Operation("Generate (SGLang's native API)", GenerateRequest,
-                                         Union[GenerateOutput, list[GenerateOutput]], GenerateChunk,
-                                         errors=GENERATION_ERRORS),
-        ("post", "/v1/completions"): Operation("OpenAI completions", CompletionRequest, Completion, CompletionChunk,
-                                               errors=GENERATION_ERRORS),
-        ("post", "/v1/chat/completions"): Operation("OpenAI chat completions", ChatRequest, ChatCompletion,
-                                                    ChatCompletionChunk, errors=GENERATION_ERRORS),
-        ("post", "/abort_request"): Operation("Abort a request by rid, or all", AbortRequest, Aborted),
-        ("get", "/health"): Operation("200 once ready (warm-up passed), 503 before or once the scheduler is gone",
-                                      errors=(503,)),
-        ("get", "/health_generate"): Operation("Generate one token; 200 if that works", errors=(503,)),
+        ("post", "/generate"): Operation(
+            "Generate (SGLang's native API)",
+            GenerateRequest,
+            Union[GenerateOutput, list[GenerateOutput]],
+            GenerateChunk,
+            errors=GENERATION_ERRORS,
+        ),
+        ("post", "/v1/completions"): Operation(
+            "OpenAI completions",
+            CompletionRequest,
+            Completion,
+            CompletionChunk,
+            errors=GENERATION_ERRORS,
+        ),
+        ("post", "/v1/chat/completions"): Operation(
+            "OpenAI chat completions",
+            ChatRequest,
+            ChatCompletion,
+            ChatCompletionChunk,
+            errors=GENERATION_ERRORS,
+        ),
+        ("post", "/abort_request"): Operation(
+            "Abort a request by rid, or all", AbortRequest, Aborted
+        ),
+        ("get", "/health"): Operation(
+            "200 once ready (warm-up passed), 503 before or once the scheduler is gone",
+            errors=(503,),
+        ),
+        ("get", "/health_generate"): Operation(
+            "Generate one token; 200 if that works", errors=(503,)
+        ),
         ("get", "/v1/models"): Operation("The served model", response=ModelList, errors=()),
         ("get", "/get_load"): Operation("Load per DP group", response=list[DPLoad], errors=(503,)),
-        ("get", "/kv_events/snapshot"): Operation("The radix cache as KV events per DP group", response=Object,
-                                                  errors=(404, 503)),
+        ("get", "/kv_events/snapshot"): Operation(
+            "The radix cache as KV events per DP group", response=Object, errors=(404, 503)
+        ),
         ("get", "/metrics"): Operation("Prometheus metrics", media_type="text/plain", errors=()),
-        ("get", "/debug/integrity"): Operation("The pools' accounting", response=Integrity, errors=(500,)),
+        ("get", "/debug/integrity"): Operation(
+            "The pools' accounting", response=Integrity, errors=(500,)
+        ),
     }
     for path in ("/server_info", "/get_server_info"):
-        docs[("get", path)] = Operation("Server arguments and state", response=ServerInfo, errors=())
+        docs[("get", path)] = Operation(
+            "Server arguments and state", response=ServerInfo, errors=()
+        )
     for path in ("/model_info", "/get_model_info"):
         docs[("get", path)] = Operation("Model facts", response=ModelInfo, errors=())
     for method in ("get", "post"):
-        docs[(method, "/flush_cache")] = Operation("Empty the prefix cache (400 while requests run)", response=Success)
+        docs[(method, "/flush_cache")] = Operation(
+            "Empty the prefix cache (400 while requests run)", response=Success
+        )
         for action in ("start", "stop", "dump"):
             docs[(method, f"/{action}_expert_distribution_record")] = Operation(
-                f"MoE expert load record: {action}", response=Object, errors=(400, 503))
-    docs[("post", "/switch_role")] = Operation("Switch between prefill, decode and colocated, keeping the weights",
-                                               SwitchRoleRequest, Object, errors=(400, 409, 500, 503))
+                f"MoE expert load record: {action}", response=Object, errors=(400, 503)
+            )
+    docs[("post", "/switch_role")] = Operation(
+        "Switch between prefill, decode and colocated, keeping the weights",
+        SwitchRoleRequest,
+        Object,
+        errors=(400, 409, 500, 503),
+    )
     return docs
 
 

@@ -23,8 +23,8 @@ from starlette.responses import Response
 
 import pdserve
 from pdserve.api_key import APIKeyMiddleware
-from pdserve.server import api_schema, expert_api, generate_api, http_util, openai_api, role_switch
 from pdserve.disagg.transfer.local import host_identity
+from pdserve.server import api_schema, expert_api, generate_api, http_util, openai_api, role_switch
 from pdserve.server.calibration import calibrate
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.tokenizer_manager import TokenizerManager
@@ -45,8 +45,12 @@ class AbortRequest(msgspec.Struct):
     abort_all: bool = False
 
 
-def create_app(tm: TokenizerManager, *, warmup: bool = True,
-               on_fatal: Callable[[str], None] = lambda reason: None) -> FastAPI:
+def create_app(
+    tm: TokenizerManager,
+    *,
+    warmup: bool = True,
+    on_fatal: Callable[[str], None] = lambda reason: None,
+) -> FastAPI:
     args = tm.server_args
     client = tm.client
     state: dict[str, Any] = {"ready": False}
@@ -65,7 +69,8 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
                 await one_token(WARMUP_TIMEOUT_S)
                 logger.info("warm-up generation passed in %.2fs", time.monotonic() - t0)
                 state["calibration"] = await asyncio.wait_for(
-                    calibrate(tm, lambda: control("flush_cache")), WARMUP_TIMEOUT_S)
+                    calibrate(tm, lambda: control("flush_cache")), WARMUP_TIMEOUT_S
+                )
             state["ready"] = True
             logger.info("server ready on http://%s:%d", args.host, args.port)
         except Exception as e:
@@ -110,7 +115,13 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
                 with contextlib.suppress(Exception):
                     loop.remove_reader(fd)
 
-    app = FastAPI(title="pdserve", version=pdserve.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="pdserve",
+        version=pdserve.__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
     api_schema.install(app)  # /openapi.json: bodies and answers of the routes below
 
     @app.exception_handler(APIError)
@@ -130,7 +141,9 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
         try:
             return await client.control(op, kw or None, timeout=CONTROL_TIMEOUT_S)
         except asyncio.TimeoutError:
-            raise APIError(503, f"scheduler did not answer {op!r} within {CONTROL_TIMEOUT_S:.0f}s") from None
+            raise APIError(
+                503, f"scheduler did not answer {op!r} within {CONTROL_TIMEOUT_S:.0f}s"
+            ) from None
 
     # ---- generation ----------------------------------------------------------------------
     @app.post("/generate")
@@ -160,7 +173,9 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
     async def health() -> Response:
         refuse_if_unavailable()
         if not state["ready"] or not client.is_alive():
-            raise APIError(503, "server is starting" if client.is_alive() else "scheduler is not running")
+            raise APIError(
+                503, "server is starting" if client.is_alive() else "scheduler is not running"
+            )
         return Response(status_code=200)
 
     @app.get("/health_generate")
@@ -174,8 +189,14 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
 
     @app.get("/v1/models")
     async def models() -> Response:
-        card = {"id": args.served_model_name, "object": "model", "created": 0, "owned_by": "pdserve",
-                "root": args.model_path, "max_model_len": tm.context_length}
+        card = {
+            "id": args.served_model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdserve",
+            "root": args.model_path,
+            "max_model_len": tm.context_length,
+        }
         return http_util.json_response({"object": "list", "data": [card]})
 
     async def server_info() -> Response:
@@ -183,12 +204,26 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
         for secret in ("disaggregation_secret", "api_key"):
             if info.get(secret):
                 info[secret] = "***"
-        status = ("switching" if switcher.current else "failed" if switcher.broken
-                  else "ready" if state["ready"] else "starting")
-        info.update(status=status, version=pdserve.__version__, **role_switch.server_info_fields(switcher),
-                    scheduler_info=client.info, max_total_num_tokens=client.info.get("max_total_tokens"),
-                    model_context_length=tm.context_length, internal_states=[],
-                    calibration=state.get("calibration"), host_id=host_identity())
+        status = (
+            "switching"
+            if switcher.current
+            else "failed"
+            if switcher.broken
+            else "ready"
+            if state["ready"]
+            else "starting"
+        )
+        info.update(
+            status=status,
+            version=pdserve.__version__,
+            **role_switch.server_info_fields(switcher),
+            scheduler_info=client.info,
+            max_total_num_tokens=client.info.get("max_total_tokens"),
+            model_context_length=tm.context_length,
+            internal_states=[],
+            calibration=state.get("calibration"),
+            host_id=host_identity(),
+        )
         with contextlib.suppress(APIError, RuntimeError):
             stats = await control("stats")
             info["internal_states"] = stats.get("dp") or [stats]  # one per DP group, as SGLang
@@ -196,9 +231,15 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
 
     def model_info() -> Response:
         keys = ("context_length", "vocab_size", "model_fingerprint", "eos_token_ids", "page_size")
-        return http_util.json_response({
-            "model_path": args.model_path, "tokenizer_path": args.tokenizer_path, "is_generation": True,
-            "served_model_name": args.served_model_name, **{k: client.info.get(k) for k in keys}})
+        return http_util.json_response(
+            {
+                "model_path": args.model_path,
+                "tokenizer_path": args.tokenizer_path,
+                "is_generation": True,
+                "served_model_name": args.served_model_name,
+                **{k: client.info.get(k) for k in keys},
+            }
+        )
 
     for path in ("/server_info", "/get_server_info"):
         app.add_api_route(path, server_info, methods=["GET"])
@@ -212,10 +253,20 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
         keys = ("num_reqs", "num_waiting_reqs", "num_tokens")
         groups = load.get("dp") or [{"dp_rank": 0, **load}]  # one entry per DP group, as SGLang
         rate = "kv_transfer_bytes_per_s"  # a prefill's recent KV transfer speed, once it has moved some
-        queues = [k for k in QUEUE_KEYS if k in load]  # a PD role's queues (the router's --autoscale reads them)
-        return http_util.json_response([{"dp_rank": g["dp_rank"], **{k: int(g.get(k, 0)) for k in keys},
-                                         **({rate: round(g[rate])} if g.get(rate) else {}),
-                                         **{k: int(g[k]) for k in queues}} for g in groups])
+        queues = [
+            k for k in QUEUE_KEYS if k in load
+        ]  # a PD role's queues (the router's --autoscale reads them)
+        return http_util.json_response(
+            [
+                {
+                    "dp_rank": g["dp_rank"],
+                    **{k: int(g.get(k, 0)) for k in keys},
+                    **({rate: round(g[rate])} if g.get(rate) else {}),
+                    **{k: int(g[k]) for k in queues},
+                }
+                for g in groups
+            ]
+        )
 
     @app.get("/kv_events/snapshot")
     async def kv_events_snapshot() -> Response:
@@ -251,7 +302,9 @@ def create_app(tm: TokenizerManager, *, warmup: bool = True,
             result = await control("integrity")
         except RuntimeError as e:
             return http_util.json_response({"ok": False, "error": str(e)}, status=500)
-        return http_util.json_response({"ok": True, "integrity": result, "front_end_requests": len(tm.states)})
+        return http_util.json_response(
+            {"ok": True, "integrity": result, "front_end_requests": len(tm.states)}
+        )
 
     if args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)

@@ -43,17 +43,26 @@ async def calibrate(tm: TokenizerManager, flush: Callable[[], Awaitable[Any]]) -
     per_token = max(0.0, (times[long_n] - times[short_n]) / (long_n - short_n))
     fixed = max(0.0, times[short_n] - per_token * short_n)
     await flush()
-    out = {"prefill_fixed_s": round(fixed, 6), "prefill_s_per_token": round(per_token, 9),
-           "measured": {str(n): round(t, 6) for n, t in times.items()}}
-    logger.info("calibration: prefill takes %.1f ms + %.3f ms/token (%s)", fixed * 1e3, per_token * 1e3,
-                ", ".join(f"{n} tokens {t * 1e3:.1f} ms" for n, t in times.items()))
+    out = {
+        "prefill_fixed_s": round(fixed, 6),
+        "prefill_s_per_token": round(per_token, 9),
+        "measured": {str(n): round(t, 6) for n, t in times.items()},
+    }
+    logger.info(
+        "calibration: prefill takes %.1f ms + %.3f ms/token (%s)",
+        fixed * 1e3,
+        per_token * 1e3,
+        ", ".join(f"{n} tokens {t * 1e3:.1f} ms" for n, t in times.items()),
+    )
     return out
 
 
 async def _time_prefill(tm: TokenizerManager, ids: list[int]) -> float:
     # a decode server prefills locally (no bootstrap fields); a prefill server with the fake host
     bootstrap = fake_bootstrap("prefill") if tm.server_args.disaggregation_mode == "prefill" else {}
-    spec = tm.make_spec(ids, {"max_new_tokens": 1, "temperature": 0.0}, default_max_new_tokens=1, **bootstrap)
+    spec = tm.make_spec(
+        ids, {"max_new_tokens": 1, "temperature": 0.0}, default_max_new_tokens=1, **bootstrap
+    )
     t0 = time.perf_counter()
     state = tm.submit(spec)
     await tm.wait(state)

@@ -14,11 +14,22 @@ from pdserve.server.tool_parser import ToolCall, tool_parser
 # tool-call formats whose parser reads the whole output (its channels), not the reasoning's content
 RAW_TOOL_FORMATS = ("gpt-oss", "openai")
 # formats whose markers are special tokens: the text must keep them
-SPECIAL_MARKERS = ("gpt-oss", "openai", "mistral", "deepseekv3", "deepseek_v3", "deepseekv31", "deepseek_v31")
+SPECIAL_MARKERS = (
+    "gpt-oss",
+    "openai",
+    "mistral",
+    "deepseekv3",
+    "deepseek_v3",
+    "deepseekv31",
+    "deepseek_v31",
+)
 
 # chat_template_kwargs switch that turns a model's thinking off, and its default
-THINKING_SWITCH = {"qwen3": ("enable_thinking", True), "glm45": ("enable_thinking", True),
-                   "deepseek-v3": ("thinking", False)}
+THINKING_SWITCH = {
+    "qwen3": ("enable_thinking", True),
+    "glm45": ("enable_thinking", True),
+    "deepseek-v3": ("thinking", False),
+}
 
 
 def thinking_on(parser_name: str, template_kwargs: Optional[dict]) -> bool:
@@ -32,14 +43,18 @@ class ChatSetup:
 
     reasoning: Optional[str] = None  # the reasoning parser's name (None: no split)
     force_reasoning: bool = False  # the prompt already opened the reasoning
-    tools: Optional[list[dict]] = None  # tools the model may call (None: tool_choice none, or none given)
+    tools: Optional[list[dict]] = (
+        None  # tools the model may call (None: tool_choice none, or none given)
+    )
     tool_choice: Any = None
     tool_parser: Optional[str] = None
 
     @property
     def forced(self) -> bool:
         """The grammar forces the calls (``required`` or a named function): the output is JSON."""
-        return self.tools is not None and (self.tool_choice == "required" or isinstance(self.tool_choice, dict))
+        return self.tools is not None and (
+            self.tool_choice == "required" or isinstance(self.tool_choice, dict)
+        )
 
 
 @dataclass
@@ -50,10 +65,16 @@ class ChoiceOutput:
 
     def __post_init__(self) -> None:
         s = self.setup
-        self._reasoning = (reasoning_parser(s.reasoning, force_reasoning=s.force_reasoning).stream()
-                           if s.reasoning else None)
-        self._tools = (tool_parser(s.tool_parser, s.tools).stream()
-                       if s.tools is not None and s.tool_parser and not s.forced else None)
+        self._reasoning = (
+            reasoning_parser(s.reasoning, force_reasoning=s.force_reasoning).stream()
+            if s.reasoning
+            else None
+        )
+        self._tools = (
+            tool_parser(s.tool_parser, s.tools).stream()
+            if s.tools is not None and s.tool_parser and not s.forced
+            else None
+        )
         self._forced_text = ""
 
     # ---- whole ---------------------------------------------------------------------------
@@ -75,7 +96,10 @@ class ChoiceOutput:
     def keeps_special_tokens(self) -> bool:
         """Whether the output's text must keep special tokens (the parsers' markers are some)."""
         s = self.setup
-        return bool(s.reasoning in SPECIAL_MARKERS or (self._tools is not None and s.tool_parser in SPECIAL_MARKERS))
+        return bool(
+            s.reasoning in SPECIAL_MARKERS
+            or (self._tools is not None and s.tool_parser in SPECIAL_MARKERS)
+        )
 
     def feed(self, text: str) -> dict[str, Any]:
         """The delta for new output ``text``: reasoning_content, content, tool_calls (what is
@@ -101,7 +125,9 @@ class ChoiceOutput:
             content = ""
             if final:
                 try:
-                    calls = calls_from_forced_output(self._forced_text, self.setup.tools, self.setup.tool_choice)
+                    calls = calls_from_forced_output(
+                        self._forced_text, self.setup.tools, self.setup.tool_choice
+                    )
                 except ValueError:  # cut short (max_tokens): the text is all there is
                     content = self._forced_text
         elif self._tools is not None:
@@ -114,7 +140,9 @@ class ChoiceOutput:
         if calls:
             first = len(self.calls)
             self.calls += calls
-            delta["tool_calls"] = [{"index": first + k, **c.to_openai()} for k, c in enumerate(calls)]
+            delta["tool_calls"] = [
+                {"index": first + k, **c.to_openai()} for k, c in enumerate(calls)
+            ]
         return delta
 
     def finish_reason(self, reason: Optional[str]) -> Optional[str]:

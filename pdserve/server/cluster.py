@@ -71,43 +71,98 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float, name: str) -> N
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(prog="pdserve launch", description=__doc__)
-    p.add_argument("--model-path", default=None,
-                   help="HF model directory (default: the demo model, served as smollm2-135m-instruct)")
+    p.add_argument(
+        "--model-path",
+        default=None,
+        help="HF model directory (default: the demo model, served as smollm2-135m-instruct)",
+    )
     p.add_argument("--num-prefill", type=int, default=1)
     p.add_argument("--num-decode", type=int, default=1)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="router port")
     p.add_argument("--policy", default="round_robin", choices=POLICIES, help="the router's policy")
-    p.add_argument("--prefill-policy", default=None, choices=POLICIES,
-                   help="the router's policy for prefill (e.g. cache_aware with several prefills)")
-    p.add_argument("--pd-policy", default="always", choices=PD_POLICIES,
-                   help="conditional: the router may have decode prefill short prompts itself")
-    p.add_argument("--pd-local-max-tokens", type=int, default=None, metavar="N",
-                   help="conditional: the router never has decode prefill more than N tokens it does not hold "
-                        "(the router's default unless given)")
-    p.add_argument("--pd-itl-weight", type=float, default=None, metavar="W",
-                   help="conditional: weight of the stall a local prefill inflicts on decode's running streams "
-                        "(the router's default unless given)")
-    p.add_argument("--decode-radix-cache", action="store_true",
-                   help="decode keeps finished requests' KV; a next turn gets only its new pages from prefill")
-    p.add_argument("--transfer-backend", default=None,
-                   help="KV transfer backend of every server. Default: local when --host is a loopback address "
-                        "(every server on this host, reached only from it), else mooncake (nixl when Mooncake is "
-                        "not installed), since servers reachable from other hosts may be paired with a peer "
-                        "there, which the local backend refuses")
-    p.add_argument("--torch-num-threads", type=int, default=None,
-                   help="per rank (default: the cores divided among all ranks, at least 1)")
+    p.add_argument(
+        "--prefill-policy",
+        default=None,
+        choices=POLICIES,
+        help="the router's policy for prefill (e.g. cache_aware with several prefills)",
+    )
+    p.add_argument(
+        "--pd-policy",
+        default="always",
+        choices=PD_POLICIES,
+        help="conditional: the router may have decode prefill short prompts itself",
+    )
+    p.add_argument(
+        "--pd-local-max-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="conditional: the router never has decode prefill more than N tokens it does not hold "
+        "(the router's default unless given)",
+    )
+    p.add_argument(
+        "--pd-itl-weight",
+        type=float,
+        default=None,
+        metavar="W",
+        help="conditional: weight of the stall a local prefill inflicts on decode's running streams "
+        "(the router's default unless given)",
+    )
+    p.add_argument(
+        "--decode-radix-cache",
+        action="store_true",
+        help="decode keeps finished requests' KV; a next turn gets only its new pages from prefill",
+    )
+    p.add_argument(
+        "--transfer-backend",
+        default=None,
+        help="KV transfer backend of every server. Default: local when --host is a loopback address "
+        "(every server on this host, reached only from it), else mooncake (nixl when Mooncake is "
+        "not installed), since servers reachable from other hosts may be paired with a peer "
+        "there, which the local backend refuses",
+    )
+    p.add_argument(
+        "--torch-num-threads",
+        type=int,
+        default=None,
+        help="per rank (default: the cores divided among all ranks, at least 1)",
+    )
     p.add_argument("--tp-size", type=int, default=1, help="ranks of every server")
-    p.add_argument("--prefill-tp-size", type=int, default=None, help="ranks of each prefill server (default --tp-size)")
-    p.add_argument("--decode-tp-size", type=int, default=None, help="ranks of each decode server (default --tp-size)")
-    p.add_argument("--prefill-pp-size", type=int, default=1, help="pipeline stages of each prefill server")
-    p.add_argument("--prefill-dp-size", type=int, default=1,
-                   help="attention-DP groups of each prefill server (--enable-dp-attention; divides its TP size)")
-    p.add_argument("--decode-dp-size", type=int, default=1,
-                   help="attention-DP groups of each decode server (--enable-dp-attention; divides its TP size)")
+    p.add_argument(
+        "--prefill-tp-size",
+        type=int,
+        default=None,
+        help="ranks of each prefill server (default --tp-size)",
+    )
+    p.add_argument(
+        "--decode-tp-size",
+        type=int,
+        default=None,
+        help="ranks of each decode server (default --tp-size)",
+    )
+    p.add_argument(
+        "--prefill-pp-size", type=int, default=1, help="pipeline stages of each prefill server"
+    )
+    p.add_argument(
+        "--prefill-dp-size",
+        type=int,
+        default=1,
+        help="attention-DP groups of each prefill server (--enable-dp-attention; divides its TP size)",
+    )
+    p.add_argument(
+        "--decode-dp-size",
+        type=int,
+        default=1,
+        help="attention-DP groups of each decode server (--enable-dp-attention; divides its TP size)",
+    )
     p.add_argument("--dp-aware", action="store_true", help="the router picks both legs' DP groups")
-    p.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY' to the router; "
-                   "its servers get the same key")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="clients must send 'Authorization: Bearer KEY' to the router; "
+        "its servers get the same key",
+    )
     p.add_argument("--ready-timeout", type=float, default=600)
     p.add_argument("--log-level", default="info")
     args, extra = p.parse_known_args(argv)
@@ -140,8 +195,11 @@ def transfer_backend_for(host: str, requested: str | None) -> str:
             return name
         except ValueError as e:
             logger.info("transfer backend %s not usable: %s", name, e)
-    logger.warning("--host %s is not loopback but neither mooncake nor nixl is installed: using the local "
-                   "backend, so only servers on this host can be paired", host)
+    logger.warning(
+        "--host %s is not loopback but neither mooncake nor nixl is installed: using the local "
+        "backend, so only servers on this host can be paired",
+        host,
+    )
     return "local"
 
 
@@ -157,7 +215,10 @@ def shared_dtype_flags(model: str, extra: list[str]) -> list[str]:
     float32 on each server at start-up; servers starting together on a busy host can measure
     differently, and a prefill and a decode that keep their KV in different dtypes cannot be
     paired. Nothing when the user chose ``--dtype`` or ``--kv-cache-dtype`` (or quantization)."""
-    if any(a.split("=")[0] in ("--dtype", "--kv-cache-dtype", "--quantization", "--device") for a in extra):
+    if any(
+        a.split("=")[0] in ("--dtype", "--kv-cache-dtype", "--quantization", "--device")
+        for a in extra
+    ):
         return []
     from pdserve import kernels
     from pdserve.engine.precision import choose_compute_dtype
@@ -188,7 +249,7 @@ def split_role_flags(extra: list[str]) -> tuple[list[str], dict[str, list[str]]]
         token = extra[i]
         flag, eq, value = token.partition("=")
         role = next((r for r in ROLES if flag.startswith(f"--{r}-")), None)
-        name = flag[len(f"--{role}-"):].replace("-", "_") if role else ""
+        name = flag[len(f"--{role}-") :].replace("-", "_") if role else ""
         if role is None or name not in fields:
             common.append(token)
             i += 1
@@ -246,11 +307,17 @@ def stop_in_order(procs: list[tuple[str, str, subprocess.Popen]]) -> None:
 
     lifetime.handle_stop_signals(on_signal)
     for role in ("router", "decode", "prefill"):
-        group = [proc for name, _, proc in procs if name.partition("-")[0] == role and proc.poll() is None]
+        group = [
+            proc
+            for name, _, proc in procs
+            if name.partition("-")[0] == role and proc.poll() is None
+        ]
         for proc in group:
             proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        while any(proc.poll() is None for proc in group) and time.monotonic() < deadline and not hurry:
+        while (
+            any(proc.poll() is None for proc in group) and time.monotonic() < deadline and not hurry
+        ):
             time.sleep(0.05)
         for proc in group:
             if proc.poll() is None:
@@ -280,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
         stop_in_order(procs)
 
 
-def _run(args: argparse.Namespace, extra: list[str], procs: list[tuple[str, str, subprocess.Popen]]) -> int:
+def _run(
+    args: argparse.Namespace, extra: list[str], procs: list[tuple[str, str, subprocess.Popen]]
+) -> int:
     model = args.model_path
     if model is None:
         from pdserve.models.demo import DEMO_MODELS, ensure_demo_model
@@ -288,9 +357,17 @@ def _run(args: argparse.Namespace, extra: list[str], procs: list[tuple[str, str,
         model = ensure_demo_model()
         if not any(a.split("=")[0] == "--served-model-name" for a in extra):
             extra = ["--served-model-name", DEMO_MODELS[0], *extra]  # what clients send as "model"
-    n_ranks = args.num_prefill * args.prefill_tp_size * args.prefill_pp_size + args.num_decode * args.decode_tp_size
+    n_ranks = (
+        args.num_prefill * args.prefill_tp_size * args.prefill_pp_size
+        + args.num_decode * args.decode_tp_size
+    )
     threads = args.torch_num_threads or default_threads(os.cpu_count() or 1, n_ranks)
-    logger.info("%d torch thread(s) per rank (%d rank(s) on %d core(s))", threads, n_ranks, os.cpu_count() or 1)
+    logger.info(
+        "%d torch thread(s) per rank (%d rank(s) on %d core(s))",
+        threads,
+        n_ranks,
+        os.cpu_count() or 1,
+    )
     py = [sys.executable, "-m", "pdserve.cli"]
     backend = transfer_backend_for(args.host, args.transfer_backend)
     try:
@@ -299,17 +376,32 @@ def _run(args: argparse.Namespace, extra: list[str], procs: list[tuple[str, str,
         logger.error("%s", e)
         return 2
     extra = [*shared_dtype_flags(model, extra), *extra]
-    common = ["--model-path", model, "--host", args.host, "--torch-num-threads", str(threads),
-              "--disaggregation-transfer-backend", backend, "--log-level", args.log_level, *extra]
+    common = [
+        "--model-path",
+        model,
+        "--host",
+        args.host,
+        "--torch-num-threads",
+        str(threads),
+        "--disaggregation-transfer-backend",
+        backend,
+        "--log-level",
+        args.log_level,
+        *extra,
+    ]
     # Passed through the environment, which (unlike a command line) other users cannot list.
     if args.api_key:
-        os.environ["PDSERVE_API_KEY"] = args.api_key  # the servers and the router (its --worker-api-key too)
+        os.environ["PDSERVE_API_KEY"] = (
+            args.api_key
+        )  # the servers and the router (its --worker-api-key too)
     if not any(a.split("=")[0] == "--disaggregation-secret" for a in extra):
         # the control plane is authenticated even when nobody asked for it
         os.environ.setdefault("PDSERVE_DISAGGREGATION_SECRET", secrets.token_hex(32))
 
     events_port = 5557
-    follows_events = "cache_aware" in (args.policy, args.prefill_policy) or args.pd_policy == "conditional"
+    follows_events = (
+        "cache_aware" in (args.policy, args.prefill_policy) or args.pd_policy == "conditional"
+    )
 
     def kv_events() -> list[str]:
         """KV event endpoints for one server when the router follows the caches (one port per DP group)."""
@@ -319,27 +411,49 @@ def _run(args: argparse.Namespace, extra: list[str], procs: list[tuple[str, str,
         pub = free_port(events_port)
         replay = free_port(pub + 1000)
         events_port = pub + 1 + 8  # room for DP groups' ports (endpoint port + group)
-        return ["--kv-events-endpoint", f"tcp://{args.host}:{pub}", "--kv-events-replay-endpoint",
-                f"tcp://{args.host}:{replay}"]
+        return [
+            "--kv-events-endpoint",
+            f"tcp://{args.host}:{pub}",
+            "--kv-events-replay-endpoint",
+            f"tcp://{args.host}:{replay}",
+        ]
 
     port = 30000
     prefill_specs, decode_urls = [], []
     bport = 8998
     for i in range(args.num_prefill):
         port, bport = free_port(port), free_port(bport)
-        cmd = py + ["serve", *common, "--port", str(port), "--disaggregation-mode", "prefill",
-                    "--disaggregation-bootstrap-port", str(bport), *kv_events(),
-                    *_parallel_flags(args.prefill_tp_size, args.prefill_dp_size, args.prefill_pp_size),
-                    *role_flags["prefill"]]
+        cmd = py + [
+            "serve",
+            *common,
+            "--port",
+            str(port),
+            "--disaggregation-mode",
+            "prefill",
+            "--disaggregation-bootstrap-port",
+            str(bport),
+            *kv_events(),
+            *_parallel_flags(args.prefill_tp_size, args.prefill_dp_size, args.prefill_pp_size),
+            *role_flags["prefill"],
+        ]
         url = f"http://{args.host}:{port}"
         procs.append((f"prefill-{i}", url, subprocess.Popen(cmd)))
         prefill_specs += ["--prefill", url, str(bport)]
         port, bport = port + 1, bport + 1
     for j in range(args.num_decode):
         port = free_port(port)
-        cmd = py + ["serve", *common, "--port", str(port), "--disaggregation-mode", "decode", *kv_events(),
-                    *(["--disaggregation-decode-enable-radix-cache"] if args.decode_radix_cache else []),
-                    *_parallel_flags(args.decode_tp_size, args.decode_dp_size), *role_flags["decode"]]
+        cmd = py + [
+            "serve",
+            *common,
+            "--port",
+            str(port),
+            "--disaggregation-mode",
+            "decode",
+            *kv_events(),
+            *(["--disaggregation-decode-enable-radix-cache"] if args.decode_radix_cache else []),
+            *_parallel_flags(args.decode_tp_size, args.decode_dp_size),
+            *role_flags["decode"],
+        ]
         url = f"http://{args.host}:{port}"
         procs.append((f"decode-{j}", url, subprocess.Popen(cmd)))
         decode_urls += ["--decode", url]
@@ -348,15 +462,32 @@ def _run(args: argparse.Namespace, extra: list[str], procs: list[tuple[str, str,
         wait_ready(url, proc, args.ready_timeout, name)
         logger.info("%s ready at %s", name, url)
     router_url = f"http://{args.host}:{args.port}"
-    router = subprocess.Popen(py + ["router", *prefill_specs, *decode_urls, "--host", args.host,
-                                    "--port", str(args.port), "--policy", args.policy,
-                                    *(["--prefill-policy", args.prefill_policy] if args.prefill_policy else []),
-                                    "--pd-policy", args.pd_policy, *router_pd_flags(args),
-                                    *(["--dp-aware"] if args.dp_aware else [])])
+    router = subprocess.Popen(
+        py
+        + [
+            "router",
+            *prefill_specs,
+            *decode_urls,
+            "--host",
+            args.host,
+            "--port",
+            str(args.port),
+            "--policy",
+            args.policy,
+            *(["--prefill-policy", args.prefill_policy] if args.prefill_policy else []),
+            "--pd-policy",
+            args.pd_policy,
+            *router_pd_flags(args),
+            *(["--dp-aware"] if args.dp_aware else []),
+        ]
+    )
     procs.append(("router", router_url, router))
     wait_ready(router_url, router, 60, "router")
-    print(f"pdserve cluster ready: {router_url}  "
-          f"({args.num_prefill} prefill + {args.num_decode} decode, model {model})", flush=True)
+    print(
+        f"pdserve cluster ready: {router_url}  "
+        f"({args.num_prefill} prefill + {args.num_decode} decode, model {model})",
+        flush=True,
+    )
     while all(proc.poll() is None for _, _, proc in procs):
         time.sleep(1)
     dead = [name for name, _, proc in procs if proc.poll() is not None]

@@ -14,7 +14,9 @@ from pdserve.server.errors import bad_request
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
-def grammar_of_sampling(sampling: dict[str, Any], given: Optional[GrammarSpec]) -> Optional[GrammarSpec]:
+def grammar_of_sampling(
+    sampling: dict[str, Any], given: Optional[GrammarSpec]
+) -> Optional[GrammarSpec]:
     """``spec_from_sampling`` with its errors as 400s."""
     try:
         return spec_from_sampling(sampling, given)
@@ -31,15 +33,19 @@ def grammar_of_response_format(rf: Any) -> Optional[GrammarSpec]:
         raise bad_request("response_format: must be an object with a 'type'")
     kind = rf.get("type")
     if kind not in RESPONSE_FORMATS:
-        raise bad_request(f"response_format.type: must be one of {', '.join(RESPONSE_FORMATS)}, got {kind!r}")
+        raise bad_request(
+            f"response_format.type: must be one of {', '.join(RESPONSE_FORMATS)}, got {kind!r}"
+        )
     if kind == "text":
         return None
     if kind == "json_object":
         return GrammarSpec("json_object")
     js = rf.get("json_schema")
     if not isinstance(js, dict):
-        raise bad_request("response_format.json_schema: is required for type json_schema (an object with "
-                          "'name' and 'schema')")
+        raise bad_request(
+            "response_format.json_schema: is required for type json_schema (an object with "
+            "'name' and 'schema')"
+        )
     name = js.get("name")
     if name is not None and not (isinstance(name, str) and name):
         raise bad_request("response_format.json_schema.name: must be a non-empty string")

@@ -48,11 +48,11 @@ class IncrementalDetokenizer:
     def _advance(self, final: bool) -> None:
         if self._read == len(self.ids):
             return
-        prefix = self._decode(self.ids[self._surr:self._read])
-        full = self._decode(self.ids[self._surr:])
+        prefix = self._decode(self.ids[self._surr : self._read])
+        full = self._decode(self.ids[self._surr :])
         if not final and (len(full) <= len(prefix) or full.endswith(REPLACEMENT_CHAR)):
             return  # nothing new yet, or a character still incomplete
-        self.decoded += full[len(prefix):]
+        self.decoded += full[len(prefix) :]
         self._surr, self._read = self._read, len(self.ids)
 
     def _safe_end(self) -> int:
@@ -71,7 +71,7 @@ class IncrementalDetokenizer:
         return max(end, start)
 
     def _emit(self, end: int) -> str:
-        delta = self.decoded[len(self.text):end]
+        delta = self.decoded[len(self.text) : end]
         self.text += delta
         return delta
 

@@ -30,13 +30,17 @@ class APIError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-        self.type = type_ or _TYPES.get(status, "internal_error" if status >= 500 else "invalid_request_error")
+        self.type = type_ or _TYPES.get(
+            status, "internal_error" if status >= 500 else "invalid_request_error"
+        )
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "code": self.status}}
 
     def response(self) -> Response:
-        return Response(msgspec.json.encode(self.body()), status_code=self.status, media_type="application/json")
+        return Response(
+            msgspec.json.encode(self.body()), status_code=self.status, media_type="application/json"
+        )
 
     def sse(self) -> bytes:
         return b"data: " + msgspec.json.encode(self.body()) + b"\n\ndata: [DONE]\n\n"
@@ -50,4 +54,6 @@ def from_abort(finish_reason: dict[str, Any]) -> Optional[APIError]:
     """The error an abort finish reason stands for, or None for a plain abort (no status)."""
     if finish_reason.get("type") != "abort" or not finish_reason.get("status_code"):
         return None
-    return APIError(int(finish_reason["status_code"]), str(finish_reason.get("message") or "request aborted"))
+    return APIError(
+        int(finish_reason["status_code"]), str(finish_reason.get("message") or "request aborted")
+    )

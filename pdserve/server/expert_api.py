@@ -31,8 +31,10 @@ from pdserve.server.errors import APIError, bad_request
 
 OP = "expert_distribution"
 ACTIONS = ("start", "stop", "dump", "load")
-OFF = ("the expert distribution recorder is off: start the server with "
-       "--expert-distribution-recorder-mode stat")
+OFF = (
+    "the expert distribution recorder is off: start the server with "
+    "--expert-distribution-recorder-mode stat"
+)
 
 
 # ---- scheduler side -----------------------------------------------------------------------------
@@ -43,8 +45,11 @@ def scheduler_control(loop, args: dict) -> dict:
         raise ValueError(f"{OP}: action must be one of {ACTIONS}, got {action!r}")
     rec = getattr(loop.scheduler.runner.model, "expert_recorder", None)
     if rec is None:  # the same answer on every rank: they run the same model and flags
-        raise ValueError("the model has no MoE layers to record" if loop.args.expert_distribution_recorder_mode
-                         else OFF)
+        raise ValueError(
+            "the model has no MoE layers to record"
+            if loop.args.expert_distribution_recorder_mode
+            else OFF
+        )
     if action == "start":
         rec.start()
         return {"recording": True}
@@ -57,13 +62,24 @@ def scheduler_control(loop, args: dict) -> dict:
         return {"logical_count": summary["logical_count"], "imbalance": summary["imbalance"]}
     rec.restart_window()
     info = rec.info
-    rows = [summary["logical_count"].get(str(layer), [0] * info.num_experts) for layer in range(info.num_layers)]
-    return {"architecture": info.architecture, "num_layers": info.num_layers, "num_experts": info.num_experts,
-            "moe_layers": list(info.moe_layers), "ep_size": rec.placement.ep_size,
-            "num_redundant_experts": rec.placement.num_redundant, "recording": rec.recording,
-            "logical_count": rows, "physical_count": summary["physical_count"],
-            "last_physical_to_logical_map": summary["placement"], "rank_load": summary["rank_load"],
-            "imbalance": summary["imbalance"]}
+    rows = [
+        summary["logical_count"].get(str(layer), [0] * info.num_experts)
+        for layer in range(info.num_layers)
+    ]
+    return {
+        "architecture": info.architecture,
+        "num_layers": info.num_layers,
+        "num_experts": info.num_experts,
+        "moe_layers": list(info.moe_layers),
+        "ep_size": rec.placement.ep_size,
+        "num_redundant_experts": rec.placement.num_redundant,
+        "recording": rec.recording,
+        "logical_count": rows,
+        "physical_count": summary["physical_count"],
+        "last_physical_to_logical_map": summary["placement"],
+        "rank_load": summary["rank_load"],
+        "imbalance": summary["imbalance"],
+    }
 
 
 def _gather(world, mine: dict) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
@@ -81,11 +97,18 @@ def _gather(world, mine: dict) -> tuple[dict[int, list[int]], dict[int, list[int
     return counts, placement
 
 
-def summarize(info, local: ExpertPlacement, counts: dict[int, list[int]], placement: dict[int, list[int]]) -> dict:
+def summarize(
+    info, local: ExpertPlacement, counts: dict[int, list[int]], placement: dict[int, list[int]]
+) -> dict:
     """Per MoE layer: logical counts, slot counts, tokens per EP rank and their imbalance."""
     p = ExpertPlacement(info.num_experts, local.ep_size, placement, local.num_redundant)
-    out: dict[str, dict[str, Any]] = {"logical_count": {}, "physical_count": {}, "placement": {}, "rank_load": {},
-                                      "imbalance": {}}
+    out: dict[str, dict[str, Any]] = {
+        "logical_count": {},
+        "physical_count": {},
+        "placement": {},
+        "rank_load": {},
+        "imbalance": {},
+    }
     for layer in sorted(counts):
         key, slots = str(layer), counts[layer]
         loads = p.rank_loads(layer, slots)
@@ -103,19 +126,29 @@ class ExpertLoadMetrics:
 
     def __init__(self, registry, model_name: str):
         self.model_name = model_name
-        self.tokens = Counter("pdserve:moe_expert_tokens", "Tokens routed to each logical expert of each MoE "
-                              "layer since start-up (each (token, top-k slot) pair counts 1)",
-                              labelnames=["model_name", "layer", "expert"], registry=registry)
-        self.imbalance = Gauge("pdserve:moe_expert_imbalance", "Max over mean tokens per expert-parallel rank of a "
-                               "MoE layer since start-up, under the current placement (1: balanced)",
-                               labelnames=["model_name", "layer"], registry=registry)
+        self.tokens = Counter(
+            "pdserve:moe_expert_tokens",
+            "Tokens routed to each logical expert of each MoE "
+            "layer since start-up (each (token, top-k slot) pair counts 1)",
+            labelnames=["model_name", "layer", "expert"],
+            registry=registry,
+        )
+        self.imbalance = Gauge(
+            "pdserve:moe_expert_imbalance",
+            "Max over mean tokens per expert-parallel rank of a "
+            "MoE layer since start-up, under the current placement (1: balanced)",
+            labelnames=["model_name", "layer"],
+            registry=registry,
+        )
         self._seen: dict[tuple[str, int], int] = {}
 
     def update(self, load: dict) -> None:
         for layer, row in load.get("logical_count", {}).items():
             for expert, total in enumerate(row):
                 seen = self._seen.get((layer, expert), 0)
-                child = self.tokens.labels(model_name=self.model_name, layer=layer, expert=str(expert))
+                child = self.tokens.labels(
+                    model_name=self.model_name, layer=layer, expert=str(expert)
+                )
                 if total > seen:  # a running total in the scheduler
                     child.inc(total - seen)
                     self._seen[(layer, expert)] = total
@@ -124,7 +157,9 @@ class ExpertLoadMetrics:
 
 
 class ExpertAPI:
-    def __init__(self, enabled: bool, control: Callable[..., Awaitable[Any]], registry, model_name: str):
+    def __init__(
+        self, enabled: bool, control: Callable[..., Awaitable[Any]], registry, model_name: str
+    ):
         self.enabled = enabled
         self._control = control
         self.metrics = ExpertLoadMetrics(registry, model_name) if enabled else None
@@ -136,7 +171,7 @@ class ExpertAPI:
             return await self._control(OP, action=action)
         except RuntimeError as e:  # the scheduler's ValueError is the caller's mistake
             if str(e).startswith("ValueError: "):
-                raise bad_request(str(e)[len("ValueError: "):]) from None
+                raise bad_request(str(e)[len("ValueError: ") :]) from None
             raise APIError(500, f"{OP} {action}: {e}") from None
 
     async def refresh_metrics(self) -> None:
@@ -147,7 +182,9 @@ class ExpertAPI:
 def add_routes(app: FastAPI, args, control: Callable[..., Awaitable[Any]], registry) -> ExpertAPI:
     """Register the record endpoints; the returned object adds the load metrics to ``registry``
     (the server's) and refreshes them at scrape time."""
-    api = ExpertAPI(bool(args.expert_distribution_recorder_mode), control, registry, args.served_model_name)
+    api = ExpertAPI(
+        bool(args.expert_distribution_recorder_mode), control, registry, args.served_model_name
+    )
 
     async def start() -> Response:
         await api.call("start")
@@ -160,7 +197,10 @@ def add_routes(app: FastAPI, args, control: Callable[..., Awaitable[Any]], regis
     async def dump() -> Response:
         return http_util.json_response(await api.call("dump"))
 
-    for path, handler in (("/start_expert_distribution_record", start), ("/stop_expert_distribution_record", stop),
-                          ("/dump_expert_distribution_record", dump)):
+    for path, handler in (
+        ("/start_expert_distribution_record", start),
+        ("/stop_expert_distribution_record", stop),
+        ("/dump_expert_distribution_record", dump),
+    ):
         app.add_api_route(path, handler, methods=["GET", "POST"])
     return api

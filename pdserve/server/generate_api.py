@@ -22,7 +22,12 @@ from pdserve.disagg.fake import fake_bootstrap
 from pdserve.engine.request import INT64_MAX, MAX_TOP_LOGPROBS
 from pdserve.server import http_util, timeline
 from pdserve.server.errors import bad_request
-from pdserve.server.openai_protocol import BOOTSTRAP_SCHEMAS, DPRank, split_bootstrap, split_dp_ranks
+from pdserve.server.openai_protocol import (
+    BOOTSTRAP_SCHEMAS,
+    DPRank,
+    split_bootstrap,
+    split_dp_ranks,
+)
 from pdserve.server.tokenizer_manager import MAX_N, ReqSpec, ReqState, TokenizerManager
 
 
@@ -36,8 +41,10 @@ class Check(NamedTuple):
 
     def per_item(self, description: str) -> msgspec.Meta:
         """The field's schema where a batch may give one value per prompt."""
-        return msgspec.Meta(description=description + " (a batch may give a list: one per prompt)",
-                            extra_json_schema={"anyOf": [self.schema, {"type": "array", "items": self.schema}]})
+        return msgspec.Meta(
+            description=description + " (a batch may give a list: one per prompt)",
+            extra_json_schema={"anyOf": [self.schema, {"type": "array", "items": self.schema}]},
+        )
 
 
 def _is_int(x: Any) -> bool:
@@ -45,21 +52,41 @@ def _is_int(x: Any) -> bool:
 
 
 BOOL = Check(lambda v: isinstance(v, bool), "a boolean", {"type": "boolean"})
-SAMPLING = Check(lambda v: v is None or isinstance(v, dict), "an object",
-                 {"anyOf": [{"$ref": "#/components/schemas/SamplingParams"}, {"type": "null"}]})
+SAMPLING = Check(
+    lambda v: v is None or isinstance(v, dict),
+    "an object",
+    {"anyOf": [{"$ref": "#/components/schemas/SamplingParams"}, {"type": "null"}]},
+)
 RID = Check(lambda v: v is None or isinstance(v, str), "a string", {"type": ["string", "null"]})
-LOGPROB_START = Check(lambda v: _is_int(v) and -1 <= v <= INT64_MAX, "an integer >= -1",
-                      {"type": "integer", "minimum": -1, "maximum": INT64_MAX})
-TOP_LOGPROBS = Check(lambda v: _is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS, f"an integer in [0, {MAX_TOP_LOGPROBS}]",
-                     {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS})
-NON_NEGATIVE = Check(lambda v: _is_int(v) and v >= 0, "an integer >= 0", {"type": "integer", "minimum": 0})
-TEXT_SCHEMA = {"description": "the prompt, or a batch of prompts; exactly one of text and input_ids",
-               "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
-                         {"type": "null"}]}
-IDS_SCHEMA = {"description": "the prompt's token ids, or a batch of such lists; exactly one of text and input_ids",
-              "anyOf": [{"type": "array", "items": {"type": "integer"}},
-                        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}, "minItems": 1},
-                        {"type": "null"}]}
+LOGPROB_START = Check(
+    lambda v: _is_int(v) and -1 <= v <= INT64_MAX,
+    "an integer >= -1",
+    {"type": "integer", "minimum": -1, "maximum": INT64_MAX},
+)
+TOP_LOGPROBS = Check(
+    lambda v: _is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS,
+    f"an integer in [0, {MAX_TOP_LOGPROBS}]",
+    {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+)
+NON_NEGATIVE = Check(
+    lambda v: _is_int(v) and v >= 0, "an integer >= 0", {"type": "integer", "minimum": 0}
+)
+TEXT_SCHEMA = {
+    "description": "the prompt, or a batch of prompts; exactly one of text and input_ids",
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        {"type": "null"},
+    ],
+}
+IDS_SCHEMA = {
+    "description": "the prompt's token ids, or a batch of such lists; exactly one of text and input_ids",
+    "anyOf": [
+        {"type": "array", "items": {"type": "integer"}},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}, "minItems": 1},
+        {"type": "null"},
+    ],
+}
 
 
 def _present(name: str) -> dict[str, Any]:
@@ -67,10 +94,21 @@ def _present(name: str) -> dict[str, Any]:
 
 
 # fields that a batch may give per prompt (``_per_item``); a single prompt takes no list there
-PER_ITEM = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-            "return_routed_experts", "routed_experts_start_len")
-_SINGLE_PROMPT = {"anyOf": [{"required": ["text"], "properties": {"text": {"type": "string"}}},
-                            {"required": ["input_ids"], "properties": {"input_ids": {"items": {"type": "integer"}}}}]}
+PER_ITEM = (
+    "sampling_params",
+    "rid",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_routed_experts",
+    "routed_experts_start_len",
+)
+_SINGLE_PROMPT = {
+    "anyOf": [
+        {"required": ["text"], "properties": {"text": {"type": "string"}}},
+        {"required": ["input_ids"], "properties": {"input_ids": {"items": {"type": "integer"}}}},
+    ]
+}
 
 
 class GenerateRequest(msgspec.Struct):
@@ -81,9 +119,11 @@ class GenerateRequest(msgspec.Struct):
     # exactly one of text and input_ids (null counts as absent); a single prompt takes no
     # per-prompt list; a batch takes no single rid.
     JSON_SCHEMA: ClassVar[dict[str, Any]] = {
-        "oneOf": [_present("text"), _present("input_ids")], "if": _SINGLE_PROMPT,
+        "oneOf": [_present("text"), _present("input_ids")],
+        "if": _SINGLE_PROMPT,
         "then": {"properties": {name: {"not": {"type": "array"}} for name in PER_ITEM}},
-        "else": {"properties": {"rid": {"not": {"type": "string"}}}}}
+        "else": {"properties": {"rid": {"not": {"type": "string"}}}},
+    }
 
     text: Annotated[Any, msgspec.Meta(extra_json_schema=TEXT_SCHEMA)] = None
     input_ids: Annotated[Any, msgspec.Meta(extra_json_schema=IDS_SCHEMA)] = None
@@ -91,14 +131,24 @@ class GenerateRequest(msgspec.Struct):
     rid: Annotated[Any, RID.per_item("request id")] = None
     stream: bool = False
     return_logprob: Annotated[Any, BOOL.per_item("return token logprobs")] = False
-    logprob_start_len: Annotated[Any, LOGPROB_START.per_item("first prompt position with logprobs; -1: none")] = -1
+    logprob_start_len: Annotated[
+        Any, LOGPROB_START.per_item("first prompt position with logprobs; -1: none")
+    ] = -1
     top_logprobs_num: Annotated[Any, TOP_LOGPROBS.per_item("alternatives per token")] = 0
     return_text_in_logprobs: bool = False
     return_routed_experts: Annotated[Any, BOOL.per_item("return the routed experts' ids")] = False
-    routed_experts_start_len: Annotated[Any, NON_NEGATIVE.per_item("first position with routed experts")] = 0
-    bootstrap_host: Annotated[Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_host"])] = None
-    bootstrap_port: Annotated[Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_port"])] = None
-    bootstrap_room: Annotated[Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_room"])] = None
+    routed_experts_start_len: Annotated[
+        Any, NON_NEGATIVE.per_item("first position with routed experts")
+    ] = 0
+    bootstrap_host: Annotated[
+        Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_host"])
+    ] = None
+    bootstrap_port: Annotated[
+        Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_port"])
+    ] = None
+    bootstrap_room: Annotated[
+        Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_room"])
+    ] = None
     routed_dp_rank: DPRank = None
     disagg_prefill_dp_rank: DPRank = None
     data_parallel_rank: DPRank = None  # deprecated alias of routed_dp_rank
@@ -117,7 +167,11 @@ def _prompts(req: GenerateRequest) -> tuple[list[Any], bool]:
     ids = req.input_ids
     if isinstance(ids, list) and all(_is_int(t) for t in ids):
         return [ids], False
-    if isinstance(ids, list) and ids and all(isinstance(x, list) and all(_is_int(t) for t in x) for x in ids):
+    if (
+        isinstance(ids, list)
+        and ids
+        and all(isinstance(x, list) and all(_is_int(t) for t in x) for x in ids)
+    ):
         return list(ids), True
     raise bad_request("input_ids: must be a list of token ids or a non-empty list of such lists")
 
@@ -154,18 +208,34 @@ def parse(tm: TokenizerManager, req: GenerateRequest, stream: bool) -> tuple[lis
     starts = _per_item("logprob_start_len", req.logprob_start_len, size, batch, LOGPROB_START)
     tops = _per_item("top_logprobs_num", req.top_logprobs_num, size, batch, TOP_LOGPROBS)
     want_re = _per_item("return_routed_experts", req.return_routed_experts, size, batch, BOOL)
-    re_starts = _per_item("routed_experts_start_len", req.routed_experts_start_len, size, batch, NON_NEGATIVE)
+    re_starts = _per_item(
+        "routed_experts_start_len", req.routed_experts_start_len, size, batch, NON_NEGATIVE
+    )
     n = max(_sample_count(sp) for sp in sampling)
     boots = split_bootstrap(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, size, n)
-    ranks = split_dp_ranks(req.routed_dp_rank, req.disagg_prefill_dp_rank, req.data_parallel_rank, size, n)
+    ranks = split_dp_ranks(
+        req.routed_dp_rank, req.disagg_prefill_dp_rank, req.data_parallel_rank, size, n
+    )
     specs = []
     for i, prompt in enumerate(prompts):
         sp = sampling[i] or {}
-        specs.append(tm.make_spec(
-            prompt, sp, default_max_new_tokens=128, return_logprob=want_lp[i], top_logprobs_num=tops[i],
-            logprob_start_len=starts[i], stream=stream, rid=rids[i], no_stop_trim=bool(sp.get("no_stop_trim")),
-            return_routed_experts=want_re[i], routed_experts_start_len=re_starts[i], **boots[i], **ranks[i],
-        ))
+        specs.append(
+            tm.make_spec(
+                prompt,
+                sp,
+                default_max_new_tokens=128,
+                return_logprob=want_lp[i],
+                top_logprobs_num=tops[i],
+                logprob_start_len=starts[i],
+                stream=stream,
+                rid=rids[i],
+                no_stop_trim=bool(sp.get("no_stop_trim")),
+                return_routed_experts=want_re[i],
+                routed_experts_start_len=re_starts[i],
+                **boots[i],
+                **ranks[i],
+            )
+        )
     return specs, batch or specs[0].sampling.n > 1
 
 
@@ -173,7 +243,9 @@ def _entries(tm: TokenizerManager, pairs, with_text: bool) -> list[list[Any]]:
     return [[lp, tid, tm.token_text(tid) if with_text else None] for lp, tid in pairs]
 
 
-def output_dict(tm: TokenizerManager, state: ReqState, with_text: bool, with_timeline: bool = False) -> dict[str, Any]:
+def output_dict(
+    tm: TokenizerManager, state: ReqState, with_text: bool, with_timeline: bool = False
+) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": state.rid,
         "finish_reason": state.finish_reason,
@@ -188,8 +260,12 @@ def output_dict(tm: TokenizerManager, state: ReqState, with_text: bool, with_tim
         meta["output_token_logprobs"] = _entries(tm, state.output_token_logprobs, with_text)
         if spec.top_logprobs_num > 0:
             meta["input_top_logprobs"] = [
-                None if top is None else _entries(tm, top, with_text) for top in state.input_top_logprobs]
-            meta["output_top_logprobs"] = [_entries(tm, top, with_text) for top in state.output_top_logprobs]
+                None if top is None else _entries(tm, top, with_text)
+                for top in state.input_top_logprobs
+            ]
+            meta["output_top_logprobs"] = [
+                _entries(tm, top, with_text) for top in state.output_top_logprobs
+            ]
     if spec.return_routed_experts and state.routed_experts is not None:
         meta["routed_experts"] = base64.b64encode(state.routed_experts).decode("ascii")
     if with_timeline and state.finished:
@@ -206,15 +282,24 @@ async def handle(request: Request, tm: TokenizerManager) -> Response:
     specs, many = parse(tm, req, stream)
     states = tm.submit_all(specs)
     if stream:
-        return http_util.sse_response(tm, states, _events(tm, states, many, req.return_text_in_logprobs,
-                                                          timeline.requested(request.headers)))
+        return http_util.sse_response(
+            tm,
+            states,
+            _events(
+                tm, states, many, req.return_text_in_logprobs, timeline.requested(request.headers)
+            ),
+        )
     await http_util.unless_disconnected(request, http_util.wait_all(tm, states))
-    outs = [output_dict(tm, s, req.return_text_in_logprobs, timeline.requested(request.headers)) for s in states]
+    outs = [
+        output_dict(tm, s, req.return_text_in_logprobs, timeline.requested(request.headers))
+        for s in states
+    ]
     return http_util.json_response(outs if many else outs[0])
 
 
-async def _events(tm: TokenizerManager, states: list[ReqState], many: bool, with_text: bool,
-                  with_timeline: bool) -> AsyncIterator[bytes]:
+async def _events(
+    tm: TokenizerManager, states: list[ReqState], many: bool, with_text: bool, with_timeline: bool
+) -> AsyncIterator[bytes]:
     sent: dict[int, tuple[int, bool]] = {}
     async for i, state in http_util.stream_all(tm, states):
         err = http_util.error_of(state)
@@ -235,6 +320,9 @@ async def _events(tm: TokenizerManager, states: list[ReqState], many: bool, with
 def health_request(tm: TokenizerManager) -> ReqSpec:
     """A one-token generation for warm-up and /health_generate. In a PD server it carries the
     fake bootstrap host, for which the scheduler contacts no peer and moves no KV."""
-    return tm.make_spec("Hello", {"max_new_tokens": 1, "temperature": 0.0}, default_max_new_tokens=1,
-                        **fake_bootstrap(tm.server_args.disaggregation_mode))
-
+    return tm.make_spec(
+        "Hello",
+        {"max_new_tokens": 1, "temperature": 0.0},
+        default_max_new_tokens=1,
+        **fake_bootstrap(tm.server_args.disaggregation_mode),
+    )

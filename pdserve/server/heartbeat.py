@@ -39,8 +39,13 @@ def lost_after(dist_timeout: float) -> float:
 
 
 class Heartbeat:
-    def __init__(self, layout: NodeLayout, rank: int, dist_timeout: float,
-                 on_lost: Optional[Callable[[str], None]] = None):
+    def __init__(
+        self,
+        layout: NodeLayout,
+        rank: int,
+        dist_timeout: float,
+        on_lost: Optional[Callable[[str], None]] = None,
+    ):
         import torch.distributed as dist
 
         self.layout = layout
@@ -51,10 +56,17 @@ class Heartbeat:
         self.verdict: Optional[str] = None
         self._decided = threading.Event()
         # a client of its own: the process group's store is not used from two threads at once
-        self.store = dist.TCPStore(layout.host, layout.port, is_master=False, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=self.lost_after))
+        self.store = dist.TCPStore(
+            layout.host,
+            layout.port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=self.lost_after),
+        )
         self.keys = [f"pdserve/heartbeat/{r}" for r in range(layout.world_size)]
-        self.store.add(self.keys[rank], 1)  # exists before the start-up exchange: multi_get never waits
+        self.store.add(
+            self.keys[rank], 1
+        )  # exists before the start-up exchange: multi_get never waits
 
     def start(self) -> "Heartbeat":
         threading.Thread(target=self._run, name="pdserve-heartbeat", daemon=True).start()
@@ -72,8 +84,10 @@ class Heartbeat:
                 self.store.add(self.keys[self.rank], 1)
                 counts = self.store.multi_get([self.keys[r] for r in seen])
             except Exception as e:  # the store lives in rank 0's process
-                self._decide(f"lost {self.layout.describe(0)}: its torch.distributed store at "
-                             f"{self.layout.init_address} stopped answering ({type(e).__name__}: {first_line(e)})")
+                self._decide(
+                    f"lost {self.layout.describe(0)}: its torch.distributed store at "
+                    f"{self.layout.init_address} stopped answering ({type(e).__name__}: {first_line(e)})"
+                )
                 break
             now = time.monotonic()
             stale = []
@@ -93,8 +107,11 @@ class Heartbeat:
         for node in sorted({self.layout.node_of(r) for r in ranks}):
             gone = [r for r in ranks if self.layout.node_of(r) == node]
             whole = len(gone) == len(self.layout.ranks(node))
-            parts.append(self.layout.describe(node) if whole else
-                         f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} on node {node}")
+            parts.append(
+                self.layout.describe(node)
+                if whole
+                else f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} on node {node}"
+            )
         return " and ".join(parts)
 
     def _decide(self, verdict: str) -> None:

@@ -27,7 +27,9 @@ async def read_body(request: Request, max_bytes: int, type_: type[T]) -> T:
     malformed or of the wrong shape (the message names the field)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > max_bytes:
-        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {max_bytes} bytes")
+        raise APIError(
+            413, f"request body of {declared} bytes exceeds the limit of {max_bytes} bytes"
+        )
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
@@ -68,8 +70,11 @@ def sse_event(obj: Any) -> bytes:
 
 class _SSEResponse(StreamingResponse):
     def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]):
-        super().__init__(_guarded(events), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            _guarded(events),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
@@ -79,7 +84,9 @@ class _SSEResponse(StreamingResponse):
             self._on_close()  # synchronous: runs even when the stream was cancelled
 
 
-def sse_response(tm: TokenizerManager, states: list[ReqState], events: AsyncIterator[bytes]) -> StreamingResponse:
+def sse_response(
+    tm: TokenizerManager, states: list[ReqState], events: AsyncIterator[bytes]
+) -> StreamingResponse:
     """Stream ``events``; whatever ends the stream (finish, error, client gone), requests of
     ``states`` that did not finish are aborted."""
     return _SSEResponse(events, on_close=lambda: tm.release(states))
@@ -139,7 +146,9 @@ def raise_if_failed(states: list[ReqState]) -> None:
             raise err
 
 
-async def stream_all(tm: TokenizerManager, states: list[ReqState]) -> AsyncIterator[tuple[int, ReqState]]:
+async def stream_all(
+    tm: TokenizerManager, states: list[ReqState]
+) -> AsyncIterator[tuple[int, ReqState]]:
     """``(index, state)`` after each update of any of ``states`` until all finished.
 
     Stopping early (client gone, an error) aborts the ones still running."""
@@ -169,4 +178,3 @@ async def stream_all(tm: TokenizerManager, states: list[ReqState]) -> AsyncItera
     finally:
         for t in tasks:
             t.cancel()
-

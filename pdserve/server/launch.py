@@ -55,7 +55,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 2
     node = server_args.node_rank  # a node other than 0 runs ranks only: its tag names the node
-    setup_logging(role_tag(server_args.role) if node == 0 else f"{server_args.role}-node{node}", server_args.log_level)
+    setup_logging(
+        role_tag(server_args.role) if node == 0 else f"{server_args.role}-node{node}",
+        server_args.log_level,
+    )
     for warning in server_args.exposure_warnings():
         logger.warning("SECURITY WARNING: %s", warning)
     if server_args.torch_num_threads and "torch" in sys.modules:
@@ -87,8 +90,12 @@ def _run_ranks_only(client: SchedulerClient) -> int:
     lost peer, a crash: the server is down) or a signal stops them."""
     layout = client.layout
     client.wait_ready(SCHEDULER_READY_TIMEOUT_S)
-    logger.info("%s ready: serving through node 0's front end (torch.distributed at %s, outputs to %s)",
-                layout.describe(), layout.init_address, client.out_addr)
+    logger.info(
+        "%s ready: serving through node 0's front end (torch.distributed at %s, outputs to %s)",
+        layout.describe(),
+        layout.init_address,
+        client.out_addr,
+    )
     mp_connection.wait(client.sentinels())
     for p in client.procs:
         p.join(1.0)
@@ -112,7 +119,9 @@ def _serve_http(server_args: ServerArgs, tokenizer, client: SchedulerClient) -> 
     from pdserve.server.metrics import ServerMetrics
     from pdserve.server.tokenizer_manager import TokenizerManager
 
-    tm = TokenizerManager(server_args, tokenizer, client, ServerMetrics(server_args.served_model_name))
+    tm = TokenizerManager(
+        server_args, tokenizer, client, ServerMetrics(server_args.served_model_name)
+    )
     exit_code = 0
     server: Optional[uvicorn.Server] = None
 
@@ -124,8 +133,13 @@ def _serve_http(server_args: ServerArgs, tokenizer, client: SchedulerClient) -> 
 
     app = create_app(tm, warmup=not server_args.skip_warmup, on_fatal=on_fatal)
     config = uvicorn.Config(
-        app, host=server_args.host, port=server_args.port, log_config=None, log_level=server_args.log_level,
-        access_log=server_args.enable_access_log, timeout_graceful_shutdown=5,
+        app,
+        host=server_args.host,
+        port=server_args.port,
+        log_config=None,
+        log_level=server_args.log_level,
+        access_log=server_args.enable_access_log,
+        timeout_graceful_shutdown=5,
     )
     server = uvicorn.Server(config)
     asyncio.run(server.serve())

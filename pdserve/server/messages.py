@@ -35,7 +35,9 @@ class GenerateReq(msgspec.Struct, tag="generate"):
 class AbortReq(msgspec.Struct, tag="abort"):
     rid: str  # "" aborts every request
     message: str = "aborted by client"
-    status_code: int = 499  # the HTTP status the request ends with (503: the server is switching its role)
+    status_code: int = (
+        499  # the HTTP status the request ends with (503: the server is switching its role)
+    )
 
 
 class ControlReq(msgspec.Struct, tag="control"):

@@ -13,14 +13,49 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
-_STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_STAGE_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+    300,
+)
 # gauge -> key of the scheduler's stats; the PD queues exist on prefill (bootstrap, inflight) or
 # decode (prealloc, transfer) servers only and stay 0 elsewhere
 _QUEUE_GAUGES = (
-    ("pdserve:num_prefill_bootstrap_queue_reqs", "bootstrap_queue", "Prefill: requests waiting for decode's KV pages"),
-    ("pdserve:num_prefill_inflight_queue_reqs", "inflight_queue", "Prefill: prefilled requests whose KV is being sent"),
-    ("pdserve:num_decode_prealloc_queue_reqs", "prealloc_queue", "Decode: requests waiting for KV pages or prefill"),
-    ("pdserve:num_decode_transfer_queue_reqs", "transfer_queue", "Decode: requests whose KV is on its way"),
+    (
+        "pdserve:num_prefill_bootstrap_queue_reqs",
+        "bootstrap_queue",
+        "Prefill: requests waiting for decode's KV pages",
+    ),
+    (
+        "pdserve:num_prefill_inflight_queue_reqs",
+        "inflight_queue",
+        "Prefill: prefilled requests whose KV is being sent",
+    ),
+    (
+        "pdserve:num_decode_prealloc_queue_reqs",
+        "prealloc_queue",
+        "Decode: requests waiting for KV pages or prefill",
+    ),
+    (
+        "pdserve:num_decode_transfer_queue_reqs",
+        "transfer_queue",
+        "Decode: requests whose KV is on its way",
+    ),
 )
 
 
@@ -31,7 +66,9 @@ class ServerMetrics:
         r = self.registry
 
         def hist(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(name, doc, labelnames=list(labels), buckets=buckets, registry=r).labels(**labels)
+            return Histogram(
+                name, doc, labelnames=list(labels), buckets=buckets, registry=r
+            ).labels(**labels)
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, labelnames=list(labels), registry=r).labels(**labels)
@@ -39,28 +76,47 @@ class ServerMetrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labelnames=list(labels), registry=r).labels(**labels)
 
-        self.ttft = hist("pdserve:time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
-        self.itl = hist("pdserve:inter_token_latency_seconds", "Time between output tokens", _ITL_BUCKETS)
-        self.e2e = hist("pdserve:e2e_request_latency_seconds", "End-to-end request latency", _LATENCY_BUCKETS)
+        self.ttft = hist(
+            "pdserve:time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS
+        )
+        self.itl = hist(
+            "pdserve:inter_token_latency_seconds", "Time between output tokens", _ITL_BUCKETS
+        )
+        self.e2e = hist(
+            "pdserve:e2e_request_latency_seconds", "End-to-end request latency", _LATENCY_BUCKETS
+        )
         self.prompt_tokens = counter("pdserve:prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("pdserve:generation_tokens", "Generated tokens")
-        self.cached_tokens = counter("pdserve:cached_tokens", "Prompt tokens served from the prefix cache")
+        self.cached_tokens = counter(
+            "pdserve:cached_tokens", "Prompt tokens served from the prefix cache"
+        )
         self.requests = Counter(
-            "pdserve:requests", "Finished requests by finish reason",
-            labelnames=["model_name", "finish_reason"], registry=r,
+            "pdserve:requests",
+            "Finished requests by finish reason",
+            labelnames=["model_name", "finish_reason"],
+            registry=r,
         )
         self._model_name = model_name
         self.running = gauge("pdserve:num_running_reqs", "Requests in the running batch")
         self.waiting = gauge("pdserve:num_waiting_reqs", "Requests waiting to be scheduled")
-        self.kv_pages_used = gauge("pdserve:kv_pages_used", "KV cache pages in use (requests + prefix cache)")
+        self.kv_pages_used = gauge(
+            "pdserve:kv_pages_used", "KV cache pages in use (requests + prefix cache)"
+        )
         self.kv_pages_free = gauge("pdserve:kv_pages_free", "Free KV cache pages")
-        self.cache_hit_rate = gauge("pdserve:cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens")
+        self.cache_hit_rate = gauge(
+            "pdserve:cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens"
+        )
         self.stage_latency = Histogram(
-            "pdserve:per_stage_req_latency_seconds", "Time requests spent in each stage (server/timeline.py)",
-            labelnames=["model_name", "stage"], buckets=_STAGE_BUCKETS, registry=r,
+            "pdserve:per_stage_req_latency_seconds",
+            "Time requests spent in each stage (server/timeline.py)",
+            labelnames=["model_name", "stage"],
+            buckets=_STAGE_BUCKETS,
+            registry=r,
         )
         self.queues = [(gauge(name, doc), key) for name, key, doc in _QUEUE_GAUGES]
-        self.kv_bytes_sent = counter("pdserve:kv_transfer_bytes", "KV cache bytes this prefill wrote to decodes")
+        self.kv_bytes_sent = counter(
+            "pdserve:kv_transfer_bytes", "KV cache bytes this prefill wrote to decodes"
+        )
         self._prompt_total = 0
         self._cached_total = 0
         self._kv_bytes_seen = 0
@@ -74,14 +130,18 @@ class ServerMetrics:
             self.itl.observe(since_last / n)
         self.generation_tokens.inc(n)
 
-    def on_finish(self, finish_type: str, prompt_tokens: int, cached_tokens: int, e2e: float) -> None:
+    def on_finish(
+        self, finish_type: str, prompt_tokens: int, cached_tokens: int, e2e: float
+    ) -> None:
         self.e2e.observe(e2e)
         self.requests.labels(model_name=self._model_name, finish_reason=finish_type).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_tokens.inc(cached_tokens)
         self._prompt_total += prompt_tokens
         self._cached_total += cached_tokens
-        self.cache_hit_rate.set(self._cached_total / self._prompt_total if self._prompt_total else 0.0)
+        self.cache_hit_rate.set(
+            self._cached_total / self._prompt_total if self._prompt_total else 0.0
+        )
 
     def on_stages(self, stages) -> None:
         """``(stage, seconds)`` pairs of one finished request."""
@@ -89,9 +149,13 @@ class ServerMetrics:
             self.stage_latency.labels(model_name=self._model_name, stage=stage).observe(seconds)
 
     def set_scheduler_stats(self, stats: dict[str, Any]) -> None:
-        for gauge, key in ((self.running, "running"), (self.waiting, "waiting"),
-                           (self.kv_pages_used, "kv_pages_used"), (self.kv_pages_free, "kv_pages_free"),
-                           *self.queues):
+        for gauge, key in (
+            (self.running, "running"),
+            (self.waiting, "waiting"),
+            (self.kv_pages_used, "kv_pages_used"),
+            (self.kv_pages_free, "kv_pages_free"),
+            *self.queues,
+        ):
             if isinstance(stats.get(key), (int, float)):
                 gauge.set(stats[key])
         sent = stats.get("kv_bytes_sent")

@@ -47,8 +47,13 @@ class NodeLayout:
     def from_args(cls, args) -> "NodeLayout":
         addr = getattr(args, "dist_init_addr", None)
         host, port = split_host_port(addr) if addr else ("", 0)
-        return cls(nnodes=getattr(args, "nnodes", 1), node_rank=getattr(args, "node_rank", 0),
-                   world_size=getattr(args, "world_size", 1), host=host, port=port)
+        return cls(
+            nnodes=getattr(args, "nnodes", 1),
+            node_rank=getattr(args, "node_rank", 0),
+            world_size=getattr(args, "world_size", 1),
+            host=host,
+            port=port,
+        )
 
     @property
     def multi_node(self) -> bool:
@@ -108,7 +113,9 @@ def interface_towards(host: str) -> Optional[str]:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             for _, name in socket.if_nameindex():
                 try:
-                    raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+                    raw = fcntl.ioctl(
+                        s.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode())
+                    )
                 except OSError:
                     continue  # no IPv4 address on it
                 if socket.inet_ntoa(raw[20:24]) == local:
@@ -127,8 +134,11 @@ def choose_gloo_interface(layout: NodeLayout) -> None:
         return
     name = interface_towards(layout.host)
     if name is None:
-        logger.warning("cannot tell which interface reaches %s; gloo picks its own (set GLOO_SOCKET_IFNAME "
-                       "if the ranks cannot connect)", layout.host)
+        logger.warning(
+            "cannot tell which interface reaches %s; gloo picks its own (set GLOO_SOCKET_IFNAME "
+            "if the ranks cannot connect)",
+            layout.host,
+        )
         return
     os.environ["GLOO_SOCKET_IFNAME"] = name
     logger.info("gloo uses interface %s (it reaches node 0 at %s)", name, layout.host)
@@ -136,10 +146,12 @@ def choose_gloo_interface(layout: NodeLayout) -> None:
 
 def join_error(layout: NodeLayout, timeout_s: float, error: Exception) -> str:
     """What a failed rendezvous of a multi-host server means, for the start-up error."""
-    return (f"the {layout.world_size} ranks of {layout.nnodes} nodes did not all join at {layout.init_address} "
-            f"within --dist-timeout {timeout_s:g}s: start every node with the same --nnodes and --dist-init-addr "
-            f"(node 0 listens on ports {layout.port} and {layout.port + OUTPUT_PORT_OFFSET}) within that time "
-            f"({type(error).__name__}: {error})")
+    return (
+        f"the {layout.world_size} ranks of {layout.nnodes} nodes did not all join at {layout.init_address} "
+        f"within --dist-timeout {timeout_s:g}s: start every node with the same --nnodes and --dist-init-addr "
+        f"(node 0 listens on ports {layout.port} and {layout.port + OUTPUT_PORT_OFFSET}) within that time "
+        f"({type(error).__name__}: {error})"
+    )
 
 
 def gather_start_up(world, layout: NodeLayout, status: dict) -> dict:
@@ -150,9 +162,16 @@ def gather_start_up(world, layout: NodeLayout, status: dict) -> dict:
     try:
         per = [msgspec.json.decode(b) for b in world.all_gather_bytes(msgspec.json.encode(mine))]
     except Exception as e:  # a rank died while loading, or is slower than --dist-timeout
-        return {"status": "error", "message": f"not every rank of {layout.nnodes} nodes reported its start-up: "
-                                              f"{type(e).__name__}: {e}"}
-    bad = [f"rank {r} on node {layout.node_of(r)}: {s['message']}" for r, s in enumerate(per) if not s["ok"]]
+        return {
+            "status": "error",
+            "message": f"not every rank of {layout.nnodes} nodes reported its start-up: "
+            f"{type(e).__name__}: {e}",
+        }
+    bad = [
+        f"rank {r} on node {layout.node_of(r)}: {s['message']}"
+        for r, s in enumerate(per)
+        if not s["ok"]
+    ]
     if bad:
         return {"status": "error", "message": "failed to start: " + "; ".join(bad)}
     return status

@@ -20,8 +20,8 @@ from typing import Any, AsyncIterator, Callable, Optional
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pdserve.server import http_util, timeline
 from pdserve.grammar import GrammarSpec
+from pdserve.server import http_util, timeline
 from pdserve.server.chat_output import ChatSetup, ChoiceOutput, thinking_on
 from pdserve.server.constraints import grammar_of_response_format
 from pdserve.server.errors import APIError, bad_request
@@ -44,10 +44,14 @@ def check_model(tm: TokenizerManager, name: Optional[str]) -> None:
 
 def _usage(states: list[ReqState], n: int) -> dict:
     prompt = sum(s.prompt_tokens for s in states[::n])
-    return usage(prompt, sum(len(s.output_ids) for s in states), sum(s.cached_tokens for s in states[::n]))
+    return usage(
+        prompt, sum(len(s.output_ids) for s in states), sum(s.cached_tokens for s in states[::n])
+    )
 
 
-def _with_timeline(tm: TokenizerManager, choice: dict[str, Any], s: ReqState, want: bool) -> dict[str, Any]:
+def _with_timeline(
+    tm: TokenizerManager, choice: dict[str, Any], s: ReqState, want: bool
+) -> dict[str, Any]:
     """A finished choice gets the request's timeline when the client asked (server/timeline.py)."""
     if want and s.finished:
         choice["timeline"] = timeline.public(tm.server_args.disaggregation_mode, s.timeline)
@@ -57,7 +61,10 @@ def _with_timeline(tm: TokenizerManager, choice: dict[str, Any], s: ReqState, wa
 def _sglext(states: list[ReqState]) -> Optional[dict[str, Any]]:
     """SGLang's response-level extension: ``routed_experts`` (base64) of the first choice that has
     them, as SGLang fills it (per-choice ids: ``/generate``, or one choice per request)."""
-    data = next((s.routed_experts for s in states if s.spec.return_routed_experts and s.routed_experts), None)
+    data = next(
+        (s.routed_experts for s in states if s.spec.return_routed_experts and s.routed_experts),
+        None,
+    )
     return None if data is None else {"routed_experts": base64.b64encode(data).decode("ascii")}
 
 
@@ -72,7 +79,12 @@ def _tops(tops: list, j: int) -> list:
 
 # ---- completions ---------------------------------------------------------------------------
 def _completion_logprobs(tm: TokenizerManager, pairs, tops, offset: int) -> dict[str, list]:
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out: dict[str, list] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
     for j, (lp, tid) in enumerate(pairs):
         text = tm.token_text(tid)
         out["tokens"].append(text)
@@ -93,16 +105,32 @@ async def completions(request: Request, tm: TokenizerManager) -> Response:
     echo_logprobs = req.echo and top is not None
     stream = req.stream and args.disaggregation_mode != "prefill"
     grammar = grammar_of_response_format(req.response_format)
-    specs = [tm.make_spec(p, req.sampling_params(req.max_tokens), default_max_new_tokens=16, grammar=grammar,
-                          return_logprob=top is not None, top_logprobs_num=top or 0,
-                          logprob_start_len=0 if echo_logprobs else -1, stream=stream,
-                          return_routed_experts=req.return_routed_experts, **boot)
-             for p, boot in zip(prompts, req.bootstrap(len(prompts)))]
-    echo = [p if isinstance(p, str) else tm.tokenizer.decode(p) for p in prompts] if req.echo else None
+    specs = [
+        tm.make_spec(
+            p,
+            req.sampling_params(req.max_tokens),
+            default_max_new_tokens=16,
+            grammar=grammar,
+            return_logprob=top is not None,
+            top_logprobs_num=top or 0,
+            logprob_start_len=0 if echo_logprobs else -1,
+            stream=stream,
+            return_routed_experts=req.return_routed_experts,
+            **boot,
+        )
+        for p, boot in zip(prompts, req.bootstrap(len(prompts)))
+    ]
+    echo = (
+        [p if isinstance(p, str) else tm.tokenizer.decode(p) for p in prompts] if req.echo else None
+    )
     states = tm.submit_all(specs)  # the last step that can fail before the states are owned
     n = req.n
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": args.served_model_name}
+    head = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": args.served_model_name,
+    }
 
     def logprobs(s: ReqState, start: int, delta: str, echo_text: str) -> Optional[dict]:
         if top is None:
@@ -119,17 +147,34 @@ async def completions(request: Request, tm: TokenizerManager) -> Response:
     def choice(i: int, s: ReqState, delta: str, token_start: int, first: bool) -> dict[str, Any]:
         fr = s.finish_reason
         echo_text = echo[i // n] if echo else ""
-        return _with_timeline(tm, {"index": i, "text": (echo_text if first else "") + delta,
-                                   "logprobs": logprobs(s, token_start, delta, echo_text),
-                                   "finish_reason": finish_reason(fr), "matched_stop": matched_stop(fr)},
-                              s, want_timeline)
+        return _with_timeline(
+            tm,
+            {
+                "index": i,
+                "text": (echo_text if first else "") + delta,
+                "logprobs": logprobs(s, token_start, delta, echo_text),
+                "finish_reason": finish_reason(fr),
+                "matched_stop": matched_stop(fr),
+            },
+            s,
+            want_timeline,
+        )
 
     if stream:
-        return http_util.sse_response(tm, states, _events(tm, states, head, choice, req.include_usage, n))
+        return http_util.sse_response(
+            tm, states, _events(tm, states, head, choice, req.include_usage, n)
+        )
     await http_util.unless_disconnected(request, http_util.wait_all(tm, states))
-    return http_util.json_response(_with_sglext({
-        **head, "choices": [choice(i, s, s.text, 0, True) for i, s in enumerate(states)], "usage": _usage(states, n)},
-        states))
+    return http_util.json_response(
+        _with_sglext(
+            {
+                **head,
+                "choices": [choice(i, s, s.text, 0, True) for i, s in enumerate(states)],
+                "usage": _usage(states, n),
+            },
+            states,
+        )
+    )
 
 
 # ---- chat ----------------------------------------------------------------------------------
@@ -138,8 +183,12 @@ def _chat_logprobs(tm: TokenizerManager, pairs, tops) -> dict[str, list]:
         text = tm.token_text(tid)
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
-    return {"content": [{**entry(lp, tid), "top_logprobs": [entry(v, t) for v, t in _tops(tops, j)]}
-                        for j, (lp, tid) in enumerate(pairs)]}
+    return {
+        "content": [
+            {**entry(lp, tid), "top_logprobs": [entry(v, t) for v, t in _tops(tops, j)]}
+            for j, (lp, tid) in enumerate(pairs)
+        ]
+    }
 
 
 def _chat_setup(tm: TokenizerManager, req: ChatRequest) -> ChatSetup:
@@ -153,19 +202,27 @@ def _chat_setup(tm: TokenizerManager, req: ChatRequest) -> ChatSetup:
     if choice == "none" or not tools:
         tools = None
     if tools is not None and choice in (None, "auto") and not args.tool_call_parser:
-        raise bad_request("tools: this server has no --tool-call-parser, so tool_choice 'auto' cannot find the "
-                          "calls in the output; start it with one, or use tool_choice 'required' or a named function")
+        raise bad_request(
+            "tools: this server has no --tool-call-parser, so tool_choice 'auto' cannot find the "
+            "calls in the output; start it with one, or use tool_choice 'required' or a named function"
+        )
     reasoning = args.reasoning_parser if req.separate_reasoning else None
     if reasoning and not thinking_on(reasoning, req.chat_template_kwargs):
         reasoning = None
-    return ChatSetup(reasoning=reasoning, tools=tools, tool_choice=choice, tool_parser=args.tool_call_parser)
+    return ChatSetup(
+        reasoning=reasoning, tools=tools, tool_choice=choice, tool_parser=args.tool_call_parser
+    )
 
 
-def _chat_grammar(tm: TokenizerManager, req: ChatRequest, setup: ChatSetup) -> Optional[GrammarSpec]:
+def _chat_grammar(
+    tm: TokenizerManager, req: ChatRequest, setup: ChatSetup
+) -> Optional[GrammarSpec]:
     grammar = grammar_of_response_format(req.response_format)
     if setup.forced:
         if grammar is not None:
-            raise bad_request("response_format: cannot be combined with tool_choice 'required' or a named function")
+            raise bad_request(
+                "response_format: cannot be combined with tool_choice 'required' or a named function"
+            )
         schema = tool_choice_schema(setup.tools, setup.tool_choice, req.parallel_tool_calls)
         grammar = GrammarSpec("json_schema", json.dumps(schema))
     return grammar
@@ -178,7 +235,9 @@ async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
     messages = req.chat_messages()
     top = req.top_logprobs_num()
     setup = _chat_setup(tm, req)
-    input_ids = tm.chat_input_ids(messages, req.continue_final_message, setup.tools, req.chat_template_kwargs)
+    input_ids = tm.chat_input_ids(
+        messages, req.continue_final_message, setup.tools, req.chat_template_kwargs
+    )
     grammar = _chat_grammar(tm, req, setup)
     start_after = None
     if setup.reasoning:
@@ -187,18 +246,32 @@ async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
         # (Qwen3 with thinking left to it) is constrained from the first token, so it answers
         if grammar is not None and setup.force_reasoning:
             start_after = tm.reasoning_end_ids(setup.reasoning)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
     stream = req.stream and args.disaggregation_mode != "prefill"
     sampling = req.sampling_params(max_tokens)
     if ChoiceOutput(setup).keeps_special_tokens:
         sampling["skip_special_tokens"] = False
-    spec = tm.make_spec(input_ids, sampling, default_max_new_tokens=None,
-                        return_logprob=top is not None, top_logprobs_num=top or 0, stream=stream,
-                        return_routed_experts=req.return_routed_experts, grammar=grammar,
-                        grammar_start_after=start_after, **req.bootstrap()[0])
+    spec = tm.make_spec(
+        input_ids,
+        sampling,
+        default_max_new_tokens=None,
+        return_logprob=top is not None,
+        top_logprobs_num=top or 0,
+        stream=stream,
+        return_routed_experts=req.return_routed_experts,
+        grammar=grammar,
+        grammar_start_after=start_after,
+        **req.bootstrap()[0],
+    )
     states = tm.submit_all([spec])
     n = req.n
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": args.served_model_name}
+    head = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": args.served_model_name,
+    }
     outputs = [ChoiceOutput(setup) for _ in states]
 
     def logprobs(s: ReqState, start: int) -> Optional[dict]:
@@ -208,7 +281,9 @@ async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
 
     want_timeline = timeline.requested(request.headers)
 
-    def chunk_choice(i: int, s: ReqState, text: str, token_start: int, first: bool) -> Optional[dict[str, Any]]:
+    def chunk_choice(
+        i: int, s: ReqState, text: str, token_start: int, first: bool
+    ) -> Optional[dict[str, Any]]:
         delta = outputs[i].feed(text)
         if s.finished:
             for key, value in outputs[i].finish().items():
@@ -219,29 +294,64 @@ async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
         if first:
             delta = {"role": "assistant", "content": "", **delta}
         fr = outputs[i].finish_reason(finish_reason(s.finish_reason))
-        return _with_timeline(tm, {"index": i, "delta": delta, "logprobs": lp, "finish_reason": fr,
-                                   "matched_stop": matched_stop(s.finish_reason)}, s, want_timeline)
+        return _with_timeline(
+            tm,
+            {
+                "index": i,
+                "delta": delta,
+                "logprobs": lp,
+                "finish_reason": fr,
+                "matched_stop": matched_stop(s.finish_reason),
+            },
+            s,
+            want_timeline,
+        )
 
     if stream:
-        events = _events(tm, states, {**head, "object": "chat.completion.chunk"}, chunk_choice, req.include_usage, n)
+        events = _events(
+            tm,
+            states,
+            {**head, "object": "chat.completion.chunk"},
+            chunk_choice,
+            req.include_usage,
+            n,
+        )
         return http_util.sse_response(tm, states, events)
     await http_util.unless_disconnected(request, http_util.wait_all(tm, states))
     choices = []
     for i, s in enumerate(states):
         out = outputs[i]
         message = out.message(s.text)
-        choices.append(_with_timeline(tm, {
-            "index": i, "message": message, "logprobs": logprobs(s, 0),
-            "finish_reason": out.finish_reason(finish_reason(s.finish_reason)),
-            "matched_stop": matched_stop(s.finish_reason)}, s, want_timeline))
-    return http_util.json_response(_with_sglext({**head, "object": "chat.completion", "choices": choices,
-                                                 "usage": _usage(states, n)}, states))
+        choices.append(
+            _with_timeline(
+                tm,
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": logprobs(s, 0),
+                    "finish_reason": out.finish_reason(finish_reason(s.finish_reason)),
+                    "matched_stop": matched_stop(s.finish_reason),
+                },
+                s,
+                want_timeline,
+            )
+        )
+    return http_util.json_response(
+        _with_sglext(
+            {**head, "object": "chat.completion", "choices": choices, "usage": _usage(states, n)},
+            states,
+        )
+    )
 
 
 # ---- streaming -----------------------------------------------------------------------------
 async def _events(
-    tm: TokenizerManager, states: list[ReqState], head: dict[str, Any],
-    choice: Callable[[int, ReqState, str, int, bool], Optional[dict[str, Any]]], include_usage: bool, n: int,
+    tm: TokenizerManager,
+    states: list[ReqState],
+    head: dict[str, Any],
+    choice: Callable[[int, ReqState, str, int, bool], Optional[dict[str, Any]]],
+    include_usage: bool,
+    n: int,
 ) -> AsyncIterator[bytes]:
     """A chunk per choice update that brings text, logprobs or the finish (the first one always);
     ``choice(i, state, new_text, first_new_token, is_first_chunk)`` shapes it (None: nothing to
@@ -259,7 +369,7 @@ async def _events(
             return
         if finished[i]:
             continue
-        delta = s.text[sent_chars[i]:]
+        delta = s.text[sent_chars[i] :]
         new_logprobs = s.spec.return_logprob and len(s.output_ids) > sent_tokens[i]
         if started[i] and not (delta or new_logprobs or s.finished):
             continue

@@ -28,21 +28,47 @@ def _one_or_list(item: dict[str, Any]) -> dict[str, Any]:
 BOOTSTRAP_SCHEMAS = {
     "bootstrap_host": _one_or_list({"type": ["string", "null"]}),
     "bootstrap_port": _one_or_list({"type": ["integer", "null"], "minimum": 0, "maximum": 65535}),
-    "bootstrap_room": _one_or_list({"type": ["integer", "null"], "minimum": 0, "exclusiveMaximum": ROOM_MOD}),
+    "bootstrap_room": _one_or_list(
+        {"type": ["integer", "null"], "minimum": 0, "exclusiveMaximum": ROOM_MOD}
+    ),
 }
-DPRank = Annotated[Any, msgspec.Meta(
-    description="attention-DP group (null: the server chooses)",
-    extra_json_schema=_one_or_list({"type": ["integer", "null"], "minimum": 0, "exclusiveMaximum": DP_RANK_LIMIT}))]
+DPRank = Annotated[
+    Any,
+    msgspec.Meta(
+        description="attention-DP group (null: the server chooses)",
+        extra_json_schema=_one_or_list(
+            {"type": ["integer", "null"], "minimum": 0, "exclusiveMaximum": DP_RANK_LIMIT}
+        ),
+    ),
+]
 
 
-RESPONSE_FORMAT = {"anyOf": [
-    {"type": "null"},
-    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
-    {"type": "object", "required": ["type", "json_schema"], "properties": {
-        "type": {"const": "json_schema"},
-        "json_schema": {"type": "object", "properties": {
-            "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
-            "schema": {"type": ["object", "boolean"]}, "strict": {"type": ["boolean", "null"]}}}}}]}
+RESPONSE_FORMAT = {
+    "anyOf": [
+        {"type": "null"},
+        {
+            "type": "object",
+            "required": ["type"],
+            "properties": {"type": {"enum": ["text", "json_object"]}},
+        },
+        {
+            "type": "object",
+            "required": ["type", "json_schema"],
+            "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "minLength": 1},
+                        "description": {"type": "string"},
+                        "schema": {"type": ["object", "boolean"]},
+                        "strict": {"type": ["boolean", "null"]},
+                    },
+                },
+            },
+        },
+    ]
+}
 
 
 class StreamOptions(msgspec.Struct):
@@ -69,9 +95,16 @@ class _Sampling(msgspec.Struct):
     no_stop_trim: bool = False
     return_routed_experts: bool = False  # SGLang's extension: the answer's sglext.routed_experts
     # structured outputs (server/constraints.py): OpenAI's response_format, or SGLang's extensions
-    response_format: Annotated[Any, msgspec.Meta(
-        description="text, json_object, or json_schema with its schema", extra_json_schema=RESPONSE_FORMAT)] = None
-    json_schema: Annotated[Any, msgspec.Meta(extra_json_schema={"type": ["object", "string", "null"]})] = None
+    response_format: Annotated[
+        Any,
+        msgspec.Meta(
+            description="text, json_object, or json_schema with its schema",
+            extra_json_schema=RESPONSE_FORMAT,
+        ),
+    ] = None
+    json_schema: Annotated[
+        Any, msgspec.Meta(extra_json_schema={"type": ["object", "string", "null"]})
+    ] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
     stream: bool = False
@@ -79,9 +112,15 @@ class _Sampling(msgspec.Struct):
     # disaggregation fields added by the router: scalars, or lists with one entry per prompt
     # (completions) or per sample (chat with n > 1)
     # (checked by split_bootstrap, as on /generate)
-    bootstrap_host: Annotated[Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_host"])] = None
-    bootstrap_port: Annotated[Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_port"])] = None
-    bootstrap_room: Annotated[Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_room"])] = None
+    bootstrap_host: Annotated[
+        Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_host"])
+    ] = None
+    bootstrap_port: Annotated[
+        Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_port"])
+    ] = None
+    bootstrap_room: Annotated[
+        Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_room"])
+    ] = None
     # data-parallel groups, same shapes (checked by split_dp_ranks)
     routed_dp_rank: DPRank = None
     disagg_prefill_dp_rank: DPRank = None
@@ -89,13 +128,24 @@ class _Sampling(msgspec.Struct):
 
     def sampling_params(self, max_new_tokens: Optional[int]) -> dict[str, Any]:
         d = {
-            "max_new_tokens": max_new_tokens, "min_new_tokens": self.min_tokens,
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty, "seed": self.seed, "stop": self.stop,
-            "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
-            "skip_special_tokens": self.skip_special_tokens, "n": self.n,
-            "json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf,
+            "max_new_tokens": max_new_tokens,
+            "min_new_tokens": self.min_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "seed": self.seed,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "n": self.n,
+            "json_schema": self.json_schema,
+            "regex": self.regex,
+            "ebnf": self.ebnf,
         }
         return {k: v for k, v in d.items() if v is not None}
 
@@ -105,11 +155,17 @@ class _Sampling(msgspec.Struct):
 
     def bootstrap(self, num_prompts: int = 1) -> list[dict[str, Any]]:
         """The bootstrap and DP rank fields of each prompt (see ``split_bootstrap``, ``split_dp_ranks``)."""
-        boots = split_bootstrap(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room, num_prompts, self.n)
-        ranks = split_dp_ranks(self.routed_dp_rank, self.disagg_prefill_dp_rank, self.data_parallel_rank,
-                               num_prompts, self.n)
+        boots = split_bootstrap(
+            self.bootstrap_host, self.bootstrap_port, self.bootstrap_room, num_prompts, self.n
+        )
+        ranks = split_dp_ranks(
+            self.routed_dp_rank,
+            self.disagg_prefill_dp_rank,
+            self.data_parallel_rank,
+            num_prompts,
+            self.n,
+        )
         return [{**b, **r} for b, r in zip(boots, ranks, strict=True)]
-
 
 
 def _for_prompt(name: str, value: Any, j: int, num_prompts: int, n: int, per_sample: bool) -> Any:
@@ -121,11 +177,15 @@ def _for_prompt(name: str, value: Any, j: int, num_prompts: int, n: int, per_sam
     if len(value) == num_prompts:
         return value[j]
     if len(value) == num_prompts * n:
-        return value[j * n:(j + 1) * n] if per_sample else value[j * n]
-    raise bad_request(f"{name}: the list has {len(value)} entries for {num_prompts} prompt(s) x n={n}")
+        return value[j * n : (j + 1) * n] if per_sample else value[j * n]
+    raise bad_request(
+        f"{name}: the list has {len(value)} entries for {num_prompts} prompt(s) x n={n}"
+    )
 
 
-def split_bootstrap(host: Any, port: Any, room: Any, num_prompts: int, n: int) -> list[dict[str, Any]]:
+def split_bootstrap(
+    host: Any, port: Any, room: Any, num_prompts: int, n: int
+) -> list[dict[str, Any]]:
     """Per prompt: ``bootstrap_host/port`` and ``bootstrap_room``, where the room is an int
     (sample i of the prompt uses room + i) or a list with one room per sample.
 
@@ -134,11 +194,17 @@ def split_bootstrap(host: Any, port: Any, room: Any, num_prompts: int, n: int) -
     get the same body, so both derive the same room for every sample."""
     n = max(1, n) if isinstance(n, int) else 1
     kinds = {"bootstrap_host": str, "bootstrap_port": int, "bootstrap_room": int}
-    for name, value in (("bootstrap_host", host), ("bootstrap_port", port), ("bootstrap_room", room)):
+    for name, value in (
+        ("bootstrap_host", host),
+        ("bootstrap_port", port),
+        ("bootstrap_room", room),
+    ):
         for v in value if isinstance(value, list) else [value]:
             if v is not None and (isinstance(v, bool) or not isinstance(v, kinds[name])):
-                raise bad_request(f"{name}: must be {'a string' if name == 'bootstrap_host' else 'an integer'}, "
-                                  f"got {v!r}")
+                raise bad_request(
+                    f"{name}: must be {'a string' if name == 'bootstrap_host' else 'an integer'}, "
+                    f"got {v!r}"
+                )
             if name == "bootstrap_room" and v is not None and not 0 <= v < ROOM_MOD:
                 raise bad_request(f"bootstrap_room: must be in [0, 2^63), got {v}")
             if name == "bootstrap_port" and v is not None and not 0 <= v < 65536:
@@ -149,42 +215,77 @@ def split_bootstrap(host: Any, port: Any, room: Any, num_prompts: int, n: int) -
             return (room + j * n) % ROOM_MOD
         return _for_prompt("bootstrap_room", room, j, num_prompts, n, per_sample=True)
 
-    return [{"bootstrap_host": _for_prompt("bootstrap_host", host, j, num_prompts, n, per_sample=False),
-             "bootstrap_port": _for_prompt("bootstrap_port", port, j, num_prompts, n, per_sample=False),
-             "bootstrap_room": room_of(j)} for j in range(num_prompts)]
+    return [
+        {
+            "bootstrap_host": _for_prompt(
+                "bootstrap_host", host, j, num_prompts, n, per_sample=False
+            ),
+            "bootstrap_port": _for_prompt(
+                "bootstrap_port", port, j, num_prompts, n, per_sample=False
+            ),
+            "bootstrap_room": room_of(j),
+        }
+        for j in range(num_prompts)
+    ]
 
 
-def split_dp_ranks(routed: Any, prefill: Any, alias: Any, num_prompts: int, n: int) -> list[dict[str, Any]]:
+def split_dp_ranks(
+    routed: Any, prefill: Any, alias: Any, num_prompts: int, n: int
+) -> list[dict[str, Any]]:
     """Per prompt: ``routed_dp_rank`` (the DP group to run in; ``alias`` is its deprecated name
     ``data_parallel_rank``) and ``disagg_prefill_dp_rank`` (decode: the prefill DP group that
     holds the KV). Each is null (the server chooses) or an int >= 0, given as a scalar for every
     sample, or a list shaped like ``bootstrap_room``'s: one entry per prompt or per sample (a
     prompt then gets its samples' list)."""
     n = max(1, n) if isinstance(n, int) else 1
-    for name, value in (("routed_dp_rank", routed), ("disagg_prefill_dp_rank", prefill), ("data_parallel_rank", alias)):
+    for name, value in (
+        ("routed_dp_rank", routed),
+        ("disagg_prefill_dp_rank", prefill),
+        ("data_parallel_rank", alias),
+    ):
         for v in value if isinstance(value, list) else [value]:
             if v is not None and not (_is_int(v) and 0 <= v < DP_RANK_LIMIT):
                 raise bad_request(f"{name}: must be null or an integer in [0, 2^31), got {v!r}")
     routed_name = "routed_dp_rank"
     if alias is not None:
         if routed is not None and routed != alias:
-            raise bad_request(f"data_parallel_rank: is the deprecated alias of routed_dp_rank and disagrees with "
-                              f"it ({alias!r} vs {routed!r}); give only routed_dp_rank")
+            raise bad_request(
+                f"data_parallel_rank: is the deprecated alias of routed_dp_rank and disagrees with "
+                f"it ({alias!r} vs {routed!r}); give only routed_dp_rank"
+            )
         routed, routed_name = alias, "data_parallel_rank"
-    return [{"routed_dp_rank": _for_prompt(routed_name, routed, j, num_prompts, n, per_sample=True),
-             "disagg_prefill_dp_rank": _for_prompt("disagg_prefill_dp_rank", prefill, j, num_prompts, n,
-                                                   per_sample=True)} for j in range(num_prompts)]
+    return [
+        {
+            "routed_dp_rank": _for_prompt(routed_name, routed, j, num_prompts, n, per_sample=True),
+            "disagg_prefill_dp_rank": _for_prompt(
+                "disagg_prefill_dp_rank", prefill, j, num_prompts, n, per_sample=True
+            ),
+        }
+        for j in range(num_prompts)
+    ]
 
 
 class CompletionRequest(_Sampling):
     REQUIRED: ClassVar[tuple[str, ...]] = ("prompt",)
 
-    prompt: Annotated[Any, msgspec.Meta(
-        description="a string, a list of strings, a list of token ids or a list of such lists",
-        extra_json_schema={"anyOf": [
-            {"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
-            {"type": "array", "items": {"type": "integer"}, "minItems": 1},
-            {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}, "minItems": 1}]})] = None
+    prompt: Annotated[
+        Any,
+        msgspec.Meta(
+            description="a string, a list of strings, a list of token ids or a list of such lists",
+            extra_json_schema={
+                "anyOf": [
+                    {"type": "string"},
+                    {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                    {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+                    {
+                        "type": "array",
+                        "items": {"type": "array", "items": {"type": "integer"}},
+                        "minItems": 1,
+                    },
+                ]
+            },
+        ),
+    ] = None
     logprobs: Optional[int] = None
     echo: bool = False
 
@@ -204,7 +305,9 @@ class CompletionRequest(_Sampling):
                 return list(p)
         if isinstance(p, list) and not p:
             raise bad_request("prompt: is empty")
-        raise bad_request("prompt: must be a string, a list of strings, a list of token ids or a list of such lists")
+        raise bad_request(
+            "prompt: must be a string, a list of strings, a list of token ids or a list of such lists"
+        )
 
     def top_logprobs(self) -> Optional[int]:
         if self.logprobs is None:
@@ -214,50 +317,105 @@ class CompletionRequest(_Sampling):
         return self.logprobs
 
 
-_TEXT_PART = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-              "required": ["type", "text"]}
-_TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
-    "id": {"type": "string"}, "type": {"const": "function"},
-    "function": {"type": "object", "required": ["name"], "properties": {
-        "name": {"type": "string"}, "arguments": {"type": ["string", "object"]}}}}}
-_MESSAGE = {"type": "object", "required": ["role"], "properties": {
-    "role": {"type": "string"}, "content": {"anyOf": [{"type": "string"}, {"type": "null"},
-                                                      {"type": "array", "items": _TEXT_PART}]},
-    "tool_calls": {"type": ["array", "null"], "items": _TOOL_CALL}, "tool_call_id": {"type": ["string", "null"]}}}
-_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
-    "type": {"const": "function"},
-    "function": {"type": "object", "required": ["name"], "properties": {
-        "name": {"type": "string", "pattern": "^[a-zA-Z0-9_.-]{1,64}$"}, "description": {"type": "string"},
-        "parameters": {"type": "object"}, "strict": {"type": ["boolean", "null"]}}}}}
-_TOOL_CHOICE = {"anyOf": [{"type": "null"}, {"enum": ["auto", "none", "required"]},
-                          {"type": "object", "required": ["type", "function"], "properties": {
-                              "type": {"const": "function"},
-                              "function": {"type": "object", "required": ["name"],
-                                           "properties": {"name": {"type": "string"}}}}}]}
+_TEXT_PART = {
+    "type": "object",
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+}
+_TOOL_CALL = {
+    "type": "object",
+    "required": ["function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {"name": {"type": "string"}, "arguments": {"type": ["string", "object"]}},
+        },
+    },
+}
+_MESSAGE = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"type": "string"},
+        "content": {
+            "anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": _TEXT_PART}]
+        },
+        "tool_calls": {"type": ["array", "null"], "items": _TOOL_CALL},
+        "tool_call_id": {"type": ["string", "null"]},
+    },
+}
+_TOOL = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string", "pattern": "^[a-zA-Z0-9_.-]{1,64}$"},
+                "description": {"type": "string"},
+                "parameters": {"type": "object"},
+                "strict": {"type": ["boolean", "null"]},
+            },
+        },
+    },
+}
+_TOOL_CHOICE = {
+    "anyOf": [
+        {"type": "null"},
+        {"enum": ["auto", "none", "required"]},
+        {
+            "type": "object",
+            "required": ["type", "function"],
+            "properties": {
+                "type": {"const": "function"},
+                "function": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {"name": {"type": "string"}},
+                },
+            },
+        },
+    ]
+}
 
 
 class ChatRequest(_Sampling):
     REQUIRED: ClassVar[tuple[str, ...]] = ("messages",)
 
-    messages: Annotated[Any, msgspec.Meta(
-        description="the conversation; a content is a string, null or a list of text parts",
-        extra_json_schema={"type": "array", "items": _MESSAGE, "minItems": 1})] = None
+    messages: Annotated[
+        Any,
+        msgspec.Meta(
+            description="the conversation; a content is a string, null or a list of text parts",
+            extra_json_schema={"type": "array", "items": _MESSAGE, "minItems": 1},
+        ),
+    ] = None
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
     continue_final_message: bool = False
     # tool calls (server/tool_parser.py) and reasoning (server/reasoning_parser.py)
-    tools: Annotated[Any, msgspec.Meta(extra_json_schema={"type": ["array", "null"], "items": _TOOL})] = None
+    tools: Annotated[
+        Any, msgspec.Meta(extra_json_schema={"type": ["array", "null"], "items": _TOOL})
+    ] = None
     tool_choice: Annotated[Any, msgspec.Meta(extra_json_schema=_TOOL_CHOICE)] = None
     parallel_tool_calls: bool = True
-    separate_reasoning: bool = True  # SGLang: reasoning_content apart from content (with --reasoning-parser)
+    separate_reasoning: bool = (
+        True  # SGLang: reasoning_content apart from content (with --reasoning-parser)
+    )
     chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": false}
 
     def top_logprobs_num(self) -> Optional[int]:
         """None when logprobs are off; else how many alternatives per token."""
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise bad_request(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+                raise bad_request(
+                    f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+                )
             if not self.logprobs:
                 raise bad_request("top_logprobs: requires logprobs to be true")
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -277,13 +435,21 @@ class ChatRequest(_Sampling):
             if isinstance(content, list):
                 texts = []
                 for part in content:
-                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    if (
+                        not isinstance(part, dict)
+                        or part.get("type") != "text"
+                        or not isinstance(part.get("text"), str)
+                    ):
                         raise bad_request(f"messages[{i}].content: only text parts are supported")
                     texts.append(part["text"])
                 content = "".join(texts)
             elif content is not None and not isinstance(content, str):
-                raise bad_request(f"messages[{i}].content: must be a string, a list of text parts or null")
-            out.append({**m, "content": content, **_tool_calls_for_template(i, m.get("tool_calls"))})
+                raise bad_request(
+                    f"messages[{i}].content: must be a string, a list of text parts or null"
+                )
+            out.append(
+                {**m, "content": content, **_tool_calls_for_template(i, m.get("tool_calls"))}
+            )
         return out
 
 
@@ -304,7 +470,9 @@ def _tool_calls_for_template(i: int, calls: Any) -> dict[str, Any]:
             try:
                 args = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError:
-                raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments: is not valid JSON") from None
+                raise bad_request(
+                    f"messages[{i}].tool_calls[{j}].function.arguments: is not valid JSON"
+                ) from None
         out.append({**call, "type": "function", "function": {**fn, "arguments": args}})
     return {"tool_calls": out}
 
@@ -323,6 +491,9 @@ def matched_stop(fr: Optional[dict[str, Any]]) -> Any:
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens served from the prefix cache."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }

@@ -55,12 +55,12 @@ class ReasoningStream:
 
     def _advance(self, final: bool) -> tuple[str, str]:
         scan = self._parser._scan(self._buf, self._state, final)
-        self._buf, self._state = self._buf[scan.consumed:], scan.state
+        self._buf, self._state = self._buf[scan.consumed :], scan.state
         reasoning = scan.reasoning if self._started else scan.reasoning.lstrip()
         if reasoning:
             reasoning = self._pending + reasoning
             out = reasoning.rstrip()
-            self._pending = reasoning[len(out):]
+            self._pending = reasoning[len(out) :]
             self._started = self._started or bool(out)
             reasoning = out
         return reasoning, scan.content
@@ -208,8 +208,10 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
 
 def _parser_class(name: str) -> type[ReasoningParser]:
     if name not in REASONING_PARSERS:
-        raise ValueError(f"--reasoning-parser: unknown parser {name!r}; "
-                         f"choose from {', '.join(sorted(REASONING_PARSERS))}")
+        raise ValueError(
+            f"--reasoning-parser: unknown parser {name!r}; "
+            f"choose from {', '.join(sorted(REASONING_PARSERS))}"
+        )
     return REASONING_PARSERS[name]
 
 

@@ -84,15 +84,23 @@ class RoleSwitch:
     def refuse_if_switching(self) -> None:
         if self.current is not None:
             c = self.current
-            raise APIError(503, f"the server is switching its role from {c['from']} to {c['to']} (POST /switch_role) "
-                                "and takes no new requests; send them to another server")
+            raise APIError(
+                503,
+                f"the server is switching its role from {c['from']} to {c['to']} (POST /switch_role) "
+                "and takes no new requests; send them to another server",
+            )
         if self.broken:
             raise APIError(503, self.broken)
 
     def describe(self) -> dict:
         state = "switching" if self.current else "failed" if self.broken else "idle"
-        return {"epoch": self.epoch, "state": state, **(self.current or {}),
-                **({"error": self.broken} if self.broken else {}), "last": self.last}
+        return {
+            "epoch": self.epoch,
+            "state": state,
+            **(self.current or {}),
+            **({"error": self.broken} if self.broken else {}),
+            "last": self.last,
+        }
 
     # ---- the switch ------------------------------------------------------------------------------
     def check(self, body: SwitchRoleRequest) -> tuple[str, int]:
@@ -102,23 +110,40 @@ class RoleSwitch:
             raise bad_request(f"role: must be one of prefill, decode, colocated; got {body.role!r}")
         mode = ROLES[body.role]
         if self.current is not None:
-            raise APIError(409, f"a switch to {self.current['to']} is in progress (since "
-                                f"{time.time() - self.current['since']:.1f}s): wait for it to end")
+            raise APIError(
+                409,
+                f"a switch to {self.current['to']} is in progress (since "
+                f"{time.time() - self.current['since']:.1f}s): wait for it to end",
+            )
         if mode == args.disaggregation_mode:
-            raise bad_request(f"role: the server already is {_a(role_name(mode))} server (role epoch {self.epoch})")
-        if not (math.isfinite(body.drain_timeout) and 0 <= body.drain_timeout <= MAX_DRAIN_TIMEOUT_S):
-            raise bad_request(f"drain_timeout: must be in [0, {MAX_DRAIN_TIMEOUT_S:.0f}] seconds, got {body.drain_timeout}")
+            raise bad_request(
+                f"role: the server already is {_a(role_name(mode))} server (role epoch {self.epoch})"
+            )
+        if not (
+            math.isfinite(body.drain_timeout) and 0 <= body.drain_timeout <= MAX_DRAIN_TIMEOUT_S
+        ):
+            raise bad_request(
+                f"drain_timeout: must be in [0, {MAX_DRAIN_TIMEOUT_S:.0f}] seconds, got {body.drain_timeout}"
+            )
         if body.bootstrap_port is not None and mode != "prefill":
             raise bad_request("bootstrap_port: only a prefill server has a bootstrap server")
-        port = args.disaggregation_bootstrap_port if body.bootstrap_port is None else body.bootstrap_port
+        port = (
+            args.disaggregation_bootstrap_port
+            if body.bootstrap_port is None
+            else body.bootstrap_port
+        )
         try:  # the start-up rules for the new role (multi-host servers, decode with pipeline stages, ...)
             dataclasses.replace(args, disaggregation_mode=mode, disaggregation_bootstrap_port=port)
         except ValueError as e:
-            raise bad_request(f"this server cannot become {_a(role_name(mode))} server: {e}") from None
+            raise bad_request(
+                f"this server cannot become {_a(role_name(mode))} server: {e}"
+            ) from None
         if mode == "prefill" and args.disaggregation_transfer_backend != "fake":
             why = _port_taken(args.host, port)
             if why:
-                raise APIError(409, f"bootstrap_port: {port} on {args.host} is not free ({why}); give another")
+                raise APIError(
+                    409, f"bootstrap_port: {port} on {args.host} is not free ({why}); give another"
+                )
         return mode, port
 
     async def switch(self, body: SwitchRoleRequest) -> dict:
@@ -127,8 +152,13 @@ class RoleSwitch:
         old = args.disaggregation_mode
         t0 = time.monotonic()
         self.current = {"from": role_name(old), "to": role_name(mode), "since": time.time()}
-        logger.info("switching role: %s -> %s (%d request(s) in flight, drain timeout %gs)", role_name(old),
-                    role_name(mode), len(self.tm.states), body.drain_timeout)
+        logger.info(
+            "switching role: %s -> %s (%d request(s) in flight, drain timeout %gs)",
+            role_name(old),
+            role_name(mode),
+            len(self.tm.states),
+            body.drain_timeout,
+        )
         try:
             drained, aborted = await self._drain(body.drain_timeout)
             t1 = time.monotonic()
@@ -140,7 +170,9 @@ class RoleSwitch:
             retag(role_tag(args.role))
             try:
                 await self.warm_up(WARMUP_TIMEOUT_S)
-            except Exception as e:  # the role is built but does not serve: say so until the next switch
+            except (
+                Exception
+            ) as e:  # the role is built but does not serve: say so until the next switch
                 self.broken = f"the server switched to {role_name(mode)} but its warm-up generation failed: {e!r}"
                 logger.error("%s", self.broken)
                 raise APIError(500, self.broken) from None
@@ -152,18 +184,39 @@ class RoleSwitch:
             self.current = None
         t3 = time.monotonic()
         self.last = {
-            "success": True, "role": role_name(mode), "previous_role": role_name(old), "disaggregation_mode": mode,
-            "role_epoch": self.epoch, "bootstrap_port": port if mode == "prefill" else None,
-            "drained_requests": drained, "aborted_requests": aborted, "finished_at": time.time(),
+            "success": True,
+            "role": role_name(mode),
+            "previous_role": role_name(old),
+            "disaggregation_mode": mode,
+            "role_epoch": self.epoch,
+            "bootstrap_port": port if mode == "prefill" else None,
+            "drained_requests": drained,
+            "aborted_requests": aborted,
+            "finished_at": time.time(),
             # reconfigure_s: the ranks' re-wiring; switch_s: that, plus waiting for them to hold nothing
-            "timings": {"drain_s": round(t1 - t0, 4), "switch_s": round(t2 - t1, 4),
-                        "reconfigure_s": round(out["reconfigure_s"], 4), "warmup_s": round(t3 - t2, 4),
-                        "total_s": round(t3 - t0, 4)},
-            "weights": out["weights"], "scheduler_start_s": out["info"].get("scheduler_start_s"),
+            "timings": {
+                "drain_s": round(t1 - t0, 4),
+                "switch_s": round(t2 - t1, 4),
+                "reconfigure_s": round(out["reconfigure_s"], 4),
+                "warmup_s": round(t3 - t2, 4),
+                "total_s": round(t3 - t0, 4),
+            },
+            "weights": out["weights"],
+            "scheduler_start_s": out["info"].get("scheduler_start_s"),
         }
-        logger.info("role switch %s -> %s done in %.3fs (drain %.3fs, re-wiring %.3fs, warm-up %.3fs; %d request(s) "
-                    "drained, %d ended by the drain timeout); role epoch %d", role_name(old), role_name(mode),
-                    t3 - t0, t1 - t0, out["reconfigure_s"], t3 - t2, drained, aborted, self.epoch)
+        logger.info(
+            "role switch %s -> %s done in %.3fs (drain %.3fs, re-wiring %.3fs, warm-up %.3fs; %d request(s) "
+            "drained, %d ended by the drain timeout); role epoch %d",
+            role_name(old),
+            role_name(mode),
+            t3 - t0,
+            t1 - t0,
+            out["reconfigure_s"],
+            t3 - t2,
+            drained,
+            aborted,
+            self.epoch,
+        )
         return self.last
 
     async def _drain(self, timeout: float) -> tuple[int, int]:
@@ -175,8 +228,10 @@ class RoleSwitch:
         while _unfinished(tm) and time.monotonic() < deadline:
             await asyncio.sleep(POLL_S)
         left = _unfinished(tm)
-        message = (f"the server is switching its role to {self.current['to']} (POST /switch_role) and the drain "
-                   f"timeout of {timeout:g}s passed before this request finished")
+        message = (
+            f"the server is switching its role to {self.current['to']} (POST /switch_role) and the drain "
+            f"timeout of {timeout:g}s passed before this request finished"
+        )
         for state in left:
             tm.client.send(AbortReq(rid=state.rid, message=message, status_code=503))
         if left:
@@ -185,38 +240,57 @@ class RoleSwitch:
         while _unfinished(tm) and time.monotonic() < end:
             await asyncio.sleep(POLL_S)
         if _unfinished(tm):
-            raise APIError(503, f"switch abandoned: {len(_unfinished(tm))} request(s) did not end within "
-                                f"{ABORT_WAIT_S:.0f}s of their abort; the server keeps its role")
+            raise APIError(
+                503,
+                f"switch abandoned: {len(_unfinished(tm))} request(s) did not end within "
+                f"{ABORT_WAIT_S:.0f}s of their abort; the server keeps its role",
+            )
         return here - len(left), len(left)
 
     async def _reconfigure(self, mode: str, port: int, args) -> dict:
         """Ask the ranks to re-wire until they hold nothing (a decode's ended rooms wait for their
         prefill's last writes, bounded by the waiting timeout and peer death)."""
-        grace = (args.disaggregation_waiting_timeout
-                 + args.disaggregation_heartbeat_interval * args.disaggregation_heartbeat_misses + 5.0)
+        grace = (
+            args.disaggregation_waiting_timeout
+            + args.disaggregation_heartbeat_interval * args.disaggregation_heartbeat_misses
+            + 5.0
+        )
         deadline = time.monotonic() + grace
         while True:
             try:
-                out = await self.tm.client.control("switch_role", {"mode": mode, "bootstrap_port": port},
-                                                   timeout=RECONFIGURE_TIMEOUT_S)
+                out = await self.tm.client.control(
+                    "switch_role",
+                    {"mode": mode, "bootstrap_port": port},
+                    timeout=RECONFIGURE_TIMEOUT_S,
+                )
             except asyncio.TimeoutError:
-                self.broken = (f"the scheduler did not finish the switch to {role_name(mode)} within "
-                               f"{RECONFIGURE_TIMEOUT_S:.0f}s; the server's role is unknown")
+                self.broken = (
+                    f"the scheduler did not finish the switch to {role_name(mode)} within "
+                    f"{RECONFIGURE_TIMEOUT_S:.0f}s; the server's role is unknown"
+                )
                 raise APIError(500, self.broken) from None
-            except RuntimeError as e:  # the ranks went back to the old role (or the scheduler is gone)
+            except (
+                RuntimeError
+            ) as e:  # the ranks went back to the old role (or the scheduler is gone)
                 raise APIError(500, f"switch failed: {e}") from None
             if "busy" not in out:
                 return out
             if time.monotonic() > deadline:
-                raise APIError(503, f"switch abandoned: the scheduler still holds work {grace:.0f}s after the drain "
-                                    f"({out['busy']}); the server keeps its role")
+                raise APIError(
+                    503,
+                    f"switch abandoned: the scheduler still holds work {grace:.0f}s after the drain "
+                    f"({out['busy']}); the server keeps its role",
+                )
             await asyncio.sleep(POLL_S)
 
 
 def _unfinished(tm: TokenizerManager) -> list:
     """Requests whose final output has not reached the front end (read or not)."""
-    return [s for s in tm.states.values()
-            if not s.finished and not any(o.finish_reason is not None for o in s.pending)]
+    return [
+        s
+        for s in tm.states.values()
+        if not s.finished and not any(o.finish_reason is not None for o in s.pending)
+    ]
 
 
 def _a(word: str) -> str:
@@ -235,8 +309,13 @@ def _port_taken(host: str, port: int) -> str:
     return ""
 
 
-def add_routes(app: FastAPI, tm: TokenizerManager, switcher: RoleSwitch,
-               refuse_if_unavailable: Callable[[], None], is_ready: Callable[[], bool]) -> None:
+def add_routes(
+    app: FastAPI,
+    tm: TokenizerManager,
+    switcher: RoleSwitch,
+    refuse_if_unavailable: Callable[[], None],
+    is_ready: Callable[[], bool],
+) -> None:
     @app.post("/switch_role")
     async def switch_role(request: Request) -> Response:
         body = await http_util.read_body(request, tm.server_args.max_body_bytes, SwitchRoleRequest)
@@ -249,5 +328,8 @@ def add_routes(app: FastAPI, tm: TokenizerManager, switcher: RoleSwitch,
 def server_info_fields(switcher: RoleSwitch) -> dict[str, Any]:
     """What ``/server_info`` adds: the role epoch and the switch state (a router that sees the
     epoch change reads the role again)."""
-    return {"role": role_name(switcher.tm.server_args.disaggregation_mode), "role_epoch": switcher.epoch,
-            "role_switch": switcher.describe()}
+    return {
+        "role": role_name(switcher.tm.server_args.disaggregation_mode),
+        "role_epoch": switcher.epoch,
+        "role_switch": switcher.describe(),
+    }

@@ -61,12 +61,15 @@ def _load_entry(spec: str) -> Callable:
     return getattr(importlib.import_module(module), func)
 
 
-def _scheduler_main(entry: str, server_args, in_addr: str, out_addr: str, ready_conn, tp_rank: int,
-                    tp_init: str) -> None:
+def _scheduler_main(
+    entry: str, server_args, in_addr: str, out_addr: str, ready_conn, tp_rank: int, tp_init: str
+) -> None:
     try:
         fn = _load_entry(entry)
     except Exception as e:  # an import error must still reach the front end as a message
-        ready_conn.send({"status": "error", "message": f"cannot load scheduler entry {entry!r}: {e!r}"})
+        ready_conn.send(
+            {"status": "error", "message": f"cannot load scheduler entry {entry!r}: {e!r}"}
+        )
         raise
     fn(server_args, in_addr, out_addr, ready_conn, tp_rank, tp_init)
 
@@ -96,7 +99,9 @@ class SchedulerClient:
         self._control_waiters: dict[int, asyncio.Future] = {}
         self.on_output: Callable[[TokenOut], None] = lambda out: None
         self._recv_task: Optional[asyncio.Task] = None
-        self._init_port: Optional[socket.socket] = None  # the rendezvous port, held until every rank joined
+        self._init_port: Optional[socket.socket] = (
+            None  # the rendezvous port, held until every rank joined
+        )
 
     # ---- processes ---------------------------------------------------------------------------
     @property
@@ -128,7 +133,15 @@ class SchedulerClient:
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_scheduler_main,
-                args=(self.entry, self.server_args, self.in_addr, self.out_addr, writer, rank, tp_init),
+                args=(
+                    self.entry,
+                    self.server_args,
+                    self.in_addr,
+                    self.out_addr,
+                    writer,
+                    rank,
+                    tp_init,
+                ),
                 name=f"pdserve-scheduler-tp{rank}",
             )
             proc.start()
@@ -154,21 +167,31 @@ class SchedulerClient:
         for rank, proc, reader in zip(self.ranks, self.procs, self._ready_readers):
             while not reader.poll(0.2):
                 dead = next((i for i, p in enumerate(self.procs) if not p.is_alive()), None)
-                if dead is not None:  # its error message, when it left one, says more than its exit code
+                if (
+                    dead is not None
+                ):  # its error message, when it left one, says more than its exit code
                     try:
-                        said = self._ready_readers[dead].poll(0) and self._ready_readers[dead].recv()
+                        said = (
+                            self._ready_readers[dead].poll(0) and self._ready_readers[dead].recv()
+                        )
                     except (EOFError, OSError):
                         said = None
                     if said and said.get("status") == "error":
-                        raise RuntimeError(f"scheduler tp{self.ranks[dead]} failed to start: {said.get('message')}")
+                        raise RuntimeError(
+                            f"scheduler tp{self.ranks[dead]} failed to start: {said.get('message')}"
+                        )
                     p = self.procs[dead]
-                    raise RuntimeError(f"scheduler process {p.name} exited with code {p.exitcode} before ready")
+                    raise RuntimeError(
+                        f"scheduler process {p.name} exited with code {p.exitcode} before ready"
+                    )
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"scheduler tp{rank} not ready after {timeout:.0f}s")
             try:
                 msg = reader.recv()
             except EOFError:
-                raise RuntimeError(f"scheduler tp{rank} closed its ready pipe without a message") from None
+                raise RuntimeError(
+                    f"scheduler tp{rank} closed its ready pipe without a message"
+                ) from None
             if msg.get("status") != "ready":
                 raise RuntimeError(f"scheduler tp{rank} failed to start: {msg.get('message', msg)}")
             infos.append(dict(msg.get("info") or {}))

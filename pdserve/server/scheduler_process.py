@@ -33,14 +33,20 @@ import zmq
 
 from pdserve.config import ServerArgs
 from pdserve.distributed import SINGLE_RANK, Parallel, init_parallel
-from pdserve.kv_spec import DTYPE_BYTES, transfer_bytes_per_token
 from pdserve.engine.request import FinishKind, FinishReason, Req, SamplingParams
+from pdserve.kv_spec import DTYPE_BYTES, transfer_bytes_per_token
 from pdserve.lifetime import end_with_parent
 from pdserve.log import role_tag, setup_logging
 from pdserve.models.loader import weights_digest
 from pdserve.server import messages as m
 from pdserve.server.heartbeat import Heartbeat, first_line
-from pdserve.server.nodes import NodeLayout, choose_gloo_interface, gather_start_up, join_error, zmq_ipv6
+from pdserve.server.nodes import (
+    NodeLayout,
+    choose_gloo_interface,
+    gather_start_up,
+    join_error,
+    zmq_ipv6,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -82,14 +88,17 @@ def token_out(req: Req) -> m.TokenOut:
     return out
 
 
-
 def kv_bytes_per_token(runner) -> int:
     """Cache bytes of the whole model for one prompt token, each byte counted once
     (``kv_spec.transfer_bytes_per_token``; a pipeline stage scales its own layers to the model's)."""
     item = DTYPE_BYTES[str(runner.kv_dtype).replace("torch.", "")]
     model = runner.model
     stage = sum(len(g.layers) for g in runner.cache_groups)
-    return transfer_bytes_per_token(runner.cache_groups, model.total_kv_heads, item) * model.total_layers // max(stage, 1)
+    return (
+        transfer_bytes_per_token(runner.cache_groups, model.total_kv_heads, item)
+        * model.total_layers
+        // max(stage, 1)
+    )
 
 
 class SchedulerLoop:
@@ -100,7 +109,9 @@ class SchedulerLoop:
         self.started_args = copy.copy(args)  # as given: a role switch applies its rules to these
         t0 = time.monotonic()
         self.scheduler = build_scheduler(args, par)
-        self.start_s = time.monotonic() - t0  # model load, packing, pools (a role switch keeps the model)
+        self.start_s = (
+            time.monotonic() - t0
+        )  # model load, packing, pools (a role switch keeps the model)
         self.ctx = zmq.Context()
         self.pull = self.push = None
         self.poller = zmq.Poller()
@@ -122,7 +133,9 @@ class SchedulerLoop:
             "max_total_tokens": r.max_total_tokens,
             "page_size": s.page_size,
             "num_pages": r.pool.num_pages,
-            "cache_groups": [{**g.describe(), "num_pages": p.num_pages} for g, p in zip(r.cache_groups, r.pools)],
+            "cache_groups": [
+                {**g.describe(), "num_pages": p.num_pages} for g, p in zip(r.cache_groups, r.pools)
+            ],
             "model_fingerprint": r.fingerprint,
             "eos_token_ids": sorted(s.eos_ids),
             "max_running_requests": self.args.max_running_requests,
@@ -134,7 +147,9 @@ class SchedulerLoop:
             "routed_experts": r.routed_spec.describe() if r.routed_spec is not None else None,
             "disaggregation_mode": self.args.disaggregation_mode,
             "scheduler_start_s": round(self.start_s, 3),
-            "weights": weights_digest(r.model),  # where the weights live (unchanged by a role switch)
+            "weights": weights_digest(
+                r.model
+            ),  # where the weights live (unchanged by a role switch)
         }
 
     def run(self) -> None:
@@ -164,7 +179,9 @@ class SchedulerLoop:
                 timeout_ms = 0
         now = time.monotonic()
         if self.world.size > 1:
-            data = self.world.broadcast_bytes(msgspec.msgpack.encode([now, raws]) if self.world.rank == 0 else None)
+            data = self.world.broadcast_bytes(
+                msgspec.msgpack.encode([now, raws]) if self.world.rank == 0 else None
+            )
             now, raws = msgspec.msgpack.decode(data)
         self.scheduler.clock = now
         return raws
@@ -184,25 +201,43 @@ class SchedulerLoop:
                 return  # another attention group's request
             try:
                 req = Req(
-                    rid=msg.rid, input_ids=msg.input_ids, sampling=SamplingParams.from_dict(msg.sampling_params),
-                    return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
-                    logprob_start_len=msg.logprob_start_len, stream=msg.stream,
+                    rid=msg.rid,
+                    input_ids=msg.input_ids,
+                    sampling=SamplingParams.from_dict(msg.sampling_params),
+                    return_logprob=msg.return_logprob,
+                    top_logprobs_num=msg.top_logprobs_num,
+                    logprob_start_len=msg.logprob_start_len,
+                    stream=msg.stream,
                     return_routed_experts=msg.return_routed_experts,
                     routed_experts_start_len=msg.routed_experts_start_len,
-                    bootstrap_host=msg.bootstrap_host, bootstrap_port=msg.bootstrap_port,
-                    bootstrap_room=msg.bootstrap_room, prefill_dp_rank=msg.disagg_prefill_dp_rank,
-                    grammar_spec=msg.grammar, grammar_start_after=msg.grammar_start_after,
+                    bootstrap_host=msg.bootstrap_host,
+                    bootstrap_port=msg.bootstrap_port,
+                    bootstrap_room=msg.bootstrap_room,
+                    prefill_dp_rank=msg.disagg_prefill_dp_rank,
+                    grammar_spec=msg.grammar,
+                    grammar_start_after=msg.grammar_start_after,
                 )
                 req.mark("queued")
                 s.add_request(req)
             except ValueError as e:
                 reason = FinishReason(FinishKind.ABORT, message=str(e), status_code=400)
-                if s.pd is not None and msg.bootstrap_room is not None:  # the PD peer must not wait for it
+                if (
+                    s.pd is not None and msg.bootstrap_room is not None
+                ):  # the PD peer must not wait for it
                     try:
-                        s.pd.reject(msg.bootstrap_host, msg.bootstrap_port, msg.bootstrap_room, f"refused: {e}")
+                        s.pd.reject(
+                            msg.bootstrap_host,
+                            msg.bootstrap_port,
+                            msg.bootstrap_room,
+                            f"refused: {e}",
+                        )
                     except Exception:  # best effort: the peer's own timeout still ends the room
                         logger.exception("could not end room %s on the PD peer", msg.bootstrap_room)
-                self.reply(m.BatchOut(outs=[m.TokenOut(rid=msg.rid, new_ids=[], finish_reason=reason.to_json())]))
+                self.reply(
+                    m.BatchOut(
+                        outs=[m.TokenOut(rid=msg.rid, new_ids=[], finish_reason=reason.to_json())]
+                    )
+                )
         elif isinstance(msg, m.AbortReq):
             s.abort(msg.rid, msg.message, msg.status_code)
         elif isinstance(msg, m.ControlReq):
@@ -218,36 +253,63 @@ class SchedulerLoop:
         every rank must call it for the same control call."""
         if not self.par.dp_attention:
             return [info]
-        per = [msgspec.json.decode(b) for b in self.world.all_gather_bytes(msgspec.json.encode(info))]
+        per = [
+            msgspec.json.decode(b) for b in self.world.all_gather_bytes(msgspec.json.encode(info))
+        ]
         return per[:: self.par.attn.size][: self.par.dp_size]
 
     def control(self, op: str, args: dict):
         s = self.scheduler
         if op == "get_load":
             running = s.running + (s.pd.all_reqs() if s.pd else [])
-            groups = self.gather_groups({
-                "dp_rank": self.par.dp_rank,
-                "num_reqs": len(running) + len(s.waiting),
-                "num_waiting_reqs": len(s.waiting) + getattr(s.pd, "kv_ready", 0),  # decode: KV here, no batch slot
-                "num_tokens": sum(r.seq_len for r in running),
-                **({"kv_transfer_bytes_per_s": s.pd.transfer_rate} if getattr(s.pd, "transfer_rate", None) else {}),
-                **(s.pd.queues() if s.pd else {}),
-            })
-            counts = ("num_reqs", "num_waiting_reqs", "num_tokens", *(s.pd.queues() if s.pd else ()))
+            groups = self.gather_groups(
+                {
+                    "dp_rank": self.par.dp_rank,
+                    "num_reqs": len(running) + len(s.waiting),
+                    "num_waiting_reqs": len(s.waiting)
+                    + getattr(s.pd, "kv_ready", 0),  # decode: KV here, no batch slot
+                    "num_tokens": sum(r.seq_len for r in running),
+                    **(
+                        {"kv_transfer_bytes_per_s": s.pd.transfer_rate}
+                        if getattr(s.pd, "transfer_rate", None)
+                        else {}
+                    ),
+                    **(s.pd.queues() if s.pd else {}),
+                }
+            )
+            counts = (
+                "num_reqs",
+                "num_waiting_reqs",
+                "num_tokens",
+                *(s.pd.queues() if s.pd else ()),
+            )
             total = {k: sum(g[k] for g in groups) for k in counts}
             if self.par.dp_attention:
                 return {**total, "dp": groups}
             return {**groups[0], **total}
         if op == "flush_cache":
             return s.tree.reset()
-        if op == "kv_events_snapshot":  # the cache's content, and the seq of the last batch it includes
+        if (
+            op == "kv_events_snapshot"
+        ):  # the cache's content, and the seq of the last batch it includes
             s.publish_kv_events()
-            groups = self.gather_groups({
-                "dp_rank": self.par.dp_rank,
-                "seq": s.kv_events.seq - 1 if s.kv_events else None,
-                "events": [{"type": "BlockStored", "block_hashes": e.block_hashes, "parent_block_hash": e.parent_block_hash,
-                            "token_ids": e.token_ids} for e in s.tree.stored_events()] if s.kv_events else [],
-            })
+            groups = self.gather_groups(
+                {
+                    "dp_rank": self.par.dp_rank,
+                    "seq": s.kv_events.seq - 1 if s.kv_events else None,
+                    "events": [
+                        {
+                            "type": "BlockStored",
+                            "block_hashes": e.block_hashes,
+                            "parent_block_hash": e.parent_block_hash,
+                            "token_ids": e.token_ids,
+                        }
+                        for e in s.tree.stored_events()
+                    ]
+                    if s.kv_events
+                    else [],
+                }
+            )
             return {"block_size": s.page_size, "groups": groups}
         if op == "integrity":
             if self.world.size == 1:
@@ -258,33 +320,44 @@ class SchedulerLoop:
                 info = s.check_integrity()
             except Exception as e:
                 info = {"error": f"{type(e).__name__}: {e}"}
-            ranks = [msgspec.json.decode(b) for b in self.world.all_gather_bytes(msgspec.json.encode(info))]
+            ranks = [
+                msgspec.json.decode(b)
+                for b in self.world.all_gather_bytes(msgspec.json.encode(info))
+            ]
             bad = [f"rank {i}: {r['error']}" for i, r in enumerate(ranks) if "error" in r]
             if bad:
                 raise AssertionError("; ".join(bad))
             return {**info, "ranks": ranks}
         if op == "stats":
             a = s.runner.pool.allocator
-            groups = self.gather_groups({
-                "running": len(s.running),
-                "waiting": len(s.waiting),
-                "kv_pages_total": a.capacity,
-                "kv_pages_free": a.num_free(),
-                "kv_pages_used": a.capacity - a.num_free(),
-                "kv_pages_cached": s.tree.total_pages(),
-                **s.stats,
-                **(s.pd.stats() if s.pd is not None else {}),
-                "grammar_cache": s.grammars.cache_info(),
-            })
+            groups = self.gather_groups(
+                {
+                    "running": len(s.running),
+                    "waiting": len(s.waiting),
+                    "kv_pages_total": a.capacity,
+                    "kv_pages_free": a.num_free(),
+                    "kv_pages_used": a.capacity - a.num_free(),
+                    "kv_pages_cached": s.tree.total_pages(),
+                    **s.stats,
+                    **(s.pd.stats() if s.pd is not None else {}),
+                    "grammar_cache": s.grammars.cache_info(),
+                }
+            )
             if len(groups) == 1:
                 return groups[0]
-            total = {k: sum(g[k] for g in groups) for k in groups[0] if isinstance(groups[0][k], (int, float))}
+            total = {
+                k: sum(g[k] for g in groups)
+                for k in groups[0]
+                if isinstance(groups[0][k], (int, float))
+            }
             return {**total, "dp": groups}
         if op == "expert_distribution":  # the MoE expert load recorder (server/expert_api.py)
             from pdserve.server.expert_api import scheduler_control
 
             return scheduler_control(self, args)
-        if op == "switch_role":  # POST /switch_role (server/role_switch.py); every rank re-wires itself
+        if (
+            op == "switch_role"
+        ):  # POST /switch_role (server/role_switch.py); every rank re-wires itself
             from pdserve.disagg.setup import switch_role_control
 
             return switch_role_control(self, args)
@@ -302,26 +375,40 @@ def _exit_lost(ready_conn, verdict: str) -> None:
     os._exit(1)
 
 
-def run_scheduler_process(args: ServerArgs, in_addr: str, out_addr: str, ready_conn, tp_rank: int = 0,
-                          tp_init: str = "") -> None:
+def run_scheduler_process(
+    args: ServerArgs, in_addr: str, out_addr: str, ready_conn, tp_rank: int = 0, tp_init: str = ""
+) -> None:
     setup_logging(role_tag(args.role, tp_rank), args.log_level)
     layout = NodeLayout.from_args(args)
-    torch.set_num_threads(args.torch_num_threads or max(1, (os.cpu_count() or 1) // layout.ranks_per_node))
+    torch.set_num_threads(
+        args.torch_num_threads or max(1, (os.cpu_count() or 1) // layout.ranks_per_node)
+    )
     end_with_parent(os.getppid())  # a front end that dies however it dies takes its ranks along
     par, heartbeat = None, None
     try:
         choose_gloo_interface(layout)
         try:
-            par = init_parallel(tp_rank, args.tp_size, tp_init, args.device, dp_size=args.dp_size,
-                                pp_size=args.pp_size, timeout_s=args.dist_timeout)
+            par = init_parallel(
+                tp_rank,
+                args.tp_size,
+                tp_init,
+                args.device,
+                dp_size=args.dp_size,
+                pp_size=args.pp_size,
+                timeout_s=args.dist_timeout,
+            )
         except Exception as e:
             raise RuntimeError(join_error(layout, args.dist_timeout, e)) if layout.multi_node else e
         if layout.multi_node:
-            heartbeat = Heartbeat(layout, tp_rank, args.dist_timeout, on_lost=lambda v: _exit_lost(ready_conn, v))
+            heartbeat = Heartbeat(
+                layout, tp_rank, args.dist_timeout, on_lost=lambda v: _exit_lost(ready_conn, v)
+            )
         loop = SchedulerLoop(args, in_addr, out_addr, par)
         status = {"status": "ready", "info": loop.info()}
     except Exception as e:
-        if isinstance(e, ValueError):  # a refusal of the configuration or the host: its message says it all
+        if isinstance(
+            e, ValueError
+        ):  # a refusal of the configuration or the host: its message says it all
             logger.error("scheduler failed to start: %s", e)
             logger.debug("where: %s", traceback.format_exc())
         else:
@@ -334,16 +421,24 @@ def run_scheduler_process(args: ServerArgs, in_addr: str, out_addr: str, ready_c
         return
     if heartbeat is not None:
         heartbeat.start()
-        logger.info("%s ready; heartbeats every %gs, a peer silent for %gs is lost", layout.describe(),
-                    heartbeat.interval, heartbeat.lost_after)
+        logger.info(
+            "%s ready; heartbeats every %gs, a peer silent for %gs is lost",
+            layout.describe(),
+            heartbeat.interval,
+            heartbeat.lost_after,
+        )
     try:
         loop.run()
     except KeyboardInterrupt:
         pass
     except Exception as e:
         # a crash, or a collective that failed because another rank died: the whole server goes
-        verdict = heartbeat.wait_lost(heartbeat.lost_after + heartbeat.interval) if heartbeat else None
+        verdict = (
+            heartbeat.wait_lost(heartbeat.lost_after + heartbeat.interval) if heartbeat else None
+        )
         if verdict is None:
             logger.error("scheduler crashed:\n%s", traceback.format_exc())
             os._exit(1)
-        _exit_lost(ready_conn, f"{verdict} (a collective failed: {type(e).__name__}: {first_line(e)})")
+        _exit_lost(
+            ready_conn, f"{verdict} (a collective failed: {type(e).__name__}: {first_line(e)})"
+        )

@@ -69,4 +69,6 @@ def stages(mode: str, events: Mapping[str, float]) -> Iterator[tuple[str, float]
 def public(mode: str, events: Mapping[str, float]) -> dict[str, float]:
     """The events as the answer shows them: role-prefixed, in time order, to the microsecond."""
     prefix = ROLE_PREFIX[mode]
-    return {f"{prefix}_{name}": round(t, 6) for name, t in sorted(events.items(), key=lambda kv: kv[1])}
+    return {
+        f"{prefix}_{name}": round(t, 6) for name, t in sorted(events.items(), key=lambda kv: kv[1])
+    }

@@ -23,14 +23,14 @@ from pdserve.engine.request import SamplingParams
 from pdserve.engine.routed_experts import refusal as routed_experts_refusal
 from pdserve.grammar import GrammarSpec, backend_class
 from pdserve.server.constraints import grammar_of_sampling
-from pdserve.server.reasoning_parser import reasoning_parser, think_end_text
-from pdserve.server.tool_parser import tool_parser
 from pdserve.server.detokenizer import IncrementalDetokenizer
 from pdserve.server.errors import bad_request
 from pdserve.server.messages import AbortReq, GenerateReq, TokenOut, encode
 from pdserve.server.metrics import ServerMetrics
+from pdserve.server.reasoning_parser import reasoning_parser, think_end_text
 from pdserve.server.scheduler_client import SchedulerClient
 from pdserve.server.timeline import stages
+from pdserve.server.tool_parser import tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +55,18 @@ class ReqSpec:
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None
     bootstrap_room: Union[int, list[int], None] = None  # an int, or one room per sample
-    routed_dp_rank: Union[int, list[int], None] = None  # the attention-DP group to run in (or one per sample)
-    disagg_prefill_dp_rank: Union[int, list[int], None] = None  # decode: prefill's DP group holding the KV
-    grammar: Optional[GrammarSpec] = None  # what the output must match (checked by the grammar engine)
-    grammar_start_after: Optional[list[int]] = None  # the end-of-reasoning token ids it starts after
+    routed_dp_rank: Union[int, list[int], None] = (
+        None  # the attention-DP group to run in (or one per sample)
+    )
+    disagg_prefill_dp_rank: Union[int, list[int], None] = (
+        None  # decode: prefill's DP group holding the KV
+    )
+    grammar: Optional[GrammarSpec] = (
+        None  # what the output must match (checked by the grammar engine)
+    )
+    grammar_start_after: Optional[list[int]] = (
+        None  # the end-of-reasoning token ids it starts after
+    )
 
 
 class ReqState:
@@ -102,7 +110,9 @@ class TokenizerManager:
         self.client = client
         self.metrics = metrics
         info = client.info
-        self.context_length: int = int(info.get("context_length") or server_args.context_length or 1 << 30)
+        self.context_length: int = int(
+            info.get("context_length") or server_args.context_length or 1 << 30
+        )
         self.vocab_size: int = int(info.get("vocab_size") or len(tokenizer))
         self.states: dict[str, ReqState] = {}
         self.dp_size: int = int(info.get("dp_size") or 1)  # attention-DP groups of the scheduler
@@ -120,11 +130,22 @@ class TokenizerManager:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text)["input_ids"]
 
-    def chat_input_ids(self, messages: list[dict], continue_final_message: bool = False,
-                       tools: Optional[list[dict]] = None, template_kwargs: Optional[dict] = None) -> list[int]:
+    def chat_input_ids(
+        self,
+        messages: list[dict],
+        continue_final_message: bool = False,
+        tools: Optional[list[dict]] = None,
+        template_kwargs: Optional[dict] = None,
+    ) -> list[int]:
         try:
-            return chat_input_ids(self.tokenizer, messages, continue_final_message, tools, template_kwargs,
-                                  self.chat_template)
+            return chat_input_ids(
+                self.tokenizer,
+                messages,
+                continue_final_message,
+                tools,
+                template_kwargs,
+                self.chat_template,
+            )
         except ChatTemplateError as e:
             raise bad_request(str(e)) from None
 
@@ -163,8 +184,14 @@ class TokenizerManager:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def make_spec(self, prompt: str | list[int], sampling: dict[str, Any], *,
-                  default_max_new_tokens: Optional[int], **fields: Any) -> ReqSpec:
+    def make_spec(
+        self,
+        prompt: str | list[int],
+        sampling: dict[str, Any],
+        *,
+        default_max_new_tokens: Optional[int],
+        **fields: Any,
+    ) -> ReqSpec:
         """Tokenize ``prompt`` and validate everything; raises ``APIError`` (400) naming the problem.
 
         ``default_max_new_tokens`` applies when ``sampling`` has no ``max_new_tokens``; None
@@ -180,7 +207,8 @@ class TokenizerManager:
         room = self.context_length - len(input_ids)
         if room <= 0:
             raise bad_request(
-                f"prompt is too long: {len(input_ids)} tokens, the context length is {self.context_length}")
+                f"prompt is too long: {len(input_ids)} tokens, the context length is {self.context_length}"
+            )
         sampling = dict(sampling)
         grammar = grammar_of_sampling(sampling, fields.get("grammar"))
         if grammar is not None:
@@ -195,8 +223,12 @@ class TokenizerManager:
         if params.n > MAX_N:
             raise bad_request(f"n: must be <= {MAX_N}, got {params.n}")
         if fields.get("return_routed_experts"):
-            why = routed_experts_refusal(self.server_args, self.client.info.get("routed_experts"),
-                                         fields.get("routed_experts_start_len", 0), len(input_ids))
+            why = routed_experts_refusal(
+                self.server_args,
+                self.client.info.get("routed_experts"),
+                fields.get("routed_experts_start_len", 0),
+                len(input_ids),
+            )
             if why:
                 raise bad_request(why)
         return ReqSpec(input_ids=list(input_ids), sampling=params, **fields)
@@ -209,27 +241,49 @@ class TokenizerManager:
             raise bad_request(f"rid: {spec.rid!r} is already in use by a running request")
         p = spec.sampling
         group = self._dp_group(spec)
-        state = ReqState(spec, IncrementalDetokenizer(
-            self.tokenizer, skip_special_tokens=p.skip_special_tokens, stop=p.stop, trim_stop=not spec.no_stop_trim))
+        state = ReqState(
+            spec,
+            IncrementalDetokenizer(
+                self.tokenizer,
+                skip_special_tokens=p.skip_special_tokens,
+                stop=p.stop,
+                trim_stop=not spec.no_stop_trim,
+            ),
+        )
         state.dp_rank = group
         try:  # validation should have caught whatever cannot cross; this names what slipped through
-            data = encode(GenerateReq(
-                rid=spec.rid, input_ids=spec.input_ids, sampling_params=p.to_dict(),
-                return_logprob=spec.return_logprob, top_logprobs_num=spec.top_logprobs_num,
-                logprob_start_len=spec.logprob_start_len, stream=spec.stream,
-                return_routed_experts=spec.return_routed_experts,
-                routed_experts_start_len=spec.routed_experts_start_len,
-                bootstrap_host=spec.bootstrap_host, bootstrap_port=spec.bootstrap_port,
-                bootstrap_room=spec.bootstrap_room[0] if isinstance(spec.bootstrap_room, list) else spec.bootstrap_room,
-                routed_dp_rank=group, disagg_prefill_dp_rank=_first(spec.disagg_prefill_dp_rank),
-                grammar=spec.grammar, grammar_start_after=spec.grammar_start_after,
-            ))
+            data = encode(
+                GenerateReq(
+                    rid=spec.rid,
+                    input_ids=spec.input_ids,
+                    sampling_params=p.to_dict(),
+                    return_logprob=spec.return_logprob,
+                    top_logprobs_num=spec.top_logprobs_num,
+                    logprob_start_len=spec.logprob_start_len,
+                    stream=spec.stream,
+                    return_routed_experts=spec.return_routed_experts,
+                    routed_experts_start_len=spec.routed_experts_start_len,
+                    bootstrap_host=spec.bootstrap_host,
+                    bootstrap_port=spec.bootstrap_port,
+                    bootstrap_room=spec.bootstrap_room[0]
+                    if isinstance(spec.bootstrap_room, list)
+                    else spec.bootstrap_room,
+                    routed_dp_rank=group,
+                    disagg_prefill_dp_rank=_first(spec.disagg_prefill_dp_rank),
+                    grammar=spec.grammar,
+                    grammar_start_after=spec.grammar_start_after,
+                )
+            )
         except (OverflowError, UnicodeEncodeError, TypeError) as e:
             raise bad_request(f"request cannot be passed to the scheduler: {e}") from None
         self.states[spec.rid] = state  # registered only once nothing can fail before it is sent
         self.client.send(data)
-        logger.debug("rid=%s submitted: prompt_tokens=%d max_new_tokens=%d", spec.rid, len(spec.input_ids),
-                     p.max_new_tokens)
+        logger.debug(
+            "rid=%s submitted: prompt_tokens=%d max_new_tokens=%d",
+            spec.rid,
+            len(spec.input_ids),
+            p.max_new_tokens,
+        )
         return state
 
     def _dp_group(self, spec: ReqSpec) -> Optional[int]:
@@ -238,7 +292,9 @@ class TokenizerManager:
         named = _first(spec.routed_dp_rank)
         if self.dp_size == 1:
             if named not in (None, 0):
-                raise bad_request(f"routed_dp_rank: this server has one data-parallel group (0), got {named}")
+                raise bad_request(
+                    f"routed_dp_rank: this server has one data-parallel group (0), got {named}"
+                )
             return None
         if named is not None:
             if not 0 <= named < self.dp_size:
@@ -300,7 +356,9 @@ class TokenizerManager:
         if out.new_ids:
             state.timeline.setdefault("first_token", time.time())
             first = state.last_output is None
-            self.metrics.on_tokens(len(out.new_ids), now - (state.created if first else state.last_output), first)
+            self.metrics.on_tokens(
+                len(out.new_ids), now - (state.created if first else state.last_output), first
+            )
             state.output_ids.extend(out.new_ids)
             state.detok.push(out.new_ids)
         state.last_output = now
@@ -319,10 +377,20 @@ class TokenizerManager:
             state.timeline.update(out.timeline or {})
             state.timeline["finished"] = time.time()
             self.metrics.on_stages(stages(self.server_args.disaggregation_mode, state.timeline))
-            self.metrics.on_finish(state.finish_reason.get("type", "unknown"), state.prompt_tokens,
-                                   state.cached_tokens, state.e2e_latency)
-            logger.debug("rid=%s finished: %s prompt_tokens=%d completion_tokens=%d e2e=%.3fs", state.rid,
-                         state.finish_reason, state.prompt_tokens, len(state.output_ids), state.e2e_latency)
+            self.metrics.on_finish(
+                state.finish_reason.get("type", "unknown"),
+                state.prompt_tokens,
+                state.cached_tokens,
+                state.e2e_latency,
+            )
+            logger.debug(
+                "rid=%s finished: %s prompt_tokens=%d completion_tokens=%d e2e=%.3fs",
+                state.rid,
+                state.finish_reason,
+                state.prompt_tokens,
+                len(state.output_ids),
+                state.e2e_latency,
+            )
 
     # ---- aborts ------------------------------------------------------------------------
     def release(self, states: list[ReqState], message: str = "client disconnected") -> None:
@@ -347,8 +415,13 @@ class TokenizerManager:
     def fail_all(self, message: str, status_code: int = 503) -> None:
         """Finish every request with an error (the scheduler is gone)."""
         for state in list(self.states.values()):
-            self._on_output(TokenOut(rid=state.rid, new_ids=[], finish_reason={
-                "type": "abort", "message": message, "status_code": status_code}))
+            self._on_output(
+                TokenOut(
+                    rid=state.rid,
+                    new_ids=[],
+                    finish_reason={"type": "abort", "message": message, "status_code": status_code},
+                )
+            )
 
 
 def _sample_spec(spec: ReqSpec, i: int) -> ReqSpec:
@@ -358,9 +431,19 @@ def _sample_spec(spec: ReqSpec, i: int) -> ReqSpec:
     rid = f"{spec.rid}-{i}" if spec.rid else None
     room = spec.bootstrap_room
     room = room[i] if isinstance(room, list) else None if room is None else (room + i) % 2**63
-    routed, prefill_dp = (v[i] if isinstance(v, list) else v for v in (spec.routed_dp_rank, spec.disagg_prefill_dp_rank))
-    return dataclasses.replace(spec, sampling=p, rid=rid, group_rid=spec.rid, bootstrap_room=room,
-                               routed_dp_rank=routed, disagg_prefill_dp_rank=prefill_dp)
+    routed, prefill_dp = (
+        v[i] if isinstance(v, list) else v
+        for v in (spec.routed_dp_rank, spec.disagg_prefill_dp_rank)
+    )
+    return dataclasses.replace(
+        spec,
+        sampling=p,
+        rid=rid,
+        group_rid=spec.rid,
+        bootstrap_room=room,
+        routed_dp_rank=routed,
+        disagg_prefill_dp_rank=prefill_dp,
+    )
 
 
 def _first(value: Union[int, list[int], None]) -> Optional[int]:

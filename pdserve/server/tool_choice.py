@@ -40,24 +40,31 @@ def validate_tools(tools: Any) -> list[dict]:
         _require(isinstance(fn, dict), f"{at}.function: must be an object, got {_kind(fn)}")
         name = fn.get("name")
         _require(name is not None, f"{at}.function.name: is required")
-        _require(isinstance(name, str) and TOOL_NAME_RE.match(name),
-                 f"{at}.function.name: must match {TOOL_NAME_RE.pattern}, got {name!r}")
+        _require(
+            isinstance(name, str) and TOOL_NAME_RE.match(name),
+            f"{at}.function.name: must match {TOOL_NAME_RE.pattern}, got {name!r}",
+        )
         _require(name not in seen, f"{at}.function.name: duplicate name {name!r}")
         seen.add(name)
         params = fn.get("parameters")
-        _require(params is None or isinstance(params, dict),
-                 f"{at}.function.parameters: must be an object (a JSON schema), "
-                 f"got {_kind(params)}")
-        _require(isinstance(fn.get("description", ""), (str, type(None))),
-                 f"{at}.function.description: must be a string")
+        _require(
+            params is None or isinstance(params, dict),
+            f"{at}.function.parameters: must be an object (a JSON schema), got {_kind(params)}",
+        )
+        _require(
+            isinstance(fn.get("description", ""), (str, type(None))),
+            f"{at}.function.description: must be a string",
+        )
         params = dict(EMPTY_PARAMETERS) if params is None else params
         out.append({**tool, "function": {**fn, "parameters": params}})
     return out
 
 
 def _parameters_by_name(tools: Optional[list[dict]]) -> dict[str, dict]:
-    return {t["function"]["name"]: t["function"].get("parameters") or dict(EMPTY_PARAMETERS)
-            for t in tools or ()}
+    return {
+        t["function"]["name"]: t["function"].get("parameters") or dict(EMPTY_PARAMETERS)
+        for t in tools or ()
+    }
 
 
 def validate_tool_choice(tool_choice: Any, tools: Optional[list[dict]]) -> Any:
@@ -68,23 +75,30 @@ def validate_tool_choice(tool_choice: Any, tools: Optional[list[dict]]) -> Any:
     if tool_choice is None:
         return "auto" if names else "none"
     if tool_choice in ("none", "auto", "required"):
-        _require(names or tool_choice != "required",
-                 "tool_choice: 'required' needs a non-empty tools list")
+        _require(
+            names or tool_choice != "required",
+            "tool_choice: 'required' needs a non-empty tools list",
+        )
         return tool_choice
-    _require(isinstance(tool_choice, dict), "tool_choice: must be 'none', 'auto', 'required' or "
-             f'{{"type": "function", "function": {{"name": ...}}}}, got {tool_choice!r}')
+    _require(
+        isinstance(tool_choice, dict),
+        "tool_choice: must be 'none', 'auto', 'required' or "
+        f'{{"type": "function", "function": {{"name": ...}}}}, got {tool_choice!r}',
+    )
     kind = tool_choice.get("type")
     _require(kind == "function", f"tool_choice.type: must be 'function', got {kind!r}")
     fn = tool_choice.get("function")
     name = fn.get("name") if isinstance(fn, dict) else None
     _require(isinstance(name, str) and name, "tool_choice.function.name: is required")
-    _require(name in names,
-             f"tool_choice: function {name!r} is not among the tools ({', '.join(names)})")
+    _require(
+        name in names, f"tool_choice: function {name!r} is not among the tools ({', '.join(names)})"
+    )
     return {"type": "function", "function": {"name": name}}
 
 
-def tool_choice_schema(tools: Optional[list[dict]], tool_choice: Any,
-                       parallel_tool_calls: bool = True) -> Optional[dict]:
+def tool_choice_schema(
+    tools: Optional[list[dict]], tool_choice: Any, parallel_tool_calls: bool = True
+) -> Optional[dict]:
     """JSON schema forcing a validated tool choice through a grammar engine: a named function's
     parameters (the output is its arguments object); for "required" an array of
     ``{"name", "parameters"}`` objects; None when nothing is forced ("auto", "none")."""
@@ -93,17 +107,24 @@ def tool_choice_schema(tools: Optional[list[dict]], tool_choice: Any,
         return params[tool_choice["function"]["name"]]
     if tool_choice != "required":
         return None
-    items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
-              "required": ["name", "parameters"], "additionalProperties": False}
-             for name, schema in params.items()]
+    items = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "parameters": schema},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for name, schema in params.items()
+    ]
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
     return schema
 
 
-def calls_from_forced_output(text: str, tools: Optional[list[dict]],
-                             tool_choice: Any) -> list[ToolCall]:
+def calls_from_forced_output(
+    text: str, tools: Optional[list[dict]], tool_choice: Any
+) -> list[ToolCall]:
     """The calls in an output generated under ``tool_choice_schema``. Raises ValueError when it does
     not parse as such (e.g. cut off by max_tokens); the caller then returns it as content."""
     value = _whole_json(text)
@@ -111,12 +132,18 @@ def calls_from_forced_output(text: str, tools: Optional[list[dict]],
         _require(isinstance(value, dict), "forced tool call: the output is not a JSON object")
         return [ToolCall(tool_choice["function"]["name"], json.dumps(value, ensure_ascii=False))]
     _require(tool_choice == "required", f"forced tool call: {tool_choice!r} forces no call")
-    _require(isinstance(value, list) and value,
-             "forced tool call: the output is not a non-empty JSON array")
+    _require(
+        isinstance(value, list) and value,
+        "forced tool call: the output is not a non-empty JSON array",
+    )
     names = _parameters_by_name(tools)
     for item in value:
-        _require(isinstance(item, dict) and item.get("name") in names
-                 and isinstance(item.get("parameters"), dict),
-                 f"forced tool call: not a call of one of the tools: {item!r}")
-    return [ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
-            for item in value]
+        _require(
+            isinstance(item, dict)
+            and item.get("name") in names
+            and isinstance(item.get("parameters"), dict),
+            f"forced tool call: not a call of one of the tools: {item!r}",
+        )
+    return [
+        ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in value
+    ]

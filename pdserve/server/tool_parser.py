@@ -30,8 +30,11 @@ class ToolCall:
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
     def to_openai(self) -> dict:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass
@@ -92,12 +95,12 @@ class ToolStream:
 
     def _advance(self, final: bool) -> tuple[str, list[ToolCall]]:
         scan = self._parser._scan(self._buf, self._state, final)
-        self._buf, self._state = self._buf[scan.consumed:], scan.state
+        self._buf, self._state = self._buf[scan.consumed :], scan.state
         content = scan.content if self._started else scan.content.lstrip()
         if content:
             content = self._pending + content
             out = content.rstrip()
-            self._pending = content[len(out):]
+            self._pending = content[len(out) :]
             self._started, content = self._started or bool(out), out
         return content, scan.calls
 
@@ -188,7 +191,7 @@ class _BlockToolParser(_MarkedToolParser):
         if j < 0 and not final:
             return None
         if j < 0:  # cut off at the end of the generation, perhaps inside the end marker
-            body, end = text[pos:_hold_index(text, pos, (self.block_end,))], len(text)
+            body, end = text[pos : _hold_index(text, pos, (self.block_end,))], len(text)
         else:
             body, end = text[pos:j], j + len(self.block_end)
         call = self._body_call(body)
@@ -236,7 +239,7 @@ class MistralToolParser(_MarkedToolParser):
         value, end = _NO_JSON, -1
         if named:
             value, end = _decode_json(text, named.end())
-        elif text[_WS.match(text, pos).end():][:1] in ("[", "{"):  # a bare word or number
+        elif text[_WS.match(text, pos).end() :][:1] in ("[", "{"):  # a bare word or number
             value, end = _decode_json(text, pos)  # could still grow: wait for the end
         if end < 0:  # no complete JSON object or array yet
             return (None, len(text)) if final else None
@@ -258,8 +261,9 @@ class Llama3JsonToolParser(ToolParser):
 
     def _scan(self, text: str, state: Any, final: bool) -> _Scan:
         body = text.lstrip()
-        if state == "content" or not (body.startswith(self.start_markers)
-                                      or self.PYTHON_TAG.startswith(body)):
+        if state == "content" or not (
+            body.startswith(self.start_markers) or self.PYTHON_TAG.startswith(body)
+        ):
             return _Scan(text, [], len(text), "content")
         if not final:
             return _Scan("", [], 0)
@@ -327,11 +331,11 @@ class GptOssToolParser(ToolParser):
             j, marker = _find_first(text, self.BODY_ENDS, body_start)
             if j < 0 and not final:
                 return _Scan("".join(content), calls, i)
-            body = text[body_start:j if j >= 0 else len(text)]
+            body = text[body_start : j if j >= 0 else len(text)]
             pos = body_start + len(body) + (len(marker) if marker in self.BODY_ENDS[:3] else 0)
             name = recipient.group(1)
             if name.startswith("functions."):  # other recipients are built-in tools: dropped
-                call = self._call(name[len("functions."):], _whole_json(body))
+                call = self._call(name[len("functions.") :], _whole_json(body))
                 if call:
                     calls.append(call)
                 else:
@@ -339,19 +343,27 @@ class GptOssToolParser(ToolParser):
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    "llama3": Llama3JsonToolParser, "llama3_json": Llama3JsonToolParser,
+    "llama3": Llama3JsonToolParser,
+    "llama3_json": Llama3JsonToolParser,
     "llama4_json": Llama3JsonToolParser,
-    "qwen25": QwenToolParser, "qwen": QwenToolParser, "hermes": QwenToolParser,
+    "qwen25": QwenToolParser,
+    "qwen": QwenToolParser,
+    "hermes": QwenToolParser,
     "mistral": MistralToolParser,
-    "gpt-oss": GptOssToolParser, "openai": GptOssToolParser,
-    "deepseekv3": DeepSeekV3ToolParser, "deepseek_v3": DeepSeekV3ToolParser,
-    "deepseekv31": DeepSeekV3ToolParser, "deepseek_v31": DeepSeekV3ToolParser,
+    "gpt-oss": GptOssToolParser,
+    "openai": GptOssToolParser,
+    "deepseekv3": DeepSeekV3ToolParser,
+    "deepseek_v3": DeepSeekV3ToolParser,
+    "deepseekv31": DeepSeekV3ToolParser,
+    "deepseek_v31": DeepSeekV3ToolParser,
 }
 
 
 def tool_parser(name: str, tools: Optional[list[dict]]) -> ToolParser:
     """The parser registered as ``name`` (``--tool-call-parser``) for a request's tools."""
     if name not in TOOL_PARSERS:
-        raise ValueError(f"--tool-call-parser: unknown parser {name!r}; "
-                         f"choose from {', '.join(sorted(TOOL_PARSERS))}")
+        raise ValueError(
+            f"--tool-call-parser: unknown parser {name!r}; "
+            f"choose from {', '.join(sorted(TOOL_PARSERS))}"
+        )
     return TOOL_PARSERS[name](tools)

@@ -35,8 +35,13 @@ class Pair:
         kv_bytes = PAGES * ITEM
         # decode: [kv pages | gap | aux], both regions in one backend-visible allocation
         self.dst_buf = cls.buffer_allocator()(kv_bytes + GAP + AUX_BYTES, torch.device("cpu"))
-        self.src_buf = torch.randint(0, 256, (kv_bytes + AUX_BYTES,), dtype=torch.uint8,
-                                     generator=torch.Generator().manual_seed(5))
+        self.src_buf = torch.randint(
+            0,
+            256,
+            (kv_bytes + AUX_BYTES,),
+            dtype=torch.uint8,
+            generator=torch.Generator().manual_seed(5),
+        )
         d, s = self.dst_buf.data_ptr(), self.src_buf.data_ptr()
         self.src_kv, self.src_aux = s, s + kv_bytes
         self.decode.register_regions([(d, kv_bytes), (d + kv_bytes + GAP, AUX_BYTES)])
@@ -50,10 +55,10 @@ class Pair:
         self.prefill.connect(PEER, self.decode.describe(), self.dst_regions)
 
     def dst_page(self, i: int) -> bytes:
-        return self.dst_buf[i * ITEM:(i + 1) * ITEM].numpy().tobytes()
+        return self.dst_buf[i * ITEM : (i + 1) * ITEM].numpy().tobytes()
 
     def src_page(self, i: int) -> bytes:
-        return self.src_buf[i * ITEM:(i + 1) * ITEM].numpy().tobytes()
+        return self.src_buf[i * ITEM : (i + 1) * ITEM].numpy().tobytes()
 
     def write_pages(self, src_pages, dst_pages, timeout: float = 60) -> None:
         descs = region_descriptors([self.src_kv], [self.dst_kv], [ITEM], src_pages, dst_pages)
@@ -105,7 +110,9 @@ def test_page_sets_land_byte_exact(moving, layout):
     for s, d in zip(src, dst):
         assert moving.dst_page(d) == moving.src_page(s), f"page {s} -> {d}"
     untouched = sorted(set(range(PAGES)) - set(dst))[:200]
-    assert all(moving.dst_page(d) == bytes(ITEM) for d in untouched), "a page outside the batch was written"
+    assert all(moving.dst_page(d) == bytes(ITEM) for d in untouched), (
+        "a page outside the batch was written"
+    )
 
 
 def test_one_write_of_4096_pages(moving):
@@ -118,7 +125,7 @@ def test_one_write_of_4096_pages(moving):
 def test_32_writes_in_flight_from_8_threads(moving):
     rng = random.Random(4)
     dst_all = rng.sample(range(PAGES), 32 * 64)
-    jobs = [(rng.sample(range(PAGES), 64), dst_all[i * 64:(i + 1) * 64]) for i in range(32)]
+    jobs = [(rng.sample(range(PAGES), 64), dst_all[i * 64 : (i + 1) * 64]) for i in range(32)]
     errors: list[BaseException] = []
     handles_lock = threading.Lock()
 
@@ -146,9 +153,11 @@ def test_32_writes_in_flight_from_8_threads(moving):
 
 def test_aux_region_written_after_pages(moving):
     moving.write_pages(list(range(16)), list(range(16)))
-    moving.prefill.write(PEER, np.array([moving.src_aux]), np.array([moving.dst_aux]), np.array([AUX_BYTES])).wait(30)
-    got = moving.dst_buf[PAGES * ITEM + GAP:].numpy().tobytes()
-    assert got == moving.src_buf[PAGES * ITEM:].numpy().tobytes()
+    moving.prefill.write(
+        PEER, np.array([moving.src_aux]), np.array([moving.dst_aux]), np.array([AUX_BYTES])
+    ).wait(30)
+    got = moving.dst_buf[PAGES * ITEM + GAP :].numpy().tobytes()
+    assert got == moving.src_buf[PAGES * ITEM :].numpy().tobytes()
 
 
 @pytest.mark.parametrize("where", ["past the end", "in the gap", "straddling the end"])
@@ -156,13 +165,17 @@ def test_destination_outside_registered_regions_rejected_before_any_byte_moves(p
     pair.dst_buf.zero_()
     good_src, good_dst = list(range(16)), list(range(200, 216))
     src, dst, lens = region_descriptors([pair.src_kv], [pair.dst_kv], [ITEM], good_src, good_dst)
-    bad_dst = {"past the end": pair.dst_aux + AUX_BYTES,
-               "in the gap": pair.dst_kv + PAGES * ITEM,
-               "straddling the end": pair.dst_kv + PAGES * ITEM - ITEM // 2}[where]
+    bad_dst = {
+        "past the end": pair.dst_aux + AUX_BYTES,
+        "in the gap": pair.dst_kv + PAGES * ITEM,
+        "straddling the end": pair.dst_kv + PAGES * ITEM - ITEM // 2,
+    }[where]
     src, dst, lens = np.append(src, pair.src_kv), np.append(dst, bad_dst), np.append(lens, ITEM)
     with pytest.raises(TransferError, match="outside the peer's registered buffers"):
         pair.prefill.write(PEER, src, dst, lens)
-    assert all(pair.dst_page(d) == bytes(ITEM) for d in good_dst), "bytes moved before the batch was rejected"
+    assert all(pair.dst_page(d) == bytes(ITEM) for d in good_dst), (
+        "bytes moved before the batch was rejected"
+    )
 
 
 def test_source_outside_own_regions_rejected(pair):
@@ -182,8 +195,9 @@ def test_library_refuses_unregistered_destination(pair):
     if pair.name in ("fake", "local"):
         pytest.skip(f"{pair.name}: no library-side registration to check")
     with pytest.raises(TransferError):
-        h = pair.prefill._write(PEER, np.array([pair.src_kv]), np.array([pair.dst_kv + PAGES * ITEM]),
-                                np.array([64]))
+        h = pair.prefill._write(
+            PEER, np.array([pair.src_kv]), np.array([pair.dst_kv + PAGES * ITEM]), np.array([64])
+        )
         h.wait(30)
     # the connection is still usable afterwards
     pair.dst_buf.zero_()
@@ -205,7 +219,7 @@ def test_disconnect_then_reconnect(pair):
 def test_nixl_notifications_reach_the_written_side(pair):
     if pair.name != "nixl":
         pytest.skip("NIXL only: notifications are a NIXL feature")
-    (remote, _, _), = pair.prefill._remote.values()
+    ((remote, _, _),) = pair.prefill._remote.values()
     pair.prefill.agent.send_notif(remote, b"room 7 done")
     got: dict = {}
     for _ in range(500):  # prefill has no progress thread: its polls push the message out

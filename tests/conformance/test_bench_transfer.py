@@ -26,8 +26,22 @@ def test_geometry_one_descriptor_per_page():
 
 def test_small_run_reports_every_backend(tmp_path, capsys):
     out = tmp_path / "transfer.json"
-    assert main(["--size", "2MiB", "--page-sizes", "64KiB", "--repeats", "1", "--no-request",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--size",
+                "2MiB",
+                "--page-sizes",
+                "64KiB",
+                "--repeats",
+                "1",
+                "--no-request",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     rows = {r["backend"]: r for r in data["rows"]}
     assert set(rows) | set(data["skipped"]) == {"local", "mooncake", "nixl"}

@@ -33,20 +33,39 @@ PAGE_SIZE = 4
 # ---- room specs ---------------------------------------------------------------------------
 
 
-def room_spec(room: int, src: list[int], dst: list[int], chunks: list[int], prefill: str = "send",
-              decode: str = "normal", prefix: int = 0) -> dict[str, Any]:
+def room_spec(
+    room: int,
+    src: list[int],
+    dst: list[int],
+    chunks: list[int],
+    prefill: str = "send",
+    decode: str = "normal",
+    prefix: int = 0,
+) -> dict[str, Any]:
     """``prefix``: decode already holds the first ``prefix`` pages (``dst[:prefix]``, its cached
     prefix): it asks for the rest only, and prefill sends ``src[prefix:]``."""
     assert len(src) == len(dst) and sum(chunks) == len(src) - prefix
-    return {"room": room, "src": src, "dst": dst, "chunks": chunks, "prefill": prefill, "decode": decode,
-            "prefix": prefix}
+    return {
+        "room": room,
+        "src": src,
+        "dst": dst,
+        "chunks": chunks,
+        "prefill": prefill,
+        "decode": decode,
+        "prefix": prefix,
+    }
 
 
 def expected_row(room: int) -> dict[str, Any]:
     tok = room % 1000 + 1
     lp = -(room % 7) / 8
-    return {"room": room, "first_token": tok, "logprob": lp, "top_logprobs": [(lp, tok), (-3.0, 17)],
-            "cached_tokens": (room % 5, 1, 2, 3)}
+    return {
+        "room": room,
+        "first_token": tok,
+        "logprob": lp,
+        "top_logprobs": [(lp, tok), (-3.0, 17)],
+        "cached_tokens": (room % 5, 1, 2, 3),
+    }
 
 
 # ---- the two processes --------------------------------------------------------------------
@@ -59,13 +78,18 @@ def _setup(cfg: dict[str, Any], role: str):
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {role} %(name)s: %(message)s")
     from pdserve.config import ServerArgs
 
-    return ServerArgs(model_path="test-model", device="cpu", page_size=cfg[f"{role}_page_size"],
-                      disaggregation_mode=role, disaggregation_transfer_backend=cfg["backend"],
-                      disaggregation_bootstrap_port=cfg["port"],
-                      disaggregation_bootstrap_timeout=cfg.get("bootstrap_timeout", 30.0),
-                      disaggregation_waiting_timeout=cfg.get("waiting_timeout", 30.0),
-                      disaggregation_heartbeat_interval=cfg.get("heartbeat_interval", 1.0),
-                      disaggregation_heartbeat_misses=cfg.get("heartbeat_misses", 3))
+    return ServerArgs(
+        model_path="test-model",
+        device="cpu",
+        page_size=cfg[f"{role}_page_size"],
+        disaggregation_mode=role,
+        disaggregation_transfer_backend=cfg["backend"],
+        disaggregation_bootstrap_port=cfg["port"],
+        disaggregation_bootstrap_timeout=cfg.get("bootstrap_timeout", 30.0),
+        disaggregation_waiting_timeout=cfg.get("waiting_timeout", 30.0),
+        disaggregation_heartbeat_interval=cfg.get("heartbeat_interval", 1.0),
+        disaggregation_heartbeat_misses=cfg.get("heartbeat_misses", 3),
+    )
 
 
 def _page_bytes(pool, pages: list[int]) -> bytes:
@@ -95,8 +119,12 @@ def _pools(cfg: dict[str, Any], num_pages: int, page_size: int, alloc):
     if cfg.get("groups", 1) >= 2:
         groups.append(CacheGroup(1, SlidingWindow(HEADS, 2 * HEAD_DIM, 8), (LAYERS,)))
     if cfg.get("groups", 1) >= 3:
-        groups.append(CacheGroup(2, LatentAttention(4 * HEAD_DIM, HEAD_DIM), (LAYERS + 1, LAYERS + 2)))
-    return [make_pool(g, num_pages, page_size, torch.bfloat16, "cpu", alloc) for g in groups], groups
+        groups.append(
+            CacheGroup(2, LatentAttention(4 * HEAD_DIM, HEAD_DIM), (LAYERS + 1, LAYERS + 2))
+        )
+    return [
+        make_pool(g, num_pages, page_size, torch.bfloat16, "cpu", alloc) for g in groups
+    ], groups
 
 
 def prefill_main(cfg: dict[str, Any], out, stop) -> None:
@@ -118,10 +146,11 @@ def prefill_main(cfg: dict[str, Any], out, stop) -> None:
         raw = pool.buffer.view(-1).view(torch.uint8)
         raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
     rooms = [r for r in cfg["rooms"] if r["prefill"] != "absent"]
-    out.put(("expected", {r["room"]: _bytes(pools, r["src"][r["prefix"]:]) for r in rooms}))
+    out.put(("expected", {r["room"]: _bytes(pools, r["src"][r["prefix"] :]) for r in rooms}))
 
-    kv_args = KVArgs.from_buffers(pools, meta, cache_groups=groups,
-                                  model_fingerprint=cfg.get("prefill_fingerprint", "tiny"))
+    kv_args = KVArgs.from_buffers(
+        pools, meta, cache_groups=groups, model_fingerprint=cfg.get("prefill_fingerprint", "tiny")
+    )
     mgr = KVManager(kv_args, "prefill", args, cfg["backend"], bootstrap_host="127.0.0.1")
     Sender = get_kv_class(cfg["backend"], "sender")
     addr = f"127.0.0.1:{cfg['port']}"
@@ -129,19 +158,23 @@ def prefill_main(cfg: dict[str, Any], out, stop) -> None:
     spec_of = {r["room"]: r for r in rooms}
     slots = SlotAllocator(64)
     started: set[int] = set()
-    pending: dict[int, list] = {}  # room -> [chunks still to send, offset, time the next one is due]
+    pending: dict[
+        int, list
+    ] = {}  # room -> [chunks still to send, offset, time the next one is due]
     chunk_delay = cfg.get("chunk_delay", 0.0)
     announced = False
     deadline = time.monotonic() + cfg.get("deadline", 60)
     while not stop.is_set() and time.monotonic() < deadline:
         now = time.monotonic()
-        for room, p in list(pending.items()):  # chunk_delay > 0: one chunk every chunk_delay seconds
+        for room, p in list(
+            pending.items()
+        ):  # chunk_delay > 0: one chunk every chunk_delay seconds
             while p[0] and now >= p[2]:
                 n = p[0].pop(0)
-                src = spec_of[room]["src"][spec_of[room]["prefix"]:]  # decode holds the prefix
+                src = spec_of[room]["src"][spec_of[room]["prefix"] :]  # decode holds the prefix
                 # a later group's pages only with the last chunk, all of them
                 later = [src if not p[0] else [] for _ in pools[1:]]
-                senders[room].send([src[p[1]:p[1] + n], *later], last_chunk=not p[0])
+                senders[room].send([src[p[1] : p[1] + n], *later], last_chunk=not p[0])
                 p[1], p[2] = p[1] + n, now + chunk_delay
                 if chunk_delay:
                     out.put(("sent_chunk", room))
@@ -157,15 +190,25 @@ def prefill_main(cfg: dict[str, Any], out, stop) -> None:
         if ready or not cfg.get("barrier"):  # barrier: start only when every room is requested
             for r in rooms:
                 room = r["room"]
-                if r["prefill"] != "send" or room in started or states[room] != KVPoll.WaitingForInput:
+                if (
+                    r["prefill"] != "send"
+                    or room in started
+                    or states[room] != KVPoll.WaitingForInput
+                ):
                     continue
                 started.add(room)
                 s, slot = senders[room], slots.alloc()
                 assert s.decode_prefix_pages() == r["prefix"]
                 s.init([len(r["src"]) - r["prefix"]] * len(pools), slot)
                 row = expected_row(room)
-                meta.set_row(slot, room, row["first_token"], row["logprob"], row["top_logprobs"],
-                             row["cached_tokens"])
+                meta.set_row(
+                    slot,
+                    room,
+                    row["first_token"],
+                    row["logprob"],
+                    row["top_logprobs"],
+                    row["cached_tokens"],
+                )
                 pending[room] = [list(r["chunks"]), 0, 0.0]
         time.sleep(0.005)
     out.put(("final", {room: (int(s.poll()), s.failure_reason()) for room, s in senders.items()}))
@@ -175,8 +218,6 @@ def prefill_main(cfg: dict[str, Any], out, stop) -> None:
 
 
 def decode_main(cfg: dict[str, Any], out, stop) -> None:
-    import torch
-
     args = _setup(cfg, "decode")
     from pdserve.disagg.kv_args import KVArgs
     from pdserve.disagg.manager import KVManager, buffer_allocator, get_kv_class
@@ -186,8 +227,9 @@ def decode_main(cfg: dict[str, Any], out, stop) -> None:
     alloc = buffer_allocator(cfg["backend"], "decode")
     pools, groups = _pools(cfg, cfg["decode_pages"], args.page_size, alloc)
     meta = MetadataBuffers(64, allocator=alloc)
-    kv_args = KVArgs.from_buffers(pools, meta, cache_groups=groups,
-                                  model_fingerprint=cfg.get("decode_fingerprint", "tiny"))
+    kv_args = KVArgs.from_buffers(
+        pools, meta, cache_groups=groups, model_fingerprint=cfg.get("decode_fingerprint", "tiny")
+    )
     mgr = KVManager(kv_args, "decode", args, cfg["backend"], bootstrap_host="127.0.0.1")
     Receiver = get_kv_class(cfg["backend"], "receiver")
     addr = f"127.0.0.1:{cfg['port']}"
@@ -216,7 +258,9 @@ def decode_main(cfg: dict[str, Any], out, stop) -> None:
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     # decode's cached prefix pages: the transfer must leave them as they are
-    prefix_before = {r["room"]: _bytes(pools, r["dst"][:r["prefix"]]) for r in cfg["rooms"] if r["prefix"]}
+    prefix_before = {
+        r["room"]: _bytes(pools, r["dst"][: r["prefix"]]) for r in cfg["rooms"] if r["prefix"]
+    }
     while time.monotonic() < deadline:
         states = {room: rv.poll() for room, rv in recvs.items()}
         if all(st in terminal for st in states.values()):
@@ -225,8 +269,11 @@ def decode_main(cfg: dict[str, Any], out, stop) -> None:
             room = r["room"]
             if states[room] == KVPoll.WaitingForInput and room not in slot_of:
                 slot_of[room] = slots.alloc()
-                recvs[room].send_metadata([r["dst"][r["prefix"]:]] * len(pools), slot_of[room],
-                                          decode_prefix_pages=r["prefix"])
+                recvs[room].send_metadata(
+                    [r["dst"][r["prefix"] :]] * len(pools),
+                    slot_of[room],
+                    decode_prefix_pages=r["prefix"],
+                )
                 if r["decode"] == "abort":
                     recvs[room].abort("test abort")
                 # requested and not finished as of the snapshot taken before this pass
@@ -244,11 +291,18 @@ def decode_main(cfg: dict[str, Any], out, stop) -> None:
         item = {"state": int(st), "reason": rv.failure_reason(), "drained": rv.writes_drained()}
         if st == KVPoll.Success:
             row = meta.get_row(slot_of[room])
-            item["bytes"] = _bytes(pools, r["dst"][r["prefix"]:])
+            item["bytes"] = _bytes(pools, r["dst"][r["prefix"] :])
             if r["prefix"]:
-                item["prefix_untouched"] = _bytes(pools, r["dst"][:r["prefix"]]) == prefix_before[room]
-            item["row"] = {"room": row.room, "first_token": row.first_token, "logprob": row.logprob,
-                           "top_logprobs": row.top_logprobs, "cached_tokens": row.cached_tokens}
+                item["prefix_untouched"] = (
+                    _bytes(pools, r["dst"][: r["prefix"]]) == prefix_before[room]
+                )
+            item["row"] = {
+                "room": row.room,
+                "first_token": row.first_token,
+                "logprob": row.logprob,
+                "top_logprobs": row.top_logprobs,
+                "cached_tokens": row.cached_tokens,
+            }
             item["row_room_ok"] = meta.row_room(slot_of[room]) == room
             if room in watched:
                 item["bytes_at_row"] = at_row.get(room)
@@ -269,14 +323,26 @@ class Run:
     """Start both processes; collect their messages."""
 
     def __init__(self, backend: str, rooms: list[dict], **cfg: Any):
-        self.cfg = {"backend": backend, "port": free_port(), "rooms": rooms, "seed": 1234,
-                    "prefill_page_size": PAGE_SIZE, "decode_page_size": PAGE_SIZE,
-                    "prefill_pages": 128, "decode_pages": 200, **cfg}
+        self.cfg = {
+            "backend": backend,
+            "port": free_port(),
+            "rooms": rooms,
+            "seed": 1234,
+            "prefill_page_size": PAGE_SIZE,
+            "decode_page_size": PAGE_SIZE,
+            "prefill_pages": 128,
+            "decode_pages": 200,
+            **cfg,
+        }
         ctx = mp.get_context("spawn")
         self.out_p, self.out_d = ctx.Queue(), ctx.Queue()
         self.stop = ctx.Event()
-        self.prefill = ctx.Process(target=prefill_main, args=(self.cfg, self.out_p, self.stop), daemon=True)
-        self.decode = ctx.Process(target=decode_main, args=(self.cfg, self.out_d, self.stop), daemon=True)
+        self.prefill = ctx.Process(
+            target=prefill_main, args=(self.cfg, self.out_p, self.stop), daemon=True
+        )
+        self.decode = ctx.Process(
+            target=decode_main, args=(self.cfg, self.out_d, self.stop), daemon=True
+        )
         self.prefill.start()
         # decode's look-up waits at most its waiting timeout (short in some scenarios): start it
         # once the prefill's bootstrap server accepts connections, however slow the start-up
@@ -295,8 +361,10 @@ class Run:
             try:
                 got, value = q.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
-                raise AssertionError(f"no {kind!r} message within {timeout}s "
-                                     f"(prefill alive={self.prefill.is_alive()}, decode alive={self.decode.is_alive()})")
+                raise AssertionError(
+                    f"no {kind!r} message within {timeout}s "
+                    f"(prefill alive={self.prefill.is_alive()}, decode alive={self.decode.is_alive()})"
+                )
             if got == kind:
                 return value
 
@@ -325,11 +393,15 @@ def protocol_rooms() -> list[dict]:
     rng = random.Random(7)
     rooms = [
         room_spec(101, list(range(1, 9)), list(range(10, 18)), [3, 3, 2]),  # contiguous both sides
-        room_spec(102, list(range(20, 26)), [30, 32, 34, 35, 36, 50], [4, 2]),  # contiguous src only
+        room_spec(
+            102, list(range(20, 26)), [30, 32, 34, 35, 36, 50], [4, 2]
+        ),  # contiguous src only
         room_spec(103, [60, 3, 45, 46, 9], list(range(60, 65)), [5]),  # contiguous dst only
         room_spec(104, [70, 69, 68, 1, 2], [90, 80, 81, 100, 99], [1, 1, 3]),  # neither, reversed
         room_spec(2**63 - 1, [127], [191], [1]),  # single page, largest room id
-        room_spec(105, list(range(110, 117)), list(range(192, 199)), [2, 1], prefix=4),  # decode holds 4 pages
+        room_spec(
+            105, list(range(110, 117)), list(range(192, 199)), [2, 1], prefix=4
+        ),  # decode holds 4 pages
     ]
     free = list(range(101, 191))
     for i in range(32):  # 32 more rooms, all in flight together
@@ -402,9 +474,11 @@ def test_two_cache_groups_byte_exact(backend):
     """A second cache group (another head size, pages final only after the last chunk, as a
     sliding window's) moves with its own page ids next to the first, byte for byte, on every
     backend; a later group's pages go in the last chunk only."""
-    rooms = [room_spec(201, list(range(1, 9)), list(range(10, 18)), [3, 3, 2]),
-             room_spec(202, [60, 3, 45, 46, 9], list(range(60, 65)), [2, 3]),
-             room_spec(203, list(range(110, 117)), list(range(192, 199)), [2, 1], prefix=4)]
+    rooms = [
+        room_spec(201, list(range(1, 9)), list(range(10, 18)), [3, 3, 2]),
+        room_spec(202, [60, 3, 45, 46, 9], list(range(60, 65)), [2, 3]),
+        room_spec(203, list(range(110, 117)), list(range(192, 199)), [2, 1], prefix=4),
+    ]
     res = run_rooms(backend, rooms, groups=2)
     for room in (201, 202, 203):
         _check_room(res, room)
@@ -414,9 +488,11 @@ def test_two_cache_groups_byte_exact(backend):
 def test_head_window_and_replicated_regions_byte_exact(backend):
     """Three cache groups whose regions split three ways (by KV heads; a window's, final after the
     last chunk; a latent's, replicated) move together, each with its own page ids, byte for byte."""
-    rooms = [room_spec(211, list(range(1, 9)), list(range(10, 18)), [3, 3, 2]),
-             room_spec(212, [60, 3, 45, 46, 9], list(range(60, 65)), [5]),
-             room_spec(213, list(range(110, 117)), list(range(192, 199)), [2, 1], prefix=4)]
+    rooms = [
+        room_spec(211, list(range(1, 9)), list(range(10, 18)), [3, 3, 2]),
+        room_spec(212, [60, 3, 45, 46, 9], list(range(60, 65)), [5]),
+        room_spec(213, list(range(110, 117)), list(range(192, 199)), [2, 1], prefix=4),
+    ]
     res = run_rooms(backend, rooms, groups=3)
     for room in (211, 212, 213):
         _check_room(res, room)
@@ -425,8 +501,15 @@ def test_head_window_and_replicated_regions_byte_exact(backend):
 
 def test_incompatible_page_size_fails_with_both_values(backend):
     rooms = [room_spec(7, [1], [1], [1], prefill="hold")]
-    run = Run(backend, rooms, prefill_page_size=16, decode_page_size=1, prefill_pages=16, decode_pages=64,
-              bootstrap_timeout=120)
+    run = Run(
+        backend,
+        rooms,
+        prefill_page_size=16,
+        decode_page_size=1,
+        prefill_pages=16,
+        decode_pages=64,
+        bootstrap_timeout=120,
+    )
     t0 = time.monotonic()
     try:
         final = run.expect(run.out_p, "final")
@@ -470,7 +553,10 @@ def test_prefill_failures_and_aborts(backend):
 
 
 def test_dead_prefill_detected_by_heartbeat(backend):
-    rooms = [room_spec(21, [1], [1], [1], prefill="hold"), room_spec(22, [2, 3], [2, 3], [2], prefill="hold")]
+    rooms = [
+        room_spec(21, [1], [1], [1], prefill="hold"),
+        room_spec(22, [2, 3], [2, 3], [2], prefill="hold"),
+    ]
     run = Run(backend, rooms, heartbeat_interval=0.2, heartbeat_misses=2, waiting_timeout=60)
     try:
         run.expect(run.out_p, "waiting")
@@ -498,7 +584,7 @@ def shuffled_runs(rng: random.Random, pages: list[int], max_run: int) -> list[in
     runs, i = [], 0
     while i < len(pages):
         n = rng.randint(1, max_run)
-        runs.append(pages[i:i + n])
+        runs.append(pages[i : i + n])
         i += n
     rng.shuffle(runs)
     return [p for run in runs for p in run]
@@ -509,8 +595,12 @@ def large_room_spec(room: int = 51) -> dict:
     each side), the second half page by page in random order (one descriptor per page)."""
     rng = random.Random(room)
     half = LARGE_PAGES // 2
-    src = shuffled_runs(rng, list(range(1, half + 1)), 48) + rng.sample(range(half + 1, LARGE_PAGES + 1), half)
-    dst = shuffled_runs(rng, list(range(1, half + 1)), 32) + rng.sample(range(half + 1, LARGE_PAGES + 1), half)
+    src = shuffled_runs(rng, list(range(1, half + 1)), 48) + rng.sample(
+        range(half + 1, LARGE_PAGES + 1), half
+    )
+    dst = shuffled_runs(rng, list(range(1, half + 1)), 32) + rng.sample(
+        range(half + 1, LARGE_PAGES + 1), half
+    )
     return room_spec(room, src, dst, [LARGE_PAGES // 8] * 8, decode="watch")
 
 
@@ -533,12 +623,20 @@ def test_large_transfer_lands_before_its_metadata_row(backend):
 
 
 def paced_room(room: int) -> dict:
-    return room_spec(room, list(range(1, 41)), list(range(101, 141)), [4] * 10)  # one chunk every chunk_delay
+    return room_spec(
+        room, list(range(1, 41)), list(range(101, 141)), [4] * 10
+    )  # one chunk every chunk_delay
 
 
 def test_prefill_dies_mid_transfer(backend):
-    run = Run(backend, [paced_room(61)], chunk_delay=0.3, heartbeat_interval=0.2, heartbeat_misses=2,
-              waiting_timeout=60)
+    run = Run(
+        backend,
+        [paced_room(61)],
+        chunk_delay=0.3,
+        heartbeat_interval=0.2,
+        heartbeat_misses=2,
+        waiting_timeout=60,
+    )
     try:
         run.expect(run.out_p, "sent_chunk")  # the room's first pages are on their way
         time.sleep(0.2)
@@ -551,13 +649,17 @@ def test_prefill_dies_mid_transfer(backend):
     assert got["state"] == FAILED
     assert f"prefill instance 127.0.0.1:{run.cfg['port']} unreachable" in got["reason"]
     assert got["drained"]
-    assert time.monotonic() - t0 < 15  # heartbeat deadline (0.4 s) plus process overhead, far below 60 s
+    assert (
+        time.monotonic() - t0 < 15
+    )  # heartbeat deadline (0.4 s) plus process overhead, far below 60 s
 
 
 def test_decode_dies_mid_transfer(backend):
     if backend == "local":
-        pytest.skip("local backend: prefill writes into decode's shared memory, which stays mapped after "
-                    "decode died, so a write cannot fail there (decode's death shows only in heartbeats)")
+        pytest.skip(
+            "local backend: prefill writes into decode's shared memory, which stays mapped after "
+            "decode died, so a write cannot fail there (decode's death shows only in heartbeats)"
+        )
     waiting_timeout = 5.0
     run = Run(backend, [paced_room(71)], chunk_delay=0.3, waiting_timeout=waiting_timeout)
     try:
@@ -572,4 +674,6 @@ def test_decode_dies_mid_transfer(backend):
     state, reason = final[71]
     assert state == FAILED, reason
     assert "KV transfer to decode" in reason and "failed" in reason, reason
-    assert elapsed < waiting_timeout + 5  # the backend gives up on a write after the waiting timeout
+    assert (
+        elapsed < waiting_timeout + 5
+    )  # the backend gives up on a write after the waiting timeout

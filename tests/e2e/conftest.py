@@ -13,9 +13,10 @@ import httpx
 import pytest
 
 from tests.helpers.checkpoints import build_tiny_checkpoint
-from tests.helpers.cluster import children as child_pids, free_port, is_alive, wait_for  # noqa: F401
-from tests.helpers.netns import netns_hosts, netns_pd  # noqa: F401  (session fixtures)
+from tests.helpers.cluster import children as child_pids  # noqa: F401
+from tests.helpers.cluster import free_port, is_alive, wait_for
 from tests.helpers.elastic import elastic_servers  # noqa: F401  (session fixture)
+from tests.helpers.netns import netns_hosts, netns_pd  # noqa: F401  (session fixtures)
 
 SERVED_MODEL_NAME = "tiny-llama"
 SERVER_MAX_TOTAL_TOKENS = 65536
@@ -51,13 +52,20 @@ class LiveServer:
         def idle():
             body = self.integrity()
             pools = body["integrity"]
-            done = (body["front_end_requests"] == 0 and pools["running"] == 0 and pools["waiting"] == 0
-                    and pools["in_use_pages"] == 0)
+            done = (
+                body["front_end_requests"] == 0
+                and pools["running"] == 0
+                and pools["waiting"] == 0
+                and pools["in_use_pages"] == 0
+            )
             return body if done else None
 
         body = wait_for(idle, timeout, "the server to become idle")
         pools = body["integrity"]
-        assert pools["free_pages"] + pools["cached_pages"] + pools["in_use_pages"] == pools["total_pages"], pools
+        assert (
+            pools["free_pages"] + pools["cached_pages"] + pools["in_use_pages"]
+            == pools["total_pages"]
+        ), pools
         return pools
 
 
@@ -71,9 +79,22 @@ def server(tiny_llama_path, tmp_path_factory):
     port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [
-        sys.executable, "-m", "pdserve.cli", "serve", "--model-path", tiny_llama_path, "--port", str(port),
-        "--served-model-name", SERVED_MODEL_NAME, "--torch-num-threads", "1",
-        "--max-total-tokens", str(SERVER_MAX_TOTAL_TOKENS), "--max-body-bytes", str(SERVER_MAX_BODY_BYTES),
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "serve",
+        "--model-path",
+        tiny_llama_path,
+        "--port",
+        str(port),
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        "--torch-num-threads",
+        "1",
+        "--max-total-tokens",
+        str(SERVER_MAX_TOTAL_TOKENS),
+        "--max-body-bytes",
+        str(SERVER_MAX_BODY_BYTES),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log_path, "wb") as log:
@@ -104,7 +125,9 @@ def server(tiny_llama_path, tmp_path_factory):
     # Shutdown contract: SIGTERM exits cleanly and takes the scheduler process with it.
     assert code == 0, live.log_tail()
     assert live.children, "the server should run its scheduler in a child process"
-    wait_for(lambda: not any(is_alive(pid) for pid in live.children), 10, "the scheduler process to exit")
+    wait_for(
+        lambda: not any(is_alive(pid) for pid in live.children), 10, "the scheduler process to exit"
+    )
 
 
 @pytest.fixture
@@ -128,7 +151,7 @@ def sse_events(lines) -> list:
     out = []
     for line in lines:
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
 
@@ -147,8 +170,14 @@ def reference(offline_engine):
         key = (tuple(ids), logprobs)
         if key not in cache:
             cache[key] = offline_engine.generate(
-                input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": PD_NEW_TOKENS, "ignore_eos": True},
-                return_logprob=logprobs, logprob_start_len=0 if logprobs else -1,
+                input_ids=ids,
+                sampling_params={
+                    "temperature": 0,
+                    "max_new_tokens": PD_NEW_TOKENS,
+                    "ignore_eos": True,
+                },
+                return_logprob=logprobs,
+                logprob_start_len=0 if logprobs else -1,
             )
         return cache[key]
 

@@ -12,16 +12,32 @@ from tests.e2e.conftest import SERVED_MODEL_NAME
 from tests.helpers import cluster as c
 
 WORKER_KEY, ROUTER_KEY = "worker-key-1", "router-key-2"
-MISSING = {"error": {"message": "missing API key: send it as 'Authorization: Bearer <key>'",
-                     "type": "invalid_request_error", "code": 401}}
+MISSING = {
+    "error": {
+        "message": "missing API key: send it as 'Authorization: Bearer <key>'",
+        "type": "invalid_request_error",
+        "code": 401,
+    }
+}
 
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory, tiny_llama_path):
     logs = tmp_path_factory.mktemp("api_key")
-    common = ["--max-total-tokens", "16384", "--served-model-name", SERVED_MODEL_NAME, "--api-key", WORKER_KEY,
-              "--disaggregation-secret", "pd-secret", "--disaggregation-bootstrap-timeout", "10",
-              "--disaggregation-waiting-timeout", "10"]
+    common = [
+        "--max-total-tokens",
+        "16384",
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        "--api-key",
+        WORKER_KEY,
+        "--disaggregation-secret",
+        "pd-secret",
+        "--disaggregation-bootstrap-timeout",
+        "10",
+        "--disaggregation-waiting-timeout",
+        "10",
+    ]
     P, _ = c.prefill("KP", tiny_llama_path, logs, *common)
     D = c.decode("KD", tiny_llama_path, logs, *common)
     procs = [P, D]
@@ -29,8 +45,18 @@ def keyed(tmp_path_factory, tiny_llama_path):
         s.http.headers["Authorization"] = f"Bearer {WORKER_KEY}"
     try:
         c.start_all((P, D))  # /health needs no key
-        R = c.router("KR", [P], [D], logs, "--api-key", ROUTER_KEY, "--worker-api-key", WORKER_KEY,
-                     "--policy", "least_load")  # least_load: the router polls /get_load with the key
+        R = c.router(
+            "KR",
+            [P],
+            [D],
+            logs,
+            "--api-key",
+            ROUTER_KEY,
+            "--worker-api-key",
+            WORKER_KEY,
+            "--policy",
+            "least_load",
+        )  # least_load: the router polls /get_load with the key
         procs.append(R.start())
         yield {"prefill": P, "decode": D, "router": R}
     finally:
@@ -62,29 +88,52 @@ def test_openai_client_with_and_without_the_key(keyed):
     with pytest.raises(openai.AuthenticationError) as err:
         openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
     assert err.value.status_code == 401
-    assert err.value.body == {"message": "incorrect API key provided", "type": "invalid_request_error", "code": 401}
+    assert err.value.body == {
+        "message": "incorrect API key provided",
+        "type": "invalid_request_error",
+        "code": 401,
+    }
     with pytest.raises(openai.AuthenticationError):  # the router's key is not the workers'
-        openai.OpenAI(base_url=keyed["decode"].url + "/v1", api_key=ROUTER_KEY, max_retries=0).models.list()
+        openai.OpenAI(
+            base_url=keyed["decode"].url + "/v1", api_key=ROUTER_KEY, max_retries=0
+        ).models.list()
 
     client = openai.OpenAI(base_url=base, api_key=ROUTER_KEY, max_retries=0)
     assert [m.id for m in client.models.list().data] == [SERVED_MODEL_NAME]
-    out = client.completions.create(model=SERVED_MODEL_NAME, prompt="Hello", max_tokens=4, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=SERVED_MODEL_NAME,
+        prompt="Hello",
+        max_tokens=4,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert out.usage.completion_tokens == 4
-    chat = client.chat.completions.create(model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
-                                          max_tokens=3, stream=True, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model=SERVED_MODEL_NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     assert sum(len(ch.choices[0].delta.content or "") > 0 for ch in chat if ch.choices) >= 1
     for s in (keyed["prefill"], keyed["decode"]):
         s.wait_idle()
 
 
 def test_router_passes_the_worker_key_to_every_call(keyed):
-    h = httpx.Client(base_url=keyed["router"].url, timeout=60, headers={"Authorization": f"Bearer {ROUTER_KEY}"})
+    h = httpx.Client(
+        base_url=keyed["router"].url, timeout=60, headers={"Authorization": f"Bearer {ROUTER_KEY}"}
+    )
     assert h.get("/health").status_code == 200  # its health checks pass
-    r = h.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
+    r = h.post(
+        "/generate",
+        json={"text": "hi", "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}},
+    )
     assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 2  # both legs
     loads = h.get("/get_load").json()  # fan-out
-    assert all("load" in w and "error" not in w for role in ("prefill", "decode") for w in loads[role]), loads
+    assert all(
+        "load" in w and "error" not in w for role in ("prefill", "decode") for w in loads[role]
+    ), loads
     info = h.get("/server_info").json()
     assert all("server_info" in w for role in ("prefill", "decode") for w in info[role]), info
     assert info["router"]["api_key"] == "***"

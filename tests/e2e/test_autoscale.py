@@ -19,24 +19,54 @@ from tests.helpers import cluster as c
 
 # small prefill chunks and batches, so that a queue builds on a tiny model; generous PD timeouts,
 # since requests wait in queues on purpose
-COMMON = ["--max-total-tokens", "65536", "--page-size", "16", "--chunked-prefill-size", "16",
-          "--max-running-requests", "2", "--disaggregation-bootstrap-timeout", "60",
-          "--disaggregation-waiting-timeout", "60", "--disaggregation-prealloc-timeout", "60"]
-AUTOSCALE = ["--autoscale", "--autoscale-interval", "0.5", "--autoscale-window", "3", "--autoscale-cooldown", "2",
-             "--autoscale-queue", "1.5", "--drain-timeout", "60", "--health-check-interval", "1"]
+COMMON = [
+    "--max-total-tokens",
+    "65536",
+    "--page-size",
+    "16",
+    "--chunked-prefill-size",
+    "16",
+    "--max-running-requests",
+    "2",
+    "--disaggregation-bootstrap-timeout",
+    "60",
+    "--disaggregation-waiting-timeout",
+    "60",
+    "--disaggregation-prealloc-timeout",
+    "60",
+]
+AUTOSCALE = [
+    "--autoscale",
+    "--autoscale-interval",
+    "0.5",
+    "--autoscale-window",
+    "3",
+    "--autoscale-cooldown",
+    "2",
+    "--autoscale-queue",
+    "1.5",
+    "--drain-timeout",
+    "60",
+    "--health-check-interval",
+    "1",
+]
 
 
 class Load:
     """Threads sending /generate through the router until ``stop``, each prompt new (a prompt sent
     before would be in the prefix cache and cost prefill nothing)."""
 
-    def __init__(self, url: str, lengths: tuple[int, int], new_tokens: int, seed: int, threads: int = 8):
+    def __init__(
+        self, url: str, lengths: tuple[int, int], new_tokens: int, seed: int, threads: int = 8
+    ):
         self.url, self.lengths, self.new_tokens = url, lengths, new_tokens
         self.stop = threading.Event()
         self.outcomes: list[tuple[list[int], int, dict]] = []
         self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run, args=(random.Random(seed * 100 + i),), daemon=True)
-                        for i in range(threads)]
+        self.threads = [
+            threading.Thread(target=self._run, args=(random.Random(seed * 100 + i),), daemon=True)
+            for i in range(threads)
+        ]
         for t in self.threads:
             t.start()
 
@@ -44,8 +74,17 @@ class Load:
         with httpx.Client(timeout=120) as h:
             while not self.stop.is_set():
                 ids = [rng.randrange(100, 40000) for _ in range(rng.randint(*self.lengths))]
-                r = h.post(self.url + "/generate", json={"input_ids": ids, "sampling_params": {
-                    "temperature": 0, "max_new_tokens": self.new_tokens, "ignore_eos": True}})
+                r = h.post(
+                    self.url + "/generate",
+                    json={
+                        "input_ids": ids,
+                        "sampling_params": {
+                            "temperature": 0,
+                            "max_new_tokens": self.new_tokens,
+                            "ignore_eos": True,
+                        },
+                    },
+                )
                 with self.lock:
                     self.outcomes.append((ids, r.status_code, r.json()))
 
@@ -61,8 +100,12 @@ def cluster(tmp_path_factory, tiny_llama_path):
     logs = tmp_path_factory.mktemp("autoscale")
     P1, _ = c.prefill("P1", tiny_llama_path, logs, *COMMON)
     # each decode's --disaggregation-bootstrap-port is the one it serves as a prefill
-    D1 = c.decode("D1", tiny_llama_path, logs, *COMMON, "--disaggregation-bootstrap-port", str(c.free_port()))
-    D2 = c.decode("D2", tiny_llama_path, logs, *COMMON, "--disaggregation-bootstrap-port", str(c.free_port()))
+    D1 = c.decode(
+        "D1", tiny_llama_path, logs, *COMMON, "--disaggregation-bootstrap-port", str(c.free_port())
+    )
+    D2 = c.decode(
+        "D2", tiny_llama_path, logs, *COMMON, "--disaggregation-bootstrap-port", str(c.free_port())
+    )
     procs = [P1, D1, D2]
     try:
         c.start_all(procs)
@@ -76,7 +119,11 @@ def cluster(tmp_path_factory, tiny_llama_path):
 
 
 def roles(router: c.Proc) -> dict[str, str]:
-    return {w["url"]: w["worker_type"] for w in router.http.get("/workers").json()["workers"] if not w["draining"]}
+    return {
+        w["url"]: w["worker_type"]
+        for w in router.http.get("/workers").json()["workers"]
+        if not w["draining"]
+    }
 
 
 def switches(router: c.Proc) -> list[dict]:
@@ -93,8 +140,14 @@ def check(outcomes: list, offline_engine, new_tokens: int, cache: dict) -> None:
         assert status == 200, out  # none lost: the router drains a server before it switches
         key = (tuple(ids), new_tokens)
         if key not in cache:
-            cache[key] = offline_engine.generate(input_ids=ids, sampling_params={
-                "temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True})["output_ids"]
+            cache[key] = offline_engine.generate(
+                input_ids=ids,
+                sampling_params={
+                    "temperature": 0,
+                    "max_new_tokens": new_tokens,
+                    "ignore_eos": True,
+                },
+            )["output_ids"]
         assert out["output_ids"] == cache[key]
 
 
@@ -103,16 +156,26 @@ def test_autoscale_follows_the_queues(cluster, offline_engine):
     servers = (P1, D1, D2)
     started = {p.url: weights(p) for p in servers}
     state = R.http.get("/autoscale").json()
-    assert state["enabled"] and state["servers"] == {"prefill": 1, "decode": 2} and state["switches"] == []
+    assert (
+        state["enabled"]
+        and state["servers"] == {"prefill": 1, "decode": 2}
+        and state["switches"] == []
+    )
     cache: dict = {}
 
     # 1. long prompts, short answers: prefill falls behind, a decode becomes a prefill
     load = Load(R.url, (2000, 3000), new_tokens=4, seed=1)
     c.wait_for(lambda: switches(R), 120, "the autoscaler to switch a server", interval=0.5)
-    c.wait_for(lambda: sorted(roles(R).values()) == ["decode", "prefill", "prefill"], 60,
-               "the router to take the switched server as a prefill", interval=0.5)
+    c.wait_for(
+        lambda: sorted(roles(R).values()) == ["decode", "prefill", "prefill"],
+        60,
+        "the router to take the switched server as a prefill",
+        interval=0.5,
+    )
     moved = switches(R)[0]
-    assert (moved["from"], moved["to"], moved["outcome"]) == ("decode", "prefill", "switched"), moved
+    assert (moved["from"], moved["to"], moved["outcome"]) == ("decode", "prefill", "switched"), (
+        moved
+    )
     assert moved["url"] in (D1.url, D2.url) and "prefill falls behind" in moved["reason"]
     n = len(load.outcomes)
     c.wait_for(lambda: len(load.outcomes) >= n + 8, 60, "requests through the new split")
@@ -121,9 +184,15 @@ def test_autoscale_follows_the_queues(cluster, offline_engine):
 
     # 2. short prompts, long answers: one decode with 2 batch slots falls behind, a prefill goes to decode
     load = Load(R.url, (4, 24), new_tokens=48, seed=2)
-    c.wait_for(lambda: len(switches(R)) == 2, 120, "the autoscaler to switch a server back", interval=0.5)
-    c.wait_for(lambda: sorted(roles(R).values()) == ["decode", "decode", "prefill"], 60,
-               "the router to take the switched server as a decode", interval=0.5)
+    c.wait_for(
+        lambda: len(switches(R)) == 2, 120, "the autoscaler to switch a server back", interval=0.5
+    )
+    c.wait_for(
+        lambda: sorted(roles(R).values()) == ["decode", "decode", "prefill"],
+        60,
+        "the router to take the switched server as a decode",
+        interval=0.5,
+    )
     back = switches(R)[1]
     assert (back["from"], back["to"], back["outcome"]) == ("prefill", "decode", "switched"), back
     assert "decode falls behind" in back["reason"]

@@ -18,19 +18,44 @@ OUTPUT_LEN = 6
 
 
 def run_bench(url: str, out_path, backend: str, *extra: str) -> dict:
-    argv = ["--backend", backend, "--base-url", url, "--num-prompts", str(NUM_PROMPTS),
-            "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
-            "--random-range-ratio", "1", "--ignore-eos", "--disable-tqdm",
-            "--output-file", str(out_path), *extra]
+    argv = [
+        "--backend",
+        backend,
+        "--base-url",
+        url,
+        "--num-prompts",
+        str(NUM_PROMPTS),
+        "--random-input-len",
+        str(INPUT_LEN),
+        "--random-output-len",
+        str(OUTPUT_LEN),
+        "--random-range-ratio",
+        "1",
+        "--ignore-eos",
+        "--disable-tqdm",
+        "--output-file",
+        str(out_path),
+        *extra,
+    ]
     assert serving.main(argv) == 0
     return json.loads(out_path.read_text())
 
 
 @pytest.mark.parametrize("backend", ["sglang", "openai"])
 def test_bench_counts_match_requests(live, tmp_path, backend):
-    result = run_bench(live.url, tmp_path / f"{backend}.json", backend,
-                       "--request-rate", "40", "--max-concurrency", "4",
-                       "--slo-ttft-ms", "1e9", "--slo-tpot-ms", "1e9")
+    result = run_bench(
+        live.url,
+        tmp_path / f"{backend}.json",
+        backend,
+        "--request-rate",
+        "40",
+        "--max-concurrency",
+        "4",
+        "--slo-ttft-ms",
+        "1e9",
+        "--slo-tpot-ms",
+        "1e9",
+    )
     s = result["summary"]
     assert result["args"]["model"] == SERVED_MODEL_NAME
     assert (s["completed"], s["failed"]) == (NUM_PROMPTS, 0)
@@ -59,8 +84,9 @@ def test_bench_counts_match_requests(live, tmp_path, backend):
 
 def test_bench_non_streaming_and_plot(live, tmp_path):
     first = run_bench(live.url, tmp_path / "a@20.json", "sglang", "--request-rate", "20")
-    second = run_bench(live.url, tmp_path / "a@inf.json", "openai", "--disable-stream",
-                       "--max-concurrency", "8")
+    second = run_bench(
+        live.url, tmp_path / "a@inf.json", "openai", "--disable-stream", "--max-concurrency", "8"
+    )
     for result in (first, second):
         assert result["summary"]["completed"] == NUM_PROMPTS
         assert result["summary"]["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
@@ -68,8 +94,18 @@ def test_bench_non_streaming_and_plot(live, tmp_path):
     assert all(r["itl"] == [] for r in second["records"])
 
     png = tmp_path / "runs.png"
-    assert serving.main(["plot", str(tmp_path / "a@20.json"), str(tmp_path / "a@inf.json"),
-                         "--output", str(png)]) == 0
+    assert (
+        serving.main(
+            [
+                "plot",
+                str(tmp_path / "a@20.json"),
+                str(tmp_path / "a@inf.json"),
+                "--output",
+                str(png),
+            ]
+        )
+        == 0
+    )
     data = png.read_bytes()
     assert data.startswith(PNG_SIGNATURE)
     assert len(data) > 1000
@@ -79,15 +115,42 @@ def test_bench_non_streaming_and_plot(live, tmp_path):
 def test_multi_turn_sessions_resend_the_conversation(live, tmp_path, backend):
     """Each turn sends the conversation so far (with the server's real answers) plus a new
     message: prompts grow turn by turn, and the server reuses the cached prefix."""
+
     def cache_hits() -> int:
         return live.http.get("/server_info").json()["internal_states"][0]["cache_hit_tokens"]
 
     before = cache_hits()
     out = tmp_path / "mt.json"
-    argv = ["--backend", backend, "--base-url", live.url, "--dataset-name", "multi-turn", "--mt-num-sessions", "3",
-            "--mt-num-turns", "3", "--mt-system-len", "40", "--mt-user-len", "12", "--mt-output-len", "5",
-            "--mt-think-time", "0.05", "--random-range-ratio", "1", "--ignore-eos", "--disable-tqdm",
-            "--max-concurrency", "2", "--output-file", str(out), "--seed", "7" if backend == "sglang" else "8"]
+    argv = [
+        "--backend",
+        backend,
+        "--base-url",
+        live.url,
+        "--dataset-name",
+        "multi-turn",
+        "--mt-num-sessions",
+        "3",
+        "--mt-num-turns",
+        "3",
+        "--mt-system-len",
+        "40",
+        "--mt-user-len",
+        "12",
+        "--mt-output-len",
+        "5",
+        "--mt-think-time",
+        "0.05",
+        "--random-range-ratio",
+        "1",
+        "--ignore-eos",
+        "--disable-tqdm",
+        "--max-concurrency",
+        "2",
+        "--output-file",
+        str(out),
+        "--seed",
+        "7" if backend == "sglang" else "8",
+    ]
     assert serving.main(argv) == 0
     result = json.loads(out.read_text())
     assert (result["summary"]["completed"], result["summary"]["failed"]) == (9, 0)

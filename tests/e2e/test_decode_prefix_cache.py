@@ -12,15 +12,25 @@ import pytest
 from tests.e2e.conftest import PD_NEW_TOKENS
 from tests.helpers import cluster as c
 
-COMMON = ["--page-size", "16", "--max-total-tokens", "16384", "--disaggregation-bootstrap-timeout", "20",
-          "--disaggregation-waiting-timeout", "20"]
+COMMON = [
+    "--page-size",
+    "16",
+    "--max-total-tokens",
+    "16384",
+    "--disaggregation-bootstrap-timeout",
+    "20",
+    "--disaggregation-waiting-timeout",
+    "20",
+]
 
 
 @pytest.fixture(scope="module")
 def pd_cached(tmp_path_factory, tiny_llama_path):
     logs = tmp_path_factory.mktemp("decode_prefix")
     P, _ = c.prefill("Pdc", tiny_llama_path, logs, *COMMON)
-    D = c.decode("Ddc", tiny_llama_path, logs, "--disaggregation-decode-enable-radix-cache", *COMMON)
+    D = c.decode(
+        "Ddc", tiny_llama_path, logs, "--disaggregation-decode-enable-radix-cache", *COMMON
+    )
     R = None
     try:
         c.start_all((P, D))
@@ -32,7 +42,10 @@ def pd_cached(tmp_path_factory, tiny_llama_path):
 
 
 def generate(url: str, ids: list[int]) -> list[int]:
-    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": PD_NEW_TOKENS, "ignore_eos": True}}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": PD_NEW_TOKENS, "ignore_eos": True},
+    }
     r = httpx.post(url + "/generate", json=body, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["output_ids"]
@@ -70,8 +83,13 @@ def test_a_failed_room_keeps_the_decode_cache_consistent(pd_cached, reference):
     turn1 = [rng.randrange(100, 40000) for _ in range(40)]
     out1 = generate(R.url, turn1)
     D.wait_idle()
-    body = {"input_ids": turn1 + out1 + [5, 6, 7], "sampling_params": {"max_new_tokens": 2},
-            "bootstrap_host": "127.0.0.1", "bootstrap_port": P.bootstrap_port, "bootstrap_room": 12345}
+    body = {
+        "input_ids": turn1 + out1 + [5, 6, 7],
+        "sampling_params": {"max_new_tokens": 2},
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": P.bootstrap_port,
+        "bootstrap_room": 12345,
+    }
     # only the decode leg: prefill never hears of the room and decode gives up after its waiting timeout
     r = httpx.post(D.url + "/generate", json=body, timeout=60)
     assert r.status_code >= 500

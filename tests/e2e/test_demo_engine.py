@@ -36,16 +36,30 @@ def test_demo_model_in_both_dtypes_against_hf():
     prompts = [[1, 504, 3458, 282, 4649, 314], list(range(1000, 1100))]
     hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for dtype in ("float32", "bfloat16"):
-        eng = pdserve.Engine(model_path=path, torch_num_threads=1, max_total_tokens=4096, dtype=dtype)
+        eng = pdserve.Engine(
+            model_path=path, torch_num_threads=1, max_total_tokens=4096, dtype=dtype
+        )
         assert eng.scheduler.runner.dtype == getattr(torch, dtype)
         for ids in prompts:
-            out = eng.generate(input_ids=ids, return_logprob=True,
-                               sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})
+            out = eng.generate(
+                input_ids=ids,
+                return_logprob=True,
+                sampling_params={
+                    "temperature": 0,
+                    "max_new_tokens": NEW_TOKENS,
+                    "ignore_eos": True,
+                },
+            )
             if dtype == "float32":
                 with torch.no_grad():
-                    ref = hf32.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                        max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
-                assert out["output_ids"] == ref[0, len(ids):].tolist()
+                    ref = hf32.generate(
+                        torch.tensor([ids]),
+                        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                        max_new_tokens=NEW_TOKENS,
+                        min_new_tokens=NEW_TOKENS,
+                        do_sample=False,
+                    )
+                assert out["output_ids"] == ref[0, len(ids) :].tolist()
             else:
                 assert compare(out, *hf_bf16(path, ids, NEW_TOKENS)) >= NEW_TOKENS // 2
 
@@ -54,7 +68,8 @@ def readme_answers(eng) -> tuple:
     """The README's example on ``eng``: its (text, logprobs) fresh, with the whole prompt cached and
     with its first 32 tokens cached."""
     ids = eng.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
+    )
     if not isinstance(ids, list):
         ids = ids["input_ids"]
     sp = {"temperature": 0, "max_new_tokens": 16}
@@ -75,8 +90,13 @@ def test_readme_example_answers_one_way_fresh_and_warm():
     logprobs on a fresh engine, with the whole prompt cached and with its first 32 tokens cached
     (the default's answer shifts between these: on an AMX host its first word flipped)."""
     path = ensure_demo_model()
-    eng = pdserve.Engine(model_path=path, torch_num_threads=1, max_total_tokens=4096, dtype="bfloat16",
-                         enable_deterministic_inference=True)
+    eng = pdserve.Engine(
+        model_path=path,
+        torch_num_threads=1,
+        max_total_tokens=4096,
+        dtype="bfloat16",
+        enable_deterministic_inference=True,
+    )
     try:
         fresh, warm, partial = readme_answers(eng)
     finally:

@@ -29,14 +29,22 @@ def others(n: int, seed: int) -> tuple[list[list[int]], list[dict]]:
     """``n`` mixed requests: lengths 1-200, greedy and seeded sampling, 1-16 new tokens."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(1, 200))] for _ in range(n)]
-    params = [{"max_new_tokens": rng.randint(1, 16), "ignore_eos": True,
-               **({"temperature": 0} if i % 2 else {"temperature": 0.8, "seed": i})} for i in range(n)]
+    params = [
+        {
+            "max_new_tokens": rng.randint(1, 16),
+            "ignore_eos": True,
+            **({"temperature": 0} if i % 2 else {"temperature": 0.8, "seed": i}),
+        }
+        for i in range(n)
+    ]
     return prompts, params
 
 
 # wide enough that oneDNN's blocking and the GEMV's order differ (at hidden 64 both sum alike, and
 # the default path passes this file's bf16 checks too)
-WIDE_LLAMA = dict(hidden_size=384, intermediate_size=1024, num_attention_heads=6, num_key_value_heads=2)
+WIDE_LLAMA = dict(
+    hidden_size=384, intermediate_size=1024, num_attention_heads=6, num_key_value_heads=2
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +53,13 @@ def wide_llama_path() -> str:
 
 
 GREEDY = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
-SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 1234, "max_new_tokens": NEW, "ignore_eos": True}
+SEEDED = {
+    "temperature": 0.9,
+    "top_p": 0.95,
+    "seed": 1234,
+    "max_new_tokens": NEW,
+    "ignore_eos": True,
+}
 
 
 def result(out: dict) -> tuple:
@@ -54,8 +68,16 @@ def result(out: dict) -> tuple:
 
 
 def engine(path: str, dtype: str, chunk: int, **kw) -> pdserve.Engine:
-    return pdserve.Engine(model_path=path, dtype=dtype, torch_num_threads=1, max_total_tokens=8192, page_size=4,
-                          chunked_prefill_size=chunk, enable_deterministic_inference=True, **kw)
+    return pdserve.Engine(
+        model_path=path,
+        dtype=dtype,
+        torch_num_threads=1,
+        max_total_tokens=8192,
+        page_size=4,
+        chunked_prefill_size=chunk,
+        enable_deterministic_inference=True,
+        **kw,
+    )
 
 
 def one(eng, ids, sp) -> tuple:
@@ -69,7 +91,9 @@ def in_batch(eng, ids, sp, n: int, seed: int, at: int) -> tuple:
     return result(eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)[at])
 
 
-def check_invariance(path: str, dtype: str, chunks: tuple[int, ...], batches: tuple[int, ...]) -> None:
+def check_invariance(
+    path: str, dtype: str, chunks: tuple[int, ...], batches: tuple[int, ...]
+) -> None:
     ids = target()
     for sp in (GREEDY, SEEDED):
         ref = None
@@ -89,7 +113,9 @@ def check_invariance(path: str, dtype: str, chunks: tuple[int, ...], batches: tu
             ref = ref or got["alone, fresh"]
             assert len(ref[0]) == NEW
             for case, value in got.items():
-                assert value == ref, f"{dtype}, chunk {chunk}, {sp.get('seed', 'greedy')}: {case} differs"
+                assert value == ref, (
+                    f"{dtype}, chunk {chunk}, {sp.get('seed', 'greedy')}: {case} differs"
+                )
 
 
 def test_bf16_dense_model(wide_llama_path):
@@ -117,23 +143,47 @@ def test_latent_attention_with_grouped_routing(dtype):
 
 def test_sparse_attention_selects_alike():
     """DeepSeek-V3.2 with 8 keys per query: the indexer's scores and choices are the same bits."""
-    check_invariance(build_tiny_checkpoint("deepseek_v32", index_topk=8), "float32", chunks=(2048, 5), batches=(15,))
+    check_invariance(
+        build_tiny_checkpoint("deepseek_v32", index_topk=8),
+        "float32",
+        chunks=(2048, 5),
+        batches=(15,),
+    )
 
 
 def test_the_mode_refuses_what_it_cannot_make_deterministic(tiny_llama_path):
-    with pytest.raises(ValueError, match="enable_deterministic_inference: this model's attention runs on the 'torch'"):
-        pdserve.Engine(model_path=tiny_llama_path, dtype="bfloat16", torch_num_threads=1, max_total_tokens=1024,
-                       attention_backend="torch", enable_deterministic_inference=True)
+    with pytest.raises(
+        ValueError,
+        match="enable_deterministic_inference: this model's attention runs on the 'torch'",
+    ):
+        pdserve.Engine(
+            model_path=tiny_llama_path,
+            dtype="bfloat16",
+            torch_num_threads=1,
+            max_total_tokens=1024,
+            attention_backend="torch",
+            enable_deterministic_inference=True,
+        )
     with pytest.raises(ValueError, match="moe_runner_backend: 'grouped_mm'"):
-        pdserve.ServerArgs(model_path=tiny_llama_path, moe_runner_backend="grouped_mm",
-                           enable_deterministic_inference=True)
+        pdserve.ServerArgs(
+            model_path=tiny_llama_path,
+            moe_runner_backend="grouped_mm",
+            enable_deterministic_inference=True,
+        )
 
 
 @pytest.fixture(scope="module")
 def pd_deterministic(wide_llama_path, tmp_path_factory):
     logs = tmp_path_factory.mktemp("deterministic")
-    args = ["--dtype", "bfloat16", "--enable-deterministic-inference", "--max-total-tokens", "8192",
-            "--chunked-prefill-size", "32"]
+    args = [
+        "--dtype",
+        "bfloat16",
+        "--enable-deterministic-inference",
+        "--max-total-tokens",
+        "8192",
+        "--chunked-prefill-size",
+        "32",
+    ]
     P, _ = c.prefill("P", wide_llama_path, logs, *args)
     D = c.decode("D", wide_llama_path, logs, *args)
     c.start_all([P, D])
@@ -153,8 +203,11 @@ def test_pd_serves_the_colocated_bits(wide_llama_path, pd_deterministic):
         want_seeded = one(eng, ids, SEEDED)
     finally:
         eng.shutdown()
-    body = {"input_ids": [ids] + prompts + [ids], "sampling_params": [GREEDY] + params + [SEEDED],
-            "return_logprob": True}
+    body = {
+        "input_ids": [ids] + prompts + [ids],
+        "sampling_params": [GREEDY] + params + [SEEDED],
+        "return_logprob": True,
+    }
     r = httpx.post(f"{pd_deterministic.url}/generate", json=body, timeout=120)
     assert r.status_code == 200, r.text
     outs = r.json()

@@ -17,9 +17,16 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.e2e.test_tp import COMMON, NEW_TOKENS, all_ranks_idle, generate, prompts
-from tests.e2e.test_tp import reference, tp_models  # noqa: F401  (session fixtures)
 from pdserve.disagg.bootstrap import fetch_rank_info
+from tests.e2e.test_tp import (  # noqa: F401  (session fixtures)
+    COMMON,
+    NEW_TOKENS,
+    all_ranks_idle,
+    generate,
+    prompts,
+    reference,
+    tp_models,
+)
 from tests.helpers import cluster as c
 
 DP = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"]
@@ -31,10 +38,28 @@ def par(tmp_path_factory, tp_models):  # noqa: F811
     llama = tp_models["llama"]
     S = {
         # its groups publish KV events (port + group) for the cache-aware, DP-aware router below
-        "Cdp": c.server("Cdp", llama, logs, *DP, *COMMON, "--kv-events-endpoint", f"tcp://127.0.0.1:{c.free_port()}"),
+        "Cdp": c.server(
+            "Cdp",
+            llama,
+            logs,
+            *DP,
+            *COMMON,
+            "--kv-events-endpoint",
+            f"tcp://127.0.0.1:{c.free_port()}",
+        ),
         "Cpp": c.server("Cpp", llama, logs, "--pp-size", "2", *COMMON),
         # two attention groups of two ranks each: heads split inside a group, MLP over all four
-        "Cdp42": c.server("Cdp42", llama, logs, "--tp-size", "4", "--dp-size", "2", "--enable-dp-attention", *COMMON),
+        "Cdp42": c.server(
+            "Cdp42",
+            llama,
+            logs,
+            "--tp-size",
+            "4",
+            "--dp-size",
+            "2",
+            "--enable-dp-attention",
+            *COMMON,
+        ),
         # bf16 moves hidden states between ranks as bytes (gloo has no bf16 collectives)
         "Cdp16": c.server("Cdp16", llama, logs, *DP, "--dtype", "bfloat16", *COMMON),
         "Cpp16": c.server("Cpp16", llama, logs, "--pp-size", "2", "--dtype", "bfloat16", *COMMON),
@@ -46,12 +71,25 @@ def par(tmp_path_factory, tp_models):  # noqa: F811
     }
     try:
         c.start_all(S.values())
-        routers = {"pp2->1": c.router("Rpp", [S["Ppp"]], [S["D1"]], logs),
-                   "1->dp": c.router("R1dp", [S["P1"]], [S["Ddp"]], logs),
-                   "dp->dp": c.router("Rdpdp", [S["Pdp"]], [S["Ddp"]], logs),
-                   "dp->dp aware": c.router("Rdpdpa", [S["Pdp"]], [S["Ddp"]], logs, "--dp-aware"),
-                   "cache dp": c.router("Rcdp", [], [], logs, "--worker", S["Cdp"].url, "--dp-aware", "--policy",
-                                        "cache_aware", "--load-poll-interval", "0.05")}
+        routers = {
+            "pp2->1": c.router("Rpp", [S["Ppp"]], [S["D1"]], logs),
+            "1->dp": c.router("R1dp", [S["P1"]], [S["Ddp"]], logs),
+            "dp->dp": c.router("Rdpdp", [S["Pdp"]], [S["Ddp"]], logs),
+            "dp->dp aware": c.router("Rdpdpa", [S["Pdp"]], [S["Ddp"]], logs, "--dp-aware"),
+            "cache dp": c.router(
+                "Rcdp",
+                [],
+                [],
+                logs,
+                "--worker",
+                S["Cdp"].url,
+                "--dp-aware",
+                "--policy",
+                "cache_aware",
+                "--load-poll-interval",
+                "0.05",
+            ),
+        }
         for r in routers.values():
             r.start()
         yield {"servers": S, "routers": routers, "logs": logs}
@@ -76,7 +114,9 @@ def test_colocated_matches_one_rank(par, reference, name):  # noqa: F811
         ref = reference("llama", ids)
         # float32 on both: only the order of the MLP's partial sums over the ranks differs
         assert out["output_ids"] == ref["output_ids"], f"{name}: prompt of {len(ids)} tokens"
-        for a, b in zip(out["meta_info"]["output_token_logprobs"], ref["meta_info"]["output_token_logprobs"]):
+        for a, b in zip(
+            out["meta_info"]["output_token_logprobs"], ref["meta_info"]["output_token_logprobs"]
+        ):
             assert abs(a[0] - b[0]) < 1e-4
     after = group_prompt_tokens(server)
     if name.startswith("Cdp"):  # the front end spread the concurrent requests over both groups
@@ -102,14 +142,21 @@ def test_routed_dp_rank_pins_the_group(par, reference):  # noqa: F811
     ids = prompts(1, seed=50)[0]
     for group in (0, 1):
         before = group_prompt_tokens(server)
-        body = {"input_ids": ids, "routed_dp_rank": group,
-                "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}}
+        body = {
+            "input_ids": ids,
+            "routed_dp_rank": group,
+            "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+        }
         r = httpx.post(server.url + "/generate", json=body, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["output_ids"] == reference("llama", ids)["output_ids"]
         after = group_prompt_tokens(server)
-        assert [a - b for a, b in zip(after, before)] == [len(ids) if g == group else 0 for g in (0, 1)]
-    r = httpx.post(server.url + "/generate", json={"input_ids": ids, "routed_dp_rank": 2}, timeout=10)
+        assert [a - b for a, b in zip(after, before)] == [
+            len(ids) if g == group else 0 for g in (0, 1)
+        ]
+    r = httpx.post(
+        server.url + "/generate", json={"input_ids": ids, "routed_dp_rank": 2}, timeout=10
+    )
     assert r.status_code == 400 and "routed_dp_rank" in r.text
 
 
@@ -126,15 +173,24 @@ def test_cache_aware_dp_aware_router_sends_a_follow_up_to_the_group_holding_it(p
 
         c.wait_for(seen, 10, "router sees the group's blocks")
         # a load poll taken while turn 1 ran counts its tokens against the holding group
-        c.wait_for(lambda: all(w.get("polled_load") in ([0, 0], None)
-                               for ws in router.http.get("/get_load").json().values() for w in ws),
-                   10, "router polls the server idle")
+        c.wait_for(
+            lambda: all(
+                w.get("polled_load") in ([0, 0], None)
+                for ws in router.http.get("/get_load").json().values()
+                for w in ws
+            ),
+            10,
+            "router polls the server idle",
+        )
         before = server.http.get("/server_info").json()["internal_states"]
         turn2 = turn1 + out1 + [rng.randrange(100, 1000) for _ in range(20)]
         assert generate(router.url, turn2)["output_ids"] == reference("llama", turn2)["output_ids"]
         after = server.http.get("/server_info").json()["internal_states"]
         [group] = [g for g in (0, 1) if after[g]["prompt_tokens"] > before[g]["prompt_tokens"]]
-        assert after[group]["cache_hit_tokens"] - before[group]["cache_hit_tokens"] >= 64, (k, group)
+        assert after[group]["cache_hit_tokens"] - before[group]["cache_hit_tokens"] >= 64, (
+            k,
+            group,
+        )
 
 
 @pytest.mark.parametrize("pairing", ["pp2->1", "1->dp", "dp->dp", "dp->dp aware"])
@@ -144,11 +200,21 @@ def test_pd_matches_one_rank(par, reference, pairing):  # noqa: F811
     with ThreadPoolExecutor(5) as ex:
         outs = list(ex.map(lambda ids: generate(router.url, ids), ps))
     for ids, out in zip(ps, outs):
-        assert out["output_ids"] == reference("llama", ids)["output_ids"], f"{pairing}: prompt of {len(ids)} tokens"
+        assert out["output_ids"] == reference("llama", ids)["output_ids"], (
+            f"{pairing}: prompt of {len(ids)} tokens"
+        )
     S = par["servers"]
-    for name in {"pp2->1": ("Ppp", "D1"), "1->dp": ("P1", "Ddp"), "dp->dp": ("Pdp", "Ddp"),
-                 "dp->dp aware": ("Pdp", "Ddp")}[pairing]:
-        if S[name].http.get("/server_info").json()["tp_size"] * S[name].http.get("/server_info").json()["pp_size"] > 1:
+    for name in {
+        "pp2->1": ("Ppp", "D1"),
+        "1->dp": ("P1", "Ddp"),
+        "dp->dp": ("Pdp", "Ddp"),
+        "dp->dp aware": ("Pdp", "Ddp"),
+    }[pairing]:
+        if (
+            S[name].http.get("/server_info").json()["tp_size"]
+            * S[name].http.get("/server_info").json()["pp_size"]
+            > 1
+        ):
             all_ranks_idle(S[name])
         else:
             S[name].wait_idle()
@@ -162,18 +228,27 @@ def test_pipeline_stages_send_their_own_layers(par):
     ids = ids + [7] * (64 - len(ids)) if len(ids) < 64 else ids
 
     def sent() -> list[int]:
-        return [r["kv_bytes_sent"] for r in S["Ppp"].http.get("/debug/integrity").json()["integrity"]["ranks"]]
+        return [
+            r["kv_bytes_sent"]
+            for r in S["Ppp"].http.get("/debug/integrity").json()["integrity"]["ranks"]
+        ]
 
     before = sent()
     generate(par["routers"]["pp2->1"].url, ids)
-    c.wait_for(lambda: all(a > b for a, b in zip(sent(), before)), 10, "both stages' transfers to finish")
+    c.wait_for(
+        lambda: all(a > b for a, b in zip(sent(), before)), 10, "both stages' transfers to finish"
+    )
     delta = [a - b for a, b in zip(sent(), before)]
     info = S["D1"].http.get("/model_info").json()
     assert len(delta) == 2 and delta[0] == delta[1], delta
-    cfg = __import__("json").load(open(S["D1"].http.get("/server_info").json()["model_path"] + "/config.json"))
+    cfg = __import__("json").load(
+        open(S["D1"].http.get("/server_info").json()["model_path"] + "/config.json")
+    )
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
     pages = -(-len(ids) // info["page_size"])
-    per_layer = 2 * pages * info["page_size"] * cfg["num_key_value_heads"] * head_dim * 4  # K and V, float32
+    per_layer = (
+        2 * pages * info["page_size"] * cfg["num_key_value_heads"] * head_dim * 4
+    )  # K and V, float32
     assert delta[0] == per_layer * cfg["num_hidden_layers"] // 2
     # each stage registered its layer range with the bootstrap server
     half = cfg["num_hidden_layers"] // 2
@@ -185,31 +260,62 @@ def test_pipeline_stages_send_their_own_layers(par):
 
 def test_fault_in_one_prefill_group_leaves_the_other_alone(tmp_path, tp_models):  # noqa: F811
     llama = tp_models["llama"]
-    P, _ = c.prefill("Pf", llama, tmp_path, *DP, "--disaggregation-fault-prob", "1", "--disaggregation-fault-ranks",
-                     "1", "--disaggregation-fault-mode", "fail_transfer", *COMMON)
+    P, _ = c.prefill(
+        "Pf",
+        llama,
+        tmp_path,
+        *DP,
+        "--disaggregation-fault-prob",
+        "1",
+        "--disaggregation-fault-ranks",
+        "1",
+        "--disaggregation-fault-mode",
+        "fail_transfer",
+        *COMMON,
+    )
     D = c.decode("Df", llama, tmp_path, *DP, *COMMON)
     try:
         c.start_all((P, D))
 
         def run(group: int, hint: bool) -> tuple[int, str, int, str]:
             room = random.randrange(2**63)
-            body = {"input_ids": list(range(100, 140)), "bootstrap_host": "127.0.0.1",
-                    "bootstrap_port": P.bootstrap_port, "bootstrap_room": room,
-                    "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
-            d_body = {**body, "routed_dp_rank": 1 - group, **({"disagg_prefill_dp_rank": group} if hint else {})}
+            body = {
+                "input_ids": list(range(100, 140)),
+                "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": P.bootstrap_port,
+                "bootstrap_room": room,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 4},
+            }
+            d_body = {
+                **body,
+                "routed_dp_rank": 1 - group,
+                **({"disagg_prefill_dp_rank": group} if hint else {}),
+            }
             with ThreadPoolExecutor(2) as ex:
-                fp = ex.submit(httpx.post, P.url + "/generate", json={**body, "routed_dp_rank": group}, timeout=60)
+                fp = ex.submit(
+                    httpx.post,
+                    P.url + "/generate",
+                    json={**body, "routed_dp_rank": group},
+                    timeout=60,
+                )
                 fd = ex.submit(httpx.post, D.url + "/generate", json=d_body, timeout=60)
                 rp, rd = fp.result(), fd.result()
             return rp.status_code, rp.text, rd.status_code, rd.text
 
         with ThreadPoolExecutor(4) as ex:
-            results = list(ex.map(lambda a: run(*a), [(0, True), (1, True), (0, False), (1, False)]))
-        for (group, _), (p_code, p_text, d_code, d_text) in zip([(0, 1), (1, 1), (0, 0), (1, 0)], results):
+            results = list(
+                ex.map(lambda a: run(*a), [(0, True), (1, True), (0, False), (1, False)])
+            )
+        for (group, _), (p_code, p_text, d_code, d_text) in zip(
+            [(0, 1), (1, 1), (0, 0), (1, 0)], results
+        ):
             if group == 0:  # the healthy group serves, whichever decode group takes the room
                 assert p_code == 200 and d_code == 200, (p_text, d_text)
             else:
-                assert p_code >= 500 and d_code >= 500 and "injected fault" in d_text, (p_text, d_text)
+                assert p_code >= 500 and d_code >= 500 and "injected fault" in d_text, (
+                    p_text,
+                    d_text,
+                )
         for s in (P, D):
             all_ranks_idle(s)
             assert s.http.get("/health").status_code == 200

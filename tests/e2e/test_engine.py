@@ -37,10 +37,14 @@ def hf_greedy(path: str, ids: list[int], n: int) -> list[int]:
         model = hf_model(path)
         with torch.no_grad():
             out = model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
             )
-        _hf_cache[key] = out[0, len(ids):].tolist()
+        _hf_cache[key] = out[0, len(ids) :].tolist()
     return _hf_cache[key]
 
 
@@ -65,8 +69,10 @@ def test_greedy_matches_hf_batched_chunked(arch, page_size, request):
     eng = make_engine(path, page_size=page_size, chunked_prefill_size=256)
     request.node._engine = eng
     prompts = prompts_for()
-    outs = eng.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS,
-                                                            "ignore_eos": True})
+    outs = eng.generate(
+        input_ids=prompts,
+        sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+    )
     for ids, out in zip(prompts, outs):
         assert out["output_ids"] == hf_greedy(path, ids, NEW_TOKENS), f"prompt of {len(ids)} tokens"
         assert out["meta_info"]["finish_reason"]["type"] == "length"
@@ -75,9 +81,14 @@ def test_greedy_matches_hf_batched_chunked(arch, page_size, request):
     # tokens (sliding-window layers kept only the conversation's last window, which suffices)
     earlier = prompts[6] + outs[6]["output_ids"]
     longer = earlier + prompts[3]
-    out = eng.generate(input_ids=longer, sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS,
-                                                          "ignore_eos": True})
-    assert out["meta_info"]["cached_tokens"] >= ((len(earlier) - 1) // page_size) * page_size - page_size
+    out = eng.generate(
+        input_ids=longer,
+        sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+    )
+    assert (
+        out["meta_info"]["cached_tokens"]
+        >= ((len(earlier) - 1) // page_size) * page_size - page_size
+    )
     assert out["meta_info"]["cached_tokens"] > 0
     assert out["output_ids"] == hf_greedy(path, longer, NEW_TOKENS)
     info = eng.check_integrity()
@@ -94,8 +105,10 @@ def test_variants_match_hf(variant, request):
     eng = make_engine(path, page_size=4, chunked_prefill_size=64)
     request.node._engine = eng
     prompts = prompts_for(1)[:6]
-    outs = eng.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS,
-                                                            "ignore_eos": True})
+    outs = eng.generate(
+        input_ids=prompts,
+        sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+    )
     for ids, out in zip(prompts, outs):
         assert out["output_ids"] == hf_greedy(path, ids, NEW_TOKENS)
 
@@ -108,10 +121,16 @@ def test_qwen2_window_layers_match_hf_past_the_window(page_size, request):
     path = build_tiny_checkpoint("qwen2", **QWEN2_SLIDING)
     eng = make_engine(path, page_size=page_size, chunked_prefill_size=24)
     request.node._engine = eng
-    assert [g.kind for g in eng.scheduler.runner.cache_groups] == ["full_attention", "sliding_window"]
+    assert [g.kind for g in eng.scheduler.runner.cache_groups] == [
+        "full_attention",
+        "sliding_window",
+    ]
     for ids in prompts_for(3)[3:6]:  # 40, 95, 160 tokens
-        out = eng.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 24, "ignore_eos": True},
-                           return_logprob=True)
+        out = eng.generate(
+            input_ids=ids,
+            sampling_params={"temperature": 0, "max_new_tokens": 24, "ignore_eos": True},
+            return_logprob=True,
+        )
         assert out["output_ids"] == hf_greedy(path, ids, 24)
         full = ids + out["output_ids"]
         with torch.no_grad():
@@ -125,8 +144,13 @@ def test_logprobs_match_hf(request):
     eng = make_engine(path, page_size=16, chunked_prefill_size=32)
     request.node._engine = eng
     ids = prompts_for(2)[4]  # 95 tokens: three chunks
-    out = eng.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
-                       return_logprob=True, top_logprobs_num=3, logprob_start_len=0)
+    out = eng.generate(
+        input_ids=ids,
+        sampling_params={"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
+        return_logprob=True,
+        top_logprobs_num=3,
+        logprob_start_len=0,
+    )
     full = ids + out["output_ids"]
     with torch.no_grad():
         logits = hf_model(path)(torch.tensor([full])).logits[0].float()
@@ -147,8 +171,12 @@ def test_logprobs_match_hf(request):
         assert [t for _, t, _ in top] == ref_top.indices.tolist()
         assert max(abs(a[0] - b) for a, b in zip(top, ref_top.values.tolist())) < 1e-4
     # a later start: entries only from that token on, none is None
-    out2 = eng.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 1},
-                        return_logprob=True, logprob_start_len=50)
+    out2 = eng.generate(
+        input_ids=ids,
+        sampling_params={"temperature": 0, "max_new_tokens": 1},
+        return_logprob=True,
+        logprob_start_len=50,
+    )
     inp2 = out2["meta_info"]["input_token_logprobs"]
     assert [t for _, t, _ in inp2] == ids[50:]
     assert abs(inp2[0][0] - ref[49, ids[50]].item()) < 1e-4
@@ -173,28 +201,35 @@ def test_retraction_under_small_kv_budget(request):
     path = build_tiny_checkpoint("llama")
     prompts = [p for p in prompts_for(4) if 40 <= len(p) <= 160][:3] * 2
     # 6 requests x (~160 + 40) tokens cannot all hold KV at once in 512 tokens
-    eng = make_engine(path, page_size=4, max_total_tokens=512, chunked_prefill_size=128, disable_radix_cache=True)
+    eng = make_engine(
+        path, page_size=4, max_total_tokens=512, chunked_prefill_size=128, disable_radix_cache=True
+    )
     request.node._engine = eng
-    outs = eng.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 40,
-                                                            "ignore_eos": True})
+    outs = eng.generate(
+        input_ids=prompts,
+        sampling_params={"temperature": 0, "max_new_tokens": 40, "ignore_eos": True},
+    )
     assert eng.scheduler.stats["retractions"] > 0
     for ids, out in zip(prompts, outs):
         assert out["output_ids"] == hf_greedy(path, ids, 40)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"input_ids": []}, "prompt"),
-    ({"input_ids": [5] * 5000}, "prompt"),
-    ({"input_ids": [5, 6], "sampling_params": {"temperature": -1}}, "temperature"),
-    ({"input_ids": [5, 6], "sampling_params": {"top_p": 0}}, "top_p"),
-    ({"input_ids": [5, 6], "sampling_params": {"top_p": 1.5}}, "top_p"),
-    ({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
-    ({"input_ids": [5, 6], "sampling_params": {"stop": 5}}, "stop"),
-    ({"input_ids": [5, 6], "sampling_params": {"stop": ["a", 3]}}, "stop"),
-    ({"input_ids": [5, 6], "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
-    ({"input_ids": [5, 6], "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
-    ({"input_ids": [5, 10**9]}, "input_ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"input_ids": []}, "prompt"),
+        ({"input_ids": [5] * 5000}, "prompt"),
+        ({"input_ids": [5, 6], "sampling_params": {"temperature": -1}}, "temperature"),
+        ({"input_ids": [5, 6], "sampling_params": {"top_p": 0}}, "top_p"),
+        ({"input_ids": [5, 6], "sampling_params": {"top_p": 1.5}}, "top_p"),
+        ({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+        ({"input_ids": [5, 6], "sampling_params": {"stop": 5}}, "stop"),
+        ({"input_ids": [5, 6], "sampling_params": {"stop": ["a", 3]}}, "stop"),
+        ({"input_ids": [5, 6], "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+        ({"input_ids": [5, 6], "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
+        ({"input_ids": [5, 10**9]}, "input_ids"),
+    ],
+)
 def test_bad_input_raises_and_leaks_nothing(kwargs, field, request):
     path = build_tiny_checkpoint("llama", max_position_embeddings=4096)
     eng = _shared_engine(path)
@@ -203,7 +238,9 @@ def test_bad_input_raises_and_leaks_nothing(kwargs, field, request):
     with pytest.raises(ValueError, match=field):
         eng.generate(**kwargs)
     after = eng.check_integrity()
-    assert after["free_pages"] + after["cached_pages"] == before["free_pages"] + before["cached_pages"]
+    assert (
+        after["free_pages"] + after["cached_pages"] == before["free_pages"] + before["cached_pages"]
+    )
     assert after["running"] == after["waiting"] == 0
 
 
@@ -221,18 +258,23 @@ def test_stop_strings_and_stop_tokens(request):
     eng = make_engine(path)
     request.node._engine = eng
     ids = prompts_for(5)[4]
-    base = eng.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 12, "ignore_eos": True})
+    base = eng.generate(
+        input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    )
     toks = base["output_ids"]
     # stop token id: generation ends at its first occurrence, which is included in output_ids
-    out = eng.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 12,
-                                                       "stop_token_ids": [toks[4]]})
+    out = eng.generate(
+        input_ids=ids,
+        sampling_params={"temperature": 0, "max_new_tokens": 12, "stop_token_ids": [toks[4]]},
+    )
     assert out["output_ids"] == toks[: toks.index(toks[4]) + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": toks[4]}
     # stop string: taken from the decoded text of a later token; not part of the returned text
     piece = eng.tokenizer.decode(toks[6:8])
     if piece.strip():
-        out = eng.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 12,
-                                                           "stop": [piece]})
+        out = eng.generate(
+            input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 12, "stop": [piece]}
+        )
         assert out["meta_info"]["finish_reason"]["type"] == "stop"
         assert piece not in out["text"]
         assert base["text"].startswith(out["text"])

@@ -36,7 +36,7 @@ _hf: dict = {}
 
 def bf16_spacing(x: float) -> float:
     """Distance between adjacent bf16 values around ``x`` (8 significant bits)."""
-    return 2.0 ** (math.floor(math.log2(max(abs(x), 2.0 ** -126))) - 7)
+    return 2.0 ** (math.floor(math.log2(max(abs(x), 2.0**-126))) - 7)
 
 
 def hf_bf16(path: str, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
@@ -47,16 +47,27 @@ def hf_bf16(path: str, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]
 
         model = _hf.get(path)
         if model is None:
-            model = _hf[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+            model = _hf[path] = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.bfloat16
+            ).eval()
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                                 output_logits=True, return_dict_in_generate=True)
-        _hf[key] = (out.sequences[0, len(ids):].tolist(), torch.cat(out.logits).float())
+            out = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        _hf[key] = (out.sequences[0, len(ids) :].tolist(), torch.cat(out.logits).float())
     return _hf[key]
 
 
-def compare(ours: dict, ref_tokens: list[int], ref_logits: torch.Tensor, logprob_ulps: float = LOGPROB_ULPS) -> int:
+def compare(
+    ours: dict, ref_tokens: list[int], ref_logits: torch.Tensor, logprob_ulps: float = LOGPROB_ULPS
+) -> int:
     """Positions compared; asserts the tie-aware equality described above."""
     toks = ours["output_ids"]
     lps = ours["meta_info"]["output_token_logprobs"]
@@ -67,27 +78,40 @@ def compare(ours: dict, ref_tokens: list[int], ref_logits: torch.Tensor, logprob
         ulp = bf16_spacing(top2[0].item())
         gap = (top2[0] - top2[1]).item()
         if tok != ref_tok:
-            assert gap <= TIE_ULPS * ulp, f"position {i}: ours {tok}, HF {ref_tok}, top-2 gap {gap:.4f} > {TIE_ULPS} x {ulp}"
+            assert gap <= TIE_ULPS * ulp, (
+                f"position {i}: ours {tok}, HF {ref_tok}, top-2 gap {gap:.4f} > {TIE_ULPS} x {ulp}"
+            )
             break  # a legitimate tie: the continuations differ from here
         diff = abs(lps[i][0] - ref_lp[i, tok].item())
-        assert diff <= logprob_ulps * ulp, f"position {i}: logprob {lps[i][0]:.4f} vs HF {ref_lp[i, tok].item():.4f}"
+        assert diff <= logprob_ulps * ulp, (
+            f"position {i}: logprob {lps[i][0]:.4f} vs HF {ref_lp[i, tok].item():.4f}"
+        )
         compared += 1
     return compared
 
 
 def make_engine(path: str, **kw) -> pdserve.Engine:
-    return pdserve.Engine(model_path=path, dtype="bfloat16", torch_num_threads=1, max_total_tokens=16384, **kw)
+    return pdserve.Engine(
+        model_path=path, dtype="bfloat16", torch_num_threads=1, max_total_tokens=16384, **kw
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "qwen2-sliding"])
 def test_bf16_matches_hf_bf16_up_to_ties(arch):
-    path = build_tiny_checkpoint("qwen2", **QWEN2_SLIDING) if arch == "qwen2-sliding" else build_tiny_checkpoint(arch)
+    path = (
+        build_tiny_checkpoint("qwen2", **QWEN2_SLIDING)
+        if arch == "qwen2-sliding"
+        else build_tiny_checkpoint(arch)
+    )
     eng = make_engine(path, page_size=16, chunked_prefill_size=128)
     runner = eng.scheduler.runner
     assert runner.dtype == torch.bfloat16 and runner.kv_dtype == torch.bfloat16
     prompts = prompts_for(4)
-    outs = eng.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS,
-                                                            "ignore_eos": True}, return_logprob=True)
+    outs = eng.generate(
+        input_ids=prompts,
+        sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+        return_logprob=True,
+    )
     compared = sum(compare(out, *hf_bf16(path, ids, NEW_TOKENS)) for ids, out in zip(prompts, outs))
     total = NEW_TOKENS * len(prompts)
     assert compared >= total // 2, f"only {compared} of {total} positions compared"

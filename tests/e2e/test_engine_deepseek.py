@@ -21,12 +21,17 @@ torch.set_num_threads(1)
 NEW_TOKENS = 8
 VARIANTS = {
     "v2-greedy": ("deepseek_v2", {}),
-    "v2-group-limited-no-qlora": ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4,
-                                                  "topk_group": 2, "q_lora_rank": None}),
+    "v2-group-limited-no-qlora": (
+        "deepseek_v2",
+        {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2, "q_lora_rank": None},
+    ),
     "v3-moe": ("deepseek_v3", {}),
     "v3-dense": ("deepseek_v3", {"first_k_dense_replace": 3}),
     "v3-no-qlora": ("deepseek_v3", {"q_lora_rank": None, "rope_interleave": False}),
-    "v32-dense": ("deepseek_v32", {}),  # the indexer with index_topk above every prompt: HF's dense result
+    "v32-dense": (
+        "deepseek_v32",
+        {},
+    ),  # the indexer with index_topk above every prompt: HF's dense result
     "glm4-moe": ("glm4_moe", {}),
 }
 
@@ -52,9 +57,13 @@ def check_against_hf(eng, path: str, name: str) -> None:
     assert runner.attn_backend_name == "cpu"  # decode rows on pdserve's kernels
     if name.startswith("glm"):  # K and V per head
         assert [g.kind for g in runner.cache_groups] == ["full_attention"]
-    elif name.startswith("v32"):  # two caches per layer, two groups: the latent and the indexer's key
-        assert [(g.kind, g.layers) for g in runner.cache_groups] == [("latent_attention", (0, 1, 2)),
-                                                                     ("index_keys", (0, 1, 2))]
+    elif name.startswith(
+        "v32"
+    ):  # two caches per layer, two groups: the latent and the indexer's key
+        assert [(g.kind, g.layers) for g in runner.cache_groups] == [
+            ("latent_attention", (0, 1, 2)),
+            ("index_keys", (0, 1, 2)),
+        ]
         assert [type(p).__name__ for p in runner.pools] == ["LatentPool", "LatentPool"]
     else:  # the latent
         assert [g.kind for g in runner.cache_groups] == ["latent_attention"]
@@ -63,7 +72,9 @@ def check_against_hf(eng, path: str, name: str) -> None:
     sp = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
     outs = eng.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
     assert_matches_hf(path, prompts, outs, NEW_TOKENS, name)
-    follow = prompts[-1] + outs[-1]["output_ids"] + prompts[1]  # the next turn hits the prefix cache
+    follow = (
+        prompts[-1] + outs[-1]["output_ids"] + prompts[1]
+    )  # the next turn hits the prefix cache
     out = eng.generate(input_ids=follow, sampling_params=sp)
     assert out["meta_info"]["cached_tokens"] >= 16
     assert out["output_ids"] == hf_reference(path, follow, NEW_TOKENS)[0]
@@ -84,7 +95,8 @@ def test_the_latent_cache_is_what_pd_moves():
         assert kv_bytes_per_token(runner) == 3 * (32 + 8) * 4  # layers x (kv_lora + rope) x float32
         a = KVArgs.from_buffers(runner.pools, MetadataBuffers(4), cache_groups=runner.cache_groups)
         assert [(r.layer, r.part, r.split, r.item_bytes) for r in a.regions] == [
-            (i, "latent", "replicated", 16 * 40 * 4) for i in range(3)]
+            (i, "latent", "replicated", 16 * 40 * 4) for i in range(3)
+        ]
         assert a.splits == ("replicated",) and a.kv_head_num == 0
     finally:
         eng.shutdown()
@@ -93,7 +105,9 @@ def test_the_latent_cache_is_what_pd_moves():
 def test_the_torch_backend_serves_the_same_tokens():
     """The reference path (SDPA over gathered latents for decode rows, absorbed) against HF too."""
     path = checkpoint("v3-moe")
-    eng = make_engine(path, page_size=16, chunked_prefill_size=64, dtype="float32", attention_backend="torch")
+    eng = make_engine(
+        path, page_size=16, chunked_prefill_size=64, dtype="float32", attention_backend="torch"
+    )
     try:
         assert eng.scheduler.runner.attn_backend_name == "torch"
         prompts = prompts_for(5)[2:6]
@@ -109,16 +123,22 @@ def test_bf16_matches_hf_bf16_up_to_ties(name):
     """bf16 by the tie-aware rule (``test_engine_bf16.py``): our token HF's unless HF's top two are
     within a few bf16 spacings, logprobs within the spacings that rule allows. The reference is
     HF's bf16 run (the absorbed decode rounds otherwise than HF's decompressed one, within those)."""
-    from tests.e2e.test_engine_bf16 import LOGPROB_ULPS, NEW_TOKENS as BF16_TOKENS, compare, hf_bf16
+    from tests.e2e.test_engine_bf16 import LOGPROB_ULPS, compare, hf_bf16
+    from tests.e2e.test_engine_bf16 import NEW_TOKENS as BF16_TOKENS
 
     path = checkpoint(name)
     eng = make_engine(path, dtype="bfloat16", page_size=16, chunked_prefill_size=128)
     try:
         prompts = prompts_for(4)[:6]
-        outs = eng.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": BF16_TOKENS,
-                                                                "ignore_eos": True}, return_logprob=True)
-        compared = sum(compare(out, *hf_bf16(path, ids, BF16_TOKENS), logprob_ulps=LOGPROB_ULPS)
-                       for ids, out in zip(prompts, outs))
+        outs = eng.generate(
+            input_ids=prompts,
+            sampling_params={"temperature": 0, "max_new_tokens": BF16_TOKENS, "ignore_eos": True},
+            return_logprob=True,
+        )
+        compared = sum(
+            compare(out, *hf_bf16(path, ids, BF16_TOKENS), logprob_ulps=LOGPROB_ULPS)
+            for ids, out in zip(prompts, outs)
+        )
         total = BF16_TOKENS * len(prompts)
         assert compared >= total // 2, f"only {compared} of {total} positions compared"
         assert eng.check_integrity()["in_use_pages"] == 0
@@ -139,7 +159,10 @@ def test_mtp_layers_of_a_v3_checkpoint_are_read_and_set_aside(tmp_path):
     dst.mkdir()
     for f in os.listdir(src):
         os.symlink(os.path.join(src, f), dst / f)
-    mtp = {"model.layers.3.eh_proj.weight": torch.randn(64, 128), "model.layers.3.enorm.weight": torch.ones(64)}
+    mtp = {
+        "model.layers.3.eh_proj.weight": torch.randn(64, 128),
+        "model.layers.3.enorm.weight": torch.ones(64),
+    }
     save_file(mtp, str(dst / "mtp.safetensors"))
     index = {"weight_map": {**{k: "mtp.safetensors" for k in mtp}}}
     from safetensors import safe_open
@@ -152,6 +175,9 @@ def test_mtp_layers_of_a_v3_checkpoint_are_read_and_set_aside(tmp_path):
     eng = make_engine(str(dst), dtype="float32")
     try:
         assert sorted(eng.scheduler.runner.model.mtp_weights) == sorted(mtp)
-        assert eng.generate(input_ids=ids, sampling_params=sp)["output_ids"] == hf_reference(src, ids, NEW_TOKENS)[0]
+        assert (
+            eng.generate(input_ids=ids, sampling_params=sp)["output_ids"]
+            == hf_reference(src, ids, NEW_TOKENS)[0]
+        )
     finally:
         eng.shutdown()

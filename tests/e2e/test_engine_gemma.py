@@ -27,7 +27,7 @@ def hf_greedy(path: str, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
         t = torch.tensor([ids])
         out = hf_model(path).generate(t, attention_mask=torch.ones_like(t), generation_config=gen)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -47,11 +47,17 @@ def test_gemma_matches_hf(arch, page_size):
     # the next turn of the longest conversation: its whole first turn is cached in both groups
     follow = prompts[-1] + outs[-1]["output_ids"] + prompts[1]
     out = eng.generate(input_ids=follow, sampling_params=params)
-    assert out["meta_info"]["cached_tokens"] >= ((len(follow) - len(prompts[1]) - 1) // page_size) * page_size
+    assert (
+        out["meta_info"]["cached_tokens"]
+        >= ((len(follow) - len(prompts[1]) - 1) // page_size) * page_size
+    )
     assert out["output_ids"] == hf_greedy(path, follow, NEW_TOKENS)
     info = eng.check_integrity()
     assert info["in_use_pages"] == 0 and info["running"] == 0
-    assert [(g["kind"], g["in_use_pages"]) for g in info["groups"]] == [("sliding_window", 0), ("full_attention", 0)]
+    assert [(g["kind"], g["in_use_pages"]) for g in info["groups"]] == [
+        ("sliding_window", 0),
+        ("full_attention", 0),
+    ]
 
 
 def test_cpu_attention_backend_refuses_gemma2():

@@ -11,15 +11,20 @@ import pytest
 import torch
 
 from tests.e2e.test_engine import hf_model, make_engine, prompts_for
-from tests.e2e.test_engine_bf16 import LOGPROB_ULPS, NEW_TOKENS as BF16_TOKENS
-from tests.e2e.test_engine_bf16 import compare, hf_bf16
+from tests.e2e.test_engine_bf16 import LOGPROB_ULPS, compare, hf_bf16
+from tests.e2e.test_engine_bf16 import NEW_TOKENS as BF16_TOKENS
 from tests.helpers.checkpoints import build_tiny_checkpoint
 
 torch.set_num_threads(1)
 
 NEW_TOKENS = 10
-ARCHS = {"qwen3_moe": {}, "qwen3_moe-no-renorm": {"norm_topk_prob": False}, "qwen2_moe": {}, "mixtral": {},
-         "gpt_oss": {}}
+ARCHS = {
+    "qwen3_moe": {},
+    "qwen3_moe-no-renorm": {"norm_topk_prob": False},
+    "qwen2_moe": {},
+    "mixtral": {},
+    "gpt_oss": {},
+}
 
 
 def checkpoint(name: str) -> str:
@@ -31,13 +36,21 @@ def hf_reference(path: str, ids: list[int], n: int) -> tuple[list[int], torch.Te
     model = hf_model(path)
     with torch.no_grad():
         t = torch.tensor([ids])
-        out = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+        out = model.generate(
+            t,
+            attention_mask=torch.ones_like(t),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )[0, len(ids) :].tolist()
         logits = model(torch.tensor([ids + out])).logits[0].float()
     return out, torch.log_softmax(logits, dim=-1)
 
 
-def assert_matches_hf(path: str, prompts: list[list[int]], outs: list[dict], n: int, what: str) -> None:
+def assert_matches_hf(
+    path: str, prompts: list[list[int]], outs: list[dict], n: int, what: str
+) -> None:
     """Each output HF's greedy tokens, its logprobs within 1e-4 of HF's (float32)."""
     for ids, out in zip(prompts, outs):
         ref_tokens, ref_lp = hf_reference(path, ids, n)
@@ -58,7 +71,9 @@ def test_moe_matches_hf_float32(request, name):
     # the next turn of the longest conversation hits the prefix cache
     follow = prompts[-1] + outs[-1]["output_ids"] + prompts[1]
     out = eng.generate(input_ids=follow, sampling_params=sp)
-    if name != "gpt_oss":  # its window (8) is shorter than a page: the first turn's end is not whole
+    if (
+        name != "gpt_oss"
+    ):  # its window (8) is shorter than a page: the first turn's end is not whole
         assert out["meta_info"]["cached_tokens"] >= 16
     assert out["output_ids"] == hf_reference(path, follow, NEW_TOKENS)[0]
     info = eng.check_integrity()
@@ -79,7 +94,9 @@ def test_expert_runners_agree():
         eng.shutdown()
     for a, b in zip(results["loop"], results["grouped_mm"]):
         assert a["output_ids"] == b["output_ids"]
-        for x, y in zip(a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]):
+        for x, y in zip(
+            a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
+        ):
             assert abs(x[0] - y[0]) < 1e-5
 
 
@@ -93,12 +110,21 @@ def hf_bf16_weights_float32(path: str, ids: list[int], n: int) -> tuple[list[int
     from transformers import AutoModelForCausalLM
 
     if path not in _hf_rounded:
-        _hf_rounded[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).float().eval()
+        _hf_rounded[path] = (
+            AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).float().eval()
+        )
     with torch.no_grad():
-        out = _hf_rounded[path].generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                         max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                                         output_logits=True, return_dict_in_generate=True)
-    return out.sequences[0, len(ids):].tolist(), torch.cat(out.logits).float()
+        out = _hf_rounded[path].generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[0, len(ids) :].tolist(), torch.cat(out.logits).float()
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
@@ -106,15 +132,20 @@ def test_moe_bf16_matches_hf_bf16_up_to_ties(arch):
     path = build_tiny_checkpoint(arch)
     eng = make_engine(path, dtype="bfloat16", page_size=16, chunked_prefill_size=128)
     prompts = prompts_for(4)[:6]
-    outs = eng.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": BF16_TOKENS,
-                                                            "ignore_eos": True}, return_logprob=True)
+    outs = eng.generate(
+        input_ids=prompts,
+        sampling_params={"temperature": 0, "max_new_tokens": BF16_TOKENS, "ignore_eos": True},
+        return_logprob=True,
+    )
     reference = hf_bf16_weights_float32 if arch == "gpt_oss" else hf_bf16
     # GPT-OSS's window-8 layers: the flash kernel's 64-key blocks start at fixed positions, so a
     # windowed row's keys straddle two blocks (one more online-softmax rescale, other bf16 roundings
     # of P); measured up to 3.02 spacings at a logprob of -8.1, hence 4 for this model
     ulps = 4 if arch == "gpt_oss" else LOGPROB_ULPS
-    compared = sum(compare(out, *reference(path, ids, BF16_TOKENS), logprob_ulps=ulps)
-                   for ids, out in zip(prompts, outs))
+    compared = sum(
+        compare(out, *reference(path, ids, BF16_TOKENS), logprob_ulps=ulps)
+        for ids, out in zip(prompts, outs)
+    )
     total = BF16_TOKENS * len(prompts)
     assert compared >= total // 2, f"only {compared} of {total} positions compared"
     assert eng.check_integrity()["in_use_pages"] == 0
@@ -130,7 +161,9 @@ def test_mxfp4_gpt_oss_checkpoints_are_refused(tmp_path):
     config = json.loads((dst / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
     (dst / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quantization_config: GPT-OSS checkpoints quantized with 'mxfp4'"):
+    with pytest.raises(
+        ValueError, match="quantization_config: GPT-OSS checkpoints quantized with 'mxfp4'"
+    ):
         make_engine(str(dst))
 
 
@@ -147,17 +180,25 @@ def test_moe_w8a8_int8_experts_follow_float32_where_it_is_decisive():
     path = build_tiny_checkpoint("qwen3_moe")
     eng = make_engine(path, quantization="w8a8_int8")
     experts = [m for m in eng.scheduler.runner.model.modules() if type(m).__name__ == "Experts"]
-    assert experts and all(isinstance(e.impl, PackedExperts) and e.impl.quantization == "w8a8_int8"
-                           for e in experts)
+    assert experts and all(
+        isinstance(e.impl, PackedExperts) and e.impl.quantization == "w8a8_int8" for e in experts
+    )
     prompts = prompts_for(5)
-    outs = eng.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 1},
-                        return_logprob=True)
+    outs = eng.generate(
+        input_ids=prompts,
+        sampling_params={"temperature": 0, "max_new_tokens": 1},
+        return_logprob=True,
+    )
     decisive = 0
     for ids, out in zip(prompts, outs):
         with torch.no_grad():
-            lp = torch.log_softmax(hf_model(path)(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+            lp = torch.log_softmax(
+                hf_model(path)(torch.tensor([ids])).logits[0, -1].float(), dim=-1
+            )
         tok = out["output_ids"][0]
-        assert abs(out["meta_info"]["output_token_logprobs"][0][0] - lp[tok].item()) < 0.06, len(ids)
+        assert abs(out["meta_info"]["output_token_logprobs"][0][0] - lp[tok].item()) < 0.06, len(
+            ids
+        )
         top = torch.topk(lp, 2)
         if (top.values[0] - top.values[1]).item() > 0.1:
             decisive += 1

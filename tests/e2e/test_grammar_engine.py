@@ -17,13 +17,19 @@ from tests.helpers.checkpoints import build_tiny_checkpoint
 torch.set_num_threads(1)
 
 SCHEMA = {
-    "type": "object", "additionalProperties": False, "required": ["city", "rank", "tags", "inner"],
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["city", "rank", "tags", "inner"],
     "properties": {
         "city": {"type": "string", "maxLength": 10},
         "rank": {"enum": ["low", "mid", "high"]},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 3},
-        "inner": {"type": "object", "additionalProperties": False, "required": ["ok"],
-                  "properties": {"ok": {"type": "boolean"}}},
+        "inner": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["ok"],
+            "properties": {"ok": {"type": "boolean"}},
+        },
     },
 }
 PROMPTS = ["The capital of France is", "Give me JSON:", "A robot walks into a bar and"]
@@ -42,7 +48,9 @@ def engine(request, path):
     eng.check_integrity()
 
 
-def reference_masked_greedy(path: str, backend_name: str, spec: GrammarSpec, ids: list[int]) -> list[int]:
+def reference_masked_greedy(
+    path: str, backend_name: str, spec: GrammarSpec, ids: list[int]
+) -> list[int]:
     """Greedy decoding with HF's full forward at every step and the engine's mask: disallowed
     tokens -inf, argmax, advance, until the grammar ends, EOS, or MAX_NEW tokens."""
     from transformers import AutoTokenizer
@@ -51,7 +59,9 @@ def reference_masked_greedy(path: str, backend_name: str, spec: GrammarSpec, ids
     tok = AutoTokenizer.from_pretrained(path)
     vocab = model.config.vocab_size
     eos = {tok.eos_token_id}
-    backend = make_backend(backend_name, tok, vocab, eos)  # a fresh engine: no state shared with the server's
+    backend = make_backend(
+        backend_name, tok, vocab, eos
+    )  # a fresh engine: no state shared with the server's
     matcher = backend.matcher(spec)
     out: list[int] = []
     bitmask = torch.empty(1, (vocab + 31) // 32, dtype=torch.int32)
@@ -72,7 +82,10 @@ GRAMMARS = {
     "json_schema": GrammarSpec("json_schema", json.dumps(SCHEMA)),
     "json_object": GrammarSpec("json_object"),
     "regex": GrammarSpec("regex", r"(yes|no|maybe), [0-9]{1,3} (apples|pears)"),
-    "ebnf": GrammarSpec("ebnf", 'root ::= "answer: " item (", " item)? (", " item)?\nitem ::= [a-z] [a-z]? [a-z]? | [0-9] [0-9]?'),
+    "ebnf": GrammarSpec(
+        "ebnf",
+        'root ::= "answer: " item (", " item)? (", " item)?\nitem ::= [a-z] [a-z]? [a-z]? | [0-9] [0-9]?',
+    ),
 }
 
 
@@ -98,9 +111,14 @@ def test_constrained_greedy_matches_reference_masked_decoding(engine, path, kind
 
 
 def test_mixed_batch_gives_each_request_its_tokens_alone(engine):
-    params = [_params(GRAMMARS["json_schema"]), {"max_new_tokens": 24, "temperature": 0},
-              _params(GRAMMARS["regex"]), _params(GRAMMARS["json_object"]),
-              {"max_new_tokens": 24, "temperature": 0.8, "seed": 7}, _params(GRAMMARS["ebnf"])]
+    params = [
+        _params(GRAMMARS["json_schema"]),
+        {"max_new_tokens": 24, "temperature": 0},
+        _params(GRAMMARS["regex"]),
+        _params(GRAMMARS["json_object"]),
+        {"max_new_tokens": 24, "temperature": 0.8, "seed": 7},
+        _params(GRAMMARS["ebnf"]),
+    ]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
     together = engine.generate(prompt=prompts, sampling_params=params)
     for prompt, p, out in zip(prompts, params, together):
@@ -111,8 +129,10 @@ def test_mixed_batch_gives_each_request_its_tokens_alone(engine):
 
 
 def test_sampled_rows_stay_in_the_grammar(engine):
-    outs = engine.generate(prompt=PROMPTS, sampling_params={**_params(GRAMMARS["regex"]), "temperature": 1.0,
-                                                            "seed": 3})
+    outs = engine.generate(
+        prompt=PROMPTS,
+        sampling_params={**_params(GRAMMARS["regex"]), "temperature": 1.0, "seed": 3},
+    )
     import re
 
     for out in outs:
@@ -121,20 +141,25 @@ def test_sampled_rows_stay_in_the_grammar(engine):
 
 def test_min_new_tokens_yield_to_a_complete_grammar(engine):
     """The ban on EOS until min_new_tokens cannot leave a finished grammar without a token."""
-    out = engine.generate(prompt=PROMPTS[0], sampling_params={**_params(GRAMMARS["regex"]), "min_new_tokens": 40})
+    out = engine.generate(
+        prompt=PROMPTS[0], sampling_params={**_params(GRAMMARS["regex"]), "min_new_tokens": 40}
+    )
     import re
 
     assert re.fullmatch(GRAMMARS["regex"].value, out["text"]), out["text"]
     assert out["meta_info"]["finish_reason"]["type"] == "stop"
 
 
-@pytest.mark.parametrize("params,needle", [
-    ({"json_schema": '{"type": "objekt"}'}, "objekt"),
-    ({"json_schema": "{not json"}, "not valid JSON"),
-    ({"regex": "a(b"}, "regex"),
-    ({"ebnf": "root ::= missing"}, "missing"),
-    ({"regex": "a", "ebnf": 'root ::= "a"'}, "at most one"),
-])
+@pytest.mark.parametrize(
+    "params,needle",
+    [
+        ({"json_schema": '{"type": "objekt"}'}, "objekt"),
+        ({"json_schema": "{not json"}, "not valid JSON"),
+        ({"regex": "a(b"}, "regex"),
+        ({"ebnf": "root ::= missing"}, "missing"),
+        ({"regex": "a", "ebnf": 'root ::= "a"'}, "at most one"),
+    ],
+)
 def test_bad_grammars_are_refused_naming_the_problem(engine, params, needle):
     with pytest.raises(ValueError, match=needle):
         engine.generate(prompt=PROMPTS[0], sampling_params={"max_new_tokens": 4, **params})
@@ -145,11 +170,19 @@ def test_bad_grammars_are_refused_naming_the_problem(engine, params, needle):
 
 def test_a_schema_is_compiled_once(engine):
     before = engine.scheduler.grammars.cache_info().get("misses", 0)
-    schema = json.dumps({"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"],
-                         "additionalProperties": False})
+    schema = json.dumps(
+        {
+            "type": "object",
+            "properties": {"k": {"type": "integer"}},
+            "required": ["k"],
+            "additionalProperties": False,
+        }
+    )
     for _ in range(3):
-        engine.generate(prompt=PROMPTS[1], sampling_params={"max_new_tokens": 16, "temperature": 0,
-                                                            "json_schema": schema})
+        engine.generate(
+            prompt=PROMPTS[1],
+            sampling_params={"max_new_tokens": 16, "temperature": 0, "json_schema": schema},
+        )
     assert engine.scheduler.grammars.cache_info()["misses"] == before + 1
 
 
@@ -162,9 +195,16 @@ def test_the_grammar_starts_after_the_reasoning_ends(engine):
     from pdserve.engine.request import Req, SamplingParams
 
     ids = engine.tokenizer.encode(PROMPTS[0])
-    free = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 2, "temperature": 0})["output_ids"]
-    req = Req(rid="gated", input_ids=ids, sampling=SamplingParams(max_new_tokens=MAX_NEW, temperature=0),
-              grammar_spec=GRAMMARS["regex"], grammar_start_after=free)
+    free = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 2, "temperature": 0})[
+        "output_ids"
+    ]
+    req = Req(
+        rid="gated",
+        input_ids=ids,
+        sampling=SamplingParams(max_new_tokens=MAX_NEW, temperature=0),
+        grammar_spec=GRAMMARS["regex"],
+        grammar_start_after=free,
+    )
     engine.scheduler.add_request(req)
     while not req.finished:
         engine.scheduler.step()

@@ -41,7 +41,9 @@ REPO = Path(__file__).resolve().parents[2]
 def lower_tiers() -> list[str]:
     """The lowest SIMD tier (an AVX2-only or plain NEON host) and scalar, where this host has more."""
     tiers = kernels.load().available_isas()
-    return [t for t in dict.fromkeys([tiers[min(1, len(tiers) - 1)], "scalar"]) if t != tiers[-1]] or [tiers[0]]
+    return [
+        t for t in dict.fromkeys([tiers[min(1, len(tiers) - 1)], "scalar"]) if t != tiers[-1]
+    ] or [tiers[0]]
 
 
 @pytest.fixture(params=lower_tiers())
@@ -68,10 +70,14 @@ def test_demo_model_with_dtype_auto_answers(tier, caplog):
         # the probe ran without oneDNN's bf16 (or, at scalar, chose float32 for slow bf16)
         assert "oneDNN" not in why or "pdserve kernels" in why, why
         assert kernels.load().isa() == tier
-        ids = eng.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                                add_generation_prompt=True)
-        out = eng.generate(input_ids=list(ids if isinstance(ids, list) else ids["input_ids"]),
-                           sampling_params={"temperature": 0, "max_new_tokens": 16})
+        ids = eng.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of France?"}],
+            add_generation_prompt=True,
+        )
+        out = eng.generate(
+            input_ids=list(ids if isinstance(ids, list) else ids["input_ids"]),
+            sampling_params={"temperature": 0, "max_new_tokens": 16},
+        )
         assert "Paris" in out["text"], out["text"]
         assert eng.check_integrity()["in_use_pages"] == 0
     finally:
@@ -100,8 +106,15 @@ def low_tier_pd(tmp_path_factory):
     tier = lower_tiers()[0]
     path = build_tiny_checkpoint("llama", **WIDE_LLAMA)
     logs = tmp_path_factory.mktemp("isa")
-    args = ["--dtype", "bfloat16", "--enable-deterministic-inference", "--max-total-tokens", "8192",
-            "--chunked-prefill-size", "32"]
+    args = [
+        "--dtype",
+        "bfloat16",
+        "--enable-deterministic-inference",
+        "--max-total-tokens",
+        "8192",
+        "--chunked-prefill-size",
+        "32",
+    ]
     P, _ = c.prefill("P", path, logs, *args)
     D = c.decode("D", path, logs, *args)
     for p in (P, D):
@@ -124,16 +137,28 @@ def test_pd_at_the_lowest_tier_serves_the_colocated_bits(low_tier_pd, monkeypatc
     ids = target()
     prompts, params = others(8, seed=5)
     try:
-        eng = pdserve.Engine(model_path=path, dtype="bfloat16", torch_num_threads=1, max_total_tokens=8192,
-                             page_size=4, enable_deterministic_inference=True)
+        eng = pdserve.Engine(
+            model_path=path,
+            dtype="bfloat16",
+            torch_num_threads=1,
+            max_total_tokens=8192,
+            page_size=4,
+            enable_deterministic_inference=True,
+        )
         try:
-            want = [one(eng, p, sp) for p, sp in zip([ids] + prompts + [ids], [GREEDY] + params + [SEEDED])]
+            want = [
+                one(eng, p, sp)
+                for p, sp in zip([ids] + prompts + [ids], [GREEDY] + params + [SEEDED])
+            ]
         finally:
             eng.shutdown()
     finally:
         ops.set_isa(before)
-    body = {"input_ids": [ids] + prompts + [ids], "sampling_params": [GREEDY] + params + [SEEDED],
-            "return_logprob": True}
+    body = {
+        "input_ids": [ids] + prompts + [ids],
+        "sampling_params": [GREEDY] + params + [SEEDED],
+        "return_logprob": True,
+    }
     r = httpx.post(f"{R.url}/generate", json=body, timeout=300)
     assert r.status_code == 200, r.text
     assert [result(o) for o in r.json()] == want
@@ -145,19 +170,29 @@ def test_pd_at_the_lowest_tier_serves_the_colocated_bits(low_tier_pd, monkeypatc
 QEMU_X86 = shutil.which("qemu-x86_64-static")
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="emulates an x86-64 CPU: meaningful on x86-64 hosts")
+@pytest.mark.skipif(
+    platform.machine() != "x86_64", reason="emulates an x86-64 CPU: meaningful on x86-64 hosts"
+)
 def test_on_an_emulated_cpu_without_avx512(tmp_path, monkeypatch):
     """The same process on a CPU that really lacks AVX-512: qemu-user emulating an AMD EPYC Milan
     (Zen 3: AVX2, FMA, F16C; no AVX-512, no AVX-VNNI) reports that to the kernels, torch and
     oneDNN alike. The kernels run at avx2 with no higher tier offered, oneDNN has no bf16,
     ``--dtype auto`` probes pdserve's kernels instead of crashing, and a deterministic bf16 engine
     gives the bits this host gives with its kernels capped at avx2."""
-    assert QEMU_X86, "qemu-x86_64-static is missing (scripts/install.sh --test installs qemu-user-static)"
+    assert QEMU_X86, (
+        "qemu-x86_64-static is missing (scripts/install.sh --test installs qemu-user-static)"
+    )
     model = as_bf16_checkpoint(build_tiny_checkpoint("llama"), str(tmp_path / "bf16"))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("PDSERVE_CPU_ISA", None)
-    run = subprocess.run([QEMU_X86, "-cpu", "EPYC-Milan-v1", sys.executable, "-m", "tests.helpers.isa_probe", model],
-                         env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [QEMU_X86, "-cpu", "EPYC-Milan-v1", sys.executable, "-m", "tests.helpers.isa_probe", model],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     emulated = json.loads(run.stdout.strip().splitlines()[-1])
     assert emulated["isa"] == "avx2" and emulated["tiers"] == ["scalar", "avx2"], emulated
@@ -182,5 +217,7 @@ def test_a_refusal_at_start_up_is_one_line(tmp_path):
     s.start(wait=False)
     assert s.proc.wait(timeout=120) != 0
     log = s.log_path.read_text()
-    assert "needs SIMD int8 dot products (AVX2, AVX-VNNI or AVX512-VNNI on x86-64, NEON on Arm)" in log, log
+    assert (
+        "needs SIMD int8 dot products (AVX2, AVX-VNNI or AVX512-VNNI on x86-64, NEON on Arm)" in log
+    ), log
     assert "Traceback" not in log, log

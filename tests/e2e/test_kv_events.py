@@ -65,9 +65,21 @@ def expected_hash(parent: Optional[int], tokens: list[int]) -> int:
 def events_server(tmp_path_factory, tiny_llama_path):
     logs = tmp_path_factory.mktemp("kv_events")
     pub, replay = c.free_port(), c.free_port()
-    s = c.server("KVE", tiny_llama_path, logs, "--page-size", str(PAGE), "--max-total-tokens", "512",
-                 "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}", "--kv-events-replay-endpoint",
-                 f"tcp://127.0.0.1:{replay}", "--kv-events-topic", "kv")
+    s = c.server(
+        "KVE",
+        tiny_llama_path,
+        logs,
+        "--page-size",
+        str(PAGE),
+        "--max-total-tokens",
+        "512",
+        "--kv-events-endpoint",
+        f"tcp://127.0.0.1:{pub}",
+        "--kv-events-replay-endpoint",
+        f"tcp://127.0.0.1:{replay}",
+        "--kv-events-topic",
+        "kv",
+    )
     s.start()
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
@@ -95,7 +107,10 @@ def receive(sub, until, timeout_ms: int = 10_000) -> list[tuple[int, Batch]]:
 
 
 def generate(url: str, ids: list[int], n: int = 4) -> list[int]:
-    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
+    }
     r = httpx.post(url + "/generate", json=body, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["output_ids"]
@@ -106,7 +121,9 @@ def test_stored_blocks_chain_and_removed_and_cleared(events_server):
     time.sleep(0.5)  # the subscription settles (PUB drops what no subscriber asked for yet)
     prompt = list(range(100, 100 + 3 * PAGE + 5))
     out = generate(s.url, prompt)
-    full = (prompt + out)[: (len(prompt) + len(out) - 1) // PAGE * PAGE]  # the last token has no KV yet
+    full = (prompt + out)[
+        : (len(prompt) + len(out) - 1) // PAGE * PAGE
+    ]  # the last token has no KV yet
     got = receive(sub, lambda ev: any(isinstance(e, BlockStored) for e in ev))
     stored = [e for _, b in got for e in b.events if isinstance(e, BlockStored)]
     assert stored[0].parent_block_hash is None and stored[0].block_size == PAGE
@@ -114,7 +131,7 @@ def test_stored_blocks_chain_and_removed_and_cleared(events_server):
     assert tokens == full[: len(tokens)] and len(tokens) >= 3 * PAGE
     parent, hashes = None, []
     for i in range(0, len(tokens), PAGE):
-        parent = expected_hash(parent, tokens[i:i + PAGE])
+        parent = expected_hash(parent, tokens[i : i + PAGE])
         hashes.append(parent)
     assert [h for e in stored for h in e.block_hashes] == hashes
 
@@ -123,13 +140,17 @@ def test_stored_blocks_chain_and_removed_and_cleared(events_server):
     generate(s.url, follow)
     got = receive(sub, lambda ev: any(isinstance(e, BlockStored) for e in ev))
     new = next(e for _, b in got for e in b.events if isinstance(e, BlockStored))
-    assert new.parent_block_hash == hashes[1] and new.token_ids[:PAGE] == follow[2 * PAGE: 3 * PAGE]
+    assert (
+        new.parent_block_hash == hashes[1] and new.token_ids[:PAGE] == follow[2 * PAGE : 3 * PAGE]
+    )
 
     # a prompt that needs most of the 512-token pool evicts cached blocks
     big = list(range(20000, 20000 + 470))
     generate(s.url, big, n=2)
     got = receive(sub, lambda ev: any(isinstance(e, BlockRemoved) for e in ev))
-    removed = {h for _, b in got for e in b.events if isinstance(e, BlockRemoved) for h in e.block_hashes}
+    removed = {
+        h for _, b in got for e in b.events if isinstance(e, BlockRemoved) for h in e.block_hashes
+    }
     assert removed & set(hashes + [new.block_hashes[0]]), removed
 
     # the snapshot holds exactly what is cached now, parents before children

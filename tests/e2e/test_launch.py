@@ -29,33 +29,72 @@ def test_launch_serves_and_stops_everything(tiny_llama_path, tmp_path):
     port = free_port()
     log = open(tmp_path / "launch.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "launch", "--model-path", tiny_llama_path, "--port", str(port),
-         "--num-prefill", "1", "--num-decode", "1", "--torch-num-threads", "1", "--max-total-tokens", "16384",
-         "--pd-policy", "conditional", "--decode-radix-cache", "--enable-deterministic-inference"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "launch",
+            "--model-path",
+            tiny_llama_path,
+            "--port",
+            str(port),
+            "--num-prefill",
+            "1",
+            "--num-decode",
+            "1",
+            "--torch-num-threads",
+            "1",
+            "--max-total-tokens",
+            "16384",
+            "--pd-policy",
+            "conditional",
+            "--decode-radix-cache",
+            "--enable-deterministic-inference",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     url = f"http://127.0.0.1:{port}"
     try:
+
         def ready():
             assert proc.poll() is None, (tmp_path / "launch.log").read_text()[-3000:]
             return b"pdserve cluster ready" in (tmp_path / "launch.log").read_bytes()
 
         wait_for(ready, 300, "the cluster to be ready", interval=0.5)
-        r = httpx.post(url + "/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 4,
-                                                                                    "temperature": 0}}, timeout=60)
+        r = httpx.post(
+            url + "/generate",
+            json={"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
+            timeout=60,
+        )
         assert r.status_code == 200, r.text
         assert r.json()["meta_info"]["completion_tokens"] == 4
         assert r.json()["meta_info"]["pd_decision"]["mode"] in ("local", "pd")
         # the servers publish KV events and the router follows them (conditional needs the caches)
         index = httpx.get(url + "/kv_index", timeout=10).json()
         assert len(index["workers"]) == 2 and index["tokenizer"], index
-        wait_for(lambda: all(g["synced"] for gs in httpx.get(url + "/kv_index", timeout=10).json()["workers"].values()
-                             for g in gs), 10, "KV indices in sync")
+        wait_for(
+            lambda: all(
+                g["synced"]
+                for gs in httpx.get(url + "/kv_index", timeout=10).json()["workers"].values()
+                for g in gs
+            ),
+            10,
+            "KV indices in sync",
+        )
         prefill = httpx.get(url + "/server_info", timeout=60).json()["prefill"][0]
-        assert prefill["server_info"]["disaggregation_secret"] == "***"  # launch gave its servers one
-        assert prefill["server_info"]["enable_deterministic_inference"] is True  # the README's flag reaches them
-        lookup = httpx.get(f"http://127.0.0.1:{prefill['bootstrap_port']}/route?prefill_dp_rank=-1&target_tp_rank=-1"
-                           "&target_pp_rank=-1", timeout=10)
+        assert (
+            prefill["server_info"]["disaggregation_secret"] == "***"
+        )  # launch gave its servers one
+        assert (
+            prefill["server_info"]["enable_deterministic_inference"] is True
+        )  # the README's flag reaches them
+        lookup = httpx.get(
+            f"http://127.0.0.1:{prefill['bootstrap_port']}/route?prefill_dp_rank=-1&target_tp_rank=-1"
+            "&target_pp_rank=-1",
+            timeout=10,
+        )
         assert lookup.status_code == 401  # unsigned bootstrap look-ups are refused
         descendants = _tree(proc.pid)
         assert len(descendants) >= 5  # 2 front ends + 2 schedulers + router
@@ -80,16 +119,39 @@ def test_launch_moe_prefill_tp_decode_dp_attention_ep(tmp_path):
     port = free_port()
     log = open(tmp_path / "launch.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "launch", "--model-path", path, "--port", str(port),
-         "--torch-num-threads", "1", "--max-total-tokens", "4096", "--prefill-tp-size", "2",
-         "--decode-tp-size", "2", "--decode-dp-size", "2", "--decode-ep-size", "2",
-         "--decode-moe-a2a-backend", "torch"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "launch",
+            "--model-path",
+            path,
+            "--port",
+            str(port),
+            "--torch-num-threads",
+            "1",
+            "--max-total-tokens",
+            "4096",
+            "--prefill-tp-size",
+            "2",
+            "--decode-tp-size",
+            "2",
+            "--decode-dp-size",
+            "2",
+            "--decode-ep-size",
+            "2",
+            "--decode-moe-a2a-backend",
+            "torch",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     url = f"http://127.0.0.1:{port}"
     ids = [101, 2042, 377, 9001, 31337, 12, 4444, 805]
     sp = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
     try:
+
         def ready():
             assert proc.poll() is None, (tmp_path / "launch.log").read_text()[-3000:]
             return b"pdserve cluster ready" in (tmp_path / "launch.log").read_bytes()
@@ -97,14 +159,23 @@ def test_launch_moe_prefill_tp_decode_dp_attention_ep(tmp_path):
         wait_for(ready, 300, "the cluster to be ready", interval=0.5)
         info = httpx.get(url + "/server_info", timeout=60).json()
         decode = info["decode"][0]["server_info"]
-        assert (decode["tp_size"], decode["dp_size"], decode["ep_size"], decode["moe_a2a_backend"]) == \
-            (2, 2, 2, "torch")
+        assert (
+            decode["tp_size"],
+            decode["dp_size"],
+            decode["ep_size"],
+            decode["moe_a2a_backend"],
+        ) == (2, 2, 2, "torch")
         assert info["prefill"][0]["server_info"]["ep_size"] == 1
-        r = httpx.post(url + "/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=120)
+        r = httpx.post(
+            url + "/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=120
+        )
         assert r.status_code == 200, r.text
         eng = pdserve.Engine(model_path=path, torch_num_threads=1, max_total_tokens=4096)
         try:
-            assert r.json()["output_ids"] == eng.generate(input_ids=ids, sampling_params=sp)["output_ids"]
+            assert (
+                r.json()["output_ids"]
+                == eng.generate(input_ids=ids, sampling_params=sp)["output_ids"]
+            )
         finally:
             eng.shutdown()
     finally:
@@ -120,9 +191,24 @@ def _start_cluster(model_path: str, tmp_path, name: str) -> tuple[subprocess.Pop
     log_path = tmp_path / f"{name}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "launch", "--model-path", model_path, "--port", str(port),
-             "--torch-num-threads", "1", "--max-total-tokens", "4096", "--skip-warmup"],
-            stdout=log, stderr=subprocess.STDOUT, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+            [
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "launch",
+                "--model-path",
+                model_path,
+                "--port",
+                str(port),
+                "--torch-num-threads",
+                "1",
+                "--max-total-tokens",
+                "4096",
+                "--skip-warmup",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
             env={**os.environ, "OMP_NUM_THREADS": "1", "PDSERVE_DISABLE_CPU_KERNELS": "1"},
         )
 
@@ -139,13 +225,18 @@ def _cluster_ports(url: str) -> list[int]:
     info = httpx.get(url + "/server_info", timeout=60).json()
     workers = info["prefill"] + info["decode"]
     assert len(workers) == 2, info
-    return [int(url.rsplit(":", 1)[1]), *(int(w["url"].rsplit(":", 1)[1]) for w in workers),
-            *(w["bootstrap_port"] for w in info["prefill"])]
+    return [
+        int(url.rsplit(":", 1)[1]),
+        *(int(w["url"].rsplit(":", 1)[1]) for w in workers),
+        *(w["bootstrap_port"] for w in info["prefill"]),
+    ]
 
 
 def _port_free(port: int) -> bool:
     with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binding it again would
+        s.setsockopt(
+            socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+        )  # as a server binding it again would
         try:
             s.bind(("127.0.0.1", port))
             return True
@@ -154,8 +245,15 @@ def _port_free(port: int) -> bool:
 
 
 def _assert_all_gone(pids: list[int], ports: list[int], within: float) -> None:
-    wait_for(lambda: not any(is_alive(p) for p in pids), within, "every process of the cluster to exit", interval=0.1)
-    wait_for(lambda: all(_port_free(p) for p in ports), 5, f"ports {ports} to be free", interval=0.1)
+    wait_for(
+        lambda: not any(is_alive(p) for p in pids),
+        within,
+        "every process of the cluster to exit",
+        interval=0.1,
+    )
+    wait_for(
+        lambda: all(_port_free(p) for p in ports), 5, f"ports {ports} to be free", interval=0.1
+    )
 
 
 def test_launch_from_a_background_job_stops_on_sigint(tiny_llama_path, tmp_path):

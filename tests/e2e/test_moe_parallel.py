@@ -41,14 +41,27 @@ def one_rank_reference(model_path: str, **engine_kw):
     import pdserve
 
     torch.set_num_threads(1)
-    eng = pdserve.Engine(model_path=model_path, torch_num_threads=1, max_total_tokens=16384, page_size=16, **engine_kw)
+    eng = pdserve.Engine(
+        model_path=model_path,
+        torch_num_threads=1,
+        max_total_tokens=16384,
+        page_size=16,
+        **engine_kw,
+    )
     cache: dict = {}
 
     def get(ids: list[int]) -> dict:
         if tuple(ids) not in cache:
             cache[tuple(ids)] = eng.generate(
-                input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
-                return_logprob=True, logprob_start_len=0)
+                input_ids=ids,
+                sampling_params={
+                    "temperature": 0,
+                    "max_new_tokens": NEW_TOKENS,
+                    "ignore_eos": True,
+                },
+                return_logprob=True,
+                logprob_start_len=0,
+            )
         return cache[tuple(ids)]
 
     yield get
@@ -64,16 +77,20 @@ def reference(moe_model):
 def moe(tmp_path_factory, moe_model):
     logs = tmp_path_factory.mktemp("moe")
     small = [*COMMON, "--max-total-tokens", "4096"]
-    S = {name: c.server(f"C {name}".replace(" ", "_"), moe_model, logs, *args, *small)
-         for name, args in COLOCATED.items()}
+    S = {
+        name: c.server(f"C {name}".replace(" ", "_"), moe_model, logs, *args, *small)
+        for name, args in COLOCATED.items()
+    }
     S["P2"] = c.prefill("P2", moe_model, logs, "--tp-size", "2", *small)[0]
     S["Ddp"] = c.decode("Ddp", moe_model, logs, *DP_EP, "--moe-a2a-backend", "torch", *small)
     S["P1"] = c.prefill("P1", moe_model, logs, *small)[0]
     S["Dep"] = c.decode("Dep", moe_model, logs, "--tp-size", "2", "--ep-size", "2", *small)
     try:
         c.start_all(S.values())
-        routers = {"tp2 -> dp2 ep2": c.router("R_dp", [S["P2"]], [S["Ddp"]], logs),
-                   "tp1 -> tp2 ep2": c.router("R_ep", [S["P1"]], [S["Dep"]], logs)}
+        routers = {
+            "tp2 -> dp2 ep2": c.router("R_dp", [S["P2"]], [S["Ddp"]], logs),
+            "tp1 -> tp2 ep2": c.router("R_ep", [S["P1"]], [S["Dep"]], logs),
+        }
         for r in routers.values():
             r.start()
         yield {"servers": S, "routers": routers}
@@ -82,22 +99,31 @@ def moe(tmp_path_factory, moe_model):
             p.stop()
 
 
-def check_outputs(url: str, reference, ps: list[list[int]], what: str, logprobs: bool = False) -> None:
+def check_outputs(
+    url: str, reference, ps: list[list[int]], what: str, logprobs: bool = False
+) -> None:
     with ThreadPoolExecutor(4) as ex:
         outs = list(ex.map(lambda ids: generate(url, ids, logprobs=logprobs), ps))
     for ids, out in zip(ps, outs):
         ref = reference(ids)
         assert out["output_ids"] == ref["output_ids"], f"{what}: prompt of {len(ids)} tokens"
         if logprobs:
-            for a, b in zip(out["meta_info"]["output_token_logprobs"], ref["meta_info"]["output_token_logprobs"]):
+            for a, b in zip(
+                out["meta_info"]["output_token_logprobs"], ref["meta_info"]["output_token_logprobs"]
+            ):
                 assert abs(a[0] - b[0]) < 1e-4, what
 
 
 @pytest.mark.parametrize("layout", sorted(COLOCATED))
 def test_colocated_expert_parallel_matches_one_rank(moe, reference, layout):
     server = moe["servers"][layout]
-    check_outputs(server.url, reference, prompts(8, seed=sorted(COLOCATED).index(layout), max_len=200), layout,
-                  logprobs=True)
+    check_outputs(
+        server.url,
+        reference,
+        prompts(8, seed=sorted(COLOCATED).index(layout), max_len=200),
+        layout,
+        logprobs=True,
+    )
     idle(server)
 
 
@@ -106,24 +132,35 @@ PAIRS = {"tp2 -> dp2 ep2": ("P2", "Ddp"), "tp1 -> tp2 ep2": ("P1", "Dep")}
 
 @pytest.mark.parametrize("pairing", sorted(PAIRS))
 def test_pd_expert_parallel_matches_one_rank(moe, reference, pairing):
-    check_outputs(moe["routers"][pairing].url, reference, prompts(8, seed=20 + sorted(PAIRS).index(pairing)),
-                  pairing)
+    check_outputs(
+        moe["routers"][pairing].url,
+        reference,
+        prompts(8, seed=20 + sorted(PAIRS).index(pairing)),
+        pairing,
+    )
     for name in PAIRS[pairing]:
         idle(moe["servers"][name])
 
 
 @pytest.mark.skipif(not sglang_router_available(), reason="sglang-router is not installed")
 def test_pd_expert_parallel_behind_the_real_sglang_router(moe, reference, tmp_path):
-    check_behind_sglang_router(moe["servers"], ("P2", "P1"), ("Ddp", "Dep"), reference, prompts(8, seed=40), tmp_path)
+    check_behind_sglang_router(
+        moe["servers"], ("P2", "P1"), ("Ddp", "Dep"), reference, prompts(8, seed=40), tmp_path
+    )
 
 
-def check_behind_sglang_router(S: dict, prefill: tuple, decode: tuple, reference, ps: list[list[int]],
-                               tmp_path) -> None:
+def check_behind_sglang_router(
+    S: dict, prefill: tuple, decode: tuple, reference, ps: list[list[int]], tmp_path
+) -> None:
     """The real sglang-router in front of servers ``S[prefill]`` / ``S[decode]`` serves the
     reference's tokens; every server idle afterwards."""
     port = c.free_port()
-    proc = start_sglang_router([(S[p].url, S[p].bootstrap_port) for p in prefill], [S[d].url for d in decode], port,
-                               log_path=str(tmp_path / "sglang-router.log"))
+    proc = start_sglang_router(
+        [(S[p].url, S[p].bootstrap_port) for p in prefill],
+        [S[d].url for d in decode],
+        port,
+        log_path=str(tmp_path / "sglang-router.log"),
+    )
     try:
         check_outputs(f"http://127.0.0.1:{port}", reference, ps, "sglang-router")
     finally:
@@ -136,10 +173,22 @@ def check_behind_sglang_router(S: dict, prefill: tuple, decode: tuple, reference
 def test_expert_layout_the_model_cannot_take_is_a_start_up_error(moe_model, tmp_path):
     """8 experts + 1 redundant slot over 2 expert-parallel ranks: the server exits at start-up
     naming the flag and the numbers."""
-    bad = c.server("bad_ep", moe_model, tmp_path, "--tp-size", "2", "--ep-size", "2",
-                   "--ep-num-redundant-experts", "1", *COMMON)
+    bad = c.server(
+        "bad_ep",
+        moe_model,
+        tmp_path,
+        "--tp-size",
+        "2",
+        "--ep-size",
+        "2",
+        "--ep-num-redundant-experts",
+        "1",
+        *COMMON,
+    )
     try:
-        with pytest.raises(RuntimeError, match=r"ep_size: 2 does not divide the model's 8 experts plus 1 redundant"):
+        with pytest.raises(
+            RuntimeError, match=r"ep_size: 2 does not divide the model's 8 experts plus 1 redundant"
+        ):
             bad.start()
     finally:
         bad.stop()

@@ -28,8 +28,20 @@ torch.set_num_threads(1)
 NEW_TOKENS = 4
 MOE_LAYERS = (0, 2)
 NUM_EXPERTS = 8
-COMMON = ["--dtype", "float32", "--tp-size", "2", "--ep-size", "2", "--disable-radix-cache", "--skip-warmup",
-          "--max-total-tokens", "4096", "--expert-distribution-recorder-mode", "stat"]
+COMMON = [
+    "--dtype",
+    "float32",
+    "--tp-size",
+    "2",
+    "--ep-size",
+    "2",
+    "--disable-radix-cache",
+    "--skip-warmup",
+    "--max-total-tokens",
+    "4096",
+    "--expert-distribution-recorder-mode",
+    "stat",
+]
 SAMPLING = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 
 
@@ -65,9 +77,12 @@ def hf_counts(path, reference) -> dict[int, list[int]]:
     def count(layer: int):
         def hook(module, inputs, out) -> None:  # out: (logits, weights, top-k expert ids)
             counts[layer] += torch.bincount(out[2].reshape(-1), minlength=NUM_EXPERTS)
+
         return hook
 
-    hooks = [hf.model.layers[layer].mlp.gate.register_forward_hook(count(layer)) for layer in MOE_LAYERS]
+    hooks = [
+        hf.model.layers[layer].mlp.gate.register_forward_hook(count(layer)) for layer in MOE_LAYERS
+    ]
     with torch.no_grad():
         for ids, out in zip(prompts(), reference):
             hf(torch.tensor([ids + out[:-1]]))  # the last generated token is never fed back
@@ -108,50 +123,83 @@ def run_recorded(proc: c.Proc) -> tuple[list[list[int]], dict, tuple, tuple]:
 def recorded(path, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("moe-recorded")
     bad = log_dir / "other-model.json"
-    bad.write_text(json.dumps({"num_experts": 4, "physical_to_logical_map": {"0": [0, 1, 2, 3], "2": [0, 1, 2, 3]}}))
+    bad.write_text(
+        json.dumps(
+            {"num_experts": 4, "physical_to_logical_map": {"0": [0, 1, 2, 3], "2": [0, 1, 2, 3]}}
+        )
+    )
     server = c.server("recording", path, log_dir, *COMMON)
-    refused = c.server("refused", path, log_dir, "--skip-warmup", "--init-expert-location", str(bad))
+    refused = c.server(
+        "refused", path, log_dir, "--skip-warmup", "--init-expert-location", str(bad)
+    )
     try:
         refused.start(wait=False)
         server.start()
         outs, dump, before, after = run_recorded(server)
-        again = server.http.get("/dump_expert_distribution_record").json()  # the dump began a new window
+        again = server.http.get(
+            "/dump_expert_distribution_record"
+        ).json()  # the dump began a new window
         server.wait_idle()
         code = refused.proc.wait(timeout=120)
     finally:
         server.stop()
         refused.stop()
-    yield {"outs": outs, "dump": dump, "before": before, "after": after, "again": again,
-           "refused": (code, refused.log_tail(200)), "log_dir": log_dir}
+    yield {
+        "outs": outs,
+        "dump": dump,
+        "before": before,
+        "after": after,
+        "again": again,
+        "refused": (code, refused.log_tail(200)),
+        "log_dir": log_dir,
+    }
 
 
 def test_recorded_counts_are_hf_routers_choices(recorded, reference, hf_counts):
     assert recorded["outs"] == reference
     dump = recorded["dump"]
-    assert (dump["architecture"], dump["num_layers"], dump["num_experts"], dump["moe_layers"]) == \
-        ("Qwen3MoeForCausalLM", 3, NUM_EXPERTS, list(MOE_LAYERS))
+    assert (dump["architecture"], dump["num_layers"], dump["num_experts"], dump["moe_layers"]) == (
+        "Qwen3MoeForCausalLM",
+        3,
+        NUM_EXPERTS,
+        list(MOE_LAYERS),
+    )
     assert dump["logical_count"][0] == hf_counts[0] and dump["logical_count"][2] == hf_counts[2]
     assert dump["logical_count"][1] == [0] * NUM_EXPERTS  # the dense layer
     tokens = sum(len(p) + NEW_TOKENS - 1 for p in prompts())
-    assert sum(dump["logical_count"][0]) == 2 * tokens  # counted once over the two ranks, top 2 each
-    assert dump["rank_load"]["0"] == [sum(hf_counts[0][:4]), sum(hf_counts[0][4:])]  # trivial: 4 experts a rank
+    assert (
+        sum(dump["logical_count"][0]) == 2 * tokens
+    )  # counted once over the two ranks, top 2 each
+    assert dump["rank_load"]["0"] == [
+        sum(hf_counts[0][:4]),
+        sum(hf_counts[0][4:]),
+    ]  # trivial: 4 experts a rank
     assert sum(sum(row) for row in recorded["again"]["logical_count"]) == 0
 
 
 def test_metrics_agree_with_the_dump(recorded):
     (tokens0, _), (tokens1, gauge) = recorded["before"], recorded["after"]
     dump = recorded["dump"]
-    assert set(tokens1) == {(layer, e) for layer in MOE_LAYERS for e in range(NUM_EXPERTS)}  # bounded labels
+    assert set(tokens1) == {
+        (layer, e) for layer in MOE_LAYERS for e in range(NUM_EXPERTS)
+    }  # bounded labels
     for layer in MOE_LAYERS:
         totals = [tokens1[(layer, e)] for e in range(NUM_EXPERTS)]
-        assert [t - tokens0.get((layer, e), 0) for e, t in enumerate(totals)] == dump["logical_count"][layer]
-        assert gauge[layer] == pytest.approx(imbalance([sum(totals[:4]), sum(totals[4:])]), rel=1e-4)
+        assert [t - tokens0.get((layer, e), 0) for e, t in enumerate(totals)] == dump[
+            "logical_count"
+        ][layer]
+        assert gauge[layer] == pytest.approx(
+            imbalance([sum(totals[:4]), sum(totals[4:])]), rel=1e-4
+        )
 
 
 def test_start_up_refuses_a_placement_of_another_model(recorded):
     code, log = recorded["refused"]
     assert code != 0
-    assert "--init-expert-location" in log and "made for another model: num_experts 4, this model has 8" in log
+    assert (
+        "--init-expert-location" in log
+        and "made for another model: num_experts 4, this model has 8" in log
+    )
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +207,21 @@ def placement(recorded) -> str:
     out = recorded["log_dir"] / "placement.json"
     src = recorded["log_dir"] / "dump.json"
     src.write_text(json.dumps(recorded["dump"]))
-    assert placement_main(["--distribution", str(src), "--ep-size", "2", "--num-redundant-experts", "2",
-                           "-o", str(out)]) == 0
+    assert (
+        placement_main(
+            [
+                "--distribution",
+                str(src),
+                "--ep-size",
+                "2",
+                "--num-redundant-experts",
+                "2",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     return str(out)
 
 
@@ -170,13 +231,27 @@ def test_placement_from_the_record_balances_the_ranks_no_worse(recorded, placeme
         row = doc["physical_to_logical_map"][str(layer)]
         assert len(row) == NUM_EXPERTS + 2 and set(row) == set(range(NUM_EXPERTS))
         counts = [float(x) for x in recorded["dump"]["logical_count"][layer]]
-        assert expected_imbalance(row, counts, 2) <= recorded["dump"]["imbalance"][str(layer)] + 1e-9
+        assert (
+            expected_imbalance(row, counts, 2) <= recorded["dump"]["imbalance"][str(layer)] + 1e-9
+        )
 
 
-def test_server_with_the_placement_serves_the_same_tokens(path, placement, reference, hf_counts, tmp_path_factory):
+def test_server_with_the_placement_serves_the_same_tokens(
+    path, placement, reference, hf_counts, tmp_path_factory
+):
     log_dir = tmp_path_factory.mktemp("moe-placed")
-    server = c.server("placed", path, log_dir, *COMMON, "--moe-a2a-backend", "torch",
-                      "--init-expert-location", placement, "--ep-num-redundant-experts", "2")
+    server = c.server(
+        "placed",
+        path,
+        log_dir,
+        *COMMON,
+        "--moe-a2a-backend",
+        "torch",
+        "--init-expert-location",
+        placement,
+        "--ep-num-redundant-experts",
+        "2",
+    )
     try:
         server.start()
         outs, dump, _, (tokens, _) = run_recorded(server)

@@ -34,7 +34,9 @@ def test_pd_across_namespaces_matches_offline_engine(netns_pd, backend, referenc
     for proc in (P, D):
         assert proc.http.get("/server_info").json()["disaggregation_transfer_backend"] == backend
     prompts = mixed_prompts(8, seed=23, max_len=700)
-    jobs = [(ids, i % 2 == 0, i % 4 == 1) for i, ids in enumerate(prompts)]  # (ids, stream, logprobs)
+    jobs = [
+        (ids, i % 2 == 0, i % 4 == 1) for i, ids in enumerate(prompts)
+    ]  # (ids, stream, logprobs)
     t0 = time.monotonic()
     with ThreadPoolExecutor(4) as ex:
         outs = list(ex.map(lambda j: generate(R.url, *j), jobs))
@@ -47,7 +49,10 @@ def test_pd_across_namespaces_matches_offline_engine(netns_pd, backend, referenc
     for proc in (P, D):
         pools = proc.wait_idle()
         assert pools["metadata_slots_free"] == pools["metadata_slots_total"], (proc.name, pools)
-        assert pools.get("kv_rooms", 0) == 0 and pools.get("kv_dst_claims", 0) == 0, (proc.name, pools)
+        assert pools.get("kv_rooms", 0) == 0 and pools.get("kv_dst_claims", 0) == 0, (
+            proc.name,
+            pools,
+        )
 
 
 def test_local_backend_between_hosts_is_refused_by_the_router_and_at_registration(netns_pd):
@@ -66,7 +71,9 @@ def test_local_backend_between_hosts_is_refused_by_the_router_and_at_registratio
     r = httpx.post(D.url + "/generate", timeout=60, json={**body, **room})
     elapsed = nx.since(t0)
     msg = r.json()["error"]["message"]
-    print(f"SAMPLE local backend across namespaces, direct: HTTP {r.status_code} after {elapsed:.2f}s: {msg}")
+    print(
+        f"SAMPLE local backend across namespaces, direct: HTTP {r.status_code} after {elapsed:.2f}s: {msg}"
+    )
     assert r.status_code == 502, r.text
     assert "rejected registration" in msg and "one host" in msg, msg
     assert "--disaggregation-transfer-backend mooncake" in msg and "nixl" in msg, msg

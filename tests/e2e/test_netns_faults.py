@@ -36,8 +36,17 @@ def fx(netns_pd, netns_hosts, tmp_path_factory):
     pd = netns_pd("mooncake")
     h, P, D = netns_hosts, pd["prefill"], pd["decode"]
     relay = Relay(h.client_addr, D.host, D.port).start()
-    RR = h.router("C", "R-relay", [P], [relay.url], pd["logs"], "--request-timeout", str(RR_TIMEOUT_S),
-                  "--health-check-interval", "1")
+    RR = h.router(
+        "C",
+        "R-relay",
+        [P],
+        [relay.url],
+        pd["logs"],
+        "--request-timeout",
+        str(RR_TIMEOUT_S),
+        "--health-check-interval",
+        "1",
+    )
     try:
         RR.start()
         yield {**pd, "hosts": h, "relay": relay, "RR": RR, "pids": (P.proc.pid, D.proc.pid)}
@@ -63,8 +72,10 @@ def ref(offline_engine):
 
     def get(ids: list[int], n: int) -> list[int]:
         if (tuple(ids), n) not in cache:
-            cache[(tuple(ids), n)] = offline_engine.generate(input_ids=ids, sampling_params={
-                "temperature": 0, "max_new_tokens": n, "ignore_eos": True})["output_ids"]
+            cache[(tuple(ids), n)] = offline_engine.generate(
+                input_ids=ids,
+                sampling_params={"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
+            )["output_ids"]
         return cache[(tuple(ids), n)]
 
     return get
@@ -73,9 +84,18 @@ def ref(offline_engine):
 def direct(fx, ids: list[int], n: int, pool: ThreadPoolExecutor, timeout: float = 40):
     """The router's job by hand, from the test process: one body to both servers (decode streams)."""
     P, D = fx["prefill"], fx["decode"]
-    b = body(ids, n, True, bootstrap_host=P.host, bootstrap_port=P.bootstrap_port,
-             bootstrap_room=random.randrange(2**63))
-    return (pool.submit(call, P.url, b, False, timeout=timeout), pool.submit(call, D.url, b, True, timeout=timeout))
+    b = body(
+        ids,
+        n,
+        True,
+        bootstrap_host=P.host,
+        bootstrap_port=P.bootstrap_port,
+        bootstrap_room=random.randrange(2**63),
+    )
+    return (
+        pool.submit(call, P.url, b, False, timeout=timeout),
+        pool.submit(call, D.url, b, True, timeout=timeout),
+    )
 
 
 def no_leaks(fx, timeout: float = 30) -> None:
@@ -87,10 +107,14 @@ def no_leaks(fx, timeout: float = 30) -> None:
 
 
 def serves_again(fx, ref, router: c.Proc, seed: int) -> None:
-    c.wait_for(lambda: router.http.get("/health").status_code == 200, 30, f"{router.name} healthy again")
+    c.wait_for(
+        lambda: router.http.get("/health").status_code == 200, 30, f"{router.name} healthy again"
+    )
     ids = prompts(4, 60, seed=seed)
     with ThreadPoolExecutor(4) as pool:
-        outs = list(pool.map(lambda i: call(router.url, body(ids[i], 8, i % 2 == 0), i % 2 == 0), range(4)))
+        outs = list(
+            pool.map(lambda i: call(router.url, body(ids[i], 8, i % 2 == 0), i % 2 == 0), range(4))
+        )
     for i, o in enumerate(outs):
         assert o.ok and o.output_ids == ref(ids[i], 8), o
     assert (fx["prefill"].proc.pid, fx["decode"].proc.pid) == fx["pids"]  # no restart
@@ -102,7 +126,9 @@ def measured(what: str, seconds: float) -> None:
 
 
 def sample(what: str, o: Outcome) -> None:
-    print(f"SAMPLE {what}: HTTP {o.status}, {o.token_events} token events, [DONE]={o.done}: {o.error[:300]}")
+    print(
+        f"SAMPLE {what}: HTTP {o.status}, {o.token_events} token events, [DONE]={o.done}: {o.error[:300]}"
+    )
 
 
 def timed(url: str, ids: list[int], n: int) -> tuple[Outcome, float]:
@@ -127,8 +153,10 @@ def test_rate_limit_slows_the_transfer_and_completes(fx, ref):
     t_base, t_slow = sum(t for _, t in base) / 2, sum(t for _, t in slow) / 2
     wire_s = kv_per_req * 8 / 1e6  # the KV alone at 1 Mbit/s
     measured("tbf 1mbit on prefill: request (800-token prompt) without the limit", t_base)
-    measured(f"tbf 1mbit on prefill: request with the limit ({kv_per_req / 1e3:.0f} kB KV, {wire_s:.2f}s at 1 Mbit/s)",
-             t_slow)
+    measured(
+        f"tbf 1mbit on prefill: request with the limit ({kv_per_req / 1e3:.0f} kB KV, {wire_s:.2f}s at 1 Mbit/s)",
+        t_slow,
+    )
     assert t_slow > t_base + 0.7 * wire_s, (t_base, t_slow, wire_s)
     h.clear_qdisc("A")
     serves_again(fx, ref, R, seed=72)
@@ -141,7 +169,11 @@ def test_cut_prefill_link_during_transfer(fx, ref):
     with ThreadPoolExecutor(8) as pool:
         routed = [pool.submit(call, R.url, body(x, 4, True), True, timeout=60) for x in ids[:2]]
         pairs = [direct(fx, x, 4, pool) for x in ids[2:]]
-        c.wait_for(lambda: P.integrity().get("inflight_queue", 0) >= 1, 30, "a transfer in flight on prefill")
+        c.wait_for(
+            lambda: P.integrity().get("inflight_queue", 0) >= 1,
+            30,
+            "a transfer in flight on prefill",
+        )
         t_cut = time.monotonic()
         h.cut("A")
         d_outs = [d.result() for _, d in pairs]
@@ -150,14 +182,25 @@ def test_cut_prefill_link_during_transfer(fx, ref):
         h.restore("A")
         p_outs = [p.result() for p, _ in pairs]
     for o in d_outs:  # decode's own detection: heartbeats to the prefill go unanswered
-        assert not o.ok and "unreachable" in o.error and o.t_end - t_cut < HEARTBEAT_S + 3, (o, o.t_end - t_cut)
+        assert not o.ok and "unreachable" in o.error and o.t_end - t_cut < HEARTBEAT_S + 3, (
+            o,
+            o.t_end - t_cut,
+        )
     for o in r_outs:
         assert not o.ok and o.error and o.t_end - t_cut < 30, (o, o.t_end - t_cut)
     sample("cut prefill link, decode stream sent directly", d_outs[0])
     sample("cut prefill link, through the router", r_outs[0])
-    sample("cut prefill link, prefill request sent directly (answered after the restore)", p_outs[0])
-    measured("cut prefill link mid-transfer -> decode fails the room (heartbeat)", max(o.t_end for o in d_outs) - t_cut)
-    measured("cut prefill link mid-transfer -> routed clients get their error", max(o.t_end for o in r_outs) - t_cut)
+    sample(
+        "cut prefill link, prefill request sent directly (answered after the restore)", p_outs[0]
+    )
+    measured(
+        "cut prefill link mid-transfer -> decode fails the room (heartbeat)",
+        max(o.t_end for o in d_outs) - t_cut,
+    )
+    measured(
+        "cut prefill link mid-transfer -> routed clients get their error",
+        max(o.t_end for o in r_outs) - t_cut,
+    )
     measured("cut prefill link: link down for", t_seen - t_cut)
     h.clear_qdisc("A")
     t0 = time.monotonic()
@@ -193,8 +236,10 @@ def test_cut_decode_link_during_streaming(fx, ref):
     assert o_r.ok and o_r.output_ids == ref(ids[0], 3000) and o_r.t_end > t_restore, o_r
     sample("decode link cut mid-stream, router with --request-timeout 4", o_rr)
     measured("decode link cut mid-stream -> client error (router read timeout)", o_rr.t_end - t_cut)
-    measured(f"decode link cut mid-stream for {cut_s:.0f}s -> stream through R resumed and finished after restore",
-             o_r.t_end - t_restore)
+    measured(
+        f"decode link cut mid-stream for {cut_s:.0f}s -> stream through R resumed and finished after restore",
+        o_r.t_end - t_restore,
+    )
     t0 = time.monotonic()
     no_leaks(fx)
     measured("decode link cut: both sides idle after the restore", nx.since(t0))
@@ -246,7 +291,9 @@ def test_relay_fault_mid_stream(fx, ref, fault):
         assert o.t_end - t0 < 2
     t1 = time.monotonic()
     D.wait_idle(timeout=15)
-    measured(f"relay {fault} mid-stream -> decode idle (after the relay forwards again)", nx.since(t1))
+    measured(
+        f"relay {fault} mid-stream -> decode idle (after the relay forwards again)", nx.since(t1)
+    )
     no_leaks(fx)
     serves_again(fx, ref, RR, seed=112)
 
@@ -257,7 +304,9 @@ def test_relay_reset_during_transfer(fx, ref):
     ids = prompts(1, 800, seed=121)[0]
     with ThreadPoolExecutor(2) as pool:
         fut = pool.submit(call, RR.url, body(ids, 4, False), False, timeout=60)
-        c.wait_for(lambda: D.integrity().get("transfer_queue", 0) >= 1, 30, "decode waiting for the KV")
+        c.wait_for(
+            lambda: D.integrity().get("transfer_queue", 0) >= 1, 30, "decode waiting for the KV"
+        )
         t0 = time.monotonic()
         assert relay.reset() >= 2
         o = fut.result()
@@ -265,7 +314,9 @@ def test_relay_reset_during_transfer(fx, ref):
     sample("relay reset of the router->decode connection during the transfer", o)
     measured("relay reset during transfer -> client answer", o.t_end - t0)
     # the router retries on a fresh connection (same decode, new room) or answers an error naming decode
-    assert (o.ok and o.output_ids == ref(ids, 4)) or (o.status and o.status >= 500 and "decode" in o.error), o
+    assert (o.ok and o.output_ids == ref(ids, 4)) or (
+        o.status and o.status >= 500 and "decode" in o.error
+    ), o
     print(f"MEASURED relay reset during transfer: outcome {'retried, 200' if o.ok else o.status}")
     no_leaks(fx)
     serves_again(fx, ref, RR, seed=122)

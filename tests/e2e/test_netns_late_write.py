@@ -28,10 +28,24 @@ RATE = "2mbit"  # 1 MiB takes about 4 s
 class Peer:
     def __init__(self, hosts, host: str, role: str, backend: str):
         env = nx.UCX_ENV if backend == "nixl" else {}
-        cmd = ["env", *(f"{k}={v}" for k, v in env.items()), sys.executable, "-m", "tests.helpers.kv_window_peer",
-               role, backend, hosts.addr(host), str(NBYTES)]
-        self.p = subprocess.Popen(hosts.wrap(host, cmd), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, text=True)
+        cmd = [
+            "env",
+            *(f"{k}={v}" for k, v in env.items()),
+            sys.executable,
+            "-m",
+            "tests.helpers.kv_window_peer",
+            role,
+            backend,
+            hosts.addr(host),
+            str(NBYTES),
+        ]
+        self.p = subprocess.Popen(
+            hosts.wrap(host, cmd),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
 
     def line(self) -> dict:
         while True:  # the libraries log to stdout too
@@ -88,8 +102,10 @@ def test_no_late_write_into_reused_pages(netns_hosts, backend, fenced):
         took = time.monotonic() - t0
         assert done["done"], "the write neither finished nor failed within 120 s"
         after = D.ask("check")
-        print(f"MEASURED {backend} fenced={fenced}: write error {done['error']!r}; writer bytes in the pool "
-              f"{after['writer_bytes_in_pool']}, in the fenced window {after['writer_bytes_in_window']}; the write ended {took:.1f}s after the restore")
+        print(
+            f"MEASURED {backend} fenced={fenced}: write error {done['error']!r}; writer bytes in the pool "
+            f"{after['writer_bytes_in_pool']}, in the fenced window {after['writer_bytes_in_window']}; the write ended {took:.1f}s after the restore"
+        )
         if fenced:
             assert after["digest"] == other and after["writer_bytes_in_pool"] == 0
             # not vacuous: bytes of the failed write did arrive after the fence (they landed in the

@@ -39,7 +39,9 @@ class Schemas:
     def check_answer(self, method: str, path: str, r: httpx.Response) -> None:
         content = self.op(method, path)["responses"][str(r.status_code)]["content"]
         if r.headers["content-type"].startswith("text/event-stream"):
-            events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+            events = [
+                line[len("data: ") :] for line in r.text.splitlines() if line.startswith("data: ")
+            ]
             assert events[-1] == "[DONE]" and len(events) > 1, r.text
             v = self.validator(content["text/event-stream"]["x-sse-data"])
             for event in events[:-1]:
@@ -60,7 +62,13 @@ def schemas(spec) -> Schemas:
 def test_document_is_valid_openapi_and_documents_every_route(spec):
     validate_openapi(spec)  # raises with the first problem
     assert spec["openapi"].startswith("3.1")
-    bodies = {"/generate", "/v1/completions", "/v1/chat/completions", "/abort_request", "/switch_role"}
+    bodies = {
+        "/generate",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/abort_request",
+        "/switch_role",
+    }
     for path, methods in spec["paths"].items():
         for method, op in methods.items():
             ok = op["responses"]["200"]
@@ -68,29 +76,73 @@ def test_document_is_valid_openapi_and_documents_every_route(spec):
             for media in ok.get("content", {}).values():
                 assert media["schema"] != {}, f"{method} {path}: answer without a schema"
             if path in bodies:
-                assert "$ref" in op["requestBody"]["content"]["application/json"]["schema"], (method, path)
-    assert bodies | {"/health", "/v1/models", "/server_info", "/get_load", "/flush_cache"} <= set(spec["paths"])
-    chunk = spec["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"]
+                assert "$ref" in op["requestBody"]["content"]["application/json"]["schema"], (
+                    method,
+                    path,
+                )
+    assert bodies | {"/health", "/v1/models", "/server_info", "/get_load", "/flush_cache"} <= set(
+        spec["paths"]
+    )
+    chunk = spec["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"][
+        "text/event-stream"
+    ]
     assert chunk["x-sse-data"]["oneOf"][0] == {"$ref": "#/components/schemas/ChatCompletionChunk"}
 
 
 GENERATIONS = [
     ("/generate", {"text": "Hello", "sampling_params": SP}),
-    ("/generate", {"text": ["a", "b"], "sampling_params": SP, "return_logprob": True, "top_logprobs_num": 2,
-                   "return_text_in_logprobs": True, "logprob_start_len": 0}),
+    (
+        "/generate",
+        {
+            "text": ["a", "b"],
+            "sampling_params": SP,
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+            "return_text_in_logprobs": True,
+            "logprob_start_len": 0,
+        },
+    ),
     ("/generate", {"input_ids": [1, 2, 3], "sampling_params": {**SP, "n": 2}, "stream": True}),
     ("/generate", {"text": "Hello", "sampling_params": SP, "stream": True, "return_logprob": True}),
-    ("/v1/completions", {"prompt": "Hello", "max_tokens": 3, "temperature": 0, "logprobs": 2, "echo": True}),
-    ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 3, "n": 2, "temperature": 0.5, "seed": 1}),
-    ("/v1/completions", {"prompt": "Hello", "max_tokens": 3, "stream": True, "logprobs": 1,
-                         "stream_options": {"include_usage": True}}),
-    ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 3, "logprobs": True, "top_logprobs": 2}),
-    ("/v1/chat/completions", {"model": SERVED_MODEL_NAME, "messages": MSGS, "max_completion_tokens": 3,
-                              "stream": True, "n": 2, "stream_options": {"include_usage": True}}),
+    (
+        "/v1/completions",
+        {"prompt": "Hello", "max_tokens": 3, "temperature": 0, "logprobs": 2, "echo": True},
+    ),
+    (
+        "/v1/completions",
+        {"prompt": ["a", "b"], "max_tokens": 3, "n": 2, "temperature": 0.5, "seed": 1},
+    ),
+    (
+        "/v1/completions",
+        {
+            "prompt": "Hello",
+            "max_tokens": 3,
+            "stream": True,
+            "logprobs": 1,
+            "stream_options": {"include_usage": True},
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": MSGS, "max_tokens": 3, "logprobs": True, "top_logprobs": 2},
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": SERVED_MODEL_NAME,
+            "messages": MSGS,
+            "max_completion_tokens": 3,
+            "stream": True,
+            "n": 2,
+            "stream_options": {"include_usage": True},
+        },
+    ),
 ]
 
 
-@pytest.mark.parametrize("path,body", GENERATIONS, ids=[f"{p} {i}" for i, (p, _) in enumerate(GENERATIONS)])
+@pytest.mark.parametrize(
+    "path,body", GENERATIONS, ids=[f"{p} {i}" for i, (p, _) in enumerate(GENERATIONS)]
+)
 def test_generation_answers_match_the_published_schemas(live, schemas, path, body):
     r = live.http.post(path, json=body, headers={"X-PDServe-Timeline": "1"})
     assert r.status_code == 200, r.text
@@ -99,7 +151,14 @@ def test_generation_answers_match_the_published_schemas(live, schemas, path, bod
 
 
 def test_other_answers_match_the_published_schemas(live, schemas):
-    for path in ("/v1/models", "/server_info", "/get_server_info", "/model_info", "/get_load", "/debug/integrity"):
+    for path in (
+        "/v1/models",
+        "/server_info",
+        "/get_server_info",
+        "/model_info",
+        "/get_load",
+        "/debug/integrity",
+    ):
         r = live.http.get(path)
         assert r.status_code == 200, (path, r.text)
         schemas.check_answer("get", path, r)
@@ -175,7 +234,10 @@ CASES = [
     ("/v1/chat/completions", {"messages": "hi"}),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+    ),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
     ("/v1/chat/completions", {"messages": MSGS, "logprobs": "yes"}),
     ("/abort_request", {"rid": "x"}),
@@ -183,10 +245,22 @@ CASES = [
     ("/abort_request", {"abort_all": "yes"}),
 ]
 # each range SamplingParams.validate enforces, just inside and just outside
-for name, inside, outside in [("max_new_tokens", 0, -1), ("min_new_tokens", 0, -1), ("temperature", 0, -0.5),
-                              ("top_p", 1, 0), ("top_p", 0.5, 1.5), ("min_p", 1, 1.5), ("repetition_penalty", 0.5, 0),
-                              ("frequency_penalty", -2, -2.5), ("presence_penalty", 2, 2.5), ("n", 1, 0)]:
-    CASES += [("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1, name: v}}) for v in (inside, outside)]
+for name, inside, outside in [
+    ("max_new_tokens", 0, -1),
+    ("min_new_tokens", 0, -1),
+    ("temperature", 0, -0.5),
+    ("top_p", 1, 0),
+    ("top_p", 0.5, 1.5),
+    ("min_p", 1, 1.5),
+    ("repetition_penalty", 0.5, 0),
+    ("frequency_penalty", -2, -2.5),
+    ("presence_penalty", 2, 2.5),
+    ("n", 1, 0),
+]:
+    CASES += [
+        ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1, name: v}})
+        for v in (inside, outside)
+    ]
 
 
 def _with_small_output(path: str, body: dict) -> dict:

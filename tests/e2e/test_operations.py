@@ -26,15 +26,41 @@ TIMELINE = {"X-PDServe-Timeline": "1"}
 SAMPLING = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 
 # events of a PD request in causal order: each happens after the one before it
-CHAIN = ["router_received", "router_dispatched", "prefill_received", "prefill_queued", "prefill_bootstrapped",
-         "prefill_forward_start", "prefill_forward_end", "decode_kv_received", "decode_first_token",
-         "decode_finished"]
-DECODE_SIDE = ["router_dispatched", "decode_received", "decode_queued", "decode_preallocated",
-               "prefill_bootstrapped"]
+CHAIN = [
+    "router_received",
+    "router_dispatched",
+    "prefill_received",
+    "prefill_queued",
+    "prefill_bootstrapped",
+    "prefill_forward_start",
+    "prefill_forward_end",
+    "decode_kv_received",
+    "decode_first_token",
+    "decode_finished",
+]
+DECODE_SIDE = [
+    "router_dispatched",
+    "decode_received",
+    "decode_queued",
+    "decode_preallocated",
+    "prefill_bootstrapped",
+]
 PREFILL_END = ["prefill_forward_end", "prefill_kv_sent", "prefill_finished"]
 SERVER_STAGES = {
-    "prefill": ["to_scheduler", "prefill_bootstrap", "prefill_waiting", "prefill_forward", "prefill_transfer"],
-    "decode": ["to_scheduler", "decode_prealloc", "decode_transfer", "decode_first_token", "decode_generate"],
+    "prefill": [
+        "to_scheduler",
+        "prefill_bootstrap",
+        "prefill_waiting",
+        "prefill_forward",
+        "prefill_transfer",
+    ],
+    "decode": [
+        "to_scheduler",
+        "decode_prealloc",
+        "decode_transfer",
+        "decode_first_token",
+        "decode_generate",
+    ],
 }
 ROUTER_STAGES = ["router_dispatch", "router_first_byte", "router_last_byte"]
 
@@ -42,8 +68,10 @@ ROUTER_STAGES = ["router_dispatch", "router_first_byte", "router_last_byte"]
 class Launched:
     def __init__(self, router: str, prefill: str, decode: str):
         self.router = httpx.Client(base_url=router, timeout=120)
-        self.servers = {"prefill": httpx.Client(base_url=prefill, timeout=60),
-                        "decode": httpx.Client(base_url=decode, timeout=60)}
+        self.servers = {
+            "prefill": httpx.Client(base_url=prefill, timeout=60),
+            "decode": httpx.Client(base_url=decode, timeout=60),
+        }
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +80,23 @@ def launched(tmp_path_factory):
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "launch", "--port", str(port),
-                                 "--torch-num-threads", "1", "--max-total-tokens", "8192"],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "launch",
+                "--port",
+                str(port),
+                "--torch-num-threads",
+                "1",
+                "--max-total-tokens",
+                "8192",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
 
     def ready() -> bool:
         assert proc.poll() is None, log_path.read_text(errors="replace")[-4000:]
@@ -102,8 +144,12 @@ def test_readme_first_example_and_served_name(launched):
 def scrape(client: httpx.Client) -> dict[tuple[str, str], float]:
     """(sample name, stage label) -> value of every sample with a ``stage`` label."""
     text = client.get("/metrics").text
-    return {(s.name, s.labels["stage"]): s.value for f in text_string_to_metric_families(text)
-            for s in f.samples if "stage" in s.labels}
+    return {
+        (s.name, s.labels["stage"]): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if "stage" in s.labels
+    }
 
 
 def assert_causal(events: dict[str, float]) -> None:
@@ -125,12 +171,18 @@ def test_timeline_through_the_router_and_stage_histograms(launched):
     assert_causal(r.json()["meta_info"]["timeline"])
     assert "timeline" not in launched.router.post("/generate", json=prompt).json()["meta_info"]
 
-    with launched.router.stream("POST", "/generate", json={**prompt, "stream": True}, headers=TIMELINE) as r:
+    with launched.router.stream(
+        "POST", "/generate", json={**prompt, "stream": True}, headers=TIMELINE
+    ) as r:
         events = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
     assert "timeline" not in events[0]["meta_info"]  # only the finished output carries it
     assert_causal(events[-1]["meta_info"]["timeline"])
 
-    chat = {"model": DEMO_MODELS[0], "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    chat = {
+        "model": DEMO_MODELS[0],
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 4,
+    }
     r = launched.router.post("/v1/chat/completions", json=chat, headers=TIMELINE)
     assert r.status_code == 200, r.text
     assert_causal(r.json()["choices"][0]["timeline"])
@@ -144,9 +196,12 @@ def test_timeline_through_the_router_and_stage_histograms(launched):
 
     def router_counted() -> bool:
         after = scrape(launched.router)
-        return all(after.get(("pdserve_router_per_stage_req_latency_seconds_count", s), 0)
-                   - router_before.get(("pdserve_router_per_stage_req_latency_seconds_count", s), 0) == requests
-                   for s in ROUTER_STAGES)
+        return all(
+            after.get(("pdserve_router_per_stage_req_latency_seconds_count", s), 0)
+            - router_before.get(("pdserve_router_per_stage_req_latency_seconds_count", s), 0)
+            == requests
+            for s in ROUTER_STAGES
+        )
 
     wait_for(router_counted, 10, "the router's stage histograms to count every request")
 
@@ -169,12 +224,26 @@ def test_dashboard_names_only_exported_metrics(launched):
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     assert len(exprs) >= 20
     named = {m for e in exprs for m in re.findall(r"\bpdserve[:_][A-Za-z0-9_:]*", e)}
-    launched.router.post("/generate", json={"text": "fill the metrics", "sampling_params": SAMPLING})
-    exported = exported_names(launched.router).union(*(exported_names(c) for c in launched.servers.values()))
-    assert not named - exported, f"the dashboard names metrics nobody exports: {sorted(named - exported)}"
+    launched.router.post(
+        "/generate", json={"text": "fill the metrics", "sampling_params": SAMPLING}
+    )
+    exported = exported_names(launched.router).union(
+        *(exported_names(c) for c in launched.servers.values())
+    )
+    assert not named - exported, (
+        f"the dashboard names metrics nobody exports: {sorted(named - exported)}"
+    )
     # and it covers what operators look at
-    for needle in ("time_to_first_token", "inter_token_latency", "num_waiting_reqs", "kv_pages_used",
-                   "kv_transfer_bytes", "per_stage_req_latency", "router_worker_circuit_open", "upstream_latency"):
+    for needle in (
+        "time_to_first_token",
+        "inter_token_latency",
+        "num_waiting_reqs",
+        "kv_pages_used",
+        "kv_transfer_bytes",
+        "per_stage_req_latency",
+        "router_worker_circuit_open",
+        "upstream_latency",
+    ):
         assert any(needle in m for m in named), needle
 
 
@@ -184,7 +253,13 @@ def test_timeline_of_a_colocated_server(live):
     body = {"model": SERVED_MODEL_NAME, "prompt": "a colocated request", "max_tokens": 3, "n": 2}
     r = live.http.post("/v1/completions", json=body, headers=TIMELINE)
     assert r.status_code == 200, r.text
-    chain = ["server_received", "server_queued", "server_forward_start", "server_first_token", "server_finished"]
+    chain = [
+        "server_received",
+        "server_queued",
+        "server_forward_start",
+        "server_first_token",
+        "server_finished",
+    ]
     for choice in r.json()["choices"]:
         events = choice["timeline"]
         assert list(events) == chain, events

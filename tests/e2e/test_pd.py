@@ -61,8 +61,11 @@ def pd(tmp_path_factory, tiny_llama_path):
 
 
 def generate(url: str, ids: list[int], stream: bool, logprobs: bool = False) -> dict:
-    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
-            "stream": stream}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+        "stream": stream,
+    }
     if logprobs:
         body.update(return_logprob=True, logprob_start_len=0)
     with httpx.Client(timeout=120) as h:
@@ -97,7 +100,9 @@ def assert_same(out: dict, ref: dict, logprobs: bool = False) -> None:
 def test_mixed_lengths_match_colocated_and_hf(pd, reference, topology, tiny_llama_path):
     router = pd["routers"][topology]
     prompts = mixed_prompts(200, seed=1 if topology == "1p1d" else 2)
-    jobs = [(ids, i % 2 == 0, i % 10 == 0) for i, ids in enumerate(prompts)]  # (ids, stream, logprobs)
+    jobs = [
+        (ids, i % 2 == 0, i % 10 == 0) for i, ids in enumerate(prompts)
+    ]  # (ids, stream, logprobs)
     with ThreadPoolExecutor(16) as ex:
         outs = list(ex.map(lambda j: generate(router.url, *j), jobs))
     for (ids, stream, logprobs), out in zip(jobs, outs):
@@ -107,7 +112,7 @@ def test_mixed_lengths_match_colocated_and_hf(pd, reference, topology, tiny_llam
 
     for ids, out in list(zip(prompts, outs))[:10]:
         assert out["output_ids"] == hf_greedy(tiny_llama_path, ids, NEW_TOKENS)
-    for name in (["P1", "D1"] if topology == "1p1d" else ["P1b", "D1b"]):
+    for name in ["P1", "D1"] if topology == "1p1d" else ["P1b", "D1b"]:
         pd["servers"][name].wait_idle()
 
 
@@ -126,16 +131,26 @@ def test_openai_client_through_router_matches_colocated(pd, server):
         assert a.choices[0].logprobs.tokens == b.choices[0].logprobs.tokens
         for x, y in zip(a.choices[0].logprobs.token_logprobs, b.choices[0].logprobs.token_logprobs):
             assert abs(x - y) < 1e-4
-        streamed = "".join(ch.choices[0].text for ch in pd_client.completions.create(
-            model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True) if ch.choices)
+        streamed = "".join(
+            ch.choices[0].text
+            for ch in pd_client.completions.create(
+                model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True
+            )
+            if ch.choices
+        )
         assert streamed == b.choices[0].text
         msgs = [{"role": "user", "content": prompt}]
-        ca = pd_client.chat.completions.create(model=model, messages=msgs, max_tokens=NEW_TOKENS, temperature=0)
-        cb = co_client.chat.completions.create(model=model, messages=msgs, max_tokens=NEW_TOKENS, temperature=0)
+        ca = pd_client.chat.completions.create(
+            model=model, messages=msgs, max_tokens=NEW_TOKENS, temperature=0
+        )
+        cb = co_client.chat.completions.create(
+            model=model, messages=msgs, max_tokens=NEW_TOKENS, temperature=0
+        )
         assert ca.choices[0].message.content == cb.choices[0].message.content
         assert ca.usage.completion_tokens == cb.usage.completion_tokens
-        chunks = pd_client.chat.completions.create(model=model, messages=msgs, max_tokens=NEW_TOKENS,
-                                                   temperature=0, stream=True)
+        chunks = pd_client.chat.completions.create(
+            model=model, messages=msgs, max_tokens=NEW_TOKENS, temperature=0, stream=True
+        )
         streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
         assert streamed == cb.choices[0].message.content
 
@@ -158,10 +173,17 @@ def test_multi_instance_topologies(pd, reference, topology, spread):
         assert _generation_tokens(pd["servers"][n]) > before[n], n
 
 
-def _dual_post(prefill: c.Proc, decode_: c.Proc, ids: list[int]) -> tuple[httpx.Response, httpx.Response, float]:
+def _dual_post(
+    prefill: c.Proc, decode_: c.Proc, ids: list[int]
+) -> tuple[httpx.Response, httpx.Response, float]:
     room = random.randrange(2**63)
-    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 4},
-            "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": room}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 4},
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": prefill.bootstrap_port,
+        "bootstrap_room": room,
+    }
     t0 = time.monotonic()
     with ThreadPoolExecutor(2) as ex:
         fp = ex.submit(httpx.post, prefill.url + "/generate", json=body, timeout=60)
@@ -183,14 +205,20 @@ def test_incompatible_pair_fails_with_explanation(pd, decode_name, needle):
         s[name].wait_idle()
 
 
-@pytest.mark.skipif(not sglang_router_available(), reason="sglang-router is not installable on this platform")
+@pytest.mark.skipif(
+    not sglang_router_available(), reason="sglang-router is not installable on this platform"
+)
 def test_behind_the_real_sglang_router(pd, reference, tmp_path):
     import openai
 
     s = pd["servers"]
     port = c.free_port()
-    proc = start_sglang_router([(s["P1"].url, s["P1"].bootstrap_port)], [s["D1"].url], port,
-                               log_path=str(tmp_path / "sglang-router.log"))
+    proc = start_sglang_router(
+        [(s["P1"].url, s["P1"].bootstrap_port)],
+        [s["D1"].url],
+        port,
+        log_path=str(tmp_path / "sglang-router.log"),
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         prompts = mixed_prompts(12, seed=4, max_len=300)
@@ -201,10 +229,19 @@ def test_behind_the_real_sglang_router(pd, reference, tmp_path):
         ours = openai.OpenAI(base_url=pd["routers"]["1p1d"].url + "/v1", api_key="x")
         theirs = openai.OpenAI(base_url=url + "/v1", api_key="x")
         for stream in (False, True):
-            kw = dict(model="tiny-llama", prompt="Hello world, this is", max_tokens=NEW_TOKENS, temperature=0)
+            kw = dict(
+                model="tiny-llama",
+                prompt="Hello world, this is",
+                max_tokens=NEW_TOKENS,
+                temperature=0,
+            )
             a = ours.completions.create(**kw)
             if stream:
-                text = "".join(ch.choices[0].text for ch in theirs.completions.create(**kw, stream=True) if ch.choices)
+                text = "".join(
+                    ch.choices[0].text
+                    for ch in theirs.completions.create(**kw, stream=True)
+                    if ch.choices
+                )
             else:
                 text = theirs.completions.create(**kw).choices[0].text
             assert text == a.choices[0].text
@@ -212,8 +249,11 @@ def test_behind_the_real_sglang_router(pd, reference, tmp_path):
             kw = dict(model="tiny-llama", messages=msgs, max_tokens=NEW_TOKENS, temperature=0)
             a = ours.chat.completions.create(**kw).choices[0].message.content
             if stream:
-                text = "".join(ch.choices[0].delta.content or ""
-                               for ch in theirs.chat.completions.create(**kw, stream=True) if ch.choices)
+                text = "".join(
+                    ch.choices[0].delta.content or ""
+                    for ch in theirs.chat.completions.create(**kw, stream=True)
+                    if ch.choices
+                )
             else:
                 text = theirs.chat.completions.create(**kw).choices[0].message.content
             assert text == a
@@ -236,22 +276,38 @@ def test_batches_and_n_samples_get_one_room_each(pd, reference, server):
     url = pd["routers"]["1p1d"].url
     prompts = mixed_prompts(3, seed=5, max_len=200)
     sp = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
-    r = httpx.post(url + "/generate", json={"input_ids": prompts, "sampling_params": sp}, timeout=120)
+    r = httpx.post(
+        url + "/generate", json={"input_ids": prompts, "sampling_params": sp}, timeout=120
+    )
     assert r.status_code == 200, r.text
     for ids, out in zip(prompts, r.json()):
         assert_same(out, reference(ids))
-    r = httpx.post(url + "/generate", json={"input_ids": prompts[0], "sampling_params": dict(sp, n=2)}, timeout=120)
+    r = httpx.post(
+        url + "/generate",
+        json={"input_ids": prompts[0], "sampling_params": dict(sp, n=2)},
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     assert [o["output_ids"] for o in r.json()] == [reference(prompts[0])["output_ids"]] * 2
     pd_client = openai.OpenAI(base_url=url + "/v1", api_key="x")
     co_client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
     msgs = [{"role": "user", "content": "Tell me a story"}]
-    a = pd_client.chat.completions.create(model="tiny-llama", messages=msgs, n=2, max_tokens=NEW_TOKENS, temperature=0)
-    b = co_client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=NEW_TOKENS, temperature=0)
+    a = pd_client.chat.completions.create(
+        model="tiny-llama", messages=msgs, n=2, max_tokens=NEW_TOKENS, temperature=0
+    )
+    b = co_client.chat.completions.create(
+        model="tiny-llama", messages=msgs, max_tokens=NEW_TOKENS, temperature=0
+    )
     assert [ch.message.content for ch in a.choices] == [b.choices[0].message.content] * 2
     two = ["First prompt here", "And a second one"]
-    a = pd_client.completions.create(model="tiny-llama", prompt=two, max_tokens=NEW_TOKENS, temperature=0)
-    b = co_client.completions.create(model="tiny-llama", prompt=two, max_tokens=NEW_TOKENS, temperature=0)
-    assert sorted((ch.index, ch.text) for ch in a.choices) == sorted((ch.index, ch.text) for ch in b.choices)
+    a = pd_client.completions.create(
+        model="tiny-llama", prompt=two, max_tokens=NEW_TOKENS, temperature=0
+    )
+    b = co_client.completions.create(
+        model="tiny-llama", prompt=two, max_tokens=NEW_TOKENS, temperature=0
+    )
+    assert sorted((ch.index, ch.text) for ch in a.choices) == sorted(
+        (ch.index, ch.text) for ch in b.choices
+    )
     for name in ("P1", "D1"):
         pd["servers"][name].wait_idle()

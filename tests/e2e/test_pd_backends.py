@@ -27,8 +27,15 @@ def pd_cluster(request, tmp_path_factory, tiny_llama_path):
     except ValueError as e:
         pytest.skip(str(e))
     logs = tmp_path_factory.mktemp(f"pd-{backend}")
-    args = ["--page-size", "16", "--chunked-prefill-size", "256", "--disaggregation-transfer-backend", backend,
-            *COMMON]
+    args = [
+        "--page-size",
+        "16",
+        "--chunked-prefill-size",
+        "256",
+        "--disaggregation-transfer-backend",
+        backend,
+        *COMMON,
+    ]
     P, _ = c.prefill(f"P-{backend}", tiny_llama_path, logs, *args)
     D = c.decode(f"D-{backend}", tiny_llama_path, logs, *args)
     procs = [P, D]
@@ -49,9 +56,14 @@ def pd_cluster(request, tmp_path_factory, tiny_llama_path):
 def test_mixed_requests_match_offline_engine(pd_cluster, reference):
     P, D, R = pd_cluster["prefill"], pd_cluster["decode"], pd_cluster["router"]
     for proc in (P, D):
-        assert proc.http.get("/server_info").json()["disaggregation_transfer_backend"] == pd_cluster["backend"]
+        assert (
+            proc.http.get("/server_info").json()["disaggregation_transfer_backend"]
+            == pd_cluster["backend"]
+        )
     prompts = mixed_prompts(40, seed=11, max_len=900)
-    jobs = [(ids, i % 2 == 0, i % 5 == 0) for i, ids in enumerate(prompts)]  # (ids, stream, logprobs)
+    jobs = [
+        (ids, i % 2 == 0, i % 5 == 0) for i, ids in enumerate(prompts)
+    ]  # (ids, stream, logprobs)
     with ThreadPoolExecutor(8) as ex:
         outs = list(ex.map(lambda j: generate(R.url, *j), jobs))
     for (ids, _, logprobs), out in zip(jobs, outs):
@@ -65,7 +77,9 @@ def test_mixed_requests_match_offline_engine(pd_cluster, reference):
         assert pools["metadata_slots_free"] == pools["metadata_slots_total"], (proc.name, pools)
 
 
-def test_nixl_completion_notice_completes_rooms_without_status(tmp_path, tiny_llama_path, reference):
+def test_nixl_completion_notice_completes_rooms_without_status(
+    tmp_path, tiny_llama_path, reference
+):
     """With NIXL the room's last write carries a completion notification; decode marks the room
     done from it. Prefill here never sends its Success status (fault ``drop_status`` on every
     room), so requests can only complete through the notification."""
@@ -74,8 +88,16 @@ def test_nixl_completion_notice_completes_rooms_without_status(tmp_path, tiny_ll
     except ValueError as e:
         pytest.skip(str(e))
     args = ["--page-size", "16", "--disaggregation-transfer-backend", "nixl", *COMMON]
-    P, _ = c.prefill("P-nixl-notify", tiny_llama_path, tmp_path, *args, "--disaggregation-fault-mode", "drop_status",
-                     "--disaggregation-fault-prob", "1")
+    P, _ = c.prefill(
+        "P-nixl-notify",
+        tiny_llama_path,
+        tmp_path,
+        *args,
+        "--disaggregation-fault-mode",
+        "drop_status",
+        "--disaggregation-fault-prob",
+        "1",
+    )
     D = c.decode("D-nixl-notify", tiny_llama_path, tmp_path, *args)
     R = c.router("R-nixl-notify", [P], [D], tmp_path)
     try:

@@ -15,13 +15,27 @@ import json
 
 import pytest
 
-from tests.e2e.test_moe_parallel import check_behind_sglang_router, check_outputs, one_rank_reference
+from tests.e2e.test_moe_parallel import (
+    check_behind_sglang_router,
+    check_outputs,
+    one_rank_reference,
+)
 from tests.e2e.test_tp import COMMON, generate, idle, prompts
 from tests.helpers import cluster as c
 from tests.helpers.checkpoints import build_tiny_checkpoint
 from tests.helpers.sglang_router import sglang_router_available
 
-DP_EP = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2", "--moe-dense-tp-size", "1"]
+DP_EP = [
+    "--tp-size",
+    "2",
+    "--dp-size",
+    "2",
+    "--enable-dp-attention",
+    "--ep-size",
+    "2",
+    "--moe-dense-tp-size",
+    "1",
+]
 F32 = ["--dtype", "float32"]
 
 
@@ -46,9 +60,11 @@ def ds(tmp_path_factory, ds_model):
     S["Ddp"] = c.decode("Ddp", ds_model, logs, *DP_EP, *small)
     try:
         c.start_all(S.values())
-        routers = {"tp1 -> tp2": c.router("R_12", [S["P1"]], [S["D2"]], logs),
-                   "tp2 -> tp1": c.router("R_21", [S["P2"]], [S["D1"]], logs),
-                   "tp2 -> dp2 ep2": c.router("R_dp", [S["P2"]], [S["Ddp"]], logs)}
+        routers = {
+            "tp1 -> tp2": c.router("R_12", [S["P1"]], [S["D2"]], logs),
+            "tp2 -> tp1": c.router("R_21", [S["P2"]], [S["D1"]], logs),
+            "tp2 -> dp2 ep2": c.router("R_dp", [S["P2"]], [S["Ddp"]], logs),
+        }
         for r in routers.values():
             r.start()
         yield {"servers": S, "routers": routers}
@@ -64,8 +80,11 @@ COPIES = {"tp1 -> tp2": [2], "tp2 -> tp1": [1, 0], "tp2 -> dp2 ep2": [1, 0]}
 
 def _sent(server) -> list[int]:
     ranks = server.http.get("/debug/integrity").json()["integrity"].get("ranks")
-    return [r["kv_bytes_sent"] for r in ranks] if ranks else \
-        [server.http.get("/debug/integrity").json()["integrity"]["kv_bytes_sent"]]
+    return (
+        [r["kv_bytes_sent"] for r in ranks]
+        if ranks
+        else [server.http.get("/debug/integrity").json()["integrity"]["kv_bytes_sent"]]
+    )
 
 
 @pytest.mark.parametrize("pairing", sorted(PAIRS))
@@ -82,14 +101,20 @@ def test_pd_matches_one_rank_and_reads_the_latent_from_one_prefill_rank(ds, refe
     delta = [a - b for a, b in zip(_sent(P), before)]
     cfg = json.load(open(P.http.get("/server_info").json()["model_path"] + "/config.json"))
     pages = -(-len(ids) // 16)
-    copy = pages * 16 * cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+    copy = (
+        pages * 16 * cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+    )
     assert delta == [n * copy for n in COPIES[pairing]], (pairing, delta, copy)
     per_token = P.http.get("/server_info").json()["scheduler_info"]["kv_bytes_per_token"]
-    assert per_token == cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+    assert (
+        per_token == cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+    )
     for s in (P, D):
         idle(s)  # every rank's, on a TP server
 
 
 @pytest.mark.skipif(not sglang_router_available(), reason="sglang-router is not installed")
 def test_pd_behind_the_real_sglang_router(ds, reference, tmp_path):
-    check_behind_sglang_router(ds["servers"], ("P2", "P1"), ("D1", "D2"), reference, prompts(6, seed=90), tmp_path)
+    check_behind_sglang_router(
+        ds["servers"], ("P2", "P1"), ("D1", "D2"), reference, prompts(6, seed=90), tmp_path
+    )

@@ -22,8 +22,20 @@ from tests.helpers.checkpoints import build_tiny_checkpoint
 PAGE = 4
 WINDOW = 16
 NEW_TOKENS = 12  # decode runs past the window's pages
-COMMON = ["--dtype", "float32", "--max-total-tokens", "4096", "--page-size", str(PAGE), "--chunked-prefill-size", "24",
-          "--disaggregation-bootstrap-timeout", "20", "--disaggregation-waiting-timeout", "20"]
+COMMON = [
+    "--dtype",
+    "float32",
+    "--max-total-tokens",
+    "4096",
+    "--page-size",
+    str(PAGE),
+    "--chunked-prefill-size",
+    "24",
+    "--disaggregation-bootstrap-timeout",
+    "20",
+    "--disaggregation-waiting-timeout",
+    "20",
+]
 LENS = (1, 7, 15, 16, 17, 40, 90)
 
 
@@ -65,9 +77,14 @@ def groups_pd(tmp_path_factory):
 
 
 def body(ids: list[int], prefill: c.Proc | None = None, room: int = 0) -> dict:
-    out = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}}
+    out = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+    }
     if prefill is not None:
-        out.update(bootstrap_host="127.0.0.1", bootstrap_port=prefill.bootstrap_port, bootstrap_room=room)
+        out.update(
+            bootstrap_host="127.0.0.1", bootstrap_port=prefill.bootstrap_port, bootstrap_room=room
+        )
     return out
 
 
@@ -87,7 +104,9 @@ def predicted(info: dict, n: int) -> tuple[list[int], int]:
     for g in info["cache_groups"]:
         first = max(0, n - g["window"] + 1) // PAGE if g["kind"] == "sliding_window" else 0
         pages.append(total - first)
-        nbytes += pages[-1] * len(g["layers"]) * 2 * g["num_kv_heads"] * PAGE * g["head_dim"] * 4  # float32
+        nbytes += (
+            pages[-1] * len(g["layers"]) * 2 * g["num_kv_heads"] * PAGE * g["head_dim"] * 4
+        )  # float32
     return pages, nbytes
 
 
@@ -99,8 +118,13 @@ def idle(*procs: c.Proc) -> None:
             p.wait_idle()
 
 
-PAIRS = [("gemma2", "P2", "D2", "S2"), ("gemma3", "P3", "D3", "S3"), ("gemma3 tp1->tp2", "P3", "D3tp2", "S3"),
-         ("gemma3 tp2->tp1", "P3tp2", "D3", "S3"), ("gemma3 mooncake", "P3mc", "D3mc", "S3")]
+PAIRS = [
+    ("gemma2", "P2", "D2", "S2"),
+    ("gemma3", "P3", "D3", "S3"),
+    ("gemma3 tp1->tp2", "P3", "D3tp2", "S3"),
+    ("gemma3 tp2->tp1", "P3tp2", "D3", "S3"),
+    ("gemma3 mooncake", "P3mc", "D3mc", "S3"),
+]
 
 
 @pytest.mark.parametrize("name, p, d, ref", PAIRS, ids=[x[0] for x in PAIRS])
@@ -120,7 +144,12 @@ def test_pd_matches_colocated_and_moves_the_predicted_pages(groups_pd, name, p, 
         if "tp2" not in p:  # a one-rank prefill's record covers the whole request
             last = P.http.get("/server_info").json()["internal_states"][0]["recent_transfers"][-1]
             pages, nbytes = predicted(info, n)
-            assert last["pages_per_group"] == pages and last["kv_bytes"] == nbytes, (n, last, pages, nbytes)
+            assert last["pages_per_group"] == pages and last["kv_bytes"] == nbytes, (
+                n,
+                last,
+                pages,
+                nbytes,
+            )
     idle(P, D, S)
 
 

@@ -16,8 +16,18 @@ from tests.helpers.checkpoints import build_tiny_checkpoint
 
 PAGE = 4
 WINDOW = 32  # the tiny mistral's
-COMMON = ["--max-total-tokens", "8192", "--page-size", str(PAGE), "--chunked-prefill-size", "48",
-          "--disaggregation-bootstrap-timeout", "10", "--disaggregation-waiting-timeout", "10"]
+COMMON = [
+    "--max-total-tokens",
+    "8192",
+    "--page-size",
+    str(PAGE),
+    "--chunked-prefill-size",
+    "48",
+    "--disaggregation-bootstrap-timeout",
+    "10",
+    "--disaggregation-waiting-timeout",
+    "10",
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +49,10 @@ def window_pd(tmp_path_factory):
 
 
 def generate(url: str, ids: list[int]) -> list[int]:
-    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": PD_NEW_TOKENS,
-                                                  "ignore_eos": True}}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": PD_NEW_TOKENS, "ignore_eos": True},
+    }
     r = httpx.post(url + "/generate", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["output_ids"]
@@ -65,4 +77,7 @@ def test_pd_sends_only_the_window_and_matches_colocated(window_pd):
     for s in (P, D, S):
         s.wait_idle()
         pools = s.integrity()
-        assert pools["in_use_pages"] == 0 and pools["free_pages"] + pools["cached_pages"] == pools["total_pages"]
+        assert (
+            pools["in_use_pages"] == 0
+            and pools["free_pages"] + pools["cached_pages"] == pools["total_pages"]
+        )

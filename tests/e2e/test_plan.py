@@ -12,13 +12,31 @@ import pytest
 
 from pdserve.plan import profile as prof_mod
 
-WORKLOAD = ["--request-rate", "2", "--input-len", "32-96", "--output-len", "16", "--slo-ttft-ms", "2000",
-            "--slo-tpot-ms", "300", "--num-requests", "60", "--budget", "2"]
+WORKLOAD = [
+    "--request-rate",
+    "2",
+    "--input-len",
+    "32-96",
+    "--output-len",
+    "16",
+    "--slo-ttft-ms",
+    "2000",
+    "--slo-tpot-ms",
+    "300",
+    "--num-requests",
+    "60",
+    "--budget",
+    "2",
+]
 
 
 def plan(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdserve.cli", "plan", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "plan", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +52,23 @@ def pd_router(elastic_servers):
 def test_plan_reads_a_pd_cluster_through_its_router(pd_router, tmp_path):
     router, prefill, decode = pd_router
     saved = tmp_path / "cal.json"
-    out = plan("--router", router.url, *WORKLOAD, "--no-max-rate", "--json", "--save-calibration", str(saved))
+    out = plan(
+        "--router",
+        router.url,
+        *WORKLOAD,
+        "--no-max-rate",
+        "--json",
+        "--save-calibration",
+        str(saved),
+    )
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert {c["split"] for c in data["candidates"]} == {"2 colocated", "1P1D"}
     assert data["recommended"]["split"] in {"2 colocated", "1P1D"}
-    assert all(c["goodput"] >= 0 and c["ttft_ms"]["p50"] > 0 and c["tpot_ms"]["p50"] > 0 for c in data["candidates"])
+    assert all(
+        c["goodput"] >= 0 and c["ttft_ms"]["p50"] > 0 and c["tpot_ms"]["p50"] > 0
+        for c in data["candidates"]
+    )
 
     # the figures are the servers' own: prefill's start-up calibration, decode's KV size and pool
     p_info = httpx.get(prefill.url + "/server_info", timeout=10).json()
@@ -64,7 +93,9 @@ def test_plan_reads_a_pd_cluster_through_its_router(pd_router, tmp_path):
 def test_plan_from_a_colocated_server_prints_a_table(server):
     out = plan("--server", server.url, *WORKLOAD, "--probe-batches", "1,4")
     assert out.returncode == 0, out.stderr
-    assert "recommended: " in out.stdout and "| 1P1D" in out.stdout and "| 2 colocated" in out.stdout
+    assert (
+        "recommended: " in out.stdout and "| 1P1D" in out.stdout and "| 2 colocated" in out.stdout
+    )
     assert f"{server.url} probe" not in out.stdout  # sources are in --json, the table stays short
     server.wait_idle()
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import random
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import quote
 
@@ -28,8 +27,18 @@ from tests.helpers import cluster as c
 
 KEY = "role-switch-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-COMMON = ["--max-total-tokens", "65536", "--page-size", "16", "--api-key", KEY,
-          "--disaggregation-bootstrap-timeout", "10", "--disaggregation-waiting-timeout", "10"]
+COMMON = [
+    "--max-total-tokens",
+    "65536",
+    "--page-size",
+    "16",
+    "--api-key",
+    KEY,
+    "--disaggregation-bootstrap-timeout",
+    "10",
+    "--disaggregation-waiting-timeout",
+    "10",
+]
 SWITCHING = "switching its role"
 
 
@@ -39,8 +48,11 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def body(ids: list[int], stream: bool = False, new_tokens: int = NEW_TOKENS) -> dict:
-    return {"input_ids": ids, "stream": stream,
-            "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}}
+    return {
+        "input_ids": ids,
+        "stream": stream,
+        "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True},
+    }
 
 
 def generate(url: str, ids: list[int], stream: bool = False) -> tuple[int, dict]:
@@ -52,8 +64,11 @@ def generate(url: str, ids: list[int], stream: bool = False) -> tuple[int, dict]
         with h.stream("POST", url + "/generate", json=body(ids, stream=True)) as r:
             if r.status_code != 200:
                 return r.status_code, json.loads(r.read())
-            events = [json.loads(line[6:]) for line in r.iter_lines()
-                      if line.startswith("data: ") and line != "data: [DONE]"]
+            events = [
+                json.loads(line[6:])
+                for line in r.iter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"
+            ]
         last = events[-1]
         return (last["error"]["code"], last) if "error" in last else (200, last)
 
@@ -98,7 +113,9 @@ class Load:
         self.stop = threading.Event()
         self.outcomes: list[tuple[list[int], int, dict]] = []
         self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+        self.threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)
+        ]
         for t in self.threads:
             t.start()
 
@@ -145,14 +162,20 @@ def test_swap_roles_under_load(pair, reference):
     # B: decode -> prefill while requests run through R1
     load = Load(R1.url, prompts(30, seed=8))
     first, long_result = threading.Event(), []
-    long_req = threading.Thread(target=long_stream, args=(R1.url, prompts(1, seed=9)[0], first, long_result))
+    long_req = threading.Thread(
+        target=long_stream, args=(R1.url, prompts(1, seed=9)[0], first, long_result)
+    )
     long_req.start()
     c.wait_for(lambda: load.done() >= 12 and first.is_set(), 60, "load through R1")
     with ThreadPoolExecutor(1) as ex:
         fut = ex.submit(switch, B, role="prefill", bootstrap_port=B.bootstrap_port, drain_timeout=3)
         c.wait_for(lambda: B.http.get("/health").status_code == 503, 10, "B to refuse new work")
         load.stop.set()  # requests already sent finish; new ones now get 503
-        during = [generate(R1.url, sample[0]), generate(B.url, sample[0]), generate(B.url, sample[1], stream=True)]
+        during = [
+            generate(R1.url, sample[0]),
+            generate(B.url, sample[0]),
+            generate(B.url, sample[1], stream=True),
+        ]
         health = B.http.get("/health")
         state = info(B)
         again = switch(B, role="colocated")
@@ -168,7 +191,9 @@ def test_swap_roles_under_load(pair, reference):
     for status, out in during:
         assert status == 503 and SWITCHING in out["error"]["message"], out
     assert health.status_code == 503 and SWITCHING in health.json()["error"]["message"]
-    assert state["status"] == "switching" and state["role_switch"]["to"] == "prefill", state["role_switch"]
+    assert state["status"] == "switching" and state["role_switch"]["to"] == "prefill", state[
+        "role_switch"
+    ]
     assert again.status_code == 409 and "in progress" in again.json()["error"]["message"]
     # no request lost: each finished with the offline engine's tokens, or got the 503 naming the switch
     assert len(outcomes) >= 12
@@ -178,7 +203,7 @@ def test_swap_roles_under_load(pair, reference):
         else:
             assert status == 503 and SWITCHING in out["error"]["message"], (status, out)
     assert sum(status == 200 for _, status, _ in outcomes) >= 12
-    (status, last), = long_result
+    ((status, last),) = long_result
     assert status == 200 and last["error"]["code"] == 503, last  # ended in its stream, naming why
     assert SWITCHING in last["error"]["message"] and "drain timeout" in last["error"]["message"]
 
@@ -190,7 +215,11 @@ def test_swap_roles_under_load(pair, reference):
     want = {B.url: ("prefill", B.bootstrap_port), A.url: ("decode", None)}
     c.wait_for(lambda: worker_roles(R1) == want, 30, "R1 to take A and B in their new roles")
     with ThreadPoolExecutor(6) as ex:
-        swapped = list(ex.map(lambda j: generate(R1.url, *j), [(ids, i % 2 == 1) for i, ids in enumerate(sample)]))
+        swapped = list(
+            ex.map(
+                lambda j: generate(R1.url, *j), [(ids, i % 2 == 1) for i, ids in enumerate(sample)]
+            )
+        )
     assert [out["output_ids"] for _, out in swapped] == [out["output_ids"] for _, out in fresh]
     for p, mode in ((A, "decode"), (B, "prefill")):
         now = info(p)
@@ -203,15 +232,21 @@ def test_swap_roles_under_load(pair, reference):
 
 def worker_roles(router: c.Proc) -> dict:
     """url -> (role, bootstrap port) of the router's workers that take requests."""
-    return {w["url"]: (w["worker_type"], w.get("bootstrap_port"))
-            for w in router.http.get("/workers").json()["workers"] if not w.get("draining")}
+    return {
+        w["url"]: (w["worker_type"], w.get("bootstrap_port"))
+        for w in router.http.get("/workers").json()["workers"]
+        if not w.get("draining")
+    }
 
 
 def leave(router: c.Proc, proc: c.Proc) -> None:
     """Remove ``proc`` from the router's workers and wait until it is forgotten (drained)."""
     assert router.http.delete("/workers/" + quote(proc.url, safe="")).status_code == 202
-    c.wait_for(lambda: all(w["url"] != proc.url for w in router.http.get("/workers").json()["workers"]), 30,
-               f"the router to let {proc.name} go")
+    c.wait_for(
+        lambda: all(w["url"] != proc.url for w in router.http.get("/workers").json()["workers"]),
+        30,
+        f"the router to let {proc.name} go",
+    )
 
 
 def test_colocated_and_back(pair, reference):
@@ -231,7 +266,10 @@ def test_colocated_and_back(pair, reference):
     assert resp.status_code == 200, resp.text
     assert resp.json()["role_epoch"] == 3
     assert A.integrity()["cached_pages"] == 0  # the switch flushed the prefix cache
-    assert pair["R1"].http.post("/workers", json={"url": A.url, "worker_type": "decode"}).status_code == 202
+    assert (
+        pair["R1"].http.post("/workers", json={"url": A.url, "worker_type": "decode"}).status_code
+        == 202
+    )
     for ids in sample:
         status, out = generate(pair["R1"].url, ids)
         assert status == 200 and out["output_ids"] == reference(ids)["output_ids"]
@@ -251,16 +289,24 @@ def test_bad_input(pair):
         ({"role": other, "drain_timeout": "soon"}, 400, "drain_timeout"),
         ({"role": other, "surprise": 1}, 400, "surprise"),
         ({}, 400, "role"),
-        ({"role": "colocated" if current != "colocated" else "decode", "bootstrap_port": 9}, 400, "only a prefill"),
+        (
+            {"role": "colocated" if current != "colocated" else "decode", "bootstrap_port": 9},
+            400,
+            "only a prefill",
+        ),
     ]
     for fields, status, needle in cases:
         r = switch(A, **fields)
         assert r.status_code == status and needle in r.json()["error"]["message"], (fields, r.text)
-    if info(B)["disaggregation_mode"] == "prefill" and current != "prefill":  # B holds its bootstrap port
+    if (
+        info(B)["disaggregation_mode"] == "prefill" and current != "prefill"
+    ):  # B holds its bootstrap port
         r = switch(A, role="prefill", bootstrap_port=B.bootstrap_port)
         assert r.status_code == 409 and "not free" in r.json()["error"]["message"], r.text
     r = httpx.post(A.url + "/switch_role", json={"role": other})  # no key
     assert r.status_code == 401
-    assert info(A)["role_epoch"] == info(A)["role_switch"]["epoch"]  # nothing changed by the refusals
+    assert (
+        info(A)["role_epoch"] == info(A)["role_switch"]["epoch"]
+    )  # nothing changed by the refusals
     assert info(A)["disaggregation_mode"] == mode
     A.wait_idle()

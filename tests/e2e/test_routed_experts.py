@@ -16,7 +16,6 @@ mooncake is not installed). Every pool is free afterwards.
 from __future__ import annotations
 
 import base64
-import json
 
 import httpx
 import numpy as np
@@ -40,9 +39,23 @@ NEW = 6
 GREEDY = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
 # float32 everywhere (HF's reference too); pages of 4 and chunks of 8 tokens under 21-token prompts
 MODEL = "tiny-moe"
-SERVE = ["--enable-return-routed-experts", "--served-model-name", MODEL, "--dtype", "float32", "--page-size", "4",
-         "--chunked-prefill-size", "8", "--max-total-tokens", "4096", "--disaggregation-bootstrap-timeout", "10",
-         "--disaggregation-waiting-timeout", "10"]
+SERVE = [
+    "--enable-return-routed-experts",
+    "--served-model-name",
+    MODEL,
+    "--dtype",
+    "float32",
+    "--page-size",
+    "4",
+    "--chunked-prefill-size",
+    "8",
+    "--max-total-tokens",
+    "4096",
+    "--disaggregation-bootstrap-timeout",
+    "10",
+    "--disaggregation-waiting-timeout",
+    "10",
+]
 PROMPT = list(range(300, 321))
 FOLLOW_UP = PROMPT[:16] + [7, 8, 9, 10, 11]  # shares four full pages with PROMPT
 
@@ -61,7 +74,9 @@ def hf_routes(moe_path):
     seen: dict[int, torch.Tensor] = {}
     for i, layer in enumerate(model.model.layers):
         if hasattr(layer.mlp, "gate"):  # a sparse block; its router returns (logits, weights, ids)
-            layer.mlp.gate.register_forward_hook(lambda m, args, out, i=i: seen.__setitem__(i, out[2]))
+            layer.mlp.gate.register_forward_hook(
+                lambda m, args, out, i=i: seen.__setitem__(i, out[2])
+            )
     assert sum(hasattr(layer.mlp, "gate") for layer in model.model.layers) == 2
 
     def routes(seq: list[int]) -> np.ndarray:
@@ -80,7 +95,9 @@ def ids_of(meta_or_ext: dict) -> np.ndarray:
     return decode_ids(base64.b64decode(meta_or_ext["routed_experts"]), LAYERS, TOP_K)
 
 
-def assert_routes(got: np.ndarray, prompt: list[int], output_ids: list[int], hf_routes, start: int = 0) -> None:
+def assert_routes(
+    got: np.ndarray, prompt: list[int], output_ids: list[int], hf_routes, start: int = 0
+) -> None:
     """``got`` holds the routes of prompt + output[:-1] from position ``start``, as HF routes them."""
     seq = prompt + output_ids[:-1]
     assert got.shape == (len(seq) - start, LAYERS, TOP_K)
@@ -91,9 +108,18 @@ def assert_routes(got: np.ndarray, prompt: list[int], output_ids: list[int], hf_
 def test_engine_routes_match_hf_with_chunks_and_a_prefix_hit(moe_path, hf_routes):
     import pdserve
 
-    eng = pdserve.Engine(model_path=moe_path, enable_return_routed_experts=True, dtype="float32", page_size=4,
-                         chunked_prefill_size=8, max_total_tokens=4096, torch_num_threads=1)
-    outs = eng.generate(input_ids=[PROMPT, PROMPT[:5]], sampling_params=GREEDY, return_routed_experts=True)
+    eng = pdserve.Engine(
+        model_path=moe_path,
+        enable_return_routed_experts=True,
+        dtype="float32",
+        page_size=4,
+        chunked_prefill_size=8,
+        max_total_tokens=4096,
+        torch_num_threads=1,
+    )
+    outs = eng.generate(
+        input_ids=[PROMPT, PROMPT[:5]], sampling_params=GREEDY, return_routed_experts=True
+    )
     for prompt, out in zip([PROMPT, PROMPT[:5]], outs):
         assert out["meta_info"]["cached_tokens"] == 0
         assert_routes(ids_of(out["meta_info"]), prompt, out["output_ids"], hf_routes)
@@ -104,18 +130,29 @@ def test_engine_routes_match_hf_with_chunks_and_a_prefix_hit(moe_path, hf_routes
     plain = eng.generate(input_ids=FOLLOW_UP, sampling_params=GREEDY)
     assert "routed_experts" not in plain["meta_info"] and plain["output_ids"] == hit["output_ids"]
     info = eng.check_integrity()
-    assert info["free_pages"] + info["cached_pages"] == info["total_pages"] and info["in_use_pages"] == 0
+    assert (
+        info["free_pages"] + info["cached_pages"] == info["total_pages"]
+        and info["in_use_pages"] == 0
+    )
 
 
 def test_dense_model_and_pipeline_stages_are_refused(tmp_path):
     import pdserve
 
     dense = build_tiny_checkpoint("llama")
-    eng = pdserve.Engine(model_path=dense, enable_return_routed_experts=True, torch_num_threads=1,
-                         max_total_tokens=1024)
+    eng = pdserve.Engine(
+        model_path=dense,
+        enable_return_routed_experts=True,
+        torch_num_threads=1,
+        max_total_tokens=1024,
+    )
     with pytest.raises(ValueError, match="the model has no MoE layers"):
-        eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 1}, return_routed_experts=True)
-    with pytest.raises(ValueError, match="--enable-return-routed-experts needs every layer on one rank"):
+        eng.generate(
+            input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 1}, return_routed_experts=True
+        )
+    with pytest.raises(
+        ValueError, match="--enable-return-routed-experts needs every layer on one rank"
+    ):
         ServerArgs(model_path=dense, pp_size=2, enable_return_routed_experts=True)
 
 
@@ -136,8 +173,22 @@ def servers(moe_path, tmp_path_factory):
     D = c.decode("D", moe_path, logs, *SERVE, "--disaggregation-decode-enable-radix-cache")
     b2 = ["--disaggregation-transfer-backend", backend2]
     P2, _ = c.prefill("P2", moe_path, logs, *SERVE, *b2)
-    D2 = c.decode("D2", moe_path, logs, *SERVE, *b2, "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",
-                  "--ep-size", "2", "--moe-a2a-backend", "torch")
+    D2 = c.decode(
+        "D2",
+        moe_path,
+        logs,
+        *SERVE,
+        *b2,
+        "--tp-size",
+        "2",
+        "--dp-size",
+        "2",
+        "--enable-dp-attention",
+        "--ep-size",
+        "2",
+        "--moe-a2a-backend",
+        "torch",
+    )
     procs = [C, P, D, P2, D2]
     sgl = None
     try:
@@ -147,9 +198,21 @@ def servers(moe_path, tmp_path_factory):
         c.start_all([R, R2])
         if sglang_router_available():
             port = c.free_port()
-            sgl = start_sglang_router([(P.url, P.bootstrap_port)], [D.url], port, log_path=str(logs / "sgl.log"))
+            sgl = start_sglang_router(
+                [(P.url, P.bootstrap_port)], [D.url], port, log_path=str(logs / "sgl.log")
+            )
             sgl.url = f"http://127.0.0.1:{port}"
-        yield {"C": C, "P": P, "D": D, "R": R, "P2": P2, "D2": D2, "R2": R2, "sgl": sgl, "backend2": backend2}
+        yield {
+            "C": C,
+            "P": P,
+            "D": D,
+            "R": R,
+            "P2": P2,
+            "D2": D2,
+            "R2": R2,
+            "sgl": sgl,
+            "backend2": backend2,
+        }
     finally:
         if sgl is not None:
             sgl.terminate()
@@ -179,11 +242,15 @@ def test_colocated_generate(servers, hf_routes):
     out = post(C, "/generate", gen_body(PROMPT))
     assert_routes(ids_of(out["meta_info"]), PROMPT, out["output_ids"], hf_routes)
     # a batch asks per prompt; a stream carries them in its final event only
-    both = post(C, "/generate", gen_body([PROMPT[:5], PROMPT[:9]], return_routed_experts=[True, False]))
+    both = post(
+        C, "/generate", gen_body([PROMPT[:5], PROMPT[:9]], return_routed_experts=[True, False])
+    )
     assert_routes(ids_of(both[0]["meta_info"]), PROMPT[:5], both[0]["output_ids"], hf_routes)
     assert "routed_experts" not in both[1]["meta_info"]
     events = [e for e in stream(C, "/generate", gen_body(FOLLOW_UP)) if e != "[DONE]"]
-    assert [("routed_experts" in e["meta_info"]) for e in events] == [False] * (len(events) - 1) + [True]
+    assert [("routed_experts" in e["meta_info"]) for e in events] == [False] * (len(events) - 1) + [
+        True
+    ]
     assert events[-1]["meta_info"]["cached_tokens"] == 16  # PROMPT's pages: the prefix cache's ids
     assert_routes(ids_of(events[-1]["meta_info"]), FOLLOW_UP, events[-1]["output_ids"], hf_routes)
     # routed_experts_start_len: only the rows from that position on
@@ -196,17 +263,30 @@ def test_colocated_generate(servers, hf_routes):
 def test_colocated_openai_routes(servers, hf_routes, moe_path):
     C = servers["C"].url
     out_ids = post(C, "/generate", gen_body(PROMPT))["output_ids"]
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
-            "return_routed_experts": True}
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": NEW,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_routed_experts": True,
+    }
     comp = post(C, "/v1/completions", body)
     assert_routes(ids_of(comp["sglext"]), PROMPT, out_ids, hf_routes)
     assert "sglext" not in post(C, "/v1/completions", {**body, "return_routed_experts": False})
     messages = [{"role": "user", "content": "Which experts?"}]
     prompt = chat_input_ids(AutoTokenizer.from_pretrained(moe_path), messages)
     chat_out = post(C, "/generate", gen_body(prompt))["output_ids"]
-    chat = {"messages": messages, "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
-            "return_routed_experts": True}
-    assert_routes(ids_of(post(C, "/v1/chat/completions", chat)["sglext"]), prompt, chat_out, hf_routes)
+    chat = {
+        "messages": messages,
+        "max_tokens": NEW,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_routed_experts": True,
+    }
+    assert_routes(
+        ids_of(post(C, "/v1/chat/completions", chat)["sglext"]), prompt, chat_out, hf_routes
+    )
     # a stream: one chunk without choices carries sglext (before usage and [DONE]), as SGLang sends it
     events = stream(C, "/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}})
     ext = [e for e in events if isinstance(e, dict) and "sglext" in e]
@@ -215,9 +295,13 @@ def test_colocated_openai_routes(servers, hf_routes, moe_path):
 
 
 def test_asking_without_the_flag_is_400(live):
-    for path, body in [("/generate", {"text": "hi", "return_routed_experts": True}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                 "return_routed_experts": True})]:
+    for path, body in [
+        ("/generate", {"text": "hi", "return_routed_experts": True}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "return_routed_experts": True},
+        ),
+    ]:
         r = live.http.post(path, json=body)
         assert r.status_code == 400 and "--enable-return-routed-experts" in r.text, r.text
 
@@ -237,7 +321,9 @@ def test_pd_prompt_ids_from_prefill_then_decode_ids(servers, hf_routes):
     assert recent_transfers(P)[-1]["decode_prefix_pages"] == 4
     assert_routes(ids_of(events[-1]["meta_info"]), FOLLOW_UP, events[-1]["output_ids"], hf_routes)
     # max_new_tokens 1: the prompt's ids alone, all from prefill
-    one = post(R, "/generate", gen_body(PROMPT[:7], sampling_params={**GREEDY, "max_new_tokens": 1}))
+    one = post(
+        R, "/generate", gen_body(PROMPT[:7], sampling_params={**GREEDY, "max_new_tokens": 1})
+    )
     assert_routes(ids_of(one["meta_info"]), PROMPT[:7], one["output_ids"], hf_routes)
 
 
@@ -251,8 +337,14 @@ def test_pd_behind_sglang_router(servers, hf_routes, moe_path):
     text = "Mixture of experts, routed through the reference router"  # it takes no token-id prompts
     ids = AutoTokenizer.from_pretrained(moe_path)(text)["input_ids"]
     out_ids = post(servers["C"].url, "/generate", gen_body(ids))["output_ids"]
-    body = {"model": MODEL, "prompt": text, "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
-            "return_routed_experts": True}
+    body = {
+        "model": MODEL,
+        "prompt": text,
+        "max_tokens": NEW,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_routed_experts": True,
+    }
     assert_routes(ids_of(post(sgl.url, "/v1/completions", body)["sglext"]), ids, out_ids, hf_routes)
 
 
@@ -263,10 +355,15 @@ def test_pd_into_dp_attention_with_expert_parallelism(servers, hf_routes):
     for p, out in zip(prompts, outs):
         assert_routes(ids_of(out["meta_info"]), p, out["output_ids"], hf_routes)
     groups = servers["D2"].http.get("/server_info").json()["internal_states"]
-    assert len(groups) == 2 and all(g["generation_tokens"] > 0 for g in groups), groups  # both groups decoded
+    assert len(groups) == 2 and all(g["generation_tokens"] > 0 for g in groups), (
+        groups
+    )  # both groups decoded
 
 
 def test_pools_free_afterwards(servers):
     for name in ("C", "P", "D", "P2", "D2"):
         pools = servers[name].wait_idle()
-        assert pools.get("metadata_slots_free", 0) == pools.get("metadata_slots_total", 0), (name, pools)
+        assert pools.get("metadata_slots_free", 0) == pools.get("metadata_slots_total", 0), (
+            name,
+            pools,
+        )

@@ -23,8 +23,19 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def router(elastic_servers):
     s = elastic_servers
-    r = s.router("MR", s.prefills[:1], s.decodes[:1], "--api-key", KEY, "--add-worker-timeout", "2",
-                 "--policy", "round_robin", "--health-check-interval", "1")
+    r = s.router(
+        "MR",
+        s.prefills[:1],
+        s.decodes[:1],
+        "--api-key",
+        KEY,
+        "--add-worker-timeout",
+        "2",
+        "--policy",
+        "round_robin",
+        "--health-check-interval",
+        "1",
+    )
     r.http.headers.update(AUTH)
     r.start()
     yield r
@@ -42,9 +53,17 @@ def served(proc: c.Proc) -> float:
 def test_get_workers_lists_what_the_servers_report(router, elastic_servers):
     s = elastic_servers
     body = router.http.get("/workers").json()
-    assert body["total"] == 2 and body["stats"] == {"prefill_count": 1, "decode_count": 1, "regular_count": 0}
+    assert body["total"] == 2 and body["stats"] == {
+        "prefill_count": 1,
+        "decode_count": 1,
+        "regular_count": 0,
+    }
     p, d = worker_state(router, s.prefills[0].url), worker_state(router, s.decodes[0].url)
-    assert (p["worker_type"], p["bootstrap_port"], p["is_healthy"]) == ("prefill", s.bootstrap_port, True)
+    assert (p["worker_type"], p["bootstrap_port"], p["is_healthy"]) == (
+        "prefill",
+        s.bootstrap_port,
+        True,
+    )
     assert (d["worker_type"], d["model_id"], d["dp_size"]) == ("decode", "tiny-llama", 1)
     assert d["transfer_backend"] == "local" and d["requests"] == 0
     assert p["metadata"]["disaggregation_mode"] == "prefill" and d["connection_mode"] == "HTTP"
@@ -55,27 +74,39 @@ def test_bad_input_and_unauthenticated_calls_are_refused(router, elastic_servers
     p1, d0 = s.prefills[1], s.decodes[0]
     assert router.http.get("/workers", headers={"Authorization": ""}).status_code == 401
     assert httpx.post(router.url + "/workers", json={"url": p1.url}).status_code == 401
-    assert httpx.delete(f"{router.url}/workers/{worker_state(router, d0.url)['id']}").status_code == 401
+    assert (
+        httpx.delete(f"{router.url}/workers/{worker_state(router, d0.url)['id']}").status_code
+        == 401
+    )
 
     def refused(body: dict, status: int = 400) -> str:
         resp = router.http.post("/workers", json=body)
         assert resp.status_code == status, resp.text
         return resp.json()["error"]
 
-    assert "runs with disaggregation_mode prefill" in refused({"url": p1.url, "worker_type": "decode"})
+    assert "runs with disaggregation_mode prefill" in refused(
+        {"url": p1.url, "worker_type": "decode"}
+    )
     assert f"reports bootstrap port {s.bootstrap_port}" in refused(
-        {"url": p1.url, "worker_type": "prefill", "bootstrap_port": s.bootstrap_port + 1})
+        {"url": p1.url, "worker_type": "prefill", "bootstrap_port": s.bootstrap_port + 1}
+    )
     assert "worker_type" in refused({"url": p1.url, "worker_type": "primary"})
-    assert "invalid worker URL" in refused({"url": "http://127.0.0.2:port", "worker_type": "prefill"})
+    assert "invalid worker URL" in refused(
+        {"url": "http://127.0.0.2:port", "worker_type": "prefill"}
+    )
     assert "already a worker" in refused({"url": d0.url, "worker_type": "decode"}, 409)
     t0 = time.monotonic()
-    assert "not healthy after 2 s" in refused({"url": f"http://127.0.0.9:{c.free_port()}", "worker_type": "decode"})
+    assert "not healthy after 2 s" in refused(
+        {"url": f"http://127.0.0.9:{c.free_port()}", "worker_type": "decode"}
+    )
     assert time.monotonic() - t0 < 6
     assert router.http.delete("/workers/http%3A%2F%2F127.0.0.9%3A1").status_code == 404
     assert router.http.get("/workers").json()["total"] == 2
 
 
-def test_decode_added_under_load_takes_requests_then_the_removed_decode_drains(router, elastic_servers):
+def test_decode_added_under_load_takes_requests_then_the_removed_decode_drains(
+    router, elastic_servers
+):
     s = elastic_servers
     d0, d1 = s.decodes
     load = StreamLoad(router.url, headers=AUTH)
@@ -88,7 +119,9 @@ def test_decode_added_under_load_takes_requests_then_the_removed_decode_drains(r
         c.wait_for(lambda: served(d1) >= before + 3, 60, "the added decode to serve streams")
         assert worker_state(router, d1.url)["requests"] >= 3
         # now remove decode 0 while it runs a stream
-        c.wait_for(lambda: worker_state(router, d0.url)["in_flight"] > 0, 30, "a stream on decode 0")
+        c.wait_for(
+            lambda: worker_state(router, d0.url)["in_flight"] > 0, 30, "a stream on decode 0"
+        )
         gone = router.http.delete(f"/workers/{worker_state(router, d0.url)['id']}")
         assert gone.status_code == 202, gone.text
         removed = time.monotonic()
@@ -98,7 +131,9 @@ def test_decode_added_under_load_takes_requests_then_the_removed_decode_drains(r
     finally:
         results = load.close()
     assert not load.failures(), load.failures()[:3]
-    assert len({text for _, _, text, _ in results}) == 1  # the same greedy output from either decode
+    assert (
+        len({text for _, _, text, _ in results}) == 1
+    )  # the same greedy output from either decode
     assert any(t >= added for t, *_ in results)
     d0.wait_idle()
 
@@ -108,7 +143,9 @@ def test_prefill_removed_under_load_finishes_its_rooms(router, elastic_servers):
     p0, p1 = s.prefills
     # no bootstrap_port: the one p1 reports in /server_info
     resp = router.http.post("/workers", json={"url": p1.url, "worker_type": "prefill"})
-    assert resp.status_code == 202 and resp.json()["worker"]["bootstrap_port"] == s.bootstrap_port, resp.text
+    assert (
+        resp.status_code == 202 and resp.json()["worker"]["bootstrap_port"] == s.bootstrap_port
+    ), resp.text
     load = StreamLoad(router.url, headers=AUTH)
     try:
         c.wait_for(lambda: worker_state(router, p0.url)["in_flight"] > 0, 60, "a room on prefill 0")
@@ -129,27 +166,47 @@ def test_prefill_removed_under_load_finishes_its_rooms(router, elastic_servers):
         proc.wait_idle()
 
 
-@pytest.mark.skipif(not sglang_router_available(), reason="sglang-router is not installed (scripts/install.sh --test)")
+@pytest.mark.skipif(
+    not sglang_router_available(),
+    reason="sglang-router is not installed (scripts/install.sh --test)",
+)
 def test_sglang_router_worker_api_in_front_of_pdserve(elastic_servers, tmp_path):
     """sglang-router 0.3.2 takes a pdserve decode at run time through POST /workers, serves
     through it, and lets it go with DELETE /workers/{id}."""
     s = elastic_servers
     p0, (d0, d1) = s.prefills[0], s.decodes
     port = c.free_port()
-    proc = start_sglang_router([(p0.url, s.bootstrap_port)], [d0.url], port, policy="round_robin",
-                               log_path=str(tmp_path / "sglang-router.log"))
+    proc = start_sglang_router(
+        [(p0.url, s.bootstrap_port)],
+        [d0.url],
+        port,
+        policy="round_robin",
+        log_path=str(tmp_path / "sglang-router.log"),
+    )
     base = f"http://127.0.0.1:{port}"
     try:
-        resp = httpx.post(base + "/workers", json={"url": d1.url, "worker_type": "decode"}, timeout=30)
+        resp = httpx.post(
+            base + "/workers", json={"url": d1.url, "worker_type": "decode"}, timeout=30
+        )
         assert resp.status_code == 202 and resp.json()["status"] == "accepted", resp.text
         wid = resp.json()["worker_id"]
 
         def listed():
-            return [w for w in httpx.get(base + "/workers", timeout=10).json()["workers"] if w["url"] == d1.url]
-        c.wait_for(lambda: listed() and listed()[0]["is_healthy"], 60, "sglang-router to take decode 1")
+            return [
+                w
+                for w in httpx.get(base + "/workers", timeout=10).json()["workers"]
+                if w["url"] == d1.url
+            ]
+
+        c.wait_for(
+            lambda: listed() and listed()[0]["is_healthy"], 60, "sglang-router to take decode 1"
+        )
         assert listed()[0]["worker_type"] == "decode" and listed()[0]["id"] == wid
         before = served(d1)
-        body = {"input_ids": [1, 5, 9, 14], "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+        body = {
+            "input_ids": [1, 5, 9, 14],
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+        }
         texts = set()
         for _ in range(6):
             r = httpx.post(base + "/generate", json=body, timeout=120)

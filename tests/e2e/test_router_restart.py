@@ -29,7 +29,10 @@ class Load:
         self.futures = [self.pool.submit(self._run, i) for i in range(CLIENTS)]
 
     def _run(self, i: int) -> None:
-        body = {"text": f"client {i} says hello", "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}
+        body = {
+            "text": f"client {i} says hello",
+            "sampling_params": {"max_new_tokens": 8, "ignore_eos": True},
+        }
         with httpx.Client(timeout=60) as http:
             while not self.stop.is_set():
                 t0 = time.monotonic()
@@ -53,8 +56,16 @@ class Load:
 
 def test_only_prefill_killed_and_restarted_under_load(tmp_path_factory, tiny_llama_path):
     logs = tmp_path_factory.mktemp("restart")
-    common = ["--max-total-tokens", "16384", "--served-model-name", SERVED_MODEL_NAME,
-              "--disaggregation-bootstrap-timeout", "5", "--disaggregation-waiting-timeout", "5"]
+    common = [
+        "--max-total-tokens",
+        "16384",
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        "--disaggregation-bootstrap-timeout",
+        "5",
+        "--disaggregation-waiting-timeout",
+        "5",
+    ]
     P, _ = c.prefill("RP", tiny_llama_path, logs, *common)
     D = c.decode("RD", tiny_llama_path, logs, *common)
     procs = [P, D]
@@ -63,30 +74,49 @@ def test_only_prefill_killed_and_restarted_under_load(tmp_path_factory, tiny_lla
         c.start_all((P, D))
         # A breaker that opens after two failed legs, with the default cooldown; health checks far
         # apart, so that they cannot notice the outage by themselves (as with a quick restart).
-        R = c.router("RR", [P], [D], logs, "--cb-failure-threshold", "2", "--cb-cooldown", str(COOLDOWN_S),
-                     "--health-check-interval", "120")
+        R = c.router(
+            "RR",
+            [P],
+            [D],
+            logs,
+            "--cb-failure-threshold",
+            "2",
+            "--cb-cooldown",
+            str(COOLDOWN_S),
+            "--health-check-interval",
+            "120",
+        )
         procs.append(R.start())
         load = Load(R.url)
         c.wait_for(lambda: len(load.ok_after(0)) >= 6, 60, "requests to succeed before the kill")
 
         P.kill9()
         killed = time.monotonic()
-        c.wait_for(lambda: any(r[0] >= killed and r[2] != 200 for r in load.results), 30,
-                   "requests to fail while the prefill is down")
+        c.wait_for(
+            lambda: any(r[0] >= killed and r[2] != 200 for r in load.results),
+            30,
+            "requests to fail while the prefill is down",
+        )
         P.start(wait=False)  # same command: same HTTP and bootstrap ports
         P.wait_ready()
         healthy = time.monotonic()
 
-        c.wait_for(lambda: load.ok_after(healthy), RECOVERY_LIMIT_S, "a success after the prefill is healthy")
+        c.wait_for(
+            lambda: load.ok_after(healthy),
+            RECOVERY_LIMIT_S,
+            "a success after the prefill is healthy",
+        )
         first = min(load.ok_after(healthy), key=lambda r: r[1])
         assert first[1] - healthy < RECOVERY_LIMIT_S < COOLDOWN_S
         # and from then on it keeps serving: the last requests all succeed
         c.wait_for(lambda: len(load.ok_after(first[1])) >= 6, 30, "six more successes")
         load.close()
-        tail = [r[2] for r in sorted(load.results)[-CLIENTS * 2:]]
+        tail = [r[2] for r in sorted(load.results)[-CLIENTS * 2 :]]
         assert tail == [200] * len(tail), tail
         load = None
-        D.wait_idle(timeout=30)  # the requests that lost their prefill left nothing behind on decode
+        D.wait_idle(
+            timeout=30
+        )  # the requests that lost their prefill left nothing behind on decode
         P.wait_idle(timeout=30)
         router_view = R.http.get("/server_info").json()
         assert all(w["healthy"] for role in ("prefill", "decode") for w in router_view[role])

@@ -36,8 +36,9 @@ def test_batch_of_input_ids_matches_offline(live, offline_engine):
 
 def test_stream_sends_cumulative_text_and_ids(live, offline_engine):
     ref = offline_engine.generate(prompt=PROMPTS[1], sampling_params=GREEDY)
-    with live.http.stream("POST", "/generate",
-                          json={"text": PROMPTS[1], "sampling_params": GREEDY, "stream": True}) as r:
+    with live.http.stream(
+        "POST", "/generate", json={"text": PROMPTS[1], "sampling_params": GREEDY, "stream": True}
+    ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r.iter_lines())
@@ -45,7 +46,7 @@ def test_stream_sends_cumulative_text_and_ids(live, offline_engine):
     chunks = events[:-1]
     assert chunks
     for prev, cur in zip(chunks, chunks[1:]):
-        assert cur["output_ids"][:len(prev["output_ids"])] == prev["output_ids"]
+        assert cur["output_ids"][: len(prev["output_ids"])] == prev["output_ids"]
         assert cur["text"].startswith(prev["text"])
         assert prev["meta_info"]["finish_reason"] is None
     assert chunks[-1]["output_ids"] == ref["output_ids"]
@@ -57,14 +58,20 @@ def test_multibyte_prompt_stream_concatenates_to_final_text(live, offline_engine
     prompt = "日本語のテキスト 😀🎉 中文 한국어 émoji ✨"
     params = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}
     ref = offline_engine.generate(prompt=prompt, sampling_params=params)
-    with live.http.stream("POST", "/generate", json={"text": prompt, "sampling_params": params, "stream": True}) as r:
+    with live.http.stream(
+        "POST", "/generate", json={"text": prompt, "sampling_params": params, "stream": True}
+    ) as r:
         chunks = sse_events(r.iter_lines())[:-1]
     texts = [c["text"] for c in chunks]
     for prev, cur in zip(texts, texts[1:]):
         assert cur.startswith(prev)
     final = chunks[-1]
     assert final["output_ids"] == ref["output_ids"]
-    assert final["text"] == ref["text"] == offline_engine.tokenizer.decode(ref["output_ids"], skip_special_tokens=True)
+    assert (
+        final["text"]
+        == ref["text"]
+        == offline_engine.tokenizer.decode(ref["output_ids"], skip_special_tokens=True)
+    )
 
 
 def test_logprobs_match_offline(live, offline_engine):
@@ -79,14 +86,22 @@ def test_logprobs_match_offline(live, offline_engine):
             assert got[1] == want[1] and got[2] is None
             assert (got[0] is None and want[0] is None) or abs(got[0] - want[0]) < 1e-4
     assert meta["input_token_logprobs"][0][0] is None  # the first prompt token has no logprob
-    assert [[e[1] for e in top] for top in meta["output_top_logprobs"]] == \
-        [[e[1] for e in top] for top in ref["output_top_logprobs"]]
+    assert [[e[1] for e in top] for top in meta["output_top_logprobs"]] == [
+        [e[1] for e in top] for top in ref["output_top_logprobs"]
+    ]
     assert all(len(top) == 3 for top in meta["output_top_logprobs"])
 
 
 def test_logprob_text_when_asked(live):
-    r = live.http.post("/generate", json={"text": PROMPTS[0], "sampling_params": GREEDY, "return_logprob": True,
-                                          "return_text_in_logprobs": True})
+    r = live.http.post(
+        "/generate",
+        json={
+            "text": PROMPTS[0],
+            "sampling_params": GREEDY,
+            "return_logprob": True,
+            "return_text_in_logprobs": True,
+        },
+    )
     entries = r.json()["meta_info"]["output_token_logprobs"]
     assert all(isinstance(e[2], str) for e in entries)
     assert "".join(e[2] for e in entries) == r.json()["text"]
@@ -95,11 +110,21 @@ def test_logprob_text_when_asked(live):
 def test_router_shaped_body_with_rid_and_bootstrap_fields(live):
     """The body as sglang-router re-serialises it (reference/sglang-router-wire-examples.md)."""
     body = {
-        "text": "hello world from router", "model": None, "rid": "my-request-id-1",
+        "text": "hello world from router",
+        "model": None,
+        "rid": "my-request-id-1",
         "sampling_params": {"temperature": 0.0, "max_new_tokens": 4},
-        "return_text_in_logprobs": False, "stream": False, "log_metrics": True, "return_hidden_states": False,
-        "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False,
-        "bootstrap_host": "127.0.0.1", "bootstrap_port": 31901, "bootstrap_room": 8016466815125474810,
+        "return_text_in_logprobs": False,
+        "stream": False,
+        "log_metrics": True,
+        "return_hidden_states": False,
+        "background": False,
+        "no_logs": False,
+        "return_bytes": False,
+        "return_entropy": False,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": 31901,
+        "bootstrap_room": 8016466815125474810,
     }
     r = live.http.post("/generate", json=body)
     assert r.status_code == 200, r.text
@@ -110,8 +135,13 @@ def test_router_shaped_body_with_rid_and_bootstrap_fields(live):
 
 
 def test_n_samples_and_batch_order(live):
-    r = live.http.post("/generate", json={
-        "text": PROMPTS[:2], "sampling_params": {"max_new_tokens": 6, "temperature": 0, "n": 2}})
+    r = live.http.post(
+        "/generate",
+        json={
+            "text": PROMPTS[:2],
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "n": 2},
+        },
+    )
     assert r.status_code == 200, r.text
     outs = r.json()
     assert len(outs) == 4  # prompt i, sample j at i * n + j
@@ -121,8 +151,15 @@ def test_n_samples_and_batch_order(live):
 
 
 def test_batch_stream_tags_items_with_index(live):
-    with live.http.stream("POST", "/generate", json={
-            "text": PROMPTS, "sampling_params": {"max_new_tokens": 5, "temperature": 0}, "stream": True}) as r:
+    with live.http.stream(
+        "POST",
+        "/generate",
+        json={
+            "text": PROMPTS,
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0},
+            "stream": True,
+        },
+    ) as r:
         events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]"
     finals = {e["index"]: e for e in events[:-1] if e["meta_info"]["finish_reason"] is not None}
@@ -139,7 +176,7 @@ def test_stop_is_trimmed_from_text(live, offline_engine, stop_kind):
     if stop_kind == "string":
         # a stop string spanning the boundary between output tokens 4 and 5
         left, right = tok.decode(ids[:5]), tok.decode(ids[:6])
-        stop = left[-2:] + right[len(left):len(left) + 2]
+        stop = left[-2:] + right[len(left) : len(left) + 2]
         params = {**params, "stop": [stop]}
     else:
         params = {**params, "stop_token_ids": [ids[5]]}
@@ -148,8 +185,9 @@ def test_stop_is_trimmed_from_text(live, offline_engine, stop_kind):
     r = live.http.post("/generate", json={"text": PROMPTS[0], "sampling_params": params})
     assert r.json()["text"] == ref["text"]
     assert r.json()["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
-    with live.http.stream("POST", "/generate",
-                          json={"text": PROMPTS[0], "sampling_params": params, "stream": True}) as r:
+    with live.http.stream(
+        "POST", "/generate", json={"text": PROMPTS[0], "sampling_params": params, "stream": True}
+    ) as r:
         chunks = sse_events(r.iter_lines())[:-1]
     assert chunks[-1]["text"] == ref["text"]
     if stop_kind == "string":

@@ -40,11 +40,24 @@ def test_scheduler_start_failure_exits_1_with_its_reason(tiny_llama_path, tmp_pa
 
 def test_scheduler_death_fails_requests_and_stops_the_server(tiny_llama_path):
     port = free_port()
-    proc = subprocess.Popen(SERVE + ["--model-path", tiny_llama_path, "--port", str(port), "--skip-warmup",
-                                     "--max-total-tokens", "16384"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+    proc = subprocess.Popen(
+        SERVE
+        + [
+            "--model-path",
+            tiny_llama_path,
+            "--port",
+            str(port),
+            "--skip-warmup",
+            "--max-total-tokens",
+            "16384",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=ENV,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
+
         def healthy() -> bool:
             assert proc.poll() is None, f"server exited with {proc.returncode}"
             try:
@@ -56,16 +69,25 @@ def test_scheduler_death_fails_requests_and_stops_the_server(tiny_llama_path):
         events: list = []
 
         def stream() -> None:
-            body = {"text": "x", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}, "stream": True}
+            body = {
+                "text": "x",
+                "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True},
+                "stream": True,
+            }
             with httpx.stream("POST", url + "/generate", json=body, timeout=60) as r:
                 events.extend(sse_events(r.iter_lines()))
 
         t = threading.Thread(target=stream)
         t.start()
-        wait_for(lambda: httpx.get(url + "/get_load").json()[0]["num_reqs"] == 1, 30, "the request to start")
+        wait_for(
+            lambda: httpx.get(url + "/get_load").json()[0]["num_reqs"] == 1,
+            30,
+            "the request to start",
+        )
         children = child_pids(proc.pid)
-        scheduler = next(pid for pid in children
-                         if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read())
+        scheduler = next(
+            pid for pid in children if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()
+        )
         os.kill(scheduler, signal.SIGKILL)
         t.join(60)
         assert events[-1] == "[DONE]"

@@ -51,7 +51,9 @@ def test_get_load_shape(live):
 
 
 def test_flush_cache(live):
-    live.http.post("/generate", json={"text": "fill the cache " * 20, "sampling_params": {"max_new_tokens": 2}})
+    live.http.post(
+        "/generate", json={"text": "fill the cache " * 20, "sampling_params": {"max_new_tokens": 2}}
+    )
     live.wait_idle()
     assert live.http.post("/flush_cache").status_code == 200
     assert live.wait_idle()["cached_pages"] == 0
@@ -63,14 +65,18 @@ def metric_samples(live) -> dict[tuple[str, tuple], float]:
     out = {}
     for family in text_string_to_metric_families(r.text):
         for s in family.samples:
-            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
+            out[
+                (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))
+            ] = s.value
     return out
 
 
 def test_metrics_parse_and_move(live):
     before = metric_samples(live)
-    r = live.http.post("/generate", json={"text": "count me", "sampling_params": {"max_new_tokens": 7,
-                                                                                   "ignore_eos": True}})
+    r = live.http.post(
+        "/generate",
+        json={"text": "count me", "sampling_params": {"max_new_tokens": 7, "ignore_eos": True}},
+    )
     prompt_tokens = r.json()["meta_info"]["prompt_tokens"]
     after = metric_samples(live)
 
@@ -83,8 +89,13 @@ def test_metrics_parse_and_move(live):
     assert delta("pdserve:e2e_request_latency_seconds_count") == 1
     assert delta("pdserve:inter_token_latency_seconds_count") >= 1
     assert delta("pdserve:requests_total", (("finish_reason", "length"),)) == 1
-    for gauge in ("pdserve:num_running_reqs", "pdserve:num_waiting_reqs", "pdserve:kv_pages_used",
-                  "pdserve:kv_pages_free", "pdserve:cache_hit_rate"):
+    for gauge in (
+        "pdserve:num_running_reqs",
+        "pdserve:num_waiting_reqs",
+        "pdserve:kv_pages_used",
+        "pdserve:kv_pages_free",
+        "pdserve:cache_hit_rate",
+    ):
         assert (gauge, ()) in after, gauge
     assert after[("pdserve:kv_pages_free", ())] > 0
 
@@ -92,8 +103,11 @@ def test_metrics_parse_and_move(live):
 def test_client_disconnect_mid_stream_aborts(live):
     generated_before = live.scheduler_stats()["generation_tokens"]
     with httpx.Client(base_url=live.url, timeout=60) as c:
-        with c.stream("POST", "/generate", json={"text": "a long story", "sampling_params": LONG,
-                                                 "stream": True}) as r:
+        with c.stream(
+            "POST",
+            "/generate",
+            json={"text": "a long story", "sampling_params": LONG, "stream": True},
+        ) as r:
             chunks = 0
             for line in r.iter_lines():
                 chunks += line.startswith("data: {")
@@ -110,10 +124,16 @@ def test_client_disconnect_before_response_aborts(live):
     body = b'{"text": "another long story", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": true}}'
     host, port = live.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        sock.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         # the request is running once the scheduler reports it
-        wait_for(lambda: live.http.get("/get_load").json()[0]["num_reqs"] == 1, 30, "the request to start")
+        wait_for(
+            lambda: live.http.get("/get_load").json()[0]["num_reqs"] == 1,
+            30,
+            "the request to start",
+        )
     live.wait_idle()
     assert live.scheduler_stats()["generation_tokens"] - generated_before < 4000
 
@@ -123,13 +143,23 @@ def test_abort_request_by_rid_ends_the_stream_with_an_error(live):
 
     def stream() -> None:
         with httpx.Client(base_url=live.url, timeout=60) as c:
-            with c.stream("POST", "/generate", json={"text": "abort me", "rid": "abort-me", "sampling_params": LONG,
-                                                     "stream": True}) as r:
+            with c.stream(
+                "POST",
+                "/generate",
+                json={
+                    "text": "abort me",
+                    "rid": "abort-me",
+                    "sampling_params": LONG,
+                    "stream": True,
+                },
+            ) as r:
                 events.extend(sse_events(r.iter_lines()))
 
     t = threading.Thread(target=stream)
     t.start()
-    wait_for(lambda: live.http.get("/get_load").json()[0]["num_reqs"] == 1, 30, "the request to start")
+    wait_for(
+        lambda: live.http.get("/get_load").json()[0]["num_reqs"] == 1, 30, "the request to start"
+    )
     assert live.http.post("/abort_request", json={"rid": "abort-me"}).json() == {"aborted": 1}
     t.join(60)
     assert not t.is_alive()

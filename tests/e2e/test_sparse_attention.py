@@ -32,15 +32,18 @@ def prompts() -> list[list[int]]:
     return prompts_for(11)[3:6]  # 40, 95 and 160 tokens: most queries see more than 8 keys
 
 
-def _rotate_half_part(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int) -> torch.Tensor:
+def _rotate_half_part(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int
+) -> torch.Tensor:
     a, b = x[..., :r], x[..., r:]
     half = r // 2
     rotated = torch.cat([-a[..., half:], a[..., :half]], dim=-1)
     return torch.cat([a * cos + rotated * sin, b], dim=-1)
 
 
-def rule_indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None,
-                         cache=None):
+def rule_indexer_forward(
+    self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None, cache=None
+):
     """HF's indexer with pdserve's top-k rule: scores from the formula (float64), then ``rule_topk``."""
     b, s, _ = hidden_states.shape
     cos, sin = position_embeddings  # [B, S, r]
@@ -51,13 +54,18 @@ def rule_indexer_forward(self, hidden_states, q_resid, position_embeddings, atte
     if cache is not None:
         k = cache.update_indexer(k, self.layer_idx)
     scores = torch.relu(torch.einsum("bshd,btd->bsht", q.double(), k.double()) * self.softmax_scale)
-    w = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).double() * self.n_heads ** -0.5
+    w = (
+        self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).double()
+        * self.n_heads**-0.5
+    )
     index = torch.einsum("bsh,bsht->bst", w, scores)
     offset = k.shape[1] - s  # query i sits at position offset + i
     out = torch.empty((b, s, min(self.index_topk, k.shape[1])), dtype=torch.int32)
     for i in range(s):
-        chosen = rule_topk(index[0, i, :offset + i + 1], self.index_topk)
-        out[0, i] = torch.cat([chosen, chosen[-1:].expand(out.shape[2] - len(chosen))]).to(torch.int32)
+        chosen = rule_topk(index[0, i, : offset + i + 1], self.index_topk)
+        out[0, i] = torch.cat([chosen, chosen[-1:].expand(out.shape[2] - len(chosen))]).to(
+            torch.int32
+        )
     return out
 
 
@@ -70,8 +78,14 @@ def hf_rule_greedy(path: str, ids: list[int]) -> list[int]:
     try:
         with torch.no_grad():
             t = torch.tensor([ids])
-            return model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=NEW_TOKENS,
-                                  min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+            return model.generate(
+                t,
+                attention_mask=torch.ones_like(t),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+            )[0, len(ids) :].tolist()
     finally:
         m.DeepseekV32Indexer.forward = original
 
@@ -80,9 +94,16 @@ def hf_rule_greedy(path: str, ids: list[int]) -> list[int]:
 def by_chunk(sparse_model, prompts) -> dict:
     out = {}
     for chunk in (1, 7, 64, 4096):  # 4096: every prompt in one forward
-        eng = make_engine(sparse_model, page_size=1 if chunk < 16 else 16, chunked_prefill_size=chunk, dtype="float32")
+        eng = make_engine(
+            sparse_model,
+            page_size=1 if chunk < 16 else 16,
+            chunked_prefill_size=chunk,
+            dtype="float32",
+        )
         try:
-            out[chunk] = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=SP)]
+            out[chunk] = [
+                o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=SP)
+            ]
             info = eng.check_integrity()
             assert info["in_use_pages"] == 0 and info["running"] == 0
         finally:
@@ -100,9 +121,17 @@ def test_the_same_tokens_as_hf_with_the_stated_rule(sparse_model, prompts, by_ch
 
 
 def test_the_torch_backend_selects_alike(sparse_model, prompts, by_chunk):
-    eng = make_engine(sparse_model, page_size=1, chunked_prefill_size=64, dtype="float32", attention_backend="torch")
+    eng = make_engine(
+        sparse_model,
+        page_size=1,
+        chunked_prefill_size=64,
+        dtype="float32",
+        attention_backend="torch",
+    )
     try:
-        assert [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=SP)] == by_chunk[4096]
+        assert [
+            o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=SP)
+        ] == by_chunk[4096]
     finally:
         eng.shutdown()
 
@@ -117,7 +146,9 @@ def test_pd_serves_the_colocated_tokens(sparse_model, prompts, by_chunk, tmp_pat
         router = c.router("R_dsa", [P], [D], tmp_path)
         router.start()
         for ids, want in zip(prompts, by_chunk[4096]):
-            r = router.http.post("/generate", json={"input_ids": ids, "sampling_params": SP}, timeout=120)
+            r = router.http.post(
+                "/generate", json={"input_ids": ids, "sampling_params": SP}, timeout=120
+            )
             assert r.status_code == 200 and r.json()["output_ids"] == want, r.text
         for s in (P, D):
             s.wait_idle()
@@ -131,6 +162,8 @@ def test_the_selection_changes_the_outcome(prompts, by_chunk):
     the sparse path above is not the dense one."""
     dense = make_engine(build_tiny_checkpoint("deepseek_v32"), page_size=16, dtype="float32")
     try:
-        assert [o["output_ids"] for o in dense.generate(input_ids=prompts, sampling_params=SP)] != by_chunk[4096]
+        assert [
+            o["output_ids"] for o in dense.generate(input_ids=prompts, sampling_params=SP)
+        ] != by_chunk[4096]
     finally:
         dense.shutdown()

@@ -22,36 +22,87 @@ from tests.helpers.sglang_router import sglang_router_available, start_sglang_ro
 # A Qwen-style template: tools in the system turn, <tool_call> blocks, <think> opened by the
 # generation prompt when enable_thinking is set.
 TEMPLATE = (Path(__file__).parent / "data" / "tools_think_template.jinja").read_text()
-FLAGS = ["--served-model-name", "tiny", "--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3", "--page-size", "16",
-         "--max-total-tokens", "8192"]
+FLAGS = [
+    "--served-model-name",
+    "tiny",
+    "--tool-call-parser",
+    "qwen25",
+    "--reasoning-parser",
+    "qwen3",
+    "--page-size",
+    "16",
+    "--max-total-tokens",
+    "8192",
+]
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris and in Rome?"}]
 SCHEMA = {
-    "type": "object", "additionalProperties": False, "required": ["city", "unit", "days", "source"],
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["city", "unit", "days", "source"],
     "properties": {
         "city": {"type": "string", "maxLength": 12},
         "unit": {"enum": ["celsius", "fahrenheit"]},
-        "days": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
-        "source": {"type": "object", "additionalProperties": False, "required": ["name", "live"],
-                   "properties": {"name": {"type": "string", "maxLength": 8}, "live": {"type": "boolean"}}},
+        "days": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 9},
+            "maxItems": 3,
+        },
+        "source": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name", "live"],
+            "properties": {"name": {"type": "string", "maxLength": 8}, "live": {"type": "boolean"}},
+        },
     },
 }
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
-    "type": "object", "additionalProperties": False, "required": ["city", "unit"],
-    "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}}}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "additionalProperties": False, "required": ["zone"],
-    "properties": {"zone": {"type": "string", "maxLength": 6}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["city", "unit"],
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "unit": {"enum": ["c", "f"]},
+            },
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["zone"],
+            "properties": {"zone": {"type": "string", "maxLength": 6}},
+        },
+    },
+}
 TOOLS = [WEATHER, TIME]
 # tool_choice auto: the parser finds a call in the model's own format (here forced by a grammar)
-HERMES_CALL = ('root ::= "<tool_call>\\n{\\"name\\": \\"get_time\\", \\"arguments\\": {\\"zone\\": \\"" [a-z] [a-z]? '
-               '[a-z]? "\\"}}\\n</tool_call>"')
+HERMES_CALL = (
+    'root ::= "<tool_call>\\n{\\"name\\": \\"get_time\\", \\"arguments\\": {\\"zone\\": \\"" [a-z] [a-z]? '
+    '[a-z]? "\\"}}\\n</tool_call>"'
+)
 CASES = {
-    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "weather", "schema": SCHEMA, "strict": True}}},
+    "json_schema": {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True},
+        }
+    },
     "json_object": {"response_format": {"type": "json_object"}},
     "tools_required_parallel": {"tools": TOOLS, "tool_choice": "required"},
     "tools_required_one": {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False},
-    "tools_named": {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    "tools_named": {
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    },
     "tools_auto": {"tools": TOOLS, "tool_choice": "auto", "extra_body": {"ebnf": HERMES_CALL}},
 }
 MAX_TOKENS = 160
@@ -106,14 +157,24 @@ def chat(url: str, case: dict, stream: bool, messages=MESSAGES, **extra) -> dict
     the stream's deltas when streamed."""
     kw = {**case, **extra}
     with _client(url) as cl:
-        r = cl.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
-                                       stream=stream, **kw)
+        r = cl.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=stream,
+            **kw,
+        )
         if not stream:
             m = r.choices[0].message
             calls = [(t.function.name, t.function.arguments) for t in (m.tool_calls or [])]
             assert all(t.id and t.type == "function" for t in (m.tool_calls or []))
-            return {"content": m.content, "reasoning": getattr(m, "reasoning_content", None), "calls": calls,
-                    "finish": r.choices[0].finish_reason}
+            return {
+                "content": m.content,
+                "reasoning": getattr(m, "reasoning_content", None),
+                "calls": calls,
+                "finish": r.choices[0].finish_reason,
+            }
         content, reasoning, calls, finish = "", "", {}, None
         for chunk in r:
             if not chunk.choices:
@@ -128,8 +189,12 @@ def chat(url: str, case: dict, stream: bool, messages=MESSAGES, **extra) -> dict
                     entry[0] += t.function.name
                 entry[1] += t.function.arguments or ""
             finish = ch.finish_reason or finish
-        return {"content": content or None, "reasoning": reasoning or None,
-                "calls": [tuple(calls[k]) for k in sorted(calls)], "finish": finish}
+        return {
+            "content": content or None,
+            "reasoning": reasoning or None,
+            "calls": [tuple(calls[k]) for k in sorted(calls)],
+            "finish": finish,
+        }
 
 
 def check_valid(name: str, out: dict) -> None:
@@ -178,8 +243,12 @@ def test_pd_matches_colocated(servers, colocated_outputs, target):
         if not sglang_router_available():
             pytest.skip("sglang-router is not installed")
         port = c.free_port()
-        proc = start_sglang_router([(servers["P"].url, servers["P"].bootstrap_port)], [servers["D"].url], port,
-                                   log_path=str(servers["logs"] / "sglang-router.log"))
+        proc = start_sglang_router(
+            [(servers["P"].url, servers["P"].bootstrap_port)],
+            [servers["D"].url],
+            port,
+            log_path=str(servers["logs"] / "sglang-router.log"),
+        )
         url = f"http://127.0.0.1:{port}"
     else:
         proc, url = None, servers[target].url
@@ -191,7 +260,7 @@ def test_pd_matches_colocated(servers, colocated_outputs, target):
         if proc is not None:
             proc.terminate()
             proc.wait()
-    for key in (("Pm", "Dm") if target == "pd-mooncake" else ("P", "D")):
+    for key in ("Pm", "Dm") if target == "pd-mooncake" else ("P", "D"):
         servers[key].wait_idle()
 
 
@@ -199,20 +268,49 @@ def test_completions_and_generate_take_grammars(servers):
     url = servers["colocated"].url
     regex = r"(yes|no), [0-9]{1,3} (apples|pears)"
     with _client(url) as cl:
-        r = cl.completions.create(model="tiny", prompt="Answer:", max_tokens=MAX_TOKENS, temperature=0,
-                                  extra_body={"response_format": {"type": "json_schema", "json_schema": {
-                                      "name": "w", "schema": SCHEMA}}})
+        r = cl.completions.create(
+            model="tiny",
+            prompt="Answer:",
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "w", "schema": SCHEMA},
+                }
+            },
+        )
         jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
-        r = cl.completions.create(model="tiny", prompt="Answer:", max_tokens=40, temperature=0,
-                                  extra_body={"regex": regex})
+        r = cl.completions.create(
+            model="tiny",
+            prompt="Answer:",
+            max_tokens=40,
+            temperature=0,
+            extra_body={"regex": regex},
+        )
         assert re.fullmatch(regex, r.choices[0].text)
-        text = "".join(ch.choices[0].text for ch in cl.completions.create(
-            model="tiny", prompt="Answer:", max_tokens=40, temperature=0, stream=True, extra_body={"regex": regex}))
+        text = "".join(
+            ch.choices[0].text
+            for ch in cl.completions.create(
+                model="tiny",
+                prompt="Answer:",
+                max_tokens=40,
+                temperature=0,
+                stream=True,
+                extra_body={"regex": regex},
+            )
+        )
         assert text == r.choices[0].text
     with httpx.Client(base_url=url, timeout=120) as h:
-        for params in ({"json_schema": json.dumps(SCHEMA)}, {"regex": regex},
-                       {"ebnf": 'root ::= "x=" [0-9] [0-9]? ";"'}):
-            body = {"text": "Answer:", "sampling_params": {"max_new_tokens": 80, "temperature": 0, **params}}
+        for params in (
+            {"json_schema": json.dumps(SCHEMA)},
+            {"regex": regex},
+            {"ebnf": 'root ::= "x=" [0-9] [0-9]? ";"'},
+        ):
+            body = {
+                "text": "Answer:",
+                "sampling_params": {"max_new_tokens": 80, "temperature": 0, **params},
+            }
             whole = h.post("/generate", json=body).json()
             with h.stream("POST", "/generate", json={**body, "stream": True}) as r:
                 events = sse_events(r.iter_lines())
@@ -227,13 +325,29 @@ def test_completions_and_generate_take_grammars(servers):
 
 
 BAD = [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
-     "objekt"),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "objekt"}},
+            }
+        },
+        "objekt",
+    ),
     ({"response_format": {"type": "structural_tag"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
-    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, r"tools\[0\].function.name"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "launch"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    (
+        {"tools": [{"type": "function", "function": {"parameters": {}}}]},
+        r"tools\[0\].function.name",
+    ),
+    (
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch"}}},
+        "launch",
+    ),
+    (
+        {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+        "response_format",
+    ),
     ({"extra_body": {"regex": "a(b"}}, "regex"),
     ({"extra_body": {"regex": "a", "ebnf": 'root ::= "a"'}}, "at most one"),
     ({"extra_body": {"chat_template_kwargs": {"tokenize": True}}}, "chat_template_kwargs"),
@@ -246,11 +360,12 @@ def test_bad_input_is_a_400_naming_the_problem(servers, target):
         for case, needle in BAD:
             for stream in (False, True):
                 with pytest.raises(openai.BadRequestError) as e:
-                    r = cl.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, stream=stream,
-                                                   **case)
+                    r = cl.chat.completions.create(
+                        model="tiny", messages=MESSAGES, max_tokens=8, stream=stream, **case
+                    )
                     list(r) if stream else None
                 assert re.search(needle, str(e.value)), (case, str(e.value))
-    for key in (("colocated",) if target == "colocated" else ("P", "D")):
+    for key in ("colocated",) if target == "colocated" else ("P", "D"):
         servers[key].wait_idle()
         info = servers[key].http.get("/server_info").json()["internal_states"][0]
         cache = info["grammar_cache"]
@@ -262,8 +377,16 @@ def test_reasoning_is_returned_apart_from_the_answer(servers):
     closes the reasoning) is reasoning; with thinking off it is all content."""
     url = servers["colocated"].url
     think = {"extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}
-    plain = chat(url, {"extra_body": {"chat_template_kwargs": {"enable_thinking": True},
-                                      "separate_reasoning": False}}, False)
+    plain = chat(
+        url,
+        {
+            "extra_body": {
+                "chat_template_kwargs": {"enable_thinking": True},
+                "separate_reasoning": False,
+            }
+        },
+        False,
+    )
     for stream in (False, True):
         out = chat(url, think, stream)
         assert out["reasoning"] == plain["content"].strip() and not out["content"], out
@@ -277,10 +400,20 @@ def test_the_template_receives_the_tools(servers, tiny_llama_path, template_file
     tok = AutoTokenizer.from_pretrained(tiny_llama_path)
     with _client(servers["colocated"].url) as cl:
         for tools, choice in ((TOOLS, "required"), (TOOLS, "none")):
-            r = cl.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1, tools=tools,
-                                           tool_choice=choice)
+            r = cl.chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=1, tools=tools, tool_choice=choice
+            )
             shown = tools if choice != "none" else None
-            want = tok.apply_chat_template(MESSAGES, tools=shown, chat_template=TEMPLATE, tokenize=False,
-                                           add_generation_prompt=True)
-            assert r.usage.prompt_tokens == len(tok(want, add_special_tokens=False)["input_ids"]), choice
-    assert "get_weather" in tok.apply_chat_template(MESSAGES, tools=TOOLS, chat_template=TEMPLATE, tokenize=False)
+            want = tok.apply_chat_template(
+                MESSAGES,
+                tools=shown,
+                chat_template=TEMPLATE,
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            assert r.usage.prompt_tokens == len(tok(want, add_special_tokens=False)["input_ids"]), (
+                choice
+            )
+    assert "get_weather" in tok.apply_chat_template(
+        MESSAGES, tools=TOOLS, chat_template=TEMPLATE, tokenize=False
+    )

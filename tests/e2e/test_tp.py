@@ -25,8 +25,18 @@ from tests.helpers.checkpoints import LLAMA_MQA_TIED, build_tiny_checkpoint
 from tests.helpers.sglang_router import sglang_router_available, start_sglang_router
 
 NEW_TOKENS = 8
-COMMON = ["--max-total-tokens", "16384", "--page-size", "16", "--chunked-prefill-size", "128",
-          "--disaggregation-bootstrap-timeout", "20", "--disaggregation-waiting-timeout", "20"]
+COMMON = [
+    "--max-total-tokens",
+    "16384",
+    "--page-size",
+    "16",
+    "--chunked-prefill-size",
+    "128",
+    "--disaggregation-bootstrap-timeout",
+    "20",
+    "--disaggregation-waiting-timeout",
+    "20",
+]
 
 
 def prompts(n: int, seed: int, max_len: int = 300) -> list[list[int]]:
@@ -35,7 +45,10 @@ def prompts(n: int, seed: int, max_len: int = 300) -> list[list[int]]:
 
 
 def generate(url: str, ids: list[int], logprobs: bool = False) -> dict:
-    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+    }
     if logprobs:
         body.update(return_logprob=True, logprob_start_len=0)
     r = httpx.post(url + "/generate", json=body, timeout=120)
@@ -43,19 +56,27 @@ def generate(url: str, ids: list[int], logprobs: bool = False) -> dict:
     return r.json()
 
 
-def generate_pd(prefill: c.Proc, decode: c.Proc, ids: list[int], decode_ids: list[int] | None = None):
+def generate_pd(
+    prefill: c.Proc, decode: c.Proc, ids: list[int], decode_ids: list[int] | None = None
+):
     """One request sent to prefill and decode as a router sends it (``decode_ids``: decode gets
     another prompt); returns both responses."""
     room = random.randrange(2**63)
 
     def body(x: list[int]) -> dict:
-        return {"input_ids": x, "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS,
-                                                    "ignore_eos": True},
-                "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": room}
+        return {
+            "input_ids": x,
+            "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": prefill.bootstrap_port,
+            "bootstrap_room": room,
+        }
 
     with ThreadPoolExecutor(2) as ex:
         fp = ex.submit(httpx.post, prefill.url + "/generate", json=body(ids), timeout=120)
-        fd = ex.submit(httpx.post, decode.url + "/generate", json=body(decode_ids or ids), timeout=120)
+        fd = ex.submit(
+            httpx.post, decode.url + "/generate", json=body(decode_ids or ids), timeout=120
+        )
         return fp.result(), fd.result()
 
 
@@ -79,8 +100,12 @@ def all_ranks_idle(proc: c.Proc) -> None:
 
 @pytest.fixture(scope="session")
 def tp_models():
-    return {"llama": build_tiny_checkpoint("llama"),  # 4 heads, 2 KV heads: one KV head per rank at tp 2
-            "mqa": build_tiny_checkpoint("llama", **LLAMA_MQA_TIED)}  # 1 KV head (replicated), tied head
+    return {
+        "llama": build_tiny_checkpoint(
+            "llama"
+        ),  # 4 heads, 2 KV heads: one KV head per rank at tp 2
+        "mqa": build_tiny_checkpoint("llama", **LLAMA_MQA_TIED),
+    }  # 1 KV head (replicated), tied head
 
 
 @pytest.fixture(scope="session")
@@ -90,16 +115,27 @@ def reference(tp_models):
     import pdserve
 
     torch.set_num_threads(1)
-    engines = {name: pdserve.Engine(model_path=path, torch_num_threads=1, max_total_tokens=16384, page_size=16)
-               for name, path in tp_models.items()}
+    engines = {
+        name: pdserve.Engine(
+            model_path=path, torch_num_threads=1, max_total_tokens=16384, page_size=16
+        )
+        for name, path in tp_models.items()
+    }
     cache: dict = {}
 
     def get(model: str, ids: list[int]) -> dict:
         key = (model, tuple(ids))
         if key not in cache:
             cache[key] = engines[model].generate(
-                input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
-                return_logprob=True, logprob_start_len=0)
+                input_ids=ids,
+                sampling_params={
+                    "temperature": 0,
+                    "max_new_tokens": NEW_TOKENS,
+                    "ignore_eos": True,
+                },
+                return_logprob=True,
+                logprob_start_len=0,
+            )
         return cache[key]
 
     return get
@@ -121,9 +157,11 @@ def tp(tmp_path_factory, tp_models):
     }
     try:
         c.start_all(S.values())
-        routers = {"1->2": c.router("R12", [S["P1"]], [S["D2"]], logs),
-                   "2->1": c.router("R21", [S["P2"]], [S["D1"]], logs),
-                   "2->2": c.router("R22", [S["P2"]], [S["D2"]], logs)}
+        routers = {
+            "1->2": c.router("R12", [S["P1"]], [S["D2"]], logs),
+            "2->1": c.router("R21", [S["P2"]], [S["D1"]], logs),
+            "2->2": c.router("R22", [S["P2"]], [S["D2"]], logs),
+        }
         for r in routers.values():
             r.start()
         yield {"servers": S, "routers": routers, "logs": logs}
@@ -144,7 +182,9 @@ def test_colocated_tp2_matches_one_rank(tp, reference, model):
         ref = reference(model, ids)
         # float32 on both: the only difference is the order of the partial sums over the ranks
         assert out["output_ids"] == ref["output_ids"], f"prompt of {len(ids)} tokens"
-        for a, b in zip(out["meta_info"]["output_token_logprobs"], ref["meta_info"]["output_token_logprobs"]):
+        for a, b in zip(
+            out["meta_info"]["output_token_logprobs"], ref["meta_info"]["output_token_logprobs"]
+        ):
             assert abs(a[0] - b[0]) < 1e-4
     all_ranks_idle(server)
 
@@ -156,7 +196,9 @@ def test_pd_across_tp_sizes_matches_one_rank(tp, reference, pairing):
     with ThreadPoolExecutor(4) as ex:
         outs = list(ex.map(lambda ids: generate(router.url, ids), ps))
     for ids, out in zip(ps, outs):
-        assert out["output_ids"] == reference("llama", ids)["output_ids"], f"{pairing}: prompt of {len(ids)} tokens"
+        assert out["output_ids"] == reference("llama", ids)["output_ids"], (
+            f"{pairing}: prompt of {len(ids)} tokens"
+        )
     S = tp["servers"]
     for name in {"1->2": ("P1", "D2"), "2->1": ("P2", "D1"), "2->2": ("P2", "D2")}[pairing]:
         idle(S[name])
@@ -170,11 +212,13 @@ def tp_heads(tp, tmp_path_factory, tp_models):
     logs = tmp_path_factory.mktemp("tp_heads")
     small = [*COMMON, "--max-total-tokens", "4096"]
     llama, mqa = tp_models["llama"], tp_models["mqa"]
-    S = {"P4": c.prefill("P4", llama, logs, "--tp-size", "4", *small)[0],
-         "P2mqa": c.prefill("P2mqa", mqa, logs, "--tp-size", "2", *small)[0],
-         "P4mqa": c.prefill("P4mqa", mqa, logs, "--tp-size", "4", *small)[0],
-         "D1mqa": c.decode("D1mqa", mqa, logs, *small),
-         "D2mqa": c.decode("D2mqa", mqa, logs, "--tp-size", "2", *small)}
+    S = {
+        "P4": c.prefill("P4", llama, logs, "--tp-size", "4", *small)[0],
+        "P2mqa": c.prefill("P2mqa", mqa, logs, "--tp-size", "2", *small)[0],
+        "P4mqa": c.prefill("P4mqa", mqa, logs, "--tp-size", "4", *small)[0],
+        "D1mqa": c.decode("D1mqa", mqa, logs, *small),
+        "D2mqa": c.decode("D2mqa", mqa, logs, "--tp-size", "2", *small),
+    }
     try:
         c.start_all(S.values())
         yield {**S, "D1": tp["servers"]["D1"], "D2": tp["servers"]["D2"]}
@@ -184,11 +228,13 @@ def tp_heads(tp, tmp_path_factory, tp_models):
 
 
 # pairing -> (model, prefill, decode); the prefill ranks that write nothing follow rank_map
-HEAD_PAIRINGS = {"llama 4->2": ("llama", "P4", "D2"),  # ranks 1, 2 write nothing
-                 "llama 4->1": ("llama", "P4", "D1"),  # ranks 1, 3
-                 "mqa 2->1": ("mqa", "P2mqa", "D1mqa"),  # rank 1
-                 "mqa 4->2": ("mqa", "P4mqa", "D2mqa"),  # ranks 2, 3
-                 "mqa 4->1": ("mqa", "P4mqa", "D1mqa")}  # ranks 1, 2, 3
+HEAD_PAIRINGS = {
+    "llama 4->2": ("llama", "P4", "D2"),  # ranks 1, 2 write nothing
+    "llama 4->1": ("llama", "P4", "D1"),  # ranks 1, 3
+    "mqa 2->1": ("mqa", "P2mqa", "D1mqa"),  # rank 1
+    "mqa 4->2": ("mqa", "P4mqa", "D2mqa"),  # ranks 2, 3
+    "mqa 4->1": ("mqa", "P4mqa", "D1mqa"),
+}  # ranks 1, 2, 3
 
 
 @pytest.mark.parametrize("pairing", sorted(HEAD_PAIRINGS))
@@ -202,7 +248,9 @@ def test_pd_with_prefill_ranks_that_write_nothing(tp_heads, reference, pairing):
         outs = list(ex.map(lambda ids: generate_pd(P, D, ids), ps))
     for ids, (rp, rd) in zip(ps, outs):
         assert rp.status_code == 200 and rd.status_code == 200, (pairing, rp.text, rd.text)
-        assert rd.json()["output_ids"] == reference(model, ids)["output_ids"], f"{pairing}: prompt of {len(ids)} tokens"
+        assert rd.json()["output_ids"] == reference(model, ids)["output_ids"], (
+            f"{pairing}: prompt of {len(ids)} tokens"
+        )
     for s in (P, D):
         idle(s)
 
@@ -219,18 +267,27 @@ def test_a_room_failed_by_the_writing_ranks_ends_on_the_idle_ones(tp_heads, refe
         all_ranks_idle(s)
     ids = prompts(1, seed=50)[0]  # both servers serve the next request
     rp, rd = generate_pd(P, D, ids)
-    assert rd.status_code == 200 and rd.json()["output_ids"] == reference("mqa", ids)["output_ids"], rd.text
+    assert (
+        rd.status_code == 200 and rd.json()["output_ids"] == reference("mqa", ids)["output_ids"]
+    ), rd.text
 
 
 @pytest.mark.skipif(not sglang_router_available(), reason="sglang-router is not installed")
 def test_pd_tp_behind_the_real_sglang_router(tp, reference, tmp_path):
     S = tp["servers"]
     port = c.free_port()
-    proc = start_sglang_router([(S["P2"].url, S["P2"].bootstrap_port)], [S["D1"].url], port,
-                               log_path=str(tmp_path / "sglang-router.log"))
+    proc = start_sglang_router(
+        [(S["P2"].url, S["P2"].bootstrap_port)],
+        [S["D1"].url],
+        port,
+        log_path=str(tmp_path / "sglang-router.log"),
+    )
     try:
         for ids in prompts(4, seed=30):
-            assert generate(f"http://127.0.0.1:{port}", ids)["output_ids"] == reference("llama", ids)["output_ids"]
+            assert (
+                generate(f"http://127.0.0.1:{port}", ids)["output_ids"]
+                == reference("llama", ids)["output_ids"]
+            )
     finally:
         proc.terminate()
         proc.wait()
@@ -242,14 +299,31 @@ def test_fault_on_one_prefill_rank_fails_the_room_everywhere(tmp_path, tp_models
     """A write that fails on prefill rank 1 only: the request fails once, with the reason, on every
     rank of both servers, and both servers serve the next request."""
     llama = tp_models["llama"]
-    P, _ = c.prefill("Pf", llama, tmp_path, "--tp-size", "2", "--disaggregation-fault-prob", "1",
-                     "--disaggregation-fault-ranks", "1", "--disaggregation-fault-mode", "fail_transfer", *COMMON)
+    P, _ = c.prefill(
+        "Pf",
+        llama,
+        tmp_path,
+        "--tp-size",
+        "2",
+        "--disaggregation-fault-prob",
+        "1",
+        "--disaggregation-fault-ranks",
+        "1",
+        "--disaggregation-fault-mode",
+        "fail_transfer",
+        *COMMON,
+    )
     D = c.decode("Df", llama, tmp_path, "--tp-size", "2", *COMMON)
     try:
         c.start_all((P, D))
         room = random.randrange(2**63)
-        body = {"input_ids": list(range(100, 140)), "sampling_params": {"temperature": 0, "max_new_tokens": 4},
-                "bootstrap_host": "127.0.0.1", "bootstrap_port": P.bootstrap_port, "bootstrap_room": room}
+        body = {
+            "input_ids": list(range(100, 140)),
+            "sampling_params": {"temperature": 0, "max_new_tokens": 4},
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": P.bootstrap_port,
+            "bootstrap_room": room,
+        }
         with ThreadPoolExecutor(2) as ex:
             fp = ex.submit(httpx.post, P.url + "/generate", json=body, timeout=60)
             fd = ex.submit(httpx.post, D.url + "/generate", json=body, timeout=60)
@@ -274,8 +348,11 @@ def test_a_killed_decode_rank_takes_its_server_down(tmp_path, tp_models):
         c.start_all((P, D))
         router = c.router("Rk", [P], [D], tmp_path).start()
         assert generate(router.url, [5, 6, 7])["output_ids"]
-        schedulers = [pid for pid in c.children(D.proc.pid)
-                      if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        schedulers = [
+            pid
+            for pid in c.children(D.proc.pid)
+            if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()
+        ]
         assert len(schedulers) == 2, schedulers
         os.kill(schedulers[-1], signal.SIGKILL)  # one rank
         # the server goes down cleanly: the front end exits, no process is left behind
@@ -283,8 +360,11 @@ def test_a_killed_decode_rank_takes_its_server_down(tmp_path, tp_models):
         c.wait_for(lambda: not any(c.is_alive(p) for p in schedulers), 30, "every rank to exit")
         # the router stops sending to it: a request fails fast with a server error, not a hang
         t0 = time.monotonic()
-        r = httpx.post(router.url + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {
-            "max_new_tokens": 2}}, timeout=60)
+        r = httpx.post(
+            router.url + "/generate",
+            json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}},
+            timeout=60,
+        )
         assert r.status_code >= 500 and time.monotonic() - t0 < 30
     finally:
         if router is not None:

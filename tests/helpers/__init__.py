@@ -15,12 +15,24 @@ class PagedRunner:
     hand-built ``ForwardBatch``es, tracking each sequence's pages and length (what the engine's
     cache manager does; here every group keeps every page, the masks do the windowing)."""
 
-    def __init__(self, model, page_size: int, num_pages: int = 256, kv_dtype: torch.dtype | None = None):
+    def __init__(
+        self, model, page_size: int, num_pages: int = 256, kv_dtype: torch.dtype | None = None
+    ):
         param = next(model.parameters())
         self.model = model
         self.cache_groups = group_layers(model.kv_cache_specs(), model.first_layer)
-        self.pools = [KVPool(len(g.layers), num_pages, page_size, g.spec.num_kv_heads, g.spec.head_dim,
-                             kv_dtype or param.dtype, param.device) for g in self.cache_groups]
+        self.pools = [
+            KVPool(
+                len(g.layers),
+                num_pages,
+                page_size,
+                g.spec.num_kv_heads,
+                g.spec.head_dim,
+                kv_dtype or param.dtype,
+                param.device,
+            )
+            for g in self.cache_groups
+        ]
         self.pool = self.pools[0]
         self.layer_group, self.layer_slot = [], []
         for layer in range(model.first_layer, model.first_layer + len(model.kv_cache_specs())):
@@ -74,6 +86,7 @@ class PagedRunner:
         hidden = self.model(fb)
         logits = self.model.compute_logits(hidden[fb.logits_idx])
         return dict(zip(chunks, logits.split(extend_lens)))
+
     def greedy(self, sid, prompt: list[int], max_new_tokens: int) -> list[int]:
         """Greedy-decode one sequence; returns the new tokens."""
         out = []

@@ -42,87 +42,230 @@ _COMMON = dict(
 
 # arch -> (config class name, architecture, fields on top of _COMMON)
 ARCHS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
-        rope_parameters=dict(
-            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-            high_freq_factor=4.0, original_max_position_embeddings=1024,
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=1024,
+            ),
         ),
-    )),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
-        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
-        use_sliding_window=False,
-    )),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
-        head_dim=16, rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
-    )),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(
-        head_dim=16, sliding_window=32, rope_parameters=dict(rope_type="default", rope_theta=10000.0),
-    )),
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+            use_sliding_window=False,
+        ),
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(
+            head_dim=16,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+    ),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(
+            head_dim=16,
+            sliding_window=32,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
     # layers S, F, S, F; both soft-caps bite at these weights (attention scores reach ~3)
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
-        head_dim=16, num_hidden_layers=4, sliding_window=16, query_pre_attn_scalar=24,
-        attn_logit_softcapping=2.0, final_logit_softcapping=5.0, tie_word_embeddings=True,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
-    )),
-    # layers S, S, F, S, S, F; local RoPE theta 1e4, global 1e6 with linear scaling
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
-        head_dim=16, num_hidden_layers=6, sliding_window=16, sliding_window_pattern=3, query_pre_attn_scalar=24,
-        tie_word_embeddings=True, rope_parameters=dict(
-            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
-            full_attention=dict(rope_type="linear", rope_theta=1000000.0, factor=8.0),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            head_dim=16,
+            num_hidden_layers=4,
+            sliding_window=16,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=5.0,
+            tie_word_embeddings=True,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
         ),
-    )),
+    ),
+    # layers S, S, F, S, S, F; local RoPE theta 1e4, global 1e6 with linear scaling
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=16,
+            num_hidden_layers=6,
+            sliding_window=16,
+            sliding_window_pattern=3,
+            query_pre_attn_scalar=24,
+            tie_word_embeddings=True,
+            rope_parameters=dict(
+                sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+                full_attention=dict(rope_type="linear", rope_theta=1000000.0, factor=8.0),
+            ),
+        ),
+    ),
     # layers: sparse, dense (mlp_only_layers), sparse; 8 experts, top 2
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        head_dim=16, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-        decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True,
-        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
-    )),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            head_dim=16,
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+    ),
     # every layer sparse, with a gated shared expert
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-        decoder_sparse_step=1, norm_topk_prob=False, use_sliding_window=False,
-        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
-    )),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
-        head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
-        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
-    )),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            decoder_sparse_step=1,
+            norm_topk_prob=False,
+            use_sliding_window=False,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+    ),
     # layers S, F, S, F (window 8), attention sinks, YaRN RoPE, 4 experts top 2 with biases
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
-        head_dim=16, num_hidden_layers=4, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
-        intermediate_size=32,
-    )),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            head_dim=16,
+            num_hidden_layers=4,
+            sliding_window=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+        ),
+    ),
     # latent attention (kv_lora 32, q_lora 48, nope 16, rope 8, v 16); layer 0 dense, layers 1-2
     # sparse: 8 experts top 2 plus a shared one; V2 greedy softmax routing scaled by 1.5
-    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
-        num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-        n_shared_experts=1, first_k_dense_replace=1, topk_method="greedy", routed_scaling_factor=1.5,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
-    )),
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            topk_method="greedy",
+            routed_scaling_factor=1.5,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
     # the same shapes, V3 routing: 4 groups of 2 experts, the best 2 groups, a correction bias
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
-        num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-        n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-        norm_topk_prob=True, rope_interleave=True, rope_parameters=dict(rope_type="default", rope_theta=10000.0),
-    )),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            rope_interleave=True,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
     # V3 with the sparse-attention indexer (4 heads of 16); index_topk >= every prompt here: dense
-    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
-        num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-        n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-        norm_topk_prob=True, index_topk=4096, index_head_dim=16, index_n_heads=4,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
-    )),
+    "deepseek_v32": (
+        "DeepseekV32Config",
+        "DeepseekV32ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            index_topk=4096,
+            index_head_dim=16,
+            index_n_heads=4,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
     # GLM-4.5's shape: q/k/v biases, q/k norms, RoPE on half of each head, layer 0 dense, V3 routing
-    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
-        head_dim=16, num_hidden_layers=3, attention_bias=True, use_qk_norm=True, n_routed_experts=8,
-        num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
-        topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
-    )),
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(
+            head_dim=16,
+            num_hidden_layers=3,
+            attention_bias=True,
+            use_qk_norm=True,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            rope_parameters=dict(
+                rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5
+            ),
+        ),
+    ),
 }
 # MoE router weights scaled up: decisive routing (no near-ties between experts), many experts hit
 _ROUTER_SCALE = 8.0
@@ -131,14 +274,15 @@ _ROUTER_SUFFIXES = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.rout
 _NORM_OFFSETS = ("gemma2", "gemma3")
 
 # Named variants used across tests.
-LLAMA_MQA_TIED = dict(num_key_value_heads=1, tie_word_embeddings=True, head_dim=32, attention_bias=True, mlp_bias=True)
+LLAMA_MQA_TIED = dict(
+    num_key_value_heads=1, tie_word_embeddings=True, head_dim=32, attention_bias=True, mlp_bias=True
+)
 QWEN2_SLIDING = dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)
 GEMMA_MQA = dict(num_key_value_heads=1)
 
 
 def checkpoint_cache_dir() -> str:
     return os.environ.get("PDSERVE_TEST_CACHE") or "/tmp/pdserve-test-cache"
-
 
 
 def smollm2_tokenizer_dir() -> str:
@@ -165,15 +309,26 @@ def tiny_config(arch: str, **overrides):
     return config
 
 
-def build_tiny_checkpoint(arch: str, out_dir: str | None = None, *, max_shard_size: str | None = None,
-                          seed: int = 0, **overrides) -> str:
+def build_tiny_checkpoint(
+    arch: str,
+    out_dir: str | None = None,
+    *,
+    max_shard_size: str | None = None,
+    seed: int = 0,
+    **overrides,
+) -> str:
     """Path of a tiny ``arch`` checkpoint with config ``overrides``; built in ``out_dir`` or, by
     default, in the test cache, and reused when already complete there. ``max_shard_size``
     (e.g. ``"2MB"``) saves it sharded with ``model.safetensors.index.json``."""
     if out_dir is None:
-        key = json.dumps([_RECIPE_VERSION, transformers.__version__, arch, overrides, max_shard_size, seed],
-                         sort_keys=True, default=str)
-        out_dir = os.path.join(checkpoint_cache_dir(), f"{arch}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
+        key = json.dumps(
+            [_RECIPE_VERSION, transformers.__version__, arch, overrides, max_shard_size, seed],
+            sort_keys=True,
+            default=str,
+        )
+        out_dir = os.path.join(
+            checkpoint_cache_dir(), f"{arch}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+        )
     if is_complete(out_dir):
         return out_dir
     tokenizer_dir = smollm2_tokenizer_dir()
@@ -191,7 +346,9 @@ def build_tiny_checkpoint(arch: str, out_dir: str | None = None, *, max_shard_si
                 if name.endswith(_ROUTER_SUFFIXES):
                     param.mul_(_ROUTER_SCALE)
             for name, buf in model.named_buffers():
-                if name.endswith("e_score_correction_bias"):  # HF starts it at 0: make it decide something
+                if name.endswith(
+                    "e_score_correction_bias"
+                ):  # HF starts it at 0: make it decide something
                     buf.normal_(0.0, 0.3)
         kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
         model.save_pretrained(tmp, **kwargs)

@@ -31,21 +31,35 @@ def wait_for(cond, timeout: float = 10.0, what: str = "condition", interval: flo
 class Proc:
     """One HTTP process (server or router) started by a test."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, log_dir: Path, env: Optional[dict] = None,
-                 host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        name: str,
+        cmd: list[str],
+        port: int,
+        log_dir: Path,
+        env: Optional[dict] = None,
+        host: str = "127.0.0.1",
+    ):
         self.name = name
         self.cmd = cmd
         self.port = port
         self.host = host
         self.url = f"http://{host}:{port}"
         self.log_path = log_dir / f"{name}.log"
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        self.env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            **(env or {}),
+        }
         self.proc: Optional[subprocess.Popen] = None
         self.http = httpx.Client(base_url=self.url, timeout=120)
 
     def start(self, wait: bool = True) -> "Proc":
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env
+            )
         if wait:
             self.wait_ready()
         return self
@@ -53,7 +67,9 @@ class Proc:
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         def healthy() -> bool:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
             try:
                 return self.http.get("/health", timeout=2).status_code == 200
             except httpx.HTTPError:
@@ -97,16 +113,24 @@ class Proc:
         def idle():
             body = self.http.get("/debug/integrity").json()
             pools = body["integrity"]
-            done = body.get("front_end_requests", 0) == 0 and all(  # every rank's, on a multi-rank server
-                p["running"] == 0 and p["waiting"] == 0 and p["in_use_pages"] == 0 and p.get("kv_rooms", 0) == 0
+            done = body.get(
+                "front_end_requests", 0
+            ) == 0 and all(  # every rank's, on a multi-rank server
+                p["running"] == 0
+                and p["waiting"] == 0
+                and p["in_use_pages"] == 0
+                and p.get("kv_rooms", 0) == 0
                 and p.get("metadata_slots_free", 0) == p.get("metadata_slots_total", 0)
                 and all(g["in_use_pages"] == 0 for g in p.get("groups", []))  # every cache group's
-                for p in pools.get("ranks") or [pools])
+                for p in pools.get("ranks") or [pools]
+            )
             return pools if done else None
 
         pools = wait_for(idle, timeout, f"{self.name} to become idle", interval=0.1)
         for g in [pools, *pools.get("groups", [])]:
-            assert g["free_pages"] + g["cached_pages"] + g["in_use_pages"] == g["total_pages"], pools
+            assert g["free_pages"] + g["cached_pages"] + g["in_use_pages"] == g["total_pages"], (
+                pools
+            )
         return pools
 
 
@@ -138,17 +162,38 @@ def children(pid: int) -> list[int]:
     return kids
 
 
-def server(name: str, model_path: str, log_dir: Path, *args: str, port: Optional[int] = None) -> Proc:
+def server(
+    name: str, model_path: str, log_dir: Path, *args: str, port: Optional[int] = None
+) -> Proc:
     port = port or free_port()
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model-path", model_path, "--port", str(port),
-           "--torch-num-threads", "1", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "serve",
+        "--model-path",
+        model_path,
+        "--port",
+        str(port),
+        "--torch-num-threads",
+        "1",
+        *args,
+    ]
     return Proc(name, cmd, port, log_dir)
 
 
 def prefill(name: str, model_path: str, log_dir: Path, *args: str) -> tuple[Proc, int]:
     bport = free_port()
-    p = server(name, model_path, log_dir, "--disaggregation-mode", "prefill",
-               "--disaggregation-bootstrap-port", str(bport), *args)
+    p = server(
+        name,
+        model_path,
+        log_dir,
+        "--disaggregation-mode",
+        "prefill",
+        "--disaggregation-bootstrap-port",
+        str(bport),
+        *args,
+    )
     p.bootstrap_port = bport
     return p, bport
 

@@ -24,9 +24,14 @@ from tests.helpers import cluster as c
 PREFILL_HOSTS = ("127.0.0.2", "127.0.0.3")
 DECODE_HOSTS = ("127.0.0.4", "127.0.0.5")
 SERVED_MODEL_NAME = "tiny-llama"
-DNSMASQ = shutil.which("dnsmasq") or "/usr/sbin/dnsmasq"  # Debian's package (scripts/install.sh --test)
-PROMPT = {"input_ids": [1, 5, 9, 14, 2, 7], "sampling_params": {"max_new_tokens": 24, "ignore_eos": True,
-                                                                "temperature": 0}, "stream": True}
+DNSMASQ = (
+    shutil.which("dnsmasq") or "/usr/sbin/dnsmasq"
+)  # Debian's package (scripts/install.sh --test)
+PROMPT = {
+    "input_ids": [1, 5, 9, 14, 2, 7],
+    "sampling_params": {"max_new_tokens": 24, "ignore_eos": True, "temperature": 0},
+    "stream": True,
+}
 
 
 @dataclass
@@ -42,8 +47,25 @@ class Servers:
 
 
 def _server(name: str, model: str, logs: Path, host: str, port: int, *args: str) -> c.Proc:
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model-path", model, "--host", host, "--port", str(port),
-           "--torch-num-threads", "1", "--max-total-tokens", "16384", "--served-model-name", SERVED_MODEL_NAME, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "serve",
+        "--model-path",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--torch-num-threads",
+        "1",
+        "--max-total-tokens",
+        "16384",
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        *args,
+    ]
     return c.Proc(name, cmd, port, logs, host=host)
 
 
@@ -51,12 +73,26 @@ def _server(name: str, model: str, logs: Path, host: str, port: int, *args: str)
 def elastic_servers(tiny_llama_path, tmp_path_factory):
     logs = tmp_path_factory.mktemp("elastic")
     p_port, d_port, b_port = c.free_port(), c.free_port(), c.free_port()
-    prefills = [_server(f"P{i}", tiny_llama_path, logs, h, p_port, "--disaggregation-mode", "prefill",
-                        "--disaggregation-bootstrap-port", str(b_port)) for i, h in enumerate(PREFILL_HOSTS)]
+    prefills = [
+        _server(
+            f"P{i}",
+            tiny_llama_path,
+            logs,
+            h,
+            p_port,
+            "--disaggregation-mode",
+            "prefill",
+            "--disaggregation-bootstrap-port",
+            str(b_port),
+        )
+        for i, h in enumerate(PREFILL_HOSTS)
+    ]
     for p in prefills:
         p.bootstrap_port = b_port
-    decodes = [_server(f"D{i}", tiny_llama_path, logs, h, d_port, "--disaggregation-mode", "decode")
-               for i, h in enumerate(DECODE_HOSTS)]
+    decodes = [
+        _server(f"D{i}", tiny_llama_path, logs, h, d_port, "--disaggregation-mode", "decode")
+        for i, h in enumerate(DECODE_HOSTS)
+    ]
     try:
         c.start_all(prefills + decodes)
         yield Servers(prefills, decodes, (p_port, d_port), b_port, logs)
@@ -133,10 +169,21 @@ class DNSServer:
         import grp
         import pwd
 
-        self.cmd = [DNSMASQ, "--keep-in-foreground", f"--port={self.port}", "--listen-address=127.0.0.1",
-                    "--bind-interfaces", "--no-resolv", "--no-hosts", "--local=/pd.test/",
-                    f"--addn-hosts={self.hosts}", "--pid-file=", "--log-facility=-",
-                    f"--user={pwd.getpwuid(os.getuid()).pw_name}", f"--group={grp.getgrgid(os.getgid()).gr_name}"]
+        self.cmd = [
+            DNSMASQ,
+            "--keep-in-foreground",
+            f"--port={self.port}",
+            "--listen-address=127.0.0.1",
+            "--bind-interfaces",
+            "--no-resolv",
+            "--no-hosts",
+            "--local=/pd.test/",
+            f"--addn-hosts={self.hosts}",
+            "--pid-file=",
+            "--log-facility=-",
+            f"--user={pwd.getpwuid(os.getuid()).pw_name}",
+            f"--group={grp.getgrgid(os.getgid()).gr_name}",
+        ]
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -146,7 +193,11 @@ class DNSServer:
     def start(self) -> "DNSServer":
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
-        c.wait_for(lambda: "read " in self.log.read_text() or self.proc.poll() is not None, 10, "dnsmasq to start")
+        c.wait_for(
+            lambda: "read " in self.log.read_text() or self.proc.poll() is not None,
+            10,
+            "dnsmasq to start",
+        )
         assert self.proc.poll() is None, self.log.read_text()
         return self
 
@@ -156,7 +207,11 @@ class DNSServer:
         self.hosts.write_text("".join(line + "\n" for line in lines))
         reads = self.log.read_text().count("read ")
         self.proc.send_signal(signal.SIGHUP)
-        c.wait_for(lambda: self.log.read_text().count("read ") > reads, 10, "dnsmasq to reread its hosts file")
+        c.wait_for(
+            lambda: self.log.read_text().count("read ") > reads,
+            10,
+            "dnsmasq to reread its hosts file",
+        )
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

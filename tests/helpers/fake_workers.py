@@ -45,7 +45,9 @@ class AppServer:
         self.sock.bind(("127.0.0.1", port))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan=lifespan, timeout_graceful_shutdown=1)
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan=lifespan, timeout_graceful_shutdown=1
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, daemon=True, name=f"app-{self.port}")
         self.thread.start()
@@ -138,17 +140,25 @@ class FakeWorker:
         self.load = {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
         self.dp_size = 1  # reported in /server_info
         self.info_extra: dict = {}  # more /server_info fields (transfer backend, host_id, ...)
-        self.group_loads: list[dict] | None = None  # /get_load: the totals plus these as "dp" (a pdserve with DP)
+        self.group_loads: list[dict] | None = (
+            None  # /get_load: the totals plus these as "dp" (a pdserve with DP)
+        )
         self.fail_status: int | None = None  # answer generation requests with this status
-        self.stream_error_status: int | None = None  # decode: answer a stream 200 + one SSE error event
+        self.stream_error_status: int | None = (
+            None  # decode: answer a stream 200 + one SSE error event
+        )
         self.respond_gate = Gate(is_open=True)  # prefill: hold the HTTP answer (KV already "sent")
-        self.stream_gate = Gate(is_open=True)  # decode: hold a stream after its first event, or a JSON answer
+        self.stream_gate = Gate(
+            is_open=True
+        )  # decode: hold a stream after its first event, or a JSON answer
         self.die_mid_stream = False  # decode: drop the connection after the first chunk
         self.sse_prefill = False  # prefill: answer stream=true with SSE instead of one JSON
         self.room_timeout = 5.0  # decode: how long to wait for a room's prefill
         self.bootstrap_port = None
         self.bootstrap_sock: socket.socket | None = None
-        if role == "prefill":  # listens, as a prefill's bootstrap server does (nothing is served on it)
+        if (
+            role == "prefill"
+        ):  # listens, as a prefill's bootstrap server does (nothing is served on it)
             self.bootstrap_sock = socket.create_server(("127.0.0.1", 0))
             self.bootstrap_port = self.bootstrap_sock.getsockname()[1]
         self.server = AppServer(self._build_app())
@@ -193,9 +203,15 @@ class FakeWorker:
         @app.get("/server_info")
         @app.get("/get_server_info")
         async def server_info():
-            return {"model_path": MODEL, "served_model_name": MODEL, "tp_size": 1, "dp_size": self.dp_size,
-                    "disaggregation_mode": "null" if self.role == "regular" else self.role,
-                    "name": self.name, **self.info_extra}
+            return {
+                "model_path": MODEL,
+                "served_model_name": MODEL,
+                "tp_size": 1,
+                "dp_size": self.dp_size,
+                "disaggregation_mode": "null" if self.role == "regular" else self.role,
+                "name": self.name,
+                **self.info_extra,
+            }
 
         @app.get("/model_info")
         @app.get("/get_model_info")
@@ -204,12 +220,18 @@ class FakeWorker:
 
         @app.get("/v1/models")
         async def models():
-            return {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": self.name}]}
+            return {
+                "object": "list",
+                "data": [{"id": MODEL, "object": "model", "owned_by": self.name}],
+            }
 
         @app.get("/get_load")
         async def get_load():
             if self.group_loads is not None:
-                return {**self.load, "dp": [{"dp_rank": i, **g} for i, g in enumerate(self.group_loads)]}
+                return {
+                    **self.load,
+                    "dp": [{"dp_rank": i, **g} for i, g in enumerate(self.group_loads)],
+                }
             return [{"dp_rank": 0, **self.load}]
 
         @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -241,7 +263,12 @@ class FakeWorker:
         if self.fail_status is not None:
             return self._error(rec, self.fail_status, f"{self.name} injected failure")
         if self.stream_error_status is not None and body.get("stream"):
-            err = {"error": {"message": f"{self.name} injected stream failure", "code": self.stream_error_status}}
+            err = {
+                "error": {
+                    "message": f"{self.name} injected stream failure",
+                    "code": self.stream_error_status,
+                }
+            }
             events = [f"data: {json.dumps(err)}\n\n".encode(), b"data: [DONE]\n\n"]
             return StreamingResponse(self._stream(rec, events), media_type="text/event-stream")
         if not body.get("stream") and not await self.stream_gate.wait(request):
@@ -266,15 +293,25 @@ class FakeWorker:
             return Response(status_code=499)
         items = []
         for n in _prompt_lengths(body):
-            meta = {"id": f"{self.name}-{len(self.requests)}", "finish_reason": {"type": "length", "length": 1},
-                    "prompt_tokens": n, "completion_tokens": 1, "served_by": self.name}
+            meta = {
+                "id": f"{self.name}-{len(self.requests)}",
+                "finish_reason": {"type": "length", "length": 1},
+                "prompt_tokens": n,
+                "completion_tokens": 1,
+                "served_by": self.name,
+            }
             if body.get("return_logprob"):
                 meta["input_token_logprobs"] = [[-1.0 - i / 100, 100 + i, None] for i in range(n)]
                 meta["output_token_logprobs"] = [[-0.5, 7, None]]
             items.append({"text": "P", "output_ids": [7], "meta_info": meta})
         out: Any = items if len(items) > 1 or _is_batch(body) else items[0]
         if path != "/generate":
-            out = {"id": "prefill", "object": "text_completion", "choices": [], "served_by": self.name}
+            out = {
+                "id": "prefill",
+                "object": "text_completion",
+                "choices": [],
+                "served_by": self.name,
+            }
         if body.get("stream") and self.sse_prefill:
             payload = f"data: {json.dumps(out)}\n\ndata: [DONE]\n\n".encode()
             media = "text/event-stream"
@@ -285,18 +322,30 @@ class FakeWorker:
         return Response(payload, media_type=media)
 
     def _decode(self, rec: Recorded, body: dict, path: str) -> Response:
-        max_new = int((body.get("sampling_params") or {}).get("max_new_tokens")
-                      or body.get("max_tokens") or body.get("max_completion_tokens") or 4)
+        max_new = int(
+            (body.get("sampling_params") or {}).get("max_new_tokens")
+            or body.get("max_tokens")
+            or body.get("max_completion_tokens")
+            or 4
+        )
         lengths = _prompt_lengths(body)
 
         def item(index: int, upto: int) -> dict:
-            meta = {"id": f"{self.name}-{index}", "finish_reason": {"type": "length", "length": max_new},
-                    "prompt_tokens": lengths[min(index, len(lengths) - 1)], "completion_tokens": upto,
-                    "served_by": self.name}
+            meta = {
+                "id": f"{self.name}-{index}",
+                "finish_reason": {"type": "length", "length": max_new},
+                "prompt_tokens": lengths[min(index, len(lengths) - 1)],
+                "completion_tokens": upto,
+                "served_by": self.name,
+            }
             if body.get("return_logprob"):
                 meta["input_token_logprobs"] = []
                 meta["output_token_logprobs"] = [[-2.5, 2000 + i, None] for i in range(upto)]
-            out = {"text": "Dé" * upto, "output_ids": list(range(2000, 2000 + upto)), "meta_info": meta}
+            out = {
+                "text": "Dé" * upto,
+                "output_ids": list(range(2000, 2000 + upto)),
+                "meta_info": meta,
+            }
             if _is_batch(body):
                 out["index"] = index
             return out
@@ -309,8 +358,13 @@ class FakeWorker:
                 choice["delta" if chunk else "message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
-            return {"id": "cmpl-fake", "object": kind + (".chunk" if chunk and kind.startswith("chat") else ""),
-                    "model": MODEL, "choices": [choice], "served_by": self.name}
+            return {
+                "id": "cmpl-fake",
+                "object": kind + (".chunk" if chunk and kind.startswith("chat") else ""),
+                "model": MODEL,
+                "choices": [choice],
+                "served_by": self.name,
+            }
 
         if not body.get("stream"):
             if path == "/generate":
@@ -327,7 +381,9 @@ class FakeWorker:
         for upto in range(1, max_new + 1):
             if path == "/generate":
                 for i in range(len(lengths)):
-                    events.append(f"data: {json.dumps(item(i, upto), ensure_ascii=False)}\n\n".encode())
+                    events.append(
+                        f"data: {json.dumps(item(i, upto), ensure_ascii=False)}\n\n".encode()
+                    )
             else:
                 events.append(f"data: {json.dumps(openai(upto, chunk=True))}\n\n".encode())
         events.append(b"data: [DONE]\n\n")
@@ -341,8 +397,8 @@ class FakeWorker:
             yield events[0]
             await self.stream_gate.wait()
             if self.die_mid_stream:
-                rec.sent += b"data: {\"partial"
-                yield b"data: {\"partial"
+                rec.sent += b'data: {"partial'
+                yield b'data: {"partial'
                 raise RuntimeError("decode worker died mid-stream")
             rest = b": keep-alive\n\n" + b"".join(events[1:])
             cut = len(rest) // 3
@@ -358,8 +414,11 @@ class FakeWorker:
 
 def _is_batch(body: dict) -> bool:
     ids = body.get("input_ids")
-    return isinstance(body.get("text"), list) or isinstance(body.get("prompt"), list) or bool(
-        isinstance(ids, list) and ids and isinstance(ids[0], list))
+    return (
+        isinstance(body.get("text"), list)
+        or isinstance(body.get("prompt"), list)
+        or bool(isinstance(ids, list) and ids and isinstance(ids[0], list))
+    )
 
 
 class FakeCluster:
@@ -371,7 +430,9 @@ class FakeCluster:
         self._lock = threading.Lock()
 
     def add(self, role: str, name: str | None = None) -> FakeWorker:
-        worker = FakeWorker(self, role, name or f"{role}{sum(w.role == role for w in self.workers)}")
+        worker = FakeWorker(
+            self, role, name or f"{role}{sum(w.role == role for w in self.workers)}"
+        )
         self.workers.append(worker)
         return worker
 
@@ -390,7 +451,8 @@ class FakeCluster:
             return True  # not a PD request (colocated worker)
         try:
             results = await asyncio.wait_for(
-                asyncio.gather(*(asyncio.wrap_future(self._room(r)) for r in rooms)), timeout)
+                asyncio.gather(*(asyncio.wrap_future(self._room(r)) for r in rooms)), timeout
+            )
         except asyncio.TimeoutError:
             return False
         return all(results)

@@ -23,17 +23,32 @@ def probe(model_path: str) -> dict:
     ops = kernels.load()
     onednn, why_not = kernels.onednn_bf16()
     dtype, why = choose_compute_dtype("auto", "cpu", load_config(model_path), ops)
-    eng = pdserve.Engine(model_path=model_path, dtype="bfloat16", torch_num_threads=1, max_total_tokens=2048,
-                         enable_deterministic_inference=True)
+    eng = pdserve.Engine(
+        model_path=model_path,
+        dtype="bfloat16",
+        torch_num_threads=1,
+        max_total_tokens=2048,
+        enable_deterministic_inference=True,
+    )
     try:
-        out = eng.generate(input_ids=PROMPT, return_logprob=True,
-                           sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+        out = eng.generate(
+            input_ids=PROMPT,
+            return_logprob=True,
+            sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True},
+        )
     finally:
         eng.shutdown()
-    return {"isa": ops.isa(), "tiers": ops.available_isas(), "features": ops.cpu_features(),
-            "onednn_bf16": onednn, "onednn_why_not": why_not, "auto_dtype": str(dtype).replace("torch.", ""),
-            "auto_why": why, "output_ids": out["output_ids"],
-            "logprobs": [lp for lp, *_ in out["meta_info"]["output_token_logprobs"]]}
+    return {
+        "isa": ops.isa(),
+        "tiers": ops.available_isas(),
+        "features": ops.cpu_features(),
+        "onednn_bf16": onednn,
+        "onednn_why_not": why_not,
+        "auto_dtype": str(dtype).replace("torch.", ""),
+        "auto_why": why,
+        "output_ids": out["output_ids"],
+        "logprobs": [lp for lp, *_ in out["meta_info"]["output_token_logprobs"]],
+    }
 
 
 if __name__ == "__main__":

@@ -33,11 +33,17 @@ OTHER_BYTE = 0x5C
 
 
 def _enc(d: dict) -> dict:
-    return {k: {"b64": base64.b64encode(v).decode()} if isinstance(v, bytes) else v for k, v in d.items()}
+    return {
+        k: {"b64": base64.b64encode(v).decode()} if isinstance(v, bytes) else v
+        for k, v in d.items()
+    }
 
 
 def _dec(d: dict) -> dict:
-    return {k: base64.b64decode(v["b64"]) if isinstance(v, dict) and "b64" in v else v for k, v in d.items()}
+    return {
+        k: base64.b64decode(v["b64"]) if isinstance(v, dict) and "b64" in v else v
+        for k, v in d.items()
+    }
 
 
 def _out(**kw) -> None:
@@ -55,8 +61,11 @@ def decode(backend: str, host: str, nbytes: int) -> None:
     be.register_regions([(pool.data_ptr(), nbytes)])
     win = be.open_window("s1")
     assert win is not None, "the backend offers no window for CPU buffers"
-    _out(describe=_enc(be.describe()), regions=win.regions([(pool.data_ptr(), nbytes)]),
-         dst=win.translate(pool.data_ptr()))
+    _out(
+        describe=_enc(be.describe()),
+        regions=win.regions([(pool.data_ptr(), nbytes)]),
+        dst=win.translate(pool.data_ptr()),
+    )
     view = pool.numpy()
     for line in sys.stdin:
         cmd = line.strip()
@@ -66,10 +75,14 @@ def decode(backend: str, host: str, nbytes: int) -> None:
             view[:] = OTHER_BYTE
             _out(digest=hashlib.sha256(view.tobytes()).hexdigest())
         elif cmd == "check":
-            through = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(win.translate(pool.data_ptr())))
-            _out(digest=hashlib.sha256(view.tobytes()).hexdigest(),
-                 writer_bytes_in_pool=int((view == WRITER_BYTE).sum()),
-                 writer_bytes_in_window=int((through == WRITER_BYTE).sum()))
+            through = np.ctypeslib.as_array(
+                (ctypes.c_uint8 * nbytes).from_address(win.translate(pool.data_ptr()))
+            )
+            _out(
+                digest=hashlib.sha256(view.tobytes()).hexdigest(),
+                writer_bytes_in_pool=int((view == WRITER_BYTE).sum()),
+                writer_bytes_in_window=int((through == WRITER_BYTE).sum()),
+            )
         elif cmd == "quit":
             break
     be.close()
@@ -88,7 +101,9 @@ def prefill(backend: str, host: str, nbytes: int) -> None:
         try:  # one descriptor per 64 KiB, as a chunk of pages would be
             step = 1 << 16
             offs = np.arange(0, nbytes, step, dtype=np.int64)
-            be.write("s1", src.ctypes.data + offs, peer["dst"] + offs, np.minimum(step, nbytes - offs)).wait(120)
+            be.write(
+                "s1", src.ctypes.data + offs, peer["dst"] + offs, np.minimum(step, nbytes - offs)
+            ).wait(120)
         except Exception as e:
             result["error"] = f"{type(e).__name__}: {e}"
         done.set()

@@ -44,7 +44,9 @@ class NetnsError(RuntimeError):
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
     if check and r.returncode != 0:
-        raise NetnsError(f"ip {' '.join(args)}: {r.stderr.strip() or r.stdout.strip()} (exit {r.returncode})")
+        raise NetnsError(
+            f"ip {' '.join(args)}: {r.stderr.strip() or r.stdout.strip()} (exit {r.returncode})"
+        )
     return r
 
 
@@ -99,7 +101,9 @@ def unavailable_reason() -> Optional[str]:
         if r.returncode != 0:
             reason = f"`ip netns add` failed: {r.stderr.strip()}"
         else:
-            r = _ip("-n", probe, "link", "add", "v0", "type", "veth", "peer", "name", "v1", check=False)
+            r = _ip(
+                "-n", probe, "link", "add", "v0", "type", "veth", "peer", "name", "v1", check=False
+            )
             if r.returncode != 0:
                 reason = f"cannot create a veth pair inside a namespace: {r.stderr.strip()}"
             _delete(probe)
@@ -108,7 +112,10 @@ def unavailable_reason() -> Optional[str]:
 
 
 def _free_subnet() -> int:
-    used = _ip("-4", "-o", "addr", "show", check=False).stdout + _ip("-4", "route", "show", check=False).stdout
+    used = (
+        _ip("-4", "-o", "addr", "show", check=False).stdout
+        + _ip("-4", "route", "show", check=False).stdout
+    )
     for n in range(100, 250):
         if f"10.77.{n}." not in used:
             return n
@@ -141,13 +148,36 @@ class Hosts:
                 ns = self.ns(name)
                 self._make(ns)
                 # host end "eth0" inside the host, bridge end "h<i>" on the bridge (the cable)
-                _ip("-n", self.bridge_ns, "link", "add", self._port(name), "type", "veth", "peer", "name", "eth0",
-                    "netns", ns)
+                _ip(
+                    "-n",
+                    self.bridge_ns,
+                    "link",
+                    "add",
+                    self._port(name),
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    "eth0",
+                    "netns",
+                    ns,
+                )
                 _ip("-n", self.bridge_ns, "link", "set", self._port(name), "master", "br0", "up")
                 _ip("-n", ns, "addr", "add", f"{self.addr(name)}/24", "dev", "eth0")
                 _ip("-n", ns, "link", "set", "eth0", "up")
                 _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("link", "add", self.tag, "type", "veth", "peer", "name", "client", "netns", self.bridge_ns)
+            _ip(
+                "link",
+                "add",
+                self.tag,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "client",
+                "netns",
+                self.bridge_ns,
+            )
             _ip("-n", self.bridge_ns, "link", "set", "client", "master", "br0", "up")
             _ip("addr", "add", f"{self.client_addr}/24", "dev", self.tag)
             _ip("link", "set", self.tag, "up")
@@ -189,7 +219,9 @@ class Hosts:
         return ["ip", "netns", "exec", self.ns(name), *cmd]
 
     def run(self, name: str, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-        r = subprocess.run(self.wrap(name, cmd), capture_output=True, text=True, timeout=60, check=False)
+        r = subprocess.run(
+            self.wrap(name, cmd), capture_output=True, text=True, timeout=60, check=False
+        )
         if check and r.returncode != 0:
             raise NetnsError(f"{' '.join(cmd)} in {name}: {r.stderr.strip()} (exit {r.returncode})")
         return r
@@ -202,10 +234,26 @@ class Hosts:
     def restore(self, name: str) -> None:
         _ip("-n", self.bridge_ns, "link", "set", "dev", self._port(name), "up")
 
-    def rate_limit(self, name: str, rate: str, burst: str = "32kbit", latency: str = "500ms") -> None:
+    def rate_limit(
+        self, name: str, rate: str, burst: str = "32kbit", latency: str = "500ms"
+    ) -> None:
         """Token bucket on host ``name``'s outgoing traffic (everything it sends)."""
-        self.run(name, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate, "burst", burst,
-                 "latency", latency)
+        self.run(
+            name,
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            "eth0",
+            "root",
+            "tbf",
+            "rate",
+            rate,
+            "burst",
+            burst,
+            "latency",
+            latency,
+        )
 
     def netem(self, name: str, *spec: str) -> None:
         """``tc ... netem SPEC`` on host ``name``'s outgoing traffic; NetnsError where the kernel
@@ -226,34 +274,104 @@ class Hosts:
         return None
 
     # -- pdserve processes ------------------------------------------------------------------
-    def proc(self, host: str, name: str, cmd: list[str], port: int, log_dir: Path,
-             env: Optional[dict] = None) -> c.Proc:
+    def proc(
+        self,
+        host: str,
+        name: str,
+        cmd: list[str],
+        port: int,
+        log_dir: Path,
+        env: Optional[dict] = None,
+    ) -> c.Proc:
         """A ``cluster.Proc`` running ``cmd`` inside ``host``, reached at the host's address."""
         return c.Proc(name, self.wrap(host, cmd), port, log_dir, env, host=self.addr(host))
 
-    def server(self, host: str, name: str, model_path: str, log_dir: Path, *args: str,
-               env: Optional[dict] = None) -> c.Proc:
+    def server(
+        self,
+        host: str,
+        name: str,
+        model_path: str,
+        log_dir: Path,
+        *args: str,
+        env: Optional[dict] = None,
+    ) -> c.Proc:
         port = c.free_port()
-        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model-path", model_path, "--host", self.addr(host),
-               "--port", str(port), "--torch-num-threads", "1", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "serve",
+            "--model-path",
+            model_path,
+            "--host",
+            self.addr(host),
+            "--port",
+            str(port),
+            "--torch-num-threads",
+            "1",
+            *args,
+        ]
         return self.proc(host, name, cmd, port, log_dir, env)
 
-    def prefill(self, host: str, name: str, model_path: str, log_dir: Path, *args: str,
-                env: Optional[dict] = None) -> c.Proc:
+    def prefill(
+        self,
+        host: str,
+        name: str,
+        model_path: str,
+        log_dir: Path,
+        *args: str,
+        env: Optional[dict] = None,
+    ) -> c.Proc:
         bport = c.free_port()
-        p = self.server(host, name, model_path, log_dir, "--disaggregation-mode", "prefill",
-                        "--disaggregation-bootstrap-port", str(bport), *args, env=env)
+        p = self.server(
+            host,
+            name,
+            model_path,
+            log_dir,
+            "--disaggregation-mode",
+            "prefill",
+            "--disaggregation-bootstrap-port",
+            str(bport),
+            *args,
+            env=env,
+        )
         p.bootstrap_port = bport
         return p
 
-    def decode(self, host: str, name: str, model_path: str, log_dir: Path, *args: str,
-               env: Optional[dict] = None) -> c.Proc:
-        return self.server(host, name, model_path, log_dir, "--disaggregation-mode", "decode", *args, env=env)
+    def decode(
+        self,
+        host: str,
+        name: str,
+        model_path: str,
+        log_dir: Path,
+        *args: str,
+        env: Optional[dict] = None,
+    ) -> c.Proc:
+        return self.server(
+            host, name, model_path, log_dir, "--disaggregation-mode", "decode", *args, env=env
+        )
 
-    def router(self, host: str, name: str, prefills: list[c.Proc], decode_urls: list[str], log_dir: Path,
-               *args: str) -> c.Proc:
+    def router(
+        self,
+        host: str,
+        name: str,
+        prefills: list[c.Proc],
+        decode_urls: list[str],
+        log_dir: Path,
+        *args: str,
+    ) -> c.Proc:
         port = c.free_port()
-        cmd = [sys.executable, "-m", "pdserve.cli", "router", "--host", self.addr(host), "--port", str(port), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "router",
+            "--host",
+            self.addr(host),
+            "--port",
+            str(port),
+            *args,
+        ]
         for p in prefills:
             cmd += ["--prefill", p.url, str(p.bootstrap_port)]
         for url in decode_urls:
@@ -301,9 +419,20 @@ def since(t0: float) -> float:
 # UCX (under NIXL) over TCP on the namespace's own interface: no shared-memory transports, no
 # loopback device, so the bytes cross the veth links like they would cross a NIC.
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
-PD_ARGS = ["--page-size", "16", "--chunked-prefill-size", "256", "--max-total-tokens", "65536",
-           "--served-model-name", "tiny-llama", "--disaggregation-bootstrap-timeout", "10",
-           "--disaggregation-waiting-timeout", "10"]
+PD_ARGS = [
+    "--page-size",
+    "16",
+    "--chunked-prefill-size",
+    "256",
+    "--max-total-tokens",
+    "65536",
+    "--served-model-name",
+    "tiny-llama",
+    "--disaggregation-bootstrap-timeout",
+    "10",
+    "--disaggregation-waiting-timeout",
+    "10",
+]
 
 
 @pytest.fixture(scope="session")
@@ -347,16 +476,27 @@ def netns_pd(netns_hosts, tiny_llama_path, tmp_path_factory):
             logs = tmp_path_factory.mktemp(f"netns-{backend}")
             args = [*PD_ARGS, "--disaggregation-transfer-backend", backend]
             env = UCX_ENV if backend == "nixl" else None
-            pairs[backend] = (h.prefill("A", f"P-{backend}", tiny_llama_path, logs, *args, env=env),
-                              h.decode("B", f"D-{backend}", tiny_llama_path, logs, *args, env=env), logs)
+            pairs[backend] = (
+                h.prefill("A", f"P-{backend}", tiny_llama_path, logs, *args, env=env),
+                h.decode("B", f"D-{backend}", tiny_llama_path, logs, *args, env=env),
+                logs,
+            )
             started.extend(pairs[backend][:2])
         start_all(started)
-        routers = {b: h.router("C", f"R-{b}", [P], [D.url], logs, "--health-check-interval", "1")
-                   for b, (P, D, logs) in pairs.items()}
+        routers = {
+            b: h.router("C", f"R-{b}", [P], [D.url], logs, "--health-check-interval", "1")
+            for b, (P, D, logs) in pairs.items()
+        }
         started.extend(routers.values())
         start_all(list(routers.values()))
         for b, (P, D, logs) in pairs.items():
-            clusters[b] = {"backend": b, "prefill": P, "decode": D, "router": routers[b], "logs": logs}
+            clusters[b] = {
+                "backend": b,
+                "prefill": P,
+                "decode": D,
+                "router": routers[b],
+                "logs": logs,
+            }
 
     def get(backend: str) -> dict:
         if not tried:

@@ -49,11 +49,30 @@ def start_sglang_router(
     tail if it exits or is not ready within ``timeout``; the process is killed in that case.
     The caller owns the returned process: ``proc.terminate(); proc.wait()``.
     """
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-           "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-           "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", str(int(timeout)),
-           "--health-check-interval-secs", "1", "--log-level", "warn"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--pd-disaggregation",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+        "--worker-startup-check-interval",
+        "1",
+        "--worker-startup-timeout-secs",
+        str(int(timeout)),
+        "--health-check-interval-secs",
+        "1",
+        "--log-level",
+        "warn",
+    ]
     for url, bootstrap_port in prefill_urls_with_bootstrap_ports:
         cmd += ["--prefill", url] + ([str(bootstrap_port)] if bootstrap_port is not None else [])
     for url in decode_urls:
@@ -76,4 +95,6 @@ def start_sglang_router(
     if log_path and os.path.exists(log_path):
         with open(log_path, "rb") as f:
             tail = f.read()[-4000:].decode(errors="replace")
-    raise RuntimeError(f"sglang-router on port {port} not ready (exit code {proc.returncode}):\n{tail}")
+    raise RuntimeError(
+        f"sglang-router on port {port} not ready (exit code {proc.returncode}):\n{tail}"
+    )

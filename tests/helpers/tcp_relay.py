@@ -48,7 +48,8 @@ class Relay:
             self._open = asyncio.Event()
             self._open.set()
             self._server = self._loop.run_until_complete(
-                asyncio.start_server(self._accept, self.listen_host, self.listen_port))
+                asyncio.start_server(self._accept, self.listen_host, self.listen_port)
+            )
             self.port = self._server.sockets[0].getsockname()[1]
             ready.set()
             self._loop.run_forever()
@@ -119,12 +120,16 @@ class Relay:
             return
         self.counts["connections"] += 1
         self._conns.update((client_w, target_w))
-        await asyncio.gather(self._pipe(client_r, target_w, "bytes_up"), self._pipe(target_r, client_w, "bytes_down"))
+        await asyncio.gather(
+            self._pipe(client_r, target_w, "bytes_up"), self._pipe(target_r, client_w, "bytes_down")
+        )
         for w in (client_w, target_w):
             self._conns.discard(w)
             w.close()
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, counter: str) -> None:
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, counter: str
+    ) -> None:
         """Chunks are read as they come and each is written ``delay`` after it arrived (added
         latency, like ``netem delay``, not a rate limit); b"" marks the end of the stream."""
         queue: asyncio.Queue = asyncio.Queue()

@@ -24,8 +24,12 @@ def make_router():
         kw.setdefault("health_check_interval", 0.2)
         kw.setdefault("health_failure_threshold", 1)
         kw.setdefault("load_poll_interval", 0.05)
-        args = RouterArgs(prefill=[(p.url, p.bootstrap_port) for p in prefill], decode=[d.url for d in decode],
-                          worker=[w.url for w in worker], **kw)
+        args = RouterArgs(
+            prefill=[(p.url, p.bootstrap_port) for p in prefill],
+            decode=[d.url for d in decode],
+            worker=[w.url for w in worker],
+            **kw,
+        )
         r = RunningRouter(args)
         routers.append(r)
         if wait:
@@ -63,7 +67,11 @@ def host_isas() -> list[str]:
     from pdserve import kernels
 
     ops = kernels.load()
-    return ops.available_isas() if ops is not None else [f"kernels-unavailable: {kernels.unavailable_reason()}"]
+    return (
+        ops.available_isas()
+        if ops is not None
+        else [f"kernels-unavailable: {kernels.unavailable_reason()}"]
+    )
 
 
 def pytest_generate_tests(metafunc):

@@ -49,7 +49,11 @@ def hardware(ops):
     if status["self_check_hardware"].startswith("failed"):
         pytest.fail(f"the AMX kernels disagree with the AVX-512 kernels on this CPU: {status}")
     if status["backend"] != "hardware":
-        why = "this CPU has no AMX (amx_tile, amx_bf16, amx_int8)" if not status["cpu"] else f"AMX not usable: {status}"
+        why = (
+            "this CPU has no AMX (amx_tile, amx_bf16, amx_int8)"
+            if not status["cpu"]
+            else f"AMX not usable: {status}"
+        )
         pytest.skip(f"{why}: the AMX kernels are tested on emulated tiles only here")
     yield ops
 
@@ -83,22 +87,44 @@ def test_emulated_tile_products_follow_the_sdm(ops):
     # each product is added on its own, rounded to fp32: 1 + 2^-24 + 2^-24 stays 1 (ties to even),
     # where one rounding of the pair's sum would give 1 + 2^-23
     c = torch.ones(1, 1)
-    ops.amx_tile_dp("bf16", c, torch.cat([bf16_bits(2.0**-24)] * 2).view(1, 2), torch.ones(1, 2, dtype=torch.bfloat16), False)
+    ops.amx_tile_dp(
+        "bf16",
+        c,
+        torch.cat([bf16_bits(2.0**-24)] * 2).view(1, 2),
+        torch.ones(1, 2, dtype=torch.bfloat16),
+        False,
+    )
     assert c.item() == 1.0
     # bf16 denormal inputs read as zero
     c = torch.zeros(1, 1)
     tiny = torch.tensor([1], dtype=torch.int16).view(torch.bfloat16)  # smallest denormal
-    ops.amx_tile_dp("bf16", c, torch.cat([tiny, bf16_bits(0.0)]).view(1, 2), torch.cat([bf16_bits(2.0**120)] * 2).view(1, 2), False)
+    ops.amx_tile_dp(
+        "bf16",
+        c,
+        torch.cat([tiny, bf16_bits(0.0)]).view(1, 2),
+        torch.cat([bf16_bits(2.0**120)] * 2).view(1, 2),
+        False,
+    )
     assert c.item() == 0.0
 
 
 def test_emulated_tiles_enforce_the_palette_limits(ops):
     with pytest.raises(RuntimeError, match="at most 16 x 64"):
-        ops.amx_tile_dp("usd", torch.zeros(17, 4, dtype=torch.int32), torch.zeros(17, 8, dtype=torch.uint8),
-                        torch.zeros(2, 16, dtype=torch.int8), False)
+        ops.amx_tile_dp(
+            "usd",
+            torch.zeros(17, 4, dtype=torch.int32),
+            torch.zeros(17, 8, dtype=torch.uint8),
+            torch.zeros(2, 16, dtype=torch.int8),
+            False,
+        )
     with pytest.raises(RuntimeError, match="do not agree"):
-        ops.amx_tile_dp("usd", torch.zeros(4, 4, dtype=torch.int32), torch.zeros(4, 8, dtype=torch.uint8),
-                        torch.zeros(3, 16, dtype=torch.int8), False)
+        ops.amx_tile_dp(
+            "usd",
+            torch.zeros(4, 4, dtype=torch.int32),
+            torch.zeros(4, 8, dtype=torch.uint8),
+            torch.zeros(3, 16, dtype=torch.int8),
+            False,
+        )
     with pytest.raises(RuntimeError, match="op must be"):
         ops.amx_tile_dp("fp8", torch.zeros(1, 1), torch.zeros(1, 2), torch.zeros(1, 2), False)
 
@@ -119,8 +145,21 @@ def vnni(ops, x, packed, bias, n, dtype=torch.float32, **kw):
     return out
 
 
-@pytest.mark.parametrize("n,k,rows", [(3072, 576, 1), (3072, 576, 21), (37, 19, 1), (37, 19, 2), (37, 19, 3),
-                                      (37, 19, 5), (37, 19, 21), (100, 64, 8), (100, 64, 17), (100, 64, 40)])
+@pytest.mark.parametrize(
+    "n,k,rows",
+    [
+        (3072, 576, 1),
+        (3072, 576, 21),
+        (37, 19, 1),
+        (37, 19, 2),
+        (37, 19, 3),
+        (37, 19, 5),
+        (37, 19, 21),
+        (100, 64, 8),
+        (100, 64, 17),
+        (100, 64, 40),
+    ],
+)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_bf16_linear_on_emulated_tiles_matches_float64(emulated, n, k, rows, out_dtype):
     ops = emulated
@@ -153,7 +192,9 @@ def test_emulated_tiles_are_what_runs(emulated):
     packed = pack_vnni16(w)
     good = vnni(ops, x, packed, bias, 37)
     assert ops.amx_status()["self_check_emulated"] == "passed"
-    ops.set_amx_fault_injection("bf16")  # after the self-check: a wrong tile product reaches the output
+    ops.set_amx_fault_injection(
+        "bf16"
+    )  # after the self-check: a wrong tile product reaches the output
     bad = vnni(ops, x, packed, bias, 37)
     assert (bad - good)[0, 0].item() == pytest.approx(1.0, abs=1e-3)
     assert torch.equal(bad[1:], good[1:])
@@ -167,7 +208,9 @@ def test_amx_min_rows_and_switching_amx_off(emulated):
     ops.set_amx(False)
     avx512 = vnni(ops, x, packed, bias, 100)
     ops.set_amx_emulation(False)
-    assert torch.equal(avx512, vnni(ops, x, packed, bias, 100))  # off is the AVX-512 kernel, bit for bit
+    assert torch.equal(
+        avx512, vnni(ops, x, packed, bias, 100)
+    )  # off is the AVX-512 kernel, bit for bit
     ops.set_amx_emulation(True)
     ops.set_amx(True)
     assert ops.isa() == "amx_bf16_emulated"
@@ -188,7 +231,9 @@ def test_amx_min_rows_and_switching_amx_off(emulated):
 @pytest.mark.parametrize("rows", [1, 3, 8, 21])
 @pytest.mark.parametrize("n,k", [(3072, 576), (37, 19), (100, 130)])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_w8a8_linear_on_emulated_tiles_equals_vnni_and_its_quantization(emulated, rows, n, k, x_dtype):
+def test_w8a8_linear_on_emulated_tiles_equals_vnni_and_its_quantization(
+    emulated, rows, n, k, x_dtype
+):
     ops = emulated
     gen = torch.Generator().manual_seed(n + k + rows)
     x = (2 * torch.randn(rows, k, generator=gen)).to(x_dtype)
@@ -228,7 +273,9 @@ def attention_batch(reqs, heads, kv_heads, dim, page, seed):
     vc = torch.randn(sum(need) + 1, kv_heads, page, dim, generator=gen).to(torch.bfloat16)
     q = torch.randn(sum(e for _, e in reqs), heads, dim, generator=gen).to(torch.bfloat16)
     lens = torch.tensor([n for n, _ in reqs], dtype=torch.int32)
-    starts = torch.tensor([0] + [sum(e for _, e in reqs[: i + 1]) for i in range(len(reqs))], dtype=torch.int32)
+    starts = torch.tensor(
+        [0] + [sum(e for _, e in reqs[: i + 1]) for i in range(len(reqs))], dtype=torch.int32
+    )
     return q, kc, vc, table, lens, starts
 
 
@@ -262,9 +309,18 @@ def attention(ops, q, kc, vc, table, lens, starts, scale, window, sinks, **kw):
 REQS = [(150, 150), (37, 1), (90, 21), (5, 5), (300, 1)]  # prefill, decode, extend after a prefix
 
 
-@pytest.mark.parametrize("group,dim,page,window,sinks", [
-    (1, 64, 1, 0, False), (4, 128, 16, 0, False), (2, 80, 16, 37, True), (8, 64, 16, 0, True),
-    (2, 256, 32, 100, False), (2, 16, 4, 5, False), (3, 96, 16, 64, True)])
+@pytest.mark.parametrize(
+    "group,dim,page,window,sinks",
+    [
+        (1, 64, 1, 0, False),
+        (4, 128, 16, 0, False),
+        (2, 80, 16, 37, True),
+        (8, 64, 16, 0, True),
+        (2, 256, 32, 100, False),
+        (2, 16, 4, 5, False),
+        (3, 96, 16, 64, True),
+    ],
+)
 def test_attention_on_emulated_tiles_matches_float64(emulated, group, dim, page, window, sinks):
     ops = emulated
     kv_heads = 2
@@ -287,22 +343,47 @@ def test_attention_on_emulated_tiles_matches_float64(emulated, group, dim, page,
 def test_attention_rows_do_not_depend_on_the_other_rows_or_threads(emulated, window):
     ops = emulated
     heads, kv_heads, dim, page = 8, 2, 64, 16
-    q, kc, vc, table, lens, starts = attention_batch([(200, 200)], heads, kv_heads, dim, page, seed=5)
+    q, kc, vc, table, lens, starts = attention_batch(
+        [(200, 200)], heads, kv_heads, dim, page, seed=5
+    )
     scale = dim**-0.5
     full = attention(ops, q, kc, vc, table, lens, starts, scale, window, None)
     # the last `ext` positions alone (other query blocks), and next to another request
     for ext in (1, 7, 23, 90):
         rows = q[-ext:].contiguous()
-        alone = attention(ops, rows, kc, vc, table, lens, torch.tensor([0, ext], dtype=torch.int32), scale, window, None)
+        alone = attention(
+            ops,
+            rows,
+            kc,
+            vc,
+            table,
+            lens,
+            torch.tensor([0, ext], dtype=torch.int32),
+            scale,
+            window,
+            None,
+        )
         assert torch.equal(alone, full[-ext:]), ext
         both = torch.cat([q[:3], rows])
         pair_table = torch.cat([table, table])
-        pair = attention(ops, both, kc, vc, pair_table, torch.tensor([3, 200], dtype=torch.int32),
-                         torch.tensor([0, 3, 3 + ext], dtype=torch.int32), scale, window, None)
+        pair = attention(
+            ops,
+            both,
+            kc,
+            vc,
+            pair_table,
+            torch.tensor([3, 200], dtype=torch.int32),
+            torch.tensor([0, 3, 3 + ext], dtype=torch.int32),
+            scale,
+            window,
+            None,
+        )
         assert torch.equal(pair[3:], full[-ext:]), ext
     torch.set_num_threads(2)
     try:
-        assert torch.equal(attention(ops, q, kc, vc, table, lens, starts, scale, window, None), full)
+        assert torch.equal(
+            attention(ops, q, kc, vc, table, lens, starts, scale, window, None), full
+        )
     finally:
         torch.set_num_threads(1)
 
@@ -336,8 +417,13 @@ def test_self_check_runs_first_and_isa_names_the_tiles(emulated):
     assert ops.amx_status()["self_check_emulated"] == "passed"
 
 
-@pytest.mark.parametrize("fault,found,not_found", [
-    ("bf16", ["bf16 linear", "attention"], ["int8 linear"]), ("int8", ["int8 linear"], ["bf16 linear", "attention"])])
+@pytest.mark.parametrize(
+    "fault,found,not_found",
+    [
+        ("bf16", ["bf16 linear", "attention"], ["int8 linear"]),
+        ("int8", ["int8 linear"], ["bf16 linear", "attention"]),
+    ],
+)
 def test_a_failed_self_check_disables_amx(emulated, caplog, fault, found, not_found):
     ops = emulated
     x, w, bias = vnni_case(100, 64, 12, 3)
@@ -379,7 +465,10 @@ def test_hardware_tile_products_match_the_emulation(hardware):
         ops.amx_tile_dp(op, hw, x, b, True)
         ops.amx_tile_dp(op, emu, x, b, False)
         assert torch.equal(hw, emu), op
-    af, bf = torch.randn(16, 32, generator=gen).to(torch.bfloat16), torch.randn(16, 32, generator=gen).to(torch.bfloat16)
+    af, bf = (
+        torch.randn(16, 32, generator=gen).to(torch.bfloat16),
+        torch.randn(16, 32, generator=gen).to(torch.bfloat16),
+    )
     hw, emu = torch.zeros(16, 16), torch.zeros(16, 16)
     ops.amx_tile_dp("bf16", hw, af, bf, True)
     ops.amx_tile_dp("bf16", emu, af, bf, False)
@@ -407,4 +496,6 @@ def test_hardware_kernels_match_float64(hardware):
     sk = torch.randn(8, generator=torch.Generator().manual_seed(1))
     for window, sinks in ((0, None), (37, sk)):
         out = attention(ops, *args, 128**-0.5, window, sinks)
-        assert (out.double() - attention_reference(*args, 128**-0.5, window, sinks)).abs().max().item() < 2e-2
+        assert (
+            out.double() - attention_reference(*args, 128**-0.5, window, sinks)
+        ).abs().max().item() < 2e-2

@@ -18,9 +18,9 @@ import torch
 from pdserve import kernels
 from pdserve.engine.kv_pool import KVPool
 from pdserve.forward_batch import ForwardBatch, GroupTable
+from pdserve.layers.attention import torch_backend
 from pdserve.layers.attention.base import AttentionBackend, AttnLayer
 from pdserve.layers.attention.cpu_backend import CpuAttnBackend
-from pdserve.layers.attention import torch_backend
 from pdserve.layers.attention.torch_backend import TorchAttnBackend, attention
 
 torch.set_num_threads(1)
@@ -47,7 +47,9 @@ def eager_reference(q, k, v, q_pos, scale, window, sinks):
         visible &= (q_pos[:, None] - kpos[None, :]) < window
     weights = weights + additive_mask(visible)
     if sinks is not None:  # one more logit column per row, its head's sink
-        weights = torch.cat([weights, sinks.double().view(heads, 1, 1).expand(heads, q.shape[0], 1)], -1)
+        weights = torch.cat(
+            [weights, sinks.double().view(heads, 1, 1).expand(heads, q.shape[0], 1)], -1
+        )
     weights = weights - weights.max(-1, keepdim=True).values
     probs = torch.softmax(weights, -1)
     if sinks is not None:
@@ -69,19 +71,27 @@ def test_reference_is_hf_eager_attention():
     visible = (kpos[None, :] <= q_pos[:, None]) & ((q_pos[:, None] - kpos[None, :]) < WINDOW)
     mask = additive_mask(visible)[None, None]
     module = SimpleNamespace(sinks=sinks, num_key_value_groups=HEADS // KV_HEADS, training=False)
-    hf, _ = eager_attention_forward(module, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                    v.transpose(0, 1)[None], mask, scaling=HEAD_DIM ** -0.5)
-    ours = eager_reference(q, k, v, q_pos, HEAD_DIM ** -0.5, WINDOW, sinks)
+    hf, _ = eager_attention_forward(
+        module,
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        mask,
+        scaling=HEAD_DIM**-0.5,
+    )
+    ours = eager_reference(q, k, v, q_pos, HEAD_DIM**-0.5, WINDOW, sinks)
     torch.testing.assert_close(ours, hf[0], atol=1e-12, rtol=0)
     # the sinks matter at this size, so a backend that dropped them would fail the tests below
-    assert (ours - eager_reference(q, k, v, q_pos, HEAD_DIM ** -0.5, WINDOW, None)).abs().max() > 0.05
+    assert (ours - eager_reference(q, k, v, q_pos, HEAD_DIM**-0.5, WINDOW, None)).abs().max() > 0.05
 
 
 class PagedAttention:
     """One cache group of two layers (0: sliding window, 1: full) over scattered pages; runs one
     backend forward per step and keeps every sequence's K/V for the reference."""
 
-    def __init__(self, backend: AttentionBackend, page: int, dtype: torch.dtype, num_pages: int, seed: int):
+    def __init__(
+        self, backend: AttentionBackend, page: int, dtype: torch.dtype, num_pages: int, seed: int
+    ):
         self.backend, self.page, self.dtype = backend, page, dtype
         self.pool = KVPool(2, num_pages, page, KV_HEADS, HEAD_DIM, dtype, "cpu")
         self.free = list(range(1, num_pages))
@@ -89,8 +99,10 @@ class PagedAttention:
         self.gen = torch.Generator().manual_seed(seed)
         self.pages: dict[str, list[int]] = {}
         self.kv: dict[str, list[list[torch.Tensor]]] = {}  # sid -> per layer [k chunks, v chunks]
-        self.layers = [AttnLayer(0, HEAD_DIM ** -0.5, WINDOW, has_sinks=True),
-                       AttnLayer(1, HEAD_DIM ** -0.5, None, has_sinks=True)]
+        self.layers = [
+            AttnLayer(0, HEAD_DIM**-0.5, WINDOW, has_sinks=True),
+            AttnLayer(1, HEAD_DIM**-0.5, None, has_sinks=True),
+        ]
         self.sinks = [(2 * torch.randn(HEADS, generator=self.gen)).to(dtype) for _ in self.layers]
 
     def randn(self, *shape) -> torch.Tensor:
@@ -113,33 +125,53 @@ class PagedAttention:
             table[row, : len(self.pages[sid])] = torch.tensor(self.pages[sid])
         total = sum(extend_lens)
         fb = ForwardBatch(
-            input_ids=torch.zeros(total, dtype=torch.long), positions=torch.zeros(total, dtype=torch.long),
-            prefix_lens=prefix_lens, extend_lens=extend_lens,
-            groups=[GroupTable(self.pool, table, torch.tensor(out_pages))], layer_group=[0, 0], layer_slot=[0, 1],
-            out_offsets=torch.tensor(out_offsets), logits_idx=torch.arange(total), attn_backend=self.backend)
+            input_ids=torch.zeros(total, dtype=torch.long),
+            positions=torch.zeros(total, dtype=torch.long),
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            groups=[GroupTable(self.pool, table, torch.tensor(out_pages))],
+            layer_group=[0, 0],
+            layer_slot=[0, 1],
+            out_offsets=torch.tensor(out_offsets),
+            logits_idx=torch.arange(total),
+            attn_backend=self.backend,
+        )
         self.backend.init_forward(fb)
         err = 0.0
         for li, layer in enumerate(self.layers):
-            q, k, v = self.randn(total, HEADS, HEAD_DIM), self.randn(total, KV_HEADS, HEAD_DIM), \
-                self.randn(total, KV_HEADS, HEAD_DIM)
+            q, k, v = (
+                self.randn(total, HEADS, HEAD_DIM),
+                self.randn(total, KV_HEADS, HEAD_DIM),
+                self.randn(total, KV_HEADS, HEAD_DIM),
+            )
             out = self.backend.forward(layer, q, k, v, fb, sinks=self.sinks[li])
             assert out.shape == q.shape and out.dtype == q.dtype
             for (sid, n), start, prefix in zip(chunks.items(), fb.extend_starts, prefix_lens):
                 hist = self.kv.setdefault(sid, [[[], []], [[], []]])[li]
-                hist[0].append(k[start:start + n])
-                hist[1].append(v[start:start + n])
-                ref = eager_reference(q[start:start + n], torch.cat(hist[0]), torch.cat(hist[1]),
-                                      torch.arange(prefix, prefix + n), layer.scale, layer.sliding_window,
-                                      self.sinks[li])
-                err = max(err, (out[start:start + n].double() - ref).abs().max().item())
+                hist[0].append(k[start : start + n])
+                hist[1].append(v[start : start + n])
+                ref = eager_reference(
+                    q[start : start + n],
+                    torch.cat(hist[0]),
+                    torch.cat(hist[1]),
+                    torch.arange(prefix, prefix + n),
+                    layer.scale,
+                    layer.sliding_window,
+                    self.sinks[li],
+                )
+                err = max(err, (out[start : start + n].double() - ref).abs().max().item())
         return err
 
 
 # a prefill and a one-token prefill; a leading decode row, an extend after a prefix, a prefill;
 # decode rows leading and not, an extend, a prefill longer than the flash kernel's key block and
 # query block; decode only
-STEPS = [{"a": 20, "b": 1}, {"a": 1, "b": 7, "c": 5}, {"c": 1, "a": 3, "b": 1, "d": 150},
-         {"d": 1, "a": 1, "b": 1, "c": 1}]
+STEPS = [
+    {"a": 20, "b": 1},
+    {"a": 1, "b": 7, "c": 5},
+    {"c": 1, "a": 3, "b": 1, "d": 150},
+    {"d": 1, "a": 1, "b": 1, "c": 1},
+]
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +186,9 @@ def backend_of(name: str, ops):
         return TorchAttnBackend(), torch.float32
     if name == "cpu-float32":  # the decode kernel for one-token rows, the torch math for extends
         return CpuAttnBackend(ops=ops, compute_dtype=torch.float32), torch.float32
-    return CpuAttnBackend(ops=ops, compute_dtype=torch.bfloat16), torch.bfloat16  # every row in the flash kernel
+    return CpuAttnBackend(
+        ops=ops, compute_dtype=torch.bfloat16
+    ), torch.bfloat16  # every row in the flash kernel
 
 
 @pytest.mark.parametrize("page", [1, 16])
@@ -208,7 +242,9 @@ def test_backends_declare_sinks_and_refuse_by_name():
 
     assert NoSinks.missing_features(layers) == ["attention sinks"]
     assert NoSinks.missing_features(layers[1:]) == []
-    with pytest.raises(ValueError, match="'nosinks' does not support the attention sinks of GptOssForCausalLM"):
+    with pytest.raises(
+        ValueError, match="'nosinks' does not support the attention sinks of GptOssForCausalLM"
+    ):
         NoSinks().check_supported(["full_attention"], layers, "GptOssForCausalLM")
     # a model with both features the backend lacks hears of both
     NoSinks.supports_softcap = False
@@ -217,7 +253,6 @@ def test_backends_declare_sinks_and_refuse_by_name():
 
 
 # ---- the kernels on their own ------------------------------------------------------------------
-
 
 
 def paged_case(gen, lens, page, kv_dtype):
@@ -239,26 +274,34 @@ def sequence_kv(kc, vc, table, b, n):
 
 
 @pytest.mark.parametrize("window", [0, 37])
-@pytest.mark.parametrize("kv_dtype,q_dtype,page", [(torch.float32, torch.float32, 16), (torch.bfloat16, torch.float32, 1),
-                                                   (torch.bfloat16, torch.bfloat16, 16)])
+@pytest.mark.parametrize(
+    "kv_dtype,q_dtype,page",
+    [
+        (torch.float32, torch.float32, 16),
+        (torch.bfloat16, torch.float32, 1),
+        (torch.bfloat16, torch.bfloat16, 16),
+    ],
+)
 def test_decode_kernel_with_sinks(ops, isa, kv_dtype, q_dtype, page, window):
     gen = torch.Generator().manual_seed(page + window)
     lens = [1, 2, 15, 17, 300, 1001]
     kc, vc, table = paged_case(gen, lens, page, kv_dtype)
     q = torch.randn(len(lens), HEADS, HEAD_DIM, generator=gen).to(q_dtype)
     sinks = 3 * torch.randn(HEADS, generator=gen)
-    scale, lens_t = HEAD_DIM ** -0.5, torch.tensor(lens, dtype=torch.int32)
-    tol = 2e-6 if q_dtype == torch.float32 else 2 ** -8 * 4
+    scale, lens_t = HEAD_DIM**-0.5, torch.tensor(lens, dtype=torch.int32)
+    tol = 2e-6 if q_dtype == torch.float32 else 2**-8 * 4
     for s in (sinks, None):
         out = torch.full_like(q, float("nan"))
         ops.paged_decode_attention(out, q, kc, vc, table, lens_t, scale, window, s)
         for b, n in enumerate(lens):
             k, v = sequence_kv(kc, vc, table, b, n)
-            ref = eager_reference(q[b:b + 1], k, v, torch.tensor([n - 1]), scale, window, s)
-            err = (out[b:b + 1].double() - ref).abs().max().item()
+            ref = eager_reference(q[b : b + 1], k, v, torch.tensor([n - 1]), scale, window, s)
+            err = (out[b : b + 1].double() - ref).abs().max().item()
             assert err < tol, f"sinks {s is not None}, length {n}: max abs error {err}"
     plain = torch.empty_like(q)
-    ops.paged_decode_attention(plain, q, kc, vc, table, lens_t, scale, window)  # sinks default to none
+    ops.paged_decode_attention(
+        plain, q, kc, vc, table, lens_t, scale, window
+    )  # sinks default to none
     assert torch.equal(plain, out)
     with pytest.raises(RuntimeError, match="sinks has 7 values for 8 query heads"):
         ops.paged_decode_attention(out, q, kc, vc, table, lens_t, scale, window, sinks[:7])
@@ -278,22 +321,24 @@ def test_flash_kernel_with_and_without_sinks(ops, flash_isa, page, window):
     starts = torch.tensor([0] + [e for e, _ in rows], dtype=torch.int32).cumsum(0).to(torch.int32)
     q = torch.randn(int(starts[-1]), HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
     sinks = 3 * torch.randn(HEADS, generator=gen)
-    scale, lens_t = HEAD_DIM ** -0.5, torch.tensor(lens, dtype=torch.int32)
+    scale, lens_t = HEAD_DIM**-0.5, torch.tensor(lens, dtype=torch.int32)
     for s in (sinks, None):
         out = torch.full_like(q, float("nan"))
         ops.paged_attention_bf16(out, q, kc, vc, table, lens_t, starts, scale, window, s)
         for b, (ext, n) in enumerate(rows):
             k, v = sequence_kv(kc, vc, table, b, n)
             a = int(starts[b])
-            ref = eager_reference(q[a:a + ext], k, v, torch.arange(n - ext, n), scale, window, s)
-            err = (out[a:a + ext].double() - ref).abs().max().item()
+            ref = eager_reference(q[a : a + ext], k, v, torch.arange(n - ext, n), scale, window, s)
+            err = (out[a : a + ext].double() - ref).abs().max().item()
             # probabilities rounded to bf16 for the P V product, the output rounded to bf16
             assert err < 2e-2, f"sinks {s is not None}, row {b} ({ext} of {n}): max abs error {err}"
     plain = torch.empty_like(q)
     ops.paged_attention_bf16(plain, q, kc, vc, table, lens_t, starts, scale, window)
     assert torch.equal(plain, out)
     with pytest.raises(RuntimeError, match="sinks must be a contiguous float32"):
-        ops.paged_attention_bf16(out, q, kc, vc, table, lens_t, starts, scale, window, sinks.bfloat16())
+        ops.paged_attention_bf16(
+            out, q, kc, vc, table, lens_t, starts, scale, window, sinks.bfloat16()
+        )
 
 
 def test_sink_logits_shift_mass_as_softmax_says(monkeypatch):
@@ -311,7 +356,9 @@ def test_sink_logits_shift_mass_as_softmax_says(monkeypatch):
     sinks = torch.randn(HEADS, generator=gen)
     whole = attention(q, k, v, None, 0.125, None, sinks)
     monkeypatch.setattr(torch_backend, "_MATH_BLOCK", HEADS * 9 * 2)  # two query rows per block
-    torch.testing.assert_close(attention(q, k, v, None, 0.125, None, sinks), whole, atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        attention(q, k, v, None, 0.125, None, sinks), whole, atol=1e-6, rtol=0
+    )
 
 
 def test_sinks_parameter_is_split_by_query_heads():
@@ -321,13 +368,20 @@ def test_sinks_parameter_is_split_by_query_heads():
     from pdserve.models.llama import LlamaAttention
     from pdserve.models.weights import TPShards
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=16)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=16,
+    )
     sinks = torch.arange(HEADS, dtype=torch.float32)
     for rank in range(2):
         shards = TPShards.of(cfg, TPGroup(rank=rank, size=2))
         got = shards.shard("model.layers.1.self_attn.sinks", sinks)
-        assert torch.equal(got, sinks[rank * 4:(rank + 1) * 4])
+        assert torch.equal(got, sinks[rank * 4 : (rank + 1) * 4])
         attn = LlamaAttention(cfg, 1, shards, qkv_bias=True, o_bias=True, qk_norm=False, sinks=True)
         assert attn.attn.has_sinks and attn.sinks.shape == (HEADS // 2,)
         assert dict(attn.named_parameters())["sinks"] is attn.sinks

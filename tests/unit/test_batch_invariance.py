@@ -25,7 +25,11 @@ def ops():
 @pytest.mark.parametrize("rows,n,k", [(1, 64, 64), (5, 100, 37), (33, 257, 128), (64, 64, 1000)])
 def test_linear_f32_matches_float64(ops, isa, rows, n, k):
     gen = torch.Generator().manual_seed(rows * n + k)
-    w, b, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(rows, k, generator=gen)
+    w, b, x = (
+        torch.randn(n, k, generator=gen),
+        torch.randn(n, generator=gen),
+        torch.randn(rows, k, generator=gen),
+    )
     out = torch.full((rows, n), float("nan"))
     ops.linear_f32(out, x, pack_panels(w, 1), b)
     ref = x.double() @ w.double().T + b.double()
@@ -51,9 +55,16 @@ def test_linear_f32_gives_the_same_bits_on_every_path(ops):
 
 def test_linear_f32_rejects_bad_shapes(ops):
     with pytest.raises(RuntimeError, match="linear_f32: shapes"):
-        ops.linear_f32(torch.empty(2, 64), torch.empty(2, 10), pack_panels(torch.empty(64, 11), 1), None)
+        ops.linear_f32(
+            torch.empty(2, 64), torch.empty(2, 10), pack_panels(torch.empty(64, 11), 1), None
+        )
     with pytest.raises(RuntimeError, match="float32"):
-        ops.linear_f32(torch.empty(2, 64), torch.empty(2, 10).bfloat16(), pack_panels(torch.empty(64, 10), 1), None)
+        ops.linear_f32(
+            torch.empty(2, 64),
+            torch.empty(2, 10).bfloat16(),
+            pack_panels(torch.empty(64, 10), 1),
+            None,
+        )
 
 
 def _matmuls(ops, gen):
@@ -72,10 +83,12 @@ def test_matmul_rows_do_not_depend_on_the_batch(ops, isa, kind):
     gen = torch.Generator().manual_seed(11)
     mm, dtype = _matmuls(ops, gen)[kind]
     x = torch.randn(64, 160, generator=gen).to(dtype)
-    alone = torch.cat([mm(x[i:i + 1]) for i in range(64)])
+    alone = torch.cat([mm(x[i : i + 1]) for i in range(64)])
     for m in (2, 3, 4, 5, 8, 9, 17, 31, 64):
         for start in (0, 64 - m):
-            assert torch.equal(mm(x[start:start + m]), alone[start:start + m]), f"{m} rows from {start}"
+            assert torch.equal(mm(x[start : start + m]), alone[start : start + m]), (
+                f"{m} rows from {start}"
+            )
     torch.set_num_threads(2)
     try:
         assert torch.equal(mm(x), alone)
@@ -105,7 +118,9 @@ def _pool(gen, length, kv_heads, head_dim, page):
 
 @pytest.mark.parametrize("window", [0, 50])
 @pytest.mark.parametrize("with_sinks", [False, True])
-def test_flash_attention_rows_do_not_depend_on_chunks_or_neighbours(ops, flash_isa, window, with_sinks):
+def test_flash_attention_rows_do_not_depend_on_chunks_or_neighbours(
+    ops, flash_isa, window, with_sinks
+):
     """One request's rows computed as a whole prefill, as chunks after a cached prefix, one at a time
     as decode, and beside another request: the same bits."""
     gen = torch.Generator().manual_seed(window + with_sinks)
@@ -117,8 +132,18 @@ def test_flash_attention_rows_do_not_depend_on_chunks_or_neighbours(ops, flash_i
 
     def run(rows, lens, starts, tables, qq):
         out = torch.empty_like(qq)
-        ops.paged_attention_bf16(out, qq, kc, vc, tables, torch.tensor(lens, dtype=torch.int32),
-                                 torch.tensor(starts, dtype=torch.int32), scale, window, sinks)
+        ops.paged_attention_bf16(
+            out,
+            qq,
+            kc,
+            vc,
+            tables,
+            torch.tensor(lens, dtype=torch.int32),
+            torch.tensor(starts, dtype=torch.int32),
+            scale,
+            window,
+            sinks,
+        )
         return out
 
     whole = run(None, [L], [0, L], table, q)
@@ -127,7 +152,9 @@ def test_flash_attention_rows_do_not_depend_on_chunks_or_neighbours(ops, flash_i
             part = run(None, [b], [0, b - a], table, q[a:b].contiguous())
             assert torch.equal(part, whole[a:b]), f"rows {a}..{b}"
     for i in (0, 15, 16, 63, 64, 65, 149):
-        assert torch.equal(run(None, [i + 1], [0, 1], table, q[i:i + 1].contiguous()), whole[i:i + 1]), f"decode row {i}"
+        assert torch.equal(
+            run(None, [i + 1], [0, 1], table, q[i : i + 1].contiguous()), whole[i : i + 1]
+        ), f"decode row {i}"
     # beside another request (its own pages, further in the pool's table)
     other_q = torch.randn(20, kvh * G, D, generator=gen).bfloat16()
     both = torch.cat([other_q, q[100:]])
@@ -149,5 +176,14 @@ def test_decode_kernel_as_row_attention_matches_itself_in_any_batch(ops, isa):
     ops.paged_decode_attention(whole, q, kc, vc, tables, lens, 0.2, 30)
     for i in (0, 17, 89):
         one = torch.empty(1, kvh * G, D)
-        ops.paged_decode_attention(one, q[i:i + 1].contiguous(), kc, vc, tables[i:i + 1].contiguous(), lens[i:i + 1], 0.2, 30)
-        assert torch.equal(one, whole[i:i + 1])
+        ops.paged_decode_attention(
+            one,
+            q[i : i + 1].contiguous(),
+            kc,
+            vc,
+            tables[i : i + 1].contiguous(),
+            lens[i : i + 1],
+            0.2,
+            30,
+        )
+        assert torch.equal(one, whole[i : i + 1])

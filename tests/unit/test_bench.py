@@ -40,14 +40,17 @@ def test_tpot_excludes_first_token():
 
 def _records():
     return [
-        RequestRecord(success=True, prompt_len=10, output_len=11, ttft=0.1, e2e_latency=0.3,
-                      itl=[0.02] * 10),  # tpot 20 ms: good
-        RequestRecord(success=True, prompt_len=20, output_len=3, ttft=0.5, e2e_latency=0.6,
-                      itl=[0.04, 0.06]),  # ttft 500 ms: misses the TTFT SLO
+        RequestRecord(
+            success=True, prompt_len=10, output_len=11, ttft=0.1, e2e_latency=0.3, itl=[0.02] * 10
+        ),  # tpot 20 ms: good
+        RequestRecord(
+            success=True, prompt_len=20, output_len=3, ttft=0.5, e2e_latency=0.6, itl=[0.04, 0.06]
+        ),  # ttft 500 ms: misses the TTFT SLO
         RequestRecord(success=True, prompt_len=30, output_len=1, ttft=0.15, e2e_latency=0.15),
         # ^ tpot undefined: meets the TPOT SLO, so good
-        RequestRecord(success=True, prompt_len=5, output_len=2, ttft=0.1, e2e_latency=0.2,
-                      itl=[0.1]),  # tpot 100 ms: misses the TPOT SLO
+        RequestRecord(
+            success=True, prompt_len=5, output_len=2, ttft=0.1, e2e_latency=0.2, itl=[0.1]
+        ),  # tpot 100 ms: misses the TPOT SLO
         RequestRecord(success=False, error="boom", prompt_len=40),
     ]
 
@@ -136,26 +139,44 @@ def test_generated_shared_prefix_groups_and_turns():
     assert [q.prompt for q in same] == [q.prompt for q in reqs]
     other = datasets.sample_generated_shared_prefix(3, 4, 32, 8, 5, 2, seed=1, renderer=r)
     assert [q.prompt for q in other] != [q.prompt for q in reqs]
-    words = datasets.sample_generated_shared_prefix(2, 2, 10, 3, 5, 3, seed=0,
-                                                    renderer=PromptRenderer())
+    words = datasets.sample_generated_shared_prefix(
+        2, 2, 10, 3, 5, 3, seed=0, renderer=PromptRenderer()
+    )
     for q in words:
         assert len(q.prompt.split()) == q.prompt_len
 
 
 def test_sharegpt_first_human_turn_and_filters(tmp_path):
     def conv(prompt_words, reply_words):
-        return {"conversations": [{"from": "human", "value": " ".join(["hi"] * prompt_words)},
-                                  {"from": "gpt", "value": " ".join(["ok"] * reply_words)}]}
+        return {
+            "conversations": [
+                {"from": "human", "value": " ".join(["hi"] * prompt_words)},
+                {"from": "gpt", "value": " ".join(["ok"] * reply_words)},
+            ]
+        }
 
-    data = [conv(10, 20), conv(2, 20), conv(10, 2), conv(1100, 10), conv(900, 1200), conv(5, 6),
-            {"conversations": [{"from": "gpt", "value": "x"}]}, {"conversations": []}]
+    data = [
+        conv(10, 20),
+        conv(2, 20),
+        conv(10, 2),
+        conv(1100, 10),
+        conv(900, 1200),
+        conv(5, 6),
+        {"conversations": [{"from": "gpt", "value": "x"}]},
+        {"conversations": []},
+    ]
     path = tmp_path / "sg.json"
     path.write_text(json.dumps(data))
     reqs = datasets.sample_sharegpt(str(path), 10, seed=0)
     assert sorted((q.prompt_len, q.output_len) for q in reqs) == [(5, 6), (10, 20)]
     assert len(datasets.sample_sharegpt(str(path), 1, seed=0)) == 1
     fixed = datasets.sample_sharegpt(str(path), 10, seed=0, fixed_output_len=3)
-    assert sorted((q.prompt_len, q.output_len) for q in fixed) == [(5, 3), (10, 3), (10, 3), (900, 3)]
+    assert sorted((q.prompt_len, q.output_len) for q in fixed) == [
+        (5, 3),
+        (10, 3),
+        (10, 3),
+        (900, 3),
+    ]
 
 
 # ---------------------------------------------------------------- arrivals and stream parsing
@@ -178,8 +199,10 @@ def test_generate_stream_cumulative_and_delta():
     assert [delta.feed({"text": t}) for t in ("a", "b", "c")] == [1, 1, 1]
     assert delta.text.value == "abc"
     counted = GenerateStream()
-    chunks = [{"text": "x", "meta_info": {"completion_tokens": 2, "prompt_tokens": 9}},
-              {"text": "xyz", "meta_info": {"completion_tokens": 5}}]
+    chunks = [
+        {"text": "x", "meta_info": {"completion_tokens": 2, "prompt_tokens": 9}},
+        {"text": "xyz", "meta_info": {"completion_tokens": 5}},
+    ]
     assert [counted.feed(c) for c in chunks] == [2, 3]
     assert counted.prompt_tokens == 9
     ids = GenerateStream()
@@ -213,9 +236,13 @@ def _fake_app(seen: list):
         seen.append(body)
         n = body["sampling_params"]["max_new_tokens"]
         n_in = len(body["input_ids"]) if "input_ids" in body else len(body["text"].split())
-        chunks = [{"text": "".join(f"t{j} " for j in range(i + 1)),
-                   "meta_info": {"completion_tokens": i + 1, "prompt_tokens": n_in}}
-                  for i in range(n)]
+        chunks = [
+            {
+                "text": "".join(f"t{j} " for j in range(i + 1)),
+                "meta_info": {"completion_tokens": i + 1, "prompt_tokens": n_in},
+            }
+            for i in range(n)
+        ]
         return sse(chunks) if body.get("stream") else JSONResponse(chunks[-1])
 
     @app.post("/v1/completions")
@@ -224,9 +251,14 @@ def _fake_app(seen: list):
         body = await req.json()
         seen.append(body)
         chat = "messages" in body
-        n, n_in = body["max_tokens"], len((body.get("prompt") or body["messages"][0]["content"]).split())
+        n, n_in = (
+            body["max_tokens"],
+            len((body.get("prompt") or body["messages"][0]["content"]).split()),
+        )
         usage = {"prompt_tokens": n_in, "completion_tokens": n}
-        piece = (lambda i: {"delta": {"content": f"t{i} "}}) if chat else (lambda i: {"text": f"t{i} "})
+        piece = (
+            (lambda i: {"delta": {"content": f"t{i} "}}) if chat else (lambda i: {"text": f"t{i} "})
+        )
         if not body.get("stream"):
             return {"choices": [piece(0)], "usage": usage}
         chunks = [{"choices": [{**piece(i), "index": 0}]} for i in range(n)]
@@ -265,10 +297,32 @@ def _expected(args_list):
 def test_end_to_end_run(fake_server, tmp_path, backend):
     url, seen = fake_server
     out = tmp_path / "run.json"
-    argv = ["--backend", backend, "--base-url", url, "--num-prompts", "6",
-            "--random-input-len", "16", "--random-output-len", "8", "--random-range-ratio", "0.5",
-            "--request-rate", "200", "--max-concurrency", "3", "--ignore-eos", "--seed", "5",
-            "--slo-ttft-ms", "10000", "--disable-tqdm", "--output-file", str(out)]
+    argv = [
+        "--backend",
+        backend,
+        "--base-url",
+        url,
+        "--num-prompts",
+        "6",
+        "--random-input-len",
+        "16",
+        "--random-output-len",
+        "8",
+        "--random-range-ratio",
+        "0.5",
+        "--request-rate",
+        "200",
+        "--max-concurrency",
+        "3",
+        "--ignore-eos",
+        "--seed",
+        "5",
+        "--slo-ttft-ms",
+        "10000",
+        "--disable-tqdm",
+        "--output-file",
+        str(out),
+    ]
     seen.clear()
     assert serving.main(argv) == 0
     result = json.loads(out.read_text())
@@ -295,10 +349,30 @@ def test_end_to_end_run(fake_server, tmp_path, backend):
 def test_multi_turn_and_non_streaming(fake_server, tmp_path):
     url, _ = fake_server
     out = tmp_path / "gsp.json"
-    argv = ["--base-url", url, "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "2",
-            "--gsp-prompts-per-group", "2", "--gsp-system-prompt-len", "20", "--gsp-question-len", "4",
-            "--gsp-output-len", "3", "--gsp-num-turns", "3", "--warmup-requests", "0",
-            "--disable-stream", "--disable-tqdm", "--output-file", str(out)]
+    argv = [
+        "--base-url",
+        url,
+        "--dataset-name",
+        "generated-shared-prefix",
+        "--gsp-num-groups",
+        "2",
+        "--gsp-prompts-per-group",
+        "2",
+        "--gsp-system-prompt-len",
+        "20",
+        "--gsp-question-len",
+        "4",
+        "--gsp-output-len",
+        "3",
+        "--gsp-num-turns",
+        "3",
+        "--warmup-requests",
+        "0",
+        "--disable-stream",
+        "--disable-tqdm",
+        "--output-file",
+        str(out),
+    ]
     assert serving.main(argv) == 0
     recs = json.loads(out.read_text())["records"]
     assert len(recs) == 2 * 2 * 3 and all(r["success"] and r["output_len"] == 3 for r in recs)
@@ -318,9 +392,19 @@ def test_all_requests_failing_returns_nonzero(tmp_path):
     port = sock.getsockname()[1]  # bound, never listening: connections are refused
     out = tmp_path / "fail.json"
     try:
-        argv = ["--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "3",
-                "--random-input-len", "4", "--random-output-len", "2", "--disable-tqdm",
-                "--output-file", str(out)]
+        argv = [
+            "--base-url",
+            f"http://127.0.0.1:{port}",
+            "--num-prompts",
+            "3",
+            "--random-input-len",
+            "4",
+            "--random-output-len",
+            "2",
+            "--disable-tqdm",
+            "--output-file",
+            str(out),
+        ]
         assert serving.main(argv + ["--warmup-requests", "0"]) != 0
         recs = json.loads(out.read_text())["records"]
         assert len(recs) == 3 and not any(r["success"] for r in recs)
@@ -334,11 +418,23 @@ def test_all_requests_failing_returns_nonzero(tmp_path):
 
 
 def _result(rate, ttft, slo=None):
-    recs = [RequestRecord(success=True, prompt_len=8, output_len=4, ttft=ttft * (1 + i / 10),
-                          e2e_latency=ttft + 0.3, itl=[0.1, 0.1, 0.1]) for i in range(10)]
+    recs = [
+        RequestRecord(
+            success=True,
+            prompt_len=8,
+            output_len=4,
+            ttft=ttft * (1 + i / 10),
+            e2e_latency=ttft + 0.3,
+            itl=[0.1, 0.1, 0.1],
+        )
+        for i in range(10)
+    ]
     summary = summarize(recs, 5.0, slo_ttft_ms=slo)
-    return {"args": {"request_rate": rate, "backend": "sglang", "slo_ttft_ms": slo},
-            "summary": summary, "records": [vars(r) for r in recs]}
+    return {
+        "args": {"request_rate": rate, "backend": "sglang", "slo_ttft_ms": slo},
+        "summary": summary,
+        "records": [vars(r) for r in recs],
+    }
 
 
 def test_plot_writes_png(tmp_path):

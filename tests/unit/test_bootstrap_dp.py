@@ -9,9 +9,19 @@ import urllib.request
 
 import pytest
 
-from pdserve.disagg.bootstrap import (AUTH_HEADER, TIME_HEADER, BootstrapError, BootstrapNotReady, BootstrapServer,
-                                      fetch_prefill_info, fetch_rank_info, query_dp_ranks, register_dp_rank,
-                                      register_rank, registration_tag)
+from pdserve.disagg.bootstrap import (
+    AUTH_HEADER,
+    TIME_HEADER,
+    BootstrapError,
+    BootstrapNotReady,
+    BootstrapServer,
+    fetch_prefill_info,
+    fetch_rank_info,
+    query_dp_ranks,
+    register_dp_rank,
+    register_rank,
+    registration_tag,
+)
 from pdserve.disagg.dp_rooms import MAX_QUERY_ROOMS, DPRoomTable
 from tests.helpers.cluster import wait_for
 from tests.unit.test_disagg_bootstrap import rank_info
@@ -23,8 +33,12 @@ _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 def post(port: int, path: str, body, headers: dict | None = None) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://{HOST}:{port}{path}", data=data, method="POST",
-                                 headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        f"http://{HOST}:{port}{path}",
+        data=data,
+        method="POST",
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
     try:
         with _opener.open(req, timeout=5) as r:
             return r.status, json.loads(r.read())
@@ -48,7 +62,10 @@ def test_known_unknown_and_overwritten_rooms(server):
     assert query_dp_ranks(HOST, server.port, [1]) == {1: 2}
     # the wire format: room numbers as JSON object keys
     assert post(server.port, "/query_dp_ranks", {"bootstrap_rooms": [1, 7]}) == (200, {"1": 2})
-    assert post(server.port, "/register_dp_rank", {"bootstrap_room": 7, "dp_rank": 1}) == (200, {"ok": True})
+    assert post(server.port, "/register_dp_rank", {"bootstrap_room": 7, "dp_rank": 1}) == (
+        200,
+        {"ok": True},
+    )
     assert query_dp_ranks(HOST, server.port, []) == {}
 
 
@@ -65,7 +82,9 @@ def test_rooms_expire_on_the_server():
     try:
         start = time.monotonic()
         register_dp_rank(HOST, s.port, 11, 1)
-        wait_for(lambda: query_dp_ranks(HOST, s.port, [11]) == {}, timeout=10, what="room 11 to expire")
+        wait_for(
+            lambda: query_dp_ranks(HOST, s.port, [11]) == {}, timeout=10, what="room 11 to expire"
+        )
         assert time.monotonic() - start >= ttl  # not before its time
     finally:
         s.shutdown()
@@ -89,34 +108,40 @@ def test_table_expiry_and_purge_with_a_clock():
     assert len(table) == 1 and table.get_many([1, 7]) == {7: 1}
 
 
-@pytest.mark.parametrize("body, status, field", [
-    ({"dp_rank": 0}, 400, "bootstrap_room"),
-    ({"bootstrap_room": -1, "dp_rank": 0}, 400, "bootstrap_room"),
-    ({"bootstrap_room": 2**63, "dp_rank": 0}, 400, "bootstrap_room"),
-    ({"bootstrap_room": True, "dp_rank": 0}, 400, "bootstrap_room"),
-    ({"bootstrap_room": "5", "dp_rank": 0}, 400, "bootstrap_room"),
-    ({"bootstrap_room": 5}, 400, "dp_rank"),
-    ({"bootstrap_room": 5, "dp_rank": -1}, 400, "dp_rank"),
-    ({"bootstrap_room": 5, "dp_rank": 1.0}, 400, "dp_rank"),
-    ({"bootstrap_room": 5, "dp_rank": False}, 400, "dp_rank"),
-    ([5, 0], 400, "JSON object"),
-    (b"{not json", 400, "JSON"),
-])
+@pytest.mark.parametrize(
+    "body, status, field",
+    [
+        ({"dp_rank": 0}, 400, "bootstrap_room"),
+        ({"bootstrap_room": -1, "dp_rank": 0}, 400, "bootstrap_room"),
+        ({"bootstrap_room": 2**63, "dp_rank": 0}, 400, "bootstrap_room"),
+        ({"bootstrap_room": True, "dp_rank": 0}, 400, "bootstrap_room"),
+        ({"bootstrap_room": "5", "dp_rank": 0}, 400, "bootstrap_room"),
+        ({"bootstrap_room": 5}, 400, "dp_rank"),
+        ({"bootstrap_room": 5, "dp_rank": -1}, 400, "dp_rank"),
+        ({"bootstrap_room": 5, "dp_rank": 1.0}, 400, "dp_rank"),
+        ({"bootstrap_room": 5, "dp_rank": False}, 400, "dp_rank"),
+        ([5, 0], 400, "JSON object"),
+        (b"{not json", 400, "JSON"),
+    ],
+)
 def test_bad_registrations(server, body, status, field):
     code, answer = post(server.port, "/register_dp_rank", body)
     assert code == status and field in answer["error"]
     assert query_dp_ranks(HOST, server.port, [5]) == {}
 
 
-@pytest.mark.parametrize("body, field", [
-    ({}, "bootstrap_rooms"),
-    ({"bootstrap_rooms": 5}, "bootstrap_rooms"),
-    ({"bootstrap_rooms": [1, "2"]}, "bootstrap_rooms"),
-    ({"bootstrap_rooms": [1, -2]}, "bootstrap_rooms"),
-    ({"bootstrap_rooms": [True]}, "bootstrap_rooms"),
-    ({"bootstrap_rooms": list(range(MAX_QUERY_ROOMS + 1))}, "at most"),
-    ("rooms", "JSON object"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({}, "bootstrap_rooms"),
+        ({"bootstrap_rooms": 5}, "bootstrap_rooms"),
+        ({"bootstrap_rooms": [1, "2"]}, "bootstrap_rooms"),
+        ({"bootstrap_rooms": [1, -2]}, "bootstrap_rooms"),
+        ({"bootstrap_rooms": [True]}, "bootstrap_rooms"),
+        ({"bootstrap_rooms": list(range(MAX_QUERY_ROOMS + 1))}, "at most"),
+        ("rooms", "JSON object"),
+    ],
+)
 def test_bad_queries(server, body, field):
     code, answer = post(server.port, "/query_dp_ranks", body)
     assert code == 400 and field in answer["error"]
@@ -159,7 +184,9 @@ def test_registration_needs_the_secret():
 def test_dp_rank_checked_against_the_registered_dp_size(server):
     register_dp_rank(HOST, server.port, 1, 5)  # no rank registered yet: the dp_size is unknown
     register_rank(HOST, server.port, rank_info(0, tp_size=1, dp_size=2, dp_rank=0))
-    with pytest.raises(BootstrapError, match="dp_rank: 2 out of range for the instance's dp_size 2"):
+    with pytest.raises(
+        BootstrapError, match="dp_rank: 2 out of range for the instance's dp_size 2"
+    ):
         register_dp_rank(HOST, server.port, 2, 2)
     register_dp_rank(HOST, server.port, 2, 1)
     assert query_dp_ranks(HOST, server.port, [1, 2]) == {1: 5, 2: 1}

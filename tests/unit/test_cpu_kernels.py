@@ -27,8 +27,6 @@ def ops():
     return mod
 
 
-
-
 def attention_reference(q, kc, vc, table, lens, scale, window):
     """float64 softmax attention of each row's query over its pages."""
     B, H, D = q.shape
@@ -63,7 +61,9 @@ CASES = [  # (group, head_dim, page_size, kv dtype, q dtype, window)
 
 
 @pytest.mark.parametrize("group,head_dim,page,kv_dtype,q_dtype,window", CASES)
-def test_paged_decode_attention_matches_float64(ops, isa, group, head_dim, page, kv_dtype, q_dtype, window):
+def test_paged_decode_attention_matches_float64(
+    ops, isa, group, head_dim, page, kv_dtype, q_dtype, window
+):
     gen = torch.Generator().manual_seed(group * 1000 + head_dim + page)
     kv_heads = 2
     lens = torch.tensor([1, 2, 15, 16, 17, 300, 1001, 2000], dtype=torch.int32)
@@ -73,14 +73,18 @@ def test_paged_decode_attention_matches_float64(ops, isa, group, head_dim, page,
     kc = torch.randn(num_pages, kv_heads, page, head_dim, generator=gen).to(kv_dtype)
     vc = torch.randn(num_pages, kv_heads, page, head_dim, generator=gen).to(kv_dtype)
     # every request's pages scattered over the pool (page 0 is never used)
-    table = (torch.randperm(num_pages - 1, generator=gen)[: B * max_pages] + 1).view(B, max_pages).to(torch.int32)
+    table = (
+        (torch.randperm(num_pages - 1, generator=gen)[: B * max_pages] + 1)
+        .view(B, max_pages)
+        .to(torch.int32)
+    )
     q = torch.randn(B, kv_heads * group, head_dim, generator=gen).to(q_dtype)
     out = torch.full_like(q, float("nan"))
     scale = 1 / math.sqrt(head_dim)
     ops.paged_decode_attention(out, q, kc, vc, table, lens, scale, window)
     ref = attention_reference(q, kc, vc, table, lens, scale, window)
     # float32 output: accumulation error only; bf16 output: one rounding of values below ~4
-    tol = 2e-6 if q_dtype == torch.float32 else 2 ** -8 * 4
+    tol = 2e-6 if q_dtype == torch.float32 else 2**-8 * 4
     err = (out.double() - ref).abs().max().item()
     assert err < tol, f"max abs error {err}"
 
@@ -96,12 +100,22 @@ def test_paged_decode_attention_strided_rows_and_bad_input(ops):
     lens = torch.tensor([8, 5, 1], dtype=torch.int32)
     out = torch.empty(3, 3, 64)
     ops.paged_decode_attention(out, q, kc, vc, table, lens, 0.125, 0)
-    torch.testing.assert_close(out.double(), attention_reference(q, kc, vc, table, lens, 0.125, 0), atol=2e-6, rtol=0)
+    torch.testing.assert_close(
+        out.double(), attention_reference(q, kc, vc, table, lens, 0.125, 0), atol=2e-6, rtol=0
+    )
     with pytest.raises(RuntimeError, match="int32"):
         ops.paged_decode_attention(out, q, kc, vc, table.long(), lens, 0.125, 0)
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
-        ops.paged_decode_attention(torch.empty(3, 3, 64), q, kc.expand(8, 2, 4, 64).contiguous(),
-                                   vc.expand(8, 2, 4, 64).contiguous(), table, lens, 0.125, 0)
+        ops.paged_decode_attention(
+            torch.empty(3, 3, 64),
+            q,
+            kc.expand(8, 2, 4, 64).contiguous(),
+            vc.expand(8, 2, 4, 64).contiguous(),
+            table,
+            lens,
+            0.125,
+            0,
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -118,7 +132,7 @@ def test_rms_norm_with_and_without_residual(ops, isa, dtype, hidden):
 
     out = torch.empty_like(x)
     ops.rms_norm(out, x, None, w, 1e-6)
-    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=2 ** -7)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=2**-7)
     torch.testing.assert_close(out, ref(x), **tol)
     summed = x + res  # HF adds in the activation dtype
     r = res.clone()
@@ -134,17 +148,20 @@ def test_rotary_embedding_matches_hf_formula(ops, isa, dtype, head_dim):
     T = 9
     qkv = torch.randn(T, (4 + 2 * 2) * head_dim, generator=gen).to(dtype)
     q = qkv[:, : 4 * head_dim].view(T, 4, head_dim)
-    k = qkv[:, 4 * head_dim: 6 * head_dim].view(T, 2, head_dim)
-    freqs = torch.outer(torch.arange(T, dtype=torch.float32) * 37, 1 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim))
+    k = qkv[:, 4 * head_dim : 6 * head_dim].view(T, 2, head_dim)
+    freqs = torch.outer(
+        torch.arange(T, dtype=torch.float32) * 37,
+        1 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim),
+    )
     emb = torch.cat((freqs, freqs), -1)
     cos, sin = emb.cos(), emb.sin()
     want_q = apply_rotary(q, cos.to(dtype), sin.to(dtype))
     want_k = apply_rotary(k, cos.to(dtype), sin.to(dtype))
-    v_before = qkv[:, 6 * head_dim:].clone()
+    v_before = qkv[:, 6 * head_dim :].clone()
     ops.rotary_embedding(q, k, cos, sin)
     # the same products and sums as HF's eager code, each rounded to the dtype: bit-identical
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
-    assert torch.equal(qkv[:, 6 * head_dim:], v_before)  # v untouched
+    assert torch.equal(qkv[:, 6 * head_dim :], v_before)  # v untouched
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -154,7 +171,7 @@ def test_silu_and_mul(ops, isa, dtype):
     out = torch.empty(5, 1537, dtype=dtype)
     ops.silu_and_mul(out, gu)
     gate, up = gu.chunk(2, dim=-1)
-    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=2 ** -7)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=2**-7)
     torch.testing.assert_close(out, F.silu(gate) * up, **tol)
 
 
@@ -171,7 +188,7 @@ def test_vnni_linear_matches_float64(ops, isa, rows, n, k, out_dtype):
     # x is rounded to bf16 (as in any bf16 GEMM); products and sums are exact up to fp32 accumulation
     ref = x.to(torch.bfloat16).double() @ w.double().T + bias.double()
     err = ((out.double() - ref).abs() / (ref.abs() + 1)).max().item()
-    assert err < (1e-5 if out_dtype == torch.float32 else 2 ** -8), err
+    assert err < (1e-5 if out_dtype == torch.float32 else 2**-8), err
     # each row is computed alone: the same bits whatever the batch
     single = torch.empty(1, n, dtype=out_dtype)
     ops.linear_vnni(single, x[-1:], pack_vnni16(w), bias)
@@ -188,7 +205,11 @@ def test_vnni_linear_reads_bf16_rows_in_place(ops, isa, layout):
     n, k, rows = 130, 96, 6
     w = (0.1 * torch.randn(n, k, generator=gen)).to(torch.bfloat16)
     wide = torch.randn(rows, k + 4, generator=gen).to(torch.bfloat16)
-    x = {"contiguous": wide[:, :k].contiguous(), "column slice": wide[:, :k], "odd offset": wide[:, 1:k + 1]}[layout]
+    x = {
+        "contiguous": wide[:, :k].contiguous(),
+        "column slice": wide[:, :k],
+        "odd offset": wide[:, 1 : k + 1],
+    }[layout]
     out = torch.empty(rows, n)
     ops.linear_vnni(out, x, pack_vnni16(w), None)
     ref = torch.empty(rows, n)
@@ -206,13 +227,22 @@ def test_isa_tiers_can_be_forced(ops):
         for tier in tiers:
             ops.set_isa(tier)
             assert ops.isa_tier() == tier
-            assert ops.isa() == (tier if tier != "amx" else "avx512_bf16") or ops.isa().startswith("amx")
+            assert ops.isa() == (tier if tier != "amx" else "avx512_bf16") or ops.isa().startswith(
+                "amx"
+            )
             # every tier but scalar has SIMD code for the flash kernel and the int8 dot products
-            assert ops.flash_supported(64) == (tier != "scalar") and ops.has_int8_dot() == (tier != "scalar")
+            assert ops.flash_supported(64) == (tier != "scalar") and ops.has_int8_dot() == (
+                tier != "scalar"
+            )
             # bf16 above the GEMV's rows goes to oneDNN only with bf16 dot products (or AMX)
-            native = tier in ("avx512_bf16", "amx", "neon_bf16") and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            native = (
+                tier in ("avx512_bf16", "amx", "neon_bf16")
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            )
             assert kernels.onednn_bf16()[0] == native, (tier, kernels.onednn_bf16())
-        with pytest.raises(ValueError, match=r"ISA tier 'avx1024' is not available on this CPU \(available: scalar"):
+        with pytest.raises(
+            ValueError, match=r"ISA tier 'avx1024' is not available on this CPU \(available: scalar"
+        ):
             ops.set_isa("avx1024")
     finally:
         ops.set_isa(before)
@@ -226,18 +256,33 @@ def test_pdserve_cpu_isa_caps_the_kernels_and_the_libraries():
     import sys
 
     lowest_simd = (kernels.load().available_isas() + ["scalar"])[1]
-    script = ("import os, torch; from pdserve import kernels; kernels.cap_library_isas(os.environ['PDSERVE_CPU_ISA']); "
-              "ops = kernels.load(); print(ops.isa(), kernels.onednn_bf16()[0], os.environ.get('ONEDNN_MAX_CPU_ISA'))")
+    script = (
+        "import os, torch; from pdserve import kernels; kernels.cap_library_isas(os.environ['PDSERVE_CPU_ISA']); "
+        "ops = kernels.load(); print(ops.isa(), kernels.onednn_bf16()[0], os.environ.get('ONEDNN_MAX_CPU_ISA'))"
+    )
     env = {**os.environ, "PDSERVE_CPU_ISA": lowest_simd}
     env.pop("ONEDNN_MAX_CPU_ISA", None)
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     isa, onednn, cap = out.stdout.split()
-    assert isa == lowest_simd and onednn == "False" and cap == {"avx2": "AVX2", "scalar": "SSE41"}.get(lowest_simd, cap)
+    assert (
+        isa == lowest_simd
+        and onednn == "False"
+        and cap == {"avx2": "AVX2", "scalar": "SSE41"}.get(lowest_simd, cap)
+    )
     env["PDSERVE_CPU_ISA"] = "avx1024"
-    out = subprocess.run([sys.executable, "-c", "from pdserve import kernels; kernels.load()"], env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "PDSERVE_CPU_ISA: ISA tier 'avx1024' is not available" in out.stderr
+    out = subprocess.run(
+        [sys.executable, "-c", "from pdserve import kernels; kernels.load()"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        out.returncode != 0 and "PDSERVE_CPU_ISA: ISA tier 'avx1024' is not available" in out.stderr
+    )
 
 
 def test_kernels_can_be_disabled(monkeypatch):
@@ -258,8 +303,10 @@ def test_build_is_keyed_by_torch_and_sources():
     assert "-march=native" not in " ".join(kernels.CFLAGS)
 
 
-@pytest.mark.parametrize("rows,n,k", [(r, n, k) for r in (1, 2, 3, 8, 21) for n, k in ((3072, 576), (37, 19))]
-                         + [(300, 200, 130)])
+@pytest.mark.parametrize(
+    "rows,n,k",
+    [(r, n, k) for r in (1, 2, 3, 8, 21) for n, k in ((3072, 576), (37, 19))] + [(300, 200, 130)],
+)
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_w8a8_linear_matches_its_quantization(ops, isa, rows, n, k, x_dtype):
     from pdserve.layers.linear import PackedW8A8
@@ -281,7 +328,7 @@ def test_w8a8_linear_matches_its_quantization(ops, isa, rows, n, k, x_dtype):
     wq = torch.round(w / ws).clamp(-127, 127).double()
     ref = (xq @ wq.T) * xs * ws.double().T + bias.to(x_dtype).double()
     err = ((out.double() - ref).abs() / (ref.abs() + 1)).max().item()
-    assert err < (1e-5 if x_dtype == torch.float32 else 2 ** -8), err
+    assert err < (1e-5 if x_dtype == torch.float32 else 2**-8), err
     # against the unquantized product: the scheme's own error, about 1 % of the output scale
     exact = xf @ w.double().T + bias.to(x_dtype).double()
     assert ((out.double() - exact).abs().max() / exact.abs().max()).item() < 0.03

@@ -16,16 +16,27 @@ torch.set_num_threads(1)
 
 def _hf_router(cls_name: str, **fields):
     config = getattr(transformers, cls_name.replace("TopkRouter", "Config"))(
-        hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, **fields)
-    module = getattr(transformers.models, cls_name.split("TopkRouter")[0].lower().replace("deepseekv", "deepseek_v"))
-    router = getattr(getattr(module, f"modeling_{module.__name__.rsplit('.', 1)[1]}"), cls_name)(config)
+        hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, **fields
+    )
+    module = getattr(
+        transformers.models,
+        cls_name.split("TopkRouter")[0].lower().replace("deepseekv", "deepseek_v"),
+    )
+    router = getattr(getattr(module, f"modeling_{module.__name__.rsplit('.', 1)[1]}"), cls_name)(
+        config
+    )
     return router, config
 
 
 @pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
 def test_v2_routing_matches_hf(method):
-    hf, config = _hf_router("DeepseekV2TopkRouter", topk_method=method, n_group=4, topk_group=2,
-                            routed_scaling_factor=1.7)
+    hf, config = _hf_router(
+        "DeepseekV2TopkRouter",
+        topk_method=method,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=1.7,
+    )
     torch.manual_seed(0)
     hf.weight.data.normal_(0, 1)
     ours = GroupedSoftmaxTopK(32, 16, 4, method, 4, 2, 1.7)
@@ -36,12 +47,19 @@ def test_v2_routing_matches_hf(method):
     order = torch.argsort(ids, dim=-1)  # HF's top-k is unsorted: compare as sets with their weights
     got_order = torch.argsort(got.ids, dim=-1)
     assert torch.equal(ids.gather(1, order), got.ids.gather(1, got_order))
-    torch.testing.assert_close(w.gather(1, order), got.weights.gather(1, got_order), rtol=0, atol=1e-7)
+    torch.testing.assert_close(
+        w.gather(1, order), got.weights.gather(1, got_order), rtol=0, atol=1e-7
+    )
 
 
 def test_v3_routing_matches_hf():
-    hf, config = _hf_router("DeepseekV3TopkRouter", n_group=4, topk_group=2, routed_scaling_factor=2.5,
-                            norm_topk_prob=True)
+    hf, config = _hf_router(
+        "DeepseekV3TopkRouter",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
 
     torch.manual_seed(1)
     hf.weight.data.normal_(0, 1)
@@ -54,7 +72,9 @@ def test_v3_routing_matches_hf():
     got = ours(x)
     order, got_order = torch.argsort(ids, dim=-1), torch.argsort(got.ids, dim=-1)
     assert torch.equal(ids.gather(1, order), got.ids.gather(1, got_order))
-    torch.testing.assert_close(w.gather(1, order), got.weights.gather(1, got_order), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        w.gather(1, order), got.weights.gather(1, got_order), rtol=0, atol=1e-6
+    )
 
 
 def test_ties_go_to_the_lowest_index():
@@ -66,7 +86,9 @@ def test_ties_go_to_the_lowest_index():
     r.weight.data.zero_()
     r.e_score_correction_bias.data.zero_()
     for rows in (1, 7, 64):
-        assert r(torch.randn(rows, 8)).ids.tolist() == [[0, 1]] * rows  # groups 0 and 1, then experts 0 and 1
+        assert (
+            r(torch.randn(rows, 8)).ids.tolist() == [[0, 1]] * rows
+        )  # groups 0 and 1, then experts 0 and 1
 
 
 def test_router_weights_stay_float32_in_a_bf16_model():
@@ -76,13 +98,20 @@ def test_router_weights_stay_float32_in_a_bf16_model():
     assert r.weight.dtype == r.e_score_correction_bias.dtype == torch.float32
 
 
-@pytest.mark.parametrize("arch, field, value, needle", [
-    ("deepseek_v3", "scoring_func", "softmax", "scoring_func: 'softmax' is not supported"),
-    ("deepseek_v3", "topk_method", "greedy", "topk_method: 'greedy' is not supported"),
-    ("deepseek_v2", "topk_method", "noaux_tc", "topk_method: 'noaux_tc' is not supported"),
-    ("deepseek_v3", "quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128]},
-     "quantization_config: 'fp8' weights"),
-])
+@pytest.mark.parametrize(
+    "arch, field, value, needle",
+    [
+        ("deepseek_v3", "scoring_func", "softmax", "scoring_func: 'softmax' is not supported"),
+        ("deepseek_v3", "topk_method", "greedy", "topk_method: 'greedy' is not supported"),
+        ("deepseek_v2", "topk_method", "noaux_tc", "topk_method: 'noaux_tc' is not supported"),
+        (
+            "deepseek_v3",
+            "quantization_config",
+            {"quant_method": "fp8", "weight_block_size": [128, 128]},
+            "quantization_config: 'fp8' weights",
+        ),
+    ],
+)
 def test_unsupported_config_fields_are_refused_naming_them(arch, field, value, needle):
     from pdserve.models.registry import model_class
     from tests.helpers.checkpoints import tiny_config

@@ -31,7 +31,9 @@ def test_logits_match_hf_on_chat_prompt(demo_path):
     tok = AutoTokenizer.from_pretrained(demo_path)
     assert tok.chat_template, "the chat template must survive the conversion"
     text = tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=False,
     )
     ids = tok(text, add_special_tokens=False)["input_ids"]
 

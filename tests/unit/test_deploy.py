@@ -52,9 +52,15 @@ def resolved_args(manifest, c: dict) -> list[str]:
 
 def test_objects_and_selectors(manifest):
     assert set(manifest) == {("Secret", "pdserve-secrets")} | {
-        (kind, f"pdserve-{role}") for kind in ("Deployment", "Service") for role in ("prefill", "decode", "router")}
+        (kind, f"pdserve-{role}")
+        for kind in ("Deployment", "Service")
+        for role in ("prefill", "decode", "router")
+    }
     for role in ("prefill", "decode", "router"):
-        dep, svc = manifest[("Deployment", f"pdserve-{role}")], manifest[("Service", f"pdserve-{role}")]
+        dep, svc = (
+            manifest[("Deployment", f"pdserve-{role}")],
+            manifest[("Service", f"pdserve-{role}")],
+        )
         labels = dep["spec"]["template"]["metadata"]["labels"]
         assert dep["spec"]["selector"]["matchLabels"] == labels == svc["spec"]["selector"]
         assert dep["spec"]["replicas"] == 1
@@ -95,9 +101,13 @@ def test_server_args_parse_and_match_the_services(manifest, monkeypatch):
         assert sa.disaggregation_transfer_backend != "local"  # the two pods are two hosts
         assert sa.host == "0.0.0.0"
         assert sa.served_model_name == DEMO_MODELS[0]
-        ports = {p["name"]: p["containerPort"] for p in container(manifest, f"pdserve-{role}")["ports"]}
+        ports = {
+            p["name"]: p["containerPort"] for p in container(manifest, f"pdserve-{role}")["ports"]
+        }
         assert ports["http"] == sa.port
-    prefill_ports = {p["name"]: p["port"] for p in manifest[("Service", "pdserve-prefill")]["spec"]["ports"]}
+    prefill_ports = {
+        p["name"]: p["port"] for p in manifest[("Service", "pdserve-prefill")]["spec"]["ports"]
+    }
     assert prefill_ports["bootstrap"] == servers["prefill"].disaggregation_bootstrap_port
 
     monkeypatch.delenv("PDSERVE_API_KEY")
@@ -109,7 +119,9 @@ def test_server_args_parse_and_match_the_services(manifest, monkeypatch):
     decode_port = manifest[("Service", "pdserve-decode")]["spec"]["ports"][0]["port"]
     # scalable: the router follows the headless Services' pods through DNS
     assert router.prefill == router.decode == [] and router.pd_mode
-    assert router.prefill_dns == [("pdserve-prefill", prefill_ports["http"], prefill_ports["bootstrap"])]
+    assert router.prefill_dns == [
+        ("pdserve-prefill", prefill_ports["http"], prefill_ports["bootstrap"])
+    ]
     assert router.decode_dns == [("pdserve-decode", decode_port)]
     for role in ("prefill", "decode"):
         assert manifest[("Service", f"pdserve-{role}")]["spec"]["clusterIP"] == "None"
@@ -132,10 +144,16 @@ def test_image_has_what_the_manifest_runs(manifest, dockerfile):
         args = container(manifest, f"pdserve-{role}")["args"]
         # where `pdserve prepare-model` puts the demo model (pdserve.models.demo.demo_model_dir)
         assert args[args.index("--model-path") + 1] == f"{cache}/models/{DEMO_MODELS[0]}"
-        assert container(manifest, f"pdserve-{role}")["image"] == container(manifest, "pdserve-router")["image"]
+        assert (
+            container(manifest, f"pdserve-{role}")["image"]
+            == container(manifest, "pdserve-router")["image"]
+        )
     exposed = {int(p) for ln in dockerfile if ln.startswith("EXPOSE ") for p in ln.split()[1:]}
-    used = {p["containerPort"] for role in ("prefill", "decode", "router")
-            for p in container(manifest, f"pdserve-{role}")["ports"]}
+    used = {
+        p["containerPort"]
+        for role in ("prefill", "decode", "router")
+        for p in container(manifest, f"pdserve-{role}")["ports"]
+    }
     assert used <= exposed
 
 
@@ -150,4 +168,6 @@ def test_pre_stop_waits_on_metrics_the_server_exports(manifest):
         code = command[2]
         compile(code, "preStop", "exec")
         prefixes = re.findall(r"'(pdserve:[a-z_]+)'", code)
-        assert prefixes and all(any(name.startswith(p) for name in exported) for p in prefixes), prefixes
+        assert prefixes and all(any(name.startswith(p) for name in exported) for p in prefixes), (
+            prefixes
+        )

@@ -29,7 +29,7 @@ class ByteTokenizer:
         ids, i = [], 0
         while i < len(data):
             n = rng.randint(1, max_len)
-            ids.append(self.add(data[i:i + n]))
+            ids.append(self.add(data[i : i + n]))
             i += n
         return ids
 
@@ -39,7 +39,7 @@ class ByteTokenizer:
 
 
 def run(detok: IncrementalDetokenizer, ids: list[int], matched=None, chunk: int = 1) -> list[str]:
-    deltas = [detok.push(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
+    deltas = [detok.push(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
     deltas.append(detok.finish(matched))
     assert "".join(deltas) == detok.text
     return deltas
@@ -82,7 +82,10 @@ def test_special_tokens_skipped_or_kept():
     eos = tok.add(b"<|im_end|>", special=True)
     ids = [tok.add(b"hi"), eos]
     assert "".join(run(IncrementalDetokenizer(tok), ids, matched=eos)) == "hi"
-    assert "".join(run(IncrementalDetokenizer(tok, skip_special_tokens=False), ids, matched=eos)) == "hi<|im_end|>"
+    assert (
+        "".join(run(IncrementalDetokenizer(tok, skip_special_tokens=False), ids, matched=eos))
+        == "hi<|im_end|>"
+    )
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -112,7 +115,9 @@ def test_stop_prefix_released_when_it_does_not_complete():
 def test_held_back_stop_prefix_is_flushed_on_a_non_stop_finish():
     tok = ByteTokenizer()
     ids = [tok.add(b"x ST")]
-    deltas = run(IncrementalDetokenizer(tok, stop=["STOP"]), ids, matched=None)  # e.g. a length finish
+    deltas = run(
+        IncrementalDetokenizer(tok, stop=["STOP"]), ids, matched=None
+    )  # e.g. a length finish
     assert deltas == ["x ", "ST"]
 
 

@@ -12,16 +12,28 @@ import torch
 import zmq
 
 from pdserve.config import ServerArgs
-from pdserve.disagg.bootstrap import AUTH_HEADER, TIME_HEADER, BootstrapError, BootstrapServer, register_rank
+from pdserve.disagg.bootstrap import (
+    AUTH_HEADER,
+    TIME_HEADER,
+    BootstrapError,
+    BootstrapServer,
+    register_rank,
+)
 from pdserve.disagg.destinations import DestinationGuard
 from pdserve.disagg.kv_args import KVArgs
 from pdserve.disagg.manager import KVManager, buffer_allocator, get_kv_class
-from pdserve.disagg.messages import (AuthError, BufferDesc, MessageCodec, Register, TransferRequest,
-                                     encode_message)
+from pdserve.disagg.messages import (
+    AuthError,
+    BufferDesc,
+    MessageCodec,
+    Register,
+    TransferRequest,
+    encode_message,
+)
 from pdserve.disagg.metadata import MetadataBuffers
 from pdserve.disagg.poll import KVPoll
-from pdserve.kv_region import Region
 from pdserve.engine.kv_pool import KVPool
+from pdserve.kv_region import Region
 from tests.helpers.cluster import wait_for
 from tests.unit.test_disagg_bootstrap import rank_info
 
@@ -59,8 +71,11 @@ def test_bootstrap_registration_needs_the_secret():
         with pytest.raises(BootstrapError, match="bad HMAC"):
             register_rank("127.0.0.1", server.port, rank_info(0, tp_size=1), secret="wrong")
         stale = urllib.request.Request(
-            f"http://127.0.0.1:{server.port}/route", data=b"{}", method="PUT",
-            headers={TIME_HEADER: "1000", AUTH_HEADER: "00", "Content-Type": "application/json"})
+            f"http://127.0.0.1:{server.port}/route",
+            data=b"{}",
+            method="PUT",
+            headers={TIME_HEADER: "1000", AUTH_HEADER: "00", "Content-Type": "application/json"},
+        )
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.build_opener(urllib.request.ProxyHandler({})).open(stale, timeout=5)
         assert e.value.code == 401 and b"clock" in e.value.read()
@@ -78,8 +93,13 @@ class Managers:
     def __init__(self, secret=None):
         self.server = BootstrapServer("127.0.0.1", 0, expected_ranks=1, secret=secret)
         self.addr = f"127.0.0.1:{self.server.port}"
-        base = dict(model_path="m", device="cpu", page_size=4, disaggregation_bootstrap_port=self.server.port,
-                    disaggregation_secret=secret)
+        base = dict(
+            model_path="m",
+            device="cpu",
+            page_size=4,
+            disaggregation_bootstrap_port=self.server.port,
+            disaggregation_secret=secret,
+        )
         p_args = ServerArgs(**base, disaggregation_mode="prefill")
         d_args = ServerArgs(**base, disaggregation_mode="decode")
         self.p_pool = KVPool(2, NUM_PAGES, 4, 2, 8, torch.bfloat16, "cpu")
@@ -88,10 +108,18 @@ class Managers:
         self.d_pool = KVPool(2, NUM_PAGES, 4, 2, 8, torch.bfloat16, "cpu", alloc)
         self.d_pool.buffer.zero_()
         self.p_meta, self.d_meta = MetadataBuffers(4), MetadataBuffers(4, allocator=alloc)
-        self.P = KVManager(KVArgs.from_buffers(self.p_pool, self.p_meta, model_fingerprint="t"), "prefill",
-                           p_args, "local")
-        self.D = KVManager(KVArgs.from_buffers(self.d_pool, self.d_meta, model_fingerprint="t"), "decode",
-                           d_args, "local")
+        self.P = KVManager(
+            KVArgs.from_buffers(self.p_pool, self.p_meta, model_fingerprint="t"),
+            "prefill",
+            p_args,
+            "local",
+        )
+        self.D = KVManager(
+            KVArgs.from_buffers(self.d_pool, self.d_meta, model_fingerprint="t"),
+            "decode",
+            d_args,
+            "local",
+        )
 
     def pair(self, room: int):
         sender = get_kv_class("local", "sender")(self.P, self.addr, room)
@@ -127,12 +155,25 @@ def test_unauthenticated_register_and_forged_transfer_request_are_rejected(authe
     push.connect(m.P.endpoint())
     try:
         a = KVArgs.from_buffers(m.d_pool, m.d_meta, model_fingerprint="t")
-        reg = Register(session_id="intruder", decode_rank=0, decode_tp_size=1, reply_endpoint=f"tcp://127.0.0.1:{port}",
-                       buffers=BufferDesc.from_kv_args(a), compat=a.compat_info(), backend="local")
+        reg = Register(
+            session_id="intruder",
+            decode_rank=0,
+            decode_tp_size=1,
+            reply_endpoint=f"tcp://127.0.0.1:{port}",
+            buffers=BufferDesc.from_kv_args(a),
+            compat=a.compat_info(),
+            backend="local",
+        )
         push.send(encode_message(reg))  # no HMAC
         push.send(MessageCodec(b"guess").encode(reg))  # wrong key
-        forged = TransferRequest(session_id=session, room=1, generation=1, dst_pages=[[1, 2]], aux_slot=0,
-                                 reply_endpoint=f"tcp://127.0.0.1:{port}")
+        forged = TransferRequest(
+            session_id=session,
+            room=1,
+            generation=1,
+            dst_pages=[[1, 2]],
+            aux_slot=0,
+            reply_endpoint=f"tcp://127.0.0.1:{port}",
+        )
         push.send(MessageCodec(b"guess").encode(forged))
         wait_for(lambda: m.P.rejected_messages >= 3)
         assert pull.poll(300) == 0  # no answer to any of them
@@ -193,17 +234,33 @@ def test_pages_of_a_room_in_flight_are_not_given_to_another_room(plain):
 
 
 def test_guard_bounds_and_release():
-    buffers = BufferDesc(regions=[Region(ptr=0, nbytes=800, item_bytes=100, group=0, layer=0, part=p) for p in "kv"],
-                         aux_data_ptrs=[0], aux_data_lens=[256], aux_item_lens=[64])
+    buffers = BufferDesc(
+        regions=[Region(ptr=0, nbytes=800, item_bytes=100, group=0, layer=0, part=p) for p in "kv"],
+        aux_data_ptrs=[0],
+        aux_data_lens=[256],
+        aux_item_lens=[64],
+    )
     g = DestinationGuard(buffers, buffers.regions, 1)
     assert (g.num_pages, g.num_aux_rows) == ([8], 4)
     ok = TransferRequest(session_id="s", room=1, generation=1, dst_pages=[[0, 7]], aux_slot=3)
     assert g.check(ok) == ""
     g.claim(ok)
-    assert "repeat" in g.check(TransferRequest(session_id="s", room=2, generation=1, dst_pages=[[1, 1]], aux_slot=0))
-    assert "outside" in g.check(TransferRequest(session_id="s", room=2, generation=1, dst_pages=[[-1]], aux_slot=0))
-    assert "room 1" in g.check(TransferRequest(session_id="s", room=2, generation=1, dst_pages=[[1]], aux_slot=3))
-    assert g.check(TransferRequest(session_id="s", room=1, generation=2, dst_pages=[[7]], aux_slot=3)) == ""
+    assert "repeat" in g.check(
+        TransferRequest(session_id="s", room=2, generation=1, dst_pages=[[1, 1]], aux_slot=0)
+    )
+    assert "outside" in g.check(
+        TransferRequest(session_id="s", room=2, generation=1, dst_pages=[[-1]], aux_slot=0)
+    )
+    assert "room 1" in g.check(
+        TransferRequest(session_id="s", room=2, generation=1, dst_pages=[[1]], aux_slot=3)
+    )
+    assert (
+        g.check(TransferRequest(session_id="s", room=1, generation=2, dst_pages=[[7]], aux_slot=3))
+        == ""
+    )
     g.release(1)
     assert g.rooms == 0
-    assert g.check(TransferRequest(session_id="s", room=2, generation=1, dst_pages=[[7]], aux_slot=3)) == ""
+    assert (
+        g.check(TransferRequest(session_id="s", room=2, generation=1, dst_pages=[[7]], aux_slot=3))
+        == ""
+    )

@@ -33,16 +33,29 @@ def groups(window: int = 16, first: int = 0, layers: int = 3) -> list[CacheGroup
     return out
 
 
-def kv_args(gs: list[CacheGroup], alloc=None, pages: int = 16, **kw) -> tuple[KVArgs, list[KVPool], MetadataBuffers]:
-    pools = [KVPool(len(g.layers), pages, 4, 2, 8, torch.float32, "cpu", *([alloc] if alloc else [])) for g in gs]
+def kv_args(
+    gs: list[CacheGroup], alloc=None, pages: int = 16, **kw
+) -> tuple[KVArgs, list[KVPool], MetadataBuffers]:
+    pools = [
+        KVPool(len(g.layers), pages, 4, 2, 8, torch.float32, "cpu", *([alloc] if alloc else []))
+        for g in gs
+    ]
     meta = MetadataBuffers(4, **({"allocator": alloc} if alloc else {}))
-    return KVArgs.from_buffers(pools, meta, cache_groups=gs, model_fingerprint="tiny", **kw), pools, meta
+    return (
+        KVArgs.from_buffers(pools, meta, cache_groups=gs, model_fingerprint="tiny", **kw),
+        pools,
+        meta,
+    )
 
 
 def test_regions_pair_by_group_and_layer():
     whole, _, _ = kv_args(groups(layers=6))
-    stage, _, _ = kv_args(groups(first=3, layers=3), prefill_start_layer=3)  # a pipeline stage: layers 3..5
-    assert [r.final for r in whole.regions[:2]] == ["last_chunk"] * 2 and whole.regions[-1].final == "per_chunk"
+    stage, _, _ = kv_args(
+        groups(first=3, layers=3), prefill_start_layer=3
+    )  # a pipeline stage: layers 3..5
+    assert [r.final for r in whole.regions[:2]] == ["last_chunk"] * 2 and whole.regions[
+        -1
+    ].final == "per_chunk"
     paired, why = pair_regions(stage.regions, whole.regions)
     assert why == ""
     assert [whole.regions[j].key for j in paired] == [r.key for r in stage.regions]
@@ -56,7 +69,12 @@ def test_layer_specs_mismatch_names_both_values():
     p, _, _ = kv_args(groups(window=16))
     d, _, _ = kv_args(groups(window=8))
     errs = compat_mismatches(p.compat_info(), d.compat_info())
-    assert errs and "layer 0 cache mismatch" in errs[0] and "window 16" in errs[0] and "window 8" in errs[0], errs
+    assert (
+        errs
+        and "layer 0 cache mismatch" in errs[0]
+        and "window 16" in errs[0]
+        and "window 8" in errs[0]
+    ), errs
     assert compat_mismatches(p.compat_info(), p.compat_info()) == []
     # one group where the other side has two: the kinds are named
     one, _, _ = kv_args([CacheGroup(0, FullAttention(2, 8), (0, 1, 2))])
@@ -81,8 +99,14 @@ def test_chunk_descriptors_address_each_group_with_its_own_pages():
 @pytest.fixture
 def two_group_pair():
     server = BootstrapServer("127.0.0.1", 0, expected_ranks=1)
-    args = ServerArgs(model_path="m", device="cpu", page_size=4, disaggregation_bootstrap_port=server.port,
-                      disaggregation_bootstrap_timeout=20, disaggregation_waiting_timeout=20)
+    args = ServerArgs(
+        model_path="m",
+        device="cpu",
+        page_size=4,
+        disaggregation_bootstrap_port=server.port,
+        disaggregation_bootstrap_timeout=20,
+        disaggregation_waiting_timeout=20,
+    )
     p_args, p_pools, p_meta = kv_args(groups())
     d_args, d_pools, _ = kv_args(groups(), alloc=buffer_allocator("local", "decode"))
     for pool in p_pools:
@@ -105,7 +129,9 @@ def _room(P, D, addr, room, dst):
 
 def test_each_group_lands_in_its_own_pages(two_group_pair):
     P, D, p_pools, d_pools, p_meta, addr = two_group_pair
-    sender, receiver = _room(P, D, addr, 5, [[9, 10], [4, 5, 6]])  # window group: the last 2 pages only
+    sender, receiver = _room(
+        P, D, addr, 5, [[9, 10], [4, 5, 6]]
+    )  # window group: the last 2 pages only
     sender.init([2, 3], 0)
     p_meta.set_row(0, 5, 11)
     sender.send([[], [1, 2]])  # full-attention pages as chunks complete

@@ -23,9 +23,17 @@ def test_set_get_row_and_room_gate():
     m = MetadataBuffers(4, hidden_size=4)
     assert all(m.row_room(s) == EMPTY_ROOM for s in range(4))
     room = 2**63 - 5
-    m.set_row(2, room, first_token=123, logprob=-0.25, top_logprobs=[(-0.25, 123), (-2.0, 9)],
-              cached_tokens=(10, 6, 3, 1), topk_p=[0.5, 0.25], topk_index=[4, 5],
-              hidden_states=torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    m.set_row(
+        2,
+        room,
+        first_token=123,
+        logprob=-0.25,
+        top_logprobs=[(-0.25, 123), (-2.0, 9)],
+        cached_tokens=(10, 6, 3, 1),
+        topk_p=[0.5, 0.25],
+        topk_index=[4, 5],
+        hidden_states=torch.tensor([1.0, 2.0, 3.0, 4.0]),
+    )
     row = m.get_row(2)
     assert row.room == room and m.row_room(2) == room
     assert row.first_token == 123 and row.logprob == -0.25
@@ -80,7 +88,9 @@ def test_page_runs_merge_only_when_both_sides_are_contiguous():
 
 
 def test_region_descriptors():
-    src, dst, lens = region_descriptors([1000, 5000], [90000, 95000], [10, 20], [1, 2, 5], [3, 4, 9])
+    src, dst, lens = region_descriptors(
+        [1000, 5000], [90000, 95000], [10, 20], [1, 2, 5], [3, 4, 9]
+    )
     # region-major; runs (1->3, len 2) and (5->9, len 1)
     assert src.tolist() == [1010, 1050, 5020, 5100]
     assert dst.tolist() == [90030, 90090, 95060, 95180]

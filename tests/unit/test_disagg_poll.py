@@ -60,7 +60,10 @@ def _rank_main(rank, port, values, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         group = dist.new_group([0, 1], backend="gloo")
-        pollers = [Const(KVPoll(v), f"rank {rank} failed room {i}" if v == 0 else "") for i, v in enumerate(values)]
+        pollers = [
+            Const(KVPoll(v), f"rank {rank} failed room {i}" if v == 0 else "")
+            for i, v in enumerate(values)
+        ]
         states = [int(v) for v in poll_and_all_reduce(pollers, group)]
         out.put((rank, states, [p.aborted for p in pollers]))
     finally:

@@ -26,13 +26,27 @@ LAYERS, PAGES, PAGE_SIZE, HEAD_DIM, QUERY_HEADS = 2, 8, 4, 8, 4
 
 
 def _args(port: int) -> ServerArgs:
-    return ServerArgs(model_path="m", device="cpu", page_size=PAGE_SIZE, disaggregation_bootstrap_port=port,
-                      disaggregation_bootstrap_timeout=20, disaggregation_waiting_timeout=20)
+    return ServerArgs(
+        model_path="m",
+        device="cpu",
+        page_size=PAGE_SIZE,
+        disaggregation_bootstrap_port=port,
+        disaggregation_bootstrap_timeout=20,
+        disaggregation_waiting_timeout=20,
+    )
 
 
 def _kv_args(pool, meta, rank: int, tp: int) -> KVArgs:
-    return KVArgs.from_buffers(pool, meta, engine_rank=rank, tp_size=tp, global_rank=rank, total_kv_head_num=1,
-                               num_heads=QUERY_HEADS, model_fingerprint="tiny")
+    return KVArgs.from_buffers(
+        pool,
+        meta,
+        engine_rank=rank,
+        tp_size=tp,
+        global_rank=rank,
+        total_kv_head_num=1,
+        num_heads=QUERY_HEADS,
+        model_fingerprint="tiny",
+    )
 
 
 @pytest.fixture
@@ -43,9 +57,13 @@ def mqa_pd():
     prefill = []
     for rank in range(2):
         pool = KVPool(LAYERS, PAGES, PAGE_SIZE, 1, HEAD_DIM, torch.float32, "cpu")
-        pool.buffer.copy_(torch.randn(pool.buffer.shape))  # both ranks hold the same head; their bytes differ
+        pool.buffer.copy_(
+            torch.randn(pool.buffer.shape)
+        )  # both ranks hold the same head; their bytes differ
         meta = MetadataBuffers(4)
-        prefill.append((KVManager(_kv_args(pool, meta, rank, 2), "prefill", args, "local"), pool, meta))
+        prefill.append(
+            (KVManager(_kv_args(pool, meta, rank, 2), "prefill", args, "local"), pool, meta)
+        )
     alloc = buffer_allocator("local", "decode")
     pool = KVPool(LAYERS, PAGES, PAGE_SIZE, 1, HEAD_DIM, torch.float32, "cpu", alloc)
     meta = MetadataBuffers(4, allocator=alloc)
@@ -60,10 +78,15 @@ def _start_room(prefill, decode, addr: str, room: int, dst: list[int]):
     Sender, Receiver = get_kv_class("local", "sender"), get_kv_class("local", "receiver")
     senders = [Sender(mgr, addr, room) for mgr, _, _ in prefill]
     receiver = Receiver(decode[0], addr, room)
-    wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput, 20, "decode's connection to prefill")
+    wait_for(
+        lambda: receiver.poll() == KVPoll.WaitingForInput, 20, "decode's connection to prefill"
+    )
     receiver.send_metadata([dst], 1)
-    wait_for(lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders), 20,
-             "every prefill rank's transfer request, the idle rank's included")
+    wait_for(
+        lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders),
+        20,
+        "every prefill rank's transfer request, the idle rank's included",
+    )
     return senders, receiver
 
 
@@ -82,10 +105,16 @@ def test_the_idle_prefill_rank_concludes_a_room_without_writing(mqa_pd):
     for s in senders:  # the scheduler drives every rank alike
         s.init([len(src)], 0)
         s.send([src], last_chunk=True)
-    wait_for(lambda: [s.poll() for s in senders] == [KVPoll.Success] * 2, 20, "Success on both prefill ranks")
+    wait_for(
+        lambda: [s.poll() for s in senders] == [KVPoll.Success] * 2,
+        20,
+        "Success on both prefill ranks",
+    )
     wait_for(lambda: receiver.poll() == KVPoll.Success, 20, "Success on decode")
     d_pool, p_pool = decode[1], prefill[0][1]
-    assert torch.equal(d_pool.buffer[:, :, dst], p_pool.buffer[:, :, src])  # rank 0's copy of the head
+    assert torch.equal(
+        d_pool.buffer[:, :, dst], p_pool.buffer[:, :, src]
+    )  # rank 0's copy of the head
     assert decode[2].row_room(1) == room and decode[2].get_row(1).first_token == 42
     assert senders[0].written()[1] > 0 and senders[1].written() == (0, 0)
     for s in senders:
@@ -99,7 +128,9 @@ def test_an_abort_reaches_the_idle_prefill_rank(mqa_pd):
     senders, receiver = _start_room(prefill, decode, addr, 8, [2, 3])
     receiver.abort("client went away")
     # both prefill ranks stop (the idle one too: nothing else would end its part of the room) ...
-    wait_for(lambda: all(s.poll() == KVPoll.Failed for s in senders), 20, "Failed on both prefill ranks")
+    wait_for(
+        lambda: all(s.poll() == KVPoll.Failed for s in senders), 20, "Failed on both prefill ranks"
+    )
     assert all("client went away" in s.failure_reason() for s in senders)
     # ... and acknowledge, so decode may free the pages
     wait_for(receiver.writes_drained, 20, "both prefill ranks' abort acknowledgements")
@@ -113,7 +144,16 @@ def test_a_request_naming_pages_to_a_rank_that_writes_nothing_is_refused():
     pool, meta = KVPool(1, 4, 4, 1, 8, torch.float32, "cpu"), MetadataBuffers(2)
     buffers = BufferDesc.from_kv_args(KVArgs.from_buffers(pool, meta))
     guard = DestinationGuard(buffers, buffers.regions, 1, empty=True)
-    assert guard.check(TransferRequest(session_id="s", room=1, generation=1, dst_pages=[[]], aux_slot=-1)) == ""
-    why = guard.check(TransferRequest(session_id="s", room=1, generation=1, dst_pages=[[0, 1]], aux_slot=-1))
+    assert (
+        guard.check(
+            TransferRequest(session_id="s", room=1, generation=1, dst_pages=[[]], aux_slot=-1)
+        )
+        == ""
+    )
+    why = guard.check(
+        TransferRequest(session_id="s", room=1, generation=1, dst_pages=[[0, 1]], aux_slot=-1)
+    )
     assert "holds none of that decode rank's bytes" in why and "2 destination page(s)" in why
-    assert guard.check(TransferRequest(session_id="s", room=1, generation=1, dst_pages=[[]], aux_slot=0))
+    assert guard.check(
+        TransferRequest(session_id="s", room=1, generation=1, dst_pages=[[]], aux_slot=0)
+    )

@@ -13,7 +13,9 @@ from pdserve.disagg.faults import FaultInjector
 def parse(argv: list[str]) -> ServerArgs:
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    return ServerArgs.from_cli_args(parser.parse_args(["--model-path", "m", "--device", "cpu", *argv]))
+    return ServerArgs.from_cli_args(
+        parser.parse_args(["--model-path", "m", "--device", "cpu", *argv])
+    )
 
 
 def test_defaults_detect_a_dead_peer_within_3s():
@@ -31,24 +33,32 @@ def test_flags_and_environment(monkeypatch):
     monkeypatch.setenv("PDSERVE_DISAGGREGATION_MAX_PREALLOC_QUEUE", "7")
     monkeypatch.setenv("PDSERVE_DISAGGREGATION_SECRET", "from-env")
     a = parse([])
-    assert (a.disaggregation_fault_prob, a.disaggregation_fault_mode, a.disaggregation_fault_delay) == \
-        (0.2, "drop_status,delay_transfer", 0.5)
+    assert (
+        a.disaggregation_fault_prob,
+        a.disaggregation_fault_mode,
+        a.disaggregation_fault_delay,
+    ) == (0.2, "drop_status,delay_transfer", 0.5)
     assert (a.disaggregation_prealloc_timeout, a.disaggregation_max_prealloc_queue) == (2.5, 7)
     assert a.disaggregation_secret == "from-env"
-    a = parse(["--disaggregation-fault-prob", "0.05", "--disaggregation-secret", "flag"])  # a flag wins
+    a = parse(
+        ["--disaggregation-fault-prob", "0.05", "--disaggregation-secret", "flag"]
+    )  # a flag wins
     assert a.disaggregation_fault_prob == 0.05 and a.disaggregation_secret == "flag"
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("disaggregation_fault_prob", 1.5, "must be in [0, 1]"),
-    ("disaggregation_fault_mode", "explode", "comma-separated list"),
-    ("disaggregation_fault_mode", "", "comma-separated list"),
-    ("disaggregation_fault_delay", -1.0, "must be >= 0"),
-    ("disaggregation_heartbeat_misses", 0, "must be >= 1"),
-    ("disaggregation_prealloc_timeout", 0.0, "must be > 0"),
-    ("disaggregation_max_prealloc_queue", -1, "must be >= 0"),
-    ("disaggregation_secret", "", "must not be empty"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("disaggregation_fault_prob", 1.5, "must be in [0, 1]"),
+        ("disaggregation_fault_mode", "explode", "comma-separated list"),
+        ("disaggregation_fault_mode", "", "comma-separated list"),
+        ("disaggregation_fault_delay", -1.0, "must be >= 0"),
+        ("disaggregation_heartbeat_misses", 0, "must be >= 1"),
+        ("disaggregation_prealloc_timeout", 0.0, "must be > 0"),
+        ("disaggregation_max_prealloc_queue", -1, "must be >= 0"),
+        ("disaggregation_secret", "", "must not be empty"),
+    ],
+)
 def test_bad_values_name_the_field(field, value, needle):
     with pytest.raises(ValueError, match=field) as e:
         ServerArgs(model_path="m", device="cpu", **{field: value})

@@ -12,7 +12,13 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
 from pdserve import kernels
 from pdserve.layers.norm import GptOssRMSNorm, RMSNorm
-from pdserve.layers.rotary import RotaryEmbedding, apply_rotary, attention_factor, inv_frequencies, rope_parameters
+from pdserve.layers.rotary import (
+    RotaryEmbedding,
+    apply_rotary,
+    attention_factor,
+    inv_frequencies,
+    rope_parameters,
+)
 
 torch.set_num_threads(1)
 
@@ -28,42 +34,91 @@ def tables(config, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_yarn_tables_equal_gpt_oss_rotary_embedding():
     config = GptOssConfig(num_hidden_layers=2)
-    assert rope_parameters(config)["rope_type"] == "yarn" and config.rope_parameters["truncate"] is False
+    assert (
+        rope_parameters(config)["rope_type"] == "yarn"
+        and config.rope_parameters["truncate"] is False
+    )
     cos, sin = tables(config, config.head_dim)
     x = torch.zeros(1, dtype=torch.float32)
-    hf_cos, hf_sin = hf_gpt_oss.GptOssRotaryEmbedding(config)(x, POSITIONS[None])  # [1, T, head_dim / 2]
+    hf_cos, hf_sin = hf_gpt_oss.GptOssRotaryEmbedding(config)(
+        x, POSITIONS[None]
+    )  # [1, T, head_dim / 2]
     half = config.head_dim // 2
     for ours, theirs in ((cos, hf_cos[0]), (sin, hf_sin[0])):
         assert torch.equal(ours[:, :half], theirs) and torch.equal(ours[:, half:], theirs)
-    assert abs(cos[0, 0].item() - (0.1 * torch.log(torch.tensor(32.0)).item() + 1)) < 1e-6  # the attention factor
+    assert (
+        abs(cos[0, 0].item() - (0.1 * torch.log(torch.tensor(32.0)).item() + 1)) < 1e-6
+    )  # the attention factor
 
 
 def test_yarn_tables_equal_qwen_rotary_embedding():
-    config = Qwen2Config(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1,
-                         max_position_embeddings=131072, rope_theta=1e6,
-                         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    config = Qwen2Config(
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=1,
+        max_position_embeddings=131072,
+        rope_theta=1e6,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 32768,
+        },
+    )
     cos, sin = tables(config, 32)
-    hf_cos, hf_sin = Qwen2RotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), POSITIONS[None])
+    hf_cos, hf_sin = Qwen2RotaryEmbedding(config)(
+        torch.zeros(1, dtype=torch.float32), POSITIONS[None]
+    )
     assert torch.equal(cos, hf_cos[0]) and torch.equal(sin, hf_sin[0])
     # a transformers-4 style dict config (rope_theta and rope_scaling outside) reads the same
-    legacy = {"rope_theta": 1e6, "max_position_embeddings": 131072,
-              "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    legacy = {
+        "rope_theta": 1e6,
+        "max_position_embeddings": 131072,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    }
     assert torch.equal(tables(legacy, 32)[0], cos)
 
 
-@pytest.mark.parametrize("extra", [
-    {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
-    {"factor": 8.0, "beta_fast": 16.0, "beta_slow": 2.0, "original_max_position_embeddings": 2048},  # truncates
-    {"factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096},
-    {"factor": 4.0, "attention_factor": 1.25, "original_max_position_embeddings": 8192},
-    {"factor": 0.5, "original_max_position_embeddings": 8192},  # no attention scaling below 1
-    {"factor": None, "original_max_position_embeddings": 16384},  # factor from max_position_embeddings
-    {"factor": 2.0},  # original context from max_position_embeddings
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        {
+            "factor": 8.0,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+            "original_max_position_embeddings": 2048,
+        },  # truncates
+        {
+            "factor": 40.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.707,
+            "original_max_position_embeddings": 4096,
+        },
+        {"factor": 4.0, "attention_factor": 1.25, "original_max_position_embeddings": 8192},
+        {"factor": 0.5, "original_max_position_embeddings": 8192},  # no attention scaling below 1
+        {
+            "factor": None,
+            "original_max_position_embeddings": 16384,
+        },  # factor from max_position_embeddings
+        {"factor": 2.0},  # original context from max_position_embeddings
+    ],
+)
 def test_yarn_parameters_equal_transformers(extra):
-    config = Qwen2Config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1,
-                         max_position_embeddings=65536,
-                         rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, **extra})
+    config = Qwen2Config(
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=1,
+        max_position_embeddings=65536,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, **extra},
+    )
     hf_inv, hf_factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
     params = rope_parameters(config)
     assert torch.equal(inv_frequencies(64, params), hf_inv)
@@ -71,7 +126,10 @@ def test_yarn_parameters_equal_transformers(extra):
 
 
 def test_llama_rope_types_keep_no_attention_factor():
-    for params in ({"rope_type": "default", "rope_theta": 1e4}, {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}):
+    for params in (
+        {"rope_type": "default", "rope_theta": 1e4},
+        {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+    ):
         assert attention_factor(params) == 1.0
         assert RotaryEmbedding(16, params, 8).scaling == 1.0
     with pytest.raises(ValueError, match="rope_type: 'longrope' is not supported"):
@@ -93,11 +151,15 @@ def test_rotation_equals_gpt_oss_halves(ops, dtype):
     config = GptOssConfig(num_hidden_layers=2)
     cos, sin = tables(config, 64)
     t = POSITIONS.numel()
-    hf_cos, hf_sin = hf_gpt_oss.GptOssRotaryEmbedding(config)(torch.zeros(1, dtype=dtype), POSITIONS[None])
+    hf_cos, hf_sin = hf_gpt_oss.GptOssRotaryEmbedding(config)(
+        torch.zeros(1, dtype=dtype), POSITIONS[None]
+    )
     gen = torch.Generator().manual_seed(0)
     qkv = (3 * torch.randn(t, (8 + 2 * 2) * 64, generator=gen)).to(dtype)
-    q, k = qkv[:, : 8 * 64].view(t, 8, 64), qkv[:, 8 * 64: 10 * 64].view(t, 2, 64)
-    hf_q, hf_k = hf_gpt_oss.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin)
+    q, k = qkv[:, : 8 * 64].view(t, 8, 64), qkv[:, 8 * 64 : 10 * 64].view(t, 2, 64)
+    hf_q, hf_k = hf_gpt_oss.apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin
+    )
     hf_q, hf_k = hf_q[0].transpose(0, 1), hf_k[0].transpose(0, 1)
     assert torch.equal(apply_rotary(q, cos.to(dtype), sin.to(dtype)), hf_q)
     assert torch.equal(apply_rotary(k, cos.to(dtype), sin.to(dtype)), hf_k)

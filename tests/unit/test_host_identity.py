@@ -49,7 +49,11 @@ def test_local_backend_refuses_a_decode_on_another_host_naming_the_backend_to_us
         with pytest.raises(TransferError) as e:
             prefill.connect("d", info, [(buf.data_ptr(), buf.numel())])
         msg = str(e.value)
-        assert "one host" in msg and "--disaggregation-transfer-backend mooncake" in msg and "nixl" in msg, msg
+        assert (
+            "one host" in msg
+            and "--disaggregation-transfer-backend mooncake" in msg
+            and "nixl" in msg
+        ), msg
     finally:
         prefill.close()
         decode.close()

@@ -44,7 +44,9 @@ def make_ext(tmp: Path, value: int, name: str = "tiny") -> build.Extension:
     (src / "main.cpp").write_text(MAIN)
     (src / "value.cpp").write_text('#include "value.h"\nlong the_value() { return VALUE; }\n')
     (src / "value.h").write_text(f"#pragma once\n#define VALUE {value}\nlong the_value();\n")
-    (outside / "outside.h").write_text("#define OUTSIDE 0\n")  # stands for torch's, Python's, the system's
+    (outside / "outside.h").write_text(
+        "#define OUTSIDE 0\n"
+    )  # stands for torch's, Python's, the system's
     return build.Extension(name, src, ("main.cpp", "value.cpp"), ("-O0", f"-I{outside}"), ())
 
 
@@ -68,20 +70,30 @@ def built(tmp_path, caplog):
 
 def test_first_build_says_why_shows_progress_and_loads(built, caplog):
     ext, b = built
-    log = "\n".join(r.getMessage() for r in caplog.get_records("setup") if r.name == "pdserve.kernels")
+    log = "\n".join(
+        r.getMessage() for r in caplog.get_records("setup") if r.name == "pdserve.kernels"
+    )
     assert "building 2 files" in log and "no build yet for these sources (none in" in log
-    assert "[1/3] compiled " in log and "[2/3] compiled " in log and f"[3/3] linked {b.module}.so" in log
+    assert (
+        "[1/3] compiled " in log
+        and "[2/3] compiled " in log
+        and f"[3/3] linked {b.module}.so" in log
+    )
     assert "built in" in log
     assert (b.directory / build.MARKER).exists() and b.complete()
     assert b.directory.name.startswith("torch") and ext.source_key() in b.directory.name
     assert value_of(b) == 42
 
 
-def test_finished_build_loads_without_ninja_when_a_header_outside_is_newer(built, tmp_path, monkeypatch, caplog):
+def test_finished_build_loads_without_ninja_when_a_header_outside_is_newer(
+    built, tmp_path, monkeypatch, caplog
+):
     ext, b = built
     later = time.time() + 100
     os.utime(tmp_path / "outside" / "outside.h", (later, later))
-    would = subprocess.run(["ninja", "-n", "-d", "explain"], cwd=b.directory, capture_output=True, text=True)
+    would = subprocess.run(
+        ["ninja", "-n", "-d", "explain"], cwd=b.directory, capture_output=True, text=True
+    )
     assert "outside.h" in would.stdout + would.stderr  # ninja itself would rebuild
     bin_dir = tmp_path / "bin"  # the compiler, and no ninja: running ninja would fail
     bin_dir.mkdir()
@@ -103,7 +115,10 @@ def test_changed_header_builds_anew_naming_the_change(built, tmp_path, caplog):
     caplog.clear()
     assert build.ensure_built(b2)
     log = messages(caplog)
-    assert "no build yet for these sources (against the build of" in log and ": value.h changed)" in log
+    assert (
+        "no build yet for these sources (against the build of" in log
+        and ": value.h changed)" in log
+    )
     assert value_of(b2) == 43 and value_of(b) == 42
 
 
@@ -135,19 +150,28 @@ def test_concurrent_starts_build_once(tmp_path):
     ext = make_ext(tmp_path, 7)
     b = build.locate(ext, tmp_path / "cache")
     b.directory.mkdir(parents=True)
-    script = (f"import logging, sys; sys.path.insert(0, {str(REPO)!r}); from pathlib import Path; "
-              "logging.basicConfig(level=logging.INFO, format='%(message)s'); "
-              "from pdserve.kernels import build; "
-              f"ext = build.Extension('tiny', Path({str(ext.source_dir)!r}), {ext.sources!r}, {ext.cflags!r}); "
-              f"b = build.locate(ext, Path({str(tmp_path / 'cache')!r})); build.ensure_built(b); "
-              "print(build.import_module(b).value())")
+    script = (
+        f"import logging, sys; sys.path.insert(0, {str(REPO)!r}); from pathlib import Path; "
+        "logging.basicConfig(level=logging.INFO, format='%(message)s'); "
+        "from pdserve.kernels import build; "
+        f"ext = build.Extension('tiny', Path({str(ext.source_dir)!r}), {ext.sources!r}, {ext.cflags!r}); "
+        f"b = build.locate(ext, Path({str(tmp_path / 'cache')!r})); build.ensure_built(b); "
+        "print(build.import_module(b).value())"
+    )
     logs = [tmp_path / f"start{i}.log" for i in range(2)]
     with open(b.directory / build.LOCK, "a+") as held:  # as a process that is building would
         fcntl.flock(held, fcntl.LOCK_EX)
         held.write("pid 1 (the test)")
         held.flush()
-        procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=open(log, "w"),
-                                  text=True) for log in logs]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", script],
+                stdout=subprocess.PIPE,
+                stderr=open(log, "w"),
+                text=True,
+            )
+            for log in logs
+        ]
         deadline = time.monotonic() + 120
         while not all("waiting for pid 1 (the test)" in log.read_text() for log in logs):
             assert time.monotonic() < deadline, [log.read_text() for log in logs]
@@ -159,14 +183,18 @@ def test_concurrent_starts_build_once(tmp_path):
     texts = [log.read_text() for log in logs]
     assert sum("CPU kernels: building" in t for t in texts) == 1, texts
     assert all("waited" in t for t in texts)
-    ninja_log = (b.directory / ".ninja_log").read_text().splitlines()[1:]  # start, end, mtime, output, hash
+    ninja_log = (
+        (b.directory / ".ninja_log").read_text().splitlines()[1:]
+    )  # start, end, mtime, output, hash
     assert [line.split("\t")[3] for line in ninja_log].count("value.o") == 1
 
 
 def test_without_a_compiler_a_finished_build_still_loads(built, tmp_path, monkeypatch):
     ext, b = built
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    assert build.locate(ext, tmp_path / "cache") == build.Build(ext, b.directory, b.module, None, b.key)
+    assert build.locate(ext, tmp_path / "cache") == build.Build(
+        ext, b.directory, b.module, None, b.key
+    )
     other = build.locate(make_ext(tmp_path / "other", 5), tmp_path / "cache")
     with pytest.raises(RuntimeError, match=r"no C\+\+ compiler"):
         build.ensure_built(other)
@@ -177,7 +205,10 @@ def test_key_covers_contents_and_flags_not_paths(tmp_path):
     flags = ("-O0",)  # make_ext's include flag names its own directory
     same = [build.Extension("tiny", e.source_dir, e.sources, flags) for e in (a, b)]
     assert same[0].source_key() == same[1].source_key()
-    assert build.Extension("tiny", a.source_dir, a.sources, ("-O2",)).source_key() != same[0].source_key()
+    assert (
+        build.Extension("tiny", a.source_dir, a.sources, ("-O2",)).source_key()
+        != same[0].source_key()
+    )
     (a.source_dir / "extra.h").write_text("// a header no source includes yet\n")
     assert same[0].source_key() != same[1].source_key()
 
@@ -187,14 +218,19 @@ def test_pdserve_kernels_use_openmp_and_a_path_free_key(tmp_path):
     assert "-fopenmp" in ext.cflags and "-fopenmp" in ext.ldflags
     copy = tmp_path / "csrc"
     shutil.copytree(kernels.SOURCE_DIR, copy)
-    assert build.Extension(ext.name, copy, ext.sources, ext.cflags, ext.ldflags).source_key() == ext.source_key()
+    assert (
+        build.Extension(ext.name, copy, ext.sources, ext.cflags, ext.ldflags).source_key()
+        == ext.source_key()
+    )
 
 
 def test_a_source_edited_during_the_build_is_not_marked_complete(tmp_path, monkeypatch):
     ext = make_ext(tmp_path, 9)
     wrapper = tmp_path / "cxx-that-edits"  # the compiler, and an editor saving value.h meanwhile
-    wrapper.write_text(f"#!/bin/sh\ncase \" $* \" in *\" -c \"*) echo '// edited' >> {ext.source_dir / 'value.h'};; esac\n"
-                       f"exec {shutil.which('c++')} \"$@\"\n")
+    wrapper.write_text(
+        f'#!/bin/sh\ncase " $* " in *" -c "*) echo \'// edited\' >> {ext.source_dir / "value.h"};; esac\n'
+        f'exec {shutil.which("c++")} "$@"\n'
+    )
     wrapper.chmod(0o755)
     monkeypatch.setenv("CXX", str(wrapper))
     b = build.locate(ext, tmp_path / "cache")
@@ -210,7 +246,9 @@ def test_a_new_build_compiles_only_what_changed(tmp_path, caplog):
     ext = build.Extension("tiny", tiny.source_dir, (*tiny.sources, "twice.cpp"), tiny.cflags)
     b = build.locate(ext, tmp_path / "cache")
     assert build.ensure_built(b)
-    (ext.source_dir / "value.cpp").write_text('#include "value.h"\nlong the_value() { return VALUE + 1; }\n')
+    (ext.source_dir / "value.cpp").write_text(
+        '#include "value.h"\nlong the_value() { return VALUE + 1; }\n'
+    )
     b2 = build.locate(ext, tmp_path / "cache")
     assert b2.directory != b.directory
     caplog.clear()

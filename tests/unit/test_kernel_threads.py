@@ -45,13 +45,23 @@ def assert_same(pair):
 
 
 def test_the_module_uses_torchs_openmp_runtime(ops):
-    needed = subprocess.run(["readelf", "-d", str(kernels.kernel_build().library)], capture_output=True,
-                            text=True, check=True).stdout
-    assert "libgomp.so.1" in needed, "built without -fopenmp: at::parallel_for would run on one thread"
+    needed = subprocess.run(
+        ["readelf", "-d", str(kernels.kernel_build().library)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "libgomp.so.1" in needed, (
+        "built without -fopenmp: at::parallel_for would run on one thread"
+    )
     # the module's libgomp.so.1 resolves to the one already loaded under that name (torch's); copies
     # other wheels vendor under mangled names (sentencepiece.libs/libgomp-<hash>.so) serve only them
     with open("/proc/self/maps") as f:
-        runtimes = {line.split()[-1] for line in f if os.path.basename(line.split()[-1]).startswith("libgomp.so")}
+        runtimes = {
+            line.split()[-1]
+            for line in f
+            if os.path.basename(line.split()[-1]).startswith("libgomp.so")
+        }
     assert len(runtimes) == 1, f"two OpenMP runtimes named libgomp.so loaded: {runtimes}"
 
 
@@ -102,7 +112,9 @@ def test_linear_vnni(ops, isa, rows, out_dtype):
 @pytest.mark.parametrize("rows", [2, 40])
 def test_linear_w8a8(ops, isa, rows):
     gen = torch.Generator().manual_seed(rows)
-    lin = PackedW8A8(0.1 * torch.randn(700, 320, generator=gen), torch.randn(700, generator=gen), ops)
+    lin = PackedW8A8(
+        0.1 * torch.randn(700, 320, generator=gen), torch.randn(700, generator=gen), ops
+    )
     x = torch.randn(rows, 320, generator=gen).bfloat16()
     assert_same(at_1_and_2_threads(lambda: [lin(x)]))
 
@@ -115,7 +127,7 @@ def _pool(gen, lens, kvh, D, page, dtype):
     perm = (torch.randperm(pages, generator=gen) + 1).to(torch.int32)
     table, used = torch.zeros(len(lens), width, dtype=torch.int32), 0
     for b, n in enumerate(lens):
-        table[b, : -(-n // page)] = perm[used: used + -(-n // page)]
+        table[b, : -(-n // page)] = perm[used : used + -(-n // page)]
         used += -(-n // page)
     return kc, vc, table
 
@@ -129,7 +141,9 @@ def test_paged_decode_attention(ops, isa, kv_dtype):
 
     def run():
         out = torch.empty_like(q)
-        ops.paged_decode_attention(out, q, kc, vc, table, torch.tensor(lens, dtype=torch.int32), 0.125, 0)
+        ops.paged_decode_attention(
+            out, q, kc, vc, table, torch.tensor(lens, dtype=torch.int32), 0.125, 0
+        )
         return [out]
 
     assert_same(at_1_and_2_threads(run))
@@ -144,8 +158,17 @@ def test_flash_attention(ops, flash_isa):
 
     def run():
         out = torch.empty_like(q)
-        ops.paged_attention_bf16(out, q, kc, vc, table, torch.tensor(lens, dtype=torch.int32), starts,
-                                 1 / math.sqrt(64), 0)
+        ops.paged_attention_bf16(
+            out,
+            q,
+            kc,
+            vc,
+            table,
+            torch.tensor(lens, dtype=torch.int32),
+            starts,
+            1 / math.sqrt(64),
+            0,
+        )
         return [out]
 
     assert_same(at_1_and_2_threads(run))
@@ -179,8 +202,12 @@ def test_fused_moe(ops, quantization):
         pytest.skip("this CPU has no AVX512-VNNI")
     gen = torch.Generator().manual_seed(4)
     E, H, inter, T, K = 6, 128, 96, 200, 2
-    experts = PackedExperts(torch.randn(E, 2 * inter, H, generator=gen) * 0.1,
-                            torch.randn(E, H, inter, generator=gen) * 0.1, ops=ops, quantization=quantization)
+    experts = PackedExperts(
+        torch.randn(E, 2 * inter, H, generator=gen) * 0.1,
+        torch.randn(E, H, inter, generator=gen) * 0.1,
+        ops=ops,
+        quantization=quantization,
+    )
     x = torch.randn(T, H, generator=gen).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(torch.int32)
     weights = torch.rand(T, K, generator=gen)

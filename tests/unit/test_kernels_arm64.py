@@ -21,11 +21,22 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_kernels_pass_their_tests_on_emulated_arm_cpus():
-    proc = subprocess.run([sys.executable, str(REPO / "scripts/arm64_kernels.py"), "--quick"], cwd=REPO,
-                          capture_output=True, text=True, errors="replace")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts/arm64_kernels.py"), "--quick"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        errors="replace",
+    )
     out = proc.stdout.splitlines()
     # the setup step that failed (stderr), each model's failures and error lines, the summary
-    why = [ln for ln in proc.stderr.splitlines() + out if re.match(r"(arm64: FAILED|\[[\w-]+\] (FAILED|ERROR|E) )", ln)]
-    summary = out[next((i for i, ln in enumerate(out) if ln.startswith("arm64 summary")), len(out)):]
+    why = [
+        ln
+        for ln in proc.stderr.splitlines() + out
+        if re.match(r"(arm64: FAILED|\[[\w-]+\] (FAILED|ERROR|E) )", ln)
+    ]
+    summary = out[
+        next((i for i, ln in enumerate(out) if ln.startswith("arm64 summary")), len(out)) :
+    ]
     rc = proc.returncode
     assert rc == 0, "\n".join([f"scripts/arm64_kernels.py --quick exited {rc}:", *why, *summary])

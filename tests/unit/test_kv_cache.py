@@ -15,11 +15,15 @@ from pdserve.kv_spec import FullAttention, SlidingWindow, group_layers
 WINDOW = 8
 
 
-def manager(page_size: int, full_pages: int = 64, swa_pages: int = 64, disable: bool = False) -> KVCacheManager:
+def manager(
+    page_size: int, full_pages: int = 64, swa_pages: int = 64, disable: bool = False
+) -> KVCacheManager:
     specs = [FullAttention(2, 4), SlidingWindow(2, 4, WINDOW), SlidingWindow(2, 4, WINDOW)]
     groups = group_layers(specs)
-    pools = [KVPool(len(g.layers), n, page_size, 2, 4, torch.float32, "cpu")
-             for g, n in zip(groups, (full_pages, swa_pages))]
+    pools = [
+        KVPool(len(g.layers), n, page_size, 2, 4, torch.float32, "cpu")
+        for g, n in zip(groups, (full_pages, swa_pages))
+    ]
     return KVCacheManager(groups, pools, page_size, disable_radix_cache=disable)
 
 
@@ -125,13 +129,29 @@ def test_decode_server_admits_the_predicted_number_of_long_requests():
     from tests.helpers.checkpoints import build_tiny_checkpoint
 
     def admitted(max_total_tokens: int, **kw) -> tuple[int, list]:
-        args = ServerArgs(model_path=build_tiny_checkpoint("gemma3"), max_total_tokens=max_total_tokens, page_size=4,
-                          chunked_prefill_size=128, torch_num_threads=1, disaggregation_mode="decode",
-                          disaggregation_transfer_backend="fake", dtype="float32", **kw)
+        args = ServerArgs(
+            model_path=build_tiny_checkpoint("gemma3"),
+            max_total_tokens=max_total_tokens,
+            page_size=4,
+            chunked_prefill_size=128,
+            torch_num_threads=1,
+            disaggregation_mode="decode",
+            disaggregation_transfer_backend="fake",
+            dtype="float32",
+            **kw,
+        )
         s = attach_disaggregation(args)
         for i in range(20):
-            s.add_request(Req(f"r{i}", [100 + i] * 90, SamplingParams(max_new_tokens=4), bootstrap_host="127.0.0.1",
-                              bootstrap_port=1, bootstrap_room=i))
+            s.add_request(
+                Req(
+                    f"r{i}",
+                    [100 + i] * 90,
+                    SamplingParams(max_new_tokens=4),
+                    bootstrap_host="127.0.0.1",
+                    bootstrap_port=1,
+                    bootstrap_room=i,
+                )
+            )
         s.pd._process_prealloc()
         held = [s.kv.held(r) for r in s.pd.transfer]
         return len(s.pd.transfer), held

@@ -10,7 +10,13 @@ import types
 import msgspec
 import pytest
 
-from pdserve.kv_events import BlockRemoved, BlockStored, KVEventBatch, KVEventPublisher, chain_hashes
+from pdserve.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventPublisher,
+    chain_hashes,
+)
 from pdserve.router.kv_index import KVIndex, PromptBlocks
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import make_policy
@@ -31,18 +37,25 @@ class FakeServer:
         self.start()
 
     def start(self) -> None:
-        self.pub = KVEventPublisher(f"tcp://127.0.0.1:{self.port}",
-                                    f"tcp://127.0.0.1:{self.replay_port}" if self.replay else None)
+        self.pub = KVEventPublisher(
+            f"tcp://127.0.0.1:{self.port}",
+            f"tcp://127.0.0.1:{self.replay_port}" if self.replay else None,
+        )
 
     def info(self) -> dict:
-        return {"kv_events_endpoint": f"tcp://*:{self.port}", "dp_size": 1,
-                "kv_events_replay_endpoint": f"tcp://*:{self.replay_port}" if self.replay else None}
+        return {
+            "kv_events_endpoint": f"tcp://*:{self.port}",
+            "dp_size": 1,
+            "kv_events_replay_endpoint": f"tcp://*:{self.replay_port}" if self.replay else None,
+        }
 
     def store(self, tokens: list[int], parent=None, publish: bool = True) -> list[int]:
         hashes = chain_hashes(parent, tokens, PAGE)
         for i, h in enumerate(hashes):
-            self.blocks[h] = (hashes[i - 1] if i else parent, tokens[i * PAGE:(i + 1) * PAGE])
-        event = BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=PAGE)
+            self.blocks[h] = (hashes[i - 1] if i else parent, tokens[i * PAGE : (i + 1) * PAGE])
+        event = BlockStored(
+            block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=PAGE
+        )
         if publish:
             self.pub.publish([event])
         else:  # lost on the way: counted and buffered for replay, never sent
@@ -63,8 +76,14 @@ class FakeServer:
 
     async def snapshot(self, worker) -> dict:
         self.snapshots += 1
-        events = [{"block_hashes": [h], "parent_block_hash": p, "token_ids": t} for h, (p, t) in self.blocks.items()]
-        return {"block_size": PAGE, "groups": [{"dp_rank": 0, "seq": self.pub.seq - 1, "events": events}]}
+        events = [
+            {"block_hashes": [h], "parent_block_hash": p, "token_ids": t}
+            for h, (p, t) in self.blocks.items()
+        ]
+        return {
+            "block_size": PAGE,
+            "groups": [{"dp_rank": 0, "seq": self.pub.seq - 1, "events": events}],
+        }
 
 
 def metrics() -> RouterMetrics:
@@ -108,7 +127,9 @@ def test_in_order_batches_then_a_gap_filled_by_replay():
         server.store(list(range(40, 44)))  # its arrival shows the gap
         await until(lambda: matched(index, w, list(range(40, 44))) == 4)
         assert matched(index, w, list(range(30, 34))) == 4  # replayed
-        assert count(m, "pdserve_router_kv_index_resyncs_total", worker=w.url, reason="replayed") == 1
+        assert (
+            count(m, "pdserve_router_kv_index_resyncs_total", worker=w.url, reason="replayed") == 1
+        )
         server.remove(a[1:])
         await until(lambda: matched(index, w, list(range(10, 22))) == 4)
         assert server.snapshots == 1
@@ -124,16 +145,23 @@ def test_gap_without_replay_and_restart_rebuild_from_snapshot():
         index, w = await follow(server, m)
         server.store([5, 6, 7, 8], publish=False)
         server.store([9, 10, 11, 12])
-        await until(lambda: matched(index, w, [5, 6, 7, 8]) == 4 and matched(index, w, [9, 10, 11, 12]) == 4)
+        await until(
+            lambda: matched(index, w, [5, 6, 7, 8]) == 4 and matched(index, w, [9, 10, 11, 12]) == 4
+        )
         assert count(m, "pdserve_router_kv_index_resyncs_total", worker=w.url, reason="gap") == 1
         # the server restarts on the same port with an empty cache and seq from 0
         server.pub.close()
-        await until(lambda: not index.known(w))  # the index is dropped on disconnect, not left stale
+        await until(
+            lambda: not index.known(w)
+        )  # the index is dropped on disconnect, not left stale
         server.blocks.clear()
         server.start()
         await until(lambda: index.known(w))
         assert matched(index, w, [5, 6, 7, 8]) == 0
-        assert count(m, "pdserve_router_kv_index_resyncs_total", worker=w.url, reason="reconnected") == 1
+        assert (
+            count(m, "pdserve_router_kv_index_resyncs_total", worker=w.url, reason="reconnected")
+            == 1
+        )
         await asyncio.sleep(0.2)
         server.store([13, 14, 15, 16])
         await until(lambda: matched(index, w, [13, 14, 15, 16]) == 4)
@@ -149,16 +177,41 @@ def test_bad_batches_are_rejected_counted_and_the_index_rebuilt():
         index, w = await follow(server, m)
         server.store([1, 2, 3, 4])
         server.send_raw(b"\xc1 not msgpack")
-        await until(lambda: count(m, "pdserve_router_kv_events_rejected_total", worker=w.url, reason="undecodable"))
-        forged = BlockStored(block_hashes=[123], parent_block_hash=None, token_ids=[7, 7, 7, 7], block_size=PAGE)
+        await until(
+            lambda: count(
+                m, "pdserve_router_kv_events_rejected_total", worker=w.url, reason="undecodable"
+            )
+        )
+        forged = BlockStored(
+            block_hashes=[123], parent_block_hash=None, token_ids=[7, 7, 7, 7], block_size=PAGE
+        )
         server.send_raw(msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=[forged])))
-        await until(lambda: count(m, "pdserve_router_kv_events_rejected_total", worker=w.url, reason="hash_chain"))
-        wrong_size = BlockStored(block_hashes=chain_hashes(None, [1, 2], 2), parent_block_hash=None,
-                                 token_ids=[1, 2], block_size=2)
+        await until(
+            lambda: count(
+                m, "pdserve_router_kv_events_rejected_total", worker=w.url, reason="hash_chain"
+            )
+        )
+        wrong_size = BlockStored(
+            block_hashes=chain_hashes(None, [1, 2], 2),
+            parent_block_hash=None,
+            token_ids=[1, 2],
+            block_size=2,
+        )
         server.send_raw(msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=[wrong_size])))
-        await until(lambda: count(m, "pdserve_router_kv_events_rejected_total", worker=w.url, reason="block_size"))
-        await until(lambda: index.known(w) and count(m, "pdserve_router_kv_index_resyncs_total", worker=w.url,
-                                                     reason="bad_event") >= 3)
+        await until(
+            lambda: count(
+                m, "pdserve_router_kv_events_rejected_total", worker=w.url, reason="block_size"
+            )
+        )
+        await until(
+            lambda: (
+                index.known(w)
+                and count(
+                    m, "pdserve_router_kv_index_resyncs_total", worker=w.url, reason="bad_event"
+                )
+                >= 3
+            )
+        )
         assert 123 not in index.feeds[w.url][0].hashes
         assert matched(index, w, [1, 2, 3, 4]) == 4  # the truth, from the snapshot
         server.store([5, 6, 7, 8], parent=chain_hashes(None, [1, 2, 3, 4], PAGE)[-1])
@@ -213,7 +266,12 @@ def test_cache_aware_picks_the_dp_group_holding_the_prefix_unless_it_is_loaded()
     prompt = PromptBlocks(list(range(100)))
     policy = make_policy("cache_aware", _GroupIndex({0: 0, 1: 0, 2: 96, 3: 0}), balance=1.0)
     assert all(policy.choose_group(w, prompt) == 2 for _ in range(5))
-    w.group_loads = [(0, 0), (0, 0), (4, 500), (0, 0)]  # the holder is busy: the least loaded instead
+    w.group_loads = [
+        (0, 0),
+        (0, 0),
+        (4, 500),
+        (0, 0),
+    ]  # the holder is busy: the least loaded instead
     assert policy.choose_group(w, prompt) in (0, 1, 3)
     nothing = make_policy("cache_aware", _GroupIndex({0: 0, 1: 0, 2: 0, 3: 0}))
     w.group_loads = [(3, 0), (1, 0), (2, 0), (5, 0)]

@@ -17,10 +17,13 @@ def test_a_file_that_starts_where_another_ends_is_its_own():
     w = Window.__new__(Window)  # the translation alone, over spans laid out back to back
     w.spans = [(0x1000, 0x9000, 0x100), (0x1100, 0x5000, 0x40)]
     assert w.translate(0x1100) == 0x5000  # the second file's first byte, not the first's end
-    assert w.translate(0x10ff) == 0x90ff
+    assert w.translate(0x10FF) == 0x90FF
     assert w.translate(0x1000) == 0x9000
     assert w.translate(0x1140) == 0x5040  # one past the last file's end still has its window
-    assert w.regions([(0x1000, 0x100), (0x1100, 0x40), (0x1200, 0)]) == [(0x9000, 0x100), (0x5000, 0x40)]
+    assert w.regions([(0x1000, 0x100), (0x1100, 0x40), (0x1200, 0)]) == [
+        (0x9000, 0x100),
+        (0x5000, 0x40),
+    ]
 
 
 def test_bytes_written_through_the_window_land_in_each_buffer():

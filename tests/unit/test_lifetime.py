@@ -34,8 +34,12 @@ CHILD = textwrap.dedent("""
 
 @pytest.mark.parametrize("no_prctl", [False, True], ids=["prctl", "watch"])
 def test_child_ends_when_its_parent_is_killed(no_prctl):
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD.format(no_prctl=no_prctl)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, CHILD.format(no_prctl=no_prctl)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     child = int(parent.stdout.readline())
     try:
         # the child is armed once it said how
@@ -53,8 +57,10 @@ def test_child_ends_when_its_parent_is_killed(no_prctl):
 
 def test_child_whose_parent_died_before_arming_ends_at_once():
     # the pid given is not this child's parent: as if the parent had died during start-up
-    code = ("import os, time; from pdserve import lifetime; lifetime.end_with_parent(os.getppid() + 1); "
-            "time.sleep(60)")
+    code = (
+        "import os, time; from pdserve import lifetime; lifetime.end_with_parent(os.getppid() + 1); "
+        "time.sleep(60)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], timeout=30)
     assert proc.returncode == -signal.SIGTERM
 
@@ -71,8 +77,12 @@ def test_stop_handlers_replace_an_inherited_sigint_ignore():
         except KeyboardInterrupt as e:
             print("interrupted by", e, flush=True)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     assert proc.stdout.readline().strip() == "armed"
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=30)

@@ -22,7 +22,10 @@ torch.set_num_threads(1)
 
 VARIANTS = {
     "llama": ("llama", {}),  # llama3 RoPE scaling
-    "llama-mqa-tied": ("llama", LLAMA_MQA_TIED),  # 1 KV head, tied embeddings, biases, head_dim override
+    "llama-mqa-tied": (
+        "llama",
+        LLAMA_MQA_TIED,
+    ),  # 1 KV head, tied embeddings, biases, head_dim override
     "qwen2": ("qwen2", {}),
     "qwen2-sliding": ("qwen2", QWEN2_SLIDING),  # window on layer 1 only
     "qwen3": ("qwen3", {}),
@@ -45,7 +48,9 @@ def case(request):
     model, _ = load_model(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
-        ref = {s: hf(torch.tensor([tokens(s, PROMPT_LEN + DECODE_STEPS)])).logits[0] for s in (1, 2)}
+        ref = {
+            s: hf(torch.tensor([tokens(s, PROMPT_LEN + DECODE_STEPS)])).logits[0] for s in (1, 2)
+        }
     return model, ref
 
 
@@ -152,10 +157,16 @@ def test_transformers4_rope_fields_give_same_logits(tmp_path):
 
 
 def test_rope_parameters_normalises_both_styles():
-    llama3 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=1024)
+    llama3 = dict(
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=1024
+    )
     v5 = SimpleNamespace(rope_parameters=dict(rope_type="llama3", rope_theta=5e5, **llama3))
     v4 = SimpleNamespace(rope_theta=5e5, rope_scaling=dict(type="llama3", **llama3))
-    assert rope_parameters(v5) == rope_parameters(v4) == dict(rope_type="llama3", rope_theta=5e5, **llama3)
+    assert (
+        rope_parameters(v5)
+        == rope_parameters(v4)
+        == dict(rope_type="llama3", rope_theta=5e5, **llama3)
+    )
     assert rope_parameters({"rope_theta": 1e4}) == {"rope_type": "default", "rope_theta": 1e4}
     assert rope_parameters({}) == {"rope_type": "default", "rope_theta": 10000.0}
     with pytest.raises(ValueError, match="yarn"):
@@ -181,15 +192,25 @@ def test_rotary_table_grows_and_keeps_values():
 
 
 def test_unknown_architecture_lists_supported(tmp_path):
-    bad = rewrite_config(build_tiny_checkpoint("llama"), str(tmp_path / "bad"),
-                         lambda cfg: cfg.update(architectures=["FooForCausalLM"]))
+    bad = rewrite_config(
+        build_tiny_checkpoint("llama"),
+        str(tmp_path / "bad"),
+        lambda cfg: cfg.update(architectures=["FooForCausalLM"]),
+    )
     with pytest.raises(ValueError, match="FooForCausalLM") as err:
         load_model(bad)
     for arch in supported_architectures():
         assert arch in str(err.value)
-    assert set(supported_architectures()) >= {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                                              "MistralForCausalLM"}
-    assert model_class(SimpleNamespace(architectures=["Qwen3ForCausalLM"])).__name__ == "Qwen3ForCausalLM"
+    assert set(supported_architectures()) >= {
+        "LlamaForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "MistralForCausalLM",
+    }
+    assert (
+        model_class(SimpleNamespace(architectures=["Qwen3ForCausalLM"])).__name__
+        == "Qwen3ForCausalLM"
+    )
 
 
 def test_dummy_load_needs_no_weights(tmp_path):
@@ -224,17 +245,27 @@ def test_missing_and_unexpected_weights_are_named(tmp_path):
     with pytest.raises(ValueError, match=dropped.replace(".", r"\.")):
         load_model(variant("missing", {k: v for k, v in weights.items() if k != dropped}))
     with pytest.raises(ValueError, match="model.layers.0.extra.weight"):
-        load_model(variant("unexpected", {**weights, "model.layers.0.extra.weight": torch.zeros(2)}))
+        load_model(
+            variant("unexpected", {**weights, "model.layers.0.extra.weight": torch.zeros(2)})
+        )
 
 
 def test_model_attributes_dtype_and_fingerprint():
     path = build_tiny_checkpoint("llama", **LLAMA_MQA_TIED)
     model, cfg = load_model(path)
-    assert (model.num_layers, model.num_heads, model.num_kv_heads, model.head_dim, model.vocab_size) == (2, 4, 1, 32, 49152)
+    assert (
+        model.num_layers,
+        model.num_heads,
+        model.num_kv_heads,
+        model.head_dim,
+        model.vocab_size,
+    ) == (2, 4, 1, 32, 49152)
     assert next(model.parameters()).dtype == torch.float32  # "auto" = the checkpoint's
     bf16, _ = load_model(path, dtype="bfloat16")
     assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
     assert context_length(cfg) == 4096
     fp = model_fingerprint(cfg)
-    assert fp == model_fingerprint(load_model(path, dtype="bfloat16")[1]) and len(fp) == 16  # dtype is not in it
+    assert (
+        fp == model_fingerprint(load_model(path, dtype="bfloat16")[1]) and len(fp) == 16
+    )  # dtype is not in it
     assert fp != model_fingerprint(load_model(build_tiny_checkpoint("llama"))[1])

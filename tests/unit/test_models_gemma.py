@@ -57,7 +57,9 @@ def case(request) -> Case:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompt = tokens(1, PROMPT_LEN)
     ids = torch.tensor([prompt])
-    gen = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    gen = GenerationConfig(
+        max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
         ref = hf(out).logits[0]
@@ -92,8 +94,8 @@ def test_chunked_prefill_across_window(case, page_size, chunk):
     """Chunks that start inside, at and across window and page boundaries."""
     runner = PagedRunner(case.model, page_size)
     for start in range(0, PROMPT_LEN, chunk):
-        out = runner.extend({1: case.prompt[start:start + chunk]})[1]
-        check(out, case.ref[start:min(start + chunk, PROMPT_LEN)])
+        out = runner.extend({1: case.prompt[start : start + chunk]})[1]
+        check(out, case.ref[start : min(start + chunk, PROMPT_LEN)])
     greedy_past_window(runner, case, out[-1])
 
 
@@ -107,11 +109,13 @@ def test_mixed_batches(case, page_size):
     check(out[2], case.ref2[:9])
     pos_b = 9
     for step in range(6):  # b goes 9 -> 45 in chunks of 6 while a decodes
-        out = runner.extend({2: b[pos_b:pos_b + 6], 1: [a[PROMPT_LEN + step]]})
+        out = runner.extend({2: b[pos_b : pos_b + 6], 1: [a[PROMPT_LEN + step]]})
         check(out[1][0], case.ref[PROMPT_LEN + step])
-        check(out[2], case.ref2[pos_b:pos_b + 6])
+        check(out[2], case.ref2[pos_b : pos_b + 6])
         pos_b += 6
-    out = runner.extend({1: [a[PROMPT_LEN + 6]], 2: b[pos_b:]})  # b's rest and its first decode input
+    out = runner.extend(
+        {1: [a[PROMPT_LEN + 6]], 2: b[pos_b:]}
+    )  # b's rest and its first decode input
     check(out[1][0], case.ref[PROMPT_LEN + 6])
     check(out[2], case.ref2[pos_b:])
 
@@ -134,9 +138,16 @@ def test_cache_specs_groups_and_interface(case):
         (full, tuple(i for i, s in enumerate(expected) if s == full)),
     ]
     assert [a.layer_id for a in m.attention_layers()] == list(range(cfg.num_hidden_layers))
-    assert {a.scale for a in m.attention_layers()} == {24 ** -0.5}  # query_pre_attn_scalar, not head_dim
+    assert {a.scale for a in m.attention_layers()} == {
+        24**-0.5
+    }  # query_pre_attn_scalar, not head_dim
     assert isinstance(m, CausalLM)
-    assert (m.first_layer, m.total_layers, m.total_kv_heads, m.num_attention_heads) == (0, cfg.num_hidden_layers, kv, 4)
+    assert (m.first_layer, m.total_layers, m.total_kv_heads, m.num_attention_heads) == (
+        0,
+        cfg.num_hidden_layers,
+        kv,
+        4,
+    )
     assert m.lm_head is None  # tied
     assert m.enable_decode_stack(None) is False
 
@@ -147,7 +158,9 @@ def test_cpu_attention_backend_refuses_gemma2_softcap():
     gemma2 = load_model(build_tiny_checkpoint("gemma2"))[0]
     with pytest.raises(ValueError, match="soft-capping"):
         backend.check_supported(kinds, gemma2.attention_layers(), "Gemma2ForCausalLM")
-    backend.check_supported(kinds, load_model(build_tiny_checkpoint("gemma3"))[0].attention_layers(), "Gemma3")
+    backend.check_supported(
+        kinds, load_model(build_tiny_checkpoint("gemma3"))[0].attention_layers(), "Gemma3"
+    )
 
 
 def logits_of(model, n: int = 40) -> torch.Tensor:
@@ -188,7 +201,11 @@ def test_gemma3_rope_per_layer_type_changes_logits():
     one_rope = load_model(path)[0]
     rotaries = one_rope.model.rotaries
     assert rotaries["sliding_attention"].params == {"rope_type": "default", "rope_theta": 10000.0}
-    assert rotaries["full_attention"].params == {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}
+    assert rotaries["full_attention"].params == {
+        "rope_type": "linear",
+        "rope_theta": 1e6,
+        "factor": 8.0,
+    }
     rotaries["full_attention"] = rotaries["sliding_attention"]
     assert (logits_of(one_rope, 60) - base).abs().max() > 1e-3
 
@@ -231,8 +248,11 @@ def test_two_tensor_parallel_ranks_match_hf(variant):
     assert [m.num_heads for m in ranks] == [2, 2]
     prompt = tokens(1, PROMPT_LEN)
     with torch.no_grad():
-        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(
-            torch.tensor([prompt])).logits[0]
+        ref = (
+            AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            .eval()(torch.tensor([prompt]))
+            .logits[0]
+        )
     results: dict[int, Any] = {}
 
     def run(rank: int) -> None:
@@ -271,22 +291,32 @@ def test_cpu_kernels_float32_match_hf(case):
 
 
 def test_architectures_registered(tmp_path):
-    bad = rewrite_config(build_tiny_checkpoint("gemma3"), str(tmp_path / "bad"),
-                         lambda cfg: cfg.update(architectures=["Gemma3ForConditionalGeneration"]))
+    bad = rewrite_config(
+        build_tiny_checkpoint("gemma3"),
+        str(tmp_path / "bad"),
+        lambda cfg: cfg.update(architectures=["Gemma3ForConditionalGeneration"]),
+    )
     with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration") as err:
         load_model(bad)
     assert "Gemma2ForCausalLM" in str(err.value) and "Gemma3ForCausalLM" in str(err.value)
     assert {"Gemma2ForCausalLM", "Gemma3ForCausalLM"} <= set(supported_architectures())
     text = transformers.Gemma3TextConfig(num_hidden_layers=2, architectures=["Gemma3ForCausalLM"])
     assert model_class(text).__name__ == "Gemma3ForCausalLM"
-    assert model_class(SimpleNamespace(architectures=["Gemma2ForCausalLM"])).__name__ == "Gemma2ForCausalLM"
+    assert (
+        model_class(SimpleNamespace(architectures=["Gemma2ForCausalLM"])).__name__
+        == "Gemma2ForCausalLM"
+    )
 
 
 def test_unsupported_config_fields_are_named(tmp_path):
     src = build_tiny_checkpoint("gemma3")
-    bidi = rewrite_config(src, str(tmp_path / "bidi"), lambda cfg: cfg.update(use_bidirectional_attention=True))
+    bidi = rewrite_config(
+        src, str(tmp_path / "bidi"), lambda cfg: cfg.update(use_bidirectional_attention=True)
+    )
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         load_model(bidi)
-    act = rewrite_config(src, str(tmp_path / "act"), lambda cfg: cfg.update(hidden_activation="relu"))
+    act = rewrite_config(
+        src, str(tmp_path / "act"), lambda cfg: cfg.update(hidden_activation="relu")
+    )
     with pytest.raises(ValueError, match="hidden_activation"):
         load_model(act)

@@ -14,7 +14,6 @@ bounds hold; its own error against the bf16 result is checked separately (under 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,13 +32,13 @@ def ops():
     return mod
 
 
-
-
 def bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).float()
 
 
-def act_ref(gu: torch.Tensor, inter: int, activation: str, alpha: float, limit: float) -> torch.Tensor:
+def act_ref(
+    gu: torch.Tensor, inter: int, activation: str, alpha: float, limit: float
+) -> torch.Tensor:
     """float32 activation of bf16 values, rounded to bf16 once."""
     gate, up = gu[:, :inter], gu[:, inter:]
     if activation == "silu":
@@ -63,7 +62,9 @@ def quant_channels(w: torch.Tensor) -> torch.Tensor:
     return torch.round(w / scale).clamp(-127, 127) * scale
 
 
-def reference(x, w13, w2, b13, b2, ids, weights, activation, alpha=1.702, limit=7.0, int8=False) -> torch.Tensor:
+def reference(
+    x, w13, w2, b13, b2, ids, weights, activation, alpha=1.702, limit=7.0, int8=False
+) -> torch.Tensor:
     """out[t] += weights[t, k] * y over slots k in order, per expert e = ids[t, k] >= 0."""
     T, K = ids.shape
     inter = w2.shape[2]
@@ -87,8 +88,8 @@ def reference(x, w13, w2, b13, b2, ids, weights, activation, alpha=1.702, limit=
 
 def make_layer(E: int, H: int, inter: int, bias: bool, seed: int):
     gen = torch.Generator().manual_seed(seed)
-    w13 = (torch.randn(E, 2 * inter, H, generator=gen) / H ** 0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, inter, generator=gen) / inter ** 0.5).to(torch.bfloat16)
+    w13 = (torch.randn(E, 2 * inter, H, generator=gen) / H**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, inter, generator=gen) / inter**0.5).to(torch.bfloat16)
     b13 = (0.5 * torch.randn(E, 2 * inter, generator=gen)).to(torch.bfloat16) if bias else None
     b2 = (0.5 * torch.randn(E, H, generator=gen)).to(torch.bfloat16) if bias else None
     return w13, w2, b13, b2
@@ -106,7 +107,9 @@ def make_routing(T: int, K: int, E: int, seed: int, unused=(), drop: float = 0.2
     return ids, weights
 
 
-def assert_close_to(out: torch.Tensor, ref: torch.Tensor, max_rel: float = 4e-3, mean_rel: float = 1e-4):
+def assert_close_to(
+    out: torch.Tensor, ref: torch.Tensor, max_rel: float = 4e-3, mean_rel: float = 1e-4
+):
     scale = ref.abs().max().item()
     err = (out - ref).abs()
     assert (err == 0).float().mean().item() >= 0.95, (err == 0).float().mean().item()
@@ -125,7 +128,9 @@ CASES = [  # T, K, E, H, I, activation, bias
 
 @pytest.mark.parametrize("quantization", [None, "w8a8_int8"])
 @pytest.mark.parametrize("T,K,E,H,inter,activation,bias", CASES)
-def test_fused_experts_match_the_reference(ops, isa, quantization, T, K, E, H, inter, activation, bias):
+def test_fused_experts_match_the_reference(
+    ops, isa, quantization, T, K, E, H, inter, activation, bias
+):
     seed = T * 100 + K * 10 + E
     w13, w2, b13, b2 = make_layer(E, H, inter, bias, seed)
     ids, weights = make_routing(T, K, E, seed, unused=(1,))

@@ -18,8 +18,9 @@ torch.set_num_threads(1)
 
 
 def qwen3_config(**kw):
-    return transformers.Qwen3MoeConfig(hidden_size=32, num_experts=8, num_experts_per_tok=3,
-                                       moe_intermediate_size=16, **kw)
+    return transformers.Qwen3MoeConfig(
+        hidden_size=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, **kw
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -36,7 +37,11 @@ def test_qwen3_router_matches_hf(dtype, renorm):
     x = torch.randn(11, 32).to(dtype)
     _, w, ids = hf(x)
     r = ours(x)
-    assert torch.equal(r.ids, ids) and r.weights.dtype == w.dtype == dtype and torch.equal(r.weights, w)
+    assert (
+        torch.equal(r.ids, ids)
+        and r.weights.dtype == w.dtype == dtype
+        and torch.equal(r.weights, w)
+    )
 
 
 def test_mixtral_router_keeps_float32_weights():
@@ -72,7 +77,9 @@ def test_gpt_oss_router_matches_hf():
     assert torch.equal(r.ids, ids) and torch.allclose(r.weights, w, atol=0, rtol=0)
 
 
-def random_experts(activation: str, bias: bool, runner: str, slots=(0, 1, 2, 3), hidden=32, inter=16):
+def random_experts(
+    activation: str, bias: bool, runner: str, slots=(0, 1, 2, 3), hidden=32, inter=16
+):
     torch.manual_seed(3)
     e = Experts(hidden, (0, inter), list(slots), activation=activation, bias=bias, runner=runner)
     for p in e.parameters():
@@ -104,7 +111,9 @@ def test_gpt_oss_experts_match_hf_after_deinterleaving():
     hf = GptOssExperts(cfg)
     for p in hf.parameters():
         p.data.normal_(0, 0.3)
-    ours = Experts(32, (0, 16), [0, 1, 2, 3], activation="swiglu_oai", bias=True, fmt="gpt_oss", runner="loop")
+    ours = Experts(
+        32, (0, 16), [0, 1, 2, 3], activation="swiglu_oai", bias=True, fmt="gpt_oss", runner="loop"
+    )
     for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
         ours.load_checkpoint(name, getattr(hf, name).data)
     x = torch.randn(10, 32)
@@ -134,7 +143,12 @@ def test_copies_of_an_expert_share_its_tokens():
     ids = torch.tensor([[0, 2], [0, 3], [1, 0], [0, 1]])
     slots = to_physical(ids, table, counts)
     assert [p.physical_to_logical[0][s] for s in slots.flatten().tolist()] == ids.flatten().tolist()
-    assert slots[:, 0].tolist() == [0, 3, 1, 3]  # the j-th pair routed to an expert takes copy j % 2
+    assert slots[:, 0].tolist() == [
+        0,
+        3,
+        1,
+        3,
+    ]  # the j-th pair routed to an expert takes copy j % 2
     assert p.rank_slots(0, 1) == [0, 3, 1]
 
 
@@ -160,11 +174,22 @@ def test_layout_checks_name_the_flags_and_values():
 def test_server_flags_are_checked(tmp_path):
     from pdserve.config import ServerArgs
 
-    cases = [(dict(tp_size=2, ep_size=4), "ep_size: must divide --tp-size \\(2\\), got 4"),
-             (dict(moe_a2a_backend="torch"), "needs expert parallelism \\(--ep-size > 1\\), got --ep-size 1"),
-             (dict(tp_size=4, ep_size=2, moe_a2a_backend="torch"), "needs --ep-size equal to --tp-size \\(4\\)"),
-             (dict(moe_dense_tp_size=2), "moe_dense_tp_size: must be 1"),
-             (dict(init_expert_location=str(tmp_path / "nope.json")), "init_expert_location: .*no such file")]
+    cases = [
+        (dict(tp_size=2, ep_size=4), "ep_size: must divide --tp-size \\(2\\), got 4"),
+        (
+            dict(moe_a2a_backend="torch"),
+            "needs expert parallelism \\(--ep-size > 1\\), got --ep-size 1",
+        ),
+        (
+            dict(tp_size=4, ep_size=2, moe_a2a_backend="torch"),
+            "needs --ep-size equal to --tp-size \\(4\\)",
+        ),
+        (dict(moe_dense_tp_size=2), "moe_dense_tp_size: must be 1"),
+        (
+            dict(init_expert_location=str(tmp_path / "nope.json")),
+            "init_expert_location: .*no such file",
+        ),
+    ]
     for kw, msg in cases:
         with pytest.raises(ValueError, match=msg):
             ServerArgs(model_path=str(tmp_path), **kw)

@@ -24,9 +24,21 @@ FAST_HEARTBEAT = dict(disaggregation_heartbeat_interval=0.2, disaggregation_hear
 
 
 def make(mode: str, backend: str, **kw):
-    kw = {"max_total_tokens": 4096, "disaggregation_waiting_timeout": 3, "disaggregation_bootstrap_timeout": 3, **kw}
-    args = ServerArgs(model_path=build_tiny_checkpoint("llama"), page_size=16, chunked_prefill_size=64,
-                      torch_num_threads=1, disaggregation_mode=mode, disaggregation_transfer_backend=backend, **kw)
+    kw = {
+        "max_total_tokens": 4096,
+        "disaggregation_waiting_timeout": 3,
+        "disaggregation_bootstrap_timeout": 3,
+        **kw,
+    }
+    args = ServerArgs(
+        model_path=build_tiny_checkpoint("llama"),
+        page_size=16,
+        chunked_prefill_size=64,
+        torch_num_threads=1,
+        disaggregation_mode=mode,
+        disaggregation_transfer_backend=backend,
+        **kw,
+    )
     return attach_disaggregation(args)
 
 
@@ -54,8 +66,13 @@ def idle(*schedulers) -> None:
 class Pair:
     def __init__(self, prefill_kw=None, decode_kw=None):
         self.bport = free_port()
-        self.P = make("prefill", "local", disaggregation_bootstrap_port=self.bport, **FAST_HEARTBEAT,
-                      **(prefill_kw or {}))
+        self.P = make(
+            "prefill",
+            "local",
+            disaggregation_bootstrap_port=self.bport,
+            **FAST_HEARTBEAT,
+            **(prefill_kw or {}),
+        )
         self.D = make("decode", "local", **FAST_HEARTBEAT, **(decode_kw or {}))
         self.rng = random.Random(0)
 
@@ -63,7 +80,9 @@ class Pair:
         room = self.rng.randrange(2**63)
         ids = [self.rng.randrange(100, 40000) for _ in range(n_tokens)]
         rid = f"r{room}"
-        return req("p" + rid, ids, room, port=self.bport, **sp), req("d" + rid, ids, room, port=self.bport, **sp)
+        return req("p" + rid, ids, room, port=self.bport, **sp), req(
+            "d" + rid, ids, room, port=self.bport, **sp
+        )
 
     def close(self):
         for s in (self.P, self.D):
@@ -84,7 +103,9 @@ def test_prefill_side_abort_reaches_decode_at_once(pair):
     rp, rd = pair.requests(300)
     P.add_request(rp)
     D.add_request(rd)
-    step_until(lambda: rd in D.pd.transfer and rp.disagg.sender.poll() >= KVPoll.WaitingForInput, P, D)
+    step_until(
+        lambda: rd in D.pd.transfer and rp.disagg.sender.poll() >= KVPoll.WaitingForInput, P, D
+    )
     P.abort(rp.rid)
     took = step_until(lambda: rd.finished, D)
     assert rd.finish_reason.kind == FinishKind.ABORT and rd.finish_reason.status_code == 502
@@ -117,8 +138,13 @@ def test_decode_abort_stops_the_prefill_mid_prompt(pair):
 
 def test_dead_decode_fails_its_rooms_on_prefill():
     # a slow link keeps the rooms in transfer when the decode goes away
-    pair = Pair(prefill_kw=dict(disaggregation_fault_prob=1.0, disaggregation_fault_mode="delay_transfer",
-                                disaggregation_fault_delay=0.5))
+    pair = Pair(
+        prefill_kw=dict(
+            disaggregation_fault_prob=1.0,
+            disaggregation_fault_mode="delay_transfer",
+            disaggregation_fault_delay=0.5,
+        )
+    )
     try:
         P, D = pair.P, pair.D
         reqs = [pair.requests(400) for _ in range(4)]
@@ -132,7 +158,10 @@ def test_dead_decode_fails_its_rooms_on_prefill():
         took = time.monotonic() - t0
         for rp, _ in reqs:
             assert rp.finish_reason.kind == FinishKind.ABORT
-            assert "decode instance" in rp.finish_reason.message and "unreachable" in rp.finish_reason.message
+            assert (
+                "decode instance" in rp.finish_reason.message
+                and "unreachable" in rp.finish_reason.message
+            )
         assert took < 0.2 * 2 + 1.5
         idle(P)
         assert P.check_integrity()["kv_peer_sessions"] == 0
@@ -157,11 +186,15 @@ def test_dead_prefill_fails_rooms_and_a_restarted_one_is_picked_up():
         P.pd.mgr.close()
         P.pd.bootstrap_server.shutdown()
         took = step_until(lambda: lonely.finished, D, timeout=10)
-        assert f"prefill instance 127.0.0.1:{pair.bport} unreachable" in lonely.finish_reason.message
+        assert (
+            f"prefill instance 127.0.0.1:{pair.bport} unreachable" in lonely.finish_reason.message
+        )
         assert took < 0.2 * 2 + 1.5
         idle(D)
         # a new prefill on the same bootstrap port: decode looks it up again and re-registers
-        pair.P = P2 = make("prefill", "local", disaggregation_bootstrap_port=pair.bport, **FAST_HEARTBEAT)
+        pair.P = P2 = make(
+            "prefill", "local", disaggregation_bootstrap_port=pair.bport, **FAST_HEARTBEAT
+        )
         rp, rd = pair.requests(50)
         P2.add_request(rp)
         D.add_request(rd)
@@ -173,8 +206,14 @@ def test_dead_prefill_fails_rooms_and_a_restarted_one_is_picked_up():
 
 
 def test_decode_backpressure_fails_fast_and_frees_the_prefill():
-    pair = Pair(decode_kw=dict(max_total_tokens=512, num_reserved_decode_tokens=256,
-                               disaggregation_prealloc_timeout=0.5, disaggregation_max_prealloc_queue=2))
+    pair = Pair(
+        decode_kw=dict(
+            max_total_tokens=512,
+            num_reserved_decode_tokens=256,
+            disaggregation_prealloc_timeout=0.5,
+            disaggregation_max_prealloc_queue=2,
+        )
+    )
     try:
         P, D = pair.P, pair.D
         # one running decode keeps 256 tokens in reserve: a 300-token prompt cannot be preallocated
@@ -186,7 +225,10 @@ def test_decode_backpressure_fails_fast_and_frees_the_prefill():
         P.add_request(rp)
         D.add_request(rd)
         took = step_until(lambda: rd.finished and rp.finished, P, D, timeout=10)
-        assert rd.finish_reason.status_code == 503 and "decode is overloaded" in rd.finish_reason.message
+        assert (
+            rd.finish_reason.status_code == 503
+            and "decode is overloaded" in rd.finish_reason.message
+        )
         assert "aborted by decode: decode is overloaded" in rp.finish_reason.message
         assert rp.finish_reason.status_code == 502  # the peer's fault, as the router reads it
         assert took < 3  # not the 3 s bootstrap timeout of the prefill
@@ -203,16 +245,24 @@ def test_decode_backpressure_fails_fast_and_frees_the_prefill():
         pair.close()
 
 
-@pytest.mark.parametrize("mode, expect", [
-    ("fail_transfer", "injected fault: the backend reported a failed write"),
-    ("corrupt_aux_room", "the KV cannot be trusted"),
-    ("kill_transfer_thread", "prefill transfer worker died"),
-    ("drop_status", "timed out after"),
-    ("delay_transfer", None),
-])
+@pytest.mark.parametrize(
+    "mode, expect",
+    [
+        ("fail_transfer", "injected fault: the backend reported a failed write"),
+        ("corrupt_aux_room", "the KV cannot be trusted"),
+        ("kill_transfer_thread", "prefill transfer worker died"),
+        ("drop_status", "timed out after"),
+        ("delay_transfer", None),
+    ],
+)
 def test_injected_faults_end_the_request_with_a_reason(mode, expect):
-    pair = Pair(prefill_kw=dict(disaggregation_fault_prob=1.0, disaggregation_fault_mode=mode,
-                                disaggregation_fault_delay=0.3))
+    pair = Pair(
+        prefill_kw=dict(
+            disaggregation_fault_prob=1.0,
+            disaggregation_fault_mode=mode,
+            disaggregation_fault_delay=0.3,
+        )
+    )
     try:
         P, D = pair.P, pair.D
         reqs = [pair.requests(n) for n in (10, 100)]
@@ -224,12 +274,17 @@ def test_injected_faults_end_the_request_with_a_reason(mode, expect):
             if expect is None:
                 assert rd.finish_reason.kind == FinishKind.LENGTH and len(rd.output_ids) == 6
             else:
-                assert rd.finish_reason.kind == FinishKind.ABORT and expect in rd.finish_reason.message, \
-                    rd.finish_reason
+                assert (
+                    rd.finish_reason.kind == FinishKind.ABORT and expect in rd.finish_reason.message
+                ), rd.finish_reason
                 assert rd.output_ids == []  # no token from an untrusted or missing transfer
-                assert rd.finish_reason.status_code == 502  # its KV did not come: the prefill's fault
+                assert (
+                    rd.finish_reason.status_code == 502
+                )  # its KV did not come: the prefill's fault
                 if mode in ("fail_transfer", "kill_transfer_thread"):
-                    assert rp.finish_reason.status_code == 503 and expect in rp.finish_reason.message
+                    assert (
+                        rp.finish_reason.status_code == 503 and expect in rp.finish_reason.message
+                    )
         assert P.pd.mgr.faults.stats()["injected"][mode] == 2
         if mode == "kill_transfer_thread":
             assert P.pd.mgr.role.workers.restarts >= 1
@@ -248,7 +303,9 @@ def test_injected_faults_end_the_request_with_a_reason(mode, expect):
 @pytest.mark.parametrize("small", ["prefill", "decode"])
 def test_a_request_refused_by_one_side_ends_the_room_on_the_other(small):
     kw = dict(max_total_tokens=256)
-    pair = Pair(prefill_kw=kw if small == "prefill" else None, decode_kw=kw if small == "decode" else None)
+    pair = Pair(
+        prefill_kw=kw if small == "prefill" else None, decode_kw=kw if small == "decode" else None
+    )
     try:
         P, D = pair.P, pair.D
         rp, rd = pair.requests(400)  # more than the small side's whole KV pool
@@ -259,7 +316,9 @@ def test_a_request_refused_by_one_side_ends_the_room_on_the_other(small):
         # what the scheduler process does with a refused PD request
         refusing.pd.reject("127.0.0.1", pair.bport, refused.bootstrap_room, f"refused: {e.value}")
         took = step_until(lambda: waiting.finished, P, D, timeout=5)
-        assert f"{small} request refused: prompt" in waiting.finish_reason.message, waiting.finish_reason
+        assert f"{small} request refused: prompt" in waiting.finish_reason.message, (
+            waiting.finish_reason
+        )
         assert took < 2  # not the other side's 3 s timeout
         idle(P, D)
     finally:

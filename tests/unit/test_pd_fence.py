@@ -27,8 +27,14 @@ class MooncakePair(Pair):
         import random
 
         self.bport = free_port()
-        self.P = make("prefill", "mooncake", disaggregation_bootstrap_port=self.bport, host="127.0.0.1",
-                      **FAST_HEARTBEAT, **(prefill_kw or {}))
+        self.P = make(
+            "prefill",
+            "mooncake",
+            disaggregation_bootstrap_port=self.bport,
+            host="127.0.0.1",
+            **FAST_HEARTBEAT,
+            **(prefill_kw or {}),
+        )
         self.D = make("decode", "mooncake", host="127.0.0.1", **FAST_HEARTBEAT)
         self.rng = random.Random(0)
 
@@ -39,8 +45,13 @@ def role(s):
 
 def test_pages_of_a_dead_prefill_wait_for_the_fence():
     # a slow transfer keeps the rooms in flight when the prefill goes silent
-    pair = MooncakePair(prefill_kw=dict(disaggregation_fault_prob=1.0, disaggregation_fault_mode="delay_transfer",
-                                        disaggregation_fault_delay=1.0))
+    pair = MooncakePair(
+        prefill_kw=dict(
+            disaggregation_fault_prob=1.0,
+            disaggregation_fault_mode="delay_transfer",
+            disaggregation_fault_delay=1.0,
+        )
+    )
     P, D = pair.P, pair.D
     backend = D.pd.mgr.backend
     real_fence, refused = backend.fence_window, []
@@ -99,14 +110,19 @@ def test_failed_write_retires_the_connection_and_fences_it():
         P.add_request(bad_p)
         D.add_request(bad_d)
         step_until(lambda: bad_d.finished, P, D)
-        assert bad_d.finish_reason.kind == FinishKind.ABORT and "injected: connection reset" in \
-            bad_d.finish_reason.message
+        assert (
+            bad_d.finish_reason.kind == FinishKind.ABORT
+            and "injected: connection reset" in bad_d.finish_reason.message
+        )
         # a new room goes over a new connection (new window), the running request is unharmed
         new_p, new_d = pair.requests(50)
         P.add_request(new_p)
         D.add_request(new_d)
         step_until(lambda: new_d.finished and ok_d.finished, P, D)
-        assert new_d.finish_reason.kind == FinishKind.LENGTH and ok_d.finish_reason.kind == FinishKind.LENGTH
+        assert (
+            new_d.finish_reason.kind == FinishKind.LENGTH
+            and ok_d.finish_reason.kind == FinishKind.LENGTH
+        )
         idle(P, D)
         info = D.check_integrity()
         assert info["kv_fenced_windows"] == 1 and info["kv_retired_connections"] == 0, info

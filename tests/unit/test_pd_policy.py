@@ -18,16 +18,22 @@ class _Index:
 
 def pair(prefill_fit=(0.01, 1e-4), decode_fit=(0.01, 1e-4)):
     p, d = Worker("http://p:1", "prefill", 8998), Worker("http://d:1", "decode")
-    p.info = {"calibration": {"prefill_fixed_s": prefill_fit[0], "prefill_s_per_token": prefill_fit[1]}}
-    d.info = {"calibration": {"prefill_fixed_s": decode_fit[0], "prefill_s_per_token": decode_fit[1]},
-              "scheduler_info": {"kv_bytes_per_token": 100_000}}
+    p.info = {
+        "calibration": {"prefill_fixed_s": prefill_fit[0], "prefill_s_per_token": prefill_fit[1]}
+    }
+    d.info = {
+        "calibration": {"prefill_fixed_s": decode_fit[0], "prefill_s_per_token": decode_fit[1]},
+        "scheduler_info": {"kv_bytes_per_token": 100_000},
+    }
     for w in (p, d):
         w.polled_load, w.in_flight_at_poll = (0, 0), 0
     return p, d
 
 
 def policy(held=None, **kw) -> PDPolicy:
-    args = RouterArgs(prefill=[("http://p:1", 8998)], decode=["http://d:1"], pd_policy="conditional", **kw)
+    args = RouterArgs(
+        prefill=[("http://p:1", 8998)], decode=["http://d:1"], pd_policy="conditional", **kw
+    )
     return PDPolicy(args, _Index(held or {}))
 
 
@@ -59,19 +65,37 @@ def test_busy_decode_slow_decode_busy_prefill_and_cached_prefixes():
     p2, d2 = pair(decode_fit=(0.5, 1e-3))  # a much slower decode prefill
     assert policy().decide(prompt, p2, d2, batch=False).mode == PD
     p.polled_load = (20, 20_000)  # a long prefill queue makes local worth it even for long prompts
-    assert policy(pd_local_max_tokens=4096).decide(PromptBlocks(list(range(1000))), p, d, batch=False).mode == LOCAL
+    assert (
+        policy(pd_local_max_tokens=4096)
+        .decide(PromptBlocks(list(range(1000))), p, d, batch=False)
+        .mode
+        == LOCAL
+    )
     # flags override the calibration; no calibration and no flags: PD
     d.info = {}
     assert policy().decide(prompt, p, d, batch=False).reason == "no_calibration"
-    assert policy(pd_prefill_fixed_s=0.01, pd_prefill_s_per_token=1e-4).decide(prompt, p, d, batch=False).mode == LOCAL
-    assert PDPolicy(RouterArgs(prefill=[("http://p:1", 1)], decode=["http://d:1"]), None).decide(
-        prompt, p, d, batch=False).reason == "always"
+    assert (
+        policy(pd_prefill_fixed_s=0.01, pd_prefill_s_per_token=1e-4)
+        .decide(prompt, p, d, batch=False)
+        .mode
+        == LOCAL
+    )
+    assert (
+        PDPolicy(RouterArgs(prefill=[("http://p:1", 1)], decode=["http://d:1"]), None)
+        .decide(prompt, p, d, batch=False)
+        .reason
+        == "always"
+    )
 
 
 def test_decision_goes_into_meta_info():
     meta = {"mode": "local"}
-    assert b'"pd_decision": {"mode": "local"}' in add_to_meta_json(b'{"text": "a", "meta_info": {"id": "x"}}', meta)
+    assert b'"pd_decision": {"mode": "local"}' in add_to_meta_json(
+        b'{"text": "a", "meta_info": {"id": "x"}}', meta
+    )
     event = b'data: {"text": "a", "meta_info": {"finish_reason": null}}\n\n'
     assert add_to_meta_event(event, meta) == event  # not finished: unchanged
-    last = add_to_meta_event(b'data: {"text": "ab", "meta_info": {"finish_reason": {"type": "length"}}}\n\n', meta)
+    last = add_to_meta_event(
+        b'data: {"text": "ab", "meta_info": {"finish_reason": {"type": "length"}}}\n\n', meta
+    )
     assert b"pd_decision" in last

@@ -21,17 +21,33 @@ torch.set_num_threads(1)
 
 
 def make(mode: str, backend: str, **kw) -> Scheduler:
-    args = ServerArgs(model_path=build_tiny_checkpoint("llama"), max_total_tokens=4096, page_size=16,
-                      chunked_prefill_size=64, torch_num_threads=1, disaggregation_mode=mode,
-                      disaggregation_transfer_backend=backend, disaggregation_waiting_timeout=3,
-                      disaggregation_bootstrap_timeout=3, **kw)
+    args = ServerArgs(
+        model_path=build_tiny_checkpoint("llama"),
+        max_total_tokens=4096,
+        page_size=16,
+        chunked_prefill_size=64,
+        torch_num_threads=1,
+        disaggregation_mode=mode,
+        disaggregation_transfer_backend=backend,
+        disaggregation_waiting_timeout=3,
+        disaggregation_bootstrap_timeout=3,
+        **kw,
+    )
     return attach_disaggregation(args)
 
 
 def req(rid: str, ids: list[int], room: int, host: str = "127.0.0.1", port: int = 1, **sp) -> Req:
-    return Req(rid=rid, input_ids=list(ids), return_logprob=True, bootstrap_host=host, bootstrap_port=port,
-               bootstrap_room=room,
-               sampling=SamplingParams(**{"temperature": 0, "max_new_tokens": 6, "ignore_eos": True, **sp}))
+    return Req(
+        rid=rid,
+        input_ids=list(ids),
+        return_logprob=True,
+        bootstrap_host=host,
+        bootstrap_port=port,
+        bootstrap_room=room,
+        sampling=SamplingParams(
+            **{"temperature": 0, "max_new_tokens": 6, "ignore_eos": True, **sp}
+        ),
+    )
 
 
 def run_until(cond, *schedulers, timeout: float = 30.0) -> None:
@@ -66,9 +82,13 @@ def test_fake_backend_decode_computes_locally():
     # nothing arrived (fake): the row's room does not match, so decode ran the prompt itself
     import pdserve
 
-    ref = pdserve.Engine(model_path=build_tiny_checkpoint("llama"), torch_num_threads=1, max_total_tokens=4096)
-    out = ref.generate(input_ids=list(range(200, 240)),
-                       sampling_params={"temperature": 0, "max_new_tokens": 6, "ignore_eos": True})
+    ref = pdserve.Engine(
+        model_path=build_tiny_checkpoint("llama"), torch_num_threads=1, max_total_tokens=4096
+    )
+    out = ref.generate(
+        input_ids=list(range(200, 240)),
+        sampling_params={"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
+    )
     assert r.output_ids == out["output_ids"]
     info = D.check_integrity()
     assert info["in_use_pages"] == 0 and info["metadata_slots_free"] == info["metadata_slots_total"]
@@ -85,7 +105,9 @@ def local_pair():
     P.pd.bootstrap_server.shutdown()
 
 
-def submit_pairs(P, D, bport: int, prompts: list[list[int]], rng: random.Random, tag: str = "") -> list:
+def submit_pairs(
+    P, D, bport: int, prompts: list[list[int]], rng: random.Random, tag: str = ""
+) -> list:
     """One prefill and one decode request per prompt, sharing a random room; [(prefill's, decode's)]."""
     pairs = []
     for i, ids in enumerate(prompts):
@@ -120,17 +142,27 @@ def test_local_backend_queues_and_metadata(local_pair):
     run_until(lambda: all(rp.finished for rp, _ in pairs), P, D)
     import pdserve
 
-    ref = pdserve.Engine(model_path=build_tiny_checkpoint("llama"), torch_num_threads=1, max_total_tokens=8192)
-    outs = ref.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
-                        return_logprob=True)
+    ref = pdserve.Engine(
+        model_path=build_tiny_checkpoint("llama"), torch_num_threads=1, max_total_tokens=8192
+    )
+    outs = ref.generate(
+        input_ids=prompts,
+        sampling_params={"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
+        return_logprob=True,
+    )
     for (rp, rd), out in zip(pairs, outs):
         assert rp.finish_reason.kind == FinishKind.LENGTH and rp.output_ids == out["output_ids"][:1]
         assert rd.output_ids == out["output_ids"]
-        for (a, _), (b, _, _) in zip(rd.output_token_logprobs, out["meta_info"]["output_token_logprobs"]):
+        for (a, _), (b, _, _) in zip(
+            rd.output_token_logprobs, out["meta_info"]["output_token_logprobs"]
+        ):
             assert abs(a - b) < 1e-4
     for s in (P, D):
         info = s.check_integrity()
-        assert info["in_use_pages"] == 0 and info["metadata_slots_free"] == info["metadata_slots_total"]
+        assert (
+            info["in_use_pages"] == 0
+            and info["metadata_slots_free"] == info["metadata_slots_total"]
+        )
 
 
 def test_decode_batch_limit_holds_requests_whose_kv_arrived(local_pair):
@@ -143,6 +175,7 @@ def test_decode_batch_limit_holds_requests_whose_kv_arrived(local_pair):
     most, waited = 0, 0
     D.args.max_running_requests = 2
     try:
+
         def progress():
             nonlocal most, waited
             most, waited = max(most, len(D.running)), max(waited, D.pd.kv_ready)
@@ -154,13 +187,21 @@ def test_decode_batch_limit_holds_requests_whose_kv_arrived(local_pair):
     assert most == 2 and waited >= 1
     import pdserve
 
-    ref = pdserve.Engine(model_path=build_tiny_checkpoint("llama"), torch_num_threads=1, max_total_tokens=8192)
-    outs = ref.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 6, "ignore_eos": True})
+    ref = pdserve.Engine(
+        model_path=build_tiny_checkpoint("llama"), torch_num_threads=1, max_total_tokens=8192
+    )
+    outs = ref.generate(
+        input_ids=prompts,
+        sampling_params={"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
+    )
     assert [rd.output_ids for _, rd in pairs] == [o["output_ids"] for o in outs]
     run_until(lambda: all(rp.finished for rp, _ in pairs), P, D)
     for s in (P, D):
         info = s.check_integrity()
-        assert info["in_use_pages"] == 0 and info["metadata_slots_free"] == info["metadata_slots_total"]
+        assert (
+            info["in_use_pages"] == 0
+            and info["metadata_slots_free"] == info["metadata_slots_total"]
+        )
 
 
 def test_decode_times_out_a_room_whose_prefill_never_comes(local_pair):

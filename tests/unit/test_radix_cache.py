@@ -270,7 +270,7 @@ def test_randomized_integrity(page_size):
             tokens, matched, own, node = running.pop(rng.randrange(len(running)))
             full = len(tokens) // page_size
             all_pages = matched + own
-            canonical, _ = cache.insert(tokens[:full * page_size], all_pages[:full])
+            canonical, _ = cache.insert(tokens[: full * page_size], all_pages[:full])
             assert canonical[: len(matched)] == matched
             alloc.free(all_pages[full:])  # partial last page is not cached
             in_use -= len(own)

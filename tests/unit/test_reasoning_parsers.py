@@ -19,8 +19,13 @@ ANSWER = "The answer is 4."
 CASES = [
     # R1: the prompt ends with "<think>\n", so the output starts inside the reasoning
     ("deepseek-r1", False, "Two plus two.\n</think>\n\nThe answer is 4.", "Two plus two.", ANSWER),
-    ("deepseek-r1", False, "<think>\nTwo plus two.\n</think>\n\nThe answer is 4.", "Two plus two.",
-     ANSWER),
+    (
+        "deepseek-r1",
+        False,
+        "<think>\nTwo plus two.\n</think>\n\nThe answer is 4.",
+        "Two plus two.",
+        ANSWER,
+    ),
     ("deepseek-r1", False, "Still thinking at max_tokens", "Still thinking at max_tokens", ""),
     ("deepseek-r1", False, "</think>The answer is 4.", None, ANSWER),
     # DeepSeek-V3.1: forced only when thinking is on
@@ -38,14 +43,32 @@ CASES = [
     ("kimi", False, "◁think▷Sum it.◁/think▷The answer is 4.", "Sum it.", ANSWER),
     ("kimi", True, "Sum it.◁/think▷\nThe answer is 4.", "Sum it.", ANSWER),
     # gpt-oss harmony
-    ("gpt-oss", False, "<|channel|>analysis<|message|>User asks 2+2.<|end|><|start|>assistant"
-     "<|channel|>final<|message|>The answer is 4.<|return|>", "User asks 2+2.", ANSWER),
-    ("gpt-oss", False, "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant"
-     "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
-     '{"city": "Tokyo"}<|call|>', "Need weather.", ""),
-    ("gpt-oss", False, "<|channel|>analysis<|message|>First. <|end|><|start|>assistant<|channel|>"
-     "analysis<|message|>Second.<|end|><|start|>assistant<|channel|>final<|message|>The answer "
-     "is 4.", "First. Second.", ANSWER),
+    (
+        "gpt-oss",
+        False,
+        "<|channel|>analysis<|message|>User asks 2+2.<|end|><|start|>assistant"
+        "<|channel|>final<|message|>The answer is 4.<|return|>",
+        "User asks 2+2.",
+        ANSWER,
+    ),
+    (
+        "gpt-oss",
+        False,
+        "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant"
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        '{"city": "Tokyo"}<|call|>',
+        "Need weather.",
+        "",
+    ),
+    (
+        "gpt-oss",
+        False,
+        "<|channel|>analysis<|message|>First. <|end|><|start|>assistant<|channel|>"
+        "analysis<|message|>Second.<|end|><|start|>assistant<|channel|>final<|message|>The answer "
+        "is 4.",
+        "First. Second.",
+        ANSWER,
+    ),
     ("gpt-oss", False, "<|channel|>analysis<|message|>Cut off mid-thou", "Cut off mid-thou", ""),
     ("gpt-oss", False, "No harmony here.", None, "No harmony here."),
 ]
@@ -81,10 +104,24 @@ def test_stream_matches_parse_for_any_split(name, force, text, reasoning, conten
 FRAGMENTS = {
     "qwen3": ["<think>", "</think>", "<th", "</thi", "\n", " ", "idea", "answer", "<", "/"],
     "kimi": ["◁think▷", "◁/think▷", "◁", "◁/th", "\n", " ", "idea", "answer"],
-    "gpt-oss": ["<|start|>assistant", "<|channel|>", "analysis", "final", "commentary",
-                " to=functions.f", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|",
-                "<|channel|>analysis<|message|>", "<|channel|>final<|message|>", "idea ", "{}",
-                " "],
+    "gpt-oss": [
+        "<|start|>assistant",
+        "<|channel|>",
+        "analysis",
+        "final",
+        "commentary",
+        " to=functions.f",
+        "<|message|>",
+        "<|end|>",
+        "<|call|>",
+        "<|return|>",
+        "<|",
+        "<|channel|>analysis<|message|>",
+        "<|channel|>final<|message|>",
+        "idea ",
+        "{}",
+        " ",
+    ],
 }
 
 
@@ -123,11 +160,21 @@ def test_forcing():
 
 
 def test_registry_and_think_end_text():
-    assert set(REASONING_PARSERS) >= {"deepseek-r1", "deepseek-v3", "qwen3", "qwen3-thinking",
-                                      "glm45", "gpt-oss", "kimi"}
+    assert set(REASONING_PARSERS) >= {
+        "deepseek-r1",
+        "deepseek-v3",
+        "qwen3",
+        "qwen3-thinking",
+        "glm45",
+        "gpt-oss",
+        "kimi",
+    }
     assert isinstance(reasoning_parser("gpt-oss"), GptOssReasoningParser)
-    with pytest.raises(ValueError, match=r"--reasoning-parser: unknown parser 'r2'; choose from "
-                                         r"deepseek-r1, .*qwen3"):
+    with pytest.raises(
+        ValueError,
+        match=r"--reasoning-parser: unknown parser 'r2'; choose from "
+        r"deepseek-r1, .*qwen3",
+    ):
         reasoning_parser("r2")
     assert think_end_text("qwen3") == "</think>"
     assert think_end_text("deepseek-r1") == "</think>"

@@ -34,19 +34,22 @@ def test_shapes():
     assert ranks(3, alias=3) == [(3, None)]
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"routed": -1}, ["routed_dp_rank", "-1"]),
-    ({"routed": True}, ["routed_dp_rank", "True"]),
-    ({"routed": "1"}, ["routed_dp_rank"]),
-    ({"routed": 2**31}, ["routed_dp_rank"]),
-    ({"prefill": 0.0}, ["disagg_prefill_dp_rank"]),
-    ({"prefill": [0, -1], "prompts": 2}, ["disagg_prefill_dp_rank", "-1"]),
-    ({"alias": False}, ["data_parallel_rank"]),
-    ({"routed": [0, 1, 0], "prompts": 2}, ["routed_dp_rank", "3 entries"]),
-    ({"alias": [0], "prompts": 2}, ["data_parallel_rank", "1 entries"]),
-    ({"prefill": [], "prompts": 1}, ["disagg_prefill_dp_rank"]),
-    ({"routed": 1, "alias": 0}, ["data_parallel_rank", "routed_dp_rank"]),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"routed": -1}, ["routed_dp_rank", "-1"]),
+        ({"routed": True}, ["routed_dp_rank", "True"]),
+        ({"routed": "1"}, ["routed_dp_rank"]),
+        ({"routed": 2**31}, ["routed_dp_rank"]),
+        ({"prefill": 0.0}, ["disagg_prefill_dp_rank"]),
+        ({"prefill": [0, -1], "prompts": 2}, ["disagg_prefill_dp_rank", "-1"]),
+        ({"alias": False}, ["data_parallel_rank"]),
+        ({"routed": [0, 1, 0], "prompts": 2}, ["routed_dp_rank", "3 entries"]),
+        ({"alias": [0], "prompts": 2}, ["data_parallel_rank", "1 entries"]),
+        ({"prefill": [], "prompts": 1}, ["disagg_prefill_dp_rank"]),
+        ({"routed": 1, "alias": 0}, ["data_parallel_rank", "routed_dp_rank"]),
+    ],
+)
 def test_bad_values_are_400_naming_the_field(kwargs, words):
     with pytest.raises(APIError) as e:
         ranks(**kwargs)
@@ -58,12 +61,20 @@ def test_bad_values_are_400_naming_the_field(kwargs, words):
 def test_openai_bodies_carry_them_per_prompt():
     body = b'{"prompt": ["a", "b"], "routed_dp_rank": [1, 0], "disagg_prefill_dp_rank": 2, "bootstrap_room": 7}'
     fields = msgspec.json.decode(body, type=CompletionRequest).bootstrap(2)
-    assert [(f["routed_dp_rank"], f["disagg_prefill_dp_rank"], f["bootstrap_room"]) for f in fields] == [
-        (1, 2, 7), (0, 2, 8)]
-    chat = msgspec.json.decode(b'{"messages": [], "n": 2, "data_parallel_rank": [0, 1], "bootstrap_room": [4, 5]}',
-                               type=ChatRequest)
-    assert chat.bootstrap()[0] == {"bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": [4, 5],
-                                   "routed_dp_rank": [0, 1], "disagg_prefill_dp_rank": None}
+    assert [
+        (f["routed_dp_rank"], f["disagg_prefill_dp_rank"], f["bootstrap_room"]) for f in fields
+    ] == [(1, 2, 7), (0, 2, 8)]
+    chat = msgspec.json.decode(
+        b'{"messages": [], "n": 2, "data_parallel_rank": [0, 1], "bootstrap_room": [4, 5]}',
+        type=ChatRequest,
+    )
+    assert chat.bootstrap()[0] == {
+        "bootstrap_host": None,
+        "bootstrap_port": None,
+        "bootstrap_room": [4, 5],
+        "routed_dp_rank": [0, 1],
+        "disagg_prefill_dp_rank": None,
+    }
     bad = msgspec.json.decode(b'{"prompt": "a", "routed_dp_rank": "x"}', type=CompletionRequest)
     with pytest.raises(APIError, match="routed_dp_rank"):
         bad.bootstrap(1)
@@ -77,21 +88,39 @@ class _SpecRecorder:
 
 
 def test_generate_parse_passes_them_to_the_spec():
-    req = msgspec.json.decode(b'{"text": ["a", "b"], "routed_dp_rank": [0, 1], "disagg_prefill_dp_rank": 1}',
-                              type=generate_api.GenerateRequest)
+    req = msgspec.json.decode(
+        b'{"text": ["a", "b"], "routed_dp_rank": [0, 1], "disagg_prefill_dp_rank": 1}',
+        type=generate_api.GenerateRequest,
+    )
     specs, many = generate_api.parse(_SpecRecorder(), req, stream=False)
-    assert many and [(s.fields["routed_dp_rank"], s.fields["disagg_prefill_dp_rank"]) for s in specs] == [
-        (0, 1), (1, 1)]
-    req = msgspec.json.decode(b'{"text": "a", "data_parallel_rank": 3}', type=generate_api.GenerateRequest)
+    assert many and [
+        (s.fields["routed_dp_rank"], s.fields["disagg_prefill_dp_rank"]) for s in specs
+    ] == [(0, 1), (1, 1)]
+    req = msgspec.json.decode(
+        b'{"text": "a", "data_parallel_rank": 3}', type=generate_api.GenerateRequest
+    )
     specs, _ = generate_api.parse(_SpecRecorder(), req, stream=False)
-    assert specs[0].fields["routed_dp_rank"] == 3 and specs[0].fields["disagg_prefill_dp_rank"] is None
+    assert (
+        specs[0].fields["routed_dp_rank"] == 3 and specs[0].fields["disagg_prefill_dp_rank"] is None
+    )
 
 
 def test_generate_req_round_trip_and_old_messages_decode():
-    msg = GenerateReq(rid="r", input_ids=[1, 2], sampling_params={}, bootstrap_room=5, routed_dp_rank=1,
-                      disagg_prefill_dp_rank=0)
+    msg = GenerateReq(
+        rid="r",
+        input_ids=[1, 2],
+        sampling_params={},
+        bootstrap_room=5,
+        routed_dp_rank=1,
+        disagg_prefill_dp_rank=0,
+    )
     back = decode_to_scheduler(encode(msg))
     assert back == msg and back.routed_dp_rank == 1 and back.disagg_prefill_dp_rank == 0
-    old = {"type": "generate", "rid": "r", "input_ids": [1], "sampling_params": {}}  # before the fields existed
+    old = {
+        "type": "generate",
+        "rid": "r",
+        "input_ids": [1],
+        "sampling_params": {},
+    }  # before the fields existed
     back = decode_to_scheduler(msgspec.msgpack.encode(old))
     assert back.routed_dp_rank is None and back.disagg_prefill_dp_rank is None

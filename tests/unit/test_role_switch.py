@@ -39,17 +39,25 @@ def switcher(**kw) -> RoleSwitch:
     return RoleSwitch(SimpleNamespace(server_args=args, states={}), warm_up=None)
 
 
-@pytest.mark.parametrize("start, body, status, needle", [
-    ({}, {"role": "worker"}, 400, "role: must be one of"),
-    ({}, {"role": "colocated"}, 400, "already is a colocated server"),
-    ({"disaggregation_mode": "decode"}, {"role": "null"}, None, ""),  # the flag's spelling
-    ({"disaggregation_mode": "decode"}, {"role": "decode"}, 400, "already is a decode server"),
-    ({}, {"role": "decode", "drain_timeout": -1.0}, 400, "drain_timeout"),
-    ({}, {"role": "decode", "drain_timeout": float("inf")}, 400, "drain_timeout"),
-    ({}, {"role": "decode", "bootstrap_port": 9000}, 400, "only a prefill"),
-    ({"pp_size": 2}, {"role": "decode"}, 400, "pp_size"),  # decode holds every layer
-    ({"nnodes": 2, "tp_size": 2, "dist_init_addr": "127.0.0.1:5000"}, {"role": "prefill"}, 400, "nnodes"),  # multi-host
-])
+@pytest.mark.parametrize(
+    "start, body, status, needle",
+    [
+        ({}, {"role": "worker"}, 400, "role: must be one of"),
+        ({}, {"role": "colocated"}, 400, "already is a colocated server"),
+        ({"disaggregation_mode": "decode"}, {"role": "null"}, None, ""),  # the flag's spelling
+        ({"disaggregation_mode": "decode"}, {"role": "decode"}, 400, "already is a decode server"),
+        ({}, {"role": "decode", "drain_timeout": -1.0}, 400, "drain_timeout"),
+        ({}, {"role": "decode", "drain_timeout": float("inf")}, 400, "drain_timeout"),
+        ({}, {"role": "decode", "bootstrap_port": 9000}, 400, "only a prefill"),
+        ({"pp_size": 2}, {"role": "decode"}, 400, "pp_size"),  # decode holds every layer
+        (
+            {"nnodes": 2, "tp_size": 2, "dist_init_addr": "127.0.0.1:5000"},
+            {"role": "prefill"},
+            400,
+            "nnodes",
+        ),  # multi-host
+    ],
+)
 def test_checks(start, body, status, needle):
     s = switcher(**start)
     req = msgspec.convert(body, SwitchRoleRequest)
@@ -88,7 +96,9 @@ def test_weights_digest_sees_a_reload_and_packed_weights():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     model[0].impl = Packed(model[0].weight)
     d = weights_digest(model)
-    assert d == weights_digest(model) and d["tensors"] == 5  # weight, bias, packed, norm weight and bias
+    assert (
+        d == weights_digest(model) and d["tensors"] == 5
+    )  # weight, bias, packed, norm weight and bias
     model[0].impl = Packed(model[0].weight)  # packed again: a new buffer
     assert weights_digest(model)["digest"] != d["digest"]
 
@@ -116,18 +126,31 @@ def test_role_rules_restore_the_users_cache_flag():
 
 
 def make(mode: str, bport: int, backend: str = "local"):
-    args = ServerArgs(model_path=build_tiny_checkpoint("llama"), max_total_tokens=4096, page_size=16,
-                      chunked_prefill_size=64, torch_num_threads=1, disaggregation_mode=mode,
-                      disaggregation_transfer_backend=backend,
-                      disaggregation_waiting_timeout=3, disaggregation_bootstrap_timeout=3,
-                      disaggregation_bootstrap_port=bport)
+    args = ServerArgs(
+        model_path=build_tiny_checkpoint("llama"),
+        max_total_tokens=4096,
+        page_size=16,
+        chunked_prefill_size=64,
+        torch_num_threads=1,
+        disaggregation_mode=mode,
+        disaggregation_transfer_backend=backend,
+        disaggregation_waiting_timeout=3,
+        disaggregation_bootstrap_timeout=3,
+        disaggregation_bootstrap_port=bport,
+    )
     started = copy.copy(args)
     return attach_disaggregation(args), started
 
 
 def req(rid: str, ids: list[int], room: int, port: int) -> Req:
-    return Req(rid=rid, input_ids=list(ids), bootstrap_host="127.0.0.1", bootstrap_port=port, bootstrap_room=room,
-               sampling=SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
+    return Req(
+        rid=rid,
+        input_ids=list(ids),
+        bootstrap_host="127.0.0.1",
+        bootstrap_port=port,
+        bootstrap_room=room,
+        sampling=SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True),
+    )
 
 
 def transfer(P, D, bport: int, prompts: list[list[int]], seed: int) -> list[list[int]]:
@@ -139,12 +162,16 @@ def transfer(P, D, bport: int, prompts: list[list[int]], seed: int) -> list[list
         P.add_request(rp)
         D.add_request(rd)
         pairs.append((rp, rd))
-    deadline = time.monotonic() + 60  # by time, not steps: a connection set up under load takes a while
+    deadline = (
+        time.monotonic() + 60
+    )  # by time, not steps: a connection set up under load takes a while
     while not all(rp.finished and rd.finished for rp, rd in pairs) and time.monotonic() < deadline:
         P.step()
         D.step()
-    assert all(rd.finish_reason is not None and rd.finish_reason.kind == FinishKind.LENGTH for _, rd in pairs), \
-        [rd.finish_reason for _, rd in pairs]
+    assert all(
+        rd.finish_reason is not None and rd.finish_reason.kind == FinishKind.LENGTH
+        for _, rd in pairs
+    ), [rd.finish_reason for _, rd in pairs]
     return [rd.output_ids for _, rd in pairs]
 
 
@@ -184,16 +211,23 @@ def test_schedulers_swap_roles_in_place(backend):
     ybport = free_port()
     assert "reconfigure_s" in switch_role(Y, sy, "prefill", ybport, par)
     assert "reconfigure_s" in switch_role(X, sx, "decode", sx.disaggregation_bootstrap_port, par)
-    assert X.args.disable_radix_cache and not Y.args.disable_radix_cache  # decode's rule follows the role
+    assert (
+        X.args.disable_radix_cache and not Y.args.disable_radix_cache
+    )  # decode's rule follows the role
     assert [p.num_pages for p in X.runner.pools] == pages
     now, unlinked = kv_mappings()
-    assert unlinked == 0 and now <= mapped  # Y's old pool, metadata (and windows) went with its decode role
+    assert (
+        unlinked == 0 and now <= mapped
+    )  # Y's old pool, metadata (and windows) went with its decode role
     assert {id(s): weights_digest(s.runner.model) for s in (X, Y)} == weights
     after = transfer(Y, X, ybport, prompts, seed=2)
     assert after == before
     for s in (X, Y):
         info = s.check_integrity()
-        assert info["in_use_pages"] == 0 and info["metadata_slots_free"] == info["metadata_slots_total"]
+        assert (
+            info["in_use_pages"] == 0
+            and info["metadata_slots_free"] == info["metadata_slots_total"]
+        )
 
     # a role that cannot be built (its bootstrap port is taken) leaves the old one in place
     with socket.socket() as taken:

@@ -66,7 +66,7 @@ def sse_events(raw: bytes) -> list:
     for event in raw.decode().split("\n\n"):
         for line in event.splitlines():
             if line.startswith("data: "):
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 out.append(data if data == "[DONE]" else json.loads(data))
     return out
 
@@ -75,7 +75,9 @@ def sse_events(raw: bytes) -> list:
 def test_both_legs_get_identical_body_with_bootstrap_fields(pd, make_router):
     p0, p1, d0, d1 = pd
     r = make_router([p0, p1], [d0, d1])
-    resp = r.client.post("/generate", json=GEN, headers={"Authorization": "Bearer tok", "X-Request-ID": "abc"})
+    resp = r.client.post(
+        "/generate", json=GEN, headers={"Authorization": "Bearer tok", "X-Request-ID": "abc"}
+    )
     assert resp.status_code == 200
     [pre] = gen_requests(p0, p1)
     [dec] = gen_requests(d0, d1)
@@ -91,10 +93,16 @@ def test_both_legs_get_identical_body_with_bootstrap_fields(pd, make_router):
     assert resp.content == bytes(dec.sent)  # decode's answer, untouched
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/completions", {"model": "m", "prompt": "Once upon a time", "max_tokens": 3}),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}),
-])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/completions", {"model": "m", "prompt": "Once upon a time", "max_tokens": 3}),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
+        ),
+    ],
+)
 def test_openai_endpoints_dispatch_to_both(pd, make_router, path, body):
     p0, p1, d0, d1 = pd
     r = make_router([p0, p1], [d0, d1])
@@ -106,16 +114,27 @@ def test_openai_endpoints_dispatch_to_both(pd, make_router, path, body):
     assert resp.content == bytes(dec.sent)
 
 
-@pytest.mark.parametrize("path,body,count", [
-    ("/generate", {"text": ["a", "b c", "d e f"]}, 3),
-    ("/generate", {"input_ids": [[1, 2, 3], [4, 5]]}, 2),
-    ("/generate", {"input_ids": [1, 2, 3]}, None),
-    ("/generate", {"text": "a b", "sampling_params": {"n": 2}}, None),  # the server expands rooms x n
-    ("/v1/completions", {"model": "m", "prompt": ["a", "b"], "n": 2}, 2),
-    ("/v1/completions", {"model": "m", "prompt": [1, 2, 3]}, None),
-    ("/v1/completions", {"model": "m", "prompt": "a", "n": 3}, None),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, 2),
-])
+@pytest.mark.parametrize(
+    "path,body,count",
+    [
+        ("/generate", {"text": ["a", "b c", "d e f"]}, 3),
+        ("/generate", {"input_ids": [[1, 2, 3], [4, 5]]}, 2),
+        ("/generate", {"input_ids": [1, 2, 3]}, None),
+        (
+            "/generate",
+            {"text": "a b", "sampling_params": {"n": 2}},
+            None,
+        ),  # the server expands rooms x n
+        ("/v1/completions", {"model": "m", "prompt": ["a", "b"], "n": 2}, 2),
+        ("/v1/completions", {"model": "m", "prompt": [1, 2, 3]}, None),
+        ("/v1/completions", {"model": "m", "prompt": "a", "n": 3}, None),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2},
+            2,
+        ),
+    ],
+)
 def test_batched_requests_get_one_room_per_item(pd, make_router, path, body, count):
     p0, p1, d0, d1 = pd
     r = make_router([p0, p1], [d0, d1])
@@ -125,12 +144,17 @@ def test_batched_requests_get_one_room_per_item(pd, make_router, path, body, cou
     assert pre.body == dec.body
     prefill = p0 if pre in p0.requests else p1
     if count is None:
-        assert isinstance(sent["bootstrap_room"], int) and sent["bootstrap_port"] == prefill.bootstrap_port
+        assert (
+            isinstance(sent["bootstrap_room"], int)
+            and sent["bootstrap_port"] == prefill.bootstrap_port
+        )
     else:
         assert sent["bootstrap_host"] == ["127.0.0.1"] * count
         assert sent["bootstrap_port"] == [prefill.bootstrap_port] * count
         rooms = sent["bootstrap_room"]
-        assert len(set(rooms)) == count and all(isinstance(x, int) and 0 <= x < 2**63 for x in rooms)
+        assert len(set(rooms)) == count and all(
+            isinstance(x, int) and 0 <= x < 2**63 for x in rooms
+        )
 
 
 # ---------------------------------------------------------------------------- logprobs
@@ -138,9 +162,15 @@ def test_input_logprobs_merged_non_stream(pd, make_router):
     p0, p1, d0, d1 = pd
     r = make_router([p0, p1], [d0, d1])
     single = r.client.post("/generate", json={**GEN, "return_logprob": True}).json()
-    assert single["meta_info"]["input_token_logprobs"] == [[-1.0, 100, None], [-1.01, 101, None], [-1.02, 102, None]]
+    assert single["meta_info"]["input_token_logprobs"] == [
+        [-1.0, 100, None],
+        [-1.01, 101, None],
+        [-1.02, 102, None],
+    ]
     assert len(single["meta_info"]["output_token_logprobs"]) == 3
-    batch = r.client.post("/generate", json={"text": ["a b", "c d e f"], "return_logprob": True}).json()
+    batch = r.client.post(
+        "/generate", json={"text": ["a b", "c d e f"], "return_logprob": True}
+    ).json()
     assert [len(item["meta_info"]["input_token_logprobs"]) for item in batch] == [2, 4]
 
 
@@ -161,10 +191,16 @@ def test_input_logprobs_merged_into_every_stream_event(pd, make_router, sse_pref
 
 
 # ---------------------------------------------------------------------------- streaming
-@pytest.mark.parametrize("path,body", [
-    ("/generate", {**GEN, "stream": True}),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "stream": True}),
-])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/generate", {**GEN, "stream": True}),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "stream": True},
+        ),
+    ],
+)
 def test_stream_passthrough_is_byte_exact(pd, make_router, path, body):
     p0, p1, d0, d1 = pd
     r = make_router([p0, p1], [d0, d1])
@@ -228,7 +264,9 @@ def test_client_disconnect_cancels_both_legs(pd, make_router, stream):
 def test_round_robin_alternates(pd, make_router):
     p0, p1, d0, d1 = pd
     r = make_router([p0, p1], [d0, d1], policy="round_robin")
-    served = [r.client.post("/generate", json=GEN).json()["meta_info"]["served_by"] for _ in range(4)]
+    served = [
+        r.client.post("/generate", json=GEN).json()["meta_info"]["served_by"] for _ in range(4)
+    ]
     assert served == ["decode0", "decode1", "decode0", "decode1"]
     prefills = [rec.worker for rec in sorted(gen_requests(p0, p1), key=lambda rec: rec.seq)]
     assert prefills == ["prefill0", "prefill1", "prefill0", "prefill1"]
@@ -239,14 +277,18 @@ def test_least_load_picks_the_idle_worker(pd, make_router):
     p1.load = {"num_reqs": 0, "num_waiting_reqs": 3, "num_tokens": 0}
     d0.load = {"num_reqs": 8, "num_waiting_reqs": 0, "num_tokens": 900}
     r = make_router([p0, p1], [d0, d1], policy="least_load")
-    wait_until(lambda: r.worker(d0.url).polled_load == (8, 900) and r.worker(p1.url).polled_load == (3, 0),
-               what="loads polled")
+    wait_until(
+        lambda: r.worker(d0.url).polled_load == (8, 900) and r.worker(p1.url).polled_load == (3, 0),
+        what="loads polled",
+    )
     for _ in range(4):
         assert r.client.post("/generate", json=GEN).json()["meta_info"]["served_by"] == "decode1"
     assert len(p0.generation_requests()) == 4 and not p1.generation_requests()
     d0.load, d1.load = {"num_reqs": 0}, {"num_reqs": 5}
-    wait_until(lambda: r.worker(d1.url).polled_load == (5, 0) and r.worker(d0.url).polled_load == (0, 0),
-               what="new loads polled")
+    wait_until(
+        lambda: r.worker(d1.url).polled_load == (5, 0) and r.worker(d0.url).polled_load == (0, 0),
+        what="new loads polled",
+    )
     assert r.client.post("/generate", json=GEN).json()["meta_info"]["served_by"] == "decode0"
 
 
@@ -255,13 +297,17 @@ def test_worker_failing_health_check_is_avoided(pd, make_router):
     r = make_router([p0, p1], [d0, d1])
     d1.health_status = 503
     wait_until(lambda: not r.worker(d1.url).healthy, what="decode1 marked unhealthy")
-    assert not any(e["healthy"] for e in r.client.get("/get_load").json()["decode"] if e["url"] == d1.url)
+    assert not any(
+        e["healthy"] for e in r.client.get("/get_load").json()["decode"] if e["url"] == d1.url
+    )
     for _ in range(4):
         assert r.client.post("/generate", json=GEN).status_code == 200
     assert len(d0.generation_requests()) == 4 and not d1.generation_requests()
     d1.health_status = 200
     wait_until(lambda: r.worker(d1.url).healthy, what="decode1 back")
-    served = {r.client.post("/generate", json=GEN).json()["meta_info"]["served_by"] for _ in range(2)}
+    served = {
+        r.client.post("/generate", json=GEN).json()["meta_info"]["served_by"] for _ in range(2)
+    }
     assert served == {"decode0", "decode1"}
 
 
@@ -269,13 +315,19 @@ def test_stopped_worker_is_avoided():
     c = FakeCluster()
     try:
         p0, p1, d0 = c.add("prefill"), c.add("prefill"), c.add("decode")
-        args = RouterArgs(prefill=[(p.url, p.bootstrap_port) for p in (p0, p1)], decode=[d0.url],
-                          health_check_interval=0.2, health_failure_threshold=1)
+        args = RouterArgs(
+            prefill=[(p.url, p.bootstrap_port) for p in (p0, p1)],
+            decode=[d0.url],
+            health_check_interval=0.2,
+            health_failure_threshold=1,
+        )
         r = RunningRouter(args)
         try:
             r.wait_ready()
             p1.stop()
-            wait_until(lambda: not r.worker(p1.url).healthy, what="stopped prefill marked unhealthy")
+            wait_until(
+                lambda: not r.worker(p1.url).healthy, what="stopped prefill marked unhealthy"
+            )
             for _ in range(3):
                 assert r.client.post("/generate", json=GEN).status_code == 200
             assert len(p0.generation_requests()) == 3
@@ -296,7 +348,11 @@ def test_prefill_500_is_retried_on_a_new_pair_with_a_new_room(pd, make_router, s
     [bad], [good] = p0.generation_requests(), p1.generation_requests()
     assert bad.json["bootstrap_room"] != good.json["bootstrap_room"]
     assert good.json["bootstrap_port"] == p1.bootstrap_port
-    served = [rec for rec in gen_requests(d0, d1) if rec.json["bootstrap_room"] == good.json["bootstrap_room"]]
+    served = [
+        rec
+        for rec in gen_requests(d0, d1)
+        if rec.json["bootstrap_room"] == good.json["bootstrap_room"]
+    ]
     assert len(served) == 1 and served[0].body == good.body
     if stream:
         assert sse_events(resp.content)[-1] == "[DONE]"
@@ -324,17 +380,26 @@ def test_decode_client_error_is_passed_through_without_retry(pd, make_router):
 def test_circuit_breaker_takes_a_failing_worker_out_then_tries_it_again(pd, make_router):
     p0, p1, d0, d1 = pd
     d0.fail_status = 503
-    r = make_router([p0, p1], [d0, d1], policy="round_robin", cb_failure_threshold=1, cb_cooldown=0.3)
-    assert r.client.post("/generate", json=GEN).json()["meta_info"]["served_by"] == "decode1"  # after a retry
+    r = make_router(
+        [p0, p1], [d0, d1], policy="round_robin", cb_failure_threshold=1, cb_cooldown=0.3
+    )
+    assert (
+        r.client.post("/generate", json=GEN).json()["meta_info"]["served_by"] == "decode1"
+    )  # after a retry
     assert r.worker(d0.url).breaker.state == "open"
-    assert f'pdserve_router_worker_circuit_open{{role="decode",worker="{d0.url}"}} 1.0' in r.client.get("/metrics").text
+    assert (
+        f'pdserve_router_worker_circuit_open{{role="decode",worker="{d0.url}"}} 1.0'
+        in r.client.get("/metrics").text
+    )
     before = len(d0.generation_requests())
     for _ in range(3):
         assert r.client.post("/generate", json=GEN).json()["meta_info"]["served_by"] == "decode1"
     assert len(d0.generation_requests()) == before  # not even tried while open
     d0.fail_status = None
     wait_until(lambda: r.worker(d0.url).breaker.state == "half_open", what="cool-down over")
-    served = {r.client.post("/generate", json=GEN).json()["meta_info"]["served_by"] for _ in range(2)}
+    served = {
+        r.client.post("/generate", json=GEN).json()["meta_info"]["served_by"] for _ in range(2)
+    }
     assert served == {"decode0", "decode1"} and r.worker(d0.url).breaker.state == "closed"
 
 
@@ -382,8 +447,14 @@ def test_info_endpoints(pd, make_router):
         info = r.client.get(path).json()
         assert info["model_path"] == "fake-model" and info["router"]["policy"] == "round_robin"
         assert [e["server_info"]["name"] for e in info["prefill"]] == ["prefill0", "prefill1"]
-        assert [e["bootstrap_port"] for e in info["prefill"]] == [p0.bootstrap_port, p1.bootstrap_port]
-        assert [e["server_info"]["disaggregation_mode"] for e in info["decode"]] == ["decode", "decode"]
+        assert [e["bootstrap_port"] for e in info["prefill"]] == [
+            p0.bootstrap_port,
+            p1.bootstrap_port,
+        ]
+        assert [e["server_info"]["disaggregation_mode"] for e in info["decode"]] == [
+            "decode",
+            "decode",
+        ]
     load = r.client.get("/get_load").json()
     assert [e["load"][0]["num_reqs"] for e in load["prefill"] + load["decode"]] == [0, 0, 0, 0]
     flushed = r.client.post("/flush_cache")
@@ -391,10 +462,12 @@ def test_info_endpoints(pd, make_router):
     assert all(any(x.path == "/flush_cache" for x in w.requests) for w in (p0, p1, d0, d1))
     r.client.post("/generate", json=GEN)
     metrics = r.client.get("/metrics").text
-    for needle in ('pdserve_router_requests_total{endpoint="/generate",status="200"} 1.0',
-                   f'pdserve_router_worker_in_flight{{role="decode",worker="{d0.url}"}} 0.0',
-                   'pdserve_router_upstream_latency_seconds_count{role="prefill"} 1.0',
-                   "pdserve_router_retries_total"):
+    for needle in (
+        'pdserve_router_requests_total{endpoint="/generate",status="200"} 1.0',
+        f'pdserve_router_worker_in_flight{{role="decode",worker="{d0.url}"}} 0.0',
+        'pdserve_router_upstream_latency_seconds_count{role="prefill"} 1.0',
+        "pdserve_router_retries_total",
+    ):
         assert needle in metrics
 
 
@@ -422,10 +495,27 @@ def test_colocated_workers_round_robin_without_bootstrap_fields(make_router):
 def test_cli_entry_point(pd):
     p0, _, d0, _ = pd
     port = free_port()
-    cmd = [sys.executable, "-m", "pdserve.cli", "router", "--prefill", p0.url, str(p0.bootstrap_port),
-           "--decode", d0.url, "--port", str(port), "--health-check-interval", "0.2", "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "router",
+        "--prefill",
+        p0.url,
+        str(p0.bootstrap_port),
+        "--decode",
+        d0.url,
+        "--port",
+        str(port),
+        "--health-check-interval",
+        "0.2",
+        "--log-level",
+        "warning",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     try:
         base = f"http://127.0.0.1:{port}"
 

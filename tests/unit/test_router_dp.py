@@ -19,16 +19,33 @@ GEN = {"text": "one two three", "sampling_params": {"max_new_tokens": 2}}
 
 # ---------------------------------------------------------------------------- loads
 def test_group_loads_from_each_get_load_shape():
-    pdserve_dp = {"num_reqs": 5, "num_waiting_reqs": 1, "num_tokens": 90, "dp": [
-        {"dp_rank": 1, "num_reqs": 1, "num_waiting_reqs": 0, "num_tokens": 10},
-        {"dp_rank": 0, "num_reqs": 4, "num_waiting_reqs": 1, "num_tokens": 80}]}
+    pdserve_dp = {
+        "num_reqs": 5,
+        "num_waiting_reqs": 1,
+        "num_tokens": 90,
+        "dp": [
+            {"dp_rank": 1, "num_reqs": 1, "num_waiting_reqs": 0, "num_tokens": 10},
+            {"dp_rank": 0, "num_reqs": 4, "num_waiting_reqs": 1, "num_tokens": 80},
+        ],
+    }
     assert parse_group_loads(pdserve_dp) == [(5, 80), (1, 10)]
     assert parse_load(pdserve_dp) == (6, 90)  # the totals, not totals + groups
     assert parse_group_loads({"num_reqs": 2, "num_tokens": 7}) == [(2, 7)]  # no DP: one group
-    sglang = [{"dp_rank": 0, "num_reqs": 1, "num_tokens": 3}, {"dp_rank": 1, "num_reqs": 0, "num_tokens": 0}]
+    sglang = [
+        {"dp_rank": 0, "num_reqs": 1, "num_tokens": 3},
+        {"dp_rank": 1, "num_reqs": 0, "num_tokens": 0},
+    ]
     assert parse_group_loads(sglang) == [(1, 3), (0, 0)]
-    for bad in ([], {"dp": []}, [{"dp_rank": 0}, {"dp_rank": 2}], [{"dp_rank": 0}, {"dp_rank": 0}],
-                [{"dp_rank": True}], [{"dp_rank": "0"}], ["x"], "busy"):
+    for bad in (
+        [],
+        {"dp": []},
+        [{"dp_rank": 0}, {"dp_rank": 2}],
+        [{"dp_rank": 0}, {"dp_rank": 0}],
+        [{"dp_rank": True}],
+        [{"dp_rank": "0"}],
+        ["x"],
+        "busy",
+    ):
         assert parse_group_loads(bad) is None, bad
     with pytest.raises(ValueError):
         parse_group_loads({"dp": [{"dp_rank": 0, "num_reqs": "many"}]})
@@ -84,6 +101,7 @@ def chooser(rank: int):
     def choose() -> int:
         calls.append(rank)
         return rank
+
     choose.calls = calls
     return choose
 
@@ -96,7 +114,11 @@ def test_pd_legs_get_their_groups_and_decode_the_prefill_group():
     assert body == {"text": "x", "bootstrap_room": 5}  # the client's body is not changed
     batch = {"text": ["a", "b"], "bootstrap_room": [1, 2]}  # a batch: one group for all items
     p_body, d_body = protocol.with_dp_ranks(batch, chooser(0), chooser(2))
-    assert (p_body["routed_dp_rank"], d_body["routed_dp_rank"], d_body["disagg_prefill_dp_rank"]) == (0, 2, 0)
+    assert (
+        p_body["routed_dp_rank"],
+        d_body["routed_dp_rank"],
+        d_body["disagg_prefill_dp_rank"],
+    ) == (0, 2, 0)
 
 
 def test_colocated_gets_routed_dp_rank_only():
@@ -104,25 +126,51 @@ def test_colocated_gets_routed_dp_rank_only():
     assert p_body is None and body == {"prompt": "x", "routed_dp_rank": 2}
 
 
-@pytest.mark.parametrize("client, prefill_leg, decode_leg", [
-    # routed_dp_rank pins both legs (as if the client had sent its body to both servers)
-    ({"routed_dp_rank": 1}, {"routed_dp_rank": 1}, {"routed_dp_rank": 1, "disagg_prefill_dp_rank": 1}),
-    ({"routed_dp_rank": [0, 1]}, {"routed_dp_rank": [0, 1]},
-     {"routed_dp_rank": [0, 1], "disagg_prefill_dp_rank": [0, 1]}),
-    # the deprecated alias counts as routed_dp_rank, and no routed_dp_rank is added next to it
-    ({"data_parallel_rank": 2}, {"data_parallel_rank": 2}, {"data_parallel_rank": 2, "disagg_prefill_dp_rank": 2}),
-    # disagg_prefill_dp_rank pins the prefill leg; decode's group is still chosen
-    ({"disagg_prefill_dp_rank": 1}, {"disagg_prefill_dp_rank": 1, "routed_dp_rank": 1},
-     {"disagg_prefill_dp_rank": 1, "routed_dp_rank": 7}),
-    ({"routed_dp_rank": 0, "disagg_prefill_dp_rank": 1}, {"routed_dp_rank": 0, "disagg_prefill_dp_rank": 1},
-     {"routed_dp_rank": 0, "disagg_prefill_dp_rank": 1}),
-    ({"routed_dp_rank": None}, {"routed_dp_rank": 6}, {"routed_dp_rank": 7, "disagg_prefill_dp_rank": 6}),
-])
+@pytest.mark.parametrize(
+    "client, prefill_leg, decode_leg",
+    [
+        # routed_dp_rank pins both legs (as if the client had sent its body to both servers)
+        (
+            {"routed_dp_rank": 1},
+            {"routed_dp_rank": 1},
+            {"routed_dp_rank": 1, "disagg_prefill_dp_rank": 1},
+        ),
+        (
+            {"routed_dp_rank": [0, 1]},
+            {"routed_dp_rank": [0, 1]},
+            {"routed_dp_rank": [0, 1], "disagg_prefill_dp_rank": [0, 1]},
+        ),
+        # the deprecated alias counts as routed_dp_rank, and no routed_dp_rank is added next to it
+        (
+            {"data_parallel_rank": 2},
+            {"data_parallel_rank": 2},
+            {"data_parallel_rank": 2, "disagg_prefill_dp_rank": 2},
+        ),
+        # disagg_prefill_dp_rank pins the prefill leg; decode's group is still chosen
+        (
+            {"disagg_prefill_dp_rank": 1},
+            {"disagg_prefill_dp_rank": 1, "routed_dp_rank": 1},
+            {"disagg_prefill_dp_rank": 1, "routed_dp_rank": 7},
+        ),
+        (
+            {"routed_dp_rank": 0, "disagg_prefill_dp_rank": 1},
+            {"routed_dp_rank": 0, "disagg_prefill_dp_rank": 1},
+            {"routed_dp_rank": 0, "disagg_prefill_dp_rank": 1},
+        ),
+        (
+            {"routed_dp_rank": None},
+            {"routed_dp_rank": 6},
+            {"routed_dp_rank": 7, "disagg_prefill_dp_rank": 6},
+        ),
+    ],
+)
 def test_fields_the_client_set_are_kept(client, prefill_leg, decode_leg):
     choose_p, choose_d = chooser(6), chooser(7)
     p_body, d_body = protocol.with_dp_ranks({"text": "x", **client}, choose_p, choose_d)
     assert p_body == {"text": "x", **prefill_leg} and d_body == {"text": "x", **decode_leg}
-    assert choose_p.calls == ([6] if p_body.get("routed_dp_rank") == 6 else [])  # only for groups left open
+    assert choose_p.calls == (
+        [6] if p_body.get("routed_dp_rank") == 6 else []
+    )  # only for groups left open
     assert choose_d.calls == ([7] if d_body.get("routed_dp_rank") == 7 else [])
 
 
@@ -155,8 +203,11 @@ def make_router():
     routers = []
 
     def make(**kw) -> RunningRouter:
-        r = RunningRouter(RouterArgs(health_check_interval=0.2, health_failure_threshold=1, load_poll_interval=0.05,
-                                     **kw))
+        r = RunningRouter(
+            RouterArgs(
+                health_check_interval=0.2, health_failure_threshold=1, load_poll_interval=0.05, **kw
+            )
+        )
         routers.append(r)
         r.wait_ready()
         return r
@@ -174,7 +225,10 @@ def test_router_learns_dp_sizes_and_routes_each_leg(workers, make_router):
     p, d, _ = workers
     p.dp_size, d.dp_size = 2, 4
     r = make_router(prefill=[(p.url, p.bootstrap_port)], decode=[d.url], dp_aware=True)
-    assert (r.worker(p.url).dp_size, r.worker(d.url).dp_size) == (2, 4)  # known before the first request
+    assert (r.worker(p.url).dp_size, r.worker(d.url).dp_size) == (
+        2,
+        4,
+    )  # known before the first request
     seen = []
     for _ in range(3):
         assert r.client.post("/generate", json=GEN).status_code == 200
@@ -185,8 +239,12 @@ def test_router_learns_dp_sizes_and_routes_each_leg(workers, make_router):
     assert seen == [(0, 0), (1, 1), (0, 2)]  # no load reported: in turn, per worker
     # with per-group loads, the least loaded group
     d.group_loads = [{"num_reqs": 3, "num_waiting_reqs": 0, "num_tokens": 0}] * 3 + [
-        {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
-    wait_until(lambda: r.worker(d.url).group_loads == [(3, 0)] * 3 + [(0, 0)], what="decode group loads polled")
+        {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+    ]
+    wait_until(
+        lambda: r.worker(d.url).group_loads == [(3, 0)] * 3 + [(0, 0)],
+        what="decode group loads polled",
+    )
     r.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "routed_dp_rank": None})
     assert last_body(d)["routed_dp_rank"] == 3
     # a client's choice stands
@@ -220,7 +278,9 @@ def test_without_the_flag_nothing_is_injected(workers, make_router):
     p.dp_size = d.dp_size = w.dp_size = 2
     r = make_router(prefill=[(p.url, p.bootstrap_port)], decode=[d.url])
     assert r.client.post("/generate", json=GEN).status_code == 200
-    assert not any("dp_rank" in k for k in last_body(p)) and not any("dp_rank" in k for k in last_body(d))
+    assert not any("dp_rank" in k for k in last_body(p)) and not any(
+        "dp_rank" in k for k in last_body(d)
+    )
     assert r.worker(d.url).dp_size is None
     r2 = make_router(worker=[w.url])
     raw = b'{"text": "x",   "sampling_params": {}}'
@@ -230,6 +290,7 @@ def test_without_the_flag_nothing_is_injected(workers, make_router):
 
 def test_server_info_fallbacks(make_router):
     """A worker with only the old /get_server_info, and one with no server info at all."""
+
     def app(info_path: str | None) -> tuple[FastAPI, list]:
         bodies: list = []
         a = FastAPI()
@@ -240,6 +301,7 @@ def test_server_info_fallbacks(make_router):
         async def generate(request: Request):
             bodies.append(await request.json())
             return {"text": "ok"}
+
         a.add_api_route("/generate", generate, methods=["POST"])
         return a, bodies
 
@@ -251,7 +313,10 @@ def test_server_info_fallbacks(make_router):
         assert old.dp_size == 2 and bare.dp_size is None
         for _ in range(4):
             assert r.client.post("/generate", json={"text": "x"}).status_code == 200
-        assert sorted(b["routed_dp_rank"] for b in old_bodies) == [0, 1]  # round robin over 2 workers
+        assert sorted(b["routed_dp_rank"] for b in old_bodies) == [
+            0,
+            1,
+        ]  # round robin over 2 workers
         assert [b["routed_dp_rank"] for b in bare_bodies] == [0, 0]  # unknown: one group
     finally:
         for s in servers:

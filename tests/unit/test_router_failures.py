@@ -3,11 +3,8 @@ worker a retry replaces, circuit breakers of a worker that came back."""
 
 from __future__ import annotations
 
-import pytest
-
 from tests.helpers.fake_workers import wait_until
 from tests.unit.test_router import GEN, sse_events
-
 
 # the fake workers of this module (tests/unit/conftest.py: ``workers``, ``pd``)
 WORKER_ROLES = ("prefill", "prefill", "decode", "decode")
@@ -34,7 +31,9 @@ def test_stream_error_without_a_retry_keeps_its_status_and_reason(pd, make_route
     assert resp.json()["error"]["message"] == "decode0 injected stream failure"
     d0.stream_error_status = 400  # a client error is not retried and not a worker failure
     resp = r.client.post("/generate", json={**GEN, "stream": True})
-    assert resp.status_code == 400 and len(d0.generation_requests()) == 2  # one decode: nothing to retry on
+    assert (
+        resp.status_code == 400 and len(d0.generation_requests()) == 2
+    )  # one decode: nothing to retry on
 
 
 def test_retry_after_a_prefill_failure_keeps_the_decode(pd, make_router):
@@ -46,7 +45,11 @@ def test_retry_after_a_prefill_failure_keeps_the_decode(pd, make_router):
         resp = r.client.post("/generate", json={**GEN, "stream": stream})
         assert resp.status_code == 200
         bad = p0.generation_requests()[-1].json["bootstrap_room"]
-        first = next(d for d in (d0, d1) if any(rec.json["bootstrap_room"] == bad for rec in d.generation_requests()))
+        first = next(
+            d
+            for d in (d0, d1)
+            if any(rec.json["bootstrap_room"] == bad for rec in d.generation_requests())
+        )
         # both attempts went to the same decode: only the prefill leg was at fault
         assert len(first.generation_requests()) == before[first.name] + 2
 
@@ -63,8 +66,12 @@ def test_a_worker_back_from_the_dead_gets_a_fresh_breaker(pd, make_router):
     wait_until(lambda: not r.worker(d0.url).healthy, what="decode0 out")
     d0.health_status = 200  # e.g. restarted: health checks pass again
     wait_until(lambda: r.worker(d0.url).healthy, what="decode0 back")
-    assert r.worker(d0.url).breaker.state == "half_open"  # no cooldown to sit out: the next request is its trial
-    served = {r.client.post("/generate", json=GEN).json()["meta_info"]["served_by"] for _ in range(2)}
+    assert (
+        r.worker(d0.url).breaker.state == "half_open"
+    )  # no cooldown to sit out: the next request is its trial
+    served = {
+        r.client.post("/generate", json=GEN).json()["meta_info"]["served_by"] for _ in range(2)
+    }
     assert "decode0" in served and r.worker(d0.url).breaker.state == "closed"
 
 

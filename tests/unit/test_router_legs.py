@@ -18,13 +18,17 @@ EVENT = b'data: {"text": "first"}\n\n'
 async def _one_event_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     await reader.readuntil(b"\r\n\r\n")
     await reader.readexactly(2)  # the body: {}
-    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-                 + b"%x\r\n%s\r\n" % (len(EVENT), EVENT))  # one chunk, then the connection ends mid-stream
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        + b"%x\r\n%s\r\n" % (len(EVENT), EVENT)
+    )  # one chunk, then the connection ends mid-stream
     await writer.drain()
     writer.close()
 
 
-@pytest.mark.parametrize("wait_s", [0.0, 0.3])  # 0.3: the chunk and the close are both in before the read
+@pytest.mark.parametrize(
+    "wait_s", [0.0, 0.3]
+)  # 0.3: the chunk and the close are both in before the read
 def test_bytes_before_a_broken_connection_come_out_first(wait_s):
     async def run():
         server = await asyncio.start_server(_one_event_then_close, "127.0.0.1", 0)
@@ -33,8 +37,15 @@ def test_bytes_before_a_broken_connection_come_out_first(wait_s):
         gone = []
         session = new_session(10.0, {})
         try:
-            leg = Leg(session, worker, "/generate", b"{}", {"content-type": "application/json"},
-                      lambda w, e: gone.append(e), RouterMetrics(types.SimpleNamespace(workers=[])))
+            leg = Leg(
+                session,
+                worker,
+                "/generate",
+                b"{}",
+                {"content-type": "application/json"},
+                lambda w, e: gone.append(e),
+                RouterMetrics(types.SimpleNamespace(workers=[])),
+            )
             resp = await leg.headers_task
             assert resp.status == 200
             await asyncio.sleep(wait_s)

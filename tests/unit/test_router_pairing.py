@@ -52,6 +52,9 @@ def test_backends_must_match_and_unknown_is_not_held_against_a_pair(pd, make_rou
     assert len(gen_requests(p1)) == 4 and not gen_requests(p0)
     r2 = make_router([p0], [d0])
     resp = r2.client.post("/generate", json=GEN)
-    assert resp.status_code == 503 and "same --disaggregation-transfer-backend" in resp.json()["error"]["message"]
+    assert (
+        resp.status_code == 503
+        and "same --disaggregation-transfer-backend" in resp.json()["error"]["message"]
+    )
     r3 = make_router([p0], [d1])
     assert r3.client.post("/generate", json=GEN).status_code == 200

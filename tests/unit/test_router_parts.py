@@ -14,26 +14,50 @@ from pdserve.router.workers import CircuitBreaker, Worker, bootstrap_host, parse
 
 # ---------------------------------------------------------------------------- arguments
 def test_parse_prefill_with_and_without_bootstrap_port():
-    args = parse_args(["--prefill", "http://h1:30000", "9001", "--prefill", "h2:30000", "--prefill",
-                       "http://h3:1/", "none", "--decode", "http://d:1", "--policy", "least_load",
-                       "--request-timeout-secs", "7", "--pd-disaggregation"])
-    assert args.prefill == [("http://h1:30000", 9001), ("http://h2:30000", DEFAULT_BOOTSTRAP_PORT),
-                            ("http://h3:1", None)]
-    assert args.decode == ["http://d:1"] and args.policy == "least_load" and args.request_timeout == 7
+    args = parse_args(
+        [
+            "--prefill",
+            "http://h1:30000",
+            "9001",
+            "--prefill",
+            "h2:30000",
+            "--prefill",
+            "http://h3:1/",
+            "none",
+            "--decode",
+            "http://d:1",
+            "--policy",
+            "least_load",
+            "--request-timeout-secs",
+            "7",
+            "--pd-disaggregation",
+        ]
+    )
+    assert args.prefill == [
+        ("http://h1:30000", 9001),
+        ("http://h2:30000", DEFAULT_BOOTSTRAP_PORT),
+        ("http://h3:1", None),
+    ]
+    assert (
+        args.decode == ["http://d:1"] and args.policy == "least_load" and args.request_timeout == 7
+    )
     assert args.pd_mode
 
 
-@pytest.mark.parametrize("argv,field", [
-    (["--prefill", "http://p:1"], "prefill/decode"),
-    (["--decode", "http://d:1"], "prefill/decode"),
-    ([], "prefill/decode"),
-    (["--prefill", "http://p:1", "--decode", "http://d:1", "--worker", "http://w:1"], "worker"),
-    (["--prefill", "http://p:1", "x", "y", "--decode", "http://d:1"], "prefill"),
-    (["--prefill", "http://p:1", "port", "--decode", "http://d:1"], "prefill"),
-    (["--prefill", "http://p:1", "--decode", "http://p:1"], "worker URLs"),
-    (["--worker", "ftp://w:1"], "invalid worker URL"),
-    (["--worker", "http://w:1", "--health-check-interval", "0"], "health_check_interval"),
-])
+@pytest.mark.parametrize(
+    "argv,field",
+    [
+        (["--prefill", "http://p:1"], "prefill/decode"),
+        (["--decode", "http://d:1"], "prefill/decode"),
+        ([], "prefill/decode"),
+        (["--prefill", "http://p:1", "--decode", "http://d:1", "--worker", "http://w:1"], "worker"),
+        (["--prefill", "http://p:1", "x", "y", "--decode", "http://d:1"], "prefill"),
+        (["--prefill", "http://p:1", "port", "--decode", "http://d:1"], "prefill"),
+        (["--prefill", "http://p:1", "--decode", "http://p:1"], "worker URLs"),
+        (["--worker", "ftp://w:1"], "invalid worker URL"),
+        (["--worker", "http://w:1", "--health-check-interval", "0"], "health_check_interval"),
+    ],
+)
 def test_bad_arguments_name_the_problem(argv, field):
     with pytest.raises(ValueError, match=field):
         parse_args(argv)
@@ -114,8 +138,12 @@ def test_random_policy_only_picks_candidates_and_unknown_policy_fails():
 def test_worker_helpers():
     assert bootstrap_host("http://10.0.0.5:30000") == "10.0.0.5"
     assert bootstrap_host("http://[::1]:30000") == "[::1]"
-    assert parse_load([{"dp_rank": 0, "num_reqs": 2, "num_waiting_reqs": 1, "num_tokens": 50},
-                       {"dp_rank": 1, "num_reqs": 1, "num_waiting_reqs": 0, "num_tokens": 7}]) == (4, 57)
+    assert parse_load(
+        [
+            {"dp_rank": 0, "num_reqs": 2, "num_waiting_reqs": 1, "num_tokens": 50},
+            {"dp_rank": 1, "num_reqs": 1, "num_waiting_reqs": 0, "num_tokens": 7},
+        ]
+    ) == (4, 57)
     assert parse_load({"load": 5}) == (5, 0)
     w = Worker("http://x:1", "decode")
     assert not w.available  # unknown until the first health check
@@ -143,8 +171,10 @@ def test_parse_body_rejects_non_objects(raw):
 
 
 def test_merge_json_per_item_and_with_samples():
-    p_items = [{"meta_info": {"input_token_logprobs": [[-1, 1, None]]}},
-               {"meta_info": {"input_token_logprobs": [[-2, 2, None]]}}]
+    p_items = [
+        {"meta_info": {"input_token_logprobs": [[-1, 1, None]]}},
+        {"meta_info": {"input_token_logprobs": [[-2, 2, None]]}},
+    ]
     decode = [{"meta_info": {"input_token_logprobs": []}} for _ in range(4)]  # 2 inputs x n=2
     merged = json.loads(protocol.merge_logprobs_json(json.dumps(decode).encode(), p_items))
     assert [m["meta_info"]["input_token_logprobs"][0][1] for m in merged] == [1, 1, 2, 2]
@@ -164,7 +194,10 @@ def test_merge_event_leaves_other_events_alone():
     event = b'data: {"meta_info": {"input_token_logprobs": [[-3, 6, null]]}, "index": 0}\n\n'
     merged = protocol.merge_logprobs_event(event, p_items, 1)
     assert merged.endswith(b"\n\n")
-    assert json.loads(merged[6:])["meta_info"]["input_token_logprobs"] == [[-1, 5, None], [-3, 6, None]]
+    assert json.loads(merged[6:])["meta_info"]["input_token_logprobs"] == [
+        [-1, 5, None],
+        [-3, 6, None],
+    ]
     for untouched in (b"data: [DONE]\n\n", b": keep-alive\n\n", b'data: {"choices":  []}\n\n'):
         assert protocol.merge_logprobs_event(untouched, p_items, 1) == untouched
 
@@ -173,7 +206,11 @@ def test_event_boundaries():
     assert protocol.event_boundary(b"") == 0
     assert protocol.event_boundary(b"data: 1\n\ndata: 2") == len(b"data: 1\n\n")
     assert protocol.event_boundary(b"data: 1\r\n\r\n") == len(b"data: 1\r\n\r\n")
-    assert protocol.split_events(b"data: 1\n\n: c\n\ndata: 2\n\n") == [b"data: 1\n\n", b": c\n\n", b"data: 2\n\n"]
+    assert protocol.split_events(b"data: 1\n\n: c\n\ndata: 2\n\n") == [
+        b"data: 1\n\n",
+        b": c\n\n",
+        b"data: 2\n\n",
+    ]
 
 
 def test_router_args_defaults_are_valid():

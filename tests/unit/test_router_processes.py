@@ -34,17 +34,40 @@ def router(cluster, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("router-processes") / "router.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "router", "--port", str(port), "--workers", "2",
-                                 "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url],
-                                stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PDSERVE_DISABLE_CPU_KERNELS": "1"})
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "router",
+                "--port",
+                str(port),
+                "--workers",
+                "2",
+                "--prefill",
+                prefill.url,
+                str(prefill.bootstrap_port),
+                "--decode",
+                decode.url,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PDSERVE_DISABLE_CPU_KERNELS": "1"},
+        )
     url = f"http://127.0.0.1:{port}"
 
     def children_ready() -> bool:
         assert proc.poll() is None, log.read_text()
-        kids = [k for k in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(k.cmdline())]
-        return len(kids) == 2 and all(any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
-                                          for c in k.net_connections("tcp")) for k in kids)
+        kids = [
+            k for k in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(k.cmdline())
+        ]
+        return len(kids) == 2 and all(
+            any(
+                c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                for c in k.net_connections("tcp")
+            )
+            for k in kids
+        )
 
     wait_until(children_ready, timeout=120, what="both router processes listening")
     yield proc, url, port
@@ -76,12 +99,16 @@ def test_both_processes_serve_requests(router, cluster):
     routed = [json.loads(req.body) for req in decode.requests[before:] if req.path == "/generate"]
     assert len(routed) == 40 and all(b.get("bootstrap_room") is not None for b in routed)
     port = int(decode.url.rsplit(":", 1)[1])
-    assert len(serving_processes(proc, port)) == 2  # each process keeps its own pooled connection to decode
+    assert (
+        len(serving_processes(proc, port)) == 2
+    )  # each process keeps its own pooled connection to decode
 
 
 def test_worker_api_changes_are_refused(router):
     _, url, _ = router
-    r = httpx.post(url + "/workers", json={"url": "http://127.0.0.1:1", "worker_type": "decode"}, timeout=30)
+    r = httpx.post(
+        url + "/workers", json={"url": "http://127.0.0.1:1", "worker_type": "decode"}, timeout=30
+    )
     assert r.status_code == 409
     assert "--prefill-dns/--decode-dns" in r.json()["error"]["message"]
     assert httpx.get(url + "/workers", timeout=30).status_code == 200  # listing still works
@@ -93,6 +120,10 @@ def test_a_process_that_dies_stops_the_others(router):
     kids[0].send_signal(signal.SIGKILL)
     assert proc.wait(30) == 1
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and kids[1].is_running() and kids[1].status() != psutil.STATUS_ZOMBIE:
+    while (
+        time.monotonic() < deadline
+        and kids[1].is_running()
+        and kids[1].status() != psutil.STATUS_ZOMBIE
+    ):
         time.sleep(0.1)
     assert not kids[1].is_running() or kids[1].status() == psutil.STATUS_ZOMBIE

@@ -11,7 +11,6 @@ from pdserve.router.workers import CircuitBreaker
 from tests.helpers.fake_workers import wait_until
 from tests.unit.test_router import GEN
 
-
 # the fake workers of this module (tests/unit/conftest.py: ``workers``, ``pd``)
 WORKER_ROLES = ("prefill", "decode", "decode")
 
@@ -21,7 +20,9 @@ def test_connection_closed_mid_request_takes_the_worker_out(pd, make_router):
     d0.die_mid_stream = True
     # health checks far apart: only the broken request can have taken decode0 out
     r = make_router([p0], [d0], health_check_interval=30, cb_failure_threshold=0)
-    d0.health_status = 503  # as a restarting server would answer; the health loop is asleep for 30 s
+    d0.health_status = (
+        503  # as a restarting server would answer; the health loop is asleep for 30 s
+    )
     resp = r.client.post("/generate", json={**GEN, "stream": True})
     assert resp.status_code == 200 and b"decode stream broke" in resp.content
     assert not r.worker(d0.url).healthy
@@ -82,10 +83,17 @@ def test_router_api_key_and_the_key_it_gives_workers(pd, make_router):
     r = make_router([p0], [d0], api_key="router-key", worker_api_key="worker-key")
     resp = r.client.post("/generate", json=GEN)
     assert resp.status_code == 401
-    assert resp.json() == {"error": {"message": "missing API key: send it as 'Authorization: Bearer <key>'",
-                                     "type": "invalid_request_error", "code": 401}}
+    assert resp.json() == {
+        "error": {
+            "message": "missing API key: send it as 'Authorization: Bearer <key>'",
+            "type": "invalid_request_error",
+            "code": 401,
+        }
+    }
     resp = r.client.post("/generate", json=GEN, headers={"Authorization": "Bearer worker-key"})
-    assert resp.status_code == 401 and resp.json()["error"]["message"] == "incorrect API key provided"
+    assert (
+        resp.status_code == 401 and resp.json()["error"]["message"] == "incorrect API key provided"
+    )
     assert not p0.generation_requests() and not d0.generation_requests()
     assert r.client.get("/health").status_code == 200
     assert r.client.get("/metrics").status_code == 200
@@ -102,10 +110,13 @@ def test_router_api_key_and_the_key_it_gives_workers(pd, make_router):
 def test_router_key_flags(monkeypatch):
     monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
     base = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
-    assert parse_args([*base, "--api-key", "k"]).worker_api_key == "k"  # workers share the router's key
+    assert (
+        parse_args([*base, "--api-key", "k"]).worker_api_key == "k"
+    )  # workers share the router's key
     assert parse_args([*base, "--api-key", "k", "--worker-api-key", "w"]).worker_api_key == "w"
     monkeypatch.setenv("PDSERVE_API_KEY", "from-env")
     assert parse_args(base).api_key == "from-env"
     with pytest.raises(ValueError, match="api_key"):
-        RouterArgs(prefill=[("http://127.0.0.1:1", None)], decode=["http://127.0.0.1:2"], api_key="")
-
+        RouterArgs(
+            prefill=[("http://127.0.0.1:1", None)], decode=["http://127.0.0.1:2"], api_key=""
+        )

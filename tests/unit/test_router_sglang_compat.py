@@ -13,7 +13,9 @@ from pdserve.router.args import RouterArgs
 from tests.helpers.fake_workers import AppServer, FakeCluster, free_port, wait_until
 from tests.helpers.sglang_router import sglang_router_available, start_sglang_router
 
-pytestmark = pytest.mark.skipif(not sglang_router_available(), reason="sglang-router is not installed")
+pytestmark = pytest.mark.skipif(
+    not sglang_router_available(), reason="sglang-router is not installed"
+)
 
 CASES = [
     ("/generate", {"text": "hello world", "sampling_params": {"max_new_tokens": 2}}),
@@ -21,9 +23,14 @@ CASES = [
     ("/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 2, "n": 2}}),
     ("/v1/completions", {"model": "m", "prompt": ["a", "b"], "max_tokens": 2}),
     ("/v1/completions", {"model": "m", "prompt": "a", "max_tokens": 2, "n": 2}),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                              "n": 2}),
+    (
+        "/v1/chat/completions",
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2},
+    ),
 ]
 
 
@@ -31,10 +38,14 @@ CASES = [
 def routers():
     cluster = FakeCluster()
     p, d = cluster.add("prefill"), cluster.add("decode")
-    ours = AppServer(create_app(RouterArgs(prefill=[(p.url, p.bootstrap_port)], decode=[d.url])), lifespan="on")
+    ours = AppServer(
+        create_app(RouterArgs(prefill=[(p.url, p.bootstrap_port)], decode=[d.url])), lifespan="on"
+    )
     ref = start_sglang_router([(p.url, p.bootstrap_port)], [d.url], free_port())
     try:
-        wait_until(lambda: httpx.get(ours.url + "/health").status_code == 200, what="our router ready")
+        wait_until(
+            lambda: httpx.get(ours.url + "/health").status_code == 200, what="our router ready"
+        )
         yield p, d, ours.url, f"http://127.0.0.1:{ref.args[ref.args.index('--port') + 1]}"
     finally:
         ref.terminate()
@@ -48,6 +59,7 @@ def bootstrap_shape(body: dict) -> dict:
         if not isinstance(v, list):
             return type(v).__name__
         return "list", len(v), len(set(v)) if v and isinstance(v[0], int) else None
+
     return {k: shape(body[k]) for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room")}
 
 
@@ -67,12 +79,22 @@ def test_bootstrap_fields_match_reference_router(routers, path, body):
 
 def test_stream_logprob_merge_matches_reference_router(routers):
     _, _, ours, ref = routers
-    body = {"text": "one two three", "sampling_params": {"max_new_tokens": 3}, "return_logprob": True, "stream": True}
+    body = {
+        "text": "one two three",
+        "sampling_params": {"max_new_tokens": 3},
+        "return_logprob": True,
+        "stream": True,
+    }
     outputs = []
     for base in (ours, ref):
         raw = httpx.post(base + "/generate", json=body, timeout=30).content.decode()
-        outputs.append([json.loads(line[6:]) if line[6:] != "[DONE]" else line[6:]
-                        for line in raw.split("\n") if line.startswith("data: ")])
+        outputs.append(
+            [
+                json.loads(line[6:]) if line[6:] != "[DONE]" else line[6:]
+                for line in raw.split("\n")
+                if line.startswith("data: ")
+            ]
+        )
     mine, theirs = outputs
     assert len(mine) == len(theirs) == 4 and mine[-1] == theirs[-1] == "[DONE]"
     # The reference merges only the first event of each network read (the fake decode writes

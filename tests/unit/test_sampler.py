@@ -83,7 +83,7 @@ def test_temperature_zero_ignores_seed():
 def _run_steps(sampler, req, logits_fn, steps, others=()):
     """Decode `steps` tokens for `req`, optionally batched with `others` (placed around it)."""
     for step in range(steps):
-        batch = list(others[: len(others) // 2]) + [req] + list(others[len(others) // 2:])
+        batch = list(others[: len(others) // 2]) + [req] + list(others[len(others) // 2 :])
         logits = torch.stack([logits_fn(step, i) for i in range(len(batch))])
         pos = len(others) // 2
         logits[pos] = logits_fn(step, -1)
@@ -92,8 +92,9 @@ def _run_steps(sampler, req, logits_fn, steps, others=()):
     return req.output_ids
 
 
-@pytest.mark.parametrize("sp", [dict(temperature=1.0, top_p=0.95, seed=42),
-                                dict(temperature=0.8, seed=42)])
+@pytest.mark.parametrize(
+    "sp", [dict(temperature=1.0, top_p=0.95, seed=42), dict(temperature=0.8, seed=42)]
+)
 def test_seeded_request_reproducible_across_batch_composition(sp):
     vocab = 64
     flat = torch.randn(40, vocab, generator=torch.Generator().manual_seed(5)) * 0.3
@@ -180,16 +181,18 @@ def test_filters_beyond_the_candidate_tokens():
     narrow[500], narrow[501] = 10.0, 9.5
     n = 2000
     logits = torch.cat([wide.expand(2 * n, -1), narrow.expand(n, -1)])
-    reqs = ([make_req(top_p=0.95)] * n  # 290 * p_token = 0.952 > 0.95: keeps 0..289
-            # over the renormalised top 300: 245 / 300 > 0.815 keeps 0..244 (over the whole
-            # distribution it would keep 0..248)
-            + [make_req(top_k=300, top_p=0.815)] * n
-            + [make_req(top_k=2)] * n)
+    reqs = (
+        [make_req(top_p=0.95)] * n  # 290 * p_token = 0.952 > 0.95: keeps 0..289
+        # over the renormalised top 300: 245 / 300 > 0.815 keeps 0..244 (over the whole
+        # distribution it would keep 0..248)
+        + [make_req(top_k=300, top_p=0.815)] * n
+        + [make_req(top_k=2)] * n
+    )
     ids = make_sampler(vocab=1000).sample(logits, reqs).next_ids
-    for drawn, kept in ((ids[:n], 290), (ids[n:2 * n], 245)):
+    for drawn, kept in ((ids[:n], 290), (ids[n : 2 * n], 245)):
         assert set(drawn) <= set(range(kept))
         assert max(drawn) >= kept - 3
-    assert set(ids[2 * n:]) == {500, 501}
+    assert set(ids[2 * n :]) == {500, 501}
 
 
 def test_inverse_cdf_never_picks_zero_probability():
@@ -218,8 +221,9 @@ def test_repetition_penalty_divides_positive_multiplies_negative():
 
 def test_frequency_and_presence_penalties_count_output_only():
     logits = torch.zeros(1, V)
-    req = make_req(input_ids=[1, 4], output_ids=[3, 3, 5, 3], frequency_penalty=0.5,
-                   presence_penalty=0.25)
+    req = make_req(
+        input_ids=[1, 4], output_ids=[3, 3, 5, 3], frequency_penalty=0.5, presence_penalty=0.25
+    )
     got = make_sampler().process_logits(logits, [req])
     expected = torch.zeros(1, V)
     expected[0, 3] = -(0.5 * 3 + 0.25)
@@ -237,8 +241,9 @@ def test_penalties_per_row_and_in_sampling():
     assert make_sampler().sample(logits, reqs).next_ids == [1, 0, 1]
     neg = torch.tensor([[-1.0, -1.5] + [-9.0] * 6])
     # 1.6 multiplies -1.0 to -1.6 (dividing would give -0.625 and keep token 0)
-    assert make_sampler().sample(neg, [make_req(input_ids=[0], temperature=0.0,
-                                                repetition_penalty=1.6)]).next_ids == [1]
+    assert make_sampler().sample(
+        neg, [make_req(input_ids=[0], temperature=0.0, repetition_penalty=1.6)]
+    ).next_ids == [1]
 
 
 def test_min_new_tokens_masks_eos_and_stop_ids():
@@ -248,8 +253,14 @@ def test_min_new_tokens_masks_eos_and_stop_ids():
     logits[0, 2] = 1.0
     sampler = make_sampler()
     for ignore_eos in (False, True):
-        req = make_req(output_ids=[4], temperature=0.0, min_new_tokens=2, max_new_tokens=4,
-                       stop_token_ids=[5], ignore_eos=ignore_eos)
+        req = make_req(
+            output_ids=[4],
+            temperature=0.0,
+            min_new_tokens=2,
+            max_new_tokens=4,
+            stop_token_ids=[5],
+            ignore_eos=ignore_eos,
+        )
         assert sampler.sample(logits, [req]).next_ids == [2]
         req.output_ids.append(2)
         assert sampler.sample(logits, [req]).next_ids == [EOS]
@@ -265,8 +276,13 @@ def test_logprobs_match_log_softmax_of_raw_logits():
         make_req(temperature=0.0, return_logprob=True, top_logprobs_num=5),
         make_req(temperature=0.8, return_logprob=False, top_logprobs_num=3),
         make_req(temperature=1.0, return_logprob=True, repetition_penalty=1.5, seed=1),
-        make_req(temperature=0.0, return_logprob=True, top_logprobs_num=2, presence_penalty=1.0,
-                 output_ids=[int(logits[3].argmax())]),
+        make_req(
+            temperature=0.0,
+            return_logprob=True,
+            top_logprobs_num=2,
+            presence_penalty=1.0,
+            output_ids=[int(logits[3].argmax())],
+        ),
     ]
     out = make_sampler(vocab=30).sample(logits, reqs)
     ref = torch.log_softmax(logits, -1)

@@ -63,7 +63,9 @@ def test_passthrough_delay_stall_reset(relay):
         with pytest.raises(ConnectionResetError):
             s.sendall(b"x")
             s.recv(4096)
-    with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as s:  # new connections still work
+    with socket.create_connection(
+        ("127.0.0.1", relay.port), timeout=5
+    ) as s:  # new connections still work
         assert _roundtrip(s) < 0.1
     st = relay.stats()
     assert st["connections"] == 2 and st["resets"] == 2 and st["bytes_up"] >= 12

@@ -28,10 +28,24 @@ def test_shard_ranges():
         kv_heads_for_rank(2, 6, 0, 3)
 
 
-@pytest.mark.parametrize("p_tp, d_tp, kv, heads", [
-    (1, 1, 2, 4), (1, 2, 2, 4), (2, 1, 2, 4), (2, 2, 2, 4), (1, 2, 1, 4), (2, 1, 1, 4), (2, 4, 2, 8),
-    (4, 2, 2, 8), (4, 1, 2, 8), (1, 4, 8, 8), (4, 4, 1, 8), (2, 4, 4, 8), (4, 2, 8, 8),
-])
+@pytest.mark.parametrize(
+    "p_tp, d_tp, kv, heads",
+    [
+        (1, 1, 2, 4),
+        (1, 2, 2, 4),
+        (2, 1, 2, 4),
+        (2, 2, 2, 4),
+        (1, 2, 1, 4),
+        (2, 1, 1, 4),
+        (2, 4, 2, 8),
+        (4, 2, 2, 8),
+        (4, 1, 2, 8),
+        (1, 4, 8, 8),
+        (4, 4, 1, 8),
+        (2, 4, 4, 8),
+        (4, 2, 8, 8),
+    ],
+)
 def test_every_decode_head_is_written_exactly_once(p_tp, d_tp, kv, heads):
     plan = rank_map.plan(p_tp, d_tp, kv, heads)
     for d in range(d_tp):
@@ -47,7 +61,9 @@ def test_every_decode_head_is_written_exactly_once(p_tp, d_tp, kv, heads):
     if p_tp == d_tp:  # equal TP: rank to rank, whole pages
         assert all(s.prefill_rank == s.decode_rank and s.whole_pages for s in plan)
     for p in range(p_tp):
-        assert rank_map.destinations_of(p_tp, d_tp, kv, heads, p) == sum(s.prefill_rank == p for s in plan)
+        assert rank_map.destinations_of(p_tp, d_tp, kv, heads, p) == sum(
+            s.prefill_rank == p for s in plan
+        )
 
 
 # (prefill tp, decode tp, KV heads, query heads) -> prefill ranks whose heads are all read elsewhere
@@ -75,7 +91,9 @@ def test_every_prefill_rank_concludes_every_room(p_tp, d_tp, kv, heads):
         mine = [s for s in plan if s.prefill_rank == p]
         assert rank_map.destinations_of(p_tp, d_tp, kv, heads, p) == len(mine) >= 1
         if p in idle:  # an empty slice only, into decode rank p % d_tp, which asks it for nothing
-            assert len(mine) == 1 and mine[0].decode_rank == p % d_tp and not mine[0].writes_metadata
+            assert (
+                len(mine) == 1 and mine[0].decode_rank == p % d_tp and not mine[0].writes_metadata
+            )
             assert rank_map.pair_for(p_tp, d_tp, kv, heads, p, p % d_tp).empty
             assert not mine[0].whole_pages
         else:
@@ -83,7 +101,9 @@ def test_every_prefill_rank_concludes_every_room(p_tp, d_tp, kv, heads):
     for d in range(d_tp):
         src = rank_map.sources(p_tp, d_tp, kv, heads, d)
         assert [s.prefill_rank for s in src] == sorted(s.prefill_rank for s in src)
-        assert sum(s.writes_metadata for s in src) == 1 and not any(s.writes_metadata and s.empty for s in src)
+        assert sum(s.writes_metadata for s in src) == 1 and not any(
+            s.writes_metadata and s.empty for s in src
+        )
         d0, d1 = kv_heads_for_rank(kv, heads, d, d_tp)
         assert sum(s.num_heads for s in src) == d1 - d0
     pairs = {(s.prefill_rank, s.decode_rank) for s in plan}
@@ -103,7 +123,9 @@ def test_replicated_heads_are_read_from_different_replicas():
 
 def test_head_slice_descriptors_address_every_page():
     # 2 regions, src items of 3 heads x 32 bytes, dst items of 1 head; slice = head 2 of src
-    src, dst, lens = head_slice_descriptors([1000, 9000], [50000, 70000], 96, 32, [1, 5], [7, 8], 64, 0, 32)
+    src, dst, lens = head_slice_descriptors(
+        [1000, 9000], [50000, 70000], 96, 32, [1, 5], [7, 8], 64, 0, 32
+    )
     assert src.tolist() == [1000 + 96 + 64, 1000 + 5 * 96 + 64, 9000 + 96 + 64, 9000 + 5 * 96 + 64]
     assert dst.tolist() == [50000 + 7 * 32, 50000 + 8 * 32, 70000 + 7 * 32, 70000 + 8 * 32]
     assert (lens == 32).all() and lens.dtype == np.int64
@@ -128,8 +150,12 @@ def test_two_shards_reassemble_the_model(variant):
     assert torch.equal(o, full["model.layers.0.self_attn.o_proj.weight"])
     emb = torch.cat([m.model.embed_tokens.weight for m in ranks])[: cfg.vocab_size]
     assert torch.equal(emb, full["model.embed_tokens.weight"])
-    k_rows = [m.model.layers[0].self_attn.qkv_proj.weight[m.num_heads * D: (m.num_heads + m.num_kv_heads) * D]
-              for m in ranks]
+    k_rows = [
+        m.model.layers[0].self_attn.qkv_proj.weight[
+            m.num_heads * D : (m.num_heads + m.num_kv_heads) * D
+        ]
+        for m in ranks
+    ]
     if variant == "mqa-tied":  # one KV head, replicated on both ranks
         assert all(torch.equal(k, full["model.layers.0.self_attn.k_proj.weight"]) for k in k_rows)
         assert ranks[0].lm_head is None

@@ -28,22 +28,44 @@ def test_events_cross_the_scheduler_hop():
 
 
 def test_server_stages_and_public_names():
-    events = {"received": 10.0, "queued": 10.5, "preallocated": 11.0, "kv_received": 13.0,
-              "first_token": 12.9999, "finished": 15.0}
+    events = {
+        "received": 10.0,
+        "queued": 10.5,
+        "preallocated": 11.0,
+        "kv_received": 13.0,
+        "first_token": 12.9999,
+        "finished": 15.0,
+    }
     stages = dict(server_timeline.stages("decode", events))
-    assert stages == pytest.approx({"to_scheduler": 0.5, "decode_prealloc": 0.5, "decode_transfer": 2.0,
-                                    "decode_first_token": 0.0, "decode_generate": 2.0001})
-    assert "prefill_forward" not in dict(server_timeline.stages("prefill", events))  # its events are missing
+    assert stages == pytest.approx(
+        {
+            "to_scheduler": 0.5,
+            "decode_prealloc": 0.5,
+            "decode_transfer": 2.0,
+            "decode_first_token": 0.0,
+            "decode_generate": 2.0001,
+        }
+    )
+    assert "prefill_forward" not in dict(
+        server_timeline.stages("prefill", events)
+    )  # its events are missing
     assert list(server_timeline.public("decode", events)) == [
-        "decode_received", "decode_queued", "decode_preallocated", "decode_first_token", "decode_kv_received",
-        "decode_finished"]
+        "decode_received",
+        "decode_queued",
+        "decode_preallocated",
+        "decode_first_token",
+        "decode_kv_received",
+        "decode_finished",
+    ]
     assert list(server_timeline.public("null", {"queued": 1.0})) == ["server_queued"]
 
 
 def test_header():
     assert server_timeline.requested({"x-pdserve-timeline": "1"})
     assert router_timeline.requested({"x-pdserve-timeline": "true"})
-    assert not server_timeline.requested({"x-pdserve-timeline": "0"}) and not router_timeline.requested({})
+    assert not server_timeline.requested(
+        {"x-pdserve-timeline": "0"}
+    ) and not router_timeline.requested({})
 
 
 def merged(item: dict) -> list[str]:
@@ -54,8 +76,15 @@ def test_router_merges_generate_answers():
     decode = {"text": "x", "meta_info": {"id": "a", "timeline": DECODE}}
     prefill = [{"text": "", "meta_info": {"id": "a", "timeline": PREFILL}}]
     out = json.loads(router_timeline.merge_json(json.dumps(decode).encode(), prefill, 1, ROUTER))
-    assert merged(out) == ["router_received", "router_dispatched", "prefill_queued", "decode_queued",
-                           "prefill_forward_end", "decode_kv_received", "decode_finished"]
+    assert merged(out) == [
+        "router_received",
+        "router_dispatched",
+        "prefill_queued",
+        "decode_queued",
+        "prefill_forward_end",
+        "decode_kv_received",
+        "decode_finished",
+    ]
     # a batch of two inputs with n = 2: outputs 0, 1 belong to input 0
     batch = [{"meta_info": {"timeline": {"decode_finished": 9.0 + i}}} for i in range(4)]
     p_items = [{"meta_info": {"timeline": {"prefill_queued": float(i)}}} for i in range(2)]
@@ -67,26 +96,47 @@ def test_router_merges_generate_answers():
 
 
 def test_router_merges_openai_choices_and_events():
-    answer = {"choices": [{"index": 1, "timeline": {"decode_finished": 7.0}},
-                          {"index": 0, "timeline": {"decode_finished": 6.0}}]}
-    p_items = [{"choices": [{"index": 0, "timeline": {"prefill_queued": 2.0}},
-                            {"index": 1, "timeline": {"prefill_queued": 3.0}}]}]
+    answer = {
+        "choices": [
+            {"index": 1, "timeline": {"decode_finished": 7.0}},
+            {"index": 0, "timeline": {"decode_finished": 6.0}},
+        ]
+    }
+    p_items = [
+        {
+            "choices": [
+                {"index": 0, "timeline": {"prefill_queued": 2.0}},
+                {"index": 1, "timeline": {"prefill_queued": 3.0}},
+            ]
+        }
+    ]
     out = json.loads(router_timeline.merge_json(json.dumps(answer).encode(), p_items, 2, ROUTER))
     by_index = {c["index"]: c["timeline"] for c in out["choices"]}
     assert by_index[0]["prefill_queued"] == 2.0 and by_index[1]["prefill_queued"] == 3.0
     assert by_index[1]["router_dispatched"] == 1.5
     # a streamed chunk: only the finishing choice has a timeline; other events pass unchanged
-    chunk = b'data: {"choices": [{"index": 1, "delta": {}, "timeline": {"decode_finished": 7.0}}]}\n\n'
+    chunk = (
+        b'data: {"choices": [{"index": 1, "delta": {}, "timeline": {"decode_finished": 7.0}}]}\n\n'
+    )
     event = router_timeline.merge_event(chunk, p_items, 2, ROUTER)
-    data = json.loads(event.split(b"\n")[0][len(b"data: "):])
-    assert list(data["choices"][0]["timeline"]) == ["router_received", "router_dispatched", "prefill_queued",
-                                                     "decode_finished"]
+    data = json.loads(event.split(b"\n")[0][len(b"data: ") :])
+    assert list(data["choices"][0]["timeline"]) == [
+        "router_received",
+        "router_dispatched",
+        "prefill_queued",
+        "decode_finished",
+    ]
     plain = b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n'
     assert router_timeline.merge_event(plain, p_items, 2, ROUTER) is plain
-    assert router_timeline.merge_event(b"data: [DONE]\n\n", p_items, 2, ROUTER) == b"data: [DONE]\n\n"
+    assert (
+        router_timeline.merge_event(b"data: [DONE]\n\n", p_items, 2, ROUTER) == b"data: [DONE]\n\n"
+    )
 
 
 def test_router_stages():
     events = {"received": 1.0, "dispatched": 1.25, "first_byte": 2.0, "last_byte": 3.5}
-    assert dict(router_timeline.stages(events)) == {"router_dispatch": 0.25, "router_first_byte": 0.75,
-                                                    "router_last_byte": 1.5}
+    assert dict(router_timeline.stages(events)) == {
+        "router_dispatch": 0.25,
+        "router_first_byte": 0.75,
+        "router_last_byte": 1.5,
+    }

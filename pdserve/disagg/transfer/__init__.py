@@ -4,7 +4,12 @@
 NIXL) are imported only when selected.
 """
 
-from pdserve.disagg.transfer.base import (TransferBackend, TransferError, backend_names, get_backend,
-                                          register_backend)
+from pdserve.disagg.transfer.base import (
+    TransferBackend,
+    TransferError,
+    backend_names,
+    get_backend,
+    register_backend,
+)
 
 __all__ = ["TransferBackend", "TransferError", "backend_names", "get_backend", "register_backend"]

@@ -123,14 +123,18 @@ class TransferBackend:
     def register_regions(self, regions: Sequence[tuple[int, int]]) -> None:
         self._own = RegionSet(regions)
         self._own_regions = [(int(p), int(n)) for p, n in regions if n > 0]
-        self._windowed = self.role == "decode" and self.supports_windows and windows_possible(self._own_regions)
+        self._windowed = (
+            self.role == "decode" and self.supports_windows and windows_possible(self._own_regions)
+        )
         if not self._windowed:
             self._register(list(regions))
 
     def describe(self) -> dict[str, Any]:
         return {}
 
-    def connect(self, peer_id: str, info: dict[str, Any], regions: Sequence[tuple[int, int]]) -> None:
+    def connect(
+        self, peer_id: str, info: dict[str, Any], regions: Sequence[tuple[int, int]]
+    ) -> None:
         self._connect(peer_id, info)
         with self._lock:
             self._peers[peer_id] = RegionSet(regions)
@@ -187,8 +191,14 @@ class TransferBackend:
     # (``notify`` of ``write``; the peer reads them with ``take_notifications``).
     supports_notify = False
 
-    def write(self, peer_id: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray,
-              notify: Optional[bytes] = None) -> TransferHandle:
+    def write(
+        self,
+        peer_id: str,
+        src: np.ndarray,
+        dst: np.ndarray,
+        lengths: np.ndarray,
+        notify: Optional[bytes] = None,
+    ) -> TransferHandle:
         """Validate the whole batch, then hand it to the backend. Nothing moves if any
         descriptor is out of bounds. ``notify`` reaches the peer after the batch landed, on
         backends with ``supports_notify`` (ignored elsewhere)."""
@@ -196,19 +206,24 @@ class TransferBackend:
         dst = np.asarray(dst, dtype=np.int64)
         lengths = np.asarray(lengths, dtype=np.int64)
         if not (len(src) == len(dst) == len(lengths)):
-            raise TransferError(f"descriptor arrays differ in length: {len(src)}, {len(dst)}, {len(lengths)}")
+            raise TransferError(
+                f"descriptor arrays differ in length: {len(src)}, {len(dst)}, {len(lengths)}"
+            )
         with self._lock:
             peer = self._peers.get(peer_id)
         if peer is None:
             raise TransferError(f"not connected to peer {peer_id}")
         bad = peer.first_outside(dst, lengths)
         if bad >= 0:
-            raise TransferError(f"destination [{dst[bad]:#x}, +{lengths[bad]}) is outside the peer's "
-                                "registered buffers")
+            raise TransferError(
+                f"destination [{dst[bad]:#x}, +{lengths[bad]}) is outside the peer's "
+                "registered buffers"
+            )
         bad = self._own.first_outside(src, lengths)
         if bad >= 0:
-            raise TransferError(f"source [{src[bad]:#x}, +{lengths[bad]}) is outside this rank's "
-                                "registered buffers")
+            raise TransferError(
+                f"source [{src[bad]:#x}, +{lengths[bad]}) is outside this rank's registered buffers"
+            )
         if len(src) == 0:
             return CompletedHandle()
         if notify is not None and self.supports_notify:
@@ -231,7 +246,9 @@ class TransferBackend:
     def _unregister_window(self, win: Window) -> None:
         """Must not raise: a failure is logged, and the remap still fences the window."""
 
-    def _write(self, peer_id: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> TransferHandle:
+    def _write(
+        self, peer_id: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray
+    ) -> TransferHandle:
         raise NotImplementedError
 
 

@@ -29,12 +29,18 @@ _streams: dict[int, "torch.cuda.Stream"] = {}
 
 def allocate(nbytes: int, device: torch.device) -> tuple[torch.Tensor, dict[str, Any]]:
     tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    (dev, handle, size, offset, ref_handle, ref_offset, event_handle,
-     event_sync) = tensor.untyped_storage()._share_cuda_()
+    (dev, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = (
+        tensor.untyped_storage()._share_cuda_()
+    )
     share = {
-        "device": int(dev), "handle": bytes(handle), "storage_size": int(size), "storage_offset": int(offset),
-        "ref_counter_handle": bytes(ref_handle), "ref_counter_offset": int(ref_offset),
-        "event_handle": bytes(event_handle) if event_handle else b"", "event_sync_required": bool(event_sync),
+        "device": int(dev),
+        "handle": bytes(handle),
+        "storage_size": int(size),
+        "storage_offset": int(offset),
+        "ref_counter_handle": bytes(ref_handle),
+        "ref_counter_offset": int(ref_offset),
+        "event_handle": bytes(event_handle) if event_handle else b"",
+        "event_sync_required": bool(event_sync),
     }
     return tensor, share
 
@@ -42,9 +48,15 @@ def allocate(nbytes: int, device: torch.device) -> tuple[torch.Tensor, dict[str,
 def open_shared(share: dict[str, Any]) -> torch.Tensor:
     """A uint8 tensor over the peer's exported storage (its ``data_ptr()`` is the local base)."""
     storage = torch.UntypedStorage._new_shared_cuda(
-        share["device"], share["handle"], share["storage_size"], share["storage_offset"],
-        share["ref_counter_handle"], share["ref_counter_offset"], share["event_handle"] or None,
-        share["event_sync_required"])
+        share["device"],
+        share["handle"],
+        share["storage_size"],
+        share["storage_offset"],
+        share["ref_counter_handle"],
+        share["ref_counter_offset"],
+        share["event_handle"] or None,
+        share["event_sync_required"],
+    )
     t = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", share["device"]))
     t.set_(storage, 0, (share["storage_size"],), (1,))
     return t
@@ -71,8 +83,13 @@ def _cudart():
                     continue
             else:
                 raise TransferError("local backend (CUDA): libcudart not found")
-            lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                            ctypes.c_void_p]
+            lib.cudaMemcpyAsync.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_size_t,
+                ctypes.c_int,
+                ctypes.c_void_p,
+            ]
             lib.cudaMemcpyAsync.restype = ctypes.c_int
             _lib = lib
         return _lib
@@ -91,5 +108,7 @@ def copy_batch(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, device: st
         for d, s, n in zip(dst.tolist(), src.tolist(), lengths.tolist()):
             rc = lib.cudaMemcpyAsync(d, s, n, _CUDA_MEMCPY_DEFAULT, handle)
             if rc != 0:
-                raise TransferError(f"cudaMemcpyAsync({d:#x} <- {s:#x}, {n}) failed with CUDA error {rc}")
+                raise TransferError(
+                    f"cudaMemcpyAsync({d:#x} <- {s:#x}, {n}) failed with CUDA error {rc}"
+                )
         stream.synchronize()

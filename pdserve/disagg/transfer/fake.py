@@ -20,7 +20,9 @@ class FakeBackend(TransferBackend):
         self.batches = 0
         self.bytes = 0
 
-    def _write(self, peer_id: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> TransferHandle:
+    def _write(
+        self, peer_id: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray
+    ) -> TransferHandle:
         self.batches += 1
         self.bytes += int(lengths.sum())
         return CompletedHandle()

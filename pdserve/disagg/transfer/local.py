@@ -33,7 +33,12 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from pdserve.disagg.transfer.base import CompletedHandle, TransferBackend, TransferError, TransferHandle
+from pdserve.disagg.transfer.base import (
+    CompletedHandle,
+    TransferBackend,
+    TransferError,
+    TransferHandle,
+)
 from pdserve.engine.kv_pool import BufferAllocator
 
 logger = logging.getLogger(__name__)
@@ -94,7 +99,12 @@ def _sweep_stale() -> None:
         return
     for name in names:
         parts = name.split("-")  # pdserve-kv-<ns>-<pid>-<rand>
-        if not name.startswith(_PREFIX + "-") or len(parts) != 5 or parts[2] != ns or not parts[3].isdigit():
+        if (
+            not name.startswith(_PREFIX + "-")
+            or len(parts) != 5
+            or parts[2] != ns
+            or not parts[3].isdigit()
+        ):
             continue
         try:
             os.kill(int(parts[3]), 0)
@@ -132,7 +142,9 @@ def shm_allocator(nbytes: int, device: torch.device) -> torch.Tensor:
         from pdserve.disagg.transfer import cuda_ipc
 
         tensor, share = cuda_ipc.allocate(nbytes, device)
-        seg = _Segment("cuda_ipc", f"cuda-{uuid.uuid4().hex[:12]}", tensor.data_ptr(), nbytes, share=share)
+        seg = _Segment(
+            "cuda_ipc", f"cuda-{uuid.uuid4().hex[:12]}", tensor.data_ptr(), nbytes, share=share
+        )
         with _segments_lock:
             _segments.append(seg)
         return tensor
@@ -151,11 +163,17 @@ def shm_allocator(nbytes: int, device: torch.device) -> torch.Tensor:
             os.posix_fallocate(fd, 0, size)  # fail now (ENOSPC), not with SIGBUS on first touch
         except OSError as e:
             os.unlink(path)
-            raise MemoryError(f"cannot reserve {nbytes} bytes of shared memory in {_shm_dir()}: {e}") from e
+            raise MemoryError(
+                f"cannot reserve {nbytes} bytes of shared memory in {_shm_dir()}: {e}"
+            ) from e
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    tensor = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+    tensor = (
+        torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+        if nbytes
+        else torch.empty(0, dtype=torch.uint8)
+    )
     seg = _Segment("shm", name, tensor.data_ptr() if nbytes else 0, nbytes, mm=mm)
     with _segments_lock:
         _segments.append(seg)
@@ -171,7 +189,8 @@ def _own_segments_for(regions: list[tuple[int, int]]) -> list[_Segment]:
         if hit is None:
             raise TransferError(
                 f"buffer [{ptr:#x}, +{n}) is not in shared memory: allocate decode's KV pool and "
-                "metadata buffers with get_backend('local').buffer_allocator()")
+                "metadata buffers with get_backend('local').buffer_allocator()"
+            )
         used[hit.name] = hit
     return list(used.values())
 
@@ -223,10 +242,13 @@ class LocalBackend(TransferBackend):
             raise TransferError(
                 f"the local transfer backend needs prefill and decode on one host, and decode is on another "
                 f"(host {peer_host}, prefill {own_host}: boot id / network namespace); start both servers with "
-                "--disaggregation-transfer-backend mooncake (or nixl)")
+                "--disaggregation-transfer-backend mooncake (or nixl)"
+            )
         segs = sorted(info.get("segments", []), key=lambda s: s["base"])
         if not segs:
-            raise TransferError("peer described no shared segments (is decode using the local backend?)")
+            raise TransferError(
+                "peer described no shared segments (is decode using the local backend?)"
+            )
         keep, bases, kinds = [], [], []
         try:
             for s in segs:
@@ -234,7 +256,9 @@ class LocalBackend(TransferBackend):
                     path = os.path.join(info.get("dir", _shm_dir()), s["name"])
                     fd = os.open(path, os.O_RDWR)
                     try:
-                        mm = mmap.mmap(fd, max(s["size"], 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                        mm = mmap.mmap(
+                            fd, max(s["size"], 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+                        )
                     finally:
                         os.close(fd)
                     view = np.frombuffer(mm, dtype=np.uint8)
@@ -250,14 +274,19 @@ class LocalBackend(TransferBackend):
                     raise TransferError(f"unknown segment kind {s['kind']!r}")
                 kinds.append(s["kind"])
         except FileNotFoundError as e:
-            raise TransferError(f"decode's shared segment {e.filename} not found: decode exited, or it runs on "
-                                "another host (the local backend needs prefill and decode on one host)") from None
+            raise TransferError(
+                f"decode's shared segment {e.filename} not found: decode exited, or it runs on "
+                "another host (the local backend needs prefill and decode on one host)"
+            ) from None
         except OSError as e:
             raise TransferError(f"cannot map peer's shared segment: {e}") from None
         pm = _PeerMap(
             remote_starts=np.array([s["base"] for s in segs], dtype=np.int64),
             remote_ends=np.array([s["base"] + s["size"] for s in segs], dtype=np.int64),
-            local_bases=np.array(bases, dtype=np.int64), kinds=kinds, keepalive=keep)
+            local_bases=np.array(bases, dtype=np.int64),
+            kinds=kinds,
+            keepalive=keep,
+        )
         with self._cond:
             self._maps[peer_id] = pm
 
@@ -277,7 +306,9 @@ class LocalBackend(TransferBackend):
             except BufferError:
                 pass  # a view is still referenced somewhere; the GC unmaps it later
 
-    def _write(self, peer_id: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> TransferHandle:
+    def _write(
+        self, peer_id: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray
+    ) -> TransferHandle:
         with self._cond:
             pm = self._maps.get(peer_id)
             if pm is None or pm.closed:
@@ -288,7 +319,9 @@ class LocalBackend(TransferBackend):
             inside = (seg >= 0) & (dst + lengths <= pm.remote_ends[np.maximum(seg, 0)])
             if not inside.all():
                 i = int(np.flatnonzero(~inside)[0])
-                raise TransferError(f"destination [{dst[i]:#x}, +{lengths[i]}) is not in a shared segment")
+                raise TransferError(
+                    f"destination [{dst[i]:#x}, +{lengths[i]}) is not in a shared segment"
+                )
             local = pm.local_bases[seg] + (dst - pm.remote_starts[seg])
             if all(k == "shm" for k in pm.kinds) and not self.device.startswith("cuda"):
                 memmove = ctypes.memmove  # releases the GIL while copying

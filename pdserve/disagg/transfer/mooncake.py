@@ -37,16 +37,26 @@ from typing import Any, Optional
 
 import numpy as np
 
-from pdserve.disagg.transfer.base import CompletedHandle, TransferBackend, TransferError, TransferHandle
+from pdserve.disagg.transfer.base import (
+    CompletedHandle,
+    TransferBackend,
+    TransferError,
+    TransferHandle,
+)
 from pdserve.disagg.transfer.window import Window, memfd_allocator
 from pdserve.engine.kv_pool import BufferAllocator
 
 try:
     from mooncake.engine import TransferEngine
 except ImportError as e:  # the registry turns this into "backend 'mooncake' is not available: ..."
-    hint = ("apt-get install -y --no-install-recommends libibverbs1" if "libibverbs" in str(e)
-            else "pip install 'pdserve[mooncake]' (GPU hosts) or 'pdserve[mooncake-cpu]' (CPU-only hosts)")
-    raise ImportError(f"mooncake-transfer-engine cannot be imported ({e}); install it with: {hint}") from e
+    hint = (
+        "apt-get install -y --no-install-recommends libibverbs1"
+        if "libibverbs" in str(e)
+        else "pip install 'pdserve[mooncake]' (GPU hosts) or 'pdserve[mooncake-cpu]' (CPU-only hosts)"
+    )
+    raise ImportError(
+        f"mooncake-transfer-engine cannot be imported ({e}); install it with: {hint}"
+    ) from e
 
 logger = logging.getLogger(__name__)
 
@@ -89,27 +99,42 @@ class MooncakeBackend(TransferBackend):
         protocol = options.get("protocol") or getattr(sa, "disaggregation_mooncake_protocol", None)
         self.protocol = (protocol or ("rdma" if rdma_devices() else "tcp")).lower()
         if self.protocol not in PROTOCOLS:
-            raise ValueError(f"disaggregation_mooncake_protocol: must be one of {PROTOCOLS}, got {protocol!r}")
-        self.ib_device = options.get("ib_device") or getattr(sa, "disaggregation_ib_device", None) or ""
+            raise ValueError(
+                f"disaggregation_mooncake_protocol: must be one of {PROTOCOLS}, got {protocol!r}"
+            )
+        self.ib_device = (
+            options.get("ib_device") or getattr(sa, "disaggregation_ib_device", None) or ""
+        )
         if str(device).startswith("cuda") and self.protocol == "tcp":
-            logger.warning("Mooncake over tcp with the KV pool in GPU memory: Mooncake's maintainers do not "
-                           "support GPU buffers over tcp; use --disaggregation-mooncake-protocol rdma with GPUDirect")
-        self.max_descriptors = int(options.get("max_descriptors_per_call", MAX_DESCRIPTORS_PER_CALL))
+            logger.warning(
+                "Mooncake over tcp with the KV pool in GPU memory: Mooncake's maintainers do not "
+                "support GPU buffers over tcp; use --disaggregation-mooncake-protocol rdma with GPUDirect"
+            )
+        self.max_descriptors = int(
+            options.get("max_descriptors_per_call", MAX_DESCRIPTORS_PER_CALL)
+        )
         host = options.get("host") or local_host(sa)
         for key, value in ENGINE_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
         self.engine = TransferEngine()
-        rc = self.engine.initialize(host, "P2PHANDSHAKE", self.protocol,
-                                    self.ib_device if self.protocol == "rdma" else "")
+        rc = self.engine.initialize(
+            host, "P2PHANDSHAKE", self.protocol, self.ib_device if self.protocol == "rdma" else ""
+        )
         if rc != 0:
-            raise TransferError(f"Mooncake TransferEngine.initialize({host!r}, 'P2PHANDSHAKE', {self.protocol!r}, "
-                                f"{self.ib_device!r}) failed with return code {rc}")
+            raise TransferError(
+                f"Mooncake TransferEngine.initialize({host!r}, 'P2PHANDSHAKE', {self.protocol!r}, "
+                f"{self.ib_device!r}) failed with return code {rc}"
+            )
         self.session_id = f"{host}:{self.engine.get_rpc_port()}"
         self._registered: list[int] = []
         self._sessions: dict[str, str] = {}  # peer_id -> the peer engine's session id
         self._closed = threading.Event()
-        logger.info("Mooncake engine %s (%s%s)", self.session_id, self.protocol,
-                    f", devices {self.ib_device}" if self.ib_device else "")
+        logger.info(
+            "Mooncake engine %s (%s%s)",
+            self.session_id,
+            self.protocol,
+            f", devices {self.ib_device}" if self.ib_device else "",
+        )
 
     supports_windows = True
 
@@ -121,8 +146,10 @@ class MooncakeBackend(TransferBackend):
     def _register_window(self, win: Window, regions: list[tuple[int, int]]) -> None:
         rc = self.engine.batch_register_memory([p for p, _ in regions], [n for _, n in regions])
         if rc != 0:
-            raise TransferError(f"Mooncake batch_register_memory of a window ({len(regions)} regions) failed "
-                                f"with return code {rc}")
+            raise TransferError(
+                f"Mooncake batch_register_memory of a window ({len(regions)} regions) failed "
+                f"with return code {rc}"
+            )
         win.registered = [p for p, _ in regions]
 
     def _unregister_window(self, win: Window) -> None:
@@ -130,7 +157,9 @@ class MooncakeBackend(TransferBackend):
         if ptrs:
             rc = self.engine.batch_unregister_memory(ptrs)
             if rc != 0:
-                logger.warning("Mooncake batch_unregister_memory of window %s returned %d", win.key, rc)
+                logger.warning(
+                    "Mooncake batch_unregister_memory of window %s returned %d", win.key, rc
+                )
             win.registered = []
 
     def _register(self, regions: list[tuple[int, int]]) -> None:
@@ -140,8 +169,10 @@ class MooncakeBackend(TransferBackend):
         ptrs, lens = [p for p, _ in regions], [n for _, n in regions]
         rc = self.engine.batch_register_memory(ptrs, lens)
         if rc != 0:
-            raise TransferError(f"Mooncake batch_register_memory of {len(ptrs)} regions "
-                                f"({sum(lens)} bytes) failed with return code {rc}")
+            raise TransferError(
+                f"Mooncake batch_register_memory of {len(ptrs)} regions "
+                f"({sum(lens)} bytes) failed with return code {rc}"
+            )
         self._registered = ptrs
 
     def describe(self) -> dict[str, Any]:
@@ -150,9 +181,13 @@ class MooncakeBackend(TransferBackend):
     def _connect(self, peer_id: str, info: dict[str, Any]) -> None:
         session = info.get("session_id")
         if not session:
-            raise TransferError("peer described no Mooncake session id (is decode using the mooncake backend?)")
+            raise TransferError(
+                "peer described no Mooncake session id (is decode using the mooncake backend?)"
+            )
         if info.get("protocol", self.protocol) != self.protocol:
-            raise TransferError(f"Mooncake protocol mismatch: this side {self.protocol}, peer {info['protocol']}")
+            raise TransferError(
+                f"Mooncake protocol mismatch: this side {self.protocol}, peer {info['protocol']}"
+            )
         with self._lock:
             self._sessions[peer_id] = session
 
@@ -172,18 +207,26 @@ class MooncakeBackend(TransferBackend):
             self._registered = []
 
     # ---- data path -----------------------------------------------------------------------
-    def _write(self, peer_id: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> TransferHandle:
+    def _write(
+        self, peer_id: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray
+    ) -> TransferHandle:
         with self._lock:
             session = self._sessions.get(peer_id)
         if session is None:
             raise TransferError(f"not connected to peer {peer_id}")
         step = self.max_descriptors
         for i in range(0, len(src), step):
-            rc = self.engine.batch_transfer_sync_write(session, src[i:i + step].tolist(), dst[i:i + step].tolist(),
-                                                       lengths[i:i + step].tolist())
+            rc = self.engine.batch_transfer_sync_write(
+                session,
+                src[i : i + step].tolist(),
+                dst[i : i + step].tolist(),
+                lengths[i : i + step].tolist(),
+            )
             if rc != 0:
                 n = len(src)
-                return CompletedHandle(f"Mooncake write to {session} failed (return code {rc}) at descriptors "
-                                       f"{i}..{min(i + step, n) - 1} of {n}: peer unreachable, exited, or "
-                                       "destination not registered there")
+                return CompletedHandle(
+                    f"Mooncake write to {session} failed (return code {rc}) at descriptors "
+                    f"{i}..{min(i + step, n) - 1} of {n}: peer unreachable, exited, or "
+                    "destination not registered there"
+                )
         return CompletedHandle()

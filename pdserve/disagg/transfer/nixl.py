@@ -60,8 +60,10 @@ try:
     import nixl._api as _nixl_api
     from nixl._api import nixl_agent, nixl_agent_config
 except ImportError as e:  # the registry turns this into "backend 'nixl' is not available: ..."
-    raise ImportError(f"NIXL cannot be imported ({e}); install it with: "
-                      "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1") from e
+    raise ImportError(
+        f"NIXL cannot be imported ({e}); install it with: "
+        "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
+    ) from e
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +84,13 @@ class NixlHandle(TransferHandle):
     """One posted WRITE request; released once it finished (or failed)."""
 
     def __init__(self, backend: "NixlBackend", peer: str, xfer: Any, state: str, deadline: float):
-        self.backend, self.peer, self.xfer, self.state, self.deadline = backend, peer, xfer, state, deadline
+        self.backend, self.peer, self.xfer, self.state, self.deadline = (
+            backend,
+            peer,
+            xfer,
+            state,
+            deadline,
+        )
         self.error: Optional[str] = None
         if state == "ERR":
             self._finish("NIXL reported an error when posting the transfer")
@@ -108,14 +116,20 @@ class NixlHandle(TransferHandle):
         return self.xfer is None
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        deadline = self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)
+        deadline = (
+            self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)
+        )
         delay = 0.0
         while not self.done():
             if time.monotonic() > deadline:
-                self._finish(f"NIXL transfer to {self.peer} did not complete within "
-                             f"{self.backend.transfer_timeout:.1f}s")
+                self._finish(
+                    f"NIXL transfer to {self.peer} did not complete within "
+                    f"{self.backend.transfer_timeout:.1f}s"
+                )
                 break
-            time.sleep(delay)  # the first polls only yield the GIL: small writes finish in microseconds
+            time.sleep(
+                delay
+            )  # the first polls only yield the GIL: small writes finish in microseconds
             delay = min(delay * 2 or 5e-6, WAIT_POLL_MAX_S)
         if self.error:
             raise TransferError(self.error)
@@ -127,10 +141,16 @@ class NixlBackend(TransferBackend):
     def __init__(self, role: str, device: str = "cpu", **options: Any):
         super().__init__(role, device, **options)
         sa = options.get("server_args")
-        self.plugin = options.get("nixl_backend") or getattr(sa, "disaggregation_nixl_backend", None) or "UCX"
+        self.plugin = (
+            options.get("nixl_backend") or getattr(sa, "disaggregation_nixl_backend", None) or "UCX"
+        )
         progress = options.get("progress_thread")
         self.progress_thread = progress_thread_default() if progress is None else bool(progress)
-        timeout = options.get("transfer_timeout") or getattr(sa, "disaggregation_waiting_timeout", None) or 30.0
+        timeout = (
+            options.get("transfer_timeout")
+            or getattr(sa, "disaggregation_waiting_timeout", None)
+            or 30.0
+        )
         self.transfer_timeout = float(timeout)
         self.mem_type = "VRAM" if str(device).startswith("cuda") else "DRAM"
         self.dev_id = int(str(device).split(":")[1]) if str(device).startswith("cuda:") else 0
@@ -139,16 +159,28 @@ class NixlBackend(TransferBackend):
         if self.progress_thread:
             self.agent = _make_agent(self.agent_name, self.plugin, thread=True, delay_us=0)
         else:  # only the written side needs its agent progressed while nobody calls into it
-            self.agent = _make_agent(self.agent_name, self.plugin, thread=role == "decode",
-                                     delay_us=EVENT_THREAD_TIMEOUT_US)
+            self.agent = _make_agent(
+                self.agent_name,
+                self.plugin,
+                thread=role == "decode",
+                delay_us=EVENT_THREAD_TIMEOUT_US,
+            )
         if self.plugin not in self.agent.backends:
-            raise TransferError(f"NIXL plugin {self.plugin!r} is not available; available: "
-                                f"{', '.join(self.agent.get_plugin_list())}")
+            raise TransferError(
+                f"NIXL plugin {self.plugin!r} is not available; available: "
+                f"{', '.join(self.agent.get_plugin_list())}"
+            )
         self._reg: Any = None
-        self._remote: dict[str, tuple[str, str, int]] = {}  # peer_id -> (agent name, memory type, device id)
+        self._remote: dict[
+            str, tuple[str, str, int]
+        ] = {}  # peer_id -> (agent name, memory type, device id)
         self._closed = False
-        logger.info("NIXL agent %s (%s, progress thread %s)", self.agent_name, self.plugin,
-                    "spinning" if self.progress_thread else "event-driven" if role == "decode" else "off")
+        logger.info(
+            "NIXL agent %s (%s, progress thread %s)",
+            self.agent_name,
+            self.plugin,
+            "spinning" if self.progress_thread else "event-driven" if role == "decode" else "off",
+        )
 
     supports_windows = True
 
@@ -162,9 +194,13 @@ class NixlBackend(TransferBackend):
         descs = [(p, n, self.dev_id, "") for p, n in regions]
         with self._agent_lock:
             try:
-                win.registered = self.agent.register_memory(descs, self.mem_type, backends=[self.plugin])
+                win.registered = self.agent.register_memory(
+                    descs, self.mem_type, backends=[self.plugin]
+                )
             except Exception as e:
-                raise TransferError(f"NIXL register_memory of a window ({len(descs)} regions) failed: {e}") from e
+                raise TransferError(
+                    f"NIXL register_memory of a window ({len(descs)} regions) failed: {e}"
+                ) from e
 
     def _unregister_window(self, win: Window) -> None:
         reg = win.registered
@@ -185,18 +221,26 @@ class NixlBackend(TransferBackend):
             try:
                 self._reg = self.agent.register_memory(descs, self.mem_type, backends=[self.plugin])
             except Exception as e:
-                raise TransferError(f"NIXL register_memory of {len(descs)} regions failed: {e}") from e
+                raise TransferError(
+                    f"NIXL register_memory of {len(descs)} regions failed: {e}"
+                ) from e
 
     def describe(self) -> dict[str, Any]:
         with self._agent_lock:
             metadata = self.agent.get_agent_metadata()
-        return {"agent": self.agent_name, "metadata": bytes(metadata), "mem_type": self.mem_type,
-                "dev_id": self.dev_id}
+        return {
+            "agent": self.agent_name,
+            "metadata": bytes(metadata),
+            "mem_type": self.mem_type,
+            "dev_id": self.dev_id,
+        }
 
     def _connect(self, peer_id: str, info: dict[str, Any]) -> None:
         metadata = info.get("metadata")
         if not metadata:
-            raise TransferError("peer described no NIXL agent metadata (is decode using the nixl backend?)")
+            raise TransferError(
+                "peer described no NIXL agent metadata (is decode using the nixl backend?)"
+            )
         with self._agent_lock:
             old = self._remote.pop(peer_id, None)
             if old is not None and old[0] != info.get("agent") and old[0] not in self._names():
@@ -204,12 +248,18 @@ class NixlBackend(TransferBackend):
             try:
                 name = self.agent.add_remote_agent(metadata)
             except Exception as e:
-                raise TransferError(f"NIXL cannot load the metadata of agent {info.get('agent')}: {e}") from e
+                raise TransferError(
+                    f"NIXL cannot load the metadata of agent {info.get('agent')}: {e}"
+                ) from e
             name = name.decode() if isinstance(name, bytes) else str(name)
             try:
-                self.agent.make_connection(name)  # pay the endpoint set-up now, not on the first write
+                self.agent.make_connection(
+                    name
+                )  # pay the endpoint set-up now, not on the first write
             except Exception as e:
-                logger.debug("NIXL make_connection(%s) failed, the first write connects: %s", name, e)
+                logger.debug(
+                    "NIXL make_connection(%s) failed, the first write connects: %s", name, e
+                )
             self._remote[peer_id] = (name, info.get("mem_type", "DRAM"), int(info.get("dev_id", 0)))
 
     def _names(self) -> set[str]:
@@ -243,8 +293,14 @@ class NixlBackend(TransferBackend):
     # ---- data path -----------------------------------------------------------------------
     supports_notify = True
 
-    def _write(self, peer_id: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray,
-               notify: Optional[bytes] = None) -> TransferHandle:
+    def _write(
+        self,
+        peer_id: str,
+        src: np.ndarray,
+        dst: np.ndarray,
+        lengths: np.ndarray,
+        notify: Optional[bytes] = None,
+    ) -> TransferHandle:
         with self._agent_lock:
             entry = self._remote.get(peer_id)
         if entry is None:
@@ -255,20 +311,29 @@ class NixlBackend(TransferBackend):
         far = np.stack([dst, lengths, np.full_like(dst, peer_dev)], axis=1).astype(np.uint64)
         with self._agent_lock:
             try:
-                xfer = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, self.mem_type),
-                                                  self.agent.get_xfer_descs(far, peer_mem), remote,
-                                                  notify or b"")
+                xfer = self.agent.initialize_xfer(
+                    "WRITE",
+                    self.agent.get_xfer_descs(local, self.mem_type),
+                    self.agent.get_xfer_descs(far, peer_mem),
+                    remote,
+                    notify or b"",
+                )
                 state = self.agent.transfer(xfer)
             except Exception as e:
-                raise TransferError(f"NIXL cannot post a write of {len(src)} descriptors to {remote}: "
-                                    f"{type(e).__name__}: {e}") from e
+                raise TransferError(
+                    f"NIXL cannot post a write of {len(src)} descriptors to {remote}: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
         return NixlHandle(self, remote, xfer, state, time.monotonic() + self.transfer_timeout)
 
     def take_notifications(self) -> dict[str, list[bytes]]:
         """NIXL notifications that arrived since the last call: remote agent name -> messages."""
         with self._agent_lock:
             new = self.agent.get_new_notifs()
-        return {(k.decode() if isinstance(k, bytes) else str(k)): [bytes(m) for m in v] for k, v in new.items()}
+        return {
+            (k.decode() if isinstance(k, bytes) else str(k)): [bytes(m) for m in v]
+            for k, v in new.items()
+        }
 
 
 def _make_agent(name: str, plugin: str, thread: bool, delay_us: int) -> Any:

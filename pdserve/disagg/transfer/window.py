@@ -39,7 +39,14 @@ logger = logging.getLogger(__name__)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -73,8 +80,14 @@ def memfd_allocator(nbytes: int, device: torch.device) -> torch.Tensor:
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as e:
         os.close(fd)
-        raise MemoryError(f"cannot reserve {nbytes} bytes for the KV pool in a memfd file: {e}") from e
-    tensor = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+        raise MemoryError(
+            f"cannot reserve {nbytes} bytes for the KV pool in a memfd file: {e}"
+        ) from e
+    tensor = (
+        torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+        if nbytes
+        else torch.empty(0, dtype=torch.uint8)
+    )
     if nbytes:
         # decode attention streams the pages: ask for 2 MiB pages where the kernel allows them
         # for shared memory (transparent_hugepage/shmem_enabled); without, 4 KiB pages
@@ -108,7 +121,9 @@ def _files_for(regions: Sequence[tuple[int, int]]) -> Optional[list[_File]]:
         if n <= 0:
             continue
         # newest first: a dropped pool's file may still be listed over addresses reused since
-        hit = next((f for f in reversed(files) if f.base <= ptr and ptr + n <= f.base + f.size), None)
+        hit = next(
+            (f for f in reversed(files) if f.base <= ptr and ptr + n <= f.base + f.size), None
+        )
         if hit is None:
             return None
         used[hit.base] = hit
@@ -125,16 +140,23 @@ class Window:
     def __init__(self, key: str, regions: Sequence[tuple[int, int]]):
         files = _files_for(regions)
         if files is None:
-            raise ValueError("buffers outside memfd files cannot be windowed (allocate them with memfd_allocator)")
+            raise ValueError(
+                "buffers outside memfd files cannot be windowed (allocate them with memfd_allocator)"
+            )
         self.key = key
         self.spans: list[tuple[int, int, int]] = []
         self.fenced = False
         self.registered: Any = None  # what the backend needs to deregister the window
         try:
             for f in files:
-                addr = _libc.mmap(None, f.size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, f.fd, 0)
+                addr = _libc.mmap(
+                    None, f.size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, f.fd, 0
+                )
                 if addr in (None, _MAP_FAILED):
-                    raise OSError(ctypes.get_errno(), f"mmap of a KV window: {os.strerror(ctypes.get_errno())}")
+                    raise OSError(
+                        ctypes.get_errno(),
+                        f"mmap of a KV window: {os.strerror(ctypes.get_errno())}",
+                    )
                 self.spans.append((f.base, addr, f.size))
         except BaseException:
             self.release()
@@ -163,8 +185,14 @@ class Window:
         if self.fenced:
             return
         for _, win, size in self.spans:
-            addr = _libc.mmap(win, size, mmap.PROT_READ | mmap.PROT_WRITE,
-                              mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE, -1, 0)
+            addr = _libc.mmap(
+                win,
+                size,
+                mmap.PROT_READ | mmap.PROT_WRITE,
+                mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE,
+                -1,
+                0,
+            )
             if addr != win:  # cannot happen for a range we mapped; never leave the pool reachable
                 err = ctypes.get_errno()
                 raise OSError(err, f"cannot fence KV window {self.key}: {os.strerror(err)}")

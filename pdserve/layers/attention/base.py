@@ -78,12 +78,27 @@ class AttentionBackend(abc.ABC):
         self._fb = None
 
     @abc.abstractmethod
-    def forward(self, layer: AttnLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                fb: "ForwardBatch", sinks: Optional[torch.Tensor] = None) -> torch.Tensor: ...
+    def forward(
+        self,
+        layer: AttnLayer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: "ForwardBatch",
+        sinks: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor: ...
 
-    def forward_latent(self, layer: AttnLayer, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
-                       fb: "ForwardBatch", w_kc: torch.Tensor, w_vc: torch.Tensor,
-                       selection: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    def forward_latent(
+        self,
+        layer: AttnLayer,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        fb: "ForwardBatch",
+        w_kc: torch.Tensor,
+        w_vc: torch.Tensor,
+        selection: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    ) -> torch.Tensor:
         """Latent attention (MLA) of a ``latent_attention`` layer. ``q_nope`` [T, H, N] and
         ``q_rope`` [T, H, r] (rotated): the query's two parts; ``latent`` [T, R + r]: the new
         tokens' compressed latent (normalised) and rotated key part, which this call stores;
@@ -96,34 +111,53 @@ class AttentionBackend(abc.ABC):
         ``index_select``): each row attends to its listed positions only."""
         raise NotImplementedError(f"attention backend {self.name!r} has no latent attention")
 
-    def index_select(self, layer: AttnLayer, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
-                     fb: "ForwardBatch", topk: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def index_select(
+        self,
+        layer: AttnLayer,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        fb: "ForwardBatch",
+        topk: int,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek-V3.2's lightning indexer for a latent layer with an indexer cache: stores the
         new tokens' ``keys`` [T, D] and returns, per new token, the positions it attends to:
         (positions [T, topk] int32, ascending, counts [T] int32 = min(topk, the keys it sees)).
         A key's score for query row t is ``sum_h weights[t, h] * relu(scale * q[t, h] . key)``
         (``q`` [T, H, D], ``weights`` [T, H], float32); the ``topk`` highest are chosen, the
         lowest position first among equal scores, so chunking, PD and decode choose alike."""
-        raise NotImplementedError(f"attention backend {self.name!r} has no sparse-attention indexer")
+        raise NotImplementedError(
+            f"attention backend {self.name!r} has no sparse-attention indexer"
+        )
 
     @classmethod
     def missing_features(cls, layers: Iterable[AttnLayer]) -> list[str]:
         """The layer features of ``layers`` this backend does not support (``auto`` chooses a
         backend by this; ``check_supported`` refuses it)."""
         layers = list(layers)
-        return [feature for feature, (flag, has) in _FEATURES.items()
-                if not getattr(cls, flag) and any(has(layer) for layer in layers)]
+        return [
+            feature
+            for feature, (flag, has) in _FEATURES.items()
+            if not getattr(cls, flag) and any(has(layer) for layer in layers)
+        ]
 
-    def check_supported(self, cache_kinds: Iterable[str], layers: Iterable[AttnLayer], model: str) -> None:
+    def check_supported(
+        self, cache_kinds: Iterable[str], layers: Iterable[AttnLayer], model: str
+    ) -> None:
         """Raise ``ValueError`` naming the model's cache kind or layer feature this backend lacks."""
         missing = sorted(set(cache_kinds) - self.cache_kinds)
         if missing:
-            raise ValueError(f"attention_backend: {self.name!r} does not support the cache kind(s) {missing} "
-                             f"of {model}; it supports {sorted(self.cache_kinds)}")
+            raise ValueError(
+                f"attention_backend: {self.name!r} does not support the cache kind(s) {missing} "
+                f"of {model}; it supports {sorted(self.cache_kinds)}"
+            )
         lacking = self.missing_features(layers)
         if lacking:
-            raise ValueError(f"attention_backend: {self.name!r} does not support the {' and '.join(lacking)} "
-                             f"of {model}")
+            raise ValueError(
+                f"attention_backend: {self.name!r} does not support the {' and '.join(lacking)} "
+                f"of {model}"
+            )
 
 
 def attention_backend_class(name: str) -> type[AttentionBackend]:

@@ -32,9 +32,17 @@ class CpuAttnBackend(TorchAttnBackend):
     supports_softcap = False  # the kernels have no soft-cap; such models run on the torch backend
     supports_sinks = True  # both kernels take them
 
-    def __init__(self, ops=None, compute_dtype: torch.dtype = torch.bfloat16, deterministic: bool = False, **_):
+    def __init__(
+        self,
+        ops=None,
+        compute_dtype: torch.dtype = torch.bfloat16,
+        deterministic: bool = False,
+        **_,
+    ):
         super().__init__()
-        self._absorb: dict[int, tuple[list, list]] = {}  # latent layer -> its heads' up-projections (deterministic)
+        self._absorb: dict[
+            int, tuple[list, list]
+        ] = {}  # latent layer -> its heads' up-projections (deterministic)
         self.compute_dtype = compute_dtype
         self.deterministic = deterministic
         if ops is None:
@@ -42,12 +50,18 @@ class CpuAttnBackend(TorchAttnBackend):
 
             ops = kernels.load()
             if ops is None:
-                raise RuntimeError(f"attention_backend 'cpu' needs pdserve's CPU kernels: {kernels.unavailable_reason()}")
+                raise RuntimeError(
+                    f"attention_backend 'cpu' needs pdserve's CPU kernels: {kernels.unavailable_reason()}"
+                )
         self.ops = ops
 
     def uses_flash(self, fb: ForwardBatch) -> bool:
-        return all(g.pool.kv_heads and g.pool.dtype == self.compute_dtype == torch.bfloat16
-                   and self.ops.flash_supported(g.pool.head_dim) for g in fb.groups)  # no latent pages
+        return all(
+            g.pool.kv_heads
+            and g.pool.dtype == self.compute_dtype == torch.bfloat16
+            and self.ops.flash_supported(g.pool.head_dim)
+            for g in fb.groups
+        )  # no latent pages
 
     def is_decode_row(self, fb: ForwardBatch, i: int) -> bool:
         # one new token, whatever its prefix: its K/V are in the pool before the kernel runs
@@ -56,7 +70,9 @@ class CpuAttnBackend(TorchAttnBackend):
     def init_forward(self, fb: ForwardBatch) -> None:
         self._flash = None
         self._rowwise = None
-        self._row_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # group -> per-token tables
+        self._row_cache: dict[
+            int, tuple[torch.Tensor, torch.Tensor]
+        ] = {}  # group -> per-token tables
         if not self.uses_flash(fb):
             if self.deterministic:
                 return self._init_rowwise(fb)
@@ -65,13 +81,18 @@ class CpuAttnBackend(TorchAttnBackend):
         starts = torch.zeros(fb.batch_size + 1, dtype=torch.int32)
         starts[1:] = torch.tensor(fb.extend_lens, dtype=torch.int32).cumsum(0)
         # per group: (write rows, page table, seq lens)
-        self._flash = [(write_rows(g, fb.out_offsets), *fb.int32_tables(i)) for i, g in enumerate(fb.groups)]
+        self._flash = [
+            (write_rows(g, fb.out_offsets), *fb.int32_tables(i)) for i, g in enumerate(fb.groups)
+        ]
         self._starts = starts
 
     def _init_rowwise(self, fb: ForwardBatch) -> None:
         """Every new token as one decode query: its request's page table, its own length."""
         self._fb = fb
-        self._rowwise = [(write_rows(g, fb.out_offsets), *self._row_tables(fb, i)) for i, g in enumerate(fb.groups)]
+        self._rowwise = [
+            (write_rows(g, fb.out_offsets), *self._row_tables(fb, i))
+            for i, g in enumerate(fb.groups)
+        ]
 
     def init_decode(self, fb: ForwardBatch, dec: list[int]) -> None:
         self._dec = None
@@ -83,7 +104,11 @@ class CpuAttnBackend(TorchAttnBackend):
             self._dec = (None, len(dec), [(t[: len(dec)], n[: len(dec)]) for t, n in tables])
         else:
             idx = torch.tensor(dec, dtype=torch.long)
-            self._dec = (torch.tensor(rows, dtype=torch.long), len(dec), [(t[idx], n[idx]) for t, n in tables])
+            self._dec = (
+                torch.tensor(rows, dtype=torch.long),
+                len(dec),
+                [(t[idx], n[idx]) for t, n in tables],
+            )
 
     def decode(self, out, q, kc, vc, layer, group, sinks) -> None:
         if self._dec is None:
@@ -93,17 +118,22 @@ class CpuAttnBackend(TorchAttnBackend):
         window = layer.sliding_window or 0
         sinks = _float32(sinks)
         if sel is None:
-            self.ops.paged_decode_attention(out[:n], q[:n], kc, vc, table, lens, layer.scale, window, sinks)
+            self.ops.paged_decode_attention(
+                out[:n], q[:n], kc, vc, table, lens, layer.scale, window, sinks
+            )
         else:
             o = torch.empty((n,) + tuple(q.shape[1:]), dtype=q.dtype)
-            self.ops.paged_decode_attention(o, q.index_select(0, sel), kc, vc, table, lens, layer.scale, window,
-                                            sinks)
+            self.ops.paged_decode_attention(
+                o, q.index_select(0, sel), kc, vc, table, lens, layer.scale, window, sinks
+            )
             out[sel] = o
 
     def forward(self, layer, q, k, v, fb, sinks=None):
         if self._flash is None and self._rowwise is None:
             return super().forward(layer, q, k, v, fb, sinks)
-        assert (sinks is not None) == layer.has_sinks, f"layer {layer.layer_id}: sinks must come exactly with has_sinks"
+        assert (sinks is not None) == layer.has_sinks, (
+            f"layer {layer.layer_id}: sinks must come exactly with has_sinks"
+        )
         group = fb.layer_group[layer.layer_id]
         kc, vc = fb.kv(layer.layer_id)  # [P, kv_heads, page, D]
         rows, table, lens = (self._flash or self._rowwise)[group]
@@ -112,16 +142,28 @@ class CpuAttnBackend(TorchAttnBackend):
         vc.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(vc.dtype))
         out = torch.empty_like(q)
         if self._rowwise is not None:
-            self.ops.paged_decode_attention(out, q, kc, vc, table, lens, layer.scale, layer.sliding_window or 0,
-                                            _float32(sinks))
+            self.ops.paged_decode_attention(
+                out, q, kc, vc, table, lens, layer.scale, layer.sliding_window or 0, _float32(sinks)
+            )
         else:
-            self.ops.paged_attention_bf16(out, q, kc, vc, table, lens, self._starts, layer.scale,
-                                          layer.sliding_window or 0, _float32(sinks))
+            self.ops.paged_attention_bf16(
+                out,
+                q,
+                kc,
+                vc,
+                table,
+                lens,
+                self._starts,
+                layer.scale,
+                layer.sliding_window or 0,
+                _float32(sinks),
+            )
         return out
 
-
     # ---- latent attention (MLA) ----------------------------------------------------------------
-    def decode_latent(self, out, layer, q_nope, q_rope, cache, group, w_kc, w_vc, selection=None) -> None:
+    def decode_latent(
+        self, out, layer, q_nope, q_rope, cache, group, w_kc, w_vc, selection=None
+    ) -> None:
         """The decode rows on ``mla_decode_attention`` (the latent pages read in place)."""
         if self._dec is None:
             return
@@ -133,7 +175,9 @@ class CpuAttnBackend(TorchAttnBackend):
             positions, lens = selection[0][rows].contiguous(), selection[1][rows].contiguous()
         q = absorbed_query(q_nope, q_rope, w_kc, rows).to(cache.dtype)
         o = q.new_empty(q.shape[:2] + (w_kc.shape[2],))
-        self.ops.mla_decode_attention(o, q.contiguous(), cache, table, lens, layer.scale, w_kc.shape[2], positions)
+        self.ops.mla_decode_attention(
+            o, q.contiguous(), cache, table, lens, layer.scale, w_kc.shape[2], positions
+        )
         out[rows] = torch.einsum("bhr,hvr->bhv", o.to(q_nope.dtype), w_vc)
 
     def forward_latent(self, layer, q_nope, q_rope, latent, fb, w_kc, w_vc, selection=None):
@@ -149,7 +193,10 @@ class CpuAttnBackend(TorchAttnBackend):
         dim, rank = cache.shape[-1], w_kc.shape[2]
         cache.view(-1, dim).index_copy_(0, rows, latent.to(cache.dtype))
         kc, vc = self._absorbing(layer.layer_id, w_kc, w_vc)
-        q = torch.cat([torch.stack([kc[h](q_nope[:, h]) for h in range(len(kc))], dim=1), q_rope.float()], dim=-1)
+        q = torch.cat(
+            [torch.stack([kc[h](q_nope[:, h]) for h in range(len(kc))], dim=1), q_rope.float()],
+            dim=-1,
+        )
         o = q.new_empty(q.shape[:2] + (rank,))
         self.ops.mla_decode_attention(o, q, cache, table, lens, layer.scale, rank, positions)
         return torch.stack([vc[h](o[:, h]) for h in range(len(vc))], dim=1).to(q_nope.dtype)
@@ -159,33 +206,54 @@ class CpuAttnBackend(TorchAttnBackend):
         own length."""
         group = fb.cache_group(layer.layer_id, "index_keys")
         cache = fb.index_keys(layer.layer_id)
-        cache.view(-1, cache.shape[-1]).index_copy_(0, write_rows(fb.groups[group], fb.out_offsets),
-                                                    keys.to(cache.dtype))
+        cache.view(-1, cache.shape[-1]).index_copy_(
+            0, write_rows(fb.groups[group], fb.out_offsets), keys.to(cache.dtype)
+        )
         table, lens = self._row_tables(fb, group)
         positions = torch.empty((q.shape[0], topk), dtype=torch.int32)
         counts = torch.empty(q.shape[0], dtype=torch.int32)
-        self.ops.indexer_topk(positions, counts, q.float().contiguous(), weights.float().contiguous(), cache, table,
-                              lens, scale)
+        self.ops.indexer_topk(
+            positions,
+            counts,
+            q.float().contiguous(),
+            weights.float().contiguous(),
+            cache,
+            table,
+            lens,
+            scale,
+        )
         return positions, counts
 
     def _row_tables(self, fb: ForwardBatch, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per new token: its request's page table and the keys it sees (its position + 1)."""
         if group not in self._row_cache:
-            if not self._row_cache:  # the forward's first group: which request each token is, its length
-                self._row_req = torch.repeat_interleave(torch.arange(fb.batch_size), torch.tensor(fb.extend_lens))
-                self._row_lens = torch.cat([torch.arange(p + 1, p + e + 1, dtype=torch.int32)
-                                            for p, e in zip(fb.prefix_lens, fb.extend_lens)])
+            if (
+                not self._row_cache
+            ):  # the forward's first group: which request each token is, its length
+                self._row_req = torch.repeat_interleave(
+                    torch.arange(fb.batch_size), torch.tensor(fb.extend_lens)
+                )
+                self._row_lens = torch.cat(
+                    [
+                        torch.arange(p + 1, p + e + 1, dtype=torch.int32)
+                        for p, e in zip(fb.prefix_lens, fb.extend_lens)
+                    ]
+                )
             table = fb.int32_tables(group)[0].index_select(0, self._row_req).contiguous()
             self._row_cache[group] = (table, self._row_lens)
         return self._row_cache[group]
 
-    def _absorbing(self, layer_id: int, w_kc: torch.Tensor, w_vc: torch.Tensor) -> tuple[list, list]:
+    def _absorbing(
+        self, layer_id: int, w_kc: torch.Tensor, w_vc: torch.Tensor
+    ) -> tuple[list, list]:
         """Per head: ``q_nope -> w_kc[h]^T q_nope`` and ``o -> w_vc[h] o`` as ``PackedF32``."""
         if layer_id not in self._absorb:
             from pdserve.layers.linear import PackedF32
 
-            self._absorb[layer_id] = ([PackedF32(w.transpose(0, 1), None, self.ops) for w in w_kc],
-                                      [PackedF32(w, None, self.ops) for w in w_vc])
+            self._absorb[layer_id] = (
+                [PackedF32(w.transpose(0, 1), None, self.ops) for w in w_kc],
+                [PackedF32(w, None, self.ops) for w in w_vc],
+            )
         return self._absorb[layer_id]
 
 

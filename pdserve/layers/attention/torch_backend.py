@@ -28,18 +28,25 @@ import torch.nn.functional as F
 from pdserve.forward_batch import ForwardBatch, GroupTable
 from pdserve.layers.attention.base import AttentionBackend, AttnLayer
 
-
 # scores (float32) of at most this many (head, query, key) triples at a time on the written-out path
 _MATH_BLOCK = 1 << 25
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
-              softcap: Optional[float], sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    scale: float,
+    softcap: Optional[float],
+    sinks: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """``q`` [B, H, Lq, D], ``k``/``v`` [B, KVH, Lk, D], ``mask`` bool (True: attend; [..., Lq or 1,
     Lk]) or None for causal with Lq == Lk (a prefill), ``sinks`` [H] or None; returns [B, H, Lq, D]."""
     if softcap is None and sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                              enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     lq, lk = q.shape[2], k.shape[2]
@@ -50,8 +57,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[
         return _written_out(q, k, v, mask, scale, softcap, sinks)
     out = q.new_empty(q.shape[:3] + (v.shape[3],))
     for a in range(0, lq, rows):
-        block_mask = mask if mask.shape[-2] == 1 else mask[..., a:a + rows, :]
-        out[:, :, a:a + rows] = _written_out(q[:, :, a:a + rows], k, v, block_mask, scale, softcap, sinks)
+        block_mask = mask if mask.shape[-2] == 1 else mask[..., a : a + rows, :]
+        out[:, :, a : a + rows] = _written_out(
+            q[:, :, a : a + rows], k, v, block_mask, scale, softcap, sinks
+        )
     return out
 
 
@@ -73,7 +82,9 @@ def _written_out(q, k, v, mask, scale, softcap, sinks) -> torch.Tensor:
 
 @dataclass
 class _Group:
-    write_rows: torch.Tensor  # [T * kv_heads] rows of the new tokens in the pool's [rows, head_dim] view
+    write_rows: (
+        torch.Tensor
+    )  # [T * kv_heads] rows of the new tokens in the pool's [rows, head_dim] view
     dec_gather: Optional[torch.Tensor]  # [Bd, kv_heads, L] rows of the decode rows' keys
     ext_pages: list[torch.Tensor]  # per extend row: the pages of its whole sequence
 
@@ -88,7 +99,9 @@ def write_rows(g: GroupTable, out_offsets: torch.Tensor) -> torch.Tensor:
     one layer's K (or V): ((page * kv_heads + head) * page_size + offset). [T * kv_heads]"""
     page, kv_heads = g.pool.page_size, page_heads(g.pool)
     heads = torch.arange(kv_heads, device=out_offsets.device)
-    return ((g.out_pages[:, None] * kv_heads + heads[None, :]) * page + out_offsets[:, None]).reshape(-1)
+    return (
+        (g.out_pages[:, None] * kv_heads + heads[None, :]) * page + out_offsets[:, None]
+    ).reshape(-1)
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -132,7 +145,9 @@ class TorchAttnBackend(AttentionBackend):
             dec_pages = g.page_table[self._dec, : kpos.numel() // page]  # [Bd, max_pages]
             tok_page = dec_pages[:, kpos // page]  # [Bd, L]
             heads = torch.arange(kv_heads, device=kpos.device)
-            gather = (tok_page[:, None, :] * kv_heads + heads[None, :, None]) * page + (kpos % page)[None, None, :]
+            gather = (tok_page[:, None, :] * kv_heads + heads[None, :, None]) * page + (
+                kpos % page
+            )[None, None, :]
         ext_pages = [g.page_table[i, : -(-seq_lens[i] // page)] for i in self._ext_rows]
         return _Group(write_rows(g, fb.out_offsets), gather, ext_pages)
 
@@ -152,8 +167,16 @@ class TorchAttnBackend(AttentionBackend):
             self._dec_masks[window] = m
         return m
 
-    def decode(self, out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, layer: AttnLayer,
-               group: int, sinks: Optional[torch.Tensor]) -> None:
+    def decode(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        layer: AttnLayer,
+        group: int,
+        sinks: Optional[torch.Tensor],
+    ) -> None:
         """Attention of the decode rows, written into their rows of ``out``."""
         if not self._dec_rows.numel():
             return
@@ -162,12 +185,21 @@ class TorchAttnBackend(AttentionBackend):
         kk = kc.view(-1, head_dim)[gather]  # [Bd, kv_heads, L, D]
         vv = vc.view(-1, head_dim)[gather]
         qq = q[self._dec_rows].unsqueeze(2)  # [Bd, heads, 1, D]
-        o = attention(qq, kk.to(q.dtype), vv.to(q.dtype), self._decode_mask(layer.sliding_window), layer.scale,
-                      layer.logit_softcap, sinks)
+        o = attention(
+            qq,
+            kk.to(q.dtype),
+            vv.to(q.dtype),
+            self._decode_mask(layer.sliding_window),
+            layer.scale,
+            layer.logit_softcap,
+            sinks,
+        )
         out[self._dec_rows] = o.squeeze(2)
 
     # ---- extend rows ------------------------------------------------------------------------------
-    def _extend_mask(self, idx: int, ext: int, prefix: int, window: Optional[int], device) -> Optional[torch.Tensor]:
+    def _extend_mask(
+        self, idx: int, ext: int, prefix: int, window: Optional[int], device
+    ) -> Optional[torch.Tensor]:
         if prefix == 0 and window is None:
             return None  # plain causal
         key = (idx, window)
@@ -192,26 +224,35 @@ class TorchAttnBackend(AttentionBackend):
         return group, kc, vc
 
     def forward(self, layer, q, k, v, fb, sinks=None):
-        assert (sinks is not None) == layer.has_sinks, f"layer {layer.layer_id}: sinks must come exactly with has_sinks"
+        assert (sinks is not None) == layer.has_sinks, (
+            f"layer {layer.layer_id}: sinks must come exactly with has_sinks"
+        )
         group, kc, vc = self.store(layer, k, v, fb)
         kv_heads, head_dim = kc.shape[1], kc.shape[3]
         out = torch.empty_like(q)
         self.decode(out, q, kc, vc, layer, group, sinks)
         ext_pages = self._groups[group].ext_pages
         for idx, (start, ext, prefix) in enumerate(self._ext):
-            qq = q[start:start + ext].transpose(0, 1).unsqueeze(0)  # [1, heads, ext, D]
+            qq = q[start : start + ext].transpose(0, 1).unsqueeze(0)  # [1, heads, ext, D]
             if prefix == 0:
-                kk = k[start:start + ext].transpose(0, 1)  # [kv_heads, ext, D]
-                vv = v[start:start + ext].transpose(0, 1)
+                kk = k[start : start + ext].transpose(0, 1)  # [kv_heads, ext, D]
+                vv = v[start : start + ext].transpose(0, 1)
             else:
                 seq, pages = prefix + ext, ext_pages[idx]
                 # [n_pages, kv_heads, page, D] -> [kv_heads, n_pages * page, D] -> first seq tokens
                 kk = kc[pages].permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :seq]
                 vv = vc[pages].permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :seq]
             mask = self._extend_mask(idx, ext, prefix, layer.sliding_window, q.device)
-            o = attention(qq, kk.unsqueeze(0).to(q.dtype), vv.unsqueeze(0).to(q.dtype), mask, layer.scale,
-                          layer.logit_softcap, sinks)
-            out[start:start + ext] = o[0].transpose(0, 1)
+            o = attention(
+                qq,
+                kk.unsqueeze(0).to(q.dtype),
+                vv.unsqueeze(0).to(q.dtype),
+                mask,
+                layer.scale,
+                layer.logit_softcap,
+                sinks,
+            )
+            out[start : start + ext] = o[0].transpose(0, 1)
         return out
 
     # ---- latent attention (MLA) -------------------------------------------------------------------
@@ -225,33 +266,49 @@ class TorchAttnBackend(AttentionBackend):
         ext_pages = self._groups[group].ext_pages
         for idx, (start, ext, prefix) in enumerate(self._ext):  # decompressed, per request
             seq = prefix + ext
-            lat = latent[start:start + ext] if prefix == 0 else \
-                cache[ext_pages[idx]].reshape(-1, dim)[:seq].to(q_nope.dtype)  # [S, R + r]
+            lat = (
+                latent[start : start + ext]
+                if prefix == 0
+                else cache[ext_pages[idx]].reshape(-1, dim)[:seq].to(q_nope.dtype)
+            )  # [S, R + r]
             c, k_rope = lat[:, :rank], lat[:, rank:]
-            k = torch.cat([torch.einsum("sr,hnr->hsn", c, w_kc),
-                           k_rope.unsqueeze(0).expand(w_kc.shape[0], -1, -1)], dim=-1)  # [H, S, N + r]
+            k = torch.cat(
+                [
+                    torch.einsum("sr,hnr->hsn", c, w_kc),
+                    k_rope.unsqueeze(0).expand(w_kc.shape[0], -1, -1),
+                ],
+                dim=-1,
+            )  # [H, S, N + r]
             v = torch.einsum("sr,hvr->hsv", c, w_vc)  # [H, S, V]
-            q = torch.cat([q_nope[start:start + ext], q_rope[start:start + ext]], dim=-1).transpose(0, 1)
+            q = torch.cat(
+                [q_nope[start : start + ext], q_rope[start : start + ext]], dim=-1
+            ).transpose(0, 1)
             mask = self._extend_mask(idx, ext, prefix, layer.sliding_window, q.device)
             if selection is not None:  # sparse attention: the indexer's keys only
                 mask = selected_mask(selection, torch.arange(start, start + ext), seq)
             o = attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, layer.scale, None)
-            out[start:start + ext] = o[0].transpose(0, 1)
+            out[start : start + ext] = o[0].transpose(0, 1)
         return out
 
-    def decode_latent(self, out, layer, q_nope, q_rope, cache, group, w_kc, w_vc, selection=None) -> None:
+    def decode_latent(
+        self, out, layer, q_nope, q_rope, cache, group, w_kc, w_vc, selection=None
+    ) -> None:
         """The decode rows in the absorbed form: one shared key head of R + r dims, values its
         first R, written into their rows of ``out``."""
         if not self._dec_rows.numel():
             return
         dim, rank = cache.shape[-1], w_kc.shape[2]
-        lat = cache.view(-1, dim)[self._groups[group].dec_gather].to(q_nope.dtype)  # [Bd, 1, L, R + r]
+        lat = cache.view(-1, dim)[self._groups[group].dec_gather].to(
+            q_nope.dtype
+        )  # [Bd, 1, L, R + r]
         rows = self._dec_rows
         q = absorbed_query(q_nope, q_rope, w_kc, rows)
         mask = self._decode_mask(layer.sliding_window)
         if selection is not None:
             mask = mask & selected_mask(selection, rows, mask.shape[-1])[:, None, None, :]
-        o = attention(q.unsqueeze(2), lat, lat[..., :rank], mask, layer.scale, None)  # [Bd, H, 1, R]
+        o = attention(
+            q.unsqueeze(2), lat, lat[..., :rank], mask, layer.scale, None
+        )  # [Bd, H, 1, R]
         out[rows] = torch.einsum("bhr,hvr->bhv", o.squeeze(2), w_vc)
 
     # ---- the sparse-attention indexer (DeepSeek-V3.2) -------------------------------------------
@@ -265,18 +322,24 @@ class TorchAttnBackend(AttentionBackend):
         table = fb.groups[group].page_table
         for i, (start, ext) in enumerate(zip(fb.extend_starts, fb.extend_lens)):
             seq = fb.prefix_lens[i] + ext
-            k = cache[table[i, :-(-seq // page)]].reshape(-1, dim)[:seq].double()  # [S, D]
-            rel = torch.relu(torch.einsum("thd,sd->ths", q[start:start + ext].double(), k) * scale)
-            score = torch.einsum("th,ths->ts", weights[start:start + ext].double(), rel)  # [ext, S]
+            k = cache[table[i, : -(-seq // page)]].reshape(-1, dim)[:seq].double()  # [S, D]
+            rel = torch.relu(
+                torch.einsum("thd,sd->ths", q[start : start + ext].double(), k) * scale
+            )
+            score = torch.einsum(
+                "th,ths->ts", weights[start : start + ext].double(), rel
+            )  # [ext, S]
             for j in range(ext):
                 n = fb.prefix_lens[i] + j + 1  # the keys this token sees
                 chosen = rule_topk(score[j, :n], topk)
-                positions[start + j, :len(chosen)] = chosen.to(torch.int32)
+                positions[start + j, : len(chosen)] = chosen.to(torch.int32)
                 counts[start + j] = len(chosen)
         return positions, counts
 
 
-def absorbed_query(q_nope: torch.Tensor, q_rope: torch.Tensor, w_kc: torch.Tensor, rows) -> torch.Tensor:
+def absorbed_query(
+    q_nope: torch.Tensor, q_rope: torch.Tensor, w_kc: torch.Tensor, rows
+) -> torch.Tensor:
     """[len(rows), H, R + r]: those rows' queries with the key up-projection folded in."""
     return torch.cat([torch.einsum("bhn,hnr->bhr", q_nope[rows], w_kc), q_rope[rows]], dim=-1)
 

@@ -90,14 +90,20 @@ class MoEContext:
     def check(self, num_experts: int) -> None:
         o = self.options
         if o.ep_size < 1 or self.tp.size % o.ep_size:
-            raise ValueError(f"ep_size: {o.ep_size} must divide the tensor-parallel size {self.tp.size}")
+            raise ValueError(
+                f"ep_size: {o.ep_size} must divide the tensor-parallel size {self.tp.size}"
+            )
         slots = num_experts + o.num_redundant_experts
         if slots % o.ep_size:
-            raise ValueError(f"ep_size: {o.ep_size} does not divide the model's {num_experts} experts"
-                             + (f" plus {o.num_redundant_experts} redundant" if o.num_redundant_experts else ""))
+            raise ValueError(
+                f"ep_size: {o.ep_size} does not divide the model's {num_experts} experts"
+                + (f" plus {o.num_redundant_experts} redundant" if o.num_redundant_experts else "")
+            )
         if o.a2a_backend == "torch" and o.ep_size != self.tp.size:
-            raise ValueError(f"moe_a2a_backend: 'torch' dispatches to whole experts and needs --ep-size equal "
-                             f"to --tp-size ({self.tp.size}), got --ep-size {o.ep_size}")
+            raise ValueError(
+                f"moe_a2a_backend: 'torch' dispatches to whole experts and needs --ep-size equal "
+                f"to --tp-size ({self.tp.size}), got --ep-size {o.ep_size}"
+            )
 
 
 SINGLE_MOE = MoEContext(Parallel(), MoEOptions())

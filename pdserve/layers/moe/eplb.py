@@ -58,7 +58,7 @@ def balance_layer(loads: list[float], num_slots: int, ep_size: int) -> list[int]
     trivial = [i % n for i in range(num_slots)]
     weight_t = _per_copy(loads, [trivial.count(e) for e in range(n)])
     per = num_slots // ep_size
-    ranks_t = [trivial[r * per:(r + 1) * per] for r in range(ep_size)]
+    ranks_t = [trivial[r * per : (r + 1) * per] for r in range(ep_size)]
     _refine(ranks_t, weight_t)
     if max(_load(r, weight_t) for r in ranks_t) < max(_load(r, weight) for r in ranks) - 1e-9:
         ranks = ranks_t
@@ -77,7 +77,7 @@ def expected_rank_loads(row: list[int], loads: list[float], ep_size: int) -> lis
     for e in row:
         copies[e] += 1
     per = len(row) // ep_size
-    return [sum(loads[e] / copies[e] for e in row[r * per:(r + 1) * per]) for r in range(ep_size)]
+    return [sum(loads[e] / copies[e] for e in row[r * per : (r + 1) * per]) for r in range(ep_size)]
 
 
 def expected_imbalance(row: list[int], loads: list[float], ep_size: int) -> float:
@@ -86,7 +86,10 @@ def expected_imbalance(row: list[int], loads: list[float], ep_size: int) -> floa
 
 # ---- the steps ------------------------------------------------------------------------------
 def _pack(weight: list[float], copies: list[int], ep_size: int) -> list[list[int]]:
-    slots = sorted(((weight[e], e) for e in range(len(weight)) for _ in range(copies[e])), key=lambda s: (-s[0], s[1]))
+    slots = sorted(
+        ((weight[e], e) for e in range(len(weight)) for _ in range(copies[e])),
+        key=lambda s: (-s[0], s[1]),
+    )
     room = len(slots) // ep_size
     ranks: list[list[int]] = [[] for _ in range(ep_size)]
     load = [0.0] * ep_size
@@ -104,7 +107,9 @@ def _undo_duplicates(ranks: list[list[int]], weight: list[float]) -> None:
     """Swap a second copy on a rank with an expert of another rank that neither rank would then
     hold twice; each swap removes one duplicate."""
     while True:
-        dup = next(((r, e) for r, held in enumerate(ranks) for e in set(held) if held.count(e) > 1), None)
+        dup = next(
+            ((r, e) for r, held in enumerate(ranks) for e in set(held) if held.count(e) > 1), None
+        )
         if dup is None:
             return
         r, e = dup
@@ -156,7 +161,9 @@ def _refine(ranks: list[list[int]], weight: list[float], max_swaps: int = 1000) 
         ranks[hi][i], ranks[q][j] = ranks[q][j], ranks[hi][i]
 
 
-def _best_swap(heavy: list[int], light: list[int], gap: float, weight: list[float]) -> tuple[int, int] | None:
+def _best_swap(
+    heavy: list[int], light: list[int], gap: float, weight: list[float]
+) -> tuple[int, int] | None:
     """(i, j): swapping heavy[i] with light[j] moves d = w_i - w_j, 0 < d < gap, closest to
     gap / 2; neither rank may end up with two copies of one expert."""
     if gap <= 1e-9:

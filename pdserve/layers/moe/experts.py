@@ -39,12 +39,24 @@ FORMATS = {"per_expert": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1"
 
 
 class Experts(nn.Module):
-    def __init__(self, hidden: int, inter: tuple[int, int], slots: list[int], activation: str = "silu",
-                 bias: bool = False, fmt: str = "per_expert", alpha: float = 1.702, limit: float = 7.0,
-                 down_bias_here: bool = True, runner: str = "grouped_mm"):
+    def __init__(
+        self,
+        hidden: int,
+        inter: tuple[int, int],
+        slots: list[int],
+        activation: str = "silu",
+        bias: bool = False,
+        fmt: str = "per_expert",
+        alpha: float = 1.702,
+        limit: float = 7.0,
+        down_bias_here: bool = True,
+        runner: str = "grouped_mm",
+    ):
         super().__init__()
         if activation not in ACTIVATIONS:
-            raise ValueError(f"expert activation: {activation!r} is not supported; supported: {ACTIVATIONS}")
+            raise ValueError(
+                f"expert activation: {activation!r} is not supported; supported: {ACTIVATIONS}"
+            )
         if fmt not in FORMATS and fmt != "gpt_oss":
             raise ValueError(f"expert checkpoint format {fmt!r} unknown")
         self.hidden = hidden
@@ -98,7 +110,11 @@ class Experts(nn.Module):
 
     def _aligned(self, x: torch.Tensor) -> bool:
         size = x.element_size()
-        return (self.hidden * size) % 16 == 0 and (self.intermediate * size) % 16 == 0 and x.dtype != torch.float64
+        return (
+            (self.hidden * size) % 16 == 0
+            and (self.intermediate * size) % 16 == 0
+            and x.dtype != torch.float64
+        )
 
     def _loop(self, x, ids, weights, out, linears=None):
         """``linears``: per slot, the (gate/up, down) matmuls to use instead of ``F.linear``."""
@@ -106,7 +122,9 @@ class Experts(nn.Module):
             tok, pos = torch.where(ids == slot)
             if linears is None:
                 gu = F.linear(x[tok], self.w13[slot], None if self.b13 is None else self.b13[slot])
-                y = F.linear(self.act(gu), self.w2[slot], None if self.b2 is None else self.b2[slot])
+                y = F.linear(
+                    self.act(gu), self.w2[slot], None if self.b2 is None else self.b2[slot]
+                )
             else:
                 w13, w2 = linears[slot]
                 y = w2(self.act(w13(x[tok])))
@@ -145,7 +163,12 @@ class Experts(nn.Module):
         if self.fmt == "gpt_oss":
             return self._load_gpt_oss(name, src)
         parts = name.split(".")
-        if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in FORMATS[self.fmt] or parts[2] != "weight":
+        if (
+            len(parts) != 3
+            or not parts[0].isdigit()
+            or parts[1] not in FORMATS[self.fmt]
+            or parts[2] != "weight"
+        ):
             raise ValueError(f"unexpected expert weight {name!r}")
         gate, up, down = FORMATS[self.fmt]
         for s in self._local(int(parts[0])):
@@ -159,7 +182,7 @@ class Experts(nn.Module):
         i0, i1 = self.inter
         n = i1 - i0
         for s, e in enumerate(self.slots):
-            t = src[e:e + 1][0]
+            t = src[e : e + 1][0]
             if name == "gate_up_proj":  # [H, 2I], x @ W, gate and up interleaved
                 self._copy(self.w13.data[s, :n], t[:, 0::2][:, i0:i1].t(), name)
                 self._copy(self.w13.data[s, n:], t[:, 1::2][:, i0:i1].t(), name)
@@ -176,7 +199,9 @@ class Experts(nn.Module):
     @staticmethod
     def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
         if dst.shape != src.shape:
-            raise ValueError(f"expert weight {name!r}: expected shape {tuple(dst.shape)}, got {tuple(src.shape)}")
+            raise ValueError(
+                f"expert weight {name!r}: expected shape {tuple(dst.shape)}, got {tuple(src.shape)}"
+            )
         dst.copy_(src)
 
     def finish_loading(self) -> None:
@@ -185,7 +210,9 @@ class Experts(nn.Module):
             self.b2.data.zero_()
 
     # ---- CPU fast path -----------------------------------------------------------------------
-    def prepack(self, ops, quantization: Optional[str] = None, batch_invariant: bool = False) -> int:
+    def prepack(
+        self, ops, quantization: Optional[str] = None, batch_invariant: bool = False
+    ) -> int:
         """Hand the weights to the fused kernel (bf16, or int8 with ``w8a8_int8``); returns the
         packed bytes. Without the kernels the reference runner stays. A float32 model with
         ``batch_invariant`` runs the loop over ``PackedF32`` matmuls (rows independent of each
@@ -197,22 +224,43 @@ class Experts(nn.Module):
                 return 0
             from pdserve.layers.linear import PackedF32
 
-            linears = [(PackedF32(self.w13.data[s], None if self.b13 is None else self.b13.data[s], ops),
-                        PackedF32(self.w2.data[s], None if self.b2 is None else self.b2.data[s], ops))
-                       for s in range(self.num_slots)]
+            linears = [
+                (
+                    PackedF32(
+                        self.w13.data[s], None if self.b13 is None else self.b13.data[s], ops
+                    ),
+                    PackedF32(self.w2.data[s], None if self.b2 is None else self.b2.data[s], ops),
+                )
+                for s in range(self.num_slots)
+            ]
             self.impl = lambda x, ids, weights: self._loop(
-                x, ids, weights, torch.zeros((x.shape[0], self.hidden), dtype=torch.float32), linears)
+                x,
+                ids,
+                weights,
+                torch.zeros((x.shape[0], self.hidden), dtype=torch.float32),
+                linears,
+            )
             for name in ("w13", "w2"):
-                setattr(self, name, nn.Parameter(getattr(self, name).new_empty(0), requires_grad=False))
+                setattr(
+                    self, name, nn.Parameter(getattr(self, name).new_empty(0), requires_grad=False)
+                )
             return sum(a.nbytes + b.nbytes for a, b in linears)
         try:
             from pdserve.layers.moe.fused import PackedExperts
         except ImportError:  # a build of the kernels without the MoE kernel
             return 0
 
-        self.impl = PackedExperts(self.w13.data, self.w2.data, None if self.b13 is None else self.b13.data,
-                                  None if self.b2 is None else self.b2.data, self.activation, self.alpha,
-                                  self.limit, ops=ops, quantization=quantization)
+        self.impl = PackedExperts(
+            self.w13.data,
+            self.w2.data,
+            None if self.b13 is None else self.b13.data,
+            None if self.b2 is None else self.b2.data,
+            self.activation,
+            self.alpha,
+            self.limit,
+            ops=ops,
+            quantization=quantization,
+        )
         for name in ("w13", "w2"):
             setattr(self, name, nn.Parameter(getattr(self, name).new_empty(0), requires_grad=False))
         return self.impl.nbytes

@@ -46,7 +46,9 @@ def _in_panel_order(v: torch.Tensor, rows: torch.Tensor, fill: float = 0.0) -> t
     return torch.where(rows >= 0, picked, torch.full_like(picked, fill)).contiguous()
 
 
-def _pack_experts(ops: ModuleType, w: torch.Tensor, rows: torch.Tensor, k_group: int) -> torch.Tensor:
+def _pack_experts(
+    ops: ModuleType, w: torch.Tensor, rows: torch.Tensor, k_group: int
+) -> torch.Tensor:
     """[E, N, K] -> [E, len(rows)/64, ceil(K/kg), 4, 16, kg] in 2 MiB pages: element
     [e, np, ks, j, i, g] is w[e, rows[64 np + 16 j + i], kg ks + g] (zero where rows is -1 or past K)."""
     E, _, k = w.shape
@@ -81,28 +83,54 @@ class PackedExperts:
     over slots of ``weights[t, k] * expert(x[t])``. Per expert: ``gu = round(x w13^T + b13)``,
     ``a = round(act(gate, up))`` in float32, ``y = round(a w2^T + b2)``, all rounding to bf16."""
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, b13: Optional[torch.Tensor] = None,
-                 b2: Optional[torch.Tensor] = None, activation: str = "silu", alpha: float = 1.702,
-                 limit: float = 7.0, ops: Optional[ModuleType] = None, quantization: Optional[str] = None):
+    def __init__(
+        self,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        b13: Optional[torch.Tensor] = None,
+        b2: Optional[torch.Tensor] = None,
+        activation: str = "silu",
+        alpha: float = 1.702,
+        limit: float = 7.0,
+        ops: Optional[ModuleType] = None,
+        quantization: Optional[str] = None,
+    ):
         if activation not in ACTIVATIONS:
-            raise ValueError(f"activation: {activation!r} is not supported; supported: {ACTIVATIONS}")
+            raise ValueError(
+                f"activation: {activation!r} is not supported; supported: {ACTIVATIONS}"
+            )
         if quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization: {quantization!r} is not supported; supported: {QUANTIZATIONS}")
-        if w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] % 2 or w2.shape[0] != w13.shape[0] \
-                or w2.shape[1] != w13.shape[2] or 2 * w2.shape[2] != w13.shape[1]:
-            raise ValueError(f"w13 must be [E, 2*I, H] and w2 [E, H, I], got w13 {tuple(w13.shape)}, "
-                             f"w2 {tuple(w2.shape)}")
+            raise ValueError(
+                f"quantization: {quantization!r} is not supported; supported: {QUANTIZATIONS}"
+            )
+        if (
+            w13.dim() != 3
+            or w2.dim() != 3
+            or w13.shape[1] % 2
+            or w2.shape[0] != w13.shape[0]
+            or w2.shape[1] != w13.shape[2]
+            or 2 * w2.shape[2] != w13.shape[1]
+        ):
+            raise ValueError(
+                f"w13 must be [E, 2*I, H] and w2 [E, H, I], got w13 {tuple(w13.shape)}, "
+                f"w2 {tuple(w2.shape)}"
+            )
         if ops is None:
             from pdserve import kernels
 
             ops = kernels.load()
             if ops is None:
-                raise RuntimeError(f"PackedExperts needs pdserve's CPU kernels: {kernels.unavailable_reason()}")
+                raise RuntimeError(
+                    f"PackedExperts needs pdserve's CPU kernels: {kernels.unavailable_reason()}"
+                )
         self.ops = ops
         self.num_experts, self.hidden, self.intermediate = w2.shape
         self.activation, self.alpha, self.limit = activation, float(alpha), float(limit)
         self.quantization = quantization
-        rows13, rows2 = _panel_rows(2 * self.intermediate, self.intermediate), _panel_rows(self.hidden)
+        rows13, rows2 = (
+            _panel_rows(2 * self.intermediate, self.intermediate),
+            _panel_rows(self.hidden),
+        )
         self.w13_colsum = self.w13_scale = self.w2_colsum = self.w2_scale = None
         if quantization is None:
             self.w13 = _pack_experts(ops, w13.detach().to(torch.bfloat16), rows13, 2)
@@ -111,8 +139,14 @@ class PackedExperts:
             self.w13, self.w13_colsum, self.w13_scale = self._pack_int8(ops, w13.detach(), rows13)
             self.w2, self.w2_colsum, self.w2_scale = self._pack_int8(ops, w2.detach(), rows2)
         # biases in bf16 like the weights, held as float32 in panel order
-        self.b13 = None if b13 is None else _in_panel_order(b13.detach().to(torch.bfloat16).float(), rows13)
-        self.b2 = None if b2 is None else _in_panel_order(b2.detach().to(torch.bfloat16).float(), rows2)
+        self.b13 = (
+            None
+            if b13 is None
+            else _in_panel_order(b13.detach().to(torch.bfloat16).float(), rows13)
+        )
+        self.b2 = (
+            None if b2 is None else _in_panel_order(b2.detach().to(torch.bfloat16).float(), rows2)
+        )
 
     @staticmethod
     def _pack_int8(ops: ModuleType, w: torch.Tensor, rows: torch.Tensor):
@@ -127,15 +161,49 @@ class PackedExperts:
         ids = ids.to(torch.int32).contiguous()
         weights = weights.to(torch.float32).contiguous()
         if self.quantization is None:
-            self.ops.moe_experts_bf16(out, x, ids, weights, self.w13, self.w2, self.b13, self.b2,
-                                      self.activation, self.alpha, self.limit)
+            self.ops.moe_experts_bf16(
+                out,
+                x,
+                ids,
+                weights,
+                self.w13,
+                self.w2,
+                self.b13,
+                self.b2,
+                self.activation,
+                self.alpha,
+                self.limit,
+            )
         else:
-            self.ops.moe_experts_w8a8(out, x, ids, weights, self.w13, self.w13_colsum, self.w13_scale, self.w2,
-                                      self.w2_colsum, self.w2_scale, self.b13, self.b2, self.activation,
-                                      self.alpha, self.limit)
+            self.ops.moe_experts_w8a8(
+                out,
+                x,
+                ids,
+                weights,
+                self.w13,
+                self.w13_colsum,
+                self.w13_scale,
+                self.w2,
+                self.w2_colsum,
+                self.w2_scale,
+                self.b13,
+                self.b2,
+                self.activation,
+                self.alpha,
+                self.limit,
+            )
         return out
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.w13, self.w2, self.b13, self.b2, self.w13_colsum, self.w13_scale, self.w2_colsum, self.w2_scale)
+        tensors = (
+            self.w13,
+            self.w2,
+            self.b13,
+            self.b2,
+            self.w13_colsum,
+            self.w13_scale,
+            self.w2_colsum,
+            self.w2_scale,
+        )
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -26,16 +26,26 @@ from pdserve.layers.moe.router import Router, Routing
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, layer_id: int, router: Router, experts: Experts, ctx: MoEContext,
-                 router_name: str = "gate", shared: Optional[nn.Module] = None,
-                 shared_gate: Optional[Linear] = None, shared_name: str = "shared_expert"):
+    def __init__(
+        self,
+        layer_id: int,
+        router: Router,
+        experts: Experts,
+        ctx: MoEContext,
+        router_name: str = "gate",
+        shared: Optional[nn.Module] = None,
+        shared_gate: Optional[Linear] = None,
+        shared_name: str = "shared_expert",
+    ):
         super().__init__()
         self.layer_id = layer_id
         self.router_name = router_name
         setattr(self, router_name, router)
         self.experts = experts
         self.ctx = ctx
-        self.shared_name = shared_name  # the checkpoint's: shared_expert (Qwen2-MoE), shared_experts (DeepSeek)
+        self.shared_name = (
+            shared_name  # the checkpoint's: shared_expert (Qwen2-MoE), shared_experts (DeepSeek)
+        )
         if shared is not None:
             setattr(self, shared_name, shared)
         if shared_gate is not None:
@@ -68,11 +78,16 @@ class SparseMoE(nn.Module):
         routing = self.routing(x)
         self._observe(routing, counted=self.ctx.tp.rank == 0)
         if self.ctx.options.capture_routed_experts:
-            self.ctx.captured[self.layer_id] = dp.local(routing.ids) if dp is not None else routing.ids
+            self.ctx.captured[self.layer_id] = (
+                dp.local(routing.ids) if dp is not None else routing.ids
+            )
         slots = self.physical(routing.ids)
         first = self.ctx.ep_rank * self.slots_per_rank
-        local = torch.where((slots >= first) & (slots < first + self.slots_per_rank), slots - first,
-                            torch.full_like(slots, -1))
+        local = torch.where(
+            (slots >= first) & (slots < first + self.slots_per_rank),
+            slots - first,
+            torch.full_like(slots, -1),
+        )
         out = self.ctx.tp.all_reduce(self.experts(x, local, routing.weights))
         y = self._with_shared(x, out.to(x.dtype))
         return dp.local(y) if dp is not None else y
@@ -97,12 +112,14 @@ class SparseMoE(nn.Module):
         t = h.shape[0]
         per = -(-t // attn.size) if attn.size > 1 else t
         start = min(t, attn.rank * per) if attn.size > 1 else 0
-        mine = h[start:min(t, start + per)]
+        mine = h[start : min(t, start + per)]
         routing = self.routing(mine)
         self._observe(routing, counted=True)
         slots = self.physical(routing.ids)
         dest = slots // self.slots_per_rank  # [n, K] the rank of each slot
-        y = dispatch_combine(self.experts, mine, slots % self.slots_per_rank, dest, routing.weights, self.ctx.tp)
+        y = dispatch_combine(
+            self.experts, mine, slots % self.slots_per_rank, dest, routing.weights, self.ctx.tp
+        )
         out = self._with_shared(mine, y.to(h.dtype))
         if self.ctx.options.capture_routed_experts or attn.size > 1:
             ids = routing.ids
@@ -113,8 +130,14 @@ class SparseMoE(nn.Module):
         return out
 
 
-def dispatch_combine(experts: Experts, x: torch.Tensor, local: torch.Tensor, dest: torch.Tensor,
-                     weights: torch.Tensor, group) -> torch.Tensor:
+def dispatch_combine(
+    experts: Experts,
+    x: torch.Tensor,
+    local: torch.Tensor,
+    dest: torch.Tensor,
+    weights: torch.Tensor,
+    group,
+) -> torch.Tensor:
     """All-to-all dispatch: each token goes once to every rank that holds one of its slots, with
     its K local slot ids (-1 for the slots elsewhere) and weights; each rank runs its experts on
     what it received and sends the float32 weighted sums back; they are added per token in rank
@@ -139,15 +162,20 @@ def dispatch_combine(experts: Experts, x: torch.Tensor, local: torch.Tensor, des
     row_bytes = hdim * x.element_size() + 8 * k
     send = torch.cat(blocks) if blocks else x.new_empty((0, row_bytes), dtype=torch.uint8)
     recv = torch.empty((int(recv_counts.sum()), row_bytes), dtype=torch.uint8, device=dev)
-    dist.all_to_all_single(recv, send, [int(c) for c in recv_counts], [int(c) for c in send_counts],
-                           group=group.group)
+    dist.all_to_all_single(
+        recv, send, [int(c) for c in recv_counts], [int(c) for c in send_counts], group=group.group
+    )
     rx, rids, rw = unpack_rows(recv, hdim, k, x.dtype)
     ry = experts(rx, rids, rw).contiguous()
     n_sent = int(send_counts.sum())
     back = torch.empty((n_sent, hdim), dtype=torch.float32, device=dev)
-    dist.all_to_all_single(back.view(-1).view(torch.uint8), ry.view(-1).view(torch.uint8),
-                           [int(c) * hdim * 4 for c in send_counts], [int(c) * hdim * 4 for c in recv_counts],
-                           group=group.group)
+    dist.all_to_all_single(
+        back.view(-1).view(torch.uint8),
+        ry.view(-1).view(torch.uint8),
+        [int(c) * hdim * 4 for c in send_counts],
+        [int(c) * hdim * 4 for c in recv_counts],
+        group=group.group,
+    )
     out = torch.zeros((n, hdim), dtype=torch.float32, device=dev)
     if n_sent:
         out.index_add_(0, torch.cat(rows), back)
@@ -156,16 +184,29 @@ def dispatch_combine(experts: Experts, x: torch.Tensor, local: torch.Tensor, des
 
 def pack_rows(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """[n, H] activations, [n, K] int32 slot ids and [n, K] float32 weights as [n, bytes] rows."""
-    return torch.cat([x.contiguous().view(torch.uint8).view(x.shape[0], -1), ids.contiguous().view(torch.uint8),
-                      w.contiguous().view(torch.uint8)], dim=1) if x.shape[0] else \
-        torch.empty((0, x.shape[1] * x.element_size() + 8 * ids.shape[1]), dtype=torch.uint8, device=x.device)
+    return (
+        torch.cat(
+            [
+                x.contiguous().view(torch.uint8).view(x.shape[0], -1),
+                ids.contiguous().view(torch.uint8),
+                w.contiguous().view(torch.uint8),
+            ],
+            dim=1,
+        )
+        if x.shape[0]
+        else torch.empty(
+            (0, x.shape[1] * x.element_size() + 8 * ids.shape[1]),
+            dtype=torch.uint8,
+            device=x.device,
+        )
+    )
 
 
 def unpack_rows(buf: torch.Tensor, hdim: int, k: int, dtype: torch.dtype):
     xb = hdim * torch.empty((), dtype=dtype).element_size()
     x = buf[:, :xb].contiguous().view(dtype)
-    ids = buf[:, xb:xb + 4 * k].contiguous().view(torch.int32)
-    w = buf[:, xb + 4 * k:].contiguous().view(torch.float32)
+    ids = buf[:, xb : xb + 4 * k].contiguous().view(torch.int32)
+    w = buf[:, xb + 4 * k :].contiguous().view(torch.float32)
     return x, ids.long(), w
 
 

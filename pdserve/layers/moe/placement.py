@@ -42,12 +42,18 @@ class ExpertPlacement:
     num_redundant: int = 0
 
     @classmethod
-    def trivial(cls, layers: list[int], num_experts: int, ep_size: int, num_redundant: int = 0) -> "ExpertPlacement":
+    def trivial(
+        cls, layers: list[int], num_experts: int, ep_size: int, num_redundant: int = 0
+    ) -> "ExpertPlacement":
         """Slot i holds expert ``i % num_experts``."""
         slots = num_experts + num_redundant
         check_divides(slots, ep_size)
-        return cls(num_experts, ep_size, {layer: [i % num_experts for i in range(slots)] for layer in layers},
-                   num_redundant)
+        return cls(
+            num_experts,
+            ep_size,
+            {layer: [i % num_experts for i in range(slots)] for layer in layers},
+            num_redundant,
+        )
 
     @property
     def num_slots(self) -> int:
@@ -62,7 +68,7 @@ class ExpertPlacement:
     def rank_slots(self, layer: int, ep_rank: int) -> list[int]:
         """Logical expert of each slot ``ep_rank`` holds in ``layer``, in slot order."""
         s = self.slots_per_rank
-        return self.physical_to_logical[layer][ep_rank * s:(ep_rank + 1) * s]
+        return self.physical_to_logical[layer][ep_rank * s : (ep_rank + 1) * s]
 
     def dispatch_table(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(copies [E, max_copies] int64 physical slots, padded with the first copy; counts [E])
@@ -77,7 +83,7 @@ class ExpertPlacement:
     def rank_loads(self, layer: int, slot_counts: list[int]) -> list[int]:
         """Tokens each EP rank ran in ``layer``, from the tokens of each physical slot."""
         s = self.slots_per_rank
-        return [sum(slot_counts[r * s:(r + 1) * s]) for r in range(self.ep_size)]
+        return [sum(slot_counts[r * s : (r + 1) * s]) for r in range(self.ep_size)]
 
     def logical_counts(self, layer: int, slot_counts: list[int]) -> list[int]:
         """Tokens per logical expert of ``layer``: the sum over its copies."""
@@ -89,8 +95,10 @@ class ExpertPlacement:
 
 def check_divides(num_slots: int, ep_size: int) -> None:
     if num_slots % ep_size:
-        raise ValueError(f"ep_size: {ep_size} does not divide the {num_slots} expert slots of the model "
-                         "(experts plus --ep-num-redundant-experts)")
+        raise ValueError(
+            f"ep_size: {ep_size} does not divide the {num_slots} expert slots of the model "
+            "(experts plus --ep-num-redundant-experts)"
+        )
 
 
 def imbalance(loads: list[float]) -> float:
@@ -109,5 +117,7 @@ def to_physical(ids: torch.Tensor, table: torch.Tensor, counts: torch.Tensor) ->
     per_expert = torch.bincount(flat, minlength=table.shape[0])
     first = torch.cumsum(per_expert, 0) - per_expert  # where each expert's pairs start in ``order``
     nth = torch.empty_like(flat)
-    nth[order] = torch.arange(flat.numel(), dtype=flat.dtype, device=flat.device) - first[flat[order]]
+    nth[order] = (
+        torch.arange(flat.numel(), dtype=flat.dtype, device=flat.device) - first[flat[order]]
+    )
     return table[flat, nth % counts[flat]].view_as(ids)

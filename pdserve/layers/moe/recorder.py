@@ -31,7 +31,9 @@ class ExpertRecorder:
         self.info = info
         self.placement = placement
         # [num_layers, slots]: tokens since start-up (rows of layers counted elsewhere stay 0)
-        self.counts = torch.zeros((info.num_layers, placement.num_slots), dtype=torch.int64, device="cpu")
+        self.counts = torch.zeros(
+            (info.num_layers, placement.num_slots), dtype=torch.int64, device="cpu"
+        )
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.recording = False
         self._since: Optional[torch.Tensor] = None  # counts at the window's start (None: no window)
@@ -46,7 +48,9 @@ class ExpertRecorder:
                 copies, n = self.placement.dispatch_table(layer_id)
             table = self._tables[layer_id] = (copies.to(ids.device), n.to(ids.device))
         slots = to_physical(ids, *table)
-        self.counts[layer_id] += torch.bincount(slots.reshape(-1), minlength=self.placement.num_slots)
+        self.counts[layer_id] += torch.bincount(
+            slots.reshape(-1), minlength=self.placement.num_slots
+        )
 
     # ---- the record window ---------------------------------------------------------------------
     def snapshot(self) -> torch.Tensor:
@@ -79,5 +83,9 @@ class ExpertRecorder:
         """This rank's slot counts and placement of its stage's MoE layers (JSON-ready)."""
         counts = self.window() if window else self.snapshot()
         layers = sorted(self.placement.physical_to_logical)
-        return {"counts": {str(layer): counts[layer].tolist() for layer in layers},
-                "placement": {str(layer): self.placement.physical_to_logical[layer] for layer in layers}}
+        return {
+            "counts": {str(layer): counts[layer].tolist() for layer in layers},
+            "placement": {
+                str(layer): self.placement.physical_to_logical[layer] for layer in layers
+            },
+        }

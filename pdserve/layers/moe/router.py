@@ -44,7 +44,9 @@ class Router(nn.Module):
     def __init__(self, hidden: int, num_experts: int, top_k: int, bias: bool = False):
         super().__init__()
         if not 0 < top_k <= num_experts:
-            raise ValueError(f"num_experts_per_tok: {top_k} must be in [1, num_experts = {num_experts}]")
+            raise ValueError(
+                f"num_experts_per_tok: {top_k} must be in [1, num_experts = {num_experts}]"
+            )
         self.num_experts = num_experts
         self.top_k = top_k
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
@@ -70,7 +72,9 @@ class Router(nn.Module):
         if self.invariant is not None:
             return self.invariant(h)
         if self.fp32_logits:
-            return F.linear(h.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+            return F.linear(
+                h.float(), self.weight.float(), None if self.bias is None else self.bias.float()
+            )
         return F.linear(h, self.weight, self.bias)
 
     def select(self, logits: torch.Tensor) -> Routing:
@@ -81,7 +85,9 @@ class Router(nn.Module):
 
 
 class SoftmaxTopK(Router):
-    def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool, cast_back: bool):
+    def __init__(
+        self, hidden: int, num_experts: int, top_k: int, renormalize: bool, cast_back: bool
+    ):
         super().__init__(hidden, num_experts, top_k)
         self.renormalize = renormalize
         self.cast_back = cast_back
@@ -107,13 +113,23 @@ class TopKSoftmax(Router):
 
 def qwen_router(config, hidden: Optional[int] = None) -> SoftmaxTopK:
     """Qwen2-MoE / Qwen3-MoE: ``norm_topk_prob`` decides the renormalisation; weights cast back."""
-    return SoftmaxTopK(hidden or config.hidden_size, config.num_experts, config.num_experts_per_tok,
-                       renormalize=bool(getattr(config, "norm_topk_prob", False)), cast_back=True)
+    return SoftmaxTopK(
+        hidden or config.hidden_size,
+        config.num_experts,
+        config.num_experts_per_tok,
+        renormalize=bool(getattr(config, "norm_topk_prob", False)),
+        cast_back=True,
+    )
 
 
 def mixtral_router(config) -> SoftmaxTopK:
-    return SoftmaxTopK(config.hidden_size, config.num_local_experts, config.num_experts_per_tok,
-                       renormalize=True, cast_back=False)
+    return SoftmaxTopK(
+        config.hidden_size,
+        config.num_local_experts,
+        config.num_experts_per_tok,
+        renormalize=True,
+        cast_back=False,
+    )
 
 
 def topk_ordered(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,14 +157,29 @@ class GroupedSoftmaxTopK(Router):
     fp32_logits = True
     METHODS = ("greedy", "group_limited_greedy")
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, method: str, n_group: int, topk_group: int,
-                 scaling: float):
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        method: str,
+        n_group: int,
+        topk_group: int,
+        scaling: float,
+    ):
         super().__init__(hidden, num_experts, top_k)
         if method not in self.METHODS:
-            raise ValueError(f"topk_method: {method!r} is not supported for this model; supported: {self.METHODS}")
+            raise ValueError(
+                f"topk_method: {method!r} is not supported for this model; supported: {self.METHODS}"
+            )
         if method == "group_limited_greedy":
             _check_groups(num_experts, top_k, n_group, topk_group)
-        self.method, self.n_group, self.topk_group, self.scaling = method, n_group, topk_group, scaling
+        self.method, self.n_group, self.topk_group, self.scaling = (
+            method,
+            n_group,
+            topk_group,
+            scaling,
+        )
 
     def select(self, logits: torch.Tensor) -> Routing:
         scores = logits.softmax(dim=-1, dtype=torch.float32)
@@ -169,15 +200,30 @@ class GroupedSigmoidTopK(Router):
 
     fp32_logits = True
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, n_group: int, topk_group: int, renormalize: bool,
-                 scaling: float):
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        renormalize: bool,
+        scaling: float,
+    ):
         super().__init__(hidden, num_experts, top_k)
         _check_groups(num_experts, top_k, n_group, topk_group)
         if num_experts // n_group < 2:
-            raise ValueError(f"n_group: {n_group} groups of {num_experts // n_group} expert(s); a group's score is "
-                             "the sum of its two best experts, so each group needs at least 2")
+            raise ValueError(
+                f"n_group: {n_group} groups of {num_experts // n_group} expert(s); a group's score is "
+                "the sum of its two best experts, so each group needs at least 2"
+            )
         self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
-        self.n_group, self.topk_group, self.renormalize, self.scaling = n_group, topk_group, renormalize, scaling
+        self.n_group, self.topk_group, self.renormalize, self.scaling = (
+            n_group,
+            topk_group,
+            renormalize,
+            scaling,
+        )
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
@@ -191,7 +237,9 @@ class GroupedSigmoidTopK(Router):
         choice = scores + self.e_score_correction_bias.float()
         per_group = choice.view(-1, self.n_group, self.num_experts // self.n_group)
         group_scores = topk_ordered(per_group, 2)[0].sum(dim=-1)
-        choice = choice.masked_fill(~_group_mask(choice, group_scores, self.topk_group), float("-inf"))
+        choice = choice.masked_fill(
+            ~_group_mask(choice, group_scores, self.topk_group), float("-inf")
+        )
         ids = topk_ordered(choice, self.top_k)[1]
         weights = scores.gather(1, ids)
         if self.renormalize:
@@ -207,7 +255,7 @@ def rowwise_sigmoid(x: torch.Tensor) -> torch.Tensor:
     pad = -x.shape[-1] % 64
     if pad == 0:
         return x.sigmoid()
-    return torch.nn.functional.pad(x, (0, pad)).sigmoid()[..., :x.shape[-1]]
+    return torch.nn.functional.pad(x, (0, pad)).sigmoid()[..., : x.shape[-1]]
 
 
 def _check_groups(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
@@ -216,5 +264,7 @@ def _check_groups(num_experts: int, top_k: int, n_group: int, topk_group: int) -
     if not 1 <= topk_group <= n_group:
         raise ValueError(f"topk_group: {topk_group} must be in [1, n_group = {n_group}]")
     if topk_group * (num_experts // n_group) < top_k:
-        raise ValueError(f"num_experts_per_tok: {top_k} experts cannot come from {topk_group} group(s) of "
-                         f"{num_experts // n_group}")
+        raise ValueError(
+            f"num_experts_per_tok: {top_k} experts cannot come from {topk_group} group(s) of "
+            f"{num_experts // n_group}"
+        )
