@@ -86,11 +86,17 @@ def test_dtype_choice(tmp_path):
     assert choose_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert choose_kv_cache_dtype("float32", torch.bfloat16) == torch.float32
     # a bf16 checkpoint: decided by timing the model's own shapes; the reason says what was measured
+    # (with pdserve's kernels, as a server has them: without oneDNN bf16 they are what is probed)
+    from pdserve import kernels
+
+    ops = kernels.load()
+    onednn = kernels.onednn_bf16()[0]
     dst = as_bf16_checkpoint(build_tiny_checkpoint("llama"), str(tmp_path / "bf16"))
-    dtype, why = choose_compute_dtype("auto", "cpu", _config(str(dst)), None)
-    times = measure_linear_times(_config(str(dst)), None)
+    dtype, why = choose_compute_dtype("auto", "cpu", _config(str(dst)), ops)
+    times = measure_linear_times(_config(str(dst)), ops, onednn=onednn)
     assert dtype in (torch.bfloat16, torch.float32)
-    assert why.startswith("measured:") and "prepacked bf16" in why and "float32" in why
+    assert why.startswith("measured:") and "prepacked bf16" in why and "float32" in why, why
+    assert ("oneDNN + GEMV" if onednn else "pdserve kernels") in why, why
     assert times["float32"] > 0 and times["bfloat16"] > 0
 
 
