@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 import torch
 
 from pdserve.config import ServerArgs
-from pdserve.engine.request import FinishKind, Req, SamplingParams
+from pdserve.engine.request import FinishKind, Req, RequestSpec, SamplingParams
 from pdserve.grammar import spec_from_sampling
 
 logger = logging.getLogger(__name__)
@@ -113,18 +113,17 @@ class Engine:
         reqs = []
         for ids, sp, grammar in zip(ids_list, sps, grammars):
             for _ in range(sp.n):
-                reqs.append(
-                    Req(
-                        rid=uuid.uuid4().hex,
-                        input_ids=ids,
-                        sampling=sp,
-                        return_logprob=return_logprob,
-                        top_logprobs_num=top_logprobs_num,
-                        logprob_start_len=logprob_start_len,
-                        return_routed_experts=return_routed_experts,
-                        grammar_spec=grammar,
-                    )
+                spec = RequestSpec(
+                    rid=uuid.uuid4().hex,
+                    input_ids=ids,
+                    sampling_params=sp.to_dict(),
+                    return_logprob=return_logprob,
+                    top_logprobs_num=top_logprobs_num,
+                    logprob_start_len=logprob_start_len,
+                    return_routed_experts=return_routed_experts,
+                    grammar=grammar,
                 )
+                reqs.append(Req.from_spec(spec))
         for req in reqs:
             self.scheduler.validate(req)
         return single and len(reqs) == 1, reqs

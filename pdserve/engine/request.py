@@ -1,6 +1,9 @@
 """The plain request object (``Req``) and its sampling parameters.
 
-The engine sees ``Req`` objects and batches of them, never HTTP objects.
+The engine sees ``Req`` objects and batches of them, never HTTP objects. A request is described
+once, by ``RequestSpec`` (with its PD routing in ``PDFields``): the front end builds it, the
+scheduler message is one (``server/messages.GenerateReq``), and ``Req.from_spec`` makes the
+engine's request of it.
 """
 
 from __future__ import annotations
@@ -10,6 +13,10 @@ import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+import msgspec
+
+from pdserve.grammar import GrammarSpec
 
 MAX_TOP_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -159,6 +166,35 @@ class FinishReason:
         return d
 
 
+class PDFields(msgspec.Struct):
+    """Where a disaggregated request's KV comes from or goes, from the router's fields."""
+
+    bootstrap_host: Optional[str] = None
+    bootstrap_port: Optional[int] = None
+    bootstrap_room: Optional[int] = None
+    routed_dp_rank: Optional[int] = None  # the attention-DP group that serves it
+    disagg_prefill_dp_rank: Optional[int] = None  # decode: the prefill DP group holding its KV
+
+
+class RequestSpec(msgspec.Struct, kw_only=True):
+    """One generation request as validated: what the scheduler is asked to run."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: dict[str, Any]  # SamplingParams.to_dict()
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    stream: bool = False
+    return_routed_experts: bool = (
+        False  # routed experts of every token from routed_experts_start_len
+    )
+    routed_experts_start_len: int = 0
+    grammar: Optional[GrammarSpec] = None  # what the output must match (pdserve/grammar)
+    grammar_start_after: Optional[list[int]] = None  # the end-of-reasoning tokens it starts after
+    pd: PDFields = msgspec.field(default_factory=PDFields)
+
+
 @dataclass
 class KVSlots:
     """Where a request's KV lives, per cache group (``engine/kv_cache.py`` owns every change).
@@ -235,6 +271,27 @@ class Req:
     disagg: Any = None
     # event -> wall-clock time it first happened here (server/timeline.py names the events)
     timeline: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_spec(cls, spec: RequestSpec) -> "Req":
+        """The engine's request for ``spec`` (ValueError naming a bad sampling parameter)."""
+        return cls(
+            rid=spec.rid,
+            input_ids=spec.input_ids,
+            sampling=SamplingParams.from_dict(spec.sampling_params),
+            return_logprob=spec.return_logprob,
+            top_logprobs_num=spec.top_logprobs_num,
+            logprob_start_len=spec.logprob_start_len,
+            stream=spec.stream,
+            return_routed_experts=spec.return_routed_experts,
+            routed_experts_start_len=spec.routed_experts_start_len,
+            bootstrap_host=spec.pd.bootstrap_host,
+            bootstrap_port=spec.pd.bootstrap_port,
+            bootstrap_room=spec.pd.bootstrap_room,
+            prefill_dp_rank=spec.pd.disagg_prefill_dp_rank,
+            grammar_spec=spec.grammar,
+            grammar_start_after=spec.grammar_start_after,
+        )
 
     def mark(self, event: str) -> None:
         self.timeline.setdefault(event, time.time())

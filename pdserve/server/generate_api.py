@@ -22,12 +22,7 @@ from pdserve.disagg.fake import fake_bootstrap
 from pdserve.engine.request import INT64_MAX, MAX_TOP_LOGPROBS
 from pdserve.server import http_util, timeline
 from pdserve.server.errors import bad_request
-from pdserve.server.openai_protocol import (
-    BOOTSTRAP_SCHEMAS,
-    DPRank,
-    split_bootstrap,
-    split_dp_ranks,
-)
+from pdserve.server.openai_protocol import PDBody
 from pdserve.server.tokenizer_manager import MAX_N, ReqSpec, ReqState, TokenizerManager
 
 
@@ -111,7 +106,7 @@ _SINGLE_PROMPT = {
 }
 
 
-class GenerateRequest(msgspec.Struct):
+class GenerateRequest(PDBody):
     """A native generation request; unknown fields are ignored."""
 
     # (unknown fields: the router adds many.) Fields typed ``Any`` are checked by ``parse`` with
@@ -140,18 +135,7 @@ class GenerateRequest(msgspec.Struct):
     routed_experts_start_len: Annotated[
         Any, NON_NEGATIVE.per_item("first position with routed experts")
     ] = 0
-    bootstrap_host: Annotated[
-        Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_host"])
-    ] = None
-    bootstrap_port: Annotated[
-        Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_port"])
-    ] = None
-    bootstrap_room: Annotated[
-        Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_room"])
-    ] = None
-    routed_dp_rank: DPRank = None
-    disagg_prefill_dp_rank: DPRank = None
-    data_parallel_rank: DPRank = None  # deprecated alias of routed_dp_rank
+    # (bootstrap_host/port/room, routed_dp_rank, disagg_prefill_dp_rank: PDBody's)
 
 
 def _prompts(req: GenerateRequest) -> tuple[list[Any], bool]:
@@ -212,10 +196,7 @@ def parse(tm: TokenizerManager, req: GenerateRequest, stream: bool) -> tuple[lis
         "routed_experts_start_len", req.routed_experts_start_len, size, batch, NON_NEGATIVE
     )
     n = max(_sample_count(sp) for sp in sampling)
-    boots = split_bootstrap(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, size, n)
-    ranks = split_dp_ranks(
-        req.routed_dp_rank, req.disagg_prefill_dp_rank, req.data_parallel_rank, size, n
-    )
+    pd = req.pd_fields(size, n)
     specs = []
     for i, prompt in enumerate(prompts):
         sp = sampling[i] or {}
@@ -232,8 +213,7 @@ def parse(tm: TokenizerManager, req: GenerateRequest, stream: bool) -> tuple[lis
                 no_stop_trim=bool(sp.get("no_stop_trim")),
                 return_routed_experts=want_re[i],
                 routed_experts_start_len=re_starts[i],
-                **boots[i],
-                **ranks[i],
+                **pd[i],
             )
         )
     return specs, batch or specs[0].sampling.n > 1

@@ -10,26 +10,11 @@ from typing import Any, Optional, Union
 
 import msgspec
 
-from pdserve.grammar import GrammarSpec
+from pdserve.engine.request import RequestSpec
 
 
-class GenerateReq(msgspec.Struct, tag="generate"):
-    rid: str
-    input_ids: list[int]
-    sampling_params: dict[str, Any]
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
-    stream: bool = False
-    return_routed_experts: bool = False
-    routed_experts_start_len: int = 0
-    bootstrap_host: Optional[str] = None
-    bootstrap_port: Optional[int] = None
-    bootstrap_room: Optional[int] = None
-    routed_dp_rank: Optional[int] = None  # the attention-DP group that serves it
-    disagg_prefill_dp_rank: Optional[int] = None  # decode: the prefill DP group holding its KV
-    grammar: Optional[GrammarSpec] = None  # what the output must match (pdserve/grammar)
-    grammar_start_after: Optional[list[int]] = None  # the end-of-reasoning tokens it starts after
+class GenerateReq(RequestSpec, tag="generate"):
+    """A request to run (``engine/request.RequestSpec``, the one description of a request)."""
 
 
 class AbortReq(msgspec.Struct, tag="abort"):

@@ -71,11 +71,44 @@ RESPONSE_FORMAT = {
 }
 
 
+class PDBody(msgspec.Struct):
+    """The disaggregation fields a router adds to a request body (/generate and the OpenAI
+    routes alike): scalars, or lists with one entry per prompt or per sample (checked by
+    ``split_bootstrap`` and ``split_dp_ranks``)."""
+
+    bootstrap_host: Annotated[
+        Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_host"])
+    ] = None
+    bootstrap_port: Annotated[
+        Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_port"])
+    ] = None
+    bootstrap_room: Annotated[
+        Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_room"])
+    ] = None
+    routed_dp_rank: DPRank = None
+    disagg_prefill_dp_rank: DPRank = None
+    data_parallel_rank: DPRank = None  # deprecated alias of routed_dp_rank
+
+    def pd_fields(self, num_prompts: int, n: int) -> list[dict[str, Any]]:
+        """Each prompt's bootstrap and DP rank fields (``ReqSpec``'s PD fields)."""
+        boots = split_bootstrap(
+            self.bootstrap_host, self.bootstrap_port, self.bootstrap_room, num_prompts, n
+        )
+        ranks = split_dp_ranks(
+            self.routed_dp_rank,
+            self.disagg_prefill_dp_rank,
+            self.data_parallel_rank,
+            num_prompts,
+            n,
+        )
+        return [{**b, **r} for b, r in zip(boots, ranks, strict=True)]
+
+
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-class _Sampling(msgspec.Struct):
+class _Sampling(PDBody):
     model: Optional[str] = None
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
@@ -109,22 +142,6 @@ class _Sampling(msgspec.Struct):
     ebnf: Optional[str] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    # disaggregation fields added by the router: scalars, or lists with one entry per prompt
-    # (completions) or per sample (chat with n > 1)
-    # (checked by split_bootstrap, as on /generate)
-    bootstrap_host: Annotated[
-        Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_host"])
-    ] = None
-    bootstrap_port: Annotated[
-        Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_port"])
-    ] = None
-    bootstrap_room: Annotated[
-        Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_room"])
-    ] = None
-    # data-parallel groups, same shapes (checked by split_dp_ranks)
-    routed_dp_rank: DPRank = None
-    disagg_prefill_dp_rank: DPRank = None
-    data_parallel_rank: DPRank = None  # deprecated alias of routed_dp_rank
 
     def sampling_params(self, max_new_tokens: Optional[int]) -> dict[str, Any]:
         d = {
@@ -154,18 +171,7 @@ class _Sampling(msgspec.Struct):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def bootstrap(self, num_prompts: int = 1) -> list[dict[str, Any]]:
-        """The bootstrap and DP rank fields of each prompt (see ``split_bootstrap``, ``split_dp_ranks``)."""
-        boots = split_bootstrap(
-            self.bootstrap_host, self.bootstrap_port, self.bootstrap_room, num_prompts, self.n
-        )
-        ranks = split_dp_ranks(
-            self.routed_dp_rank,
-            self.disagg_prefill_dp_rank,
-            self.data_parallel_rank,
-            num_prompts,
-            self.n,
-        )
-        return [{**b, **r} for b, r in zip(boots, ranks, strict=True)]
+        return self.pd_fields(num_prompts, self.n)
 
 
 def _for_prompt(name: str, value: Any, j: int, num_prompts: int, n: int, per_sample: bool) -> Any:

@@ -33,7 +33,7 @@ import zmq
 
 from pdserve.config import ServerArgs
 from pdserve.distributed import SINGLE_RANK, Parallel, init_parallel
-from pdserve.engine.request import FinishKind, FinishReason, Req, SamplingParams
+from pdserve.engine.request import FinishKind, FinishReason, Req
 from pdserve.kv_spec import DTYPE_BYTES, transfer_bytes_per_token
 from pdserve.lifetime import end_with_parent
 from pdserve.log import role_tag, setup_logging
@@ -197,42 +197,22 @@ class SchedulerLoop:
     def handle(self, msg) -> None:
         s = self.scheduler
         if isinstance(msg, m.GenerateReq):
-            if self.par.dp_attention and (msg.routed_dp_rank or 0) != self.par.dp_rank:
+            if self.par.dp_attention and (msg.pd.routed_dp_rank or 0) != self.par.dp_rank:
                 return  # another attention group's request
             try:
-                req = Req(
-                    rid=msg.rid,
-                    input_ids=msg.input_ids,
-                    sampling=SamplingParams.from_dict(msg.sampling_params),
-                    return_logprob=msg.return_logprob,
-                    top_logprobs_num=msg.top_logprobs_num,
-                    logprob_start_len=msg.logprob_start_len,
-                    stream=msg.stream,
-                    return_routed_experts=msg.return_routed_experts,
-                    routed_experts_start_len=msg.routed_experts_start_len,
-                    bootstrap_host=msg.bootstrap_host,
-                    bootstrap_port=msg.bootstrap_port,
-                    bootstrap_room=msg.bootstrap_room,
-                    prefill_dp_rank=msg.disagg_prefill_dp_rank,
-                    grammar_spec=msg.grammar,
-                    grammar_start_after=msg.grammar_start_after,
-                )
+                req = Req.from_spec(msg)
                 req.mark("queued")
                 s.add_request(req)
             except ValueError as e:
                 reason = FinishReason(FinishKind.ABORT, message=str(e), status_code=400)
-                if (
-                    s.pd is not None and msg.bootstrap_room is not None
-                ):  # the PD peer must not wait for it
+                pd = msg.pd
+                if s.pd is not None and pd.bootstrap_room is not None:  # the peer must not wait
                     try:
                         s.pd.reject(
-                            msg.bootstrap_host,
-                            msg.bootstrap_port,
-                            msg.bootstrap_room,
-                            f"refused: {e}",
+                            pd.bootstrap_host, pd.bootstrap_port, pd.bootstrap_room, f"refused: {e}"
                         )
                     except Exception:  # best effort: the peer's own timeout still ends the room
-                        logger.exception("could not end room %s on the PD peer", msg.bootstrap_room)
+                        logger.exception("could not end room %s on the PD peer", pd.bootstrap_room)
                 self.reply(
                     m.BatchOut(
                         outs=[m.TokenOut(rid=msg.rid, new_ids=[], finish_reason=reason.to_json())]

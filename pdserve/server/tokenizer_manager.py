@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional, Union
 
 from pdserve.chat_template import ChatTemplateError, chat_input_ids, load_template
-from pdserve.engine.request import SamplingParams
+from pdserve.engine.request import PDFields, SamplingParams
 from pdserve.engine.routed_experts import refusal as routed_experts_refusal
 from pdserve.grammar import GrammarSpec, backend_class
 from pdserve.server.constraints import grammar_of_sampling
@@ -39,7 +39,9 @@ MAX_N = 64
 
 @dataclass
 class ReqSpec:
-    """One generation, validated, as it goes to the scheduler."""
+    """One generation, validated, before it is sent: the front end's form of ``RequestSpec``
+    (a request with ``n`` samples is one spec whose rooms and ranks may be lists, one per sample,
+    until ``submit_all`` splits it)."""
 
     input_ids: list[int]
     sampling: SamplingParams
@@ -67,6 +69,29 @@ class ReqSpec:
     grammar_start_after: Optional[list[int]] = (
         None  # the end-of-reasoning token ids it starts after
     )
+
+    def message(self, dp_group: Optional[int]) -> GenerateReq:
+        """The scheduler's message for this generation (one sample: its room and ranks)."""
+        return GenerateReq(
+            rid=self.rid,
+            input_ids=self.input_ids,
+            sampling_params=self.sampling.to_dict(),
+            return_logprob=self.return_logprob,
+            top_logprobs_num=self.top_logprobs_num,
+            logprob_start_len=self.logprob_start_len,
+            stream=self.stream,
+            return_routed_experts=self.return_routed_experts,
+            routed_experts_start_len=self.routed_experts_start_len,
+            grammar=self.grammar,
+            grammar_start_after=self.grammar_start_after,
+            pd=PDFields(
+                bootstrap_host=self.bootstrap_host,
+                bootstrap_port=self.bootstrap_port,
+                bootstrap_room=_first(self.bootstrap_room),
+                routed_dp_rank=dp_group,
+                disagg_prefill_dp_rank=_first(self.disagg_prefill_dp_rank),
+            ),
+        )
 
 
 class ReqState:
@@ -252,28 +277,7 @@ class TokenizerManager:
         )
         state.dp_rank = group
         try:  # validation should have caught whatever cannot cross; this names what slipped through
-            data = encode(
-                GenerateReq(
-                    rid=spec.rid,
-                    input_ids=spec.input_ids,
-                    sampling_params=p.to_dict(),
-                    return_logprob=spec.return_logprob,
-                    top_logprobs_num=spec.top_logprobs_num,
-                    logprob_start_len=spec.logprob_start_len,
-                    stream=spec.stream,
-                    return_routed_experts=spec.return_routed_experts,
-                    routed_experts_start_len=spec.routed_experts_start_len,
-                    bootstrap_host=spec.bootstrap_host,
-                    bootstrap_port=spec.bootstrap_port,
-                    bootstrap_room=spec.bootstrap_room[0]
-                    if isinstance(spec.bootstrap_room, list)
-                    else spec.bootstrap_room,
-                    routed_dp_rank=group,
-                    disagg_prefill_dp_rank=_first(spec.disagg_prefill_dp_rank),
-                    grammar=spec.grammar,
-                    grammar_start_after=spec.grammar_start_after,
-                )
-            )
+            data = encode(spec.message(group))
         except (OverflowError, UnicodeEncodeError, TypeError) as e:
             raise bad_request(f"request cannot be passed to the scheduler: {e}") from None
         self.states[spec.rid] = state  # registered only once nothing can fail before it is sent

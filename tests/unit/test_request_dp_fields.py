@@ -8,6 +8,8 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
+from pdserve.engine.request import PDFields
+from pdserve.grammar import GrammarSpec
 from pdserve.server import generate_api
 from pdserve.server.errors import APIError
 from pdserve.server.messages import GenerateReq, decode_to_scheduler, encode
@@ -110,12 +112,12 @@ def test_generate_req_round_trip_and_old_messages_decode():
         rid="r",
         input_ids=[1, 2],
         sampling_params={},
-        bootstrap_room=5,
-        routed_dp_rank=1,
-        disagg_prefill_dp_rank=0,
+        pd=PDFields(bootstrap_room=5, routed_dp_rank=1, disagg_prefill_dp_rank=0),
+        grammar=GrammarSpec("regex", "[a-z]+"),
     )
     back = decode_to_scheduler(encode(msg))
-    assert back == msg and back.routed_dp_rank == 1 and back.disagg_prefill_dp_rank == 0
+    assert back == msg and back.pd.routed_dp_rank == 1 and back.pd.disagg_prefill_dp_rank == 0
+    assert back.grammar == GrammarSpec("regex", "[a-z]+")
     old = {
         "type": "generate",
         "rid": "r",
@@ -123,4 +125,4 @@ def test_generate_req_round_trip_and_old_messages_decode():
         "sampling_params": {},
     }  # before the fields existed
     back = decode_to_scheduler(msgspec.msgpack.encode(old))
-    assert back.routed_dp_rank is None and back.disagg_prefill_dp_rank is None
+    assert back.pd == PDFields() and back.grammar is None
