@@ -155,3 +155,24 @@ def test_a_last_chunk_group_sent_early_fails_the_room(two_group_pair):
     assert torch.equal(d_pools[0].buffer, before)  # nothing written
     sender.clear()
     receiver.clear()
+
+
+def test_grammar_engines_must_agree():
+    """Decode continues prefill's grammar from its first token: the engine and the vocabulary its
+    masks index are compared at registration (unknown, "", is not)."""
+    p, _, _ = kv_args(groups(), grammar="xgrammar:0123abcd")
+    for other, bad in (
+        ("llguidance:0123abcd", True),
+        ("xgrammar:ffff0000", True),
+        ("", False),
+        ("xgrammar:0123abcd", False),
+    ):
+        d, _, _ = kv_args(groups(), grammar=other)
+        errs = compat_mismatches(p.compat_info(), d.compat_info())
+        assert bool(errs) == bad, (other, errs)
+        if bad:
+            assert errs == [
+                f"grammar mismatch: prefill xgrammar:0123abcd, decode {other} (give both servers "
+                "the same --grammar-backend and tokenizer: decode continues the grammar from "
+                "prefill's first token, so both must allow the same tokens)"
+            ]
