@@ -95,3 +95,32 @@ def test_a_failed_room_keeps_the_decode_cache_consistent(pd_cached, reference):
     assert r.status_code >= 500
     D.wait_idle()  # integrity: free + cached + in use == capacity, no lock left
     assert generate(R.url, turn1 + out1 + [8, 9]) == reference(turn1 + out1 + [8, 9])["output_ids"]
+
+
+def test_constrained_turns_through_the_decode_cache(pd_cached, offline_engine):
+    """A grammar request whose prefix decode holds: only the missing pages move, and its tokens
+    are the offline engine's under the same grammar."""
+    P, D, R = pd_cached
+    rng = random.Random(13)
+    sp = {"temperature": 0, "max_new_tokens": 40, "regex": r"(yes|no), [0-9]{1,3} (apples|pears)"}
+
+    def run(ids: list[int]) -> dict:
+        r = httpx.post(
+            R.url + "/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=60
+        )
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert (
+            out["output_ids"]
+            == offline_engine.generate(input_ids=ids, sampling_params=sp)["output_ids"]
+        )
+        return out
+
+    turn1 = [rng.randrange(100, 40000) for _ in range(70)]
+    out1 = run(turn1)
+    D.wait_idle()
+    hits = stats(D)["cache_hit_tokens"]
+    run(turn1 + out1["output_ids"] + [rng.randrange(100, 40000) for _ in range(20)])
+    assert stats(D)["cache_hit_tokens"] - hits >= 4 * 16
+    for s in (P, D):
+        s.wait_idle()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
 import threading
 import time
 
@@ -347,3 +348,28 @@ def test_conditional_sends_long_prompts_to_prefill_when_decode_is_busy(cluster):
         decision = r.json()["meta_info"]["pd_decision"]
         assert (decision["mode"], decision["reason"]) == ("pd", "faster_pd"), decision
         assert decision["itl_penalty_s"] > 0
+
+
+REGEX = r"(yes|no), [0-9]{1,3} (apples|pears)"
+
+
+def test_conditional_pd_keeps_the_grammar(cluster, offline_engine):
+    """A constrained request decode runs itself and one through prefill both follow the grammar
+    and give the offline engine's tokens (decode continues prefill's first token's grammar)."""
+    R, D = cluster["pd_cond"], cluster["D"]
+    rng = random.Random(37)
+    sp = {"temperature": 0, "max_new_tokens": 40, "regex": REGEX}
+    for n, mode in ((20, "local"), (200, "pd")):
+        ids = [rng.randrange(100, 40000) for _ in range(n)]
+        r = httpx.post(
+            R.url + "/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=60
+        )
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["meta_info"]["pd_decision"]["mode"] == mode, out["meta_info"]["pd_decision"]
+        assert re.fullmatch(REGEX, out["text"]), out["text"]
+        assert (
+            out["output_ids"]
+            == offline_engine.generate(input_ids=ids, sampling_params=sp)["output_ids"]
+        )
+    D.wait_idle()
