@@ -6,8 +6,9 @@ FastAPI sees no body. ``install`` fills each operation from an ``Operation``: th
 the JSON Schema of the very msgspec type the route decodes with (``msgspec.json.schema``), plus
 what that type declares for the checks it does by hand (``REQUIRED``: fields that must be
 present, ``JSON_SCHEMA``: constraints across fields); the answers are the schemas of the response
-types. A streamed answer (``"stream": true``) is ``text/event-stream``: ``data: <JSON>`` events,
-each described by ``x-sse-data`` (a chunk, or an error object), and a last ``data: [DONE]``.
+types. A streamed answer (``"stream": true``) is ``text/event-stream``, described the OpenAPI 3.2
+way by ``itemSchema`` (one event: its ``data`` is JSON, a chunk or an error object, as
+``contentSchema`` says; the last is ``data: [DONE]``).
 The document is built on the first request for it, never on the request path of other routes.
 """
 
@@ -22,9 +23,10 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 REF = "#/components/schemas/{name}"
+OPENAPI_VERSION = "3.2.0"  # for itemSchema, which describes each event of a stream
 SSE_DESCRIPTION = (
-    'with "stream": true: server-sent events, each `data: <JSON>` (described by '
-    "x-sse-data), then `data: [DONE]`"
+    'with "stream": true: server-sent events, each `data: <JSON>` (the itemSchema\'s '
+    "contentSchema), then `data: [DONE]`"
 )
 STATUS_TEXT = {
     400: "invalid request (the message names the field)",
@@ -59,9 +61,13 @@ Docs = dict[tuple[str, str], Operation]  # (method in lower case, path) -> its d
 def build(
     app: FastAPI, docs: Docs, error: type, extra_components: Optional[dict[str, dict]] = None
 ) -> dict:
-    """The OpenAPI 3.1 document of ``app`` with ``docs`` applied."""
+    """The OpenAPI 3.2 document of ``app`` with ``docs`` applied."""
     spec = get_openapi(
-        title=app.title, version=app.version, description=app.description, routes=app.routes
+        title=app.title,
+        version=app.version,
+        openapi_version=OPENAPI_VERSION,
+        description=app.description,
+        routes=app.routes,
     )
     types: list[Any] = [error]
     for op in docs.values():
@@ -76,7 +82,10 @@ def build(
                 component["required"] = sorted({*component.get("required", ()), *required})
                 for name in required:  # a field that must be given has no default
                     component["properties"][name].pop("default", None)
-            component.update(getattr(t, "JSON_SCHEMA", None) or {})
+            extra = dict(getattr(t, "JSON_SCHEMA", None) or {})
+            for name, rule in extra.pop("properties", {}).items():  # added to the field's own
+                component["properties"][name] = {**component["properties"][name], **rule}
+            component.update(extra)
     components.update(extra_components or {})
     spec.setdefault("components", {})["schemas"] = {
         **spec.get("components", {}).get("schemas", {}),
@@ -127,12 +136,8 @@ def _apply(operation: dict, op: Operation, schema_of: dict, error_content: dict)
         ok["description"] = "success (empty body)"
     if op.stream is not None:
         ok["description"] = "the answer; " + SSE_DESCRIPTION
-        ok.setdefault("content", {})["text/event-stream"] = {
-            "schema": {"type": "string"},
-            "x-sse-data": {
-                "oneOf": [schema_of[_key(op.stream)], error_content["application/json"]["schema"]]
-            },
-        }
+        data = {"oneOf": [schema_of[_key(op.stream)], error_content["application/json"]["schema"]]}
+        ok.setdefault("content", {})["text/event-stream"] = {"itemSchema": sse_event_schema(data)}
     responses = {"200": ok}
     for status in op.errors:
         responses[str(status)] = {
@@ -140,6 +145,29 @@ def _apply(operation: dict, op: Operation, schema_of: dict, error_content: dict)
             "content": error_content,
         }
     operation["responses"] = responses
+
+
+def sse_event_schema(data: dict) -> dict:
+    """One server-sent event whose ``data`` is JSON described by ``data``, or the closing
+    ``[DONE]``."""
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {"type": "string"},
+            "event": {"type": "string"},
+            "id": {"type": "string"},
+            "retry": {"type": "integer", "minimum": 0},
+        },
+        "anyOf": [
+            {"properties": {"data": {"const": "[DONE]"}}},
+            {
+                "properties": {
+                    "data": {"contentMediaType": "application/json", "contentSchema": data}
+                }
+            },
+        ],
+    }
 
 
 def _key(t: Any) -> str:

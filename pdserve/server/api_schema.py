@@ -14,16 +14,25 @@ from typing import Any, Literal, Optional, Union
 
 import msgspec
 
-from pdserve.engine.request import SamplingParams
+from pdserve.engine.request import INT64_MAX, INT64_MIN, MAX_TOP_LOGPROBS, SamplingParams
 from pdserve.openapi import Docs, Operation
 from pdserve.server.generate_api import GenerateRequest
-from pdserve.server.openai_protocol import ChatRequest, CompletionRequest
+from pdserve.server.openai_protocol import (
+    EBNF_PARAM,
+    GRAMMAR_KEYS,
+    JSON_SCHEMA_PARAM,
+    REGEX_PARAM,
+    ChatRequest,
+    CompletionRequest,
+    at_most_one,
+)
 from pdserve.server.role_switch import SwitchRoleRequest
 from pdserve.server.tokenizer_manager import MAX_N
 
 Object = dict[str, Any]
 Timeline = Optional[dict[str, float]]  # with the X-PDServe-Timeline: 1 header, once finished
 Matched = Union[int, str, None]  # the stop token id or string that ended the choice
+FinishReason = Optional[Literal["stop", "length", "abort", "tool_calls"]]
 
 
 # ---- errors and shared parts ------------------------------------------------------------------
@@ -111,16 +120,29 @@ class ChatLogprobs(msgspec.Struct):
     content: list[TokenLogprob]
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(msgspec.Struct):
     role: Literal["assistant"]
     content: Optional[str]
+    reasoning_content: Optional[str] = None  # with --reasoning-parser
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
     logprobs: Optional[ChatLogprobs]
-    finish_reason: Optional[str]
+    finish_reason: FinishReason
     matched_stop: Matched
     timeline: Timeline = None
 
@@ -135,16 +157,30 @@ class ChatCompletion(msgspec.Struct):
     sglext: Optional[SGLangExt] = None
 
 
+class FunctionCallDelta(msgspec.Struct):
+    name: Optional[str] = None  # in a call's first delta
+    arguments: Optional[str] = None  # more of the JSON text
+
+
+class ToolCallDelta(msgspec.Struct):
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[FunctionCallDelta] = None
+
+
 class ChatDelta(msgspec.Struct):
-    content: str
+    content: Optional[str] = None
     role: Optional[Literal["assistant"]] = None  # in a choice's first chunk
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallDelta]] = None
 
 
 class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: ChatDelta
     logprobs: Optional[ChatLogprobs]
-    finish_reason: Optional[str]
+    finish_reason: FinishReason
     matched_stop: Matched
     timeline: Timeline = None
 
@@ -304,6 +340,9 @@ def sampling_params_schema() -> dict[str, Any]:
     props = schema["properties"]
     text = {"type": "string", "minLength": 1}
     props["stop"] = {"anyOf": [text, {"type": "array", "items": text}]}
+    props["json_schema"] = JSON_SCHEMA_PARAM
+    props["regex"] = REGEX_PARAM
+    props["ebnf"] = EBNF_PARAM
     props["top_k"] = {"anyOf": [{"const": -1}, {"type": "integer", "minimum": 1}], "default": -1}
     props["no_stop_trim"] = {"type": "boolean", "default": False}
     for name, prop in props.items():
@@ -311,7 +350,60 @@ def sampling_params_schema() -> dict[str, Any]:
         default = bound.pop("default", None)
         props[name] = {"anyOf": [bound, {"type": "null"}], "default": default}
     schema["description"] = "Sampling parameters; unknown keys are ignored."
+    schema.update(at_most_one(GRAMMAR_KEYS))
     return {"SamplingParams": schema}
+
+
+# the OpenAI fields SamplingParams.validate checks, under their OpenAI names
+OPENAI_BOUNDS = {
+    **{k: v for k, v in SAMPLING_BOUNDS.items() if k not in ("max_new_tokens", "min_new_tokens")},
+    "max_tokens": SAMPLING_BOUNDS["max_new_tokens"],
+    "max_completion_tokens": SAMPLING_BOUNDS["max_new_tokens"],
+    "min_tokens": SAMPLING_BOUNDS["min_new_tokens"],
+    "top_k": {},
+    "seed": {"minimum": INT64_MIN, "maximum": INT64_MAX},
+}
+
+
+def _openai_bounds(component: dict) -> None:
+    props = component["properties"]
+    for name, bound in OPENAI_BOUNDS.items():
+        if name not in props:  # max_completion_tokens: chat only
+            continue
+        if name == "top_k":  # -1 (off) or >= 1
+            props[name] = {
+                "anyOf": [{"type": "null"}, {"enum": [-1]}, {"type": "integer", "minimum": 1}]
+            }
+            continue
+        for branch in props[name].get("anyOf", [props[name]]):
+            if branch.get("type") in ("integer", "number"):
+                branch.update(bound)
+    text = {"type": "string", "minLength": 1}
+    props["stop"] = {"anyOf": [{"type": "null"}, text, {"type": "array", "items": text}]}
+    int64 = {"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX}
+    props["stop_token_ids"] = {"anyOf": [{"type": "null"}, {"type": "array", "items": int64}]}
+    top = {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}
+    if "top_logprobs" in props:  # chat: top_logprobs needs logprobs true
+        props["top_logprobs"] = {"anyOf": [{"type": "null"}, top]}
+        component["if"] = _present_key("top_logprobs")
+        component["then"] = {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}
+    else:  # completions: logprobs is the number of alternatives
+        props["logprobs"] = {"anyOf": [{"type": "null"}, top]}
+
+
+def _present_key(name: str) -> dict:
+    return {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
+
+
+def server_facts(tm) -> dict[str, dict]:
+    """Components only the running server knows: its vocabulary, model name and DP groups."""
+    return {
+        "TokenId": {"type": "integer", "minimum": 0, "maximum": tm.vocab_size - 1},
+        "ModelName": {
+            "anyOf": [{"type": "null"}, {"enum": ["", tm.server_args.served_model_name]}]
+        },
+        "RoutedDPRank": {"type": "integer", "minimum": 0, "maximum": tm.dp_size - 1},
+    }
 
 
 # ---- the routes ---------------------------------------------------------------------------------
@@ -386,7 +478,21 @@ def route_docs() -> Docs:
     return docs
 
 
-def install(app) -> None:
+def install(app, tm) -> None:
     from pdserve import openapi
 
-    openapi.install(app, route_docs, ErrorResponse, sampling_params_schema)
+    def components() -> dict[str, dict]:
+        return {**sampling_params_schema(), **server_facts(tm)}
+
+    openapi.install(app, route_docs, ErrorResponse, components)
+    build = app.openapi
+
+    def with_openai_bounds() -> dict:
+        first = app.openapi_schema is None
+        spec = build()
+        if first:
+            for name in ("ChatRequest", "CompletionRequest"):
+                _openai_bounds(spec["components"]["schemas"][name])
+        return spec
+
+    app.openapi = with_openai_bounds

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -41,6 +41,14 @@ LOST_SCHEDULER_LINGER_S = 5.0
 
 
 class AbortRequest(msgspec.Struct):
+    # a non-empty rid, or abort_all true
+    JSON_SCHEMA: ClassVar[dict[str, Any]] = {
+        "anyOf": [
+            {"required": ["rid"], "properties": {"rid": {"minLength": 1}}},
+            {"required": ["abort_all"], "properties": {"abort_all": {"const": True}}},
+        ]
+    }
+
     rid: str = ""
     abort_all: bool = False
 
@@ -122,7 +130,7 @@ def create_app(
         docs_url=None,
         redoc_url=None,
     )
-    api_schema.install(app)  # /openapi.json: bodies and answers of the routes below
+    api_schema.install(app, tm)  # /openapi.json: bodies and answers of the routes below
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:

@@ -66,19 +66,26 @@ TOP_LOGPROBS = Check(
 NON_NEGATIVE = Check(
     lambda v: _is_int(v) and v >= 0, "an integer >= 0", {"type": "integer", "minimum": 0}
 )
+# a token id: an integer in [0, vocab size), the bound published by the running server
+TOKEN_ID = {"$ref": "#/components/schemas/TokenId"}
+TEXT = {"type": "string", "minLength": 1}  # "" tokenizes to no tokens: "prompt is empty"
 TEXT_SCHEMA = {
     "description": "the prompt, or a batch of prompts; exactly one of text and input_ids",
     "anyOf": [
-        {"type": "string"},
-        {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        TEXT,
+        {"type": "array", "items": TEXT, "minItems": 1},
         {"type": "null"},
     ],
 }
 IDS_SCHEMA = {
     "description": "the prompt's token ids, or a batch of such lists; exactly one of text and input_ids",
     "anyOf": [
-        {"type": "array", "items": {"type": "integer"}},
-        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}, "minItems": 1},
+        {"type": "array", "items": TOKEN_ID, "minItems": 1},
+        {
+            "type": "array",
+            "items": {"type": "array", "items": TOKEN_ID, "minItems": 1},
+            "minItems": 1,
+        },
         {"type": "null"},
     ],
 }

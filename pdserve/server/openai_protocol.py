@@ -41,6 +41,37 @@ DPRank = Annotated[
         ),
     ),
 ]
+# routed_dp_rank must also name one of the server's DP groups (its count: a server fact)
+RoutedDPRank = Annotated[
+    Any,
+    msgspec.Meta(
+        description="attention-DP group to run in (null: the server chooses)",
+        extra_json_schema=_one_or_list(
+            {"anyOf": [{"type": "null"}, {"$ref": "#/components/schemas/RoutedDPRank"}]}
+        ),
+    ),
+]
+TOKEN_ID = {"$ref": "#/components/schemas/TokenId"}  # [0, vocab size), published by the server
+GRAMMAR_KEYS = ("json_schema", "regex", "ebnf")
+
+
+def _given(name: str) -> dict[str, Any]:
+    return {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
+
+
+def at_most_one(names: tuple[str, ...], also: Optional[str] = None) -> dict[str, Any]:
+    """No two of ``names`` given (null counts as absent), nor one of them with ``also``, a
+    response_format other than text: ``spec_from_sampling``'s rule."""
+    pairs = [{"allOf": [_given(a), _given(b)]} for i, a in enumerate(names) for b in names[i + 1 :]]
+    if also:
+        constraining = {
+            "required": [also],
+            "properties": {
+                also: {"type": "object", "not": {"properties": {"type": {"const": "text"}}}}
+            },
+        }
+        pairs += [{"allOf": [_given(a), constraining]} for a in names]
+    return {"not": {"anyOf": pairs}}
 
 
 RESPONSE_FORMAT = {
@@ -71,6 +102,18 @@ RESPONSE_FORMAT = {
 }
 
 
+# the grammar parameters as spec_from_sampling takes them (the grammar engine may still refuse
+# a grammar it cannot compile: that is no schema's to say)
+JSON_SCHEMA_PARAM = {
+    "anyOf": [
+        {"type": ["object", "boolean", "null"]},
+        {"type": "string", "contentMediaType": "application/json"},
+    ]
+}
+REGEX_PARAM = {"anyOf": [{"type": "null"}, {"type": "string", "minLength": 1, "format": "regex"}]}
+EBNF_PARAM = {"type": ["string", "null"], "minLength": 1}
+
+
 class PDBody(msgspec.Struct):
     """The disaggregation fields a router adds to a request body (/generate and the OpenAI
     routes alike): scalars, or lists with one entry per prompt or per sample (checked by
@@ -85,9 +128,9 @@ class PDBody(msgspec.Struct):
     bootstrap_room: Annotated[
         Any, msgspec.Meta(extra_json_schema=BOOTSTRAP_SCHEMAS["bootstrap_room"])
     ] = None
-    routed_dp_rank: DPRank = None
+    routed_dp_rank: RoutedDPRank = None
     disagg_prefill_dp_rank: DPRank = None
-    data_parallel_rank: DPRank = None  # deprecated alias of routed_dp_rank
+    data_parallel_rank: RoutedDPRank = None  # deprecated alias of routed_dp_rank
 
     def pd_fields(self, num_prompts: int, n: int) -> list[dict[str, Any]]:
         """Each prompt's bootstrap and DP rank fields (``ReqSpec``'s PD fields)."""
@@ -109,7 +152,16 @@ class StreamOptions(msgspec.Struct):
 
 
 class _Sampling(PDBody):
-    model: Optional[str] = None
+    # at most one output constraint (a response_format other than text counts as one)
+    JSON_SCHEMA: ClassVar[dict[str, Any]] = at_most_one(GRAMMAR_KEYS, also="response_format")
+
+    model: Annotated[
+        Any,
+        msgspec.Meta(
+            description="the served model's name (null or empty: that model)",
+            extra_json_schema={"$ref": "#/components/schemas/ModelName"},
+        ),
+    ] = None
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
@@ -135,11 +187,9 @@ class _Sampling(PDBody):
             extra_json_schema=RESPONSE_FORMAT,
         ),
     ] = None
-    json_schema: Annotated[
-        Any, msgspec.Meta(extra_json_schema={"type": ["object", "string", "null"]})
-    ] = None
-    regex: Optional[str] = None
-    ebnf: Optional[str] = None
+    json_schema: Annotated[Any, msgspec.Meta(extra_json_schema=JSON_SCHEMA_PARAM)] = None
+    regex: Annotated[Any, msgspec.Meta(extra_json_schema=REGEX_PARAM)] = None
+    ebnf: Annotated[Any, msgspec.Meta(extra_json_schema=EBNF_PARAM)] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
 
@@ -280,12 +330,12 @@ class CompletionRequest(_Sampling):
             description="a string, a list of strings, a list of token ids or a list of such lists",
             extra_json_schema={
                 "anyOf": [
-                    {"type": "string"},
-                    {"type": "array", "items": {"type": "string"}, "minItems": 1},
-                    {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+                    {"type": "string", "minLength": 1},
+                    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+                    {"type": "array", "items": TOKEN_ID, "minItems": 1},
                     {
                         "type": "array",
-                        "items": {"type": "array", "items": {"type": "integer"}},
+                        "items": {"type": "array", "items": TOKEN_ID, "minItems": 1},
                         "minItems": 1,
                     },
                 ]
@@ -337,7 +387,17 @@ _TOOL_CALL = {
         "function": {
             "type": "object",
             "required": ["name"],
-            "properties": {"name": {"type": "string"}, "arguments": {"type": ["string", "object"]}},
+            "properties": {
+                "name": {"type": "string"},
+                # JSON text (blank: no arguments), or the arguments
+                "arguments": {
+                    "anyOf": [
+                        {"type": "object"},
+                        {"type": "string", "pattern": "^\\s*$"},
+                        {"type": "string", "contentMediaType": "application/json"},
+                    ]
+                },
+            },
         },
     },
 }
@@ -382,7 +442,7 @@ _TOOL_CHOICE = {
                 "function": {
                     "type": "object",
                     "required": ["name"],
-                    "properties": {"name": {"type": "string"}},
+                    "properties": {"name": {"type": "string", "minLength": 1}},
                 },
             },
         },
@@ -453,9 +513,10 @@ class ChatRequest(_Sampling):
                 raise bad_request(
                     f"messages[{i}].content: must be a string, a list of text parts or null"
                 )
-            out.append(
-                {**m, "content": content, **_tool_calls_for_template(i, m.get("tool_calls"))}
-            )
+            # null content (an assistant turn that only called tools) reaches the template as "":
+            # templates read it as text
+            text = "" if content is None else content
+            out.append({**m, "content": text, **_tool_calls_for_template(i, m.get("tool_calls"))})
         return out
 
 
@@ -476,9 +537,7 @@ def _tool_calls_for_template(i: int, calls: Any) -> dict[str, Any]:
             try:
                 args = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError:
-                raise bad_request(
-                    f"messages[{i}].tool_calls[{j}].function.arguments: is not valid JSON"
-                ) from None
+                pass  # (a model's malformed call, sent back as it was: the template shows the text)
         out.append({**call, "type": "function", "function": {**fn, "arguments": args}})
     return {"tool_calls": out}
 

@@ -34,7 +34,7 @@ import logging
 import math
 import socket
 import time
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, ClassVar, Optional
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -63,6 +63,18 @@ def role_name(mode: str) -> str:
 
 
 class SwitchRoleRequest(msgspec.Struct, forbid_unknown_fields=True):
+    # ``check``'s rules (the server's current role, also refused, is no static fact)
+    JSON_SCHEMA: ClassVar[dict[str, Any]] = {
+        "additionalProperties": False,
+        "properties": {
+            "role": {"enum": list(ROLES)},
+            "drain_timeout": {"minimum": 0, "maximum": MAX_DRAIN_TIMEOUT_S},
+            "bootstrap_port": {"anyOf": [{"type": "null"}, {"minimum": 0, "maximum": 65535}]},
+        },
+        "if": {"properties": {"role": {"not": {"const": "prefill"}}}},
+        "then": {"properties": {"bootstrap_port": {"type": "null"}}},
+    }
+
     role: str
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
     bootstrap_port: Optional[int] = None
