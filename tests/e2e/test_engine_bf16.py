@@ -18,6 +18,7 @@ checkpoints. So, with ``ulp`` the spacing at HF's top logit:
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import pytest
 import torch
@@ -66,12 +67,20 @@ def hf_bf16(path: str, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]
 
 
 def compare(
-    ours: dict, ref_tokens: list[int], ref_logits: torch.Tensor, logprob_ulps: float = LOGPROB_ULPS
+    ours: dict,
+    ref_tokens: list[int],
+    ref_logits: torch.Tensor,
+    logprob_ulps: float = LOGPROB_ULPS,
+    other: Optional[tuple[list[int], torch.Tensor]] = None,
 ) -> int:
-    """Positions compared; asserts the tie-aware equality described above."""
+    """Positions compared; asserts the tie-aware equality described above. ``other``: a second
+    faithful computation of the same bf16 network (HF in another precision, same tokens); where it
+    and the reference already differ by d in a logprob, ours may differ from the reference by up
+    to 2d (a position where the network amplifies rounding, whichever arithmetic computes it)."""
     toks = ours["output_ids"]
     lps = ours["meta_info"]["output_token_logprobs"]
     ref_lp = torch.log_softmax(ref_logits, dim=-1)
+    other_lp = None if other is None else torch.log_softmax(other[1], dim=-1)
     compared = 0
     for i, (tok, ref_tok) in enumerate(zip(toks, ref_tokens)):
         top2 = torch.topk(ref_logits[i], 2).values
@@ -82,9 +91,13 @@ def compare(
                 f"position {i}: ours {tok}, HF {ref_tok}, top-2 gap {gap:.4f} > {TIE_ULPS} x {ulp}"
             )
             break  # a legitimate tie: the continuations differ from here
+        allowed = logprob_ulps * ulp
+        if other_lp is not None and other[0][: i + 1] == ref_tokens[: i + 1]:
+            allowed = max(allowed, 2 * abs(other_lp[i, tok].item() - ref_lp[i, tok].item()))
         diff = abs(lps[i][0] - ref_lp[i, tok].item())
-        assert diff <= logprob_ulps * ulp, (
-            f"position {i}: logprob {lps[i][0]:.4f} vs HF {ref_lp[i, tok].item():.4f}"
+        assert diff <= allowed, (
+            f"position {i}: logprob {lps[i][0]:.4f} vs HF {ref_lp[i, tok].item():.4f} "
+            f"(allowed {allowed:.4f})"
         )
         compared += 1
     return compared

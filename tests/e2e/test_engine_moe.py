@@ -142,8 +142,15 @@ def test_moe_bf16_matches_hf_bf16_up_to_ties(arch):
     # windowed row's keys straddle two blocks (one more online-softmax rescale, other bf16 roundings
     # of P); measured up to 3.02 spacings at a logprob of -8.1, hence 4 for this model
     ulps = 4 if arch == "gpt_oss" else LOGPROB_ULPS
+    # the other faithful computation: HF's bf16 run against the float32 one, and the other way
+    other = hf_bf16 if arch == "gpt_oss" else hf_bf16_weights_float32
     compared = sum(
-        compare(out, *reference(path, ids, BF16_TOKENS), logprob_ulps=ulps)
+        compare(
+            out,
+            *reference(path, ids, BF16_TOKENS),
+            logprob_ulps=ulps,
+            other=other(path, ids, BF16_TOKENS),
+        )
         for ids, out in zip(prompts, outs)
     )
     total = BF16_TOKENS * len(prompts)
