@@ -17,9 +17,9 @@ from schemathesis.specs.openapi.checks import response_schema_conformance
 
 MAX_EXAMPLES = 20
 MAX_OUTPUT = 2  # tokens a generated body may ask for: the CPU model is slow
-MAX_REJECTED = (
-    0.2  # schema-valid bodies a route may answer 4xx (server facts the schema can't know)
-)
+# schema-valid bodies a route may answer 4xx (facts the schema can't know: the template's
+# rules, a list's length against the prompts); measured 0.00-0.15 per operation
+MAX_REJECTED = 0.5
 # /switch_role with a valid body switches the shared server's role (and takes seconds): not fuzzed
 SKIP = {("POST", "/switch_role")}
 OUTPUT_FIELDS = ("max_tokens", "max_completion_tokens", "max_new_tokens")
@@ -122,7 +122,7 @@ def test_fuzz_every_operation_from_the_published_schema(live):
         def run(case) -> None:
             if has_body:
                 case.body = _small(_scalar_pd_fields(_ints(case.body)))
-            response = case.call(base_url=live.url, timeout=60)
+            response = case.call(base_url=live.url, timeout=180)
             counts[response.status_code // 100] += 1
             if has_body and 400 <= response.status_code < 500 and len(failures) < 40:
                 failures.append(f"{label} {response.status_code}: {response.text[:160]}")
