@@ -13,6 +13,8 @@ import xgrammar as xgr
 from pdserve.grammar import GrammarError
 from pdserve.grammar.base import GrammarBackend, Matcher
 
+# compact JSON, as llguidance and vLLM write it: no whitespace after "," and ":"
+_COMPACT = {"any_whitespace": False, "separators": (",", ":")}
 # xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:line: "
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -51,7 +53,7 @@ class XGrammarBackend(GrammarBackend):
     def validate(spec) -> None:
         try:
             if spec.kind == "json_schema":
-                xgr.Grammar.from_json_schema(_schema_text(spec.value), any_whitespace=False)
+                xgr.Grammar.from_json_schema(_schema_text(spec.value), **_COMPACT)
             elif spec.kind == "regex":
                 xgr.Grammar.from_regex(spec.value)
             elif spec.kind == "ebnf":
@@ -65,11 +67,9 @@ class XGrammarBackend(GrammarBackend):
         c = self._compiler
         try:
             if spec.kind == "json_schema":
-                return c.compile_json_schema(_schema_text(spec.value), any_whitespace=False)
+                return c.compile_json_schema(_schema_text(spec.value), **_COMPACT)
             if spec.kind == "json_object":  # compact, as json_schema (no free whitespace)
-                return c.compile_json_schema(
-                    '{"type": "object"}', any_whitespace=False, strict_mode=False
-                )
+                return c.compile_json_schema('{"type": "object"}', strict_mode=False, **_COMPACT)
             if spec.kind == "regex":
                 return c.compile_regex(spec.value)
             return c.compile_grammar(spec.value)
