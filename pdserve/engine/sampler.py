@@ -184,7 +184,7 @@ class Sampler:
         (the grammar wants EOS) takes the grammar's mask over its unbanned logits."""
         index = self._index(rows, x)
         apply_bitmask(x, bitmask, index)
-        dead = torch.isneginf(x.index_select(0, index).amax(dim=-1)).nonzero().view(-1)
+        dead = torch.isneginf(x.amax(dim=-1).index_select(0, index)).nonzero().view(-1)
         if dead.numel():
             redo = raw.index_select(0, index[dead]).to(torch.float32)
             apply_bitmask(

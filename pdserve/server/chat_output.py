@@ -7,22 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from pdserve.server.reasoning_parser import reasoning_parser
+from pdserve.server.reasoning_parser import REASONING_PARSERS, reasoning_parser
 from pdserve.server.tool_choice import calls_from_forced_output
-from pdserve.server.tool_parser import ToolCall, tool_parser
-
-# tool-call formats whose parser reads the whole output (its channels), not the reasoning's content
-RAW_TOOL_FORMATS = ("gpt-oss", "openai")
-# formats whose markers are special tokens: the text must keep them
-SPECIAL_MARKERS = (
-    "gpt-oss",
-    "openai",
-    "mistral",
-    "deepseekv3",
-    "deepseek_v3",
-    "deepseekv31",
-    "deepseek_v31",
-)
+from pdserve.server.tool_parser import TOOL_PARSERS, ToolCall, tool_parser
 
 # chat_template_kwargs switch that turns a model's thinking off, and its default
 THINKING_SWITCH = {
@@ -37,6 +24,14 @@ def thinking_on(parser_name: str, template_kwargs: Optional[dict]) -> bool:
     return default if key is None else bool((template_kwargs or {}).get(key, default))
 
 
+def merge_deltas(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """One delta of two in a row (texts joined, tool calls listed in order)."""
+    out = dict(first)
+    for key, value in then.items():
+        out[key] = out[key] + value if key in out else value
+    return out
+
+
 @dataclass
 class ChatSetup:
     """What a chat request asks of its output (validated)."""
@@ -48,6 +43,19 @@ class ChatSetup:
     )
     tool_choice: Any = None
     tool_parser: Optional[str] = None
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the output's text must keep special tokens (the parsers' markers are some)."""
+        return bool(
+            (self.reasoning and REASONING_PARSERS[self.reasoning].special_markers)
+            or (self.auto_tools and TOOL_PARSERS[self.tool_parser].special_markers)
+        )
+
+    @property
+    def auto_tools(self) -> bool:
+        """The tool-call parser finds the calls (tool_choice auto)."""
+        return self.tools is not None and bool(self.tool_parser) and not self.forced
 
     @property
     def forced(self) -> bool:
@@ -70,20 +78,15 @@ class ChoiceOutput:
             if s.reasoning
             else None
         )
-        self._tools = (
-            tool_parser(s.tool_parser, s.tools).stream()
-            if s.tools is not None and s.tool_parser and not s.forced
-            else None
-        )
+        self._tools = tool_parser(s.tool_parser, s.tools).stream() if s.auto_tools else None
         self._forced_text = ""
 
     # ---- whole ---------------------------------------------------------------------------
     def message(self, text: str) -> dict[str, Any]:
-        delta = self.feed(text)
-        end = self.finish()
+        whole = merge_deltas(self.feed(text), self.finish())
         msg: dict[str, Any] = {"role": "assistant"}
-        content = delta.get("content", "") + end.get("content", "")
-        reasoning = delta.get("reasoning_content", "") + end.get("reasoning_content", "")
+        content = whole.get("content", "")
+        reasoning = whole.get("reasoning_content", "")
         msg["content"] = content if content or not self.calls else None
         if self.setup.reasoning:
             msg["reasoning_content"] = reasoning or None
@@ -92,15 +95,6 @@ class ChoiceOutput:
         return msg
 
     # ---- streamed ------------------------------------------------------------------------
-    @property
-    def keeps_special_tokens(self) -> bool:
-        """Whether the output's text must keep special tokens (the parsers' markers are some)."""
-        s = self.setup
-        return bool(
-            s.reasoning in SPECIAL_MARKERS
-            or (self._tools is not None and s.tool_parser in SPECIAL_MARKERS)
-        )
-
     def feed(self, text: str) -> dict[str, Any]:
         """The delta for new output ``text``: reasoning_content, content, tool_calls (what is
         decided so far; text that may still turn into a marker is held back)."""
@@ -113,7 +107,7 @@ class ChoiceOutput:
 
     @property
     def _raw_tools(self) -> bool:
-        return self._tools is not None and self.setup.tool_parser in RAW_TOOL_FORMATS
+        return self._tools is not None and TOOL_PARSERS[self.setup.tool_parser].whole_output
 
     def _answer(self, reasoning: str, content: str, final: bool) -> dict[str, Any]:
         delta: dict[str, Any] = {}

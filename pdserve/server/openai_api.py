@@ -22,7 +22,7 @@ from starlette.responses import Response
 
 from pdserve.grammar import GrammarSpec
 from pdserve.server import http_util, timeline
-from pdserve.server.chat_output import ChatSetup, ChoiceOutput, thinking_on
+from pdserve.server.chat_output import ChatSetup, ChoiceOutput, merge_deltas, thinking_on
 from pdserve.server.constraints import grammar_of_response_format
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.openai_protocol import (
@@ -251,7 +251,7 @@ async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
     )
     stream = req.stream and args.disaggregation_mode != "prefill"
     sampling = req.sampling_params(max_tokens)
-    if ChoiceOutput(setup).keeps_special_tokens:
+    if setup.keeps_special_tokens:
         sampling["skip_special_tokens"] = False
     spec = tm.make_spec(
         input_ids,
@@ -286,8 +286,7 @@ async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
     ) -> Optional[dict[str, Any]]:
         delta = outputs[i].feed(text)
         if s.finished:
-            for key, value in outputs[i].finish().items():
-                delta[key] = delta.get(key, "" if key != "tool_calls" else []) + value
+            delta = merge_deltas(delta, outputs[i].finish())
         lp = logprobs(s, token_start)
         if not (first or delta or lp or s.finished):
             return None  # text held back (it may be a marker)

@@ -78,6 +78,7 @@ class ReasoningParser:
 
     start, end = "<think>", "</think>"
     always_forced = False  # the chat template always opens the reasoning in the prompt
+    special_markers = False  # the markers are special tokens: the text must keep them
 
     def __init__(self, force_reasoning: bool = False):
         self.force_reasoning = force_reasoning or self.always_forced
@@ -148,6 +149,8 @@ class GptOssReasoningParser(ReasoningParser):
     """OpenAI harmony (gpt-oss): the reasoning is the body of ``analysis`` messages, the content the
     body of the ``final`` message (and any text outside messages); ``<|start|>ROLE`` headers,
     tool-call and other commentary messages belong to neither. ``force_reasoning`` is not used."""
+
+    special_markers = True
 
     START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
     END, CALL, RETURN, CONSTRAIN = "<|end|>", "<|call|>", "<|return|>", "<|constrain|>"

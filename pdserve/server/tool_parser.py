@@ -116,6 +116,8 @@ class ToolParser:
     """
 
     start_markers: tuple[str, ...] = ()
+    special_markers = False  # the markers are special tokens: the text must keep them
+    whole_output = False  # reads the whole output (its channels), not the reasoning's content
 
     def __init__(self, tools: Optional[list[dict]]):
         self.tool_names: set[str] = {t["function"]["name"] for t in tools or ()}
@@ -214,6 +216,7 @@ class DeepSeekV3ToolParser(_BlockToolParser):
 
     block_start, block_end = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
     start_markers = (block_start, "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+    special_markers = True
     _V3 = re.compile(r"\s*function\s*<｜tool▁sep｜>\s*([^\s`]+)\s*```(?:json)?")
     _V31 = re.compile(r"\s*([^\s<`]+)\s*<｜tool▁sep｜>")
 
@@ -232,6 +235,7 @@ class MistralToolParser(_MarkedToolParser):
     newer ``[TOOL_CALLS]NAME[ARGS]{...}``, repeated. Text before the marker is content."""
 
     start_markers = ("[TOOL_CALLS]",)
+    special_markers = True
     _NAMED = re.compile(r"\s*([A-Za-z0-9_.-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]")
 
     def _calls_at(self, text: str, begin: int, pos: int, final: bool):
@@ -293,6 +297,7 @@ class GptOssToolParser(ToolParser):
     START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
     END, CALL, RETURN, CONSTRAIN = "<|end|>", "<|call|>", "<|return|>", "<|constrain|>"
     start_markers = (START, CHANNEL, MESSAGE, END, CALL, RETURN, CONSTRAIN)
+    special_markers = whole_output = True
     BODY_ENDS = (END, CALL, RETURN, START, CHANNEL)  # the last two: a message missing its end
     _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
     _CHANNEL_NAME = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
