@@ -93,6 +93,9 @@ class ServerArgs:
         None  # prefill tokens per batch (None: chunked_prefill_size)
     )
     max_running_requests: int = 256
+    # slots of the recurrent-state pool (linear-attention layers), one per running request (SGLang's
+    # flag); None: --max-running-requests
+    max_mamba_cache_size: Optional[int] = None
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
     # KV cache events (ZMQ PUB, vLLM/SGLang wire format); the port is offset by the DP group
@@ -241,6 +244,14 @@ class ServerArgs:
             bad("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
         if self.max_running_requests < 1:
             bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
+        if self.max_mamba_cache_size is not None and (
+            self.max_mamba_cache_size < self.max_running_requests
+        ):
+            bad(
+                "max_mamba_cache_size",
+                f"{self.max_mamba_cache_size} state slots cannot hold max_running_requests "
+                f"({self.max_running_requests}) requests; lower max_running_requests or raise it",
+            )
         if self.schedule_policy not in SCHEDULE_POLICIES:
             bad(
                 "schedule_policy",

@@ -30,6 +30,8 @@ class GroupTable:
         torch.Tensor
     )  # [B, max_pages] int64 page of each of a request's logical pages (0: none)
     out_pages: torch.Tensor  # [T] page of each new token's KV in this group
+    # False: a per-request group (a recurrent state); ``page_table[:, 0]`` is each request's slot
+    paged: bool = True
     _int32: Optional[tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False)
 
 
@@ -49,6 +51,7 @@ class ForwardBatch:
     parts: Optional[tuple] = None  # pipeline parallel: the lists it was made of (to split it)
     # per layer: {cache kind: (group, slot)} of every cache it keeps (a layer may keep several)
     layer_caches: Optional[list[dict]] = None
+    anchor: int = 0  # the first paged group (kv_spec.anchor_group)
 
     @property
     def batch_size(self) -> int:
@@ -69,6 +72,13 @@ class ForwardBatch:
     def table(self, layer: int) -> GroupTable:
         """The group table of stage layer ``layer``."""
         return self.groups[self.layer_group[layer]]
+
+    def state(self, layer: int, kind: str) -> tuple[Any, int, torch.Tensor]:
+        """Stage layer ``layer``'s per-request cache of ``kind`` (a recurrent state): (its pool,
+        the layer's index in that pool, each request's slot [B])."""
+        group, index = self._cache(layer, kind)
+        g = self.groups[group]
+        return g.pool, index, g.page_table[:, 0]
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of stage layer ``layer``: [num_pages, kv_heads, page_size, head_dim] each."""
@@ -97,10 +107,10 @@ class ForwardBatch:
             return self.layer_group[layer], self.layer_slot[layer]
         return self.layer_caches[layer][kind]
 
-    def int32_tables(self, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(page_table [B, max_pages], seq_lens [B]) of one group as int32, what the CPU kernels
-        take; built once per group."""
-        g = self.groups[group]
+    def int32_tables(self, group: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page_table [B, max_pages], seq_lens [B]) of one group (default: the anchor) as int32,
+        what the CPU kernels take; built once per group."""
+        g = self.groups[self.anchor if group is None else group]
         if g._int32 is None:
             g._int32 = (
                 g.page_table.to(torch.int32),

@@ -133,22 +133,52 @@ class IndexKeys(CacheSpec):
 
 @dataclass(frozen=True)
 class RecurrentState(CacheSpec):
-    """Per-request state tensors (e.g. a convolution window and an SSM state), ``shapes`` per
-    layer in elements, each of ``dtype_bytes_each``."""
+    """Per-request state tensors of a linear-attention layer (e.g. a convolution window and an
+    SSM state): ``parts`` names them, ``shapes`` are this rank's shapes in elements and ``dtypes``
+    their element types (float32 in bf16 models, as HF keeps them). A tensor whose axis 0
+    concatenates pieces that TP shards separately (a convolution state over the channels of
+    x | B | C) lists the pieces' sizes along that axis in ``segments`` (() for one piece)."""
 
     kind: ClassVar[str] = "recurrent_state"
     per_request: ClassVar[bool] = True
+    parts: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
-    dtype_bytes_each: tuple[int, ...]
+    dtypes: tuple[str, ...]
+    segments: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not len(self.parts) == len(self.shapes) == len(self.dtypes):
+            raise ValueError(
+                f"recurrent state: {len(self.parts)} parts, {len(self.shapes)} shapes and "
+                f"{len(self.dtypes)} dtypes"
+            )
+        bad = [d for d in self.dtypes if d not in DTYPE_BYTES]
+        if bad:
+            raise ValueError(f"recurrent state: dtypes {bad} are not among {sorted(DTYPE_BYTES)}")
+        for i, seg in enumerate(self.segments):
+            if seg and sum(seg) != self.shapes[i][0]:
+                raise ValueError(
+                    f"recurrent state {self.parts[i]!r}: segments {list(seg)} do not add up to "
+                    f"axis 0 of {self.shapes[i]}"
+                )
+
+    def part_bytes(self, i: int) -> int:
+        """Bytes of tensor ``i`` of one request."""
+        n = DTYPE_BYTES[self.dtypes[i]]
+        for s in self.shapes[i]:
+            n *= s
+        return n
+
+    def segment_bytes(self, i: int) -> tuple[int, ...]:
+        """The bytes of each piece of tensor ``i`` along its axis 0 (one piece when undeclared)."""
+        rows = self.segments[i] if i < len(self.segments) and self.segments[i] else None
+        if rows is None:
+            return (self.part_bytes(i),)
+        row = self.part_bytes(i) // self.shapes[i][0]
+        return tuple(r * row for r in rows)
 
     def page_bytes(self, page_size: int, dtype_bytes: int) -> int:
-        total = 0
-        for shape, nbytes in zip(self.shapes, self.dtype_bytes_each):
-            n = nbytes
-            for s in shape:
-                n *= s
-            total += n
-        return total
+        return sum(self.part_bytes(i) for i in range(len(self.parts)))
 
     def pages_kept(self, seq_len: int, page_size: int) -> int:
         return 0
@@ -175,13 +205,18 @@ class CacheGroup:
 
 
 def specs_of(entry) -> tuple[CacheSpec, ...]:
-    """The specs of one layer's entry in ``kv_cache_specs``: a spec, or a tuple of them."""
+    """The specs of one layer's entry in ``kv_cache_specs``: a spec, a tuple of them, or None or
+    an empty tuple (a layer that keeps no cache, e.g. an MLP-only layer)."""
+    if entry is None:
+        return ()
     return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
 def group_layers(specs: Sequence, first_layer: int = 0) -> list[CacheGroup]:
-    """Group layers ``first_layer, first_layer + 1, ...`` by equal spec, in order of first use;
-    ``specs[i]`` is layer i's spec or tuple of specs (a layer in several groups)."""
+    """Group layers ``first_layer, first_layer + 1, ...`` by equal spec, paged kinds in order of
+    first use and then the per-request kinds (so the first group is paged whatever layer 0
+    keeps); ``specs[i]`` is layer i's entry (``specs_of``: a layer may be in no group or in
+    several)."""
     order: list[CacheSpec] = []
     members: dict[CacheSpec, list[int]] = {}
     for i, entry in enumerate(specs):
@@ -190,7 +225,20 @@ def group_layers(specs: Sequence, first_layer: int = 0) -> list[CacheGroup]:
                 order.append(spec)
                 members[spec] = []
             members[spec].append(first_layer + i)
+    order.sort(key=lambda spec: spec.per_request)  # stable: first use within each part
     return [CacheGroup(g, spec, tuple(members[spec])) for g, spec in enumerate(order)]
+
+
+def anchor_group(groups: Sequence[CacheGroup]) -> int:
+    """The anchor group: the first paged one (a per-token cache), whose pages count a request's
+    logical pages and whose pool's page size, device and dtype stand for the model's cache."""
+    for g in groups:
+        if not g.spec.per_request:
+            return g.id
+    raise ValueError(
+        "the model keeps no per-token cache (cache groups: "
+        f"{', '.join(g.kind for g in groups) or 'none'}); pages need one paged group to count them"
+    )
 
 
 def transfer_bytes_per_token(

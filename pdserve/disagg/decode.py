@@ -226,7 +226,7 @@ class DecodeQueues:
                 blocked = True  # first come, first served: later requests wait behind this one
                 waited = now - st.ready_since
                 if waited > self.s.args.disaggregation_prealloc_timeout:
-                    free = self.s.kv.available(0)
+                    free = self.s.kv.available()
                     self._fail(
                         req,
                         f"decode is overloaded: no room for {need} KV pages within {waited:.1f}s "

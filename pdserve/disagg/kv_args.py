@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from pdserve.kv_region import Region
+from pdserve.kv_spec import anchor_group
 
 KV_LAYOUT = "regions/v3"  # typed regions (kv_region.Region), paired by (group, layer, part)
 
@@ -103,6 +104,9 @@ class KVArgs:
             }  # heads differ across TP
             specs += [{"layer": layer, "group": g.id, **desc} for layer in g.layers]
         heads = max((p.kv_heads for p in pools), default=0)
+        anchor = pools[
+            anchor_group(cache_groups)
+        ]  # its page size, device and dtype are the cache's
         aux = metadata_buffers.buffer_info()
         return cls(
             engine_rank=engine_rank,
@@ -113,12 +117,12 @@ class KVArgs:
             aux_item_lens=list(aux.item_lens),
             kv_head_num=heads,
             total_kv_head_num=total_kv_head_num if total_kv_head_num is not None else heads,
-            page_size=pools[0].page_size,
-            device=str(pools[0].device),
-            gpu_id=pools[0].device.index or 0,
+            page_size=anchor.page_size,
+            device=str(anchor.device),
+            gpu_id=anchor.device.index or 0,
             model_fingerprint=model_fingerprint,
             num_layers=kwargs.pop("num_layers", sum(len(g.layers) for g in cache_groups)),
-            kv_dtype=pools[0].dtype_name,
+            kv_dtype=anchor.dtype_name,
             **kwargs,
         )
 

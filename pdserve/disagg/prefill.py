@@ -221,7 +221,6 @@ class PrefillQueues:
                 if slot is None:
                     break  # every metadata slot is in flight; try again next step
                 st.slot = slot
-                num_pages = (req.prompt_len + self.s.page_size - 1) // self.s.page_size
                 # decode's prefix cache holds the first pages: they are computed (or taken from this
                 # prefill's cache) but not sent
                 st.decode_prefix = st.sender.decode_prefix_pages()
@@ -230,7 +229,7 @@ class PrefillQueues:
                     kv.transfer_start(g, req.prompt_len, st.decode_prefix)
                     for g in range(kv.num_groups)
                 ]
-                st.sender.init([num_pages - start for start in st.starts], slot)
+                st.sender.init(kv.transfer_counts(req.prompt_len, st.decode_prefix), slot)
                 self.bootstrap.remove(req)
                 req.mark("bootstrapped")
                 self.s.waiting.append(req)

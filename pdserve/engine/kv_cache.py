@@ -1,17 +1,20 @@
-"""``KVCacheManager``: the one owner of every page of every cache group, and of the prefix cache.
+"""``KVCacheManager``: the one owner of every page and slot of every cache group, and of the
+prefix cache.
 
 The scheduler and the PD queues change a request's KV only through it: ``admit`` (match the
-prefix cache, take pages for the first chunk), ``grow`` (pages for the next chunk or token),
+prefix cache, take what the first chunk needs), ``grow`` (pages for the next chunk or token),
 ``release`` (full pages into the prefix cache, the rest freed), ``park`` / ``free`` (decode PD:
-pages that a prefill may still write are held until it cannot), ``prealloc`` (decode PD: pages for
-a prompt whose KV comes from prefill) and ``send_pages`` (prefill PD: what to send after a chunk).
+items that a prefill may still write are held until it cannot), ``prealloc`` (decode PD: items
+for a prompt whose KV comes from prefill), ``send_pages`` and ``transfer_counts`` (prefill PD:
+what to send, and how much in all).
 
-Cache groups (``kv_spec``): each group has its own pool and allocator, and a request holds one
-page id per group for every logical page (``Req.kv``, a ``KVSlots``). Every group advances
-together; a sliding-window group frees, before each forward, the pages its next query can no
-longer see (``CacheSpec.first_live_page``), so a long request holds only its window there. In PD
-a full-attention group's pages travel with every chunk; a windowed group's travel once, after
-the last chunk, and only those its window covers at the end of the prompt (``transfer_start``).
+Cache groups (``kv_spec``): each group has its own pool and allocator, and a request holds its
+items of each group in ``Req.kv`` (a ``KVSlots``). How a group's items behave is its kind's policy
+(``engine/cache_policy.py``): a full-attention group keeps a page per logical page; a
+sliding-window group frees, before each forward, the pages its next query can no longer see; a
+per-request group (a recurrent state) holds one slot from admission to the end. The anchor group,
+the first paged one, counts a request's logical pages and is group 0 of the prefix tree; the tree
+keys the cacheable groups only.
 
 Only the scheduler loop calls it; not thread-safe.
 """
@@ -20,17 +23,18 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.cache_policy import CachePolicy, policy_for
+from pdserve.engine.kv_pool import BaseKVPool
 from pdserve.engine.radix_cache import RadixCache
 from pdserve.engine.request import KVSlots, Req
-from pdserve.kv_spec import CacheGroup
+from pdserve.kv_spec import CacheGroup, anchor_group
 
 
 class KVCacheManager:
     def __init__(
         self,
         groups: list[CacheGroup],
-        pools: list[KVPool],
+        pools: list[BaseKVPool],
         page_size: int,
         disable_radix_cache: bool = False,
     ):
@@ -39,11 +43,23 @@ class KVCacheManager:
         self.page_size = page_size
         self.specs = [g.spec for g in groups]
         self.allocators = [p.allocator for p in pools]
+        self.policies: list[CachePolicy] = [policy_for(s, page_size) for s in self.specs]
+        self.anchor = anchor_group(groups)  # counts a request's logical pages
+        paged = [g for g, p in enumerate(self.policies) if p.paged]
+        # the prefix tree keys the cacheable groups (anchor first); a prefix is of no use while a
+        # group cannot keep what a hit needs (a recurrent state), so then it caches nothing
+        self.cached_groups = [g for g in paged if self.policies[g].cacheable]
+        self._tree_index = {g: i for i, g in enumerate(self.cached_groups)}
+        assert self.cached_groups[0] == self.anchor, "the anchor is the prefix tree's group 0"
+        usable = all(p.cacheable for p in self.policies)
         self.tree = RadixCache(
-            self.allocators, page_size, disable=disable_radix_cache, specs=self.specs
+            [self.allocators[g] for g in self.cached_groups],
+            page_size,
+            disable=disable_radix_cache or not usable,
+            specs=[self.specs[g] for g in self.cached_groups],
         )
         # groups that drop pages: their first live page moves with the sequence
-        self.windowed = [g.id for g in groups if g.spec.drops_pages]
+        self.windowed = [g for g, p in enumerate(self.policies) if p.drops_pages]
 
     @property
     def num_groups(self) -> int:
@@ -52,43 +68,55 @@ class KVCacheManager:
     def _pages(self, tokens: int) -> int:
         return (tokens + self.page_size - 1) // self.page_size
 
+    def _group_name(self, g: int) -> str:
+        return f" of cache group {g} ({self.groups[g].kind})" if self.num_groups > 1 else ""
+
     # ---- capacity ------------------------------------------------------------------------------
-    def available(self, group: int) -> int:
-        """Pages of ``group`` that can be had now (free, or evictable from the prefix cache)."""
-        return self.allocators[group].num_free() + self.tree.evictable_pages(group)
+    def available(self, group: Optional[int] = None) -> int:
+        """Items of ``group`` (default: the anchor) that can be had now (free, or evictable from
+        the prefix cache)."""
+        g = self.anchor if group is None else group
+        t = self._tree_index.get(g)
+        return self.allocators[g].num_free() + (0 if t is None else self.tree.evictable_pages(t))
+
+    def reserve_of(self, group: int, pages: int) -> int:
+        """What a reserve of ``pages`` pages for running requests means in ``group``: those pages
+        in a paged group, nothing in a per-request one (a running request has its slot)."""
+        return pages if self.policies[group].paged else 0
 
     def capacity_error(self, seq_len: int, chunk: int) -> str:
         """Why a request of ``seq_len`` tokens can never fit ("" when it can)."""
         for g, alloc in enumerate(self.allocators):
-            need = self.specs[g].peak_pages(seq_len, chunk, self.page_size)
+            need = self.policies[g].peak(seq_len, chunk)
             if need > alloc.capacity:
-                what = f" of cache group {g} ({self.groups[g].kind})" if self.num_groups > 1 else ""
-                return f"needs {need} KV pages{what}, the pool has {alloc.capacity}"
+                unit = "KV pages" if self.policies[g].paged else "state slots"
+                return f"needs {need} {unit}{self._group_name(g)}, the pool has {alloc.capacity}"
         return ""
 
     # ---- allocation ----------------------------------------------------------------------------
     def _alloc(self, group: int, n: int) -> Optional[list[int]]:
         alloc = self.allocators[group]
-        pages = alloc.alloc(n)
-        if pages is None and n > 0:
-            self.tree.evict(n - alloc.num_free(), group)
-            pages = alloc.alloc(n)
-        return pages
+        items = alloc.alloc(n)
+        t = self._tree_index.get(group)
+        if items is None and n > 0 and t is not None:
+            self.tree.evict(n - alloc.num_free(), t)
+            items = alloc.alloc(n)
+        return items
 
     def _take(self, counts: list[int]) -> Optional[list[list[int]]]:
-        """``counts[g]`` pages of each group, all or nothing."""
+        """``counts[g]`` items of each group, all or nothing."""
         got: list[list[int]] = []
         for g, n in enumerate(counts):
-            pages = self._alloc(g, n)
-            if pages is None:
+            items = self._alloc(g, n)
+            if items is None:
                 self.free(got)
                 return None
-            got.append(pages)
+            got.append(items)
         return got
 
-    def free(self, pages: Iterable[list[int]]) -> None:
-        """Give pages back, per group (0s are skipped)."""
-        for alloc, ids in zip(self.allocators, pages):
+    def free(self, items: Iterable[list[int]]) -> None:
+        """Give items back, per group (0s are skipped)."""
+        for alloc, ids in zip(self.allocators, items):
             held = [p for p in ids if p]
             if held:
                 alloc.free(held)
@@ -98,7 +126,7 @@ class KVCacheManager:
         prefix cache are only let go of (the tree keeps them)."""
         kv = req.kv
         for g in self.windowed:
-            lo = min(self.specs[g].first_live_page(req.kv_len, self.page_size), kv.num_pages)
+            lo = min(self.policies[g].live_from(req.kv_len), kv.num_pages)
             ids, own = kv.pages[g], []
             for i in range(kv.live_from[g], lo):
                 if ids[i] and i >= kv.cached:
@@ -108,34 +136,46 @@ class KVCacheManager:
             if own:
                 self.allocators[g].free(own)
 
+    def _needs(self, kv: KVSlots, tokens: int) -> list[int]:
+        return [p.need(len(ids), tokens) for p, ids in zip(self.policies, kv.pages)]
+
     def grow(self, req: Req, ext: int) -> bool:
-        """Pages for tokens ``kv_len .. kv_len + ext`` of ``req`` in every group; False (nothing
-        taken) when a group is out of pages."""
+        """What tokens ``kv_len .. kv_len + ext`` of ``req`` need in every group; False (nothing
+        taken) when a group is out of room."""
         self.slide(req)
-        new = self._pages(req.kv_len + ext) - req.kv.num_pages
-        if new <= 0:
+        counts = self._needs(req.kv, req.kv_len + ext)
+        if not any(counts):
             return True
-        got = self._take([new] * self.num_groups)
+        got = self._take(counts)
         if got is None:
             return False
-        for ids, pages in zip(req.kv.pages, got):
-            ids.extend(pages)
+        for ids, items in zip(req.kv.pages, got):
+            ids.extend(items)
         return True
 
+    def _match(self, token_ids: list[int], max_pages: int) -> tuple[list[list[int]], object]:
+        """The prefix tree's longest usable prefix, as items per group (none for the groups the
+        tree does not key) and its node."""
+        found, node = self.tree.match_groups(token_ids, max_pages=max_pages)
+        return [
+            list(found[self._tree_index[g]]) if g in self._tree_index else []
+            for g in range(self.num_groups)
+        ], node
+
     def admit(self, req: Req, budget: int, reserve: int, max_pages: int) -> bool:
-        """Match ``req``'s prefix (at most ``max_pages`` pages) and take pages for up to
-        ``budget`` tokens past it, keeping ``reserve`` pages of each group for running requests.
+        """Match ``req``'s prefix (at most ``max_pages`` pages) and take what up to ``budget``
+        tokens past it need, keeping ``reserve`` pages of each paged group for running requests.
         False (nothing held) when it does not fit now."""
-        pages, node = self.tree.match_groups(req.all_ids, max_pages=max_pages)
+        pages, node = self._match(req.all_ids, max_pages)
         self.tree.inc_lock(node)
-        cached = len(pages[0])
-        req.kv = KVSlots([list(p) for p in pages], cached, node, [0] * self.num_groups)
+        cached = len(pages[self.anchor])
+        req.kv = KVSlots(pages, cached, node, [0] * self.num_groups, self.anchor)
         req.kv_len = cached * self.page_size
         ext = min(req.extend_len, budget)
-        need = self._pages(req.kv_len + ext) - cached
-        if any(self.available(g) < need + reserve for g in range(self.num_groups)) or not self.grow(
-            req, ext
-        ):
+        needs = self._needs(req.kv, req.kv_len + ext)
+        if any(
+            self.available(g) < n + self.reserve_of(g, reserve) for g, n in enumerate(needs)
+        ) or not self.grow(req, ext):
             self.tree.dec_lock(node)
             req.kv, req.kv_len = None, 0
             return False
@@ -148,26 +188,29 @@ class KVCacheManager:
         if kv is None:
             return
         full = min(req.kv_len // self.page_size, kv.num_pages)
+        kept = 0  # logical pages the tree took, in every cacheable group
         if full > 0 and not self.tree.disable:
-            self.tree.insert(
-                req.all_ids[: full * self.page_size],
-                kv.pages[0][:full],
-                [ids[:full] for ids in kv.pages[1:]],
-            )
-            self.free(ids[max(full, kv.cached) :] for ids in kv.pages)
-        else:
-            self.free(ids[kv.cached :] for ids in kv.pages)
+            kept = full
+            cached = [kv.pages[g][:full] for g in self.cached_groups]
+            self.tree.insert(req.all_ids[: full * self.page_size], cached[0], cached[1:])
+        self.free(
+            self.policies[g].owned(ids, max(kept, kv.cached) if g in self._tree_index else 0)
+            for g, ids in enumerate(kv.pages)
+        )
         if kv.node is not None:
             self.tree.dec_lock(kv.node)
         req.kv, req.kv_len = None, 0
 
+    def _owned(self, kv: KVSlots) -> list[list[int]]:
+        return [p.owned(ids, kv.cached) for p, ids in zip(self.policies, kv.pages)]
+
     def park(self, req: Req) -> list[list[int]]:
-        """Let go of ``req``'s KV without caching it and return the pages it owned, which the
+        """Let go of ``req``'s KV without caching it and return the items it owned, which the
         caller frees (``free``) once nothing can write into them any more."""
         kv = req.kv
         if kv is None:
             return [[] for _ in range(self.num_groups)]
-        own = [[p for p in ids[kv.cached :] if p] for ids in kv.pages]
+        own = self._owned(kv)
         if kv.node is not None:
             self.tree.dec_lock(kv.node)
         req.kv, req.kv_len = None, 0
@@ -175,29 +218,31 @@ class KVCacheManager:
 
     # ---- disaggregation ------------------------------------------------------------------------
     def transfer_start(self, group: int, prompt_len: int, decode_prefix: int) -> int:
-        """The first logical page of ``group`` that prefill sends for a prompt of ``prompt_len``
-        tokens when decode already holds ``decode_prefix`` pages."""
-        return max(decode_prefix, self.specs[group].first_live_page(prompt_len, self.page_size))
+        """The first item (logical page) of ``group`` that prefill sends for a prompt of
+        ``prompt_len`` tokens when decode already holds ``decode_prefix`` pages."""
+        return self.policies[group].transfer_start(prompt_len, decode_prefix)
+
+    def transfer_counts(self, prompt_len: int, decode_prefix: int) -> list[int]:
+        """Items per group that prefill sends, and decode preallocates, for that prompt."""
+        return [p.transfer_count(prompt_len, decode_prefix) for p in self.policies]
 
     def sent_with_chunks(self, group: int) -> bool:
-        """Whether ``group``'s pages are final after each chunk (full attention) or only after
-        the last one (a window still drops pages while the prompt is computed)."""
-        return group not in self.windowed
+        """Whether ``group``'s items are final after each chunk (full attention) or only after
+        the last one (a window still drops pages, a state still changes)."""
+        return self.policies[group].sent_with_chunks
 
     def prealloc(self, req: Req, reserve: int) -> Optional[tuple[list[list[int]], int]]:
-        """Decode: pages for ``req``'s whole prompt, whose KV prefill will write. The leading
+        """Decode: items for ``req``'s whole prompt, whose KV prefill will write. The leading
         pages this server's prefix cache holds are kept (locked) and not sent; windowed groups
         get pages only where their window at the end of the prompt reaches. Returns (the new
-        pages per group, in logical order from ``transfer_start``; the cached prefix in pages),
-        or None (nothing held) when a group lacks room beyond ``reserve``."""
+        items per group, in logical order from ``transfer_start``; the cached prefix in pages),
+        or None (nothing held) when a group lacks room beyond ``reserve`` pages."""
         n = req.prompt_len
-        pages, node = self.tree.match_groups(req.input_ids, max_pages=(n - 1) // self.page_size)
-        cached = len(pages[0])
+        pages, node = self._match(req.input_ids, (n - 1) // self.page_size)
+        cached = len(pages[self.anchor])
         node = node if cached else None
-        total = self._pages(n)
-        starts = [self.transfer_start(g, n, cached) for g in range(self.num_groups)]
-        counts = [total - s for s in starts]
-        if any(self.available(g) < c + reserve for g, c in enumerate(counts)):
+        counts = self.transfer_counts(n, cached)
+        if any(self.available(g) < c + self.reserve_of(g, reserve) for g, c in enumerate(counts)):
             return None
         if node is not None:
             self.tree.inc_lock(node)  # before taking pages: taking may evict
@@ -206,54 +251,64 @@ class KVCacheManager:
             if node is not None:
                 self.tree.dec_lock(node)
             return None
+        gaps = [
+            self.transfer_start(g, n, cached) - cached if p.paged else 0
+            for g, p in enumerate(self.policies)
+        ]
         req.kv = KVSlots(
-            [list(p) + [0] * (s - cached) + new for p, s, new in zip(pages, starts, got)],
+            [p + [0] * gap + new for p, gap, new in zip(pages, gaps, got)],
             cached,
             node,
             [0] * self.num_groups,
+            self.anchor,
         )
         return got, cached
 
     def send_pages(self, req: Req, group: int, start: int, end: Optional[int] = None) -> list[int]:
-        """``req``'s pages of ``group`` at logical pages ``start .. end``."""
+        """``req``'s items of ``group`` at ``start .. end`` (logical pages; a slot is item 0)."""
         return req.kv.pages[group][start:end]
 
     # ---- accounting ----------------------------------------------------------------------------
     def in_use(self, reqs: Iterable[Req]) -> list[int]:
-        """Pages per group that ``reqs`` own (not the prefix cache's)."""
+        """Items per group that ``reqs`` own (not the prefix cache's)."""
         out = [0] * self.num_groups
         for r in reqs:
             if r.kv is not None:
-                for g, ids in enumerate(r.kv.pages):
-                    out[g] += sum(1 for p in ids[r.kv.cached :] if p)
+                for g, own in enumerate(self._owned(r.kv)):
+                    out[g] += len(own)
         return out
 
     def held(self, req: Req) -> list[int]:
-        """Pages per group ``req`` holds (its own and the cached prefix's), 0s not counted."""
+        """Items per group ``req`` holds (its own and the cached prefix's), 0s not counted."""
         if req.kv is None:
             return [0] * self.num_groups
         return [sum(1 for p in ids if p) for ids in req.kv.pages]
 
     def check_integrity(self, in_use: list[int]) -> dict:
-        """Assert free + cached + in use == capacity in every group; the counts of group 0 (and
-        per group when there are several)."""
-        self.tree.check_integrity(in_use)
-        info = {
-            "total_pages": self.allocators[0].capacity,
-            "free_pages": self.allocators[0].num_free(),
-            "cached_pages": self.tree.total_pages(0),
-            "in_use_pages": in_use[0],
-        }
+        """Assert free + cached + in use == capacity in every group; the anchor group's counts
+        (and per group when there are several)."""
+        self.tree.check_integrity([in_use[g] for g in self.cached_groups])
+        for g, alloc in enumerate(self.allocators):
+            if g not in self._tree_index:
+                free, cap = alloc.num_free(), alloc.capacity
+                assert free + in_use[g] == cap, (
+                    f"leak{self._group_name(g)}: free {free} + in use {in_use[g]} = "
+                    f"{free + in_use[g]} != capacity {cap}"
+                )
+
+        def counts(g: int, alloc) -> dict:
+            t = self._tree_index.get(g)
+            return {
+                "total_pages": alloc.capacity,
+                "free_pages": alloc.num_free(),
+                "cached_pages": 0 if t is None else self.tree.total_pages(t),
+                "in_use_pages": in_use[g],
+            }
+
+        info = counts(self.anchor, self.allocators[self.anchor])
         if self.num_groups > 1:
             info["groups"] = [
-                {
-                    "kind": g.kind,
-                    "layers": len(g.layers),
-                    "total_pages": a.capacity,
-                    "free_pages": a.num_free(),
-                    "cached_pages": self.tree.total_pages(g.id),
-                    "in_use_pages": in_use[g.id],
-                }
-                for g, a in zip(self.groups, self.allocators)
+                {"kind": grp.kind, "layers": len(grp.layers), **counts(grp.id, a)}
+                for grp, a in zip(self.groups, self.allocators)
             ]
         return info

@@ -8,6 +8,8 @@ allocator; ``make_pool`` picks the pool of a cache group's spec (``POOLS``).
 - ``LatentPool`` (latent attention): ``[num_layers, num_pages, page_size, latent_dim + rope_dim]``,
   no head axis; every rank of an attention group holds the same latent: its regions are
   replicated.
+- ``StatePool`` (recurrent state): one slot per request, ``[num_layers, num_slots, *shape]`` per
+  state tensor; its regions split along each tensor's own axis, in the spec's segments.
 
 Page 0 is reserved as a padding page and is never handed out.
 """
@@ -341,12 +343,88 @@ class LatentPool(BaseKVPool):
         self.buffer[layer][page_idx, offsets] = latent.to(self.dtype)
 
 
+class StatePool(BaseKVPool):
+    """Recurrent states (linear-attention layers): one slot per running request, holding each
+    state tensor of every layer of the group; ``num_pages`` counts the slots, slot 0 the padding
+    slot. Part i is one allocation ``[num_layers, num_slots, *shapes[i]]`` in its own dtype; an
+    item of its regions is one request's tensor of one layer, split across TP in the pieces the
+    spec declares along its axis 0 (``segments``)."""
+
+    page_size = 1  # a slot is a request's, whatever its length
+
+    def __init__(
+        self,
+        spec,
+        num_layers: int,
+        num_slots: int,
+        device: torch.device | str,
+        allocator: BufferAllocator = default_allocator,
+    ):
+        self.spec, self.num_layers, self.num_pages = spec, num_layers, num_slots
+        self.device = torch.device(device)
+        self.parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, shape, dtype in zip(spec.parts, spec.shapes, spec.dtypes):
+            self.parts[name] = _allocate(
+                (num_layers, num_slots, *shape), getattr(torch, dtype), self.device, allocator
+            )
+        self.dtype = getattr(torch, spec.dtypes[0])
+        self.allocator = PageAllocator(num_slots)
+
+    @classmethod
+    def for_spec(
+        cls,
+        spec,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device,
+        allocator: BufferAllocator = default_allocator,
+    ) -> "StatePool":
+        return cls(spec, num_layers, num_pages, device, allocator)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(raw.numel() for raw, _ in self.parts.values())
+
+    def state(self, part: str, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s (index in the group) tensor ``part`` of every slot:
+        [num_slots, *shape]."""
+        return self.parts[part][1][layer]
+
+    def clear(self, part: str, layer: int, slots: torch.Tensor) -> None:
+        """Zero ``slots``' tensor ``part`` of layer ``layer`` (a request's state starts at zero)."""
+        self.parts[part][1][layer].index_fill_(0, slots, 0)
+
+    def regions(self, group) -> list[Region]:
+        out = []
+        for i, name in enumerate(self.spec.parts):
+            item = self.spec.part_bytes(i)
+            buf = self.parts[name][1]
+            out += [
+                Region(
+                    ptr=buf[j].data_ptr(),
+                    nbytes=self.num_pages * item,
+                    item_bytes=item,
+                    group=group.id,
+                    layer=layer,
+                    part=name,
+                    final="last_chunk",
+                    split="segments",
+                    segments=self.spec.segment_bytes(i),
+                )
+                for j, layer in enumerate(group.layers)
+            ]
+        return out
+
+
 # cache kind (kv_spec.CacheSpec.kind) -> the pool that holds it
 POOLS: dict[str, type] = {
     "full_attention": KVPool,
     "sliding_window": KVPool,
     "latent_attention": LatentPool,
     "index_keys": LatentPool,
+    "recurrent_state": StatePool,
 }
 
 

@@ -18,7 +18,14 @@ from pdserve.engine.kv_pool import BaseKVPool, BufferAllocator, default_allocato
 from pdserve.engine.pipeline import pipeline_forward
 from pdserve.engine.precision import choose_compute_dtype, choose_kv_cache_dtype
 from pdserve.forward_batch import ForwardBatch, GroupTable
-from pdserve.kv_spec import DTYPE_BYTES, CacheGroup, FullAttention, group_layers, specs_of
+from pdserve.kv_spec import (
+    DTYPE_BYTES,
+    CacheGroup,
+    FullAttention,
+    anchor_group,
+    group_layers,
+    specs_of,
+)
 from pdserve.layers.attention.base import attention_backend_class, get_attention_backend
 
 logger = logging.getLogger(__name__)
@@ -115,9 +122,14 @@ class ModelRunner:
             }
             for i in range(len(specs))
         ]
-        # the group and slot of each layer's first cache
-        self.layer_group = [self.layer_caches[i][entry[0].kind][0] for i, entry in enumerate(specs)]
-        self.layer_slot = [self.layer_caches[i][entry[0].kind][1] for i, entry in enumerate(specs)]
+        # the group and slot of each layer's first cache (-1: a layer that keeps none)
+        first_cache = [
+            self.layer_caches[i][entry[0].kind] if entry else (-1, -1)
+            for i, entry in enumerate(specs)
+        ]
+        self.layer_group = [g for g, _ in first_cache]
+        self.layer_slot = [slot for _, slot in first_cache]
+        self.anchor = anchor_group(self.cache_groups)  # its pool stands for the cache's layout
         # --enable-return-routed-experts: the ids of every token, kept with the pages of one group
         self.routed_spec = (
             routed_experts.plan(self.model, self.cache_groups)
@@ -141,9 +153,7 @@ class ModelRunner:
                 f"which does not support it: {self._why_not_cpu_attention()}"
             )
         arch = ",".join(getattr(self.hf_config, "architectures", None) or ["?"])
-        self.attn_backend.check_supported(
-            {g.kind for g in self.cache_groups}, self.model.attention_layers(), arch
-        )
+        self.attn_backend.check_supported(self.attention_kinds, self.model.attention_layers(), arch)
         if self.attn_backend_name == "cpu" and self.dtype == torch.bfloat16:
             # when the model offers one for its configuration
             self.model.enable_decode_stack(self.ops, batch_invariant=deterministic)
@@ -161,12 +171,18 @@ class ModelRunner:
             self.attn_backend_name,
         )
 
+    @property
+    def attention_kinds(self) -> set[str]:
+        """The cache kinds the attention backend serves: the paged groups' (a per-request state
+        is its layers' own business)."""
+        return {g.kind for g in self.cache_groups if not g.spec.per_request}
+
     def _allocate_kv(self, counts: list[int], kv_allocator: BufferAllocator) -> None:
         """The pools of the cache groups (``counts`` pages each) and the routed experts' store."""
         self.pools = [
             self._make_pool(g, n, kv_allocator) for g, n in zip(self.cache_groups, counts)
         ]
-        self.pool = self.pools[0]
+        self.pool = self.pools[self.anchor]
         self.routed: Optional[routed_experts.RoutedExpertsStore] = None
         if self.routed_spec is not None:
             spec = self.routed_spec
@@ -226,7 +242,7 @@ class ModelRunner:
             return "--attention-backend torch was asked for"
         cpu = attention_backend_class("cpu")
         missing = cpu.missing_features(self.model.attention_layers())
-        missing += sorted({g.kind for g in self.cache_groups} - cpu.cache_kinds)
+        missing += sorted(self.attention_kinds - cpu.cache_kinds)
         return (
             f"the model's attention uses {', '.join(missing)}"
             if missing
@@ -254,7 +270,7 @@ class ModelRunner:
             cpu = attention_backend_class("cpu")
             fits = (
                 not cpu.missing_features(self.model.attention_layers())
-                and {g.kind for g in self.cache_groups} <= cpu.cache_kinds
+                and self.attention_kinds <= cpu.cache_kinds
             )
             return "cpu" if self.device.type == "cpu" and self.ops is not None and fits else "torch"
         if name == "cpu" and self.ops is None:
@@ -278,9 +294,11 @@ class ModelRunner:
         return counts
 
     def _local_num_pages(self) -> list[int]:
-        """One budget for all groups: full-attention groups get equal token counts, windowed
-        groups ``--swa-full-tokens-ratio`` of that (all of it when every group is windowed);
-        ``--max-total-tokens`` is the full groups' token count."""
+        """One budget for all groups: per-request groups (a recurrent state) get a slot per
+        running request (``--max-mamba-cache-size``) first; of the rest, full-attention groups get
+        equal token counts, windowed groups ``--swa-full-tokens-ratio`` of that (all of it when
+        every paged group is windowed); ``--max-total-tokens`` is the full groups' token count.
+        Counts include the padding page (slot) 0."""
         args = self.args
         item = DTYPE_BYTES[str(self.kv_dtype).replace("torch.", "")]
         per_page = [
@@ -288,13 +306,19 @@ class ModelRunner:
         ]
         if self.routed_spec is not None:  # the routed experts' rows live with this group's pages
             per_page[self.routed_spec.group] += self.routed_spec.bytes_per_page(args.page_size)
-        mixed = any(not g.spec.drops_pages for g in self.cache_groups)
+        slots = (args.max_mamba_cache_size or args.max_running_requests) + 1
+        state = [g.spec.per_request for g in self.cache_groups]
+        paged = [g.spec for g, st in zip(self.cache_groups, state) if not st]
+        mixed = any(not spec.drops_pages for spec in paged)
         share = [
-            args.swa_full_tokens_ratio if mixed and g.spec.drops_pages else 1.0
-            for g in self.cache_groups
+            0.0 if st else args.swa_full_tokens_ratio if mixed and g.spec.drops_pages else 1.0
+            for g, st in zip(self.cache_groups, state)
         ]
         if args.max_total_tokens is not None:
-            return [int(-(-args.max_total_tokens * s // args.page_size)) + 1 for s in share]
+            return [
+                slots if st else int(-(-args.max_total_tokens * s // args.page_size)) + 1
+                for s, st in zip(share, state)
+            ]
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * args.mem_fraction_static)
@@ -302,13 +326,27 @@ class ModelRunner:
             budget = int(
                 _available_host_bytes() * min(args.mem_fraction_static, CPU_DEFAULT_KV_FRACTION)
             )
+        budget -= sum(slots * b for b, st in zip(per_page, state) if st)
+        if budget <= 0:
+            raise ValueError(
+                f"max_mamba_cache_size: {slots - 1} state slots take more than the KV cache's "
+                "memory budget; lower it (or max_running_requests) or raise mem_fraction_static"
+            )
         pages = budget / sum(s * b for s, b in zip(share, per_page))
-        return [max(2, int(pages * s) + 1) for s in share]
+        return [slots if st else max(2, int(pages * s) + 1) for s, st in zip(share, state)]
 
     @property
     def max_total_tokens(self) -> int:
-        """Tokens the largest group's pool holds (the full-attention tokens of a mixed model)."""
-        return max(p.num_pages - 1 for p in self.pools) * self.args.page_size
+        """Tokens the largest paged group's pool holds (the full-attention tokens of a mixed
+        model)."""
+        return (
+            max(
+                p.num_pages - 1
+                for g, p in zip(self.cache_groups, self.pools)
+                if not g.spec.per_request
+            )
+            * self.args.page_size
+        )
 
     def make_forward_batch(
         self,
@@ -323,7 +361,7 @@ class ModelRunner:
         """``page_lists[i][g]``: request i's pages of cache group g (0: not kept)."""
         dev = self.device
         page = self.args.page_size
-        max_pages = max(len(p[0]) for p in page_lists)
+        max_pages = max(len(p[self.anchor]) for p in page_lists)
         token_page: list[int] = []  # logical page of each new token, as row * max_pages + page
         out_offsets: list[int] = []
         for i in range(len(page_lists)):
@@ -336,7 +374,10 @@ class ModelRunner:
             table = torch.zeros((len(page_lists), max_pages), dtype=torch.long)
             for i, pages in enumerate(page_lists):
                 table[i, : len(pages[g])] = torch.tensor(pages[g], dtype=torch.long)
-            groups.append(GroupTable(pool, table.to(dev), table.view(-1)[where].to(dev)))
+            paged = not self.cache_groups[g].spec.per_request
+            # a per-request group writes its slot (column 0), not pages
+            out = table.view(-1)[where] if paged else torch.empty(0, dtype=torch.long)
+            groups.append(GroupTable(pool, table.to(dev), out.to(dev), paged))
         fb = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
@@ -346,6 +387,7 @@ class ModelRunner:
             layer_group=self.layer_group,
             layer_slot=self.layer_slot,
             layer_caches=self.layer_caches,
+            anchor=self.anchor,
             out_offsets=torch.tensor(out_offsets, dtype=torch.long, device=dev),
             logits_idx=torch.tensor(logits_idx, dtype=torch.long, device=dev),
             attn_backend=self.attn_backend,

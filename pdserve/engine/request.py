@@ -199,21 +199,24 @@ class RequestSpec(msgspec.Struct, kw_only=True):
 class KVSlots:
     """Where a request's KV lives, per cache group (``engine/kv_cache.py`` owns every change).
 
-    ``pages[g]`` lists group g's page of each logical page of ``all_ids[:kv_len]`` (and of the
-    tokens being computed), in order; 0 where the group no longer keeps that page (it slid out of
-    a window). The first ``cached`` logical pages belong to the radix cache (locked through
-    ``node``) in every group; the rest are owned by the request until it finishes or is
-    retracted. ``live_from[g]``: pages before it have been dropped from group g.
+    ``pages[g]`` lists a paged group's page of each logical page of ``all_ids[:kv_len]`` (and of
+    the tokens being computed), in order; 0 where the group no longer keeps that page (it slid
+    out of a window). A per-request group (a recurrent state) holds ``[slot]``. The first
+    ``cached`` logical pages belong to the radix cache (locked through ``node``) in every group
+    the tree keys; the rest are owned by the request until it finishes or is retracted.
+    ``live_from[g]``: pages before it have been dropped from group g. ``anchor``: the paged group
+    that counts the logical pages (``engine/cache_policy.py``).
     """
 
     pages: list[list[int]]
     cached: int = 0
     node: Any = None
     live_from: list[int] = field(default_factory=list)
+    anchor: int = 0
 
     @property
     def num_pages(self) -> int:
-        return len(self.pages[0]) if self.pages else 0
+        return len(self.pages[self.anchor]) if self.pages else 0
 
 
 @dataclass(eq=False)

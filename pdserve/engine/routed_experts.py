@@ -96,7 +96,9 @@ def plan(model, cache_groups: Sequence) -> Optional[RoutedExpertsSpec]:
             f"enable_return_routed_experts: the MoE layers route to different numbers of experts "
             f"{sorted(ks)}"
         )
-    group = next((g.id for g in cache_groups if not g.spec.drops_pages), None)
+    group = next(
+        (g.id for g in cache_groups if not g.spec.drops_pages and not g.spec.per_request), None
+    )
     if group is None:
         raise ValueError(
             f"enable_return_routed_experts: {FLAG} keeps the ids with the KV pages of a cache group "

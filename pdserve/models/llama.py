@@ -239,7 +239,8 @@ class LlamaModel(nn.Module):
         if self.decode_stack is not None and fb.is_decode_only:
             table, lens = fb.int32_tables()  # the stack exists only for one-group models
             cos, sin = ropes["default"]  # float32: the stack exists only with the kernels
-            return self.decode_stack.forward(h, fb.groups[0].pool.buffer, table, lens, cos, sin)
+            pool = fb.groups[fb.anchor].pool
+            return self.decode_stack.forward(h, pool.buffer, table, lens, cos, sin)
         for layer in self.own_layers:
             h, residual = layer(h, residual, ropes[layer.rope_kind], fb)
         return h, residual

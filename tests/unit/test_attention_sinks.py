@@ -206,7 +206,9 @@ def _backend_matches_eager_reference(ops, name, page):
     backend, dtype = backend_of(name, ops)
     run = PagedAttention(backend, page, dtype, num_pages=256 if page == 1 else 64, seed=page)
     if name == "cpu-bf16":
-        assert backend.uses_flash(SimpleNamespace(groups=[SimpleNamespace(pool=run.pool)]))
+        assert backend.uses_flash(
+            SimpleNamespace(groups=[SimpleNamespace(pool=run.pool, paged=True)])
+        )
     # float32: accumulation error only; bf16: rounded inputs to the P V product and the output
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     for chunks in STEPS:

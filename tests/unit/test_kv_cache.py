@@ -160,3 +160,111 @@ def test_decode_server_admits_the_predicted_number_of_long_requests():
     assert n == 6 and all(h == [5, 23] for h in held), (n, held)  # [window group, full group] pages
     n, held = admitted(480, disable_hybrid_swa_memory=True)
     assert n == 5 and all(h == [23] for h in held), (n, held)
+
+
+# ---- a hybrid: attention layers and recurrent-state layers (a state slot per request) ---------
+
+
+def hybrid(page_size: int = 4, pages: int = 64, slots: int = 4, disable: bool = False):
+    """Layers state, attention, state, attention (layer 0 keeps a state, as on Bamba)."""
+    from pdserve.engine.kv_pool import StatePool
+    from pdserve.kv_spec import RecurrentState
+
+    state = RecurrentState(("conv", "ssm"), ((6, 3), (2, 4, 5)), ("float32", "float32"))
+    groups = group_layers([state, FullAttention(2, 4), state, FullAttention(2, 4)])
+    pools = [
+        KVPool(2, pages, page_size, 2, 4, torch.float32, "cpu"),
+        StatePool(state, 2, slots + 1, "cpu"),
+    ]
+    return KVCacheManager(groups, pools, page_size, disable_radix_cache=disable)
+
+
+def test_groups_put_per_request_state_last_and_anchor_on_the_first_paged_group():
+    from pdserve.kv_spec import RecurrentState, anchor_group
+
+    m = hybrid()
+    assert [g.kind for g in m.groups] == ["full_attention", "recurrent_state"]
+    assert [g.layers for g in m.groups] == [(1, 3), (0, 2)]
+    assert m.anchor == anchor_group(m.groups) == 0
+    # a layer may keep no cache (Nemotron-H's MLP layers) or two (a latent and an indexer's keys)
+    groups = group_layers(
+        [FullAttention(2, 4), None, (), (FullAttention(2, 4), FullAttention(1, 8))]
+    )
+    assert [g.layers for g in groups] == [(0, 3), (3,)]
+    only_state = group_layers([RecurrentState(("ssm",), ((2,),), ("float32",))])
+    with pytest.raises(ValueError, match="keeps no per-token cache .*recurrent_state"):
+        anchor_group(only_state)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_state_slot_per_request_from_admission_to_release(page_size):
+    m = hybrid(page_size, pages=128, slots=2)
+    a, b, c = (req(list(range(100 + 50 * i, 140 + 50 * i)), n) for i, n in enumerate("abc"))
+    run(m, a, chunk=8)
+    pages, slot = m.held(a)
+    assert pages == -(-40 // page_size) and slot == 1  # one slot, however many chunks
+    assert len(a.kv.pages[1]) == 1 and a.kv.pages[1][0] > 0 and a.kv.num_pages == pages
+    for _ in range(5):  # decode steps take pages, never another slot
+        a.output_ids.append(7)
+        assert m.grow(a, 1)
+        a.kv_len += 1
+    assert m.held(a)[1] == 1 and m.in_use([a]) == [m.held(a)[0], 1]
+    run(m, b, chunk=8)
+    # out of slots: c is not admitted and holds nothing; pages are plenty
+    assert not m.admit(c, 8, 0, 9) and c.kv is None
+    integrity(m, a, b)
+    m.release(a)
+    integrity(m, b)
+    assert m.admit(c, 8, 0, 9)
+    m.release(b)
+    m.release(c)
+    integrity(m)
+    assert m.allocators[1].num_free() == 2
+
+
+def test_a_state_model_caches_no_prefix_until_states_are_kept():
+    """A prefix hit would need the state at the prefix's end, which nothing keeps: the tree stays
+    empty and a repeated prompt is computed whole (its pages go back to the pool)."""
+    m = hybrid()
+    assert m.tree.disable and m.cached_groups == [0]
+    first = req(list(range(100, 140)))
+    run(m, first, chunk=16)
+    m.release(first)
+    assert m.tree.total_pages() == 0
+    again = req(list(range(100, 140)) + [5])
+    assert m.admit(again, 64, 0, 10) and again.kv.cached == 0
+    m.release(again)
+    integrity(m)
+
+
+def test_the_page_reserve_does_not_apply_to_state_slots():
+    m = hybrid(slots=1)
+    r = req(list(range(100, 110)))
+    # 63 pages free, 3 needed + a reserve of 50 for running requests: fits; the one slot is enough
+    assert m.admit(r, 16, 50, 2)
+    m.release(r)
+    assert not m.admit(r, 16, 61, 2)  # the reserve does apply to pages
+    integrity(m)
+
+
+def test_pd_moves_the_state_slot_once_after_the_last_chunk():
+    ps = 4
+    m = hybrid(ps)
+    assert m.transfer_counts(50, 0) == [13, 1] and m.transfer_counts(50, 3) == [10, 1]
+    assert m.sent_with_chunks(0) and not m.sent_with_chunks(1)
+    # decode: pages for the whole prompt and the slot that the state is written into
+    r = req(list(range(100, 150)))
+    pages, cached = m.prealloc(r, reserve=0)
+    assert cached == 0 and len(pages[0]) == 13 and pages[1] == r.kv.pages[1] and len(pages[1]) == 1
+    assert m.send_pages(r, 1, m.transfer_start(1, 50, 0)) == pages[1]
+    integrity(m, r)
+    own = m.park(r)
+    assert own == pages and r.kv is None
+    m.free(own)
+    integrity(m)
+    # prefill: the state goes with the last chunk's send, from item 0
+    p = req(list(range(100, 150)))
+    run(m, p, chunk=16)
+    assert m.send_pages(p, 1, 0) == p.kv.pages[1] and m.send_pages(p, 1, 1) == []
+    m.release(p)
+    integrity(m)

@@ -252,7 +252,7 @@ def test_transfer_bytes_per_token_come_from_the_specs_counted_once():
     assert transfer_bytes_per_token([latent], 1, 2) == 61 * 576 * 2
     # windows send their last pages only (left out beside a group that keeps every page), state per request
     window = CacheGroup(1, SlidingWindow(2, 64, 128), (3, 4))
-    state = CacheGroup(2, RecurrentState(((4, 16),), (2,)), (5,))
+    state = CacheGroup(2, RecurrentState(("ssm",), ((4, 16),), ("float32",)), (5,))
     assert transfer_bytes_per_token([full, window, state], 8, 2) == transfer_bytes_per_token(
         [full], 8, 2
     )
@@ -262,7 +262,7 @@ def test_transfer_bytes_per_token_come_from_the_specs_counted_once():
 def test_the_pool_of_a_spec_describes_its_regions():
     import torch
 
-    from pdserve.engine.kv_pool import KVPool, LatentPool, make_pool
+    from pdserve.engine.kv_pool import KVPool, LatentPool, StatePool, make_pool
     from pdserve.kv_spec import (
         CacheGroup,
         FullAttention,
@@ -292,10 +292,31 @@ def test_the_pool_of_a_spec_describes_its_regions():
         make_pool(CacheGroup(0, FullAttention(2, 8), (0,)), 2, 4, torch.float32, "cpu").kv_heads
         == 2
     )
-    with pytest.raises(
-        ValueError, match="cache kind 'recurrent_state' .* has no pool in this engine"
-    ):
-        make_pool(CacheGroup(0, RecurrentState(((4,),), (2,)), (0,)), 2, 4, torch.float32, "cpu")
+    # a recurrent state: a slot per request, each tensor in its own dtype, split in its segments
+    spec = RecurrentState(
+        ("conv", "ssm"), ((6, 3), (2, 4, 5)), ("bfloat16", "float32"), segments=((4, 1, 1), ())
+    )
+    group = CacheGroup(2, spec, (1, 3))
+    state = make_pool(group, 5, 16, torch.float16, "cpu")
+    assert isinstance(state, StatePool) and state.state("conv", 1).dtype == torch.bfloat16
+    assert state.state("ssm", 0).shape == (5, 2, 4, 5) and state.allocator.capacity == 4
+    rs = state.regions(group)
+    assert [
+        (r.layer, r.part, r.item_bytes, r.nbytes, r.split, r.segments, r.final) for r in rs
+    ] == [
+        (1, "conv", 36, 5 * 36, "segments", (24, 6, 6), "last_chunk"),
+        (3, "conv", 36, 5 * 36, "segments", (24, 6, 6), "last_chunk"),
+        (1, "ssm", 160, 5 * 160, "segments", (160,), "last_chunk"),
+        (3, "ssm", 160, 5 * 160, "segments", (160,), "last_chunk"),
+    ]
+    assert all(not r.check() for r in rs)
+    assert rs[1].ptr == state.state("conv", 1).data_ptr()
+    assert state.nbytes == 2 * 5 * 36 + 2 * 5 * 160 == 2 * 5 * spec.page_bytes(16, 2)
+    state.state("ssm", 1)[3] = 1.0
+    state.clear("ssm", 1, torch.tensor([3]))
+    assert not state.state("ssm", 1).any()
+    with pytest.raises(ValueError, match="segments \\[4, 1\\] do not add up to axis 0"):
+        RecurrentState(("conv",), ((6, 3),), ("float32",), segments=((4, 1),))
 
 
 def test_a_layer_may_keep_two_caches_in_two_groups():

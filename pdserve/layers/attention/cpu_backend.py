@@ -61,6 +61,7 @@ class CpuAttnBackend(TorchAttnBackend):
             and g.pool.dtype == self.compute_dtype == torch.bfloat16
             and self.ops.flash_supported(g.pool.head_dim)
             for g in fb.groups
+            if g.paged
         )  # no latent pages
 
     def is_decode_row(self, fb: ForwardBatch, i: int) -> bool:
@@ -82,7 +83,8 @@ class CpuAttnBackend(TorchAttnBackend):
         starts[1:] = torch.tensor(fb.extend_lens, dtype=torch.int32).cumsum(0)
         # per group: (write rows, page table, seq lens)
         self._flash = [
-            (write_rows(g, fb.out_offsets), *fb.int32_tables(i)) for i, g in enumerate(fb.groups)
+            (write_rows(g, fb.out_offsets), *fb.int32_tables(i)) if g.paged else None
+            for i, g in enumerate(fb.groups)
         ]
         self._starts = starts
 
@@ -90,7 +92,7 @@ class CpuAttnBackend(TorchAttnBackend):
         """Every new token as one decode query: its request's page table, its own length."""
         self._fb = fb
         self._rowwise = [
-            (write_rows(g, fb.out_offsets), *self._row_tables(fb, i))
+            (write_rows(g, fb.out_offsets), *self._row_tables(fb, i)) if g.paged else None
             for i, g in enumerate(fb.groups)
         ]
 

@@ -129,11 +129,11 @@ class TorchAttnBackend(AttentionBackend):
         self._dec_masks: dict[Optional[int], torch.Tensor] = {}
         self._dec = dec
         if dec:
-            page = fb.groups[0].pool.page_size
+            page = fb.groups[fb.anchor].pool.page_size
             max_len = max(seq_lens[i] for i in dec)
             self._dec_lens = torch.tensor([seq_lens[i] for i in dec], device=device)
             self._dec_kpos = torch.arange(-(-max_len // page) * page, device=device)  # [L]
-        self._groups = [self._init_group(fb, g) for g in fb.groups]
+        self._groups = [self._init_group(fb, g) if g.paged else None for g in fb.groups]
         self.init_decode(fb, dec)
 
     def _init_group(self, fb: ForwardBatch, g: GroupTable) -> _Group:
