@@ -29,7 +29,7 @@ from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from pdserve.layers.vocab import VocabParallelEmbedding
 from pdserve.models.cpu_paths import CpuPathsMixin
-from pdserve.models.weights import TPShards, checkpoint_weight_names, load_weights
+from pdserve.models.weights import TPShards, checkpoint_weight_names, load_weights, renamed
 
 # First rotary table size; it grows by doubling if a longer sequence arrives.
 _ROPE_INITIAL_POSITIONS = 8192
@@ -175,6 +175,12 @@ class LlamaDecoderLayer(nn.Module):
         return run_mlp(self.mlp, h, fb), residual
 
 
+def first_attention(layers: Iterable[nn.Module]) -> Optional[nn.Module]:
+    """The attention module of the first of ``layers`` that has one (a hybrid's first layer may
+    be a linear-attention layer; a pipeline stage may hold none)."""
+    return next((layer.self_attn for layer in layers if hasattr(layer, "self_attn")), None)
+
+
 class LlamaModel(nn.Module):
     """The decoder; in a pipeline stage only its layers (``shards.layers``; the others are
     placeholders, so parameter names stay the checkpoint's) and the embedding where it is used.
@@ -199,10 +205,9 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
-        attn = self.layers[self.start].self_attn
-        head_dim = getattr(
-            attn, "rotary_dim", attn.head_dim
-        )  # the dims RoPE turns (all, or a head's first part)
+        attn = first_attention(self.own_layers)
+        # the dims RoPE turns (all, or a head's first part)
+        head_dim = shards.head_dim if attn is None else getattr(attn, "rotary_dim", attn.head_dim)
         initial = min(config.max_position_embeddings, _ROPE_INITIAL_POSITIONS)
         self.rotaries = nn.ModuleDict(
             {
@@ -260,6 +265,8 @@ class LlamaForCausalLM(CpuPathsMixin, nn.Module):
 
     model_cls: type[nn.Module] = LlamaModel
     qk_norm = False
+    # checkpoint name prefix -> this model's (a family whose files name a module differently)
+    checkpoint_prefixes: dict[str, str] = {}
 
     @staticmethod
     def attention_biases(config) -> tuple[bool, bool]:
@@ -299,7 +306,7 @@ class LlamaForCausalLM(CpuPathsMixin, nn.Module):
         )
         # tied embeddings on a prepacked CPU model: the logits' own packed copy of the embedding
         self.tied_logits: Optional[PackedBF16] = None
-        attn = self.model.layers[self.model.start].self_attn
+        attn = first_attention(self.model.own_layers) or self.shards
         self.num_layers = self.model.end - self.model.start  # this stage's (its KV pool's)
         self.total_layers = config.num_hidden_layers
         self.num_heads = attn.num_heads  # this rank's
@@ -357,10 +364,13 @@ class LlamaForCausalLM(CpuPathsMixin, nn.Module):
     # ---- weights -----------------------------------------------------------------------------
     def checkpoint_weight_names(self) -> set[str]:
         """HF names of every weight this model needs from a checkpoint."""
-        return checkpoint_weight_names(self)
+        back = {ours: theirs for theirs, ours in self.checkpoint_prefixes.items()}
+        return {renamed(n, back) for n in checkpoint_weight_names(self)}
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy HF-named weights (tensors or safetensors slices) into this rank's shard."""
+        if self.checkpoint_prefixes:
+            weights = ((renamed(n, self.checkpoint_prefixes), w) for n, w in weights)
         load_weights(self, weights, self.shards, tied_head=self.tie_word_embeddings)
 
 

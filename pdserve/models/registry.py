@@ -21,6 +21,7 @@ _MODELS = {
     "DeepseekV3ForCausalLM": ("pdserve.models.deepseek", "DeepseekV3ForCausalLM"),
     "DeepseekV32ForCausalLM": ("pdserve.models.deepseek", "DeepseekV32ForCausalLM"),
     "Glm4MoeForCausalLM": ("pdserve.models.glm", "Glm4MoeForCausalLM"),
+    "BambaForCausalLM": ("pdserve.models.bamba", "BambaForCausalLM"),
 }
 
 

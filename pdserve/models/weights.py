@@ -215,6 +215,14 @@ def checkpoint_weight_names(model: torch.nn.Module) -> set[str]:
     return names
 
 
+def renamed(name: str, prefixes: dict[str, str]) -> str:
+    """``name`` with its first matching prefix of ``prefixes`` replaced by the prefix's value."""
+    for old, new in prefixes.items():
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
 def load_weights(
     model: torch.nn.Module, weights: Iterable[tuple[str, Any]], shards: TPShards, tied_head: bool
 ) -> None:

@@ -1,5 +1,5 @@
 """Tiny random HF checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, the MoE families,
-DeepSeek V2/V3) for tests, built once and cached.
+DeepSeek V2/V3, Bamba) for tests, built once and cached.
 
 Each is a normal HF directory (config.json, safetensors, the SmolLM2 tokenizer) under
 ``$PDSERVE_TEST_CACHE`` (default ``/tmp/pdserve-test-cache``), keyed by architecture and
@@ -264,6 +264,22 @@ ARCHS = {
             rope_parameters=dict(
                 rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5
             ),
+        ),
+    ),
+    # Mamba2 layers but layer 1 (attention); 8 heads of 16, 2 groups of state 16, scan blocks of 8
+    "bamba": (
+        "BambaConfig",
+        "BambaForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            attn_layer_indices=[1],
+            mamba_n_heads=8,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=8,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
         ),
     ),
 }

@@ -1,0 +1,235 @@
+"""Mamba2 mixer (the linear-attention layers of Bamba, Nemotron-H and Granite 4 hybrids), in torch.
+
+Per token: ``in_proj`` gives ``z`` (the gate, I channels), ``xBC`` (the convolution's input: x of
+I channels, then B and C of G groups of N each) and ``dt`` (one per head). ``xBC`` goes through a
+depthwise causal convolution of K taps (with bias) and SiLU; then per head h of P channels,
+with ``dt = softplus(dt + dt_bias)`` and ``A = -exp(A_log)``::
+
+    S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T        (S: [P, N], B and C of the head's group)
+    y_t = S_t C_t + D x_t
+
+``y * silu(z)`` is normalised per group (RMS over I / G channels), scaled, and ``out_proj`` maps
+it back. A request's state lives in its slot of the layer's ``StatePool``: ``conv``, the last
+K - 1 inputs of the convolution ([conv_dim, K - 1], in the model's dtype, as HF keeps it), and
+``ssm``, S of every head ([H, P, N], float32). A request whose prefix is empty starts from zeros;
+a chunk continues from the state its previous chunk left.
+
+Prefill runs the chunked form of the scan: blocks of ``chunk_size`` positions, aligned to absolute
+positions (so chunked prefill cuts them where one long forward would), each solved as a masked
+matrix product inside the block and a recurrence across blocks. A single new token after a prefix
+(a decode step) takes the one-step update, batched over the requests, as HF's decode does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.forward_batch import ForwardBatch
+from pdserve.kv_spec import RecurrentState
+from pdserve.layers.linear import Linear
+
+STATE_KIND = RecurrentState.kind
+
+
+@dataclass(frozen=True)
+class Mamba2Dims:
+    hidden: int
+    heads: int  # H
+    head_dim: int  # P
+    groups: int  # G
+    state: int  # N
+    conv_kernel: int  # K
+    chunk_size: int
+    eps: float
+    proj_bias: bool = False
+    conv_bias: bool = True
+
+    @property
+    def inner(self) -> int:  # I
+        return self.heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.inner + 2 * self.groups * self.state
+
+    def state_spec(self, conv_dtype: str) -> RecurrentState:
+        return RecurrentState(
+            parts=("conv", "ssm"),
+            shapes=((self.conv_dim, self.conv_kernel - 1), (self.heads, self.head_dim, self.state)),
+            dtypes=(conv_dtype, "float32"),
+            segments=((self.inner, self.groups * self.state, self.groups * self.state), ()),
+        )
+
+
+class GatedGroupRMSNorm(nn.Module):
+    """``weight * rmsnorm_per_group(x * silu(z))`` over groups of ``dim / groups`` channels,
+    computed in float32 and rounded to ``x``'s dtype before the weight, as HF's ``RMSNormGated``."""
+
+    def __init__(self, dim: int, groups: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.groups, self.eps = groups, eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float() * F.silu(z.float())
+        g = h.view(*h.shape[:-1], self.groups, -1)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * g.view(h.shape).to(dtype)
+
+
+class DepthwiseConv(nn.Module):
+    """The parameters of HF's ``nn.Conv1d(C, C, K, groups=C)``: ``weight`` [C, 1, K], ``bias``."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+        self.bias = nn.Parameter(torch.empty(channels)) if bias else None
+
+
+class Mamba2Mixer(nn.Module):
+    """One Mamba2 layer; ``kv_layer`` is its index among this stage's layers (``ForwardBatch``)."""
+
+    def __init__(self, dims: Mamba2Dims, kv_layer: int):
+        super().__init__()
+        self.dims, self.kv_layer = dims, kv_layer
+        d = dims
+        self.in_proj = Linear(d.hidden, d.inner + d.conv_dim + d.heads, bias=d.proj_bias)
+        self.conv1d = DepthwiseConv(d.conv_dim, d.conv_kernel, d.conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(d.heads))
+        self.A_log = nn.Parameter(torch.empty(d.heads))
+        self.D = nn.Parameter(torch.empty(d.heads))
+        self.norm = GatedGroupRMSNorm(d.inner, d.groups, d.eps)
+        self.out_proj = Linear(d.inner, d.hidden, bias=d.proj_bias)
+
+    def forward(self, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        d = self.dims
+        pool, index, slots = fb.state(self.kv_layer, STATE_KIND)
+        conv_state, ssm_state = pool.state("conv", index), pool.state("ssm", index)
+        z, xbc, dt = self.in_proj(h).split([d.inner, d.conv_dim, d.heads], dim=-1)
+        # the gated norm takes an extend's scan output in float32 and a decode step's in the
+        # model's dtype, as HF's two paths do (the same in a float32 model)
+        out = torch.empty((h.shape[0], d.inner), dtype=h.dtype, device=h.device)
+        steps, starts = [], fb.extend_starts
+        slot_ids = slots.tolist()
+        for i, (prefix, n) in enumerate(zip(fb.prefix_lens, fb.extend_lens)):
+            if n == 0:
+                continue
+            if n == 1 and prefix > 0:
+                steps.append(i)
+                continue
+            rows = slice(starts[i], starts[i] + n)
+            y = self._extend(xbc[rows], dt[rows], prefix, conv_state, ssm_state, slot_ids[i])
+            out[rows] = self.norm(y, z[rows]).to(h.dtype)
+        if steps:
+            rows = torch.tensor([starts[i] for i in steps], device=h.device)
+            y = self._step(xbc[rows], dt[rows], conv_state, ssm_state, slots[steps])
+            out[rows] = self.norm(y, z[rows])
+        return self.out_proj(out)
+
+    # ---- the pieces --------------------------------------------------------------------------
+    def _conv(self, window: torch.Tensor, n: int) -> torch.Tensor:
+        """Causal depthwise convolution + SiLU of the last ``n`` positions of ``window``
+        [B, C, K - 1 + n] (the previous inputs, then the new ones): [B, n, C]."""
+        w = self.conv1d.weight
+        out = F.conv1d(window.to(w.dtype), w, self.conv1d.bias, groups=window.shape[1])
+        return F.silu(out[:, :, -n:]).transpose(1, 2)
+
+    def _split(self, xbc: torch.Tensor):
+        """x [.., H, P], B and C [.., H, N] (each head its group's) from the convolved channels."""
+        d = self.dims
+        x, b, c = xbc.split([d.inner, d.groups * d.state, d.groups * d.state], dim=-1)
+        per = d.heads // d.groups
+        lead = xbc.shape[:-1]
+        b = b.reshape(*lead, d.groups, 1, d.state).expand(*lead, d.groups, per, d.state)
+        c = c.reshape(*lead, d.groups, 1, d.state).expand(*lead, d.groups, per, d.state)
+        return (
+            x.reshape(*lead, d.heads, d.head_dim),
+            b.reshape(*lead, d.heads, d.state),
+            c.reshape(*lead, d.heads, d.state),
+        )
+
+    def _extend(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        prefix: int,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+        slot: int,
+    ) -> torch.Tensor:
+        """``n`` new tokens of one request after ``prefix`` tokens: the chunked scan from its
+        state (zeros for an empty prefix), which it updates. Returns y [n, I] in float32."""
+        d, n = self.dims, xbc.shape[0]
+        k1 = d.conv_kernel - 1
+        prev = conv_state[slot] if prefix else torch.zeros_like(conv_state[slot])
+        window = torch.cat([prev.to(xbc.dtype), xbc.t()], dim=1)  # [C, K - 1 + n]
+        conv_state[slot] = window[:, window.shape[1] - k1 :]
+        x, b, c = self._split(self._conv(window[None], n)[0])
+        dt = F.softplus(dt + self.dt_bias.to(dt.dtype)).float()  # [n, H]
+        a = -torch.exp(self.A_log.float())
+        s = ssm_state[slot] if prefix else torch.zeros_like(ssm_state[slot])  # [H, P, N]
+        x32, b32, c32 = x.float(), b.float(), c.float()
+        y = torch.empty((n, d.heads, d.head_dim), dtype=torch.float32, device=xbc.device)
+        lo = 0
+        while lo < n:  # blocks aligned to absolute positions
+            hi = min(n, lo + d.chunk_size - (prefix + lo) % d.chunk_size)
+            y[lo:hi], s = _scan_block(x32[lo:hi], dt[lo:hi], a, b32[lo:hi], c32[lo:hi], s)
+            lo = hi
+        ssm_state[slot] = s
+        y = y + self.D.float()[:, None] * x32
+        return y.reshape(n, d.inner)
+
+    def _step(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """One new token of each of several requests (decode): [B, I] in the model's dtype."""
+        d = self.dims
+        window = torch.cat([conv_state[slots].to(xbc.dtype), xbc[:, :, None]], dim=2)
+        conv_state[slots] = window[:, :, 1:]
+        x, b, c = self._split(self._conv(window, 1)[:, 0])  # [B, H, P], [B, H, N]
+        dt = F.softplus(dt + self.dt_bias.to(dt.dtype))[:, :, None]  # [B, H, 1], model dtype
+        decay = torch.exp(dt.float() * -torch.exp(self.A_log.float())[:, None])  # [B, H, 1]
+        s = ssm_state[slots] * decay[..., None] + ((dt * b)[:, :, None, :] * x[..., None])
+        ssm_state[slots] = s
+        y = torch.einsum("bhpn,bhn->bhp", s.to(c.dtype), c)
+        y = y + x * self.D.to(x.dtype)[:, None]
+        return y.reshape(y.shape[0], d.inner).to(xbc.dtype)
+
+
+def _scan_block(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    s: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scan over one block of L positions from state ``s`` [H, P, N]: x [L, H, P], dt [L, H],
+    a [H], b and c [L, H, N], all float32. Returns (y [L, H, P] without the D term, the state
+    after the block)."""
+    log_decay = torch.cumsum(dt * a, dim=0)  # [L, H]: log of the decay from the block start
+    L = x.shape[0]
+    causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+    # decay from position j to position i (j <= i): exp(cum_i - cum_j)
+    rel = (log_decay[:, None, :] - log_decay[None, :, :]).masked_fill(
+        ~causal[..., None], -torch.inf
+    )
+    weights = torch.einsum("ihn,jhn->ijh", c, b) * torch.exp(rel)  # [L, L, H]
+    xdt = x * dt[..., None]  # [L, H, P]
+    y = torch.einsum("ijh,jhp->ihp", weights, xdt)
+    y = y + torch.einsum("ihn,hpn->ihp", c, s) * torch.exp(log_decay)[..., None]
+    to_end = torch.exp(log_decay[-1:] - log_decay)  # [L, H]
+    s = s * torch.exp(log_decay[-1])[:, None, None] + torch.einsum(
+        "jh,jhn,jhp->hpn", to_end, b, xdt
+    )
+    return y, s

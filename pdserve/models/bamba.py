@@ -1,0 +1,105 @@
+"""Bamba (``BambaForCausalLM``): a Llama-style decoder whose layers are Mamba2 mixers except those
+``attn_layer_indices`` names, which are attention with RoPE on the first half of each head
+(``partial_rotary_factor`` 0.5); every layer has a gated MLP (``feed_forward``) after
+``pre_ff_layernorm``. The attention layers keep KV pages, the Mamba2 layers a recurrent state
+per request (``layers/mamba2.py``); ``kv_spec.group_layers`` makes the pages the anchor group.
+Checkpoint names are HF's, with ``model.final_layernorm`` for the final norm.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from pdserve.kv_spec import CacheSpec, FullAttention
+from pdserve.layers.attention.base import AttnLayer
+from pdserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer
+from pdserve.layers.norm import RMSNorm
+from pdserve.layers.rotary import rope_parameters
+from pdserve.models.glm import PartialRotaryAttention
+from pdserve.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, run_mlp
+
+LINEAR, ATTENTION = "linear_attention", "full_attention"
+
+
+def bamba_dims(config) -> Mamba2Dims:
+    return Mamba2Dims(
+        hidden=config.hidden_size,
+        heads=config.mamba_n_heads,
+        head_dim=config.mamba_d_head,
+        groups=config.mamba_n_groups,
+        state=config.mamba_d_state,
+        conv_kernel=config.mamba_d_conv,
+        chunk_size=config.mamba_chunk_size,
+        eps=config.rms_norm_eps,
+        proj_bias=bool(config.mamba_proj_bias),
+        conv_bias=bool(config.mamba_conv_bias),
+    )
+
+
+class BambaDecoderLayer(nn.Module):
+    rope_kind = "default"
+
+    def __init__(self, config, layer_id: int, shards, **attn_kwargs):
+        super().__init__()
+        kind = config.layers_block_type[layer_id]
+        if kind == ATTENTION:
+            self.self_attn = PartialRotaryAttention(config, layer_id, shards, **attn_kwargs)
+        elif kind == LINEAR:
+            self.mamba = Mamba2Mixer(bamba_dims(config), layer_id - shards.layers[0])
+        else:
+            raise ValueError(f"layers_block_type[{layer_id}]: {kind!r} is not a Bamba layer kind")
+        self.feed_forward = LlamaMLP(config, shards)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h, residual, rope, fb):
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        if hasattr(self, "mamba"):
+            h = self.mamba(h, fb)
+        else:
+            h = self.self_attn(h, rope, fb)
+        h, residual = self.pre_ff_layernorm(h, residual)
+        return run_mlp(self.feed_forward, h, fb), residual
+
+
+class BambaModel(LlamaModel):
+    layer_cls = BambaDecoderLayer
+
+    @staticmethod
+    def rope_settings(config) -> dict[str, dict]:
+        params = rope_parameters(config)
+        params.pop("partial_rotary_factor", None)  # the attention turns its first part itself
+        return {"default": params}
+
+
+class BambaForCausalLM(LlamaForCausalLM):
+    model_cls = BambaModel
+    checkpoint_prefixes = {"model.final_layernorm.": "model.norm."}
+
+    def __init__(self, config, *args, **kwargs):
+        if getattr(config, "num_experts", 1) not in (None, 1):
+            raise ValueError(f"num_experts: Bamba's MoE form ({config.num_experts}) is not served")
+        super().__init__(config, *args, **kwargs)
+        if self.par.tp.size > 1:
+            raise ValueError(
+                "tp_size: Bamba's Mamba2 layers are not sharded over tensor-parallel ranks yet"
+            )
+
+    def kv_cache_specs(self) -> list[CacheSpec]:
+        dtype = str(self.model.norm.weight.dtype).replace("torch.", "")
+        specs: list[CacheSpec] = []
+        for layer in self.model.own_layers:
+            if hasattr(layer, "mamba"):
+                specs.append(layer.mamba.dims.state_spec(dtype))
+            else:
+                a = layer.self_attn
+                specs.append(FullAttention(a.num_kv_heads, a.head_dim))
+        return specs
+
+    def attention_layers(self) -> list[AttnLayer]:
+        return [
+            layer.self_attn.attn for layer in self.model.own_layers if hasattr(layer, "self_attn")
+        ]
