@@ -99,9 +99,8 @@ class KVArgs:
         regions, specs = [], []
         for g, pool in zip(cache_groups, pools):
             regions += pool.regions(g)
-            desc = {
-                k: v for k, v in g.spec.describe().items() if k != "num_kv_heads"
-            }  # heads differ across TP
+            # heads differ across TP; tuples as lists, as the description arrives from a peer
+            desc = {k: _plain(v) for k, v in g.spec.describe().items() if k != "num_kv_heads"}
             specs += [{"layer": layer, "group": g.id, **desc} for layer in g.layers]
         heads = max((p.kv_heads for p in pools), default=0)
         anchor = pools[
@@ -190,6 +189,13 @@ _HINTS = {
 def _describe(spec: dict) -> str:
     extra = ", ".join(f"{k} {v}" for k, v in spec.items() if k not in ("layer", "group", "kind"))
     return f"{spec.get('kind')} ({extra})" if extra else str(spec.get("kind"))
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with its tuples as lists, at every depth (what a description is on the wire)."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _layer_spec_mismatches(prefill: list[dict], decode: list[dict]) -> list[str]:

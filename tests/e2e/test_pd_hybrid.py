@@ -1,0 +1,142 @@
+"""PD on a linear-attention hybrid (Bamba: Mamba2 layers around one attention layer): the attention
+layer's pages go with every chunk, each Mamba2 layer's state slot (its convolution window and SSM
+state) once, after the last chunk; decode preallocates the pages and one slot, then continues
+from the state. Tokens equal a colocated server's for prompts shorter than a page and longer
+than several chunks; the bytes a request moves are the pages' plus the fixed-size state; pools
+and state slots are free afterwards, also after a request whose decode side was aborted; a decode
+whose state shapes differ is refused, naming both."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.helpers import cluster as c
+from tests.helpers.checkpoints import build_tiny_checkpoint
+
+PAGE = 4
+NEW_TOKENS = 10
+COMMON = [
+    "--dtype",
+    "float32",
+    "--max-total-tokens",
+    "4096",
+    "--max-running-requests",
+    "8",
+    "--page-size",
+    str(PAGE),
+    "--chunked-prefill-size",
+    "24",
+    "--disaggregation-bootstrap-timeout",
+    "20",
+    "--disaggregation-waiting-timeout",
+    "20",
+]
+LENS = (1, 3, 9, 24, 25, 70)
+
+
+@pytest.fixture(scope="module")
+def hybrid_pd(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("pd-hybrid")
+    path = build_tiny_checkpoint("bamba")
+    s = {
+        "S": c.server("S", path, logs, *COMMON),
+        "P": c.prefill("P", path, logs, *COMMON)[0],
+        # a room without a prefill is given up on soon
+        "D": c.decode(
+            "D",
+            path,
+            logs,
+            *COMMON,
+            "--disaggregation-bootstrap-timeout",
+            "6",
+            "--disaggregation-waiting-timeout",
+            "6",
+        ),
+        # a decode whose Mamba2 layers keep another state size
+        "Dn8": c.decode("Dn8", build_tiny_checkpoint("bamba", mamba_d_state=8), logs, *COMMON),
+    }
+    try:
+        c.start_all(list(s.values()))
+        yield s
+    finally:
+        for proc in s.values():
+            proc.stop()
+
+
+def body(ids: list[int], prefill: c.Proc | None = None, room: int = 0) -> dict:
+    out = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+    }
+    if prefill is not None:
+        out.update(
+            bootstrap_host="127.0.0.1", bootstrap_port=prefill.bootstrap_port, bootstrap_room=room
+        )
+    return out
+
+
+def pd(prefill: c.Proc, decode: c.Proc, ids: list[int]) -> tuple[httpx.Response, httpx.Response]:
+    b = body(ids, prefill, random.randrange(2**63))
+    with ThreadPoolExecutor(2) as ex:
+        fp = ex.submit(httpx.post, prefill.url + "/generate", json=b, timeout=120)
+        fd = ex.submit(httpx.post, decode.url + "/generate", json=b, timeout=120)
+        return fp.result(), fd.result()
+
+
+def state_bytes(group: dict) -> int:
+    """One request's state of every layer of a recurrent-state group."""
+    per_layer = 0
+    for shape, dtype in zip(group["shapes"], group["dtypes"]):
+        n = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+        for s in shape:
+            n *= s
+        per_layer += n
+    return per_layer * len(group["layers"])
+
+
+def test_pd_matches_colocated_and_moves_pages_and_one_state(hybrid_pd):
+    P, D, S = hybrid_pd["P"], hybrid_pd["D"], hybrid_pd["S"]
+    info = P.http.get("/server_info").json()["scheduler_info"]
+    attn, state = info["cache_groups"]
+    assert attn["kind"] == "full_attention" and state["kind"] == "recurrent_state"
+    rng = random.Random(31)
+    for n in LENS:
+        ids = [rng.randrange(100, 40000) for _ in range(n)]
+        rp, rd = pd(P, D, ids)
+        assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+        want = httpx.post(S.url + "/generate", json=body(ids), timeout=120).json()["output_ids"]
+        assert rd.json()["output_ids"] == want, f"prompt of {n} tokens"
+        last = P.http.get("/server_info").json()["internal_states"][0]["recent_transfers"][-1]
+        pages = -(-n // PAGE)
+        page_bytes = len(attn["layers"]) * 2 * attn["num_kv_heads"] * PAGE * attn["head_dim"] * 4
+        assert last["pages_per_group"] == [pages, 1], (n, last)
+        assert last["kv_bytes"] == pages * page_bytes + state_bytes(state), (n, last)
+    for proc in (P, D, S):
+        proc.wait_idle()
+
+
+def test_an_aborted_decode_frees_its_state_slot(hybrid_pd):
+    """A decode whose room never gets a prefill gives its pages and slot back at the timeout."""
+    P, D = hybrid_pd["P"], hybrid_pd["D"]
+    b = body(list(range(100, 130)), P, random.randrange(2**63))
+    b["bootstrap_port"] = c.free_port()  # no prefill there: the decode gives up on the room
+    r = httpx.post(D.url + "/generate", json=b, timeout=120)
+    assert r.status_code >= 400, r.text
+    D.wait_idle()
+    P.wait_idle()
+
+
+def test_a_decode_with_other_state_shapes_is_refused_naming_both(hybrid_pd):
+    P, D = hybrid_pd["P"], hybrid_pd["Dn8"]
+    rp, rd = pd(P, D, [5, 6, 7, 8])
+    assert rd.status_code >= 400, rd.text
+    msg = rd.json()["error"]["message"]
+    # the SSM state of 8 heads of 16: a state size of 16 on prefill, 8 on decode
+    assert "[8, 16, 16]" in msg and "[8, 16, 8]" in msg and "prefill" in msg, msg
+    assert rp.status_code >= 400  # prefill gives up on the room instead of hanging
+    P.wait_idle()
+    D.wait_idle()
