@@ -47,6 +47,9 @@ class Mamba2Dims:
     eps: float
     proj_bias: bool = False
     conv_bias: bool = True
+    # the scan's bounds on dt (HF's ``time_step_limit``), applied where HF does: in prefill's
+    # chunked scan, not in the decode step
+    dt_limit: tuple[float, float] = (0.0, float("inf"))
 
     @property
     def inner(self) -> int:  # I
@@ -170,7 +173,8 @@ class Mamba2Mixer(nn.Module):
         window = torch.cat([prev.to(xbc.dtype), xbc.t()], dim=1)  # [C, K - 1 + n]
         conv_state[slot] = window[:, window.shape[1] - k1 :]
         x, b, c = self._split(self._conv(window[None], n)[0])
-        dt = F.softplus(dt + self.dt_bias.to(dt.dtype)).float()  # [n, H]
+        dt = F.softplus(dt + self.dt_bias.to(dt.dtype))
+        dt = torch.clamp(dt, *d.dt_limit).float()  # [n, H]
         a = -torch.exp(self.A_log.float())
         s = ssm_state[slot] if prefix else torch.zeros_like(ssm_state[slot])  # [H, P, N]
         x32, b32, c32 = x.float(), b.float(), c.float()

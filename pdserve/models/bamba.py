@@ -33,6 +33,7 @@ def bamba_dims(config) -> Mamba2Dims:
         eps=config.rms_norm_eps,
         proj_bias=bool(config.mamba_proj_bias),
         conv_bias=bool(config.mamba_conv_bias),
+        dt_limit=tuple(config.time_step_limit or (0.0, float("inf"))),
     )
 
 

@@ -247,7 +247,7 @@ class LlamaModel(nn.Module):
             pool = fb.groups[fb.anchor].pool
             return self.decode_stack.forward(h, pool.buffer, table, lens, cos, sin)
         for layer in self.own_layers:
-            h, residual = layer(h, residual, ropes[layer.rope_kind], fb)
+            h, residual = layer(h, residual, ropes.get(layer.rope_kind), fb)
         return h, residual
 
     def idle_forward(self, dp) -> None:

@@ -22,6 +22,7 @@ _MODELS = {
     "DeepseekV32ForCausalLM": ("pdserve.models.deepseek", "DeepseekV32ForCausalLM"),
     "Glm4MoeForCausalLM": ("pdserve.models.glm", "Glm4MoeForCausalLM"),
     "BambaForCausalLM": ("pdserve.models.bamba", "BambaForCausalLM"),
+    "NemotronHForCausalLM": ("pdserve.models.nemotron_h", "NemotronHForCausalLM"),
 }
 
 

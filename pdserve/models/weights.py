@@ -249,7 +249,7 @@ def load_weights(
             continue
         module_path, _, leaf = name.rpartition(".")
         parent, _, proj = module_path.rpartition(".")
-        if proj in FUSED:
+        if proj in FUSED and name not in params:  # a model that keeps it apart loads it as is
             module, index = FUSED[proj]
             target = f"{parent}.{module}"
             if f"{target}.{leaf}" not in params:

@@ -1,5 +1,6 @@
 """Linear-attention hybrids through the offline engine against HF transformers: Bamba (Mamba2
-layers around one attention layer, layer 0 a Mamba2 layer). Greedy tokens identical in float32
+layers around one attention layer, layer 0 a Mamba2 layer) and Nemotron-H (Mamba2, MLP-only
+layers that keep no cache, attention without RoPE). Greedy tokens identical in float32
 with logprobs within 1e-4, prompts longer than the scan block (8) prefilled whole and in chunks of
 1, 5 and 64 tokens at page sizes 1 and 16, a long decode; the attention layer's pages are the
 anchor group and each request holds one state slot from admission to its end, so fewer slots than
@@ -34,9 +35,24 @@ def assert_matches(path: str, prompts, outs, n: int, what: str) -> None:
             assert abs(v - ref_lp[len(ids) - 1 + k, tok].item()) < 1e-4, (what, len(ids), k)
 
 
-@pytest.mark.parametrize("chunk,page_size", [(64, 16), (5, 1), (1, 1)])
-def test_bamba_matches_hf_float32(chunk, page_size):
-    path = build_tiny_checkpoint("bamba")
+GROUPS = {
+    "bamba": [("full_attention", (1,)), ("recurrent_state", (0, 2, 3))],
+    "nemotron_h": [("full_attention", (2,)), ("recurrent_state", (0,))],  # layers 1, 3: none
+}
+
+
+@pytest.mark.parametrize(
+    "arch,chunk,page_size",
+    [
+        ("bamba", 64, 16),
+        ("bamba", 5, 1),
+        ("bamba", 1, 1),
+        ("nemotron_h", 64, 16),
+        ("nemotron_h", 1, 1),
+    ],
+)
+def test_hybrid_matches_hf_float32(arch, chunk, page_size):
+    path = build_tiny_checkpoint(arch)
     # 3 state slots for 6 prompts: the others wait for a slot
     eng = make_engine(
         path,
@@ -47,10 +63,7 @@ def test_bamba_matches_hf_float32(chunk, page_size):
     )
     try:
         runner = eng.scheduler.runner
-        assert [(g.kind, g.layers) for g in runner.cache_groups] == [
-            ("full_attention", (1,)),
-            ("recurrent_state", (0, 2, 3)),
-        ]
+        assert [(g.kind, g.layers) for g in runner.cache_groups] == GROUPS[arch]
         assert [type(p).__name__ for p in runner.pools] == ["KVPool", "StatePool"]
         assert runner.pools[1].allocator.capacity == 3 and runner.pool is runner.pools[0]
         prompts = prompts_for(3)[:6]  # 1 to 160 tokens

@@ -1,5 +1,5 @@
 """Tiny random HF checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, the MoE families,
-DeepSeek V2/V3, Bamba) for tests, built once and cached.
+DeepSeek V2/V3, Bamba, Nemotron-H) for tests, built once and cached.
 
 Each is a normal HF directory (config.json, safetensors, the SmolLM2 tokenizer) under
 ``$PDSERVE_TEST_CACHE`` (default ``/tmp/pdserve-test-cache``), keyed by architecture and
@@ -280,6 +280,22 @@ ARCHS = {
             mamba_expand=2,
             mamba_chunk_size=8,
             rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
+    # Mamba2, MLP (no cache), attention without RoPE, MLP; the same Mamba2 sizes as Bamba's
+    "nemotron_h": (
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"],
+            head_dim=16,
+            mamba_num_heads=8,
+            mamba_head_dim=16,
+            n_groups=2,
+            ssm_state_size=16,
+            conv_kernel=4,
+            chunk_size=8,
         ),
     ),
 }
