@@ -145,6 +145,30 @@ class RecurrentState(CacheSpec):
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     segments: tuple[tuple[int, ...], ...] = ()
+    ranks: int = 1  # the tensor-parallel ranks whose shares along axis 0 make the whole state
+
+    def describe(self) -> dict:
+        """The whole model's state (every rank's share together), which ranks of any TP size
+        agree on."""
+        w = self.whole(0)
+        return {
+            "kind": self.kind,
+            "parts": list(w.parts),
+            "shapes": [list(s) for s in w.shapes],
+            "dtypes": list(w.dtypes),
+            "segments": [list(s) for s in w.segments],
+        }
+
+    def whole(self, total_kv_heads: int) -> "CacheSpec":
+        if self.ranks == 1:
+            return self
+        n = self.ranks
+        return replace(
+            self,
+            shapes=tuple((s[0] * n, *s[1:]) for s in self.shapes),
+            segments=tuple(tuple(x * n for x in seg) for seg in self.segments),
+            ranks=1,
+        )
 
     def __post_init__(self) -> None:
         if not len(self.parts) == len(self.shapes) == len(self.dtypes):

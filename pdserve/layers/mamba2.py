@@ -22,15 +22,17 @@ matrix product inside the block and a recurrence across blocks. A single new tok
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.distributed import SINGLE, TPGroup
 from pdserve.forward_batch import ForwardBatch
 from pdserve.kv_spec import RecurrentState
-from pdserve.layers.linear import Linear
+from pdserve.layers.linear import Linear, RowParallelLinear
 
 STATE_KIND = RecurrentState.kind
 
@@ -59,13 +61,24 @@ class Mamba2Dims:
     def conv_dim(self) -> int:
         return self.inner + 2 * self.groups * self.state
 
-    def state_spec(self, conv_dtype: str) -> RecurrentState:
+    def state_spec(self, conv_dtype: str, ranks: int = 1) -> RecurrentState:
+        """The state of one request of a layer of these sizes (one rank's of ``ranks``)."""
         return RecurrentState(
             parts=("conv", "ssm"),
             shapes=((self.conv_dim, self.conv_kernel - 1), (self.heads, self.head_dim, self.state)),
             dtypes=(conv_dtype, "float32"),
             segments=((self.inner, self.groups * self.state, self.groups * self.state), ()),
+            ranks=ranks,
         )
+
+    def shard(self, ranks: int) -> "Mamba2Dims":
+        """One rank's sizes when ``ranks`` ranks split the heads and the groups evenly."""
+        if self.heads % ranks or self.groups % ranks:
+            raise ValueError(
+                f"tp_size: {ranks} ranks cannot split a Mamba2 layer's {self.heads} heads and "
+                f"{self.groups} groups evenly"
+            )
+        return replace(self, heads=self.heads // ranks, groups=self.groups // ranks)
 
 
 class GatedGroupRMSNorm(nn.Module):
@@ -95,19 +108,65 @@ class DepthwiseConv(nn.Module):
 
 
 class Mamba2Mixer(nn.Module):
-    """One Mamba2 layer; ``kv_layer`` is its index among this stage's layers (``ForwardBatch``)."""
+    """One Mamba2 layer; ``kv_layer`` is its index among this stage's layers (``ForwardBatch``).
+    Under tensor parallelism (``tp``) each rank holds a share of the heads and of the groups
+    (whole groups, so the gated norm stays local): its rows of ``in_proj`` (of z, x, B, C and dt),
+    its channels of the convolution, its columns of ``out_proj``, whose outputs are summed; its
+    state is its channels' and heads' (``dims`` are the rank's sizes). It reads its HF weights
+    itself (``checkpoint_names`` / ``load_checkpoint``)."""
 
-    def __init__(self, dims: Mamba2Dims, kv_layer: int):
+    def __init__(self, dims: Mamba2Dims, kv_layer: int, tp: TPGroup = SINGLE):
         super().__init__()
-        self.dims, self.kv_layer = dims, kv_layer
-        d = dims
+        self.whole, self.tp, self.kv_layer = dims, tp, kv_layer
+        self.dims = d = dims.shard(tp.size)
         self.in_proj = Linear(d.hidden, d.inner + d.conv_dim + d.heads, bias=d.proj_bias)
         self.conv1d = DepthwiseConv(d.conv_dim, d.conv_kernel, d.conv_bias)
         self.dt_bias = nn.Parameter(torch.empty(d.heads))
         self.A_log = nn.Parameter(torch.empty(d.heads))
         self.D = nn.Parameter(torch.empty(d.heads))
         self.norm = GatedGroupRMSNorm(d.inner, d.groups, d.eps)
-        self.out_proj = Linear(d.inner, d.hidden, bias=d.proj_bias)
+        self.out_proj = RowParallelLinear(d.inner, d.hidden, bias=d.proj_bias, tp=tp)
+
+    def state_spec(self, conv_dtype: str) -> RecurrentState:
+        return self.dims.state_spec(conv_dtype, self.tp.size)
+
+    # ---- weights -----------------------------------------------------------------------------
+    def checkpoint_names(self) -> list[str]:
+        return [n for n, p in self.named_parameters()]
+
+    def _rows(self) -> list[tuple[int, int]]:
+        """This rank's [start, end) of each block of the whole layer's ``in_proj`` rows: z, x,
+        B, C, dt (the convolution's channels are x, B, C, less the I rows of z)."""
+        w, d, r = self.whole, self.dims, self.tp.rank
+        gn = w.groups * w.state
+        starts = (0, w.inner, 2 * w.inner, 2 * w.inner + gn, 2 * w.inner + 2 * gn)
+        sizes = (d.inner, d.inner, d.groups * d.state, d.groups * d.state, d.heads)
+        return [(s + r * n, s + (r + 1) * n) for s, n in zip(starts, sizes)]
+
+    def load_checkpoint(self, name: str, src: Any) -> None:
+        params = dict(self.named_parameters())
+        if name not in params:
+            raise ValueError(f"unexpected Mamba2 weight {name!r}")
+        z, x, b, c, dt = self._rows()
+        r, heads = self.tp.rank, self.dims.heads
+        if name.startswith("in_proj."):
+            t = torch.cat([src[lo:hi] for lo, hi in (z, x, b, c, dt)])
+        elif name.startswith("conv1d."):
+            i = self.whole.inner
+            t = torch.cat([src[lo - i : hi - i] for lo, hi in (x, b, c)])
+        elif name in ("dt_bias", "A_log", "D"):
+            t = src[r * heads : (r + 1) * heads]
+        elif name == "norm.weight":
+            t = src[r * self.dims.inner : (r + 1) * self.dims.inner]
+        elif name == "out_proj.weight":
+            t = src[:, r * self.dims.inner : (r + 1) * self.dims.inner]
+        else:  # out_proj.bias: whole, added once after the sum
+            t = src[:]
+        if tuple(t.shape) != tuple(params[name].shape):
+            raise ValueError(
+                f"expected shape {tuple(params[name].shape)} for this rank, got {tuple(t.shape)}"
+            )
+        params[name].data.copy_(t)
 
     def forward(self, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         d = self.dims

@@ -46,7 +46,7 @@ class BambaDecoderLayer(nn.Module):
         if kind == ATTENTION:
             self.self_attn = PartialRotaryAttention(config, layer_id, shards, **attn_kwargs)
         elif kind == LINEAR:
-            self.mamba = Mamba2Mixer(bamba_dims(config), layer_id - shards.layers[0])
+            self.mamba = Mamba2Mixer(bamba_dims(config), layer_id - shards.layers[0], shards.attn)
         else:
             raise ValueError(f"layers_block_type[{layer_id}]: {kind!r} is not a Bamba layer kind")
         self.feed_forward = LlamaMLP(config, shards)
@@ -84,17 +84,13 @@ class BambaForCausalLM(LlamaForCausalLM):
         if getattr(config, "num_experts", 1) not in (None, 1):
             raise ValueError(f"num_experts: Bamba's MoE form ({config.num_experts}) is not served")
         super().__init__(config, *args, **kwargs)
-        if self.par.tp.size > 1:
-            raise ValueError(
-                "tp_size: Bamba's Mamba2 layers are not sharded over tensor-parallel ranks yet"
-            )
 
     def kv_cache_specs(self) -> list[CacheSpec]:
         dtype = str(self.model.norm.weight.dtype).replace("torch.", "")
         specs: list[CacheSpec] = []
         for layer in self.model.own_layers:
             if hasattr(layer, "mamba"):
-                specs.append(layer.mamba.dims.state_spec(dtype))
+                specs.append(layer.mamba.state_spec(dtype))
             else:
                 a = layer.self_attn
                 specs.append(FullAttention(a.num_kv_heads, a.head_dim))

@@ -68,7 +68,9 @@ class NemotronHBlock(nn.Module):
         super().__init__()
         self.kind = config.layers_block_type[layer_id]
         if self.kind == MAMBA:
-            self.mixer = Mamba2Mixer(nemotron_h_dims(config), layer_id - shards.layers[0])
+            self.mixer = Mamba2Mixer(
+                nemotron_h_dims(config), layer_id - shards.layers[0], shards.attn
+            )
         elif self.kind == ATTENTION:
             self.mixer = NoRopeAttention(config, layer_id, shards, **attn_kwargs)
         elif self.kind == MLP:
@@ -117,17 +119,13 @@ class NemotronHForCausalLM(LlamaForCausalLM):
     def __init__(self, config, *args, **kwargs):
         config.rms_norm_eps = config.layer_norm_epsilon  # the final norm's (LlamaModel reads it)
         super().__init__(config, *args, **kwargs)
-        if self.par.tp.size > 1:
-            raise ValueError(
-                "tp_size: Nemotron-H's Mamba2 layers are not sharded over tensor-parallel ranks yet"
-            )
 
     def kv_cache_specs(self) -> list:
         dtype = str(self.model.norm.weight.dtype).replace("torch.", "")
         specs: list[CacheSpec | None] = []
         for layer in self.model.own_layers:
             if layer.kind == MAMBA:
-                specs.append(layer.mixer.dims.state_spec(dtype))
+                specs.append(layer.mixer.state_spec(dtype))
             elif layer.kind == ATTENTION:
                 specs.append(FullAttention(layer.mixer.num_kv_heads, layer.mixer.head_dim))
             else:

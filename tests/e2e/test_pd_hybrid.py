@@ -2,7 +2,8 @@
 layer's pages go with every chunk, each Mamba2 layer's state slot (its convolution window and SSM
 state) once, after the last chunk; decode preallocates the pages and one slot, then continues
 from the state. Tokens equal a colocated server's for prompts shorter than a page and longer
-than several chunks; the bytes a request moves are the pages' plus the fixed-size state; pools
+than several chunks, across TP sizes (P tp1 -> D tp2, P tp2 -> D tp1: each state tensor sliced
+along its own axis, the convolution's x | B | C per segment); the bytes a request moves are the pages' plus the fixed-size state; pools
 and state slots are free afterwards, also after a request whose decode side was aborted; a decode
 whose state shapes differ is refused, naming both."""
 
@@ -14,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.e2e.test_tp import all_ranks_idle
 from tests.helpers import cluster as c
 from tests.helpers.checkpoints import build_tiny_checkpoint
 
@@ -56,6 +58,9 @@ def hybrid_pd(tmp_path_factory):
             "--disaggregation-waiting-timeout",
             "6",
         ),
+        # the Mamba2 heads and groups, and the attention's KV heads, split over two ranks
+        "Ptp2": c.prefill("Ptp2", path, logs, *COMMON, "--tp-size", "2")[0],
+        "Dtp2": c.decode("Dtp2", path, logs, *COMMON, "--tp-size", "2"),
         # a decode whose Mamba2 layers keep another state size
         "Dn8": c.decode("Dn8", build_tiny_checkpoint("bamba", mamba_d_state=8), logs, *COMMON),
     }
@@ -98,9 +103,13 @@ def state_bytes(group: dict) -> int:
     return per_layer * len(group["layers"])
 
 
-def test_pd_matches_colocated_and_moves_pages_and_one_state(hybrid_pd):
-    P, D, S = hybrid_pd["P"], hybrid_pd["D"], hybrid_pd["S"]
-    info = P.http.get("/server_info").json()["scheduler_info"]
+PAIRS = [("tp1", "P", "D"), ("tp1->tp2", "P", "Dtp2"), ("tp2->tp1", "Ptp2", "D")]
+
+
+@pytest.mark.parametrize("name, p, d", PAIRS, ids=[x[0] for x in PAIRS])
+def test_pd_matches_colocated_and_moves_pages_and_one_state(hybrid_pd, name, p, d):
+    P, D, S = hybrid_pd[p], hybrid_pd[d], hybrid_pd["S"]
+    info = S.http.get("/server_info").json()["scheduler_info"]
     attn, state = info["cache_groups"]
     assert attn["kind"] == "full_attention" and state["kind"] == "recurrent_state"
     rng = random.Random(31)
@@ -109,14 +118,19 @@ def test_pd_matches_colocated_and_moves_pages_and_one_state(hybrid_pd):
         rp, rd = pd(P, D, ids)
         assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
         want = httpx.post(S.url + "/generate", json=body(ids), timeout=120).json()["output_ids"]
-        assert rd.json()["output_ids"] == want, f"prompt of {n} tokens"
+        assert rd.json()["output_ids"] == want, f"{name}: prompt of {n} tokens"
+        if p != "P":  # a one-rank prefill's record covers the whole request
+            continue
         last = P.http.get("/server_info").json()["internal_states"][0]["recent_transfers"][-1]
         pages = -(-n // PAGE)
         page_bytes = len(attn["layers"]) * 2 * attn["num_kv_heads"] * PAGE * attn["head_dim"] * 4
         assert last["pages_per_group"] == [pages, 1], (n, last)
         assert last["kv_bytes"] == pages * page_bytes + state_bytes(state), (n, last)
     for proc in (P, D, S):
-        proc.wait_idle()
+        if proc.http.get("/server_info").json()["tp_size"] > 1:
+            all_ranks_idle(proc)
+        else:
+            proc.wait_idle()
 
 
 def test_an_aborted_decode_frees_its_state_slot(hybrid_pd):
