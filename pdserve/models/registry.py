@@ -23,6 +23,10 @@ _MODELS = {
     "Glm4MoeForCausalLM": ("pdserve.models.glm", "Glm4MoeForCausalLM"),
     "BambaForCausalLM": ("pdserve.models.bamba", "BambaForCausalLM"),
     "NemotronHForCausalLM": ("pdserve.models.nemotron_h", "NemotronHForCausalLM"),
+    "GraniteMoeHybridForCausalLM": (
+        "pdserve.models.granite_hybrid",
+        "GraniteMoeHybridForCausalLM",
+    ),
 }
 
 

@@ -1,6 +1,7 @@
 """Linear-attention hybrids through the offline engine against HF transformers: Bamba (Mamba2
-layers around one attention layer, layer 0 a Mamba2 layer) and Nemotron-H (Mamba2, MLP-only
-layers that keep no cache, attention without RoPE). Greedy tokens identical in float32
+layers around one attention layer, layer 0 a Mamba2 layer), Nemotron-H (Mamba2, MLP-only
+layers that keep no cache, attention without RoPE) and Granite 4's dense hybrid (Bamba's plan
+with Granite's embedding, residual, attention and logits multipliers). Greedy tokens identical in float32
 with logprobs within 1e-4, prompts longer than the scan block (8) prefilled whole and in chunks of
 1, 5 and 64 tokens at page sizes 1 and 16, a long decode; the attention layer's pages are the
 anchor group and each request holds one state slot from admission to its end, so fewer slots than
@@ -38,6 +39,7 @@ def assert_matches(path: str, prompts, outs, n: int, what: str) -> None:
 GROUPS = {
     "bamba": [("full_attention", (1,)), ("recurrent_state", (0, 2, 3))],
     "nemotron_h": [("full_attention", (2,)), ("recurrent_state", (0,))],  # layers 1, 3: none
+    "granite_hybrid": [("full_attention", (1,)), ("recurrent_state", (0, 2, 3))],
 }
 
 
@@ -49,6 +51,8 @@ GROUPS = {
         ("bamba", 1, 1),
         ("nemotron_h", 64, 16),
         ("nemotron_h", 1, 1),
+        ("granite_hybrid", 64, 16),
+        ("granite_hybrid", 5, 1),
     ],
 )
 def test_hybrid_matches_hf_float32(arch, chunk, page_size):

@@ -1,5 +1,5 @@
 """Tiny random HF checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, the MoE families,
-DeepSeek V2/V3, Bamba, Nemotron-H) for tests, built once and cached.
+DeepSeek V2/V3, the Mamba2 hybrids) for tests, built once and cached.
 
 Each is a normal HF directory (config.json, safetensors, the SmolLM2 tokenizer) under
 ``$PDSERVE_TEST_CACHE`` (default ``/tmp/pdserve-test-cache``), keyed by architecture and
@@ -296,6 +296,34 @@ ARCHS = {
             ssm_state_size=16,
             conv_kernel=4,
             chunk_size=8,
+        ),
+    ),
+    # Granite 4's dense hybrid: Bamba's Mamba2 sizes, attention at layer 1 with RoPE, multipliers
+    "granite_hybrid": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            layer_types=[
+                "linear_attention",
+                "full_attention",
+                "linear_attention",
+                "linear_attention",
+            ],
+            num_local_experts=0,
+            shared_intermediate_size=96,
+            position_embedding_type="rope",
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.3,
+            logits_scaling=4.0,
+            mamba_n_heads=8,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=8,
         ),
     ),
 }
