@@ -35,7 +35,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -205,9 +208,6 @@ def run_pd(name: str, path: str, args, logs: Path) -> list[dict]:
                 "bootstrap_port": P.bootstrap_port,
                 "bootstrap_room": random.randrange(2**63),
             }
-            import httpx
-            from concurrent.futures import ThreadPoolExecutor
-
             with ThreadPoolExecutor(2) as ex:
                 fp = ex.submit(httpx.post, P.url + "/generate", json=body, timeout=1800)
                 fd = ex.submit(httpx.post, D.url + "/generate", json=body, timeout=1800)
