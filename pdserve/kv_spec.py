@@ -279,5 +279,15 @@ def transfer_bytes_per_token(
     )
 
 
+def state_bytes_per_request(groups: Sequence[CacheGroup], dtype_bytes: int) -> int:
+    """Bytes of the per-request state of ``groups`` (a recurrent state's whole tensors, every
+    rank's share once): what PD moves per request whatever its length."""
+    return sum(
+        g.spec.whole(0).page_bytes(1, dtype_bytes) * len(g.layers)
+        for g in groups
+        if g.spec.per_request
+    )
+
+
 def layer_window(spec: CacheSpec) -> Optional[int]:
     return spec.window if isinstance(spec, SlidingWindow) else None

@@ -91,6 +91,7 @@ def from_servers(
                 prefill=prefill,
                 decode=decode,
                 kv_bytes_per_token=int(sched.get("kv_bytes_per_token") or 1),
+                kv_bytes_per_request=int(sched.get("kv_bytes_per_request") or 0),
                 kv_bandwidth=bandwidth,
                 max_total_tokens=int(
                     sched.get("max_total_tokens") or info.get("max_total_num_tokens") or 1 << 20

@@ -8,8 +8,9 @@
   ``fixed_s + s_per_request * B + s_per_context_token * C``. A forward that carries prefill
   tokens next to decode rows (a colocated server's mixed batch) costs the decode step plus the
   prefill tokens' per-token terms.
-- Transfer: ``kv_bytes_per_token`` x prompt tokens at ``kv_bandwidth`` bytes/s, one transfer at a
-  time per prefill server, then ``pd_overhead_s`` (the router's second leg, bootstrap, handshake).
+- Transfer: ``kv_bytes_per_token`` x prompt tokens (plus ``kv_bytes_per_request``: a hybrid's
+  fixed-size recurrent state) at ``kv_bandwidth`` bytes/s, one transfer at a time per prefill
+  server, then ``pd_overhead_s`` (the router's second leg, bootstrap, handshake).
 - ``request_overhead_s``: the client → router → server path of every request.
 - Capacity: ``max_total_tokens`` of KV per server (a request holds prompt + output), at most
   ``max_running_requests`` in its batch, at most ``max_prefill_tokens`` prompt tokens per forward
@@ -118,6 +119,7 @@ class Profile:
     dp_size: int = 1
     pp_size: int = 1
     model: str = ""
+    kv_bytes_per_request: int = 0  # a hybrid's recurrent state, moved whatever the prompt's length
     sources: dict[str, Any] = field(default_factory=dict)
     measured: dict[str, Any] = field(default_factory=dict)  # the raw points the fits came from
 
@@ -142,6 +144,7 @@ class Profile:
             ):
                 raise PlanError(f"calibration: {name} must be a number > 0, got {v!r}")
         for name, v in (
+            ("kv_bytes_per_request", self.kv_bytes_per_request),
             ("request_overhead_s", self.request_overhead_s),
             ("pd_overhead_s", self.pd_overhead_s),
             *((f"prefill.{k}", x) for k, x in asdict(self.prefill).items()),

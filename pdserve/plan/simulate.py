@@ -276,7 +276,9 @@ def disaggregated(
         p = i % prefills
         start = max(clock.now, link_free[p])
         link_free[p] = (
-            start + int(reqs.prompts[i]) * p_prof.kv_bytes_per_token / p_prof.kv_bandwidth
+            start
+            + (int(reqs.prompts[i]) * p_prof.kv_bytes_per_token + p_prof.kv_bytes_per_request)
+            / p_prof.kv_bandwidth
         )
         clock.at(link_free[p] + p_prof.pd_overhead_s, dec[i % decodes].join, i)
 

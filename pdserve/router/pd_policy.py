@@ -108,11 +108,11 @@ class PDPolicy:
         out = Decision(PD, "", n, p_cached, d_cached)
         p_reqs, p_tokens = prefill.load_estimate()
         queue_s = p_fit.s_per_token * p_tokens + p_fit.fixed_s * p_reqs
-        kv_per_token = ((decode.info or {}).get("scheduler_info") or {}).get(
-            "kv_bytes_per_token"
-        ) or 0
+        sched = (decode.info or {}).get("scheduler_info") or {}
+        kv_per_token = sched.get("kv_bytes_per_token") or 0
+        kv_per_request = sched.get("kv_bytes_per_request") or 0  # a hybrid's recurrent state
         bandwidth = prefill.kv_bandwidth or self.args.pd_kv_bandwidth
-        transfer_s = d_todo * kv_per_token / bandwidth
+        transfer_s = (d_todo * kv_per_token + kv_per_request) / bandwidth
         out.ttft_pd_s = queue_s + p_fit.time(n - p_cached) + transfer_s + self.args.pd_overhead_s
         local_s = d_fit.time(d_todo)
         d_reqs, _ = decode.load_estimate()

@@ -34,7 +34,7 @@ import zmq
 from pdserve.config import ServerArgs
 from pdserve.distributed import SINGLE_RANK, Parallel, init_parallel
 from pdserve.engine.request import FinishKind, FinishReason, Req
-from pdserve.kv_spec import DTYPE_BYTES, transfer_bytes_per_token
+from pdserve.kv_spec import DTYPE_BYTES, state_bytes_per_request, transfer_bytes_per_token
 from pdserve.lifetime import end_with_parent
 from pdserve.log import role_tag, setup_logging
 from pdserve.models.loader import weights_digest
@@ -93,12 +93,19 @@ def kv_bytes_per_token(runner) -> int:
     (``kv_spec.transfer_bytes_per_token``; a pipeline stage scales its own layers to the model's)."""
     item = DTYPE_BYTES[str(runner.kv_dtype).replace("torch.", "")]
     model = runner.model
-    stage = sum(len(g.layers) for g in runner.cache_groups)
     return (
         transfer_bytes_per_token(runner.cache_groups, model.total_kv_heads, item)
         * model.total_layers
-        // max(stage, 1)
+        // max(model.num_layers, 1)
     )
+
+
+def kv_bytes_per_request(runner) -> int:
+    """The whole model's fixed-size per-request state (linear-attention layers), each byte once;
+    a pipeline stage scales its own layers to the model's."""
+    model = runner.model
+    own = state_bytes_per_request(runner.cache_groups, 0)
+    return own * model.total_layers // max(model.num_layers, 1)
 
 
 class SchedulerLoop:
@@ -143,6 +150,8 @@ class SchedulerLoop:
             # the whole model's KV per prompt token that a PD transfer moves (windowed layers move
             # a bounded amount and are left out when the model has full-attention layers)
             "kv_bytes_per_token": kv_bytes_per_token(r),
+            # ... and per request whatever its length (a recurrent state: linear-attention layers)
+            "kv_bytes_per_request": kv_bytes_per_request(r),
             # --enable-return-routed-experts on a MoE model: the layout of the returned ids
             "routed_experts": r.routed_spec.describe() if r.routed_spec is not None else None,
             "disaggregation_mode": self.args.disaggregation_mode,

@@ -112,6 +112,10 @@ def test_pd_matches_colocated_and_moves_pages_and_one_state(hybrid_pd, name, p, 
     info = S.http.get("/server_info").json()["scheduler_info"]
     attn, state = info["cache_groups"]
     assert attn["kind"] == "full_attention" and state["kind"] == "recurrent_state"
+    # the cost models' figures: the attention layer per token, the state per request
+    per_token = len(attn["layers"]) * 2 * attn["num_kv_heads"] * attn["head_dim"] * 4
+    assert info["kv_bytes_per_token"] == per_token
+    assert info["kv_bytes_per_request"] == state_bytes(state)
     rng = random.Random(31)
     for n in LENS:
         ids = [rng.randrange(100, 40000) for _ in range(n)]

@@ -49,6 +49,16 @@ def test_short_prompt_idle_decode_is_local_long_prompt_goes_through_prefill():
     assert policy().decide(None, p, d, batch=False).reason == "prompt_unknown"
 
 
+def test_a_hybrids_fixed_state_is_part_of_the_transfer_time():
+    """A hybrid's decode moves per-token pages (its attention layers) plus a fixed-size state:
+    the router charges both."""
+    p, d = pair()
+    d.info["scheduler_info"] = {"kv_bytes_per_token": 10_000, "kv_bytes_per_request": 20_000_000}
+    got = policy().decide(PromptBlocks(list(range(50))), p, d, batch=False)
+    transfer = (50 * 10_000 + 20_000_000) / 1e9
+    assert abs(got.ttft_pd_s - got.ttft_local_s - (transfer + 0.005)) < 1e-9
+
+
 def test_busy_decode_slow_decode_busy_prefill_and_cached_prefixes():
     p, d = pair()
     prompt = PromptBlocks(list(range(400)))

@@ -55,6 +55,10 @@ def test_alone_closed_form_colocated_and_pd():
         pd.ttft, p.request_overhead_s + p.prefill.time(n) + transfer + p.pd_overhead_s
     )
     assert np.allclose(pd.tpot, tpot)
+    # a hybrid also moves a fixed-size state per request
+    h = profile(kv_bytes_per_request=40_000_000)
+    hpd = simulate.disaggregated(h, h, 1, 1, reqs, float("inf"))
+    assert np.allclose(hpd.ttft, pd.ttft + 40_000_000 / h.kv_bandwidth)
 
 
 def test_goodput_counts_requests_meeting_both_slos_over_the_span():
