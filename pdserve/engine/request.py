@@ -102,8 +102,9 @@ class SamplingParams:
             bad("top_k", f"must be -1 (disabled) or >= 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not 1e-6 <= self.repetition_penalty <= 1e6:
+            # near 0 (or huge), it divides (multiplies) a seen token's logit into an infinity
+            bad("repetition_penalty", f"must be in [1e-06, 1e+06], got {self.repetition_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:

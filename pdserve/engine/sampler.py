@@ -19,7 +19,7 @@ colocated server would). Other requests share the sampler's generator.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -107,6 +107,8 @@ class SampleOutput:
     logprobs: list[Optional[float]]
     # one entry per request; None unless return_logprob and top_logprobs_num > 0
     top_logprobs: list[Optional[TopList]]
+    # rows that drew no token: their processed logits were not finite (next_ids holds 0 there)
+    failed: list[int] = field(default_factory=list)
 
 
 class Sampler:
@@ -157,7 +159,15 @@ class Sampler:
                 s = self._index(sampled_rows, x)
                 next_ids[g] = x[g].argmax(dim=-1)
                 next_ids[s] = self._sample_rows(x[s], [reqs[i] for i in sampled_rows])
-        return self._output(raw, next_ids, reqs)
+        # a row whose processed logits hold a NaN (or +inf) draws past the vocabulary: it gets no
+        # token, and the scheduler ends that request instead of indexing with it
+        bad = (next_ids < 0) | (next_ids >= raw.shape[-1])
+        failed = bad.nonzero().view(-1).tolist() if bool(bad.any()) else []
+        if failed:
+            next_ids = next_ids.masked_fill(bad, 0)
+        out = self._output(raw, next_ids, reqs)
+        out.failed = failed
+        return out
 
     # -- logit processing (in place on a float32 copy) --------------------------------------
 

@@ -417,7 +417,12 @@ class Scheduler:
         rows = torch.tensor([i for _, i in todo], device=logits.device)
         reqs = [r for r, _ in todo]
         out = self.sampler.sample(logits[rows], reqs, grammar)
+        failed = set(out.failed)
         for k, req in enumerate(reqs):
+            if k in failed:  # an engine fault (the checks keep the client's knobs finite)
+                why = "sampling: the request's logits were not finite (NaN or infinity)"
+                self.finish(req, FinishReason(FinishKind.ABORT, message=why, status_code=500))
+                continue
             tok = out.next_ids[k]
             req.output_ids.append(tok)
             if req.grammar is not None:

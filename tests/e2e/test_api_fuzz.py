@@ -54,6 +54,10 @@ def _scalar_pd_fields(body):
         for name in PER_PROMPT_LISTS:
             if isinstance(body.get(name), list):
                 body[name] = body[name][0] if body[name] else None
+        # refused by a server started without --enable-return-routed-experts (as this one is): a
+        # fact of its flags, not of the schema
+        if body.get("return_routed_experts") is True:
+            body["return_routed_experts"] = False
     return body
 
 
@@ -69,6 +73,11 @@ def _small(body):
     for name in ("min_tokens", "min_new_tokens"):
         if isinstance(body.get(name), int) and not isinstance(body[name], bool):
             body[name] = min(body[name], MAX_OUTPUT)
+    if isinstance(body.get("n"), int) and not isinstance(body["n"], bool):
+        body["n"] = min(body["n"], MAX_OUTPUT)  # choices per prompt: each streams its tokens
+    if "text" in body or "input_ids" in body:  # /generate without sampling_params: capped too
+        if body.get("sampling_params") is None:
+            body["sampling_params"] = {"max_new_tokens": MAX_OUTPUT}
     sp = body.get("sampling_params")
     for params in sp if isinstance(sp, list) else [sp]:
         if isinstance(params, dict):
@@ -118,6 +127,9 @@ def test_fuzz_every_operation_from_the_published_schema(live):
             suppress_health_check=list(HealthCheck),
             phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate],
         )
+        # the same bodies on every run (derandomize alone seeds from the strategy's repr, which
+        # holds object ids), so the fractions below are reproducible
+        @hypothesis.seed(0)
         @given(case=operation.as_strategy())
         def run(case) -> None:
             if has_body:

@@ -342,3 +342,22 @@ def test_input_logprobs_alignment():
     assert input_logprobs(pos_logits[:0], [9], start=0, top_k=3) == ([(None, 9)], [None])
     assert input_logprobs(pos_logits[3:4], ids, start=4, top_k=1)[0][0][1] == 5
     assert math.isfinite(input_logprobs(pos_logits[3:4], ids, start=4, top_k=1)[0][0][0])
+
+
+def test_a_row_with_non_finite_logits_draws_no_token_and_the_others_are_untouched():
+    """A NaN in a sampled row would send the inverse CDF past the vocabulary: that row is reported
+    failed (the scheduler ends its request with a 500) and the batch's other rows draw as usual."""
+    s = make_sampler()
+    logits = torch.randn(3, V)
+    logits[1, 5] = float("nan")
+    reqs = [make_req(temperature=0.8, seed=7), make_req(temperature=0.8), make_req(temperature=0.0)]
+    out = s.sample(logits, reqs)
+    assert out.failed == [1]
+    assert all(0 <= t < V for t in out.next_ids) and out.next_ids[2] == int(logits[2].argmax())
+
+
+def test_a_repetition_penalty_that_would_make_logits_infinite_is_refused():
+    for bad in (1e-208, 1e-7, 1e7, 0.0, -1.0):
+        with pytest.raises(ValueError, match="repetition_penalty: must be in"):
+            SamplingParams(repetition_penalty=bad).validate()
+    SamplingParams(repetition_penalty=1e-6).validate()
