@@ -1,11 +1,12 @@
 """Linear-attention hybrids through the offline engine against HF transformers: Bamba (Mamba2
-layers around one attention layer, layer 0 a Mamba2 layer), Nemotron-H (Mamba2, MLP-only
-layers that keep no cache, attention without RoPE) and Granite 4's dense hybrid (Bamba's plan
-with Granite's embedding, residual, attention and logits multipliers). Greedy tokens identical in float32
-with logprobs within 1e-4, prompts longer than the scan block (8) prefilled whole and in chunks of
-1, 5 and 64 tokens at page sizes 1 and 16, a long decode; the attention layer's pages are the
-anchor group and each request holds one state slot from admission to its end, so fewer slots than
-requests make requests wait, never fail; pools and slots free afterwards."""
+layers around one attention layer, layer 0 a Mamba2 layer), Nemotron-H (Mamba2, MLP-only layers
+that keep no cache, attention without RoPE) and Granite 4's dense hybrid (Bamba's plan with
+Granite's embedding, residual, attention and logits multipliers). Greedy tokens identical in
+float32 with logprobs within 1e-4 (bf16 by the tie-aware rule), prompts longer than the scan
+block (8) prefilled whole and in chunks of 1, 5 and 64 tokens at page sizes 1 and 16, a long
+decode; the attention layer's pages are the anchor group and each request holds one state slot
+from admission to its end, so fewer slots than requests make requests wait, never fail; pools
+and slots free afterwards."""
 
 from __future__ import annotations
 
@@ -91,3 +92,26 @@ def test_bamba_state_slots_are_checked_at_start():
     path = build_tiny_checkpoint("bamba")
     with pytest.raises(ValueError, match="max_mamba_cache_size: 2 state slots cannot hold"):
         make_engine(path, dtype="float32", max_running_requests=4, max_mamba_cache_size=2)
+
+
+@pytest.mark.parametrize("arch", sorted(GROUPS))
+def test_hybrid_bf16_matches_hf_bf16_up_to_ties(arch):
+    """bf16 weights and KV, the SSM state in float32 as HF keeps it: tokens equal to HF's bf16
+    run up to near-ties, logprobs within its bf16 spacing (``test_engine_bf16``'s rule)."""
+    from tests.e2e.test_engine_bf16 import NEW_TOKENS as N
+    from tests.e2e.test_engine_bf16 import compare, hf_bf16
+    from tests.e2e.test_engine_bf16 import make_engine as bf16_engine
+
+    path = build_tiny_checkpoint(arch)
+    eng = bf16_engine(path, page_size=16, chunked_prefill_size=64)
+    try:
+        state = eng.scheduler.runner.pools[1]
+        assert state.state("ssm", 0).dtype == torch.float32
+        assert state.state("conv", 0).dtype == torch.bfloat16
+        prompts = prompts_for(4)
+        sp = {"temperature": 0, "max_new_tokens": N, "ignore_eos": True}
+        outs = eng.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
+        compared = sum(compare(out, *hf_bf16(path, ids, N)) for ids, out in zip(prompts, outs))
+        assert compared >= N * len(prompts) // 2, f"only {compared} positions compared"
+    finally:
+        eng.shutdown()
