@@ -5,7 +5,8 @@ from the state. Tokens equal a colocated server's for prompts shorter than a pag
 than several chunks, across TP sizes (P tp1 -> D tp2, P tp2 -> D tp1: each state tensor sliced
 along its own axis, the convolution's x | B | C per segment); the bytes a request moves are the pages' plus the fixed-size state; pools
 and state slots are free afterwards, also after a request whose decode side was aborted; a decode
-whose state shapes differ is refused, naming both."""
+whose state shapes differ is refused, naming both; pdserve's router and the real sglang-router
+serve the same tokens."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 from tests.e2e.test_tp import all_ranks_idle
 from tests.helpers import cluster as c
 from tests.helpers.checkpoints import build_tiny_checkpoint
+from tests.helpers.sglang_router import sglang_router_available, start_sglang_router
 
 PAGE = 4
 NEW_TOKENS = 10
@@ -158,3 +160,33 @@ def test_a_decode_with_other_state_shapes_is_refused_naming_both(hybrid_pd):
     assert rp.status_code >= 400  # prefill gives up on the room instead of hanging
     P.wait_idle()
     D.wait_idle()
+
+
+@pytest.mark.parametrize("router", ["pdserve", "sglang-router"])
+def test_hybrid_pd_behind_a_router(hybrid_pd, router, tmp_path):
+    """Through pdserve's router and the real sglang-router (prefill tp1, decode tp2): the
+    colocated server's tokens, every server idle afterwards."""
+    P, D, S = hybrid_pd["P"], hybrid_pd["Dtp2"], hybrid_pd["S"]
+    if router == "sglang-router":
+        if not sglang_router_available():
+            pytest.skip("sglang-router is not installed")
+        port = c.free_port()
+        proc = start_sglang_router(
+            [(P.url, P.bootstrap_port)], [D.url], port, log_path=str(tmp_path / "router.log")
+        )
+        url, stop = f"http://127.0.0.1:{port}", lambda: (proc.terminate(), proc.wait())
+    else:
+        R = c.router("R", [P], [D], tmp_path).start()
+        url, stop = R.url, R.stop
+    try:
+        rng = random.Random(7)
+        for n in (5, 40):
+            ids = [rng.randrange(100, 40000) for _ in range(n)]
+            got = httpx.post(url + "/generate", json=body(ids), timeout=120)
+            assert got.status_code == 200, got.text
+            want = httpx.post(S.url + "/generate", json=body(ids), timeout=120).json()
+            assert got.json()["output_ids"] == want["output_ids"], (router, n)
+    finally:
+        stop()
+    P.wait_idle()
+    all_ranks_idle(D)
