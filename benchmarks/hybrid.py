@@ -13,9 +13,10 @@ in ``--dtype``. Through the offline ``pdserve.Engine`` (``--threads`` torch thre
 model in turn:
 
 - prefill tok/s: one prompt of each context length, one output token;
-- decode tok/s at each batch and context: B prompts of the context length, run for 1 and for
-  ``--steps`` + 1 output tokens; the difference is ``--steps`` decode steps of B rows (skipped
-  where B x context passes ``--max-batch-tokens``: the prefill alone would take minutes);
+- decode tok/s at each batch and context: B prompts of the context length run for ``--steps`` + 1
+  output tokens; the median time of the runner's decode-only forwards (every row one new token)
+  is the step (skipped where B x context passes ``--max-batch-tokens``: the prefill alone would
+  take minutes);
 - cache bytes per request at each context: the pages of the paged groups and the per-request
   state, from the engine's cache groups (what decode holds and what PD moves).
 
@@ -31,6 +32,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -125,6 +127,24 @@ def torch_bytes(pool) -> int:
     return pool.nbytes // pool.num_pages
 
 
+class ForwardClock:
+    """Times the runner's forwards; ``decode`` holds those whose rows are all one new token."""
+
+    def __init__(self, runner):
+        self.decode: list[float] = []
+        forward = runner.forward
+
+        def timed(fb):
+            t0 = time.perf_counter()
+            try:
+                return forward(fb)
+            finally:
+                if all(n == 1 for n in fb.extend_lens):
+                    self.decode.append(time.perf_counter() - t0)
+
+        runner.forward = timed
+
+
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
@@ -157,6 +177,7 @@ def run_engine(name: str, path: str, args) -> dict:
     out: dict = {"model": name, "prefill": [], "decode": [], "cache": []}
     try:
         runner = eng.scheduler.runner
+        clock = ForwardClock(runner)
         out["groups"] = [g.describe() for g in runner.cache_groups]
         timed(eng, prompts(1, 64, 0), 2)  # warm-up
         for ctx in contexts:
@@ -167,12 +188,17 @@ def run_engine(name: str, path: str, args) -> dict:
             for b in batches:
                 if b * ctx > args.max_batch_tokens:
                     continue
-                ids = prompts(b, ctx, ctx + b)
-                t1 = timed(eng, ids, 1)
-                tn = timed(eng, ids, args.steps + 1)
-                step = (tn - t1) / args.steps
+                clock.decode.clear()
+                timed(eng, prompts(b, ctx, ctx + b), args.steps + 1)
+                step = statistics.median(clock.decode)
                 out["decode"].append(
-                    {"context": ctx, "batch": b, "step_ms": step * 1e3, "tok_s": b / step}
+                    {
+                        "context": ctx,
+                        "batch": b,
+                        "step_ms": step * 1e3,
+                        "tok_s": b / step,
+                        "steps": len(clock.decode),
+                    }
                 )
                 print(f"{name}: decode B={b} ctx={ctx}: {b / step:.1f} tok/s", file=sys.stderr)
     finally:
