@@ -8,6 +8,8 @@ Checkpoint names are HF's, with ``model.final_layernorm`` for the final norm.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import nn
 
 from pdserve.kv_spec import CacheSpec, FullAttention
@@ -76,7 +78,30 @@ class BambaModel(LlamaModel):
         return {"default": params}
 
 
-class BambaForCausalLM(LlamaForCausalLM):
+class HybridCausalLM(LlamaForCausalLM):
+    """A decoder whose layers each keep a Mamba2 state (``layer.mamba``), attention pages
+    (``layer.self_attn``) or nothing (an MLP-only layer): the hybrids' cache specs and attention
+    layers, read off the layers."""
+
+    def kv_cache_specs(self) -> list[Optional[CacheSpec]]:
+        dtype = str(self.model.norm.weight.dtype).replace("torch.", "")
+        specs: list[Optional[CacheSpec]] = []
+        for layer in self.model.own_layers:
+            mamba, attn = getattr(layer, "mamba", None), getattr(layer, "self_attn", None)
+            if mamba is not None:
+                specs.append(mamba.state_spec(dtype))
+            elif attn is not None:
+                specs.append(FullAttention(attn.num_kv_heads, attn.head_dim))
+            else:
+                specs.append(None)
+        return specs
+
+    def attention_layers(self) -> list[AttnLayer]:
+        layers = (getattr(layer, "self_attn", None) for layer in self.model.own_layers)
+        return [a.attn for a in layers if a is not None]
+
+
+class BambaForCausalLM(HybridCausalLM):
     model_cls = BambaModel
     checkpoint_prefixes = {"model.final_layernorm.": "model.norm."}
 
@@ -84,19 +109,3 @@ class BambaForCausalLM(LlamaForCausalLM):
         if getattr(config, "num_experts", 1) not in (None, 1):
             raise ValueError(f"num_experts: Bamba's MoE form ({config.num_experts}) is not served")
         super().__init__(config, *args, **kwargs)
-
-    def kv_cache_specs(self) -> list[CacheSpec]:
-        dtype = str(self.model.norm.weight.dtype).replace("torch.", "")
-        specs: list[CacheSpec] = []
-        for layer in self.model.own_layers:
-            if hasattr(layer, "mamba"):
-                specs.append(layer.mamba.state_spec(dtype))
-            else:
-                a = layer.self_attn
-                specs.append(FullAttention(a.num_kv_heads, a.head_dim))
-        return specs
-
-    def attention_layers(self) -> list[AttnLayer]:
-        return [
-            layer.self_attn.attn for layer in self.model.own_layers if hasattr(layer, "self_attn")
-        ]

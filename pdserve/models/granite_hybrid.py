@@ -15,15 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kv_spec import CacheSpec, FullAttention
-from pdserve.layers.attention.base import AttnLayer
 from pdserve.layers.linear import Linear, RowParallelLinear
 from pdserve.layers.mamba2 import Mamba2Mixer
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import rope_parameters
 from pdserve.layers.vocab import VocabParallelEmbedding
-from pdserve.models.bamba import bamba_dims
-from pdserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel, run_mlp
+from pdserve.models.bamba import HybridCausalLM, bamba_dims
+from pdserve.models.llama import LlamaAttention, LlamaModel, run_mlp
 from pdserve.models.nemotron_h import NoRopeAttention
 
 
@@ -123,7 +121,7 @@ class GraniteHybridModel(LlamaModel):
         )
 
 
-class GraniteMoeHybridForCausalLM(LlamaForCausalLM):
+class GraniteMoeHybridForCausalLM(HybridCausalLM):
     model_cls = GraniteHybridModel
 
     def __init__(self, config, *args, **kwargs):
@@ -137,17 +135,3 @@ class GraniteMoeHybridForCausalLM(LlamaForCausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) / self.logits_scaling
-
-    def kv_cache_specs(self) -> list[CacheSpec]:
-        dtype = str(self.model.norm.weight.dtype).replace("torch.", "")
-        return [
-            layer.mamba.state_spec(dtype)
-            if hasattr(layer, "mamba")
-            else FullAttention(layer.self_attn.num_kv_heads, layer.self_attn.head_dim)
-            for layer in self.model.own_layers
-        ]
-
-    def attention_layers(self) -> list[AttnLayer]:
-        return [
-            layer.self_attn.attn for layer in self.model.own_layers if hasattr(layer, "self_attn")
-        ]

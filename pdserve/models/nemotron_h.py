@@ -11,12 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kv_spec import CacheSpec, FullAttention
-from pdserve.layers.attention.base import AttnLayer
 from pdserve.layers.linear import Linear, RowParallelLinear
 from pdserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer
 from pdserve.layers.norm import RMSNorm
-from pdserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel, run_mlp
+from pdserve.models.bamba import HybridCausalLM
+from pdserve.models.llama import LlamaAttention, LlamaModel, run_mlp
 
 MAMBA, ATTENTION, MLP = "linear_attention", "full_attention", "mlp"
 
@@ -82,10 +81,17 @@ class NemotronHBlock(nn.Module):
             )
         self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
 
+    # what the layer keeps, as HybridCausalLM reads it: its mixer under the kind's name
     @property
     def self_attn(self) -> nn.Module:
         if self.kind != ATTENTION:
             raise AttributeError("self_attn")
+        return self.mixer
+
+    @property
+    def mamba(self) -> nn.Module:
+        if self.kind != MAMBA:
+            raise AttributeError("mamba")
         return self.mixer
 
     def forward(self, h, residual, rope, fb):
@@ -108,7 +114,7 @@ class NemotronHModel(LlamaModel):
         return {}
 
 
-class NemotronHForCausalLM(LlamaForCausalLM):
+class NemotronHForCausalLM(HybridCausalLM):
     model_cls = NemotronHModel
     checkpoint_prefixes = {
         "backbone.embeddings.": "model.embed_tokens.",
@@ -119,18 +125,3 @@ class NemotronHForCausalLM(LlamaForCausalLM):
     def __init__(self, config, *args, **kwargs):
         config.rms_norm_eps = config.layer_norm_epsilon  # the final norm's (LlamaModel reads it)
         super().__init__(config, *args, **kwargs)
-
-    def kv_cache_specs(self) -> list:
-        dtype = str(self.model.norm.weight.dtype).replace("torch.", "")
-        specs: list[CacheSpec | None] = []
-        for layer in self.model.own_layers:
-            if layer.kind == MAMBA:
-                specs.append(layer.mixer.state_spec(dtype))
-            elif layer.kind == ATTENTION:
-                specs.append(FullAttention(layer.mixer.num_kv_heads, layer.mixer.head_dim))
-            else:
-                specs.append(None)  # an MLP layer keeps nothing
-        return specs
-
-    def attention_layers(self) -> list[AttnLayer]:
-        return [layer.mixer.attn for layer in self.model.own_layers if layer.kind == ATTENTION]
