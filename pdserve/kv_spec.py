@@ -279,13 +279,11 @@ def transfer_bytes_per_token(
     )
 
 
-def state_bytes_per_request(groups: Sequence[CacheGroup], dtype_bytes: int) -> int:
+def state_bytes_per_request(groups: Sequence[CacheGroup]) -> int:
     """Bytes of the per-request state of ``groups`` (a recurrent state's whole tensors, every
-    rank's share once): what PD moves per request whatever its length."""
+    rank's share once, each in its own dtype): what PD moves per request whatever its length."""
     return sum(
-        g.spec.whole(0).page_bytes(1, dtype_bytes) * len(g.layers)
-        for g in groups
-        if g.spec.per_request
+        g.spec.whole(0).page_bytes(1, 0) * len(g.layers) for g in groups if g.spec.per_request
     )
 
 

@@ -104,7 +104,7 @@ def kv_bytes_per_request(runner) -> int:
     """The whole model's fixed-size per-request state (linear-attention layers), each byte once;
     a pipeline stage scales its own layers to the model's."""
     model = runner.model
-    own = state_bytes_per_request(runner.cache_groups, 0)
+    own = state_bytes_per_request(runner.cache_groups)
     return own * model.total_layers // max(model.num_layers, 1)
 
 

@@ -11,7 +11,6 @@ serve the same tokens."""
 from __future__ import annotations
 
 import random
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -75,23 +74,11 @@ def hybrid_pd(tmp_path_factory):
 
 
 def body(ids: list[int], prefill: c.Proc | None = None, room: int = 0) -> dict:
-    out = {
-        "input_ids": ids,
-        "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
-    }
-    if prefill is not None:
-        out.update(
-            bootstrap_host="127.0.0.1", bootstrap_port=prefill.bootstrap_port, bootstrap_room=room
-        )
-    return out
+    return c.greedy_body(ids, NEW_TOKENS, prefill, room)
 
 
 def pd(prefill: c.Proc, decode: c.Proc, ids: list[int]) -> tuple[httpx.Response, httpx.Response]:
-    b = body(ids, prefill, random.randrange(2**63))
-    with ThreadPoolExecutor(2) as ex:
-        fp = ex.submit(httpx.post, prefill.url + "/generate", json=b, timeout=120)
-        fd = ex.submit(httpx.post, decode.url + "/generate", json=b, timeout=120)
-        return fp.result(), fd.result()
+    return c.post_pd(prefill, decode, body(ids, prefill, random.randrange(2**63)))
 
 
 def state_bytes(group: dict) -> int:

@@ -134,6 +134,32 @@ class Proc:
         return pools
 
 
+def greedy_body(
+    ids: list[int], new_tokens: int, prefill: Optional[Proc] = None, room: int = 0
+) -> dict:
+    """A greedy ``/generate`` body of ``new_tokens`` tokens; with ``prefill``, the PD fields a
+    router adds (that prefill's bootstrap server, room ``room``)."""
+    out = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True},
+    }
+    if prefill is not None:
+        out.update(
+            bootstrap_host="127.0.0.1", bootstrap_port=prefill.bootstrap_port, bootstrap_room=room
+        )
+    return out
+
+
+def post_pd(prefill: Proc, decode: Proc, body: dict) -> tuple[httpx.Response, httpx.Response]:
+    """``body`` (with its PD fields) to prefill and decode at once, as a router sends it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as ex:
+        fp = ex.submit(httpx.post, prefill.url + "/generate", json=body, timeout=120)
+        fd = ex.submit(httpx.post, decode.url + "/generate", json=body, timeout=120)
+        return fp.result(), fd.result()
+
+
 def start_all(procs) -> None:
     """Start every process at once, then wait until each is ready (servers load in parallel)."""
     procs = list(procs)
