@@ -107,6 +107,21 @@ class DepthwiseConv(nn.Module):
         self.bias = nn.Parameter(torch.empty(channels)) if bias else None
 
 
+def causal_conv(conv: DepthwiseConv, window: torch.Tensor, n: int) -> torch.Tensor:
+    """Causal depthwise convolution + SiLU of the last ``n`` positions of ``window``
+    [B, C, K - 1 + n] (the previous inputs, then the new ones): [B, n, C]. The K taps are summed
+    in float32 and rounded once to the weights' dtype, as a bf16 convolution does; ATen's bf16
+    depthwise conv1d took 26 ms a call on an AVX2 CPU (a decode step of 28 Mamba2 layers: 0.8 s),
+    these few multiply-adds take microseconds."""
+    w = conv.weight
+    k = w.shape[-1]
+    taps = window.float().unfold(2, k, 1)[:, :, -n:]  # [B, C, n, K]
+    out = (taps * w.float()[:, 0, None, :]).sum(-1)
+    if conv.bias is not None:
+        out = out + conv.bias.float()[:, None]
+    return F.silu(out.to(w.dtype)).transpose(1, 2)
+
+
 class Mamba2Mixer(nn.Module):
     """One Mamba2 layer; ``kv_layer`` is its index among this stage's layers (``ForwardBatch``).
     Under tensor parallelism (``tp``) each rank holds a share of the heads and of the groups
@@ -194,20 +209,6 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(out)
 
     # ---- the pieces --------------------------------------------------------------------------
-    def _conv(self, window: torch.Tensor, n: int) -> torch.Tensor:
-        """Causal depthwise convolution + SiLU of the last ``n`` positions of ``window``
-        [B, C, K - 1 + n] (the previous inputs, then the new ones): [B, n, C]. The K taps are
-        summed in float32 and rounded once to the weights' dtype, as a bf16 convolution does;
-        ATen's bf16 depthwise conv1d took 26 ms a call on an AVX2 CPU (a decode step of 28
-        Mamba2 layers: 0.8 s), these few multiply-adds take microseconds."""
-        w = self.conv1d.weight
-        k = w.shape[-1]
-        taps = window.float().unfold(2, k, 1)[:, :, -n:]  # [B, C, n, K]
-        out = (taps * w.float()[:, 0, None, :]).sum(-1)
-        if self.conv1d.bias is not None:
-            out = out + self.conv1d.bias.float()[:, None]
-        return F.silu(out.to(w.dtype)).transpose(1, 2)
-
     def _split(self, xbc: torch.Tensor):
         """x [.., H, P], B and C [.., H, N] (each head its group's) from the convolved channels."""
         d = self.dims
@@ -238,7 +239,7 @@ class Mamba2Mixer(nn.Module):
         prev = conv_state[slot] if prefix else torch.zeros_like(conv_state[slot])
         window = torch.cat([prev.to(xbc.dtype), xbc.t()], dim=1)  # [C, K - 1 + n]
         conv_state[slot] = window[:, window.shape[1] - k1 :]
-        x, b, c = self._split(self._conv(window[None], n)[0])
+        x, b, c = self._split(causal_conv(self.conv1d, window[None], n)[0])
         dt = F.softplus(dt + self.dt_bias.to(dt.dtype))
         dt = torch.clamp(dt, *d.dt_limit).float()  # [n, H]
         a = -torch.exp(self.A_log.float())
@@ -266,7 +267,7 @@ class Mamba2Mixer(nn.Module):
         d = self.dims
         window = torch.cat([conv_state[slots].to(xbc.dtype), xbc[:, :, None]], dim=2)
         conv_state[slots] = window[:, :, 1:]
-        x, b, c = self._split(self._conv(window, 1)[:, 0])  # [B, H, P], [B, H, N]
+        x, b, c = self._split(causal_conv(self.conv1d, window, 1)[:, 0])  # [B, H, P], [B, H, N]
         dt = F.softplus(dt + self.dt_bias.to(dt.dtype))[:, :, None]  # [B, H, 1], model dtype
         decay = torch.exp(dt.float() * -torch.exp(self.A_log.float())[:, None])  # [B, H, 1]
         s = ssm_state[slots] * decay[..., None] + ((dt * b)[:, :, None, :] * x[..., None])

@@ -78,18 +78,23 @@ class BambaModel(LlamaModel):
         return {"default": params}
 
 
+# the attribute of a layer's linear-attention mixer (Mamba2, Gated DeltaNet), by family
+STATE_MIXERS = ("mamba", "linear_attn")
+
+
 class HybridCausalLM(LlamaForCausalLM):
-    """A decoder whose layers each keep a Mamba2 state (``layer.mamba``), attention pages
-    (``layer.self_attn``) or nothing (an MLP-only layer): the hybrids' cache specs and attention
-    layers, read off the layers."""
+    """A decoder whose layers each keep a recurrent state (a linear-attention mixer, one of
+    ``STATE_MIXERS``), attention pages (``layer.self_attn``) or nothing (an MLP-only layer): the
+    hybrids' cache specs and attention layers, read off the layers."""
 
     def kv_cache_specs(self) -> list[Optional[CacheSpec]]:
         dtype = str(self.model.norm.weight.dtype).replace("torch.", "")
         specs: list[Optional[CacheSpec]] = []
         for layer in self.model.own_layers:
-            mamba, attn = getattr(layer, "mamba", None), getattr(layer, "self_attn", None)
-            if mamba is not None:
-                specs.append(mamba.state_spec(dtype))
+            mixer = next((getattr(layer, a) for a in STATE_MIXERS if hasattr(layer, a)), None)
+            attn = getattr(layer, "self_attn", None)
+            if mixer is not None:
+                specs.append(mixer.state_spec(dtype))
             elif attn is not None:
                 specs.append(FullAttention(attn.num_kv_heads, attn.head_dim))
             else:

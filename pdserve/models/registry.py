@@ -23,6 +23,7 @@ _MODELS = {
     "Glm4MoeForCausalLM": ("pdserve.models.glm", "Glm4MoeForCausalLM"),
     "BambaForCausalLM": ("pdserve.models.bamba", "BambaForCausalLM"),
     "NemotronHForCausalLM": ("pdserve.models.nemotron_h", "NemotronHForCausalLM"),
+    "Qwen3NextForCausalLM": ("pdserve.models.qwen3_next", "Qwen3NextForCausalLM"),
     "GraniteMoeHybridForCausalLM": (
         "pdserve.models.granite_hybrid",
         "GraniteMoeHybridForCausalLM",

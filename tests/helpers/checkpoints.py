@@ -326,12 +326,42 @@ ARCHS = {
             mamba_chunk_size=8,
         ),
     ),
+    # Gated DeltaNet layers 0, 1, 3 (2 key heads of 16, 4 value heads of 16), gated attention at
+    # layer 2; sparse layers 0, 2, 3 (8 experts, top 2, a gated shared expert), layer 1 dense
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            layer_types=[
+                "linear_attention",
+                "linear_attention",
+                "full_attention",
+                "linear_attention",
+            ],
+            head_dim=16,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_conv_kernel_dim=4,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+            rope_parameters=dict(
+                rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25
+            ),
+        ),
+    ),
 }
 # MoE router weights scaled up: decisive routing (no near-ties between experts), many experts hit
 _ROUTER_SCALE = 8.0
 _ROUTER_SUFFIXES = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")
 # archs whose norm weights are offsets from 1 (drawn from N(0, 0.2) instead of HF's zeros)
-_NORM_OFFSETS = ("gemma2", "gemma3")
+_NORM_OFFSETS = ("gemma2", "gemma3", "qwen3_next")
 
 # Named variants used across tests.
 LLAMA_MQA_TIED = dict(
