@@ -6,7 +6,9 @@ than several chunks, across TP sizes (P tp1 -> D tp2, P tp2 -> D tp1: each state
 along its own axis, the convolution's x | B | C per segment); the bytes a request moves are the pages' plus the fixed-size state; pools
 and state slots are free afterwards, also after a request whose decode side was aborted; a decode
 whose state shapes differ is refused, naming both; pdserve's router and the real sglang-router
-serve the same tokens."""
+serve the same tokens. Qwen3-Next (Gated DeltaNet: a convolution state of q | k | v segments and
+a recurrent state per value head) goes from one rank to two and from two to one with HF's
+tokens."""
 
 from __future__ import annotations
 
@@ -177,3 +179,57 @@ def test_hybrid_pd_behind_a_router(hybrid_pd, router, tmp_path):
         stop()
     P.wait_idle()
     all_ranks_idle(D)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_pd(tmp_path_factory):
+    """Qwen3-Next (Gated DeltaNet with a q | k | v convolution state, gated attention, MoE) on
+    one and two ranks each side."""
+    logs = tmp_path_factory.mktemp("pd-qwen3-next")
+    path = build_tiny_checkpoint("qwen3_next")
+    s = {
+        "path": path,
+        "P": c.prefill("P", path, logs, *COMMON)[0],
+        "D": c.decode("D", path, logs, *COMMON),
+        "Ptp2": c.prefill("Ptp2", path, logs, *COMMON, "--tp-size", "2")[0],
+        "Dtp2": c.decode("Dtp2", path, logs, *COMMON, "--tp-size", "2"),
+    }
+    procs = [p for p in s.values() if isinstance(p, c.Proc)]
+    try:
+        c.start_all(procs)
+        yield s
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+QWEN3_NEXT_PAIRS = [("tp1->tp2", "P", "Dtp2"), ("tp2->tp1", "Ptp2", "D")]
+
+
+@pytest.mark.parametrize("name, p, d", QWEN3_NEXT_PAIRS, ids=[x[0] for x in QWEN3_NEXT_PAIRS])
+def test_qwen3_next_pd_across_tp_sizes_gives_hf_tokens(qwen3_next_pd, name, p, d):
+    """Each rank's key heads' q, k and v channels of the convolution state and its value heads'
+    recurrent state reach the decode ranks that hold them: HF's greedy tokens (float32)."""
+    from tests.e2e.test_engine_moe import hf_reference
+
+    P, D = qwen3_next_pd[p], qwen3_next_pd[d]
+    info = P.http.get("/server_info").json()["scheduler_info"]
+    state = info["cache_groups"][1]
+    assert state["kind"] == "recurrent_state" and state["layers"] == [0, 1, 3]
+    rng = random.Random(37)
+    for n in (3, 25, 70):
+        ids = [rng.randrange(100, 40000) for _ in range(n)]
+        rp, rd = pd(P, D, ids)
+        assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+        want, _ = hf_reference(qwen3_next_pd["path"], ids, NEW_TOKENS)
+        assert rd.json()["output_ids"] == want, f"{name}: prompt of {n} tokens"
+        if p == "P":  # the whole request's bytes: its pages and one state of each GDN layer
+            last = P.http.get("/server_info").json()["internal_states"][0]["recent_transfers"][-1]
+            assert last["kv_bytes"] == info["kv_bytes_per_token"] * -(-n // PAGE) * PAGE + (
+                state_bytes(state)
+            ), (n, last)
+    for proc in (P, D):
+        if proc.http.get("/server_info").json()["tp_size"] > 1:
+            all_ranks_idle(proc)
+        else:
+            proc.wait_idle()
