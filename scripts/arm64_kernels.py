@@ -82,6 +82,7 @@ TESTS = (
     "tests/unit/test_attention_sinks.py",
     "tests/unit/test_kernel_threads.py",
     "tests/unit/test_mla_kernel.py",
+    "tests/unit/test_linear_attention_kernels.py",
 )
 # not kernel tests, and they need transformers (not in the arm64 userland)
 DESELECT = (

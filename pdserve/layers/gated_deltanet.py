@@ -27,7 +27,8 @@ requests. Both follow HF's ``torch_chunk_gated_delta_rule`` and ``torch_recurren
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from types import ModuleType
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +38,7 @@ from pdserve.distributed import SINGLE, TPGroup
 from pdserve.forward_batch import ForwardBatch
 from pdserve.kv_spec import RecurrentState
 from pdserve.layers.linear import Linear, RowParallelLinear
-from pdserve.layers.mamba2 import DepthwiseConv, causal_conv
+from pdserve.layers.mamba2 import DepthwiseConv, causal_conv, step_kernel_runs
 
 STATE_KIND = RecurrentState.kind
 
@@ -134,6 +135,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(d.value_heads))
         self.norm = GatedHeadRMSNorm(d.value_dim, d.eps)
         self.out_proj = RowParallelLinear(d.values, d.hidden, bias=False, tp=tp)
+        self.ops: Optional[ModuleType] = None  # pdserve's CPU kernels: the decode step's kernel
 
     def state_spec(self, conv_dtype: str) -> RecurrentState:
         return self.dims.state_spec(conv_dtype, self.tp.size)
@@ -246,7 +248,16 @@ class GatedDeltaNet(nn.Module):
         return o.transpose(0, 1).to(qkv.dtype)
 
     def _step(self, qkv, g, beta, conv_state, rec_state, slots) -> torch.Tensor:
-        """One new token of each of several requests (decode): o [B, Hv, dv], model dtype."""
+        """One new token of each of several requests (decode): o [B, Hv, dv], model dtype. With
+        pdserve's CPU kernels, one kernel updates the states in place at ``slots`` (the torch code
+        below is its reference)."""
+        if step_kernel_runs(self.ops, qkv, conv_state):
+            d = self.dims
+            out = torch.empty((qkv.shape[0], d.value_heads, d.value_dim), dtype=qkv.dtype)
+            self.ops.gated_delta_decode_step(
+                out, qkv, g, beta, conv_state, rec_state, slots, self.conv1d.weight, d.key_heads
+            )
+            return out
         window = torch.cat([conv_state[slots].to(qkv.dtype), qkv[:, :, None]], dim=2)
         conv_state[slots] = window[:, :, 1:]
         q, k, v = self._qkv(causal_conv(self.conv1d, window, 1)[:, 0])  # [B, Hv, ..]

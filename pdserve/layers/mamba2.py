@@ -23,7 +23,8 @@ matrix product inside the block and a recurrence across blocks. A single new tok
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from types import ModuleType
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -141,6 +142,7 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.empty(d.heads))
         self.norm = GatedGroupRMSNorm(d.inner, d.groups, d.eps)
         self.out_proj = RowParallelLinear(d.inner, d.hidden, bias=d.proj_bias, tp=tp)
+        self.ops: Optional[ModuleType] = None  # pdserve's CPU kernels: the decode step's kernel
 
     def state_spec(self, conv_dtype: str) -> RecurrentState:
         return self.dims.state_spec(conv_dtype, self.tp.size)
@@ -263,8 +265,17 @@ class Mamba2Mixer(nn.Module):
         ssm_state: torch.Tensor,
         slots: torch.Tensor,
     ) -> torch.Tensor:
-        """One new token of each of several requests (decode): [B, I] in the model's dtype."""
+        """One new token of each of several requests (decode): [B, I] in the model's dtype. With
+        pdserve's CPU kernels, one kernel updates the states in place at ``slots`` (rounding where
+        the torch code below, its reference, rounds)."""
         d = self.dims
+        if step_kernel_runs(self.ops, xbc, conv_state):
+            out = torch.empty((xbc.shape[0], d.inner), dtype=xbc.dtype)
+            weights = (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D)
+            self.ops.mamba2_decode_step(
+                out, xbc, dt, conv_state, ssm_state, slots, *weights, d.groups
+            )
+            return out
         window = torch.cat([conv_state[slots].to(xbc.dtype), xbc[:, :, None]], dim=2)
         conv_state[slots] = window[:, :, 1:]
         x, b, c = self._split(causal_conv(self.conv1d, window, 1)[:, 0])  # [B, H, P], [B, H, N]
@@ -275,6 +286,18 @@ class Mamba2Mixer(nn.Module):
         y = torch.einsum("bhpn,bhn->bhp", s.to(c.dtype), c)
         y = y + x * self.D.to(x.dtype)[:, None]
         return y.reshape(y.shape[0], d.inner).to(xbc.dtype)
+
+
+def step_kernel_runs(ops: Optional[ModuleType], x: torch.Tensor, conv_state: torch.Tensor) -> bool:
+    """Whether a decode step on ``x`` (the new tokens' convolution input) runs in pdserve's CPU
+    kernel (``ops``: None without them): on CPU, float32 or bf16, the convolution window in x's
+    dtype."""
+    return (
+        ops is not None
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and conv_state.dtype == x.dtype
+    )
 
 
 def _scan_block(

@@ -33,6 +33,13 @@ void moe_experts_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& ids
                       const at::Tensor& w2, const at::Tensor& w2_colsum, const at::Tensor& w2_scale,
                       c10::optional<at::Tensor> b13, c10::optional<at::Tensor> b2, const std::string& activation,
                       double alpha, double limit);
+void mamba2_decode_step(at::Tensor out, const at::Tensor& xbc, const at::Tensor& dt, at::Tensor conv_state,
+                        at::Tensor ssm_state, const at::Tensor& slots, const at::Tensor& conv_weight,
+                        const c10::optional<at::Tensor>& conv_bias, const at::Tensor& dt_bias,
+                        const at::Tensor& A_log, const at::Tensor& D, int64_t groups);
+void gated_delta_decode_step(at::Tensor out, const at::Tensor& qkv, const at::Tensor& g, const at::Tensor& beta,
+                             at::Tensor conv_state, at::Tensor rec_state, const at::Tensor& slots,
+                             const at::Tensor& conv_weight, int64_t key_heads);
 void moe_pack_experts(at::Tensor out, const at::Tensor& w, const at::Tensor& rows);
 void bind_decode_model(pybind11::module& m);
 void bind_amx(pybind11::module& m);
@@ -92,5 +99,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_experts_bf16", &pds::moe_experts_bf16,
         "fused MoE experts (gate/up, activation, down, weighted sum over slots), bf16 weights packed per expert");
   m.def("moe_experts_w8a8", &pds::moe_experts_w8a8, "fused MoE experts with w8a8_int8 weights and activations");
+  m.def("mamba2_decode_step", &pds::mamba2_decode_step,
+        "Mamba2's decode step: convolution, SiLU and the SSM update of each request's state in place at its slot",
+        py::arg("out"), py::arg("xbc"), py::arg("dt"), py::arg("conv_state"), py::arg("ssm_state"), py::arg("slots"),
+        py::arg("conv_weight"), py::arg("conv_bias"), py::arg("dt_bias"), py::arg("A_log"), py::arg("D"),
+        py::arg("groups"));
+  m.def("gated_delta_decode_step", &pds::gated_delta_decode_step,
+        "Gated DeltaNet's decode step: convolution, SiLU, L2 norms and the delta rule on each request's state in "
+        "place at its slot",
+        py::arg("out"), py::arg("qkv"), py::arg("g"), py::arg("beta"), py::arg("conv_state"), py::arg("rec_state"),
+        py::arg("slots"), py::arg("conv_weight"), py::arg("key_heads"));
   m.def("moe_pack_experts", &pds::moe_pack_experts, "lay out [E, N, K] expert weights in the fused MoE kernel's panels");
 }

@@ -1,0 +1,186 @@
+// The decode step of the linear-attention mixers on AVX-512: linear_attention.cpp's contract and
+// rounding, 16 lanes (masked at the tails) over channels or over the state's inner dimension.
+#include "common.h"
+#include "linear_attention.h"
+
+#include <algorithm>
+
+#if PDS_X86
+namespace pds {
+namespace {
+
+template <typename T>
+PDS_AVX512 inline __m512 round16(__m512 v);
+template <>
+PDS_AVX512 inline __m512 round16<float>(__m512 v) { return v; }
+template <>
+PDS_AVX512 inline __m512 round16<uint16_t>(__m512 v) { return bf16x16_to_f32(f32x16_to_bf16(v)); }
+
+template <typename T>
+PDS_AVX512 void conv_avx512(const ConvStepArgs& a, int64_t b, int64_t c0, int64_t c1) {
+  const int64_t K = a.K, K1 = K - 1;
+  const T* x = static_cast<const T*>(a.x) + b * a.x_stride;
+  T* state = static_cast<T*>(a.state) + a.slots[b] * a.C * K1;
+  const T* w = static_cast<const T*>(a.weight);
+  const T* bias = static_cast<const T*>(a.bias);
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t c = c0; c < c1; c += 16) {
+    const int64_t n = std::min<int64_t>(16, c1 - c);
+    const __mmask16 mk = tail_mask(n);
+    alignas(64) float tap[kConvMaxTaps][16], wt[kConvMaxTaps][16];
+    if (n < 16) {  // lanes past the last channel: computed, not stored
+      std::memset(tap, 0, sizeof(tap));
+      std::memset(wt, 0, sizeof(wt));
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      T* s = state + (c + i) * K1;
+      const T* wc = w + (c + i) * K;
+      for (int64_t k = 0; k < K1; ++k) tap[k][i] = load_f32(s + k);
+      tap[K1][i] = load_f32(x + c + i);
+      for (int64_t k = 0; k < K; ++k) wt[k][i] = load_f32(wc + k);
+      for (int64_t k = 0; k + 1 < K1; ++k) s[k] = s[k + 1];
+      s[K1 - 1] = x[c + i];
+    }
+    __m512 acc = _mm512_mul_ps(_mm512_load_ps(tap[0]), _mm512_load_ps(wt[0]));
+    for (int64_t k = 1; k < K; ++k) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_load_ps(tap[k]), _mm512_load_ps(wt[k])));
+    if (bias) acc = _mm512_add_ps(acc, load16(bias + c, mk));
+    acc = round16<T>(acc);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), acc));
+    _mm512_mask_storeu_ps(a.out + b * a.C + c, mk, round16<T>(_mm512_div_ps(acc, _mm512_add_ps(one, e))));
+  }
+}
+
+template <typename T>
+PDS_AVX512 void mamba2_avx512(const Mamba2StepArgs& a, int64_t b, int64_t h) {
+  const int64_t P = a.P, N = a.N;
+  const float* row = a.xbc + b * a.C;
+  const float* x = row + h * P;
+  const float* bv = row + a.H * P + (h / (a.H / a.G)) * N;
+  const float* cv = bv + a.G * N;
+  float* S = a.state + (a.slots[b] * a.H + h) * P * N;
+  T* out = static_cast<T*>(a.out) + (b * a.H + h) * P;
+  alignas(64) float db[kMamba2MaxState];  // round(dt B)
+  const __m512 dt = _mm512_set1_ps(a.dt[b * a.H + h]), decay = _mm512_set1_ps(a.decay[b * a.H + h]);
+  for (int64_t n = 0; n < N; n += 16) {
+    const __mmask16 mk = tail_mask(N - n);
+    _mm512_mask_storeu_ps(db + n, mk, round16<T>(_mm512_mul_ps(dt, _mm512_maskz_loadu_ps(mk, bv + n))));
+  }
+  for (int64_t p = 0; p < P; ++p) {
+    float* s = S + p * N;
+    const __m512 xp = _mm512_set1_ps(x[p]);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t n = 0; n < N; n += 16) {
+      const __mmask16 mk = tail_mask(N - n);
+      const __m512 u = round16<T>(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, db + n), xp));
+      const __m512 sn = _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, s + n), decay), u);
+      _mm512_mask_storeu_ps(s + n, mk, sn);
+      acc = _mm512_fmadd_ps(round16<T>(sn), _mm512_maskz_loadu_ps(mk, cv + n), acc);
+    }
+    const float y = round_to<T>(_mm512_reduce_add_ps(acc));
+    store_f32(out + p, y + round_to<T>(x[p] * a.d[h]));
+  }
+}
+
+PDS_AVX512 void l2_normalise_avx512(const float* v, int64_t n, float scale, bool scaled, float* out) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 t = _mm512_maskz_loadu_ps(tail_mask(n - i), v + i);
+    ss = _mm512_fmadd_ps(t, t, ss);
+  }
+  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) + 1e-6f));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mk = tail_mask(n - i);
+    __m512 t = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, v + i), r);
+    if (scaled) t = _mm512_mul_ps(t, _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(out + i, mk, t);
+  }
+}
+
+// J vectors of columns of a head's state from column c (the last vector masked by `last`)
+template <int J>
+PDS_AVX512 inline void delta_columns_avx512(float* S, int64_t dk, int64_t dv, __mmask16 last, const float* q,
+                                            const float* k, const float* v, float decay, float beta, float* o) {
+  const __m512 g = _mm512_set1_ps(decay);
+  __m512 acc[J], delta[J];
+  __mmask16 mk[J];
+  for (int j = 0; j < J; ++j) {
+    acc[j] = _mm512_setzero_ps();
+    mk[j] = j + 1 < J ? __mmask16(0xffff) : last;
+  }
+  for (int64_t r = 0; r < dk; ++r) {
+    const __m512 kr = _mm512_set1_ps(k[r]);
+    for (int j = 0; j < J; ++j)
+      acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk[j], S + r * dv + 16 * j), g), kr, acc[j]);
+  }
+  for (int j = 0; j < J; ++j) {
+    delta[j] = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk[j], v + 16 * j), acc[j]), _mm512_set1_ps(beta));
+    acc[j] = _mm512_setzero_ps();
+  }
+  for (int64_t r = 0; r < dk; ++r) {
+    const __m512 kr = _mm512_set1_ps(k[r]), qr = _mm512_set1_ps(q[r]);
+    float* s = S + r * dv;
+    for (int j = 0; j < J; ++j) {
+      const __m512 t =
+          _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk[j], s + 16 * j), g), _mm512_mul_ps(kr, delta[j]));
+      _mm512_mask_storeu_ps(s + 16 * j, mk[j], t);
+      acc[j] = _mm512_fmadd_ps(t, qr, acc[j]);
+    }
+  }
+  for (int j = 0; j < J; ++j) _mm512_mask_storeu_ps(o + 16 * j, mk[j], acc[j]);
+}
+
+template <typename T>
+PDS_AVX512 void delta_avx512(const DeltaStepArgs& a, int64_t b, int64_t h) {
+  const int64_t dk = a.dk, dv = a.dv, hk = h / (a.Hv / a.G);
+  const float* row = a.qkv + b * a.C;
+  alignas(64) float q[kDeltaMaxKeyDim], k[kDeltaMaxKeyDim], o[64];
+  l2_normalise_avx512(row + hk * dk, dk, a.scale, true, q);
+  l2_normalise_avx512(row + (a.G + hk) * dk, dk, 1.f, false, k);
+  const float* v = row + 2 * a.G * dk + h * dv;
+  float* S = a.state + (a.slots[b] * a.Hv + h) * dk * dv;
+  T* out = static_cast<T*>(a.out) + (b * a.Hv + h) * dv;
+  const float decay = a.decay[b * a.Hv + h], beta = a.beta[b * a.Hv + h];
+  for (int64_t c = 0; c < dv; c += 64) {  // 4 vectors of columns: their S^T k, delta and o in registers
+    const int64_t n = std::min<int64_t>(64, dv - c);
+    const int J = int((n + 15) / 16);
+    const __mmask16 last = tail_mask(n - 16 * (J - 1));
+    if (J == 4)
+      delta_columns_avx512<4>(S + c, dk, dv, last, q, k, v + c, decay, beta, o);
+    else if (J == 3)
+      delta_columns_avx512<3>(S + c, dk, dv, last, q, k, v + c, decay, beta, o);
+    else if (J == 2)
+      delta_columns_avx512<2>(S + c, dk, dv, last, q, k, v + c, decay, beta, o);
+    else
+      delta_columns_avx512<1>(S + c, dk, dv, last, q, k, v + c, decay, beta, o);
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 mk = tail_mask(n - i);
+      store16(out + c + i, _mm512_maskz_loadu_ps(mk, o + i), mk);
+    }
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void conv_step_avx512(const ConvStepArgs& a, int64_t b, int64_t c0, int64_t c1) {
+  conv_avx512<T>(a, b, c0, c1);
+}
+template <typename T>
+void mamba2_heads_avx512(const Mamba2StepArgs& a, int64_t task0, int64_t task1) {
+  for (int64_t t = task0; t < task1; ++t) mamba2_avx512<T>(a, t / a.H, t % a.H);
+}
+template <typename T>
+void delta_heads_avx512(const DeltaStepArgs& a, int64_t task0, int64_t task1) {
+  for (int64_t t = task0; t < task1; ++t) delta_avx512<T>(a, t / a.Hv, t % a.Hv);
+}
+
+#define PDS_INSTANTIATE(T)                                                           \
+  template void conv_step_avx512<T>(const ConvStepArgs&, int64_t, int64_t, int64_t); \
+  template void mamba2_heads_avx512<T>(const Mamba2StepArgs&, int64_t, int64_t);     \
+  template void delta_heads_avx512<T>(const DeltaStepArgs&, int64_t, int64_t);
+PDS_INSTANTIATE(float)
+PDS_INSTANTIATE(uint16_t)
+#undef PDS_INSTANTIATE
+
+}  // namespace pds
+#endif

@@ -1,0 +1,235 @@
+"""The decode step of the linear-attention mixers in pdserve's CPU kernels against their torch code
+(``Mamba2Mixer._step``, ``GatedDeltaNet._step``), at every instruction-set tier this CPU has: the
+outputs of several steps in a row and the states they leave in the pool, float32 to 2e-6 of the
+largest value and bf16 within a few bf16 ulps (the kernels round where torch rounds; only float32
+sums differ in order). Slots in the pool out of order; the slots of other requests are left as they were.
+
+The kernels must build here (scripts/install.sh installs g++ and ninja): a test that cannot load
+them fails with the reason instead of skipping.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve import kernels
+from pdserve.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetDims
+from pdserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer
+
+torch.set_num_threads(1)
+
+NUM_SLOTS = 5
+STEPS = 4
+SLOTS = {1: [2], 3: [2, 0, 3]}  # per batch size: each request's slot, out of order
+
+
+@pytest.fixture(scope="module")
+def ops():
+    mod = kernels.load()
+    assert mod is not None, f"CPU kernels did not build: {kernels.unavailable_reason()}"
+    return mod
+
+
+def mamba2(heads, head_dim, groups, state, dtype, seed) -> Mamba2Mixer:
+    torch.manual_seed(seed)
+    dims = Mamba2Dims(
+        hidden=32, heads=heads, head_dim=head_dim, groups=groups, state=state,
+        conv_kernel=4, chunk_size=8, eps=1e-5,
+    )  # fmt: skip
+    m = Mamba2Mixer(dims, kv_layer=0)
+    with torch.no_grad():
+        m.conv1d.weight.normal_(0, 0.5)
+        m.conv1d.bias.normal_(0, 0.2)
+        m.dt_bias.normal_(0, 1)
+        m.A_log.copy_(torch.empty(heads).uniform_(0, 2.5))
+        m.D.normal_(0, 1)
+    return m.to(dtype)
+
+
+def gated_deltanet(key_heads, value_heads, key_dim, value_dim, dtype, seed) -> GatedDeltaNet:
+    torch.manual_seed(seed)
+    dims = GatedDeltaNetDims(
+        hidden=32, key_heads=key_heads, value_heads=value_heads, key_dim=key_dim,
+        value_dim=value_dim, conv_kernel=4, eps=1e-6,
+    )  # fmt: skip
+    m = GatedDeltaNet(dims, kv_layer=0)
+    with torch.no_grad():
+        m.conv1d.weight.normal_(0, 0.5)
+    return m.to(dtype)
+
+
+def ulps(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """|got - ref| in units of the bf16 spacing at |ref| (at the smallest normal spacing near 0)."""
+    ref = ref.float()
+    spacing = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(2**-100))) - 7)
+    return (got.float() - ref).abs() / spacing
+
+
+def assert_close(got, ref, dtype, what):
+    if dtype == torch.float32:
+        scale = ref.abs().max().item()
+        err = (got - ref).abs().max().item()
+        assert err <= 2e-6 * scale, f"{what}: max abs error {err} at scale {scale}"
+        return
+    # bf16: a float32 sum in another order may round to the neighbouring bf16 value (measured: 0 to
+    # 4 in 10,000 values, by one spacing)
+    off = ulps(got, ref)
+    assert (off > 0).float().mean().item() < 0.01, f"{what}: {(off > 0).sum()} of {off.numel()}"
+    assert off.max().item() <= 4, f"{what}: {off.max().item()} ulps"
+
+
+class CountingOps:
+    """``ops`` that count the kernel calls made through them."""
+
+    def __init__(self, ops):
+        self.ops, self.calls = ops, 0
+
+    def __getattr__(self, name):
+        fn = getattr(self.ops, name)
+
+        def call(*args):
+            self.calls += 1
+            return fn(*args)
+
+        return call
+
+
+def run_steps(mixer, ops, inputs, states, slots):
+    """The outputs of the steps (``inputs``: one argument tuple per step) run with ``ops`` (None:
+    torch), from copies of ``states``; and those copies afterwards."""
+    states = [s.clone() for s in states]
+    mixer.ops = None if ops is None else CountingOps(ops)
+    outs = [mixer._step(*step, *states, slots).clone() for step in inputs]
+    assert ops is None or mixer.ops.calls == len(inputs), "the kernel did not run every step"
+    return outs, states
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("heads,head_dim,groups,state", [(4, 16, 2, 24), (6, 40, 1, 101)])
+def test_mamba2_step_matches_torch(ops, isa, dtype, batch, heads, head_dim, groups, state):
+    m = mamba2(heads, head_dim, groups, state, dtype, seed=batch + state)
+    d = m.dims
+    gen = torch.Generator().manual_seed(7)
+    conv = torch.randn(NUM_SLOTS, d.conv_dim, d.conv_kernel - 1, generator=gen).to(dtype)
+    ssm = torch.randn(NUM_SLOTS, d.heads, d.head_dim, d.state, generator=gen)
+    inputs = [
+        (
+            torch.randn(batch, d.conv_dim, generator=gen).to(dtype),
+            (torch.randn(batch, d.heads, generator=gen) * 2).to(dtype),
+        )
+        for _ in range(STEPS)
+    ]
+    slots = torch.tensor(SLOTS[batch])
+    with torch.no_grad():
+        ref, ref_state = run_steps(m, None, inputs, (conv, ssm), slots)
+        got, got_state = run_steps(m, ops, inputs, (conv, ssm), slots)
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert a.dtype == dtype and a.shape == (batch, d.inner)
+        assert_close(a, b, dtype, f"y of step {i}")
+    assert torch.equal(got_state[0], ref_state[0]), "the convolution windows"
+    assert_close(got_state[1], ref_state[1], torch.float32, "the SSM state")
+    others = [s for s in range(NUM_SLOTS) if s not in SLOTS[batch]]
+    assert torch.equal(got_state[1][others], ssm[others])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize(
+    "key_heads,value_heads,key_dim,value_dim", [(2, 4, 16, 24), (1, 3, 20, 70)]
+)
+def test_gated_delta_step_matches_torch(
+    ops, isa, dtype, batch, key_heads, value_heads, key_dim, value_dim
+):
+    m = gated_deltanet(key_heads, value_heads, key_dim, value_dim, dtype, seed=batch + key_dim)
+    d = m.dims
+    gen = torch.Generator().manual_seed(11)
+    conv = torch.randn(NUM_SLOTS, d.conv_dim, d.conv_kernel - 1, generator=gen).to(dtype)
+    rec = torch.randn(NUM_SLOTS, d.value_heads, d.key_dim, d.value_dim, generator=gen) * 0.3
+    inputs = [
+        (
+            torch.randn(batch, d.conv_dim, generator=gen).to(dtype),
+            -torch.rand(batch, d.value_heads, generator=gen) * 2,  # g: the log of the decay
+            torch.rand(batch, d.value_heads, generator=gen),  # beta
+        )
+        for _ in range(STEPS)
+    ]
+    slots = torch.tensor(SLOTS[batch])
+    with torch.no_grad():
+        ref, ref_state = run_steps(m, None, inputs, (conv, rec), slots)
+        got, got_state = run_steps(m, ops, inputs, (conv, rec), slots)
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert a.dtype == dtype and a.shape == (batch, d.value_heads, d.value_dim)
+        assert_close(a, b, dtype, f"o of step {i}")
+    assert torch.equal(got_state[0], ref_state[0]), "the convolution windows"
+    assert_close(got_state[1], ref_state[1], torch.float32, "the recurrent state")
+    others = [s for s in range(NUM_SLOTS) if s not in SLOTS[batch]]
+    assert torch.equal(got_state[1][others], rec[others])
+
+
+def test_steps_are_the_same_on_one_and_two_threads(ops):
+    """Each (request, head) is one task: 2 threads give the bits of 1."""
+    m, g = mamba2(4, 16, 2, 24, torch.bfloat16, 0), gated_deltanet(2, 4, 16, 24, torch.bfloat16, 0)
+    gen = torch.Generator().manual_seed(3)
+    cases = [
+        (m, (torch.randn(3, m.dims.conv_dim, generator=gen).to(torch.bfloat16),
+             torch.randn(3, 4, generator=gen).to(torch.bfloat16)),
+         (torch.randn(NUM_SLOTS, m.dims.conv_dim, 3).to(torch.bfloat16),
+          torch.randn(NUM_SLOTS, 4, 16, 24))),
+        (g, (torch.randn(3, g.dims.conv_dim, generator=gen).to(torch.bfloat16),
+             -torch.rand(3, 4, generator=gen), torch.rand(3, 4, generator=gen)),
+         (torch.randn(NUM_SLOTS, g.dims.conv_dim, 3).to(torch.bfloat16),
+          torch.randn(NUM_SLOTS, 4, 16, 24))),
+    ]  # fmt: skip
+    before = torch.get_num_threads()
+    try:
+        for mixer, step, states in cases:
+            results = []
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                with torch.no_grad():
+                    outs, after = run_steps(mixer, ops, [step], states, torch.tensor([2, 0, 3]))
+                results.append((outs[0], *after))
+            for a, b in zip(*results):
+                assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_bad_arguments_are_refused(ops):
+    m = mamba2(4, 16, 2, 24, torch.float32, 0)
+    d = m.dims
+    conv = torch.zeros(NUM_SLOTS, d.conv_dim, 3)
+    ssm = torch.zeros(NUM_SLOTS, 4, 16, 24)
+    xbc, dt = torch.randn(2, d.conv_dim), torch.randn(2, 4)
+    out = torch.empty(2, d.inner)
+    w = (m.conv1d.weight, m.conv1d.bias, m.dt_bias, m.A_log, m.D)
+
+    def step(slots, conv=conv, ssm=ssm, groups=2):
+        ops.mamba2_decode_step(out, xbc, dt, conv, ssm, slots, *w, groups)
+
+    with pytest.raises(RuntimeError, match="the same slot"):
+        step(torch.tensor([1, 1]))
+    with pytest.raises(RuntimeError, match=r"slot 5 is not in the pool's \[0, 5\)"):
+        step(torch.tensor([0, 5]))
+    with pytest.raises(RuntimeError, match="must have the input's dtype"):
+        step(torch.tensor([0, 1]), conv=conv.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="float32"):
+        step(torch.tensor([0, 1]), ssm=ssm.double())
+    with pytest.raises(RuntimeError, match="are not x | B | C"):
+        step(torch.tensor([0, 1]), groups=1)
+    assert torch.equal(conv, torch.zeros_like(conv)) and torch.equal(ssm, torch.zeros_like(ssm))
+    g = gated_deltanet(2, 4, 16, 24, torch.float32, 0)
+    with pytest.raises(RuntimeError, match="g and beta must be float32"):
+        ops.gated_delta_decode_step(
+            torch.empty(2, 4, 24),
+            torch.randn(2, g.dims.conv_dim),
+            torch.randn(2, 4).double(),
+            torch.rand(2, 4),
+            torch.zeros(NUM_SLOTS, g.dims.conv_dim, 3),
+            torch.zeros(NUM_SLOTS, 4, 16, 24),
+            torch.tensor([0, 1]),
+            g.conv1d.weight,
+            2,
+        )
