@@ -72,9 +72,14 @@ PDS_VI __m128i to_bf16_bits(F8 a) {
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8));
 }
 PDS_VI void store(uint16_t* p, F8 a) { _mm_storeu_si128((__m128i*)p, to_bf16_bits(a)); }
-// a rounded to bf16 and back
+// a rounded to bf16 and back: to_bf16_bits' rounding in the 32-bit lanes, the low half cleared
 PDS_VI F8 round_bf16(F8 a) {
-  return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16_bits(a)), 16))};
+  const __m256i u = _mm256_castps_si256(a.v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+  return {_mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(int(0xffff0000u))))};
 }
 #else
 PDS_VI F8 zero() { return {vdupq_n_f32(0.f), vdupq_n_f32(0.f)}; }
