@@ -244,6 +244,8 @@ class ServerArgs:
             bad("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
         if self.max_running_requests < 1:
             bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
+        # (with the prefix cache a running request takes two: model_runner checks it, after the
+        # role's rules have said whether this server caches prefixes)
         if self.max_mamba_cache_size is not None and (
             self.max_mamba_cache_size < self.max_running_requests
         ):

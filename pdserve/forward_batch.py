@@ -52,6 +52,9 @@ class ForwardBatch:
     # per layer: {cache kind: (group, slot)} of every cache it keeps (a layer may keep several)
     layer_caches: Optional[list[dict]] = None
     anchor: int = 0  # the first paged group (kv_spec.anchor_group)
+    page_size: int = (
+        0  # tokens per page (where a state snapshot is taken: layers/state_snapshots.py)
+    )
 
     @property
     def batch_size(self) -> int:
@@ -101,6 +104,12 @@ class ForwardBatch:
         """The sparse-attention indexer's key cache of stage layer ``layer``: [num_pages, page_size, dim]."""
         group, slot = self._cache(layer, "index_keys")
         return self.groups[group].pool.index_cache(slot)
+
+    def snapshots(self, layer: int, kind: str) -> Optional[torch.Tensor]:
+        """Each request's snapshot slot [B] of stage layer ``layer``'s per-request cache of
+        ``kind`` (0: none), or None when no request keeps one (the prefix cache is off)."""
+        table = self.groups[self._cache(layer, kind)[0]].page_table
+        return table[:, 1] if table.shape[1] > 1 else None
 
     def _cache(self, layer: int, kind: str) -> tuple[int, int]:
         if self.layer_caches is None:

@@ -8,10 +8,14 @@ the group lives in ``KVCacheManager``, so the manager holds no kind checks:
 - ``WindowPolicy``: the same pages, but those the next query cannot see are freed as the sequence
   slides (``CacheSpec.first_live_page``); the tree keeps them with tombstones where a window
   dropped them; in PD they travel once, after the last chunk, from the window's first page.
-- ``StatePolicy``: one slot per request (a recurrent state), taken when the request is admitted
+- ``StatePolicy``: a slot per request (a recurrent state), taken when the request is admitted
   and freed when it ends, budgeted apart from pages; the state is final only after the last
-  chunk, so it travels then. The tree keeps no states: a cached prefix is of no use to a model
-  whose state at the prefix's end is not kept, so such a model computes every prompt whole.
+  chunk, so it travels then. A cached prefix is of use to such a model only with the state at
+  its end, so with the prefix cache on a request holds a second slot, its snapshot, which the
+  mixers overwrite with the state at each page boundary the sequence crosses (``layers/
+  state_snapshots.py``); when the request ends, its pages go into the tree with the snapshot on
+  the last page, and a later prompt hits only up to a page that carries one (the tree's group
+  for this kind holds a slot on such pages, 0 on the others).
 
 A request's items of group g are ``KVSlots.pages[g]``: its page of each logical page for a paged
 group, ``[slot]`` for a per-request group. ``POLICIES`` maps a spec's kind to its policy; a new
@@ -20,7 +24,7 @@ kind names its policy there, as it names its pool in ``kv_pool.POOLS``.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 from pdserve.kv_spec import CacheSpec
 
@@ -33,7 +37,7 @@ class CachePolicy:
     drops_pages: ClassVar[bool] = False  # frees pages as the sequence slides
     sent_with_chunks: ClassVar[bool] = True  # PD: items are final after each chunk's forward
 
-    def __init__(self, spec: CacheSpec, page_size: int):
+    def __init__(self, spec: CacheSpec, page_size: int, prefix_cache: bool = True):
         self.spec = spec
         self.page_size = page_size
 
@@ -68,6 +72,26 @@ class CachePolicy:
         """PD: items prefill sends (and decode preallocates) for that prompt."""
         return self.pages(prompt_len) - self.transfer_start(prompt_len, decode_prefix)
 
+    def sent(self, items: list[int], start: int, end: Optional[int]) -> list[int]:
+        """PD: the items at ``start .. end`` that prefill sends."""
+        return items[start:end]
+
+    def tree_items(self, items: list[int], full: int, kv_len: int, computed_from: int) -> list[int]:
+        """What the prefix tree takes of a request's ``items`` when its first ``full`` pages go
+        in: one id per page (0: none). ``kv_len``: the tokens computed; ``computed_from``: where
+        this server began computing them."""
+        return items[:full]
+
+    def released(self, items: list[int], kept: int, given: list[int]) -> list[int]:
+        """The items a request frees when it ends, the tree having taken ``given``
+        (``tree_items``) and its first ``kept`` logical pages being the tree's."""
+        return self.owned(items, kept)
+
+    def restore_from(self, found: list[int]) -> int:
+        """The item a hit on ``found`` (the tree's ids of the matched pages) restores the
+        request's own item from (0: none; only a state)."""
+        return 0
+
 
 class FullAttentionPolicy(CachePolicy):
     """Every page of the sequence kept (full attention, a latent, an indexer's keys)."""
@@ -87,17 +111,24 @@ class WindowPolicy(CachePolicy):
 
 
 class StatePolicy(CachePolicy):
-    """One slot per request, whatever its length (a recurrent state)."""
+    """A slot per request, whatever its length (a recurrent state), and with ``snapshots`` a
+    second one: the state at the last page boundary the sequence crossed, which the prefix tree
+    takes when the request ends."""
 
     paged: ClassVar[bool] = False
-    cacheable: ClassVar[bool] = False
     sent_with_chunks: ClassVar[bool] = False  # the state changes with every chunk
 
+    def __init__(self, spec: CacheSpec, page_size: int, prefix_cache: bool = True):
+        super().__init__(spec, page_size, prefix_cache)
+        self.snapshots = snapshots = prefix_cache
+        self.cacheable = snapshots  # type: ignore[misc]
+        self.per_request = 2 if snapshots else 1  # the live state (item 0), its snapshot (1)
+
     def need(self, held: int, tokens: int) -> int:
-        return 0 if held else 1
+        return max(0, self.per_request - held)
 
     def peak(self, seq_len: int, chunk: int) -> int:
-        return 1
+        return self.per_request
 
     def owned(self, items: list[int], cached: int) -> list[int]:
         return [p for p in items if p]  # a prefix hit never covers the state: it is the request's
@@ -106,7 +137,25 @@ class StatePolicy(CachePolicy):
         return 0
 
     def transfer_count(self, prompt_len: int, decode_prefix: int) -> int:
-        return 1
+        return 1  # the live state; decode takes its own snapshot slot
+
+    def sent(self, items: list[int], start: int, end: Optional[int]) -> list[int]:
+        return items[:1][start:end]  # the live state, not the snapshot
+
+    def tree_items(self, items: list[int], full: int, kv_len: int, computed_from: int) -> list[int]:
+        out = [0] * full
+        # the snapshot holds the state at the last page boundary crossed since computing began
+        boundary = kv_len // self.page_size
+        if self.snapshots and full and boundary == full and full * self.page_size > computed_from:
+            out[-1] = items[1] if len(items) > 1 else 0
+        return out
+
+    def released(self, items: list[int], kept: int, given: list[int]) -> list[int]:
+        taken = {p for p in given if p}
+        return [p for p in items if p and p not in taken]
+
+    def restore_from(self, found: list[int]) -> int:
+        return found[-1] if found else 0
 
 
 # cache kind (kv_spec.CacheSpec.kind) -> its policy in the manager
@@ -119,11 +168,11 @@ POLICIES: dict[str, type[CachePolicy]] = {
 }
 
 
-def policy_for(spec: CacheSpec, page_size: int) -> CachePolicy:
+def policy_for(spec: CacheSpec, page_size: int, prefix_cache: bool = True) -> CachePolicy:
     cls = POLICIES.get(spec.kind)
     if cls is None:
         raise ValueError(
             f"cache kind {spec.kind!r} has no policy in the KV cache manager "
             f"(policies: {', '.join(sorted(POLICIES))})"
         )
-    return cls(spec, page_size)
+    return cls(spec, page_size, prefix_cache)

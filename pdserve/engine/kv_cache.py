@@ -12,9 +12,12 @@ Cache groups (``kv_spec``): each group has its own pool and allocator, and a req
 items of each group in ``Req.kv`` (a ``KVSlots``). How a group's items behave is its kind's policy
 (``engine/cache_policy.py``): a full-attention group keeps a page per logical page; a
 sliding-window group frees, before each forward, the pages its next query can no longer see; a
-per-request group (a recurrent state) holds one slot from admission to the end. The anchor group,
-the first paged one, counts a request's logical pages and is group 0 of the prefix tree; the tree
-keys the cacheable groups only.
+per-request group (a recurrent state) holds a slot from admission to the end, and with the
+prefix cache on a second one, the snapshot of its state at the last page boundary it crossed,
+which goes into the tree on the last full page when the request ends; a hit restores the live
+slot from the snapshot at the end of the match (``restore``). The anchor group, the first paged
+one, counts a request's logical pages and is group 0 of the prefix tree; the tree keys the
+cacheable groups only.
 
 Only the scheduler loop calls it; not thread-safe.
 """
@@ -39,19 +42,22 @@ class KVCacheManager:
         disable_radix_cache: bool = False,
     ):
         self.groups = groups
-        self.pools = pools
         self.page_size = page_size
         self.specs = [g.spec for g in groups]
         self.allocators = [p.allocator for p in pools]
-        self.policies: list[CachePolicy] = [policy_for(s, page_size) for s in self.specs]
+        self.pools = pools
+        self.policies: list[CachePolicy] = [
+            policy_for(s, page_size, prefix_cache=not disable_radix_cache) for s in self.specs
+        ]
         self.anchor = anchor_group(groups)  # counts a request's logical pages
-        paged = [g for g, p in enumerate(self.policies) if p.paged]
         # the prefix tree keys the cacheable groups (anchor first); a prefix is of no use while a
-        # group cannot keep what a hit needs (a recurrent state), so then it caches nothing
-        self.cached_groups = [g for g in paged if self.policies[g].cacheable]
+        # group cannot keep what a hit needs, so then it caches nothing
+        cacheable = [g for g, p in enumerate(self.policies) if p.cacheable]
+        self.cached_groups = sorted(cacheable, key=lambda g: g != self.anchor)
         self._tree_index = {g: i for i, g in enumerate(self.cached_groups)}
         assert self.cached_groups[0] == self.anchor, "the anchor is the prefix tree's group 0"
         usable = all(p.cacheable for p in self.policies)
+        self.restored = 0  # hits that restored a request's state from a snapshot
         self.tree = RadixCache(
             [self.allocators[g] for g in self.cached_groups],
             page_size,
@@ -153,24 +159,29 @@ class KVCacheManager:
             ids.extend(items)
         return True
 
-    def _match(self, token_ids: list[int], max_pages: int) -> tuple[list[list[int]], object]:
-        """The prefix tree's longest usable prefix, as items per group (none for the groups the
-        tree does not key) and its node."""
+    def _match(
+        self, token_ids: list[int], max_pages: int
+    ) -> tuple[list[list[int]], object, list[int]]:
+        """The prefix tree's longest usable prefix: the pages per paged group (none for the
+        groups the tree does not key), its node, and per group the tree's item a hit restores
+        the request's own from (0: none)."""
         found, node = self.tree.match_groups(token_ids, max_pages=max_pages)
-        return [
-            list(found[self._tree_index[g]]) if g in self._tree_index else []
-            for g in range(self.num_groups)
-        ], node
+        pages, restore = [], []
+        for g, policy in enumerate(self.policies):
+            ids = list(found[self._tree_index[g]]) if g in self._tree_index else []
+            pages.append(ids if policy.paged else [])
+            restore.append(policy.restore_from(ids))
+        return pages, node, restore
 
     def admit(self, req: Req, budget: int, reserve: int, max_pages: int) -> bool:
         """Match ``req``'s prefix (at most ``max_pages`` pages) and take what up to ``budget``
         tokens past it need, keeping ``reserve`` pages of each paged group for running requests.
         False (nothing held) when it does not fit now."""
-        pages, node = self._match(req.all_ids, max_pages)
+        pages, node, restore = self._match(req.all_ids, max_pages)
         self.tree.inc_lock(node)
         cached = len(pages[self.anchor])
         req.kv = KVSlots(pages, cached, node, [0] * self.num_groups, self.anchor)
-        req.kv_len = cached * self.page_size
+        req.kv_len = req.kv.computed_from = cached * self.page_size
         ext = min(req.extend_len, budget)
         needs = self._needs(req.kv, req.kv_len + ext)
         if any(
@@ -179,6 +190,10 @@ class KVCacheManager:
             self.tree.dec_lock(node)
             req.kv, req.kv_len = None, 0
             return False
+        for g, src in enumerate(restore):
+            if src and cached:  # the request continues from the state at the end of the hit
+                self.pools[g].copy_slot(src, req.kv.pages[g][0])
+                self.restored += 1
         return True
 
     def release(self, req: Req) -> None:
@@ -189,12 +204,19 @@ class KVCacheManager:
             return
         full = min(req.kv_len // self.page_size, kv.num_pages)
         kept = 0  # logical pages the tree took, in every cacheable group
+        given: list[list[int]] = [[] for _ in range(self.num_groups)]
         if full > 0 and not self.tree.disable:
             kept = full
-            cached = [kv.pages[g][:full] for g in self.cached_groups]
+            for g in self.cached_groups:
+                given[g] = self.policies[g].tree_items(
+                    kv.pages[g], full, req.kv_len, kv.computed_from
+                )
+            cached = [given[g] for g in self.cached_groups]
             self.tree.insert(req.all_ids[: full * self.page_size], cached[0], cached[1:])
         self.free(
-            self.policies[g].owned(ids, max(kept, kv.cached) if g in self._tree_index else 0)
+            self.policies[g].released(
+                ids, max(kept, kv.cached) if g in self._tree_index else 0, given[g]
+            )
             for g, ids in enumerate(kv.pages)
         )
         if kv.node is not None:
@@ -238,15 +260,20 @@ class KVCacheManager:
         items per group, in logical order from ``transfer_start``; the cached prefix in pages),
         or None (nothing held) when a group lacks room beyond ``reserve`` pages."""
         n = req.prompt_len
-        pages, node = self._match(req.input_ids, (n - 1) // self.page_size)
+        pages, node, _ = self._match(req.input_ids, (n - 1) // self.page_size)
         cached = len(pages[self.anchor])
         node = node if cached else None
         counts = self.transfer_counts(n, cached)
-        if any(self.available(g) < c + self.reserve_of(g, reserve) for g, c in enumerate(counts)):
+        # items of its own beyond what prefill writes (a state's snapshot slot)
+        extra = [0 if p.paged else p.need(c, n) for p, c in zip(self.policies, counts)]
+        if any(
+            self.available(g) < c + x + self.reserve_of(g, reserve)
+            for g, (c, x) in enumerate(zip(counts, extra))
+        ):
             return None
         if node is not None:
             self.tree.inc_lock(node)  # before taking pages: taking may evict
-        got = self._take(counts)
+        got = self._take([c + x for c, x in zip(counts, extra)])
         if got is None:
             if node is not None:
                 self.tree.dec_lock(node)
@@ -261,12 +288,14 @@ class KVCacheManager:
             node,
             [0] * self.num_groups,
             self.anchor,
+            computed_from=n,  # decode computes from the end of the prompt on
         )
-        return got, cached
+        return [new[:c] for new, c in zip(got, counts)], cached
 
     def send_pages(self, req: Req, group: int, start: int, end: Optional[int] = None) -> list[int]:
-        """``req``'s items of ``group`` at ``start .. end`` (logical pages; a slot is item 0)."""
-        return req.kv.pages[group][start:end]
+        """``req``'s items of ``group`` at ``start .. end`` that prefill sends (logical pages; a
+        state's live slot is item 0)."""
+        return self.policies[group].sent(req.kv.pages[group], start, end)
 
     # ---- accounting ----------------------------------------------------------------------------
     def in_use(self, reqs: Iterable[Req]) -> list[int]:

@@ -392,6 +392,11 @@ class StatePool(BaseKVPool):
         [num_slots, *shape]."""
         return self.parts[part][1][layer]
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Slot ``dst`` takes slot ``src``'s state, every part of every layer."""
+        for _, parts in self.parts.values():
+            parts[:, dst].copy_(parts[:, src])
+
     def clear(self, part: str, layer: int, slots: torch.Tensor) -> None:
         """Zero ``slots``' tensor ``part`` of layer ``layer`` (a request's state starts at zero)."""
         self.parts[part][1][layer].index_fill_(0, slots, 0)

@@ -306,7 +306,18 @@ class ModelRunner:
         ]
         if self.routed_spec is not None:  # the routed experts' rows live with this group's pages
             per_page[self.routed_spec.group] += self.routed_spec.bytes_per_page(args.page_size)
-        slots = (args.max_mamba_cache_size or args.max_running_requests) + 1
+        # a running request's state, and with the prefix cache its snapshot (cache_policy.py)
+        per_request = 1 if args.disable_radix_cache else 2
+        slots = (args.max_mamba_cache_size or args.max_running_requests * per_request) + 1
+        if any(g.spec.per_request for g in self.cache_groups) and (
+            slots - 1 < args.max_running_requests * per_request
+        ):
+            raise ValueError(
+                f"max_mamba_cache_size: {slots - 1} state slots cannot hold max_running_requests "
+                f"({args.max_running_requests}) requests and the snapshots of their states that "
+                "the prefix cache keeps (2 slots each); raise it, lower max_running_requests, or "
+                "disable the radix cache"
+            )
         state = [g.spec.per_request for g in self.cache_groups]
         paged = [g.spec for g, st in zip(self.cache_groups, state) if not st]
         mixed = any(not spec.drops_pages for spec in paged)
@@ -361,7 +372,7 @@ class ModelRunner:
         """``page_lists[i][g]``: request i's pages of cache group g (0: not kept)."""
         dev = self.device
         page = self.args.page_size
-        max_pages = max(len(p[self.anchor]) for p in page_lists)
+        max_pages = max(len(ids) for p in page_lists for ids in p)
         token_page: list[int] = []  # logical page of each new token, as row * max_pages + page
         out_offsets: list[int] = []
         for i in range(len(page_lists)):
@@ -388,6 +399,7 @@ class ModelRunner:
             layer_slot=self.layer_slot,
             layer_caches=self.layer_caches,
             anchor=self.anchor,
+            page_size=page,
             out_offsets=torch.tensor(out_offsets, dtype=torch.long, device=dev),
             logits_idx=torch.tensor(logits_idx, dtype=torch.long, device=dev),
             attn_backend=self.attn_backend,

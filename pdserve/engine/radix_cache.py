@@ -11,6 +11,8 @@ tombstone: that group no longer keeps the page (it slid out of a window before t
 cached). A prefix is a hit only up to a page boundary at which every group still holds the pages
 its next query can see (``CacheSpec.first_live_page``): for full attention that is every page,
 for a window the pages of its last ``window`` tokens (vLLM's rule for sliding-window groups).
+A per-request group (a recurrent state) holds a slot only on the pages at whose end the tree
+keeps a snapshot of the state, so a hit ends on such a page (SGLang's Mamba radix cache).
 
 Ownership: a page is either free in the allocator, held by the tree, or held by a running
 request (its "in use" pages, not yet inserted). ``insert`` hands pages to the tree; the tree
@@ -82,6 +84,9 @@ class RadixCache:
         self._windowed = [
             g for g, spec in enumerate(self.specs) if spec is not None and spec.drops_pages
         ]
+        self._stateful = [
+            g for g, spec in enumerate(self.specs) if spec is not None and spec.per_request
+        ]
         self.page_size = page_size
         self.disable = disable
         self.root = self._node((), [], None)
@@ -129,17 +134,18 @@ class RadixCache:
         prefix at whose end every group holds what its next query sees."""
         if self.disable:
             return [[] for _ in range(self.num_groups)], self.root
-        if self._windowed:
+        if self._windowed or self._stateful:
             max_pages = self._usable_pages(token_ids, max_pages)
         return self._walk(token_ids, max_pages)
 
     def _usable_pages(self, token_ids: list[int], max_pages: Optional[int]) -> int:
-        """The longest match (in pages) whose windowed groups are whole at its end."""
+        """The longest match (in pages) whose windowed groups are whole at its end and whose
+        per-request groups keep a snapshot there."""
         ps = self.page_size
         found, _ = self._walk(token_ids, max_pages, split=False)
         k = len(found[0])
         while k > 0:
-            if all(
+            if all(found[g][k - 1] for g in self._stateful) and all(
                 all(found[g][self.specs[g].first_live_page(k * ps, ps) : k]) for g in self._windowed
             ):
                 return k

@@ -206,7 +206,8 @@ class KVSlots:
     ``cached`` logical pages belong to the radix cache (locked through ``node``) in every group
     the tree keys; the rest are owned by the request until it finishes or is retracted.
     ``live_from[g]``: pages before it have been dropped from group g. ``anchor``: the paged group
-    that counts the logical pages (``engine/cache_policy.py``).
+    that counts the logical pages (``engine/cache_policy.py``). A per-request group holds
+    ``[slot]``, or ``[slot, snapshot]`` with the prefix cache on.
     """
 
     pages: list[list[int]]
@@ -214,6 +215,9 @@ class KVSlots:
     node: Any = None
     live_from: list[int] = field(default_factory=list)
     anchor: int = 0
+    # where this server began computing the sequence (a hit's end, decode's prompt length): a
+    # state snapshot taken past it is the sequence's own
+    computed_from: int = 0
 
     @property
     def num_pages(self) -> int:

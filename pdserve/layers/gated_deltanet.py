@@ -37,6 +37,7 @@ from torch import nn
 from pdserve.distributed import SINGLE, TPGroup
 from pdserve.forward_batch import ForwardBatch
 from pdserve.kv_spec import RecurrentState
+from pdserve.layers import state_snapshots as snapshots
 from pdserve.layers.linear import Linear, RowParallelLinear
 from pdserve.layers.mamba2 import DepthwiseConv, causal_conv, step_kernel_runs
 
@@ -192,21 +193,30 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty((t, d.value_heads, d.value_dim), dtype=h.dtype, device=h.device)
         steps, starts = [], fb.extend_starts
         slot_ids = slots.tolist()
+        snap = fb.snapshots(self.kv_layer, STATE_KIND)
+        snap_ids = None if snap is None else snap.tolist()
         for i, (prefix, n) in enumerate(zip(fb.prefix_lens, fb.extend_lens)):
             if n == 0:
                 continue
             if n == 1 and prefix > 0:
                 steps.append(i)
                 continue
-            rows = slice(starts[i], starts[i] + n)
-            out[rows] = self._extend(
-                qkv[rows], g[rows], beta[rows], prefix, conv_state, rec_state, slot_ids[i]
-            )
+            snapshot = snap_ids[i] if snap_ids else 0
+            for lo, hi, ends in snapshots.extend_pieces(prefix, n, fb.page_size, snapshot):
+                rows = slice(starts[i] + lo, starts[i] + hi)
+                out[rows] = self._extend(
+                    qkv[rows], g[rows], beta[rows], prefix + lo, conv_state, rec_state, slot_ids[i]
+                )
+                if ends:
+                    snapshots.save(pool, index, slots[i : i + 1], snap[i : i + 1])
         if steps:
             rows = torch.tensor([starts[i] for i in steps], device=h.device)
             out[rows] = self._step(
                 qkv[rows], g[rows], beta[rows], conv_state, rec_state, slots[steps]
             )
+            ended = snapshots.ended_pages(fb.prefix_lens, steps, fb.page_size, snap_ids)
+            if ended:
+                snapshots.save(pool, index, slots[ended], snap[ended])
         o = self.norm(out, z.reshape(t, d.value_heads, d.value_dim))
         return self.out_proj(o.reshape(t, d.values))
 

@@ -33,6 +33,7 @@ from torch import nn
 from pdserve.distributed import SINGLE, TPGroup
 from pdserve.forward_batch import ForwardBatch
 from pdserve.kv_spec import RecurrentState
+from pdserve.layers import state_snapshots as snapshots
 from pdserve.layers.linear import Linear, RowParallelLinear
 
 STATE_KIND = RecurrentState.kind
@@ -195,19 +196,30 @@ class Mamba2Mixer(nn.Module):
         out = torch.empty((h.shape[0], d.inner), dtype=h.dtype, device=h.device)
         steps, starts = [], fb.extend_starts
         slot_ids = slots.tolist()
+        snap = fb.snapshots(self.kv_layer, STATE_KIND)
+        snap_ids = None if snap is None else snap.tolist()
         for i, (prefix, n) in enumerate(zip(fb.prefix_lens, fb.extend_lens)):
             if n == 0:
                 continue
             if n == 1 and prefix > 0:
                 steps.append(i)
                 continue
-            rows = slice(starts[i], starts[i] + n)
-            y = self._extend(xbc[rows], dt[rows], prefix, conv_state, ssm_state, slot_ids[i])
-            out[rows] = self.norm(y, z[rows]).to(h.dtype)
+            snapshot = snap_ids[i] if snap_ids else 0
+            for lo, hi, ends in snapshots.extend_pieces(prefix, n, fb.page_size, snapshot):
+                rows = slice(starts[i] + lo, starts[i] + hi)
+                y = self._extend(
+                    xbc[rows], dt[rows], prefix + lo, conv_state, ssm_state, slot_ids[i]
+                )
+                out[rows] = self.norm(y, z[rows]).to(h.dtype)
+                if ends:
+                    snapshots.save(pool, index, slots[i : i + 1], snap[i : i + 1])
         if steps:
             rows = torch.tensor([starts[i] for i in steps], device=h.device)
             y = self._step(xbc[rows], dt[rows], conv_state, ssm_state, slots[steps])
             out[rows] = self.norm(y, z[rows])
+            ended = snapshots.ended_pages(fb.prefix_lens, steps, fb.page_size, snap_ids)
+            if ended:
+                snapshots.save(pool, index, slots[ended], snap[ended])
         return self.out_proj(out)
 
     # ---- the pieces --------------------------------------------------------------------------

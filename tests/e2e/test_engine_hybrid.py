@@ -5,9 +5,11 @@ Granite's embedding, residual, attention and logits multipliers) and Qwen3-Next 
 layers, gated attention, sparse and dense MLPs; scan blocks of 64). Greedy tokens identical in
 float32 with logprobs within 1e-4 (bf16 by the tie-aware rule), prompts longer than the scan
 block (8) prefilled whole and in chunks of 1, 5 and 64 tokens at page sizes 1 and 16, a long
-decode; the attention layer's pages are the anchor group and each request holds one state slot
-from admission to its end, so fewer slots than requests make requests wait, never fail; pools
-and slots free afterwards."""
+decode; the attention layer's pages are the anchor group and each request holds a state slot
+(and, with the prefix cache, a snapshot slot) from admission to its end, so fewer slots than
+requests make requests wait, never fail; pools and slots free afterwards. A second turn that
+extends a finished conversation continues from the snapshot of its state and gives the tokens of
+a cold run."""
 
 from __future__ import annotations
 
@@ -77,7 +79,8 @@ def test_hybrid_matches_hf_float32(arch, chunk, page_size):
         runner = eng.scheduler.runner
         assert [(g.kind, g.layers) for g in runner.cache_groups] == GROUPS[arch]
         assert [type(p).__name__ for p in runner.pools] == ["KVPool", "StatePool"]
-        assert runner.pools[1].allocator.capacity == 3 and runner.pool is runner.pools[0]
+        # a slot and a snapshot slot per running request (the prefix cache is on)
+        assert runner.pools[1].allocator.capacity == 6 and runner.pool is runner.pools[0]
         prompts = prompts_for(3)[:6]  # 1 to 160 tokens
         sp = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
         outs = eng.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
@@ -88,7 +91,7 @@ def test_hybrid_matches_hf_float32(arch, chunk, page_size):
             assert_matches(path, [prompts[3]], [out], 48, "long decode")
         info = eng.check_integrity()
         assert info["in_use_pages"] == 0 and info["running"] == 0
-        assert [g["free_pages"] for g in info["groups"]] == [
+        assert [g["free_pages"] + g["cached_pages"] for g in info["groups"]] == [
             g["total_pages"] for g in info["groups"]
         ]
     finally:
@@ -99,6 +102,17 @@ def test_bamba_state_slots_are_checked_at_start():
     path = build_tiny_checkpoint("bamba")
     with pytest.raises(ValueError, match="max_mamba_cache_size: 2 state slots cannot hold"):
         make_engine(path, dtype="float32", max_running_requests=4, max_mamba_cache_size=2)
+    # with the prefix cache each running request also keeps a snapshot slot
+    with pytest.raises(ValueError, match="6 state slots cannot hold .* snapshots"):
+        make_engine(path, dtype="float32", max_running_requests=4, max_mamba_cache_size=6)
+    eng = make_engine(
+        path,
+        dtype="float32",
+        max_running_requests=4,
+        max_mamba_cache_size=6,
+        disable_radix_cache=True,
+    )
+    eng.shutdown()
 
 
 @pytest.mark.parametrize("arch", sorted(GROUPS))
@@ -139,3 +153,46 @@ def test_hybrid_bf16_matches_hf_bf16_up_to_ties(arch):
         assert compared >= N * len(prompts) // 2, f"only {compared} positions compared"
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["bamba", "qwen3_next"])
+def test_a_second_turn_continues_from_a_state_snapshot(arch):
+    """Turn 1 (prompt + answer) ends: its full pages go into the prefix tree with the state at
+    the last page boundary. Turn 2 (turn 1 + answer + a new message) hits up to that boundary,
+    restores its state from the snapshot (counted) and computes only the rest: HF's tokens,
+    equal to a run without the prefix cache. A prompt diverging before the snapshot's page hits
+    nothing. Prefill in chunks of 16 tokens over pages of 4, so a boundary falls inside chunks."""
+    path = build_tiny_checkpoint(arch)
+    eng = make_engine(path, page_size=4, chunked_prefill_size=16, dtype="float32")
+    cold = make_engine(
+        path, page_size=4, chunked_prefill_size=16, dtype="float32", disable_radix_cache=True
+    )
+    try:
+        kv = eng.scheduler.kv
+        sp = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+        turn1 = prompts_for(3)[3]  # 40 tokens
+        out1 = eng.generate(input_ids=turn1, sampling_params=sp)
+        assert kv.tree.total_pages(1) == 1  # one snapshot, at token (40 + 7) // 4 * 4 = 44
+        turn2 = turn1 + out1["output_ids"] + [101, 202, 303, 404, 505, 606, 707]
+        outs = eng.generate(input_ids=[turn2], sampling_params=sp, return_logprob=True)
+        assert kv.restored == 1 and outs[0]["meta_info"]["cached_tokens"] == 44
+        assert_matches(path, [turn2], outs, NEW_TOKENS, "second turn")
+        want = cold.generate(input_ids=[turn2], sampling_params=sp)[0]["output_ids"]
+        assert outs[0]["output_ids"] == want
+        other = turn1[:30] + [9, 9, 9, 9, 9, 9, 9, 9, 9, 9]  # shares 7 pages, no snapshot there
+        outs = eng.generate(input_ids=[other], sampling_params=sp, return_logprob=True)
+        assert kv.restored == 1 and outs[0]["meta_info"]["cached_tokens"] == 0
+        assert_matches(path, [other], outs, NEW_TOKENS, "diverging prompt")
+        # a prefill alone (one new token, never fed back) leaves its snapshot where its last
+        # chunk crossed a page boundary: 42 tokens in chunks of 16, the state at 40
+        alone = prompts_for(4)[4][:42]
+        eng.generate(input_ids=alone, sampling_params={**sp, "max_new_tokens": 1})
+        follow = alone[:40] + [11, 22, 33, 44, 55]
+        outs = eng.generate(input_ids=[follow], sampling_params=sp, return_logprob=True)
+        assert kv.restored == 2 and outs[0]["meta_info"]["cached_tokens"] == 40
+        assert_matches(path, [follow], outs, NEW_TOKENS, "after a prefill's snapshot")
+        info = eng.check_integrity()
+        assert info["in_use_pages"] == 0 and info["running"] == 0
+    finally:
+        eng.shutdown()
+        cold.shutdown()

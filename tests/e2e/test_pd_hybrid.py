@@ -64,6 +64,8 @@ def hybrid_pd(tmp_path_factory):
         # the Mamba2 heads and groups, and the attention's KV heads, split over two ranks
         "Ptp2": c.prefill("Ptp2", path, logs, *COMMON, "--tp-size", "2")[0],
         "Dtp2": c.decode("Dtp2", path, logs, *COMMON, "--tp-size", "2"),
+        # a decode with its prefix cache (a snapshot slot beside each request's state slot)
+        "Dpc": c.decode("Dpc", path, logs, *COMMON, "--disaggregation-decode-enable-radix-cache"),
         # a decode whose Mamba2 layers keep another state size
         "Dn8": c.decode("Dn8", build_tiny_checkpoint("bamba", mamba_d_state=8), logs, *COMMON),
     }
@@ -149,6 +151,42 @@ def test_a_decode_with_other_state_shapes_is_refused_naming_both(hybrid_pd):
     assert rp.status_code >= 400  # prefill gives up on the room instead of hanging
     P.wait_idle()
     D.wait_idle()
+
+
+def stats(proc: c.Proc) -> dict:
+    return proc.http.get("/server_info").json()["internal_states"][0]
+
+
+@pytest.mark.parametrize("decode", ["Dpc", "D"])
+def test_a_next_turn_hits_the_prefill_and_decode_prefix_caches(hybrid_pd, decode):
+    """Turn 2 extends turn 1 and its answer. Prefill's tree holds turn 1's prompt with the state
+    at its last page boundary, so prefill restores it and computes the rest; decode's tree (when
+    on) holds turn 1's prompt and answer with the state snapshot decode took at its last page
+    boundary, so those pages are not sent again; the state always is. The colocated tokens."""
+    P, D, S = hybrid_pd["P"], hybrid_pd[decode], hybrid_pd["S"]
+    rng = random.Random(41 if decode == "Dpc" else 43)
+    turn1 = [rng.randrange(100, 40000) for _ in range(30)]
+    rp, rd = pd(P, D, turn1)
+    assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+    out1 = rd.json()["output_ids"]
+    D.wait_idle()
+    P.wait_idle()
+    p_hits, d_hits = stats(P)["cache_hit_tokens"], stats(D)["cache_hit_tokens"]
+    turn2 = turn1 + out1 + [rng.randrange(100, 40000) for _ in range(9)]
+    rp, rd = pd(P, D, turn2)
+    assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+    want = httpx.post(S.url + "/generate", json=body(turn2), timeout=120).json()["output_ids"]
+    assert rd.json()["output_ids"] == want
+    # prefill: turn 1's 30 tokens went in chunks of 24, the second crossing token 28
+    assert stats(P)["cache_hit_tokens"] - p_hits == 28
+    # decode: turn 1's 30 + 10 - 1 tokens computed, its last snapshot at token 36
+    hit = 36 if decode == "Dpc" else 0
+    assert stats(D)["cache_hit_tokens"] - d_hits == hit
+    last = stats(P)["recent_transfers"][-1]
+    assert last["decode_prefix_pages"] == hit // PAGE, last
+    assert last["pages_per_group"] == [-(-len(turn2) // PAGE) - hit // PAGE, 1], last
+    D.wait_idle()
+    P.wait_idle()
 
 
 @pytest.mark.parametrize("router", ["pdserve", "sglang-router"])

@@ -198,7 +198,7 @@ def test_groups_put_per_request_state_last_and_anchor_on_the_first_paged_group()
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_a_state_slot_per_request_from_admission_to_release(page_size):
-    m = hybrid(page_size, pages=128, slots=2)
+    m = hybrid(page_size, pages=128, slots=2, disable=True)  # no prefix cache: no snapshots
     a, b, c = (req(list(range(100 + 50 * i, 140 + 50 * i)), n) for i, n in enumerate("abc"))
     run(m, a, chunk=8)
     pages, slot = m.held(a)
@@ -222,10 +222,8 @@ def test_a_state_slot_per_request_from_admission_to_release(page_size):
     assert m.allocators[1].num_free() == 2
 
 
-def test_a_state_model_caches_no_prefix_until_states_are_kept():
-    """A prefix hit would need the state at the prefix's end, which nothing keeps: the tree stays
-    empty and a repeated prompt is computed whole (its pages go back to the pool)."""
-    m = hybrid()
+def test_a_state_model_without_the_prefix_cache_keeps_one_slot_and_no_prefix():
+    m = hybrid(disable=True)
     assert m.tree.disable and m.cached_groups == [0]
     first = req(list(range(100, 140)))
     run(m, first, chunk=16)
@@ -238,7 +236,7 @@ def test_a_state_model_caches_no_prefix_until_states_are_kept():
 
 
 def test_the_page_reserve_does_not_apply_to_state_slots():
-    m = hybrid(slots=1)
+    m = hybrid(slots=2)
     r = req(list(range(100, 110)))
     # 63 pages free, 3 needed + a reserve of 50 for running requests: fits; the one slot is enough
     assert m.admit(r, 16, 50, 2)
@@ -255,16 +253,72 @@ def test_pd_moves_the_state_slot_once_after_the_last_chunk():
     # decode: pages for the whole prompt and the slot that the state is written into
     r = req(list(range(100, 150)))
     pages, cached = m.prealloc(r, reserve=0)
-    assert cached == 0 and len(pages[0]) == 13 and pages[1] == r.kv.pages[1] and len(pages[1]) == 1
+    # prefill writes the live slot; decode keeps its own snapshot slot beside it
+    assert cached == 0 and len(pages[0]) == 13 and pages[1] == r.kv.pages[1][:1]
+    assert len(r.kv.pages[1]) == 2 and r.kv.computed_from == 50
+    r_state = r.kv.pages[1]
     assert m.send_pages(r, 1, m.transfer_start(1, 50, 0)) == pages[1]
     integrity(m, r)
     own = m.park(r)
-    assert own == pages and r.kv is None
+    assert own == [pages[0], r_state] and r.kv is None
     m.free(own)
     integrity(m)
     # prefill: the state goes with the last chunk's send, from item 0
     p = req(list(range(100, 150)))
     run(m, p, chunk=16)
-    assert m.send_pages(p, 1, 0) == p.kv.pages[1] and m.send_pages(p, 1, 1) == []
+    assert m.send_pages(p, 1, 0) == p.kv.pages[1][:1] and m.send_pages(p, 1, 1) == []
     m.release(p)
+    integrity(m)
+
+
+def test_a_hit_restores_the_state_snapshot_at_the_end_of_the_match():
+    """With the prefix cache on, a request holds a live slot and a snapshot slot; when it ends
+    the tree takes its full pages with the snapshot on the last one (the state at the last page
+    boundary), and a prompt sharing those pages restores its live slot from it. A prompt that
+    shares fewer pages has no snapshot at its match's end: no hit."""
+    ps = 4
+    m = hybrid(ps, slots=6)
+    assert not m.tree.disable and m.cached_groups == [0, 1]
+    pool = m.pools[1]
+    first = req(list(range(100, 142)))  # 42 tokens: 10 full pages
+    run(m, first, chunk=16)
+    assert m.held(first) == [11, 2]
+    live, snap = first.kv.pages[1]
+    pool.state("ssm", 0)[snap] = 3.0  # the mixers' part (layers/state_snapshots.py)
+    pool.state("conv", 1)[snap] = -2.0
+    m.release(first)
+    assert m.tree.total_pages(0) == 10 and m.tree.total_pages(1) == 1
+    assert m.allocators[1].num_free() == 5  # the live slot came back
+    again = req(list(range(100, 142)) + [7, 8])
+    assert m.admit(again, 64, 0, (len(again.all_ids) - 1) // ps)
+    assert again.kv.cached == 10 and again.kv_len == 40 and m.restored == 1
+    new_live = again.kv.pages[1][0]
+    assert new_live != snap and again.kv.computed_from == 40  # the tree keeps the snapshot
+    assert torch.all(pool.state("ssm", 0)[new_live] == 3.0)
+    assert torch.all(pool.state("conv", 1)[new_live] == -2.0)
+    shorter = req(list(range(100, 136)) + [1, 2, 3, 4, 5, 6])  # 9 pages shared
+    assert m.admit(shorter, 64, 0, 10) and shorter.kv.cached == 0
+    integrity(m, again, shorter)
+    # again computed nothing past its hit's page: its snapshot is not the sequence's, the tree
+    # keeps the one it has
+    again.kv_len, shorter.kv_len = 43, 42
+    m.release(again)
+    m.release(shorter)
+    assert m.tree.total_pages(1) == 2  # shorter's own, on its 10th page
+    integrity(m)
+
+
+def test_new_requests_evict_cached_snapshots_for_slots():
+    ps = 4
+    m = hybrid(ps, slots=4)
+    first = req(list(range(100, 142)))
+    run(m, first, chunk=64)
+    m.release(first)
+    assert m.tree.total_pages(1) == 1 and m.available(1) == 4  # 3 free, 1 evictable
+    a, b = req(list(range(200, 210)), "a"), req(list(range(300, 310)), "b")
+    assert m.admit(a, 64, 0, 2) and m.admit(b, 64, 0, 2)
+    assert m.tree.total_pages(1) == 0 and m.tree.total_pages(0) == 0  # the leaf went whole
+    integrity(m, a, b)
+    m.release(a)
+    m.release(b)
     integrity(m)
