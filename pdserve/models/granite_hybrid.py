@@ -4,7 +4,10 @@ times ``embedding_multiplier``, each block's output times ``residual_multiplier`
 the residual stream, attention scaled by ``attention_multiplier``, logits divided by
 ``logits_scaling``; RoPE only with ``position_embedding_type: rope``; the MLP is
 ``shared_mlp`` (``input_linear`` holds gate and up, ``output_linear`` maps back). The MoE form
-(``num_local_experts`` > 0) is refused.
+(``num_local_experts`` > 0) adds ``block_sparse_moe`` beside it: a router that takes the top k
+logits (float32) and a softmax over them, and the experts stored as Granite does (3-D
+``input_linear`` / ``output_linear``, ``router.layer``; renamed at load to the MoE block's
+``experts`` and ``router``), on the shared MoE layers (EP, the fused kernel).
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.layers.linear import Linear, RowParallelLinear
+from pdserve.layers.moe.router import Router, granite_router
 from pdserve.layers.mamba2 import Mamba2Mixer
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import rope_parameters
 from pdserve.layers.vocab import VocabParallelEmbedding
 from pdserve.models.bamba import HybridCausalLM, bamba_dims
 from pdserve.models.llama import LlamaAttention, LlamaModel, run_mlp
+from pdserve.models.moe import LocalExperts, MoEForCausalLM
 from pdserve.models.nemotron_h import NoRopeAttention
 
 
@@ -78,7 +83,7 @@ class GraniteSharedMLP(nn.Module):
 class GraniteHybridLayer(nn.Module):
     rope_kind = "default"
 
-    def __init__(self, config, layer_id: int, shards, **attn_kwargs):
+    def __init__(self, config, layer_id: int, shards, make_mlp=None, mlp_name=None, **attn_kwargs):
         super().__init__()
         kind = config.layers_block_type[layer_id]
         if kind == "linear_attention":
@@ -91,6 +96,8 @@ class GraniteHybridLayer(nn.Module):
         else:
             raise ValueError(f"layers_block_type[{layer_id}]: {kind!r} is not a Granite layer kind")
         self.shared_mlp = GraniteSharedMLP(config, shards)
+        if make_mlp is not None:  # the MoE form
+            self.block_sparse_moe = make_mlp(config, layer_id, shards)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.residual_multiplier = float(config.residual_multiplier)
@@ -102,7 +109,10 @@ class GraniteHybridLayer(nn.Module):
             h, residual = self.input_layernorm(h, residual)
         h = self.mamba(h, fb) if hasattr(self, "mamba") else self.self_attn(h, rope, fb)
         h, residual = self.post_attention_layernorm(h * self.residual_multiplier, residual)
-        return run_mlp(self.shared_mlp, h, fb) * self.residual_multiplier, residual
+        out = run_mlp(self.shared_mlp, h, fb)
+        if hasattr(self, "block_sparse_moe"):
+            out = run_mlp(self.block_sparse_moe, h, fb) + out
+        return out * self.residual_multiplier, residual
 
 
 class GraniteHybridModel(LlamaModel):
@@ -121,17 +131,45 @@ class GraniteHybridModel(LlamaModel):
         )
 
 
-class GraniteMoeHybridForCausalLM(HybridCausalLM):
+# Granite's names of the MoE block's parts -> the shared MoE layers' (a name's middle)
+MOE_NAMES = {
+    ".block_sparse_moe.input_linear.": ".block_sparse_moe.experts.input_linear.",
+    ".block_sparse_moe.output_linear.": ".block_sparse_moe.experts.output_linear.",
+    ".block_sparse_moe.router.layer.": ".block_sparse_moe.router.",
+}
+
+
+def _renamed(name: str, names: dict[str, str]) -> str:
+    for old, new in names.items():
+        if old in name:
+            return name.replace(old, new, 1)
+    return name
+
+
+class GraniteMoeHybridForCausalLM(HybridCausalLM, LocalExperts, MoEForCausalLM):
     model_cls = GraniteHybridModel
+    mlp_name = "block_sparse_moe"
+    router_name = "router"
+    expert_format = "granite"
 
     def __init__(self, config, *args, **kwargs):
-        if getattr(config, "num_local_experts", 0):
-            raise ValueError(
-                f"num_local_experts: Granite 4's MoE form ({config.num_local_experts} experts) is "
-                "not served; its dense form (0) is"
-            )
         super().__init__(config, *args, **kwargs)
         self.logits_scaling = float(config.logits_scaling)
+
+    def layer_options(self, config) -> dict:
+        if not getattr(config, "num_local_experts", 0):  # the dense form
+            return self.attention_options(config)
+        return super().layer_options(config)
+
+    def make_router(self, config) -> Router:
+        return granite_router(config)
+
+    def checkpoint_weight_names(self) -> set[str]:
+        back = {new: old for old, new in MOE_NAMES.items()}
+        return {_renamed(n, back) for n in super().checkpoint_weight_names()}
+
+    def load_weights(self, weights) -> None:
+        super().load_weights((_renamed(n, MOE_NAMES), w) for n, w in weights)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) / self.logits_scaling

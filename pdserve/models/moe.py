@@ -208,6 +208,8 @@ class MoEForCausalLM(LlamaForCausalLM):
         self, ops, quantization: Optional[str] = None, batch_invariant: bool = False
     ) -> int:
         total = super().prepack(ops, quantization, batch_invariant)
+        if getattr(self, "_moe_ctx", None) is None:  # a family's dense form: no MoE layers
+            return total
         for module in self.modules():
             if isinstance(module, Router):
                 total += module.prepack(ops, batch_invariant)

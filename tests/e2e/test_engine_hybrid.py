@@ -1,7 +1,8 @@
 """Linear-attention hybrids through the offline engine against HF transformers: Bamba (Mamba2
 layers around one attention layer, layer 0 a Mamba2 layer), Nemotron-H (Mamba2, MLP-only layers
 that keep no cache, attention without RoPE), Granite 4's dense hybrid (Bamba's plan with
-Granite's embedding, residual, attention and logits multipliers) and Qwen3-Next (Gated DeltaNet
+Granite's embedding, residual, attention and logits multipliers; dense, and its MoE form with
+Granite's 3-D expert tensors) and Qwen3-Next (Gated DeltaNet
 layers, gated attention, sparse and dense MLPs; scan blocks of 64). Greedy tokens identical in
 float32 with logprobs within 1e-4 (bf16 by the tie-aware rule), prompts longer than the scan
 block (8) prefilled whole and in chunks of 1, 5 and 64 tokens at page sizes 1 and 16, a long
@@ -45,10 +46,22 @@ GROUPS = {
     "nemotron_h": [("full_attention", (2,)), ("recurrent_state", (0,))],  # layers 1, 3: none
     "granite_hybrid": [("full_attention", (1,)), ("recurrent_state", (0, 2, 3))],
     "qwen3_next": [("full_attention", (2,)), ("recurrent_state", (0, 1, 3))],
+    "granite_hybrid_moe": [("full_attention", (1,)), ("recurrent_state", (0, 2, 3))],
 }
+# Granite 4's MoE form: the dense checkpoint's plan with 4 experts of which each token takes 2
+VARIANTS = {
+    "granite_hybrid_moe": ("granite_hybrid", dict(num_local_experts=4, num_experts_per_tok=2))
+}
+
+
+def checkpoint(arch: str) -> str:
+    base, overrides = VARIANTS.get(arch, (arch, {}))
+    return build_tiny_checkpoint(base, **overrides)
+
+
 # each family's name of the recurrent (float32) part of its state
 RECURRENT = {"qwen3_next": "recurrent"}
-MOE_HYBRIDS = ("qwen3_next",)
+MOE_HYBRIDS = ("qwen3_next", "granite_hybrid_moe")
 
 
 @pytest.mark.parametrize(
@@ -63,10 +76,12 @@ MOE_HYBRIDS = ("qwen3_next",)
         ("granite_hybrid", 5, 1),
         ("qwen3_next", 64, 16),
         ("qwen3_next", 5, 1),
+        ("granite_hybrid_moe", 64, 16),
+        ("granite_hybrid_moe", 5, 1),
     ],
 )
 def test_hybrid_matches_hf_float32(arch, chunk, page_size):
-    path = build_tiny_checkpoint(arch)
+    path = checkpoint(arch)
     # 3 state slots for 6 prompts: the others wait for a slot
     eng = make_engine(
         path,
@@ -124,16 +139,17 @@ def test_hybrid_bf16_matches_hf_bf16_up_to_ties(arch):
     from tests.e2e.test_engine_bf16 import make_engine as bf16_engine
     from tests.e2e.test_engine_moe import hf_bf16_weights_float32
 
-    # Qwen3-Next's MoE sums its experts in float32 and rounds once (layers/moe/layer.py) where
-    # HF's bf16 run rounds after each expert: against that run one token flipped at a top-2 gap
-    # of 3 spacings (40-token prompt, position 6) while its Gated DeltaNet layer equals HF's bit
-    # for bit. As for the MoE models, HF's float32 arithmetic on the bf16 weights is then the
-    # reference and HF's bf16 run the other faithful computation (``compare``'s ``other``).
+    # The MoE hybrids sum their experts in float32 and round once (layers/moe/layer.py) where
+    # HF's bf16 run rounds after each expert: against that run one Qwen3-Next token flipped at
+    # a top-2 gap of 3 spacings (40-token prompt, position 6) while its Gated DeltaNet layer
+    # equals HF's bit for bit. As for the MoE models, HF's float32 arithmetic on the bf16
+    # weights is then the reference and HF's bf16 run the other faithful computation
+    # (``compare``'s ``other``).
     reference, other = hf_bf16, None
     if arch in MOE_HYBRIDS:
         reference, other = hf_bf16_weights_float32, hf_bf16
 
-    path = build_tiny_checkpoint(arch)
+    path = checkpoint(arch)
     eng = bf16_engine(path, page_size=16, chunked_prefill_size=64)
     try:
         state = eng.scheduler.runner.pools[1]

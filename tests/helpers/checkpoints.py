@@ -359,7 +359,12 @@ ARCHS = {
 }
 # MoE router weights scaled up: decisive routing (no near-ties between experts), many experts hit
 _ROUTER_SCALE = 8.0
-_ROUTER_SUFFIXES = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")
+_ROUTER_SUFFIXES = (
+    "mlp.gate.weight",
+    "block_sparse_moe.gate.weight",
+    "mlp.router.weight",
+    "block_sparse_moe.router.layer.weight",
+)
 # archs whose norm weights are offsets from 1 (drawn from N(0, 0.2) instead of HF's zeros)
 _NORM_OFFSETS = ("gemma2", "gemma3", "qwen3_next")
 

@@ -22,7 +22,8 @@ Activations: ``silu`` (``silu(gate) * up``) and ``swiglu_oai`` (GPT-OSS: gate cl
 Checkpoint formats (``fmt``): ``per_expert`` (``experts.E.{gate,up,down}_proj.weight``: Qwen,
 DeepSeek), ``mixtral`` (``experts.E.{w1,w3,w2}.weight``), ``gpt_oss`` (3-D ``gate_up_proj``
 [E, H, 2I] with gate and up interleaved, ``down_proj`` [E, I, H], and their biases; stored
-transposed, de-interleaved here at load).
+transposed, de-interleaved here at load), ``granite`` (3-D ``input_linear`` [E, 2I, H], gate
+then up, and ``output_linear`` [E, H, I]).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class Experts(nn.Module):
             raise ValueError(
                 f"expert activation: {activation!r} is not supported; supported: {ACTIVATIONS}"
             )
-        if fmt not in FORMATS and fmt != "gpt_oss":
+        if fmt not in FORMATS and fmt not in ("gpt_oss", "granite"):
             raise ValueError(f"expert checkpoint format {fmt!r} unknown")
         self.hidden = hidden
         self.inter = inter  # [start, end) of this rank's intermediate columns
@@ -154,6 +155,8 @@ class Experts(nn.Module):
         """HF names (relative to this module) of the weights this rank needs."""
         if self.fmt == "gpt_oss":
             return ["gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"]
+        if self.fmt == "granite":
+            return ["input_linear.weight", "output_linear.weight"]
         return [f"{e}.{p}.weight" for e in sorted(set(self.slots)) for p in FORMATS[self.fmt]]
 
     def load_checkpoint(self, name: str, src: Any) -> None:
@@ -162,6 +165,8 @@ class Experts(nn.Module):
         i0, i1 = self.inter
         if self.fmt == "gpt_oss":
             return self._load_gpt_oss(name, src)
+        if self.fmt == "granite":
+            return self._load_granite(name, src)
         parts = name.split(".")
         if (
             len(parts) != 3
@@ -193,6 +198,20 @@ class Experts(nn.Module):
                 self._copy(self.w2.data[s], t[i0:i1].t(), name)
             elif name == "down_proj_bias":
                 self.b2.data[s].copy_(t if self.down_bias_here else torch.zeros_like(t))
+            else:
+                raise ValueError(f"unexpected expert weight {name!r}")
+
+    def _load_granite(self, name: str, src: Any) -> None:
+        i0, i1 = self.inter
+        n = i1 - i0
+        for s, e in enumerate(self.slots):
+            t = src[e : e + 1][0]
+            if name == "input_linear.weight":  # [2I, H]: the gate's rows, then the up's
+                whole = t.shape[0] // 2
+                self._copy(self.w13.data[s, :n], t[i0:i1], name)
+                self._copy(self.w13.data[s, n:], t[whole + i0 : whole + i1], name)
+            elif name == "output_linear.weight":  # [H, I]
+                self._copy(self.w2.data[s], t[:, i0:i1], name)
             else:
                 raise ValueError(f"unexpected expert weight {name!r}")
 

@@ -103,12 +103,30 @@ class SoftmaxTopK(Router):
 
 
 class TopKSoftmax(Router):
-    def __init__(self, hidden: int, num_experts: int, top_k: int, bias: bool = True):
+    """The top k logits, then a softmax over them: in the logits' dtype (GPT-OSS), or with
+    ``float32`` over float32 logits, the weights cast back to the model dtype (Granite)."""
+
+    def __init__(
+        self, hidden: int, num_experts: int, top_k: int, bias: bool = True, float32: bool = False
+    ):
         super().__init__(hidden, num_experts, top_k, bias=bias)
+        self.float32 = float32
 
     def select(self, logits: torch.Tensor) -> Routing:
-        top, ids = torch.topk(logits, self.top_k, dim=-1)
-        return Routing(ids, F.softmax(top, dim=-1, dtype=top.dtype))
+        dtype = logits.dtype
+        top, ids = torch.topk(logits.float() if self.float32 else logits, self.top_k, dim=-1)
+        weights = F.softmax(top, dim=-1, dtype=top.dtype)
+        return Routing(ids, weights.to(dtype) if self.float32 else weights)
+
+
+def granite_router(config) -> TopKSoftmax:
+    return TopKSoftmax(
+        config.hidden_size,
+        config.num_local_experts,
+        config.num_experts_per_tok,
+        bias=False,
+        float32=True,
+    )
 
 
 def qwen_router(config, hidden: Optional[int] = None) -> SoftmaxTopK:
