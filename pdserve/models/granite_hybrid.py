@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.layers.linear import Linear, RowParallelLinear
-from pdserve.layers.moe.router import Router, granite_router
 from pdserve.layers.mamba2 import Mamba2Mixer
+from pdserve.layers.moe.router import Router, granite_router
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import rope_parameters
 from pdserve.layers.vocab import VocabParallelEmbedding
