@@ -7,8 +7,9 @@ along its own axis, the convolution's x | B | C per segment); the bytes a reques
 and state slots are free afterwards, also after a request whose decode side was aborted; a decode
 whose state shapes differ is refused, naming both; pdserve's router and the real sglang-router
 serve the same tokens. Qwen3-Next (Gated DeltaNet: a convolution state of q | k | v segments and
-a recurrent state per value head) goes from one rank to two and from two to one with HF's
-tokens."""
+a recurrent state per value head; one KV head, replicated on two ranks) goes from one rank to two
+and from two to one with HF's tokens. A next turn hits prefill's prefix cache (the state
+restored from a snapshot) and, when decode keeps one, decode's."""
 
 from __future__ import annotations
 
@@ -222,9 +223,9 @@ def test_hybrid_pd_behind_a_router(hybrid_pd, router, tmp_path):
 @pytest.fixture(scope="module")
 def qwen3_next_pd(tmp_path_factory):
     """Qwen3-Next (Gated DeltaNet with a q | k | v convolution state, gated attention, MoE) on
-    one and two ranks each side."""
+    one and two ranks each side, its attention with one KV head: two ranks replicate it."""
     logs = tmp_path_factory.mktemp("pd-qwen3-next")
-    path = build_tiny_checkpoint("qwen3_next")
+    path = build_tiny_checkpoint("qwen3_next", num_key_value_heads=1)
     s = {
         "path": path,
         "P": c.prefill("P", path, logs, *COMMON)[0],
@@ -247,7 +248,8 @@ QWEN3_NEXT_PAIRS = [("tp1->tp2", "P", "Dtp2"), ("tp2->tp1", "Ptp2", "D")]
 @pytest.mark.parametrize("name, p, d", QWEN3_NEXT_PAIRS, ids=[x[0] for x in QWEN3_NEXT_PAIRS])
 def test_qwen3_next_pd_across_tp_sizes_gives_hf_tokens(qwen3_next_pd, name, p, d):
     """Each rank's key heads' q, k and v channels of the convolution state and its value heads'
-    recurrent state reach the decode ranks that hold them: HF's greedy tokens (float32)."""
+    recurrent state reach the decode ranks that hold them, and the one KV head reaches both
+    ranks of a two-rank decode (more ranks than KV heads): HF's greedy tokens (float32)."""
     from tests.e2e.test_engine_moe import hf_reference
 
     P, D = qwen3_next_pd[p], qwen3_next_pd[d]
@@ -261,11 +263,11 @@ def test_qwen3_next_pd_across_tp_sizes_gives_hf_tokens(qwen3_next_pd, name, p, d
         assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
         want, _ = hf_reference(qwen3_next_pd["path"], ids, NEW_TOKENS)
         assert rd.json()["output_ids"] == want, f"{name}: prompt of {n} tokens"
-        if p == "P":  # the whole request's bytes: its pages and one state of each GDN layer
+        if p == "P":  # the whole request's bytes: its pages, to each of decode's two ranks (the
+            # one KV head replicated there), and one state of each GDN layer, sliced between them
             last = P.http.get("/server_info").json()["internal_states"][0]["recent_transfers"][-1]
-            assert last["kv_bytes"] == info["kv_bytes_per_token"] * -(-n // PAGE) * PAGE + (
-                state_bytes(state)
-            ), (n, last)
+            pages = info["kv_bytes_per_token"] * -(-n // PAGE) * PAGE
+            assert last["kv_bytes"] == 2 * pages + state_bytes(state), (n, last)
     for proc in (P, D):
         if proc.http.get("/server_info").json()["tp_size"] > 1:
             all_ranks_idle(proc)
