@@ -76,6 +76,12 @@ class CachePolicy:
         """PD: the items at ``start .. end`` that prefill sends."""
         return items[start:end]
 
+    def insertable(self, full: int, kv_len: int, computed_from: int) -> int:
+        """Of a request's ``full`` full pages, how many the prefix tree may take: all, but for a
+        state, whose pages are of use only up to a snapshot, none without one (so every leaf of
+        the tree ends on a snapshot and what KV events report stored can be hit)."""
+        return full
+
     def tree_items(self, items: list[int], full: int, kv_len: int, computed_from: int) -> list[int]:
         """What the prefix tree takes of a request's ``items`` when its first ``full`` pages go
         in: one id per page (0: none). ``kv_len``: the tokens computed; ``computed_from``: where
@@ -142,12 +148,23 @@ class StatePolicy(CachePolicy):
     def sent(self, items: list[int], start: int, end: Optional[int]) -> list[int]:
         return items[:1][start:end]  # the live state, not the snapshot
 
+    def _snapshot_valid(self, full: int, kv_len: int, computed_from: int) -> bool:
+        """Whether the snapshot holds the state at the end of ``full`` pages: the last boundary
+        the sequence crossed since this server began computing it."""
+        return (
+            self.snapshots
+            and full > 0
+            and kv_len // self.page_size == full
+            and full * self.page_size > computed_from
+        )
+
+    def insertable(self, full: int, kv_len: int, computed_from: int) -> int:
+        return full if self._snapshot_valid(full, kv_len, computed_from) else 0
+
     def tree_items(self, items: list[int], full: int, kv_len: int, computed_from: int) -> list[int]:
         out = [0] * full
-        # the snapshot holds the state at the last page boundary crossed since computing began
-        boundary = kv_len // self.page_size
-        if self.snapshots and full and boundary == full and full * self.page_size > computed_from:
-            out[-1] = items[1] if len(items) > 1 else 0
+        if self._snapshot_valid(full, kv_len, computed_from) and len(items) > 1:
+            out[-1] = items[1]
         return out
 
     def released(self, items: list[int], kept: int, given: list[int]) -> list[int]:

@@ -203,6 +203,13 @@ class KVCacheManager:
         if kv is None:
             return
         full = min(req.kv_len // self.page_size, kv.num_pages)
+        full = min(
+            [full]
+            + [
+                self.policies[g].insertable(full, req.kv_len, kv.computed_from)
+                for g in self.cached_groups
+            ]
+        )
         kept = 0  # logical pages the tree took, in every cacheable group
         given: list[list[int]] = [[] for _ in range(self.num_groups)]
         if full > 0 and not self.tree.disable:

@@ -12,7 +12,9 @@ cached). A prefix is a hit only up to a page boundary at which every group still
 its next query can see (``CacheSpec.first_live_page``): for full attention that is every page,
 for a window the pages of its last ``window`` tokens (vLLM's rule for sliding-window groups).
 A per-request group (a recurrent state) holds a slot only on the pages at whose end the tree
-keeps a snapshot of the state, so a hit ends on such a page (SGLang's Mamba radix cache).
+keeps a snapshot of the state, so a hit ends on such a page (SGLang's Mamba radix cache); every
+leaf ends on one (the cache manager inserts nothing without it, eviction takes such leaves
+whole), so every block that KV events report stored lies on a path a prompt can hit through.
 
 Ownership: a page is either free in the allocator, held by the tree, or held by a running
 request (its "in use" pages, not yet inserted). ``insert`` hands pages to the tree; the tree
@@ -332,7 +334,9 @@ class RadixCache:
             _, _, leaf = heapq.heappop(heap)
             need = num_pages - freed
             held = leaf.held()[group]
-            if held > need:
+            # a leaf ends on a state snapshot where a group keeps states: evicted whole, never
+            # cut below it (the rest could not be hit)
+            if held > need and not self._stateful:
                 # Keep the head of the leaf: its prefix is the part most likely to be reused.
                 ids, cut = leaf.groups()[group], len(leaf.pages)
                 got = 0

@@ -322,3 +322,32 @@ def test_new_requests_evict_cached_snapshots_for_slots():
     m.release(a)
     m.release(b)
     integrity(m)
+
+
+def test_a_hybrid_tree_reports_only_blocks_a_prompt_can_hit_through():
+    """Every leaf of a hybrid's tree ends on a state snapshot: a request that ends without one
+    past where it began inserts nothing (and no BlockStored), and eviction takes a leaf whole
+    rather than cut it below its snapshot (BlockRemoved for all of its blocks)."""
+    from pdserve.kv_events import BlockRemoved, BlockStored
+
+    ps = 4
+    m = hybrid(ps, slots=6)
+    m.tree.events = []
+    # decode PD: computing began at the prompt's end (41 tokens) and ended at 43, inside the
+    # same page: the snapshot is not the sequence's, the tree takes nothing
+    r = req(list(range(100, 141)))
+    pages, _ = m.prealloc(r, reserve=0)
+    r.kv_len = 43
+    m.release(r)
+    assert m.tree.total_pages(0) == 0 and m.tree.events == []
+    integrity(m)
+    done = req(list(range(100, 142)))
+    run(m, done, chunk=64)
+    m.release(done)
+    stored = [e for e in m.tree.events if isinstance(e, BlockStored)]
+    assert len(stored) == 1 and len(stored[0].block_hashes) == 10
+    m.tree.events.clear()
+    assert m.tree.evict(1, 0) == 10  # one page asked for, the whole leaf given
+    removed = [e for e in m.tree.events if isinstance(e, BlockRemoved)]
+    assert len(removed) == 1 and len(removed[0].block_hashes) == 10
+    integrity(m)
