@@ -202,12 +202,12 @@ class KVSlots:
 
     ``pages[g]`` lists a paged group's page of each logical page of ``all_ids[:kv_len]`` (and of
     the tokens being computed), in order; 0 where the group no longer keeps that page (it slid
-    out of a window). A per-request group (a recurrent state) holds ``[slot]``. The first
-    ``cached`` logical pages belong to the radix cache (locked through ``node``) in every group
-    the tree keys; the rest are owned by the request until it finishes or is retracted.
-    ``live_from[g]``: pages before it have been dropped from group g. ``anchor``: the paged group
-    that counts the logical pages (``engine/cache_policy.py``). A per-request group holds
-    ``[slot]``, or ``[slot, snapshot]`` with the prefix cache on.
+    out of a window). A per-request group (a recurrent state) holds ``[slot]``, or
+    ``[slot, snapshot]`` with the prefix cache on. The first ``cached`` logical pages belong to
+    the radix cache (locked through ``node``) in every paged group the tree keys; the rest are
+    owned by the request until it finishes or is retracted. ``live_from[g]``: pages before it
+    have been dropped from group g. ``anchor``: the paged group that counts the logical pages
+    (``engine/cache_policy.py``).
     """
 
     pages: list[list[int]]
