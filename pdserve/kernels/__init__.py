@@ -1,12 +1,12 @@
 """pdserve's CPU kernels: a small C++ extension of torch (``csrc/``), built by ``build.py``.
 
 Paged decode attention, flash attention, RMSNorm (+ residual), RoPE, SiLU-mul, bf16 / float32 /
-int8 matmuls, fused MoE experts, the decode step of the linear-attention mixers (Mamba2, Gated
-DeltaNet) and the decoder stack of a bf16 model for decode steps (``csrc/``). The build is
-compiled for the baseline ISA of the host compiler: functions that use an extension (AVX2,
-AVX-512, AMX; Arm's dot products, BF16, I8MM) name it in a ``target`` attribute and run only where
-the CPU has it (checked at run time, ``csrc/isa.h``), so one build serves every host of an
-architecture and never uses ``-march=native``. Every kernel has a path
+int8 matmuls, fused MoE experts, the decode step and the prefill scan of the linear-attention
+mixers (Mamba2, Gated DeltaNet) and the decoder stack of a bf16 model for decode steps
+(``csrc/``). The build is compiled for the baseline ISA of the host compiler: functions that use
+an extension (AVX2, AVX-512, AMX; Arm's dot products, BF16, I8MM) name it in a ``target``
+attribute and run only where the CPU has it (checked at run time, ``csrc/isa.h``), so one build
+serves every host of an architecture and never uses ``-march=native``. Every kernel has a path
 for each tier: AVX-512 (and AMX) code of its own, one 8-lane source for AVX2 and NEON
 (``csrc/vec8.h``), and portable scalar code. ``PDSERVE_CPU_ISA`` (or ``ops.set_isa``) caps the tier.
 It is compiled with OpenMP, as torch is, so ``at::parallel_for`` runs on torch's intra-op threads.
@@ -52,6 +52,7 @@ SOURCES = (
     "gemm_f32.cpp",
     "moe.cpp",
     "linear_attention.cpp",
+    "linear_attention_scan.cpp",
     "linear_attention_avx512.cpp",
     "amx.cpp",
     "amx_gemm.cpp",

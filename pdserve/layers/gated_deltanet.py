@@ -39,7 +39,7 @@ from pdserve.forward_batch import ForwardBatch
 from pdserve.kv_spec import RecurrentState
 from pdserve.layers import state_snapshots as snapshots
 from pdserve.layers.linear import Linear, RowParallelLinear
-from pdserve.layers.mamba2 import DepthwiseConv, causal_conv, step_kernel_runs
+from pdserve.layers.mamba2 import DepthwiseConv, causal_conv, cpu_kernel_runs
 
 STATE_KIND = RecurrentState.kind
 
@@ -235,8 +235,18 @@ class GatedDeltaNet(nn.Module):
 
     def _extend(self, qkv, g, beta, prefix, conv_state, rec_state, slot) -> torch.Tensor:
         """``n`` new tokens of one request after ``prefix`` tokens, from its state (zeros for an
-        empty prefix), which it updates. Returns o [n, Hv, dv] in the model's dtype."""
+        empty prefix), which it updates. Returns o [n, Hv, dv] in the model's dtype. With
+        pdserve's CPU kernels, one kernel convolves, normalises and runs the delta rule token by
+        token instead of in blocks (faster on CPU at every length measured)."""
         d, n = self.dims, qkv.shape[0]
+        if cpu_kernel_runs(self.ops, qkv, conv_state):
+            if not prefix:
+                conv_state[slot].zero_()
+                rec_state[slot].zero_()
+            o = torch.empty((n, d.value_heads, d.value_dim), dtype=torch.float32)
+            states = (conv_state, rec_state, slot, self.conv1d.weight, d.key_heads)
+            self.ops.gated_delta_scan(o, qkv, g.contiguous(), beta.contiguous(), *states)
+            return o.to(qkv.dtype)
         k1 = d.conv_kernel - 1
         prev = conv_state[slot] if prefix else torch.zeros_like(conv_state[slot])
         window = torch.cat([prev.to(qkv.dtype), qkv.t()], dim=1)  # [C, K - 1 + n]
@@ -261,7 +271,7 @@ class GatedDeltaNet(nn.Module):
         """One new token of each of several requests (decode): o [B, Hv, dv], model dtype. With
         pdserve's CPU kernels, one kernel updates the states in place at ``slots`` (the torch code
         below is its reference)."""
-        if step_kernel_runs(self.ops, qkv, conv_state):
+        if cpu_kernel_runs(self.ops, qkv, conv_state):
             d = self.dims
             out = torch.empty((qkv.shape[0], d.value_heads, d.value_dim), dtype=qkv.dtype)
             self.ops.gated_delta_decode_step(

@@ -247,8 +247,20 @@ class Mamba2Mixer(nn.Module):
         slot: int,
     ) -> torch.Tensor:
         """``n`` new tokens of one request after ``prefix`` tokens: the chunked scan from its
-        state (zeros for an empty prefix), which it updates. Returns y [n, I] in float32."""
+        state (zeros for an empty prefix), which it updates. Returns y [n, I] in float32. With
+        pdserve's CPU kernels, one kernel convolves and runs the recurrence itself, token by
+        token (faster on CPU than the blocks at every length measured: docs/benchmarks.md)."""
         d, n = self.dims, xbc.shape[0]
+        if cpu_kernel_runs(self.ops, xbc, conv_state):
+            if not prefix:
+                conv_state[slot].zero_()
+                ssm_state[slot].zero_()
+            y = torch.empty((n, d.inner), dtype=torch.float32)
+            weights = (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D)
+            self.ops.mamba2_scan(
+                y, xbc, dt, conv_state, ssm_state, slot, *weights, d.groups, *d.dt_limit
+            )
+            return y
         k1 = d.conv_kernel - 1
         prev = conv_state[slot] if prefix else torch.zeros_like(conv_state[slot])
         window = torch.cat([prev.to(xbc.dtype), xbc.t()], dim=1)  # [C, K - 1 + n]
@@ -281,7 +293,7 @@ class Mamba2Mixer(nn.Module):
         pdserve's CPU kernels, one kernel updates the states in place at ``slots`` (rounding where
         the torch code below, its reference, rounds)."""
         d = self.dims
-        if step_kernel_runs(self.ops, xbc, conv_state):
+        if cpu_kernel_runs(self.ops, xbc, conv_state):
             out = torch.empty((xbc.shape[0], d.inner), dtype=xbc.dtype)
             weights = (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D)
             self.ops.mamba2_decode_step(
@@ -300,10 +312,10 @@ class Mamba2Mixer(nn.Module):
         return y.reshape(y.shape[0], d.inner).to(xbc.dtype)
 
 
-def step_kernel_runs(ops: Optional[ModuleType], x: torch.Tensor, conv_state: torch.Tensor) -> bool:
-    """Whether a decode step on ``x`` (the new tokens' convolution input) runs in pdserve's CPU
-    kernel (``ops``: None without them): on CPU, float32 or bf16, the convolution window in x's
-    dtype."""
+def cpu_kernel_runs(ops: Optional[ModuleType], x: torch.Tensor, conv_state: torch.Tensor) -> bool:
+    """Whether a decode step or a prefill scan on ``x`` (the new tokens' convolution input) runs in
+    pdserve's CPU kernels (``ops``: None without them): on CPU, float32 or bf16, the convolution
+    window in x's dtype."""
     return (
         ops is not None
         and x.device.type == "cpu"

@@ -1,8 +1,12 @@
-"""The decode step of the linear-attention mixers in pdserve's CPU kernels against their torch code
-(``Mamba2Mixer._step``, ``GatedDeltaNet._step``), at every instruction-set tier this CPU has: the
-outputs of several steps in a row and the states they leave in the pool, float32 to 2e-6 of the
-largest value and bf16 within a few bf16 ulps (the kernels round where torch rounds; only float32
-sums differ in order). Slots in the pool out of order; the slots of other requests are left as they were.
+"""The linear-attention mixers' CPU kernels at every instruction-set tier this CPU has.
+
+Decode steps against their torch code (``Mamba2Mixer._step``, ``GatedDeltaNet._step``): the outputs
+of several steps in a row and the states they leave in the pool, float32 to 2e-6 of the largest
+value and bf16 within a few bf16 ulps (the kernels round where torch rounds; only float32 sums
+differ in order), slots in the pool out of order, the slots of other requests left as they were.
+
+Prefill scans (``_extend``) against the recurrence in float64 and against the chunked torch code,
+the same bits however the tokens are cut into calls.
 
 The kernels must build here (scripts/install.sh installs g++ and ninja): a test that cannot load
 them fails with the reason instead of skipping.
@@ -12,10 +16,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pdserve import kernels
 from pdserve.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetDims
-from pdserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer
+from pdserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer, causal_conv
 
 torch.set_num_threads(1)
 
@@ -59,11 +64,14 @@ def gated_deltanet(key_heads, value_heads, key_dim, value_dim, dtype, seed) -> G
     return m.to(dtype)
 
 
+def spacing(ref: torch.Tensor) -> torch.Tensor:
+    """The bf16 spacing at |ref| (float32)."""
+    return torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(2**-100))) - 7)
+
+
 def ulps(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """|got - ref| in units of the bf16 spacing at |ref| (at the smallest normal spacing near 0)."""
-    ref = ref.float()
-    spacing = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(2**-100))) - 7)
-    return (got.float() - ref).abs() / spacing
+    """|got - ref| in units of the bf16 spacing at |ref|."""
+    return (got.float() - ref.float()).abs() / spacing(ref.float())
 
 
 def assert_close(got, ref, dtype, what):
@@ -233,3 +241,110 @@ def test_bad_arguments_are_refused(ops):
             g.conv1d.weight,
             2,
         )
+
+
+# ---- prefill scans -------------------------------------------------------------------------------
+def conv_out(mixer, x, prefix, conv, slot):
+    """The torch convolution of ``_extend`` (its output [n, C] in the model's dtype)."""
+    prev = conv[slot] if prefix else torch.zeros_like(conv[slot])
+    window = torch.cat([prev.to(x.dtype), x.t()], dim=1)
+    return causal_conv(mixer.conv1d, window[None], x.shape[0])[0]
+
+
+def mamba2_float64(m, xbc, dt, prefix, conv, ssm, slot):
+    """y [n, I] of the recurrence token by token in float64 (from ``_extend``'s convolution and dt)."""
+    x, b, c = (t.double() for t in m._split(conv_out(m, xbc, prefix, conv, slot)))
+    dt = torch.clamp(F.softplus(dt + m.dt_bias.to(dt.dtype)), *m.dims.dt_limit).double()
+    a = -torch.exp(m.A_log.double())
+    s = ssm[slot].double() if prefix else torch.zeros_like(ssm[slot], dtype=torch.float64)
+    ys = []
+    for t in range(xbc.shape[0]):
+        upd = (dt[t, :, None] * x[t])[..., None] * b[t][:, None, :]
+        s = s * torch.exp(dt[t] * a)[:, None, None] + upd
+        ys.append(torch.einsum("hpn,hn->hp", s, c[t]) + m.D.double()[:, None] * x[t])
+    return torch.stack(ys).reshape(xbc.shape[0], -1)
+
+
+def delta_float64(m, qkv, g, beta, prefix, conv, rec, slot):
+    """o [n, Hv, dv] of the delta rule token by token in float64 (from ``_extend``'s q, k, v)."""
+    q, k, v = (t.double() for t in m._qkv(conv_out(m, qkv, prefix, conv, slot)))
+    s = rec[slot].double() if prefix else torch.zeros_like(rec[slot], dtype=torch.float64)
+    os = []
+    for t in range(qkv.shape[0]):
+        s = s * torch.exp(g[t].double())[:, None, None]
+        delta = (v[t] - torch.einsum("hkv,hk->hv", s, k[t])) * beta[t].double()[:, None]
+        s = s + k[t][..., None] * delta[:, None, :]
+        os.append(torch.einsum("hkv,hk->hv", s, q[t]))
+    return torch.stack(os)
+
+
+def extend(mixer, ops, inputs, prefix, states, slot, cuts=()):
+    """``_extend`` over the tokens of ``inputs`` (cut into calls at ``cuts``) with ``ops`` (None:
+    torch), from copies of ``states``: (the outputs, float32, and the states after)."""
+    states = [s.clone() for s in states]
+    mixer.ops = None if ops is None else CountingOps(ops)
+    n = inputs[0].shape[0]
+    bounds = [0, *cuts, n]
+    with torch.no_grad():
+        outs = [
+            mixer._extend(*(t[lo:hi] for t in inputs), prefix + lo, *states, slot).float()
+            for lo, hi in zip(bounds, bounds[1:])
+        ]
+    assert ops is None or mixer.ops.calls == len(bounds) - 1, "the kernel did not run"
+    return torch.cat(outs), states
+
+
+def relative(got, ref) -> float:
+    return ((got.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefix", [0, 9])
+@pytest.mark.parametrize("n", [1, 5, 37])
+def test_mamba2_scan_matches_the_recurrence(ops, isa, dtype, prefix, n):
+    m = mamba2(6, 40, 2, 21, dtype, seed=n)
+    d = m.dims
+    gen = torch.Generator().manual_seed(n + prefix)
+    conv = torch.randn(NUM_SLOTS, d.conv_dim, d.conv_kernel - 1, generator=gen).to(dtype)
+    ssm = torch.randn(NUM_SLOTS, d.heads, d.head_dim, d.state, generator=gen)
+    xbc = torch.randn(n, d.conv_dim, generator=gen).to(dtype)
+    dt = torch.randn(n, d.heads, generator=gen).to(dtype)
+    got, got_states = extend(m, ops, (xbc, dt), prefix, (conv, ssm), 3)
+    ref, ref_states = extend(m, None, (xbc, dt), prefix, (conv, ssm), 3)
+    exact = mamba2_float64(m, xbc, dt, prefix, conv, ssm, 3)
+    assert relative(got, exact) < 2e-6, relative(got, exact)
+    assert relative(ref, exact) < 1e-5  # the chunked torch code, for scale
+    assert torch.equal(got_states[0], ref_states[0]), "the convolution window"
+    assert relative(got_states[1], ref_states[1].double()) < 2e-5
+    others = [s for s in range(NUM_SLOTS) if s != 3]
+    assert torch.equal(got_states[1][others], ssm[others])
+    cut, cut_states = extend(m, ops, (xbc, dt), prefix, (conv, ssm), 3, cuts=(n // 3, n // 2))
+    assert torch.equal(cut, got) and all(map(torch.equal, cut_states, got_states))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefix", [0, 9])
+@pytest.mark.parametrize("n", [1, 5, 37])
+def test_gated_delta_scan_matches_the_recurrence(ops, isa, dtype, prefix, n):
+    m = gated_deltanet(2, 4, 20, 70, dtype, seed=n)
+    d = m.dims
+    gen = torch.Generator().manual_seed(n + prefix)
+    conv = torch.randn(NUM_SLOTS, d.conv_dim, d.conv_kernel - 1, generator=gen).to(dtype)
+    rec = torch.randn(NUM_SLOTS, d.value_heads, d.key_dim, d.value_dim, generator=gen) * 0.3
+    qkv = torch.randn(n, d.conv_dim, generator=gen).to(dtype)
+    g = -torch.rand(n, d.value_heads, generator=gen) * 2
+    beta = torch.rand(n, d.value_heads, generator=gen)
+    got, got_states = extend(m, ops, (qkv, g, beta), prefix, (conv, rec), 3)
+    ref, ref_states = extend(m, None, (qkv, g, beta), prefix, (conv, rec), 3)
+    exact = delta_float64(m, qkv, g, beta, prefix, conv, rec, 3)
+    if dtype == torch.float32:
+        assert relative(got, exact) < 2e-6, relative(got, exact)
+    else:  # one rounding of the float32 output (whose own error may cross a rounding boundary)
+        off = (got.double() - exact).abs() / (spacing(exact.float()) + 2e-6 * exact.abs().max())
+        assert off.max().item() <= 1
+    assert torch.equal(got_states[0], ref_states[0]), "the convolution window"
+    assert relative(got_states[1], ref_states[1].double()) < 2e-5
+    others = [s for s in range(NUM_SLOTS) if s != 3]
+    assert torch.equal(got_states[1][others], rec[others])
+    cut, cut_states = extend(m, ops, (qkv, g, beta), prefix, (conv, rec), 3, cuts=(n // 3, n // 2))
+    assert torch.equal(cut, got) and all(map(torch.equal, cut_states, got_states))

@@ -40,6 +40,13 @@ void mamba2_decode_step(at::Tensor out, const at::Tensor& xbc, const at::Tensor&
 void gated_delta_decode_step(at::Tensor out, const at::Tensor& qkv, const at::Tensor& g, const at::Tensor& beta,
                              at::Tensor conv_state, at::Tensor rec_state, const at::Tensor& slots,
                              const at::Tensor& conv_weight, int64_t key_heads);
+void mamba2_scan(at::Tensor y, const at::Tensor& xbc, const at::Tensor& dt, at::Tensor conv_state,
+                 at::Tensor ssm_state, int64_t slot, const at::Tensor& conv_weight,
+                 const c10::optional<at::Tensor>& conv_bias, const at::Tensor& dt_bias, const at::Tensor& A_log,
+                 const at::Tensor& D, int64_t groups, double dt_min, double dt_max);
+void gated_delta_scan(at::Tensor o, const at::Tensor& qkv, const at::Tensor& g, const at::Tensor& beta,
+                      at::Tensor conv_state, at::Tensor rec_state, int64_t slot, const at::Tensor& conv_weight,
+                      int64_t key_heads);
 void moe_pack_experts(at::Tensor out, const at::Tensor& w, const at::Tensor& rows);
 void bind_decode_model(pybind11::module& m);
 void bind_amx(pybind11::module& m);
@@ -109,5 +116,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "place at its slot",
         py::arg("out"), py::arg("qkv"), py::arg("g"), py::arg("beta"), py::arg("conv_state"), py::arg("rec_state"),
         py::arg("slots"), py::arg("conv_weight"), py::arg("key_heads"));
+  m.def("mamba2_scan", &pds::mamba2_scan,
+        "Mamba2's convolution and scan over the new tokens of one request (prefill), its state updated in place "
+        "at its slot",
+        py::arg("y"), py::arg("xbc"), py::arg("dt"), py::arg("conv_state"), py::arg("ssm_state"), py::arg("slot"),
+        py::arg("conv_weight"), py::arg("conv_bias"), py::arg("dt_bias"), py::arg("A_log"), py::arg("D"),
+        py::arg("groups"), py::arg("dt_min"), py::arg("dt_max"));
+  m.def("gated_delta_scan", &pds::gated_delta_scan,
+        "Gated DeltaNet's convolution, L2 norms and delta rule over the new tokens of one request (prefill), its "
+        "state updated in place at its slot",
+        py::arg("o"), py::arg("qkv"), py::arg("g"), py::arg("beta"), py::arg("conv_state"), py::arg("rec_state"),
+        py::arg("slot"), py::arg("conv_weight"), py::arg("key_heads"));
   m.def("moe_pack_experts", &pds::moe_pack_experts, "lay out [E, N, K] expert weights in the fused MoE kernel's panels");
 }

@@ -25,9 +25,53 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 namespace pds {
+
+// Checks x [rows, C] (the new inputs, rows contiguous), the pool's windows [num_slots, C, K - 1],
+// the weight [C, 1, K] (or [C, K]) and the bias [C], all of x's dtype; returns the bias or null.
+const void* check_conv(const at::Tensor& x, const at::Tensor& state, const at::Tensor& weight,
+                       const c10::optional<at::Tensor>& bias, const char* op) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              op, ": the convolution's input must be a float32 or bfloat16 CPU [tokens, channels] tensor with "
+              "contiguous rows");
+  const int64_t C = x.size(1), K = weight.size(-1);
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == C * K && weight.size(0) == C, op,
+              ": the convolution's weight must be contiguous [", C, ", 1, K]");
+  TORCH_CHECK(K >= 2 && K <= kConvMaxTaps, op, ": convolutions of 2 to ", kConvMaxTaps, " taps only, got ", K);
+  TORCH_CHECK(state.dim() == 3 && state.size(1) == C && state.size(2) == K - 1 && state.is_contiguous(), op,
+              ": the convolution state must be a contiguous [slots, ", C, ", ", K - 1, "] tensor, got ", state.sizes());
+  TORCH_CHECK(state.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(), op,
+              ": the convolution state and weight must have the input's dtype");
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->is_contiguous() && bias->numel() == C && bias->scalar_type() == x.scalar_type(), op,
+              ": the convolution's bias must be contiguous [", C, "] in the input's dtype");
+  return bias->data_ptr();
+}
+
+// The recurrent states' pool: [num_slots, heads, ., .], float32, contiguous.
+void check_state(const at::Tensor& state, int64_t num_slots, const char* op) {
+  TORCH_CHECK(state.dim() == 4 && state.scalar_type() == at::kFloat && state.is_contiguous() &&
+                  state.size(0) == num_slots,
+              op, ": the recurrent state must be a contiguous float32 [", num_slots, " slots, heads, ., .] tensor");
+}
+
+// A [H] parameter in float32 or bf16, as float32 (rounded to bf16 first when `to_bf16`).
+std::vector<float> per_head(const at::Tensor& t, int64_t H, const char* op, const char* name, bool to_bf16) {
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == H && t.is_contiguous() &&
+                  (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16),
+              op, ": ", name, " must be a contiguous float32 or bfloat16 [", H, "] tensor, got ", t.sizes());
+  std::vector<float> v(H);
+  for (int64_t i = 0; i < H; ++i) {
+    const float f = t.scalar_type() == at::kFloat ? t.data_ptr<float>()[i] : load_f32(data<uint16_t>(t) + i);
+    v[i] = to_bf16 ? round_to<uint16_t>(f) : f;
+  }
+  return v;
+}
+
 namespace {
 
 constexpr int64_t kConvBlock = 256;  // channels per convolution task
@@ -154,20 +198,6 @@ void delta_heads(const DeltaStepArgs& a, int64_t B) {
 }
 
 // ---- checks ------------------------------------------------------------------------------------
-// A [H] parameter in float32 or bf16, as float32; each value rounded to T when `rounded`.
-template <typename T>
-std::vector<float> per_head(const at::Tensor& t, int64_t H, const char* op, const char* name, bool rounded) {
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == H && t.is_contiguous() &&
-                  (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16),
-              op, ": ", name, " must be a contiguous float32 or bfloat16 [", H, "] tensor, got ", t.sizes());
-  std::vector<float> v(H);
-  for (int64_t i = 0; i < H; ++i) {
-    const float f = t.scalar_type() == at::kFloat ? t.data_ptr<float>()[i] : load_f32(data<uint16_t>(t) + i);
-    v[i] = rounded ? round_to<T>(f) : f;
-  }
-  return v;
-}
-
 // The slots as int64, each a slot of the pool ([0, num_slots)) and no two the same.
 std::vector<int64_t> checked_slots(const at::Tensor& slots, int64_t B, int64_t num_slots, const char* op) {
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.is_contiguous() &&
@@ -185,34 +215,11 @@ std::vector<int64_t> checked_slots(const at::Tensor& slots, int64_t B, int64_t n
   return s;
 }
 
-// The convolution's arguments, after checking x [B, C], the pool's window [num_slots, C, K - 1] and
-// the weight [C, 1, K] (or [C, K]) and bias [C], all of x's dtype.
 ConvStepArgs conv_args(const at::Tensor& x, const at::Tensor& state, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias, const int64_t* slots, float* out, const char* op) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
-                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              op, ": the convolution's input must be a float32 or bfloat16 CPU [B, channels] tensor with contiguous rows");
-  const int64_t C = x.size(1), K = weight.size(-1);
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == C * K && weight.size(0) == C, op,
-              ": the convolution's weight must be contiguous [", C, ", 1, K]");
-  TORCH_CHECK(K >= 2 && K <= kConvMaxTaps, op, ": convolutions of 2 to ", kConvMaxTaps, " taps only, got ", K);
-  TORCH_CHECK(state.dim() == 3 && state.size(1) == C && state.size(2) == K - 1 && state.is_contiguous(), op,
-              ": the convolution state must be a contiguous [slots, ", C, ", ", K - 1, "] tensor, got ", state.sizes());
-  TORCH_CHECK(state.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(), op,
-              ": the convolution state and weight must have the input's dtype");
-  const void* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == C && bias->scalar_type() == x.scalar_type(), op,
-                ": the convolution's bias must be contiguous [", C, "] in the input's dtype");
-    b = bias->data_ptr();
-  }
-  return ConvStepArgs{x.data_ptr(), state.data_ptr(), slots, weight.data_ptr(), b, out, C, K, x.stride(0)};
-}
-
-void check_state(const at::Tensor& state, int64_t num_slots, const char* op) {
-  TORCH_CHECK(state.dim() == 4 && state.scalar_type() == at::kFloat && state.is_contiguous() &&
-                  state.size(0) == num_slots,
-              op, ": the recurrent state must be a contiguous float32 [", num_slots, " slots, heads, ., .] tensor");
+  const void* b = check_conv(x, state, weight, bias, op);
+  return ConvStepArgs{x.data_ptr(), state.data_ptr(), slots, weight.data_ptr(), b, out, x.size(1), weight.size(-1),
+                      x.stride(0)};
 }
 
 void check_out(const at::Tensor& out, const at::Tensor& x, int64_t numel, const char* op) {
@@ -236,21 +243,20 @@ void mamba2_impl(at::Tensor& out, const at::Tensor& xbc, const at::Tensor& dt, a
                   dt.scalar_type() == xbc.scalar_type(),
               op, ": dt must be [B, ", H, "] in the input's dtype with contiguous rows");
   check_out(out, xbc, B * H * P, op);
-  const std::vector<float> bias = per_head<T>(dt_bias, H, op, "dt_bias", true);
-  const std::vector<float> a_log = per_head<T>(A_log, H, op, "A_log", false);
-  const std::vector<float> d = per_head<T>(D, H, op, "D", true);
+  const bool bf16 = std::is_same<T, uint16_t>::value;
+  const std::vector<float> bias = per_head(dt_bias, H, op, "dt_bias", bf16);
+  const std::vector<float> a_log = per_head(A_log, H, op, "A_log", false);
+  const std::vector<float> d = per_head(D, H, op, "D", bf16);
   const std::vector<int64_t> s = checked_slots(slots, B, conv_state.size(0), op);
   if (B == 0) return;
   at::Tensor conv_out = at::empty({B, C}, at::kFloat);
   convolve<T>(conv_args(xbc, conv_state, conv_weight, conv_bias, s.data(), conv_out.data_ptr<float>(), op), B);
-  // per (request, head): dt = round(softplus(round(dt + dt_bias))) (softplus's threshold 20, as
-  // torch's), decay = exp(dt A) with A = -exp(A_log), in float32
+  // per (request, head): dt, and decay = exp(dt A) with A = -exp(A_log), in float32
   std::vector<float> dts(B * H), decay(B * H);
   const T* dtp = data<T>(dt);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
-      const float v = round_to<T>(load_f32(dtp + b * dt.stride(0) + h) + bias[h]);
-      const float sp = round_to<T>(v > 20.f ? v : std::log1p(std::exp(v)));
+      const float sp = mamba2_dt<T>(load_f32(dtp + b * dt.stride(0) + h), bias[h]);
       dts[b * H + h] = sp;
       decay[b * H + h] = std::exp(sp * -std::exp(a_log[h]));
     }

@@ -1,10 +1,14 @@
 // The linear-attention kernels' per-ISA parts and the argument structs they share:
-// linear_attention.cpp (the torch-facing entry points, checks and portable code) calls
-// linear_attention_avx512.cpp (x86-64 only) or linear_attention_vec8.cpp (AVX2, NEON) on a range of
-// its tasks after the ISA checks of isa.h. No torch headers.
+// linear_attention.cpp (decode) and linear_attention_scan.cpp (prefill), the torch-facing entry
+// points with their checks and portable code, call linear_attention_avx512.cpp (x86-64 only) or
+// linear_attention_vec8.cpp (AVX2, NEON) on a range of their tasks after the ISA checks of isa.h.
+// No torch headers.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+
+#include "bf16.h"
 
 namespace pds {
 
@@ -12,6 +16,14 @@ namespace pds {
 constexpr int64_t kConvMaxTaps = 8;  // K
 constexpr int64_t kMamba2MaxState = 512;  // N
 constexpr int64_t kDeltaMaxKeyDim = 256;  // dk
+
+// Mamba2's dt of one token and head: round(softplus(round(dt + dt_bias))) in T (dt_bias already
+// rounded to T), with torch's softplus threshold of 20, as Mamba2Mixer._step / _extend compute it.
+template <typename T>
+inline float mamba2_dt(float dt, float dt_bias) {
+  const float v = round_to<T>(dt + dt_bias);
+  return round_to<T>(v > 20.f ? v : std::log1p(std::exp(v)));
+}
 
 // The decode step of the linear-attention mixers (one new token per request, its state updated in
 // place in the request's slot of the pool). First the causal convolution of every channel:
@@ -61,5 +73,49 @@ template <typename T>
 void delta_heads_vec8(const DeltaStepArgs& a, int64_t task0, int64_t task1);
 template <typename T>
 void delta_heads_avx512(const DeltaStepArgs& a, int64_t task0, int64_t task1);
+
+// The prefill scan (linear_attention_scan.cpp): the new tokens of one request in order, from the
+// state in its slot, which it updates in place. First the causal convolution of every channel over
+// the tokens (rounding as the decode step's), tasks of channels c0 .. c1:
+struct ConvScanArgs {
+  const void* x;  // [n, C] the new inputs (T), row stride x_stride
+  void* state;  // [C, K - 1] (T): the request's window, oldest first; left holding the last K - 1
+  const void* weight;  // [C, K] (T)
+  const void* bias;  // [C] (T) or null
+  float* out;  // [n, C]: SiLU of the taps' sum, each rounded to T
+  int64_t n, C, K, x_stride;
+};
+template <typename T>
+void conv_scan_vec8(const ConvScanArgs& a, int64_t c0, int64_t c1);
+template <typename T>
+void conv_scan_avx512(const ConvScanArgs& a, int64_t c0, int64_t c1);
+
+// then the recurrence, one step per token, in float32. Mamba2: tasks are heads.
+struct Mamba2ScanArgs {
+  const float* xbc;  // [n, C]: the convolution's output, x [H, P] then B and C [G, N] each
+  const float* dt;  // [n, H]: softplus(dt + dt_bias), clamped
+  const float* a;  // [H]: -exp(A_log)
+  const float* d;  // [H]: D
+  float* state;  // [H, P, N]: the request's
+  float* y;  // [n, H, P]: S C + D x
+  int64_t n, H, P, N, G, C;
+};
+void mamba2_scan_vec8(const Mamba2ScanArgs& a, int64_t h0, int64_t h1);
+void mamba2_scan_avx512(const Mamba2ScanArgs& a, int64_t h0, int64_t h1);
+
+// Gated DeltaNet: tasks are (value head, block of kScanColumns columns of its state); a column of
+// S (one of dv) follows its own recurrence, so a block runs through every token on its own.
+constexpr int64_t kScanColumns = 64;
+struct DeltaScanArgs {
+  const float* qkv;  // [n, C]: the convolution's output, q [G, dk], k [G, dk], v [Hv, dv]
+  const float* g;  // [n, Hv]: the log of the decay
+  const float* beta;  // [n, Hv]
+  float* state;  // [Hv, dk, dv]: the request's
+  float* o;  // [n, Hv, dv]: S^T q
+  int64_t n, G, Hv, dk, dv, C;
+  float scale;  // dk^-0.5, on q after its L2 norm
+};
+void delta_scan_vec8(const DeltaScanArgs& a, int64_t task0, int64_t task1);
+void delta_scan_avx512(const DeltaScanArgs& a, int64_t task0, int64_t task1);
 
 }  // namespace pds

@@ -1,5 +1,6 @@
-// The decode step of the linear-attention mixers on AVX-512: linear_attention.cpp's contract and
-// rounding, 16 lanes (masked at the tails) over channels or over the state's inner dimension.
+// The linear-attention kernels on AVX-512, 16 lanes (masked at the tails) over channels or over the
+// state's inner dimension: the decode step (linear_attention.cpp's contract and rounding) and the
+// prefill scans (linear_attention_scan.cpp's).
 #include "common.h"
 #include "linear_attention.h"
 
@@ -159,11 +160,136 @@ PDS_AVX512 void delta_avx512(const DeltaStepArgs& a, int64_t b, int64_t h) {
   }
 }
 
+// ---- prefill scans ------------------------------------------------------------------------------
+// channels c0 .. c1 through every token: the window of 16 channels stays in registers
+template <typename T>
+PDS_AVX512 void conv_scan_avx512_rows(const ConvScanArgs& a, int64_t c0, int64_t c1) {
+  const int64_t K = a.K, K1 = K - 1;
+  const T* x = static_cast<const T*>(a.x);
+  T* state = static_cast<T*>(a.state);
+  const T* w = static_cast<const T*>(a.weight);
+  const T* bias = static_cast<const T*>(a.bias);
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t c = c0; c < c1; c += 16) {
+    const int64_t n = std::min<int64_t>(16, c1 - c);
+    const __mmask16 mk = tail_mask(n);
+    alignas(64) float buf[kConvMaxTaps][16] = {}, wbuf[kConvMaxTaps][16] = {};
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t k = 0; k < K1; ++k) buf[k][i] = load_f32(state + (c + i) * K1 + k);
+      for (int64_t k = 0; k < K; ++k) wbuf[k][i] = load_f32(w + (c + i) * K + k);
+    }
+    __m512 win[kConvMaxTaps], wt[kConvMaxTaps];
+    for (int64_t k = 0; k < K; ++k) {
+      win[k] = _mm512_load_ps(buf[k]);
+      wt[k] = _mm512_load_ps(wbuf[k]);
+    }
+    const __m512 b = bias ? load16(bias + c, mk) : _mm512_setzero_ps();
+    for (int64_t t = 0; t < a.n; ++t) {
+      win[K1] = load16(x + t * a.x_stride + c, mk);
+      __m512 acc = _mm512_mul_ps(win[0], wt[0]);  // taps in order, each product rounded
+      for (int64_t k = 1; k < K; ++k) acc = _mm512_add_ps(acc, _mm512_mul_ps(win[k], wt[k]));
+      if (bias) acc = _mm512_add_ps(acc, b);
+      acc = round16<T>(acc);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), acc));
+      _mm512_mask_storeu_ps(a.out + t * a.C + c, mk, round16<T>(_mm512_div_ps(acc, _mm512_add_ps(one, e))));
+      for (int64_t k = 0; k < K1; ++k) win[k] = win[k + 1];
+    }
+    for (int64_t k = 0; k < K1; ++k) _mm512_store_ps(buf[k], win[k]);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t k = 0; k < K1; ++k) store_f32(state + (c + i) * K1 + k, buf[k][i]);
+  }
+}
+
+PDS_AVX512 void mamba2_scan_head(const Mamba2ScanArgs& a, int64_t h) {
+  const int64_t P = a.P, N = a.N;
+  float* S = a.state + h * P * N;
+  for (int64_t t = 0; t < a.n; ++t) {
+    const float* x = a.xbc + t * a.C + h * P;
+    const float* bv = a.xbc + t * a.C + a.H * P + (h / (a.H / a.G)) * N;
+    const float* cv = bv + a.G * N;
+    const float dt = a.dt[t * a.H + h];
+    const __m512 decay = _mm512_set1_ps(std::exp(dt * a.a[h]));
+    float* y = a.y + (t * a.H + h) * P;
+    for (int64_t p = 0; p < P; ++p) {  // S = S decay + (dt x) B^T, y = S C + D x
+      float* s = S + p * N;
+      const __m512 u = _mm512_set1_ps(dt * x[p]);
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t n = 0; n < N; n += 16) {
+        const __mmask16 mk = tail_mask(N - n);
+        const __m512 sn = _mm512_fmadd_ps(u, _mm512_maskz_loadu_ps(mk, bv + n),
+                                          _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, s + n), decay));
+        _mm512_mask_storeu_ps(s + n, mk, sn);
+        acc = _mm512_fmadd_ps(sn, _mm512_maskz_loadu_ps(mk, cv + n), acc);
+      }
+      y[p] = _mm512_reduce_add_ps(acc) + a.d[h] * x[p];
+    }
+  }
+}
+
+// J vectors of columns of value head h from column c (the last masked by `last`) through every token
+template <int J>
+PDS_AVX512 inline void delta_scan_columns(const DeltaScanArgs& a, int64_t h, int64_t c, __mmask16 last) {
+  const int64_t dk = a.dk, dv = a.dv, hk = h / (a.Hv / a.G);
+  float* S = a.state + h * dk * dv + c;
+  alignas(64) float q[kDeltaMaxKeyDim], k[kDeltaMaxKeyDim];
+  __mmask16 mk[J];
+  for (int j = 0; j < J; ++j) mk[j] = j + 1 < J ? __mmask16(0xffff) : last;
+  for (int64_t t = 0; t < a.n; ++t) {
+    const float* row = a.qkv + t * a.C;
+    l2_normalise_avx512(row + hk * dk, dk, a.scale, true, q);
+    l2_normalise_avx512(row + (a.G + hk) * dk, dk, 1.f, false, k);
+    const float* v = row + 2 * a.G * dk + h * dv + c;
+    const __m512 g = _mm512_set1_ps(std::exp(a.g[t * a.Hv + h])), beta = _mm512_set1_ps(a.beta[t * a.Hv + h]);
+    __m512 acc[J], delta[J];
+    for (int j = 0; j < J; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < dk; ++r) {  // S^T k, then decayed
+      const __m512 kr = _mm512_set1_ps(k[r]);
+      for (int j = 0; j < J; ++j)
+        acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk[j], S + r * dv + 16 * j), kr, acc[j]);
+    }
+    for (int j = 0; j < J; ++j) {  // delta = (v - S^T k) beta
+      delta[j] = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk[j], v + 16 * j), _mm512_mul_ps(acc[j], g)), beta);
+      acc[j] = _mm512_setzero_ps();
+    }
+    for (int64_t r = 0; r < dk; ++r) {  // S = S decay + k delta^T, o = S^T q
+      const __m512 kr = _mm512_set1_ps(k[r]), qr = _mm512_set1_ps(q[r]);
+      float* s = S + r * dv;
+      for (int j = 0; j < J; ++j) {
+        const __m512 st = _mm512_fmadd_ps(kr, delta[j], _mm512_mul_ps(_mm512_maskz_loadu_ps(mk[j], s + 16 * j), g));
+        _mm512_mask_storeu_ps(s + 16 * j, mk[j], st);
+        acc[j] = _mm512_fmadd_ps(st, qr, acc[j]);
+      }
+    }
+    float* o = a.o + (t * a.Hv + h) * dv + c;
+    for (int j = 0; j < J; ++j) _mm512_mask_storeu_ps(o + 16 * j, mk[j], acc[j]);
+  }
+}
+
+PDS_AVX512 void delta_scan_task(const DeltaScanArgs& a, int64_t task) {
+  const int64_t blocks = (a.dv + kScanColumns - 1) / kScanColumns;
+  const int64_t h = task / blocks, c = (task % blocks) * kScanColumns;
+  const int64_t n = std::min(kScanColumns, a.dv - c);  // 4 vectors, the last masked
+  const int J = int((n + 15) / 16);
+  const __mmask16 last = tail_mask(n - 16 * (J - 1));
+  if (J == 4)
+    delta_scan_columns<4>(a, h, c, last);
+  else if (J == 3)
+    delta_scan_columns<3>(a, h, c, last);
+  else if (J == 2)
+    delta_scan_columns<2>(a, h, c, last);
+  else
+    delta_scan_columns<1>(a, h, c, last);
+}
+
 }  // namespace
 
 template <typename T>
 void conv_step_avx512(const ConvStepArgs& a, int64_t b, int64_t c0, int64_t c1) {
   conv_avx512<T>(a, b, c0, c1);
+}
+template <typename T>
+void conv_scan_avx512(const ConvScanArgs& a, int64_t c0, int64_t c1) {
+  conv_scan_avx512_rows<T>(a, c0, c1);
 }
 template <typename T>
 void mamba2_heads_avx512(const Mamba2StepArgs& a, int64_t task0, int64_t task1) {
@@ -174,10 +300,18 @@ void delta_heads_avx512(const DeltaStepArgs& a, int64_t task0, int64_t task1) {
   for (int64_t t = task0; t < task1; ++t) delta_avx512<T>(a, t / a.Hv, t % a.Hv);
 }
 
+void mamba2_scan_avx512(const Mamba2ScanArgs& a, int64_t h0, int64_t h1) {
+  for (int64_t h = h0; h < h1; ++h) mamba2_scan_head(a, h);
+}
+void delta_scan_avx512(const DeltaScanArgs& a, int64_t task0, int64_t task1) {
+  for (int64_t t = task0; t < task1; ++t) delta_scan_task(a, t);
+}
+
 #define PDS_INSTANTIATE(T)                                                           \
   template void conv_step_avx512<T>(const ConvStepArgs&, int64_t, int64_t, int64_t); \
   template void mamba2_heads_avx512<T>(const Mamba2StepArgs&, int64_t, int64_t);     \
-  template void delta_heads_avx512<T>(const DeltaStepArgs&, int64_t, int64_t);
+  template void delta_heads_avx512<T>(const DeltaStepArgs&, int64_t, int64_t);       \
+  template void conv_scan_avx512<T>(const ConvScanArgs&, int64_t, int64_t);
 PDS_INSTANTIATE(float)
 PDS_INSTANTIATE(uint16_t)
 #undef PDS_INSTANTIATE
