@@ -129,7 +129,18 @@ class ModelRunner:
         ]
         self.layer_group = [g for g, _ in first_cache]
         self.layer_slot = [slot for _, slot in first_cache]
-        self.anchor = anchor_group(self.cache_groups)  # its pool stands for the cache's layout
+        try:
+            self.anchor = anchor_group(self.cache_groups)  # its pool stands for the cache's layout
+        except ValueError as e:
+            if self.par.pp_size == 1:
+                raise
+            last = first + len(specs) - 1
+            raise ValueError(
+                f"pp_size: pipeline stage {self.par.pp_rank} (layers {first}..{last}) keeps no "
+                "per-token cache: all its layers are linear-attention or MLP-only layers, and a "
+                "stage's pages need an attention layer to count them; choose a pp_size whose "
+                f"every stage holds an attention layer ({e})"
+            ) from None
         # --enable-return-routed-experts: the ids of every token, kept with the pages of one group
         self.routed_spec = (
             routed_experts.plan(self.model, self.cache_groups)

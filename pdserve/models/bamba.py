@@ -55,6 +55,10 @@ class BambaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    @property
+    def dp_mlps(self) -> list[nn.Module]:
+        return [self.feed_forward]
+
     def forward(self, h, residual, rope, fb):
         if residual is None:
             residual, h = h, self.input_layernorm(h)

@@ -102,6 +102,11 @@ class GraniteHybridLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.residual_multiplier = float(config.residual_multiplier)
 
+    @property
+    def dp_mlps(self) -> list[nn.Module]:
+        moe = getattr(self, "block_sparse_moe", None)
+        return [self.shared_mlp] + ([moe] if moe is not None else [])
+
     def forward(self, h, residual, rope, fb):
         if residual is None:
             residual, h = h, self.input_layernorm(h)

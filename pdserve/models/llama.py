@@ -175,6 +175,13 @@ class LlamaDecoderLayer(nn.Module):
         return run_mlp(self.mlp, h, fb), residual
 
 
+def layer_mlps(layer: nn.Module) -> list[nn.Module]:
+    """The modules a decoder layer runs through ``run_mlp``, in order (what an idle DP-attention
+    group joins): ``layer.dp_mlps`` where a family names them otherwise, else ``[layer.mlp]``."""
+    mlps = getattr(layer, "dp_mlps", None)
+    return list(mlps) if mlps is not None else [layer.mlp]
+
+
 def first_attention(layers: Iterable[nn.Module]) -> Optional[nn.Module]:
     """The attention module of the first of ``layers`` that has one (a hybrid's first layer may
     be a linear-attention layer; a pipeline stage may hold none)."""
@@ -254,8 +261,9 @@ class LlamaModel(nn.Module):
         """A DP-attention group with no tokens this step: join every layer's MLP collectives."""
         empty = torch.empty((0, self.norm.weight.shape[0]), dtype=self.norm.weight.dtype)
         for layer in self.own_layers:
-            run = getattr(layer.mlp, "run", None)
-            run(empty, dp) if run is not None else layer.mlp(dp.gather(empty))
+            for mlp in layer_mlps(layer):
+                run = getattr(mlp, "run", None)
+                run(empty, dp) if run is not None else mlp(dp.gather(empty))
 
 
 class LlamaForCausalLM(CpuPathsMixin, nn.Module):

@@ -94,6 +94,10 @@ class NemotronHBlock(nn.Module):
             raise AttributeError("mamba")
         return self.mixer
 
+    @property
+    def dp_mlps(self) -> list[nn.Module]:
+        return [self.mixer] if self.kind == MLP else []
+
     def forward(self, h, residual, rope, fb):
         if residual is None:
             residual, h = h, self.norm(h)
