@@ -176,3 +176,23 @@ def test_grammar_engines_must_agree():
                 "the same --grammar-backend and tokenizer: decode continues the grammar from "
                 "prefill's first token, so both must allow the same tokens)"
             ]
+
+
+def test_state_layers_of_other_dtypes_are_refused_naming_both():
+    """A hybrid whose decode keeps its SSM state in bf16 where prefill keeps float32: both named."""
+    from pdserve.engine.kv_pool import StatePool
+    from pdserve.kv_spec import RecurrentState
+
+    def args(ssm_dtype: str) -> KVArgs:
+        state = RecurrentState(("conv", "ssm"), ((6, 3), (2, 4, 5)), ("float32", ssm_dtype))
+        gs = [CacheGroup(0, FullAttention(2, 8), (1,)), CacheGroup(1, state, (0, 2))]
+        pools = [
+            KVPool(1, 16, 4, 2, 8, torch.float32, "cpu"),
+            StatePool(state, 2, 4, "cpu"),
+        ]
+        meta = MetadataBuffers(4)
+        return KVArgs.from_buffers(pools, meta, cache_groups=gs, model_fingerprint="tiny")
+
+    errs = compat_mismatches(args("float32").compat_info(), args("bfloat16").compat_info())
+    assert errs and "layer 0 cache mismatch" in errs[0], errs
+    assert "float32" in errs[0] and "bfloat16" in errs[0], errs
