@@ -176,8 +176,9 @@ def test_gated_delta_step_matches_torch(
     assert torch.equal(got_state[1][others], rec[others])
 
 
-def test_steps_are_the_same_on_one_and_two_threads(ops):
-    """Each (request, head) is one task: 2 threads give the bits of 1."""
+def test_kernels_give_the_same_bits_on_one_and_two_threads(ops):
+    """Each output is computed by one task ((request, head) of a step, a head or a block of its
+    columns in a scan): 2 threads give the bits of 1, for 3 requests' steps or 3 tokens' scan."""
     m, g = mamba2(4, 16, 2, 24, torch.bfloat16, 0), gated_deltanet(2, 4, 16, 24, torch.bfloat16, 0)
     gen = torch.Generator().manual_seed(3)
     cases = [
@@ -198,7 +199,8 @@ def test_steps_are_the_same_on_one_and_two_threads(ops):
                 torch.set_num_threads(threads)
                 with torch.no_grad():
                     outs, after = run_steps(mixer, ops, [step], states, torch.tensor([2, 0, 3]))
-                results.append((outs[0], *after))
+                scan, scanned = extend(mixer, ops, step, 5, states, 2)
+                results.append((outs[0], *after, scan, *scanned))
             for a, b in zip(*results):
                 assert torch.equal(a, b)
     finally:

@@ -30,6 +30,7 @@
 
 namespace pds {
 
+// ---- checks shared with linear_attention_scan.cpp ------------------------------------------------
 // Checks x [rows, C] (the new inputs, rows contiguous), the pool's windows [num_slots, C, K - 1],
 // the weight [C, 1, K] (or [C, K]) and the bias [C], all of x's dtype; returns the bias or null.
 const void* check_conv(const at::Tensor& x, const at::Tensor& state, const at::Tensor& weight,
@@ -39,11 +40,13 @@ const void* check_conv(const at::Tensor& x, const at::Tensor& state, const at::T
               op, ": the convolution's input must be a float32 or bfloat16 CPU [tokens, channels] tensor with "
               "contiguous rows");
   const int64_t C = x.size(1), K = weight.size(-1);
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == C * K && weight.size(0) == C, op,
-              ": the convolution's weight must be contiguous [", C, ", 1, K]");
+  TORCH_CHECK(weight.device().is_cpu() && weight.is_contiguous() && weight.numel() == C * K && weight.size(0) == C,
+              op, ": the convolution's weight must be contiguous [", C, ", 1, K]");
   TORCH_CHECK(K >= 2 && K <= kConvMaxTaps, op, ": convolutions of 2 to ", kConvMaxTaps, " taps only, got ", K);
-  TORCH_CHECK(state.dim() == 3 && state.size(1) == C && state.size(2) == K - 1 && state.is_contiguous(), op,
-              ": the convolution state must be a contiguous [slots, ", C, ", ", K - 1, "] tensor, got ", state.sizes());
+  TORCH_CHECK(state.device().is_cpu() && state.dim() == 3 && state.size(1) == C && state.size(2) == K - 1 &&
+                  state.is_contiguous(),
+              op, ": the convolution state must be a contiguous [slots, ", C, ", ", K - 1, "] tensor, got ",
+              state.sizes());
   TORCH_CHECK(state.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(), op,
               ": the convolution state and weight must have the input's dtype");
   if (!bias.has_value()) return nullptr;
@@ -54,16 +57,16 @@ const void* check_conv(const at::Tensor& x, const at::Tensor& state, const at::T
 
 // The recurrent states' pool: [num_slots, heads, ., .], float32, contiguous.
 void check_state(const at::Tensor& state, int64_t num_slots, const char* op) {
-  TORCH_CHECK(state.dim() == 4 && state.scalar_type() == at::kFloat && state.is_contiguous() &&
-                  state.size(0) == num_slots,
+  TORCH_CHECK(state.device().is_cpu() && state.dim() == 4 && state.scalar_type() == at::kFloat &&
+                  state.is_contiguous() && state.size(0) == num_slots,
               op, ": the recurrent state must be a contiguous float32 [", num_slots, " slots, heads, ., .] tensor");
 }
 
 // A [H] parameter in float32 or bf16, as float32 (rounded to bf16 first when `to_bf16`).
 std::vector<float> per_head(const at::Tensor& t, int64_t H, const char* op, const char* name, bool to_bf16) {
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == H && t.is_contiguous() &&
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 1 && t.size(0) == H && t.is_contiguous() &&
                   (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16),
-              op, ": ", name, " must be a contiguous float32 or bfloat16 [", H, "] tensor, got ", t.sizes());
+              op, ": ", name, " must be a contiguous float32 or bfloat16 CPU [", H, "] tensor, got ", t.sizes());
   std::vector<float> v(H);
   for (int64_t i = 0; i < H; ++i) {
     const float f = t.scalar_type() == at::kFloat ? t.data_ptr<float>()[i] : load_f32(data<uint16_t>(t) + i);

@@ -43,7 +43,8 @@ PDS_AVX512 void conv_avx512(const ConvStepArgs& a, int64_t b, int64_t c0, int64_
       s[K1 - 1] = x[c + i];
     }
     __m512 acc = _mm512_mul_ps(_mm512_load_ps(tap[0]), _mm512_load_ps(wt[0]));
-    for (int64_t k = 1; k < K; ++k) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_load_ps(tap[k]), _mm512_load_ps(wt[k])));
+    for (int64_t k = 1; k < K; ++k)
+      acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_load_ps(tap[k]), _mm512_load_ps(wt[k])));
     if (bias) acc = _mm512_add_ps(acc, load16(bias + c, mk));
     acc = round16<T>(acc);
     const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), acc));
@@ -161,7 +162,7 @@ PDS_AVX512 void delta_avx512(const DeltaStepArgs& a, int64_t b, int64_t h) {
 }
 
 // ---- prefill scans ------------------------------------------------------------------------------
-// channels c0 .. c1 through every token: the window of 16 channels stays in registers
+// channels c0 .. c1 through every token, 16 at a time, their window carried from token to token
 template <typename T>
 PDS_AVX512 void conv_scan_avx512_rows(const ConvScanArgs& a, int64_t c0, int64_t c1) {
   const int64_t K = a.K, K1 = K - 1;

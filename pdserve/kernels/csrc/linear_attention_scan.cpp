@@ -4,8 +4,8 @@
 // the chunked (matrix) form; this is the recurrence itself, in float32, so its results do not
 // depend on how a prompt is cut into chunks or blocks.
 //
-// First the causal convolution and SiLU over the tokens, per channel with its window in registers,
-// rounding as the decode step does (linear_attention.cpp), tasks of 64 channels; then
+// First the causal convolution and SiLU over the tokens, each channel's window carried from token to
+// token, rounding as the decode step does (linear_attention.cpp), tasks of 64 channels; then
 //
 //   Mamba2, per head h and token t:   S = exp(dt A) S + (dt x) B^T;  y = S C + D x
 //   Gated DeltaNet, per value head:   q, k L2-normalised (q scaled by dk^-0.5); S = exp(g) S;

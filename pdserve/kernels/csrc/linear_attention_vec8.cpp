@@ -162,7 +162,7 @@ PDS_V8 void delta_head(const DeltaStepArgs& a, int64_t b, int64_t h) {
 }
 
 // ---- prefill scans ------------------------------------------------------------------------------
-// channels c0 .. c1 through every token: the window of 8 channels stays in registers
+// channels c0 .. c1 through every token, 8 at a time, their window carried from token to token
 template <typename T>
 PDS_V8 void conv_scan_rows(const ConvScanArgs& a, int64_t c0, int64_t c1) {
   const int64_t K = a.K, K1 = K - 1;
