@@ -101,3 +101,31 @@ class GptOssRMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class ProjectionRMSNorm(nn.Module):
+    """RMSNorm over a whole q or k projection (every head together: OLMo 2, OLMoE, MiniMax-M2)
+    where a rank holds only its heads' part: the sum of squares is summed over the attention
+    ranks ``tp`` and divided by ``tp.size`` times the local width, which is the projection's width
+    when the heads are split and counts each replicated KV head as often as it is held. The
+    weight is this rank's part. ``late_rounding``: the weight multiplies in float32 and the result
+    is rounded once (OLMo 2); otherwise rounded first, as Llama does (OLMoE)."""
+
+    def __init__(self, dim: int, eps: float, tp, late_rounding: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.tp = tp
+        self.late_rounding = late_rounding
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        if self.tp.size == 1:
+            variance = xf.pow(2).mean(-1, keepdim=True)
+        else:
+            squares = self.tp.all_reduce(xf.pow(2).sum(-1, keepdim=True))
+            variance = squares / (self.tp.size * x.shape[-1])
+        xf = xf * torch.rsqrt(variance + self.eps)
+        if self.late_rounding:
+            return (self.weight.float() * xf).to(x.dtype)
+        return self.weight * xf.to(x.dtype)

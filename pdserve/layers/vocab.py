@@ -28,3 +28,13 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return self.tp.all_reduce(out)
+
+
+class MultipliedEmbedding(VocabParallelEmbedding):
+    """Rows times ``multiplier`` (Granite's ``embedding_multiplier``, a Python float as HF applies
+    it), set by the model after construction."""
+
+    multiplier = 1.0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.multiplier

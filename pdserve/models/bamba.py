@@ -17,8 +17,9 @@ from pdserve.layers.attention.base import AttnLayer
 from pdserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import rope_parameters
+from pdserve.models.decoder import run_mlp
 from pdserve.models.glm import PartialRotaryAttention
-from pdserve.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, run_mlp
+from pdserve.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel
 
 LINEAR, ATTENTION = "linear_attention", "full_attention"
 
@@ -90,6 +91,8 @@ class HybridCausalLM(LlamaForCausalLM):
     """A decoder whose layers each keep a recurrent state (a linear-attention mixer, one of
     ``STATE_MIXERS``), attention pages (``layer.self_attn``) or nothing (an MLP-only layer): the
     hybrids' cache specs and attention layers, read off the layers."""
+
+    block = None  # each layer composes its mixer, MLP and norms itself
 
     def kv_cache_specs(self) -> list[Optional[CacheSpec]]:
         dtype = str(self.model.norm.weight.dtype).replace("torch.", "")

@@ -16,6 +16,8 @@ from pdserve.layers.linear import (
     PackedW8A8,
     prepack_linears,
 )
+from pdserve.layers.norm import RMSNorm
+from pdserve.models.decoder import PRE_NORM
 
 
 class CpuPathsMixin:
@@ -74,6 +76,8 @@ class CpuPathsMixin:
             return False  # its attention kernel has no sinks and no soft-cap
         if getattr(self.model.layers[0].mlp, "activation", None) != "silu":
             return False  # its MLP kernel is SiLU-and-mul
+        if not all(_stack_runs(layer) for layer in self.model.own_layers):
+            return False
         first = self.model.layers[0].self_attn
         # batch invariant: the GEMV kernel at every batch size, as the layer-by-layer path runs
         stack = ops.DecodeModel(
@@ -117,3 +121,16 @@ class CpuPathsMixin:
             )
         self.model.decode_stack = stack
         return True
+
+
+def _stack_runs(layer) -> bool:
+    """Whether the C++ stack computes ``layer`` as it is: Llama's pre-norm block of RMSNorms,
+    RoPE on the layer, q/k norms per head if any."""
+    attn = getattr(layer, "self_attn", None)
+    return (
+        getattr(layer, "block", None) == PRE_NORM
+        and type(layer.input_layernorm) is RMSNorm
+        and getattr(attn, "use_rope", False)
+        and getattr(attn, "qk_norm", None) in (None, "head")
+        and (attn.q_norm is None or type(attn.q_norm) is RMSNorm)
+    )

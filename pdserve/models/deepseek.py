@@ -47,7 +47,8 @@ from pdserve.layers.linear import Float32Linear, Linear, RowParallelLinear
 from pdserve.layers.moe.router import GroupedSigmoidTopK, GroupedSoftmaxTopK, Router
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import apply_rotary, rope_parameters
-from pdserve.models.llama import LlamaDecoderLayer, LlamaModel
+from pdserve.models.decoder import PRE_NORM, DecoderLayer
+from pdserve.models.llama import LlamaModel
 from pdserve.models.moe import MoEForCausalLM
 from pdserve.models.weights import TPShards
 
@@ -273,17 +274,18 @@ class MLAttention(nn.Module):
         target.copy_(t)
 
 
-class DeepseekDecoderLayer(LlamaDecoderLayer):
+class DeepseekDecoderLayer(DecoderLayer):
     """Pre-norm block of latent attention and a dense or sparse MLP (``make_mlp``)."""
 
     def __init__(
         self, config, layer_id: int, shards: TPShards, make_mlp=None, interleave: bool = True, **_
     ):
-        nn.Module.__init__(self)
-        self.self_attn = MLAttention(config, layer_id, shards, interleave)
-        self.mlp = make_mlp(config, layer_id, shards)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        super().__init__(
+            MLAttention(config, layer_id, shards, interleave),
+            make_mlp(config, layer_id, shards),
+            PRE_NORM,
+            lambda: RMSNorm(config.hidden_size, config.rms_norm_eps),
+        )
 
 
 class DeepseekModel(LlamaModel):

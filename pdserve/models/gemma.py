@@ -31,20 +31,17 @@ from types import ModuleType
 from typing import Optional
 
 import torch
-from torch import nn
 
 from pdserve.distributed import SINGLE, Parallel, TPGroup
-from pdserve.forward_batch import ForwardBatch
 from pdserve.layers.norm import GemmaRMSNorm
 from pdserve.layers.rotary import rope_parameters
 from pdserve.layers.vocab import VocabParallelEmbedding
+from pdserve.models.decoder import SANDWICH
 from pdserve.models.llama import (
-    LlamaAttention,
+    LlamaDecoderLayer,
     LlamaForCausalLM,
-    LlamaMLP,
     LlamaModel,
     check_layer_types,
-    run_mlp,
 )
 from pdserve.models.weights import TPShards
 
@@ -67,40 +64,17 @@ def is_per_layer_type(params) -> bool:
     return bool(params) and all(isinstance(v, dict) for v in params.values())
 
 
-class GemmaDecoderLayer(nn.Module):
-    """Norms on both sides of attention and of the MLP:
-    ``x += post_attn(attn(in(x)))``, then ``x += post_ff(mlp(pre_ff(x)))``."""
+class GemmaDecoderLayer(LlamaDecoderLayer):
+    """Gemma's RMSNorm at the four places of ``SANDWICH``, the GeGLU MLP, its RoPE table chosen by
+    the layer's type when the config has one per type (Gemma 3)."""
 
-    def __init__(self, config, layer_id: int, shards: TPShards, **attn_kwargs):
-        super().__init__()
-        eps = config.rms_norm_eps
-        self.self_attn = LlamaAttention(
-            config,
-            layer_id,
-            shards,
-            scale=config.query_pre_attn_scalar**-0.5,
-            norm=GemmaRMSNorm,
-            **attn_kwargs,
-        )
-        self.mlp = LlamaMLP(config, shards, activation_field="hidden_activation")
-        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+    norm_cls = GemmaRMSNorm
+    activation_field = "hidden_activation"
+
+    def __init__(self, config, layer_id: int, shards: TPShards, **options):
+        super().__init__(config, layer_id, shards, **options)
         per_type = is_per_layer_type(getattr(config, "rope_parameters", None))
         self.rope_kind = config.layer_types[layer_id] if per_type else "default"
-
-    def forward(self, h, residual, rope, fb: ForwardBatch):
-        """As ``LlamaDecoderLayer.forward``: the stream entering the block is ``h + residual``
-        (``h`` alone for the first layer); returns (post-feedforward output, the stream after
-        attention), the add deferred to the next block's input norm or the final norm."""
-        if residual is None:
-            residual, h = h, self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.post_attention_layernorm(self.self_attn(h, rope, fb))
-        h, residual = self.pre_feedforward_layernorm(h, residual)
-        return self.post_feedforward_layernorm(run_mlp(self.mlp, h, fb)), residual
 
 
 class GemmaModel(LlamaModel):
@@ -134,11 +108,17 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     """Gemma 2: soft-capped attention logits, no q/k norms, one RoPE table."""
 
     model_cls = GemmaModel
+    block = SANDWICH
     attn_softcap = True  # HF's Gemma 3 attention drops the config's soft-cap
 
     def attention_options(self, config) -> dict:
         cap = getattr(config, "attn_logit_softcapping", None) if self.attn_softcap else None
-        return {**super().attention_options(config), "logit_softcap": cap}
+        return {
+            **super().attention_options(config),
+            "logit_softcap": cap,
+            "scale": config.query_pre_attn_scalar**-0.5,
+            "norm": GemmaRMSNorm,
+        }
 
     def __init__(self, config, tp: TPGroup = SINGLE, par: Optional[Parallel] = None, moe=None):
         check_config(config)

@@ -23,18 +23,12 @@ from pdserve.layers.mamba2 import Mamba2Mixer
 from pdserve.layers.moe.router import Router, granite_router
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import rope_parameters
-from pdserve.layers.vocab import VocabParallelEmbedding
+from pdserve.layers.vocab import MultipliedEmbedding
 from pdserve.models.bamba import HybridCausalLM, bamba_dims
-from pdserve.models.llama import LlamaAttention, LlamaModel, run_mlp
+from pdserve.models.decoder import run_mlp
+from pdserve.models.llama import LlamaAttention, LlamaModel
 from pdserve.models.moe import LocalExperts, MoEForCausalLM
 from pdserve.models.nemotron_h import NoRopeAttention
-
-
-class MultipliedEmbedding(VocabParallelEmbedding):
-    multiplier = 1.0
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return super().forward(ids) * self.multiplier
 
 
 class GraniteSharedMLP(nn.Module):

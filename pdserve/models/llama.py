@@ -13,7 +13,7 @@ vocabulary (``TPShards``).
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,12 +25,14 @@ from pdserve.kv_spec import CacheSpec, FullAttention, SlidingWindow
 from pdserve.layers.attention.base import AttnLayer
 from pdserve.layers.linear import Linear, MergedLinear, PackedBF16, RowParallelLinear
 from pdserve.layers.mlp import GatedProjections
-from pdserve.layers.norm import RMSNorm
+from pdserve.layers.norm import ProjectionRMSNorm, RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from pdserve.layers.vocab import VocabParallelEmbedding
 from pdserve.models.cpu_paths import CpuPathsMixin
+from pdserve.models.decoder import PRE_NORM, Block, DecoderLayer
 from pdserve.models.weights import TPShards, checkpoint_weight_names, load_weights, renamed
 
+QK_NORMS = (False, True, None, "head", "projection")
 # First rotary table size; it grows by doubling if a longer sequence arrives.
 _ROPE_INITIAL_POSITIONS = 8192
 
@@ -84,6 +86,7 @@ class LlamaAttention(nn.Module):
         logit_softcap: Optional[float] = None,
         norm: type[nn.Module] = RMSNorm,
         sinks: bool = False,
+        uses_rope: Optional[Callable[[Any, int], bool]] = None,
     ):
         super().__init__()
         self.layer_id = layer_id
@@ -100,11 +103,21 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=o_bias, tp=shards.attn)
-        if qk_norm:
+        if qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm: {qk_norm!r}; expected one of {QK_NORMS}")
+        # "head" (or True): one norm of head_dim per head; "projection": over the whole q and k
+        # projections (OLMo 2), its statistics summed over the attention ranks
+        self.qk_norm = "head" if qk_norm is True else (qk_norm or None)
+        if self.qk_norm == "head":
             self.q_norm = norm(self.head_dim, config.rms_norm_eps)
             self.k_norm = norm(self.head_dim, config.rms_norm_eps)
+        elif self.qk_norm == "projection":
+            self.q_norm = ProjectionRMSNorm(q_size, config.rms_norm_eps, shards.attn)
+            self.k_norm = ProjectionRMSNorm(kv_size, config.rms_norm_eps, shards.attn)
         else:
             self.q_norm = self.k_norm = None
+        # RoPE on this layer (SmolLM3 and Cohere 2 leave some layers without position encoding)
+        self.use_rope = True if uses_rope is None else bool(uses_rope(config, layer_id))
         self.ops: Optional[ModuleType] = None
 
     def forward(
@@ -112,12 +125,15 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         t = h.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(h))
+        if self.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotate(q, k, rope)
+        if self.use_rope:
+            q, k = self.rotate(q, k, rope)
         o = fb.attn_backend.forward(self.attn, q, k, v, fb, sinks=self.sinks)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -142,37 +158,35 @@ class LlamaMLP(GatedProjections):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, tp=shards.tp)
 
 
-def run_mlp(mlp: nn.Module, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-    """The MLP over ``h``; under DP attention it runs tensor-parallel over every group's tokens.
-    A block with its own communication (MoE, replicated MLPs) has ``run(h, dp)``."""
-    run = getattr(mlp, "run", None)
-    if run is not None:
-        return run(h, fb.dp)
-    if fb.dp is None:
-        return mlp(h)
-    return fb.dp.local(mlp(fb.dp.gather(h)))
+class LlamaDecoderLayer(DecoderLayer):
+    """A layer of ``attn_cls`` attention (options ``attn_kwargs``) and the gated MLP, or the
+    model's ``make_mlp`` for this layer (MoE families), with ``norm_cls`` norms placed as ``block``
+    says (pre-norm by default)."""
 
+    attn_cls: type[nn.Module] = LlamaAttention
+    norm_cls: type[nn.Module] = RMSNorm
+    activation_field = "hidden_act"  # the config field naming the gated MLP's activation
 
-class LlamaDecoderLayer(nn.Module):
-    rope_kind = "default"  # the key of its RoPE table in ``LlamaModel.rotaries``
-
-    def __init__(self, config, layer_id: int, shards: TPShards, **attn_kwargs):
-        super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, shards, **attn_kwargs)
-        self.mlp = LlamaMLP(config, shards)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, h, residual, rope, fb):
-        """Pre-norm block; ``residual`` is the stream before this block's input norm (None for the
-        first layer). Returns (mlp output, residual) with the add deferred to the next norm."""
-        if residual is None:
-            residual, h = h, self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(h, rope, fb)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return run_mlp(self.mlp, h, fb), residual
+    def __init__(
+        self,
+        config,
+        layer_id: int,
+        shards: TPShards,
+        block: Block = PRE_NORM,
+        make_mlp: Optional[Callable] = None,
+        mlp_name: str = "mlp",
+        **attn_kwargs,
+    ):
+        norm_cls, eps = self.norm_cls, config.rms_norm_eps
+        super().__init__(
+            self.attn_cls(config, layer_id, shards, **attn_kwargs),
+            LlamaMLP(config, shards, self.activation_field)
+            if make_mlp is None
+            else make_mlp(config, layer_id, shards),
+            block,
+            lambda: norm_cls(config.hidden_size, eps),
+            mlp_name,
+        )
 
 
 def layer_mlps(layer: nn.Module) -> list[nn.Module]:
@@ -272,7 +286,9 @@ class LlamaForCausalLM(CpuPathsMixin, nn.Module):
     whole vocabulary's logits)."""
 
     model_cls: type[nn.Module] = LlamaModel
-    qk_norm = False
+    # where each layer's norms sit (``models/decoder.py``); None: the layers place their own
+    block: Optional[Block] = PRE_NORM
+    qk_norm: bool | str = False  # per-head q/k norms (True, "head") or over the projections
     # checkpoint name prefix -> this model's (a family whose files name a module differently)
     checkpoint_prefixes: dict[str, str] = {}
 
@@ -288,8 +304,10 @@ class LlamaForCausalLM(CpuPathsMixin, nn.Module):
         return dict(qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm)
 
     def layer_options(self, config) -> dict:
-        """Keyword arguments of every decoder layer: the attention's (MoE families add theirs)."""
-        return self.attention_options(config)
+        """Keyword arguments of every decoder layer: its block and the attention's (MoE families
+        add their MLPs)."""
+        block = {} if self.block is None else {"block": self.block}
+        return {**block, **self.attention_options(config)}
 
     def __init__(
         self, config, tp: TPGroup = SINGLE, par: Optional[Parallel] = None, moe: Any = None

@@ -33,8 +33,7 @@ from pdserve.layers.moe.placement import ExpertPlacement, MoEModelInfo
 from pdserve.layers.moe.placement_file import initial_placement
 from pdserve.layers.moe.recorder import ExpertRecorder
 from pdserve.layers.moe.router import Router, mixtral_router, qwen_router
-from pdserve.layers.norm import RMSNorm
-from pdserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from pdserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from pdserve.models.weights import TPShards
 
 
@@ -42,30 +41,8 @@ class MoEDecoderLayer(LlamaDecoderLayer):
     """A Llama block whose MLP is the model's choice for this layer (``MoEForCausalLM.make_mlp``),
     registered under the checkpoint's name (``mlp``, or ``block_sparse_moe`` for Mixtral)."""
 
-    norm_cls: type[nn.Module] = RMSNorm
-    attn_cls: type[nn.Module] = LlamaAttention
 
-    def __init__(
-        self,
-        config,
-        layer_id: int,
-        shards: TPShards,
-        make_mlp=None,
-        mlp_name: str = "mlp",
-        **attn_kwargs,
-    ):
-        nn.Module.__init__(self)
-        self.self_attn = self.attn_cls(config, layer_id, shards, **attn_kwargs)
-        self.mlp_name = mlp_name
-        setattr(self, mlp_name, make_mlp(config, layer_id, shards))
-        self.input_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
-
-
-class MixtralDecoderLayer(MoEDecoderLayer):
-    @property
-    def mlp(self) -> nn.Module:  # the checkpoint calls it block_sparse_moe
-        return self.block_sparse_moe
+MixtralDecoderLayer = MoEDecoderLayer  # its MLP is registered as ``block_sparse_moe``
 
 
 class MoEModel(LlamaForCausalLM.model_cls):
@@ -119,7 +96,7 @@ class MoEForCausalLM(LlamaForCausalLM):
     def layer_options(self, config) -> dict:
         self.moe_context(config)
         return {
-            **self.attention_options(config),
+            **super().layer_options(config),
             "make_mlp": self.make_mlp,
             "mlp_name": self.mlp_name,
         }

@@ -15,7 +15,8 @@ from pdserve.layers.linear import Linear, RowParallelLinear
 from pdserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer
 from pdserve.layers.norm import RMSNorm
 from pdserve.models.bamba import HybridCausalLM
-from pdserve.models.llama import LlamaAttention, LlamaModel, run_mlp
+from pdserve.models.decoder import run_mlp
+from pdserve.models.llama import LlamaAttention, LlamaModel
 
 MAMBA, ATTENTION, MLP = "linear_attention", "full_attention", "mlp"
 

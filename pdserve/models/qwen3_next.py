@@ -27,8 +27,8 @@ from pdserve.layers.linear import MergedLinear
 from pdserve.layers.norm import GemmaRMSNorm
 from pdserve.layers.rotary import rope_parameters
 from pdserve.models.bamba import HybridCausalLM
+from pdserve.models.decoder import run_mlp
 from pdserve.models.glm import PartialRotaryAttention
-from pdserve.models.llama import run_mlp
 from pdserve.models.moe import MoEModel, Qwen2MoeForCausalLM
 from pdserve.models.weights import TPShards
 

@@ -135,6 +135,9 @@ class TPShards:
         D = self.head_dim
         if proj == "q_proj":
             return _rows(src, self.heads[0] * D, self.heads[1] * D)
+        if proj in ("q_norm", "k_norm") and shape and shape[0] != D:  # over the whole projection
+            start, end = self.heads if proj == "q_norm" else self.kv_heads
+            return _rows(src, start * D, end * D)
         if proj == "self_attn" and kind == "sinks":  # one per query head
             return _rows(src, *self.heads)
         if proj in ("k_proj", "v_proj"):
