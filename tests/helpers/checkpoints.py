@@ -81,6 +81,37 @@ ARCHS = {
             rope_parameters=dict(rope_type="default", rope_theta=10000.0),
         ),
     ),
+    # layers RoPE, RoPE, RoPE, NoPE (HF's default marks); the window only on the NoPE layer
+    "smollm3": (
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            use_sliding_window=True,
+            sliding_window=32,
+            tie_word_embeddings=True,
+            pad_token_id=None,
+            rope_parameters=dict(rope_type="default", rope_theta=2000000.0),
+        ),
+    ),
+    # every multiplier away from 1 and large enough that the tokens depend on it (the published
+    # ones, 12 / 0.22, would let the embedding drown these random layers); untied head
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(
+            embedding_multiplier=2.0,
+            residual_multiplier=3.0,
+            attention_multiplier=0.5,
+            logits_scaling=0.25,
+            rope_parameters=dict(rope_type="default", rope_theta=10000000.0),
+        ),
+    ),
+    "olmo2": (
+        "Olmo2Config",
+        "Olmo2ForCausalLM",
+        dict(rope_parameters=dict(rope_type="default", rope_theta=500000.0)),
+    ),
     # layers S, F, S, F; both soft-caps bite at these weights (attention scores reach ~3)
     "gemma2": (
         "Gemma2Config",
@@ -417,7 +448,9 @@ def build_tiny_checkpoint(
     (e.g. ``"2MB"``) saves it sharded with ``model.safetensors.index.json``."""
     if out_dir is None:
         key = json.dumps(
-            [_RECIPE_VERSION, transformers.__version__, arch, overrides, max_shard_size, seed],
+            # the recipe's entry too: editing it makes a new checkpoint
+            [_RECIPE_VERSION, transformers.__version__, arch, ARCHS.get(arch), overrides]
+            + [max_shard_size, seed],
             sort_keys=True,
             default=str,
         )

@@ -1,0 +1,25 @@
+"""OLMo 2 (``Olmo2ForCausalLM``): post-norm blocks (``post_attention_layernorm`` on attention's
+output and ``post_feedforward_layernorm`` on the MLP's, before each joins the stream; no norm
+before either) and q/k norms over the whole projections, before RoPE. Its RMSNorms multiply the
+weight in float32 and round once, as GPT-OSS's do."""
+
+from __future__ import annotations
+
+from pdserve.layers.norm import GptOssRMSNorm
+from pdserve.models.decoder import POST_NORM
+from pdserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+
+class Olmo2DecoderLayer(LlamaDecoderLayer):
+    norm_cls = GptOssRMSNorm
+
+
+class Olmo2Model(LlamaModel):
+    layer_cls = Olmo2DecoderLayer
+    norm_cls = GptOssRMSNorm
+
+
+class Olmo2ForCausalLM(LlamaForCausalLM):
+    model_cls = Olmo2Model
+    block = POST_NORM
+    qk_norm = "projection"
