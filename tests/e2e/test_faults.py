@@ -571,7 +571,7 @@ def test_kill9_prefill_mid_transfer_then_restart(fx, ref):
         p.wait_idle()
 
 
-def test_kill9_decode_mid_stream(fx):
+def test_kill9_decode_mid_stream(fx, ref):
     P1, D2, R = fx["P1"], fx["D2"], fx["R2"]
     longs = prompts(4, 20, seed=41)
     heavy = prompts(12, 600, seed=42)
@@ -598,8 +598,13 @@ def test_kill9_decode_mid_stream(fx):
         o
     ) in long_outs:  # streams through the router: a well-formed error event and [DONE], promptly
         assert o.status == 200 and o.error and o.done and o.t_end - t_kill < DEADLINE_S, o
-    for o in decode_outs:
-        assert not o.ok and o.t_end - t_kill < DEADLINE_S
+    for ids, o in zip(heavy, decode_outs):
+        # a request whose 4 tokens decode had already sent is complete and correct (seen on a
+        # fast host: one of 12); the others end in an error, promptly
+        if o.ok:
+            assert o.output_ids == ref(ids, 4) and o.finish == "length", o
+        else:
+            assert o.t_end - t_kill < DEADLINE_S, o
     # prefill's own detection; the others finished their transfer before the kill, or (a request
     # decode never got to ask for) end at the bootstrap timeout: nothing ties them to that decode
     lost = [
