@@ -129,3 +129,28 @@ class ProjectionRMSNorm(nn.Module):
         if self.late_rounding:
             return (self.weight.float() * xf).to(x.dtype)
         return self.weight * xf.to(x.dtype)
+
+
+class CohereLayerNorm(nn.Module):
+    """Cohere's LayerNorm: ``weight * (x - mean) / sqrt(var + eps)`` with no bias, all in float32
+    and rounded once to the input dtype. No kernel path."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        centred = xf - xf.mean(-1, keepdim=True)
+        xf = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As ``RMSNorm.forward``: with ``residual``, ``(norm(x + residual), x + residual)``."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

@@ -204,3 +204,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """``x``: [T, heads, head_dim]; ``cos``/``sin``: [T, head_dim] in ``x``'s dtype."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + _rotate_half(x) * sin
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved pairs (x0, x1), (x2, x3), ...; the result holds the pairs' first
+    elements, then their second ones (the same dot products as re-interleaving, one copy less).
+    ``cos``/``sin`` [T, r] hold each pair's angle twice (``cat(freqs, freqs)``)."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]  # x: [T, heads, r]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)

@@ -125,12 +125,14 @@ class CpuPathsMixin:
 
 def _stack_runs(layer) -> bool:
     """Whether the C++ stack computes ``layer`` as it is: Llama's pre-norm block of RMSNorms,
-    RoPE on the layer, q/k norms per head if any."""
+    whole-head RoPE by halves on the layer, q/k norms per head if any."""
     attn = getattr(layer, "self_attn", None)
     return (
         getattr(layer, "block", None) == PRE_NORM
         and type(layer.input_layernorm) is RMSNorm
         and getattr(attn, "use_rope", False)
+        and attn.rotary_dim == attn.head_dim
+        and not attn.interleaved
         and getattr(attn, "qk_norm", None) in (None, "head")
         and (attn.q_norm is None or type(attn.q_norm) is RMSNorm)
     )

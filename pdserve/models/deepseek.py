@@ -46,23 +46,13 @@ from pdserve.layers.attention.base import AttnLayer
 from pdserve.layers.linear import Float32Linear, Linear, RowParallelLinear
 from pdserve.layers.moe.router import GroupedSigmoidTopK, GroupedSoftmaxTopK, Router
 from pdserve.layers.norm import RMSNorm
-from pdserve.layers.rotary import apply_rotary, rope_parameters
+from pdserve.layers.rotary import apply_rotary, rope_parameters, rotate_interleaved
 from pdserve.models.decoder import PRE_NORM, DecoderLayer
 from pdserve.models.llama import LlamaModel
 from pdserve.models.moe import MoEForCausalLM
 from pdserve.models.weights import TPShards
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: HF builds them with the default eps
-
-
-def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on interleaved pairs (x0, x1), (x2, x3), ...; the result holds the pairs' first
-    elements, then their second ones (the same dot products as re-interleaving, one copy less).
-    ``cos``/``sin`` [T, r] hold each pair's angle twice (``cat(freqs, freqs)``)."""
-    half = x.shape[-1] // 2
-    c, s = cos[:, None, :half], sin[:, None, :half]  # x: [T, heads, r]
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
 def yarn_mscale(scale: float, mscale: float) -> float:

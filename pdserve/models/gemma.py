@@ -34,7 +34,6 @@ import torch
 
 from pdserve.distributed import SINGLE, Parallel, TPGroup
 from pdserve.layers.norm import GemmaRMSNorm
-from pdserve.layers.rotary import rope_parameters
 from pdserve.layers.vocab import VocabParallelEmbedding
 from pdserve.models.decoder import SANDWICH
 from pdserve.models.llama import (
@@ -43,7 +42,6 @@ from pdserve.models.llama import (
     LlamaModel,
     check_layer_types,
 )
-from pdserve.models.weights import TPShards
 
 
 class ScaledEmbedding(VocabParallelEmbedding):
@@ -59,42 +57,17 @@ class ScaledEmbedding(VocabParallelEmbedding):
         return super().forward(ids) * scale.to(self.weight.dtype)
 
 
-def is_per_layer_type(params) -> bool:
-    """Whether ``rope_parameters`` holds one set per layer type (Gemma 3)."""
-    return bool(params) and all(isinstance(v, dict) for v in params.values())
-
-
 class GemmaDecoderLayer(LlamaDecoderLayer):
-    """Gemma's RMSNorm at the four places of ``SANDWICH``, the GeGLU MLP, its RoPE table chosen by
-    the layer's type when the config has one per type (Gemma 3)."""
+    """Gemma's RMSNorm at the four places of ``SANDWICH``, the GeGLU MLP."""
 
     norm_cls = GemmaRMSNorm
     activation_field = "hidden_activation"
-
-    def __init__(self, config, layer_id: int, shards: TPShards, **options):
-        super().__init__(config, layer_id, shards, **options)
-        per_type = is_per_layer_type(getattr(config, "rope_parameters", None))
-        self.rope_kind = config.layer_types[layer_id] if per_type else "default"
 
 
 class GemmaModel(LlamaModel):
     layer_cls = GemmaDecoderLayer
     norm_cls = GemmaRMSNorm
     embedding_cls = ScaledEmbedding
-
-    @staticmethod
-    def rope_settings(config) -> dict[str, dict]:
-        """One RoPE table per layer type when the config has per-type parameters (Gemma 3), else
-        one for every layer (Gemma 2)."""
-        params = getattr(config, "rope_parameters", None)
-        if not is_per_layer_type(params):
-            return {"default": rope_parameters(config)}
-        missing = sorted(set(config.layer_types) - set(params))
-        if missing:
-            raise ValueError(
-                f"rope_parameters: no settings for the layer type(s) {missing}; got {params}"
-            )
-        return {kind: rope_parameters({"rope_parameters": p}) for kind, p in params.items()}
 
 
 def check_config(config) -> None:

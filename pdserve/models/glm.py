@@ -9,10 +9,8 @@ for the selection, ``n_group``/``topk_group``, renormalised, ``routed_scaling_fa
 
 from __future__ import annotations
 
-import torch
-
 from pdserve.layers.moe.router import Router
-from pdserve.layers.rotary import apply_rotary, rope_parameters
+from pdserve.layers.rotary import rope_parameters
 from pdserve.models.deepseek import DeepseekMoE, sigmoid_router
 from pdserve.models.llama import LlamaAttention
 from pdserve.models.moe import MoEDecoderLayer, MoEModel
@@ -26,24 +24,12 @@ def rotary_fraction(config) -> float:
 
 
 class PartialRotaryAttention(LlamaAttention):
-    """``LlamaAttention`` whose RoPE turns only the first ``rotary_dim`` dims of each head."""
+    """``LlamaAttention`` whose RoPE turns only the config's ``partial_rotary_factor`` of each
+    head (by halves)."""
 
     def __init__(self, config, layer_id, shards, **kwargs):
+        kwargs.setdefault("rotary_fraction", rotary_fraction(config))
         super().__init__(config, layer_id, shards, **kwargs)
-        self.rotary_dim = int(self.head_dim * rotary_fraction(config))
-        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
-            raise ValueError(
-                f"partial_rotary_factor: {rotary_fraction(config)} of head_dim {self.head_dim} gives "
-                f"{self.rotary_dim} rotary dims; need an even number in [2, {self.head_dim}]"
-            )
-
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
-        r = self.rotary_dim
-        cos, sin = (x.to(q.dtype) for x in rope)
-        return (
-            torch.cat([apply_rotary(q[..., :r], cos, sin), q[..., r:]], dim=-1),
-            torch.cat([apply_rotary(k[..., :r], cos, sin), k[..., r:]], dim=-1),
-        )
 
 
 class GlmDecoderLayer(MoEDecoderLayer):

@@ -26,7 +26,12 @@ from pdserve.layers.attention.base import AttnLayer
 from pdserve.layers.linear import Linear, MergedLinear, PackedBF16, RowParallelLinear
 from pdserve.layers.mlp import GatedProjections
 from pdserve.layers.norm import ProjectionRMSNorm, RMSNorm
-from pdserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from pdserve.layers.rotary import (
+    RotaryEmbedding,
+    apply_rotary,
+    rope_parameters,
+    rotate_interleaved,
+)
 from pdserve.layers.vocab import VocabParallelEmbedding
 from pdserve.models.cpu_paths import CpuPathsMixin
 from pdserve.models.decoder import PRE_NORM, Block, DecoderLayer
@@ -56,6 +61,11 @@ def layer_sliding_window(config, layer_id: int) -> Optional[int]:
     return window
 
 
+def is_per_layer_type(params) -> bool:
+    """Whether ``rope_parameters`` holds one set per layer type (Gemma 3, OLMo 3)."""
+    return bool(params) and all(isinstance(v, dict) for v in params.values())
+
+
 def check_layer_types(config) -> None:
     """``config.layer_types`` (families that alternate windowed and full layers): one per layer,
     each a kind this engine runs."""
@@ -67,6 +77,14 @@ def check_layer_types(config) -> None:
         raise ValueError(
             f"layer_types: {unknown} not supported; supported: full_attention, sliding_attention"
         )
+
+
+def norm_eps(config) -> float:
+    """The epsilon of the decoder's norms: ``rms_norm_eps``, or ``layer_norm_eps`` (Cohere)."""
+    for field in ("rms_norm_eps", "layer_norm_eps"):
+        if getattr(config, field, None) is not None:
+            return float(getattr(config, field))
+    raise ValueError("rms_norm_eps: missing from the config (nor layer_norm_eps)")
 
 
 class LlamaAttention(nn.Module):
@@ -87,6 +105,8 @@ class LlamaAttention(nn.Module):
         norm: type[nn.Module] = RMSNorm,
         sinks: bool = False,
         uses_rope: Optional[Callable[[Any, int], bool]] = None,
+        rotary_fraction: float = 1.0,
+        interleaved: bool = False,
     ):
         super().__init__()
         self.layer_id = layer_id
@@ -116,8 +136,16 @@ class LlamaAttention(nn.Module):
             self.k_norm = ProjectionRMSNorm(kv_size, config.rms_norm_eps, shards.attn)
         else:
             self.q_norm = self.k_norm = None
-        # RoPE on this layer (SmolLM3 and Cohere 2 leave some layers without position encoding)
+        # RoPE on this layer (SmolLM3 and Cohere 2 leave some layers without position encoding),
+        # on the first ``rotary_dim`` dims of each head, by halves or by interleaved pairs
         self.use_rope = True if uses_rope is None else bool(uses_rope(config, layer_id))
+        self.rotary_dim = int(self.head_dim * rotary_fraction)
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(
+                f"partial_rotary_factor: {rotary_fraction} of head_dim {self.head_dim} gives "
+                f"{self.rotary_dim} rotary dims; need an even number in [2, {self.head_dim}]"
+            )
+        self.interleaved = interleaved
         self.ops: Optional[ModuleType] = None
 
     def forward(
@@ -138,11 +166,19 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
-        """RoPE on q [T, heads, D] and k [T, kv_heads, D]."""
-        if self.ops is not None:
+        """RoPE on q [T, heads, D] and k [T, kv_heads, D]; ``rope``: cos, sin [T, rotary_dim]."""
+        r, whole = self.rotary_dim, self.rotary_dim == self.head_dim
+        if self.ops is not None and whole and not self.interleaved:
             self.ops.rotary_embedding(q, k, *rope)  # in place, into the qkv output
             return q, k
-        return apply_rotary(q, *rope), apply_rotary(k, *rope)
+        turn = rotate_interleaved if self.interleaved else apply_rotary
+        cos, sin = (x.to(q.dtype) for x in rope)  # float32 where the kernels run
+        if whole:
+            return turn(q, cos, sin), turn(k, cos, sin)
+        return (
+            torch.cat([turn(q[..., :r], cos, sin), q[..., r:]], dim=-1),
+            torch.cat([turn(k[..., :r], cos, sin), k[..., r:]], dim=-1),
+        )
 
 
 class LlamaMLP(GatedProjections):
@@ -177,7 +213,7 @@ class LlamaDecoderLayer(DecoderLayer):
         mlp_name: str = "mlp",
         **attn_kwargs,
     ):
-        norm_cls, eps = self.norm_cls, config.rms_norm_eps
+        norm_cls, eps = self.norm_cls, norm_eps(config)
         super().__init__(
             self.attn_cls(config, layer_id, shards, **attn_kwargs),
             LlamaMLP(config, shards, self.activation_field)
@@ -187,6 +223,8 @@ class LlamaDecoderLayer(DecoderLayer):
             lambda: norm_cls(config.hidden_size, eps),
             mlp_name,
         )
+        if is_per_layer_type(getattr(config, "rope_parameters", None)):
+            self.rope_kind = config.layer_types[layer_id]  # its type's RoPE table
 
 
 def layer_mlps(layer: nn.Module) -> list[nn.Module]:
@@ -225,7 +263,7 @@ class LlamaModel(nn.Module):
             else nn.Identity()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_cls(config.hidden_size, norm_eps(config))
         attn = first_attention(self.own_layers)
         # the dims RoPE turns (all, or a head's first part)
         head_dim = shards.head_dim if attn is None else getattr(attn, "rotary_dim", attn.head_dim)
@@ -242,8 +280,17 @@ class LlamaModel(nn.Module):
 
     @staticmethod
     def rope_settings(config) -> dict[str, dict]:
-        """RoPE parameters by kind (a layer's ``rope_kind``); one kind for the Llama family."""
-        return {"default": rope_parameters(config)}
+        """RoPE parameters by kind (a layer's ``rope_kind``): one table per layer type when the
+        config has per-type parameters (Gemma 3, OLMo 3), else one for every layer."""
+        params = getattr(config, "rope_parameters", None)
+        if not is_per_layer_type(params):
+            return {"default": rope_parameters(config)}
+        missing = sorted(set(config.layer_types) - set(params))
+        if missing:
+            raise ValueError(
+                f"rope_parameters: no settings for the layer type(s) {missing}; got {params}"
+            )
+        return {kind: rope_parameters({"rope_parameters": p}) for kind, p in params.items()}
 
     @property
     def own_layers(self) -> list[nn.Module]:

@@ -15,11 +15,12 @@ weights are replicated.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 
 from pdserve.distributed import SINGLE, TPGroup, kv_heads_for_rank, shard_range
+from pdserve.layers.linear import MergedLinear
 
 # HF projection name -> (our fused module, shard index in it)
 FUSED = {
@@ -28,6 +29,11 @@ FUSED = {
     "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
+}
+# fused projections some families store as one tensor -> the HF names of its row blocks, in order
+FUSED_ON_DISK = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
 }
 # HF weights that carry no parameters of ours
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -50,6 +56,8 @@ class TPShards:
     num_layers: int = 0  # the model's
     embeds: bool = True  # holds the embedding (first stage; the last too when the LM head is tied)
     has_head: bool = True  # computes the logits (last stage)
+    total_heads: int = 0  # the model's query heads
+    total_inter: int = 0  # the model's MLP intermediate size
 
     @classmethod
     def of(
@@ -97,6 +105,8 @@ class TPShards:
             config.num_hidden_layers,
             embeds=pp_rank == 0 or (last and tied),
             has_head=last,
+            total_heads=heads,
+            total_inter=config.intermediate_size,
         )
 
     def holds(self, name: str) -> bool:
@@ -108,6 +118,13 @@ class TPShards:
         if name == "lm_head.weight":
             return self.has_head
         return True  # the final norm: every stage (tiny)
+
+    def fused_rows(self, proj: str) -> tuple[int, ...]:
+        """Rows of each block of a fused projection as a checkpoint stores it (whole model)."""
+        if proj == "qkv_proj":
+            kv = self.total_kv_heads * self.head_dim
+            return (self.total_heads * self.head_dim, kv, kv)
+        return (self.total_inter, self.total_inter)
 
     @property
     def num_heads(self) -> int:
@@ -171,6 +188,25 @@ def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]
     return start, start + base + (1 if pp_rank < extra else 0)
 
 
+class RowSection:
+    """Rows [start, end) of a checkpoint tensor or safetensors slice, read only when indexed (a
+    block of a fused projection)."""
+
+    def __init__(self, src: Any, start: int, end: int):
+        self.src, self.start, self.end = src, start, end
+
+    def get_shape(self) -> list[int]:
+        shape = list(self.src.shape if isinstance(self.src, torch.Tensor) else self.src.get_shape())
+        return [self.end - self.start] + shape[1:]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        rows, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError(f"RowSection: rows must be a plain slice, got {index!r}")
+        a, b, _ = rows.indices(self.end - self.start)
+        return self.src[(slice(self.start + a, self.start + b),) + rest]
+
+
 def _rows(src: Any, start: int, end: int) -> torch.Tensor:
     return src[start:end]
 
@@ -226,6 +262,13 @@ def renamed(name: str, prefixes: dict[str, str]) -> str:
     return name
 
 
+def _module(model: torch.nn.Module, path: str) -> Optional[torch.nn.Module]:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
 def load_weights(
     model: torch.nn.Module, weights: Iterable[tuple[str, Any]], shards: TPShards, tied_head: bool
 ) -> None:
@@ -261,6 +304,18 @@ def load_weights(
                 model.get_submodule(target).load_shard(index, leaf, shards.shard(name, src))
             except ValueError as e:
                 raise ValueError(f"weight {name!r}: {e}") from None
+        elif proj in FUSED_ON_DISK and isinstance(_module(model, module_path), MergedLinear):
+            # stored fused (Phi-3's qkv_proj, GLM-4's gate_up_proj): each block as its own weight
+            shape = tuple(src.shape) if isinstance(src, torch.Tensor) else tuple(src.get_shape())
+            sizes = shards.fused_rows(proj)
+            if not shape or shape[0] != sum(sizes):
+                raise ValueError(f"weight {name!r}: expected {sum(sizes)} rows, got shape {shape}")
+            module, start = model.get_submodule(module_path), 0
+            for index, (part, rows) in enumerate(zip(FUSED_ON_DISK[proj], sizes)):
+                block = RowSection(src, start, start + rows)
+                module.load_shard(index, leaf, shards.shard(f"{parent}.{part}.{leaf}", block))
+                loaded.add(f"{parent}.{part}.{leaf}")
+                start += rows
         else:
             param = params.get(name)
             if param is None:
