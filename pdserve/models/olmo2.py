@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pdserve.layers.norm import GptOssRMSNorm
 from pdserve.models.decoder import POST_NORM
-from pdserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from pdserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, check_layer_types
 
 
 class Olmo2DecoderLayer(LlamaDecoderLayer):
@@ -23,3 +23,12 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     model_cls = Olmo2Model
     block = POST_NORM
     qk_norm = "projection"
+
+
+class Olmo3ForCausalLM(Olmo2ForCausalLM):
+    """OLMo 3: OLMo 2 with sliding-window and global layers by ``layer_types`` and RoPE settings
+    per layer type (the scaling only on the global layers)."""
+
+    def __init__(self, config, *args, **kwargs):
+        check_layer_types(config)
+        super().__init__(config, *args, **kwargs)

@@ -21,7 +21,7 @@ import transformers
 
 from pdserve.models.demo import is_complete, load_gguf_tokenizer, publish_dir
 
-_RECIPE_VERSION = 1  # bump when the recipe changes to invalidate cached checkpoints
+_RECIPE_VERSION = 2  # bump when the recipe changes to invalidate cached checkpoints
 SMOLLM2_VOCAB = 49152
 
 _COMMON = dict(
@@ -81,7 +81,8 @@ ARCHS = {
             rope_parameters=dict(rope_type="default", rope_theta=10000.0),
         ),
     ),
-    # layers RoPE, RoPE, RoPE, NoPE (HF's default marks); the window only on the NoPE layer
+    # layers RoPE, RoPE, RoPE, NoPE (HF's default marks); the window only on the NoPE layer;
+    # untied (tied, the output mostly repeats the input token at these weights)
     "smollm3": (
         "SmolLM3Config",
         "SmolLM3ForCausalLM",
@@ -89,7 +90,7 @@ ARCHS = {
             num_hidden_layers=4,
             use_sliding_window=True,
             sliding_window=32,
-            tie_word_embeddings=True,
+            tie_word_embeddings=False,
             pad_token_id=None,
             rope_parameters=dict(rope_type="default", rope_theta=2000000.0),
         ),
@@ -111,6 +112,67 @@ ARCHS = {
         "Olmo2Config",
         "Olmo2ForCausalLM",
         dict(rope_parameters=dict(rope_type="default", rope_theta=500000.0)),
+    ),
+    # layers S, S, S, F (window 16), RoPE settings per layer type
+    "olmo3": (
+        "Olmo3Config",
+        "Olmo3ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            sliding_window=16,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            rope_parameters=dict(
+                sliding_attention=dict(rope_type="default", rope_theta=500000.0),
+                full_attention=dict(rope_type="linear", rope_theta=500000.0, factor=4.0),
+            ),
+        ),
+    ),
+    # RoPE on interleaved pairs of the first half of each head
+    "glm4": (
+        "Glm4Config",
+        "Glm4ForCausalLM",
+        dict(
+            head_dim=16,
+            pad_token_id=None,
+            rope_parameters=dict(
+                rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5
+            ),
+        ),
+    ),
+    # layers S, S, S, F: RoPE only on the window layers; untied (as the tied default, the output
+    # would mostly repeat the input token at these weights)
+    "cohere2": (
+        "Cohere2Config",
+        "Cohere2ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            sliding_window=16,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            layer_norm_eps=1e-5,
+            logit_scale=0.5,
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="default", rope_theta=50000.0),
+        ),
+    ),
+    "exaone4": (
+        "Exaone4Config",
+        "Exaone4ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            sliding_window=16,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+    ),
+    # 3/4 of each head rotated (Phi-4-mini's factor)
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            rope_parameters=dict(
+                rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.75
+            ),
+        ),
     ),
     # layers S, F, S, F; both soft-caps bite at these weights (attention scores reach ~3)
     "gemma2": (
@@ -398,6 +460,8 @@ _ROUTER_SUFFIXES = (
 )
 # archs whose norm weights are offsets from 1 (drawn from N(0, 0.2) instead of HF's zeros)
 _NORM_OFFSETS = ("gemma2", "gemma3", "qwen3_next")
+# families whose norms are told apart by name or place: weights around 1 instead of HF's ones
+_RANDOM_NORMS = ("smollm3", "granite", "olmo2", "olmo3", "glm4", "cohere2", "exaone4", "phi3")
 
 # Named variants used across tests.
 LLAMA_MQA_TIED = dict(
@@ -471,6 +535,8 @@ def build_tiny_checkpoint(
             for name, param in model.named_parameters():
                 if arch in _NORM_OFFSETS and name.endswith("norm.weight"):
                     param.normal_(0.0, 0.2)
+                if arch in _RANDOM_NORMS and name.endswith("norm.weight"):
+                    param.normal_(1.0, 0.2)
                 if name.endswith(_ROUTER_SUFFIXES):
                     param.mul_(_ROUTER_SCALE)
             for name, buf in model.named_buffers():

@@ -1,0 +1,108 @@
+"""The families composed of the shared blocks (``models/decoder.py``) under tensor parallelism and
+PD, against HF transformers' float32 greedy tokens:
+
+- Command R7B's form (Cohere 2: parallel blocks, window layers with RoPE and global layers
+  without, two cache groups) colocated on 2 ranks and through PD from 1 prefill rank to 2 decode
+  ranks and from 2 to 1;
+- OLMo 2 on 2 ranks (its q/k norms over the whole projections, each rank holding its heads' part
+  and summing the statistics with the other);
+- Phi-3 on 2 ranks (q/k/v and gate/up stored fused in the checkpoint, split per rank by the
+  loader; partial RoPE).
+
+Every pool is free afterwards.
+"""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.e2e.test_engine import hf_greedy
+from tests.e2e.test_tp import all_ranks_idle
+from tests.helpers import cluster as c
+from tests.helpers.checkpoints import build_tiny_checkpoint
+
+NEW_TOKENS = 8
+COMMON = [
+    "--max-total-tokens",
+    "8192",
+    "--page-size",
+    "16",
+    "--chunked-prefill-size",
+    "64",
+    "--disaggregation-bootstrap-timeout",
+    "20",
+    "--disaggregation-waiting-timeout",
+    "20",
+]
+
+
+def prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(n)] for n in (3, 17, 40, 90, 150)]
+
+
+def generate(url: str, ids: list[int]) -> list[int]:
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+    }
+    r = httpx.post(url + "/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("families")
+    models = {arch: build_tiny_checkpoint(arch) for arch in ("cohere2", "olmo2", "phi3")}
+    tp2 = ["--tp-size", "2"]
+    P1, _ = c.prefill("P1cohere", models["cohere2"], logs, *COMMON)
+    P2, _ = c.prefill("P2cohere", models["cohere2"], logs, *COMMON, *tp2)
+    D1 = c.decode("D1cohere", models["cohere2"], logs, *COMMON)
+    D2 = c.decode("D2cohere", models["cohere2"], logs, *COMMON, *tp2)
+    servers = {
+        "P1": P1,
+        "P2": P2,
+        "D1": D1,
+        "D2": D2,
+        "cohere2": c.server("C2cohere", models["cohere2"], logs, *COMMON, *tp2),
+        "olmo2": c.server("C2olmo2", models["olmo2"], logs, *COMMON, *tp2),
+        "phi3": c.server("C2phi3", models["phi3"], logs, *COMMON, *tp2),
+    }
+    routers = {}
+    try:
+        c.start_all(list(servers.values()))
+        routers["1->2"] = c.router("R12cohere", [P1], [D2], logs).start()
+        routers["2->1"] = c.router("R21cohere", [P2], [D1], logs).start()
+        yield models, servers, routers
+    finally:
+        for p in list(routers.values()) + list(servers.values()):
+            p.stop()
+
+
+@pytest.mark.parametrize("arch", ["cohere2", "olmo2", "phi3"])
+def test_tp2_matches_hf(families, arch):
+    models, servers, _ = families
+    server = servers[arch]
+    ps = prompts(seed=len(arch))
+    with ThreadPoolExecutor(3) as ex:
+        outs = list(ex.map(lambda ids: generate(server.url, ids), ps))
+    for ids, out in zip(ps, outs):
+        assert out == hf_greedy(models[arch], ids, NEW_TOKENS), f"prompt of {len(ids)} tokens"
+    all_ranks_idle(server)
+
+
+@pytest.mark.parametrize("pairing", ["1->2", "2->1"])
+def test_pd_across_tp_sizes_matches_hf(families, pairing):
+    models, servers, routers = families
+    ps = prompts(seed=7 if pairing == "1->2" else 8)
+    with ThreadPoolExecutor(3) as ex:
+        outs = list(ex.map(lambda ids: generate(routers[pairing].url, ids), ps))
+    for ids, out in zip(ps, outs):
+        assert out == hf_greedy(models["cohere2"], ids, NEW_TOKENS), f"prompt of {len(ids)} tokens"
+    for name in ("P1", "D2") if pairing == "1->2" else ("P2", "D1"):
+        servers[name].wait_idle()
