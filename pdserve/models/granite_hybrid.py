@@ -138,18 +138,12 @@ MOE_NAMES = {
 }
 
 
-def _renamed(name: str, names: dict[str, str]) -> str:
-    for old, new in names.items():
-        if old in name:
-            return name.replace(old, new, 1)
-    return name
-
-
 class GraniteMoeHybridForCausalLM(HybridCausalLM, LocalExperts, MoEForCausalLM):
     model_cls = GraniteHybridModel
     mlp_name = "block_sparse_moe"
     router_name = "router"
     expert_format = "granite"
+    checkpoint_renames = MOE_NAMES
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -162,13 +156,6 @@ class GraniteMoeHybridForCausalLM(HybridCausalLM, LocalExperts, MoEForCausalLM):
 
     def make_router(self, config) -> Router:
         return granite_router(config)
-
-    def checkpoint_weight_names(self) -> set[str]:
-        back = {new: old for old, new in MOE_NAMES.items()}
-        return {_renamed(n, back) for n in super().checkpoint_weight_names()}
-
-    def load_weights(self, weights) -> None:
-        super().load_weights((_renamed(n, MOE_NAMES), w) for n, w in weights)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) / self.logits_scaling

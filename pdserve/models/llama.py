@@ -35,7 +35,13 @@ from pdserve.layers.rotary import (
 from pdserve.layers.vocab import VocabParallelEmbedding
 from pdserve.models.cpu_paths import CpuPathsMixin
 from pdserve.models.decoder import PRE_NORM, Block, DecoderLayer
-from pdserve.models.weights import TPShards, checkpoint_weight_names, load_weights, renamed
+from pdserve.models.weights import (
+    TPShards,
+    checkpoint_weight_names,
+    load_weights,
+    renamed,
+    renamed_part,
+)
 
 QK_NORMS = (False, True, None, "head", "projection")
 # First rotary table size; it grows by doubling if a longer sequence arrives.
@@ -107,6 +113,7 @@ class LlamaAttention(nn.Module):
         uses_rope: Optional[Callable[[Any, int], bool]] = None,
         rotary_fraction: float = 1.0,
         interleaved: bool = False,
+        qk_norm_rounds_late: bool = True,
     ):
         super().__init__()
         self.layer_id = layer_id
@@ -132,8 +139,11 @@ class LlamaAttention(nn.Module):
             self.q_norm = norm(self.head_dim, config.rms_norm_eps)
             self.k_norm = norm(self.head_dim, config.rms_norm_eps)
         elif self.qk_norm == "projection":
-            self.q_norm = ProjectionRMSNorm(q_size, config.rms_norm_eps, shards.attn)
-            self.k_norm = ProjectionRMSNorm(kv_size, config.rms_norm_eps, shards.attn)
+            late = (
+                qk_norm_rounds_late  # OLMo 2 multiplies the weight in float32, OLMoE after rounding
+            )
+            self.q_norm = ProjectionRMSNorm(q_size, config.rms_norm_eps, shards.attn, late)
+            self.k_norm = ProjectionRMSNorm(kv_size, config.rms_norm_eps, shards.attn, late)
         else:
             self.q_norm = self.k_norm = None
         # RoPE on this layer (SmolLM3 and Cohere 2 leave some layers without position encoding),
@@ -338,6 +348,8 @@ class LlamaForCausalLM(CpuPathsMixin, nn.Module):
     qk_norm: bool | str = False  # per-head q/k norms (True, "head") or over the projections
     # checkpoint name prefix -> this model's (a family whose files name a module differently)
     checkpoint_prefixes: dict[str, str] = {}
+    # part of a checkpoint name -> ours (the first match, once)
+    checkpoint_renames: dict[str, str] = {}
 
     @staticmethod
     def attention_biases(config) -> tuple[bool, bool]:
@@ -438,12 +450,16 @@ class LlamaForCausalLM(CpuPathsMixin, nn.Module):
     def checkpoint_weight_names(self) -> set[str]:
         """HF names of every weight this model needs from a checkpoint."""
         back = {ours: theirs for theirs, ours in self.checkpoint_prefixes.items()}
-        return {renamed(n, back) for n in checkpoint_weight_names(self)}
+        parts = {ours: theirs for theirs, ours in self.checkpoint_renames.items()}
+        return {renamed_part(renamed(n, back), parts) for n in checkpoint_weight_names(self)}
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy HF-named weights (tensors or safetensors slices) into this rank's shard."""
-        if self.checkpoint_prefixes:
-            weights = ((renamed(n, self.checkpoint_prefixes), w) for n, w in weights)
+        if self.checkpoint_prefixes or self.checkpoint_renames:
+            weights = (
+                (renamed_part(renamed(n, self.checkpoint_prefixes), self.checkpoint_renames), w)
+                for n, w in weights
+            )
         load_weights(self, weights, self.shards, tied_head=self.tie_word_embeddings)
 
 

@@ -24,6 +24,8 @@ _MODELS = {
     "Qwen3MoeForCausalLM": ("pdserve.models.moe", "Qwen3MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("pdserve.models.moe", "Qwen2MoeForCausalLM"),
     "MixtralForCausalLM": ("pdserve.models.moe", "MixtralForCausalLM"),
+    "OlmoeForCausalLM": ("pdserve.models.olmoe", "OlmoeForCausalLM"),
+    "MiniMaxM2ForCausalLM": ("pdserve.models.minimax_m2", "MiniMaxM2ForCausalLM"),
     "GptOssForCausalLM": ("pdserve.models.gpt_oss", "GptOssForCausalLM"),
     "DeepseekV2ForCausalLM": ("pdserve.models.deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("pdserve.models.deepseek", "DeepseekV3ForCausalLM"),

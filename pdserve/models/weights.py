@@ -269,6 +269,14 @@ def _module(model: torch.nn.Module, path: str) -> Optional[torch.nn.Module]:
         return None
 
 
+def renamed_part(name: str, parts: dict[str, str]) -> str:
+    """``name`` with the first of ``parts`` it contains replaced (once) by the part's value."""
+    for old, new in parts.items():
+        if old in name:
+            return name.replace(old, new, 1)
+    return name
+
+
 def load_weights(
     model: torch.nn.Module, weights: Iterable[tuple[str, Any]], shards: TPShards, tied_head: bool
 ) -> None:

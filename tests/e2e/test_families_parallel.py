@@ -4,6 +4,7 @@ PD, against HF transformers' float32 greedy tokens:
 - Command R7B's form (Cohere 2: parallel blocks, window layers with RoPE and global layers
   without, two cache groups) colocated on 2 ranks and through PD from 1 prefill rank to 2 decode
   ranks and from 2 to 1;
+- OLMoE (every layer sparse, q/k norms over the projections) through PD 1 -> 2 and 2 -> 1;
 - OLMo 2 on 2 ranks (its q/k norms over the whole projections, each rank holding its heads' part
   and summing the statistics with the other);
 - Phi-3 on 2 ranks (q/k/v and gate/up stored fused in the checkpoint, split per rank by the
@@ -26,6 +27,7 @@ from tests.helpers import cluster as c
 from tests.helpers.checkpoints import build_tiny_checkpoint
 
 NEW_TOKENS = 8
+PD_ARCHS = ("cohere2", "olmoe")  # a dense family with windows, an MoE family
 COMMON = [
     "--max-total-tokens",
     "8192",
@@ -58,26 +60,25 @@ def generate(url: str, ids: list[int]) -> list[int]:
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
     logs = tmp_path_factory.mktemp("families")
-    models = {arch: build_tiny_checkpoint(arch) for arch in ("cohere2", "olmo2", "phi3")}
+    models = {a: build_tiny_checkpoint(a) for a in ("cohere2", "olmo2", "phi3", "olmoe")}
     tp2 = ["--tp-size", "2"]
-    P1, _ = c.prefill("P1cohere", models["cohere2"], logs, *COMMON)
-    P2, _ = c.prefill("P2cohere", models["cohere2"], logs, *COMMON, *tp2)
-    D1 = c.decode("D1cohere", models["cohere2"], logs, *COMMON)
-    D2 = c.decode("D2cohere", models["cohere2"], logs, *COMMON, *tp2)
     servers = {
-        "P1": P1,
-        "P2": P2,
-        "D1": D1,
-        "D2": D2,
-        "cohere2": c.server("C2cohere", models["cohere2"], logs, *COMMON, *tp2),
+        "cohere2": c.server("C2cohere2", models["cohere2"], logs, *COMMON, *tp2),
         "olmo2": c.server("C2olmo2", models["olmo2"], logs, *COMMON, *tp2),
         "phi3": c.server("C2phi3", models["phi3"], logs, *COMMON, *tp2),
     }
+    for arch in PD_ARCHS:
+        servers[f"P1{arch}"] = c.prefill(f"P1{arch}", models[arch], logs, *COMMON)[0]
+        servers[f"P2{arch}"] = c.prefill(f"P2{arch}", models[arch], logs, *COMMON, *tp2)[0]
+        servers[f"D1{arch}"] = c.decode(f"D1{arch}", models[arch], logs, *COMMON)
+        servers[f"D2{arch}"] = c.decode(f"D2{arch}", models[arch], logs, *COMMON, *tp2)
     routers = {}
     try:
         c.start_all(list(servers.values()))
-        routers["1->2"] = c.router("R12cohere", [P1], [D2], logs).start()
-        routers["2->1"] = c.router("R21cohere", [P2], [D1], logs).start()
+        for arch in PD_ARCHS:
+            for p, d in (("1", "2"), ("2", "1")):
+                P, D = servers[f"P{p}{arch}"], servers[f"D{d}{arch}"]
+                routers[f"{arch} {p}->{d}"] = c.router(f"R{p}{d}{arch}", [P], [D], logs).start()
         yield models, servers, routers
     finally:
         for p in list(routers.values()) + list(servers.values()):
@@ -96,13 +97,16 @@ def test_tp2_matches_hf(families, arch):
     all_ranks_idle(server)
 
 
+@pytest.mark.parametrize("arch", PD_ARCHS)
 @pytest.mark.parametrize("pairing", ["1->2", "2->1"])
-def test_pd_across_tp_sizes_matches_hf(families, pairing):
+def test_pd_across_tp_sizes_matches_hf(families, arch, pairing):
     models, servers, routers = families
     ps = prompts(seed=7 if pairing == "1->2" else 8)
     with ThreadPoolExecutor(3) as ex:
-        outs = list(ex.map(lambda ids: generate(routers[pairing].url, ids), ps))
+        outs = list(ex.map(lambda ids: generate(routers[f"{arch} {pairing}"].url, ids), ps))
     for ids, out in zip(ps, outs):
-        assert out == hf_greedy(models["cohere2"], ids, NEW_TOKENS), f"prompt of {len(ids)} tokens"
-    for name in ("P1", "D2") if pairing == "1->2" else ("P2", "D1"):
-        servers[name].wait_idle()
+        assert out == hf_greedy(models[arch], ids, NEW_TOKENS), f"prompt of {len(ids)} tokens"
+    p, d = pairing.split("->")
+    for role, size in (("P", p), ("D", d)):
+        server = servers[f"{role}{size}{arch}"]
+        all_ranks_idle(server) if size == "2" else server.wait_idle()

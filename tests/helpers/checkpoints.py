@@ -248,6 +248,31 @@ ARCHS = {
             rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
         ),
     ),
+    # every layer sparse, 8 experts top 2 not renormalised (HF's default); q/k norms over the
+    # whole projections
+    "olmoe": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
+    # sigmoid routing with a correction bias over 8 experts, top 2; RoPE on half of each head
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        "MiniMaxM2ForCausalLM",
+        dict(
+            head_dim=16,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            rotary_dim=8,
+            rope_parameters=dict(rope_type="default", rope_theta=5000000.0),
+        ),
+    ),
     # layers S, F, S, F (window 8), attention sinks, YaRN RoPE, 4 experts top 2 with biases
     "gpt_oss": (
         "GptOssConfig",
@@ -462,6 +487,7 @@ _ROUTER_SUFFIXES = (
 _NORM_OFFSETS = ("gemma2", "gemma3", "qwen3_next")
 # families whose norms are told apart by name or place: weights around 1 instead of HF's ones
 _RANDOM_NORMS = ("smollm3", "granite", "olmo2", "olmo3", "glm4", "cohere2", "exaone4", "phi3")
+_RANDOM_NORMS += ("olmoe", "minimax_m2")
 
 # Named variants used across tests.
 LLAMA_MQA_TIED = dict(
