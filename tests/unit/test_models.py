@@ -269,3 +269,47 @@ def test_model_attributes_dtype_and_fingerprint():
         fp == model_fingerprint(load_model(path, dtype="bfloat16")[1]) and len(fp) == 16
     )  # dtype is not in it
     assert fp != model_fingerprint(load_model(build_tiny_checkpoint("llama"))[1])
+
+
+@pytest.mark.parametrize(
+    "arch,edit,message",
+    [
+        # an unknown RoPE scaling type, named with its value
+        (
+            "glm4",
+            lambda c: c["rope_parameters"].update(rope_type="dynamic_ntk_foo"),
+            "rope_type: 'dynamic_ntk_foo' is not supported",
+        ),
+        # Phi-3's LongRoPE ("su") is not computed yet
+        (
+            "phi3",
+            lambda c: c.update(
+                rope_parameters=dict(
+                    rope_type="longrope",
+                    rope_theta=10000.0,
+                    partial_rotary_factor=0.75,
+                    short_factor=[1.0] * 6,  # 3/4 of head_dim 16, in pairs
+                    long_factor=[2.0] * 6,
+                    original_max_position_embeddings=64,
+                )
+            ),
+            "rope_type: 'longrope' is not supported",
+        ),
+        ("olmoe", lambda c: c.update(clip_qkv=8.0), "clip_qkv: 8.0 not supported"),
+        (
+            "minimax_m2",
+            lambda c: c.update(quantization_config={"quant_method": "fp8"}),
+            "quantization_config: .*'fp8'",
+        ),
+        ("smollm3", lambda c: c.update(no_rope_layers=[1, 1]), "no_rope_layers: one 0 or 1 per"),
+        (
+            "exaone4",
+            lambda c: c.update(layer_types=["sliding_attention"] * 3 + ["chunked_attention"]),
+            "layer_types: \\['chunked_attention'\\] not supported",
+        ),
+    ],
+)
+def test_family_config_fields_not_computed_are_refused(tmp_path, arch, edit, message):
+    bad = rewrite_config(build_tiny_checkpoint(arch), str(tmp_path / "bad"), edit)
+    with pytest.raises(ValueError, match=message):
+        load_model(bad)
