@@ -201,7 +201,7 @@ class ModelRunner:
                 spec,
                 self.pools[spec.group].num_pages,
                 self.args.page_size,
-                routed_experts.moe_blocks(self.model)[0].ctx,
+                self.model.moe_blocks()[0].ctx,
                 self.device,
                 kv_allocator,
             )

@@ -70,20 +70,11 @@ class RoutedExpertsSpec:
         }
 
 
-def moe_blocks(model) -> list:
-    """The model's ``SparseMoE`` blocks by layer."""
-    from pdserve.layers.moe.layer import SparseMoE
-
-    return sorted(
-        (m for m in model.modules() if isinstance(m, SparseMoE)), key=lambda m: m.layer_id
-    )
-
-
 def plan(model, cache_groups: Sequence) -> Optional[RoutedExpertsSpec]:
     """The store a model needs, or None when it has no MoE layer. ValueError when the ids of
     every token cannot be kept: a model without a cache group that keeps every page. (Pipeline
     stages, which see only their own layers, are refused with the flag in ``ServerArgs``.)"""
-    blocks = moe_blocks(model)
+    blocks = model.moe_blocks()
     if not blocks:
         logger.warning(
             "%s: the model has no MoE layers; requests that ask for routed experts get 400", FLAG

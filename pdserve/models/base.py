@@ -71,6 +71,12 @@ class CausalLM(Protocol):
         """Prepack matmul weights for bf16 (or int8) on CPU, and with ``batch_invariant`` for any
         dtype, on matmuls whose rows do not depend on each other; returns the packed bytes."""
 
+    # MoE facets (a dense model has no blocks and no recorder)
+    expert_recorder: Any  # the expert-distribution recorder (``layers/moe/recorder.py``) or None
+
+    def moe_blocks(self) -> list:
+        """The sparse MoE blocks (``layers/moe/layer.SparseMoE``) this rank runs, by layer."""
+
     def enable_decode_stack(self, ops: ModuleType, batch_invariant: bool = False) -> bool:
         """Offer a fused decode-step implementation (e.g. the C++ Llama stack); False when the
         model has none for its configuration."""

@@ -433,6 +433,11 @@ class LlamaForCausalLM(CpuPathsMixin, nn.Module):
     def idle_forward(self, dp) -> None:
         self.model.idle_forward(dp)
 
+    expert_recorder = None  # MoE families set theirs
+
+    def moe_blocks(self) -> list:
+        return []  # dense; ``MoEForCausalLM`` lists its blocks
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             local = self.lm_head(hidden).float()  # a no-op copy when the head outputs float32

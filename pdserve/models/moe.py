@@ -180,6 +180,11 @@ class MoEForCausalLM(LlamaForCausalLM):
             shared_name=self.shared_name,
         )
 
+    def moe_blocks(self) -> list[SparseMoE]:
+        return sorted(
+            (m for m in self.modules() if isinstance(m, SparseMoE)), key=lambda m: m.layer_id
+        )
+
     # ---- CPU fast paths ---------------------------------------------------------------------
     def prepack(
         self, ops, quantization: Optional[str] = None, batch_invariant: bool = False
@@ -187,20 +192,18 @@ class MoEForCausalLM(LlamaForCausalLM):
         total = super().prepack(ops, quantization, batch_invariant)
         if getattr(self, "_moe_ctx", None) is None:  # a family's dense form: no MoE layers
             return total
-        for module in self.modules():
-            if isinstance(module, Router):
-                total += module.prepack(ops, batch_invariant)
+        for block in self.moe_blocks():
+            total += getattr(block, block.router_name).prepack(ops, batch_invariant)
         runner = self._moe_ctx.options.runner
         if runner in ("auto", "fused") or batch_invariant:
-            for module in self.modules():
-                if isinstance(module, Experts):
-                    packed = module.prepack(ops, quantization, batch_invariant)
-                    if packed == 0 and runner == "fused":
-                        raise ValueError(
-                            "moe_runner_backend: 'fused' needs pdserve's CPU kernels, which are "
-                            "not available here (see the log); use 'auto'"
-                        )
-                    total += packed
+            for block in self.moe_blocks():
+                packed = block.experts.prepack(ops, quantization, batch_invariant)
+                if packed == 0 and runner == "fused":
+                    raise ValueError(
+                        "moe_runner_backend: 'fused' needs pdserve's CPU kernels, which are "
+                        "not available here (see the log); use 'auto'"
+                    )
+                total += packed
         return total
 
     def enable_decode_stack(self, ops, batch_invariant: bool = False) -> bool:
