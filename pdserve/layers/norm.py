@@ -49,7 +49,24 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
 
-class GemmaRMSNorm(nn.Module):
+class AddNorm(nn.Module):
+    """A norm (``_norm``) that may take the residual add before it, in torch: with ``residual``,
+    ``x + residual`` (in the activation dtype, as HF's decoder layers add) becomes the new stream
+    and ``(norm(x + residual), x + residual)`` is returned."""
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
+class GemmaRMSNorm(AddNorm):
     """Gemma's RMSNorm: ``x / sqrt(mean(x^2) + eps) * (1 + weight)``, all in float32 and rounded to
     the input dtype once at the end (Llama rounds before the weight multiplies; HF Gemma after).
     The checkpoint stores the weight as an offset from 1 (HF initialises it to zeros). There is no
@@ -65,17 +82,8 @@ class GemmaRMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
-    def forward(
-        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """As ``RMSNorm.forward``: with ``residual``, ``(norm(x + residual), x + residual)``."""
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
 
-
-class GptOssRMSNorm(nn.Module):
+class GptOssRMSNorm(AddNorm):
     """GPT-OSS's RMSNorm: ``weight * x / sqrt(mean(x^2) + eps)`` with the weight's product taken in
     float32 and one rounding to the input dtype at the end (HF: ``(weight * x).to(dtype)``;
     Llama rounds before the weight multiplies). The weight may be held in any float dtype (HF
@@ -91,16 +99,6 @@ class GptOssRMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * xf).to(x.dtype)
-
-    def forward(
-        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """As ``RMSNorm.forward``: with ``residual``, ``(norm(x + residual), x + residual)``, the add
-        in the activation dtype as HF's decoder layer does it."""
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
 
 
 class ProjectionRMSNorm(nn.Module):
@@ -131,7 +129,7 @@ class ProjectionRMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-class CohereLayerNorm(nn.Module):
+class CohereLayerNorm(AddNorm):
     """Cohere's LayerNorm: ``weight * (x - mean) / sqrt(var + eps)`` with no bias, all in float32
     and rounded once to the input dtype. No kernel path."""
 
@@ -145,12 +143,3 @@ class CohereLayerNorm(nn.Module):
         centred = xf - xf.mean(-1, keepdim=True)
         xf = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * xf).to(x.dtype)
-
-    def forward(
-        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """As ``RMSNorm.forward``: with ``residual``, ``(norm(x + residual), x + residual)``."""
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x

@@ -9,31 +9,16 @@ import torch
 
 from pdserve.layers.norm import CohereLayerNorm
 from pdserve.models.decoder import Block
-from pdserve.models.llama import (
-    LlamaDecoderLayer,
-    LlamaForCausalLM,
-    LlamaModel,
-    check_layer_types,
-    layer_sliding_window,
-)
+from pdserve.models.llama import LlamaForCausalLM, check_layer_types, layer_sliding_window
 
 
 def uses_rope(config, layer_id: int) -> bool:
     return layer_sliding_window(config, layer_id) is not None
 
 
-class Cohere2DecoderLayer(LlamaDecoderLayer):
-    norm_cls = CohereLayerNorm
-
-
-class Cohere2Model(LlamaModel):
-    layer_cls = Cohere2DecoderLayer
-    norm_cls = CohereLayerNorm
-
-
 class Cohere2ForCausalLM(LlamaForCausalLM):
-    model_cls = Cohere2Model
     block = Block(mlp_in=None, parallel=True)
+    norm_cls = CohereLayerNorm
 
     def __init__(self, config, *args, **kwargs):
         check_layer_types(config)

@@ -221,9 +221,10 @@ class LlamaDecoderLayer(DecoderLayer):
         block: Block = PRE_NORM,
         make_mlp: Optional[Callable] = None,
         mlp_name: str = "mlp",
+        norm_cls: Optional[type[nn.Module]] = None,
         **attn_kwargs,
     ):
-        norm_cls, eps = self.norm_cls, norm_eps(config)
+        norm_cls, eps = norm_cls or self.norm_cls, norm_eps(config)
         super().__init__(
             self.attn_cls(config, layer_id, shards, **attn_kwargs),
             LlamaMLP(config, shards, self.activation_field)
@@ -273,7 +274,9 @@ class LlamaModel(nn.Module):
             else nn.Identity()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = self.norm_cls(config.hidden_size, norm_eps(config))
+        # the family's norm class (``LlamaForCausalLM.norm_cls``) or the model's
+        norm_cls = attn_kwargs.get("norm_cls") or self.norm_cls
+        self.norm = norm_cls(config.hidden_size, norm_eps(config))
         attn = first_attention(self.own_layers)
         # the dims RoPE turns (all, or a head's first part)
         head_dim = shards.head_dim if attn is None else getattr(attn, "rotary_dim", attn.head_dim)
@@ -345,6 +348,8 @@ class LlamaForCausalLM(CpuPathsMixin, nn.Module):
     model_cls: type[nn.Module] = LlamaModel
     # where each layer's norms sit (``models/decoder.py``); None: the layers place their own
     block: Optional[Block] = PRE_NORM
+    # the class of every layer's norms and the final one (None: the model's, RMSNorm for Llama)
+    norm_cls: Optional[type[nn.Module]] = None
     qk_norm: bool | str = False  # per-head q/k norms (True, "head") or over the projections
     # checkpoint name prefix -> this model's (a family whose files name a module differently)
     checkpoint_prefixes: dict[str, str] = {}
@@ -366,7 +371,8 @@ class LlamaForCausalLM(CpuPathsMixin, nn.Module):
         """Keyword arguments of every decoder layer: its block and the attention's (MoE families
         add their MLPs)."""
         block = {} if self.block is None else {"block": self.block}
-        return {**block, **self.attention_options(config)}
+        norm = {} if self.norm_cls is None else {"norm_cls": self.norm_cls}
+        return {**block, **norm, **self.attention_options(config)}
 
     def __init__(
         self, config, tp: TPGroup = SINGLE, par: Optional[Parallel] = None, moe: Any = None

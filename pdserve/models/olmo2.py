@@ -7,21 +7,12 @@ from __future__ import annotations
 
 from pdserve.layers.norm import GptOssRMSNorm
 from pdserve.models.decoder import POST_NORM
-from pdserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, check_layer_types
-
-
-class Olmo2DecoderLayer(LlamaDecoderLayer):
-    norm_cls = GptOssRMSNorm
-
-
-class Olmo2Model(LlamaModel):
-    layer_cls = Olmo2DecoderLayer
-    norm_cls = GptOssRMSNorm
+from pdserve.models.llama import LlamaForCausalLM, check_layer_types
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
-    model_cls = Olmo2Model
     block = POST_NORM
+    norm_cls = GptOssRMSNorm
     qk_norm = "projection"
 
 
