@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.api_key import APIKeyMiddleware
+from pdserve.keepalive import SERVER_IDLE_S
 from pdserve.log import setup_logging
 from pdserve.router import pairing, processes, worker_api
 from pdserve.router.args import RouterArgs, parse_args
@@ -447,6 +448,7 @@ def serve(args: RouterArgs, role: str = "router", sockets=None) -> None:
         log_level=level,
         access_log=False,
         timeout_graceful_shutdown=10,
+        timeout_keep_alive=SERVER_IDLE_S,  # pooling clients close theirs first
     )
     uvicorn.Server(config).run(sockets=sockets)
 

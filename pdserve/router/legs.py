@@ -24,6 +24,7 @@ from typing import AsyncIterator
 import aiohttp
 from starlette.responses import StreamingResponse
 
+from pdserve.keepalive import CLIENT_IDLE_S
 from pdserve.router.protocol import event_boundary
 from pdserve.router.workers import Worker
 
@@ -77,7 +78,7 @@ class LegAborted(UpstreamError):
 def new_session(timeout: float, headers: dict) -> aiohttp.ClientSession:
     """The client of the legs: ``timeout`` for each read and for a free connection, connecting
     within 10 s; bodies passed on as they come (no decompression)."""
-    limits = aiohttp.TCPConnector(limit=4096, limit_per_host=0, keepalive_timeout=30)
+    limits = aiohttp.TCPConnector(limit=4096, limit_per_host=0, keepalive_timeout=CLIENT_IDLE_S)
     return aiohttp.ClientSession(
         connector=limits,
         headers=headers,

@@ -25,6 +25,7 @@ import sys
 from typing import Optional
 
 from pdserve.config import ServerArgs
+from pdserve.keepalive import SERVER_IDLE_S
 from pdserve.log import role_tag, setup_logging
 from pdserve.server.scheduler_client import SchedulerClient
 
@@ -140,6 +141,7 @@ def _serve_http(server_args: ServerArgs, tokenizer, client: SchedulerClient) -> 
         log_level=server_args.log_level,
         access_log=server_args.enable_access_log,
         timeout_graceful_shutdown=5,
+        timeout_keep_alive=SERVER_IDLE_S,  # pooling clients close theirs first
     )
     server = uvicorn.Server(config)
     asyncio.run(server.serve())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -166,3 +167,20 @@ def test_abort_request_by_rid_ends_the_stream_with_an_error(live):
     assert events[-1] == "[DONE]"
     assert "error" in events[-2] and events[-2]["error"]["code"] == 499
     assert all(len(e["output_ids"]) < LONG["max_new_tokens"] for e in events[:-2])
+
+
+def test_an_idle_connection_outlives_pooling_clients(live):
+    """A client that pools connections (pdserve's router keeps idle ones 30 s) sends its next
+    request on a connection that sat idle: the server must not have closed it (uvicorn's default
+    closes after 5 s, and the request racing that close failed with "Server disconnected")."""
+    from pdserve.keepalive import CLIENT_IDLE_S, SERVER_IDLE_S
+
+    assert SERVER_IDLE_S > max(CLIENT_IDLE_S, 90)  # 90 s: reqwest's pool, in sglang-router
+    host, port = live.url.removeprefix("http://").split(":")
+    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        time.sleep(7)  # past uvicorn's default keep-alive
+        sock.sendall(request)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200"), "the server closed an idle connection"
