@@ -3,6 +3,7 @@ compare it with, both on the same tiny random Llama checkpoint."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -182,3 +183,30 @@ def reference(offline_engine):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def _integrity_after(request):
+    """An offline engine a test left in ``request.node._engine``: its pools consistent, then let
+    go (pytest keeps every test's node for the whole session; a fixture may still hold it)."""
+    yield
+    eng = getattr(request.node, "_engine", None)
+    if eng is not None:
+        del request.node._engine
+        eng.check_integrity()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_hf_models():
+    """HF reference models and outputs cached by a module's tests (``test_engine``'s, the bf16
+    and MoE modules'), dropped when it ends: the suite's process would hold every family's."""
+    yield
+    for module in (
+        "tests.e2e.test_engine",
+        "tests.e2e.test_engine_bf16",
+        "tests.e2e.test_engine_moe",
+    ):
+        cache_module = sys.modules.get(module)
+        for name in ("_hf_cache", "_hf", "_hf_rounded"):
+            getattr(cache_module, name, {}).clear()
+    gc.collect()

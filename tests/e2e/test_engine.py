@@ -56,14 +56,6 @@ def make_engine(path: str, **kw) -> "pdserve.Engine":
     return pdserve.Engine(model_path=path, **kw)
 
 
-@pytest.fixture(autouse=True)
-def _integrity_after(request):
-    yield
-    eng = getattr(request.node, "_engine", None)
-    if eng is not None:
-        eng.check_integrity()
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_greedy_matches_hf_batched_chunked(arch, page_size, request):
