@@ -55,6 +55,9 @@ class ForwardBatch:
     page_size: int = (
         0  # tokens per page (where a state snapshot is taken: layers/state_snapshots.py)
     )
+    # per request: the length of its whole sequence so far (prompt and output), the one its KV
+    # is computed for (LongRoPE picks its tables by it); None: each request's ``seq_lens``
+    full_lens: Optional[list[int]] = None
 
     @property
     def batch_size(self) -> int:

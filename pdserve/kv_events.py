@@ -74,6 +74,12 @@ def block_hash(parent: Optional[int], tokens) -> int:
     return int.from_bytes(h.digest(), "big") >> 1
 
 
+def namespace_hash(namespace: int) -> Optional[int]:
+    """The parent of a prefix-cache namespace's first blocks (None: the default namespace). Token
+    ids are never negative, so no block of tokens hashes to it."""
+    return None if namespace == 0 else block_hash(None, (-1, namespace))
+
+
 def chain_hashes(parent: Optional[int], tokens, page_size: int) -> list[int]:
     """The hashes of the full pages of ``tokens``, chained from ``parent``."""
     out = []

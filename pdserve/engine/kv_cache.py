@@ -19,12 +19,18 @@ slot from the snapshot at the end of the match (``restore``). The anchor group, 
 one, counts a request's logical pages and is group 0 of the prefix tree; the tree keys the
 cacheable groups only.
 
+Namespaces: KV computed for a sequence of n tokens belongs to the prefix tree's namespace of n
+(``namespace``, the model's ``prefix_namespace``: 0 for every length but past LongRoPE's original
+context). A request matches in the namespace of the sequence it computes (its prompt, or prompt
+and output when recomputed) and its pages go back into the one they were computed in
+(``KVSlots.namespace``); a request whose sequence grows into another namespace is ``stale``.
+
 Only the scheduler loop calls it; not thread-safe.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from pdserve.engine.cache_policy import CachePolicy, policy_for
 from pdserve.engine.kv_pool import BaseKVPool
@@ -40,8 +46,10 @@ class KVCacheManager:
         pools: list[BaseKVPool],
         page_size: int,
         disable_radix_cache: bool = False,
+        namespace: Optional[Callable[[int], int]] = None,
     ):
         self.groups = groups
+        self.namespace = namespace or (lambda seq_len: 0)
         self.page_size = page_size
         self.specs = [g.spec for g in groups]
         self.allocators = [p.allocator for p in pools]
@@ -159,13 +167,25 @@ class KVCacheManager:
             ids.extend(items)
         return True
 
+    def cached_pages(self, req: Req, max_pages: int) -> int:
+        """Pages of ``req``'s prefix the tree holds (no lock taken; LRU times refreshed)."""
+        pages, _ = self.tree.match_prefix(
+            req.all_ids, max_pages=max_pages, namespace=self.namespace(req.seq_len)
+        )
+        return len(pages)
+
+    def stale(self, req: Req) -> bool:
+        """Whether ``req``'s sequence has grown past what its KV was computed for (it must be
+        computed again)."""
+        return req.kv is not None and self.namespace(req.seq_len) != req.kv.namespace
+
     def _match(
-        self, token_ids: list[int], max_pages: int
+        self, token_ids: list[int], max_pages: int, namespace: int
     ) -> tuple[list[list[int]], object, list[int]]:
         """The prefix tree's longest usable prefix: the pages per paged group (none for the
         groups the tree does not key), its node, and per group the tree's item a hit restores
         the request's own from (0: none)."""
-        found, node = self.tree.match_groups(token_ids, max_pages=max_pages)
+        found, node = self.tree.match_groups(token_ids, max_pages=max_pages, namespace=namespace)
         pages, restore = [], []
         for g, policy in enumerate(self.policies):
             ids = list(found[self._tree_index[g]]) if g in self._tree_index else []
@@ -177,10 +197,13 @@ class KVCacheManager:
         """Match ``req``'s prefix (at most ``max_pages`` pages) and take what up to ``budget``
         tokens past it need, keeping ``reserve`` pages of each paged group for running requests.
         False (nothing held) when it does not fit now."""
-        pages, node, restore = self._match(req.all_ids, max_pages)
+        namespace = self.namespace(req.seq_len)
+        pages, node, restore = self._match(req.all_ids, max_pages, namespace)
         self.tree.inc_lock(node)
         cached = len(pages[self.anchor])
-        req.kv = KVSlots(pages, cached, node, [0] * self.num_groups, self.anchor)
+        req.kv = KVSlots(
+            pages, cached, node, [0] * self.num_groups, self.anchor, namespace=namespace
+        )
         req.kv_len = req.kv.computed_from = cached * self.page_size
         ext = min(req.extend_len, budget)
         needs = self._needs(req.kv, req.kv_len + ext)
@@ -219,7 +242,12 @@ class KVCacheManager:
                     kv.pages[g], full, req.kv_len, kv.computed_from
                 )
             cached = [given[g] for g in self.cached_groups]
-            self.tree.insert(req.all_ids[: full * self.page_size], cached[0], cached[1:])
+            self.tree.insert(
+                req.all_ids[: full * self.page_size],
+                cached[0],
+                cached[1:],
+                namespace=kv.namespace,
+            )
         self.free(
             self.policies[g].released(
                 ids, max(kept, kv.cached) if g in self._tree_index else 0, given[g]
@@ -267,7 +295,8 @@ class KVCacheManager:
         items per group, in logical order from ``transfer_start``; the cached prefix in pages),
         or None (nothing held) when a group lacks room beyond ``reserve`` pages."""
         n = req.prompt_len
-        pages, node, _ = self._match(req.input_ids, (n - 1) // self.page_size)
+        namespace = self.namespace(n)  # prefill computes the prompt
+        pages, node, _ = self._match(req.input_ids, (n - 1) // self.page_size, namespace)
         cached = len(pages[self.anchor])
         node = node if cached else None
         counts = self.transfer_counts(n, cached)
@@ -296,6 +325,7 @@ class KVCacheManager:
             [0] * self.num_groups,
             self.anchor,
             computed_from=n,  # decode computes from the end of the prompt on
+            namespace=namespace,
         )
         return [new[:c] for new, c in zip(got, counts)], cached
 

@@ -379,8 +379,10 @@ class ModelRunner:
         page_lists: list[list[list[int]]],
         logits_idx: list[int],
         dp_counts: Optional[list[int]] = None,
+        full_lens: Optional[list[int]] = None,
     ) -> ForwardBatch:
-        """``page_lists[i][g]``: request i's pages of cache group g (0: not kept)."""
+        """``page_lists[i][g]``: request i's pages of cache group g (0: not kept);
+        ``full_lens[i]``: its whole sequence's length (``ForwardBatch.full_lens``)."""
         dev = self.device
         page = self.args.page_size
         max_pages = max(len(ids) for p in page_lists for ids in p)
@@ -415,9 +417,18 @@ class ModelRunner:
             logits_idx=torch.tensor(logits_idx, dtype=torch.long, device=dev),
             attn_backend=self.attn_backend,
             dp=DPGather(self.par, dp_counts) if dp_counts is not None else None,
+            full_lens=full_lens,
         )
         if self.par.pp_size > 1:  # the pipeline splits the batch into micro-batches
-            fb.parts = (input_ids, positions, prefix_lens, extend_lens, page_lists, logits_idx)
+            fb.parts = (
+                input_ids,
+                positions,
+                prefix_lens,
+                extend_lens,
+                page_lists,
+                logits_idx,
+                full_lens,
+            )
         return fb
 
     @torch.inference_mode()

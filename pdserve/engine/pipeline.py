@@ -37,7 +37,7 @@ def num_micro_batches(num_tokens: int, pp_size: int) -> int:
 def split(parts: tuple, n: int) -> list[tuple[tuple, int]]:
     """Cut a batch (the lists ``ModelRunner.make_forward_batch`` takes) into ``n`` batches of
     about equal token counts; returns (lists, first flattened token) per micro-batch."""
-    input_ids, positions, prefix_lens, extend_lens, page_lists, logits_idx = parts
+    input_ids, positions, prefix_lens, extend_lens, page_lists, logits_idx, full_lens = parts
     total = len(input_ids)
     bounds = [round(total * k / n) for k in range(n + 1)]
     starts, acc = [], 0
@@ -48,15 +48,17 @@ def split(parts: tuple, n: int) -> list[tuple[tuple, int]]:
     for lo, hi in zip(bounds, bounds[1:]):
         if hi <= lo:
             continue
-        pre, ext, pages = [], [], []
+        pre, ext, pages, fulls = [], [], [], []
         for i, (s, e) in enumerate(zip(starts, extend_lens)):
             a, b = max(lo, s), min(hi, s + e)
             if a < b:
                 pre.append(prefix_lens[i] + a - s)
                 ext.append(b - a)
                 pages.append(page_lists[i])
+                fulls.append(None if full_lens is None else full_lens[i])
         rows = [r - lo for r in logits_idx if lo <= r < hi]
-        out.append(((input_ids[lo:hi], positions[lo:hi], pre, ext, pages, rows), lo))
+        fulls = None if full_lens is None else fulls
+        out.append(((input_ids[lo:hi], positions[lo:hi], pre, ext, pages, rows, fulls), lo))
     return out
 
 
@@ -88,7 +90,8 @@ def pipeline_forward(runner: "ModelRunner", fb: ForwardBatch) -> torch.Tensor:
     pending = []  # sends in flight (with their buffers)
     logits = []
     for parts, _ in split(fb.parts, num_micro_batches(len(fb.parts[0]), par.pp_size)):
-        mb = runner.make_forward_batch(*parts)
+        *lists, full_lens = parts
+        mb = runner.make_forward_batch(*lists, full_lens=full_lens)
         runner.attn_backend.init_forward(mb)
         t = len(parts[0])
         if par.is_first_stage:

@@ -16,6 +16,11 @@ keeps a snapshot of the state, so a hit ends on such a page (SGLang's Mamba radi
 leaf ends on one (the cache manager inserts nothing without it, eviction takes such leaves
 whole), so every block that KV events report stored lies on a path a prompt can hit through.
 
+Namespaces: requests whose KV of the same tokens differs (LongRoPE computes a prompt longer than
+the original context with other frequencies: ``CausalLM.prefix_namespace``) match and insert in
+a tree of their own, under a root per namespace; their blocks' hashes chain from the
+namespace's (``kv_events.namespace_hash``), so an event never claims a hit across namespaces.
+
 Ownership: a page is either free in the allocator, held by the tree, or held by a running
 request (its "in use" pages, not yet inserted). ``insert`` hands pages to the tree; the tree
 gives them back to the allocator only through ``evict``/``reset`` or as duplicates on insert.
@@ -32,7 +37,13 @@ import heapq
 from typing import Iterator, Optional, Sequence, Union
 
 from pdserve.engine.kv_pool import PageAllocator
-from pdserve.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, chain_hashes
+from pdserve.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    chain_hashes,
+    namespace_hash,
+)
 
 
 class Node:
@@ -91,12 +102,25 @@ class RadixCache:
         ]
         self.page_size = page_size
         self.disable = disable
-        self.root = self._node((), [], None)
+        self.roots: dict[int, Node] = {0: self._node((), [], None)}  # namespace -> root
         self._clock = 0  # logical time for LRU; ticks on every match/insert
         self._total = [0] * self.num_groups  # pages held per group
         self._protected = [0] * self.num_groups  # ... in nodes with lock_ref > 0
         # KV events (``kv_events.py``): a list that collects them, None when off
         self.events: Optional[list] = None
+
+    @property
+    def root(self) -> Node:
+        """The default namespace's root."""
+        return self.roots[0]
+
+    def _root(self, namespace: int) -> Node:
+        root = self.roots.get(namespace)
+        if root is None:
+            root = self.roots[namespace] = self._node((), [], None)
+            seed = namespace_hash(namespace)
+            root.hashes = [] if seed is None else [seed]
+        return root
 
     # ----- counters (O(1); the scheduler reads them every step) -----
     def total_pages(self, group: int = 0) -> int:
@@ -121,30 +145,30 @@ class RadixCache:
 
     # ----- lookup and insertion -----
     def match_prefix(
-        self, token_ids: list[int], *, max_pages: Optional[int] = None
+        self, token_ids: list[int], *, max_pages: Optional[int] = None, namespace: int = 0
     ) -> tuple[list[int], Node]:
         """Longest cached prefix of ``token_ids`` in full pages (at most ``max_pages``): group 0's
         pages in order and the node ending exactly at the match (root if none). The caller caps
         ``max_pages`` when it needs at least one token left to compute."""
-        pages, node = self.match_groups(token_ids, max_pages=max_pages)
+        pages, node = self.match_groups(token_ids, max_pages=max_pages, namespace=namespace)
         return pages[0], node
 
     def match_groups(
-        self, token_ids: list[int], *, max_pages: Optional[int] = None
+        self, token_ids: list[int], *, max_pages: Optional[int] = None, namespace: int = 0
     ) -> tuple[list[list[int]], Node]:
         """``match_prefix`` for every group: the pages per group (tombstones as 0) of the longest
         prefix at whose end every group holds what its next query sees."""
         if self.disable:
             return [[] for _ in range(self.num_groups)], self.root
         if self._windowed or self._stateful:
-            max_pages = self._usable_pages(token_ids, max_pages)
-        return self._walk(token_ids, max_pages)
+            max_pages = self._usable_pages(token_ids, max_pages, namespace)
+        return self._walk(token_ids, max_pages, namespace=namespace)
 
-    def _usable_pages(self, token_ids: list[int], max_pages: Optional[int]) -> int:
+    def _usable_pages(self, token_ids: list[int], max_pages: Optional[int], namespace: int) -> int:
         """The longest match (in pages) whose windowed groups are whole at its end and whose
         per-request groups keep a snapshot there."""
         ps = self.page_size
-        found, _ = self._walk(token_ids, max_pages, split=False)
+        found, _ = self._walk(token_ids, max_pages, split=False, namespace=namespace)
         k = len(found[0])
         while k > 0:
             if all(found[g][k - 1] for g in self._stateful) and all(
@@ -154,13 +178,19 @@ class RadixCache:
             k -= 1
         return 0
 
-    def _walk(self, token_ids: list[int], max_pages: Optional[int], split: bool = True):
+    def _walk(
+        self,
+        token_ids: list[int],
+        max_pages: Optional[int],
+        split: bool = True,
+        namespace: int = 0,
+    ):
         ps = self.page_size
         n_pages = len(token_ids) // ps
         if max_pages is not None:
             n_pages = max(0, min(n_pages, max_pages))
         tokens = tuple(token_ids[: n_pages * ps])
-        node, pos, pages = self.root, 0, [[] for _ in range(self.num_groups)]
+        node, pos, pages = self._root(namespace), 0, [[] for _ in range(self.num_groups)]
         while pos < len(tokens):
             child = node.children.get(tokens[pos : pos + ps])
             if child is None:
@@ -183,7 +213,11 @@ class RadixCache:
         return pages, node
 
     def insert(
-        self, token_ids: list[int], pages: list[int], extra: Optional[list[list[int]]] = None
+        self,
+        token_ids: list[int],
+        pages: list[int],
+        extra: Optional[list[list[int]]] = None,
+        namespace: int = 0,
     ) -> tuple[list[int], Node]:
         """Add ``token_ids`` (full pages only) to the tree; the tree takes ownership of ``pages``
         (group 0's ids) and ``extra`` (the other groups', 0 where a group holds none).
@@ -205,7 +239,7 @@ class RadixCache:
             self._free(groups)
             return [], self.root
         tokens = tuple(token_ids)
-        node, pos, canonical = self.root, 0, []
+        node, pos, canonical = self._root(namespace), 0, []
         duplicates: list[list[int]] = [[] for _ in range(self.num_groups)]
         while pos < len(tokens):
             first = tokens[pos : pos + ps]
@@ -325,7 +359,7 @@ class RadixCache:
         seq = 0  # tie-breaker so the heap never compares nodes
         heap = []
         for node in self._iter_nodes():
-            if node is not self.root and not node.children and node.lock_ref == 0:
+            if node.parent is not None and not node.children and node.lock_ref == 0:
                 heap.append((node.last_access, seq, node))
                 seq += 1
         heapq.heapify(heap)
@@ -362,18 +396,18 @@ class RadixCache:
             parent = leaf.parent
             del parent.children[leaf.key[: self.page_size]]
             leaf.parent = None
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, seq, parent))
                 seq += 1
         return freed
 
     def reset(self) -> bool:
         """Drop the whole tree, freeing its pages; False (nothing changed) if a node is locked."""
-        if self.root.lock_ref > 0:
+        if any(root.lock_ref > 0 for root in self.roots.values()):
             return False
         for node in self._iter_nodes():
             self._free(node.groups())
-        self.root = self._node((), [], None)
+        self.roots = {0: self._node((), [], None)}
         self._total = [0] * self.num_groups
         self._protected = [0] * self.num_groups
         if self.events is not None:
@@ -382,10 +416,10 @@ class RadixCache:
 
     def stored_events(self) -> list[BlockStored]:
         """The whole tree as ``BlockStored`` events, parents first (a KV-events snapshot)."""
-        out, stack = [], [self.root]
+        out, stack = [], list(self.roots.values())
         while stack:
             node = stack.pop()
-            if node is not self.root and node.hashes:
+            if node.parent is not None and node.hashes:
                 parent = node.parent.hashes[-1] if node.parent.hashes else None
                 out.append(
                     BlockStored(
@@ -400,7 +434,7 @@ class RadixCache:
 
     # ----- debugging -----
     def _iter_nodes(self) -> Iterator[Node]:
-        stack = [self.root]
+        stack = list(self.roots.values())
         while stack:
             node = stack.pop()
             yield node
@@ -420,7 +454,7 @@ class RadixCache:
             assert all(len(node.key) == len(ids) * ps for ids in node.groups()), (
                 f"{node!r}: {len(node.key)} tokens"
             )
-            assert node is self.root or node.pages, f"empty non-root node {node!r}"
+            assert node.parent is None or node.pages, f"empty non-root node {node!r}"
             assert node.lock_ref >= 0, f"negative lock_ref on {node!r}"
             child_locks = 0
             for first, child in node.children.items():

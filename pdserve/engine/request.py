@@ -218,6 +218,8 @@ class KVSlots:
     # where this server began computing the sequence (a hit's end, decode's prompt length): a
     # state snapshot taken past it is the sequence's own
     computed_from: int = 0
+    # the prefix-cache namespace the KV was computed in (``CausalLM.prefix_namespace``)
+    namespace: int = 0
 
     @property
     def num_pages(self) -> int:

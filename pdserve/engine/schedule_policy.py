@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.engine.radix_cache import RadixCache
+from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.request import Req
 
 # Past this many waiting requests lpm degrades to fcfs: matching every request each step would
@@ -10,16 +10,15 @@ from pdserve.engine.request import Req
 LPM_MAX_QUEUE = 128
 
 
-def order_waiting(waiting: list[Req], policy: str, tree: RadixCache, page_size: int) -> None:
+def order_waiting(waiting: list[Req], policy: str, kv: KVCacheManager) -> None:
     """Sort ``waiting`` in place. Retracted requests keep priority in both policies."""
-    if policy == "fcfs" or len(waiting) > LPM_MAX_QUEUE or tree.total_pages() == 0:
+    if policy == "fcfs" or len(waiting) > LPM_MAX_QUEUE or kv.tree.total_pages() == 0:
         waiting.sort(key=lambda r: (r.num_retractions == 0, r.arrival_time))
         return
 
     def prefix_pages(req: Req) -> int:
-        # match_prefix only refreshes LRU times and may split nodes; it does not lock or free
-        pages, _ = tree.match_prefix(req.all_ids, max_pages=(req.seq_len - 1) // page_size)
-        return len(pages)
+        # a match only refreshes LRU times and may split nodes; it does not lock or free
+        return kv.cached_pages(req, (req.seq_len - 1) // kv.page_size)
 
     matched = {id(r): prefix_pages(r) for r in waiting}
     waiting.sort(key=lambda r: (r.num_retractions == 0, -matched[id(r)], r.arrival_time))

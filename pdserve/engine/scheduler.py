@@ -58,6 +58,7 @@ class Scheduler:
             self.runner.pools,
             self.page_size,
             disable_radix_cache=args.disable_radix_cache,
+            namespace=self.runner.model.prefix_namespace,
         )
         self.tree = self.kv.tree
         self.kv_events: Optional[KVEventPublisher] = None
@@ -88,6 +89,7 @@ class Scheduler:
             "generation_tokens": 0,
             "cache_hit_tokens": 0,
             "retractions": 0,
+            "recomputed": 0,  # of them: sequences that outgrew their KV (``KVCacheManager.stale``)
         }
         # Disaggregation queues plug in here (pdserve.disagg.prefill / decode).
         self.pd: Optional[PDQueues] = None
@@ -224,6 +226,7 @@ class Scheduler:
             self.runner.pools,
             self.page_size,
             disable_radix_cache=self.args.disable_radix_cache,
+            namespace=self.runner.model.prefix_namespace,
         )
         self.tree = self.kv.tree
         self.tree.events = events
@@ -245,7 +248,8 @@ class Scheduler:
         return info
 
     def retract(self, req: Req) -> None:
-        """Preempt a running request: drop its KV (full pages stay cached) and requeue it."""
+        """Preempt a running request: drop its KV (full pages stay cached) and requeue it; it is
+        computed again (prompt and output) when admitted."""
         self.running.remove(req)
         self.release_kv(req)
         if not req.input_logprobs_done:
@@ -300,6 +304,12 @@ class Scheduler:
         for req in decoding:
             if req not in self.running:
                 continue  # retracted below to make room for an earlier one
+            if self.kv.stale(req):
+                # its sequence outgrew what its KV was computed for (LongRoPE past the original
+                # context): computed again from the start, as HF does
+                self.retract(req)
+                self.stats["recomputed"] += 1
+                continue
             grown = self.kv.grow(req, 1)
             while not grown:
                 scheduled = {r for r, _ in batch}
@@ -325,7 +335,7 @@ class Scheduler:
         # 3. admit waiting requests
         reserve = len(decoding)  # keep one page per decoding request for its next token
         if self.waiting and budget > 0:
-            order_waiting(self.waiting, self.args.schedule_policy, self.tree, self.page_size)
+            order_waiting(self.waiting, self.args.schedule_policy, self.kv)
         while self.waiting and budget > 0 and len(self.running) < self.args.max_running_requests:
             req = self.waiting[0]
             if not self._admit(req, min(chunk, budget), reserve):
@@ -384,6 +394,7 @@ class Scheduler:
             [r.kv.pages for r, _ in batch],
             logits_rows,
             dp_counts,
+            full_lens=[r.seq_len for r, _ in batch],
         )
         masks = self.grammars.start([r for r, _ in sample_at if r.sampling.max_new_tokens > 0])
         logits = self.runner.forward(fb)

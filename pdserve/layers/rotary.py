@@ -1,5 +1,5 @@
-"""Rotary position embedding (rotate-half convention) with ``default``, ``linear``, ``llama3`` and
-``yarn`` frequency scaling.
+"""Rotary position embedding (rotate-half convention) with ``default``, ``linear``, ``llama3``,
+``yarn`` and ``longrope`` frequency scaling.
 
 HF configs describe RoPE in two ways: transformers 4 writes ``rope_theta`` plus an optional
 ``rope_scaling`` dict (type under ``type`` or ``rope_type``); transformers 5 writes one
@@ -10,6 +10,17 @@ The frequencies, and YaRN's attention factor (which multiplies cos and sin), are
 same float32 and float64 steps as transformers' ``modeling_rope_utils``, so the tables match HF's
 bit for bit. GPT-OSS rotates the two halves of each head (``torch.chunk(x, 2)``): the rotate-half
 convention, with the same products and sums.
+
+LongRoPE (Phi-3 128k, Phi-4-mini; ``su`` in older configs) has two sets of frequencies: the short
+ones while a sequence fits the original context, the long ones for the whole sequence once it is
+longer. HF's Phi-3 computes a prompt longer than the original context with the long set, and when
+a shorter sequence grows past that length while decoding it drops its cache and recomputes every
+token with the long set. ``LongRopeEmbedding`` keeps that rule per request, whatever the batching
+and chunking: a request's tokens use the long set when its whole sequence (``full_lens``) is longer
+than the original context. The two sets give different KV for the same tokens, so the prefix
+cache keeps them in two namespaces (``variant``, the model's ``prefix_namespace``), and a request
+whose KV is of the short set when its sequence passes the length is recomputed (the scheduler's
+``recompute``), as HF does.
 """
 
 from __future__ import annotations
@@ -27,7 +38,11 @@ _ROPE_FIELDS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     # also beta_fast, beta_slow, truncate, mscale, mscale_all_dim, attention_factor (all optional)
     "yarn": ("factor", "original_max_position_embeddings"),
+    # also factor (default: max_position_embeddings / original) and attention_factor
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
 }
+# older names HF still reads
+_ROPE_ALIASES = {"su": "longrope"}
 SUPPORTED_ROPE_TYPES = tuple(_ROPE_FIELDS)
 DEFAULT_ROPE_THETA = 10000.0
 
@@ -53,6 +68,7 @@ def rope_parameters(config: Any) -> dict:
     if "type" in out:
         out.setdefault("rope_type", out.pop("type"))
     out.setdefault("rope_type", "default")
+    out["rope_type"] = _ROPE_ALIASES.get(out["rope_type"], out["rope_type"])
     if out.get("rope_theta") is None:
         theta = _field(config, "rope_theta")
         out["rope_theta"] = float(theta) if theta is not None else DEFAULT_ROPE_THETA
@@ -60,7 +76,7 @@ def rope_parameters(config: Any) -> dict:
         raise ValueError(
             f"rope_type: {out['rope_type']!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
         )
-    if out["rope_type"] in ("llama3", "yarn"):
+    if out["rope_type"] in ("llama3", "yarn", "longrope"):
         # as transformers' standardize_rope_params: the config's own field wins, else the model's length
         original = _field(config, "original_max_position_embeddings")
         if original is not None:
@@ -73,6 +89,11 @@ def rope_parameters(config: Any) -> dict:
         )  # DeepSeek-V3 style: the context's growth
         if longest is not None and out.get("original_max_position_embeddings"):
             out["factor"] = longest / out["original_max_position_embeddings"]
+    if out["rope_type"] == "longrope" and out.get("factor") is None:
+        # Phi-3: the ratio of the two lengths, not a field of its own
+        longest = _field(config, "max_position_embeddings")
+        if longest is not None and out.get("original_max_position_embeddings"):
+            out["factor"] = longest / out["original_max_position_embeddings"]
     missing = [f for f in _ROPE_FIELDS[out["rope_type"]] if out.get(f) is None]
     if missing:
         raise ValueError(
@@ -81,8 +102,20 @@ def rope_parameters(config: Any) -> dict:
     return out
 
 
-def inv_frequencies(head_dim: int, params: dict) -> torch.Tensor:
-    """[head_dim // 2] float32 inverse frequencies after scaling."""
+def inv_frequencies(head_dim: int, params: dict, long: bool = False) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies after scaling (LongRoPE: the short set, or
+    the long one with ``long``)."""
+    if params["rope_type"] == "longrope":
+        factors = params["long_factor" if long else "short_factor"]
+        if len(factors) != head_dim // 2:
+            raise ValueError(
+                f"rope_parameters: {'long' if long else 'short'}_factor has {len(factors)} "
+                f"entries; the {head_dim} rotary dims need {head_dim // 2}"
+            )
+        shape = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+        return 1.0 / (
+            torch.tensor(factors, dtype=torch.float32, device="cpu") * params["rope_theta"] ** shape
+        )
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (params["rope_theta"] ** exponents)
     kind = params["rope_type"]
@@ -139,11 +172,18 @@ def _yarn_inv_frequencies(head_dim: int, params: dict) -> torch.Tensor:
 def attention_factor(params: dict) -> float:
     """The factor that multiplies cos and sin: YaRN's ``attention_factor``, by default
     ``0.1 * ln(factor) + 1`` (with ``mscale`` / ``mscale_all_dim``: the ratio of two such terms);
-    1 for the other types."""
-    if params["rope_type"] != "yarn":
+    LongRoPE's, by default ``sqrt(1 + ln(factor) / ln(original length))``; 1 for the other types."""
+    if params["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if params.get("attention_factor") is not None:
         return params["attention_factor"]
+    if params["rope_type"] == "longrope":
+        factor = params.get("factor") or 1.0
+        if factor <= 1.0:
+            return 1.0
+        return math.sqrt(
+            1 + math.log(factor) / math.log(params["original_max_position_embeddings"])
+        )
     factor, mscale, mscale_all_dim = (
         params["factor"],
         params.get("mscale"),
@@ -163,11 +203,11 @@ class RotaryEmbedding(nn.Module):
     the model to bf16 leaves them exact), times ``attention_factor(params)``. Built on first use on
     the device that asks, grown by doubling when a longer sequence comes."""
 
-    def __init__(self, head_dim: int, params: dict, initial_positions: int):
+    def __init__(self, head_dim: int, params: dict, initial_positions: int, long: bool = False):
         super().__init__()
         self.head_dim = head_dim
         self.params = params
-        self.inv_freq = inv_frequencies(head_dim, params)
+        self.inv_freq = inv_frequencies(head_dim, params, long)
         self.scaling = attention_factor(params)
         self._initial = max(1, initial_positions)
         self._cos: torch.Tensor | None = None
@@ -193,6 +233,52 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin: float32 [T, head_dim] for ``positions`` [T] (after ``reserve``)."""
         return self._cos[positions], self._sin[positions]
+
+    def tables(self, fb) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of a ``ForwardBatch``'s tokens."""
+        self.reserve(max(fb.seq_lens), fb.positions.device)
+        return self(fb.positions)
+
+    def variant(self, seq_len: int) -> int:
+        """Which tables a sequence of ``seq_len`` tokens computes its KV with (0: the only
+        ones)."""
+        return 0
+
+
+class LongRopeEmbedding(RotaryEmbedding):
+    """LongRoPE: the short tables, and the long ones for every token of a request whose whole
+    sequence is longer than the original context (module docstring)."""
+
+    def __init__(self, head_dim: int, params: dict, initial_positions: int):
+        super().__init__(head_dim, params, initial_positions)
+        self.original = int(params["original_max_position_embeddings"])
+        self.long = RotaryEmbedding(head_dim, params, initial_positions, long=True)
+
+    def reserve(self, num_positions: int, device: torch.device) -> None:
+        super().reserve(num_positions, device)
+        self.long.reserve(num_positions, device)
+
+    def variant(self, seq_len: int) -> int:
+        return int(seq_len > self.original)
+
+    def tables(self, fb) -> tuple[torch.Tensor, torch.Tensor]:
+        self.reserve(max(fb.seq_lens), fb.positions.device)
+        lens = fb.full_lens if fb.full_lens is not None else fb.seq_lens
+        long_rows = [n > self.original for n in lens]
+        if not any(long_rows):
+            return self(fb.positions)
+        if all(long_rows):
+            return self.long(fb.positions)
+        rows = torch.tensor(long_rows, device=fb.positions.device)
+        pick = rows.repeat_interleave(torch.tensor(fb.extend_lens, device=rows.device))[:, None]
+        (cos, sin), (long_cos, long_sin) = self(fb.positions), self.long(fb.positions)
+        return torch.where(pick, long_cos, cos), torch.where(pick, long_sin, sin)
+
+
+def rotary_embedding(head_dim: int, params: dict, initial_positions: int) -> RotaryEmbedding:
+    """The rotary module of ``params``' type."""
+    cls = LongRopeEmbedding if params["rope_type"] == "longrope" else RotaryEmbedding
+    return cls(head_dim, params, initial_positions)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

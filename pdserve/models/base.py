@@ -34,6 +34,12 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> [N, vocab_size] float32, the whole vocabulary on every rank."""
 
+    def prefix_namespace(self, seq_len: int) -> int:
+        """The prefix-cache namespace of KV computed for a sequence of ``seq_len`` tokens:
+        requests share cached KV only within one, and a request whose sequence grows into
+        another namespace is recomputed (0 for every length, except where a model computes a
+        sequence's KV differently by its length, as LongRoPE does)."""
+
     def kv_cache_specs(self) -> list:
         """Per layer this rank runs, in layer order, its cache spec, or a tuple of specs when the
         layer keeps several caches (``kv_spec.group_layers`` groups them; such a layer is in

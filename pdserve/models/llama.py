@@ -27,9 +27,9 @@ from pdserve.layers.linear import Linear, MergedLinear, PackedBF16, RowParallelL
 from pdserve.layers.mlp import GatedProjections
 from pdserve.layers.norm import ProjectionRMSNorm, RMSNorm
 from pdserve.layers.rotary import (
-    RotaryEmbedding,
     apply_rotary,
     rope_parameters,
+    rotary_embedding,
     rotate_interleaved,
 )
 from pdserve.layers.vocab import VocabParallelEmbedding
@@ -283,7 +283,7 @@ class LlamaModel(nn.Module):
         initial = min(config.max_position_embeddings, _ROPE_INITIAL_POSITIONS)
         self.rotaries = nn.ModuleDict(
             {
-                kind: RotaryEmbedding(head_dim, params, initial)
+                kind: rotary_embedding(head_dim, params, initial)
                 for kind, params in self.rope_settings(config).items()
             }
         )
@@ -319,8 +319,7 @@ class LlamaModel(nn.Module):
         stream); returns (output, residual) before the final norm."""
         ropes = {}  # kind -> (cos, sin) [T, head_dim]
         for kind, rotary in self.rotaries.items():
-            rotary.reserve(max(fb.seq_lens), h.device)
-            cos, sin = rotary(fb.positions)  # float32; the kernel rounds them as HF does
+            cos, sin = rotary.tables(fb)  # float32; the kernel rounds them as HF does
             ropes[kind] = (cos, sin) if self.ops is not None else (cos.to(h.dtype), sin.to(h.dtype))
         if self.decode_stack is not None and fb.is_decode_only:
             table, lens = fb.int32_tables()  # the stack exists only for one-group models
@@ -412,6 +411,10 @@ class LlamaForCausalLM(CpuPathsMixin, nn.Module):
     # ---- the model interface (models/base.py) ------------------------------------------------
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         return self.model(fb)
+
+    def prefix_namespace(self, seq_len: int) -> int:
+        rotaries = getattr(self.model, "rotaries", {})
+        return max((r.variant(seq_len) for r in rotaries.values()), default=0)
 
     def kv_cache_specs(self) -> list[CacheSpec]:
         specs: list[CacheSpec] = []

@@ -164,13 +164,21 @@ ARCHS = {
             rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
         ),
     ),
-    # 3/4 of each head rotated (Phi-4-mini's factor)
+    # 3/4 of each head rotated (Phi-4-mini's factor); LongRoPE from an original context of 48
+    # tokens to 1024, short and long factors far apart (a prompt of 49 tokens or more runs on the
+    # long ones, a shorter sequence is recomputed with them when it grows past 48)
     "phi3": (
         "Phi3Config",
         "Phi3ForCausalLM",
         dict(
+            max_position_embeddings=1024,
+            original_max_position_embeddings=48,
             rope_parameters=dict(
-                rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.75
+                rope_type="longrope",
+                rope_theta=10000.0,
+                partial_rotary_factor=0.75,
+                short_factor=[1.32, 1.15, 1.65, 1.07, 1.54, 1.37],
+                long_factor=[4.7, 10.09, 4.45, 9.2, 4.84, 5.09],
             ),
         ),
     ),

@@ -191,6 +191,56 @@ def test_rotary_table_grows_and_keeps_values():
     torch.testing.assert_close(cos[19, :8], angle.cos())
 
 
+def test_longrope_tables_match_hf_and_pick_by_sequence_length():
+    from types import SimpleNamespace
+
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from pdserve.layers.rotary import rotary_embedding
+
+    short = [1.0 + 0.1 * i for i in range(8)]
+    long = [4.0 + i for i in range(8)]
+    scaling = {"type": "longrope", "short_factor": short, "long_factor": long}
+    config = Phi3Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        original_max_position_embeddings=64,
+        rope_scaling=dict(scaling),
+    )
+    params = rope_parameters(config)
+    assert params["rope_type"] == "longrope" and params["factor"] == 4.0
+    # the transformers 4 form of the same config reads the same, under LongRoPE's old name too
+    for kind in ("longrope", "su"):
+        old = {"rope_scaling": {**scaling, "type": kind}, "max_position_embeddings": 256}
+        got = rope_parameters({**old, "original_max_position_embeddings": 64})
+        assert {**got, "partial_rotary_factor": 1.0} == params
+    rope = rotary_embedding(16, params, 8)
+    hf = Phi3RotaryEmbedding(config)
+    x = torch.zeros(1, 1, 16)
+    for n, table in ((64, rope), (100, rope.long)):  # HF picks by the forward's longest position
+        hf_cos, hf_sin = hf(x, torch.arange(n)[None])
+        table.reserve(n, torch.device("cpu"))
+        cos, sin = table(torch.arange(n))
+        assert torch.equal(cos, hf_cos[0]) and torch.equal(sin, hf_sin[0])
+    # per request in a batch: a sequence of 64 on the short tables, one of 65 on the long
+    fb = SimpleNamespace(
+        positions=torch.tensor([62, 63, 64]),
+        extend_lens=[2, 1],
+        seq_lens=[64, 65],
+        full_lens=[64, 65],
+    )
+    cos, _ = rope.tables(fb)
+    assert torch.equal(cos[:2], rope(torch.tensor([62, 63]))[0])
+    assert torch.equal(cos[2], rope.long(torch.tensor([64]))[0][0])
+    assert rope.variant(64) == 0 and rope.variant(65) == 1
+    with pytest.raises(ValueError, match="short_factor has 8 entries; the 12 rotary dims need 6"):
+        rotary_embedding(12, params, 8)
+    with pytest.raises(ValueError, match="long_factor"):
+        rope_parameters({"rope_scaling": {"type": "longrope", "short_factor": short}})
+
+
 def test_unknown_architecture_lists_supported(tmp_path):
     bad = rewrite_config(
         build_tiny_checkpoint("llama"),
@@ -279,21 +329,6 @@ def test_model_attributes_dtype_and_fingerprint():
             "glm4",
             lambda c: c["rope_parameters"].update(rope_type="dynamic_ntk_foo"),
             "rope_type: 'dynamic_ntk_foo' is not supported",
-        ),
-        # Phi-3's LongRoPE ("su") is not computed yet
-        (
-            "phi3",
-            lambda c: c.update(
-                rope_parameters=dict(
-                    rope_type="longrope",
-                    rope_theta=10000.0,
-                    partial_rotary_factor=0.75,
-                    short_factor=[1.0] * 6,  # 3/4 of head_dim 16, in pairs
-                    long_factor=[2.0] * 6,
-                    original_max_position_embeddings=64,
-                )
-            ),
-            "rope_type: 'longrope' is not supported",
         ),
         ("olmoe", lambda c: c.update(clip_qkv=8.0), "clip_qkv: 8.0 not supported"),
         (

@@ -95,14 +95,17 @@ def test_pipeline_split_covers_the_batch(seed):
         pos += list(range(p, p + e))
         logits += sorted(rng.sample(range(start, start + e), rng.randint(0, min(e, 3))))
     pages = [[i] for i in range(n)]
-    parts = (ids, pos, prefix, ext, pages, logits)
+    fulls = [p + e + rng.randint(0, 9) for p, e in zip(prefix, ext)]
+    parts = (ids, pos, prefix, ext, pages, logits, fulls)
     k = num_micro_batches(len(ids), 2)
     mbs = split(parts, k)
     assert 1 <= len(mbs) <= k
     # the micro-batches' tokens, in order, are the batch's; each request's pieces continue each other
     assert sum((mb[0][0] for mb in mbs), []) == ids and sum((mb[0][1] for mb in mbs), []) == pos
-    for (m_ids, m_pos, m_pre, m_ext, _, _), _ in mbs:
+    for (m_ids, m_pos, m_pre, m_ext, m_pages, _, m_fulls), _ in mbs:
         assert sum(m_ext) == len(m_ids)
+        # each piece keeps its request's sequence length
+        assert m_fulls == [fulls[p[0]] for p in m_pages]
         starts = [0]
         for e in m_ext:
             starts.append(starts[-1] + e)

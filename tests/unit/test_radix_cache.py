@@ -290,3 +290,44 @@ def test_randomized_integrity(page_size):
     assert cache.protected_pages() == 0
     assert cache.reset()
     assert alloc.num_free() == alloc.capacity
+
+
+def test_namespaces_keep_apart_and_evict_reset_and_replay_alike():
+    from pdserve.kv_events import BlockRemoved, BlockStored, chain_hashes, namespace_hash
+
+    alloc, cache = make(page_size=2)
+    cache.events = []
+    tokens = [1, 2, 3, 4, 5, 6]
+    insert_fresh(cache, alloc, tokens)  # namespace 0
+    # the same tokens in namespace 1: no hit, pages of their own
+    assert cache.match_prefix(tokens, namespace=1)[0] == []
+    long_pages = alloc.alloc(3)
+    got, node = cache.insert(tokens, long_pages, namespace=1)
+    assert got == long_pages and cache.total_pages() == 6
+    assert cache.match_prefix(tokens, namespace=1)[0] == long_pages
+    assert cache.match_prefix(tokens)[0] != long_pages
+    # events: the namespace's blocks chain from its own seed, not from the default root
+    stored = [e for e in cache.events if isinstance(e, BlockStored)]
+    assert stored[0].parent_block_hash is None
+    assert stored[1].parent_block_hash == namespace_hash(1) is not None
+    assert stored[1].block_hashes == chain_hashes(namespace_hash(1), tokens, 2)
+    assert not set(stored[0].block_hashes) & set(stored[1].block_hashes)
+    # a snapshot of the tree says the same
+    assert sorted(e.block_hashes for e in cache.stored_events()) == sorted(
+        e.block_hashes for e in stored
+    )
+    cache.check_integrity(in_use_pages=0)
+    # a locked node of a namespace pins it; eviction reaches both namespaces
+    cache.inc_lock(node)
+    assert cache.reset() is False
+    assert cache.evict(6) == 3 and cache.match_prefix(tokens)[0] == []
+    assert cache.match_prefix(tokens, namespace=1)[0] == long_pages
+    cache.dec_lock(node)
+    assert cache.evict(6) == 3 and alloc.num_free() == alloc.capacity
+    removed = [h for e in cache.events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert sorted(removed) == sorted(h for e in stored for h in e.block_hashes)
+    cache.check_integrity(in_use_pages=0)
+    insert_fresh(cache, alloc, tokens)
+    cache.insert(tokens, alloc.alloc(3), namespace=1)
+    assert cache.reset() is True and alloc.num_free() == alloc.capacity
+    cache.check_integrity(in_use_pages=0)
