@@ -3,6 +3,7 @@ compare it with, both on the same tiny random Llama checkpoint."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import signal
@@ -17,6 +18,11 @@ from tests.helpers.checkpoints import build_tiny_checkpoint
 from tests.helpers.cluster import children as child_pids  # noqa: F401
 from tests.helpers.cluster import free_port, is_alive, wait_for
 from tests.helpers.elastic import elastic_servers  # noqa: F401  (session fixture)
+from tests.helpers.last_use import (  # noqa: F401  (hooks: servers end after their last test)
+    pytest_collection_modifyitems,
+    pytest_runtest_teardown,
+    until_last_use,
+)
 from tests.helpers.netns import netns_hosts, netns_pd  # noqa: F401  (session fixtures)
 
 SERVED_MODEL_NAME = "tiny-llama"
@@ -76,7 +82,7 @@ def tiny_llama_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def server(tiny_llama_path, tmp_path_factory):
+def server(request, tiny_llama_path, tmp_path_factory):
     port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [
@@ -110,11 +116,7 @@ def server(tiny_llama_path, tmp_path_factory):
         except httpx.HTTPError:
             return False
 
-    try:
-        wait_for(healthy, READY_TIMEOUT_S, "the server's /health", interval=0.25)
-        live.children = child_pids(proc.pid)
-        yield live
-    finally:
+    def shutdown() -> None:
         live.http.close()
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -123,12 +125,24 @@ def server(tiny_llama_path, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
-    # Shutdown contract: SIGTERM exits cleanly and takes the scheduler process with it.
-    assert code == 0, live.log_tail()
-    assert live.children, "the server should run its scheduler in a child process"
-    wait_for(
-        lambda: not any(is_alive(pid) for pid in live.children), 10, "the scheduler process to exit"
-    )
+        if not live.children:
+            return  # it never came up: the start-up error is what counts
+        # Shutdown contract: SIGTERM exits cleanly and takes the scheduler process with it.
+        assert code == 0, live.log_tail()
+        wait_for(
+            lambda: not any(is_alive(pid) for pid in live.children),
+            10,
+            "the scheduler process to exit",
+        )
+
+    stop = until_last_use(request, shutdown)
+    try:
+        wait_for(healthy, READY_TIMEOUT_S, "the server's /health", interval=0.25)
+        live.children = child_pids(proc.pid)
+        assert live.children, "the server should run its scheduler in a child process"
+        yield live
+    finally:
+        stop()
 
 
 @pytest.fixture
@@ -196,17 +210,27 @@ def _integrity_after(request):
         eng.check_integrity()
 
 
+# module-level caches of HF reference models and outputs, and of offline engines
+_CACHES = ("_hf_cache", "_hf", "_hf_rounded", "_engines")
+
+
 @pytest.fixture(scope="module", autouse=True)
-def _drop_hf_models():
-    """HF reference models and outputs cached by a module's tests (``test_engine``'s, the bf16
-    and MoE modules'), dropped when it ends: the suite's process would hold every family's."""
+def _drop_module_caches():
+    """What the e2e modules cache (HF reference models and logits, offline engines: the names in
+    ``_CACHES`` and ``functools.lru_cache`` functions) dropped when a module ends: the suite's
+    process would hold every family's. The C heap's free memory goes back to the system too
+    (glibc keeps it otherwise)."""
     yield
-    for module in (
-        "tests.e2e.test_engine",
-        "tests.e2e.test_engine_bf16",
-        "tests.e2e.test_engine_moe",
-    ):
-        cache_module = sys.modules.get(module)
-        for name in ("_hf_cache", "_hf", "_hf_rounded"):
-            getattr(cache_module, name, {}).clear()
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("tests.e2e.") or module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            if attr in _CACHES and isinstance(value, dict):
+                value.clear()
+            elif hasattr(value, "cache_clear") and getattr(value, "__module__", None) == name:
+                value.cache_clear()  # the module's own lru_cache functions only
     gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc

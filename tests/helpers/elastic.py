@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tests.helpers import cluster as c
+from tests.helpers.last_use import until_last_use
 
 PREFILL_HOSTS = ("127.0.0.2", "127.0.0.3")
 DECODE_HOSTS = ("127.0.0.4", "127.0.0.5")
@@ -70,7 +71,7 @@ def _server(name: str, model: str, logs: Path, host: str, port: int, *args: str)
 
 
 @pytest.fixture(scope="session")
-def elastic_servers(tiny_llama_path, tmp_path_factory):
+def elastic_servers(request, tiny_llama_path, tmp_path_factory):
     logs = tmp_path_factory.mktemp("elastic")
     p_port, d_port, b_port = c.free_port(), c.free_port(), c.free_port()
     prefills = [
@@ -93,12 +94,12 @@ def elastic_servers(tiny_llama_path, tmp_path_factory):
         _server(f"D{i}", tiny_llama_path, logs, h, d_port, "--disaggregation-mode", "decode")
         for i, h in enumerate(DECODE_HOSTS)
     ]
+    stop = until_last_use(request, lambda: [p.stop() for p in prefills + decodes])
     try:
         c.start_all(prefills + decodes)
         yield Servers(prefills, decodes, (p_port, d_port), b_port, logs)
     finally:
-        for p in prefills + decodes:
-            p.stop()
+        stop()
 
 
 class StreamLoad:

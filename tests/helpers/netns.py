@@ -32,6 +32,7 @@ from typing import Optional, Sequence
 import pytest
 
 from tests.helpers import cluster as c
+from tests.helpers.last_use import until_last_use
 
 PREFIX = "pdt"
 _NAME = re.compile(rf"^{PREFIX}(\d+)-(\w+)$")
@@ -436,17 +437,19 @@ PD_ARGS = [
 
 
 @pytest.fixture(scope="session")
-def netns_hosts():
-    """Hosts A, B, C for the session; skips with the exact reason where namespaces cannot be made."""
+def netns_hosts(request):
+    """Hosts A, B, C until the last test that uses them; skips with the exact reason where
+    namespaces cannot be made."""
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"network namespaces unavailable: {reason}")
     hosts = Hosts().up()
+    down = until_last_use(request, hosts.down)
     try:
         wait_reachable(hosts)
         yield hosts
     finally:
-        hosts.down()
+        down()
 
 
 # what the namespace suites use; all started together on first use, each skipped if not installed
@@ -454,10 +457,10 @@ NETNS_BACKENDS = ("mooncake", "nixl", "local")
 
 
 @pytest.fixture(scope="session")
-def netns_pd(netns_hosts, tiny_llama_path, tmp_path_factory):
+def netns_pd(request, netns_hosts, tiny_llama_path, tmp_path_factory):
     """``get(backend)``: prefill in A, decode in B, router in C with that transfer backend. On the
     first call the pairs of every ``NETNS_BACKENDS`` entry start at once (startup dominates on a
-    small machine) and stay for the session."""
+    small machine) and stay until the last test that uses them."""
     from pdserve.disagg.transfer import get_backend
 
     clusters: dict[str, dict] = {}
@@ -506,7 +509,8 @@ def netns_pd(netns_hosts, tiny_llama_path, tmp_path_factory):
             pytest.skip(missing[backend])
         return clusters[backend]
 
+    stop = until_last_use(request, lambda: stop_all(started))
     try:
         yield get
     finally:
-        stop_all(started)
+        stop()
