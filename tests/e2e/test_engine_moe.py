@@ -7,6 +7,8 @@ rule of ``test_engine_bf16.py`` (fused CPU kernel where it builds)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -129,12 +131,38 @@ def hf_bf16_weights_float32(path: str, ids: list[int], n: int) -> tuple[list[int
     return out.sequences[0, len(ids) :].tolist(), torch.cat(out.logits).float()
 
 
-# MiniMax-M2 is not here: on the avx512_bf16 tier one of its 72 positions moved 0.10 in logprob
-# from both HF runs (tokens equal; the two HF runs within 0.02 there; our avx2-tier run within
-# 0.01 of this one elsewhere), a jump of the size a flipped expert choice makes; it passes on the
-# avx2 and avx512 tiers
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss", "olmoe"])
+# MiniMax-M2 runs with the kernels capped at the avx512 tier (pdserve's own bf16 matmuls): above it
+# its matmuls go to oneDNN's bf16 dot products, and there one of its 72 positions moved 0.10 in
+# logprob from both HF runs (tokens equal; the two HF runs within 0.02 there; our avx2-tier run
+# within 0.01 of that run elsewhere), the jump a flipped choice between its sigmoid-scored experts
+# makes, which the tie rule of tokens does not cover
+ISA_CAP = {"minimax_m2": "avx512"}
+
+
+@contextlib.contextmanager
+def isa_capped_at(tier):
+    """The kernels capped at ``tier`` (None, or a host below it: unchanged) for the block."""
+    from pdserve import kernels
+
+    ops = kernels.load()
+    before = ops.isa_tier() if ops is not None else None
+    if tier is None or before is None or before in ("scalar", "avx2", "avx2_vnni", tier):
+        yield
+        return
+    ops.set_isa(tier)
+    try:
+        yield
+    finally:
+        ops.set_isa(before)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss", "olmoe", "minimax_m2"])
 def test_moe_bf16_matches_hf_bf16_up_to_ties(arch):
+    with isa_capped_at(ISA_CAP.get(arch)):
+        _moe_bf16_matches_hf_bf16(arch)
+
+
+def _moe_bf16_matches_hf_bf16(arch):
     path = build_tiny_checkpoint(arch)
     eng = make_engine(path, dtype="bfloat16", page_size=16, chunked_prefill_size=128)
     prompts = prompts_for(4)[:6]
