@@ -1,6 +1,8 @@
 """Phi-3 / Phi-4-mini (``Phi3ForCausalLM``): Llama's blocks with ``qkv_proj`` and ``gate_up_proj``
 stored fused in the checkpoint (split by the loader), RoPE on the first ``partial_rotary_factor``
-of each head (Phi-4-mini: 0.75), a sliding window on every layer when ``sliding_window`` is set."""
+of each head (Phi-4-mini: 0.75), LongRoPE scaling (``layers/rotary.py``: the tables per request,
+the recompute past the original context), a sliding window on every layer when ``sliding_window``
+is set."""
 
 from __future__ import annotations
 
