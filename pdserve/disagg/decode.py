@@ -29,8 +29,8 @@ from pdserve.disagg.dp_resolver import PrefillDPResolver, ResolvingReceiver
 from pdserve.disagg.fake import FakeKVReceiver, is_fake_host
 from pdserve.disagg.metadata import MetadataBuffers, SlotAllocator
 from pdserve.disagg.poll import KVPoll, poll_and_all_reduce
-from pdserve.engine.request import FinishKind, FinishReason, Req
-from pdserve.engine.stop import check_finish
+from pdserve.engine.pd_queues import SchedulerPort
+from pdserve.engine.request import FinishKind, FinishReason, PDState, Req
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ OVERLOADED_STATUS = 503
 
 
 @dataclass
-class _DecodeState:
+class _DecodeState(PDState):
     receiver: Any
     slot: Optional[int] = None
     ready_since: Optional[float] = None  # when the connection was ready and pages were first wanted
@@ -51,7 +51,7 @@ class _DecodeState:
 class DecodeQueues:
     def __init__(
         self,
-        scheduler,
+        scheduler: SchedulerPort,
         mgr,
         metadata: MetadataBuffers,
         receiver_cls,
@@ -152,6 +152,12 @@ class DecodeQueues:
             "transfer_queue": len(self.transfer) - self.kv_ready,
         }
 
+    def chunk_done(self, req: Req) -> None:
+        pass  # a prompt computed here (no transfer) has nothing to send
+
+    def prompt_done(self, req: Req) -> bool:
+        return False  # a prompt computed here decodes here
+
     def discard(self, req: Req) -> None:
         """The request ended before joining the running batch: park its pages until drained."""
         st: Optional[_DecodeState] = req.disagg
@@ -202,7 +208,7 @@ class DecodeQueues:
         self.draining = keep
 
     def _reserve_pages(self) -> int:
-        tokens = len(self.s.running) * self.s.args.num_reserved_decode_tokens
+        tokens = self.s.num_running() * self.s.args.num_reserved_decode_tokens
         return (tokens + self.s.page_size - 1) // self.s.page_size
 
     def _process_prealloc(self) -> None:
@@ -247,7 +253,7 @@ class DecodeQueues:
             return False
         pages, cached = got
         st.slot = slot
-        self.s.stats["cache_hit_tokens"] += cached * self.s.page_size
+        self.s.count("cache_hit_tokens", cached * self.s.page_size)
         self.meta.clear_row(slot)
         req.mark("preallocated")  # before prefill can hear of it: the timeline stays causal
         st.receiver.send_metadata(pages, slot, decode_prefix_pages=cached)
@@ -262,7 +268,7 @@ class DecodeQueues:
         states = poll_and_all_reduce([r.disagg.receiver for r in self.transfer], self.group)
         for req, state in zip(list(self.transfer), states):
             if state == KVPoll.Success:
-                if len(self.s.running) >= self.s.args.max_running_requests or self.kv_ready:
+                if self.s.num_running() >= self.s.args.max_running_requests or self.kv_ready:
                     self.kv_ready += 1  # the batch is full (or one before it waits): next step
                     continue
                 self._commit(req)
@@ -297,18 +303,12 @@ class DecodeQueues:
         if req.grammar is not None:  # continue the grammar from prefill's first token
             req.grammar.replay(req.output_ids)
             if req.grammar.failed:
-                self.s.running.append(req)
-                self.s.finish(
-                    req,
-                    FinishReason(
-                        FinishKind.ABORT,
-                        status_code=500,
-                        message=(
-                            f"prefill's first token {row.first_token} is not allowed by the request's grammar here: "
-                            f"prefill and decode disagree on the grammar"
-                        ),
-                    ),
+                message = (
+                    f"prefill's first token {row.first_token} is not allowed by the request's "
+                    "grammar here: prefill and decode disagree on the grammar"
                 )
+                failure = FinishReason(FinishKind.ABORT, status_code=500, message=message)
+                self.s.start_decoding(req, failure)
                 return
         if req.return_logprob:
             req.output_token_logprobs.append(
@@ -316,13 +316,7 @@ class DecodeQueues:
             )
             if req.top_logprobs_num:
                 req.output_top_logprobs.append(list(row.top_logprobs[: req.top_logprobs_num]))
-        self.s.stats["prompt_tokens"] += req.prompt_len
-        self.s.stats["generation_tokens"] += 1
-        self.s.running.append(req)
-        self.s.updated.add(req)
-        reason = check_finish(req, self.s.eos_ids, self.s.tokenizer, self.s.context_length)
-        if reason is not None:
-            self.s.finish(req, reason)
+        self.s.start_decoding(req)
 
     def _compute_locally(self, req: Req) -> None:
         """Fake backend: no KV arrived, so run the prompt here like a colocated server."""
@@ -331,4 +325,4 @@ class DecodeQueues:
         self.s.kv.free(self.s.kv.park(req))
         self.slots.free(st.slot)
         req.disagg = None
-        self.s.waiting.append(req)
+        self.s.enqueue(req)

@@ -3,7 +3,7 @@
 - bootstrap queue: a ``KVSender`` per request waits for decode's ``TransferRequest`` (the
   destination pages); then a metadata slot is taken and the request joins the scheduler's
   waiting queue with ``max_new_tokens`` forced to 1;
-- after every chunk the newly completed full pages go out at once (``on_chunk_done``);
+- after every chunk the newly completed full pages go out at once (``chunk_done``);
 - after the first token is sampled its metadata row is filled, the remaining pages and the row go
   out as the last chunk, and the request waits in the inflight queue (holding its KV);
 - Success: the KV is released (the prefix stays in the radix cache) and the HTTP request is
@@ -30,7 +30,8 @@ from pdserve.disagg.bootstrap import parse_addr, register_dp_rank
 from pdserve.disagg.fake import is_fake_host
 from pdserve.disagg.metadata import MetadataBuffers, SlotAllocator
 from pdserve.disagg.poll import KVPoll, poll_and_all_reduce
-from pdserve.engine.request import FinishKind, FinishReason, Req
+from pdserve.engine.pd_queues import SchedulerPort
+from pdserve.engine.request import FinishKind, FinishReason, PDState, Req
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ OWN_TRANSFER_FAILED_STATUS = 503
 
 
 @dataclass
-class _PrefillState:
+class _PrefillState(PDState):
     sender: Any
     slot: Optional[int] = None
     decode_prefix: int = 0  # leading pages decode already held
@@ -59,7 +60,13 @@ class _PrefillState:
 
 class PrefillQueues:
     def __init__(
-        self, scheduler, mgr, metadata: MetadataBuffers, sender_cls, fake_sender_cls, group=None
+        self,
+        scheduler: SchedulerPort,
+        mgr,
+        metadata: MetadataBuffers,
+        sender_cls,
+        fake_sender_cls,
+        group=None,
     ):
         self.s = scheduler
         self.mgr = mgr
@@ -80,8 +87,6 @@ class PrefillQueues:
         self._next_keepalive = 0.0
         self._dp_publisher: Optional[ThreadPoolExecutor] = None
         self.bootstrap_server = None  # the server's, on its first rank (disagg/setup.py)
-        scheduler.on_chunk_done = self.on_chunk_done
-        scheduler.on_prefill_done = self.on_prefill_done
 
     # ---- scheduler interface ----------------------------------------------------------------
     def accepts(self, req: Req) -> bool:
@@ -176,7 +181,6 @@ class PrefillQueues:
         self.mgr.close()
         if self.bootstrap_server is not None:
             self.bootstrap_server.shutdown()
-        self.s.on_chunk_done = self.s.on_prefill_done = None
 
     # ---- queues ---------------------------------------------------------------------------------
     def process_queues(self) -> None:
@@ -187,7 +191,7 @@ class PrefillQueues:
     def _process_prefilling(self) -> None:
         """End requests between the bootstrap and inflight queues whose room already failed;
         tell decode that the others are alive and queued."""
-        reqs = [r for r in self.s.waiting + self.s.running if r.disagg is not None]
+        reqs = [r for r in self.s.scheduled() if r.disagg is not None]
         now = time.monotonic()
         if now >= self._next_keepalive:
             self._next_keepalive = now + self.keepalive_s
@@ -232,7 +236,7 @@ class PrefillQueues:
                 st.sender.init(kv.transfer_counts(req.prompt_len, st.decode_prefix), slot)
                 self.bootstrap.remove(req)
                 req.mark("bootstrapped")
-                self.s.waiting.append(req)
+                self.s.enqueue(req)
 
     def _process_inflight(self) -> None:
         if not self.inflight:
@@ -292,8 +296,8 @@ class PrefillQueues:
             out["transfer_worker_restarts"] = self.mgr.role.workers.restarts
         return out
 
-    # ---- hooks called by the scheduler -------------------------------------------------------
-    def on_chunk_done(self, req: Req) -> None:
+    # ---- the prompt's progress (called by the scheduler) ---------------------------------------
+    def chunk_done(self, req: Req) -> None:
         """After a forward: send the full pages completed by a non-last chunk."""
         st: Optional[_PrefillState] = req.disagg
         if st is None or req.kv_len >= req.prompt_len:
@@ -308,7 +312,7 @@ class PrefillQueues:
             st.first_send = st.first_send or time.monotonic()
             st.sender.send(pages, last_chunk=False)
 
-    def on_prefill_done(self, req: Req) -> None:
+    def prompt_done(self, req: Req) -> bool:
         """The first token is sampled: fill the metadata row and send the last chunk."""
         st: _PrefillState = req.disagg
         req.mark("forward_end")
@@ -329,5 +333,6 @@ class PrefillQueues:
             [self.s.kv.send_pages(req, g, sent) for g, sent in enumerate(st.sent_pages)],
             last_chunk=True,
         )
-        self.s.running.remove(req)
+        self.s.hand_off(req)
         self.inflight.append(req)
+        return True

@@ -140,7 +140,6 @@ def attach_role(scheduler, par: Parallel, bootstrap=None) -> None:
 def detach_role(scheduler) -> None:
     """Close the PD queues, KV manager and bootstrap server of the scheduler's role (if any)."""
     pd, scheduler.pd = scheduler.pd, None
-    scheduler.on_chunk_done = scheduler.on_prefill_done = None
     if pd is not None:
         pd.close()
 

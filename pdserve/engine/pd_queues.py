@@ -1,11 +1,51 @@
-"""What prefill/decode disaggregation plugs into the scheduler: the ``PDQueues`` protocol, which
-the scheduler owns and ``disagg/prefill.py`` and ``disagg/decode.py`` implement."""
+"""What prefill/decode disaggregation and the scheduler see of each other: ``PDQueues``, which the
+scheduler owns and ``disagg/prefill.py`` and ``disagg/decode.py`` implement, and ``SchedulerPort``,
+the little of the scheduler those queues may use (the KV cache manager, the settings, the clock,
+and a few moves of a request between the scheduler's queues and theirs). The queues never touch
+the scheduler's lists or counters themselves: a change to what a running request is (speculative
+rows, several samples per step) stays inside the scheduler."""
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
-from pdserve.engine.request import Req
+from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.request import FinishReason, Req
+
+
+class SchedulerPort(Protocol):
+    """The scheduler as the PD queues see it (``engine/scheduler.Scheduler`` implements it)."""
+
+    kv: KVCacheManager  # every page and slot; the queues change KV only through it
+    args: Any  # the server's settings (read only)
+    page_size: int
+
+    def now(self) -> float:
+        """The loop clock: every rank takes time-based decisions alike."""
+
+    def num_running(self) -> int:
+        """Requests in the running batch."""
+
+    def scheduled(self) -> list[Req]:
+        """Requests the scheduler holds (waiting or running)."""
+
+    def enqueue(self, req: Req) -> None:
+        """Compute ``req``'s prompt here (prefill: its room is bootstrapped; decode: nothing was
+        transferred, e.g. the fake backend)."""
+
+    def start_decoding(self, req: Req, failure: Optional[FinishReason] = None) -> None:
+        """``req``'s prompt KV and first token came from prefill (``kv_len`` and ``output_ids``
+        set): it joins the running batch, or ends at once with ``failure``."""
+
+    def hand_off(self, req: Req) -> None:
+        """Prefill: ``req``'s first token is sampled and its KV goes to decode; it leaves the
+        batch, keeping its KV until the queues finish it."""
+
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        """End ``req`` wherever it is and release everything it holds."""
+
+    def count(self, stat: str, n: int) -> None:
+        """Add ``n`` to one of the scheduler's counters (``cache_hit_tokens``, ...)."""
 
 
 class PDQueues(Protocol):
@@ -36,6 +76,13 @@ class PDQueues(Protocol):
 
     def process_queues(self) -> None:
         """Advance every queue once; called at the start of each scheduler step."""
+
+    def chunk_done(self, req: Req) -> None:
+        """A forward computed another chunk of ``req``'s prompt (prefill sends its full pages)."""
+
+    def prompt_done(self, req: Req) -> bool:
+        """``req``'s first token is sampled; True when the queues take it from here (prefill
+        hands it off to decode), False when it decodes here."""
 
     def close(self) -> None:
         """Release the KV manager and every thread and port of the queues (a role switch; only

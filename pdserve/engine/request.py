@@ -196,6 +196,11 @@ class RequestSpec(msgspec.Struct, kw_only=True):
     pd: PDFields = msgspec.field(default_factory=PDFields)
 
 
+class PDState:
+    """What the PD queues keep for a request while it is theirs (``disagg/prefill.py``'s and
+    ``disagg/decode.py``'s subclasses: its KV sender or receiver, metadata slot, ...)."""
+
+
 @dataclass
 class KVSlots:
     """Where a request's KV lives, per cache group (``engine/kv_cache.py`` owns every change).
@@ -277,8 +282,8 @@ class Req:
     # what the front end has been sent so far
     sent_output_len: int = 0
     sent_input_logprobs: bool = False
-    # disaggregation state (sender/receiver, metadata slot), owned by the disagg queues
-    disagg: Any = None
+    # disaggregation state (sender/receiver, metadata slot), owned by the PD queues
+    disagg: Optional["PDState"] = None
     # event -> wall-clock time it first happened here (server/timeline.py names the events)
     timeline: dict[str, float] = field(default_factory=dict)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -91,11 +91,9 @@ class Scheduler:
             "retractions": 0,
             "recomputed": 0,  # of them: sequences that outgrew their KV (``KVCacheManager.stale``)
         }
-        # Disaggregation queues plug in here (pdserve.disagg.prefill / decode).
+        # Disaggregation queues plug in here (pdserve.disagg.prefill / decode); they see this
+        # scheduler through ``engine/pd_queues.SchedulerPort`` only.
         self.pd: Optional[PDQueues] = None
-        # Called with each request that completes its prompt in prefill mode (instead of decoding).
-        self.on_prefill_done: Optional[Callable[[Req], None]] = None
-        self.on_chunk_done: Optional[Callable[[Req], None]] = None
         self._reported_early = False
         self.groups_busy = 0  # DP attention: the busiest group's level at the last step
         self.grammars = GrammarMasks(
@@ -159,6 +157,31 @@ class Scheduler:
 
     def now(self) -> float:
         return self.clock if self.clock is not None else time.monotonic()
+
+    # ---- what the PD queues may do (engine/pd_queues.SchedulerPort) ----------------------------
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def scheduled(self) -> list[Req]:
+        return self.waiting + self.running
+
+    def enqueue(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def start_decoding(self, req: Req, failure: Optional[FinishReason] = None) -> None:
+        self.stats["prompt_tokens"] += req.prompt_len
+        self.stats["generation_tokens"] += len(req.output_ids)
+        self.running.append(req)
+        self.updated.add(req)
+        reason = failure or check_finish(req, self.eos_ids, self.tokenizer, self.context_length)
+        if reason is not None:
+            self.finish(req, reason)
+
+    def hand_off(self, req: Req) -> None:
+        self.running.remove(req)
+
+    def count(self, stat: str, n: int) -> None:
+        self.stats[stat] += n
 
     def abort(self, rid: str, message: str = "aborted by client", status_code: int = 499) -> bool:
         """Abort one request (or every request when rid == ""); frees its KV at once."""
@@ -400,8 +423,8 @@ class Scheduler:
         logits = self.runner.forward(fb)
         for req, ext in batch:
             req.kv_len += ext
-            if self.on_chunk_done is not None:
-                self.on_chunk_done(req)
+            if self.pd is not None:
+                self.pd.chunk_done(req)
         self._record_input_logprobs(logits, input_lp)
         self._sample(logits, sample_at, None if masks is None else masks.result())
 
@@ -445,11 +468,11 @@ class Scheduler:
                     req.output_top_logprobs.append(out.top_logprobs[k] or [])
             self.updated.add(req)
             if (
-                self.on_prefill_done is not None
+                self.pd is not None
                 and len(req.output_ids) == 1
                 and req.num_retractions == 0
+                and self.pd.prompt_done(req)
             ):
-                self.on_prefill_done(req)
                 continue
             reason = check_finish(req, self.eos_ids, self.tokenizer, self.context_length)
             if reason is None and req.grammar is not None and req.grammar.terminated:

@@ -216,3 +216,32 @@ def test_decode_times_out_a_room_whose_prefill_never_comes(local_pair):
     run_until(lambda: not D.pd.has_work, D, P)
     info = D.check_integrity()
     assert info["in_use_pages"] == 0 and info["metadata_slots_free"] == info["metadata_slots_total"]
+
+
+def test_the_queues_use_the_scheduler_only_through_its_port():
+    """``disagg/prefill.py`` and ``disagg/decode.py`` name no member of the scheduler beyond
+    ``SchedulerPort``'s, and the scheduler has every one of them."""
+    import ast
+    import inspect
+    from pathlib import Path
+
+    import pdserve
+    from pdserve.engine.pd_queues import SchedulerPort
+
+    allowed = {n for n in vars(SchedulerPort) if not n.startswith("_")}
+    allowed |= set(SchedulerPort.__annotations__)
+    root = Path(inspect.getfile(pdserve)).parent
+    for name in ("disagg/prefill.py", "disagg/decode.py"):
+        used = {
+            node.attr
+            for node in ast.walk(ast.parse((root / name).read_text()))
+            if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "s"
+            and isinstance(node.value.value, ast.Name)
+            and node.value.value.id == "self"
+        }
+        assert used and used <= allowed, (name, sorted(used - allowed))
+    # its methods (the attributes are set per instance)
+    missing = [n for n in allowed - set(SchedulerPort.__annotations__) if not hasattr(Scheduler, n)]
+    assert not missing, missing
