@@ -317,36 +317,13 @@ class Scheduler:
             self.runner.idle_forward(counts)
 
     def _schedule(self) -> list[tuple[Req, int]]:
-        batch: list[tuple[Req, int]] = []
         budget = self.args.max_prefill_tokens  # prefill tokens in this batch
         chunk = self.args.chunked_prefill_size  # prefill tokens of one request in one batch
-        # 1. decode rows: one new token each; retract the least advanced request if pages run out
+        # 1. decode rows
         decoding = sorted(
             (r for r in self.running if r.extend_len == 1), key=lambda r: r.arrival_time
         )
-        for req in decoding:
-            if req not in self.running:
-                continue  # retracted below to make room for an earlier one
-            if self.kv.stale(req):
-                # its sequence outgrew what its KV was computed for (LongRoPE past the original
-                # context): computed again from the start, as HF does
-                self.retract(req)
-                self.stats["recomputed"] += 1
-                continue
-            grown = self.kv.grow(req, 1)
-            while not grown:
-                scheduled = {r for r, _ in batch}
-                victim = min(
-                    (r for r in self.running if r not in scheduled),
-                    key=lambda r: (len(r.output_ids), -r.arrival_time),
-                )
-                self.retract(victim)
-                if victim is req:
-                    break
-                grown = self.kv.grow(req, 1)
-            if not grown:
-                continue
-            batch.append((req, 1))
+        batch = self._decode_rows(decoding)
         # 2. unfinished chunked prefills continue within the token budget
         for req in self.running:
             if req.extend_len > 1 and budget > 0:
@@ -369,6 +346,36 @@ class Scheduler:
             batch.append((req, ext))
             budget -= ext
         return batch
+
+    def _decode_rows(self, decoding: list[Req]) -> list[tuple[Req, int]]:
+        """The decode rows of this step, one per running request whose prompt is done, in order
+        of arrival: (request, its tokens to compute). A request whose KV went stale is recomputed
+        instead; when pages run out, the least advanced request is retracted. The one place a
+        decode row is made (a speculative row would be its token and the drafts)."""
+        rows: list[tuple[Req, int]] = []
+        for req in decoding:
+            if req not in self.running:
+                continue  # retracted below to make room for an earlier one
+            if self.kv.stale(req):
+                # its sequence outgrew what its KV was computed for (LongRoPE past the original
+                # context): computed again from the start, as HF does
+                self.retract(req)
+                self.stats["recomputed"] += 1
+                continue
+            grown = self.kv.grow(req, 1)
+            while not grown:
+                scheduled = {r for r, _ in rows}
+                victim = min(
+                    (r for r in self.running if r not in scheduled),
+                    key=lambda r: (len(r.output_ids), -r.arrival_time),
+                )
+                self.retract(victim)
+                if victim is req:
+                    break
+                grown = self.kv.grow(req, 1)
+            if grown:
+                rows.append((req, 1))
+        return rows
 
     def _admit(self, req: Req, budget: int, reserve: int) -> bool:
         ids = req.all_ids
