@@ -55,6 +55,12 @@ def default_torch_threads() -> int:
     return max(1, (os.cpu_count() or 1))
 
 
+# speculative decoding: what runs, and SGLang's names of what does not yet
+SPECULATIVE_ALGORITHMS = ("NGRAM",)
+SPECULATIVE_NOT_BUILT = ("EAGLE", "EAGLE3", "STANDALONE", "MTP")
+MAX_DRAFT_TOKENS = 16
+
+
 @dataclass
 class ServerArgs:
     # model
@@ -98,6 +104,12 @@ class ServerArgs:
     max_mamba_cache_size: Optional[int] = None
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
+    # speculative decoding (SGLang's flags; engine/speculative.py): NGRAM proposes the tokens that
+    # followed the latest earlier occurrence of the sequence's last n tokens
+    speculative_algorithm: Optional[str] = None
+    speculative_num_draft_tokens: int = 4  # drafts verified per step and request
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
     # KV cache events (ZMQ PUB, vLLM/SGLang wire format); the port is offset by the DP group
     kv_events_endpoint: Optional[str] = None  # e.g. tcp://*:5557
     kv_events_replay_endpoint: Optional[str] = None  # e.g. tcp://*:5558
@@ -244,6 +256,7 @@ class ServerArgs:
             bad("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
         if self.max_running_requests < 1:
             bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
+        self._check_speculative(bad)
         # (with the prefix cache a running request takes two: model_runner checks it, after the
         # role's rules have said whether this server caches prefixes)
         if self.max_mamba_cache_size is not None and (
@@ -454,6 +467,29 @@ class ServerArgs:
                 "keep them on a network only the server's nodes reach"
             )
         return out
+
+    def _check_speculative(self, bad) -> None:
+        algo = self.speculative_algorithm
+        if algo is None:
+            return
+        if algo.upper() in SPECULATIVE_NOT_BUILT:
+            bad(
+                "speculative_algorithm",
+                f"{algo!r} is not available yet; supported: {SPECULATIVE_ALGORITHMS}",
+            )
+        if algo.upper() not in SPECULATIVE_ALGORITHMS:
+            bad("speculative_algorithm", f"must be one of {SPECULATIVE_ALGORITHMS}, got {algo!r}")
+        self.speculative_algorithm = algo.upper()
+        n = self.speculative_num_draft_tokens
+        if not 1 <= n <= MAX_DRAFT_TOKENS:
+            bad("speculative_num_draft_tokens", f"must be in [1, {MAX_DRAFT_TOKENS}], got {n}")
+        lo = self.speculative_ngram_min_match_window_size
+        hi = self.speculative_ngram_max_match_window_size
+        if not 1 <= lo <= hi:
+            bad(
+                "speculative_ngram_min_match_window_size",
+                f"must be in [1, speculative_ngram_max_match_window_size ({hi})], got {lo}",
+            )
 
     @property
     def world_size(self) -> int:

@@ -171,6 +171,11 @@ class Engine:
             meta["output_top_logprobs"] = top_entries(req.output_top_logprobs)
             meta["input_token_logprobs"] = logprob_entries(req.input_token_logprobs)
             meta["input_top_logprobs"] = top_entries(req.input_top_logprobs)
+        if req.spec_verify_ct:  # speculative decoding (SGLang's field, and the mean tokens a step)
+            meta["spec_verify_ct"] = req.spec_verify_ct
+            meta["spec_accept_length"] = (
+                req.spec_verify_ct + req.spec_accepted
+            ) / req.spec_verify_ct
         if req.routed_experts is not None:
             meta["routed_experts"] = base64.b64encode(req.routed_experts).decode("ascii")
         return {

@@ -279,6 +279,12 @@ class Req:
     generator: Any = None
     grammar: Any = None  # pdserve.grammar.request_grammar.RequestGrammar, made by the scheduler
     input_logprobs_done: bool = False
+    # speculative decoding (engine/speculative.py): this step's drafts, the request's n-gram
+    # index, verify steps run and drafts accepted
+    drafts: list[int] = field(default_factory=list)
+    ngrams: Any = None
+    spec_verify_ct: int = 0
+    spec_accepted: int = 0
     # what the front end has been sent so far
     sent_output_len: int = 0
     sent_input_logprobs: bool = False

@@ -31,6 +31,8 @@ from pdserve.engine.request import MAX_TOP_LOGPROBS, FinishKind, FinishReason, R
 from pdserve.engine.routed_experts import refusal as routed_experts_refusal
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.schedule_policy import order_waiting
+from pdserve.engine.speculative import Speculator
+from pdserve.engine.speculative import refusal as speculative_refusal
 from pdserve.engine.stop import check_finish, eos_token_ids
 from pdserve.kv_events import KVEventPublisher, offset_port
 
@@ -90,7 +92,15 @@ class Scheduler:
             "cache_hit_tokens": 0,
             "retractions": 0,
             "recomputed": 0,  # of them: sequences that outgrew their KV (``KVCacheManager.stale``)
+            # speculative decoding: rows verified, drafts proposed and accepted
+            "spec_verify_steps": 0,
+            "spec_draft_tokens": 0,
+            "spec_accepted_tokens": 0,
         }
+        why = speculative_refusal(self.kv.policies, args.speculative_algorithm)
+        if why:
+            raise ValueError(why)
+        self.speculator = Speculator(args) if args.speculative_algorithm else None
         # Disaggregation queues plug in here (pdserve.disagg.prefill / decode); they see this
         # scheduler through ``engine/pd_queues.SchedulerPort`` only.
         self.pd: Optional[PDQueues] = None
@@ -362,6 +372,9 @@ class Scheduler:
                 self.retract(req)
                 self.stats["recomputed"] += 1
                 continue
+            req.drafts = self._drafts(req)
+            if req.drafts and not self.kv.grow(req, 1 + len(req.drafts)):
+                req.drafts = []  # no room for them: one token, as without speculation
             grown = self.kv.grow(req, 1)
             while not grown:
                 scheduled = {r for r, _ in rows}
@@ -374,8 +387,22 @@ class Scheduler:
                     break
                 grown = self.kv.grow(req, 1)
             if grown:
-                rows.append((req, 1))
+                rows.append((req, 1 + len(req.drafts)))
         return rows
+
+    def _drafts(self, req: Req) -> list[int]:
+        """Speculative drafts for ``req``'s next row, within its token budget, its context and
+        the prefix-cache namespace of its length (the row is computed for one sequence length)."""
+        if self.speculator is None:
+            return []
+        limit = min(
+            req.sampling.max_new_tokens - len(req.output_ids) - 1,
+            self.context_length - req.seq_len - 1,
+        )
+        namespace = self.kv.namespace(req.seq_len)
+        while limit > 0 and self.kv.namespace(req.seq_len + limit) != namespace:
+            limit -= 1
+        return self.speculator.drafts(req, limit)
 
     def _admit(self, req: Req, budget: int, reserve: int) -> bool:
         ids = req.all_ids
@@ -400,11 +427,13 @@ class Scheduler:
         positions: list[int] = []
         logits_rows: list[int] = []
         sample_at: list[tuple[Req, int]] = []  # (req, index into logits rows)
+        verify_at: list[tuple[Req, int, int]] = []  # speculative rows: (req, first row, count)
         input_lp: list[tuple[Req, int, list[int]]] = []  # (req, first logits index, target ids)
         for req, ext in batch:
             start = len(ids)
             all_ids = req.all_ids
-            ids.extend(all_ids[req.kv_len : req.kv_len + ext])
+            tokens = all_ids[req.kv_len : req.kv_len + ext]
+            ids.extend(tokens + req.drafts[: ext - len(tokens)])  # a decode row's drafts
             positions.extend(range(req.kv_len, req.kv_len + ext))
             if req.return_logprob and not req.input_logprobs_done:
                 # logits at position p predict prompt token p + 1
@@ -413,7 +442,10 @@ class Scheduler:
                 if hi > lo:
                     input_lp.append((req, len(logits_rows), req.input_ids[lo + 1 : hi + 1]))
                     logits_rows.extend(range(start + lo - req.kv_len, start + hi - req.kv_len))
-            if req.kv_len + ext == req.seq_len:
+            if req.drafts and ext == 1 + len(req.drafts):
+                verify_at.append((req, len(logits_rows), ext))
+                logits_rows.extend(range(start, start + ext))
+            elif req.kv_len + ext == req.seq_len:
                 sample_at.append((req, len(logits_rows)))
                 logits_rows.append(start + ext - 1)
         fb = self.runner.make_forward_batch(
@@ -429,11 +461,50 @@ class Scheduler:
         masks = self.grammars.start([r for r, _ in sample_at if r.sampling.max_new_tokens > 0])
         logits = self.runner.forward(fb)
         for req, ext in batch:
-            req.kv_len += ext
+            req.kv_len += 1 if req.drafts else ext  # the drafts' KV counts once accepted
             if self.pd is not None:
                 self.pd.chunk_done(req)
         self._record_input_logprobs(logits, input_lp)
         self._sample(logits, sample_at, None if masks is None else masks.result())
+        self._verify(logits, verify_at)
+
+    def _verify(self, logits: torch.Tensor, items: list[tuple[Req, int, int]]) -> None:
+        """Speculative rows: the tokens greedy decoding gives (``Speculator.accept``), appended one
+        by one with the stop checks after each; ``kv_len`` follows (the KV of a token is the next
+        one's input, as in a plain decode step)."""
+        if not items:
+            return
+        rows = torch.cat([logits[r : r + n] for _, r, n in items])
+        targets = rows[:, : self.runner.vocab_size].argmax(dim=-1).tolist()
+        at = 0
+        for req, row, n in items:
+            drafts, req.drafts = req.drafts, []
+            tokens = self.speculator.accept(drafts, targets[at : at + n])
+            at += n
+            req.spec_verify_ct += 1
+            req.spec_accepted += len(tokens) - 1
+            self.stats["spec_verify_steps"] += 1
+            self.stats["spec_draft_tokens"] += len(drafts)
+            self.stats["spec_accepted_tokens"] += len(tokens) - 1
+            if req.return_logprob:
+                mine = logits[row : row + len(tokens), : self.runner.vocab_size]
+                chosen = torch.tensor(tokens, device=mine.device)
+                values = lp.token_logprobs(mine, chosen)
+                tops = lp.top_logprobs(mine, req.top_logprobs_num) if req.top_logprobs_num else []
+            base = req.kv_len  # the KV of the row's first token is in
+            self.updated.add(req)
+            for j, tok in enumerate(tokens):
+                req.output_ids.append(tok)
+                req.kv_len = base + j
+                self.stats["generation_tokens"] += 1
+                if req.return_logprob:
+                    req.output_token_logprobs.append((values[j], tok))
+                    if req.top_logprobs_num:
+                        req.output_top_logprobs.append(tops[j])
+                reason = check_finish(req, self.eos_ids, self.tokenizer, self.context_length)
+                if reason is not None:
+                    self.finish(req, reason)
+                    break
 
     def _record_input_logprobs(self, logits: torch.Tensor, items) -> None:
         for req, row, targets in items:

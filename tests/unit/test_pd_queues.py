@@ -245,3 +245,40 @@ def test_the_queues_use_the_scheduler_only_through_its_port():
     # its methods (the attributes are set per instance)
     missing = [n for n in allowed - set(SchedulerPort.__annotations__) if not hasattr(Scheduler, n)]
     assert not missing, missing
+
+
+def test_a_speculating_decode_gives_the_colocated_tokens(local_pair):
+    """Decode with n-gram speculation behind a plain prefill: it speculates from its first step
+    (the prompt's KV and first token came from prefill) and gives colocated greedy's tokens."""
+    P, _, bport = local_pair
+    D = make("decode", "local", speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+    try:
+        rng = random.Random(8)
+        part = [rng.randrange(100, 40000) for _ in range(21)]
+        prompts = [part * 3, part[:8] * 5, [rng.randrange(100, 40000) for _ in range(50)]]
+        pairs = []
+        for i, ids in enumerate(prompts):
+            room = rng.randrange(2**63)
+            rp = req(f"sp{i}", ids, room, port=bport)
+            rd = req(f"sd{i}", ids, room, port=bport, max_new_tokens=30)
+            P.add_request(rp)
+            D.add_request(rd)
+            pairs.append((rp, rd))
+        run_until(lambda: all(rd.finished and rp.finished for rp, rd in pairs), P, D)
+        import pdserve
+
+        ref = pdserve.Engine(
+            model_path=build_tiny_checkpoint("llama"), torch_num_threads=1, max_total_tokens=8192
+        )
+        outs = ref.generate(
+            input_ids=prompts,
+            sampling_params={"temperature": 0, "max_new_tokens": 30, "ignore_eos": True},
+        )
+        assert [rd.output_ids for _, rd in pairs] == [o["output_ids"] for o in outs]
+        assert pairs[0][1].spec_accepted > 0 and D.stats["spec_verify_steps"] > 0
+        for s in (P, D):
+            info = s.check_integrity()
+            assert info["in_use_pages"] == 0
+            assert info["metadata_slots_free"] == info["metadata_slots_total"]
+    finally:
+        D.pd.mgr.close()
