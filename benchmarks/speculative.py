@@ -44,7 +44,7 @@ PASSAGE = (
     "merchant paid for the stone bridge on the condition that it carry his name. The bridge has "
     "stood for ninety years, and most people in the town no longer know who the merchant was."
 )
-CODE = '''def mean_of_positive(values):
+CODE = """def mean_of_positive(values):
     total = 0
     count = 0
     for v in values:
@@ -54,7 +54,7 @@ CODE = '''def mean_of_positive(values):
     if count == 0:
         return 0.0
     return total / count
-'''
+"""
 SETS = {
     "summarize": [
         f"Summarise this passage in three sentences, quoting its key sentences word for word:\n\n{PASSAGE}",
@@ -117,9 +117,7 @@ def main() -> None:
     from pdserve.models.demo import ensure_demo_model
 
     path = ensure_demo_model()
-    common = dict(
-        model_path=path, torch_num_threads=1, dtype="bfloat16", disable_radix_cache=True
-    )
+    common = dict(model_path=path, torch_num_threads=1, dtype="bfloat16", disable_radix_cache=True)
     plain = pdserve.Engine(**common)
     spec = pdserve.Engine(
         **common, speculative_algorithm="NGRAM", speculative_num_draft_tokens=args.drafts

@@ -130,8 +130,12 @@ class Sampler:
         logits: torch.Tensor,
         reqs: Sequence[Req],
         grammar: Optional[tuple[torch.Tensor, list[int]]] = None,
+        offsets: Optional[Sequence[int]] = None,
     ) -> SampleOutput:
-        """``grammar``: (bitmask [G, words], the G constrained rows) or None."""
+        """``grammar``: (bitmask [G, words], the G constrained rows) or None. ``offsets``: per
+        row, how many tokens past the request's output it draws (speculative rows of one request:
+        0, 1, ...; a seeded request's draw depends on its seed and that position only)."""
+        offsets = list(offsets) if offsets is not None else [0] * len(reqs)
         assert logits.dim() == 2 and logits.shape[0] == len(reqs), (logits.shape, len(reqs))
         assert logits.shape[1] >= self.vocab_size, (logits.shape, self.vocab_size)
         raw = logits[:, : self.vocab_size]
@@ -152,13 +156,15 @@ class Sampler:
             if not sampled_rows:
                 next_ids = x.argmax(dim=-1)
             elif not greedy_rows:
-                next_ids = self._sample_rows(x, list(reqs))
+                next_ids = self._sample_rows(x, list(reqs), offsets)
             else:
                 next_ids = torch.empty(num, dtype=torch.long, device=x.device)
                 g = self._index(greedy_rows, x)
                 s = self._index(sampled_rows, x)
                 next_ids[g] = x[g].argmax(dim=-1)
-                next_ids[s] = self._sample_rows(x[s], [reqs[i] for i in sampled_rows])
+                next_ids[s] = self._sample_rows(
+                    x[s], [reqs[i] for i in sampled_rows], [offsets[i] for i in sampled_rows]
+                )
         # a row whose processed logits hold a NaN (or +inf) draws past the vocabulary: it gets no
         # token, and the scheduler ends that request instead of indexing with it
         bad = (next_ids < 0) | (next_ids >= raw.shape[-1])
@@ -248,14 +254,14 @@ class Sampler:
 
     # -- drawing -----------------------------------------------------------------------------
 
-    def _sample_rows(self, x: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    def _sample_rows(self, x: torch.Tensor, reqs: list[Req], offsets: list[int]) -> torch.Tensor:
         """Draw one token per row of ``x`` [R, V] (all rows non-greedy), by inverse CDF with one
         uniform per row. A row's token depends only on that row and its request."""
         dev = x.device
         params = [r.sampling for r in reqs]
         temps = torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
         probs = torch.softmax(x / temps, dim=-1)
-        uniforms = self._uniforms(reqs).to(dev)
+        uniforms = self._uniforms(reqs, offsets).to(dev)
 
         filtered = [j for j, p in enumerate(params) if _has_filter(p)]
         if not filtered:
@@ -307,24 +313,24 @@ class Sampler:
         choice[rest] = _draw_sorted(sorted_probs, order, knobs[rest])
         return choice
 
-    def _uniforms(self, reqs: list[Req]) -> torch.Tensor:
-        """One uniform in [0, 1) per request, on the CPU: seeded requests draw from their own
-        generator, the others from the shared one. CPU generators make a seed give the same
-        tokens on any device (for the same probabilities)."""
+    def _uniforms(self, reqs: list[Req], offsets: list[int]) -> torch.Tensor:
+        """One uniform in [0, 1) per row, on the CPU: seeded requests draw from their own
+        generator, seeded by the output position drawn, the others from the shared one. CPU
+        generators make a seed give the same tokens on any device (for the same probabilities)."""
         u = torch.empty(len(reqs))
         shared = [j for j, r in enumerate(reqs) if r.sampling.seed is None]
         if shared:
             u[shared] = torch.rand(len(shared), generator=self.generator)
         for j, r in enumerate(reqs):
             if r.sampling.seed is not None:
-                u[j] = torch.rand(1, generator=self._req_generator(r))[0]
+                u[j] = torch.rand(1, generator=self._req_generator(r, offsets[j]))[0]
         return u
 
-    def _req_generator(self, req: Req) -> torch.Generator:
+    def _req_generator(self, req: Req, offset: int = 0) -> torch.Generator:
         gen = req.generator
         if gen is None:
             gen = req.generator = torch.Generator()
-        gen.manual_seed(_step_seed(req.sampling.seed, len(req.output_ids)))
+        gen.manual_seed(_step_seed(req.sampling.seed, len(req.output_ids) + offset))
         return gen
 
     # -- output ------------------------------------------------------------------------------

@@ -469,28 +469,33 @@ class Scheduler:
         self._verify(logits, verify_at)
 
     def _verify(self, logits: torch.Tensor, items: list[tuple[Req, int, int]]) -> None:
-        """Speculative rows: the tokens greedy decoding gives (``Speculator.accept``), appended one
-        by one with the stop checks after each; ``kv_len`` follows (the KV of a token is the next
-        one's input, as in a plain decode step)."""
+        """Speculative rows: each row's token drawn as a plain step would draw it (greedy, or
+        sampled: a seeded request's draw depends on the position only), the drafts accepted while
+        they equal those draws (``Speculator.accept``), the tokens appended one by one with the
+        stop checks after each; ``kv_len`` follows (the KV of a token is the next one's input, as
+        in a plain decode step)."""
         if not items:
             return
         rows = torch.cat([logits[r : r + n] for _, r, n in items])
-        targets = rows[:, : self.runner.vocab_size].argmax(dim=-1).tolist()
+        reqs = [req for req, _, n in items for _ in range(n)]
+        out = self.sampler.sample(
+            rows, reqs, None, offsets=[j for *_, n in items for j in range(n)]
+        )
+        failed = set(out.failed)
         at = 0
-        for req, row, n in items:
+        for req, _, n in items:
             drafts, req.drafts = req.drafts, []
-            tokens = self.speculator.accept(drafts, targets[at : at + n])
-            at += n
+            first, at = at, at + n
+            if any(first + j in failed for j in range(n)):
+                why = "sampling: the request's logits were not finite (NaN or infinity)"
+                self.finish(req, FinishReason(FinishKind.ABORT, message=why, status_code=500))
+                continue
+            tokens = self.speculator.accept(drafts, out.next_ids[first : first + n])
             req.spec_verify_ct += 1
             req.spec_accepted += len(tokens) - 1
             self.stats["spec_verify_steps"] += 1
             self.stats["spec_draft_tokens"] += len(drafts)
             self.stats["spec_accepted_tokens"] += len(tokens) - 1
-            if req.return_logprob:
-                mine = logits[row : row + len(tokens), : self.runner.vocab_size]
-                chosen = torch.tensor(tokens, device=mine.device)
-                values = lp.token_logprobs(mine, chosen)
-                tops = lp.top_logprobs(mine, req.top_logprobs_num) if req.top_logprobs_num else []
             base = req.kv_len  # the KV of the row's first token is in
             self.updated.add(req)
             for j, tok in enumerate(tokens):
@@ -498,9 +503,9 @@ class Scheduler:
                 req.kv_len = base + j
                 self.stats["generation_tokens"] += 1
                 if req.return_logprob:
-                    req.output_token_logprobs.append((values[j], tok))
+                    req.output_token_logprobs.append((out.logprobs[first + j], tok))
                     if req.top_logprobs_num:
-                        req.output_top_logprobs.append(tops[j])
+                        req.output_top_logprobs.append(out.top_logprobs[first + j] or [])
                 reason = check_finish(req, self.eos_ids, self.tokenizer, self.context_length)
                 if reason is not None:
                     self.finish(req, reason)

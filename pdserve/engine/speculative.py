@@ -1,17 +1,22 @@
 """Speculative decoding: draft tokens proposed per request, verified by one forward of the target.
 
 A speculating request's decode row holds its last token and up to k drafts; the forward gives the
-target's logits at each of them. Drafts are accepted while each equals the target's greedy choice
-at the position before it; the target's choice after the last accepted draft is one more token
-(the bonus), so a step yields between 1 and k + 1 tokens, exactly those of greedy decoding one
-token at a time. The KV the row wrote for accepted drafts is kept (it was computed from the right
+target's logits at each of them, and the sampler draws a token at each as a plain step would
+(greedy, or sampled from the request's distribution). Drafts are accepted while each equals the
+draw at the position before it; the draw after the last accepted draft is one more token, so a
+step yields between 1 and k + 1 tokens. For greedy requests these are exactly the tokens of
+greedy decoding one token at a time. For sampled ones this is the standard rejection rule with a
+deterministic proposal: a draft d is kept with probability p(d), and on rejection the draw is
+distributed as p without d, renormalised; so the tokens follow the target's distribution, and a
+seeded request (whose draw at an output position depends only on its seed and that position,
+``Sampler._uniforms``) gives exactly its plain seeded tokens. The KV the row wrote for accepted drafts is kept (it was computed from the right
 tokens); what rejected drafts wrote lies past the request's ``kv_len``, inside pages it already
 owns, and is overwritten by later steps: the prefix cache takes pages only up to ``kv_len``, so
 nothing of it reaches the cache, KV events or a transfer.
 
-Who speculates (``speculable``): greedy requests without penalties, a ``min_new_tokens`` ban, a
-grammar or routed-expert capture, whose tokens greedy verification reproduces exactly; the others
-decode one token per step in the same batch. A model whose cache cannot drop rejected tokens (a
+Who speculates (``speculable``): requests without penalties (they would change with each
+accepted token), a ``min_new_tokens`` ban, a grammar or routed-expert capture; the others decode
+one token per step in the same batch. A model whose cache cannot drop rejected tokens (a
 recurrent state) is refused at start-up.
 
 Proposers (``--speculative-algorithm``): ``NGRAM`` (SGLang's name) proposes the tokens that
@@ -65,8 +70,7 @@ class Speculator:
     def speculable(req: Req) -> bool:
         s = req.sampling
         return (
-            s.is_greedy
-            and s.repetition_penalty == 1.0
+            s.repetition_penalty == 1.0
             and s.frequency_penalty == 0.0
             and s.presence_penalty == 0.0
             and len(req.output_ids) >= s.min_new_tokens
@@ -86,8 +90,8 @@ class Speculator:
 
     @staticmethod
     def accept(drafts: list[int], targets: list[int]) -> list[int]:
-        """The tokens a row yields: each draft while it equals the target's choice before it,
-        then the target's choice after the last accepted one (``targets``: one per row token)."""
+        """The tokens a row yields: each draft while it equals the draw before it, then the draw
+        after the last accepted one (``targets``: one draw per row token)."""
         n = 0
         while n < len(drafts) and drafts[n] == targets[n]:
             n += 1

@@ -1,8 +1,9 @@
 """Speculative decoding with n-gram drafts (``--speculative-algorithm NGRAM``) against the same
 engine without it, on the tiny Llama: greedy tokens identical (and their logprobs), in batches
-where requests accept different numbers of drafts and sampled requests decode beside them, with
-chunked prefill, prefix-cache hits and stop strings ending inside an accepted run; the pools
-consistent afterwards; bad settings refused naming the value."""
+where requests accept different numbers of drafts and penalized requests decode beside them, with
+chunked prefill, prefix-cache hits and stop strings ending inside an accepted run; seeded sampled
+requests give their plain tokens, and unseeded ones follow the target distribution (chi-square);
+the pools consistent afterwards; bad settings refused naming the value."""
 
 from __future__ import annotations
 
@@ -22,12 +23,12 @@ NEW = 40
 
 def engine(spec: bool, **kw) -> pdserve.Engine:
     kw.setdefault("page_size", 4)
+    kw.setdefault("max_total_tokens", 16384)
     if spec:
         kw.update(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
     return pdserve.Engine(
         model_path=build_tiny_checkpoint("llama"),
         torch_num_threads=1,
-        max_total_tokens=16384,
         chunked_prefill_size=32,
         **kw,
     )
@@ -58,9 +59,9 @@ def test_greedy_tokens_and_logprobs_equal_plain_decoding(pair, request):
     plain, spec = pair
     request.node._engine = spec
     ps = prompts(0)
-    # a seeded sampled request decodes one token a step beside the speculating ones
+    # a penalized request decodes one token a step beside the speculating ones
     sampled = {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 20, "ignore_eos": True}
-    sampled["seed"] = 11
+    sampled.update(seed=11, frequency_penalty=0.5)
     params = [greedy()] * len(ps) + [sampled]
     ref = plain.generate(input_ids=ps + [ps[2]], sampling_params=params, return_logprob=True)
     before = dict(spec.scheduler.stats)
@@ -81,6 +82,75 @@ def test_greedy_tokens_and_logprobs_equal_plain_decoding(pair, request):
         for o in out[:4]
     )
     assert steps == sum(o["meta_info"]["spec_verify_ct"] for o in out[:4])
+
+
+def test_seeded_sampling_gives_the_plain_tokens(pair, request):
+    """A seeded request's draw at an output position depends on its seed and that position
+    only, and the rejection rule keeps a draft exactly when the draw equals it: the speculative
+    run samples the plain run's tokens, seed by seed."""
+    plain, spec = pair
+    request.node._engine = spec
+    ps = prompts(3)[:2]
+    params = [
+        {"temperature": 0.3, "top_p": 0.95, "top_k": 3, "max_new_tokens": 24, "seed": s}
+        | {"ignore_eos": True}
+        for s in range(12)
+    ]
+    ids = [ps[s % 2] for s in range(12)]
+    ref = plain.generate(input_ids=ids, sampling_params=params)
+    out = spec.generate(input_ids=ids, sampling_params=params)
+    assert [o["output_ids"] for o in out] == [r["output_ids"] for r in ref]
+    assert sum(o["meta_info"].get("spec_verify_ct", 0) for o in out) > 0
+    assert any(o["meta_info"].get("spec_accept_length", 1) > 1 for o in out)
+
+
+def test_unseeded_sampling_follows_the_target_distribution(request):
+    """Chi-square on a model of 16 tokens: the token after a fixed first token, drawn at a
+    speculative row (a draft was proposed there: the prompt holds every token), against the
+    target's distribution at that position (temperature 1, from a plain engine's logprobs). The
+    shared generator is seeded, so the run is the same every time."""
+    import math
+    from collections import Counter
+
+    path = build_tiny_checkpoint("llama", vocab_size=16)
+    common = dict(model_path=path, torch_num_threads=1, max_total_tokens=65536, page_size=4)
+    plain = pdserve.Engine(**common)
+    spec = pdserve.Engine(**common, speculative_algorithm="NGRAM", random_seed=1234)
+    request.node._engine = spec
+    ids = [3, 7, 1, 12, 5, 9, 14, 0, 2, 11, 4, 8, 13, 6, 10, 15] * 2
+    # 3 tokens: at the second, one draft fits before the limit
+    sp = {"temperature": 1.0, "max_new_tokens": 3, "ignore_eos": True}
+    outs = spec.generate(input_ids=[ids] * 1500, sampling_params=sp)
+    first = Counter(o["output_ids"][0] for o in outs).most_common(1)[0][0]
+    given = [o for o in outs if o["output_ids"][0] == first]
+    assert all(o["meta_info"].get("spec_verify_ct") == 1 for o in given), "no draft proposed"
+    seconds = Counter(o["output_ids"][1] for o in given)
+    ref = plain.generate(
+        input_ids=ids + [first],
+        sampling_params={"temperature": 0, "max_new_tokens": 1},
+        return_logprob=True,
+        top_logprobs_num=16,
+    )
+    probs = {tok: math.exp(lp) for lp, tok, _ in ref["meta_info"]["output_top_logprobs"][0]}
+    n = len(given)
+    expected = {t: n * p for t, p in probs.items()}
+    # bins expecting fewer than 5 draws pooled into one
+    small = [t for t, e in expected.items() if e < 5]
+    observed = {t: seconds[t] for t in expected if t not in small}
+    pooled = {t: e for t, e in expected.items() if t not in small}
+    if small:
+        observed["rest"] = sum(seconds[t] for t in small)
+        pooled["rest"] = sum(expected[t] for t in small)
+    chi2 = sum((observed[t] - e) ** 2 / e for t, e in pooled.items())
+    df = len(pooled) - 1
+    # the 0.001 critical values of the chi-square distribution, by degrees of freedom
+    critical = {4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88, 10: 29.59}
+    critical |= {11: 31.26, 12: 32.91, 13: 34.53, 14: 36.12, 15: 37.70}
+    assert n > 150 and df in critical, (n, df)
+    assert chi2 < critical[df], (chi2, df, n, observed, pooled)
+    # the rule was exercised: some drafts kept, some rejected
+    kept = sum(o["meta_info"]["spec_accept_length"] > 1 for o in given)
+    assert 0 < kept < n
 
 
 def test_prefix_cache_hits_and_page_sizes(request):
