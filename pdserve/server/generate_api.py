@@ -241,6 +241,11 @@ def output_dict(
         "cached_tokens": state.cached_tokens,
         "e2e_latency": round(state.e2e_latency, 6),
     }
+    if state.spec_verify_ct:  # speculative decoding (SGLang's field, and the mean tokens a step)
+        meta["spec_verify_ct"] = state.spec_verify_ct
+        meta["spec_accept_length"] = (
+            state.spec_verify_ct + state.spec_accepted
+        ) / state.spec_verify_ct
     spec = state.spec
     if spec.return_logprob:
         meta["input_token_logprobs"] = _entries(tm, state.input_token_logprobs, with_text)

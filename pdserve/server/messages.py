@@ -41,6 +41,9 @@ class TokenOut(msgspec.Struct):
     finish_reason: Optional[dict[str, Any]] = None  # FinishReason.to_json() once finished
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # speculative decoding, so far: verify steps and accepted drafts (engine/speculative.py)
+    spec_verify_ct: int = 0
+    spec_accepted: int = 0
     # [logprob, token_id] per new token; top: list of [logprob, token_id] per new token
     output_token_logprobs: list[tuple[float, int]] = []
     output_top_logprobs: list[list[tuple[float, int]]] = []

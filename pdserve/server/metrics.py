@@ -13,6 +13,25 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+# tokens per speculative step (1 + accepted drafts), up to 1 + the most drafts
+_ACCEPT_BUCKETS = (
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    1.25,
+    1.5,
+    1.75,
+    2.0,
+    2.5,
+    3.0,
+    4.0,
+    5.0,
+    6.0,
+    8.0,
+    12.0,
+    17.0,
+)
 _STAGE_BUCKETS = (
     0.0005,
     0.001,
@@ -117,6 +136,16 @@ class ServerMetrics:
         self.kv_bytes_sent = counter(
             "pdserve:kv_transfer_bytes", "KV cache bytes this prefill wrote to decodes"
         )
+        self.spec_accept_length = hist(
+            "pdserve:spec_accept_length",
+            "Speculative decoding: tokens per verify step of a finished request (1 + accepted drafts)",
+            _ACCEPT_BUCKETS,
+        )
+        self.spec_accept_rate = hist(
+            "pdserve:spec_accept_rate",
+            "Speculative decoding: accepted drafts / verify steps of a finished request",
+            _ACCEPT_BUCKETS,
+        )
         self._prompt_total = 0
         self._cached_total = 0
         self._kv_bytes_seen = 0
@@ -129,6 +158,11 @@ class ServerMetrics:
         elif n:
             self.itl.observe(since_last / n)
         self.generation_tokens.inc(n)
+
+    def on_speculation(self, verify_steps: int, accepted: int) -> None:
+        """A finished request's speculation: its tokens per step, accepted drafts per step."""
+        self.spec_accept_length.observe((verify_steps + accepted) / verify_steps)
+        self.spec_accept_rate.observe(accepted / verify_steps)
 
     def on_finish(
         self, finish_type: str, prompt_tokens: int, cached_tokens: int, e2e: float

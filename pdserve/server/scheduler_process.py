@@ -75,6 +75,8 @@ def token_out(req: Req) -> m.TokenOut:
         finish_reason=req.finish_reason.to_json() if req.finished else None,
         prompt_tokens=req.prompt_len,
         cached_tokens=req.cached_tokens,
+        spec_verify_ct=req.spec_verify_ct,
+        spec_accepted=req.spec_accepted,
         timeline=req.timeline if req.finished else None,
         routed_experts=req.routed_experts if req.finished else None,
     )

@@ -108,6 +108,8 @@ class ReqState:
         self.routed_experts: Optional[bytes] = None  # with the finish, when the spec asked
         self.prompt_tokens = len(spec.input_ids)
         self.cached_tokens = 0
+        self.spec_verify_ct = 0  # speculative decoding: verify steps and accepted drafts
+        self.spec_accepted = 0
         self.pending: list[TokenOut] = []
         self.event = asyncio.Event()
         self.created = time.monotonic()
@@ -368,6 +370,8 @@ class TokenizerManager:
         state.last_output = now
         state.prompt_tokens = out.prompt_tokens or state.prompt_tokens
         state.cached_tokens = max(state.cached_tokens, out.cached_tokens)
+        state.spec_verify_ct = max(state.spec_verify_ct, out.spec_verify_ct)
+        state.spec_accepted = max(state.spec_accepted, out.spec_accepted)
         if state.spec.return_logprob:
             state.output_token_logprobs.extend(out.output_token_logprobs)
             state.output_top_logprobs.extend(out.output_top_logprobs)
@@ -387,6 +391,8 @@ class TokenizerManager:
                 state.cached_tokens,
                 state.e2e_latency,
             )
+            if state.spec_verify_ct:
+                self.metrics.on_speculation(state.spec_verify_ct, state.spec_accepted)
             logger.debug(
                 "rid=%s finished: %s prompt_tokens=%d completion_tokens=%d e2e=%.3fs",
                 state.rid,

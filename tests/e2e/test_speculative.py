@@ -239,3 +239,35 @@ def test_a_recurrent_state_model_is_refused():
             max_total_tokens=4096,
             speculative_algorithm="NGRAM",
         )
+
+
+def test_served_speculation_reports_and_counts(pair, tmp_path):
+    """``pdserve serve --speculative-algorithm NGRAM``: the plain engine's tokens over HTTP,
+    ``spec_verify_ct`` / ``spec_accept_length`` in ``meta_info``, the Prometheus histograms."""
+    import httpx
+
+    from tests.helpers import cluster as c
+
+    plain, _ = pair
+    args = ["--speculative-algorithm", "NGRAM", "--page-size", "4", "--max-total-tokens", "8192"]
+    server = c.server("Sngram", build_tiny_checkpoint("llama"), tmp_path, *args)
+    try:
+        c.start_all([server])
+        ids = prompts(5)[0]
+        body = {"input_ids": ids, "sampling_params": greedy(32)}
+        r = httpx.post(server.url + "/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        meta = r.json()["meta_info"]
+        assert (
+            r.json()["output_ids"]
+            == plain.generate(input_ids=ids, sampling_params=greedy(32))["output_ids"]
+        )
+        assert meta["spec_verify_ct"] > 0 and meta["spec_accept_length"] > 1
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        count = [
+            ln for ln in text.splitlines() if ln.startswith("pdserve:spec_accept_length_count")
+        ]
+        assert count and float(count[0].split()[-1]) == 1.0, count
+        server.wait_idle()
+    finally:
+        server.stop()
