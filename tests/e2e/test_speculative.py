@@ -153,6 +153,22 @@ def test_unseeded_sampling_follows_the_target_distribution(request):
     assert 0 < kept < n
 
 
+def test_deterministic_mode_gives_the_same_bits(request):
+    """``--enable-deterministic-inference`` in bf16: a verify row of 1 + k tokens computes each
+    position's logits bit for bit as a one-token step does, so the logprobs are equal, not
+    close."""
+    plain = engine(False, enable_deterministic_inference=True, dtype="bfloat16")
+    spec = engine(True, enable_deterministic_inference=True, dtype="bfloat16")
+    request.node._engine = spec
+    ps = prompts(0)
+    a = plain.generate(input_ids=ps, sampling_params=greedy(), return_logprob=True)
+    b = spec.generate(input_ids=ps, sampling_params=greedy(), return_logprob=True)
+    assert [o["meta_info"]["output_token_logprobs"] for o in b] == [
+        o["meta_info"]["output_token_logprobs"] for o in a
+    ]
+    assert sum(o["meta_info"]["spec_verify_ct"] for o in b) < len(ps) * (NEW - 1)
+
+
 def test_prefix_cache_hits_and_page_sizes(request):
     """A follow-up that shares a conversation's prefix hits the cache and still decodes the plain
     tokens, at page sizes 1 and 16."""
