@@ -132,7 +132,10 @@ def test_llama_rope_types_keep_no_attention_factor():
     ):
         assert attention_factor(params) == 1.0
         assert RotaryEmbedding(16, params, 8).scaling == 1.0
-    with pytest.raises(ValueError, match="rope_type: 'longrope' is not supported"):
+    with pytest.raises(ValueError, match="rope_type: 'dynamic' is not supported"):
+        rope_parameters({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}})
+    # a type that is supported but lacks its fields names them
+    with pytest.raises(ValueError, match="rope_type 'longrope' needs \\['short_factor'"):
         rope_parameters({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}})
 
 
