@@ -285,6 +285,7 @@ class Scheduler:
         computed again (prompt and output) when admitted."""
         self.running.remove(req)
         self.release_kv(req)
+        req.drafts = []  # it computes its sequence again, no speculative row
         if not req.input_logprobs_done:
             del req.input_token_logprobs[1 if req.effective_logprob_start == 0 else 0 :]
             del req.input_top_logprobs[
@@ -442,7 +443,7 @@ class Scheduler:
                 if hi > lo:
                     input_lp.append((req, len(logits_rows), req.input_ids[lo + 1 : hi + 1]))
                     logits_rows.extend(range(start + lo - req.kv_len, start + hi - req.kv_len))
-            if req.drafts and ext == 1 + len(req.drafts):
+            if req.drafts and req.kv_len + 1 == req.seq_len and ext == 1 + len(req.drafts):
                 verify_at.append((req, len(logits_rows), ext))
                 logits_rows.extend(range(start, start + ext))
             elif req.kv_len + ext == req.seq_len:

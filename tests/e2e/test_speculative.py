@@ -169,6 +169,20 @@ def test_deterministic_mode_gives_the_same_bits(request):
     assert sum(o["meta_info"]["spec_verify_ct"] for o in b) < len(ps) * (NEW - 1)
 
 
+def test_retractions_under_a_small_kv_budget(pair, request):
+    """More speculating requests than the pool holds: some are retracted (their drafts dropped)
+    and computed again, and every one still gives the plain tokens; the pool is whole after."""
+    plain, _ = pair
+    spec = engine(True, max_total_tokens=512, disable_radix_cache=True)
+    request.node._engine = spec
+    ps = (prompts(6)[:2] + prompts(7)[:2]) * 2
+    outs = spec.generate(input_ids=ps, sampling_params=greedy())
+    assert spec.scheduler.stats["retractions"] > 0
+    assert spec.scheduler.stats["spec_accepted_tokens"] > 0
+    ref = plain.generate(input_ids=ps, sampling_params=greedy())
+    assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref]
+
+
 def test_prefix_cache_hits_and_page_sizes(request):
     """A follow-up that shares a conversation's prefix hits the cache and still decodes the plain
     tokens, at page sizes 1 and 16."""
