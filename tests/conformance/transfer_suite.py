@@ -319,6 +319,28 @@ def decode_main(cfg: dict[str, Any], out, stop) -> None:
 # ---- running a scenario --------------------------------------------------------------------
 
 
+class StopFlag:
+    """The test's "done" signal to both processes: one shared byte without a lock. A
+    multiprocessing ``Event`` holds a lock while a process waits on it; a process the test kills
+    at that moment leaves it taken, and ``set`` then blocks forever (seen: a hang in
+    ``test_prefill_dies_mid_transfer``)."""
+
+    def __init__(self, ctx):
+        self._value = ctx.RawValue("b", 0)
+
+    def set(self) -> None:
+        self._value.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self._value.value)
+
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.is_set() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.is_set()
+
+
 class Run:
     """Start both processes; collect their messages."""
 
@@ -336,7 +358,7 @@ class Run:
         }
         ctx = mp.get_context("spawn")
         self.out_p, self.out_d = ctx.Queue(), ctx.Queue()
-        self.stop = ctx.Event()
+        self.stop = StopFlag(ctx)
         self.prefill = ctx.Process(
             target=prefill_main, args=(self.cfg, self.out_p, self.stop), daemon=True
         )
