@@ -47,6 +47,13 @@ class SamplingParams:
         if not isinstance(d, dict):
             raise ValueError("sampling_params: must be an object")
         kwargs = {k: d[k] for k in cls.__dataclass_fields__ if k in d and d[k] is not None}
+        # SGLang's name of the per-request seed
+        if d.get("sampling_seed") is not None:
+            if kwargs.get("seed") not in (None, d["sampling_seed"]):
+                raise ValueError(
+                    f"sampling_seed: {d['sampling_seed']!r} and seed: {kwargs['seed']!r} disagree"
+                )
+            kwargs["seed"] = d["sampling_seed"]
         if isinstance(kwargs.get("stop"), str):
             kwargs["stop"] = [kwargs["stop"]]
         p = cls(**kwargs)

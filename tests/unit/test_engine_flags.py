@@ -152,3 +152,14 @@ def test_float32_compute_with_bf16_kv_on_both_attention_backends():
             )["output_ids"]
         )
     assert outs[0] == outs[1]
+
+
+def test_sglang_sampling_seed_is_the_seed():
+    from pdserve.engine.request import SamplingParams
+
+    assert SamplingParams.from_dict({"sampling_seed": 7}).seed == 7
+    assert SamplingParams.from_dict({"sampling_seed": 7, "seed": 7}).seed == 7
+    with pytest.raises(ValueError, match="sampling_seed: 7 and seed: 8 disagree"):
+        SamplingParams.from_dict({"sampling_seed": 7, "seed": 8})
+    with pytest.raises(ValueError, match="seed: must be an integer"):
+        SamplingParams.from_dict({"sampling_seed": "x"})
