@@ -311,3 +311,42 @@ def test_served_speculation_reports_and_counts(pair, tmp_path):
         all_ranks_idle(server)
     finally:
         server.stop()
+
+
+def test_cache_events_and_pools_after_rejections_and_aborts(request):
+    """Rejected drafts never reach the prefix cache: every block the KV events report stored
+    holds tokens some request really has (prompt and accepted output); requests aborted between
+    speculative steps leave every page free or cached."""
+    from pdserve.engine.request import Req, SamplingParams
+    from pdserve.kv_events import BlockStored
+
+    spec = engine(True)
+    request.node._engine = spec
+    sched = spec.scheduler
+    sched.tree.events = []
+    ps = prompts(8)
+    outs = spec.generate(input_ids=ps, sampling_params=greedy())
+    assert sched.stats["spec_draft_tokens"] > sched.stats["spec_accepted_tokens"] > 0
+    seqs = [p + o["output_ids"] for p, o in zip(ps, outs)]
+    paths: dict = {None: []}
+    for e in sched.tree.events:
+        if isinstance(e, BlockStored):
+            path = paths[e.parent_block_hash] + list(e.token_ids)
+            for i, h in enumerate(e.block_hashes):  # a later branch may start after any block
+                paths[h] = path[: len(path) - len(e.token_ids) + (i + 1) * e.block_size]
+            assert any(seq[: len(path)] == path for seq in seqs), "a block of rejected drafts"
+    assert len(paths) > 1
+    # aborted between steps: some rows verified, others mid-prefill
+    reqs = [
+        Req(rid=f"a{i}", input_ids=ids, sampling=SamplingParams.from_dict(greedy(200)))
+        for i, ids in enumerate(prompts(9) * 2)
+    ]
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(6):
+        sched.step()
+    assert sched.stats["spec_verify_steps"] > 0
+    sched.abort("")
+    sched.drain()
+    info = spec.check_integrity()
+    assert info["in_use_pages"] == 0 and info["running"] == 0 and info["waiting"] == 0
