@@ -492,6 +492,7 @@ class Scheduler:
                 self.finish(req, FinishReason(FinishKind.ABORT, message=why, status_code=500))
                 continue
             tokens = self.speculator.accept(drafts, out.next_ids[first : first + n])
+            self.speculator.observe(req, len(drafts), len(tokens) - 1)
             req.spec_verify_ct += 1
             req.spec_accepted += len(tokens) - 1
             self.stats["spec_verify_steps"] += 1

@@ -22,7 +22,10 @@ recurrent state) is refused at start-up.
 Proposers (``--speculative-algorithm``): ``NGRAM`` (SGLang's name) proposes the tokens that
 followed the latest earlier occurrence of the sequence's last n tokens, n from
 ``--speculative-ngram-max-match-window-size`` down to ``...-min-match-window-size``, in the
-request's own prompt and output; no model.
+request's own prompt and output; no model. How many it proposes follows what the request
+accepts (``Speculator.observe``): up to ``--speculative-num-draft-tokens`` while drafts are kept,
+the last accepted count plus one after a rejection, and none for a while (doubling) after steps
+that kept nothing.
 """
 
 from __future__ import annotations
@@ -31,15 +34,22 @@ from typing import Optional
 
 from pdserve.engine.request import Req
 
+MAX_COOLDOWN = 16  # steps without drafts after rejections, at most
+
 
 class NgramIndex:
     """One request's n-grams: for every n in [lo, hi], the end (exclusive) of each n-gram's latest
     occurrence that has a token after it; extended as the sequence grows (it only grows)."""
 
-    def __init__(self, lo: int, hi: int):
+    def __init__(self, lo: int, hi: int, budget: int):
         self.lo, self.hi = lo, hi
         self.ends: dict[int, dict[tuple, int]] = {n: {} for n in range(lo, hi + 1)}
         self.indexed = 0  # n-grams ending at or before this position are in ``ends``
+        # drafts to propose next, and steps to wait before drafting again after rows whose
+        # drafts were all rejected (``Speculator.observe`` moves both with the acceptance)
+        self.budget = budget
+        self.misses = 0
+        self.cooldown = 0
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the longest suffix of ``tokens`` seen before."""
@@ -81,12 +91,30 @@ class Speculator:
     def drafts(self, req: Req, limit: int) -> list[int]:
         """Up to ``limit`` (and ``--speculative-num-draft-tokens``) drafts for ``req``'s next
         step; none when it does not speculate."""
-        k = min(self.num_drafts, limit)
-        if k <= 0 or not self.speculable(req):
+        if limit <= 0 or not self.speculable(req):
             return []
         if req.ngrams is None:
-            req.ngrams = NgramIndex(*self.window)
-        return req.ngrams.propose(req.all_ids, k)
+            req.ngrams = NgramIndex(*self.window, budget=self.num_drafts)
+        if req.ngrams.cooldown > 0:
+            req.ngrams.cooldown -= 1
+            return []
+        return req.ngrams.propose(req.all_ids, min(req.ngrams.budget, limit))
+
+    def observe(self, req: Req, drafted: int, accepted: int) -> None:
+        """Adapt ``req``'s drafting to what it accepts, so rows of rejected drafts do not keep
+        costing compute: one draft more after a step that kept every draft (up to
+        ``--speculative-num-draft-tokens``), the accepted count plus one after one that did not;
+        after m steps in a row that kept none, no drafts for min(2^m, 16) steps."""
+        index = req.ngrams
+        if index is None or not drafted:
+            return
+        if accepted == drafted:
+            index.budget = min(self.num_drafts, index.budget + 1)
+        else:
+            index.budget = max(1, accepted + 1)
+        index.misses = 0 if accepted else index.misses + 1
+        if index.misses:
+            index.cooldown = min(2**index.misses, MAX_COOLDOWN)
 
     @staticmethod
     def accept(drafts: list[int], targets: list[int]) -> list[int]:

@@ -350,3 +350,33 @@ def test_cache_events_and_pools_after_rejections_and_aborts(request):
     sched.drain()
     info = spec.check_integrity()
     assert info["in_use_pages"] == 0 and info["running"] == 0 and info["waiting"] == 0
+
+
+def test_drafting_follows_acceptance():
+    """The n-gram index proposes the continuation of the longest earlier match; the draft count
+    grows while drafts are kept, falls to the accepted count plus one after a rejection, and
+    after steps that keep nothing no drafts come for 2, 4, ... 16 steps."""
+    from pdserve.engine.request import Req, SamplingParams
+    from pdserve.engine.speculative import NgramIndex, Speculator
+
+    index = NgramIndex(1, 3, budget=4)
+    assert index.propose([5, 6, 7, 8, 5, 6], 4) == [7, 8, 5, 6]  # after the earlier "5 6"
+    assert index.propose([5, 6, 7, 8, 5, 6, 9], 4) == []  # "9" was never seen before
+    args = ServerArgs(model_path="unused", speculative_algorithm="NGRAM")
+    spec = Speculator(args)
+    req = Req(rid="r", input_ids=[1, 2, 3, 1, 2, 3, 1, 2], sampling=SamplingParams())
+    assert spec.drafts(req, 10) == [3, 1, 2]  # what followed the earlier "3 1 2"
+    spec.observe(req, 4, 4)
+    assert req.ngrams.budget == 4  # at most --speculative-num-draft-tokens
+    spec.observe(req, 4, 1)
+    assert req.ngrams.budget == 2 and len(spec.drafts(req, 10)) == 2
+    spec.observe(req, 2, 2)
+    assert req.ngrams.budget == 3
+    waits = []
+    for _ in range(5):
+        spec.observe(req, 1, 0)
+        waits.append(req.ngrams.cooldown)
+        req.ngrams.cooldown = 0
+    assert waits == [2, 4, 8, 16, 16]
+    spec.observe(req, 1, 0)
+    assert spec.drafts(req, 10) == [] and req.ngrams.cooldown == 15  # a step of 16 waited
