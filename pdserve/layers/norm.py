@@ -133,6 +133,8 @@ class CohereLayerNorm(AddNorm):
     """Cohere's LayerNorm: ``weight * (x - mean) / sqrt(var + eps)`` with no bias, all in float32
     and rounded once to the input dtype. No kernel path."""
 
+    eps_field = "layer_norm_eps"  # the config field of its epsilon (``models/llama.norm_eps``)
+
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))

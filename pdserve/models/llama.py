@@ -85,9 +85,12 @@ def check_layer_types(config) -> None:
         )
 
 
-def norm_eps(config) -> float:
-    """The epsilon of the decoder's norms: ``rms_norm_eps``, or ``layer_norm_eps`` (Cohere)."""
-    for field in ("rms_norm_eps", "layer_norm_eps"):
+def norm_eps(config, norm_cls=None) -> float:
+    """The epsilon of the decoder's norms: the config field the norm class names
+    (``eps_field``: Cohere's LayerNorm reads ``layer_norm_eps`` even where the config also holds
+    an ``rms_norm_eps``), else ``rms_norm_eps``, else ``layer_norm_eps``."""
+    own = getattr(norm_cls, "eps_field", None)
+    for field in ((own,) if own else ()) + ("rms_norm_eps", "layer_norm_eps"):
         if getattr(config, field, None) is not None:
             return float(getattr(config, field))
     raise ValueError("rms_norm_eps: missing from the config (nor layer_norm_eps)")
@@ -224,7 +227,8 @@ class LlamaDecoderLayer(DecoderLayer):
         norm_cls: Optional[type[nn.Module]] = None,
         **attn_kwargs,
     ):
-        norm_cls, eps = norm_cls or self.norm_cls, norm_eps(config)
+        norm_cls = norm_cls or self.norm_cls
+        eps = norm_eps(config, norm_cls)
         super().__init__(
             self.attn_cls(config, layer_id, shards, **attn_kwargs),
             LlamaMLP(config, shards, self.activation_field)
@@ -276,7 +280,7 @@ class LlamaModel(nn.Module):
         )
         # the family's norm class (``LlamaForCausalLM.norm_cls``) or the model's
         norm_cls = attn_kwargs.get("norm_cls") or self.norm_cls
-        self.norm = norm_cls(config.hidden_size, norm_eps(config))
+        self.norm = norm_cls(config.hidden_size, norm_eps(config, norm_cls))
         attn = first_attention(self.own_layers)
         # the dims RoPE turns (all, or a head's first part)
         head_dim = shards.head_dim if attn is None else getattr(attn, "rotary_dim", attn.head_dim)
