@@ -61,6 +61,23 @@ def hf_output_logprobs(path: str, ids: list[int], out_ids: list[int]) -> list[fl
     return _hf_cache[key]
 
 
+def hf_generate_logits(model, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """``model``'s greedy continuation of ``ids`` (``n`` tokens) and its logits at each, float32
+    [n, vocab], as HF generates them (with its cache)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[0, len(ids) :].tolist(), torch.cat(out.logits).float()
+
+
 def make_engine(path: str, **kw) -> "pdserve.Engine":
     kw.setdefault("torch_num_threads", 1)
     kw.setdefault("max_total_tokens", 16384)

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import pdserve
-from tests.e2e.test_engine import prompts_for
+from tests.e2e.test_engine import hf_generate_logits, prompts_for
 from tests.helpers.checkpoints import QWEN2_SLIDING, build_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -52,18 +52,7 @@ def hf_bf16(path: str, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]
             model = _hf[path] = AutoModelForCausalLM.from_pretrained(
                 path, dtype=torch.bfloat16
             ).eval()
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                pad_token_id=0,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        _hf[key] = (out.sequences[0, len(ids) :].tolist(), torch.cat(out.logits).float())
+        _hf[key] = hf_generate_logits(model, ids, n)
     return _hf[key]
 
 

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from tests.e2e.test_engine import make_engine
+from tests.e2e.test_engine import hf_generate_logits, make_engine
 from tests.helpers.checkpoints import build_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -38,21 +38,8 @@ def hf_generate(path: str, ids: list[int], n: int) -> tuple[list[int], list[floa
 
         if "model" not in _hf:
             _hf["model"] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        with torch.no_grad():
-            out = _hf["model"].generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                pad_token_id=0,
-                return_dict_in_generate=True,
-                output_logits=True,
-            )
-        tokens = out.sequences[0, len(ids) :].tolist()
-        lps = [
-            torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)
-        ]
+        tokens, logits = hf_generate_logits(_hf["model"], ids, n)
+        lps = torch.log_softmax(logits, -1)[torch.arange(n), tokens].tolist()
         _hf[key] = (tokens, lps)
     return _hf[key]
 

@@ -12,7 +12,7 @@ import contextlib
 import pytest
 import torch
 
-from tests.e2e.test_engine import hf_model, make_engine, prompts_for
+from tests.e2e.test_engine import hf_generate_logits, hf_model, make_engine, prompts_for
 from tests.e2e.test_engine_bf16 import LOGPROB_ULPS, compare, hf_bf16
 from tests.e2e.test_engine_bf16 import NEW_TOKENS as BF16_TOKENS
 from tests.helpers.checkpoints import build_tiny_checkpoint
@@ -117,18 +117,7 @@ def hf_bf16_weights_float32(path: str, ids: list[int], n: int) -> tuple[list[int
         _hf_rounded[path] = (
             AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).float().eval()
         )
-    with torch.no_grad():
-        out = _hf_rounded[path].generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=0,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    return out.sequences[0, len(ids) :].tolist(), torch.cat(out.logits).float()
+    return hf_generate_logits(_hf_rounded[path], ids, n)
 
 
 # MiniMax-M2 runs with the kernels capped at the avx512 tier (pdserve's own bf16 matmuls): above it
