@@ -56,8 +56,8 @@ def default_torch_threads() -> int:
 
 
 # speculative decoding: what runs, and SGLang's names of what does not yet
-SPECULATIVE_ALGORITHMS = ("NGRAM",)
-SPECULATIVE_NOT_BUILT = ("EAGLE", "EAGLE3", "STANDALONE", "MTP")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+SPECULATIVE_NOT_BUILT = ("EAGLE", "EAGLE3", "MTP")
 MAX_DRAFT_TOKENS = 16
 
 
@@ -104,10 +104,16 @@ class ServerArgs:
     max_mamba_cache_size: Optional[int] = None
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
-    # speculative decoding (SGLang's flags; engine/speculative.py): NGRAM proposes the tokens that
-    # followed the latest earlier occurrence of the sequence's last n tokens
+    # speculative decoding (SGLang's flags; engine/speculative/): NGRAM proposes the tokens that
+    # followed the latest earlier occurrence of the sequence's last n tokens, STANDALONE a draft
+    # model's greedy tokens
     speculative_algorithm: Optional[str] = None
     speculative_num_draft_tokens: int = 4  # drafts verified per step and request
+    speculative_draft_model_path: Optional[str] = None  # STANDALONE's draft model
+    # the draft model's steps per row (SGLang's chain of num_steps drafts, topk 1); when given,
+    # the drafts per row
+    speculative_num_steps: Optional[int] = None
+    speculative_eagle_topk: Optional[int] = None  # 1: a chain of drafts (trees not built yet)
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
     # KV cache events (ZMQ PUB, vLLM/SGLang wire format); the port is offset by the DP group
@@ -480,6 +486,30 @@ class ServerArgs:
         if algo.upper() not in SPECULATIVE_ALGORITHMS:
             bad("speculative_algorithm", f"must be one of {SPECULATIVE_ALGORITHMS}, got {algo!r}")
         self.speculative_algorithm = algo.upper()
+        draft = self.speculative_draft_model_path
+        if self.speculative_algorithm == "STANDALONE" and not draft:
+            bad(
+                "speculative_draft_model_path",
+                "is required with speculative_algorithm 'STANDALONE' (the draft model's directory)",
+            )
+        if self.speculative_algorithm != "STANDALONE" and draft:
+            bad(
+                "speculative_draft_model_path",
+                f"a draft model is used by speculative_algorithm 'STANDALONE' only, not "
+                f"{self.speculative_algorithm!r}",
+            )
+        if self.speculative_eagle_topk not in (None, 1):
+            bad(
+                "speculative_eagle_topk",
+                f"only 1 (a chain of drafts) is available yet, got {self.speculative_eagle_topk}",
+            )
+        steps = self.speculative_num_steps
+        if steps is not None:
+            if not 1 <= steps <= MAX_DRAFT_TOKENS:
+                bad("speculative_num_steps", f"must be in [1, {MAX_DRAFT_TOKENS}], got {steps}")
+            # a chain of ``steps`` drafts: SGLang counts the row's own token among its draft
+            # tokens (num_steps + 1), pdserve counts the drafts
+            self.speculative_num_draft_tokens = steps
         n = self.speculative_num_draft_tokens
         if not 1 <= n <= MAX_DRAFT_TOKENS:
             bad("speculative_num_draft_tokens", f"must be in [1, {MAX_DRAFT_TOKENS}], got {n}")

@@ -58,6 +58,8 @@ class KVArgs:
     kv_dtype: str = ""
     layout: str = KV_LAYOUT
     grammar: str = ""  # the grammar engine and the vocabulary it masks ("" unknown)
+    # a speculative draft model whose KV travels with the pages ("" none): both sides must agree
+    speculative: str = ""
 
     def __post_init__(self) -> None:
         self.regions = [r if isinstance(r, Region) else Region(**r) for r in self.regions]
@@ -127,7 +129,9 @@ class KVArgs:
 
     @property
     def num_local_layers(self) -> int:
-        return len({r.layer for r in self.regions if r.layer >= 0})
+        # the model's own layers (a draft model's regions number theirs past them)
+        top = self.num_layers or float("inf")
+        return len({r.layer for r in self.regions if 0 <= r.layer < top})
 
     @property
     def num_groups(self) -> int:
@@ -154,6 +158,7 @@ class KVArgs:
             "layer_specs": self.layer_specs,
             "routed_experts": self.routed_experts,
             "grammar": self.grammar,
+            "speculative": self.speculative,
         }
 
     def buffers(self) -> list[tuple[int, int]]:
@@ -176,11 +181,14 @@ COMPAT_FIELDS = (
     "layer_specs",
     "routed_experts",
     "grammar",
+    "speculative",
 )
 _HINTS = {
     "kv_dtype": " (give both servers the same --kv-cache-dtype or --dtype: --dtype auto measures on each server)",
     "routed_experts": " (start prefill and decode both with --enable-return-routed-experts, or neither: the ids "
     "travel with the KV pages)",
+    "speculative": " (start prefill and decode with the same --speculative-algorithm STANDALONE and "
+    "--speculative-draft-model-path, or neither: decode's draft continues from the draft KV prefill computed)",
     "grammar": " (give both servers the same --grammar-backend and tokenizer: decode continues the grammar "
     "from prefill's first token, so both must allow the same tokens)",
 }
@@ -239,5 +247,7 @@ def compat_mismatches(prefill: dict[str, Any], decode: dict[str, Any]) -> list[s
             out += _layer_spec_mismatches(p or [], d or [])
             continue
         if p != d:
+            if name == "speculative":
+                p, d = p or "no draft model", d or "no draft model"
             out.append(f"{name} mismatch: prefill {p}, decode {d}{_HINTS.get(name, '')}")
     return out

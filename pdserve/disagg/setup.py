@@ -41,6 +41,34 @@ def routed_regions(runner) -> dict:
     return {"extra_regions": [store.region()], "routed_experts": store.spec.describe()}
 
 
+def draft_regions(runner) -> dict:
+    """The ``KVArgs`` fields of a speculative draft model (``--speculative-algorithm
+    STANDALONE``): its KV regions are addressed by the host group's page ids and numbered past
+    the target's layers, so a page's transfer carries both models' KV."""
+    draft = runner.draft
+    if draft is None:
+        return {}
+    offset = runner.model.total_layers
+    regions = [
+        dataclasses.replace(r, group=runner.draft_host, layer=offset + r.layer)
+        for g, pool in zip(draft.cache_groups, draft.pools)
+        for r in pool.regions(g)
+    ]
+    describe = ", ".join(f"{len(g.layers)} {g.kind} layer(s)" for g in draft.cache_groups)
+    return {
+        "extra_regions": regions,
+        "speculative": f"STANDALONE draft {draft.fingerprint} ({describe}, KV {draft.kv_dtype})",
+    }
+
+
+def extra_fields(runner) -> dict:
+    """``KVArgs`` fields beyond the pools': the routed experts' and a draft model's regions."""
+    routed, draft = routed_regions(runner), draft_regions(runner)
+    out = {**routed, **draft}
+    out["extra_regions"] = routed.get("extra_regions", []) + draft.get("extra_regions", [])
+    return out
+
+
 def apply_role_rules(args: ServerArgs, disable_radix_cache: bool) -> None:
     """What a role changes in the arguments it runs with (``disable_radix_cache``: the user's)."""
     # without the decode prefix cache a tree would only hold pages nobody reuses
@@ -110,7 +138,7 @@ def attach_role(scheduler, par: Parallel, bootstrap=None) -> None:
         num_layers=model.total_layers,
         global_rank=par.world.rank,
         grammar=scheduler.grammars.fingerprint,
-        **routed_regions(runner),
+        **extra_fields(runner),
     )
     # the room states are MIN-all-reduced over the ranks that share the scheduler
     group = par.sched.cpu_group if par.sched.size > 1 else None

@@ -225,11 +225,13 @@ class KVCacheManager:
         kv = req.kv
         if kv is None:
             return
-        full = min(req.kv_len // self.page_size, kv.num_pages)
+        # a draft model's KV may lag the target's by a token or two (``KVSlots.draft_len``)
+        length = req.kv_len if kv.draft_len is None else min(req.kv_len, kv.draft_len)
+        full = min(length // self.page_size, kv.num_pages)
         full = min(
             [full]
             + [
-                self.policies[g].insertable(full, req.kv_len, kv.computed_from)
+                self.policies[g].insertable(full, length, kv.computed_from)
                 for g in self.cached_groups
             ]
         )
@@ -238,9 +240,7 @@ class KVCacheManager:
         if full > 0 and not self.tree.disable:
             kept = full
             for g in self.cached_groups:
-                given[g] = self.policies[g].tree_items(
-                    kv.pages[g], full, req.kv_len, kv.computed_from
-                )
+                given[g] = self.policies[g].tree_items(kv.pages[g], full, length, kv.computed_from)
             cached = [given[g] for g in self.cached_groups]
             self.tree.insert(
                 req.all_ids[: full * self.page_size],

@@ -148,6 +148,10 @@ class ModelRunner:
             else None
         )
         self._allocate_kv(self._num_pages(), kv_allocator)
+        # a speculative draft model's runner, its KV in the pages of group ``draft_host``
+        # (engine/speculative/draft_model.py)
+        self.draft: Optional["ModelRunner"] = None
+        self.draft_host = -1
         self.attn_backend_name = self._attention_backend()
         self.attn_backend = get_attention_backend(
             self.attn_backend_name,
@@ -215,6 +219,8 @@ class ModelRunner:
         self.attn_backend.drop_forward_state()
         gc.collect()  # what held the old pools may sit in reference cycles (a closed KV manager's)
         self._allocate_kv(counts, kv_allocator)
+        if self.draft is not None:
+            self.draft.reallocate_kv(kv_allocator)
 
     def _make_pool(
         self, group: CacheGroup, num_pages: int, allocator: BufferAllocator

@@ -232,6 +232,9 @@ class KVSlots:
     computed_from: int = 0
     # the prefix-cache namespace the KV was computed in (``CausalLM.prefix_namespace``)
     namespace: int = 0
+    # positions whose KV a speculative draft model also holds in these pages (its layers share
+    # the page ids); None: no draft model. The prefix cache takes pages only up to it.
+    draft_len: Optional[int] = None
 
     @property
     def num_pages(self) -> int:
@@ -286,10 +289,10 @@ class Req:
     generator: Any = None
     grammar: Any = None  # pdserve.grammar.request_grammar.RequestGrammar, made by the scheduler
     input_logprobs_done: bool = False
-    # speculative decoding (engine/speculative.py): this step's drafts, the request's n-gram
-    # index, verify steps run and drafts accepted
+    # speculative decoding (engine/speculative/): this step's drafts, the request's drafting state
+    # (``SpecState``), verify steps run and drafts accepted
     drafts: list[int] = field(default_factory=list)
-    ngrams: Any = None
+    spec: Any = None
     spec_verify_ct: int = 0
     spec_accepted: int = 0
     # what the front end has been sent so far

@@ -100,7 +100,9 @@ class Scheduler:
         why = speculative_refusal(self.kv.policies, args.speculative_algorithm)
         if why:
             raise ValueError(why)
-        self.speculator = Speculator(args) if args.speculative_algorithm else None
+        self.speculator = (
+            Speculator(args, self.runner, kv_allocator, par) if args.speculative_algorithm else None
+        )
         # Disaggregation queues plug in here (pdserve.disagg.prefill / decode); they see this
         # scheduler through ``engine/pd_queues.SchedulerPort`` only.
         self.pd: Optional[PDQueues] = None
@@ -109,6 +111,8 @@ class Scheduler:
         self.grammars = GrammarMasks(
             args.grammar_backend, tokenizer, self.runner.vocab_size, self.eos_ids
         )
+        if self.speculator is not None:
+            self.speculator.check_tokenizer(tokenizer)
 
     # ---- requests in and out -------------------------------------------------------------
     def validate(self, req: Req) -> None:
@@ -183,6 +187,8 @@ class Scheduler:
         self.stats["generation_tokens"] += len(req.output_ids)
         self.running.append(req)
         self.updated.add(req)
+        if self.speculator is not None and req.kv is not None:
+            self.speculator.started(req)
         reason = failure or check_finish(req, self.eos_ids, self.tokenizer, self.context_length)
         if reason is not None:
             self.finish(req, reason)
@@ -373,9 +379,9 @@ class Scheduler:
                 self.retract(req)
                 self.stats["recomputed"] += 1
                 continue
-            req.drafts = self._drafts(req)
-            if req.drafts and not self.kv.grow(req, 1 + len(req.drafts)):
-                req.drafts = []  # no room for them: one token, as without speculation
+            want = self._drafts_wanted(req)
+            if want and not self.kv.grow(req, 1 + want):
+                want = 0  # no room for them: one token, as without speculation
             grown = self.kv.grow(req, 1)
             while not grown:
                 scheduled = {r for r, _ in rows}
@@ -388,14 +394,18 @@ class Scheduler:
                     break
                 grown = self.kv.grow(req, 1)
             if grown:
-                rows.append((req, 1 + len(req.drafts)))
+                rows.append((req, 1 + want))
+        if self.speculator is not None:  # the drafts, for every row at once (a draft model's batch)
+            self.speculator.propose([(r, ext - 1) for r, ext in rows if ext > 1])
+            rows = [(r, 1 + len(r.drafts)) for r, _ in rows]
         return rows
 
-    def _drafts(self, req: Req) -> list[int]:
-        """Speculative drafts for ``req``'s next row, within its token budget, its context and
-        the prefix-cache namespace of its length (the row is computed for one sequence length)."""
+    def _drafts_wanted(self, req: Req) -> int:
+        """How many speculative drafts ``req``'s next row asks for, within its token budget, its
+        context and the prefix-cache namespace of its length (the row is computed for one
+        sequence length)."""
         if self.speculator is None:
-            return []
+            return 0
         limit = min(
             req.sampling.max_new_tokens - len(req.output_ids) - 1,
             self.context_length - req.seq_len - 1,
@@ -403,7 +413,7 @@ class Scheduler:
         namespace = self.kv.namespace(req.seq_len)
         while limit > 0 and self.kv.namespace(req.seq_len + limit) != namespace:
             limit -= 1
-        return self.speculator.drafts(req, limit)
+        return self.speculator.wanted(req, limit)
 
     def _admit(self, req: Req, budget: int, reserve: int) -> bool:
         ids = req.all_ids
@@ -413,6 +423,8 @@ class Scheduler:
             max_pages = min(max_pages, max(req.effective_logprob_start - 1, 0) // self.page_size)
         if not self.kv.admit(req, budget, reserve, max_pages):
             return False
+        if self.speculator is not None:
+            self.speculator.started(req)
         if req.num_retractions == 0:
             req.cached_tokens = req.kv_len
             if req.return_logprob and req.effective_logprob_start == 0:
@@ -461,6 +473,8 @@ class Scheduler:
         )
         masks = self.grammars.start([r for r, _ in sample_at if r.sampling.max_new_tokens > 0])
         logits = self.runner.forward(fb)
+        if self.speculator is not None:  # a draft model computes the plain rows too
+            self.speculator.follow([(r, e) for r, e in batch if not r.drafts])
         for req, ext in batch:
             req.kv_len += 1 if req.drafts else ext  # the drafts' KV counts once accepted
             if self.pd is not None:
@@ -493,6 +507,7 @@ class Scheduler:
                 continue
             tokens = self.speculator.accept(drafts, out.next_ids[first : first + n])
             self.speculator.observe(req, len(drafts), len(tokens) - 1)
+            self.speculator.verified(req, req.kv_len - 1, len(drafts), len(tokens))
             req.spec_verify_ct += 1
             req.spec_accepted += len(tokens) - 1
             self.stats["spec_verify_steps"] += 1

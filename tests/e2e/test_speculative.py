@@ -109,14 +109,20 @@ def test_unseeded_sampling_follows_the_target_distribution(request):
     speculative row (a draft was proposed there: the prompt holds every token), against the
     target's distribution at that position (temperature 1, from a plain engine's logprobs). The
     shared generator is seeded, so the run is the same every time."""
-    import math
-    from collections import Counter
-
     path = build_tiny_checkpoint("llama", vocab_size=16)
     common = dict(model_path=path, torch_num_threads=1, max_total_tokens=65536, page_size=4)
     plain = pdserve.Engine(**common)
     spec = pdserve.Engine(**common, speculative_algorithm="NGRAM", random_seed=1234)
     request.node._engine = spec
+    chi_square_at_speculative_rows(plain, spec)
+
+
+def chi_square_at_speculative_rows(plain, spec) -> None:
+    """The second token of 1500 temperature-1 requests (a speculative row: one draft fits before
+    the limit) against the target's distribution after the most common first token."""
+    import math
+    from collections import Counter
+
     ids = [3, 7, 1, 12, 5, 9, 14, 0, 2, 11, 4, 8, 13, 6, 10, 15] * 2
     # 3 tokens: at the second, one draft fits before the limit
     sp = {"temperature": 1.0, "max_new_tokens": 3, "ignore_eos": True}
@@ -359,7 +365,7 @@ def test_drafting_follows_acceptance():
     from pdserve.engine.request import Req, SamplingParams
     from pdserve.engine.speculative import NgramIndex, Speculator
 
-    index = NgramIndex(1, 3, budget=4)
+    index = NgramIndex(1, 3)
     assert index.propose([5, 6, 7, 8, 5, 6], 4) == [7, 8, 5, 6]  # after the earlier "5 6"
     assert index.propose([5, 6, 7, 8, 5, 6, 9], 4) == []  # "9" was never seen before
     args = ServerArgs(model_path="unused", speculative_algorithm="NGRAM")
@@ -367,16 +373,16 @@ def test_drafting_follows_acceptance():
     req = Req(rid="r", input_ids=[1, 2, 3, 1, 2, 3, 1, 2], sampling=SamplingParams())
     assert spec.drafts(req, 10) == [3, 1, 2]  # what followed the earlier "3 1 2"
     spec.observe(req, 4, 4)
-    assert req.ngrams.budget == 4  # at most --speculative-num-draft-tokens
+    assert req.spec.budget == 4  # at most --speculative-num-draft-tokens
     spec.observe(req, 4, 1)
-    assert req.ngrams.budget == 2 and len(spec.drafts(req, 10)) == 2
+    assert req.spec.budget == 2 and len(spec.drafts(req, 10)) == 2
     spec.observe(req, 2, 2)
-    assert req.ngrams.budget == 3
+    assert req.spec.budget == 3
     waits = []
     for _ in range(5):
         spec.observe(req, 1, 0)
-        waits.append(req.ngrams.cooldown)
-        req.ngrams.cooldown = 0
+        waits.append(req.spec.cooldown)
+        req.spec.cooldown = 0
     assert waits == [2, 4, 8, 16, 16]
     spec.observe(req, 1, 0)
-    assert spec.drafts(req, 10) == [] and req.ngrams.cooldown == 15  # a step of 16 waited
+    assert spec.drafts(req, 10) == [] and req.spec.cooldown == 15  # a step of 16 waited

@@ -602,3 +602,38 @@ def as_bf16_checkpoint(src: str, dst: str) -> str:
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(cfg, f)
     return dst
+
+
+def build_draft_checkpoint(target: str, layers: int | None = None, noise: float = 0.0) -> str:
+    """A speculative draft of ``target``: its first ``layers`` layers (all by default) with
+    Gaussian noise of ``noise`` times each weight's standard deviation added to every weight
+    but the embeddings, so that it agrees with the target on some tokens only; cached like the
+    tiny checkpoints."""
+    from safetensors.torch import load_file, save_file
+
+    from pdserve.models.truncate import first_layers
+
+    key = json.dumps([_RECIPE_VERSION, os.path.realpath(target), layers, noise])
+    out_dir = os.path.join(
+        checkpoint_cache_dir(), f"draft-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    )
+    if is_complete(out_dir):
+        return out_dir
+    with open(os.path.join(target, "config.json")) as f:
+        total = json.load(f)["num_hidden_layers"]
+    tmp = tempfile.mkdtemp(prefix=".draft-", dir=checkpoint_cache_dir())
+    try:
+        first_layers(target, tmp, layers or total)
+        path = os.path.join(tmp, "model.safetensors")
+        tensors = load_file(path)
+        gen = torch.Generator().manual_seed(0)
+        for name, t in tensors.items():
+            if noise and "embed" not in name and t.is_floating_point() and t.numel() > 1:
+                scale = noise * float(t.float().std())
+                tensors[name] = t + (torch.randn(t.shape, generator=gen) * scale).to(t.dtype)
+        save_file(tensors, path, metadata={"format": "pt"})
+        publish_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

@@ -282,3 +282,81 @@ def test_a_speculating_decode_gives_the_colocated_tokens(local_pair):
             assert info["metadata_slots_free"] == info["metadata_slots_total"]
     finally:
         D.pd.mgr.close()
+
+
+def test_a_draft_model_speculates_through_pd():
+    """STANDALONE on both sides: prefill runs the draft over the prompt with the target, its KV
+    travels in the same pages (regions of their own), and decode speculates from its first step
+    with colocated greedy's tokens; a plain prefill is refused at registration naming both."""
+    from tests.helpers.checkpoints import build_draft_checkpoint
+
+    draft = build_draft_checkpoint(build_tiny_checkpoint("llama"), noise=0.03)
+    spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=draft)
+    bport = free_port()
+    P = make("prefill", "local", disaggregation_bootstrap_port=bport, **spec)
+    D = make("decode", "local", **spec)
+    plain_port = free_port()
+    P0 = make("prefill", "local", disaggregation_bootstrap_port=plain_port)
+    try:
+        rng = random.Random(9)
+        prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (7, 40, 130)]
+        pairs = []
+        for i, ids in enumerate(prompts):
+            room = rng.randrange(2**63)
+            rp = req(f"dp{i}", ids, room, port=bport)
+            rd = req(f"dd{i}", ids, room, port=bport, max_new_tokens=30)
+            P.add_request(rp)
+            D.add_request(rd)
+            pairs.append((rp, rd))
+        run_until(lambda: all(rd.finished and rp.finished for rp, rd in pairs), P, D)
+        import pdserve
+
+        ref = pdserve.Engine(
+            model_path=build_tiny_checkpoint("llama"), torch_num_threads=1, max_total_tokens=8192
+        )
+        outs = ref.generate(
+            input_ids=prompts,
+            sampling_params={"temperature": 0, "max_new_tokens": 30, "ignore_eos": True},
+        )
+        assert [rd.output_ids for _, rd in pairs] == [o["output_ids"] for o in outs]
+        # decode speculated from its first step, on the draft's KV of the prompt computed by
+        # prefill: it accepts what a colocated speculating engine accepts, request by request
+        colocated = pdserve.Engine(
+            model_path=build_tiny_checkpoint("llama"),
+            torch_num_threads=1,
+            max_total_tokens=8192,
+            page_size=16,
+            **spec,
+        ).generate(
+            input_ids=prompts,
+            sampling_params={"temperature": 0, "max_new_tokens": 30, "ignore_eos": True},
+        )
+        assert [(rd.spec_verify_ct, rd.spec_accepted) for _, rd in pairs] == [
+            (
+                o["meta_info"]["spec_verify_ct"],
+                round(
+                    o["meta_info"]["spec_verify_ct"] * (o["meta_info"]["spec_accept_length"] - 1)
+                ),
+            )
+            for o in colocated
+        ]
+        assert sum(rd.spec_accepted for _, rd in pairs) > 0
+        for s in (P, D):
+            info = s.check_integrity()
+            assert info["in_use_pages"] == 0
+            assert info["metadata_slots_free"] == info["metadata_slots_total"]
+        # a prefill without the draft: refused, both sides named
+        room = rng.randrange(2**63)
+        rp = req("mp", prompts[0], room, port=plain_port)
+        rd = req("md", prompts[0], room, port=plain_port)
+        P0.add_request(rp)
+        D.add_request(rd)
+        run_until(lambda: rd.finished, P0, D)
+        why = rd.finish_reason.message
+        assert "speculative mismatch: prefill no draft model, decode STANDALONE draft" in why, why
+        run_until(lambda: rp.finished, P0, D)
+    finally:
+        for s in (P, D, P0):
+            s.pd.mgr.close()
+        for s in (P, P0):
+            s.pd.bootstrap_server.shutdown()

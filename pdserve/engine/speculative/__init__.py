@@ -1,0 +1,201 @@
+"""Speculative decoding: draft tokens proposed per request, verified by one forward of the target.
+
+A speculating request's decode row holds its last token and up to k drafts; the forward gives the
+target's logits at each of them, and the sampler draws a token at each as a plain step would
+(greedy, or sampled from the request's distribution). Drafts are accepted while each equals the
+draw at the position before it; the draw after the last accepted draft is one more token, so a
+step yields between 1 and k + 1 tokens. For greedy requests these are exactly the tokens of
+greedy decoding one token at a time. For sampled ones this is the standard rejection rule with a
+deterministic proposal (every proposer here proposes deterministically: an n-gram's continuation,
+a draft model's argmax): a draft d is kept with probability p(d), and on rejection the draw is
+distributed as p without d, renormalised; so the tokens follow the target's distribution, and a
+seeded request (whose draw at an output position depends only on its seed and that position,
+``Sampler._uniforms``) gives exactly its plain seeded tokens. The KV the row wrote for accepted
+drafts is kept (it was computed from the right tokens); what rejected drafts wrote lies past the
+request's ``kv_len``, inside pages it already owns, and is overwritten by later steps: the prefix
+cache takes pages only up to ``kv_len``, so nothing of it reaches the cache, KV events or a
+transfer.
+
+Who speculates (``speculable``): requests without penalties (they would change with each
+accepted token), a ``min_new_tokens`` ban, a grammar or routed-expert capture; the others decode
+one token per step in the same batch. A model whose cache cannot drop rejected tokens (a
+recurrent state) is refused at start-up.
+
+How many drafts a request asks for follows what it accepts (``Speculator.observe``): up to
+``--speculative-num-draft-tokens`` while drafts are kept, the last accepted count plus one after
+a rejection, and none for a while (doubling) after steps that kept nothing.
+
+Proposers (``--speculative-algorithm``, SGLang's names), behind ``Proposer`` and ``PROPOSERS``:
+- ``NGRAM`` (``ngram.py``): the tokens that followed the latest earlier occurrence of the
+  sequence's last n tokens in the request's own prompt and output; no model.
+- ``STANDALONE`` (``draft_model.py``): a smaller model of the same vocabulary
+  (``--speculative-draft-model-path``) whose KV layers live in the target's pages (same page
+  ids), run over every prompt with the target and autoregressively for the drafts.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Optional
+
+from pdserve.engine.request import Req
+
+MAX_COOLDOWN = 16  # steps without drafts after rejections, at most
+
+# algorithm -> "module:class" of its proposer, imported when a server uses it
+PROPOSERS = {
+    "NGRAM": "pdserve.engine.speculative.ngram:NgramProposer",
+    "STANDALONE": "pdserve.engine.speculative.draft_model:DraftModelProposer",
+}
+
+
+@dataclass
+class SpecState:
+    """One request's drafting: drafts to ask for next, and steps to wait before drafting again
+    after rows whose drafts were all rejected (``Speculator.observe`` moves both). ``index``: the
+    proposer's own per-request state (the n-gram index)."""
+
+    budget: int
+    misses: int = 0
+    cooldown: int = 0
+    index: object = None
+
+
+class Proposer:
+    """Where drafts come from. ``propose`` fills ``req.drafts`` for each (request, at most n)
+    pair, whose pages already hold room for the row (the request's token and n drafts); a
+    proposer with a model of its own also follows the target's forwards (``follow``), the
+    verification (``verified``) and a request's start on this server (``started``)."""
+
+    #: KV of the proposer's own lives in the target's pages (transferred and cached with them)
+    has_kv = False
+
+    def propose(self, items: list[tuple[Req, int]]) -> None:
+        raise NotImplementedError
+
+    def started(self, req: Req) -> None:
+        """``req``'s KV starts on this server (admitted, or its transfer arrived)."""
+
+    def follow(self, rows: list[tuple[Req, int]]) -> None:
+        """The target computed ``rows`` (request, tokens from its ``kv_len``) without drafts."""
+
+    def verified(self, req: Req, start: int, drafted: int, kept: int) -> None:
+        """``req``'s row from position ``start`` with ``drafted`` drafts kept ``kept`` tokens
+        (accepted drafts and the draw after them)."""
+
+
+def proposer_class(algorithm: str) -> type:
+    module, _, name = PROPOSERS[algorithm].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class Speculator:
+    """Drafts for the scheduler's decode rows and the verification of their logits."""
+
+    def __init__(self, args, runner=None, kv_allocator=None, par=None):
+        self.algorithm = args.speculative_algorithm
+        self.num_drafts = args.speculative_num_draft_tokens
+        self.proposer: Proposer = proposer_class(self.algorithm)(args, runner, kv_allocator, par)
+
+    @property
+    def has_kv(self) -> bool:
+        return self.proposer.has_kv
+
+    @staticmethod
+    def speculable(req: Req) -> bool:
+        s = req.sampling
+        return (
+            s.repetition_penalty == 1.0
+            and s.frequency_penalty == 0.0
+            and s.presence_penalty == 0.0
+            and len(req.output_ids) >= s.min_new_tokens
+            and req.grammar is None
+            and not req.return_routed_experts
+        )
+
+    def wanted(self, req: Req, limit: int) -> int:
+        """How many drafts ``req``'s next row asks for, within ``limit``; 0 when it does not
+        speculate this step."""
+        if limit <= 0 or not self.speculable(req):
+            return 0
+        if req.spec is None:
+            req.spec = SpecState(budget=self.num_drafts)
+        if req.spec.cooldown > 0:
+            req.spec.cooldown -= 1
+            return 0
+        return min(req.spec.budget, limit)
+
+    def propose(self, items: list[tuple[Req, int]]) -> None:
+        """``req.drafts`` for every (request, at most n drafts) pair (maybe fewer, or none)."""
+        for req, _ in items:
+            req.drafts = []
+        if items:
+            self.proposer.propose(items)
+
+    def started(self, req: Req) -> None:
+        self.proposer.started(req)
+
+    def follow(self, rows: list[tuple[Req, int]]) -> None:
+        self.proposer.follow(rows)
+
+    def verified(self, req: Req, start: int, drafted: int, kept: int) -> None:
+        self.proposer.verified(req, start, drafted, kept)
+
+    def check_tokenizer(self, tokenizer) -> None:
+        check = getattr(self.proposer, "check_tokenizer", None)
+        if check is not None:
+            check(tokenizer)
+
+    def drafts(self, req: Req, limit: int) -> list[int]:
+        """One request's drafts for its next step (``wanted`` and ``propose``)."""
+        n = self.wanted(req, limit)
+        req.drafts = []
+        self.propose([(req, n)] if n else [])
+        return req.drafts
+
+    def observe(self, req: Req, drafted: int, accepted: int) -> None:
+        """Adapt ``req``'s drafting to what it accepts, so rows of rejected drafts do not keep
+        costing compute: one draft more after a step that kept every draft (up to
+        ``--speculative-num-draft-tokens``), the accepted count plus one after one that did not;
+        after m steps in a row that kept none, no drafts for min(2^m, 16) steps."""
+        state = req.spec
+        if state is None or not drafted:
+            return
+        if accepted == drafted:
+            state.budget = min(self.num_drafts, state.budget + 1)
+        else:
+            state.budget = max(1, accepted + 1)
+        state.misses = 0 if accepted else state.misses + 1
+        if state.misses:
+            state.cooldown = min(2**state.misses, MAX_COOLDOWN)
+
+    @staticmethod
+    def accept(drafts: list[int], targets: list[int]) -> list[int]:
+        """The tokens a row yields: each draft while it equals the draw before it, then the draw
+        after the last accepted one (``targets``: one draw per row token)."""
+        n = 0
+        while n < len(drafts) and drafts[n] == targets[n]:
+            n += 1
+        return drafts[:n] + [targets[n]]
+
+
+def refusal(policies, algorithm: Optional[str]) -> str:
+    """Why speculative decoding cannot run with these cache policies ("" when it can)."""
+    if algorithm is None:
+        return ""
+    for g, policy in enumerate(policies):
+        if not policy.paged:
+            return (
+                f"speculative_algorithm: {algorithm!r} needs every cache to drop rejected tokens, "
+                f"but cache group {g} keeps a recurrent state per request"
+            )
+    return ""
+
+
+def __getattr__(name: str):  # the n-gram index, where tests and tools look for it
+    if name == "NgramIndex":
+        from pdserve.engine.speculative.ngram import NgramIndex
+
+        return NgramIndex
+    raise AttributeError(name)

@@ -1,0 +1,174 @@
+"""``STANDALONE`` drafts: a smaller model of the target's vocabulary proposes each request's next
+tokens by its own greedy decoding (``--speculative-draft-model-path``).
+
+The draft's KV layers live in pools of their own indexed by the target's page ids: those of the
+*host* group, the target's first paged group that keeps every page (so a request's pages, the
+prefix cache's pages and a PD transfer's pages carry both models' KV). ``KVSlots.draft_len``
+counts the positions whose draft KV is written; the prefix cache takes pages only up to it, so
+a hit holds both models' KV.
+
+- Every row the target computes without drafts (a prompt chunk, a plain decode step) the draft
+  computes too, from ``draft_len`` (``follow``), before the PD queues send the row's pages.
+- A speculating row: the draft first computes what it lags (the row's token, and the last
+  accepted draft when a step kept all) and takes its argmax, then one token per further draft.
+  It wrote positions K .. K + k - 1 for the row token at K and drafts d1 .. d(k-1); after the
+  target kept ``kept`` tokens, positions up to K + min(kept, k) - 1 hold the right tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from pdserve.engine.request import Req
+from pdserve.engine.speculative import Proposer
+
+logger = logging.getLogger(__name__)
+
+
+def host_group(groups) -> int:
+    """The target's cache group whose page ids the draft's KV shares: the first paged group
+    that keeps every page."""
+    for g in groups:
+        if not g.spec.per_request and not g.spec.drops_pages:
+            return g.id
+    kinds = ", ".join(g.kind for g in groups)
+    raise ValueError(
+        "speculative_algorithm: 'STANDALONE' keeps the draft's KV in the pages of a target "
+        f"cache group that keeps every page, and this model has none (cache groups: {kinds})"
+    )
+
+
+class DraftModelProposer(Proposer):
+    has_kv = True
+
+    def __init__(self, args, runner, kv_allocator, par):
+        from pdserve.engine.model_runner import ModelRunner
+
+        path = args.speculative_draft_model_path
+        if par.pp_size > 1 or par.dp_attention:
+            raise ValueError(
+                "speculative_algorithm: 'STANDALONE' is not available with "
+                + ("pipeline parallelism (pp_size > 1)" if par.pp_size > 1 else "DP attention")
+                + " yet"
+            )
+        self.target = runner
+        self.host = host_group(runner.cache_groups)
+        pages = runner.pools[self.host].num_pages
+        draft_args = dataclasses.replace(
+            args,
+            model_path=path,
+            tokenizer_path=path,
+            served_model_name=None,
+            speculative_algorithm=None,
+            speculative_draft_model_path=None,
+            speculative_num_steps=None,
+            dtype=str(runner.dtype).replace("torch.", ""),
+            context_length=None,
+            max_total_tokens=(pages - 1) * args.page_size,  # the host group's pages, one for one
+            disable_hybrid_swa_memory=True,  # a draft's windows mask full pages
+            enable_return_routed_experts=False,
+        )
+        self.runner = ModelRunner(draft_args, kv_allocator, par)
+        if self.runner.vocab_size != runner.vocab_size:
+            raise ValueError(
+                f"speculative_draft_model_path: the draft {path!r} has a vocabulary of "
+                f"{self.runner.vocab_size} tokens and the target {args.model_path!r} one of "
+                f"{runner.vocab_size}: a draft must share the target's tokenizer"
+            )
+        for g in self.runner.cache_groups:
+            if g.spec.per_request:
+                raise ValueError(
+                    f"speculative_draft_model_path: the draft {path!r} keeps a per-request "
+                    f"state ({g.kind}), which cannot drop rejected drafts; use an attention model"
+                )
+        if [p.num_pages for p in self.runner.pools] != [pages] * len(self.runner.pools):
+            raise AssertionError("the draft's pools must have the host group's page count")
+        runner.draft = self.runner
+        runner.draft_host = self.host
+        self.groups = len(self.runner.pools)
+        logger.info(
+            "speculative draft %s: %d layers, KV %.1f MiB in the pages of cache group %d",
+            path,
+            len(self.runner.layer_group),
+            sum(p.nbytes for p in self.runner.pools) / 2**20,
+            self.host,
+        )
+
+    def check_tokenizer(self, tokenizer) -> None:
+        """A draft directory with a tokenizer of its own must have the target's vocabulary."""
+        import os
+
+        path = self.runner.args.model_path
+        if tokenizer is None or not os.path.exists(os.path.join(path, "tokenizer_config.json")):
+            return
+        from transformers import AutoTokenizer
+
+        theirs = AutoTokenizer.from_pretrained(path).get_vocab()
+        ours = tokenizer.get_vocab()
+        if theirs != ours:
+            diff = len(set(theirs.items()) ^ set(ours.items()))
+            raise ValueError(
+                f"speculative_draft_model_path: the draft {path!r}'s tokenizer differs from the "
+                f"target's ({len(theirs)} against {len(ours)} tokens, {diff} entries differ): a "
+                "draft must share the target's tokenizer"
+            )
+
+    # ---- the draft's forwards ---------------------------------------------------------------
+    def _forward(self, rows: list[tuple[Req, int, list[int]]], logits: bool) -> list[int]:
+        """Run the draft over ``rows`` (request, first position, tokens); the argmax after each
+        row's last token when ``logits``."""
+        ids, positions, idx = [], [], []
+        for _, start, tokens in rows:
+            ids += tokens
+            positions += range(start, start + len(tokens))
+            idx.append(len(ids) - 1)
+        fb = self.runner.make_forward_batch(
+            ids,
+            positions,
+            [start for _, start, _ in rows],
+            [len(tokens) for *_, tokens in rows],
+            [[req.kv.pages[self.host]] * self.groups for req, _, _ in rows],
+            idx if logits else [],
+            full_lens=[req.seq_len for req, _, _ in rows],
+        )
+        out = self.runner.forward(fb)
+        return out.argmax(dim=-1).tolist() if logits else []
+
+    def started(self, req: Req) -> None:
+        req.kv.draft_len = req.kv_len
+
+    def follow(self, rows: list[tuple[Req, int]]) -> None:
+        todo = []
+        for req, ext in rows:
+            start, end = req.kv.draft_len, req.kv_len + ext
+            if start < end:
+                todo.append((req, start, req.all_ids[start:end]))
+        if todo:
+            self._forward(todo, logits=False)
+            for req, _, tokens in todo:
+                req.kv.draft_len += len(tokens)
+
+    @torch.inference_mode()
+    def propose(self, items: list[tuple[Req, int]]) -> None:
+        first = self._forward(
+            [
+                (req, req.kv.draft_len, req.all_ids[req.kv.draft_len : req.seq_len])
+                for req, _ in items
+            ],
+            logits=True,
+        )
+        for (req, _), token in zip(items, first):
+            req.kv.draft_len = req.seq_len
+            req.drafts = [token]
+        for j in range(1, max(n for _, n in items)):
+            live = [req for req, n in items if n > j]
+            nxt = self._forward([(req, req.seq_len - 1 + j, req.drafts[-1:]) for req in live], True)
+            for req, token in zip(live, nxt):
+                req.drafts.append(token)
+
+    def verified(self, req: Req, start: int, drafted: int, kept: int) -> None:
+        if req.kv is not None:
+            req.kv.draft_len = start + min(kept, drafted)
