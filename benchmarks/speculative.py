@@ -1,18 +1,22 @@
-"""Decode speed with n-gram speculation against without, on the demo model and one core.
+"""Decode speed with speculation against without, on the demo model and one core.
 
   python benchmarks/speculative.py [--core 1] [--rounds 2] [--new-tokens 96] [--batches 1,8]
-      [--drafts 4] [--json OUT]
+      [--drafts 4] [--algorithms ngram,standalone] [--draft-keep "0-5;0-11,18-29"] [--json OUT]
 
-Two ``pdserve.Engine`` s of the demo model (SmolLM2-135M-Instruct, bf16, prefix cache off), one
-plain and one with ``--speculative-algorithm NGRAM --speculative-num-draft-tokens DRAFTS``, each
-with one torch thread, the process pinned to ``--core``. Prompt sets, chat-formatted:
+``pdserve.Engine`` s of the demo model (SmolLM2-135M-Instruct, bf16, prefix cache off): one
+plain, one with ``--speculative-algorithm NGRAM --speculative-num-draft-tokens DRAFTS`` and one
+per ``--draft-keep`` entry with ``--speculative-algorithm STANDALONE`` whose draft is those of the
+demo model's layers with its final norm and head (``pdserve.models.truncate``: there is no
+smaller trained model of this tokenizer here), each with one torch thread, the process pinned to
+``--core``. Prompt sets, chat-formatted:
 
 - ``summarize``: asked to summarise a passage and quote its key sentences (the answer copies);
 - ``code-edit``: asked to rename a variable in a function and give the whole function back;
 - ``random``: random token ids, no chat template (drafts rarely match: speculation must not cost).
 
-For every set and batch size (the set's prompts cycled to the batch), both engines generate
-``--new-tokens`` greedy tokens per request (``ignore_eos``), alternately for ``--rounds`` rounds;
+For every set and batch size (the set's prompts cycled to the batch), the engines generate
+``--new-tokens`` greedy tokens per request (``ignore_eos``), in turn (the order rotating) for
+``--rounds`` rounds;
 decode speed = generated tokens after the first / time after the first step (the prefill and
 first token are timed apart and excluded). Reported: tokens/s of each, their ratio, the mean
 tokens per verify step (acceptance length), and whether the outputs were identical (they must
@@ -109,6 +113,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--drafts", type=int, default=4)
+    ap.add_argument("--algorithms", default="ngram,standalone")
+    ap.add_argument("--draft-keep", default="0-5;0-11,18-29")
     ap.add_argument("--json")
     args = ap.parse_args()
     os.sched_setaffinity(0, {args.core})
@@ -118,44 +124,57 @@ def main() -> None:
 
     path = ensure_demo_model()
     common = dict(model_path=path, torch_num_threads=1, dtype="bfloat16", disable_radix_cache=True)
-    plain = pdserve.Engine(**common)
-    spec = pdserve.Engine(
-        **common, speculative_algorithm="NGRAM", speculative_num_draft_tokens=args.drafts
-    )
+    engines = {"plain": pdserve.Engine(**common)}
+    algorithms = args.algorithms.split(",")
+    if "ngram" in algorithms:
+        engines["ngram"] = pdserve.Engine(
+            **common, speculative_algorithm="NGRAM", speculative_num_draft_tokens=args.drafts
+        )
+    if "standalone" in algorithms:
+        from pdserve.models.truncate import keep_layers, parse_ranges
+
+        for keep in args.draft_keep.split(";"):
+            draft = os.path.join(os.path.dirname(path), f"draft-{keep.replace(',', '_')}")
+            if not os.path.exists(os.path.join(draft, "model.safetensors")):
+                keep_layers(path, draft, parse_ranges(keep))
+            engines[f"standalone[{keep}]"] = pdserve.Engine(
+                **common,
+                speculative_algorithm="STANDALONE",
+                speculative_draft_model_path=draft,
+                speculative_num_draft_tokens=args.drafts,
+            )
+    labels = list(engines)
     rows = []
     for name in ("summarize", "code-edit", "random"):
         for batch in (int(b) for b in args.batches.split(",")):
-            prompts = prompts_for(name, plain.tokenizer, batch)
-            speeds: dict[str, list[float]] = {"plain": [], "ngram": []}
-            same, steps, accepted = True, 0, 0
+            prompts = prompts_for(name, engines["plain"].tokenizer, batch)
+            speeds: dict[str, list[float]] = {label: [] for label in labels}
+            outputs: dict[str, list] = {}
+            counts = {label: [0, 0] for label in labels}  # verify steps, accepted drafts
+            same = True
             for r in range(args.rounds):
-                order = [("plain", plain), ("ngram", spec)]
-                for label, eng in order if r % 2 == 0 else order[::-1]:
-                    tps, outs, counters = timed(eng, prompts, args.new_tokens)
+                for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
+                    tps, outs, counters = timed(engines[label], prompts, args.new_tokens)
                     speeds[label].append(tps)
-                    if label == "plain":
-                        ref = [o["output_ids"] for o in outs]
-                    else:
-                        got = [o["output_ids"] for o in outs]
-                        steps += counters["spec_verify_steps"]
-                        accepted += counters["spec_accepted_tokens"]
-                same = same and got == ref
-            row = {
-                "set": name,
-                "batch": batch,
-                "plain_tok_s": statistics.median(speeds["plain"]),
-                "ngram_tok_s": statistics.median(speeds["ngram"]),
-                "accept_length": (steps + accepted) / steps if steps else None,
-                "identical": same,
-            }
-            row["ratio"] = row["ngram_tok_s"] / row["plain_tok_s"]
+                    outputs[label] = [o["output_ids"] for o in outs]
+                    counts[label][0] += counters["spec_verify_steps"]
+                    counts[label][1] += counters["spec_accepted_tokens"]
+                same = same and all(outputs[k] == outputs["plain"] for k in labels)
+            row = {"set": name, "batch": batch, "identical": same}
+            line = f"{name:10s} batch {batch:2d}: plain {statistics.median(speeds['plain']):6.1f} tok/s"
+            for label in labels:
+                row[f"{label}_tok_s"] = statistics.median(speeds[label])
+                if label == "plain":
+                    continue
+                steps, accepted = counts[label]
+                row[f"{label}_ratio"] = row[f"{label}_tok_s"] / row["plain_tok_s"]
+                row[f"{label}_accept_length"] = (steps + accepted) / steps if steps else None
+                line += (
+                    f", {label} {row[f'{label}_tok_s']:6.1f} tok/s (x{row[f'{label}_ratio']:.2f}, "
+                    f"{row[f'{label}_accept_length'] or 0:.2f} tokens/step)"
+                )
             rows.append(row)
-            print(
-                f"{name:10s} batch {batch:2d}: plain {row['plain_tok_s']:7.1f} tok/s, "
-                f"ngram {row['ngram_tok_s']:7.1f} tok/s, ratio {row['ratio']:.2f}, "
-                f"tokens/step {row['accept_length'] or 0:.2f}, identical {same}",
-                flush=True,
-            )
+            print(line + f", identical {same}", flush=True)
     info = {"cpu": lscpu_model(), "machine": platform.machine(), "args": vars(args), "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(info, indent=2))

@@ -7,8 +7,12 @@ prefix cache's pages and a PD transfer's pages carry both models' KV). ``KVSlots
 counts the positions whose draft KV is written; the prefix cache takes pages only up to it, so
 a hit holds both models' KV.
 
-- Every row the target computes without drafts (a prompt chunk, a plain decode step) the draft
-  computes too, from ``draft_len`` (``follow``), before the PD queues send the row's pages.
+- Every prompt chunk the target computes the draft computes too, from ``draft_len``
+  (``follow``), before the PD queues send the row's pages; and every plain decode step of a
+  request that never speculates (penalties, a grammar), so its output's pages are cached with
+  the draft's KV. A speculating request that skips drafting for a while (its drafts were being
+  rejected) lets the draft lag, and its next drafting step computes the lag in one row (a token
+  at a time would cost a draft forward per token for no drafts).
 - A speculating row: the draft first computes what it lags (the row's token, and the last
   accepted draft when a step kept all) and takes its argmax, then one token per further draft.
   It wrote positions K .. K + k - 1 for the row token at K and drafts d1 .. d(k-1); after the
@@ -23,7 +27,7 @@ import logging
 import torch
 
 from pdserve.engine.request import Req
-from pdserve.engine.speculative import Proposer
+from pdserve.engine.speculative import Proposer, Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +148,8 @@ class DraftModelProposer(Proposer):
         todo = []
         for req, ext in rows:
             start, end = req.kv.draft_len, req.kv_len + ext
+            if ext == 1 and end == req.seq_len and Speculator.speculable(req):
+                continue  # a speculating request's draft catches up when it drafts next
             if start < end:
                 todo.append((req, start, req.all_ids[start:end]))
         if todo:
