@@ -323,6 +323,12 @@ class ModelRunner:
         ]
         if self.routed_spec is not None:  # the routed experts' rows live with this group's pages
             per_page[self.routed_spec.group] += self.routed_spec.bytes_per_page(args.page_size)
+        if args.speculative_algorithm == "STANDALONE" and args.max_total_tokens is None:
+            # a draft model's KV lives in pools of the host group's page count
+            from pdserve.engine.speculative.draft_model import draft_page_bytes, host_group
+
+            host = host_group(self.cache_groups)
+            per_page[host] += draft_page_bytes(args, self.par, item)
         # a running request's state, and with the prefix cache its snapshot (cache_policy.py)
         per_request = 1 if args.disable_radix_cache else 2
         slots = (args.max_mamba_cache_size or args.max_running_requests * per_request) + 1

@@ -281,3 +281,22 @@ def test_served_with_tp2(plain, drafts, tmp_path):
         all_ranks_idle(server)
     finally:
         server.stop()
+
+
+def test_the_drafts_kv_is_within_the_memory_budget(monkeypatch):
+    """Without --max-total-tokens the pools are sized from memory: the draft's KV comes out of
+    the same budget (fewer pages, the same bytes), not on top of it."""
+    from pdserve.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "_available_host_bytes", lambda: 4 << 30)
+    draft = build_draft_checkpoint(target(), layers=1)
+    runners = [
+        pdserve.Engine(model_path=target(), torch_num_threads=1, **kw).scheduler.runner
+        for kw in ({}, dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=draft))
+    ]
+    plain, spec = (sum(p.nbytes for p in r.pools) for r in runners)
+    spec += sum(p.nbytes for p in runners[1].draft.pools)
+    page = plain // runners[0].pools[0].num_pages
+    assert abs(spec - plain) <= 2 * page, (plain, spec)
+    # the tiny Llama has 2 layers, the draft 1: two thirds of the pages
+    assert abs(runners[1].pools[0].num_pages / runners[0].pools[0].num_pages - 2 / 3) < 0.01

@@ -45,6 +45,25 @@ def host_group(groups) -> int:
     )
 
 
+def draft_page_bytes(args, par, item_bytes: int) -> int:
+    """Bytes of one page of the draft's KV on this rank (every layer), from its config alone:
+    what the target's memory budget sets aside per page of the host group."""
+    from pdserve.kv_spec import FullAttention, specs_of
+    from pdserve.models.loader import load_config
+    from pdserve.models.registry import model_class
+
+    config = load_config(args.speculative_draft_model_path)
+    with torch.device("meta"):
+        model = model_class(config)(config, par=par, moe=args.moe_options())
+    total = 0
+    for entry in model.kv_cache_specs():
+        for spec in specs_of(entry):
+            if isinstance(spec, FullAttention):  # a window masks full pages in a draft
+                spec = FullAttention(spec.num_kv_heads, spec.head_dim)
+            total += spec.page_bytes(args.page_size, item_bytes)
+    return total
+
+
 class DraftModelProposer(Proposer):
     has_kv = True
 
