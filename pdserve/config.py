@@ -56,8 +56,9 @@ def default_torch_threads() -> int:
 
 
 # speculative decoding: what runs, and SGLang's names of what does not yet
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
-SPECULATIVE_NOT_BUILT = ("EAGLE", "EAGLE3", "MTP")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE")
+SPECULATIVE_NOT_BUILT = ("EAGLE3", "MTP")
+DRAFT_MODEL_ALGORITHMS = ("STANDALONE", "EAGLE")  # those that read --speculative-draft-model-path
 MAX_DRAFT_TOKENS = 16
 
 
@@ -487,15 +488,16 @@ class ServerArgs:
             bad("speculative_algorithm", f"must be one of {SPECULATIVE_ALGORITHMS}, got {algo!r}")
         self.speculative_algorithm = algo.upper()
         draft = self.speculative_draft_model_path
-        if self.speculative_algorithm == "STANDALONE" and not draft:
+        if self.speculative_algorithm in DRAFT_MODEL_ALGORITHMS and not draft:
             bad(
                 "speculative_draft_model_path",
-                "is required with speculative_algorithm 'STANDALONE' (the draft model's directory)",
+                f"is required with speculative_algorithm {self.speculative_algorithm!r} (the "
+                "draft model's directory)",
             )
-        if self.speculative_algorithm != "STANDALONE" and draft:
+        if self.speculative_algorithm not in DRAFT_MODEL_ALGORITHMS and draft:
             bad(
                 "speculative_draft_model_path",
-                f"a draft model is used by speculative_algorithm 'STANDALONE' only, not "
+                f"a draft model is used by speculative_algorithm {DRAFT_MODEL_ALGORITHMS}, not "
                 f"{self.speculative_algorithm!r}",
             )
         if self.speculative_eagle_topk not in (None, 1):

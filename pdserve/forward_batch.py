@@ -58,6 +58,9 @@ class ForwardBatch:
     # per request: the length of its whole sequence so far (prompt and output), the one its KV
     # is computed for (LongRoPE picks its tables by it); None: each request's ``seq_lens``
     full_lens: Optional[list[int]] = None
+    # an EAGLE head's second input: the target's hidden state of each token's position before
+    # it ([T, hidden_size]; engine/speculative/eagle.py)
+    spec_hidden: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:

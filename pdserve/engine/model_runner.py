@@ -51,6 +51,7 @@ class ModelRunner:
         args: ServerArgs,
         kv_allocator: BufferAllocator = default_allocator,
         par: Parallel = SINGLE_RANK,
+        model_cls: Optional[type] = None,
     ):
         from pdserve.models.loader import context_length, load_config, load_model, model_fingerprint
 
@@ -74,6 +75,7 @@ class ModelRunner:
             seed=args.random_seed,
             par=par,
             moe=args.moe_options(),
+            model_cls=model_cls,
         )
         if self.ops is not None:
             self.model.use_cpu_kernels(self.ops)
@@ -152,6 +154,9 @@ class ModelRunner:
         # (engine/speculative/draft_model.py)
         self.draft: Optional["ModelRunner"] = None
         self.draft_host = -1
+        # keep each forward's final hidden states (``last_hidden``, [T, hidden]) for a draft head
+        self.capture_hidden = False
+        self.last_hidden: Optional[torch.Tensor] = None
         self.attn_backend_name = self._attention_backend()
         self.attn_backend = get_attention_backend(
             self.attn_backend_name,
@@ -453,6 +458,8 @@ class ModelRunner:
         if self.routed is not None:
             self.routed.begin_forward()
         hidden = self.model(fb)
+        if self.capture_hidden:  # an EAGLE head reads every position's final hidden state
+            self.last_hidden = hidden
         if self.routed is not None:
             self.routed.write(fb)
         if fb.logits_idx.numel() == 0:

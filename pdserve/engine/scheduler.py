@@ -473,6 +473,7 @@ class Scheduler:
         )
         masks = self.grammars.start([r for r, _ in sample_at if r.sampling.max_new_tokens > 0])
         logits = self.runner.forward(fb)
+        starts = [req.kv_len for req, _ in batch]
         if self.speculator is not None:  # a draft model computes the plain rows too
             self.speculator.follow([(r, e) for r, e in batch if not r.drafts])
         for req, ext in batch:
@@ -482,6 +483,8 @@ class Scheduler:
         self._record_input_logprobs(logits, input_lp)
         self._sample(logits, sample_at, None if masks is None else masks.result())
         self._verify(logits, verify_at)
+        if self.speculator is not None:  # a draft head reads the step's hidden states
+            self.speculator.stepped([(r, a, e) for (r, e), a in zip(batch, starts)])
 
     def _verify(self, logits: torch.Tensor, items: list[tuple[Req, int, int]]) -> None:
         """Speculative rows: each row's token drawn as a plain step would draw it (greedy, or

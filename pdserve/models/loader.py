@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+TORCH_FILE = "pytorch_model.bin"
 # Config fields that decide tensor shapes: two servers whose fingerprints match can share KV.
 _SHAPE_FIELDS = (
     "hidden_size",
@@ -57,7 +58,7 @@ def resolve_dtype(hf_config, dtype: str = "auto") -> torch.dtype:
 
 def iter_safetensors(model_path: str) -> Iterator[tuple[str, Any]]:
     """(HF name, safetensors slice) for every tensor of ``model.safetensors`` or of the shards
-    named by ``model.safetensors.index.json``. A slice reads only what is indexed
+    named by ``model.safetensors.index.json`` (or tensors of a ``pytorch_model.bin``). A slice reads only what is indexed
     (``s[a:b]``, ``s[:, a:b]``, ``s[:]`` for all of it), while the iteration is on it."""
     from safetensors import safe_open
 
@@ -67,8 +68,16 @@ def iter_safetensors(model_path: str) -> Iterator[tuple[str, Any]]:
             files = sorted(set(json.load(f)["weight_map"].values()))
     elif os.path.exists(os.path.join(model_path, SINGLE_FILE)):
         files = [SINGLE_FILE]
+    elif os.path.exists(os.path.join(model_path, TORCH_FILE)):
+        # PyTorch's format, as EAGLE heads are published: tensors only (weights_only), mapped
+        yield from torch.load(
+            os.path.join(model_path, TORCH_FILE), map_location="cpu", weights_only=True, mmap=True
+        ).items()
+        return
     else:
-        raise FileNotFoundError(f"{model_path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+        raise FileNotFoundError(
+            f"{model_path}: none of {SINGLE_FILE}, {INDEX_FILE} or {TORCH_FILE} found"
+        )
     for name in files:
         with safe_open(os.path.join(model_path, name), framework="pt", device="cpu") as st:
             for key in st.keys():
@@ -96,15 +105,16 @@ def load_model(
     tp: TPGroup = SINGLE,
     par: Optional[Parallel] = None,
     moe: Any = None,
+    model_cls: Optional[type] = None,
 ) -> tuple[nn.Module, object]:
     """(model in eval mode on ``device``, HF config); with ``tp``, this rank's shard of it (only
-    that shard is read from the checkpoint)."""
+    that shard is read from the checkpoint); ``model_cls`` instead of the config's architecture."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(
             f"load_format: must be 'auto', 'safetensors' or 'dummy', got {load_format!r}"
         )
     hf_config = load_config(model_path)
-    cls = model_class(hf_config)
+    cls = model_cls or model_class(hf_config)  # a speculative head's class, its config a Llama's
     torch_dtype = resolve_dtype(hf_config, dtype)
     with torch.device("meta"):
         model = cls(hf_config, tp=tp, par=par, moe=moe)

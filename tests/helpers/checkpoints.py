@@ -637,3 +637,53 @@ def build_draft_checkpoint(target: str, layers: int | None = None, noise: float 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def build_eagle_head(target: str, scale: float = 1.0, seed: int = 0) -> str:
+    """An EAGLE head for ``target`` in the layout EAGLE's authors publish: a one-layer Llama
+    config and ``pytorch_model.bin`` with ``fc.weight`` / ``fc.bias`` and ``layers.0.*`` (no
+    input norm), plus an ``embed_tokens.weight`` the server does not use. Its layer is the
+    target's first layer scaled by ``scale`` (random weights when ``scale`` is 0) and ``fc`` picks
+    the target's hidden state, so the head is a cheap, partly faithful guess; cached."""
+    key = json.dumps([_RECIPE_VERSION, os.path.realpath(target), scale, seed, "eagle"])
+    out_dir = os.path.join(
+        checkpoint_cache_dir(), f"eagle-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    )
+    if is_complete(out_dir):
+        return out_dir
+    from safetensors.torch import load_file
+
+    with open(os.path.join(target, "config.json")) as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = 1
+    for k in ("layer_types",):
+        config.pop(k, None)
+    src = load_file(os.path.join(target, "model.safetensors"))
+    hidden = config["hidden_size"]
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, t in src.items():
+        if name.startswith("model.layers.0.") and "input_layernorm" not in name:
+            own = name[len("model.") :]
+            tensors[own] = (
+                t * scale if scale else torch.randn(t.shape, generator=gen) * 0.05
+            ).contiguous()
+    tensors["layers.0.post_attention_layernorm.weight"] = src[
+        "model.layers.0.post_attention_layernorm.weight"
+    ].clone()
+    fc = torch.zeros(hidden, 2 * hidden)
+    fc[:, hidden:] = torch.eye(hidden)  # the target's hidden state, as is
+    fc += torch.randn(fc.shape, generator=gen) * 0.01
+    tensors["fc.weight"] = fc
+    tensors["fc.bias"] = torch.zeros(hidden)
+    tensors["embed_tokens.weight"] = src["model.embed_tokens.weight"].clone()
+    tmp = tempfile.mkdtemp(prefix=".eagle-", dir=checkpoint_cache_dir())
+    try:
+        torch.save(tensors, os.path.join(tmp, "pytorch_model.bin"))
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        publish_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

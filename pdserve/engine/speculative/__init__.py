@@ -31,13 +31,15 @@ Proposers (``--speculative-algorithm``, SGLang's names), behind ``Proposer`` and
 - ``STANDALONE`` (``draft_model.py``): a smaller model of the same vocabulary
   (``--speculative-draft-model-path``) whose KV layers live in the target's pages (same page
   ids), run over every prompt with the target and autoregressively for the drafts.
+- ``EAGLE`` (``eagle.py``): an EAGLE head (``models/eagle.py``) over the target's hidden states,
+  its KV in the target's pages as a draft model's; a chain of drafts (top-k 1).
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from pdserve.engine.request import Req
 
@@ -47,6 +49,7 @@ MAX_COOLDOWN = 16  # steps without drafts after rejections, at most
 PROPOSERS = {
     "NGRAM": "pdserve.engine.speculative.ngram:NgramProposer",
     "STANDALONE": "pdserve.engine.speculative.draft_model:DraftModelProposer",
+    "EAGLE": "pdserve.engine.speculative.eagle:EagleProposer",
 }
 
 
@@ -60,6 +63,9 @@ class SpecState:
     misses: int = 0
     cooldown: int = 0
     index: object = None
+    # a draft head's proposal for the token after the sequence, and its hidden state there
+    next_draft: Optional[int] = None
+    hidden: Any = None
 
 
 class Proposer:
@@ -83,6 +89,10 @@ class Proposer:
     def verified(self, req: Req, start: int, drafted: int, kept: int) -> None:
         """``req``'s row from position ``start`` with ``drafted`` drafts kept ``kept`` tokens
         (accepted drafts and the draw after them)."""
+
+    def stepped(self, rows: list[tuple[Req, int, int]]) -> None:
+        """The step's rows are done (sampled and verified): (request, first position, tokens)
+        in the order of the target's forward."""
 
 
 def proposer_class(algorithm: str) -> type:
@@ -141,6 +151,9 @@ class Speculator:
 
     def verified(self, req: Req, start: int, drafted: int, kept: int) -> None:
         self.proposer.verified(req, start, drafted, kept)
+
+    def stepped(self, rows: list[tuple[Req, int, int]]) -> None:
+        self.proposer.stepped(rows)
 
     def check_tokenizer(self, tokenizer) -> None:
         check = getattr(self.proposer, "check_tokenizer", None)

@@ -67,7 +67,7 @@ def draft_page_bytes(args, par, item_bytes: int) -> int:
 class DraftModelProposer(Proposer):
     has_kv = True
 
-    def __init__(self, args, runner, kv_allocator, par):
+    def __init__(self, args, runner, kv_allocator, par, model_cls=None):
         from pdserve.engine.model_runner import ModelRunner
 
         path = args.speculative_draft_model_path
@@ -94,7 +94,8 @@ class DraftModelProposer(Proposer):
             disable_hybrid_swa_memory=True,  # a draft's windows mask full pages
             enable_return_routed_experts=False,
         )
-        self.runner = ModelRunner(draft_args, kv_allocator, par)
+        self.runner = ModelRunner(draft_args, kv_allocator, par, model_cls=model_cls)
+        self.num_drafts = args.speculative_num_draft_tokens
         if self.runner.vocab_size != runner.vocab_size:
             raise ValueError(
                 f"speculative_draft_model_path: the draft {path!r} has a vocabulary of "

@@ -1,0 +1,121 @@
+"""``EAGLE`` drafts: an EAGLE head (``models/eagle.py``) proposes a chain of tokens from the
+target's final hidden states.
+
+The head's position p holds the pair (token p + 1, target hidden state at p); its KV lives in the
+target's pages as a draft model's does (``draft_model.py``), and ``KVSlots.draft_len`` counts the
+pairs written. After every step (``stepped``), once the step's tokens are sampled and verified,
+the head computes the pairs of the positions the target computed in it (their hidden states are
+the target's forward's, ``ModelRunner.last_hidden``), so it never lags; the pair of the
+sequence's last computed position gives the next step's first draft and the head's hidden state
+there (``SpecState.next_draft`` / ``hidden``). Drafting (``propose``) continues the chain: the
+draft d_j at the next position, with the head's own previous hidden state standing in for the
+target's, for each further draft; the pairs it writes past the sequence are computed again from
+the target's hidden states after the verification.
+
+A prefix-cache hit's last pair was computed with the token that followed the prefix when it
+was cached (the hidden state of the next position is not kept): where the new sequence goes on
+differently, the head's first drafts may differ from a cold run's; the tokens never do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.request import Req
+from pdserve.engine.speculative import SpecState
+from pdserve.engine.speculative.draft_model import DraftModelProposer
+
+
+class EagleProposer(DraftModelProposer):
+    def __init__(self, args, runner, kv_allocator, par):
+        from pdserve.models.eagle import EagleLlamaForCausalLM
+
+        if args.disaggregation_mode != "null":
+            raise ValueError(
+                "speculative_algorithm: 'EAGLE' is not available with PD disaggregation yet (the "
+                "head's first step needs prefill's hidden state in the metadata row); use NGRAM or "
+                "STANDALONE"
+            )
+        super().__init__(args, runner, kv_allocator, par, model_cls=EagleLlamaForCausalLM)
+        self.runner.model.share_target(runner.model)
+        runner.capture_hidden = True
+        self.runner.capture_hidden = True
+
+    def started(self, req: Req) -> None:
+        req.kv.draft_len = req.kv_len
+        if req.spec is not None:
+            req.spec.next_draft = req.spec.hidden = None
+
+    def follow(self, rows) -> None:
+        pass  # the pairs need the step's sampled tokens: ``stepped``
+
+    def verified(self, req: Req, start: int, drafted: int, kept: int) -> None:
+        pass  # ``stepped`` computes the kept positions' pairs
+
+    def _run(self, rows, ids, positions, hidden, logits_idx):
+        """The head over ``rows`` (request, first position, count); (logits, its hidden states)."""
+        fb = self.runner.make_forward_batch(
+            ids,
+            positions,
+            [start for _, start, _ in rows],
+            [n for *_, n in rows],
+            [[req.kv.pages[self.host]] * self.groups for req, _, _ in rows],
+            logits_idx,
+            full_lens=[req.seq_len for req, _, _ in rows],
+        )
+        fb.spec_hidden = hidden
+        logits = self.runner.forward(fb)
+        return logits, self.runner.last_hidden
+
+    @torch.inference_mode()
+    def stepped(self, rows: list[tuple[Req, int, int]]) -> None:
+        target_hidden = self.target.last_hidden
+        todo, ids, positions, feats, last = [], [], [], [], []
+        offset = 0
+        for req, start, ext in rows:
+            first, offset = offset, offset + ext
+            if req.finished or req.kv is None:
+                continue
+            begin, end = req.kv.draft_len, min(start + ext, req.kv_len)
+            if begin < start or begin >= end:
+                continue  # nothing new (a pair needs the target's hidden state of its position)
+            todo.append((req, begin, end - begin))
+            ids += req.all_ids[begin + 1 : end + 1]
+            positions += range(begin, end)
+            feats += range(first + begin - start, first + end - start)
+            if end == req.seq_len - 1:  # the last computed position: the next draft
+                last.append((req, len(ids) - 1))
+        if not todo:
+            return
+        logits, hidden = self._run(
+            todo, ids, positions, target_hidden[feats], [row for _, row in last]
+        )
+        for req, begin, n in todo:
+            req.kv.draft_len = begin + n
+        tokens = logits.argmax(dim=-1).tolist()
+        for (req, row), token in zip(last, tokens):
+            if req.spec is None:
+                req.spec = SpecState(budget=self.num_drafts)
+            req.spec.next_draft, req.spec.hidden = token, hidden[row].clone()
+
+    @torch.inference_mode()
+    def propose(self, items: list[tuple[Req, int]]) -> None:
+        live = []
+        for req, n in items:
+            if req.spec.next_draft is not None:
+                req.drafts = [req.spec.next_draft]
+                live.append((req, n))
+        feats = {req: req.spec.hidden for req, _ in live}
+        for j in range(1, max((n for _, n in live), default=0)):
+            rows = [req for req, n in live if n > j]
+            at = [req.seq_len - 2 + j for req in rows]
+            logits, hidden = self._run(
+                [(req, p, 1) for req, p in zip(rows, at)],
+                [req.drafts[-1] for req in rows],
+                at,
+                torch.stack([feats[req] for req in rows]),
+                list(range(len(rows))),
+            )
+            for k, (req, token) in enumerate(zip(rows, logits.argmax(dim=-1).tolist())):
+                req.drafts.append(token)
+                feats[req] = hidden[k]
