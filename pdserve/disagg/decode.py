@@ -300,6 +300,16 @@ class DecodeQueues:
         req.cached_tokens = row.cached_tokens[0]
         req.input_logprobs_done = True
         req.output_ids.append(row.first_token)
+        if row.hidden_states is not None and row.topk_p and row.topk_p[0] > 0:
+            # a draft head's first draft and hidden state, computed by prefill
+            from pdserve.engine.speculative import SpecState
+
+            req.spec = SpecState(
+                budget=self.s.args.speculative_num_draft_tokens,
+                next_draft=row.topk_index[0],
+                next_draft_p=row.topk_p[0],
+                hidden=row.hidden_states,
+            )
         if req.grammar is not None:  # continue the grammar from prefill's first token
             req.grammar.replay(req.output_ids)
             if req.grammar.failed:

@@ -55,9 +55,10 @@ def draft_regions(runner) -> dict:
         for r in pool.regions(g)
     ]
     describe = ", ".join(f"{len(g.layers)} {g.kind} layer(s)" for g in draft.cache_groups)
+    algorithm = runner.args.speculative_algorithm
     return {
         "extra_regions": regions,
-        "speculative": f"STANDALONE draft {draft.fingerprint} ({describe}, KV {draft.kv_dtype})",
+        "speculative": f"{algorithm} draft {draft.fingerprint} ({describe}, KV {draft.kv_dtype})",
     }
 
 
@@ -117,7 +118,11 @@ def attach_role(scheduler, par: Parallel, bootstrap=None) -> None:
     mode, backend = args.disaggregation_mode, args.disaggregation_transfer_backend
     runner = scheduler.runner
     metadata = MetadataBuffers(
-        num_metadata_slots(args), allocator=buffer_allocator(backend, mode), device=runner.device
+        num_metadata_slots(args),
+        allocator=buffer_allocator(backend, mode),
+        device=runner.device,
+        # an EAGLE head's first step on decode: its hidden state after the prompt
+        hidden_size=runner.model.hidden_size if runner.capture_hidden else 0,
     )
     model = runner.model
     tp = par.attn

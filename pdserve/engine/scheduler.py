@@ -188,7 +188,7 @@ class Scheduler:
         self.running.append(req)
         self.updated.add(req)
         if self.speculator is not None and req.kv is not None:
-            self.speculator.started(req)
+            self.speculator.started(req, transferred=True)
         reason = failure or check_finish(req, self.eos_ids, self.tokenizer, self.context_length)
         if reason is not None:
             self.finish(req, reason)
@@ -473,18 +473,21 @@ class Scheduler:
         )
         masks = self.grammars.start([r for r, _ in sample_at if r.sampling.max_new_tokens > 0])
         logits = self.runner.forward(fb)
-        starts = [req.kv_len for req, _ in batch]
-        if self.speculator is not None:  # a draft model computes the plain rows too
-            self.speculator.follow([(r, e) for r, e in batch if not r.drafts])
+        rows = [(req, req.kv_len, ext) for req, ext in batch]
+        if self.speculator is not None:  # a draft computes what it can before pages are sent
+            self.speculator.follow(rows)
         for req, ext in batch:
             req.kv_len += 1 if req.drafts else ext  # the drafts' KV counts once accepted
             if self.pd is not None:
                 self.pd.chunk_done(req)
         self._record_input_logprobs(logits, input_lp)
-        self._sample(logits, sample_at, None if masks is None else masks.result())
+        prompts_done = self._sample(logits, sample_at, None if masks is None else masks.result())
         self._verify(logits, verify_at)
         if self.speculator is not None:  # a draft head reads the step's hidden states
-            self.speculator.stepped([(r, a, e) for (r, e), a in zip(batch, starts)])
+            self.speculator.stepped(rows)
+        for req in prompts_done:  # PD: after the draft's KV of the prompt is complete
+            if not self.pd.prompt_done(req):
+                self._check_finish(req, req.output_ids[-1])
 
     def _verify(self, logits: torch.Tensor, items: list[tuple[Req, int, int]]) -> None:
         """Speculative rows: each row's token drawn as a plain step would draw it (greedy, or
@@ -542,7 +545,9 @@ class Scheduler:
             if req.kv_len >= req.prompt_len - 1:
                 req.input_logprobs_done = True
 
-    def _sample(self, logits: torch.Tensor, sample_at: list[tuple[Req, int]], grammar=None) -> None:
+    def _sample(self, logits: torch.Tensor, sample_at: list[tuple[Req, int]], grammar=None) -> list:
+        """Draw the next token of each row; returns the requests whose prompt this step finished
+        on a PD server (``PDQueues.prompt_done`` runs after the step's draft work)."""
         for req, _ in sample_at:
             req.input_logprobs_done = True
         todo = [(r, i) for r, i in sample_at if r.sampling.max_new_tokens > 0]
@@ -550,11 +555,12 @@ class Scheduler:
             if req.sampling.max_new_tokens == 0:
                 self.finish(req, FinishReason(FinishKind.LENGTH, matched=0))
         if not todo:
-            return
+            return []
         rows = torch.tensor([i for _, i in todo], device=logits.device)
         reqs = [r for r, _ in todo]
         out = self.sampler.sample(logits[rows], reqs, grammar)
         failed = set(out.failed)
+        prompts_done = []
         for k, req in enumerate(reqs):
             if k in failed:  # an engine fault (the checks keep the client's knobs finite)
                 why = "sampling: the request's logits were not finite (NaN or infinity)"
@@ -570,21 +576,20 @@ class Scheduler:
                 if req.top_logprobs_num:
                     req.output_top_logprobs.append(out.top_logprobs[k] or [])
             self.updated.add(req)
-            if (
-                self.pd is not None
-                and len(req.output_ids) == 1
-                and req.num_retractions == 0
-                and self.pd.prompt_done(req)
-            ):
+            if self.pd is not None and len(req.output_ids) == 1 and req.num_retractions == 0:
+                prompts_done.append(req)
                 continue
-            reason = check_finish(req, self.eos_ids, self.tokenizer, self.context_length)
-            if reason is None and req.grammar is not None and req.grammar.terminated:
-                reason = FinishReason(
-                    FinishKind.STOP, matched=tok
-                )  # complete, even with ignore_eos
-            if req.grammar is not None and req.grammar.failed:  # an engine fault, not the client's
-                reason = FinishReason(
-                    FinishKind.ABORT, message=f"grammar: {req.grammar.failed}", status_code=500
-                )
-            if reason is not None:
-                self.finish(req, reason)
+            self._check_finish(req, tok)
+        return prompts_done
+
+    def _check_finish(self, req: Req, tok: int) -> None:
+        """End ``req`` if its new token ``tok`` finished it."""
+        reason = check_finish(req, self.eos_ids, self.tokenizer, self.context_length)
+        if reason is None and req.grammar is not None and req.grammar.terminated:
+            reason = FinishReason(FinishKind.STOP, matched=tok)  # complete, even with ignore_eos
+        if req.grammar is not None and req.grammar.failed:  # an engine fault, not the client's
+            reason = FinishReason(
+                FinishKind.ABORT, message=f"grammar: {req.grammar.failed}", status_code=500
+            )
+        if reason is not None:
+            self.finish(req, reason)

@@ -1,7 +1,9 @@
-"""A draft model through PD on Mooncake, between TP sizes: prefill (TP 1) computes the prompt
-with the target and the draft, the draft's KV travels in the same pages over the Mooncake
-transfer engine and is sliced by KV head for decode's two ranks (TP 2), and decode speculates
-from its first step: the tokens of the plain offline engine, through pdserve's router."""
+"""A draft model or an EAGLE head through PD on Mooncake, between TP sizes: prefill (TP 1)
+computes the prompt with the target and the draft, the draft's KV travels in the same pages over
+the Mooncake transfer engine and is sliced by KV head for decode's two ranks (TP 2), an EAGLE
+head's first draft and hidden state in the metadata row, and decode speculates from its first
+step (accepting what a colocated engine accepts): the tokens of the plain offline engine,
+through pdserve's router."""
 
 from __future__ import annotations
 
@@ -13,10 +15,15 @@ from tests.e2e.test_pd import COMMON
 from tests.e2e.test_speculative import greedy, prompts
 from tests.e2e.test_tp import all_ranks_idle
 from tests.helpers import cluster as c
-from tests.helpers.checkpoints import build_draft_checkpoint, build_tiny_checkpoint
+from tests.helpers.checkpoints import (
+    build_draft_checkpoint,
+    build_eagle_head,
+    build_tiny_checkpoint,
+)
 
 
-def test_draft_kv_moves_over_mooncake_between_tp_sizes(tmp_path):
+@pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE"])
+def test_draft_kv_moves_over_mooncake_between_tp_sizes(algorithm, tmp_path):
     try:
         get_backend("mooncake")
     except ValueError as e:
@@ -24,16 +31,20 @@ def test_draft_kv_moves_over_mooncake_between_tp_sizes(tmp_path):
     import pdserve
 
     model = build_tiny_checkpoint("llama")
-    draft = build_draft_checkpoint(model, noise=0.03)
+    draft = (
+        build_draft_checkpoint(model, noise=0.03)
+        if algorithm == "STANDALONE"
+        else build_eagle_head(model, scale=0.5)
+    )
     args = ["--page-size", "16", "--chunked-prefill-size", "64", *COMMON]
     args += ["--disaggregation-transfer-backend", "mooncake"]
-    args += ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", draft]
-    P, _ = c.prefill("Pspec", model, tmp_path, *args)
-    D = c.decode("Dspec", model, tmp_path, *args, "--tp-size", "2")
+    args += ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", draft]
+    P, _ = c.prefill(f"P{algorithm}", model, tmp_path, *args)
+    D = c.decode(f"D{algorithm}", model, tmp_path, *args, "--tp-size", "2")
     procs = [P, D]
     try:
         c.start_all((P, D))
-        R = c.router("Rspec", [P], [D], tmp_path)
+        R = c.router(f"R{algorithm}", [P], [D], tmp_path)
         procs.append(R)
         R.start()
         ps = prompts(0)[:2] + prompts(4)[2:]  # 45..100 tokens: prefill's chunks of 64
@@ -44,7 +55,7 @@ def test_draft_kv_moves_over_mooncake_between_tp_sizes(tmp_path):
             torch_num_threads=1,
             max_total_tokens=8192,
             page_size=16,
-            speculative_algorithm="STANDALONE",
+            speculative_algorithm=algorithm,
             speculative_draft_model_path=draft,
         ).generate(input_ids=ps, sampling_params=greedy(30))
         for ids, w, col in zip(ps, want, colocated):

@@ -284,14 +284,22 @@ def test_a_speculating_decode_gives_the_colocated_tokens(local_pair):
         D.pd.mgr.close()
 
 
-def test_a_draft_model_speculates_through_pd():
-    """STANDALONE on both sides: prefill runs the draft over the prompt with the target, its KV
-    travels in the same pages (regions of their own), and decode speculates from its first step
-    with colocated greedy's tokens; a plain prefill is refused at registration naming both."""
-    from tests.helpers.checkpoints import build_draft_checkpoint
+@pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE"])
+def test_a_draft_model_speculates_through_pd(algorithm):
+    """A draft model (STANDALONE) or head (EAGLE) on both sides: prefill runs it over the prompt
+    with the target, its KV travels in the same pages (regions of their own), an EAGLE head's
+    first draft and hidden state in the metadata row, and decode speculates from its first step
+    (accepting what a colocated engine accepts) with colocated greedy's tokens; a plain prefill is
+    refused at registration naming both."""
+    from tests.helpers.checkpoints import build_draft_checkpoint, build_eagle_head
 
-    draft = build_draft_checkpoint(build_tiny_checkpoint("llama"), noise=0.03)
-    spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=draft)
+    target = build_tiny_checkpoint("llama")
+    draft = (
+        build_draft_checkpoint(target, noise=0.03)
+        if algorithm == "STANDALONE"
+        else build_eagle_head(target, scale=0.5)
+    )
+    spec = dict(speculative_algorithm=algorithm, speculative_draft_model_path=draft)
     bport = free_port()
     P = make("prefill", "local", disaggregation_bootstrap_port=bport, **spec)
     D = make("decode", "local", **spec)
@@ -300,6 +308,10 @@ def test_a_draft_model_speculates_through_pd():
     try:
         rng = random.Random(9)
         prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (7, 40, 130)]
+        if algorithm == "EAGLE":  # prompts the tiny head accepts drafts on
+            from tests.e2e.test_speculative import prompts as accepted_prompts
+
+            prompts = accepted_prompts(0)[:3]
         pairs = []
         for i, ids in enumerate(prompts):
             room = rng.randrange(2**63)
@@ -353,7 +365,7 @@ def test_a_draft_model_speculates_through_pd():
         D.add_request(rd)
         run_until(lambda: rd.finished, P0, D)
         why = rd.finish_reason.message
-        assert "speculative mismatch: prefill no draft model, decode STANDALONE draft" in why, why
+        assert f"speculative mismatch: prefill no draft model, decode {algorithm} draft" in why, why
         run_until(lambda: rp.finished, P0, D)
     finally:
         for s in (P, D, P0):

@@ -65,6 +65,7 @@ class SpecState:
     index: object = None
     # a draft head's proposal for the token after the sequence, and its hidden state there
     next_draft: Optional[int] = None
+    next_draft_p: float = 0.0
     hidden: Any = None
 
 
@@ -80,11 +81,13 @@ class Proposer:
     def propose(self, items: list[tuple[Req, int]]) -> None:
         raise NotImplementedError
 
-    def started(self, req: Req) -> None:
-        """``req``'s KV starts on this server (admitted, or its transfer arrived)."""
+    def started(self, req: Req, transferred: bool = False) -> None:
+        """``req``'s KV starts on this server: admitted, or (``transferred``) its prompt's KV and
+        metadata row arrived from a PD prefill."""
 
-    def follow(self, rows: list[tuple[Req, int]]) -> None:
-        """The target computed ``rows`` (request, tokens from its ``kv_len``) without drafts."""
+    def follow(self, rows: list[tuple[Req, int, int]]) -> None:
+        """The target computed ``rows`` (request, first position, tokens), in its forward's
+        order; before the PD queues send their pages and before sampling."""
 
     def verified(self, req: Req, start: int, drafted: int, kept: int) -> None:
         """``req``'s row from position ``start`` with ``drafted`` drafts kept ``kept`` tokens
@@ -143,10 +146,10 @@ class Speculator:
         if items:
             self.proposer.propose(items)
 
-    def started(self, req: Req) -> None:
-        self.proposer.started(req)
+    def started(self, req: Req, transferred: bool = False) -> None:
+        self.proposer.started(req, transferred)
 
-    def follow(self, rows: list[tuple[Req, int]]) -> None:
+    def follow(self, rows: list[tuple[Req, int, int]]) -> None:
         self.proposer.follow(rows)
 
     def verified(self, req: Req, start: int, drafted: int, kept: int) -> None:

@@ -161,12 +161,14 @@ class DraftModelProposer(Proposer):
         out = self.runner.forward(fb)
         return out.argmax(dim=-1).tolist() if logits else []
 
-    def started(self, req: Req) -> None:
+    def started(self, req: Req, transferred: bool = False) -> None:
         req.kv.draft_len = req.kv_len
 
-    def follow(self, rows: list[tuple[Req, int]]) -> None:
+    def follow(self, rows: list[tuple[Req, int, int]]) -> None:
         todo = []
-        for req, ext in rows:
+        for req, _, ext in rows:
+            if req.drafts:
+                continue  # its drafts were computed by ``propose``
             start, end = req.kv.draft_len, req.kv_len + ext
             if ext == 1 and end == req.seq_len and Speculator.speculable(req):
                 continue  # a speculating request's draft catches up when it drafts next

@@ -12,6 +12,12 @@ draft d_j at the next position, with the head's own previous hidden state standi
 target's, for each further draft; the pairs it writes past the sequence are computed again from
 the target's hidden states after the verification.
 
+In PD the prefill computes the prompt's pairs (the last one after sampling the first token, before
+the last pages go: ``PDQueues.prompt_done`` runs after ``stepped``), sends the head's KV with the
+pages and puts the first draft, its probability and the head's hidden state in the metadata row
+(``output_topk_index`` / ``output_topk_p`` / ``output_hidden_states``); decode speculates from its
+first step with them.
+
 A prefix-cache hit's last pair was computed with the token that followed the prefix when it
 was cached (the hidden state of the next position is not kept): where the new sequence goes on
 differently, the head's first drafts may differ from a cold run's; the tokens never do.
@@ -30,27 +36,29 @@ class EagleProposer(DraftModelProposer):
     def __init__(self, args, runner, kv_allocator, par):
         from pdserve.models.eagle import EagleLlamaForCausalLM
 
-        if args.disaggregation_mode != "null":
-            raise ValueError(
-                "speculative_algorithm: 'EAGLE' is not available with PD disaggregation yet (the "
-                "head's first step needs prefill's hidden state in the metadata row); use NGRAM or "
-                "STANDALONE"
-            )
         super().__init__(args, runner, kv_allocator, par, model_cls=EagleLlamaForCausalLM)
         self.runner.model.share_target(runner.model)
         runner.capture_hidden = True
         self.runner.capture_hidden = True
 
-    def started(self, req: Req) -> None:
+    def started(self, req: Req, transferred: bool = False) -> None:
         req.kv.draft_len = req.kv_len
-        if req.spec is not None:
+        if req.spec is not None and not transferred:  # a transferred one keeps prefill's draft
             req.spec.next_draft = req.spec.hidden = None
 
-    def follow(self, rows) -> None:
-        pass  # the pairs need the step's sampled tokens: ``stepped``
+    def follow(self, rows: list[tuple[Req, int, int]]) -> None:
+        """The pairs whose next token is known before sampling (a prompt chunk's, but for the
+        prompt's last position): computed before the PD queues send the chunk's pages."""
+        self._pairs(rows, lambda req, end: min(end, req.seq_len - 1), drafts=False)
 
     def verified(self, req: Req, start: int, drafted: int, kept: int) -> None:
         pass  # ``stepped`` computes the kept positions' pairs
+
+    @torch.inference_mode()
+    def stepped(self, rows: list[tuple[Req, int, int]]) -> None:
+        """The rest, once the step's tokens are sampled and verified; the pair of a request's last
+        computed position gives its next draft."""
+        self._pairs(rows, lambda req, end: min(end, req.kv_len))
 
     def _run(self, rows, ids, positions, hidden, logits_idx):
         """The head over ``rows`` (request, first position, count); (logits, its hidden states)."""
@@ -68,7 +76,9 @@ class EagleProposer(DraftModelProposer):
         return logits, self.runner.last_hidden
 
     @torch.inference_mode()
-    def stepped(self, rows: list[tuple[Req, int, int]]) -> None:
+    def _pairs(self, rows: list[tuple[Req, int, int]], upto, drafts: bool = True) -> None:
+        """The head's pairs from each row's ``draft_len`` to ``upto(req, row end)``; with
+        ``drafts``, the next draft of each request whose last computed position is among them."""
         target_hidden = self.target.last_hidden
         todo, ids, positions, feats, last = [], [], [], [], []
         offset = 0
@@ -76,14 +86,14 @@ class EagleProposer(DraftModelProposer):
             first, offset = offset, offset + ext
             if req.finished or req.kv is None:
                 continue
-            begin, end = req.kv.draft_len, min(start + ext, req.kv_len)
+            begin, end = req.kv.draft_len, upto(req, start + ext)
             if begin < start or begin >= end:
                 continue  # nothing new (a pair needs the target's hidden state of its position)
             todo.append((req, begin, end - begin))
             ids += req.all_ids[begin + 1 : end + 1]
             positions += range(begin, end)
             feats += range(first + begin - start, first + end - start)
-            if end == req.seq_len - 1:  # the last computed position: the next draft
+            if drafts and end == req.seq_len - 1:  # the last computed position: the next draft
                 last.append((req, len(ids) - 1))
         if not todo:
             return
@@ -92,11 +102,13 @@ class EagleProposer(DraftModelProposer):
         )
         for req, begin, n in todo:
             req.kv.draft_len = begin + n
-        tokens = logits.argmax(dim=-1).tolist()
-        for (req, row), token in zip(last, tokens):
+        probs = torch.softmax(logits, dim=-1).max(dim=-1) if last else None
+        for k, (req, row) in enumerate(last):
             if req.spec is None:
                 req.spec = SpecState(budget=self.num_drafts)
-            req.spec.next_draft, req.spec.hidden = token, hidden[row].clone()
+            req.spec.next_draft = int(probs.indices[k])
+            req.spec.next_draft_p = float(probs.values[k])
+            req.spec.hidden = hidden[row].clone()
 
     @torch.inference_mode()
     def propose(self, items: list[tuple[Req, int]]) -> None:
