@@ -56,9 +56,9 @@ def default_torch_threads() -> int:
 
 
 # speculative decoding: what runs, and SGLang's names of what does not yet
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE")
-SPECULATIVE_NOT_BUILT = ("EAGLE3", "MTP")
-DRAFT_MODEL_ALGORITHMS = ("STANDALONE", "EAGLE")  # those that read --speculative-draft-model-path
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "MTP")
+SPECULATIVE_NOT_BUILT = ("EAGLE3",)
+DRAFT_MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "MTP")  # read --speculative-draft-model-path
 MAX_DRAFT_TOKENS = 16
 
 
@@ -487,6 +487,9 @@ class ServerArgs:
         if algo.upper() not in SPECULATIVE_ALGORITHMS:
             bad("speculative_algorithm", f"must be one of {SPECULATIVE_ALGORITHMS}, got {algo!r}")
         self.speculative_algorithm = algo.upper()
+        if self.speculative_algorithm == "MTP" and not self.speculative_draft_model_path:
+            # the next-token-prediction layers are in the target's checkpoint
+            self.speculative_draft_model_path = self.model_path
         draft = self.speculative_draft_model_path
         if self.speculative_algorithm in DRAFT_MODEL_ALGORITHMS and not draft:
             bad(

@@ -24,8 +24,8 @@ PD a decode rank reads it from one prefill rank (a ``replicated`` transfer regio
 ``group_limited_greedy``; V3 grouped sigmoid with ``e_score_correction_bias``. Top-k ties go to
 the lowest expert id. Checkpoint names are HF's (``mlp.experts.E.{gate,up,down}_proj``,
 ``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``, ``mlp.shared_experts.*``). The MTP
-layers a V3 checkpoint carries past ``num_hidden_layers`` are read and set aside
-(``mtp_weights``); speculative decoding is what would use them.
+layers a V3 checkpoint carries past ``num_hidden_layers`` are set aside (``mtp_weights``: their
+names and shapes); ``--speculative-algorithm MTP`` serves them (``models/deepseek_mtp.py``).
 
 What pdserve does not implement is refused at load, naming the field: another ``scoring_func``
 or ``topk_method``, FP8 block-quantized weights (``quantization_config``).
@@ -89,11 +89,12 @@ def refuse_unsupported(config, model: str, scoring: str, topk_methods: tuple[str
 def set_aside_mtp(
     weights: Iterable[tuple[str, Any]], num_layers: int, store: dict
 ) -> Iterable[tuple[str, Any]]:
-    """``weights`` without the MTP layers (``model.layers.N``, N >= ``num_layers``), which go into
-    ``store`` (read, unused here: speculative decoding is what would use them)."""
+    """``weights`` without the MTP layers (``model.layers.N``, N >= ``num_layers``), whose names
+    and shapes go into ``store`` (not read: ``--speculative-algorithm MTP`` loads them into a
+    model of their own, ``models/deepseek_mtp.py``)."""
     for name, src in weights:
         if name.startswith("model.layers.") and int(name.split(".")[2]) >= num_layers:
-            store[name] = src[:]
+            store[name] = tuple(src.shape) if hasattr(src, "shape") else tuple(src.get_shape())
             continue
         yield name, src
 
@@ -295,7 +296,7 @@ class DeepseekMoE(MoEForCausalLM):
     def __init__(self, config, *args, **kwargs):
         self.check_config(config)
         super().__init__(config, *args, **kwargs)
-        self.mtp_weights: dict[str, torch.Tensor] = {}
+        self.mtp_weights: dict[str, tuple] = {}  # name -> shape
 
     @classmethod
     def check_config(cls, config) -> None:

@@ -18,11 +18,12 @@ from tests.helpers import cluster as c
 from tests.helpers.checkpoints import (
     build_draft_checkpoint,
     build_eagle_head,
+    build_mtp_checkpoint,
     build_tiny_checkpoint,
 )
 
 
-@pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE"])
+@pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE", "MTP"])
 def test_draft_kv_moves_over_mooncake_between_tp_sizes(algorithm, tmp_path):
     try:
         get_backend("mooncake")
@@ -30,13 +31,13 @@ def test_draft_kv_moves_over_mooncake_between_tp_sizes(algorithm, tmp_path):
         pytest.skip(str(e))
     import pdserve
 
-    model = build_tiny_checkpoint("llama")
-    draft = (
-        build_draft_checkpoint(model, noise=0.03)
-        if algorithm == "STANDALONE"
-        else build_eagle_head(model, scale=0.5)
-    )
-    args = ["--page-size", "16", "--chunked-prefill-size", "64", *COMMON]
+    model = build_mtp_checkpoint() if algorithm == "MTP" else build_tiny_checkpoint("llama")
+    draft = {
+        "STANDALONE": lambda: build_draft_checkpoint(model, noise=0.03),
+        "EAGLE": lambda: build_eagle_head(model, scale=0.5),
+        "MTP": lambda: model,  # DeepSeek-V3's layer in the model's checkpoint (latent KV)
+    }[algorithm]()
+    args = ["--page-size", "16", "--chunked-prefill-size", "64", "--dtype", "float32", *COMMON]
     args += ["--disaggregation-transfer-backend", "mooncake"]
     args += ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", draft]
     P, _ = c.prefill(f"P{algorithm}", model, tmp_path, *args)
@@ -48,13 +49,21 @@ def test_draft_kv_moves_over_mooncake_between_tp_sizes(algorithm, tmp_path):
         procs.append(R)
         R.start()
         ps = prompts(0)[:2] + prompts(4)[2:]  # 45..100 tokens: prefill's chunks of 64
-        plain = pdserve.Engine(model_path=model, torch_num_threads=1, max_total_tokens=8192)
+        if algorithm == "MTP":
+            from tests.e2e.test_speculative_mtp import mtp_prompts
+
+            ps = mtp_prompts()[:3]
+        plain = pdserve.Engine(
+            model_path=model, torch_num_threads=1, max_total_tokens=8192, dtype="float32"
+        )
         want = plain.generate(input_ids=ps, sampling_params=greedy(30))
         colocated = pdserve.Engine(
             model_path=model,
             torch_num_threads=1,
             max_total_tokens=8192,
             page_size=16,
+            chunked_prefill_size=64,
+            dtype="float32",
             speculative_algorithm=algorithm,
             speculative_draft_model_path=draft,
         ).generate(input_ids=ps, sampling_params=greedy(30))

@@ -687,3 +687,62 @@ def build_eagle_head(target: str, scale: float = 1.0, seed: int = 0) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def build_mtp_checkpoint(
+    arch: str = "deepseek_v3", scale: float = 0.5, pick: str = "hidden"
+) -> str:
+    """The tiny ``arch`` checkpoint with a next-token-prediction layer past its last one, as
+    DeepSeek-V3 ships it (``model.layers.N.*``: the last layer's weights times ``scale``,
+    ``enorm``, ``hnorm``, ``eh_proj`` picking the hidden state or (``pick="embedding"``) the
+    token's embedding, ``shared_head.norm`` /
+    ``.head``, ``embed_tokens``; ``num_nextn_predict_layers: 1``); cached."""
+    from safetensors.torch import load_file, save_file
+
+    target = build_tiny_checkpoint(arch)
+    key = json.dumps([_RECIPE_VERSION, os.path.realpath(target), scale, pick, "mtp"])
+    out_dir = os.path.join(
+        checkpoint_cache_dir(), f"{arch}-mtp-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    )
+    if is_complete(out_dir):
+        return out_dir
+    with open(os.path.join(target, "config.json")) as f:
+        config = json.load(f)
+    n = config["num_hidden_layers"]
+    config["num_nextn_predict_layers"] = 1
+    tensors = load_file(os.path.join(target, "model.safetensors"))
+    hidden = config["hidden_size"]
+    gen = torch.Generator().manual_seed(0)
+    last = f"model.layers.{n - 1}."
+    mtp = f"model.layers.{n}."
+    for name in list(tensors):
+        if name.startswith(last):
+            t = tensors[name]
+            scaled = t if name.endswith(("norm.weight", "e_score_correction_bias")) else t * scale
+            tensors[mtp + name[len(last) :]] = scaled.clone()
+    tensors[mtp + "enorm.weight"] = torch.ones(hidden)
+    tensors[mtp + "hnorm.weight"] = torch.ones(hidden)
+    eh = torch.zeros(hidden, 2 * hidden)
+    if pick == "hidden":  # the hidden state, as is
+        eh[:, hidden:] = torch.eye(hidden)
+    else:  # the next token's embedding
+        eh[:, :hidden] = torch.eye(hidden)
+    tensors[mtp + "eh_proj.weight"] = eh + torch.randn(eh.shape, generator=gen) * 0.01
+    tensors[mtp + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+    tensors[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    tensors[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tmp = tempfile.mkdtemp(prefix=f".{arch}-mtp-", dir=checkpoint_cache_dir())
+    try:
+        for f in os.listdir(target):
+            if f not in ("model.safetensors", "config.json") and os.path.isfile(
+                os.path.join(target, f)
+            ):
+                shutil.copy(os.path.join(target, f), os.path.join(tmp, f))
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        publish_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

@@ -20,9 +20,9 @@ from tests.helpers.cluster import free_port
 torch.set_num_threads(1)
 
 
-def make(mode: str, backend: str, **kw) -> Scheduler:
+def make(mode: str, backend: str, model: str | None = None, **kw) -> Scheduler:
     args = ServerArgs(
-        model_path=build_tiny_checkpoint("llama"),
+        model_path=model or build_tiny_checkpoint("llama"),
         max_total_tokens=4096,
         page_size=16,
         chunked_prefill_size=64,
@@ -284,27 +284,32 @@ def test_a_speculating_decode_gives_the_colocated_tokens(local_pair):
         D.pd.mgr.close()
 
 
-@pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE"])
+@pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE", "MTP"])
 def test_a_draft_model_speculates_through_pd(algorithm):
     """A draft model (STANDALONE) or head (EAGLE) on both sides: prefill runs it over the prompt
     with the target, its KV travels in the same pages (regions of their own), an EAGLE head's
     first draft and hidden state in the metadata row, and decode speculates from its first step
     (accepting what a colocated engine accepts) with colocated greedy's tokens; a plain prefill is
     refused at registration naming both."""
-    from tests.helpers.checkpoints import build_draft_checkpoint, build_eagle_head
-
-    target = build_tiny_checkpoint("llama")
-    draft = (
-        build_draft_checkpoint(target, noise=0.03)
-        if algorithm == "STANDALONE"
-        else build_eagle_head(target, scale=0.5)
+    from tests.helpers.checkpoints import (
+        build_draft_checkpoint,
+        build_eagle_head,
+        build_mtp_checkpoint,
     )
+
+    target = build_mtp_checkpoint() if algorithm == "MTP" else build_tiny_checkpoint("llama")
+    draft = {
+        "STANDALONE": lambda: build_draft_checkpoint(target, noise=0.03),
+        "EAGLE": lambda: build_eagle_head(target, scale=0.5),
+        "MTP": lambda: target,  # the layer is in the model's own checkpoint
+    }[algorithm]()
     spec = dict(speculative_algorithm=algorithm, speculative_draft_model_path=draft)
+    model = dict(model=target, dtype="float32")
     bport = free_port()
-    P = make("prefill", "local", disaggregation_bootstrap_port=bport, **spec)
-    D = make("decode", "local", **spec)
+    P = make("prefill", "local", disaggregation_bootstrap_port=bport, **model, **spec)
+    D = make("decode", "local", **model, **spec)
     plain_port = free_port()
-    P0 = make("prefill", "local", disaggregation_bootstrap_port=plain_port)
+    P0 = make("prefill", "local", disaggregation_bootstrap_port=plain_port, **model)
     try:
         rng = random.Random(9)
         prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (7, 40, 130)]
@@ -312,6 +317,10 @@ def test_a_draft_model_speculates_through_pd(algorithm):
             from tests.e2e.test_speculative import prompts as accepted_prompts
 
             prompts = accepted_prompts(0)[:3]
+        if algorithm == "MTP":
+            from tests.e2e.test_speculative_mtp import mtp_prompts
+
+            prompts = mtp_prompts()[:3]
         pairs = []
         for i, ids in enumerate(prompts):
             room = rng.randrange(2**63)
@@ -324,7 +333,7 @@ def test_a_draft_model_speculates_through_pd(algorithm):
         import pdserve
 
         ref = pdserve.Engine(
-            model_path=build_tiny_checkpoint("llama"), torch_num_threads=1, max_total_tokens=8192
+            model_path=target, torch_num_threads=1, max_total_tokens=8192, dtype="float32"
         )
         outs = ref.generate(
             input_ids=prompts,
@@ -334,10 +343,12 @@ def test_a_draft_model_speculates_through_pd(algorithm):
         # decode speculated from its first step, on the draft's KV of the prompt computed by
         # prefill: it accepts what a colocated speculating engine accepts, request by request
         colocated = pdserve.Engine(
-            model_path=build_tiny_checkpoint("llama"),
+            model_path=target,
             torch_num_threads=1,
             max_total_tokens=8192,
             page_size=16,
+            chunked_prefill_size=64,
+            dtype="float32",
             **spec,
         ).generate(
             input_ids=prompts,

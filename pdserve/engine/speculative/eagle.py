@@ -34,12 +34,15 @@ from pdserve.engine.speculative.draft_model import DraftModelProposer
 
 class EagleProposer(DraftModelProposer):
     def __init__(self, args, runner, kv_allocator, par):
-        from pdserve.models.eagle import EagleLlamaForCausalLM
-
-        super().__init__(args, runner, kv_allocator, par, model_cls=EagleLlamaForCausalLM)
+        super().__init__(args, runner, kv_allocator, par, model_cls=self.head_class())
         self.runner.model.share_target(runner.model)
         runner.capture_hidden = True
         self.runner.capture_hidden = True
+
+    def head_class(self) -> type:
+        from pdserve.models.eagle import EagleLlamaForCausalLM
+
+        return EagleLlamaForCausalLM
 
     def started(self, req: Req, transferred: bool = False) -> None:
         req.kv.draft_len = req.kv_len
@@ -131,3 +134,13 @@ class EagleProposer(DraftModelProposer):
             for k, (req, token) in enumerate(zip(rows, logits.argmax(dim=-1).tolist())):
                 req.drafts.append(token)
                 feats[req] = hidden[k]
+
+
+class MtpProposer(EagleProposer):
+    """``MTP``: DeepSeek-V3's next-token-prediction layer of the target's own checkpoint
+    (``models/deepseek_mtp.py``), run as an EAGLE head is."""
+
+    def head_class(self) -> type:
+        from pdserve.models.deepseek_mtp import DeepseekV3MTP
+
+        return DeepseekV3MTP
