@@ -56,9 +56,10 @@ def default_torch_threads() -> int:
 
 
 # speculative decoding: what runs, and SGLang's names of what does not yet
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "MTP")
-SPECULATIVE_NOT_BUILT = ("EAGLE3",)
-DRAFT_MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "MTP")  # read --speculative-draft-model-path
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "MTP")
+SPECULATIVE_NOT_BUILT: tuple[str, ...] = ()
+# those that read --speculative-draft-model-path
+DRAFT_MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3", "MTP")
 MAX_DRAFT_TOKENS = 16
 
 

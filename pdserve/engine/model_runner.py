@@ -458,8 +458,9 @@ class ModelRunner:
         if self.routed is not None:
             self.routed.begin_forward()
         hidden = self.model(fb)
-        if self.capture_hidden:  # an EAGLE head reads every position's final hidden state
-            self.last_hidden = hidden
+        if self.capture_hidden:  # a draft head reads every position's hidden state
+            aux = getattr(self.model, "aux_hidden", None)
+            self.last_hidden = hidden if aux is None else aux(hidden)
         if self.routed is not None:
             self.routed.write(fb)
         if fb.logits_idx.numel() == 0:

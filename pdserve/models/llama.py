@@ -294,6 +294,9 @@ class LlamaModel(nn.Module):
         self.ops: Optional[ModuleType] = None
         # the decoder stack in C++ for decode-only batches (bf16 prepacked CPU models)
         self.decode_stack = None
+        # layers whose output stream a forward keeps (an EAGLE-3 head reads them), and those kept
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured: dict[int, torch.Tensor] = {}
 
     @staticmethod
     def rope_settings(config) -> dict[str, dict]:
@@ -325,13 +328,16 @@ class LlamaModel(nn.Module):
         for kind, rotary in self.rotaries.items():
             cos, sin = rotary.tables(fb)  # float32; the kernel rounds them as HF does
             ropes[kind] = (cos, sin) if self.ops is not None else (cos.to(h.dtype), sin.to(h.dtype))
-        if self.decode_stack is not None and fb.is_decode_only:
+        self.captured = {}
+        if self.decode_stack is not None and fb.is_decode_only and not self.capture_layers:
             table, lens = fb.int32_tables()  # the stack exists only for one-group models
             cos, sin = ropes["default"]  # float32: the stack exists only with the kernels
             pool = fb.groups[fb.anchor].pool
             return self.decode_stack.forward(h, pool.buffer, table, lens, cos, sin)
-        for layer in self.own_layers:
+        for i, layer in enumerate(self.own_layers, self.start):
             h, residual = layer(h, residual, ropes.get(layer.rope_kind), fb)
+            if i in self.capture_layers:
+                self.captured[i] = h if residual is None else h + residual
         return h, residual
 
     def idle_forward(self, dp) -> None:
@@ -439,6 +445,21 @@ class LlamaForCausalLM(CpuPathsMixin, nn.Module):
 
     def forward_layers(self, fb, h, residual):
         return self.model.forward_layers(fb, h, residual)
+
+    def capture_aux(self, layers: Iterable[int]) -> None:
+        """Keep the output stream of ``layers`` at every forward (``aux_hidden``)."""
+        bad = [i for i in layers if not 0 <= i < self.total_layers]
+        if bad:
+            raise ValueError(f"layers {bad}: outside the model's {self.total_layers} layers")
+        self.model.capture_layers = tuple(layers)
+
+    def aux_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last forward's kept layer outputs in ``capture_aux``'s order, concatenated
+        ([T, layers * hidden]); ``hidden`` (the final hidden states) when none are kept."""
+        kept = self.model.captured
+        if not kept:
+            return hidden
+        return torch.cat([kept[i] for i in self.model.capture_layers], dim=-1)
 
     def final_norm(self, h: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
         return self.model.norm(h, residual)[0]

@@ -243,8 +243,6 @@ def test_stops_inside_an_accepted_run(pair, request):
     "kwargs, message",
     [
         (dict(speculative_algorithm="MEDUSA"), "speculative_algorithm: must be one of"),
-        (dict(speculative_algorithm="EAGLE3"), "'EAGLE3' is not available yet"),
-        (dict(speculative_algorithm="MTP"), "'MTP' is not available yet"),
         (
             dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=0),
             r"speculative_num_draft_tokens: must be in \[1, 16\], got 0",

@@ -746,3 +746,72 @@ def build_mtp_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def build_eagle3_head(target: str, seed: int = 0) -> str:
+    """An EAGLE-3 head for ``target`` in the layout its authors publish: a one-layer Llama config
+    with ``draft_vocab_size`` (half the target's) and ``eagle_config.
+    eagle_aux_hidden_state_layer_ids`` ([0, 1, 1]), and weights ``fc`` ([hidden, 3 * hidden],
+    picking the third layer output: the target's last layer, before its norm), ``midlayer.*``
+    (attention over 2 * hidden, small random weights), ``norm``, ``lm_head`` (the target's rows
+    of the draft's tokens) and ``d2t`` / ``t2d``; cached."""
+    from safetensors.torch import load_file, save_file
+
+    key = json.dumps([_RECIPE_VERSION, os.path.realpath(target), seed, "eagle3"])
+    out_dir = os.path.join(
+        checkpoint_cache_dir(), f"eagle3-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    )
+    if is_complete(out_dir):
+        return out_dir
+    with open(os.path.join(target, "config.json")) as f:
+        config = json.load(f)
+    src = load_file(os.path.join(target, "model.safetensors"))
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    inter = config["intermediate_size"]
+    draft_vocab = vocab // 2
+    config.update(
+        num_hidden_layers=1,
+        draft_vocab_size=draft_vocab,
+        architectures=["LlamaForCausalLMEagle3"],
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 1]},
+        tie_word_embeddings=False,
+    )
+    gen = torch.Generator().manual_seed(seed)
+
+    def small(*shape):
+        return torch.randn(*shape, generator=gen) * 0.02
+
+    hot = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
+    head = src.get("lm_head.weight", src["model.embed_tokens.weight"])
+    fc = torch.zeros(hidden, 3 * hidden)
+    fc[:, 2 * hidden :] = torch.eye(hidden)
+    tensors = {
+        "fc.weight": fc,
+        "midlayer.self_attn.q_proj.weight": small(heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": small(kv * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": small(kv * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": small(hidden, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": small(inter, hidden),
+        "midlayer.mlp.up_proj.weight": small(inter, hidden),
+        "midlayer.mlp.down_proj.weight": small(hidden, inter),
+        "midlayer.input_layernorm.weight": torch.ones(hidden),
+        "midlayer.hidden_norm.weight": torch.ones(hidden),
+        "midlayer.post_attention_layernorm.weight": torch.ones(hidden),
+        "norm.weight": src["model.norm.weight"].clone(),
+        "lm_head.weight": head[hot].clone(),
+        "d2t": hot - torch.arange(draft_vocab),
+        "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, hot, True),
+    }
+    tmp = tempfile.mkdtemp(prefix=".eagle3-", dir=checkpoint_cache_dir())
+    try:
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        publish_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

@@ -284,7 +284,7 @@ def test_a_speculating_decode_gives_the_colocated_tokens(local_pair):
         D.pd.mgr.close()
 
 
-@pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE", "MTP"])
+@pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE", "EAGLE3", "MTP"])
 def test_a_draft_model_speculates_through_pd(algorithm):
     """A draft model (STANDALONE) or head (EAGLE) on both sides: prefill runs it over the prompt
     with the target, its KV travels in the same pages (regions of their own), an EAGLE head's
@@ -293,6 +293,7 @@ def test_a_draft_model_speculates_through_pd(algorithm):
     refused at registration naming both."""
     from tests.helpers.checkpoints import (
         build_draft_checkpoint,
+        build_eagle3_head,
         build_eagle_head,
         build_mtp_checkpoint,
     )
@@ -301,6 +302,7 @@ def test_a_draft_model_speculates_through_pd(algorithm):
     draft = {
         "STANDALONE": lambda: build_draft_checkpoint(target, noise=0.03),
         "EAGLE": lambda: build_eagle_head(target, scale=0.5),
+        "EAGLE3": lambda: build_eagle3_head(target),
         "MTP": lambda: target,  # the layer is in the model's own checkpoint
     }[algorithm]()
     spec = dict(speculative_algorithm=algorithm, speculative_draft_model_path=draft)
@@ -313,7 +315,7 @@ def test_a_draft_model_speculates_through_pd(algorithm):
     try:
         rng = random.Random(9)
         prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (7, 40, 130)]
-        if algorithm == "EAGLE":  # prompts the tiny head accepts drafts on
+        if algorithm in ("EAGLE", "EAGLE3"):  # prompts the tiny heads accept drafts on
             from tests.e2e.test_speculative import prompts as accepted_prompts
 
             prompts = accepted_prompts(0)[:3]

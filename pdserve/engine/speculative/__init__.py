@@ -33,6 +33,7 @@ Proposers (``--speculative-algorithm``, SGLang's names), behind ``Proposer`` and
   ids), run over every prompt with the target and autoregressively for the drafts.
 - ``EAGLE`` (``eagle.py``): an EAGLE head (``models/eagle.py``) over the target's hidden states,
   its KV in the target's pages as a draft model's; a chain of drafts (top-k 1).
+- ``EAGLE3`` (``eagle.py``): an EAGLE-3 head over three of the target's layer outputs.
 - ``MTP`` (``eagle.py``): DeepSeek-V3's next-token-prediction layer of the target's checkpoint
   (``models/deepseek_mtp.py``), run as an EAGLE head.
 """
@@ -52,6 +53,7 @@ PROPOSERS = {
     "NGRAM": "pdserve.engine.speculative.ngram:NgramProposer",
     "STANDALONE": "pdserve.engine.speculative.draft_model:DraftModelProposer",
     "EAGLE": "pdserve.engine.speculative.eagle:EagleProposer",
+    "EAGLE3": "pdserve.engine.speculative.eagle:Eagle3Proposer",
     "MTP": "pdserve.engine.speculative.eagle:MtpProposer",
 }
 

@@ -144,3 +144,13 @@ class MtpProposer(EagleProposer):
         from pdserve.models.deepseek_mtp import DeepseekV3MTP
 
         return DeepseekV3MTP
+
+
+class Eagle3Proposer(EagleProposer):
+    """``EAGLE3``: an EAGLE-3 head (``models/eagle.py``) over three of the target's layer
+    outputs for its first step and its own output stream after that."""
+
+    def head_class(self) -> type:
+        from pdserve.models.eagle import Eagle3LlamaForCausalLM
+
+        return Eagle3LlamaForCausalLM
