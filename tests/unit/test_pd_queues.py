@@ -380,6 +380,10 @@ def test_a_draft_model_speculates_through_pd(algorithm):
         why = rd.finish_reason.message
         assert f"speculative mismatch: prefill no draft model, decode {algorithm} draft" in why, why
         run_until(lambda: rp.finished, P0, D)
+        for s in (P0, D):  # the failed room left nothing behind
+            run_until(lambda: s.check_integrity()["in_use_pages"] == 0, P0, D)
+            info = s.check_integrity()
+            assert info["metadata_slots_free"] == info["metadata_slots_total"], info
     finally:
         for s in (P, D, P0):
             s.pd.mgr.close()
