@@ -49,10 +49,17 @@ def _has_filter(s: SamplingParams) -> bool:
     return s.top_k > 1 or s.top_p < 1.0 or s.min_p > 0.0
 
 
-def _rows_to_process(reqs: Sequence[Req]) -> tuple[list[int], list[int]]:
-    """(rows with a penalty, rows still under min_new_tokens)."""
+def _rows_to_process(
+    reqs: Sequence[Req], ahead: Sequence[Sequence[int]]
+) -> tuple[list[int], list[int]]:
+    """(rows with a penalty, rows still under min_new_tokens); ``ahead[i]``: tokens row i draws
+    after (a speculative row's accepted drafts before it)."""
     penalized = [i for i, r in enumerate(reqs) if _has_penalty(r.sampling)]
-    banned = [i for i, r in enumerate(reqs) if len(r.output_ids) < r.sampling.min_new_tokens]
+    banned = [
+        i
+        for i, r in enumerate(reqs)
+        if len(r.output_ids) + len(ahead[i]) < r.sampling.min_new_tokens
+    ]
     return penalized, banned
 
 
@@ -131,24 +138,28 @@ class Sampler:
         reqs: Sequence[Req],
         grammar: Optional[tuple[torch.Tensor, list[int]]] = None,
         offsets: Optional[Sequence[int]] = None,
+        ahead: Optional[Sequence[Sequence[int]]] = None,
     ) -> SampleOutput:
         """``grammar``: (bitmask [G, words], the G constrained rows) or None. ``offsets``: per
         row, how many tokens past the request's output it draws (speculative rows of one request:
-        0, 1, ...; a seeded request's draw depends on its seed and that position only)."""
+        0, 1, ...; a seeded request's draw depends on its seed and that position only);
+        ``ahead``: per row, the tokens between the request's output and the row (a speculative
+        row's drafts before it), which penalties and the min_new_tokens ban count as output."""
         offsets = list(offsets) if offsets is not None else [0] * len(reqs)
+        ahead = list(ahead) if ahead is not None else [()] * len(reqs)
         assert logits.dim() == 2 and logits.shape[0] == len(reqs), (logits.shape, len(reqs))
         assert logits.shape[1] >= self.vocab_size, (logits.shape, self.vocab_size)
         raw = logits[:, : self.vocab_size]
         num = len(reqs)
         greedy = [r.sampling.is_greedy for r in reqs]
-        penalized, banned = _rows_to_process(reqs)
+        penalized, banned = _rows_to_process(reqs, ahead)
 
         if all(greedy) and not penalized and not banned and grammar is None:
             # Fast path; argmax is exact in any float dtype.
             next_ids = raw.argmax(dim=-1)
         else:
             x = raw.to(torch.float32, copy=True)
-            self._process(x, reqs, penalized, banned)
+            self._process(x, reqs, penalized, banned, ahead)
             if grammar is not None:
                 self._constrain(x, raw, *grammar)
             greedy_rows = [i for i in range(num) if greedy[i]]
@@ -181,15 +192,21 @@ class Sampler:
         """A float32 copy of ``logits[:, :vocab_size]`` with penalties and min_new_tokens bans
         applied: what greedy rows take the argmax of and sampled rows divide by temperature."""
         x = logits[:, : self.vocab_size].to(torch.float32, copy=True)
-        penalized, banned = _rows_to_process(reqs)
-        self._process(x, reqs, penalized, banned)
+        ahead = [()] * len(reqs)
+        penalized, banned = _rows_to_process(reqs, ahead)
+        self._process(x, reqs, penalized, banned, ahead)
         return x
 
     def _process(
-        self, x: torch.Tensor, reqs: Sequence[Req], penalized: list[int], banned: list[int]
+        self,
+        x: torch.Tensor,
+        reqs: Sequence[Req],
+        penalized: list[int],
+        banned: list[int],
+        ahead: Sequence[Sequence[int]],
     ) -> None:
         if penalized:
-            self._apply_penalties(x, reqs, penalized)
+            self._apply_penalties(x, reqs, penalized, ahead)
         if banned:
             self._ban_stop_tokens(x, reqs, banned)
 
@@ -214,15 +231,17 @@ class Sampler:
     def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.long, device=like.device)
 
-    def _apply_penalties(self, x: torch.Tensor, reqs: Sequence[Req], rows: list[int]) -> None:
+    def _apply_penalties(
+        self, x: torch.Tensor, reqs: Sequence[Req], rows: list[int], ahead
+    ) -> None:
         """Touches only the (row, token) pairs that occur, so the cost follows the token count,
-        not rows x vocab."""
+        not rows x vocab; a row's ``ahead`` tokens count as output."""
         params = {i: reqs[i].sampling for i in rows}
         rep = [i for i in rows if params[i].repetition_penalty != 1.0]
         if rep:
             r, t, penalty = _pairs(
                 rep,
-                [reqs[i].all_ids for i in rep],
+                [reqs[i].all_ids + list(ahead[i]) for i in rep],
                 x.device,
                 [params[i].repetition_penalty for i in rep],
             )
@@ -233,7 +252,7 @@ class Sampler:
         if occ:
             r, t, freq, presence = _pairs(
                 occ,
-                [reqs[i].output_ids for i in occ],
+                [reqs[i].output_ids + list(ahead[i]) for i in occ],
                 x.device,
                 [params[i].frequency_penalty for i in occ],
                 [params[i].presence_penalty for i in occ],

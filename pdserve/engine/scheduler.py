@@ -500,7 +500,11 @@ class Scheduler:
         rows = torch.cat([logits[r : r + n] for _, r, n in items])
         reqs = [req for req, _, n in items for _ in range(n)]
         out = self.sampler.sample(
-            rows, reqs, None, offsets=[j for *_, n in items for j in range(n)]
+            rows,
+            reqs,
+            None,
+            offsets=[j for *_, n in items for j in range(n)],
+            ahead=[req.drafts[:j] for req, _, n in items for j in range(n)],
         )
         failed = set(out.failed)
         at = 0

@@ -57,7 +57,7 @@ def test_greedy_tokens_and_logprobs_equal_plain_decoding(plain, drafts, request)
     request.node._engine = spec
     ps = prompts(0) + prompts(4)[2:]  # 27..87 tokens: several chunks of 32
     sampled = {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 20, "ignore_eos": True}
-    sampled.update(seed=11, frequency_penalty=0.5)  # decodes a token a step beside the others
+    sampled.update(seed=11, frequency_penalty=0.5)  # penalties count the drafts before a row
     params = [greedy(NEW)] * len(ps) + [sampled]
     ids = ps + [ps[2]]
     ref = plain.generate(input_ids=ids, sampling_params=params, return_logprob=True)
@@ -70,11 +70,10 @@ def test_greedy_tokens_and_logprobs_equal_plain_decoding(plain, drafts, request)
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4, f"prompt {k}"
     lengths = [o["meta_info"]["spec_accept_length"] for o in out[:-1]]
     assert max(lengths) > 1.5 and len(set(lengths)) > 1, lengths
-    assert "spec_verify_ct" not in out[-1]["meta_info"]
     stats = spec.scheduler.stats
     assert stats["spec_accepted_tokens"] - before["spec_accepted_tokens"] == sum(
         round(o["meta_info"]["spec_verify_ct"] * (o["meta_info"]["spec_accept_length"] - 1))
-        for o in out[:-1]
+        for o in out
     )
     # alone (a batch of one row per step) as in the batch
     alone = spec.generate(input_ids=ps[3], sampling_params=greedy(NEW))

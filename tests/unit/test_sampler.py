@@ -361,3 +361,28 @@ def test_a_repetition_penalty_that_would_make_logits_infinite_is_refused():
         with pytest.raises(ValueError, match="repetition_penalty: must be in"):
             SamplingParams(repetition_penalty=bad).validate()
     SamplingParams(repetition_penalty=1e-6).validate()
+
+
+@pytest.mark.parametrize(
+    "sp",
+    [
+        dict(frequency_penalty=1.5),
+        dict(presence_penalty=2.0),
+        dict(repetition_penalty=3.0),
+        dict(min_new_tokens=4, ignore_eos=True),
+    ],
+)
+def test_tokens_ahead_of_a_row_count_as_output(sp):
+    """A speculative row draws after its request's earlier drafts: penalties and the
+    min_new_tokens ban see them as output, exactly as a request that had drawn them would, and
+    they change the draw here (token 5 penalized, or EOS no longer banned)."""
+    sampler = make_sampler()
+    logits = torch.zeros(1, V)
+    logits[0, 5], logits[0, 6] = 3.0, 2.9
+    logits[0, EOS] = 3.5 if "min_new_tokens" in sp else 2.0
+    req = make_req(output_ids=(1,), temperature=0, **sp)
+    ahead = [2, 3, 4] if "min_new_tokens" in sp else [5, 2, 5]
+    drawn = int(sampler.sample(logits, [req], ahead=[ahead]).next_ids[0])
+    as_output = make_req(output_ids=(1, *ahead), temperature=0, **sp)
+    assert drawn == int(sampler.process_logits(logits, [as_output]).argmax(dim=-1)[0])
+    assert drawn != int(sampler.sample(logits, [req]).next_ids[0])

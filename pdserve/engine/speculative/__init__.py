@@ -16,9 +16,10 @@ request's ``kv_len``, inside pages it already owns, and is overwritten by later 
 cache takes pages only up to ``kv_len``, so nothing of it reaches the cache, KV events or a
 transfer.
 
-Who speculates (``speculable``): requests without penalties (they would change with each
-accepted token), a ``min_new_tokens`` ban, a grammar or routed-expert capture; the others decode
-one token per step in the same batch. A model whose cache cannot drop rejected tokens (a
+Who speculates (``speculable``): requests without a grammar or routed-expert capture; the others
+decode one token per step in the same batch. Penalties and the ``min_new_tokens`` ban at a
+verify row count the drafts before it as output (``Sampler.sample``'s ``ahead``), as plain
+decoding would have counted them had they been drawn. A model whose cache cannot drop rejected tokens (a
 recurrent state) is refused at start-up.
 
 How many drafts a request asks for follows what it accepts (``Speculator.observe``): up to
@@ -122,15 +123,7 @@ class Speculator:
 
     @staticmethod
     def speculable(req: Req) -> bool:
-        s = req.sampling
-        return (
-            s.repetition_penalty == 1.0
-            and s.frequency_penalty == 0.0
-            and s.presence_penalty == 0.0
-            and len(req.output_ids) >= s.min_new_tokens
-            and req.grammar is None
-            and not req.return_routed_experts
-        )
+        return req.grammar is None and not req.return_routed_experts
 
     def wanted(self, req: Req, limit: int) -> int:
         """How many drafts ``req``'s next row asks for, within ``limit``; 0 when it does not
