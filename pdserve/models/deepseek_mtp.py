@@ -24,12 +24,15 @@ from pdserve.forward_batch import ForwardBatch
 from pdserve.layers.linear import Linear
 from pdserve.layers.norm import RMSNorm
 from pdserve.models.deepseek import DeepseekV3ForCausalLM
+from pdserve.models.eagle import TargetHead
 
 _SHARED = ("embed_tokens.weight", "shared_head.head.weight")  # the model's stand in
 _OWN = {"enorm.weight", "hnorm.weight", "eh_proj.weight"}
 
 
-class DeepseekV3MTP(DeepseekV3ForCausalLM):
+class DeepseekV3MTP(TargetHead, DeepseekV3ForCausalLM):
+    head_name = "MTP layer"
+
     def __init__(
         self, config, tp: TPGroup = SINGLE, par: Optional[Parallel] = None, moe: Any = None
     ):
@@ -49,20 +52,11 @@ class DeepseekV3MTP(DeepseekV3ForCausalLM):
         self.enorm = RMSNorm(hidden, eps)
         self.hnorm = RMSNorm(hidden, eps)
         self.eh_proj = Linear(2 * hidden, hidden, bias=False)
-        self.target: Optional[torch.nn.Module] = None
 
     def is_sparse(self, config, layer_id: int) -> bool:
         # the layer's place in the checkpoint, past every dense one
         index = getattr(self, "mtp_layer", 0) + layer_id
         return self.num_experts(config) > 0 and index >= config.first_k_dense_replace
-
-    def share_target(self, target) -> None:
-        if target.hidden_size != self.hidden_size:
-            raise ValueError(
-                f"speculative_draft_model_path: the MTP layer's hidden size {self.hidden_size} is "
-                f"not the target's {target.hidden_size}"
-            )
-        self.target = target
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         embeds = self.enorm(self.target.embed(fb.input_ids))
@@ -70,9 +64,6 @@ class DeepseekV3MTP(DeepseekV3ForCausalLM):
         h = self.eh_proj(torch.cat((embeds, hidden), dim=-1))
         h, residual = self.model.forward_layers(fb, h, None)
         return self.model.norm(h, residual)[0]  # shared_head.norm
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.target.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         prefix = f"model.layers.{self.mtp_layer}."

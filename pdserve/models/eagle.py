@@ -33,7 +33,31 @@ from pdserve.models.weights import load_weights
 _UNUSED = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
 
 
-class EagleLlamaForCausalLM(LlamaForCausalLM):
+class TargetHead:
+    """A draft head that reads the served model's embedding and computes its logits with the
+    served model's head (``share_target``). The model is kept outside the module tree, so the
+    head's parameters, prepacking and dtype moves never reach it."""
+
+    head_name = "draft head"
+    target = None
+
+    def share_target(self, target) -> None:
+        if target.hidden_size != self.hidden_size:
+            raise ValueError(
+                f"speculative_draft_model_path: the {self.head_name}'s hidden size "
+                f"{self.hidden_size} is not the target's {target.hidden_size}"
+            )
+        self.__dict__["target"] = target  # not a submodule
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.target.compute_logits(hidden)
+
+    def enable_decode_stack(self, ops, batch_invariant: bool = False) -> bool:
+        return False  # the C++ stack computes the served model's pre-norm layers
+
+
+class EagleLlamaForCausalLM(TargetHead, LlamaForCausalLM):
+    head_name = "EAGLE head"
     block = Block(attn_in=None)  # EAGLE's layer 0 has no input norm
 
     def __init__(
@@ -52,28 +76,12 @@ class EagleLlamaForCausalLM(LlamaForCausalLM):
         self.model.norm = None
         self.tie_word_embeddings = False  # nothing of its own to pack for logits
         self.fc = Linear(2 * config.hidden_size, config.hidden_size, bias=True)
-        self.target: Optional[torch.nn.Module] = None
-
-    def share_target(self, target) -> None:
-        """Read the embedding and compute the logits with ``target`` (the served model)."""
-        if target.hidden_size != self.hidden_size:
-            raise ValueError(
-                f"speculative_draft_model_path: the EAGLE head's hidden size {self.hidden_size} "
-                f"is not the target's {target.hidden_size}"
-            )
-        self.target = target
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         embeds = self.target.embed(fb.input_ids)
         h = self.fc(torch.cat((embeds, fb.spec_hidden.to(embeds.dtype)), dim=-1))
         h, residual = self.model.forward_layers(fb, h, None)
         return h if residual is None else h + residual
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.target.compute_logits(hidden)
-
-    def enable_decode_stack(self, ops, batch_invariant: bool = False) -> bool:
-        return False  # the C++ stack computes pre-norm layers
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         def ours():
@@ -119,7 +127,7 @@ class Eagle3Model(LlamaModel):
     layer_cls = Eagle3Layer
 
 
-class Eagle3LlamaForCausalLM(LlamaForCausalLM):
+class Eagle3LlamaForCausalLM(TargetHead, LlamaForCausalLM):
     """An EAGLE-3 head as its authors publish them: ``fc`` ([hidden, 3 * target hidden]) over
     three of the target's layer outputs (``eagle_config.eagle_aux_hidden_state_layer_ids``,
     default layers 1, N/2 - 1 and N - 4 of N), ``midlayer.*`` (``Eagle3Layer``), ``norm`` and an
@@ -152,7 +160,6 @@ class Eagle3LlamaForCausalLM(LlamaForCausalLM):
         self.register_buffer("hot_ids", torch.empty(self.draft_vocab, dtype=torch.long))
         eagle = getattr(config, "eagle_config", None) or {}
         self.aux_layers = eagle.get("eagle_aux_hidden_state_layer_ids")
-        self.target: Optional[torch.nn.Module] = None
 
     def share_target(self, target) -> None:
         n = target.total_layers
@@ -174,7 +181,7 @@ class Eagle3LlamaForCausalLM(LlamaForCausalLM):
             raise ValueError(
                 f"speculative_draft_model_path: eagle_aux_hidden_state_layer_ids: {e}"
             ) from None
-        self.target = target
+        self.__dict__["target"] = target  # not a submodule
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         embeds = self.target.embed(fb.input_ids)
@@ -191,9 +198,6 @@ class Eagle3LlamaForCausalLM(LlamaForCausalLM):
         out = local.new_full((local.shape[0], self.target_vocab), float("-inf"))
         out[:, self.hot_ids] = local
         return out
-
-    def enable_decode_stack(self, ops, batch_invariant: bool = False) -> bool:
-        return False
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         offsets = None

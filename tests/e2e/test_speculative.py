@@ -365,7 +365,8 @@ def test_drafting_follows_acceptance():
     grows while drafts are kept, falls to the accepted count plus one after a rejection, and
     after steps that keep nothing no drafts come for 2, 4, ... 16 steps."""
     from pdserve.engine.request import Req, SamplingParams
-    from pdserve.engine.speculative import NgramIndex, Speculator
+    from pdserve.engine.speculative import Speculator
+    from pdserve.engine.speculative.ngram import NgramIndex
 
     index = NgramIndex(1, 3)
     assert index.propose([5, 6, 7, 8, 5, 6], 4) == [7, 8, 5, 6]  # after the earlier "5 6"

@@ -76,21 +76,29 @@ def reference_first_draft(head_dir: str, ids: list[int], first_token: int) -> in
         return int(model.lm_head(y)[0, -1].argmax())
 
 
-def test_the_heads_first_draft_is_the_reference(head, request):
-    spec = engine(head)
-    request.node._engine = spec
+def first_drafts(spec: pdserve.Engine, prompts: list[list[int]]) -> list[tuple]:
+    """(prompt, its first token, the head's first draft after it) per prompt, one request at a
+    time through the scheduler."""
     from pdserve.engine.request import Req, SamplingParams
 
-    sched = spec.scheduler
-    for i, ids in enumerate(prompts(0)[:3]):
+    sched, out = spec.scheduler, []
+    for i, ids in enumerate(prompts):
         req = Req(rid=f"r{i}", input_ids=ids, sampling=SamplingParams.from_dict(greedy(3)))
         sched.add_request(req)
         while not req.output_ids:
             sched.step()
-        assert req.spec.next_draft == reference_first_draft(head, ids, req.output_ids[0]), i
+        out.append((ids, req.output_ids[0], req.spec.next_draft))
         while not req.finished:
             sched.step()
         sched.drain()
+    return out
+
+
+def test_the_heads_first_draft_is_the_reference(head, request):
+    spec = engine(head)
+    request.node._engine = spec
+    for i, (ids, first, draft) in enumerate(first_drafts(spec, prompts(0)[:3])):
+        assert draft == reference_first_draft(head, ids, first), i
 
 
 def test_greedy_tokens_and_logprobs_equal_plain_decoding(plain, head, request):

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import pdserve
 from tests.e2e.test_speculative import greedy, prompts
+from tests.e2e.test_speculative_eagle import first_drafts
 from tests.helpers.checkpoints import build_eagle3_head, build_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -92,21 +93,11 @@ def reference_first_draft(head: str, ids: list[int], first_token: int) -> int:
 
 
 def test_the_heads_first_draft_is_the_reference(request):
-    from pdserve.engine.request import Req, SamplingParams
-
     head = build_eagle3_head(target())
     spec = engine(head)
     request.node._engine = spec
-    sched = spec.scheduler
-    for i, ids in enumerate(prompts(0)[:3]):
-        req = Req(rid=f"r{i}", input_ids=ids, sampling=SamplingParams.from_dict(greedy(3)))
-        sched.add_request(req)
-        while not req.output_ids:
-            sched.step()
-        assert req.spec.next_draft == reference_first_draft(head, ids, req.output_ids[0]), i
-        while not req.finished:
-            sched.step()
-        sched.drain()
+    for i, (ids, first, draft) in enumerate(first_drafts(spec, prompts(0)[:3])):
+        assert draft == reference_first_draft(head, ids, first), i
 
 
 def test_greedy_tokens_and_logprobs_equal_plain_decoding(request):

@@ -15,6 +15,7 @@ import torch
 
 import pdserve
 from tests.e2e.test_speculative import greedy
+from tests.e2e.test_speculative_eagle import first_drafts
 from tests.helpers.checkpoints import build_mtp_checkpoint, build_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -90,20 +91,10 @@ def reference_first_draft(ids: list[int], first_token: int) -> int:
 
 
 def test_the_first_draft_is_the_reference(request):
-    from pdserve.engine.request import Req, SamplingParams
-
     spec = engine(speculative_algorithm="MTP")
     request.node._engine = spec
-    sched = spec.scheduler
-    for i, ids in enumerate(mtp_prompts()[:3]):
-        req = Req(rid=f"r{i}", input_ids=ids, sampling=SamplingParams.from_dict(greedy(3)))
-        sched.add_request(req)
-        while not req.output_ids:
-            sched.step()
-        assert req.spec.next_draft == reference_first_draft(ids, req.output_ids[0]), i
-        while not req.finished:
-            sched.step()
-        sched.drain()
+    for i, (ids, first, draft) in enumerate(first_drafts(spec, mtp_prompts()[:3])):
+        assert draft == reference_first_draft(ids, first), i
 
 
 def test_greedy_tokens_and_logprobs_equal_plain_decoding(request):

@@ -604,6 +604,23 @@ def as_bf16_checkpoint(src: str, dst: str) -> str:
     return dst
 
 
+def _cached(prefix: str, key: list, write) -> str:
+    """``<cache>/<prefix>-<hash of key>``, made by ``write(tmp)`` in a temporary folder and
+    published whole the first time; reused after."""
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:12]
+    out_dir = os.path.join(checkpoint_cache_dir(), f"{prefix}-{digest}")
+    if is_complete(out_dir):
+        return out_dir
+    tmp = tempfile.mkdtemp(prefix=f".{prefix}-", dir=checkpoint_cache_dir())
+    try:
+        write(tmp)
+        publish_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
 def build_draft_checkpoint(target: str, layers: int | None = None, noise: float = 0.0) -> str:
     """A speculative draft of ``target``: its first ``layers`` layers (all by default) with
     Gaussian noise of ``noise`` times each weight's standard deviation added to every weight
@@ -613,16 +630,9 @@ def build_draft_checkpoint(target: str, layers: int | None = None, noise: float 
 
     from pdserve.models.truncate import first_layers
 
-    key = json.dumps([_RECIPE_VERSION, os.path.realpath(target), layers, noise])
-    out_dir = os.path.join(
-        checkpoint_cache_dir(), f"draft-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    )
-    if is_complete(out_dir):
-        return out_dir
-    with open(os.path.join(target, "config.json")) as f:
-        total = json.load(f)["num_hidden_layers"]
-    tmp = tempfile.mkdtemp(prefix=".draft-", dir=checkpoint_cache_dir())
-    try:
+    def write(tmp: str) -> None:
+        with open(os.path.join(target, "config.json")) as f:
+            total = json.load(f)["num_hidden_layers"]
         first_layers(target, tmp, layers or total)
         path = os.path.join(tmp, "model.safetensors")
         tensors = load_file(path)
@@ -632,11 +642,8 @@ def build_draft_checkpoint(target: str, layers: int | None = None, noise: float 
                 scale = noise * float(t.float().std())
                 tensors[name] = t + (torch.randn(t.shape, generator=gen) * scale).to(t.dtype)
         save_file(tensors, path, metadata={"format": "pt"})
-        publish_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+
+    return _cached("draft", [_RECIPE_VERSION, os.path.realpath(target), layers, noise], write)
 
 
 def build_eagle_head(target: str, scale: float = 1.0, seed: int = 0) -> str:
@@ -645,94 +652,76 @@ def build_eagle_head(target: str, scale: float = 1.0, seed: int = 0) -> str:
     input norm), plus an ``embed_tokens.weight`` the server does not use. Its layer is the
     target's first layer scaled by ``scale`` (random weights when ``scale`` is 0) and ``fc`` picks
     the target's hidden state, so the head is a cheap, partly faithful guess; cached."""
-    key = json.dumps([_RECIPE_VERSION, os.path.realpath(target), scale, seed, "eagle"])
-    out_dir = os.path.join(
-        checkpoint_cache_dir(), f"eagle-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    )
-    if is_complete(out_dir):
-        return out_dir
-    from safetensors.torch import load_file
 
-    with open(os.path.join(target, "config.json")) as f:
-        config = json.load(f)
-    config["num_hidden_layers"] = 1
-    for k in ("layer_types",):
-        config.pop(k, None)
-    src = load_file(os.path.join(target, "model.safetensors"))
-    hidden = config["hidden_size"]
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, t in src.items():
-        if name.startswith("model.layers.0.") and "input_layernorm" not in name:
-            own = name[len("model.") :]
-            tensors[own] = (
-                t * scale if scale else torch.randn(t.shape, generator=gen) * 0.05
-            ).contiguous()
-    tensors["layers.0.post_attention_layernorm.weight"] = src[
-        "model.layers.0.post_attention_layernorm.weight"
-    ].clone()
-    fc = torch.zeros(hidden, 2 * hidden)
-    fc[:, hidden:] = torch.eye(hidden)  # the target's hidden state, as is
-    fc += torch.randn(fc.shape, generator=gen) * 0.01
-    tensors["fc.weight"] = fc
-    tensors["fc.bias"] = torch.zeros(hidden)
-    tensors["embed_tokens.weight"] = src["model.embed_tokens.weight"].clone()
-    tmp = tempfile.mkdtemp(prefix=".eagle-", dir=checkpoint_cache_dir())
-    try:
+    def write(tmp: str) -> None:
+        from safetensors.torch import load_file
+
+        with open(os.path.join(target, "config.json")) as f:
+            config = json.load(f)
+        config["num_hidden_layers"] = 1
+        config.pop("layer_types", None)
+        src = load_file(os.path.join(target, "model.safetensors"))
+        hidden = config["hidden_size"]
+        gen = torch.Generator().manual_seed(seed)
+        tensors = {}
+        for name, t in src.items():
+            if name.startswith("model.layers.0.") and "input_layernorm" not in name:
+                own = name[len("model.") :]
+                tensors[own] = (
+                    t * scale if scale else torch.randn(t.shape, generator=gen) * 0.05
+                ).contiguous()
+        tensors["layers.0.post_attention_layernorm.weight"] = src[
+            "model.layers.0.post_attention_layernorm.weight"
+        ].clone()
+        fc = torch.zeros(hidden, 2 * hidden)
+        fc[:, hidden:] = torch.eye(hidden)  # the target's hidden state, as is
+        fc += torch.randn(fc.shape, generator=gen) * 0.01
+        tensors["fc.weight"] = fc
+        tensors["fc.bias"] = torch.zeros(hidden)
+        tensors["embed_tokens.weight"] = src["model.embed_tokens.weight"].clone()
         torch.save(tensors, os.path.join(tmp, "pytorch_model.bin"))
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
-        publish_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+
+    return _cached(
+        "eagle", [_RECIPE_VERSION, os.path.realpath(target), scale, seed, "eagle"], write
+    )
 
 
-def build_mtp_checkpoint(
-    arch: str = "deepseek_v3", scale: float = 0.5, pick: str = "hidden"
-) -> str:
+def build_mtp_checkpoint(arch: str = "deepseek_v3", scale: float = 0.5) -> str:
     """The tiny ``arch`` checkpoint with a next-token-prediction layer past its last one, as
     DeepSeek-V3 ships it (``model.layers.N.*``: the last layer's weights times ``scale``,
-    ``enorm``, ``hnorm``, ``eh_proj`` picking the hidden state or (``pick="embedding"``) the
-    token's embedding, ``shared_head.norm`` /
+    ``enorm``, ``hnorm``, ``eh_proj`` picking the hidden state, ``shared_head.norm`` /
     ``.head``, ``embed_tokens``; ``num_nextn_predict_layers: 1``); cached."""
     from safetensors.torch import load_file, save_file
 
     target = build_tiny_checkpoint(arch)
-    key = json.dumps([_RECIPE_VERSION, os.path.realpath(target), scale, pick, "mtp"])
-    out_dir = os.path.join(
-        checkpoint_cache_dir(), f"{arch}-mtp-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    )
-    if is_complete(out_dir):
-        return out_dir
-    with open(os.path.join(target, "config.json")) as f:
-        config = json.load(f)
-    n = config["num_hidden_layers"]
-    config["num_nextn_predict_layers"] = 1
-    tensors = load_file(os.path.join(target, "model.safetensors"))
-    hidden = config["hidden_size"]
-    gen = torch.Generator().manual_seed(0)
-    last = f"model.layers.{n - 1}."
-    mtp = f"model.layers.{n}."
-    for name in list(tensors):
-        if name.startswith(last):
-            t = tensors[name]
-            scaled = t if name.endswith(("norm.weight", "e_score_correction_bias")) else t * scale
-            tensors[mtp + name[len(last) :]] = scaled.clone()
-    tensors[mtp + "enorm.weight"] = torch.ones(hidden)
-    tensors[mtp + "hnorm.weight"] = torch.ones(hidden)
-    eh = torch.zeros(hidden, 2 * hidden)
-    if pick == "hidden":  # the hidden state, as is
-        eh[:, hidden:] = torch.eye(hidden)
-    else:  # the next token's embedding
-        eh[:, :hidden] = torch.eye(hidden)
-    tensors[mtp + "eh_proj.weight"] = eh + torch.randn(eh.shape, generator=gen) * 0.01
-    tensors[mtp + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
-    tensors[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-    tensors[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-    tmp = tempfile.mkdtemp(prefix=f".{arch}-mtp-", dir=checkpoint_cache_dir())
-    try:
+
+    def write(tmp: str) -> None:
+        with open(os.path.join(target, "config.json")) as f:
+            config = json.load(f)
+        n = config["num_hidden_layers"]
+        config["num_nextn_predict_layers"] = 1
+        tensors = load_file(os.path.join(target, "model.safetensors"))
+        hidden = config["hidden_size"]
+        gen = torch.Generator().manual_seed(0)
+        last = f"model.layers.{n - 1}."
+        mtp = f"model.layers.{n}."
+        for name in list(tensors):
+            if name.startswith(last):
+                t = tensors[name]
+                scaled = (
+                    t if name.endswith(("norm.weight", "e_score_correction_bias")) else t * scale
+                )
+                tensors[mtp + name[len(last) :]] = scaled.clone()
+        tensors[mtp + "enorm.weight"] = torch.ones(hidden)
+        tensors[mtp + "hnorm.weight"] = torch.ones(hidden)
+        eh = torch.zeros(hidden, 2 * hidden)
+        eh[:, hidden:] = torch.eye(hidden)  # the hidden state, as is
+        tensors[mtp + "eh_proj.weight"] = eh + torch.randn(eh.shape, generator=gen) * 0.01
+        tensors[mtp + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+        tensors[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+        tensors[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
         for f in os.listdir(target):
             if f not in ("model.safetensors", "config.json") and os.path.isfile(
                 os.path.join(target, f)
@@ -741,11 +730,8 @@ def build_mtp_checkpoint(
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
-        publish_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+
+    return _cached(f"{arch}-mtp", [_RECIPE_VERSION, os.path.realpath(target), scale, "mtp"], write)
 
 
 def build_eagle3_head(target: str, seed: int = 0) -> str:
@@ -757,61 +743,51 @@ def build_eagle3_head(target: str, seed: int = 0) -> str:
     of the draft's tokens) and ``d2t`` / ``t2d``; cached."""
     from safetensors.torch import load_file, save_file
 
-    key = json.dumps([_RECIPE_VERSION, os.path.realpath(target), seed, "eagle3"])
-    out_dir = os.path.join(
-        checkpoint_cache_dir(), f"eagle3-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    )
-    if is_complete(out_dir):
-        return out_dir
-    with open(os.path.join(target, "config.json")) as f:
-        config = json.load(f)
-    src = load_file(os.path.join(target, "model.safetensors"))
-    hidden, vocab = config["hidden_size"], config["vocab_size"]
-    heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden // heads
-    inter = config["intermediate_size"]
-    draft_vocab = vocab // 2
-    config.update(
-        num_hidden_layers=1,
-        draft_vocab_size=draft_vocab,
-        architectures=["LlamaForCausalLMEagle3"],
-        eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 1]},
-        tie_word_embeddings=False,
-    )
-    gen = torch.Generator().manual_seed(seed)
+    def write(tmp: str) -> None:
+        with open(os.path.join(target, "config.json")) as f:
+            config = json.load(f)
+        src = load_file(os.path.join(target, "model.safetensors"))
+        hidden, vocab = config["hidden_size"], config["vocab_size"]
+        heads = config["num_attention_heads"]
+        kv = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or hidden // heads
+        inter = config["intermediate_size"]
+        draft_vocab = vocab // 2
+        config.update(
+            num_hidden_layers=1,
+            draft_vocab_size=draft_vocab,
+            architectures=["LlamaForCausalLMEagle3"],
+            eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 1]},
+            tie_word_embeddings=False,
+        )
+        gen = torch.Generator().manual_seed(seed)
 
-    def small(*shape):
-        return torch.randn(*shape, generator=gen) * 0.02
+        def small(*shape):
+            return torch.randn(*shape, generator=gen) * 0.02
 
-    hot = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
-    head = src.get("lm_head.weight", src["model.embed_tokens.weight"])
-    fc = torch.zeros(hidden, 3 * hidden)
-    fc[:, 2 * hidden :] = torch.eye(hidden)
-    tensors = {
-        "fc.weight": fc,
-        "midlayer.self_attn.q_proj.weight": small(heads * head_dim, 2 * hidden),
-        "midlayer.self_attn.k_proj.weight": small(kv * head_dim, 2 * hidden),
-        "midlayer.self_attn.v_proj.weight": small(kv * head_dim, 2 * hidden),
-        "midlayer.self_attn.o_proj.weight": small(hidden, heads * head_dim),
-        "midlayer.mlp.gate_proj.weight": small(inter, hidden),
-        "midlayer.mlp.up_proj.weight": small(inter, hidden),
-        "midlayer.mlp.down_proj.weight": small(hidden, inter),
-        "midlayer.input_layernorm.weight": torch.ones(hidden),
-        "midlayer.hidden_norm.weight": torch.ones(hidden),
-        "midlayer.post_attention_layernorm.weight": torch.ones(hidden),
-        "norm.weight": src["model.norm.weight"].clone(),
-        "lm_head.weight": head[hot].clone(),
-        "d2t": hot - torch.arange(draft_vocab),
-        "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, hot, True),
-    }
-    tmp = tempfile.mkdtemp(prefix=".eagle3-", dir=checkpoint_cache_dir())
-    try:
+        hot = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
+        head = src.get("lm_head.weight", src["model.embed_tokens.weight"])
+        fc = torch.zeros(hidden, 3 * hidden)
+        fc[:, 2 * hidden :] = torch.eye(hidden)
+        tensors = {
+            "fc.weight": fc,
+            "midlayer.self_attn.q_proj.weight": small(heads * head_dim, 2 * hidden),
+            "midlayer.self_attn.k_proj.weight": small(kv * head_dim, 2 * hidden),
+            "midlayer.self_attn.v_proj.weight": small(kv * head_dim, 2 * hidden),
+            "midlayer.self_attn.o_proj.weight": small(hidden, heads * head_dim),
+            "midlayer.mlp.gate_proj.weight": small(inter, hidden),
+            "midlayer.mlp.up_proj.weight": small(inter, hidden),
+            "midlayer.mlp.down_proj.weight": small(hidden, inter),
+            "midlayer.input_layernorm.weight": torch.ones(hidden),
+            "midlayer.hidden_norm.weight": torch.ones(hidden),
+            "midlayer.post_attention_layernorm.weight": torch.ones(hidden),
+            "norm.weight": src["model.norm.weight"].clone(),
+            "lm_head.weight": head[hot].clone(),
+            "d2t": hot - torch.arange(draft_vocab),
+            "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, hot, True),
+        }
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
-        publish_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+
+    return _cached("eagle3", [_RECIPE_VERSION, os.path.realpath(target), seed, "eagle3"], write)

@@ -205,11 +205,3 @@ def refusal(policies, algorithm: Optional[str]) -> str:
                 f"but cache group {g} keeps a recurrent state per request"
             )
     return ""
-
-
-def __getattr__(name: str):  # the n-gram index, where tests and tools look for it
-    if name == "NgramIndex":
-        from pdserve.engine.speculative.ngram import NgramIndex
-
-        return NgramIndex
-    raise AttributeError(name)

@@ -141,6 +141,23 @@ class DraftModelProposer(Proposer):
             )
 
     # ---- the draft's forwards ---------------------------------------------------------------
+    def _run(self, rows, ids, positions, logits_idx, hidden=None) -> torch.Tensor:
+        """The draft over ``rows`` (request, first position, token count; the tokens in ``ids``
+        at ``positions``): its logits at ``logits_idx``; ``hidden``: a head's second input
+        (``ForwardBatch.spec_hidden``). The draft's hidden states are ``runner.last_hidden``
+        where it keeps them."""
+        fb = self.runner.make_forward_batch(
+            ids,
+            positions,
+            [start for _, start, _ in rows],
+            [n for *_, n in rows],
+            [[req.kv.pages[self.host]] * self.groups for req, _, _ in rows],
+            logits_idx,
+            full_lens=[req.seq_len for req, _, _ in rows],
+        )
+        fb.spec_hidden = hidden
+        return self.runner.forward(fb)
+
     def _forward(self, rows: list[tuple[Req, int, list[int]]], logits: bool) -> list[int]:
         """Run the draft over ``rows`` (request, first position, tokens); the argmax after each
         row's last token when ``logits``."""
@@ -149,16 +166,8 @@ class DraftModelProposer(Proposer):
             ids += tokens
             positions += range(start, start + len(tokens))
             idx.append(len(ids) - 1)
-        fb = self.runner.make_forward_batch(
-            ids,
-            positions,
-            [start for _, start, _ in rows],
-            [len(tokens) for *_, tokens in rows],
-            [[req.kv.pages[self.host]] * self.groups for req, _, _ in rows],
-            idx if logits else [],
-            full_lens=[req.seq_len for req, _, _ in rows],
-        )
-        out = self.runner.forward(fb)
+        counts = [(req, start, len(tokens)) for req, start, tokens in rows]
+        out = self._run(counts, ids, positions, idx if logits else [])
         return out.argmax(dim=-1).tolist() if logits else []
 
     def started(self, req: Req, transferred: bool = False) -> None:

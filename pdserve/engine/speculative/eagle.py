@@ -63,21 +63,6 @@ class EagleProposer(DraftModelProposer):
         computed position gives its next draft."""
         self._pairs(rows, lambda req, end: min(end, req.kv_len))
 
-    def _run(self, rows, ids, positions, hidden, logits_idx):
-        """The head over ``rows`` (request, first position, count); (logits, its hidden states)."""
-        fb = self.runner.make_forward_batch(
-            ids,
-            positions,
-            [start for _, start, _ in rows],
-            [n for *_, n in rows],
-            [[req.kv.pages[self.host]] * self.groups for req, _, _ in rows],
-            logits_idx,
-            full_lens=[req.seq_len for req, _, _ in rows],
-        )
-        fb.spec_hidden = hidden
-        logits = self.runner.forward(fb)
-        return logits, self.runner.last_hidden
-
     @torch.inference_mode()
     def _pairs(self, rows: list[tuple[Req, int, int]], upto, drafts: bool = True) -> None:
         """The head's pairs from each row's ``draft_len`` to ``upto(req, row end)``; with
@@ -100,9 +85,8 @@ class EagleProposer(DraftModelProposer):
                 last.append((req, len(ids) - 1))
         if not todo:
             return
-        logits, hidden = self._run(
-            todo, ids, positions, target_hidden[feats], [row for _, row in last]
-        )
+        logits = self._run(todo, ids, positions, [row for _, row in last], target_hidden[feats])
+        hidden = self.runner.last_hidden
         for req, begin, n in todo:
             req.kv.draft_len = begin + n
         probs = torch.softmax(logits, dim=-1).max(dim=-1) if last else None
@@ -124,13 +108,14 @@ class EagleProposer(DraftModelProposer):
         for j in range(1, max((n for _, n in live), default=0)):
             rows = [req for req, n in live if n > j]
             at = [req.seq_len - 2 + j for req in rows]
-            logits, hidden = self._run(
+            logits = self._run(
                 [(req, p, 1) for req, p in zip(rows, at)],
                 [req.drafts[-1] for req in rows],
                 at,
-                torch.stack([feats[req] for req in rows]),
                 list(range(len(rows))),
+                torch.stack([feats[req] for req in rows]),
             )
+            hidden = self.runner.last_hidden
             for k, (req, token) in enumerate(zip(rows, logits.argmax(dim=-1).tolist())):
                 req.drafts.append(token)
                 feats[req] = hidden[k]
