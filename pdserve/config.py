@@ -61,6 +61,10 @@ SPECULATIVE_NOT_BUILT: tuple[str, ...] = ()
 # those that read --speculative-draft-model-path
 DRAFT_MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3", "MTP")
 MAX_DRAFT_TOKENS = 16
+# an EAGLE head's tree: at most this many children per token (its first level travels in PD's
+# metadata row, this many wide, whatever top-k decode uses)
+MAX_EAGLE_TOPK = 16
+TREE_ALGORITHMS = ("EAGLE", "EAGLE3", "MTP")
 
 
 @dataclass
@@ -112,10 +116,11 @@ class ServerArgs:
     speculative_algorithm: Optional[str] = None
     speculative_num_draft_tokens: int = 4  # drafts verified per step and request
     speculative_draft_model_path: Optional[str] = None  # STANDALONE's draft model
-    # the draft model's steps per row (SGLang's chain of num_steps drafts, topk 1); when given,
-    # the drafts per row
+    # the draft's steps per row: with top-k 1 a chain of num_steps drafts (when given, the drafts
+    # per row), with top-k > 1 the depth of the tree (None: as deep as its drafts allow)
     speculative_num_steps: Optional[int] = None
-    speculative_eagle_topk: Optional[int] = None  # 1: a chain of drafts (trees not built yet)
+    # an EAGLE head's children per token: 1 a chain, > 1 a tree of num_draft_tokens drafts
+    speculative_eagle_topk: Optional[int] = None
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
     # KV cache events (ZMQ PUB, vLLM/SGLang wire format); the port is offset by the DP group
@@ -504,18 +509,30 @@ class ServerArgs:
                 f"a draft model is used by speculative_algorithm {DRAFT_MODEL_ALGORITHMS}, not "
                 f"{self.speculative_algorithm!r}",
             )
-        if self.speculative_eagle_topk not in (None, 1):
+        topk = self.speculative_eagle_topk
+        if topk is not None and not 1 <= topk <= MAX_EAGLE_TOPK:
+            bad("speculative_eagle_topk", f"must be in [1, {MAX_EAGLE_TOPK}], got {topk}")
+        tree = (topk or 1) > 1
+        if tree and self.speculative_algorithm not in TREE_ALGORITHMS:
             bad(
                 "speculative_eagle_topk",
-                f"only 1 (a chain of drafts) is available yet, got {self.speculative_eagle_topk}",
+                f"{topk} builds a tree of a draft head's proposals ({TREE_ALGORITHMS}); "
+                f"{self.speculative_algorithm!r} proposes a chain (top-k 1)",
+            )
+        if tree and self.enable_deterministic_inference:
+            bad(
+                "speculative_eagle_topk",
+                f"{topk}: a tree's rows attend under a mask the batch-invariant kernels of "
+                "--enable-deterministic-inference do not take; use 1 (a chain) with it",
             )
         steps = self.speculative_num_steps
         if steps is not None:
             if not 1 <= steps <= MAX_DRAFT_TOKENS:
                 bad("speculative_num_steps", f"must be in [1, {MAX_DRAFT_TOKENS}], got {steps}")
-            # a chain of ``steps`` drafts: SGLang counts the row's own token among its draft
-            # tokens (num_steps + 1), pdserve counts the drafts
-            self.speculative_num_draft_tokens = steps
+            if not tree:
+                # a chain of ``steps`` drafts: SGLang counts the row's own token among its draft
+                # tokens (num_steps + 1), pdserve counts the drafts
+                self.speculative_num_draft_tokens = steps
         n = self.speculative_num_draft_tokens
         if not 1 <= n <= MAX_DRAFT_TOKENS:
             bad("speculative_num_draft_tokens", f"must be in [1, {MAX_DRAFT_TOKENS}], got {n}")

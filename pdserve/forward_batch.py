@@ -36,6 +36,20 @@ class GroupTable:
 
 
 @dataclass
+class TreeMask:
+    """A row whose tokens see only some of the row's own earlier keys: a speculative tree, whose
+    tokens attend to their ancestors and themselves (``engine/speculative/``). Keys before slot
+    ``base`` (the sequence) are all visible; ``visible`` [ext, prefix + ext - base] says which of
+    the keys from ``base`` on each of the row's tokens sees, ``key_positions`` [prefix + ext -
+    base] gives those keys' positions (a tree's slots are sequential, its positions are depths;
+    windows compare positions)."""
+
+    base: int
+    visible: torch.Tensor
+    key_positions: torch.Tensor
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, absolute position of each token in its sequence
@@ -61,6 +75,9 @@ class ForwardBatch:
     # an EAGLE head's second input: the target's hidden state of each token's position before
     # it ([T, hidden_size]; engine/speculative/eagle.py)
     spec_hidden: Optional[torch.Tensor] = None
+    # rows whose tokens do not attend causally (a speculative tree): row index -> its mask; their
+    # ``positions`` are not their slots (slots follow ``prefix_lens`` as ever)
+    trees: Optional[dict[int, TreeMask]] = None
 
     @property
     def batch_size(self) -> int:
@@ -136,3 +153,6 @@ class ForwardBatch:
     @property
     def is_decode_only(self) -> bool:
         return all(e == 1 for e in self.extend_lens)
+
+    def is_tree(self, row: int) -> bool:
+        return self.trees is not None and row in self.trees

@@ -304,11 +304,13 @@ class DecodeQueues:
             # a draft head's first draft and hidden state, computed by prefill
             from pdserve.engine.speculative import SpecState
 
+            width = sum(1 for p in row.topk_p if p > 0)  # the head's first level, best first
             req.spec = SpecState(
                 budget=self.s.args.speculative_num_draft_tokens,
                 next_draft=row.topk_index[0],
                 next_draft_p=row.topk_p[0],
                 hidden=row.hidden_states,
+                next_topk=(row.topk_index[:width], row.topk_p[:width]),
             )
         if req.grammar is not None:  # continue the grammar from prefill's first token
             req.grammar.replay(req.output_ids)

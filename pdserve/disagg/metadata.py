@@ -17,13 +17,14 @@ from typing import Optional, Sequence
 
 import torch
 
+from pdserve.config import MAX_EAGLE_TOPK
 from pdserve.engine.kv_pool import BufferAllocator, default_allocator
 from pdserve.engine.request import MAX_TOP_LOGPROBS
 
 EMPTY_ROOM = -1  # rooms are in [0, 2^63); -1 marks a row nothing was written to
 MIN_ROW_BYTES = 64
 ALIGN = 64
-MAX_SPEC_TOPK = 16
+MAX_SPEC_TOPK = MAX_EAGLE_TOPK
 
 # output_ids row: [0] first token, [1] number of top logprobs, [2] 1 if a logprob was written
 _OUT_TOKEN, _OUT_NUM_TOP, _OUT_HAS_LOGPROB = 0, 1, 2

@@ -328,8 +328,8 @@ class PrefillQueues:
             logprob=logprob,
             top_logprobs=top,
             cached_tokens=(req.cached_tokens, req.cached_tokens, 0, 0),
-            topk_p=[spec.next_draft_p] if head else None,
-            topk_index=[spec.next_draft] if head else None,
+            topk_p=spec.next_topk[1] if head else None,
+            topk_index=spec.next_topk[0] if head else None,
             hidden_states=spec.hidden.float() if head else None,
         )
         st.last_send = time.monotonic()

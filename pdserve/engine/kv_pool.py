@@ -48,6 +48,7 @@ class PageAllocator:
                 f"num_pages: need at least 2 (one is the padding page), got {num_pages}"
             )
         self.num_pages = num_pages
+        self.set_aside_pages = 0  # taken out for good (``set_aside``)
         self._free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() hands out low pages first
         self._is_free = bytearray(num_pages)
         for p in self._free:
@@ -55,7 +56,16 @@ class PageAllocator:
 
     @property
     def capacity(self) -> int:
-        return self.num_pages - 1
+        return self.num_pages - 1 - self.set_aside_pages
+
+    def set_aside(self, n: int) -> list[int]:
+        """Take ``n`` free pages out of the allocator for good (scratch the engine writes
+        itself); the capacity shrinks by as many, so the pool's accounting stays exact."""
+        pages = self.alloc(n)
+        if pages is None:
+            raise ValueError(f"cannot set aside {n} pages: {len(self._free)} are free")
+        self.set_aside_pages += n
+        return pages
 
     def num_free(self) -> int:
         return len(self._free)
@@ -98,6 +108,9 @@ class BaseKVPool(abc.ABC):
     dtype: torch.dtype
     allocator: PageAllocator
     kv_heads: int = 0  # KV heads of this rank in a "heads"-split region's item (0: none)
+    # pages no request holds, where an attention backend lays out a speculative tree token's
+    # keys as a plain sequence (engine/speculative/, layers/attention/cpu_backend.py)
+    scratch: tuple[int, ...] = ()
 
     @property
     @abc.abstractmethod
@@ -112,6 +125,11 @@ class BaseKVPool(abc.ABC):
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).replace("torch.", "")
+
+    def move(self, src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, torch.Tensor]):
+        """Copy every layer's cache of tokens at ``src`` (pages, offsets: [N] each) to ``dst``
+        (a speculative tree's accepted path moved to the sequence's slots); a paged pool's."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no tokens to move")
 
 
 class KVPool(BaseKVPool):
@@ -214,6 +232,10 @@ class KVPool(BaseKVPool):
             device,
             allocator,
         )
+
+    def move(self, src, dst) -> None:
+        # [layers, 2, pages, heads, page, dim]: the token axes are 2 and 4
+        self.buffer[:, :, dst[0], :, dst[1]] = self.buffer[:, :, src[0], :, src[1]]
 
     def write(
         self,
@@ -335,6 +357,9 @@ class LatentPool(BaseKVPool):
             )
             for i, layer in enumerate(group.layers)
         ]
+
+    def move(self, src, dst) -> None:
+        self.buffer[:, dst[0], dst[1]] = self.buffer[:, src[0], src[1]]
 
     def write(
         self, layer: int, page_idx: torch.Tensor, offsets: torch.Tensor, latent: torch.Tensor

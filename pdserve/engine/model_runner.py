@@ -203,6 +203,19 @@ class ModelRunner:
             self._make_pool(g, n, kv_allocator) for g, n in zip(self.cache_groups, counts)
         ]
         self.pool = self.pools[self.anchor]
+        if (self.args.speculative_eagle_topk or 1) > 1:  # a tree's tokens need scratch pages
+            from pdserve.engine.speculative import scratch_pages
+
+            for g, pool in zip(self.cache_groups, self.pools):
+                if not g.spec.per_request:
+                    n = scratch_pages(self.args, pool.page_size)
+                    if n >= pool.allocator.num_free():
+                        raise ValueError(
+                            f"speculative_eagle_topk: a tree's rows need {n} scratch pages of "
+                            f"cache group {g.id}, and its pool has {pool.allocator.capacity}: "
+                            "raise --max-total-tokens or build smaller trees"
+                        )
+                    pool.scratch = tuple(pool.allocator.set_aside(n))
         self.routed: Optional[routed_experts.RoutedExpertsStore] = None
         if self.routed_spec is not None:
             spec = self.routed_spec
@@ -226,6 +239,12 @@ class ModelRunner:
         self._allocate_kv(counts, kv_allocator)
         if self.draft is not None:
             self.draft.reallocate_kv(kv_allocator)
+            self.draft.share_scratch(self.pools[self.draft_host])
+
+    def share_scratch(self, host: BaseKVPool) -> None:
+        """A draft's pools, indexed by the host group's page ids, use its scratch pages."""
+        for pool in self.pools:
+            pool.scratch = host.scratch
 
     def _make_pool(
         self, group: CacheGroup, num_pages: int, allocator: BufferAllocator
@@ -397,9 +416,11 @@ class ModelRunner:
         logits_idx: list[int],
         dp_counts: Optional[list[int]] = None,
         full_lens: Optional[list[int]] = None,
+        trees: Optional[dict] = None,
     ) -> ForwardBatch:
         """``page_lists[i][g]``: request i's pages of cache group g (0: not kept);
-        ``full_lens[i]``: its whole sequence's length (``ForwardBatch.full_lens``)."""
+        ``full_lens[i]``: its whole sequence's length (``ForwardBatch.full_lens``); ``trees``:
+        the rows of speculative trees (``ForwardBatch.trees``)."""
         dev = self.device
         page = self.args.page_size
         max_pages = max(len(ids) for p in page_lists for ids in p)
@@ -435,6 +456,7 @@ class ModelRunner:
             attn_backend=self.attn_backend,
             dp=DPGather(self.par, dp_counts) if dp_counts is not None else None,
             full_lens=full_lens,
+            trees=trees or None,
         )
         if self.par.pp_size > 1:  # the pipeline splits the batch into micro-batches
             fb.parts = (
@@ -447,6 +469,22 @@ class ModelRunner:
                 full_lens,
             )
         return fb
+
+    def move_tokens(self, pages: list[list[int]], src: list[int], dst: list[int]) -> None:
+        """Copy one request's KV at positions ``src`` to positions ``dst`` in every paged group
+        (``pages``: its pages per group): a speculative tree's accepted path moved to the
+        sequence's slots."""
+        page = self.args.page_size
+
+        def where(ids: list[int], positions: list[int]):
+            return (
+                torch.tensor([ids[p // page] for p in positions], device=self.device),
+                torch.tensor([p % page for p in positions], device=self.device),
+            )
+
+        for g, pool in enumerate(self.pools):
+            if not self.cache_groups[g].spec.per_request:
+                pool.move(where(pages[g], src), where(pages[g], dst))
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:

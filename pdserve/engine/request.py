@@ -290,8 +290,10 @@ class Req:
     grammar: Any = None  # pdserve.grammar.request_grammar.RequestGrammar, made by the scheduler
     input_logprobs_done: bool = False
     # speculative decoding (engine/speculative/): this step's drafts, the request's drafting state
-    # (``SpecState``), verify steps run and drafts accepted
+    # (``SpecState``), verify steps run and drafts accepted; ``draft_parents``: a tree's shape,
+    # each draft's parent in the row (0: the row's token, j: draft j - 1); None: a chain
     drafts: list[int] = field(default_factory=list)
+    draft_parents: Optional[list[int]] = None
     spec: Any = None
     spec_verify_ct: int = 0
     spec_accepted: int = 0

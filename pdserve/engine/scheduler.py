@@ -31,7 +31,7 @@ from pdserve.engine.request import MAX_TOP_LOGPROBS, FinishKind, FinishReason, R
 from pdserve.engine.routed_experts import refusal as routed_experts_refusal
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.schedule_policy import order_waiting
-from pdserve.engine.speculative import Speculator
+from pdserve.engine.speculative import Speculator, tree_mask
 from pdserve.engine.speculative import refusal as speculative_refusal
 from pdserve.engine.stop import check_finish, eos_token_ids
 from pdserve.kv_events import KVEventPublisher, offset_port
@@ -96,6 +96,7 @@ class Scheduler:
             "spec_verify_steps": 0,
             "spec_draft_tokens": 0,
             "spec_accepted_tokens": 0,
+            "spec_moved_rows": 0,  # tree rows whose kept drafts' KV moved to their positions
         }
         why = speculative_refusal(self.kv.policies, args.speculative_algorithm)
         if why:
@@ -380,7 +381,7 @@ class Scheduler:
                 self.stats["recomputed"] += 1
                 continue
             want = self._drafts_wanted(req)
-            if want and not self.kv.grow(req, 1 + want):
+            if want and not self.kv.grow(req, 1 + self.speculator.room(want)):
                 want = 0  # no room for them: one token, as without speculation
             grown = self.kv.grow(req, 1)
             while not grown:
@@ -442,12 +443,19 @@ class Scheduler:
         sample_at: list[tuple[Req, int]] = []  # (req, index into logits rows)
         verify_at: list[tuple[Req, int, int]] = []  # speculative rows: (req, first row, count)
         input_lp: list[tuple[Req, int, list[int]]] = []  # (req, first logits index, target ids)
-        for req, ext in batch:
+        trees: dict = {}  # rows of speculative trees: their masks
+        for row, (req, ext) in enumerate(batch):
             start = len(ids)
             all_ids = req.all_ids
             tokens = all_ids[req.kv_len : req.kv_len + ext]
             ids.extend(tokens + req.drafts[: ext - len(tokens)])  # a decode row's drafts
-            positions.extend(range(req.kv_len, req.kv_len + ext))
+            if req.draft_parents is not None and req.drafts:  # a tree: positions by depth
+                at = [req.kv_len] + [req.kv_len + d for d in Speculator.depths(req.draft_parents)]
+                sees = [Speculator.lineage(req.draft_parents, j) for j in range(ext)]
+                trees[row] = tree_mask(req.kv_len, sees, at)
+                positions.extend(at)
+            else:
+                positions.extend(range(req.kv_len, req.kv_len + ext))
             if req.return_logprob and not req.input_logprobs_done:
                 # logits at position p predict prompt token p + 1
                 lo = max(req.kv_len, req.effective_logprob_start - 1)
@@ -470,6 +478,7 @@ class Scheduler:
             logits_rows,
             dp_counts,
             full_lens=[r.seq_len for r, _ in batch],
+            trees=trees,
         )
         masks = self.grammars.start([r for r, _ in sample_at if r.sampling.max_new_tokens > 0])
         logits = self.runner.forward(fb)
@@ -499,25 +508,38 @@ class Scheduler:
             return
         rows = torch.cat([logits[r : r + n] for _, r, n in items])
         reqs = [req for req, _, n in items for _ in range(n)]
-        out = self.sampler.sample(
-            rows,
-            reqs,
-            None,
-            offsets=[j for *_, n in items for j in range(n)],
-            ahead=[req.drafts[:j] for req, _, n in items for j in range(n)],
-        )
+        offsets, ahead = [], []  # per row token: its depth, the drafts before it
+        for req, _, n in items:
+            for j in range(n):
+                if req.draft_parents is None:
+                    offsets.append(j)
+                    ahead.append(req.drafts[:j])
+                else:
+                    line = Speculator.lineage(req.draft_parents, j)[1:]  # its drafts to it
+                    offsets.append(len(line))
+                    ahead.append([req.drafts[a - 1] for a in line])
+        out = self.sampler.sample(rows, reqs, None, offsets=offsets, ahead=ahead)
         failed = set(out.failed)
         at = 0
         for req, _, n in items:
             drafts, req.drafts = req.drafts, []
+            parents, req.draft_parents = req.draft_parents, None
             first, at = at, at + n
             if any(first + j in failed for j in range(n)):
                 why = "sampling: the request's logits were not finite (NaN or infinity)"
                 self.finish(req, FinishReason(FinishKind.ABORT, message=why, status_code=500))
                 continue
-            tokens = self.speculator.accept(drafts, out.next_ids[first : first + n])
-            self.speculator.observe(req, len(drafts), len(tokens) - 1)
-            self.speculator.verified(req, req.kv_len - 1, len(drafts), len(tokens))
+            tokens, path = self.speculator.accept(drafts, out.next_ids[first : first + n], parents)
+            root = req.kv_len - 1  # the row token's position and slot
+            if path != list(range(1, len(path) + 1)):  # the kept drafts' KV to their positions
+                self.stats["spec_moved_rows"] += 1
+                self.runner.move_tokens(
+                    req.kv.pages,
+                    [root + j for j in path],
+                    list(range(root + 1, root + 1 + len(path))),
+                )
+            self.speculator.observe(req, len(drafts), len(tokens) - 1, tree=parents is not None)
+            self.speculator.verified(req, root, len(drafts), len(tokens), path)
             req.spec_verify_ct += 1
             req.spec_accepted += len(tokens) - 1
             self.stats["spec_verify_steps"] += 1
@@ -525,14 +547,14 @@ class Scheduler:
             self.stats["spec_accepted_tokens"] += len(tokens) - 1
             base = req.kv_len  # the KV of the row's first token is in
             self.updated.add(req)
-            for j, tok in enumerate(tokens):
+            for j, (tok, row) in enumerate(zip(tokens, [0] + path)):  # row: where it was drawn
                 req.output_ids.append(tok)
                 req.kv_len = base + j
                 self.stats["generation_tokens"] += 1
                 if req.return_logprob:
-                    req.output_token_logprobs.append((out.logprobs[first + j], tok))
+                    req.output_token_logprobs.append((out.logprobs[first + row], tok))
                     if req.top_logprobs_num:
-                        req.output_top_logprobs.append(out.top_logprobs[first + j] or [])
+                        req.output_top_logprobs.append(out.top_logprobs[first + row] or [])
                 reason = check_finish(req, self.eos_ids, self.tokenizer, self.context_length)
                 if reason is not None:
                     self.finish(req, reason)

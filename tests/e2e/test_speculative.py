@@ -120,19 +120,20 @@ def test_unseeded_sampling_follows_the_target_distribution(request):
     chi_square_at_speculative_rows(plain, spec)
 
 
-def chi_square_at_speculative_rows(plain, spec) -> None:
-    """The second token of 1500 temperature-1 requests (a speculative row: one draft fits before
-    the limit) against the target's distribution after the most common first token."""
+def chi_square_at_speculative_rows(plain, spec, new: int = 3) -> None:
+    """The second token of 1500 temperature-1 requests of ``new`` tokens (drawn in a speculative
+    row: ``new`` - 2 drafts fit before the limit) against the target's distribution after the
+    most common first token."""
     import math
     from collections import Counter
 
     ids = [3, 7, 1, 12, 5, 9, 14, 0, 2, 11, 4, 8, 13, 6, 10, 15] * 2
-    # 3 tokens: at the second, one draft fits before the limit
-    sp = {"temperature": 1.0, "max_new_tokens": 3, "ignore_eos": True}
+    sp = {"temperature": 1.0, "max_new_tokens": new, "ignore_eos": True}
     outs = spec.generate(input_ids=[ids] * 1500, sampling_params=sp)
     first = Counter(o["output_ids"][0] for o in outs).most_common(1)[0][0]
     given = [o for o in outs if o["output_ids"][0] == first]
-    assert all(o["meta_info"].get("spec_verify_ct") == 1 for o in given), "no draft proposed"
+    # the second token's step is a request's first decode step, which always drafts
+    assert all(o["meta_info"].get("spec_verify_ct", 0) >= 1 for o in given), "no draft proposed"
     seconds = Counter(o["output_ids"][1] for o in given)
     ref = plain.generate(
         input_ids=ids + [first],

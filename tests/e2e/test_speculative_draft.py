@@ -222,7 +222,7 @@ def test_aborts_leave_the_pools_whole(drafts, request):
         (
             dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="/d")
             | dict(speculative_eagle_topk=4),
-            r"speculative_eagle_topk: only 1 \(a chain of drafts\) is available yet, got 4",
+            r"speculative_eagle_topk: 4 builds a tree of a draft head's proposals .* 'STANDALONE'",
         ),
         (
             dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="/d")

@@ -284,13 +284,16 @@ def test_a_speculating_decode_gives_the_colocated_tokens(local_pair):
         D.pd.mgr.close()
 
 
-@pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE", "EAGLE3", "MTP"])
+@pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE", "EAGLE-tree", "EAGLE3", "MTP"])
 def test_a_draft_model_speculates_through_pd(algorithm):
     """A draft model (STANDALONE) or head (EAGLE) on both sides: prefill runs it over the prompt
     with the target, its KV travels in the same pages (regions of their own), an EAGLE head's
     first draft and hidden state in the metadata row, and decode speculates from its first step
     (accepting what a colocated engine accepts) with colocated greedy's tokens; a plain prefill is
-    refused at registration naming both."""
+    refused at registration naming both. ``EAGLE-tree``: decode builds trees (top-k 2) from the
+    first level a chain-drafting prefill (top-k 1) put in the metadata row."""
+    algorithm, _, shape = algorithm.partition("-")
+    trees = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=6, speculative_num_steps=3)
     from tests.helpers.checkpoints import (
         build_draft_checkpoint,
         build_eagle3_head,
@@ -309,7 +312,8 @@ def test_a_draft_model_speculates_through_pd(algorithm):
     model = dict(model=target, dtype="float32")
     bport = free_port()
     P = make("prefill", "local", disaggregation_bootstrap_port=bport, **model, **spec)
-    D = make("decode", "local", **model, **spec)
+    decoding = spec | (trees if shape else {})
+    D = make("decode", "local", **model, **decoding)
     plain_port = free_port()
     P0 = make("prefill", "local", disaggregation_bootstrap_port=plain_port, **model)
     try:
@@ -351,7 +355,7 @@ def test_a_draft_model_speculates_through_pd(algorithm):
             page_size=16,
             chunked_prefill_size=64,
             dtype="float32",
-            **spec,
+            **decoding,
         ).generate(
             input_ids=prompts,
             sampling_params={"temperature": 0, "max_new_tokens": 30, "ignore_eos": True},
@@ -366,6 +370,8 @@ def test_a_draft_model_speculates_through_pd(algorithm):
             for o in colocated
         ]
         assert sum(rd.spec_accepted for _, rd in pairs) > 0
+        if shape:  # paths off the first branch were kept
+            assert D.stats["spec_moved_rows"] > 0
         for s in (P, D):
             info = s.check_integrity()
             assert info["in_use_pages"] == 0

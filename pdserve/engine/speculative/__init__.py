@@ -22,6 +22,16 @@ verify row count the drafts before it as output (``Sampler.sample``'s ``ahead``)
 decoding would have counted them had they been drawn. A model whose cache cannot drop rejected tokens (a
 recurrent state) is refused at start-up.
 
+A row's drafts may form a tree (``--speculative-eagle-topk`` > 1, EAGLE heads): each draft has
+a parent in the row (``Req.draft_parents``; the row's token is the root), siblings are different
+tokens for the same position. The row's tokens sit in sequential slots but at the positions of
+their depths, and each attends to the sequence and its ancestors only (``ForwardBatch.trees``,
+``tree_mask``). The draw at each token is made as for a chain; acceptance walks from the root to
+the child equal to the draw, as long as there is one (``accept``), so the tokens are again those
+of plain decoding (greedy) or follow the target's distribution (sampled: one draw from p per
+position, the drafts only say where to go next). The accepted path's KV then moves to the slots
+of its positions (``ModelRunner.move_tokens``) before anything reads the pages.
+
 How many drafts a request asks for follows what it accepts (``Speculator.observe``): up to
 ``--speculative-num-draft-tokens`` while drafts are kept, the last accepted count plus one after
 a rejection, and none for a while (doubling) after steps that kept nothing.
@@ -33,7 +43,7 @@ Proposers (``--speculative-algorithm``, SGLang's names), behind ``Proposer`` and
   (``--speculative-draft-model-path``) whose KV layers live in the target's pages (same page
   ids), run over every prompt with the target and autoregressively for the drafts.
 - ``EAGLE`` (``eagle.py``): an EAGLE head (``models/eagle.py``) over the target's hidden states,
-  its KV in the target's pages as a draft model's; a chain of drafts (top-k 1).
+  its KV in the target's pages as a draft model's; a chain of drafts (top-k 1) or a tree.
 - ``EAGLE3`` (``eagle.py``): an EAGLE-3 head over three of the target's layer outputs.
 - ``MTP`` (``eagle.py``): DeepSeek-V3's next-token-prediction layer of the target's checkpoint
   (``models/deepseek_mtp.py``), run as an EAGLE head.
@@ -45,7 +55,10 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
+
 from pdserve.engine.request import Req
+from pdserve.forward_batch import TreeMask
 
 MAX_COOLDOWN = 16  # steps without drafts after rejections, at most
 
@@ -73,6 +86,10 @@ class SpecState:
     next_draft: Optional[int] = None
     next_draft_p: float = 0.0
     hidden: Any = None
+    # the head's most likely tokens there and their probabilities (a tree's first level)
+    next_topk: tuple[list[int], list[float]] = ((), ())
+    # the last verify row's accepted path: the row index of each kept position (a tree's)
+    path: Optional[list[int]] = None
 
 
 class Proposer:
@@ -87,6 +104,11 @@ class Proposer:
     def propose(self, items: list[tuple[Req, int]]) -> None:
         raise NotImplementedError
 
+    def room(self, n: int) -> int:
+        """Slots past the sequence's last token that proposing ``n`` drafts writes (the row's
+        drafts; a head's tree writes its levels)."""
+        return n
+
     def started(self, req: Req, transferred: bool = False) -> None:
         """``req``'s KV starts on this server: admitted, or (``transferred``) its prompt's KV and
         metadata row arrived from a PD prefill."""
@@ -95,9 +117,11 @@ class Proposer:
         """The target computed ``rows`` (request, first position, tokens), in its forward's
         order; before the PD queues send their pages and before sampling."""
 
-    def verified(self, req: Req, start: int, drafted: int, kept: int) -> None:
+    def verified(
+        self, req: Req, start: int, drafted: int, kept: int, path: Optional[list[int]] = None
+    ) -> None:
         """``req``'s row from position ``start`` with ``drafted`` drafts kept ``kept`` tokens
-        (accepted drafts and the draw after them)."""
+        (accepted drafts and the draw after them); ``path``: a tree's accepted drafts' rows."""
 
     def stepped(self, rows: list[tuple[Req, int, int]]) -> None:
         """The step's rows are done (sampled and verified): (request, first position, tokens)
@@ -138,11 +162,15 @@ class Speculator:
         return min(req.spec.budget, limit)
 
     def propose(self, items: list[tuple[Req, int]]) -> None:
-        """``req.drafts`` for every (request, at most n drafts) pair (maybe fewer, or none)."""
+        """``req.drafts`` (and a tree's ``req.draft_parents``) for every (request, at most n
+        drafts) pair (maybe fewer, or none)."""
         for req, _ in items:
-            req.drafts = []
+            req.drafts, req.draft_parents = [], None
         if items:
             self.proposer.propose(items)
+
+    def room(self, n: int) -> int:
+        return self.proposer.room(n)
 
     def started(self, req: Req, transferred: bool = False) -> None:
         self.proposer.started(req, transferred)
@@ -150,8 +178,8 @@ class Speculator:
     def follow(self, rows: list[tuple[Req, int, int]]) -> None:
         self.proposer.follow(rows)
 
-    def verified(self, req: Req, start: int, drafted: int, kept: int) -> None:
-        self.proposer.verified(req, start, drafted, kept)
+    def verified(self, req: Req, start: int, drafted: int, kept: int, path=None) -> None:
+        self.proposer.verified(req, start, drafted, kept, path)
 
     def stepped(self, rows: list[tuple[Req, int, int]]) -> None:
         self.proposer.stepped(rows)
@@ -168,30 +196,78 @@ class Speculator:
         self.propose([(req, n)] if n else [])
         return req.drafts
 
-    def observe(self, req: Req, drafted: int, accepted: int) -> None:
+    def observe(self, req: Req, drafted: int, accepted: int, tree: bool = False) -> None:
         """Adapt ``req``'s drafting to what it accepts, so rows of rejected drafts do not keep
         costing compute: one draft more after a step that kept every draft (up to
-        ``--speculative-num-draft-tokens``), the accepted count plus one after one that did not;
-        after m steps in a row that kept none, no drafts for min(2^m, 16) steps."""
+        ``--speculative-num-draft-tokens``), the accepted count plus one after one that did not
+        (a tree keeps its size: it never keeps all its drafts); after m steps in a row that kept
+        none, no drafts for min(2^m, 16) steps."""
         state = req.spec
         if state is None or not drafted:
             return
-        if accepted == drafted:
-            state.budget = min(self.num_drafts, state.budget + 1)
-        else:
-            state.budget = max(1, accepted + 1)
+        if not tree:
+            full = accepted == drafted
+            state.budget = min(self.num_drafts, state.budget + 1) if full else accepted + 1
         state.misses = 0 if accepted else state.misses + 1
         if state.misses:
             state.cooldown = min(2**state.misses, MAX_COOLDOWN)
 
     @staticmethod
-    def accept(drafts: list[int], targets: list[int]) -> list[int]:
-        """The tokens a row yields: each draft while it equals the draw before it, then the draw
-        after the last accepted one (``targets``: one draw per row token)."""
-        n = 0
-        while n < len(drafts) and drafts[n] == targets[n]:
-            n += 1
-        return drafts[:n] + [targets[n]]
+    def accept(
+        drafts: list[int], targets: list[int], parents: Optional[list[int]] = None
+    ) -> tuple[list[int], list[int]]:
+        """The tokens a row yields and the rows of its accepted drafts: from the row's token, the
+        child equal to the draw at the current token while there is one, then the draw there
+        (``targets``: one draw per row token; ``parents``: a tree's, None for a chain)."""
+        if parents is None:
+            n = 0
+            while n < len(drafts) and drafts[n] == targets[n]:
+                n += 1
+            return drafts[:n] + [targets[n]], list(range(1, n + 1))
+        children: dict[int, dict[int, int]] = {}
+        for j, (token, parent) in enumerate(zip(drafts, parents)):
+            children.setdefault(parent, {})[token] = j + 1
+        path, at = [], 0
+        while targets[at] in children.get(at, {}):
+            at = children[at][targets[at]]
+            path.append(at)
+        return [drafts[j - 1] for j in path] + [targets[at]], path
+
+    @staticmethod
+    def depths(parents: list[int]) -> list[int]:
+        """Each draft's depth in its tree (a child of the row's token: 1)."""
+        depth = [0]
+        for parent in parents:
+            depth.append(depth[parent] + 1)
+        return depth[1:]
+
+    @staticmethod
+    def lineage(parents: list[int], row: int) -> list[int]:
+        """The rows from the root to ``row`` (both included) of a tree's row."""
+        out = [row]
+        while row:
+            row = parents[row - 1]
+            out.append(row)
+        return out[::-1]
+
+
+def scratch_pages(args, page_size: int) -> int:
+    """Scratch pages a paged pool sets aside for tree rows (``BaseKVPool.scratch``): room for
+    one row of the largest tree these settings build, each token's keys laid out from the page
+    holding the row's first slot to its own position (a backend runs more rows in turns)."""
+    drafts = args.speculative_num_draft_tokens
+    depth = min(args.speculative_num_steps or drafts, drafts)
+    tokens = max(drafts + 1, args.speculative_eagle_topk or 1)  # a verify row, a head's level
+    return tokens * -(-(page_size - 1 + depth + 1) // page_size)
+
+
+def tree_mask(base: int, sees: list[list[int]], key_positions: list[int]) -> TreeMask:
+    """The mask of a row whose token t sees the slots ``base + s`` for s in ``sees[t]`` (and the
+    sequence before ``base``); ``key_positions``: the positions of the slots from ``base``."""
+    visible = torch.zeros((len(sees), len(key_positions)), dtype=torch.bool)
+    for t, slots in enumerate(sees):
+        visible[t, slots] = True
+    return TreeMask(base, visible, torch.tensor(key_positions, dtype=torch.long))
 
 
 def refusal(policies, algorithm: Optional[str]) -> str:

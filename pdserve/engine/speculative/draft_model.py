@@ -88,6 +88,7 @@ class DraftModelProposer(Proposer):
             speculative_algorithm=None,
             speculative_draft_model_path=None,
             speculative_num_steps=None,
+            speculative_eagle_topk=None,  # its pools use the host group's scratch pages
             dtype=str(runner.dtype).replace("torch.", ""),
             context_length=None,
             max_total_tokens=(pages - 1) * args.page_size,  # the host group's pages, one for one
@@ -112,6 +113,7 @@ class DraftModelProposer(Proposer):
             raise AssertionError("the draft's pools must have the host group's page count")
         runner.draft = self.runner
         runner.draft_host = self.host
+        self.runner.share_scratch(runner.pools[self.host])
         self.groups = len(self.runner.pools)
         logger.info(
             "speculative draft %s: %d layers, KV %.1f MiB in the pages of cache group %d",
@@ -141,11 +143,11 @@ class DraftModelProposer(Proposer):
             )
 
     # ---- the draft's forwards ---------------------------------------------------------------
-    def _run(self, rows, ids, positions, logits_idx, hidden=None) -> torch.Tensor:
-        """The draft over ``rows`` (request, first position, token count; the tokens in ``ids``
-        at ``positions``): its logits at ``logits_idx``; ``hidden``: a head's second input
-        (``ForwardBatch.spec_hidden``). The draft's hidden states are ``runner.last_hidden``
-        where it keeps them."""
+    def _run(self, rows, ids, positions, logits_idx, hidden=None, trees=None) -> torch.Tensor:
+        """The draft over ``rows`` (request, first slot, token count; the tokens in ``ids`` at
+        ``positions``): its logits at ``logits_idx``; ``hidden``: a head's second input
+        (``ForwardBatch.spec_hidden``); ``trees``: rows of a tree (``ForwardBatch.trees``). The
+        draft's hidden states are ``runner.last_hidden`` where it keeps them."""
         fb = self.runner.make_forward_batch(
             ids,
             positions,
@@ -154,6 +156,7 @@ class DraftModelProposer(Proposer):
             [[req.kv.pages[self.host]] * self.groups for req, _, _ in rows],
             logits_idx,
             full_lens=[req.seq_len for req, _, _ in rows],
+            trees=trees,
         )
         fb.spec_hidden = hidden
         return self.runner.forward(fb)
@@ -206,6 +209,6 @@ class DraftModelProposer(Proposer):
             for req, token in zip(live, nxt):
                 req.drafts.append(token)
 
-    def verified(self, req: Req, start: int, drafted: int, kept: int) -> None:
+    def verified(self, req: Req, start: int, drafted: int, kept: int, path=None) -> None:
         if req.kv is not None:
             req.kv.draft_len = start + min(kept, drafted)

@@ -13,6 +13,15 @@ prefix: the flash kernel's key blocks start at multiples of 64 (always); without
 prefill rows too, runs the paged decode kernel as its own query (blocks of 16 keys from position
 0), instead of SDPA over the new tokens.
 
+Rows of a speculative tree (``ForwardBatch.trees``) see only their ancestors among the row's
+slots. Each of their tokens runs as a one-query row of the kernel that runs decode rows, over a
+plain sequence: the request's pages up to the one holding the row's first slot, then scratch
+pages (``BaseKVPool.scratch``) into which that page's earlier keys and the token's ancestors'
+keys are copied in position order. The kernels' key blocks sit at fixed positions, so each
+token's attention has the bits of a plain decode step at its position (speculation gives exactly
+the tokens of plain decoding). Without scratch pages (a pool built by hand) they run as the
+torch backend runs extend rows, under their mask.
+
 Both kernels take the layer's attention sinks (float32, one per query head): the online softmax
 starts from the sink as its running max with a running sum of 1, which is the extra softmax column.
 """
@@ -23,8 +32,13 @@ from typing import Optional
 
 import torch
 
-from pdserve.forward_batch import ForwardBatch
-from pdserve.layers.attention.torch_backend import TorchAttnBackend, absorbed_query, write_rows
+from pdserve.forward_batch import ForwardBatch, GroupTable
+from pdserve.layers.attention.torch_backend import (
+    TorchAttnBackend,
+    absorbed_query,
+    page_heads,
+    write_rows,
+)
 
 
 class CpuAttnBackend(TorchAttnBackend):
@@ -66,11 +80,12 @@ class CpuAttnBackend(TorchAttnBackend):
 
     def is_decode_row(self, fb: ForwardBatch, i: int) -> bool:
         # one new token, whatever its prefix: its K/V are in the pool before the kernel runs
-        return fb.extend_lens[i] == 1
+        return fb.extend_lens[i] == 1 and not fb.is_tree(i)
 
     def init_forward(self, fb: ForwardBatch) -> None:
         self._flash = None
         self._rowwise = None
+        self._virtual = self._init_virtual(fb) if fb.trees else None
         self._row_cache: dict[
             int, tuple[torch.Tensor, torch.Tensor]
         ] = {}  # group -> per-token tables
@@ -79,14 +94,35 @@ class CpuAttnBackend(TorchAttnBackend):
                 return self._init_rowwise(fb)
             return super().init_forward(fb)
         self._fb = fb
-        starts = torch.zeros(fb.batch_size + 1, dtype=torch.int32)
-        starts[1:] = torch.tensor(fb.extend_lens, dtype=torch.int32).cumsum(0)
-        # per group: (write rows, page table, seq lens)
-        self._flash = [
-            (write_rows(g, fb.out_offsets), *fb.int32_tables(i)) if g.paged else None
-            for i, g in enumerate(fb.groups)
-        ]
+        self._ext_masks = {}
+        rows = [i for i in range(fb.batch_size) if not fb.is_tree(i)]
+        lens = [fb.extend_lens[i] for i in rows]
+        starts = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        starts[1:] = torch.tensor(lens, dtype=torch.int32).cumsum(0)
         self._starts = starts
+        # the tokens of the kernel's rows (None: every token) and the tree rows
+        self._flash_tokens, self._trees = None, []
+        if len(rows) < fb.batch_size:
+            first = fb.extend_starts
+            self._flash_tokens = torch.tensor(
+                [t for i in rows for t in range(first[i], first[i] + fb.extend_lens[i])],
+                dtype=torch.long,
+            )
+            if self._virtual is None:  # under their masks
+                self._trees = [
+                    (i, first[i], fb.extend_lens[i], fb.prefix_lens[i]) for i in sorted(fb.trees)
+                ]
+        sel = None if self._flash_tokens is None else torch.tensor(rows, dtype=torch.long)
+        # per group: (write rows, page table, seq lens) of the kernel's rows
+        self._flash = []
+        for i, g in enumerate(fb.groups):
+            if not g.paged:
+                self._flash.append(None)
+                continue
+            table, seq = fb.int32_tables(i)
+            if sel is not None:
+                table, seq = table[sel], seq[sel]
+            self._flash.append((write_rows(g, fb.out_offsets), table, seq))
 
     def _init_rowwise(self, fb: ForwardBatch) -> None:
         """Every new token as one decode query: its request's page table, its own length."""
@@ -130,9 +166,102 @@ class CpuAttnBackend(TorchAttnBackend):
             )
             out[sel] = o
 
+    def rows_elsewhere(self, fb: ForwardBatch) -> set[int]:
+        return set(fb.trees) if self._virtual is not None else set()
+
+    # ---- tree rows as one-query rows over scratch pages ---------------------------------------
+    def _init_virtual(self, fb: ForwardBatch) -> Optional[list]:
+        """Per turn (as many tree tokens as the scratch pages hold): (the tokens [V], per group
+        (source rows, scratch rows, page table [V, W], lengths [V]) or None, query starts)."""
+        paged = [g for g in fb.groups if g.paged]
+        if any(not g.pool.scratch for g in paged):
+            return None
+        page = paged[0].pool.page_size
+        first = fb.extend_starts
+        items = []  # (row, token index, position, row's first slot, the key slots from it)
+        for i in sorted(fb.trees):
+            tree = fb.trees[i]
+            for t in range(fb.extend_lens[i]):
+                keys = tree.visible[t].nonzero().flatten().tolist()
+                keys.sort(key=lambda s: int(tree.key_positions[s]))
+                pos = int(fb.positions[first[i] + t])
+                if [int(tree.key_positions[s]) for s in keys] != list(range(tree.base, pos + 1)):
+                    raise AssertionError(f"row {i} token {t}: its keys are not positions to {pos}")
+                items.append((i, first[i] + t, pos, tree.base, keys))
+        room = min(len(g.pool.scratch) for g in paged)
+        turns, turn, used = [], [], 0
+        for item in items:
+            need = -(-(item[2] + 1 - item[3] // page * page) // page)
+            if used + need > room:
+                turns.append(turn)
+                turn, used = [], 0
+            turn.append((item, used, need))
+            used += need
+        turns.append(turn)
+        return [self._virtual_turn(fb, turn, page) for turn in turns]
+
+    def _virtual_turn(self, fb: ForwardBatch, turn: list, page: int) -> tuple:
+        tokens = torch.tensor([item[1] for item, _, _ in turn], dtype=torch.long)
+        lens = torch.tensor([item[2] + 1 for item, _, _ in turn], dtype=torch.int32)
+        width = max(item[3] // page + need for item, _, need in turn)
+        groups = []
+        for g in fb.groups:
+            if not g.paged:
+                groups.append(None)
+                continue
+            table = torch.zeros((len(turn), width), dtype=torch.int32)
+            src, dst = [], []
+            for v, ((i, _, _, base, keys), at, need) in enumerate(turn):
+                real = g.page_table[i].tolist()
+                full, scratch = base // page, g.pool.scratch[at : at + need]
+                table[v, :full] = torch.tensor(real[:full], dtype=torch.int32)
+                table[v, full : full + need] = torch.tensor(scratch, dtype=torch.int32)
+                for j, p in enumerate(list(range(full * page, base)) + [base + s for s in keys]):
+                    src.append((real[p // page], p % page))
+                    dst.append((scratch[j // page], j % page))
+            groups.append((_rows(g, src), _rows(g, dst), table, lens))
+        return tokens, groups, torch.arange(len(turn) + 1, dtype=torch.int32)
+
+    def _virtual_rows(self, out, q, kc, vc, layer, group, sinks) -> None:
+        head_dim = kc.shape[3]
+        kf, vf = kc.view(-1, head_dim), vc.view(-1, head_dim)
+        for tokens, groups, starts in self._virtual:
+            src, dst, table, lens = groups[group]
+            kf.index_copy_(0, dst, kf.index_select(0, src))
+            vf.index_copy_(0, dst, vf.index_select(0, src))
+            qq = q.index_select(0, tokens)
+            o = torch.empty_like(qq)
+            window = layer.sliding_window or 0
+            if self._flash is not None:  # as the flash kernel runs decode rows
+                self.ops.paged_attention_bf16(
+                    o, qq, kc, vc, table, lens, starts, layer.scale, window, sinks
+                )
+            else:
+                self.ops.paged_decode_attention(
+                    o, qq, kc, vc, table, lens, layer.scale, window, sinks
+                )
+            out[tokens] = o
+
+    def _virtual_latent(self, out, layer, q_nope, q_rope, cache, group, w_kc, w_vc) -> None:
+        flat = cache.view(-1, cache.shape[-1])
+        for tokens, groups, _ in self._virtual:
+            src, dst, table, lens = groups[group]
+            flat.index_copy_(0, dst, flat.index_select(0, src))
+            q = absorbed_query(q_nope, q_rope, w_kc, tokens).to(cache.dtype)
+            o = q.new_empty(q.shape[:2] + (w_kc.shape[2],))
+            self.ops.mla_decode_attention(
+                o, q.contiguous(), cache, table, lens, layer.scale, w_kc.shape[2], None
+            )
+            out[tokens] = torch.einsum("bhr,hvr->bhv", o.to(q_nope.dtype), w_vc)
+
     def forward(self, layer, q, k, v, fb, sinks=None):
         if self._flash is None and self._rowwise is None:
-            return super().forward(layer, q, k, v, fb, sinks)
+            out = super().forward(layer, q, k, v, fb, sinks)
+            if self._virtual is not None:
+                kc, vc = fb.kv(layer.layer_id)
+                group = fb.layer_group[layer.layer_id]
+                self._virtual_rows(out, q, kc, vc, layer, group, _float32(sinks))
+            return out
         assert (sinks is not None) == layer.has_sinks, (
             f"layer {layer.layer_id}: sinks must come exactly with has_sinks"
         )
@@ -148,18 +277,29 @@ class CpuAttnBackend(TorchAttnBackend):
                 out, q, kc, vc, table, lens, layer.scale, layer.sliding_window or 0, _float32(sinks)
             )
         else:
-            self.ops.paged_attention_bf16(
-                out,
-                q,
-                kc,
-                vc,
-                table,
-                lens,
-                self._starts,
-                layer.scale,
-                layer.sliding_window or 0,
-                _float32(sinks),
-            )
+            sel = self._flash_tokens
+            if sel is None or sel.numel():
+                o = out if sel is None else torch.empty((sel.numel(),) + q.shape[1:], dtype=q.dtype)
+                self.ops.paged_attention_bf16(
+                    o,
+                    q if sel is None else q.index_select(0, sel),
+                    kc,
+                    vc,
+                    table,
+                    lens,
+                    self._starts,
+                    layer.scale,
+                    layer.sliding_window or 0,
+                    _float32(sinks),
+                )
+                if sel is not None:
+                    out[sel] = o
+            if self._virtual is not None:
+                self._virtual_rows(out, q, kc, vc, layer, group, _float32(sinks))
+            page, pages = kc.shape[2], fb.groups[group].page_table
+            for row, start, ext, prefix in self._trees:
+                mine = pages[row, : -(-(prefix + ext) // page)]
+                self._extend_row(out, q, k, v, kc, vc, mine, row, start, ext, prefix, layer, sinks)
         return out
 
     # ---- latent attention (MLA) ----------------------------------------------------------------
@@ -184,7 +324,12 @@ class CpuAttnBackend(TorchAttnBackend):
 
     def forward_latent(self, layer, q_nope, q_rope, latent, fb, w_kc, w_vc, selection=None):
         if self._rowwise is None:
-            return super().forward_latent(layer, q_nope, q_rope, latent, fb, w_kc, w_vc, selection)
+            out = super().forward_latent(layer, q_nope, q_rope, latent, fb, w_kc, w_vc, selection)
+            if self._virtual is not None:
+                group = fb.cache_group(layer.layer_id, "latent_attention")
+                cache = fb.latent(layer.layer_id)
+                self._virtual_latent(out, layer, q_nope, q_rope, cache, group, w_kc, w_vc)
+            return out
         # deterministic: every row its own absorbed query on the kernel, the up-projections one
         # k-ordered chain per output (linear_f32), so nothing depends on the rest of the batch
         rows, table, lens = self._rowwise[fb.cache_group(layer.layer_id, "latent_attention")]
@@ -257,6 +402,14 @@ class CpuAttnBackend(TorchAttnBackend):
                 [PackedF32(w, None, self.ops) for w in w_vc],
             )
         return self._absorb[layer_id]
+
+
+def _rows(g: GroupTable, where: list[tuple[int, int]]) -> torch.Tensor:
+    """Rows of (page, offset) pairs, every head of each, in the pool's [rows, dim] view."""
+    heads, page = page_heads(g.pool), g.pool.page_size
+    at = torch.tensor(where, dtype=torch.long).view(-1, 2)
+    h = torch.arange(heads)
+    return ((at[:, :1] * heads + h[None, :]) * page + at[:, 1:]).reshape(-1)
 
 
 def _float32(sinks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -7,6 +7,9 @@ by the prefix length. Layers with logit soft-capping or attention sinks run the 
 out (SDPA has neither), a block of query rows at a time so the scores stay small. Correct on CPU
 and CUDA; the ``cpu`` backend replaces the decode part with a kernel that reads the pages in place.
 
+Rows of a speculative tree (``ForwardBatch.trees``) run as extend rows under their tree's mask:
+each token sees the sequence and its ancestors in the row, whatever their slots.
+
 Per-forward state is kept per cache group (each group has its own pool and page ids); which rows
 are decode rows is the same for every group.
 
@@ -113,17 +116,17 @@ class TorchAttnBackend(AttentionBackend):
 
     def is_decode_row(self, fb: ForwardBatch, i: int) -> bool:
         """Rows that take the batched decode path (the rest run as extends)."""
-        return fb.extend_lens[i] == 1 and fb.prefix_lens[i] > 0
+        return fb.extend_lens[i] == 1 and fb.prefix_lens[i] > 0 and not fb.is_tree(i)
 
     def init_forward(self, fb: ForwardBatch) -> None:
         self._fb = fb
         device = fb.input_ids.device
         starts, seq_lens = fb.extend_starts, fb.seq_lens
         dec = [i for i in range(fb.batch_size) if self.is_decode_row(fb, i)]
-        dec_set = set(dec)
-        self._ext_rows = [i for i in range(fb.batch_size) if i not in dec_set]
-        # (row start, extend len, prefix len) of each extend row
-        self._ext = [(starts[i], fb.extend_lens[i], fb.prefix_lens[i]) for i in self._ext_rows]
+        skip = set(dec) | self.rows_elsewhere(fb)
+        self._ext_rows = [i for i in range(fb.batch_size) if i not in skip]
+        # (row, row start, extend len, prefix len) of each extend row
+        self._ext = [(i, starts[i], fb.extend_lens[i], fb.prefix_lens[i]) for i in self._ext_rows]
         self._ext_masks: dict[tuple[int, Optional[int]], torch.Tensor] = {}
         self._dec_rows = torch.tensor([starts[i] for i in dec], dtype=torch.long, device=device)
         self._dec_masks: dict[Optional[int], torch.Tensor] = {}
@@ -150,6 +153,11 @@ class TorchAttnBackend(AttentionBackend):
             )[None, None, :]
         ext_pages = [g.page_table[i, : -(-seq_lens[i] // page)] for i in self._ext_rows]
         return _Group(write_rows(g, fb.out_offsets), gather, ext_pages)
+
+    def rows_elsewhere(self, fb: ForwardBatch) -> set[int]:
+        """Rows a subclass attends itself after this backend's work (the ``cpu`` backend's tree
+        rows)."""
+        return set()
 
     def init_decode(self, fb: ForwardBatch, dec: list[int]) -> None:
         """Extra per-forward state for the decode rows (the ``cpu`` backend's kernel tables)."""
@@ -198,20 +206,42 @@ class TorchAttnBackend(AttentionBackend):
 
     # ---- extend rows ------------------------------------------------------------------------------
     def _extend_mask(
-        self, idx: int, ext: int, prefix: int, window: Optional[int], device
+        self, fb: ForwardBatch, row: int, start: int, ext: int, prefix: int, window, device
     ) -> Optional[torch.Tensor]:
-        if prefix == 0 and window is None:
+        """[ext, prefix + ext] keys each of row ``row``'s tokens sees (None: plain causal)."""
+        tree = fb.trees.get(row) if fb.trees else None
+        if prefix == 0 and window is None and tree is None:
             return None  # plain causal
-        key = (idx, window)
+        key = (row, window)
         m = self._ext_masks.get(key)
         if m is None:
-            qpos = torch.arange(ext, device=device)[:, None] + prefix  # [ext, 1]
-            kpos = torch.arange(prefix + ext, device=device)[None, :]  # [1, seq]
-            m = kpos <= qpos
-            if window is not None:
-                m &= (qpos - kpos) < window
+            m = extend_mask(fb, row, start, ext, prefix, window, device)
             self._ext_masks[key] = m
         return m
+
+    def _extend_row(self, out, q, k, v, kc, vc, pages, row, start, ext, prefix, layer, sinks):
+        """One extend row's attention, written into its rows of ``out``."""
+        kv_heads, head_dim = kc.shape[1], kc.shape[3]
+        qq = q[start : start + ext].transpose(0, 1).unsqueeze(0)  # [1, heads, ext, D]
+        if prefix == 0:
+            kk = k[start : start + ext].transpose(0, 1)  # [kv_heads, ext, D]
+            vv = v[start : start + ext].transpose(0, 1)
+        else:
+            seq = prefix + ext
+            # [n_pages, kv_heads, page, D] -> [kv_heads, n_pages * page, D] -> first seq tokens
+            kk = kc[pages].permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :seq]
+            vv = vc[pages].permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :seq]
+        mask = self._extend_mask(self._fb, row, start, ext, prefix, layer.sliding_window, q.device)
+        o = attention(
+            qq,
+            kk.unsqueeze(0).to(q.dtype),
+            vv.unsqueeze(0).to(q.dtype),
+            mask,
+            layer.scale,
+            layer.logit_softcap,
+            sinks,
+        )
+        out[start : start + ext] = o[0].transpose(0, 1)
 
     def store(self, layer: AttnLayer, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch):
         """Write the new tokens' K/V into the layer's pool; returns (group, K cache, V cache)."""
@@ -228,31 +258,13 @@ class TorchAttnBackend(AttentionBackend):
             f"layer {layer.layer_id}: sinks must come exactly with has_sinks"
         )
         group, kc, vc = self.store(layer, k, v, fb)
-        kv_heads, head_dim = kc.shape[1], kc.shape[3]
         out = torch.empty_like(q)
         self.decode(out, q, kc, vc, layer, group, sinks)
         ext_pages = self._groups[group].ext_pages
-        for idx, (start, ext, prefix) in enumerate(self._ext):
-            qq = q[start : start + ext].transpose(0, 1).unsqueeze(0)  # [1, heads, ext, D]
-            if prefix == 0:
-                kk = k[start : start + ext].transpose(0, 1)  # [kv_heads, ext, D]
-                vv = v[start : start + ext].transpose(0, 1)
-            else:
-                seq, pages = prefix + ext, ext_pages[idx]
-                # [n_pages, kv_heads, page, D] -> [kv_heads, n_pages * page, D] -> first seq tokens
-                kk = kc[pages].permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :seq]
-                vv = vc[pages].permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :seq]
-            mask = self._extend_mask(idx, ext, prefix, layer.sliding_window, q.device)
-            o = attention(
-                qq,
-                kk.unsqueeze(0).to(q.dtype),
-                vv.unsqueeze(0).to(q.dtype),
-                mask,
-                layer.scale,
-                layer.logit_softcap,
-                sinks,
+        for idx, (row, start, ext, prefix) in enumerate(self._ext):
+            self._extend_row(
+                out, q, k, v, kc, vc, ext_pages[idx], row, start, ext, prefix, layer, sinks
             )
-            out[start : start + ext] = o[0].transpose(0, 1)
         return out
 
     # ---- latent attention (MLA) -------------------------------------------------------------------
@@ -264,7 +276,7 @@ class TorchAttnBackend(AttentionBackend):
         out = q_nope.new_empty(q_nope.shape[:2] + (w_vc.shape[1],))
         self.decode_latent(out, layer, q_nope, q_rope, cache, group, w_kc, w_vc, selection)
         ext_pages = self._groups[group].ext_pages
-        for idx, (start, ext, prefix) in enumerate(self._ext):  # decompressed, per request
+        for idx, (row, start, ext, prefix) in enumerate(self._ext):  # decompressed, per request
             seq = prefix + ext
             lat = (
                 latent[start : start + ext]
@@ -283,7 +295,7 @@ class TorchAttnBackend(AttentionBackend):
             q = torch.cat(
                 [q_nope[start : start + ext], q_rope[start : start + ext]], dim=-1
             ).transpose(0, 1)
-            mask = self._extend_mask(idx, ext, prefix, layer.sliding_window, q.device)
+            mask = self._extend_mask(fb, row, start, ext, prefix, layer.sliding_window, q.device)
             if selection is not None:  # sparse attention: the indexer's keys only
                 mask = selected_mask(selection, torch.arange(start, start + ext), seq)
             o = attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, layer.scale, None)
@@ -335,6 +347,28 @@ class TorchAttnBackend(AttentionBackend):
                 positions[start + j, : len(chosen)] = chosen.to(torch.int32)
                 counts[start + j] = len(chosen)
         return positions, counts
+
+
+def extend_mask(
+    fb: ForwardBatch, row: int, start: int, ext: int, prefix: int, window, device
+) -> torch.Tensor:
+    """[ext, prefix + ext] bool: the keys each new token of row ``row`` sees: causal by slot
+    (the tokens before it), or its tree's mask; within the layer's window by position."""
+    tree = fb.trees.get(row) if fb.trees else None
+    if tree is None:
+        qpos = torch.arange(ext, device=device)[:, None] + prefix  # [ext, 1]
+        kpos = torch.arange(prefix + ext, device=device)[None, :]  # [1, seq]
+        m = kpos <= qpos
+        if window is not None:
+            m &= (qpos - kpos) < window
+        return m
+    seen = torch.ones((ext, tree.base), dtype=torch.bool, device=device)
+    m = torch.cat([seen, tree.visible.to(device)], dim=1)
+    if window is not None:
+        qpos = fb.positions[start : start + ext].to(device)[:, None]
+        kpos = torch.cat([torch.arange(tree.base, device=device), tree.key_positions.to(device)])
+        m &= (qpos - kpos[None, :]) < window
+    return m
 
 
 def absorbed_query(
