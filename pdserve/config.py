@@ -186,6 +186,12 @@ class ServerArgs:
     disaggregation_max_prealloc_queue: int = (
         0  # decode: refuse new requests beyond this many waiting (0: no limit)
     )
+    # prefill: send each group of layers' pages as soon as the forward has written them, so the
+    # transfer overlaps the rest of the forward (prompts of at least the minimum length; decode
+    # needs no setting: it waits for the room's completion either way)
+    enable_disagg_layer_pipeline: bool = False
+    disagg_layer_group_size: int = 4
+    disagg_layer_pipeline_min_prefill_len: int = 2048
     disaggregation_mooncake_protocol: Optional[str] = None
     disaggregation_ib_device: Optional[str] = None
     disaggregation_nixl_backend: str = "UCX"
@@ -336,6 +342,16 @@ class ServerArgs:
             bad(
                 "disaggregation_transfer_backend",
                 f"must be one of {TRANSFER_BACKENDS}, got {self.disaggregation_transfer_backend!r}",
+            )
+        if self.disagg_layer_group_size < 1:
+            bad(
+                "disagg_layer_group_size",
+                f"must be at least 1 (layers per transfer), got {self.disagg_layer_group_size}",
+            )
+        if self.disagg_layer_pipeline_min_prefill_len < 0:
+            bad(
+                "disagg_layer_pipeline_min_prefill_len",
+                f"must be >= 0 (prompt tokens), got {self.disagg_layer_pipeline_min_prefill_len}",
             )
         if not 0 < self.disaggregation_bootstrap_port < 65536:
             bad(

@@ -16,7 +16,7 @@ This module is the contract between the engine and ``models``/``layers``; it imp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -78,6 +78,9 @@ class ForwardBatch:
     # rows whose tokens do not attend causally (a speculative tree): row index -> its mask; their
     # ``positions`` are not their slots (slots follow ``prefix_lens`` as ever)
     trees: Optional[dict[int, TreeMask]] = None
+    # called with a layer's (global) index once its forward has written that layer's caches
+    # (a PD prefill sends them while the later layers compute)
+    layer_done: Optional[Callable[[int], None]] = None
 
     @property
     def batch_size(self) -> int:

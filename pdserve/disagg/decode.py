@@ -152,6 +152,9 @@ class DecodeQueues:
             "transfer_queue": len(self.transfer) - self.kv_ready,
         }
 
+    def layer_hook(self, batch) -> None:
+        return None  # decode sends nothing
+
     def chunk_done(self, req: Req) -> None:
         pass  # a prompt computed here (no transfer) has nothing to send
 

@@ -63,7 +63,12 @@ class FakeKVSender:
     def init(self, num_pages: Sequence[int], aux_slot: int) -> None:
         self.sent_pages = [0] * len(num_pages)
 
-    def send(self, src_pages: Sequence[Sequence[int]], last_chunk: bool = False) -> None:
+    def send_layers(self, src_pages: Sequence[Sequence[int]], layers) -> None:
+        pass
+
+    def send(
+        self, src_pages: Sequence[Sequence[int]], last_chunk: bool = False, skip=frozenset()
+    ) -> None:
         self.sent_pages = [
             n + len(p) for n, p in zip(self.sent_pages or [0] * len(src_pages), src_pages)
         ]
@@ -72,8 +77,8 @@ class FakeKVSender:
     def failure_reason(self) -> str:
         return self._failed
 
-    def written(self) -> tuple[int, int]:
-        return 0, 0
+    def written(self) -> tuple[int, int, None]:
+        return 0, 0, None
 
     def keepalive(self) -> None:
         pass

@@ -3,7 +3,13 @@
 - bootstrap queue: a ``KVSender`` per request waits for decode's ``TransferRequest`` (the
   destination pages); then a metadata slot is taken and the request joins the scheduler's
   waiting queue with ``max_new_tokens`` forced to 1;
-- after every chunk the newly completed full pages go out at once (``chunk_done``);
+- after every chunk the newly completed full pages go out at once (``chunk_done``); with
+  ``--enable-disagg-layer-pipeline`` a prompt of at least ``--disagg-layer-pipeline-min-prefill-len``
+  tokens sends them (and, in its last chunk, all its remaining pages) a group of
+  ``--disagg-layer-group-size`` layers at a time while the forward goes on (``layer_hook``: the
+  model calls it as each layer's caches are written), and the send after the forward carries
+  only what is left (other groups, a window's pages, a draft's layers, the routed expert ids);
+  decode needs no setting, it waits for the room's completion either way;
 - after the first token is sampled its metadata row is filled, the remaining pages and the row go
   out as the last chunk, and the request waits in the inflight queue (holding its KV);
 - Success: the KV is released (the prefix stays in the radix cache) and the HTTP request is
@@ -50,6 +56,16 @@ class _PrefillState(PDState):
     starts: list[int] = field(default_factory=list)
     first_send: Optional[float] = None  # monotonic time of the first chunk handed to the sender
     last_send: Optional[float] = None
+    # the current forward's pages and their regions ((cache group, layer)) sent layer by layer
+    layers_sent: tuple = ((), frozenset())
+    layer_groups: int = 0  # layer groups sent during forwards (the layer pipeline)
+
+    def skip(self, pages: list[list[int]]) -> frozenset:
+        """The regions of ``pages`` already sent layer by layer (none, should they differ from
+        the pages the layer pipeline sent), forgotten after this call."""
+        sent, keys = self.layers_sent
+        self.layers_sent = ((), frozenset())
+        return keys if sent == pages else frozenset()
 
     @property
     def sent_pages(self) -> list[int]:
@@ -255,9 +271,10 @@ class PrefillQueues:
         if st.first_send is None or req.bootstrap_room is None:
             return
         now = time.monotonic()
-        descriptors, nbytes = (
-            st.sender.written()
-        )  # this rank's writes, into every decode rank it serves
+        # this rank's writes, into every decode rank it serves
+        descriptors, nbytes, first_write = st.sender.written()
+        if first_write is not None:
+            req.timeline["kv_first_write"] = first_write
         window = now - st.first_send
         self.kv_bytes_sent += nbytes
         if window > 0 and nbytes:
@@ -274,6 +291,7 @@ class PrefillQueues:
                 "decode_prefix_pages": st.decode_prefix,
                 "kv_bytes": nbytes,
                 "descriptors": descriptors,
+                "layer_groups": st.layer_groups,  # sent during forwards, by the layer pipeline
                 "window_s": window,
                 "after_last_chunk_s": now - st.last_send,
                 "gb_per_s": nbytes / window / 1e9 if window > 0 else None,
@@ -297,20 +315,69 @@ class PrefillQueues:
         return out
 
     # ---- the prompt's progress (called by the scheduler) ---------------------------------------
-    def chunk_done(self, req: Req) -> None:
-        """After a forward: send the full pages completed by a non-last chunk."""
-        st: Optional[_PrefillState] = req.disagg
-        if st is None or req.kv_len >= req.prompt_len:
-            return
-        kv, full = self.s.kv, req.kv_len // self.s.page_size
-        # groups whose pages are final once computed go now; the others (a window) after the last chunk
-        pages = [
+    def _chunk_pages(self, req: Req, kv_len: int) -> list[list[int]]:
+        """The pages a non-last chunk ending at ``kv_len`` completes: the full ones of groups
+        whose pages are final once computed (the others, a window, go after the last chunk)."""
+        st: _PrefillState = req.disagg
+        kv, full = self.s.kv, kv_len // self.s.page_size
+        return [
             kv.send_pages(req, g, sent, full) if kv.sent_with_chunks(g) and full > sent else []
             for g, sent in enumerate(st.sent_pages)
         ]
+
+    def layer_hook(self, batch: list[tuple[Req, int]]):
+        """Layer-by-layer sends of this forward's pages (``--enable-disagg-layer-pipeline``):
+        the pages its chunk completes (a last chunk: every page left of groups final once
+        computed), a group of layers at a time as the model writes them."""
+        args = self.s.args
+        if not args.enable_disagg_layer_pipeline:
+            return None
+        kv, plans = self.s.kv, []
+        for req, ext in batch:
+            st = req.disagg
+            if not isinstance(st, _PrefillState) or st.slot is None:
+                continue
+            if req.prompt_len < args.disagg_layer_pipeline_min_prefill_len:
+                continue
+            if req.kv_len + ext >= req.prompt_len:  # the last chunk: every page left
+                pages = [
+                    kv.send_pages(req, g, sent) if kv.sent_with_chunks(g) else []
+                    for g, sent in enumerate(st.sent_pages)
+                ]
+            else:
+                pages = self._chunk_pages(req, req.kv_len + ext)
+            if any(pages):
+                plans.append((st, pages, [g for g, p in enumerate(pages) if p]))
+        if not plans:
+            return None
+        pending: list[int] = []
+
+        def layer_done(layer: int) -> None:
+            pending.append(layer)
+            if len(pending) < args.disagg_layer_group_size:
+                return
+            now = time.monotonic()
+            for st, pages, groups in plans:
+                keys = frozenset((g, n) for g in groups for n in pending)
+                st.sender.send_layers(pages, keys)
+                st.layers_sent = (pages, st.layers_sent[1] | keys)
+                st.layer_groups += 1
+                st.first_send = st.first_send or now
+            pending.clear()
+
+        return layer_done
+
+    def chunk_done(self, req: Req) -> None:
+        """After a forward: send the full pages completed by a non-last chunk (the regions the
+        layer pipeline has not sent yet)."""
+        st: Optional[_PrefillState] = req.disagg
+        if st is None or req.kv_len >= req.prompt_len:
+            return
+        pages = self._chunk_pages(req, req.kv_len)
+        skip = st.skip(pages)
         if any(pages):
             st.first_send = st.first_send or time.monotonic()
-            st.sender.send(pages, last_chunk=False)
+            st.sender.send(pages, last_chunk=False, skip=skip)
 
     def prompt_done(self, req: Req) -> bool:
         """The first token is sampled: fill the metadata row and send the last chunk."""
@@ -334,10 +401,8 @@ class PrefillQueues:
         )
         st.last_send = time.monotonic()
         st.first_send = st.first_send or st.last_send
-        st.sender.send(
-            [self.s.kv.send_pages(req, g, sent) for g, sent in enumerate(st.sent_pages)],
-            last_chunk=True,
-        )
+        pages = [self.s.kv.send_pages(req, g, sent) for g, sent in enumerate(st.sent_pages)]
+        st.sender.send(pages, last_chunk=True, skip=st.skip(pages))
         self.s.hand_off(req)
         self.inflight.append(req)
         return True

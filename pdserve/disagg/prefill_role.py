@@ -421,15 +421,16 @@ class PrefillRole:
     def count_written(self, room: int, descriptors: int, nbytes: int) -> None:
         """Account KV writes of ``room`` (transfer workers; takes the lock)."""
         with self.mgr.lock:
-            w = self._written.setdefault(room, [0, 0])
+            w = self._written.setdefault(room, [0, 0, time.time()])
             w[0] += descriptors
             w[1] += nbytes
 
-    def take_written(self, room: int) -> tuple[int, int]:
-        """(KV descriptors, KV bytes) written for ``room``, forgetting them."""
+    def take_written(self, room: int) -> tuple[int, int, Optional[float]]:
+        """(KV descriptors, KV bytes, wall time the first write completed) written for
+        ``room``, forgetting them."""
         with self.mgr.lock:
-            w = self._written.pop(room, [0, 0])
-        return w[0], w[1]
+            w = self._written.pop(room, [0, 0, None])
+        return w[0], w[1], w[2]
 
     def mark_failed_here(self, room: int) -> None:
         """The room failed through this prefill's own fault (caller holds the lock)."""

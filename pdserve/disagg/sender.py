@@ -75,8 +75,23 @@ class KVSender:
                 f"decode preallocated {short} pages per cache group, prefill needs {num_pages}",
             )
 
-    def send(self, src_pages: Sequence[Sequence[int]], last_chunk: bool = False) -> None:
-        """Queue one chunk: ``src_pages[g]`` are the next pages of cache group g, in order."""
+    def send_layers(
+        self, src_pages: Sequence[Sequence[int]], layers: frozenset[tuple[int, int]]
+    ) -> None:
+        """Queue the regions ``layers`` ((cache group, layer) pairs) of the next pages, whose
+        forward has written them; the ``send`` of those pages later skips them."""
+        if self.mgr.get_status(self.room) in (None, KVPoll.Failed):
+            return
+        self._submit(src_pages, False, only=layers)
+
+    def send(
+        self,
+        src_pages: Sequence[Sequence[int]],
+        last_chunk: bool = False,
+        skip: frozenset[tuple[int, int]] = frozenset(),
+    ) -> None:
+        """Queue one chunk: ``src_pages[g]`` are the next pages of cache group g, in order;
+        ``skip``: regions ((cache group, layer) pairs) ``send_layers`` already sent of them."""
         if self.mgr.get_status(self.room) in (None, KVPoll.Failed):
             return
         early = next(
@@ -103,6 +118,10 @@ class KVSender:
                 f"prefill sent {after} pages per cache group, init() said {self.num_pages}",
             )
             return
+        self._submit(src_pages, last_chunk, skip=skip)
+        self.sent_pages = after
+
+    def _submit(self, src_pages, last_chunk: bool, **regions) -> None:
         event = None
         if self.mgr.kv_args.device.startswith("cuda"):
             import torch
@@ -118,15 +137,16 @@ class KVSender:
                 last_chunk,
                 self.aux_slot,
                 event,
+                **regions,
             )
         )
-        self.sent_pages = after
 
     def failure_reason(self) -> str:
         return self.mgr.failure_reason(self.room)
 
-    def written(self) -> tuple[int, int]:
-        """(KV write descriptors, KV bytes) this rank wrote for the room (once, after Success)."""
+    def written(self) -> tuple[int, int, Optional[float]]:
+        """(KV write descriptors, KV bytes, wall time its first KV write completed) this rank
+        wrote for the room (once, after Success)."""
         return self.role.take_written(self.room)
 
     def failed_here(self) -> bool:

@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from pdserve.disagg import faults as f
 from pdserve.disagg.descriptors import region_descriptors
@@ -42,6 +42,14 @@ class Chunk:
     last: bool
     aux_slot: int
     ready_event: Any = None  # CUDA event recorded at send(): the KV is written once it fires
+    # which regions, by (cache group, layer): only these (a layer group sent during the forward),
+    # or all but ``skip`` (the rest of pages whose layers went earlier)
+    only: Optional[frozenset[tuple[int, int]]] = None
+    skip: frozenset[tuple[int, int]] = frozenset()
+
+    def wants(self, group: int, layer: int) -> bool:
+        key = (group, layer)
+        return key in self.only if self.only is not None else key not in self.skip
 
 
 class TransferWorkers:
@@ -239,10 +247,14 @@ class TransferWorkers:
                 )
             dst_pages.append(dst)
         b = sess.reg.buffers
+        src, dst = a.regions, sess.dst_regions
+        if job.only is not None or job.skip:
+            keep = [i for i, r in enumerate(src) if job.wants(r.group, r.layer)]
+            src, dst = [src[i] for i in keep], [dst[i] for i in keep]
         # one batch: every region of a page (the KV, the ids of its tokens, ...) lands together
         descs = chunk_descriptors(
-            a.regions,
-            sess.dst_regions,
+            src,
+            dst,
             sess.pair,
             job.src_pages,
             dst_pages,

@@ -7,7 +7,7 @@ rows, several samples per step) stays inside the scheduler."""
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.request import FinishReason, Req
@@ -76,6 +76,11 @@ class PDQueues(Protocol):
 
     def process_queues(self) -> None:
         """Advance every queue once; called at the start of each scheduler step."""
+
+    def layer_hook(self, batch: list[tuple[Req, int]]) -> Optional[Callable[[int], None]]:
+        """Before a forward of ``batch`` ((request, tokens) rows): what to call as each layer's
+        caches are written (``ForwardBatch.layer_done``; prefill sends them layer by layer), or
+        None."""
 
     def chunk_done(self, req: Req) -> None:
         """A forward computed another chunk of ``req``'s prompt (prefill sends its full pages)."""

@@ -480,6 +480,8 @@ class Scheduler:
             full_lens=[r.seq_len for r, _ in batch],
             trees=trees,
         )
+        if self.pd is not None:  # a PD prefill sends layers' pages as the forward writes them
+            fb.layer_done = self.pd.layer_hook(batch)
         masks = self.grammars.start([r for r, _ in sample_at if r.sampling.max_new_tokens > 0])
         logits = self.runner.forward(fb)
         rows = [(req, req.kv_len, ext) for req, ext in batch]

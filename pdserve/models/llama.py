@@ -338,6 +338,8 @@ class LlamaModel(nn.Module):
             h, residual = layer(h, residual, ropes.get(layer.rope_kind), fb)
             if i in self.capture_layers:
                 self.captured[i] = h if residual is None else h + residual
+            if fb.layer_done is not None:
+                fb.layer_done(i)
         return h, residual
 
     def idle_forward(self, dp) -> None:

@@ -7,7 +7,9 @@ request), and by role:
 
 - prefill: ``bootstrapped`` (decode's pages are known; the request joins the waiting queue),
   ``forward_start`` (admitted into a batch), ``forward_end`` (first token sampled; the last KV
-  chunk goes out), ``kv_sent`` (every write of the room completed);
+  chunk goes out), ``kv_first_write`` (the room's first KV write completed: with the layer
+  pipeline, before the last chunk's forward ended), ``kv_sent`` (every write of the room
+  completed);
 - decode: ``preallocated`` (pages and a metadata slot taken, their indices on the way to
   prefill), ``kv_received`` (the KV and the first token arrived; the request joins the running
   batch);

@@ -1,7 +1,9 @@
 """The PD end-to-end check once per KV transfer backend: a 1P1D cluster behind our router whose
 prefill and decode use ``--disaggregation-transfer-backend`` local, mooncake or nixl; mixed-length
 requests (streaming and not, some with logprobs) must equal the offline engine, the KV must have
-moved through the backend, and every page and metadata slot must be free afterwards.
+moved through the backend (prompts of 300 tokens or more layer by layer during the forward,
+``--enable-disagg-layer-pipeline``, shorter ones by chunk), and every page and metadata slot must
+be free afterwards.
 
 A backend whose library is not installed is skipped with the reason.
 """
@@ -36,7 +38,10 @@ def pd_cluster(request, tmp_path_factory, tiny_llama_path):
         backend,
         *COMMON,
     ]
-    P, _ = c.prefill(f"P-{backend}", tiny_llama_path, logs, *args)
+    # prompts of 300 tokens or more go layer by layer (one layer per write), shorter ones by chunk
+    layers = ["--enable-disagg-layer-pipeline", "--disagg-layer-group-size", "1"]
+    layers += ["--disagg-layer-pipeline-min-prefill-len", "300"]
+    P, _ = c.prefill(f"P-{backend}", tiny_llama_path, logs, *args, *layers)
     D = c.decode(f"D-{backend}", tiny_llama_path, logs, *args)
     procs = [P, D]
     try:
@@ -72,6 +77,9 @@ def test_mixed_requests_match_offline_engine(pd_cluster, reference):
     transfers = P.http.get("/server_info").json()["internal_states"][0].get("recent_transfers")
     if transfers is not None:
         assert sum(t["kv_bytes"] for t in transfers) > 0, transfers
+        # long prompts went layer by layer during their forwards, short ones after
+        groups = [t["layer_groups"] for t in transfers]
+        assert max(groups) > 0 and min(groups) == 0, groups
     for proc in (P, D):
         pools = proc.wait_idle()
         assert pools["metadata_slots_free"] == pools["metadata_slots_total"], (proc.name, pools)

@@ -116,7 +116,7 @@ def test_the_idle_prefill_rank_concludes_a_room_without_writing(mqa_pd):
         d_pool.buffer[:, :, dst], p_pool.buffer[:, :, src]
     )  # rank 0's copy of the head
     assert decode[2].row_room(1) == room and decode[2].get_row(1).first_token == 42
-    assert senders[0].written()[1] > 0 and senders[1].written() == (0, 0)
+    assert senders[0].written()[1] > 0 and senders[1].written()[:2] == (0, 0)
     for s in senders:
         s.clear()
     receiver.clear()

@@ -21,17 +21,19 @@ torch.set_num_threads(1)
 
 
 def make(mode: str, backend: str, model: str | None = None, **kw) -> Scheduler:
-    args = ServerArgs(
-        model_path=model or build_tiny_checkpoint("llama"),
+    defaults = dict(
         max_total_tokens=4096,
         page_size=16,
         chunked_prefill_size=64,
         torch_num_threads=1,
-        disaggregation_mode=mode,
-        disaggregation_transfer_backend=backend,
         disaggregation_waiting_timeout=3,
         disaggregation_bootstrap_timeout=3,
-        **kw,
+    )
+    args = ServerArgs(
+        model_path=model or build_tiny_checkpoint("llama"),
+        disaggregation_mode=mode,
+        disaggregation_transfer_backend=backend,
+        **(defaults | kw),
     )
     return attach_disaggregation(args)
 
