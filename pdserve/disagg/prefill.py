@@ -208,17 +208,26 @@ class PrefillQueues:
         """End requests between the bootstrap and inflight queues whose room already failed;
         tell decode that the others are alive and queued."""
         reqs = [r for r in self.s.scheduled() if r.disagg is not None]
-        now = time.monotonic()
-        if now >= self._next_keepalive:
-            self._next_keepalive = now + self.keepalive_s
-            for r in reqs + self.inflight:
-                r.disagg.sender.keepalive()
+        self._keep_alive(reqs)
         if not reqs:
             return
         states = poll_and_all_reduce([r.disagg.sender for r in reqs], self.group)
         for req, state in zip(reqs, states):
             if state == KVPoll.Failed:
                 self._fail(req, req.disagg.sender.failure_reason() or "KV transfer failed")
+
+    def _keep_alive(self, reqs: Optional[list[Req]] = None) -> None:
+        """Tell decode, every ``keepalive_s``, that the rooms queued, prefilled or transferring
+        here are alive (between steps, and between layers of a forward: a long forward is
+        work, not silence)."""
+        now = time.monotonic()
+        if now < self._next_keepalive:
+            return
+        self._next_keepalive = now + self.keepalive_s
+        if reqs is None:
+            reqs = [r for r in self.s.scheduled() if r.disagg is not None]
+        for r in reqs + self.inflight:
+            r.disagg.sender.keepalive()
 
     def _fail(self, req: Req, reason: str) -> None:
         logger.warning("request %s (room %s) failed: %s", req.rid, req.bootstrap_room, reason)
@@ -326,13 +335,39 @@ class PrefillQueues:
         ]
 
     def layer_hook(self, batch: list[tuple[Req, int]]):
-        """Layer-by-layer sends of this forward's pages (``--enable-disagg-layer-pipeline``):
-        the pages its chunk completes (a last chunk: every page left of groups final once
-        computed), a group of layers at a time as the model writes them."""
-        args = self.s.args
-        if not args.enable_disagg_layer_pipeline:
+        """Called between the layers of a forward of ``batch``: keepalives to decode when due
+        (a forward can outlast decode's waiting timeout), and layer-by-layer sends of this
+        forward's pages (``--enable-disagg-layer-pipeline``): the pages its chunk completes (a
+        last chunk: every page left of groups final once computed), a group of layers at a time
+        as the model writes them."""
+        if not any(isinstance(req.disagg, _PrefillState) for req, _ in batch):
             return None
-        kv, plans = self.s.kv, []
+        args = self.s.args
+        plans = self._layer_plans(batch) if args.enable_disagg_layer_pipeline else []
+        pending: list[int] = []
+
+        def layer_done(layer: int) -> None:
+            self._keep_alive()
+            if not plans:
+                return
+            pending.append(layer)
+            if len(pending) < args.disagg_layer_group_size:
+                return
+            now = time.monotonic()
+            for st, pages, groups in plans:
+                keys = frozenset((g, n) for g in groups for n in pending)
+                st.sender.send_layers(pages, keys)
+                st.layers_sent = (pages, st.layers_sent[1] | keys)
+                st.layer_groups += 1
+                st.first_send = st.first_send or now
+            pending.clear()
+
+        return layer_done
+
+    def _layer_plans(self, batch: list[tuple[Req, int]]) -> list:
+        """(state, pages per group, groups with pages) of each request whose pages this forward
+        sends layer by layer."""
+        args, kv, plans = self.s.args, self.s.kv, []
         for req, ext in batch:
             st = req.disagg
             if not isinstance(st, _PrefillState) or st.slot is None:
@@ -348,24 +383,7 @@ class PrefillQueues:
                 pages = self._chunk_pages(req, req.kv_len + ext)
             if any(pages):
                 plans.append((st, pages, [g for g, p in enumerate(pages) if p]))
-        if not plans:
-            return None
-        pending: list[int] = []
-
-        def layer_done(layer: int) -> None:
-            pending.append(layer)
-            if len(pending) < args.disagg_layer_group_size:
-                return
-            now = time.monotonic()
-            for st, pages, groups in plans:
-                keys = frozenset((g, n) for g in groups for n in pending)
-                st.sender.send_layers(pages, keys)
-                st.layers_sent = (pages, st.layers_sent[1] | keys)
-                st.layer_groups += 1
-                st.first_send = st.first_send or now
-            pending.clear()
-
-        return layer_done
+        return plans
 
     def chunk_done(self, req: Req) -> None:
         """After a forward: send the full pages completed by a non-last chunk (the regions the

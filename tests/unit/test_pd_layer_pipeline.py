@@ -3,7 +3,8 @@ prefill that sends each group of layers' pages as the forward writes them gives 
 KV (decode's tokens and logprobs equal those behind a chunk-wise prefill, the same bytes moved),
 its first write completes before the forward of a one-chunk prompt returns (a chunk-wise
 prefill's after), short prompts keep the chunk-wise path, and an abort while the layers go out
-leaves no write after its acknowledgement."""
+leaves no write after its acknowledgement. A forward longer than decode's waiting timeout keeps
+its room alive (keepalives between layers)."""
 
 from __future__ import annotations
 
@@ -175,6 +176,33 @@ def test_an_abort_while_layers_go_out_leaves_no_late_write(prompts):
             assert info["metadata_slots_free"] == info["metadata_slots_total"], info
     finally:
         close(P, D)
+
+
+def test_a_forward_longer_than_decodes_waiting_timeout_keeps_the_room_alive(prompts):
+    """Decode ends a room whose prefill stays silent for ``--disaggregation-waiting-timeout``;
+    a prefill inside one long forward (here 1.6 s, against 1 s) is busy, not silent: it sends
+    keepalives between layers, chunk-wise and layer-wise alike."""
+    for layered in (False, True):
+        bport = free_port()
+        quick = dict(disaggregation_waiting_timeout=1.0, disaggregation_bootstrap_timeout=20)
+        P = make(
+            "prefill",
+            "local",
+            disaggregation_bootstrap_port=bport,
+            chunked_prefill_size=256,
+            enable_disagg_layer_pipeline=layered,
+            disagg_layer_pipeline_min_prefill_len=0,
+            **quick,
+        )
+        D = make("decode", "local", **quick)
+        try:
+            for layer in P.runner.model.model.own_layers:
+                layer.register_forward_hook(lambda *_: time.sleep(0.8))
+            ((rp, rd),) = serve(P, D, bport, prompts[:1], seed=7)
+            assert rd.finish_reason.kind.name == "LENGTH", (layered, rd.finish_reason)
+            assert len(rd.output_ids) == 6
+        finally:
+            close(P, D)
 
 
 def test_bad_settings_are_refused():
