@@ -292,7 +292,8 @@ class Scheduler:
         computed again (prompt and output) when admitted."""
         self.running.remove(req)
         self.release_kv(req)
-        req.drafts = []  # it computes its sequence again, no speculative row
+        # it computes its sequence again, no speculative row
+        req.drafts, req.draft_parents = [], None
         if not req.input_logprobs_done:
             del req.input_token_logprobs[1 if req.effective_logprob_start == 0 else 0 :]
             del req.input_top_logprobs[

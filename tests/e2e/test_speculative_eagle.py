@@ -3,7 +3,8 @@ EAGLE's authors publish (``pytorch_model.bin``: ``fc``, ``layers.0.*`` without a
 the head's first draft equals a reference built from transformers' Llama layer; greedy tokens and
 logprobs identical to plain decoding, alone and in batches of different acceptance with chunked
 prefill and a penalized request beside them; prefix-cache hits; seeded sampling; the target
-distribution (chi-square); retractions; TP 2 over HTTP; bad heads and settings refused."""
+distribution (chi-square); retractions; TP 2 over HTTP (trees of drafts); bad heads and settings
+refused."""
 
 from __future__ import annotations
 
@@ -196,12 +197,16 @@ def test_bad_heads_and_settings_are_refused(tmp_path):
 
 
 def test_served_with_tp2(plain, head, tmp_path):
+    """Two TP ranks, each building the same trees of drafts (top-k 2) from the same logits:
+    the plain tokens (a chain at TP 2: STANDALONE's and EAGLE3's tests)."""
     import httpx
 
     from tests.helpers import cluster as c
 
     args = ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", head]
     args += ["--page-size", "4", "--max-total-tokens", "8192", "--tp-size", "2"]
+    args += ["--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6"]
+    args += ["--speculative-num-steps", "3"]
     server = c.server("Seagle", target(), tmp_path, *args)
     try:
         c.start_all([server])

@@ -171,6 +171,29 @@ def test_unseeded_sampling_follows_the_target_distribution(request):
     assert spec.scheduler.stats["spec_moved_rows"] > 0
 
 
+def test_retractions_and_prefix_hits_under_a_small_kv_budget(plain, head, request):
+    """Trees in a pool small enough that requests are retracted (their scratch pages set aside
+    from it), then a follow-up turn that hits the prefix cache: the plain tokens, the pool
+    whole."""
+    spec = engine("EAGLE", head, max_total_tokens=400, page_size=4, **tree(2, 6, 3))
+    request.node._engine = spec
+    ps = prompts(0) * 2
+    outs = spec.generate(input_ids=ps, sampling_params=greedy(NEW))
+    stats = spec.scheduler.stats
+    assert stats["retractions"] > 0 and stats["spec_accepted_tokens"] > 0, stats
+    ref = plain.generate(input_ids=ps, sampling_params=greedy(NEW))
+    assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref]
+    follow = ps[1] + outs[1]["output_ids"] + prompts(1)[2][:20]
+    out = spec.generate(input_ids=follow, sampling_params=greedy(NEW))
+    assert out["meta_info"]["cached_tokens"] > 0
+    assert (
+        out["output_ids"]
+        == plain.generate(input_ids=follow, sampling_params=greedy(NEW))["output_ids"]
+    )
+    info = spec.check_integrity()
+    assert info["in_use_pages"] == 0 and info["running"] == 0
+
+
 def test_eagle3_trees(plain, request):
     spec = engine("EAGLE3", build_eagle3_head(target()), **tree(3, 6, 3))
     request.node._engine = spec
