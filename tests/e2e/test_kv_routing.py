@@ -357,6 +357,10 @@ def test_conditional_pd_keeps_the_grammar(cluster, offline_engine):
     """A constrained request decode runs itself and one through prefill both follow the grammar
     and give the offline engine's tokens (decode continues prefill's first token's grammar)."""
     R, D = cluster["pd_cond"], cluster["D"]
+    # the streams of the test before may still be ending on decode: its load would turn the
+    # short prompt to PD (the router polls every 0.05 s; a few polls after decode is idle)
+    D.wait_idle()
+    time.sleep(0.5)
     rng = random.Random(37)
     sp = {"temperature": 0, "max_new_tokens": 40, "regex": REGEX}
     for n, mode in ((20, "local"), (200, "pd")):
