@@ -194,16 +194,21 @@ def test_retractions_and_prefix_hits_under_a_small_kv_budget(plain, head, reques
     assert info["in_use_pages"] == 0 and info["running"] == 0
 
 
-def test_eagle3_trees(plain, request):
-    spec = engine("EAGLE3", build_eagle3_head(target()), **tree(3, 6, 3))
-    request.node._engine = spec
-    ps = prompts(0) + prompts(4)[2:]
+def greedy_equals_plain(plain, spec, ps: list[list[int]]) -> None:
+    """Greedy tokens and logprobs of ``spec`` equal ``plain``'s, with drafts accepted; the
+    pool whole after."""
     ref = plain.generate(input_ids=ps, sampling_params=greedy(NEW), return_logprob=True)
     out = spec.generate(input_ids=ps, sampling_params=greedy(NEW), return_logprob=True)
     same_tokens_and_logprobs(ref, out)
     assert max(o["meta_info"]["spec_accept_length"] for o in out) > 1.3
     info = spec.check_integrity()
     assert info["in_use_pages"] == 0 and info["running"] == 0
+
+
+def test_eagle3_trees(plain, request):
+    spec = engine("EAGLE3", build_eagle3_head(target()), **tree(3, 6, 3))
+    request.node._engine = spec
+    greedy_equals_plain(plain, spec, prompts(0) + prompts(4)[2:])
 
 
 def test_mtp_trees_on_latent_attention(request):
@@ -214,13 +219,7 @@ def test_mtp_trees_on_latent_attention(request):
 
     plain, spec = mtp_engine(), mtp_engine(speculative_algorithm="MTP", **tree(2, 5, 3))
     request.node._engine = spec
-    ps = mtp_prompts()
-    ref = plain.generate(input_ids=ps, sampling_params=greedy(NEW), return_logprob=True)
-    out = spec.generate(input_ids=ps, sampling_params=greedy(NEW), return_logprob=True)
-    same_tokens_and_logprobs(ref, out)
-    assert max(o["meta_info"]["spec_accept_length"] for o in out) > 1.3
-    info = spec.check_integrity()
-    assert info["in_use_pages"] == 0 and info["running"] == 0
+    greedy_equals_plain(plain, spec, mtp_prompts())
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,9 @@ from tests.unit.test_pd_queues import make, req, run_until
 torch.set_num_threads(1)
 
 
-def pair(**prefill_kw):
+def pair(decode_kw: dict | None = None, **prefill_kw):
+    """A local prefill (``prefill_kw``) and decode (``decode_kw``), patient with each other
+    unless told otherwise."""
     bport = free_port()
     patient = dict(disaggregation_bootstrap_timeout=20, disaggregation_waiting_timeout=20)
     P = make(
@@ -29,10 +31,9 @@ def pair(**prefill_kw):
         disaggregation_bootstrap_port=bport,
         chunked_prefill_size=256,
         max_total_tokens=8192,
-        **patient,
-        **prefill_kw,
+        **(patient | prefill_kw),
     )
-    D = make("decode", "local", max_total_tokens=8192, **patient)
+    D = make("decode", "local", max_total_tokens=8192, **(patient | (decode_kw or {})))
     return P, D, bport
 
 
@@ -183,18 +184,13 @@ def test_a_forward_longer_than_decodes_waiting_timeout_keeps_the_room_alive(prom
     a prefill inside one long forward (here 1.6 s, against 1 s) is busy, not silent: it sends
     keepalives between layers, chunk-wise and layer-wise alike."""
     for layered in (False, True):
-        bport = free_port()
-        quick = dict(disaggregation_waiting_timeout=1.0, disaggregation_bootstrap_timeout=20)
-        P = make(
-            "prefill",
-            "local",
-            disaggregation_bootstrap_port=bport,
-            chunked_prefill_size=256,
+        quick = dict(disaggregation_waiting_timeout=1.0)
+        P, D, bport = pair(
+            decode_kw=quick,
             enable_disagg_layer_pipeline=layered,
             disagg_layer_pipeline_min_prefill_len=0,
             **quick,
         )
-        D = make("decode", "local", **quick)
         try:
             for layer in P.runner.model.model.own_layers:
                 layer.register_forward_hook(lambda *_: time.sleep(0.8))

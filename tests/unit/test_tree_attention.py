@@ -12,13 +12,11 @@ import random
 import pytest
 import torch
 
-from pdserve import kernels
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.speculative import Speculator, tree_mask
 from pdserve.forward_batch import ForwardBatch, GroupTable
 from pdserve.layers.attention.base import AttnLayer
-from pdserve.layers.attention.cpu_backend import CpuAttnBackend
-from pdserve.layers.attention.torch_backend import TorchAttnBackend
+from tests.unit.test_attention_sinks import backend_of, ops  # noqa: F401 (a fixture)
 
 torch.set_num_threads(1)
 
@@ -39,21 +37,6 @@ def reference(q, k, v, q_pos, k_pos, visible, scale, window, sinks):
     w = torch.cat([w, sinks.double().view(-1, 1, 1).expand(-1, q.shape[0], 1)], -1)
     probs = torch.softmax(w, -1)[..., :-1]
     return torch.einsum("hqk,khd->qhd", probs, v)
-
-
-@pytest.fixture(scope="module")
-def ops():
-    mod = kernels.load()
-    assert mod is not None, f"CPU kernels did not build: {kernels.unavailable_reason()}"
-    return mod
-
-
-def backend_of(name: str, ops):
-    if name == "torch":
-        return TorchAttnBackend(), torch.float32
-    if name == "cpu-float32":
-        return CpuAttnBackend(ops=ops, compute_dtype=torch.float32), torch.float32
-    return CpuAttnBackend(ops=ops, compute_dtype=torch.bfloat16), torch.bfloat16
 
 
 def run(name: str, ops, page: int, scratch: int = 0) -> float:
