@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PDSERVE_TEST_CACHE=${PDSERVE_TEST_CACHE:-/tmp/pdserve-test-cache}
-exec python3 -m pytest tests -q -p no:cacheprovider --timeout=900 "$@"
+exec python3 -m pytest tests -q -p no:cacheprovider --timeout=900 --durations=40 "$@"
