@@ -124,7 +124,15 @@ class Router:
             needs_info=follow or args.pd_mode,
         )  # PD: backends and hosts (router/pairing.py)
         self.metrics = RouterMetrics(self.pool)
-        self.index = KVIndex(self.metrics, lambda: self.pool.client) if follow else None
+        self.index = (
+            KVIndex(
+                self.metrics,
+                lambda: self.pool.client,
+                {"CPU": args.cache_aware_host_weight, "STORAGE": args.cache_aware_storage_weight},
+            )
+            if follow
+            else None
+        )
         self.prompts = (
             PromptReader(args.tokenizer_path) if follow else None
         )  # the index needs prompt tokens
