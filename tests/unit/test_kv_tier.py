@@ -200,3 +200,22 @@ def test_backend_registry_imports_lazily_and_names_what_fails(tmp_path):
         base._REGISTRY.pop("missing")
     with pytest.raises(ValueError, match="unknown 'nope'"):
         base.backend_class("nope")
+
+
+def test_a_leaf_evicted_in_parts_goes_to_the_tier_whole_without_kv_events(tmp_path):
+    ids = list(range(900, 940))  # 10 pages
+    m = latent_manager()  # no KV events: the tree keeps block hashes for the tiers alone
+    tier = make_tier(args(tmp_path, hicache_write_policy="write_back"), m, SINGLE_RANK)
+    r = req(ids)
+    prefill(m, r)
+    want = scribble(m, r, seed=3)
+    m.release(r)
+    assert m.tree.evict(3) == 3  # the leaf's tail
+    assert m.tree.evict(100) == 7  # the rest of it
+    r2 = req(ids + [5])
+    prefill(m, r2)
+    assert r2.kv.cached == 10 and tier.stats["hicache_hits_cpu"] == 10
+    assert torch.equal(tier.codec.read([p[:10] for p in r2.kv.pages]), want)
+    m.release(r2)
+    m.check_integrity([0, 0])
+    tier.close()

@@ -250,7 +250,13 @@ class KVTier:
         the tree."""
         above = node.hashes[start - 1] if start else (node.parent.hashes or [None])[-1]
         tokens = node.key[start * self.page_size :]
-        self.store(above, node.hashes[start:], tokens, [ids[start:] for ids in node.groups()])
+        pages = [ids[start:] for ids in node.groups()]
+        try:
+            assert len(node.hashes) - start == len(pages[0]), f"{node!r}: {node.hashes}"
+            self.store(above, node.hashes[start:], tokens, pages)
+        except Exception:  # the tiers are a cache: a failed copy loses it, never the server
+            self.stats["hicache_store_errors"] = self.stats.get("hicache_store_errors", 0) + 1
+            logger.exception("writing %d pages to the tiers failed", len(pages[0]))
 
     def fill(self, kv, token_ids: list[int], max_pages: int, namespace: int) -> None:
         """Continue ``kv``'s tree match of ``token_ids`` (at most ``max_pages``) into the tiers:
