@@ -215,3 +215,64 @@ def test_write_through_fills_the_host_tier_as_pages_are_cached(tiered):
     after = stats(s2)
     assert delta(before, after, "hicache_hit_tokens_cpu") == 4 * PAGE, after
     s2.wait_idle()
+
+
+# ---- PD: the tiers on a prefill server and on a decode server with its prefix cache -----------
+PD_ARGS = [
+    "--page-size",
+    str(PAGE),
+    "--max-total-tokens",
+    "512",  # 32 pages
+    "--num-reserved-decode-tokens",
+    "64",
+    "--enable-hierarchical-cache",
+    "--hicache-write-policy",
+    "write_back",
+    "--disaggregation-bootstrap-timeout",
+    "20",
+    "--disaggregation-waiting-timeout",
+    "20",
+]
+
+
+@pytest.fixture(scope="module")
+def pd_tiered(tmp_path_factory, tiny_llama_path):
+    logs = tmp_path_factory.mktemp("kv_tier_pd")
+    P, _ = c.prefill("Ptier", tiny_llama_path, logs, *PD_ARGS)
+    D = c.decode(
+        "Dtier", tiny_llama_path, logs, "--disaggregation-decode-enable-radix-cache", *PD_ARGS
+    )
+    R = None
+    try:
+        c.start_all((P, D))
+        R = c.router("Rtier", [P], [D], logs).start()
+        yield P, D, R
+    finally:
+        for s in [x for x in (R, D, P) if x is not None]:
+            s.stop()
+
+
+def test_pd_prefill_and_decode_both_hit_their_host_tier(pd_tiered, reference):
+    P, D, R = pd_tiered
+    ids = prompt(30000, 200)  # 12 reusable pages
+
+    def run(x: list[int]) -> list[int]:
+        body = {
+            "input_ids": x,
+            "sampling_params": {"temperature": 0, "max_new_tokens": N_NEW, "ignore_eos": True},
+        }
+        r = httpx.post(R.url + "/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+
+    assert run(ids) == reference(ids)["output_ids"]
+    for k in range(4):  # 4 x 19 pages: the prompt leaves both pools
+        run(prompt(40000 + 500 * k, 300))
+    for s in (P, D):
+        s.wait_idle()
+    before = {s: stats(s) for s in (P, D)}
+    assert run(ids) == reference(ids)["output_ids"]
+    for s in (P, D):
+        s.wait_idle()
+        after = stats(s)
+        assert delta(before[s], after, "hicache_hit_tokens_cpu") == 12 * PAGE, (s.name, after)
