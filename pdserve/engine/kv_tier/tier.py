@@ -31,7 +31,7 @@ from pdserve.engine.kv_tier.base import TierBackend, create_backend
 from pdserve.engine.kv_tier.host import HostTierBackend
 from pdserve.engine.kv_tier.pages import PageCodec, layout_key
 from pdserve.engine.kv_tier.writer import TierWriter
-from pdserve.kv_events import BlockRemoved, BlockStored, block_hash
+from pdserve.kv_events import BlockRemoved, BlockStored, chain_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -190,23 +190,38 @@ class KVTier:
     # ---- reading --------------------------------------------------------------------------------
     def fetch(self, parent: Optional[int], tokens, max_pages: int) -> tuple[list, torch.Tensor]:
         """The leading pages of ``tokens`` (chained from ``parent``) that a tier holds, at most
-        ``max_pages``: their mediums and their bytes (``[n, page_nbytes]``)."""
+        ``max_pages``: their mediums and their bytes (``[n, page_nbytes]``). The storage
+        backend is asked once how far its run of those pages goes (``exists``), then read
+        page by page where the host tier misses."""
         ps = self.page_size
+        hashes = chain_hashes(parent, tokens[: max_pages * ps], ps)
+        keys = [self.key(h) for h in hashes]
+        stored_until = None  # pages [.., stored_until) are in storage, by its ``exists``
         found, payloads = [], []
-        for i in range(max_pages):
+        for i, h in enumerate(hashes):
+            above = hashes[i - 1] if i else parent
             page_tokens = list(tokens[i * ps : (i + 1) * ps])
-            h = block_hash(parent, page_tokens)
-            got = self._lookup(h, parent, page_tokens)
+            got = self._lookup(self.host, h, above, page_tokens)
+            if got is None and self.storage is not None:
+                if stored_until is None:
+                    stored_until = i + self._exists(keys[i:])
+                if i < stored_until:
+                    got = self._lookup(self.storage, h, above, page_tokens)
             if got is None:
                 break
-            medium, payload = got
-            found.append(medium)
-            payloads.append(payload)
-            parent = h
+            found.append(got[0])
+            payloads.append(got[1])
         rows = torch.empty((len(payloads), self.codec.page_nbytes), dtype=torch.uint8)
         for row, payload in zip(rows.numpy(), payloads):
             row[:] = payload
         return found, rows
+
+    def _exists(self, keys: list[str]) -> int:
+        try:
+            return self.storage.exists(keys)
+        except Exception:  # a backend must not raise; one that does is taken as empty
+            logger.exception("%s tier: exists failed", self.storage.medium)
+            return 0
 
     def count_hits(self, found: list[str]) -> None:
         """Pages of ``fetch`` that went into the pool, by medium."""
@@ -214,26 +229,35 @@ class KVTier:
             self.stats[f"hicache_hits_{medium.lower()}"] += 1
             self.stats[f"hicache_hit_tokens_{medium.lower()}"] += self.page_size
 
-    def _lookup(self, h: int, parent: Optional[int], tokens: list[int]):
+    def _lookup(self, backend: TierBackend, h: int, parent: Optional[int], tokens: list[int]):
+        """(medium, payload) of block ``h`` in ``backend`` if it holds an intact entry of it; a
+        corrupt one (or another block's) is counted, logged, removed and a miss."""
         key = self.key(h)
-        for backend in self.tiers:
+        try:
             data = backend.get(key)
-            if data is None:
-                continue
-            e = entry.unpack(self.layout_key, data)
-            if (
-                e is not None
-                and e.tokens == tokens
-                and e.parent == parent
-                and len(e.payload) == self.codec.page_nbytes
-            ):
-                return backend.medium, e.payload
-            medium = backend.medium
-            self.stats[f"hicache_corrupt_{medium.lower()}"] += 1
-            logger.warning("%s tier: entry %s is corrupt or not this block's; dropped", medium, key)
-            backend.remove(key)
-            self._removed(medium, [h])
+        except Exception:  # a backend must not raise; one that does misses
+            logger.exception("%s tier: get %s failed", backend.medium, key)
+            return None
+        if data is None:
+            return None
+        e = entry.unpack(self.layout_key, data)
+        if (
+            e is not None
+            and e.tokens == tokens
+            and e.parent == parent
+            and len(e.payload) == self.codec.page_nbytes
+        ):
+            return backend.medium, e.payload
+        medium = backend.medium
+        self.stats[f"hicache_corrupt_{medium.lower()}"] += 1
+        logger.warning("%s tier: entry %s is corrupt or not this block's; dropped", medium, key)
+        backend.remove(key)
+        self._removed(medium, [h])
         return None
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait for queued storage writes (tests, shutdown)."""
+        return self.writer is None or self.writer.flush(timeout)
 
     # ---- the cache manager's side ---------------------------------------------------------------
     def attach(self, kv) -> None:
@@ -284,10 +308,6 @@ class KVTier:
         pages = [old + ids for old, ids in zip(found, new)]
         tree.insert(token_ids[: (k + len(mediums)) * ps], pages[0], pages[1:], namespace=namespace)
         self.count_hits(mediums)
-
-    def flush(self, timeout: float = 30.0) -> bool:
-        """Wait for queued storage writes (tests, shutdown)."""
-        return self.writer is None or self.writer.flush(timeout)
 
     def close(self) -> None:
         if self.writer is not None:
