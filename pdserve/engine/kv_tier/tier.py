@@ -304,7 +304,12 @@ class KVTier:
         if got is None:
             return
         new = [got[g] for g in kv.cached_groups]
-        self.codec.write(new, rows)
+        try:
+            self.codec.write(new, rows)
+        except Exception:  # the pages go back; the prompt is computed as if nothing was found
+            kv.free(got)
+            logger.exception("loading %d pages from the tiers failed", len(mediums))
+            return
         pages = [old + ids for old, ids in zip(found, new)]
         tree.insert(token_ids[: (k + len(mediums)) * ps], pages[0], pages[1:], namespace=namespace)
         self.count_hits(mediums)
