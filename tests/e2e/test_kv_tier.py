@@ -147,6 +147,13 @@ def test_evicted_prefix_comes_back_from_host_then_disk(tiered):
     assert set(a_hashes[:4]) <= by_medium[("removed", None)]  # the pool's own events: no medium
     assert ("removed", "STORAGE") not in by_medium
 
+    metrics = s.http.get("/metrics").text
+    hit_lines = [
+        ln for ln in metrics.splitlines() if ln.startswith("pdserve:hicache_hit_tokens_total")
+    ]
+    assert any('medium="CPU"' in ln and float(ln.split()[-1]) >= from_host for ln in hit_lines)
+    assert any('medium="STORAGE"' in ln and float(ln.split()[-1]) >= 4 * PAGE for ln in hit_lines)
+
 
 def page_file(disk: str, h: int) -> str:
     (path,) = glob.glob(os.path.join(disk, "*", f"{h:016x}.kv"))

@@ -219,3 +219,42 @@ def test_a_leaf_evicted_in_parts_goes_to_the_tier_whole_without_kv_events(tmp_pa
     m.release(r2)
     m.check_integrity([0, 0])
     tier.close()
+
+
+class _SlowBackend(base.TierBackend):
+    """Holds every put until released, so the writer's queue fills."""
+
+    medium = "STORAGE"
+
+    def __init__(self):
+        import threading
+
+        self.release = threading.Event()
+        self.stored: dict[str, bytes] = {}
+
+    def put(self, key, data):
+        self.release.wait(10)
+        self.stored[key] = data
+        return True
+
+    def get(self, key):
+        return self.stored.get(key)
+
+    def exists(self, keys):
+        return next((i for i, k in enumerate(keys) if k not in self.stored), len(keys))
+
+
+def test_a_full_write_queue_drops_and_counts_instead_of_waiting():
+    from pdserve.engine.kv_tier.writer import TierWriter
+
+    slow = _SlowBackend()
+    w = TierWriter(slow, max_queued=2)
+    accepted = [w.submit(f"k/{i:016x}", b"x", i) for i in range(6)]
+    # one in the backend's hands, two queued: the rest dropped at once
+    assert accepted.count(False) >= 3 and w.dropped == accepted.count(False)
+    slow.release.set()
+    assert w.flush(10)
+    assert sorted(block for _, block, ok in w.done if ok) == [
+        i for i, ok in enumerate(accepted) if ok
+    ]
+    w.close()
