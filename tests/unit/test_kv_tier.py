@@ -258,3 +258,9 @@ def test_a_full_write_queue_drops_and_counts_instead_of_waiting():
         i for i, ok in enumerate(accepted) if ok
     ]
     w.close()
+
+
+def test_a_host_tier_larger_than_the_host_is_refused(tmp_path):
+    m = latent_manager()
+    with pytest.raises(ValueError, match="hicache_size: a host tier of .* exceeds"):
+        make_tier(args(tmp_path, hicache_size=1 << 20), m, SINGLE_RANK)  # a petabyte

@@ -31,6 +31,7 @@ from pdserve.engine.kv_tier.base import TierBackend, create_backend
 from pdserve.engine.kv_tier.host import HostTierBackend
 from pdserve.engine.kv_tier.pages import PageCodec, layout_key
 from pdserve.engine.kv_tier.writer import TierWriter
+from pdserve.engine.model_runner import _available_host_bytes as available_host_bytes
 from pdserve.kv_events import BlockRemoved, BlockStored, chain_hashes
 
 logger = logging.getLogger(__name__)
@@ -55,10 +56,18 @@ class KVTier:
             capacity = int(args.hicache_size * 2**30) // slot
         else:
             capacity = int(args.hicache_ratio * pools[0].allocator.capacity)
+        flag = "hicache_size" if args.hicache_size else "hicache_ratio"
         if capacity < 1:
             raise ValueError(
-                f"hicache_size / hicache_ratio: the host tier would hold {capacity} pages of "
-                f"{slot} bytes; give it room for at least one"
+                f"{flag}: the host tier would hold {capacity} pages of {slot} bytes; give it "
+                "room for at least one"
+            )
+        available = available_host_bytes()
+        if capacity * slot > available:
+            raise ValueError(
+                f"{flag}: a host tier of {capacity} pages ({capacity * slot / 2**30:.1f} GiB) "
+                f"exceeds this host's available memory ({available / 2**30:.1f} GiB); lower "
+                "--hicache-ratio or give --hicache-size in GB"
             )
         self.host = HostTierBackend(args, layout_key, nbytes, capacity=capacity)
         self.storage: Optional[TierBackend] = None
