@@ -410,6 +410,10 @@ def create_app(args: RouterArgs) -> FastAPI:
                 "workers": {
                     w.url: router.index.matched_tokens(w, prompt)[0] for w in router.pool.workers
                 },
+                # the same with a prefix below a worker's pool at its tier's weight (cache_aware)
+                "weighted": {
+                    w.url: router.index.weighted_tokens(w, prompt) for w in router.pool.workers
+                },
             }
         )
 

@@ -271,7 +271,11 @@ class KVTier:
     # ---- the cache manager's side ---------------------------------------------------------------
     def attach(self, kv) -> None:
         """Pages ``kv``'s prefix tree evicts (and with write_through, those it takes) come here;
-        its matches continue here (``fill``)."""
+        its matches continue here (``fill``). Called again with a new manager when the pools
+        are reallocated (a role switch): the pages are read from and written to its pools."""
+        codec = PageCodec([kv.pools[g] for g in kv.cached_groups])
+        assert codec.page_nbytes == self.codec.page_nbytes, "the pools' page layout changed"
+        self.codec = codec
         kv.tier = self
         kv.tree.hashing = True
         kv.tree.on_evict = self._from_tree
