@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import signal
 import time
 import traceback
 
@@ -294,8 +295,10 @@ class SchedulerLoop:
                             "block_hashes": e.block_hashes,
                             "parent_block_hash": e.parent_block_hash,
                             "token_ids": e.token_ids,
+                            **({"medium": e.medium} if e.medium else {}),
                         }
                         for e in s.tree.stored_events()
+                        + (s.tier.snapshot() if s.tier is not None else [])
                     ]
                     if s.kv_events
                     else [],
@@ -331,6 +334,7 @@ class SchedulerLoop:
                     "kv_pages_cached": s.tree.total_pages(),
                     **s.stats,
                     **(s.pd.stats() if s.pd is not None else {}),
+                    **(s.tier.counters() if s.tier is not None else {}),
                     "grammar_cache": s.grammars.cache_info(),
                 }
             )
@@ -353,6 +357,14 @@ class SchedulerLoop:
 
             return switch_role_control(self, args)
         raise ValueError(f"unknown control op {op!r}")
+
+
+def _exit_after(cleanup) -> None:
+    """SIGTERM's exit, after ``cleanup`` (bounded by the front end's grace period)."""
+    try:
+        cleanup()
+    finally:
+        os._exit(0)
 
 
 def _exit_lost(ready_conn, verdict: str) -> None:
@@ -418,6 +430,8 @@ def run_scheduler_process(
             heartbeat.interval,
             heartbeat.lost_after,
         )
+    if loop.scheduler.tier is not None:  # a stop first finishes the tiers' queued disk writes
+        signal.signal(signal.SIGTERM, lambda *_: _exit_after(loop.scheduler.tier.close))
     try:
         loop.run()
     except KeyboardInterrupt:
