@@ -301,7 +301,10 @@ def _unfinished(tm: TokenizerManager) -> list:
     return [
         s
         for s in tm.states.values()
-        if not s.finished and not any(o.finish_reason is not None for o in s.pending)
+        if not s.finished
+        and not any(o.finish_reason is not None for o in s.pending)
+        # a request that moved to another decode no longer needs this server's scheduler
+        and not (s.relay is not None and s.relay.left)
     ]
 
 

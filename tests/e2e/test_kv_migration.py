@@ -1,0 +1,219 @@
+"""KV migration (``POST /migrate``, router ``--drain-migrate``): running requests move from one
+decode to another mid-generation, KV pages and all, over the PD transfer path; every client
+stream (OpenAI chat and /generate, through the router) ends with exactly the tokens of an
+unmigrated run, and both decodes' pools end free and consistent.
+
+One cluster for the module: a prefill, decode D1 behind the router, decode D2 outside it (the
+target) until the drain test adds it to the router and removes D1."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.helpers import cluster as c
+
+NEW_TOKENS = 160
+COMMON = [
+    "--page-size",
+    "16",
+    "--max-total-tokens",
+    "16384",
+    "--disaggregation-bootstrap-timeout",
+    "20",
+    "--disaggregation-waiting-timeout",
+    "20",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_llama_path):
+    logs = tmp_path_factory.mktemp("kv_migration")
+    P, _ = c.prefill("Pm", tiny_llama_path, logs, *COMMON)
+    D1 = c.decode("Dm1", tiny_llama_path, logs, *COMMON)
+    D2 = c.decode("Dm2", tiny_llama_path, logs, *COMMON)
+    R = None
+    try:
+        c.start_all((P, D1, D2))
+        R = c.router("Rm", [P], [D1], logs, "--drain-migrate").start()
+        yield P, D1, D2, R
+    finally:
+        for s in [x for x in (R, D2, D1, P) if x is not None]:
+            s.stop()
+
+
+def prompts(n: int, seed: int = 11) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(rng.randrange(20, 70))] for _ in range(n)]
+
+
+def chat_body(ids: list[int], stream: bool) -> dict:
+    # a chat prompt of the same tokens: the router and the server apply the same template
+    text = " ".join(str(t) for t in ids)
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}),
+    }
+
+
+def generate_body(ids: list[int], stream: bool) -> dict:
+    return {**c.greedy_body(ids, NEW_TOKENS), "stream": stream}
+
+
+def reference(url: str, kind: str, ids: list[int]) -> tuple:
+    """(output, completion tokens) of an unmigrated run."""
+    if kind == "chat":
+        r = httpx.post(url + "/v1/chat/completions", json=chat_body(ids, False), timeout=300)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        return body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"]
+    r = httpx.post(url + "/generate", json=generate_body(ids, False), timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"], r.json()["meta_info"]["completion_tokens"]
+
+
+class Stream(threading.Thread):
+    """One streaming request; ``progress`` counts its events so far."""
+
+    def __init__(self, url: str, kind: str, ids: list[int]):
+        super().__init__(daemon=True)
+        self.url, self.kind, self.ids = url, kind, ids
+        self.progress = 0
+        self.result = None
+        self.error = None
+
+    def run(self) -> None:
+        try:
+            path, body = (
+                ("/v1/chat/completions", chat_body(self.ids, True))
+                if self.kind == "chat"
+                else ("/generate", generate_body(self.ids, True))
+            )
+            text, usage, last = "", None, None
+            with httpx.stream("POST", self.url + path, json=body, timeout=300) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    ev = json.loads(line[6:])
+                    assert "error" not in ev, ev
+                    self.progress += 1
+                    if self.kind == "chat":
+                        if ev.get("usage"):
+                            usage = ev["usage"]
+                        for ch in ev.get("choices", []):
+                            text += ch["delta"].get("content") or ""
+                    else:
+                        last = ev
+            if self.kind == "chat":
+                self.result = (text, usage["completion_tokens"], usage["prompt_tokens"])
+            else:
+                meta = last["meta_info"]
+                self.result = (last["output_ids"], meta["completion_tokens"], meta["prompt_tokens"])
+        except Exception as e:  # reported by the test
+            self.error = e
+
+
+def start_streams(url: str, n: int, seed: int = 11) -> list[Stream]:
+    kinds = ["chat", "generate"]
+    streams = [Stream(url, kinds[i % 2], ids) for i, ids in enumerate(prompts(n, seed))]
+    for s in streams:
+        s.start()
+    c.wait_for(lambda: all(s.progress >= 4 for s in streams), 120, "every stream to be going")
+    return streams
+
+
+def check_streams(streams: list[Stream], refs: list[tuple]) -> None:
+    for s in streams:
+        s.join(300)
+    for s, (out, completion) in zip(streams, refs):
+        assert s.error is None, s.error
+        assert s.result[0] == out, (s.kind, s.result[0], out)
+        assert s.result[1] == completion == NEW_TOKENS
+        assert s.result[2] > 0
+
+
+def server_stats(server: c.Proc) -> dict:
+    return server.http.get("/server_info").json()["internal_states"][0]
+
+
+def test_migrate_errors(cluster):
+    P, D1, D2, R = cluster
+
+    def post(server, body):
+        return httpx.post(server.url + "/migrate", json=body, timeout=30)
+
+    r = post(D1, {"rid": "nope", "target": D2.url})
+    assert r.status_code == 404 and "nope" in r.text
+    r = post(D1, {"rid": "all", "target": D1.url})
+    assert r.status_code == 400 and "is this server" in r.text
+    r = post(D1, {"rid": "all", "target": P.url})
+    assert r.status_code == 400 and "not a decode" in r.text
+    r = post(P, {"rid": "all", "target": D2.url})
+    assert r.status_code == 400 and "only a decode" in r.text
+    r = post(D1, {"rid": "all", "target": f"127.0.0.1:{c.free_port()}"})
+    assert r.status_code == 400 and "cannot reach" in r.text
+    r = post(D1, {"rid": "all"})
+    assert r.status_code == 400
+    r = post(D1, {"rid": "all", "target": D2.url})  # nothing runs: nothing to move
+    assert r.status_code == 200 and r.json() == {"moved": [], "refused": {}}
+
+
+def test_migrate_mid_generation(cluster):
+    """8 streams (chat and /generate) move from D1 to D2 mid-generation: each ends with exactly
+    the tokens of the unmigrated run; D1's pages are free and D2 decoded them."""
+    P, D1, D2, R = cluster
+    refs = [reference(R.url, ["chat", "generate"][i % 2], ids) for i, ids in enumerate(prompts(8))]
+    before = server_stats(D1).get("migrated", 0)
+    streams = start_streams(R.url, 8)
+    r = httpx.post(D1.url + "/migrate", json={"rid": "all", "target": D2.url}, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["moved"]) == 8 and not body["refused"], body
+    assert all(s.progress < NEW_TOKENS for s in streams)  # it moved mid-generation
+    c.wait_for(lambda: server_stats(D1).get("migrated", 0) - before == 8, 60, "the moves")
+    # D1 decodes nothing any more while the streams go on
+    assert D1.integrity()["running"] == 0
+    check_streams(streams, refs)
+    assert server_stats(D1)["migration_kv_bytes_sent"] > 0
+    for s in (P, D1, D2):
+        s.wait_idle()
+
+
+def test_drain_migrate(cluster):
+    """The router's drain of D1 with --drain-migrate moves its requests to D2 and ends while
+    the generations go on; the streams still end with the unmigrated tokens."""
+    P, D1, D2, R = cluster
+    refs = [
+        reference(R.url, ["chat", "generate"][i % 2], ids) for i, ids in enumerate(prompts(4, 3))
+    ]
+    streams = start_streams(R.url, 4, seed=3)  # D1 is the router's only decode yet
+    r = httpx.post(R.url + "/workers", json={"url": D2.url, "worker_type": "decode"}, timeout=60)
+    assert r.status_code == 202, r.text
+    assert D1.integrity()["running"] == 4
+    t0 = time.monotonic()
+    r = httpx.delete(f"{R.url}/workers/{D1.url}", timeout=30)
+    assert r.status_code == 202, r.text
+
+    def gone():
+        workers = httpx.get(R.url + "/workers", timeout=10).json()
+        return all(w["url"] != D1.url for w in workers.get("workers", workers))
+
+    c.wait_for(gone, 120, "the drain of D1")
+    drain_s = time.monotonic() - t0
+    # the drain ended while the generations still ran
+    assert sum(s.is_alive() for s in streams) > 0, drain_s
+    assert D1.integrity()["running"] == 0
+    check_streams(streams, refs)
+    for s in (P, D1, D2):
+        s.wait_idle()
