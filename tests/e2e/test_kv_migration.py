@@ -56,7 +56,6 @@ def chat_body(ids: list[int], stream: bool) -> dict:
     # a chat prompt of the same tokens: the router and the server apply the same template
     text = " ".join(str(t) for t in ids)
     return {
-        "model": "m",
         "messages": [{"role": "user", "content": text}],
         "max_tokens": NEW_TOKENS,
         "temperature": 0,
@@ -68,6 +67,15 @@ def chat_body(ids: list[int], stream: bool) -> dict:
 
 def generate_body(ids: list[int], stream: bool) -> dict:
     return {**c.greedy_body(ids, NEW_TOKENS), "stream": stream}
+
+
+def references(url: str, ps: list[list[int]]) -> list[tuple]:
+    """Unmigrated runs of ``ps`` (alternately chat and /generate), all at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(ps)) as ex:
+        kinds = ["chat", "generate"]
+        return list(ex.map(lambda a: reference(url, kinds[a[0] % 2], a[1]), enumerate(ps)))
 
 
 def reference(url: str, kind: str, ids: list[int]) -> tuple:
@@ -173,7 +181,7 @@ def test_migrate_mid_generation(cluster):
     """8 streams (chat and /generate) move from D1 to D2 mid-generation: each ends with exactly
     the tokens of the unmigrated run; D1's pages are free and D2 decoded them."""
     P, D1, D2, R = cluster
-    refs = [reference(R.url, ["chat", "generate"][i % 2], ids) for i, ids in enumerate(prompts(8))]
+    refs = references(R.url, prompts(8))
     before = server_stats(D1).get("migrated", 0)
     streams = start_streams(R.url, 8)
     r = httpx.post(D1.url + "/migrate", json={"rid": "all", "target": D2.url}, timeout=30)
@@ -194,9 +202,7 @@ def test_drain_migrate(cluster):
     """The router's drain of D1 with --drain-migrate moves its requests to D2 and ends while
     the generations go on; the streams still end with the unmigrated tokens."""
     P, D1, D2, R = cluster
-    refs = [
-        reference(R.url, ["chat", "generate"][i % 2], ids) for i, ids in enumerate(prompts(4, 3))
-    ]
+    refs = references(R.url, prompts(4, 3))
     streams = start_streams(R.url, 4, seed=3)  # D1 is the router's only decode yet
     r = httpx.post(R.url + "/workers", json={"url": D2.url, "worker_type": "decode"}, timeout=60)
     assert r.status_code == 202, r.text
