@@ -60,7 +60,9 @@ def run_mode(mode: str, P, D1, D2, logs: Path, a) -> dict:
         for t in threads:
             t.start()
         c.wait_for(lambda: all(n >= 2 for n in progress), 300, "every stream to be going")
-        r = httpx.post(R.url + "/workers", json={"url": D2.url, "worker_type": "decode"}, timeout=60)
+        r = httpx.post(
+            R.url + "/workers", json={"url": D2.url, "worker_type": "decode"}, timeout=60
+        )
         assert r.status_code == 202, r.text
         t0 = time.monotonic()
         at_removal = sum(progress)

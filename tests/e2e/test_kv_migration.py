@@ -223,3 +223,39 @@ def test_drain_migrate(cluster):
     check_streams(streams, refs)
     for s in (P, D1, D2):
         s.wait_idle()
+
+
+@pytest.fixture(scope="module")
+def mooncake_cluster(tmp_path_factory, tiny_llama_path):
+    from pdserve.disagg.transfer import get_backend
+
+    try:
+        get_backend("mooncake")
+    except ValueError as e:
+        pytest.skip(str(e))
+    logs = tmp_path_factory.mktemp("kv_migration_mooncake")
+    args = [*COMMON, "--disaggregation-transfer-backend", "mooncake"]
+    P, _ = c.prefill("Pmc", tiny_llama_path, logs, *args)
+    D1 = c.decode("Dmc1", tiny_llama_path, logs, *args)
+    D2 = c.decode("Dmc2", tiny_llama_path, logs, *args)
+    R = None
+    try:
+        c.start_all((P, D1, D2))
+        R = c.router("Rmc", [P], [D1], logs).start()
+        yield P, D1, D2, R
+    finally:
+        for s in [x for x in (R, D2, D1, P) if x is not None]:
+            s.stop()
+
+
+def test_migrate_on_mooncake(mooncake_cluster):
+    """The same move over Mooncake (TCP): the pages go through the Mooncake engines."""
+    P, D1, D2, R = mooncake_cluster
+    refs = references(R.url, prompts(4, 5))
+    streams = start_streams(R.url, 4, seed=5)
+    r = httpx.post(D1.url + "/migrate", json={"rid": "all", "target": D2.url}, timeout=30)
+    assert r.status_code == 200 and len(r.json()["moved"]) == 4, r.text
+    check_streams(streams, refs)
+    assert server_stats(D1)["migration_kv_bytes_sent"] > 0
+    for s in (P, D1, D2):
+        s.wait_idle()
