@@ -187,6 +187,16 @@ class MigrationOut:
             req.disagg.sender.abort("the request ended on the source decode while migrating")
             self._release(req)
 
+    def cancel(self, rid: str, reason: str) -> bool:
+        """The target will not take ``rid`` (its front end refused it, or cannot be reached): end
+        the room now, so the request goes on here at the next step rather than after the
+        bootstrap timeout. False when ``rid`` is not moving (already moved, or ended)."""
+        req = next((r for r in self.out if r.rid == rid), None)
+        if req is None or req.disagg.sent:
+            return False  # once sent, the transfer's own outcome decides
+        req.disagg.sender.abort(f"the target refused the request: {reason}")
+        return True
+
     def holds(self, req: Req) -> bool:
         return req in self.out
 
@@ -220,6 +230,9 @@ def migrate_control(loop, args: dict) -> dict:
     Returns ``{"moved": [...], "refused": {rid: why}, "bootstrap_host", "bootstrap_port"}``."""
     s = loop.scheduler
     pd = s.pd
+    if "cancel" in args:  # the front end's relay could not hand the request over
+        m = getattr(pd, "migration", None)
+        return {"cancelled": m is not None and m.cancel(args["cancel"], args.get("reason", ""))}
     if s.args.disaggregation_mode != "decode" or pd is None:
         raise MigrationRefused("only a decode server moves its requests")
     if pd.migration is None:

@@ -101,7 +101,14 @@ class Relay:
         if self.state.relay is self and self.left and not self.final_seen:
             self._fail(why)
         elif not self.left and not self.held:
-            logger.warning("rid=%s: %s answered the move: %s", self.state.rid, self.target, why)
+            # the target never took it: end the room on this server, the request goes on here
+            logger.warning("rid=%s: %s refused the move: %s", self.state.rid, self.target, why)
+            try:
+                await self.tm.client.control(
+                    "migrate_out", {"cancel": self.state.rid, "reason": why}, timeout=10.0
+                )
+            except (RuntimeError, asyncio.TimeoutError) as e:  # the bootstrap timeout ends it
+                logger.warning("rid=%s: could not cancel the move: %s", self.state.rid, e)
 
     def cancel(self) -> None:
         if self.task is not None:

@@ -93,9 +93,9 @@ def reference(url: str, kind: str, ids: list[int]) -> tuple:
 class Stream(threading.Thread):
     """One streaming request; ``progress`` counts its events so far."""
 
-    def __init__(self, url: str, kind: str, ids: list[int]):
+    def __init__(self, url: str, kind: str, ids: list[int], **extra):
         super().__init__(daemon=True)
-        self.url, self.kind, self.ids = url, kind, ids
+        self.url, self.kind, self.ids, self.extra = url, kind, ids, extra
         self.progress = 0
         self.result = None
         self.error = None
@@ -107,6 +107,7 @@ class Stream(threading.Thread):
                 if self.kind == "chat"
                 else ("/generate", generate_body(self.ids, True))
             )
+            body.update(self.extra)
             text, usage, last = "", None, None
             with httpx.stream("POST", self.url + path, json=body, timeout=300) as r:
                 assert r.status_code == 200, r.read()
@@ -128,6 +129,7 @@ class Stream(threading.Thread):
             else:
                 meta = last["meta_info"]
                 self.result = (last["output_ids"], meta["completion_tokens"], meta["prompt_tokens"])
+                self.meta = meta
         except Exception as e:  # reported by the test
             self.error = e
 
@@ -194,6 +196,78 @@ def test_migrate_mid_generation(cluster):
     assert D1.integrity()["running"] == 0
     check_streams(streams, refs)
     assert server_stats(D1)["migration_kv_bytes_sent"] > 0
+    for s in (P, D1, D2):
+        s.wait_idle()
+
+
+def run_streams(url: str, ps, extra, move=None) -> list[Stream]:
+    """/generate streams of ``ps`` (with ``extra`` fields each), all at once; with ``move``
+    (source, target), moved once each has output."""
+    streams = [Stream(url, "generate", ids, **e) for ids, e in zip(ps, extra)]
+    for s in streams:
+        s.start()
+    c.wait_for(lambda: all(s.progress >= 4 for s in streams), 120, "every stream to be going")
+    if move is not None:
+        source, target = move
+        r = httpx.post(
+            source.url + "/migrate", json={"rid": "all", "target": target.url}, timeout=30
+        )
+        assert r.status_code == 200 and len(r.json()["moved"]) == len(ps), r.text
+        for s in streams:
+            s.at_move = s.progress
+    for s in streams:
+        s.join(300)
+        assert s.error is None, s.error
+    return streams
+
+
+SAMPLED = {
+    "temperature": 0.9,
+    "top_p": 0.95,
+    "frequency_penalty": 0.4,
+    "presence_penalty": 0.3,
+    "max_new_tokens": NEW_TOKENS,
+    "ignore_eos": True,
+}
+
+
+def test_seeded_sampling_and_logprobs_move(cluster):
+    """Seeded sampling with penalties and logprobs: the moved request draws what it would have
+    drawn (the seed and the penalties' counts move with it) and its logprobs line up. One
+    request at a time, so that both runs compute every step in a batch of one (a batch's
+    composition changes the logits' last bits, and a sampled token near a boundary with them)."""
+    P, D1, D2, R = cluster
+    for i, ids in enumerate(prompts(2, seed=21)):
+        extra = [{"sampling_params": {**SAMPLED, "seed": 100 + i}, "return_logprob": True}]
+        (ref,) = run_streams(R.url, [ids], extra)
+        (moved,) = run_streams(R.url, [ids], extra, move=(D1, D2))
+        assert moved.result[0] == ref.result[0], moved.at_move
+        got, want = moved.meta["output_token_logprobs"], ref.meta["output_token_logprobs"]
+        assert [t for _, t, _ in got] == [t for _, t, _ in want] == ref.result[0]
+        assert max(abs(a[0] - b[0]) for a, b in zip(got, want)) < 1e-4
+        assert moved.meta["completion_tokens"] == NEW_TOKENS
+    for s in (P, D1, D2):
+        s.wait_idle()
+
+
+def test_a_refused_move_goes_on_here(cluster):
+    """A target that refuses the request (its rid is taken there) leaves it on the source,
+    which goes on with the same tokens; both pools end consistent."""
+    P, D1, D2, R = cluster
+    (ids,), (other,) = prompts(1, seed=31), prompts(1, seed=32)
+    ref = reference(R.url, "generate", ids)
+    before = server_stats(D1).get("migrations_failed", 0)
+    mine = Stream(R.url, "generate", ids, rid="taken")
+    theirs = Stream(D2.url, "generate", other, rid="taken")  # served on D2 itself
+    for s in (mine, theirs):
+        s.start()
+    c.wait_for(lambda: mine.progress >= 4 and theirs.progress >= 4, 120, "both streams")
+    r = httpx.post(D1.url + "/migrate", json={"rid": "taken", "target": D2.url}, timeout=30)
+    assert r.status_code == 200 and len(r.json()["moved"]) == 1, r.text
+    c.wait_for(lambda: server_stats(D1)["migrations_failed"] == before + 1, 60, "the refusal")
+    check_streams([mine], [ref])
+    theirs.join(300)
+    assert theirs.error is None, theirs.error
     for s in (P, D1, D2):
         s.wait_idle()
 
