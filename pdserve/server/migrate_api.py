@@ -99,31 +99,23 @@ async def _check_target(tm: TokenizerManager, client: httpx.AsyncClient, url: st
     return sum(int(g.get("num_reqs", 0)) for g in load if isinstance(g, dict))
 
 
-async def migrate(request: Request, tm: TokenizerManager) -> Response:
-    args = tm.server_args
-    body = await http_util.read_body(request, args.max_body_bytes, MigrateBody)
-    if args.disaggregation_mode != "decode":
-        raise bad_request(
-            f"this server is a {args.disaggregation_mode!r} server; only a decode moves requests"
-        )
-    live = [rid for rid, st in tm.states.items() if not st.finished and st.relay is None]
-    if body.rid == "all":
-        rids = live
-    else:
-        rids = [body.rid] if isinstance(body.rid, str) else list(body.rid)
-        unknown = [r for r in rids if r not in tm.states]
-        if unknown:
-            raise APIError(404, f"rid: no running request {unknown[0]!r} on this server")
-    targets = [body.target] if isinstance(body.target, str) else list(body.target)
+async def check_targets(tm: TokenizerManager, targets: list[str]) -> tuple[list[str], list[int]]:
+    """The targets' URLs and loads; 400 naming the first that cannot take requests."""
     if not targets:
         raise bad_request("target: name at least one decode server")
     urls = [_url(t) for t in targets]
     async with httpx.AsyncClient(timeout=INFO_TIMEOUT_S) as client:
         loads = await asyncio.gather(*(_check_target(tm, client, u) for u in urls))
+    return urls, list(loads)
+
+
+async def move(tm: TokenizerManager, rids: list[str], urls: list[str], loads: list[int]) -> dict:
+    """Move ``rids`` to the targets (each to the least loaded, counting what it gets here) and
+    start their relays: ``{"moved": [...], "refused": {rid: why}}``."""
     if not rids:
-        return http_util.json_response({"moved": [], "refused": {}})
+        return {"moved": [], "refused": {}}
     moves = []
-    for rid in rids:  # each to the least loaded target, counting what it gets here
+    for rid in rids:
         i = min(range(len(urls)), key=lambda k: loads[k])
         loads[i] += 1
         moves.append([rid, random.randrange(1, 2**63), urls[i]])
@@ -142,6 +134,31 @@ async def migrate(request: Request, tm: TokenizerManager) -> Response:
             "bootstrap_room": m["room"],
         }
         state.relay = Relay(tm, state, m["target"], relay_body)
+    return out
+
+
+def movable_rids(tm: TokenizerManager) -> list[str]:
+    """Requests here that run and have not moved."""
+    return [rid for rid, st in tm.states.items() if not st.finished and st.relay is None]
+
+
+async def migrate(request: Request, tm: TokenizerManager) -> Response:
+    args = tm.server_args
+    body = await http_util.read_body(request, args.max_body_bytes, MigrateBody)
+    if args.disaggregation_mode != "decode":
+        raise bad_request(
+            f"this server is a {args.disaggregation_mode!r} server; only a decode moves requests"
+        )
+    if body.rid == "all":
+        rids = movable_rids(tm)
+    else:
+        rids = [body.rid] if isinstance(body.rid, str) else list(body.rid)
+        unknown = [r for r in rids if r not in tm.states]
+        if unknown:
+            raise APIError(404, f"rid: no running request {unknown[0]!r} on this server")
+    targets = [body.target] if isinstance(body.target, str) else list(body.target)
+    urls, loads = await check_targets(tm, targets)
+    out = await move(tm, rids, urls, loads)
     if body.rid != "all" and not out["moved"]:
         raise APIError(409, f"nothing could move: {out['refused']}")
     moved = [{"rid": m["rid"], "target": m["target"], "room": m["room"]} for m in out["moved"]]

@@ -19,6 +19,7 @@ import pytest
 from tests.helpers import cluster as c
 
 NEW_TOKENS = 160
+LONG = 800  # the drain tests: generations that outlast a drain by far
 COMMON = [
     "--page-size",
     "16",
@@ -52,12 +53,12 @@ def prompts(n: int, seed: int = 11) -> list[list[int]]:
     return [[rng.randrange(100, 40000) for _ in range(rng.randrange(20, 70))] for _ in range(n)]
 
 
-def chat_body(ids: list[int], stream: bool) -> dict:
+def chat_body(ids: list[int], stream: bool, tokens: int = NEW_TOKENS) -> dict:
     # a chat prompt of the same tokens: the router and the server apply the same template
     text = " ".join(str(t) for t in ids)
     return {
         "messages": [{"role": "user", "content": text}],
-        "max_tokens": NEW_TOKENS,
+        "max_tokens": tokens,
         "temperature": 0,
         "ignore_eos": True,
         "stream": stream,
@@ -65,27 +66,29 @@ def chat_body(ids: list[int], stream: bool) -> dict:
     }
 
 
-def generate_body(ids: list[int], stream: bool) -> dict:
-    return {**c.greedy_body(ids, NEW_TOKENS), "stream": stream}
+def generate_body(ids: list[int], stream: bool, tokens: int = NEW_TOKENS) -> dict:
+    return {**c.greedy_body(ids, tokens), "stream": stream}
 
 
-def references(url: str, ps: list[list[int]]) -> list[tuple]:
+def references(url: str, ps: list[list[int]], tokens: int = NEW_TOKENS) -> list[tuple]:
     """Unmigrated runs of ``ps`` (alternately chat and /generate), all at once."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(len(ps)) as ex:
         kinds = ["chat", "generate"]
-        return list(ex.map(lambda a: reference(url, kinds[a[0] % 2], a[1]), enumerate(ps)))
+        return list(ex.map(lambda a: reference(url, kinds[a[0] % 2], a[1], tokens), enumerate(ps)))
 
 
-def reference(url: str, kind: str, ids: list[int]) -> tuple:
+def reference(url: str, kind: str, ids: list[int], tokens: int = NEW_TOKENS) -> tuple:
     """(output, completion tokens) of an unmigrated run."""
     if kind == "chat":
-        r = httpx.post(url + "/v1/chat/completions", json=chat_body(ids, False), timeout=300)
+        r = httpx.post(
+            url + "/v1/chat/completions", json=chat_body(ids, False, tokens), timeout=300
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         return body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"]
-    r = httpx.post(url + "/generate", json=generate_body(ids, False), timeout=300)
+    r = httpx.post(url + "/generate", json=generate_body(ids, False, tokens), timeout=300)
     assert r.status_code == 200, r.text
     return r.json()["output_ids"], r.json()["meta_info"]["completion_tokens"]
 
@@ -93,8 +96,9 @@ def reference(url: str, kind: str, ids: list[int]) -> tuple:
 class Stream(threading.Thread):
     """One streaming request; ``progress`` counts its events so far."""
 
-    def __init__(self, url: str, kind: str, ids: list[int], **extra):
+    def __init__(self, url: str, kind: str, ids: list[int], tokens: int = NEW_TOKENS, **extra):
         super().__init__(daemon=True)
+        self.tokens = tokens
         self.url, self.kind, self.ids, self.extra = url, kind, ids, extra
         self.progress = 0
         self.result = None
@@ -103,9 +107,9 @@ class Stream(threading.Thread):
     def run(self) -> None:
         try:
             path, body = (
-                ("/v1/chat/completions", chat_body(self.ids, True))
+                ("/v1/chat/completions", chat_body(self.ids, True, self.tokens))
                 if self.kind == "chat"
-                else ("/generate", generate_body(self.ids, True))
+                else ("/generate", generate_body(self.ids, True, self.tokens))
             )
             body.update(self.extra)
             text, usage, last = "", None, None
@@ -134,22 +138,22 @@ class Stream(threading.Thread):
             self.error = e
 
 
-def start_streams(url: str, n: int, seed: int = 11) -> list[Stream]:
+def start_streams(url: str, n: int, seed: int = 11, tokens: int = NEW_TOKENS) -> list[Stream]:
     kinds = ["chat", "generate"]
-    streams = [Stream(url, kinds[i % 2], ids) for i, ids in enumerate(prompts(n, seed))]
+    streams = [Stream(url, kinds[i % 2], ids, tokens) for i, ids in enumerate(prompts(n, seed))]
     for s in streams:
         s.start()
     c.wait_for(lambda: all(s.progress >= 4 for s in streams), 120, "every stream to be going")
     return streams
 
 
-def check_streams(streams: list[Stream], refs: list[tuple]) -> None:
+def check_streams(streams: list[Stream], refs: list[tuple], tokens: int = NEW_TOKENS) -> None:
     for s in streams:
         s.join(300)
     for s, (out, completion) in zip(streams, refs):
         assert s.error is None, s.error
         assert s.result[0] == out, (s.kind, s.result[0], out)
-        assert s.result[1] == completion == NEW_TOKENS
+        assert s.result[1] == completion == tokens
         assert s.result[2] > 0
 
 
@@ -276,8 +280,8 @@ def test_drain_migrate(cluster):
     """The router's drain of D1 with --drain-migrate moves its requests to D2 and ends while
     the generations go on; the streams still end with the unmigrated tokens."""
     P, D1, D2, R = cluster
-    refs = references(R.url, prompts(4, 3))
-    streams = start_streams(R.url, 4, seed=3)  # D1 is the router's only decode yet
+    refs = references(R.url, prompts(4, 3), LONG)
+    streams = start_streams(R.url, 4, seed=3, tokens=LONG)  # D1 is the router's only decode yet
     r = httpx.post(R.url + "/workers", json={"url": D2.url, "worker_type": "decode"}, timeout=60)
     assert r.status_code == 202, r.text
     assert D1.integrity()["running"] == 4
@@ -294,9 +298,31 @@ def test_drain_migrate(cluster):
     # the drain ended while the generations still ran
     assert sum(s.is_alive() for s in streams) > 0, drain_s
     assert D1.integrity()["running"] == 0
-    check_streams(streams, refs)
+    check_streams(streams, refs, LONG)
     for s in (P, D1, D2):
         s.wait_idle()
+
+
+def test_switch_role_moves_requests(cluster, tmp_path):
+    """POST /switch_role with migrate_to: the decode moves its requests to D2 and becomes a
+    prefill while they go on (relayed by its front end), with the unmigrated tokens."""
+    P, D1, D2, R = cluster
+    R2 = c.router("Rm2", [P], [D1], tmp_path).start()  # R let D1 go in the drain test
+    try:
+        refs = references(R2.url, prompts(4, 41), LONG)
+        streams = start_streams(R2.url, 4, seed=41, tokens=LONG)
+        body = {"role": "prefill", "bootstrap_port": c.free_port(), "migrate_to": [D2.url]}
+        r = httpx.post(D1.url + "/switch_role", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["aborted_requests"] == 0 and r.json()["drained_requests"] == 4
+        assert sum(s.is_alive() for s in streams) > 0  # it switched while they still ran
+        check_streams(streams, refs, LONG)
+        for s in (P, D1, D2):
+            s.wait_idle()
+        info = D1.http.get("/server_info").json()
+        assert info["disaggregation_mode"] == "prefill"
+    finally:
+        R2.stop()
 
 
 @pytest.fixture(scope="module")
