@@ -181,6 +181,20 @@ def test_migrate_errors(cluster):
     assert r.status_code == 400
     r = post(D1, {"rid": "all", "target": D2.url})  # nothing runs: nothing to move
     assert r.status_code == 200 and r.json() == {"moved": [], "refused": {}}
+    moved = {
+        "rid": "x",
+        "input_ids": [5, 6],
+        "output_ids": [7],
+        "sampling_params": {},
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": 1,
+        "bootstrap_room": 1,
+    }
+    r = httpx.post(P.url + "/migrate_in", json=moved, timeout=30)
+    assert r.status_code == 400 and "not a decode" in r.text
+    for bad, why in (({"output_ids": []}, "output_ids"), ({"input_ids": [-1]}, "out of range")):
+        r = httpx.post(D2.url + "/migrate_in", json={**moved, **bad}, timeout=30)
+        assert r.status_code == 400 and why in r.text, r.text
 
 
 def test_migrate_mid_generation(cluster):
@@ -326,7 +340,9 @@ def test_switch_role_moves_requests(cluster, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def mooncake_cluster(tmp_path_factory, tiny_llama_path):
+def mooncake_decodes(tmp_path_factory, tiny_llama_path):
+    """Two decodes on Mooncake, no prefill: requests without PD fields are computed on the
+    decode itself (as on a colocated server), which is all a move needs."""
     from pdserve.disagg.transfer import get_backend
 
     try:
@@ -335,27 +351,25 @@ def mooncake_cluster(tmp_path_factory, tiny_llama_path):
         pytest.skip(str(e))
     logs = tmp_path_factory.mktemp("kv_migration_mooncake")
     args = [*COMMON, "--disaggregation-transfer-backend", "mooncake"]
-    P, _ = c.prefill("Pmc", tiny_llama_path, logs, *args)
     D1 = c.decode("Dmc1", tiny_llama_path, logs, *args)
     D2 = c.decode("Dmc2", tiny_llama_path, logs, *args)
-    R = None
     try:
-        c.start_all((P, D1, D2))
-        R = c.router("Rmc", [P], [D1], logs).start()
-        yield P, D1, D2, R
+        c.start_all((D1, D2))
+        yield D1, D2
     finally:
-        for s in [x for x in (R, D2, D1, P) if x is not None]:
+        for s in (D2, D1):
             s.stop()
 
 
-def test_migrate_on_mooncake(mooncake_cluster):
-    """The same move over Mooncake (TCP): the pages go through the Mooncake engines."""
-    P, D1, D2, R = mooncake_cluster
-    refs = references(R.url, prompts(4, 5))
-    streams = start_streams(R.url, 4, seed=5)
+def test_migrate_on_mooncake_with_a_direct_client(mooncake_decodes):
+    """The move over Mooncake (TCP), for clients that talk to the decode directly: the pages go
+    through the Mooncake engines and the old decode relays the new one's stream."""
+    D1, D2 = mooncake_decodes
+    refs = references(D1.url, prompts(4, 5))
+    streams = start_streams(D1.url, 4, seed=5)
     r = httpx.post(D1.url + "/migrate", json={"rid": "all", "target": D2.url}, timeout=30)
     assert r.status_code == 200 and len(r.json()["moved"]) == 4, r.text
     check_streams(streams, refs)
     assert server_stats(D1)["migration_kv_bytes_sent"] > 0
-    for s in (P, D1, D2):
+    for s in (D1, D2):
         s.wait_idle()
