@@ -137,7 +137,7 @@ class DecodeQueues:
 
     def integrity(self) -> dict:
         counts = self.mgr.counts() if hasattr(self.mgr, "counts") else {}
-        return {
+        out = {
             "metadata_slots_total": self.slots.num_slots,
             "metadata_slots_free": self.slots.num_free(),
             "prealloc_queue": len(self.prealloc),
@@ -145,6 +145,11 @@ class DecodeQueues:
             "draining_rooms": len(self.draining),
             **counts,
         }
+        if self.migration is not None:  # its rooms count as the server's (``kv_rooms``)
+            moves = self.migration.integrity()
+            out["kv_rooms"] = out.get("kv_rooms", 0) + moves["migration_rooms"]
+            out.update(moves)
+        return out
 
     def stats(self) -> dict:
         moves = self.migration.stats() if self.migration is not None else {}

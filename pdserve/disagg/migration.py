@@ -200,6 +200,12 @@ class MigrationOut:
     def holds(self, req: Req) -> bool:
         return req in self.out
 
+    def integrity(self) -> dict:
+        """Rooms of moves still open, metadata rows taken (none once every move ended)."""
+        rooms = self.mgr.counts()["kv_rooms"]
+        free = self.slots.num_free()
+        return {"migration_rooms": rooms, "migration_slots_in_use": MIGRATION_SLOTS - free}
+
     def stats(self) -> dict:
         return {
             "migrating": len(self.out),
@@ -227,7 +233,8 @@ def commit_resumed(req: Req, before: int) -> None:
 
 def migrate_control(loop, args: dict) -> dict:
     """The ``migrate_out`` control op: ``args`` has ``moves`` ([rid, room, target] each).
-    Returns ``{"moved": [...], "refused": {rid: why}, "bootstrap_host", "bootstrap_port"}``."""
+    Returns ``{"moved": [...], "refused": {rid: why}, "bootstrap_port"}`` (the front end names
+    the host a target reaches it at)."""
     s = loop.scheduler
     pd = s.pd
     if "cancel" in args:  # the front end's relay could not hand the request over
@@ -235,9 +242,8 @@ def migrate_control(loop, args: dict) -> dict:
         return {"cancelled": m is not None and m.cancel(args["cancel"], args.get("reason", ""))}
     if s.args.disaggregation_mode != "decode" or pd is None:
         raise MigrationRefused("only a decode server moves its requests")
-    if pd.migration is None:
-        host = loop.args.host if loop.args.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        pd.migration = MigrationOut(s, loop.par, host)
+    if pd.migration is None:  # its bootstrap server listens where the server does
+        pd.migration = MigrationOut(s, loop.par, loop.args.host)
     m = pd.migration
     by_rid = {r.rid: r for r in s.running + s.waiting + pd.all_reqs()}
     moved, refused = [], {}
@@ -248,4 +254,4 @@ def migrate_control(loop, args: dict) -> dict:
             refused[rid] = why
             continue
         moved.append({**m.start(req, int(room), target), "target": target})
-    return {"moved": moved, "refused": refused, "bootstrap_host": m.host, "bootstrap_port": m.port}
+    return {"moved": moved, "refused": refused, "bootstrap_port": m.port}

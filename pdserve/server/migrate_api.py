@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import urllib.parse
 from typing import Any, Optional, Union
 
 import httpx
@@ -27,6 +28,7 @@ import msgspec
 from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
+from pdserve.disagg.manager import route_ip
 from pdserve.disagg.transfer.local import host_identity
 from pdserve.engine.request import SamplingParams
 from pdserve.grammar import GrammarSpec
@@ -58,6 +60,14 @@ class MigrateIn(msgspec.Struct):
     logprob_start_len: int = -1
     grammar: Optional[GrammarSpec] = None
     grammar_start_after: Optional[list[int]] = None
+
+
+def reachable_host(host: str, target: str) -> str:
+    """The address ``target`` reaches this server at: its ``--host``, or for a wildcard the
+    local address on the route to the target."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    return route_ip(urllib.parse.urlsplit(target).hostname or "127.0.0.1")
 
 
 def _url(target: str) -> str:
@@ -129,7 +139,7 @@ async def move(tm: TokenizerManager, rids: list[str], urls: list[str], loads: li
             continue
         relay_body = {
             **{k: m[k] for k in MigrateIn.__struct_fields__ if k in m},
-            "bootstrap_host": out["bootstrap_host"],
+            "bootstrap_host": reachable_host(tm.server_args.host, m["target"]),
             "bootstrap_port": out["bootstrap_port"],
             "bootstrap_room": m["room"],
         }
