@@ -317,6 +317,7 @@ def create_app(
     async def metrics() -> Response:
         with contextlib.suppress(APIError, RuntimeError):
             tm.metrics.set_scheduler_stats(await control("stats"))
+        tm.metrics.relayed.set(sum(1 for st in tm.states.values() if st.relay is not None))
         with contextlib.suppress(APIError, RuntimeError):
             await experts.refresh_metrics()
         return Response(tm.metrics.render(), media_type=CONTENT_TYPE_LATEST)

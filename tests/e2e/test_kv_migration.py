@@ -330,6 +330,10 @@ def test_switch_role_moves_requests(cluster, tmp_path):
         assert r.status_code == 200, r.text
         assert r.json()["aborted_requests"] == 0 and r.json()["drained_requests"] == 4
         assert sum(s.is_alive() for s in streams) > 0  # it switched while they still ran
+        # their streams go through this server still: its preStop hook (deploy/k8s) waits for them
+        metrics = D1.http.get("/metrics").text
+        relayed = [ln for ln in metrics.splitlines() if ln.startswith("pdserve:num_relayed_reqs")]
+        assert relayed and float(relayed[0].split()[-1]) > 0, relayed
         check_streams(streams, refs, LONG)
         for s in (P, D1, D2):
             s.wait_idle()
