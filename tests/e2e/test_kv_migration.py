@@ -18,7 +18,7 @@ import pytest
 
 from tests.helpers import cluster as c
 
-NEW_TOKENS = 160
+NEW_TOKENS = 400  # long enough that the scheduler is still at it when the move comes
 LONG = 800  # the drain tests: generations that outlast a drain by far
 COMMON = [
     "--page-size",
