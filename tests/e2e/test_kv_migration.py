@@ -290,6 +290,33 @@ def test_a_refused_move_goes_on_here(cluster):
         s.wait_idle()
 
 
+def test_a_client_gone_after_the_move_ends_it_on_the_target(cluster):
+    """The client leaves mid-stream after the move: the relay's request to the target ends, the
+    target aborts the request, and both decodes end with nothing held."""
+    P, D1, D2, R = cluster
+    before = server_stats(D1).get("migrated", 0)
+    made = server_stats(D2)["generation_tokens"]
+    (ids,) = prompts(1, seed=51)
+    events = 0
+    with httpx.stream("POST", R.url + "/generate", json=generate_body(ids, True, LONG)) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            events += 1
+            if events == 4:
+                m = httpx.post(D1.url + "/migrate", json={"rid": "all", "target": D2.url})
+                assert m.status_code == 200 and len(m.json()["moved"]) == 1, m.text
+                moved = lambda: server_stats(D1).get("migrated", 0) == before + 1  # noqa: E731
+                c.wait_for(moved, 60, "the move")
+            if events == 4 + 8:
+                break
+    D2.wait_idle()
+    # the target stopped early: it holds the request's whole output once it reaches the end
+    assert server_stats(D2)["generation_tokens"] - made < LONG
+    for s in (P, D1, D2):
+        s.wait_idle()
+
+
 def test_drain_migrate(cluster):
     """The router's drain of D1 with --drain-migrate moves its requests to D2 and ends while
     the generations go on; the streams still end with the unmigrated tokens."""
