@@ -184,6 +184,8 @@ class ServerArgs:
     disaggregation_mode: str = "null"
     disaggregation_transfer_backend: str = "local"
     disaggregation_bootstrap_port: int = 8998
+    # decode: the bootstrap port its requests move out on (POST /migrate); 0: any free port
+    migration_bootstrap_port: int = 0
     num_reserved_decode_tokens: int = 512
     # decode keeps finished requests' KV in its radix cache; prefill sends only the pages it lacks
     disaggregation_decode_enable_radix_cache: bool = False
@@ -369,6 +371,11 @@ class ServerArgs:
             bad(
                 "disaggregation_bootstrap_port",
                 f"must be a TCP port, got {self.disaggregation_bootstrap_port}",
+            )
+        if not 0 <= self.migration_bootstrap_port < 65536:
+            bad(
+                "migration_bootstrap_port",
+                f"must be a TCP port, or 0 for any free one, got {self.migration_bootstrap_port}",
             )
         if self.num_reserved_decode_tokens < 0:
             bad(

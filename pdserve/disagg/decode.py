@@ -28,6 +28,7 @@ from typing import Any, Optional
 from pdserve.disagg.dp_resolver import PrefillDPResolver, ResolvingReceiver
 from pdserve.disagg.fake import FakeKVReceiver, is_fake_host
 from pdserve.disagg.metadata import MetadataBuffers, SlotAllocator
+from pdserve.disagg.migration import commit_resumed
 from pdserve.disagg.poll import KVPoll, poll_and_all_reduce
 from pdserve.engine.pd_queues import SchedulerPort
 from pdserve.engine.request import FinishKind, FinishReason, PDState, Req
@@ -72,6 +73,7 @@ class DecodeQueues:
         )
         # (receiver, pages per cache group, slot) of ended rooms whose writers may still be active
         self.draining: list[tuple[Any, list[list[int]], Optional[int]]] = []
+        self.migration = None  # requests moving out (disagg/migration.py), from the first move
         self.dp_resolver = PrefillDPResolver(
             getattr(mgr, "name", "decode"), getattr(mgr, "secret", None)
         )
@@ -118,7 +120,8 @@ class DecodeQueues:
         self.draining.append((receiver, [], None))  # no pages
 
     def all_reqs(self) -> list[Req]:
-        return self.prealloc + self.transfer
+        moving = self.migration.out if self.migration is not None else []
+        return self.prealloc + self.transfer + moving
 
     def extra_pages(self) -> list[int]:
         out = [0] * self.s.kv.num_groups
@@ -129,11 +132,12 @@ class DecodeQueues:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.prealloc or self.transfer or self.draining)
+        moving = self.migration is not None and self.migration.out
+        return bool(self.prealloc or self.transfer or self.draining or moving)
 
     def integrity(self) -> dict:
         counts = self.mgr.counts() if hasattr(self.mgr, "counts") else {}
-        return {
+        out = {
             "metadata_slots_total": self.slots.num_slots,
             "metadata_slots_free": self.slots.num_free(),
             "prealloc_queue": len(self.prealloc),
@@ -141,9 +145,15 @@ class DecodeQueues:
             "draining_rooms": len(self.draining),
             **counts,
         }
+        if self.migration is not None:  # its rooms count as the server's (``kv_rooms``)
+            moves = self.migration.integrity()
+            out["kv_rooms"] = out.get("kv_rooms", 0) + moves["migration_rooms"]
+            out.update(moves)
+        return out
 
     def stats(self) -> dict:
-        return {"draining_rooms": len(self.draining), **self.queues()}
+        moves = self.migration.stats() if self.migration is not None else {}
+        return {"draining_rooms": len(self.draining), **self.queues(), **moves}
 
     def queues(self) -> dict[str, int]:
         """Requests in this role's queues (``GET /get_load``): waiting for KV pages, or for their KV."""
@@ -166,6 +176,9 @@ class DecodeQueues:
         st: Optional[_DecodeState] = req.disagg
         if st is None:
             return
+        if self.migration is not None and self.migration.holds(req):
+            self.migration.discard(req)
+            return
         in_flight = req in self.prealloc or req in self.transfer
         if req in self.prealloc:
             self.prealloc.remove(req)
@@ -186,12 +199,16 @@ class DecodeQueues:
         """Stop the KV manager and the look-up threads (a role switch)."""
         self.dp_resolver.close()
         self.mgr.close()
+        if self.migration is not None:
+            self.migration.close()
 
     # ---- queues ---------------------------------------------------------------------------------
     def process_queues(self) -> None:
         self._process_draining()
         self._process_prealloc()
         self._process_transfer()
+        if self.migration is not None:
+            self.migration.process()
 
     def _fail(self, req: Req, reason: str, status: int = KV_NOT_RECEIVED_STATUS) -> None:
         logger.warning("request %s (room %s) failed: %s", req.rid, req.bootstrap_room, reason)
@@ -230,7 +247,8 @@ class DecodeQueues:
             if state < KVPoll.WaitingForInput:
                 continue
             st.ready_since = st.ready_since or now
-            need = (req.prompt_len + self.s.page_size - 1) // self.s.page_size
+            # the prompt, and for a request moved here mid-generation its output but the last token
+            need = (req.seq_len + self.s.page_size - 1) // self.s.page_size
             if blocked or not self._try_prealloc(req, need):
                 blocked = True  # first come, first served: later requests wait behind this one
                 waited = now - st.ready_since
@@ -299,7 +317,8 @@ class DecodeQueues:
         self.slots.free(st.slot)
         st.receiver.clear()
         req.disagg = None
-        req.kv_len = req.prompt_len
+        before = len(req.output_ids)  # output a request moved here brought along
+        req.kv_len = req.seq_len
         req.cached_tokens = row.cached_tokens[0]
         req.input_logprobs_done = True
         req.output_ids.append(row.first_token)
@@ -331,6 +350,8 @@ class DecodeQueues:
             )
             if req.top_logprobs_num:
                 req.output_top_logprobs.append(list(row.top_logprobs[: req.top_logprobs_num]))
+        if req.resumed:
+            commit_resumed(req, before)
         self.s.start_decoding(req)
 
     def _compute_locally(self, req: Req) -> None:

@@ -112,21 +112,21 @@ def start_bootstrap(args: ServerArgs, par: Parallel):
     )
 
 
-def attach_role(scheduler, par: Parallel, bootstrap=None) -> None:
-    """Give ``scheduler`` the PD queues of ``scheduler.args.disaggregation_mode`` over its pools."""
-    args = scheduler.args
-    mode, backend = args.disaggregation_mode, args.disaggregation_transfer_backend
+def metadata_buffers(scheduler, allocator, num_slots: int) -> MetadataBuffers:
     runner = scheduler.runner
-    metadata = MetadataBuffers(
-        num_metadata_slots(args),
-        allocator=buffer_allocator(backend, mode),
+    return MetadataBuffers(
+        num_slots,
+        allocator=allocator,
         device=runner.device,
         # an EAGLE head's first step on decode: its hidden state after the prompt
         hidden_size=runner.model.hidden_size if runner.capture_hidden else 0,
     )
-    model = runner.model
-    tp = par.attn
-    kv_args = get_kv_class(backend, "kv_args").from_buffers(
+
+
+def build_kv_args(scheduler, par: Parallel, metadata: MetadataBuffers):
+    """What this rank registers with its transfer backend: its pools and ``metadata``."""
+    runner, model, tp = scheduler.runner, scheduler.runner.model, par.attn
+    return get_kv_class(scheduler.args.disaggregation_transfer_backend, "kv_args").from_buffers(
         runner.pools,
         metadata,
         cache_groups=runner.cache_groups,
@@ -145,6 +145,16 @@ def attach_role(scheduler, par: Parallel, bootstrap=None) -> None:
         grammar=scheduler.grammars.fingerprint,
         **extra_fields(runner),
     )
+
+
+def attach_role(scheduler, par: Parallel, bootstrap=None) -> None:
+    """Give ``scheduler`` the PD queues of ``scheduler.args.disaggregation_mode`` over its pools."""
+    args = scheduler.args
+    mode, backend = args.disaggregation_mode, args.disaggregation_transfer_backend
+    metadata = metadata_buffers(
+        scheduler, buffer_allocator(backend, mode), num_metadata_slots(args)
+    )
+    kv_args = build_kv_args(scheduler, par, metadata)
     # the room states are MIN-all-reduced over the ranks that share the scheduler
     group = par.sched.cpu_group if par.sched.size > 1 else None
     mgr = get_kv_class(backend, "manager")(kv_args, mode, args, backend)

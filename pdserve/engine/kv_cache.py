@@ -297,11 +297,11 @@ class KVCacheManager:
         get pages only where their window at the end of the prompt reaches. Returns (the new
         items per group, in logical order from ``transfer_start``; the cached prefix in pages),
         or None (nothing held) when a group lacks room beyond ``reserve`` pages."""
-        n = req.prompt_len
+        n = req.seq_len  # the prompt (and, for a request moved mid-generation, its output so far)
         namespace = self.namespace(n)  # prefill computes the prompt
         if self.tier is not None:
-            self.tier.fill(self, req.input_ids, (n - 1) // self.page_size, namespace)
-        pages, node, _ = self._match(req.input_ids, (n - 1) // self.page_size, namespace)
+            self.tier.fill(self, req.all_ids, (n - 1) // self.page_size, namespace)
+        pages, node, _ = self._match(req.all_ids, (n - 1) // self.page_size, namespace)
         cached = len(pages[self.anchor])
         node = node if cached else None
         counts = self.transfer_counts(n, cached)

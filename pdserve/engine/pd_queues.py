@@ -41,6 +41,9 @@ class SchedulerPort(Protocol):
         """Prefill: ``req``'s first token is sampled and its KV goes to decode; it leaves the
         batch, keeping its KV until the queues finish it."""
 
+    def resume(self, req: Req) -> None:
+        """A request ``hand_off`` took out (its KV kept) joins the running batch again."""
+
     def finish(self, req: Req, reason: FinishReason) -> None:
         """End ``req`` wherever it is and release everything it holds."""
 

@@ -152,6 +152,9 @@ class FinishKind(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    # the request moved to another decode server (pdserve/disagg/migration.py); the front end
+    # relays that server's stream, so no client ever sees this kind
+    MIGRATED = "migrated"
 
 
 @dataclass
@@ -201,6 +204,9 @@ class RequestSpec(msgspec.Struct, kw_only=True):
     grammar: Optional[GrammarSpec] = None  # what the output must match (pdserve/grammar)
     grammar_start_after: Optional[list[int]] = None  # the end-of-reasoning tokens it starts after
     pd: PDFields = msgspec.field(default_factory=PDFields)
+    # a request moved here from another decode (``POST /migrate``): the output it had produced
+    # before its last token (that one arrives with the KV, in the metadata row)
+    resume_output_ids: Optional[list[int]] = None
 
 
 class PDState:
@@ -273,6 +279,7 @@ class Req:
     grammar_start_after: Optional[list[int]] = None
 
     output_ids: list[int] = field(default_factory=list)
+    resumed: bool = False  # moved here mid-generation: ``output_ids`` came with it
     finish_reason: Optional[FinishReason] = None
     # KV state
     kv: Optional[KVSlots] = None
@@ -324,6 +331,8 @@ class Req:
             prefill_dp_rank=spec.pd.disagg_prefill_dp_rank,
             grammar_spec=spec.grammar,
             grammar_start_after=spec.grammar_start_after,
+            output_ids=list(spec.resume_output_ids or []),
+            resumed=spec.resume_output_ids is not None,
         )
 
     def mark(self, event: str) -> None:

@@ -202,6 +202,9 @@ class Scheduler:
     def hand_off(self, req: Req) -> None:
         self.running.remove(req)
 
+    def resume(self, req: Req) -> None:
+        self.running.append(req)
+
     def count(self, stat: str, n: int) -> None:
         self.stats[stat] += n
 

@@ -62,6 +62,7 @@ class RouterArgs:
         10.0  # how long a new worker may take to answer /health and /server_info
     )
     drain_timeout: float = 300.0  # a removed worker's running requests get this long to finish
+    drain_migrate: bool = False  # a drained decode moves its running requests to other decodes
     # switching servers between prefill and decode when the queues show the split is off (router/autoscale.py)
     autoscale: bool = False
     autoscale_interval: float = 2.0  # seconds between queue samples
@@ -356,6 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
         "ends with an error naming the removal",
     )
     p.add_argument(
+        "--drain-migrate",
+        action="store_true",
+        help="a decode being removed (or switched by --autoscale) moves its running requests to "
+        "the other decodes (POST /migrate, KV and all) instead of letting them finish there",
+    )
+    p.add_argument(
         "--autoscale",
         action="store_true",
         help="switch a server between prefill and decode (POST /switch_role, no weight reload) when one "
@@ -602,6 +609,7 @@ def parse_args(argv: list[str]) -> RouterArgs:
         dns_server=ns.dns_server,
         add_worker_timeout=ns.add_worker_timeout,
         drain_timeout=ns.drain_timeout,
+        drain_migrate=ns.drain_migrate,
         autoscale=ns.autoscale,
         autoscale_interval=ns.autoscale_interval,
         autoscale_window=ns.autoscale_window,

@@ -268,10 +268,14 @@ class Autoscaler:
         )
         self.membership.remove(worker, f"autoscale: becoming a {target} server")
         await self.membership.drained(worker)
+        body = {"role": target, "drain_timeout": self.args.drain_timeout}
+        others = [w.url for w in self.pool.available(DECODE)]
+        if self.args.drain_migrate and move.source == DECODE and others:
+            body["migrate_to"] = others  # whatever the router's drain left there moves too
         try:
             resp = await self.pool.client.post(
                 worker.url + "/switch_role",
-                json={"role": target, "drain_timeout": self.args.drain_timeout},
+                json=body,
                 timeout=self.args.drain_timeout + SWITCH_EXTRA_S,
             )
             ok, said = resp.status_code == 200, _message(resp)

@@ -26,6 +26,7 @@ import httpx
 
 from pdserve.router import pairing
 from pdserve.router.args import DEFAULT_BOOTSTRAP_PORT, normalize_url
+from pdserve.router.drain_migrate import migrate_away
 from pdserve.router.workers import DECODE, PREFILL, REGULAR, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -297,6 +298,10 @@ class Membership:
         timeout = self.args.drain_timeout
         deadline = time.monotonic() + timeout
         try:
+            if self.args.drain_migrate and worker.role == DECODE and worker.in_flight > 0:
+                if await migrate_away(self.pool, worker, deadline):
+                    self.pool.forget(worker)  # its legs go on, relayed by its front end
+                    return
             while worker.in_flight > 0 and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             if worker.in_flight > 0:

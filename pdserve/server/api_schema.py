@@ -469,6 +469,21 @@ def route_docs() -> Docs:
             docs[(method, f"/{action}_expert_distribution_record")] = Operation(
                 f"MoE expert load record: {action}", response=Object, errors=(400, 503)
             )
+    from pdserve.server.migrate_api import MigrateBody, MigrateIn
+
+    docs[("post", "/migrate")] = Operation(
+        "Move running requests to another decode, KV and all (decode only)",
+        MigrateBody,
+        Object,
+        errors=(400, 404, 409),
+    )
+    docs[("post", "/migrate_in")] = Operation(
+        "Take a request moved from another decode (decode to decode; JSON lines of outputs)",
+        MigrateIn,
+        Object,
+        media_type="application/jsonl",
+        errors=(400, 503),
+    )
     docs[("post", "/switch_role")] = Operation(
         "Switch between prefill, decode and colocated, keeping the weights",
         SwitchRoleRequest,

@@ -24,7 +24,15 @@ from starlette.responses import Response
 import pdserve
 from pdserve.api_key import APIKeyMiddleware
 from pdserve.disagg.transfer.local import host_identity
-from pdserve.server import api_schema, expert_api, generate_api, http_util, openai_api, role_switch
+from pdserve.server import (
+    api_schema,
+    expert_api,
+    generate_api,
+    http_util,
+    migrate_api,
+    openai_api,
+    role_switch,
+)
 from pdserve.server.calibration import calibrate
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.tokenizer_manager import TokenizerManager
@@ -169,6 +177,16 @@ def create_app(
         refuse_if_unavailable()
         return await openai_api.chat_completions(request, tm)
 
+    @app.post("/migrate")
+    async def migrate(request: Request) -> Response:
+        refuse_if_lost()
+        return await migrate_api.migrate(request, tm)
+
+    @app.post("/migrate_in")
+    async def migrate_in(request: Request) -> Response:
+        refuse_if_unavailable()
+        return await migrate_api.migrate_in(request, tm)
+
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         body = await http_util.read_body(request, args.max_body_bytes, AbortRequest)
@@ -299,6 +317,7 @@ def create_app(
     async def metrics() -> Response:
         with contextlib.suppress(APIError, RuntimeError):
             tm.metrics.set_scheduler_stats(await control("stats"))
+        tm.metrics.relayed.set(sum(1 for st in tm.states.values() if st.relay is not None))
         with contextlib.suppress(APIError, RuntimeError):
             await experts.refresh_metrics()
         return Response(tm.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -128,6 +128,10 @@ class ServerMetrics:
         self._model_name = model_name
         self.running = gauge("pdserve:num_running_reqs", "Requests in the running batch")
         self.waiting = gauge("pdserve:num_waiting_reqs", "Requests waiting to be scheduled")
+        self.relayed = gauge(
+            "pdserve:num_relayed_reqs",
+            "Requests moved to another decode (POST /migrate) whose streams this server relays",
+        )
         self.kv_pages_used = gauge(
             "pdserve:kv_pages_used", "KV cache pages in use (requests + prefix cache)"
         )

@@ -3,7 +3,10 @@ loading its weights again.
 
 Body: ``{"role": "prefill" | "decode" | "colocated", "drain_timeout": seconds (default 30),
 "bootstrap_port": port (prefill only; default the server's --disaggregation-bootstrap-port)}``
-(``"null"``, the ``--disaggregation-mode`` spelling, means colocated). Guarded by ``--api-key``
+(``"null"``, the ``--disaggregation-mode`` spelling, means colocated). A decode may add
+``"migrate_to": [URL, ...]``: its running requests move to those decodes (``POST /migrate``)
+instead of being waited for, and the switch follows at once while their streams go on
+through this server's front end. Guarded by ``--api-key``
 like every route but /health and /metrics.
 
 1. Checks: an unknown role, the role the server has, a field of the wrong type, or a role this
@@ -41,7 +44,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from pdserve.log import retag, role_tag
-from pdserve.server import http_util
+from pdserve.server import http_util, migrate_api
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.messages import AbortReq
 from pdserve.server.tokenizer_manager import TokenizerManager
@@ -53,6 +56,7 @@ ROLES = {"prefill": "prefill", "decode": "decode", "colocated": "null", "null": 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 MAX_DRAIN_TIMEOUT_S = 3600.0
 POLL_S = 0.02
+MIGRATE_RETRY_S = 0.2  # a drain with migrate_to: how often it tries the requests not moved yet
 ABORT_WAIT_S = 10.0  # for the scheduler to end the requests aborted at the drain timeout
 RECONFIGURE_TIMEOUT_S = 600.0  # one re-wiring on the scheduler (pools of many GB take a while)
 WARMUP_TIMEOUT_S = 120.0
@@ -70,6 +74,7 @@ class SwitchRoleRequest(msgspec.Struct, forbid_unknown_fields=True):
             "role": {"enum": list(ROLES)},
             "drain_timeout": {"minimum": 0, "maximum": MAX_DRAIN_TIMEOUT_S},
             "bootstrap_port": {"anyOf": [{"type": "null"}, {"minimum": 0, "maximum": 65535}]},
+            "migrate_to": {"anyOf": [{"type": "null"}, {"type": "array", "minItems": 1}]},
         },
         "if": {"properties": {"role": {"not": {"const": "prefill"}}}},
         "then": {"properties": {"bootstrap_port": {"type": "null"}}},
@@ -78,6 +83,8 @@ class SwitchRoleRequest(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
     bootstrap_port: Optional[int] = None
+    # a decode: move its running requests to these decodes (POST /migrate) instead of waiting
+    migrate_to: Optional[list[str]] = None
 
 
 class RoleSwitch:
@@ -137,6 +144,10 @@ class RoleSwitch:
             raise bad_request(
                 f"drain_timeout: must be in [0, {MAX_DRAIN_TIMEOUT_S:.0f}] seconds, got {body.drain_timeout}"
             )
+        if body.migrate_to is not None and args.disaggregation_mode != "decode":
+            raise bad_request("migrate_to: only a decode server moves its requests")
+        if body.migrate_to is not None and not body.migrate_to:
+            raise bad_request("migrate_to: name at least one decode server")
         if body.bootstrap_port is not None and mode != "prefill":
             raise bad_request("bootstrap_port: only a prefill server has a bootstrap server")
         port = (
@@ -160,6 +171,9 @@ class RoleSwitch:
 
     async def switch(self, body: SwitchRoleRequest) -> dict:
         mode, port = self.check(body)
+        targets = None
+        if body.migrate_to:  # 400 naming a target that cannot take the requests, before anything
+            targets = await migrate_api.check_targets(self.tm, body.migrate_to)
         args = self.tm.server_args
         old = args.disaggregation_mode
         t0 = time.monotonic()
@@ -172,7 +186,7 @@ class RoleSwitch:
             body.drain_timeout,
         )
         try:
-            drained, aborted = await self._drain(body.drain_timeout)
+            drained, aborted = await self._drain(body.drain_timeout, targets)
             t1 = time.monotonic()
             out = await self._reconfigure(mode, port, args)
             t2 = time.monotonic()
@@ -231,13 +245,23 @@ class RoleSwitch:
         )
         return self.last
 
-    async def _drain(self, timeout: float) -> tuple[int, int]:
-        """Wait for the requests here to end; past ``timeout`` end the rest with 503. Returns
-        (requests that ended by themselves, requests ended by the timeout)."""
+    async def _drain(self, timeout: float, targets=None) -> tuple[int, int]:
+        """Wait for the requests here to end (with ``targets``, (urls, loads) of decodes: move
+        them there, again every ``MIGRATE_RETRY_S`` for those not decoding yet); past
+        ``timeout`` end the rest with 503. Returns (requests that ended by themselves or moved,
+        requests ended by the timeout)."""
         tm = self.tm
         here = len(tm.states)
         deadline = time.monotonic() + timeout
+        next_move = 0.0
         while _unfinished(tm) and time.monotonic() < deadline:
+            if targets is not None and time.monotonic() >= next_move:
+                next_move = time.monotonic() + MIGRATE_RETRY_S
+                try:
+                    await migrate_api.move(tm, migrate_api.movable_rids(tm), *targets)
+                except APIError as e:  # the rest drains as without targets
+                    logger.warning("drain: cannot move requests: %s", e.message)
+                    targets = None
             await asyncio.sleep(POLL_S)
         left = _unfinished(tm)
         message = (
@@ -301,7 +325,10 @@ def _unfinished(tm: TokenizerManager) -> list:
     return [
         s
         for s in tm.states.values()
-        if not s.finished and not any(o.finish_reason is not None for o in s.pending)
+        if not s.finished
+        and not any(o.finish_reason is not None for o in s.pending)
+        # a request that moved to another decode no longer needs this server's scheduler
+        and not (s.relay is not None and s.relay.left)
     ]
 
 

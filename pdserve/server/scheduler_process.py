@@ -252,6 +252,10 @@ class SchedulerLoop:
 
     def control(self, op: str, args: dict):
         s = self.scheduler
+        if op == "migrate_out":  # POST /migrate (disagg/migration.py)
+            from pdserve.disagg.migration import migrate_control
+
+            return migrate_control(self, args)
         if op == "get_load":
             running = s.running + (s.pd.all_reqs() if s.pd else [])
             groups = self.gather_groups(

@@ -69,6 +69,7 @@ class ReqSpec:
     grammar_start_after: Optional[list[int]] = (
         None  # the end-of-reasoning token ids it starts after
     )
+    resume_output_ids: Optional[list[int]] = None  # moved here mid-generation (POST /migrate)
 
     def message(self, dp_group: Optional[int]) -> GenerateReq:
         """The scheduler's message for this generation (one sample: its room and ranks)."""
@@ -84,6 +85,7 @@ class ReqSpec:
             routed_experts_start_len=self.routed_experts_start_len,
             grammar=self.grammar,
             grammar_start_after=self.grammar_start_after,
+            resume_output_ids=self.resume_output_ids,
             pd=PDFields(
                 bootstrap_host=self.bootstrap_host,
                 bootstrap_port=self.bootstrap_port,
@@ -116,6 +118,7 @@ class ReqState:
         self.last_output: Optional[float] = None
         self.dp_rank: Optional[int] = None  # the attention-DP group serving it
         self.timeline: dict[str, float] = {"received": time.time()}  # see server/timeline.py
+        self.relay = None  # while it moves to another decode (server/migration_relay.py)
 
     @property
     def text(self) -> str:
@@ -334,6 +337,8 @@ class TokenizerManager:
         state = self.states.get(out.rid)
         if state is None:
             return  # already given up by its handler
+        if state.relay is not None and not state.relay.source_output(out):
+            return  # the relay takes it from here
         state.pending.append(out)
         state.event.set()
 
@@ -409,6 +414,8 @@ class TokenizerManager:
             if self.states.get(state.rid) is not state:
                 continue
             del self.states[state.rid]
+            if state.relay is not None:
+                state.relay.cancel()
             if not state.finished:
                 logger.debug("rid=%s aborted: %s", state.rid, message)
                 self.client.send(AbortReq(rid=state.rid, message=message))

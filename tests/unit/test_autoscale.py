@@ -109,6 +109,8 @@ def test_flags():
         2,
     )
     assert parse_args(PD).autoscale is False
+    assert parse_args([*PD, "--drain-migrate"]).drain_migrate is True
+    assert parse_args(PD).drain_migrate is False
 
 
 @pytest.mark.parametrize(
