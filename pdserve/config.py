@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pdserve import envs
+from pdserve.hicache_args import check_hicache_args
 from pdserve.moe_args import MOE_A2A_BACKENDS, MOE_RUNNER_BACKENDS, check_moe_args, moe_options
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -127,6 +128,16 @@ class ServerArgs:
     kv_events_endpoint: Optional[str] = None  # e.g. tcp://*:5557
     kv_events_replay_endpoint: Optional[str] = None  # e.g. tcp://*:5558
     kv_events_topic: str = ""
+    # hierarchical cache (SGLang's flags; engine/kv_tier): below the pool, a host tier of
+    # hicache_ratio times its pages (or hicache_size GB), then a storage backend (file: a
+    # directory, PDSERVE_HICACHE_FILE_BACKEND_STORAGE_DIR)
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: int = 0  # GB; overrides hicache_ratio when > 0
+    hicache_write_policy: str = "write_through"  # or write_back (on eviction)
+    hicache_storage_backend: Optional[str] = None
+    hicache_file_backend_storage_dir: str = "/tmp/hicache"
+    hicache_storage_write_queue: int = 1024  # pages queued for storage; more are dropped
     # process
     torch_num_threads: Optional[int] = None  # per rank (default: the host's cores / ranks)
     tp_size: int = 1
@@ -319,6 +330,7 @@ class ServerArgs:
         if self.pp_size < 1:
             bad("pp_size", f"must be >= 1, got {self.pp_size}")
         check_moe_args(self, bad)
+        check_hicache_args(self, bad)
         if self.pp_size > 1 and (self.tp_size > 1 or self.dp_size > 1):
             bad(
                 "pp_size",

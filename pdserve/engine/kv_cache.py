@@ -74,6 +74,7 @@ class KVCacheManager:
         )
         # groups that drop pages: their first live page moves with the sequence
         self.windowed = [g for g, p in enumerate(self.policies) if p.drops_pages]
+        self.tier = None  # the tiers below the pool (``kv_tier.KVTier.attach``)
 
     @property
     def num_groups(self) -> int:
@@ -117,7 +118,7 @@ class KVCacheManager:
             items = alloc.alloc(n)
         return items
 
-    def _take(self, counts: list[int]) -> Optional[list[list[int]]]:
+    def take(self, counts: list[int]) -> Optional[list[list[int]]]:
         """``counts[g]`` items of each group, all or nothing."""
         got: list[list[int]] = []
         for g, n in enumerate(counts):
@@ -160,7 +161,7 @@ class KVCacheManager:
         counts = self._needs(req.kv, req.kv_len + ext)
         if not any(counts):
             return True
-        got = self._take(counts)
+        got = self.take(counts)
         if got is None:
             return False
         for ids, items in zip(req.kv.pages, got):
@@ -198,6 +199,8 @@ class KVCacheManager:
         tokens past it need, keeping ``reserve`` pages of each paged group for running requests.
         False (nothing held) when it does not fit now."""
         namespace = self.namespace(req.seq_len)
+        if self.tier is not None:  # the match continues below the pool
+            self.tier.fill(self, req.all_ids, max_pages, namespace)
         pages, node, restore = self._match(req.all_ids, max_pages, namespace)
         self.tree.inc_lock(node)
         cached = len(pages[self.anchor])
@@ -296,6 +299,8 @@ class KVCacheManager:
         or None (nothing held) when a group lacks room beyond ``reserve`` pages."""
         n = req.prompt_len
         namespace = self.namespace(n)  # prefill computes the prompt
+        if self.tier is not None:
+            self.tier.fill(self, req.input_ids, (n - 1) // self.page_size, namespace)
         pages, node, _ = self._match(req.input_ids, (n - 1) // self.page_size, namespace)
         cached = len(pages[self.anchor])
         node = node if cached else None
@@ -309,7 +314,7 @@ class KVCacheManager:
             return None
         if node is not None:
             self.tree.inc_lock(node)  # before taking pages: taking may evict
-        got = self._take([c + x for c, x in zip(counts, extra)])
+        got = self.take([c + x for c, x in zip(counts, extra)])
         if got is None:
             if node is not None:
                 self.tree.dec_lock(node)

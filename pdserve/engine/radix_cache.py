@@ -34,7 +34,7 @@ it before anything else can evict. Only the scheduler loop calls this class; not
 from __future__ import annotations
 
 import heapq
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 from pdserve.engine.kv_pool import PageAllocator
 from pdserve.kv_events import (
@@ -108,6 +108,12 @@ class RadixCache:
         self._protected = [0] * self.num_groups  # ... in nodes with lock_ref > 0
         # KV events (``kv_events.py``): a list that collects them, None when off
         self.events: Optional[list] = None
+        # the tiers below the pool (``engine/kv_tier``): nodes keep their block hashes, and
+        # ``on_evict(node, start)`` / ``on_insert(node, 0)`` see pages ``start..`` of a node
+        # leave the pool / enter the tree, before anything changes
+        self.hashing = False
+        self.on_evict: Optional[Callable[[Node, int], None]] = None
+        self.on_insert: Optional[Callable[[Node, int], None]] = None
 
     @property
     def root(self) -> Node:
@@ -248,9 +254,12 @@ class RadixCache:
                 child = self._node(tokens[pos:], [ids[pos // ps :] for ids in groups], node)
                 node.children[first] = child
                 self._count(child, +1)
-                if self.events is not None:
+                if self.events is not None or self.hashing:
                     parent = node.hashes[-1] if node.hashes else None
                     child.hashes = chain_hashes(parent, child.key, ps)
+                if self.on_insert is not None:
+                    self.on_insert(child, 0)
+                if self.events is not None:
                     self.events.append(
                         BlockStored(
                             block_hashes=list(child.hashes),
@@ -377,6 +386,8 @@ class RadixCache:
                 while got < need:
                     cut -= 1
                     got += ids[cut] != 0
+                if self.on_evict is not None:
+                    self.on_evict(leaf, cut)
                 tail = [g_ids[cut:] for g_ids in leaf.groups()]
                 self._count(leaf, -1)
                 leaf.pages, leaf.extra = leaf.pages[:cut], [g_ids[:cut] for g_ids in leaf.extra]
@@ -388,6 +399,8 @@ class RadixCache:
                 self._free(tail)
                 freed += got
                 break
+            if self.on_evict is not None:
+                self.on_evict(leaf, 0)
             self._free(leaf.groups())
             self._count(leaf, -1)
             freed += held

@@ -25,6 +25,7 @@ from pdserve.engine import logprobs as lp
 from pdserve.engine.grammar_masks import GrammarMasks
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.kv_pool import BufferAllocator, default_allocator
+from pdserve.engine.kv_tier.tier import make_tier
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.pd_queues import PDQueues
 from pdserve.engine.request import MAX_TOP_LOGPROBS, FinishKind, FinishReason, Req
@@ -73,6 +74,8 @@ class Scheduler:
             self.kv_events = KVEventPublisher(
                 *endpoints, args.kv_events_topic, par.dp_rank if par.dp_attention else None
             )
+        # the tiers below the pool (--enable-hierarchical-cache), fed by the prefix tree
+        self.tier = make_tier(args, self.kv, par)
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -165,9 +168,11 @@ class Scheduler:
             self.waiting.append(req)
 
     def publish_kv_events(self) -> None:
-        """Send what the radix cache stored and evicted since the last call (one batch)."""
-        if self.kv_events is not None and self.tree.events:
-            events, self.tree.events = self.tree.events, []
+        """Send what the radix cache and the tiers below it stored and evicted since the last
+        call (one batch)."""
+        below = self.tier.poll() if self.tier is not None else []
+        if self.kv_events is not None and (self.tree.events or below):
+            events, self.tree.events = self.tree.events + below, []
             self.kv_events.publish(events)
 
     def now(self) -> float:
@@ -270,6 +275,8 @@ class Scheduler:
         )
         self.tree = self.kv.tree
         self.tree.events = events
+        if self.tier is not None:
+            self.tier.attach(self.kv)
 
     def release_kv(self, req: Req) -> None:
         self.kv.release(req)

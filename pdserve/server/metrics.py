@@ -78,6 +78,16 @@ _QUEUE_GAUGES = (
 )
 
 
+_HICACHE_COUNTERS = (
+    ("hits", "Prompt pages loaded from a tier below the pool"),
+    ("hit_tokens", "Prompt tokens loaded from a tier below the pool"),
+    ("writes", "Pages written into a tier below the pool"),
+    ("write_drops", "Pages not written to storage because its write queue was full"),
+    ("write_failures", "Pages the storage backend failed to write"),
+    ("corrupt", "Tier entries that failed their checksum or layout check (dropped)"),
+)
+
+
 class ServerMetrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
@@ -146,6 +156,24 @@ class ServerMetrics:
             "Speculative decoding: accepted drafts / verify steps of a finished request",
             _ACCEPT_BUCKETS,
         )
+        # the tiers below the pool (engine/kv_tier): running totals in the scheduler's stats
+        # (``hicache_<what>_<medium>``), by medium
+        self.hicache = {
+            what: Counter(
+                f"pdserve:hicache_{what}",
+                doc,
+                labelnames=["model_name", "medium"],
+                registry=r,
+            )
+            for what, doc in _HICACHE_COUNTERS
+        }
+        self.hicache_entries = Gauge(
+            "pdserve:hicache_entries",
+            "Pages held by a tier below the pool",
+            labelnames=["model_name", "medium"],
+            registry=r,
+        )
+        self._hicache_seen: dict[str, int] = {}
         self._prompt_total = 0
         self._cached_total = 0
         self._kv_bytes_seen = 0
@@ -192,10 +220,23 @@ class ServerMetrics:
         ):
             if isinstance(stats.get(key), (int, float)):
                 gauge.set(stats[key])
+        self._set_hicache(stats)
         sent = stats.get("kv_bytes_sent")
         if isinstance(sent, int) and sent > self._kv_bytes_seen:  # a running total in the scheduler
             self.kv_bytes_sent.inc(sent - self._kv_bytes_seen)
             self._kv_bytes_seen = sent
+
+    def _set_hicache(self, stats: dict[str, Any]) -> None:
+        for key, value in stats.items():
+            if not key.startswith("hicache_") or not isinstance(value, int):
+                continue
+            what, _, medium = key[len("hicache_") :].rpartition("_")
+            labels = {"model_name": self._model_name, "medium": medium.upper()}
+            if what == "entries":
+                self.hicache_entries.labels(**labels).set(value)
+            elif what in self.hicache and value > self._hicache_seen.get(key, 0):
+                self.hicache[what].labels(**labels).inc(value - self._hicache_seen.get(key, 0))
+                self._hicache_seen[key] = value
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -294,8 +294,10 @@ class SchedulerLoop:
                             "block_hashes": e.block_hashes,
                             "parent_block_hash": e.parent_block_hash,
                             "token_ids": e.token_ids,
+                            **({"medium": e.medium} if e.medium else {}),
                         }
                         for e in s.tree.stored_events()
+                        + (s.tier.snapshot() if s.tier is not None else [])
                     ]
                     if s.kv_events
                     else [],
@@ -331,6 +333,7 @@ class SchedulerLoop:
                     "kv_pages_cached": s.tree.total_pages(),
                     **s.stats,
                     **(s.pd.stats() if s.pd is not None else {}),
+                    **(s.tier.counters() if s.tier is not None else {}),
                     "grammar_cache": s.grammars.cache_info(),
                 }
             )

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import abc
 import importlib
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 if TYPE_CHECKING:
     from pdserve.config import ServerArgs
@@ -63,6 +63,12 @@ class TierBackend(abc.ABC):
 
     def remove(self, key: str) -> None:
         """Drop ``key`` if present (a corrupt entry); never raises. Default: nothing to drop."""
+
+    def startup_entries(self, header_nbytes: int) -> Iterable[tuple[str, bytes]]:
+        """The entries present when the backend started (a store that outlives the server), as
+        (key, its first ``header_nbytes`` bytes), so the tier can announce them in KV events.
+        Default: none known."""
+        return ()
 
     def drain_removed(self) -> list[str]:
         """Keys this backend dropped on its own since the last call (capacity eviction)."""
