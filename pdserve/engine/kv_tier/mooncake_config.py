@@ -156,3 +156,11 @@ def _is_address(host: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+def check_args(args, bad) -> None:
+    """Start-up check of ``--hicache-storage-backend mooncake``'s settings (``bad(field, why)``)."""
+    try:
+        MooncakeStoreConfig.resolve(getattr(args, FLAG), args.host)
+    except ValueError as e:
+        bad(FLAG, str(e).removeprefix(f"{FLAG}: "))
