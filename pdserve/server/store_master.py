@@ -139,3 +139,26 @@ class StoreMaster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+KV_STORES = ("mooncake",)
+STORE_FLAGS = ("--hicache-storage-backend", "--hicache-storage-backend-extra-config")
+
+
+def server_store_flags(master: StoreMaster, extra: list[str]) -> list[str]:
+    """The flags that put a server of ``pdserve launch --kv-store mooncake`` on ``master``'s
+    store (nothing the user gave is repeated: a flag of theirs wins)."""
+    given = {a.split("=")[0] for a in extra}
+    if given & set(STORE_FLAGS):
+        raise ValueError(
+            "--kv-store starts the store and configures the servers for it: drop "
+            f"{', '.join(sorted(given & set(STORE_FLAGS)))} (or --kv-store)"
+        )
+    flags = [] if "--enable-hierarchical-cache" in given else ["--enable-hierarchical-cache"]
+    return [
+        *flags,
+        "--hicache-storage-backend",
+        "mooncake",
+        "--hicache-storage-backend-extra-config",
+        master.client_config_json(),
+    ]

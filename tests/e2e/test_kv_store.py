@@ -136,3 +136,97 @@ def test_killing_the_master_mid_run_fails_no_request(store_pd, reference):
     assert stats(A).get("hicache_write_failures_storage", 0) > 0  # writes after the kill failed
     for s in (A, B, D):
         s.wait_idle()
+
+
+def test_launch_kv_store_starts_the_master_and_its_servers_use_it(tiny_llama_path, tmp_path):
+    """``pdserve launch --kv-store mooncake`` with two prefills: a prompt that prefill 0 computed
+    is a store hit on prefill 1 (the router alternates them), with the same tokens; Ctrl-C stops
+    the master with the rest."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    port = c.free_port()
+    log_path = tmp_path / "launch.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "launch",
+            "--model-path",
+            tiny_llama_path,
+            "--port",
+            str(port),
+            "--num-prefill",
+            "2",
+            "--torch-num-threads",
+            "1",
+            "--max-total-tokens",
+            "8192",
+            "--kv-store",
+            "mooncake",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    master_pids: list[int] = []
+    try:
+
+        def ready():
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            return b"pdserve cluster ready" in log_path.read_bytes()
+
+        c.wait_for(ready, 300, "the cluster to be ready", interval=0.5)
+        master_pids = [
+            p
+            for p in c.children(proc.pid)
+            if open(f"/proc/{p}/comm").read().strip() == "mooncake_master"
+        ]
+        assert len(master_pids) == 1
+
+        def prefills() -> list[dict]:
+            info = httpx.get(url + "/server_info", timeout=30).json()["prefill"]
+            return [p["server_info"]["internal_states"][0] for p in info]
+
+        # the servers run the store tier (their warm-up already wrote to it)
+        before = prefills()
+        assert all("hicache_hit_tokens_storage" in p for p in before), before
+        rng = random.Random(21)
+        ids = [rng.randrange(100, 30000) for _ in range(6 * PAGE + 2)]
+        body = {
+            "input_ids": ids,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
+        }
+        outs = []
+        for turn in range(2):
+            r = httpx.post(url + "/generate", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            outs.append(r.json()["output_ids"])
+            if turn == 0:
+                c.wait_for(
+                    lambda: (
+                        sum(p["hicache_writes_storage"] for p in prefills())
+                        >= sum(p["hicache_writes_storage"] for p in before) + 6
+                    ),
+                    30,
+                    "the first prefill's pages in the store",
+                )
+        assert outs[0] == outs[1]
+        hits = [
+            p["hicache_hit_tokens_storage"] - b["hicache_hit_tokens_storage"]
+            for p, b in zip(prefills(), before)
+        ]
+        assert sorted(hits) == [0, 6 * PAGE], hits  # the other prefill read them from the store
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=90)
+        log.close()
+    assert code == 0, log_path.read_text()[-3000:]
+    c.wait_for(lambda: not any(c.is_alive(p) for p in master_pids), 15, "the master to stop")
