@@ -45,6 +45,16 @@ def framed(i: int) -> bytes:
     return i.to_bytes(8, "little") + bytes([i % 251]) * PAGE_NBYTES
 
 
+def stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped (a signal takes effect thread by thread)."""
+    tasks = os.listdir(f"/proc/{pid}/task")
+    states = []
+    for t in tasks:
+        with open(f"/proc/{pid}/task/{t}/stat") as f:
+            states.append(f.read().rsplit(")", 1)[1].split()[0])
+    return all(s in "Tt" for s in states)
+
+
 @pytest.fixture(scope="module")
 def master(tmp_path_factory):
     with running_master(str(tmp_path_factory.mktemp("mooncake"))) as m:
@@ -75,6 +85,7 @@ def test_a_stopped_master_costs_misses_within_the_deadline(master):
         key = f"{LAYOUT}/{7:016x}"
         assert b.put(key, framed(7))
         os.kill(master.proc.pid, signal.SIGSTOP)  # a hung master: its calls block
+        wait_for(lambda: stopped(master.proc.pid), what="the master stopped")
         try:
             start = time.monotonic()
             assert b.exists([key]) == 0
@@ -164,3 +175,18 @@ def test_local_buffer_must_hold_a_page(master):
     extra = master.client_config_json(local_buffer_size=1024)
     with pytest.raises(ValueError, match="local_buffer_size"):
         cls(store_args(extra), LAYOUT, PAGE_NBYTES)
+
+
+def test_server_args_check_the_store_settings_at_start_up(monkeypatch):
+    from pdserve.config import ServerArgs
+
+    monkeypatch.delenv("MOONCAKE_MASTER", raising=False)
+    base = dict(model_path="m", enable_hierarchical_cache=True, hicache_storage_backend="mooncake")
+    with pytest.raises(ValueError, match="hicache_storage_backend_extra_config: .*master"):
+        ServerArgs(**base)
+    with pytest.raises(ValueError, match="hicache_storage_backend_extra_config: not valid JSON"):
+        ServerArgs(**base, hicache_storage_backend_extra_config="{oops")
+    args = ServerArgs(
+        **base, hicache_storage_backend_extra_config='{"master_server_address": "127.0.0.1:1"}'
+    )
+    assert args.hicache_storage_backend == "mooncake"
