@@ -395,7 +395,7 @@ class RadixCache:
                 self._count(leaf, +1)
                 if self.events is not None:
                     self.events.append(BlockRemoved(block_hashes=leaf.hashes[cut:]))
-                    leaf.hashes = leaf.hashes[:cut]
+                leaf.hashes = leaf.hashes[:cut]
                 self._free(tail)
                 freed += got
                 break

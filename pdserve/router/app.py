@@ -124,7 +124,15 @@ class Router:
             needs_info=follow or args.pd_mode,
         )  # PD: backends and hosts (router/pairing.py)
         self.metrics = RouterMetrics(self.pool)
-        self.index = KVIndex(self.metrics, lambda: self.pool.client) if follow else None
+        self.index = (
+            KVIndex(
+                self.metrics,
+                lambda: self.pool.client,
+                {"CPU": args.cache_aware_host_weight, "STORAGE": args.cache_aware_storage_weight},
+            )
+            if follow
+            else None
+        )
         self.prompts = (
             PromptReader(args.tokenizer_path) if follow else None
         )  # the index needs prompt tokens
@@ -401,6 +409,10 @@ def create_app(args: RouterArgs) -> FastAPI:
                 "prompt_tokens": len(ids),
                 "workers": {
                     w.url: router.index.matched_tokens(w, prompt)[0] for w in router.pool.workers
+                },
+                # the same with a prefix below a worker's pool at its tier's weight (cache_aware)
+                "weighted": {
+                    w.url: router.index.weighted_tokens(w, prompt) for w in router.pool.workers
                 },
             }
         )

@@ -82,6 +82,10 @@ class RouterArgs:
     cache_aware_balance: float = (
         1.0  # cache_aware: weight of a worker's load against its cached prefix
     )
+    # cache_aware: what a prompt token held in a tier below a worker's pool (KV events medium
+    # CPU / STORAGE) spares it, against 1 for one in the pool and 0 for one it must compute
+    cache_aware_host_weight: float = 0.8
+    cache_aware_storage_weight: float = 0.5
     tokenizer_path: str | None = (
         None  # for matching text prompts (default: the workers' model path)
     )
@@ -177,6 +181,9 @@ class RouterArgs:
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name}: must not be negative")
 
+        for name in ("cache_aware_host_weight", "cache_aware_storage_weight"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)}")
         if self.workers < 1:
             raise ValueError("workers: must be at least 1")
         for name in ("autoscale_interval", "autoscale_window", "autoscale_queue"):
@@ -431,6 +438,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="cache_aware: weight of a worker's load (tokens in hand) against the prompt tokens its "
         "cache spares it; 0 follows the cache alone",
     )
+    for medium, name in (("host memory (CPU)", "host"), ("storage (disk, a store)", "storage")):
+        p.add_argument(
+            f"--cache-aware-{name}-weight",
+            type=float,
+            default=d[f"cache_aware_{name}_weight"].default,
+            metavar="W",
+            help=f"cache_aware: a prompt token a worker holds in {medium} below its pool counts "
+            "as W of one in its pool (1) and of one it computes (0)",
+        )
     p.add_argument(
         "--tokenizer-path",
         default=None,
@@ -601,6 +617,8 @@ def parse_args(argv: list[str]) -> RouterArgs:
         decode_policy=ns.decode_policy,
         dp_aware=ns.dp_aware,
         cache_aware_balance=ns.cache_aware_balance,
+        cache_aware_host_weight=ns.cache_aware_host_weight,
+        cache_aware_storage_weight=ns.cache_aware_storage_weight,
         tokenizer_path=ns.tokenizer_path,
         pd_policy=ns.pd_policy,
         pd_local_max_tokens=ns.pd_local_max_tokens,

@@ -44,6 +44,7 @@ from pdserve.router.workers import Worker
 
 logger = logging.getLogger(__name__)
 
+POOL_MEDIUM = "GPU"  # vLLM's medium of the device cache; pdserve's pool events carry none
 REPLAY_TIMEOUT_S = 2.0
 RESYNC_RETRY_S = 1.0
 _END_OF_REPLAY = struct.pack(">q", -1)
@@ -98,7 +99,8 @@ class GroupFeed:
         self.endpoint = endpoint
         self.replay = replay
         self.topic = topic
-        self.hashes: set[int] = set()
+        self.hashes: set[int] = set()  # in the pool
+        self.tiers: dict[str, set[int]] = {}  # below it, by KV events medium
         self.block_size: Optional[int] = None
         self.expected: Optional[int] = None  # the next seq; None: not in sync
         self.task: Optional[asyncio.Task] = None
@@ -119,29 +121,53 @@ class GroupFeed:
             n += 1
         return n
 
+    def weighted_blocks(self, prompt: PromptBlocks, weights: dict[str, float]) -> float:
+        """Leading blocks of ``prompt`` held in the pool (1 each) or a tier below it (its
+        medium's weight, the best tier's when several hold it)."""
+        if not self.synced or not self.block_size:
+            return 0.0
+        n = 0.0
+        for h in prompt.hashes(self.block_size):
+            if h in self.hashes:
+                n += 1.0
+                continue
+            w = max((weights.get(m, 0.0) for m, held in self.tiers.items() if h in held), default=0)
+            if not w:
+                break
+            n += w
+        return n
+
     def describe(self) -> dict:
         return {
             "dp_rank": self.dp_rank,
             "endpoint": self.endpoint,
             "synced": self.synced,
             "blocks": len(self.hashes),
+            "tier_blocks": {m: len(held) for m, held in self.tiers.items()},
             "block_size": self.block_size,
             "next_seq": self.expected,
         }
 
     def drop(self) -> None:
         self.hashes.clear()
+        self.tiers.clear()
         self.expected = None
 
     # ---- applying events ----------------------------------------------------------------
+    def _held(self, medium: Optional[str]) -> set[int]:
+        """The blocks of ``medium``: the pool's for none or "GPU" (vLLM's name for it)."""
+        if medium is None or medium == POOL_MEDIUM:
+            return self.hashes
+        return self.tiers.setdefault(medium, set())
+
     def apply(self, events) -> None:
         for e in events:
             if isinstance(e, BlockStored):
                 self._check_stored(e)
-                self.hashes.update(e.block_hashes)
+                self._held(e.medium).update(e.block_hashes)
             elif isinstance(e, BlockRemoved):
-                self.hashes.difference_update(e.block_hashes)
-            elif isinstance(e, AllBlocksCleared):
+                self._held(e.medium).difference_update(e.block_hashes)
+            elif isinstance(e, AllBlocksCleared):  # the pool's cache reset; tiers report their own
                 self.hashes.clear()
 
     def _check_stored(self, e: BlockStored) -> None:
@@ -284,6 +310,7 @@ class GroupFeed:
                     parent_block_hash=e["parent_block_hash"],
                     token_ids=e["token_ids"],
                     block_size=self.block_size,
+                    medium=e.get("medium"),
                 )
                 for e in group["events"]
             ]
@@ -334,8 +361,10 @@ class _Restarted(Exception):
 class KVIndex:
     """Every worker's feeds; started for a worker when its server info names a KV events endpoint."""
 
-    def __init__(self, metrics, client_factory):
+    def __init__(self, metrics, client_factory, tier_weights: Optional[dict[str, float]] = None):
         self.metrics = metrics
+        # what a block in a tier below the pool counts for, by medium (a pool block counts 1)
+        self.tier_weights = tier_weights or {}
         self.ctx = zmq.asyncio.Context()
         self.feeds: dict[str, list[GroupFeed]] = {}  # by worker URL
         self._client_factory = client_factory  # the pool's HTTP client (created at start)
@@ -413,6 +442,26 @@ class KVIndex:
             if n > best:
                 best, group = n, f.dp_rank
         return best, group
+
+    def weighted_tokens(self, worker: Worker, prompt: Optional[PromptBlocks]) -> float:
+        """``matched_tokens`` counting a prefix held below the pool at its tier's weight (the
+        prompt tokens ``worker``'s best group is spared computing, as cache_aware weighs them)."""
+        if prompt is None:
+            return 0.0
+        return max(
+            (
+                f.weighted_blocks(prompt, self.tier_weights) * (f.block_size or 0)
+                for f in self.feeds.get(worker.url, [])
+            ),
+            default=0.0,
+        )
+
+    def group_weighted(self, worker: Worker, prompt: PromptBlocks) -> dict[int, float]:
+        """``weighted_tokens`` of each of ``worker``'s DP groups."""
+        return {
+            f.dp_rank: f.weighted_blocks(prompt, self.tier_weights) * (f.block_size or 0)
+            for f in self.feeds.get(worker.url, [])
+        }
 
     def group_matches(self, worker: Worker, prompt: PromptBlocks) -> dict[int, int]:
         """Tokens of ``prompt``'s longest cached prefix in each of ``worker``'s DP groups."""

@@ -90,7 +90,8 @@ class CacheAwarePolicy(Policy):
     """The worker that would start this prompt soonest, by what its cache holds and its load.
 
     A worker's cost is the prompt tokens it would have to compute (those past the longest
-    prefix its KV index holds) plus ``balance`` times the tokens it already has in hand (polled
+    prefix its KV index holds; a prefix held in a tier below its pool is spared only in part,
+    ``--cache-aware-host-weight`` / ``--cache-aware-storage-weight`` of each token) plus ``balance`` times the tokens it already has in hand (polled
     ``num_tokens``, plus this prompt's length for each request sent to it since the poll). The
     cheapest wins, ties by fewer requests then at random. When no worker holds any of the prompt
     (or the prompt is not known) this is ``least_load``. ``balance`` 0 follows the cache alone;
@@ -109,7 +110,7 @@ class CacheAwarePolicy(Policy):
         self.last: dict = {}  # the last choice's inputs, for tests and logs
 
     def select(self, candidates: Sequence[Worker], prompt=None) -> Worker:
-        matched = [self.index.matched_tokens(w, prompt)[0] for w in candidates]
+        matched = [self.index.weighted_tokens(w, prompt) for w in candidates]
         if prompt is None or not any(matched):
             self.last = {"matched": matched, "fallback": "least_load"}
             return self.fallback.select(candidates)
@@ -127,7 +128,7 @@ class CacheAwarePolicy(Policy):
     def choose_group(self, worker: Worker, prompt) -> int:
         """``worker``'s DP group for ``prompt`` (``--dp-aware``): the same cost over its groups
         (their polled loads), the usual least-loaded choice when no group holds any of it."""
-        matched = self.index.group_matches(worker, prompt) if prompt is not None else {}
+        matched = self.index.group_weighted(worker, prompt) if prompt is not None else {}
         if not any(matched.values()):
             return worker.choose_dp_rank()
         length = len(prompt.ids)

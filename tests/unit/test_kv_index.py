@@ -229,6 +229,9 @@ class _Index:
     def matched_tokens(self, worker, prompt):
         return (self.held.get(worker.url, 0), 0) if prompt is not None else (0, None)
 
+    def weighted_tokens(self, worker, prompt):
+        return self.matched_tokens(worker, prompt)[0]
+
 
 def test_cache_aware_prefers_the_cache_until_load_outweighs_it():
     a, b = Worker("http://a:1", "prefill"), Worker("http://b:1", "prefill")
@@ -257,6 +260,8 @@ class _GroupIndex(_Index):
 
     def group_matches(self, worker, prompt):
         return self.groups
+
+    group_weighted = group_matches
 
 
 def test_cache_aware_picks_the_dp_group_holding_the_prefix_unless_it_is_loaded():

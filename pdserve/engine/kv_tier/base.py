@@ -25,8 +25,10 @@ Contract of a backend:
   default (nothing).
 
 Backends are found by name through a registry of ``"module:Class"`` paths, imported only when
-chosen, so an optional dependency (e.g. Mooncake) is needed only by servers that pick it. A module
-adds one with ``register_backend(name, "package.module:Class")``.
+chosen, so an optional dependency (e.g. Mooncake) is needed only by servers that pick it. A
+built-in backend is a line in ``_REGISTRY`` below (the server arguments are checked against it
+before anything is imported); code that embeds the engine may add one with
+``register_backend(name, "package.module:Class")`` before building its ``ServerArgs``.
 """
 
 from __future__ import annotations

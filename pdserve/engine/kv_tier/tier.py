@@ -31,7 +31,8 @@ from pdserve.engine.kv_tier.base import TierBackend, create_backend
 from pdserve.engine.kv_tier.host import HostTierBackend
 from pdserve.engine.kv_tier.pages import PageCodec, layout_key
 from pdserve.engine.kv_tier.writer import TierWriter
-from pdserve.kv_events import BlockRemoved, BlockStored, block_hash
+from pdserve.engine.model_runner import _available_host_bytes as available_host_bytes
+from pdserve.kv_events import BlockRemoved, BlockStored, chain_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +56,18 @@ class KVTier:
             capacity = int(args.hicache_size * 2**30) // slot
         else:
             capacity = int(args.hicache_ratio * pools[0].allocator.capacity)
+        flag = "hicache_size" if args.hicache_size else "hicache_ratio"
         if capacity < 1:
             raise ValueError(
-                f"hicache_size / hicache_ratio: the host tier would hold {capacity} pages of "
-                f"{slot} bytes; give it room for at least one"
+                f"{flag}: the host tier would hold {capacity} pages of {slot} bytes; give it "
+                "room for at least one"
+            )
+        available = available_host_bytes()
+        if capacity * slot > available:
+            raise ValueError(
+                f"{flag}: a host tier of {capacity} pages ({capacity * slot / 2**30:.1f} GiB) "
+                f"exceeds this host's available memory ({available / 2**30:.1f} GiB); lower "
+                "--hicache-ratio or give --hicache-size in GB"
             )
         self.host = HostTierBackend(args, layout_key, nbytes, capacity=capacity)
         self.storage: Optional[TierBackend] = None
@@ -190,23 +199,38 @@ class KVTier:
     # ---- reading --------------------------------------------------------------------------------
     def fetch(self, parent: Optional[int], tokens, max_pages: int) -> tuple[list, torch.Tensor]:
         """The leading pages of ``tokens`` (chained from ``parent``) that a tier holds, at most
-        ``max_pages``: their mediums and their bytes (``[n, page_nbytes]``)."""
+        ``max_pages``: their mediums and their bytes (``[n, page_nbytes]``). The storage
+        backend is asked once how far its run of those pages goes (``exists``), then read
+        page by page where the host tier misses."""
         ps = self.page_size
+        hashes = chain_hashes(parent, tokens[: max_pages * ps], ps)
+        keys = [self.key(h) for h in hashes]
+        stored_until = None  # pages [.., stored_until) are in storage, by its ``exists``
         found, payloads = [], []
-        for i in range(max_pages):
+        for i, h in enumerate(hashes):
+            above = hashes[i - 1] if i else parent
             page_tokens = list(tokens[i * ps : (i + 1) * ps])
-            h = block_hash(parent, page_tokens)
-            got = self._lookup(h, parent, page_tokens)
+            got = self._lookup(self.host, h, above, page_tokens)
+            if got is None and self.storage is not None:
+                if stored_until is None:
+                    stored_until = i + self._exists(keys[i:])
+                if i < stored_until:
+                    got = self._lookup(self.storage, h, above, page_tokens)
             if got is None:
                 break
-            medium, payload = got
-            found.append(medium)
-            payloads.append(payload)
-            parent = h
+            found.append(got[0])
+            payloads.append(got[1])
         rows = torch.empty((len(payloads), self.codec.page_nbytes), dtype=torch.uint8)
         for row, payload in zip(rows.numpy(), payloads):
             row[:] = payload
         return found, rows
+
+    def _exists(self, keys: list[str]) -> int:
+        try:
+            return self.storage.exists(keys)
+        except Exception:  # a backend must not raise; one that does is taken as empty
+            logger.exception("%s tier: exists failed", self.storage.medium)
+            return 0
 
     def count_hits(self, found: list[str]) -> None:
         """Pages of ``fetch`` that went into the pool, by medium."""
@@ -214,31 +238,44 @@ class KVTier:
             self.stats[f"hicache_hits_{medium.lower()}"] += 1
             self.stats[f"hicache_hit_tokens_{medium.lower()}"] += self.page_size
 
-    def _lookup(self, h: int, parent: Optional[int], tokens: list[int]):
+    def _lookup(self, backend: TierBackend, h: int, parent: Optional[int], tokens: list[int]):
+        """(medium, payload) of block ``h`` in ``backend`` if it holds an intact entry of it; a
+        corrupt one (or another block's) is counted, logged, removed and a miss."""
         key = self.key(h)
-        for backend in self.tiers:
+        try:
             data = backend.get(key)
-            if data is None:
-                continue
-            e = entry.unpack(self.layout_key, data)
-            if (
-                e is not None
-                and e.tokens == tokens
-                and e.parent == parent
-                and len(e.payload) == self.codec.page_nbytes
-            ):
-                return backend.medium, e.payload
-            medium = backend.medium
-            self.stats[f"hicache_corrupt_{medium.lower()}"] += 1
-            logger.warning("%s tier: entry %s is corrupt or not this block's; dropped", medium, key)
-            backend.remove(key)
-            self._removed(medium, [h])
+        except Exception:  # a backend must not raise; one that does misses
+            logger.exception("%s tier: get %s failed", backend.medium, key)
+            return None
+        if data is None:
+            return None
+        e = entry.unpack(self.layout_key, data)
+        if (
+            e is not None
+            and e.tokens == tokens
+            and e.parent == parent
+            and len(e.payload) == self.codec.page_nbytes
+        ):
+            return backend.medium, e.payload
+        medium = backend.medium
+        self.stats[f"hicache_corrupt_{medium.lower()}"] += 1
+        logger.warning("%s tier: entry %s is corrupt or not this block's; dropped", medium, key)
+        backend.remove(key)
+        self._removed(medium, [h])
         return None
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait for queued storage writes (tests, shutdown)."""
+        return self.writer is None or self.writer.flush(timeout)
 
     # ---- the cache manager's side ---------------------------------------------------------------
     def attach(self, kv) -> None:
         """Pages ``kv``'s prefix tree evicts (and with write_through, those it takes) come here;
-        its matches continue here (``fill``)."""
+        its matches continue here (``fill``). Called again with a new manager when the pools
+        are reallocated (a role switch): the pages are read from and written to its pools."""
+        codec = PageCodec([kv.pools[g] for g in kv.cached_groups])
+        assert codec.page_nbytes == self.codec.page_nbytes, "the pools' page layout changed"
+        self.codec = codec
         kv.tier = self
         kv.tree.hashing = True
         kv.tree.on_evict = self._from_tree
@@ -250,7 +287,13 @@ class KVTier:
         the tree."""
         above = node.hashes[start - 1] if start else (node.parent.hashes or [None])[-1]
         tokens = node.key[start * self.page_size :]
-        self.store(above, node.hashes[start:], tokens, [ids[start:] for ids in node.groups()])
+        pages = [ids[start:] for ids in node.groups()]
+        try:
+            assert len(node.hashes) - start == len(pages[0]), f"{node!r}: {node.hashes}"
+            self.store(above, node.hashes[start:], tokens, pages)
+        except Exception:  # the tiers are a cache: a failed copy loses it, never the server
+            self.stats["hicache_store_errors"] = self.stats.get("hicache_store_errors", 0) + 1
+            logger.exception("writing %d pages to the tiers failed", len(pages[0]))
 
     def fill(self, kv, token_ids: list[int], max_pages: int, namespace: int) -> None:
         """Continue ``kv``'s tree match of ``token_ids`` (at most ``max_pages``) into the tiers:
@@ -274,14 +317,15 @@ class KVTier:
         if got is None:
             return
         new = [got[g] for g in kv.cached_groups]
-        self.codec.write(new, rows)
+        try:
+            self.codec.write(new, rows)
+        except Exception:  # the pages go back; the prompt is computed as if nothing was found
+            kv.free(got)
+            logger.exception("loading %d pages from the tiers failed", len(mediums))
+            return
         pages = [old + ids for old, ids in zip(found, new)]
         tree.insert(token_ids[: (k + len(mediums)) * ps], pages[0], pages[1:], namespace=namespace)
         self.count_hits(mediums)
-
-    def flush(self, timeout: float = 30.0) -> bool:
-        """Wait for queued storage writes (tests, shutdown)."""
-        return self.writer is None or self.writer.flush(timeout)
 
     def close(self) -> None:
         if self.writer is not None:
