@@ -121,6 +121,20 @@ def test_an_absent_master_is_only_misses(tmp_path):
         b.close()
 
 
+def test_a_killed_master_costs_misses_and_a_quick_close(tmp_path):
+    with running_master(str(tmp_path)) as m:
+        b = backend(m)
+        wait_for(lambda: b.joined, what="joined")
+        key = f"{LAYOUT}/{3:016x}"
+        assert b.put(key, framed(3)) and b.get(key) == framed(3)
+        m.kill()
+        assert not b.put(key, framed(3)) and b.exists([key]) == 0
+        assert b.get(key) is None
+        start = time.monotonic()
+        b.close()  # Mooncake's own close would hold the GIL for seconds against a dead master
+        assert time.monotonic() - start < 1.5
+
+
 def test_breaker_opens_probes_and_backs_off():
     now = [0.0]
     br = CircuitBreaker("t", failures=2, cooldown_s=1.0, max_cooldown_s=3.0, clock=lambda: now[0])

@@ -37,7 +37,7 @@ from pdserve.engine.kv_tier.mooncake_config import FLAG, MooncakeStoreConfig
 
 logger = logging.getLogger(__name__)
 
-CLOSE_TIMEOUT_S = 3.0  # a client leaving a dead master takes ~11 s in its own timeouts
+CLOSE_TIMEOUT_S = 3.0  # leaving a live master takes ~2 s (unmounting the segment)
 
 
 class MooncakeStoreBackend(TierBackend):
@@ -95,8 +95,8 @@ class MooncakeStoreBackend(TierBackend):
         try:
             # setup() holds the GIL while it retries an unreachable master (~90 s): the whole
             # server would stall, so it is called only once the master accepts a connection
-            host, port = split_host_port(cfg.master_server_address)
-            socket.create_connection((host, port), timeout=min(cfg.timeout_s, 1.0)).close()
+            if not self._master_answers():
+                raise OSError("no answer on its port")
             from mooncake.store import MooncakeDistributedStore
 
             store = MooncakeDistributedStore()
@@ -230,12 +230,26 @@ class MooncakeStoreBackend(TierBackend):
             self._closed = True
             store, self._store = self._store, None
         self.calls.close()
-        if store is not None:
-            _close_quietly(store)
+        if store is None:
+            return
+        if not self._master_answers():
+            # leaving a dead master holds the GIL for its own timeouts (6-11 s): the whole
+            # process would stall on its way out, for a segment nobody can reach any more
+            logger.warning("mooncake store: master gone, leaving without unmounting")
+            return
+        _close_quietly(store)
+
+    def _master_answers(self) -> bool:
+        try:
+            host, port = split_host_port(self.config.master_server_address)
+            socket.create_connection((host, port), timeout=min(self.config.timeout_s, 1.0)).close()
+            return True
+        except OSError:
+            return False
 
 
 def _close_quietly(store) -> None:
-    """Leave the store (unmount our segment) without waiting past ``CLOSE_TIMEOUT_S``."""
+    """Leave the store (unmount our segment), waiting at most ``CLOSE_TIMEOUT_S`` for it."""
 
     def run() -> None:
         try:
