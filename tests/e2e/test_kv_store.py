@@ -1,8 +1,8 @@
 """The cluster-wide prefix store (``--hicache-storage-backend mooncake``) with a real
 ``mooncake_master`` on TCP: two prefill servers and a decode server (local transfer backend). A
 prompt prefilled on prefill A is served from the store on prefill B, with the greedy tokens of a
-cold colocated run; killing the master while requests flow fails none of them, and later prompts
-are computed locally."""
+cold colocated run; killing the master while requests flow fails none of them, later prompts
+are computed locally, and once a master is back at the same address sharing resumes."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import threading
 
 import pytest
 
+from pdserve.server.store_master import StoreMaster
 from tests.helpers import cluster as c
 from tests.helpers.store_master import running_master
 
@@ -43,6 +44,7 @@ def store_pd(tmp_path_factory, tiny_llama_path):
                     local_buffer_size="16MB",
                     timeout_s=1.0,
                     breaker_cooldown_s=0.5,
+                    breaker_max_cooldown_s=2.0,
                 )
             ),
         ]
@@ -55,6 +57,10 @@ def store_pd(tmp_path_factory, tiny_llama_path):
         finally:
             for s in (D, B, A):
                 s.stop()
+
+
+def master_log(server: c.Proc):
+    return server.log_path.parent / "mooncake_master_restarted.log"
 
 
 def stats(server: c.Proc) -> dict:
@@ -98,7 +104,7 @@ def test_a_prefix_prefilled_on_one_server_is_a_store_hit_on_another(store_pd, re
         s.wait_idle()
 
 
-def test_killing_the_master_mid_run_fails_no_request(store_pd, reference):
+def test_killing_the_master_mid_run_fails_no_request_and_a_new_one_is_used(store_pd, reference):
     master, A, B, D = store_pd
     rng = random.Random(12)
     shared = [rng.randrange(100, 30000) for _ in range(4 * PAGE)]
@@ -137,6 +143,29 @@ def test_killing_the_master_mid_run_fails_no_request(store_pd, reference):
     c.wait_for(
         lambda: stats(A)["hicache_write_failures_storage"] > 0, 30, "A's failed store writes"
     )
+    # the master comes back at the same address: the servers' next probes find it, their
+    # clients mount their segments again, and prompts are shared once more
+    back = StoreMaster(rpc_port=master.rpc_port, log_path=str(master_log(A))).wait_ready()
+    try:
+        room = [300]
+
+        def shared_again():
+            ids = [rng.randrange(100, 30000) for _ in range(3 * PAGE + 1)]
+            written = stats(A)["hicache_writes_storage"]
+            room[0] += 1
+            assert run_pd(A, D, ids, room=room[0]) == reference(ids)["output_ids"]
+            try:
+                c.wait_for(lambda: stats(A)["hicache_writes_storage"] >= written + 3, 3)
+            except TimeoutError:
+                return None  # written while the breaker was still open
+            return ids
+
+        ids = c.wait_for(shared_again, 90, "A's writes reaching the restarted master")
+        hits = stats(B)["hicache_hit_tokens_storage"]
+        assert run_pd(B, D, ids, room=400) == reference(ids)["output_ids"]
+        assert stats(B)["hicache_hit_tokens_storage"] - hits == 3 * PAGE
+    finally:
+        back.stop()
     for s in (A, B, D):
         s.wait_idle()
 
