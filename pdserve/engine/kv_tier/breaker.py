@@ -82,11 +82,12 @@ class CircuitBreaker:
                 return
             self._consecutive += 1
             if self.state == HALF_OPEN or self._consecutive >= self.threshold:
-                self._open_locked("failed")
+                self._open_locked(f"{self._consecutive} call(s) in a row failed")
 
-    def record_timeout(self) -> None:
+    def record_timeout(self, why: str = "a call timed out") -> None:
+        """Open at once (a call timed out, or the store could not be joined)."""
         with self._lock:
-            self._open_locked("timed out")
+            self._open_locked(why)
 
     def _open_locked(self, why: str) -> None:
         if self.state == HALF_OPEN:  # the probe failed: wait longer before the next one
@@ -95,7 +96,7 @@ class CircuitBreaker:
         self.retry_at = self._clock() + self._cooldown_s
         self.opened += 1
         logger.warning(
-            "%s: a store call %s; calls stop for %.1f s (recompute locally meanwhile)",
+            "%s: %s; calls stop for %.1f s (recompute locally meanwhile)",
             self.name,
             why,
             self._cooldown_s,

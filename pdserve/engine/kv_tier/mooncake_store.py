@@ -132,7 +132,7 @@ class MooncakeStoreBackend(TierBackend):
             return
         if rc != 0:
             self.joins_failed += 1
-            self.breaker.record_timeout()  # wait the cool-down before the next attempt
+            self.breaker.record_timeout("joining failed")  # the next try after the cool-down
             logger.warning(
                 "cannot join the Mooncake store at %s (setup returned %s): prefixes are "
                 "recomputed locally until it answers",
