@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import signal
 import time
 import traceback
 
@@ -358,6 +359,14 @@ class SchedulerLoop:
         raise ValueError(f"unknown control op {op!r}")
 
 
+def _exit_after(cleanup) -> None:
+    """SIGTERM's exit, after ``cleanup`` (bounded by the front end's grace period)."""
+    try:
+        cleanup()
+    finally:
+        os._exit(0)
+
+
 def _exit_lost(ready_conn, verdict: str) -> None:
     """A peer rank or node is gone (heartbeat verdict): this rank cannot go on alone. Its last
     word on ``ready_conn`` gives the front end the reason for the requests it fails."""
@@ -421,6 +430,8 @@ def run_scheduler_process(
             heartbeat.interval,
             heartbeat.lost_after,
         )
+    if loop.scheduler.tier is not None:  # a stop first finishes the tiers' queued disk writes
+        signal.signal(signal.SIGTERM, lambda *_: _exit_after(loop.scheduler.tier.close))
     try:
         loop.run()
     except KeyboardInterrupt:

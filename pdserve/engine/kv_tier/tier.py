@@ -328,6 +328,7 @@ class KVTier:
         self.count_hits(mediums)
 
     def close(self) -> None:
+        """Finish the queued storage writes (at most a few seconds), then release the tiers."""
         if self.writer is not None:
             self.writer.close()
         for b in self.tiers:
