@@ -57,6 +57,9 @@ def store_pd(tmp_path_factory, tiny_llama_path):
         finally:
             for s in (D, B, A):
                 s.stop()
+    # the master is gone by now: leaving the store must not hold up a server's exit
+    for s in (A, B):
+        assert "did not exit after SIGTERM" not in s.log_path.read_text(errors="replace"), s.name
 
 
 def master_log(server: c.Proc):

@@ -37,6 +37,9 @@ from pdserve.engine.kv_tier.mooncake_config import FLAG, MooncakeStoreConfig
 
 logger = logging.getLogger(__name__)
 
+# clients left without closing (their master is gone): never destroyed, see ``close``
+_ABANDONED: list = []
+
 CLOSE_TIMEOUT_S = 3.0  # leaving a live master takes ~2 s (unmounting the segment)
 
 
@@ -233,9 +236,11 @@ class MooncakeStoreBackend(TierBackend):
         if store is None:
             return
         if not self._master_answers():
-            # leaving a dead master holds the GIL for its own timeouts (6-11 s): the whole
-            # process would stall on its way out, for a segment nobody can reach any more
+            # leaving a dead master holds the GIL for its own timeouts (6-14 s): the whole
+            # process would stall on its way out, for a segment nobody can reach any more. The
+            # client's destructor does the same, so it is kept alive (the process is ending)
             logger.warning("mooncake store: master gone, leaving without unmounting")
+            _ABANDONED.append(store)
             return
         _close_quietly(store)
 
