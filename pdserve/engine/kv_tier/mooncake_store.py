@@ -32,7 +32,7 @@ from typing import Optional
 
 from pdserve.config import split_host_port
 from pdserve.engine.kv_tier.base import TierBackend
-from pdserve.engine.kv_tier.breaker import CircuitBreaker, GuardedCalls
+from pdserve.engine.kv_tier.breaker import CLOSED, CircuitBreaker, GuardedCalls
 from pdserve.engine.kv_tier.mooncake_config import FLAG, MooncakeStoreConfig
 
 logger = logging.getLogger(__name__)
@@ -235,11 +235,14 @@ class MooncakeStoreBackend(TierBackend):
         self.calls.close()
         if store is None:
             return
-        if not self._master_answers():
-            # leaving a dead master holds the GIL for its own timeouts (6-14 s): the whole
-            # process would stall on its way out, for a segment nobody can reach any more. The
-            # client's destructor does the same, so it is kept alive (the process is ending)
-            logger.warning("mooncake store: master gone, leaving without unmounting")
+        if self.breaker.state != CLOSED or not self._master_answers():
+            # leaving a dead (or hung) master holds the GIL for its own timeouts (6-14 s): the
+            # whole process would stall on its way out, for a segment nobody can reach any
+            # more. The client's destructor does the same, so it is kept alive (the process is
+            # ending)
+            logger.warning(
+                "mooncake store: master gone or not answering, leaving without unmounting"
+            )
             _ABANDONED.append(store)
             return
         _close_quietly(store)
