@@ -138,6 +138,8 @@ class ServerArgs:
     hicache_storage_backend: Optional[str] = None
     hicache_file_backend_storage_dir: str = "/tmp/hicache"
     hicache_storage_write_queue: int = 1024  # pages queued for storage; more are dropped
+    # a JSON object of the storage backend's settings (mooncake: engine/kv_tier/mooncake_config.py)
+    hicache_storage_backend_extra_config: Optional[str] = None
     # process
     torch_num_threads: Optional[int] = None  # per rank (default: the host's cores / ranks)
     tp_size: int = 1

@@ -43,6 +43,10 @@ def check_hicache_args(args, bad: Callable[[str, str], None]) -> None:
             "hicache_storage_backend",
             f"unknown {backend!r}; available: {', '.join(registered_backends())}",
         )
+    if backend == "mooncake":
+        from pdserve.engine.kv_tier.mooncake_config import check_args
+
+        check_args(args, bad)
     if not args.enable_hierarchical_cache:
         if backend is not None:
             bad("hicache_storage_backend", "needs --enable-hierarchical-cache")

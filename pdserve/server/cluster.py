@@ -163,6 +163,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="clients must send 'Authorization: Bearer KEY' to the router; "
         "its servers get the same key",
     )
+    p.add_argument(
+        "--kv-store",
+        default=None,
+        choices=("mooncake",),
+        help="start a cluster-wide prefix store (a mooncake_master on --host) that every prefill "
+        "server, and decode with --decode-radix-cache, reads and writes (hierarchical cache with "
+        "--hicache-storage-backend mooncake); stopped with the cluster",
+    )
     p.add_argument("--ready-timeout", type=float, default=600)
     p.add_argument("--log-level", default="info")
     args, extra = p.parse_known_args(argv)
@@ -296,7 +304,7 @@ def _parallel_flags(tp: int, dp: int, pp: int = 1) -> list[str]:
 
 def stop_in_order(procs: list[tuple[str, str, subprocess.Popen]]) -> None:
     """The router first (no new requests), then the decode servers (nothing pulls KV any more),
-    then the prefill servers: each group gets SIGTERM, and SIGKILL after ``STOP_TIMEOUT_S`` or
+    then the prefill servers, then the store's master (``--kv-store``): each group gets SIGTERM, and SIGKILL after ``STOP_TIMEOUT_S`` or
     at once after a second SIGINT/SIGTERM."""
     hurry: list[int] = []
 
@@ -306,7 +314,7 @@ def stop_in_order(procs: list[tuple[str, str, subprocess.Popen]]) -> None:
         hurry.append(signum)
 
     lifetime.handle_stop_signals(on_signal)
-    for role in ("router", "decode", "prefill"):
+    for role in ("router", "decode", "prefill", "store"):
         group = [
             proc
             for name, _, proc in procs
@@ -376,6 +384,19 @@ def _run(
         logger.error("%s", e)
         return 2
     extra = [*shared_dtype_flags(model, extra), *extra]
+    if args.kv_store:
+        from pdserve.server.store_master import StoreMaster, server_store_flags
+
+        master = StoreMaster(args.host)
+        procs.append(("store-master", master.address, master.proc))
+        try:
+            store_flags = server_store_flags(master.wait_ready(), extra)
+        except ValueError as e:
+            logger.error("%s", e)
+            return 2
+        role_flags["prefill"] += store_flags
+        if args.decode_radix_cache:  # a decode server's tiers extend its prefix cache
+            role_flags["decode"] += store_flags
     common = [
         "--model-path",
         model,
@@ -459,6 +480,8 @@ def _run(
         decode_urls += ["--decode", url]
         port += 1
     for name, url, proc in procs:
+        if name == "store-master":  # ready already (no HTTP /health)
+            continue
         wait_ready(url, proc, args.ready_timeout, name)
         logger.info("%s ready at %s", name, url)
     router_url = f"http://{args.host}:{args.port}"
@@ -488,8 +511,10 @@ def _run(
         f"({args.num_prefill} prefill + {args.num_decode} decode, model {model})",
         flush=True,
     )
-    while all(proc.poll() is None for _, _, proc in procs):
+    # the servers serve on without the store (recomputing what it held): its end is not theirs
+    serving = [(name, proc) for name, _, proc in procs if name != "store-master"]
+    while all(proc.poll() is None for _, proc in serving):
         time.sleep(1)
-    dead = [name for name, _, proc in procs if proc.poll() is not None]
+    dead = [name for name, proc in serving if proc.poll() is not None]
     logger.error("%s exited; stopping the cluster", ", ".join(dead))
     return 1

@@ -83,6 +83,7 @@ class TierBackend(abc.ABC):
 # name -> "module:Class"; imported only when a server chooses the name
 _REGISTRY: dict[str, str] = {
     "file": "pdserve.engine.kv_tier.file_store:FileTierBackend",
+    "mooncake": "pdserve.engine.kv_tier.mooncake_store:MooncakeStoreBackend",
 }
 
 
