@@ -85,7 +85,8 @@ class CpuAttnBackend(TorchAttnBackend):
     def init_forward(self, fb: ForwardBatch) -> None:
         self._flash = None
         self._rowwise = None
-        self._virtual = self._init_virtual(fb) if fb.trees else None
+        # a quantized pool's trees run as extend rows under their masks (no scratch copies)
+        self._virtual = self._init_virtual(fb) if fb.trees and not _quantized(fb) else None
         self._row_cache: dict[
             int, tuple[torch.Tensor, torch.Tensor]
         ] = {}  # group -> per-token tables
@@ -151,6 +152,8 @@ class CpuAttnBackend(TorchAttnBackend):
     def decode(self, out, q, kc, vc, layer, group, sinks) -> None:
         if self._dec is None:
             return
+        if self._scales is not None:  # a quantized pool
+            return super().decode(out, q, kc, vc, layer, group, sinks)
         sel, n, tables = self._dec
         table, lens = tables[group]
         window = layer.sliding_window or 0
@@ -410,6 +413,10 @@ def _rows(g: GroupTable, where: list[tuple[int, int]]) -> torch.Tensor:
     at = torch.tensor(where, dtype=torch.long).view(-1, 2)
     h = torch.arange(heads)
     return ((at[:, :1] * heads + h[None, :]) * page + at[:, 1:]).reshape(-1)
+
+
+def _quantized(fb: ForwardBatch) -> bool:
+    return any(getattr(g.pool, "quant", None) is not None for g in fb.groups if g.paged)
 
 
 def _float32(sinks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
