@@ -182,8 +182,8 @@ class ModelRunner:
             )
         arch = ",".join(getattr(self.hf_config, "architectures", None) or ["?"])
         self.attn_backend.check_supported(self.attention_kinds, self.model.attention_layers(), arch)
-        if self.attn_backend_name == "cpu" and self.dtype == torch.bfloat16:
-            # when the model offers one for its configuration
+        if self.attn_backend_name == "cpu" and self.dtype == torch.bfloat16 and not self.kv_quant:
+            # when the model offers one for its configuration (its kernel reads a float cache)
             self.model.enable_decode_stack(self.ops, batch_invariant=deterministic)
         logger.info(
             "model %s loaded: %d layers, dtype %s, KV cache %s in %s, attention %s",

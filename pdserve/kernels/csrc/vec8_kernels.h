@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "kv_quant.h"
+
 namespace pds {
 
 // ---- elementwise.cpp ----------------------------------------------------------------------------
@@ -72,8 +74,10 @@ struct DecodeArgs {
   float scale;
   bool q_bf16;
   const float* sinks;  // [heads] or nullptr
+  KVScales sc = {};  // a quantized cache's scales (kv_quant.h)
 };
-// tasks (request, KV head) begin .. end; KT: the cache's element type (float or uint16_t)
+// tasks (request, KV head) begin .. end; KT: the cache's element type (float, uint16_t: bf16, or
+// a quantized element of kv_quant.h)
 template <typename KT>
 void decode_attention_vec8(const DecodeArgs& a, int64_t task_begin, int64_t task_end);
 

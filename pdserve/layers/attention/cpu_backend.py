@@ -152,20 +152,19 @@ class CpuAttnBackend(TorchAttnBackend):
     def decode(self, out, q, kc, vc, layer, group, sinks) -> None:
         if self._dec is None:
             return
-        if self._scales is not None:  # a quantized pool
-            return super().decode(out, q, kc, vc, layer, group, sinks)
         sel, n, tables = self._dec
         table, lens = tables[group]
         window = layer.sliding_window or 0
         sinks = _float32(sinks)
+        kc, vc, quant = kernel_caches(kc, vc, self._scales)
         if sel is None:
             self.ops.paged_decode_attention(
-                out[:n], q[:n], kc, vc, table, lens, layer.scale, window, sinks
+                out[:n], q[:n], kc, vc, table, lens, layer.scale, window, sinks, **quant
             )
         else:
             o = torch.empty((n,) + tuple(q.shape[1:]), dtype=q.dtype)
             self.ops.paged_decode_attention(
-                o, q.index_select(0, sel), kc, vc, table, lens, layer.scale, window, sinks
+                o, q.index_select(0, sel), kc, vc, table, lens, layer.scale, window, sinks, **quant
             )
             out[sel] = o
 
@@ -272,12 +271,26 @@ class CpuAttnBackend(TorchAttnBackend):
         kc, vc = fb.kv(layer.layer_id)  # [P, kv_heads, page, D]
         rows, table, lens = (self._flash or self._rowwise)[group]
         head_dim = kc.shape[3]
-        kc.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(kc.dtype))
-        vc.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(vc.dtype))
+        scales = fb.kv_scales(layer.layer_id)
+        if scales is not None:  # a quantized pool (rowwise only: the flash kernel reads bf16)
+            scales.store(kc, vc, rows, k, v)
+        else:
+            kc.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(kc.dtype))
+            vc.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(vc.dtype))
         out = torch.empty_like(q)
         if self._rowwise is not None:
+            kq, vq, quant = kernel_caches(kc, vc, scales)
             self.ops.paged_decode_attention(
-                out, q, kc, vc, table, lens, layer.scale, layer.sliding_window or 0, _float32(sinks)
+                out,
+                q,
+                kq,
+                vq,
+                table,
+                lens,
+                layer.scale,
+                layer.sliding_window or 0,
+                _float32(sinks),
+                **quant,
             )
         else:
             sel = self._flash_tokens
@@ -413,6 +426,18 @@ def _rows(g: GroupTable, where: list[tuple[int, int]]) -> torch.Tensor:
     at = torch.tensor(where, dtype=torch.long).view(-1, 2)
     h = torch.arange(heads)
     return ((at[:, :1] * heads + h[None, :]) * page + at[:, 1:]).reshape(-1)
+
+
+def kernel_caches(kc: torch.Tensor, vc: torch.Tensor, scales) -> tuple:
+    """(K, V, keyword arguments) as the decode kernel reads a pool's caches: fp8 bits as their
+    float8 dtype with the layer's scales, int8 with its per-row scales (``kv_quant.LayerScales``;
+    None: a float pool, as it is)."""
+    if scales is None:
+        return kc, vc, {}
+    if scales.quant.per_token:
+        return kc, vc, {"k_scales": scales.k, "v_scales": scales.v}
+    fmt = scales.quant.values
+    return kc.view(fmt), vc.view(fmt), {"k_scale": scales.k_tensor, "v_scale": scales.v_tensor}
 
 
 def _quantized(fb: ForwardBatch) -> bool:
