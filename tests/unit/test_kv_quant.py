@@ -158,3 +158,49 @@ def test_quantized_decode_refuses_missing_or_stray_scales(ops):
         ops.paged_decode_attention(
             out, q, kq, kq, table, lens, 1.0, 0, k_scales=bad.double(), v_scales=bad
         )
+
+
+FLASH_CASES = [  # (format, group, page size, window)
+    ("int8", 4, 16, 0),
+    ("int8", 2, 1, 70),
+    ("fp8_e4m3", 4, 1, 0),
+    ("fp8_e5m2", 2, 16, 70),
+]
+
+
+@pytest.mark.parametrize("fmt,group,page,window", FLASH_CASES)
+def test_quantized_flash_attention_matches_float64(ops, flash_isa, fmt, group, page, window):
+    """The extend/prefill kernel (decode rows, prefills, extends after a prefix) over quantized
+    pages against float64 attention over the dequantized K/V."""
+    from pdserve.engine.kv_quant import LayerScales
+    from tests.unit.test_attention_sinks import eager_reference
+
+    gen = torch.Generator().manual_seed(page * 10 + group + window)
+    kv_heads, head_dim = 2, 64
+    rows = [(1, 1), (1, 200), (5, 5), (40, 170), (130, 130), (17, 81)]  # (new tokens, length)
+    lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
+    max_pages = (int(lens.max()) + page - 1) // page
+    num_pages = len(rows) * max_pages + 3
+    tensor_scale = (0.5, 2.0) if fmt != "int8" else (1.0, 1.0)
+    kq, ks, kd = quantized_pages(fmt, num_pages, kv_heads, page, head_dim, gen, tensor_scale[0])
+    vq, vs, vd = quantized_pages(fmt, num_pages, kv_heads, page, head_dim, gen, tensor_scale[1])
+    table = (
+        (torch.randperm(num_pages - 1, generator=gen)[: len(rows) * max_pages] + 1)
+        .view(len(rows), max_pages)
+        .to(torch.int32)
+    )
+    starts = torch.tensor([0] + [e for e, _ in rows]).cumsum(0).to(torch.int32)
+    q = torch.randn(int(starts[-1]), kv_heads * group, head_dim, generator=gen).bfloat16()
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim**-0.5
+    kc, vc, kw = kernel_caches(kq, vq, LayerScales(KVQuant(fmt), ks, vs, *tensor_scale))
+    ops.paged_attention_bf16(out, q, kc, vc, table, lens, starts, scale, window, None, **kw)
+    for b, (ext, n) in enumerate(rows):
+        pos = torch.arange(n)
+        pages = table[b][pos // page].long()
+        k, v = kd[pages, :, pos % page], vd[pages, :, pos % page]  # [n, kv_heads, D]
+        a = int(starts[b])
+        ref = eager_reference(q[a : a + ext], k, v, torch.arange(n - ext, n), scale, window, None)
+        err = (out[a : a + ext].double() - ref).abs().max().item()
+        # K and V rounded to bf16 for the products (AVX512-BF16), probabilities too, output bf16
+        assert err < 3e-2, f"row {b} ({ext} of {n}): max abs error {err}"

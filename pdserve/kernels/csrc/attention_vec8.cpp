@@ -176,6 +176,34 @@ PDS_V8 void widen_rows(const uint16_t* src, const int64_t* rows, int n, int64_t 
     for (int64_t c = 0; c < D; c += 8) store(dst + t * D + c, load(src + rows[t] * D + c));
 }
 
+// a quantized cache's rows, dequantized: raw values times their row's (or the layer's) scale
+template <typename KT>
+PDS_V8 void dequantize_rows(const void* src, const float* row_scales, float scale, const int64_t* rows, int n,
+                            int64_t D, float* dst) {
+  const KT* base = static_cast<const KT*>(src);
+  for (int t = 0; t < n; ++t) {
+    const F8 s = set1(row_scales ? row_scales[rows[t]] : scale);
+    for (int64_t c = 0; c < D; c += 8) store(dst + t * D + c, mul(load(base + rows[t] * D + c), s));
+  }
+}
+
+PDS_V8 void widen_kv(const FlashArgs& a, const int64_t* rows, int n, int64_t D, float* kf, float* vf) {
+  switch (a.kind) {
+    case KVKind::kPlain:
+      widen_rows(a.k, rows, n, D, kf);
+      return widen_rows(a.v, rows, n, D, vf);
+    case KVKind::kInt8:
+      dequantize_rows<int8_t>(a.kq, a.sc.k_rows, a.sc.k, rows, n, D, kf);
+      return dequantize_rows<int8_t>(a.vq, a.sc.v_rows, a.sc.v, rows, n, D, vf);
+    case KVKind::kFp8E4M3:
+      dequantize_rows<Fp8E4M3>(a.kq, a.sc.k_rows, a.sc.k, rows, n, D, kf);
+      return dequantize_rows<Fp8E4M3>(a.vq, a.sc.v_rows, a.sc.v, rows, n, D, vf);
+    case KVKind::kFp8E5M2:
+      dequantize_rows<Fp8E5M2>(a.kq, a.sc.k_rows, a.sc.k, rows, n, D, kf);
+      return dequantize_rows<Fp8E5M2>(a.vq, a.sc.v_rows, a.sc.v, rows, n, D, vf);
+  }
+}
+
 PDS_V8 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_t q0, int64_t nq, FlashScratchVec8& s) {
   const int64_t D = a.D, G = a.heads / a.kv_heads, nrows = nq * G;
   const int64_t len = a.lens[b];
@@ -206,8 +234,7 @@ PDS_V8 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_t q0, int
       krow[t] = s.kf + t * D;
       vrow[t] = s.vf + t * D;
     }
-    widen_rows(a.k, rows, n, D, s.kf);
-    widen_rows(a.v, rows, n, D, s.vf);
+    widen_kv(a, rows, n, D, s.kf, s.vf);
     for (int64_t r = 0; r < nrows; ++r) {
       // keys of this block the row sees: [t0, t1)
       const int64_t lo = a.window > 0 ? s.pos[r] - a.window + 1 : 0;

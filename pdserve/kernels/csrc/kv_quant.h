@@ -56,6 +56,9 @@ inline float load_f32<Fp8E4M3>(const Fp8E4M3* p) { return fp8_e4m3_to_f32(p->bit
 template <>
 inline float load_f32<Fp8E5M2>(const Fp8E5M2* p) { return fp8_e5m2_to_f32(p->bits); }
 
+// The element type of a cache whose kernel is not templated on it (the bf16 flash kernel).
+enum class KVKind : int { kPlain = 0, kInt8, kFp8E4M3, kFp8E5M2 };
+
 // What dequantizes one layer's K and V in a kernel call: per-row scales ([rows] float32, the
 // pool's [pages, kv_heads, page_size] scales, indexed like the rows) or one scale each.
 struct KVScales {

@@ -94,6 +94,11 @@ struct FlashArgs {
   int64_t heads, kv_heads, page_size, D, window;
   float scale;
   const float* sinks;  // [heads] or nullptr
+  // a quantized cache (kv_quant.h): k, v above unused; its bytes, their type and scales
+  KVKind kind = KVKind::kPlain;
+  const void* kq = nullptr;
+  const void* vq = nullptr;
+  KVScales sc = {};
 };
 struct FlashScratchVec8;  // one per thread: flash_scratch_vec8() / flash_scratch_free_vec8()
 FlashScratchVec8* flash_scratch_vec8();

@@ -72,11 +72,12 @@ class CpuAttnBackend(TorchAttnBackend):
     def uses_flash(self, fb: ForwardBatch) -> bool:
         return all(
             g.pool.kv_heads
-            and g.pool.dtype == self.compute_dtype == torch.bfloat16
+            and self.compute_dtype == torch.bfloat16
+            and (g.pool.dtype == torch.bfloat16 or getattr(g.pool, "quant", None) is not None)
             and self.ops.flash_supported(g.pool.head_dim)
             for g in fb.groups
             if g.paged
-        )  # no latent pages
+        )  # no latent pages; a quantized pool's blocks are dequantized by the kernel
 
     def is_decode_row(self, fb: ForwardBatch, i: int) -> bool:
         # one new token, whatever its prefix: its K/V are in the pool before the kernel runs
@@ -271,8 +272,8 @@ class CpuAttnBackend(TorchAttnBackend):
         kc, vc = fb.kv(layer.layer_id)  # [P, kv_heads, page, D]
         rows, table, lens = (self._flash or self._rowwise)[group]
         head_dim = kc.shape[3]
-        scales = fb.kv_scales(layer.layer_id)
-        if scales is not None:  # a quantized pool (rowwise only: the flash kernel reads bf16)
+        scales = self._scales = fb.kv_scales(layer.layer_id)  # (tree rows' _extend_row reads it)
+        if scales is not None:  # a quantized pool
             scales.store(kc, vc, rows, k, v)
         else:
             kc.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(kc.dtype))
@@ -296,17 +297,19 @@ class CpuAttnBackend(TorchAttnBackend):
             sel = self._flash_tokens
             if sel is None or sel.numel():
                 o = out if sel is None else torch.empty((sel.numel(),) + q.shape[1:], dtype=q.dtype)
+                kq, vq, quant = kernel_caches(kc, vc, scales)
                 self.ops.paged_attention_bf16(
                     o,
                     q if sel is None else q.index_select(0, sel),
-                    kc,
-                    vc,
+                    kq,
+                    vq,
                     table,
                     lens,
                     self._starts,
                     layer.scale,
                     layer.sliding_window or 0,
                     _float32(sinks),
+                    **quant,
                 )
                 if sel is not None:
                     out[sel] = o
