@@ -6,6 +6,9 @@ place, never gathered.
 - otherwise (float32, or no avx512_bf16): decode rows by the paged decode kernel
   (``paged_attention.cpp``), extend rows as the torch backend does (SDPA over the new tokens and
   the gathered prefix).
+- a quantized pool (``--kv-cache-dtype int8|fp8_*``, ``engine/kv_quant.py``) goes where its bf16
+  or float32 counterpart goes, the kernels reading its bytes and scales in place
+  (``kernel_caches``); its speculative tree rows run as extend rows under their masks.
 
 With ``deterministic`` (``--enable-deterministic-inference``) a row's attention does not depend on
 the other rows of the forward, on how its request's rows are split into chunks, or on a cached

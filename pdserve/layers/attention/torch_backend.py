@@ -7,6 +7,9 @@ by the prefix length. Layers with logit soft-capping or attention sinks run the 
 out (SDPA has neither), a block of query rows at a time so the scores stay small. Correct on CPU
 and CUDA; the ``cpu`` backend replaces the decode part with a kernel that reads the pages in place.
 
+A quantized pool (``engine/kv_quant.py``) is quantized as it is written and dequantized as it is
+gathered; extend rows then read every key from the pool, the new tokens' too.
+
 Rows of a speculative tree (``ForwardBatch.trees``) run as extend rows under their tree's mask:
 each token sees the sequence and its ancestors in the row, whatever their slots.
 
