@@ -94,3 +94,41 @@ def test_kv_dtype_mismatch_is_refused_naming_both(pairs, prompts):
         run_until(lambda: s.check_integrity()["in_use_pages"] == 0, P, D)
         info = s.check_integrity()
         assert info["metadata_slots_free"] == info["metadata_slots_total"], info
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_int8_pages_and_scales_over_rdma_engines(backend, pairs, prompts):
+    """The same int8 pages and scale regions registered with Mooncake's and NIXL's engines (TCP
+    / UCX on loopback): decode gives the local pair's tokens, and the same bytes move."""
+    from pdserve.disagg.transfer.base import get_backend
+    from tests.helpers.cluster import free_port
+
+    try:
+        get_backend(backend)
+    except ValueError as e:
+        pytest.skip(str(e))
+    P0, D0, bport0 = pairs["int8"]
+    seed = 3 + ["mooncake", "nixl"].index(backend)  # fresh rooms on the shared local pair
+    local = serve(P0, D0, bport0, prompts, seed=seed)
+    local_bytes = {
+        len(rp.input_ids): t["kv_bytes"]
+        for rp, _ in local
+        for t in P0.pd.recent_transfers
+        if t["rid"] == rp.rid
+    }
+    bport = free_port()
+    kw = dict(model=model(), kv_cache_dtype="int8", max_total_tokens=8192, host="127.0.0.1")
+    P = make("prefill", backend, disaggregation_bootstrap_port=bport, **kw)
+    D = make("decode", backend, **kw)
+    try:
+        served = serve(P, D, bport, prompts, seed=seed)
+        transfers = {t["rid"]: t for t in P.pd.recent_transfers}
+        for (rp, rd), (_, want) in zip(served, local):
+            assert rd.output_ids == want.output_ids, f"{backend}, prompt of {len(rp.input_ids)}"
+            assert transfers[rp.rid]["kv_bytes"] == local_bytes[len(rp.input_ids)]
+        for s in (P, D):
+            info = s.check_integrity()
+            assert info["in_use_pages"] == 0
+            assert info["metadata_slots_free"] == info["metadata_slots_total"]
+    finally:
+        close(P, D)
