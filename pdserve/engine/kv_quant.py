@@ -19,15 +19,12 @@ moves or sends its scales with it.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 ALIASES = {"fp8": "fp8_e4m3"}
 # the torch dtype of each quantized format's values (what they dequantize from)
@@ -117,7 +114,6 @@ class LayerScales:
     v: Optional[torch.Tensor] = None
     k_tensor: float = 1.0
     v_tensor: float = 1.0
-    _parts: tuple = field(default=(), repr=False)
 
     def store(self, kc: torch.Tensor, vc: torch.Tensor, rows: torch.Tensor, k, v) -> None:
         """Quantize new tokens' ``k``/``v`` ([T, kv_heads, D]) into rows ``rows`` ([T * kv_heads])
