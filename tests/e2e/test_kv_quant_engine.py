@@ -132,18 +132,22 @@ def test_demo_model_agrees_with_bf16_kv():
         ref.shutdown()
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
-def test_speculative_trees_move_quantized_pages_and_give_the_plain_tokens(fmt):
+@pytest.mark.parametrize(
+    "fmt,dtype", [("int8", "float32"), ("int8", "bfloat16"), ("fp8_e4m3", "bfloat16")]
+)
+def test_speculative_trees_move_quantized_pages_and_give_the_plain_tokens(fmt, dtype):
     """EAGLE trees: rows whose accepted path leaves the first branch have their drafts' quantized
-    KV (and int8 scales) moved to the sequence's slots; greedy tokens equal plain decoding's."""
+    KV (and int8 scales) moved to the sequence's slots; a tree token runs as a one-query row over
+    scratch pages holding its keys (and scales), so greedy tokens and logprobs equal plain
+    decoding's (bf16: the flash kernel's bits)."""
     from tests.e2e.test_speculative import greedy, prompts
     from tests.e2e.test_speculative_tree import engine as tree_engine
     from tests.e2e.test_speculative_tree import same_tokens_and_logprobs, target, tree
     from tests.helpers.checkpoints import build_eagle_head
 
     head = build_eagle_head(target(), scale=0.5)
-    plain = tree_engine(kv_cache_dtype=fmt)
-    spec = tree_engine("EAGLE", head, kv_cache_dtype=fmt, **tree(4, 8, 4))
+    plain = tree_engine(kv_cache_dtype=fmt, dtype=dtype)
+    spec = tree_engine("EAGLE", head, kv_cache_dtype=fmt, dtype=dtype, **tree(4, 8, 4))
     try:
         ps = prompts(0) + prompts(4)[2:]
         ref = plain.generate(input_ids=ps, sampling_params=greedy(30), return_logprob=True)

@@ -8,7 +8,7 @@ place, never gathered.
   the gathered prefix).
 - a quantized pool (``--kv-cache-dtype int8|fp8_*``, ``engine/kv_quant.py``) goes where its bf16
   or float32 counterpart goes, the kernels reading its bytes and scales in place
-  (``kernel_caches``); its speculative tree rows run as extend rows under their masks.
+  (``kernel_caches``); int8 scales are copied to scratch pages with their rows.
 
 With ``deterministic`` (``--enable-deterministic-inference``) a row's attention does not depend on
 the other rows of the forward, on how its request's rows are split into chunks, or on a cached
@@ -89,8 +89,7 @@ class CpuAttnBackend(TorchAttnBackend):
     def init_forward(self, fb: ForwardBatch) -> None:
         self._flash = None
         self._rowwise = None
-        # a quantized pool's trees run as extend rows under their masks (no scratch copies)
-        self._virtual = self._init_virtual(fb) if fb.trees and not _quantized(fb) else None
+        self._virtual = self._init_virtual(fb) if fb.trees else None
         self._row_cache: dict[
             int, tuple[torch.Tensor, torch.Tensor]
         ] = {}  # group -> per-token tables
@@ -231,20 +230,23 @@ class CpuAttnBackend(TorchAttnBackend):
     def _virtual_rows(self, out, q, kc, vc, layer, group, sinks) -> None:
         head_dim = kc.shape[3]
         kf, vf = kc.view(-1, head_dim), vc.view(-1, head_dim)
+        scales = self._scales  # a quantized pool's: int8 scales are copied with their rows
+        per_row = [] if scales is None or scales.k is None else [scales.k, scales.v]
+        kq, vq, quant = kernel_caches(kc, vc, scales)
         for tokens, groups, starts in self._virtual:
             src, dst, table, lens = groups[group]
-            kf.index_copy_(0, dst, kf.index_select(0, src))
-            vf.index_copy_(0, dst, vf.index_select(0, src))
+            for flat in (kf, vf, *(t.view(-1) for t in per_row)):
+                flat.index_copy_(0, dst, flat.index_select(0, src))
             qq = q.index_select(0, tokens)
             o = torch.empty_like(qq)
             window = layer.sliding_window or 0
             if self._flash is not None:  # as the flash kernel runs decode rows
                 self.ops.paged_attention_bf16(
-                    o, qq, kc, vc, table, lens, starts, layer.scale, window, sinks
+                    o, qq, kq, vq, table, lens, starts, layer.scale, window, sinks, **quant
                 )
             else:
                 self.ops.paged_decode_attention(
-                    o, qq, kc, vc, table, lens, layer.scale, window, sinks
+                    o, qq, kq, vq, table, lens, layer.scale, window, sinks, **quant
                 )
             out[tokens] = o
 
@@ -444,10 +446,6 @@ def kernel_caches(kc: torch.Tensor, vc: torch.Tensor, scales) -> tuple:
         return kc, vc, {"k_scales": scales.k, "v_scales": scales.v}
     fmt = scales.quant.values
     return kc.view(fmt), vc.view(fmt), {"k_scale": scales.k_tensor, "v_scale": scales.v_tensor}
-
-
-def _quantized(fb: ForwardBatch) -> bool:
-    return any(getattr(g.pool, "quant", None) is not None for g in fb.groups if g.paged)
 
 
 def _float32(sinks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
