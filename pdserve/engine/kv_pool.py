@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from pdserve.engine.kv_quant import KVQuant, LayerScales
+from pdserve.engine.kv_quant import KVQuant, LayerScales, scale_regions
 from pdserve.hostmem import huge_empty
 from pdserve.kv_region import Region
 
@@ -239,22 +239,8 @@ class KVPool(BaseKVPool):
             for i, layer in enumerate(group.layers)
             for kv, part in ((0, "k"), (1, "v"))
         ]
-        if self.scales is not None:  # one item: a page's scales, [kv_heads, page_size] float32
-            item = self.kv_heads * self.page_size * 4
-            out += [
-                Region(
-                    ptr=self.scales[i, kv].data_ptr(),
-                    nbytes=self.num_pages * item,
-                    item_bytes=item,
-                    group=group.id,
-                    layer=layer,
-                    part=part,
-                    final=final,
-                    split="heads",
-                )
-                for i, layer in enumerate(group.layers)
-                for kv, part in ((0, "k_scale"), (1, "v_scale"))
-            ]
+        if self.scales is not None:
+            out += scale_regions(self.scales, group, final)
         return out
 
     def as_group(self, first_layer: int = 0):

@@ -142,6 +142,30 @@ class LayerScales:
         return self.quant.dequantize(cache[pages], s, tensor, dtype)
 
 
+def scale_regions(scales: torch.Tensor, group, final: str) -> list:
+    """The transfer regions of an int8 pool's scales ``[layers, 2, pages, kv_heads, page_size]``
+    (float32) as the pool of cache group ``group``: per layer ``k_scale`` and ``v_scale``, one
+    item per page (``kv_heads * page_size * 4`` bytes), split by heads like the pages."""
+    from pdserve.kv_region import Region
+
+    num_pages, kv_heads, page_size = scales.shape[2:]
+    item = kv_heads * page_size * 4
+    return [
+        Region(
+            ptr=scales[i, kv].data_ptr(),
+            nbytes=num_pages * item,
+            item_bytes=item,
+            group=group.id,
+            layer=layer,
+            part=part,
+            final=final,
+            split="heads",
+        )
+        for i, layer in enumerate(group.layers)
+        for kv, part in ((0, "k_scale"), (1, "v_scale"))
+    ]
+
+
 # ---- per-layer scales of fp8 checkpoints ----------------------------------------------------------
 # the names vLLM and SGLang load: "<attn>.k_scale" / "<attn>.v_scale" (under self_attn, its k/v
 # projections, or its "attn" module), or one "kv_scale" for both (older checkpoints)

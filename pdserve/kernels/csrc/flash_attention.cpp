@@ -38,6 +38,9 @@ bool flash_supported(int64_t head_dim);
 const float* checked_sinks(const c10::optional<at::Tensor>& sinks, int64_t heads, const char* kernel);
 KVScales checked_scales(const at::Tensor& k_cache, const c10::optional<at::Tensor>& k_scales,
                         const c10::optional<at::Tensor>& v_scales, double k_scale, double v_scale, const char* kernel);
+#if PDS_X86
+void dequantize_kv_bf16(const FlashArgs& a, const int64_t* rows, int n, int64_t D, uint16_t* kd, uint16_t* vd);
+#endif
 
 constexpr int kQueries = 16;  // query positions per task
 
@@ -98,36 +101,6 @@ struct Scratch {
   int32_t pos[kMaxRows];  // position of each row
   int64_t rows[kKeys];
 };
-
-// rows[0 .. n) of a quantized cache `src` (element KT), times their scales, as bf16 rows of dst
-template <typename KT>
-PDS_AVX512 void dequantize_block(const void* src, const float* row_scales, float scale, const int64_t* rows, int n,
-                                 int64_t D, uint16_t* dst) {
-  const KT* base = static_cast<const KT*>(src);
-  for (int t = 0; t < n; ++t) {
-    const __m512 s = _mm512_set1_ps(row_scales ? row_scales[rows[t]] : scale);
-    for (int64_t c = 0; c < D; c += 16) {
-      const __mmask16 mk = tail_mask(D - c);
-      store16(dst + t * D + c, _mm512_mul_ps(load16(base + rows[t] * D + c, mk), s), mk);
-    }
-  }
-}
-
-PDS_AVX512 void dequantize_kv(const FlashArgs& a, const int64_t* rows, int n, int64_t D, uint16_t* kd, uint16_t* vd) {
-  switch (a.kind) {
-    case KVKind::kPlain:
-      return;
-    case KVKind::kInt8:
-      dequantize_block<int8_t>(a.kq, a.sc.k_rows, a.sc.k, rows, n, D, kd);
-      return dequantize_block<int8_t>(a.vq, a.sc.v_rows, a.sc.v, rows, n, D, vd);
-    case KVKind::kFp8E4M3:
-      dequantize_block<Fp8E4M3>(a.kq, a.sc.k_rows, a.sc.k, rows, n, D, kd);
-      return dequantize_block<Fp8E4M3>(a.vq, a.sc.v_rows, a.sc.v, rows, n, D, vd);
-    case KVKind::kFp8E5M2:
-      dequantize_block<Fp8E5M2>(a.kq, a.sc.k_rows, a.sc.k, rows, n, D, kd);
-      return dequantize_block<Fp8E5M2>(a.vq, a.sc.v_rows, a.sc.v, rows, n, D, vd);
-  }
-}
 
 // acc[i][kv] = sum over pairs p of q_i's pair p times kt[p][16 kv .. 16 kv + 15]: 4 query rows x
 // 64 keys, every loop bound known at compile time so the 16 sums live in registers
@@ -243,7 +216,7 @@ PDS_AVX512_BF16 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_
     }
     for (int j = n; j < kKeys; ++j) s.rows[j] = s.rows[n - 1];  // padding keys, masked below
     if (quant) {
-      dequantize_kv(a, s.rows, n, D, s.kd, s.vd);
+      dequantize_kv_bf16(a, s.rows, n, D, s.kd, s.vd);
       for (int j = 0; j < kKeys; ++j) s.local[j] = std::min(j, n - 1);
     }
     // K pairs transposed: kt[p][t]; the score kernel always computes 64 keys, unused ones are zero

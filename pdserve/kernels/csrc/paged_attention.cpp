@@ -276,33 +276,11 @@ void with_kv_type(at::ScalarType type, Fn&& fn) {
 
 }  // namespace
 
-// The scales of a quantized cache after checking them: int8 needs per-row scales (float32, the
-// cache's shape without head_dim), fp8 takes one scale per K and V; a float cache none. Shared
-// with flash_attention.cpp.
-KVScales checked_scales(const at::Tensor& k_cache, const c10::optional<at::Tensor>& k_scales,
-                        const c10::optional<at::Tensor>& v_scales, double k_scale, double v_scale, const char* kernel) {
-  KVScales sc;
-  sc.k = float(k_scale);
-  sc.v = float(v_scale);
-  const bool per_row = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(per_row == (k_scales.has_value() && v_scales.has_value()) && k_scales.has_value() == v_scales.has_value(),
-              kernel, ": k_scales and v_scales go with an int8 cache, and only with one");
-  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn || k_cache.scalar_type() == at::kFloat8_e5m2;
-  TORCH_CHECK(fp8 || per_row || (k_scale == 1.0 && v_scale == 1.0),
-              kernel, ": k_scale and v_scale go with an fp8 cache");
-  if (!per_row) return sc;
-  for (const at::Tensor* t : {&*k_scales, &*v_scales}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
-                    t->sizes() == k_cache.sizes().slice(0, 3),
-                kernel, ": k_scales / v_scales must be contiguous float32 [pages, kv_heads, page_size]");
-  }
-  sc.k_rows = k_scales->data_ptr<float>();
-  sc.v_rows = v_scales->data_ptr<float>();
-  return sc;
-}
-
 // The data of an attention kernel's optional sinks argument after checking it ([heads] float32
 // contiguous on the CPU), or nullptr without one. Shared with flash_attention.cpp.
+KVScales checked_scales(const at::Tensor& k_cache, const c10::optional<at::Tensor>& k_scales,
+                        const c10::optional<at::Tensor>& v_scales, double k_scale, double v_scale, const char* kernel);
+
 const float* checked_sinks(const c10::optional<at::Tensor>& sinks, int64_t heads, const char* kernel) {
   if (!sinks.has_value()) return nullptr;
   const at::Tensor& t = *sinks;
