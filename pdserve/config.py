@@ -20,7 +20,17 @@ from pdserve.moe_args import MOE_A2A_BACKENDS, MOE_RUNNER_BACKENDS, check_moe_ar
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("local", "fake", "mooncake", "nixl")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# int8 / fp8_*: a quantized cache (engine/kv_quant.py); fp8 is fp8_e4m3, as vLLM and SGLang take it
+KV_CACHE_DTYPES = (
+    "auto",
+    "float32",
+    "bfloat16",
+    "float16",
+    "int8",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+)
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 QUANTIZATIONS = ("w8a8_int8",)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")

@@ -115,6 +115,13 @@ class ForwardBatch:
         slot = self.layer_slot[layer]
         return pool.k_cache(slot), pool.v_cache(slot)
 
+    def kv_scales(self, layer: int):
+        """What dequantizes stage layer ``layer``'s K and V (``kv_quant.LayerScales``), or None
+        when its pool keeps floats."""
+        pool = self.groups[self.layer_group[layer]].pool
+        scales = getattr(pool, "layer_scales", None)
+        return None if scales is None else scales(self.layer_slot[layer])
+
     def cache_group(self, layer: int, kind: str) -> int:
         """The group holding stage layer ``layer``'s cache of ``kind``."""
         if self.layer_caches is None:

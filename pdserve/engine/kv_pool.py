@@ -4,7 +4,9 @@ allocator; ``make_pool`` picks the pool of a cache group's spec (``POOLS``).
 - ``KVPool`` (full attention, sliding window): ``[num_layers, 2 (K|V), num_pages, kv_heads,
   page_size, head_dim]`` ("head-major pages"). One page of one layer's K (or V) is one contiguous
   item of ``kv_heads * page_size * head_dim`` elements, and one head's slice of a page is
-  contiguous too: its regions split along the KV heads.
+  contiguous too: its regions split along the KV heads. A quantized pool (``kv_quant.py``) keeps
+  one byte per value, and with int8 the scales ``[num_layers, 2, num_pages, kv_heads,
+  page_size]`` float32 after the values in the same allocation, as regions of their own.
 - ``LatentPool`` (latent attention): ``[num_layers, num_pages, page_size, latent_dim + rope_dim]``,
   no head axis; every rank of an attention group holds the same latent: its regions are
   replicated.
@@ -21,6 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
+from pdserve.engine.kv_quant import KVQuant, LayerScales, scale_regions
 from pdserve.hostmem import huge_empty
 from pdserve.kv_region import Region
 
@@ -145,19 +148,55 @@ class KVPool(BaseKVPool):
         dtype: torch.dtype,
         device: torch.device | str,
         allocator: BufferAllocator = default_allocator,
+        quant: Optional[KVQuant] = None,
     ):
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size
         self.kv_heads = kv_heads
         self.head_dim = head_dim
-        self.dtype = dtype
+        self.quant = quant
+        self.dtype = dtype if quant is None else quant.storage
         self.device = torch.device(device)
+        shape = (num_layers, 2, num_pages, kv_heads, page_size, head_dim)
         # [num_layers, 2, num_pages, kv_heads, page_size, head_dim]
         self._raw, self.buffer = _allocate(
-            (num_layers, 2, num_pages, kv_heads, page_size, head_dim), dtype, self.device, allocator
+            shape,
+            self.dtype,
+            self.device,
+            allocator,
+            (4 * _numel(shape[:-1]) if self.per_token else 0),
         )
+        # int8: [num_layers, 2, num_pages, kv_heads, page_size] float32, after the values
+        self.scales: Optional[torch.Tensor] = None
+        if self.per_token:
+            self.scales = self._raw[self.buffer.numel() :].view(torch.float32).view(shape[:-1])
+        # fp8: per layer of the pool, (k_scale, v_scale) (``set_tensor_scales``)
+        self.tensor_scales = [(1.0, 1.0)] * num_layers
         self.allocator = PageAllocator(num_pages)
+
+    @property
+    def per_token(self) -> bool:
+        return self.quant is not None and self.quant.per_token
+
+    @property
+    def dtype_name(self) -> str:
+        return self.quant.name if self.quant is not None else super().dtype_name
+
+    def set_tensor_scales(self, scales: list[tuple[float, float]]) -> None:
+        """fp8: the (k_scale, v_scale) of each layer of the pool (from the checkpoint)."""
+        if len(scales) != self.num_layers:
+            raise AssertionError(f"{len(scales)} scale pairs for {self.num_layers} layers")
+        self.tensor_scales = list(scales)
+
+    def layer_scales(self, layer: int) -> Optional[LayerScales]:
+        """What dequantizes layer ``layer``'s K and V (None: a float pool)."""
+        if self.quant is None:
+            return None
+        k_tensor, v_tensor = self.tensor_scales[layer]
+        if self.scales is None:
+            return LayerScales(self.quant, k_tensor=k_tensor, v_tensor=v_tensor)
+        return LayerScales(self.quant, self.scales[layer, 0], self.scales[layer, 1])
 
     @staticmethod
     def bytes_per_page(
@@ -186,7 +225,7 @@ class KVPool(BaseKVPool):
             self.num_pages * self.item_bytes,
             "last_chunk" if group.spec.drops_pages else "per_chunk",
         )
-        return [
+        out = [
             Region(
                 ptr=self.buffer[i, kv].data_ptr(),
                 nbytes=nbytes,
@@ -200,6 +239,9 @@ class KVPool(BaseKVPool):
             for i, layer in enumerate(group.layers)
             for kv, part in ((0, "k"), (1, "v"))
         ]
+        if self.scales is not None:
+            out += scale_regions(self.scales, group, final)
+        return out
 
     def as_group(self, first_layer: int = 0):
         """The full-attention cache group of this pool's layers (a pool built without a model)."""
@@ -221,6 +263,7 @@ class KVPool(BaseKVPool):
         dtype: torch.dtype,
         device,
         allocator: BufferAllocator = default_allocator,
+        quant: Optional[KVQuant] = None,
     ) -> "KVPool":
         return cls(
             num_layers,
@@ -231,11 +274,14 @@ class KVPool(BaseKVPool):
             dtype,
             device,
             allocator,
+            quant,
         )
 
     def move(self, src, dst) -> None:
         # [layers, 2, pages, heads, page, dim]: the token axes are 2 and 4
         self.buffer[:, :, dst[0], :, dst[1]] = self.buffer[:, :, src[0], :, src[1]]
+        if self.scales is not None:  # [layers, 2, pages, heads, page]
+            self.scales[:, :, dst[0], :, dst[1]] = self.scales[:, :, src[0], :, src[1]]
 
     def write(
         self,
@@ -245,23 +291,41 @@ class KVPool(BaseKVPool):
         k: torch.Tensor,
         v: torch.Tensor,
     ) -> None:
-        """Store new tokens' K/V. ``page_idx``/``offsets``: [T]; ``k``/``v``: [T, kv_heads, head_dim]."""
+        """Store new tokens' K/V (quantized in a quantized pool). ``page_idx``/``offsets``: [T];
+        ``k``/``v``: [T, kv_heads, head_dim]."""
+        scales = self.layer_scales(layer)
+        if scales is not None:
+            heads = torch.arange(self.kv_heads, device=page_idx.device)
+            rows = (page_idx[:, None] * self.kv_heads + heads) * self.page_size + offsets[:, None]
+            scales.store(self.buffer[layer, 0], self.buffer[layer, 1], rows.reshape(-1), k, v)
+            return
         self.buffer[layer, 0][page_idx, :, offsets] = k.to(self.dtype)
         self.buffer[layer, 1][page_idx, :, offsets] = v.to(self.dtype)
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def _allocate(
-    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, allocator: BufferAllocator
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    allocator: BufferAllocator,
+    extra_bytes: int = 0,
 ):
-    nbytes = torch.empty((), dtype=dtype).element_size()
-    for n in shape:
-        nbytes *= n
+    """One allocation of ``shape`` in ``dtype`` (and ``extra_bytes`` after it): (raw, view)."""
+    size = torch.empty((), dtype=dtype).element_size() * _numel(shape)
+    nbytes = size + extra_bytes
     raw = allocator(nbytes, device)
     if raw.numel() != nbytes or raw.dtype != torch.uint8:
         raise ValueError(
             f"allocator returned {raw.numel()} {raw.dtype} bytes, expected {nbytes} uint8"
         )
-    return raw, raw.view(dtype).view(shape)
+    return raw, raw[:size].view(dtype).view(shape)
 
 
 class LatentPool(BaseKVPool):
@@ -465,14 +529,17 @@ def make_pool(
     dtype: torch.dtype,
     device,
     allocator: BufferAllocator = default_allocator,
+    quant: Optional[KVQuant] = None,
 ) -> BaseKVPool:
-    """The pool of cache group ``group`` (``kv_spec.CacheGroup``), by its spec's kind."""
+    """The pool of cache group ``group`` (``kv_spec.CacheGroup``), by its spec's kind; ``quant``:
+    a quantized KV format (``KVPool`` only: ``kv_quant.check_quantizable`` refused the rest)."""
     cls = POOLS.get(group.kind)
     if cls is None:
         raise ValueError(
             f"cache kind {group.kind!r} (layers {list(group.layers)}) has no pool in this engine "
             f"(pools: {', '.join(sorted(POOLS))})"
         )
+    extra = {"quant": quant} if quant is not None and cls is KVPool else {}
     return cls.for_spec(
-        group.spec, len(group.layers), num_pages, page_size, dtype, device, allocator
+        group.spec, len(group.layers), num_pages, page_size, dtype, device, allocator, **extra
     )

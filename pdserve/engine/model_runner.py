@@ -15,6 +15,7 @@ from pdserve.distributed import SINGLE_RANK, Parallel
 from pdserve.engine import routed_experts
 from pdserve.engine.dp_attention import DPGather
 from pdserve.engine.kv_pool import BaseKVPool, BufferAllocator, default_allocator, make_pool
+from pdserve.engine.kv_quant import check_quantizable, checkpoint_kv_scales, kv_quant_for
 from pdserve.engine.pipeline import pipeline_forward
 from pdserve.engine.precision import choose_compute_dtype, choose_kv_cache_dtype
 from pdserve.forward_batch import ForwardBatch, GroupTable
@@ -100,6 +101,7 @@ class ModelRunner:
             )
             logger.info("matmul weights prepacked for %s: %.1f MiB", what, packed / 2**20)
         self.kv_dtype = choose_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
+        self.kv_quant = kv_quant_for(args.kv_cache_dtype)  # None: a float cache
         self.fingerprint = model_fingerprint(self.hf_config)
         model_ctx = context_length(self.hf_config)
         self.context_length = args.context_length or model_ctx
@@ -114,6 +116,12 @@ class ModelRunner:
                 for entry in specs
             ]
         self.cache_groups: list[CacheGroup] = group_layers(specs, self.model.first_layer)
+        check_quantizable(
+            self.kv_quant,
+            {g.kind for g in self.cache_groups},
+            ",".join(getattr(self.hf_config, "architectures", None) or ["this model"]),
+        )
+        self.kv_tensor_scales = self._load_kv_tensor_scales()
         # per layer of this stage and cache kind it keeps: its group and its slot in that group's pool
         first = self.model.first_layer
         self.layer_caches = [
@@ -174,8 +182,8 @@ class ModelRunner:
             )
         arch = ",".join(getattr(self.hf_config, "architectures", None) or ["?"])
         self.attn_backend.check_supported(self.attention_kinds, self.model.attention_layers(), arch)
-        if self.attn_backend_name == "cpu" and self.dtype == torch.bfloat16:
-            # when the model offers one for its configuration
+        if self.attn_backend_name == "cpu" and self.dtype == torch.bfloat16 and not self.kv_quant:
+            # when the model offers one for its configuration (its kernel reads a float cache)
             self.model.enable_decode_stack(self.ops, batch_invariant=deterministic)
         logger.info(
             "model %s loaded: %d layers, dtype %s, KV cache %s in %s, attention %s",
@@ -249,9 +257,33 @@ class ModelRunner:
     def _make_pool(
         self, group: CacheGroup, num_pages: int, allocator: BufferAllocator
     ) -> BaseKVPool:
-        return make_pool(
-            group, num_pages, self.args.page_size, self.kv_dtype, self.device, allocator
+        pool = make_pool(
+            group,
+            num_pages,
+            self.args.page_size,
+            self.kv_dtype,
+            self.device,
+            allocator,
+            self.kv_quant,
         )
+        if self.kv_quant is not None and not self.kv_quant.per_token:
+            one = (1.0, 1.0)
+            pool.set_tensor_scales([self.kv_tensor_scales.get(i, one) for i in group.layers])
+        return pool
+
+    def _load_kv_tensor_scales(self) -> dict[int, tuple[float, float]]:
+        """fp8 KV: the checkpoint's per-layer (k_scale, v_scale) (1.0 where it has none)."""
+        if self.kv_quant is None or self.kv_quant.per_token:
+            return {}
+        scales = checkpoint_kv_scales(self.args.model_path)
+        logger.info(
+            "KV cache %s: k_scale/v_scale %s",
+            self.kv_quant.name,
+            f"of {len(scales)} layers from the checkpoint"
+            if scales
+            else "1.0 (none in the checkpoint)",
+        )
+        return scales
 
     def _agree_on_dtype(self, hf_config) -> tuple[torch.dtype, str]:
         """Rank 0's choice on every rank (a measurement could differ between ranks)."""
@@ -345,6 +377,11 @@ class ModelRunner:
         per_page = [
             len(g.layers) * g.spec.page_bytes(args.page_size, item) for g in self.cache_groups
         ]
+        if self.kv_quant is not None and self.kv_quant.per_token:  # a float32 scale per K/V row
+            per_page = [
+                n + len(g.layers) * g.spec.page_bytes(args.page_size, 4) // g.spec.head_dim
+                for n, g in zip(per_page, self.cache_groups)
+            ]
         if self.routed_spec is not None:  # the routed experts' rows live with this group's pages
             per_page[self.routed_spec.group] += self.routed_spec.bytes_per_page(args.page_size)
         if args.speculative_algorithm == "STANDALONE" and args.max_total_tokens is None:

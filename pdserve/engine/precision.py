@@ -8,7 +8,8 @@ decision is a measurement: the model's own layer shapes, at batch 1 and at a dec
 once in each dtype at start-up (tens of ms). A float32 checkpoint stays float32 (it is what the
 HF-exact promise is made in); ``--dtype float32|bfloat16`` forces.
 
-``--kv-cache-dtype auto`` follows the compute dtype.
+``--kv-cache-dtype auto`` follows the compute dtype; ``int8`` / ``fp8_e4m3`` / ``fp8_e5m2`` (``fp8``)
+quantize it (``kv_quant.py``).
 """
 
 from __future__ import annotations
@@ -123,6 +124,12 @@ def choose_compute_dtype(
 
 
 def choose_kv_cache_dtype(kv_cache_dtype: str, compute: torch.dtype) -> torch.dtype:
+    """The dtype of the KV pool's buffer (a quantized format's storage: ``kv_quant.py``)."""
+    from pdserve.engine.kv_quant import kv_quant_for
+
     if kv_cache_dtype == "auto":
         return compute
+    quant = kv_quant_for(kv_cache_dtype)
+    if quant is not None:
+        return quant.storage
     return getattr(torch, kv_cache_dtype)

@@ -43,6 +43,7 @@ SOURCES = (
     "moe_vec8.cpp",
     "linear_attention_vec8.cpp",
     "paged_attention.cpp",
+    "kv_quant.cpp",
     "mla_attention.cpp",
     "elementwise.cpp",
     "gemv.cpp",

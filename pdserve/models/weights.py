@@ -36,7 +36,8 @@ FUSED_ON_DISK = {
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
 # HF weights that carry no parameters of ours
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# kv scales: the per-layer k_scale / v_scale of fp8 KV caches, read by engine/kv_quant.py
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".k_scale", ".v_scale", ".kv_scale")
 
 
 @dataclass(frozen=True)

@@ -96,11 +96,14 @@ def kv_bytes_per_token(runner) -> int:
     (``kv_spec.transfer_bytes_per_token``; a pipeline stage scales its own layers to the model's)."""
     item = DTYPE_BYTES[str(runner.kv_dtype).replace("torch.", "")]
     model = runner.model
-    return (
-        transfer_bytes_per_token(runner.cache_groups, model.total_kv_heads, item)
-        * model.total_layers
-        // max(model.num_layers, 1)
-    )
+    per_token = transfer_bytes_per_token(runner.cache_groups, model.total_kv_heads, item)
+    quant = getattr(runner, "kv_quant", None)
+    if quant is not None and quant.per_token:  # int8: a float32 scale per K/V row as well
+        head_dim = runner.cache_groups[runner.anchor].spec.head_dim
+        per_token += (
+            transfer_bytes_per_token(runner.cache_groups, model.total_kv_heads, 4) // head_dim
+        )
+    return per_token * model.total_layers // max(model.num_layers, 1)
 
 
 def kv_bytes_per_request(runner) -> int:

@@ -61,6 +61,8 @@ def draft_page_bytes(args, par, item_bytes: int) -> int:
             if isinstance(spec, FullAttention):  # a window masks full pages in a draft
                 spec = FullAttention(spec.num_kv_heads, spec.head_dim)
             total += spec.page_bytes(args.page_size, item_bytes)
+            if isinstance(spec, FullAttention) and args.kv_cache_dtype == "int8":  # row scales
+                total += spec.page_bytes(args.page_size, 4) // spec.head_dim
     return total
 
 

@@ -16,7 +16,9 @@ void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
                  const at::Tensor& w_scale, c10::optional<at::Tensor> bias, int64_t amx_min_rows);
 void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& q_starts,
-                          double scale, int64_t window, const c10::optional<at::Tensor>& sinks, int64_t amx_min_rows);
+                          double scale, int64_t window, const c10::optional<at::Tensor>& sinks, int64_t amx_min_rows,
+                          const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales,
+                          double k_scale, double v_scale);
 
 namespace {
 
@@ -97,7 +99,8 @@ std::string check_attention(TileBackend tb, Lcg& rng, int64_t window, bool sinks
   const c10::optional<at::Tensor> sk = sinks ? c10::optional<at::Tensor>(rng.tensor({H}, 2.f)) : c10::nullopt;
   auto run = [&] {
     at::Tensor out = at::zeros({61, H, D}, at::kBFloat16);
-    paged_attention_bf16(out, q, kc, vc, table, lens, starts, 1.0 / std::sqrt(double(D)), window, sk, 1);
+    paged_attention_bf16(out, q, kc, vc, table, lens, starts, 1.0 / std::sqrt(double(D)), window, sk, 1, c10::nullopt,
+                         c10::nullopt, 1.0, 1.0);
     return out;
   };
   return compare(sinks ? "attention (window, sinks)" : "attention", run_on(tb, run), run_on(TileBackend::kNone, run),

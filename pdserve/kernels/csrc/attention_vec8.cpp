@@ -66,6 +66,7 @@ PDS_V8 void decode_tasks(const DecodeArgs& a, int64_t task_begin, int64_t task_e
   alignas(32) float acc[kMaxGroup * kMaxD];
   float m[kMaxGroup], l[kMaxGroup];
   alignas(32) float p[kBlock];
+  alignas(32) float ks[kBlock], vs[kBlock];  // a quantized cache's scales of the block's rows
   const KT* krow[kBlock];
   const KT* vrow[kBlock];
   const KT* kc = static_cast<const KT*>(a.k);
@@ -93,11 +94,18 @@ PDS_V8 void decode_tasks(const DecodeArgs& a, int64_t task_begin, int64_t task_e
         const int64_t row = (int64_t(pages[t / a.page_size]) * a.kv_heads + h) * a.page_size + t % a.page_size;
         krow[j] = kc + row * D;
         vrow[j] = vc + row * D;
+        if constexpr (kQuantKV<KT>) {
+          ks[j] = a.sc.k_at(row);
+          vs[j] = a.sc.v_at(row);
+        }
       }
       for (int64_t g = 0; g < G; ++g) {
         F8 s[2];
-        for (int half = 0; half < 2; ++half)
-          s[half] = select(range_mask(8 * half, 0, n - 1, 8), dots8<Whole>(qs + g * kMaxD, krow + 8 * half, D), set1(kNegInf));
+        for (int half = 0; half < 2; ++half) {
+          F8 d = dots8<Whole>(qs + g * kMaxD, krow + 8 * half, D);
+          if constexpr (kQuantKV<KT>) d = mul(d, load(ks + 8 * half));  // q . k = (q . k_raw) k_scale
+          s[half] = select(range_mask(8 * half, 0, n - 1, 8), d, set1(kNegInf));
+        }
         const float mb = std::max(m[g], std::max(reduce_max(s[0]), reduce_max(s[1])));
         const F8 vmb = set1(mb);
         const F8 p0 = exp(sub(s[0], vmb)), p1 = exp(sub(s[1], vmb));
@@ -106,6 +114,10 @@ PDS_V8 void decode_tasks(const DecodeArgs& a, int64_t task_begin, int64_t task_e
         const float alpha = std::exp(m[g] - mb);
         l[g] = l[g] * alpha + (reduce_add(p0) + reduce_add(p1));
         m[g] = mb;
+        if constexpr (kQuantKV<KT>) {  // p v = (p v_scale) v_raw
+          store(p, mul(p0, load(vs)));
+          store(p + 8, mul(p1, load(vs + 8)));
+        }
         accumulate_pv<Whole>(acc + g * kMaxD, alpha, p, vrow, n, D);
       }
     }
@@ -134,6 +146,9 @@ void decode_attention_vec8(const DecodeArgs& a, int64_t task_begin, int64_t task
 }
 template void decode_attention_vec8<float>(const DecodeArgs&, int64_t, int64_t);
 template void decode_attention_vec8<uint16_t>(const DecodeArgs&, int64_t, int64_t);
+template void decode_attention_vec8<int8_t>(const DecodeArgs&, int64_t, int64_t);
+template void decode_attention_vec8<Fp8E4M3>(const DecodeArgs&, int64_t, int64_t);
+template void decode_attention_vec8<Fp8E5M2>(const DecodeArgs&, int64_t, int64_t);
 
 // ---- flash attention (bf16): key blocks of 64 at multiples of 64 --------------------------------
 namespace {
@@ -159,6 +174,34 @@ namespace {
 PDS_V8 void widen_rows(const uint16_t* src, const int64_t* rows, int n, int64_t D, float* dst) {
   for (int t = 0; t < n; ++t)
     for (int64_t c = 0; c < D; c += 8) store(dst + t * D + c, load(src + rows[t] * D + c));
+}
+
+// a quantized cache's rows, dequantized: raw values times their row's (or the layer's) scale
+template <typename KT>
+PDS_V8 void dequantize_rows(const void* src, const float* row_scales, float scale, const int64_t* rows, int n,
+                            int64_t D, float* dst) {
+  const KT* base = static_cast<const KT*>(src);
+  for (int t = 0; t < n; ++t) {
+    const F8 s = set1(row_scales ? row_scales[rows[t]] : scale);
+    for (int64_t c = 0; c < D; c += 8) store(dst + t * D + c, mul(load(base + rows[t] * D + c), s));
+  }
+}
+
+PDS_V8 void widen_kv(const FlashArgs& a, const int64_t* rows, int n, int64_t D, float* kf, float* vf) {
+  switch (a.kind) {
+    case KVKind::kPlain:
+      widen_rows(a.k, rows, n, D, kf);
+      return widen_rows(a.v, rows, n, D, vf);
+    case KVKind::kInt8:
+      dequantize_rows<int8_t>(a.kq, a.sc.k_rows, a.sc.k, rows, n, D, kf);
+      return dequantize_rows<int8_t>(a.vq, a.sc.v_rows, a.sc.v, rows, n, D, vf);
+    case KVKind::kFp8E4M3:
+      dequantize_rows<Fp8E4M3>(a.kq, a.sc.k_rows, a.sc.k, rows, n, D, kf);
+      return dequantize_rows<Fp8E4M3>(a.vq, a.sc.v_rows, a.sc.v, rows, n, D, vf);
+    case KVKind::kFp8E5M2:
+      dequantize_rows<Fp8E5M2>(a.kq, a.sc.k_rows, a.sc.k, rows, n, D, kf);
+      return dequantize_rows<Fp8E5M2>(a.vq, a.sc.v_rows, a.sc.v, rows, n, D, vf);
+  }
 }
 
 PDS_V8 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_t q0, int64_t nq, FlashScratchVec8& s) {
@@ -191,8 +234,7 @@ PDS_V8 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_t q0, int
       krow[t] = s.kf + t * D;
       vrow[t] = s.vf + t * D;
     }
-    widen_rows(a.k, rows, n, D, s.kf);
-    widen_rows(a.v, rows, n, D, s.vf);
+    widen_kv(a, rows, n, D, s.kf, s.vf);
     for (int64_t r = 0; r < nrows; ++r) {
       // keys of this block the row sees: [t0, t1)
       const int64_t lo = a.window > 0 ? s.pos[r] - a.window + 1 : 0;

@@ -12,10 +12,13 @@ void indexer_topk(at::Tensor out, at::Tensor count, const at::Tensor& q, const a
                   const at::Tensor& cache, const at::Tensor& page_table, const at::Tensor& seq_lens, double scale);
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& page_table, const at::Tensor& seq_lens, double scale, int64_t window,
-                            const c10::optional<at::Tensor>& sinks);
+                            const c10::optional<at::Tensor>& sinks, const c10::optional<at::Tensor>& k_scales,
+                            const c10::optional<at::Tensor>& v_scales, double k_scale, double v_scale);
 void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& q_starts,
-                          double scale, int64_t window, const c10::optional<at::Tensor>& sinks, int64_t amx_min_rows);
+                          double scale, int64_t window, const c10::optional<at::Tensor>& sinks, int64_t amx_min_rows,
+                          const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales,
+                          double k_scale, double v_scale);
 bool flash_supported(int64_t head_dim);
 void rms_norm(at::Tensor out, at::Tensor x, c10::optional<at::Tensor> residual, const at::Tensor& weight, double eps);
 void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
@@ -74,12 +77,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &pds::paged_decode_attention, "paged decode attention (in place into out)",
         pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("page_table"), pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("window"),
-        pybind11::arg("sinks") = pybind11::none());
+        pybind11::arg("sinks") = pybind11::none(), pybind11::arg("k_scales") = pybind11::none(),
+        pybind11::arg("v_scales") = pybind11::none(), pybind11::arg("k_scale") = 1.0, pybind11::arg("v_scale") = 1.0);
   m.def("paged_attention_bf16", &pds::paged_attention_bf16,
         "bf16 attention of every new token (decode and prefill rows) over the paged pool",
         pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("page_table"), pybind11::arg("seq_lens"), pybind11::arg("q_starts"), pybind11::arg("scale"),
-        pybind11::arg("window"), pybind11::arg("sinks") = pybind11::none(), pybind11::arg("amx_min_rows") = -1);
+        pybind11::arg("window"), pybind11::arg("sinks") = pybind11::none(), pybind11::arg("amx_min_rows") = -1,
+        pybind11::arg("k_scales") = pybind11::none(), pybind11::arg("v_scales") = pybind11::none(),
+        pybind11::arg("k_scale") = 1.0, pybind11::arg("v_scale") = 1.0);
   m.def("mla_decode_attention", &pds::mla_decode_attention,
         "latent attention decode, absorbed form: keys are the latent rows, values their first v_dim dims",
         py::arg("out"), py::arg("q"), py::arg("cache"), py::arg("page_table"), py::arg("seq_lens"), py::arg("scale"),

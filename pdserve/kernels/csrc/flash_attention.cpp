@@ -18,6 +18,10 @@
 // same per-row arithmetic, key blocks at fixed positions). Without avx512_bf16 the 8-lane kernel
 // of attention_vec8.cpp runs (AVX2, NEON): float32 products, key blocks of 64 at fixed positions,
 // the same masks and sinks.
+//
+// A quantized cache (int8, fp8: kv_quant.h) is dequantized block by block as the block's rows are
+// staged (rounded to bf16 here, for the bf16 products; float32 in the 8-lane kernel); such calls
+// never take the AMX tiles.
 #include "amx.h"
 #include "vec8_kernels.h"
 
@@ -32,6 +36,11 @@ namespace pds {
 
 bool flash_supported(int64_t head_dim);
 const float* checked_sinks(const c10::optional<at::Tensor>& sinks, int64_t heads, const char* kernel);
+KVScales checked_scales(const at::Tensor& k_cache, const c10::optional<at::Tensor>& k_scales,
+                        const c10::optional<at::Tensor>& v_scales, double k_scale, double v_scale, const char* kernel);
+#if PDS_X86
+void dequantize_kv_bf16(const FlashArgs& a, const int64_t* rows, int n, int64_t D, uint16_t* kd, uint16_t* vd);
+#endif
 
 constexpr int kQueries = 16;  // query positions per task
 
@@ -81,6 +90,9 @@ PDS_AVX512_BF16 inline void deinterleave(__m512 lo, __m512 hi, __m512& first, __
 constexpr int kKeys = 64;  // keys per block: 4 vectors of 16
 
 struct Scratch {
+  alignas(64) uint16_t kd[kKeys * kMaxD];  // a quantized cache's block, dequantized to bf16 [key][dim]
+  alignas(64) uint16_t vd[kKeys * kMaxD];
+  int64_t local[kKeys];  // rows of kd / vd
   alignas(64) uint32_t kt[kMaxD / 2 * kKeys];  // [pair p][key t]
   alignas(64) __m512i vi[kKeys / 2 * (kMaxD / 32) * 2];  // [key pair][chunk][lo, hi]
   alignas(64) float o[kMaxRows * kMaxD];  // accumulators, interleaved dim order
@@ -181,11 +193,16 @@ PDS_AVX512_BF16 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_
       ++pg;
     }
   };
-  prefetch_block(first_key);
+  const bool quant = a.kind != KVKind::kPlain;
+  // where the block's K and V rows are read: the pool's rows, or a quantized block's bf16 copy
+  const uint16_t* kbase = quant ? s.kd : a.k;
+  const uint16_t* vbase = quant ? s.vd : a.v;
+  const int64_t* krows = quant ? s.local : s.rows;
+  if (!quant) prefetch_block(first_key);
   for (int64_t k0 = first_key; k0 <= last_pos; k0 += kKeys) {
     const int n = int(std::min<int64_t>(kKeys, last_pos + 1 - k0));
     const int nv = (n + 15) / 16;  // key vectors in this block
-    if (k0 + kKeys <= last_pos) prefetch_block(k0 + kKeys);
+    if (!quant && k0 + kKeys <= last_pos) prefetch_block(k0 + kKeys);
     for (int j = 0; j < n;) {  // one run of consecutive rows per page
       const int64_t base = (int64_t(pages[page]) * a.kv_heads + h) * a.page_size;
       const int run = int(std::min<int64_t>(a.page_size - off, n - j));
@@ -198,6 +215,10 @@ PDS_AVX512_BF16 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_
       }
     }
     for (int j = n; j < kKeys; ++j) s.rows[j] = s.rows[n - 1];  // padding keys, masked below
+    if (quant) {
+      dequantize_kv_bf16(a, s.rows, n, D, s.kd, s.vd);
+      for (int j = 0; j < kKeys; ++j) s.local[j] = std::min(j, n - 1);
+    }
     // K pairs transposed: kt[p][t]; the score kernel always computes 64 keys, unused ones are zero
     for (int kv = nv; kv < 4; ++kv)
       for (int64_t p = 0; p < P; ++p) _mm512_store_si512(s.kt + p * kKeys + kv * 16, _mm512_setzero_si512());
@@ -206,7 +227,7 @@ PDS_AVX512_BF16 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_
         const __mmask16 mk = tail_mask(P - pc * 16);
         __m512i r[16];
         for (int j = 0; j < 16; ++j)
-          r[j] = _mm512_maskz_loadu_epi32(mk, reinterpret_cast<const uint32_t*>(a.k + s.rows[kv * 16 + j] * D) + pc * 16);
+          r[j] = _mm512_maskz_loadu_epi32(mk, reinterpret_cast<const uint32_t*>(kbase + krows[kv * 16 + j] * D) + pc * 16);
         transpose16(r);
         for (int w = 0; w < 16 && pc * 16 + w < P; ++w) _mm512_store_si512(s.kt + (pc * 16 + w) * kKeys + kv * 16, r[w]);
       }
@@ -214,8 +235,8 @@ PDS_AVX512_BF16 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_
     // V rows interleaved by key pair
     const int pairs = (n + 1) / 2;
     for (int tp = 0; tp < pairs; ++tp) {
-      const uint16_t* v0 = a.v + s.rows[2 * tp] * D;
-      const uint16_t* v1 = a.v + s.rows[2 * tp + 1] * D;
+      const uint16_t* v0 = vbase + krows[2 * tp] * D;
+      const uint16_t* v1 = vbase + krows[2 * tp + 1] * D;
       for (int64_t c = 0; c < chunks; ++c) {
         const __mmask32 mk = D - c * 32 >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << (D - c * 32)) - 1);
         const __m512i x0 = _mm512_maskz_loadu_epi16(mk, v0 + c * 32);
@@ -326,12 +347,21 @@ bool flash_supported(int64_t head_dim) {
 //   sinks: [heads] float32, or none
 //   amx_min_rows: tasks of at least this many rows (query positions x GQA group) take AMX where it
 //   is used (-1: the process default, see amx.h)
+//   k_cache, v_cache may be quantized as paged_decode_attention takes them (int8 with k_scales,
+//   v_scales; float8 e4m3fn / e5m2 with k_scale, v_scale)
 void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& q_starts,
-                          double scale, int64_t window, const c10::optional<at::Tensor>& sinks, int64_t amx_min_rows) {
+                          double scale, int64_t window, const c10::optional<at::Tensor>& sinks, int64_t amx_min_rows,
+                          const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales,
+                          double k_scale, double v_scale) {
+  const auto kv_type = k_cache.scalar_type();
+  const KVKind kind = kv_type == at::kChar           ? KVKind::kInt8
+                      : kv_type == at::kFloat8_e4m3fn ? KVKind::kFp8E4M3
+                      : kv_type == at::kFloat8_e5m2   ? KVKind::kFp8E5M2
+                                                      : KVKind::kPlain;
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
-                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
-              "paged_attention_bf16: q, out and the KV cache must be bfloat16");
+                  (kv_type == at::kBFloat16 || kind != KVKind::kPlain) && v_cache.scalar_type() == kv_type,
+              "paged_attention_bf16: q and out must be bfloat16, the KV cache bfloat16, int8 or float8");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.stride(2) == 1 && out.stride(2) == 1,
               "paged_attention_bf16: q and out must be [T, heads, head_dim] with contiguous head_dim");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
@@ -366,6 +396,12 @@ void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor&
               reinterpret_cast<const uint16_t*>(k_cache.data_ptr()), reinterpret_cast<const uint16_t*>(v_cache.data_ptr()),
               page_table.data_ptr<int32_t>(), lens, qs, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
               page_table.stride(0), H, KVH, k_cache.size(2), D, window, float(scale), sink_ptr};
+  a.sc = checked_scales(k_cache, k_scales, v_scales, k_scale, v_scale, "paged_attention_bf16");
+  if (kind != KVKind::kPlain) {
+    a.kind = kind;
+    a.kq = k_cache.data_ptr();
+    a.vq = v_cache.data_ptr();
+  }
   const int64_t ntasks = int64_t(task_req.size()) * KVH;
   if (!use_avx512_bf16()) {  // the 8-lane kernel (AVX2, NEON)
     at::parallel_for(0, ntasks, 1, [&](int64_t begin, int64_t end) {
@@ -379,7 +415,7 @@ void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor&
   }
 #if PDS_X86
   const int64_t amx_rows = amx_attention_min_rows(amx_min_rows);
-  const TileBackend tb = ntasks > 0 ? amx_backend() : TileBackend::kNone;
+  const TileBackend tb = ntasks > 0 && kind == KVKind::kPlain ? amx_backend() : TileBackend::kNone;
   const AmxAttention amx{a.q, a.out, a.k, a.v, a.table, a.lens, a.q_starts, a.q_stride_t, a.q_stride_h, a.out_stride_t,
                          a.out_stride_h, a.table_stride, a.heads, a.kv_heads, a.page_size, a.D, a.window, a.scale,
                          a.sinks};
@@ -415,7 +451,8 @@ void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor&
 void paged_attention_bf16(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& q_starts,
                           double scale, int64_t window) {
-  paged_attention_bf16(out, q, k_cache, v_cache, page_table, seq_lens, q_starts, scale, window, c10::nullopt, -1);
+  paged_attention_bf16(out, q, k_cache, v_cache, page_table, seq_lens, q_starts, scale, window, c10::nullopt, -1,
+                       c10::nullopt, c10::nullopt, 1.0, 1.0);
 }
 
 }  // namespace pds

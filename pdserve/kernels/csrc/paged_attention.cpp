@@ -9,7 +9,12 @@
 // Attention sinks (optional, one float32 logit per query head): the softmax gets one more term
 // exp(sink) in its denominator and none in the numerator. The online softmax starts from it: the
 // running max is the sink and the running sum exp(sink - sink) = 1, instead of -inf and 0.
+//
+// A quantized cache (int8, fp8: kv_quant.h) is widened to float32 as it is read; its scales
+// multiply the block's scores (per key row) and its weights of the value rows, outside the dot
+// products.
 #include "common.h"
+#include "kv_quant.h"
 #include "vec8_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -78,6 +83,7 @@ void decode_scalar(const DecodeArgs& a, int64_t task_begin, int64_t task_end) {
         for (int64_t g = 0; g < G; ++g) {
           float dot = 0.f;
           for (int64_t d = 0; d < D; ++d) dot += qf[g * D + d] * load_f32(kr + d);
+          if constexpr (kQuantKV<KT>) dot *= a.sc.k_at(rows[j]);
           s[g * kBlock + j] = dot;
         }
       }
@@ -96,8 +102,9 @@ void decode_scalar(const DecodeArgs& a, int64_t task_begin, int64_t task_end) {
       }
       for (int j = 0; j < n; ++j) {
         const KT* vr = vc + rows[j] * D;
+        const float vscale = kQuantKV<KT> ? a.sc.v_at(rows[j]) : 1.f;
         for (int64_t g = 0; g < G; ++g) {
-          const float p = s[g * kBlock + j];
+          const float p = kQuantKV<KT> ? s[g * kBlock + j] * vscale : s[g * kBlock + j];
           for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p * load_f32(vr + d);
         }
       }
@@ -169,6 +176,16 @@ PDS_AVX512 void decode_avx512(const DecodeArgs& a, int64_t task_begin, int64_t t
       block_rows(a, b, h, pos, n, rows);
       for (int j = n; j < kBlock; ++j) rows[j] = rows[0];  // padding rows, masked out below
       const __mmask16 valid = tail_mask(n);
+      __m512 ks = _mm512_set1_ps(1.f), vs = ks;  // a quantized cache's scales of the rows
+      if constexpr (kQuantKV<KT>) {
+        alignas(64) float kb[kBlock], vb[kBlock];
+        for (int j = 0; j < kBlock; ++j) {
+          kb[j] = a.sc.k_at(rows[j]);
+          vb[j] = a.sc.v_at(rows[j]);
+        }
+        ks = _mm512_load_ps(kb);
+        vs = _mm512_load_ps(vb);
+      }
       for (int64_t g = 0; g < G; ++g) {
         // scores of the block's 16 tokens for query head g
         __m512 q[NC], dots[kBlock];
@@ -180,14 +197,16 @@ PDS_AVX512 void decode_avx512(const DecodeArgs& a, int64_t task_begin, int64_t t
             d = _mm512_fmadd_ps(q[c], load16(kr + c * 16, c == NC - 1 ? last : __mmask16(0xffff)), d);
           dots[j] = d;
         }
-        const __m512 sv = _mm512_mask_mov_ps(neg_inf, valid, sum_lanes16(dots));
+        __m512 raw = sum_lanes16(dots);
+        if constexpr (kQuantKV<KT>) raw = _mm512_mul_ps(raw, ks);
+        const __m512 sv = _mm512_mask_mov_ps(neg_inf, valid, raw);
         // online softmax: new running max, rescale what was accumulated, this block's weights
         const float mb = std::max(m[g], _mm512_reduce_max_ps(sv));
         const __m512 pv = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mb))));
         const float alpha = std::exp(m[g] - mb);
         l[g] = l[g] * alpha + _mm512_reduce_add_ps(pv);
         m[g] = mb;
-        _mm512_store_ps(p, pv);
+        _mm512_store_ps(p, kQuantKV<KT> ? _mm512_mul_ps(pv, vs) : pv);
         __m512 o[NC];
         const __m512 va = _mm512_set1_ps(alpha);
         for (int c = 0; c < NC; ++c) o[c] = _mm512_mul_ps(_mm512_load_ps(acc + (g * NC + c) * 16), va);
@@ -233,10 +252,35 @@ bool is_float_or_bf16(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
 }
 
+bool is_kv_dtype(const at::Tensor& t) {
+  const auto s = t.scalar_type();
+  return is_float_or_bf16(t) || s == at::kChar || s == at::kFloat8_e4m3fn || s == at::kFloat8_e5m2;
+}
+
+// Runs fn(KT{}) with KT the C++ element type of a cache of `type`.
+template <typename Fn>
+void with_kv_type(at::ScalarType type, Fn&& fn) {
+  switch (type) {
+    case at::kBFloat16:
+      return fn(uint16_t{});
+    case at::kChar:
+      return fn(int8_t{});
+    case at::kFloat8_e4m3fn:
+      return fn(Fp8E4M3{});
+    case at::kFloat8_e5m2:
+      return fn(Fp8E5M2{});
+    default:
+      return fn(float{});
+  }
+}
+
 }  // namespace
 
 // The data of an attention kernel's optional sinks argument after checking it ([heads] float32
 // contiguous on the CPU), or nullptr without one. Shared with flash_attention.cpp.
+KVScales checked_scales(const at::Tensor& k_cache, const c10::optional<at::Tensor>& k_scales,
+                        const c10::optional<at::Tensor>& v_scales, double k_scale, double v_scale, const char* kernel);
+
 const float* checked_sinks(const c10::optional<at::Tensor>& sinks, int64_t heads, const char* kernel) {
   if (!sinks.has_value()) return nullptr;
   const at::Tensor& t = *sinks;
@@ -253,9 +297,14 @@ const float* checked_sinks(const c10::optional<at::Tensor>& sinks, int64_t heads
 //   k_cache, v_cache: [num_pages, kv_heads, page_size, head_dim] contiguous, float32 or bfloat16
 //   page_table: [B, max_pages] int32 (row stride free, last dim contiguous); seq_lens: [B] int32
 //   sinks: [heads] float32 contiguous, or none
+//   k_cache, v_cache may also be quantized (kv_quant.h): int8 with k_scales, v_scales [num_pages,
+//   kv_heads, page_size] float32 (x = q * scale of its row), or float8 e4m3fn / e5m2 with
+//   k_scale, v_scale (x = q * scale)
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& page_table, const at::Tensor& seq_lens,
-                            double scale, int64_t window, const c10::optional<at::Tensor>& sinks) {
+                            double scale, int64_t window, const c10::optional<at::Tensor>& sinks,
+                            const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales,
+                            double k_scale, double v_scale) {
   TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "paged_decode_attention: q and out must be [B, heads, head_dim]");
   TORCH_CHECK(is_float_or_bf16(q) && out.scalar_type() == q.scalar_type(),
@@ -264,8 +313,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
               "paged_decode_attention: k_cache and v_cache must be contiguous [pages, kv_heads, page_size, head_dim]");
-  TORCH_CHECK(is_float_or_bf16(k_cache) && v_cache.scalar_type() == k_cache.scalar_type(),
-              "paged_decode_attention: the KV cache must be float32 or bfloat16");
+  TORCH_CHECK(is_kv_dtype(k_cache) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_decode_attention: the KV cache must be float32, bfloat16, int8, float8_e4m3fn or float8_e5m2");
   TORCH_CHECK(page_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "paged_decode_attention: page_table and seq_lens must be int32");
   TORCH_CHECK(page_table.dim() == 2 && page_table.stride(1) == 1 && seq_lens.is_contiguous(),
@@ -283,29 +332,17 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
                page_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                q.stride(0), q.stride(1), out.stride(0), out.stride(1), page_table.stride(0),
                H, KVH, k_cache.size(2), D, window, float(scale), q.scalar_type() == at::kBFloat16, sink_ptr};
-  const bool kv_bf16 = k_cache.scalar_type() == at::kBFloat16;
+  a.sc = checked_scales(k_cache, k_scales, v_scales, k_scale, v_scale, "paged_decode_attention");
   const bool simd = use_avx512(), v8 = use_vec8();
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+  with_kv_type(k_cache.scalar_type(), [&](auto tag) {
+    using KT = decltype(tag);
+    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
 #if PDS_X86
-    if (simd) {
-      if (kv_bf16)
-        decode_avx512_dispatch<uint16_t>(a, begin, end);
-      else
-        decode_avx512_dispatch<float>(a, begin, end);
-      return;
-    }
+      if (simd) return decode_avx512_dispatch<KT>(a, begin, end);
 #endif
-    if (v8) {
-      if (kv_bf16)
-        decode_attention_vec8<uint16_t>(a, begin, end);
-      else
-        decode_attention_vec8<float>(a, begin, end);
-      return;
-    }
-    if (kv_bf16)
-      decode_scalar<uint16_t>(a, begin, end);
-    else
-      decode_scalar<float>(a, begin, end);
+      if (v8) return decode_attention_vec8<KT>(a, begin, end);
+      decode_scalar<KT>(a, begin, end);
+    });
   });
 }
 
@@ -313,7 +350,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& page_table, const at::Tensor& seq_lens,
                             double scale, int64_t window) {
-  paged_decode_attention(out, q, k_cache, v_cache, page_table, seq_lens, scale, window, c10::nullopt);
+  paged_decode_attention(out, q, k_cache, v_cache, page_table, seq_lens, scale, window, c10::nullopt,
+                         c10::nullopt, c10::nullopt, 1.0, 1.0);
 }
 
 }  // namespace pds

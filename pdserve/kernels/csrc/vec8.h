@@ -17,6 +17,7 @@
 
 #include "bf16.h"
 #include "isa.h"
+#include "kv_quant.h"
 
 #if PDS_HAS_V8
 #if PDS_X86
@@ -107,6 +108,36 @@ PDS_VI F8 round_bf16(F8 a) {
   return {vreinterpretq_f32_u32(vshlq_n_u32(to_bf16_bits4(a.lo), 16)),
           vreinterpretq_f32_u32(vshlq_n_u32(to_bf16_bits4(a.hi), 16))};
 }
+#endif
+
+// quantized KV elements (kv_quant.h), widened to float32 (the scales are the caller's)
+#if PDS_X86
+PDS_VI F8 load(const int8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
+}
+PDS_VI F8 load(const Fp8E4M3* p) {  // as float16 at 2^-8 of the value, then * 256
+  const __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i f16 = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8),
+                                   _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7f)), 7));
+  return {_mm256_mul_ps(_mm256_cvtph_ps(f16), _mm256_set1_ps(256.f))};
+}
+PDS_VI F8 load(const Fp8E5M2* p) {  // the top byte of a float16
+  const __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return {_mm256_cvtph_ps(_mm_slli_epi16(h, 8))};
+}
+#else
+PDS_VI F8 load(const int8_t* p) {
+  const int16x8_t w = vmovl_s8(vld1_s8(p));
+  return {vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(w)))};
+}
+template <typename T>
+PDS_VI F8 load_fp8(const T* p) {  // the scalar conversion (a fallback platform)
+  alignas(32) float f[8];
+  for (int j = 0; j < 8; ++j) f[j] = load_f32(p + j);
+  return load(static_cast<const float*>(f));
+}
+PDS_VI F8 load(const Fp8E4M3* p) { return load_fp8(p); }
+PDS_VI F8 load(const Fp8E5M2* p) { return load_fp8(p); }
 #endif
 
 template <typename T>

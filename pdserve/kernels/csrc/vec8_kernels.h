@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "kv_quant.h"
+
 namespace pds {
 
 // ---- elementwise.cpp ----------------------------------------------------------------------------
@@ -72,8 +74,10 @@ struct DecodeArgs {
   float scale;
   bool q_bf16;
   const float* sinks;  // [heads] or nullptr
+  KVScales sc = {};  // a quantized cache's scales (kv_quant.h)
 };
-// tasks (request, KV head) begin .. end; KT: the cache's element type (float or uint16_t)
+// tasks (request, KV head) begin .. end; KT: the cache's element type (float, uint16_t: bf16, or
+// a quantized element of kv_quant.h)
 template <typename KT>
 void decode_attention_vec8(const DecodeArgs& a, int64_t task_begin, int64_t task_end);
 
@@ -90,6 +94,11 @@ struct FlashArgs {
   int64_t heads, kv_heads, page_size, D, window;
   float scale;
   const float* sinks;  // [heads] or nullptr
+  // a quantized cache (kv_quant.h): k, v above unused; its bytes, their type and scales
+  KVKind kind = KVKind::kPlain;
+  const void* kq = nullptr;
+  const void* vq = nullptr;
+  KVScales sc = {};
 };
 struct FlashScratchVec8;  // one per thread: flash_scratch_vec8() / flash_scratch_free_vec8()
 FlashScratchVec8* flash_scratch_vec8();

@@ -6,6 +6,9 @@ place, never gathered.
 - otherwise (float32, or no avx512_bf16): decode rows by the paged decode kernel
   (``paged_attention.cpp``), extend rows as the torch backend does (SDPA over the new tokens and
   the gathered prefix).
+- a quantized pool (``--kv-cache-dtype int8|fp8_*``, ``engine/kv_quant.py``) goes where its bf16
+  or float32 counterpart goes, the kernels reading its bytes and scales in place
+  (``kernel_caches``); int8 scales are copied to scratch pages with their rows.
 
 With ``deterministic`` (``--enable-deterministic-inference``) a row's attention does not depend on
 the other rows of the forward, on how its request's rows are split into chunks, or on a cached
@@ -72,11 +75,12 @@ class CpuAttnBackend(TorchAttnBackend):
     def uses_flash(self, fb: ForwardBatch) -> bool:
         return all(
             g.pool.kv_heads
-            and g.pool.dtype == self.compute_dtype == torch.bfloat16
+            and self.compute_dtype == torch.bfloat16
+            and (g.pool.dtype == torch.bfloat16 or getattr(g.pool, "quant", None) is not None)
             and self.ops.flash_supported(g.pool.head_dim)
             for g in fb.groups
             if g.paged
-        )  # no latent pages
+        )  # no latent pages; a quantized pool's blocks are dequantized by the kernel
 
     def is_decode_row(self, fb: ForwardBatch, i: int) -> bool:
         # one new token, whatever its prefix: its K/V are in the pool before the kernel runs
@@ -155,14 +159,15 @@ class CpuAttnBackend(TorchAttnBackend):
         table, lens = tables[group]
         window = layer.sliding_window or 0
         sinks = _float32(sinks)
+        kc, vc, quant = kernel_caches(kc, vc, self._scales)
         if sel is None:
             self.ops.paged_decode_attention(
-                out[:n], q[:n], kc, vc, table, lens, layer.scale, window, sinks
+                out[:n], q[:n], kc, vc, table, lens, layer.scale, window, sinks, **quant
             )
         else:
             o = torch.empty((n,) + tuple(q.shape[1:]), dtype=q.dtype)
             self.ops.paged_decode_attention(
-                o, q.index_select(0, sel), kc, vc, table, lens, layer.scale, window, sinks
+                o, q.index_select(0, sel), kc, vc, table, lens, layer.scale, window, sinks, **quant
             )
             out[sel] = o
 
@@ -225,20 +230,23 @@ class CpuAttnBackend(TorchAttnBackend):
     def _virtual_rows(self, out, q, kc, vc, layer, group, sinks) -> None:
         head_dim = kc.shape[3]
         kf, vf = kc.view(-1, head_dim), vc.view(-1, head_dim)
+        scales = self._scales  # a quantized pool's: int8 scales are copied with their rows
+        per_row = [] if scales is None or scales.k is None else [scales.k, scales.v]
+        kq, vq, quant = kernel_caches(kc, vc, scales)
         for tokens, groups, starts in self._virtual:
             src, dst, table, lens = groups[group]
-            kf.index_copy_(0, dst, kf.index_select(0, src))
-            vf.index_copy_(0, dst, vf.index_select(0, src))
+            for flat in (kf, vf, *(t.view(-1) for t in per_row)):
+                flat.index_copy_(0, dst, flat.index_select(0, src))
             qq = q.index_select(0, tokens)
             o = torch.empty_like(qq)
             window = layer.sliding_window or 0
             if self._flash is not None:  # as the flash kernel runs decode rows
                 self.ops.paged_attention_bf16(
-                    o, qq, kc, vc, table, lens, starts, layer.scale, window, sinks
+                    o, qq, kq, vq, table, lens, starts, layer.scale, window, sinks, **quant
                 )
             else:
                 self.ops.paged_decode_attention(
-                    o, qq, kc, vc, table, lens, layer.scale, window, sinks
+                    o, qq, kq, vq, table, lens, layer.scale, window, sinks, **quant
                 )
             out[tokens] = o
 
@@ -269,28 +277,44 @@ class CpuAttnBackend(TorchAttnBackend):
         kc, vc = fb.kv(layer.layer_id)  # [P, kv_heads, page, D]
         rows, table, lens = (self._flash or self._rowwise)[group]
         head_dim = kc.shape[3]
-        kc.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(kc.dtype))
-        vc.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(vc.dtype))
+        scales = self._scales = fb.kv_scales(layer.layer_id)  # (tree rows' _extend_row reads it)
+        if scales is not None:  # a quantized pool
+            scales.store(kc, vc, rows, k, v)
+        else:
+            kc.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(kc.dtype))
+            vc.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(vc.dtype))
         out = torch.empty_like(q)
         if self._rowwise is not None:
+            kq, vq, quant = kernel_caches(kc, vc, scales)
             self.ops.paged_decode_attention(
-                out, q, kc, vc, table, lens, layer.scale, layer.sliding_window or 0, _float32(sinks)
+                out,
+                q,
+                kq,
+                vq,
+                table,
+                lens,
+                layer.scale,
+                layer.sliding_window or 0,
+                _float32(sinks),
+                **quant,
             )
         else:
             sel = self._flash_tokens
             if sel is None or sel.numel():
                 o = out if sel is None else torch.empty((sel.numel(),) + q.shape[1:], dtype=q.dtype)
+                kq, vq, quant = kernel_caches(kc, vc, scales)
                 self.ops.paged_attention_bf16(
                     o,
                     q if sel is None else q.index_select(0, sel),
-                    kc,
-                    vc,
+                    kq,
+                    vq,
                     table,
                     lens,
                     self._starts,
                     layer.scale,
                     layer.sliding_window or 0,
                     _float32(sinks),
+                    **quant,
                 )
                 if sel is not None:
                     out[sel] = o
@@ -410,6 +434,18 @@ def _rows(g: GroupTable, where: list[tuple[int, int]]) -> torch.Tensor:
     at = torch.tensor(where, dtype=torch.long).view(-1, 2)
     h = torch.arange(heads)
     return ((at[:, :1] * heads + h[None, :]) * page + at[:, 1:]).reshape(-1)
+
+
+def kernel_caches(kc: torch.Tensor, vc: torch.Tensor, scales) -> tuple:
+    """(K, V, keyword arguments) as the decode kernel reads a pool's caches: fp8 bits as their
+    float8 dtype with the layer's scales, int8 with its per-row scales (``kv_quant.LayerScales``;
+    None: a float pool, as it is)."""
+    if scales is None:
+        return kc, vc, {}
+    if scales.quant.per_token:
+        return kc, vc, {"k_scales": scales.k, "v_scales": scales.v}
+    fmt = scales.quant.values
+    return kc.view(fmt), vc.view(fmt), {"k_scale": scales.k_tensor, "v_scale": scales.v_tensor}
 
 
 def _float32(sinks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -7,6 +7,9 @@ by the prefix length. Layers with logit soft-capping or attention sinks run the 
 out (SDPA has neither), a block of query rows at a time so the scores stay small. Correct on CPU
 and CUDA; the ``cpu`` backend replaces the decode part with a kernel that reads the pages in place.
 
+A quantized pool (``engine/kv_quant.py``) is quantized as it is written and dequantized as it is
+gathered; extend rows then read every key from the pool, the new tokens' too.
+
 Rows of a speculative tree (``ForwardBatch.trees``) run as extend rows under their tree's mask:
 each token sees the sequence and its ancestors in the row, whatever their slots.
 
@@ -113,6 +116,7 @@ class TorchAttnBackend(AttentionBackend):
 
     def __init__(self, **_):
         self._fb: Optional[ForwardBatch] = None
+        self._scales = None  # the layer being attended's ``kv_quant.LayerScales`` (quantized KV)
 
     def is_decode_row(self, fb: ForwardBatch, i: int) -> bool:
         """Rows that take the batched decode path (the rest run as extends)."""
@@ -190,8 +194,12 @@ class TorchAttnBackend(AttentionBackend):
             return
         gather = self._groups[group].dec_gather
         head_dim = kc.shape[3]
-        kk = kc.view(-1, head_dim)[gather]  # [Bd, kv_heads, L, D]
-        vv = vc.view(-1, head_dim)[gather]
+        if self._scales is not None:  # a quantized pool: dequantized as gathered
+            kk = self._scales.rows(kc, "k", gather, q.dtype)  # [Bd, kv_heads, L, D]
+            vv = self._scales.rows(vc, "v", gather, q.dtype)
+        else:
+            kk = kc.view(-1, head_dim)[gather]  # [Bd, kv_heads, L, D]
+            vv = vc.view(-1, head_dim)[gather]
         qq = q[self._dec_rows].unsqueeze(2)  # [Bd, heads, 1, D]
         o = attention(
             qq,
@@ -223,11 +231,18 @@ class TorchAttnBackend(AttentionBackend):
         """One extend row's attention, written into its rows of ``out``."""
         kv_heads, head_dim = kc.shape[1], kc.shape[3]
         qq = q[start : start + ext].transpose(0, 1).unsqueeze(0)  # [1, heads, ext, D]
-        if prefix == 0:
+        seq = prefix + ext
+        if self._scales is not None:
+            # a quantized pool: every key as the cache holds it, the new tokens' too, so a row's
+            # attention does not depend on how its prompt was chunked or cached
+            kp = self._scales.pages(kc, "k", pages, q.dtype)  # [n_pages, kv_heads, page, D]
+            vp = self._scales.pages(vc, "v", pages, q.dtype)
+            kk = kp.permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :seq]
+            vv = vp.permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :seq]
+        elif prefix == 0:
             kk = k[start : start + ext].transpose(0, 1)  # [kv_heads, ext, D]
             vv = v[start : start + ext].transpose(0, 1)
         else:
-            seq = prefix + ext
             # [n_pages, kv_heads, page, D] -> [kv_heads, n_pages * page, D] -> first seq tokens
             kk = kc[pages].permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :seq]
             vv = vc[pages].permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :seq]
@@ -249,6 +264,10 @@ class TorchAttnBackend(AttentionBackend):
         kc, vc = fb.kv(layer.layer_id)  # [P, kv_heads, page, D]
         head_dim = kc.shape[3]
         rows = self._groups[group].write_rows
+        self._scales = fb.kv_scales(layer.layer_id)
+        if self._scales is not None:  # quantized on write
+            self._scales.store(kc, vc, rows, k, v)
+            return group, kc, vc
         kc.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(kc.dtype))
         vc.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(vc.dtype))
         return group, kc, vc
