@@ -129,6 +129,11 @@ class BaseKVPool(abc.ABC):
     def dtype_name(self) -> str:
         return str(self.dtype).replace("torch.", "")
 
+    def page_bytes(self) -> list[torch.Tensor]:
+        """Every tensor holding the pages' bytes as a ``[regions, num_pages, item_bytes]`` uint8
+        view (a page's entry in the tiers below the pool is its items: ``kv_tier/pages.py``)."""
+        return [self.buffer.view(torch.uint8).reshape(-1, self.num_pages, self.item_bytes)]
+
     def move(self, src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, torch.Tensor]):
         """Copy every layer's cache of tokens at ``src`` (pages, offsets: [N] each) to ``dst``
         (a speculative tree's accepted path moved to the sequence's slots); a paged pool's."""
@@ -178,6 +183,16 @@ class KVPool(BaseKVPool):
     @property
     def per_token(self) -> bool:
         return self.quant is not None and self.quant.per_token
+
+    def page_bytes(self) -> list[torch.Tensor]:
+        out = super().page_bytes()
+        if self.scales is not None:  # [num_layers, 2, num_pages, kv_heads, page_size] float32
+            out.append(
+                self.scales.view(torch.uint8).reshape(
+                    -1, self.num_pages, 4 * self.kv_heads * self.page_size
+                )
+            )
+        return out
 
     @property
     def dtype_name(self) -> str:

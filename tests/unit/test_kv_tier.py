@@ -14,6 +14,7 @@ from pdserve.config import ServerArgs
 from pdserve.distributed import SINGLE_RANK
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.kv_pool import KVPool, make_pool
+from pdserve.engine.kv_quant import kv_quant_for
 from pdserve.engine.kv_tier import base, entry
 from pdserve.engine.kv_tier.tier import make_tier
 from pdserve.engine.request import Req, SamplingParams
@@ -264,3 +265,38 @@ def test_a_host_tier_larger_than_the_host_is_refused(tmp_path):
     m = latent_manager()
     with pytest.raises(ValueError, match="hicache_size: a host tier of .* exceeds"):
         make_tier(args(tmp_path, hicache_size=1 << 20), m, SINGLE_RANK)  # a petabyte
+
+
+def test_an_int8_cache_s_pages_come_back_with_their_scales(tmp_path):
+    """The tier's entry of an int8 page holds its per-token scales too: a page back from the
+    host tier without them would be dequantized with whatever scales its new page held."""
+    groups = group_layers([(FullAttention(2, 8),)] * 2)
+    pools = [
+        make_pool(g, 16, PAGE, torch.bfloat16, "cpu", quant=kv_quant_for("int8")) for g in groups
+    ]
+    m = KVCacheManager(groups, pools, PAGE)
+    tier = make_tier(args(tmp_path, hicache_storage_backend=None), m, SINGLE_RANK)
+    ids = list(range(200, 220))  # 5 full pages
+    r = req(ids)
+    prefill(m, r)
+    gen = torch.Generator().manual_seed(3)
+    pool = pools[0]
+    pages = torch.tensor(r.kv.pages[0])
+    pool.buffer[:, :, pages] = torch.randint(
+        -127, 128, pool.buffer[:, :, pages].shape, generator=gen, dtype=torch.int8
+    )
+    pool.scales[:, :, pages] = torch.rand(pool.scales[:, :, pages].shape, generator=gen) + 0.5
+    want = (pool.buffer[:, :, pages].clone(), pool.scales[:, :, pages].clone())
+    m.release(r)
+    assert m.tree.evict(100) == 5
+    pool.buffer.zero_()
+    pool.scales.fill_(1.0)
+    r2 = req(ids + [7])
+    prefill(m, r2)
+    assert r2.kv.cached == 5 and tier.stats["hicache_hits_cpu"] == 5
+    back = torch.tensor(r2.kv.pages[0][:5])
+    assert torch.equal(pool.buffer[:, :, back], want[0])
+    assert torch.equal(pool.scales[:, :, back], want[1])
+    m.release(r2)
+    m.check_integrity([0])
+    tier.close()

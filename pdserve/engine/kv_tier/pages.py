@@ -4,7 +4,8 @@ out of the pools and written back into them; and the layout key that names that 
 A paged pool is laid out region-major with the page axis next
 (``KVPool``: ``[num_layers, 2, num_pages, ...]``, ``LatentPool``: ``[num_layers, num_pages, ...]``),
 so as bytes it is ``[regions, num_pages, item_bytes]``: one item per (layer, K|V) and page. A
-page's entry is its items of every region in pool order, group after group.
+page's entry is its items of every region in pool order, group after group (an int8 cache's
+scales are a pool's second such tensor: ``BaseKVPool.page_bytes``).
 """
 
 from __future__ import annotations
@@ -16,24 +17,28 @@ import re
 import torch
 
 
-def _items(pool) -> torch.Tensor:
-    """``pool``'s buffer as ``[regions, num_pages, item_bytes]`` bytes (a view)."""
-    return pool.buffer.view(torch.uint8).reshape(-1, pool.num_pages, pool.item_bytes)
+def _items(pool) -> list[torch.Tensor]:
+    """``pool``'s page bytes (its values; an int8 cache's scales too) as
+    ``[regions, num_pages, item_bytes]`` uint8 views."""
+    return pool.page_bytes()
 
 
 class PageCodec:
-    """Copies whole pages between the pools (one page id per group) and flat byte rows."""
+    """Copies whole pages between the pools (one page id per group; every tensor of a pool
+    holding page bytes) and flat byte rows."""
 
     def __init__(self, pools: list):
-        self.views = [_items(p) for p in pools]
-        self.widths = [v.shape[0] * v.shape[2] for v in self.views]  # bytes of a page per group
+        self.views = [v for p in pools for v in _items(p)]
+        self.owner = [g for g, p in enumerate(pools) for _ in _items(p)]  # group of each view
+        self.widths = [v.shape[0] * v.shape[2] for v in self.views]  # bytes of a page per view
         self.page_nbytes = sum(self.widths)
 
     def read(self, pages: list[list[int]]) -> torch.Tensor:
         """``[n, page_nbytes]`` (on the CPU) for the ``n`` logical pages whose ids per group are
         ``pages[g]``."""
         rows = []
-        for view, ids in zip(self.views, pages):
+        for view, g in zip(self.views, self.owner):
+            ids = pages[g]
             idx = torch.tensor(ids, dtype=torch.long, device=view.device)
             # [regions, n, item] -> [n, regions * item]
             rows.append(view.index_select(1, idx).transpose(0, 1).reshape(len(ids), -1))
@@ -43,7 +48,8 @@ class PageCodec:
     def write(self, pages: list[list[int]], rows: torch.Tensor) -> None:
         """Store ``rows`` (``[n, page_nbytes]``, any device) into those pages."""
         start = 0
-        for view, ids, width in zip(self.views, pages, self.widths):
+        for view, g, width in zip(self.views, self.owner, self.widths):
+            ids = pages[g]
             idx = torch.tensor(ids, dtype=torch.long, device=view.device)
             part = rows[:, start : start + width].to(view.device)
             # [n, regions * item] -> [regions, n, item]
@@ -65,7 +71,7 @@ def layout_key(args, groups, pools, tp_rank: int, tp_size: int) -> str:
             {
                 **g.describe(),
                 "dtype": p.dtype_name,
-                "shape": [d for i, d in enumerate(_items(p).shape) if i != 1],
+                "shape": [[d for i, d in enumerate(v.shape) if i != 1] for v in _items(p)],
             }
             for g, p in zip(groups, pools)
         ],
