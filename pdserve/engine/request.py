@@ -19,6 +19,8 @@ import msgspec
 from pdserve.grammar import GrammarSpec
 
 MAX_TOP_LOGPROBS = 20
+# a temperature below this samples greedily, as in SGLang (``SamplingParams.is_greedy``)
+SAMPLING_EPS = 1e-6
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -101,8 +103,8 @@ class SamplingParams:
                 "min_new_tokens",
                 f"must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}",
             )
-        if self.temperature < 0:
-            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            bad("temperature", f"must be finite and >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
@@ -142,7 +144,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # below SAMPLING_EPS the logits divided by the temperature overflow (float32): greedy
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}

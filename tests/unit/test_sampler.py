@@ -356,6 +356,19 @@ def test_a_row_with_non_finite_logits_draws_no_token_and_the_others_are_untouche
     assert all(0 <= t < V for t in out.next_ids) and out.next_ids[2] == int(logits[2].argmax())
 
 
+def test_a_temperature_too_small_for_float32_samples_greedily():
+    """Logits divided by 1e-40 (a float32 subnormal) or 1e-300 (0 in float32) overflow: such a
+    row is greedy (below SAMPLING_EPS, as SGLang does), not a draw past the vocabulary."""
+    torch.manual_seed(3)
+    logits = torch.randn(4, V)
+    reqs = [make_req(temperature=t) for t in (1e-300, 1e-40, 1e-7)] + [make_req(temperature=0.0)]
+    out = make_sampler().sample(logits, reqs)
+    assert out.next_ids == logits.argmax(-1).tolist() and not out.failed
+    for bad in (float("nan"), float("inf"), -1e-9):
+        with pytest.raises(ValueError, match="temperature: must be"):
+            SamplingParams(temperature=bad).validate()
+
+
 def test_a_repetition_penalty_that_would_make_logits_infinite_is_refused():
     for bad in (1e-208, 1e-7, 1e7, 0.0, -1.0):
         with pytest.raises(ValueError, match="repetition_penalty: must be in"):
