@@ -66,17 +66,19 @@ CONFIG = dict(
 )
 
 
-def model_dir(cache_dir: Path) -> Path:
-    """config.json and the SmolLM2 tokenizer (weights: ``--load-format dummy``)."""
+def model_dir(cache_dir: Path, context: int = 8192) -> Path:
+    """config.json and the SmolLM2 tokenizer (weights: ``--load-format dummy``); ``context``:
+    the model's ``max_position_embeddings`` (Llama-3.2-1B's own is 131072)."""
     from tests.helpers.checkpoints import smollm2_tokenizer_dir
 
-    key = hashlib.sha256(json.dumps(CONFIG, sort_keys=True).encode()).hexdigest()[:10]
+    config = {**CONFIG, "max_position_embeddings": max(context, CONFIG["max_position_embeddings"])}
+    key = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:10]
     out = cache_dir / f"llama-3.2-1b-shape-{key}"
     if (out / "config.json").exists():
         return out
     tmp = Path(str(out) + f".tmp{os.getpid()}")
     shutil.copytree(smollm2_tokenizer_dir(), tmp)
-    (tmp / "config.json").write_text(json.dumps(CONFIG, indent=1))
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
     os.replace(tmp, out)
     return out
 

@@ -79,7 +79,7 @@ def run_dtype(kv: str, model: str, a: argparse.Namespace, prompts: dict, logs: P
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="bfloat16,int8,fp8_e4m3")
-    ap.add_argument("--lens", default="4096,7936")  # the model's context is 8192
+    ap.add_argument("--lens", default="4096,7936")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--backend", default="local")
     ap.add_argument("--warmup", type=int, default=256, help="tokens of the warm-up prompt")
@@ -91,7 +91,7 @@ def main() -> None:
         n: [[rng.randrange(100, 40000) for _ in range(n)] for _ in range(a.reps)] for n in a.lens
     }
     prompts["warmup"] = [rng.randrange(100, 40000) for _ in range(a.warmup)]
-    model = str(model_dir(Path(tempfile.gettempdir()) / "pdserve-bench"))
+    model = str(model_dir(Path(tempfile.gettempdir()) / "pdserve-bench", max(a.lens) + 1024))
     logs = Path(tempfile.mkdtemp(prefix="kv-quant-"))
     rows = []
     for kv in a.dtypes.split(","):

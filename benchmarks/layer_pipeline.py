@@ -114,7 +114,7 @@ def run_backend(backend: str, model: str, a: argparse.Namespace, logs: Path) -> 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backends", default="local,mooncake,nixl")
-    ap.add_argument("--lens", default="4096,7936")  # the model's context is 8192
+    ap.add_argument("--lens", default="4096,7936")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--chunk", type=int, default=8192)
@@ -123,7 +123,7 @@ def main() -> None:
     a = ap.parse_args()
     a.lens = [int(x) for x in a.lens.split(",")]
     a.chunk = max(a.chunk, max(a.lens))
-    model = str(model_dir(Path(tempfile.gettempdir()) / "pdserve-bench"))
+    model = str(model_dir(Path(tempfile.gettempdir()) / "pdserve-bench", max(a.lens) + 1024))
     logs = Path(tempfile.mkdtemp(prefix="layer-pipeline-"))
     rows = []
     for backend in a.backends.split(","):
