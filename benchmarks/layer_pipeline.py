@@ -57,6 +57,9 @@ def run_backend(backend: str, model: str, a: argparse.Namespace, logs: Path) -> 
         str(a.chunk),
         "--disaggregation-transfer-backend",
         backend,
+        # one layer of a 16k forward on one core holds the GIL past 3 missed heartbeats
+        "--disaggregation-heartbeat-misses",
+        "120",
     ]
     layered = ["--enable-disagg-layer-pipeline", "--disagg-layer-group-size", str(a.group_size)]
     layered += ["--disagg-layer-pipeline-min-prefill-len", "0"]
