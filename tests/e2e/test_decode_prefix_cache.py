@@ -12,16 +12,7 @@ import pytest
 from tests.e2e.conftest import PD_NEW_TOKENS
 from tests.helpers import cluster as c
 
-COMMON = [
-    "--page-size",
-    "16",
-    "--max-total-tokens",
-    "16384",
-    "--disaggregation-bootstrap-timeout",
-    "20",
-    "--disaggregation-waiting-timeout",
-    "20",
-]
+COMMON = c.PAGED_PD_ARGS
 
 
 @pytest.fixture(scope="module")

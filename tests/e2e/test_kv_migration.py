@@ -20,16 +20,7 @@ from tests.helpers import cluster as c
 
 NEW_TOKENS = 400  # long enough that the scheduler is still at it when the move comes
 LONG = 800  # the drain tests: generations that outlast a drain by far
-COMMON = [
-    "--page-size",
-    "16",
-    "--max-total-tokens",
-    "16384",
-    "--disaggregation-bootstrap-timeout",
-    "20",
-    "--disaggregation-waiting-timeout",
-    "20",
-]
+COMMON = c.PAGED_PD_ARGS
 
 
 @pytest.fixture(scope="module")

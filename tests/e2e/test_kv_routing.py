@@ -17,16 +17,7 @@ import pytest
 from tests.e2e.conftest import PD_NEW_TOKENS
 from tests.helpers import cluster as c
 
-COMMON = [
-    "--page-size",
-    "16",
-    "--max-total-tokens",
-    "16384",
-    "--disaggregation-bootstrap-timeout",
-    "20",
-    "--disaggregation-waiting-timeout",
-    "20",
-]
+COMMON = c.PAGED_PD_ARGS
 # fixed prefill costs for the conditional router, so its choices do not depend on how fast the
 # servers happened to be at start-up (the calibration itself is tested in test_calibration)
 FIT = ["--pd-prefill-fixed-s", "0.005", "--pd-prefill-s-per-token", "0.00001"]

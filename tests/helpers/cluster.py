@@ -15,6 +15,17 @@ import httpx
 from tests.helpers.ports import free_port  # noqa: F401 (the tests take it from here too)
 
 READY_TIMEOUT_S = 300.0
+# a PD server on 16-token pages with room for several long requests and short PD timeouts
+PAGED_PD_ARGS = [
+    "--page-size",
+    "16",
+    "--max-total-tokens",
+    "16384",
+    "--disaggregation-bootstrap-timeout",
+    "20",
+    "--disaggregation-waiting-timeout",
+    "20",
+]
 
 
 def wait_for(cond, timeout: float = 10.0, what: str = "condition", interval: float = 0.01):

@@ -17,19 +17,14 @@ import re
 import torch
 
 
-def _items(pool) -> list[torch.Tensor]:
-    """``pool``'s page bytes (its values; an int8 cache's scales too) as
-    ``[regions, num_pages, item_bytes]`` uint8 views."""
-    return pool.page_bytes()
-
-
 class PageCodec:
     """Copies whole pages between the pools (one page id per group; every tensor of a pool
     holding page bytes) and flat byte rows."""
 
     def __init__(self, pools: list):
-        self.views = [v for p in pools for v in _items(p)]
-        self.owner = [g for g, p in enumerate(pools) for _ in _items(p)]  # group of each view
+        held = [(g, v) for g, p in enumerate(pools) for v in p.page_bytes()]
+        self.views = [v for _, v in held]
+        self.owner = [g for g, _ in held]  # the group of each view
         self.widths = [v.shape[0] * v.shape[2] for v in self.views]  # bytes of a page per view
         self.page_nbytes = sum(self.widths)
 
@@ -71,7 +66,7 @@ def layout_key(args, groups, pools, tp_rank: int, tp_size: int) -> str:
             {
                 **g.describe(),
                 "dtype": p.dtype_name,
-                "shape": [[d for i, d in enumerate(v.shape) if i != 1] for v in _items(p)],
+                "shape": [[d for i, d in enumerate(v.shape) if i != 1] for v in p.page_bytes()],
             }
             for g, p in zip(groups, pools)
         ],
