@@ -311,16 +311,16 @@ def main() -> None:
         "results": results,
     }
     print(
-        "\n| load | fixed split | req/s | p50 s | autoscaled split | req/s | p50 s | req/s ratio | p50 ratio | "
-        "switched after s |"
+        "\n| load | fixed split | req/s | p50 s | autoscaled split | req/s | p50 s | req/s ratio | "
+        "p50 ratio | switched after s |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for row in results:
         f, s, sw = row["fixed"], row["autoscaled"], row["switch"] or {}
         print(
-            f"| {row['load']} | {f['split']} | {f['req_per_s']} | {f['latency_p50_s']} | {s['split']} | "
-            f"{s['req_per_s']} | {s['latency_p50_s']} | {row['ratio_req_per_s']} | {row['ratio_latency_p50']} | "
-            f"{sw.get('after_s')} ({sw.get('seconds')} s switch) |"
+            f"| {row['load']} | {f['split']} | {f['req_per_s']} | {f['latency_p50_s']} | "
+            f"{s['split']} | {s['req_per_s']} | {s['latency_p50_s']} | {row['ratio_req_per_s']} | "
+            f"{row['ratio_latency_p50']} | {sw.get('after_s')} ({sw.get('seconds')} s switch) |"
         )
     if a.out:
         with open(a.out, "w") as fh:
@@ -335,7 +335,10 @@ def lscpu() -> str:
     fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
     flags = fields.get("Flags", "").split()
     keep = [f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma")]
-    return f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs, flags: {' '.join(keep)}"
+    return (
+        f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs, "
+        f"flags: {' '.join(keep)}"
+    )
 
 
 if __name__ == "__main__":

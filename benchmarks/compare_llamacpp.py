@@ -1,7 +1,7 @@
 """Batch-1 decode speed: pdserve against llama.cpp (llama-cpp-python) on the same core.
 
-  python benchmarks/compare_llamacpp.py [--core 1] [--rounds 3] [--prompt-len 128] [--new-tokens 128]
-      [--model demo|llama-1b] [--isa TIER] [--pdserve-tiers T1,T2]
+  python benchmarks/compare_llamacpp.py [--core 1] [--rounds 3] [--prompt-len 128]
+      [--new-tokens 128] [--model demo|llama-1b] [--isa TIER] [--pdserve-tiers T1,T2]
 
 ``--isa avx2``: what an AVX2-only host runs, on this one: llama.cpp built with ``GGML_NATIVE=OFF``
 (AVX, AVX2, FMA, F16C; no AVX-512, no AVX-VNNI) into its own venv, pdserve with its kernels capped
@@ -49,10 +49,15 @@ LLAMA_WORKER = r"""
 import json, sys, time
 from llama_cpp import Llama
 path, ids, n_new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-llm = Llama(model_path=path, n_threads=1, n_threads_batch=1, n_ctx=2048, verbose=False, logits_all=False)
+llm = Llama(
+    model_path=path, n_threads=1, n_threads_batch=1, n_ctx=2048, verbose=False, logits_all=False
+)
 eos = llm.token_eos()
 times = []
-for tok in llm.generate(ids, temp=0.0, top_k=1, logits_processor=[lambda _ids, scores: (scores.__setitem__(eos, -1e30), scores)[1]]):
+for tok in llm.generate(
+    ids, temp=0.0, top_k=1,
+    logits_processor=[lambda _ids, scores: (scores.__setitem__(eos, -1e30), scores)[1]],
+):
     times.append(time.perf_counter())
     if len(times) == n_new:
         break
@@ -66,11 +71,15 @@ torch.set_num_threads(1)
 import pdserve
 path, ids, n_new, variant = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 kw = {"quantization": "w8a8_int8"} if variant == "w8a8" else {"dtype": variant}
-eng = pdserve.Engine(model_path=path, torch_num_threads=1, max_total_tokens=8192, disable_radix_cache=True, **kw)
+eng = pdserve.Engine(
+    model_path=path, torch_num_threads=1, max_total_tokens=8192, disable_radix_cache=True, **kw
+)
 sp = lambda n: {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
 eng.generate(input_ids=ids, sampling_params=sp(8))  # warm-up
-t0 = time.perf_counter(); eng.generate(input_ids=ids, sampling_params=sp(1)); prefill = time.perf_counter() - t0
-t0 = time.perf_counter(); eng.generate(input_ids=ids, sampling_params=sp(n_new)); total = time.perf_counter() - t0
+t0 = time.perf_counter(); eng.generate(input_ids=ids, sampling_params=sp(1))
+prefill = time.perf_counter() - t0
+t0 = time.perf_counter(); eng.generate(input_ids=ids, sampling_params=sp(n_new))
+total = time.perf_counter() - t0
 print(json.dumps({"decode_tok_s": (n_new - 1) / (total - prefill)}))
 """
 
@@ -78,8 +87,8 @@ print(json.dumps({"decode_tok_s": (n_new - 1) / (total - prefill)}))
 # llama.cpp's CMake flags per tier (None: its own detection of this host, -march=native-like)
 LLAMA_CPP_BUILDS = {
     None: None,
-    "avx2": "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF "
-    "-DGGML_AVX_VNNI=OFF",
+    "avx2": "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+    "-DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF",
 }
 
 
@@ -114,7 +123,8 @@ def ensure_llama_cpp(venv: Path, cmake_args: str | None = None) -> Path:
 
 
 def llama_1b_checkpoint() -> str:
-    """benchmarks/decode_step.py's Llama-3.2-1B-shaped config with random bf16 weights, saved once."""
+    """benchmarks/decode_step.py's Llama-3.2-1B-shaped config with random bf16 weights, saved
+    once."""
     import torch
     from decode_step import CONFIG, model_dir
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -219,7 +229,8 @@ def main() -> None:
         "--isa",
         default=None,
         choices=[k for k in LLAMA_CPP_BUILDS if k],
-        help="build llama.cpp for this tier and cap pdserve's kernels at it (default: the host's own)",
+        help="build llama.cpp for this tier and cap pdserve's kernels at it (default: "
+        "the host's own)",
     )
     ap.add_argument("--pdserve-tiers", default="", help="more pdserve bf16 rows, at these tiers")
     ap.add_argument("--json", default=None)
@@ -280,8 +291,9 @@ def main() -> None:
         "?",
     )
     print(
-        f"machine: {platform.machine()}, {model_name}, taskset -c {a.core}; model {a.model}; prompt "
-        f"{a.prompt_len} tokens, {a.new_tokens} generated, {a.rounds} rounds (alternating order)"
+        f"machine: {platform.machine()}, {model_name}, taskset -c {a.core}; model {a.model}; "
+        f"prompt {a.prompt_len} tokens, {a.new_tokens} generated, "
+        f"{a.rounds} rounds (alternating order)"
     )
     base = statistics.median(samples[names[0]])
     print("| contender | decode tok/s (median) | all rounds | vs llama.cpp bf16 |")

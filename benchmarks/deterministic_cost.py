@@ -82,8 +82,8 @@ def main() -> None:
         f"# {results['machine']['model']} ({results['machine']['flags']}), {args.threads} thread(s)"
     )
     print(
-        "| dtype | workload | prefill s (default ; det) | ratio | decode tok/s (default ; det) | ratio | "
-        "out tok/s (default ; det) | ratio | same tokens every round |"
+        "| dtype | workload | prefill s (default ; det) | ratio | decode tok/s (default ; det) | "
+        "ratio | out tok/s (default ; det) | ratio | same tokens every round |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for dtype in args.dtypes.split(","):
@@ -119,10 +119,11 @@ def main() -> None:
             }
             results["rows"].append(row)
             print(
-                f"| {dtype} | {workload} {WORKLOADS[workload]} | {d['prefill_s']:.2f} ; {x['prefill_s']:.2f} | "
-                f"{x['prefill_s'] / d['prefill_s']:.2f} | {d['decode_tok_s']:.1f} ; {x['decode_tok_s']:.1f} | "
-                f"{x['decode_tok_s'] / d['decode_tok_s']:.2f} | {d['out_tok_s']:.1f} ; {x['out_tok_s']:.1f} | "
-                f"{x['out_tok_s'] / d['out_tok_s']:.2f} | {same} |",
+                f"| {dtype} | {workload} {WORKLOADS[workload]} | {d['prefill_s']:.2f} ; "
+                f"{x['prefill_s']:.2f} | {x['prefill_s'] / d['prefill_s']:.2f} | "
+                f"{d['decode_tok_s']:.1f} ; {x['decode_tok_s']:.1f} | "
+                f"{x['decode_tok_s'] / d['decode_tok_s']:.2f} | {d['out_tok_s']:.1f} ; "
+                f"{x['out_tok_s']:.1f} | {x['out_tok_s'] / d['out_tok_s']:.2f} | {same} |",
                 flush=True,
             )
     if args.json:

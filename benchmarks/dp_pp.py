@@ -171,18 +171,19 @@ def main() -> None:
         "?",
     )
     print(
-        f"machine: {platform.machine()}, {cpu}, {os.cpu_count()} cores; servers on cores {a.cores}; "
-        f"model {os.path.basename(a.model_path.rstrip('/'))}"
+        f"machine: {platform.machine()}, {cpu}, {os.cpu_count()} cores; servers on cores "
+        f"{a.cores}; model {os.path.basename(a.model_path.rstrip('/'))}"
     )
     print(
-        f"\ndecode: {a.decode_prompts} prompts x {a.decode_in} in / {a.decode_out} out, concurrency 32"
+        f"\ndecode: {a.decode_prompts} prompts x {a.decode_in} in / {a.decode_out} out, "
+        "concurrency 32"
     )
     print("| set-up | out tok/s | ITL median / p99 ms | TPOT mean ms |")
     print("|---|---|---|---|")
     for name, s in result["decode"].items():
         print(
-            f"| {name} | {s['output_throughput']:.1f} | {s['itl_ms']['median']:.1f} / {s['itl_ms']['p99']:.1f} "
-            f"| {s['tpot_ms']['mean']:.1f} |"
+            f"| {name} | {s['output_throughput']:.1f} | {s['itl_ms']['median']:.1f} / "
+            f"{s['itl_ms']['p99']:.1f} | {s['tpot_ms']['mean']:.1f} |"
         )
     for note in result["notes"]:
         print(f"({note})")
@@ -193,7 +194,8 @@ def main() -> None:
         name, conc = key.split("@")
         tok_s = s.get("input_throughput") or 0.0
         print(
-            f"| {name} | {conc} | {s['ttft_ms']['mean']:.0f} / {s['ttft_ms']['median']:.0f} | {tok_s:.0f} |"
+            f"| {name} | {conc} | {s['ttft_ms']['mean']:.0f} / {s['ttft_ms']['median']:.0f} | "
+            f"{tok_s:.0f} |"
         )
     if a.json:
         with open(a.json, "w") as f:

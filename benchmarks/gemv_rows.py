@@ -1,7 +1,8 @@
 """The GEMV kernel (``linear_vnni``) against oneDNN's prepacked bf16 matmul at a few row counts, on
 one decoder layer's matmul shapes: where ``GEMV_MAX_ROWS`` (pdserve/layers/linear.py) should be.
 
-  taskset -c 1 python benchmarks/gemv_rows.py [--rows 8,16,32,64,128] [--shapes 1b|demo] [--threads 1]
+  taskset -c 1 python benchmarks/gemv_rows.py [--rows 8,16,32,64,128] [--shapes 1b|demo]
+      [--threads 1]
 
 Shapes (out, in) of qkv, o, gate_up and down: ``1b`` Llama-3.2-1B (hidden 2048, 32/8 heads of 64,
 MLP 8192), ``demo`` SmolLM2-135M (hidden 576, 9/3 heads of 64, MLP 1536). Each is the best of 3

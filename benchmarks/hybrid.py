@@ -6,11 +6,11 @@
 The hybrid has Granite-4.0-H-350M's published sizes (``GraniteMoeHybridForCausalLM``: hidden
 768, 32 layers, 12 query heads, Mamba2 inner size 1536 in 48 heads of 32, one group, state 128,
 conv 4, shared MLP 2048, scan blocks 256), with 4 attention layers (4 KV heads of 64) at 5, 15,
-25 and 31 (the larger Granite 4 hybrids' one in ten; the placement is ours); the dense model is a Llama
-of the same width and depth (hidden 768, 32 layers, 12 heads, 4 KV heads, MLP 2048). Both use the
-SmolLM2 vocabulary (49,152 rows instead of 100,352) and random weights (``--load-format dummy``),
-in ``--dtype``. Through the offline ``pdserve.Engine`` (``--threads`` torch threads), for each
-model in turn:
+25 and 31 (the larger Granite 4 hybrids' one in ten; the placement is ours); the dense model is a
+Llama of the same width and depth (hidden 768, 32 layers, 12 heads, 4 KV heads, MLP 2048). Both use
+the SmolLM2 vocabulary (49,152 rows instead of 100,352) and random weights
+(``--load-format dummy``), in ``--dtype``. Through the offline ``pdserve.Engine`` (``--threads``
+torch threads), for each model in turn:
 
 - prefill tok/s: one prompt of each context length, one output token;
 - decode tok/s at each batch and context: B prompts of the context length run for ``--steps`` + 1

@@ -38,7 +38,9 @@ from pdserve.layers.linear import PackedBF16, PackedF32, PackedW8A8, pack_vnni16
 
 ops = kernels.load()
 # oneDNN's bf16 is timed wherever it runs at this tier (pdserve takes it only where it is faster)
-onednn = torch.ops.mkldnn._is_mkldnn_bf16_supported() and ops.isa_tier() not in kernels._NO_ONEDNN_BF16
+onednn = (
+    torch.ops.mkldnn._is_mkldnn_bf16_supported() and ops.isa_tier() not in kernels._NO_ONEDNN_BF16
+)
 
 def bench(fn, n=5):
     fn()
@@ -47,14 +49,20 @@ def bench(fn, n=5):
         t0 = time.perf_counter(); fn(); best = min(best, time.perf_counter() - t0)
     return best
 
-out = {"isa": ops.isa(), "aten": torch.backends.cpu.get_cpu_capability(), "onednn_bf16_taken": kernels.onednn_bf16()[0]}
+out = {
+    "isa": ops.isa(),
+    "aten": torch.backends.cpu.get_cpu_capability(),
+    "onednn_bf16_taken": kernels.onednn_bf16()[0],
+}
 big = torch.ones(128 << 20)
 out["read_gb_s"] = big.numel() * 4 / bench(lambda: big.sum(), 5) / 1e9
 del big
 
 DEMO = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LLAMA1B = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]
-for name, shapes, repeat in (("demo", DEMO * 30 + [(49152, 576)], 1), ("llama1b_layer", LLAMA1B, 4)):
+for name, shapes, repeat in (
+    ("demo", DEMO * 30 + [(49152, 576)], 1), ("llama1b_layer", LLAMA1B, 4)
+):
     ws = [pack_vnni16(torch.randn(n, k)) for n, k in shapes]
     xs = {k: torch.randn(1, k).bfloat16() for _, k in shapes}
     os_ = {n: torch.empty(1, n, dtype=torch.bfloat16) for n, _ in shapes}
@@ -70,19 +78,29 @@ for rows in (1, 8, 32, 2048):
     flops = sum(2 * rows * n * k for n, k in DEMO)
     kern = [PackedBF16(w, None, ops, onednn=False) for w in weights]
     xb = {k: torch.randn(rows, k, generator=gen).bfloat16() for _, k in DEMO}
-    out[f"bf16_{rows}_kernel_gflop_s"] = flops / bench(lambda: [p(xb[p.in_features]) for p in kern]) / 1e9
+    out[f"bf16_{rows}_kernel_gflop_s"] = (
+        flops / bench(lambda: [p(xb[p.in_features]) for p in kern]) / 1e9
+    )
     if onednn:
         dnn = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), rows) for w in weights]
         out[f"bf16_{rows}_onednn_gflop_s"] = flops / bench(
-            lambda: [torch.ops.mkldnn._linear_pointwise(xb[w.shape[1]], w, None, "none", [], "") for w in dnn]) / 1e9
+            lambda: [
+                torch.ops.mkldnn._linear_pointwise(xb[w.shape[1]], w, None, "none", [], "")
+                for w in dnn
+            ]
+        ) / 1e9
     if rows in (1, 2048):
         q = [PackedW8A8(w, None, ops) for w in weights]
         out[f"w8a8_{rows}_gop_s"] = flops / bench(lambda: [p(xb[p.in_features]) for p in q]) / 1e9
     if rows == 2048:
         xf = {k: x.float() for k, x in xb.items()}
-        out["f32_2048_torch_gflop_s"] = flops / bench(lambda: [F.linear(xf[w.shape[1]], w) for w in weights]) / 1e9
+        out["f32_2048_torch_gflop_s"] = (
+            flops / bench(lambda: [F.linear(xf[w.shape[1]], w) for w in weights]) / 1e9
+        )
         f32 = [PackedF32(w, None, ops) for w in weights]
-        out["f32_2048_linear_f32_gflop_s"] = flops / bench(lambda: [p(xf[p.in_features]) for p in f32]) / 1e9
+        out["f32_2048_linear_f32_gflop_s"] = (
+            flops / bench(lambda: [p(xf[p.in_features]) for p in f32]) / 1e9
+        )
 
 rng = random.Random(0)
 B, H, KVH, D, PS = 32, 9, 3, 64, 16
@@ -92,7 +110,10 @@ P = B * max_pages + 1
 table = (torch.randperm(P - 1, generator=gen)[: B * max_pages] + 1).view(B, max_pages).int()
 L = max_pages * PS
 kpos = torch.arange(L)
-gather = (table.long()[:, kpos // PS][:, None, :] * KVH + torch.arange(KVH)[None, :, None]) * PS + (kpos % PS)[None, None, :]
+gather = (
+    (table.long()[:, kpos // PS][:, None, :] * KVH + torch.arange(KVH)[None, :, None]) * PS
+    + (kpos % PS)[None, None, :]
+)
 mask = (kpos[None, :] < lens[:, None].long())[:, None, None, :]
 for dtype in (torch.bfloat16, torch.float32):
     kc, vc = torch.randn(P, KVH, PS, D).to(dtype), torch.randn(P, KVH, PS, D).to(dtype)
@@ -108,23 +129,36 @@ for dtype in (torch.bfloat16, torch.float32):
     else:
         t = bench(lambda: ops.paged_decode_attention(o, q, kc, vc, table, lens, 1 / 8, 0))
     kr, vr = kc.reshape(-1, D), vc.reshape(-1, D)
-    ref = bench(lambda: F.scaled_dot_product_attention(q.unsqueeze(2), kr[gather], vr[gather], attn_mask=mask,
-                                                       scale=1 / 8, enable_gqa=True), 3)
+    ref = bench(
+        lambda: F.scaled_dot_product_attention(
+            q.unsqueeze(2), kr[gather], vr[gather], attn_mask=mask, scale=1 / 8, enable_gqa=True
+        ),
+        3,
+    )
     out[f"decode_attn_{tag}_kernel_ms"] = t * 1e3
     out[f"decode_attn_{tag}_gather_sdpa_ms"] = ref * 1e3
 T = 1024
 pages = T // PS
-kc, vc = torch.randn(pages + 1, KVH, PS, D).bfloat16(), torch.randn(pages + 1, KVH, PS, D).bfloat16()
+kc, vc = (
+    torch.randn(pages + 1, KVH, PS, D).bfloat16(),
+    torch.randn(pages + 1, KVH, PS, D).bfloat16(),
+)
 q = torch.randn(T, H, D).bfloat16()
 o = torch.empty_like(q)
 flops = 4 * T * T * D * H / 2
 if ops.flash_supported(D):
     tbl = (torch.arange(pages) + 1).view(1, pages).int()
     out["prefill_attn_flash_gflop_s"] = flops / bench(lambda: ops.paged_attention_bf16(
-        o, q, kc, vc, tbl, torch.tensor([T], dtype=torch.int32), torch.tensor([0, T], dtype=torch.int32), 1 / 8, 0), 3) / 1e9
-qq, kk, vv = q.transpose(0, 1)[None], torch.randn(1, KVH, T, D).bfloat16(), torch.randn(1, KVH, T, D).bfloat16()
-out["prefill_attn_sdpa_gflop_s"] = flops / bench(lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True,
-                                                                                       enable_gqa=True), 3) / 1e9
+        o, q, kc, vc, tbl, torch.tensor([T], dtype=torch.int32),
+        torch.tensor([0, T], dtype=torch.int32), 1 / 8, 0), 3) / 1e9
+qq, kk, vv = (
+    q.transpose(0, 1)[None],
+    torch.randn(1, KVH, T, D).bfloat16(),
+    torch.randn(1, KVH, T, D).bfloat16(),
+)
+out["prefill_attn_sdpa_gflop_s"] = flops / bench(
+    lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True), 3
+) / 1e9
 print(json.dumps(out))
 """
 

@@ -10,11 +10,11 @@ each chunk's pages after its forward, one sends every ``--group-size`` layers' p
 ``--disagg-layer-pipeline-min-prefill-len 0``), a router in front of each pair; one torch thread
 per server, every server on the same cores. Requests go one at a time, alternating between the
 two set-ups (fresh random prompts: no prefix-cache hits), ``--reps`` per length after one
-``--warmup``-token request to each; a prompt is one chunk (``--chunk``), so chunk-wise transfer starts only after the
-whole forward. Reported per cell: median TTFT of each, their ratio, and from the prefill's own
-record of each transfer the KV bytes, the time from the last send to the room's completion
-(``after_last_chunk``: what layer-wise transfer shortens) and the layer groups sent during the
-forward.
+``--warmup``-token request to each; a prompt is one chunk (``--chunk``), so chunk-wise transfer
+starts only after the whole forward. Reported per cell: median TTFT of each, their ratio, and from
+the prefill's own record of each transfer the KV bytes, the time from the last send to the room's
+completion (``after_last_chunk``: what layer-wise transfer shortens) and the layer groups sent
+during the forward.
 """
 
 from __future__ import annotations

@@ -134,10 +134,11 @@ def main() -> None:
         row["pdserve tokens/step"] = (accept[0] + accept[1]) / accept[0] if accept[0] else None
         rows.append(row)
         print(
-            f"{name:10s}: llama.cpp {row['llama.cpp']:6.1f} -> {row['llama.cpp lookup']:6.1f} tok/s "
-            f"(x{row['llama.cpp ratio']:.2f}, identical {row['llama.cpp identical']}); pdserve "
-            f"{row['pdserve']:6.1f} -> {row['pdserve NGRAM']:6.1f} tok/s (x{row['pdserve ratio']:.2f}, "
-            f"{row['pdserve tokens/step'] or 0:.2f} tokens/step, identical {row['pdserve identical']})",
+            f"{name:10s}: llama.cpp {row['llama.cpp']:6.1f} -> {row['llama.cpp lookup']:6.1f} "
+            f"tok/s (x{row['llama.cpp ratio']:.2f}, identical {row['llama.cpp identical']}); "
+            f"pdserve {row['pdserve']:6.1f} -> {row['pdserve NGRAM']:6.1f} tok/s "
+            f"(x{row['pdserve ratio']:.2f}, {row['pdserve tokens/step'] or 0:.2f} tokens/step, "
+            f"identical {row['pdserve identical']})",
             flush=True,
         )
     info = {"cpu": lscpu_model(), "machine": platform.machine(), "args": vars(args), "rows": rows}

@@ -155,7 +155,8 @@ def make_weights(args, ep_rank: int, placement):
 
 
 class TimedExperts:
-    """Wraps the experts' runner to add up its time (the rest of a layer is routing and dispatch)."""
+    """Wraps the experts' runner to add up its time (the rest of a layer is routing and
+    dispatch)."""
 
     def __init__(self, impl):
         self.impl, self.total = impl, 0.0
@@ -252,8 +253,9 @@ def worker(rank: int, layout: str, port: int, args, out_path: str) -> None:
         results.append(row)
         if rank == 0:
             print(
-                f"[{layout}] T={t}: none {row['none']['ms']:.2f} ms, torch {row['torch']['ms']:.2f} ms "
-                f"({iters} x {args.rounds} iters, outputs differ by {diff:.2e})",
+                f"[{layout}] T={t}: none {row['none']['ms']:.2f} ms, torch "
+                f"{row['torch']['ms']:.2f} ms ({iters} x {args.rounds} iters, "
+                f"outputs differ by {diff:.2e})",
                 file=sys.stderr,
                 flush=True,
             )
@@ -397,18 +399,20 @@ def main() -> None:
         rows = serve_backends(a.server_model, a.server_prompts, out_dir)
         print(f"machine: {machine()}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         print(
-            f"{a.server_model}: --tp-size 2 --ep-size 2 --enable-dp-attention --dp-size 2, short workload, "
-            f"{a.server_prompts} x 128 in / 64 out at once"
+            f"{a.server_model}: --tp-size 2 --ep-size 2 --enable-dp-attention --dp-size 2, short "
+            f"workload, {a.server_prompts} x 128 in / 64 out at once"
         )
         print("| backend | out tok/s | TTFT mean / p90 ms | TPOT mean / p90 ms |")
         print("|---|---|---|---|")
         for r in rows:
             print(
-                f"| {r['backend']} | {r['output_throughput']:.1f} | {r['ttft_ms']['mean']:.0f} / {r['ttft_ms']['p90']:.0f} "
-                f"| {r['tpot_ms']['mean']:.0f} / {r['tpot_ms']['p90']:.0f} |"
+                f"| {r['backend']} | {r['output_throughput']:.1f} | {r['ttft_ms']['mean']:.0f} / "
+                f"{r['ttft_ms']['p90']:.0f} | {r['tpot_ms']['mean']:.0f} / "
+                f"{r['tpot_ms']['p90']:.0f} |"
             )
         print(
-            f"torch / none output throughput = {rows[1]['output_throughput'] / rows[0]['output_throughput']:.2f}"
+            "torch / none output throughput = "
+            f"{rows[1]['output_throughput'] / rows[0]['output_throughput']:.2f}"
         )
         if a.json:
             Path(a.json).write_text(json.dumps(rows, indent=2))
@@ -441,8 +445,8 @@ def main() -> None:
         f"{WORLD} ranks x 1 thread, gloo over loopback; experts: {rows[0]['runner']}"
     )
     print(
-        "| layout | tokens/rank | backend | ms / layer | of which experts ms | bytes/token/layer (KiB) "
-        "| by collective (KiB/token) | torch / none time |"
+        "| layout | tokens/rank | backend | ms / layer | of which experts ms | bytes/token/layer "
+        "(KiB) | by collective (KiB/token) | torch / none time |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -451,12 +455,13 @@ def main() -> None:
             by = ", ".join(f"{k} {kib(v)}" for k, v in sorted(x["by_collective"].items()))
             ratio = f"**{r['torch']['ms'] / r['none']['ms']:.2f}**" if b == "torch" else ""
             print(
-                f"| {r['layout']} | {r['tokens_per_rank']} | {b} | {x['ms']:.2f} | {x['experts_ms']:.2f} "
-                f"| {kib(x['bytes_per_token'])} | {by} | {ratio} |"
+                f"| {r['layout']} | {r['tokens_per_rank']} | {b} | {x['ms']:.2f} | "
+                f"{x['experts_ms']:.2f} | {kib(x['bytes_per_token'])} | {by} | {ratio} |"
             )
     print("\npredicted bytes per token per layer (KiB; uniform routing, formulas in predict()):")
     print(
-        "| layout | ranks | none | torch (expected) | torch (worst: min(k, P-1) ranks) | none / torch |"
+        "| layout | ranks | none | torch (expected) | torch (worst: min(k, P-1) ranks) "
+        "| none / torch |"
     )
     print("|---|---|---|---|---|---|")
     for layout in a.layouts.split(","):
@@ -465,8 +470,8 @@ def main() -> None:
                 continue  # the experts must split evenly over the ranks
             x = predict(layout, p, a.hidden, a.experts, a.top_k)
             print(
-                f"| {layout} | {p} | {kib(x['none'])} | {kib(x['torch'])} | {kib(x['torch_worst'])} "
-                f"| {x['none'] / x['torch']:.1f} |"
+                f"| {layout} | {p} | {kib(x['none'])} | {kib(x['torch'])} | "
+                f"{kib(x['torch_worst'])} | {x['none'] / x['torch']:.1f} |"
             )
     diffs = max(r["max_abs_diff"] for r in rows)
     print(f"\nlargest difference between the backends' outputs: {diffs:.3e}")

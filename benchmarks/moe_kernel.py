@@ -157,7 +157,8 @@ def main() -> int:
             print(json.dumps(result), flush=True)
 
     print(
-        "\n| threads | tokens | experts hit | kernel | ms | GB/s of experts | GFLOP/s | vs grouped_mm | vs loop |"
+        "\n| threads | tokens | experts hit | kernel | ms | GB/s of experts | GFLOP/s | vs "
+        "grouped_mm | vs loop |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -165,8 +166,9 @@ def main() -> int:
             m = r[name]
             ratio = lambda other: f"{m['ms'] / r[other]['ms']:.2f}"  # noqa: E731
             print(
-                f"| {r['threads']} | {r['tokens']} | {r['experts_hit']:.1f} | {name} | {m['ms']:.2f} | "
-                f"{m['gb_s']:.1f} | {m['gflop_s']:.0f} | {ratio('grouped_mm')} | {ratio('loop')} |"
+                f"| {r['threads']} | {r['tokens']} | {r['experts_hit']:.1f} | {name} | "
+                f"{m['ms']:.2f} | {m['gb_s']:.1f} | {m['gflop_s']:.0f} | {ratio('grouped_mm')} | "
+                f"{ratio('loop')} |"
             )
     if args.json:
         with open(args.json, "w") as f:

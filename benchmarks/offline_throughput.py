@@ -295,14 +295,17 @@ def main() -> None:
     rows.append({"contender": "HF transformers batch 1", "tok_s": hf_1})
 
     print(
-        f"machine: {platform.machine()}, {lscpu_model()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+        f"machine: {platform.machine()}, {lscpu_model()}, {torch.get_num_threads()} torch threads, "
+        f"torch {torch.__version__}"
     )
     print(
-        f"workload: {a.num_prompts} prompts x {a.input_len} in x {a.output_len} out, greedy, ignore_eos; {path}"
+        f"workload: {a.num_prompts} prompts x {a.input_len} in x {a.output_len} out, greedy, "
+        f"ignore_eos; {path}"
     )
     print(
-        f"matmul roofline at batch {a.num_prompts}: {roof['gflop_per_s']:.0f} GFLOP/s prepacked bf16, "
-        f"a decode step of matmuls only = {roof['step_s'] * 1e3:.1f} ms = {roof['tok_s']:.0f} tok/s"
+        f"matmul roofline at batch {a.num_prompts}: {roof['gflop_per_s']:.0f} GFLOP/s prepacked "
+        f"bf16, a decode step of matmuls only = {roof['step_s'] * 1e3:.1f} ms = "
+        f"{roof['tok_s']:.0f} tok/s"
     )
     print("| contender | dtype | out tok/s | decode tok/s | of roofline | prefill s | total s |")
     print("|---|---|---|---|---|---|---|")

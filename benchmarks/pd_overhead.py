@@ -120,7 +120,8 @@ def main() -> None:
     import torch
 
     print(
-        f"machine: {platform.machine()}, {a.threads} torch thread(s) per server, torch {torch.__version__}"
+        f"machine: {platform.machine()}, {a.threads} torch thread(s) per server, "
+        f"torch {torch.__version__}"
     )
     print(f"model: {a.model_path}; median of {a.reps} sequential requests per cell")
     print(
@@ -129,9 +130,10 @@ def main() -> None:
     )
     for r in rows:
         print(
-            f"{r['prompt_tokens']:>7} {r['colocated_ttft_ms']:>13.1f} {r['pd_ttft_ms']:>11.1f} {r['ratio']:>8.3f} "
-            f"{r['target_ms']:>10.1f} {r['kv_bytes'] / 1e6:>8.2f} {r['transfer_window_ms']:>10.2f} "
-            f"{r['after_last_chunk_ms']:>8.2f} {r['gb_per_s']:>6.2f}"
+            f"{r['prompt_tokens']:>7} {r['colocated_ttft_ms']:>13.1f} {r['pd_ttft_ms']:>11.1f} "
+            f"{r['ratio']:>8.3f} {r['target_ms']:>10.1f} {r['kv_bytes'] / 1e6:>8.2f} "
+            f"{r['transfer_window_ms']:>10.2f} {r['after_last_chunk_ms']:>8.2f} "
+            f"{r['gb_per_s']:>6.2f}"
         )
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))

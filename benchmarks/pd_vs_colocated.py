@@ -1,7 +1,8 @@
 """PD disaggregation against colocated serving on the same cores, over a sweep of request rates.
 
 Set-ups (every server runs the same model and flags; ``taskset`` pins each to its cores):
-  pd         1 prefill on core 0 + 1 decode on core 1 (1 torch thread each), behind ``pdserve router``
+  pd         1 prefill on core 0 + 1 decode on core 1 (1 torch thread each), behind
+             ``pdserve router``
   colocated  2 colocated servers, one on core 0 and one on core 1, behind ``pdserve router
              --worker A --worker B --policy round_robin``
   pd-p2      1 prefill with 2 threads on cores 0,1 + 1 decode on core 1 (prefill may use both
@@ -251,7 +252,8 @@ def goodput(records: list[RequestRecord], duration: float, ttft_ms, tpot_ms) -> 
 
 
 def report(a: argparse.Namespace, setups: list[str], rates: list[float]) -> str:
-    """Markdown tables: one row per (rate, set-up), then the ratios of the first set-up to the second."""
+    """Markdown tables: one row per (rate, set-up), then the ratios of the first set-up to the
+    second."""
     results: dict[tuple[str, float], dict] = {}
     for name in setups:
         for rate in rates:
@@ -262,13 +264,13 @@ def report(a: argparse.Namespace, setups: list[str], rates: list[float]) -> str:
     loads = json.loads(load_path.read_text()) if load_path.exists() else {}
     lines = [
         (
-            f"SLOs: TTFT <= {a.slo_ttft_ms:g} ms, TPOT <= {a.slo_tpot_ms:g} ms. Goodput in good requests/s. "
-            "Load: the host's 1-minute load average before / after the run."
+            f"SLOs: TTFT <= {a.slo_ttft_ms:g} ms, TPOT <= {a.slo_tpot_ms:g} ms. Goodput in good "
+            "requests/s. Load: the host's 1-minute load average before / after the run."
         ),
         "",
         (
-            "| rate req/s | set-up | done | req/s | out tok/s | TTFT mean / p90 ms | TPOT mean / p90 ms "
-            "| goodput TTFT | goodput TPOT | goodput both | load |"
+            "| rate req/s | set-up | done | req/s | out tok/s | TTFT mean / p90 ms | TPOT mean / "
+            "p90 ms | goodput TTFT | goodput TPOT | goodput both | load |"
         ),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -292,10 +294,10 @@ def report(a: argparse.Namespace, setups: list[str], rates: list[float]) -> str:
             }
             rows[name, rate] = row
             lines.append(
-                f"| {rate:g} | {name} | {s['completed']}/{s['completed'] + s['failed']} | {row['req_s']:.3f} "
-                f"| {row['tok_s']:.1f} | {row['ttft']['mean']:.0f} / {row['ttft']['p90']:.0f} "
-                f"| {row['tpot']['mean']:.0f} / {row['tpot']['p90']:.0f} | {row['g_ttft']:.3f} "
-                f"| {row['g_tpot']:.3f} | {row['g_both']:.3f} "
+                f"| {rate:g} | {name} | {s['completed']}/{s['completed'] + s['failed']} | "
+                f"{row['req_s']:.3f} | {row['tok_s']:.1f} | {row['ttft']['mean']:.0f} / "
+                f"{row['ttft']['p90']:.0f} | {row['tpot']['mean']:.0f} / {row['tpot']['p90']:.0f} "
+                f"| {row['g_ttft']:.3f} | {row['g_tpot']:.3f} | {row['g_both']:.3f} "
                 f"| {' / '.join(f'{x:.1f}' for x in loads.get(f'{name}@{rate:g}', [])) or '-'} |"
             )
     if len(setups) >= 2:
@@ -305,7 +307,8 @@ def report(a: argparse.Namespace, setups: list[str], rates: list[float]) -> str:
                 "",
                 f"Ratios {x} / {y} (> 1: {x} higher):",
                 "",
-                "| rate req/s | out tok/s | TTFT p90 | TPOT p90 | goodput TTFT | goodput TPOT | goodput both |",
+                "| rate req/s | out tok/s | TTFT p90 | TPOT p90 | goodput TTFT | goodput TPOT | "
+                "goodput both |",
                 "|---|---|---|---|---|---|---|",
             ]
 

@@ -142,7 +142,8 @@ def run_study(a: argparse.Namespace, names: list[str]) -> None:
             for setup, (router, servers) in started.items():
                 loads[setup] = [round(os.getloadavg()[0], 2)]
                 print(
-                    f"== {name} on {setup} ({time.strftime('%H:%M:%S')}, load {loads[setup][0]:.2f})",
+                    f"== {name} on {setup} ({time.strftime('%H:%M:%S')}, "
+                    f"load {loads[setup][0]:.2f})",
                     file=sys.stderr,
                 )
                 pvc.bench(
@@ -195,7 +196,8 @@ def report(a: argparse.Namespace, names: list[str]) -> str:
             f"Recommended: **{plan['recommended']['split']}**.",
             "",
             "| split | goodput req/s pred / meas | SLOs met pred / meas | TTFT p50 ms pred / meas "
-            "| TTFT p90 pred / meas | TPOT p50 ms pred / meas | TPOT p90 pred / meas | max rate pred | load |",
+            "| TTFT p90 pred / meas | TPOT p50 ms pred / meas | TPOT p90 pred / meas | max rate "
+            "pred | load |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for setup, split in SPLITS.items():
@@ -204,11 +206,11 @@ def report(a: argparse.Namespace, names: list[str]) -> str:
                 continue
             p, m = by_split[split], measured(path, w)
             lines.append(
-                f"| {split} | {p['goodput']:.3f} / {m['goodput']:.3f} | {p['slo_share']:.0%} / {m['share']:.0%} "
-                f"| {p['ttft_ms']['p50']:.0f} / {m['ttft']['median']:.0f} | {p['ttft_ms']['p90']:.0f} / "
-                f"{m['ttft']['p90']:.0f} | {p['tpot_ms']['p50']:.1f} / {m['tpot']['median']:.1f} "
-                f"| {p['tpot_ms']['p90']:.1f} / {m['tpot']['p90']:.1f} | {p['max_rate']:.2f} "
-                f"| {' / '.join(f'{x:.1f}' for x in loads.get(setup, []))} |"
+                f"| {split} | {p['goodput']:.3f} / {m['goodput']:.3f} | {p['slo_share']:.0%} / "
+                f"{m['share']:.0%} | {p['ttft_ms']['p50']:.0f} / {m['ttft']['median']:.0f} | "
+                f"{p['ttft_ms']['p90']:.0f} / {m['ttft']['p90']:.0f} | {p['tpot_ms']['p50']:.1f} / "
+                f"{m['tpot']['median']:.1f} | {p['tpot_ms']['p90']:.1f} / {m['tpot']['p90']:.1f} | "
+                f"{p['max_rate']:.2f} | {' / '.join(f'{x:.1f}' for x in loads.get(setup, []))} |"
             )
     return "\n".join(lines)
 

@@ -53,11 +53,11 @@ QUESTIONS = [
 TEXT = (
     "The river rose early that spring, and by the end of March the lower fields were under water. "
     "Farmers moved their animals to the hills and waited, as their parents had done before them. "
-    "In the town, the baker kept his ovens going through the night, because the road to the mill was "
-    "closed and nobody knew when the next delivery of flour would come. Children walked to the old "
-    "bridge after school to watch the brown water carry branches, fence posts and once a small boat "
-    "with nobody in it. When the water finally went down, the fields were covered with a thin layer "
-    "of silt, and the summer that followed gave the best harvest anyone could remember."
+    "In the town, the baker kept his ovens going through the night, because the road to the mill "
+    "was closed and nobody knew when the next delivery of flour would come. Children walked to the "
+    "old bridge after school to watch the brown water carry branches, fence posts and once a small "
+    "boat with nobody in it. When the water finally went down, the fields were covered with a thin "
+    "layer of silt, and the summer that followed gave the best harvest anyone could remember."
 )
 
 

@@ -1,6 +1,7 @@
 """How long a role switch takes against starting a server of that role.
 
-  python benchmarks/role_switch.py [--model-path DIR] [--cycles 2] [--max-total-tokens N] [--out F.json]
+  python benchmarks/role_switch.py [--model-path DIR] [--cycles 2] [--max-total-tokens N]
+      [--out F.json]
 
 Starts one ``pdserve serve --disaggregation-mode decode`` (the demo model by default), records the
 wall time from the process start to ``/health`` 200 (what a restart in another role costs: model
@@ -119,7 +120,8 @@ def main() -> None:
                     )
                     print(
                         f"{out['previous_role']:>9} -> {role:<9} call {wall:7.3f}s  re-wiring "
-                        f"{out['timings']['reconfigure_s']:6.3f}s  warm-up {out['timings']['warmup_s']:6.3f}s"
+                        f"{out['timings']['reconfigure_s']:6.3f}s  warm-up "
+                        f"{out['timings']['warmup_s']:6.3f}s"
                     )
     finally:
         proc.send_signal(signal.SIGTERM)

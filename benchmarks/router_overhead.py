@@ -1,7 +1,8 @@
 """Router overhead: what `pdserve router` costs per request against the Rust `sglang-router`,
 both in front of the same fake workers that answer at once, driven by the same load generator.
 
-  python benchmarks/router_overhead.py [--modes pd,regular] [--endpoints generate,generate-stream,chat-stream]
+  python benchmarks/router_overhead.py [--modes pd,regular]
+      [--endpoints generate,generate-stream,chat-stream]
       [--concurrency 1,64,512] [--duration 5] [--warmup 1] [--repeats 2]
       [--router-cpus 1] [--worker-cpus 0] [--client-cpus 0] [--pdserve-workers 1[,2]]
       [--baseline-tree DIR [--baseline-asyncio]] [--out FILE]
@@ -229,7 +230,8 @@ class FakeWorker(asyncio.Protocol):
                 }
             return self.send(200, _json(out))
         self.transport.write(
-            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: "
+            b"chunked\r\n\r\n"
         )
         for i in range(self.tokens):  # one write per token, as a server's detokenizer sends them
             if chat:
@@ -552,7 +554,8 @@ class Bench:
         return url, proc
 
     def no_uvloop(self) -> Path:
-        """A directory whose uvloop and httptools fail to import, so uvicorn falls back to asyncio and h11."""
+        """A directory whose uvloop and httptools fail to import, so uvicorn falls back to asyncio
+        and h11."""
         stub = self.logs / "no-uvloop"
         for name in ("uvloop", "httptools"):
             (stub / name).mkdir(parents=True, exist_ok=True)
@@ -665,7 +668,8 @@ def run_mode(bench: Bench, mode: str, results: list[dict]) -> None:
                     r["reached"] = got
                     results.append(r)
                     print(
-                        f"{mode:7s} {endpoint:15s} c={conc:<4d} {name:8s} rep {rep}: {r['rps']:8.0f} req/s  "
+                        f"{mode:7s} {endpoint:15s} c={conc:<4d} {name:8s} rep {rep}: "
+                        f"{r['rps']:8.0f} req/s  "
                         + (
                             f"p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms  "
                             if r["requests"]
@@ -731,8 +735,8 @@ def summarize(results: list[dict], a) -> str:
                 else ""
             )
             lines.append(
-                f"| {mode} | {endpoint} | {conc} | {t} | {s['rps']:.0f}{spread} | {fmt(s['p50_ms'])} "
-                f"| {fmt(s['p99_ms'])} | {fmt(s['add50'])} | {fmt(s['add99'])} "
+                f"| {mode} | {endpoint} | {conc} | {t} | {s['rps']:.0f}{spread} | "
+                f"{fmt(s['p50_ms'])} | {fmt(s['p99_ms'])} | {fmt(s['add50'])} | {fmt(s['add99'])} "
                 f"| {fmt(s['cpu_s_per_1k'], '{:.3f}')} | {fmt(s['cpu_util'])} |"
             )
         for t in (t for t in stats if t.startswith("pdserve") and "sglang" in stats):
@@ -759,7 +763,10 @@ def machine() -> str:
     except OSError:
         model, flags = platform.processor(), ""
     wanted = [f for f in flags.split() if f.startswith(("avx", "amx")) or f in ("sse4_2", "fma")]
-    return f"{model}, {os.cpu_count()} CPUs, flags {' '.join(wanted)}; Python {platform.python_version()}"
+    return (
+        f"{model}, {os.cpu_count()} CPUs, flags {' '.join(wanted)}; Python "
+        f"{platform.python_version()}"
+    )
 
 
 def main() -> None:
@@ -807,7 +814,8 @@ def main() -> None:
 
         if importlib.util.find_spec("sglang_router") is None:
             ap.error(
-                "sglang-router is not installed (pip install sglang-router==0.3.2), or pass --skip-sglang"
+                "sglang-router is not installed (pip install sglang-router==0.3.2), "
+                "or pass --skip-sglang"
             )
     sys.path.insert(0, str(ROOT))
     from pdserve import lifetime

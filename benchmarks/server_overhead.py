@@ -103,8 +103,8 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {a.threads} torch thread(s), torch {torch.__version__}")
     print(f"workload: {a.num_prompts} x {a.input_len} in x {a.output_len} out, greedy, ignore_eos")
     print(
-        f"offline Engine: {offline_tps:.1f} tok/s; server via pdserve bench: {server_tps:.1f} tok/s; "
-        f"server/offline = {server_tps / offline_tps:.3f}"
+        f"offline Engine: {offline_tps:.1f} tok/s; server via pdserve bench: {server_tps:.1f} "
+        f"tok/s; server/offline = {server_tps / offline_tps:.3f}"
     )
 
 

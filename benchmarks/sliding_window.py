@@ -1,7 +1,8 @@
 """Sliding-window cache groups against the full-KV layout (windows by masking) on a Gemma-3-shaped
 model of realistic size, side by side in one run.
 
-  python benchmarks/sliding_window.py [--lens 4096,8192,16384] [--ratio 0.8] [--layouts groups,masking] [--json OUT]
+  python benchmarks/sliding_window.py [--lens 4096,8192,16384] [--ratio 0.8]
+      [--layouts groups,masking] [--json OUT]
 
 The model: Gemma 3 text as its 1B config has it (hidden 1152, 26 layers of which every 6th is
 global, 4 query heads, 1 KV head of 256, window 512, GeGLU 6912), with the SmolLM2 vocabulary
@@ -240,7 +241,8 @@ def main() -> None:
         "?",
     )
     print(
-        f"\nmachine: {platform.machine()} {model_name}, {os.cpu_count()} cores; ratio {args.ratio}; logs {logs}"
+        f"\nmachine: {platform.machine()} {model_name}, {os.cpu_count()} cores; "
+        f"ratio {args.ratio}; logs {logs}"
     )
     print("| prompt | layout | TTFT s | KV moved MB | decode KV MB | admitted at once |")
     print("|---|---|---|---|---|---|")

@@ -61,11 +61,13 @@ CODE = """def mean_of_positive(values):
 """
 SETS = {
     "summarize": [
-        f"Summarise this passage in three sentences, quoting its key sentences word for word:\n\n{PASSAGE}",
+        "Summarise this passage in three sentences, "
+        f"quoting its key sentences word for word:\n\n{PASSAGE}",
         f"Repeat the following passage exactly, then give it a title:\n\n{PASSAGE}",
     ],
     "code-edit": [
-        f"Rename the variable `total` to `acc` in this function and return the whole function:\n\n{CODE}",
+        "Rename the variable `total` to `acc` in this function and return the whole "
+        f"function:\n\n{CODE}",
         f"Add a docstring to this function and return the whole function:\n\n{CODE}",
     ],
 }
@@ -161,7 +163,10 @@ def main() -> None:
                     counts[label][1] += counters["spec_accepted_tokens"]
                 same = same and all(outputs[k] == outputs["plain"] for k in labels)
             row = {"set": name, "batch": batch, "identical": same}
-            line = f"{name:10s} batch {batch:2d}: plain {statistics.median(speeds['plain']):6.1f} tok/s"
+            line = (
+                f"{name:10s} batch {batch:2d}: plain {statistics.median(speeds['plain']):6.1f} "
+                "tok/s"
+            )
             for label in labels:
                 row[f"{label}_tok_s"] = statistics.median(speeds[label])
                 if label == "plain":

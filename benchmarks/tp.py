@@ -220,18 +220,20 @@ def main() -> None:
     )
     print(f"serving: {a.input_len} in / {a.output_len} out, ignore_eos")
     print(
-        "| set-up | concurrency | out tok/s | TPOT mean / p90 ms | ITL median / p90 ms | TTFT mean ms |"
+        "| set-up | concurrency | out tok/s | TPOT mean / p90 ms | ITL median / p90 ms | TTFT mean "
+        "ms |"
     )
     print("|---|---|---|---|---|---|")
     for key, s in result["serving"].items():
         tp, conc = key.split("@")
         print(
-            f"| {tp} | {conc} | {s['output_throughput']:.1f} | {s['tpot_ms']['mean']:.1f} / {s['tpot_ms']['p90']:.1f} "
-            f"| {s['itl_ms']['median']:.1f} / {s['itl_ms']['p90']:.1f} | {s['ttft_ms']['mean']:.0f} |"
+            f"| {tp} | {conc} | {s['output_throughput']:.1f} | {s['tpot_ms']['mean']:.1f} / "
+            f"{s['tpot_ms']['p90']:.1f} | {s['itl_ms']['median']:.1f} / {s['itl_ms']['p90']:.1f} | "
+            f"{s['ttft_ms']['mean']:.0f} |"
         )
     print(
-        f"\nKV transfer of a {a.transfer_len}-token request into a tp2 decode (prefill rank 0's record, "
-        f"median of {a.transfer_reps}):"
+        f"\nKV transfer of a {a.transfer_len}-token request into a tp2 decode (prefill rank 0's "
+        f"record, median of {a.transfer_reps}):"
     )
     print("| pairing | pages | KV MB written by rank 0 | descriptors | window ms | GB/s |")
     print("|---|---|---|---|---|---|")

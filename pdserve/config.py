@@ -36,7 +36,8 @@ QUANTIZATIONS = ("w8a8_int8",)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")
-# where the transfer layer can be made to fail on purpose (tests and chaos runs); see disagg/faults.py
+# where the transfer layer can be made to fail on purpose (tests and chaos runs); see
+# disagg/faults.py
 FAULT_MODES = (
     "fail_transfer",
     "drop_status",
@@ -107,9 +108,11 @@ class ServerArgs:
     page_size: int = 16
     max_total_tokens: Optional[int] = None
     mem_fraction_static: float = 0.5
-    # sliding-window cache groups get this share of the full-attention groups' tokens (SGLang's flag)
+    # sliding-window cache groups get this share of the full-attention groups' tokens (SGLang's
+    # flag)
     swa_full_tokens_ratio: float = 0.8
-    # keep every page of sliding-window layers (the window is applied by masking only), as SGLang's flag
+    # keep every page of sliding-window layers (the window is applied by masking only), as SGLang's
+    # flag
     disable_hybrid_swa_memory: bool = False
     chunked_prefill_size: int = 2048  # prefill tokens of one request per batch
     max_prefill_tokens: Optional[int] = (
@@ -263,7 +266,8 @@ class ServerArgs:
         if self.quantization is not None and self.device != "cpu":
             bad(
                 "quantization",
-                f"{self.quantization!r} is implemented for the CPU only, but device is {self.device!r}",
+                f"{self.quantization!r} is implemented for the CPU only, "
+                f"but device is {self.device!r}",
             )
         if self.enable_deterministic_inference and self.moe_runner_backend == "grouped_mm":
             bad(
@@ -274,7 +278,8 @@ class ServerArgs:
         if self.quantization is not None and self.dtype in ("float32", "float16"):
             bad(
                 "quantization",
-                f"{self.quantization!r} computes in bfloat16; it cannot be combined with --dtype {self.dtype}",
+                f"{self.quantization!r} computes in bfloat16; "
+                f"it cannot be combined with --dtype {self.dtype}",
             )
         if self.attention_backend == "cpu" and self.device != "cpu":
             bad("attention_backend", f"'cpu' runs on the CPU only, but device is {self.device!r}")
@@ -325,15 +330,17 @@ class ServerArgs:
         if self.dp_size > 1 and not self.enable_dp_attention:
             bad(
                 "dp_size",
-                f"{self.dp_size} needs --enable-dp-attention (data-parallel attention groups inside "
-                "one server); for independent replicas run several servers behind the router",
+                f"{self.dp_size} needs --enable-dp-attention (data-parallel attention groups "
+                "inside one server); for independent replicas run several servers behind the "
+                "router",
             )
         if self.enable_dp_attention and (
             self.dp_size > self.tp_size or self.tp_size % self.dp_size
         ):
             bad(
                 "dp_size",
-                f"with --enable-dp-attention it must divide --tp-size ({self.tp_size}), got {self.dp_size}",
+                f"with --enable-dp-attention it must divide --tp-size ({self.tp_size}), "
+                f"got {self.dp_size}",
             )
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             value = getattr(self, name)
@@ -348,14 +355,14 @@ class ServerArgs:
         if self.pp_size > 1 and (self.tp_size > 1 or self.dp_size > 1):
             bad(
                 "pp_size",
-                f"{self.pp_size} together with --tp-size {self.tp_size} / --dp-size {self.dp_size} is not "
-                "supported in this version: use pipeline stages of one rank each",
+                f"{self.pp_size} together with --tp-size {self.tp_size} / --dp-size {self.dp_size} "
+                "is not supported in this version: use pipeline stages of one rank each",
             )
         if self.pp_size > 1 and self.disaggregation_mode == "decode":
             bad(
                 "pp_size",
-                "a decode server must have pp_size 1 (prefill's pipeline stages send their own layers; "
-                "decode holds every layer)",
+                "a decode server must have pp_size 1 (prefill's pipeline stages send their own "
+                "layers; decode holds every layer)",
             )
         if self.torch_num_threads is not None and self.torch_num_threads < 1:
             bad("torch_num_threads", f"must be >= 1, got {self.torch_num_threads}")
@@ -454,8 +461,8 @@ class ServerArgs:
             bad(
                 "disaggregation_require_secret",
                 f"--host {self.host} exposes this {self.disaggregation_mode} "
-                "server's bootstrap and KV control endpoints beyond this host, and no --disaggregation-secret "
-                "is set to authenticate them",
+                "server's bootstrap and KV control endpoints beyond this host, and no "
+                "--disaggregation-secret is set to authenticate them",
             )
         self._check_nodes(bad)
         if self.served_model_name is None:
@@ -482,8 +489,8 @@ class ServerArgs:
         if self.world_size % self.nnodes:
             bad(
                 "nnodes",
-                f"the world size --tp-size {self.tp_size} x --pp-size {self.pp_size} = {self.world_size} "
-                f"is not divisible by --nnodes {self.nnodes}",
+                f"the world size --tp-size {self.tp_size} x --pp-size {self.pp_size} = "
+                f"{self.world_size} is not divisible by --nnodes {self.nnodes}",
             )
         if self.dist_init_addr is not None:
             try:
@@ -495,9 +502,9 @@ class ServerArgs:
         if self.nnodes > 1 and self.disaggregation_mode != "null":
             bad(
                 "nnodes",
-                f"--nnodes {self.nnodes} with --disaggregation-mode {self.disaggregation_mode} is not "
-                "supported in this version (the other nodes' ranks would register with a bootstrap "
-                "server on their own host): run PD servers of one host each",
+                f"--nnodes {self.nnodes} with --disaggregation-mode {self.disaggregation_mode} is "
+                "not supported in this version (the other nodes' ranks would register with a "
+                "bootstrap server on their own host): run PD servers of one host each",
             )
 
     @property
@@ -511,20 +518,20 @@ class ServerArgs:
         out = []
         if self.exposes_control_plane and not self.disaggregation_secret:
             out.append(
-                f"--host {self.host} exposes the bootstrap server and the KV control endpoints without "
-                "--disaggregation-secret: anyone who reaches them can register ranks and send control "
-                "messages (--disaggregation-require-secret refuses to start like this)"
+                f"--host {self.host} exposes the bootstrap server and the KV control endpoints "
+                "without --disaggregation-secret: anyone who reaches them can register ranks and "
+                "send control messages (--disaggregation-require-secret refuses to start like this)"
             )
         if not is_loopback(self.host) and not self.api_key:
             out.append(
-                f"--host {self.host} serves HTTP beyond this host without --api-key: anyone who reaches "
-                "it can generate and control the server"
+                f"--host {self.host} serves HTTP beyond this host without --api-key: anyone who "
+                "reaches it can generate and control the server"
             )
         if self.nnodes > 1 and not is_loopback(split_host_port(self.dist_init_addr)[0]):
             out.append(
-                f"--nnodes {self.nnodes}: torch.distributed and the front end's output socket listen on "
-                f"--dist-init-addr {self.dist_init_addr} (that port and the next) without authentication: "
-                "keep them on a network only the server's nodes reach"
+                f"--nnodes {self.nnodes}: torch.distributed and the front end's output socket "
+                f"listen on --dist-init-addr {self.dist_init_addr} (that port and the next) "
+                "without authentication: keep them on a network only the server's nodes reach"
             )
         return out
 

@@ -105,7 +105,8 @@ SINGLE = TPGroup()
 
 
 def all_gather_bytes(data: bytes, group) -> list[bytes]:
-    """Every member of gloo ``group``'s ``data``, in rank order (lengths first, then padded bytes)."""
+    """Every member of gloo ``group``'s ``data``, in rank order (lengths first, then padded
+    bytes)."""
     import torch.distributed as dist
 
     size = dist.get_world_size(group)

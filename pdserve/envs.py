@@ -43,7 +43,8 @@ def api_key() -> str | None:
 
 
 def cpu_kernels_disabled() -> bool:
-    """``PDSERVE_DISABLE_CPU_KERNELS=1``: do not build or use the C++ CPU kernels (PyTorch paths only)."""
+    """``PDSERVE_DISABLE_CPU_KERNELS=1``: do not build or use the C++ CPU kernels (PyTorch paths
+    only)."""
     return os.environ.get("PDSERVE_DISABLE_CPU_KERNELS", "").strip().lower() in (
         "1",
         "true",
@@ -53,10 +54,11 @@ def cpu_kernels_disabled() -> bool:
 
 
 def cpu_isa() -> str | None:
-    """``PDSERVE_CPU_ISA``: cap pdserve's CPU kernels at an instruction-set tier (``scalar``, ``avx2``,
-    ``avx2_vnni``, ``avx512``, ``avx512_bf16``, ``amx``; on Arm ``neon``, ``neon_dotprod``,
-    ``neon_bf16``), so that one host runs the paths of hosts with less; ``pdserve``'s
-    commands also cap oneDNN, MKL and ATen at it (``pdserve.kernels.cap_library_isas``)."""
+    """``PDSERVE_CPU_ISA``: cap pdserve's CPU kernels at an instruction-set tier (``scalar``,
+    ``avx2``, ``avx2_vnni``, ``avx512``, ``avx512_bf16``, ``amx``; on Arm ``neon``,
+    ``neon_dotprod``, ``neon_bf16``), so that one host runs the paths of hosts with less;
+    ``pdserve``'s commands also cap oneDNN, MKL and ATen at it
+    (``pdserve.kernels.cap_library_isas``)."""
     return os.environ.get("PDSERVE_CPU_ISA", "").strip().lower() or None
 
 

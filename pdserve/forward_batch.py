@@ -129,12 +129,14 @@ class ForwardBatch:
         return self.layer_caches[layer][kind][0]
 
     def latent(self, layer: int) -> torch.Tensor:
-        """The latent cache of stage layer ``layer`` (latent attention): [num_pages, page_size, dim]."""
+        """The latent cache of stage layer ``layer`` (latent attention): [num_pages, page_size,
+        dim]."""
         group, slot = self._cache(layer, "latent_attention")
         return self.groups[group].pool.latent_cache(slot)
 
     def index_keys(self, layer: int) -> torch.Tensor:
-        """The sparse-attention indexer's key cache of stage layer ``layer``: [num_pages, page_size, dim]."""
+        """The sparse-attention indexer's key cache of stage layer ``layer``: [num_pages, page_size,
+        dim]."""
         group, slot = self._cache(layer, "index_keys")
         return self.groups[group].pool.index_cache(slot)
 

@@ -73,7 +73,8 @@ def check_hicache_args(args, bad: Callable[[str, str], None]) -> None:
         if value != 1:
             bad(
                 "enable_hierarchical_cache",
-                f"needs one rank per server in this version, got --{name.replace('_', '-')} {value}",
+                "needs one rank per server in this version, "
+                f"got --{name.replace('_', '-')} {value}",
             )
     if args.speculative_algorithm not in (None, "NGRAM"):
         bad(
@@ -84,5 +85,6 @@ def check_hicache_args(args, bad: Callable[[str, str], None]) -> None:
     if args.enable_return_routed_experts:
         bad(
             "enable_hierarchical_cache",
-            "--enable-return-routed-experts: the routed expert ids of a page do not go to the tiers",
+            "--enable-return-routed-experts: the routed expert ids of a page do not go to the "
+            "tiers",
         )

@@ -25,7 +25,10 @@ def problem(body: Any) -> Optional[str]:
         if isinstance(value, dict):
             for key, item in value.items():
                 if not _is_unicode(key):
-                    return f"{path or 'body'}: a key holds a lone UTF-16 surrogate, which is not valid Unicode"
+                    return (
+                        f"{path or 'body'}: a key holds a lone UTF-16 surrogate, "
+                        "which is not valid Unicode"
+                    )
                 stack.append((f"{path}.{key}" if path else key, item))
         elif isinstance(value, list):
             stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))

@@ -94,7 +94,8 @@ def build(
     error_content = {"application/json": {"schema": schema_of[_key(error)]}}
     for path, methods in spec.get("paths", {}).items():
         for method, operation in methods.items():
-            # unique, and stable for client generators (FastAPI repeats one id for each method of a route)
+            # unique, and stable for client generators (FastAPI repeats one id for each method of a
+            # route)
             operation["operationId"] = method + re.sub(r"[^A-Za-z0-9]+", "_", path).rstrip("_")
             op = docs.get((method, path))
             if op is not None:

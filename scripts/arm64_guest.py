@@ -53,7 +53,8 @@ def main() -> int:
     tiers = [t for t in os.environ.get("PDSERVE_ARM64_TIERS", "").split(",") if t] or have
     if set(tiers) - set(have):
         print(
-            f"ERROR this CPU model lacks the tiers {', '.join(sorted(set(tiers) - set(have)))} it is to test",
+            f"ERROR this CPU model lacks the tiers {', '.join(sorted(set(tiers) - set(have)))} it "
+            "is to test",
             file=sys.stderr,
         )
         return 3

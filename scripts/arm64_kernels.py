@@ -69,8 +69,9 @@ PIP_TARGET = (
 # (and SVE, which the kernels detect but do not use), + dot products, + BF16, I8MM and SVE. Not
 # cortex-a57/a72 (ARMv8.0): torch's libraries execute ARMv8.1 atomics (LSE) as they load.
 QUICK_TIERS = {"a64fx": ("neon",), "neoverse-n1": ("neon_dotprod",), "max": ("neon_bf16",)}
-# tests whose outcome does not depend on the CPU model (the build's OpenMP threads, PDSERVE_CPU_ISA's
-# caps): --quick runs them on the first model only (the first took 95 s on max, at neon_bf16)
+# tests whose outcome does not depend on the CPU model (the build's OpenMP threads,
+# PDSERVE_CPU_ISA's caps): --quick runs them on the first model only (the first took 95 s on max, at
+# neon_bf16)
 QUICK_ONCE = (
     "tests/unit/test_kernel_threads.py::test_two_threads_share_the_work",
     "tests/unit/test_cpu_kernels.py::test_pdserve_cpu_isa_caps_the_kernels_and_the_libraries",
@@ -101,8 +102,8 @@ class Arm64:
         self.root = cache / "root"
         self.site = cache / "site"
         self.cxx = cache / "bin/pdserve-aarch64-g++"
-        # the emulated Python as a host program, next to python3.11 (where it finds its prefix): it is
-        # sys.executable, so the tests that start `sys.executable` start it emulated too
+        # the emulated Python as a host program, next to python3.11 (where it finds its prefix): it
+        # is sys.executable, so the tests that start `sys.executable` start it emulated too
         self.python = self.root / "usr/bin/python3.11-qemu"
 
     def tools(self) -> None:
@@ -113,8 +114,8 @@ class Arm64:
             return
         if os.geteuid() != 0 or not shutil.which("apt-get"):
             raise SetupError(
-                f"missing Debian packages {' '.join(missing)}, and this is not root on a Debian host "
-                "to install them with apt-get"
+                f"missing Debian packages {' '.join(missing)}, and this is not root on a Debian "
+                "host to install them with apt-get"
             )
         _apt_install(missing)
 
@@ -181,8 +182,8 @@ class Arm64:
 
     def write_wrappers(self) -> None:
         """Two host scripts: ``python`` runs ``qemu-aarch64-static -0 <itself> python3.11`` (the CPU
-        model and the root from QEMU_CPU and QEMU_LD_PREFIX); ``cxx``, the build's CXX, the cross g++,
-        which runs natively and so sees the host's files: Python's headers include
+        model and the root from QEMU_CPU and QEMU_LD_PREFIX); ``cxx``, the build's CXX, the cross
+        g++, which runs natively and so sees the host's files: Python's headers include
         ``<aarch64-linux-gnu/python3.11/pyconfig.h>``, which is in the root."""
         self.cxx.parent.mkdir(parents=True, exist_ok=True)
         for path, cmd in (
@@ -365,8 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\narm64 summary: " + ", ".join(f"{n} {s:.0f} s" for n, s in times))
     for cpu, r in results.items():
         print(
-            f"  {cpu:12} {'ok' if r['rc'] == 0 else 'FAILED':6} {r['seconds']:4.0f} s  {r['summary']}\n"
-            f"  {'':25}isa: {r['isa']}; tiers tested: {r['tested']}"
+            f"  {cpu:12} {'ok' if r['rc'] == 0 else 'FAILED':6} {r['seconds']:4.0f} s  "
+            f"{r['summary']}\n  {'':25}isa: {r['isa']}; tiers tested: {r['tested']}"
         )
     return 1 if any(r["rc"] != 0 for r in results.values()) else 0
 

@@ -1,6 +1,7 @@
 """``pdserve bench-transfer``: KV transfer bandwidth through pdserve vs the raw library vs memcpy.
 
-    pdserve bench-transfer --size 1GiB --page-sizes 16KiB,256KiB,4MiB --backends local,mooncake,nixl --json t.json
+    pdserve bench-transfer --size 1GiB --page-sizes 16KiB,256KiB,4MiB \\
+        --backends local,mooncake,nixl --json t.json
 
 Per backend and page size, this process plays prefill and a spawned one decode, each with a real
 ``KVPool`` (one layer, K and V, one item per page; decode's from the backend's allocator); decode's
@@ -228,7 +229,8 @@ class PrefillSide:
         return elapsed
 
     def _descriptors(self, dst_ptrs: list[int]):
-        """This pool's ``src_pages`` into ``dst_pages`` of the regions at ``dst_ptrs``, region by region."""
+        """This pool's ``src_pages`` into ``dst_pages`` of the regions at ``dst_ptrs``, region by
+        region."""
         regions = self.kv_args.regions
         return region_descriptors(
             [r.ptr for r in regions],
@@ -240,7 +242,8 @@ class PrefillSide:
 
     def raw(self) -> Optional[float]:
         """Seconds for the same descriptors through the library directly (None: no library)."""
-        # decode's buffers as this session sees them (a window of them on backends that fence late writes)
+        # decode's buffers as this session sees them (a window of them on backends that fence late
+        # writes)
         (sess,) = self.mgr.role.sessions.values()
         src, dst, lens = self._descriptors([r.ptr for r in sess.dst_regions])
         b = self.mgr.backend
@@ -426,12 +429,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         "request": [],
     }
     print(
-        f"# {fmt_size(args.size)} per transfer, best of {args.repeats}; {result['machine']['nproc']} CPUs, "
-        f"{result['machine']['cpu']}, load average {result['machine']['loadavg'][0]:.1f}"
+        f"# {fmt_size(args.size)} per transfer, best of {args.repeats}; "
+        f"{result['machine']['nproc']} CPUs, {result['machine']['cpu']}, load average "
+        f"{result['machine']['loadavg'][0]:.1f}"
     )
     print(
-        f"{'page':>8} {'backend':>9} {'ours GB/s':>10} {'raw GB/s':>9} {'memcpy':>7} {'bulk':>6} {'ours/raw':>9} "
-        f"{'ours/memcpy':>12}"
+        f"{'page':>8} {'backend':>9} {'ours GB/s':>10} {'raw GB/s':>9} {'memcpy':>7} {'bulk':>6} "
+        f"{'ours/raw':>9} {'ours/memcpy':>12}"
     )
     for page_bytes in page_sizes:
         geo = Geometry.for_page_bytes(args.size, page_bytes)
@@ -440,8 +444,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             row = {"page_bytes": page_bytes, "backend": backend, **summarize(geo, samples)}
             result["rows"].append(row)
             print(
-                f"{fmt_size(page_bytes):>8} {backend:>9} {_fmt(row['ours_gbps']):>10} {_fmt(row['raw_gbps']):>9} "
-                f"{_fmt(row['memcpy_gbps']):>7} {_fmt(row['bulk_gbps']):>6} {_fmt(row['ours_over_raw']):>9} "
+                f"{fmt_size(page_bytes):>8} {backend:>9} {_fmt(row['ours_gbps']):>10} "
+                f"{_fmt(row['raw_gbps']):>9} {_fmt(row['memcpy_gbps']):>7} "
+                f"{_fmt(row['bulk_gbps']):>6} {_fmt(row['ours_over_raw']):>9} "
                 f"{_fmt(row['ours_over_memcpy']):>12}",
                 flush=True,
             )
@@ -458,7 +463,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             row.update(ours_ms=ms["ours"], raw_ms=ms["raw"], memcpy_ms=ms["memcpy"])
             result["request"].append(row)
             print(
-                f"{backend:>9} {ms['ours']:>8.1f} {_fmt(ms['raw'], '.1f'):>7} {ms['memcpy']:>10.1f}",
+                f"{backend:>9} {ms['ours']:>8.1f} {_fmt(ms['raw'], '.1f'):>7} "
+                f"{ms['memcpy']:>10.1f}",
                 flush=True,
             )
     result["loadavg_after"] = os.getloadavg()

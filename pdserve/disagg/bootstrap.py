@@ -91,7 +91,10 @@ def check_registration_auth(secret: Optional[bytes], headers, body: bytes) -> Op
     except ValueError:
         return f"bad {TIME_HEADER} header {ts!r}"
     if skew > AUTH_WINDOW_S:
-        return f"request timestamp is {skew:.0f}s away from this server's clock (limit {AUTH_WINDOW_S:.0f}s)"
+        return (
+            f"request timestamp is {skew:.0f}s away from this server's clock (limit "
+            f"{AUTH_WINDOW_S:.0f}s)"
+        )
     if not hmac.compare_digest(registration_tag(secret, ts, body), tag):
         return "request has a bad HMAC (forged, tampered, or a different secret)"
     return None
@@ -149,7 +152,8 @@ class _RouteTable:
         return None
 
     def total_ranks(self) -> int:
-        """Ranks of all DP groups: the registered sizes tell, ``expected_ranks`` bounds from below."""
+        """Ranks of all DP groups: the registered sizes tell, ``expected_ranks`` bounds from
+        below."""
         with self.lock:
             sizes = self.instance or {"dp_size": 1, "tp_size": 1, "pp_size": 1}
             return max(self.expected_ranks, sizes["dp_size"] * sizes["tp_size"] * sizes["pp_size"])
@@ -445,7 +449,8 @@ def fetch_prefill_info(
     host: str, port: int, timeout: float = 5.0, secret: Optional[str] = None
 ) -> dict[str, Any]:
     """Instance info (sizes, layout, compatibility fields), signed when ``secret`` is given. Raises
-    ``BootstrapNotReady`` while the server is unreachable or incomplete, ``BootstrapError`` otherwise."""
+    ``BootstrapNotReady`` while the server is unreachable or incomplete, ``BootstrapError``
+    otherwise."""
     return _get_route(host, port, -1, -1, -1, timeout, secret)
 
 
@@ -493,7 +498,8 @@ def query_dp_ranks(
     host: str, port: int, rooms: Iterable[int], timeout: float = 5.0, secret: Optional[str] = None
 ) -> dict[int, int]:
     """The prefill DP rank of each of ``rooms`` that the bootstrap server knows (unknown and expired
-    rooms left out). Raises ``BootstrapNotReady`` while it is unreachable, else ``BootstrapError``."""
+    rooms left out). Raises ``BootstrapNotReady`` while it is unreachable, else
+    ``BootstrapError``."""
     rooms, found = list(rooms), {}
     for start in range(0, len(rooms), MAX_QUERY_ROOMS):
         batch = rooms[start : start + MAX_QUERY_ROOMS]

@@ -86,7 +86,10 @@ class DecodeQueues:
         if is_fake_host(req.bootstrap_host):
             receiver = FakeKVReceiver(None, "", req.bootstrap_room)  # warm-up: no peer is contacted
         else:
-            addr = f"{req.bootstrap_host}:{req.bootstrap_port or self.s.args.disaggregation_bootstrap_port}"
+            addr = (
+                f"{req.bootstrap_host}:"
+                f"{req.bootstrap_port or self.s.args.disaggregation_bootstrap_port}"
+            )
             if req.prefill_dp_rank is not None or self.fake:
                 receiver = self.receiver_cls(
                     self.mgr, addr, req.bootstrap_room, prefill_dp_rank=req.prefill_dp_rank
@@ -103,8 +106,8 @@ class DecodeQueues:
         if full:
             self._fail(
                 req,
-                f"decode is overloaded: {len(self.prealloc) - 1} requests already wait for KV pages "
-                f"(--disaggregation-max-prealloc-queue {limit})",
+                f"decode is overloaded: {len(self.prealloc) - 1} requests already wait for KV "
+                f"pages (--disaggregation-max-prealloc-queue {limit})",
                 OVERLOADED_STATUS,
             )
 
@@ -156,7 +159,8 @@ class DecodeQueues:
         return {"draining_rooms": len(self.draining), **self.queues(), **moves}
 
     def queues(self) -> dict[str, int]:
-        """Requests in this role's queues (``GET /get_load``): waiting for KV pages, or for their KV."""
+        """Requests in this role's queues (``GET /get_load``): waiting for KV pages, or for their
+        KV."""
         return {
             "prealloc_queue": len(self.prealloc),
             "transfer_queue": len(self.transfer) - self.kv_ready,

@@ -112,9 +112,11 @@ class DecodeRole:
         pp_size, p_tp = int(info["pp_size"]), int(info["tp_size"])
         if not 0 <= c.dp_rank < int(info.get("dp_size", 1)):
             errs.append(
-                f"prefill has {info.get('dp_size', 1)} DP group(s), the request names group {c.dp_rank}"
+                f"prefill has {info.get('dp_size', 1)} DP group(s), "
+                f"the request names group {c.dp_rank}"
             )
-        try:  # which prefill ranks write what of this rank's regions, or only conclude (rank_map.py)
+        try:
+            # which prefill ranks write what of this rank's regions, or only conclude (rank_map.py)
             pairs = rank_map.sources(
                 p_tp, a.tp_size, a.total_kv_head_num, a.num_heads, a.engine_rank, a.splits
             )
@@ -329,7 +331,8 @@ class DecodeRole:
                     KVPoll.Bootstrapping,
                     KVPoll.WaitingForInput,
                 ):
-                    return  # this decode already asked, so the prefill will answer for this generation
+                    # this decode already asked, so the prefill will answer for this generation
+                    return
                 if msg.state == KVPoll.Transferring:  # progress: queued or writing on prefill
                     if rs.sent_at is not None and m.status.get(msg.room) == KVPoll.Transferring:
                         rs.sent_at = time.monotonic()
@@ -393,7 +396,8 @@ class DecodeRole:
                     dead.append(
                         (
                             c,
-                            f"prefill instance {c.addr} unreachable (no heartbeat answer for {silent:.1f}s)",
+                            f"prefill instance {c.addr} unreachable (no heartbeat answer for "
+                            f"{silent:.1f}s)",
                         )
                     )
                     continue

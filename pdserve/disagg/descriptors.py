@@ -43,7 +43,8 @@ def region_descriptors(
     sides). Ordered region-major."""
     if not (len(src_ptrs) == len(dst_ptrs) == len(item_lens)):
         raise ValueError(
-            f"region lists differ: {len(src_ptrs)} src, {len(dst_ptrs)} dst, {len(item_lens)} item lens"
+            f"region lists differ: {len(src_ptrs)} src, {len(dst_ptrs)} dst, "
+            f"{len(item_lens)} item lens"
         )
     s_start, d_start, n = page_runs(src_items, dst_items)
     sp = np.asarray(src_ptrs, dtype=np.int64)[:, None]  # [E, 1]

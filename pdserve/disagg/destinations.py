@@ -74,7 +74,8 @@ def registration_errors(a, msg: Register, backend_name: str) -> list[str]:
         )
     if msg.buffers.aux_item_lens != list(a.aux_item_lens):
         errs.append(
-            f"metadata row layout mismatch: prefill {a.aux_item_lens}, decode {msg.buffers.aux_item_lens}"
+            f"metadata row layout mismatch: prefill {a.aux_item_lens}, decode "
+            f"{msg.buffers.aux_item_lens}"
         )
     return errs
 
@@ -106,8 +107,9 @@ def _region_mismatches(
         want = dst_item_bytes(s, pair, p_tp, d_tp)
         if s.split == "segments" and d.segments != dst_segments(s, p_tp, d_tp):
             errs.append(
-                f"region segments mismatch: decode rank {d_rank} of tp {d_tp} should hold segments of "
-                f"{list(dst_segments(s, p_tp, d_tp))} bytes of {s.name}, it registered {list(d.segments)}"
+                f"region segments mismatch: decode rank {d_rank} of tp {d_tp} should hold segments "
+                f"of {list(dst_segments(s, p_tp, d_tp))} bytes of {s.name}, "
+                f"it registered {list(d.segments)}"
             )
             break
         if d.item_bytes != want:
@@ -119,8 +121,8 @@ def _region_mismatches(
                 else f"all of {s.name}"
             )
             errs.append(
-                f"region item bytes mismatch: decode rank {d_rank} should hold {what} ({want} bytes per "
-                f"item of {s.name}), it registered {d.item_bytes}"
+                f"region item bytes mismatch: decode rank {d_rank} should hold {what} ({want} "
+                f"bytes per item of {s.name}), it registered {d.item_bytes}"
             )
             break
     return errs
@@ -156,14 +158,14 @@ class DestinationGuard:
         pages = [p for g in req.dst_pages for p in g]
         if self.empty and (pages or req.aux_slot >= 0):
             return (
-                f"the request names {len(pages)} destination page(s) and metadata row {req.aux_slot}, but this "
-                "prefill rank holds none of that decode rank's bytes to write (prefill and decode disagree on "
-                "which rank writes what); nothing written"
+                f"the request names {len(pages)} destination page(s) and metadata row "
+                f"{req.aux_slot}, but this prefill rank holds none of that decode rank's bytes to "
+                "write (prefill and decode disagree on which rank writes what); nothing written"
             )
         if len(req.dst_pages) > len(self.num_pages):
             return (
-                f"the request names destination pages of {len(req.dst_pages)} cache groups, decode registered "
-                f"{len(self.num_pages)}; nothing written"
+                f"the request names destination pages of {len(req.dst_pages)} cache groups, decode "
+                f"registered {len(self.num_pages)}; nothing written"
             )
         for g, ids in enumerate(req.dst_pages):
             bad = next((p for p in ids if not 0 <= p < self.num_pages[g]), None)
@@ -191,13 +193,13 @@ class DestinationGuard:
         )
         if owner is not None:
             return (
-                f"destination pages overlap those of room {owner}, still in flight from the same decode; "
-                "nothing written"
+                f"destination pages overlap those of room {owner}, still in flight from the same "
+                "decode; nothing written"
             )
         if req.aux_slot >= 0 and self._rows.get(req.aux_slot, req.room) != req.room:
             return (
-                f"metadata row {req.aux_slot} is the destination of room {self._rows[req.aux_slot]}, "
-                "still in flight from the same decode; nothing written"
+                f"metadata row {req.aux_slot} is the destination of room "
+                f"{self._rows[req.aux_slot]}, still in flight from the same decode; nothing written"
             )
         return ""
 

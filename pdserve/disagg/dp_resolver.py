@@ -4,8 +4,8 @@
 A prefill server with DP attention records every room it takes (``POST /register_dp_rank``, by
 the group's first rank, when the request arrives); a decode rank learns the instance's
 ``dp_size`` once per address (``GET /route``; an instance that does not answer is taken as one
-group, whose connection then fails in the usual way), and for an instance with several groups looks its
-rooms up in batches (``POST /query_dp_ranks``) on a helper thread until they appear.
+group, whose connection then fails in the usual way), and for an instance with several groups looks
+its rooms up in batches (``POST /query_dp_ranks``) on a helper thread until they appear.
 ``ResolvingReceiver`` wraps a room's receiver until then: it stays Bootstrapping, and fails
 after the waiting timeout naming what is missing.
 """
@@ -130,8 +130,8 @@ class ResolvingReceiver:
         elif time.monotonic() - self.started > self.mgr.waiting_timeout:
             why = self.resolver.error(self.bootstrap_addr)
             self.failed = (
-                f"prefill {self.bootstrap_addr} did not say which of its DP groups holds room {self.room} "
-                f"within {self.mgr.waiting_timeout:.1f}s"
+                f"prefill {self.bootstrap_addr} did not say which of its DP groups holds room "
+                f"{self.room} within {self.mgr.waiting_timeout:.1f}s"
                 + (f" (last look-up: {why})" if why else "")
             )
             self.resolver.forget(self.bootstrap_addr, self.room)

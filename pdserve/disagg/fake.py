@@ -22,7 +22,8 @@ def is_fake_host(host: Optional[str]) -> bool:
 
 
 def fake_bootstrap(disaggregation_mode: str) -> dict:
-    """The bootstrap fields of a server's own requests (warm-up and the like): fake in PD modes, none otherwise."""
+    """The bootstrap fields of a server's own requests (warm-up and the like): fake in PD modes,
+    none otherwise."""
     if disaggregation_mode == "null":
         return {}
     return {"bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_port": 0, "bootstrap_room": 0}

@@ -184,13 +184,15 @@ COMPAT_FIELDS = (
     "speculative",
 )
 _HINTS = {
-    "kv_dtype": " (give both servers the same --kv-cache-dtype or --dtype: --dtype auto measures on each server)",
-    "routed_experts": " (start prefill and decode both with --enable-return-routed-experts, or neither: the ids "
-    "travel with the KV pages)",
-    "speculative": " (start prefill and decode with the same --speculative-algorithm STANDALONE and "
-    "--speculative-draft-model-path, or neither: decode's draft continues from the draft KV prefill computed)",
-    "grammar": " (give both servers the same --grammar-backend and tokenizer: decode continues the grammar "
-    "from prefill's first token, so both must allow the same tokens)",
+    "kv_dtype": " (give both servers the same --kv-cache-dtype or --dtype: "
+    "--dtype auto measures on each server)",
+    "routed_experts": " (start prefill and decode both with --enable-return-routed-experts, or "
+    "neither: the ids travel with the KV pages)",
+    "speculative": " (start prefill and decode with the same --speculative-algorithm STANDALONE "
+    "and --speculative-draft-model-path, or neither: "
+    "decode's draft continues from the draft KV prefill computed)",
+    "grammar": " (give both servers the same --grammar-backend and tokenizer: decode continues the "
+    "grammar from prefill's first token, so both must allow the same tokens)",
 }
 
 
@@ -217,16 +219,18 @@ def _layer_spec_mismatches(prefill: list[dict], decode: list[dict]) -> list[str]
             theirs = [s for s in decode if s["layer"] == p["layer"]]
             if not theirs:
                 return [
-                    f"layer {p['layer']} cache: prefill has {_describe(p)}, decode has no such layer"
+                    f"layer {p['layer']} cache: prefill has {_describe(p)}, "
+                    "decode has no such layer"
                 ]
             return [
-                f"layer {p['layer']} cache mismatch: prefill {_describe(p)} in group {p.get('group')}, decode "
+                f"layer {p['layer']} cache mismatch: "
+                f"prefill {_describe(p)} in group {p.get('group')}, decode "
                 + ", ".join(f"{_describe(t)} in group {t.get('group')}" for t in theirs)
             ]
         if p != d:
             return [
-                f"layer {p['layer']} cache mismatch: prefill {_describe(p)} in group {p.get('group')}, "
-                f"decode {_describe(d)} in group {d.get('group')}"
+                f"layer {p['layer']} cache mismatch: prefill {_describe(p)} in group "
+                f"{p.get('group')}, decode {_describe(d)} in group {d.get('group')}"
             ]
     return []
 

@@ -85,7 +85,8 @@ def chunk_descriptors(
             or (split == "segments" and prefill_tp == decode_tp)
         )
         if whole:
-            # the same bytes on both sides: one descriptor per region and page run contiguous on both
+            # the same bytes on both sides: one descriptor per region and page run contiguous on
+            # both
             parts.append(region_descriptors(sp, dp, [item] * len(idx), s_pages, d_pages))
         elif split == "heads":
             # this rank's slice of heads into the decode rank's pages at their offset: one

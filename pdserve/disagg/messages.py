@@ -178,7 +178,8 @@ class MessageCodec:
             raise ProtocolError(f"malformed control message: {e}") from None
         if header.v != PROTOCOL_VERSION:
             raise ProtocolError(
-                f"unsupported control protocol version {header.v!r} (this side speaks {PROTOCOL_VERSION})"
+                f"unsupported control protocol version {header.v!r} (this side speaks "
+                f"{PROTOCOL_VERSION})"
             )
         if header.type not in MESSAGE_TYPES:
             raise ProtocolError(f"unknown control message type {header.type!r}")
@@ -189,14 +190,16 @@ class MessageCodec:
         if self.secret is not None:
             if not msg.auth:
                 raise AuthError(
-                    f"unauthenticated {header.type} message (this side requires --disaggregation-secret)"
+                    f"unauthenticated {header.type} message (this side requires "
+                    "--disaggregation-secret)"
                 )
             expected = message_tag(
                 self.secret, _encoder.encode(msgspec.structs.replace(msg, auth=b""))
             )
             if not hmac.compare_digest(expected, msg.auth):
                 raise AuthError(
-                    f"{header.type} message with a bad HMAC (forged, tampered, or a different secret)"
+                    f"{header.type} message with a bad HMAC (forged, tampered, "
+                    "or a different secret)"
                 )
         return msg
 

@@ -84,8 +84,8 @@ class Pollable(Protocol):
 
 def poll_and_all_reduce(pollers: Sequence[Pollable], group=None) -> list[KVPoll]:
     """Poll every sender/receiver and MIN-all-reduce the values over ``group`` (a CPU gloo
-    process group of the ranks that share the scheduler). Every rank must call this with its pollers for the
-    same rooms in the same order. Without a group the local values are returned.
+    process group of the ranks that share the scheduler). Every rank must call this with its pollers
+    for the same rooms in the same order. Without a group the local values are returned.
 
     A room that failed on some rank fails on every rank, with that rank's reason: the ranks that
     had not failed it abort it locally (so they stop writing or waiting and tell their peers), and

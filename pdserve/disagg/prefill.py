@@ -4,12 +4,12 @@
   destination pages); then a metadata slot is taken and the request joins the scheduler's
   waiting queue with ``max_new_tokens`` forced to 1;
 - after every chunk the newly completed full pages go out at once (``chunk_done``); with
-  ``--enable-disagg-layer-pipeline`` a prompt of at least ``--disagg-layer-pipeline-min-prefill-len``
-  tokens sends them (and, in its last chunk, all its remaining pages) a group of
-  ``--disagg-layer-group-size`` layers at a time while the forward goes on (``layer_hook``: the
-  model calls it as each layer's caches are written), and the send after the forward carries
-  only what is left (other groups, a window's pages, a draft's layers, the routed expert ids);
-  decode needs no setting, it waits for the room's completion either way;
+  ``--enable-disagg-layer-pipeline`` a prompt of at least
+  ``--disagg-layer-pipeline-min-prefill-len`` tokens sends them (and, in its last chunk, all its
+  remaining pages) a group of ``--disagg-layer-group-size`` layers at a time while the forward goes
+  on (``layer_hook``: the model calls it as each layer's caches are written), and the send after the
+  forward carries only what is left (other groups, a window's pages, a draft's layers, the routed
+  expert ids); decode needs no setting, it waits for the room's completion either way;
 - after the first token is sampled its metadata row is filled, the remaining pages and the row go
   out as the last chunk, and the request waits in the inflight queue (holding its KV);
 - Success: the KV is released (the prefix stays in the radix cache) and the HTTP request is
@@ -117,7 +117,10 @@ class PrefillQueues:
         ):
             sender = self.fake_sender_cls(None, "", req.bootstrap_room or 0)
         else:
-            addr = f"{req.bootstrap_host}:{req.bootstrap_port or self.s.args.disaggregation_bootstrap_port}"
+            addr = (
+                f"{req.bootstrap_host}:"
+                f"{req.bootstrap_port or self.s.args.disaggregation_bootstrap_port}"
+            )
             sender = self.sender_cls(self.mgr, addr, req.bootstrap_room)
             self._publish_dp_rank(addr, req.bootstrap_room)
         req.disagg = _PrefillState(sender)

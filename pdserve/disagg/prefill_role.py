@@ -207,7 +207,10 @@ class PrefillRole:
             r = self.rooms.get(msg.room)
             old = r.dsts.get(msg.session_id) if r is not None else None
             if sess is None:
-                reason = f"decode session {msg.session_id} is not registered with prefill rank {self.rank}"
+                reason = (
+                    f"decode session {msg.session_id} is not registered with prefill rank "
+                    f"{self.rank}"
+                )
             elif sess.error:
                 reason = sess.error
             elif msg.room in self._tombstones:
@@ -272,7 +275,8 @@ class PrefillRole:
             r = self.rooms.get(msg.room)
             if r is not None and r.has_sender:
                 self.mgr.update_status(msg.room, KVPoll.Failed, reason)
-            else:  # this prefill never got the request: forget the room; a later sender fails at once
+            else:
+                # this prefill never got the request: forget the room; a later sender fails at once
                 self.rooms.pop(msg.room, None)
                 self.mgr.status.clear(msg.room)
                 self._bury(msg.room, reason)
@@ -437,7 +441,8 @@ class PrefillRole:
         self.failed_here.add(room)
 
     def targets(self, room: int) -> list[tuple[_Session, TransferRequest]]:
-        """(session, request) of every decode rank that asked for the room (caller holds the lock)."""
+        """(session, request) of every decode rank that asked for the room (caller holds the
+        lock)."""
         r = self.rooms.get(room)
         if r is None:
             return []

@@ -34,7 +34,8 @@ def num_metadata_slots(args: ServerArgs) -> int:
 
 def routed_regions(runner) -> dict:
     """The ``KVArgs`` fields of the routed experts' store (--enable-return-routed-experts): its
-    rows are a region of its cache group's pages, so decode's copy of a page carries prefill's ids."""
+    rows are a region of its cache group's pages, so decode's copy of a page carries prefill's
+    ids."""
     store = runner.routed
     if store is None:
         return {}
@@ -303,8 +304,8 @@ def switch_role_control(loop, request: dict) -> dict:
     )
     retag(role_tag(s.args.role, loop.world.rank))
     logger.info(
-        "role switched from %s to %s in %.3fs: KV pools of %s pages reallocated, prefix cache flushed, "
-        "weights kept (%d tensors, %.1f MiB, digest %s)",
+        "role switched from %s to %s in %.3fs: KV pools of %s pages reallocated, prefix cache "
+        "flushed, weights kept (%d tensors, %.1f MiB, digest %s)",
         old,
         s.args.disaggregation_mode,
         out["reconfigure_s"],

@@ -234,7 +234,8 @@ class TransferWorkers:
         self, sess, req: TransferRequest, job: Chunk, corrupt_room: bool = False
     ) -> None:
         if sess.pair is not None and sess.pair.empty:
-            return  # decode reads none of this rank's bytes (rank_map): the room only concludes here
+            # decode reads none of this rank's bytes (rank_map): the room only concludes here
+            return
         a, backend = self.mgr.kv_args, self.mgr.backend
         dst_pages = []
         for g, (src, off) in enumerate(zip(job.src_pages, job.page_offsets)):

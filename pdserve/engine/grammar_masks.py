@@ -48,7 +48,8 @@ class GrammarMasks:
                 ""
                 if self.tokenizer is None
                 else (
-                    f"{self.backend_name}:{GrammarBackend.fingerprint_of(self.tokenizer, self.vocab_size)}"
+                    f"{self.backend_name}:"
+                    f"{GrammarBackend.fingerprint_of(self.tokenizer, self.vocab_size)}"
                 )
             )
         return self._fingerprint

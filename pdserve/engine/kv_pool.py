@@ -443,7 +443,8 @@ class LatentPool(BaseKVPool):
     def write(
         self, layer: int, page_idx: torch.Tensor, offsets: torch.Tensor, latent: torch.Tensor
     ) -> None:
-        """Store new tokens' latents. ``page_idx``/``offsets``: [T]; ``latent``: [T, latent_dim + rope_dim]."""
+        """Store new tokens' latents. ``page_idx``/``offsets``: [T]; ``latent``: [T,
+        latent_dim + rope_dim]."""
         self.buffer[layer][page_idx, offsets] = latent.to(self.dtype)
 
 

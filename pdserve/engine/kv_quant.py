@@ -166,7 +166,7 @@ def scale_regions(scales: torch.Tensor, group, final: str) -> list:
     ]
 
 
-# ---- per-layer scales of fp8 checkpoints ----------------------------------------------------------
+# ---- per-layer scales of fp8 checkpoints ---------------------------------------------------------
 # the names vLLM and SGLang load: "<attn>.k_scale" / "<attn>.v_scale" (under self_attn, its k/v
 # projections, or its "attn" module), or one "kv_scale" for both (older checkpoints)
 _SCALE_NAME = re.compile(

@@ -95,7 +95,8 @@ class ModelRunner:
                 if deterministic
                 else ("bf16 (oneDNN" + (" + GEMV)" if self.ops else ")"))
                 if onednn
-                else f"bf16 (pdserve's kernels at every batch size, ISA {self.ops.isa()}: no oneDNN bf16 here)"
+                else f"bf16 (pdserve's kernels at every batch size, ISA {self.ops.isa()}: "
+                "no oneDNN bf16 here)"
                 if self.ops
                 else "bf16 (PyTorch's own matmuls: neither oneDNN bf16 nor pdserve's kernels here)"
             )
@@ -122,7 +123,8 @@ class ModelRunner:
             ",".join(getattr(self.hf_config, "architectures", None) or ["this model"]),
         )
         self.kv_tensor_scales = self._load_kv_tensor_scales()
-        # per layer of this stage and cache kind it keeps: its group and its slot in that group's pool
+        # per layer of this stage and cache kind it keeps: its group and its slot in that group's
+        # pool
         first = self.model.first_layer
         self.layer_caches = [
             {
@@ -176,9 +178,9 @@ class ModelRunner:
         )
         if deterministic and self.attn_backend_name != "cpu":
             raise ValueError(
-                "enable_deterministic_inference: this model's attention runs on the 'torch' backend "
-                f"(SDPA), whose rows are not independent of the batch; it needs the 'cpu' backend, "
-                f"which does not support it: {self._why_not_cpu_attention()}"
+                "enable_deterministic_inference: this model's attention runs on the 'torch' "
+                "backend (SDPA), whose rows are not independent of the batch; it needs the 'cpu' "
+                f"backend, which does not support it: {self._why_not_cpu_attention()}"
             )
         arch = ",".join(getattr(self.hf_config, "architectures", None) or ["?"])
         self.attn_backend.check_supported(self.attention_kinds, self.model.attention_layers(), arch)
@@ -306,8 +308,8 @@ class ModelRunner:
             )
         if self.ops is None:
             raise ValueError(
-                "enable_deterministic_inference: needs pdserve's CPU kernels (batch-invariant GEMMs and "
-                f"attention), which are not available ({kernels.unavailable_reason()})"
+                "enable_deterministic_inference: needs pdserve's CPU kernels (batch-invariant "
+                f"GEMMs and attention), which are not available ({kernels.unavailable_reason()})"
             )
 
     def _why_not_cpu_attention(self) -> str:
@@ -325,14 +327,14 @@ class ModelRunner:
     def _check_quantization_possible(self) -> None:
         if self.ops is None:
             raise ValueError(
-                f"quantization: {self.args.quantization!r} needs pdserve's CPU kernels, which are not "
-                f"available ({kernels.unavailable_reason()})"
+                f"quantization: {self.args.quantization!r} needs pdserve's CPU kernels, which are "
+                f"not available ({kernels.unavailable_reason()})"
             )
         if not self.ops.has_int8_dot():
             raise ValueError(
-                f"quantization: {self.args.quantization!r} needs SIMD int8 dot products (AVX2, AVX-VNNI "
-                f"or AVX512-VNNI on x86-64, NEON on Arm), which this CPU (or PDSERVE_CPU_ISA="
-                f"{self.ops.isa()}) does not offer"
+                f"quantization: {self.args.quantization!r} needs SIMD int8 dot products (AVX2, "
+                "AVX-VNNI or AVX512-VNNI on x86-64, NEON on Arm), which this CPU (or "
+                f"PDSERVE_CPU_ISA={self.ops.isa()}) does not offer"
             )
 
     def _attention_backend(self) -> str:

@@ -8,8 +8,8 @@ decision is a measurement: the model's own layer shapes, at batch 1 and at a dec
 once in each dtype at start-up (tens of ms). A float32 checkpoint stays float32 (it is what the
 HF-exact promise is made in); ``--dtype float32|bfloat16`` forces.
 
-``--kv-cache-dtype auto`` follows the compute dtype; ``int8`` / ``fp8_e4m3`` / ``fp8_e5m2`` (``fp8``)
-quantize it (``kv_quant.py``).
+``--kv-cache-dtype auto`` follows the compute dtype; ``int8`` / ``fp8_e4m3`` / ``fp8_e5m2``
+(``fp8``) quantize it (``kv_quant.py``).
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ def choose_compute_dtype(
         if ops is None:
             return (
                 torch.float32,
-                f"{why_not}, and pdserve's CPU kernels are not available: bf16 matmuls would be slow",
+                f"{why_not}, and pdserve's CPU kernels are not available: "
+                "bf16 matmuls would be slow",
             )
     try:
         times = measure_linear_times(hf_config, ops, onednn)
@@ -111,9 +112,10 @@ def choose_compute_dtype(
         )
     ratio = times["bfloat16"] / times["float32"]
     detail = (
-        f"layer matmuls at {'/'.join(map(str, PROBE_ROWS))} rows took {times['bfloat16'] * 1e3:.1f} ms "
-        f"in prepacked bf16 ({'oneDNN + GEMV' if onednn else 'pdserve kernels'}) vs "
-        f"{times['float32'] * 1e3:.1f} ms in float32 ({ratio:.2f}x)"
+        f"layer matmuls at {'/'.join(map(str, PROBE_ROWS))} rows took "
+        f"{times['bfloat16'] * 1e3:.1f} ms in prepacked bf16 "
+        f"({'oneDNN + GEMV' if onednn else 'pdserve kernels'}) "
+        f"vs {times['float32'] * 1e3:.1f} ms in float32 ({ratio:.2f}x)"
     )
     if ratio < 1.0:
         return torch.bfloat16, f"measured: {detail}"

@@ -68,7 +68,10 @@ class Node:
         self.hashes: list[int] = []  # its pages' chained block hashes (only with KV events on)
 
     def __repr__(self) -> str:
-        return f"Node(tokens={len(self.key)}, pages={self.pages}, extra={self.extra}, lock_ref={self.lock_ref})"
+        return (
+            f"Node(tokens={len(self.key)}, pages={self.pages}, extra={self.extra}, "
+            f"lock_ref={self.lock_ref})"
+        )
 
     def groups(self) -> list[list[int]]:
         return [self.pages, *self.extra]
@@ -239,7 +242,8 @@ class RadixCache:
             f"insert: {len(groups)} page lists for {self.num_groups} groups"
         )
         assert all(len(token_ids) == len(ids) * ps for ids in groups), (
-            f"insert: {len(token_ids)} tokens but {[len(ids) for ids in groups]} pages of {ps} tokens"
+            f"insert: {len(token_ids)} tokens but {[len(ids) for ids in groups]} pages of {ps} "
+            "tokens"
         )
         if self.disable:
             self._free(groups)
@@ -495,6 +499,7 @@ class RadixCache:
         for g in range(len(in_use)):
             free, cap = self.allocators[g].num_free(), self.allocators[g].capacity
             assert free + total[g] + in_use[g] == cap, (
-                f"page leak{f' in cache group {g}' if self.num_groups > 1 else ''}: free {free} + cached "
-                f"{total[g]} + in use {in_use[g]} = {free + total[g] + in_use[g]} != capacity {cap}"
+                f"page leak{f' in cache group {g}' if self.num_groups > 1 else ''}: free {free} + "
+                f"cached {total[g]} + in use {in_use[g]} = {free + total[g] + in_use[g]} != "
+                f"capacity {cap}"
             )

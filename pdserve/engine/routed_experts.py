@@ -92,9 +92,9 @@ def plan(model, cache_groups: Sequence) -> Optional[RoutedExpertsSpec]:
     )
     if group is None:
         raise ValueError(
-            f"enable_return_routed_experts: {FLAG} keeps the ids with the KV pages of a cache group "
-            "that keeps every page; every layer of this model has a sliding window (start with "
-            "--disable-hybrid-swa-memory)"
+            f"enable_return_routed_experts: {FLAG} keeps the ids with the KV pages of a cache "
+            "group that keeps every page; every layer of this model has a sliding window (start "
+            "with --disable-hybrid-swa-memory)"
         )
     return RoutedExpertsSpec(
         tuple(m.layer_id for m in blocks),
@@ -107,19 +107,23 @@ def plan(model, cache_groups: Sequence) -> Optional[RoutedExpertsSpec]:
 
 def refusal(args, spec, start_len: int, prompt_len: int) -> str:
     """Why a request asking for routed experts cannot have them ("" when it can): the server
-    flag, the model, ``routed_experts_start_len``. ``spec``: the server's store (None without one)."""
+    flag, the model, ``routed_experts_start_len``. ``spec``: the server's store (None without
+    one)."""
     if not args.enable_return_routed_experts:
         return f"return_routed_experts: this server was started without {FLAG}"
     if spec is None:
-        return "return_routed_experts: the model has no MoE layers, so there are no routed experts to return"
+        return (
+            "return_routed_experts: the model has no MoE layers, "
+            "so there are no routed experts to return"
+        )
     if (
         isinstance(start_len, bool)
         or not isinstance(start_len, int)
         or not 0 <= start_len <= prompt_len
     ):
         return (
-            f"routed_experts_start_len: must be an integer in [0, {prompt_len}] (the prompt length), "
-            f"got {start_len!r}"
+            f"routed_experts_start_len: must be an integer in [0, {prompt_len}] (the prompt "
+            f"length), got {start_len!r}"
         )
     return ""
 
@@ -184,8 +188,8 @@ class RoutedExpertsStore:
             if ids is None or tuple(ids.shape) != (n, self.spec.top_k):
                 got = None if ids is None else tuple(ids.shape)
                 raise RuntimeError(
-                    f"routed experts of MoE layer {layer}: the forward of {n} tokens captured {got}, "
-                    f"expected ({n}, {self.spec.top_k})"
+                    f"routed experts of MoE layer {layer}: the forward of {n} tokens captured "
+                    f"{got}, expected ({n}, {self.spec.top_k})"
                 )
             cols.append(ids)
         ids = torch.stack(cols, dim=1).to(self.device, self.spec.dtype)  # [T, moe_layers, K]

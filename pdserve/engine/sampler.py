@@ -4,8 +4,9 @@ Per row, in order: repetition penalty (vLLM: over prompt + output tokens, positi
 divided, negative multiplied), frequency/presence penalties (OpenAI: over output tokens,
 ``logit -= freq * count + presence * (count > 0)``), the ``min_new_tokens`` ban on EOS and
 ``stop_token_ids``, the grammar mask of a constrained row (``pdserve/grammar``: disallowed tokens
-become -inf; if the bans leave the grammar nothing, the grammar wins), then greedy argmax (``temperature`` below ``SAMPLING_EPS`` or ``top_k == 1``) or
-temperature -> top_k -> top_p (over the top-k renormalised distribution) -> min_p -> draw.
+become -inf; if the bans leave the grammar nothing, the grammar wins), then greedy argmax
+(``temperature`` below ``SAMPLING_EPS`` or ``top_k == 1``) or temperature -> top_k -> top_p (over
+the top-k renormalised distribution) -> min_p -> draw.
 
 Reported logprobs are those of the raw logits (before penalties and temperature).
 

@@ -194,7 +194,8 @@ _LIBRARY_CAPS = {
 # tiers without the instructions oneDNN's bf16 matmuls need (avx512bw/vl/dq, or avx_ne_convert)
 _NO_ONEDNN_BF16 = ("scalar", "avx2", "avx2_vnni", "neon", "neon_dotprod")
 # AVX-512 without bf16 dot products: oneDNN runs bf16 there by converting, and took 2.9x the time
-# of pdserve's kernel (AVX-512 FMA tiles) at 2,048 rows (benchmarks/isa_tiers.py, docs/benchmarks.md)
+# of pdserve's kernel (AVX-512 FMA tiles) at 2,048 rows (benchmarks/isa_tiers.py,
+# docs/benchmarks.md)
 _SLOW_ONEDNN_BF16 = ("avx512",)
 
 
@@ -206,8 +207,8 @@ def cap_library_isas(tier: Optional[str]) -> None:
 
 
 def onednn_bf16() -> tuple[bool, str]:
-    """Whether bf16 matmuls above the GEMV's rows go to oneDNN here, and why not: oneDNN must be able
-    to run bf16 (torch's check, and the tier: PDSERVE_CPU_ISA or the kernels' own), and, where
+    """Whether bf16 matmuls above the GEMV's rows go to oneDNN here, and why not: oneDNN must be
+    able to run bf16 (torch's check, and the tier: PDSERVE_CPU_ISA or the kernels' own), and, where
     pdserve's kernels are loaded, not be the slower of the two (AVX-512 without avx512_bf16)."""
     import torch
 
@@ -223,12 +224,13 @@ def onednn_bf16() -> tuple[bool, str]:
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return (
             False,
-            "oneDNN's bf16 matmuls need avx512bw, avx512vl and avx512dq (or avx_ne_convert), which this CPU lacks",
+            "oneDNN's bf16 matmuls need avx512bw, avx512vl and avx512dq (or avx_ne_convert), "
+            "which this CPU lacks",
         )
     if tier in _SLOW_ONEDNN_BF16:
         return False, (
-            f"{forced} has AVX-512 without bf16 dot products (avx512_bf16): oneDNN converts there and is "
-            "slower than pdserve's kernels"
+            f"{forced} has AVX-512 without bf16 dot products (avx512_bf16): oneDNN converts there "
+            "and is slower than pdserve's kernels"
         )
     return True, ""
 

@@ -1,4 +1,5 @@
-"""``python -m pdserve.kernels [--rebuild] [-v]``: build the CPU kernels ahead of time (scripts/install.sh does)."""
+"""``python -m pdserve.kernels [--rebuild] [-v]``: build the CPU kernels ahead of time
+(scripts/install.sh does)."""
 
 from pdserve.kernels import main
 

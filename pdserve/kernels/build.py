@@ -46,7 +46,8 @@ _STATUS = (
 # Everything in the ninja file but the paths (the variables in _paths), which the key leaves out.
 _RULES = """\
 ninja_required_version = 1.3
-cflags = -DTORCH_EXTENSION_NAME=$module -DTORCH_API_INCLUDE_EXTENSION_H -I$src $system_includes -fPIC {cflags}
+cflags = -DTORCH_EXTENSION_NAME=$module -DTORCH_API_INCLUDE_EXTENSION_H -I$src $system_includes \
+-fPIC {cflags}
 ldflags = -shared {ldflags} -L$torch_lib -lc10 -ltorch_cpu -ltorch -ltorch_python
 
 rule compile
@@ -75,8 +76,8 @@ class SourcesChanged(BuildError):
 
 @dataclass(frozen=True)
 class Extension:
-    """A Python extension module built from ``sources`` (C++ files in ``source_dir``, which holds its
-    headers too) with ``cflags``/``ldflags`` on top of torch's include paths and libraries."""
+    """A Python extension module built from ``sources`` (C++ files in ``source_dir``, which holds
+    its headers too) with ``cflags``/``ldflags`` on top of torch's include paths and libraries."""
 
     name: str
     source_dir: Path
@@ -150,12 +151,16 @@ class Build:
 
 
 def locate(ext: Extension, root: Path) -> Build:
-    """The build of ``ext`` for this torch, Python and compiler under ``root``. Without a compiler to
-    identify, a finished build of the same sources by any compiler (the only kind that can load)."""
+    """The build of ``ext`` for this torch, Python and compiler under ``root``. Without a compiler
+    to identify, a finished build of the same sources by any compiler (the only kind that can
+    load)."""
     import torch
 
     key = ext.source_key()
-    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}-{key}"
+    tag = (
+        f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
+        f"-{key}"
+    )
     compiler = compiler_identity()
     if compiler is None:
         for marker in sorted(
@@ -301,7 +306,8 @@ def _paths(b: Build) -> str:
 
 
 def _write_ninja_file(b: Build, skip: frozenset[str] | set[str] = frozenset()) -> None:
-    """``skip``: objects already in the directory (taken from an earlier build): linked, not compiled."""
+    """``skip``: objects already in the directory (taken from an earlier build): linked, not
+    compiled."""
     names = [objects.object_name(s) for s in b.ext.sources]
     src = _ninja_path(b.ext.source_dir.resolve())
     edges = [

@@ -21,7 +21,8 @@ Prefill runs the chunked form (blocks of ``chunk_size`` positions aligned to abs
 so chunked prefill cuts them where one long forward would): inside a block the delta rule's
 updates are one unit-triangular solve and masked matrix products, across blocks a recurrence.
 A single new token after a prefix (a decode step) takes the one-step update, batched over the
-requests. Both follow HF's ``torch_chunk_gated_delta_rule`` and ``torch_recurrent_gated_delta_rule``.
+requests. Both follow HF's ``torch_chunk_gated_delta_rule`` and
+``torch_recurrent_gated_delta_rule``.
 """
 
 from __future__ import annotations

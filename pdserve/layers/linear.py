@@ -42,8 +42,8 @@ PANEL = 64
 
 def pack_panels(weight: torch.Tensor, k_group: int) -> torch.Tensor:
     """[N, K] -> [ceil(N/64), ceil(K/k_group), 4, 16, k_group] (zero padded) in 2 MiB pages: element
-    [np, kg, j, i, e] is weight[64 np + 16 j + i, k_group kg + e]. With k_group 2 and bf16 this is the
-    VNNI layout of vdpbf16ps, with 4 and int8 that of vpdpbusd."""
+    [np, kg, j, i, e] is weight[64 np + 16 j + i, k_group kg + e]. With k_group 2 and bf16 this is
+    the VNNI layout of vdpbf16ps, with 4 and int8 that of vpdpbusd."""
     n, k = weight.shape
     n_pad, k_pad = -n % PANEL, -k % k_group
     w = F.pad(weight, (0, k_pad, 0, n_pad))
@@ -240,7 +240,8 @@ class MergedLinear(Linear):
         rows = getattr(self, name).data[start : start + self.output_sizes[shard]]
         if rows.shape != tensor.shape:
             raise ValueError(
-                f"shard {shard} {name}: expected shape {tuple(rows.shape)}, got {tuple(tensor.shape)}"
+                f"shard {shard} {name}: expected shape {tuple(rows.shape)}, "
+                f"got {tuple(tensor.shape)}"
             )
         rows.copy_(tensor)
 
@@ -271,8 +272,8 @@ def prepack_linears(
         usable, why_not = onednn_bf16()
         if not usable:
             logger.warning(
-                "bf16 matmuls run on PyTorch's own code (slow): %s, and pdserve's CPU kernels are not "
-                "available",
+                "bf16 matmuls run on PyTorch's own code (slow): %s, and pdserve's CPU kernels are "
+                "not available",
                 why_not,
             )
             return 0
@@ -302,8 +303,8 @@ def prepack_linears(
 
 class Float32Linear(nn.Module):
     """``x w^T`` in float32 whatever the model's dtype: a weight HF keeps in float32 (e.g.
-    DeepSeek-V3.2's indexer ``weights_proj``). With ``prepack(batch_invariant=True)`` its rows do not
-    depend on each other (``PackedF32``); otherwise ``F.linear``."""
+    DeepSeek-V3.2's indexer ``weights_proj``). With ``prepack(batch_invariant=True)`` its rows do
+    not depend on each other (``PackedF32``); otherwise ``F.linear``."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()

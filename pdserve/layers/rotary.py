@@ -77,7 +77,8 @@ def rope_parameters(config: Any) -> dict:
             f"rope_type: {out['rope_type']!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
         )
     if out["rope_type"] in ("llama3", "yarn", "longrope"):
-        # as transformers' standardize_rope_params: the config's own field wins, else the model's length
+        # as transformers' standardize_rope_params: the config's own field wins, else the model's
+        # length
         original = _field(config, "original_max_position_embeddings")
         if original is not None:
             out["original_max_position_embeddings"] = original
@@ -157,7 +158,8 @@ def _yarn_inv_frequencies(head_dim: int, params: dict) -> torch.Tensor:
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # no zero-width ramp
-    # on the CPU explicitly: models are built under a meta-device context, where tensors hold no data
+    # on the CPU explicitly: models are built under a meta-device context, where tensors hold no
+    # data
     ramp = torch.clamp(
         (torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1
     )

@@ -37,8 +37,8 @@ class CpuPathsMixin:
         batch_invariant: bool = False,
     ) -> int:
         """Prepack every matmul for bf16 on CPU, or int8 with ``quantization="w8a8_int8"`` (the LM
-        head stays bf16); with ``batch_invariant`` the matmuls of a float32 model too (``PackedF32``);
-        see ``layers/linear.py``. Returns packed bytes."""
+        head stays bf16); with ``batch_invariant`` the matmuls of a float32 model too
+        (``PackedF32``); see ``layers/linear.py``. Returns packed bytes."""
         # the weights' dtype (a later pipeline stage has no embedding)
         dtype = next(
             (m.weight.dtype for m in self.modules() if isinstance(m, Linear)), torch.bfloat16

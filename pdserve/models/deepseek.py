@@ -8,9 +8,10 @@ compressed latent: ``kv_a_proj_with_mqa(h) = [c (R) | k_rope (r)]``, ``c`` norma
 R + r values per token per layer (576 at DeepSeek-V3's sizes) and no head axis
 (``kv_spec.LatentAttention``, ``engine/kv_pool.LatentPool``). Head h's key is ``[W_kc[h] c |
 k_rope]`` and its value ``W_vc[h] c`` (``kv_b_proj`` holds W_kc and W_vc of every head); the
-attention backend attends in the decompressed or absorbed form (``AttentionBackend.forward_latent``).
-RoPE rotates interleaved pairs (V2; V3 with ``rope_interleave``, its default) or halves (V3
-without). The scale is ``(N + r)^-0.5``, times YaRN's ``mscale_all_dim`` factor squared.
+attention backend attends in the decompressed or absorbed form
+(``AttentionBackend.forward_latent``). RoPE rotates interleaved pairs (V2; V3 with
+``rope_interleave``, its default) or halves (V3 without). The scale is ``(N + r)^-0.5``, times
+YaRN's ``mscale_all_dim`` factor squared.
 
 **Tensor parallelism.** The query heads (``q_proj``/``q_b_proj`` rows, ``kv_b_proj`` rows,
 ``o_proj`` columns) are split over the attention group; the latent path (``q_a_proj``,
@@ -77,12 +78,14 @@ def refuse_unsupported(config, model: str, scoring: str, topk_methods: tuple[str
     value = getattr(config, "scoring_func", None)
     if value is not None and value != scoring:
         raise ValueError(
-            f"scoring_func: {value!r} is not supported for {model} (it scores experts with {scoring!r})"
+            f"scoring_func: {value!r} is not supported for {model} (it scores experts with "
+            f"{scoring!r})"
         )
     value = getattr(config, "topk_method", None)
     if value is not None and value not in topk_methods:
         raise ValueError(
-            f"topk_method: {value!r} is not supported for {model}; supported: {', '.join(topk_methods)}"
+            f"topk_method: {value!r} is not supported for {model}; supported: "
+            f"{', '.join(topk_methods)}"
         )
 
 

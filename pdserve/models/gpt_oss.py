@@ -46,9 +46,9 @@ def check_config(config) -> None:
     )
     if method is not None:
         raise ValueError(
-            f"quantization_config: GPT-OSS checkpoints quantized with {str(method)!r} are not supported; "
-            "dequantize to bf16 first (transformers: from_pretrained(..., quantization_config="
-            "Mxfp4Config(dequantize=True)) then save_pretrained)"
+            f"quantization_config: GPT-OSS checkpoints quantized with {str(method)!r} are not "
+            "supported; dequantize to bf16 first (transformers: from_pretrained(..., "
+            "quantization_config=Mxfp4Config(dequantize=True)) then save_pretrained)"
         )
     check_layer_types(config)
 

@@ -58,8 +58,9 @@ def resolve_dtype(hf_config, dtype: str = "auto") -> torch.dtype:
 
 def iter_safetensors(model_path: str) -> Iterator[tuple[str, Any]]:
     """(HF name, safetensors slice) for every tensor of ``model.safetensors`` or of the shards
-    named by ``model.safetensors.index.json`` (or tensors of a ``pytorch_model.bin``). A slice reads only what is indexed
-    (``s[a:b]``, ``s[:, a:b]``, ``s[:]`` for all of it), while the iteration is on it."""
+    named by ``model.safetensors.index.json`` (or tensors of a ``pytorch_model.bin``). A slice reads
+    only what is indexed (``s[a:b]``, ``s[:, a:b]``, ``s[:]`` for all of it), while the iteration is
+    on it."""
     from safetensors import safe_open
 
     index = os.path.join(model_path, INDEX_FILE)
@@ -181,7 +182,8 @@ def weights_digest(model: nn.Module) -> dict:
                 ]
         for key, t in tensors:
             if t is not None:
-                # oneDNN's prepacked weights are opaque (no storage, no data pointer): the object's id
+                # oneDNN's prepacked weights are opaque (no storage, no data pointer): the object's
+                # id
                 where = id(t) if t.is_mkldnn else t.data_ptr()
                 h.update(f"{name}.{key}:{where}:{t.nbytes};".encode())
                 count, nbytes = count + 1, nbytes + t.nbytes

@@ -1,8 +1,9 @@
 """MiniMax-M2 (``MiniMaxM2ForCausalLM``): Llama's pre-norm blocks with a sparse MLP in every layer
-(``num_local_experts`` experts, Mixtral's checkpoint layout ``block_sparse_moe.experts.E.w1/w2/w3``);
-sigmoid routing whose selection adds ``e_score_correction_bias`` (stored beside the gate), the
-chosen scores renormalised; q/k norms over the whole projections, rounded Llama's way; RoPE on the
-first ``rotary_dim`` dims of each head. FP8-quantized checkpoints are refused."""
+(``num_local_experts`` experts, Mixtral's checkpoint layout
+``block_sparse_moe.experts.E.w1/w2/w3``); sigmoid routing whose selection adds
+``e_score_correction_bias`` (stored beside the gate), the chosen scores renormalised; q/k norms over
+the whole projections, rounded Llama's way; RoPE on the first ``rotary_dim`` dims of each head.
+FP8-quantized checkpoints are refused."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ class MiniMaxM2ForCausalLM(LocalExperts, MoEForCausalLM):
     expert_format = "mixtral"
     qk_norm = "projection"
     checkpoint_renames = {
-        ".block_sparse_moe.e_score_correction_bias": ".block_sparse_moe.gate.e_score_correction_bias"
+        ".block_sparse_moe.e_score_correction_bias": (
+            ".block_sparse_moe.gate.e_score_correction_bias"
+        )
     }
 
     def __init__(self, config, *args, **kwargs):

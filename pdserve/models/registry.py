@@ -54,5 +54,6 @@ def model_class(hf_config) -> type[nn.Module]:
             module, cls = _MODELS[arch]
             return getattr(importlib.import_module(module), cls)
     raise ValueError(
-        f"architectures: {archs or 'none given'} not supported; supported: {', '.join(supported_architectures())}"
+        f"architectures: {archs or 'none given'} not supported; supported: "
+        f"{', '.join(supported_architectures())}"
     )

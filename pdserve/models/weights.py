@@ -332,7 +332,8 @@ def load_weights(
             tensor = shards.shard(name, src)
             if param.shape != tensor.shape:
                 raise ValueError(
-                    f"weight {name!r}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}"
+                    f"weight {name!r}: expected shape {tuple(param.shape)}, "
+                    f"got {tuple(tensor.shape)}"
                 )
             param.data.copy_(tensor)
         loaded.add(name)

@@ -45,7 +45,8 @@ def from_servers(
     """One profile per server shape; ``servers`` are (url, role or None)."""
     if not servers:
         raise PlanError(
-            "calibration: give --calibration FILE, servers (--prefill/--decode/--server) or --router"
+            "calibration: give --calibration FILE, servers (--prefill/--decode/--server) "
+            "or --router"
         )
     views = [measure.read_server(url, role, api_key) for url, role in servers]
     shapes: dict[tuple, list[measure.ServerView]] = {}
@@ -139,7 +140,8 @@ def _bandwidth(views: list[measure.ServerView], flag: Optional[float]) -> tuple[
     if backends <= {"local", None}:
         return measure.host_memcpy_bandwidth(), "this host's memcpy (the local backend's copies)"
     logger.warning(
-        "no measured KV transfer rate yet (backends %s): assuming %.0e bytes/s; pass --kv-bandwidth",
+        "no measured KV transfer rate yet (backends %s): assuming %.0e bytes/s; "
+        "pass --kv-bandwidth",
         ", ".join(sorted(b for b in backends if b)),
         DEFAULT_BANDWIDTH,
     )

@@ -2,7 +2,8 @@
 
     pdserve plan --router http://127.0.0.1:8000 --budget 4 \\
         --request-rate 2 --input-len 256-512 --output-len 128 --slo-ttft-ms 3000 --slo-tpot-ms 50
-    pdserve plan --prefill http://p:30000 --decode http://d:30001 --workload chat.yaml --budget 8 --json
+    pdserve plan --prefill http://p:30000 --decode http://d:30001 --workload chat.yaml \\
+        --budget 8 --json
     taskset -c 0 pdserve plan --calibrate --model-path DIR --torch-num-threads 1 --output cpu1.json
     pdserve plan --calibration cpu1.json --budget 2 --workload chat.yaml
 
@@ -107,7 +108,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--probe-long-prompt",
         type=int,
         default=None,
-        help="prompt tokens of the probe's long prefill (default: the workload's longest, else 1024)",
+        help="prompt tokens of the probe's long prefill (default: the workload's longest, "
+        "else 1024)",
     )
     c.add_argument(
         "--kv-bandwidth",
@@ -131,7 +133,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="ARG",
-        help="passed to pdserve serve (repeat; e.g. --serve-arg=--max-total-tokens --serve-arg=32768)",
+        help="passed to pdserve serve (repeat; e.g. "
+        "--serve-arg=--max-total-tokens --serve-arg=32768)",
     )
     k.add_argument(
         "--output", default=None, metavar="FILE", help="where --calibrate writes the profile"
@@ -202,8 +205,8 @@ def describe(p: Profile) -> str:
             f"{df.s_per_context_token * 1e6:.3f} us/context token"
         )
     text += (
-        f"; KV {p.kv_bytes_per_token} B/token at {p.kv_bandwidth / 1e9:.2f} GB/s; pool {p.max_total_tokens} "
-        f"tokens; overhead {p.request_overhead_s * 1e3:.1f} ms/request"
+        f"; KV {p.kv_bytes_per_token} B/token at {p.kv_bandwidth / 1e9:.2f} GB/s; pool "
+        f"{p.max_total_tokens} tokens; overhead {p.request_overhead_s * 1e3:.1f} ms/request"
     )
     return text
 

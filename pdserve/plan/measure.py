@@ -171,7 +171,8 @@ def probe(
     api_key: Optional[str] = None,
     seed: int = 0,
 ) -> tuple[DecodeFit, dict[int, float], float, dict]:
-    """Decode fit, measured prefill times {tokens: s} at ``long_prompt``, the HTTP overhead, raw points."""
+    """Decode fit, measured prefill times {tokens: s} at ``long_prompt``, the HTTP overhead, raw
+    points."""
     if view.role == "prefill":
         raise PlanError(
             f"probe: {view.url} is a prefill server; decode steps are measured on a decode or "
@@ -206,7 +207,8 @@ def probe(
     raw["decode"] = [[b, round(c), round(s, 6)] for b, c, s in points]
     if len({p[0] for p in points}) < 2:
         raise PlanError(
-            f"probe: {view.url} gave too few decode measurements ({raw['decode']}); is it overloaded?"
+            f"probe: {view.url} gave too few decode measurements ({raw['decode']}); "
+            "is it overloaded?"
         )
     decode = DecodeFit.fit(points)
 

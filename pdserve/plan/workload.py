@@ -2,11 +2,11 @@
 
 Lengths are a fixed number (``512``), a uniform range of integers (``"256-512"``, both ends
 included; ``pdserve bench --random-input-len 512 --random-range-ratio 0.5`` is ``256-512``), or
-a list of observed values drawn with equal weight (``[100, 2000, 350]`` in a file, ``"100,2000,350"``
-as a flag). Requests arrive as a Poisson process. The draws are those of ``pdserve bench``
-under the same seed (lengths from ``numpy.random.default_rng(seed)``, prompt lengths first; the
-arrival gaps from a second generator of that seed), so a plan and a benchmark run of the same
-workload see the same requests.
+a list of observed values drawn with equal weight (``[100, 2000, 350]`` in a file,
+``"100,2000,350"`` as a flag). Requests arrive as a Poisson process. The draws are those of
+``pdserve bench`` under the same seed (lengths from ``numpy.random.default_rng(seed)``, prompt
+lengths first; the arrival gaps from a second generator of that seed), so a plan and a benchmark run
+of the same workload see the same requests.
 
 A workload file (JSON, or YAML when PyYAML is installed) holds the same keys as the flags::
 
@@ -207,7 +207,8 @@ def load_file(path: Union[str, Path]) -> dict[str, Any]:
     unknown = sorted(set(data) - KEYS)
     if unknown:
         raise PlanError(
-            f"workload file {p}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(KEYS))}"
+            f"workload file {p}: unknown key(s) {', '.join(unknown)}; known: "
+            f"{', '.join(sorted(KEYS))}"
         )
     return data
 

@@ -33,7 +33,8 @@ def normalize_url(url: str) -> str:
 
 
 def dns_server_address(text: str) -> tuple[str, int]:
-    """(host, port) of ``--dns-server HOST[:PORT]`` (an IPv6 address in brackets when it has a port)."""
+    """(host, port) of ``--dns-server HOST[:PORT]`` (an IPv6 address in brackets when it has a
+    port)."""
     host, port = text, "53"
     if text.startswith("["):
         host, _, rest = text[1:].partition("]")
@@ -63,7 +64,8 @@ class RouterArgs:
     )
     drain_timeout: float = 300.0  # a removed worker's running requests get this long to finish
     drain_migrate: bool = False  # a drained decode moves its running requests to other decodes
-    # switching servers between prefill and decode when the queues show the split is off (router/autoscale.py)
+    # switching servers between prefill and decode when the queues show the split is off
+    # (router/autoscale.py)
     autoscale: bool = False
     autoscale_interval: float = 2.0  # seconds between queue samples
     autoscale_window: float = 30.0  # a backlog must last this long
@@ -127,8 +129,8 @@ class RouterArgs:
             )
         if not pd and not self.worker:
             raise ValueError(
-                "prefill/decode: give --prefill URL [BOOTSTRAP_PORT] and --decode URL, or --worker URL "
-                "(or --pd-disaggregation, to add workers at run time)"
+                "prefill/decode: give --prefill URL [BOOTSTRAP_PORT] and --decode URL, or --worker "
+                "URL (or --pd-disaggregation, to add workers at run time)"
             )
         for name, port, *bootstrap in self.prefill_dns + self.decode_dns:
             if not name or any(p is not None and not 0 < p < 65536 for p in (port, *bootstrap)):
@@ -203,8 +205,8 @@ class RouterArgs:
                 )
             if self.workers > 1:
                 raise ValueError(
-                    "autoscale: router processes share nothing, so each would switch servers on its "
-                    "own; run the autoscaling router with --workers 1"
+                    "autoscale: router processes share nothing, so each would switch servers on "
+                    "its own; run the autoscaling router with --workers 1"
                 )
             if self.prefill_dns or self.decode_dns:
                 raise ValueError(
@@ -308,17 +310,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--pd-disaggregation",
         action="store_true",
-        help="PD mode (also implied by --prefill/--decode); alone, the router starts with no worker "
-        "and they join through POST /workers or DNS",
+        help="PD mode (also implied by --prefill/--decode); alone, the router starts with no "
+        "worker and they join through POST /workers or DNS",
     )
     p.add_argument(
         "--prefill-dns",
         action="append",
         default=[],
         metavar="NAME:PORT[:BOOTSTRAP_PORT]",
-        help="prefill servers are the addresses NAME resolves to (e.g. a Kubernetes headless Service), "
-        "on PORT; re-resolved every --dns-interval: new addresses are added, gone ones drained. "
-        "Bootstrap port default: what each server reports. Repeatable",
+        help="prefill servers are the addresses NAME resolves to (e.g. a Kubernetes headless "
+        "Service), on PORT; re-resolved every --dns-interval: new addresses are added, gone ones "
+        "drained. Bootstrap port default: what each server reports. Repeatable",
     )
     p.add_argument(
         "--decode-dns",
@@ -353,8 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=RouterArgs.drain_timeout,
         metavar="S",
-        help="a worker being removed takes no new request; what it runs gets S seconds to finish, then "
-        "ends with an error naming the removal",
+        help="a worker being removed takes no new request; what it runs gets S seconds to finish, "
+        "then ends with an error naming the removal",
     )
     p.add_argument(
         "--drain-migrate",
@@ -365,9 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--autoscale",
         action="store_true",
-        help="switch a server between prefill and decode (POST /switch_role, no weight reload) when one "
-        "role's queues hold a backlog and moving a server from the other shortens the longer queue "
-        "(router/autoscale.py; GET /autoscale shows its state)",
+        help="switch a server between prefill and decode (POST /switch_role, no weight reload) "
+        "when one role's queues hold a backlog and moving a server from the other shortens the "
+        "longer queue (router/autoscale.py; GET /autoscale shows its state)",
     )
     p.add_argument(
         "--autoscale-interval",
@@ -395,8 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=RouterArgs.autoscale_queue,
         metavar="N",
-        help="requests waiting per server of a role (prefill: not prefilled yet; decode: waiting for KV "
-        "pages or a batch slot) that make a backlog",
+        help="requests waiting per server of a role (prefill: not prefilled yet; decode: waiting "
+        "for KV pages or a batch slot) that make a backlog",
     )
     p.add_argument(
         "--autoscale-min-prefill",
@@ -442,8 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=d["cache_aware_balance"].default,
         metavar="W",
-        help="cache_aware: weight of a worker's load (tokens in hand) against the prompt tokens its "
-        "cache spares it; 0 follows the cache alone",
+        help="cache_aware: weight of a worker's load (tokens in hand) against the prompt tokens "
+        "its cache spares it; 0 follows the cache alone",
     )
     for medium, name in (("host memory (CPU)", "host"), ("storage (disk, a store)", "storage")):
         p.add_argument(
@@ -480,8 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=d["pd_itl_weight"].default,
         metavar="W",
-        help="conditional: weight of the stall a local prefill inflicts on each running stream, against "
-        "the TTFT it saves (1: minimise the total latency added; lower favours TTFT over ITL)",
+        help="conditional: weight of the stall a local prefill inflicts on each running stream, "
+        "against the TTFT it saves (1: minimise the total latency added; "
+        "lower favours TTFT over ITL)",
     )
     p.add_argument(
         "--pd-kv-bandwidth",

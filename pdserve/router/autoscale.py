@@ -48,7 +48,8 @@ from pdserve.router.workers import DECODE, PREFILL, Worker, WorkerPool
 logger = logging.getLogger(__name__)
 
 ROLES = (PREFILL, DECODE)
-SWITCH_EXTRA_S = 660.0  # POST /switch_role answers after the server's drain, its re-wiring (600 s at most) and warm-up
+# POST /switch_role answers after the server's drain, its re-wiring (600 s at most) and warm-up
+SWITCH_EXTRA_S = 660.0
 HISTORY = 20
 
 
@@ -82,8 +83,8 @@ class Move:
 
     def describe(self) -> str:
         return (
-            f"{self.target} falls behind: the longer queue per server would go from {self.before:.1f} to "
-            f"{self.after:.1f} requests with one {self.source} server fewer"
+            f"{self.target} falls behind: the longer queue per server would go from "
+            f"{self.before:.1f} to {self.after:.1f} requests with one {self.source} server fewer"
         )
 
 
@@ -146,8 +147,8 @@ class Autoscaler:
     async def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="router-autoscale")
         logger.info(
-            "autoscaling: queues sampled every %gs; a backlog of %g requests per server for %gs moves a "
-            "server (cooldown %gs; at least %d prefill and %d decode)",
+            "autoscaling: queues sampled every %gs; a backlog of %g requests per server for %gs "
+            "moves a server (cooldown %gs; at least %d prefill and %d decode)",
             self.args.autoscale_interval,
             self.args.autoscale_queue,
             self.args.autoscale_window,

@@ -184,7 +184,8 @@ class GroupFeed:
             raise BadEvent("hash_chain", "block hashes do not chain from the tokens")
 
     def on_batch(self, frames: list[bytes]) -> Optional[int]:
-        """Apply one published batch; returns the seq of a gap's start (to be filled by replay), else None."""
+        """Apply one published batch; returns the seq of a gap's start (to be filled by replay),
+        else None."""
         if len(frames) != 3 or len(frames[1]) != 8:
             raise BadEvent("frames", f"expected [topic, seq, payload], got {len(frames)} frames")
         seq = int.from_bytes(frames[1], "big")
@@ -298,7 +299,8 @@ class GroupFeed:
             dealer.close(linger=0)
 
     async def _resync(self, sub, reason: str) -> None:
-        """Rebuild from a snapshot, then apply what arrived meanwhile. Retried (every second) until it works."""
+        """Rebuild from a snapshot, then apply what arrived meanwhile. Retried (every second) until
+        it works."""
         self.drop()
         try:
             snap = await self.index.snapshot(self.worker)
@@ -359,7 +361,8 @@ class _Restarted(Exception):
 
 
 class KVIndex:
-    """Every worker's feeds; started for a worker when its server info names a KV events endpoint."""
+    """Every worker's feeds; started for a worker when its server info names a KV events
+    endpoint."""
 
     def __init__(self, metrics, client_factory, tier_weights: Optional[dict[str, float]] = None):
         self.metrics = metrics
@@ -375,7 +378,8 @@ class KVIndex:
         return resp.json()
 
     def attach(self, worker: Worker, info: dict) -> None:
-        """(Re)start ``worker``'s feeds from its ``/server_info`` (nothing when it publishes no events)."""
+        """(Re)start ``worker``'s feeds from its ``/server_info`` (nothing when it publishes no
+        events)."""
         endpoint = info.get("kv_events_endpoint")
         if not isinstance(endpoint, str) or not endpoint:
             if worker.url not in self.feeds:
@@ -433,7 +437,8 @@ class KVIndex:
     def matched_tokens(
         self, worker: Worker, prompt: Optional[PromptBlocks]
     ) -> tuple[int, Optional[int]]:
-        """(tokens of ``prompt``'s longest prefix that one of ``worker``'s groups holds, that group)."""
+        """(tokens of ``prompt``'s longest prefix that one of ``worker``'s groups holds, that
+        group)."""
         if prompt is None:
             return 0, None
         best, group = 0, None

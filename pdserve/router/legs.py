@@ -162,7 +162,8 @@ class Leg:
         return self.response
 
     def abort(self, reason: str) -> None:
-        """End the leg now: its waiters get ``LegAborted(reason)`` (a relay reading its stream too)."""
+        """End the leg now: its waiters get ``LegAborted(reason)`` (a relay reading its stream
+        too)."""
         if self.closed or self.abort_reason is not None:
             return
         self.abort_reason = reason
@@ -194,7 +195,8 @@ class Leg:
         return LegResult(resp.status, body, resp.headers.get("content-type"))
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """The answer's body as it arrives (after ``headers_task``); ``UpstreamError`` when it breaks."""
+        """The answer's body as it arrives (after ``headers_task``); ``UpstreamError`` when it
+        breaks."""
         content = self.response.content
         while True:
             try:

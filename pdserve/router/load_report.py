@@ -21,7 +21,8 @@ def parse_load(payload) -> tuple[int, int]:
 
 
 def parse_bandwidth(payload) -> float | None:
-    """A prefill's ``kv_transfer_bytes_per_s`` from its ``GET /get_load`` (the mean over groups that report one)."""
+    """A prefill's ``kv_transfer_bytes_per_s`` from its ``GET /get_load`` (the mean over groups that
+    report one)."""
     ranks = payload if isinstance(payload, list) else [payload]
     rates = [
         r["kv_transfer_bytes_per_s"]

@@ -240,9 +240,9 @@ class Membership:
 
     # ------------------------------------------------------------------ role switches
     def _follow_role(self, worker: Worker, info: dict) -> None:
-        """A server that switched role (its ``disaggregation_mode`` or ``role_epoch`` changed) leaves
-        its old role and joins again with the checks of ``add``: the new role's bootstrap port and
-        pairing. It drained itself before switching, so its drain here is short."""
+        """A server that switched role (its ``disaggregation_mode`` or ``role_epoch`` changed)
+        leaves its old role and joins again with the checks of ``add``: the new role's bootstrap
+        port and pairing. It drained itself before switching, so its drain here is short."""
         epoch = info.get("role_epoch")
         known, worker.role_epoch = worker.role_epoch, epoch
         reported = _MODES.get(info.get("disaggregation_mode", "unknown"))
@@ -306,8 +306,8 @@ class Membership:
                 await asyncio.sleep(0.05)
             if worker.in_flight > 0:
                 why = (
-                    f"{worker.role} {worker.url} was removed from the router ({worker.draining}) and its drain "
-                    f"timeout of {timeout:g} s (--drain-timeout) passed"
+                    f"{worker.role} {worker.url} was removed from the router ({worker.draining}) "
+                    f"and its drain timeout of {timeout:g} s (--drain-timeout) passed"
                 )
                 logger.warning("%s: aborting %d leg(s)", why, len(worker.legs))
                 for leg in list(worker.legs):

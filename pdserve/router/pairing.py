@@ -22,21 +22,23 @@ def _field(worker: Worker, name: str) -> Optional[str]:
 
 
 def why_not(prefill: Worker, decode: Worker) -> Optional[str]:
-    """Why ``prefill`` and ``decode`` cannot work together, or None when they can (or it is not known)."""
+    """Why ``prefill`` and ``decode`` cannot work together, or None when they can (or it is not
+    known)."""
     p_backend, d_backend = (
         _field(prefill, "disaggregation_transfer_backend"),
         _field(decode, "disaggregation_transfer_backend"),
     )
     if p_backend and d_backend and p_backend != d_backend:
         return (
-            f"prefill {prefill.url} uses the {p_backend} transfer backend and decode {decode.url} uses "
-            f"{d_backend}: start both with the same --disaggregation-transfer-backend"
+            f"prefill {prefill.url} uses the {p_backend} transfer backend and decode {decode.url} "
+            f"uses {d_backend}: start both with the same --disaggregation-transfer-backend"
         )
     if p_backend == d_backend == "local":
         p_host, d_host = _field(prefill, "host_id"), _field(decode, "host_id")
         if p_host and d_host and p_host != d_host:
             return (
-                f"prefill {prefill.url} and decode {decode.url} use the local transfer backend (shared "
-                f"memory, one host only) but run on different hosts: start both with {NETWORK_BACKENDS}"
+                f"prefill {prefill.url} and decode {decode.url} use the local transfer backend "
+                "(shared memory, one host only) but run on different hosts: "
+                f"start both with {NETWORK_BACKENDS}"
             )
     return None

@@ -91,12 +91,13 @@ class CacheAwarePolicy(Policy):
 
     A worker's cost is the prompt tokens it would have to compute (those past the longest
     prefix its KV index holds; a prefix held in a tier below its pool is spared only in part,
-    ``--cache-aware-host-weight`` / ``--cache-aware-storage-weight`` of each token) plus ``balance`` times the tokens it already has in hand (polled
-    ``num_tokens``, plus this prompt's length for each request sent to it since the poll). The
-    cheapest wins, ties by fewer requests then at random. When no worker holds any of the prompt
-    (or the prompt is not known) this is ``least_load``. ``balance`` 0 follows the cache alone;
-    larger values spread load sooner (a worker holding the prompt is passed over once its load
-    exceeds another's by more than matched/balance tokens).
+    ``--cache-aware-host-weight`` / ``--cache-aware-storage-weight`` of each token) plus ``balance``
+    times the tokens it already has in hand (polled ``num_tokens``, plus this prompt's length for
+    each request sent to it since the poll). The cheapest wins, ties by fewer requests then at
+    random. When no worker holds any of the prompt (or the prompt is not known) this is
+    ``least_load``. ``balance`` 0 follows the cache alone; larger values spread load sooner (a
+    worker holding the prompt is passed over once its load exceeds another's by more than
+    matched/balance tokens).
     """
 
     name = "cache_aware"

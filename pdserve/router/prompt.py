@@ -36,7 +36,8 @@ class PromptReader:
         self._warned = False
 
     def load(self, path: Optional[str] = None) -> bool:
-        """Load the tokenizer from ``--tokenizer-path`` or ``path`` (a worker's); True when one is loaded."""
+        """Load the tokenizer from ``--tokenizer-path`` or ``path`` (a worker's); True when one is
+        loaded."""
         if self.tokenizer is not None:
             return True
         path = self.tokenizer_path or path
@@ -65,7 +66,8 @@ class PromptReader:
         return True
 
     def ids(self, path: str, body: dict) -> Optional[list[int]]:
-        """The prompt's token ids, or None (a batch, no tokenizer, or a body the server will reject)."""
+        """The prompt's token ids, or None (a batch, no tokenizer, or a body the server will
+        reject)."""
         if path == "/generate":
             ids = body.get("input_ids")
             if ids is not None:

@@ -209,7 +209,8 @@ def _merge_item(decode_item: dict, prefill_item: dict | None) -> bool:
 
 
 def _prefill_for(index: int, total: int, p_items: list[dict]) -> dict | None:
-    """Prefill item for decode output ``index`` of ``total``; outputs of one input are contiguous."""
+    """Prefill item for decode output ``index`` of ``total``; outputs of one input are
+    contiguous."""
     if not p_items:
         return None
     if index < len(p_items) and len(p_items) >= total:
@@ -288,7 +289,8 @@ def event_boundary(buf: bytes | bytearray) -> int:
 
 
 def split_events(buf: bytes) -> list[bytes]:
-    """Whole SSE events in ``buf`` (a prefix cut at ``event_boundary``), each with its blank line."""
+    """Whole SSE events in ``buf`` (a prefix cut at ``event_boundary``), each with its blank
+    line."""
     events, start = [], 0
     while start < len(buf):
         end = buf.find(b"\n\n", start)

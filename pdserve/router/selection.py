@@ -86,7 +86,8 @@ class Selector:
         return prefill, d
 
     def group_chooser(self, worker: Worker, prompt: PromptBlocks | None) -> Callable[[], int]:
-        """How ``worker``'s DP group is chosen: by its groups' caches under ``cache_aware``, else by load."""
+        """How ``worker``'s DP group is chosen: by its groups' caches under ``cache_aware``, else by
+        load."""
         policy = self.policies[worker.role]
         if prompt is not None and isinstance(policy, CacheAwarePolicy):
             return lambda: policy.choose_group(worker, prompt)

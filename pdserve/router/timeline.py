@@ -62,7 +62,8 @@ def _holders(obj: Any) -> list[dict]:
 
 
 def prefill_timelines(p_items: Optional[list[dict]]) -> list[dict]:
-    """Prefill's timeline of each of its outputs, from its answer's items (``protocol.prefill_items``)."""
+    """Prefill's timeline of each of its outputs, from its answer's items
+    (``protocol.prefill_items``)."""
     if not p_items:
         return []
     holders = _holders(p_items[0]) if len(p_items) == 1 else _holders(p_items)
@@ -70,7 +71,8 @@ def prefill_timelines(p_items: Optional[list[dict]]) -> list[dict]:
 
 
 def _prefill_for(index: int, total: int, p_timelines: list[dict]) -> dict:
-    """Prefill's timeline for output ``index`` of ``total`` (the outputs of one input are contiguous)."""
+    """Prefill's timeline for output ``index`` of ``total`` (the outputs of one input are
+    contiguous)."""
     if not p_timelines:
         return {}
     if index < len(p_timelines) and len(p_timelines) >= total:

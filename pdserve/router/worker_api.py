@@ -213,7 +213,8 @@ def add_routes(
                 worker_id=worker.id,
                 url=worker.url,
                 location=f"/workers/{worker.id}",
-                message=f"{WORKER_TYPES[worker.role]} worker added: healthy, paired, taking requests",
+                message=f"{WORKER_TYPES[worker.role]} worker added: healthy, paired, "
+                "taking requests",
                 worker=describe(worker),
                 ignored_fields=sorted(spec.model_extra or {}),
             ).model_dump(),

@@ -182,7 +182,8 @@ class Worker:
             self.health_failures = 0
             if not self.healthy:
                 logger.info("%s %s is healthy", self.role, self.url)
-                self.breaker.half_open_now()  # back after being out (e.g. restarted): try it at once
+                # back after being out (e.g. restarted): try it at once
+                self.breaker.half_open_now()
             self.healthy = True
             return
         self.health_failures += 1
@@ -426,7 +427,8 @@ class WorkerPool:
     async def fan_out(
         self, method: str, path: str, workers: list[Worker], timeout: float | None = None
     ):
-        """Send one request to each worker concurrently; returns ``(worker, response | exception)``."""
+        """Send one request to each worker concurrently; returns
+        ``(worker, response | exception)``."""
 
         async def one(w: Worker):
             try:

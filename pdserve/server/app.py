@@ -112,7 +112,8 @@ def create_app(
             raise APIError(503, f"the scheduler is gone: {state['lost']}")
 
     def refuse_if_unavailable() -> None:
-        """503 while the server cannot take new work: its scheduler is gone, or it switches its role."""
+        """503 while the server cannot take new work: its scheduler is gone, or it switches its
+        role."""
         refuse_if_lost()
         switcher.refuse_if_switching()
 
@@ -278,7 +279,8 @@ def create_app(
         load = await control("get_load")
         keys = ("num_reqs", "num_waiting_reqs", "num_tokens")
         groups = load.get("dp") or [{"dp_rank": 0, **load}]  # one entry per DP group, as SGLang
-        rate = "kv_transfer_bytes_per_s"  # a prefill's recent KV transfer speed, once it has moved some
+        # a prefill's recent KV transfer speed, once it has moved some
+        rate = "kv_transfer_bytes_per_s"
         queues = [
             k for k in QUEUE_KEYS if k in load
         ]  # a PD role's queues (the router's --autoscale reads them)

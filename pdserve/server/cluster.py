@@ -106,8 +106,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         type=float,
         default=None,
         metavar="W",
-        help="conditional: weight of the stall a local prefill inflicts on decode's running streams "
-        "(the router's default unless given)",
+        help="conditional: weight of the stall a local prefill inflicts on decode's running "
+        "streams (the router's default unless given)",
     )
     p.add_argument(
         "--decode-radix-cache",
@@ -117,10 +117,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument(
         "--transfer-backend",
         default=None,
-        help="KV transfer backend of every server. Default: local when --host is a loopback address "
-        "(every server on this host, reached only from it), else mooncake (nixl when Mooncake is "
-        "not installed), since servers reachable from other hosts may be paired with a peer "
-        "there, which the local backend refuses",
+        help="KV transfer backend of every server. Default: local when --host is a loopback "
+        "address (every server on this host, reached only from it), else mooncake (nixl when "
+        "Mooncake is not installed), since servers reachable from other hosts may be paired with a "
+        "peer there, which the local backend refuses",
     )
     p.add_argument(
         "--torch-num-threads",
@@ -148,13 +148,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--prefill-dp-size",
         type=int,
         default=1,
-        help="attention-DP groups of each prefill server (--enable-dp-attention; divides its TP size)",
+        help="attention-DP groups of each prefill server (--enable-dp-attention; "
+        "divides its TP size)",
     )
     p.add_argument(
         "--decode-dp-size",
         type=int,
         default=1,
-        help="attention-DP groups of each decode server (--enable-dp-attention; divides its TP size)",
+        help="attention-DP groups of each decode server (--enable-dp-attention; "
+        "divides its TP size)",
     )
     p.add_argument("--dp-aware", action="store_true", help="the router picks both legs' DP groups")
     p.add_argument(
@@ -304,8 +306,8 @@ def _parallel_flags(tp: int, dp: int, pp: int = 1) -> list[str]:
 
 def stop_in_order(procs: list[tuple[str, str, subprocess.Popen]]) -> None:
     """The router first (no new requests), then the decode servers (nothing pulls KV any more),
-    then the prefill servers, then the store's master (``--kv-store``): each group gets SIGTERM, and SIGKILL after ``STOP_TIMEOUT_S`` or
-    at once after a second SIGINT/SIGTERM."""
+    then the prefill servers, then the store's master (``--kv-store``): each group gets SIGTERM, and
+    SIGKILL after ``STOP_TIMEOUT_S`` or at once after a second SIGINT/SIGTERM."""
     hurry: list[int] = []
 
     def on_signal(signum: int, frame: object) -> None:
@@ -425,7 +427,8 @@ def _run(
     )
 
     def kv_events() -> list[str]:
-        """KV event endpoints for one server when the router follows the caches (one port per DP group)."""
+        """KV event endpoints for one server when the router follows the caches (one port per DP
+        group)."""
         nonlocal events_port
         if not follows_events:
             return []

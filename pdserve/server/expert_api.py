@@ -120,7 +120,7 @@ def summarize(
     return out
 
 
-# ---- front end ------------------------------------------------------------------------------------
+# ---- front end -----------------------------------------------------------------------------------
 class ExpertLoadMetrics:
     """The Prometheus view of the scheduler's totals, refreshed at scrape time."""
 

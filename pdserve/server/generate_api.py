@@ -2,8 +2,8 @@
 
 Output of one generation: ``{"text", "output_ids", "meta_info": {"id", "finish_reason",
 "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency", [logprobs], [routed_experts],
-[timeline]}}`` (``routed_experts`` once finished, when asked: base64, ``engine/routed_experts.py``; the
-timeline once finished, when the request has ``X-PDServe-Timeline: 1``); a list for
+[timeline]}}`` (``routed_experts`` once finished, when asked: base64, ``engine/routed_experts.py``;
+the timeline once finished, when the request has ``X-PDServe-Timeline: 1``); a list for
 a batch or ``n > 1`` (item i, sample j at ``i * n + j``). A stream sends the cumulative text and
 output_ids in every ``data:`` event (as SGLang does), ``"index"`` added for lists, then
 ``data: [DONE]``.
@@ -78,7 +78,8 @@ TEXT_SCHEMA = {
     ],
 }
 IDS_SCHEMA = {
-    "description": "the prompt's token ids, or a batch of such lists; exactly one of text and input_ids",
+    "description": "the prompt's token ids, or a batch of such lists; "
+    "exactly one of text and input_ids",
     "anyOf": [
         {"type": "array", "items": TOKEN_ID, "minItems": 1},
         {

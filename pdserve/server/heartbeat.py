@@ -86,7 +86,8 @@ class Heartbeat:
             except Exception as e:  # the store lives in rank 0's process
                 self._decide(
                     f"lost {self.layout.describe(0)}: its torch.distributed store at "
-                    f"{self.layout.init_address} stopped answering ({type(e).__name__}: {first_line(e)})"
+                    f"{self.layout.init_address} stopped answering ({type(e).__name__}: "
+                    f"{first_line(e)})"
                 )
                 break
             now = time.monotonic()
@@ -110,7 +111,8 @@ class Heartbeat:
             parts.append(
                 self.layout.describe(node)
                 if whole
-                else f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} on node {node}"
+                else f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} on node "
+                f"{node}"
             )
         return " and ".join(parts)
 

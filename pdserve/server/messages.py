@@ -26,7 +26,8 @@ class AbortReq(msgspec.Struct, tag="abort"):
 
 
 class ControlReq(msgspec.Struct, tag="control"):
-    """Synchronous control call: ``op`` in get_load | flush_cache | integrity | stats | switch_role | ..."""
+    """Synchronous control call: ``op`` in
+    get_load | flush_cache | integrity | stats | switch_role | ..."""
 
     req_id: int
     op: str
@@ -52,7 +53,8 @@ class TokenOut(msgspec.Struct):
     input_top_logprobs: Optional[list[Optional[list[tuple[float, int]]]]] = None
     # sent once, with the finish: the scheduler's events of this request (``Req.timeline``)
     timeline: Optional[dict[str, float]] = None
-    # sent once, with the finish: little-endian int32 [tokens, layers, top_k] (engine/routed_experts.py)
+    # sent once, with the finish: little-endian int32 [tokens, layers, top_k]
+    # (engine/routed_experts.py)
     routed_experts: Optional[bytes] = None
 
 

@@ -152,7 +152,8 @@ class ServerMetrics:
         )
         self.spec_accept_length = hist(
             "pdserve:spec_accept_length",
-            "Speculative decoding: tokens per verify step of a finished request (1 + accepted drafts)",
+            "Speculative decoding: tokens per verify step of a finished request (1 + accepted "
+            "drafts)",
             _ACCEPT_BUCKETS,
         )
         self.spec_accept_rate = hist(

@@ -147,10 +147,10 @@ def choose_gloo_interface(layout: NodeLayout) -> None:
 def join_error(layout: NodeLayout, timeout_s: float, error: Exception) -> str:
     """What a failed rendezvous of a multi-host server means, for the start-up error."""
     return (
-        f"the {layout.world_size} ranks of {layout.nnodes} nodes did not all join at {layout.init_address} "
-        f"within --dist-timeout {timeout_s:g}s: start every node with the same --nnodes and --dist-init-addr "
-        f"(node 0 listens on ports {layout.port} and {layout.port + OUTPUT_PORT_OFFSET}) within that time "
-        f"({type(error).__name__}: {error})"
+        f"the {layout.world_size} ranks of {layout.nnodes} nodes did not all join at "
+        f"{layout.init_address} within --dist-timeout {timeout_s:g}s: start every node with the "
+        f"same --nnodes and --dist-init-addr (node 0 listens on ports {layout.port} and "
+        f"{layout.port + OUTPUT_PORT_OFFSET}) within that time ({type(error).__name__}: {error})"
     )
 
 

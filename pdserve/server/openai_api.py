@@ -204,7 +204,8 @@ def _chat_setup(tm: TokenizerManager, req: ChatRequest) -> ChatSetup:
     if tools is not None and choice in (None, "auto") and not args.tool_call_parser:
         raise bad_request(
             "tools: this server has no --tool-call-parser, so tool_choice 'auto' cannot find the "
-            "calls in the output; start it with one, or use tool_choice 'required' or a named function"
+            "calls in the output; start it with one, "
+            "or use tool_choice 'required' or a named function"
         )
     reasoning = args.reasoning_parser if req.separate_reasoning else None
     if reasoning and not thinking_on(reasoning, req.chat_template_kwargs):
@@ -221,7 +222,8 @@ def _chat_grammar(
     if setup.forced:
         if grammar is not None:
             raise bad_request(
-                "response_format: cannot be combined with tool_choice 'required' or a named function"
+                "response_format: cannot be combined with tool_choice 'required' or a named "
+                "function"
             )
         schema = tool_choice_schema(setup.tools, setup.tool_choice, req.parallel_tool_calls)
         grammar = GrammarSpec("json_schema", json.dumps(schema))

@@ -362,7 +362,8 @@ class CompletionRequest(_Sampling):
         if isinstance(p, list) and not p:
             raise bad_request("prompt: is empty")
         raise bad_request(
-            "prompt: must be a string, a list of strings, a list of token ids or a list of such lists"
+            "prompt: must be a string, a list of strings, "
+            "a list of token ids or a list of such lists"
         )
 
     def top_logprobs(self) -> Optional[int]:
@@ -555,7 +556,8 @@ def matched_stop(fr: Optional[dict[str, Any]]) -> Any:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens served from the prefix cache."""
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens served from the
+    prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

@@ -105,8 +105,8 @@ class RoleSwitch:
             c = self.current
             raise APIError(
                 503,
-                f"the server is switching its role from {c['from']} to {c['to']} (POST /switch_role) "
-                "and takes no new requests; send them to another server",
+                f"the server is switching its role from {c['from']} to {c['to']} (POST "
+                "/switch_role) and takes no new requests; send them to another server",
             )
         if self.broken:
             raise APIError(503, self.broken)
@@ -123,7 +123,8 @@ class RoleSwitch:
 
     # ---- the switch ------------------------------------------------------------------------------
     def check(self, body: SwitchRoleRequest) -> tuple[str, int]:
-        """The new ``--disaggregation-mode`` and bootstrap port; ``APIError`` (4xx) naming the problem."""
+        """The new ``--disaggregation-mode`` and bootstrap port; ``APIError`` (4xx) naming the
+        problem."""
         args = self.tm.server_args
         if body.role not in ROLES:
             raise bad_request(f"role: must be one of prefill, decode, colocated; got {body.role!r}")
@@ -136,13 +137,15 @@ class RoleSwitch:
             )
         if mode == args.disaggregation_mode:
             raise bad_request(
-                f"role: the server already is {_a(role_name(mode))} server (role epoch {self.epoch})"
+                f"role: the server already is {_a(role_name(mode))} server (role epoch "
+                f"{self.epoch})"
             )
         if not (
             math.isfinite(body.drain_timeout) and 0 <= body.drain_timeout <= MAX_DRAIN_TIMEOUT_S
         ):
             raise bad_request(
-                f"drain_timeout: must be in [0, {MAX_DRAIN_TIMEOUT_S:.0f}] seconds, got {body.drain_timeout}"
+                f"drain_timeout: must be in [0, {MAX_DRAIN_TIMEOUT_S:.0f}] seconds, "
+                f"got {body.drain_timeout}"
             )
         if body.migrate_to is not None and args.disaggregation_mode != "decode":
             raise bad_request("migrate_to: only a decode server moves its requests")
@@ -155,7 +158,9 @@ class RoleSwitch:
             if body.bootstrap_port is None
             else body.bootstrap_port
         )
-        try:  # the start-up rules for the new role (multi-host servers, decode with pipeline stages, ...)
+        try:
+            # the start-up rules for the new role (multi-host servers, decode with pipeline
+            # stages, ...)
             dataclasses.replace(args, disaggregation_mode=mode, disaggregation_bootstrap_port=port)
         except ValueError as e:
             raise bad_request(
@@ -199,7 +204,10 @@ class RoleSwitch:
             except (
                 Exception
             ) as e:  # the role is built but does not serve: say so until the next switch
-                self.broken = f"the server switched to {role_name(mode)} but its warm-up generation failed: {e!r}"
+                self.broken = (
+                    f"the server switched to {role_name(mode)} but its warm-up generation failed: "
+                    f"{e!r}"
+                )
                 logger.error("%s", self.broken)
                 raise APIError(500, self.broken) from None
             self.broken = None
@@ -219,7 +227,8 @@ class RoleSwitch:
             "drained_requests": drained,
             "aborted_requests": aborted,
             "finished_at": time.time(),
-            # reconfigure_s: the ranks' re-wiring; switch_s: that, plus waiting for them to hold nothing
+            # reconfigure_s: the ranks' re-wiring; switch_s: that, plus waiting for them to hold
+            # nothing
             "timings": {
                 "drain_s": round(t1 - t0, 4),
                 "switch_s": round(t2 - t1, 4),
@@ -231,8 +240,8 @@ class RoleSwitch:
             "scheduler_start_s": out["info"].get("scheduler_start_s"),
         }
         logger.info(
-            "role switch %s -> %s done in %.3fs (drain %.3fs, re-wiring %.3fs, warm-up %.3fs; %d request(s) "
-            "drained, %d ended by the drain timeout); role epoch %d",
+            "role switch %s -> %s done in %.3fs (drain %.3fs, re-wiring %.3fs, warm-up %.3fs; %d "
+            "request(s) drained, %d ended by the drain timeout); role epoch %d",
             role_name(old),
             role_name(mode),
             t3 - t0,
@@ -265,8 +274,8 @@ class RoleSwitch:
             await asyncio.sleep(POLL_S)
         left = _unfinished(tm)
         message = (
-            f"the server is switching its role to {self.current['to']} (POST /switch_role) and the drain "
-            f"timeout of {timeout:g}s passed before this request finished"
+            f"the server is switching its role to {self.current['to']} (POST /switch_role) and the "
+            f"drain timeout of {timeout:g}s passed before this request finished"
         )
         for state in left:
             tm.client.send(AbortReq(rid=state.rid, message=message, status_code=503))
@@ -314,8 +323,8 @@ class RoleSwitch:
             if time.monotonic() > deadline:
                 raise APIError(
                     503,
-                    f"switch abandoned: the scheduler still holds work {grace:.0f}s after the drain "
-                    f"({out['busy']}); the server keeps its role",
+                    f"switch abandoned: the scheduler still holds work {grace:.0f}s after the "
+                    f"drain ({out['busy']}); the server keeps its role",
                 )
             await asyncio.sleep(POLL_S)
 
@@ -337,7 +346,8 @@ def _a(word: str) -> str:
 
 
 def _port_taken(host: str, port: int) -> str:
-    """Why ``port`` cannot be bound on ``host`` ("" when it can), as the bootstrap server binds it."""
+    """Why ``port`` cannot be bound on ``host`` ("" when it can), as the bootstrap server binds
+    it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -110,7 +110,8 @@ class SchedulerClient:
         return self.procs[0] if self.procs else None
 
     def start_process(self) -> None:
-        """Bind the output socket, then start this node's ranks (the group leaders connect to it)."""
+        """Bind the output socket, then start this node's ranks (the group leaders connect to
+        it)."""
         if self.layout.node_rank == 0:  # the front end's node
             self._ctx = zmq.asyncio.Context()
             self._pull = self._ctx.socket(zmq.PULL)
@@ -156,7 +157,8 @@ class SchedulerClient:
         raises RuntimeError on an error, a death or timeout."""
         try:
             return self._wait_ready(timeout)
-        finally:  # joined (a rank is ready only after it joined) or failed: the port is rank 0's now
+        finally:
+            # joined (a rank is ready only after it joined) or failed: the port is rank 0's now
             if self._init_port is not None:
                 self._init_port.close()
                 self._init_port = None

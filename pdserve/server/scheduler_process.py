@@ -4,7 +4,8 @@ scheduler, streams outputs back.
 Contract with the front end: rank 0 BINDs a PULL socket on ``in_addr`` and CONNECTs a PUSH socket
 to ``out_addr`` (bound by the front end first); every rank reports once on its ``ready_conn``:
 ``{"status": "ready", "info": {...}}`` or ``{"status": "error", "message": ...}``; a rank of a
-multi-host server that loses a peer says ``{"status": "lost", "message": ...}`` there before it exits.
+multi-host server that loses a peer says ``{"status": "lost", "message": ...}`` there before it
+exits.
 
 With ``--tp-size N`` (times ``--pp-size``) the ranks take the same decisions from the same
 inputs: every loop iteration rank 0 drains the front end's messages and broadcasts them (msgpack
@@ -93,7 +94,8 @@ def token_out(req: Req) -> m.TokenOut:
 
 def kv_bytes_per_token(runner) -> int:
     """Cache bytes of the whole model for one prompt token, each byte counted once
-    (``kv_spec.transfer_bytes_per_token``; a pipeline stage scales its own layers to the model's)."""
+    (``kv_spec.transfer_bytes_per_token``; a pipeline stage scales its own layers to the
+    model's)."""
     item = DTYPE_BYTES[str(runner.kv_dtype).replace("torch.", "")]
     model = runner.model
     per_token = transfer_bytes_per_token(runner.cache_groups, model.total_kv_heads, item)

@@ -204,7 +204,10 @@ class TokenizerManager:
     def _grammar_error(self, spec: GrammarSpec) -> str:
         name = self.server_args.grammar_backend
         if name == "none":
-            return "this server has no grammar engine (--grammar-backend none): structured outputs are not available"
+            return (
+                "this server has no grammar engine (--grammar-backend none): "
+                "structured outputs are not available"
+            )
         try:
             backend_class(name).validate(spec)
         except ValueError as e:
@@ -222,7 +225,8 @@ class TokenizerManager:
         default_max_new_tokens: Optional[int],
         **fields: Any,
     ) -> ReqSpec:
-        """Tokenize ``prompt`` and validate everything; raises ``APIError`` (400) naming the problem.
+        """Tokenize ``prompt`` and validate everything; raises ``APIError`` (400) naming the
+        problem.
 
         ``default_max_new_tokens`` applies when ``sampling`` has no ``max_new_tokens``; None
         means "the rest of the context". (The scheduler caps any value at the rest of the
@@ -237,7 +241,8 @@ class TokenizerManager:
         room = self.context_length - len(input_ids)
         if room <= 0:
             raise bad_request(
-                f"prompt is too long: {len(input_ids)} tokens, the context length is {self.context_length}"
+                f"prompt is too long: {len(input_ids)} tokens, "
+                f"the context length is {self.context_length}"
             )
         sampling = dict(sampling)
         grammar = grammar_of_sampling(sampling, fields.get("grammar"))

@@ -46,7 +46,8 @@ class Pair:
         self.src_kv, self.src_aux = s, s + kv_bytes
         self.decode.register_regions([(d, kv_bytes), (d + kv_bytes + GAP, AUX_BYTES)])
         # backends that fence a peer's late writes give each peer session its own window (a second
-        # mapping of the same memory, docs/reliability.md): the peer writes to the window's addresses
+        # mapping of the same memory, docs/reliability.md): the peer writes to the window's
+        # addresses
         window = self.decode.open_window(PEER)
         at = window.translate if window is not None else (lambda ptr: ptr)
         self.dst_kv, self.dst_aux = at(d), at(d + kv_bytes + GAP)  # where prefill writes

@@ -1,7 +1,7 @@
 """The full-protocol transfer scenarios (transfer_suite.py) against every backend: local, mooncake
-and nixl (the ``backend`` fixture in conftest.py). The rest of the conformance suite: test_backend_api.py (the backend
-contract in one process), test_transfer_scenarios.py (a 4096-page transfer, peers dying
-mid-transfer), test_bench_transfer.py.
+and nixl (the ``backend`` fixture in conftest.py). The rest of the conformance suite:
+test_backend_api.py (the backend contract in one process), test_transfer_scenarios.py (a 4096-page
+transfer, peers dying mid-transfer), test_bench_transfer.py.
 
 Each backend is skipped (with the reason) when its module or library is not installed.
 """

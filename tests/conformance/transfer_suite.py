@@ -93,7 +93,8 @@ def _setup(cfg: dict[str, Any], role: str):
 
 
 def _page_bytes(pool, pages: list[int]) -> bytes:
-    # KVPool [num_layers, 2, n, kv_heads, page_size, head_dim] or LatentPool [num_layers, n, page_size, dim]
+    # KVPool [num_layers, 2, n, kv_heads, page_size, head_dim] or LatentPool [num_layers, n,
+    # page_size, dim]
     # -> raw bytes, layer-major
     from pdserve.engine.kv_pool import KVPool
 
@@ -109,7 +110,8 @@ def _bytes(pools, pages: list[int]) -> bytes:
 def _pools(cfg: dict[str, Any], num_pages: int, page_size: int, alloc):
     """One pool (regions split by KV heads), or with ``groups=2`` a second cache group (one layer,
     another head size) whose pages are final only after the last chunk, as a sliding window's are,
-    and with ``groups=3`` a third, latent one (replicated regions, no head axis); and their groups."""
+    and with ``groups=3`` a third, latent one (replicated regions, no head axis); and their
+    groups."""
     import torch
 
     from pdserve.engine.kv_pool import make_pool
@@ -385,7 +387,8 @@ class Run:
             except queue.Empty:
                 raise AssertionError(
                     f"no {kind!r} message within {timeout}s "
-                    f"(prefill alive={self.prefill.is_alive()}, decode alive={self.decode.is_alive()})"
+                    f"(prefill alive={self.prefill.is_alive()}, decode "
+                    f"alive={self.decode.is_alive()})"
                 )
             if got == kind:
                 return value
@@ -431,7 +434,8 @@ def protocol_rooms() -> list[dict]:
         src = rng.sample(range(1, 128), n)
         dst = [free.pop() for _ in range(n)] if len(free) >= n else rng.sample(range(101, 190), n)
         rooms.append(room_spec(1_000_000 + i * 7919, src, dst, [n]))
-    # destinations overlap between some of the 32 rooms only if free pages ran out: keep them disjoint
+    # destinations overlap between some of the 32 rooms only if free pages ran out: keep them
+    # disjoint
     seen: set[int] = set()
     for r in rooms:
         assert not seen & set(r["dst"]), "destination pages must not overlap"

@@ -182,7 +182,8 @@ def test_autoscale_follows_the_queues(cluster, offline_engine):
     check(load.join(), offline_engine, 4, cache)
     assert len(switches(R)) == 1  # the last decode stays (--autoscale-min-decode 1)
 
-    # 2. short prompts, long answers: one decode with 2 batch slots falls behind, a prefill goes to decode
+    # 2. short prompts, long answers: one decode with 2 batch slots falls behind, a prefill goes to
+    # decode
     load = Load(R.url, (4, 24), new_tokens=48, seed=2)
     c.wait_for(
         lambda: len(switches(R)) == 2, 120, "the autoscaler to switch a server back", interval=0.5

@@ -81,7 +81,8 @@ def test_a_failed_room_keeps_the_decode_cache_consistent(pd_cached, reference):
         "bootstrap_port": P.bootstrap_port,
         "bootstrap_room": 12345,
     }
-    # only the decode leg: prefill never hears of the room and decode gives up after its waiting timeout
+    # only the decode leg: prefill never hears of the room and decode gives up after its waiting
+    # timeout
     r = httpx.post(D.url + "/generate", json=body, timeout=60)
     assert r.status_code >= 500
     D.wait_idle()  # integrity: free + cached + in use == capacity, no lock left

@@ -134,8 +134,8 @@ def test_bf16_matches_hf_bf16_up_to_ties(arch):
 
 @pytest.mark.parametrize("gemv_max_rows", [None, 2])
 def test_decode_stack_equals_layer_by_layer_path(monkeypatch, gemv_max_rows):
-    """The C++ decoder stack runs the same kernels as the Python layers: identical tokens and logprobs
-    (2: batches of 5 take oneDNN's matmuls on both paths, instead of the GEMV)."""
+    """The C++ decoder stack runs the same kernels as the Python layers: identical tokens and
+    logprobs (2: batches of 5 take oneDNN's matmuls on both paths, instead of the GEMV)."""
     if gemv_max_rows is not None:
         from pdserve.layers import linear
         from pdserve.models import cpu_paths

@@ -2,8 +2,8 @@
 transformers: V2 with greedy and group-limited routing (and no q_lora_rank), V3 with MoE (groups,
 the correction bias, a shared expert), V3 dense-only and V3 without q_lora_rank, V3.2 whose indexer
 keeps every key (its sparse path: ``test_sparse_attention.py``), and GLM-4.5's
-shape (V3's routing over standard attention with partial RoPE, q/k norms, q/k/v biases); greedy tokens
-identical in float32 with logprobs within 1e-4, prompts prefilled in chunks smaller than the
+shape (V3's routing over standard attention with partial RoPE, q/k norms, q/k/v biases); greedy
+tokens identical in float32 with logprobs within 1e-4, prompts prefilled in chunks smaller than the
 prompt at page sizes 1 and 16, a prefix-cache hit; the latent cache's pool and the model's
 transfer bytes per token."""
 
@@ -122,7 +122,8 @@ def test_the_torch_backend_serves_the_same_tokens():
 def test_bf16_matches_hf_bf16_up_to_ties(name):
     """bf16 by the tie-aware rule (``test_engine_bf16.py``): our token HF's unless HF's top two are
     within a few bf16 spacings, logprobs within the spacings that rule allows. The reference is
-    HF's bf16 run (the absorbed decode rounds otherwise than HF's decompressed one, within those)."""
+    HF's bf16 run (the absorbed decode rounds otherwise than HF's decompressed one, within
+    those)."""
     from tests.e2e.test_engine_bf16 import LOGPROB_ULPS, compare, hf_bf16
     from tests.e2e.test_engine_bf16 import NEW_TOKENS as BF16_TOKENS
 

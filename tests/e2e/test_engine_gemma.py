@@ -35,7 +35,8 @@ def hf_greedy(path: str, ids: list[int], n: int) -> list[int]:
 def test_gemma_matches_hf(arch, page_size):
     path = build_tiny_checkpoint(arch)
     eng = make_engine(path, page_size=page_size, chunked_prefill_size=32, max_total_tokens=4096)
-    # auto: Gemma 2's soft-cap needs the torch backend; Gemma 3 gets the CPU kernels where they build
+    # auto: Gemma 2's soft-cap needs the torch backend; Gemma 3 gets the CPU kernels where they
+    # build
     if arch == "gemma2":
         assert eng.scheduler.runner.attn_backend_name == "torch"
     rng = random.Random(0)

@@ -84,7 +84,8 @@ GRAMMARS = {
     "regex": GrammarSpec("regex", r"(yes|no|maybe), [0-9]{1,3} (apples|pears)"),
     "ebnf": GrammarSpec(
         "ebnf",
-        'root ::= "answer: " item (", " item)? (", " item)?\nitem ::= [a-z] [a-z]? [a-z]? | [0-9] [0-9]?',
+        'root ::= "answer: " item (", " item)? (", " item)?\nitem ::= [a-z] [a-z]? [a-z]? | [0-9] '
+        "[0-9]?",
     ),
 }
 

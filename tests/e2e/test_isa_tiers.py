@@ -4,8 +4,8 @@ Arm host), and at ``scalar`` (no SIMD at all).
 
 At such a tier oneDNN's bf16 matmuls count as unavailable (they need AVX-512), so ``--dtype auto``
 probes pdserve's own kernels and bf16 runs on them at every row count. And once on a CPU that
-really lacks AVX-512, emulated by qemu-user, against this host capped at avx2. Checked at each tier: the
-demo model starts with ``--dtype auto`` and answers; float32 equals HF token for token; bf16
+really lacks AVX-512, emulated by qemu-user, against this host capped at avx2. Checked at each tier:
+the demo model starts with ``--dtype auto`` and answers; float32 equals HF token for token; bf16
 equals HF up to ties; ``--enable-deterministic-inference`` gives one answer fresh and cached; and,
 at the lowest SIMD tier, a PD cluster whose servers run with ``PDSERVE_CPU_ISA`` serves the
 colocated engine's bits.
@@ -39,7 +39,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def lower_tiers() -> list[str]:
-    """The lowest SIMD tier (an AVX2-only or plain NEON host) and scalar, where this host has more."""
+    """The lowest SIMD tier (an AVX2-only or plain NEON host) and scalar, where this host has
+    more."""
     tiers = kernels.load().available_isas()
     return [
         t for t in dict.fromkeys([tiers[min(1, len(tiers) - 1)], "scalar"]) if t != tiers[-1]

@@ -53,7 +53,8 @@ DECODE = msgspec.msgpack.Decoder(Batch)
 
 
 def expected_hash(parent: Optional[int], tokens: list[int]) -> int:
-    """The documented chain: BLAKE2b-64 of the parent hash (8 bytes BE) and the int32 tokens, >> 1."""
+    """The documented chain: BLAKE2b-64 of the parent hash (8 bytes BE) and the int32
+    tokens, >> 1."""
     h = hashlib.blake2b(digest_size=8)
     if parent is not None:
         h.update(parent.to_bytes(8, "big"))

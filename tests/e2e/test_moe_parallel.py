@@ -35,7 +35,8 @@ def moe_model():
 
 
 def one_rank_reference(model_path: str, **engine_kw):
-    """A fixture body: ``get(ids)`` is the offline one-rank engine's greedy answer (with logprobs)."""
+    """A fixture body: ``get(ids)`` is the offline one-rank engine's greedy answer (with
+    logprobs)."""
     import torch
 
     import pdserve

@@ -202,7 +202,8 @@ def test_lost_node_fails_every_stream_and_the_front_end_answers_503(nodes):
         t.join(LOST_BOUND_S + SLACK_S + 30)
     elapsed = time.monotonic() - t0
     print(
-        f"MEASURED node B killed: all 4 streams ended {elapsed:.2f}s after the kill (bound {LOST_BOUND_S:g}s)"
+        f"MEASURED node B killed: all 4 streams ended {elapsed:.2f}s after the kill (bound "
+        f"{LOST_BOUND_S:g}s)"
     )
     assert sorted(events) == [0, 1, 2, 3], "a stream hung"
     for i, out in events.items():
@@ -236,7 +237,8 @@ def test_lost_node_0_stops_node_1(nodes):
     t0 = time.monotonic()
     assert node1.proc.wait(timeout=LOST_BOUND_S + SLACK_S + 30) == 1
     print(
-        f"MEASURED node A killed: node B's `serve --node-rank 1` exited after {time.monotonic() - t0:.2f}s"
+        "MEASURED node A killed: node B's `serve --node-rank 1` exited after "
+        f"{time.monotonic() - t0:.2f}s"
     )
     log = node1.log_tail(200)
     assert "lost node 0 of 2 (rank 0)" in log, log
@@ -270,7 +272,8 @@ def test_node_that_never_joins_fails_the_start_up(tiny_llama_path):
     t0 = time.monotonic()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     print(
-        f"MEASURED node 1 never started: node 0 exited {r.returncode} after {time.monotonic() - t0:.1f}s"
+        f"MEASURED node 1 never started: node 0 exited {r.returncode} after "
+        f"{time.monotonic() - t0:.1f}s"
     )
     assert r.returncode == 1, r.stderr[-3000:]
     assert f"did not all join at tcp://{addr} within --dist-timeout 3s" in r.stderr, r.stderr[

@@ -72,7 +72,8 @@ def test_local_backend_between_hosts_is_refused_by_the_router_and_at_registratio
     elapsed = nx.since(t0)
     msg = r.json()["error"]["message"]
     print(
-        f"SAMPLE local backend across namespaces, direct: HTTP {r.status_code} after {elapsed:.2f}s: {msg}"
+        "SAMPLE local backend across namespaces, direct: "
+        f"HTTP {r.status_code} after {elapsed:.2f}s: {msg}"
     )
     assert r.status_code == 502, r.text
     assert "rejected registration" in msg and "one host" in msg, msg

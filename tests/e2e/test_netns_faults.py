@@ -82,7 +82,8 @@ def ref(offline_engine):
 
 
 def direct(fx, ids: list[int], n: int, pool: ThreadPoolExecutor, timeout: float = 40):
-    """The router's job by hand, from the test process: one body to both servers (decode streams)."""
+    """The router's job by hand, from the test process: one body to both servers (decode
+    streams)."""
     P, D = fx["prefill"], fx["decode"]
     b = body(
         ids,
@@ -127,7 +128,8 @@ def measured(what: str, seconds: float) -> None:
 
 def sample(what: str, o: Outcome) -> None:
     print(
-        f"SAMPLE {what}: HTTP {o.status}, {o.token_events} token events, [DONE]={o.done}: {o.error[:300]}"
+        f"SAMPLE {what}: HTTP {o.status}, {o.token_events} token events, [DONE]={o.done}: "
+        f"{o.error[:300]}"
     )
 
 
@@ -154,7 +156,8 @@ def test_rate_limit_slows_the_transfer_and_completes(fx, ref):
     wire_s = kv_per_req * 8 / 1e6  # the KV alone at 1 Mbit/s
     measured("tbf 1mbit on prefill: request (800-token prompt) without the limit", t_base)
     measured(
-        f"tbf 1mbit on prefill: request with the limit ({kv_per_req / 1e3:.0f} kB KV, {wire_s:.2f}s at 1 Mbit/s)",
+        f"tbf 1mbit on prefill: request with the limit ({kv_per_req / 1e3:.0f} kB KV, "
+        f"{wire_s:.2f}s at 1 Mbit/s)",
         t_slow,
     )
     assert t_slow > t_base + 0.7 * wire_s, (t_base, t_slow, wire_s)
@@ -237,7 +240,8 @@ def test_cut_decode_link_during_streaming(fx, ref):
     sample("decode link cut mid-stream, router with --request-timeout 4", o_rr)
     measured("decode link cut mid-stream -> client error (router read timeout)", o_rr.t_end - t_cut)
     measured(
-        f"decode link cut mid-stream for {cut_s:.0f}s -> stream through R resumed and finished after restore",
+        f"decode link cut mid-stream for {cut_s:.0f}s -> stream through R resumed and finished "
+        "after restore",
         o_r.t_end - t_restore,
     )
     t0 = time.monotonic()
@@ -313,7 +317,8 @@ def test_relay_reset_during_transfer(fx, ref):
     h.clear_qdisc("A")
     sample("relay reset of the router->decode connection during the transfer", o)
     measured("relay reset during transfer -> client answer", o.t_end - t0)
-    # the router retries on a fresh connection (same decode, new room) or answers an error naming decode
+    # the router retries on a fresh connection (same decode, new room) or answers an error naming
+    # decode
     assert (o.ok and o.output_ids == ref(ids, 4)) or (
         o.status and o.status >= 500 and "decode" in o.error
     ), o

@@ -103,8 +103,9 @@ def test_no_late_write_into_reused_pages(netns_hosts, backend, fenced):
         assert done["done"], "the write neither finished nor failed within 120 s"
         after = D.ask("check")
         print(
-            f"MEASURED {backend} fenced={fenced}: write error {done['error']!r}; writer bytes in the pool "
-            f"{after['writer_bytes_in_pool']}, in the fenced window {after['writer_bytes_in_window']}; the write ended {took:.1f}s after the restore"
+            f"MEASURED {backend} fenced={fenced}: write error {done['error']!r}; writer bytes in "
+            f"the pool {after['writer_bytes_in_pool']}, in the fenced window "
+            f"{after['writer_bytes_in_window']}; the write ended {took:.1f}s after the restore"
         )
         if fenced:
             assert after["digest"] == other and after["writer_bytes_in_pool"] == 0

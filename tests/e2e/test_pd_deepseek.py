@@ -5,9 +5,10 @@ difference is the order of partial sums over the ranks).
 PD: prefill tp1 -> decode tp2, tp2 -> tp1 and tp2 -> (tp2, dp2, DP attention, EP2 with
 ``--moe-dense-tp-size 1``), through pdserve's router and the real sglang-router: the layouts run
 prefill and decode steps (tp2: query heads split, the latent replicated; DP attention with EP),
-each server a layout, so no colocated server of each is needed besides. The latent is a replicated region: each decode rank reads it from
-exactly one prefill rank, which the prefill ranks' transfer counters show, and the bytes a
-request moves are layers x (kv_lora_rank + qk_rope_head_dim) x 4 per token, counted once."""
+each server a layout, so no colocated server of each is needed besides. The latent is a replicated
+region: each decode rank reads it from exactly one prefill rank, which the prefill ranks' transfer
+counters show, and the bytes a request moves are layers x (kv_lora_rank + qk_rope_head_dim) x 4 per
+token, counted once."""
 
 from __future__ import annotations
 

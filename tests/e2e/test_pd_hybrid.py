@@ -3,13 +3,13 @@ layer's pages go with every chunk, each Mamba2 layer's state slot (its convoluti
 state) once, after the last chunk; decode preallocates the pages and one slot, then continues
 from the state. Tokens equal a colocated server's for prompts shorter than a page and longer
 than several chunks, across TP sizes (P tp1 -> D tp2, P tp2 -> D tp1: each state tensor sliced
-along its own axis, the convolution's x | B | C per segment); the bytes a request moves are the pages' plus the fixed-size state; pools
-and state slots are free afterwards, also after a request whose decode side was aborted; a decode
-whose state shapes differ is refused, naming both; pdserve's router and the real sglang-router
-serve the same tokens. Qwen3-Next (Gated DeltaNet: a convolution state of q | k | v segments and
-a recurrent state per value head; one KV head, replicated on two ranks) goes from one rank to two
-and from two to one with HF's tokens. A next turn hits prefill's prefix cache (the state
-restored from a snapshot) and, when decode keeps one, decode's."""
+along its own axis, the convolution's x | B | C per segment); the bytes a request moves are the
+pages' plus the fixed-size state; pools and state slots are free afterwards, also after a request
+whose decode side was aborted; a decode whose state shapes differ is refused, naming both; pdserve's
+router and the real sglang-router serve the same tokens. Qwen3-Next (Gated DeltaNet: a convolution
+state of q | k | v segments and a recurrent state per value head; one KV head, replicated on two
+ranks) goes from one rank to two and from two to one with HF's tokens. A next turn hits prefill's
+prefix cache (the state restored from a snapshot) and, when decode keeps one, decode's."""
 
 from __future__ import annotations
 

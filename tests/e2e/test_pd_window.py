@@ -59,7 +59,8 @@ def generate(url: str, ids: list[int]) -> list[int]:
 
 
 def window_pages(prompt_len: int) -> int:
-    """Pages decode needs for its first query (position prompt_len sees keys from prompt_len - 31)."""
+    """Pages decode needs for its first query (position prompt_len sees keys from
+    prompt_len - 31)."""
     return -(-prompt_len // PAGE) - max(0, prompt_len - WINDOW + 1) // PAGE
 
 

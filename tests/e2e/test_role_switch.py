@@ -195,7 +195,8 @@ def test_swap_roles_under_load(pair, reference):
         "role_switch"
     ]
     assert again.status_code == 409 and "in progress" in again.json()["error"]["message"]
-    # no request lost: each finished with the offline engine's tokens, or got the 503 naming the switch
+    # no request lost: each finished with the offline engine's tokens, or got the 503 naming the
+    # switch
     assert len(outcomes) >= 12
     for ids, status, out in outcomes:
         if status == 200:

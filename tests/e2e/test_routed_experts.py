@@ -67,7 +67,8 @@ def moe_path() -> str:
 
 @pytest.fixture(scope="module")
 def hf_routes(moe_path):
-    """seq -> HF's routed experts of every position: int32 [len, LAYERS, TOP_K], 0 in dense layers."""
+    """seq -> HF's routed experts of every position: int32 [len, LAYERS, TOP_K], 0 in dense
+    layers."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).eval()
@@ -98,13 +99,14 @@ def ids_of(meta_or_ext: dict) -> np.ndarray:
 def assert_routes(
     got: np.ndarray, prompt: list[int], output_ids: list[int], hf_routes, start: int = 0
 ) -> None:
-    """``got`` holds the routes of prompt + output[:-1] from position ``start``, as HF routes them."""
+    """``got`` holds the routes of prompt + output[:-1] from position ``start``, as HF routes
+    them."""
     seq = prompt + output_ids[:-1]
     assert got.shape == (len(seq) - start, LAYERS, TOP_K)
     np.testing.assert_array_equal(got, hf_routes(seq)[start:])
 
 
-# ---- colocated: the offline engine ----------------------------------------------------------------
+# ---- colocated: the offline engine ---------------------------------------------------------------
 def test_engine_routes_match_hf_with_chunks_and_a_prefix_hit(moe_path, hf_routes):
     import pdserve
 
@@ -156,7 +158,7 @@ def test_dense_model_and_pipeline_stages_are_refused(tmp_path):
         ServerArgs(model_path=dense, pp_size=2, enable_return_routed_experts=True)
 
 
-# ---- servers ----------------------------------------------------------------------------------------
+# ---- servers -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def servers(moe_path, tmp_path_factory):
     """C: colocated. P -> D (local backend, decode prefix cache) behind pdserve's router R and the
@@ -287,7 +289,8 @@ def test_colocated_openai_routes(servers, hf_routes, moe_path):
     assert_routes(
         ids_of(post(C, "/v1/chat/completions", chat)["sglext"]), prompt, chat_out, hf_routes
     )
-    # a stream: one chunk without choices carries sglext (before usage and [DONE]), as SGLang sends it
+    # a stream: one chunk without choices carries sglext (before usage and [DONE]), as SGLang sends
+    # it
     events = stream(C, "/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}})
     ext = [e for e in events if isinstance(e, dict) and "sglext" in e]
     assert len(ext) == 1 and ext[0]["choices"] == [] and events.index(ext[0]) == len(events) - 3
@@ -306,7 +309,7 @@ def test_asking_without_the_flag_is_400(live):
         assert r.status_code == 400 and "--enable-return-routed-experts" in r.text, r.text
 
 
-# ---- PD -----------------------------------------------------------------------------------------------
+# ---- PD ------------------------------------------------------------------------------------------
 def recent_transfers(proc) -> list[dict]:
     return proc.http.get("/server_info").json()["internal_states"][0]["recent_transfers"]
 

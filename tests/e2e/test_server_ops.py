@@ -122,7 +122,10 @@ def test_client_disconnect_mid_stream_aborts(live):
 
 def test_client_disconnect_before_response_aborts(live):
     generated_before = live.scheduler_stats()["generation_tokens"]
-    body = b'{"text": "another long story", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": true}}'
+    body = (
+        b'{"text": "another long story", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": '
+        b"true}}"
+    )
     host, port = live.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(

@@ -2,7 +2,8 @@
 query): the same tokens at chunk sizes 1, 7, 64 and whole-prompt prefill, colocated and through
 PD, and the same as HF's model whose indexer follows pdserve's stated top-k rule (highest score
 first, the lowest position among equal scores: HF's ``torch.topk`` leaves ties open, and exact zeros
-from the ReLU tie often). The indexer keys, a cache group of their own, move in PD with their pages."""
+from the ReLU tie often). The indexer keys, a cache group of their own, move in PD with their
+pages."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def _rotate_half_part(
 def rule_indexer_forward(
     self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None, cache=None
 ):
-    """HF's indexer with pdserve's top-k rule: scores from the formula (float64), then ``rule_topk``."""
+    """HF's indexer with pdserve's top-k rule: scores from the formula (float64), then
+    ``rule_topk``."""
     b, s, _ = hidden_states.shape
     cos, sin = position_embeddings  # [B, S, r]
     r = self.qk_rope_head_dim

@@ -217,7 +217,8 @@ def test_aborts_leave_the_pools_whole(drafts, request):
         ),
         (
             dict(speculative_algorithm="NGRAM", speculative_draft_model_path="/d"),
-            r"used by speculative_algorithm \('STANDALONE', 'EAGLE', 'EAGLE3', 'MTP'\), not 'NGRAM'",
+            r"used by speculative_algorithm \('STANDALONE', 'EAGLE', 'EAGLE3', 'MTP'\), "
+            r"not 'NGRAM'",
         ),
         (
             dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="/d")

@@ -86,8 +86,8 @@ TIME = {
 TOOLS = [WEATHER, TIME]
 # tool_choice auto: the parser finds a call in the model's own format (here forced by a grammar)
 HERMES_CALL = (
-    'root ::= "<tool_call>\\n{\\"name\\": \\"get_time\\", \\"arguments\\": {\\"zone\\": \\"" [a-z] [a-z]? '
-    '[a-z]? "\\"}}\\n</tool_call>"'
+    'root ::= "<tool_call>\\n{\\"name\\": \\"get_time\\", \\"arguments\\": {\\"zone\\": \\"" [a-z] '
+    '[a-z]? [a-z]? "\\"}}\\n</tool_call>"'
 )
 CASES = {
     "json_schema": {

@@ -208,7 +208,8 @@ def test_pd_across_tp_sizes_matches_one_rank(tp, reference, pairing):
 def tp_heads(tp, tmp_path_factory, tp_models):
     """Servers where some prefill ranks hold no KV head any decode rank reads from them: prefill
     tp4 of llama (2 KV heads, each on 2 ranks) next to ``tp``'s D1 and D2; of the MQA model (1 KV
-    head on every rank) prefill tp2 and tp4, decode tp1 and tp2. Small pools: few, short requests."""
+    head on every rank) prefill tp2 and tp4, decode tp1 and tp2. Small pools: few, short
+    requests."""
     logs = tmp_path_factory.mktemp("tp_heads")
     small = [*COMMON, "--max-total-tokens", "4096"]
     llama, mqa = tp_models["llama"], tp_models["mqa"]

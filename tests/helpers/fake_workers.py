@@ -59,7 +59,8 @@ class AppServer:
         asyncio.run(self.server.serve(sockets=[self.sock]))
 
     def stop(self, force: bool = False) -> None:
-        """Shut down; ``force`` also drops open connections at once (and skips lifespan shutdown)."""
+        """Shut down; ``force`` also drops open connections at once (and skips lifespan
+        shutdown)."""
         self.server.should_exit = True
         self.server.force_exit = force
         self.thread.join(timeout=10)

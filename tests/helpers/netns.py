@@ -95,7 +95,10 @@ def unavailable_reason() -> Optional[str]:
     elif shutil.which("ip") is None or shutil.which("tc") is None:
         reason = "`ip`/`tc` not found: install Debian's iproute2 (apt-get install -y iproute2)"
     elif os.geteuid() != 0:
-        reason = f"creating network namespaces needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN); running as uid {os.geteuid()}"
+        reason = (
+            "creating network namespaces needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN); "
+            f"running as uid {os.geteuid()}"
+        )
     else:
         probe = f"{PREFIX}{os.getpid()}-probe"
         r = _ip("netns", "add", probe, check=False)
@@ -216,7 +219,8 @@ class Hosts:
         return f"h{self.names.index(name)}"
 
     def wrap(self, name: str, cmd: Sequence[str]) -> list[str]:
-        """``cmd`` to run inside host ``name`` (``ip netns exec`` execs it: the pid is the command's)."""
+        """``cmd`` to run inside host ``name`` (``ip netns exec`` execs it: the pid is the
+        command's)."""
         return ["ip", "netns", "exec", self.ns(name), *cmd]
 
     def run(self, name: str, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -17,7 +17,8 @@ import os
 import socket
 import threading
 
-LOW = 20000  # above the ports transfer engines pick for themselves (Mooncake's RPC ports: 12000-17999)
+# above the ports transfer engines pick for themselves (Mooncake's RPC ports: 12000-17999)
+LOW = 20000
 BLOCK = 4
 
 

@@ -1,4 +1,5 @@
-"""Fixtures shared by the unit tests: routers, fake workers, and the instruction-set tiers of the CPU kernels."""
+"""Fixtures shared by the unit tests: routers, fake workers, and the instruction-set tiers of the
+CPU kernels."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ if TYPE_CHECKING:
 
 @pytest.fixture
 def make_router():
-    # imported here: the kernel tests share this file and run without the router's packages (fastapi,
-    # aiohttp, ...) in scripts/arm64_kernels.py's emulated aarch64 Python
+    # imported here: the kernel tests share this file and run without the router's packages
+    # (fastapi, aiohttp, ...) in scripts/arm64_kernels.py's emulated aarch64 Python
     from tests.unit.test_router import RunningRouter
 
     routers = []

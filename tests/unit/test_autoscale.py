@@ -37,7 +37,8 @@ def test_a_burst_is_not_a_backlog():
 
 
 def test_no_move_that_only_moves_the_queue():
-    # both roles behind: a decode fewer would leave the decodes 3 * 2 / 1 = 6 per server, worse than 5 today
+    # both roles behind: a decode fewer would leave the decodes 3 * 2 / 1 = 6 per server, worse than
+    # 5 today
     assert decide(samples([(5, 3)] * 3, prefills=1, decodes=2), queue=2, minimum=MIN) is None
     # the same prefill backlog with decodes that keep up does move one
     assert (

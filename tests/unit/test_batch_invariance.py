@@ -121,8 +121,8 @@ def _pool(gen, length, kv_heads, head_dim, page):
 def test_flash_attention_rows_do_not_depend_on_chunks_or_neighbours(
     ops, flash_isa, window, with_sinks
 ):
-    """One request's rows computed as a whole prefill, as chunks after a cached prefix, one at a time
-    as decode, and beside another request: the same bits."""
+    """One request's rows computed as a whole prefill, as chunks after a cached prefix, one at a
+    time as decode, and beside another request: the same bits."""
     gen = torch.Generator().manual_seed(window + with_sinks)
     L, kvh, G, D, page = 150, 2, 3, 64, 16
     kc, vc, table = _pool(gen, L, kvh, D, page)

@@ -50,8 +50,8 @@ def whole(setup: ChatSetup, text: str) -> dict:
 CASES = [
     (
         ChatSetup(reasoning="qwen3", tools=TOOLS, tool_choice="auto", tool_parser="qwen25"),
-        '<think>\nthe user wants the time\n</think>\n\nLet me check.<tool_call>\n{"name": "get_time", '
-        '"arguments": {"zone": "CET"}}\n</tool_call>',
+        '<think>\nthe user wants the time\n</think>\n\nLet me check.<tool_call>\n{"name": '
+        '"get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
         {
             "content": "Let me check.",
             "reasoning": "the user wants the time",
@@ -82,7 +82,8 @@ CASES = [
     # harmony: the tool parser reads the whole output (channels), the reasoning parser the analysis
     (
         ChatSetup(reasoning="gpt-oss", tools=TOOLS, tool_choice="auto", tool_parser="gpt-oss"),
-        "<|channel|>analysis<|message|>Need the time.<|end|><|start|>assistant<|channel|>commentary "
+        "<|channel|>analysis<|message|>Need the "
+        "time.<|end|><|start|>assistant<|channel|>commentary "
         'to=functions.get_time <|constrain|>json<|message|>{"zone": "JST"}<|call|>',
         {
             "content": None,
@@ -103,7 +104,8 @@ def test_choice_output_whole_and_streamed(setup, text, want):
 def test_tool_calls_finish_reason_and_ids():
     out = ChoiceOutput(ChatSetup(tools=TOOLS, tool_choice="required"))
     msg = out.message(
-        '[{"name": "get_time", "parameters": {}}, {"name": "get_time", "parameters": {"zone": "X"}}]'
+        '[{"name": "get_time", "parameters": {}}, {"name": "get_time", "parameters": {"zone": '
+        '"X"}}]'
     )
     assert [json.loads(c["function"]["arguments"]) for c in msg["tool_calls"]] == [
         {},

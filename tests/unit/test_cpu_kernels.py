@@ -185,7 +185,8 @@ def test_vnni_linear_matches_float64(ops, isa, rows, n, k, out_dtype):
     bias = torch.randn(n, generator=gen).to(out_dtype)
     out = torch.empty(rows, n, dtype=out_dtype)
     ops.linear_vnni(out, x, pack_vnni16(w), bias)
-    # x is rounded to bf16 (as in any bf16 GEMM); products and sums are exact up to fp32 accumulation
+    # x is rounded to bf16 (as in any bf16 GEMM); products and sums are exact up to fp32
+    # accumulation
     ref = x.to(torch.bfloat16).double() @ w.double().T + bias.double()
     err = ((out.double() - ref).abs() / (ref.abs() + 1)).max().item()
     assert err < (1e-5 if out_dtype == torch.float32 else 2**-8), err
@@ -257,8 +258,9 @@ def test_pdserve_cpu_isa_caps_the_kernels_and_the_libraries():
 
     lowest_simd = (kernels.load().available_isas() + ["scalar"])[1]
     script = (
-        "import os, torch; from pdserve import kernels; kernels.cap_library_isas(os.environ['PDSERVE_CPU_ISA']); "
-        "ops = kernels.load(); print(ops.isa(), kernels.onednn_bf16()[0], os.environ.get('ONEDNN_MAX_CPU_ISA'))"
+        "import os, torch; from pdserve import kernels; "
+        "kernels.cap_library_isas(os.environ['PDSERVE_CPU_ISA']); ops = kernels.load(); "
+        "print(ops.isa(), kernels.onednn_bf16()[0], os.environ.get('ONEDNN_MAX_CPU_ISA'))"
     )
     env = {**os.environ, "PDSERVE_CPU_ISA": lowest_simd}
     env.pop("ONEDNN_MAX_CPU_ISA", None)
@@ -319,7 +321,8 @@ def test_w8a8_linear_matches_its_quantization(ops, isa, rows, n, k, x_dtype):
     out = lin(x)
     assert out.dtype == x_dtype and out.shape == (rows, n)
     # the same scheme in float64: per-row activation scale, per-channel weight scale, exact int sums
-    # the kernel's quantization rule, in float32 as it runs it: scale = max|x| / 127, q = round(x * (1/scale))
+    # the kernel's quantization rule, in float32 as it runs it: scale = max|x| / 127, q = round(x *
+    # (1/scale))
     x32 = x.float()
     xs32 = x32.abs().amax(1, keepdim=True) / 127
     xq = torch.round(x32 * (1 / xs32)).clamp(-127, 127).double()

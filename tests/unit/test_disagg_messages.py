@@ -151,8 +151,8 @@ def test_compat_mismatch_names_both_sides():
     p = _kv_args().compat_info()
     d = dict(p, page_size=1, kv_dtype="float32")
     assert compat_mismatches(p, d) == [
-        "kv_dtype mismatch: prefill bfloat16, decode float32 (give both servers the same --kv-cache-dtype or "
-        "--dtype: --dtype auto measures on each server)",
+        "kv_dtype mismatch: prefill bfloat16, decode float32 (give both servers the same "
+        "--kv-cache-dtype or --dtype: --dtype auto measures on each server)",
         "page_size mismatch: prefill 16, decode 1",
     ]
     assert (

@@ -78,8 +78,8 @@ def test_prefill_rejects_incompatible_register(prefill_mgr):
         ack = decode_message(pull.recv())
         assert isinstance(ack, RegisterAck) and not ack.ok
         assert (
-            "layer 0 cache mismatch: prefill full_attention (head_dim 8) in group 0, decode full_attention (head_dim 16)"
-            in ack.error
+            "layer 0 cache mismatch: prefill full_attention (head_dim 8) in group 0, decode "
+            "full_attention (head_dim 16)" in ack.error
         )
         # a sender for the room fails at once, and decode is told why
         sender = get_kv_class("local", "sender")(mgr, "x:1", 99)
@@ -125,7 +125,8 @@ def test_prefill_rejects_incompatible_register(prefill_mgr):
             and status.state == KVPoll.Failed
             and "not registered" in status.reason
         )
-        # an abort for a room prefill has not seen yet: acknowledged, and a later sender fails at once
+        # an abort for a room prefill has not seen yet: acknowledged, and a later sender fails at
+        # once
         push.send(
             encode_message(
                 Abort(

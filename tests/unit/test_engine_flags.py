@@ -1,4 +1,5 @@
-"""Engine flags: dtype and KV-cache dtype choice, quantization, attention backend, prefill budget."""
+"""Engine flags: dtype and KV-cache dtype choice, quantization, attention backend, prefill
+budget."""
 
 from __future__ import annotations
 
@@ -101,7 +102,8 @@ def test_dtype_choice(tmp_path):
 
 
 def test_prefill_budget_caps_batch_and_request():
-    """--max-prefill-tokens bounds a batch's prefill tokens, --chunked-prefill-size each request's."""
+    """--max-prefill-tokens bounds a batch's prefill tokens, --chunked-prefill-size each
+    request's."""
     import pdserve
 
     eng = pdserve.Engine(

@@ -187,7 +187,8 @@ def test_gpt_oss_rms_norm_equals_hf(dtype):
         want = hf(x)
         assert want.dtype == dtype
         assert torch.equal(ours(x), want) and torch.equal(hf32(x), want)
-        # the fused form: the residual stream adds in the activation dtype, as HF's decoder layer does
+        # the fused form: the residual stream adds in the activation dtype, as HF's decoder layer
+        # does
         out, stream = ours(x, residual)
         assert torch.equal(stream, x + residual) and torch.equal(out, hf(x + residual))
         if dtype == torch.bfloat16:  # Llama's rounding (cast, then the weight) gives other bits

@@ -31,7 +31,8 @@ MAIN = r"""
 #define STR2(a) #a
 #define STR(a) STR2(a)
 static PyObject* value(PyObject*, PyObject*) { return PyLong_FromLong(the_value() + OUTSIDE); }
-static PyMethodDef methods[] = {{"value", value, METH_NOARGS, nullptr}, {nullptr, nullptr, 0, nullptr}};
+static PyMethodDef methods[] = {
+    {"value", value, METH_NOARGS, nullptr}, {nullptr, nullptr, 0, nullptr}};
 static PyModuleDef def = {PyModuleDef_HEAD_INIT, STR(TORCH_EXTENSION_NAME), nullptr, -1, methods};
 PyMODINIT_FUNC CAT(PyInit_, TORCH_EXTENSION_NAME)() { return PyModule_Create(&def); }
 """
@@ -154,9 +155,9 @@ def test_concurrent_starts_build_once(tmp_path):
         f"import logging, sys; sys.path.insert(0, {str(REPO)!r}); from pathlib import Path; "
         "logging.basicConfig(level=logging.INFO, format='%(message)s'); "
         "from pdserve.kernels import build; "
-        f"ext = build.Extension('tiny', Path({str(ext.source_dir)!r}), {ext.sources!r}, {ext.cflags!r}); "
-        f"b = build.locate(ext, Path({str(tmp_path / 'cache')!r})); build.ensure_built(b); "
-        "print(build.import_module(b).value())"
+        f"ext = build.Extension('tiny', Path({str(ext.source_dir)!r}), {ext.sources!r}, "
+        f"{ext.cflags!r}); b = build.locate(ext, Path({str(tmp_path / 'cache')!r})); "
+        "build.ensure_built(b); print(build.import_module(b).value())"
     )
     logs = [tmp_path / f"start{i}.log" for i in range(2)]
     with open(b.directory / build.LOCK, "a+") as held:  # as a process that is building would
@@ -228,8 +229,8 @@ def test_a_source_edited_during_the_build_is_not_marked_complete(tmp_path, monke
     ext = make_ext(tmp_path, 9)
     wrapper = tmp_path / "cxx-that-edits"  # the compiler, and an editor saving value.h meanwhile
     wrapper.write_text(
-        f'#!/bin/sh\ncase " $* " in *" -c "*) echo \'// edited\' >> {ext.source_dir / "value.h"};; esac\n'
-        f'exec {shutil.which("c++")} "$@"\n'
+        f'#!/bin/sh\ncase " $* " in *" -c "*) echo \'// edited\' >> {ext.source_dir / "value.h"};; '
+        f'esac\nexec {shutil.which("c++")} "$@"\n'
     )
     wrapper.chmod(0o755)
     monkeypatch.setenv("CXX", str(wrapper))

@@ -1,6 +1,7 @@
-"""pdserve's kernels on aarch64, without Arm hardware: scripts/arm64_kernels.py --quick cross-compiles
-them with Debian's aarch64 g++ and runs their unit tests in an emulated Python (qemu-user) on three
-CPU models, so the NEON, dot-product, BF16/I8MM and SVE tiers each run once (docs/arm64.md).
+"""pdserve's kernels on aarch64, without Arm hardware: scripts/arm64_kernels.py --quick
+cross-compiles them with Debian's aarch64 g++ and runs their unit tests in an emulated Python
+(qemu-user) on three CPU models, so the NEON, dot-product, BF16/I8MM and SVE tiers each run once
+(docs/arm64.md).
 
 The first run prepares an arm64 userland and wheels (as root on Debian, with network) and builds
 the kernels, all cached; a host that cannot fails here saying why. Later runs only test (minutes:

@@ -94,7 +94,8 @@ def test_prefix_hit_needs_the_whole_window():
     assert m.admit(follow, 16, 0, (len(follow.all_ids) - 1) // ps)
     assert follow.kv.cached == 10 and follow.kv_len == 40
     m.release(follow)
-    # a prompt that leaves after 24 tokens cannot use that prefix: its window (tokens 17..23) is gone
+    # a prompt that leaves after 24 tokens cannot use that prefix: its window (tokens 17..23) is
+    # gone
     branch = req(list(range(100, 124)) + [9] * 10)
     assert m.admit(branch, 16, 0, (len(branch.all_ids) - 1) // ps)
     assert branch.kv.cached == 0

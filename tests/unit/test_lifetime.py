@@ -58,8 +58,8 @@ def test_child_ends_when_its_parent_is_killed(no_prctl):
 def test_child_whose_parent_died_before_arming_ends_at_once():
     # the pid given is not this child's parent: as if the parent had died during start-up
     code = (
-        "import os, time; from pdserve import lifetime; lifetime.end_with_parent(os.getppid() + 1); "
-        "time.sleep(60)"
+        "import os, time; from pdserve import lifetime; lifetime.end_with_parent(os.getppid() + "
+        "1); time.sleep(60)"
     )
     proc = subprocess.run([sys.executable, "-c", code], timeout=30)
     assert proc.returncode == -signal.SIGTERM

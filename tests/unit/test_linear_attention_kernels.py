@@ -254,7 +254,8 @@ def conv_out(mixer, x, prefix, conv, slot):
 
 
 def mamba2_float64(m, xbc, dt, prefix, conv, ssm, slot):
-    """y [n, I] of the recurrence token by token in float64 (from ``_extend``'s convolution and dt)."""
+    """y [n, I] of the recurrence token by token in float64 (from ``_extend``'s convolution and
+    dt)."""
     x, b, c = (t.double() for t in m._split(conv_out(m, xbc, prefix, conv, slot)))
     dt = torch.clamp(F.softplus(dt + m.dt_bias.to(dt.dtype)), *m.dims.dt_limit).double()
     a = -torch.exp(m.A_log.double())

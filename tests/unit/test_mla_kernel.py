@@ -144,8 +144,8 @@ def test_sparse_positions_select_the_keys(ops):
 
 
 def indexer_reference(q, w, keys, n, topk, scale):
-    """The rule in float64: score_t = sum_h w_h relu(scale q_h . k_t); highest first, lowest position
-    among equals; ascending."""
+    """The rule in float64: score_t = sum_h w_h relu(scale q_h . k_t); highest first, lowest
+    position among equals; ascending."""
     s = (w.double()[:, None] * torch.relu(q.double() @ keys[:n].double().T * scale)).sum(0)
     order = torch.sort(s, descending=True, stable=True).indices[:topk]
     return torch.sort(order).values.tolist()

@@ -300,7 +300,8 @@ GOOD_ROW = [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
             {"physical_to_logical_map": {"0": GOOD_ROW, "2": GOOD_ROW}},
             2,
             4,
-            "--ep-size 4 does not divide the 10 expert slots \\(8 experts \\+ --ep-num-redundant-experts 2\\)",
+            "--ep-size 4 does not divide the 10 expert slots \\(8 experts \\+ "
+            "--ep-num-redundant-experts 2\\)",
         ),
         (
             {"logical_count": {"0": [1] * 8, "2": [1] * 7}},
@@ -431,7 +432,7 @@ def test_record_routes_answer_400_when_the_recorder_is_off():
             )
 
 
-# ---- a model with copies of its experts -----------------------------------------------------------
+# ---- a model with copies of its experts ----------------------------------------------------------
 def test_model_loads_every_copy_and_records_through_its_context(tmp_path):
     from safetensors import safe_open
 

@@ -1,6 +1,6 @@
-"""Multi-host flags (``--nnodes``, ``--node-rank``, ``--dist-init-addr``, ``--dist-timeout``): parsing,
-validation naming the flags and values, the rank layout and addresses they give, the start-up
-exchange's verdict, and the heartbeats that name a lost node (against a real TCP store)."""
+"""Multi-host flags (``--nnodes``, ``--node-rank``, ``--dist-init-addr``, ``--dist-timeout``):
+parsing, validation naming the flags and values, the rank layout and addresses they give, the
+start-up exchange's verdict, and the heartbeats that name a lost node (against a real TCP store)."""
 
 from __future__ import annotations
 

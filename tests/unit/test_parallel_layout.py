@@ -100,7 +100,8 @@ def test_pipeline_split_covers_the_batch(seed):
     k = num_micro_batches(len(ids), 2)
     mbs = split(parts, k)
     assert 1 <= len(mbs) <= k
-    # the micro-batches' tokens, in order, are the batch's; each request's pieces continue each other
+    # the micro-batches' tokens, in order, are the batch's; each request's pieces continue each
+    # other
     assert sum((mb[0][0] for mb in mbs), []) == ids and sum((mb[0][1] for mb in mbs), []) == pos
     for (m_ids, m_pos, m_pre, m_ext, m_pages, _, m_fulls), _ in mbs:
         assert sum(m_ext) == len(m_ids)

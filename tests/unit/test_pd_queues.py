@@ -110,7 +110,8 @@ def local_pair():
 def submit_pairs(
     P, D, bport: int, prompts: list[list[int]], rng: random.Random, tag: str = ""
 ) -> list:
-    """One prefill and one decode request per prompt, sharing a random room; [(prefill's, decode's)]."""
+    """One prefill and one decode request per prompt, sharing a random room;
+    [(prefill's, decode's)]."""
     pairs = []
     for i, ids in enumerate(prompts):
         room = rng.randrange(2**63)

@@ -304,7 +304,8 @@ def test_bad_files_name_the_problem(tmp_path):
 
 
 def test_cli_plans_from_a_calibration_file(tmp_path, capsys):
-    """The command on a file: --json, the table (through ``pdserve plan``), errors with exit code 2."""
+    """The command on a file: --json, the table (through ``pdserve plan``), errors with exit code
+    2."""
     from pdserve.plan import cli
 
     prof_mod.save(profile(), tmp_path / "cal.json")

@@ -154,20 +154,21 @@ def test_registration_names_both_sides_of_a_split_disagreement():
     [err] = _region_mismatches(src, other, pair, 1, 1, 0)
     assert (
         err
-        == "region split mismatch: cache group 0 layer 0 latent is split replicated on prefill, heads on decode"
+        == "region split mismatch: cache group 0 layer 0 latent is split replicated on prefill, "
+        "heads on decode"
     )
     # decode registering a tp-2 rank's share where both sides say tp 1: both values named
     half = regions(share(items, 0, 2), 2)
     whole = rank_map.pair_for(1, 1, KV_HEADS, Q_HEADS, 0, 0, SPLITS)
     [err] = _region_mismatches(src, half, whole, 1, 1, 0)
     assert err == (
-        "region item bytes mismatch: decode rank 0 should hold 4 KV head(s) per page (24 bytes per item "
-        "of cache group 0 layer 0 k), it registered 12"
+        "region item bytes mismatch: decode rank 0 should hold 4 KV head(s) per page (24 bytes per "
+        "item of cache group 0 layer 0 k), it registered 12"
     )
     [err] = _region_mismatches(src[2:], half[2:], whole, 1, 1, 0)
     assert err == (
-        "region segments mismatch: decode rank 0 of tp 1 should hold segments of [8, 16, 8] bytes of "
-        "cache group 0 layer 0 conv, it registered [4, 8, 4]"
+        "region segments mismatch: decode rank 0 of tp 1 should hold segments of [8, 16, 8] bytes "
+        "of cache group 0 layer 0 conv, it registered [4, 8, 4]"
     )
 
 
@@ -250,7 +251,8 @@ def test_transfer_bytes_per_token_come_from_the_specs_counted_once():
     # a latent is the same on every rank: counted once, whatever the KV heads (DeepSeek-V3's sizes)
     latent = CacheGroup(0, LatentAttention(512, 64), tuple(range(61)))
     assert transfer_bytes_per_token([latent], 1, 2) == 61 * 576 * 2
-    # windows send their last pages only (left out beside a group that keeps every page), state per request
+    # windows send their last pages only (left out beside a group that keeps every page), state per
+    # request
     window = CacheGroup(1, SlidingWindow(2, 64, 128), (3, 4))
     state = CacheGroup(2, RecurrentState(("ssm",), ((4, 16),), ("float32",)), (5,))
     assert transfer_bytes_per_token([full, window, state], 8, 2) == transfer_bytes_per_token(

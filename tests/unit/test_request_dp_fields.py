@@ -61,7 +61,10 @@ def test_bad_values_are_400_naming_the_field(kwargs, words):
 
 
 def test_openai_bodies_carry_them_per_prompt():
-    body = b'{"prompt": ["a", "b"], "routed_dp_rank": [1, 0], "disagg_prefill_dp_rank": 2, "bootstrap_room": 7}'
+    body = (
+        b'{"prompt": ["a", "b"], "routed_dp_rank": [1, 0], "disagg_prefill_dp_rank": 2, '
+        b'"bootstrap_room": 7}'
+    )
     fields = msgspec.json.decode(body, type=CompletionRequest).bootstrap(2)
     assert [
         (f["routed_dp_rank"], f["disagg_prefill_dp_rank"], f["bootstrap_room"]) for f in fields

@@ -158,7 +158,8 @@ def test_routed_rows_go_with_the_groups_pages():
     src, dst_, lens = chunk_descriptors(
         a.regions, dst, rank_map.pair_for(1, 1, 1, 1, 0, 0, a.splits), [[2, 3, 7]], [[4, 5, 6]]
     )
-    # pages 2-3 -> 4-5 are one run, 7 -> 6 another, in each region; the routed rows are 64 bytes a page
+    # pages 2-3 -> 4-5 are one run, 7 -> 6 another, in each region; the routed rows are 64 bytes a
+    # page
     routed = [i for i, s in enumerate(src.tolist()) if s >= 1 << 20]
     assert [src[i] for i in routed] == [(1 << 20) + 2 * 64, (1 << 20) + 7 * 64]
     assert [dst_[i] for i in routed] == [(5 << 20) + 4 * 64, (5 << 20) + 6 * 64]

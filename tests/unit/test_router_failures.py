@@ -84,7 +84,8 @@ def test_a_502_blames_the_other_leg(pd, make_router):
     assert resp.status_code == 502
     assert len(d0.generation_requests()) == 2 and not d1.generation_requests()
     assert len(p0.generation_requests()) == len(p1.generation_requests()) == 1
-    # prefill says its decode failed (502): decode's own answer decides, the retry replaces the decode
+    # prefill says its decode failed (502): decode's own answer decides, the retry replaces the
+    # decode
     d0.reset()
     for w in (p0, p1, d1):
         w.reset()

@@ -75,7 +75,8 @@ def test_added_decode_takes_requests_and_removed_one_drains(pd, make_router):
         "priority"
     ]
     assert sorted(served_by(r)) == ["decode0", "decode0", "decode1", "decode1"]
-    # a stream held open on one decode, then that decode removed: it takes nothing new, the stream finishes
+    # a stream held open on one decode, then that decode removed: it takes nothing new, the stream
+    # finishes
     d0.stream_gate.close()
     d1.stream_gate.close()
     out: dict = {}

@@ -184,7 +184,9 @@ def test_merge_json_per_item_and_with_samples():
 def test_prefill_items_from_json_or_sse():
     obj = {"meta_info": {"input_token_logprobs": [[-1, 5, None]]}}
     assert protocol.prefill_items(json.dumps(obj).encode()) == [obj]
-    sse = f"data: {json.dumps({'meta_info': {}})}\n\ndata: {json.dumps(obj)}\n\ndata: [DONE]\n\n".encode()
+    sse = (
+        f"data: {json.dumps({'meta_info': {}})}\n\ndata: {json.dumps(obj)}\n\ndata: [DONE]\n\n"
+    ).encode()
     assert protocol.prefill_items(sse) == [obj]
     assert protocol.prefill_items(b"garbage") == []
 

@@ -240,9 +240,9 @@ class LocalBackend(TransferBackend):
         peer_host, own_host = info.get("host"), host_identity()
         if peer_host != own_host:
             raise TransferError(
-                f"the local transfer backend needs prefill and decode on one host, and decode is on another "
-                f"(host {peer_host}, prefill {own_host}: boot id / network namespace); start both servers with "
-                "--disaggregation-transfer-backend mooncake (or nixl)"
+                "the local transfer backend needs prefill and decode on one host, and decode is on "
+                f"another (host {peer_host}, prefill {own_host}: boot id / network namespace); "
+                "start both servers with --disaggregation-transfer-backend mooncake (or nixl)"
             )
         segs = sorted(info.get("segments", []), key=lambda s: s["base"])
         if not segs:

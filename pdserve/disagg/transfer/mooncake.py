@@ -52,7 +52,8 @@ except ImportError as e:  # the registry turns this into "backend 'mooncake' is 
     hint = (
         "apt-get install -y --no-install-recommends libibverbs1"
         if "libibverbs" in str(e)
-        else "pip install 'pdserve[mooncake]' (GPU hosts) or 'pdserve[mooncake-cpu]' (CPU-only hosts)"
+        else "pip install 'pdserve[mooncake]' (GPU hosts) "
+        "or 'pdserve[mooncake-cpu]' (CPU-only hosts)"
     )
     raise ImportError(
         f"mooncake-transfer-engine cannot be imported ({e}); install it with: {hint}"
@@ -108,7 +109,8 @@ class MooncakeBackend(TransferBackend):
         if str(device).startswith("cuda") and self.protocol == "tcp":
             logger.warning(
                 "Mooncake over tcp with the KV pool in GPU memory: Mooncake's maintainers do not "
-                "support GPU buffers over tcp; use --disaggregation-mooncake-protocol rdma with GPUDirect"
+                "support GPU buffers over tcp; use --disaggregation-mooncake-protocol rdma with "
+                "GPUDirect"
             )
         self.max_descriptors = int(
             options.get("max_descriptors_per_call", MAX_DESCRIPTORS_PER_CALL)

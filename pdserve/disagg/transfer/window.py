@@ -141,7 +141,8 @@ class Window:
         files = _files_for(regions)
         if files is None:
             raise ValueError(
-                "buffers outside memfd files cannot be windowed (allocate them with memfd_allocator)"
+                "buffers outside memfd files cannot be windowed (allocate them with "
+                "memfd_allocator)"
             )
         self.key = key
         self.spans: list[tuple[int, int, int]] = []

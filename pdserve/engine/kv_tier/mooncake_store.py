@@ -11,8 +11,8 @@ evicts it or its segment's server leaves. Configuration: ``mooncake_config``.
 A store that is down or slow never fails or stalls a request, it only costs hits:
 
 - joining the store runs on a thread of its own, and only once the master accepts a connection
-  (Mooncake's ``setup`` retries a dead master for ~90 s holding the GIL); until it has joined, every call is a miss (and a failed put), and a failed join is
-  retried after the breaker's cool-down;
+  (Mooncake's ``setup`` retries a dead master for ~90 s holding the GIL); until it has joined, every
+  call is a miss (and a failed put), and a failed join is retried after the breaker's cool-down;
 - every call has a deadline (``timeout_s``) and goes through a circuit breaker
   (``breaker.GuardedCalls``): a timeout or repeated failures stop calls for a while, then one
   probe call tests the store again;

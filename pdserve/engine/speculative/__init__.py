@@ -19,8 +19,8 @@ transfer.
 Who speculates (``speculable``): requests without a grammar or routed-expert capture; the others
 decode one token per step in the same batch. Penalties and the ``min_new_tokens`` ban at a
 verify row count the drafts before it as output (``Sampler.sample``'s ``ahead``), as plain
-decoding would have counted them had they been drawn. A model whose cache cannot drop rejected tokens (a
-recurrent state) is refused at start-up.
+decoding would have counted them had they been drawn. A model whose cache cannot drop rejected
+tokens (a recurrent state) is refused at start-up.
 
 A row's drafts may form a tree (``--speculative-eagle-topk`` > 1, EAGLE heads): each draft has
 a parent in the row (``Req.draft_parents``; the row's token is the root), siblings are different

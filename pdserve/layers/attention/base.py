@@ -145,7 +145,8 @@ class AttentionBackend(abc.ABC):
     def check_supported(
         self, cache_kinds: Iterable[str], layers: Iterable[AttnLayer], model: str
     ) -> None:
-        """Raise ``ValueError`` naming the model's cache kind or layer feature this backend lacks."""
+        """Raise ``ValueError`` naming the model's cache kind or layer feature this backend
+        lacks."""
         missing = sorted(set(cache_kinds) - self.cache_kinds)
         if missing:
             raise ValueError(

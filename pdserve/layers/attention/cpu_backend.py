@@ -68,7 +68,8 @@ class CpuAttnBackend(TorchAttnBackend):
             ops = kernels.load()
             if ops is None:
                 raise RuntimeError(
-                    f"attention_backend 'cpu' needs pdserve's CPU kernels: {kernels.unavailable_reason()}"
+                    "attention_backend 'cpu' needs pdserve's CPU kernels: "
+                    f"{kernels.unavailable_reason()}"
                 )
         self.ops = ops
 

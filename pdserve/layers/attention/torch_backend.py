@@ -48,7 +48,8 @@ def attention(
     sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``q`` [B, H, Lq, D], ``k``/``v`` [B, KVH, Lk, D], ``mask`` bool (True: attend; [..., Lq or 1,
-    Lk]) or None for causal with Lq == Lk (a prefill), ``sinks`` [H] or None; returns [B, H, Lq, D]."""
+    Lk]) or None for causal with Lq == Lk (a prefill), ``sinks`` [H] or None; returns
+    [B, H, Lq, D]."""
     if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
@@ -212,7 +213,7 @@ class TorchAttnBackend(AttentionBackend):
         )
         out[self._dec_rows] = o.squeeze(2)
 
-    # ---- extend rows ------------------------------------------------------------------------------
+    # ---- extend rows -----------------------------------------------------------------------------
     def _extend_mask(
         self, fb: ForwardBatch, row: int, start: int, ext: int, prefix: int, window, device
     ) -> Optional[torch.Tensor]:
@@ -286,7 +287,7 @@ class TorchAttnBackend(AttentionBackend):
             )
         return out
 
-    # ---- latent attention (MLA) -------------------------------------------------------------------
+    # ---- latent attention (MLA) ------------------------------------------------------------------
     def forward_latent(self, layer, q_nope, q_rope, latent, fb, w_kc, w_vc, selection=None):
         group = fb.cache_group(layer.layer_id, "latent_attention")
         cache = fb.latent(layer.layer_id)  # [P, page, R + r]
@@ -405,7 +406,8 @@ def rule_topk(score: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def selected_mask(selection, rows: torch.Tensor, width: int) -> torch.Tensor:
-    """[len(rows), width] True at the positions ``selection`` (positions, counts) lists for each row."""
+    """[len(rows), width] True at the positions ``selection`` (positions, counts) lists for each
+    row."""
     positions, counts = selection
     pos = positions[rows].long()
     valid = torch.arange(pos.shape[1])[None, :] < counts[rows].long()[:, None]

@@ -1,4 +1,5 @@
-"""One MoE layer's local experts prepacked for pdserve's fused CPU kernel (``kernels/csrc/moe.cpp``).
+"""One MoE layer's local experts prepacked for pdserve's fused CPU kernel
+(``kernels/csrc/moe.cpp``).
 
 The kernel runs the whole expert MLP of a layer in one call: (token, slot) pairs grouped by
 expert, the gate/up matmul with the activation applied in registers, the down matmul, and the
@@ -50,7 +51,8 @@ def _pack_experts(
     ops: ModuleType, w: torch.Tensor, rows: torch.Tensor, k_group: int
 ) -> torch.Tensor:
     """[E, N, K] -> [E, len(rows)/64, ceil(K/kg), 4, 16, kg] in 2 MiB pages: element
-    [e, np, ks, j, i, g] is w[e, rows[64 np + 16 j + i], kg ks + g] (zero where rows is -1 or past K)."""
+    [e, np, ks, j, i, g] is w[e, rows[64 np + 16 j + i], kg ks + g] (zero where rows is -1 or past
+    K)."""
     E, _, k = w.shape
     shape = (E, rows.numel() // PANEL, -(-k // k_group), 4, 16, k_group)
     out = huge_empty(int(torch.Size(shape).numel()) * w.element_size()).view(w.dtype).view(shape)

@@ -4,8 +4,8 @@ layouts and the two dispatch backends).
 ``SparseMoE.run(h, dp)`` takes this DP group's tokens [T, H] and returns their outputs [T, H] in
 the model dtype. The experts' weighted outputs are summed in float32 and rounded once (HF rounds
 after each expert in bf16; the two agree exactly in float32). An optional shared expert
-(``shared``, a ``GatedMLP``, registered as ``shared_name``) is added with weight 1, or ``sigmoid(shared_gate(x))`` when
-there is a gate (Qwen2-MoE).
+(``shared``, a ``GatedMLP``, registered as ``shared_name``) is added with weight 1, or
+``sigmoid(shared_gate(x))`` when there is a gate (Qwen2-MoE).
 
 Module names are the checkpoint's: the router is registered under ``router_name`` (``gate`` for
 Qwen and Mixtral, ``router`` for GPT-OSS), the experts under ``experts``.

@@ -82,8 +82,8 @@ def placement_rows(
     slots = info.num_experts + num_redundant
     if slots % ep_size:
         raise bad(
-            f"--ep-size {ep_size} does not divide the {slots} expert slots ({info.num_experts} experts + "
-            f"--ep-num-redundant-experts {num_redundant})"
+            f"--ep-size {ep_size} does not divide the {slots} expert slots ({info.num_experts} "
+            f"experts + --ep-num-redundant-experts {num_redundant})"
         )
     if "physical_to_logical_map" in data:
         rows = _per_layer(data["physical_to_logical_map"], info, "physical_to_logical_map", bad)
@@ -104,8 +104,8 @@ def placement_rows(
                 isinstance(c, (int, float)) and c >= 0 for c in row
             ):
                 raise bad(
-                    f"logical_count of layer {layer} must hold {info.num_experts} non-negative counts "
-                    f"(one per expert), got {_short(row)}"
+                    f"logical_count of layer {layer} must hold {info.num_experts} non-negative "
+                    f"counts (one per expert), got {_short(row)}"
                 )
         wanted = counts if layers is None else layers
         return {
@@ -113,8 +113,8 @@ def placement_rows(
             for layer in wanted
         }
     raise bad(
-        f"needs 'physical_to_logical_map' (a placement) or 'logical_count' (a recorded distribution); "
-        f"keys: {sorted(data)}"
+        "needs 'physical_to_logical_map' (a placement) or 'logical_count' (a recorded "
+        f"distribution); keys: {sorted(data)}"
     )
 
 
@@ -156,7 +156,8 @@ def _per_layer(value: Any, info: MoEModelInfo, key: str, bad) -> dict[int, list]
     for k, row in value.items():
         if not str(k).isdigit() or int(k) not in info.moe_layers:
             raise bad(
-                f"{key}: layer {k!r} is not a MoE layer of the model (MoE layers: {list(info.moe_layers)})"
+                f"{key}: layer {k!r} is not a MoE layer of the model (MoE layers: "
+                f"{list(info.moe_layers)})"
             )
         if not isinstance(row, list):
             raise bad(f"{key}: layer {k} must be a list, got {type(row).__name__}")
@@ -182,7 +183,8 @@ def _check_placement_row(
     ]
     if wrong:
         raise bad(
-            f"layer {layer}: slot entries must be expert ids in [0, {info.num_experts}), got {_short(wrong)}"
+            f"layer {layer}: slot entries must be expert ids in [0, {info.num_experts}), "
+            f"got {_short(wrong)}"
         )
     absent = sorted(set(range(info.num_experts)) - set(row))
     if absent:

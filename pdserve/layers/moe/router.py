@@ -53,8 +53,8 @@ class Router(nn.Module):
         self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
 
     def prepack(self, ops, batch_invariant: bool) -> int:
-        """With ``batch_invariant``: the gate matmul on pdserve's kernels, whose rows do not depend on
-        each other (``F.linear``'s do: BLAS blocks by shape); returns the packed bytes."""
+        """With ``batch_invariant``: the gate matmul on pdserve's kernels, whose rows do not depend
+        on each other (``F.linear``'s do: BLAS blocks by shape); returns the packed bytes."""
         if not batch_invariant:
             return 0
         from pdserve.layers.linear import PackedBF16, PackedF32
@@ -188,7 +188,8 @@ class GroupedSoftmaxTopK(Router):
         super().__init__(hidden, num_experts, top_k)
         if method not in self.METHODS:
             raise ValueError(
-                f"topk_method: {method!r} is not supported for this model; supported: {self.METHODS}"
+                f"topk_method: {method!r} is not supported for this model; supported: "
+                f"{self.METHODS}"
             )
         if method == "group_limited_greedy":
             _check_groups(num_experts, top_k, n_group, topk_group)
@@ -232,8 +233,8 @@ class GroupedSigmoidTopK(Router):
         _check_groups(num_experts, top_k, n_group, topk_group)
         if num_experts // n_group < 2:
             raise ValueError(
-                f"n_group: {n_group} groups of {num_experts // n_group} expert(s); a group's score is "
-                "the sum of its two best experts, so each group needs at least 2"
+                f"n_group: {n_group} groups of {num_experts // n_group} expert(s); a group's score "
+                "is the sum of its two best experts, so each group needs at least 2"
             )
         self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
         self.n_group, self.topk_group, self.renormalize, self.scaling = (
