@@ -241,6 +241,10 @@ class ServerArgs:
 
         if not self.model_path:
             bad("model_path", "is required")
+        if self.grammar_backend in GRAMMAR_BACKENDS:
+            from pdserve.grammar import resolve_backend
+
+            self.grammar_backend, self._grammar_note = resolve_backend(self.grammar_backend)
         if self.dtype not in DTYPES:
             bad("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -512,6 +516,11 @@ class ServerArgs:
         """A PD server whose bootstrap and ZMQ control endpoints (bound to ``host``) are reachable
         from other hosts."""
         return self.disaggregation_mode != "null" and not is_loopback(self.host)
+
+    def start_notes(self) -> list[str]:
+        """Defaults this configuration could not have on this host, and what it uses instead
+        (logged at start-up)."""
+        return [self._grammar_note] if getattr(self, "_grammar_note", "") else []
 
     def exposure_warnings(self) -> list[str]:
         """What this configuration leaves open to the network (logged prominently at start-up)."""

@@ -52,6 +52,8 @@ class Engine:
             kwargs["model_path"] = model_path
         self.server_args = ServerArgs.from_kwargs(**kwargs)
         a = self.server_args
+        for note in a.start_notes():
+            logger.warning("%s", note)
         if a.world_size != 1:
             name = "tp_size" if a.tp_size != 1 else "pp_size"
             raise ValueError(

@@ -10,6 +10,7 @@ plus the rule that it starts after the reasoning ends; ``mask.apply_bitmask`` ap
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -83,6 +84,26 @@ BACKENDS = {
     "xgrammar": "pdserve.grammar.xgrammar_backend:XGrammarBackend",
     "llguidance": "pdserve.grammar.llguidance_backend:LLGuidanceBackend",
 }
+
+
+# --grammar-backend -> the package it imports; llguidance is a declared dependency of pdserve,
+# xgrammar (the default, as in SGLang) is not: its own dependencies pull a CUDA torch and triton
+PACKAGES = {"xgrammar": "xgrammar", "llguidance": "llguidance"}
+FALLBACK = "llguidance"
+
+
+def resolve_backend(name: str) -> tuple[str, str]:
+    """The engine a server uses for ``--grammar-backend name``, and why it is not ``name`` ("" when
+    it is): an engine whose package is missing gives way to llguidance when that is installed."""
+    package = PACKAGES.get(name)
+    if package is None or importlib.util.find_spec(package) is not None:
+        return name, ""
+    if name != FALLBACK and importlib.util.find_spec(PACKAGES[FALLBACK]) is not None:
+        return FALLBACK, (
+            f"--grammar-backend {name}: the package {package!r} is not installed; structured "
+            f"outputs use {FALLBACK} (pip install {package} to use {name})"
+        )
+    return name, ""
 
 
 def backend_class(name: str) -> "type[GrammarBackend]":

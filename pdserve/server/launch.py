@@ -34,6 +34,18 @@ logger = logging.getLogger(__name__)
 SCHEDULER_READY_TIMEOUT_S = 3600.0
 
 
+# what `pip install pdserve` leaves out, and what each missing package costs
+OPTIONAL_PACKAGES = """\
+optional packages (every default works without them):
+  xgrammar                           --grammar-backend xgrammar (the default); without it structured
+                                     outputs use llguidance, a dependency, and the log says so
+  mooncake-transfer-engine[-non-cuda]  --disaggregation-transfer-backend mooncake, and the
+                                     Mooncake store of --hicache-storage-backend mooncake
+  nixl, nixl-cu12                    --disaggregation-transfer-backend nixl
+  a C++ compiler (g++)               pdserve's CPU kernels; without one, its PyTorch paths
+"""
+
+
 class _Shutdown(Exception):
     """Raised in the main thread by SIGTERM so that cleanup runs."""
 
@@ -43,7 +55,12 @@ def _on_sigterm(signum, frame) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve serve", description="Run a pdserve server.")
+    parser = argparse.ArgumentParser(
+        prog="pdserve serve",
+        description="Run a pdserve server.",
+        epilog=OPTIONAL_PACKAGES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ServerArgs.add_cli_args(parser)
     return parser
 
@@ -60,6 +77,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         role_tag(server_args.role) if node == 0 else f"{server_args.role}-node{node}",
         server_args.log_level,
     )
+    for note in server_args.start_notes():
+        logger.warning("%s", note)
     for warning in server_args.exposure_warnings():
         logger.warning("SECURITY WARNING: %s", warning)
     if server_args.torch_num_threads and "torch" in sys.modules:
