@@ -3,6 +3,8 @@ kernels see on this CPU model, then run pytest with the given arguments.
 
 ``PDSERVE_ARM64_TIERS`` (comma-separated, each one the CPU must have; unset or empty: all it has):
 the tiers at which the tests parametrized over tiers (by conftest's ``isa`` and ``flash_isa``) run.
+``PDSERVE_ARM64_UNTIERED`` (set: comma-separated test ids, empty for none): the only tests without a
+tier parameter that run; unset: all of them.
 """
 
 from __future__ import annotations
@@ -20,18 +22,25 @@ from pdserve import kernels  # noqa: E402
 
 class OnlyTiers:
     """Deselects the tests parametrized with a tier of ``have`` (a parameter's value is its name)
-    other than ``tiers``."""
+    other than ``tiers``; of the tests without a tier parameter, keeps only those whose node id
+    ends with one of ``untiered`` (None: all of them)."""
 
-    def __init__(self, tiers: list[str], have: list[str]):
+    def __init__(self, tiers: list[str], have: list[str], untiered: list[str] | None = None):
+        self.have = set(have)
         self.others = set(have) - set(tiers)
+        self.untiered = untiered
+
+    def _dropped(self, item) -> bool:
+        params = item.callspec.params.values() if hasattr(item, "callspec") else ()
+        tiers = {p for p in params if isinstance(p, str) and p in self.have}
+        if tiers:
+            return bool(tiers & self.others)
+        return self.untiered is not None and not item.nodeid.endswith(tuple(self.untiered))
 
     def pytest_collection_modifyitems(self, config, items):
         keep, drop = [], []
         for item in items:
-            params = item.callspec.params.values() if hasattr(item, "callspec") else ()
-            (drop if any(isinstance(p, str) and p in self.others for p in params) else keep).append(
-                item
-            )
+            (drop if self._dropped(item) else keep).append(item)
         if drop:
             config.hook.pytest_deselected(items=drop)
             items[:] = keep
@@ -59,7 +68,9 @@ def main() -> int:
         )
         return 3
     print(f"tiers tested: {', '.join(tiers)}", flush=True)
-    return pytest.main(sys.argv[1:], plugins=[OnlyTiers(tiers, have)])
+    raw = os.environ.get("PDSERVE_ARM64_UNTIERED")
+    untiered = None if raw is None else [t for t in raw.split(",") if t]
+    return pytest.main(sys.argv[1:], plugins=[OnlyTiers(tiers, have, untiered)])
 
 
 if __name__ == "__main__":

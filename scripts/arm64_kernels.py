@@ -69,9 +69,10 @@ PIP_TARGET = (
 # (and SVE, which the kernels detect but do not use), + dot products, + BF16, I8MM and SVE. Not
 # cortex-a57/a72 (ARMv8.0): torch's libraries execute ARMv8.1 atomics (LSE) as they load.
 QUICK_TIERS = {"a64fx": ("neon",), "neoverse-n1": ("neon_dotprod",), "max": ("neon_bf16",)}
-# tests whose outcome does not depend on the CPU model (the build's OpenMP threads,
-# PDSERVE_CPU_ISA's caps): --quick runs them on the first model only (the first took 95 s on max, at
-# neon_bf16)
+# --quick runs each test without a tier parameter on one model: those whose outcome does not depend
+# on the CPU model (the build's OpenMP threads, PDSERVE_CPU_ISA's caps) on the first (the first took
+# 95 s on max, at neon_bf16), every other one on the last, the most capable, at its best tier; the
+# models before it run only their tier's tests
 QUICK_ONCE = (
     "tests/unit/test_kernel_threads.py::test_two_threads_share_the_work",
     "tests/unit/test_cpu_kernels.py::test_pdserve_cpu_isa_caps_the_kernels_and_the_libraries",
@@ -225,8 +226,15 @@ class Arm64:
             show=True,
         )
 
-    def test(self, cpu: str, tiers: tuple[str, ...], pytest_args: list[str]) -> dict:
-        """One CPU model's pytest run (scripts/arm64_guest.py) at ``tiers`` (empty: all it has)."""
+    def test(
+        self,
+        cpu: str,
+        tiers: tuple[str, ...],
+        pytest_args: list[str],
+        untiered: tuple[str, ...] | None = None,
+    ) -> dict:
+        """One CPU model's pytest run (scripts/arm64_guest.py) at ``tiers`` (empty: all it has);
+        ``untiered``: the only tests without a tier parameter to run (None: all)."""
         t0 = time.monotonic()
         args = [
             "-q",
@@ -240,7 +248,11 @@ class Arm64:
         proc = subprocess.Popen(
             [str(self.python), str(REPO / "scripts/arm64_guest.py"), *args],
             cwd=REPO,
-            env=self.env(cpu, PDSERVE_ARM64_TIERS=",".join(tiers)),
+            env=self.env(
+                cpu,
+                PDSERVE_ARM64_TIERS=",".join(tiers),
+                **({} if untiered is None else {"PDSERVE_ARM64_UNTIERED": ",".join(untiered)}),
+            ),
             text=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -320,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         help="the tier-parametrized tests at each Arm tier once: on "
         + ", ".join(f"{cpu} at {'+'.join(t)}" for cpu, t in QUICK_TIERS.items())
         + " (other models: all their "
-        "tiers); the tests of QUICK_ONCE on the first model only",
+        "tiers); each test without a tier parameter on one model: QUICK_ONCE on the first, "
+        "the others on the last",
     )
     p.add_argument(
         "--jobs", type=int, default=2, help="CPU models tested at once (default %(default)s)"
@@ -358,8 +371,11 @@ def main(argv: list[str] | None = None) -> int:
         runs = {}
         for cpu in reversed(cpus):
             tiers = QUICK_TIERS.get(cpu, ()) if args.quick else ()
+            untiered = None
+            if args.quick and cpu != cpus[-1]:
+                untiered = QUICK_ONCE if cpu == cpus[0] else ()
             once = [f"--deselect={t}" for t in QUICK_ONCE] if args.quick and cpu != cpus[0] else []
-            runs[cpu] = pool.submit(arm.test, cpu, tiers, [*once, *args.pytest_args])
+            runs[cpu] = pool.submit(arm.test, cpu, tiers, [*once, *args.pytest_args], untiered)
         results = {cpu: runs[cpu].result() for cpu in cpus}
     if cpus:
         times.append(("tests", time.monotonic() - t0))

@@ -79,8 +79,9 @@ def publish_dir(tmp: str, dest: str) -> None:
     first, keep theirs."""
     open(os.path.join(tmp, _COMPLETE), "w").close()
     os.chmod(tmp, 0o755)  # mkdtemp makes it private
-    if os.path.exists(dest):
-        shutil.rmtree(dest)  # an incomplete leftover (complete ones are never rebuilt)
+    if os.path.exists(dest) and not is_complete(dest):
+        # an incomplete leftover; a complete one is another process's, which may be reading it
+        shutil.rmtree(dest, ignore_errors=True)
     try:
         os.rename(tmp, dest)
     except OSError:
