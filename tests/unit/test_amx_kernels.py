@@ -336,7 +336,13 @@ def test_attention_on_emulated_tiles_matches_float64(emulated, group, dim, page,
     assert (out.double() - avx512.double()).abs().max().item() < 2e-2
     ops.set_amx_emulation(False)
     ops.set_amx(True)
-    assert torch.equal(avx512, attention(ops, *args, scale, window, sk))
+    again = attention(ops, *args, scale, window, sk)
+    if ops.amx_status()["backend"] == "hardware":
+        # AMX on without emulation runs the hardware tiles here: within the float64 bound (they
+        # differ from the emulated attention in the last bits of a few rows on Sapphire Rapids)
+        assert (again.double() - ref).abs().max().item() < 2e-2
+    else:  # no tiles to run: AMX on without emulation is the AVX-512 kernel
+        assert torch.equal(avx512, again)
 
 
 @pytest.mark.parametrize("window", [0, 37])
