@@ -102,8 +102,12 @@ def test_the_heads_first_draft_is_the_reference(head, request):
         assert draft == reference_first_draft(head, ids, first), i
 
 
-def test_greedy_tokens_and_logprobs_equal_plain_decoding(plain, head, request):
-    spec = engine(head)
+def test_greedy_tokens_and_logprobs_equal_plain_decoding(head, request):
+    # Same bits across batchings only under deterministic inference: a verify step's rows are
+    # another matmul shape than a plain step's, and MKL's float32 kernels on Intel AVX-512 CPUs
+    # round them differently (a greedy token flipped at a near tie there without it).
+    plain = engine(enable_deterministic_inference=True)
+    spec = engine(head, enable_deterministic_inference=True)
     request.node._engine = spec
     ps = prompts(0) + prompts(4)[2:]
     sampled = {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 20, "ignore_eos": True}
