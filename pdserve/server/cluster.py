@@ -173,7 +173,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "server, and decode with --decode-radix-cache, reads and writes (hierarchical cache with "
         "--hicache-storage-backend mooncake); stopped with the cluster",
     )
-    p.add_argument("--ready-timeout", type=float, default=600)
+    p.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=600,
+        help="seconds each server, then the router, may take to answer /health",
+    )
     p.add_argument("--log-level", default="info")
     args, extra = p.parse_known_args(argv)
     if args.num_prefill < 1 or args.num_decode < 1:
@@ -508,7 +513,8 @@ def _run(
         ]
     )
     procs.append(("router", router_url, router))
-    wait_ready(router_url, router, 60, "router")
+    # a loaded host can take a minute to start the router and see every worker healthy
+    wait_ready(router_url, router, args.ready_timeout, "router")
     print(
         f"pdserve cluster ready: {router_url}  "
         f"({args.num_prefill} prefill + {args.num_decode} decode, model {model})",
