@@ -1,9 +1,10 @@
 """CPU attention over the paged pool with pdserve's kernels (``kernels/csrc``); pages are read in
 place, never gathered.
 
-- bf16 compute and KV (on CPUs with avx512_bf16, head_dim a multiple of 16): every row of the batch,
-  decode and prefill alike, in one call of the flash kernel (``flash_attention.cpp``).
-- otherwise (float32, or no avx512_bf16): decode rows by the paged decode kernel
+- bf16 compute and KV (at any tier but scalar: AVX-512 BF16 / AMX, or the 8-lane AVX2 / NEON
+  code; head_dim a multiple of 16): every row of the batch, decode and prefill alike, in one call
+  of the flash kernel (``flash_attention.cpp``).
+- otherwise (float32, or the scalar tier): decode rows by the paged decode kernel
   (``paged_attention.cpp``), extend rows as the torch backend does (SDPA over the new tokens and
   the gathered prefix).
 - a quantized pool (``--kv-cache-dtype int8|fp8_*``, ``engine/kv_quant.py``) goes where its bf16
