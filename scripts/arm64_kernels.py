@@ -100,6 +100,16 @@ DESELECT = (
 )
 
 
+# the host's x86 tier caps (PDSERVE_CPU_ISA and what it sets for the libraries): no Arm CPU has
+# those tiers, and the emulated tests choose theirs with PDSERVE_ARM64_TIERS
+HOST_ONLY = (
+    "PDSERVE_CPU_ISA",
+    "ONEDNN_MAX_CPU_ISA",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "ATEN_CPU_CAPABILITY",
+)
+
+
 class SetupError(RuntimeError):
     """The arm64 environment could not be prepared on this host."""
 
@@ -210,7 +220,7 @@ class Arm64:
         env = {
             k: v
             for k, v in os.environ.items()
-            if not k.startswith(("PYTHON", "QEMU_", "VIRTUAL_ENV"))
+            if not k.startswith(("PYTHON", "QEMU_", "VIRTUAL_ENV")) and k not in HOST_ONLY
         }
         # ninja from /usr/bin; the kernels build into <cache>/kernels, apart from the host's own
         env.update(
