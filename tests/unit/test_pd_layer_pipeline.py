@@ -44,12 +44,30 @@ def close(*schedulers) -> None:
             s.pd.bootstrap_server.shutdown()
 
 
-def timed_forwards(scheduler) -> list[float]:
+def timed_forwards(scheduler, wait_for_a_write: bool = False) -> list[float]:
     """Wall times at which the prefill's forwards returned; each layer made to take 30 ms more
-    (a model whose layers take long enough for a write to finish during the next ones)."""
-    for layer in scheduler.runner.model.model.own_layers:
-        layer.register_forward_hook(lambda *_: time.sleep(0.03))
+    (a model whose layers take long enough for a write to finish during the next ones). With
+    ``wait_for_a_write``, the first forward's last layer also waits (up to 5 s) for a KV write
+    to complete, as a slow model would: a layer-wise prefill's write completes during that wait,
+    a chunk-wise prefill has none under way (it sends after the forward), so the order the test
+    reads does not depend on how fast a loaded host schedules the transfer thread."""
+    role, layers = scheduler.pd.mgr.role, list(scheduler.runner.model.model.own_layers)
     ends, forward = [], scheduler.runner.forward
+
+    def slow(*_):
+        time.sleep(0.03)
+
+    def last(*_):
+        slow()
+        deadline = time.monotonic() + 5
+        while wait_for_a_write and not ends and time.monotonic() < deadline:
+            with role.mgr.lock:
+                if any(w[2] is not None for w in role._written.values()):
+                    return
+            time.sleep(0.005)
+
+    for layer in layers:
+        layer.register_forward_hook(last if layer is layers[-1] else slow)
 
     def timed(fb):
         out = forward(fb)
@@ -92,7 +110,7 @@ def test_layer_wise_transfer_gives_decode_the_same_kv(prompts):
             )
         P, D, bport = pair(**kw)
         try:
-            ends = timed_forwards(P)
+            ends = timed_forwards(P, wait_for_a_write=mode == "layers")
             pairs = serve(P, D, bport, prompts)
             transfers = {t["rid"]: t for t in P.pd.recent_transfers}
             out[mode] = (
