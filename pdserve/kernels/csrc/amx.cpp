@@ -1,5 +1,7 @@
 // AMX detection, the Linux tile permission, the switches and the self-check's state; the emulated
 // tile backend; the Python bindings of all of these (see amx.h for what runs where).
+#include <torch/csrc/utils/pybind.h>  // the tensor type caster of the functions it binds
+
 #include "amx.h"
 
 #include <atomic>

@@ -4,6 +4,8 @@
 // could not be run where the kernels were written (only the emulation runs on a host without
 // AMX), and AMX is then disabled (amx.cpp logs it). The inputs come from a fixed LCG, so the
 // check does not draw from torch's random generator.
+#include <ATen/ATen.h>  // tensor arithmetic of the reference it checks against
+
 #include "amx.h"
 
 #include <sstream>

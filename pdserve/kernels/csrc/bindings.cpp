@@ -1,7 +1,11 @@
 // Python bindings of pdserve's CPU kernels and the run-time ISA checks they dispatch on.
-#include "common.h"
+#include <torch/csrc/utils/pybind.h>  // pybind11 with torch's tensor type caster
 
 #include <string>
+
+#include "common.h"
+
+namespace py = pybind11;
 
 namespace pds {
 

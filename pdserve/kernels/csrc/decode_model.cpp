@@ -9,6 +9,8 @@
 //   h = attention(q, pool) Wo + b
 //   residual += h; x = norm2(residual); h = (silu(x Wg) * (x Wu)) Wd
 // Each row of the batch is one request's new token at position seq_lens[i] - 1.
+#include <torch/csrc/utils/pybind.h>  // pybind11 with torch's tensor type caster
+
 #include "common.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
