@@ -257,9 +257,7 @@ class ServerArgs:
         if self.load_format not in LOAD_FORMATS:
             bad("load_format", f"must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.device == "auto":
-            import torch
-
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.device = "cuda" if envs.cuda_available() else "cpu"
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             bad("device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

@@ -87,3 +87,29 @@ def apply_env_defaults(kwargs: dict[str, Any], defaults: dict[str, Any]) -> None
             kwargs[name] = kind(raw)
         except ValueError as e:
             raise ValueError(f"{env}: cannot parse {raw!r} as {kind.__name__}") from e
+
+
+def cuda_available() -> bool:
+    """``torch.cuda.is_available()``, without importing torch when its build has no GPU support
+    (a CPU wheel: its ``torch/version.py`` names no CUDA or HIP version). Importing torch costs
+    about a CPU second, which the HTTP front end and the router otherwise never spend."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    version = os.path.join(os.path.dirname(spec.origin), "version.py") if spec else ""
+    if spec is not None and spec.origin and os.path.isfile(version):
+        build = importlib.util.spec_from_file_location("pdserve_torch_build", version)
+        module = importlib.util.module_from_spec(build)
+        try:
+            build.loader.exec_module(module)
+        except Exception:  # an unexpected file: ask torch itself
+            module = None
+        if (
+            module is not None
+            and not getattr(module, "cuda", None)
+            and not getattr(module, "hip", None)
+        ):
+            return False
+    import torch
+
+    return torch.cuda.is_available()

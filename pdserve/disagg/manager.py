@@ -16,7 +16,6 @@ one lock each. Nothing here blocks the scheduler on the network.
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 import uuid
@@ -30,20 +29,11 @@ from pdserve.disagg.kv_args import KVArgs
 from pdserve.disagg.messages import AuthError, Message, MessageCodec, ProtocolError
 from pdserve.disagg.poll import KVPoll, StatusTable
 from pdserve.disagg.transfer.base import get_backend
+from pdserve.host import route_ip
 
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.05
-
-
-def route_ip(peer_host: str) -> str:
-    """The local address used to reach ``peer_host`` (no packet is sent)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((peer_host, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
 
 
 def _is_wildcard(host: str) -> bool:

@@ -44,9 +44,8 @@ def output_text(req: Req, tokenizer) -> str:
 
 class Engine:
     def __init__(self, model_path: Optional[str] = None, **kwargs: Any):
-        from transformers import AutoTokenizer
-
         from pdserve.engine.scheduler import Scheduler
+        from pdserve.tokenizer import load_tokenizer
 
         if model_path is not None:
             kwargs["model_path"] = model_path
@@ -62,7 +61,7 @@ class Engine:
             )
         if self.server_args.torch_num_threads:
             torch.set_num_threads(self.server_args.torch_num_threads)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.server_args.tokenizer_path)
+        self.tokenizer = load_tokenizer(self.server_args.tokenizer_path)
         self.scheduler = Scheduler(self.server_args, self.tokenizer)
         self._ids = itertools.count()
 

@@ -29,13 +29,13 @@ from pdserve.engine.kv_tier.tier import make_tier
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.pd_queues import PDQueues
 from pdserve.engine.request import MAX_TOP_LOGPROBS, FinishKind, FinishReason, Req
-from pdserve.engine.routed_experts import refusal as routed_experts_refusal
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.schedule_policy import order_waiting
 from pdserve.engine.speculative import Speculator, tree_mask
 from pdserve.engine.speculative import refusal as speculative_refusal
 from pdserve.engine.stop import check_finish, eos_token_ids
 from pdserve.kv_events import KVEventPublisher, offset_port
+from pdserve.routed_experts_args import refusal as routed_experts_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +77,9 @@ class Scheduler:
         # the tiers below the pool (--enable-hierarchical-cache), fed by the prefix tree
         self.tier = make_tier(args, self.kv, par)
         if tokenizer is None:
-            from transformers import AutoTokenizer
+            from pdserve.tokenizer import load_tokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
+            tokenizer = load_tokenizer(args.tokenizer_path)
         self.tokenizer = tokenizer
         self.eos_ids = eos_token_ids(self.runner.hf_config, tokenizer, args.model_path)
         self.sampler = Sampler(

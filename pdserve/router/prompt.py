@@ -51,9 +51,9 @@ class PromptReader:
                 self._warned = True
             return False
         try:
-            from transformers import AutoTokenizer
+            from pdserve.tokenizer import load_tokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            self.tokenizer = load_tokenizer(path, local_files_only=True)
         except Exception as e:  # a broken or foreign tokenizer: route without prompt matching
             logger.warning(
                 "cannot load the tokenizer from %s (%r): cache-aware routing matches only "

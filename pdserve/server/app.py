@@ -23,7 +23,7 @@ from starlette.responses import Response
 
 import pdserve
 from pdserve.api_key import APIKeyMiddleware
-from pdserve.disagg.transfer.local import host_identity
+from pdserve.host import host_identity
 from pdserve.server import (
     api_schema,
     expert_api,

@@ -18,16 +18,18 @@ and its stage's placement, gathered over the world group.
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import msgspec
 from fastapi import FastAPI
 from prometheus_client import Counter, Gauge
 from starlette.responses import Response
 
-from pdserve.layers.moe.placement import ExpertPlacement, imbalance
 from pdserve.server import http_util
 from pdserve.server.errors import APIError, bad_request
+
+if TYPE_CHECKING:
+    from pdserve.layers.moe.placement import ExpertPlacement
 
 OP = "expert_distribution"
 ACTIONS = ("start", "stop", "dump", "load")
@@ -101,6 +103,9 @@ def summarize(
     info, local: ExpertPlacement, counts: dict[int, list[int]], placement: dict[int, list[int]]
 ) -> dict:
     """Per MoE layer: logical counts, slot counts, tokens per EP rank and their imbalance."""
+    # the scheduler side (the layers use torch, which the HTTP front end does not load)
+    from pdserve.layers.moe.placement import ExpertPlacement, imbalance
+
     p = ExpertPlacement(info.num_experts, local.ep_size, placement, local.num_redundant)
     out: dict[str, dict[str, Any]] = {
         "logical_count": {},

@@ -124,10 +124,10 @@ def _run_ranks_only(client: SchedulerClient) -> int:
 
 
 def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+    from pdserve.tokenizer import load_tokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return load_tokenizer(path)
     except Exception as e:  # any loader failure is a start-up error with its reason
         raise RuntimeError(f"cannot load the tokenizer from {path!r}: {e}") from None
 

@@ -28,10 +28,9 @@ import msgspec
 from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
-from pdserve.disagg.manager import route_ip
-from pdserve.disagg.transfer.local import host_identity
 from pdserve.engine.request import SamplingParams
 from pdserve.grammar import GrammarSpec
+from pdserve.host import host_identity, route_ip
 from pdserve.server import http_util
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.migration_relay import Relay

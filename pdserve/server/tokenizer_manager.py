@@ -20,8 +20,8 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from pdserve.chat_template import ChatTemplateError, chat_input_ids, load_template
 from pdserve.engine.request import PDFields, SamplingParams
-from pdserve.engine.routed_experts import refusal as routed_experts_refusal
 from pdserve.grammar import GrammarSpec, backend_class
+from pdserve.routed_experts_args import refusal as routed_experts_refusal
 from pdserve.server.constraints import grammar_of_sampling
 from pdserve.server.detokenizer import IncrementalDetokenizer
 from pdserve.server.errors import bad_request

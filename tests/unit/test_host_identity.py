@@ -9,7 +9,8 @@ import torch
 
 from pdserve.disagg.transfer import get_backend
 from pdserve.disagg.transfer.base import TransferError
-from pdserve.disagg.transfer.local import LocalBackend, host_identity, shm_allocator
+from pdserve.disagg.transfer.local import LocalBackend, shm_allocator
+from pdserve.host import host_identity
 from pdserve.server.cluster import transfer_backend_for
 
 

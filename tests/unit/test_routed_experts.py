@@ -27,9 +27,9 @@ from pdserve.engine.routed_experts import (
     RoutedExpertsStore,
     decode,
     encode,
-    refusal,
 )
 from pdserve.kv_region import Region
+from pdserve.routed_experts_args import refusal
 
 torch.set_num_threads(1)
 

@@ -40,6 +40,7 @@ from pdserve.disagg.transfer.base import (
     TransferHandle,
 )
 from pdserve.engine.kv_pool import BufferAllocator
+from pdserve.host import host_identity
 
 logger = logging.getLogger(__name__)
 
@@ -55,20 +56,6 @@ def _pidns() -> str:
         return str(os.stat("/proc/self/ns/pid").st_ino)
     except OSError:
         return "0"
-
-
-def host_identity() -> str:
-    """``<boot id>/<network namespace inode>``: equal for two processes on one host."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "unknown-boot"
-    try:
-        net = str(os.stat("/proc/self/ns/net").st_ino)
-    except OSError:
-        net = "unknown-netns"
-    return f"{boot}/{net}"
 
 
 # ---- decode side: segments this process created -------------------------------------------

@@ -132,9 +132,9 @@ class DraftModelProposer(Proposer):
         path = self.runner.args.model_path
         if tokenizer is None or not os.path.exists(os.path.join(path, "tokenizer_config.json")):
             return
-        from transformers import AutoTokenizer
+        from pdserve.tokenizer import load_tokenizer
 
-        theirs = AutoTokenizer.from_pretrained(path).get_vocab()
+        theirs = load_tokenizer(path).get_vocab()
         ours = tokenizer.get_vocab()
         if theirs != ours:
             diff = len(set(theirs.items()) ^ set(ours.items()))
