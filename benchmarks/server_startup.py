@@ -126,8 +126,7 @@ def main() -> int:
         wall = statistics.median(r["wall"] for r in rs)
         names = sorted({n for r in rs for n in r["per"]})
         per = ", ".join(
-            f"{n.strip()}: {statistics.median(r['per'].get(n, 0.0) for r in rs):.2f}"
-            for n in names
+            f"{n.strip()}: {statistics.median(r['per'].get(n, 0.0) for r in rs):.2f}" for n in names
         )
         print(f"{str(c):<40} {wall:7.2f} {cpu:7.2f} {cpu / base:6.2f}  {per}")
     return 0
