@@ -273,8 +273,9 @@ void bind_amx(pybind11::module& m) {
   m.def("set_amx", [](bool on) { g_enabled = on; },
         "use the AMX kernels where the CPU has them (default) or never (False: the AVX-512 kernels)");
   m.def("set_amx_emulation", [](bool on) {
-        TORCH_CHECK(!on || (cpu_features() & kAvx512Bf16), "set_amx_emulation: the AMX kernels' code around the tiles is "
-                                                  "AVX-512: this CPU has no avx512_bf16");
+        TORCH_CHECK(!on || use_avx512_bf16(), "set_amx_emulation: the AMX kernels' code around the tiles is AVX-512 BF16: ",
+                    (cpu_features() & kAvx512Bf16) ? "the tier in force (" + isa_tier() + ") is below avx512_bf16"
+                                                   : std::string("this CPU has no avx512_bf16"));
         g_emulate = on;
       },
       "tests: run the AMX kernels on emulated tiles (plain C++), through the same dispatch");
