@@ -71,8 +71,8 @@ def test_stop_handlers_replace_an_inherited_sigint_ignore():
         from pdserve import lifetime
         assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
         lifetime.handle_stop_signals(lifetime.raise_interrupt)
-        print("armed", flush=True)
-        try:
+        try:  # "armed" inside: the signal may come as soon as the line is written
+            print("armed", flush=True)
             time.sleep(60)
         except KeyboardInterrupt as e:
             print("interrupted by", e, flush=True)
