@@ -6,6 +6,7 @@ environment, the environment wins over the built-in default.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -89,27 +90,32 @@ def apply_env_defaults(kwargs: dict[str, Any], defaults: dict[str, Any]) -> None
             raise ValueError(f"{env}: cannot parse {raw!r} as {kind.__name__}") from e
 
 
+@functools.cache
 def cuda_available() -> bool:
     """``torch.cuda.is_available()``, without importing torch when its build has no GPU support
     (a CPU wheel: its ``torch/version.py`` names no CUDA or HIP version). Importing torch costs
     about a CPU second, which the HTTP front end and the router otherwise never spend."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("torch")
-    version = os.path.join(os.path.dirname(spec.origin), "version.py") if spec else ""
-    if spec is not None and spec.origin and os.path.isfile(version):
-        build = importlib.util.spec_from_file_location("pdserve_torch_build", version)
-        module = importlib.util.module_from_spec(build)
-        try:
-            build.loader.exec_module(module)
-        except Exception:  # an unexpected file: ask torch itself
-            module = None
-        if (
-            module is not None
-            and not getattr(module, "cuda", None)
-            and not getattr(module, "hip", None)
-        ):
-            return False
+    build = _torch_build()
+    if build is not None and not (getattr(build, "cuda", None) or getattr(build, "hip", None)):
+        return False
     import torch
 
     return torch.cuda.is_available()
+
+
+def _torch_build():
+    """torch's ``version.py`` run on its own (torch itself not imported), or None when it cannot
+    be found or run."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return None
+    path = os.path.join(os.path.dirname(spec.origin), "version.py")
+    build = importlib.util.spec_from_file_location("pdserve_torch_build", path)
+    try:
+        module = importlib.util.module_from_spec(build)
+        build.loader.exec_module(module)
+    except Exception:  # missing or unexpected: ask torch itself
+        return None
+    return module

@@ -29,18 +29,16 @@ _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", "
 def load_tokenizer(path: str, **kwargs: Any):
     """``AutoTokenizer.from_pretrained(path, **kwargs)``, or the class it chose for these files
     before (see the module docstring)."""
+    from transformers import TokenizersBackend
+
     key = _key(path, kwargs)
     record = _records() / key if key else None
     if record is not None and _read(record) == GENERIC:
-        from transformers import TokenizersBackend
-
         return TokenizersBackend.from_pretrained(path, **kwargs)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     if record is not None:
-        from transformers import TokenizersBackend
-
         cls = type(tokenizer)
         _write(record, GENERIC if cls is TokenizersBackend else f"{cls.__module__}.{cls.__name__}")
     return tokenizer
