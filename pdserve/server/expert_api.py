@@ -18,7 +18,7 @@ and its stage's placement, gathered over the world group.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import msgspec
 from fastapi import FastAPI
@@ -27,9 +27,6 @@ from starlette.responses import Response
 
 from pdserve.server import http_util
 from pdserve.server.errors import APIError, bad_request
-
-if TYPE_CHECKING:
-    from pdserve.layers.moe.placement import ExpertPlacement
 
 OP = "expert_distribution"
 ACTIONS = ("start", "stop", "dump", "load")
@@ -59,7 +56,7 @@ def scheduler_control(loop, args: dict) -> dict:
         rec.stop()
         return {"recording": False}
     counts, placement = _gather(loop.world, rec.report(window=action == "dump"))
-    summary = summarize(rec.info, rec.placement, counts, placement)
+    summary = rec.summary(counts, placement)
     if action == "load":
         return {"logical_count": summary["logical_count"], "imbalance": summary["imbalance"]}
     rec.restart_window()
@@ -97,32 +94,6 @@ def _gather(world, mine: dict) -> tuple[dict[int, list[int]], dict[int, list[int
                 acc[i] += c
         placement.update({int(k): v for k, v in part["placement"].items()})
     return counts, placement
-
-
-def summarize(
-    info, local: ExpertPlacement, counts: dict[int, list[int]], placement: dict[int, list[int]]
-) -> dict:
-    """Per MoE layer: logical counts, slot counts, tokens per EP rank and their imbalance."""
-    # the scheduler side (the layers use torch, which the HTTP front end does not load)
-    from pdserve.layers.moe.placement import ExpertPlacement, imbalance
-
-    p = ExpertPlacement(info.num_experts, local.ep_size, placement, local.num_redundant)
-    out: dict[str, dict[str, Any]] = {
-        "logical_count": {},
-        "physical_count": {},
-        "placement": {},
-        "rank_load": {},
-        "imbalance": {},
-    }
-    for layer in sorted(counts):
-        key, slots = str(layer), counts[layer]
-        loads = p.rank_loads(layer, slots)
-        out["logical_count"][key] = p.logical_counts(layer, slots)
-        out["physical_count"][key] = slots
-        out["placement"][key] = placement[layer]
-        out["rank_load"][key] = loads
-        out["imbalance"][key] = round(imbalance(loads), 6)
-    return out
 
 
 # ---- front end -----------------------------------------------------------------------------------

@@ -19,11 +19,11 @@ friends): a dump returns the window and starts a new one.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-from pdserve.layers.moe.placement import ExpertPlacement, MoEModelInfo, to_physical
+from pdserve.layers.moe.placement import ExpertPlacement, MoEModelInfo, imbalance, to_physical
 
 
 class ExpertRecorder:
@@ -89,3 +89,25 @@ class ExpertRecorder:
                 str(layer): self.placement.physical_to_logical[layer] for layer in layers
             },
         }
+
+    def summary(self, counts: dict[int, list[int]], placement: dict[int, list[int]]) -> dict:
+        """Per MoE layer, from every rank's reports (slot counts summed, each stage's placement):
+        logical counts, slot counts, tokens per EP rank and their imbalance."""
+        local = self.placement
+        p = ExpertPlacement(self.info.num_experts, local.ep_size, placement, local.num_redundant)
+        out: dict[str, dict[str, Any]] = {
+            "logical_count": {},
+            "physical_count": {},
+            "placement": {},
+            "rank_load": {},
+            "imbalance": {},
+        }
+        for layer in sorted(counts):
+            key, slots = str(layer), counts[layer]
+            loads = p.rank_loads(layer, slots)
+            out["logical_count"][key] = p.logical_counts(layer, slots)
+            out["physical_count"][key] = slots
+            out["placement"][key] = placement[layer]
+            out["rank_load"][key] = loads
+            out["imbalance"][key] = round(imbalance(loads), 6)
+        return out
