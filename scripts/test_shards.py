@@ -4,14 +4,17 @@ and report one total; or turn JUnit XML reports into the suite's time table.
     python3 scripts/test_shards.py run [--shards N] [--report-dir DIR] [-- PYTEST ARGS]
     python3 scripts/test_shards.py table REPORT.xml [...] [--write-durations]
 
-``run`` splits the files by their recorded times (``tests/durations.json``: seconds per file, from
-the last measured run; a file without one counts as ``DEFAULT_S`` of its folder), longest first
-onto the least loaded shard, so the shards end together. Each shard is a plain pytest process: it
-collects only its own files, so session fixtures (servers, clusters) start once per shard and end
-after their last test there (tests/helpers/last_use.py), and ports, checkpoints and caches are safe
-between processes (tests/helpers/ports.py, checkpoints.py). Files that must not run beside each
-other share a shard (``TOGETHER``). Each shard's output is shown when it ends; the last line
-totals them, and the exit status is non-zero if any shard failed.
+``run`` starts N pytest processes that share one queue of the test files
+(tests/helpers/file_queue.py): each collects every file and takes the next file whenever it ends
+one, so the processes end within one file of each other even when a file's time shifts with what
+runs beside it. The queue holds the longest files first, by their recorded times
+(``tests/durations.json``: seconds per file, from the last measured run; a file without one counts
+as ``DEFAULT_S`` of its folder). Session fixtures (servers, clusters) start at most once per
+process and stop when no file left in the queue uses them (tests/helpers/last_use.py); ports,
+checkpoints and caches are safe between processes (tests/helpers/ports.py, checkpoints.py). Files
+that must not run beside each other are one unit of the queue (``TOGETHER``). Each process's
+output is shown when it ends; the last line totals them, and the exit status is non-zero if any
+failed.
 
 ``table`` prints a Markdown table of seconds per file and per folder from JUnit reports (pytest
 ``--junitxml``), and with ``--write-durations`` records the per-file times for ``run``.
@@ -31,6 +34,9 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from tests.helpers.file_queue import QUEUE_ENV, write_queue  # noqa: E402
+
 DURATIONS = REPO / "tests/durations.json"
 # a file without a recorded time: end-to-end files start servers, the others mostly do not
 DEFAULT_S = {"tests/e2e": 60.0, "tests/conformance": 60.0}
@@ -58,21 +64,14 @@ def estimate(path: str, seconds: dict[str, float]) -> float:
     return DEFAULT_S.get(str(Path(path).parent), DEFAULT_OTHER_S)
 
 
-def split(files: list[str], shards: int, seconds: dict[str, float]) -> list[list[str]]:
-    """Units (a file, or the files of one TOGETHER pattern) longest first onto the least loaded
-    shard; each shard's files in path order."""
+def queue_units(files: list[str], seconds: dict[str, float]) -> list[list[str]]:
+    """Units (a file, or the files of one TOGETHER pattern), longest first."""
     units: dict[str, list[str]] = defaultdict(list)
     for f in files:
         key = next((p.pattern for p in TOGETHER if p.search(f)), f)
         units[key].append(f)
-    load = [0.0] * shards
-    out: list[list[str]] = [[] for _ in range(shards)]
     cost = {k: sum(estimate(f, seconds) for f in fs) for k, fs in units.items()}
-    for key in sorted(units, key=lambda k: (-cost[k], k)):
-        i = load.index(min(load))
-        load[i] += cost[key]
-        out[i] += units[key]
-    return [sorted(s) for s in out if s]
+    return [sorted(units[k]) for k in sorted(units, key=lambda k: (-cost[k], k))]
 
 
 def counts(report: Path) -> dict[str, int]:
@@ -97,28 +96,36 @@ def counts(report: Path) -> dict[str, int]:
 
 def run(args: argparse.Namespace) -> int:
     files = test_files()
-    shards = split(files, max(1, args.shards), recorded())
+    seconds = recorded()
+    units = queue_units(files, seconds)
+    shards = range(max(1, min(args.shards, len(units))))
     out_dir = Path(args.report_dir or os.environ.get("PDSERVE_TEST_REPORTS") or "/tmp")
     out_dir = out_dir / f"pdserve-test-shards-{os.getpid()}"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    seconds = recorded()
+    write_queue(out_dir / "queue", units)
+    total_s = sum(estimate(f, seconds) for f in files)
+    print(
+        f"{len(files)} files in a queue of {len(units)} units for {len(shards)} processes, "
+        f"about {total_s:.0f} s in all as last measured",
+        flush=True,
+    )
+    env = {**os.environ, QUEUE_ENV: str(out_dir / "queue")}
     procs = []
     t0 = time.monotonic()
-    for i, part in enumerate(shards):
-        est = sum(estimate(f, seconds) for f in part)
-        print(f"shard {i}: {len(part)} files, about {est:.0f} s as last measured", flush=True)
+    for i in shards:
         log = open(out_dir / f"shard{i}.log", "wb")
         cmd = [
             sys.executable,
             "-m",
             "pytest",
             *PYTEST,
+            "-p",
+            "tests.helpers.file_queue",
             f"--junitxml={out_dir / f'shard{i}.xml'}",
             *args.pytest_args,
-            *part,
+            *files,
         ]
         procs.append(
-            (i, subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT), log)
+            (i, subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env), log)
         )
     codes = {}
     for i, p, log in procs:

@@ -33,11 +33,12 @@ _SHAPE_FIELDS = (
 
 
 def load_config(model_path: str):
+    """The checkpoint's configuration as ``AutoConfig`` reads it (recorded: models/hf_config.py)."""
     if not os.path.isdir(model_path):
         raise FileNotFoundError(f"model_path: {model_path!r} is not a directory")
-    from transformers import AutoConfig
+    from pdserve.models.hf_config import load_hf_config
 
-    return AutoConfig.from_pretrained(model_path, local_files_only=True)
+    return load_hf_config(model_path)
 
 
 def resolve_dtype(hf_config, dtype: str = "auto") -> torch.dtype:

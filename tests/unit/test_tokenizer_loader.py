@@ -13,6 +13,7 @@ import sys
 import pytest
 from transformers import AutoTokenizer, TokenizersBackend
 
+from pdserve import records
 from pdserve import tokenizer as loader
 from tests.helpers.checkpoints import smollm2_tokenizer_dir
 
@@ -120,8 +121,8 @@ def test_edited_files_are_decided_again(tmp_path, cache):
 
 
 def test_hub_ids_and_object_arguments_are_not_recorded(tmp_path, cache):
-    assert loader._key("org/model-name", {}) == ""
+    assert records.key("org/model-name", {}) == ""
     d = checkpoint(tmp_path, "llama")
-    assert loader._key(str(d), {"local_files_only": True})
-    assert loader._key(str(d), {"local_files_only": True}) != loader._key(str(d), {})
-    assert loader._key(str(d), {"config": object()}) == ""
+    assert records.key(str(d), {"local_files_only": True})
+    assert records.key(str(d), {"local_files_only": True}) != records.key(str(d), {})
+    assert records.key(str(d), {"config": object()}) == ""
