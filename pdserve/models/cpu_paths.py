@@ -39,9 +39,11 @@ class CpuPathsMixin:
         """Prepack every matmul for bf16 on CPU, or int8 with ``quantization="w8a8_int8"`` (the LM
         head stays bf16); with ``batch_invariant`` the matmuls of a float32 model too
         (``PackedF32``); see ``layers/linear.py``. Returns packed bytes."""
-        # the weights' dtype (a later pipeline stage has no embedding)
+        # the weights' dtype (a later pipeline stage has no embedding; a layer loaded quantized
+        # has its matmul already)
         dtype = next(
-            (m.weight.dtype for m in self.modules() if isinstance(m, Linear)), torch.bfloat16
+            (m.weight.dtype for m in self.modules() if isinstance(m, Linear) and m.impl is None),
+            torch.bfloat16,
         )
         total = prepack_linears(
             self,
@@ -78,6 +80,12 @@ class CpuPathsMixin:
             return False  # its MLP kernel is SiLU-and-mul
         if not all(_stack_runs(layer) for layer in self.model.own_layers):
             return False
+        if any(
+            not isinstance(m.impl, (PackedBF16, PackedW8A8))
+            for m in self.model.modules()
+            if isinstance(m, Linear)
+        ):
+            return False  # its matmuls are the bf16 and int8 ones (not quantized checkpoints')
         first = self.model.layers[0].self_attn
         # batch invariant: the GEMV kernel at every batch size, as the layer-by-layer path runs
         stack = ops.DecodeModel(

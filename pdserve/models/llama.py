@@ -494,13 +494,14 @@ class LlamaForCausalLM(CpuPathsMixin, nn.Module):
         parts = {ours: theirs for theirs, ours in self.checkpoint_renames.items()}
         return {renamed_part(renamed(n, back), parts) for n in checkpoint_weight_names(self)}
 
+    def own_weight_name(self, name: str) -> str:
+        """A checkpoint weight's name as this model's loader reads it (its renames applied)."""
+        return renamed_part(renamed(name, self.checkpoint_prefixes), self.checkpoint_renames)
+
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy HF-named weights (tensors or safetensors slices) into this rank's shard."""
         if self.checkpoint_prefixes or self.checkpoint_renames:
-            weights = (
-                (renamed_part(renamed(n, self.checkpoint_prefixes), self.checkpoint_renames), w)
-                for n, w in weights
-            )
+            weights = ((self.own_weight_name(n), w) for n, w in weights)
         load_weights(self, weights, self.shards, tied_head=self.tie_word_embeddings)
 
 

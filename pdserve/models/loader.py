@@ -14,6 +14,7 @@ from torch import nn
 
 from pdserve.distributed import SINGLE, Parallel, TPGroup
 from pdserve.models.registry import model_class
+from pdserve.quantization.registry import weight_format
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,28 @@ def iter_safetensors(model_path: str) -> Iterator[tuple[str, Any]]:
                 yield key, st.get_slice(key)
 
 
+def checkpoint_tensors(model_path: str) -> dict[str, tuple[str, list[int]]]:
+    """Every safetensors tensor's dtype (as safetensors names it: ``BF16``, ``F8_E4M3``, ...) and
+    shape, read from the files' headers only ({} for a ``pytorch_model.bin``)."""
+    index = os.path.join(model_path, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.exists(os.path.join(model_path, SINGLE_FILE)):
+        files = [SINGLE_FILE]
+    else:
+        return {}
+    out = {}
+    for name in files:
+        with open(os.path.join(model_path, name), "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        for key, info in header.items():
+            if key != "__metadata__":
+                out[key] = (info["dtype"], list(info["shape"]))
+    return out
+
+
 def init_dummy_weights(model: nn.Module, std: float, seed: int) -> None:
     """Random weights: normal(0, std) for matrices, ones for norm scales, zeros for biases."""
     gen = torch.Generator().manual_seed(seed)
@@ -120,12 +143,20 @@ def load_model(
     torch_dtype = resolve_dtype(hf_config, dtype)
     with torch.device("meta"):
         model = cls(hf_config, tp=tp, par=par, moe=moe)
-    # parameters are allocated once, uninitialised, in their final dtype and place
+    # parameters are allocated once, uninitialised, in their final dtype and place (a quantized
+    # layer's are replaced before anything is written to them: they never take memory)
     model = model.to(dtype=torch_dtype).to_empty(device=device)
+    fmt = weight_format(hf_config) if load_format != "dummy" else None
     if load_format == "dummy":
         init_dummy_weights(model, getattr(hf_config, "initializer_range", 0.02), seed)
-    else:
+    elif fmt is None:
         model.load_weights(iter_safetensors(model_path))
+    else:
+        tensors = checkpoint_tensors(model_path)
+        fmt.prepare(model, tensors)
+        model.load_weights(fmt.wrap(iter_safetensors(model_path), tensors))
+        fmt.finish(model)
+    model.weight_format = fmt
     model.eval().requires_grad_(False)
     where = (
         f", {par.describe()}"
@@ -135,9 +166,10 @@ def load_model(
         else ""
     )
     logger.info(
-        "loaded %s (%s, %s, %s%s) from %s",
+        "loaded %s (%s%s, %s, %s%s) from %s",
         cls.__name__,
         torch_dtype,
+        f", weights {fmt.describe()}" if fmt is not None else "",
         device,
         load_format,
         where,

@@ -38,6 +38,9 @@ FUSED_ON_DISK = {
 # HF weights that carry no parameters of ours
 # kv scales: the per-layer k_scale / v_scale of fp8 KV caches, read by engine/kv_quant.py
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".k_scale", ".v_scale", ".kv_scale")
+# a projection's tensors shaped like its weight matrix (FP8 block scales are seen that way:
+# quantization/fp8_block.py)
+MATRIX_KINDS = ("weight", "weight_scale_inv")
 
 
 @dataclass(frozen=True)
@@ -162,10 +165,13 @@ class TPShards:
             return _rows(src, self.kv_heads[0] * D, self.kv_heads[1] * D)
         if proj in ("gate_proj", "up_proj"):
             return _rows(src, *self.inter)
+        # a matrix (its weight, or scales a quantized format shows in the weight's coordinates)
+        # splits by columns; a bias is whole on every rank
+        matrix = kind in MATRIX_KINDS
         if proj == "o_proj":
-            return _cols(src, self.heads[0] * D, self.heads[1] * D) if kind == "weight" else src[:]
+            return _cols(src, self.heads[0] * D, self.heads[1] * D) if matrix else src[:]
         if proj == "down_proj":
-            return _cols(src, *self.inter) if kind == "weight" else src[:]
+            return _cols(src, *self.inter) if matrix else src[:]
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             start, end = self.vocab
             part = _rows(src, start, min(end, shape[0]))

@@ -191,9 +191,7 @@ def test_mxfp4_gpt_oss_checkpoints_are_refused(tmp_path):
     config = json.loads((dst / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
     (dst / "config.json").write_text(json.dumps(config))
-    with pytest.raises(
-        ValueError, match="quantization_config: GPT-OSS checkpoints quantized with 'mxfp4'"
-    ):
+    with pytest.raises(ValueError, match="quantization_config.quant_method: 'mxfp4'.*Mxfp4Config"):
         make_engine(str(dst))
 
 

@@ -791,3 +791,128 @@ def build_eagle3_head(target: str, seed: int = 0) -> str:
             json.dump(config, f, indent=2)
 
     return _cached("eagle3", [_RECIPE_VERSION, os.path.realpath(target), seed, "eagle3"], write)
+
+
+# the projections a published FP8 block checkpoint stores quantized (embeddings, norms and the LM
+# head stay in high precision)
+FP8_PROJECTIONS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+)
+
+
+def fp8_block_quantize(
+    w: torch.Tensor, block: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(F8_E4M3 weight, F32 ``weight_scale_inv``) of a 2-D weight as DeepSeek's and Qwen's FP8
+    releases store it: one scale per ``block`` on the ceil grid, ``scale = amax / 448``."""
+    n, k = w.shape
+    bn, bk = block
+    rows, cols = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(rows * bn, cols * bk, dtype=torch.float32)
+    padded[:n, :k] = w.float()
+    blocks = padded.view(rows, bn, cols, bk)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0  # [rows, cols]
+    q = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q.view(rows * bn, cols * bk)[:n, :k].contiguous(), scale.contiguous()
+
+
+def build_fp8_block_checkpoint(
+    src: str, block: tuple[int, int] = (128, 128), scale_fmt: str | None = None, **edits
+) -> str:
+    """``src`` (a tiny checkpoint) with its projections quantized to FP8 e4m3 in 128x128 (or
+    ``block``) blocks, in the layout and ``quantization_config`` of the published FP8 releases;
+    ``scale_fmt="ue8m0"``: scales rounded up to powers of two, as DeepSeek V3.1 / V3.2 store them.
+    ``edits``: a broken variant (``drop``: a tensor left out, ``reshape``: a scale of the wrong
+    shape, ``keep``: a projection's weight left in bf16, ``fmt``: another
+    ``quantization_config.fmt``)."""
+    from safetensors.torch import load_file, save_file
+
+    key = ["fp8-block", src, list(block), scale_fmt, sorted(edits.items())]
+
+    def write(tmp: str) -> None:
+        tensors = load_file(os.path.join(src, "model.safetensors"))
+        out = {}
+        for name, t in tensors.items():
+            proj = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+            kept = name == edits.get("keep")
+            if name.endswith(".weight") and t.dim() == 2 and proj in FP8_PROJECTIONS and not kept:
+                q, scale = fp8_block_quantize(t, block)
+                if scale_fmt == "ue8m0":  # the amax scale rounded up to a power of two
+                    scale = torch.exp2(torch.ceil(torch.log2(scale)))
+                    q = _requantize(t, scale, block)
+                out[name] = q
+                out[name[: -len("weight")] + "weight_scale_inv"] = scale
+            else:
+                out[name] = t.to(torch.bfloat16) if t.is_floating_point() else t
+        if "drop" in edits:
+            del out[edits["drop"]]
+        if "reshape" in edits:
+            name = edits["reshape"]
+            out[name] = torch.cat([out[name], out[name][-1:]])
+        save_file(out, os.path.join(tmp, "model.safetensors"))
+        for name in os.listdir(src):
+            if name not in ("model.safetensors", "config.json"):
+                shutil.copy(os.path.join(src, name), tmp)
+        with open(os.path.join(src, "config.json")) as f:
+            cfg = json.load(f)
+        quant = {
+            "quant_method": "fp8",
+            "fmt": edits.get("fmt", "e4m3"),
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(block),
+        }
+        if scale_fmt:
+            quant["scale_fmt"] = scale_fmt
+        cfg["quantization_config"] = quant
+        cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg, f)
+
+    return _cached("fp8", key, write)
+
+
+def _requantize(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``w`` quantized to F8_E4M3 with the given block scales."""
+    n, k = w.shape
+    bn, bk = block
+    s = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return (w.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def dequantized_checkpoint(src: str) -> str:
+    """An FP8 block checkpoint's weights dequantized to float32 by transformers' own dequantizer
+    (``integrations.finegrained_fp8``), as a plain float32 checkpoint: the reference HF runs."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    def write(tmp: str) -> None:
+        with open(os.path.join(src, "config.json")) as f:
+            cfg = json.load(f)
+        block = cfg.pop("quantization_config")["weight_block_size"]
+        tensors = load_file(os.path.join(src, "model.safetensors"))
+        out = {}
+        for name, t in tensors.items():
+            if name.endswith(".weight_scale_inv"):
+                continue
+            scale = tensors.get(name[: -len("weight")] + "weight_scale_inv")
+            if scale is not None:
+                out[name] = _dequantize_fp8_weight(t, scale, block, torch.float32).contiguous()
+            else:
+                out[name] = t.float()
+        save_file(out, os.path.join(tmp, "model.safetensors"))
+        for name in os.listdir(src):
+            if name not in ("model.safetensors", "config.json"):
+                shutil.copy(os.path.join(src, name), tmp)
+        cfg["torch_dtype"] = cfg["dtype"] = "float32"
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg, f)
+
+    return _cached("fp8-dequantized", ["fp8-dequantized", src], write)

@@ -1,0 +1,52 @@
+"""What a weight format is: a validated spec read from ``quantization_config``, and the three
+steps the loader runs with it (``prepare`` before the weights are copied in, the weights wrapped
+on their way, ``finish`` after)."""
+
+from __future__ import annotations
+
+import fnmatch
+from abc import ABC, abstractmethod
+from typing import Any, Iterable, Iterator
+
+from torch import nn
+
+
+class WeightFormat(ABC):
+    """One checkpoint's quantization. Subclasses are built by ``from_config`` (a ``ValueError``
+    naming the ``quantization_config`` field for what they cannot serve)."""
+
+    method: str = ""  # quantization_config.quant_method
+
+    def __init__(self, ignore: Iterable[str] = ()):
+        self.ignore = tuple(ignore)  # module names or patterns kept in high precision
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, quant: dict[str, Any]) -> "WeightFormat": ...
+
+    def ignores(self, module: str) -> bool:
+        """Whether the checkpoint's config keeps ``module`` (an HF module name) unquantized:
+        listed by name, as a prefix, or by an ``fnmatch`` pattern (``model.layers.*.self_attn``)."""
+        return any(
+            module == p or module.startswith(p + ".") or fnmatch.fnmatchcase(module, p)
+            for p in self.ignore
+        )
+
+    @abstractmethod
+    def prepare(self, model: nn.Module, tensors: dict[str, tuple[str, list[int]]]) -> None:
+        """Give the layers the checkpoint stores quantized the parameters of this format (the
+        model is allocated, not loaded); ``tensors``: every checkpoint tensor's dtype (as
+        safetensors names it) and shape."""
+
+    @abstractmethod
+    def wrap(
+        self, weights: Iterable[tuple[str, Any]], tensors: dict[str, tuple[str, list[int]]]
+    ) -> Iterator[tuple[str, Any]]:
+        """The checkpoint's (name, tensor or slice) pairs as the model's loader reads them."""
+
+    @abstractmethod
+    def finish(self, model: nn.Module) -> int:
+        """After loading: give each quantized layer its matmul; returns the bytes they hold."""
+
+    def describe(self) -> str:
+        return self.method

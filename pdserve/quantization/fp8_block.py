@@ -1,0 +1,258 @@
+"""FP8 block-scaled weights, as DeepSeek-V3, Qwen3 "-FP8", MiniMax-M2 and others publish them:
+``quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+"weight_block_size": [128, 128]}`` (``scale_fmt: "ue8m0"`` when the scales are powers of two);
+each quantized linear stores ``weight`` F8_E4M3 [N, K] and ``weight_scale_inv`` [ceil(N/bn),
+ceil(K/bk)], the weight being ``q * scale_inv`` per block, partial blocks on the ceil grid.
+
+What is held: the checkpoint's FP8 bytes as they are, and the scales expanded to one row per
+output row, ``[N, ceil(K/bk)]`` float32 (4/bk bytes more per weight: 3 % at 128), so a layer
+fused from several projections (q/k/v, gate/up) and a tensor-parallel rank's rows need no row
+alignment. Columns are split over ranks (``o_proj``, ``down_proj``) only on whole blocks: a split
+inside a block is refused, naming the dimension.
+
+The matmul (``Fp8BlockLinear``) dequantizes a panel of output rows at a time into float32
+(``q * scale``, one rounding, as transformers' dequantizer computes it) and multiplies it in the
+activations' dtype: exact weights, no resident dequantized copy."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.quantization.base import WeightFormat
+
+SCALE = "weight_scale_inv"
+FP8_DTYPE = "F8_E4M3"
+SCALE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F8_E8M0": None}
+PANEL_ROWS = 256  # output rows dequantized at once by the matmul
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Fp8Block(WeightFormat):
+    method = "fp8"
+
+    def __init__(self, block: tuple[int, int], scale_fmt: Optional[str], ignore: Iterable[str]):
+        super().__init__(ignore)
+        self.block = block
+        self.scale_fmt = scale_fmt
+
+    @classmethod
+    def from_config(cls, quant: dict[str, Any]) -> "Fp8Block":
+        fmt = quant.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"quantization_config.fmt: {fmt!r} is not supported; supported: e4m3")
+        scheme = quant.get("activation_scheme", "dynamic")
+        if scheme != "dynamic":
+            raise ValueError(
+                f"quantization_config.activation_scheme: {scheme!r} is not supported (static "
+                "activation scales); supported: dynamic"
+            )
+        block = quant.get("weight_block_size")
+        if (
+            not isinstance(block, (list, tuple))
+            or len(block) != 2
+            or not all(isinstance(b, int) and b > 0 for b in block)
+        ):
+            raise ValueError(
+                f"quantization_config.weight_block_size: {block!r}; expected two positive "
+                "integers [rows, columns] (FP8 without blocks, one scale per tensor or channel, "
+                "is not supported)"
+            )
+        scale_fmt = quant.get("scale_fmt")
+        if scale_fmt not in (None, "ue8m0"):
+            raise ValueError(
+                f"quantization_config.scale_fmt: {scale_fmt!r} is not supported; supported: "
+                "ue8m0 or none"
+            )
+        ignore = quant.get("modules_to_not_convert") or quant.get("ignored_layers") or ()
+        return cls((block[0], block[1]), scale_fmt, ignore)
+
+    def describe(self) -> str:
+        bn, bk = self.block
+        return f"fp8 e4m3, {bn}x{bk} blocks" + (", ue8m0 scales" if self.scale_fmt else "")
+
+    # ---- loading -----------------------------------------------------------------------------
+    def prepare(self, model: nn.Module, tensors: dict[str, tuple[str, list[int]]]) -> None:
+        from pdserve.layers.linear import Linear
+        from pdserve.models.weights import FUSED, self_loading_modules
+
+        own_name = getattr(model, "own_weight_name", None)
+        if own_name is None:
+            raise ValueError(
+                f"quantization_config: {type(model).__name__} does not load quantized weights yet"
+            )
+        owners = self_loading_modules(model)
+        holds = getattr(getattr(model, "shards", None), "holds", lambda name: True)
+        quantized: dict[str, list[str]] = {}  # our module path -> its checkpoint weights
+        for name, (dtype, shape) in sorted(tensors.items()):
+            if dtype != FP8_DTYPE:
+                continue
+            if not name.endswith(".weight"):
+                raise ValueError(f"weight {name!r}: an FP8 tensor that is not a layer's weight")
+            if self.ignores(name[: -len(".weight")]):
+                raise ValueError(
+                    f"weight {name!r} is FP8, but quantization_config.modules_to_not_convert "
+                    "keeps its module in high precision"
+                )
+            own = own_name(name)
+            if not holds(own):
+                continue  # another pipeline stage's
+            path = own[: -len(".weight")]
+            parent, _, proj = path.rpartition(".")
+            owner = next((p for p in owners if path.startswith(p + ".") or path == p), None)
+            if owner is not None:
+                raise ValueError(
+                    f"weight {name!r}: FP8 weights of {type(owners[owner]).__name__} "
+                    f"({owner}) are not supported yet"
+                )
+            target = path
+            if proj in FUSED and _submodule(model, path) is None:
+                target = f"{parent}.{FUSED[proj][0]}"
+            module = _submodule(model, target)
+            if not isinstance(module, Linear):
+                what = "no layer" if module is None else f"a {type(module).__name__}"
+                raise ValueError(f"weight {name!r}: FP8, but the model has {what} for it")
+            if len(shape) != 2:
+                raise ValueError(f"weight {name!r}: FP8 weights must be 2-D, got shape {shape}")
+            scale = name[: -len("weight")] + SCALE
+            if scale not in tensors:
+                raise ValueError(f"weight {name!r}: its scale tensor {scale!r} is missing")
+            expected = [cdiv(shape[0], self.block[0]), cdiv(shape[1], self.block[1])]
+            sdtype, sshape = tensors[scale]
+            if list(sshape) != expected:
+                raise ValueError(
+                    f"weight {scale!r}: shape {list(sshape)}, expected {expected} (one per "
+                    f"{self.block[0]}x{self.block[1]} block of {name!r}'s {list(shape)})"
+                )
+            if sdtype not in SCALE_DTYPES:
+                raise ValueError(
+                    f"weight {scale!r}: dtype {sdtype} is not a scale dtype "
+                    f"({', '.join(SCALE_DTYPES)})"
+                )
+            quantized.setdefault(target, []).append(name)
+        for target, names in quantized.items():
+            # a fused layer: every projection stored apart must be FP8, or the one stored fused
+            proj = target.rpartition(".")[2]
+            apart = [p for p, (fused, _) in FUSED.items() if fused == proj]
+            stored_fused = any(own_name(n).endswith(f".{proj}.weight") for n in names)
+            if apart and not stored_fused and len(names) != len(apart):
+                raise ValueError(
+                    f"{target}: of its projections {', '.join(apart)} only "
+                    f"{', '.join(own_name(n).rsplit('.', 2)[-2] for n in names)} are FP8; a "
+                    "fused layer's projections must all be FP8 or none"
+                )
+            self._swap(_submodule(model, target))
+
+    def _swap(self, module: nn.Module) -> None:
+        """Replace the layer's weight by FP8 storage of the same shape, add its row scales."""
+        n, k = module.weight.shape
+        device = module.weight.device
+        module.weight = nn.Parameter(
+            torch.empty((n, k), dtype=torch.float8_e4m3fn, device=device), requires_grad=False
+        )
+        scale = torch.empty((n, cdiv(k, self.block[1])), dtype=torch.float32, device=device)
+        module.register_parameter(SCALE, nn.Parameter(scale, requires_grad=False))
+
+    def wrap(
+        self, weights: Iterable[tuple[str, Any]], tensors: dict[str, tuple[str, list[int]]]
+    ) -> Iterator[tuple[str, Any]]:
+        for name, src in weights:
+            if name.endswith("." + SCALE):
+                weight = name[: -len(SCALE)] + "weight"
+                if weight not in tensors:
+                    raise ValueError(f"weight {name!r}: a scale without its weight {weight!r}")
+                src = BlockScaleView(src, tensors[weight][1], self.block, name)
+            yield name, src
+
+    def finish(self, model: nn.Module) -> int:
+        from pdserve.layers.linear import Linear
+
+        total = 0
+        for module in model.modules():
+            if isinstance(module, Linear) and hasattr(module, SCALE):
+                module.impl = Fp8BlockLinear(module, self.block[1])
+                total += module.impl.nbytes
+        return total
+
+
+def _submodule(model: nn.Module, path: str) -> Optional[nn.Module]:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+class BlockScaleView:
+    """A checkpoint's ``[ceil(N/bn), ceil(K/bk)]`` block scales seen in the weight's own [N, K]
+    coordinates, as the loader shards weights: rows ``a:b`` give each of those rows its block's
+    scales, columns ``c:d`` the blocks they cover (only whole blocks, else ``ValueError``).
+    ``get_shape`` is the weight's, so tensor-parallel slicing needs no rule of its own."""
+
+    def __init__(self, src: Any, weight_shape: list[int], block: tuple[int, int], name: str):
+        self.src, self.shape, self.block, self.name = src, list(weight_shape), block, name
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        rows = index[0] if index else slice(None)
+        cols = index[1] if len(index) > 1 else slice(None)
+        if not isinstance(rows, slice) or not isinstance(cols, slice) or len(index) > 2:
+            raise TypeError(f"{self.name}: only [rows, columns] slices, got {index!r}")
+        (n, k), (bn, bk) = self.shape, self.block
+        a, b, _ = rows.indices(n)
+        c, d, _ = cols.indices(k)
+        if c % bk or (d % bk and d != k):
+            raise ValueError(
+                f"weight {self.name!r}: columns {c}:{d} of {k} split a {bk}-wide scale block; "
+                "a tensor-parallel split of the input dimension must fall on whole blocks "
+                "(choose a tp_size that divides it into multiples of the block)"
+            )
+        rb0, rb1 = a // bn, cdiv(b, bn)
+        part = self.src[rb0:rb1, c // bk : cdiv(d, bk)]
+        part = part.to(torch.float32)
+        return part.repeat_interleave(bn, dim=0)[a - rb0 * bn : b - rb0 * bn].contiguous()
+
+
+class Fp8BlockLinear:
+    """``y = x (q * s)^T + b`` for a layer holding FP8 ``weight`` [N, K] and row scales ``s``
+    [N, ceil(K/bk)]: ``PANEL_ROWS`` output rows at a time are dequantized into float32 (one
+    rounding) and multiplied in ``x``'s dtype."""
+
+    def __init__(self, module: nn.Module, block_k: int):
+        self.module = module  # holds the tensors (they stay its parameters)
+        self.block_k = block_k
+        self.bias = module.matmul_bias()
+
+    def dequantized(self, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
+        """Rows ``start:end`` of the weight in float32."""
+        q = self.module.weight[start:end]
+        s = getattr(self.module, SCALE)[start:end]
+        w = q.to(torch.float32)
+        rows, k = w.shape
+        full, rem = divmod(k, self.block_k)
+        w[:, : full * self.block_k].view(rows, full, self.block_k).mul_(s[:, :full, None])
+        if rem:
+            w[:, full * self.block_k :].mul_(s[:, full:])
+        return w
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.module.weight.shape[0]
+        out = x.new_empty(x.shape[:-1] + (n,))
+        for start in range(0, n, PANEL_ROWS):
+            end = min(n, start + PANEL_ROWS)
+            bias = None if self.bias is None else self.bias[start:end].to(x.dtype)
+            out[..., start:end] = F.linear(x, self.dequantized(start, end).to(x.dtype), bias)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        w = self.module.weight
+        return w.numel() * w.element_size() + getattr(self.module, SCALE).numel() * 4

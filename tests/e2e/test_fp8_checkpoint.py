@@ -1,0 +1,219 @@
+"""FP8 block-scaled checkpoints as DeepSeek, Qwen and MiniMax publish them (F8_E4M3 ``weight`` +
+F32 ``weight_scale_inv`` per block, ``quantization_config.quant_method = "fp8"``), written by
+``tests/helpers/checkpoints.py`` from the tiny models and served as they are:
+
+- float32 compute: greedy tokens of HF transformers on the weights its own dequantizer gives,
+  and its logprobs; blocks that divide the shapes, blocks larger than them and ragged ones
+  (partial blocks on the ceil grid), power-of-two (ue8m0) scales; Llama, Qwen2 (biases) and
+  Phi-3 (q/k/v and gate/up stored fused);
+- the bytes held: the checkpoint's FP8 bytes and one scale per output row and column block;
+- a tensor-parallel rank holds its rows and columns of the same weights; a split inside a scale
+  block is refused naming it; broken checkpoints are refused naming the tensor;
+- through PD: an FP8 prefill on 2 ranks and an FP8 decode give HF's tokens, and so does a decode
+  on the unquantized (dequantized) weights of the same model taking the FP8 prefill's KV."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+import pdserve
+from pdserve.distributed import TPGroup
+from pdserve.layers.linear import Linear
+from pdserve.models.loader import load_model
+from pdserve.quantization.fp8_block import Fp8BlockLinear
+from tests.e2e.test_engine import hf_greedy, hf_output_logprobs, prompts_for
+from tests.helpers import cluster as c
+from tests.helpers.checkpoints import (
+    build_fp8_block_checkpoint,
+    build_tiny_checkpoint,
+    dequantized_checkpoint,
+)
+
+NEW = 8
+GREEDY = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+CASES = [
+    ("llama", (128, 128), None),  # blocks larger than every tiny shape: one partial block
+    ("llama", (16, 48), None),  # ragged: K = 64 and 96 end inside a block
+    ("llama", (32, 32), "ue8m0"),
+    ("qwen2", (32, 32), None),
+    ("phi3", (16, 32), None),
+]
+
+
+def fp8(arch: str, block=(32, 32), scale_fmt=None, **edits) -> str:
+    return build_fp8_block_checkpoint(build_tiny_checkpoint(arch), block, scale_fmt, **edits)
+
+
+def runner_model(eng):
+    return eng.scheduler.runner.model
+
+
+@pytest.mark.parametrize("arch,block,scale_fmt", CASES, ids=lambda v: str(v))
+def test_greedy_tokens_and_logprobs_equal_hf_on_the_dequantized_weights(
+    arch, block, scale_fmt, request
+):
+    path = fp8(arch, block, scale_fmt)
+    ref = dequantized_checkpoint(path)
+    eng = pdserve.Engine(
+        model_path=path, dtype="float32", torch_num_threads=1, max_total_tokens=8192
+    )
+    request.node._engine = eng
+    layers = [m for m in runner_model(eng).modules() if isinstance(m, Linear)]
+    quantized = [m for m in layers if isinstance(m.impl, Fp8BlockLinear)]
+    assert quantized and all(m.weight.dtype == torch.float8_e4m3fn for m in quantized)
+    assert len(quantized) == len(layers) - 1  # all but the LM head
+    ps = prompts_for(len(arch))[:5]
+    outs = eng.generate(input_ids=ps, sampling_params=GREEDY, return_logprob=True)
+    for ids, out in zip(ps, outs):
+        assert out["output_ids"] == hf_greedy(ref, ids, NEW), f"prompt of {len(ids)} tokens"
+        if arch != "phi3":  # as in test_engine.py: Phi-3's RoPE differs before generation
+            got = [v for v, _, _ in out["meta_info"]["output_token_logprobs"]]
+            want = hf_output_logprobs(ref, ids, out["output_ids"])
+            assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, f"prompt of {len(ids)}"
+
+
+def test_bf16_compute_serves_the_fp8_weights(request):
+    path = fp8("llama")
+    eng = pdserve.Engine(
+        model_path=path, dtype="bfloat16", torch_num_threads=1, max_total_tokens=8192
+    )
+    request.node._engine = eng
+    layers = [m for m in runner_model(eng).modules() if isinstance(m, Linear)]
+    assert any(isinstance(m.impl, Fp8BlockLinear) for m in layers)
+    out = eng.generate(input_ids=prompts_for(1)[0], sampling_params=GREEDY)
+    assert len(out["output_ids"]) == NEW
+
+
+def test_held_bytes_are_the_checkpoints():
+    """The FP8 bytes as stored, and scales expanded to one per row: at most 1.05 times the
+    checkpoint's bytes for these layers (K a multiple of 128, as in the published models)."""
+    src = build_tiny_checkpoint("llama", hidden_size=256, intermediate_size=512, head_dim=64)
+    path = build_fp8_block_checkpoint(src, (128, 128))
+    from pdserve.models.loader import checkpoint_tensors
+
+    tensors = checkpoint_tensors(path)
+    model, _ = load_model(path, dtype="float32")
+    stored = held = 0
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and isinstance(module.impl, Fp8BlockLinear):
+            held += module.impl.nbytes
+    for name, (dtype, shape) in tensors.items():
+        if dtype == "F8_E4M3":
+            scale = tensors[name[: -len("weight")] + "weight_scale_inv"][1]
+            stored += shape[0] * shape[1] + scale[0] * scale[1] * 4
+    assert stored > 0 and held <= 1.05 * stored, (held, stored)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    on_disk = sum(
+        s[0] * (s[1] if len(s) > 1 else 1) * {"F8_E4M3": 1, "F32": 4, "BF16": 2}[d]
+        for d, s in tensors.values()
+    )
+    # the model's other weights come from a bf16 checkpoint into a float32 model: 2 bytes more
+    assert total - held == 2 * (on_disk - stored), (total, held, on_disk, stored)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tensor_parallel_rank_holds_its_part_of_the_same_weights(rank):
+    path = fp8("llama", (16, 16))
+    whole, _ = load_model(path, dtype="float32")
+    part, _ = load_model(path, dtype="float32", tp=TPGroup(rank=rank, size=2))
+    for (name, a), (_, b) in zip(whole.named_modules(), part.named_modules()):
+        if not isinstance(a, Linear) or not isinstance(a.impl, Fp8BlockLinear):
+            continue
+        full, mine = a.impl.dequantized(), b.impl.dequantized()
+        if name.endswith(("o_proj", "down_proj")):  # input columns split
+            cols = full.shape[1] // 2
+            assert torch.equal(mine, full[:, rank * cols : (rank + 1) * cols]), name
+        else:  # output rows split: each projection's own rows, fused in order
+            sizes = a.output_sizes if hasattr(a, "output_sizes") else [full.shape[0]]
+            want, start = [], 0
+            for size in sizes:
+                want.append(full[start + rank * size // 2 : start + (rank + 1) * size // 2])
+                start += size
+            assert torch.equal(mine, torch.cat(want)), name
+
+
+def test_a_split_inside_a_scale_block_is_refused():
+    path = fp8("llama", (128, 128))  # down_proj's 96 columns split 48 / 48 at tp 2
+    with pytest.raises(ValueError, match="down_proj.weight_scale_inv': columns 0:48 of 96 split"):
+        load_model(path, tp=TPGroup(rank=0, size=2))
+
+
+@pytest.mark.parametrize(
+    "edits,message",
+    [
+        (
+            {"drop": "model.layers.0.self_attn.k_proj.weight_scale_inv"},
+            "'model.layers.0.self_attn.k_proj.weight': its scale tensor "
+            "'model.layers.0.self_attn.k_proj.weight_scale_inv' is missing",
+        ),
+        (
+            {"reshape": "model.layers.1.mlp.down_proj.weight_scale_inv"},
+            "'model.layers.1.mlp.down_proj.weight_scale_inv': "
+            "shape \\[3, 3\\], expected \\[2, 3\\]",
+        ),
+        (
+            {"keep": "model.layers.0.self_attn.q_proj.weight"},
+            "qkv_proj: of its projections q_proj, k_proj, v_proj only k_proj, v_proj are FP8",
+        ),
+        ({"fmt": "e5m2"}, "quantization_config.fmt: 'e5m2'"),
+    ],
+)
+def test_broken_checkpoints_are_refused_naming_the_tensor(edits, message):
+    with pytest.raises(ValueError, match=message):
+        load_model(fp8("llama", **edits))
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        ({"quantization": "w8a8_int8"}, "--quantization w8a8_int8: the checkpoint is already"),
+        ({"enable_deterministic_inference": True}, "--enable-deterministic-inference"),
+    ],
+)
+def test_flags_that_do_not_apply_are_refused(flags, message):
+    with pytest.raises(ValueError, match=message):
+        pdserve.Engine(model_path=fp8("llama"), torch_num_threads=1, **flags)
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("fp8-pd")
+    path = fp8("llama", (16, 16))
+    common = ["--dtype", "float32", "--max-total-tokens", "4096", "--page-size", "16"]
+    prefill, _ = c.prefill("P-fp8-tp2", path, logs, *common, "--tp-size", "2")
+    decode = c.decode("D-fp8", path, logs, *common)
+    plain = c.decode("D-plain", dequantized_checkpoint(path), logs, *common)
+    procs = [prefill, decode, plain]
+    routers = []
+    try:
+        c.start_all(procs)
+        routers = [
+            c.router("R-fp8", [prefill], [decode], logs).start(),
+            c.router("R-plain", [prefill], [plain], logs).start(),
+        ]
+        yield path, routers
+    finally:
+        for p in routers + procs:
+            p.stop()
+
+
+def test_pd_fp8_prefill_on_two_ranks_to_fp8_decode_gives_hf_tokens(pd):
+    path, (router, _) = pd
+    ref = dequantized_checkpoint(path)
+    for ids in prompts_for(3)[:4]:
+        r = httpx.post(router.url + "/generate", json={"input_ids": ids, "sampling_params": GREEDY})
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == hf_greedy(ref, ids, NEW), f"prompt of {len(ids)} tokens"
+
+
+def test_pd_fp8_prefill_to_a_decode_on_unquantized_weights(pd):
+    """Same KV layout, weights stored otherwise: accepted. These are the FP8 weights' exact values
+    in float32, so the tokens are HF's too (a bf16 copy would round them: other tokens)."""
+    path, (_, router) = pd
+    ref = dequantized_checkpoint(path)
+    for ids in prompts_for(4)[:3]:
+        r = httpx.post(router.url + "/generate", json={"input_ids": ids, "sampling_params": GREEDY})
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == hf_greedy(ref, ids, NEW), f"prompt of {len(ids)} tokens"
