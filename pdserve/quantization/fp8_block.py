@@ -90,6 +90,7 @@ class Fp8Block(WeightFormat):
         owners = self_loading_modules(model)
         holds = getattr(getattr(model, "shards", None), "holds", lambda name: True)
         quantized: dict[str, list[str]] = {}  # our module path -> its checkpoint weights
+        experts: dict[str, set[str]] = {}  # an MoE layer's experts -> their FP8 weights
         for name, (dtype, shape) in sorted(tensors.items()):
             if dtype != FP8_DTYPE:
                 continue
@@ -107,10 +108,14 @@ class Fp8Block(WeightFormat):
             parent, _, proj = path.rpartition(".")
             owner = next((p for p in owners if path.startswith(p + ".") or path == p), None)
             if owner is not None:
-                raise ValueError(
-                    f"weight {name!r}: FP8 weights of {type(owners[owner]).__name__} "
-                    f"({owner}) are not supported yet"
-                )
+                if not _per_expert(owners[owner]):
+                    raise ValueError(
+                        f"weight {name!r}: FP8 weights of {type(owners[owner]).__name__} "
+                        f"({owner}) are not supported yet"
+                    )
+                self._check_scale(name, shape, tensors)
+                experts.setdefault(owner, set()).add(own[len(owner) + 1 :])
+                continue
             target = path
             if proj in FUSED and _submodule(model, path) is None:
                 target = f"{parent}.{FUSED[proj][0]}"
@@ -120,21 +125,7 @@ class Fp8Block(WeightFormat):
                 raise ValueError(f"weight {name!r}: FP8, but the model has {what} for it")
             if len(shape) != 2:
                 raise ValueError(f"weight {name!r}: FP8 weights must be 2-D, got shape {shape}")
-            scale = name[: -len("weight")] + SCALE
-            if scale not in tensors:
-                raise ValueError(f"weight {name!r}: its scale tensor {scale!r} is missing")
-            expected = [cdiv(shape[0], self.block[0]), cdiv(shape[1], self.block[1])]
-            sdtype, sshape = tensors[scale]
-            if list(sshape) != expected:
-                raise ValueError(
-                    f"weight {scale!r}: shape {list(sshape)}, expected {expected} (one per "
-                    f"{self.block[0]}x{self.block[1]} block of {name!r}'s {list(shape)})"
-                )
-            if sdtype not in SCALE_DTYPES:
-                raise ValueError(
-                    f"weight {scale!r}: dtype {sdtype} is not a scale dtype "
-                    f"({', '.join(SCALE_DTYPES)})"
-                )
+            self._check_scale(name, shape, tensors)
             quantized.setdefault(target, []).append(name)
         for target, names in quantized.items():
             # a fused layer: every projection stored apart must be FP8, or the one stored fused
@@ -148,6 +139,47 @@ class Fp8Block(WeightFormat):
                     "fused layer's projections must all be FP8 or none"
                 )
             self._swap(_submodule(model, target))
+        for path, names in experts.items():
+            module = owners[path]
+            needed = {n for n in module.checkpoint_names() if n.endswith(".weight")}
+            if not needed <= names:
+                missing = sorted(needed - names)[:4]
+                raise ValueError(
+                    f"{path}: some experts' weights are FP8 and others not ({', '.join(missing)} "
+                    "are not); an MoE layer's experts must all be FP8 or none"
+                )
+            self._swap_experts(module)
+
+    def _check_scale(
+        self, name: str, shape: list[int], tensors: dict[str, tuple[str, list[int]]]
+    ) -> None:
+        if len(shape) != 2:
+            raise ValueError(f"weight {name!r}: FP8 weights must be 2-D, got shape {shape}")
+        scale = name[: -len("weight")] + SCALE
+        if scale not in tensors:
+            raise ValueError(f"weight {name!r}: its scale tensor {scale!r} is missing")
+        expected = [cdiv(shape[0], self.block[0]), cdiv(shape[1], self.block[1])]
+        sdtype, sshape = tensors[scale]
+        if list(sshape) != expected:
+            raise ValueError(
+                f"weight {scale!r}: shape {list(sshape)}, expected {expected} (one per "
+                f"{self.block[0]}x{self.block[1]} block of {name!r}'s {list(shape)})"
+            )
+        if sdtype not in SCALE_DTYPES:
+            raise ValueError(
+                f"weight {scale!r}: dtype {sdtype} is not a scale dtype ({', '.join(SCALE_DTYPES)})"
+            )
+
+    def _swap_experts(self, experts: nn.Module) -> None:
+        """FP8 storage for an MoE layer's ``w13`` / ``w2``, and their row scales."""
+        bk = self.block[1]
+        for name in ("w13", "w2"):
+            w = getattr(experts, name)
+            s, n, k = w.shape
+            fp8 = torch.empty((s, n, k), dtype=torch.float8_e4m3fn, device=w.device)
+            setattr(experts, name, nn.Parameter(fp8, requires_grad=False))
+            scale = torch.empty((s, n, cdiv(k, bk)), dtype=torch.float32, device=w.device)
+            experts.register_parameter(f"{name}_scale", nn.Parameter(scale, requires_grad=False))
 
     def _swap(self, module: nn.Module) -> None:
         """Replace the layer's weight by FP8 storage of the same shape, add its row scales."""
@@ -176,9 +208,23 @@ class Fp8Block(WeightFormat):
         total = 0
         for module in model.modules():
             if isinstance(module, Linear) and hasattr(module, SCALE):
-                module.impl = Fp8BlockLinear(module, self.block[1])
+                scale = getattr(module, SCALE)
+                module.impl = Fp8BlockLinear(
+                    module.weight, scale, module.matmul_bias(), self.block[1]
+                )
+                total += module.impl.nbytes
+            elif getattr(module, "w13_scale", None) is not None:
+                module.impl = Fp8Experts(module, self.block[1])
                 total += module.impl.nbytes
         return total
+
+
+def _per_expert(module: nn.Module) -> bool:
+    """An MoE layer's experts stored one 2-D weight per expert and projection (Qwen, DeepSeek,
+    Mixtral): the layouts the FP8 releases use."""
+    from pdserve.layers.moe.experts import FORMATS, Experts
+
+    return isinstance(module, Experts) and module.fmt in FORMATS
 
 
 def _submodule(model: nn.Module, path: str) -> Optional[nn.Module]:
@@ -222,20 +268,23 @@ class BlockScaleView:
 
 
 class Fp8BlockLinear:
-    """``y = x (q * s)^T + b`` for a layer holding FP8 ``weight`` [N, K] and row scales ``s``
-    [N, ceil(K/bk)]: ``PANEL_ROWS`` output rows at a time are dequantized into float32 (one
-    rounding) and multiplied in ``x``'s dtype."""
+    """``y = x (q * s)^T + b`` for FP8 ``weight`` [N, K] and row scales ``scale`` [N,
+    ceil(K/bk)] (a layer's parameters, or one expert's slice of them): ``PANEL_ROWS`` output
+    rows at a time are dequantized into float32 (one rounding) and multiplied in ``x``'s dtype."""
 
-    def __init__(self, module: nn.Module, block_k: int):
-        self.module = module  # holds the tensors (they stay its parameters)
-        self.block_k = block_k
-        self.bias = module.matmul_bias()
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        block_k: int,
+    ):
+        self.weight, self.scale, self.bias, self.block_k = weight, scale, bias, block_k
 
     def dequantized(self, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
         """Rows ``start:end`` of the weight in float32."""
-        q = self.module.weight[start:end]
-        s = getattr(self.module, SCALE)[start:end]
-        w = q.to(torch.float32)
+        w = self.weight[start:end].to(torch.float32)
+        s = self.scale[start:end]
         rows, k = w.shape
         full, rem = divmod(k, self.block_k)
         w[:, : full * self.block_k].view(rows, full, self.block_k).mul_(s[:, :full, None])
@@ -244,7 +293,7 @@ class Fp8BlockLinear:
         return w
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        n = self.module.weight.shape[0]
+        n = self.weight.shape[0]
         out = x.new_empty(x.shape[:-1] + (n,))
         for start in range(0, n, PANEL_ROWS):
             end = min(n, start + PANEL_ROWS)
@@ -254,5 +303,34 @@ class Fp8BlockLinear:
 
     @property
     def nbytes(self) -> int:
-        w = self.module.weight
-        return w.numel() * w.element_size() + getattr(self.module, SCALE).numel() * 4
+        return self.weight.numel() * self.weight.element_size() + self.scale.numel() * 4
+
+
+class Fp8Experts:
+    """An MoE layer's experts (``layers/moe/experts.py``) on FP8 block weights: its reference
+    loop, each expert's two matmuls an ``Fp8BlockLinear`` over its slice of ``w13`` / ``w2``."""
+
+    def __init__(self, experts: nn.Module, block_k: int):
+        self.experts = experts
+
+        def bias(name: str, slot: int):
+            b = getattr(experts, name)
+            return None if b is None else b[slot]
+
+        self.linears = [
+            (
+                Fp8BlockLinear(experts.w13[s], experts.w13_scale[s], bias("b13", s), block_k),
+                Fp8BlockLinear(experts.w2[s], experts.w2_scale[s], bias("b2", s), block_k),
+            )
+            for s in range(experts.num_slots)
+        ]
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros((x.shape[0], self.experts.hidden), dtype=torch.float32)
+        if x.shape[0] == 0 or not bool((ids >= 0).any()):
+            return out
+        return self.experts._loop(x, ids, weights, out, self.linears)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.linears)

@@ -4,8 +4,8 @@ F32 ``weight_scale_inv`` per block, ``quantization_config.quant_method = "fp8"``
 
 - float32 compute: greedy tokens of HF transformers on the weights its own dequantizer gives,
   and its logprobs; blocks that divide the shapes, blocks larger than them and ragged ones
-  (partial blocks on the ceil grid), power-of-two (ue8m0) scales; Llama, Qwen2 (biases) and
-  Phi-3 (q/k/v and gate/up stored fused);
+  (partial blocks on the ceil grid), power-of-two (ue8m0) scales; Llama, Qwen2 (biases), Qwen3 and
+  Phi-3 (q/k/v and gate/up stored fused); Qwen3-MoE's and Mixtral's experts;
 - the bytes held: the checkpoint's FP8 bytes and one scale per output row and column block;
 - a tensor-parallel rank holds its rows and columns of the same weights; a split inside a scale
   block is refused naming it; broken checkpoints are refused naming the tensor;
@@ -38,6 +38,7 @@ CASES = [
     ("llama", (16, 48), None),  # ragged: K = 64 and 96 end inside a block
     ("llama", (32, 32), "ue8m0"),
     ("qwen2", (32, 32), None),
+    ("qwen3", (32, 32), None),  # q/k norms per head
     ("phi3", (16, 32), None),
 ]
 
@@ -72,6 +73,27 @@ def test_greedy_tokens_and_logprobs_equal_hf_on_the_dequantized_weights(
             got = [v for v, _, _ in out["meta_info"]["output_token_logprobs"]]
             want = hf_output_logprobs(ref, ids, out["output_ids"])
             assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, f"prompt of {len(ids)}"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_moe_experts_in_fp8_give_hf_tokens_and_logprobs(arch, request):
+    """Every expert's gate / up / down FP8 (Qwen3-MoE-FP8's layout; Mixtral's w1 / w3 / w2), the
+    router gate in bf16 as published."""
+    path = fp8(arch, (32, 32))
+    ref = dequantized_checkpoint(path)
+    eng = pdserve.Engine(
+        model_path=path, dtype="float32", torch_num_threads=1, max_total_tokens=8192
+    )
+    request.node._engine = eng
+    experts = [m for m in runner_model(eng).modules() if getattr(m, "quantized", False)]
+    assert experts and all(m.w13.dtype == torch.float8_e4m3fn for m in experts)
+    ps = prompts_for(7)[:4]
+    outs = eng.generate(input_ids=ps, sampling_params=GREEDY, return_logprob=True)
+    for ids, out in zip(ps, outs):
+        assert out["output_ids"] == hf_greedy(ref, ids, NEW), f"prompt of {len(ids)} tokens"
+        got = [v for v, _, _ in out["meta_info"]["output_token_logprobs"]]
+        want = hf_output_logprobs(ref, ids, out["output_ids"])
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, f"prompt of {len(ids)}"
 
 
 def test_bf16_compute_serves_the_fp8_weights(request):

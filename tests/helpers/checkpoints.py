@@ -805,6 +805,9 @@ FP8_PROJECTIONS = (
     "down_proj",
     "qkv_proj",
     "gate_up_proj",
+    "w1",  # Mixtral's experts
+    "w2",
+    "w3",
 )
 
 

@@ -98,7 +98,7 @@ def fp8_layer(n: int, k: int, block: tuple[int, int], scale: torch.Tensor, q: to
     fmt._swap(layer)
     layer.weight.data.copy_(q)
     layer.weight_scale_inv.data.copy_(BlockScaleView(scale, [n, k], block, "w")[:])
-    return Fp8BlockLinear(layer, block[1])
+    return Fp8BlockLinear(layer.weight, layer.weight_scale_inv, None, block[1])
 
 
 def random_fp8(n: int, k: int) -> torch.Tensor:

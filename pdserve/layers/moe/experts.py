@@ -157,7 +157,19 @@ class Experts(nn.Module):
             return ["gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"]
         if self.fmt == "granite":
             return ["input_linear.weight", "output_linear.weight"]
-        return [f"{e}.{p}.weight" for e in sorted(set(self.slots)) for p in FORMATS[self.fmt]]
+        kinds = ("weight", "weight_scale_inv") if self.quantized else ("weight",)
+        return [
+            f"{e}.{p}.{kind}"
+            for e in sorted(set(self.slots))
+            for p in FORMATS[self.fmt]
+            for kind in kinds
+        ]
+
+    @property
+    def quantized(self) -> bool:
+        """FP8 block weights (``quantization/fp8_block.py``): ``w13_scale`` / ``w2_scale`` hold
+        each row's block scales."""
+        return getattr(self, "w13_scale", None) is not None
 
     def load_checkpoint(self, name: str, src: Any) -> None:
         """Copy HF weight ``name`` (relative to this module) into every slot holding its expert;
@@ -168,20 +180,23 @@ class Experts(nn.Module):
         if self.fmt == "granite":
             return self._load_granite(name, src)
         parts = name.split(".")
+        kinds = ("weight", "weight_scale_inv") if self.quantized else ("weight",)
         if (
             len(parts) != 3
             or not parts[0].isdigit()
             or parts[1] not in FORMATS[self.fmt]
-            or parts[2] != "weight"
+            or parts[2] not in kinds
         ):
             raise ValueError(f"unexpected expert weight {name!r}")
         gate, up, down = FORMATS[self.fmt]
+        # an FP8 scale is seen in its weight's coordinates: it slices as the weight does
+        w13, w2 = (self.w13, self.w2) if parts[2] == "weight" else (self.w13_scale, self.w2_scale)
         for s in self._local(int(parts[0])):
             if parts[1] == down:
-                self._copy(self.w2.data[s], src[:, i0:i1], name)
+                self._copy(w2.data[s], src[:, i0:i1], name)
             else:
                 rows = slice(0, i1 - i0) if parts[1] == gate else slice(i1 - i0, 2 * (i1 - i0))
-                self._copy(self.w13.data[s, rows], src[i0:i1], name)
+                self._copy(w13.data[s, rows], src[i0:i1], name)
 
     def _load_gpt_oss(self, name: str, src: Any) -> None:
         i0, i1 = self.inter
@@ -236,6 +251,8 @@ class Experts(nn.Module):
         packed bytes. Without the kernels the reference runner stays. A float32 model with
         ``batch_invariant`` runs the loop over ``PackedF32`` matmuls (rows independent of each
         other, as the fused kernel's are)."""
+        if self.quantized:  # its matmuls are the weight format's (set at load)
+            return self.impl.nbytes
         if ops is None:
             return 0
         if self.w13.dtype == torch.float32:
