@@ -11,7 +11,8 @@ alignment. Columns are split over ranks (``o_proj``, ``down_proj``) only on whol
 inside a block is refused, naming the dimension.
 
 The matmul (``Fp8BlockLinear``) dequantizes a panel of output rows at a time into float32
-(``q * scale``, one rounding, as transformers' dequantizer computes it) and multiplies it in the
+(each byte's exact value from a table, then ``q * scale``: one rounding, as transformers'
+dequantizer computes it) and multiplies it in the
 activations' dtype: exact weights, no resident dequantized copy."""
 
 from __future__ import annotations
@@ -267,6 +268,20 @@ class BlockScaleView:
         return part.repeat_interleave(bn, dim=0)[a - rb0 * bn : b - rb0 * bn].contiguous()
 
 
+_E4M3_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _widen(q: torch.Tensor) -> torch.Tensor:
+    """FP8 e4m3 -> float32, exactly: a 256-entry table of every byte's value, looked up with
+    ``index_select`` (on one CPU thread 4x faster than PyTorch's elementwise conversion)."""
+    table = _E4M3_TABLES.get(q.device)
+    if table is None:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+        table = _E4M3_TABLES[q.device] = codes.to(torch.float32).to(q.device)
+    codes = q.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
+    return table.index_select(0, codes).view(q.shape)
+
+
 class Fp8BlockLinear:
     """``y = x (q * s)^T + b`` for FP8 ``weight`` [N, K] and row scales ``scale`` [N,
     ceil(K/bk)] (a layer's parameters, or one expert's slice of them): ``PANEL_ROWS`` output
@@ -283,7 +298,7 @@ class Fp8BlockLinear:
 
     def dequantized(self, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
         """Rows ``start:end`` of the weight in float32."""
-        w = self.weight[start:end].to(torch.float32)
+        w = _widen(self.weight[start:end])
         s = self.scale[start:end]
         rows, k = w.shape
         full, rem = divmod(k, self.block_k)
