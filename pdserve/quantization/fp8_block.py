@@ -12,8 +12,9 @@ inside a block is refused, naming the dimension.
 
 The matmul (``Fp8BlockLinear``) dequantizes a panel of output rows at a time into float32
 (each byte's exact value from a table, then ``q * scale``: one rounding, as transformers'
-dequantizer computes it) and multiplies it in the
-activations' dtype: exact weights, no resident dequantized copy."""
+dequantizer computes it) and multiplies it in the activations' dtype: exact weights, no resident
+dequantized copy. MoE experts stored one weight per expert (``Fp8Experts``) run the same matmul
+on each expert's slice."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from pdserve.quantization.base import WeightFormat
 
 SCALE = "weight_scale_inv"
 FP8_DTYPE = "F8_E4M3"
-SCALE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F8_E8M0": None}
+SCALE_DTYPES = ("F32", "BF16", "F8_E8M0")  # as safetensors names them
 PANEL_ROWS = 256  # output rows dequantized at once by the matmul
 
 
