@@ -58,6 +58,18 @@ def resolve_dtype(hf_config, dtype: str = "auto") -> torch.dtype:
     return getattr(torch, value) if isinstance(value, str) else value
 
 
+def _safetensors_files(model_path: str) -> Optional[list[str]]:
+    """The checkpoint's safetensors files (the index's shards, or the single file); None when it
+    has neither."""
+    index = os.path.join(model_path, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+    if os.path.exists(os.path.join(model_path, SINGLE_FILE)):
+        return [SINGLE_FILE]
+    return None
+
+
 def iter_safetensors(model_path: str) -> Iterator[tuple[str, Any]]:
     """(HF name, safetensors slice) for every tensor of ``model.safetensors`` or of the shards
     named by ``model.safetensors.index.json`` (or tensors of a ``pytorch_model.bin``). A slice reads
@@ -65,19 +77,14 @@ def iter_safetensors(model_path: str) -> Iterator[tuple[str, Any]]:
     on it."""
     from safetensors import safe_open
 
-    index = os.path.join(model_path, INDEX_FILE)
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.exists(os.path.join(model_path, SINGLE_FILE)):
-        files = [SINGLE_FILE]
-    elif os.path.exists(os.path.join(model_path, TORCH_FILE)):
+    files = _safetensors_files(model_path)
+    if files is None and os.path.exists(os.path.join(model_path, TORCH_FILE)):
         # PyTorch's format, as EAGLE heads are published: tensors only (weights_only), mapped
         yield from torch.load(
             os.path.join(model_path, TORCH_FILE), map_location="cpu", weights_only=True, mmap=True
         ).items()
         return
-    else:
+    if files is None:
         raise FileNotFoundError(
             f"{model_path}: none of {SINGLE_FILE}, {INDEX_FILE} or {TORCH_FILE} found"
         )
@@ -90,16 +97,8 @@ def iter_safetensors(model_path: str) -> Iterator[tuple[str, Any]]:
 def checkpoint_tensors(model_path: str) -> dict[str, tuple[str, list[int]]]:
     """Every safetensors tensor's dtype (as safetensors names it: ``BF16``, ``F8_E4M3``, ...) and
     shape, read from the files' headers only ({} for a ``pytorch_model.bin``)."""
-    index = os.path.join(model_path, INDEX_FILE)
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.exists(os.path.join(model_path, SINGLE_FILE)):
-        files = [SINGLE_FILE]
-    else:
-        return {}
     out = {}
-    for name in files:
+    for name in _safetensors_files(model_path) or ():
         with open(os.path.join(model_path, name), "rb") as f:
             size = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(size))
@@ -156,7 +155,6 @@ def load_model(
         fmt.prepare(model, tensors)
         model.load_weights(fmt.wrap(iter_safetensors(model_path), tensors))
         fmt.finish(model)
-    model.weight_format = fmt
     model.eval().requires_grad_(False)
     where = (
         f", {par.describe()}"

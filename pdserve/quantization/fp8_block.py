@@ -125,8 +125,6 @@ class Fp8Block(WeightFormat):
             if not isinstance(module, Linear):
                 what = "no layer" if module is None else f"a {type(module).__name__}"
                 raise ValueError(f"weight {name!r}: FP8, but the model has {what} for it")
-            if len(shape) != 2:
-                raise ValueError(f"weight {name!r}: FP8 weights must be 2-D, got shape {shape}")
             self._check_scale(name, shape, tensors)
             quantized.setdefault(target, []).append(name)
         for target, names in quantized.items():

@@ -21,7 +21,7 @@ import torch
 import pdserve
 from pdserve.distributed import TPGroup
 from pdserve.layers.linear import Linear
-from pdserve.models.loader import load_model
+from pdserve.models.loader import checkpoint_tensors, load_model
 from pdserve.quantization.fp8_block import Fp8BlockLinear
 from tests.e2e.test_engine import hf_greedy, hf_output_logprobs, prompts_for
 from tests.helpers import cluster as c
@@ -113,12 +113,10 @@ def test_held_bytes_are_the_checkpoints():
     checkpoint's bytes for these layers (K a multiple of 128, as in the published models)."""
     src = build_tiny_checkpoint("llama", hidden_size=256, intermediate_size=512, head_dim=64)
     path = build_fp8_block_checkpoint(src, (128, 128))
-    from pdserve.models.loader import checkpoint_tensors
-
     tensors = checkpoint_tensors(path)
     model, _ = load_model(path, dtype="float32")
     stored = held = 0
-    for name, module in model.named_modules():
+    for module in model.modules():
         if isinstance(module, Linear) and isinstance(module.impl, Fp8BlockLinear):
             held += module.impl.nbytes
     for name, (dtype, shape) in tensors.items():
@@ -221,21 +219,21 @@ def pd(tmp_path_factory):
             p.stop()
 
 
-def test_pd_fp8_prefill_on_two_ranks_to_fp8_decode_gives_hf_tokens(pd):
-    path, (router, _) = pd
+def hf_tokens_through(router, path: str, prompts: list[list[int]]) -> None:
     ref = dequantized_checkpoint(path)
-    for ids in prompts_for(3)[:4]:
+    for ids in prompts:
         r = httpx.post(router.url + "/generate", json={"input_ids": ids, "sampling_params": GREEDY})
         assert r.status_code == 200, r.text
         assert r.json()["output_ids"] == hf_greedy(ref, ids, NEW), f"prompt of {len(ids)} tokens"
+
+
+def test_pd_fp8_prefill_on_two_ranks_to_fp8_decode_gives_hf_tokens(pd):
+    path, (router, _) = pd
+    hf_tokens_through(router, path, prompts_for(3)[:4])
 
 
 def test_pd_fp8_prefill_to_a_decode_on_unquantized_weights(pd):
     """Same KV layout, weights stored otherwise: accepted. These are the FP8 weights' exact values
     in float32, so the tokens are HF's too (a bf16 copy would round them: other tokens)."""
     path, (_, router) = pd
-    ref = dequantized_checkpoint(path)
-    for ids in prompts_for(4)[:3]:
-        r = httpx.post(router.url + "/generate", json={"input_ids": ids, "sampling_params": GREEDY})
-        assert r.status_code == 200, r.text
-        assert r.json()["output_ids"] == hf_greedy(ref, ids, NEW), f"prompt of {len(ids)} tokens"
+    hf_tokens_through(router, path, prompts_for(4)[:3])

@@ -821,10 +821,8 @@ def fp8_block_quantize(
     rows, cols = -(-n // bn), -(-k // bk)
     padded = torch.zeros(rows * bn, cols * bk, dtype=torch.float32)
     padded[:n, :k] = w.float()
-    blocks = padded.view(rows, bn, cols, bk)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0  # [rows, cols]
-    q = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q.view(rows * bn, cols * bk)[:n, :k].contiguous(), scale.contiguous()
+    scale = padded.view(rows, bn, cols, bk).abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+    return _requantize(w, scale, block), scale.contiguous()
 
 
 def build_fp8_block_checkpoint(
