@@ -63,7 +63,9 @@ class ModelRunner:
         # pdserve's CPU kernels (None on CUDA, or when they cannot be built: the PyTorch paths run)
         self.ops = kernels.load() if self.device.type == "cpu" else None
         hf_config = load_config(args.model_path)
-        self._check_weight_format(weight_format(hf_config))
+        fmt = weight_format(hf_config)  # a quantized checkpoint: what it cannot be served with
+        if fmt is not None:
+            fmt.check_flags(args)
         if args.quantization is not None:
             self._check_quantization_possible()
             self.dtype, why = torch.bfloat16, f"--quantization {args.quantization} computes in bf16"
@@ -288,21 +290,6 @@ class ModelRunner:
             else "1.0 (none in the checkpoint)",
         )
         return scales
-
-    def _check_weight_format(self, fmt) -> None:
-        """What a quantized checkpoint cannot be combined with (yet)."""
-        if fmt is None:
-            return
-        if self.args.quantization is not None:
-            raise ValueError(
-                f"--quantization {self.args.quantization}: the checkpoint is already quantized "
-                f"({fmt.describe()}); serve it without --quantization"
-            )
-        if self.args.enable_deterministic_inference:
-            raise ValueError(
-                f"--enable-deterministic-inference: the matmul of {fmt.describe()} weights is not "
-                "batch invariant yet"
-            )
 
     def _agree_on_dtype(self, hf_config) -> tuple[torch.dtype, str]:
         """Rank 0's choice on every rank (a measurement could differ between ranks)."""

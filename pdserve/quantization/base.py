@@ -50,3 +50,16 @@ class WeightFormat(ABC):
 
     def describe(self) -> str:
         return self.method
+
+    def check_flags(self, args: Any) -> None:
+        """Refuse the server flags (``ServerArgs``) these weights cannot be served with (yet)."""
+        if args.quantization is not None:
+            raise ValueError(
+                f"--quantization {args.quantization}: the checkpoint is already quantized "
+                f"({self.describe()}); serve it without --quantization"
+            )
+        if args.enable_deterministic_inference:
+            raise ValueError(
+                f"--enable-deterministic-inference: the matmul of {self.describe()} weights is "
+                "not batch invariant yet"
+            )
