@@ -16,6 +16,7 @@ from typing import Any, Optional
 from pdserve import envs
 from pdserve.hicache_args import check_hicache_args
 from pdserve.moe_args import MOE_A2A_BACKENDS, MOE_RUNNER_BACKENDS, check_moe_args, moe_options
+from pdserve.peers import MigrationPeers
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("local", "fake", "mooncake", "nixl")
@@ -201,6 +202,9 @@ class ServerArgs:
     disaggregation_bootstrap_port: int = 8998
     # decode: the bootstrap port its requests move out on (POST /migrate); 0: any free port
     migration_bootstrap_port: int = 0
+    # decode: the decodes it may move requests to and take them from (pdserve/peers.py): HOST,
+    # HOST:PORT, ADDR/PREFIX or *, comma-separated; none by default
+    migration_peers: Optional[str] = None
     num_reserved_decode_tokens: int = 512
     # decode keeps finished requests' KV in its radix cache; prefill sends only the pages it lacks
     disaggregation_decode_enable_radix_cache: bool = False
@@ -448,6 +452,10 @@ class ServerArgs:
                     f"must be a comma-separated list of ranks in [0, {self.world_size}), "
                     f"got {self.disaggregation_fault_ranks!r}",
                 )
+        try:
+            MigrationPeers(self.migration_peers)
+        except ValueError as e:
+            bad("migration_peers", str(e))
         if self.disaggregation_secret == "":
             bad(
                 "disaggregation_secret",
@@ -528,6 +536,12 @@ class ServerArgs:
                 f"--host {self.host} exposes the bootstrap server and the KV control endpoints "
                 "without --disaggregation-secret: anyone who reaches them can register ranks and "
                 "send control messages (--disaggregation-require-secret refuses to start like this)"
+            )
+        if MigrationPeers(self.migration_peers).any:
+            out.append(
+                "--migration-peers *: POST /migrate and /switch_role's migrate_to connect to any "
+                "host and port their caller names, and /migrate_in to any bootstrap_host; list "
+                "the decodes (or their network) instead"
             )
         if not is_loopback(self.host) and not self.api_key:
             out.append(

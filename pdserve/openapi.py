@@ -31,6 +31,7 @@ SSE_DESCRIPTION = (
 STATUS_TEXT = {
     400: "invalid request (the message names the field)",
     401: "missing or wrong API key",
+    403: "not allowed (the message names what and the flag that would allow it)",
     404: "not found (e.g. an unknown model name)",
     413: "request body too large",
     499: "the client went away",
@@ -53,6 +54,7 @@ class Operation:
     stream: Any = None
     media_type: str = "application/json"
     errors: tuple[int, ...] = (400,)
+    offered: bool = True
 
 
 Docs = dict[tuple[str, str], Operation]  # (method in lower case, path) -> its documentation
@@ -92,7 +94,13 @@ def build(
         **components,
     }
     error_content = {"application/json": {"schema": schema_of[_key(error)]}}
-    for path, methods in spec.get("paths", {}).items():
+    paths = spec.get("paths", {})
+    for (method, path), op in docs.items():
+        if not op.offered and method in paths.get(path, {}):
+            del paths[path][method]
+            if not paths[path]:
+                del paths[path]
+    for path, methods in paths.items():
         for method, operation in methods.items():
             # unique, and stable for client generators (FastAPI repeats one id for each method of a
             # route)
@@ -109,7 +117,8 @@ def install(
     error: type,
     extra_components: Optional[Callable[[], dict[str, dict]]] = None,
 ) -> None:
-    """Serve ``build``'s document as ``app.openapi()`` (so at /openapi.json), built once."""
+    """Serve ``build``'s document as ``app.openapi()`` (so at /openapi.json), built once (again
+    after ``app.openapi_schema = None``: a server whose role changed)."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:

@@ -274,11 +274,17 @@ class Autoscaler:
         if self.args.drain_migrate and move.source == DECODE and others:
             body["migrate_to"] = others  # whatever the router's drain left there moves too
         try:
-            resp = await self.pool.client.post(
-                worker.url + "/switch_role",
-                json=body,
-                timeout=self.args.drain_timeout + SWITCH_EXTRA_S,
-            )
+            resp = await self._switch(worker, body)
+            if resp.status_code == 403 and "migrate_to" in body:
+                # the decode may not move requests to the others (its --migration-peers): the
+                # switch waits for them instead
+                logger.warning(
+                    "autoscale: %s refused migrate_to (%s); switching without moving its requests",
+                    worker.url,
+                    _message(resp),
+                )
+                body.pop("migrate_to")
+                resp = await self._switch(worker, body)
             ok, said = resp.status_code == 200, _message(resp)
         except httpx.HTTPError as e:
             ok, said = False, repr(e)
@@ -304,6 +310,11 @@ class Autoscaler:
             )
         sw.seconds = round(time.monotonic() - t0, 3)
         logger.info("autoscale: %s %s after %.1fs", worker.url, sw.outcome, sw.seconds)
+
+    async def _switch(self, worker: Worker, body: dict) -> httpx.Response:
+        return await self.pool.client.post(
+            worker.url + "/switch_role", json=body, timeout=self.args.drain_timeout + SWITCH_EXTRA_S
+        )
 
 
 def _message(resp: httpx.Response) -> str:

@@ -16,6 +16,7 @@ import msgspec
 
 from pdserve.engine.request import INT64_MAX, INT64_MIN, MAX_TOP_LOGPROBS, SamplingParams
 from pdserve.openapi import Docs, Operation
+from pdserve.peers import MigrationPeers
 from pdserve.server.generate_api import GenerateRequest
 from pdserve.server.openai_protocol import (
     EBNF_PARAM,
@@ -323,7 +324,7 @@ SAMPLING_BOUNDS: dict[str, dict[str, float]] = {
     "temperature": {"minimum": 0},
     "top_p": {"exclusiveMinimum": 0, "maximum": 1},
     "min_p": {"minimum": 0, "maximum": 1},
-    "repetition_penalty": {"exclusiveMinimum": 0},
+    "repetition_penalty": {"minimum": 1e-6, "maximum": 1e6},
     "frequency_penalty": {"minimum": -2, "maximum": 2},
     "presence_penalty": {"minimum": -2, "maximum": 2},
     "n": {"minimum": 1, "maximum": MAX_N},
@@ -343,7 +344,10 @@ def sampling_params_schema() -> dict[str, Any]:
     props["json_schema"] = JSON_SCHEMA_PARAM
     props["regex"] = REGEX_PARAM
     props["ebnf"] = EBNF_PARAM
-    props["top_k"] = {"anyOf": [{"const": -1}, {"type": "integer", "minimum": 1}], "default": -1}
+    props["top_k"] = {
+        "anyOf": [{"const": -1}, {"type": "integer", "minimum": 1, "maximum": INT64_MAX}],
+        "default": -1,
+    }
     props["no_stop_trim"] = {"type": "boolean", "default": False}
     for name, prop in props.items():
         bound = {**prop, **SAMPLING_BOUNDS.get(name, {})}
@@ -372,7 +376,11 @@ def _openai_bounds(component: dict) -> None:
             continue
         if name == "top_k":  # -1 (off) or >= 1
             props[name] = {
-                "anyOf": [{"type": "null"}, {"enum": [-1]}, {"type": "integer", "minimum": 1}]
+                "anyOf": [
+                    {"type": "null"},
+                    {"enum": [-1]},
+                    {"type": "integer", "minimum": 1, "maximum": INT64_MAX},
+                ]
             }
             continue
         for branch in props[name].get("anyOf", [props[name]]):
@@ -396,8 +404,18 @@ def _present_key(name: str) -> dict:
 
 
 def server_facts(tm) -> dict[str, dict]:
-    """Components only the running server knows: its vocabulary, model name and DP groups."""
+    """Components only the running server knows: its vocabulary, model name, DP groups and the
+    decodes it may exchange moved requests with."""
+    peers = MigrationPeers(tm.server_args.migration_peers)
     return {
+        "MigrationTarget": {
+            "description": "a decode's base URL among --migration-peers",
+            **peers.target_schema(),
+        },
+        "MigrationPeerHost": {
+            "description": "a host among --migration-peers",
+            **peers.host_schema(),
+        },
         "TokenId": {"type": "integer", "minimum": 0, "maximum": tm.vocab_size - 1},
         "ModelName": {
             "anyOf": [{"type": "null"}, {"enum": ["", tm.server_args.served_model_name]}]
@@ -410,8 +428,14 @@ def server_facts(tm) -> dict[str, dict]:
 GENERATION_ERRORS = (400, 404, 413, 503)
 
 
-def route_docs() -> Docs:
+def route_docs(tm) -> Docs:
+    """Every route's documentation; those this server answers only with an error as it runs (a
+    feature it was started without, a role it does not have now) are not offered."""
     from pdserve.server.app import AbortRequest  # app imports this module
+
+    args = tm.server_args
+    decode = args.disaggregation_mode == "decode"
+    experts = bool(args.expert_distribution_recorder_mode)
 
     docs: Docs = {
         ("post", "/generate"): Operation(
@@ -448,7 +472,10 @@ def route_docs() -> Docs:
         ("get", "/v1/models"): Operation("The served model", response=ModelList, errors=()),
         ("get", "/get_load"): Operation("Load per DP group", response=list[DPLoad], errors=(503,)),
         ("get", "/kv_events/snapshot"): Operation(
-            "The radix cache as KV events per DP group", response=Object, errors=(404, 503)
+            "The radix cache as KV events per DP group",
+            response=Object,
+            errors=(503,),
+            offered=bool(args.kv_events_endpoint),
         ),
         ("get", "/metrics"): Operation("Prometheus metrics", media_type="text/plain", errors=()),
         ("get", "/debug/integrity"): Operation(
@@ -467,7 +494,10 @@ def route_docs() -> Docs:
         )
         for action in ("start", "stop", "dump"):
             docs[(method, f"/{action}_expert_distribution_record")] = Operation(
-                f"MoE expert load record: {action}", response=Object, errors=(400, 503)
+                f"MoE expert load record: {action}",
+                response=Object,
+                errors=(400, 503),
+                offered=experts,
             )
     from pdserve.server.migrate_api import MigrateBody, MigrateIn
 
@@ -475,20 +505,22 @@ def route_docs() -> Docs:
         "Move running requests to another decode, KV and all (decode only)",
         MigrateBody,
         Object,
-        errors=(400, 404, 409),
+        errors=(400, 403, 409),
+        offered=decode,
     )
     docs[("post", "/migrate_in")] = Operation(
         "Take a request moved from another decode (decode to decode; JSON lines of outputs)",
         MigrateIn,
         Object,
         media_type="application/jsonl",
-        errors=(400, 503),
+        errors=(400, 403, 503),
+        offered=decode,
     )
     docs[("post", "/switch_role")] = Operation(
         "Switch between prefill, decode and colocated, keeping the weights",
         SwitchRoleRequest,
         Object,
-        errors=(400, 409, 500, 503),
+        errors=(400, 403, 409, 500, 503),
     )
     return docs
 
@@ -499,7 +531,7 @@ def install(app, tm) -> None:
     def components() -> dict[str, dict]:
         return {**sampling_params_schema(), **server_facts(tm)}
 
-    openapi.install(app, route_docs, ErrorResponse, components)
+    openapi.install(app, lambda: route_docs(tm), ErrorResponse, components)
     build = app.openapi
 
     def with_openai_bounds() -> dict:

@@ -309,6 +309,16 @@ def _parallel_flags(tp: int, dp: int, pp: int = 1) -> list[str]:
     return flags
 
 
+def migration_peer_flags(host: str, ports: list[int], mine: int, given: list[str]) -> list[str]:
+    """``--migration-peers`` naming the other decodes of the cluster (their requests may move
+    between them: ``router --drain-migrate``, ``POST /migrate``), unless the flags give one."""
+    name = f"[{host}]" if ":" in host else host
+    others = [f"{name}:{p}" for i, p in enumerate(ports) if i != mine]
+    if not others or "--migration-peers" in given:
+        return []
+    return ["--migration-peers", ",".join(others)]
+
+
 def stop_in_order(procs: list[tuple[str, str, subprocess.Popen]]) -> None:
     """The router first (no new requests), then the decode servers (nothing pulls KV any more),
     then the prefill servers, then the store's master (``--kv-store``): each group gets SIGTERM, and
@@ -469,8 +479,10 @@ def _run(
         procs.append((f"prefill-{i}", url, subprocess.Popen(cmd)))
         prefill_specs += ["--prefill", url, str(bport)]
         port, bport = port + 1, bport + 1
-    for j in range(args.num_decode):
-        port = free_port(port)
+    decode_ports = []
+    for _ in range(args.num_decode):
+        decode_ports.append(free_port(decode_ports[-1] + 1 if decode_ports else port))
+    for j, port in enumerate(decode_ports):
         cmd = py + [
             "serve",
             *common,
@@ -481,12 +493,12 @@ def _run(
             *kv_events(),
             *(["--disaggregation-decode-enable-radix-cache"] if args.decode_radix_cache else []),
             *_parallel_flags(args.decode_tp_size, args.decode_dp_size),
+            *migration_peer_flags(args.host, decode_ports, j, [*common, *role_flags["decode"]]),
             *role_flags["decode"],
         ]
         url = f"http://{args.host}:{port}"
         procs.append((f"decode-{j}", url, subprocess.Popen(cmd)))
         decode_urls += ["--decode", url]
-        port += 1
     for name, url, proc in procs:
         if name == "store-master":  # ready already (no HTTP /health)
             continue

@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 _TYPES = {
     400: "invalid_request_error",
+    403: "permission_error",
     404: "not_found_error",
     413: "request_too_large",
     429: "rate_limit_error",

@@ -6,14 +6,18 @@ KV pages, tokens and sampling state move to a target decode over the PD transfer
 (``disagg/migration.py``); with several targets each request goes to the least loaded one
 (``GET /get_load``, plus the requests already given to it). The client's stream goes on through
 this server (``server/migration_relay.py``). Answers ``{"moved": [{rid, target, room}],
-"refused": {rid: why}}``.
-Errors: 400 for a body of the wrong shape, a server that is not a decode, a target that is not
-a decode, this server itself, a target serving another model or KV layout, or one that cannot
-be reached; 404 for an unknown request id; 409 when nothing named could move (the reasons).
+"refused": {rid: why}}``; a named request that does not run here (it ended, or never ran) is
+among the refused.
+Every target is checked before any connection: 400 for one that is not a server's base URL, 403
+for one that is not among ``--migration-peers`` (``pdserve/peers.py``). The targets are
+contacted only when something is to move: 400 for a target that is not a decode, this server
+itself, one serving another model or KV layout, or one that cannot be reached. Other errors: 400
+for a body of the wrong shape or a server that is not a decode; 409 when no named request that
+runs here could move (the reasons).
 
 ``POST /migrate_in`` (decode to decode): the moved request, with ``bootstrap_*`` naming the
-source's migration bootstrap server; answers the scheduler's ``TokenOut`` messages as JSON
-lines until the request ends.
+source's migration bootstrap server (403 unless its host is among ``--migration-peers``); answers
+the scheduler's ``TokenOut`` messages as JSON lines until the request ends.
 """
 
 from __future__ import annotations
@@ -21,19 +25,21 @@ from __future__ import annotations
 import asyncio
 import random
 import urllib.parse
-from typing import Any, Optional, Union
+from typing import Annotated, Any, ClassVar, Optional, Union
 
 import httpx
 import msgspec
 from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
-from pdserve.engine.request import SamplingParams
+from pdserve.engine.request import INT64_MAX, MAX_TOP_LOGPROBS, SamplingParams
 from pdserve.grammar import GrammarSpec
 from pdserve.host import host_identity, route_ip
+from pdserve.peers import MigrationPeers, check_host, parse_target
 from pdserve.server import http_util
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.migration_relay import Relay
+from pdserve.server.openai_protocol import EBNF_TEXT, JSON_SCHEMA_TEXT
 from pdserve.server.tokenizer_manager import ReqSpec, TokenizerManager
 
 INFO_TIMEOUT_S = 5.0
@@ -41,22 +47,67 @@ INFO_TIMEOUT_S = 5.0
 LAYOUT_KEYS = ("model_fingerprint", "page_size", "vocab_size")
 
 
+def _schema(schema: dict) -> Any:
+    return msgspec.Meta(extra_json_schema=schema)
+
+
+# /openapi.json components of the running server (server/api_schema.py, server_facts)
+TARGET = {"$ref": "#/components/schemas/MigrationTarget"}  # a URL among --migration-peers
+PEER_HOST = {"$ref": "#/components/schemas/MigrationPeerHost"}
+TOKEN_IDS = {"type": "array", "items": {"$ref": "#/components/schemas/TokenId"}, "minItems": 1}
+MAX_PORT = 65535
+# a moved request's grammar, as the source decode compiled it: its value as the kind needs
+GRAMMAR_SCHEMA = {
+    "anyOf": [
+        {"type": "null"},
+        *(
+            {
+                "type": "object",
+                "properties": {"kind": {"const": kind}, "value": value},
+                "required": ["kind"],
+            }
+            for kind, value in (
+                ("json_schema", JSON_SCHEMA_TEXT),
+                ("json_object", {"type": "string"}),
+                ("regex", {"type": "string", "minLength": 1, "format": "regex"}),
+                ("ebnf", EBNF_TEXT),
+            )
+        ),
+    ]
+}
+
+
 class MigrateBody(msgspec.Struct, forbid_unknown_fields=True):
+    JSON_SCHEMA: ClassVar[dict[str, Any]] = {
+        "properties": {
+            "target": {"anyOf": [TARGET, {"type": "array", "items": TARGET, "minItems": 1}]}
+        }
+    }
+
     target: Union[str, list[str]]
     rid: Union[str, list[str]] = "all"
 
 
 class MigrateIn(msgspec.Struct):
+    """A moved request (``move`` builds it from the source scheduler's answer)."""
+
+    # what the handler checks beyond the types (openapi.build merges it into the fields)
+    JSON_SCHEMA: ClassVar[dict[str, Any]] = {
+        "properties": {"input_ids": TOKEN_IDS, "output_ids": TOKEN_IDS, "grammar": GRAMMAR_SCHEMA}
+    }
+
     rid: str
     input_ids: list[int]
     output_ids: list[int]
-    sampling_params: dict[str, Any]
-    bootstrap_host: str
-    bootstrap_port: int
-    bootstrap_room: int
+    sampling_params: Annotated[
+        dict[str, Any], _schema({"$ref": "#/components/schemas/SamplingParams"})
+    ]
+    bootstrap_host: Annotated[str, _schema(PEER_HOST)]
+    bootstrap_port: Annotated[int, msgspec.Meta(ge=1, le=MAX_PORT)]
+    bootstrap_room: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
     return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
+    top_logprobs_num: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
+    logprob_start_len: Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)] = -1
     grammar: Optional[GrammarSpec] = None
     grammar_start_after: Optional[list[int]] = None
 
@@ -69,9 +120,22 @@ def reachable_host(host: str, target: str) -> str:
     return route_ip(urllib.parse.urlsplit(target).hostname or "127.0.0.1")
 
 
-def _url(target: str) -> str:
-    t = target.strip().rstrip("/")
-    return t if "://" in t else f"http://{t}"
+def allowed_targets(tm: TokenizerManager, targets: list[str], field: str = "target") -> list[str]:
+    """The targets' base URLs; 400 for one that is no server URL, 403 for one that is not a
+    migration peer. Nothing is resolved or connected."""
+    if not targets:
+        raise bad_request(f"{field}: name at least one decode server")
+    peers = MigrationPeers(tm.server_args.migration_peers)
+    urls = []
+    for text in targets:
+        try:
+            target = parse_target(text)
+        except ValueError as e:
+            raise bad_request(f"{field}: {e}") from None
+        if not peers.allows(target):
+            raise APIError(403, peers.refusal(field, target.url))
+        urls.append(target.url)
+    return urls
 
 
 def _groups(info: dict) -> list:
@@ -108,11 +172,9 @@ async def _check_target(tm: TokenizerManager, client: httpx.AsyncClient, url: st
     return sum(int(g.get("num_reqs", 0)) for g in load if isinstance(g, dict))
 
 
-async def check_targets(tm: TokenizerManager, targets: list[str]) -> tuple[list[str], list[int]]:
-    """The targets' URLs and loads; 400 naming the first that cannot take requests."""
-    if not targets:
-        raise bad_request("target: name at least one decode server")
-    urls = [_url(t) for t in targets]
+async def check_targets(tm: TokenizerManager, urls: list[str]) -> tuple[list[str], list[int]]:
+    """The targets' loads (``urls`` as ``allowed_targets`` gives them); 400 naming the first that
+    cannot take requests."""
     async with httpx.AsyncClient(timeout=INFO_TIMEOUT_S) as client:
         loads = await asyncio.gather(*(_check_target(tm, client, u) for u in urls))
     return urls, list(loads)
@@ -158,20 +220,27 @@ async def migrate(request: Request, tm: TokenizerManager) -> Response:
         raise bad_request(
             f"this server is a {args.disaggregation_mode!r} server; only a decode moves requests"
         )
+    urls = allowed_targets(tm, [body.target] if isinstance(body.target, str) else body.target)
+    refused: dict[str, str] = {}
     if body.rid == "all":
         rids = movable_rids(tm)
     else:
-        rids = [body.rid] if isinstance(body.rid, str) else list(body.rid)
-        unknown = [r for r in rids if r not in tm.states]
-        if unknown:
-            raise APIError(404, f"rid: no running request {unknown[0]!r} on this server")
-    targets = [body.target] if isinstance(body.target, str) else list(body.target)
-    urls, loads = await check_targets(tm, targets)
-    out = await move(tm, rids, urls, loads)
-    if body.rid != "all" and not out["moved"]:
-        raise APIError(409, f"nothing could move: {out['refused']}")
+        rids = []
+        for rid in dict.fromkeys([body.rid] if isinstance(body.rid, str) else body.rid):
+            state = tm.states.get(rid)
+            if state is None or state.finished:
+                refused[rid] = "no request with this id runs on this server"
+            elif state.relay is not None:
+                refused[rid] = f"it moved to {state.relay.target} already"
+            else:
+                rids.append(rid)
+    out = {"moved": [], "refused": {}}
+    if rids:  # the targets are asked only when something is to move
+        out = await move(tm, rids, *await check_targets(tm, urls))
+        if not out["moved"]:
+            raise APIError(409, f"nothing could move: {out['refused']}")
     moved = [{"rid": m["rid"], "target": m["target"], "room": m["room"]} for m in out["moved"]]
-    return http_util.json_response({"moved": moved, "refused": out["refused"]})
+    return http_util.json_response({"moved": moved, "refused": {**refused, **out["refused"]}})
 
 
 async def migrate_in(request: Request, tm: TokenizerManager) -> Response:
@@ -179,6 +248,13 @@ async def migrate_in(request: Request, tm: TokenizerManager) -> Response:
     body = await http_util.read_body(request, args.max_body_bytes, MigrateIn)
     if args.disaggregation_mode != "decode":
         raise bad_request(f"this server is a {args.disaggregation_mode!r} server, not a decode")
+    peers = MigrationPeers(args.migration_peers)
+    try:
+        source = check_host(body.bootstrap_host)
+    except ValueError as e:
+        raise bad_request(f"bootstrap_host: {e}") from None
+    if not peers.allows_host(source):
+        raise APIError(403, peers.refusal("bootstrap_host", source))
     if not body.output_ids or not body.input_ids:
         raise bad_request("input_ids and output_ids: a moved request has both")
     ids = body.input_ids + body.output_ids

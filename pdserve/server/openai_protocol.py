@@ -104,14 +104,17 @@ RESPONSE_FORMAT = {
 
 # the grammar parameters as spec_from_sampling takes them (the grammar engine may still refuse
 # a grammar it cannot compile: that is no schema's to say)
-JSON_SCHEMA_PARAM = {
-    "anyOf": [
-        {"type": ["object", "boolean", "null"]},
-        {"type": "string", "contentMediaType": "application/json"},
-    ]
+# a JSON Schema as JSON text, and a grammar in GBNF (the EBNF of llama.cpp and xgrammar, start
+# symbol root): "format" names what the string must parse as (an OpenAPI custom format)
+JSON_SCHEMA_TEXT = {
+    "type": "string",
+    "contentMediaType": "application/json",
+    "format": "json-schema",
 }
+EBNF_TEXT = {"type": "string", "minLength": 1, "format": "gbnf"}
+JSON_SCHEMA_PARAM = {"anyOf": [{"type": ["object", "boolean", "null"]}, JSON_SCHEMA_TEXT]}
 REGEX_PARAM = {"anyOf": [{"type": "null"}, {"type": "string", "minLength": 1, "format": "regex"}]}
-EBNF_PARAM = {"type": ["string", "null"], "minLength": 1}
+EBNF_PARAM = {"anyOf": [{"type": "null"}, EBNF_TEXT]}
 
 
 class PDBody(msgspec.Struct):

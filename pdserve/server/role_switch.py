@@ -6,13 +6,16 @@ Body: ``{"role": "prefill" | "decode" | "colocated", "drain_timeout": seconds (d
 (``"null"``, the ``--disaggregation-mode`` spelling, means colocated). A decode may add
 ``"migrate_to": [URL, ...]``: its running requests move to those decodes (``POST /migrate``)
 instead of being waited for, and the switch follows at once while their streams go on
-through this server's front end. Guarded by ``--api-key``
-like every route but /health and /metrics.
+through this server's front end (a server of another role has none that could move: the list is
+checked, then unused). Guarded by ``--api-key`` like every route but /health and /metrics.
+The role the server has is answered 200 with ``"changed": false`` and nothing done.
 
-1. Checks: an unknown role, the role the server has, a field of the wrong type, or a role this
-   server cannot take (the start-up rules: e.g. ``--nnodes`` > 1 or a decode with ``--pp-size``
-   > 1) answer 400; a switch while one runs 409; a prefill's bootstrap port in use 409; a server
-   that is starting or lost its scheduler 503.
+1. Checks: an unknown role, a field of the wrong type, a ``migrate_to`` entry that is no server
+   URL, or a role this server cannot take (the start-up rules: e.g. ``--nnodes`` > 1 or a decode
+   with ``--pp-size`` > 1) answer 400; a ``migrate_to`` entry outside ``--migration-peers`` 403;
+   a switch while one runs 409; a prefill's bootstrap port in use 409; a server that is starting
+   or lost its scheduler 503. With requests here, each ``migrate_to`` decode is asked whether it
+   can take them (400 naming one that cannot).
 2. Drain: from now on the generation routes and ``/health_generate`` answer 503 naming the
    switch, and ``/health`` does too, so routers stop choosing the server; requests already here
    run to their end (a prefill's rooms finish their transfers). Requests still running after
@@ -73,8 +76,15 @@ class SwitchRoleRequest(msgspec.Struct, forbid_unknown_fields=True):
         "properties": {
             "role": {"enum": list(ROLES)},
             "drain_timeout": {"minimum": 0, "maximum": MAX_DRAIN_TIMEOUT_S},
-            "bootstrap_port": {"anyOf": [{"type": "null"}, {"minimum": 0, "maximum": 65535}]},
-            "migrate_to": {"anyOf": [{"type": "null"}, {"type": "array", "minItems": 1}]},
+            "bootstrap_port": {
+                "anyOf": [{"type": "null"}, {"type": "integer", "minimum": 1, "maximum": 65535}]
+            },
+            "migrate_to": {
+                "anyOf": [
+                    {"type": "null"},
+                    {"type": "array", "minItems": 1, "items": migrate_api.TARGET},
+                ]
+            },
         },
         "if": {"properties": {"role": {"not": {"const": "prefill"}}}},
         "then": {"properties": {"bootstrap_port": {"type": "null"}}},
@@ -135,11 +145,6 @@ class RoleSwitch:
                 f"a switch to {self.current['to']} is in progress (since "
                 f"{time.time() - self.current['since']:.1f}s): wait for it to end",
             )
-        if mode == args.disaggregation_mode:
-            raise bad_request(
-                f"role: the server already is {_a(role_name(mode))} server (role epoch "
-                f"{self.epoch})"
-            )
         if not (
             math.isfinite(body.drain_timeout) and 0 <= body.drain_timeout <= MAX_DRAIN_TIMEOUT_S
         ):
@@ -147,12 +152,12 @@ class RoleSwitch:
                 f"drain_timeout: must be in [0, {MAX_DRAIN_TIMEOUT_S:.0f}] seconds, "
                 f"got {body.drain_timeout}"
             )
-        if body.migrate_to is not None and args.disaggregation_mode != "decode":
-            raise bad_request("migrate_to: only a decode server moves its requests")
-        if body.migrate_to is not None and not body.migrate_to:
-            raise bad_request("migrate_to: name at least one decode server")
+        if body.migrate_to is not None:  # 400/403 before any connection, whatever the role
+            migrate_api.allowed_targets(self.tm, body.migrate_to, "migrate_to")
         if body.bootstrap_port is not None and mode != "prefill":
             raise bad_request("bootstrap_port: only a prefill server has a bootstrap server")
+        if body.bootstrap_port is not None and not 1 <= body.bootstrap_port <= 65535:
+            raise bad_request(f"bootstrap_port: must be in [1, 65535], got {body.bootstrap_port}")
         port = (
             args.disaggregation_bootstrap_port
             if body.bootstrap_port is None
@@ -166,6 +171,14 @@ class RoleSwitch:
             raise bad_request(
                 f"this server cannot become {_a(role_name(mode))} server: {e}"
             ) from None
+        if mode == args.disaggregation_mode and port != args.disaggregation_bootstrap_port:
+            raise APIError(
+                409,
+                f"bootstrap_port: this prefill server's bootstrap server is on port "
+                f"{args.disaggregation_bootstrap_port}; to move it, switch to another role first",
+            )
+        if mode == args.disaggregation_mode:
+            return mode, port  # nothing to change (``switch`` answers so)
         if mode == "prefill" and args.disaggregation_transfer_backend != "fake":
             why = _port_taken(args.host, port)
             if why:
@@ -176,11 +189,25 @@ class RoleSwitch:
 
     async def switch(self, body: SwitchRoleRequest) -> dict:
         mode, port = self.check(body)
-        targets = None
-        if body.migrate_to:  # 400 naming a target that cannot take the requests, before anything
-            targets = await migrate_api.check_targets(self.tm, body.migrate_to)
         args = self.tm.server_args
         old = args.disaggregation_mode
+        if mode == old:  # the role it has: an idempotent request, answered without a switch
+            return {
+                "success": True,
+                "changed": False,
+                "role": role_name(mode),
+                "disaggregation_mode": mode,
+                "role_epoch": self.epoch,
+                "bootstrap_port": port if mode == "prefill" else None,
+                "drained_requests": 0,
+                "aborted_requests": 0,
+            }
+        targets = None
+        # a decode's requests move (a server of another role runs none that could); the targets
+        # are asked, a 400 naming one that cannot take requests, only when requests are here
+        if body.migrate_to and old == "decode" and self.tm.states:
+            urls = migrate_api.allowed_targets(self.tm, body.migrate_to, "migrate_to")
+            targets = await migrate_api.check_targets(self.tm, urls)
         t0 = time.monotonic()
         self.current = {"from": role_name(old), "to": role_name(mode), "since": time.time()}
         logger.info(
@@ -219,6 +246,7 @@ class RoleSwitch:
         t3 = time.monotonic()
         self.last = {
             "success": True,
+            "changed": True,
             "role": role_name(mode),
             "previous_role": role_name(old),
             "disaggregation_mode": mode,
@@ -371,7 +399,10 @@ def add_routes(
         refuse_if_unavailable()  # the scheduler is gone
         if not is_ready() and switcher.current is None and not switcher.broken:
             raise APIError(503, "server is starting: switch its role once /health is 200")
-        return http_util.json_response(await switcher.switch(body))
+        out = await switcher.switch(body)
+        if out["changed"]:
+            app.openapi_schema = None  # /openapi.json offers the routes of the new role
+        return http_util.json_response(out)
 
 
 def server_info_fields(switcher: RoleSwitch) -> dict[str, Any]:

@@ -1,30 +1,60 @@
 """Fuzz every route from the live server's own /openapi.json (schemathesis): no answer is a 5xx,
 every answer (each streamed event included) matches the published schema, and the routes take
-what their request schemas allow (few schema-valid bodies answered 4xx)."""
+what their request schemas allow (few schema-valid bodies answered 4xx).
+
+The generation routes run on the session's colocated server; ``/migrate``, ``/migrate_in`` and
+``/switch_role`` on a decode of their own (a valid body there changes the server: it takes a moved
+request, or it switches its role), in that order."""
 
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 
 import hypothesis
 import jsonschema
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.core.failures import FailureGroup
 from schemathesis.specs.openapi.checks import response_schema_conformance
+
+from tests.helpers import cluster as c
 
 MAX_EXAMPLES = 20
 MAX_OUTPUT = 2  # tokens a generated body may ask for: the CPU model is slow
 # schema-valid bodies a route may answer 4xx (facts the schema can't know: the template's
 # rules, a list's length against the prompts); measured 0.00-0.15 per operation
-MAX_REJECTED = 0.5
-# /switch_role with a valid body switches the shared server's role (and takes seconds): not fuzzed;
-# /migrate and /migrate_in serve decodes only (this server is colocated: every body is a 400, as
-# tests/e2e/test_kv_migration.py checks, with the bodies they take on a decode)
-SKIP = {("POST", "/switch_role"), ("POST", "/migrate"), ("POST", "/migrate_in")}
+MAX_REJECTED = 0.2
+# the decode's routes, fuzzed on a server of their own in this order (the last switches its role)
+DECODE_ROUTES = [("POST", "/migrate"), ("POST", "/migrate_in"), ("POST", "/switch_role")]
+PEER_ARGS = ["--migration-peers", "127.0.0.1"]
 OUTPUT_FIELDS = ("max_tokens", "max_completion_tokens", "max_new_tokens")
+
+
+# the custom string formats the schemas name: a grammar (GBNF, start symbol root) and a JSON Schema
+# as text; what a client that knows them sends (a string in neither is refused, as it should be)
+_WORD = st.text(alphabet="abcxyz019 ", min_size=1, max_size=6).map(lambda w: json.dumps(w))
+_ITEM = st.one_of(
+    _WORD,
+    st.sampled_from(["[a-z]", "[0-9]+", "[abc]*", '"x"?']),
+)
+GBNF = st.lists(st.lists(_ITEM, min_size=1, max_size=3).map(" ".join), min_size=1, max_size=3).map(
+    lambda alts: "root ::= " + " | ".join(alts)
+)
+_LEAF = st.sampled_from([{"type": t} for t in ("string", "integer", "number", "boolean", "null")])
+JSON_SCHEMA_TEXT = st.one_of(
+    _LEAF,
+    st.dictionaries(st.text(alphabet="abcdefgh", min_size=1, max_size=5), _LEAF, max_size=3).map(
+        lambda props: {"type": "object", "properties": props}
+    ),
+    st.builds(lambda item: {"type": "array", "items": item}, _LEAF),
+).map(json.dumps)
+schemathesis.openapi.format("gbnf", GBNF)
+schemathesis.openapi.format("json-schema", JSON_SCHEMA_TEXT)
 
 
 def _ints(value):
@@ -61,6 +91,64 @@ def _scalar_pd_fields(body):
         if body.get("return_routed_experts") is True:
             body["return_routed_experts"] = False
     return body
+
+
+# minimum and maximum output lengths: a body asks for at most as many tokens as it must make
+LENGTH_PAIRS = (("min_tokens", "max_tokens"), ("min_tokens", "max_completion_tokens"))
+
+
+def _cross_field(body):
+    """``body`` with the rules between fields JSON Schema cannot state kept, as a client keeps
+    them: a minimum output length within the maximum, tool names unique, a named tool_choice
+    among the tools, one rid per prompt of a /generate batch."""
+    if not isinstance(body, dict):
+        return body
+    for low, high in LENGTH_PAIRS:
+        if _is_count(body.get(low)) and _is_count(body.get(high)) and body[low] > body[high]:
+            body[low] = body[high]
+    sp = body.get("sampling_params")
+    for params in sp if isinstance(sp, list) else [sp]:
+        if isinstance(params, dict):
+            lo, hi = params.get("min_new_tokens"), params.get("max_new_tokens")
+            if _is_count(lo) and _is_count(hi) and lo > hi:
+                params["min_new_tokens"] = hi
+    tools = body.get("tools")
+    names = []
+    for i, tool in enumerate(tools if isinstance(tools, list) else []):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            if fn["name"] in names:
+                fn["name"] = f"{fn['name']}_{i}"
+            names.append(fn["name"])
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        if choice["function"].get("name") not in names:
+            body.pop("tool_choice")
+    prompts = body.get("text", body.get("input_ids"))
+    batch = isinstance(prompts, list) and prompts and not isinstance(prompts[0], int)
+    if batch and isinstance(body.get("rid"), str):
+        body["rid"] = [f"{body['rid']}-{i}" for i in range(len(prompts))]
+    for name in PER_ITEM_LISTS:
+        value = body.get(name)
+        if batch and isinstance(value, list) and len(value) != len(prompts) and value:
+            body[name] = (value * len(prompts))[: len(prompts)]
+    return body
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# /generate fields a batch gives per prompt as a list as long as the batch
+PER_ITEM_LISTS = (
+    "sampling_params",
+    "rid",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_routed_experts",
+    "routed_experts_start_len",
+)
 
 
 def _small(body):
@@ -107,19 +195,26 @@ def _check_stream(spec: dict, operation, response) -> None:
         validator.validate(json.loads(event))
 
 
-def test_fuzz_every_operation_from_the_published_schema(live):
-    spec = live.http.get("/openapi.json").json()
-    schema = schemathesis.openapi.from_dict(spec)
-    outcomes: dict[str, Counter] = {}
-    failures: list[str] = []  # 4xx answers to schema-valid bodies
-    broken: list[str] = []  # 5xx, or answers that do not match the published schema
-    for result in schema.get_all_operations():
-        operation = result.ok()
-        if (operation.method.upper(), operation.path) in SKIP:
-            continue
+class Fuzz:
+    """Runs operations of one server's published schema and keeps what they answered."""
+
+    def __init__(self, url: str, spec: dict):
+        self.url, self.spec = url, spec
+        self.schema = schemathesis.openapi.from_dict(spec)
+        self.outcomes: dict[str, Counter] = {}
+        self.failures: list[str] = []  # 4xx answers to schema-valid bodies
+        self.broken: list[str] = []  # 5xx, or answers that do not match the published schema
+        self.seconds: dict[str, float] = {}
+
+    def operations(self) -> dict:
+        ops = (result.ok() for result in self.schema.get_all_operations())
+        return {(op.method.upper(), op.path): op for op in ops}
+
+    def run(self, operation) -> None:
         label = f"{operation.method.upper()} {operation.path}"
-        counts = outcomes.setdefault(label, Counter())
+        counts = self.outcomes.setdefault(label, Counter())
         has_body = bool(operation.body)
+        spec, url, failures, broken = self.spec, self.url, self.failures, self.broken
 
         @settings(
             max_examples=MAX_EXAMPLES,
@@ -135,8 +230,8 @@ def test_fuzz_every_operation_from_the_published_schema(live):
         @given(case=operation.as_strategy())
         def run(case) -> None:
             if has_body:
-                case.body = _small(_scalar_pd_fields(_ints(case.body)))
-            response = case.call(base_url=live.url, timeout=180)
+                case.body = _small(_cross_field(_scalar_pd_fields(_ints(case.body))))
+            response = case.call(base_url=url, timeout=180)
             counts[response.status_code // 100] += 1
             if has_body and 400 <= response.status_code < 500 and len(failures) < 40:
                 failures.append(f"{label} {response.status_code}: {response.text[:160]}")
@@ -149,15 +244,84 @@ def test_fuzz_every_operation_from_the_published_schema(live):
             except (FailureGroup, AssertionError, jsonschema.ValidationError) as e:
                 broken.append(f"{label} {case.body!r}: {str(e)[:600]}")
 
+        t0 = time.monotonic()
         run()
-    assert not broken, "\n".join(broken[:10])
-    with_body = {
+        self.seconds[label] = round(time.monotonic() - t0, 1)
+
+    def check(self, labels) -> None:
+        """No 5xx, no answer off its schema, and few 4xx for schema-valid bodies."""
+        fractions = {
+            k: round(self.outcomes[k][4] / max(1, sum(self.outcomes[k].values())), 2)
+            for k in labels
+        }
+        print("4xx fractions:", fractions, "\nseconds:", self.seconds)
+        print("\n".join(self.failures))
+        assert not self.broken, "\n".join(self.broken[:10])
+        too_many = {k: f for k, f in fractions.items() if f > MAX_REJECTED}
+        assert not too_many, f"4xx for schema-valid bodies: {fractions}\n" + "\n".join(
+            self.failures
+        )
+
+
+def _with_body(spec: dict, routes) -> list[str]:
+    return [
         f"{m.upper()} {p}"
         for p, ops in spec["paths"].items()
         for m, op in ops.items()
-        if "requestBody" in op and (m.upper(), p) not in SKIP
-    }
-    fractions = {k: round(outcomes[k][4] / max(1, sum(outcomes[k].values())), 2) for k in with_body}
-    print("4xx fractions:", fractions, "\n" + "\n".join(failures))
-    too_many = {k: f for k, f in fractions.items() if f >= MAX_REJECTED}
-    assert not too_many, f"4xx for schema-valid bodies: {fractions}\n" + "\n".join(failures)
+        if "requestBody" in op and (m.upper(), p) in routes
+    ]
+
+
+def test_fuzz_every_operation_from_the_published_schema(live):
+    spec = live.http.get("/openapi.json").json()
+    fuzz = Fuzz(live.url, spec)
+    ops = fuzz.operations()
+    # a colocated server offers no decode route but /switch_role, and no route of a feature it
+    # was started without (the expert records, the KV events snapshot)
+    assert set(DECODE_ROUTES) & set(ops) == {("POST", "/switch_role")}
+    assert ("GET", "/kv_events/snapshot") not in ops
+    mine = [key for key in ops if key not in DECODE_ROUTES]
+    for key in mine:
+        fuzz.run(ops[key])
+    fuzz.check([f"{m} {p}" for m, p in mine])
+
+
+@pytest.fixture(scope="module")
+def decode(tmp_path_factory, tiny_llama_path):
+    """A decode of its own: moves nothing (no request runs here), takes moved requests from
+    127.0.0.1, whose bootstrap servers it gives up on after half a second (the fuzzed ports have
+    none), and switches to the roles the bodies name."""
+    logs = tmp_path_factory.mktemp("fuzz_decode")
+    D = c.decode(
+        "Dfuzz",
+        tiny_llama_path,
+        logs,
+        *c.PAGED_PD_ARGS[:4],
+        "--disaggregation-waiting-timeout",
+        "0.5",
+        "--disaggregation-bootstrap-port",
+        str(c.free_port()),
+        *PEER_ARGS,
+    )
+    try:
+        D.start()
+        yield D
+    finally:
+        D.stop()
+
+
+def test_fuzz_the_decode_routes(decode):
+    spec = decode.http.get("/openapi.json").json()
+    fuzz = Fuzz(decode.url, spec)
+    ops = fuzz.operations()
+    for key in DECODE_ROUTES:
+        fuzz.run(ops[key])
+    fuzz.check(_with_body(spec, DECODE_ROUTES))
+    # the valid bodies switched the server for real, and it serves in the role it ended in
+    info = decode.http.get("/server_info").json()
+    print("role switches:", info["role_epoch"], "role:", info["role"])
+    assert info["role_epoch"] >= 3, info["role_switch"]
+    r = decode.http.post("/generate", json=c.greedy_body([5, 6, 7], 2))
+    # (a prefill without a decode's room computes the first token only)
+    assert r.status_code == 200 and len(r.json()["output_ids"]) >= 1, r.text
+    decode.wait_idle()

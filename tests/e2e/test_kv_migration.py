@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 import threading
 import time
 
@@ -20,7 +21,8 @@ from tests.helpers import cluster as c
 
 NEW_TOKENS = 400  # long enough that the scheduler is still at it when the move comes
 LONG = 800  # the drain tests: generations that outlast a drain by far
-COMMON = c.PAGED_PD_ARGS
+# the decodes may exchange requests with any server on 127.0.0.1 (and nothing else)
+COMMON = [*c.PAGED_PD_ARGS, "--migration-peers", "127.0.0.1"]
 
 
 @pytest.fixture(scope="module")
@@ -158,20 +160,45 @@ def test_migrate_errors(cluster):
     def post(server, body):
         return httpx.post(server.url + "/migrate", json=body, timeout=30)
 
-    r = post(D1, {"rid": "nope", "target": D2.url})
-    assert r.status_code == 404 and "nope" in r.text
-    r = post(D1, {"rid": "all", "target": D1.url})
-    assert r.status_code == 400 and "is this server" in r.text
-    r = post(D1, {"rid": "all", "target": P.url})
-    assert r.status_code == 400 and "not a decode" in r.text
+    # nothing runs: nothing to move, the (listed) target is not even asked
+    r = post(D1, {"rid": "all", "target": f"127.0.0.1:{c.free_port()}"})
+    assert r.status_code == 200 and r.json() == {"moved": [], "refused": {}}, r.text
+    r = post(D1, {"rid": ["nope", "nope"], "target": D2.url})
+    assert r.status_code == 200 and list(r.json()["refused"]) == ["nope"], r.text
+    assert "no request with this id" in r.json()["refused"]["nope"]
     r = post(P, {"rid": "all", "target": D2.url})
     assert r.status_code == 400 and "only a decode" in r.text
-    r = post(D1, {"rid": "all", "target": f"127.0.0.1:{c.free_port()}"})
-    assert r.status_code == 400 and "cannot reach" in r.text
-    r = post(D1, {"rid": "all"})
-    assert r.status_code == 400
-    r = post(D1, {"rid": "all", "target": D2.url})  # nothing runs: nothing to move
-    assert r.status_code == 200 and r.json() == {"moved": [], "refused": {}}
+    for bad, why in (
+        ({}, "target"),
+        ({"target": []}, "at least one"),
+        ({"target": "\ud8ff\udca4\u00ddf"}, "characters a URL cannot have"),
+        ({"target": "http://[::1"}, "not a URL"),
+        ({"target": "127.0.0.1:99999"}, "Port out of range"),
+        ({"target": "http://u:p@127.0.0.1:1"}, "no user name"),
+        ({"target": "http://127.0.0.1:1/admin?x=1"}, "no path"),
+        ({"target": "ftp://127.0.0.1:1"}, "scheme"),
+    ):
+        r = httpx.post(
+            D1.url + "/migrate",
+            content=json.dumps({"rid": "all", **bad}).encode(),
+            headers={"content-type": "application/json"},
+            timeout=30,
+        )
+        assert r.status_code == 400 and why in r.text, (bad, r.text)
+    # with a request running, each target is asked whether it can take it
+    probe = Stream(R.url, "generate", prompts(1, seed=61)[0], LONG, rid="probe")
+    probe.start()
+    c.wait_for(lambda: probe.progress >= 4, 120, "the probe stream")
+    try:
+        r = post(D1, {"rid": "all", "target": D1.url})
+        assert r.status_code == 400 and "is this server" in r.text
+        r = post(D1, {"rid": "all", "target": P.url})
+        assert r.status_code == 400 and "not a decode" in r.text
+        r = post(D1, {"rid": "probe", "target": f"127.0.0.1:{c.free_port()}"})
+        assert r.status_code == 400 and "cannot reach" in r.text
+    finally:
+        httpx.post(D1.url + "/abort_request", json={"rid": "probe"}, timeout=30)
+        probe.join(60)
     moved = {
         "rid": "x",
         "input_ids": [5, 6],
@@ -183,9 +210,65 @@ def test_migrate_errors(cluster):
     }
     r = httpx.post(P.url + "/migrate_in", json=moved, timeout=30)
     assert r.status_code == 400 and "not a decode" in r.text
-    for bad, why in (({"output_ids": []}, "output_ids"), ({"input_ids": [-1]}, "out of range")):
+    for bad, why in (
+        ({"output_ids": []}, "output_ids"),
+        ({"input_ids": [-1]}, "out of range"),
+        ({"bootstrap_host": "not a host"}, "not a host name"),
+        ({"bootstrap_port": 0}, "bootstrap_port"),
+    ):
         r = httpx.post(D2.url + "/migrate_in", json={**moved, **bad}, timeout=30)
         assert r.status_code == 400 and why in r.text, r.text
+    for s in (P, D1, D2):
+        s.wait_idle()
+
+
+def test_targets_outside_the_peers_are_refused_without_a_connection(cluster):
+    """A decode connects only to its --migration-peers: /migrate and /switch_role's migrate_to
+    naming another host (or a name for a listed address: names are not resolved) answer 403
+    while a request runs that would move, and /migrate_in naming another source 403; a listener
+    at each named address sees no connection. (The moves to a listed decode are the tests
+    around.)"""
+    P, D1, D2, R = cluster
+    listeners = []
+    for host in ("127.0.0.2", "127.0.0.1"):
+        sock = socket.socket()
+        sock.bind((host, 0))
+        sock.listen(8)
+        sock.settimeout(0.5)
+        listeners.append(sock)
+    outside, same_port = listeners[0].getsockname(), listeners[1].getsockname()[1]
+    before = server_stats(D1).get("migrated", 0)
+    stream = Stream(R.url, "generate", prompts(1, seed=71)[0], LONG, rid="stays")
+    stream.start()
+    c.wait_for(lambda: stream.progress >= 4, 120, "the stream")
+    for target in (f"http://{outside[0]}:{outside[1]}", f"localhost:{same_port}"):
+        assert D1.integrity()["running"] == 1  # a request that a move would take
+        r = httpx.post(D1.url + "/migrate", json={"rid": "all", "target": [D2.url, target]})
+        assert r.status_code == 403 and "--migration-peers" in r.text, r.text
+        body = {"role": "prefill", "bootstrap_port": c.free_port(), "migrate_to": [target]}
+        r = httpx.post(D1.url + "/switch_role", json=body, timeout=30)
+        assert r.status_code == 403 and "migrate_to" in r.text, r.text
+    moved = {
+        "rid": "from-outside",
+        "input_ids": [5, 6],
+        "output_ids": [7],
+        "sampling_params": {},
+        "bootstrap_host": outside[0],
+        "bootstrap_port": outside[1],
+        "bootstrap_room": 1,
+    }
+    r = httpx.post(D2.url + "/migrate_in", json=moved, timeout=30)
+    assert r.status_code == 403 and "bootstrap_host" in r.text, r.text
+    assert D1.http.get("/server_info").json()["disaggregation_mode"] == "decode"
+    httpx.post(D1.url + "/abort_request", json={"rid": "stays"}, timeout=30)
+    stream.join(60)
+    assert D1.http.get("/server_info").json()["internal_states"][0].get("migrated", 0) == before
+    for sock in listeners:
+        with pytest.raises(socket.timeout):
+            sock.accept()  # nothing connected
+        sock.close()
+    for s in (P, D1, D2):
+        s.wait_idle()
 
 
 def test_migrate_mid_generation(cluster):

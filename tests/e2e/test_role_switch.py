@@ -285,7 +285,8 @@ def test_bad_input(pair):
     other = "prefill" if current != "prefill" else "decode"
     cases = [
         ({"role": "worker"}, 400, "role: must be one of"),
-        ({"role": current}, 400, "already is"),
+        ({"role": other, "migrate_to": ["a host"]}, 400, "migrate_to: 'a host' is not a host"),
+        ({"role": other, "migrate_to": ["10.0.0.1:1"]}, 403, "--migration-peers"),
         ({"role": other, "drain_timeout": -1}, 400, "drain_timeout"),
         ({"role": other, "drain_timeout": "soon"}, 400, "drain_timeout"),
         ({"role": other, "surprise": 1}, 400, "surprise"),
@@ -299,6 +300,9 @@ def test_bad_input(pair):
     for fields, status, needle in cases:
         r = switch(A, **fields)
         assert r.status_code == status and needle in r.json()["error"]["message"], (fields, r.text)
+    r = switch(A, role=current)  # the role it has: nothing to do, and nothing done
+    assert r.status_code == 200 and r.json()["changed"] is False, r.text
+    assert r.json()["role_epoch"] == info(A)["role_epoch"]
     if (
         info(B)["disaggregation_mode"] == "prefill" and current != "prefill"
     ):  # B holds its bootstrap port
