@@ -22,6 +22,9 @@ MAX_TOP_LOGPROBS = 20
 # a temperature below this samples greedily, as in SGLang (``SamplingParams.is_greedy``)
 SAMPLING_EPS = 1e-6
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# the largest temperature: the sampler divides float32 logits by it, and a larger one is an
+# infinity there (a grammar's masked -inf / inf is NaN, and no token can be drawn)
+MAX_TEMPERATURE = 3.4028234663852886e38
 
 
 @dataclass
@@ -75,12 +78,16 @@ class SamplingParams:
             ok = isinstance(v, int) if integer else isinstance(v, (int, float))
             if isinstance(v, bool) or not ok:
                 bad(name, f"must be {'an integer' if integer else 'a number'}, got {v!r}")
-            if not integer:  # an int here would cross the process boundary as an int, of any size
-                if isinstance(v, int) and abs(v) > 2**53:
-                    bad(name, f"must be a number of a sensible size, got {v}")
-                if not math.isfinite(v):
+            if (
+                not integer
+            ):  # crosses the process boundary as a float (an int of any size would not)
+                try:
+                    f = float(v)
+                except OverflowError:
+                    f = math.inf
+                if not math.isfinite(f):
                     bad(name, f"must be finite, got {v}")
-                setattr(self, name, float(v))
+                setattr(self, name, f)
 
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
             number(name, integer=True)
@@ -103,8 +110,11 @@ class SamplingParams:
                 "min_new_tokens",
                 f"must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}",
             )
-        if not 0 <= self.temperature < math.inf:
-            bad("temperature", f"must be finite and >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            bad(
+                "temperature",
+                f"must be in [0, {MAX_TEMPERATURE:.7g}] (a float32), got {self.temperature}",
+            )
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:

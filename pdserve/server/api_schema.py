@@ -14,7 +14,13 @@ from typing import Any, Literal, Optional, Union
 
 import msgspec
 
-from pdserve.engine.request import INT64_MAX, INT64_MIN, MAX_TOP_LOGPROBS, SamplingParams
+from pdserve.engine.request import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+)
 from pdserve.openapi import Docs, Operation
 from pdserve.peers import MigrationPeers
 from pdserve.server.generate_api import GenerateRequest
@@ -319,9 +325,10 @@ class Integrity(msgspec.Struct):
 # ---- sampling_params ----------------------------------------------------------------------------
 # The ranges SamplingParams.validate enforces (tests/e2e/test_openapi.py probes each edge).
 SAMPLING_BOUNDS: dict[str, dict[str, float]] = {
-    "max_new_tokens": {"minimum": 0},
-    "min_new_tokens": {"minimum": 0},
-    "temperature": {"minimum": 0},
+    "max_new_tokens": {"minimum": 0, "maximum": INT64_MAX},
+    "min_new_tokens": {"minimum": 0, "maximum": INT64_MAX},
+    "seed": {"minimum": INT64_MIN, "maximum": INT64_MAX},
+    "temperature": {"minimum": 0, "maximum": MAX_TEMPERATURE},
     "top_p": {"exclusiveMinimum": 0, "maximum": 1},
     "min_p": {"minimum": 0, "maximum": 1},
     "repetition_penalty": {"minimum": 1e-6, "maximum": 1e6},
@@ -349,6 +356,8 @@ def sampling_params_schema() -> dict[str, Any]:
         "default": -1,
     }
     props["no_stop_trim"] = {"type": "boolean", "default": False}
+    int64 = {"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX}
+    props["stop_token_ids"] = {"type": "array", "items": int64}
     for name, prop in props.items():
         bound = {**prop, **SAMPLING_BOUNDS.get(name, {})}
         default = bound.pop("default", None)
@@ -365,7 +374,6 @@ OPENAI_BOUNDS = {
     "max_completion_tokens": SAMPLING_BOUNDS["max_new_tokens"],
     "min_tokens": SAMPLING_BOUNDS["min_new_tokens"],
     "top_k": {},
-    "seed": {"minimum": INT64_MIN, "maximum": INT64_MAX},
 }
 
 

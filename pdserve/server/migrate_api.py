@@ -64,7 +64,7 @@ GRAMMAR_SCHEMA = {
             {
                 "type": "object",
                 "properties": {"kind": {"const": kind}, "value": value},
-                "required": ["kind"],
+                "required": ["kind"] if kind == "json_object" else ["kind", "value"],
             }
             for kind, value in (
                 ("json_schema", JSON_SCHEMA_TEXT),
@@ -93,7 +93,12 @@ class MigrateIn(msgspec.Struct):
 
     # what the handler checks beyond the types (openapi.build merges it into the fields)
     JSON_SCHEMA: ClassVar[dict[str, Any]] = {
-        "properties": {"input_ids": TOKEN_IDS, "output_ids": TOKEN_IDS, "grammar": GRAMMAR_SCHEMA}
+        "properties": {
+            "input_ids": TOKEN_IDS,
+            "output_ids": TOKEN_IDS,
+            "grammar": GRAMMAR_SCHEMA,
+            "grammar_start_after": {"anyOf": [{"type": "null"}, {**TOKEN_IDS, "minItems": 0}]},
+        }
     }
 
     rid: str
@@ -258,7 +263,9 @@ async def migrate_in(request: Request, tm: TokenizerManager) -> Response:
     if not body.output_ids or not body.input_ids:
         raise bad_request("input_ids and output_ids: a moved request has both")
     ids = body.input_ids + body.output_ids
-    bad = next((t for t in ids if not 0 <= t < tm.vocab_size), None)
+    bad = next(
+        (t for t in ids + (body.grammar_start_after or []) if not 0 <= t < tm.vocab_size), None
+    )
     if bad is not None:
         raise bad_request(f"token id {bad} is out of range [0, {tm.vocab_size})")
     if len(ids) >= tm.context_length:

@@ -112,7 +112,8 @@ JSON_SCHEMA_TEXT = {
     "format": "json-schema",
 }
 EBNF_TEXT = {"type": "string", "minLength": 1, "format": "gbnf"}
-JSON_SCHEMA_PARAM = {"anyOf": [{"type": ["object", "boolean", "null"]}, JSON_SCHEMA_TEXT]}
+# (the schema false accepts no value: refused)
+JSON_SCHEMA_PARAM = {"anyOf": [{"type": ["object", "null"]}, {"const": True}, JSON_SCHEMA_TEXT]}
 REGEX_PARAM = {"anyOf": [{"type": "null"}, {"type": "string", "minLength": 1, "format": "regex"}]}
 EBNF_PARAM = {"anyOf": [{"type": "null"}, EBNF_TEXT]}
 

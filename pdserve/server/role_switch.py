@@ -8,7 +8,8 @@ Body: ``{"role": "prefill" | "decode" | "colocated", "drain_timeout": seconds (d
 instead of being waited for, and the switch follows at once while their streams go on
 through this server's front end (a server of another role has none that could move: the list is
 checked, then unused). Guarded by ``--api-key`` like every route but /health and /metrics.
-The role the server has is answered 200 with ``"changed": false`` and nothing done.
+The role the server has is answered 200 with ``"changed": false`` and nothing done; a prefill
+given another ``bootstrap_port`` switches to prefill on that port.
 
 1. Checks: an unknown role, a field of the wrong type, a ``migrate_to`` entry that is no server
    URL, or a role this server cannot take (the start-up rules: e.g. ``--nnodes`` > 1 or a decode
@@ -171,13 +172,7 @@ class RoleSwitch:
             raise bad_request(
                 f"this server cannot become {_a(role_name(mode))} server: {e}"
             ) from None
-        if mode == args.disaggregation_mode and port != args.disaggregation_bootstrap_port:
-            raise APIError(
-                409,
-                f"bootstrap_port: this prefill server's bootstrap server is on port "
-                f"{args.disaggregation_bootstrap_port}; to move it, switch to another role first",
-            )
-        if mode == args.disaggregation_mode:
+        if (mode, port) == (args.disaggregation_mode, args.disaggregation_bootstrap_port):
             return mode, port  # nothing to change (``switch`` answers so)
         if mode == "prefill" and args.disaggregation_transfer_backend != "fake":
             why = _port_taken(args.host, port)
@@ -191,7 +186,9 @@ class RoleSwitch:
         mode, port = self.check(body)
         args = self.tm.server_args
         old = args.disaggregation_mode
-        if mode == old:  # the role it has: an idempotent request, answered without a switch
+        if (mode, port) == (old, args.disaggregation_bootstrap_port):
+            # the role it has: an idempotent request, answered without a switch (a prefill given
+            # another bootstrap_port is re-wired on that port)
             return {
                 "success": True,
                 "changed": False,

@@ -9,6 +9,7 @@ request, or it switches its role), in that order."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
 
@@ -24,7 +25,8 @@ from schemathesis.specs.openapi.checks import response_schema_conformance
 
 from tests.helpers import cluster as c
 
-MAX_EXAMPLES = 20
+# bodies per operation (PDSERVE_FUZZ_EXAMPLES=N for a longer run, as docs/testing.md records)
+MAX_EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "40"))
 MAX_OUTPUT = 2  # tokens a generated body may ask for: the CPU model is slow
 # schema-valid bodies a route may answer 4xx (facts the schema can't know: the template's
 # rules, a list's length against the prompts); measured 0.00-0.15 per operation
@@ -32,6 +34,7 @@ MAX_REJECTED = 0.2
 # the decode's routes, fuzzed on a server of their own in this order (the last switches its role)
 DECODE_ROUTES = [("POST", "/migrate"), ("POST", "/migrate_in"), ("POST", "/switch_role")]
 PEER_ARGS = ["--migration-peers", "127.0.0.1"]
+MAX_STREAM_EVENTS = 1_000_000
 OUTPUT_FIELDS = ("max_tokens", "max_completion_tokens", "max_new_tokens")
 
 
@@ -124,14 +127,22 @@ def _cross_field(body):
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         if choice["function"].get("name") not in names:
             body.pop("tool_choice")
-    prompts = body.get("text", body.get("input_ids"))
+    prompts = body.get("text") if body.get("text") is not None else body.get("input_ids")
     batch = isinstance(prompts, list) and prompts and not isinstance(prompts[0], int)
     if batch and isinstance(body.get("rid"), str):
         body["rid"] = [f"{body['rid']}-{i}" for i in range(len(prompts))]
-    for name in PER_ITEM_LISTS:
+    for name in PER_ITEM_LISTS if prompts is not None else ():  # /generate's
         value = body.get(name)
-        if batch and isinstance(value, list) and len(value) != len(prompts) and value:
+        if isinstance(value, list) and not value:
+            del body[name]  # an empty list is one per prompt of no prompt: the default then
+        elif batch and isinstance(value, list) and len(value) != len(prompts):
             body[name] = (value * len(prompts))[: len(prompts)]
+    # logprobs from a position within the prompt (its token count is the server's to know)
+    starts = body.get("logprob_start_len")
+    if _is_count(starts) and starts > 0:
+        body["logprob_start_len"] = 0
+    elif isinstance(starts, list):
+        body["logprob_start_len"] = [min(v, 0) if _is_count(v) else v for v in starts]
     return body
 
 
@@ -158,8 +169,9 @@ def _small(body):
     for name in OUTPUT_FIELDS:
         if isinstance(body.get(name), int) and not isinstance(body[name], bool):
             body[name] = min(body[name], MAX_OUTPUT)
-    if "max_tokens" not in body and "prompt" in body or "messages" in body:
-        body.setdefault("max_tokens", MAX_OUTPUT)
+    openai = "prompt" in body or "messages" in body
+    if openai and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = MAX_OUTPUT  # absent or null: the model's whole context
     for name in ("min_tokens", "min_new_tokens"):
         if isinstance(body.get(name), int) and not isinstance(body[name], bool):
             body[name] = min(body[name], MAX_OUTPUT)
@@ -201,6 +213,9 @@ class Fuzz:
     def __init__(self, url: str, spec: dict):
         self.url, self.spec = url, spec
         self.schema = schemathesis.openapi.from_dict(spec)
+        # read every stream to its end (schemathesis stops after 20 events by default), so that
+        # each is checked to end with its final event and [DONE]
+        self.schema.config.max_stream_events = MAX_STREAM_EVENTS
         self.outcomes: dict[str, Counter] = {}
         self.failures: list[str] = []  # 4xx answers to schema-valid bodies
         self.broken: list[str] = []  # 5xx, or answers that do not match the published schema

@@ -254,6 +254,8 @@ for name, inside, outside in [
     ("max_new_tokens", 0, -1),
     ("min_new_tokens", 0, -1),
     ("temperature", 0, -0.5),
+    ("temperature", 3.4e38, 6.4e307),  # past float32: the sampler's NaN (it crashed the scheduler)
+    ("repetition_penalty", 1e6, 1.5e6),
     ("top_p", 1, 0),
     ("top_p", 0.5, 1.5),
     ("min_p", 1, 1.5),
@@ -266,6 +268,17 @@ for name, inside, outside in [
         ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1, name: v}})
         for v in (inside, outside)
     ]
+# a temperature past float32 with a grammar: masked logits -inf / inf were NaN, and drawing from
+# them crashed the scheduler (found by the fuzz test)
+CASES.append(
+    (
+        "/generate",
+        {
+            "text": "hi",
+            "sampling_params": {"temperature": 6.4e307, "json_schema": '{"type": "object"}'},
+        },
+    )
+)
 
 
 def _with_small_output(path: str, body: dict) -> dict:
