@@ -172,7 +172,7 @@ class RoleSwitch:
             raise bad_request(
                 f"this server cannot become {_a(role_name(mode))} server: {e}"
             ) from None
-        if (mode, port) == (args.disaggregation_mode, args.disaggregation_bootstrap_port):
+        if self._unchanged(mode, port):
             return mode, port  # nothing to change (``switch`` answers so)
         if mode == "prefill" and args.disaggregation_transfer_backend != "fake":
             why = _port_taken(args.host, port)
@@ -182,13 +182,19 @@ class RoleSwitch:
                 )
         return mode, port
 
+    def _unchanged(self, mode: str, port: int) -> bool:
+        """The role (and bootstrap port) the server has and serves in: an idempotent request,
+        answered without a switch. A prefill given another port is re-wired on it, and a server
+        whose last switch left it unusable is re-wired too."""
+        args = self.tm.server_args
+        same = (mode, port) == (args.disaggregation_mode, args.disaggregation_bootstrap_port)
+        return same and not self.broken
+
     async def switch(self, body: SwitchRoleRequest) -> dict:
         mode, port = self.check(body)
         args = self.tm.server_args
         old = args.disaggregation_mode
-        if (mode, port) == (old, args.disaggregation_bootstrap_port):
-            # the role it has: an idempotent request, answered without a switch (a prefill given
-            # another bootstrap_port is re-wired on that port)
+        if self._unchanged(mode, port):
             return {
                 "success": True,
                 "changed": False,

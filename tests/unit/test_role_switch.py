@@ -43,9 +43,10 @@ def switcher(**kw) -> RoleSwitch:
     "start, body, status, needle",
     [
         ({}, {"role": "worker"}, 400, "role: must be one of"),
-        ({}, {"role": "colocated"}, 400, "already is a colocated server"),
         ({"disaggregation_mode": "decode"}, {"role": "null"}, None, ""),  # the flag's spelling
-        ({"disaggregation_mode": "decode"}, {"role": "decode"}, 400, "already is a decode server"),
+        ({}, {"role": "decode", "migrate_to": ["x y"]}, 400, "migrate_to: 'x y' is not a host"),
+        ({}, {"role": "decode", "migrate_to": ["10.0.0.1:1"]}, 403, "--migration-peers (none)"),
+        ({}, {"role": "prefill", "bootstrap_port": 70000}, 400, "bootstrap_port: must be in"),
         ({}, {"role": "decode", "drain_timeout": -1.0}, 400, "drain_timeout"),
         ({}, {"role": "decode", "drain_timeout": float("inf")}, 400, "drain_timeout"),
         ({}, {"role": "decode", "bootstrap_port": 9000}, 400, "only a prefill"),
@@ -67,6 +68,32 @@ def test_checks(start, body, status, needle):
     with pytest.raises(APIError) as e:
         s.check(req)
     assert e.value.status == status and needle in e.value.message, e.value.message
+
+
+@pytest.mark.parametrize(
+    "start, body, unchanged",
+    [
+        ({}, {"role": "colocated"}, True),
+        ({"disaggregation_mode": "decode"}, {"role": "decode", "migrate_to": ["10.0.0.1:1"]}, True),
+        ({"disaggregation_mode": "prefill"}, {"role": "prefill"}, True),
+        ({"disaggregation_mode": "prefill"}, {"role": "prefill", "bootstrap_port": 8998}, True),
+        # a prefill given another port is re-wired on it
+        (
+            {"disaggregation_mode": "prefill"},
+            {"role": "prefill", "bootstrap_port": free_port()},
+            False,
+        ),
+    ],
+)
+def test_the_role_a_server_has_is_no_switch(start, body, unchanged):
+    """Idempotent: the role (and port) a server has is answered without a switch, once its
+    other fields pass their checks (``migrate_to`` among the peers)."""
+    s = switcher(migration_peers="10.0.0.1", **start)
+    req = msgspec.convert(body, SwitchRoleRequest)
+    mode, port = s.check(req)
+    assert s._unchanged(mode, port) is unchanged
+    s.broken = "the last switch's warm-up failed"
+    assert not s._unchanged(mode, port)  # a broken server is re-wired, even to its role
 
 
 def test_checks_port_and_switch_in_progress():
