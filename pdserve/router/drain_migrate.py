@@ -6,6 +6,9 @@ The drain ends once the decode's scheduler holds nothing (``GET /get_load`` repo
 the moved requests' streams still pass through its front end, which relays the target's output,
 so a server that switches its role (the autoscaler) keeps serving them; it is asked again every
 ``RETRY_S`` while requests still wait there for their KV (those cannot move until they decode).
+The targets are the other decodes among the drained one's ``--migration-peers`` (as its
+``/server_info`` reports them; a server that reports none of its own decides alone): a decode
+that may move to none of them is waited for.
 """
 
 from __future__ import annotations
@@ -16,11 +19,32 @@ import time
 
 import httpx
 
+from pdserve.peers import MigrationPeers, parse_target
 from pdserve.router.workers import DECODE, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
 
 RETRY_S = 0.2
+
+
+def allowed_targets(worker: Worker, urls: list[str]) -> list[str]:
+    """Those of ``urls`` that ``worker`` may move requests to, by the ``migration_peers`` of its
+    server info (all of them when it reports no such field: an older server decides itself)."""
+    info = worker.info or {}
+    if "migration_peers" not in info:
+        return urls
+    try:
+        peers = MigrationPeers(info["migration_peers"])
+    except ValueError:
+        return urls
+    out = []
+    for url in urls:
+        try:
+            if peers.allows(parse_target(url)):
+                out.append(url)
+        except ValueError:
+            continue
+    return out
 
 
 async def _held(client: httpx.AsyncClient, worker: Worker) -> int:
@@ -35,9 +59,14 @@ async def migrate_away(pool: WorkerPool, worker: Worker, deadline: float) -> boo
     client = pool.client
     moved = 0
     while time.monotonic() < deadline:
-        targets = [w.url for w in pool.available(DECODE, exclude={worker})]
+        others = [w.url for w in pool.available(DECODE, exclude={worker})]
+        targets = allowed_targets(worker, others)
         if not targets or client is None:
-            logger.warning("drain of %s: no other decode to move its requests to", worker.url)
+            logger.warning(
+                "drain of %s: no other decode to move its requests to%s",
+                worker.url,
+                " among its --migration-peers" if others else "",
+            )
             return False
         try:
             if await _held(client, worker) == 0:
