@@ -23,6 +23,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.core.failures import FailureGroup
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
+from pdserve.server.generate_api import PER_ITEM
 from tests.helpers import cluster as c
 
 # bodies per operation (PDSERVE_FUZZ_EXAMPLES=N for a longer run, as docs/testing.md records)
@@ -131,7 +132,7 @@ def _cross_field(body):
     batch = isinstance(prompts, list) and prompts and not isinstance(prompts[0], int)
     if batch and isinstance(body.get("rid"), str):
         body["rid"] = [f"{body['rid']}-{i}" for i in range(len(prompts))]
-    for name in PER_ITEM_LISTS if prompts is not None else ():  # /generate's
+    for name in PER_ITEM if prompts is not None else ():  # /generate's per-prompt lists
         value = body.get(name)
         if isinstance(value, list) and not value:
             del body[name]  # an empty list is one per prompt of no prompt: the default then
@@ -148,18 +149,6 @@ def _cross_field(body):
 
 def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-# /generate fields a batch gives per prompt as a list as long as the batch
-PER_ITEM_LISTS = (
-    "sampling_params",
-    "rid",
-    "return_logprob",
-    "logprob_start_len",
-    "top_logprobs_num",
-    "return_routed_experts",
-    "routed_experts_start_len",
-)
 
 
 def _small(body):
