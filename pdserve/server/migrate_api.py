@@ -12,8 +12,8 @@ Every target is checked before any connection: 400 for one that is not a server'
 for one that is not among ``--migration-peers`` (``pdserve/peers.py``). The targets are
 contacted only when something is to move: 400 for a target that is not a decode, this server
 itself, one serving another model or KV layout, or one that cannot be reached. Other errors: 400
-for a body of the wrong shape or a server that is not a decode; 409 when no named request that
-runs here could move (the reasons).
+for a body of the wrong shape or a server that is not a decode; 409 when no request named by its
+id that runs here could move (the reasons).
 
 ``POST /migrate_in`` (decode to decode): the moved request, with ``bootstrap_*`` naming the
 source's migration bootstrap server (403 unless its host is among ``--migration-peers``); answers
@@ -242,7 +242,8 @@ async def migrate(request: Request, tm: TokenizerManager) -> Response:
     out = {"moved": [], "refused": {}}
     if rids:  # the targets are asked only when something is to move
         out = await move(tm, rids, *await check_targets(tm, urls))
-        if not out["moved"]:
+        # "all" is asked again by a drain while requests wait for their KV: no error then
+        if body.rid != "all" and not out["moved"]:
             raise APIError(409, f"nothing could move: {out['refused']}")
     moved = [{"rid": m["rid"], "target": m["target"], "room": m["room"]} for m in out["moved"]]
     return http_util.json_response({"moved": moved, "refused": {**refused, **out["refused"]}})
