@@ -452,8 +452,22 @@ class ServerArgs:
                     f"must be a comma-separated list of ranks in [0, {self.world_size}), "
                     f"got {self.disaggregation_fault_ranks!r}",
                 )
+        self._check_access(bad)
+        self._check_nodes(bad)
+        if self.served_model_name is None:
+            self.served_model_name = self.model_path
+        if self.tokenizer_path is None:
+            self.tokenizer_path = self.model_path
+
+    def moe_options(self):
+        """The MoE part, as the model layers take it (``layers/moe/context.py``)."""
+        return moe_options(self)
+
+    def _check_access(self, bad) -> None:
+        """Who may reach the server and where a request may make it connect: keys, secrets and
+        the migration peers."""
         try:
-            MigrationPeers(self.migration_peers)
+            MigrationPeers.of(self.migration_peers)
         except ValueError as e:
             bad("migration_peers", str(e))
         if self.disaggregation_secret == "":
@@ -474,15 +488,6 @@ class ServerArgs:
                 "server's bootstrap and KV control endpoints beyond this host, and no "
                 "--disaggregation-secret is set to authenticate them",
             )
-        self._check_nodes(bad)
-        if self.served_model_name is None:
-            self.served_model_name = self.model_path
-        if self.tokenizer_path is None:
-            self.tokenizer_path = self.model_path
-
-    def moe_options(self):
-        """The MoE part, as the model layers take it (``layers/moe/context.py``)."""
-        return moe_options(self)
 
     def _check_nodes(self, bad) -> None:
         """The multi-host flags against the rank layout."""
@@ -537,7 +542,7 @@ class ServerArgs:
                 "without --disaggregation-secret: anyone who reaches them can register ranks and "
                 "send control messages (--disaggregation-require-secret refuses to start like this)"
             )
-        if MigrationPeers(self.migration_peers).any:
+        if MigrationPeers.of(self.migration_peers).any:
             out.append(
                 "--migration-peers *: POST /migrate and /switch_role's migrate_to connect to any "
                 "host and port their caller names, and /migrate_in to any bootstrap_host; list "

@@ -21,6 +21,7 @@ Imports nothing heavy: the config and the router use it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 import re
 import urllib.parse
@@ -51,10 +52,6 @@ class Target:
     scheme: str
     host: str
     port: int
-
-    @property
-    def ip(self) -> Optional[IP]:
-        return _ip(self.host)
 
     @property
     def url(self) -> str:
@@ -154,11 +151,24 @@ class MigrationPeers:
                 t = parse_target(raw, default_port=False)
                 self.entries.append(_Entry(host=t.host, port=t.port or None))
 
+    @staticmethod
+    @functools.lru_cache(maxsize=16)
+    def of(spec: Optional[str]) -> "MigrationPeers":
+        """The parsed list of ``spec``, parsed once per process (the routes ask on every call)."""
+        return MigrationPeers(spec)
+
     def __bool__(self) -> bool:
         return self.any or bool(self.entries)
 
     def allows(self, target: Target) -> bool:
         return self.any or any(e.matches(target.host, target.port) for e in self.entries)
+
+    def allows_url(self, text: str) -> bool:
+        """Whether ``text`` is a server URL among the peers (False for what is no URL)."""
+        try:
+            return self.allows(parse_target(text))
+        except ValueError:
+            return False
 
     def allows_host(self, host: str) -> bool:
         """A host a moved request may come from (any port: a bootstrap port is any free one)."""

@@ -78,9 +78,8 @@ class SamplingParams:
             ok = isinstance(v, int) if integer else isinstance(v, (int, float))
             if isinstance(v, bool) or not ok:
                 bad(name, f"must be {'an integer' if integer else 'a number'}, got {v!r}")
-            if (
-                not integer
-            ):  # crosses the process boundary as a float (an int of any size would not)
+            # a number crosses the process boundary as a float (an int of any size would not)
+            if not integer:
                 try:
                     f = float(v)
                 except OverflowError:

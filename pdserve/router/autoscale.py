@@ -42,7 +42,7 @@ from typing import Optional
 
 import httpx
 
-from pdserve.router.drain_migrate import allowed_targets
+from pdserve.router.drain_migrate import peer_targets
 from pdserve.router.membership import WORKER_TYPES, Membership, MembershipError
 from pdserve.router.workers import DECODE, PREFILL, Worker, WorkerPool
 
@@ -271,7 +271,7 @@ class Autoscaler:
         self.membership.remove(worker, f"autoscale: becoming a {target} server")
         await self.membership.drained(worker)
         body = {"role": target, "drain_timeout": self.args.drain_timeout}
-        others = allowed_targets(worker, [w.url for w in self.pool.available(DECODE)])
+        others = peer_targets(worker, [w.url for w in self.pool.available(DECODE)])
         if self.args.drain_migrate and move.source == DECODE and others:
             body["migrate_to"] = others  # whatever the router's drain left there moves too
         try:

@@ -19,7 +19,7 @@ import time
 
 import httpx
 
-from pdserve.peers import MigrationPeers, parse_target
+from pdserve.peers import MigrationPeers
 from pdserve.router.workers import DECODE, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -27,24 +27,17 @@ logger = logging.getLogger(__name__)
 RETRY_S = 0.2
 
 
-def allowed_targets(worker: Worker, urls: list[str]) -> list[str]:
+def peer_targets(worker: Worker, urls: list[str]) -> list[str]:
     """Those of ``urls`` that ``worker`` may move requests to, by the ``migration_peers`` of its
     server info (all of them when it reports no such field: an older server decides itself)."""
     info = worker.info or {}
     if "migration_peers" not in info:
         return urls
     try:
-        peers = MigrationPeers(info["migration_peers"])
+        peers = MigrationPeers.of(info["migration_peers"])
     except ValueError:
         return urls
-    out = []
-    for url in urls:
-        try:
-            if peers.allows(parse_target(url)):
-                out.append(url)
-        except ValueError:
-            continue
-    return out
+    return [url for url in urls if peers.allows_url(url)]
 
 
 async def _held(client: httpx.AsyncClient, worker: Worker) -> int:
@@ -60,7 +53,7 @@ async def migrate_away(pool: WorkerPool, worker: Worker, deadline: float) -> boo
     moved = 0
     while time.monotonic() < deadline:
         others = [w.url for w in pool.available(DECODE, exclude={worker})]
-        targets = allowed_targets(worker, others)
+        targets = peer_targets(worker, others)
         if not targets or client is None:
             logger.warning(
                 "drain of %s: no other decode to move its requests to%s",

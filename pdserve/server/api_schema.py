@@ -322,6 +322,9 @@ class Integrity(msgspec.Struct):
     error: Optional[str] = None
 
 
+INT64 = {"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX}  # what crosses to ranks
+
+
 # ---- sampling_params ----------------------------------------------------------------------------
 # The ranges SamplingParams.validate enforces (tests/e2e/test_openapi.py probes each edge).
 SAMPLING_BOUNDS: dict[str, dict[str, float]] = {
@@ -356,8 +359,7 @@ def sampling_params_schema() -> dict[str, Any]:
         "default": -1,
     }
     props["no_stop_trim"] = {"type": "boolean", "default": False}
-    int64 = {"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX}
-    props["stop_token_ids"] = {"type": "array", "items": int64}
+    props["stop_token_ids"] = {"type": "array", "items": INT64}
     for name, prop in props.items():
         bound = {**prop, **SAMPLING_BOUNDS.get(name, {})}
         default = bound.pop("default", None)
@@ -396,8 +398,7 @@ def _openai_bounds(component: dict) -> None:
                 branch.update(bound)
     text = {"type": "string", "minLength": 1}
     props["stop"] = {"anyOf": [{"type": "null"}, text, {"type": "array", "items": text}]}
-    int64 = {"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX}
-    props["stop_token_ids"] = {"anyOf": [{"type": "null"}, {"type": "array", "items": int64}]}
+    props["stop_token_ids"] = {"anyOf": [{"type": "null"}, {"type": "array", "items": INT64}]}
     top = {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}
     if "top_logprobs" in props:  # chat: top_logprobs needs logprobs true
         props["top_logprobs"] = {"anyOf": [{"type": "null"}, top]}
@@ -414,7 +415,7 @@ def _present_key(name: str) -> dict:
 def server_facts(tm) -> dict[str, dict]:
     """Components only the running server knows: its vocabulary, model name, DP groups and the
     decodes it may exchange moved requests with."""
-    peers = MigrationPeers(tm.server_args.migration_peers)
+    peers = MigrationPeers.of(tm.server_args.migration_peers)
     return {
         "MigrationTarget": {
             "description": "a decode's base URL among --migration-peers",

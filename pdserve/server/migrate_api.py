@@ -130,7 +130,7 @@ def allowed_targets(tm: TokenizerManager, targets: list[str], field: str = "targ
     migration peer. Nothing is resolved or connected."""
     if not targets:
         raise bad_request(f"{field}: name at least one decode server")
-    peers = MigrationPeers(tm.server_args.migration_peers)
+    peers = MigrationPeers.of(tm.server_args.migration_peers)
     urls = []
     for text in targets:
         try:
@@ -254,7 +254,7 @@ async def migrate_in(request: Request, tm: TokenizerManager) -> Response:
     body = await http_util.read_body(request, args.max_body_bytes, MigrateIn)
     if args.disaggregation_mode != "decode":
         raise bad_request(f"this server is a {args.disaggregation_mode!r} server, not a decode")
-    peers = MigrationPeers(args.migration_peers)
+    peers = MigrationPeers.of(args.migration_peers)
     try:
         source = check_host(body.bootstrap_host)
     except ValueError as e:

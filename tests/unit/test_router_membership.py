@@ -270,17 +270,17 @@ def test_a_drained_decode_moves_requests_only_to_its_migration_peers():
     """The router offers a draining decode (``--drain-migrate``, the autoscaler's ``migrate_to``)
     only the decodes its /server_info's ``migration_peers`` allows, and all of them to a server
     that reports no such field (it decides alone)."""
-    from pdserve.router.drain_migrate import allowed_targets
+    from pdserve.router.drain_migrate import peer_targets
     from pdserve.router.workers import DECODE, Worker
 
     others = ["http://127.0.0.1:30002", "http://10.0.0.7:30002", "http://decode-2:30002"]
     w = Worker("http://127.0.0.1:30001", DECODE)
-    assert allowed_targets(w, others) == others  # info not read yet
+    assert peer_targets(w, others) == others  # info not read yet
     w.info = {"disaggregation_mode": "decode"}  # an older server: no such field
-    assert allowed_targets(w, others) == others
+    assert peer_targets(w, others) == others
     w.info = {"migration_peers": None}
-    assert allowed_targets(w, others) == []  # none listed: it would answer 403
+    assert peer_targets(w, others) == []  # none listed: it would answer 403
     w.info = {"migration_peers": "127.0.0.1,10.0.0.0/8"}
-    assert allowed_targets(w, others) == others[:2]
+    assert peer_targets(w, others) == others[:2]
     w.info = {"migration_peers": "decode-2:30002"}
-    assert allowed_targets(w, others) == others[2:]
+    assert peer_targets(w, others) == others[2:]
