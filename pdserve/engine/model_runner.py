@@ -87,6 +87,15 @@ class ModelRunner:
         deterministic = args.enable_deterministic_inference
         if deterministic:
             self._check_deterministic_possible()
+        if fmt is not None and self.ops is not None and args.load_format != "dummy":
+            held = fmt.use_kernels(self.model, self.ops, batch_invariant=deterministic)
+            if held:
+                logger.info(
+                    "%s weights on pdserve's CPU kernels (ISA %s): %.1f MiB",
+                    fmt.describe(),
+                    self.ops.isa(),
+                    held / 2**20,
+                )
         if self.device.type == "cpu" and (self.dtype == torch.bfloat16 or deterministic):
             packed = self.model.prepack(self.ops, args.quantization, batch_invariant=deterministic)
             onednn = kernels.onednn_bf16()[0]

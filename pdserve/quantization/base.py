@@ -16,6 +16,8 @@ class WeightFormat(ABC):
     naming the ``quantization_config`` field for what they cannot serve)."""
 
     method: str = ""  # quantization_config.quant_method
+    # whether its kernels' rows do not depend on each other (--enable-deterministic-inference)
+    batch_invariant: bool = False
 
     def __init__(self, ignore: Iterable[str] = ()):
         self.ignore = tuple(ignore)  # module names or patterns kept in high precision
@@ -48,6 +50,12 @@ class WeightFormat(ABC):
     def finish(self, model: nn.Module) -> int:
         """After loading: give each quantized layer its matmul; returns the bytes they hold."""
 
+    def use_kernels(self, model: nn.Module, ops: Any, batch_invariant: bool = False) -> int:
+        """Move the quantized layers onto pdserve's CPU kernels (``ops``), dropping what only
+        the PyTorch path read; returns the bytes they hold. Formats without kernels keep their
+        matmuls."""
+        return 0
+
     def describe(self) -> str:
         return self.method
 
@@ -58,7 +66,7 @@ class WeightFormat(ABC):
                 f"--quantization {args.quantization}: the checkpoint is already quantized "
                 f"({self.describe()}); serve it without --quantization"
             )
-        if args.enable_deterministic_inference:
+        if args.enable_deterministic_inference and not self.batch_invariant:
             raise ValueError(
                 f"--enable-deterministic-inference: the matmul of {self.describe()} weights is "
                 "not batch invariant yet"

@@ -10,14 +10,18 @@ fused from several projections (q/k/v, gate/up) and a tensor-parallel rank's row
 alignment. Columns are split over ranks (``o_proj``, ``down_proj``) only on whole blocks: a split
 inside a block is refused, naming the dimension.
 
-The matmul (``Fp8BlockLinear``) dequantizes a panel of output rows at a time into float32
-(each byte's exact value from a table, then ``q * scale``: one rounding, as transformers'
-dequantizer computes it) and multiplies it in the activations' dtype: exact weights, no resident
-dequantized copy. MoE experts stored one weight per expert (``Fp8Experts``) run the same matmul
-on each expert's slice."""
+The matmul (``Fp8BlockLinear``): with pdserve's CPU kernels (handed over by ``use_kernels`` when
+the model is prepacked), ``linear_fp8`` (``kernels/csrc/fp8_linear.h``) on the bytes repacked once
+into 64-output panels, widened to float32 in registers at every ISA tier, each block's partial
+sum scaled once, batch invariant; the checkpoint's layout is then dropped, so the bytes are held
+once. Without the kernels, a panel of output rows at a time is dequantized into float32 (each
+byte's exact value from a table, then ``q * scale``: one rounding, as transformers' dequantizer
+computes it) and multiplied in the activations' dtype. MoE experts stored one weight per expert
+(``Fp8Experts``) run the same matmul on each expert's slice."""
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
@@ -38,6 +42,7 @@ def cdiv(a: int, b: int) -> int:
 
 class Fp8Block(WeightFormat):
     method = "fp8"
+    batch_invariant = True  # with the kernels (deterministic serving needs them anyway)
 
     def __init__(self, block: tuple[int, int], scale_fmt: Optional[str], ignore: Iterable[str]):
         super().__init__(ignore)
@@ -218,6 +223,29 @@ class Fp8Block(WeightFormat):
                 total += module.impl.nbytes
         return total
 
+    def use_kernels(self, model: nn.Module, ops: ModuleType, batch_invariant: bool = False) -> int:
+        from pdserve.kernels import onednn_bf16
+
+        onednn = onednn_bf16()[0] and not batch_invariant
+        total = 0
+        for module in model.modules():
+            impl = getattr(module, "impl", None)
+            if isinstance(impl, Fp8BlockLinear):
+                impl.use_kernels(ops, onednn)
+                # the checkpoint's layout is no longer read: 0-element stand-ins of its dtypes
+                for name in ("weight", SCALE):
+                    old = getattr(module, name)
+                    setattr(module, name, nn.Parameter(old.new_empty(0), requires_grad=False))
+            elif isinstance(impl, Fp8Experts):
+                impl.use_kernels(ops, onednn)
+                for name in ("w13", "w2", "w13_scale", "w2_scale"):
+                    old = getattr(module, name)
+                    setattr(module, name, nn.Parameter(old.new_empty(0), requires_grad=False))
+            else:
+                continue
+            total += impl.nbytes
+        return total
+
 
 def _per_expert(module: nn.Module) -> bool:
     """An MoE layer's experts stored one 2-D weight per expert and projection (Qwen, DeepSeek,
@@ -281,10 +309,45 @@ def _widen(q: torch.Tensor) -> torch.Tensor:
     return table.index_select(0, codes).view(q.shape)
 
 
+# the byte order inside a packed line (kernels/csrc/fp8_linear.h): byte p holds output OUT_OF[p]
+OUT_OF = torch.tensor(
+    [(32 if p & 8 else 0) + 8 * (p >> 4) + (p & 7) for p in range(64)], dtype=torch.long
+)
+KERNEL_PANEL = 64
+# bf16 calls of more rows than this dequantize panels for oneDNN's bf16 GEMM where it runs (AMX or
+# AVX512-BF16): above about 100 rows that is the faster (docs/benchmarks.md, "FP8 block weights")
+KERNEL_MAX_ROWS = 64
+
+
+def pack_fp8(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 ``weight`` [N, K] and row scales [N, KB] -> ``linear_fp8``'s panels [ceil(N/64), K, 64]
+    (uint8, the line order of ``OUT_OF``) and scales [ceil(N/64), KB, 64] (float32, times 256),
+    zero padded."""
+    n, k = weight.shape
+    pad = -n % KERNEL_PANEL
+    w = F.pad(weight.view(torch.uint8), (0, 0, 0, pad)).view(-1, KERNEL_PANEL, k)
+    packed = w[:, OUT_OF, :].permute(0, 2, 1).contiguous()
+    s = F.pad(scale.to(torch.float32), (0, 0, 0, pad)).view(-1, KERNEL_PANEL, scale.shape[1])
+    return packed, (s.permute(0, 2, 1) * 256.0).contiguous()
+
+
+def unpack_fp8(
+    packed: torch.Tensor, scale: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_fp8``'s inverse: the FP8 weight [N, K] and its row scales [N, KB]."""
+    w = torch.empty_like(packed)
+    w[:, :, OUT_OF] = packed
+    weight = w.permute(0, 2, 1).reshape(-1, packed.shape[1])[:n]
+    rows = (scale / 256.0).permute(0, 2, 1).reshape(-1, scale.shape[1])[:n]
+    return weight.contiguous().view(torch.float8_e4m3fn), rows.contiguous()
+
+
 class Fp8BlockLinear:
     """``y = x (q * s)^T + b`` for FP8 ``weight`` [N, K] and row scales ``scale`` [N,
-    ceil(K/bk)] (a layer's parameters, or one expert's slice of them): ``PANEL_ROWS`` output
-    rows at a time are dequantized into float32 (one rounding) and multiplied in ``x``'s dtype."""
+    ceil(K/bk)] (a layer's parameters, or one expert's slice of them). After ``use_kernels``:
+    ``linear_fp8`` on a packed copy (the arguments are no longer read: the caller drops them).
+    Before: ``PANEL_ROWS`` output rows at a time are dequantized into float32 (one rounding) and
+    multiplied in ``x``'s dtype."""
 
     def __init__(
         self,
@@ -294,11 +357,29 @@ class Fp8BlockLinear:
         block_k: int,
     ):
         self.weight, self.scale, self.bias, self.block_k = weight, scale, bias, block_k
+        self.out_features, self.in_features = weight.shape
+        self.ops: Optional[ModuleType] = None
+        self.onednn = False
+        self.packed: Optional[torch.Tensor] = None
+        self.packed_scale: Optional[torch.Tensor] = None
+        self._bias: dict[torch.dtype, torch.Tensor] = {}
+
+    def use_kernels(self, ops: ModuleType, onednn: bool = False) -> None:
+        """Multiply with ``ops.linear_fp8`` from now on, on the weight packed for it; ``onednn``:
+        bf16 calls of more than ``KERNEL_MAX_ROWS`` rows dequantize panels (``ops.fp8_dequantize``)
+        for oneDNN's bf16 GEMM instead (not batch invariant)."""
+        if self.ops is None:
+            self.packed, self.packed_scale = pack_fp8(self.weight, self.scale)
+            self.ops, self.weight, self.scale = ops, None, None
+        self.onednn = onednn
 
     def dequantized(self, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
         """Rows ``start:end`` of the weight in float32."""
-        w = _widen(self.weight[start:end])
-        s = self.scale[start:end]
+        weight, scale = self.weight, self.scale
+        if self.packed is not None:
+            weight, scale = unpack_fp8(self.packed, self.packed_scale, self.out_features)
+        w = _widen(weight[start:end])
+        s = scale[start:end]
         rows, k = w.shape
         full, rem = divmod(k, self.block_k)
         w[:, : full * self.block_k].view(rows, full, self.block_k).mul_(s[:, :full, None])
@@ -307,7 +388,20 @@ class Fp8BlockLinear:
         return w
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        n = self.weight.shape[0]
+        n = self.out_features
+        if self.ops is not None and x.dtype in (torch.float32, torch.bfloat16):
+            x2 = x.reshape(-1, x.shape[-1])
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            rows = x2.shape[0]
+            if self.onednn and x.dtype == torch.bfloat16 and rows > KERNEL_MAX_ROWS:
+                out = self._dequantized_matmul(x2)
+            else:
+                out = x2.new_empty((rows, n))
+                self.ops.linear_fp8(
+                    out, x2, self.packed, self.packed_scale, self._bias_in(x.dtype), self.block_k
+                )
+            return out.view(x.shape[:-1] + (n,))
         out = x.new_empty(x.shape[:-1] + (n,))
         for start in range(0, n, PANEL_ROWS):
             end = min(n, start + PANEL_ROWS)
@@ -315,8 +409,37 @@ class Fp8BlockLinear:
             out[..., start:end] = F.linear(x, self.dequantized(start, end).to(x.dtype), bias)
         return out
 
+    def _bias_in(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        if self.bias is None:
+            return None
+        if dtype not in self._bias:
+            self._bias[dtype] = self.bias.detach().to(dtype).contiguous()
+        return self._bias[dtype]
+
+    def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``PANEL_ROWS`` outputs at a time dequantized in ``x``'s dtype, then ``F.linear``."""
+        n, k = self.out_features, self.in_features
+        out = x.new_empty((x.shape[0], n))
+        panels = PANEL_ROWS // KERNEL_PANEL
+        w = x.new_empty((PANEL_ROWS, k))
+        bias = self._bias_in(x.dtype)
+        for start in range(0, n, PANEL_ROWS):
+            end = min(n, start + PANEL_ROWS)
+            p0 = start // KERNEL_PANEL
+            part = w[: end - start]
+            self.ops.fp8_dequantize(
+                part,
+                self.packed[p0 : p0 + panels],
+                self.packed_scale[p0 : p0 + panels],
+                self.block_k,
+            )
+            out[:, start:end] = F.linear(x, part, None if bias is None else bias[start:end])
+        return out
+
     @property
     def nbytes(self) -> int:
+        if self.packed is not None:
+            return self.packed.numel() + self.packed_scale.numel() * 4
         return self.weight.numel() * self.weight.element_size() + self.scale.numel() * 4
 
 
@@ -338,6 +461,11 @@ class Fp8Experts:
             )
             for s in range(experts.num_slots)
         ]
+
+    def use_kernels(self, ops: ModuleType, onednn: bool = False) -> None:
+        for w13, w2 in self.linears:
+            w13.use_kernels(ops, onednn)
+            w2.use_kernels(ops, onednn)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros((x.shape[0], self.experts.hidden), dtype=torch.float32)

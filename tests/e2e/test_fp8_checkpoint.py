@@ -185,16 +185,33 @@ def test_broken_checkpoints_are_refused_naming_the_tensor(edits, message):
         load_model(fp8("llama", **edits))
 
 
-@pytest.mark.parametrize(
-    "flags,message",
-    [
-        ({"quantization": "w8a8_int8"}, "--quantization w8a8_int8: the checkpoint is already"),
-        ({"enable_deterministic_inference": True}, "--enable-deterministic-inference"),
-    ],
-)
-def test_flags_that_do_not_apply_are_refused(flags, message):
-    with pytest.raises(ValueError, match=message):
-        pdserve.Engine(model_path=fp8("llama"), torch_num_threads=1, **flags)
+def test_requantizing_is_refused():
+    with pytest.raises(ValueError, match="--quantization w8a8_int8: the checkpoint is already"):
+        pdserve.Engine(model_path=fp8("llama"), torch_num_threads=1, quantization="w8a8_int8")
+
+
+def test_deterministic_inference_on_fp8_weights(request):
+    """The FP8 kernel's rows do not depend on each other: a prompt decoded with others gives the
+    bits it gives alone (bf16 compute, the kernel at every row count)."""
+    eng = pdserve.Engine(
+        model_path=fp8("llama"),
+        dtype="bfloat16",
+        torch_num_threads=1,
+        max_total_tokens=8192,
+        enable_deterministic_inference=True,
+    )
+    request.node._engine = eng
+    impls = [m.impl for m in runner_model(eng).modules() if isinstance(m, Linear)]
+    fp8_impls = [i for i in impls if isinstance(i, Fp8BlockLinear)]
+    assert fp8_impls and all(i.packed is not None and not i.onednn for i in fp8_impls)
+    ps = prompts_for(2)[:6]
+    params = {**GREEDY, "max_new_tokens": 12}
+    together = eng.generate(input_ids=ps, sampling_params=params, return_logprob=True)
+    for ids, out in zip(ps, together):
+        alone = eng.generate(input_ids=ids, sampling_params=params, return_logprob=True)
+        assert alone["output_ids"] == out["output_ids"]
+        lp = [v for v, _, _ in out["meta_info"]["output_token_logprobs"]]
+        assert [v for v, _, _ in alone["meta_info"]["output_token_logprobs"]] == lp
 
 
 @pytest.fixture(scope="module")

@@ -337,3 +337,96 @@ def test_w8a8_linear_matches_its_quantization(ops, isa, rows, n, k, x_dtype):
     assert ((out.double() - exact).abs().max() / exact.abs().max()).item() < 0.03
     one = lin(x[-1:])  # integer sums: a row's result does not depend on the batch
     assert torch.equal(one[0], out[-1])
+
+
+def random_e4m3(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Every e4m3 byte but NaN (0x7f / 0xff), subnormals and -0 included."""
+    bits = torch.randint(0, 256, (n, k), dtype=torch.int32, generator=gen)
+    bits = torch.where((bits & 0x7F) == 0x7F, bits - 1, bits)
+    return bits.to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+def fp8_exact_product(
+    x: torch.Tensor, q: torch.Tensor, rows: torch.Tensor, bk: int
+) -> torch.Tensor:
+    """x (q * s)^T in float64 with each block's partial sum scaled once, as the kernel does (its
+    float32 roundings aside)."""
+    w = q.to(torch.float64)
+    k = w.shape[1]
+    out = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
+    for b in range(rows.shape[1]):
+        part = x.double()[:, b * bk : min(k, (b + 1) * bk)] @ w[:, b * bk : min(k, (b + 1) * bk)].T
+        out += part * rows[:, b].double()
+    return out
+
+
+@pytest.mark.parametrize(
+    "rows,n,k,bk",
+    [(r, 70, 100, 32) for r in (1, 2, 3, 7, 8, 13, 40)] + [(1, 130, 300, 128), (5, 64, 256, 128)],
+)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_is_the_portable_loop_and_batch_invariant(
+    ops, isa, rows, n, k, bk, x_dtype, out_dtype
+):
+    """linear_fp8 at every tier gives the portable loop's bits (the same fused multiply-adds in the
+    same order), near the float64 product; a row alone gives the bits it gives in any batch; every
+    e4m3 value (subnormals too) is read exactly; ragged N, K and a partial last block."""
+    from pdserve.quantization.fp8_block import pack_fp8
+
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    q = random_e4m3(n, k, gen)
+    scale = torch.rand(n, -(-k // bk), generator=gen) * 1e-2 + 1e-6
+    x = torch.randn(rows, k, generator=gen).to(x_dtype)
+    bias = torch.randn(n, generator=gen).to(out_dtype)
+    packed, packed_scale = pack_fp8(q, scale)
+    out = torch.empty(rows, n, dtype=out_dtype)
+    ops.linear_fp8(out, x, packed, packed_scale, bias, bk)
+    before = ops.isa_tier()
+    ops.set_isa("scalar")
+    try:
+        portable = torch.empty(rows, n, dtype=out_dtype)
+        ops.linear_fp8(portable, x, packed, packed_scale, bias, bk)
+    finally:
+        ops.set_isa(before)
+    assert torch.equal(
+        out.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32),
+        portable.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32),
+    )
+    ref = fp8_exact_product(x, q, scale, bk) + bias.double()
+    err = ((out.double() - ref).abs() / (ref.abs() + 1)).max().item()
+    assert err < (1e-5 if out_dtype == torch.float32 else 2**-8), err
+    for m in {0, rows - 1}:
+        one = torch.empty(1, n, dtype=out_dtype)
+        ops.linear_fp8(one, x[m : m + 1], packed, packed_scale, bias, bk)
+        assert torch.equal(one[0], out[m])
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_dequantize_is_transformers_rounding(ops, out_dtype):
+    """The packed panels back to value * scale in float32 (one rounding, as transformers'
+    dequantizer), then to bf16: bit for bit."""
+    from pdserve.quantization.fp8_block import _widen, pack_fp8
+
+    gen = torch.Generator().manual_seed(3)
+    n, k, bk = 130, 300, 128
+    q = random_e4m3(n, k, gen)
+    scale = torch.rand(n, 3, generator=gen) * 1e-2 + 1e-6
+    packed, packed_scale = pack_fp8(q, scale)
+    out = torch.empty(n, k, dtype=out_dtype)
+    ops.fp8_dequantize(out, packed, packed_scale, bk)
+    want = (_widen(q) * scale.repeat_interleave(bk, 1)[:, :k]).to(out_dtype)
+    assert torch.equal(out, want)
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.fp8_dequantize(torch.empty(n + 64, k), packed, packed_scale, bk)
+
+
+def test_fp8_linear_refuses_mismatched_shapes(ops):
+    from pdserve.quantization.fp8_block import pack_fp8
+
+    q = torch.zeros(70, 100).to(torch.float8_e4m3fn)
+    packed, scale = pack_fp8(q, torch.ones(70, 4))
+    with pytest.raises(RuntimeError, match="do not agree"):
+        ops.linear_fp8(torch.empty(2, 70), torch.randn(2, 101), packed, scale, None, 32)
+    with pytest.raises(RuntimeError, match="scale must be"):
+        ops.linear_fp8(torch.empty(2, 70), torch.randn(2, 100), packed, scale, None, 64)

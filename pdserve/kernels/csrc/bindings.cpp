@@ -30,6 +30,9 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up);
 void linear_vnni(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c10::optional<at::Tensor> bias,
                  int64_t amx_min_rows);
 void linear_f32(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c10::optional<at::Tensor> bias);
+void linear_fp8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                c10::optional<at::Tensor> bias, int64_t block_k);
+void fp8_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& scale, int64_t block_k);
 void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& colsum,
                  const at::Tensor& w_scale, c10::optional<at::Tensor> bias, int64_t amx_min_rows);
 void moe_experts_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
@@ -105,6 +108,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pds::bind_decode_model(m);
   pds::bind_amx(m);
   m.def("linear_f32", &pds::linear_f32, "x w^T (+ bias) in float32, one k-ordered FMA chain per output (batch invariant)");
+  m.def("linear_fp8", &pds::linear_fp8,
+        "x w^T (+ bias) for FP8 e4m3 block-scaled weights packed [N/64, K, 64] with scales [N/64, K/bk, 64] "
+        "(batch invariant)",
+        py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("bias"), py::arg("block_k"));
+  m.def("fp8_dequantize", &pds::fp8_dequantize,
+        "the float32 or bf16 weight of linear_fp8's packed panels (value * scale, transformers' rounding)",
+        py::arg("out"), py::arg("packed"), py::arg("scale"), py::arg("block_k"));
   m.def("linear_w8a8", &pds::linear_w8a8, "int8 weights x per-token int8 activations (w8a8_int8), dequantized",
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("colsum"), pybind11::arg("w_scale"),
         pybind11::arg("bias"), pybind11::arg("amx_min_rows") = -1);

@@ -1,0 +1,274 @@
+// y = x w^T (+ bias) for FP8 e4m3 block-scaled weights (DeepSeek-V3 / Qwen3-FP8 checkpoints: one
+// scale per bn x bk block), x and out float32 or bf16: the weight's bytes are read in place (packed
+// once into panels, fp8_linear.h) and widened to float32 in registers, never into a resident
+// dequantized copy.
+//
+// A panel (64 outputs) is taken one k block at a time; the block's partial sums are scaled into a
+// row block's sums (kFp8RowBlock rows x 64 in a stack buffer) at its end. One row (decode at batch
+// 1): the lines are widened in registers as they stream in, the panel read once. More rows: the
+// block is widened once into a float32 buffer (bk x 64: 32 KiB at 128, in L1) and tiles of up to 6
+// rows x 64 outputs run on it; the panel stays in L2 for the row blocks after. Every output's sums are those of fp8_linear.h whatever the tier or the tiling:
+// AVX-512 here, the 8-lane kernels (fp8_vec8.cpp) and the portable loop give the same bits.
+#include "common.h"
+#include "fp8_linear.h"
+#include "kv_quant.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdlib>
+#include <memory>
+
+namespace pds {
+namespace {
+
+void panel_scalar(const Fp8Args& a, int64_t np) {
+  float acc[kFp8RowBlock * kFp8Panel];
+  float w[kFp8Panel];
+  const int64_t n0 = np * kFp8Panel, nn = std::min<int64_t>(kFp8Panel, a.N - n0);
+  for (int64_t m0 = 0; m0 < a.M; m0 += kFp8RowBlock) {
+    const int64_t rows = std::min(kFp8RowBlock, a.M - m0);
+    std::fill(acc, acc + rows * kFp8Panel, 0.f);
+    for (int64_t kb = 0; kb < a.KB; ++kb) {
+      const int64_t k0 = kb * a.bk, k1 = std::min(a.K, k0 + a.bk);
+      const float* s = a.scale + (np * a.KB + kb) * kFp8Panel;
+      for (int64_t r = 0; r < rows; ++r) {
+        float part[kFp8Panel] = {0};
+        for (int64_t k = k0; k < k1; ++k) {
+          const uint8_t* line = a.w + (np * a.K + k) * kFp8Panel;
+          for (int p = 0; p < kFp8Panel; ++p) w[fp8_out_of(p)] = fp8_e4m3_to_f32(line[p]) * (1.f / 256.f);
+          const int64_t m = m0 + r;
+          const float x = a.x[m * a.x_stride + k];
+          for (int o = 0; o < kFp8Panel; ++o) part[o] = std::fma(x, w[o], part[o]);
+        }
+        for (int o = 0; o < kFp8Panel; ++o) acc[r * kFp8Panel + o] = std::fma(part[o], s[o], acc[r * kFp8Panel + o]);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t o = 0; o < nn; ++o) {
+        const int64_t n = n0 + o;
+        float v = acc[r * kFp8Panel + o];
+        if (a.out_bf16) {
+          v += a.bias ? bf16_to_f32(static_cast<const uint16_t*>(a.bias)[n]) : 0.f;
+          static_cast<uint16_t*>(a.out)[(m0 + r) * a.out_stride + n] = f32_to_bf16(v);
+        } else {
+          v += a.bias ? static_cast<const float*>(a.bias)[n] : 0.f;
+          static_cast<float*>(a.out)[(m0 + r) * a.out_stride + n] = v;
+        }
+      }
+  }
+}
+
+#if PDS_X86
+// a packed line -> its 64 weights at 2^-8 of their values, in output order
+PDS_AVX512 inline void widen_line(const uint8_t* p, __m512 (&w)[4]) {
+  const __m512i b = _mm512_loadu_si512(p), z = _mm512_setzero_si512();
+  const __m512i keep = _mm512_set1_epi16(int16_t(0xBFFF));
+  const __m512i lo = _mm512_and_si512(_mm512_srai_epi16(_mm512_unpacklo_epi8(z, b), 1), keep);
+  const __m512i hi = _mm512_and_si512(_mm512_srai_epi16(_mm512_unpackhi_epi8(z, b), 1), keep);
+  w[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(lo));
+  w[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(lo, 1));
+  w[2] = _mm512_cvtph_ps(_mm512_castsi512_si256(hi));
+  w[3] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(hi, 1));
+}
+
+constexpr int kTileRows = 6;  // 24 partial sums, a broadcast, the weights read from L1 as operands
+
+// One row (decode at batch 1): k block kb of panel np widened in registers as it streams in
+PDS_AVX512 void row_block(const Fp8Args& a, int64_t np, int64_t kb, int64_t m, float* acc) {
+  const int64_t k0 = kb * a.bk, k1 = std::min(a.K, k0 + a.bk);
+  const uint8_t* block = a.w + (np * a.K + k0) * kFp8Panel;
+  const float* x = a.x + m * a.x_stride;
+  __m512 part[4];
+  for (int j = 0; j < 4; ++j) part[j] = _mm512_setzero_ps();
+  for (int64_t k = k0; k < k1; ++k) {
+    __m512 w[4];
+    widen_line(block + (k - k0) * kFp8Panel, w);
+    const __m512 xv = _mm512_set1_ps(x[k]);
+    for (int j = 0; j < 4; ++j) part[j] = _mm512_fmadd_ps(xv, w[j], part[j]);
+  }
+  const float* s = a.scale + (np * a.KB + kb) * kFp8Panel;
+  for (int j = 0; j < 4; ++j)
+    _mm512_storeu_ps(acc + 16 * j,
+                     _mm512_fmadd_ps(part[j], _mm512_loadu_ps(s + 16 * j), _mm512_loadu_ps(acc + 16 * j)));
+}
+
+// k block kb of panel np -> wbuf [bk][64] float32 (2^-8 of the values)
+PDS_AVX512 void widen_block(const Fp8Args& a, int64_t np, int64_t kb, float* wbuf) {
+  const int64_t k0 = kb * a.bk, k1 = std::min(a.K, k0 + a.bk);
+  const uint8_t* block = a.w + (np * a.K + k0) * kFp8Panel;
+  for (int64_t k = k0; k < k1; ++k) {
+    __m512 w[4];
+    widen_line(block + (k - k0) * kFp8Panel, w);
+    for (int j = 0; j < 4; ++j) _mm512_store_ps(wbuf + (k - k0) * kFp8Panel + 16 * j, w[j]);
+  }
+}
+
+// rows m0 .. m0 + R (acc rows r0 ..) of k block kb, from the widened block
+template <int R>
+PDS_AVX512 void tile(const Fp8Args& a, int64_t np, int64_t kb, const float* wbuf, int64_t m0, float* acc,
+                     int64_t r0) {
+  const int64_t k0 = kb * a.bk, k1 = std::min(a.K, k0 + a.bk);
+  const float* x = a.x + m0 * a.x_stride;
+  __m512 part[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) part[r][j] = _mm512_setzero_ps();
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* w = wbuf + (k - k0) * kFp8Panel;
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * a.x_stride + k]);
+      for (int j = 0; j < 4; ++j) part[r][j] = _mm512_fmadd_ps(xv, _mm512_load_ps(w + 16 * j), part[r][j]);
+    }
+  }
+  const float* s = a.scale + (np * a.KB + kb) * kFp8Panel;
+  for (int j = 0; j < 4; ++j) {
+    const __m512 sj = _mm512_loadu_ps(s + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      float* row = acc + (r0 + r) * kFp8Panel + 16 * j;
+      _mm512_storeu_ps(row, _mm512_fmadd_ps(part[r][j], sj, _mm512_loadu_ps(row)));
+    }
+  }
+}
+
+using Tile = void (*)(const Fp8Args&, int64_t, int64_t, const float*, int64_t, float*, int64_t);
+constexpr Tile kTiles[kTileRows + 1] = {nullptr, &tile<1>, &tile<2>, &tile<3>, &tile<4>, &tile<5>, &tile<6>};
+
+template <typename T>
+PDS_AVX512 void store_rows(const Fp8Args& a, int64_t np, int64_t m0, int64_t rows, const float* acc) {
+  const T* bias = static_cast<const T*>(a.bias);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int j = 0; j < 4; ++j) {
+      const int64_t n = np * kFp8Panel + 16 * j;
+      if (n >= a.N) break;
+      const __mmask16 mk = tail_mask(a.N - n);
+      const __m512 b = bias ? load16(bias + n, mk) : _mm512_setzero_ps();
+      store16(static_cast<T*>(a.out) + (m0 + r) * a.out_stride + n,
+              _mm512_add_ps(_mm512_loadu_ps(acc + r * kFp8Panel + 16 * j), b), mk);
+    }
+}
+
+PDS_AVX512 void panels_avx512(const Fp8Args& a, int64_t np0, int64_t np1, float* wbuf) {
+  alignas(64) float acc[kFp8RowBlock * kFp8Panel];
+  for (int64_t np = np0; np < np1; ++np)
+    for (int64_t m0 = 0; m0 < a.M; m0 += kFp8RowBlock) {
+      const int64_t rows = std::min(kFp8RowBlock, a.M - m0);
+      std::fill(acc, acc + rows * kFp8Panel, 0.f);
+      for (int64_t kb = 0; kb < a.KB; ++kb) {
+        if (rows == 1) {
+          row_block(a, np, kb, m0, acc);
+          continue;
+        }
+        widen_block(a, np, kb, wbuf);
+        const int64_t n_tiles = (rows + kTileRows - 1) / kTileRows;  // as even as can be
+        for (int64_t t = 0, r = 0; t < n_tiles; ++t) {
+          const int64_t tr = rows / n_tiles + (t < rows % n_tiles);
+          kTiles[tr](a, np, kb, wbuf, m0 + r, acc, r);
+          r += tr;
+        }
+      }
+      if (a.out_bf16)
+        store_rows<uint16_t>(a, np, m0, rows, acc);
+      else
+        store_rows<float>(a, np, m0, rows, acc);
+    }
+}
+#endif
+
+}  // namespace
+
+// out: [M, N] float32 or bf16; x: [M, K] float32 or bf16 (rows contiguous); packed: [ceil(N/64), K,
+// 64] uint8 (the layout of fp8_linear.h); scale: [ceil(N/64), ceil(K/block_k), 64] float32 (times
+// 256); bias: [N] in out's dtype, optional.
+void linear_fp8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                c10::optional<at::Tensor> bias, int64_t block_k) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kFp8Panel &&
+                  packed.is_contiguous(),
+              "linear_fp8: weight must be packed as a contiguous [N/64, K, 64] uint8 tensor");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1,
+              "linear_fp8: x and out must be 2-D with contiguous rows");
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "linear_fp8: x and out must be float32 or bfloat16");
+  TORCH_CHECK(block_k > 0, "linear_fp8: block_k must be positive");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), NP = packed.size(0), KB = (K + block_k - 1) / block_k;
+  TORCH_CHECK(NP == (N + kFp8Panel - 1) / kFp8Panel && packed.size(1) == K && out.size(0) == M,
+              "linear_fp8: shapes x ", x.sizes(), ", packed weight ", packed.sizes(), ", out ", out.sizes(),
+              " do not agree");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == NP &&
+                  scale.size(1) == KB && scale.size(2) == kFp8Panel,
+              "linear_fp8: scale must be a contiguous [", NP, ", ", KB, ", 64] float32 tensor, got ", scale.sizes());
+  if (bias.has_value())
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == out.scalar_type(),
+                "linear_fp8: bias must be contiguous [N] in out's dtype");
+  if (M == 0) return;
+  // x in float32 (a bf16 x widened once: the tiles broadcast each x from memory)
+  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  const Fp8Args a{data<uint8_t>(packed), data<float>(scale), data<float>(xf), bias.has_value() ? bias->data_ptr() : nullptr,
+                  out.data_ptr(), M, N, K, KB, block_k, xf.stride(0), out.stride(0), out.scalar_type() == at::kBFloat16};
+  const bool avx512 = use_avx512(), v8 = use_vec8();
+  at::parallel_for(0, NP, 1, [&](int64_t b, int64_t e) {
+    // one widened k block per thread (M > 1)
+    std::unique_ptr<float, void (*)(void*)> wbuf(
+        M > 1 ? static_cast<float*>(std::aligned_alloc(64, ((block_k * kFp8Panel * 4 + 63) / 64) * 64)) : nullptr,
+        &std::free);
+#if PDS_X86
+    if (avx512) return panels_avx512(a, b, e, wbuf.get());
+#endif
+#if PDS_HAS_V8
+    if (v8) return linear_fp8_panels_vec8(a, b, e, wbuf.get());
+#endif
+    for (int64_t np = b; np < e; ++np) panel_scalar(a, np);
+  });
+}
+
+// The weight of whole panels in out's dtype: out [rows, K] (rows <= 64 * packed.size(0)) gets
+// w[n][k] = value(q) * scale, rounded once to float32 (transformers' dequantization), then to bf16
+// if out is bf16: what a prefill multiplies with a bf16 GEMM where that is faster than linear_fp8.
+void fp8_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& scale, int64_t block_k) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kFp8Panel &&
+                  packed.is_contiguous(),
+              "fp8_dequantize: weight must be packed as a contiguous [N/64, K, 64] uint8 tensor");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "fp8_dequantize: out must be a contiguous 2-D float32 or bfloat16 tensor");
+  const int64_t NP = packed.size(0), K = packed.size(1), N = out.size(0), KB = (K + block_k - 1) / block_k;
+  TORCH_CHECK(block_k > 0 && out.size(1) == K && N <= NP * kFp8Panel && N > (NP - 1) * kFp8Panel,
+              "fp8_dequantize: out ", out.sizes(), " does not match the packed weight ", packed.sizes());
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == NP &&
+                  scale.size(1) == KB && scale.size(2) == kFp8Panel,
+              "fp8_dequantize: scale must be a contiguous [", NP, ", ", KB, ", 64] float32 tensor");
+  static const auto table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) t[b] = fp8_e4m3_to_f32(uint8_t(b));
+    return t;
+  }();
+  const uint8_t* w = data<uint8_t>(packed);
+  const float* sc = data<float>(scale);
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  int in_of[kFp8Panel];  // the byte of each output in a line
+  for (int p = 0; p < kFp8Panel; ++p) in_of[fp8_out_of(p)] = p;
+  at::parallel_for(0, NP, 1, [&](int64_t b, int64_t e) {
+    for (int64_t np = b; np < e; ++np) {
+      const int64_t nn = std::min<int64_t>(kFp8Panel, N - np * kFp8Panel);
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        const int64_t k0 = kb * block_k, k1 = std::min(K, k0 + block_k);
+        const float* s = sc + (np * KB + kb) * kFp8Panel;
+        const uint8_t* block = w + np * K * kFp8Panel;
+        for (int64_t o = 0; o < nn; ++o) {
+          const float so = s[o] * (1.f / 256.f);  // exact: the scale as the checkpoint has it
+          const uint8_t* col = block + in_of[o];
+          const int64_t row = (np * kFp8Panel + o) * K;
+          if (bf16) {
+            uint16_t* dst = data<uint16_t>(out) + row;
+            for (int64_t k = k0; k < k1; ++k) dst[k] = f32_to_bf16(table[col[k * kFp8Panel]] * so);
+          } else {
+            float* dst = data<float>(out) + row;
+            for (int64_t k = k0; k < k1; ++k) dst[k] = table[col[k * kFp8Panel]] * so;
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace pds

@@ -1,0 +1,48 @@
+// FP8 e4m3 block-scaled weights (W8A16) as the checkpoints publish them, read in place by
+// linear_fp8 (fp8_linear.cpp, fp8_vec8.cpp). No torch headers: the vector kernels include it.
+//
+// Layout. The weight [N, K] (e4m3 bytes) is packed once in panels of 64 outputs, one 64-byte line
+// per k: packed[np][k][p] = w[64 np + out_of(p)][k], shape [ceil(N/64), K, 64], zero padded. Inside
+// a line, each 16-byte quarter L holds outputs 8L .. 8L+7 (its first 8 bytes) and 32+8L .. 32+8L+7
+// (its last 8): interleaving a quarter's bytes with zero bytes (x86 unpack, Arm zip) gives the
+// float16 words of 8 consecutive outputs from each half, so every tier widens a line with two
+// shuffles, no permutation. The scales are [ceil(N/64), ceil(K/bk), 64] float32 in output order,
+// times 256 (see below); padded outputs have scale 0.
+//
+// Widening. An e4m3 byte b shifted into a float16 (sign to bit 15, the other 7 bits to 13..7) is
+// 2^-8 of its value, subnormals included, and F16C / FCVTL convert float16 to float32 exactly:
+// (b << 8) as int16, shifted right arithmetically by one, bit 14 cleared. The 2^8 goes into the
+// block scale (exact).
+//
+// Arithmetic, the same on every tier (so tiers, tile sizes and the rows of a call give the same
+// bits: batch invariant): per output, per k block, part = sum over the block's k in order of
+// x[k] * w(k), one fused multiply-add each, from zero; then acc = fma(part, scale, acc) over the
+// blocks in order, from zero; out = acc + bias, rounded once to the output dtype.
+#pragma once
+
+#include <cstdint>
+
+namespace pds {
+
+constexpr int64_t kFp8Panel = 64;
+
+// the output (0 .. 63) of byte p of a packed line
+inline int fp8_out_of(int p) { return (p & 8) ? 32 + 8 * (p >> 4) + (p & 7) : 8 * (p >> 4) + (p & 7); }
+
+struct Fp8Args {
+  const uint8_t* w;  // [NP, K, 64], the layout above
+  const float* scale;  // [NP, KB, 64], times 256
+  const float* x;  // [M, K], row stride x_stride
+  const void* bias;  // [N] in out's dtype, or null
+  void* out;  // [M, N], row stride out_stride
+  int64_t M, N, K, KB, bk, x_stride, out_stride;
+  bool out_bf16;
+};
+
+// rows in a block whose sums stay in a buffer while the panel's k blocks pass
+constexpr int64_t kFp8RowBlock = 32;
+
+// panels np0 .. np1 on the 8-lane kernels (AVX2 + F16C, NEON); wbuf: bk x 64 floats, 64-byte aligned
+void linear_fp8_panels_vec8(const Fp8Args& a, int64_t np0, int64_t np1, float* wbuf);
+
+}  // namespace pds

@@ -1,0 +1,157 @@
+// linear_fp8 on 8 lanes (AVX2 + F16C, NEON): FP8 e4m3 block-scaled weights widened in registers
+// as they stream in (the layout and the arithmetic are in fp8_linear.h).
+//
+// A panel is taken one k block (bk lines, 8 KiB at 128) at a time, its partial sums scaled into the
+// row block's sums in `acc` at the end of the block. One row: the lines are widened in registers as
+// they stream in. More rows: the block is widened once into `wbuf` (float32, 32 KiB at 128, in L1)
+// and tiles of up to 6 rows x 16 outputs run on it.
+#include "fp8_linear.h"
+#include "vec8.h"
+
+#include <algorithm>
+
+#if PDS_HAS_V8
+namespace pds {
+namespace {
+using namespace v8;
+
+constexpr int kTileRows = 6;  // 12 partial sums, 2 weight vectors and a broadcast: 15 of 16 registers
+
+// the 16 bytes of a quarter line -> its first 8 and its last 8 weights, at 2^-8 of their values
+PDS_VI void widen_quarter(const uint8_t* p, F8& first, F8& last) {
+#if PDS_X86
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i z = _mm_setzero_si128(), keep = _mm_set1_epi16(int16_t(0xBFFF));
+  const __m128i lo = _mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(z, b), 1), keep);
+  const __m128i hi = _mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(z, b), 1), keep);
+  first.v = _mm256_cvtph_ps(lo);
+  last.v = _mm256_cvtph_ps(hi);
+#else
+  const uint8x16_t b = vld1q_u8(p), z = vdupq_n_u8(0);
+  const int16x8_t keep = vdupq_n_s16(int16_t(0xBFFF));
+  const int16x8_t lo = vandq_s16(vshrq_n_s16(vreinterpretq_s16_u8(vzip1q_u8(z, b)), 1), keep);
+  const int16x8_t hi = vandq_s16(vshrq_n_s16(vreinterpretq_s16_u8(vzip2q_u8(z, b)), 1), keep);
+  const float16x8_t l = vreinterpretq_f16_s16(lo), h = vreinterpretq_f16_s16(hi);
+  first = {vcvt_f32_f16(vget_low_f16(l)), vcvt_high_f32_f16(l)};
+  last = {vcvt_f32_f16(vget_low_f16(h)), vcvt_high_f32_f16(h)};
+#endif
+}
+
+// One row (decode at batch 1): k block kb of panel np widened in registers as it streams in, half a
+// line (two quarters: 4 chains of fused multiply-adds) per pass over the block, the second pass
+// from L1
+PDS_V8 void row_block(const Fp8Args& a, int64_t np, int64_t kb, int64_t m, float* acc) {
+  const int64_t k0 = kb * a.bk, k1 = std::min(a.K, k0 + a.bk);
+  const uint8_t* block = a.w + (np * a.K + k0) * kFp8Panel;
+  const float* x = a.x + m * a.x_stride;
+  const float* s = a.scale + (np * a.KB + kb) * kFp8Panel;
+  for (int h = 0; h < 2; ++h) {
+    F8 part[2][2];
+    for (int q = 0; q < 2; ++q) part[q][0] = part[q][1] = zero();
+    for (int64_t k = k0; k < k1; ++k) {
+      const uint8_t* line = block + (k - k0) * kFp8Panel + 32 * h;
+      const F8 xv = set1(x[k]);
+      for (int q = 0; q < 2; ++q) {
+        F8 first, last;
+        widen_quarter(line + 16 * q, first, last);
+        part[q][0] = fma(xv, first, part[q][0]);
+        part[q][1] = fma(xv, last, part[q][1]);
+      }
+    }
+    for (int q = 2 * h; q < 2 * h + 2; ++q) {
+      store(acc + 8 * q, fma(part[q - 2 * h][0], load(s + 8 * q), load(acc + 8 * q)));
+      store(acc + 32 + 8 * q, fma(part[q - 2 * h][1], load(s + 32 + 8 * q), load(acc + 32 + 8 * q)));
+    }
+  }
+}
+
+// k block kb of panel np -> wbuf [bk][64] float32 in output order (2^-8 of the values)
+PDS_V8 void widen_block(const Fp8Args& a, int64_t np, int64_t kb, float* wbuf) {
+  const int64_t k0 = kb * a.bk, k1 = std::min(a.K, k0 + a.bk);
+  const uint8_t* block = a.w + (np * a.K + k0) * kFp8Panel;
+  for (int64_t k = k0; k < k1; ++k) {
+    float* dst = wbuf + (k - k0) * kFp8Panel;
+    for (int q = 0; q < 4; ++q) {
+      F8 first, last;
+      widen_quarter(block + (k - k0) * kFp8Panel + 16 * q, first, last);
+      store(dst + 8 * q, first);
+      store(dst + 32 + 8 * q, last);
+    }
+  }
+}
+
+// rows m0 .. m0 + R (acc rows r0 ..) x outputs 16 j .. 16 j + 16 of k block kb, from the widened
+// block
+template <int R>
+PDS_V8 void tile(const Fp8Args& a, int64_t np, int64_t kb, const float* wbuf, int j, int64_t m0, float* acc,
+                 int64_t r0) {
+  const int64_t k0 = kb * a.bk, k1 = std::min(a.K, k0 + a.bk);
+  const float* x = a.x + m0 * a.x_stride;
+  F8 part[R][2];
+  for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = zero();
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* w = wbuf + (k - k0) * kFp8Panel + 16 * j;
+    const F8 w0 = load(w), w1 = load(w + 8);
+    for (int r = 0; r < R; ++r) {
+      const F8 xv = set1(x[r * a.x_stride + k]);
+      part[r][0] = fma(xv, w0, part[r][0]);
+      part[r][1] = fma(xv, w1, part[r][1]);
+    }
+  }
+  const float* s = a.scale + (np * a.KB + kb) * kFp8Panel + 16 * j;
+  const F8 s0 = load(s), s1 = load(s + 8);
+  for (int r = 0; r < R; ++r) {
+    float* row = acc + (r0 + r) * kFp8Panel + 16 * j;
+    store(row, fma(part[r][0], s0, load(row)));
+    store(row + 8, fma(part[r][1], s1, load(row + 8)));
+  }
+}
+
+using Tile = void (*)(const Fp8Args&, int64_t, int64_t, const float*, int, int64_t, float*, int64_t);
+constexpr Tile kTiles[kTileRows + 1] = {nullptr, &tile<1>, &tile<2>, &tile<3>, &tile<4>, &tile<5>, &tile<6>};
+
+template <typename T>
+PDS_V8 void store_rows(const Fp8Args& a, int64_t np, int64_t m0, int64_t rows, const float* acc) {
+  const int64_t n0 = np * kFp8Panel, nn = std::min<int64_t>(kFp8Panel, a.N - n0);
+  const T* bias = static_cast<const T*>(a.bias);
+  for (int64_t r = 0; r < rows; ++r) {
+    T* out = static_cast<T*>(a.out) + (m0 + r) * a.out_stride + n0;
+    for (int64_t o = 0; o < nn; o += 8) {
+      const F8 b = bias ? load_upto(bias + n0 + o, nn - o) : zero();
+      store_upto(out + o, add(load(acc + r * kFp8Panel + o), b), nn - o);
+    }
+  }
+}
+
+}  // namespace
+
+void linear_fp8_panels_vec8(const Fp8Args& a, int64_t np0, int64_t np1, float* wbuf) {
+  alignas(64) float acc[kFp8RowBlock * kFp8Panel];
+  for (int64_t np = np0; np < np1; ++np)
+    for (int64_t m0 = 0; m0 < a.M; m0 += kFp8RowBlock) {
+      const int64_t rows = std::min(kFp8RowBlock, a.M - m0);
+      std::fill(acc, acc + rows * kFp8Panel, 0.f);
+      for (int64_t kb = 0; kb < a.KB; ++kb) {
+        if (rows == 1) {
+          row_block(a, np, kb, m0, acc);
+          continue;
+        }
+        widen_block(a, np, kb, wbuf);
+        // tiles as even as can be: 8 rows are 4 + 4, not 6 + 2
+        const int64_t n_tiles = (rows + kTileRows - 1) / kTileRows;
+        for (int j = 0; j < 4; ++j)
+          for (int64_t t = 0, r = 0; t < n_tiles; ++t) {
+            const int64_t tr = rows / n_tiles + (t < rows % n_tiles);
+            kTiles[tr](a, np, kb, wbuf, j, m0 + r, acc, r);
+            r += tr;
+          }
+      }
+      if (a.out_bf16)
+        store_rows<uint16_t>(a, np, m0, rows, acc);
+      else
+        store_rows<float>(a, np, m0, rows, acc);
+    }
+}
+
+}  // namespace pds
+#endif  // PDS_HAS_V8
