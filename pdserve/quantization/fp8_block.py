@@ -417,23 +417,27 @@ class Fp8BlockLinear:
         return self._bias[dtype]
 
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``PANEL_ROWS`` outputs at a time dequantized in ``x``'s dtype, then ``F.linear``."""
+        """``PANEL_ROWS`` outputs at a time dequantized in ``x``'s dtype (k-major, as the packed
+        panels are: ``x @ w^T`` reads it without a copy), then the BLAS GEMM."""
         n, k = self.out_features, self.in_features
         out = x.new_empty((x.shape[0], n))
         panels = PANEL_ROWS // KERNEL_PANEL
-        w = x.new_empty((PANEL_ROWS, k))
+        wt = x.new_empty((k, PANEL_ROWS))
         bias = self._bias_in(x.dtype)
         for start in range(0, n, PANEL_ROWS):
             end = min(n, start + PANEL_ROWS)
             p0 = start // KERNEL_PANEL
-            part = w[: end - start]
+            part = wt[:, : end - start]
             self.ops.fp8_dequantize(
                 part,
                 self.packed[p0 : p0 + panels],
                 self.packed_scale[p0 : p0 + panels],
                 self.block_k,
             )
-            out[:, start:end] = F.linear(x, part, None if bias is None else bias[start:end])
+            if bias is None:
+                out[:, start:end] = x @ part
+            else:
+                out[:, start:end] = torch.addmm(bias[start:end], x, part)
         return out
 
     @property

@@ -403,9 +403,10 @@ def test_fp8_linear_is_the_portable_loop_and_batch_invariant(
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_fp8_dequantize_is_transformers_rounding(ops, out_dtype):
+def test_fp8_dequantize_is_transformers_rounding(ops, isa, out_dtype):
     """The packed panels back to value * scale in float32 (one rounding, as transformers'
-    dequantizer), then to bf16: bit for bit."""
+    dequantizer), then to bf16, k-major (out[k][n]) into a column slice of a wider buffer: bit
+    for bit, the columns past the weight untouched."""
     from pdserve.quantization.fp8_block import _widen, pack_fp8
 
     gen = torch.Generator().manual_seed(3)
@@ -413,12 +414,12 @@ def test_fp8_dequantize_is_transformers_rounding(ops, out_dtype):
     q = random_e4m3(n, k, gen)
     scale = torch.rand(n, 3, generator=gen) * 1e-2 + 1e-6
     packed, packed_scale = pack_fp8(q, scale)
-    out = torch.empty(n, k, dtype=out_dtype)
-    ops.fp8_dequantize(out, packed, packed_scale, bk)
+    buf = torch.full((k, 256), 7.0, dtype=out_dtype)
+    ops.fp8_dequantize(buf[:, :n], packed, packed_scale, bk)
     want = (_widen(q) * scale.repeat_interleave(bk, 1)[:, :k]).to(out_dtype)
-    assert torch.equal(out, want)
+    assert torch.equal(buf[:, :n], want.T) and bool((buf[:, n:] == 7.0).all())
     with pytest.raises(RuntimeError, match="does not match"):
-        ops.fp8_dequantize(torch.empty(n + 64, k), packed, packed_scale, bk)
+        ops.fp8_dequantize(torch.empty(k, n + 64), packed, packed_scale, bk)
 
 
 def test_fp8_linear_refuses_mismatched_shapes(ops):

@@ -133,3 +133,44 @@ def test_e8m0_scales_stored_as_such():
     view = BlockScaleView(stored, [40, 64], (32, 32), "w")
     expect = torch.exp2(exps.float() - 127).repeat_interleave(32, 0)[:40]
     assert torch.equal(view[:], expect)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_layer_on_the_kernels(bias):
+    """After ``use_kernels``: the checkpoint's layout dropped, the same weight dequantized back;
+    up to 64 bf16 rows (and float32 at any count) ``linear_fp8``, near the float64 product and
+    batch invariant; beyond it panels dequantized for the BLAS GEMM, the PyTorch path's values."""
+    from pdserve import kernels
+
+    ops = kernels.load()
+    assert ops is not None, kernels.unavailable_reason()
+    torch.manual_seed(11)
+    n, k, block = 300, 256, (128, 128)
+    q = random_fp8(n, k)
+    scale = torch.rand(3, 2) * 1e-2 + 1e-6
+    impl = fp8_layer(n, k, block, scale, q)
+    want_w = impl.dequantized()
+    impl.bias = torch.randn(n) if bias else None
+    impl.use_kernels(ops, onednn=True)
+    assert impl.weight is None and impl.packed.shape == (5, k, 64)
+    assert torch.equal(impl.dequantized(), want_w)
+    for rows, dtype in (
+        (1, torch.bfloat16),
+        (64, torch.bfloat16),
+        (65, torch.bfloat16),
+        (300, torch.bfloat16),
+        (300, torch.float32),
+    ):
+        x = torch.randn(rows, k).to(dtype)
+        out = impl(x)
+        assert out.dtype == dtype and out.shape == (rows, n)
+        b = impl.bias.to(dtype) if bias else None
+        if rows <= 64 or dtype == torch.float32:
+            # the kernel: float32 weights and sums; each row alone gives its bits
+            ref = x.double() @ want_w.double().T + (b.double() if bias else 0)
+            err = ((out.double() - ref).abs() / (ref.abs() + 1)).max().item()
+            assert err < (1e-5 if dtype == torch.float32 else 2**-8), (rows, dtype, err)
+            assert torch.equal(impl(x[-1:])[0], out[-1])
+        else:  # the weight rounded to bf16, as the PyTorch path multiplies it
+            ref = torch.nn.functional.linear(x, want_w.to(dtype), b)
+            torch.testing.assert_close(out, ref, rtol=2**-7, atol=1e-2)

@@ -23,7 +23,18 @@
 namespace pds {
 namespace {
 
+// every e4m3 byte's value at 2^-8 (what the vector widening gives), for the portable loops
+const float* e4m3_table() {
+  static const auto table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) t[b] = fp8_e4m3_to_f32(uint8_t(b)) * (1.f / 256.f);
+    return t;
+  }();
+  return table.data();
+}
+
 void panel_scalar(const Fp8Args& a, int64_t np) {
+  const float* table = e4m3_table();
   float acc[kFp8RowBlock * kFp8Panel];
   float w[kFp8Panel];
   const int64_t n0 = np * kFp8Panel, nn = std::min<int64_t>(kFp8Panel, a.N - n0);
@@ -37,7 +48,7 @@ void panel_scalar(const Fp8Args& a, int64_t np) {
         float part[kFp8Panel] = {0};
         for (int64_t k = k0; k < k1; ++k) {
           const uint8_t* line = a.w + (np * a.K + k) * kFp8Panel;
-          for (int p = 0; p < kFp8Panel; ++p) w[fp8_out_of(p)] = fp8_e4m3_to_f32(line[p]) * (1.f / 256.f);
+          for (int p = 0; p < kFp8Panel; ++p) w[fp8_out_of(p)] = table[line[p]];
           const int64_t m = m0 + r;
           const float x = a.x[m * a.x_stride + k];
           for (int o = 0; o < kFp8Panel; ++o) part[o] = std::fma(x, w[o], part[o]);
@@ -173,6 +184,50 @@ PDS_AVX512 void panels_avx512(const Fp8Args& a, int64_t np0, int64_t np1, float*
         store_rows<float>(a, np, m0, rows, acc);
     }
 }
+
+// k-line by k-line: 64 weights widened, scaled, stored as float32 or bf16 (rounded to nearest even
+// by the integer rule of f32x16_to_bf16, or by vcvtneps2bf16 where the tier has it: the same bits,
+// no NaN here)
+PDS_AVX512 void dequantize_avx512(const Fp8DequantArgs& a, int64_t np0, int64_t np1) {
+  for (int64_t np = np0; np < np1; ++np) {
+    const int64_t c0 = np * kFp8Panel;
+    for (int64_t k = 0, kb = 0, next = a.bk; k < a.K; ++k) {
+      if (k == next) ++kb, next += a.bk;
+      __m512 w[4];
+      widen_line(a.w + (np * a.K + k) * kFp8Panel, w);
+      const float* s = a.scale + (np * a.KB + kb) * kFp8Panel;
+      for (int j = 0; j < 4; ++j) {
+        const int64_t c = c0 + 16 * j;
+        if (c >= a.cols) break;
+        const __mmask16 mk = tail_mask(a.cols - c);
+        const __m512 v = _mm512_mul_ps(w[j], _mm512_loadu_ps(s + 16 * j));
+        if (a.out_bf16)
+          store16(static_cast<uint16_t*>(a.out) + k * a.out_stride + c, v, mk);
+        else
+          store16(static_cast<float*>(a.out) + k * a.out_stride + c, v, mk);
+      }
+    }
+  }
+}
+
+PDS_AVX512_BF16 void dequantize_avx512_bf16(const Fp8DequantArgs& a, int64_t np0, int64_t np1) {
+  for (int64_t np = np0; np < np1; ++np) {
+    const int64_t c0 = np * kFp8Panel;
+    for (int64_t k = 0, kb = 0, next = a.bk; k < a.K; ++k) {
+      if (k == next) ++kb, next += a.bk;
+      __m512 w[4];
+      widen_line(a.w + (np * a.K + k) * kFp8Panel, w);
+      const float* s = a.scale + (np * a.KB + kb) * kFp8Panel;
+      uint16_t* dst = static_cast<uint16_t*>(a.out) + k * a.out_stride + c0;
+      for (int j = 0; j < 4; ++j) {
+        const int64_t c = c0 + 16 * j;
+        if (c >= a.cols) break;
+        const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(w[j], _mm512_loadu_ps(s + 16 * j)));
+        _mm256_mask_storeu_epi16(dst + 16 * j, tail_mask(a.cols - c), v);
+      }
+    }
+  }
+}
 #endif
 
 }  // namespace
@@ -222,49 +277,51 @@ void linear_fp8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c
   });
 }
 
-// The weight of whole panels in out's dtype: out [rows, K] (rows <= 64 * packed.size(0)) gets
-// w[n][k] = value(q) * scale, rounded once to float32 (transformers' dequantization), then to bf16
-// if out is bf16: what a prefill multiplies with a bf16 GEMM where that is faster than linear_fp8.
+// The weight of whole panels in out's dtype, transposed: out [K, cols] (cols <= 64 * packed.size(0),
+// any row stride) gets out[k][n] = value(q[n][k]) * scale, rounded once to float32 (transformers'
+// dequantization), then to bf16 if out is bf16: what a prefill multiplies with a bf16 GEMM (x out,
+// a k-major weight needs no copy there) where that is faster than linear_fp8.
 void fp8_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& scale, int64_t block_k) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kFp8Panel &&
                   packed.is_contiguous(),
               "fp8_dequantize: weight must be packed as a contiguous [N/64, K, 64] uint8 tensor");
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
-              "fp8_dequantize: out must be a contiguous 2-D float32 or bfloat16 tensor");
-  const int64_t NP = packed.size(0), K = packed.size(1), N = out.size(0), KB = (K + block_k - 1) / block_k;
-  TORCH_CHECK(block_k > 0 && out.size(1) == K && N <= NP * kFp8Panel && N > (NP - 1) * kFp8Panel,
-              "fp8_dequantize: out ", out.sizes(), " does not match the packed weight ", packed.sizes());
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "fp8_dequantize: out must be a 2-D float32 or bfloat16 tensor with contiguous rows");
+  const int64_t NP = packed.size(0), K = packed.size(1), cols = out.size(1);
+  TORCH_CHECK(block_k > 0, "fp8_dequantize: block_k must be positive");
+  const int64_t KB = (K + block_k - 1) / block_k;
+  TORCH_CHECK(out.size(0) == K && cols <= NP * kFp8Panel && cols > (NP - 1) * kFp8Panel,
+              "fp8_dequantize: out ", out.sizes(), " does not match the packed weight ", packed.sizes(),
+              " (out is [K, N])");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == NP &&
                   scale.size(1) == KB && scale.size(2) == kFp8Panel,
               "fp8_dequantize: scale must be a contiguous [", NP, ", ", KB, ", 64] float32 tensor");
-  static const auto table = [] {
-    std::array<float, 256> t{};
-    for (int b = 0; b < 256; ++b) t[b] = fp8_e4m3_to_f32(uint8_t(b));
-    return t;
-  }();
-  const uint8_t* w = data<uint8_t>(packed);
-  const float* sc = data<float>(scale);
-  const bool bf16 = out.scalar_type() == at::kBFloat16;
-  int in_of[kFp8Panel];  // the byte of each output in a line
-  for (int p = 0; p < kFp8Panel; ++p) in_of[fp8_out_of(p)] = p;
+  const Fp8DequantArgs a{data<uint8_t>(packed), data<float>(scale), out.data_ptr(), K, KB, block_k, cols,
+                         out.stride(0), out.scalar_type() == at::kBFloat16};
+  const bool avx512 = use_avx512(), v8 = use_vec8();
   at::parallel_for(0, NP, 1, [&](int64_t b, int64_t e) {
+#if PDS_X86
+    if (avx512 && a.out_bf16 && use_avx512_bf16()) return dequantize_avx512_bf16(a, b, e);
+    if (avx512) return dequantize_avx512(a, b, e);
+#endif
+#if PDS_HAS_V8
+    if (v8) return fp8_dequantize_panels_vec8(a, b, e);
+#endif
     for (int64_t np = b; np < e; ++np) {
-      const int64_t nn = std::min<int64_t>(kFp8Panel, N - np * kFp8Panel);
-      for (int64_t kb = 0; kb < KB; ++kb) {
-        const int64_t k0 = kb * block_k, k1 = std::min(K, k0 + block_k);
-        const float* s = sc + (np * KB + kb) * kFp8Panel;
-        const uint8_t* block = w + np * K * kFp8Panel;
-        for (int64_t o = 0; o < nn; ++o) {
-          const float so = s[o] * (1.f / 256.f);  // exact: the scale as the checkpoint has it
-          const uint8_t* col = block + in_of[o];
-          const int64_t row = (np * kFp8Panel + o) * K;
-          if (bf16) {
-            uint16_t* dst = data<uint16_t>(out) + row;
-            for (int64_t k = k0; k < k1; ++k) dst[k] = f32_to_bf16(table[col[k * kFp8Panel]] * so);
-          } else {
-            float* dst = data<float>(out) + row;
-            for (int64_t k = k0; k < k1; ++k) dst[k] = table[col[k * kFp8Panel]] * so;
-          }
+      const int64_t c0 = np * kFp8Panel, nc = std::min<int64_t>(kFp8Panel, cols - c0);
+      for (int64_t k = 0, kb = 0, next = block_k; k < K; ++k) {
+        if (k == next) ++kb, next += block_k;
+        const uint8_t* line = a.w + (np * K + k) * kFp8Panel;
+        const float* s = a.scale + (np * KB + kb) * kFp8Panel;
+        for (int p = 0; p < kFp8Panel; ++p) {
+          const int o = fp8_out_of(p);
+          if (o >= nc) continue;
+          const float v = e4m3_table()[line[p]] * s[o];
+          if (a.out_bf16)
+            static_cast<uint16_t*>(a.out)[k * a.out_stride + c0 + o] = f32_to_bf16(v);
+          else
+            static_cast<float*>(a.out)[k * a.out_stride + c0 + o] = v;
         }
       }
     }

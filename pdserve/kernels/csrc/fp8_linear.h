@@ -42,6 +42,16 @@ struct Fp8Args {
 // rows in a block whose sums stay in a buffer while the panel's k blocks pass
 constexpr int64_t kFp8RowBlock = 32;
 
+// fp8_dequantize: panels np0 .. np1 as out[k][64 (np - np0) + o] = value * scale, float32 or bf16
+struct Fp8DequantArgs {
+  const uint8_t* w;  // [NP, K, 64]
+  const float* scale;  // [NP, KB, 64], times 256
+  void* out;  // [K, cols], row stride out_stride
+  int64_t K, KB, bk, cols, out_stride;
+  bool out_bf16;
+};
+void fp8_dequantize_panels_vec8(const Fp8DequantArgs& a, int64_t np0, int64_t np1);
+
 // panels np0 .. np1 on the 8-lane kernels (AVX2 + F16C, NEON); wbuf: bk x 64 floats, 64-byte aligned
 void linear_fp8_panels_vec8(const Fp8Args& a, int64_t np0, int64_t np1, float* wbuf);
 

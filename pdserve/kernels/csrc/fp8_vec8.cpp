@@ -153,5 +153,30 @@ void linear_fp8_panels_vec8(const Fp8Args& a, int64_t np0, int64_t np1, float* w
     }
 }
 
+PDS_V8 void fp8_dequantize_panels_vec8(const Fp8DequantArgs& a, int64_t np0, int64_t np1) {
+  alignas(32) float line[kFp8Panel];
+  for (int64_t np = np0; np < np1; ++np) {
+    const int64_t c0 = np * kFp8Panel, nc = std::min<int64_t>(kFp8Panel, a.cols - c0);
+    for (int64_t k = 0, kb = 0, next = a.bk; k < a.K; ++k) {
+      if (k == next) ++kb, next += a.bk;
+      const uint8_t* src = a.w + (np * a.K + k) * kFp8Panel;
+      const float* s = a.scale + (np * a.KB + kb) * kFp8Panel;
+      for (int q = 0; q < 4; ++q) {
+        F8 first, last;
+        widen_quarter(src + 16 * q, first, last);
+        store(line + 8 * q, mul(first, load(s + 8 * q)));
+        store(line + 32 + 8 * q, mul(last, load(s + 32 + 8 * q)));
+      }
+      if (a.out_bf16) {
+        uint16_t* dst = static_cast<uint16_t*>(a.out) + k * a.out_stride + c0;
+        for (int64_t o = 0; o < nc; o += 8) store_upto(dst + o, load(line + o), nc - o);
+      } else {
+        float* dst = static_cast<float*>(a.out) + k * a.out_stride + c0;
+        for (int64_t o = 0; o < nc; o += 8) store_upto(dst + o, load(line + o), nc - o);
+      }
+    }
+  }
+}
+
 }  // namespace pds
 #endif  // PDS_HAS_V8
