@@ -18,6 +18,8 @@ from pdserve.layers.linear import (
 )
 from pdserve.layers.norm import RMSNorm
 from pdserve.models.decoder import PRE_NORM
+from pdserve.quantization.fp8_block import KERNEL_MAX_ROWS as FP8_KERNEL_MAX_ROWS
+from pdserve.quantization.fp8_block import Fp8BlockLinear
 
 
 class CpuPathsMixin:
@@ -82,10 +84,11 @@ class CpuPathsMixin:
             return False
         if any(
             not isinstance(m.impl, (PackedBF16, PackedW8A8))
+            and not (isinstance(m.impl, Fp8BlockLinear) and m.impl.packed is not None)
             for m in self.model.modules()
             if isinstance(m, Linear)
         ):
-            return False  # its matmuls are the bf16 and int8 ones (not quantized checkpoints')
+            return False  # its matmuls are the bf16, int8 and FP8 kernels' ones
         first = self.model.layers[0].self_attn
         # batch invariant: the GEMV kernel at every batch size, as the layer-by-layer path runs
         stack = ops.DecodeModel(
@@ -99,6 +102,11 @@ class CpuPathsMixin:
 
         def parts(linear: Linear) -> list:
             impl = linear.impl
+            if isinstance(impl, Fp8BlockLinear):
+                rows = FP8_KERNEL_MAX_ROWS if impl.onednn else 1 << 62
+                bias = impl._bias_in(torch.bfloat16)
+                dims = torch.tensor([impl.block_k, impl.out_features, rows], dtype=torch.int64)
+                return [None, None, bias, impl.packed, impl.packed_scale, dims]
             if isinstance(impl, PackedW8A8):
                 bias = None if impl.bias is None else impl.bias.to(torch.bfloat16)
                 return [

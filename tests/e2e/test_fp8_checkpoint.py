@@ -254,3 +254,37 @@ def test_pd_fp8_prefill_to_a_decode_on_unquantized_weights(pd):
     in float32, so the tokens are HF's too (a bf16 copy would round them: other tokens)."""
     path, (_, router) = pd
     hf_tokens_through(router, path, prompts_for(4)[:3])
+
+
+@pytest.mark.parametrize("max_rows", [None, 2])
+def test_decode_stack_on_fp8_weights_equals_layer_by_layer_path(monkeypatch, max_rows, request):
+    """bf16 compute: the C++ decoder stack runs the FP8 layers on the same kernels as the Python
+    layers, identical tokens and logprobs (2: batches of 5 take the dequantized panels and the
+    BLAS GEMM on both paths where oneDNN's bf16 runs, the kernel elsewhere)."""
+    if max_rows is not None:
+        from pdserve.models import cpu_paths
+        from pdserve.quantization import fp8_block
+
+        monkeypatch.setattr(fp8_block, "KERNEL_MAX_ROWS", max_rows)
+        monkeypatch.setattr(cpu_paths, "FP8_KERNEL_MAX_ROWS", max_rows)
+    eng = pdserve.Engine(
+        model_path=fp8("qwen3", (32, 32)),
+        dtype="bfloat16",
+        torch_num_threads=1,
+        max_total_tokens=8192,
+        disable_radix_cache=True,
+    )
+    request.node._engine = eng
+    model = runner_model(eng).model
+    assert model.decode_stack is not None
+    prompts = prompts_for(6)[:5]
+    sp = {**GREEDY, "max_new_tokens": 12}
+    with_stack = eng.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
+    stack, model.decode_stack = model.decode_stack, None
+    try:
+        without = eng.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
+    finally:
+        model.decode_stack = stack
+    for a, b in zip(with_stack, without):
+        assert a["output_ids"] == b["output_ids"]
+        assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]

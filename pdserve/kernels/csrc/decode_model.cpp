@@ -14,6 +14,8 @@
 #include "common.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/mm.h>
 
 #include <vector>
 
@@ -31,6 +33,9 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up);
 void linear_vnni(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c10::optional<at::Tensor> bias);
 void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& colsum,
                  const at::Tensor& w_scale, c10::optional<at::Tensor> bias);
+void linear_fp8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                c10::optional<at::Tensor> bias, int64_t block_k);
+void fp8_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& scale, int64_t block_k);
 
 namespace {
 
@@ -51,17 +56,43 @@ at::Tensor workspace(at::Tensor& buf, at::IntArrayRef sizes, const at::Tensor& l
   return buf;
 }
 
+// FP8 block weights (quantization/fp8_block.py): up to fp8_max_rows rows linear_fp8, beyond it
+// panels of kFp8DequantRows outputs dequantized k-major and multiplied by the BLAS GEMM, as the
+// layer-by-layer path does
+constexpr int64_t kFp8DequantRows = 256;
+
 struct Linear {
   at::Tensor vnni;  // GEMV layout, or undefined
   at::Tensor onednn;  // oneDNN prepacked, or undefined
   at::Tensor q_packed, q_colsum, q_scale;  // w8a8_int8 weights, or undefined
+  at::Tensor f_packed, f_scale;  // FP8 block weights, or undefined
+  int64_t f_block_k = 0, fp8_max_rows = 0;
   c10::optional<at::Tensor> bias;
   int64_t out_features = 0;
+
+  at::Tensor fp8_dequantized_matmul(const at::Tensor& x) const {
+    const int64_t K = x.size(1), panels = kFp8DequantRows / 64;
+    at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+    at::Tensor wt = at::empty({K, kFp8DequantRows}, x.options());
+    for (int64_t start = 0; start < out_features; start += kFp8DequantRows) {
+      const int64_t n = std::min(kFp8DequantRows, out_features - start), p0 = start / 64;
+      at::Tensor part = wt.narrow(1, 0, n);
+      const int64_t np = std::min(panels, f_packed.size(0) - p0);
+      fp8_dequantize(part, f_packed.narrow(0, p0, np), f_scale.narrow(0, p0, np), f_block_k);
+      out.narrow(1, start, n).copy_(bias.has_value() ? at::addmm(bias->narrow(0, start, n), x, part) : at::mm(x, part));
+    }
+    return out;
+  }
 
   // x Wᵀ (+ bias) into `buf` (reallocated when its shape differs), or a new tensor from oneDNN
   at::Tensor operator()(const at::Tensor& x, int64_t gemv_max_rows, at::Tensor& buf) const {
     if (onednn.defined() && !(vnni.defined() && x.size(0) <= gemv_max_rows)) return onednn_linear(x, onednn, bias);
+    if (f_packed.defined() && x.size(0) > fp8_max_rows) return fp8_dequantized_matmul(x);
     at::Tensor out = workspace(buf, {x.size(0), out_features}, x);
+    if (f_packed.defined()) {
+      linear_fp8(out, x, f_packed, f_scale, bias, f_block_k);
+      return out;
+    }
     if (q_packed.defined())
       linear_w8a8(out, x, q_packed, q_colsum, q_scale, bias);
     else
@@ -183,10 +214,22 @@ class DecodeModel {
  private:
   // parts: [vnni, onednn, bias] for bf16 weights, [vnni, None, bias, out_features] for bf16 weights
   // without oneDNN, [None, None, bias, packed, colsum, scale, out_features]
-  // for w8a8_int8 (out_features as a 0-d int64 tensor)
+  // for w8a8_int8 (out_features as a 0-d int64 tensor), [None, None, bias, packed, scale,
+  // (block_k, out_features, max_rows)] for FP8 block weights (int64 [3]: linear_fp8 up to max_rows)
   static Linear make_linear(const std::vector<c10::optional<at::Tensor>>& parts, const char* name) {
     Linear lin;
     lin.bias = parts.size() >= 3 ? parts[2] : c10::nullopt;
+    if (parts.size() == 6 && parts[3].has_value()) {
+      lin.f_packed = *parts[3];
+      lin.f_scale = *parts[4];
+      const at::Tensor dims = parts[5]->contiguous();
+      TORCH_CHECK(dims.numel() == 3 && dims.scalar_type() == at::kLong, "DecodeModel.add_layer: ", name,
+                  ": the FP8 form ends with an int64 [block_k, out_features, max_rows]");
+      lin.f_block_k = dims.data_ptr<int64_t>()[0];
+      lin.out_features = dims.data_ptr<int64_t>()[1];
+      lin.fp8_max_rows = dims.data_ptr<int64_t>()[2];
+      return lin;
+    }
     if (parts.size() == 7 && parts[3].has_value()) {
       lin.q_packed = *parts[3];
       lin.q_colsum = *parts[4];
