@@ -1,78 +1,151 @@
-"""FP8 block-scaled weights (``pdserve/quantization/fp8_block.py``) against bf16 weights, one
-thread, on one Llama-3.2-1B-shaped layer's matmuls (q/k/v fused 2048 -> 3072, o 2048 -> 2048,
-gate/up fused 2048 -> 16384, down 8192 -> 2048):
+"""FP8 block-scaled weights (``pdserve/quantization/fp8_block.py``) against bf16 weights at every
+instruction-set tier of this host, one thread, on one Llama-3.2-1B-shaped layer's matmuls (q/k/v
+fused 2048 -> 3072, o 2048 -> 2048, gate/up fused 2048 -> 16384, down 8192 -> 2048):
 
-    python benchmarks/fp8_weights.py [--rows 1,8,64,512] [--repeat 5]
+    python benchmarks/fp8_weights.py [--tiers avx2,avx512,...] [--rows 1,8,64,512] [--json OUT]
 
-Per row count, the median time of the layer's four matmuls: FP8 (the checkpoint's bytes, each
-256-row panel dequantized exactly and multiplied by ``F.linear`` in bf16) and bf16
-(``PackedBF16``: pdserve's GEMV up to 64 rows, oneDNN above, where it runs), and their ratio;
-also the bytes each holds. Only the matmuls: no attention, no model."""
+Each tier runs in its own process with ``PDSERVE_CPU_ISA=<tier>`` and oneDNN, MKL and ATen capped
+at the same tier (as ``benchmarks/isa_tiers.py`` does), so a column is what a host of that tier
+runs. Per tier, best of 5:
+
+- ``read GB/s``: a float32 sum over 512 MB (what memory speed is here);
+- ``fp8 GEMV GB/s`` / ``bf16 GEMV GB/s``: the layer's weights read per second at one row, over the
+  packed bytes each reads (FP8: one byte per weight plus its row scales; bf16: two);
+- ``ms fp8`` / ``ms bf16`` at each row count: the four matmuls as served (FP8: ``linear_fp8`` up
+  to 64 rows, dequantized panels and oneDNN's bf16 GEMM above where pdserve takes oneDNN; bf16:
+  ``PackedBF16``), and their ratio;
+- ``GFLOP/s`` at the largest row count: ``linear_fp8`` alone (what batch-invariant serving and
+  hosts without oneDNN's bf16 run) against pdserve's bf16 kernel ``linear_vnni``."""
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F  # noqa: F401  (the FP8 path's matmul)
+REPO = Path(__file__).resolve().parents[1]
 
+WORKER = r"""
+import json, os, sys, time, torch
+torch.set_num_threads(1)
 from pdserve import kernels
-from pdserve.layers.linear import Linear, PackedBF16
-from pdserve.quantization.fp8_block import BlockScaleView, Fp8Block, Fp8BlockLinear
+from pdserve.layers.linear import PackedBF16, pack_vnni16
+from pdserve.quantization.fp8_block import Fp8BlockLinear
 
+ops = kernels.load()
+onednn = kernels.onednn_bf16()[0]
 SHAPES = [("qkv", 2048, 3072), ("o", 2048, 2048), ("gate_up", 2048, 16384), ("down", 8192, 2048)]
-BLOCK = (128, 128)
+ROWS = [int(r) for r in os.environ["FP8_ROWS"].split(",")]
 
+def best(fn, n=5):
+    fn()
+    t = float("inf")
+    for _ in range(n):
+        t0 = time.perf_counter(); fn(); t = min(t, time.perf_counter() - t0)
+    return t
 
-def fp8_layer(k: int, n: int) -> Fp8BlockLinear:
+torch.manual_seed(0)
+layers = []
+for name, k, n in SHAPES:
     w = torch.randn(n, k) * 0.02
-    rows, cols = -(-n // BLOCK[0]), -(-k // BLOCK[1])
-    blocks = w.view(rows, BLOCK[0], cols, BLOCK[1])
-    scale = blocks.abs().amax(dim=(1, 3)) / 448.0
-    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(n, k)
-    layer = Linear(k, n, bias=False)
-    Fp8Block(BLOCK, None, ())._swap(layer)
-    layer.weight.data.copy_(q)
-    layer.weight_scale_inv.data.copy_(BlockScaleView(scale, [n, k], BLOCK, "w")[:])
-    return Fp8BlockLinear(layer.weight, layer.weight_scale_inv, None, BLOCK[1])
+    kb = -(-k // 128)
+    blocks = torch.nn.functional.pad(w, (0, kb * 128 - k)).view(n // 128, 128, kb, 128)
+    s = blocks.abs().amax(dim=(1, 3)) / 448.0
+    q = (blocks / s[:, None, :, None]).view(n, kb * 128)[:, :k].to(torch.float8_e4m3fn)
+    rows_scale = s.repeat_interleave(128, 0)
+    fp8 = Fp8BlockLinear(q, rows_scale, None, 128)
+    deq = fp8.dequantized().to(torch.bfloat16)
+    fp8.use_kernels(ops, onednn)
+    bf16 = PackedBF16(deq, None, ops)
+    layers.append((k, n, fp8, bf16, pack_vnni16(deq)))
+
+out = {"isa": ops.isa(), "onednn_bf16": onednn}
+big = torch.ones(128 << 20)
+out["read GB/s"] = big.numel() * 4 / best(lambda: big.sum()) / 1e9
+del big
+x1 = [torch.randn(1, k).to(torch.bfloat16) for k, *_ in layers]
+fp8_bytes = sum(f.nbytes for _, _, f, _, _ in layers)
+bf16_bytes = sum(n * k * 2 for k, n, *_ in layers)
+t8 = sum(best(lambda: f(x)) for (_, _, f, _, _), x in zip(layers, x1))
+t16 = sum(best(lambda: b(x)) for (_, _, _, b, _), x in zip(layers, x1))
+out["fp8 GEMV GB/s"] = fp8_bytes / t8 / 1e9
+out["bf16 GEMV GB/s"] = bf16_bytes / t16 / 1e9
+for rows in ROWS:
+    xs = [torch.randn(rows, k).to(torch.bfloat16) for k, *_ in layers]
+    a = sum(best(lambda: f(x), 3) for (_, _, f, _, _), x in zip(layers, xs))
+    b = sum(best(lambda: bb(x), 3) for (_, _, _, bb, _), x in zip(layers, xs))
+    out[f"ms fp8 {rows}"] = a * 1e3
+    out[f"ms bf16 {rows}"] = b * 1e3
+    out[f"fp8/bf16 time {rows}"] = a / b
+rows = ROWS[-1]
+flops = sum(2 * rows * k * n for k, n, *_ in layers)
+t_k = t_v = 0.0
+for k, n, f, _, vnni in layers:
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    o = torch.empty(rows, n, dtype=torch.bfloat16)
+    t_k += best(lambda: ops.linear_fp8(o, x, f.packed, f.packed_scale, None, 128), 2)
+    t_v += best(lambda: ops.linear_vnni(o, x, vnni, None), 2)
+out[f"linear_fp8 GFLOP/s {rows}"] = flops / t_k / 1e9
+out[f"linear_vnni GFLOP/s {rows}"] = flops / t_v / 1e9
+print(json.dumps(out))
+"""
 
 
-def timed(fn, x, repeat: int) -> float:
-    fn(x)
-    out = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn(x)
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
+def lscpu() -> dict:
+    text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return {
+        "model": fields.get("Model name", "?").strip(),
+        "flags": fields.get("Flags", "").strip(),
+    }
+
+
+def run_tier(tier: str, rows: str) -> dict:
+    from pdserve.kernels import _LIBRARY_CAPS
+
+    env = {
+        **os.environ,
+        "PDSERVE_CPU_ISA": tier,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+        "FP8_ROWS": rows,
+    }
+    for name in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY"):
+        env.pop(name, None)
+    env.update(_LIBRARY_CAPS.get(tier, {}))
+    proc = subprocess.run(
+        [sys.executable, "-c", WORKER], env=env, capture_output=True, text=True, timeout=3600
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"tier {tier}: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--rows", default="1,8,64,512")
-    p.add_argument("--repeat", type=int, default=5)
-    args = p.parse_args()
-    torch.set_num_threads(1)
-    ops = kernels.load()
-    print(f"kernels: ISA {ops.isa() if ops else 'none'}; one thread")
-    layers = []
-    for name, k, n in SHAPES:
-        fp8 = fp8_layer(k, n)
-        bf16 = PackedBF16(fp8.dequantized().to(torch.bfloat16), None, ops)
-        layers.append((name, k, fp8, bf16))
-    held8 = sum(f.nbytes for _, _, f, _ in layers)
-    held16 = sum(b.nbytes for _, _, _, b in layers)
-    print(f"bytes held: fp8 {held8 / 2**20:.1f} MiB, bf16 {held16 / 2**20:.1f} MiB")
-    print("| rows | fp8 ms | bf16 ms | fp8 / bf16 |\n|---|---|---|---|")
-    for rows in [int(r) for r in args.rows.split(",")]:
-        t8 = t16 = 0.0
-        for _, k, fp8, bf16 in layers:
-            x = torch.randn(rows, k).to(torch.bfloat16)
-            t8 += timed(fp8, x, args.repeat)
-            t16 += timed(bf16, x, args.repeat)
-        print(f"| {rows} | {t8 * 1e3:.2f} | {t16 * 1e3:.2f} | {t8 / t16:.2f} |")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--tiers", default=None, help="comma-separated (default: every SIMD tier here)")
+    ap.add_argument("--rows", default="1,8,64,512")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    from pdserve import kernels
+
+    tiers = a.tiers.split(",") if a.tiers else kernels.load().available_isas()[1:]
+    results = {t: run_tier(t, a.rows) for t in tiers}
+    keys = list(next(iter(results.values())))
+    print("| measurement | " + " | ".join(tiers) + " |")
+    print("|---|" + "---|" * len(tiers))
+    for k in keys:
+        cells = [results[t].get(k, "") for t in tiers]
+        fmt = [f"{v:.2f}" if isinstance(v, float) else str(v) for v in cells]
+        print(f"| {k} | " + " | ".join(fmt) + " |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"machine": lscpu(), "tiers": results}, f, indent=2)
 
 
 if __name__ == "__main__":

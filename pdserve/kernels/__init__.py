@@ -59,6 +59,7 @@ SOURCES = (
     "linear_attention_avx512.cpp",
     "amx.cpp",
     "amx_gemm.cpp",
+    "amx_fp8.cpp",
     "amx_attention.cpp",
     "amx_selfcheck.cpp",
 )

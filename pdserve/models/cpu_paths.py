@@ -105,7 +105,9 @@ class CpuPathsMixin:
             if isinstance(impl, Fp8BlockLinear):
                 rows = FP8_KERNEL_MAX_ROWS if impl.onednn else 1 << 62
                 bias = impl._bias_in(torch.bfloat16)
-                dims = torch.tensor([impl.block_k, impl.out_features, rows], dtype=torch.int64)
+                dims = torch.tensor(
+                    [impl.block_k, impl.out_features, rows, impl.amx_min_rows], dtype=torch.int64
+                )
                 return [None, None, bias, impl.packed, impl.packed_scale, dims]
             if isinstance(impl, PackedW8A8):
                 bias = None if impl.bias is None else impl.bias.to(torch.bfloat16)

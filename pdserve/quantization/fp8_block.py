@@ -226,18 +226,19 @@ class Fp8Block(WeightFormat):
     def use_kernels(self, model: nn.Module, ops: ModuleType, batch_invariant: bool = False) -> int:
         from pdserve.kernels import onednn_bf16
 
-        onednn = onednn_bf16()[0] and not batch_invariant
+        # oneDNN for large bf16 calls where it has bf16 and pdserve's kernel has no AMX tiles
+        onednn = onednn_bf16()[0] and not ops.isa().startswith("amx")
         total = 0
         for module in model.modules():
             impl = getattr(module, "impl", None)
             if isinstance(impl, Fp8BlockLinear):
-                impl.use_kernels(ops, onednn)
+                impl.use_kernels(ops, onednn, batch_invariant)
                 # the checkpoint's layout is no longer read: 0-element stand-ins of its dtypes
                 for name in ("weight", SCALE):
                     old = getattr(module, name)
                     setattr(module, name, nn.Parameter(old.new_empty(0), requires_grad=False))
             elif isinstance(impl, Fp8Experts):
-                impl.use_kernels(ops, onednn)
+                impl.use_kernels(ops, onednn, batch_invariant)
                 for name in ("w13", "w2", "w13_scale", "w2_scale"):
                     old = getattr(module, name)
                     setattr(module, name, nn.Parameter(old.new_empty(0), requires_grad=False))
@@ -314,9 +315,13 @@ OUT_OF = torch.tensor(
     [(32 if p & 8 else 0) + 8 * (p >> 4) + (p & 7) for p in range(64)], dtype=torch.long
 )
 KERNEL_PANEL = 64
-# bf16 calls of more rows than this dequantize panels for oneDNN's bf16 GEMM where it runs (AMX or
-# AVX512-BF16): above about 100 rows that is the faster (docs/benchmarks.md, "FP8 block weights")
+# bf16 calls of more rows than this dequantize panels for oneDNN's bf16 GEMM where it runs with
+# AVX512-BF16 and pdserve's AMX kernels do not: above about 100 rows that is the faster there
+# (docs/benchmarks.md, "FP8 block weights")
 KERNEL_MAX_ROWS = 64
+# on AMX hosts, bf16 calls from this many rows take the tiles (below, building the B tiles costs
+# more than the vector kernel's whole call); batch-invariant serving keeps one kernel for all
+AMX_MIN_ROWS = 4
 
 
 def pack_fp8(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -360,18 +365,20 @@ class Fp8BlockLinear:
         self.out_features, self.in_features = weight.shape
         self.ops: Optional[ModuleType] = None
         self.onednn = False
+        self.amx_min_rows = -1
         self.packed: Optional[torch.Tensor] = None
         self.packed_scale: Optional[torch.Tensor] = None
         self._bias: dict[torch.dtype, torch.Tensor] = {}
 
-    def use_kernels(self, ops: ModuleType, onednn: bool = False) -> None:
+    def use_kernels(self, ops: ModuleType, onednn: bool = False, batch_invariant: bool = False):
         """Multiply with ``ops.linear_fp8`` from now on, on the weight packed for it; ``onednn``:
         bf16 calls of more than ``KERNEL_MAX_ROWS`` rows dequantize panels (``ops.fp8_dequantize``)
-        for oneDNN's bf16 GEMM instead (not batch invariant)."""
+        for oneDNN's bf16 GEMM instead; ``batch_invariant``: the same kernel at every row count."""
         if self.ops is None:
             self.packed, self.packed_scale = pack_fp8(self.weight, self.scale)
             self.ops, self.weight, self.scale = ops, None, None
-        self.onednn = onednn
+        self.onednn = onednn and not batch_invariant
+        self.amx_min_rows = -1 if batch_invariant else AMX_MIN_ROWS
 
     def dequantized(self, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
         """Rows ``start:end`` of the weight in float32."""
@@ -399,7 +406,13 @@ class Fp8BlockLinear:
             else:
                 out = x2.new_empty((rows, n))
                 self.ops.linear_fp8(
-                    out, x2, self.packed, self.packed_scale, self._bias_in(x.dtype), self.block_k
+                    out,
+                    x2,
+                    self.packed,
+                    self.packed_scale,
+                    self._bias_in(x.dtype),
+                    self.block_k,
+                    self.amx_min_rows,
                 )
             return out.view(x.shape[:-1] + (n,))
         out = x.new_empty(x.shape[:-1] + (n,))
@@ -466,10 +479,10 @@ class Fp8Experts:
             for s in range(experts.num_slots)
         ]
 
-    def use_kernels(self, ops: ModuleType, onednn: bool = False) -> None:
+    def use_kernels(self, ops: ModuleType, onednn: bool = False, batch_invariant: bool = False):
         for w13, w2 in self.linears:
-            w13.use_kernels(ops, onednn)
-            w2.use_kernels(ops, onednn)
+            w13.use_kernels(ops, onednn, batch_invariant)
+            w2.use_kernels(ops, onednn, batch_invariant)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros((x.shape[0], self.experts.hidden), dtype=torch.float32)

@@ -260,7 +260,7 @@ def test_pd_fp8_prefill_to_a_decode_on_unquantized_weights(pd):
 def test_decode_stack_on_fp8_weights_equals_layer_by_layer_path(monkeypatch, max_rows, request):
     """bf16 compute: the C++ decoder stack runs the FP8 layers on the same kernels as the Python
     layers, identical tokens and logprobs (2: batches of 5 take the dequantized panels and the
-    BLAS GEMM on both paths where oneDNN's bf16 runs, the kernel elsewhere)."""
+    BLAS GEMM on both paths, the path hosts with oneDNN's bf16 and no AMX take)."""
     if max_rows is not None:
         from pdserve.models import cpu_paths
         from pdserve.quantization import fp8_block
@@ -275,7 +275,13 @@ def test_decode_stack_on_fp8_weights_equals_layer_by_layer_path(monkeypatch, max
         disable_radix_cache=True,
     )
     request.node._engine = eng
+    runner = eng.scheduler.runner
     model = runner_model(eng).model
+    if max_rows is not None:  # the BLAS path beyond 2 rows, whatever this host prefers
+        for m in model.modules():
+            if isinstance(getattr(m, "impl", None), Fp8BlockLinear):
+                m.impl.onednn = True
+        assert runner.model.enable_decode_stack(runner.ops)
     assert model.decode_stack is not None
     prompts = prompts_for(6)[:5]
     sp = {**GREEDY, "max_new_tokens": 12}

@@ -225,6 +225,68 @@ def test_amx_min_rows_and_switching_amx_off(emulated):
         ops.set_amx_min_rows(0, 1)
 
 
+# ---- FP8 block weights ----
+
+
+def fp8_case(n: int, k: int, rows: int, bk: int, seed: int):
+    """Every e4m3 byte but NaN (subnormals and -0 too), block scales, bf16 x and a bias; the
+    packed operands and the exact weight."""
+    from pdserve.quantization.fp8_block import _widen, pack_fp8
+
+    gen = torch.Generator().manual_seed(seed)
+    bits = torch.randint(0, 256, (n, k), dtype=torch.int32, generator=gen)
+    q = torch.where((bits & 0x7F) == 0x7F, bits - 1, bits).to(torch.uint8).view(torch.float8_e4m3fn)
+    scale = torch.rand(n, -(-k // bk), generator=gen) * 1e-2 + 1e-6
+    packed, packed_scale = pack_fp8(q, scale)
+    w = _widen(q) * scale.repeat_interleave(bk, 1)[:, :k]
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    return x, packed, packed_scale, w, torch.randn(n, generator=gen)
+
+
+def fp8(ops, x, packed, scale, bias, n, bk, out_dtype=torch.float32, amx_min_rows=1):
+    out = torch.empty(x.shape[0], n, dtype=out_dtype)
+    ops.linear_fp8(out, x, packed, scale, bias.to(out_dtype), bk, amx_min_rows)
+    return out
+
+
+@pytest.mark.parametrize(
+    "n,k,bk,rows", [(70, 100, 32, 1), (130, 300, 128, 5), (64, 256, 128, 17), (200, 96, 48, 40)]
+)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_on_emulated_tiles_matches_float64(emulated, n, k, bk, rows, out_dtype):
+    """The B tiles hold the e4m3 values exactly (subnormals too), blocks of any width (48: steps
+    across a block's end), partial k steps and row blocks; rows independent of the batch."""
+    ops = emulated
+    x, packed, scale, w, bias = fp8_case(n, k, rows, bk, n + k + rows)
+    out = fp8(ops, x, packed, scale, bias, n, bk, out_dtype)
+    ref = x.double() @ w.double().T + bias.to(out_dtype).double()
+    err = ((out.double() - ref).abs() / (ref.abs() + 1)).max().item()
+    assert err < (1e-5 if out_dtype == torch.float32 else 2**-8), err
+    for m in {1, rows // 2 + 1}:
+        assert torch.equal(fp8(ops, x[:m], packed, scale, bias, n, bk, out_dtype), out[:m])
+    # below amx_min_rows the vector kernel: other bits, the same values
+    vec = fp8(ops, x, packed, scale, bias, n, bk, out_dtype, amx_min_rows=rows + 1)
+    assert ((vec.double() - ref).abs() / (ref.abs() + 1)).max().item() < (
+        1e-5 if out_dtype == torch.float32 else 2**-8
+    )
+
+
+def test_fp8_linear_on_hardware_tiles_equals_the_emulation(hardware):
+    ops = hardware
+    for n, k, bk, rows in [(130, 300, 128, 5), (200, 96, 48, 40)]:
+        x, packed, scale, w, bias = fp8_case(n, k, rows, bk, 1)
+        hw = fp8(ops, x, packed, scale, bias, n, bk)
+        ref = x.double() @ w.double().T + bias.double()
+        assert ((hw.double() - ref).abs() / (ref.abs() + 1)).max().item() < 1e-5
+        ops.set_amx_emulation(True)
+        try:
+            emu = fp8(ops, x, packed, scale, bias, n, bk)
+        finally:
+            ops.set_amx_emulation(False)
+        # the hardware may round a pair's sum otherwise in the last bit (amx.h): a few ulps
+        assert ((hw - emu).abs() / (emu.abs() + 1)).max().item() < 1e-5
+
+
 # ---- int8 linear ----
 
 

@@ -31,7 +31,7 @@ void linear_vnni(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
                  int64_t amx_min_rows);
 void linear_f32(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c10::optional<at::Tensor> bias);
 void linear_fp8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                c10::optional<at::Tensor> bias, int64_t block_k);
+                c10::optional<at::Tensor> bias, int64_t block_k, int64_t amx_min_rows);
 void fp8_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& scale, int64_t block_k);
 void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& colsum,
                  const at::Tensor& w_scale, c10::optional<at::Tensor> bias, int64_t amx_min_rows);
@@ -111,7 +111,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_fp8", &pds::linear_fp8,
         "x w^T (+ bias) for FP8 e4m3 block-scaled weights packed [N/64, K, 64] with scales [N/64, K/bk, 64] "
         "(batch invariant)",
-        py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("bias"), py::arg("block_k"));
+        py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("bias"), py::arg("block_k"),
+        py::arg("amx_min_rows") = -1);
   m.def("fp8_dequantize", &pds::fp8_dequantize,
         "the float32 or bf16 weight of linear_fp8's packed panels (value * scale, transformers' rounding)",
         py::arg("out"), py::arg("packed"), py::arg("scale"), py::arg("block_k"));

@@ -34,7 +34,7 @@ void linear_vnni(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
 void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& colsum,
                  const at::Tensor& w_scale, c10::optional<at::Tensor> bias);
 void linear_fp8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                c10::optional<at::Tensor> bias, int64_t block_k);
+                c10::optional<at::Tensor> bias, int64_t block_k, int64_t amx_min_rows);
 void fp8_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& scale, int64_t block_k);
 
 namespace {
@@ -66,7 +66,7 @@ struct Linear {
   at::Tensor onednn;  // oneDNN prepacked, or undefined
   at::Tensor q_packed, q_colsum, q_scale;  // w8a8_int8 weights, or undefined
   at::Tensor f_packed, f_scale;  // FP8 block weights, or undefined
-  int64_t f_block_k = 0, fp8_max_rows = 0;
+  int64_t f_block_k = 0, fp8_max_rows = 0, fp8_amx_min_rows = -1;
   c10::optional<at::Tensor> bias;
   int64_t out_features = 0;
 
@@ -90,7 +90,7 @@ struct Linear {
     if (f_packed.defined() && x.size(0) > fp8_max_rows) return fp8_dequantized_matmul(x);
     at::Tensor out = workspace(buf, {x.size(0), out_features}, x);
     if (f_packed.defined()) {
-      linear_fp8(out, x, f_packed, f_scale, bias, f_block_k);
+      linear_fp8(out, x, f_packed, f_scale, bias, f_block_k, fp8_amx_min_rows);
       return out;
     }
     if (q_packed.defined())
@@ -215,7 +215,8 @@ class DecodeModel {
   // parts: [vnni, onednn, bias] for bf16 weights, [vnni, None, bias, out_features] for bf16 weights
   // without oneDNN, [None, None, bias, packed, colsum, scale, out_features]
   // for w8a8_int8 (out_features as a 0-d int64 tensor), [None, None, bias, packed, scale,
-  // (block_k, out_features, max_rows)] for FP8 block weights (int64 [3]: linear_fp8 up to max_rows)
+  // (block_k, out_features, max_rows, amx_min_rows)] for FP8 block weights (int64 [4]: linear_fp8
+  // up to max_rows, on AMX from amx_min_rows)
   static Linear make_linear(const std::vector<c10::optional<at::Tensor>>& parts, const char* name) {
     Linear lin;
     lin.bias = parts.size() >= 3 ? parts[2] : c10::nullopt;
@@ -223,11 +224,12 @@ class DecodeModel {
       lin.f_packed = *parts[3];
       lin.f_scale = *parts[4];
       const at::Tensor dims = parts[5]->contiguous();
-      TORCH_CHECK(dims.numel() == 3 && dims.scalar_type() == at::kLong, "DecodeModel.add_layer: ", name,
-                  ": the FP8 form ends with an int64 [block_k, out_features, max_rows]");
+      TORCH_CHECK(dims.numel() == 4 && dims.scalar_type() == at::kLong, "DecodeModel.add_layer: ", name,
+                  ": the FP8 form ends with an int64 [block_k, out_features, max_rows, amx_min_rows]");
       lin.f_block_k = dims.data_ptr<int64_t>()[0];
       lin.out_features = dims.data_ptr<int64_t>()[1];
       lin.fp8_max_rows = dims.data_ptr<int64_t>()[2];
+      lin.fp8_amx_min_rows = dims.data_ptr<int64_t>()[3];
       return lin;
     }
     if (parts.size() == 7 && parts[3].has_value()) {

@@ -9,6 +9,7 @@
 // block is widened once into a float32 buffer (bk x 64: 32 KiB at 128, in L1) and tiles of up to 6
 // rows x 64 outputs run on it; the panel stays in L2 for the row blocks after. Every output's sums are those of fp8_linear.h whatever the tier or the tiling:
 // AVX-512 here, the 8-lane kernels (fp8_vec8.cpp) and the portable loop give the same bits.
+#include "amx.h"
 #include "common.h"
 #include "fp8_linear.h"
 #include "kv_quant.h"
@@ -19,6 +20,7 @@
 #include <array>
 #include <cstdlib>
 #include <memory>
+#include <vector>
 
 namespace pds {
 namespace {
@@ -72,18 +74,6 @@ void panel_scalar(const Fp8Args& a, int64_t np) {
 }
 
 #if PDS_X86
-// a packed line -> its 64 weights at 2^-8 of their values, in output order
-PDS_AVX512 inline void widen_line(const uint8_t* p, __m512 (&w)[4]) {
-  const __m512i b = _mm512_loadu_si512(p), z = _mm512_setzero_si512();
-  const __m512i keep = _mm512_set1_epi16(int16_t(0xBFFF));
-  const __m512i lo = _mm512_and_si512(_mm512_srai_epi16(_mm512_unpacklo_epi8(z, b), 1), keep);
-  const __m512i hi = _mm512_and_si512(_mm512_srai_epi16(_mm512_unpackhi_epi8(z, b), 1), keep);
-  w[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(lo));
-  w[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(lo, 1));
-  w[2] = _mm512_cvtph_ps(_mm512_castsi512_si256(hi));
-  w[3] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(hi, 1));
-}
-
 constexpr int kTileRows = 6;  // 24 partial sums, a broadcast, the weights read from L1 as operands
 
 // One row (decode at batch 1): k block kb of panel np widened in registers as it streams in
@@ -234,9 +224,11 @@ PDS_AVX512_BF16 void dequantize_avx512_bf16(const Fp8DequantArgs& a, int64_t np0
 
 // out: [M, N] float32 or bf16; x: [M, K] float32 or bf16 (rows contiguous); packed: [ceil(N/64), K,
 // 64] uint8 (the layout of fp8_linear.h); scale: [ceil(N/64), ceil(K/block_k), 64] float32 (times
-// 256); bias: [N] in out's dtype, optional.
+// 256); bias: [N] in out's dtype, optional. amx_min_rows: bf16 calls of at least this many rows take
+// AMX where it is used (-1: the process default, see amx.h; the tiles' bits differ from the vector
+// kernels', so one value for every call keeps a row's result independent of its batch).
 void linear_fp8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                c10::optional<at::Tensor> bias, int64_t block_k) {
+                c10::optional<at::Tensor> bias, int64_t block_k, int64_t amx_min_rows) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kFp8Panel &&
                   packed.is_contiguous(),
               "linear_fp8: weight must be packed as a contiguous [N/64, K, 64] uint8 tensor");
@@ -257,6 +249,20 @@ void linear_fp8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == out.scalar_type(),
                 "linear_fp8: bias must be contiguous [N] in out's dtype");
   if (M == 0) return;
+#if PDS_X86
+  // bf16 x on AMX hosts: tiles (amx_fp8.cpp), from amx_min_rows rows as the bf16 matmuls
+  if (x.scalar_type() == at::kBFloat16 && M >= amx_linear_min_rows(amx_min_rows)) {
+    const TileBackend tb = amx_backend();
+    if (tb != TileBackend::kNone) {
+      const int64_t Mp = (M + 15) / 16 * 16, stride = (K + 31) / 32 * 32 + 32;
+      std::vector<uint16_t> xa(Mp * stride, 0);  // A rows: x, zero padded
+      for (int64_t m = 0; m < M; ++m) std::memcpy(xa.data() + m * stride, data<uint16_t>(x) + m * x.stride(0), K * 2);
+      const Fp8Args f{data<uint8_t>(packed), data<float>(scale), nullptr, bias.has_value() ? bias->data_ptr() : nullptr,
+                      out.data_ptr(), M, N, K, KB, block_k, 0, out.stride(0), out.scalar_type() == at::kBFloat16};
+      return amx_linear_fp8(Fp8AmxArgs{f, xa.data(), stride}, int(tb));
+    }
+  }
+#endif
   // x in float32 (a bf16 x widened once: the tiles broadcast each x from memory)
   const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
   const Fp8Args a{data<uint8_t>(packed), data<float>(scale), data<float>(xf), bias.has_value() ? bias->data_ptr() : nullptr,

@@ -22,6 +22,12 @@
 
 #include <cstdint>
 
+#include "isa.h"
+
+#if PDS_X86
+#include <immintrin.h>
+#endif
+
 namespace pds {
 
 constexpr int64_t kFp8Panel = 64;
@@ -54,5 +60,28 @@ void fp8_dequantize_panels_vec8(const Fp8DequantArgs& a, int64_t np0, int64_t np
 
 // panels np0 .. np1 on the 8-lane kernels (AVX2 + F16C, NEON); wbuf: bk x 64 floats, 64-byte aligned
 void linear_fp8_panels_vec8(const Fp8Args& a, int64_t np0, int64_t np1, float* wbuf);
+
+#if PDS_X86
+// a packed line -> its 64 weights at 2^-8 of their values, in output order
+PDS_AVX512 inline void widen_line(const uint8_t* p, __m512 (&w)[4]) {
+  const __m512i b = _mm512_loadu_si512(p), z = _mm512_setzero_si512();
+  const __m512i keep = _mm512_set1_epi16(int16_t(0xBFFF));
+  const __m512i lo = _mm512_and_si512(_mm512_srai_epi16(_mm512_unpacklo_epi8(z, b), 1), keep);
+  const __m512i hi = _mm512_and_si512(_mm512_srai_epi16(_mm512_unpackhi_epi8(z, b), 1), keep);
+  w[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(lo));
+  w[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(lo, 1));
+  w[2] = _mm512_cvtph_ps(_mm512_castsi512_si256(hi));
+  w[3] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(hi, 1));
+}
+
+// (AMX, amx_fp8.cpp) out = x w^T (+ bias) with x in bf16 on tiles: each k block's weights widened
+// once into bf16 B tiles (exact: an e4m3 value at 2^-8 is a bf16), its partial sums scaled in fp32
+struct Fp8AmxArgs {
+  Fp8Args f;  // x unused: xa holds it
+  const uint16_t* xa;  // [round_up(M, 16), xa_stride] bf16, zero padded
+  int64_t xa_stride;  // elements, >= round_up(K, 32) + 32
+};
+void amx_linear_fp8(const Fp8AmxArgs& a, int tile_backend);
+#endif
 
 }  // namespace pds
