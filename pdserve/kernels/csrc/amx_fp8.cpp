@@ -16,6 +16,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <memory>
 #include <vector>
 
 namespace pds {
@@ -67,10 +69,12 @@ PDS_AMX void panels(const Fp8AmxArgs& a, int64_t np0, int64_t np1) {
   const Fp8Args& f = a.f;
   const int64_t Mp = (f.M + 15) / 16 * 16, steps_max = (f.bk + 31) / 32;
   std::vector<float> acc_buf(kChunkRows * kFp8Panel);
-  struct alignas(64) Step {
+  struct Step {
     uint16_t b[4][16][32];
   };
-  std::vector<Step> steps(steps_max);
+  // the block's B tiles, 64-byte aligned (built with aligned stores)
+  std::unique_ptr<Step, void (*)(void*)> steps(static_cast<Step*>(std::aligned_alloc(64, steps_max * sizeof(Step))),
+                                                &std::free);
   alignas(64) float c[16][kFp8Panel];
   float* acc = acc_buf.data();
   Tiles t(full_tiles());
@@ -82,7 +86,7 @@ PDS_AMX void panels(const Fp8AmxArgs& a, int64_t np0, int64_t np1) {
         const int64_t k0 = kb * f.bk, nk = std::min(f.K, k0 + f.bk) - k0, ns = (nk + 31) / 32;
         const uint8_t* block = f.w + (np * f.K + k0) * kFp8Panel;
         for (int64_t s = 0; s < ns; ++s)
-          build_step(block + 32 * s * kFp8Panel, std::min<int64_t>(32, nk - 32 * s), steps[s].b);
+          build_step(block + 32 * s * kFp8Panel, std::min<int64_t>(32, nk - 32 * s), steps.get()[s].b);
         const float* sc = f.scale + (np * f.KB + kb) * kFp8Panel;
         for (int64_t m0 = c0; m0 < c0 + rows; m0 += 16) {
           t.template zero<0>();
@@ -91,10 +95,10 @@ PDS_AMX void panels(const Fp8AmxArgs& a, int64_t np0, int64_t np1) {
           t.template zero<3>();
           for (int64_t s = 0; s < ns; ++s) {
             t.template load<4>(a.xa + m0 * a.xa_stride + k0 + 32 * s, a.xa_stride * 2);
-            dp_group<Tiles, 0, 6>(t, steps[s].b);
-            dp_group<Tiles, 1, 7>(t, steps[s].b);
-            dp_group<Tiles, 2, 6>(t, steps[s].b);
-            dp_group<Tiles, 3, 7>(t, steps[s].b);
+            dp_group<Tiles, 0, 6>(t, steps.get()[s].b);
+            dp_group<Tiles, 1, 7>(t, steps.get()[s].b);
+            dp_group<Tiles, 2, 6>(t, steps.get()[s].b);
+            dp_group<Tiles, 3, 7>(t, steps.get()[s].b);
           }
           t.template store<0>(&c[0][0], 256);
           t.template store<1>(&c[0][16], 256);

@@ -85,6 +85,8 @@ PDS_AVX512 void row_block(const Fp8Args& a, int64_t np, int64_t kb, int64_t m, f
   for (int j = 0; j < 4; ++j) part[j] = _mm512_setzero_ps();
   for (int64_t k = k0; k < k1; ++k) {
     __m512 w[4];
+    // the panel is one sequential stream: fetched into L2 ahead of its use, as the bf16 GEMV does
+    _mm_prefetch(reinterpret_cast<const char*>(block + (k - k0) * kFp8Panel) + kFp8PrefetchBytes, _MM_HINT_T1);
     widen_line(block + (k - k0) * kFp8Panel, w);
     const __m512 xv = _mm512_set1_ps(x[k]);
     for (int j = 0; j < 4; ++j) part[j] = _mm512_fmadd_ps(xv, w[j], part[j]);
@@ -218,6 +220,7 @@ PDS_AVX512_BF16 void dequantize_avx512_bf16(const Fp8DequantArgs& a, int64_t np0
     }
   }
 }
+
 #endif
 
 }  // namespace

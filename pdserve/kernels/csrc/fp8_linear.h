@@ -31,6 +31,8 @@
 namespace pds {
 
 constexpr int64_t kFp8Panel = 64;
+// how far ahead a one-row call prefetches its weight stream (into L2)
+constexpr int64_t kFp8PrefetchBytes = 2048;
 
 // the output (0 .. 63) of byte p of a packed line
 inline int fp8_out_of(int p) { return (p & 8) ? 32 + 8 * (p >> 4) + (p & 7) : 8 * (p >> 4) + (p & 7); }

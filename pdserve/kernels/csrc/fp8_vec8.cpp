@@ -50,6 +50,7 @@ PDS_V8 void row_block(const Fp8Args& a, int64_t np, int64_t kb, int64_t m, float
     for (int q = 0; q < 2; ++q) part[q][0] = part[q][1] = zero();
     for (int64_t k = k0; k < k1; ++k) {
       const uint8_t* line = block + (k - k0) * kFp8Panel + 32 * h;
+      if (h == 0) prefetch(line + kFp8PrefetchBytes);  // the first pass streams the block
       const F8 xv = set1(x[k]);
       for (int q = 0; q < 2; ++q) {
         F8 first, last;
