@@ -39,6 +39,10 @@ GEMV_MAX_ROWS = 64
 # outputs per panel of the packed layouts: one sequential stream per 64 outputs
 PANEL = 64
 
+# a projection's tensors shaped like its weight matrix (FP8 block scales are seen that way:
+# quantization/fp8_block.py)
+MATRIX_KINDS = ("weight", "weight_scale_inv")
+
 
 def pack_panels(weight: torch.Tensor, k_group: int) -> torch.Tensor:
     """[N, K] -> [ceil(N/64), ceil(K/k_group), 4, 16, k_group] (zero padded) in 2 MiB pages: element

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.distributed import SINGLE, TPGroup, shard_range
-from pdserve.layers.linear import MergedLinear, RowParallelLinear
+from pdserve.layers.linear import MATRIX_KINDS, MergedLinear, RowParallelLinear
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -88,15 +88,17 @@ class GatedMLP(GatedProjections):
         names = [f"{p}.weight" for p in PROJECTIONS]
         if self.down_proj.bias is not None:
             names += [f"{p}.bias" for p in PROJECTIONS]
+        if hasattr(self.down_proj, MATRIX_KINDS[1]):  # FP8 blocks (quantization/fp8_block.py)
+            names += [f"{p}.{MATRIX_KINDS[1]}" for p in PROJECTIONS]
         return names
 
     def load_checkpoint(self, name: str, src: Any) -> None:
         proj, _, leaf = name.partition(".")
-        if proj not in PROJECTIONS or leaf not in ("weight", "bias"):
+        if proj not in PROJECTIONS or leaf not in (*MATRIX_KINDS, "bias"):
             raise ValueError(f"unexpected MLP weight {name!r}")
         i0, i1 = self.inter
         if proj == "down_proj":
-            t = src[:, i0:i1] if leaf == "weight" else src[:]
+            t = src[:, i0:i1] if leaf in MATRIX_KINDS else src[:]
             target = getattr(self.down_proj, leaf).data
             if target.shape != t.shape:
                 raise ValueError(

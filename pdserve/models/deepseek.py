@@ -51,7 +51,7 @@ from pdserve.layers.rotary import apply_rotary, rope_parameters, rotate_interlea
 from pdserve.models.decoder import PRE_NORM, DecoderLayer
 from pdserve.models.llama import LlamaModel
 from pdserve.models.moe import MoEForCausalLM
-from pdserve.models.weights import TPShards
+from pdserve.models.weights import MATRIX_KINDS, TPShards, with_scales
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: HF builds them with the default eps
 
@@ -65,15 +65,19 @@ def refuse_unsupported(config, model: str, scoring: str, topk_methods: tuple[str
     another expert scoring function or top-k method (a field the config leaves out is HF's
     default, which is what pdserve computes)."""
     quant = getattr(config, "quantization_config", None)
-    if quant:
-        method = (
+    method = (
+        (
             quant.get("quant_method")
             if isinstance(quant, dict)
             else getattr(quant, "quant_method", quant)
         )
+        if quant
+        else None
+    )
+    if quant and method != "fp8":  # FP8 blocks: quantization/fp8_block.py
         raise ValueError(
-            f"quantization_config: {method!r} weights (e.g. DeepSeek's FP8 blocks with their "
-            "scale_inv tensors) are not supported; use a bf16 or float32 checkpoint"
+            f"quantization_config: {method!r} weights are not supported for {model}; supported: "
+            "fp8 (block scales) or a bf16 / float32 checkpoint"
         )
     value = getattr(config, "scoring_func", None)
     if value is not None and value != scoring:
@@ -104,7 +108,11 @@ def set_aside_mtp(
 
 class UpProjection(nn.Module):
     """``kv_b_proj``'s weight [H * (N + V), R] of this rank's heads, used as per-head matrices
-    (never as one matmul, so it is not a ``Linear`` that prepacking would replace)."""
+    (never as one matmul, so it is not a ``Linear`` that prepacking would replace). An FP8
+    checkpoint's is dequantized as it loads (``fp8_dequantized``): 0.15 % of DeepSeek-V3's
+    weights."""
+
+    fp8_dequantized = True
 
     def __init__(self, rows: int, rank: int):
         super().__init__()
@@ -244,7 +252,7 @@ class MLAttention(nn.Module):
                     "weights_proj.weight",
                 )
             ]
-        return names
+        return with_scales(self, names)
 
     def load_checkpoint(self, name: str, src: Any) -> None:
         if name not in self.checkpoint_names():
@@ -258,7 +266,9 @@ class MLAttention(nn.Module):
         elif module == "kv_b_proj":
             per = self.nope + self.v_dim
             t = src[h0 * per : h1 * per]
-        elif module == "o_proj" and leaf == "weight":  # row parallel: this rank's heads' columns
+        elif (
+            module == "o_proj" and leaf in MATRIX_KINDS
+        ):  # row parallel: this rank's heads' columns
             t = src[:, h0 * self.v_dim : h1 * self.v_dim]
         else:  # the latent path, the indexer and biases: whole on every rank
             t = src[:]

@@ -33,16 +33,6 @@ class MiniMaxM2ForCausalLM(LocalExperts, MoEForCausalLM):
         )
     }
 
-    def __init__(self, config, *args, **kwargs):
-        quant = getattr(config, "quantization_config", None)
-        if quant:
-            method = quant.get("quant_method") if isinstance(quant, dict) else quant
-            raise ValueError(
-                f"quantization_config: MiniMax-M2 checkpoints quantized with {method!r} are not "
-                "supported; dequantize to bf16 first"
-            )
-        super().__init__(config, *args, **kwargs)
-
     def make_router(self, config) -> Router:
         # one group: the grouped router's selection is then a plain biased top-k
         n = config.num_local_experts

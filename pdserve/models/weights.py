@@ -20,7 +20,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from pdserve.distributed import SINGLE, TPGroup, kv_heads_for_rank, shard_range
-from pdserve.layers.linear import MergedLinear
+from pdserve.layers.linear import MATRIX_KINDS, MergedLinear
 
 # HF projection name -> (our fused module, shard index in it)
 FUSED = {
@@ -38,9 +38,6 @@ FUSED_ON_DISK = {
 # HF weights that carry no parameters of ours
 # kv scales: the per-layer k_scale / v_scale of fp8 KV caches, read by engine/kv_quant.py
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".k_scale", ".v_scale", ".kv_scale")
-# a projection's tensors shaped like its weight matrix (FP8 block scales are seen that way:
-# quantization/fp8_block.py)
-MATRIX_KINDS = ("weight", "weight_scale_inv")
 
 
 @dataclass(frozen=True)
@@ -220,6 +217,17 @@ def _rows(src: Any, start: int, end: int) -> torch.Tensor:
 
 def _cols(src: Any, start: int, end: int) -> torch.Tensor:
     return src[:, start:end]
+
+
+def with_scales(module: torch.nn.Module, names: list[str]) -> list[str]:
+    """``names`` (a self-loading module's) and the block scales of the projections among them
+    that hold FP8 weights (``quantization/fp8_block.py`` gives those a ``weight_scale_inv``)."""
+    scales = []
+    for name in names:
+        path, _, leaf = name.rpartition(".")
+        if leaf == "weight" and hasattr(_module(module, path), MATRIX_KINDS[1]):
+            scales.append(f"{path}.{MATRIX_KINDS[1]}")
+    return names + scales
 
 
 def self_loading_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:

@@ -48,6 +48,8 @@ class Fp8Block(WeightFormat):
         super().__init__(ignore)
         self.block = block
         self.scale_fmt = scale_fmt
+        # checkpoint name prefixes ("...kv_b_proj.") of FP8 weights dequantized as they load
+        self.dequantize_at_load: set[str] = set()
 
     @classmethod
     def from_config(cls, quant: dict[str, Any]) -> "Fp8Block":
@@ -114,19 +116,23 @@ class Fp8Block(WeightFormat):
             path = own[: -len(".weight")]
             parent, _, proj = path.rpartition(".")
             owner = next((p for p in owners if path.startswith(p + ".") or path == p), None)
-            if owner is not None:
-                if not _per_expert(owners[owner]):
-                    raise ValueError(
-                        f"weight {name!r}: FP8 weights of {type(owners[owner]).__name__} "
-                        f"({owner}) are not supported yet"
-                    )
+            if owner is not None and _per_expert(owners[owner]):
                 self._check_scale(name, shape, tensors)
                 experts.setdefault(owner, set()).add(own[len(owner) + 1 :])
                 continue
+            # a layer of the model, or of a module that loads its own weights (a shared expert's
+            # MLP, latent attention): its Linear takes FP8 storage, the module loads the scale
+            # beside the weight
             target = path
             if proj in FUSED and _submodule(model, path) is None:
                 target = f"{parent}.{FUSED[proj][0]}"
             module = _submodule(model, target)
+            if getattr(module, "fp8_dequantized", False):
+                # kept in the compute dtype (latent attention's up-projection, used per head):
+                # dequantized at load, as transformers does
+                self._check_scale(name, shape, tensors)
+                self.dequantize_at_load.add(name[: -len("weight")])
+                continue
             if not isinstance(module, Linear):
                 what = "no layer" if module is None else f"a {type(module).__name__}"
                 raise ValueError(f"weight {name!r}: FP8, but the model has {what} for it")
@@ -199,13 +205,35 @@ class Fp8Block(WeightFormat):
     def wrap(
         self, weights: Iterable[tuple[str, Any]], tensors: dict[str, tuple[str, list[int]]]
     ) -> Iterator[tuple[str, Any]]:
+        pending: dict[str, dict[str, Any]] = {}  # dequantized at load: the half that came first
         for name, src in weights:
+            base, _, leaf = name.rpartition(".")
+            if base + "." in self.dequantize_at_load and leaf in ("weight", SCALE):
+                parts = pending.setdefault(base, {})
+                parts[leaf] = src
+                if len(parts) == 2:
+                    del pending[base]
+                    yield base + ".weight", self._dequantized(parts["weight"], parts[SCALE])
+                continue
             if name.endswith("." + SCALE):
                 weight = name[: -len(SCALE)] + "weight"
                 if weight not in tensors:
                     raise ValueError(f"weight {name!r}: a scale without its weight {weight!r}")
                 src = BlockScaleView(src, tensors[weight][1], self.block, name)
             yield name, src
+        for base, parts in pending.items():
+            missing = "weight" if "weight" not in parts else SCALE
+            raise ValueError(
+                f"weight {base}.{missing!s}: missing (its FP8 pair is in the checkpoint)"
+            )
+
+    def _dequantized(self, weight: Any, scale: Any) -> torch.Tensor:
+        """An FP8 weight in float32: each value times its block's scale (one rounding)."""
+        q = weight[:] if not isinstance(weight, torch.Tensor) else weight
+        s = (scale[:] if not isinstance(scale, torch.Tensor) else scale).to(torch.float32)
+        (n, k), (bn, bk) = q.shape, self.block
+        rows = s.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+        return _widen(q) * rows
 
     def finish(self, model: nn.Module) -> int:
         from pdserve.layers.linear import Linear

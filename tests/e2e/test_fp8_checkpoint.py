@@ -294,3 +294,36 @@ def test_decode_stack_on_fp8_weights_equals_layer_by_layer_path(monkeypatch, max
     for a, b in zip(with_stack, without):
         assert a["output_ids"] == b["output_ids"]
         assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2", "minimax_m2", "glm4_moe"])
+def test_fp8_moe_families_give_hf_tokens_and_logprobs(arch, request):
+    """DeepSeek-V3 / V2 as their FP8 releases store them: latent attention's q_a / q_b /
+    kv_a_proj_with_mqa (its width ends inside a block) and o_proj on the FP8 kernels, kv_b_proj
+    (used per head, absorbed) dequantized at load, routed experts and the shared experts' MLP in
+    FP8; MiniMax-M2 and GLM-4.5 likewise: HF's tokens and logprobs on transformers'
+    dequantization, in float32."""
+    path = fp8(arch, (32, 32))
+    ref = dequantized_checkpoint(path)
+    eng = pdserve.Engine(
+        model_path=path, dtype="float32", torch_num_threads=1, max_total_tokens=8192
+    )
+    request.node._engine = eng
+    model = runner_model(eng)
+    fp8_layers = {
+        name.rsplit(".", 1)[-1]
+        for name, m in model.named_modules()
+        if isinstance(m, Linear) and isinstance(m.impl, Fp8BlockLinear)
+    }
+    experts = [m for m in model.modules() if getattr(m, "quantized", False)]
+    assert experts, "the routed experts are FP8"
+    if arch.startswith("deepseek"):
+        assert {"kv_a_proj_with_mqa", "o_proj"} <= fp8_layers, fp8_layers
+        assert "gate_up_proj" in fp8_layers and "down_proj" in fp8_layers  # the shared experts
+    ps = prompts_for(5)[:4]
+    outs = eng.generate(input_ids=ps, sampling_params=GREEDY, return_logprob=True)
+    for ids, out in zip(ps, outs):
+        assert out["output_ids"] == hf_greedy(ref, ids, NEW), f"prompt of {len(ids)} tokens"
+        got = [v for v, _, _ in out["meta_info"]["output_token_logprobs"]]
+        want = hf_output_logprobs(ref, ids, out["output_ids"])
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, f"prompt of {len(ids)}"

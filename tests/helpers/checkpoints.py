@@ -808,6 +808,10 @@ FP8_PROJECTIONS = (
     "w1",  # Mixtral's experts
     "w2",
     "w3",
+    "q_a_proj",  # DeepSeek's latent attention
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
 )
 
 
@@ -836,7 +840,7 @@ def build_fp8_block_checkpoint(
     ``quantization_config.fmt``)."""
     from safetensors.torch import load_file, save_file
 
-    key = ["fp8-block", src, list(block), scale_fmt, sorted(edits.items())]
+    key = ["fp8-block", src, list(block), scale_fmt, sorted(edits.items()), list(FP8_PROJECTIONS)]
 
     def write(tmp: str) -> None:
         tensors = load_file(os.path.join(src, "model.safetensors"))

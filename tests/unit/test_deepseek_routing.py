@@ -107,8 +107,8 @@ def test_router_weights_stay_float32_in_a_bf16_model():
         (
             "deepseek_v3",
             "quantization_config",
-            {"quant_method": "fp8", "weight_block_size": [128, 128]},
-            "quantization_config: 'fp8' weights",
+            {"quant_method": "awq", "bits": 4},
+            "quantization_config: 'awq' weights are not supported for",
         ),
     ],
 )
