@@ -256,6 +256,31 @@ def test_pd_fp8_prefill_to_a_decode_on_unquantized_weights(pd):
     hf_tokens_through(router, path, prompts_for(4)[:3])
 
 
+@pytest.fixture(scope="module")
+def pd_deepseek(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("fp8-pd-deepseek")
+    path = fp8("deepseek_v3", (16, 16))  # the tiny MLP's 96 columns split in two: 48, 3 blocks
+    common = ["--dtype", "float32", "--max-total-tokens", "4096", "--page-size", "16"]
+    prefill, _ = c.prefill("P-ds-fp8-tp2", path, logs, *common, "--tp-size", "2")
+    decode = c.decode("D-ds-fp8", path, logs, *common)
+    procs, routers = [prefill, decode], []
+    try:
+        c.start_all(procs)
+        routers = [c.router("R-ds-fp8", [prefill], [decode], logs).start()]
+        yield path, routers[0]
+    finally:
+        for p in routers + procs:
+            p.stop()
+
+
+def test_pd_fp8_deepseek_v3_prefill_on_two_ranks_gives_hf_tokens(pd_deepseek):
+    """DeepSeek-V3 in FP8 as published: the prefill's two ranks split the heads (q_b_proj's rows,
+    o_proj's columns on whole scale blocks, kv_b_proj dequantized per head) and the experts; the
+    latent pages go to a one-rank decode: HF's tokens."""
+    path, router = pd_deepseek
+    hf_tokens_through(router, path, prompts_for(8)[:4])
+
+
 @pytest.mark.parametrize("max_rows", [None, 2])
 def test_decode_stack_on_fp8_weights_equals_layer_by_layer_path(monkeypatch, max_rows, request):
     """bf16 compute: the C++ decoder stack runs the FP8 layers on the same kernels as the Python
