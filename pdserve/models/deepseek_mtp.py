@@ -65,24 +65,38 @@ class DeepseekV3MTP(TargetHead, DeepseekV3ForCausalLM):
         h, residual = self.model.forward_layers(fb, h, None)
         return self.model.norm(h, residual)[0]  # shared_head.norm
 
+    def head_weight_name(self, name: str) -> Optional[str]:
+        """The name checkpoint weight ``name`` loads under in this head; None for the model's own
+        layers and for what the model's embedding and head stand in for."""
+        prefix = f"model.layers.{self.mtp_layer}."
+        if not name.startswith(prefix):
+            return None
+        rest = name[len(prefix) :]
+        if rest in _SHARED:
+            return None
+        if rest in _OWN:
+            return rest
+        return (
+            "model.norm.weight" if rest == "shared_head.norm.weight" else "model.layers.0." + rest
+        )
+
+    def quantized_weight_name(self, name: str) -> Optional[str]:
+        """For the weight format (``quantization/``): ``own_weight_name`` of the name ``name``
+        loads under, None for a weight this head does not load."""
+        mine = self.head_weight_name(name)
+        return None if mine is None else self.own_weight_name(mine)
+
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         prefix = f"model.layers.{self.mtp_layer}."
         found = []
 
         def ours():
             for name, w in weights:
-                if not name.startswith(prefix):
-                    continue  # the model's own layers
-                found.append(name)
-                rest = name[len(prefix) :]
-                if rest in _SHARED:
-                    continue
-                if rest in _OWN:
-                    yield rest, w
-                elif rest == "shared_head.norm.weight":
-                    yield "model.norm.weight", w
-                else:
-                    yield "model.layers.0." + rest, w
+                if name.startswith(prefix):
+                    found.append(name)
+                mine = self.head_weight_name(name)
+                if mine is not None:
+                    yield mine, w
 
         try:
             super().load_weights(ours())

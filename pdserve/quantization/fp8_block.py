@@ -10,14 +10,17 @@ fused from several projections (q/k/v, gate/up) and a tensor-parallel rank's row
 alignment. Columns are split over ranks (``o_proj``, ``down_proj``) only on whole blocks: a split
 inside a block is refused, naming the dimension.
 
-The matmul (``Fp8BlockLinear``): with pdserve's CPU kernels (handed over by ``use_kernels`` when
-the model is prepacked), ``linear_fp8`` (``kernels/csrc/fp8_linear.h``) on the bytes repacked once
-into 64-output panels, widened to float32 in registers at every ISA tier, each block's partial
-sum scaled once, batch invariant; the checkpoint's layout is then dropped, so the bytes are held
-once. Without the kernels, a panel of output rows at a time is dequantized into float32 (each
-byte's exact value from a table, then ``q * scale``: one rounding, as transformers' dequantizer
-computes it) and multiplied in the activations' dtype. MoE experts stored one weight per expert
-(``Fp8Experts``) run the same matmul on each expert's slice."""
+A module that uses its weight other than as a matmul (latent attention's ``kv_b_proj``, applied
+per head) says so with ``fp8_dequantized``: its FP8 weight is dequantized as it loads.
+
+The matmul (``Fp8BlockLinear``): with pdserve's CPU kernels (handed over by ``use_kernels``,
+which ``ModelRunner`` calls after loading), ``linear_fp8`` (``kernels/csrc/fp8_linear.h``) on the
+bytes repacked once into 64-output panels, widened to float32 in registers at every ISA tier, each
+block's partial sum scaled once, batch invariant; the checkpoint's layout is then dropped, so the
+bytes are held once. Without the kernels, a panel of output rows at a time is dequantized into
+float32 (each byte's exact value from a table, then ``q * scale``: one rounding, as transformers'
+dequantizer computes it) and multiplied in the activations' dtype. MoE experts stored one weight
+per expert (``Fp8Experts``) run the same matmul on each expert's slice."""
 
 from __future__ import annotations
 
@@ -91,7 +94,10 @@ class Fp8Block(WeightFormat):
         from pdserve.layers.linear import Linear
         from pdserve.models.weights import FUSED, self_loading_modules
 
-        own_name = getattr(model, "own_weight_name", None)
+        # a model that loads part of a checkpoint under other names (a draft head) maps them
+        own_name = getattr(model, "quantized_weight_name", None) or getattr(
+            model, "own_weight_name", None
+        )
         if own_name is None:
             raise ValueError(
                 f"quantization_config: {type(model).__name__} does not load quantized weights yet"
@@ -111,8 +117,8 @@ class Fp8Block(WeightFormat):
                     "keeps its module in high precision"
                 )
             own = own_name(name)
-            if not holds(own):
-                continue  # another pipeline stage's
+            if own is None or not holds(own):
+                continue  # another pipeline stage's, or not a weight this model loads
             path = own[: -len(".weight")]
             parent, _, proj = path.rpartition(".")
             owner = next((p for p in owners if path.startswith(p + ".") or path == p), None)
@@ -224,7 +230,7 @@ class Fp8Block(WeightFormat):
         for base, parts in pending.items():
             missing = "weight" if "weight" not in parts else SCALE
             raise ValueError(
-                f"weight {base}.{missing!s}: missing (its FP8 pair is in the checkpoint)"
+                f"weight {base}.{missing}: missing (its FP8 pair is in the checkpoint)"
             )
 
     def _dequantized(self, weight: Any, scale: Any) -> torch.Tensor:

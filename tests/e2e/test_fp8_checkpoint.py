@@ -5,12 +5,16 @@ F32 ``weight_scale_inv`` per block, ``quantization_config.quant_method = "fp8"``
 - float32 compute: greedy tokens of HF transformers on the weights its own dequantizer gives,
   and its logprobs; blocks that divide the shapes, blocks larger than them and ragged ones
   (partial blocks on the ceil grid), power-of-two (ue8m0) scales; Llama, Qwen2 (biases), Qwen3 and
-  Phi-3 (q/k/v and gate/up stored fused); Qwen3-MoE's and Mixtral's experts;
+  Phi-3 (q/k/v and gate/up stored fused); Qwen3-MoE's and Mixtral's experts; DeepSeek-V2 / V3
+  (latent attention, shared experts), MiniMax-M2 and GLM-4.5;
 - the bytes held: the checkpoint's FP8 bytes and one scale per output row and column block;
 - a tensor-parallel rank holds its rows and columns of the same weights; a split inside a scale
   block is refused naming it; broken checkpoints are refused naming the tensor;
 - through PD: an FP8 prefill on 2 ranks and an FP8 decode give HF's tokens, and so does a decode
-  on the unquantized (dequantized) weights of the same model taking the FP8 prefill's KV."""
+  on the unquantized (dequantized) weights of the same model taking the FP8 prefill's KV;
+  DeepSeek-V3 in FP8 from a two-rank prefill; FP8 with an int8 KV cache sent layer by layer
+  equals colocated;
+- the kernels: the C++ decoder stack on FP8 layers, deterministic serving of FP8 weights."""
 
 from __future__ import annotations
 
@@ -281,6 +285,53 @@ def test_pd_fp8_deepseek_v3_prefill_on_two_ranks_gives_hf_tokens(pd_deepseek):
     hf_tokens_through(router, path, prompts_for(8)[:4])
 
 
+@pytest.fixture(scope="module")
+def pd_int8_layerwise(tmp_path_factory):
+    """FP8 weights, an int8 KV cache, and the prefill sending each layer's pages as its forward
+    writes them (every prompt, one layer a group)."""
+    logs = tmp_path_factory.mktemp("fp8-pd-int8")
+    path = fp8("llama", (16, 16))
+    common = ["--dtype", "bfloat16", "--max-total-tokens", "4096", "--page-size", "16"]
+    common += ["--kv-cache-dtype", "int8"]
+    layers = ["--enable-disagg-layer-pipeline", "--disagg-layer-group-size", "1"]
+    layers += ["--disagg-layer-pipeline-min-prefill-len", "0"]
+    prefill, _ = c.prefill("P-fp8-int8", path, logs, *common, *layers)
+    decode = c.decode("D-fp8-int8", path, logs, *common)
+    procs, routers = [prefill, decode], []
+    try:
+        c.start_all(procs)
+        routers = [c.router("R-fp8-int8", [prefill], [decode], logs).start()]
+        yield path, routers[0]
+    finally:
+        for p in routers + procs:
+            p.stop()
+
+
+def test_pd_fp8_with_int8_kv_and_layerwise_transfer_equals_colocated(pd_int8_layerwise, request):
+    """Through PD (int8 KV pages and their scales sent layer by layer) the tokens and logprobs of
+    one engine serving the same FP8 checkpoint with the same int8 cache."""
+    path, router = pd_int8_layerwise
+    eng = pdserve.Engine(
+        model_path=path,
+        dtype="bfloat16",
+        torch_num_threads=1,
+        max_total_tokens=4096,
+        page_size=16,
+        kv_cache_dtype="int8",
+    )
+    request.node._engine = eng
+    for ids in prompts_for(9)[:4]:
+        want = eng.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True)
+        body = {"input_ids": ids, "sampling_params": GREEDY, "return_logprob": True}
+        r = httpx.post(router.url + "/generate", json=body)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["output_ids"] == want["output_ids"], f"prompt of {len(ids)} tokens"
+        lp = [v for v, _, _ in got["meta_info"]["output_token_logprobs"]]
+        ref = [v for v, _, _ in want["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(lp, ref)) < 1e-5
+
+
 @pytest.mark.parametrize("max_rows", [None, 2])
 def test_decode_stack_on_fp8_weights_equals_layer_by_layer_path(monkeypatch, max_rows, request):
     """bf16 compute: the C++ decoder stack runs the FP8 layers on the same kernels as the Python
@@ -352,3 +403,30 @@ def test_fp8_moe_families_give_hf_tokens_and_logprobs(arch, request):
         got = [v for v, _, _ in out["meta_info"]["output_token_logprobs"]]
         want = hf_output_logprobs(ref, ids, out["output_ids"])
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, f"prompt of {len(ids)}"
+
+
+def test_fp8_mtp_draft_head_gives_plain_decodings_tokens(request):
+    """DeepSeek-V3's next-token-prediction layer stored in FP8 like the rest: the draft head
+    loads its FP8 projections under its own names (and dequantizes its kv_b_proj); speculative
+    greedy decoding gives plain decoding's tokens, and drafts are accepted."""
+    from pdserve.models.deepseek_mtp import DeepseekV3MTP
+    from tests.e2e.test_speculative_mtp import SCALE, mtp_prompts
+    from tests.helpers.checkpoints import build_mtp_checkpoint
+
+    path = build_fp8_block_checkpoint(build_mtp_checkpoint(scale=SCALE), (32, 32))
+    kw = dict(model_path=path, torch_num_threads=1, max_total_tokens=8192, dtype="float32")
+    plain = pdserve.Engine(**kw)
+    try:
+        ps = mtp_prompts()[:3]
+        sp = {**GREEDY, "max_new_tokens": 24}
+        ref = plain.generate(input_ids=ps, sampling_params=sp)
+    finally:
+        plain.shutdown()
+    spec = pdserve.Engine(**kw, speculative_algorithm="MTP")
+    request.node._engine = spec
+    head = spec.scheduler.speculator.proposer.runner.model
+    assert isinstance(head, DeepseekV3MTP)
+    assert any(isinstance(m.impl, Fp8BlockLinear) for m in head.modules() if isinstance(m, Linear))
+    out = spec.generate(input_ids=ps, sampling_params=sp)
+    assert [o["output_ids"] for o in out] == [r["output_ids"] for r in ref]
+    assert sum(o["meta_info"]["spec_accept_length"] for o in out) > len(out)
