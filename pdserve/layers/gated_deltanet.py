@@ -150,6 +150,7 @@ class GatedDeltaNet(nn.Module):
         params = dict(self.named_parameters())
         if name not in params:
             raise ValueError(f"unexpected Gated DeltaNet weight {name!r}")
+        target, name = name, name.replace(".weight_scale_inv", ".weight")  # FP8 scales: as weights
         w, d, r = self.whole, self.dims, self.tp.rank
         if name == "in_proj_qkvz.weight":  # rows grouped by key head: take this rank's groups
             per = 2 * w.key_dim + 2 * w.per_key * w.value_dim
@@ -171,11 +172,11 @@ class GatedDeltaNet(nn.Module):
             t = src[:]
         else:  # out_proj.weight: this rank's value heads' columns
             t = src[:, r * d.values : (r + 1) * d.values]
-        if tuple(t.shape) != tuple(params[name].shape):
+        if tuple(t.shape) != tuple(params[target].shape):
             raise ValueError(
-                f"expected shape {tuple(params[name].shape)} for this rank, got {tuple(t.shape)}"
+                f"expected shape {tuple(params[target].shape)} for this rank, got {tuple(t.shape)}"
             )
-        params[name].data.copy_(t)
+        params[target].data.copy_(t)
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:

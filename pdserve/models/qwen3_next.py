@@ -23,7 +23,7 @@ from torch import nn
 
 from pdserve.forward_batch import ForwardBatch
 from pdserve.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetDims
-from pdserve.layers.linear import MergedLinear
+from pdserve.layers.linear import MATRIX_KINDS, MergedLinear
 from pdserve.layers.norm import GemmaRMSNorm
 from pdserve.layers.rotary import rope_parameters
 from pdserve.models.bamba import HybridCausalLM
@@ -76,6 +76,10 @@ class GatedAttention(PartialRotaryAttention):
             names += ["q_proj.bias", "k_proj.bias", "v_proj.bias"]
         if self.o_proj.bias is not None:
             names.append("o_proj.bias")
+        if hasattr(self.qkv_proj, MATRIX_KINDS[1]):  # FP8 blocks (quantization/fp8_block.py)
+            names += [f"{p}.{MATRIX_KINDS[1]}" for p in ("q_proj", "k_proj", "v_proj")]
+        if hasattr(self.o_proj, MATRIX_KINDS[1]):
+            names.append(f"o_proj.{MATRIX_KINDS[1]}")
         return names + ["q_norm.weight", "k_norm.weight"]
 
     def load_checkpoint(self, name: str, src: Any) -> None:
@@ -86,8 +90,8 @@ class GatedAttention(PartialRotaryAttention):
         elif proj in ("k_proj", "v_proj"):
             part = src[s.kv_heads[0] * dim : s.kv_heads[1] * dim]
             self.qkv_proj.load_shard(1 if proj == "k_proj" else 2, leaf, part)
-        elif name == "o_proj.weight":
-            self.o_proj.weight.data.copy_(src[:, s.heads[0] * dim : s.heads[1] * dim])
+        elif proj == "o_proj" and leaf in MATRIX_KINDS:
+            getattr(self.o_proj, leaf).data.copy_(src[:, s.heads[0] * dim : s.heads[1] * dim])
         elif name in ("o_proj.bias", "q_norm.weight", "k_norm.weight"):
             dict(self.named_parameters())[name].data.copy_(src[:])
         else:

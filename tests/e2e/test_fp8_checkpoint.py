@@ -372,13 +372,16 @@ def test_decode_stack_on_fp8_weights_equals_layer_by_layer_path(monkeypatch, max
         assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2", "minimax_m2", "glm4_moe"])
+@pytest.mark.parametrize(
+    "arch", ["deepseek_v3", "deepseek_v2", "minimax_m2", "glm4_moe", "qwen3_next"]
+)
 def test_fp8_moe_families_give_hf_tokens_and_logprobs(arch, request):
     """DeepSeek-V3 / V2 as their FP8 releases store them: latent attention's q_a / q_b /
     kv_a_proj_with_mqa (its width ends inside a block) and o_proj on the FP8 kernels, kv_b_proj
     (used per head, absorbed) dequantized at load, routed experts and the shared experts' MLP in
-    FP8; MiniMax-M2 and GLM-4.5 likewise: HF's tokens and logprobs on transformers'
-    dequantization, in float32."""
+    FP8; MiniMax-M2, GLM-4.5 and Qwen3-Next (its Gated DeltaNet's projections and gated
+    attention too) likewise: HF's tokens and logprobs on transformers' dequantization, in
+    float32."""
     path = fp8(arch, (32, 32))
     ref = dequantized_checkpoint(path)
     eng = pdserve.Engine(
@@ -393,6 +396,8 @@ def test_fp8_moe_families_give_hf_tokens_and_logprobs(arch, request):
     }
     experts = [m for m in model.modules() if getattr(m, "quantized", False)]
     assert experts, "the routed experts are FP8"
+    if arch == "qwen3_next":
+        assert {"in_proj_qkvz", "in_proj_ba", "out_proj", "qkv_proj", "o_proj"} <= fp8_layers
     if arch.startswith("deepseek"):
         assert {"kv_a_proj_with_mqa", "o_proj"} <= fp8_layers, fp8_layers
         assert "gate_up_proj" in fp8_layers and "down_proj" in fp8_layers  # the shared experts

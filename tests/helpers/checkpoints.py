@@ -812,6 +812,9 @@ FP8_PROJECTIONS = (
     "q_b_proj",
     "kv_a_proj_with_mqa",
     "kv_b_proj",
+    "in_proj_qkvz",  # Qwen3-Next's Gated DeltaNet
+    "in_proj_ba",
+    "out_proj",
 )
 
 
