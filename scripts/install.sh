@@ -77,6 +77,9 @@ install_transfer_backends() {
 
 if [ "${1:-}" = "--test" ]; then
   $PIP -e ".[demo,bench,test]"
+  # compressed-tensors' own compressor and decompressor write and check the tests' checkpoints of
+  # its formats (pure Python; --no-deps: its torch pin must not replace the CPU wheel)
+  $PIP --no-deps "compressed-tensors==0.20.1" "loguru>=0.7"
   # the real Rust router, for the wire-compatibility tests (a plain wheel, no torch)
   $PIP "sglang-router==0.3.2" || echo "install.sh: sglang-router could not be installed on this platform" >&2
   install_transfer_backends

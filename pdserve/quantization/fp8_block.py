@@ -47,7 +47,11 @@ class Fp8Block(WeightFormat):
     method = "fp8"
     batch_invariant = True  # with the kernels (deterministic serving needs them anyway)
 
-    def __init__(self, block: tuple[int, int], scale_fmt: Optional[str], ignore: Iterable[str]):
+    def __init__(
+        self, block: tuple[int, Optional[int]], scale_fmt: Optional[str], ignore: Iterable[str]
+    ):
+        """``block``: (rows, columns) a scale covers; columns None: the whole row (one scale per
+        output channel)."""
         super().__init__(ignore)
         self.block = block
         self.scale_fmt = scale_fmt
@@ -87,6 +91,8 @@ class Fp8Block(WeightFormat):
 
     def describe(self) -> str:
         bn, bk = self.block
+        if bk is None:
+            return "fp8 e4m3, a scale per output channel"
         return f"fp8 e4m3, {bn}x{bk} blocks" + (", ue8m0 scales" if self.scale_fmt else "")
 
     # ---- loading -----------------------------------------------------------------------------
@@ -175,12 +181,17 @@ class Fp8Block(WeightFormat):
         scale = name[: -len("weight")] + SCALE
         if scale not in tensors:
             raise ValueError(f"weight {name!r}: its scale tensor {scale!r} is missing")
-        expected = [cdiv(shape[0], self.block[0]), cdiv(shape[1], self.block[1])]
+        expected = [cdiv(shape[0], self.block[0]), cdiv(shape[1], self.block[1] or shape[1])]
         sdtype, sshape = tensors[scale]
         if list(sshape) != expected:
             raise ValueError(
                 f"weight {scale!r}: shape {list(sshape)}, expected {expected} (one per "
-                f"{self.block[0]}x{self.block[1]} block of {name!r}'s {list(shape)})"
+                + (
+                    "output channel"
+                    if self.block[1] is None
+                    else f"{self.block[0]}x{self.block[1]} block"
+                )
+                + f" of {name!r}'s {list(shape)})"
             )
         if sdtype not in SCALE_DTYPES:
             raise ValueError(
@@ -195,7 +206,7 @@ class Fp8Block(WeightFormat):
             s, n, k = w.shape
             fp8 = torch.empty((s, n, k), dtype=torch.float8_e4m3fn, device=w.device)
             setattr(experts, name, nn.Parameter(fp8, requires_grad=False))
-            scale = torch.empty((s, n, cdiv(k, bk)), dtype=torch.float32, device=w.device)
+            scale = torch.empty((s, n, cdiv(k, bk or k)), dtype=torch.float32, device=w.device)
             experts.register_parameter(f"{name}_scale", nn.Parameter(scale, requires_grad=False))
 
     def _swap(self, module: nn.Module) -> None:
@@ -205,7 +216,7 @@ class Fp8Block(WeightFormat):
         module.weight = nn.Parameter(
             torch.empty((n, k), dtype=torch.float8_e4m3fn, device=device), requires_grad=False
         )
-        scale = torch.empty((n, cdiv(k, self.block[1])), dtype=torch.float32, device=device)
+        scale = torch.empty((n, cdiv(k, self.block[1] or k)), dtype=torch.float32, device=device)
         module.register_parameter(SCALE, nn.Parameter(scale, requires_grad=False))
 
     def wrap(
@@ -238,7 +249,7 @@ class Fp8Block(WeightFormat):
         q = weight[:] if not isinstance(weight, torch.Tensor) else weight
         s = (scale[:] if not isinstance(scale, torch.Tensor) else scale).to(torch.float32)
         (n, k), (bn, bk) = q.shape, self.block
-        rows = s.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+        rows = s.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk or k, dim=1)[:, :k]
         return _widen(q) * rows
 
     def finish(self, model: nn.Module) -> int:
@@ -316,6 +327,7 @@ class BlockScaleView:
         if not isinstance(rows, slice) or not isinstance(cols, slice) or len(index) > 2:
             raise TypeError(f"{self.name}: only [rows, columns] slices, got {index!r}")
         (n, k), (bn, bk) = self.shape, self.block
+        bk = bk or k  # one scale per row: no column split divides it
         a, b, _ = rows.indices(n)
         c, d, _ = cols.indices(k)
         if c % bk or (d % bk and d != k):
@@ -393,10 +405,12 @@ class Fp8BlockLinear:
         weight: torch.Tensor,
         scale: torch.Tensor,
         bias: Optional[torch.Tensor],
-        block_k: int,
+        block_k: Optional[int],
     ):
-        self.weight, self.scale, self.bias, self.block_k = weight, scale, bias, block_k
         self.out_features, self.in_features = weight.shape
+        # None: one scale per output channel, a block of the whole row
+        self.weight, self.scale, self.bias = weight, scale, bias
+        self.block_k = block_k or self.in_features
         self.ops: Optional[ModuleType] = None
         self.onednn = False
         self.amx_min_rows = -1
@@ -498,7 +512,7 @@ class Fp8Experts:
     """An MoE layer's experts (``layers/moe/experts.py``) on FP8 block weights: its reference
     loop, each expert's two matmuls an ``Fp8BlockLinear`` over its slice of ``w13`` / ``w2``."""
 
-    def __init__(self, experts: nn.Module, block_k: int):
+    def __init__(self, experts: nn.Module, block_k: Optional[int]):
         self.experts = experts
 
         def bias(name: str, slot: int):

@@ -10,12 +10,12 @@ from pdserve.quantization.base import WeightFormat
 
 _FORMATS = {
     "fp8": ("pdserve.quantization.fp8_block", "Fp8Block"),
+    "compressed-tensors": ("pdserve.quantization.compressed_tensors", "CompressedTensors"),
 }
 # methods seen in published checkpoints that no format here reads yet: what each is
 _NOT_BUILT = {
     "mxfp4": "MXFP4 experts (GPT-OSS); dequantize to bf16 first (transformers: from_pretrained("
     "..., quantization_config=Mxfp4Config(dequantize=True)) then save_pretrained)",
-    "compressed-tensors": "compressed-tensors (int4 pack-quantized, FP8 / int8 per channel)",
     "awq": "AWQ int4",
     "gptq": "GPTQ int4",
     "bitsandbytes": "bitsandbytes",

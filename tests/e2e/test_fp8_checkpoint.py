@@ -435,3 +435,68 @@ def test_fp8_mtp_draft_head_gives_plain_decodings_tokens(request):
     out = spec.generate(input_ids=ps, sampling_params=sp)
     assert [o["output_ids"] for o in out] == [r["output_ids"] for r in ref]
     assert sum(o["meta_info"]["spec_accept_length"] for o in out) > len(out)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_compressed_tensors_fp8_gives_hf_tokens_on_its_decompression(arch, request):
+    """compressed-tensors' float-quantized format (FP8 weights, a scale per output channel, as
+    llm-compressor's FP8-dynamic preset writes them; the checkpoint written by its compressor):
+    each layer's weight bit for bit what compressed-tensors' decompressor gives, and HF's tokens
+    and logprobs on that decompression, in float32 (experts too)."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.checkpoints import build_compressed_fp8_checkpoint, decompressed_checkpoint
+
+    path = build_compressed_fp8_checkpoint(build_tiny_checkpoint(arch))
+    ref = decompressed_checkpoint(path)
+    eng = pdserve.Engine(
+        model_path=path, dtype="float32", torch_num_threads=1, max_total_tokens=8192
+    )
+    request.node._engine = eng
+    model = runner_model(eng)
+    want = load_file(f"{ref}/model.safetensors")
+    layer = model.model.layers[0].self_attn.o_proj
+    assert isinstance(layer.impl, Fp8BlockLinear) and layer.impl.block_k == layer.in_features
+    assert torch.equal(layer.impl.dequantized(), want["model.layers.0.self_attn.o_proj.weight"])
+    ps = prompts_for(10)[:4]
+    outs = eng.generate(input_ids=ps, sampling_params=GREEDY, return_logprob=True)
+    for ids, out in zip(ps, outs):
+        assert out["output_ids"] == hf_greedy(ref, ids, NEW), f"prompt of {len(ids)} tokens"
+        got = [v for v, _, _ in out["meta_info"]["output_token_logprobs"]]
+        want_lp = hf_output_logprobs(ref, ids, out["output_ids"])
+        assert max(abs(a - b) for a, b in zip(got, want_lp)) < 1e-4, f"prompt of {len(ids)}"
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        ({"format": "pack-quantized"}, "quantization_config.format: 'pack-quantized'"),
+        (
+            {"config_groups": {"g": {"weights": {"type": "int", "num_bits": 8}}}},
+            "config_groups.g.weights.type: 'int'",
+        ),
+        (
+            {"config_groups": {"g": {"weights": {"strategy": "group", "group_size": 128}}}},
+            "config_groups.g.weights.strategy: 'group'",
+        ),
+        (
+            {"config_groups": {"g": {"weights": {}, "input_activations": {"dynamic": False}}}},
+            "static activation scales",
+        ),
+    ],
+)
+def test_compressed_tensors_variants_not_built_are_refused(edit, message):
+    from pdserve.quantization.registry import weight_format
+
+    quant = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"g": {"weights": {}}},
+        **edit,
+    }
+
+    class Cfg:
+        quantization_config = quant
+
+    with pytest.raises(ValueError, match=message):
+        weight_format(Cfg())

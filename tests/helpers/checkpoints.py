@@ -924,3 +924,98 @@ def dequantized_checkpoint(src: str) -> str:
             json.dump(cfg, f)
 
     return _cached("fp8-dequantized", ["fp8-dequantized", src], write)
+
+
+def _compressed_fp8_scheme():
+    """compressed-tensors' FP8-dynamic scheme (llm-compressor's ``FP8_DYNAMIC`` preset): FP8
+    weights with a scale per output channel, FP8 activations per token at run time."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    return QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(
+            num_bits=8, type="float", strategy="channel", symmetric=True, dynamic=False
+        ),
+        input_activations=QuantizationArgs(
+            num_bits=8, type="float", strategy="token", symmetric=True, dynamic=True
+        ),
+    )
+
+
+def build_compressed_fp8_checkpoint(src: str) -> str:
+    """``src`` (a tiny checkpoint) in the layout of compressed-tensors' ``float-quantized`` format
+    (RedHatAI's "-FP8-dynamic" releases): each projection's ``weight`` F8_E4M3 and
+    ``weight_scale`` [N, 1] float32 written by compressed-tensors' own compressor from the
+    min-max scale (amax / 448 per row), the LM head ignored."""
+    from compressed_tensors.compressors import FloatQuantizationCompressor
+    from safetensors.torch import load_file, save_file
+
+    def write(tmp: str) -> None:
+        scheme = _compressed_fp8_scheme()
+        out = {}
+        for name, t in load_file(os.path.join(src, "model.safetensors")).items():
+            proj = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+            if name.endswith(".weight") and t.dim() == 2 and proj in FP8_PROJECTIONS:
+                w = t.float()
+                scale = (w.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
+                packed = FloatQuantizationCompressor.compress(
+                    {"weight": w, "weight_scale": scale}, scheme
+                )
+                base = name[: -len("weight")]
+                out[name] = packed["weight"].contiguous()
+                out[base + "weight_scale"] = packed["weight_scale"].float().contiguous()
+            else:
+                out[name] = t
+        save_file(out, os.path.join(tmp, "model.safetensors"))
+        for name in os.listdir(src):
+            if name not in ("model.safetensors", "config.json"):
+                shutil.copy(os.path.join(src, name), tmp)
+        with open(os.path.join(src, "config.json")) as f:
+            cfg = json.load(f)
+        group = scheme.model_dump(exclude_none=True)
+        cfg["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": group},
+            "ignore": ["lm_head"],
+        }
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg, f)
+
+    return _cached("ct-fp8", ["ct-fp8", src, list(FP8_PROJECTIONS)], write)
+
+
+def decompressed_checkpoint(src: str) -> str:
+    """A compressed-tensors FP8 checkpoint decompressed by compressed-tensors' own decompressor,
+    as a plain float32 checkpoint: the reference HF runs."""
+    from compressed_tensors.compressors import FloatQuantizationCompressor
+    from safetensors.torch import load_file, save_file
+
+    def write(tmp: str) -> None:
+        scheme = _compressed_fp8_scheme()
+        tensors = load_file(os.path.join(src, "model.safetensors"))
+        out = {}
+        for name, t in tensors.items():
+            if name.endswith(".weight_scale"):
+                continue
+            scale = tensors.get(name[: -len("weight")] + "weight_scale")
+            if scale is not None:
+                state = FloatQuantizationCompressor.decompress(
+                    {"weight": t, "weight_scale": scale}, scheme
+                )
+                out[name] = state["weight"].float().contiguous()
+            else:
+                out[name] = t.float()
+        save_file(out, os.path.join(tmp, "model.safetensors"))
+        for name in os.listdir(src):
+            if name not in ("model.safetensors", "config.json"):
+                shutil.copy(os.path.join(src, name), tmp)
+        with open(os.path.join(src, "config.json")) as f:
+            cfg = json.load(f)
+        cfg.pop("quantization_config")
+        cfg["torch_dtype"] = cfg["dtype"] = "float32"
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg, f)
+
+    return _cached("ct-fp8-decompressed", ["ct-fp8-decompressed", src], write)

@@ -30,7 +30,7 @@ def test_unquantized_configs_have_no_format():
 
 @pytest.mark.parametrize(
     "method",
-    ["mxfp4", "compressed-tensors", "awq", "gptq", "bitsandbytes", "fbgemm_fp8", "modelopt", "x"],
+    ["mxfp4", "awq", "gptq", "bitsandbytes", "fbgemm_fp8", "modelopt", "x"],
 )
 def test_methods_not_built_are_refused_naming_the_field(method):
     with pytest.raises(ValueError, match=f"quantization_config.quant_method: '{method}'.*fp8"):
