@@ -52,6 +52,7 @@ from pdserve.models.decoder import PRE_NORM, DecoderLayer
 from pdserve.models.llama import LlamaModel
 from pdserve.models.moe import MoEForCausalLM
 from pdserve.models.weights import MATRIX_KINDS, TPShards, with_scales
+from pdserve.quantization.registry import supported_methods
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: HF builds them with the default eps
 
@@ -74,10 +75,10 @@ def refuse_unsupported(config, model: str, scoring: str, topk_methods: tuple[str
         if quant
         else None
     )
-    if quant and method != "fp8":  # FP8 blocks: quantization/fp8_block.py
+    if quant and method not in supported_methods():  # the weight formats of quantization/
         raise ValueError(
             f"quantization_config: {method!r} weights are not supported for {model}; supported: "
-            "fp8 (block scales) or a bf16 / float32 checkpoint"
+            f"{', '.join(supported_methods())} or a bf16 / float32 checkpoint"
         )
     value = getattr(config, "scoring_func", None)
     if value is not None and value != scoring:

@@ -437,12 +437,12 @@ def test_fp8_mtp_draft_head_gives_plain_decodings_tokens(request):
     assert sum(o["meta_info"]["spec_accept_length"] for o in out) > len(out)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "glm4_moe"])
 def test_compressed_tensors_fp8_gives_hf_tokens_on_its_decompression(arch, request):
     """compressed-tensors' float-quantized format (FP8 weights, a scale per output channel, as
     llm-compressor's FP8-dynamic preset writes them; the checkpoint written by its compressor):
     each layer's weight bit for bit what compressed-tensors' decompressor gives, and HF's tokens
-    and logprobs on that decompression, in float32 (experts too)."""
+    and logprobs on that decompression, in float32 (experts too; GLM-4.5 as its FP8 release)."""
     from safetensors.torch import load_file
 
     from tests.helpers.checkpoints import build_compressed_fp8_checkpoint, decompressed_checkpoint
