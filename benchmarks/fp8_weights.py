@@ -27,6 +27,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from isa_tiers import lscpu  # noqa: E402
 
 WORKER = r"""
 import json, os, sys, time, torch
@@ -92,15 +94,6 @@ out[f"linear_fp8 GFLOP/s {rows}"] = flops / t_k / 1e9
 out[f"linear_vnni GFLOP/s {rows}"] = flops / t_v / 1e9
 print(json.dumps(out))
 """
-
-
-def lscpu() -> dict:
-    text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    return {
-        "model": fields.get("Model name", "?").strip(),
-        "flags": fields.get("Flags", "").strip(),
-    }
 
 
 def run_tier(tier: str, rows: str) -> dict:

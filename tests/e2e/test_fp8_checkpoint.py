@@ -55,6 +55,18 @@ def runner_model(eng):
     return eng.scheduler.runner.model
 
 
+def assert_hf_tokens_and_logprobs(eng, ref: str, prompts: list[list[int]], logprobs=True) -> None:
+    """Greedy tokens of ``eng`` equal HF's on checkpoint ``ref``, and (``logprobs``) its logprobs
+    within 1e-4."""
+    outs = eng.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+    for ids, out in zip(prompts, outs):
+        assert out["output_ids"] == hf_greedy(ref, ids, NEW), f"prompt of {len(ids)} tokens"
+        if logprobs:
+            got = [v for v, _, _ in out["meta_info"]["output_token_logprobs"]]
+            want = hf_output_logprobs(ref, ids, out["output_ids"])
+            assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, f"prompt of {len(ids)}"
+
+
 @pytest.mark.parametrize("arch,block,scale_fmt", CASES, ids=lambda v: str(v))
 def test_greedy_tokens_and_logprobs_equal_hf_on_the_dequantized_weights(
     arch, block, scale_fmt, request
@@ -69,14 +81,8 @@ def test_greedy_tokens_and_logprobs_equal_hf_on_the_dequantized_weights(
     quantized = [m for m in layers if isinstance(m.impl, Fp8BlockLinear)]
     assert quantized and all(m.weight.dtype == torch.float8_e4m3fn for m in quantized)
     assert len(quantized) == len(layers) - 1  # all but the LM head
-    ps = prompts_for(len(arch))[:5]
-    outs = eng.generate(input_ids=ps, sampling_params=GREEDY, return_logprob=True)
-    for ids, out in zip(ps, outs):
-        assert out["output_ids"] == hf_greedy(ref, ids, NEW), f"prompt of {len(ids)} tokens"
-        if arch != "phi3":  # as in test_engine.py: Phi-3's RoPE differs before generation
-            got = [v for v, _, _ in out["meta_info"]["output_token_logprobs"]]
-            want = hf_output_logprobs(ref, ids, out["output_ids"])
-            assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, f"prompt of {len(ids)}"
+    # as in test_engine.py: Phi-3's RoPE differs before generation (its logprobs are not compared)
+    assert_hf_tokens_and_logprobs(eng, ref, prompts_for(len(arch))[:5], logprobs=arch != "phi3")
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
@@ -91,13 +97,7 @@ def test_moe_experts_in_fp8_give_hf_tokens_and_logprobs(arch, request):
     request.node._engine = eng
     experts = [m for m in runner_model(eng).modules() if getattr(m, "quantized", False)]
     assert experts and all(m.w13.dtype == torch.float8_e4m3fn for m in experts)
-    ps = prompts_for(7)[:4]
-    outs = eng.generate(input_ids=ps, sampling_params=GREEDY, return_logprob=True)
-    for ids, out in zip(ps, outs):
-        assert out["output_ids"] == hf_greedy(ref, ids, NEW), f"prompt of {len(ids)} tokens"
-        got = [v for v, _, _ in out["meta_info"]["output_token_logprobs"]]
-        want = hf_output_logprobs(ref, ids, out["output_ids"])
-        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, f"prompt of {len(ids)}"
+    assert_hf_tokens_and_logprobs(eng, ref, prompts_for(7)[:4])
 
 
 def test_bf16_compute_serves_the_fp8_weights(request):
@@ -401,13 +401,7 @@ def test_fp8_moe_families_give_hf_tokens_and_logprobs(arch, request):
     if arch.startswith("deepseek"):
         assert {"kv_a_proj_with_mqa", "o_proj"} <= fp8_layers, fp8_layers
         assert "gate_up_proj" in fp8_layers and "down_proj" in fp8_layers  # the shared experts
-    ps = prompts_for(5)[:4]
-    outs = eng.generate(input_ids=ps, sampling_params=GREEDY, return_logprob=True)
-    for ids, out in zip(ps, outs):
-        assert out["output_ids"] == hf_greedy(ref, ids, NEW), f"prompt of {len(ids)} tokens"
-        got = [v for v, _, _ in out["meta_info"]["output_token_logprobs"]]
-        want = hf_output_logprobs(ref, ids, out["output_ids"])
-        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, f"prompt of {len(ids)}"
+    assert_hf_tokens_and_logprobs(eng, ref, prompts_for(5)[:4])
 
 
 def test_fp8_mtp_draft_head_gives_plain_decodings_tokens(request):
@@ -458,13 +452,7 @@ def test_compressed_tensors_fp8_gives_hf_tokens_on_its_decompression(arch, reque
     layer = model.model.layers[0].self_attn.o_proj
     assert isinstance(layer.impl, Fp8BlockLinear) and layer.impl.block_k == layer.in_features
     assert torch.equal(layer.impl.dequantized(), want["model.layers.0.self_attn.o_proj.weight"])
-    ps = prompts_for(10)[:4]
-    outs = eng.generate(input_ids=ps, sampling_params=GREEDY, return_logprob=True)
-    for ids, out in zip(ps, outs):
-        assert out["output_ids"] == hf_greedy(ref, ids, NEW), f"prompt of {len(ids)} tokens"
-        got = [v for v, _, _ in out["meta_info"]["output_token_logprobs"]]
-        want_lp = hf_output_logprobs(ref, ids, out["output_ids"])
-        assert max(abs(a - b) for a, b in zip(got, want_lp)) < 1e-4, f"prompt of {len(ids)}"
+    assert_hf_tokens_and_logprobs(eng, ref, prompts_for(10)[:4])
 
 
 @pytest.mark.parametrize(

@@ -895,33 +895,45 @@ def _requantize(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) ->
     return (w.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)
 
 
+def _write_unquantized(src: str, tmp: str, scale_suffix: str, dequantize) -> None:
+    """``src``'s weights as a plain float32 checkpoint in ``tmp``: each weight that has a
+    ``scale_suffix`` tensor beside it through ``dequantize(weight, scale)``, the rest widened;
+    the config without its ``quantization_config``."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("." + scale_suffix):
+            continue
+        scale = tensors.get(name[: -len("weight")] + scale_suffix)
+        out[name] = (t if scale is None else dequantize(t, scale)).float().contiguous()
+    save_file(out, os.path.join(tmp, "model.safetensors"))
+    for name in os.listdir(src):
+        if name not in ("model.safetensors", "config.json"):
+            shutil.copy(os.path.join(src, name), tmp)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.pop("quantization_config")
+    cfg["torch_dtype"] = cfg["dtype"] = "float32"
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
 def dequantized_checkpoint(src: str) -> str:
     """An FP8 block checkpoint's weights dequantized to float32 by transformers' own dequantizer
     (``integrations.finegrained_fp8``), as a plain float32 checkpoint: the reference HF runs."""
-    from safetensors.torch import load_file, save_file
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
     def write(tmp: str) -> None:
         with open(os.path.join(src, "config.json")) as f:
-            cfg = json.load(f)
-        block = cfg.pop("quantization_config")["weight_block_size"]
-        tensors = load_file(os.path.join(src, "model.safetensors"))
-        out = {}
-        for name, t in tensors.items():
-            if name.endswith(".weight_scale_inv"):
-                continue
-            scale = tensors.get(name[: -len("weight")] + "weight_scale_inv")
-            if scale is not None:
-                out[name] = _dequantize_fp8_weight(t, scale, block, torch.float32).contiguous()
-            else:
-                out[name] = t.float()
-        save_file(out, os.path.join(tmp, "model.safetensors"))
-        for name in os.listdir(src):
-            if name not in ("model.safetensors", "config.json"):
-                shutil.copy(os.path.join(src, name), tmp)
-        cfg["torch_dtype"] = cfg["dtype"] = "float32"
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(cfg, f)
+            block = json.load(f)["quantization_config"]["weight_block_size"]
+        _write_unquantized(
+            src,
+            tmp,
+            "weight_scale_inv",
+            lambda t, scale: _dequantize_fp8_weight(t, scale, block, torch.float32),
+        )
 
     return _cached("fp8-dequantized", ["fp8-dequantized", src], write)
 
@@ -990,32 +1002,12 @@ def decompressed_checkpoint(src: str) -> str:
     """A compressed-tensors FP8 checkpoint decompressed by compressed-tensors' own decompressor,
     as a plain float32 checkpoint: the reference HF runs."""
     from compressed_tensors.compressors import FloatQuantizationCompressor
-    from safetensors.torch import load_file, save_file
+
+    def decompress(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        state = {"weight": t, "weight_scale": scale}
+        return FloatQuantizationCompressor.decompress(state, _compressed_fp8_scheme())["weight"]
 
     def write(tmp: str) -> None:
-        scheme = _compressed_fp8_scheme()
-        tensors = load_file(os.path.join(src, "model.safetensors"))
-        out = {}
-        for name, t in tensors.items():
-            if name.endswith(".weight_scale"):
-                continue
-            scale = tensors.get(name[: -len("weight")] + "weight_scale")
-            if scale is not None:
-                state = FloatQuantizationCompressor.decompress(
-                    {"weight": t, "weight_scale": scale}, scheme
-                )
-                out[name] = state["weight"].float().contiguous()
-            else:
-                out[name] = t.float()
-        save_file(out, os.path.join(tmp, "model.safetensors"))
-        for name in os.listdir(src):
-            if name not in ("model.safetensors", "config.json"):
-                shutil.copy(os.path.join(src, name), tmp)
-        with open(os.path.join(src, "config.json")) as f:
-            cfg = json.load(f)
-        cfg.pop("quantization_config")
-        cfg["torch_dtype"] = cfg["dtype"] = "float32"
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(cfg, f)
+        _write_unquantized(src, tmp, "weight_scale", decompress)
 
     return _cached("ct-fp8-decompressed", ["ct-fp8-decompressed", src], write)

@@ -317,6 +317,7 @@ void fp8_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& 
 #if PDS_HAS_V8
     if (v8) return fp8_dequantize_panels_vec8(a, b, e);
 #endif
+    const float* table = e4m3_table();
     for (int64_t np = b; np < e; ++np) {
       const int64_t c0 = np * kFp8Panel, nc = std::min<int64_t>(kFp8Panel, cols - c0);
       for (int64_t k = 0, kb = 0, next = block_k; k < K; ++k) {
@@ -326,7 +327,7 @@ void fp8_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& 
         for (int p = 0; p < kFp8Panel; ++p) {
           const int o = fp8_out_of(p);
           if (o >= nc) continue;
-          const float v = e4m3_table()[line[p]] * s[o];
+          const float v = table[line[p]] * s[o];
           if (a.out_bf16)
             static_cast<uint16_t*>(a.out)[k * a.out_stride + c0 + o] = f32_to_bf16(v);
           else
