@@ -35,7 +35,7 @@ import json, os, sys, time, torch
 torch.set_num_threads(1)
 from pdserve import kernels
 from pdserve.layers.linear import PackedBF16, pack_vnni16
-from pdserve.quantization.fp8_block import Fp8BlockLinear
+from pdserve.quantization.fp8_matmul import Fp8BlockLinear
 
 ops = kernels.load()
 onednn = kernels.onednn_bf16()[0]

@@ -18,8 +18,8 @@ from pdserve.layers.linear import (
 )
 from pdserve.layers.norm import RMSNorm
 from pdserve.models.decoder import PRE_NORM
-from pdserve.quantization.fp8_block import KERNEL_MAX_ROWS as FP8_KERNEL_MAX_ROWS
-from pdserve.quantization.fp8_block import Fp8BlockLinear
+from pdserve.quantization.fp8_matmul import KERNEL_MAX_ROWS as FP8_KERNEL_MAX_ROWS
+from pdserve.quantization.fp8_matmul import Fp8BlockLinear
 
 
 class CpuPathsMixin:

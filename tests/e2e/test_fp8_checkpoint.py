@@ -26,7 +26,7 @@ import pdserve
 from pdserve.distributed import TPGroup
 from pdserve.layers.linear import Linear
 from pdserve.models.loader import checkpoint_tensors, load_model
-from pdserve.quantization.fp8_block import Fp8BlockLinear
+from pdserve.quantization.fp8_matmul import Fp8BlockLinear
 from tests.e2e.test_engine import hf_greedy, hf_output_logprobs, prompts_for
 from tests.helpers import cluster as c
 from tests.helpers.checkpoints import (
@@ -339,9 +339,9 @@ def test_decode_stack_on_fp8_weights_equals_layer_by_layer_path(monkeypatch, max
     BLAS GEMM on both paths, the path hosts with oneDNN's bf16 and no AMX take)."""
     if max_rows is not None:
         from pdserve.models import cpu_paths
-        from pdserve.quantization import fp8_block
+        from pdserve.quantization import fp8_matmul
 
-        monkeypatch.setattr(fp8_block, "KERNEL_MAX_ROWS", max_rows)
+        monkeypatch.setattr(fp8_matmul, "KERNEL_MAX_ROWS", max_rows)
         monkeypatch.setattr(cpu_paths, "FP8_KERNEL_MAX_ROWS", max_rows)
     eng = pdserve.Engine(
         model_path=fp8("qwen3", (32, 32)),

@@ -231,7 +231,7 @@ def test_amx_min_rows_and_switching_amx_off(emulated):
 def fp8_case(n: int, k: int, rows: int, bk: int, seed: int):
     """Every e4m3 byte but NaN (subnormals and -0 too), block scales, bf16 x and a bias; the
     packed operands and the exact weight."""
-    from pdserve.quantization.fp8_block import _widen, pack_fp8
+    from pdserve.quantization.fp8_matmul import _widen, pack_fp8
 
     gen = torch.Generator().manual_seed(seed)
     bits = torch.randint(0, 256, (n, k), dtype=torch.int32, generator=gen)

@@ -373,7 +373,7 @@ def test_fp8_linear_is_the_portable_loop_and_batch_invariant(
     same order; bf16 x on AMX tiles: TDPBF16PS's order inside a block, tested in
     test_amx_kernels.py), near the float64 product; a row alone gives the bits it gives in any
     batch; every e4m3 value (subnormals too) is read exactly; ragged N, K, a partial last block."""
-    from pdserve.quantization.fp8_block import pack_fp8
+    from pdserve.quantization.fp8_matmul import pack_fp8
 
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     q = random_e4m3(n, k, gen)
@@ -409,7 +409,7 @@ def test_fp8_dequantize_is_transformers_rounding(ops, isa, out_dtype):
     """The packed panels back to value * scale in float32 (one rounding, as transformers'
     dequantizer), then to bf16, k-major (out[k][n]) into a column slice of a wider buffer: bit
     for bit, the columns past the weight untouched."""
-    from pdserve.quantization.fp8_block import _widen, pack_fp8
+    from pdserve.quantization.fp8_matmul import _widen, pack_fp8
 
     gen = torch.Generator().manual_seed(3)
     n, k, bk = 130, 300, 128
@@ -425,7 +425,7 @@ def test_fp8_dequantize_is_transformers_rounding(ops, isa, out_dtype):
 
 
 def test_fp8_linear_refuses_mismatched_shapes(ops):
-    from pdserve.quantization.fp8_block import pack_fp8
+    from pdserve.quantization.fp8_matmul import pack_fp8
 
     q = torch.zeros(70, 100).to(torch.float8_e4m3fn)
     packed, scale = pack_fp8(q, torch.ones(70, 4))

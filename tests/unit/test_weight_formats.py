@@ -11,7 +11,8 @@ import torch
 from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
 from pdserve.layers.linear import Linear
-from pdserve.quantization.fp8_block import BlockScaleView, Fp8Block, Fp8BlockLinear
+from pdserve.quantization.fp8_block import BlockScaleView, Fp8Block
+from pdserve.quantization.fp8_matmul import Fp8BlockLinear
 from pdserve.quantization.registry import weight_format
 
 
