@@ -11,10 +11,9 @@
   sigmoid(1.702 * gate)`` with gate clamped above and up to ±``swiglu_limit``; the checkpoint
   stores each expert transposed with gate and up interleaved (``Experts``, format ``gpt_oss``).
 
-Checkpoints: bf16 (or float32) weights. The published checkpoints hold the experts in MXFP4
-(``quantization_config.quant_method == "mxfp4"``): they are refused at load with the way to get
-a bf16 copy (transformers dequantizes them: ``Mxfp4Config(dequantize=True)`` then
-``save_pretrained``). The CPU decode stack is Llama's and is not offered.
+Checkpoints: bf16 (or float32) weights, or the published ones with the experts in MXFP4
+(``quantization_config.quant_method == "mxfp4"``, read in place: ``quantization/mxfp4.py``);
+other quantizations are refused at load. The CPU decode stack is Llama's and is not offered.
 """
 
 from __future__ import annotations
@@ -44,11 +43,10 @@ def check_config(config) -> None:
         if isinstance(quant, dict)
         else getattr(quant, "quant_method", None)
     )
-    if method is not None:
+    if method not in (None, "mxfp4"):
         raise ValueError(
             f"quantization_config: GPT-OSS checkpoints quantized with {str(method)!r} are not "
-            "supported; dequantize to bf16 first (transformers: from_pretrained(..., "
-            "quantization_config=Mxfp4Config(dequantize=True)) then save_pretrained)"
+            "supported; supported: mxfp4 (as published) or unquantized weights"
         )
     check_layer_types(config)
 

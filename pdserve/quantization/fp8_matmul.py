@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.quantization.experts import QuantizedExperts
+
 PANEL_ROWS = 256  # output rows dequantized at once by the matmul
 
 
@@ -187,36 +189,9 @@ class Fp8BlockLinear:
         return self.weight.numel() * self.weight.element_size() + self.scale.numel() * 4
 
 
-class Fp8Experts:
-    """An MoE layer's experts (``layers/moe/experts.py``) on FP8 block weights: its reference
-    loop, each expert's two matmuls an ``Fp8BlockLinear`` over its slice of ``w13`` / ``w2``."""
+class Fp8Experts(QuantizedExperts):
+    """An MoE layer's experts on FP8 block weights: each expert's two matmuls an
+    ``Fp8BlockLinear`` over its slice of ``w13`` / ``w2``."""
 
     def __init__(self, experts: nn.Module, block_k: Optional[int]):
-        self.experts = experts
-
-        def bias(name: str, slot: int):
-            b = getattr(experts, name)
-            return None if b is None else b[slot]
-
-        self.linears = [
-            (
-                Fp8BlockLinear(experts.w13[s], experts.w13_scale[s], bias("b13", s), block_k),
-                Fp8BlockLinear(experts.w2[s], experts.w2_scale[s], bias("b2", s), block_k),
-            )
-            for s in range(experts.num_slots)
-        ]
-
-    def use_kernels(self, ops: ModuleType, onednn: bool = False, batch_invariant: bool = False):
-        for w13, w2 in self.linears:
-            w13.use_kernels(ops, onednn, batch_invariant)
-            w2.use_kernels(ops, onednn, batch_invariant)
-
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros((x.shape[0], self.experts.hidden), dtype=torch.float32)
-        if x.shape[0] == 0 or not bool((ids >= 0).any()):
-            return out
-        return self.experts._loop(x, ids, weights, out, self.linears)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.linears)
+        super().__init__(experts, lambda w, s, b: Fp8BlockLinear(w, s, b, block_k))

@@ -11,11 +11,10 @@ from pdserve.quantization.base import WeightFormat
 _FORMATS = {
     "fp8": ("pdserve.quantization.fp8_block", "Fp8Block"),
     "compressed-tensors": ("pdserve.quantization.compressed_tensors", "CompressedTensors"),
+    "mxfp4": ("pdserve.quantization.mxfp4", "Mxfp4"),
 }
 # methods seen in published checkpoints that no format here reads yet: what each is
 _NOT_BUILT = {
-    "mxfp4": "MXFP4 experts (GPT-OSS); dequantize to bf16 first (transformers: from_pretrained("
-    "..., quantization_config=Mxfp4Config(dequantize=True)) then save_pretrained)",
     "awq": "AWQ int4",
     "gptq": "GPTQ int4",
     "bitsandbytes": "bitsandbytes",

@@ -899,7 +899,7 @@ def _write_unquantized(src: str, tmp: str, scale_suffix: str, dequantize) -> Non
     """``src``'s weights as a plain float32 checkpoint in ``tmp``: each weight that has a
     ``scale_suffix`` tensor beside it through ``dequantize(weight, scale)``, the rest widened;
     the config without its ``quantization_config``."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     tensors = load_file(os.path.join(src, "model.safetensors"))
     out = {}
@@ -908,6 +908,14 @@ def _write_unquantized(src: str, tmp: str, scale_suffix: str, dequantize) -> Non
             continue
         scale = tensors.get(name[: -len("weight")] + scale_suffix)
         out[name] = (t if scale is None else dequantize(t, scale)).float().contiguous()
+    _write_float32(src, tmp, out)
+
+
+def _write_float32(src: str, tmp: str, out: dict) -> None:
+    """``out`` (float32 tensors) as the checkpoint in ``tmp``, with ``src``'s other files and its
+    config less its ``quantization_config``."""
+    from safetensors.torch import save_file
+
     save_file(out, os.path.join(tmp, "model.safetensors"))
     for name in os.listdir(src):
         if name not in ("model.safetensors", "config.json"):
@@ -1011,3 +1019,96 @@ def decompressed_checkpoint(src: str) -> str:
         _write_unquantized(src, tmp, "weight_scale", decompress)
 
     return _cached("ct-fp8-decompressed", ["ct-fp8-decompressed", src], write)
+
+
+E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``w`` [..., rows, K] in MXFP4 as GPT-OSS stores its experts: blocks U8 [..., rows,
+    K/32, 16] (two e2m1 codes a byte, the even k low) and scales U8 [..., rows, K/32] (E8M0, the
+    power of two that brings each group's largest magnitude to at most 6), each value rounded to
+    the nearest e2m1 value."""
+    *lead, k = w.shape
+    g = w.float().reshape(*lead, k // 32, 32)
+    amax = g.abs().amax(-1).clamp(min=2.0**-100)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 119)
+    scaled = g / torch.exp2(exp)[..., None]
+    code = (scaled.abs()[..., None] - E2M1_GRID).abs().argmin(-1)
+    code = code | ((scaled < 0) & (code > 0)).long() << 3
+    pairs = code.reshape(*lead, k // 32, 16, 2).to(torch.uint8)
+    blocks = pairs[..., 0] | (pairs[..., 1] << 4)
+    return blocks.contiguous(), (exp + 127).to(torch.uint8).contiguous()
+
+
+def build_mxfp4_checkpoint(src: str, **edits) -> str:
+    """A tiny GPT-OSS checkpoint with its experts in MXFP4, in the layout and
+    ``quantization_config`` of the published GPT-OSS weights: ``*_blocks`` / ``*_scales`` in
+    place of each expert projection (rows the outputs, ``gate_up_proj``'s interleaved gate and
+    up), the rest bf16. ``edits``: a broken variant (``drop``: a tensor left out, ``scale``: a
+    scale byte set in every scale tensor of that name, ``reshape``: a scale of the wrong shape)."""
+    from safetensors.torch import load_file, save_file
+
+    key = ["mxfp4", src, sorted(edits.items())]
+
+    def write(tmp: str) -> None:
+        out = {}
+        for name, t in load_file(os.path.join(src, "model.safetensors")).items():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                blocks, scales = mxfp4_quantize(t.float().transpose(1, 2))  # [E, out, in]
+                out[name + "_blocks"], out[name + "_scales"] = blocks, scales
+            else:
+                out[name] = t.to(torch.bfloat16) if t.is_floating_point() else t
+        if "drop" in edits:
+            del out[edits["drop"]]
+        if "scale" in edits:
+            name, byte = edits["scale"]
+            out[name] = out[name].clone()
+            out[name].view(-1)[0] = byte
+        if "reshape" in edits:
+            name = edits["reshape"]
+            out[name] = out[name][..., :-1].contiguous()
+        save_file(out, os.path.join(tmp, "model.safetensors"))
+        for name in os.listdir(src):
+            if name not in ("model.safetensors", "config.json"):
+                shutil.copy(os.path.join(src, name), tmp)
+        with open(os.path.join(src, "config.json")) as f:
+            cfg = json.load(f)
+        cfg["quantization_config"] = {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+        }
+        cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg, f)
+
+    return _cached("mxfp4", key, write)
+
+
+def mxfp4_dequantized_checkpoint(src: str) -> str:
+    """An MXFP4 GPT-OSS checkpoint's experts dequantized by transformers' own MXFP4 dequantizer
+    (``integrations.mxfp4.convert_moe_packed_tensors``) into float32, as a plain checkpoint: the
+    reference HF runs."""
+    from safetensors.torch import load_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    def write(tmp: str) -> None:
+        tensors = load_file(os.path.join(src, "model.safetensors"))
+        out = {}
+        for name, t in tensors.items():
+            if name.endswith("_scales"):
+                continue
+            if name.endswith("_blocks"):
+                base = name[: -len("_blocks")]
+                scales = tensors[base + "_scales"]
+                out[base] = convert_moe_packed_tensors(t, scales, dtype=torch.float32).contiguous()
+            else:
+                out[name] = t.float().contiguous()
+        _write_float32(src, tmp, out)
+
+    return _cached("mxfp4-dequantized", ["mxfp4-dequantized", src], write)

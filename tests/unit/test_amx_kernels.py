@@ -567,3 +567,56 @@ def test_hardware_kernels_match_float64(hardware):
         assert (
             out.double() - attention_reference(*args, 128**-0.5, window, sinks)
         ).abs().max().item() < 2e-2
+
+
+# ---- MXFP4 weights (the FP8 tiles, codes looked up as e4m3 bytes) ----
+
+
+@pytest.mark.parametrize("n,k,rows", [(70, 96, 1), (130, 320, 5), (64, 256, 17), (200, 96, 40)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_linear_on_emulated_tiles_matches_float64(emulated, n, k, rows, out_dtype):
+    from pdserve.quantization.mxfp4_matmul import dequantize, pack_mxfp4
+    from tests.unit.test_cpu_kernels import mxfp4_case
+
+    ops = emulated
+    blocks, scales, x, bias = mxfp4_case(n, k, rows, n + k + rows, torch.bfloat16)
+    packed, packed_scale = pack_mxfp4(blocks, scales)
+
+    def run(x, amx_min_rows=1):
+        out = torch.empty(x.shape[0], n, dtype=out_dtype)
+        ops.linear_mxfp4(out, x, packed, packed_scale, bias.to(out_dtype), amx_min_rows)
+        return out
+
+    out = run(x)
+    w = dequantize(blocks, scales).double()
+    ref = x.double() @ w.T + bias.to(out_dtype).double()
+    # relative to the sum of the terms' magnitudes (a row spans scales 2^-127 .. 2^119)
+    size = x.double().abs() @ w.abs().T + bias.double().abs() + 1
+    err = ((out.double() - ref).abs() / size).max().item()
+    assert err < (1e-6 if out_dtype == torch.float32 else 2**-8), err
+    for m in {1, rows // 2 + 1}:
+        assert torch.equal(run(x[:m]), out[:m])
+
+
+def test_mxfp4_linear_on_hardware_tiles_equals_the_emulation(hardware):
+    from pdserve.quantization.mxfp4_matmul import dequantize, pack_mxfp4
+    from tests.unit.test_cpu_kernels import mxfp4_case
+
+    ops = hardware
+    for n, k, rows in [(130, 320, 5), (200, 96, 40)]:
+        blocks, scales, x, bias = mxfp4_case(n, k, rows, 1, torch.bfloat16)
+        packed, packed_scale = pack_mxfp4(blocks, scales)
+        outs = []
+        for emulation in (False, True):
+            ops.set_amx_emulation(emulation)
+            try:
+                out = torch.empty(rows, n)
+                ops.linear_mxfp4(out, x, packed, packed_scale, bias, 1)
+            finally:
+                ops.set_amx_emulation(False)
+            outs.append(out)
+        hw, emu = outs
+        w = dequantize(blocks, scales).double()
+        size = x.double().abs() @ w.abs().T + bias.double().abs() + 1
+        # the hardware may round a pair's sum otherwise in the last bit (amx.h): a few ulps
+        assert ((hw - emu).double().abs() / size).max().item() < 1e-6

@@ -433,3 +433,96 @@ def test_fp8_linear_refuses_mismatched_shapes(ops):
         ops.linear_fp8(torch.empty(2, 70), torch.randn(2, 101), packed, scale, None, 32)
     with pytest.raises(RuntimeError, match="scale must be"):
         ops.linear_fp8(torch.empty(2, 70), torch.randn(2, 100), packed, scale, None, 64)
+
+
+# ---- MXFP4 weights ----
+
+
+def mxfp4_case(n: int, k: int, rows: int, seed: int, x_dtype=torch.float32):
+    """Every code (both zeros too) and scale bytes from 0 (2^-127) to 246 (the largest served),
+    most near 127; the packed row-major bytes, the scale bytes, x and a bias."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n, k // 2), dtype=torch.int32, generator=gen).to(torch.uint8)
+    scales = torch.randint(117, 135, (n, k // 32), dtype=torch.int32, generator=gen)
+    scales.view(-1)[:2] = torch.tensor([0, 246])  # the range's ends, in the first row
+    x = torch.randn(rows, k, generator=gen).to(x_dtype)
+    return blocks, scales.to(torch.uint8), x, torch.randn(n, generator=gen)
+
+
+@pytest.mark.parametrize("rows,n,k", [(r, 70, 96) for r in (1, 2, 7, 13, 40)] + [(1, 130, 320)])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_linear_is_the_portable_loop_and_batch_invariant(
+    ops, isa, rows, n, k, x_dtype, out_dtype
+):
+    """linear_mxfp4 at every tier gives the portable loop's bits (the FP8 kernels on codes looked
+    up as e4m3 bytes; bf16 x on AMX tiles: TDPBF16PS's order, test_amx_kernels.py), near the
+    float64 product of transformers' dequantized weight; a row alone gives its bits in any
+    batch; ragged N."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from pdserve.quantization.mxfp4_matmul import pack_mxfp4
+
+    blocks, scales, x, bias = mxfp4_case(n, k, rows, rows * 1000 + n + k, x_dtype)
+    bias = bias.to(out_dtype)
+    packed, packed_scale = pack_mxfp4(blocks, scales)
+    out = torch.empty(rows, n, dtype=out_dtype)
+    ops.linear_mxfp4(out, x, packed, packed_scale, bias, 1)
+    before = ops.isa_tier()
+    ops.set_isa("scalar")
+    try:
+        portable = torch.empty(rows, n, dtype=out_dtype)
+        ops.linear_mxfp4(portable, x, packed, packed_scale, bias)
+    finally:
+        ops.set_isa(before)
+    tiles = ops.isa().startswith("amx") and x_dtype == torch.bfloat16
+    bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+    assert tiles or torch.equal(out.view(bits), portable.view(bits))
+    # transformers' dequantizer: [1, n, k/32, 16] blocks -> [1, k, n]
+    w = convert_moe_packed_tensors(
+        blocks.view(1, n, k // 32, 16), scales.view(1, n, k // 32), dtype=torch.float32
+    )[0].T
+    ref = x.double() @ w.double().T + bias.double()
+    # relative to the sum of the terms' magnitudes (a row spans scales 2^-127 .. 2^119)
+    size = x.double().abs() @ w.double().abs().T + bias.double().abs() + 1
+    err = ((out.double() - ref).abs() / size).max().item()
+    assert err < (1e-6 if out_dtype == torch.float32 else 2**-8), err
+    for m in {0, rows - 1}:
+        one = torch.empty(1, n, dtype=out_dtype)
+        ops.linear_mxfp4(one, x[m : m + 1], packed, packed_scale, bias, 1)
+        assert torch.equal(one[0], out[m])
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_dequantize_is_transformers(ops, isa, out_dtype):
+    """The packed panels back to the weight, k-major into a column slice of a wider buffer:
+    transformers' MXFP4 dequantizer bit for bit (exact in float32, then rounded to bf16), the
+    columns past it untouched; the packing undone exactly."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from pdserve.quantization.mxfp4_matmul import pack_mxfp4, unpack_mxfp4
+
+    n, k = 130, 320
+    blocks, scales, _, _ = mxfp4_case(n, k, 1, 5)
+    packed, packed_scale = pack_mxfp4(blocks, scales)
+    back = unpack_mxfp4(packed, packed_scale, n)
+    assert torch.equal(back[0], blocks) and torch.equal(back[1], scales)
+    buf = torch.full((k, 256), 7.0, dtype=out_dtype)
+    ops.mxfp4_dequantize(buf[:, :n], packed, packed_scale)
+    want = convert_moe_packed_tensors(
+        blocks.view(1, n, k // 32, 16), scales.view(1, n, k // 32), dtype=torch.float32
+    )[0]
+    assert torch.equal(buf[:, :n], want.to(out_dtype)) and bool((buf[:, n:] == 7.0).all())
+
+
+def test_mxfp4_linear_refuses_mismatched_shapes(ops):
+    from pdserve.quantization.mxfp4_matmul import pack_mxfp4
+
+    blocks, scales, _, _ = mxfp4_case(70, 96, 1, 0)
+    packed, scale = pack_mxfp4(blocks, scales)
+    with pytest.raises(RuntimeError, match="do not agree"):
+        ops.linear_mxfp4(torch.empty(2, 70), torch.randn(2, 128), packed, scale, None)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.linear_mxfp4(torch.empty(2, 70), torch.randn(2, 100), packed, scale, None)
+    with pytest.raises(RuntimeError, match="scale must be"):
+        ops.linear_mxfp4(torch.empty(2, 70), torch.randn(2, 96), packed, scale.float(), None)

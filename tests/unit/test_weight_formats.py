@@ -31,7 +31,7 @@ def test_unquantized_configs_have_no_format():
 
 @pytest.mark.parametrize(
     "method",
-    ["mxfp4", "awq", "gptq", "bitsandbytes", "fbgemm_fp8", "modelopt", "x"],
+    ["awq", "gptq", "bitsandbytes", "fbgemm_fp8", "modelopt", "x"],
 )
 def test_methods_not_built_are_refused_naming_the_field(method):
     with pytest.raises(ValueError, match=f"quantization_config.quant_method: '{method}'.*fp8"):
@@ -175,3 +175,10 @@ def test_fp8_layer_on_the_kernels(bias):
         else:  # the weight rounded to bf16, as the PyTorch path multiplies it
             ref = torch.nn.functional.linear(x, want_w.to(dtype), b)
             torch.testing.assert_close(out, ref, rtol=2**-7, atol=1e-2)
+
+
+def test_mxfp4_spec():
+    fmt = weight_format(Cfg({"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}))
+    assert fmt.method == "mxfp4" and fmt.batch_invariant and fmt.ignores("lm_head")
+    with pytest.raises(ValueError, match="quantization_config.dequantize: true"):
+        weight_format(Cfg({"quant_method": "mxfp4", "dequantize": True}))

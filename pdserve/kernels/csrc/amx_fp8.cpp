@@ -9,7 +9,8 @@
 // the rows' sums (acc = fma(part, scale, acc), as the other tiers fold a block) and summed over the
 // blocks in order. Within a block the order is TDPBF16PS's (pairs of k, fp32 sums): the amx tier's
 // bits differ from the other tiers' in the last places, like the bf16 AMX kernel's. Rows do not
-// depend on each other (16-row blocks, zero rows past M): batch invariant.
+// depend on each other (16-row blocks, zero rows past M): batch invariant. MXFP4 panels take the
+// same path, their lines looked up into e4m3 bytes as the tiles are built.
 #include "amx.h"
 #include "fp8_linear.h"
 
@@ -29,13 +30,15 @@ constexpr int64_t kChunkRows = 256;  // rows whose sums stay in a buffer while a
 
 // the B tiles of the 32-k step of lines [k0, k0 + nk) (nk <= 32; zero past it): b[j] is
 // [16 pairs][16 outputs of group j][2] bf16
+template <bool FP4>
 PDS_AMX void build_step(const uint8_t* lines, int64_t nk, uint16_t (*b)[16][32]) {
+  constexpr int64_t lb = FP4 ? kFp4Line : kFp8Panel;
   const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
   for (int kp = 0; kp < 16; ++kp) {
     __m512 even[4], odd[4];
     for (int j = 0; j < 4; ++j) even[j] = odd[j] = _mm512_setzero_ps();
-    if (2 * kp < nk) widen_line(lines + 2 * kp * kFp8Panel, even);
-    if (2 * kp + 1 < nk) widen_line(lines + (2 * kp + 1) * kFp8Panel, odd);
+    if (2 * kp < nk) widen_line<FP4>(lines + 2 * kp * lb, even);
+    if (2 * kp + 1 < nk) widen_line<FP4>(lines + (2 * kp + 1) * lb, odd);
     for (int j = 0; j < 4; ++j) {
       const __m512i pair = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even[j]), 16),
                                            _mm512_and_si512(_mm512_castps_si512(odd[j]), high));
@@ -64,8 +67,9 @@ PDS_AMX void store_rows(const Fp8Args& f, int64_t np, int64_t m0, int64_t rows, 
     }
 }
 
-template <class Tiles>
+template <class Tiles, bool FP4>
 PDS_AMX void panels(const Fp8AmxArgs& a, int64_t np0, int64_t np1) {
+  constexpr int64_t lb = FP4 ? kFp4Line : kFp8Panel;
   const Fp8Args& f = a.f;
   const int64_t Mp = (f.M + 15) / 16 * 16, steps_max = (f.bk + 31) / 32;
   std::vector<float> acc_buf(kChunkRows * kFp8Panel);
@@ -75,7 +79,7 @@ PDS_AMX void panels(const Fp8AmxArgs& a, int64_t np0, int64_t np1) {
   // the block's B tiles, 64-byte aligned (built with aligned stores)
   std::unique_ptr<Step, void (*)(void*)> steps(static_cast<Step*>(std::aligned_alloc(64, steps_max * sizeof(Step))),
                                                 &std::free);
-  alignas(64) float c[16][kFp8Panel];
+  alignas(64) float c[16][kFp8Panel], sbuf[kFp8Panel];
   float* acc = acc_buf.data();
   Tiles t(full_tiles());
   for (int64_t np = np0; np < np1; ++np)
@@ -84,10 +88,10 @@ PDS_AMX void panels(const Fp8AmxArgs& a, int64_t np0, int64_t np1) {
       std::fill(acc, acc + rows * kFp8Panel, 0.f);
       for (int64_t kb = 0; kb < f.KB; ++kb) {
         const int64_t k0 = kb * f.bk, nk = std::min(f.K, k0 + f.bk) - k0, ns = (nk + 31) / 32;
-        const uint8_t* block = f.w + (np * f.K + k0) * kFp8Panel;
+        const uint8_t* block = f.w + (np * f.K + k0) * lb;
         for (int64_t s = 0; s < ns; ++s)
-          build_step(block + 32 * s * kFp8Panel, std::min<int64_t>(32, nk - 32 * s), steps.get()[s].b);
-        const float* sc = f.scale + (np * f.KB + kb) * kFp8Panel;
+          build_step<FP4>(block + 32 * s * lb, std::min<int64_t>(32, nk - 32 * s), steps.get()[s].b);
+        const float* sc = block_scales(f, np, kb, sbuf);
         for (int64_t m0 = c0; m0 < c0 + rows; m0 += 16) {
           t.template zero<0>();
           t.template zero<1>();
@@ -126,10 +130,11 @@ PDS_AMX void panels(const Fp8AmxArgs& a, int64_t np0, int64_t np1) {
 void amx_linear_fp8(const Fp8AmxArgs& a, int tile_backend) {
   const int64_t NP = (a.f.N + kFp8Panel - 1) / kFp8Panel;
   at::parallel_for(0, NP, 1, [&](int64_t b, int64_t e) {
-    if (TileBackend(tile_backend) == TileBackend::kHardware)
-      panels<HwTiles>(a, b, e);
+    const bool hw = TileBackend(tile_backend) == TileBackend::kHardware;
+    if (a.f.fp4)
+      hw ? panels<HwTiles, true>(a, b, e) : panels<EmuTiles, true>(a, b, e);
     else
-      panels<EmuTiles>(a, b, e);
+      hw ? panels<HwTiles, false>(a, b, e) : panels<EmuTiles, false>(a, b, e);
   });
 }
 #endif

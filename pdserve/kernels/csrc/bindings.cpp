@@ -33,6 +33,9 @@ void linear_f32(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c
 void linear_fp8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                 c10::optional<at::Tensor> bias, int64_t block_k, int64_t amx_min_rows);
 void fp8_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& scale, int64_t block_k);
+void linear_mxfp4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                  c10::optional<at::Tensor> bias, int64_t amx_min_rows);
+void mxfp4_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& scale);
 void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& colsum,
                  const at::Tensor& w_scale, c10::optional<at::Tensor> bias, int64_t amx_min_rows);
 void moe_experts_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
@@ -116,6 +119,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_dequantize", &pds::fp8_dequantize,
         "the float32 or bf16 weight of linear_fp8's packed panels (value * scale, transformers' rounding)",
         py::arg("out"), py::arg("packed"), py::arg("scale"), py::arg("block_k"));
+  m.def("linear_mxfp4", &pds::linear_mxfp4,
+        "x w^T (+ bias) for MXFP4 weights packed [N/64, K, 32] with E8M0 scales [N/64, K/32, 64] "
+        "(linear_fp8's kernels; batch invariant)",
+        py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("bias"),
+        py::arg("amx_min_rows") = -1);
+  m.def("mxfp4_dequantize", &pds::mxfp4_dequantize,
+        "the float32 or bf16 weight of linear_mxfp4's packed panels (exact in float32)", py::arg("out"),
+        py::arg("packed"), py::arg("scale"));
   m.def("linear_w8a8", &pds::linear_w8a8, "int8 weights x per-token int8 activations (w8a8_int8), dequantized",
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("colsum"), pybind11::arg("w_scale"),
         pybind11::arg("bias"), pybind11::arg("amx_min_rows") = -1);

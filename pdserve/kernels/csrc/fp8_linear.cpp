@@ -9,6 +9,7 @@
 // block is widened once into a float32 buffer (bk x 64: 32 KiB at 128, in L1) and tiles of up to 6
 // rows x 64 outputs run on it; the panel stays in L2 for the row blocks after. Every output's sums are those of fp8_linear.h whatever the tier or the tiling:
 // AVX-512 here, the 8-lane kernels (fp8_vec8.cpp) and the portable loop give the same bits.
+// MXFP4 panels (linear_mxfp4) run the same code, their lines looked up into e4m3 bytes first.
 #include "amx.h"
 #include "common.h"
 #include "fp8_linear.h"
@@ -35,22 +36,29 @@ const float* e4m3_table() {
   return table.data();
 }
 
+// the e4m3 byte of line byte p of a packed line (FP8 or MXFP4)
+inline uint8_t line_byte(const uint8_t* line, int p, bool fp4) {
+  if (!fp4) return line[p];
+  return kE2m1AsE4m3[p < 32 ? line[p] & 0xF : line[p - 32] >> 4];
+}
+
 void panel_scalar(const Fp8Args& a, int64_t np) {
   const float* table = e4m3_table();
+  const int64_t lb = line_bytes(a.fp4);
   float acc[kFp8RowBlock * kFp8Panel];
-  float w[kFp8Panel];
+  float w[kFp8Panel], sbuf[kFp8Panel];
   const int64_t n0 = np * kFp8Panel, nn = std::min<int64_t>(kFp8Panel, a.N - n0);
   for (int64_t m0 = 0; m0 < a.M; m0 += kFp8RowBlock) {
     const int64_t rows = std::min(kFp8RowBlock, a.M - m0);
     std::fill(acc, acc + rows * kFp8Panel, 0.f);
     for (int64_t kb = 0; kb < a.KB; ++kb) {
       const int64_t k0 = kb * a.bk, k1 = std::min(a.K, k0 + a.bk);
-      const float* s = a.scale + (np * a.KB + kb) * kFp8Panel;
+      const float* s = block_scales(a, np, kb, sbuf);
       for (int64_t r = 0; r < rows; ++r) {
         float part[kFp8Panel] = {0};
         for (int64_t k = k0; k < k1; ++k) {
-          const uint8_t* line = a.w + (np * a.K + k) * kFp8Panel;
-          for (int p = 0; p < kFp8Panel; ++p) w[fp8_out_of(p)] = table[line[p]];
+          const uint8_t* line = a.w + (np * a.K + k) * lb;
+          for (int p = 0; p < kFp8Panel; ++p) w[fp8_out_of(p)] = table[line_byte(line, p, a.fp4)];
           const int64_t m = m0 + r;
           const float x = a.x[m * a.x_stride + k];
           for (int o = 0; o < kFp8Panel; ++o) part[o] = std::fma(x, w[o], part[o]);
@@ -77,40 +85,45 @@ void panel_scalar(const Fp8Args& a, int64_t np) {
 constexpr int kTileRows = 6;  // 24 partial sums, a broadcast, the weights read from L1 as operands
 
 // One row (decode at batch 1): k block kb of panel np widened in registers as it streams in
+template <bool FP4>
 PDS_AVX512 void row_block(const Fp8Args& a, int64_t np, int64_t kb, int64_t m, float* acc) {
+  constexpr int64_t lb = FP4 ? kFp4Line : kFp8Panel;
   const int64_t k0 = kb * a.bk, k1 = std::min(a.K, k0 + a.bk);
-  const uint8_t* block = a.w + (np * a.K + k0) * kFp8Panel;
+  const uint8_t* block = a.w + (np * a.K + k0) * lb;
   const float* x = a.x + m * a.x_stride;
   __m512 part[4];
   for (int j = 0; j < 4; ++j) part[j] = _mm512_setzero_ps();
   for (int64_t k = k0; k < k1; ++k) {
     __m512 w[4];
     // the panel is one sequential stream: fetched into L2 ahead of its use, as the bf16 GEMV does
-    _mm_prefetch(reinterpret_cast<const char*>(block + (k - k0) * kFp8Panel) + kFp8PrefetchBytes, _MM_HINT_T1);
-    widen_line(block + (k - k0) * kFp8Panel, w);
+    _mm_prefetch(reinterpret_cast<const char*>(block + (k - k0) * lb) + kFp8PrefetchBytes, _MM_HINT_T1);
+    widen_line<FP4>(block + (k - k0) * lb, w);
     const __m512 xv = _mm512_set1_ps(x[k]);
     for (int j = 0; j < 4; ++j) part[j] = _mm512_fmadd_ps(xv, w[j], part[j]);
   }
-  const float* s = a.scale + (np * a.KB + kb) * kFp8Panel;
+  alignas(64) float sbuf[kFp8Panel];
+  const float* s = block_scales(a, np, kb, sbuf);
   for (int j = 0; j < 4; ++j)
     _mm512_storeu_ps(acc + 16 * j,
                      _mm512_fmadd_ps(part[j], _mm512_loadu_ps(s + 16 * j), _mm512_loadu_ps(acc + 16 * j)));
 }
 
 // k block kb of panel np -> wbuf [bk][64] float32 (2^-8 of the values)
+template <bool FP4>
 PDS_AVX512 void widen_block(const Fp8Args& a, int64_t np, int64_t kb, float* wbuf) {
+  constexpr int64_t lb = FP4 ? kFp4Line : kFp8Panel;
   const int64_t k0 = kb * a.bk, k1 = std::min(a.K, k0 + a.bk);
-  const uint8_t* block = a.w + (np * a.K + k0) * kFp8Panel;
+  const uint8_t* block = a.w + (np * a.K + k0) * lb;
   for (int64_t k = k0; k < k1; ++k) {
     __m512 w[4];
-    widen_line(block + (k - k0) * kFp8Panel, w);
+    widen_line<FP4>(block + (k - k0) * lb, w);
     for (int j = 0; j < 4; ++j) _mm512_store_ps(wbuf + (k - k0) * kFp8Panel + 16 * j, w[j]);
   }
 }
 
 // rows m0 .. m0 + R (acc rows r0 ..) of k block kb, from the widened block
 template <int R>
-PDS_AVX512 void tile(const Fp8Args& a, int64_t np, int64_t kb, const float* wbuf, int64_t m0, float* acc,
+PDS_AVX512 void tile(const Fp8Args& a, int64_t kb, const float* s, const float* wbuf, int64_t m0, float* acc,
                      int64_t r0) {
   const int64_t k0 = kb * a.bk, k1 = std::min(a.K, k0 + a.bk);
   const float* x = a.x + m0 * a.x_stride;
@@ -124,7 +137,6 @@ PDS_AVX512 void tile(const Fp8Args& a, int64_t np, int64_t kb, const float* wbuf
       for (int j = 0; j < 4; ++j) part[r][j] = _mm512_fmadd_ps(xv, _mm512_load_ps(w + 16 * j), part[r][j]);
     }
   }
-  const float* s = a.scale + (np * a.KB + kb) * kFp8Panel;
   for (int j = 0; j < 4; ++j) {
     const __m512 sj = _mm512_loadu_ps(s + 16 * j);
     for (int r = 0; r < R; ++r) {
@@ -134,7 +146,7 @@ PDS_AVX512 void tile(const Fp8Args& a, int64_t np, int64_t kb, const float* wbuf
   }
 }
 
-using Tile = void (*)(const Fp8Args&, int64_t, int64_t, const float*, int64_t, float*, int64_t);
+using Tile = void (*)(const Fp8Args&, int64_t, const float*, const float*, int64_t, float*, int64_t);
 constexpr Tile kTiles[kTileRows + 1] = {nullptr, &tile<1>, &tile<2>, &tile<3>, &tile<4>, &tile<5>, &tile<6>};
 
 template <typename T>
@@ -151,22 +163,24 @@ PDS_AVX512 void store_rows(const Fp8Args& a, int64_t np, int64_t m0, int64_t row
     }
 }
 
+template <bool FP4>
 PDS_AVX512 void panels_avx512(const Fp8Args& a, int64_t np0, int64_t np1, float* wbuf) {
-  alignas(64) float acc[kFp8RowBlock * kFp8Panel];
+  alignas(64) float acc[kFp8RowBlock * kFp8Panel], sbuf[kFp8Panel];
   for (int64_t np = np0; np < np1; ++np)
     for (int64_t m0 = 0; m0 < a.M; m0 += kFp8RowBlock) {
       const int64_t rows = std::min(kFp8RowBlock, a.M - m0);
       std::fill(acc, acc + rows * kFp8Panel, 0.f);
       for (int64_t kb = 0; kb < a.KB; ++kb) {
         if (rows == 1) {
-          row_block(a, np, kb, m0, acc);
+          row_block<FP4>(a, np, kb, m0, acc);
           continue;
         }
-        widen_block(a, np, kb, wbuf);
+        widen_block<FP4>(a, np, kb, wbuf);
+        const float* scales = block_scales(a, np, kb, sbuf);
         const int64_t n_tiles = (rows + kTileRows - 1) / kTileRows;  // as even as can be
         for (int64_t t = 0, r = 0; t < n_tiles; ++t) {
           const int64_t tr = rows / n_tiles + (t < rows % n_tiles);
-          kTiles[tr](a, np, kb, wbuf, m0 + r, acc, r);
+          kTiles[tr](a, kb, scales, wbuf, m0 + r, acc, r);
           r += tr;
         }
       }
@@ -180,14 +194,17 @@ PDS_AVX512 void panels_avx512(const Fp8Args& a, int64_t np0, int64_t np1, float*
 // k-line by k-line: 64 weights widened, scaled, stored as float32 or bf16 (rounded to nearest even
 // by the integer rule of f32x16_to_bf16, or by vcvtneps2bf16 where the tier has it: the same bits,
 // no NaN here)
+template <bool FP4>
 PDS_AVX512 void dequantize_avx512(const Fp8DequantArgs& a, int64_t np0, int64_t np1) {
+  constexpr int64_t lb = FP4 ? kFp4Line : kFp8Panel;
+  alignas(64) float sbuf[kFp8Panel];
   for (int64_t np = np0; np < np1; ++np) {
     const int64_t c0 = np * kFp8Panel;
+    const float* s = block_scales(a, np, 0, sbuf);
     for (int64_t k = 0, kb = 0, next = a.bk; k < a.K; ++k) {
-      if (k == next) ++kb, next += a.bk;
+      if (k == next) ++kb, next += a.bk, s = block_scales(a, np, kb, sbuf);
       __m512 w[4];
-      widen_line(a.w + (np * a.K + k) * kFp8Panel, w);
-      const float* s = a.scale + (np * a.KB + kb) * kFp8Panel;
+      widen_line<FP4>(a.w + (np * a.K + k) * lb, w);
       for (int j = 0; j < 4; ++j) {
         const int64_t c = c0 + 16 * j;
         if (c >= a.cols) break;
@@ -202,14 +219,16 @@ PDS_AVX512 void dequantize_avx512(const Fp8DequantArgs& a, int64_t np0, int64_t 
   }
 }
 
+// FP8 only: vcvtneps2bf16 reads float32 subnormals as zero, and MXFP4 scales can make them
 PDS_AVX512_BF16 void dequantize_avx512_bf16(const Fp8DequantArgs& a, int64_t np0, int64_t np1) {
+  alignas(64) float sbuf[kFp8Panel];
   for (int64_t np = np0; np < np1; ++np) {
     const int64_t c0 = np * kFp8Panel;
+    const float* s = block_scales(a, np, 0, sbuf);
     for (int64_t k = 0, kb = 0, next = a.bk; k < a.K; ++k) {
-      if (k == next) ++kb, next += a.bk;
+      if (k == next) ++kb, next += a.bk, s = block_scales(a, np, kb, sbuf);
       __m512 w[4];
-      widen_line(a.w + (np * a.K + k) * kFp8Panel, w);
-      const float* s = a.scale + (np * a.KB + kb) * kFp8Panel;
+      widen_line<false>(a.w + (np * a.K + k) * kFp8Panel, w);
       uint16_t* dst = static_cast<uint16_t*>(a.out) + k * a.out_stride + c0;
       for (int j = 0; j < 4; ++j) {
         const int64_t c = c0 + 16 * j;
@@ -223,6 +242,90 @@ PDS_AVX512_BF16 void dequantize_avx512_bf16(const Fp8DequantArgs& a, int64_t np0
 
 #endif
 
+// linear_fp8 / linear_mxfp4 once their arguments are checked: `a` holds all but x
+void run_linear(Fp8Args a, const at::Tensor& x, int64_t amx_min_rows) {
+  const int64_t M = a.M, K = a.K;
+  if (M == 0) return;
+#if PDS_X86
+  // bf16 x on AMX hosts: tiles (amx_fp8.cpp), from amx_min_rows rows as the bf16 matmuls
+  if (x.scalar_type() == at::kBFloat16 && M >= amx_linear_min_rows(amx_min_rows)) {
+    const TileBackend tb = amx_backend();
+    if (tb != TileBackend::kNone) {
+      const int64_t Mp = (M + 15) / 16 * 16, stride = (K + 31) / 32 * 32 + 32;
+      std::vector<uint16_t> xa(Mp * stride, 0);  // A rows: x, zero padded
+      for (int64_t m = 0; m < M; ++m) std::memcpy(xa.data() + m * stride, data<uint16_t>(x) + m * x.stride(0), K * 2);
+      return amx_linear_fp8(Fp8AmxArgs{a, xa.data(), stride}, int(tb));
+    }
+  }
+#endif
+  // x in float32 (a bf16 x widened once: the tiles broadcast each x from memory)
+  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  a.x = data<float>(xf);
+  a.x_stride = xf.stride(0);
+  const int64_t NP = (a.N + kFp8Panel - 1) / kFp8Panel, bk = a.bk;
+  const bool avx512 = use_avx512(), v8 = use_vec8();
+  at::parallel_for(0, NP, 1, [&](int64_t b, int64_t e) {
+    // one widened k block per thread (M > 1)
+    std::unique_ptr<float, void (*)(void*)> wbuf(
+        M > 1 ? static_cast<float*>(std::aligned_alloc(64, ((bk * kFp8Panel * 4 + 63) / 64) * 64)) : nullptr,
+        &std::free);
+#if PDS_X86
+    if (avx512) return a.fp4 ? panels_avx512<true>(a, b, e, wbuf.get()) : panels_avx512<false>(a, b, e, wbuf.get());
+#endif
+#if PDS_HAS_V8
+    if (v8) return linear_fp8_panels_vec8(a, b, e, wbuf.get());
+#endif
+    for (int64_t np = b; np < e; ++np) panel_scalar(a, np);
+  });
+}
+
+void run_dequantize(const Fp8DequantArgs& a, int64_t NP) {
+  const bool avx512 = use_avx512(), v8 = use_vec8();
+  at::parallel_for(0, NP, 1, [&](int64_t b, int64_t e) {
+#if PDS_X86
+    if (avx512 && a.out_bf16 && !a.fp4 && use_avx512_bf16()) return dequantize_avx512_bf16(a, b, e);
+    if (avx512) return a.fp4 ? dequantize_avx512<true>(a, b, e) : dequantize_avx512<false>(a, b, e);
+#endif
+#if PDS_HAS_V8
+    if (v8) return fp8_dequantize_panels_vec8(a, b, e);
+#endif
+    const float* table = e4m3_table();
+    const int64_t lb = line_bytes(a.fp4);
+    float sbuf[kFp8Panel];
+    for (int64_t np = b; np < e; ++np) {
+      const int64_t c0 = np * kFp8Panel, nc = std::min<int64_t>(kFp8Panel, a.cols - c0);
+      for (int64_t k = 0, kb = 0, next = a.bk; k < a.K; ++k) {
+        if (k == next) ++kb, next += a.bk;
+        const uint8_t* line = a.w + (np * a.K + k) * lb;
+        const float* s = block_scales(a, np, kb, sbuf);
+        for (int p = 0; p < kFp8Panel; ++p) {
+          const int o = fp8_out_of(p);
+          if (o >= nc) continue;
+          const float v = table[line_byte(line, p, a.fp4)] * s[o];
+          if (a.out_bf16)
+            static_cast<uint16_t*>(a.out)[k * a.out_stride + c0 + o] = f32_to_bf16(v);
+          else
+            static_cast<float*>(a.out)[k * a.out_stride + c0 + o] = v;
+        }
+      }
+    }
+  });
+}
+
+void check_x_out(const char* op, const at::Tensor& x, const at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1, op,
+              ": x and out must be 2-D with contiguous rows");
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              op, ": x and out must be float32 or bfloat16");
+}
+
+void check_bias(const char* op, const c10::optional<at::Tensor>& bias, const at::Tensor& out, int64_t N) {
+  if (bias.has_value())
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == out.scalar_type(), op,
+                ": bias must be contiguous [N] in out's dtype");
+}
+
 }  // namespace
 
 // out: [M, N] float32 or bf16; x: [M, K] float32 or bf16 (rows contiguous); packed: [ceil(N/64), K,
@@ -235,11 +338,7 @@ void linear_fp8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kFp8Panel &&
                   packed.is_contiguous(),
               "linear_fp8: weight must be packed as a contiguous [N/64, K, 64] uint8 tensor");
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1,
-              "linear_fp8: x and out must be 2-D with contiguous rows");
-  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
-                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
-              "linear_fp8: x and out must be float32 or bfloat16");
+  check_x_out("linear_fp8", x, out);
   TORCH_CHECK(block_k > 0, "linear_fp8: block_k must be positive");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), NP = packed.size(0), KB = (K + block_k - 1) / block_k;
   TORCH_CHECK(NP == (N + kFp8Panel - 1) / kFp8Panel && packed.size(1) == K && out.size(0) == M,
@@ -248,42 +347,43 @@ void linear_fp8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == NP &&
                   scale.size(1) == KB && scale.size(2) == kFp8Panel,
               "linear_fp8: scale must be a contiguous [", NP, ", ", KB, ", 64] float32 tensor, got ", scale.sizes());
-  if (bias.has_value())
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == out.scalar_type(),
-                "linear_fp8: bias must be contiguous [N] in out's dtype");
-  if (M == 0) return;
-#if PDS_X86
-  // bf16 x on AMX hosts: tiles (amx_fp8.cpp), from amx_min_rows rows as the bf16 matmuls
-  if (x.scalar_type() == at::kBFloat16 && M >= amx_linear_min_rows(amx_min_rows)) {
-    const TileBackend tb = amx_backend();
-    if (tb != TileBackend::kNone) {
-      const int64_t Mp = (M + 15) / 16 * 16, stride = (K + 31) / 32 * 32 + 32;
-      std::vector<uint16_t> xa(Mp * stride, 0);  // A rows: x, zero padded
-      for (int64_t m = 0; m < M; ++m) std::memcpy(xa.data() + m * stride, data<uint16_t>(x) + m * x.stride(0), K * 2);
-      const Fp8Args f{data<uint8_t>(packed), data<float>(scale), nullptr, bias.has_value() ? bias->data_ptr() : nullptr,
-                      out.data_ptr(), M, N, K, KB, block_k, 0, out.stride(0), out.scalar_type() == at::kBFloat16};
-      return amx_linear_fp8(Fp8AmxArgs{f, xa.data(), stride}, int(tb));
-    }
-  }
-#endif
-  // x in float32 (a bf16 x widened once: the tiles broadcast each x from memory)
-  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
-  const Fp8Args a{data<uint8_t>(packed), data<float>(scale), data<float>(xf), bias.has_value() ? bias->data_ptr() : nullptr,
-                  out.data_ptr(), M, N, K, KB, block_k, xf.stride(0), out.stride(0), out.scalar_type() == at::kBFloat16};
-  const bool avx512 = use_avx512(), v8 = use_vec8();
-  at::parallel_for(0, NP, 1, [&](int64_t b, int64_t e) {
-    // one widened k block per thread (M > 1)
-    std::unique_ptr<float, void (*)(void*)> wbuf(
-        M > 1 ? static_cast<float*>(std::aligned_alloc(64, ((block_k * kFp8Panel * 4 + 63) / 64) * 64)) : nullptr,
-        &std::free);
-#if PDS_X86
-    if (avx512) return panels_avx512(a, b, e, wbuf.get());
-#endif
-#if PDS_HAS_V8
-    if (v8) return linear_fp8_panels_vec8(a, b, e, wbuf.get());
-#endif
-    for (int64_t np = b; np < e; ++np) panel_scalar(a, np);
-  });
+  check_bias("linear_fp8", bias, out, N);
+  run_linear(Fp8Args{data<uint8_t>(packed), data<float>(scale), nullptr, bias.has_value() ? bias->data_ptr() : nullptr,
+                     out.data_ptr(), M, N, K, KB, block_k, 0, out.stride(0), out.scalar_type() == at::kBFloat16},
+             x, amx_min_rows);
+}
+
+// MXFP4 weights (fp8_linear.h): packed [ceil(N/64), K, 32] uint8 codes, scale [ceil(N/64), K/32, 64]
+// uint8 E8M0 (each <= 246); otherwise linear_fp8's arguments, with its kernels and their bits.
+void linear_mxfp4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                  c10::optional<at::Tensor> bias, int64_t amx_min_rows) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kFp4Line &&
+                  packed.is_contiguous(),
+              "linear_mxfp4: weight must be packed as a contiguous [N/64, K, 32] uint8 tensor");
+  check_x_out("linear_mxfp4", x, out);
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), NP = packed.size(0), KB = K / kMxfp4Block;
+  TORCH_CHECK(K % kMxfp4Block == 0, "linear_mxfp4: K (", K, ") must be a multiple of 32");
+  TORCH_CHECK(NP == (N + kFp8Panel - 1) / kFp8Panel && packed.size(1) == K && out.size(0) == M,
+              "linear_mxfp4: shapes x ", x.sizes(), ", packed weight ", packed.sizes(), ", out ", out.sizes(),
+              " do not agree");
+  TORCH_CHECK(scale.scalar_type() == at::kByte && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == NP &&
+                  scale.size(1) == KB && scale.size(2) == kFp8Panel,
+              "linear_mxfp4: scale must be a contiguous [", NP, ", ", KB, ", 64] uint8 tensor, got ", scale.sizes());
+  check_bias("linear_mxfp4", bias, out, N);
+  Fp8Args a{data<uint8_t>(packed), nullptr, nullptr, bias.has_value() ? bias->data_ptr() : nullptr, out.data_ptr(),
+            M, N, K, KB, kMxfp4Block, 0, out.stride(0), out.scalar_type() == at::kBFloat16};
+  a.fp4 = true;
+  a.e8m0 = data<uint8_t>(scale);
+  run_linear(a, x, amx_min_rows);
+}
+
+void check_dequantize_out(const char* op, const at::Tensor& out, int64_t K, int64_t NP, const at::Tensor& packed) {
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              op, ": out must be a 2-D float32 or bfloat16 tensor with contiguous rows");
+  const int64_t cols = out.size(1);
+  TORCH_CHECK(out.size(0) == K && cols <= NP * kFp8Panel && cols > (NP - 1) * kFp8Panel, op, ": out ", out.sizes(),
+              " does not match the packed weight ", packed.sizes(), " (out is [K, N])");
 }
 
 // The weight of whole panels in out's dtype, transposed: out [K, cols] (cols <= 64 * packed.size(0),
@@ -294,48 +394,34 @@ void fp8_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& 
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kFp8Panel &&
                   packed.is_contiguous(),
               "fp8_dequantize: weight must be packed as a contiguous [N/64, K, 64] uint8 tensor");
-  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 &&
-                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
-              "fp8_dequantize: out must be a 2-D float32 or bfloat16 tensor with contiguous rows");
-  const int64_t NP = packed.size(0), K = packed.size(1), cols = out.size(1);
+  const int64_t NP = packed.size(0), K = packed.size(1);
+  check_dequantize_out("fp8_dequantize", out, K, NP, packed);
   TORCH_CHECK(block_k > 0, "fp8_dequantize: block_k must be positive");
   const int64_t KB = (K + block_k - 1) / block_k;
-  TORCH_CHECK(out.size(0) == K && cols <= NP * kFp8Panel && cols > (NP - 1) * kFp8Panel,
-              "fp8_dequantize: out ", out.sizes(), " does not match the packed weight ", packed.sizes(),
-              " (out is [K, N])");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == NP &&
                   scale.size(1) == KB && scale.size(2) == kFp8Panel,
               "fp8_dequantize: scale must be a contiguous [", NP, ", ", KB, ", 64] float32 tensor");
-  const Fp8DequantArgs a{data<uint8_t>(packed), data<float>(scale), out.data_ptr(), K, KB, block_k, cols,
-                         out.stride(0), out.scalar_type() == at::kBFloat16};
-  const bool avx512 = use_avx512(), v8 = use_vec8();
-  at::parallel_for(0, NP, 1, [&](int64_t b, int64_t e) {
-#if PDS_X86
-    if (avx512 && a.out_bf16 && use_avx512_bf16()) return dequantize_avx512_bf16(a, b, e);
-    if (avx512) return dequantize_avx512(a, b, e);
-#endif
-#if PDS_HAS_V8
-    if (v8) return fp8_dequantize_panels_vec8(a, b, e);
-#endif
-    const float* table = e4m3_table();
-    for (int64_t np = b; np < e; ++np) {
-      const int64_t c0 = np * kFp8Panel, nc = std::min<int64_t>(kFp8Panel, cols - c0);
-      for (int64_t k = 0, kb = 0, next = block_k; k < K; ++k) {
-        if (k == next) ++kb, next += block_k;
-        const uint8_t* line = a.w + (np * K + k) * kFp8Panel;
-        const float* s = a.scale + (np * KB + kb) * kFp8Panel;
-        for (int p = 0; p < kFp8Panel; ++p) {
-          const int o = fp8_out_of(p);
-          if (o >= nc) continue;
-          const float v = table[line[p]] * s[o];
-          if (a.out_bf16)
-            static_cast<uint16_t*>(a.out)[k * a.out_stride + c0 + o] = f32_to_bf16(v);
-          else
-            static_cast<float*>(a.out)[k * a.out_stride + c0 + o] = v;
-        }
-      }
-    }
-  });
+  run_dequantize(Fp8DequantArgs{data<uint8_t>(packed), data<float>(scale), out.data_ptr(), K, KB, block_k,
+                                out.size(1), out.stride(0), out.scalar_type() == at::kBFloat16},
+                 NP);
+}
+
+// linear_mxfp4's weight as fp8_dequantize gives linear_fp8's (exact in float32: code * 2^(e - 127))
+void mxfp4_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& scale) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kFp4Line &&
+                  packed.is_contiguous(),
+              "mxfp4_dequantize: weight must be packed as a contiguous [N/64, K, 32] uint8 tensor");
+  const int64_t NP = packed.size(0), K = packed.size(1), KB = K / kMxfp4Block;
+  check_dequantize_out("mxfp4_dequantize", out, K, NP, packed);
+  TORCH_CHECK(K % kMxfp4Block == 0, "mxfp4_dequantize: K (", K, ") must be a multiple of 32");
+  TORCH_CHECK(scale.scalar_type() == at::kByte && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == NP &&
+                  scale.size(1) == KB && scale.size(2) == kFp8Panel,
+              "mxfp4_dequantize: scale must be a contiguous [", NP, ", ", KB, ", 64] uint8 tensor");
+  Fp8DequantArgs a{data<uint8_t>(packed), nullptr, out.data_ptr(), K, KB, kMxfp4Block, out.size(1), out.stride(0),
+                   out.scalar_type() == at::kBFloat16};
+  a.fp4 = true;
+  a.e8m0 = data<uint8_t>(scale);
+  run_dequantize(a, NP);
 }
 
 }  // namespace pds

@@ -18,9 +18,17 @@
 // bits: batch invariant): per output, per k block, part = sum over the block's k in order of
 // x[k] * w(k), one fused multiply-add each, from zero; then acc = fma(part, scale, acc) over the
 // blocks in order, from zero; out = acc + bias, rounded once to the output dtype.
+//
+// MXFP4 (GPT-OSS's experts: e2m1 codes, one E8M0 scale 2^(e - 127) per 32 k) runs the same kernels
+// on panels of half the bytes: packed[np][k][j] (j < 32) holds the code of line byte j in its low
+// nibble and of line byte j + 32 in its high nibble. Every e2m1 value is an e4m3 value, so a line's
+// codes are looked up as e4m3 bytes (one byte shuffle, kE2m1AsE4m3) and widened as above. Its scales
+// stay bytes, [NP, KB, 64] uint8 in output order with bk = 32: 2^(e - 127) times 256 is the float
+// whose exponent field is e + 8 (exact for e <= 246, which the loader checks).
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "isa.h"
 
@@ -37,36 +45,70 @@ constexpr int64_t kFp8PrefetchBytes = 2048;
 // the output (0 .. 63) of byte p of a packed line
 inline int fp8_out_of(int p) { return (p & 8) ? 32 + 8 * (p >> 4) + (p & 7) : 8 * (p >> 4) + (p & 7); }
 
+// MXFP4: bytes per packed line, values per scale, and the e4m3 byte of each e2m1 code
+constexpr int64_t kFp4Line = 32;
+constexpr int64_t kMxfp4Block = 32;
+alignas(16) constexpr uint8_t kE2m1AsE4m3[16] = {0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C,
+                                                 0x80, 0xB0, 0xB8, 0xBC, 0xC0, 0xC4, 0xC8, 0xCC};
+// the largest E8M0 byte whose scale times 256 is a finite float
+constexpr int kMaxE8m0 = 246;
+
+inline float e8m0_times_256(uint8_t e) {
+  const uint32_t bits = uint32_t(e + 8) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 struct Fp8Args {
-  const uint8_t* w;  // [NP, K, 64], the layout above
-  const float* scale;  // [NP, KB, 64], times 256
+  const uint8_t* w;  // [NP, K, 64], the layout above ([NP, K, 32] codes when fp4)
+  const float* scale;  // [NP, KB, 64], times 256 (unused when fp4)
   const float* x;  // [M, K], row stride x_stride
   const void* bias;  // [N] in out's dtype, or null
   void* out;  // [M, N], row stride out_stride
   int64_t M, N, K, KB, bk, x_stride, out_stride;
   bool out_bf16;
+  bool fp4 = false;  // MXFP4 panels
+  const uint8_t* e8m0 = nullptr;  // [NP, KB, 64] the MXFP4 scales
 };
+
+inline int64_t line_bytes(bool fp4) { return fp4 ? kFp4Line : kFp8Panel; }
+
+// the 64 scales (times 256) of k block kb of panel np: FP8's in place, MXFP4's decoded into buf
+inline const float* block_scales(const Fp8Args& a, int64_t np, int64_t kb, float* buf) {
+  if (!a.fp4) return a.scale + (np * a.KB + kb) * kFp8Panel;
+  const uint8_t* e = a.e8m0 + (np * a.KB + kb) * kFp8Panel;
+  for (int o = 0; o < kFp8Panel; ++o) buf[o] = e8m0_times_256(e[o]);
+  return buf;
+}
 
 // rows in a block whose sums stay in a buffer while the panel's k blocks pass
 constexpr int64_t kFp8RowBlock = 32;
 
 // fp8_dequantize: panels np0 .. np1 as out[k][64 (np - np0) + o] = value * scale, float32 or bf16
 struct Fp8DequantArgs {
-  const uint8_t* w;  // [NP, K, 64]
-  const float* scale;  // [NP, KB, 64], times 256
+  const uint8_t* w;  // [NP, K, 64] ([NP, K, 32] codes when fp4)
+  const float* scale;  // [NP, KB, 64], times 256 (unused when fp4)
   void* out;  // [K, cols], row stride out_stride
   int64_t K, KB, bk, cols, out_stride;
   bool out_bf16;
+  bool fp4 = false;
+  const uint8_t* e8m0 = nullptr;  // [NP, KB, 64] the MXFP4 scales
 };
+
+inline const float* block_scales(const Fp8DequantArgs& a, int64_t np, int64_t kb, float* buf) {
+  const Fp8Args f{a.w, a.scale, nullptr, nullptr, nullptr, 0, 0, a.K, a.KB, a.bk, 0, 0, false, a.fp4, a.e8m0};
+  return block_scales(f, np, kb, buf);
+}
 void fp8_dequantize_panels_vec8(const Fp8DequantArgs& a, int64_t np0, int64_t np1);
 
 // panels np0 .. np1 on the 8-lane kernels (AVX2 + F16C, NEON); wbuf: bk x 64 floats, 64-byte aligned
 void linear_fp8_panels_vec8(const Fp8Args& a, int64_t np0, int64_t np1, float* wbuf);
 
 #if PDS_X86
-// a packed line -> its 64 weights at 2^-8 of their values, in output order
-PDS_AVX512 inline void widen_line(const uint8_t* p, __m512 (&w)[4]) {
-  const __m512i b = _mm512_loadu_si512(p), z = _mm512_setzero_si512();
+// a line's 64 e4m3 bytes -> its 64 weights at 2^-8 of their values, in output order
+PDS_AVX512 inline void widen_bytes(const __m512i b, __m512 (&w)[4]) {
+  const __m512i z = _mm512_setzero_si512();
   const __m512i keep = _mm512_set1_epi16(int16_t(0xBFFF));
   const __m512i lo = _mm512_and_si512(_mm512_srai_epi16(_mm512_unpacklo_epi8(z, b), 1), keep);
   const __m512i hi = _mm512_and_si512(_mm512_srai_epi16(_mm512_unpackhi_epi8(z, b), 1), keep);
@@ -74,6 +116,24 @@ PDS_AVX512 inline void widen_line(const uint8_t* p, __m512 (&w)[4]) {
   w[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(lo, 1));
   w[2] = _mm512_cvtph_ps(_mm512_castsi512_si256(hi));
   w[3] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(hi, 1));
+}
+
+// an MXFP4 line's 32 bytes -> the e4m3 bytes of its 64 codes, in line order
+PDS_AVX512 inline __m512i fp4_line_bytes(const uint8_t* p) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), m = _mm256_set1_epi8(0x0F);
+  const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, m)),
+                                           _mm256_and_si256(_mm256_srli_epi16(b, 4), m), 1);
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2m1AsE4m3)));
+  return _mm512_shuffle_epi8(lut, codes);
+}
+
+// a packed line (FP8 or MXFP4) -> its 64 weights at 2^-8 of their values, in output order
+template <bool FP4>
+PDS_AVX512 inline void widen_line(const uint8_t* p, __m512 (&w)[4]) {
+  if constexpr (FP4)
+    widen_bytes(fp4_line_bytes(p), w);
+  else
+    widen_bytes(_mm512_loadu_si512(p), w);
 }
 
 // (AMX, amx_fp8.cpp) out = x w^T (+ bias) with x in bf16 on tiles: each k block's weights widened

@@ -4,7 +4,8 @@
 // A panel is taken one k block (bk lines, 8 KiB at 128) at a time, its partial sums scaled into the
 // row block's sums in `acc` at the end of the block. One row: the lines are widened in registers as
 // they stream in. More rows: the block is widened once into `wbuf` (float32, 32 KiB at 128, in L1)
-// and tiles of up to 6 rows x 16 outputs run on it.
+// and tiles of up to 6 rows x 16 outputs run on it. MXFP4 panels: each quarter line's codes are
+// looked up into e4m3 bytes first (one byte shuffle / table lookup), then the same.
 #include "fp8_linear.h"
 #include "vec8.h"
 
@@ -17,17 +18,39 @@ using namespace v8;
 
 constexpr int kTileRows = 6;  // 12 partial sums, 2 weight vectors and a broadcast: 15 of 16 registers
 
-// the 16 bytes of a quarter line -> its first 8 and its last 8 weights, at 2^-8 of their values
-PDS_VI void widen_quarter(const uint8_t* p, F8& first, F8& last) {
+// quarter q of a packed line -> its 16 e4m3 bytes (MXFP4: the codes' nibbles looked up)
 #if PDS_X86
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+using Bytes16 = __m128i;
+#else
+using Bytes16 = uint8x16_t;
+#endif
+template <bool FP4>
+PDS_VI Bytes16 quarter_bytes(const uint8_t* line, int q) {
+#if PDS_X86
+  if constexpr (!FP4) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(line + 16 * q));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(line + 16 * (q & 1)));
+  const __m128i codes = _mm_and_si128(q < 2 ? b : _mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+  return _mm_shuffle_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2m1AsE4m3)), codes);
+#else
+  if constexpr (!FP4) return vld1q_u8(line + 16 * q);
+  const uint8x16_t b = vld1q_u8(line + 16 * (q & 1));
+  const uint8x16_t codes = q < 2 ? vandq_u8(b, vdupq_n_u8(0x0F)) : vshrq_n_u8(b, 4);
+  return vqtbl1q_u8(vld1q_u8(kE2m1AsE4m3), codes);
+#endif
+}
+
+// quarter q of a packed line -> its first 8 and its last 8 weights, at 2^-8 of their values
+template <bool FP4>
+PDS_VI void widen_quarter(const uint8_t* line, int q, F8& first, F8& last) {
+#if PDS_X86
+  const __m128i b = quarter_bytes<FP4>(line, q);
   const __m128i z = _mm_setzero_si128(), keep = _mm_set1_epi16(int16_t(0xBFFF));
   const __m128i lo = _mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(z, b), 1), keep);
   const __m128i hi = _mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(z, b), 1), keep);
   first.v = _mm256_cvtph_ps(lo);
   last.v = _mm256_cvtph_ps(hi);
 #else
-  const uint8x16_t b = vld1q_u8(p), z = vdupq_n_u8(0);
+  const uint8x16_t b = quarter_bytes<FP4>(line, q), z = vdupq_n_u8(0);
   const int16x8_t keep = vdupq_n_s16(int16_t(0xBFFF));
   const int16x8_t lo = vandq_s16(vshrq_n_s16(vreinterpretq_s16_u8(vzip1q_u8(z, b)), 1), keep);
   const int16x8_t hi = vandq_s16(vshrq_n_s16(vreinterpretq_s16_u8(vzip2q_u8(z, b)), 1), keep);
@@ -40,21 +63,24 @@ PDS_VI void widen_quarter(const uint8_t* p, F8& first, F8& last) {
 // One row (decode at batch 1): k block kb of panel np widened in registers as it streams in, half a
 // line (two quarters: 4 chains of fused multiply-adds) per pass over the block, the second pass
 // from L1
+template <bool FP4>
 PDS_V8 void row_block(const Fp8Args& a, int64_t np, int64_t kb, int64_t m, float* acc) {
+  constexpr int64_t lb = FP4 ? kFp4Line : kFp8Panel;
   const int64_t k0 = kb * a.bk, k1 = std::min(a.K, k0 + a.bk);
-  const uint8_t* block = a.w + (np * a.K + k0) * kFp8Panel;
+  const uint8_t* block = a.w + (np * a.K + k0) * lb;
   const float* x = a.x + m * a.x_stride;
-  const float* s = a.scale + (np * a.KB + kb) * kFp8Panel;
+  alignas(32) float sbuf[kFp8Panel];
+  const float* s = block_scales(a, np, kb, sbuf);
   for (int h = 0; h < 2; ++h) {
     F8 part[2][2];
     for (int q = 0; q < 2; ++q) part[q][0] = part[q][1] = zero();
     for (int64_t k = k0; k < k1; ++k) {
-      const uint8_t* line = block + (k - k0) * kFp8Panel + 32 * h;
+      const uint8_t* line = block + (k - k0) * lb;
       if (h == 0) prefetch(line + kFp8PrefetchBytes);  // the first pass streams the block
       const F8 xv = set1(x[k]);
       for (int q = 0; q < 2; ++q) {
         F8 first, last;
-        widen_quarter(line + 16 * q, first, last);
+        widen_quarter<FP4>(line, 2 * h + q, first, last);
         part[q][0] = fma(xv, first, part[q][0]);
         part[q][1] = fma(xv, last, part[q][1]);
       }
@@ -67,14 +93,16 @@ PDS_V8 void row_block(const Fp8Args& a, int64_t np, int64_t kb, int64_t m, float
 }
 
 // k block kb of panel np -> wbuf [bk][64] float32 in output order (2^-8 of the values)
+template <bool FP4>
 PDS_V8 void widen_block(const Fp8Args& a, int64_t np, int64_t kb, float* wbuf) {
+  constexpr int64_t lb = FP4 ? kFp4Line : kFp8Panel;
   const int64_t k0 = kb * a.bk, k1 = std::min(a.K, k0 + a.bk);
-  const uint8_t* block = a.w + (np * a.K + k0) * kFp8Panel;
+  const uint8_t* block = a.w + (np * a.K + k0) * lb;
   for (int64_t k = k0; k < k1; ++k) {
     float* dst = wbuf + (k - k0) * kFp8Panel;
     for (int q = 0; q < 4; ++q) {
       F8 first, last;
-      widen_quarter(block + (k - k0) * kFp8Panel + 16 * q, first, last);
+      widen_quarter<FP4>(block + (k - k0) * lb, q, first, last);
       store(dst + 8 * q, first);
       store(dst + 32 + 8 * q, last);
     }
@@ -84,7 +112,7 @@ PDS_V8 void widen_block(const Fp8Args& a, int64_t np, int64_t kb, float* wbuf) {
 // rows m0 .. m0 + R (acc rows r0 ..) x outputs 16 j .. 16 j + 16 of k block kb, from the widened
 // block
 template <int R>
-PDS_V8 void tile(const Fp8Args& a, int64_t np, int64_t kb, const float* wbuf, int j, int64_t m0, float* acc,
+PDS_V8 void tile(const Fp8Args& a, int64_t kb, const float* scales, const float* wbuf, int j, int64_t m0, float* acc,
                  int64_t r0) {
   const int64_t k0 = kb * a.bk, k1 = std::min(a.K, k0 + a.bk);
   const float* x = a.x + m0 * a.x_stride;
@@ -99,7 +127,7 @@ PDS_V8 void tile(const Fp8Args& a, int64_t np, int64_t kb, const float* wbuf, in
       part[r][1] = fma(xv, w1, part[r][1]);
     }
   }
-  const float* s = a.scale + (np * a.KB + kb) * kFp8Panel + 16 * j;
+  const float* s = scales + 16 * j;
   const F8 s0 = load(s), s1 = load(s + 8);
   for (int r = 0; r < R; ++r) {
     float* row = acc + (r0 + r) * kFp8Panel + 16 * j;
@@ -108,7 +136,7 @@ PDS_V8 void tile(const Fp8Args& a, int64_t np, int64_t kb, const float* wbuf, in
   }
 }
 
-using Tile = void (*)(const Fp8Args&, int64_t, int64_t, const float*, int, int64_t, float*, int64_t);
+using Tile = void (*)(const Fp8Args&, int64_t, const float*, const float*, int, int64_t, float*, int64_t);
 constexpr Tile kTiles[kTileRows + 1] = {nullptr, &tile<1>, &tile<2>, &tile<3>, &tile<4>, &tile<5>, &tile<6>};
 
 template <typename T>
@@ -124,26 +152,26 @@ PDS_V8 void store_rows(const Fp8Args& a, int64_t np, int64_t m0, int64_t rows, c
   }
 }
 
-}  // namespace
-
-void linear_fp8_panels_vec8(const Fp8Args& a, int64_t np0, int64_t np1, float* wbuf) {
-  alignas(64) float acc[kFp8RowBlock * kFp8Panel];
+template <bool FP4>
+PDS_V8 void panels(const Fp8Args& a, int64_t np0, int64_t np1, float* wbuf) {
+  alignas(64) float acc[kFp8RowBlock * kFp8Panel], sbuf[kFp8Panel];
   for (int64_t np = np0; np < np1; ++np)
     for (int64_t m0 = 0; m0 < a.M; m0 += kFp8RowBlock) {
       const int64_t rows = std::min(kFp8RowBlock, a.M - m0);
       std::fill(acc, acc + rows * kFp8Panel, 0.f);
       for (int64_t kb = 0; kb < a.KB; ++kb) {
         if (rows == 1) {
-          row_block(a, np, kb, m0, acc);
+          row_block<FP4>(a, np, kb, m0, acc);
           continue;
         }
-        widen_block(a, np, kb, wbuf);
+        widen_block<FP4>(a, np, kb, wbuf);
+        const float* scales = block_scales(a, np, kb, sbuf);
         // tiles as even as can be: 8 rows are 4 + 4, not 6 + 2
         const int64_t n_tiles = (rows + kTileRows - 1) / kTileRows;
         for (int j = 0; j < 4; ++j)
           for (int64_t t = 0, r = 0; t < n_tiles; ++t) {
             const int64_t tr = rows / n_tiles + (t < rows % n_tiles);
-            kTiles[tr](a, np, kb, wbuf, j, m0 + r, acc, r);
+            kTiles[tr](a, kb, scales, wbuf, j, m0 + r, acc, r);
             r += tr;
           }
       }
@@ -154,17 +182,19 @@ void linear_fp8_panels_vec8(const Fp8Args& a, int64_t np0, int64_t np1, float* w
     }
 }
 
-PDS_V8 void fp8_dequantize_panels_vec8(const Fp8DequantArgs& a, int64_t np0, int64_t np1) {
-  alignas(32) float line[kFp8Panel];
+template <bool FP4>
+PDS_V8 void dequantize(const Fp8DequantArgs& a, int64_t np0, int64_t np1) {
+  constexpr int64_t lb = FP4 ? kFp4Line : kFp8Panel;
+  alignas(32) float line[kFp8Panel], sbuf[kFp8Panel];
   for (int64_t np = np0; np < np1; ++np) {
     const int64_t c0 = np * kFp8Panel, nc = std::min<int64_t>(kFp8Panel, a.cols - c0);
+    const float* s = block_scales(a, np, 0, sbuf);
     for (int64_t k = 0, kb = 0, next = a.bk; k < a.K; ++k) {
-      if (k == next) ++kb, next += a.bk;
-      const uint8_t* src = a.w + (np * a.K + k) * kFp8Panel;
-      const float* s = a.scale + (np * a.KB + kb) * kFp8Panel;
+      if (k == next) ++kb, next += a.bk, s = block_scales(a, np, kb, sbuf);
+      const uint8_t* src = a.w + (np * a.K + k) * lb;
       for (int q = 0; q < 4; ++q) {
         F8 first, last;
-        widen_quarter(src + 16 * q, first, last);
+        widen_quarter<FP4>(src, q, first, last);
         store(line + 8 * q, mul(first, load(s + 8 * q)));
         store(line + 32 + 8 * q, mul(last, load(s + 32 + 8 * q)));
       }
@@ -177,6 +207,16 @@ PDS_V8 void fp8_dequantize_panels_vec8(const Fp8DequantArgs& a, int64_t np0, int
       }
     }
   }
+}
+
+}  // namespace
+
+void linear_fp8_panels_vec8(const Fp8Args& a, int64_t np0, int64_t np1, float* wbuf) {
+  a.fp4 ? panels<true>(a, np0, np1, wbuf) : panels<false>(a, np0, np1, wbuf);
+}
+
+void fp8_dequantize_panels_vec8(const Fp8DequantArgs& a, int64_t np0, int64_t np1) {
+  a.fp4 ? dequantize<true>(a, np0, np1) : dequantize<false>(a, np0, np1);
 }
 
 }  // namespace pds

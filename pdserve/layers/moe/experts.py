@@ -72,6 +72,8 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n, hidden, i))
         self.b13 = nn.Parameter(torch.empty(n, 2 * i)) if bias else None
         self.b2 = nn.Parameter(torch.empty(n, hidden)) if bias else None
+        # "mxfp4": w13 / w2 hold MXFP4 codes, two a byte (quantization/mxfp4.py)
+        self.weight_kind = ""
         # the fused kernel's prepacked weights (``prepack``); the plain ones are dropped then
         self.impl: Optional[Callable[..., torch.Tensor]] = None
 
@@ -154,6 +156,12 @@ class Experts(nn.Module):
     def checkpoint_names(self) -> list[str]:
         """HF names (relative to this module) of the weights this rank needs."""
         if self.fmt == "gpt_oss":
+            if self.weight_kind == "mxfp4":
+                return [
+                    f"{p}_{kind}"
+                    for p in ("gate_up_proj", "down_proj")
+                    for kind in ("blocks", "scales", "bias")
+                ]
             return ["gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"]
         if self.fmt == "granite":
             return ["input_linear.weight", "output_linear.weight"]
@@ -167,8 +175,9 @@ class Experts(nn.Module):
 
     @property
     def quantized(self) -> bool:
-        """FP8 block weights (``quantization/fp8_block.py``): ``w13_scale`` / ``w2_scale`` hold
-        each row's block scales."""
+        """Quantized weights, their matmuls the weight format's: FP8 block weights
+        (``quantization/fp8_block.py``: ``w13_scale`` / ``w2_scale`` hold each row's block scales)
+        or MXFP4 (``quantization/mxfp4.py``: ``weight_kind`` "mxfp4", the scales as bytes)."""
         return getattr(self, "w13_scale", None) is not None
 
     def load_checkpoint(self, name: str, src: Any) -> None:
@@ -201,6 +210,8 @@ class Experts(nn.Module):
     def _load_gpt_oss(self, name: str, src: Any) -> None:
         i0, i1 = self.inter
         n = i1 - i0
+        if self.weight_kind == "mxfp4" and name.endswith(("_blocks", "_scales")):
+            return self._load_mxfp4(name, src)
         for s, e in enumerate(self.slots):
             t = src[e : e + 1][0]
             if name == "gate_up_proj":  # [H, 2I], x @ W, gate and up interleaved
@@ -215,6 +226,26 @@ class Experts(nn.Module):
                 self.b2.data[s].copy_(t if self.down_bias_here else torch.zeros_like(t))
             else:
                 raise ValueError(f"unexpected expert weight {name!r}")
+
+    def _load_mxfp4(self, name: str, src: Any) -> None:
+        """GPT-OSS's MXFP4 experts: ``*_blocks`` [E, rows, K/32, 16], ``*_scales`` [E, rows,
+        K/32], rows the outputs (gate and up interleaved), stored as [rows, K/2] bytes and [rows,
+        K/32] scales; this rank's intermediate columns of ``down_proj`` are whole groups (checked
+        by the format)."""
+        i0, i1 = self.inter
+        n = i1 - i0
+        proj, _, kind = name.rpartition("_")
+        if proj not in ("gate_up_proj", "down_proj") or kind not in ("blocks", "scales"):
+            raise ValueError(f"unexpected expert weight {name!r}")
+        w13, w2 = (self.w13, self.w2) if kind == "blocks" else (self.w13_scale, self.w2_scale)
+        for s, e in enumerate(self.slots):
+            t = src[e : e + 1][0]
+            if proj == "gate_up_proj":
+                self._copy(w13.data[s, :n], t[0::2][i0:i1].reshape(n, -1), name)
+                self._copy(w13.data[s, n:], t[1::2][i0:i1].reshape(n, -1), name)
+            else:
+                groups = t[:, i0 // 32 : i1 // 32]
+                self._copy(w2.data[s], groups.reshape(groups.shape[0], -1), name)
 
     def _load_granite(self, name: str, src: Any) -> None:
         i0, i1 = self.inter

@@ -1,0 +1,140 @@
+"""The matmuls of MXFP4 weights (``mxfp4.py`` loads them): e2m1 codes, two per byte (the even k in
+the low nibble), and one E8M0 scale byte ``e`` per 32 values of a row, the value being
+``E2M1[code] * 2^(e - 127)``.
+
+``Mxfp4Linear``: with pdserve's CPU kernels, ``linear_mxfp4`` (``kernels/csrc/fp8_linear.h``) on
+the codes repacked once into 64-output panels of half the FP8 kernel's bytes, each line's codes
+looked up as e4m3 bytes in registers and run through the FP8 kernels (every tier, AMX included,
+batch invariant); the scales stay bytes. Without the kernels, a panel of output rows at a time is
+dequantized (exact in float32) and multiplied in the activations' dtype. ``Mxfp4Experts``: an MoE
+layer's experts, each expert's two matmuls an ``Mxfp4Linear`` over its slice."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.quantization.experts import QuantizedExperts
+from pdserve.quantization.fp8_matmul import AMX_MIN_ROWS, KERNEL_PANEL, OUT_OF
+
+GROUP = 32  # values per scale
+# the e2m1 value of each code (sign in bit 3)
+E2M1 = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+)
+# the largest scale byte the kernels represent (2^(e - 127) times 256 a finite float32)
+MAX_SCALE_BYTE = 246
+PANEL_ROWS = 256  # output rows dequantized at once by the PyTorch matmul
+
+
+def codes(blocks: torch.Tensor) -> torch.Tensor:
+    """Packed bytes [..., K/2] -> the codes [..., K] (low nibble first)."""
+    b = blocks.to(torch.uint8)
+    return torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Weight [N, K/2] packed bytes and scale bytes [N, K/32] -> float32 [N, K], exactly (as
+    transformers' MXFP4 dequantizer: ``ldexp(E2M1[code], e - 127)``)."""
+    c = codes(blocks)
+    n, k = c.shape
+    values = E2M1.index_select(0, c.reshape(-1).to(torch.int64)).view(n, k // GROUP, GROUP)
+    exp = scales.to(torch.int32) - 127
+    return torch.ldexp(values, exp[..., None].to(torch.float32)).view(n, k)
+
+
+def pack_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-major packed bytes [N, K/2] and scale bytes [N, K/32] -> ``linear_mxfp4``'s panels
+    [ceil(N/64), K, 32] (byte j of a line: the code of line byte j low, of j + 32 high, in
+    ``OUT_OF``'s line order) and scales [ceil(N/64), K/32, 64] (uint8, output order), padded
+    with zero codes and scales."""
+    n = blocks.shape[0]
+    pad = -n % KERNEL_PANEL
+    c = F.pad(codes(blocks), (0, 0, 0, pad)).view(-1, KERNEL_PANEL, blocks.shape[1] * 2)
+    line = c[:, OUT_OF, :].permute(0, 2, 1)  # [NP, K, 64] codes in line order
+    packed = (line[..., :32] | (line[..., 32:] << 4)).contiguous()
+    s = F.pad(scales.to(torch.uint8), (0, 0, 0, pad)).view(-1, KERNEL_PANEL, scales.shape[1])
+    return packed, s.permute(0, 2, 1).contiguous()
+
+
+def unpack_mxfp4(
+    packed: torch.Tensor, scale: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_mxfp4``'s inverse: the packed bytes [N, K/2] and scale bytes [N, K/32]."""
+    line = torch.cat((packed & 0xF, packed >> 4), dim=-1)  # [NP, K, 64] in line order
+    c = torch.empty_like(line)
+    c[:, :, OUT_OF] = line
+    c = c.permute(0, 2, 1).reshape(-1, packed.shape[1])[:n]
+    blocks = c[:, 0::2] | (c[:, 1::2] << 4)
+    return blocks.contiguous(), scale.permute(0, 2, 1).reshape(-1, scale.shape[1])[:n].contiguous()
+
+
+class Mxfp4Linear:
+    """``y = x w^T + b`` for an MXFP4 weight: ``blocks`` [N, K/2] packed bytes, ``scales`` [N,
+    K/32] bytes (one expert's slice of its layer's parameters). After ``use_kernels``:
+    ``linear_mxfp4`` on a packed copy (the arguments are no longer read)."""
+
+    def __init__(self, blocks: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]):
+        self.out_features, self.in_features = blocks.shape[0], blocks.shape[1] * 2
+        self.blocks, self.scales, self.bias = blocks, scales, bias
+        self.ops: Optional[ModuleType] = None
+        self.amx_min_rows = -1
+        self.packed: Optional[torch.Tensor] = None
+        self.packed_scale: Optional[torch.Tensor] = None
+        self._bias: dict[torch.dtype, torch.Tensor] = {}
+
+    def use_kernels(self, ops: ModuleType, batch_invariant: bool = False):
+        if self.ops is None:
+            self.packed, self.packed_scale = pack_mxfp4(self.blocks, self.scales)
+            self.ops, self.blocks, self.scales = ops, None, None
+        self.amx_min_rows = -1 if batch_invariant else AMX_MIN_ROWS
+
+    def dequantized(self, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
+        """Rows ``start:end`` of the weight in float32."""
+        blocks, scales = self.blocks, self.scales
+        if self.packed is not None:
+            blocks, scales = unpack_mxfp4(self.packed, self.packed_scale, self.out_features)
+        return dequantize(blocks[start:end], scales[start:end])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.out_features
+        if self.ops is not None and x.dtype in (torch.float32, torch.bfloat16):
+            x2 = x.reshape(-1, x.shape[-1])
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            out = x2.new_empty((x2.shape[0], n))
+            self.ops.linear_mxfp4(
+                out, x2, self.packed, self.packed_scale, self._bias_in(x.dtype), self.amx_min_rows
+            )
+            return out.view(x.shape[:-1] + (n,))
+        out = x.new_empty(x.shape[:-1] + (n,))
+        for start in range(0, n, PANEL_ROWS):
+            end = min(n, start + PANEL_ROWS)
+            bias = None if self.bias is None else self.bias[start:end].to(x.dtype)
+            out[..., start:end] = F.linear(x, self.dequantized(start, end).to(x.dtype), bias)
+        return out
+
+    def _bias_in(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        if self.bias is None:
+            return None
+        if dtype not in self._bias:
+            self._bias[dtype] = self.bias.detach().to(dtype).contiguous()
+        return self._bias[dtype]
+
+    @property
+    def nbytes(self) -> int:
+        if self.packed is not None:
+            return self.packed.numel() + self.packed_scale.numel()
+        return self.blocks.numel() + self.scales.numel()
+
+
+class Mxfp4Experts(QuantizedExperts):
+    """An MoE layer's experts on MXFP4 weights: each expert's two matmuls an ``Mxfp4Linear`` over
+    its slice of ``w13`` / ``w2`` (packed bytes) and ``w13_scale`` / ``w2_scale``."""
+
+    def __init__(self, experts: nn.Module):
+        super().__init__(experts, Mxfp4Linear)

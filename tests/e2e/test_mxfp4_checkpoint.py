@@ -1,0 +1,223 @@
+"""MXFP4 experts as GPT-OSS publishes them (``*_blocks`` U8 e2m1 pairs + ``*_scales`` U8 E8M0 per
+32 values, ``quantization_config.quant_method = "mxfp4"``), written by
+``tests/helpers/checkpoints.py`` from the tiny GPT-OSS and served as they are:
+
+- float32 compute: greedy tokens and logprobs of HF transformers on the weights its own MXFP4
+  dequantizer gives; bf16 compute serves them too;
+- the bytes held: the checkpoint's codes and scale bytes (4.25 bits a weight), repacked;
+- a tensor-parallel rank holds its rows and whole groups of the same weights; a split inside a
+  group is refused naming the dimension; broken checkpoints are refused naming the tensor;
+- deterministic serving on MXFP4 weights; requantizing refused;
+- through PD: an MXFP4 prefill sending an int8 KV cache layer by layer to an MXFP4 decode with DP
+  attention and expert parallelism (dp 2, ep 2) gives the colocated engine's tokens."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+import pdserve
+from pdserve import kernels
+from pdserve.distributed import TPGroup
+from pdserve.models.loader import checkpoint_tensors, load_model
+from pdserve.quantization.mxfp4 import Mxfp4
+from pdserve.quantization.mxfp4_matmul import Mxfp4Experts
+from tests.e2e.test_engine import prompts_for
+from tests.e2e.test_fp8_checkpoint import GREEDY, assert_hf_tokens_and_logprobs, runner_model
+from tests.helpers import cluster as c
+from tests.helpers.checkpoints import (
+    build_mxfp4_checkpoint,
+    build_tiny_checkpoint,
+    mxfp4_dequantized_checkpoint,
+)
+
+
+def mxfp4(**edits) -> str:
+    return build_mxfp4_checkpoint(build_tiny_checkpoint("gpt_oss"), **edits)
+
+
+def mxfp4_experts(model) -> list:
+    return [m for m in model.modules() if isinstance(getattr(m, "impl", None), Mxfp4Experts)]
+
+
+def test_greedy_tokens_and_logprobs_equal_hf_on_the_dequantized_weights(request):
+    path = mxfp4()
+    eng = pdserve.Engine(
+        model_path=path, dtype="float32", torch_num_threads=1, max_total_tokens=8192
+    )
+    request.node._engine = eng
+    experts = mxfp4_experts(runner_model(eng))
+    assert len(experts) == 4  # every layer's
+    assert all(w.packed is not None for e in experts for pair in e.impl.linears for w in pair)
+    assert_hf_tokens_and_logprobs(eng, mxfp4_dequantized_checkpoint(path), prompts_for(7)[:4])
+
+
+def test_bf16_compute_serves_the_mxfp4_weights(request):
+    eng = pdserve.Engine(
+        model_path=mxfp4(), dtype="bfloat16", torch_num_threads=1, max_total_tokens=8192
+    )
+    request.node._engine = eng
+    out = eng.generate(input_ids=prompts_for(1)[0], sampling_params=GREEDY)
+    assert len(out["output_ids"]) == GREEDY["max_new_tokens"]
+
+
+def test_held_bytes_are_the_checkpoints():
+    """The codes and scale bytes as stored, repacked into the kernels' panels: at most 1.05 times
+    the checkpoint's expert bytes (rows a multiple of 64, as in the published models)."""
+    src = build_tiny_checkpoint("gpt_oss", hidden_size=128, intermediate_size=128)
+    path = build_mxfp4_checkpoint(src)
+    model, _ = load_model(path, dtype="float32")
+    stored = sum(
+        torch.Size(shape).numel()
+        for name, (_, shape) in checkpoint_tensors(path).items()
+        if name.endswith(("_blocks", "_scales"))
+    )
+    before = sum(e.impl.nbytes for e in mxfp4_experts(model))
+    held = Mxfp4().use_kernels(model, kernels.load())
+    assert before == stored and 0 < held <= 1.05 * stored, (held, before, stored)
+    # nothing else holds the experts' bytes
+    for e in mxfp4_experts(model):
+        assert all(getattr(e, n).numel() == 0 for n in ("w13", "w2", "w13_scale", "w2_scale"))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tensor_parallel_rank_holds_its_part_of_the_same_weights(rank):
+    """Intermediate 64 over 2 ranks: each holds its gate and up rows and its 32 down columns (one
+    whole group) of every expert."""
+    path = build_mxfp4_checkpoint(build_tiny_checkpoint("gpt_oss", intermediate_size=64))
+    whole, _ = load_model(path, dtype="float32")
+    part, _ = load_model(path, dtype="float32", tp=TPGroup(rank=rank, size=2))
+    pairs = list(zip(mxfp4_experts(whole), mxfp4_experts(part)))
+    assert pairs
+    for a, b in pairs:
+        for (w13, w2), (m13, m2) in zip(a.impl.linears, b.impl.linears):
+            full13, full2 = w13.dequantized(), w2.dequantized()
+            gate, up = full13[:64], full13[64:]
+            mine = slice(rank * 32, (rank + 1) * 32)
+            assert torch.equal(m13.dequantized(), torch.cat([gate[mine], up[mine]]))
+            assert torch.equal(m2.dequantized(), full2[:, mine])
+
+
+def test_a_split_inside_a_group_is_refused():
+    with pytest.raises(ValueError, match="16 intermediate columns .* not whole 32-value"):
+        load_model(mxfp4(), tp=TPGroup(rank=0, size=2))  # intermediate 32 over 2 ranks
+
+
+EXPERTS = "model.layers.1.mlp.experts"
+
+
+@pytest.mark.parametrize(
+    "edits,message",
+    [
+        (
+            {"drop": f"{EXPERTS}.down_proj_scales"},
+            f"'{EXPERTS}.down_proj_blocks': its scale tensor '{EXPERTS}.down_proj_scales' is "
+            "missing",
+        ),
+        (
+            {"reshape": f"{EXPERTS}.gate_up_proj_scales"},
+            f"'{EXPERTS}.gate_up_proj_scales': U8 \\[4, 64, 1\\], expected U8 \\[4, 64, 2\\]",
+        ),
+        (
+            {"drop": f"{EXPERTS}.gate_up_proj_blocks"},
+            f"{EXPERTS}: gate_up_proj_blocks missing",
+        ),
+        (
+            {"scale": (f"{EXPERTS}.down_proj_scales", 255)},
+            f"{EXPERTS}.down_proj_scales: scale byte 255 \\(NaN\\) is out of the range",
+        ),
+    ],
+)
+def test_broken_checkpoints_are_refused_naming_the_tensor(edits, message):
+    with pytest.raises(ValueError, match=message):
+        load_model(mxfp4(**edits))
+
+
+def test_requantizing_and_other_gpt_oss_quantizations_are_refused(tmp_path):
+    import json
+    import shutil
+
+    with pytest.raises(ValueError, match="--quantization w8a8_int8: the checkpoint is already"):
+        pdserve.Engine(model_path=mxfp4(), torch_num_threads=1, quantization="w8a8_int8")
+    dst = tmp_path / "fp8"
+    shutil.copytree(build_tiny_checkpoint("gpt_oss"), dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [32, 32]}
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="GPT-OSS checkpoints quantized with 'fp8'.*mxfp4"):
+        load_model(str(dst))
+
+
+def test_deterministic_inference_on_mxfp4_weights(request):
+    """The kernel's rows do not depend on each other: a prompt decoded with others gives the bits
+    it gives alone (bf16 compute, one kernel at every row count)."""
+    eng = pdserve.Engine(
+        model_path=mxfp4(),
+        dtype="bfloat16",
+        torch_num_threads=1,
+        max_total_tokens=8192,
+        enable_deterministic_inference=True,
+    )
+    request.node._engine = eng
+    linears = [w for e in mxfp4_experts(runner_model(eng)) for p in e.impl.linears for w in p]
+    assert linears and all(w.amx_min_rows == -1 for w in linears)
+    ps = prompts_for(2)[:6]
+    params = {**GREEDY, "max_new_tokens": 12}
+    together = eng.generate(input_ids=ps, sampling_params=params, return_logprob=True)
+    for ids, out in zip(ps, together):
+        alone = eng.generate(input_ids=ids, sampling_params=params, return_logprob=True)
+        assert alone["output_ids"] == out["output_ids"]
+        lp = [v for v, _, _ in out["meta_info"]["output_token_logprobs"]]
+        assert [v for v, _, _ in alone["meta_info"]["output_token_logprobs"]] == lp
+
+
+COMMON = ["--dtype", "float32", "--max-total-tokens", "4096", "--page-size", "16"]
+COMMON += ["--kv-cache-dtype", "int8"]
+
+
+@pytest.fixture(scope="module")
+def pd_dp_ep(tmp_path_factory):
+    """An MXFP4 prefill sending int8 KV pages layer by layer (one layer a group) to an MXFP4
+    decode with DP attention over 2 ranks and the 4 experts split over 2 expert-parallel
+    ranks."""
+    logs = tmp_path_factory.mktemp("mxfp4-pd")
+    path = mxfp4()
+    layers = ["--enable-disagg-layer-pipeline", "--disagg-layer-group-size", "1"]
+    layers += ["--disagg-layer-pipeline-min-prefill-len", "0"]
+    dp_ep = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2"]
+    prefill, _ = c.prefill("P-mxfp4", path, logs, *COMMON, *layers)
+    decode = c.decode("D-mxfp4-dp-ep", path, logs, *COMMON, *dp_ep)
+    procs, routers = [prefill, decode], []
+    try:
+        c.start_all(procs)
+        routers = [c.router("R-mxfp4", [prefill], [decode], logs).start()]
+        yield path, routers[0]
+    finally:
+        for p in routers + procs:
+            p.stop()
+
+
+def test_pd_mxfp4_to_dp_attention_and_expert_parallel_decode_equals_colocated(pd_dp_ep, request):
+    """Through PD the tokens of one engine serving the same checkpoint with the same int8 cache,
+    and logprobs within 1e-4 (float32: the ranks' partial sums add in another order)."""
+    path, router = pd_dp_ep
+    eng = pdserve.Engine(
+        model_path=path,
+        dtype="float32",
+        torch_num_threads=1,
+        max_total_tokens=4096,
+        page_size=16,
+        kv_cache_dtype="int8",
+    )
+    request.node._engine = eng
+    for ids in prompts_for(9)[:4]:
+        want = eng.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True)
+        body = {"input_ids": ids, "sampling_params": GREEDY, "return_logprob": True}
+        r = httpx.post(router.url + "/generate", json=body)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["output_ids"] == want["output_ids"], f"prompt of {len(ids)} tokens"
+        lp = [v for v, _, _ in got["meta_info"]["output_token_logprobs"]]
+        ref = [v for v, _, _ in want["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(lp, ref)) < 1e-4
