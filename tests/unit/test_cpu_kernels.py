@@ -457,11 +457,9 @@ def test_mxfp4_linear_is_the_portable_loop_and_batch_invariant(
 ):
     """linear_mxfp4 at every tier gives the portable loop's bits (the FP8 kernels on codes looked
     up as e4m3 bytes; bf16 x on AMX tiles: TDPBF16PS's order, test_amx_kernels.py), near the
-    float64 product of transformers' dequantized weight; a row alone gives its bits in any
-    batch; ragged N."""
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    from pdserve.quantization.mxfp4_matmul import pack_mxfp4
+    float64 product of the dequantized weight (transformers' bit for bit: test_weight_formats.py);
+    a row alone gives its bits in any batch; ragged N."""
+    from pdserve.quantization.mxfp4_matmul import dequantize, pack_mxfp4
 
     blocks, scales, x, bias = mxfp4_case(n, k, rows, rows * 1000 + n + k, x_dtype)
     bias = bias.to(out_dtype)
@@ -478,10 +476,7 @@ def test_mxfp4_linear_is_the_portable_loop_and_batch_invariant(
     tiles = ops.isa().startswith("amx") and x_dtype == torch.bfloat16
     bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
     assert tiles or torch.equal(out.view(bits), portable.view(bits))
-    # transformers' dequantizer: [1, n, k/32, 16] blocks -> [1, k, n]
-    w = convert_moe_packed_tensors(
-        blocks.view(1, n, k // 32, 16), scales.view(1, n, k // 32), dtype=torch.float32
-    )[0].T
+    w = dequantize(blocks, scales)
     ref = x.double() @ w.double().T + bias.double()
     # relative to the sum of the terms' magnitudes (a row spans scales 2^-127 .. 2^119)
     size = x.double().abs() @ w.double().abs().T + bias.double().abs() + 1
@@ -494,13 +489,11 @@ def test_mxfp4_linear_is_the_portable_loop_and_batch_invariant(
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_mxfp4_dequantize_is_transformers(ops, isa, out_dtype):
-    """The packed panels back to the weight, k-major into a column slice of a wider buffer:
-    transformers' MXFP4 dequantizer bit for bit (exact in float32, then rounded to bf16), the
-    columns past it untouched; the packing undone exactly."""
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    from pdserve.quantization.mxfp4_matmul import pack_mxfp4, unpack_mxfp4
+def test_mxfp4_dequantize_is_the_reference(ops, isa, out_dtype):
+    """The packed panels back to the weight, k-major into a column slice of a wider buffer: the
+    reference dequantizer (transformers' bit for bit: test_weight_formats.py) exactly in float32,
+    then rounded to bf16, the columns past it untouched; the packing undone exactly."""
+    from pdserve.quantization.mxfp4_matmul import dequantize, pack_mxfp4, unpack_mxfp4
 
     n, k = 130, 320
     blocks, scales, _, _ = mxfp4_case(n, k, 1, 5)
@@ -509,9 +502,7 @@ def test_mxfp4_dequantize_is_transformers(ops, isa, out_dtype):
     assert torch.equal(back[0], blocks) and torch.equal(back[1], scales)
     buf = torch.full((k, 256), 7.0, dtype=out_dtype)
     ops.mxfp4_dequantize(buf[:, :n], packed, packed_scale)
-    want = convert_moe_packed_tensors(
-        blocks.view(1, n, k // 32, 16), scales.view(1, n, k // 32), dtype=torch.float32
-    )[0]
+    want = dequantize(blocks, scales).T
     assert torch.equal(buf[:, :n], want.to(out_dtype)) and bool((buf[:, n:] == 7.0).all())
 
 

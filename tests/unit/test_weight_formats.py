@@ -182,3 +182,22 @@ def test_mxfp4_spec():
     assert fmt.method == "mxfp4" and fmt.batch_invariant and fmt.ignores("lm_head")
     with pytest.raises(ValueError, match="quantization_config.dequantize: true"):
         weight_format(Cfg({"quant_method": "mxfp4", "dequantize": True}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_reference_dequantizer_is_transformers(dtype):
+    """Every code in every nibble, scale bytes 0 (2^-127) to 254: transformers' MXFP4
+    dequantizer bit for bit (exact in float32; bf16 rounds nothing but below its subnormals)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from pdserve.quantization.mxfp4_matmul import dequantize
+
+    gen = torch.Generator().manual_seed(0)
+    n, k = 255, 64
+    blocks = torch.randint(0, 256, (n, k // 2), dtype=torch.int32, generator=gen).to(torch.uint8)
+    blocks[0, :16] = torch.arange(256, dtype=torch.int32)[:16].to(torch.uint8) * 17
+    scales = torch.arange(n * 2, dtype=torch.int32).remainder(255).view(n, 2).to(torch.uint8)
+    want = convert_moe_packed_tensors(
+        blocks.view(1, n, k // 32, 16), scales.view(1, n, k // 32), dtype=dtype
+    )[0].T
+    assert torch.equal(dequantize(blocks, scales).to(dtype), want)

@@ -1,20 +1,26 @@
-"""Decode speed of a Llama-3.2-1B-shaped model served from FP8 block weights (as the "-FP8"
-checkpoints publish them) against the same model in bf16, one engine after the other in one run:
+"""Decode speed of a model served from quantized weights as their makers publish them against the
+same model in bf16, one engine after the other in one run:
 
-    python benchmarks/fp8_decode.py [--batches 1,8] [--new 64] [--input-len 32] [--threads 1]
-        [--repeat 3]
+    python benchmarks/quantized_decode.py [--format fp8|mxfp4] [--batches 1,8] [--new 64]
+        [--input-len 32] [--threads 1] [--repeat 3]
 
-The model: ``benchmarks/decode_step.py``'s config (hidden 2048, 16 layers, 32 / 8 heads of 64,
-MLP 8192, vocabulary 128,256, tied embeddings) with random bf16 weights
+``fp8``: ``benchmarks/decode_step.py``'s Llama-3.2-1B-shaped config (hidden 2048, 16 layers, 32 / 8
+heads of 64, MLP 8192, vocabulary 128,256, tied embeddings) with random bf16 weights
 (``compare_llamacpp.llama_1b_checkpoint``), and its FP8 version written once beside it: every
 q/k/v/o/gate/up/down weight in e4m3 with a float32 scale per 128x128 block
 (``tests/helpers/checkpoints.fp8_block_quantize``), embeddings and norms in bf16.
+
+``mxfp4``: a GPT-OSS-20B-shaped model cut to 12 layers and 8 experts a layer (hidden 2880, 64 / 8
+heads of 64, experts of 2880, top 4 as published, so a token reads what it reads in GPT-OSS-20B
+per layer; vocabulary 201,088, head untied) with random bf16 weights, and its MXFP4 version
+written once beside it: the experts as GPT-OSS publishes them
+(``tests/helpers/checkpoints.mxfp4_quantize``), attention, router, embeddings and head in bf16.
 
 Each engine computes in bf16 (the FP8 layers on ``linear_fp8``, the bf16 ones on the GEMV /
 oneDNN; both through the C++ decoder stack), radix cache off, ``--threads`` torch threads. Per
 batch size: ``B`` random prompts of ``--input-len`` tokens generate 1 token and then ``--new``
 tokens (greedy, ``ignore_eos``); decode tok/s = B (new - 1) / (time(new) - time(1)), best of
-``--repeat``. Printed: tok/s of each and the FP8 / bf16 ratio, and the weight bytes each holds."""
+``--repeat``. Printed: tok/s of each and the quantized / bf16 ratio."""
 
 from __future__ import annotations
 
@@ -76,6 +82,93 @@ def fp8_checkpoint(src: str) -> str:
     return str(out)
 
 
+GPT_OSS_SHAPE = dict(
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_hidden_layers=12,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    num_local_experts=8,
+    num_experts_per_tok=4,
+    vocab_size=201088,
+    sliding_window=128,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+
+
+def gpt_oss_checkpoint() -> str:
+    """The GPT-OSS-shaped config above with random bf16 weights, saved once."""
+    import torch
+    from compare_llamacpp import CACHE, llama_1b_checkpoint
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    out = CACHE / "models" / "gpt-oss-20b-shape-12l-8e-weights"
+    if (out / "config.json").exists():
+        return str(out)
+    tmp = Path(str(out) + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    torch.manual_seed(0)
+    cfg = GptOssConfig(**GPT_OSS_SHAPE)
+    cfg.architectures = ["GptOssForCausalLM"]
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(tmp)
+    del model
+    # the Llama-shaped model's tokenizer: any serves the random prompt ids
+    for f in Path(llama_1b_checkpoint()).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, tmp / f.name)
+    os.replace(tmp, out)
+    return str(out)
+
+
+def mxfp4_checkpoint(src: str) -> str:
+    """``src`` with its experts in MXFP4 as GPT-OSS publishes them, written once beside it."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tests.helpers.checkpoints import mxfp4_quantize
+
+    out = Path(src + "-mxfp4")
+    if (out / "model.safetensors").exists():
+        return str(out)
+    tmp = Path(str(out) + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {}
+    for f in sorted(Path(src).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                t = st.get_tensor(name)
+                if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                    blocks, scales = mxfp4_quantize(t.float().transpose(1, 2))
+                    tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+                else:
+                    tensors[name] = t
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    for f in Path(src).iterdir():
+        if f.suffix != ".safetensors" and f.name not in (
+            "config.json",
+            "model.safetensors.index.json",
+        ):
+            shutil.copy(f, tmp / f.name)
+    cfg = json.loads((Path(src) / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    os.replace(tmp, out)
+    return str(out)
+
+
 def decode_rates(
     path: str, batches: list[int], new: int, input_len: int, threads: int, repeat: int
 ):
@@ -116,6 +209,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    ap.add_argument("--format", choices=("fp8", "mxfp4"), default="fp8")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=32)
@@ -127,20 +221,26 @@ def main() -> None:
     from pdserve import kernels
 
     batches = [int(b) for b in a.batches.split(",")]
-    bf16 = llama_1b_checkpoint()
-    fp8 = fp8_checkpoint(bf16)
+    if a.format == "fp8":
+        bf16 = llama_1b_checkpoint()
+        quantized = fp8_checkpoint(bf16)
+    else:
+        bf16 = gpt_oss_checkpoint()
+        quantized = mxfp4_checkpoint(bf16)
+    q = a.format
     print(f"kernels: ISA {kernels.load().isa()}; {a.threads} thread(s)")
-    for name, path in (("bf16", bf16), ("fp8", fp8)):
+    for name, path in (("bf16", bf16), (q, quantized)):
         size = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
         print(f"{name}: {path} ({size / 2**30:.2f} GiB of safetensors)")
     results = {}
-    for name, path in (("bf16", bf16), ("fp8", fp8)):
+    for name, path in (("bf16", bf16), (q, quantized)):
         results[name], stack = decode_rates(path, batches, a.new, a.input_len, a.threads, a.repeat)
         print(f"{name}: C++ decoder stack {'on' if stack else 'off'}")
-    print("| batch | bf16 tok/s | FP8 tok/s | FP8 / bf16 |\n|---|---|---|---|")
+    Q = q.upper()
+    print(f"| batch | bf16 tok/s | {Q} tok/s | {Q} / bf16 |\n|---|---|---|---|")
     for b in batches:
-        r16, r8 = results["bf16"][b], results["fp8"][b]
-        print(f"| {b} | {r16:.1f} | {r8:.1f} | {r8 / r16:.2f} |")
+        r16, rq = results["bf16"][b], results[q][b]
+        print(f"| {b} | {r16:.1f} | {rq:.1f} | {rq / r16:.2f} |")
 
 
 if __name__ == "__main__":
