@@ -158,9 +158,21 @@ class PackedW8A8:
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], ops: ModuleType):
         w = weight.detach().float()
-        n, k = w.shape
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [N]
         wq = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self._pack(wq, scale, bias, ops)
+
+    @classmethod
+    def from_int8(
+        cls, wq: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor], ops: ModuleType
+    ) -> "PackedW8A8":
+        """An int8 weight [N, K] already quantized (a checkpoint's), ``scale`` [N] its channels'."""
+        self = cls.__new__(cls)
+        self._pack(wq, scale.detach().float().reshape(-1), bias, ops)
+        return self
+
+    def _pack(self, wq, scale, bias, ops) -> None:
+        n, k = wq.shape
         n_pad = -n % PANEL
         self.out_features, self.in_features = n, k
         self.colsum = F.pad(

@@ -1,6 +1,8 @@
 """compressed-tensors checkpoints (``quant_method: "compressed-tensors"``, as llm-compressor writes
-them: RedHatAI's and Neural Magic's "-FP8-dynamic" releases, GLM-4.5/4.6-FP8). Read today: the
-``float-quantized`` format with FP8 e4m3 weights and one scale per output channel
+them: RedHatAI's and Neural Magic's "-FP8-dynamic" and "-W8A8" releases, GLM-4.5/4.6-FP8). Read
+today: the ``int-quantized`` format (``CompressedInt8``: int8 weights per channel, int8
+activations per token, on the int8 kernels), and the ``float-quantized`` format with FP8 e4m3
+weights and one scale per output channel
 (``weights: {type: float, num_bits: 8, strategy: channel, symmetric: true}``), each quantized
 linear storing ``weight`` F8_E4M3 [N, K] and ``weight_scale`` [N, 1] (``weight = q * scale``).
 
@@ -10,20 +12,42 @@ They are served as FP8 weights with 16-bit activations (W8A16) on the FP8 block 
 Dynamic per-token FP8 activations (``input_activations: {dynamic: true}``), which the checkpoint
 asks of GPUs with FP8 matmuls, are not applied: the result is the decompressed model's
 (compressed-tensors' own decompressor), closer to the unquantized model than an FP8 x FP8
-product. Static activation scales, other formats (``int-quantized``, ``pack-quantized``,
-``naive-quantized``), group or block strategies and anything but 8-bit float weights are refused
-naming the field."""
+product. Static activation scales, other formats (``pack-quantized``, ``naive-quantized``), group
+or block strategies, asymmetric weights and other bit widths are refused naming the field."""
 
 from __future__ import annotations
 
 import re
 from typing import Any, Iterable, Iterator
 
+import torch
 from torch import nn
 
+from pdserve.quantization.experts import QuantizedExperts
 from pdserve.quantization.fp8_block import SCALE, Fp8Block
+from pdserve.quantization.int8_matmul import Int8ChannelLinear
 
 CT_SCALE = "weight_scale"  # the checkpoint's name; loaded as fp8_block's SCALE
+# quantization_config.format -> the weights' quantization args it is read with
+WEIGHTS = {
+    "float-quantized": {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True},
+    "int-quantized": {"type": "int", "num_bits": 8, "strategy": "channel", "symmetric": True},
+}
+INT8_TOKENS = {
+    "type": "int",
+    "num_bits": 8,
+    "strategy": "token",
+    "symmetric": True,
+    "dynamic": True,
+}
+
+
+def _check_args(where: str, args: dict, wanted: dict) -> None:
+    for field, value in wanted.items():
+        if args.get(field, value) != value:
+            raise ValueError(
+                f"{where}.{field}: {args.get(field)!r} is not supported; supported: {value!r}"
+            )
 
 
 class CompressedTensors(Fp8Block):
@@ -32,33 +56,29 @@ class CompressedTensors(Fp8Block):
     @classmethod
     def from_config(cls, quant: dict[str, Any]) -> "CompressedTensors":
         fmt = quant.get("format")
-        if fmt != "float-quantized":
+        if fmt not in WEIGHTS:
             raise ValueError(
                 f"quantization_config.format: {fmt!r} is not supported for compressed-tensors; "
-                "supported: float-quantized (FP8 weights per channel)"
+                "supported: float-quantized (FP8 weights per channel), int-quantized (int8 "
+                "weights per channel, int8 activations per token)"
             )
         groups = quant.get("config_groups") or {}
         if not isinstance(groups, dict) or not groups:
             raise ValueError("quantization_config.config_groups: expected one or more groups")
         for key, group in groups.items():
             where = f"quantization_config.config_groups.{key}"
-            weights = (group or {}).get("weights") or {}
-            wanted = {
-                "type": "float",
-                "num_bits": 8,
-                "strategy": "channel",
-                "symmetric": True,
-            }
-            for field, value in wanted.items():
-                if weights.get(field, value) != value:
-                    raise ValueError(
-                        f"{where}.weights.{field}: {weights.get(field)!r} is not supported; "
-                        f"supported: {value!r}"
-                    )
-            if weights.get("dynamic"):
+            _check_args(f"{where}.weights", (group or {}).get("weights") or {}, WEIGHTS[fmt])
+            if (group or {}).get("weights", {}).get("dynamic"):
                 raise ValueError(f"{where}.weights.dynamic: true is not supported")
             acts = group.get("input_activations")
-            if acts and not acts.get("dynamic", False):
+            if fmt == "int-quantized":
+                if not acts:
+                    raise ValueError(
+                        f"{where}.input_activations: none (int8 weights with 16-bit activations) "
+                        "is not supported; supported: int8 per token, dynamic"
+                    )
+                _check_args(f"{where}.input_activations", acts, INT8_TOKENS)
+            elif acts and not acts.get("dynamic", False):
                 raise ValueError(
                     f"{where}.input_activations.dynamic: false (static activation scales) is not "
                     "supported; supported: dynamic or none"
@@ -68,7 +88,8 @@ class CompressedTensors(Fp8Block):
                 raise ValueError(
                     f"{where}.targets: {targets!r} is not supported; supported: ['Linear']"
                 )
-        return cls((1, None), None, quant.get("ignore") or ())
+        target = CompressedInt8 if fmt == "int-quantized" else cls
+        return target((1, None), None, quant.get("ignore") or ())
 
     def describe(self) -> str:
         return "compressed-tensors fp8 e4m3, a scale per output channel"
@@ -95,3 +116,26 @@ class CompressedTensors(Fp8Block):
     ) -> Iterator[tuple[str, Any]]:
         renamed = ((self._as_fp8_block(n), src) for n, src in weights)
         return super().wrap(renamed, self._renamed(tensors))
+
+
+class CompressedInt8(CompressedTensors):
+    """compressed-tensors' ``int-quantized`` W8A8 (RedHatAI's and Neural Magic's "-W8A8" /
+    "-quantized.w8a8" releases): ``weight`` I8 [N, K] with ``weight_scale`` [N, 1], activations
+    quantized to int8 per token at run time, on the int8 kernels of ``--quantization w8a8_int8``
+    with the checkpoint's own weights and scales (``int8_matmul.py``)."""
+
+    stored_dtype = "I8"
+    storage = torch.int8
+    kind = "int8"
+
+    def describe(self) -> str:
+        return "compressed-tensors int8 weights per channel, int8 activations per token"
+
+    def _values(self, q: torch.Tensor) -> torch.Tensor:
+        return q.float()
+
+    def _linear(self, weight: torch.Tensor, scale: torch.Tensor, bias) -> Any:
+        return Int8ChannelLinear(weight, scale, bias)
+
+    def _experts(self, module: nn.Module) -> Any:
+        return QuantizedExperts(module, Int8ChannelLinear)

@@ -38,6 +38,10 @@ def cdiv(a: int, b: int) -> int:
 class Fp8Block(WeightFormat):
     method = "fp8"
     batch_invariant = True  # with the kernels (deterministic serving needs them anyway)
+    # what the checkpoint stores quantized: its safetensors dtype, the storage, its name in errors
+    stored_dtype = FP8_DTYPE
+    storage = torch.float8_e4m3fn
+    kind = "FP8"
 
     def __init__(
         self, block: tuple[int, Optional[int]], scale_fmt: Optional[str], ignore: Iterable[str]
@@ -105,13 +109,15 @@ class Fp8Block(WeightFormat):
         quantized: dict[str, list[str]] = {}  # our module path -> its checkpoint weights
         experts: dict[str, set[str]] = {}  # an MoE layer's experts -> their FP8 weights
         for name, (dtype, shape) in sorted(tensors.items()):
-            if dtype != FP8_DTYPE:
+            if dtype != self.stored_dtype:
                 continue
             if not name.endswith(".weight"):
-                raise ValueError(f"weight {name!r}: an FP8 tensor that is not a layer's weight")
+                raise ValueError(
+                    f"weight {name!r}: an {self.kind} tensor that is not a layer's weight"
+                )
             if self.ignores(name[: -len(".weight")]):
                 raise ValueError(
-                    f"weight {name!r} is FP8, but quantization_config.modules_to_not_convert "
+                    f"weight {name!r} is {self.kind}, but the quantization_config's ignore list "
                     "keeps its module in high precision"
                 )
             own = own_name(name)
@@ -125,7 +131,7 @@ class Fp8Block(WeightFormat):
                 experts.setdefault(owner, set()).add(own[len(owner) + 1 :])
                 continue
             # a layer of the model, or of a module that loads its own weights (a shared expert's
-            # MLP, latent attention): its Linear takes FP8 storage, the module loads the scale
+            # MLP, latent attention): its Linear takes quantized storage, the module loads the scale
             # beside the weight
             target = path
             if proj in FUSED and _submodule(model, path) is None:
@@ -139,19 +145,19 @@ class Fp8Block(WeightFormat):
                 continue
             if not isinstance(module, Linear):
                 what = "no layer" if module is None else f"a {type(module).__name__}"
-                raise ValueError(f"weight {name!r}: FP8, but the model has {what} for it")
+                raise ValueError(f"weight {name!r}: {self.kind}, but the model has {what} for it")
             self._check_scale(name, shape, tensors)
             quantized.setdefault(target, []).append(name)
         for target, names in quantized.items():
-            # a fused layer: every projection stored apart must be FP8, or the one stored fused
+            # a fused layer: every projection stored apart quantized, or the one stored fused
             proj = target.rpartition(".")[2]
             apart = [p for p, (fused, _) in FUSED.items() if fused == proj]
             stored_fused = any(own_name(n).endswith(f".{proj}.weight") for n in names)
             if apart and not stored_fused and len(names) != len(apart):
                 raise ValueError(
                     f"{target}: of its projections {', '.join(apart)} only "
-                    f"{', '.join(own_name(n).rsplit('.', 2)[-2] for n in names)} are FP8; a "
-                    "fused layer's projections must all be FP8 or none"
+                    f"{', '.join(own_name(n).rsplit('.', 2)[-2] for n in names)} are "
+                    f"{self.kind}; a fused layer's projections must all be {self.kind} or none"
                 )
             self._swap(_submodule(model, target))
         for path, names in experts.items():
@@ -160,8 +166,9 @@ class Fp8Block(WeightFormat):
             if not needed <= names:
                 missing = sorted(needed - names)[:4]
                 raise ValueError(
-                    f"{path}: some experts' weights are FP8 and others not ({', '.join(missing)} "
-                    "are not); an MoE layer's experts must all be FP8 or none"
+                    f"{path}: some experts' weights are {self.kind} and others not "
+                    f"({', '.join(missing)} are not); an MoE layer's experts must all be "
+                    f"{self.kind} or none"
                 )
             self._swap_experts(module)
 
@@ -169,7 +176,7 @@ class Fp8Block(WeightFormat):
         self, name: str, shape: list[int], tensors: dict[str, tuple[str, list[int]]]
     ) -> None:
         if len(shape) != 2:
-            raise ValueError(f"weight {name!r}: FP8 weights must be 2-D, got shape {shape}")
+            raise ValueError(f"weight {name!r}: {self.kind} weights must be 2-D, got shape {shape}")
         scale = name[: -len("weight")] + SCALE
         if scale not in tensors:
             raise ValueError(f"weight {name!r}: its scale tensor {scale!r} is missing")
@@ -191,22 +198,23 @@ class Fp8Block(WeightFormat):
             )
 
     def _swap_experts(self, experts: nn.Module) -> None:
-        """FP8 storage for an MoE layer's ``w13`` / ``w2``, and their row scales."""
+        """Quantized storage for an MoE layer's ``w13`` / ``w2``, and their row scales."""
         bk = self.block[1]
         for name in ("w13", "w2"):
             w = getattr(experts, name)
             s, n, k = w.shape
-            fp8 = torch.empty((s, n, k), dtype=torch.float8_e4m3fn, device=w.device)
-            setattr(experts, name, nn.Parameter(fp8, requires_grad=False))
+            q = torch.empty((s, n, k), dtype=self.storage, device=w.device)
+            setattr(experts, name, nn.Parameter(q, requires_grad=False))
             scale = torch.empty((s, n, cdiv(k, bk or k)), dtype=torch.float32, device=w.device)
             experts.register_parameter(f"{name}_scale", nn.Parameter(scale, requires_grad=False))
 
     def _swap(self, module: nn.Module) -> None:
-        """Replace the layer's weight by FP8 storage of the same shape, add its row scales."""
+        """Replace the layer's weight by quantized storage of the same shape, add its row
+        scales."""
         n, k = module.weight.shape
         device = module.weight.device
         module.weight = nn.Parameter(
-            torch.empty((n, k), dtype=torch.float8_e4m3fn, device=device), requires_grad=False
+            torch.empty((n, k), dtype=self.storage, device=device), requires_grad=False
         )
         scale = torch.empty((n, cdiv(k, self.block[1] or k)), dtype=torch.float32, device=device)
         module.register_parameter(SCALE, nn.Parameter(scale, requires_grad=False))
@@ -233,16 +241,27 @@ class Fp8Block(WeightFormat):
         for base, parts in pending.items():
             missing = "weight" if "weight" not in parts else SCALE
             raise ValueError(
-                f"weight {base}.{missing}: missing (its FP8 pair is in the checkpoint)"
+                f"weight {base}.{missing}: missing (its {self.kind} pair is in the checkpoint)"
             )
 
     def _dequantized(self, weight: Any, scale: Any) -> torch.Tensor:
-        """An FP8 weight in float32: each value times its block's scale (one rounding)."""
+        """A quantized weight in float32: each value times its block's scale (one rounding)."""
         q = weight[:] if not isinstance(weight, torch.Tensor) else weight
         s = (scale[:] if not isinstance(scale, torch.Tensor) else scale).to(torch.float32)
         (n, k), (bn, bk) = q.shape, self.block
         rows = s.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk or k, dim=1)[:, :k]
-        return _widen(q) * rows
+        return self._values(q) * rows
+
+    # ---- what differs between the formats on this machinery ------------------------------------
+    def _values(self, q: torch.Tensor) -> torch.Tensor:
+        """The stored codes' exact values in float32."""
+        return _widen(q)
+
+    def _linear(self, weight: torch.Tensor, scale: torch.Tensor, bias) -> Any:
+        return Fp8BlockLinear(weight, scale, bias, self.block[1])
+
+    def _experts(self, module: nn.Module) -> Any:
+        return Fp8Experts(module, self.block[1])
 
     def finish(self, model: nn.Module) -> int:
         from pdserve.layers.linear import Linear
@@ -251,12 +270,10 @@ class Fp8Block(WeightFormat):
         for module in model.modules():
             if isinstance(module, Linear) and hasattr(module, SCALE):
                 scale = getattr(module, SCALE)
-                module.impl = Fp8BlockLinear(
-                    module.weight, scale, module.matmul_bias(), self.block[1]
-                )
+                module.impl = self._linear(module.weight, scale, module.matmul_bias())
                 total += module.impl.nbytes
             elif getattr(module, "w13_scale", None) is not None:
-                module.impl = Fp8Experts(module, self.block[1])
+                module.impl = self._experts(module)
                 total += module.impl.nbytes
         return total
 
@@ -268,19 +285,19 @@ class Fp8Block(WeightFormat):
         total = 0
         for module in model.modules():
             impl = getattr(module, "impl", None)
-            if isinstance(impl, Fp8BlockLinear):
-                impl.use_kernels(ops, onednn, batch_invariant)
-                # the checkpoint's layout is no longer read: 0-element stand-ins of its dtypes
-                for name in ("weight", SCALE):
-                    old = getattr(module, name)
-                    setattr(module, name, nn.Parameter(old.new_empty(0), requires_grad=False))
-            elif isinstance(impl, Fp8Experts):
-                impl.use_kernels(ops, onednn, batch_invariant)
-                for name in ("w13", "w2", "w13_scale", "w2_scale"):
-                    old = getattr(module, name)
-                    setattr(module, name, nn.Parameter(old.new_empty(0), requires_grad=False))
+            if impl is None:
+                continue
+            if hasattr(module, SCALE):  # a layer
+                names = ("weight", SCALE)
+            elif getattr(module, "w13_scale", None) is not None:  # an MoE layer's experts
+                names = ("w13", "w2", "w13_scale", "w2_scale")
             else:
                 continue
+            impl.use_kernels(ops, onednn, batch_invariant)
+            # the checkpoint's layout is no longer read: 0-element stand-ins of its dtypes
+            for name in names:
+                old = getattr(module, name)
+                setattr(module, name, nn.Parameter(old.new_empty(0), requires_grad=False))
             total += impl.nbytes
         return total
 

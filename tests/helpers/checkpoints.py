@@ -1006,19 +1006,91 @@ def build_compressed_fp8_checkpoint(src: str) -> str:
     return _cached("ct-fp8", ["ct-fp8", src, list(FP8_PROJECTIONS)], write)
 
 
+def _compressed_int8_scheme():
+    """compressed-tensors' W8A8 int8 scheme (llm-compressor's ``W8A8`` preset): int8 weights with
+    a scale per output channel, int8 activations per token at run time."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    return QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(
+            num_bits=8, type="int", strategy="channel", symmetric=True, dynamic=False
+        ),
+        input_activations=QuantizationArgs(
+            num_bits=8, type="int", strategy="token", symmetric=True, dynamic=True
+        ),
+    )
+
+
+def build_compressed_int8_checkpoint(src: str) -> str:
+    """``src`` (a tiny checkpoint) in the layout of compressed-tensors' ``int-quantized`` format
+    (RedHatAI's "-quantized.w8a8" releases): each projection's ``weight`` I8 and ``weight_scale``
+    [N, 1] written by compressed-tensors' own compressor from the scale its own observer math
+    gives (``calculate_qparams`` over each row's min and max), the LM head ignored."""
+    from compressed_tensors.compressors import IntQuantizationCompressor
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+
+    def write(tmp: str) -> None:
+        scheme = _compressed_int8_scheme()
+        out = {}
+        for name, t in load_file(os.path.join(src, "model.safetensors")).items():
+            proj = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+            if name.endswith(".weight") and t.dim() == 2 and proj in FP8_PROJECTIONS:
+                w = t.float()
+                lo = w.amin(dim=1, keepdim=True).clamp(max=0)
+                hi = w.amax(dim=1, keepdim=True).clamp(min=0)
+                scale, zero = calculate_qparams(lo, hi, scheme.weights)
+                packed = IntQuantizationCompressor.compress(
+                    {"weight": w, "weight_scale": scale, "weight_zero_point": zero}, scheme
+                )
+                base = name[: -len("weight")]
+                out[name] = packed["weight"].contiguous()
+                out[base + "weight_scale"] = packed["weight_scale"].float().contiguous()
+            else:
+                out[name] = t
+        save_file(out, os.path.join(tmp, "model.safetensors"))
+        for name in os.listdir(src):
+            if name not in ("model.safetensors", "config.json"):
+                shutil.copy(os.path.join(src, name), tmp)
+        with open(os.path.join(src, "config.json")) as f:
+            cfg = json.load(f)
+        cfg["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "format": "int-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": scheme.model_dump(exclude_none=True)},
+            "ignore": ["lm_head"],
+        }
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg, f)
+
+    return _cached("ct-int8", ["ct-int8", src, list(FP8_PROJECTIONS)], write)
+
+
 def decompressed_checkpoint(src: str) -> str:
-    """A compressed-tensors FP8 checkpoint decompressed by compressed-tensors' own decompressor,
-    as a plain float32 checkpoint: the reference HF runs."""
-    from compressed_tensors.compressors import FloatQuantizationCompressor
+    """A compressed-tensors checkpoint (``float-quantized`` or ``int-quantized``) decompressed by
+    compressed-tensors' own decompressor, as a plain float32 checkpoint: the reference HF runs."""
+    from compressed_tensors.compressors import (
+        FloatQuantizationCompressor,
+        IntQuantizationCompressor,
+    )
+
+    with open(os.path.join(src, "config.json")) as f:
+        fmt = json.load(f)["quantization_config"]["format"]
+    compressor, scheme = {
+        "float-quantized": (FloatQuantizationCompressor, _compressed_fp8_scheme),
+        "int-quantized": (IntQuantizationCompressor, _compressed_int8_scheme),
+    }[fmt]
 
     def decompress(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         state = {"weight": t, "weight_scale": scale}
-        return FloatQuantizationCompressor.decompress(state, _compressed_fp8_scheme())["weight"]
+        return compressor.decompress(state, scheme())["weight"]
 
     def write(tmp: str) -> None:
         _write_unquantized(src, tmp, "weight_scale", decompress)
 
-    return _cached("ct-fp8-decompressed", ["ct-fp8-decompressed", src], write)
+    return _cached("ct-decompressed", ["ct-decompressed", src], write)
 
 
 E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])

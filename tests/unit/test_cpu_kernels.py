@@ -517,3 +517,28 @@ def test_mxfp4_linear_refuses_mismatched_shapes(ops):
         ops.linear_mxfp4(torch.empty(2, 70), torch.randn(2, 100), packed, scale, None)
     with pytest.raises(RuntimeError, match="scale must be"):
         ops.linear_mxfp4(torch.empty(2, 70), torch.randn(2, 96), packed, scale.float(), None)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 21])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_linear_takes_a_checkpoints_int8_weights(ops, isa, rows, x_dtype):
+    """A checkpoint's int8 weight and channel scales as they are (compressed-tensors' int8
+    reaches -128): the same scheme in float64, exact int sums; a row alone gives its bits."""
+    from pdserve.layers.linear import PackedW8A8
+
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 70, 200
+    wq = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int32).to(torch.int8)
+    wq[0] = -128  # a row of the extreme value: vpmaddubsw's pairs must not saturate
+    ws = torch.rand(n, generator=gen) * 1e-2 + 1e-4
+    x = (2 * torch.randn(rows, k, generator=gen)).to(x_dtype)
+    bias = torch.randn(n, generator=gen)
+    lin = PackedW8A8.from_int8(wq, ws[:, None], bias, ops)
+    out = lin(x)
+    x32 = x.float()
+    xs = x32.abs().amax(1, keepdim=True) / 127
+    xq = torch.round(x32 * (1 / xs)).clamp(-127, 127).double()
+    ref = (xq @ wq.double().T) * xs.double() * ws.double() + bias.to(x_dtype).double()
+    err = ((out.double() - ref).abs() / (ref.abs() + 1)).max().item()
+    assert err < (1e-5 if x_dtype == torch.float32 else 2**-8), err
+    assert torch.equal(lin(x[-1:])[0], out[-1])
