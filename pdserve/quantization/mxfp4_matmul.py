@@ -3,9 +3,9 @@ the low nibble), and one E8M0 scale byte ``e`` per 32 values of a row, the value
 ``E2M1[code] * 2^(e - 127)``.
 
 ``Mxfp4Linear``: with pdserve's CPU kernels, ``linear_mxfp4`` (``kernels/csrc/fp8_linear.h``) on
-the codes repacked once into 64-output panels of half the FP8 kernel's bytes, each line's codes
-looked up as e4m3 bytes in registers and run through the FP8 kernels (every tier, AMX included,
-batch invariant); the scales stay bytes. Without the kernels, a panel of output rows at a time is
+the codes repacked once into 64-output panels of half the FP8 kernel's bytes, each code looked up
+as its value in registers and run through the FP8 kernels' sums (every tier, AMX included, batch
+invariant); the scales stay bytes. Without the kernels, a panel of output rows at a time is
 dequantized (exact in float32) and multiplied in the activations' dtype. ``Mxfp4Experts``: an MoE
 layer's experts, each expert's two matmuls an ``Mxfp4Linear`` over its slice."""
 
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.quantization.experts import QuantizedExperts
-from pdserve.quantization.fp8_matmul import AMX_MIN_ROWS, KERNEL_PANEL, OUT_OF
+from pdserve.quantization.fp8_matmul import AMX_MIN_ROWS, KERNEL_PANEL
 
 GROUP = 32  # values per scale
 # the e2m1 value of each code (sign in bit 3)
@@ -49,13 +49,12 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def pack_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-major packed bytes [N, K/2] and scale bytes [N, K/32] -> ``linear_mxfp4``'s panels
-    [ceil(N/64), K, 32] (byte j of a line: the code of line byte j low, of j + 32 high, in
-    ``OUT_OF``'s line order) and scales [ceil(N/64), K/32, 64] (uint8, output order), padded
-    with zero codes and scales."""
+    [ceil(N/64), K, 32] (byte j of a line: the code of output j low, of output j + 32 high) and
+    scales [ceil(N/64), K/32, 64] (uint8, output order), padded with zero codes and scales."""
     n = blocks.shape[0]
     pad = -n % KERNEL_PANEL
     c = F.pad(codes(blocks), (0, 0, 0, pad)).view(-1, KERNEL_PANEL, blocks.shape[1] * 2)
-    line = c[:, OUT_OF, :].permute(0, 2, 1)  # [NP, K, 64] codes in line order
+    line = c.permute(0, 2, 1)  # [NP, K, 64] codes in output order
     packed = (line[..., :32] | (line[..., 32:] << 4)).contiguous()
     s = F.pad(scales.to(torch.uint8), (0, 0, 0, pad)).view(-1, KERNEL_PANEL, scales.shape[1])
     return packed, s.permute(0, 2, 1).contiguous()
@@ -65,10 +64,8 @@ def unpack_mxfp4(
     packed: torch.Tensor, scale: torch.Tensor, n: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``pack_mxfp4``'s inverse: the packed bytes [N, K/2] and scale bytes [N, K/32]."""
-    line = torch.cat((packed & 0xF, packed >> 4), dim=-1)  # [NP, K, 64] in line order
-    c = torch.empty_like(line)
-    c[:, :, OUT_OF] = line
-    c = c.permute(0, 2, 1).reshape(-1, packed.shape[1])[:n]
+    line = torch.cat((packed & 0xF, packed >> 4), dim=-1)  # [NP, K, 64] in output order
+    c = line.permute(0, 2, 1).reshape(-1, packed.shape[1])[:n]
     blocks = c[:, 0::2] | (c[:, 1::2] << 4)
     return blocks.contiguous(), scale.permute(0, 2, 1).reshape(-1, scale.shape[1])[:n].contiguous()
 

@@ -1106,7 +1106,8 @@ def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = g.abs().amax(-1).clamp(min=2.0**-100)
     exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 119)
     scaled = g / torch.exp2(exp)[..., None]
-    code = (scaled.abs()[..., None] - E2M1_GRID).abs().argmin(-1)
+    # the nearest grid value (the lower one at a midpoint)
+    code = torch.bucketize(scaled.abs(), (E2M1_GRID[1:] + E2M1_GRID[:-1]) / 2)
     code = code | ((scaled < 0) & (code > 0)).long() << 3
     pairs = code.reshape(*lead, k // 32, 16, 2).to(torch.uint8)
     blocks = pairs[..., 0] | (pairs[..., 1] << 4)

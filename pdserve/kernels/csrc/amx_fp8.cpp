@@ -10,7 +10,7 @@
 // blocks in order. Within a block the order is TDPBF16PS's (pairs of k, fp32 sums): the amx tier's
 // bits differ from the other tiers' in the last places, like the bf16 AMX kernel's. Rows do not
 // depend on each other (16-row blocks, zero rows past M): batch invariant. MXFP4 panels take the
-// same path, their lines looked up into e4m3 bytes as the tiles are built.
+// same path, their codes looked up as values as the tiles are built.
 #include "amx.h"
 #include "fp8_linear.h"
 

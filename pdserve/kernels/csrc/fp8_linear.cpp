@@ -9,7 +9,7 @@
 // block is widened once into a float32 buffer (bk x 64: 32 KiB at 128, in L1) and tiles of up to 6
 // rows x 64 outputs run on it; the panel stays in L2 for the row blocks after. Every output's sums are those of fp8_linear.h whatever the tier or the tiling:
 // AVX-512 here, the 8-lane kernels (fp8_vec8.cpp) and the portable loop give the same bits.
-// MXFP4 panels (linear_mxfp4) run the same code, their lines looked up into e4m3 bytes first.
+// MXFP4 panels (linear_mxfp4) run the same code, their codes looked up as values (fp8_linear.h).
 #include "amx.h"
 #include "common.h"
 #include "fp8_linear.h"
@@ -36,14 +36,17 @@ const float* e4m3_table() {
   return table.data();
 }
 
-// the e4m3 byte of line byte p of a packed line (FP8 or MXFP4)
-inline uint8_t line_byte(const uint8_t* line, int p, bool fp4) {
-  if (!fp4) return line[p];
-  return kE2m1AsE4m3[p < 32 ? line[p] & 0xF : line[p - 32] >> 4];
+// a packed line (FP8 or MXFP4) -> its 64 weights at 2^-8 of their values, in output order
+inline void widen_line_scalar(const uint8_t* line, bool fp4, float* w) {
+  if (fp4) {
+    for (int o = 0; o < kFp8Panel; ++o) w[o] = kE2m1Scaled[fp4_code(line, o)];
+    return;
+  }
+  const float* table = e4m3_table();
+  for (int p = 0; p < kFp8Panel; ++p) w[fp8_out_of(p)] = table[line[p]];
 }
 
 void panel_scalar(const Fp8Args& a, int64_t np) {
-  const float* table = e4m3_table();
   const int64_t lb = line_bytes(a.fp4);
   float acc[kFp8RowBlock * kFp8Panel];
   float w[kFp8Panel], sbuf[kFp8Panel];
@@ -58,7 +61,7 @@ void panel_scalar(const Fp8Args& a, int64_t np) {
         float part[kFp8Panel] = {0};
         for (int64_t k = k0; k < k1; ++k) {
           const uint8_t* line = a.w + (np * a.K + k) * lb;
-          for (int p = 0; p < kFp8Panel; ++p) w[fp8_out_of(p)] = table[line_byte(line, p, a.fp4)];
+          widen_line_scalar(line, a.fp4, w);
           const int64_t m = m0 + r;
           const float x = a.x[m * a.x_stride + k];
           for (int o = 0; o < kFp8Panel; ++o) part[o] = std::fma(x, w[o], part[o]);
@@ -289,19 +292,17 @@ void run_dequantize(const Fp8DequantArgs& a, int64_t NP) {
 #if PDS_HAS_V8
     if (v8) return fp8_dequantize_panels_vec8(a, b, e);
 #endif
-    const float* table = e4m3_table();
     const int64_t lb = line_bytes(a.fp4);
-    float sbuf[kFp8Panel];
+    float sbuf[kFp8Panel], w[kFp8Panel];
     for (int64_t np = b; np < e; ++np) {
       const int64_t c0 = np * kFp8Panel, nc = std::min<int64_t>(kFp8Panel, a.cols - c0);
       for (int64_t k = 0, kb = 0, next = a.bk; k < a.K; ++k) {
         if (k == next) ++kb, next += a.bk;
         const uint8_t* line = a.w + (np * a.K + k) * lb;
         const float* s = block_scales(a, np, kb, sbuf);
-        for (int p = 0; p < kFp8Panel; ++p) {
-          const int o = fp8_out_of(p);
-          if (o >= nc) continue;
-          const float v = table[line_byte(line, p, a.fp4)] * s[o];
+        widen_line_scalar(line, a.fp4, w);
+        for (int o = 0; o < nc; ++o) {
+          const float v = w[o] * s[o];
           if (a.out_bf16)
             static_cast<uint16_t*>(a.out)[k * a.out_stride + c0 + o] = f32_to_bf16(v);
           else

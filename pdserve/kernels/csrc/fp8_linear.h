@@ -20,11 +20,15 @@
 // blocks in order, from zero; out = acc + bias, rounded once to the output dtype.
 //
 // MXFP4 (GPT-OSS's experts: e2m1 codes, one E8M0 scale 2^(e - 127) per 32 k) runs the same kernels
-// on panels of half the bytes: packed[np][k][j] (j < 32) holds the code of line byte j in its low
-// nibble and of line byte j + 32 in its high nibble. Every e2m1 value is an e4m3 value, so a line's
-// codes are looked up as e4m3 bytes (one byte shuffle, kE2m1AsE4m3) and widened as above. Its scales
-// stay bytes, [NP, KB, 64] uint8 in output order with bk = 32: 2^(e - 127) times 256 is the float
-// whose exponent field is e + 8 (exact for e <= 246, which the loader checks).
+// (the same sums in the same order) on panels of half the bytes, in output order: packed[np][k][j]
+// (j < 32) holds the code of output j in its low nibble and of output j + 32 in its high nibble.
+// A code becomes its value at 2^-8 by a table lookup: on AVX-512 16 codes at a time, each byte
+// zero-extended to a 32-bit lane and looked up among 16 floats by vpermps (which reads only an
+// index's low 4 bits: the high nibble needs a shift, no mask); on 8 lanes as the high byte of a
+// float16 (every e2m1 value at 2^-8 is a float16 with a zero low byte), one byte shuffle, then the
+// float16 conversion. Its scales stay bytes, [NP, KB, 64] uint8 in output order with bk = 32:
+// 2^(e - 127) times 256 is the float whose exponent field is e + 8 (exact for e <= 246, which the
+// loader checks).
 #pragma once
 
 #include <cstdint>
@@ -45,11 +49,18 @@ constexpr int64_t kFp8PrefetchBytes = 2048;
 // the output (0 .. 63) of byte p of a packed line
 inline int fp8_out_of(int p) { return (p & 8) ? 32 + 8 * (p >> 4) + (p & 7) : 8 * (p >> 4) + (p & 7); }
 
-// MXFP4: bytes per packed line, values per scale, and the e4m3 byte of each e2m1 code
+// MXFP4: bytes per packed line, values per scale; each e2m1 code's value at 2^-8, as a float and as
+// the high byte of a float16
 constexpr int64_t kFp4Line = 32;
 constexpr int64_t kMxfp4Block = 32;
-alignas(16) constexpr uint8_t kE2m1AsE4m3[16] = {0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C,
-                                                 0x80, 0xB0, 0xB8, 0xBC, 0xC0, 0xC4, 0xC8, 0xCC};
+alignas(64) constexpr float kE2m1Scaled[16] = {0.f,           0.5f / 256,  1.f / 256,  1.5f / 256,
+                                               2.f / 256,     3.f / 256,   4.f / 256,  6.f / 256,
+                                               -0.f,          -0.5f / 256, -1.f / 256, -1.5f / 256,
+                                               -2.f / 256,    -3.f / 256,  -4.f / 256, -6.f / 256};
+alignas(16) constexpr uint8_t kE2m1Fp16High[16] = {0x00, 0x18, 0x1C, 0x1E, 0x20, 0x22, 0x24, 0x26,
+                                                   0x80, 0x98, 0x9C, 0x9E, 0xA0, 0xA2, 0xA4, 0xA6};
+// the code of output o (0 .. 63) of an MXFP4 line
+inline int fp4_code(const uint8_t* line, int o) { return (line[o & 31] >> (4 * (o >> 5))) & 0xF; }
 // the largest E8M0 byte whose scale times 256 is a finite float
 constexpr int kMaxE8m0 = 246;
 
@@ -118,20 +129,22 @@ PDS_AVX512 inline void widen_bytes(const __m512i b, __m512 (&w)[4]) {
   w[3] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(hi, 1));
 }
 
-// an MXFP4 line's 32 bytes -> the e4m3 bytes of its 64 codes, in line order
-PDS_AVX512 inline __m512i fp4_line_bytes(const uint8_t* p) {
-  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), m = _mm256_set1_epi8(0x0F);
-  const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, m)),
-                                           _mm256_and_si256(_mm256_srli_epi16(b, 4), m), 1);
-  const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2m1AsE4m3)));
-  return _mm512_shuffle_epi8(lut, codes);
+// an MXFP4 line's 32 bytes -> its 64 weights at 2^-8 of their values, in output order
+PDS_AVX512 inline void widen_fp4_line(const uint8_t* p, __m512 (&w)[4]) {
+  const __m512 table = _mm512_load_ps(kE2m1Scaled);
+  const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  w[0] = _mm512_permutexvar_ps(lo, table);
+  w[1] = _mm512_permutexvar_ps(hi, table);
+  w[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(lo, 4), table);
+  w[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(hi, 4), table);
 }
 
 // a packed line (FP8 or MXFP4) -> its 64 weights at 2^-8 of their values, in output order
 template <bool FP4>
 PDS_AVX512 inline void widen_line(const uint8_t* p, __m512 (&w)[4]) {
   if constexpr (FP4)
-    widen_bytes(fp4_line_bytes(p), w);
+    widen_fp4_line(p, w);
   else
     widen_bytes(_mm512_loadu_si512(p), w);
 }

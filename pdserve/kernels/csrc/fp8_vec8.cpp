@@ -5,7 +5,7 @@
 // row block's sums in `acc` at the end of the block. One row: the lines are widened in registers as
 // they stream in. More rows: the block is widened once into `wbuf` (float32, 32 KiB at 128, in L1)
 // and tiles of up to 6 rows x 16 outputs run on it. MXFP4 panels: each quarter line's codes are
-// looked up into e4m3 bytes first (one byte shuffle / table lookup), then the same.
+// looked up as float16 high bytes first (one byte shuffle / table lookup), then the same.
 #include "fp8_linear.h"
 #include "vec8.h"
 
@@ -18,42 +18,43 @@ using namespace v8;
 
 constexpr int kTileRows = 6;  // 12 partial sums, 2 weight vectors and a broadcast: 15 of 16 registers
 
-// quarter q of a packed line -> its 16 e4m3 bytes (MXFP4: the codes' nibbles looked up)
-#if PDS_X86
-using Bytes16 = __m128i;
-#else
-using Bytes16 = uint8x16_t;
-#endif
-template <bool FP4>
-PDS_VI Bytes16 quarter_bytes(const uint8_t* line, int q) {
-#if PDS_X86
-  if constexpr (!FP4) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(line + 16 * q));
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(line + 16 * (q & 1)));
-  const __m128i codes = _mm_and_si128(q < 2 ? b : _mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
-  return _mm_shuffle_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2m1AsE4m3)), codes);
-#else
-  if constexpr (!FP4) return vld1q_u8(line + 16 * q);
-  const uint8x16_t b = vld1q_u8(line + 16 * (q & 1));
-  const uint8x16_t codes = q < 2 ? vandq_u8(b, vdupq_n_u8(0x0F)) : vshrq_n_u8(b, 4);
-  return vqtbl1q_u8(vld1q_u8(kE2m1AsE4m3), codes);
-#endif
-}
-
-// quarter q of a packed line -> its first 8 and its last 8 weights, at 2^-8 of their values
+// quarter q of a packed line -> its first 8 and its last 8 weights, at 2^-8 of their values: FP8's
+// 16 bytes widened through float16 (fp8_linear.h); MXFP4's 8 bytes (outputs 8q .. 8q + 7 low,
+// 32 + 8q .. high) looked up as float16 high bytes
 template <bool FP4>
 PDS_VI void widen_quarter(const uint8_t* line, int q, F8& first, F8& last) {
 #if PDS_X86
-  const __m128i b = quarter_bytes<FP4>(line, q);
-  const __m128i z = _mm_setzero_si128(), keep = _mm_set1_epi16(int16_t(0xBFFF));
-  const __m128i lo = _mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(z, b), 1), keep);
-  const __m128i hi = _mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(z, b), 1), keep);
+  const __m128i z = _mm_setzero_si128();
+  __m128i lo, hi;
+  if constexpr (FP4) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(line + 8 * q)), m = _mm_set1_epi8(0x0F);
+    const __m128i codes = _mm_unpacklo_epi64(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    const __m128i high = _mm_shuffle_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2m1Fp16High)), codes);
+    lo = _mm_unpacklo_epi8(z, high);
+    hi = _mm_unpackhi_epi8(z, high);
+  } else {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(line + 16 * q));
+    const __m128i keep = _mm_set1_epi16(int16_t(0xBFFF));
+    lo = _mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(z, b), 1), keep);
+    hi = _mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(z, b), 1), keep);
+  }
   first.v = _mm256_cvtph_ps(lo);
   last.v = _mm256_cvtph_ps(hi);
 #else
-  const uint8x16_t b = quarter_bytes<FP4>(line, q), z = vdupq_n_u8(0);
-  const int16x8_t keep = vdupq_n_s16(int16_t(0xBFFF));
-  const int16x8_t lo = vandq_s16(vshrq_n_s16(vreinterpretq_s16_u8(vzip1q_u8(z, b)), 1), keep);
-  const int16x8_t hi = vandq_s16(vshrq_n_s16(vreinterpretq_s16_u8(vzip2q_u8(z, b)), 1), keep);
+  const uint8x16_t z = vdupq_n_u8(0);
+  int16x8_t lo, hi;
+  if constexpr (FP4) {
+    const uint8x8_t b = vld1_u8(line + 8 * q);
+    const uint8x16_t codes = vcombine_u8(vand_u8(b, vdup_n_u8(0x0F)), vshr_n_u8(b, 4));
+    const uint8x16_t high = vqtbl1q_u8(vld1q_u8(kE2m1Fp16High), codes);
+    lo = vreinterpretq_s16_u8(vzip1q_u8(z, high));
+    hi = vreinterpretq_s16_u8(vzip2q_u8(z, high));
+  } else {
+    const uint8x16_t b = vld1q_u8(line + 16 * q);
+    const int16x8_t keep = vdupq_n_s16(int16_t(0xBFFF));
+    lo = vandq_s16(vshrq_n_s16(vreinterpretq_s16_u8(vzip1q_u8(z, b)), 1), keep);
+    hi = vandq_s16(vshrq_n_s16(vreinterpretq_s16_u8(vzip2q_u8(z, b)), 1), keep);
+  }
   const float16x8_t l = vreinterpretq_f16_s16(lo), h = vreinterpretq_f16_s16(hi);
   first = {vcvt_f32_f16(vget_low_f16(l)), vcvt_high_f32_f16(l)};
   last = {vcvt_f32_f16(vget_low_f16(h)), vcvt_high_f32_f16(h)};
