@@ -1102,7 +1102,7 @@ def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     power of two that brings each group's largest magnitude to at most 6), each value rounded to
     the nearest e2m1 value."""
     *lead, k = w.shape
-    g = w.float().reshape(*lead, k // 32, 32)
+    g = w.float().contiguous().reshape(*lead, k // 32, 32)
     amax = g.abs().amax(-1).clamp(min=2.0**-100)
     exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 119)
     scaled = g / torch.exp2(exp)[..., None]
