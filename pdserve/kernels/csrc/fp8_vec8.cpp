@@ -18,20 +18,30 @@ using namespace v8;
 
 constexpr int kTileRows = 6;  // 12 partial sums, 2 weight vectors and a broadcast: 15 of 16 registers
 
+#if PDS_X86
+// 8 codes (in the low 4 bits of 32-bit lanes; higher bits ignored) -> their values at 2^-8
+PDS_VI __m256 e2m1_values(__m256i code) {
+  const __m256i s = _mm256_and_si256(_mm256_slli_epi32(code, 28), _mm256_set1_epi32(int32_t(0x80000000u)));
+  return _mm256_xor_ps(_mm256_permutevar8x32_ps(_mm256_load_ps(kE2m1Scaled), code), _mm256_castsi256_ps(s));
+}
+#endif
+
 // quarter q of a packed line -> its first 8 and its last 8 weights, at 2^-8 of their values: FP8's
 // 16 bytes widened through float16 (fp8_linear.h); MXFP4's 8 bytes (outputs 8q .. 8q + 7 low,
-// 32 + 8q .. high) looked up as float16 high bytes
+// 32 + 8q .. high) looked up as values (AVX2: vpermps over the 8 magnitudes, the sign by xor;
+// NEON: as float16 high bytes)
 template <bool FP4>
 PDS_VI void widen_quarter(const uint8_t* line, int q, F8& first, F8& last) {
 #if PDS_X86
   const __m128i z = _mm_setzero_si128();
   __m128i lo, hi;
   if constexpr (FP4) {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(line + 8 * q)), m = _mm_set1_epi8(0x0F);
-    const __m128i codes = _mm_unpacklo_epi64(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
-    const __m128i high = _mm_shuffle_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2m1Fp16High)), codes);
-    lo = _mm_unpacklo_epi8(z, high);
-    hi = _mm_unpackhi_epi8(z, high);
+    // each byte in a 32-bit lane: vpermps takes the magnitude from the low 3 bits of a code, the
+    // code's bit 3 shifted to bit 31 is the sign
+    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(line + 8 * q)));
+    first.v = e2m1_values(idx);
+    last.v = e2m1_values(_mm256_srli_epi32(idx, 4));
+    return;
   } else {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(line + 16 * q));
     const __m128i keep = _mm_set1_epi16(int16_t(0xBFFF));
