@@ -173,14 +173,21 @@ def lscpu() -> dict:
 
 
 def run_tier(tier: str) -> dict:
+    return run_worker(tier, WORKER, {})
+
+
+def run_worker(tier: str, worker: str, extra_env: dict) -> dict:
+    """Python source ``worker`` in a process at ISA ``tier`` (the libraries capped with it), one
+    thread; its last line of output, parsed as JSON."""
     from pdserve.kernels import _LIBRARY_CAPS
 
     env = {**os.environ, "PDSERVE_CPU_ISA": tier, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env.update(extra_env)
     for name in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY"):
         env.pop(name, None)
     env.update(_LIBRARY_CAPS.get(tier, {}))
     proc = subprocess.run(
-        [sys.executable, "-c", WORKER], env=env, capture_output=True, text=True, timeout=3600
+        [sys.executable, "-c", worker], env=env, capture_output=True, text=True, timeout=3600
     )
     if proc.returncode != 0:
         raise RuntimeError(f"tier {tier}: {proc.stderr[-2000:]}")

@@ -36,33 +36,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def fp8_checkpoint(src: str) -> str:
-    """``src`` with its projections in FP8 e4m3 128x128 blocks, written once beside it."""
-    import torch
+def quantized_beside(src: str, suffix: str, convert, quant: dict) -> str:
+    """``src`` with each tensor through ``convert(name, tensor)`` (a dict of the tensors it
+    becomes) and ``quant`` as its ``quantization_config``, written once beside it."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from tests.helpers.checkpoints import FP8_PROJECTIONS, fp8_block_quantize
-
-    out = Path(src + "-fp8")
+    out = Path(src + suffix)
     if (out / "model.safetensors").exists():
         return str(out)
     tmp = Path(str(out) + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tensors = {}
-    files = sorted(Path(src).glob("*.safetensors"))
-    for f in files:
+    for f in sorted(Path(src).glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
             for name in st.keys():
-                t = st.get_tensor(name)
-                proj = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
-                if name.endswith(".weight") and t.dim() == 2 and proj in FP8_PROJECTIONS:
-                    q, scale = fp8_block_quantize(t, (128, 128))
-                    tensors[name] = q
-                    tensors[name[: -len("weight")] + "weight_scale_inv"] = scale
-                else:
-                    tensors[name] = t.to(torch.bfloat16) if t.is_floating_point() else t
+                tensors.update(convert(name, st.get_tensor(name)))
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     for f in Path(src).iterdir():
         if f.suffix != ".safetensors" and f.name not in (
@@ -71,15 +61,32 @@ def fp8_checkpoint(src: str) -> str:
         ):
             shutil.copy(f, tmp / f.name)
     cfg = json.loads((Path(src) / "config.json").read_text())
-    cfg["quantization_config"] = {
+    cfg["quantization_config"] = quant
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    os.replace(tmp, out)
+    return str(out)
+
+
+def fp8_checkpoint(src: str) -> str:
+    """``src`` with its projections in FP8 e4m3 128x128 blocks, written once beside it."""
+    import torch
+
+    from tests.helpers.checkpoints import FP8_PROJECTIONS, fp8_block_quantize
+
+    def convert(name, t):
+        proj = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        if name.endswith(".weight") and t.dim() == 2 and proj in FP8_PROJECTIONS:
+            q, scale = fp8_block_quantize(t, (128, 128))
+            return {name: q, name[: -len("weight")] + "weight_scale_inv": scale}
+        return {name: t.to(torch.bfloat16) if t.is_floating_point() else t}
+
+    quant = {
         "quant_method": "fp8",
         "fmt": "e4m3",
         "activation_scheme": "dynamic",
         "weight_block_size": [128, 128],
     }
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
-    os.replace(tmp, out)
-    return str(out)
+    return quantized_beside(src, "-fp8", convert, quant)
 
 
 GPT_OSS_SHAPE = dict(
@@ -126,47 +133,15 @@ def gpt_oss_checkpoint() -> str:
 
 def mxfp4_checkpoint(src: str) -> str:
     """``src`` with its experts in MXFP4 as GPT-OSS publishes them, written once beside it."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    from tests.helpers.checkpoints import MXFP4_CONFIG, mxfp4_quantize
 
-    from tests.helpers.checkpoints import mxfp4_quantize
+    def convert(name, t):
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = mxfp4_quantize(t.float().transpose(1, 2))
+            return {name + "_blocks": blocks, name + "_scales": scales}
+        return {name: t}
 
-    out = Path(src + "-mxfp4")
-    if (out / "model.safetensors").exists():
-        return str(out)
-    tmp = Path(str(out) + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tensors = {}
-    for f in sorted(Path(src).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            for name in st.keys():
-                t = st.get_tensor(name)
-                if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                    blocks, scales = mxfp4_quantize(t.float().transpose(1, 2))
-                    tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
-                else:
-                    tensors[name] = t
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    for f in Path(src).iterdir():
-        if f.suffix != ".safetensors" and f.name not in (
-            "config.json",
-            "model.safetensors.index.json",
-        ):
-            shutil.copy(f, tmp / f.name)
-    cfg = json.loads((Path(src) / "config.json").read_text())
-    cfg["quantization_config"] = {
-        "quant_method": "mxfp4",
-        "modules_to_not_convert": [
-            "model.layers.*.self_attn",
-            "model.layers.*.mlp.router",
-            "model.embed_tokens",
-            "lm_head",
-        ],
-    }
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
-    os.replace(tmp, out)
-    return str(out)
+    return quantized_beside(src, "-mxfp4", convert, MXFP4_CONFIG)
 
 
 def decode_rates(

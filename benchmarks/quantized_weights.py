@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from isa_tiers import lscpu  # noqa: E402
+from isa_tiers import lscpu, run_worker  # noqa: E402
 
 WORKER = r"""
 import json, os, sys, time, torch
@@ -113,25 +111,7 @@ print(json.dumps(out))
 
 
 def run_tier(tier: str, rows: str, fmt: str) -> dict:
-    from pdserve.kernels import _LIBRARY_CAPS
-
-    env = {
-        **os.environ,
-        "PDSERVE_CPU_ISA": tier,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(REPO),
-        "FP8_ROWS": rows,
-        "Q_FORMAT": fmt,
-    }
-    for name in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY"):
-        env.pop(name, None)
-    env.update(_LIBRARY_CAPS.get(tier, {}))
-    proc = subprocess.run(
-        [sys.executable, "-c", WORKER], env=env, capture_output=True, text=True, timeout=3600
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"tier {tier}: {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker(tier, WORKER, {"FP8_ROWS": rows, "Q_FORMAT": fmt})
 
 
 def main() -> None:

@@ -34,6 +34,21 @@ class WeightFormat(ABC):
             for p in self.ignore
         )
 
+    @staticmethod
+    def checkpoint_naming(model: nn.Module):
+        """(``own_name``: a checkpoint name -> the model's, or None for one it does not load;
+        ``holds``: whether this rank holds a weight of the model) for ``prepare``; a model that
+        loads part of a checkpoint under other names (a draft head) maps them."""
+        own_name = getattr(model, "quantized_weight_name", None) or getattr(
+            model, "own_weight_name", None
+        )
+        if own_name is None:
+            raise ValueError(
+                f"quantization_config: {type(model).__name__} does not load quantized weights yet"
+            )
+        holds = getattr(getattr(model, "shards", None), "holds", lambda name: True)
+        return own_name, holds
+
     @abstractmethod
     def prepare(self, model: nn.Module, tensors: dict[str, tuple[str, list[int]]]) -> None:
         """Give the layers the checkpoint stores quantized the parameters of this format (the

@@ -96,16 +96,8 @@ class Fp8Block(WeightFormat):
         from pdserve.layers.linear import Linear
         from pdserve.models.weights import FUSED, self_loading_modules
 
-        # a model that loads part of a checkpoint under other names (a draft head) maps them
-        own_name = getattr(model, "quantized_weight_name", None) or getattr(
-            model, "own_weight_name", None
-        )
-        if own_name is None:
-            raise ValueError(
-                f"quantization_config: {type(model).__name__} does not load quantized weights yet"
-            )
+        own_name, holds = self.checkpoint_naming(model)
         owners = self_loading_modules(model)
-        holds = getattr(getattr(model, "shards", None), "holds", lambda name: True)
         quantized: dict[str, list[str]] = {}  # our module path -> its checkpoint weights
         experts: dict[str, set[str]] = {}  # an MoE layer's experts -> their FP8 weights
         for name, (dtype, shape) in sorted(tensors.items()):

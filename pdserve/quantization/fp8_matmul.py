@@ -19,9 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.quantization.experts import QuantizedExperts
-
-PANEL_ROWS = 256  # output rows dequantized at once by the matmul
-
+from pdserve.quantization.matmul import PANEL_ROWS, QuantizedLinear
 
 _E4M3_TABLES: dict[torch.device, torch.Tensor] = {}
 
@@ -74,7 +72,7 @@ def unpack_fp8(
     return weight.contiguous().view(torch.float8_e4m3fn), rows.contiguous()
 
 
-class Fp8BlockLinear:
+class Fp8BlockLinear(QuantizedLinear):
     """``y = x (q * s)^T + b`` for FP8 ``weight`` [N, K] and row scales ``scale`` [N,
     ceil(K/bk)] (a layer's parameters, or one expert's slice of them). After ``use_kernels``:
     ``linear_fp8`` on a packed copy (the arguments are no longer read: the caller drops them).
@@ -88,16 +86,15 @@ class Fp8BlockLinear:
         bias: Optional[torch.Tensor],
         block_k: Optional[int],
     ):
+        super().__init__(bias)
         self.out_features, self.in_features = weight.shape
         # None: one scale per output channel, a block of the whole row
-        self.weight, self.scale, self.bias = weight, scale, bias
+        self.weight, self.scale = weight, scale
         self.block_k = block_k or self.in_features
-        self.ops: Optional[ModuleType] = None
         self.onednn = False
         self.amx_min_rows = -1
         self.packed: Optional[torch.Tensor] = None
         self.packed_scale: Optional[torch.Tensor] = None
-        self._bias: dict[torch.dtype, torch.Tensor] = {}
 
     def use_kernels(self, ops: ModuleType, onednn: bool = False, batch_invariant: bool = False):
         """Multiply with ``ops.linear_fp8`` from now on, on the weight packed for it; ``onednn``:
@@ -123,40 +120,20 @@ class Fp8BlockLinear:
             w[:, full * self.block_k :].mul_(s[:, full:])
         return w
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        n = self.out_features
-        if self.ops is not None and x.dtype in (torch.float32, torch.bfloat16):
-            x2 = x.reshape(-1, x.shape[-1])
-            if x2.stride(-1) != 1:
-                x2 = x2.contiguous()
-            rows = x2.shape[0]
-            if self.onednn and x.dtype == torch.bfloat16 and rows > KERNEL_MAX_ROWS:
-                out = self._dequantized_matmul(x2)
-            else:
-                out = x2.new_empty((rows, n))
-                self.ops.linear_fp8(
-                    out,
-                    x2,
-                    self.packed,
-                    self.packed_scale,
-                    self._bias_in(x.dtype),
-                    self.block_k,
-                    self.amx_min_rows,
-                )
-            return out.view(x.shape[:-1] + (n,))
-        out = x.new_empty(x.shape[:-1] + (n,))
-        for start in range(0, n, PANEL_ROWS):
-            end = min(n, start + PANEL_ROWS)
-            bias = None if self.bias is None else self.bias[start:end].to(x.dtype)
-            out[..., start:end] = F.linear(x, self.dequantized(start, end).to(x.dtype), bias)
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.onednn and x2.dtype == torch.bfloat16 and x2.shape[0] > KERNEL_MAX_ROWS:
+            return self._dequantized_matmul(x2)
+        out = x2.new_empty((x2.shape[0], self.out_features))
+        self.ops.linear_fp8(
+            out,
+            x2,
+            self.packed,
+            self.packed_scale,
+            self._bias_in(x2.dtype),
+            self.block_k,
+            self.amx_min_rows,
+        )
         return out
-
-    def _bias_in(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
-        if self.bias is None:
-            return None
-        if dtype not in self._bias:
-            self._bias[dtype] = self.bias.detach().to(dtype).contiguous()
-        return self._bias[dtype]
 
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``PANEL_ROWS`` outputs at a time dequantized in ``x``'s dtype (k-major, as the packed

@@ -46,15 +46,8 @@ class Mxfp4(WeightFormat):
         from pdserve.layers.moe.experts import Experts
         from pdserve.models.weights import self_loading_modules
 
-        own_name = getattr(model, "quantized_weight_name", None) or getattr(
-            model, "own_weight_name", None
-        )
-        if own_name is None:
-            raise ValueError(
-                f"quantization_config: {type(model).__name__} does not load quantized weights yet"
-            )
+        own_name, holds = self.checkpoint_naming(model)
         owners = self_loading_modules(model)
-        holds = getattr(getattr(model, "shards", None), "holds", lambda name: True)
         found: dict[str, set[str]] = {}
         for name, (dtype, shape) in sorted(tensors.items()):
             if not name.endswith("_blocks"):

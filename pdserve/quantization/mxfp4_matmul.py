@@ -20,6 +20,7 @@ from torch import nn
 
 from pdserve.quantization.experts import QuantizedExperts
 from pdserve.quantization.fp8_matmul import AMX_MIN_ROWS, KERNEL_PANEL
+from pdserve.quantization.matmul import QuantizedLinear
 
 GROUP = 32  # values per scale
 # the e2m1 value of each code (sign in bit 3)
@@ -28,7 +29,6 @@ E2M1 = torch.tensor(
 )
 # the largest scale byte the kernels represent (2^(e - 127) times 256 a finite float32)
 MAX_SCALE_BYTE = 246
-PANEL_ROWS = 256  # output rows dequantized at once by the PyTorch matmul
 
 
 def codes(blocks: torch.Tensor) -> torch.Tensor:
@@ -70,19 +70,18 @@ def unpack_mxfp4(
     return blocks.contiguous(), scale.permute(0, 2, 1).reshape(-1, scale.shape[1])[:n].contiguous()
 
 
-class Mxfp4Linear:
+class Mxfp4Linear(QuantizedLinear):
     """``y = x w^T + b`` for an MXFP4 weight: ``blocks`` [N, K/2] packed bytes, ``scales`` [N,
     K/32] bytes (one expert's slice of its layer's parameters). After ``use_kernels``:
     ``linear_mxfp4`` on a packed copy (the arguments are no longer read)."""
 
     def __init__(self, blocks: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]):
+        super().__init__(bias)
         self.out_features, self.in_features = blocks.shape[0], blocks.shape[1] * 2
-        self.blocks, self.scales, self.bias = blocks, scales, bias
-        self.ops: Optional[ModuleType] = None
+        self.blocks, self.scales = blocks, scales
         self.amx_min_rows = -1
         self.packed: Optional[torch.Tensor] = None
         self.packed_scale: Optional[torch.Tensor] = None
-        self._bias: dict[torch.dtype, torch.Tensor] = {}
 
     def use_kernels(self, ops: ModuleType, batch_invariant: bool = False):
         if self.ops is None:
@@ -97,30 +96,12 @@ class Mxfp4Linear:
             blocks, scales = unpack_mxfp4(self.packed, self.packed_scale, self.out_features)
         return dequantize(blocks[start:end], scales[start:end])
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        n = self.out_features
-        if self.ops is not None and x.dtype in (torch.float32, torch.bfloat16):
-            x2 = x.reshape(-1, x.shape[-1])
-            if x2.stride(-1) != 1:
-                x2 = x2.contiguous()
-            out = x2.new_empty((x2.shape[0], n))
-            self.ops.linear_mxfp4(
-                out, x2, self.packed, self.packed_scale, self._bias_in(x.dtype), self.amx_min_rows
-            )
-            return out.view(x.shape[:-1] + (n,))
-        out = x.new_empty(x.shape[:-1] + (n,))
-        for start in range(0, n, PANEL_ROWS):
-            end = min(n, start + PANEL_ROWS)
-            bias = None if self.bias is None else self.bias[start:end].to(x.dtype)
-            out[..., start:end] = F.linear(x, self.dequantized(start, end).to(x.dtype), bias)
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        out = x2.new_empty((x2.shape[0], self.out_features))
+        self.ops.linear_mxfp4(
+            out, x2, self.packed, self.packed_scale, self._bias_in(x2.dtype), self.amx_min_rows
+        )
         return out
-
-    def _bias_in(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
-        if self.bias is None:
-            return None
-        if dtype not in self._bias:
-            self._bias[dtype] = self.bias.detach().to(dtype).contiguous()
-        return self._bias[dtype]
 
     @property
     def nbytes(self) -> int:

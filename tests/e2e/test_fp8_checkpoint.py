@@ -292,15 +292,22 @@ def pd_int8_layerwise(tmp_path_factory):
     logs = tmp_path_factory.mktemp("fp8-pd-int8")
     path = fp8("llama", (16, 16))
     common = ["--dtype", "bfloat16", "--max-total-tokens", "4096", "--page-size", "16"]
-    common += ["--kv-cache-dtype", "int8"]
+    yield from int8_layerwise_pd("fp8-int8", path, logs, common, [])
+
+
+def int8_layerwise_pd(name: str, path: str, logs, common: list, decode_flags: list):
+    """A fixture body: a prefill of ``path`` sending int8 KV pages layer by layer (one layer a
+    group, every prompt) to a decode with ``decode_flags``, behind pdserve's router; yields
+    (path, router)."""
+    common = [*common, "--kv-cache-dtype", "int8"]
     layers = ["--enable-disagg-layer-pipeline", "--disagg-layer-group-size", "1"]
     layers += ["--disagg-layer-pipeline-min-prefill-len", "0"]
-    prefill, _ = c.prefill("P-fp8-int8", path, logs, *common, *layers)
-    decode = c.decode("D-fp8-int8", path, logs, *common)
+    prefill, _ = c.prefill(f"P-{name}", path, logs, *common, *layers)
+    decode = c.decode(f"D-{name}", path, logs, *common, *decode_flags)
     procs, routers = [prefill, decode], []
     try:
         c.start_all(procs)
-        routers = [c.router("R-fp8-int8", [prefill], [decode], logs).start()]
+        routers = [c.router(f"R-{name}", [prefill], [decode], logs).start()]
         yield path, routers[0]
     finally:
         for p in routers + procs:
@@ -320,7 +327,13 @@ def test_pd_fp8_with_int8_kv_and_layerwise_transfer_equals_colocated(pd_int8_lay
         kv_cache_dtype="int8",
     )
     request.node._engine = eng
-    for ids in prompts_for(9)[:4]:
+    assert_router_equals_engine(router, eng, prompts_for(9)[:4], 1e-5)
+
+
+def assert_router_equals_engine(router, eng, prompts: list[list[int]], tolerance: float) -> None:
+    """Through ``router`` the greedy tokens of ``eng`` (colocated), logprobs within
+    ``tolerance``."""
+    for ids in prompts:
         want = eng.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True)
         body = {"input_ids": ids, "sampling_params": GREEDY, "return_logprob": True}
         r = httpx.post(router.url + "/generate", json=body)
@@ -329,7 +342,7 @@ def test_pd_fp8_with_int8_kv_and_layerwise_transfer_equals_colocated(pd_int8_lay
         assert got["output_ids"] == want["output_ids"], f"prompt of {len(ids)} tokens"
         lp = [v for v, _, _ in got["meta_info"]["output_token_logprobs"]]
         ref = [v for v, _, _ in want["meta_info"]["output_token_logprobs"]]
-        assert max(abs(a - b) for a, b in zip(lp, ref)) < 1e-5
+        assert max(abs(a - b) for a, b in zip(lp, ref)) < tolerance
 
 
 @pytest.mark.parametrize("max_rows", [None, 2])

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
 
@@ -24,8 +23,13 @@ from pdserve.models.loader import checkpoint_tensors, load_model
 from pdserve.quantization.mxfp4 import Mxfp4
 from pdserve.quantization.mxfp4_matmul import Mxfp4Experts
 from tests.e2e.test_engine import prompts_for
-from tests.e2e.test_fp8_checkpoint import GREEDY, assert_hf_tokens_and_logprobs, runner_model
-from tests.helpers import cluster as c
+from tests.e2e.test_fp8_checkpoint import (
+    GREEDY,
+    assert_hf_tokens_and_logprobs,
+    assert_router_equals_engine,
+    int8_layerwise_pd,
+    runner_model,
+)
 from tests.helpers.checkpoints import (
     build_mxfp4_checkpoint,
     build_tiny_checkpoint,
@@ -173,7 +177,6 @@ def test_deterministic_inference_on_mxfp4_weights(request):
 
 
 COMMON = ["--dtype", "float32", "--max-total-tokens", "4096", "--page-size", "16"]
-COMMON += ["--kv-cache-dtype", "int8"]
 
 
 @pytest.fixture(scope="module")
@@ -182,20 +185,8 @@ def pd_dp_ep(tmp_path_factory):
     decode with DP attention over 2 ranks and the 4 experts split over 2 expert-parallel
     ranks."""
     logs = tmp_path_factory.mktemp("mxfp4-pd")
-    path = mxfp4()
-    layers = ["--enable-disagg-layer-pipeline", "--disagg-layer-group-size", "1"]
-    layers += ["--disagg-layer-pipeline-min-prefill-len", "0"]
     dp_ep = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2"]
-    prefill, _ = c.prefill("P-mxfp4", path, logs, *COMMON, *layers)
-    decode = c.decode("D-mxfp4-dp-ep", path, logs, *COMMON, *dp_ep)
-    procs, routers = [prefill, decode], []
-    try:
-        c.start_all(procs)
-        routers = [c.router("R-mxfp4", [prefill], [decode], logs).start()]
-        yield path, routers[0]
-    finally:
-        for p in routers + procs:
-            p.stop()
+    yield from int8_layerwise_pd("mxfp4", mxfp4(), logs, COMMON, dp_ep)
 
 
 def test_pd_mxfp4_to_dp_attention_and_expert_parallel_decode_equals_colocated(pd_dp_ep, request):
@@ -211,13 +202,4 @@ def test_pd_mxfp4_to_dp_attention_and_expert_parallel_decode_equals_colocated(pd
         kv_cache_dtype="int8",
     )
     request.node._engine = eng
-    for ids in prompts_for(9)[:4]:
-        want = eng.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True)
-        body = {"input_ids": ids, "sampling_params": GREEDY, "return_logprob": True}
-        r = httpx.post(router.url + "/generate", json=body)
-        assert r.status_code == 200, r.text
-        got = r.json()
-        assert got["output_ids"] == want["output_ids"], f"prompt of {len(ids)} tokens"
-        lp = [v for v, _, _ in got["meta_info"]["output_token_logprobs"]]
-        ref = [v for v, _, _ in want["meta_info"]["output_token_logprobs"]]
-        assert max(abs(a - b) for a, b in zip(lp, ref)) < 1e-4
+    assert_router_equals_engine(router, eng, prompts_for(9)[:4], 1e-4)

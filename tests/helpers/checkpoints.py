@@ -818,6 +818,27 @@ FP8_PROJECTIONS = (
 )
 
 
+def _write_checkpoint(src: str, tmp: str, out: dict, quant: dict | None, dtype: str | None):
+    """``out`` as the checkpoint in ``tmp`` beside ``src``'s other files, and ``src``'s config
+    with ``quant`` as its ``quantization_config`` (None: without one) and ``dtype`` (if given)."""
+    from safetensors.torch import save_file
+
+    save_file(out, os.path.join(tmp, "model.safetensors"))
+    for name in os.listdir(src):
+        if name not in ("model.safetensors", "config.json"):
+            shutil.copy(os.path.join(src, name), tmp)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    if quant is None:
+        cfg.pop("quantization_config", None)
+    else:
+        cfg["quantization_config"] = quant
+    if dtype is not None:
+        cfg["torch_dtype"] = cfg["dtype"] = dtype
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
 def fp8_block_quantize(
     w: torch.Tensor, block: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -841,7 +862,7 @@ def build_fp8_block_checkpoint(
     ``edits``: a broken variant (``drop``: a tensor left out, ``reshape``: a scale of the wrong
     shape, ``keep``: a projection's weight left in bf16, ``fmt``: another
     ``quantization_config.fmt``)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     key = ["fp8-block", src, list(block), scale_fmt, sorted(edits.items()), list(FP8_PROJECTIONS)]
 
@@ -865,12 +886,6 @@ def build_fp8_block_checkpoint(
         if "reshape" in edits:
             name = edits["reshape"]
             out[name] = torch.cat([out[name], out[name][-1:]])
-        save_file(out, os.path.join(tmp, "model.safetensors"))
-        for name in os.listdir(src):
-            if name not in ("model.safetensors", "config.json"):
-                shutil.copy(os.path.join(src, name), tmp)
-        with open(os.path.join(src, "config.json")) as f:
-            cfg = json.load(f)
         quant = {
             "quant_method": "fp8",
             "fmt": edits.get("fmt", "e4m3"),
@@ -879,10 +894,7 @@ def build_fp8_block_checkpoint(
         }
         if scale_fmt:
             quant["scale_fmt"] = scale_fmt
-        cfg["quantization_config"] = quant
-        cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(cfg, f)
+        _write_checkpoint(src, tmp, out, quant, "bfloat16")
 
     return _cached("fp8", key, write)
 
@@ -914,18 +926,7 @@ def _write_unquantized(src: str, tmp: str, scale_suffix: str, dequantize) -> Non
 def _write_float32(src: str, tmp: str, out: dict) -> None:
     """``out`` (float32 tensors) as the checkpoint in ``tmp``, with ``src``'s other files and its
     config less its ``quantization_config``."""
-    from safetensors.torch import save_file
-
-    save_file(out, os.path.join(tmp, "model.safetensors"))
-    for name in os.listdir(src):
-        if name not in ("model.safetensors", "config.json"):
-            shutil.copy(os.path.join(src, name), tmp)
-    with open(os.path.join(src, "config.json")) as f:
-        cfg = json.load(f)
-    cfg.pop("quantization_config")
-    cfg["torch_dtype"] = cfg["dtype"] = "float32"
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    _write_checkpoint(src, tmp, out, None, "float32")
 
 
 def dequantized_checkpoint(src: str) -> str:
@@ -944,6 +945,17 @@ def dequantized_checkpoint(src: str) -> str:
         )
 
     return _cached("fp8-dequantized", ["fp8-dequantized", src], write)
+
+
+def _compressed_config(fmt: str, scheme) -> dict:
+    """The ``quantization_config`` llm-compressor writes for one scheme in format ``fmt``."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": scheme.model_dump(exclude_none=True)},
+        "ignore": ["lm_head"],
+    }
 
 
 def _compressed_fp8_scheme():
@@ -968,7 +980,7 @@ def build_compressed_fp8_checkpoint(src: str) -> str:
     ``weight_scale`` [N, 1] float32 written by compressed-tensors' own compressor from the
     min-max scale (amax / 448 per row), the LM head ignored."""
     from compressed_tensors.compressors import FloatQuantizationCompressor
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     def write(tmp: str) -> None:
         scheme = _compressed_fp8_scheme()
@@ -986,22 +998,7 @@ def build_compressed_fp8_checkpoint(src: str) -> str:
                 out[base + "weight_scale"] = packed["weight_scale"].float().contiguous()
             else:
                 out[name] = t
-        save_file(out, os.path.join(tmp, "model.safetensors"))
-        for name in os.listdir(src):
-            if name not in ("model.safetensors", "config.json"):
-                shutil.copy(os.path.join(src, name), tmp)
-        with open(os.path.join(src, "config.json")) as f:
-            cfg = json.load(f)
-        group = scheme.model_dump(exclude_none=True)
-        cfg["quantization_config"] = {
-            "quant_method": "compressed-tensors",
-            "format": "float-quantized",
-            "quantization_status": "compressed",
-            "config_groups": {"group_0": group},
-            "ignore": ["lm_head"],
-        }
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(cfg, f)
+        _write_checkpoint(src, tmp, out, _compressed_config("float-quantized", scheme), None)
 
     return _cached("ct-fp8", ["ct-fp8", src, list(FP8_PROJECTIONS)], write)
 
@@ -1029,7 +1026,7 @@ def build_compressed_int8_checkpoint(src: str) -> str:
     gives (``calculate_qparams`` over each row's min and max), the LM head ignored."""
     from compressed_tensors.compressors import IntQuantizationCompressor
     from compressed_tensors.quantization.utils import calculate_qparams
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     def write(tmp: str) -> None:
         scheme = _compressed_int8_scheme()
@@ -1049,21 +1046,7 @@ def build_compressed_int8_checkpoint(src: str) -> str:
                 out[base + "weight_scale"] = packed["weight_scale"].float().contiguous()
             else:
                 out[name] = t
-        save_file(out, os.path.join(tmp, "model.safetensors"))
-        for name in os.listdir(src):
-            if name not in ("model.safetensors", "config.json"):
-                shutil.copy(os.path.join(src, name), tmp)
-        with open(os.path.join(src, "config.json")) as f:
-            cfg = json.load(f)
-        cfg["quantization_config"] = {
-            "quant_method": "compressed-tensors",
-            "format": "int-quantized",
-            "quantization_status": "compressed",
-            "config_groups": {"group_0": scheme.model_dump(exclude_none=True)},
-            "ignore": ["lm_head"],
-        }
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(cfg, f)
+        _write_checkpoint(src, tmp, out, _compressed_config("int-quantized", scheme), None)
 
     return _cached("ct-int8", ["ct-int8", src, list(FP8_PROJECTIONS)], write)
 
@@ -1093,6 +1076,16 @@ def decompressed_checkpoint(src: str) -> str:
     return _cached("ct-decompressed", ["ct-decompressed", src], write)
 
 
+# GPT-OSS's published quantization_config
+MXFP4_CONFIG = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
 E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
@@ -1120,7 +1113,7 @@ def build_mxfp4_checkpoint(src: str, **edits) -> str:
     place of each expert projection (rows the outputs, ``gate_up_proj``'s interleaved gate and
     up), the rest bf16. ``edits``: a broken variant (``drop``: a tensor left out, ``scale``: a
     scale byte set in every scale tensor of that name, ``reshape``: a scale of the wrong shape)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     key = ["mxfp4", src, sorted(edits.items())]
 
@@ -1141,24 +1134,7 @@ def build_mxfp4_checkpoint(src: str, **edits) -> str:
         if "reshape" in edits:
             name = edits["reshape"]
             out[name] = out[name][..., :-1].contiguous()
-        save_file(out, os.path.join(tmp, "model.safetensors"))
-        for name in os.listdir(src):
-            if name not in ("model.safetensors", "config.json"):
-                shutil.copy(os.path.join(src, name), tmp)
-        with open(os.path.join(src, "config.json")) as f:
-            cfg = json.load(f)
-        cfg["quantization_config"] = {
-            "quant_method": "mxfp4",
-            "modules_to_not_convert": [
-                "model.layers.*.self_attn",
-                "model.layers.*.mlp.router",
-                "model.embed_tokens",
-                "lm_head",
-            ],
-        }
-        cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(cfg, f)
+        _write_checkpoint(src, tmp, out, MXFP4_CONFIG, "bfloat16")
 
     return _cached("mxfp4", key, write)
 
