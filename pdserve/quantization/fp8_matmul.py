@@ -57,8 +57,15 @@ def pack_fp8(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, t
     pad = -n % KERNEL_PANEL
     w = F.pad(weight.view(torch.uint8), (0, 0, 0, pad)).view(-1, KERNEL_PANEL, k)
     packed = w[:, OUT_OF, :].permute(0, 2, 1).contiguous()
+    return packed, pack_scales(scale)
+
+
+def pack_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Row scales [N, KB] -> the kernels' [ceil(N/64), KB, 64] (float32, times 256, output
+    order), zero padded."""
+    pad = -scale.shape[0] % KERNEL_PANEL
     s = F.pad(scale.to(torch.float32), (0, 0, 0, pad)).view(-1, KERNEL_PANEL, scale.shape[1])
-    return packed, (s.permute(0, 2, 1) * 256.0).contiguous()
+    return (s.permute(0, 2, 1) * 256.0).contiguous()
 
 
 def unpack_fp8(

@@ -47,17 +47,23 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(values, exp[..., None].to(torch.float32)).view(n, k)
 
 
-def pack_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-major packed bytes [N, K/2] and scale bytes [N, K/32] -> ``linear_mxfp4``'s panels
-    [ceil(N/64), K, 32] (byte j of a line: the code of output j low, of output j + 32 high) and
-    scales [ceil(N/64), K/32, 64] (uint8, output order), padded with zero codes and scales."""
-    n = blocks.shape[0]
-    pad = -n % KERNEL_PANEL
+def pack_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """Row-major packed bytes [N, K/2] (two 4-bit codes a byte, the even k low) -> the 4-bit
+    kernels' panels [ceil(N/64), K, 32] (byte j of a line: the code of output j low, of output
+    j + 32 high), padded with zero codes."""
+    pad = -blocks.shape[0] % KERNEL_PANEL
     c = F.pad(codes(blocks), (0, 0, 0, pad)).view(-1, KERNEL_PANEL, blocks.shape[1] * 2)
     line = c.permute(0, 2, 1)  # [NP, K, 64] codes in output order
-    packed = (line[..., :32] | (line[..., 32:] << 4)).contiguous()
+    return (line[..., :32] | (line[..., 32:] << 4)).contiguous()
+
+
+def pack_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-major packed bytes [N, K/2] and scale bytes [N, K/32] -> ``linear_mxfp4``'s panels
+    (``pack_codes``) and scales [ceil(N/64), K/32, 64] (uint8, output order), padded with zero
+    codes and scales."""
+    pad = -blocks.shape[0] % KERNEL_PANEL
     s = F.pad(scales.to(torch.uint8), (0, 0, 0, pad)).view(-1, KERNEL_PANEL, scales.shape[1])
-    return packed, s.permute(0, 2, 1).contiguous()
+    return pack_codes(blocks), s.permute(0, 2, 1).contiguous()
 
 
 def unpack_mxfp4(

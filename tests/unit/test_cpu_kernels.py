@@ -542,3 +542,46 @@ def test_w8a8_linear_takes_a_checkpoints_int8_weights(ops, isa, rows, x_dtype):
     err = ((out.double() - ref).abs() / (ref.abs() + 1)).max().item()
     assert err < (1e-5 if x_dtype == torch.float32 else 2**-8), err
     assert torch.equal(lin(x[-1:])[0], out[-1])
+
+
+# ---- int4 weights (compressed-tensors' pack-quantized) ----
+
+
+@pytest.mark.parametrize("rows,n,k,group", [(1, 70, 96, 32), (7, 70, 96, 32), (40, 130, 256, 128)])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_int4_linear_is_the_portable_loop_and_batch_invariant(ops, isa, rows, n, k, group, x_dtype):
+    """linear_int4 at every tier gives the portable loop's bits (the FP8 kernels' sums on codes
+    looked up as q = code - 8; bf16 x on AMX tiles: their order), near the float64 product of
+    the dequantized weight; a row alone gives its bits in any batch; every code; the
+    dequantization kernel is the reference's bits."""
+    from pdserve.quantization.int4_matmul import Int4GroupLinear
+
+    gen = torch.Generator().manual_seed(rows + n + k)
+    blocks = torch.randint(0, 256, (n, k // 2), dtype=torch.int32, generator=gen).to(torch.uint8)
+    scale = torch.rand(n, -(-k // group), generator=gen) * 1e-2 + 1e-4
+    x = torch.randn(rows, k, generator=gen).to(x_dtype)
+    bias = torch.randn(n, generator=gen)
+    lin = Int4GroupLinear(blocks, scale, bias, group)
+    w = lin.dequantized()
+    lin.use_kernels(ops, batch_invariant=False)
+    out = lin(x)
+    before = ops.isa_tier()
+    ops.set_isa("scalar")
+    try:
+        portable = lin(x)
+        deq = torch.empty(k, n)
+        ops.int4_dequantize(deq, lin.packed, lin.packed_scale, group)
+    finally:
+        ops.set_isa(before)
+    tiles = ops.isa().startswith("amx") and x_dtype == torch.bfloat16
+    assert tiles or torch.equal(
+        out.view(torch.int32 if x_dtype == torch.float32 else torch.int16),
+        portable.view(torch.int32 if x_dtype == torch.float32 else torch.int16),
+    )
+    here = torch.empty(k, n)
+    ops.int4_dequantize(here, lin.packed, lin.packed_scale, group)
+    assert torch.equal(here, w.T) and torch.equal(deq, w.T)
+    ref = x.double() @ w.double().T + bias.to(x_dtype).double()
+    err = ((out.double() - ref).abs() / (ref.abs() + 1)).max().item()
+    assert err < (1e-5 if x_dtype == torch.float32 else 2**-8), err
+    assert torch.equal(lin(x[-1:])[0], out[-1])

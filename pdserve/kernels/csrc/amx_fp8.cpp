@@ -30,15 +30,15 @@ constexpr int64_t kChunkRows = 256;  // rows whose sums stay in a buffer while a
 
 // the B tiles of the 32-k step of lines [k0, k0 + nk) (nk <= 32; zero past it): b[j] is
 // [16 pairs][16 outputs of group j][2] bf16
-template <bool FP4>
+template <int C>
 PDS_AMX void build_step(const uint8_t* lines, int64_t nk, uint16_t (*b)[16][32]) {
-  constexpr int64_t lb = FP4 ? kFp4Line : kFp8Panel;
+  constexpr int64_t lb = C == kCodesFp8 ? kFp8Panel : kFp4Line;
   const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
   for (int kp = 0; kp < 16; ++kp) {
     __m512 even[4], odd[4];
     for (int j = 0; j < 4; ++j) even[j] = odd[j] = _mm512_setzero_ps();
-    if (2 * kp < nk) widen_line<FP4>(lines + 2 * kp * lb, even);
-    if (2 * kp + 1 < nk) widen_line<FP4>(lines + (2 * kp + 1) * lb, odd);
+    if (2 * kp < nk) widen_line<C>(lines + 2 * kp * lb, even);
+    if (2 * kp + 1 < nk) widen_line<C>(lines + (2 * kp + 1) * lb, odd);
     for (int j = 0; j < 4; ++j) {
       const __m512i pair = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even[j]), 16),
                                            _mm512_and_si512(_mm512_castps_si512(odd[j]), high));
@@ -67,9 +67,9 @@ PDS_AMX void store_rows(const Fp8Args& f, int64_t np, int64_t m0, int64_t rows, 
     }
 }
 
-template <class Tiles, bool FP4>
+template <class Tiles, int C>
 PDS_AMX void panels(const Fp8AmxArgs& a, int64_t np0, int64_t np1) {
-  constexpr int64_t lb = FP4 ? kFp4Line : kFp8Panel;
+  constexpr int64_t lb = C == kCodesFp8 ? kFp8Panel : kFp4Line;
   const Fp8Args& f = a.f;
   const int64_t Mp = (f.M + 15) / 16 * 16, steps_max = (f.bk + 31) / 32;
   std::vector<float> acc_buf(kChunkRows * kFp8Panel);
@@ -90,7 +90,7 @@ PDS_AMX void panels(const Fp8AmxArgs& a, int64_t np0, int64_t np1) {
         const int64_t k0 = kb * f.bk, nk = std::min(f.K, k0 + f.bk) - k0, ns = (nk + 31) / 32;
         const uint8_t* block = f.w + (np * f.K + k0) * lb;
         for (int64_t s = 0; s < ns; ++s)
-          build_step<FP4>(block + 32 * s * lb, std::min<int64_t>(32, nk - 32 * s), steps.get()[s].b);
+          build_step<C>(block + 32 * s * lb, std::min<int64_t>(32, nk - 32 * s), steps.get()[s].b);
         const float* sc = block_scales(f, np, kb, sbuf);
         for (int64_t m0 = c0; m0 < c0 + rows; m0 += 16) {
           t.template zero<0>();
@@ -131,10 +131,14 @@ void amx_linear_fp8(const Fp8AmxArgs& a, int tile_backend) {
   const int64_t NP = (a.f.N + kFp8Panel - 1) / kFp8Panel;
   at::parallel_for(0, NP, 1, [&](int64_t b, int64_t e) {
     const bool hw = TileBackend(tile_backend) == TileBackend::kHardware;
-    if (a.f.fp4)
-      hw ? panels<HwTiles, true>(a, b, e) : panels<EmuTiles, true>(a, b, e);
-    else
-      hw ? panels<HwTiles, false>(a, b, e) : panels<EmuTiles, false>(a, b, e);
+    switch (a.f.codes) {
+      case kCodesE2m1:
+        return hw ? panels<HwTiles, kCodesE2m1>(a, b, e) : panels<EmuTiles, kCodesE2m1>(a, b, e);
+      case kCodesInt4:
+        return hw ? panels<HwTiles, kCodesInt4>(a, b, e) : panels<EmuTiles, kCodesInt4>(a, b, e);
+      default:
+        return hw ? panels<HwTiles, kCodesFp8>(a, b, e) : panels<EmuTiles, kCodesFp8>(a, b, e);
+    }
   });
 }
 #endif

@@ -36,6 +36,9 @@ void fp8_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& 
 void linear_mxfp4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                   c10::optional<at::Tensor> bias, int64_t amx_min_rows);
 void mxfp4_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& scale);
+void linear_int4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                 c10::optional<at::Tensor> bias, int64_t block_k, int64_t amx_min_rows);
+void int4_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& scale, int64_t block_k);
 void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& colsum,
                  const at::Tensor& w_scale, c10::optional<at::Tensor> bias, int64_t amx_min_rows);
 void moe_experts_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
@@ -127,6 +130,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mxfp4_dequantize", &pds::mxfp4_dequantize,
         "the float32 or bf16 weight of linear_mxfp4's packed panels (exact in float32)", py::arg("out"),
         py::arg("packed"), py::arg("scale"));
+  m.def("linear_int4", &pds::linear_int4,
+        "x w^T (+ bias) for symmetric int4 weights (codes q + 8) packed [N/64, K, 32] with scales "
+        "[N/64, K/bk, 64] (times 256; linear_fp8's kernels, batch invariant)",
+        py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("bias"), py::arg("block_k"),
+        py::arg("amx_min_rows") = -1);
+  m.def("int4_dequantize", &pds::int4_dequantize, "the float32 or bf16 weight of linear_int4's packed panels",
+        py::arg("out"), py::arg("packed"), py::arg("scale"), py::arg("block_k"));
   m.def("linear_w8a8", &pds::linear_w8a8, "int8 weights x per-token int8 activations (w8a8_int8), dequantized",
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("colsum"), pybind11::arg("w_scale"),
         pybind11::arg("bias"), pybind11::arg("amx_min_rows") = -1);

@@ -9,7 +9,8 @@
 // block is widened once into a float32 buffer (bk x 64: 32 KiB at 128, in L1) and tiles of up to 6
 // rows x 64 outputs run on it; the panel stays in L2 for the row blocks after. Every output's sums are those of fp8_linear.h whatever the tier or the tiling:
 // AVX-512 here, the 8-lane kernels (fp8_vec8.cpp) and the portable loop give the same bits.
-// MXFP4 panels (linear_mxfp4) run the same code, their codes looked up as values (fp8_linear.h).
+// 4-bit panels (linear_mxfp4, linear_int4) run the same code, their codes looked up as values
+// (fp8_linear.h).
 #include "amx.h"
 #include "common.h"
 #include "fp8_linear.h"
@@ -36,10 +37,11 @@ const float* e4m3_table() {
   return table.data();
 }
 
-// a packed line (FP8 or MXFP4) -> its 64 weights at 2^-8 of their values, in output order
-inline void widen_line_scalar(const uint8_t* line, bool fp4, float* w) {
-  if (fp4) {
-    for (int o = 0; o < kFp8Panel; ++o) w[o] = kE2m1Scaled[fp4_code(line, o)];
+// a packed line (FP8 or 4-bit codes) -> its 64 weights at 2^-8 of their values, in output order
+inline void widen_line_scalar(const uint8_t* line, int codes, float* w) {
+  if (codes != kCodesFp8) {
+    const float* values = code_values(codes);
+    for (int o = 0; o < kFp8Panel; ++o) w[o] = values[fp4_code(line, o)];
     return;
   }
   const float* table = e4m3_table();
@@ -47,7 +49,7 @@ inline void widen_line_scalar(const uint8_t* line, bool fp4, float* w) {
 }
 
 void panel_scalar(const Fp8Args& a, int64_t np) {
-  const int64_t lb = line_bytes(a.fp4);
+  const int64_t lb = line_bytes(a.codes);
   float acc[kFp8RowBlock * kFp8Panel];
   float w[kFp8Panel], sbuf[kFp8Panel];
   const int64_t n0 = np * kFp8Panel, nn = std::min<int64_t>(kFp8Panel, a.N - n0);
@@ -61,7 +63,7 @@ void panel_scalar(const Fp8Args& a, int64_t np) {
         float part[kFp8Panel] = {0};
         for (int64_t k = k0; k < k1; ++k) {
           const uint8_t* line = a.w + (np * a.K + k) * lb;
-          widen_line_scalar(line, a.fp4, w);
+          widen_line_scalar(line, a.codes, w);
           const int64_t m = m0 + r;
           const float x = a.x[m * a.x_stride + k];
           for (int o = 0; o < kFp8Panel; ++o) part[o] = std::fma(x, w[o], part[o]);
@@ -88,9 +90,9 @@ void panel_scalar(const Fp8Args& a, int64_t np) {
 constexpr int kTileRows = 6;  // 24 partial sums, a broadcast, the weights read from L1 as operands
 
 // One row (decode at batch 1): k block kb of panel np widened in registers as it streams in
-template <bool FP4>
+template <int C>
 PDS_AVX512 void row_block(const Fp8Args& a, int64_t np, int64_t kb, int64_t m, float* acc) {
-  constexpr int64_t lb = FP4 ? kFp4Line : kFp8Panel;
+  constexpr int64_t lb = C == kCodesFp8 ? kFp8Panel : kFp4Line;
   const int64_t k0 = kb * a.bk, k1 = std::min(a.K, k0 + a.bk);
   const uint8_t* block = a.w + (np * a.K + k0) * lb;
   const float* x = a.x + m * a.x_stride;
@@ -100,7 +102,7 @@ PDS_AVX512 void row_block(const Fp8Args& a, int64_t np, int64_t kb, int64_t m, f
     __m512 w[4];
     // the panel is one sequential stream: fetched into L2 ahead of its use, as the bf16 GEMV does
     _mm_prefetch(reinterpret_cast<const char*>(block + (k - k0) * lb) + kFp8PrefetchBytes, _MM_HINT_T1);
-    widen_line<FP4>(block + (k - k0) * lb, w);
+    widen_line<C>(block + (k - k0) * lb, w);
     const __m512 xv = _mm512_set1_ps(x[k]);
     for (int j = 0; j < 4; ++j) part[j] = _mm512_fmadd_ps(xv, w[j], part[j]);
   }
@@ -112,14 +114,14 @@ PDS_AVX512 void row_block(const Fp8Args& a, int64_t np, int64_t kb, int64_t m, f
 }
 
 // k block kb of panel np -> wbuf [bk][64] float32 (2^-8 of the values)
-template <bool FP4>
+template <int C>
 PDS_AVX512 void widen_block(const Fp8Args& a, int64_t np, int64_t kb, float* wbuf) {
-  constexpr int64_t lb = FP4 ? kFp4Line : kFp8Panel;
+  constexpr int64_t lb = C == kCodesFp8 ? kFp8Panel : kFp4Line;
   const int64_t k0 = kb * a.bk, k1 = std::min(a.K, k0 + a.bk);
   const uint8_t* block = a.w + (np * a.K + k0) * lb;
   for (int64_t k = k0; k < k1; ++k) {
     __m512 w[4];
-    widen_line<FP4>(block + (k - k0) * lb, w);
+    widen_line<C>(block + (k - k0) * lb, w);
     for (int j = 0; j < 4; ++j) _mm512_store_ps(wbuf + (k - k0) * kFp8Panel + 16 * j, w[j]);
   }
 }
@@ -166,7 +168,7 @@ PDS_AVX512 void store_rows(const Fp8Args& a, int64_t np, int64_t m0, int64_t row
     }
 }
 
-template <bool FP4>
+template <int C>
 PDS_AVX512 void panels_avx512(const Fp8Args& a, int64_t np0, int64_t np1, float* wbuf) {
   alignas(64) float acc[kFp8RowBlock * kFp8Panel], sbuf[kFp8Panel];
   for (int64_t np = np0; np < np1; ++np)
@@ -175,10 +177,10 @@ PDS_AVX512 void panels_avx512(const Fp8Args& a, int64_t np0, int64_t np1, float*
       std::fill(acc, acc + rows * kFp8Panel, 0.f);
       for (int64_t kb = 0; kb < a.KB; ++kb) {
         if (rows == 1) {
-          row_block<FP4>(a, np, kb, m0, acc);
+          row_block<C>(a, np, kb, m0, acc);
           continue;
         }
-        widen_block<FP4>(a, np, kb, wbuf);
+        widen_block<C>(a, np, kb, wbuf);
         const float* scales = block_scales(a, np, kb, sbuf);
         const int64_t n_tiles = (rows + kTileRows - 1) / kTileRows;  // as even as can be
         for (int64_t t = 0, r = 0; t < n_tiles; ++t) {
@@ -197,9 +199,9 @@ PDS_AVX512 void panels_avx512(const Fp8Args& a, int64_t np0, int64_t np1, float*
 // k-line by k-line: 64 weights widened, scaled, stored as float32 or bf16 (rounded to nearest even
 // by the integer rule of f32x16_to_bf16, or by vcvtneps2bf16 where the tier has it: the same bits,
 // no NaN here)
-template <bool FP4>
+template <int C>
 PDS_AVX512 void dequantize_avx512(const Fp8DequantArgs& a, int64_t np0, int64_t np1) {
-  constexpr int64_t lb = FP4 ? kFp4Line : kFp8Panel;
+  constexpr int64_t lb = C == kCodesFp8 ? kFp8Panel : kFp4Line;
   alignas(64) float sbuf[kFp8Panel];
   for (int64_t np = np0; np < np1; ++np) {
     const int64_t c0 = np * kFp8Panel;
@@ -207,7 +209,7 @@ PDS_AVX512 void dequantize_avx512(const Fp8DequantArgs& a, int64_t np0, int64_t 
     for (int64_t k = 0, kb = 0, next = a.bk; k < a.K; ++k) {
       if (k == next) ++kb, next += a.bk, s = block_scales(a, np, kb, sbuf);
       __m512 w[4];
-      widen_line<FP4>(a.w + (np * a.K + k) * lb, w);
+      widen_line<C>(a.w + (np * a.K + k) * lb, w);
       for (int j = 0; j < 4; ++j) {
         const int64_t c = c0 + 16 * j;
         if (c >= a.cols) break;
@@ -231,7 +233,7 @@ PDS_AVX512_BF16 void dequantize_avx512_bf16(const Fp8DequantArgs& a, int64_t np0
     for (int64_t k = 0, kb = 0, next = a.bk; k < a.K; ++k) {
       if (k == next) ++kb, next += a.bk, s = block_scales(a, np, kb, sbuf);
       __m512 w[4];
-      widen_line<false>(a.w + (np * a.K + k) * kFp8Panel, w);
+      widen_line<kCodesFp8>(a.w + (np * a.K + k) * kFp8Panel, w);
       uint16_t* dst = static_cast<uint16_t*>(a.out) + k * a.out_stride + c0;
       for (int j = 0; j < 4; ++j) {
         const int64_t c = c0 + 16 * j;
@@ -273,7 +275,11 @@ void run_linear(Fp8Args a, const at::Tensor& x, int64_t amx_min_rows) {
         M > 1 ? static_cast<float*>(std::aligned_alloc(64, ((bk * kFp8Panel * 4 + 63) / 64) * 64)) : nullptr,
         &std::free);
 #if PDS_X86
-    if (avx512) return a.fp4 ? panels_avx512<true>(a, b, e, wbuf.get()) : panels_avx512<false>(a, b, e, wbuf.get());
+    if (avx512) {
+      if (a.codes == kCodesE2m1) return panels_avx512<kCodesE2m1>(a, b, e, wbuf.get());
+      if (a.codes == kCodesInt4) return panels_avx512<kCodesInt4>(a, b, e, wbuf.get());
+      return panels_avx512<kCodesFp8>(a, b, e, wbuf.get());
+    }
 #endif
 #if PDS_HAS_V8
     if (v8) return linear_fp8_panels_vec8(a, b, e, wbuf.get());
@@ -286,13 +292,17 @@ void run_dequantize(const Fp8DequantArgs& a, int64_t NP) {
   const bool avx512 = use_avx512(), v8 = use_vec8();
   at::parallel_for(0, NP, 1, [&](int64_t b, int64_t e) {
 #if PDS_X86
-    if (avx512 && a.out_bf16 && !a.fp4 && use_avx512_bf16()) return dequantize_avx512_bf16(a, b, e);
-    if (avx512) return a.fp4 ? dequantize_avx512<true>(a, b, e) : dequantize_avx512<false>(a, b, e);
+    if (avx512 && a.out_bf16 && a.codes == kCodesFp8 && use_avx512_bf16()) return dequantize_avx512_bf16(a, b, e);
+    if (avx512) {
+      if (a.codes == kCodesE2m1) return dequantize_avx512<kCodesE2m1>(a, b, e);
+      if (a.codes == kCodesInt4) return dequantize_avx512<kCodesInt4>(a, b, e);
+      return dequantize_avx512<kCodesFp8>(a, b, e);
+    }
 #endif
 #if PDS_HAS_V8
     if (v8) return fp8_dequantize_panels_vec8(a, b, e);
 #endif
-    const int64_t lb = line_bytes(a.fp4);
+    const int64_t lb = line_bytes(a.codes);
     float sbuf[kFp8Panel], w[kFp8Panel];
     for (int64_t np = b; np < e; ++np) {
       const int64_t c0 = np * kFp8Panel, nc = std::min<int64_t>(kFp8Panel, a.cols - c0);
@@ -300,7 +310,7 @@ void run_dequantize(const Fp8DequantArgs& a, int64_t NP) {
         if (k == next) ++kb, next += a.bk;
         const uint8_t* line = a.w + (np * a.K + k) * lb;
         const float* s = block_scales(a, np, kb, sbuf);
-        widen_line_scalar(line, a.fp4, w);
+        widen_line_scalar(line, a.codes, w);
         for (int o = 0; o < nc; ++o) {
           const float v = w[o] * s[o];
           if (a.out_bf16)
@@ -373,7 +383,7 @@ void linear_mxfp4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
   check_bias("linear_mxfp4", bias, out, N);
   Fp8Args a{data<uint8_t>(packed), nullptr, nullptr, bias.has_value() ? bias->data_ptr() : nullptr, out.data_ptr(),
             M, N, K, KB, kMxfp4Block, 0, out.stride(0), out.scalar_type() == at::kBFloat16};
-  a.fp4 = true;
+  a.codes = kCodesE2m1;
   a.e8m0 = data<uint8_t>(scale);
   run_linear(a, x, amx_min_rows);
 }
@@ -420,8 +430,50 @@ void mxfp4_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor
               "mxfp4_dequantize: scale must be a contiguous [", NP, ", ", KB, ", 64] uint8 tensor");
   Fp8DequantArgs a{data<uint8_t>(packed), nullptr, out.data_ptr(), K, KB, kMxfp4Block, out.size(1), out.stride(0),
                    out.scalar_type() == at::kBFloat16};
-  a.fp4 = true;
+  a.codes = kCodesE2m1;
   a.e8m0 = data<uint8_t>(scale);
+  run_dequantize(a, NP);
+}
+
+// int4 weights (compressed-tensors' pack-quantized, symmetric: codes q + 8, fp8_linear.h): packed
+// [ceil(N/64), K, 32] uint8 codes in output order, scale [ceil(N/64), ceil(K/block_k), 64] float32
+// (times 256), one per output and group of block_k; otherwise linear_fp8's arguments and kernels.
+void linear_int4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                 c10::optional<at::Tensor> bias, int64_t block_k, int64_t amx_min_rows) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kFp4Line &&
+                  packed.is_contiguous(),
+              "linear_int4: weight must be packed as a contiguous [N/64, K, 32] uint8 tensor");
+  check_x_out("linear_int4", x, out);
+  TORCH_CHECK(block_k > 0, "linear_int4: block_k must be positive");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), NP = packed.size(0), KB = (K + block_k - 1) / block_k;
+  TORCH_CHECK(NP == (N + kFp8Panel - 1) / kFp8Panel && packed.size(1) == K && out.size(0) == M,
+              "linear_int4: shapes x ", x.sizes(), ", packed weight ", packed.sizes(), ", out ", out.sizes(),
+              " do not agree");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == NP &&
+                  scale.size(1) == KB && scale.size(2) == kFp8Panel,
+              "linear_int4: scale must be a contiguous [", NP, ", ", KB, ", 64] float32 tensor, got ", scale.sizes());
+  check_bias("linear_int4", bias, out, N);
+  Fp8Args a{data<uint8_t>(packed), data<float>(scale), nullptr, bias.has_value() ? bias->data_ptr() : nullptr,
+            out.data_ptr(), M, N, K, KB, block_k, 0, out.stride(0), out.scalar_type() == at::kBFloat16};
+  a.codes = kCodesInt4;
+  run_linear(a, x, amx_min_rows);
+}
+
+// linear_int4's weight as fp8_dequantize gives linear_fp8's (q * scale, one rounding)
+void int4_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& scale, int64_t block_k) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kFp4Line &&
+                  packed.is_contiguous(),
+              "int4_dequantize: weight must be packed as a contiguous [N/64, K, 32] uint8 tensor");
+  const int64_t NP = packed.size(0), K = packed.size(1);
+  check_dequantize_out("int4_dequantize", out, K, NP, packed);
+  TORCH_CHECK(block_k > 0, "int4_dequantize: block_k must be positive");
+  const int64_t KB = (K + block_k - 1) / block_k;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == NP &&
+                  scale.size(1) == KB && scale.size(2) == kFp8Panel,
+              "int4_dequantize: scale must be a contiguous [", NP, ", ", KB, ", 64] float32 tensor");
+  Fp8DequantArgs a{data<uint8_t>(packed), data<float>(scale), out.data_ptr(), K, KB, block_k, out.size(1),
+                   out.stride(0), out.scalar_type() == at::kBFloat16};
+  a.codes = kCodesInt4;
   run_dequantize(a, NP);
 }
 

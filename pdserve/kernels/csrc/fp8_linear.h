@@ -49,16 +49,33 @@ constexpr int64_t kFp8PrefetchBytes = 2048;
 // the output (0 .. 63) of byte p of a packed line
 inline int fp8_out_of(int p) { return (p & 8) ? 32 + 8 * (p >> 4) + (p & 7) : 8 * (p >> 4) + (p & 7); }
 
-// MXFP4: bytes per packed line, values per scale; each e2m1 code's value at 2^-8, as a float and as
-// the high byte of a float16
+// The weights a panel holds: FP8 bytes, or 4-bit codes (MXFP4's e2m1; compressed-tensors' int4,
+// stored as q + 8) in lines of half the bytes, looked up as values
+enum Codes : int { kCodesFp8 = 0, kCodesE2m1 = 1, kCodesInt4 = 2 };
 constexpr int64_t kFp4Line = 32;
 constexpr int64_t kMxfp4Block = 32;
+// each 4-bit code's value at 2^-8, as a float and as the high byte of a float16 (every value here
+// at 2^-8 is a float16 with a zero low byte)
 alignas(64) constexpr float kE2m1Scaled[16] = {0.f,           0.5f / 256,  1.f / 256,  1.5f / 256,
                                                2.f / 256,     3.f / 256,   4.f / 256,  6.f / 256,
                                                -0.f,          -0.5f / 256, -1.f / 256, -1.5f / 256,
                                                -2.f / 256,    -3.f / 256,  -4.f / 256, -6.f / 256};
 alignas(16) constexpr uint8_t kE2m1Fp16High[16] = {0x00, 0x18, 0x1C, 0x1E, 0x20, 0x22, 0x24, 0x26,
                                                    0x80, 0x98, 0x9C, 0x9E, 0xA0, 0xA2, 0xA4, 0xA6};
+alignas(64) constexpr float kInt4Scaled[16] = {-8.f / 256, -7.f / 256, -6.f / 256, -5.f / 256, -4.f / 256, -3.f / 256,
+                                               -2.f / 256, -1.f / 256, 0.f,        1.f / 256,  2.f / 256,  3.f / 256,
+                                               4.f / 256,  5.f / 256,  6.f / 256,  7.f / 256};
+alignas(16) constexpr uint8_t kInt4Fp16High[16] = {0xA8, 0xA7, 0xA6, 0xA5, 0xA4, 0xA2, 0xA0, 0x9C,
+                                                   0x00, 0x1C, 0x20, 0x22, 0x24, 0x25, 0x26, 0x27};
+template <int C>
+constexpr const float* code_values() {
+  return C == kCodesInt4 ? kInt4Scaled : kE2m1Scaled;
+}
+template <int C>
+constexpr const uint8_t* code_fp16_high() {
+  return C == kCodesInt4 ? kInt4Fp16High : kE2m1Fp16High;
+}
+inline const float* code_values(int c) { return c == kCodesInt4 ? kInt4Scaled : kE2m1Scaled; }
 // the code of output o (0 .. 63) of an MXFP4 line
 inline int fp4_code(const uint8_t* line, int o) { return (line[o & 31] >> (4 * (o >> 5))) & 0xF; }
 // the largest E8M0 byte whose scale times 256 is a finite float
@@ -79,15 +96,16 @@ struct Fp8Args {
   void* out;  // [M, N], row stride out_stride
   int64_t M, N, K, KB, bk, x_stride, out_stride;
   bool out_bf16;
-  bool fp4 = false;  // MXFP4 panels
-  const uint8_t* e8m0 = nullptr;  // [NP, KB, 64] the MXFP4 scales
+  int codes = kCodesFp8;  // Codes: what the panels hold
+  const uint8_t* e8m0 = nullptr;  // [NP, KB, 64] MXFP4's scales (else `scale`)
 };
 
-inline int64_t line_bytes(bool fp4) { return fp4 ? kFp4Line : kFp8Panel; }
+inline int64_t line_bytes(int codes) { return codes == kCodesFp8 ? kFp8Panel : kFp4Line; }
 
-// the 64 scales (times 256) of k block kb of panel np: FP8's in place, MXFP4's decoded into buf
+// the 64 scales (times 256) of k block kb of panel np: float ones in place, E8M0 bytes decoded into
+// buf
 inline const float* block_scales(const Fp8Args& a, int64_t np, int64_t kb, float* buf) {
-  if (!a.fp4) return a.scale + (np * a.KB + kb) * kFp8Panel;
+  if (!a.e8m0) return a.scale + (np * a.KB + kb) * kFp8Panel;
   const uint8_t* e = a.e8m0 + (np * a.KB + kb) * kFp8Panel;
   for (int o = 0; o < kFp8Panel; ++o) buf[o] = e8m0_times_256(e[o]);
   return buf;
@@ -103,12 +121,12 @@ struct Fp8DequantArgs {
   void* out;  // [K, cols], row stride out_stride
   int64_t K, KB, bk, cols, out_stride;
   bool out_bf16;
-  bool fp4 = false;
-  const uint8_t* e8m0 = nullptr;  // [NP, KB, 64] the MXFP4 scales
+  int codes = kCodesFp8;
+  const uint8_t* e8m0 = nullptr;  // [NP, KB, 64] MXFP4's scales (else `scale`)
 };
 
 inline const float* block_scales(const Fp8DequantArgs& a, int64_t np, int64_t kb, float* buf) {
-  const Fp8Args f{a.w, a.scale, nullptr, nullptr, nullptr, 0, 0, a.K, a.KB, a.bk, 0, 0, false, a.fp4, a.e8m0};
+  const Fp8Args f{a.w, a.scale, nullptr, nullptr, nullptr, 0, 0, a.K, a.KB, a.bk, 0, 0, false, a.codes, a.e8m0};
   return block_scales(f, np, kb, buf);
 }
 void fp8_dequantize_panels_vec8(const Fp8DequantArgs& a, int64_t np0, int64_t np1);
@@ -129,9 +147,10 @@ PDS_AVX512 inline void widen_bytes(const __m512i b, __m512 (&w)[4]) {
   w[3] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(hi, 1));
 }
 
-// an MXFP4 line's 32 bytes -> its 64 weights at 2^-8 of their values, in output order
+// a 4-bit line's 32 bytes -> its 64 weights at 2^-8 of their values, in output order
+template <int C>
 PDS_AVX512 inline void widen_fp4_line(const uint8_t* p, __m512 (&w)[4]) {
-  const __m512 table = _mm512_load_ps(kE2m1Scaled);
+  const __m512 table = _mm512_load_ps(code_values<C>());
   const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
   w[0] = _mm512_permutexvar_ps(lo, table);
@@ -140,11 +159,11 @@ PDS_AVX512 inline void widen_fp4_line(const uint8_t* p, __m512 (&w)[4]) {
   w[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(hi, 4), table);
 }
 
-// a packed line (FP8 or MXFP4) -> its 64 weights at 2^-8 of their values, in output order
-template <bool FP4>
+// a packed line (FP8 or 4-bit codes) -> its 64 weights at 2^-8 of their values, in output order
+template <int C>
 PDS_AVX512 inline void widen_line(const uint8_t* p, __m512 (&w)[4]) {
-  if constexpr (FP4)
-    widen_fp4_line(p, w);
+  if constexpr (C != kCodesFp8)
+    widen_fp4_line<C>(p, w);
   else
     widen_bytes(_mm512_loadu_si512(p), w);
 }

@@ -19,10 +19,13 @@ using namespace v8;
 constexpr int kTileRows = 6;  // 12 partial sums, 2 weight vectors and a broadcast: 15 of 16 registers
 
 #if PDS_X86
-// 8 codes (in the low 4 bits of 32-bit lanes; higher bits ignored) -> their values at 2^-8
-PDS_VI __m256 e2m1_values(__m256i code) {
-  const __m256i s = _mm256_and_si256(_mm256_slli_epi32(code, 28), _mm256_set1_epi32(int32_t(0x80000000u)));
-  return _mm256_xor_ps(_mm256_permutevar8x32_ps(_mm256_load_ps(kE2m1Scaled), code), _mm256_castsi256_ps(s));
+// 8 codes (in the low 4 bits of 32-bit lanes; higher bits ignored) -> their values at 2^-8: vpermps
+// over each half of the table, the code's bit 3 (shifted to bit 31) choosing the half
+template <int C>
+PDS_VI __m256 code_values8(__m256i code) {
+  const __m256 lo = _mm256_permutevar8x32_ps(_mm256_load_ps(code_values<C>()), code);
+  const __m256 hi = _mm256_permutevar8x32_ps(_mm256_load_ps(code_values<C>() + 8), code);
+  return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
 }
 #endif
 
@@ -30,17 +33,15 @@ PDS_VI __m256 e2m1_values(__m256i code) {
 // 16 bytes widened through float16 (fp8_linear.h); MXFP4's 8 bytes (outputs 8q .. 8q + 7 low,
 // 32 + 8q .. high) looked up as values (AVX2: vpermps over the 8 magnitudes, the sign by xor;
 // NEON: as float16 high bytes)
-template <bool FP4>
+template <int C>
 PDS_VI void widen_quarter(const uint8_t* line, int q, F8& first, F8& last) {
 #if PDS_X86
   const __m128i z = _mm_setzero_si128();
   __m128i lo, hi;
-  if constexpr (FP4) {
-    // each byte in a 32-bit lane: vpermps takes the magnitude from the low 3 bits of a code, the
-    // code's bit 3 shifted to bit 31 is the sign
+  if constexpr (C != kCodesFp8) {
     const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(line + 8 * q)));
-    first.v = e2m1_values(idx);
-    last.v = e2m1_values(_mm256_srli_epi32(idx, 4));
+    first.v = code_values8<C>(idx);
+    last.v = code_values8<C>(_mm256_srli_epi32(idx, 4));
     return;
   } else {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(line + 16 * q));
@@ -53,10 +54,10 @@ PDS_VI void widen_quarter(const uint8_t* line, int q, F8& first, F8& last) {
 #else
   const uint8x16_t z = vdupq_n_u8(0);
   int16x8_t lo, hi;
-  if constexpr (FP4) {
+  if constexpr (C != kCodesFp8) {
     const uint8x8_t b = vld1_u8(line + 8 * q);
     const uint8x16_t codes = vcombine_u8(vand_u8(b, vdup_n_u8(0x0F)), vshr_n_u8(b, 4));
-    const uint8x16_t high = vqtbl1q_u8(vld1q_u8(kE2m1Fp16High), codes);
+    const uint8x16_t high = vqtbl1q_u8(vld1q_u8(code_fp16_high<C>()), codes);
     lo = vreinterpretq_s16_u8(vzip1q_u8(z, high));
     hi = vreinterpretq_s16_u8(vzip2q_u8(z, high));
   } else {
@@ -74,9 +75,9 @@ PDS_VI void widen_quarter(const uint8_t* line, int q, F8& first, F8& last) {
 // One row (decode at batch 1): k block kb of panel np widened in registers as it streams in, half a
 // line (two quarters: 4 chains of fused multiply-adds) per pass over the block, the second pass
 // from L1
-template <bool FP4>
+template <int C>
 PDS_V8 void row_block(const Fp8Args& a, int64_t np, int64_t kb, int64_t m, float* acc) {
-  constexpr int64_t lb = FP4 ? kFp4Line : kFp8Panel;
+  constexpr int64_t lb = C == kCodesFp8 ? kFp8Panel : kFp4Line;
   const int64_t k0 = kb * a.bk, k1 = std::min(a.K, k0 + a.bk);
   const uint8_t* block = a.w + (np * a.K + k0) * lb;
   const float* x = a.x + m * a.x_stride;
@@ -91,7 +92,7 @@ PDS_V8 void row_block(const Fp8Args& a, int64_t np, int64_t kb, int64_t m, float
       const F8 xv = set1(x[k]);
       for (int q = 0; q < 2; ++q) {
         F8 first, last;
-        widen_quarter<FP4>(line, 2 * h + q, first, last);
+        widen_quarter<C>(line, 2 * h + q, first, last);
         part[q][0] = fma(xv, first, part[q][0]);
         part[q][1] = fma(xv, last, part[q][1]);
       }
@@ -104,16 +105,16 @@ PDS_V8 void row_block(const Fp8Args& a, int64_t np, int64_t kb, int64_t m, float
 }
 
 // k block kb of panel np -> wbuf [bk][64] float32 in output order (2^-8 of the values)
-template <bool FP4>
+template <int C>
 PDS_V8 void widen_block(const Fp8Args& a, int64_t np, int64_t kb, float* wbuf) {
-  constexpr int64_t lb = FP4 ? kFp4Line : kFp8Panel;
+  constexpr int64_t lb = C == kCodesFp8 ? kFp8Panel : kFp4Line;
   const int64_t k0 = kb * a.bk, k1 = std::min(a.K, k0 + a.bk);
   const uint8_t* block = a.w + (np * a.K + k0) * lb;
   for (int64_t k = k0; k < k1; ++k) {
     float* dst = wbuf + (k - k0) * kFp8Panel;
     for (int q = 0; q < 4; ++q) {
       F8 first, last;
-      widen_quarter<FP4>(block + (k - k0) * lb, q, first, last);
+      widen_quarter<C>(block + (k - k0) * lb, q, first, last);
       store(dst + 8 * q, first);
       store(dst + 32 + 8 * q, last);
     }
@@ -163,7 +164,7 @@ PDS_V8 void store_rows(const Fp8Args& a, int64_t np, int64_t m0, int64_t rows, c
   }
 }
 
-template <bool FP4>
+template <int C>
 PDS_V8 void panels(const Fp8Args& a, int64_t np0, int64_t np1, float* wbuf) {
   alignas(64) float acc[kFp8RowBlock * kFp8Panel], sbuf[kFp8Panel];
   for (int64_t np = np0; np < np1; ++np)
@@ -172,10 +173,10 @@ PDS_V8 void panels(const Fp8Args& a, int64_t np0, int64_t np1, float* wbuf) {
       std::fill(acc, acc + rows * kFp8Panel, 0.f);
       for (int64_t kb = 0; kb < a.KB; ++kb) {
         if (rows == 1) {
-          row_block<FP4>(a, np, kb, m0, acc);
+          row_block<C>(a, np, kb, m0, acc);
           continue;
         }
-        widen_block<FP4>(a, np, kb, wbuf);
+        widen_block<C>(a, np, kb, wbuf);
         const float* scales = block_scales(a, np, kb, sbuf);
         // tiles as even as can be: 8 rows are 4 + 4, not 6 + 2
         const int64_t n_tiles = (rows + kTileRows - 1) / kTileRows;
@@ -193,9 +194,9 @@ PDS_V8 void panels(const Fp8Args& a, int64_t np0, int64_t np1, float* wbuf) {
     }
 }
 
-template <bool FP4>
+template <int C>
 PDS_V8 void dequantize(const Fp8DequantArgs& a, int64_t np0, int64_t np1) {
-  constexpr int64_t lb = FP4 ? kFp4Line : kFp8Panel;
+  constexpr int64_t lb = C == kCodesFp8 ? kFp8Panel : kFp4Line;
   alignas(32) float line[kFp8Panel], sbuf[kFp8Panel];
   for (int64_t np = np0; np < np1; ++np) {
     const int64_t c0 = np * kFp8Panel, nc = std::min<int64_t>(kFp8Panel, a.cols - c0);
@@ -205,7 +206,7 @@ PDS_V8 void dequantize(const Fp8DequantArgs& a, int64_t np0, int64_t np1) {
       const uint8_t* src = a.w + (np * a.K + k) * lb;
       for (int q = 0; q < 4; ++q) {
         F8 first, last;
-        widen_quarter<FP4>(src, q, first, last);
+        widen_quarter<C>(src, q, first, last);
         store(line + 8 * q, mul(first, load(s + 8 * q)));
         store(line + 32 + 8 * q, mul(last, load(s + 32 + 8 * q)));
       }
@@ -223,11 +224,15 @@ PDS_V8 void dequantize(const Fp8DequantArgs& a, int64_t np0, int64_t np1) {
 }  // namespace
 
 void linear_fp8_panels_vec8(const Fp8Args& a, int64_t np0, int64_t np1, float* wbuf) {
-  a.fp4 ? panels<true>(a, np0, np1, wbuf) : panels<false>(a, np0, np1, wbuf);
+  if (a.codes == kCodesE2m1) return panels<kCodesE2m1>(a, np0, np1, wbuf);
+  if (a.codes == kCodesInt4) return panels<kCodesInt4>(a, np0, np1, wbuf);
+  panels<kCodesFp8>(a, np0, np1, wbuf);
 }
 
 void fp8_dequantize_panels_vec8(const Fp8DequantArgs& a, int64_t np0, int64_t np1) {
-  a.fp4 ? dequantize<true>(a, np0, np1) : dequantize<false>(a, np0, np1);
+  if (a.codes == kCodesE2m1) return dequantize<kCodesE2m1>(a, np0, np1);
+  if (a.codes == kCodesInt4) return dequantize<kCodesInt4>(a, np0, np1);
+  dequantize<kCodesFp8>(a, np0, np1);
 }
 
 }  // namespace pds
