@@ -25,13 +25,16 @@ from torch import nn
 
 from pdserve.quantization.experts import QuantizedExperts
 from pdserve.quantization.fp8_block import SCALE, Fp8Block
+from pdserve.quantization.int4_matmul import Int4GroupLinear
 from pdserve.quantization.int8_matmul import Int8ChannelLinear
+from pdserve.quantization.mxfp4_matmul import codes
 
 CT_SCALE = "weight_scale"  # the checkpoint's name; loaded as fp8_block's SCALE
 # quantization_config.format -> the weights' quantization args it is read with
 WEIGHTS = {
     "float-quantized": {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True},
     "int-quantized": {"type": "int", "num_bits": 8, "strategy": "channel", "symmetric": True},
+    "pack-quantized": {"type": "int", "num_bits": 4, "strategy": "group", "symmetric": True},
 }
 INT8_TOKENS = {
     "type": "int",
@@ -71,7 +74,24 @@ class CompressedTensors(Fp8Block):
             if (group or {}).get("weights", {}).get("dynamic"):
                 raise ValueError(f"{where}.weights.dynamic: true is not supported")
             acts = group.get("input_activations")
-            if fmt == "int-quantized":
+            if fmt == "pack-quantized":
+                size = group["weights"].get("group_size")
+                if not isinstance(size, int) or size <= 0 or size % 8:
+                    raise ValueError(
+                        f"{where}.weights.group_size: {size!r}; expected a positive multiple of 8"
+                    )
+                if acts:
+                    raise ValueError(
+                        f"{where}.input_activations: quantized activations with int4 weights "
+                        "(W4A8) are not supported; supported: none (W4A16)"
+                    )
+                sizes = {g["weights"]["group_size"] for g in groups.values()}
+                if len(sizes) > 1:
+                    raise ValueError(
+                        f"quantization_config.config_groups: group sizes {sorted(sizes)}; one "
+                        "group size for every layer is supported"
+                    )
+            elif fmt == "int-quantized":
                 if not acts:
                     raise ValueError(
                         f"{where}.input_activations: none (int8 weights with 16-bit activations) "
@@ -88,8 +108,12 @@ class CompressedTensors(Fp8Block):
                 raise ValueError(
                     f"{where}.targets: {targets!r} is not supported; supported: ['Linear']"
                 )
+        ignore = quant.get("ignore") or ()
+        if fmt == "pack-quantized":
+            size = next(iter(groups.values()))["weights"]["group_size"]
+            return CompressedInt4((1, size), None, ignore)
         target = CompressedInt8 if fmt == "int-quantized" else cls
-        return target((1, None), None, quant.get("ignore") or ())
+        return target((1, None), None, ignore)
 
     def describe(self) -> str:
         return "compressed-tensors fp8 e4m3, a scale per output channel"
@@ -139,3 +163,92 @@ class CompressedInt8(CompressedTensors):
 
     def _experts(self, module: nn.Module) -> Any:
         return QuantizedExperts(module, Int8ChannelLinear)
+
+
+class CompressedInt4(CompressedTensors):
+    """compressed-tensors' ``pack-quantized`` int4 W4A16 (Kimi K2-Thinking's routed experts,
+    RedHatAI's "-quantized.w4a16" releases): ``weight_packed`` I32 [N, K/8] (eight codes ``q + 8``
+    a word, the first in the low bits), ``weight_scale`` [N, K/group] and ``weight_shape``; read
+    as the bytes of those words (two codes a byte) with a scale per row and group, on the 4-bit
+    kernels (``int4_matmul.py``). Activations stay 16-bit."""
+
+    stored_dtype = "I4"  # the packed words, seen in the weight's coordinates
+    storage = torch.uint8
+    kind = "int4"
+
+    def describe(self) -> str:
+        return f"compressed-tensors int4 weights, a scale per {self.block[1]} (W4A16)"
+
+    def _stored_columns(self, k: int) -> int:
+        return k // 2
+
+    def _values(self, q: torch.Tensor) -> torch.Tensor:
+        return codes(q).float() - 8.0
+
+    def _linear(self, weight: torch.Tensor, scale: torch.Tensor, bias) -> Any:
+        return Int4GroupLinear(weight, scale, bias, self.block[1])
+
+    def _experts(self, module: nn.Module) -> Any:
+        group = self.block[1]
+        return QuantizedExperts(module, lambda w, s, b: Int4GroupLinear(w, s, b, group))
+
+    @staticmethod
+    def _as_weight(name: str) -> str:
+        return name[: -len("_packed")] if name.endswith(".weight_packed") else name
+
+    def _renamed(self, tensors: dict[str, tuple[str, list[int]]]) -> dict:
+        out = {}
+        for name, (dtype, shape) in super()._renamed(tensors).items():
+            if name.endswith(".weight_shape"):
+                continue
+            if name.endswith(".weight_packed"):
+                if dtype != "I32" or len(shape) != 2:
+                    raise ValueError(
+                        f"weight {name!r}: {dtype} {list(shape)}; expected I32 [N, K/8]"
+                    )
+                dtype, shape = self.stored_dtype, [shape[0], shape[1] * 8]
+            out[self._as_weight(name)] = (dtype, shape)
+        return out
+
+    def wrap(
+        self, weights: Iterable[tuple[str, Any]], tensors: dict[str, tuple[str, list[int]]]
+    ) -> Iterator[tuple[str, Any]]:
+        def packed(pairs):
+            for name, src in pairs:
+                if name.endswith(".weight_shape"):
+                    continue
+                if name.endswith(".weight_packed"):
+                    src = PackedInt4View(src, name)
+                yield self._as_weight(name), src
+
+        return super().wrap(packed(weights), tensors)
+
+
+class PackedInt4View:
+    """A ``weight_packed`` I32 [N, K/8] seen as the weight [N, K] it holds, as the loader slices
+    weights: rows ``a:b`` and columns ``c:d`` (whole words: multiples of 8) give the bytes of
+    those words, [b - a, (d - c) / 2] uint8."""
+
+    def __init__(self, src: Any, name: str):
+        self.src, self.name = src, name
+        shape = src.shape if isinstance(src, torch.Tensor) else src.get_shape()
+        self.shape = [int(shape[0]), int(shape[1]) * 8]
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        rows = index[0] if index else slice(None)
+        cols = index[1] if len(index) > 1 else slice(None)
+        if not isinstance(rows, slice) or not isinstance(cols, slice) or len(index) > 2:
+            raise TypeError(f"{self.name}: only [rows, columns] slices, got {index!r}")
+        a, b, _ = rows.indices(self.shape[0])
+        c, d, _ = cols.indices(self.shape[1])
+        if c % 8 or d % 8:
+            raise ValueError(
+                f"weight {self.name!r}: columns {c}:{d} split an int32 word of 8 int4 values; a "
+                "tensor-parallel split of the input dimension must fall on whole words"
+            )
+        words = self.src[a:b, c // 8 : d // 8]
+        return words.contiguous().view(torch.uint8)

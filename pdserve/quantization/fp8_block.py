@@ -195,7 +195,7 @@ class Fp8Block(WeightFormat):
         for name in ("w13", "w2"):
             w = getattr(experts, name)
             s, n, k = w.shape
-            q = torch.empty((s, n, k), dtype=self.storage, device=w.device)
+            q = torch.empty((s, n, self._stored_columns(k)), dtype=self.storage, device=w.device)
             setattr(experts, name, nn.Parameter(q, requires_grad=False))
             scale = torch.empty((s, n, cdiv(k, bk or k)), dtype=torch.float32, device=w.device)
             experts.register_parameter(f"{name}_scale", nn.Parameter(scale, requires_grad=False))
@@ -206,7 +206,8 @@ class Fp8Block(WeightFormat):
         n, k = module.weight.shape
         device = module.weight.device
         module.weight = nn.Parameter(
-            torch.empty((n, k), dtype=self.storage, device=device), requires_grad=False
+            torch.empty((n, self._stored_columns(k)), dtype=self.storage, device=device),
+            requires_grad=False,
         )
         scale = torch.empty((n, cdiv(k, self.block[1] or k)), dtype=torch.float32, device=device)
         module.register_parameter(SCALE, nn.Parameter(scale, requires_grad=False))
@@ -245,6 +246,10 @@ class Fp8Block(WeightFormat):
         return self._values(q) * rows
 
     # ---- what differs between the formats on this machinery ------------------------------------
+    def _stored_columns(self, k: int) -> int:
+        """The columns a weight of ``k`` input columns is stored in."""
+        return k
+
     def _values(self, q: torch.Tensor) -> torch.Tensor:
         """The stored codes' exact values in float32."""
         return _widen(q)

@@ -1051,6 +1051,87 @@ def build_compressed_int8_checkpoint(src: str) -> str:
     return _cached("ct-int8", ["ct-int8", src, list(FP8_PROJECTIONS)], write)
 
 
+def _compressed_int4_scheme(group: int):
+    """compressed-tensors' W4A16 scheme (llm-compressor's ``W4A16`` preset with ``group``):
+    symmetric int4 weights with a scale per output channel and group of k."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    return QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(
+            num_bits=4,
+            type="int",
+            strategy="group",
+            group_size=group,
+            symmetric=True,
+            dynamic=False,
+        ),
+    )
+
+
+def build_compressed_int4_checkpoint(src: str, group: int = 32, experts_only: bool = False) -> str:
+    """``src`` (a tiny checkpoint) in the layout of compressed-tensors' ``pack-quantized`` format:
+    each projection (``experts_only``: each routed expert's, as Kimi K2-Thinking publishes) as
+    ``weight_packed`` I32, ``weight_scale`` [N, K/group] and ``weight_shape``, written by
+    compressed-tensors' own compressor from the scale its own observer math gives."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file
+
+    def write(tmp: str) -> None:
+        scheme = _compressed_int4_scheme(group)
+        out = {}
+        for name, t in load_file(os.path.join(src, "model.safetensors")).items():
+            proj = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+            chosen = ".experts." in name if experts_only else proj in FP8_PROJECTIONS
+            if name.endswith(".weight") and t.dim() == 2 and chosen:
+                w = t.float()
+                g = w.view(w.shape[0], -1, group)
+                lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+                scale, zero = calculate_qparams(lo, hi, scheme.weights)
+                packed = PackedQuantizationCompressor.compress(
+                    {"weight": w, "weight_scale": scale, "weight_zero_point": zero}, scheme
+                )
+                base = name[: -len("weight")]
+                for key, value in packed.items():
+                    out[base + key] = value.contiguous()
+            else:
+                out[name] = t
+        quant = _compressed_config("pack-quantized", scheme)
+        _write_checkpoint(src, tmp, out, quant, None)
+
+    return _cached("ct-int4", ["ct-int4", src, group, experts_only, list(FP8_PROJECTIONS)], write)
+
+
+def decompressed_int4_checkpoint(src: str) -> str:
+    """A ``pack-quantized`` checkpoint decompressed by compressed-tensors' own decompressor, as a
+    plain float32 checkpoint: the reference HF runs."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from safetensors.torch import load_file
+
+    with open(os.path.join(src, "config.json")) as f:
+        group = json.load(f)["quantization_config"]["config_groups"]["group_0"]
+    scheme = _compressed_int4_scheme(group["weights"]["group_size"])
+
+    def write(tmp: str) -> None:
+        tensors = load_file(os.path.join(src, "model.safetensors"))
+        out = {}
+        for name, t in tensors.items():
+            if name.endswith((".weight_scale", ".weight_shape")):
+                continue
+            if name.endswith(".weight_packed"):
+                base = name[: -len("weight_packed")]
+                state = {
+                    k: tensors[base + k] for k in ("weight_packed", "weight_scale", "weight_shape")
+                }
+                t = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
+                name = base + "weight"
+            out[name] = t.float().contiguous()
+        _write_checkpoint(src, tmp, out, None, "float32")
+
+    return _cached("ct-int4-decompressed", ["ct-int4-decompressed", src], write)
+
+
 def decompressed_checkpoint(src: str) -> str:
     """A compressed-tensors checkpoint (``float-quantized`` or ``int-quantized``) decompressed by
     compressed-tensors' own decompressor, as a plain float32 checkpoint: the reference HF runs."""

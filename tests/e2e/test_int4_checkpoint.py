@@ -1,0 +1,189 @@
+"""compressed-tensors ``pack-quantized`` int4 checkpoints (W4A16: ``weight_packed`` I32 with eight
+codes ``q + 8`` a word, ``weight_scale`` per output channel and group of 32, ``weight_shape``),
+written by compressed-tensors' own compressor from the tiny models and served as they are:
+
+- float32 compute: HF transformers' greedy tokens and logprobs on compressed-tensors'
+  decompression, for a dense model, a MoE with every projection in int4, and DeepSeek-V3 with only
+  its routed experts in int4 (Kimi K2-Thinking's layout);
+- each layer's weight is the decompression bit for bit; the bytes held are the checkpoint's;
+- a tensor-parallel rank holds its part; a split inside a packed word or a scale group is refused
+  naming it; variants not built are refused naming the field;
+- deterministic serving; through PD: the Kimi-layout model from a prefill on two ranks (heads
+  split, experts over two expert-parallel ranks) to a one-rank decode gives HF's tokens."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import pdserve
+from pdserve.distributed import TPGroup
+from pdserve.layers.linear import Linear
+from pdserve.models.loader import checkpoint_tensors, load_model
+from pdserve.quantization.int4_matmul import Int4GroupLinear
+from tests.e2e.test_engine import hf_greedy, prompts_for
+from tests.e2e.test_fp8_checkpoint import GREEDY, assert_hf_tokens_and_logprobs, runner_model
+from tests.helpers import cluster as c
+from tests.helpers.checkpoints import (
+    build_compressed_int4_checkpoint,
+    build_tiny_checkpoint,
+    decompressed_int4_checkpoint,
+)
+
+
+def int4(arch: str, experts_only: bool = False, **config) -> str:
+    return build_compressed_int4_checkpoint(build_tiny_checkpoint(arch, **config), 32, experts_only)
+
+
+def int4_experts(model) -> list:
+    return [m for m in model.modules() if getattr(m, "quantized", False)]
+
+
+@pytest.mark.parametrize(
+    "arch,experts_only", [("llama", False), ("qwen3_moe", False), ("deepseek_v3", True)]
+)
+def test_greedy_tokens_and_logprobs_equal_hf_on_the_decompression(arch, experts_only, request):
+    path = int4(arch, experts_only)
+    eng = pdserve.Engine(
+        model_path=path, dtype="float32", torch_num_threads=1, max_total_tokens=8192
+    )
+    request.node._engine = eng
+    model = runner_model(eng)
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    quantized = [m for m in layers if isinstance(m.impl, Int4GroupLinear)]
+    if experts_only:
+        assert not quantized and int4_experts(model)
+    else:
+        assert len(quantized) == len(layers) - 1  # all but the LM head
+    assert all(e.w13.numel() == 0 for e in int4_experts(model))  # held packed only
+    assert_hf_tokens_and_logprobs(eng, decompressed_int4_checkpoint(path), prompts_for(12)[:4])
+
+
+def test_layers_hold_the_decompression_and_the_checkpoints_bytes():
+    src = build_tiny_checkpoint("qwen3_moe", hidden_size=128, intermediate_size=256)
+    path = build_compressed_int4_checkpoint(src, 32, False)
+    model, _ = load_model(path, dtype="float32")
+    want = load_file(f"{decompressed_int4_checkpoint(path)}/model.safetensors")
+    layer = model.model.layers[0].self_attn.o_proj
+    assert isinstance(layer.impl, Int4GroupLinear) and layer.weight.dtype == torch.uint8
+    assert torch.equal(layer.impl.dequantized(), want["model.layers.0.self_attn.o_proj.weight"])
+    experts = int4_experts(model)[0]
+    down = experts.impl.linears[0][1].dequantized()  # slot 0 holds expert 0
+    assert torch.equal(down, want["model.layers.0.mlp.experts.0.down_proj.weight"])
+    stored = sum(
+        torch.Size(shape).numel() * {"I32": 4, "F32": 4, "BF16": 2}[dtype]
+        for name, (dtype, shape) in checkpoint_tensors(path).items()
+        if name.endswith((".weight_packed", ".weight_scale"))
+    )
+    held = sum(m.impl.nbytes for m in model.modules() if isinstance(m, Linear) and m.impl)
+    held += sum(e.impl.nbytes for e in int4_experts(model))
+    assert held == stored, (held, stored)  # before the kernels: the checkpoint's bytes
+    from pdserve import kernels
+    from pdserve.quantization.registry import weight_format
+
+    fmt = weight_format(type("Cfg", (), {"quantization_config": model.config.quantization_config}))
+    packed = fmt.use_kernels(model, kernels.load())
+    assert 0 < packed <= 1.05 * stored, (packed, stored)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tensor_parallel_rank_holds_its_part_of_the_same_weights(rank):
+    path = int4("llama", intermediate_size=128)  # down_proj's 128 columns: 64 a rank, 2 groups
+    whole, _ = load_model(path, dtype="float32")
+    part, _ = load_model(path, dtype="float32", tp=TPGroup(rank=rank, size=2))
+    for (name, a), (_, b) in zip(whole.named_modules(), part.named_modules()):
+        if not isinstance(a, Linear) or not isinstance(a.impl, Int4GroupLinear):
+            continue
+        full, mine = a.impl.dequantized(), b.impl.dequantized()
+        if name.endswith(("o_proj", "down_proj")):  # input columns split
+            cols = full.shape[1] // 2
+            assert torch.equal(mine, full[:, rank * cols : (rank + 1) * cols]), name
+        else:
+            sizes = a.output_sizes if hasattr(a, "output_sizes") else [full.shape[0]]
+            want, start = [], 0
+            for size in sizes:
+                want.append(full[start + rank * size // 2 : start + (rank + 1) * size // 2])
+                start += size
+            assert torch.equal(mine, torch.cat(want)), name
+
+
+def test_a_split_inside_a_group_is_refused():
+    path = int4("llama", intermediate_size=96)  # down_proj's 96 columns split 48 / 48
+    with pytest.raises(ValueError, match="down_proj.weight_scale_inv': columns 0:48 of 96 split"):
+        load_model(path, tp=TPGroup(rank=0, size=2))
+
+
+@pytest.mark.parametrize(
+    "weights,acts,message",
+    [
+        ({"symmetric": False}, None, "weights.symmetric: False"),
+        ({"num_bits": 8}, None, "weights.num_bits: 8"),
+        ({"group_size": 12}, None, "weights.group_size: 12"),
+        ({"strategy": "channel"}, None, "weights.strategy: 'channel'"),
+        ({}, {"num_bits": 8, "type": "int", "dynamic": True}, "W4A8"),
+    ],
+)
+def test_int4_variants_not_built_are_refused(weights, acts, message):
+    from pdserve.quantization.registry import weight_format
+
+    base = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32, "symmetric": True}
+    group = {"weights": {**base, **weights}}
+    if acts:
+        group["input_activations"] = acts
+    quant = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"g": group},
+    }
+
+    class Cfg:
+        quantization_config = quant
+
+    with pytest.raises(ValueError, match=message):
+        weight_format(Cfg())
+
+
+def test_deterministic_inference_on_int4_weights(request):
+    eng = pdserve.Engine(
+        model_path=int4("qwen3_moe"),
+        dtype="bfloat16",
+        torch_num_threads=1,
+        max_total_tokens=8192,
+        enable_deterministic_inference=True,
+    )
+    request.node._engine = eng
+    ps = prompts_for(13)[:4]
+    together = eng.generate(input_ids=ps, sampling_params=GREEDY, return_logprob=True)
+    for ids, out in zip(ps, together):
+        alone = eng.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True)
+        assert alone["output_ids"] == out["output_ids"]
+        lp = [v for v, _, _ in out["meta_info"]["output_token_logprobs"]]
+        assert [v for v, _, _ in alone["meta_info"]["output_token_logprobs"]] == lp
+
+
+@pytest.fixture(scope="module")
+def pd_kimi_layout(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("int4-pd")
+    path = int4("deepseek_v3", experts_only=True)
+    common = ["--dtype", "float32", "--max-total-tokens", "4096", "--page-size", "16"]
+    prefill, _ = c.prefill("P-int4-tp2", path, logs, *common, "--tp-size", "2", "--ep-size", "2")
+    decode = c.decode("D-int4", path, logs, *common)
+    procs, routers = [prefill, decode], []
+    try:
+        c.start_all(procs)
+        routers = [c.router("R-int4", [prefill], [decode], logs).start()]
+        yield path, routers[0]
+    finally:
+        for p in routers + procs:
+            p.stop()
+
+
+def test_pd_kimi_layout_prefill_on_two_ranks_gives_hf_tokens(pd_kimi_layout):
+    path, router = pd_kimi_layout
+    ref = decompressed_int4_checkpoint(path)
+    for ids in prompts_for(14)[:4]:
+        r = httpx.post(router.url + "/generate", json={"input_ids": ids, "sampling_params": GREEDY})
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == hf_greedy(ref, ids, GREEDY["max_new_tokens"])
