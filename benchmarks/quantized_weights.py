@@ -1,10 +1,12 @@
 """Quantized weights as published against bf16 weights at every instruction-set tier of this host,
 one thread: FP8 block-scaled (``pdserve/quantization/fp8_block.py``) on one Llama-3.2-1B-shaped
 layer's matmuls (q/k/v fused 2048 -> 3072, o 2048 -> 2048, gate/up fused 2048 -> 16384, down 8192
--> 2048), or MXFP4 (``--format mxfp4``, ``quantization/mxfp4.py``) on 8 GPT-OSS-20B-shaped experts
-(gate/up 2880 -> 5760, down 2880 -> 2880; a decode step reads 4 of them a layer):
+-> 2048), MXFP4 (``--format mxfp4``, ``quantization/mxfp4.py``) on 8 GPT-OSS-20B-shaped experts
+(gate/up 2880 -> 5760, down 2880 -> 2880; a decode step reads 4 of them a layer), or int4 with a
+float scale per 32 (``--format int4``, compressed-tensors' pack-quantized) on 8 Kimi-K2-shaped
+experts (gate/up 7168 -> 4096, down 2048 -> 7168):
 
-    python benchmarks/quantized_weights.py [--format fp8|mxfp4] [--tiers avx2,avx512,...]
+    python benchmarks/quantized_weights.py [--format fp8|mxfp4|int4] [--tiers avx2,avx512,...]
         [--rows 1,8,64,512] [--json OUT]
 
 Each tier runs in its own process with ``PDSERVE_CPU_ISA=<tier>`` and oneDNN, MKL and ATen capped
@@ -14,10 +16,10 @@ runs. Per tier, best of 5:
 - ``read GB/s``: a float32 sum over 512 MB (what memory speed is here);
 - ``fp8 GEMV GB/s`` (``mxfp4 ...``) / ``bf16 GEMV GB/s``: the weights read per second at one row,
   over the packed bytes each reads (FP8: one byte per weight plus its row scales; MXFP4: half a
-  byte plus a scale byte per 32; bf16: two);
+  byte plus a scale byte per 32; int4: half a byte plus a float32 scale per 32; bf16: two);
 - ``ms fp8`` / ``ms bf16`` at each row count: the matmuls as served (FP8: ``linear_fp8`` up to 64
-  rows, dequantized panels and oneDNN's bf16 GEMM above where pdserve takes oneDNN; MXFP4:
-  ``linear_mxfp4`` at every row count; bf16: ``PackedBF16``), and their ratio;
+  rows, dequantized panels and oneDNN's bf16 GEMM above where pdserve takes oneDNN; MXFP4 / int4:
+  ``linear_mxfp4`` / ``linear_int4`` at every row count; bf16: ``PackedBF16``), and their ratio;
 - ``GFLOP/s`` at the largest row count: ``linear_fp8`` / ``linear_mxfp4`` alone (what
   batch-invariant serving and hosts without oneDNN's bf16 run) against pdserve's bf16 kernel
   ``linear_vnni``."""
@@ -39,6 +41,7 @@ torch.set_num_threads(1)
 from pdserve import kernels
 from pdserve.layers.linear import PackedBF16, pack_vnni16
 from pdserve.quantization.fp8_matmul import Fp8BlockLinear
+from pdserve.quantization.int4_matmul import Int4GroupLinear
 from pdserve.quantization.mxfp4_matmul import Mxfp4Linear
 
 ops = kernels.load()
@@ -67,6 +70,15 @@ if FORMAT == "fp8":
         lin.use_kernels(ops, onednn)
         kernel = lambda o, x, f=lin: ops.linear_fp8(o, x, f.packed, f.packed_scale, None, 128)
         layers.append((k, n, lin, PackedBF16(deq, None, ops), pack_vnni16(deq), kernel))
+elif FORMAT == "int4":
+    for expert in range(8):
+        for k, n in [(7168, 4096), (2048, 7168)]:
+            blocks = torch.randint(0, 256, (n, k // 2), dtype=torch.int32).to(torch.uint8)
+            lin = Int4GroupLinear(blocks, torch.rand(n, k // 32) * 1e-3 + 1e-4, None, 32)
+            deq = lin.dequantized().to(torch.bfloat16)
+            lin.use_kernels(ops)
+            kernel = lambda o, x, f=lin: ops.linear_int4(o, x, f.packed, f.packed_scale, None, 32)
+            layers.append((k, n, lin, PackedBF16(deq, None, ops), pack_vnni16(deq), kernel))
 else:
     for expert in range(8):
         for k, n in [(2880, 5760), (2880, 2880)]:
@@ -119,7 +131,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--tiers", default=None, help="comma-separated (default: every SIMD tier here)")
-    ap.add_argument("--format", choices=("fp8", "mxfp4"), default="fp8")
+    ap.add_argument("--format", choices=("fp8", "mxfp4", "int4"), default="fp8")
     ap.add_argument("--rows", default="1,8,64,512")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
