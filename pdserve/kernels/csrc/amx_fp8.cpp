@@ -9,7 +9,7 @@
 // the rows' sums (acc = fma(part, scale, acc), as the other tiers fold a block) and summed over the
 // blocks in order. Within a block the order is TDPBF16PS's (pairs of k, fp32 sums): the amx tier's
 // bits differ from the other tiers' in the last places, like the bf16 AMX kernel's. Rows do not
-// depend on each other (16-row blocks, zero rows past M): batch invariant. MXFP4 panels take the
+// depend on each other (16-row blocks, zero rows past M): batch invariant. 4-bit panels take the
 // same path, their codes looked up as values as the tiles are built.
 #include "amx.h"
 #include "fp8_linear.h"

@@ -19,16 +19,18 @@
 // x[k] * w(k), one fused multiply-add each, from zero; then acc = fma(part, scale, acc) over the
 // blocks in order, from zero; out = acc + bias, rounded once to the output dtype.
 //
-// MXFP4 (GPT-OSS's experts: e2m1 codes, one E8M0 scale 2^(e - 127) per 32 k) runs the same kernels
-// (the same sums in the same order) on panels of half the bytes, in output order: packed[np][k][j]
-// (j < 32) holds the code of output j in its low nibble and of output j + 32 in its high nibble.
-// A code becomes its value at 2^-8 by a table lookup: on AVX-512 16 codes at a time, each byte
-// zero-extended to a 32-bit lane and looked up among 16 floats by vpermps (which reads only an
-// index's low 4 bits: the high nibble needs a shift, no mask); on 8 lanes as the high byte of a
-// float16 (every e2m1 value at 2^-8 is a float16 with a zero low byte), one byte shuffle, then the
-// float16 conversion. Its scales stay bytes, [NP, KB, 64] uint8 in output order with bk = 32:
-// 2^(e - 127) times 256 is the float whose exponent field is e + 8 (exact for e <= 246, which the
-// loader checks).
+// 4-bit codes run the same kernels (the same sums in the same order) on panels of half the bytes,
+// in output order: packed[np][k][j] (j < 32) holds the code of output j in its low nibble and of
+// output j + 32 in its high nibble. MXFP4 (GPT-OSS's experts: e2m1 codes, one E8M0 scale
+// 2^(e - 127) per 32 k) and int4 (compressed-tensors' pack-quantized: codes q + 8, a float scale
+// per group of bk) differ only in their table of values (Codes). A code becomes its value at 2^-8
+// by a table lookup: on AVX-512 16 codes at a time, each byte zero-extended to a 32-bit lane and
+// looked up among 16 floats by vpermps (which reads only an index's low 4 bits: the high nibble
+// needs a shift, no mask); on AVX2 8 at a time by vpermps over each half of the table, bit 3
+// choosing the half; on NEON as the high byte of a float16 (every value here at 2^-8 is a float16
+// with a zero low byte), one byte shuffle, then the float16 conversion. MXFP4's scales stay bytes,
+// [NP, KB, 64] uint8 in output order with bk = 32: 2^(e - 127) times 256 is the float whose
+// exponent field is e + 8 (exact for e <= 246, which the loader checks); int4's are FP8's floats.
 #pragma once
 
 #include <cstdint>

@@ -4,8 +4,8 @@
 // A panel is taken one k block (bk lines, 8 KiB at 128) at a time, its partial sums scaled into the
 // row block's sums in `acc` at the end of the block. One row: the lines are widened in registers as
 // they stream in. More rows: the block is widened once into `wbuf` (float32, 32 KiB at 128, in L1)
-// and tiles of up to 6 rows x 16 outputs run on it. MXFP4 panels: each quarter line's codes are
-// looked up as float16 high bytes first (one byte shuffle / table lookup), then the same.
+// and tiles of up to 6 rows x 16 outputs run on it. 4-bit panels (MXFP4, int4): each quarter
+// line's codes are looked up as their values first (fp8_linear.h), then the same.
 #include "fp8_linear.h"
 #include "vec8.h"
 
@@ -30,8 +30,8 @@ PDS_VI __m256 code_values8(__m256i code) {
 #endif
 
 // quarter q of a packed line -> its first 8 and its last 8 weights, at 2^-8 of their values: FP8's
-// 16 bytes widened through float16 (fp8_linear.h); MXFP4's 8 bytes (outputs 8q .. 8q + 7 low,
-// 32 + 8q .. high) looked up as values (AVX2: vpermps over the 8 magnitudes, the sign by xor;
+// 16 bytes widened through float16 (fp8_linear.h); 4-bit lines: 8 bytes (outputs 8q .. 8q + 7 low,
+// 32 + 8q .. high) looked up as values (AVX2: vpermps over each half of the table;
 // NEON: as float16 high bytes)
 template <int C>
 PDS_VI void widen_quarter(const uint8_t* line, int q, F8& first, F8& last) {
