@@ -471,7 +471,7 @@ def test_compressed_tensors_fp8_gives_hf_tokens_on_its_decompression(arch, reque
 @pytest.mark.parametrize(
     "edit,message",
     [
-        ({"format": "pack-quantized"}, "quantization_config.format: 'pack-quantized'"),
+        ({"format": "naive-quantized"}, "quantization_config.format: 'naive-quantized'"),
         (
             {"config_groups": {"g": {"weights": {"type": "int", "num_bits": 8}}}},
             "config_groups.g.weights.type: 'int'",
