@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from pdserve.quantization.experts import QuantizedExperts
-from pdserve.quantization.fp8_block import SCALE, Fp8Block
+from pdserve.quantization.fp8_block import SCALE, Fp8Block, row_col_slices
 from pdserve.quantization.int4_matmul import Int4GroupLinear
 from pdserve.quantization.int8_matmul import Int8ChannelLinear
 from pdserve.quantization.mxfp4_matmul import codes
@@ -238,13 +238,7 @@ class PackedInt4View:
         return list(self.shape)
 
     def __getitem__(self, index) -> torch.Tensor:
-        index = index if isinstance(index, tuple) else (index,)
-        rows = index[0] if index else slice(None)
-        cols = index[1] if len(index) > 1 else slice(None)
-        if not isinstance(rows, slice) or not isinstance(cols, slice) or len(index) > 2:
-            raise TypeError(f"{self.name}: only [rows, columns] slices, got {index!r}")
-        a, b, _ = rows.indices(self.shape[0])
-        c, d, _ = cols.indices(self.shape[1])
+        (a, b), (c, d) = row_col_slices(index, self.shape, self.name)
         if c % 8 or d % 8:
             raise ValueError(
                 f"weight {self.name!r}: columns {c}:{d} split an int32 word of 8 int4 values; a "

@@ -327,15 +327,9 @@ class BlockScaleView:
         return list(self.shape)
 
     def __getitem__(self, index) -> torch.Tensor:
-        index = index if isinstance(index, tuple) else (index,)
-        rows = index[0] if index else slice(None)
-        cols = index[1] if len(index) > 1 else slice(None)
-        if not isinstance(rows, slice) or not isinstance(cols, slice) or len(index) > 2:
-            raise TypeError(f"{self.name}: only [rows, columns] slices, got {index!r}")
-        (n, k), (bn, bk) = self.shape, self.block
+        k, (bn, bk) = self.shape[1], self.block
         bk = bk or k  # one scale per row: no column split divides it
-        a, b, _ = rows.indices(n)
-        c, d, _ = cols.indices(k)
+        (a, b), (c, d) = row_col_slices(index, self.shape, self.name)
         if c % bk or (d % bk and d != k):
             raise ValueError(
                 f"weight {self.name!r}: columns {c}:{d} of {k} split a {bk}-wide scale block; "
@@ -346,3 +340,15 @@ class BlockScaleView:
         part = self.src[rb0:rb1, c // bk : cdiv(d, bk)]
         part = part.to(torch.float32)
         return part.repeat_interleave(bn, dim=0)[a - rb0 * bn : b - rb0 * bn].contiguous()
+
+
+def row_col_slices(index, shape: list[int], name: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A loader's ``[rows, columns]`` slice of a 2-D weight ``shape`` as ((a, b), (c, d))."""
+    index = index if isinstance(index, tuple) else (index,)
+    rows = index[0] if index else slice(None)
+    cols = index[1] if len(index) > 1 else slice(None)
+    if not isinstance(rows, slice) or not isinstance(cols, slice) or len(index) > 2:
+        raise TypeError(f"{name}: only [rows, columns] slices, got {index!r}")
+    a, b, _ = rows.indices(shape[0])
+    c, d, _ = cols.indices(shape[1])
+    return (a, b), (c, d)

@@ -4,6 +4,7 @@ output rows dequantized and multiplied in the activations' dtype; the bias kept 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from types import ModuleType
 from typing import Optional
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 PANEL_ROWS = 256  # output rows dequantized at once by the PyTorch matmul
 
 
-class QuantizedLinear:
+class QuantizedLinear(ABC):
     """``y = x w^T + b``; subclasses give ``dequantized(start, end)`` (rows of the weight in
     float32) and ``_kernel(x2)`` (the kernel on [M, K] rows, float32 or bf16)."""
 
@@ -24,11 +25,11 @@ class QuantizedLinear:
         self.ops: Optional[ModuleType] = None
         self._bias: dict[torch.dtype, torch.Tensor] = {}
 
-    def dequantized(self, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
-        raise NotImplementedError
+    @abstractmethod
+    def dequantized(self, start: int = 0, end: Optional[int] = None) -> torch.Tensor: ...
 
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    @abstractmethod
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n = self.out_features

@@ -139,11 +139,16 @@ def test_held_bytes_are_the_checkpoints():
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_tensor_parallel_rank_holds_its_part_of_the_same_weights(rank):
-    path = fp8("llama", (16, 16))
+    assert_rank_holds_its_part(fp8("llama", (16, 16)), rank, Fp8BlockLinear)
+
+
+def assert_rank_holds_its_part(path: str, rank: int, impl_cls) -> None:
+    """Rank ``rank`` of 2 holds, of each layer with an ``impl_cls`` matmul, the rows (each fused
+    projection's own, in order) or input columns of the whole model's dequantized weight."""
     whole, _ = load_model(path, dtype="float32")
     part, _ = load_model(path, dtype="float32", tp=TPGroup(rank=rank, size=2))
     for (name, a), (_, b) in zip(whole.named_modules(), part.named_modules()):
-        if not isinstance(a, Linear) or not isinstance(a.impl, Fp8BlockLinear):
+        if not isinstance(a, Linear) or not isinstance(a.impl, impl_cls):
             continue
         full, mine = a.impl.dequantized(), b.impl.dequantized()
         if name.endswith(("o_proj", "down_proj")):  # input columns split
@@ -210,12 +215,19 @@ def test_deterministic_inference_on_fp8_weights(request):
     assert fp8_impls and all(i.packed is not None and not i.onednn for i in fp8_impls)
     ps = prompts_for(2)[:6]
     params = {**GREEDY, "max_new_tokens": 12}
-    together = eng.generate(input_ids=ps, sampling_params=params, return_logprob=True)
-    for ids, out in zip(ps, together):
+    assert_batch_invariant(eng, ps, params)
+
+
+def assert_batch_invariant(eng, prompts: list[list[int]], params: dict, logprobs=True) -> None:
+    """Each prompt alone gives the tokens (and, with ``logprobs``, the logprob bits) it gives
+    decoded with the others."""
+    together = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    for ids, out in zip(prompts, together):
         alone = eng.generate(input_ids=ids, sampling_params=params, return_logprob=True)
         assert alone["output_ids"] == out["output_ids"]
-        lp = [v for v, _, _ in out["meta_info"]["output_token_logprobs"]]
-        assert [v for v, _, _ in alone["meta_info"]["output_token_logprobs"]] == lp
+        if logprobs:
+            lp = [v for v, _, _ in out["meta_info"]["output_token_logprobs"]]
+            assert [v for v, _, _ in alone["meta_info"]["output_token_logprobs"]] == lp
 
 
 @pytest.fixture(scope="module")
@@ -265,16 +277,7 @@ def pd_deepseek(tmp_path_factory):
     logs = tmp_path_factory.mktemp("fp8-pd-deepseek")
     path = fp8("deepseek_v3", (16, 16))  # the tiny MLP's 96 columns split in two: 48, 3 blocks
     common = ["--dtype", "float32", "--max-total-tokens", "4096", "--page-size", "16"]
-    prefill, _ = c.prefill("P-ds-fp8-tp2", path, logs, *common, "--tp-size", "2")
-    decode = c.decode("D-ds-fp8", path, logs, *common)
-    procs, routers = [prefill, decode], []
-    try:
-        c.start_all(procs)
-        routers = [c.router("R-ds-fp8", [prefill], [decode], logs).start()]
-        yield path, routers[0]
-    finally:
-        for p in routers + procs:
-            p.stop()
+    yield from pd_pair("ds-fp8", path, logs, common, ["--tp-size", "2"], [])
 
 
 def test_pd_fp8_deepseek_v3_prefill_on_two_ranks_gives_hf_tokens(pd_deepseek):
@@ -302,7 +305,13 @@ def int8_layerwise_pd(name: str, path: str, logs, common: list, decode_flags: li
     common = [*common, "--kv-cache-dtype", "int8"]
     layers = ["--enable-disagg-layer-pipeline", "--disagg-layer-group-size", "1"]
     layers += ["--disagg-layer-pipeline-min-prefill-len", "0"]
-    prefill, _ = c.prefill(f"P-{name}", path, logs, *common, *layers)
+    yield from pd_pair(name, path, logs, common, layers, decode_flags)
+
+
+def pd_pair(name: str, path: str, logs, common: list, prefill_flags: list, decode_flags: list):
+    """A fixture body: one prefill and one decode of ``path`` behind pdserve's router; yields
+    (path, router) and stops them after."""
+    prefill, _ = c.prefill(f"P-{name}", path, logs, *common, *prefill_flags)
     decode = c.decode(f"D-{name}", path, logs, *common, *decode_flags)
     procs, routers = [prefill, decode], []
     try:

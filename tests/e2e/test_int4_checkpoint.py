@@ -24,8 +24,15 @@ from pdserve.layers.linear import Linear
 from pdserve.models.loader import checkpoint_tensors, load_model
 from pdserve.quantization.int4_matmul import Int4GroupLinear
 from tests.e2e.test_engine import hf_greedy, prompts_for
-from tests.e2e.test_fp8_checkpoint import GREEDY, assert_hf_tokens_and_logprobs, runner_model
-from tests.helpers import cluster as c
+from tests.e2e.test_fp8_checkpoint import (
+    GREEDY,
+    assert_batch_invariant,
+    assert_hf_tokens_and_logprobs,
+    assert_rank_holds_its_part,
+    pd_pair,
+    runner_model,
+)
+from tests.e2e.test_int8_checkpoint import assert_refused
 from tests.helpers.checkpoints import (
     build_compressed_int4_checkpoint,
     build_tiny_checkpoint,
@@ -91,22 +98,7 @@ def test_layers_hold_the_decompression_and_the_checkpoints_bytes():
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_tensor_parallel_rank_holds_its_part_of_the_same_weights(rank):
     path = int4("llama", intermediate_size=128)  # down_proj's 128 columns: 64 a rank, 2 groups
-    whole, _ = load_model(path, dtype="float32")
-    part, _ = load_model(path, dtype="float32", tp=TPGroup(rank=rank, size=2))
-    for (name, a), (_, b) in zip(whole.named_modules(), part.named_modules()):
-        if not isinstance(a, Linear) or not isinstance(a.impl, Int4GroupLinear):
-            continue
-        full, mine = a.impl.dequantized(), b.impl.dequantized()
-        if name.endswith(("o_proj", "down_proj")):  # input columns split
-            cols = full.shape[1] // 2
-            assert torch.equal(mine, full[:, rank * cols : (rank + 1) * cols]), name
-        else:
-            sizes = a.output_sizes if hasattr(a, "output_sizes") else [full.shape[0]]
-            want, start = [], 0
-            for size in sizes:
-                want.append(full[start + rank * size // 2 : start + (rank + 1) * size // 2])
-                start += size
-            assert torch.equal(mine, torch.cat(want)), name
+    assert_rank_holds_its_part(path, rank, Int4GroupLinear)
 
 
 def test_a_split_inside_a_group_is_refused():
@@ -126,23 +118,11 @@ def test_a_split_inside_a_group_is_refused():
     ],
 )
 def test_int4_variants_not_built_are_refused(weights, acts, message):
-    from pdserve.quantization.registry import weight_format
-
     base = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32, "symmetric": True}
     group = {"weights": {**base, **weights}}
     if acts:
         group["input_activations"] = acts
-    quant = {
-        "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
-        "config_groups": {"g": group},
-    }
-
-    class Cfg:
-        quantization_config = quant
-
-    with pytest.raises(ValueError, match=message):
-        weight_format(Cfg())
+    assert_refused({"format": "pack-quantized", "config_groups": {"g": group}}, message)
 
 
 def test_deterministic_inference_on_int4_weights(request):
@@ -155,12 +135,7 @@ def test_deterministic_inference_on_int4_weights(request):
     )
     request.node._engine = eng
     ps = prompts_for(13)[:4]
-    together = eng.generate(input_ids=ps, sampling_params=GREEDY, return_logprob=True)
-    for ids, out in zip(ps, together):
-        alone = eng.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True)
-        assert alone["output_ids"] == out["output_ids"]
-        lp = [v for v, _, _ in out["meta_info"]["output_token_logprobs"]]
-        assert [v for v, _, _ in alone["meta_info"]["output_token_logprobs"]] == lp
+    assert_batch_invariant(eng, ps, GREEDY)
 
 
 @pytest.fixture(scope="module")
@@ -168,16 +143,7 @@ def pd_kimi_layout(tmp_path_factory):
     logs = tmp_path_factory.mktemp("int4-pd")
     path = int4("deepseek_v3", experts_only=True)
     common = ["--dtype", "float32", "--max-total-tokens", "4096", "--page-size", "16"]
-    prefill, _ = c.prefill("P-int4-tp2", path, logs, *common, "--tp-size", "2", "--ep-size", "2")
-    decode = c.decode("D-int4", path, logs, *common)
-    procs, routers = [prefill, decode], []
-    try:
-        c.start_all(procs)
-        routers = [c.router("R-int4", [prefill], [decode], logs).start()]
-        yield path, routers[0]
-    finally:
-        for p in routers + procs:
-            p.stop()
+    yield from pd_pair("int4", path, logs, common, ["--tp-size", "2", "--ep-size", "2"], [])
 
 
 def test_pd_kimi_layout_prefill_on_two_ranks_gives_hf_tokens(pd_kimi_layout):

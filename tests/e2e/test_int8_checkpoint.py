@@ -23,7 +23,7 @@ from pdserve.layers.linear import Linear
 from pdserve.models.loader import checkpoint_tensors, load_model
 from pdserve.quantization.int8_matmul import Int8ChannelLinear
 from tests.e2e.test_engine import hf_generate_logits, prompts_for
-from tests.e2e.test_fp8_checkpoint import GREEDY, runner_model
+from tests.e2e.test_fp8_checkpoint import GREEDY, assert_batch_invariant, runner_model
 from tests.helpers.checkpoints import (
     build_compressed_int8_checkpoint,
     build_tiny_checkpoint,
@@ -106,10 +106,7 @@ def test_int8_moe_serves_and_rows_are_batch_invariant(request):
     )
     request.node._engine = eng
     ps = prompts_for(11)[:4]
-    together = eng.generate(input_ids=ps, sampling_params=GREEDY, return_logprob=True)
-    for ids, out in zip(ps, together):
-        alone = eng.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True)
-        assert alone["output_ids"] == out["output_ids"]
+    assert_batch_invariant(eng, ps, GREEDY, logprobs=False)
 
 
 def test_held_bytes_are_the_checkpoints():
@@ -145,21 +142,21 @@ def test_held_bytes_are_the_checkpoints():
     ],
 )
 def test_int8_variants_not_built_are_refused(edit, message):
-    from pdserve.quantization.registry import weight_format
-
     weights = {"type": "int", "num_bits": 8, "strategy": "channel", "symmetric": True}
     acts = {"type": "int", "num_bits": 8, "strategy": "token", "symmetric": True, "dynamic": True}
     group = {"weights": {**weights, **edit.get("weights", {})}}
     if "input_activations" not in edit or edit["input_activations"] is not None:
         group["input_activations"] = {**acts, **(edit.get("input_activations") or {})}
-    quant = {
-        "quant_method": "compressed-tensors",
-        "format": "int-quantized",
-        "config_groups": {"g": group},
-    }
+    assert_refused({"format": "int-quantized", "config_groups": {"g": group}}, message)
+
+
+def assert_refused(quant: dict, message: str) -> None:
+    """A compressed-tensors ``quantization_config`` (``quant`` over its ``quant_method``) is
+    refused by the format registry with ``message``."""
+    from pdserve.quantization.registry import weight_format
 
     class Cfg:
-        quantization_config = quant
+        quantization_config = {"quant_method": "compressed-tensors", **quant}
 
     with pytest.raises(ValueError, match=message):
         weight_format(Cfg())

@@ -25,6 +25,7 @@ from pdserve.quantization.mxfp4_matmul import Mxfp4Experts
 from tests.e2e.test_engine import prompts_for
 from tests.e2e.test_fp8_checkpoint import (
     GREEDY,
+    assert_batch_invariant,
     assert_hf_tokens_and_logprobs,
     assert_router_equals_engine,
     int8_layerwise_pd,
@@ -168,12 +169,7 @@ def test_deterministic_inference_on_mxfp4_weights(request):
     assert linears and all(w.amx_min_rows == -1 for w in linears)
     ps = prompts_for(2)[:6]
     params = {**GREEDY, "max_new_tokens": 12}
-    together = eng.generate(input_ids=ps, sampling_params=params, return_logprob=True)
-    for ids, out in zip(ps, together):
-        alone = eng.generate(input_ids=ids, sampling_params=params, return_logprob=True)
-        assert alone["output_ids"] == out["output_ids"]
-        lp = [v for v, _, _ in out["meta_info"]["output_token_logprobs"]]
-        assert [v for v, _, _ in alone["meta_info"]["output_token_logprobs"]] == lp
+    assert_batch_invariant(eng, ps, params)
 
 
 COMMON = ["--dtype", "float32", "--max-total-tokens", "4096", "--page-size", "16"]

@@ -323,18 +323,68 @@ void run_dequantize(const Fp8DequantArgs& a, int64_t NP) {
   });
 }
 
-void check_x_out(const char* op, const at::Tensor& x, const at::Tensor& out) {
+// The checks and the call every entry point shares: `codes` picks the panels' line (64 FP8 bytes
+// or 32 bytes of 4-bit codes) and the scales (E8M0 bytes for MXFP4, float32 times 256 otherwise);
+// MXFP4's blocks are 32 k.
+void check_packed(const char* op, const at::Tensor& packed, int codes, int64_t K) {
+  const int64_t lb = line_bytes(codes);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == lb && packed.is_contiguous(),
+              op, ": weight must be packed as a contiguous [N/64, K, ", lb, "] uint8 tensor");
+  if (codes == kCodesE2m1) TORCH_CHECK(K % kMxfp4Block == 0, op, ": K (", K, ") must be a multiple of 32");
+}
+
+int64_t check_scale(const char* op, const at::Tensor& scale, int codes, int64_t NP, int64_t K, int64_t block_k) {
+  TORCH_CHECK(block_k > 0, op, ": block_k must be positive");
+  const int64_t KB = (K + block_k - 1) / block_k;
+  const auto dtype = codes == kCodesE2m1 ? at::kByte : at::kFloat;
+  TORCH_CHECK(scale.scalar_type() == dtype && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == NP &&
+                  scale.size(1) == KB && scale.size(2) == kFp8Panel,
+              op, ": scale must be a contiguous [", NP, ", ", KB, ", 64] ", codes == kCodesE2m1 ? "uint8" : "float32",
+              " tensor, got ", scale.sizes());
+  return KB;
+}
+
+void linear_panels(const char* op, int codes, at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
+                   const at::Tensor& scale, const c10::optional<at::Tensor>& bias, int64_t block_k,
+                   int64_t amx_min_rows) {
+  check_packed(op, packed, codes, x.size(-1));
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1, op,
               ": x and out must be 2-D with contiguous rows");
   TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
               op, ": x and out must be float32 or bfloat16");
-}
-
-void check_bias(const char* op, const c10::optional<at::Tensor>& bias, const at::Tensor& out, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), NP = packed.size(0);
+  TORCH_CHECK(NP == (N + kFp8Panel - 1) / kFp8Panel && packed.size(1) == K && out.size(0) == M, op, ": shapes x ",
+              x.sizes(), ", packed weight ", packed.sizes(), ", out ", out.sizes(), " do not agree");
+  const int64_t KB = check_scale(op, scale, codes, NP, K, block_k);
   if (bias.has_value())
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == out.scalar_type(), op,
                 ": bias must be contiguous [N] in out's dtype");
+  const bool e8m0 = codes == kCodesE2m1;
+  Fp8Args a{data<uint8_t>(packed), e8m0 ? nullptr : data<float>(scale), nullptr,
+            bias.has_value() ? bias->data_ptr() : nullptr, out.data_ptr(), M, N, K, KB, block_k, 0, out.stride(0),
+            out.scalar_type() == at::kBFloat16};
+  a.codes = codes;
+  a.e8m0 = e8m0 ? data<uint8_t>(scale) : nullptr;
+  run_linear(a, x, amx_min_rows);
+}
+
+void dequantize_panels(const char* op, int codes, at::Tensor out, const at::Tensor& packed, const at::Tensor& scale,
+                       int64_t block_k) {
+  check_packed(op, packed, codes, packed.size(1));
+  const int64_t NP = packed.size(0), K = packed.size(1), cols = out.size(1);
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              op, ": out must be a 2-D float32 or bfloat16 tensor with contiguous rows");
+  TORCH_CHECK(out.size(0) == K && cols <= NP * kFp8Panel && cols > (NP - 1) * kFp8Panel, op, ": out ", out.sizes(),
+              " does not match the packed weight ", packed.sizes(), " (out is [K, N])");
+  const int64_t KB = check_scale(op, scale, codes, NP, K, block_k);
+  const bool e8m0 = codes == kCodesE2m1;
+  Fp8DequantArgs a{data<uint8_t>(packed), e8m0 ? nullptr : data<float>(scale), out.data_ptr(), K, KB, block_k, cols,
+                   out.stride(0), out.scalar_type() == at::kBFloat16};
+  a.codes = codes;
+  a.e8m0 = e8m0 ? data<uint8_t>(scale) : nullptr;
+  run_dequantize(a, NP);
 }
 
 }  // namespace
@@ -346,93 +396,14 @@ void check_bias(const char* op, const c10::optional<at::Tensor>& bias, const at:
 // kernels', so one value for every call keeps a row's result independent of its batch).
 void linear_fp8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                 c10::optional<at::Tensor> bias, int64_t block_k, int64_t amx_min_rows) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kFp8Panel &&
-                  packed.is_contiguous(),
-              "linear_fp8: weight must be packed as a contiguous [N/64, K, 64] uint8 tensor");
-  check_x_out("linear_fp8", x, out);
-  TORCH_CHECK(block_k > 0, "linear_fp8: block_k must be positive");
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), NP = packed.size(0), KB = (K + block_k - 1) / block_k;
-  TORCH_CHECK(NP == (N + kFp8Panel - 1) / kFp8Panel && packed.size(1) == K && out.size(0) == M,
-              "linear_fp8: shapes x ", x.sizes(), ", packed weight ", packed.sizes(), ", out ", out.sizes(),
-              " do not agree");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == NP &&
-                  scale.size(1) == KB && scale.size(2) == kFp8Panel,
-              "linear_fp8: scale must be a contiguous [", NP, ", ", KB, ", 64] float32 tensor, got ", scale.sizes());
-  check_bias("linear_fp8", bias, out, N);
-  run_linear(Fp8Args{data<uint8_t>(packed), data<float>(scale), nullptr, bias.has_value() ? bias->data_ptr() : nullptr,
-                     out.data_ptr(), M, N, K, KB, block_k, 0, out.stride(0), out.scalar_type() == at::kBFloat16},
-             x, amx_min_rows);
+  linear_panels("linear_fp8", kCodesFp8, out, x, packed, scale, bias, block_k, amx_min_rows);
 }
 
 // MXFP4 weights (fp8_linear.h): packed [ceil(N/64), K, 32] uint8 codes, scale [ceil(N/64), K/32, 64]
 // uint8 E8M0 (each <= 246); otherwise linear_fp8's arguments, with its kernels and their bits.
 void linear_mxfp4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                   c10::optional<at::Tensor> bias, int64_t amx_min_rows) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kFp4Line &&
-                  packed.is_contiguous(),
-              "linear_mxfp4: weight must be packed as a contiguous [N/64, K, 32] uint8 tensor");
-  check_x_out("linear_mxfp4", x, out);
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), NP = packed.size(0), KB = K / kMxfp4Block;
-  TORCH_CHECK(K % kMxfp4Block == 0, "linear_mxfp4: K (", K, ") must be a multiple of 32");
-  TORCH_CHECK(NP == (N + kFp8Panel - 1) / kFp8Panel && packed.size(1) == K && out.size(0) == M,
-              "linear_mxfp4: shapes x ", x.sizes(), ", packed weight ", packed.sizes(), ", out ", out.sizes(),
-              " do not agree");
-  TORCH_CHECK(scale.scalar_type() == at::kByte && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == NP &&
-                  scale.size(1) == KB && scale.size(2) == kFp8Panel,
-              "linear_mxfp4: scale must be a contiguous [", NP, ", ", KB, ", 64] uint8 tensor, got ", scale.sizes());
-  check_bias("linear_mxfp4", bias, out, N);
-  Fp8Args a{data<uint8_t>(packed), nullptr, nullptr, bias.has_value() ? bias->data_ptr() : nullptr, out.data_ptr(),
-            M, N, K, KB, kMxfp4Block, 0, out.stride(0), out.scalar_type() == at::kBFloat16};
-  a.codes = kCodesE2m1;
-  a.e8m0 = data<uint8_t>(scale);
-  run_linear(a, x, amx_min_rows);
-}
-
-void check_dequantize_out(const char* op, const at::Tensor& out, int64_t K, int64_t NP, const at::Tensor& packed) {
-  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 &&
-                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
-              op, ": out must be a 2-D float32 or bfloat16 tensor with contiguous rows");
-  const int64_t cols = out.size(1);
-  TORCH_CHECK(out.size(0) == K && cols <= NP * kFp8Panel && cols > (NP - 1) * kFp8Panel, op, ": out ", out.sizes(),
-              " does not match the packed weight ", packed.sizes(), " (out is [K, N])");
-}
-
-// The weight of whole panels in out's dtype, transposed: out [K, cols] (cols <= 64 * packed.size(0),
-// any row stride) gets out[k][n] = value(q[n][k]) * scale, rounded once to float32 (transformers'
-// dequantization), then to bf16 if out is bf16: what a prefill multiplies with a bf16 GEMM (x out,
-// a k-major weight needs no copy there) where that is faster than linear_fp8.
-void fp8_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& scale, int64_t block_k) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kFp8Panel &&
-                  packed.is_contiguous(),
-              "fp8_dequantize: weight must be packed as a contiguous [N/64, K, 64] uint8 tensor");
-  const int64_t NP = packed.size(0), K = packed.size(1);
-  check_dequantize_out("fp8_dequantize", out, K, NP, packed);
-  TORCH_CHECK(block_k > 0, "fp8_dequantize: block_k must be positive");
-  const int64_t KB = (K + block_k - 1) / block_k;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == NP &&
-                  scale.size(1) == KB && scale.size(2) == kFp8Panel,
-              "fp8_dequantize: scale must be a contiguous [", NP, ", ", KB, ", 64] float32 tensor");
-  run_dequantize(Fp8DequantArgs{data<uint8_t>(packed), data<float>(scale), out.data_ptr(), K, KB, block_k,
-                                out.size(1), out.stride(0), out.scalar_type() == at::kBFloat16},
-                 NP);
-}
-
-// linear_mxfp4's weight as fp8_dequantize gives linear_fp8's (exact in float32: code * 2^(e - 127))
-void mxfp4_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& scale) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kFp4Line &&
-                  packed.is_contiguous(),
-              "mxfp4_dequantize: weight must be packed as a contiguous [N/64, K, 32] uint8 tensor");
-  const int64_t NP = packed.size(0), K = packed.size(1), KB = K / kMxfp4Block;
-  check_dequantize_out("mxfp4_dequantize", out, K, NP, packed);
-  TORCH_CHECK(K % kMxfp4Block == 0, "mxfp4_dequantize: K (", K, ") must be a multiple of 32");
-  TORCH_CHECK(scale.scalar_type() == at::kByte && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == NP &&
-                  scale.size(1) == KB && scale.size(2) == kFp8Panel,
-              "mxfp4_dequantize: scale must be a contiguous [", NP, ", ", KB, ", 64] uint8 tensor");
-  Fp8DequantArgs a{data<uint8_t>(packed), nullptr, out.data_ptr(), K, KB, kMxfp4Block, out.size(1), out.stride(0),
-                   out.scalar_type() == at::kBFloat16};
-  a.codes = kCodesE2m1;
-  a.e8m0 = data<uint8_t>(scale);
-  run_dequantize(a, NP);
+  linear_panels("linear_mxfp4", kCodesE2m1, out, x, packed, scale, bias, kMxfp4Block, amx_min_rows);
 }
 
 // int4 weights (compressed-tensors' pack-quantized, symmetric: codes q + 8, fp8_linear.h): packed
@@ -440,41 +411,25 @@ void mxfp4_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor
 // (times 256), one per output and group of block_k; otherwise linear_fp8's arguments and kernels.
 void linear_int4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                  c10::optional<at::Tensor> bias, int64_t block_k, int64_t amx_min_rows) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kFp4Line &&
-                  packed.is_contiguous(),
-              "linear_int4: weight must be packed as a contiguous [N/64, K, 32] uint8 tensor");
-  check_x_out("linear_int4", x, out);
-  TORCH_CHECK(block_k > 0, "linear_int4: block_k must be positive");
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), NP = packed.size(0), KB = (K + block_k - 1) / block_k;
-  TORCH_CHECK(NP == (N + kFp8Panel - 1) / kFp8Panel && packed.size(1) == K && out.size(0) == M,
-              "linear_int4: shapes x ", x.sizes(), ", packed weight ", packed.sizes(), ", out ", out.sizes(),
-              " do not agree");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == NP &&
-                  scale.size(1) == KB && scale.size(2) == kFp8Panel,
-              "linear_int4: scale must be a contiguous [", NP, ", ", KB, ", 64] float32 tensor, got ", scale.sizes());
-  check_bias("linear_int4", bias, out, N);
-  Fp8Args a{data<uint8_t>(packed), data<float>(scale), nullptr, bias.has_value() ? bias->data_ptr() : nullptr,
-            out.data_ptr(), M, N, K, KB, block_k, 0, out.stride(0), out.scalar_type() == at::kBFloat16};
-  a.codes = kCodesInt4;
-  run_linear(a, x, amx_min_rows);
+  linear_panels("linear_int4", kCodesInt4, out, x, packed, scale, bias, block_k, amx_min_rows);
+}
+
+// The weight of whole panels in out's dtype, transposed: out [K, cols] (cols <= 64 * packed.size(0),
+// any row stride) gets out[k][n] = value(q[n][k]) * scale, rounded once to float32 (transformers'
+// dequantization), then to bf16 if out is bf16: what a prefill multiplies with a bf16 GEMM (x out,
+// a k-major weight needs no copy there) where that is faster than linear_fp8.
+void fp8_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& scale, int64_t block_k) {
+  dequantize_panels("fp8_dequantize", kCodesFp8, out, packed, scale, block_k);
+}
+
+// linear_mxfp4's weight as fp8_dequantize gives linear_fp8's (exact in float32: code * 2^(e - 127))
+void mxfp4_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& scale) {
+  dequantize_panels("mxfp4_dequantize", kCodesE2m1, out, packed, scale, kMxfp4Block);
 }
 
 // linear_int4's weight as fp8_dequantize gives linear_fp8's (q * scale, one rounding)
 void int4_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& scale, int64_t block_k) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kFp4Line &&
-                  packed.is_contiguous(),
-              "int4_dequantize: weight must be packed as a contiguous [N/64, K, 32] uint8 tensor");
-  const int64_t NP = packed.size(0), K = packed.size(1);
-  check_dequantize_out("int4_dequantize", out, K, NP, packed);
-  TORCH_CHECK(block_k > 0, "int4_dequantize: block_k must be positive");
-  const int64_t KB = (K + block_k - 1) / block_k;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == NP &&
-                  scale.size(1) == KB && scale.size(2) == kFp8Panel,
-              "int4_dequantize: scale must be a contiguous [", NP, ", ", KB, ", 64] float32 tensor");
-  Fp8DequantArgs a{data<uint8_t>(packed), data<float>(scale), out.data_ptr(), K, KB, block_k, out.size(1),
-                   out.stride(0), out.scalar_type() == at::kBFloat16};
-  a.codes = kCodesInt4;
-  run_dequantize(a, NP);
+  dequantize_panels("int4_dequantize", kCodesInt4, out, packed, scale, block_k);
 }
 
 }  // namespace pds
