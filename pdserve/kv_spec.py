@@ -14,6 +14,13 @@ specs, never the model's shapes:
 - ``IndexKeys``: one key vector per token (DeepSeek-V3.2's indexer), beside a layer's latent.
 - ``RecurrentState``: fixed-size tensors per request (linear attention / SSM): one slot, not
   pages.
+- ``CompressedEntries``: one vector per ``rate`` tokens (DeepSeek-V4's compressed attention: a
+  compressor pools each closed window of ``rate`` tokens into one entry); an entry is kept on the
+  logical page where its window closes, so a page of ``page_size >= rate`` tokens holds
+  ``page_size / rate`` entries and, below that, one page in ``rate / page_size`` holds one.
+- ``CompressorState``: the per-request state a compressor carries between forwards (the tokens
+  of the window not yet closed, the overlap slice of the last closed one): a ``RecurrentState``
+  that every rank holds whole.
 
 This module is the contract between ``models`` and ``engine``; it imports neither.
 """
@@ -32,6 +39,8 @@ class CacheSpec:
 
     kind: ClassVar[str] = ""
     per_request: ClassVar[bool] = False  # one slot per request instead of pages per token
+    # items only on some logical pages (0 on the others, by structure: ``holds_item``)
+    sparse_pages: ClassVar[bool] = False
 
     def page_bytes(self, page_size: int, dtype_bytes: int) -> int:
         """Bytes one page of one layer takes (per-request kinds: one slot of one layer); every
@@ -57,6 +66,25 @@ class CacheSpec:
     def drops_pages(self) -> bool:
         """Whether a sequence lets go of pages as it grows (a window)."""
         return False
+
+    @property
+    def keeps_every_page(self) -> bool:
+        """Whether a sequence holds an item on each of its logical pages for its whole life (what
+        the anchor, the routed experts' ids and a draft model's KV need)."""
+        return not (self.per_request or self.drops_pages or self.sparse_pages)
+
+    def holds_item(self, page: int, page_size: int) -> bool:
+        """Whether logical page ``page`` of a sequence has an item of this kind."""
+        return True
+
+    def page_share(self, page_size: int) -> float:
+        """The share of a long sequence's logical pages that hold an item (what a pool needs per
+        logical page, in pages)."""
+        return 1.0
+
+    def bytes_per_token(self, dtype_bytes: int) -> float:
+        """Bytes one layer keeps per token of a long sequence."""
+        return self.page_bytes(1, dtype_bytes)
 
     def describe(self) -> dict:
         """The fields a peer must agree on (transfer compatibility), with the kind."""
@@ -141,6 +169,7 @@ class RecurrentState(CacheSpec):
 
     kind: ClassVar[str] = "recurrent_state"
     per_request: ClassVar[bool] = True
+    region_split: ClassVar[str] = "segments"  # how TP ranks share it (``kv_region.Region``)
     parts: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
@@ -212,6 +241,81 @@ class RecurrentState(CacheSpec):
 
 
 @dataclass(frozen=True)
+class CompressedEntries(CacheSpec):
+    """One ``dim``-vector per closed window of ``rate`` tokens, no head axis (every rank of an
+    attention group holds them whole). ``part`` tells apart the entries of two compressors of the
+    same layers (a compressor's ``"kv"`` and an indexer's ``"index_k"``), which may agree on
+    ``dim`` and ``rate``. Entry e covers tokens ``e * rate .. (e + 1) * rate - 1`` and lives on the
+    logical page of its last token, at slot ``e % entries_per_page``: a page holds only closed
+    windows' entries, so it is final when the page is full, as a full-attention page is."""
+
+    kind: ClassVar[str] = "compressed"
+    sparse_pages: ClassVar[bool] = True
+    dim: int
+    rate: int
+    part: str = "kv"
+
+    def __post_init__(self) -> None:
+        if self.rate < 1 or self.dim < 1:
+            raise ValueError(
+                f"compressed entries {self.part!r}: rate and dim must be >= 1, got rate "
+                f"{self.rate}, dim {self.dim}"
+            )
+
+    def check_page_size(self, page_size: int) -> None:
+        """A page holds whole windows, or a window whole pages: refuse other page sizes."""
+        if page_size % self.rate and self.rate % page_size:
+            raise ValueError(
+                f"page_size: {page_size} tokens and a compress rate of {self.rate} "
+                f"(compressed entries {self.part!r}): one must divide the other, so that a "
+                "window's entry lands on one page; choose a page_size that is a power of two"
+            )
+
+    def entries_per_page(self, page_size: int) -> int:
+        return max(1, page_size // self.rate)
+
+    def holds_item(self, page: int, page_size: int) -> bool:
+        # a window closes on this page: its last token ((e + 1) * rate - 1) lies in it
+        return ((page + 1) * page_size) // self.rate > (page * page_size) // self.rate
+
+    def entry_location(self, entry: int, page_size: int) -> tuple[int, int]:
+        """(logical page, slot in the page) of entry ``entry``."""
+        return ((entry + 1) * self.rate - 1) // page_size, entry % self.entries_per_page(page_size)
+
+    def items_between(self, first: int, end: int, page_size: int) -> int:
+        """Items on logical pages ``first .. end - 1``."""
+        if end <= first:
+            return 0
+        if page_size >= self.rate:
+            return end - first
+        span = self.rate // page_size  # logical pages per window; the last one holds the item
+        return end // span - first // span
+
+    def page_bytes(self, page_size: int, dtype_bytes: int) -> int:
+        return self.entries_per_page(page_size) * self.dim * dtype_bytes
+
+    def page_share(self, page_size: int) -> float:
+        return min(1.0, page_size / self.rate)
+
+    def bytes_per_token(self, dtype_bytes: int) -> float:
+        return self.dim * dtype_bytes / self.rate
+
+    def peak_pages(self, seq_len: int, chunk: int, page_size: int) -> int:
+        return self.items_between(0, seq_len // page_size + 1, page_size)
+
+
+@dataclass(frozen=True)
+class CompressorState(RecurrentState):
+    """A compressor's state between forwards, per request (``RecurrentState``'s tensors): the
+    projected tokens of the window not yet closed and, where windows overlap, the slice of the
+    last closed one that the next entry reads. Every rank holds it whole (its compressor is not
+    split by TP), so its regions are replicated."""
+
+    kind: ClassVar[str] = "compressor_state"
+    region_split: ClassVar[str] = "replicated"
+
+
+@dataclass(frozen=True)
 class CacheGroup:
     """Layers that share one spec, one pool and one index space. ``layers``: the model's layer
     ids (global, ascending); a layer's slot in the group's pool is its index in ``layers``."""
@@ -254,10 +358,11 @@ def group_layers(specs: Sequence, first_layer: int = 0) -> list[CacheGroup]:
 
 
 def anchor_group(groups: Sequence[CacheGroup]) -> int:
-    """The anchor group: the first paged one (a per-token cache), whose pages count a request's
-    logical pages and whose pool's page size, device and dtype stand for the model's cache."""
+    """The anchor group: the first paged one with an item on every logical page (a per-token
+    cache), whose pages count a request's logical pages and whose pool's page size, device and
+    dtype stand for the model's cache."""
     for g in groups:
-        if not g.spec.per_request:
+        if not g.spec.per_request and not g.spec.sparse_pages:
             return g.id
     raise ValueError(
         "the model keeps no per-token cache (cache groups: "
@@ -274,8 +379,8 @@ def transfer_bytes_per_token(
     prompt sends only a window's last pages), per-request state always (it is per request)."""
     paged = [g for g in groups if not g.spec.per_request]
     kept = [g for g in paged if not g.spec.drops_pages] or paged
-    return sum(
-        g.spec.whole(total_kv_heads).page_bytes(1, dtype_bytes) * len(g.layers) for g in kept
+    return round(
+        sum(g.spec.whole(total_kv_heads).bytes_per_token(dtype_bytes) * len(g.layers) for g in kept)
     )
 
 

@@ -82,3 +82,25 @@ def head_slice_descriptors(
     src = (sp + s_items[None, :] * src_item + src_offset).reshape(-1)
     dst = (dp + d_items[None, :] * dst_item + dst_offset).reshape(-1)
     return src, dst, np.full(src.shape, length, dtype=np.int64)
+
+
+def held_pairs(
+    src_pages: Sequence[int], dst_pages: Sequence[int], group: int = 0, offset: int = 0
+) -> tuple[list[int], list[int]]:
+    """The (src, dst) items that move of one cache group's pages: a group with items only on
+    some logical pages lists 0 on the others, on both sides alike (the same page size and
+    policy); such pairs move nothing. One side holding an item where the other has none is a
+    disagreement between prefill and decode, refused naming the page."""
+    src, dst = [], []
+    for i, (s, d) in enumerate(zip(src_pages, dst_pages)):
+        if s and d:
+            src.append(int(s))
+            dst.append(int(d))
+        elif s or d:
+            raise ValueError(
+                f"cache group {group}, page {offset + i}: prefill "
+                f"{'holds item ' + str(s) if s else 'holds none'}, decode "
+                f"{'holds item ' + str(d) if d else 'holds none'}; both lay a group's items out "
+                "by the same rule"
+            )
+    return src, dst

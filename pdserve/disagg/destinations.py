@@ -175,7 +175,8 @@ class DestinationGuard:
                     f"destination page {bad}{where} is outside decode's registered KV pool "
                     f"({self.num_pages[g]} pages); nothing written"
                 )
-            if len(set(ids)) != len(ids):
+            held = [p for p in ids if p]  # 0: a logical page on which the group holds no item
+            if len(set(held)) != len(held):
                 return "destination pages repeat within the request; nothing written"
         if req.aux_slot >= self.num_aux_rows or req.aux_slot < -1:
             return (
@@ -187,7 +188,7 @@ class DestinationGuard:
                 self._pages[(g, p)]
                 for g, ids in enumerate(req.dst_pages)
                 for p in ids
-                if self._pages.get((g, p), req.room) != req.room
+                if p and self._pages.get((g, p), req.room) != req.room
             ),
             None,
         )
@@ -209,7 +210,8 @@ class DestinationGuard:
         self._by_room[req.room] = req
         for g, ids in enumerate(req.dst_pages):
             for p in ids:
-                self._pages[(g, p)] = req.room
+                if p:
+                    self._pages[(g, p)] = req.room
         if req.aux_slot >= 0:
             self._rows[req.aux_slot] = req.room
 

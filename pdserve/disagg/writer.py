@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pdserve.disagg import faults as f
-from pdserve.disagg.descriptors import region_descriptors
+from pdserve.disagg.descriptors import held_pairs, region_descriptors
 from pdserve.disagg.layout import chunk_descriptors
 from pdserve.disagg.messages import AbortAck, TransferRequest, TransferStatus, completion_notice
 from pdserve.disagg.poll import KVPoll
@@ -237,7 +237,7 @@ class TransferWorkers:
             # decode reads none of this rank's bytes (rank_map): the room only concludes here
             return
         a, backend = self.mgr.kv_args, self.mgr.backend
-        dst_pages = []
+        src_pages, dst_pages = [], []
         for g, (src, off) in enumerate(zip(job.src_pages, job.page_offsets)):
             have = req.dst_pages[g] if g < len(req.dst_pages) else []
             dst = have[off : off + len(src)]
@@ -246,6 +246,8 @@ class TransferWorkers:
                     f"decode preallocated {len(have)} pages of cache group {g}, prefill sends its "
                     f"pages {off}..{off + len(src) - 1}"
                 )
+            src, dst = held_pairs(src, dst, g, off)
+            src_pages.append(src)
             dst_pages.append(dst)
         b = sess.reg.buffers
         src, dst = a.regions, sess.dst_regions
@@ -257,7 +259,7 @@ class TransferWorkers:
             src,
             dst,
             sess.pair,
-            job.src_pages,
+            src_pages,
             dst_pages,
             a.tp_size,
             sess.reg.decode_tp_size,

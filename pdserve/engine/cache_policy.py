@@ -17,6 +17,14 @@ the group lives in ``KVCacheManager``, so the manager holds no kind checks:
   the last page, and a later prompt hits only up to a page that carries one (the tree's group
   for this kind holds a slot on such pages, 0 on the others).
 
+- ``CompressedPolicy``: an entry per ``rate`` tokens (``CompressedEntries``), on the logical page
+  where its window closes; a page of ``page_size >= rate`` tokens holds several, and below that
+  only one logical page in ``rate / page_size`` has an item (0 on the others, by structure, not a
+  tombstone). Every entry is kept; a page holds only closed windows, so a full page is final and
+  travels with its chunk. The window still open lives in the compressor's state (a
+  ``CompressorState`` group, ``StatePolicy``), whose snapshot at a page boundary lets a prefix
+  hit end anywhere.
+
 A request's items of group g are ``KVSlots.pages[g]``: its page of each logical page for a paged
 group, ``[slot]`` for a per-request group. ``POLICIES`` maps a spec's kind to its policy; a new
 kind names its policy there, as it names its pool in ``kv_pool.POOLS``.
@@ -48,6 +56,11 @@ class CachePolicy:
         """Items to take so that a request holding ``held`` items (logical pages, dropped ones
         included) can hold ``tokens`` tokens."""
         return max(0, self.pages(tokens) - held)
+
+    def extend(self, items: list[int], new: list[int], tokens: int) -> None:
+        """Lay ``new`` (``need(len(items), tokens)`` items) out after ``items`` so that they cover
+        ``tokens`` tokens."""
+        items.extend(new)
 
     def live_from(self, kv_len: int) -> int:
         """The first logical page the next query of a sequence of ``kv_len`` tokens sees."""
@@ -175,6 +188,24 @@ class StatePolicy(CachePolicy):
         return found[-1] if found else 0
 
 
+class CompressedPolicy(CachePolicy):
+    """Entries of closed windows (``kv_spec.CompressedEntries``), on the logical pages where the
+    windows close."""
+
+    def __init__(self, spec: CacheSpec, page_size: int, prefix_cache: bool = True):
+        super().__init__(spec, page_size, prefix_cache)
+        spec.check_page_size(page_size)
+
+    def need(self, held: int, tokens: int) -> int:
+        return self.spec.items_between(held, self.pages(tokens), self.page_size)
+
+    def extend(self, items: list[int], new: list[int], tokens: int) -> None:
+        it = iter(new)
+        for page in range(len(items), self.pages(tokens)):
+            items.append(next(it) if self.spec.holds_item(page, self.page_size) else 0)
+        assert next(it, None) is None, "compressed entries: more items than pages that hold one"
+
+
 # cache kind (kv_spec.CacheSpec.kind) -> its policy in the manager
 POLICIES: dict[str, type[CachePolicy]] = {
     "full_attention": FullAttentionPolicy,
@@ -182,6 +213,8 @@ POLICIES: dict[str, type[CachePolicy]] = {
     "index_keys": FullAttentionPolicy,
     "sliding_window": WindowPolicy,
     "recurrent_state": StatePolicy,
+    "compressed": CompressedPolicy,
+    "compressor_state": StatePolicy,
 }
 
 

@@ -15,9 +15,10 @@ sliding-window group frees, before each forward, the pages its next query can no
 per-request group (a recurrent state) holds a slot from admission to the end, and with the
 prefix cache on a second one, the snapshot of its state at the last page boundary it crossed,
 which goes into the tree on the last full page when the request ends; a hit restores the live
-slot from the snapshot at the end of the match (``restore``). The anchor group, the first paged
-one, counts a request's logical pages and is group 0 of the prefix tree; the tree keys the
-cacheable groups only.
+slot from the snapshot at the end of the match (``restore``); a group of compressed entries holds
+an item only on the logical pages where a window closes (0 on the others, laid out by its policy's
+``extend``). The anchor group, the first paged one with an item on every page, counts a request's
+logical pages and is group 0 of the prefix tree; the tree keys the cacheable groups only.
 
 Namespaces: KV computed for a sequence of n tokens belongs to the prefix tree's namespace of n
 (``namespace``, the model's ``prefix_namespace``: 0 for every length but past LongRoPE's original
@@ -158,14 +159,15 @@ class KVCacheManager:
         """What tokens ``kv_len .. kv_len + ext`` of ``req`` need in every group; False (nothing
         taken) when a group is out of room."""
         self.slide(req)
-        counts = self._needs(req.kv, req.kv_len + ext)
-        if not any(counts):
+        tokens = req.kv_len + ext
+        counts = self._needs(req.kv, tokens)
+        if not any(counts):  # the anchor takes a page whenever the logical pages grow
             return True
         got = self.take(counts)
         if got is None:
             return False
-        for ids, items in zip(req.kv.pages, got):
-            ids.extend(items)
+        for policy, ids, items in zip(self.policies, req.kv.pages, got):
+            policy.extend(ids, items, tokens)
         return True
 
     def cached_pages(self, req: Req, max_pages: int) -> int:
@@ -305,26 +307,29 @@ class KVCacheManager:
         cached = len(pages[self.anchor])
         node = node if cached else None
         counts = self.transfer_counts(n, cached)
-        # items of its own beyond what prefill writes (a state's snapshot slot)
-        extra = [0 if p.paged else p.need(c, n) for p, c in zip(self.policies, counts)]
-        if any(
-            self.available(g) < c + x + self.reserve_of(g, reserve)
-            for g, (c, x) in enumerate(zip(counts, extra))
-        ):
+        starts = [self.transfer_start(g, n, cached) for g in range(self.num_groups)]
+        # items to take: those of the pages prefill writes (only the pages that hold one), and of
+        # its own beyond them (a state's snapshot slot)
+        takes = [
+            p.need(start, n) if p.paged else c + p.need(c, n)
+            for p, start, c in zip(self.policies, starts, counts)
+        ]
+        if any(self.available(g) < t + self.reserve_of(g, reserve) for g, t in enumerate(takes)):
             return None
         if node is not None:
             self.tree.inc_lock(node)  # before taking pages: taking may evict
-        got = self.take([c + x for c, x in zip(counts, extra)])
+        got = self.take(takes)
         if got is None:
             if node is not None:
                 self.tree.dec_lock(node)
             return None
-        gaps = [
-            self.transfer_start(g, n, cached) - cached if p.paged else 0
-            for g, p in enumerate(self.policies)
-        ]
+        items = []
+        for p, ids, start, new in zip(self.policies, pages, starts, got):
+            ids = ids + [0] * (start - cached) if p.paged else ids
+            p.extend(ids, new, n)
+            items.append(ids)
         req.kv = KVSlots(
-            [p + [0] * gap + new for p, gap, new in zip(pages, gaps, got)],
+            items,
             cached,
             node,
             [0] * self.num_groups,
@@ -332,7 +337,9 @@ class KVCacheManager:
             computed_from=n,  # decode computes from the end of the prompt on
             namespace=namespace,
         )
-        return [new[:c] for new, c in zip(got, counts)], cached
+        return [
+            p.sent(ids, start, None) for p, ids, start in zip(self.policies, items, starts)
+        ], cached
 
     def send_pages(self, req: Req, group: int, start: int, end: Optional[int] = None) -> list[int]:
         """``req``'s items of ``group`` at ``start .. end`` that prefill sends (logical pages; a

@@ -10,8 +10,12 @@ allocator; ``make_pool`` picks the pool of a cache group's spec (``POOLS``).
 - ``LatentPool`` (latent attention): ``[num_layers, num_pages, page_size, latent_dim + rope_dim]``,
   no head axis; every rank of an attention group holds the same latent: its regions are
   replicated.
-- ``StatePool`` (recurrent state): one slot per request, ``[num_layers, num_slots, *shape]`` per
-  state tensor; its regions split along each tensor's own axis, in the spec's segments.
+- ``CompressedPool`` (compressed entries): ``[num_layers, num_pages, entries_per_page, dim]``, a
+  ``LatentPool`` whose page holds ``max(1, page_size / rate)`` entries instead of a row per token;
+  replicated regions.
+- ``StatePool`` (recurrent state, a compressor's state): one slot per request, ``[num_layers,
+  num_slots, *shape]`` per state tensor; its regions split along each tensor's own axis, in the
+  spec's segments (or replicated, as the spec says: ``region_split``).
 
 Page 0 is reserved as a padding page and is never handed out.
 """
@@ -360,13 +364,15 @@ class LatentPool(BaseKVPool):
         device: torch.device | str,
         allocator: BufferAllocator = default_allocator,
         part: str = "latent",
+        rows: Optional[int] = None,
     ):
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.latent_dim, self.rope_dim, self.part = latent_dim, rope_dim, part
+        self.rows = page_size if rows is None else rows  # vectors a page holds
         self.dtype, self.device = dtype, torch.device(device)
-        # [num_layers, num_pages, page_size, latent_dim + rope_dim]
+        # [num_layers, num_pages, rows, latent_dim + rope_dim]
         self._raw, self.buffer = _allocate(
-            (num_layers, num_pages, page_size, latent_dim + rope_dim), dtype, self.device, allocator
+            (num_layers, num_pages, self.rows, latent_dim + rope_dim), dtype, self.device, allocator
         )
         self.allocator = PageAllocator(num_pages)
 
@@ -411,7 +417,7 @@ class LatentPool(BaseKVPool):
     @property
     def item_bytes(self) -> int:
         """Bytes of one page of one layer."""
-        return self.page_size * (self.latent_dim + self.rope_dim) * self.buffer.element_size()
+        return self.rows * (self.latent_dim + self.rope_dim) * self.buffer.element_size()
 
     def latent_cache(self, layer: int) -> torch.Tensor:
         return self.buffer[layer]  # [num_pages, page_size, latent_dim + rope_dim]
@@ -446,6 +452,40 @@ class LatentPool(BaseKVPool):
         """Store new tokens' latents. ``page_idx``/``offsets``: [T]; ``latent``: [T,
         latent_dim + rope_dim]."""
         self.buffer[layer][page_idx, offsets] = latent.to(self.dtype)
+
+
+class CompressedPool(LatentPool):
+    """Compressed entries (``kv_spec.CompressedEntries``): a page of ``page_size`` tokens holds
+    the entries of the windows that close in it, ``entries_per_page`` rows of ``dim``."""
+
+    @classmethod
+    def for_spec(
+        cls,
+        spec,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device,
+        allocator: BufferAllocator = default_allocator,
+    ) -> "CompressedPool":
+        spec.check_page_size(page_size)
+        return cls(
+            num_layers,
+            num_pages,
+            page_size,
+            spec.dim,
+            0,
+            dtype,
+            device,
+            allocator,
+            part=spec.part,
+            rows=spec.entries_per_page(page_size),
+        )
+
+    def entries(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s (index in the group) entries: [num_pages, entries_per_page, dim]."""
+        return self.buffer[layer]
 
 
 class StatePool(BaseKVPool):
@@ -520,8 +560,10 @@ class StatePool(BaseKVPool):
                     layer=layer,
                     part=name,
                     final="last_chunk",
-                    split="segments",
-                    segments=self.spec.segment_bytes(i),
+                    split=self.spec.region_split,
+                    segments=(
+                        self.spec.segment_bytes(i) if self.spec.region_split == "segments" else ()
+                    ),
                 )
                 for j, layer in enumerate(group.layers)
             ]
@@ -535,6 +577,8 @@ POOLS: dict[str, type] = {
     "latent_attention": LatentPool,
     "index_keys": LatentPool,
     "recurrent_state": StatePool,
+    "compressed": CompressedPool,
+    "compressor_state": StatePool,
 }
 
 

@@ -420,8 +420,12 @@ class ModelRunner:
         state = [g.spec.per_request for g in self.cache_groups]
         paged = [g.spec for g, st in zip(self.cache_groups, state) if not st]
         mixed = any(not spec.drops_pages for spec in paged)
+        # a group with items on some logical pages only (compressed entries) needs that share
         share = [
-            0.0 if st else args.swa_full_tokens_ratio if mixed and g.spec.drops_pages else 1.0
+            0.0
+            if st
+            else (args.swa_full_tokens_ratio if mixed and g.spec.drops_pages else 1.0)
+            * g.spec.page_share(args.page_size)
             for g, st in zip(self.cache_groups, state)
         ]
         if args.max_total_tokens is not None:

@@ -86,9 +86,7 @@ def plan(model, cache_groups: Sequence) -> Optional[RoutedExpertsSpec]:
             f"enable_return_routed_experts: the MoE layers route to different numbers of experts "
             f"{sorted(ks)}"
         )
-    group = next(
-        (g.id for g in cache_groups if not g.spec.drops_pages and not g.spec.per_request), None
-    )
+    group = next((g.id for g in cache_groups if g.spec.keeps_every_page), None)
     if group is None:
         raise ValueError(
             f"enable_return_routed_experts: {FLAG} keeps the ids with the KV pages of a cache "

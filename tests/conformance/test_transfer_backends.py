@@ -25,3 +25,6 @@ test_dead_prefill_detected_by_heartbeat = suite.test_dead_prefill_detected_by_he
 test_head_window_and_replicated_regions_byte_exact = (
     suite.test_head_window_and_replicated_regions_byte_exact
 )
+test_compressed_entries_on_every_other_page_byte_exact = (
+    suite.test_compressed_entries_on_every_other_page_byte_exact
+)

@@ -102,20 +102,37 @@ def _page_bytes(pool, pages: list[int]) -> bytes:
     return rows.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()
 
 
-def _bytes(pools, pages: list[int]) -> bytes:
-    """The pages' bytes in every cache group's pool (the rooms use the same page ids in each)."""
-    return b"".join(_page_bytes(p, pages) for p in pools)
+def _items(group, pages: list[int], first: int = 0) -> list[int]:
+    """A room's page ids as cache group ``group`` holds them from logical page ``first`` on: the
+    same ids in each group, but 0 on the pages where a group holds no item (compressed entries
+    on the pages where a window closes only)."""
+    return [p if group.spec.holds_item(first + i, PAGE_SIZE) else 0 for i, p in enumerate(pages)]
+
+
+def _bytes(pools, groups, pages: list[int], first: int = 0) -> bytes:
+    """The bytes of the items of ``pages`` (logical pages ``first ..``) in every cache group's
+    pool."""
+    return b"".join(
+        _page_bytes(p, [i for i in _items(g, pages, first) if i]) for p, g in zip(pools, groups)
+    )
 
 
 def _pools(cfg: dict[str, Any], num_pages: int, page_size: int, alloc):
     """One pool (regions split by KV heads), or with ``groups=2`` a second cache group (one layer,
     another head size) whose pages are final only after the last chunk, as a sliding window's are,
-    and with ``groups=3`` a third, latent one (replicated regions, no head axis); and their
-    groups."""
+    and with ``groups=3`` a third, latent one (replicated regions, no head axis), and with
+    ``groups=4`` a fourth of compressed entries, one per two pages (0 on the others), final with
+    each chunk; and their groups."""
     import torch
 
     from pdserve.engine.kv_pool import make_pool
-    from pdserve.kv_spec import CacheGroup, FullAttention, LatentAttention, SlidingWindow
+    from pdserve.kv_spec import (
+        CacheGroup,
+        CompressedEntries,
+        FullAttention,
+        LatentAttention,
+        SlidingWindow,
+    )
 
     groups = [CacheGroup(0, FullAttention(HEADS, HEAD_DIM), tuple(range(LAYERS)))]
     if cfg.get("groups", 1) >= 2:
@@ -124,6 +141,8 @@ def _pools(cfg: dict[str, Any], num_pages: int, page_size: int, alloc):
         groups.append(
             CacheGroup(2, LatentAttention(4 * HEAD_DIM, HEAD_DIM), (LAYERS + 1, LAYERS + 2))
         )
+    if cfg.get("groups", 1) >= 4:
+        groups.append(CacheGroup(3, CompressedEntries(HEAD_DIM, 2 * PAGE_SIZE), (LAYERS + 3,)))
     return [
         make_pool(g, num_pages, page_size, torch.bfloat16, "cpu", alloc) for g in groups
     ], groups
@@ -148,7 +167,12 @@ def prefill_main(cfg: dict[str, Any], out, stop) -> None:
         raw = pool.buffer.view(-1).view(torch.uint8)
         raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
     rooms = [r for r in cfg["rooms"] if r["prefill"] != "absent"]
-    out.put(("expected", {r["room"]: _bytes(pools, r["src"][r["prefix"] :]) for r in rooms}))
+    out.put(
+        (
+            "expected",
+            {r["room"]: _bytes(pools, groups, r["src"][r["prefix"] :], r["prefix"]) for r in rooms},
+        )
+    )
 
     kv_args = KVArgs.from_buffers(
         pools, meta, cache_groups=groups, model_fingerprint=cfg.get("prefill_fingerprint", "tiny")
@@ -173,10 +197,17 @@ def prefill_main(cfg: dict[str, Any], out, stop) -> None:
         ):  # chunk_delay > 0: one chunk every chunk_delay seconds
             while p[0] and now >= p[2]:
                 n = p[0].pop(0)
-                src = spec_of[room]["src"][spec_of[room]["prefix"] :]  # decode holds the prefix
-                # a later group's pages only with the last chunk, all of them
-                later = [src if not p[0] else [] for _ in pools[1:]]
-                senders[room].send([src[p[1] : p[1] + n], *later], last_chunk=not p[0])
+                first = spec_of[room]["prefix"]  # decode holds the prefix
+                src = spec_of[room]["src"][first:]
+                # a group final after the last chunk sends all its pages with it; the others
+                # each chunk's
+                pages = [
+                    (src if not p[0] else [])
+                    if kv_args.final_after_last_chunk(g.id)
+                    else _items(g, src, first)[p[1] : p[1] + n]
+                    for g in groups
+                ]
+                senders[room].send(pages, last_chunk=not p[0])
                 p[1], p[2] = p[1] + n, now + chunk_delay
                 if chunk_delay:
                     out.put(("sent_chunk", room))
@@ -254,14 +285,17 @@ def decode_main(cfg: dict[str, Any], out, stop) -> None:
             for room, r in watched.items():
                 slot = slot_of.get(room)
                 if room not in at_row and slot is not None and meta.row_room(slot) == room:
-                    at_row[room] = _bytes(pools, r["dst"])
+                    at_row[room] = _bytes(pools, groups, r["dst"])
             time.sleep(0.0002)
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     # decode's cached prefix pages: the transfer must leave them as they are
+    padding = [_page_bytes(p, [0]) for p in pools]
     prefix_before = {
-        r["room"]: _bytes(pools, r["dst"][: r["prefix"]]) for r in cfg["rooms"] if r["prefix"]
+        r["room"]: _bytes(pools, groups, r["dst"][: r["prefix"]])
+        for r in cfg["rooms"]
+        if r["prefix"]
     }
     while time.monotonic() < deadline:
         states = {room: rv.poll() for room, rv in recvs.items()}
@@ -272,7 +306,7 @@ def decode_main(cfg: dict[str, Any], out, stop) -> None:
             if states[room] == KVPoll.WaitingForInput and room not in slot_of:
                 slot_of[room] = slots.alloc()
                 recvs[room].send_metadata(
-                    [r["dst"][r["prefix"] :]] * len(pools),
+                    [_items(g, r["dst"][r["prefix"] :], r["prefix"]) for g in groups],
                     slot_of[room],
                     decode_prefix_pages=r["prefix"],
                 )
@@ -293,11 +327,16 @@ def decode_main(cfg: dict[str, Any], out, stop) -> None:
         item = {"state": int(st), "reason": rv.failure_reason(), "drained": rv.writes_drained()}
         if st == KVPoll.Success:
             row = meta.get_row(slot_of[room])
-            item["bytes"] = _bytes(pools, r["dst"][r["prefix"] :])
+            item["bytes"] = _bytes(pools, groups, r["dst"][r["prefix"] :], r["prefix"])
             if r["prefix"]:
                 item["prefix_untouched"] = (
-                    _bytes(pools, r["dst"][: r["prefix"]]) == prefix_before[room]
+                    _bytes(pools, groups, r["dst"][: r["prefix"]]) == prefix_before[room]
                 )
+            # the padding page, which the 0s of a group without an item stand for, is never
+            # written
+            item["padding_untouched"] = all(
+                _page_bytes(p, [0]) == before for p, before in zip(pools, padding)
+            )
             item["row"] = {
                 "room": row.room,
                 "first_token": row.first_token,
@@ -523,6 +562,24 @@ def test_head_window_and_replicated_regions_byte_exact(backend):
     for room in (211, 212, 213):
         _check_room(res, room)
     assert res["decode"]["rooms"][213]["prefix_untouched"]
+
+
+def test_compressed_entries_on_every_other_page_byte_exact(backend):
+    """A group of compressed entries, one per two pages (0 on the others, on both sides alike),
+    moves with each chunk beside a head-split, a window's and a latent group: the pages that hold
+    an entry byte for byte, nothing written for the others (the padding page stays as it was)."""
+    rooms = [
+        room_spec(221, list(range(1, 9)), list(range(10, 18)), [3, 3, 2]),
+        room_spec(222, [60, 3, 45, 46, 9], list(range(60, 65)), [1, 1, 3]),
+        room_spec(223, list(range(110, 117)), list(range(192, 199)), [1, 2], prefix=4),
+        room_spec(224, list(range(120, 127)), list(range(180, 187)), [1, 1, 2], prefix=3),
+    ]
+    res = run_rooms(backend, rooms, groups=4)
+    for room in (221, 222, 223, 224):
+        _check_room(res, room)
+        assert res["decode"]["rooms"][room]["padding_untouched"]
+    assert res["decode"]["rooms"][223]["prefix_untouched"]
+    assert res["decode"]["rooms"][224]["prefix_untouched"]
 
 
 def test_incompatible_page_size_fails_with_both_values(backend):

@@ -248,6 +248,16 @@ def test_guard_bounds_and_release():
     assert "repeat" in g.check(
         TransferRequest(session_id="s", room=2, generation=1, dst_pages=[[1, 1]], aux_slot=0)
     )
+    # 0 names no page (a logical page on which the group holds no item): it neither repeats nor
+    # collides with another room's 0
+    assert (
+        g.check(
+            TransferRequest(
+                session_id="s", room=2, generation=1, dst_pages=[[0, 5, 0, 6]], aux_slot=0
+            )
+        )
+        == ""
+    )
     assert "outside" in g.check(
         TransferRequest(session_id="s", room=2, generation=1, dst_pages=[[-1]], aux_slot=0)
     )

@@ -195,7 +195,7 @@ def test_a_layer_may_hold_two_caches_of_two_groups():
 KIND_NAMES = re.compile(
     r"(?i)^(fullattention|slidingwindow|latentattention|recurrentstate|kvpool|latentpool|"
     r"full_attention|sliding_window|latent_attention|recurrent_state)$|mla|latent|deepseek|"
-    r"indexer|swa"
+    r"indexer|swa|compress|hca|csa"
 )
 KIND_FREE = [
     "engine/scheduler.py",
@@ -210,6 +210,8 @@ KIND_FREE = [
     "disagg/messages.py",
     "disagg/sender.py",
     "disagg/receiver.py",
+    "disagg/descriptors.py",
+    "engine/kv_cache.py",
 ]
 
 

@@ -36,7 +36,7 @@ def host_group(groups) -> int:
     """The target's cache group whose page ids the draft's KV shares: the first paged group
     that keeps every page."""
     for g in groups:
-        if not g.spec.per_request and not g.spec.drops_pages:
+        if g.spec.keeps_every_page:
             return g.id
     kinds = ", ".join(g.kind for g in groups)
     raise ValueError(
