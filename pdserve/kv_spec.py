@@ -11,6 +11,8 @@ specs, never the model's shapes:
   sequence keeps only the pages that the next query can still see (``first_live_page``).
 - ``LatentAttention``: one latent vector per token (MLA): no head axis, replicated over
   attention TP.
+- ``LatentWindow``: one vector per token like a latent, within a window (a single head that is
+  both key and value, DeepSeek-V4's sliding window).
 - ``IndexKeys``: one key vector per token (DeepSeek-V3.2's indexer), beside a layer's latent.
 - ``RecurrentState``: fixed-size tensors per request (linear attention / SSM): one slot, not
   pages.
@@ -111,16 +113,18 @@ class FullAttention(CacheSpec):
         return replace(self, num_kv_heads=total_kv_heads)
 
 
-@dataclass(frozen=True)
-class SlidingWindow(FullAttention):
-    """Attention within the last ``window`` keys (the query's own included)."""
+class Windowed:
+    """What a window does to a per-token spec: a query at position i sees keys i-W < j <= i, so
+    a sequence keeps only the pages its next query can still see. Mixed into a spec with a
+    ``window`` field."""
 
-    kind: ClassVar[str] = "sliding_window"
-    window: int = 0
+    window: int
 
     def __post_init__(self) -> None:
         if self.window < 1:
-            raise ValueError(f"sliding window: must be >= 1, got {self.window}")
+            raise ValueError(
+                f"{self.kind.replace('_', ' ')}: window must be >= 1, got {self.window}"
+            )
 
     def first_live_page(self, kv_len: int, page_size: int) -> int:
         # the next query sits at position kv_len and sees keys kv_len - window + 1 .. kv_len
@@ -136,6 +140,14 @@ class SlidingWindow(FullAttention):
 
 
 @dataclass(frozen=True)
+class SlidingWindow(Windowed, FullAttention):
+    """Attention within the last ``window`` keys (the query's own included)."""
+
+    kind: ClassVar[str] = "sliding_window"
+    window: int = 0
+
+
+@dataclass(frozen=True)
 class LatentAttention(CacheSpec):
     """One compressed latent (``latent_dim``) plus its rotary part (``rope_dim``) per token."""
 
@@ -145,6 +157,15 @@ class LatentAttention(CacheSpec):
 
     def page_bytes(self, page_size: int, dtype_bytes: int) -> int:
         return page_size * (self.latent_dim + self.rope_dim) * dtype_bytes
+
+
+@dataclass(frozen=True)
+class LatentWindow(Windowed, LatentAttention):
+    """One vector per token, no head axis, seen within the last ``window`` keys: a sliding window
+    over a single head that is both key and value (DeepSeek-V4's), kept once."""
+
+    kind: ClassVar[str] = "latent_window"
+    window: int = 0
 
 
 @dataclass(frozen=True)
@@ -393,4 +414,4 @@ def state_bytes_per_request(groups: Sequence[CacheGroup]) -> int:
 
 
 def layer_window(spec: CacheSpec) -> Optional[int]:
-    return spec.window if isinstance(spec, SlidingWindow) else None
+    return spec.window if isinstance(spec, Windowed) else None

@@ -212,6 +212,7 @@ POLICIES: dict[str, type[CachePolicy]] = {
     "latent_attention": FullAttentionPolicy,
     "index_keys": FullAttentionPolicy,
     "sliding_window": WindowPolicy,
+    "latent_window": WindowPolicy,
     "recurrent_state": StatePolicy,
     "compressed": CompressedPolicy,
     "compressor_state": StatePolicy,

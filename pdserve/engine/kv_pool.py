@@ -576,6 +576,7 @@ POOLS: dict[str, type] = {
     "sliding_window": KVPool,
     "latent_attention": LatentPool,
     "index_keys": LatentPool,
+    "latent_window": LatentPool,
     "recurrent_state": StatePool,
     "compressed": CompressedPool,
     "compressor_state": StatePool,

@@ -12,12 +12,12 @@ import torch
 from pdserve.disagg.descriptors import held_pairs
 from pdserve.engine.cache_policy import policy_for
 from pdserve.engine.kv_cache import KVCacheManager
-from pdserve.engine.kv_pool import CompressedPool, KVPool, StatePool, make_pool
+from pdserve.engine.kv_pool import CompressedPool, LatentPool, StatePool, make_pool
 from pdserve.engine.request import Req, SamplingParams
 from pdserve.kv_spec import (
     CompressedEntries,
     CompressorState,
-    SlidingWindow,
+    LatentWindow,
     anchor_group,
     group_layers,
     transfer_bytes_per_token,
@@ -40,7 +40,7 @@ def state(rate: int, dim: int = 6) -> CompressorState:
 def layer_specs(rate: int) -> list:
     """A V4-like stack: every layer a sliding window; layers 1 and 3 compress at ``rate`` with
     an indexer's keys beside their entries (CSA), layer 2 at ``2 * rate`` without (HCA)."""
-    win = SlidingWindow(1, 8, WINDOW)
+    win = LatentWindow(8, 0, WINDOW)  # one head, key and value alike
     csa = (
         win,
         CompressedEntries(8, rate),
@@ -124,7 +124,7 @@ def test_page_sizes_that_cut_a_window_across_pages_are_refused_naming_both():
 def test_groups_anchor_and_transfer_bytes():
     m = manager(4, 4)
     assert [g.kind for g in m.groups] == [
-        "sliding_window",
+        "latent_window",
         "compressed",
         "compressed",
         "compressed",
@@ -163,7 +163,9 @@ def test_the_pools_hold_entries_per_page_and_replicate_their_regions():
         ("replicated", "last_chunk", ())
     }
     assert all(r.check() == "" for r in st_regions)
-    assert isinstance(make_pool(groups[0], 5, 16, torch.bfloat16, "cpu"), KVPool)
+    window = make_pool(groups[0], 5, 16, torch.bfloat16, "cpu")
+    assert isinstance(window, LatentPool) and window.buffer.shape == (4, 5, 16, 8)
+    assert {r.final for r in window.regions(groups[0])} == {"last_chunk"}
 
 
 # ---- the manager ---------------------------------------------------------------------------
@@ -190,6 +192,8 @@ def test_a_sequence_holds_its_closed_windows_entries_as_it_grows(page_size, rate
         spec = m.specs[g]
         assert held[g] == spec.items_between(0, r.kv.num_pages, page_size)
     assert held[4:] == [1, 1]  # one state slot per compressor kind, no snapshot without the tree
+    # the window over the single key-and-value head kept only what the next query sees
+    assert r.kv.num_pages > held[0] and held[0] <= -(-WINDOW // page_size) + 2
     integrity(m, r)
     m.release(r)
     integrity(m)

@@ -98,7 +98,7 @@ def _all_rooms_ended(mgrs) -> None:
 
 def test_the_idle_prefill_rank_concludes_a_room_without_writing(mqa_pd):
     prefill, decode, addr = mqa_pd
-    room, src, dst = 7, [1, 2, 3], [5, 0, 6]
+    room, src, dst = 7, [1, 2, 3], [5, 4, 6]
     senders, receiver = _start_room(prefill, decode, addr, room, dst)
     assert [s.decode_prefix_pages() for s in senders] == [0, 0]
     prefill[0][2].set_row(0, room, 42)
