@@ -92,6 +92,12 @@ class CacheSpec:
         """The fields a peer must agree on (transfer compatibility), with the kind."""
         return {"kind": self.kind, **asdict(self)}
 
+    @property
+    def key(self) -> str:
+        """How a layer names this cache among its own (``ForwardBatch.layer_caches``): its kind,
+        unless the layer may keep two of the kind."""
+        return self.kind
+
     def whole(self, total_kv_heads: int) -> "CacheSpec":
         """The spec of the whole model where this rank holds a share (of the KV heads); kinds
         whose cache every rank holds whole return themselves."""
@@ -282,6 +288,10 @@ class CompressedEntries(CacheSpec):
                 f"compressed entries {self.part!r}: rate and dim must be >= 1, got rate "
                 f"{self.rate}, dim {self.dim}"
             )
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}:{self.part}"  # a layer keeps a compressor's and an indexer's
 
     def check_page_size(self, page_size: int) -> None:
         """A page holds whole windows, or a window whole pages: refuse other page sizes."""

@@ -141,7 +141,7 @@ class ModelRunner:
         first = self.model.first_layer
         self.layer_caches = [
             {
-                g.kind: (g.id, g.layers.index(first + i))
+                g.spec.key: (g.id, g.layers.index(first + i))
                 for g in self.cache_groups
                 if first + i in g.layers
             }
@@ -149,7 +149,7 @@ class ModelRunner:
         ]
         # the group and slot of each layer's first cache (-1: a layer that keeps none)
         first_cache = [
-            self.layer_caches[i][entry[0].kind] if entry else (-1, -1)
+            self.layer_caches[i][entry[0].key] if entry else (-1, -1)
             for i, entry in enumerate(specs)
         ]
         self.layer_group = [g for g, _ in first_cache]

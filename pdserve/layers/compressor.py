@@ -42,15 +42,21 @@ from pdserve.layers.norm import GptOssRMSNorm
 
 
 def rotate_trailing(
-    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float = 1.0
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    scaling: float = 1.0,
+    inverse: bool = False,
 ) -> torch.Tensor:
     """RoPE on interleaved pairs of the last ``2 * len(inv_freq)`` channels of ``x`` [T, ..., D]
-    at ``positions`` [T], the leading channels untouched (DeepSeek-V4's layout: ``[nope | rope]``).
-    The angles' cos and sin are rounded to ``x``'s dtype and the rotation taken in float32, as HF
-    does."""
+    at ``positions`` [T], the leading channels untouched (DeepSeek-V4's layout: ``[nope | rope]``);
+    ``inverse``: the rotation back (by minus the angle). The angles' cos and sin are rounded to
+    ``x``'s dtype and the rotation taken in float32, as HF does."""
     freqs = positions[:, None].float() * inv_freq.float()
     cos = (freqs.cos() * scaling).to(x.dtype).repeat_interleave(2, dim=-1)
     sin = (freqs.sin() * scaling).to(x.dtype).repeat_interleave(2, dim=-1)
+    if inverse:
+        sin = -sin
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
     cos, sin = cos.view(shape), sin.view(shape)
     r = cos.shape[-1]
@@ -84,7 +90,7 @@ class Compressor(nn.Module):
         self.gate_proj = Linear(hidden, self.width, bias=False)
         self.position_bias = nn.Parameter(torch.zeros(self.rate, self.width, dtype=torch.float32))
         self.norm = GptOssRMSNorm(self.dim, eps)
-        self.register_buffer("inv_freq", inv_freq.float().clone(), persistent=False)
+        self.inv_freq = inv_freq.float().clone()  # not a buffer: float32 in any model dtype
         self.scaling = scaling
 
     # ---- the per-request state ------------------------------------------------------------------

@@ -482,6 +482,42 @@ ARCHS = {
             ),
         ),
     ),
+    # DeepSeek-V4: layer 0 compressed sparse attention (an entry per 4 tokens, an indexer that
+    # keeps 3), layer 1 heavily compressed (per 8), layer 2 the window alone, layer 3 CSA again;
+    # windows of 8 tokens; hash-routed experts on layer 0, scored ones after; 4 residual streams
+    "deepseek_v4": (
+        "DeepseekV4Config",
+        "DeepseekV4ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            q_lora_rank=32,
+            o_groups=2,
+            o_lora_rank=16,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            index_n_heads=8,  # a score is 0 only when every head's is: ties at 0 stay rare
+            index_head_dim=16,
+            index_topk=3,
+            sliding_window=8,
+            compress_rates={
+                "compressed_sparse_attention": 4,
+                "heavily_compressed_attention": 8,
+            },
+            layer_types=[
+                "compressed_sparse_attention",
+                "heavily_compressed_attention",
+                "sliding_attention",
+                "compressed_sparse_attention",
+            ],
+            mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+            partial_rotary_factor=0.25,
+            num_nextn_predict_layers=0,
+        ),
+    ),
 }
 # MoE router weights scaled up: decisive routing (no near-ties between experts), many experts hit
 _ROUTER_SCALE = 8.0
@@ -495,7 +531,31 @@ _ROUTER_SUFFIXES = (
 _NORM_OFFSETS = ("gemma2", "gemma3", "qwen3_next")
 # families whose norms are told apart by name or place: weights around 1 instead of HF's ones
 _RANDOM_NORMS = ("smollm3", "granite", "olmo2", "olmo3", "glm4", "cohere2", "exaone4", "phi3")
-_RANDOM_NORMS += ("olmoe", "minimax_m2")
+_RANDOM_NORMS += ("olmoe", "minimax_m2", "deepseek_v4")
+
+
+def _randomize_deepseek_v4(model) -> None:
+    """What HF starts at zero and a checkpoint sets: the sinks, the compressors' position biases,
+    the hyper-connections' biases, and the hash router's token -> experts table (distinct experts
+    per token)."""
+    for name, param in model.named_parameters():
+        if name.endswith("sinks"):
+            param.normal_(0.0, 1.0)
+        elif name.endswith("position_bias"):
+            param.normal_(0.0, 0.5)
+        elif name.endswith(("hc.base", "hc_base")):
+            param.normal_(0.0, 0.3)
+    cfg = model.config
+    for name, buf in model.named_buffers():
+        if name.endswith("tid2eid"):
+            rows = [
+                torch.randperm(cfg.n_routed_experts)[: buf.shape[1]] for _ in range(buf.shape[0])
+            ]
+            buf.copy_(torch.stack(rows))
+
+
+# families with weights HF initialises at zero that the tests must see otherwise
+_RANDOMIZE = {"deepseek_v4": _randomize_deepseek_v4}
 
 # Named variants used across tests.
 LLAMA_MQA_TIED = dict(
@@ -578,6 +638,8 @@ def build_tiny_checkpoint(
                     "e_score_correction_bias"
                 ):  # HF starts it at 0: make it decide something
                     buf.normal_(0.0, 0.3)
+            if arch in _RANDOMIZE:
+                _RANDOMIZE[arch](model)
         kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
         model.save_pretrained(tmp, **kwargs)
         for name in os.listdir(tokenizer_dir):

@@ -111,6 +111,24 @@ class AttentionBackend(abc.ABC):
         ``index_select``): each row attends to its listed positions only."""
         raise NotImplementedError(f"attention backend {self.name!r} has no latent attention")
 
+    def forward_window_kv(
+        self,
+        layer: AttnLayer,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        fb: "ForwardBatch",
+        sinks: torch.Tensor,
+        extra: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None,
+    ) -> torch.Tensor:
+        """Attention of a ``latent_window`` layer (DeepSeek-V4's): one head that is both key and
+        value. ``q`` [T, H, D] (rotated); ``kv`` [T, D]: the new tokens' key-and-value, which this
+        call stores in the layer's window; each token attends to the last ``sliding_window``
+        keys (its own included) and, with ``extra``, to the further keys of its request
+        (``extra[i]``: keys [n, D], which are their own values, and [extend, n] bool saying
+        which each new token sees: a compressor's entries), all with the layer's sinks. Returns
+        [T, H, D]."""
+        raise NotImplementedError(f"attention backend {self.name!r} has no window over one head")
+
     def index_select(
         self,
         layer: AttnLayer,

@@ -113,7 +113,16 @@ def write_rows(g: GroupTable, out_offsets: torch.Tensor) -> torch.Tensor:
 
 class TorchAttnBackend(AttentionBackend):
     name = "torch"
-    cache_kinds = frozenset({"full_attention", "sliding_window", "latent_attention", "index_keys"})
+    cache_kinds = frozenset(
+        {
+            "full_attention",
+            "sliding_window",
+            "latent_attention",
+            "index_keys",
+            "latent_window",
+            "compressed",
+        }
+    )
 
     def __init__(self, **_):
         self._fb: Optional[ForwardBatch] = None
@@ -342,6 +351,33 @@ class TorchAttnBackend(AttentionBackend):
             q.unsqueeze(2), lat, lat[..., :rank], mask, layer.scale, None
         )  # [Bd, H, 1, R]
         out[rows] = torch.einsum("bhr,hvr->bhv", o.squeeze(2), w_vc)
+
+    # ---- a window over one key-and-value head (DeepSeek-V4) --------------------------------------
+    def forward_window_kv(self, layer, q, kv, fb, sinks, extra=None):
+        group, slot = fb.layer_caches[layer.layer_id]["latent_window"]
+        cache = fb.groups[group].pool.latent_cache(slot)  # [P, page, D]
+        dim, page, window = cache.shape[-1], cache.shape[1], layer.sliding_window
+        cache.view(-1, dim).index_copy_(0, self._groups[group].write_rows, kv.to(cache.dtype))
+        table = fb.groups[group].page_table
+        out = torch.empty_like(q)
+        for i, (start, ext) in enumerate(zip(fb.extend_starts, fb.extend_lens)):
+            if not ext:
+                continue
+            prefix = fb.prefix_lens[i]
+            seq, lo = prefix + ext, max(0, prefix - window + 1)  # the first key a new token sees
+            keys = cache[table[i, : -(-seq // page)]].reshape(-1, dim)[lo:seq].to(q.dtype)
+            qpos = torch.arange(prefix, seq, device=q.device)[:, None]
+            kpos = torch.arange(lo, seq, device=q.device)[None, :]
+            mask = (kpos <= qpos) & (qpos - kpos < window)
+            if extra is not None:
+                more, seen = extra[i]
+                keys = torch.cat([keys, more.to(q.dtype)])
+                mask = torch.cat([mask, seen.to(mask.device)], dim=1)
+            kk = keys[None, None]  # [1, 1, L, D]: one head, key and value alike
+            qq = q[start : start + ext].transpose(0, 1).unsqueeze(0)  # [1, H, ext, D]
+            o = attention(qq, kk, kk, mask, layer.scale, None, sinks)
+            out[start : start + ext] = o[0].transpose(0, 1)
+        return out
 
     # ---- the sparse-attention indexer (DeepSeek-V3.2) -------------------------------------------
     def index_select(self, layer, q, weights, keys, fb, topk, scale):

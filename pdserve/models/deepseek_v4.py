@@ -1,0 +1,535 @@
+"""DeepSeek-V4 (``DeepseekV4ForCausalLM``): compressed attention over a sliding window, hash-routed
+and scored MoE, and manifold-constrained hyper-connections around every block.
+
+**Attention.** One head of ``head_dim`` is both key and value (MQA), normalised and rotated on its
+trailing ``head_dim * partial_rotary_factor`` channels (interleaved pairs); 64 query heads from a
+low-rank path (``wq_a`` -> ``q_norm`` -> ``wq_b``, then an unweighted RMSNorm per head); a learned
+sink per head; the output's rope slice rotated back by its own position, then a grouped low-rank
+projection (``wo_a``: ``o_groups`` blocks, ``wo_b``). Every layer reads a window of
+``sliding_window`` keys (``kv_spec.LatentWindow``: the single head kept once). By
+``layer_types``:
+
+- ``sliding_attention``: the window only;
+- ``heavily_compressed_attention``: and the entries of every closed window of ``rate`` (128)
+  tokens (``CompressedEntries``), each query the entries whose windows closed at or before it;
+- ``compressed_sparse_attention``: and entries per ``rate`` (4) tokens from two overlapping
+  series, of which each query reads only the ``index_topk`` its lightning indexer picks among
+  those closed (the indexer keeps its own compressed keys, ``part="index_k"``), ties to the
+  lowest entry.
+
+The compressors (``layers/compressor.py``) carry the open window (and the overlap slice) in a
+``CompressorState`` per request; CSA and HCA layers use the ``compress`` rotary table, window-only
+layers the ``main`` one.
+
+**MoE.** Every layer: ``n_routed_experts`` experts of ``moe_intermediate_size`` and a shared one,
+SwiGLU with ``swiglu_limit`` clamps; expert scores ``sqrt(softplus(x W^T))``; ``hash_moe`` layers
+take the experts of a fixed token-id table (``tid2eid``), the others the top-k of the scores plus a
+correction bias; the chosen scores renormalised and scaled by ``routed_scaling_factor``.
+
+**Hyper-connections (mHC).** The residual is ``hc_mult`` streams; before each block a learned
+projection of the normalised streams gives the collapse weights (``pre``), the expansion weights
+(``post``) and a doubly stochastic mixing matrix (``comb``, Sinkhorn-Knopp); after the block the
+streams become ``post * out + comb^T streams``. ``hc_head`` collapses them before the final norm.
+
+Checkpoint names are the published ones (``attn.wq_a``, ``attn.compressor.wkv``,
+``ffn.experts.E.w1``, ``hc_attn_fn``, ``head``, ...); the MTP layers (``mtp.*``) are set aside. The weights HF keeps in
+float32 (norms, sinks, position biases, the mHC and router bias) stay float32 in any model dtype.
+
+This implementation runs on one rank: tensor, pipeline, data-parallel attention and expert
+parallelism are refused at load, naming the option.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.forward_batch import ForwardBatch
+from pdserve.kv_spec import CompressedEntries, CompressorState, LatentWindow
+from pdserve.layers.attention.base import AttnLayer
+from pdserve.layers.compressor import Compressor, rotate_trailing
+from pdserve.layers.linear import Linear
+from pdserve.layers.norm import GptOssRMSNorm
+from pdserve.layers.rotary import attention_factor, inv_frequencies
+
+SLIDING, CSA, HCA = (
+    "sliding_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+)
+STATE = "compressor_state"
+# parameters HF keeps in float32 whatever the model's dtype (by the end of their names)
+FLOAT32 = (
+    "attn_sink",
+    "ape",
+    "norm.weight",
+    "hc_attn_fn",
+    "hc_attn_base",
+    "hc_attn_scale",
+    "hc_ffn_fn",
+    "hc_ffn_base",
+    "hc_ffn_scale",
+    "hc_fn",
+    "hc_base",
+    "hc_scale",
+    "gate.bias",
+)
+# published compressor names -> the compressor module's
+_COMPRESSOR_NAMES = {
+    "wkv.weight": "kv_proj.weight",
+    "wgate.weight": "gate_proj.weight",
+    "ape": "position_bias",
+    "norm.weight": "norm.weight",
+}
+
+
+def _rope(config, kind: str) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, attention scaling) of the ``main`` or ``compress`` rotary table."""
+    params = dict(config.rope_parameters[kind])
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    dim = int(config.head_dim * factor)
+    params.setdefault("rope_type", "default")
+    if params["rope_type"] not in ("default", "yarn"):
+        raise ValueError(
+            f"rope_parameters[{kind!r}]: rope_type {params['rope_type']!r} not supported for "
+            "DeepseekV4ForCausalLM; supported: default, yarn"
+        )
+    if params["rope_type"] == "yarn":
+        params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+        params.setdefault("max_position_embeddings", config.max_position_embeddings)
+    scaling = attention_factor(params) if params["rope_type"] == "yarn" else 1.0
+    return inv_frequencies(dim, params), scaling
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def hyper_weights(config, fn, base, scale, streams: torch.Tensor):
+    """The mHC weights of one block from the ``hc_mult`` streams [T, N, D]: (post [T, N], comb
+    [T, N, N], the collapsed block input [T, D]); float32 throughout, as HF computes them."""
+    n, eps = config.hc_mult, config.hc_eps
+    flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), config.rms_norm_eps)
+    mixed = F.linear(flat, fn.float())
+    pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    pre_s, post_s, comb_s = scale.float().unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(config.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return post, comb, collapsed
+
+
+def mix(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
+    """The streams after a block: ``post * out + comb^T streams`` (in the streams' dtype)."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
+        comb.to(dtype).transpose(-1, -2), streams
+    )
+
+
+class Indexer(nn.Module):
+    """The lightning indexer of a CSA layer: its compressor's keys (``index_k``), its queries from
+    the attention's low-rank query, and per query the ``index_topk`` entries of the highest
+    ``sum_h w_h relu(q_h . k)`` among those closed."""
+
+    def __init__(self, config, inv_freq: torch.Tensor, scaling: float):
+        super().__init__()
+        self.heads, self.dim, self.topk = (
+            config.index_n_heads,
+            config.index_head_dim,
+            config.index_topk,
+        )
+        self.rate = config.compress_rates[CSA]
+        self.wq_b = Linear(config.q_lora_rank, self.heads * self.dim, bias=False)
+        self.weights_proj = Linear(config.hidden_size, self.heads, bias=False)
+        spec = CompressedEntries(self.dim, self.rate, part="index_k")
+        self.compressor = Compressor(
+            config.hidden_size, spec, True, config.rms_norm_eps, inv_freq, scaling, "index_"
+        )
+        self.inv_freq = inv_freq.float().clone()  # not a buffer: float32 in any model dtype
+        self.scaling = scaling
+
+    def masks(self, h, q_resid, fb: ForwardBatch, keys: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per request, [extend, entries] True at the entries each new token attends to."""
+        t = h.shape[0]
+        q = self.wq_b(q_resid).view(t, self.heads, self.dim)
+        q = rotate_trailing(q, fb.positions, self.inv_freq, self.scaling)
+        weights = self.weights_proj(h).float() * self.heads**-0.5
+        out = []
+        for i, (start, ext) in enumerate(zip(fb.extend_starts, fb.extend_lens)):
+            k = keys[i]  # [E, dim]
+            pos = fb.positions[start : start + ext]
+            scores = torch.matmul(q[start : start + ext].float(), k.float().t())  # [ext, H, E]
+            scores = torch.relu(scores) * self.dim**-0.5
+            score = (scores * weights[start : start + ext].unsqueeze(-1)).sum(dim=1)  # [ext, E]
+            closed = torch.arange(k.shape[0])[None, :] < ((pos + 1) // self.rate)[:, None]
+            score = score.masked_fill(~closed, float("-inf"))
+            keep = torch.zeros_like(closed)
+            n = min(self.topk, k.shape[0])
+            if n:
+                # the highest scores, the lowest entry first among equal ones
+                order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :n]
+                keep.scatter_(1, order, True)
+            out.append(keep & closed)
+        return out
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_id: int):
+        super().__init__()
+        self.kind = config.layer_types[layer_id]
+        if self.kind not in (SLIDING, CSA, HCA):
+            raise ValueError(
+                f"layer_types[{layer_id}]: {self.kind!r} is not a DeepSeek-V4 layer kind; "
+                f"supported: {SLIDING}, {CSA}, {HCA}"
+            )
+        self.heads, self.dim = config.num_attention_heads, config.head_dim
+        self.groups, self.eps = config.o_groups, config.rms_norm_eps
+        hidden, q_lora = config.hidden_size, config.q_lora_rank
+        self.wq_a = Linear(hidden, q_lora, bias=False)
+        self.q_norm = GptOssRMSNorm(q_lora, config.rms_norm_eps)
+        self.wq_b = Linear(q_lora, self.heads * self.dim, bias=False)
+        self.wkv = Linear(hidden, self.dim, bias=False)
+        self.norm = GptOssRMSNorm(self.dim, config.rms_norm_eps)
+        per_group = self.heads * self.dim // self.groups
+        self.wo_a = nn.Module()
+        self.wo_a.weight = nn.Parameter(torch.empty(self.groups * config.o_lora_rank, per_group))
+        self.wo_b = Linear(self.groups * config.o_lora_rank, hidden, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(self.heads, dtype=torch.float32))
+        self.window = config.sliding_window
+        self.attn = AttnLayer(layer_id, self.dim**-0.5, sliding_window=self.window, has_sinks=True)
+        inv, scaling = _rope(config, "main" if self.kind == SLIDING else "compress")
+        self.inv_freq = inv.float().clone()  # not a buffer: float32 in any model dtype
+        self.scaling = scaling
+        self.compressor: Optional[Compressor] = None
+        self.indexer: Optional[Indexer] = None
+        if self.kind != SLIDING:
+            rate = config.compress_rates[self.kind]
+            spec = CompressedEntries(self.dim, rate)
+            self.compressor = Compressor(
+                hidden, spec, self.kind == CSA, config.rms_norm_eps, inv, scaling
+            )
+            if self.kind == CSA:
+                self.indexer = Indexer(config, inv, scaling)
+
+    def compressors(self) -> list[Compressor]:
+        out = [self.compressor] if self.compressor is not None else []
+        return out + ([self.indexer.compressor] if self.indexer is not None else [])
+
+    def cache_specs(self, dtype: str) -> tuple:
+        window = LatentWindow(self.dim, 0, self.window)
+        comps = self.compressors()
+        if not comps:
+            return (window,)
+        names, shapes, dtypes = [], [], []
+        for c in comps:
+            n, s, d = c.state_parts(dtype)
+            names, shapes, dtypes = names + list(n), shapes + list(s), dtypes + list(d)
+        state = CompressorState(tuple(names), tuple(shapes), tuple(dtypes))
+        return (window, *(c.spec for c in comps), state)
+
+    def _entries(self, fb: ForwardBatch, layer: int, c: Compressor) -> tuple[torch.Tensor, Any]:
+        """(this layer's entries [P, rows, dim] of compressor ``c``, its group's page table)."""
+        group, slot = fb.layer_caches[layer][c.spec.key]
+        table = fb.groups[group]
+        return table.pool.entries(slot), table.page_table
+
+    def _gather(self, entries, table, i: int, count: int, spec, page_size: int) -> torch.Tensor:
+        rows = [spec.entry_location(e, page_size) for e in range(count)]
+        if not rows:
+            return entries.new_zeros((0, entries.shape[-1]))
+        pages = table[i, torch.tensor([p for p, _ in rows])]
+        return entries[pages, torch.tensor([r for _, r in rows])]
+
+    def forward(self, h: torch.Tensor, fb: ForwardBatch, layer: int) -> torch.Tensor:
+        t = h.shape[0]
+        q_resid = self.q_norm(self.wq_a(h))
+        q = unweighted_rms_norm(self.wq_b(q_resid).view(t, self.heads, self.dim), self.eps)
+        q = rotate_trailing(q, fb.positions, self.inv_freq, self.scaling)
+        kv = rotate_trailing(self.norm(self.wkv(h)), fb.positions, self.inv_freq, self.scaling)
+        extra = None
+        if self.compressor is not None:
+            pool, index, slots = fb.state(layer, STATE)
+            snaps = fb.snapshots(layer, STATE)
+            keys = {}
+            for c in self.compressors():
+                entries, table = self._entries(fb, layer, c)
+                c(h, fb.prefix_lens, fb.extend_lens, pool, index, slots, entries, table,
+                  fb.page_size, snaps)  # fmt: skip
+                keys[c.spec.part] = [
+                    self._gather(entries, table, i, s // c.rate, c.spec, fb.page_size)
+                    for i, s in enumerate(fb.seq_lens)
+                ]
+            if self.indexer is not None:
+                masks = self.indexer.masks(h, q_resid, fb, keys["index_k"])
+            else:
+                masks = []
+                for start, ext, k in zip(fb.extend_starts, fb.extend_lens, keys["kv"]):
+                    pos = fb.positions[start : start + ext]
+                    rate = self.compressor.rate
+                    masks.append(torch.arange(k.shape[0])[None, :] < ((pos + 1) // rate)[:, None])
+            extra = list(zip(keys["kv"], masks))
+        o = fb.attn_backend.forward_window_kv(self.attn, q, kv, fb, self.attn_sink, extra)
+        o = rotate_trailing(o, fb.positions, self.inv_freq, self.scaling, inverse=True)
+        groups = o.reshape(t, self.groups, -1).transpose(0, 1)  # [G, T, H * D / G]
+        w = self.wo_a.weight.view(self.groups, -1, groups.shape[-1]).transpose(1, 2)
+        grouped = torch.bmm(groups, w).transpose(0, 1).reshape(t, -1)
+        return self.wo_b(grouped)
+
+
+class Expert(nn.Module):
+    def __init__(self, hidden: int, inter: int, limit: float):
+        super().__init__()
+        self.w1 = Linear(hidden, inter, bias=False)  # gate
+        self.w3 = Linear(hidden, inter, bias=False)  # up
+        self.w2 = Linear(inter, hidden, bias=False)  # down
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.w1(x).clamp(max=self.limit)
+        up = self.w3(x).clamp(min=-self.limit, max=self.limit)
+        return self.w2(F.silu(gate) * up)
+
+
+class Gate(nn.Module):
+    def __init__(self, config, hashed: bool):
+        super().__init__()
+        self.hashed, self.top_k = hashed, config.num_experts_per_tok
+        self.scaling = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        if hashed:
+            self.register_buffer(
+                "tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long)
+            )
+        else:
+            self.bias = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor):
+        scores = F.softplus(F.linear(x, self.weight)).sqrt()
+        if self.hashed:
+            idx = self.tid2eid[input_ids].long()
+        else:
+            idx = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
+        w = scores.gather(1, idx)
+        return idx, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
+
+
+class MoE(nn.Module):
+    def __init__(self, config, layer_id: int):
+        super().__init__()
+        kind = config.mlp_layer_types[layer_id]
+        if kind not in ("moe", "hash_moe"):
+            raise ValueError(
+                f"mlp_layer_types[{layer_id}]: {kind!r} not supported; supported: moe, hash_moe"
+            )
+        hidden, inter, limit = config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
+        self.gate = Gate(config, kind == "hash_moe")
+        self.experts = nn.ModuleList(
+            Expert(hidden, inter, limit) for _ in range(config.n_routed_experts)
+        )
+        self.shared_experts = Expert(hidden, inter * config.n_shared_experts, limit)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        idx, w = self.gate(x, input_ids)
+        out = torch.zeros_like(x)
+        for e in torch.unique(idx).tolist():
+            rows, slot = torch.where(idx == e)
+            y = self.experts[e](x[rows]) * w[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out + self.shared_experts(x)
+
+
+class Layer(nn.Module):
+    def __init__(self, config, layer_id: int):
+        super().__init__()
+        n, hidden = config.hc_mult, config.hidden_size
+        mixes = (2 + n) * n
+        self.attn = Attention(config, layer_id)
+        self.ffn = MoE(config, layer_id)
+        self.attn_norm = GptOssRMSNorm(hidden, config.rms_norm_eps)
+        self.ffn_norm = GptOssRMSNorm(hidden, config.rms_norm_eps)
+        self.config = config
+        for part in ("attn", "ffn"):
+            setattr(self, f"hc_{part}_fn", nn.Parameter(torch.empty(mixes, n * hidden)))
+            setattr(self, f"hc_{part}_base", nn.Parameter(torch.empty(mixes)))
+            setattr(self, f"hc_{part}_scale", nn.Parameter(torch.empty(3)))
+
+    def forward(self, streams: torch.Tensor, fb: ForwardBatch, layer: int) -> torch.Tensor:
+        c = self.config
+        post, comb, x = hyper_weights(
+            c, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, streams
+        )
+        streams = mix(streams, self.attn(self.attn_norm(x), fb, layer), post, comb)
+        post, comb, x = hyper_weights(
+            c, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, streams
+        )
+        return mix(streams, self.ffn(self.ffn_norm(x), fb.input_ids), post, comb)
+
+
+class HyperHead(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        n = config.hc_mult
+        self.n, self.eps, self.norm_eps = n, config.hc_eps, config.rms_norm_eps
+        self.hc_fn = nn.Parameter(torch.empty(n, n * config.hidden_size))
+        self.hc_base = nn.Parameter(torch.empty(n))
+        self.hc_scale = nn.Parameter(torch.empty(1))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
+        mixes = F.linear(flat, self.hc_fn.float())
+        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+class Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Layer(config, i) for i in range(config.num_hidden_layers))
+        self.hc_head = HyperHead(config)
+        self.norm = GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, config, tp=None, par=None, moe=None):
+        super().__init__()
+        self._refuse_parallel(tp, par, moe)
+        quant = getattr(config, "quantization_config", None)
+        if quant:
+            raise ValueError(
+                "quantization_config: quantized DeepSeek-V4 checkpoints are not served yet; use "
+                "a bf16 or float32 checkpoint"
+            )
+        self.config = config
+        self.vocab_size, self.hidden_size = config.vocab_size, config.hidden_size
+        self.total_layers = self.num_layers = config.num_hidden_layers
+        self.first_layer = 0
+        self.total_kv_heads = 1  # one head, the same on every rank
+        self.num_attention_heads = config.num_attention_heads
+        self.hc_mult = config.hc_mult
+        self.model = Model(config)
+        self.head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.expert_recorder = None
+        self.mtp_weights: dict[str, tuple] = {}
+
+    @staticmethod
+    def _refuse_parallel(tp, par, moe) -> None:
+        sizes = {
+            "tp_size": getattr(tp, "size", 1),
+            "pp_size": getattr(par, "pp_size", 1),
+            "dp_size (DP attention)": getattr(par, "dp_size", 1),
+            "ep_size": getattr(moe, "ep_size", 1) if moe is not None else 1,
+        }
+        for name, size in sizes.items():
+            if size and size > 1:
+                raise ValueError(
+                    f"{name}: {size}; DeepseekV4ForCausalLM runs on one rank in this version "
+                    "(its attention, compressors and experts are not split yet)"
+                )
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        for name, p in self.named_parameters():
+            if name.endswith(FLOAT32) and p.dtype != torch.float32:
+                p.data = p.data.float()
+        return out
+
+    # ---- the engine's view -----------------------------------------------------------------------
+    def kv_cache_specs(self) -> list:
+        dtype = str(self.head.weight.dtype).replace("torch.", "")
+        return [layer.attn.cache_specs(dtype) for layer in self.model.layers]
+
+    def attention_layers(self) -> list[AttnLayer]:
+        return [layer.attn.attn for layer in self.model.layers]
+
+    def prefix_namespace(self, seq_len: int) -> int:
+        return 0
+
+    def moe_blocks(self) -> list:
+        return []
+
+    def use_cpu_kernels(self, ops) -> None:
+        return None
+
+    def prepack(self, ops, quantization=None, batch_invariant: bool = False) -> int:
+        return 0
+
+    def enable_decode_stack(self, ops, batch_invariant: bool = False) -> bool:
+        return False
+
+    def idle_forward(self, dp) -> None:
+        raise RuntimeError("DeepseekV4ForCausalLM does not run DP attention")
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        e = self.model.embed_tokens(input_ids)
+        return e.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+
+    def forward_layers(self, fb: ForwardBatch, h: torch.Tensor, residual):
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, fb, i)
+            if fb.layer_done is not None:
+                fb.layer_done(i)
+        return h, residual
+
+    def final_norm(self, h: torch.Tensor, residual) -> torch.Tensor:
+        return self.model.norm(self.model.hc_head(h))
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        h, _ = self.forward_layers(fb, self.embed(fb.input_ids), None)
+        return self.final_norm(h, None)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden).float()
+
+    # ---- weights ---------------------------------------------------------------------------------
+    def _own_name(self, name: str) -> str:
+        head, sep, tail = name.partition(".compressor.")
+        if sep:
+            return f"{head}.compressor.{_COMPRESSOR_NAMES.get(tail, tail)}"
+        return name
+
+    def _targets(self) -> dict[str, torch.Tensor]:
+        out = dict(self.named_parameters())
+        out.update(dict(self.named_buffers(remove_duplicate=False)))
+        return out
+
+    def checkpoint_weight_names(self) -> set[str]:
+        reverse = {v: k for k, v in _COMPRESSOR_NAMES.items()}
+        names = set()
+        for name in self._targets():
+            head, sep, tail = name.partition(".compressor.")
+            names.add(f"{head}.compressor.{reverse.get(tail, tail)}" if sep else name)
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        targets, seen = self._targets(), set()
+        for name, src in weights:
+            if name.startswith("mtp."):
+                shape = src.get_shape() if hasattr(src, "get_shape") else src.shape
+                self.mtp_weights[name] = tuple(shape)
+                continue
+            own = self._own_name(name)
+            target = targets.get(own)
+            if target is None:
+                raise ValueError(f"unexpected weight {name!r} for DeepseekV4ForCausalLM")
+            t = src[:]
+            if tuple(t.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"{name}: expected shape {tuple(target.shape)}, got {tuple(t.shape)}"
+                )
+            target.data.copy_(t)
+            seen.add(name)
+        missing = sorted(self.checkpoint_weight_names() - seen)
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} weights: {missing[:5]} ...")
