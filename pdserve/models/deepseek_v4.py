@@ -32,8 +32,9 @@ projection of the normalised streams gives the collapse weights (``pre``), the e
 streams become ``post * out + comb^T streams``. ``hc_head`` collapses them before the final norm.
 
 Checkpoint names are the published ones (``attn.wq_a``, ``attn.compressor.wkv``,
-``ffn.experts.E.w1``, ``hc_attn_fn``, ``head``, ...); the MTP layers (``mtp.*``) are set aside. The weights HF keeps in
-float32 (norms, sinks, position biases, the mHC and router bias) stay float32 in any model dtype.
+``ffn.experts.E.w1``, ``hc_attn_fn``, ``head``, ...); the MTP layers (``mtp.*``) are set aside.
+The weights HF keeps in float32 (norms, sinks, position biases, the mHC and router bias) stay
+float32 in any model dtype.
 
 This implementation runs on one rank: tensor, pipeline, data-parallel attention and expert
 parallelism are refused at load, naming the option.
