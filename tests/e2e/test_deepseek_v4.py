@@ -1,0 +1,203 @@
+"""DeepSeek-V4 on its compressed cache against HF transformers and through PD.
+
+The tiny checkpoint (``tests/helpers/checkpoints.py``): a compressed-sparse layer (an entry per 4
+tokens, an indexer keeping 3), a heavily compressed one (per 8), a window-only one and a second
+CSA layer; windows of 8; hash-routed experts on layer 0; 4 residual streams. Float32 greedy
+tokens equal HF's with logprobs within 1e-4 for prompts of 1 to 160 tokens, prefilled whole and
+in chunks of 5 and 7 at page sizes 1, 4 and 16 (windows and compress rates cut at odd places), then
+decoded; a second turn continues from the compressor-state snapshot of a prefix hit as a cold run
+does. Through PD (one-rank prefill and decode, local transfer) the tokens of a colocated server,
+and the bytes a request moves are the specs' prediction exactly (the window's last pages, the
+pages holding entries, the compressors' state once); a decode with other compress rates is
+refused naming both.
+"""
+
+from __future__ import annotations
+
+import random
+import types
+
+import httpx
+import pytest
+import torch
+
+from pdserve.kv_spec import CompressedEntries
+from tests.e2e.test_engine import make_engine, prompts_for
+from tests.e2e.test_engine_moe import hf_reference
+from tests.helpers import cluster as c
+from tests.helpers.checkpoints import build_tiny_checkpoint
+
+torch.set_num_threads(1)
+
+NEW_TOKENS = 8
+CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+GROUPS = [
+    ("latent_window", (0, 1, 2, 3)),
+    ("compressed", (0, 3)),  # the CSA layers' entries
+    ("compressed", (0, 3)),  # their indexer's keys
+    ("compressed", (1,)),  # the HCA layer's entries
+    ("compressor_state", (0, 3)),
+    ("compressor_state", (1,)),
+]
+
+
+def checkpoint(**overrides) -> str:
+    return build_tiny_checkpoint("deepseek_v4", **overrides)
+
+
+def assert_matches_hf(path, prompts, outs, n: int, what: str) -> None:
+    for ids, out in zip(prompts, outs):
+        ref_tokens, ref_lp = hf_reference(path, ids, n)
+        assert out["output_ids"] == ref_tokens, f"{what}: prompt of {len(ids)} tokens"
+        for k, (v, tok, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
+            assert abs(v - ref_lp[len(ids) - 1 + k, tok].item()) < 1e-4, (what, len(ids), k)
+
+
+@pytest.mark.parametrize("page_size,chunk", [(16, 64), (1, 5), (4, 7)])
+def test_matches_hf_float32(page_size, chunk, request):
+    path = checkpoint()
+    eng = make_engine(path, page_size=page_size, chunked_prefill_size=chunk, dtype="float32")
+    request.node._engine = eng
+    runner = eng.scheduler.runner
+    assert [(g.kind, g.layers) for g in runner.cache_groups] == GROUPS
+    prompts = prompts_for(3)[:6]  # 1 to 160 tokens
+    sp = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    outs = eng.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
+    assert_matches_hf(path, prompts, outs, NEW_TOKENS, f"page {page_size}, chunk {chunk}")
+    info = eng.check_integrity()
+    assert info["in_use_pages"] == 0 and info["running"] == 0
+    assert [g["free_pages"] + g["cached_pages"] for g in info["groups"]] == [
+        g["total_pages"] for g in info["groups"]
+    ]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_second_turn_continues_from_the_compressor_snapshot(page_size, request):
+    path = checkpoint()
+    eng = make_engine(path, page_size=page_size, chunked_prefill_size=64, dtype="float32")
+    request.node._engine = eng
+    sp = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    first = prompts_for(5)[4]  # 40 tokens
+    out = eng.generate(input_ids=first, sampling_params=sp, return_logprob=True)
+    second = first + out["output_ids"] + [1234, 5678, 9101]
+    again = eng.generate(input_ids=second, sampling_params=sp, return_logprob=True)
+    # the prompt and the output but the last token were cached, up to a page that holds a snapshot
+    cached = again["meta_info"]["cached_tokens"]
+    assert cached >= (len(first) + NEW_TOKENS - 1) // page_size * page_size - page_size > 0
+    assert eng.scheduler.kv.restored >= 1
+    assert_matches_hf(path, [second], [again], NEW_TOKENS, f"second turn, page {page_size}")
+
+
+def test_what_one_rank_cannot_split_is_refused_naming_the_option():
+    from pdserve.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    config = types.SimpleNamespace()
+    for name, kw in (
+        ("tp_size: 2", {"tp": types.SimpleNamespace(size=2)}),
+        ("pp_size: 2", {"par": types.SimpleNamespace(pp_size=2, dp_size=1)}),
+        ("ep_size: 4", {"moe": types.SimpleNamespace(ep_size=4)}),
+    ):
+        with pytest.raises(ValueError, match=name + "; DeepseekV4ForCausalLM runs on one rank"):
+            DeepseekV4ForCausalLM(config, **kw)
+
+
+def test_a_quantized_kv_cache_is_refused_naming_the_kinds():
+    with pytest.raises(ValueError, match="latent_window") as e:
+        make_engine(checkpoint(), kv_cache_dtype="int8", dtype="float32")
+    assert "compressed" in str(e.value)
+
+
+# ---- PD -------------------------------------------------------------------------------------
+
+PAGE = 4
+PD_NEW = 12  # decode runs past the window and closes windows of its own
+COMMON = [
+    "--dtype",
+    "float32",
+    "--max-total-tokens",
+    "4096",
+    "--page-size",
+    str(PAGE),
+    "--chunked-prefill-size",
+    "24",
+    "--disaggregation-bootstrap-timeout",
+    "20",
+    "--disaggregation-waiting-timeout",
+    "20",
+]
+LENS = (1, 7, 15, 16, 17, 40, 90)
+
+
+@pytest.fixture(scope="module")
+def v4_pd(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("pd-v4")
+    path = checkpoint()
+    other = checkpoint(compress_rates={CSA: 8, HCA: 16})
+    s = {
+        "S": c.server("S", path, logs, *COMMON),
+        "P": c.prefill("P", path, logs, *COMMON)[0],
+        "D": c.decode("D", path, logs, *COMMON),
+        "D8": c.decode("D8", other, logs, *COMMON),
+    }
+    try:
+        c.start_all(list(s.values()))
+        yield s
+    finally:
+        for proc in s.values():
+            proc.stop()
+
+
+def body(ids, prefill=None, room: int = 0) -> dict:
+    return c.greedy_body(ids, PD_NEW, prefill, room)
+
+
+def predicted(info: dict, n: int) -> tuple[list[int], int]:
+    """(logical pages listed per group, bytes) a prompt of ``n`` tokens moves from a one-rank
+    prefill, from the groups the server describes (float32)."""
+    total = -(-n // PAGE)
+    pages, nbytes = [], 0
+    for g in info["cache_groups"]:
+        layers = len(g["layers"])
+        if g["kind"] == "latent_window":
+            first = max(0, n - g["window"] + 1) // PAGE
+            pages.append(total - first)
+            nbytes += pages[-1] * layers * PAGE * (g["latent_dim"] + g["rope_dim"]) * 4
+        elif g["kind"] == "compressed":
+            spec = CompressedEntries(g["dim"], g["rate"], g["part"])
+            pages.append(total)  # 0 on the pages without an entry, which move nothing
+            held = spec.items_between(0, total, PAGE)
+            nbytes += held * layers * spec.page_bytes(PAGE, 4)
+        else:  # the compressors' state: one slot, once
+            pages.append(1)
+            per = [4 if d == "float32" else 2 for d in g["dtypes"]]
+            nbytes += layers * sum(b * s0 * s1 for b, (s0, s1) in zip(per, g["shapes"]))
+    return pages, nbytes
+
+
+def test_pd_matches_colocated_and_moves_the_predicted_bytes(v4_pd):
+    P, D, S = v4_pd["P"], v4_pd["D"], v4_pd["S"]
+    info = P.http.get("/server_info").json()["scheduler_info"]
+    assert [(g["kind"], tuple(g["layers"])) for g in info["cache_groups"]] == GROUPS
+    rng = random.Random(4)
+    for n in LENS:
+        ids = [rng.randrange(100, 40000) for _ in range(n)]
+        rp, rd = c.post_pd(P, D, body(ids, P, rng.randrange(2**63)))
+        assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+        want = httpx.post(S.url + "/generate", json=body(ids), timeout=120).json()["output_ids"]
+        assert rd.json()["output_ids"] == want, f"prompt of {n} tokens"
+        last = P.http.get("/server_info").json()["internal_states"][0]["recent_transfers"][-1]
+        pages, nbytes = predicted(info, n)
+        assert last["pages_per_group"] == pages and last["kv_bytes"] == nbytes, (n, last, pages)
+    for p in (P, D, S):
+        p.wait_idle()
+
+
+def test_decode_with_other_compress_rates_is_refused_naming_both(v4_pd):
+    P, D = v4_pd["P"], v4_pd["D8"]
+    rp, rd = c.post_pd(P, D, body([5, 6, 7, 8], P, random.randrange(2**63)))
+    assert rd.status_code >= 400, rd.text
+    msg = rd.json()["error"]["message"]
+    assert "rate 4" in msg and "rate 8" in msg and "prefill" in msg and "decode" in msg, msg
+    assert rp.status_code >= 400  # prefill gives up on the room instead of hanging
+    for p in (P, D):
+        p.wait_idle()
