@@ -65,7 +65,7 @@ STATE = "compressor_state"
 # parameters HF keeps in float32 whatever the model's dtype (by the end of their names)
 FLOAT32 = (
     "attn_sink",
-    "ape",
+    "position_bias",
     "norm.weight",
     "hc_attn_fn",
     "hc_attn_base",
