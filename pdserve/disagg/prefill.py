@@ -61,11 +61,13 @@ class _PrefillState(PDState):
     layer_groups: int = 0  # layer groups sent during forwards (the layer pipeline)
 
     def skip(self, pages: list[list[int]]) -> frozenset:
-        """The regions of ``pages`` already sent layer by layer (none, should they differ from
-        the pages the layer pipeline sent), forgotten after this call."""
+        """The regions of ``pages`` already sent layer by layer, forgotten after this call: per
+        cache group, those of the pages the layer pipeline sent when they are these pages (a
+        group final only after the last chunk, a window's, goes now in full)."""
         sent, keys = self.layers_sent
         self.layers_sent = ((), frozenset())
-        return keys if sent == pages else frozenset()
+        same = {g for g, (a, b) in enumerate(zip(sent, pages)) if a and a == b}
+        return frozenset((g, layer) for g, layer in keys if g in same)
 
     @property
     def sent_pages(self) -> list[int]:

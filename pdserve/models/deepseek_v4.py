@@ -36,8 +36,12 @@ Checkpoint names are the published ones (``attn.wq_a``, ``attn.compressor.wkv``,
 The weights HF keeps in float32 (norms, sinks, position biases, the mHC and router bias) stay
 float32 in any model dtype.
 
-This implementation runs on one rank: tensor, pipeline, data-parallel attention and expert
-parallelism are refused at load, naming the option.
+**Tensor parallelism** splits the attention's output groups (a rank holds ``o_groups / tp`` of
+them and their query heads; ``wo_b`` sums over the ranks) and every expert's intermediate
+columns; the window, the compressors, the indexer, the router and the hyper-connections are
+computed whole on every rank, so the caches are replicated and a decode of any TP size reads them
+from one prefill rank. Pipeline stages, data-parallel attention and expert parallelism are refused
+at load, naming the option.
 """
 
 from __future__ import annotations
@@ -48,11 +52,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.distributed import SINGLE, TPGroup, shard_range
 from pdserve.forward_batch import ForwardBatch
 from pdserve.kv_spec import CompressedEntries, CompressorState, LatentWindow
 from pdserve.layers.attention.base import AttnLayer
 from pdserve.layers.compressor import Compressor, rotate_trailing
-from pdserve.layers.linear import Linear
+from pdserve.layers.linear import Linear, RowParallelLinear
 from pdserve.layers.norm import GptOssRMSNorm
 from pdserve.layers.rotary import attention_factor, inv_frequencies
 
@@ -185,7 +190,11 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config, layer_id: int):
+    """One layer's attention; under tensor parallelism a rank holds whole output groups
+    (``o_groups / tp`` of them) and their query heads; the window, the compressors and the
+    indexer are computed whole on every rank (their caches are replicated)."""
+
+    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
         super().__init__()
         self.kind = config.layer_types[layer_id]
         if self.kind not in (SLIDING, CSA, HCA):
@@ -193,18 +202,26 @@ class Attention(nn.Module):
                 f"layer_types[{layer_id}]: {self.kind!r} is not a DeepSeek-V4 layer kind; "
                 f"supported: {SLIDING}, {CSA}, {HCA}"
             )
-        self.heads, self.dim = config.num_attention_heads, config.head_dim
-        self.groups, self.eps = config.o_groups, config.rms_norm_eps
+        heads, groups = config.num_attention_heads, config.o_groups
+        if groups % tp.size or heads % groups:
+            raise ValueError(
+                f"o_groups: {groups} output groups of {heads} heads cannot be split whole over "
+                f"tp_size {tp.size}; a rank holds whole groups"
+            )
+        g0, g1 = shard_range(groups, tp.rank, tp.size)
+        per = heads // groups
+        self.head_range, self.group_range = (g0 * per, g1 * per), (g0, g1)
+        self.heads, self.groups, self.dim = (g1 - g0) * per, g1 - g0, config.head_dim
+        self.eps, self.o_lora = config.rms_norm_eps, config.o_lora_rank
         hidden, q_lora = config.hidden_size, config.q_lora_rank
         self.wq_a = Linear(hidden, q_lora, bias=False)
         self.q_norm = GptOssRMSNorm(q_lora, config.rms_norm_eps)
         self.wq_b = Linear(q_lora, self.heads * self.dim, bias=False)
         self.wkv = Linear(hidden, self.dim, bias=False)
         self.norm = GptOssRMSNorm(self.dim, config.rms_norm_eps)
-        per_group = self.heads * self.dim // self.groups
         self.wo_a = nn.Module()
-        self.wo_a.weight = nn.Parameter(torch.empty(self.groups * config.o_lora_rank, per_group))
-        self.wo_b = Linear(self.groups * config.o_lora_rank, hidden, bias=False)
+        self.wo_a.weight = nn.Parameter(torch.empty(self.groups * self.o_lora, per * self.dim))
+        self.wo_b = RowParallelLinear(self.groups * self.o_lora, hidden, bias=False, tp=tp)
         self.attn_sink = nn.Parameter(torch.zeros(self.heads, dtype=torch.float32))
         self.window = config.sliding_window
         self.attn = AttnLayer(layer_id, self.dim**-0.5, sliding_window=self.window, has_sinks=True)
@@ -221,6 +238,19 @@ class Attention(nn.Module):
             )
             if self.kind == CSA:
                 self.indexer = Indexer(config, inv, scaling)
+
+    def shard(self, leaf: str, src):
+        """This rank's part of the published weight ``attn.<leaf>``."""
+        (h0, h1), (g0, g1), d, r = self.head_range, self.group_range, self.dim, self.o_lora
+        if leaf == "wq_b.weight":
+            return src[h0 * d : h1 * d]
+        if leaf == "attn_sink":
+            return src[h0:h1]
+        if leaf == "wo_a.weight":
+            return src[g0 * r : g1 * r]
+        if leaf == "wo_b.weight":
+            return src[:, g0 * r : g1 * r]
+        return src[:]
 
     def compressors(self) -> list[Compressor]:
         out = [self.compressor] if self.compressor is not None else []
@@ -288,6 +318,9 @@ class Attention(nn.Module):
 
 
 class Expert(nn.Module):
+    """A SwiGLU expert (or the shared one) whose intermediate columns ``inter`` this rank holds;
+    its output is this rank's part of the sum."""
+
     def __init__(self, hidden: int, inter: int, limit: float):
         super().__init__()
         self.w1 = Linear(hidden, inter, bias=False)  # gate
@@ -325,19 +358,38 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config, layer_id: int):
+    """Routed experts and the shared one; under tensor parallelism each rank holds its share of
+    every expert's intermediate columns and the partial sums are added over the ranks."""
+
+    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
         super().__init__()
+        self.tp = tp
         kind = config.mlp_layer_types[layer_id]
         if kind not in ("moe", "hash_moe"):
             raise ValueError(
                 f"mlp_layer_types[{layer_id}]: {kind!r} not supported; supported: moe, hash_moe"
             )
         hidden, inter, limit = config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
+        shared = inter * config.n_shared_experts
+        try:
+            self.inter = shard_range(inter, tp.rank, tp.size)
+            self.shared = shard_range(shared, tp.rank, tp.size)
+        except ValueError:
+            raise ValueError(
+                f"moe_intermediate_size: {inter} is not divisible by tp_size {tp.size}"
+            ) from None
         self.gate = Gate(config, kind == "hash_moe")
         self.experts = nn.ModuleList(
-            Expert(hidden, inter, limit) for _ in range(config.n_routed_experts)
+            Expert(hidden, inter // tp.size, limit) for _ in range(config.n_routed_experts)
         )
-        self.shared_experts = Expert(hidden, inter * config.n_shared_experts, limit)
+        self.shared_experts = Expert(hidden, shared // tp.size, limit)
+
+    def shard(self, leaf: str, src):
+        """This rank's part of the published weight ``ffn.<leaf>``."""
+        if not leaf.startswith(("experts.", "shared_experts.")):
+            return src[:]
+        a, b = self.shared if leaf.startswith("shared_experts.") else self.inter
+        return src[:, a:b] if leaf.endswith("w2.weight") else src[a:b]
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         idx, w = self.gate(x, input_ids)
@@ -346,16 +398,19 @@ class MoE(nn.Module):
             rows, slot = torch.where(idx == e)
             y = self.experts[e](x[rows]) * w[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
-        return out + self.shared_experts(x)
+        out = out + self.shared_experts(x)
+        if self.tp.size == 1:
+            return out
+        return self.tp.all_reduce(out.float()).to(out.dtype)  # the partials summed in float32
 
 
 class Layer(nn.Module):
-    def __init__(self, config, layer_id: int):
+    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
         super().__init__()
         n, hidden = config.hc_mult, config.hidden_size
         mixes = (2 + n) * n
-        self.attn = Attention(config, layer_id)
-        self.ffn = MoE(config, layer_id)
+        self.attn = Attention(config, layer_id, tp)
+        self.ffn = MoE(config, layer_id, tp)
         self.attn_norm = GptOssRMSNorm(hidden, config.rms_norm_eps)
         self.ffn_norm = GptOssRMSNorm(hidden, config.rms_norm_eps)
         self.config = config
@@ -393,10 +448,10 @@ class HyperHead(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Layer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Layer(config, i, tp) for i in range(config.num_hidden_layers))
         self.hc_head = HyperHead(config)
         self.norm = GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -418,7 +473,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.total_kv_heads = 1  # one head, the same on every rank
         self.num_attention_heads = config.num_attention_heads
         self.hc_mult = config.hc_mult
-        self.model = Model(config)
+        self.model = Model(config, tp or SINGLE)
         self.head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.expert_recorder = None
         self.mtp_weights: dict[str, tuple] = {}
@@ -426,7 +481,6 @@ class DeepseekV4ForCausalLM(nn.Module):
     @staticmethod
     def _refuse_parallel(tp, par, moe) -> None:
         sizes = {
-            "tp_size": getattr(tp, "size", 1),
             "pp_size": getattr(par, "pp_size", 1),
             "dp_size (DP attention)": getattr(par, "dp_size", 1),
             "ep_size": getattr(moe, "ep_size", 1) if moe is not None else 1,
@@ -434,8 +488,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         for name, size in sizes.items():
             if size and size > 1:
                 raise ValueError(
-                    f"{name}: {size}; DeepseekV4ForCausalLM runs on one rank in this version "
-                    "(its attention, compressors and experts are not split yet)"
+                    f"{name}: {size}; DeepseekV4ForCausalLM runs with tensor parallelism only "
+                    "in this version (its layers are not staged, its attention not split by "
+                    "requests, its experts not placed by rank yet)"
                 )
 
     def _apply(self, fn, recurse=True):
@@ -505,6 +560,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         out.update(dict(self.named_buffers(remove_duplicate=False)))
         return out
 
+    def _shard(self, name: str, src):
+        """This rank's part of weight ``name`` (its own name): the attention's heads and groups,
+        the experts' intermediate columns; the rest whole."""
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"] and parts[3] in ("attn", "ffn"):
+            layer = self.model.layers[int(parts[2])]
+            block = layer.attn if parts[3] == "attn" else layer.ffn
+            return block.shard(".".join(parts[4:]), src)
+        return src[:]
+
     def checkpoint_weight_names(self) -> set[str]:
         reverse = {v: k for k, v in _COMPRESSOR_NAMES.items()}
         names = set()
@@ -524,7 +589,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             target = targets.get(own)
             if target is None:
                 raise ValueError(f"unexpected weight {name!r} for DeepseekV4ForCausalLM")
-            t = src[:]
+            t = self._shard(own, src)
             if tuple(t.shape) != tuple(target.shape):
                 raise ValueError(
                     f"{name}: expected shape {tuple(target.shape)}, got {tuple(t.shape)}"

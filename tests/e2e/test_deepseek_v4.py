@@ -6,10 +6,10 @@ CSA layer; windows of 8; hash-routed experts on layer 0; 4 residual streams. Flo
 tokens equal HF's with logprobs within 1e-4 for prompts of 1 to 160 tokens, prefilled whole and
 in chunks of 5 and 7 at page sizes 1, 4 and 16 (windows and compress rates cut at odd places), then
 decoded; a second turn continues from the compressor-state snapshot of a prefix hit as a cold run
-does. Through PD (one-rank prefill and decode, local transfer) the tokens of a colocated server,
-and the bytes a request moves are the specs' prediction exactly (the window's last pages, the
-pages holding entries, the compressors' state once); a decode with other compress rates is
-refused naming both.
+does. Through PD (P tp1 -> D tp1, tp1 -> tp2, tp2 -> tp1, layer by layer, a decode prefix cache;
+local transfer) the tokens of a colocated server, and the bytes a request moves are the specs'
+prediction exactly (the window's last pages, the pages holding entries, the compressors' state
+once); a decode with other compress rates is refused naming both.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 from pdserve.kv_spec import CompressedEntries
 from tests.e2e.test_engine import make_engine, prompts_for
 from tests.e2e.test_engine_moe import hf_reference
+from tests.e2e.test_tp import all_ranks_idle
 from tests.helpers import cluster as c
 from tests.helpers.checkpoints import build_tiny_checkpoint
 
@@ -88,17 +89,23 @@ def test_a_second_turn_continues_from_the_compressor_snapshot(page_size, request
     assert_matches_hf(path, [second], [again], NEW_TOKENS, f"second turn, page {page_size}")
 
 
-def test_what_one_rank_cannot_split_is_refused_naming_the_option():
+def test_what_this_version_does_not_split_is_refused_naming_the_option():
     from pdserve.models.deepseek_v4 import DeepseekV4ForCausalLM
 
     config = types.SimpleNamespace()
     for name, kw in (
-        ("tp_size: 2", {"tp": types.SimpleNamespace(size=2)}),
         ("pp_size: 2", {"par": types.SimpleNamespace(pp_size=2, dp_size=1)}),
+        (r"dp_size \(DP attention\): 2", {"par": types.SimpleNamespace(pp_size=1, dp_size=2)}),
         ("ep_size: 4", {"moe": types.SimpleNamespace(ep_size=4)}),
     ):
-        with pytest.raises(ValueError, match=name + "; DeepseekV4ForCausalLM runs on one rank"):
+        with pytest.raises(ValueError, match=name + "; DeepseekV4ForCausalLM runs with tensor"):
             DeepseekV4ForCausalLM(config, **kw)
+    # a rank holds whole output groups
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(checkpoint())
+    with pytest.raises(ValueError, match="o_groups: 2 output groups of 4 heads cannot be split"):
+        DeepseekV4ForCausalLM(cfg, tp=types.SimpleNamespace(rank=0, size=4))
 
 
 def test_a_quantized_kv_cache_is_refused_naming_the_kinds():
@@ -133,10 +140,17 @@ def v4_pd(tmp_path_factory):
     logs = tmp_path_factory.mktemp("pd-v4")
     path = checkpoint()
     other = checkpoint(compress_rates={CSA: 8, HCA: 16})
+    tp2 = ["--tp-size", "2"]
+    layers = ["--enable-disagg-layer-pipeline", "--disagg-layer-group-size", "1"]
+    layers += ["--disagg-layer-pipeline-min-prefill-len", "0"]
     s = {
         "S": c.server("S", path, logs, *COMMON),
         "P": c.prefill("P", path, logs, *COMMON)[0],
         "D": c.decode("D", path, logs, *COMMON),
+        "Ptp2": c.prefill("Ptp2", path, logs, *COMMON, *tp2)[0],
+        "Dtp2": c.decode("Dtp2", path, logs, *COMMON, *tp2),
+        "Plw": c.prefill("Plw", path, logs, *COMMON, *layers)[0],
+        "Dpc": c.decode("Dpc", path, logs, *COMMON, "--disaggregation-decode-enable-radix-cache"),
         "D8": c.decode("D8", other, logs, *COMMON),
     }
     try:
@@ -151,21 +165,26 @@ def body(ids, prefill=None, room: int = 0) -> dict:
     return c.greedy_body(ids, PD_NEW, prefill, room)
 
 
-def predicted(info: dict, n: int) -> tuple[list[int], int]:
+def stats(p: c.Proc) -> dict:
+    return p.http.get("/server_info").json()["internal_states"][0]
+
+
+def predicted(info: dict, n: int, prefix: int = 0) -> tuple[list[int], int]:
     """(logical pages listed per group, bytes) a prompt of ``n`` tokens moves from a one-rank
-    prefill, from the groups the server describes (float32)."""
+    prefill to a decode holding its first ``prefix`` pages, from the groups the server describes
+    (float32)."""
     total = -(-n // PAGE)
     pages, nbytes = [], 0
     for g in info["cache_groups"]:
         layers = len(g["layers"])
         if g["kind"] == "latent_window":
-            first = max(0, n - g["window"] + 1) // PAGE
+            first = max(prefix, max(0, n - g["window"] + 1) // PAGE)
             pages.append(total - first)
             nbytes += pages[-1] * layers * PAGE * (g["latent_dim"] + g["rope_dim"]) * 4
         elif g["kind"] == "compressed":
             spec = CompressedEntries(g["dim"], g["rate"], g["part"])
-            pages.append(total)  # 0 on the pages without an entry, which move nothing
-            held = spec.items_between(0, total, PAGE)
+            pages.append(total - prefix)  # 0 on the pages without an entry, which move nothing
+            held = spec.items_between(prefix, total, PAGE)
             nbytes += held * layers * spec.page_bytes(PAGE, 4)
         else:  # the compressors' state: one slot, once
             pages.append(1)
@@ -174,22 +193,76 @@ def predicted(info: dict, n: int) -> tuple[list[int], int]:
     return pages, nbytes
 
 
-def test_pd_matches_colocated_and_moves_the_predicted_bytes(v4_pd):
-    P, D, S = v4_pd["P"], v4_pd["D"], v4_pd["S"]
+def idle(*procs: c.Proc) -> None:
+    for p in procs:
+        if p.http.get("/server_info").json()["tp_size"] > 1:
+            all_ranks_idle(p)
+        else:
+            p.wait_idle()
+
+
+PAIRS = [
+    ("tp1", "P", "D"),
+    ("tp1->tp2", "P", "Dtp2"),
+    ("tp2->tp1", "Ptp2", "D"),
+    ("layer-wise", "Plw", "D"),
+]
+
+
+@pytest.mark.parametrize("name, p, d", PAIRS, ids=[x[0] for x in PAIRS])
+def test_pd_matches_colocated_and_moves_the_predicted_bytes(v4_pd, name, p, d):
+    """Every cache is replicated over TP ranks (one head, whole compressors): each decode rank
+    gets its copy from one prefill rank. A one-rank prefill's record covers the whole request:
+    its bytes are the prediction per decode rank, layer by layer too."""
+    P, D, S = v4_pd[p], v4_pd[d], v4_pd["S"]
     info = P.http.get("/server_info").json()["scheduler_info"]
     assert [(g["kind"], tuple(g["layers"])) for g in info["cache_groups"]] == GROUPS
-    rng = random.Random(4)
+    rng = random.Random(hash(name) % 1000)
     for n in LENS:
         ids = [rng.randrange(100, 40000) for _ in range(n)]
         rp, rd = c.post_pd(P, D, body(ids, P, rng.randrange(2**63)))
         assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
         want = httpx.post(S.url + "/generate", json=body(ids), timeout=120).json()["output_ids"]
-        assert rd.json()["output_ids"] == want, f"prompt of {n} tokens"
-        last = P.http.get("/server_info").json()["internal_states"][0]["recent_transfers"][-1]
-        pages, nbytes = predicted(info, n)
-        assert last["pages_per_group"] == pages and last["kv_bytes"] == nbytes, (n, last, pages)
-    for p in (P, D, S):
-        p.wait_idle()
+        assert rd.json()["output_ids"] == want, f"{name}: prompt of {n} tokens"
+        if "tp2" not in p:  # every decode rank gets its own copy of the replicated caches
+            last = stats(P)["recent_transfers"][-1]
+            pages, nbytes = predicted(info, n)
+            copies = D.http.get("/server_info").json()["tp_size"]
+            assert last["pages_per_group"] == pages, (n, last)
+            assert last["kv_bytes"] == copies * nbytes, (n, last)
+            if p == "Plw":  # sent during the forwards, a layer at a time (4 layers a forward)
+                assert last["layer_groups"] >= 4, last
+    idle(P, D, S)
+
+
+def test_a_next_turn_hits_the_prefill_and_decode_prefix_caches(v4_pd):
+    """Turn 2 extends turn 1 and its answer. Prefill restores turn 1's compressor state from the
+    snapshot at its last page boundary; decode's tree holds turn 1's prompt and answer up to its
+    last snapshot, whose pages (windows' and entries') are not sent again; the state always is.
+    The colocated tokens, and the bytes predicted for that prefix."""
+    P, D, S = v4_pd["P"], v4_pd["Dpc"], v4_pd["S"]
+    info = P.http.get("/server_info").json()["scheduler_info"]
+    rng = random.Random(41)
+    turn1 = [rng.randrange(100, 40000) for _ in range(30)]
+    rp, rd = c.post_pd(P, D, body(turn1, P, rng.randrange(2**63)))
+    assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+    out1 = rd.json()["output_ids"]
+    idle(P, D)
+    p_hits, d_hits = stats(P)["cache_hit_tokens"], stats(D)["cache_hit_tokens"]
+    turn2 = turn1 + out1 + [rng.randrange(100, 40000) for _ in range(9)]
+    rp, rd = c.post_pd(P, D, body(turn2, P, rng.randrange(2**63)))
+    assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+    want = httpx.post(S.url + "/generate", json=body(turn2), timeout=120).json()["output_ids"]
+    assert rd.json()["output_ids"] == want
+    # prefill: turn 1's 30 tokens in chunks of 24, the snapshot at token 28
+    assert stats(P)["cache_hit_tokens"] - p_hits == 28
+    # decode: 30 + 12 - 1 tokens computed, its last snapshot at token 40
+    assert stats(D)["cache_hit_tokens"] - d_hits == 40
+    last = stats(P)["recent_transfers"][-1]
+    assert last["decode_prefix_pages"] == 40 // PAGE, last
+    pages, nbytes = predicted(info, len(turn2), 40 // PAGE)
+    assert last["pages_per_group"] == pages and last["kv_bytes"] == nbytes, (last, pages, nbytes)
+    idle(P, D, S)
 
 
 def test_decode_with_other_compress_rates_is_refused_naming_both(v4_pd):
@@ -199,8 +272,7 @@ def test_decode_with_other_compress_rates_is_refused_naming_both(v4_pd):
     msg = rd.json()["error"]["message"]
     assert "rate 4" in msg and "rate 8" in msg and "prefill" in msg and "decode" in msg, msg
     assert rp.status_code >= 400  # prefill gives up on the room instead of hanging
-    for p in (P, D):
-        p.wait_idle()
+    idle(P, D)
 
 
 def test_bf16_matches_hf_bf16_up_to_ties(request):
