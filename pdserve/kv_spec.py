@@ -309,8 +309,8 @@ class CompressedEntries(CacheSpec):
         # a window closes on this page: its last token ((e + 1) * rate - 1) lies in it
         return ((page + 1) * page_size) // self.rate > (page * page_size) // self.rate
 
-    def entry_location(self, entry: int, page_size: int) -> tuple[int, int]:
-        """(logical page, slot in the page) of entry ``entry``."""
+    def entry_location(self, entry, page_size: int):
+        """(logical page, slot in the page) of entry ``entry`` (an int, or a tensor of them)."""
         return ((entry + 1) * self.rate - 1) // page_size, entry % self.entries_per_page(page_size)
 
     def items_between(self, first: int, end: int, page_size: int) -> int:

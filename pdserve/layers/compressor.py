@@ -173,9 +173,9 @@ class Compressor(nn.Module):
             pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
             positions = (torch.arange(windows, device=kv.device) + first) * r
             out = rotate_trailing(self.norm(pooled), positions, self.inv_freq, self.scaling)
-            for j in range(windows):
-                page, row = self.spec.entry_location(first + j, page_size)
-                entries[pages[page], row] = out[j].to(entries.dtype)
+            page, row = self.spec.entry_location(positions // r, page_size)
+            ids = torch.as_tensor(pages, device=entries.device)[page]
+            entries[ids, row] = out.to(entries.dtype)
         if snapshot:
             boundary = (prefix + kv_new.shape[0]) // page_size * page_size
             if boundary > prefix:

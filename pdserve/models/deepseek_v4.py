@@ -274,12 +274,11 @@ class Attention(nn.Module):
         table = fb.groups[group]
         return table.pool.entries(slot), table.page_table
 
-    def _gather(self, entries, table, i: int, count: int, spec, page_size: int) -> torch.Tensor:
-        rows = [spec.entry_location(e, page_size) for e in range(count)]
-        if not rows:
-            return entries.new_zeros((0, entries.shape[-1]))
-        pages = table[i, torch.tensor([p for p, _ in rows])]
-        return entries[pages, torch.tensor([r for _, r in rows])]
+    @staticmethod
+    def _gather(entries, table, i: int, count: int, spec, page_size: int) -> torch.Tensor:
+        """Request ``i``'s first ``count`` entries [count, dim] (every closed window's)."""
+        page, row = spec.entry_location(torch.arange(count), page_size)
+        return entries[table[i, page], row]
 
     def forward(self, h: torch.Tensor, fb: ForwardBatch, layer: int) -> torch.Tensor:
         t = h.shape[0]

@@ -365,7 +365,9 @@ class TorchAttnBackend(AttentionBackend):
                 continue
             prefix = fb.prefix_lens[i]
             seq, lo = prefix + ext, max(0, prefix - window + 1)  # the first key a new token sees
-            keys = cache[table[i, : -(-seq // page)]].reshape(-1, dim)[lo:seq].to(q.dtype)
+            base = lo // page * page  # only the window's pages are read
+            keys = cache[table[i, base // page : -(-seq // page)]].reshape(-1, dim)
+            keys = keys[lo - base : seq - base].to(q.dtype)
             qpos = torch.arange(prefix, seq, device=q.device)[:, None]
             kpos = torch.arange(lo, seq, device=q.device)[None, :]
             mask = (kpos <= qpos) & (qpos - kpos < window)
