@@ -172,15 +172,19 @@ class Indexer(nn.Module):
         weights = self.weights_proj(h).float() * self.heads**-0.5
         out = []
         for i, (start, ext) in enumerate(zip(fb.extend_starts, fb.extend_lens)):
-            k = keys[i]  # [E, dim]
+            k = keys[i].float().t()  # [dim, E]
             pos = fb.positions[start : start + ext]
-            scores = torch.matmul(q[start : start + ext].float(), k.float().t())  # [ext, H, E]
-            scores = torch.relu(scores) * self.dim**-0.5
-            score = (scores * weights[start : start + ext].unsqueeze(-1)).sum(dim=1)  # [ext, E]
-            closed = torch.arange(k.shape[0])[None, :] < ((pos + 1) // self.rate)[:, None]
+            score = torch.empty((ext, k.shape[1]), dtype=torch.float32)
+            rows = max(1, (1 << 24) // max(1, self.heads * k.shape[1]))  # [rows, H, E] at a time
+            for a in range(0, ext, rows):
+                b = min(ext, a + rows)
+                part = torch.relu(torch.matmul(q[start + a : start + b].float(), k))
+                part = part * self.dim**-0.5  # [rows, H, E]
+                score[a:b] = (part * weights[start + a : start + b].unsqueeze(-1)).sum(dim=1)
+            closed = torch.arange(k.shape[1])[None, :] < ((pos + 1) // self.rate)[:, None]
             score = score.masked_fill(~closed, float("-inf"))
             keep = torch.zeros_like(closed)
-            n = min(self.topk, k.shape[0])
+            n = min(self.topk, k.shape[1])
             if n:
                 # the highest scores, the lowest entry first among equal ones
                 order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :n]
