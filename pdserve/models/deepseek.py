@@ -35,7 +35,7 @@ or ``topk_method``, FP8 block-quantized weights (``quantization_config``).
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
@@ -45,7 +45,12 @@ from pdserve.forward_batch import ForwardBatch
 from pdserve.kv_spec import CacheSpec, IndexKeys, LatentAttention
 from pdserve.layers.attention.base import AttnLayer
 from pdserve.layers.linear import Float32Linear, Linear, RowParallelLinear
-from pdserve.layers.moe.router import GroupedSigmoidTopK, GroupedSoftmaxTopK, Router
+from pdserve.layers.moe.router import (
+    GroupedSigmoidTopK,
+    GroupedSoftmaxSumTopK,
+    GroupedSoftmaxTopK,
+    Router,
+)
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import apply_rotary, rope_parameters, rotate_interleaved
 from pdserve.models.decoder import PRE_NORM, DecoderLayer
@@ -157,9 +162,19 @@ class Indexer(nn.Module):
 class MLAttention(nn.Module):
     """Latent attention of one layer; loads and shards its own weights."""
 
-    def __init__(self, config, layer_id: int, shards: TPShards, interleave: bool = True):
+    def __init__(
+        self,
+        config,
+        layer_id: int,
+        shards: TPShards,
+        interleave: bool = True,
+        query_scale: Optional[tuple[float, int]] = None,
+    ):
         super().__init__()
         self.layer_id = layer_id
+        # (beta, original context): queries scaled by 1 + beta * log(1 + floor(pos / original))
+        # (Mistral 4's Llama-4 attention scaling)
+        self.query_scale = query_scale
         self.tp = shards.attn
         h0, h1 = shard_range(config.num_attention_heads, self.tp.rank, self.tp.size)
         self.heads = (h0, h1)
@@ -209,6 +224,11 @@ class MLAttention(nn.Module):
         rotate = rotate_interleaved if self.interleave else apply_rotary
         rope = tuple(x.to(h.dtype) for x in rope)
         q_rope, k_rope = rotate(q_rope, *rope), rotate(k_rope.unsqueeze(1), *rope)[:, 0]
+        if self.query_scale is not None:
+            beta, original = self.query_scale
+            pos = fb.positions.to(torch.float32)
+            scale = (1 + beta * torch.log(1 + torch.floor(pos / original))).to(q_nope.dtype)
+            q_nope, q_rope = q_nope * scale[:, None, None], q_rope * scale[:, None, None]
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
         selection = (
             self.indexer(h, q_resid, rope, fb, self.attn) if self.indexer is not None else None
@@ -283,10 +303,17 @@ class DeepseekDecoderLayer(DecoderLayer):
     """Pre-norm block of latent attention and a dense or sparse MLP (``make_mlp``)."""
 
     def __init__(
-        self, config, layer_id: int, shards: TPShards, make_mlp=None, interleave: bool = True, **_
+        self,
+        config,
+        layer_id: int,
+        shards: TPShards,
+        make_mlp=None,
+        interleave: bool = True,
+        query_scale=None,
+        **_,
     ):
         super().__init__(
-            MLAttention(config, layer_id, shards, interleave),
+            MLAttention(config, layer_id, shards, interleave, query_scale),
             make_mlp(config, layer_id, shards),
             PRE_NORM,
             lambda: RMSNorm(config.hidden_size, config.rms_norm_eps),
@@ -428,3 +455,39 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     @staticmethod
     def rope_interleave(config) -> bool:
         return True  # V3.2's attention rotates interleaved pairs (its indexer, halves)
+
+
+class Mistral4ForCausalLM(DeepseekV3ForCausalLM):
+    """Mistral 4 (``Mistral4ForCausalLM``): DeepSeek-V3's latent attention and MoE layout, with
+    softmax expert scores in the model's dtype (groups by the sum of their two best, no
+    correction bias: ``GroupedSoftmaxSumTopK``), the queries scaled by position past the
+    original context (``llama_4_scaling_beta``), and the experts as transformers saves them: 3-D
+    ``gate_up_proj`` [E, 2I, H] (gate then up) and ``down_proj`` [E, H, I]."""
+
+    SCORING = "softmax"
+    TOPK_METHODS = ()
+    expert_format = "fused"
+
+    def make_router(self, config) -> Router:
+        return GroupedSoftmaxSumTopK(
+            config.hidden_size,
+            config.n_routed_experts,
+            config.num_experts_per_tok,
+            config.n_group or 1,
+            config.topk_group or 1,
+            bool(getattr(config, "norm_topk_prob", True)),
+            config.routed_scaling_factor,
+        )
+
+    def layer_options(self, config) -> dict:
+        params = getattr(config, "rope_parameters", None) or {}
+        beta = params.get("llama_4_scaling_beta")
+        scale = None
+        if beta is not None:
+            original = params.get("original_max_position_embeddings")
+            if not original:
+                raise ValueError(
+                    "rope_parameters: llama_4_scaling_beta needs original_max_position_embeddings"
+                )
+            scale = (float(beta), int(original))
+        return {**super().layer_options(config), "query_scale": scale}

@@ -31,6 +31,7 @@ _MODELS = {
     "DeepseekV3ForCausalLM": ("pdserve.models.deepseek", "DeepseekV3ForCausalLM"),
     "DeepseekV32ForCausalLM": ("pdserve.models.deepseek", "DeepseekV32ForCausalLM"),
     "DeepseekV4ForCausalLM": ("pdserve.models.deepseek_v4", "DeepseekV4ForCausalLM"),
+    "Mistral4ForCausalLM": ("pdserve.models.deepseek", "Mistral4ForCausalLM"),
     "Glm4MoeForCausalLM": ("pdserve.models.glm", "Glm4MoeForCausalLM"),
     "BambaForCausalLM": ("pdserve.models.bamba", "BambaForCausalLM"),
     "NemotronHForCausalLM": ("pdserve.models.nemotron_h", "NemotronHForCausalLM"),

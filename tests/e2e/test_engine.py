@@ -8,7 +8,12 @@ import pytest
 import torch
 
 import pdserve
-from tests.helpers.checkpoints import LLAMA_MQA_TIED, QWEN2_SLIDING, build_tiny_checkpoint
+from tests.helpers.checkpoints import (
+    LLAMA_MQA_TIED,
+    QWEN2_SLIDING,
+    build_tiny_checkpoint,
+    hf_causal_lm,
+)
 
 torch.set_num_threads(1)
 
@@ -27,9 +32,7 @@ def prompts_for(seed: int = 0) -> list[list[int]]:
 
 def hf_model(path: str):
     if path not in _hf_cache:
-        from transformers import AutoModelForCausalLM
-
-        _hf_cache[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        _hf_cache[path] = hf_causal_lm(path, torch.float32).eval()
     return _hf_cache[path]
 
 

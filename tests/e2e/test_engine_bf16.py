@@ -26,7 +26,7 @@ import torch
 
 import pdserve
 from tests.e2e.test_engine import hf_generate_logits, prompts_for
-from tests.helpers.checkpoints import QWEN2_SLIDING, build_tiny_checkpoint
+from tests.helpers.checkpoints import QWEN2_SLIDING, build_tiny_checkpoint, hf_causal_lm
 
 torch.set_num_threads(1)
 
@@ -45,13 +45,9 @@ def hf_bf16(path: str, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]
     """HF's greedy tokens and its raw logits at each step as float32 ([n, vocab])."""
     key = (path, tuple(ids), n)
     if key not in _hf:
-        from transformers import AutoModelForCausalLM
-
         model = _hf.get(path)
         if model is None:
-            model = _hf[path] = AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch.bfloat16
-            ).eval()
+            model = _hf[path] = hf_causal_lm(path, torch.bfloat16).eval()
         _hf[key] = hf_generate_logits(model, ids, n)
     return _hf[key]
 

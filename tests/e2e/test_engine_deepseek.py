@@ -33,6 +33,8 @@ VARIANTS = {
         {},
     ),  # the indexer with index_topk above every prompt: HF's dense result
     "glm4-moe": ("glm4_moe", {}),
+    # V3's layout with softmax-scored groups, 3-D expert tensors, queries scaled past 16 tokens
+    "mistral4": ("mistral4", {}),
 }
 
 
@@ -118,7 +120,7 @@ def test_the_torch_backend_serves_the_same_tokens():
         eng.shutdown()
 
 
-@pytest.mark.parametrize("name", ["v2-greedy", "v3-moe", "glm4-moe"])
+@pytest.mark.parametrize("name", ["v2-greedy", "v3-moe", "glm4-moe", "mistral4"])
 def test_bf16_matches_hf_bf16_up_to_ties(name):
     """bf16 by the tie-aware rule (``test_engine_bf16.py``): our token HF's unless HF's top two are
     within a few bf16 spacings, logprobs within the spacings that rule allows. The reference is

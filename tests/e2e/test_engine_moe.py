@@ -15,7 +15,7 @@ import torch
 from tests.e2e.test_engine import hf_generate_logits, hf_model, make_engine, prompts_for
 from tests.e2e.test_engine_bf16 import LOGPROB_ULPS, compare, hf_bf16
 from tests.e2e.test_engine_bf16 import NEW_TOKENS as BF16_TOKENS
-from tests.helpers.checkpoints import build_tiny_checkpoint
+from tests.helpers.checkpoints import build_tiny_checkpoint, hf_causal_lm
 
 torch.set_num_threads(1)
 
@@ -111,12 +111,8 @@ def hf_bf16_weights_float32(path: str, ids: list[int], n: int) -> tuple[list[int
     """HF's greedy tokens and logits with the weights rounded to bf16 and the arithmetic in float32.
     The reference for GPT-OSS: HF's own bf16 run takes its attention softmax (sinks included) in
     bf16, 8 significant bits, which is further from the bf16 network than our float32 softmax."""
-    from transformers import AutoModelForCausalLM
-
     if path not in _hf_rounded:
-        _hf_rounded[path] = (
-            AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).float().eval()
-        )
+        _hf_rounded[path] = hf_causal_lm(path, torch.bfloat16).float().eval()
     return hf_generate_logits(_hf_rounded[path], ids, n)
 
 

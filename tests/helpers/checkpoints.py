@@ -482,6 +482,38 @@ ARCHS = {
             ),
         ),
     ),
+    # Mistral 4: V3's shapes with softmax scores (4 groups of 2, the best 2) and the queries scaled
+    # past an original context of 16 tokens (llama_4_scaling_beta), so every prompt crosses it
+    "mistral4": (
+        "Mistral4Config",
+        "Mistral4ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            head_dim=8,  # HF's default RoPE turns head_dim channels: qk_rope_head_dim's
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            rope_interleave=True,
+            rope_parameters=dict(
+                rope_type="default",
+                rope_theta=10000.0,
+                llama_4_scaling_beta=0.5,
+                original_max_position_embeddings=16,
+            ),
+        ),
+    ),
     # DeepSeek-V4: layer 0 compressed sparse attention (an entry per 4 tokens, an indexer that
     # keeps 3), layer 1 heavily compressed (per 8), layer 2 the window alone, layer 3 CSA again;
     # windows of 8 tokens; hash-routed experts on layer 0, scored ones after; 4 residual streams
@@ -519,6 +551,21 @@ ARCHS = {
         ),
     ),
 }
+
+
+def hf_causal_lm(path: str, dtype: torch.dtype):
+    """HF's model of checkpoint ``path``, by its architecture's class where transformers has the
+    model code without an ``AutoModelForCausalLM`` entry (Mistral 4's text model, published inside
+    a multimodal one)."""
+    config = transformers.AutoConfig.from_pretrained(path)
+    arch = (config.architectures or [""])[0]
+    try:
+        transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        return getattr(transformers, arch).from_pretrained(path, dtype=dtype)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
 # MoE router weights scaled up: decisive routing (no near-ties between experts), many experts hit
 _ROUTER_SCALE = 8.0
 _ROUTER_SUFFIXES = (
@@ -624,7 +671,10 @@ def build_tiny_checkpoint(
     tmp = tempfile.mkdtemp(prefix=f".{arch}-", dir=parent)
     try:
         torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        except ValueError:  # no AutoModelForCausalLM entry (``hf_causal_lm``)
+            model = getattr(transformers, ARCHS[arch][1])(config).to(torch.float32)
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if arch in _NORM_OFFSETS and name.endswith("norm.weight"):

@@ -23,7 +23,8 @@ Checkpoint formats (``fmt``): ``per_expert`` (``experts.E.{gate,up,down}_proj.we
 DeepSeek), ``mixtral`` (``experts.E.{w1,w3,w2}.weight``), ``gpt_oss`` (3-D ``gate_up_proj``
 [E, H, 2I] with gate and up interleaved, ``down_proj`` [E, I, H], and their biases; stored
 transposed, de-interleaved here at load), ``granite`` (3-D ``input_linear`` [E, 2I, H], gate
-then up, and ``output_linear`` [E, H, I]).
+then up, and ``output_linear`` [E, H, I]) and ``fused``, the same 3-D layout under
+transformers' own names (``gate_up_proj``, ``down_proj``: Mistral 4 as transformers saves it).
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ from torch import nn
 ACTIVATIONS = ("silu", "swiglu_oai")
 RUNNERS = ("loop", "grouped_mm")
 FORMATS = {"per_expert": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+# 3-D formats: (the [E, 2I, H] gate-then-up tensor, the [E, H, I] down one)
+STACKED = {
+    "granite": ("input_linear.weight", "output_linear.weight"),
+    "fused": ("gate_up_proj", "down_proj"),
+}
 
 
 class Experts(nn.Module):
@@ -58,7 +64,7 @@ class Experts(nn.Module):
             raise ValueError(
                 f"expert activation: {activation!r} is not supported; supported: {ACTIVATIONS}"
             )
-        if fmt not in FORMATS and fmt not in ("gpt_oss", "granite"):
+        if fmt not in FORMATS and fmt not in STACKED and fmt != "gpt_oss":
             raise ValueError(f"expert checkpoint format {fmt!r} unknown")
         self.hidden = hidden
         self.inter = inter  # [start, end) of this rank's intermediate columns
@@ -163,8 +169,8 @@ class Experts(nn.Module):
                     for kind in ("blocks", "scales", "bias")
                 ]
             return ["gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"]
-        if self.fmt == "granite":
-            return ["input_linear.weight", "output_linear.weight"]
+        if self.fmt in STACKED:
+            return list(STACKED[self.fmt])
         kinds = ("weight", "weight_scale_inv") if self.quantized else ("weight",)
         return [
             f"{e}.{p}.{kind}"
@@ -186,8 +192,8 @@ class Experts(nn.Module):
         i0, i1 = self.inter
         if self.fmt == "gpt_oss":
             return self._load_gpt_oss(name, src)
-        if self.fmt == "granite":
-            return self._load_granite(name, src)
+        if self.fmt in STACKED:
+            return self._load_stacked(name, src)
         parts = name.split(".")
         kinds = ("weight", "weight_scale_inv") if self.quantized else ("weight",)
         if (
@@ -247,16 +253,17 @@ class Experts(nn.Module):
                 groups = t[:, i0 // 32 : i1 // 32]
                 self._copy(w2.data[s], groups.reshape(groups.shape[0], -1), name)
 
-    def _load_granite(self, name: str, src: Any) -> None:
+    def _load_stacked(self, name: str, src: Any) -> None:
         i0, i1 = self.inter
         n = i1 - i0
+        gate_up, down = STACKED[self.fmt]
         for s, e in enumerate(self.slots):
             t = src[e : e + 1][0]
-            if name == "input_linear.weight":  # [2I, H]: the gate's rows, then the up's
+            if name == gate_up:  # [2I, H]: the gate's rows, then the up's
                 whole = t.shape[0] // 2
                 self._copy(self.w13.data[s, :n], t[i0:i1], name)
                 self._copy(self.w13.data[s, n:], t[whole + i0 : whole + i1], name)
-            elif name == "output_linear.weight":  # [H, I]
+            elif name == down:  # [H, I]
                 self._copy(self.w2.data[s], t[:, i0:i1], name)
             else:
                 raise ValueError(f"unexpected expert weight {name!r}")

@@ -266,6 +266,44 @@ class GroupedSigmoidTopK(Router):
         return Routing(ids, weights * self.scaling)
 
 
+class GroupedSoftmaxSumTopK(Router):
+    """Mistral 4: softmax scores in the logits' dtype (the model's), each group scored by the sum
+    of its two best experts, the ``topk_group`` best groups kept (the others' scores 0), the top
+    k of the scores; their weights renormalised when ``norm_topk_prob``, times
+    ``routed_scaling_factor``. Top-k ties go to the lowest expert id."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        renormalize: bool,
+        scaling: float,
+    ):
+        super().__init__(hidden, num_experts, top_k)
+        _check_groups(num_experts, top_k, n_group, topk_group)
+        if num_experts // n_group < 2:
+            raise ValueError(
+                f"n_group: {n_group} groups of {num_experts // n_group} expert(s); a group's score "
+                "is the sum of its two best experts, so each group needs at least 2"
+            )
+        self.n_group, self.topk_group = n_group, topk_group
+        self.renormalize, self.scaling = renormalize, scaling
+
+    def select(self, logits: torch.Tensor) -> Routing:
+        scores = logits.softmax(dim=-1)
+        per_group = scores.view(-1, self.n_group, self.num_experts // self.n_group)
+        group_scores = topk_ordered(per_group, 2)[0].sum(dim=-1)
+        choice = scores.masked_fill(~_group_mask(scores, group_scores, self.topk_group), 0.0)
+        ids = topk_ordered(choice, self.top_k)[1]
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return Routing(ids, weights * self.scaling)
+
+
 def rowwise_sigmoid(x: torch.Tensor) -> torch.Tensor:
     """``sigmoid`` of [T, E] whose rows do not depend on T. PyTorch runs an elementwise op over the
     flattened tensor in whole SIMD vectors and the remainder on a scalar path, which can differ in
