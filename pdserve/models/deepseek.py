@@ -366,15 +366,7 @@ class DeepseekMoE(MoEForCausalLM):
 
 def sigmoid_router(config) -> Router:
     """DeepSeek-V3's routing (``noaux_tc``), GLM-4.5's too."""
-    return GroupedSigmoidTopK(
-        config.hidden_size,
-        config.n_routed_experts,
-        config.num_experts_per_tok,
-        config.n_group or 1,
-        config.topk_group or 1,
-        bool(getattr(config, "norm_topk_prob", True)),
-        config.routed_scaling_factor,
-    )
+    return GroupedSigmoidTopK.of(config)
 
 
 class DeepseekV2ForCausalLM(DeepseekMoE):
@@ -469,15 +461,7 @@ class Mistral4ForCausalLM(DeepseekV3ForCausalLM):
     expert_format = "fused"
 
     def make_router(self, config) -> Router:
-        return GroupedSoftmaxSumTopK(
-            config.hidden_size,
-            config.n_routed_experts,
-            config.num_experts_per_tok,
-            config.n_group or 1,
-            config.topk_group or 1,
-            bool(getattr(config, "norm_topk_prob", True)),
-            config.routed_scaling_factor,
-        )
+        return GroupedSoftmaxSumTopK.of(config)
 
     def layer_options(self, config) -> dict:
         params = getattr(config, "rope_parameters", None) or {}

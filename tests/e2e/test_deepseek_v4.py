@@ -24,7 +24,7 @@ import torch
 from pdserve.kv_spec import CompressedEntries
 from tests.e2e.test_engine import make_engine, prompts_for
 from tests.e2e.test_engine_moe import hf_reference
-from tests.e2e.test_tp import all_ranks_idle
+from tests.e2e.test_pd_groups import idle
 from tests.helpers import cluster as c
 from tests.helpers.checkpoints import build_tiny_checkpoint
 
@@ -191,14 +191,6 @@ def predicted(info: dict, n: int, prefix: int = 0) -> tuple[list[int], int]:
             per = [4 if d == "float32" else 2 for d in g["dtypes"]]
             nbytes += layers * sum(b * s0 * s1 for b, (s0, s1) in zip(per, g["shapes"]))
     return pages, nbytes
-
-
-def idle(*procs: c.Proc) -> None:
-    for p in procs:
-        if p.http.get("/server_info").json()["tp_size"] > 1:
-            all_ranks_idle(p)
-        else:
-            p.wait_idle()
 
 
 PAIRS = [

@@ -482,38 +482,6 @@ ARCHS = {
             ),
         ),
     ),
-    # Mistral 4: V3's shapes with softmax scores (4 groups of 2, the best 2) and the queries scaled
-    # past an original context of 16 tokens (llama_4_scaling_beta), so every prompt crosses it
-    "mistral4": (
-        "Mistral4Config",
-        "Mistral4ForCausalLM",
-        dict(
-            num_hidden_layers=3,
-            num_key_value_heads=4,
-            head_dim=8,  # HF's default RoPE turns head_dim channels: qk_rope_head_dim's
-            kv_lora_rank=32,
-            q_lora_rank=48,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            n_group=4,
-            topk_group=2,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
-            rope_interleave=True,
-            rope_parameters=dict(
-                rope_type="default",
-                rope_theta=10000.0,
-                llama_4_scaling_beta=0.5,
-                original_max_position_embeddings=16,
-            ),
-        ),
-    ),
     # DeepSeek-V4: layer 0 compressed sparse attention (an entry per 4 tokens, an indexer that
     # keeps 3), layer 1 heavily compressed (per 8), layer 2 the window alone, layer 3 CSA again;
     # windows of 8 tokens; hash-routed experts on layer 0, scored ones after; 4 residual streams
@@ -551,6 +519,23 @@ ARCHS = {
         ),
     ),
 }
+
+# Mistral 4: V3's shapes with softmax scores (4 groups of 2, the best 2) and the queries scaled
+# past an original context of 16 tokens (llama_4_scaling_beta), so every prompt crosses it
+ARCHS["mistral4"] = (
+    "Mistral4Config",
+    "Mistral4ForCausalLM",
+    {
+        **ARCHS["deepseek_v3"][2],
+        "head_dim": 8,  # HF's default RoPE turns head_dim channels: qk_rope_head_dim's
+        "rope_parameters": dict(
+            rope_type="default",
+            rope_theta=10000.0,
+            llama_4_scaling_beta=0.5,
+            original_max_position_embeddings=16,
+        ),
+    },
+)
 
 
 def hf_causal_lm(path: str, dtype: torch.dtype):

@@ -209,68 +209,10 @@ class GroupedSoftmaxTopK(Router):
         return Routing(ids, weights * self.scaling)
 
 
-class GroupedSigmoidTopK(Router):
-    """DeepSeek-V3 (and GLM-4.5): sigmoid scores in float32; the selection adds
-    ``e_score_correction_bias`` (float32, selection only), scores each group by the sum of its two
-    best experts, keeps the ``topk_group`` best groups and takes the top k of their experts; the
-    weights are the unbiased scores of the chosen experts, renormalised when ``norm_topk_prob``,
-    times ``routed_scaling_factor``. The gate weight and the bias stay float32 in any model dtype,
-    as HF keeps them."""
-
-    fp32_logits = True
-
-    def __init__(
-        self,
-        hidden: int,
-        num_experts: int,
-        top_k: int,
-        n_group: int,
-        topk_group: int,
-        renormalize: bool,
-        scaling: float,
-    ):
-        super().__init__(hidden, num_experts, top_k)
-        _check_groups(num_experts, top_k, n_group, topk_group)
-        if num_experts // n_group < 2:
-            raise ValueError(
-                f"n_group: {n_group} groups of {num_experts // n_group} expert(s); a group's score "
-                "is the sum of its two best experts, so each group needs at least 2"
-            )
-        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
-        self.n_group, self.topk_group, self.renormalize, self.scaling = (
-            n_group,
-            topk_group,
-            renormalize,
-            scaling,
-        )
-
-    def _apply(self, fn, recurse=True):
-        out = super()._apply(fn, recurse)
-        for p in (self.weight, self.e_score_correction_bias):  # float32 whatever the model's dtype
-            if p.dtype != torch.float32:
-                p.data = p.data.float()
-        return out
-
-    def select(self, logits: torch.Tensor) -> Routing:
-        scores = rowwise_sigmoid(logits.float())
-        choice = scores + self.e_score_correction_bias.float()
-        per_group = choice.view(-1, self.n_group, self.num_experts // self.n_group)
-        group_scores = topk_ordered(per_group, 2)[0].sum(dim=-1)
-        choice = choice.masked_fill(
-            ~_group_mask(choice, group_scores, self.topk_group), float("-inf")
-        )
-        ids = topk_ordered(choice, self.top_k)[1]
-        weights = scores.gather(1, ids)
-        if self.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return Routing(ids, weights * self.scaling)
-
-
-class GroupedSoftmaxSumTopK(Router):
-    """Mistral 4: softmax scores in the logits' dtype (the model's), each group scored by the sum
-    of its two best experts, the ``topk_group`` best groups kept (the others' scores 0), the top
-    k of the scores; their weights renormalised when ``norm_topk_prob``, times
-    ``routed_scaling_factor``. Top-k ties go to the lowest expert id."""
+class TwoBestGroupsRouter(Router):
+    """A router that scores each of ``n_group`` groups by the sum of its two best experts, keeps
+    the ``topk_group`` best groups and takes the top k of their experts, whose weights it
+    renormalises (``renormalize``) and scales (``scaling``); subclasses say how experts score."""
 
     def __init__(
         self,
@@ -292,16 +234,70 @@ class GroupedSoftmaxSumTopK(Router):
         self.n_group, self.topk_group = n_group, topk_group
         self.renormalize, self.scaling = renormalize, scaling
 
+    @classmethod
+    def of(cls, config) -> "TwoBestGroupsRouter":
+        """The router of an HF config with DeepSeek-V3's routing fields."""
+        return cls(
+            config.hidden_size,
+            config.n_routed_experts,
+            config.num_experts_per_tok,
+            config.n_group or 1,
+            config.topk_group or 1,
+            bool(getattr(config, "norm_topk_prob", True)),
+            config.routed_scaling_factor,
+        )
+
+    def _weights(self, scores: torch.Tensor, ids: torch.Tensor) -> Routing:
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return Routing(ids, weights * self.scaling)
+
+
+class GroupedSigmoidTopK(TwoBestGroupsRouter):
+    """DeepSeek-V3 (and GLM-4.5): sigmoid scores in float32; the selection adds
+    ``e_score_correction_bias`` (float32, selection only), scores each group by the sum of its two
+    best experts, keeps the ``topk_group`` best groups and takes the top k of their experts; the
+    weights are the unbiased scores of the chosen experts, renormalised when ``norm_topk_prob``,
+    times ``routed_scaling_factor``. The gate weight and the bias stay float32 in any model dtype,
+    as HF keeps them."""
+
+    fp32_logits = True
+
+    def __init__(self, hidden: int, num_experts: int, *args):
+        super().__init__(hidden, num_experts, *args)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        for p in (self.weight, self.e_score_correction_bias):  # float32 whatever the model's dtype
+            if p.dtype != torch.float32:
+                p.data = p.data.float()
+        return out
+
+    def select(self, logits: torch.Tensor) -> Routing:
+        scores = rowwise_sigmoid(logits.float())
+        choice = scores + self.e_score_correction_bias.float()
+        per_group = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+        group_scores = topk_ordered(per_group, 2)[0].sum(dim=-1)
+        choice = choice.masked_fill(
+            ~_group_mask(choice, group_scores, self.topk_group), float("-inf")
+        )
+        return self._weights(scores, topk_ordered(choice, self.top_k)[1])
+
+
+class GroupedSoftmaxSumTopK(TwoBestGroupsRouter):
+    """Mistral 4: softmax scores in the logits' dtype (the model's), each group scored by the sum
+    of its two best experts, the ``topk_group`` best groups kept (the others' scores 0), the top
+    k of the scores; their weights renormalised when ``norm_topk_prob``, times
+    ``routed_scaling_factor``. Top-k ties go to the lowest expert id."""
+
     def select(self, logits: torch.Tensor) -> Routing:
         scores = logits.softmax(dim=-1)
         per_group = scores.view(-1, self.n_group, self.num_experts // self.n_group)
         group_scores = topk_ordered(per_group, 2)[0].sum(dim=-1)
         choice = scores.masked_fill(~_group_mask(scores, group_scores, self.topk_group), 0.0)
-        ids = topk_ordered(choice, self.top_k)[1]
-        weights = scores.gather(1, ids)
-        if self.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return Routing(ids, weights * self.scaling)
+        return self._weights(scores, topk_ordered(choice, self.top_k)[1])
 
 
 def rowwise_sigmoid(x: torch.Tensor) -> torch.Tensor:
