@@ -190,7 +190,7 @@ def pd(contexts: list[int], threads: int) -> list[dict]:
                 ids = [rng.randrange(100, 40000) for _ in range(n)]
                 body = c.greedy_body(ids, 2, P, rng.randrange(2**63))
                 t0 = time.perf_counter()
-                rp, rd = c.post_pd(P, D, body)
+                rp, rd = post_pd(P, D, body)
                 assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
                 wall = time.perf_counter() - t0
                 state = P.http.get("/server_info").json()["internal_states"][0]
@@ -211,6 +211,18 @@ def pd(contexts: list[int], threads: int) -> list[dict]:
             for p in (P, D):
                 p.stop()
     return rows
+
+
+def post_pd(prefill, decode, body: dict):
+    """``body`` to prefill and decode at once (a long prompt's prefill may take minutes here)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    with ThreadPoolExecutor(2) as ex:
+        fp = ex.submit(httpx.post, prefill.url + "/generate", json=body, timeout=1800)
+        fd = ex.submit(httpx.post, decode.url + "/generate", json=body, timeout=1800)
+        return fp.result(), fd.result()
 
 
 def lscpu() -> str:

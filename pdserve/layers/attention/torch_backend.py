@@ -375,10 +375,8 @@ class TorchAttnBackend(AttentionBackend):
                 more, seen = extra[i]
                 keys = torch.cat([keys, more.to(q.dtype)])
                 mask = torch.cat([mask, seen.to(mask.device)], dim=1)
-            kk = keys[None, None]  # [1, 1, L, D]: one head, key and value alike
-            qq = q[start : start + ext].transpose(0, 1).unsqueeze(0)  # [1, H, ext, D]
-            o = attention(qq, kk, kk, mask, layer.scale, None, sinks)
-            out[start : start + ext] = o[0].transpose(0, 1)
+            qq = q[start : start + ext].transpose(0, 1)  # [H, ext, D]
+            out[start : start + ext] = one_head_attention(qq, keys, mask, layer.scale, sinks)
         return out
 
     # ---- the sparse-attention indexer (DeepSeek-V3.2) -------------------------------------------
@@ -405,6 +403,27 @@ class TorchAttnBackend(AttentionBackend):
                 positions[start + j, : len(chosen)] = chosen.to(torch.int32)
                 counts[start + j] = len(chosen)
         return positions, counts
+
+
+def one_head_attention(
+    q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float, sinks: torch.Tensor
+) -> torch.Tensor:
+    """Attention of ``q`` [H, n, D] over one head's ``keys`` [L, D], which are also the values
+    (no copy per query head), ``mask`` [n, L] (True: attend), with a sink per head (float32
+    softmax, the sink's column dropped after it); a block of query rows at a time so the scores
+    stay small. Returns [n, H, D]."""
+    h, n, _ = q.shape
+    out = q.new_empty((n, h, keys.shape[1]))
+    sink = sinks.to(device=q.device, dtype=torch.float32).view(h, 1, 1)
+    rows = max(1, _MATH_BLOCK // max(1, h * keys.shape[0]))
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        scores = torch.matmul(q[:, a:b], keys.t()) * scale  # [H, rows, L]
+        scores = scores.masked_fill(~mask[a:b], float("-inf")).float()
+        col = sink.expand(h, b - a, 1)
+        probs = torch.softmax(torch.cat([scores, col], dim=-1), dim=-1)[..., :-1]
+        out[a:b] = torch.matmul(probs.to(q.dtype), keys).transpose(0, 1)
+    return out
 
 
 def extend_mask(
