@@ -91,16 +91,19 @@ def held_pairs(
     some logical pages lists 0 on the others, on both sides alike (the same page size and
     policy); such pairs move nothing. One side holding an item where the other has none is a
     disagreement between prefill and decode, refused naming the page."""
-    src, dst = [], []
-    for i, (s, d) in enumerate(zip(src_pages, dst_pages)):
-        if s and d:
-            src.append(int(s))
-            dst.append(int(d))
-        elif s or d:
-            raise ValueError(
-                f"cache group {group}, page {offset + i}: prefill "
-                f"{'holds item ' + str(s) if s else 'holds none'}, decode "
-                f"{'holds item ' + str(d) if d else 'holds none'}; both lay a group's items out "
-                "by the same rule"
-            )
-    return src, dst
+    src = np.asarray(src_pages, dtype=np.int64)
+    dst = np.asarray(dst_pages, dtype=np.int64)
+    held = (src != 0) & (dst != 0)
+    if held.all():  # every page holds an item (every kind but compressed entries)
+        return src.tolist(), dst.tolist()
+    odd = np.flatnonzero(held != ((src != 0) | (dst != 0)))
+    if odd.size:
+        i = int(odd[0])
+        s, d = int(src[i]), int(dst[i])
+        raise ValueError(
+            f"cache group {group}, page {offset + i}: prefill "
+            f"{'holds item ' + str(s) if s else 'holds none'}, decode "
+            f"{'holds item ' + str(d) if d else 'holds none'}; both lay a group's items out "
+            "by the same rule"
+        )
+    return src[held].tolist(), dst[held].tolist()

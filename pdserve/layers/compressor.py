@@ -24,6 +24,9 @@ The state (``state_parts``), per request and layer, ``name`` prefixing each part
 
 With the prefix cache on, the state at the last page boundary an extend crosses is written into
 the request's snapshot slot (``layers/state_snapshots.py``), so a prefix hit can end on any page.
+``Indexer``: DeepSeek-V4's lightning indexer, which keeps its own compressor's keys and picks the
+entries each query of a compressed-sparse layer attends to.
+
 The arithmetic follows HF's ``DeepseekV4HCACompressor`` / ``DeepseekV4CSACompressor`` /
 ``DeepseekV4Indexer`` step for step, so float32 entries match to the bit and bf16 ones round at
 the same places.
@@ -36,9 +39,12 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from pdserve.forward_batch import ForwardBatch
 from pdserve.kv_spec import CompressedEntries
 from pdserve.layers.linear import Linear
 from pdserve.layers.norm import GptOssRMSNorm
+
+CSA = "compressed_sparse_attention"  # the layer kind whose compress rate the indexer takes
 
 
 def rotate_trailing(
@@ -210,3 +216,54 @@ class Compressor(nn.Module):
             return  # no window closed yet: nothing the next entry reads
         state["overlap_kv"][slot] = src[0].to(state["overlap_kv"].dtype)
         state["overlap_gate"][slot] = src[1].to(state["overlap_gate"].dtype)
+
+
+class Indexer(nn.Module):
+    """The lightning indexer of a CSA layer: its compressor's keys (``index_k``), its queries from
+    the attention's low-rank query, and per query the ``index_topk`` entries of the highest
+    ``sum_h w_h relu(q_h . k)`` among those closed."""
+
+    def __init__(self, config, inv_freq: torch.Tensor, scaling: float):
+        super().__init__()
+        self.heads, self.dim, self.topk = (
+            config.index_n_heads,
+            config.index_head_dim,
+            config.index_topk,
+        )
+        self.rate = config.compress_rates[CSA]
+        self.wq_b = Linear(config.q_lora_rank, self.heads * self.dim, bias=False)
+        self.weights_proj = Linear(config.hidden_size, self.heads, bias=False)
+        spec = CompressedEntries(self.dim, self.rate, part="index_k")
+        self.compressor = Compressor(
+            config.hidden_size, spec, True, config.rms_norm_eps, inv_freq, scaling, "index_"
+        )
+        self.inv_freq = inv_freq.float().clone()  # not a buffer: float32 in any model dtype
+        self.scaling = scaling
+
+    def masks(self, h, q_resid, fb: ForwardBatch, keys: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per request, [extend, entries] True at the entries each new token attends to."""
+        t = h.shape[0]
+        q = self.wq_b(q_resid).view(t, self.heads, self.dim)
+        q = rotate_trailing(q, fb.positions, self.inv_freq, self.scaling)
+        weights = self.weights_proj(h).float() * self.heads**-0.5
+        out = []
+        for i, (start, ext) in enumerate(zip(fb.extend_starts, fb.extend_lens)):
+            k = keys[i].float().t()  # [dim, E]
+            pos = fb.positions[start : start + ext]
+            score = torch.empty((ext, k.shape[1]), dtype=torch.float32)
+            rows = max(1, (1 << 24) // max(1, self.heads * k.shape[1]))  # [rows, H, E] at a time
+            for a in range(0, ext, rows):
+                b = min(ext, a + rows)
+                part = torch.relu(torch.matmul(q[start + a : start + b].float(), k))
+                part = part * self.dim**-0.5  # [rows, H, E]
+                score[a:b] = (part * weights[start + a : start + b].unsqueeze(-1)).sum(dim=1)
+            closed = torch.arange(k.shape[1])[None, :] < ((pos + 1) // self.rate)[:, None]
+            score = score.masked_fill(~closed, float("-inf"))
+            keep = torch.zeros_like(closed)
+            n = min(self.topk, k.shape[1])
+            if n:
+                # the highest scores, the lowest entry first among equal ones
+                order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :n]
+                keep.scatter_(1, order, True)
+            out.append(keep & closed)
+        return out

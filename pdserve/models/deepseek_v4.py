@@ -21,15 +21,9 @@ The compressors (``layers/compressor.py``) carry the open window (and the overla
 ``CompressorState`` per request; CSA and HCA layers use the ``compress`` rotary table, window-only
 layers the ``main`` one.
 
-**MoE.** Every layer: ``n_routed_experts`` experts of ``moe_intermediate_size`` and a shared one,
-SwiGLU with ``swiglu_limit`` clamps; expert scores ``sqrt(softplus(x W^T))``; ``hash_moe`` layers
-take the experts of a fixed token-id table (``tid2eid``), the others the top-k of the scores plus a
-correction bias; the chosen scores renormalised and scaled by ``routed_scaling_factor``.
-
-**Hyper-connections (mHC).** The residual is ``hc_mult`` streams; before each block a learned
-projection of the normalised streams gives the collapse weights (``pre``), the expansion weights
-(``post``) and a doubly stochastic mixing matrix (``comb``, Sinkhorn-Knopp); after the block the
-streams become ``post * out + comb^T streams``. ``hc_head`` collapses them before the final norm.
+**MoE** (``models/deepseek_v4_moe.py``): hash-routed and scored experts, a shared one.
+**Hyper-connections** (``layers/hyper_connections.py``): ``hc_mult`` residual streams mixed
+around every block, collapsed by ``hc_head`` before the final norm.
 
 Checkpoint names are the published ones (``attn.wq_a``, ``attn.compressor.wkv``,
 ``ffn.experts.E.w1``, ``hc_attn_fn``, ``head``, ...); the MTP layers (``mtp.*``) are set aside.
@@ -49,17 +43,18 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.distributed import SINGLE, TPGroup, shard_range
 from pdserve.forward_batch import ForwardBatch
 from pdserve.kv_spec import CompressedEntries, CompressorState, LatentWindow
 from pdserve.layers.attention.base import AttnLayer
-from pdserve.layers.compressor import Compressor, rotate_trailing
+from pdserve.layers.compressor import Compressor, Indexer, rotate_trailing
+from pdserve.layers.hyper_connections import HyperHead, hyper_weights, mix, unweighted_rms_norm
 from pdserve.layers.linear import Linear, RowParallelLinear
 from pdserve.layers.norm import GptOssRMSNorm
 from pdserve.layers.rotary import attention_factor, inv_frequencies
+from pdserve.models.deepseek_v4_moe import MoE
 
 SLIDING, CSA, HCA = (
     "sliding_attention",
@@ -108,89 +103,6 @@ def _rope(config, kind: str) -> tuple[torch.Tensor, float]:
         params.setdefault("max_position_embeddings", config.max_position_embeddings)
     scaling = attention_factor(params) if params["rope_type"] == "yarn" else 1.0
     return inv_frequencies(dim, params), scaling
-
-
-def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-
-
-def hyper_weights(config, fn, base, scale, streams: torch.Tensor):
-    """The mHC weights of one block from the ``hc_mult`` streams [T, N, D]: (post [T, N], comb
-    [T, N, N], the collapsed block input [T, D]); float32 throughout, as HF computes them."""
-    n, eps = config.hc_mult, config.hc_eps
-    flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), config.rms_norm_eps)
-    mixed = F.linear(flat, fn.float())
-    pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
-    pre_s, post_s, comb_s = scale.float().unbind(0)
-    pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
-    post = 2 * torch.sigmoid(post_w * post_s + post_b)
-    comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(config.hc_sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-    return post, comb, collapsed
-
-
-def mix(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
-    """The streams after a block: ``post * out + comb^T streams`` (in the streams' dtype)."""
-    dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
-        comb.to(dtype).transpose(-1, -2), streams
-    )
-
-
-class Indexer(nn.Module):
-    """The lightning indexer of a CSA layer: its compressor's keys (``index_k``), its queries from
-    the attention's low-rank query, and per query the ``index_topk`` entries of the highest
-    ``sum_h w_h relu(q_h . k)`` among those closed."""
-
-    def __init__(self, config, inv_freq: torch.Tensor, scaling: float):
-        super().__init__()
-        self.heads, self.dim, self.topk = (
-            config.index_n_heads,
-            config.index_head_dim,
-            config.index_topk,
-        )
-        self.rate = config.compress_rates[CSA]
-        self.wq_b = Linear(config.q_lora_rank, self.heads * self.dim, bias=False)
-        self.weights_proj = Linear(config.hidden_size, self.heads, bias=False)
-        spec = CompressedEntries(self.dim, self.rate, part="index_k")
-        self.compressor = Compressor(
-            config.hidden_size, spec, True, config.rms_norm_eps, inv_freq, scaling, "index_"
-        )
-        self.inv_freq = inv_freq.float().clone()  # not a buffer: float32 in any model dtype
-        self.scaling = scaling
-
-    def masks(self, h, q_resid, fb: ForwardBatch, keys: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Per request, [extend, entries] True at the entries each new token attends to."""
-        t = h.shape[0]
-        q = self.wq_b(q_resid).view(t, self.heads, self.dim)
-        q = rotate_trailing(q, fb.positions, self.inv_freq, self.scaling)
-        weights = self.weights_proj(h).float() * self.heads**-0.5
-        out = []
-        for i, (start, ext) in enumerate(zip(fb.extend_starts, fb.extend_lens)):
-            k = keys[i].float().t()  # [dim, E]
-            pos = fb.positions[start : start + ext]
-            score = torch.empty((ext, k.shape[1]), dtype=torch.float32)
-            rows = max(1, (1 << 24) // max(1, self.heads * k.shape[1]))  # [rows, H, E] at a time
-            for a in range(0, ext, rows):
-                b = min(ext, a + rows)
-                part = torch.relu(torch.matmul(q[start + a : start + b].float(), k))
-                part = part * self.dim**-0.5  # [rows, H, E]
-                score[a:b] = (part * weights[start + a : start + b].unsqueeze(-1)).sum(dim=1)
-            closed = torch.arange(k.shape[1])[None, :] < ((pos + 1) // self.rate)[:, None]
-            score = score.masked_fill(~closed, float("-inf"))
-            keep = torch.zeros_like(closed)
-            n = min(self.topk, k.shape[1])
-            if n:
-                # the highest scores, the lowest entry first among equal ones
-                order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :n]
-                keep.scatter_(1, order, True)
-            out.append(keep & closed)
-        return out
 
 
 class Attention(nn.Module):
@@ -320,93 +232,6 @@ class Attention(nn.Module):
         return self.wo_b(grouped)
 
 
-class Expert(nn.Module):
-    """A SwiGLU expert (or the shared one) whose intermediate columns ``inter`` this rank holds;
-    its output is this rank's part of the sum."""
-
-    def __init__(self, hidden: int, inter: int, limit: float):
-        super().__init__()
-        self.w1 = Linear(hidden, inter, bias=False)  # gate
-        self.w3 = Linear(hidden, inter, bias=False)  # up
-        self.w2 = Linear(inter, hidden, bias=False)  # down
-        self.limit = limit
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.w1(x).clamp(max=self.limit)
-        up = self.w3(x).clamp(min=-self.limit, max=self.limit)
-        return self.w2(F.silu(gate) * up)
-
-
-class Gate(nn.Module):
-    def __init__(self, config, hashed: bool):
-        super().__init__()
-        self.hashed, self.top_k = hashed, config.num_experts_per_tok
-        self.scaling = config.routed_scaling_factor
-        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
-        if hashed:
-            self.register_buffer(
-                "tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long)
-            )
-        else:
-            self.bias = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32))
-
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor):
-        scores = F.softplus(F.linear(x, self.weight)).sqrt()
-        if self.hashed:
-            idx = self.tid2eid[input_ids].long()
-        else:
-            idx = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
-        w = scores.gather(1, idx)
-        return idx, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
-
-
-class MoE(nn.Module):
-    """Routed experts and the shared one; under tensor parallelism each rank holds its share of
-    every expert's intermediate columns and the partial sums are added over the ranks."""
-
-    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
-        super().__init__()
-        self.tp = tp
-        kind = config.mlp_layer_types[layer_id]
-        if kind not in ("moe", "hash_moe"):
-            raise ValueError(
-                f"mlp_layer_types[{layer_id}]: {kind!r} not supported; supported: moe, hash_moe"
-            )
-        hidden, inter, limit = config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
-        shared = inter * config.n_shared_experts
-        try:
-            self.inter = shard_range(inter, tp.rank, tp.size)
-            self.shared = shard_range(shared, tp.rank, tp.size)
-        except ValueError:
-            raise ValueError(
-                f"moe_intermediate_size: {inter} is not divisible by tp_size {tp.size}"
-            ) from None
-        self.gate = Gate(config, kind == "hash_moe")
-        self.experts = nn.ModuleList(
-            Expert(hidden, inter // tp.size, limit) for _ in range(config.n_routed_experts)
-        )
-        self.shared_experts = Expert(hidden, shared // tp.size, limit)
-
-    def shard(self, leaf: str, src):
-        """This rank's part of the published weight ``ffn.<leaf>``."""
-        if not leaf.startswith(("experts.", "shared_experts.")):
-            return src[:]
-        a, b = self.shared if leaf.startswith("shared_experts.") else self.inter
-        return src[:, a:b] if leaf.endswith("w2.weight") else src[a:b]
-
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        idx, w = self.gate(x, input_ids)
-        out = torch.zeros_like(x)
-        for e in torch.unique(idx).tolist():
-            rows, slot = torch.where(idx == e)
-            y = self.experts[e](x[rows]) * w[rows, slot, None]
-            out.index_add_(0, rows, y.to(out.dtype))
-        out = out + self.shared_experts(x)
-        if self.tp.size == 1:
-            return out
-        return self.tp.all_reduce(out.float()).to(out.dtype)  # the partials summed in float32
-
-
 class Layer(nn.Module):
     def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
         super().__init__()
@@ -432,22 +257,6 @@ class Layer(nn.Module):
             c, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, streams
         )
         return mix(streams, self.ffn(self.ffn_norm(x), fb.input_ids), post, comb)
-
-
-class HyperHead(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        n = config.hc_mult
-        self.n, self.eps, self.norm_eps = n, config.hc_eps, config.rms_norm_eps
-        self.hc_fn = nn.Parameter(torch.empty(n, n * config.hidden_size))
-        self.hc_base = nn.Parameter(torch.empty(n))
-        self.hc_scale = nn.Parameter(torch.empty(1))
-
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
-        mixes = F.linear(flat, self.hc_fn.float())
-        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 
 class Model(nn.Module):

@@ -10,7 +10,8 @@ hf = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
 from transformers import DeepseekV4Config  # noqa: E402
 
-from pdserve.models.deepseek_v4 import _rope, hyper_weights  # noqa: E402
+from pdserve.layers.hyper_connections import hyper_weights  # noqa: E402
+from pdserve.models.deepseek_v4 import _rope  # noqa: E402
 
 
 def config(**kw) -> DeepseekV4Config:
