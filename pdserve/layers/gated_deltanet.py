@@ -130,8 +130,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.whole, self.tp, self.kv_layer = dims, tp, kv_layer
         self.dims = d = dims.shard(tp.size)
-        self.in_proj_qkvz = Linear(d.hidden, 2 * d.keys + 2 * d.values, bias=False)
-        self.in_proj_ba = Linear(d.hidden, 2 * d.value_heads, bias=False)
+        self.make_input_projections(d)
         self.conv1d = DepthwiseConv(d.conv_dim, d.conv_kernel, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(d.value_heads))
         self.A_log = nn.Parameter(torch.empty(d.value_heads))
@@ -151,32 +150,26 @@ class GatedDeltaNet(nn.Module):
         if name not in params:
             raise ValueError(f"unexpected Gated DeltaNet weight {name!r}")
         target, name = name, name.replace(".weight_scale_inv", ".weight")  # FP8 scales: as weights
-        w, d, r = self.whole, self.dims, self.tp.rank
-        if name == "in_proj_qkvz.weight":  # rows grouped by key head: take this rank's groups
-            per = 2 * w.key_dim + 2 * w.per_key * w.value_dim
-            t = src[r * d.key_heads * per : (r + 1) * d.key_heads * per]
-        elif name == "in_proj_ba.weight":
-            per = 2 * w.per_key
-            t = src[r * d.key_heads * per : (r + 1) * d.key_heads * per]
-        elif name == "conv1d.weight":  # channels q | k | v of every head: this rank's of each
-            t = torch.cat(
-                [
-                    src[r * d.keys : (r + 1) * d.keys],
-                    src[w.keys + r * d.keys : w.keys + (r + 1) * d.keys],
-                    src[2 * w.keys + r * d.values : 2 * w.keys + (r + 1) * d.values],
-                ]
-            )
-        elif name in ("dt_bias", "A_log"):
-            t = src[r * d.value_heads : (r + 1) * d.value_heads]
-        elif name == "norm.weight":  # one head's: shared by every head
-            t = src[:]
-        else:  # out_proj.weight: this rank's value heads' columns
-            t = src[:, r * d.values : (r + 1) * d.values]
+        t = self.rank_part(name, src)
         if tuple(t.shape) != tuple(params[target].shape):
             raise ValueError(
                 f"expected shape {tuple(params[target].shape)} for this rank, got {tuple(t.shape)}"
             )
         params[target].data.copy_(t)
+
+    def rank_part(self, name: str, src: Any) -> torch.Tensor:
+        """This rank's part of the layer's checkpoint tensor ``name``."""
+        d, r = self.dims, self.tp.rank
+        t = self.input_projection_part(name, src)
+        if t is not None:
+            return t
+        if name == "conv1d.weight":  # channels q | k | v of every head: this rank's of each
+            return self.qkv_part(src)
+        if name in ("dt_bias", "A_log"):
+            return src[r * d.value_heads : (r + 1) * d.value_heads]
+        if name == "norm.weight":  # one head's: shared by every head
+            return src[:]
+        return src[:, r * d.values : (r + 1) * d.values]  # out_proj: its value heads' columns
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
@@ -184,12 +177,7 @@ class GatedDeltaNet(nn.Module):
         pool, index, slots = fb.state(self.kv_layer, STATE_KIND)
         conv_state, rec_state = pool.state("conv", index), pool.state("recurrent", index)
         t = h.shape[0]
-        qkvz = self.in_proj_qkvz(h).view(t, d.key_heads, -1)
-        vz = d.per_key * d.value_dim
-        q, k, v, z = qkvz.split([d.key_dim, d.key_dim, vz, vz], dim=-1)
-        ba = self.in_proj_ba(h).view(t, d.key_heads, 2 * d.per_key)
-        b, a = ba[..., : d.per_key].reshape(t, -1), ba[..., d.per_key :].reshape(t, -1)
-        qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        qkv, z, b, a = self.project(h)
         beta = torch.sigmoid(b).float()  # [T, Hv]
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
         out = torch.empty((t, d.value_heads, d.value_dim), dtype=h.dtype, device=h.device)
@@ -221,6 +209,44 @@ class GatedDeltaNet(nn.Module):
                 snapshots.save(pool, index, slots[ended], snap[ended])
         o = self.norm(out, z.reshape(t, d.value_heads, d.value_dim))
         return self.out_proj(o.reshape(t, d.values))
+
+    # ---- the input projections (Qwen3-Next's layout; ``SplitGatedDeltaNet`` has Qwen3.5's) ----
+    def make_input_projections(self, d: GatedDeltaNetDims) -> None:
+        self.in_proj_qkvz = Linear(d.hidden, 2 * d.keys + 2 * d.values, bias=False)
+        self.in_proj_ba = Linear(d.hidden, 2 * d.value_heads, bias=False)
+
+    def input_projection_part(self, name: str, src: Any) -> Optional[torch.Tensor]:
+        """This rank's rows of an input projection's weight (``name``); None for other names."""
+        w, d, r = self.whole, self.dims, self.tp.rank
+        if name == "in_proj_qkvz.weight":  # rows grouped by key head: take this rank's groups
+            per = 2 * w.key_dim + 2 * w.per_key * w.value_dim
+        elif name == "in_proj_ba.weight":
+            per = 2 * w.per_key
+        else:
+            return None
+        return src[r * d.key_heads * per : (r + 1) * d.key_heads * per]
+
+    def qkv_part(self, src: Any) -> torch.Tensor:
+        """This rank's rows of a tensor over the channels q | k | v of every head."""
+        w, d, r = self.whole, self.dims, self.tp.rank
+        return torch.cat(
+            [
+                src[r * d.keys : (r + 1) * d.keys],
+                src[w.keys + r * d.keys : w.keys + (r + 1) * d.keys],
+                src[2 * w.keys + r * d.values : 2 * w.keys + (r + 1) * d.values],
+            ]
+        )
+
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(qkv [T, conv_dim] as the convolution takes it, z [T, values], b and a [T, Hv])."""
+        d, t = self.dims, h.shape[0]
+        qkvz = self.in_proj_qkvz(h).view(t, d.key_heads, -1)
+        vz = d.per_key * d.value_dim
+        q, k, v, z = qkvz.split([d.key_dim, d.key_dim, vz, vz], dim=-1)
+        ba = self.in_proj_ba(h).view(t, d.key_heads, 2 * d.per_key)
+        b, a = ba[..., : d.per_key].reshape(t, -1), ba[..., d.per_key :].reshape(t, -1)
+        qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        return qkv, z, b, a
 
     # ---- the pieces --------------------------------------------------------------------------
     def _qkv(self, conv_out: torch.Tensor):

@@ -13,6 +13,12 @@ import torch
 from torch import nn
 
 from pdserve.distributed import SINGLE, Parallel, TPGroup
+from pdserve.models.multimodal import (
+    from_multimodal,
+    text_model_config,
+    text_model_tensors,
+    text_model_weights,
+)
 from pdserve.models.registry import model_class
 from pdserve.quantization.registry import weight_format
 
@@ -34,12 +40,14 @@ _SHAPE_FIELDS = (
 
 
 def load_config(model_path: str):
-    """The checkpoint's configuration as ``AutoConfig`` reads it (recorded: models/hf_config.py)."""
+    """The checkpoint's configuration as ``AutoConfig`` reads it (recorded: models/hf_config.py);
+    of a multimodal checkpoint whose text model pdserve serves, that text model's
+    (``models/multimodal.py``)."""
     if not os.path.isdir(model_path):
         raise FileNotFoundError(f"model_path: {model_path!r} is not a directory")
     from pdserve.models.hf_config import load_hf_config
 
-    return load_hf_config(model_path)
+    return text_model_config(load_hf_config(model_path))
 
 
 def resolve_dtype(hf_config, dtype: str = "auto") -> torch.dtype:
@@ -148,13 +156,19 @@ def load_model(
     fmt = weight_format(hf_config) if load_format != "dummy" else None
     if load_format == "dummy":
         init_dummy_weights(model, getattr(hf_config, "initializer_range", 0.02), seed)
-    elif fmt is None:
-        model.load_weights(iter_safetensors(model_path))
     else:
-        tensors = checkpoint_tensors(model_path)
-        fmt.prepare(model, tensors)
-        model.load_weights(fmt.wrap(iter_safetensors(model_path), tensors))
-        fmt.finish(model)
+        weights, tensors = iter_safetensors(model_path), None
+        if from_multimodal(hf_config):
+            weights = text_model_weights(weights, hf_config.multimodal_architecture)
+        if fmt is not None:
+            tensors = checkpoint_tensors(model_path)
+            if from_multimodal(hf_config):
+                tensors = text_model_tensors(tensors)
+            fmt.prepare(model, tensors)
+            weights = fmt.wrap(weights, tensors)
+        model.load_weights(weights)
+        if fmt is not None:
+            fmt.finish(model)
     model.eval().requires_grad_(False)
     where = (
         f", {par.describe()}"

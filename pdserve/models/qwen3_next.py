@@ -110,14 +110,16 @@ class Qwen3NextDecoderLayer(nn.Module):
             attn_kwargs.pop("qk_norm", None)
             self.self_attn = GatedAttention(config, layer_id, shards, **attn_kwargs)
         elif kind == LINEAR:
-            self.linear_attn = GatedDeltaNet(
-                gdn_dims(config), layer_id - shards.layers[0], shards.attn
-            )
+            self.linear_attn = self.make_linear_attention(config, layer_id, shards)
         else:
             raise ValueError(f"layer_types[{layer_id}]: {kind!r} is not a Qwen3-Next layer kind")
         self.mlp = make_mlp(config, layer_id, shards)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @staticmethod
+    def make_linear_attention(config, layer_id: int, shards: TPShards) -> GatedDeltaNet:
+        return GatedDeltaNet(gdn_dims(config), layer_id - shards.layers[0], shards.attn)
 
     def forward(self, h, residual, rope, fb):
         if residual is None:
@@ -153,13 +155,17 @@ class Qwen3NextForCausalLM(HybridCausalLM, Qwen2MoeForCausalLM):
         return bias, bias
 
     def layer_options(self, config) -> dict:
+        self.check_layer_types(config)
+        return super().layer_options(config)
+
+    @staticmethod
+    def check_layer_types(config) -> None:
         unknown = sorted(set(config.layer_types) - {LINEAR, ATTENTION})
         if len(config.layer_types) != config.num_hidden_layers or unknown:
             raise ValueError(
                 f"layer_types: one of {LINEAR!r} or {ATTENTION!r} per layer expected, got "
                 f"{config.layer_types!r}"
             )
-        return super().layer_options(config)
 
     def load_weights(self, weights) -> None:
         super().load_weights((n, w) for n, w in weights if not n.startswith("mtp."))

@@ -36,6 +36,8 @@ _MODELS = {
     "BambaForCausalLM": ("pdserve.models.bamba", "BambaForCausalLM"),
     "NemotronHForCausalLM": ("pdserve.models.nemotron_h", "NemotronHForCausalLM"),
     "Qwen3NextForCausalLM": ("pdserve.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5ForCausalLM": ("pdserve.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("pdserve.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
     "GraniteMoeHybridForCausalLM": (
         "pdserve.models.granite_hybrid",
         "GraniteMoeHybridForCausalLM",

@@ -1,15 +1,15 @@
 """PD on a linear-attention hybrid (Bamba: Mamba2 layers around one attention layer): the attention
 layer's pages go with every chunk, each Mamba2 layer's state slot (its convolution window and SSM
-state) once, after the last chunk; decode preallocates the pages and one slot, then continues
-from the state. Tokens equal a colocated server's for prompts shorter than a page and longer
-than several chunks, across TP sizes (P tp1 -> D tp2, P tp2 -> D tp1: each state tensor sliced
-along its own axis, the convolution's x | B | C per segment); the bytes a request moves are the
-pages' plus the fixed-size state; pools and state slots are free afterwards, also after a request
-whose decode side was aborted; a decode whose state shapes differ is refused, naming both; pdserve's
-router and the real sglang-router serve the same tokens. Qwen3-Next (Gated DeltaNet: a convolution
-state of q | k | v segments and a recurrent state per value head; one KV head, replicated on two
-ranks) goes from one rank to two and from two to one with HF's tokens. A next turn hits prefill's
-prefix cache (the state restored from a snapshot) and, when decode keeps one, decode's."""
+state) once, after the last chunk; decode preallocates the pages and one slot, then continues from
+the state. Tokens equal a colocated server's for prompts shorter than a page and longer than several
+chunks, across TP sizes (P tp1 -> D tp2, P tp2 -> D tp1: each state tensor sliced along its own
+axis, the convolution's x | B | C per segment); the bytes a request moves are the pages' plus the
+fixed-size state; pools and state slots are free afterwards, also after a request whose decode side
+was aborted; a decode whose state shapes differ is refused, naming both; pdserve's router and the
+real sglang-router serve the same tokens. Qwen3-Next (Gated DeltaNet: a convolution state of q | k |
+v segments and a recurrent state per value head; one KV head, replicated on two ranks) and Qwen3.5
+go from one rank to two and from two to one with HF's tokens. A next turn hits prefill's prefix
+cache (the state restored from a snapshot) and, when decode keeps one, decode's."""
 
 from __future__ import annotations
 
@@ -220,12 +220,13 @@ def test_hybrid_pd_behind_a_router(hybrid_pd, router, tmp_path):
     all_ranks_idle(D)
 
 
-@pytest.fixture(scope="module")
-def qwen3_next_pd(tmp_path_factory):
-    """Qwen3-Next (Gated DeltaNet with a q | k | v convolution state, gated attention, MoE) on
-    one and two ranks each side, its attention with one KV head: two ranks replicate it."""
-    logs = tmp_path_factory.mktemp("pd-qwen3-next")
-    path = build_tiny_checkpoint("qwen3_next", num_key_value_heads=1)
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
+def qwen3_next_pd(request, tmp_path_factory):
+    """Qwen3-Next (Gated DeltaNet with a q | k | v convolution state, gated attention, MoE) and
+    Qwen3.5 (its input projections apart, each sliced per rank; a dense MLP) on one and two ranks
+    each side, the attention with one KV head: two ranks replicate it."""
+    logs = tmp_path_factory.mktemp(f"pd-{request.param}")
+    path = build_tiny_checkpoint(request.param, num_key_value_heads=1)
     s = {
         "path": path,
         "P": c.prefill("P", path, logs, *COMMON)[0],

@@ -520,6 +520,41 @@ ARCHS = {
     ),
 }
 
+# Qwen3.5: Qwen3-Next's layer plan (Gated DeltaNet layers 0, 1, 3, gated attention at layer 2)
+# with the input projections apart, M-RoPE's settings and a dense MLP on every layer; its MoE form
+# sparse on every layer
+_QWEN3_NEXT_MOE = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "mlp_only_layers",  # the MoE form's layers are all sparse,
+    "norm_topk_prob",  # and its top k always renormalised
+)
+ARCHS["qwen3_5"] = (
+    "Qwen3_5TextConfig",
+    "Qwen3_5ForCausalLM",
+    {
+        **{k: v for k, v in ARCHS["qwen3_next"][2].items() if k not in _QWEN3_NEXT_MOE},
+        "intermediate_size": 64,
+        "rope_parameters": dict(
+            rope_type="default",
+            rope_theta=10000.0,
+            partial_rotary_factor=0.25,
+            mrope_section=[1, 1, 0],
+            mrope_interleaved=True,
+        ),
+    },
+)
+ARCHS["qwen3_5_moe"] = (
+    "Qwen3_5MoeTextConfig",
+    "Qwen3_5MoeForCausalLM",
+    {
+        **{k: v for k, v in ARCHS["qwen3_next"][2].items() if k not in _QWEN3_NEXT_MOE[-2:]},
+        "rope_parameters": ARCHS["qwen3_5"][2]["rope_parameters"],
+    },
+)
+
 # Mistral 4: V3's shapes with softmax scores (4 groups of 2, the best 2) and the queries scaled
 # past an original context of 16 tokens (llama_4_scaling_beta), so every prompt crosses it
 ARCHS["mistral4"] = (
@@ -560,7 +595,7 @@ _ROUTER_SUFFIXES = (
     "block_sparse_moe.router.layer.weight",
 )
 # archs whose norm weights are offsets from 1 (drawn from N(0, 0.2) instead of HF's zeros)
-_NORM_OFFSETS = ("gemma2", "gemma3", "qwen3_next")
+_NORM_OFFSETS = ("gemma2", "gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe")
 # families whose norms are told apart by name or place: weights around 1 instead of HF's ones
 _RANDOM_NORMS = ("smollm3", "granite", "olmo2", "olmo3", "glm4", "cohere2", "exaone4", "phi3")
 _RANDOM_NORMS += ("olmoe", "minimax_m2", "deepseek_v4")
@@ -1339,3 +1374,47 @@ def mxfp4_dequantized_checkpoint(src: str) -> str:
         _write_float32(src, tmp, out)
 
     return _cached("mxfp4-dequantized", ["mxfp4-dequantized", src], write)
+
+
+# multimodal checkpoints whose text model a tiny recipe gives: its configuration and model class,
+# and a vision tower of one small block
+MULTIMODAL = {
+    "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
+}
+_TINY_VISION = dict(
+    depth=1,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    patch_size=4,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=16,
+)
+
+
+def build_multimodal_checkpoint(arch: str) -> str:
+    """The tiny ``arch`` checkpoint's text model inside its family's multimodal checkpoint (as the
+    family publishes it: ``model.language_model.*``, ``lm_head.*``, a random vision tower beside
+    them), the text weights equal to ``build_tiny_checkpoint(arch)``'s; cached like it."""
+    text_path = build_tiny_checkpoint(arch)
+    config_cls, model_cls = MULTIMODAL[arch]
+
+    def write(tmp: str) -> None:
+        text = transformers.AutoConfig.from_pretrained(text_path).to_dict()
+        text.pop("architectures", None)
+        vision = {**_TINY_VISION, "out_hidden_size": text["hidden_size"]}
+        config = getattr(transformers, config_cls)(text_config=text, vision_config=vision)
+        config.architectures = [model_cls]
+        torch.manual_seed(0)
+        model = getattr(transformers, model_cls)(config).to(torch.float32)
+        source = hf_causal_lm(text_path, torch.float32)
+        model.model.language_model.load_state_dict(source.model.state_dict())
+        model.lm_head.load_state_dict(source.lm_head.state_dict())
+        model.save_pretrained(tmp)
+        for name in os.listdir(text_path):
+            if name not in ("config.json", "model.safetensors") and not name.startswith("."):
+                shutil.copy(os.path.join(text_path, name), tmp)
+
+    return _cached(f"{arch}-multimodal", [_RECIPE_VERSION, text_path], write)

@@ -1,0 +1,90 @@
+"""The text model of a multimodal checkpoint, served as a text model.
+
+Several 2026 families are published only as image-text-to-text checkpoints (Qwen3.5's every
+size): ``config.json`` names the multimodal class and nests the language model's configuration in
+``text_config``; the language model's tensors are ``model.language_model.*`` and ``lm_head.*``,
+beside the vision tower's (``model.visual.*``) and any multi-token-prediction layers. pdserve
+serves such a checkpoint's text model: ``text_model_config`` gives the nested configuration under
+the text class's architecture name (with the outer fields it needs: the dtype, the quantization,
+the tied embeddings), and ``text_model_weights`` the language model's tensors under the text
+checkpoint's names, every other tensor set aside. Images are not taken on this path: a request is
+its tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Iterator
+
+logger = logging.getLogger(__name__)
+
+# multimodal architecture -> the text model's architecture (``models/registry.py``)
+TEXT_MODELS = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+LANGUAGE_MODEL = "model.language_model."
+TEXT_PREFIXES = (LANGUAGE_MODEL, "lm_head.")
+# fields of the outer configuration that the text model's reads when its own does not set them
+OUTER_FIELDS = ("dtype", "torch_dtype", "quantization_config")
+# set on a text configuration taken from a multimodal one: the architecture it came from
+SOURCE_FIELD = "multimodal_architecture"
+
+
+def text_model_config(config) -> Any:
+    """``config`` itself, or, for a multimodal architecture of ``TEXT_MODELS``, its text model's
+    configuration named as the text class (``SOURCE_FIELD`` telling where it came from)."""
+    archs = list(getattr(config, "architectures", None) or [])
+    outer = next((a for a in archs if a in TEXT_MODELS), None)
+    if outer is None:
+        return config
+    text = getattr(config, "text_config", None)
+    if text is None:
+        raise ValueError(f"{outer}: the configuration has no text_config")
+    for field in OUTER_FIELDS:
+        if getattr(text, field, None) is None and getattr(config, field, None) is not None:
+            setattr(text, field, getattr(config, field))
+    if getattr(config, "tie_word_embeddings", None) is not None:  # the outer class ties them
+        text.tie_word_embeddings = config.tie_word_embeddings
+    text.architectures = [TEXT_MODELS[outer]]
+    setattr(text, SOURCE_FIELD, outer)
+    return text
+
+
+def from_multimodal(config) -> bool:
+    return getattr(config, SOURCE_FIELD, None) is not None
+
+
+def text_name(name: str) -> str | None:
+    """The text checkpoint's name of a multimodal checkpoint's tensor; None when it is not the
+    language model's."""
+    if name.startswith(LANGUAGE_MODEL):
+        return "model." + name[len(LANGUAGE_MODEL) :]
+    if name.startswith("lm_head."):
+        return name
+    return None
+
+
+def text_model_weights(
+    weights: Iterable[tuple[str, Any]], source: str
+) -> Iterator[tuple[str, Any]]:
+    """The language model's tensors of a multimodal checkpoint under their text names; the rest
+    (vision tower, projector, multi-token prediction) counted and set aside."""
+    skipped = 0
+    for name, tensor in weights:
+        renamed = text_name(name)
+        if renamed is None:
+            skipped += 1
+            continue
+        yield renamed, tensor
+    logger.info("%s: the text model's weights loaded, %d other tensors set aside", source, skipped)
+
+
+def text_model_tensors(tensors: dict[str, Any]) -> dict[str, Any]:
+    """``text_model_weights`` over a checkpoint's header (name -> dtype and shape)."""
+    out = {}
+    for name, info in tensors.items():
+        renamed = text_name(name)
+        if renamed is not None:
+            out[renamed] = info
+    return out
