@@ -81,6 +81,9 @@ class ForwardBatch:
     # called with a layer's (global) index once its forward has written that layer's caches
     # (a PD prefill sends them while the later layers compute)
     layer_done: Optional[Callable[[int], None]] = None
+    # sparse attention whose later layers reuse an earlier layer's choice of keys (GLM-5's
+    # "shared" indexer layers): the last indexer's selection in this forward, (positions, counts)
+    index_selection: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
     def batch_size(self) -> int:

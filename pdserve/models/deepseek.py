@@ -134,6 +134,8 @@ class Indexer(nn.Module):
     ``index_topk`` best are kept, ties to the lowest position (``AttentionBackend.index_select``).
     Replicated over TP ranks, so every rank selects the same keys."""
 
+    rotate = staticmethod(apply_rotary)  # how its RoPE turns the first dims: by halves
+
     def __init__(self, config):
         super().__init__()
         self.heads, self.dim = config.index_n_heads, config.index_head_dim
@@ -153,8 +155,8 @@ class Indexer(nn.Module):
         t, r = h.shape[0], self.rope
         q = self.wq_b(q_resid).view(t, self.heads, self.dim)
         k = self.k_norm(self.wk(h))
-        q = torch.cat([apply_rotary(q[..., :r], *rope), q[..., r:]], dim=-1)
-        k = torch.cat([apply_rotary(k[:, None, :r], *rope)[:, 0], k[:, r:]], dim=-1)
+        q = torch.cat([self.rotate(q[..., :r], *rope), q[..., r:]], dim=-1)
+        k = torch.cat([self.rotate(k[:, None, :r], *rope)[:, 0], k[:, r:]], dim=-1)
         w = self.weights_proj(h) * self.heads**-0.5
         return fb.attn_backend.index_select(layer, q.float(), w, k, fb, self.topk, self.dim**-0.5)
 
@@ -203,7 +205,15 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
         self.kv_b_proj = UpProjection(self.num_heads * (self.nope + self.v_dim), self.rank)
         self.o_proj = RowParallelLinear(self.num_heads * self.v_dim, hidden, bias=bias, tp=self.tp)
-        self.indexer = Indexer(config) if getattr(config, "index_topk", None) else None
+        self.indexer = self.make_indexer(config, layer_id)
+
+    @staticmethod
+    def make_indexer(config, layer_id: int) -> Optional[Indexer]:
+        return Indexer(config) if getattr(config, "index_topk", None) else None
+
+    def select(self, h, q_resid, rope, fb: ForwardBatch):
+        """The keys each new token attends to (``AttentionBackend.index_select``), None: all."""
+        return None if self.indexer is None else self.indexer(h, q_resid, rope, fb, self.attn)
 
     @property
     def cache_specs(self) -> tuple[CacheSpec, ...]:
@@ -230,9 +240,7 @@ class MLAttention(nn.Module):
             scale = (1 + beta * torch.log(1 + torch.floor(pos / original))).to(q_nope.dtype)
             q_nope, q_rope = q_nope * scale[:, None, None], q_rope * scale[:, None, None]
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
-        selection = (
-            self.indexer(h, q_resid, rope, fb, self.attn) if self.indexer is not None else None
-        )
+        selection = self.select(h, q_resid, rope, fb)
         o = fb.attn_backend.forward_latent(
             self.attn,
             q_nope,
@@ -302,6 +310,8 @@ class MLAttention(nn.Module):
 class DeepseekDecoderLayer(DecoderLayer):
     """Pre-norm block of latent attention and a dense or sparse MLP (``make_mlp``)."""
 
+    attn_cls = MLAttention
+
     def __init__(
         self,
         config,
@@ -313,7 +323,7 @@ class DeepseekDecoderLayer(DecoderLayer):
         **_,
     ):
         super().__init__(
-            MLAttention(config, layer_id, shards, interleave, query_scale),
+            self.attn_cls(config, layer_id, shards, interleave, query_scale),
             make_mlp(config, layer_id, shards),
             PRE_NORM,
             lambda: RMSNorm(config.hidden_size, config.rms_norm_eps),

@@ -30,6 +30,7 @@ _MODELS = {
     "DeepseekV2ForCausalLM": ("pdserve.models.deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("pdserve.models.deepseek", "DeepseekV3ForCausalLM"),
     "DeepseekV32ForCausalLM": ("pdserve.models.deepseek", "DeepseekV32ForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("pdserve.models.glm5", "GlmMoeDsaForCausalLM"),
     "DeepseekV4ForCausalLM": ("pdserve.models.deepseek_v4", "DeepseekV4ForCausalLM"),
     "Mistral4ForCausalLM": ("pdserve.models.deepseek", "Mistral4ForCausalLM"),
     "Glm4MoeForCausalLM": ("pdserve.models.glm", "Glm4MoeForCausalLM"),

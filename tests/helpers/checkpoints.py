@@ -573,6 +573,26 @@ ARCHS["mistral4"] = (
 )
 
 
+# GLM-5: V3.2's shapes with an indexer on layers 0 and 2 only (1 and 3 reuse the selection of the
+# last of them), MLPs by mlp_layer_types (layer 3 dense past first_k_dense_replace), one expert
+# group as GLM-5 has, values wider than the keys' nope part; 8 keys per query and 8 index heads
+# (a score is 0 only when every head's is: ties at 0 stay rare)
+ARCHS["glm5"] = (
+    "GlmMoeDsaConfig",
+    "GlmMoeDsaForCausalLM",
+    {
+        **ARCHS["deepseek_v32"][2],
+        "num_hidden_layers": 4,
+        "v_head_dim": 24,
+        "n_group": 1,
+        "topk_group": 1,
+        "index_topk": 8,
+        "index_n_heads": 8,
+        "indexer_types": ["full", "shared", "full", "shared"],
+        "mlp_layer_types": ["dense", "sparse", "sparse", "dense"],
+    },
+)
+
 def hf_causal_lm(path: str, dtype: torch.dtype):
     """HF's model of checkpoint ``path``, by its architecture's class where transformers has the
     model code without an ``AutoModelForCausalLM`` entry (Mistral 4's text model, published inside
