@@ -21,7 +21,8 @@ The compressors (``layers/compressor.py``) carry the open window (and the overla
 ``CompressorState`` per request; CSA and HCA layers use the ``compress`` rotary table, window-only
 layers the ``main`` one.
 
-**MoE** (``models/deepseek_v4_moe.py``): hash-routed and scored experts, a shared one.
+**MoE** (``models/deepseek_v4_moe.py``): hash-routed and scored experts, a shared one, on the
+shared MoE layer (expert parallelism, redundant experts, the expert recorder).
 **Hyper-connections** (``layers/hyper_connections.py``): ``hc_mult`` residual streams mixed
 around every block, collapsed by ``hc_head`` before the final norm.
 
@@ -34,8 +35,8 @@ float32 in any model dtype.
 them and their query heads; ``wo_b`` sums over the ranks) and every expert's intermediate
 columns; the window, the compressors, the indexer, the router and the hyper-connections are
 computed whole on every rank, so the caches are replicated and a decode of any TP size reads them
-from one prefill rank. Pipeline stages, data-parallel attention and expert parallelism are refused
-at load, naming the option.
+from one prefill rank. ``--ep-size`` places the experts by rank. Pipeline stages and data-parallel
+attention are refused at load, naming the option.
 """
 
 from __future__ import annotations
@@ -45,16 +46,21 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from pdserve.distributed import SINGLE, TPGroup, shard_range
+from pdserve.distributed import SINGLE, Parallel, TPGroup, shard_range
 from pdserve.forward_batch import ForwardBatch
 from pdserve.kv_spec import CompressedEntries, CompressorState, LatentWindow
 from pdserve.layers.attention.base import AttnLayer
 from pdserve.layers.compressor import Compressor, Indexer, rotate_trailing
 from pdserve.layers.hyper_connections import HyperHead, hyper_weights, mix, unweighted_rms_norm
 from pdserve.layers.linear import Linear, RowParallelLinear
+from pdserve.layers.moe.context import MoEContext, MoEOptions
+from pdserve.layers.moe.layer import SparseMoE
+from pdserve.layers.moe.placement import MoEModelInfo
+from pdserve.layers.moe.placement_file import initial_placement
+from pdserve.layers.moe.recorder import ExpertRecorder
 from pdserve.layers.norm import GptOssRMSNorm
 from pdserve.layers.rotary import attention_factor, inv_frequencies
-from pdserve.models.deepseek_v4_moe import MoE
+from pdserve.models.deepseek_v4_moe import make_moe
 
 SLIDING, CSA, HCA = (
     "sliding_attention",
@@ -76,7 +82,7 @@ FLOAT32 = (
     "hc_fn",
     "hc_base",
     "hc_scale",
-    "gate.bias",
+    "gate.correction",
 )
 # published compressor names -> the compressor module's
 _COMPRESSOR_NAMES = {
@@ -233,12 +239,12 @@ class Attention(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
+    def __init__(self, config, layer_id: int, tp: TPGroup, ffn: SparseMoE):
         super().__init__()
         n, hidden = config.hc_mult, config.hidden_size
         mixes = (2 + n) * n
         self.attn = Attention(config, layer_id, tp)
-        self.ffn = MoE(config, layer_id, tp)
+        self.ffn = ffn
         self.attn_norm = GptOssRMSNorm(hidden, config.rms_norm_eps)
         self.ffn_norm = GptOssRMSNorm(hidden, config.rms_norm_eps)
         self.config = config
@@ -256,14 +262,18 @@ class Layer(nn.Module):
         post, comb, x = hyper_weights(
             c, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, streams
         )
-        return mix(streams, self.ffn(self.ffn_norm(x), fb.input_ids), post, comb)
+        return mix(streams, self.ffn.run(self.ffn_norm(x), fb.dp, fb.input_ids), post, comb)
 
 
 class Model(nn.Module):
-    def __init__(self, config, tp: TPGroup = SINGLE):
+    def __init__(self, config, tp: TPGroup, ctx: MoEContext):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Layer(config, i, tp) for i in range(config.num_hidden_layers))
+        runner = "loop" if ctx.options.runner == "loop" else "grouped_mm"
+        self.layers = nn.ModuleList(
+            Layer(config, i, tp, make_moe(config, i, ctx, runner))
+            for i in range(config.num_hidden_layers)
+        )
         self.hc_head = HyperHead(config)
         self.norm = GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -285,24 +295,50 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.total_kv_heads = 1  # one head, the same on every rank
         self.num_attention_heads = config.num_attention_heads
         self.hc_mult = config.hc_mult
-        self.model = Model(config, tp or SINGLE)
+        tp = tp or SINGLE
+        ctx = self._moe_context(config, par or Parallel(world=tp, tp=tp, attn=tp), moe)
+        self.model = Model(config, tp, ctx)
         self.head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.expert_recorder = None
         self.mtp_weights: dict[str, tuple] = {}
+
+    def _moe_context(self, config, par: Parallel, moe) -> MoEContext:
+        """The experts' placement over the ranks (``--ep-size``, ``--init-expert-location``,
+        redundant slots) and, with ``--expert-distribution-recorder-mode stat``, the recorder."""
+        options = moe if isinstance(moe, MoEOptions) else MoEOptions()
+        ctx = MoEContext(par, options)
+        ctx.check(config.n_routed_experts)
+        layers = list(range(config.num_hidden_layers))
+        info = self.moe_info()
+        ctx.placement = initial_placement(
+            options.init_expert_location,
+            info,
+            layers,
+            ctx.ep_size,
+            options.num_redundant_experts,
+        )
+        self.expert_recorder = None
+        if options.record_experts:
+            self.expert_recorder = ExpertRecorder(info, ctx.placement)
+            ctx.observers.append(self.expert_recorder.observe)
+        return ctx
+
+    def moe_info(self) -> MoEModelInfo:
+        c = self.config
+        n = c.num_hidden_layers
+        return MoEModelInfo("DeepseekV4ForCausalLM", n, c.n_routed_experts, tuple(range(n)))
 
     @staticmethod
     def _refuse_parallel(tp, par, moe) -> None:
         sizes = {
             "pp_size": getattr(par, "pp_size", 1),
             "dp_size (DP attention)": getattr(par, "dp_size", 1),
-            "ep_size": getattr(moe, "ep_size", 1) if moe is not None else 1,
         }
         for name, size in sizes.items():
             if size and size > 1:
                 raise ValueError(
-                    f"{name}: {size}; DeepseekV4ForCausalLM runs with tensor parallelism only "
-                    "in this version (its layers are not staged, its attention not split by "
-                    "requests, its experts not placed by rank yet)"
+                    f"{name}: {size}; DeepseekV4ForCausalLM runs with tensor and expert "
+                    "parallelism only in this version (its layers are not staged, its attention "
+                    "not split by requests yet)"
                 )
 
     def _apply(self, fn, recurse=True):
@@ -323,8 +359,8 @@ class DeepseekV4ForCausalLM(nn.Module):
     def prefix_namespace(self, seq_len: int) -> int:
         return 0
 
-    def moe_blocks(self) -> list:
-        return []
+    def moe_blocks(self) -> list[SparseMoE]:
+        return [layer.ffn for layer in self.model.layers]
 
     def use_cpu_kernels(self, ops) -> None:
         return None
@@ -365,6 +401,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         head, sep, tail = name.partition(".compressor.")
         if sep:
             return f"{head}.compressor.{_COMPRESSOR_NAMES.get(tail, tail)}"
+        if name.endswith(".ffn.gate.bias"):  # the router's selection bias
+            return name[: -len("bias")] + "correction"
         return name
 
     def _targets(self) -> dict[str, torch.Tensor]:
@@ -376,18 +414,36 @@ class DeepseekV4ForCausalLM(nn.Module):
         """This rank's part of weight ``name`` (its own name): the attention's heads and groups,
         the experts' intermediate columns; the rest whole."""
         parts = name.split(".")
-        if parts[:2] == ["model", "layers"] and parts[3] in ("attn", "ffn"):
-            layer = self.model.layers[int(parts[2])]
-            block = layer.attn if parts[3] == "attn" else layer.ffn
-            return block.shard(".".join(parts[4:]), src)
+        if parts[:2] == ["model", "layers"] and parts[3] == "attn":
+            return self.model.layers[int(parts[2])].attn.shard(".".join(parts[4:]), src)
+        if parts[:2] == ["model", "layers"] and parts[3:5] == ["ffn", "shared_experts"]:
+            shared = self.model.layers[int(parts[2])].ffn.shared_experts
+            return shared.shard(".".join(parts[5:]), src)
         return src[:]
 
+    @staticmethod
+    def _expert_weight(name: str) -> Optional[tuple[int, str]]:
+        """(layer, the name under its ``experts``) of a routed expert's weight; None otherwise."""
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"] and parts[3:5] == ["ffn", "experts"]:
+            return int(parts[2]), ".".join(parts[5:])
+        return None
+
     def checkpoint_weight_names(self) -> set[str]:
+        """The published names of the weights this rank holds (its experts' only)."""
         reverse = {v: k for k, v in _COMPRESSOR_NAMES.items()}
         names = set()
         for name in self._targets():
             head, sep, tail = name.partition(".compressor.")
+            if self._expert_weight(name) is not None:
+                continue
+            if name.endswith(".ffn.gate.correction"):
+                name = name[: -len("correction")] + "bias"
             names.add(f"{head}.compressor.{reverse.get(tail, tail)}" if sep else name)
+        for i, layer in enumerate(self.model.layers):
+            names.update(
+                f"model.layers.{i}.ffn.experts.{n}" for n in layer.ffn.experts.checkpoint_names()
+            )
         return names
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
@@ -396,6 +452,11 @@ class DeepseekV4ForCausalLM(nn.Module):
             if name.startswith("mtp."):
                 shape = src.get_shape() if hasattr(src, "get_shape") else src.shape
                 self.mtp_weights[name] = tuple(shape)
+                continue
+            expert = self._expert_weight(name)
+            if expert is not None:  # the experts load their slots (none: held elsewhere)
+                self.model.layers[expert[0]].ffn.experts.load_checkpoint(expert[1], src)
+                seen.add(name)
                 continue
             own = self._own_name(name)
             target = targets.get(own)

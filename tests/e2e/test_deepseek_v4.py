@@ -1,15 +1,16 @@
 """DeepSeek-V4 on its compressed cache against HF transformers and through PD.
 
 The tiny checkpoint (``tests/helpers/checkpoints.py``): a compressed-sparse layer (an entry per 4
-tokens, an indexer keeping 3), a heavily compressed one (per 8), a window-only one and a second
-CSA layer; windows of 8; hash-routed experts on layer 0; 4 residual streams. Float32 greedy
-tokens equal HF's with logprobs within 1e-4 for prompts of 1 to 160 tokens, prefilled whole and
-in chunks of 5 and 7 at page sizes 1, 4 and 16 (windows and compress rates cut at odd places), then
-decoded; a second turn continues from the compressor-state snapshot of a prefix hit as a cold run
-does. Through PD (P tp1 -> D tp1, tp1 -> tp2, tp2 -> tp1, layer by layer, a decode prefix cache;
-local transfer) the tokens of a colocated server, and the bytes a request moves are the specs'
-prediction exactly (the window's last pages, the pages holding entries, the compressors' state
-once); a decode with other compress rates is refused naming both.
+tokens, an indexer keeping 3), a heavily compressed one (per 8), a window-only one and a second CSA
+layer; windows of 8; hash-routed experts on layer 0; 4 residual streams. Float32 greedy tokens equal
+HF's with logprobs within 1e-4 for prompts of 1 to 160 tokens, prefilled whole and in chunks of 5
+and 7 at page sizes 1, 4 and 16 (windows and compress rates cut at odd places), then decoded; a
+second turn continues from the compressor-state snapshot of a prefix hit as a cold run does. Through
+PD (P tp1 -> D tp1, tp1 -> tp2, tp2 -> tp1, tp1 -> a decode with the experts placed over two ranks
+plus two redundant slots, layer by layer, a decode prefix cache; local transfer) the tokens of a
+colocated server, and the bytes a request moves are the specs' prediction exactly (the window's last
+pages, the pages holding entries, the compressors' state once); a decode with other compress rates
+is refused naming both.
 """
 
 from __future__ import annotations
@@ -96,7 +97,6 @@ def test_what_this_version_does_not_split_is_refused_naming_the_option():
     for name, kw in (
         ("pp_size: 2", {"par": types.SimpleNamespace(pp_size=2, dp_size=1)}),
         (r"dp_size \(DP attention\): 2", {"par": types.SimpleNamespace(pp_size=1, dp_size=2)}),
-        ("ep_size: 4", {"moe": types.SimpleNamespace(ep_size=4)}),
     ):
         with pytest.raises(ValueError, match=name + "; DeepseekV4ForCausalLM runs with tensor"):
             DeepseekV4ForCausalLM(config, **kw)
@@ -141,6 +141,7 @@ def v4_pd(tmp_path_factory):
     path = checkpoint()
     other = checkpoint(compress_rates={CSA: 8, HCA: 16})
     tp2 = ["--tp-size", "2"]
+    ep2 = [*tp2, "--ep-size", "2", "--ep-num-redundant-experts", "2"]
     layers = ["--enable-disagg-layer-pipeline", "--disagg-layer-group-size", "1"]
     layers += ["--disagg-layer-pipeline-min-prefill-len", "0"]
     s = {
@@ -149,6 +150,8 @@ def v4_pd(tmp_path_factory):
         "D": c.decode("D", path, logs, *COMMON),
         "Ptp2": c.prefill("Ptp2", path, logs, *COMMON, *tp2)[0],
         "Dtp2": c.decode("Dtp2", path, logs, *COMMON, *tp2),
+        # the experts placed by rank, two redundant slots among them
+        "Dep2": c.decode("Dep2", path, logs, *COMMON, *ep2),
         "Plw": c.prefill("Plw", path, logs, *COMMON, *layers)[0],
         "Dpc": c.decode("Dpc", path, logs, *COMMON, "--disaggregation-decode-enable-radix-cache"),
         "D8": c.decode("D8", other, logs, *COMMON),
@@ -197,6 +200,7 @@ PAIRS = [
     ("tp1", "P", "D"),
     ("tp1->tp2", "P", "Dtp2"),
     ("tp2->tp1", "Ptp2", "D"),
+    ("tp1->tp2 ep2", "P", "Dep2"),
     ("layer-wise", "Plw", "D"),
 ]
 

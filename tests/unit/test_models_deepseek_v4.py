@@ -77,13 +77,26 @@ def test_the_mtp_layers_are_set_aside_at_load():
     model = DeepseekV4ForCausalLM(config())
     weights = {n: t.detach().clone().normal_() for n, t in model.named_parameters()}
     weights.update({n: t.detach().clone() for n, t in model.named_buffers()})
-    # the published names, an MTP layer's among them
-    published = {
-        n.replace(".compressor.kv_proj.", ".compressor.wkv.")
-        .replace(".compressor.gate_proj.", ".compressor.wgate.")
-        .replace(".compressor.position_bias", ".compressor.ape"): t
-        for n, t in weights.items()
-    }
+    # the published names, an MTP layer's among them: the experts' one tensor per expert and
+    # projection (w1 gate, w3 up, w2 down), the router's selection bias ``gate.bias``
+    published = {}
+    for n, t in weights.items():
+        n = (
+            n.replace(".compressor.kv_proj.", ".compressor.wkv.")
+            .replace(".compressor.gate_proj.", ".compressor.wgate.")
+            .replace(".compressor.position_bias", ".compressor.ape")
+            .replace(".ffn.gate.correction", ".ffn.gate.bias")
+        )
+        head, sep, leaf = n.partition(".experts.")
+        if not sep:
+            published[n] = t
+        for e in range(t.shape[0] if sep else 0):
+            if leaf == "w2":
+                published[f"{head}.experts.{e}.w2.weight"] = t[e]
+            else:
+                gate, up = t[e].chunk(2)
+                published[f"{head}.experts.{e}.w1.weight"] = gate
+                published[f"{head}.experts.{e}.w3.weight"] = up
     published["mtp.0.ffn.gate.weight"] = torch.zeros(2, 32)
     model.load_weights(published.items())
     assert model.mtp_weights == {"mtp.0.ffn.gate.weight": (2, 32)}

@@ -8,7 +8,11 @@ group, its bias is held by the group's first rank only).
 
 ``forward(x, ids, weights)`` takes the tokens' local slot ids [T, K] (-1: the expert is not on
 this rank) and weights, and returns the float32 sum over slots of ``weight * expert(x)``: a
-partial sum, completed over the ranks by the MoE block (``layer.py``). Runners:
+partial sum, completed over the ranks by the MoE block (``layer.py``). With
+``round_each_expert`` the sum is taken as HF's eager loop takes it instead: each weighted output
+rounded to the model dtype and added in that dtype, experts in ascending order (the ``loop``
+runner; DeepSeek-V4, whose tiny bf16 networks part from HF's run at the first other rounding).
+Runners:
 
 - ``loop``: one ``F.linear`` pair per expert hit, in ascending slot order (HF's eager order);
 - ``grouped_mm``: tokens sorted by expert, ``torch.nn.functional.grouped_mm`` over all of them
@@ -16,8 +20,10 @@ partial sum, completed over the ranks by the MoE block (``layer.py``). Runners:
 - ``fused``: pdserve's CPU kernel over prepacked bf16 or int8 weights (``fused.py``), set by
   ``prepack``.
 
-Activations: ``silu`` (``silu(gate) * up``) and ``swiglu_oai`` (GPT-OSS: gate clamped above at
-``limit``, up clamped to ±``limit``, ``(up + 1) * gate * sigmoid(alpha * gate)``).
+Activations: ``silu`` (``silu(gate) * up``), ``swiglu_oai`` (GPT-OSS: gate clamped above at
+``limit``, up clamped to ±``limit``, ``(up + 1) * gate * sigmoid(alpha * gate)``) and
+``silu_clamped`` (DeepSeek-V4: the same clamps, ``silu(gate) * up``; the reference runners only);
+``gelu_tanh`` (Gemma 4: ``gelu(gate) * up``, tanh approximation; the reference runners only).
 
 Checkpoint formats (``fmt``): ``per_expert`` (``experts.E.{gate,up,down}_proj.weight``: Qwen,
 DeepSeek), ``mixtral`` (``experts.E.{w1,w3,w2}.weight``), ``gpt_oss`` (3-D ``gate_up_proj``
@@ -35,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ACTIVATIONS = ("silu", "swiglu_oai")
+ACTIVATIONS = ("silu", "swiglu_oai", "silu_clamped", "gelu_tanh")
 RUNNERS = ("loop", "grouped_mm")
 FORMATS = {"per_expert": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
 # 3-D formats: (the [E, 2I, H] gate-then-up tensor, the [E, H, I] down one)
@@ -58,6 +64,7 @@ class Experts(nn.Module):
         limit: float = 7.0,
         down_bias_here: bool = True,
         runner: str = "grouped_mm",
+        round_each_expert: bool = False,
     ):
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -72,7 +79,8 @@ class Experts(nn.Module):
         self.activation, self.alpha, self.limit = activation, alpha, limit
         self.fmt = fmt
         self.down_bias_here = down_bias_here
-        self.runner = runner
+        self.runner = "loop" if round_each_expert else runner
+        self.round_each_expert = round_each_expert
         n, i = len(slots), inter[1] - inter[0]
         self.w13 = nn.Parameter(torch.empty(n, 2 * i, hidden))
         self.w2 = nn.Parameter(torch.empty(n, hidden, i))
@@ -96,8 +104,12 @@ class Experts(nn.Module):
         gate, up = gu.chunk(2, dim=-1)
         if self.activation == "silu":
             return F.silu(gate) * up
+        if self.activation == "gelu_tanh":
+            return F.gelu(gate, approximate="tanh") * up
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
+        if self.activation == "silu_clamped":
+            return F.silu(gate) * up
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -127,6 +139,7 @@ class Experts(nn.Module):
 
     def _loop(self, x, ids, weights, out, linears=None):
         """``linears``: per slot, the (gate/up, down) matmuls to use instead of ``F.linear``."""
+        rounded = torch.zeros_like(x) if self.round_each_expert else None
         for slot in torch.unique(ids[ids >= 0]).tolist():  # ascending, as HF's eager loop
             tok, pos = torch.where(ids == slot)
             if linears is None:
@@ -137,8 +150,11 @@ class Experts(nn.Module):
             else:
                 w13, w2 = linears[slot]
                 y = w2(self.act(w13(x[tok])))
-            out.index_add_(0, tok, y.float() * weights[tok, pos, None].float())
-        return out
+            if rounded is not None:
+                rounded.index_add_(0, tok, (y * weights[tok, pos, None].to(y.dtype)).to(x.dtype))
+            else:
+                out.index_add_(0, tok, y.float() * weights[tok, pos, None].float())
+        return out if rounded is None else out.copy_(rounded)
 
     def _grouped(self, x, flat, pairs, k, weights, out):
         slot = flat[pairs]
@@ -320,8 +336,11 @@ class Experts(nn.Module):
                 )
             return sum(a.nbytes + b.nbytes for a, b in linears)
         try:
+            from pdserve.layers.moe.fused import ACTIVATIONS as FUSED
             from pdserve.layers.moe.fused import PackedExperts
         except ImportError:  # a build of the kernels without the MoE kernel
+            return 0
+        if self.activation not in FUSED or self.round_each_expert:  # the reference loop keeps them
             return 0
 
         self.impl = PackedExperts(

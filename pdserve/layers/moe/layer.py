@@ -5,7 +5,8 @@ layouts and the two dispatch backends).
 the model dtype. The experts' weighted outputs are summed in float32 and rounded once (HF rounds
 after each expert in bf16; the two agree exactly in float32). An optional shared expert
 (``shared``, a ``GatedMLP``, registered as ``shared_name``) is added with weight 1, or
-``sigmoid(shared_gate(x))`` when there is a gate (Qwen2-MoE).
+``sigmoid(shared_gate(x))`` when there is a gate (Qwen2-MoE). An optional ``expert_norm`` is
+applied to the experts' input only, the router reading the tokens as they come (Gemma 4).
 
 Module names are the checkpoint's: the router is registered under ``router_name`` (``gate`` for
 Qwen and Mixtral, ``router`` for GPT-OSS), the experts under ``experts``.
@@ -52,14 +53,20 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = shared_gate
         self.has_shared = shared is not None
         self.has_shared_gate = shared_gate is not None
+        self.expert_norm: Optional[nn.Module] = None  # set by a family that has one
         self.slots_per_rank = ctx.placement.slots_per_rank
         # logical expert -> its physical slots; built on first use (the model is built on the meta
         # device, where a tensor made now would hold no data)
         self._dispatch: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
-    def routing(self, x: torch.Tensor) -> Routing:
-        """The router's choice for ``x`` (the router is registered as ``router_name``)."""
+    def routing(self, x: torch.Tensor, token_ids: Optional[torch.Tensor] = None) -> Routing:
+        """The router's choice for ``x`` (the router is registered as ``router_name``); a router
+        that chooses by token id gets ``x``'s ``token_ids``."""
         router: Router = getattr(self, self.router_name)
+        if router.needs_token_ids:
+            if token_ids is None:
+                raise ValueError(f"layer {self.layer_id}: its router needs the token ids")
+            return router(x, token_ids)
         return router(x)
 
     def physical(self, ids: torch.Tensor) -> torch.Tensor:
@@ -71,11 +78,16 @@ class SparseMoE(nn.Module):
         return to_physical(ids, *self._dispatch)
 
     # ---- the two dispatch paths --------------------------------------------------------------
-    def run(self, h: torch.Tensor, dp: Optional[Any]) -> torch.Tensor:
+    def run(
+        self, h: torch.Tensor, dp: Optional[Any], token_ids: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """``token_ids``: ``h``'s tokens, for a router that chooses by them."""
         if self.ctx.a2a:
-            return self._run_a2a(h)
+            return self._run_a2a(h, token_ids)
         x = dp.gather(h) if dp is not None else h
-        routing = self.routing(x)
+        if dp is not None and token_ids is not None:
+            token_ids = dp.gather(token_ids[:, None])[:, 0]
+        routing = self.routing(x, token_ids)
         self._observe(routing, counted=self.ctx.tp.rank == 0)
         if self.ctx.options.capture_routed_experts:
             self.ctx.captured[self.layer_id] = (
@@ -88,9 +100,12 @@ class SparseMoE(nn.Module):
             slots - first,
             torch.full_like(slots, -1),
         )
-        out = self.ctx.tp.all_reduce(self.experts(x, local, routing.weights))
+        out = self.ctx.tp.all_reduce(self.experts(self.expert_input(x), local, routing.weights))
         y = self._with_shared(x, out.to(x.dtype))
         return dp.local(y) if dp is not None else y
+
+    def expert_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.expert_norm is None else self.expert_norm(x)
 
     def _with_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if not self.has_shared:
@@ -105,7 +120,7 @@ class SparseMoE(nn.Module):
             for observer in self.ctx.observers:
                 observer(self.layer_id, routing.ids)
 
-    def _run_a2a(self, h: torch.Tensor) -> torch.Tensor:
+    def _run_a2a(self, h: torch.Tensor, token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The ``torch`` backend: this rank's share of its group's tokens goes only where its
         experts are; outputs come back and are combined here, in a fixed order."""
         attn = self.ctx.par.attn
@@ -113,12 +128,19 @@ class SparseMoE(nn.Module):
         per = -(-t // attn.size) if attn.size > 1 else t
         start = min(t, attn.rank * per) if attn.size > 1 else 0
         mine = h[start : min(t, start + per)]
-        routing = self.routing(mine)
+        routing = self.routing(
+            mine, None if token_ids is None else token_ids[start : min(t, start + per)]
+        )
         self._observe(routing, counted=True)
         slots = self.physical(routing.ids)
         dest = slots // self.slots_per_rank  # [n, K] the rank of each slot
         y = dispatch_combine(
-            self.experts, mine, slots % self.slots_per_rank, dest, routing.weights, self.ctx.tp
+            self.experts,
+            self.expert_input(mine),
+            slots % self.slots_per_rank,
+            dest,
+            routing.weights,
+            self.ctx.tp,
         )
         out = self._with_shared(mine, y.to(h.dtype))
         if self.ctx.options.capture_routed_experts or attn.size > 1:

@@ -80,6 +80,8 @@ class Router(nn.Module):
     def select(self, logits: torch.Tensor) -> Routing:
         raise NotImplementedError
 
+    needs_token_ids = False  # a router that chooses by the token's id (``HashTopK``)
+
     def forward(self, h: torch.Tensor) -> Routing:
         return self.select(self.logits(h))
 
@@ -321,3 +323,42 @@ def _check_groups(num_experts: int, top_k: int, n_group: int, topk_group: int) -
             f"num_experts_per_tok: {top_k} experts cannot come from {topk_group} group(s) of "
             f"{num_experts // n_group}"
         )
+
+
+class SqrtSoftplusTopK(Router):
+    """DeepSeek-V4's scored experts: scores ``sqrt(softplus(logits))`` in the logits' dtype, the
+    top k of the scores plus a float32 ``correction`` (HF's ``gate.bias``, a selection bias: it
+    does not weigh), their scores renormalised and scaled by ``routed_scaling_factor``."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, scaling: float):
+        super().__init__(hidden, num_experts, top_k)
+        self.scaling = scaling
+        self.correction = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
+
+    @staticmethod
+    def scores(logits: torch.Tensor) -> torch.Tensor:
+        return F.softplus(logits).sqrt()
+
+    def weigh(self, scores: torch.Tensor, ids: torch.Tensor) -> Routing:
+        w = scores.gather(1, ids)
+        return Routing(ids, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling)
+
+    def select(self, logits: torch.Tensor) -> Routing:
+        scores = self.scores(logits)
+        ids = torch.topk(scores + self.correction, self.top_k, dim=-1, sorted=False).indices
+        return self.weigh(scores, ids)
+
+
+class HashTopK(SqrtSoftplusTopK):
+    """DeepSeek-V4's hash-routed layers: a token's experts are fixed by its id (``tid2eid``
+    [vocab, k]), weighted by their scores as ``SqrtSoftplusTopK`` weighs its choice."""
+
+    needs_token_ids = True
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, scaling: float, vocab: int):
+        Router.__init__(self, hidden, num_experts, top_k)
+        self.scaling = scaling
+        self.register_buffer("tid2eid", torch.zeros(vocab, top_k, dtype=torch.long))
+
+    def forward(self, h: torch.Tensor, token_ids: torch.Tensor) -> Routing:
+        return self.weigh(self.scores(self.logits(h)), self.tid2eid[token_ids].long())
