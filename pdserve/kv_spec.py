@@ -29,7 +29,7 @@ This module is the contract between ``models`` and ``engine``; it imports neithe
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import ClassVar, Optional, Sequence
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "uint8": 1}  # uint8: fp8 bits
@@ -111,12 +111,21 @@ class FullAttention(CacheSpec):
     kind: ClassVar[str] = "full_attention"
     num_kv_heads: int
     head_dim: int
+    # the whole model's KV heads of these layers where they are not the model's
+    # ``total_kv_heads`` (Gemma 4's full layers keep fewer than its windows); 0: the model's
+    total_kv_heads: int = field(default=0, kw_only=True)
 
     def page_bytes(self, page_size: int, dtype_bytes: int) -> int:
         return 2 * self.num_kv_heads * page_size * self.head_dim * dtype_bytes
 
+    def describe(self) -> dict:
+        out = super().describe()
+        if not self.total_kv_heads:
+            del out["total_kv_heads"]  # the model's: nothing more to agree on
+        return out
+
     def whole(self, total_kv_heads: int) -> "CacheSpec":
-        return replace(self, num_kv_heads=total_kv_heads)
+        return replace(self, num_kv_heads=self.total_kv_heads or total_kv_heads)
 
 
 class Windowed:

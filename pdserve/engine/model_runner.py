@@ -124,7 +124,9 @@ class ModelRunner:
         if args.disable_hybrid_swa_memory:  # windows by masking over full pages
             specs = [
                 tuple(
-                    FullAttention(s.num_kv_heads, s.head_dim) if isinstance(s, FullAttention) else s
+                    FullAttention(s.num_kv_heads, s.head_dim, total_kv_heads=s.total_kv_heads)
+                    if isinstance(s, FullAttention)
+                    else s
                     for s in entry
                 )
                 for entry in specs

@@ -101,6 +101,22 @@ class GptOssRMSNorm(AddNorm):
         return (self.weight.float() * xf).to(x.dtype)
 
 
+class Gemma4RMSNorm(AddNorm):
+    """Gemma 4's RMSNorm: ``x * (mean(x^2) + eps) ** -0.5 * weight`` in float32, rounded once to the
+    input dtype (the weight as it is, not Gemma 2/3's offset from 1). ``scale=False``: no weight
+    (the values' norm, the router's input norm). No kernel path."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, scale: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim)) if scale else None
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        return (xf if self.weight is None else xf * self.weight.float()).to(x.dtype)
+
+
 class ProjectionRMSNorm(nn.Module):
     """RMSNorm over a whole q or k projection (every head together: OLMo 2, OLMoE, MiniMax-M2)
     where a rank holds only its heads' part: the sum of squares is summed over the attention

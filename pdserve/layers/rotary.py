@@ -1,5 +1,5 @@
 """Rotary position embedding (rotate-half convention) with ``default``, ``linear``, ``llama3``,
-``yarn`` and ``longrope`` frequency scaling.
+``yarn``, ``longrope`` and ``proportional`` frequency scaling.
 
 HF configs describe RoPE in two ways: transformers 4 writes ``rope_theta`` plus an optional
 ``rope_scaling`` dict (type under ``type`` or ``rope_type``); transformers 5 writes one
@@ -40,6 +40,8 @@ _ROPE_FIELDS = {
     "yarn": ("factor", "original_max_position_embeddings"),
     # also factor (default: max_position_embeddings / original) and attention_factor
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+    # also partial_rotary_factor and factor (both default 1): Gemma 4's full-attention layers
+    "proportional": (),
 }
 # older names HF still reads
 _ROPE_ALIASES = {"su": "longrope"}
@@ -135,6 +137,12 @@ def inv_frequencies(head_dim: int, params: dict, long: bool = False) -> torch.Te
         return torch.where(in_band, blended, scaled)
     if kind == "yarn":
         return _yarn_inv_frequencies(head_dim, params)
+    if kind == "proportional":
+        # the first partial_rotary_factor of the frequencies, the rest 0 (cos 1, sin 0: those
+        # dims pass unturned), over the whole head_dim
+        turned = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        inv_freq[turned:] = 0.0
+        return inv_freq / params.get("factor", 1.0)
     return inv_freq
 
 

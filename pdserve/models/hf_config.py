@@ -14,7 +14,10 @@ the same whether it wrote the record or read it.
 An attribute the record cannot hold (anything but numbers, strings, lists, tuples, sets, dicts,
 dtypes and nested configurations; in transformers 5 only its per-layer views) is named in the
 record, and reading it raises ``TypeError`` rather than ``AttributeError``, so that no
-``getattr(config, name, default)`` quietly takes the default."""
+``getattr(config, name, default)`` quietly takes the default. The per-layer view of a
+heterogeneous configuration (Gemma 4's: its full-attention layers have another ``head_dim``), whose
+global per-layer fields transformers refuses to read, is kept as the list of the layers'
+configurations (``per_layer_config[i].head_dim`` reads as on the original)."""
 
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from pdserve import records
 logger = logging.getLogger(__name__)
 
 KIND = "configs"  # the records' folder under the cache directory
-FORMAT = 1  # of the record; a record of another format is read as none
+FORMAT = 3  # of the record; a record of another format is read as none
 
 
 class RecordedConfig:
@@ -125,6 +128,9 @@ def _encode_config(config) -> dict[str, Any]:
             attrs[name] = _encode(value)
         except _Unrecordable:
             unrecorded[name] = type(value).__name__
+    if getattr(config, "is_heterogeneous", False) is True:  # its layers' configurations
+        attrs["per_layer_config"] = _encode(list(config.per_layer_config))
+        unrecorded.pop("per_layer_config", None)
     return {"class": type(config).__name__, "attrs": attrs, "unrecorded": unrecorded}
 
 

@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 TEXT_MODELS = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
 }
 LANGUAGE_MODEL = "model.language_model."
 TEXT_PREFIXES = (LANGUAGE_MODEL, "lm_head.")

@@ -21,6 +21,7 @@ _MODELS = {
     "Phi3ForCausalLM": ("pdserve.models.phi3", "Phi3ForCausalLM"),
     "Gemma2ForCausalLM": ("pdserve.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("pdserve.models.gemma", "Gemma3ForCausalLM"),
+    "Gemma4ForCausalLM": ("pdserve.models.gemma4", "Gemma4ForCausalLM"),
     "Qwen3MoeForCausalLM": ("pdserve.models.moe", "Qwen3MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("pdserve.models.moe", "Qwen2MoeForCausalLM"),
     "MixtralForCausalLM": ("pdserve.models.moe", "MixtralForCausalLM"),

@@ -593,6 +593,61 @@ ARCHS["glm5"] = (
     },
 )
 
+# Gemma 4: layers S, F, S, F, S, F, windows of 16 (head_dim 16, 4 KV heads), the full layers of
+# head_dim 32 with 2 KV heads, their keys also their values, proportional RoPE on a quarter of
+# their dims; layers 4 and 5 read the caches of layers 2 and 3 (keeping none) through MLPs twice as
+# wide; per-layer inputs of 8 dims; the logits soft-capped. Its MoE form: 8 experts (top 2) beside
+# every layer's MLP.
+ARCHS["gemma4"] = (
+    "Gemma4TextConfig",
+    "Gemma4ForCausalLM",
+    dict(
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=2,
+        attention_k_eq_v=True,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+        sliding_window=16,
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=SMOLLM2_VOCAB,
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+    ),
+)
+ARCHS["gemma4_moe"] = (
+    "Gemma4TextConfig",
+    "Gemma4ForCausalLM",
+    {
+        **ARCHS["gemma4"][2],
+        "enable_moe_block": True,
+        "num_experts": 8,
+        "top_k_experts": 2,
+        "moe_intermediate_size": 32,
+    },
+)
+
+
+def _randomize_gemma4(model) -> None:
+    """What HF starts at one: every norm's weight (the MoE block's too), each layer's output scalar,
+    the router's input scale and per-expert weights; the router's matrix scaled up as the other
+    MoE routers' are."""
+    for name, param in model.named_parameters():
+        if "norm" in name and param.dim() == 1:
+            param.normal_(1.0, 0.2)
+        elif name.endswith(("router.scale", "router.per_expert_scale")):
+            param.uniform_(0.5, 1.5)
+        elif name.endswith("router.proj.weight"):
+            param.mul_(4 * _ROUTER_SCALE)
+    for name, buf in model.named_buffers():
+        if name.endswith("layer_scalar"):
+            buf.uniform_(0.5, 1.5)
+
+
 def hf_causal_lm(path: str, dtype: torch.dtype):
     """HF's model of checkpoint ``path``, by its architecture's class where transformers has the
     model code without an ``AutoModelForCausalLM`` entry (Mistral 4's text model, published inside
@@ -642,7 +697,11 @@ def _randomize_deepseek_v4(model) -> None:
 
 
 # families with weights HF initialises at zero that the tests must see otherwise
-_RANDOMIZE = {"deepseek_v4": _randomize_deepseek_v4}
+_RANDOMIZE = {
+    "deepseek_v4": _randomize_deepseek_v4,
+    "gemma4": _randomize_gemma4,
+    "gemma4_moe": _randomize_gemma4,
+}
 
 # Named variants used across tests.
 LLAMA_MQA_TIED = dict(

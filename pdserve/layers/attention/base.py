@@ -39,13 +39,17 @@ class AttnLayer:
     over the visible keys' scaled, masked scores plus one more column holding the sink, and that
     column is then dropped, so the sink only adds ``exp(sink)`` to the denominator (no value, no
     KV). The sink values are the model's parameter, passed to ``AttentionBackend.forward`` at each
-    call (they are loaded after this descriptor is made)."""
+    call (they are loaded after this descriptor is made). ``stores_kv`` False: a layer that reads
+    another layer's cache (Gemma 4's KV-shared layers: ``layer_id`` is that layer's, and the
+    k/v passed are the ones it stored in this forward), which the backend attends without
+    writing."""
 
     layer_id: int
     scale: float
     sliding_window: Optional[int] = None
     logit_softcap: Optional[float] = None
     has_sinks: bool = False
+    stores_kv: bool = True
 
 
 # layer feature -> (the backend flag that says it is supported, whether a layer has it)
@@ -60,8 +64,9 @@ class AttentionBackend(abc.ABC):
 
     ``q``: [T, num_heads, head_dim]; ``k``/``v``: [T, kv_heads, head_dim] for the flattened new
     tokens of ``fb``. It must write k/v into the layer's pool at its group's ``out_pages`` and
-    ``fb.out_offsets`` and return [T, num_heads, head_dim]. ``sinks``: [num_heads] (this rank's
-    heads, any float dtype) exactly when ``layer.has_sinks``, else None.
+    ``fb.out_offsets`` (unless ``layer.stores_kv`` is False) and return [T, num_heads, head_dim].
+    ``sinks``: [num_heads] (this rank's heads, any float dtype) exactly when ``layer.has_sinks``,
+    else None.
     """
 
     name: ClassVar[str] = ""

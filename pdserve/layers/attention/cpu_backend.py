@@ -280,11 +280,12 @@ class CpuAttnBackend(TorchAttnBackend):
         rows, table, lens = (self._flash or self._rowwise)[group]
         head_dim = kc.shape[3]
         scales = self._scales = fb.kv_scales(layer.layer_id)  # (tree rows' _extend_row reads it)
-        if scales is not None:  # a quantized pool
-            scales.store(kc, vc, rows, k, v)
-        else:
-            kc.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(kc.dtype))
-            vc.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(vc.dtype))
+        if layer.stores_kv:  # (not: another layer's cache, which that layer wrote)
+            if scales is not None:  # a quantized pool
+                scales.store(kc, vc, rows, k, v)
+            else:
+                kc.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(kc.dtype))
+                vc.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(vc.dtype))
         out = torch.empty_like(q)
         if self._rowwise is not None:
             kq, vq, quant = kernel_caches(kc, vc, scales)

@@ -275,6 +275,8 @@ class TorchAttnBackend(AttentionBackend):
         head_dim = kc.shape[3]
         rows = self._groups[group].write_rows
         self._scales = fb.kv_scales(layer.layer_id)
+        if not layer.stores_kv:  # another layer's cache, which that layer wrote
+            return group, kc, vc
         if self._scales is not None:  # quantized on write
             self._scales.store(kc, vc, rows, k, v)
             return group, kc, vc
