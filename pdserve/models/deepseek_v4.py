@@ -35,8 +35,10 @@ float32 in any model dtype.
 them and their query heads; ``wo_b`` sums over the ranks) and every expert's intermediate
 columns; the window, the compressors, the indexer, the router and the hyper-connections are
 computed whole on every rank, so the caches are replicated and a decode of any TP size reads them
-from one prefill rank. ``--ep-size`` places the experts by rank. Pipeline stages and data-parallel
-attention are refused at load, naming the option.
+from one prefill rank. ``--ep-size`` places the experts by rank. Under data-parallel attention the
+attention's ranks are the rank's attention group (its requests, its caches) and the MoE layers
+gather every group's tokens (``SparseMoE.run``); a group without tokens joins their collectives
+(``idle_forward``). Pipeline stages are refused at load, naming the option.
 """
 
 from __future__ import annotations
@@ -296,8 +298,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.num_attention_heads = config.num_attention_heads
         self.hc_mult = config.hc_mult
         tp = tp or SINGLE
-        ctx = self._moe_context(config, par or Parallel(world=tp, tp=tp, attn=tp), moe)
-        self.model = Model(config, tp, ctx)
+        par = par or Parallel(world=tp, tp=tp, attn=tp)
+        ctx = self._moe_context(config, par, moe)
+        self.model = Model(config, par.attn, ctx)
         self.head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp_weights: dict[str, tuple] = {}
 
@@ -329,17 +332,12 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     @staticmethod
     def _refuse_parallel(tp, par, moe) -> None:
-        sizes = {
-            "pp_size": getattr(par, "pp_size", 1),
-            "dp_size (DP attention)": getattr(par, "dp_size", 1),
-        }
-        for name, size in sizes.items():
-            if size and size > 1:
-                raise ValueError(
-                    f"{name}: {size}; DeepseekV4ForCausalLM runs with tensor and expert "
-                    "parallelism only in this version (its layers are not staged, its attention "
-                    "not split by requests yet)"
-                )
+        size = getattr(par, "pp_size", 1)
+        if size and size > 1:
+            raise ValueError(
+                f"pp_size: {size}; DeepseekV4ForCausalLM runs with tensor, expert and "
+                "data-parallel attention only in this version (its layers are not staged yet)"
+            )
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
@@ -372,7 +370,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         return False
 
     def idle_forward(self, dp) -> None:
-        raise RuntimeError("DeepseekV4ForCausalLM does not run DP attention")
+        """A DP-attention group with no tokens this step: join every MoE layer's collectives."""
+        empty = torch.empty((0, self.hidden_size), dtype=self.head.weight.dtype)
+        ids = torch.empty((0,), dtype=torch.long)
+        for layer in self.model.layers:
+            layer.ffn.run(empty, dp, ids)
 
     # ---- forward ---------------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -7,10 +7,11 @@ HF's with logprobs within 1e-4 for prompts of 1 to 160 tokens, prefilled whole a
 and 7 at page sizes 1, 4 and 16 (windows and compress rates cut at odd places), then decoded; a
 second turn continues from the compressor-state snapshot of a prefix hit as a cold run does. Through
 PD (P tp1 -> D tp1, tp1 -> tp2, tp2 -> tp1, tp1 -> a decode with the experts placed over two ranks
-plus two redundant slots, layer by layer, a decode prefix cache; local transfer) the tokens of a
-colocated server, and the bytes a request moves are the specs' prediction exactly (the window's last
-pages, the pages holding entries, the compressors' state once); a decode with other compress rates
-is refused naming both.
+plus two redundant slots, tp1 -> a decode with DP attention over two groups and the experts over
+both ranks, layer by layer, a decode prefix cache; local transfer) the tokens of a colocated server,
+and the bytes a request moves are the specs' prediction exactly (the window's last pages, the pages
+holding entries, the compressors' state once); a decode with other compress rates is refused naming
+both.
 """
 
 from __future__ import annotations
@@ -94,12 +95,8 @@ def test_what_this_version_does_not_split_is_refused_naming_the_option():
     from pdserve.models.deepseek_v4 import DeepseekV4ForCausalLM
 
     config = types.SimpleNamespace()
-    for name, kw in (
-        ("pp_size: 2", {"par": types.SimpleNamespace(pp_size=2, dp_size=1)}),
-        (r"dp_size \(DP attention\): 2", {"par": types.SimpleNamespace(pp_size=1, dp_size=2)}),
-    ):
-        with pytest.raises(ValueError, match=name + "; DeepseekV4ForCausalLM runs with tensor"):
-            DeepseekV4ForCausalLM(config, **kw)
+    with pytest.raises(ValueError, match="pp_size: 2; DeepseekV4ForCausalLM runs with tensor"):
+        DeepseekV4ForCausalLM(config, par=types.SimpleNamespace(pp_size=2, dp_size=1))
     # a rank holds whole output groups
     from transformers import AutoConfig
 
@@ -142,6 +139,7 @@ def v4_pd(tmp_path_factory):
     other = checkpoint(compress_rates={CSA: 8, HCA: 16})
     tp2 = ["--tp-size", "2"]
     ep2 = [*tp2, "--ep-size", "2", "--ep-num-redundant-experts", "2"]
+    dp = ["--enable-dp-attention"]
     layers = ["--enable-disagg-layer-pipeline", "--disagg-layer-group-size", "1"]
     layers += ["--disagg-layer-pipeline-min-prefill-len", "0"]
     s = {
@@ -152,6 +150,8 @@ def v4_pd(tmp_path_factory):
         "Dtp2": c.decode("Dtp2", path, logs, *COMMON, *tp2),
         # the experts placed by rank, two redundant slots among them
         "Dep2": c.decode("Dep2", path, logs, *COMMON, *ep2),
+        # two attention groups of one rank, the experts over both ranks
+        "Ddp": c.decode("Ddp", path, logs, *COMMON, *ep2[:-2], "--dp-size", "2", *dp),
         "Plw": c.prefill("Plw", path, logs, *COMMON, *layers)[0],
         "Dpc": c.decode("Dpc", path, logs, *COMMON, "--disaggregation-decode-enable-radix-cache"),
         "D8": c.decode("D8", other, logs, *COMMON),
@@ -201,6 +201,7 @@ PAIRS = [
     ("tp1->tp2", "P", "Dtp2"),
     ("tp2->tp1", "Ptp2", "D"),
     ("tp1->tp2 ep2", "P", "Dep2"),
+    ("tp1->dp2 ep2", "P", "Ddp"),
     ("layer-wise", "Plw", "D"),
 ]
 
@@ -223,7 +224,9 @@ def test_pd_matches_colocated_and_moves_the_predicted_bytes(v4_pd, name, p, d):
         if "tp2" not in p:  # every decode rank gets its own copy of the replicated caches
             last = stats(P)["recent_transfers"][-1]
             pages, nbytes = predicted(info, n)
-            copies = D.http.get("/server_info").json()["tp_size"]
+            served = D.http.get("/server_info").json()
+            # a copy per rank of the attention group the request lands in
+            copies = served["tp_size"] // served["scheduler_info"]["dp_size"]
             assert last["pages_per_group"] == pages, (n, last)
             assert last["kv_bytes"] == copies * nbytes, (n, last)
             if p == "Plw":  # sent during the forwards, a layer at a time (4 layers a forward)
