@@ -13,7 +13,8 @@ specs, never the model's shapes:
   attention TP.
 - ``LatentWindow``: one vector per token like a latent, within a window (a single head that is
   both key and value, DeepSeek-V4's sliding window).
-- ``IndexKeys``: one key vector per token (DeepSeek-V3.2's indexer), beside a layer's latent.
+- ``IndexKeys``: one key vector per token (DeepSeek-V3.2's indexer, MiniMax M3's block indexer),
+  beside a layer's latent or its K/V.
 - ``RecurrentState``: fixed-size tensors per request (linear attention / SSM): one slot, not
   pages.
 - ``CompressedEntries``: one vector per ``rate`` tokens (DeepSeek-V4's compressed attention: a
@@ -186,7 +187,7 @@ class LatentWindow(Windowed, LatentAttention):
 @dataclass(frozen=True)
 class IndexKeys(CacheSpec):
     """One key vector (``dim``) per token, no head axis: the sparse-attention indexer's
-    (DeepSeek-V3.2), a second cache of the same layers as their latents."""
+    (DeepSeek-V3.2, MiniMax M3), a second cache of the same layers as their latents or K/V."""
 
     kind: ClassVar[str] = "index_keys"
     dim: int

@@ -163,7 +163,7 @@ def load_model(
         if fmt is not None:
             tensors = checkpoint_tensors(model_path)
             if from_multimodal(hf_config):
-                tensors = text_model_tensors(tensors)
+                tensors = text_model_tensors(tensors, hf_config.multimodal_architecture)
             fmt.prepare(model, tensors)
             weights = fmt.wrap(weights, tensors)
         model.load_weights(weights)

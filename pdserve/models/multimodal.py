@@ -8,7 +8,9 @@ serves such a checkpoint's text model: ``text_model_config`` gives the nested co
 the text class's architecture name (with the outer fields it needs: the dtype, the quantization,
 the tied embeddings), and ``text_model_weights`` the language model's tensors under the text
 checkpoint's names, every other tensor set aside. Images are not taken on this path: a request is
-its tokens.
+its tokens. MiniMax M3's published checkpoint keeps the language model as
+``language_model.model.*`` and ``language_model.lm_head.*`` (``TEXT_PREFIXES``), in the names
+its text class reads (``models/minimax_m3.py``).
 """
 
 from __future__ import annotations
@@ -23,9 +25,17 @@ TEXT_MODELS = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
     "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
+    "MiniMaxM3SparseForConditionalGeneration": "MiniMaxM3VLForCausalLM",
 }
 LANGUAGE_MODEL = "model.language_model."
-TEXT_PREFIXES = (LANGUAGE_MODEL, "lm_head.")
+# where a multimodal checkpoint keeps its language model's tensors: prefix -> the text checkpoint's
+DEFAULT_PREFIXES = {LANGUAGE_MODEL: "model.", "lm_head.": "lm_head."}
+TEXT_PREFIXES = {
+    "MiniMaxM3SparseForConditionalGeneration": {
+        "language_model.model.": "model.",
+        "language_model.lm_head.": "lm_head.",
+    },
+}
 # fields of the outer configuration that the text model's reads when its own does not set them
 OUTER_FIELDS = ("dtype", "torch_dtype", "quantization_config")
 # set on a text configuration taken from a multimodal one: the architecture it came from
@@ -56,13 +66,12 @@ def from_multimodal(config) -> bool:
     return getattr(config, SOURCE_FIELD, None) is not None
 
 
-def text_name(name: str) -> str | None:
-    """The text checkpoint's name of a multimodal checkpoint's tensor; None when it is not the
-    language model's."""
-    if name.startswith(LANGUAGE_MODEL):
-        return "model." + name[len(LANGUAGE_MODEL) :]
-    if name.startswith("lm_head."):
-        return name
+def text_name(name: str, source: str | None = None) -> str | None:
+    """The text checkpoint's name of a tensor of a ``source`` checkpoint (a multimodal
+    architecture); None when it is not the language model's."""
+    for prefix, text in TEXT_PREFIXES.get(source, DEFAULT_PREFIXES).items():
+        if name.startswith(prefix):
+            return text + name[len(prefix) :]
     return None
 
 
@@ -73,7 +82,7 @@ def text_model_weights(
     (vision tower, projector, multi-token prediction) counted and set aside."""
     skipped = 0
     for name, tensor in weights:
-        renamed = text_name(name)
+        renamed = text_name(name, source)
         if renamed is None:
             skipped += 1
             continue
@@ -81,11 +90,11 @@ def text_model_weights(
     logger.info("%s: the text model's weights loaded, %d other tensors set aside", source, skipped)
 
 
-def text_model_tensors(tensors: dict[str, Any]) -> dict[str, Any]:
+def text_model_tensors(tensors: dict[str, Any], source: str | None = None) -> dict[str, Any]:
     """``text_model_weights`` over a checkpoint's header (name -> dtype and shape)."""
     out = {}
     for name, info in tensors.items():
-        renamed = text_name(name)
+        renamed = text_name(name, source)
         if renamed is not None:
             out[renamed] = info
     return out

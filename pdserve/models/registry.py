@@ -27,6 +27,7 @@ _MODELS = {
     "MixtralForCausalLM": ("pdserve.models.moe", "MixtralForCausalLM"),
     "OlmoeForCausalLM": ("pdserve.models.olmoe", "OlmoeForCausalLM"),
     "MiniMaxM2ForCausalLM": ("pdserve.models.minimax_m2", "MiniMaxM2ForCausalLM"),
+    "MiniMaxM3VLForCausalLM": ("pdserve.models.minimax_m3", "MiniMaxM3VLForCausalLM"),
     "GptOssForCausalLM": ("pdserve.models.gpt_oss", "GptOssForCausalLM"),
     "DeepseekV2ForCausalLM": ("pdserve.models.deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("pdserve.models.deepseek", "DeepseekV3ForCausalLM"),

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from pdserve.models.multimodal import text_model_config
+from pdserve.models.multimodal import TEXT_MODELS, text_model_config
 from tests.e2e.test_engine import hf_generate_logits, make_engine, prompts_for
 from tests.helpers.checkpoints import MULTIMODAL, build_multimodal_checkpoint, build_tiny_checkpoint
 
@@ -31,9 +31,7 @@ def test_multimodal_checkpoint_serves_its_text_model(arch):
     text = make_engine(build_tiny_checkpoint(arch), dtype="float32", page_size=16)
     try:
         model = eng.scheduler.runner.model
-        assert type(model).__name__ == MULTIMODAL[arch][1].replace(
-            "ForConditionalGeneration", "ForCausalLM"
-        )
+        assert type(model).__name__ == TEXT_MODELS[MULTIMODAL[arch][1]]
         assert not any("visual" in n for n, _ in model.named_parameters())
         prompts = prompts_for(3)[2:5]  # 17 to 95 tokens: past the chunk of 32
         sp = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}

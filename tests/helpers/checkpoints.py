@@ -631,6 +631,35 @@ ARCHS["gemma4_moe"] = (
     },
 )
 
+# MiniMax M3: layers 0 and 2 block-sparse (an indexer of one head per KV head over blocks of 4
+# keys: the 2 blocks ending at the query's, then the best up to 4, so a query past 16 tokens sees
+# some of the earlier ones), 1 and 3 full attention; MLPs dense, sparse, sparse, dense (8 experts
+# top 2 beside a shared one), their SwiGLU clamped at 0.5 so that the clamps bite; RoPE on half of
+# each head (the indexer's first 8 of 32 dims)
+ARCHS["minimax_m3"] = (
+    "MiniMaxM3VLTextConfig",
+    "MiniMaxM3VLForCausalLM",
+    dict(
+        num_hidden_layers=4,
+        head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+        dense_intermediate_size=96,
+        shared_intermediate_size=32,
+        swiglu_limit=0.5,
+        index_n_heads=2,
+        index_head_dim=32,
+        index_block_size=4,
+        index_topk_blocks=4,
+        index_local_blocks=2,
+        layer_types=["minimax_m3_sparse", "full_attention"] * 2,
+        mlp_layer_types=["dense", "sparse", "sparse", "dense"],
+        rotary_dim=8,
+        rope_parameters=dict(rope_type="default", rope_theta=5000000.0, partial_rotary_factor=0.5),
+    ),
+)
+
 
 def _randomize_gemma4(model) -> None:
     """What HF starts at one: every norm's weight (the MoE block's too), each layer's output scalar,
@@ -670,7 +699,7 @@ _ROUTER_SUFFIXES = (
     "block_sparse_moe.router.layer.weight",
 )
 # archs whose norm weights are offsets from 1 (drawn from N(0, 0.2) instead of HF's zeros)
-_NORM_OFFSETS = ("gemma2", "gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe")
+_NORM_OFFSETS = ("gemma2", "gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe", "minimax_m3")
 # families whose norms are told apart by name or place: weights around 1 instead of HF's ones
 _RANDOM_NORMS = ("smollm3", "granite", "olmo2", "olmo3", "glm4", "cohere2", "exaone4", "phi3")
 _RANDOM_NORMS += ("olmoe", "minimax_m2", "deepseek_v4")
@@ -1460,6 +1489,21 @@ def mxfp4_dequantized_checkpoint(src: str) -> str:
 MULTIMODAL = {
     "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
     "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
+    "minimax_m3": ("MiniMaxM3VLConfig", "MiniMaxM3SparseForConditionalGeneration"),
+}
+# families whose vision tower has fields of its own: (vision configuration, outer fields)
+_OWN_VISION = {
+    "minimax_m3": (
+        dict(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            patch_size=2,
+            image_size=8,
+        ),
+        dict(projector_hidden_size=32),
+    ),
 }
 _TINY_VISION = dict(
     depth=1,
@@ -1483,8 +1527,10 @@ def build_multimodal_checkpoint(arch: str) -> str:
     def write(tmp: str) -> None:
         text = transformers.AutoConfig.from_pretrained(text_path).to_dict()
         text.pop("architectures", None)
-        vision = {**_TINY_VISION, "out_hidden_size": text["hidden_size"]}
-        config = getattr(transformers, config_cls)(text_config=text, vision_config=vision)
+        vision, outer = _OWN_VISION.get(
+            arch, ({**_TINY_VISION, "out_hidden_size": text["hidden_size"]}, {})
+        )
+        config = getattr(transformers, config_cls)(text_config=text, vision_config=vision, **outer)
         config.architectures = [model_cls]
         torch.manual_seed(0)
         model = getattr(transformers, model_cls)(config).to(torch.float32)

@@ -42,7 +42,8 @@ class AttnLayer:
     call (they are loaded after this descriptor is made). ``stores_kv`` False: a layer that reads
     another layer's cache (Gemma 4's KV-shared layers: ``layer_id`` is that layer's, and the
     k/v passed are the ones it stored in this forward), which the backend attends without
-    writing."""
+    writing. ``key_masked``: its queries see only the keys a ``KeyMask`` passed at each call lets
+    through (block-sparse attention)."""
 
     layer_id: int
     scale: float
@@ -50,6 +51,7 @@ class AttnLayer:
     logit_softcap: Optional[float] = None
     has_sinks: bool = False
     stores_kv: bool = True
+    key_masked: bool = False
 
 
 # layer feature -> (the backend flag that says it is supported, whether a layer has it)
@@ -59,6 +61,19 @@ _FEATURES = {
 }
 
 
+class KeyMask(abc.ABC):
+    """Which keys each new token may see, per KV head, on top of the causal (and window) rule:
+    block-sparse attention chooses its keys per KV head (``block_select.BlockSelection``). Key j
+    is the j-th token of the token's own sequence (its position); the query heads of a KV head
+    share its row."""
+
+    @abc.abstractmethod
+    def rows(self, tokens: torch.Tensor, width: int) -> torch.Tensor:
+        """[len(tokens), kv_heads, width] bool (True: may attend) for the flattened new tokens
+        ``tokens`` over keys 0 .. width - 1 (keys past a token's sequence may be True: the
+        backend's own mask hides them)."""
+
+
 class AttentionBackend(abc.ABC):
     """Contract: ``forward`` is called once per layer per forward, from the scheduler thread only.
 
@@ -66,7 +81,9 @@ class AttentionBackend(abc.ABC):
     tokens of ``fb``. It must write k/v into the layer's pool at its group's ``out_pages`` and
     ``fb.out_offsets`` (unless ``layer.stores_kv`` is False) and return [T, num_heads, head_dim].
     ``sinks``: [num_heads] (this rank's heads, any float dtype) exactly when ``layer.has_sinks``,
-    else None.
+    else None. ``key_mask`` (a ``KeyMask`` over this rank's KV heads, or None): the keys each
+    token sees per KV head, besides causality; query head h belongs to KV head
+    ``h // (num_heads / kv_heads)``.
     """
 
     name: ClassVar[str] = ""
@@ -91,6 +108,7 @@ class AttentionBackend(abc.ABC):
         v: torch.Tensor,
         fb: "ForwardBatch",
         sinks: Optional[torch.Tensor] = None,
+        key_mask: Optional[KeyMask] = None,
     ) -> torch.Tensor: ...
 
     def forward_latent(
@@ -153,6 +171,26 @@ class AttentionBackend(abc.ABC):
         raise NotImplementedError(
             f"attention backend {self.name!r} has no sparse-attention indexer"
         )
+
+    def index_select_blocks(
+        self,
+        layer: AttnLayer,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        fb: "ForwardBatch",
+        block_size: int,
+        topk: int,
+        local: int,
+    ) -> KeyMask:
+        """The block indexer of block-sparse attention (MiniMax M3) for a layer with an indexer
+        cache: stores the new tokens' ``keys`` [T, D] and returns which blocks of
+        ``block_size`` keys (block b: positions b * block_size ..) each new token's KV head h
+        sees. Query t scores the keys up to its position with ``q[t, h] . key`` (``q`` [T, H, D],
+        H the model's KV heads, in float32); a block scores its best key; the ``local`` blocks
+        ending at the query's own are always kept, then the best-scoring ones until ``topk``
+        blocks, the lower block first among equal scores, so chunking, PD and decode choose
+        alike."""
+        raise NotImplementedError(f"attention backend {self.name!r} has no block indexer")
 
     @classmethod
     def missing_features(cls, layers: Iterable[AttnLayer]) -> list[str]:

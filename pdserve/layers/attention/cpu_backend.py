@@ -28,6 +28,11 @@ torch backend runs extend rows, under their mask.
 
 Both kernels take the layer's attention sinks (float32, one per query head): the online softmax
 starts from the sink as its running max with a running sum of 1, which is the extra softmax column.
+
+The kernels take no per-KV-head key mask (block-sparse attention, ``AttentionBackend.forward``'s
+``key_mask``): such layers run on the torch backend's path (a ``TorchAttnBackend`` set up for the
+forward on their first call), the model's other layers on the kernels. Those layers' decode rows
+are then batched through SDPA, not independent of the batch: ``deterministic`` refuses such models.
 """
 
 from __future__ import annotations
@@ -74,6 +79,16 @@ class CpuAttnBackend(TorchAttnBackend):
                 )
         self.ops = ops
 
+    def check_supported(self, cache_kinds, layers, model: str) -> None:
+        layers = list(layers)
+        super().check_supported(cache_kinds, layers, model)
+        if self.deterministic and any(layer.key_masked for layer in layers):
+            raise ValueError(
+                f"enable_deterministic_inference: the block-sparse attention layers of {model} "
+                "(a key mask per KV head) run on the torch path, whose rows are not independent "
+                "of the batch"
+            )
+
     def uses_flash(self, fb: ForwardBatch) -> bool:
         return all(
             g.pool.kv_heads
@@ -91,6 +106,7 @@ class CpuAttnBackend(TorchAttnBackend):
     def init_forward(self, fb: ForwardBatch) -> None:
         self._flash = None
         self._rowwise = None
+        self._masked: Optional[TorchAttnBackend] = None  # the torch path of key-masked layers
         self._virtual = self._init_virtual(fb) if fb.trees else None
         self._row_cache: dict[
             int, tuple[torch.Tensor, torch.Tensor]
@@ -264,7 +280,16 @@ class CpuAttnBackend(TorchAttnBackend):
             )
             out[tokens] = torch.einsum("bhr,hvr->bhv", o.to(q_nope.dtype), w_vc)
 
-    def forward(self, layer, q, k, v, fb, sinks=None):
+    def drop_forward_state(self) -> None:
+        super().drop_forward_state()
+        self._masked = None
+
+    def forward(self, layer, q, k, v, fb, sinks=None, key_mask=None):
+        if key_mask is not None:  # the kernels take no key mask: the torch path
+            if self._masked is None:
+                self._masked = TorchAttnBackend()
+                self._masked.init_forward(fb)
+            return self._masked.forward(layer, q, k, v, fb, sinks, key_mask)
         if self._flash is None and self._rowwise is None:
             out = super().forward(layer, q, k, v, fb, sinks)
             if self._virtual is not None:

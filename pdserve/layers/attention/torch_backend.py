@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from pdserve.forward_batch import ForwardBatch, GroupTable
 from pdserve.layers.attention.base import AttentionBackend, AttnLayer
+from pdserve.layers.attention.block_select import select_paged
 
 # scores (float32) of at most this many (head, query, key) triples at a time on the written-out path
 _MATH_BLOCK = 1 << 25
@@ -48,8 +49,10 @@ def attention(
     sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``q`` [B, H, Lq, D], ``k``/``v`` [B, KVH, Lk, D], ``mask`` bool (True: attend; [..., Lq or 1,
-    Lk]) or None for causal with Lq == Lk (a prefill), ``sinks`` [H] or None; returns
-    [B, H, Lq, D]."""
+    Lk]) or None for causal with Lq == Lk (a prefill), or one row per KV head ([B, KVH, Lq, Lk]),
+    ``sinks`` [H] or None; returns [B, H, Lq, D]."""
+    if mask is not None and mask.dim() == 4 and mask.shape[1] not in (1, q.shape[1]):
+        mask = mask.repeat_interleave(q.shape[1] // mask.shape[1], dim=1)  # to each query head
     if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
@@ -198,6 +201,7 @@ class TorchAttnBackend(AttentionBackend):
         layer: AttnLayer,
         group: int,
         sinks: Optional[torch.Tensor],
+        key_mask=None,
     ) -> None:
         """Attention of the decode rows, written into their rows of ``out``."""
         if not self._dec_rows.numel():
@@ -211,11 +215,14 @@ class TorchAttnBackend(AttentionBackend):
             kk = kc.view(-1, head_dim)[gather]  # [Bd, kv_heads, L, D]
             vv = vc.view(-1, head_dim)[gather]
         qq = q[self._dec_rows].unsqueeze(2)  # [Bd, heads, 1, D]
+        mask = self._decode_mask(layer.sliding_window)
+        if key_mask is not None:  # [Bd, kv_heads, 1, L]
+            mask = mask & key_mask.rows(self._dec_rows, mask.shape[-1])[:, :, None, :]
         o = attention(
             qq,
             kk.to(q.dtype),
             vv.to(q.dtype),
-            self._decode_mask(layer.sliding_window),
+            mask,
             layer.scale,
             layer.logit_softcap,
             sinks,
@@ -237,7 +244,9 @@ class TorchAttnBackend(AttentionBackend):
             self._ext_masks[key] = m
         return m
 
-    def _extend_row(self, out, q, k, v, kc, vc, pages, row, start, ext, prefix, layer, sinks):
+    def _extend_row(
+        self, out, q, k, v, kc, vc, pages, row, start, ext, prefix, layer, sinks, key_mask=None
+    ):
         """One extend row's attention, written into its rows of ``out``."""
         kv_heads, head_dim = kc.shape[1], kc.shape[3]
         qq = q[start : start + ext].transpose(0, 1).unsqueeze(0)  # [1, heads, ext, D]
@@ -257,6 +266,11 @@ class TorchAttnBackend(AttentionBackend):
             kk = kc[pages].permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :seq]
             vv = vc[pages].permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :seq]
         mask = self._extend_mask(self._fb, row, start, ext, prefix, layer.sliding_window, q.device)
+        if key_mask is not None:  # [1, kv_heads, ext, seq]
+            if mask is None:
+                mask = extend_mask(self._fb, row, start, ext, prefix, None, q.device)
+            tokens = torch.arange(start, start + ext, device=q.device)
+            mask = (mask & key_mask.rows(tokens, seq).transpose(0, 1)).unsqueeze(0)
         o = attention(
             qq,
             kk.unsqueeze(0).to(q.dtype),
@@ -284,17 +298,21 @@ class TorchAttnBackend(AttentionBackend):
         vc.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(vc.dtype))
         return group, kc, vc
 
-    def forward(self, layer, q, k, v, fb, sinks=None):
+    def forward(self, layer, q, k, v, fb, sinks=None, key_mask=None):
         assert (sinks is not None) == layer.has_sinks, (
             f"layer {layer.layer_id}: sinks must come exactly with has_sinks"
         )
         group, kc, vc = self.store(layer, k, v, fb)
         out = torch.empty_like(q)
-        self.decode(out, q, kc, vc, layer, group, sinks)
+        if key_mask is None:
+            self.decode(out, q, kc, vc, layer, group, sinks)
+        else:  # the gather path, whatever decode a subclass runs
+            TorchAttnBackend.decode(self, out, q, kc, vc, layer, group, sinks, key_mask)
         ext_pages = self._groups[group].ext_pages
         for idx, (row, start, ext, prefix) in enumerate(self._ext):
+            pages = ext_pages[idx]
             self._extend_row(
-                out, q, k, v, kc, vc, ext_pages[idx], row, start, ext, prefix, layer, sinks
+                out, q, k, v, kc, vc, pages, row, start, ext, prefix, layer, sinks, key_mask
             )
         return out
 
@@ -405,6 +423,14 @@ class TorchAttnBackend(AttentionBackend):
                 positions[start + j, : len(chosen)] = chosen.to(torch.int32)
                 counts[start + j] = len(chosen)
         return positions, counts
+
+    # ---- block-sparse attention's indexer (MiniMax M3) ------------------------------------------
+    def index_select_blocks(self, layer, q, keys, fb, block_size, topk, local):
+        group = fb.cache_group(layer.layer_id, "index_keys")
+        cache = fb.index_keys(layer.layer_id)  # [P, page, D]
+        rows = write_rows(fb.groups[group], fb.out_offsets)
+        cache.view(-1, cache.shape[-1]).index_copy_(0, rows, keys.to(cache.dtype))
+        return select_paged(fb, group, cache, q, block_size, topk, local)
 
 
 def one_head_attention(
