@@ -26,8 +26,8 @@ the group lives in ``KVCacheManager``, so the manager holds no kind checks:
   hit end anywhere.
 
 A request's items of group g are ``KVSlots.pages[g]``: its page of each logical page for a paged
-group, ``[slot]`` for a per-request group. ``POLICIES`` maps a spec's kind to its policy; a new
-kind names its policy there, as it names its pool in ``kv_pool.POOLS``.
+group, ``[slot]`` for a per-request group. ``cache_kinds.KINDS`` maps a spec's kind to its
+policy and its pool.
 """
 
 from __future__ import annotations
@@ -206,24 +206,13 @@ class CompressedPolicy(CachePolicy):
         assert next(it, None) is None, "compressed entries: more items than pages that hold one"
 
 
-# cache kind (kv_spec.CacheSpec.kind) -> its policy in the manager
-POLICIES: dict[str, type[CachePolicy]] = {
-    "full_attention": FullAttentionPolicy,
-    "latent_attention": FullAttentionPolicy,
-    "index_keys": FullAttentionPolicy,
-    "sliding_window": WindowPolicy,
-    "latent_window": WindowPolicy,
-    "recurrent_state": StatePolicy,
-    "compressed": CompressedPolicy,
-    "compressor_state": StatePolicy,
-}
-
-
 def policy_for(spec: CacheSpec, page_size: int, prefix_cache: bool = True) -> CachePolicy:
-    cls = POLICIES.get(spec.kind)
-    if cls is None:
+    from pdserve.engine.cache_kinds import KINDS  # (it imports this module)
+
+    kind = KINDS.get(spec.kind)
+    if kind is None:
         raise ValueError(
             f"cache kind {spec.kind!r} has no policy in the KV cache manager "
-            f"(policies: {', '.join(sorted(POLICIES))})"
+            f"(policies: {', '.join(sorted(KINDS))})"
         )
-    return cls(spec, page_size, prefix_cache)
+    return kind.policy(spec, page_size, prefix_cache)

@@ -1,5 +1,5 @@
 """Paged cache pools (one contiguous allocation per cache group and rank) and an O(1) page
-allocator; ``make_pool`` picks the pool of a cache group's spec (``POOLS``).
+allocator; ``make_pool`` picks the pool of a cache group's spec (``cache_kinds.KINDS``).
 
 - ``KVPool`` (full attention, sliding window): ``[num_layers, 2 (K|V), num_pages, kv_heads,
   page_size, head_dim]`` ("head-major pages"). One page of one layer's K (or V) is one contiguous
@@ -570,19 +570,6 @@ class StatePool(BaseKVPool):
         return out
 
 
-# cache kind (kv_spec.CacheSpec.kind) -> the pool that holds it
-POOLS: dict[str, type] = {
-    "full_attention": KVPool,
-    "sliding_window": KVPool,
-    "latent_attention": LatentPool,
-    "index_keys": LatentPool,
-    "latent_window": LatentPool,
-    "recurrent_state": StatePool,
-    "compressed": CompressedPool,
-    "compressor_state": StatePool,
-}
-
-
 def make_pool(
     group,
     num_pages: int,
@@ -594,12 +581,15 @@ def make_pool(
 ) -> BaseKVPool:
     """The pool of cache group ``group`` (``kv_spec.CacheGroup``), by its spec's kind; ``quant``:
     a quantized KV format (``KVPool`` only: ``kv_quant.check_quantizable`` refused the rest)."""
-    cls = POOLS.get(group.kind)
-    if cls is None:
+    from pdserve.engine.cache_kinds import KINDS  # (it imports this module)
+
+    kind = KINDS.get(group.kind)
+    if kind is None:
         raise ValueError(
             f"cache kind {group.kind!r} (layers {list(group.layers)}) has no pool in this engine "
-            f"(pools: {', '.join(sorted(POOLS))})"
+            f"(pools: {', '.join(sorted(KINDS))})"
         )
+    cls = kind.pool
     extra = {"quant": quant} if quant is not None and cls is KVPool else {}
     return cls.for_spec(
         group.spec, len(group.layers), num_pages, page_size, dtype, device, allocator, **extra
