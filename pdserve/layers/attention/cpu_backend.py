@@ -82,7 +82,8 @@ class CpuAttnBackend(TorchAttnBackend):
     def check_supported(self, cache_kinds, layers, model: str) -> None:
         layers = list(layers)
         super().check_supported(cache_kinds, layers, model)
-        if self.deterministic and any(layer.key_masked for layer in layers):
+        # (read only for such layers: the rest of the check needs no instance state)
+        if any(layer.key_masked for layer in layers) and self.deterministic:
             raise ValueError(
                 f"enable_deterministic_inference: the block-sparse attention layers of {model} "
                 "(a key mask per KV head) run on the torch path, whose rows are not independent "
