@@ -25,6 +25,7 @@ from tests.e2e.test_engine_moe import hf_reference
 from tests.e2e.test_pd_groups import idle
 from tests.helpers import cluster as c
 from tests.helpers.checkpoints import build_tiny_checkpoint
+from tests.helpers.layouts import assert_matches, hf_references, serve_layouts
 
 torch.set_num_threads(1)
 
@@ -48,45 +49,12 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf(path):
-    """HF's greedy tokens and logprobs, once per prompt."""
-    cache: dict = {}
-
-    def reference(ids: list[int]):
-        if tuple(ids) not in cache:
-            cache[tuple(ids)] = hf_reference(path, ids, NEW_TOKENS)
-        return cache[tuple(ids)]
-
-    return reference
+    return hf_references(path, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def served(path, prompts) -> dict:
-    """Per layout: the cache groups, the prompts' outputs, a second turn's and the pools after."""
-    out = {}
-    for page, chunk, backend in LAYOUTS:
-        eng = make_engine(
-            path,
-            page_size=page,
-            chunked_prefill_size=chunk,
-            dtype="float32",
-            attention_backend=backend,
-        )
-        try:
-            groups = [(g.kind, g.layers) for g in eng.scheduler.runner.cache_groups]
-            outs = eng.generate(input_ids=prompts, sampling_params=SP, return_logprob=True)
-            follow = prompts[-1] + outs[-1]["output_ids"] + prompts[2]
-            again = eng.generate(input_ids=follow, sampling_params=SP, return_logprob=True)
-            out[page, chunk, backend] = groups, outs, (follow, again), eng.check_integrity()
-        finally:
-            eng.shutdown()
-    return out
-
-
-def assert_matches(hf, ids: list[int], out: dict, what: str) -> None:
-    tokens, logprobs = hf(ids)
-    assert out["output_ids"] == tokens, f"{what}: prompt of {len(ids)} tokens"
-    for k, (v, tok, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
-        assert abs(v - logprobs[len(ids) - 1 + k, tok].item()) < 1e-4, (what, len(ids), k)
+    return serve_layouts(path, prompts, LAYOUTS, SP, prompts[2])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
@@ -158,26 +126,7 @@ PAIRS = {"tp1->tp2": ("P1", "D2", [(1.0, 2)]), "tp2->tp1": ("P2", "D1", [(0.5, 1
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory, path):
-    logs = tmp_path_factory.mktemp("pd-minimax-m3")
-    tp2 = ["--tp-size", "2"]
-    s = {
-        "P1": c.prefill("P1", path, logs, *COMMON)[0],
-        "P2": c.prefill("P2", path, logs, *COMMON, *tp2)[0],
-        "D1": c.decode("D1", path, logs, *COMMON),
-        "D2": c.decode("D2", path, logs, *COMMON, *tp2),
-    }
-    try:
-        c.start_all(s.values())
-        yield s
-    finally:
-        for proc in s.values():
-            proc.stop()
-
-
-def sent(server: c.Proc) -> list[int]:
-    """Bytes each prefill rank has written so far."""
-    integrity = server.http.get("/debug/integrity").json()["integrity"]
-    return [r["kv_bytes_sent"] for r in integrity.get("ranks") or [integrity]]
+    yield from c.tp_pairs(path, tmp_path_factory.mktemp("pd-minimax-m3"), *COMMON)
 
 
 def per_token(path: str) -> tuple[int, int]:
@@ -200,12 +149,12 @@ def test_pd_matches_colocated_and_moves_what_the_specs_predict(pd, path, served,
     colocated = served[LAYOUTS[0]][1]
     rng = random.Random(pair)
     for ids, want in list(zip(prompts, colocated))[2:]:  # 40 to 160 tokens
-        before = sent(P)
+        before = c.kv_bytes_sent(P)
         rp, rd = c.post_pd(P, D, c.greedy_body(ids, NEW_TOKENS, P, rng.randrange(2**63)))
         assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
         assert rd.json()["output_ids"] == want["output_ids"], f"{pair}: prompt of {len(ids)}"
-        c.wait_for(lambda: sum(sent(P)) > sum(before), 10, "the transfer counters")
-        delta = [a - b for a, b in zip(sent(P), before)]
+        c.wait_for(lambda: sum(c.kv_bytes_sent(P)) > sum(before), 10, "the transfer counters")
+        delta = [a - b for a, b in zip(c.kv_bytes_sent(P), before)]
         tokens = -(-len(ids) // PAGE) * PAGE
         assert delta == [round(tokens * (share * kv + n * index)) for share, n in ranks], (
             pair,

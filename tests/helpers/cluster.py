@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import httpx
 
@@ -247,3 +247,27 @@ def router(name: str, prefills: list[Proc], decodes: list[Proc], log_dir: Path, 
     for d in decodes:
         cmd += ["--decode", d.url]
     return Proc(name, cmd, port, log_dir)
+
+
+def tp_pairs(path: str, logs, *args: str) -> Iterator[dict[str, Proc]]:
+    """One- and two-rank prefill (``P1``, ``P2``) and decode (``D1``, ``D2``) servers of ``path``
+    with ``args``, started together; stopped after the ``yield`` (a module fixture's body)."""
+    tp2 = ["--tp-size", "2"]
+    s = {
+        "P1": prefill("P1", path, logs, *args)[0],
+        "P2": prefill("P2", path, logs, *args, *tp2)[0],
+        "D1": decode("D1", path, logs, *args),
+        "D2": decode("D2", path, logs, *args, *tp2),
+    }
+    try:
+        start_all(s.values())
+        yield s
+    finally:
+        for proc in s.values():
+            proc.stop()
+
+
+def kv_bytes_sent(server: Proc) -> list[int]:
+    """The KV bytes each of a prefill server's ranks has written so far."""
+    integrity = server.http.get("/debug/integrity").json()["integrity"]
+    return [r["kv_bytes_sent"] for r in integrity.get("ranks") or [integrity]]
