@@ -27,9 +27,8 @@ TEXT_MODELS = {
     "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
     "MiniMaxM3SparseForConditionalGeneration": "MiniMaxM3VLForCausalLM",
 }
-LANGUAGE_MODEL = "model.language_model."
 # where a multimodal checkpoint keeps its language model's tensors: prefix -> the text checkpoint's
-DEFAULT_PREFIXES = {LANGUAGE_MODEL: "model.", "lm_head.": "lm_head."}
+DEFAULT_PREFIXES = {"model.language_model.": "model.", "lm_head.": "lm_head."}
 TEXT_PREFIXES = {
     "MiniMaxM3SparseForConditionalGeneration": {
         "language_model.model.": "model.",
@@ -66,7 +65,7 @@ def from_multimodal(config) -> bool:
     return getattr(config, SOURCE_FIELD, None) is not None
 
 
-def text_name(name: str, source: str | None = None) -> str | None:
+def text_name(name: str, source: str) -> str | None:
     """The text checkpoint's name of a tensor of a ``source`` checkpoint (a multimodal
     architecture); None when it is not the language model's."""
     for prefix, text in TEXT_PREFIXES.get(source, DEFAULT_PREFIXES).items():
@@ -75,26 +74,27 @@ def text_name(name: str, source: str | None = None) -> str | None:
     return None
 
 
+def _renamed(items: Iterable[tuple[str, Any]], source: str, skipped: list[int]) -> Iterator:
+    for name, value in items:
+        renamed = text_name(name, source)
+        if renamed is None:
+            skipped[0] += 1
+        else:
+            yield renamed, value
+
+
 def text_model_weights(
     weights: Iterable[tuple[str, Any]], source: str
 ) -> Iterator[tuple[str, Any]]:
     """The language model's tensors of a multimodal checkpoint under their text names; the rest
     (vision tower, projector, multi-token prediction) counted and set aside."""
-    skipped = 0
-    for name, tensor in weights:
-        renamed = text_name(name, source)
-        if renamed is None:
-            skipped += 1
-            continue
-        yield renamed, tensor
-    logger.info("%s: the text model's weights loaded, %d other tensors set aside", source, skipped)
+    skipped = [0]
+    yield from _renamed(weights, source, skipped)
+    logger.info(
+        "%s: the text model's weights loaded, %d other tensors set aside", source, skipped[0]
+    )
 
 
-def text_model_tensors(tensors: dict[str, Any], source: str | None = None) -> dict[str, Any]:
+def text_model_tensors(tensors: dict[str, Any], source: str) -> dict[str, Any]:
     """``text_model_weights`` over a checkpoint's header (name -> dtype and shape)."""
-    out = {}
-    for name, info in tensors.items():
-        renamed = text_name(name, source)
-        if renamed is not None:
-            out[renamed] = info
-    return out
+    return dict(_renamed(tensors.items(), source, [0]))
