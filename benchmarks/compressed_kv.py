@@ -45,8 +45,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from pdserve.engine.cache_kinds import make_pool  # noqa: E402
 from pdserve.engine.kv_cache import KVCacheManager  # noqa: E402
-from pdserve.engine.kv_pool import make_pool  # noqa: E402
 from pdserve.engine.request import Req, SamplingParams  # noqa: E402
 from pdserve.kv_spec import (  # noqa: E402
     CompressedEntries,

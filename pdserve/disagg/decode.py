@@ -30,7 +30,7 @@ from pdserve.disagg.fake import FakeKVReceiver, is_fake_host
 from pdserve.disagg.metadata import MetadataBuffers, SlotAllocator
 from pdserve.disagg.migration import commit_resumed
 from pdserve.disagg.poll import KVPoll, poll_and_all_reduce
-from pdserve.engine.pd_queues import SchedulerPort
+from pdserve.engine.pd_queues import PDQueues, SchedulerPort
 from pdserve.engine.request import FinishKind, FinishReason, PDState, Req
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class _DecodeState(PDState):
     ready_since: Optional[float] = None  # when the connection was ready and pages were first wanted
 
 
-class DecodeQueues:
+class DecodeQueues(PDQueues):
     def __init__(
         self,
         scheduler: SchedulerPort,
@@ -165,15 +165,6 @@ class DecodeQueues:
             "prealloc_queue": len(self.prealloc),
             "transfer_queue": len(self.transfer) - self.kv_ready,
         }
-
-    def layer_hook(self, batch) -> None:
-        return None  # decode sends nothing
-
-    def chunk_done(self, req: Req) -> None:
-        pass  # a prompt computed here (no transfer) has nothing to send
-
-    def prompt_done(self, req: Req) -> bool:
-        return False  # a prompt computed here decodes here
 
     def discard(self, req: Req) -> None:
         """The request ended before joining the running batch: park its pages until drained."""

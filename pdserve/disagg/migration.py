@@ -29,6 +29,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import msgspec
+
 from pdserve.disagg.poll import KVPoll, poll_and_all_reduce
 from pdserve.engine.request import FinishKind, FinishReason, PDState, Req
 
@@ -108,16 +110,10 @@ class MigrationOut:
         self.out.append(req)
         req.mark("migration_started")
         return {
+            **msgspec.structs.asdict(req.generation()),
             "rid": req.rid,
             "room": room,
-            "input_ids": req.input_ids,
             "output_ids": req.output_ids,
-            "sampling_params": req.sampling.to_dict(),
-            "return_logprob": req.return_logprob,
-            "top_logprobs_num": req.top_logprobs_num,
-            "logprob_start_len": req.logprob_start_len,
-            "grammar": req.grammar_spec,
-            "grammar_start_after": req.grammar_start_after,
             "cached_tokens": req.cached_tokens,
         }
 

@@ -36,7 +36,7 @@ from pdserve.disagg.bootstrap import parse_addr, register_dp_rank
 from pdserve.disagg.fake import is_fake_host
 from pdserve.disagg.metadata import MetadataBuffers, SlotAllocator
 from pdserve.disagg.poll import KVPoll, poll_and_all_reduce
-from pdserve.engine.pd_queues import SchedulerPort
+from pdserve.engine.pd_queues import PDQueues, SchedulerPort
 from pdserve.engine.request import FinishKind, FinishReason, PDState, Req
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class _PrefillState(PDState):
         return [s + n for s, n in zip(self.starts, self.sender.sent_pages)]
 
 
-class PrefillQueues:
+class PrefillQueues(PDQueues):
     def __init__(
         self,
         scheduler: SchedulerPort,
@@ -339,6 +339,13 @@ class PrefillQueues:
             for g, sent in enumerate(st.sent_pages)
         ]
 
+    def before_forward(self, plan, fb) -> None:
+        fb.layer_done = self.layer_hook(plan.batch)
+
+    def after_forward(self, plan) -> None:
+        for row in plan.rows:
+            self.chunk_done(row.req)
+
     def layer_hook(self, batch: list[tuple[Req, int]]):
         """Called between the layers of a forward of ``batch``: keepalives to decode when due
         (a forward can outlast decode's waiting timeout), and layer-by-layer sends of this
@@ -402,8 +409,9 @@ class PrefillQueues:
             st.first_send = st.first_send or time.monotonic()
             st.sender.send(pages, last_chunk=False, skip=skip)
 
-    def prompt_done(self, req: Req) -> bool:
-        """The first token is sampled: fill the metadata row and send the last chunk."""
+    def takes_over(self, req: Req) -> bool:
+        """The first token is committed: fill the metadata row, send the last chunk and hand the
+        request to decode."""
         st: _PrefillState = req.disagg
         req.mark("forward_end")
         tok = req.output_ids[0]

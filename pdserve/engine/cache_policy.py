@@ -204,15 +204,3 @@ class CompressedPolicy(CachePolicy):
         for page in range(len(items), self.pages(tokens)):
             items.append(next(it) if self.spec.holds_item(page, self.page_size) else 0)
         assert next(it, None) is None, "compressed entries: more items than pages that hold one"
-
-
-def policy_for(spec: CacheSpec, page_size: int, prefix_cache: bool = True) -> CachePolicy:
-    from pdserve.engine.cache_kinds import KINDS  # (it imports this module)
-
-    kind = KINDS.get(spec.kind)
-    if kind is None:
-        raise ValueError(
-            f"cache kind {spec.kind!r} has no policy in the KV cache manager "
-            f"(policies: {', '.join(sorted(KINDS))})"
-        )
-    return kind.policy(spec, page_size, prefix_cache)

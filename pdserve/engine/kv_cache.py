@@ -33,7 +33,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Optional
 
-from pdserve.engine.cache_policy import CachePolicy, policy_for
+from pdserve.engine.cache_kinds import policy_for
+from pdserve.engine.cache_policy import CachePolicy
 from pdserve.engine.kv_pool import BaseKVPool
 from pdserve.engine.radix_cache import RadixCache
 from pdserve.engine.request import KVSlots, Req
@@ -223,6 +224,12 @@ class KVCacheManager:
                 self.pools[g].copy_slot(src, req.kv.pages[g][0])
                 self.restored += 1
         return True
+
+    def draft_computed(self, req: Req, upto: int) -> None:
+        """A speculative draft's KV of ``req``, kept in its pages, now covers the positions
+        before ``upto`` (``KVSlots.draft_len``; the prefix cache takes pages only up to it)."""
+        if req.kv is not None:
+            req.kv.draft_len = upto
 
     def release(self, req: Req) -> None:
         """``req`` is done with its KV (finished or retracted): its full pages go into the prefix

@@ -1,5 +1,5 @@
 """Paged cache pools (one contiguous allocation per cache group and rank) and an O(1) page
-allocator; ``make_pool`` picks the pool of a cache group's spec (``cache_kinds.KINDS``).
+allocator; ``cache_kinds.make_pool`` picks the pool of a cache group's spec.
 
 - ``KVPool`` (full attention, sliding window): ``[num_layers, 2 (K|V), num_pages, kv_heads,
   page_size, head_dim]`` ("head-major pages"). One page of one layer's K (or V) is one contiguous
@@ -568,29 +568,3 @@ class StatePool(BaseKVPool):
                 for j, layer in enumerate(group.layers)
             ]
         return out
-
-
-def make_pool(
-    group,
-    num_pages: int,
-    page_size: int,
-    dtype: torch.dtype,
-    device,
-    allocator: BufferAllocator = default_allocator,
-    quant: Optional[KVQuant] = None,
-) -> BaseKVPool:
-    """The pool of cache group ``group`` (``kv_spec.CacheGroup``), by its spec's kind; ``quant``:
-    a quantized KV format (``KVPool`` only: ``kv_quant.check_quantizable`` refused the rest)."""
-    from pdserve.engine.cache_kinds import KINDS  # (it imports this module)
-
-    kind = KINDS.get(group.kind)
-    if kind is None:
-        raise ValueError(
-            f"cache kind {group.kind!r} (layers {list(group.layers)}) has no pool in this engine "
-            f"(pools: {', '.join(sorted(KINDS))})"
-        )
-    cls = kind.pool
-    extra = {"quant": quant} if quant is not None and cls is KVPool else {}
-    return cls.for_spec(
-        group.spec, len(group.layers), num_pages, page_size, dtype, device, allocator, **extra
-    )

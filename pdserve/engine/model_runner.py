@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -13,8 +13,10 @@ from pdserve import kernels
 from pdserve.config import ServerArgs
 from pdserve.distributed import SINGLE_RANK, Parallel
 from pdserve.engine import routed_experts
+from pdserve.engine.cache_kinds import make_pool
 from pdserve.engine.dp_attention import DPGather
-from pdserve.engine.kv_pool import BaseKVPool, BufferAllocator, default_allocator, make_pool
+from pdserve.engine.kv_budget import PageRider, RiderSource, page_counts, scratch_pages
+from pdserve.engine.kv_pool import BaseKVPool, BufferAllocator, default_allocator
 from pdserve.engine.kv_quant import check_quantizable, checkpoint_kv_scales, kv_quant_for
 from pdserve.engine.pipeline import pipeline_forward
 from pdserve.engine.precision import choose_compute_dtype, choose_kv_cache_dtype
@@ -31,20 +33,6 @@ from pdserve.layers.attention.base import attention_backend_class, get_attention
 
 logger = logging.getLogger(__name__)
 
-# Default share of available host memory for KV on CPU (servers often share one host).
-CPU_DEFAULT_KV_FRACTION = 0.1
-
-
-def _available_host_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
-
 
 class ModelRunner:
     def __init__(
@@ -53,12 +41,16 @@ class ModelRunner:
         kv_allocator: BufferAllocator = default_allocator,
         par: Parallel = SINGLE_RANK,
         model_cls: Optional[type] = None,
+        page_riders: Sequence[RiderSource] = (),
     ):
+        """``page_riders``: what other parts of the server keep with the pages (a draft model's
+        KV), counted in the memory budget."""
         from pdserve.models.loader import context_length, load_config, load_model, model_fingerprint
         from pdserve.quantization.registry import weight_format
 
         self.args = args
         self.par = par
+        self.page_riders = list(page_riders)
         self.device = torch.device(args.device)
         # pdserve's CPU kernels (None on CUDA, or when they cannot be built: the PyTorch paths run)
         self.ops = kernels.load() if self.device.type == "cpu" else None
@@ -229,8 +221,6 @@ class ModelRunner:
         ]
         self.pool = self.pools[self.anchor]
         if (self.args.speculative_eagle_topk or 1) > 1:  # a tree's tokens need scratch pages
-            from pdserve.engine.speculative import scratch_pages
-
             for g, pool in zip(self.cache_groups, self.pools):
                 if not g.spec.per_request:
                     n = scratch_pages(self.args, pool.page_size)
@@ -384,72 +374,26 @@ class ModelRunner:
         return counts
 
     def _local_num_pages(self) -> list[int]:
-        """One budget for all groups: per-request groups (a recurrent state) get a slot per
-        running request (``--max-mamba-cache-size``) first; of the rest, full-attention groups get
-        equal token counts, windowed groups ``--swa-full-tokens-ratio`` of that (all of it when
-        every paged group is windowed); ``--max-total-tokens`` is the full groups' token count.
-        Counts include the padding page (slot) 0."""
+        """This rank's page counts (``kv_budget.page_counts``): a page of a group holds its
+        layers' KV, a float32 scale per K/V row of a per-token quantized cache, and the riders
+        (the routed experts' ids; what the server's other parts add, ``page_riders``)."""
         args = self.args
         item = DTYPE_BYTES[str(self.kv_dtype).replace("torch.", "")]
         per_page = [
             len(g.layers) * g.spec.page_bytes(args.page_size, item) for g in self.cache_groups
         ]
-        if self.kv_quant is not None and self.kv_quant.per_token:  # a float32 scale per K/V row
+        if self.kv_quant is not None and self.kv_quant.per_token:
             per_page = [
                 n + len(g.layers) * g.spec.page_bytes(args.page_size, 4) // g.spec.head_dim
                 for n, g in zip(per_page, self.cache_groups)
             ]
-        if self.routed_spec is not None:  # the routed experts' rows live with this group's pages
-            per_page[self.routed_spec.group] += self.routed_spec.bytes_per_page(args.page_size)
-        if args.speculative_algorithm == "STANDALONE" and args.max_total_tokens is None:
-            # a draft model's KV lives in pools of the host group's page count
-            from pdserve.engine.speculative.draft_model import draft_page_bytes, host_group
-
-            host = host_group(self.cache_groups)
-            per_page[host] += draft_page_bytes(args, self.par, item)
-        # a running request's state, and with the prefix cache its snapshot (cache_policy.py)
-        per_request = 1 if args.disable_radix_cache else 2
-        slots = (args.max_mamba_cache_size or args.max_running_requests * per_request) + 1
-        if any(g.spec.per_request for g in self.cache_groups) and (
-            slots - 1 < args.max_running_requests * per_request
-        ):
-            raise ValueError(
-                f"max_mamba_cache_size: {slots - 1} state slots cannot hold max_running_requests "
-                f"({args.max_running_requests}) requests and the snapshots of their states that "
-                "the prefix cache keeps (2 slots each); raise it, lower max_running_requests, or "
-                "disable the radix cache"
-            )
-        state = [g.spec.per_request for g in self.cache_groups]
-        paged = [g.spec for g, st in zip(self.cache_groups, state) if not st]
-        mixed = any(not spec.drops_pages for spec in paged)
-        # a group with items on some logical pages only (compressed entries) needs that share
-        share = [
-            0.0
-            if st
-            else (args.swa_full_tokens_ratio if mixed and g.spec.drops_pages else 1.0)
-            * g.spec.page_share(args.page_size)
-            for g, st in zip(self.cache_groups, state)
-        ]
-        if args.max_total_tokens is not None:
-            return [
-                slots if st else int(-(-args.max_total_tokens * s // args.page_size)) + 1
-                for s, st in zip(share, state)
-            ]
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * args.mem_fraction_static)
-        else:
-            budget = int(
-                _available_host_bytes() * min(args.mem_fraction_static, CPU_DEFAULT_KV_FRACTION)
-            )
-        budget -= sum(slots * b for b, st in zip(per_page, state) if st)
-        if budget <= 0:
-            raise ValueError(
-                f"max_mamba_cache_size: {slots - 1} state slots take more than the KV cache's "
-                "memory budget; lower it (or max_running_requests) or raise mem_fraction_static"
-            )
-        pages = budget / sum(s * b for s, b in zip(share, per_page))
-        return [slots if st else max(2, int(pages * s) + 1) for s, st in zip(share, state)]
+        riders = []
+        if self.routed_spec is not None:
+            spec = self.routed_spec
+            riders.append(PageRider(spec.group, spec.bytes_per_page(args.page_size), "experts"))
+        if args.max_total_tokens is None:
+            riders += [source(self.cache_groups, item) for source in self.page_riders]
+        return page_counts(args, self.cache_groups, per_page, riders, self.device)
 
     @property
     def max_total_tokens(self) -> int:

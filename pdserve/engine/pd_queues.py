@@ -7,10 +7,12 @@ rows, several samples per step) stays inside the scheduler."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol
+from abc import ABC, abstractmethod
+from typing import Any, Optional, Protocol
 
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.request import FinishReason, Req
+from pdserve.engine.step_participant import StepParticipant
 
 
 class SchedulerPort(Protocol):
@@ -51,51 +53,54 @@ class SchedulerPort(Protocol):
         """Add ``n`` to one of the scheduler's counters (``cache_hit_tokens``, ...)."""
 
 
-class PDQueues(Protocol):
+class PDQueues(StepParticipant, ABC):
     """What prefill/decode disaggregation plugs into the scheduler (``disagg/prefill.py`` and
     ``disagg/decode.py`` implement it; ``disagg/setup.py`` builds it). Every method runs on the
-    scheduler thread, every rank calling them in the same order."""
+    scheduler thread, every rank calling them in the same order. Around each forward the queues
+    are a ``StepParticipant`` after the speculator: prefill sends a forward's pages layer by layer
+    (``before_forward``) or the full pages a chunk completed (``after_forward``), and takes a
+    request whose first token is committed to send its last pages and hand it to decode
+    (``takes_over``); decode does none of it. Both subclass it."""
 
     @property
+    @abstractmethod
     def has_work(self) -> bool:
         """Requests in the PD queues (waiting on a peer or a transfer)."""
 
+    @abstractmethod
     def accepts(self, req: Req) -> bool:
         """Whether ``req`` goes to the PD queues rather than the scheduler's waiting queue."""
 
+    @abstractmethod
     def add(self, req: Req) -> None: ...
 
+    @abstractmethod
     def reject(self, host: Optional[str], port: Optional[int], room: int, reason: str) -> None:
         """Tell the PD peer that a request this scheduler refused will not come (best effort)."""
 
+    @abstractmethod
     def all_reqs(self) -> list[Req]:
         """Requests held in the PD queues."""
 
+    @abstractmethod
     def extra_pages(self) -> list[int]:
         """KV pages held by the queues outside requests (drained rooms), for the accounting."""
 
+    @abstractmethod
     def discard(self, req: Req) -> None:
         """Forget ``req`` (it finished or was aborted), releasing what the queues hold for it."""
 
+    @abstractmethod
     def process_queues(self) -> None:
         """Advance every queue once; called at the start of each scheduler step."""
 
-    def layer_hook(self, batch: list[tuple[Req, int]]) -> Optional[Callable[[int], None]]:
-        """Before a forward of ``batch`` ((request, tokens) rows): what to call as each layer's
-        caches are written (``ForwardBatch.layer_done``; prefill sends them layer by layer), or
-        None."""
-
-    def chunk_done(self, req: Req) -> None:
-        """A forward computed another chunk of ``req``'s prompt (prefill sends its full pages)."""
-
-    def prompt_done(self, req: Req) -> bool:
-        """``req``'s first token is sampled; True when the queues take it from here (prefill
-        hands it off to decode), False when it decodes here."""
-
+    @abstractmethod
     def close(self) -> None:
         """Release the KV manager and every thread and port of the queues (a role switch; only
         when ``has_work`` is false)."""
 
+    @abstractmethod
     def integrity(self) -> dict: ...
 
+    @abstractmethod
     def stats(self) -> dict: ...

@@ -199,22 +199,28 @@ class PDFields(msgspec.Struct):
     disagg_prefill_dp_rank: Optional[int] = None  # decode: the prefill DP group holding its KV
 
 
-class RequestSpec(msgspec.Struct, kw_only=True):
-    """One generation request as validated: what the scheduler is asked to run."""
+class Generation(msgspec.Struct, kw_only=True):
+    """What a request asks to generate: the fields every record of a request carries (the
+    scheduler's ``RequestSpec``, a moved request's ``MigrateIn``; ``Req.generation`` gives them
+    back)."""
 
-    rid: str
     input_ids: list[int]
     sampling_params: dict[str, Any]  # SamplingParams.to_dict()
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
-    stream: bool = False
-    return_routed_experts: bool = (
-        False  # routed experts of every token from routed_experts_start_len
-    )
+    # routed experts of every token from routed_experts_start_len
+    return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     grammar: Optional[GrammarSpec] = None  # what the output must match (pdserve/grammar)
     grammar_start_after: Optional[list[int]] = None  # the end-of-reasoning tokens it starts after
+
+
+class RequestSpec(Generation, kw_only=True):
+    """One generation request as validated: what the scheduler is asked to run."""
+
+    rid: str
+    stream: bool = False
     pd: PDFields = msgspec.field(default_factory=PDFields)
     # a request moved here from another decode (``POST /migrate``): the output it had produced
     # before its last token (that one arrives with the KV, in the metadata row)
@@ -345,6 +351,20 @@ class Req:
             grammar_start_after=spec.grammar_start_after,
             output_ids=list(spec.resume_output_ids or []),
             resumed=spec.resume_output_ids is not None,
+        )
+
+    def generation(self) -> Generation:
+        """What this request asks to generate, as ``from_spec`` took it."""
+        return Generation(
+            input_ids=self.input_ids,
+            sampling_params=self.sampling.to_dict(),
+            return_logprob=self.return_logprob,
+            top_logprobs_num=self.top_logprobs_num,
+            logprob_start_len=self.logprob_start_len,
+            return_routed_experts=self.return_routed_experts,
+            routed_experts_start_len=self.routed_experts_start_len,
+            grammar=self.grammar_spec,
+            grammar_start_after=self.grammar_start_after,
         )
 
     def mark(self, event: str) -> None:

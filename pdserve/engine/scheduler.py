@@ -6,7 +6,10 @@ Each ``step()`` reads like the request lifecycle:
      prefills), then waiting requests within the prefill token budget (``max_prefill_tokens``
      per batch, ``chunked_prefill_size`` per request) and the KV budget; when pages run out the
      least-advanced request is retracted (recomputed later);
-  3. one forward over all scheduled tokens, one sample per request whose prompt is complete;
+  3. the batch runs as plan -> forward -> draw -> commit (``step.py``: each row extends a prompt,
+     samples a token or verifies drafts; ``commit.py``: drawn tokens appended and stop-checked;
+     ``speculative/verify.py``), the speculator and the PD queues acting around the forward as
+     ``StepParticipant``s, in that order;
   4. finished requests release their KV into the radix cache.
 """
 
@@ -21,7 +24,7 @@ import torch
 from pdserve.config import ServerArgs
 from pdserve.distributed import SINGLE_RANK, Parallel
 from pdserve.engine import dp_attention
-from pdserve.engine import logprobs as lp
+from pdserve.engine.commit import Committer, Drawn, not_finite, record_input_logprobs
 from pdserve.engine.grammar_masks import GrammarMasks
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.kv_pool import BufferAllocator, default_allocator
@@ -31,9 +34,11 @@ from pdserve.engine.pd_queues import PDQueues
 from pdserve.engine.request import MAX_TOP_LOGPROBS, FinishKind, FinishReason, Req
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.schedule_policy import order_waiting
-from pdserve.engine.speculative import Speculator, tree_mask
+from pdserve.engine.speculative import Speculator, page_riders
 from pdserve.engine.speculative import refusal as speculative_refusal
-from pdserve.engine.stop import check_finish, eos_token_ids
+from pdserve.engine.step import SAMPLE, VERIFY, Row, StepPlan
+from pdserve.engine.step_participant import StepParticipant
+from pdserve.engine.stop import eos_token_ids
 from pdserve.kv_events import KVEventPublisher, offset_port
 from pdserve.routed_experts_args import refusal as routed_experts_refusal
 
@@ -53,7 +58,7 @@ class Scheduler:
         # the scheduler loop's clock: rank 0's reading, set every iteration so that every rank
         # takes time-based decisions (timeouts, arrival order) alike; None: the local clock
         self.clock: Optional[float] = None
-        self.runner = ModelRunner(args, kv_allocator, par)
+        self.runner = ModelRunner(args, kv_allocator, par, page_riders=page_riders(args, par))
         self.page_size = args.page_size
         # every page of every cache group, and the prefix cache: requests' KV changes only there
         self.kv = KVCacheManager(
@@ -82,6 +87,7 @@ class Scheduler:
             tokenizer = load_tokenizer(args.tokenizer_path)
         self.tokenizer = tokenizer
         self.eos_ids = eos_token_ids(self.runner.hf_config, tokenizer, args.model_path)
+        self.committer = Committer(self.eos_ids, tokenizer, self.runner.context_length)
         self.sampler = Sampler(
             self.runner.vocab_size, self.runner.device, self.eos_ids, seed=args.random_seed
         )
@@ -105,7 +111,9 @@ class Scheduler:
         if why:
             raise ValueError(why)
         self.speculator = (
-            Speculator(args, self.runner, kv_allocator, par) if args.speculative_algorithm else None
+            Speculator(args, self.runner, kv_allocator, par, port=self)
+            if args.speculative_algorithm
+            else None
         )
         # Disaggregation queues plug in here (pdserve.disagg.prefill / decode); they see this
         # scheduler through ``engine/pd_queues.SchedulerPort`` only.
@@ -195,7 +203,7 @@ class Scheduler:
         self.updated.add(req)
         if self.speculator is not None and req.kv is not None:
             self.speculator.started(req, transferred=True)
-        reason = failure or check_finish(req, self.eos_ids, self.tokenizer, self.context_length)
+        reason = failure or self.committer.finish_reason(req)
         if reason is not None:
             self.finish(req, reason)
 
@@ -447,188 +455,89 @@ class Scheduler:
             self.stats["prompt_tokens"] += req.prompt_len
         return True
 
+    @property
+    def participants(self) -> list[StepParticipant]:
+        """What acts around each forward (``engine/step_participant.py``), in this order: the
+        speculator, then the PD queues."""
+        return [p for p in (self.speculator, self.pd) if p is not None]
+
     def _run(self, batch: list[tuple[Req, int]], dp_counts: Optional[list[int]] = None) -> None:
-        ids: list[int] = []
-        positions: list[int] = []
-        logits_rows: list[int] = []
-        sample_at: list[tuple[Req, int]] = []  # (req, index into logits rows)
-        verify_at: list[tuple[Req, int, int]] = []  # speculative rows: (req, first row, count)
-        input_lp: list[tuple[Req, int, list[int]]] = []  # (req, first logits index, target ids)
-        trees: dict = {}  # rows of speculative trees: their masks
-        for row, (req, ext) in enumerate(batch):
-            start = len(ids)
-            all_ids = req.all_ids
-            tokens = all_ids[req.kv_len : req.kv_len + ext]
-            ids.extend(tokens + req.drafts[: ext - len(tokens)])  # a decode row's drafts
-            if req.draft_parents is not None and req.drafts:  # a tree: positions by depth
-                at = [req.kv_len] + [req.kv_len + d for d in Speculator.depths(req.draft_parents)]
-                sees = [Speculator.lineage(req.draft_parents, j) for j in range(ext)]
-                trees[row] = tree_mask(req.kv_len, sees, at)
-                positions.extend(at)
-            else:
-                positions.extend(range(req.kv_len, req.kv_len + ext))
-            if req.return_logprob and not req.input_logprobs_done:
-                # logits at position p predict prompt token p + 1
-                lo = max(req.kv_len, req.effective_logprob_start - 1)
-                hi = min(req.kv_len + ext, req.prompt_len - 1)
-                if hi > lo:
-                    input_lp.append((req, len(logits_rows), req.input_ids[lo + 1 : hi + 1]))
-                    logits_rows.extend(range(start + lo - req.kv_len, start + hi - req.kv_len))
-            if req.drafts and req.kv_len + 1 == req.seq_len and ext == 1 + len(req.drafts):
-                verify_at.append((req, len(logits_rows), ext))
-                logits_rows.extend(range(start, start + ext))
-            elif req.kv_len + ext == req.seq_len:
-                sample_at.append((req, len(logits_rows)))
-                logits_rows.append(start + ext - 1)
-        fb = self.runner.make_forward_batch(
-            ids,
-            positions,
-            [r.kv_len for r, _ in batch],
-            [e for _, e in batch],
-            [r.kv.pages for r, _ in batch],
-            logits_rows,
-            dp_counts,
-            full_lens=[r.seq_len for r, _ in batch],
-            trees=trees,
-        )
-        if self.pd is not None:  # a PD prefill sends layers' pages as the forward writes them
-            fb.layer_done = self.pd.layer_hook(batch)
-        masks = self.grammars.start([r for r, _ in sample_at if r.sampling.max_new_tokens > 0])
+        """One forward of ``batch`` and what follows it: plan -> forward -> draw -> commit."""
+        plan = StepPlan.build(batch)
+        fb = plan.forward_batch(self.runner, dp_counts)
+        participants = self.participants
+        for p in participants:
+            p.before_forward(plan, fb)
+        sampled = plan.of_kind(SAMPLE)
+        masks = self.grammars.start([r.req for r in sampled if r.req.sampling.max_new_tokens > 0])
         logits = self.runner.forward(fb)
-        rows = [(req, req.kv_len, ext) for req, ext in batch]
-        if self.speculator is not None:  # a draft computes what it can before pages are sent
-            self.speculator.follow(rows)
-        for req, ext in batch:
-            req.kv_len += 1 if req.drafts else ext  # the drafts' KV counts once accepted
-            if self.pd is not None:
-                self.pd.chunk_done(req)
-        self._record_input_logprobs(logits, input_lp)
-        prompts_done = self._sample(logits, sample_at, None if masks is None else masks.result())
-        self._verify(logits, verify_at)
-        if self.speculator is not None:  # a draft head reads the step's hidden states
-            self.speculator.stepped(rows)
-        for req in prompts_done:  # PD: after the draft's KV of the prompt is complete
-            if not self.pd.prompt_done(req):
-                self._check_finish(req, req.output_ids[-1])
+        for row in plan.rows:  # a verify row's drafts count once accepted
+            row.req.kv_len += 1 if row.kind == VERIFY else row.ext
+        for p in participants:
+            p.after_forward(plan)
+        record_input_logprobs(logits, plan.spans)
+        firsts = self._sample(logits, sampled, None if masks is None else masks.result())
+        self._verify(logits, plan.of_kind(VERIFY))
+        for p in participants:
+            p.after_commit(plan)
+        for req, reason in firsts:  # a prompt is done: a participant may take the request over
+            if not any(p.takes_over(req) for p in participants) and reason is not None:
+                self.finish(req, reason)
 
-    def _verify(self, logits: torch.Tensor, items: list[tuple[Req, int, int]]) -> None:
-        """Speculative rows: each row's token drawn as a plain step would draw it (greedy, or
-        sampled: a seeded request's draw depends on the position only), the drafts accepted while
-        they equal those draws (``Speculator.accept``), the tokens appended one by one with the
-        stop checks after each; ``kv_len`` follows (the KV of a token is the next one's input, as
-        in a plain decode step)."""
-        if not items:
-            return
-        rows = torch.cat([logits[r : r + n] for _, r, n in items])
-        reqs = [req for req, _, n in items for _ in range(n)]
-        offsets, ahead = [], []  # per row token: its depth, the drafts before it
-        for req, _, n in items:
-            for j in range(n):
-                if req.draft_parents is None:
-                    offsets.append(j)
-                    ahead.append(req.drafts[:j])
-                else:
-                    line = Speculator.lineage(req.draft_parents, j)[1:]  # its drafts to it
-                    offsets.append(len(line))
-                    ahead.append([req.drafts[a - 1] for a in line])
-        out = self.sampler.sample(rows, reqs, None, offsets=offsets, ahead=ahead)
-        failed = set(out.failed)
-        at = 0
-        for req, _, n in items:
-            drafts, req.drafts = req.drafts, []
-            parents, req.draft_parents = req.draft_parents, None
-            first, at = at, at + n
-            if any(first + j in failed for j in range(n)):
-                why = "sampling: the request's logits were not finite (NaN or infinity)"
-                self.finish(req, FinishReason(FinishKind.ABORT, message=why, status_code=500))
-                continue
-            tokens, path = self.speculator.accept(drafts, out.next_ids[first : first + n], parents)
-            root = req.kv_len - 1  # the row token's position and slot
-            if path != list(range(1, len(path) + 1)):  # the kept drafts' KV to their positions
-                self.stats["spec_moved_rows"] += 1
-                self.runner.move_tokens(
-                    req.kv.pages,
-                    [root + j for j in path],
-                    list(range(root + 1, root + 1 + len(path))),
-                )
-            self.speculator.observe(req, len(drafts), len(tokens) - 1, tree=parents is not None)
-            self.speculator.verified(req, root, len(drafts), len(tokens), path)
-            req.spec_verify_ct += 1
-            req.spec_accepted += len(tokens) - 1
-            self.stats["spec_verify_steps"] += 1
-            self.stats["spec_draft_tokens"] += len(drafts)
-            self.stats["spec_accepted_tokens"] += len(tokens) - 1
-            base = req.kv_len  # the KV of the row's first token is in
-            self.updated.add(req)
-            for j, (tok, row) in enumerate(zip(tokens, [0] + path)):  # row: where it was drawn
-                req.output_ids.append(tok)
-                req.kv_len = base + j
-                self.stats["generation_tokens"] += 1
-                if req.return_logprob:
-                    req.output_token_logprobs.append((out.logprobs[first + row], tok))
-                    if req.top_logprobs_num:
-                        req.output_top_logprobs.append(out.top_logprobs[first + row] or [])
-                reason = check_finish(req, self.eos_ids, self.tokenizer, self.context_length)
-                if reason is not None:
-                    self.finish(req, reason)
-                    break
+    def _commit(
+        self, req: Req, drawn: list[Drawn], kv_base: Optional[int] = None
+    ) -> Optional[FinishReason]:
+        before = len(req.output_ids)
+        reason = self.committer.commit(req, drawn, kv_base)
+        self.stats["generation_tokens"] += len(req.output_ids) - before
+        self.updated.add(req)
+        return reason
 
-    def _record_input_logprobs(self, logits: torch.Tensor, items) -> None:
-        for req, row, targets in items:
-            rows = logits[row : row + len(targets)]
-            vals = lp.token_logprobs(rows, torch.tensor(targets, device=rows.device))
-            req.input_token_logprobs.extend(zip(vals, targets))
-            if req.top_logprobs_num:
-                req.input_top_logprobs.extend(lp.top_logprobs(rows, req.top_logprobs_num))
-        for req, _, _ in items:
-            if req.kv_len >= req.prompt_len - 1:
-                req.input_logprobs_done = True
-
-    def _sample(self, logits: torch.Tensor, sample_at: list[tuple[Req, int]], grammar=None) -> list:
-        """Draw the next token of each row; returns the requests whose prompt this step finished
-        on a PD server (``PDQueues.prompt_done`` runs after the step's draft work)."""
-        for req, _ in sample_at:
-            req.input_logprobs_done = True
-        todo = [(r, i) for r, i in sample_at if r.sampling.max_new_tokens > 0]
-        for req, _ in sample_at:
-            if req.sampling.max_new_tokens == 0:
-                self.finish(req, FinishReason(FinishKind.LENGTH, matched=0))
+    def _sample(self, logits: torch.Tensor, rows: list[Row], grammar=None) -> list:
+        """Draw the next token of each SAMPLE row and commit it; returns (request, finish reason
+        or None) of the requests whose first token this was, which ``_run`` offers to the
+        participants once the step is done; the others' reasons apply at once."""
+        for row in rows:
+            row.req.input_logprobs_done = True
+            if row.req.sampling.max_new_tokens == 0:
+                self.finish(row.req, FinishReason(FinishKind.LENGTH, matched=0))
+        todo = [row for row in rows if row.req.sampling.max_new_tokens > 0]
         if not todo:
             return []
-        rows = torch.tensor([i for _, i in todo], device=logits.device)
-        reqs = [r for r, _ in todo]
-        out = self.sampler.sample(logits[rows], reqs, grammar)
+        at = torch.tensor([row.logits_at for row in todo], device=logits.device)
+        out = self.sampler.sample(logits[at], [row.req for row in todo], grammar)
         failed = set(out.failed)
-        prompts_done = []
-        for k, req in enumerate(reqs):
-            if k in failed:  # an engine fault (the checks keep the client's knobs finite)
-                why = "sampling: the request's logits were not finite (NaN or infinity)"
-                self.finish(req, FinishReason(FinishKind.ABORT, message=why, status_code=500))
+        firsts = []
+        for k, row in enumerate(todo):
+            req = row.req
+            if k in failed:
+                self.finish(req, not_finite())
                 continue
-            tok = out.next_ids[k]
-            req.output_ids.append(tok)
-            if req.grammar is not None:
-                req.grammar.advance(req.output_ids)
-            self.stats["generation_tokens"] += 1
-            if req.return_logprob:
-                req.output_token_logprobs.append((out.logprobs[k], tok))
-                if req.top_logprobs_num:
-                    req.output_top_logprobs.append(out.top_logprobs[k] or [])
-            self.updated.add(req)
-            if self.pd is not None and len(req.output_ids) == 1 and req.num_retractions == 0:
-                prompts_done.append(req)
-                continue
-            self._check_finish(req, tok)
-        return prompts_done
-
-    def _check_finish(self, req: Req, tok: int) -> None:
-        """End ``req`` if its new token ``tok`` finished it."""
-        reason = check_finish(req, self.eos_ids, self.tokenizer, self.context_length)
-        if reason is None and req.grammar is not None and req.grammar.terminated:
-            reason = FinishReason(FinishKind.STOP, matched=tok)  # complete, even with ignore_eos
-        if req.grammar is not None and req.grammar.failed:  # an engine fault, not the client's
-            reason = FinishReason(
-                FinishKind.ABORT, message=f"grammar: {req.grammar.failed}", status_code=500
+            reason = self._commit(
+                req, [Drawn(out.next_ids[k], out.logprobs[k], out.top_logprobs[k])]
             )
-        if reason is not None:
-            self.finish(req, reason)
+            if len(req.output_ids) == 1 and req.num_retractions == 0:
+                firsts.append((req, reason))
+            elif reason is not None:
+                self.finish(req, reason)
+        return firsts
+
+    def _verify(self, logits: torch.Tensor, rows: list[Row]) -> None:
+        """Speculative rows: the speculator's verdicts (``speculative/verify.py``), each row's
+        kept tokens committed one by one with ``kv_len`` following them."""
+        if not rows:
+            return
+        for v in self.speculator.verify(self.sampler, logits, rows):
+            req = v.req
+            if v.failed:
+                self.finish(req, not_finite())
+                continue
+            req.spec_verify_ct += 1
+            req.spec_accepted += v.accepted
+            self.stats["spec_verify_steps"] += 1
+            self.stats["spec_draft_tokens"] += v.drafted
+            self.stats["spec_accepted_tokens"] += v.accepted
+            self.stats["spec_moved_rows"] += v.moved
+            reason = self._commit(req, v.tokens, kv_base=req.kv_len)
+            if reason is not None:
+                self.finish(req, reason)

@@ -25,15 +25,14 @@ from __future__ import annotations
 import asyncio
 import random
 import urllib.parse
-from typing import Annotated, Any, ClassVar, Optional, Union
+from typing import Annotated, Any, ClassVar, Union
 
 import httpx
 import msgspec
 from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
-from pdserve.engine.request import INT64_MAX, MAX_TOP_LOGPROBS, SamplingParams
-from pdserve.grammar import GrammarSpec
+from pdserve.engine.request import INT64_MAX, MAX_TOP_LOGPROBS, Generation, SamplingParams
 from pdserve.host import host_identity, route_ip
 from pdserve.peers import MigrationPeers, check_host, parse_target
 from pdserve.server import http_util
@@ -88,8 +87,9 @@ class MigrateBody(msgspec.Struct, forbid_unknown_fields=True):
     rid: Union[str, list[str]] = "all"
 
 
-class MigrateIn(msgspec.Struct):
-    """A moved request (``move`` builds it from the source scheduler's answer)."""
+class MigrateIn(Generation, kw_only=True):
+    """A moved request: every field of its ``Generation`` (``move`` builds it from the source
+    scheduler's answer, ``MigrationOut.start``), what it produced, and where its KV waits."""
 
     # what the handler checks beyond the types (openapi.build merges it into the fields)
     JSON_SCHEMA: ClassVar[dict[str, Any]] = {
@@ -102,19 +102,17 @@ class MigrateIn(msgspec.Struct):
     }
 
     rid: str
-    input_ids: list[int]
     output_ids: list[int]
-    sampling_params: Annotated[
-        dict[str, Any], _schema({"$ref": "#/components/schemas/SamplingParams"})
-    ]
     bootstrap_host: Annotated[str, _schema(PEER_HOST)]
     bootstrap_port: Annotated[int, msgspec.Meta(ge=1, le=MAX_PORT)]
     bootstrap_room: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
-    return_logprob: bool = False
+    # the inherited fields with the bounds this endpoint checks
+    sampling_params: Annotated[
+        dict[str, Any], _schema({"$ref": "#/components/schemas/SamplingParams"})
+    ]
     top_logprobs_num: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
     logprob_start_len: Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)] = -1
-    grammar: Optional[GrammarSpec] = None
-    grammar_start_after: Optional[list[int]] = None
+    routed_experts_start_len: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] = 0
 
 
 def reachable_host(host: str, target: str) -> str:
@@ -278,18 +276,13 @@ async def migrate_in(request: Request, tm: TokenizerManager) -> Response:
     if body.grammar is not None:
         tm.check_grammar(body.grammar)
     spec = ReqSpec(
-        input_ids=body.input_ids,
+        **{f: getattr(body, f) for f in Generation.__struct_fields__ if f != "sampling_params"},
         sampling=sampling,
-        return_logprob=body.return_logprob,
-        top_logprobs_num=body.top_logprobs_num,
-        logprob_start_len=body.logprob_start_len,
         stream=True,
         rid=body.rid,
         bootstrap_host=body.bootstrap_host,
         bootstrap_port=body.bootstrap_port,
         bootstrap_room=body.bootstrap_room,
-        grammar=body.grammar,
-        grammar_start_after=body.grammar_start_after,
         resume_output_ids=body.output_ids[:-1],
     )
     state = tm.submit(spec)

@@ -125,7 +125,7 @@ def _pools(cfg: dict[str, Any], num_pages: int, page_size: int, alloc):
     each chunk; and their groups."""
     import torch
 
-    from pdserve.engine.kv_pool import make_pool
+    from pdserve.engine.cache_kinds import make_pool
     from pdserve.kv_spec import (
         CacheGroup,
         CompressedEntries,

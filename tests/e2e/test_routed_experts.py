@@ -172,7 +172,9 @@ def servers(moe_path, tmp_path_factory):
         backend2 = "local"
     C = c.server("C", moe_path, logs, *SERVE)
     P, _ = c.prefill("P", moe_path, logs, *SERVE)
-    D = c.decode("D", moe_path, logs, *SERVE, "--disaggregation-decode-enable-radix-cache")
+    peers = ["--migration-peers", "127.0.0.1"]  # D moves requests to D3 (POST /migrate)
+    D = c.decode("D", moe_path, logs, *SERVE, *peers, "--disaggregation-decode-enable-radix-cache")
+    D3 = c.decode("D3", moe_path, logs, *SERVE, *peers)
     b2 = ["--disaggregation-transfer-backend", backend2]
     P2, _ = c.prefill("P2", moe_path, logs, *SERVE, *b2)
     D2 = c.decode(
@@ -191,7 +193,7 @@ def servers(moe_path, tmp_path_factory):
         "--moe-a2a-backend",
         "torch",
     )
-    procs = [C, P, D, P2, D2]
+    procs = [C, P, D, P2, D2, D3]
     sgl = None
     try:
         c.start_all(procs)
@@ -211,6 +213,7 @@ def servers(moe_path, tmp_path_factory):
             "R": R,
             "P2": P2,
             "D2": D2,
+            "D3": D3,
             "R2": R2,
             "sgl": sgl,
             "backend2": backend2,
@@ -363,8 +366,38 @@ def test_pd_into_dp_attention_with_expert_parallelism(servers, hf_routes):
     )  # both groups decoded
 
 
+def test_a_moved_request_keeps_its_routed_experts(servers, hf_routes):
+    """A request moved from D to D3 mid-generation (``POST /migrate``) still answers with the
+    routed experts of its whole sequence: prefill's for the prompt, D's up to the move, D3's
+    after it; the same ids as the unmoved run's, and HF's for the prompt and the first tokens."""
+    import threading
+
+    R, D, D3 = servers["R"].url, servers["D"], servers["D3"]
+    body = gen_body(PROMPT[2:], sampling_params={**GREEDY, "max_new_tokens": 1500})
+    events: list = []
+
+    def run() -> None:
+        events.extend(stream(R, "/generate", body))
+
+    ref = post(R, "/generate", body)
+    moving = threading.Thread(target=run, daemon=True)
+    moving.start()
+    c.wait_for(lambda: D.integrity()["running"] == 1, 60, "the request to decode on D")
+    r = httpx.post(D.url + "/migrate", json={"rid": "all", "target": D3.url}, timeout=30)
+    assert r.status_code == 200 and len(r.json()["moved"]) == 1, r.text
+    moving.join(120)
+    final = [e for e in events if e != "[DONE]"][-1]
+    assert final["output_ids"] == ref["output_ids"]
+    got = ids_of(final["meta_info"])
+    np.testing.assert_array_equal(got, ids_of(ref["meta_info"]))
+    n = len(PROMPT[2:]) + 10  # the prompt and the first ten generated tokens' routes
+    assert_routes(got[:n], PROMPT[2:], final["output_ids"][:11], hf_routes)
+    states = D3.http.get("/server_info").json()["internal_states"][0]
+    assert states["generation_tokens"] > 0  # D3 decoded after the move
+
+
 def test_pools_free_afterwards(servers):
-    for name in ("C", "P", "D", "P2", "D2"):
+    for name in ("C", "P", "D", "P2", "D2", "D3"):
         pools = servers[name].wait_idle()
         assert pools.get("metadata_slots_free", 0) == pools.get("metadata_slots_total", 0), (
             name,

@@ -290,9 +290,9 @@ def test_served_with_tp2(plain, drafts, tmp_path):
 def test_the_drafts_kv_is_within_the_memory_budget(monkeypatch):
     """Without --max-total-tokens the pools are sized from memory: the draft's KV comes out of
     the same budget (fewer pages, the same bytes), not on top of it."""
-    from pdserve.engine import model_runner
+    from pdserve.engine import kv_budget
 
-    monkeypatch.setattr(model_runner, "_available_host_bytes", lambda: 4 << 30)
+    monkeypatch.setattr(kv_budget, "available_host_bytes", lambda: 4 << 30)
     draft = build_draft_checkpoint(target(), layers=1)
     runners = [
         pdserve.Engine(model_path=target(), torch_num_threads=1, **kw).scheduler.runner

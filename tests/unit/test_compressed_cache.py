@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from pdserve.disagg.descriptors import held_pairs
-from pdserve.engine.cache_policy import policy_for
+from pdserve.engine.cache_kinds import make_pool, policy_for
 from pdserve.engine.kv_cache import KVCacheManager
-from pdserve.engine.kv_pool import CompressedPool, LatentPool, StatePool, make_pool
+from pdserve.engine.kv_pool import CompressedPool, LatentPool, StatePool
 from pdserve.engine.request import Req, SamplingParams
 from pdserve.kv_spec import (
     CompressedEntries,

@@ -12,8 +12,8 @@ import types
 import pytest
 import torch
 
+from pdserve.engine.cache_kinds import make_pool
 from pdserve.engine.kv_cache import KVCacheManager
-from pdserve.engine.kv_pool import make_pool
 from pdserve.engine.request import Req, SamplingParams
 from pdserve.kv_spec import CompressedEntries, CompressorState, LatentWindow, group_layers
 from pdserve.layers.compressor import Compressor

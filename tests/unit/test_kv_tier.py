@@ -12,8 +12,9 @@ import torch
 
 from pdserve.config import ServerArgs
 from pdserve.distributed import SINGLE_RANK
+from pdserve.engine.cache_kinds import make_pool
 from pdserve.engine.kv_cache import KVCacheManager
-from pdserve.engine.kv_pool import KVPool, make_pool
+from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.kv_quant import kv_quant_for
 from pdserve.engine.kv_tier import base, entry
 from pdserve.engine.kv_tier.tier import make_tier

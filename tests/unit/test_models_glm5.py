@@ -20,7 +20,7 @@ def config(**overrides):
 def test_a_shared_layer_keeps_no_index_key_cache():
     from pdserve.disagg.kv_args import KVArgs
     from pdserve.disagg.metadata import MetadataBuffers
-    from pdserve.engine.kv_pool import make_pool
+    from pdserve.engine.cache_kinds import make_pool
 
     cfg = config()
     model = GlmMoeDsaForCausalLM(cfg)

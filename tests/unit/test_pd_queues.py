@@ -234,7 +234,7 @@ def test_the_queues_use_the_scheduler_only_through_its_port():
     allowed = {n for n in vars(SchedulerPort) if not n.startswith("_")}
     allowed |= set(SchedulerPort.__annotations__)
     root = Path(inspect.getfile(pdserve)).parent
-    for name in ("disagg/prefill.py", "disagg/decode.py"):
+    for name in ("disagg/prefill.py", "disagg/decode.py", "disagg/migration.py"):
         used = {
             node.attr
             for node in ast.walk(ast.parse((root / name).read_text()))
@@ -248,6 +248,34 @@ def test_the_queues_use_the_scheduler_only_through_its_port():
     # its methods (the attributes are set per instance)
     missing = [n for n in allowed - set(SchedulerPort.__annotations__) if not hasattr(Scheduler, n)]
     assert not missing, missing
+
+
+def test_the_proposers_use_the_scheduler_only_through_their_port():
+    """Speculative proposers reach the scheduler through ``SpeculatorPort`` alone, and none of
+    them writes a request's ``draft_len`` (the KV cache manager's, ``draft_computed``)."""
+    import ast
+    import inspect
+    from pathlib import Path
+
+    from pdserve.engine import speculative
+    from pdserve.engine.speculative import SpeculatorPort
+
+    allowed = set(SpeculatorPort.__annotations__)
+    ported = 0
+    for path in Path(inspect.getfile(speculative)).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "draft_len":
+                assert not isinstance(node.ctx, ast.Store), (path.name, node.lineno)
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "port"
+            ):
+                assert node.attr in allowed, (path.name, node.lineno, node.attr)
+                ported += 1
+    assert ported >= 6  # the draft model's and the head's records of their KV
+    assert all(hasattr(Scheduler, n) or n == "kv" for n in allowed)
 
 
 def test_a_speculating_decode_gives_the_colocated_tokens(local_pair):

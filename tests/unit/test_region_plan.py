@@ -266,7 +266,8 @@ def test_transfer_bytes_per_token_come_from_the_specs_counted_once():
 def test_the_pool_of_a_spec_describes_its_regions():
     import torch
 
-    from pdserve.engine.kv_pool import KVPool, LatentPool, StatePool, make_pool
+    from pdserve.engine.cache_kinds import make_pool
+    from pdserve.engine.kv_pool import KVPool, LatentPool, StatePool
     from pdserve.kv_spec import (
         CacheGroup,
         FullAttention,
@@ -330,7 +331,7 @@ def test_a_layer_may_keep_two_caches_in_two_groups():
 
     from pdserve.disagg.kv_args import KVArgs
     from pdserve.disagg.metadata import MetadataBuffers
-    from pdserve.engine.kv_pool import make_pool
+    from pdserve.engine.cache_kinds import make_pool
     from pdserve.kv_spec import IndexKeys, LatentAttention, group_layers
 
     specs = [(LatentAttention(32, 8), IndexKeys(16))] * 2 + [LatentAttention(32, 8)]

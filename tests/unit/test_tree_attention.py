@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.speculative import Speculator, tree_mask
+from pdserve.engine.speculative.tree import accept, depths, lineage, tree_mask
 from pdserve.forward_batch import ForwardBatch, GroupTable
 from pdserve.layers.attention.base import AttnLayer
 from tests.unit.test_attention_sinks import backend_of, ops  # noqa: F401 (a fixture)
@@ -51,7 +51,7 @@ def run(name: str, ops, page: int, scratch: int = 0) -> float:
     pool.scratch = tuple(free.pop() for _ in range(scratch))
     # a verify row: the row's token (0) and 7 drafts of depths 1, 1, 2, 2, 2, 3, 3
     parents = [0, 0, 1, 1, 2, 3, 5]
-    verify_at = [0] + Speculator.depths(parents)
+    verify_at = [0] + depths(parents)
     # a head's third level: 3 tokens at one position; the two levels before it wrote 3 slots
     # each, the first level's slot 1 and the second's slot 4 are these tokens' ancestors
     level_sees = [[1, 4, 6], [1, 4, 7], [0, 3, 8]]
@@ -60,7 +60,7 @@ def run(name: str, ops, page: int, scratch: int = 0) -> float:
         (
             17,
             8,
-            (17, [Speculator.lineage(parents, j) for j in range(8)], [17 + d for d in verify_at]),
+            (17, [lineage(parents, j) for j in range(8)], [17 + d for d in verify_at]),
         ),
         (0, 12, None),
         (30 + 6, 3, (30, level_sees, [30 + s // 3 for s in range(9)])),
@@ -161,11 +161,11 @@ def test_accept_walks_the_tree():
     # row 0 the row's token; drafts 1..5 with parents 0, 0, 1, 2, 4 (tokens 7, 8, 9, 9, 5)
     drafts, parents = [7, 8, 9, 9, 5], [0, 0, 1, 2, 4]
     # the draw at the row's token is 8 (the second child), at row 2 it is 9 (row 4), at row 4 3
-    tokens, path = Speculator.accept(drafts, [8, 0, 9, 0, 3, 0], parents)
+    tokens, path = accept(drafts, [8, 0, 9, 0, 3, 0], parents)
     assert (tokens, path) == ([8, 9, 3], [2, 4])
-    tokens, path = Speculator.accept(drafts, [8, 0, 9, 0, 5, 1], parents)
+    tokens, path = accept(drafts, [8, 0, 9, 0, 5, 1], parents)
     assert (tokens, path) == ([8, 9, 5, 1], [2, 4, 5])
-    assert Speculator.accept(drafts, [6, 0, 0, 0, 0, 0], parents) == ([6], [])
+    assert accept(drafts, [6, 0, 0, 0, 0, 0], parents) == ([6], [])
     # a chain is the tree whose parents are the rows before
-    chain = Speculator.accept([4, 5, 6], [4, 5, 1, 0])
-    assert chain == Speculator.accept([4, 5, 6], [4, 5, 1, 0], [0, 1, 2]) == ([4, 5, 1], [1, 2])
+    chain = accept([4, 5, 6], [4, 5, 1, 0])
+    assert chain == accept([4, 5, 6], [4, 5, 1, 0], [0, 1, 2]) == ([4, 5, 1], [1, 2])

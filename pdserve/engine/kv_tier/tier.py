@@ -26,12 +26,12 @@ from typing import Optional
 import torch
 
 from pdserve.engine.cache_policy import FullAttentionPolicy
+from pdserve.engine.kv_budget import available_host_bytes
 from pdserve.engine.kv_tier import entry
 from pdserve.engine.kv_tier.base import TierBackend, create_backend
 from pdserve.engine.kv_tier.host import HostTierBackend
 from pdserve.engine.kv_tier.pages import PageCodec, layout_key
 from pdserve.engine.kv_tier.writer import TierWriter
-from pdserve.engine.model_runner import _available_host_bytes as available_host_bytes
 from pdserve.kv_events import BlockRemoved, BlockStored, chain_hashes
 
 logger = logging.getLogger(__name__)

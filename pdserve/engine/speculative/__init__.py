@@ -53,12 +53,14 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
+from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.request import Req
-from pdserve.forward_batch import TreeMask
+from pdserve.engine.speculative.verify import Verdict, verify
+from pdserve.engine.step_participant import StepParticipant
 
 MAX_COOLDOWN = 16  # steps without drafts after rejections, at most
 
@@ -92,6 +94,13 @@ class SpecState:
     path: Optional[list[int]] = None
 
 
+class SpeculatorPort(Protocol):
+    """The scheduler as the proposers see it: the KV cache manager, through which alone they
+    record how far a draft's KV in the target's pages goes (``KVCacheManager.draft_computed``)."""
+
+    kv: KVCacheManager
+
+
 class Proposer:
     """Where drafts come from. ``propose`` fills ``req.drafts`` for each (request, at most n)
     pair, whose pages already hold room for the row (the request's token and n drafts); a
@@ -100,6 +109,14 @@ class Proposer:
 
     #: KV of the proposer's own lives in the target's pages (transferred and cached with them)
     has_kv = False
+    #: the scheduler, as far as a proposer may use it (set by ``Speculator``)
+    port: Optional["SpeculatorPort"] = None
+
+    @classmethod
+    def page_riders(cls, args, par) -> list:
+        """What the proposer keeps with the target's pages, for the target's memory budget
+        (``kv_budget.RiderSource``s)."""
+        return []
 
     def propose(self, items: list[tuple[Req, int]]) -> None:
         raise NotImplementedError
@@ -133,13 +150,23 @@ def proposer_class(algorithm: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-class Speculator:
-    """Drafts for the scheduler's decode rows and the verification of their logits."""
+def page_riders(args, par) -> list:
+    """What the speculative proposer of these settings keeps with the target's pages."""
+    if args.speculative_algorithm is None:
+        return []
+    return proposer_class(args.speculative_algorithm).page_riders(args, par)
 
-    def __init__(self, args, runner=None, kv_allocator=None, par=None):
+
+class Speculator(StepParticipant):
+    """Drafts for the scheduler's decode rows and the verification of their logits; around a
+    step's forward, the proposer follows the target (``StepParticipant``)."""
+
+    def __init__(self, args, runner=None, kv_allocator=None, par=None, port=None):
         self.algorithm = args.speculative_algorithm
         self.num_drafts = args.speculative_num_draft_tokens
+        self.runner = runner
         self.proposer: Proposer = proposer_class(self.algorithm)(args, runner, kv_allocator, par)
+        self.proposer.port = port
 
     @property
     def has_kv(self) -> bool:
@@ -175,14 +202,31 @@ class Speculator:
     def started(self, req: Req, transferred: bool = False) -> None:
         self.proposer.started(req, transferred)
 
-    def follow(self, rows: list[tuple[Req, int, int]]) -> None:
-        self.proposer.follow(rows)
+    def after_forward(self, plan) -> None:
+        """A draft computes what it can of the rows before the PD queues send their pages."""
+        self.proposer.follow(plan.computed)
 
-    def verified(self, req: Req, start: int, drafted: int, kept: int, path=None) -> None:
-        self.proposer.verified(req, start, drafted, kept, path)
+    def after_commit(self, plan) -> None:
+        """A draft head reads the step's hidden states once its tokens are known."""
+        self.proposer.stepped(plan.computed)
 
-    def stepped(self, rows: list[tuple[Req, int, int]]) -> None:
-        self.proposer.stepped(rows)
+    def verify(self, sampler, logits: torch.Tensor, rows) -> list[Verdict]:
+        """The verdicts of a step's VERIFY rows (``verify.verify``); the accepted drafts' KV moved
+        to their positions' slots (a tree's branch), the drafting adapted to what each row kept
+        and the proposer told."""
+        verdicts = verify(sampler, logits, rows)
+        for v in verdicts:
+            if v.failed:
+                continue
+            if v.moved:
+                self.runner.move_tokens(
+                    v.req.kv.pages,
+                    [v.start + j for j in v.path],
+                    list(range(v.start + 1, v.start + 1 + len(v.path))),
+                )
+            self.observe(v.req, v.drafted, v.accepted, tree=v.tree)
+            self.proposer.verified(v.req, v.start, v.drafted, len(v.tokens), v.path)
+        return verdicts
 
     def check_tokenizer(self, tokenizer) -> None:
         check = getattr(self.proposer, "check_tokenizer", None)
@@ -211,63 +255,6 @@ class Speculator:
         state.misses = 0 if accepted else state.misses + 1
         if state.misses:
             state.cooldown = min(2**state.misses, MAX_COOLDOWN)
-
-    @staticmethod
-    def accept(
-        drafts: list[int], targets: list[int], parents: Optional[list[int]] = None
-    ) -> tuple[list[int], list[int]]:
-        """The tokens a row yields and the rows of its accepted drafts: from the row's token, the
-        child equal to the draw at the current token while there is one, then the draw there
-        (``targets``: one draw per row token; ``parents``: a tree's, None for a chain)."""
-        if parents is None:
-            n = 0
-            while n < len(drafts) and drafts[n] == targets[n]:
-                n += 1
-            return drafts[:n] + [targets[n]], list(range(1, n + 1))
-        children: dict[int, dict[int, int]] = {}
-        for j, (token, parent) in enumerate(zip(drafts, parents)):
-            children.setdefault(parent, {})[token] = j + 1
-        path, at = [], 0
-        while targets[at] in children.get(at, {}):
-            at = children[at][targets[at]]
-            path.append(at)
-        return [drafts[j - 1] for j in path] + [targets[at]], path
-
-    @staticmethod
-    def depths(parents: list[int]) -> list[int]:
-        """Each draft's depth in its tree (a child of the row's token: 1)."""
-        depth = [0]
-        for parent in parents:
-            depth.append(depth[parent] + 1)
-        return depth[1:]
-
-    @staticmethod
-    def lineage(parents: list[int], row: int) -> list[int]:
-        """The rows from the root to ``row`` (both included) of a tree's row."""
-        out = [row]
-        while row:
-            row = parents[row - 1]
-            out.append(row)
-        return out[::-1]
-
-
-def scratch_pages(args, page_size: int) -> int:
-    """Scratch pages a paged pool sets aside for tree rows (``BaseKVPool.scratch``): room for
-    one row of the largest tree these settings build, each token's keys laid out from the page
-    holding the row's first slot to its own position (a backend runs more rows in turns)."""
-    drafts = args.speculative_num_draft_tokens
-    depth = min(args.speculative_num_steps or drafts, drafts)
-    tokens = max(drafts + 1, args.speculative_eagle_topk or 1)  # a verify row, a head's level
-    return tokens * -(-(page_size - 1 + depth + 1) // page_size)
-
-
-def tree_mask(base: int, sees: list[list[int]], key_positions: list[int]) -> TreeMask:
-    """The mask of a row whose token t sees the slots ``base + s`` for s in ``sees[t]`` (and the
-    sequence before ``base``); ``key_positions``: the positions of the slots from ``base``."""
-    visible = torch.zeros((len(sees), len(key_positions)), dtype=torch.bool)
-    for t, slots in enumerate(sees):
-        visible[t, slots] = True
-    return TreeMask(base, visible, torch.tensor(key_positions, dtype=torch.long))
 
 
 def refusal(policies, algorithm: Optional[str]) -> str:

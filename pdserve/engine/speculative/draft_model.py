@@ -26,6 +26,7 @@ import logging
 
 import torch
 
+from pdserve.engine.kv_budget import PageRider
 from pdserve.engine.request import Req
 from pdserve.engine.speculative import Proposer, Speculator
 
@@ -68,6 +69,15 @@ def draft_page_bytes(args, par, item_bytes: int) -> int:
 
 class DraftModelProposer(Proposer):
     has_kv = True
+
+    @classmethod
+    def page_riders(cls, args, par) -> list:
+        """The draft's KV lives in pools of the host group's page count."""
+
+        def rider(groups, item_bytes: int) -> PageRider:
+            return PageRider(host_group(groups), draft_page_bytes(args, par, item_bytes), "draft")
+
+        return [rider]
 
     def __init__(self, args, runner, kv_allocator, par, model_cls=None):
         from pdserve.engine.model_runner import ModelRunner
@@ -176,14 +186,14 @@ class DraftModelProposer(Proposer):
         return out.argmax(dim=-1).tolist() if logits else []
 
     def started(self, req: Req, transferred: bool = False) -> None:
-        req.kv.draft_len = req.kv_len
+        self.port.kv.draft_computed(req, req.kv_len)
 
     def follow(self, rows: list[tuple[Req, int, int]]) -> None:
         todo = []
-        for req, _, ext in rows:
+        for req, first, ext in rows:
             if req.drafts:
                 continue  # its drafts were computed by ``propose``
-            start, end = req.kv.draft_len, req.kv_len + ext
+            start, end = req.kv.draft_len, first + ext
             if ext == 1 and end == req.seq_len and Speculator.speculable(req):
                 continue  # a speculating request's draft catches up when it drafts next
             if start < end:
@@ -191,7 +201,7 @@ class DraftModelProposer(Proposer):
         if todo:
             self._forward(todo, logits=False)
             for req, _, tokens in todo:
-                req.kv.draft_len += len(tokens)
+                self.port.kv.draft_computed(req, req.kv.draft_len + len(tokens))
 
     @torch.inference_mode()
     def propose(self, items: list[tuple[Req, int]]) -> None:
@@ -203,7 +213,7 @@ class DraftModelProposer(Proposer):
             logits=True,
         )
         for (req, _), token in zip(items, first):
-            req.kv.draft_len = req.seq_len
+            self.port.kv.draft_computed(req, req.seq_len)
             req.drafts = [token]
         for j in range(1, max(n for _, n in items)):
             live = [req for req, n in items if n > j]
@@ -212,5 +222,4 @@ class DraftModelProposer(Proposer):
                 req.drafts.append(token)
 
     def verified(self, req: Req, start: int, drafted: int, kept: int, path=None) -> None:
-        if req.kv is not None:
-            req.kv.draft_len = start + min(kept, drafted)
+        self.port.kv.draft_computed(req, start + min(kept, drafted))

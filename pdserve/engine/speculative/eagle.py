@@ -13,7 +13,7 @@ target's, for each further draft; the pairs it writes past the sequence are comp
 the target's hidden states after the verification.
 
 In PD the prefill computes the prompt's pairs (the last one after sampling the first token, before
-the last pages go: ``PDQueues.prompt_done`` runs after ``stepped``), sends the head's KV with the
+the last pages go: ``PDQueues.takes_over`` runs after ``stepped``), sends the head's KV with the
 pages and puts the first draft, its probability and the head's hidden state in the metadata row
 (``output_topk_index`` / ``output_topk_p`` / ``output_hidden_states``); decode speculates from its
 first step with them.
@@ -43,8 +43,9 @@ import torch
 
 from pdserve.config import MAX_EAGLE_TOPK
 from pdserve.engine.request import Req
-from pdserve.engine.speculative import SpecState, tree_mask
+from pdserve.engine.speculative import SpecState
 from pdserve.engine.speculative.draft_model import DraftModelProposer
+from pdserve.engine.speculative.tree import tree_mask
 
 
 class EagleProposer(DraftModelProposer):
@@ -77,7 +78,7 @@ class EagleProposer(DraftModelProposer):
         return EagleLlamaForCausalLM
 
     def started(self, req: Req, transferred: bool = False) -> None:
-        req.kv.draft_len = req.kv_len
+        self.port.kv.draft_computed(req, req.kv_len)
         if req.spec is not None and not transferred:  # a transferred one keeps prefill's draft
             req.spec.next_draft = req.spec.hidden = None
 
@@ -125,7 +126,7 @@ class EagleProposer(DraftModelProposer):
         logits = self._run(todo, ids, positions, [row for _, row in last], target_hidden[feats])
         hidden = self.runner.last_hidden
         for req, begin, n in todo:
-            req.kv.draft_len = begin + n
+            self.port.kv.draft_computed(req, begin + n)
         if not last:
             return
         width = min(MAX_EAGLE_TOPK, logits.shape[-1])
