@@ -42,6 +42,9 @@ class Region:
     final: str = "per_chunk"
     split: str = "heads"
     segments: tuple[int, ...] = ()  # "segments": this rank's bytes of each segment of an item
+    # per segment, the whole units no rank splits (a Mamba2 layer's groups), 0: split evenly
+    # (``kv_spec.piece_range``: with more ranks than units, ranks share one)
+    pieces: tuple[int, ...] = ()
 
     @property
     def key(self) -> tuple[int, int, str]:
@@ -67,6 +70,8 @@ class Region:
             return f"{self.name}: negative size ({self.nbytes} bytes, items of {self.item_bytes})"
         if (self.split == "segments") != bool(self.segments):
             return f"{self.name}: segments {list(self.segments)} with split {self.split!r}"
+        if self.pieces and len(self.pieces) != len(self.segments):
+            return f"{self.name}: pieces {list(self.pieces)} for segments {list(self.segments)}"
         if self.segments and sum(self.segments) != self.item_bytes:
             return (
                 f"{self.name}: segments of {sum(self.segments)} bytes in items of {self.item_bytes}"

@@ -202,7 +202,10 @@ class RecurrentState(CacheSpec):
     SSM state): ``parts`` names them, ``shapes`` are this rank's shapes in elements and ``dtypes``
     their element types (float32 in bf16 models, as HF keeps them). A tensor whose axis 0
     concatenates pieces that TP shards separately (a convolution state over the channels of
-    x | B | C) lists the pieces' sizes along that axis in ``segments`` (() for one piece)."""
+    x | B | C) lists the pieces' sizes along that axis in ``segments`` (() for one piece). A
+    segment made of whole units that ranks do not split (a Mamba2 layer's groups: B and C) gives
+    their count in ``pieces`` (0: split evenly); with more ranks than units each rank holds the
+    one unit of its heads, as other ranks do (``piece_range``)."""
 
     kind: ClassVar[str] = "recurrent_state"
     per_request: ClassVar[bool] = True
@@ -211,6 +214,7 @@ class RecurrentState(CacheSpec):
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     segments: tuple[tuple[int, ...], ...] = ()
+    pieces: tuple[tuple[int, ...], ...] = ()  # per segment: whole units (0: split evenly)
     ranks: int = 1  # the tensor-parallel ranks whose shares along axis 0 make the whole state
 
     def describe(self) -> dict:
@@ -229,12 +233,27 @@ class RecurrentState(CacheSpec):
         if self.ranks == 1:
             return self
         n = self.ranks
-        return replace(
-            self,
-            shapes=tuple((s[0] * n, *s[1:]) for s in self.shapes),
-            segments=tuple(tuple(x * n for x in seg) for seg in self.segments),
-            ranks=1,
+        segments = tuple(
+            tuple(x // held(k, n) * k if k else x * n for x, k in zip(seg, units))
+            for seg, units in zip(self.segments, self.part_pieces())
         )
+        shapes = tuple(
+            (sum(seg) if seg else s[0] * n, *s[1:])
+            for s, seg in zip(self.shapes, segments + ((),) * len(self.shapes))
+        )
+        return replace(self, shapes=shapes, segments=segments, ranks=1)
+
+    def part_pieces(self) -> tuple[tuple[int, ...], ...]:
+        """``pieces`` of every segment of every part (0 where undeclared)."""
+        return tuple(
+            tuple(self.pieces[i]) if i < len(self.pieces) and self.pieces[i] else (0,) * len(seg)
+            for i, seg in enumerate(self.segments)
+        )
+
+    def segment_pieces(self, i: int) -> tuple[int, ...]:
+        """``pieces`` of part ``i``'s segments as ``segment_bytes`` lists them."""
+        units = self.part_pieces()
+        return units[i] if i < len(units) and units[i] else (0,) * len(self.segment_bytes(i))
 
     def __post_init__(self) -> None:
         if not len(self.parts) == len(self.shapes) == len(self.dtypes):
@@ -371,6 +390,25 @@ class CacheGroup:
 
     def describe(self) -> dict:
         return {"id": self.id, "layers": list(self.layers), **self.spec.describe()}
+
+
+def piece_range(pieces: int, ranks: int, rank: int) -> tuple[int, int]:
+    """The units [start, end) of a segment of ``pieces`` whole units (``RecurrentState.pieces``)
+    that rank ``rank`` of ``ranks`` holds: an even share when the ranks divide them, else the one
+    unit its heads read (the ranks a multiple of the units)."""
+    if pieces % ranks == 0:
+        n = pieces // ranks
+        return rank * n, (rank + 1) * n
+    if ranks % pieces == 0:
+        unit = rank // (ranks // pieces)
+        return unit, unit + 1
+    raise ValueError(f"{ranks} ranks can neither split {pieces} whole units nor share them")
+
+
+def held(pieces: int, ranks: int) -> int:
+    """Units of a segment of ``pieces`` that one rank of ``ranks`` holds."""
+    start, end = piece_range(pieces, ranks, 0)
+    return end - start
 
 
 def specs_of(entry) -> tuple[CacheSpec, ...]:

@@ -16,7 +16,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from pdserve.disagg.descriptors import head_slice_descriptors, region_descriptors
+from pdserve.disagg.rank_map import piece_source
 from pdserve.kv_region import Region
+from pdserve.kv_spec import held, piece_range
 
 
 def pair_regions(src: Sequence[Region], dst: Sequence[Region]) -> tuple[list[int], str]:
@@ -36,12 +38,21 @@ def dst_item_bytes(r: Region, pair, prefill_tp: int, decode_tp: int) -> int:
     if r.split == "heads":
         return r.item_bytes // pair.src_heads * pair.dst_heads if pair.src_heads else r.item_bytes
     if r.split == "segments":
-        return r.item_bytes * prefill_tp // decode_tp
+        return sum(dst_segments(r, prefill_tp, decode_tp))
     return r.item_bytes
 
 
 def dst_segments(r: Region, prefill_tp: int, decode_tp: int) -> tuple[int, ...]:
-    return tuple(n * prefill_tp // decode_tp for n in r.segments)
+    """A decode rank's bytes of each segment of prefill region ``r``'s items."""
+    return tuple(
+        n // held(k, prefill_tp) * held(k, decode_tp) if k else n * prefill_tp // decode_tp
+        for n, k in zip(r.segments, r.pieces or (0,) * len(r.segments))
+    )
+
+
+def _units_split_evenly(pieces: int, prefill_tp: int, decode_tp: int) -> bool:
+    """A segment whose units (``Region.pieces``) both sides split evenly, as any channels."""
+    return not pieces or (pieces % prefill_tp == 0 and pieces % decode_tp == 0)
 
 
 def group_rows(regions: Sequence[Region], num_groups: int) -> list[int]:
@@ -73,9 +84,10 @@ def chunk_descriptors(
             continue
         if pair is not None and not writes(r, pair):
             continue
-        buckets.setdefault((g, r.split, r.item_bytes, dst[i].item_bytes, r.segments), []).append(i)
+        key = (g, r.split, r.item_bytes, dst[i].item_bytes, r.segments, r.pieces)
+        buckets.setdefault(key, []).append(i)
     parts = []
-    for (g, split, item, dst_item, segments), idx in buckets.items():
+    for (g, split, item, dst_item, segments, _), idx in buckets.items():
         sp, dp = [src[i].ptr for i in idx], [dst[i].ptr for i in idx]
         s_pages, d_pages = src_pages[g], dst_pages[g]
         whole = (
@@ -112,23 +124,30 @@ def chunk_descriptors(
                 pair.part_range(pair.decode_rank, decode_tp)[0],
             )
             src_off = dst_off = 0
-            for seg in segments:
-                unit = seg * prefill_tp // pair.num_parts  # bytes of one part of this segment
-                parts.append(
-                    head_slice_descriptors(
-                        sp,
-                        dp,
-                        item,
-                        dst_item,
-                        s_pages,
-                        d_pages,
-                        src_off + (a - p0) * unit,
-                        dst_off + (a - d0) * unit,
-                        (b - a) * unit,
+            pieces = src[idx[0]].pieces or (0,) * len(segments)
+            for seg, k in zip(segments, pieces):
+
+                def piece(at_src: int, at_dst: int, nbytes: int) -> None:
+                    parts.append(
+                        head_slice_descriptors(
+                            sp, dp, item, dst_item, s_pages, d_pages, at_src, at_dst, nbytes
+                        )
                     )
-                )
+
+                if _units_split_evenly(k, prefill_tp, decode_tp):
+                    unit = seg * prefill_tp // pair.num_parts  # bytes of one part of it
+                    piece(src_off + (a - p0) * unit, dst_off + (a - d0) * unit, (b - a) * unit)
+                    dst_off += seg * prefill_tp // decode_tp
+                else:  # whole units, each from one of the decode rank's sources
+                    ps, pe = piece_range(k, prefill_tp, pair.prefill_rank)
+                    ds, de = piece_range(k, decode_tp, pair.decode_rank)
+                    unit = seg // (pe - ps)
+                    for u in range(max(ps, ds), min(pe, de)):
+                        src_rank = piece_source(u, k, prefill_tp, decode_tp, pair.decode_rank)
+                        if src_rank == pair.prefill_rank:
+                            piece(src_off + (u - ps) * unit, dst_off + (u - ds) * unit, unit)
+                    dst_off += unit * (de - ds)
                 src_off += seg
-                dst_off += seg * prefill_tp // decode_tp
     if not parts:
         return None
     return tuple(np.concatenate([p[k] for p in parts]) for k in range(3))

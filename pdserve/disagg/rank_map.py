@@ -8,7 +8,10 @@ the regions (``kv_region.Region.split``) the two sides hold.
   different prefill ranks). Consecutive heads from the same prefill rank form one run.
 - ``segments``: each segment of an item is sharded evenly along its own axis; a decode rank reads
   from every prefill rank whose share overlaps its own the overlap (in parts of
-  ``lcm(prefill_tp, decode_tp)`` of each segment).
+  ``lcm(prefill_tp, decode_tp)`` of each segment). A segment of whole units that a side has fewer
+  of than ranks (a Mamba2 layer's one group, held by every rank: ``kv_spec.piece_range``) is read
+  unit by unit, each from the lowest of the decode rank's sources that holds it
+  (``piece_source``).
 - ``replicated``: every rank holds the same bytes; a decode rank reads them from one prefill rank:
   the lowest of those it already reads from, or, when nothing else is split, prefill rank
   ``decode_rank % prefill_tp`` (so the decode ranks spread over the prefill ranks).
@@ -36,6 +39,7 @@ from math import lcm
 from typing import Optional
 
 from pdserve.distributed import kv_heads_for_rank
+from pdserve.kv_spec import piece_range
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,31 @@ def _head_runs(
     return out
 
 
+def segment_sources(prefill_tp: int, decode_tp: int, decode_rank: int) -> list[int]:
+    """The prefill ranks whose share of every evenly split segment overlaps decode rank
+    ``decode_rank``'s: the ranks it reads "segments" regions from."""
+    parts = lcm(prefill_tp, decode_tp)
+    d0, d1 = decode_rank * parts // decode_tp, (decode_rank + 1) * parts // decode_tp
+    return [
+        p
+        for p in range(prefill_tp)
+        if max(d0, p * parts // prefill_tp) < min(d1, (p + 1) * parts // prefill_tp)
+    ]
+
+
+def piece_source(unit: int, pieces: int, prefill_tp: int, decode_tp: int, decode_rank: int) -> int:
+    """The prefill rank that writes unit ``unit`` of a segment of ``pieces`` whole units into
+    decode rank ``decode_rank``: the lowest of its sources holding it."""
+    for p in segment_sources(prefill_tp, decode_tp, decode_rank):
+        start, end = piece_range(pieces, prefill_tp, p)
+        if start <= unit < end:
+            return p
+    raise ValueError(
+        f"decode rank {decode_rank} of tp {decode_tp} reads no prefill rank of tp {prefill_tp} "
+        f"holding unit {unit} of {pieces}"
+    )
+
+
 @lru_cache(maxsize=64)
 def plan(
     prefill_tp: int,
@@ -126,10 +155,9 @@ def plan(
             pairs.update(_head_runs(prefill_tp, decode_tp, kv_heads, num_heads, d))
         if "segments" in splits:
             d0, d1 = d * parts // decode_tp, (d + 1) * parts // decode_tp
-            for p in range(prefill_tp):
+            for p in segment_sources(prefill_tp, decode_tp, d):
                 a, b = max(d0, p * parts // prefill_tp), min(d1, (p + 1) * parts // prefill_tp)
-                if a < b:
-                    pairs.setdefault(p, {})["parts"] = (a, b)
+                pairs.setdefault(p, {})["parts"] = (a, b)
         if "replicated" in splits:
             pairs.setdefault(min(pairs) if pairs else d % prefill_tp, {})["replicated"] = True
         if not pairs:  # nothing at all to move (no regions): the plain pairing, empty

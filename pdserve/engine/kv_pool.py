@@ -564,6 +564,9 @@ class StatePool(BaseKVPool):
                     segments=(
                         self.spec.segment_bytes(i) if self.spec.region_split == "segments" else ()
                     ),
+                    pieces=(
+                        self.spec.segment_pieces(i) if self.spec.region_split == "segments" else ()
+                    ),
                 )
                 for j, layer in enumerate(group.layers)
             ]

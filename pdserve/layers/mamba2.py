@@ -54,6 +54,9 @@ class Mamba2Dims:
     # the scan's bounds on dt (HF's ``time_step_limit``), applied where HF does: in prefill's
     # chunked scan, not in the decode step
     dt_limit: tuple[float, float] = (0.0, float("inf"))
+    # one rank's share (``shard``) of a layer with fewer groups than ranks: the ranks whose heads
+    # read the one group this rank holds (each holds it whole, and a part of its heads)
+    group_ranks: int = 1
 
     @property
     def inner(self) -> int:  # I
@@ -63,40 +66,60 @@ class Mamba2Dims:
     def conv_dim(self) -> int:
         return self.inner + 2 * self.groups * self.state
 
-    def state_spec(self, conv_dtype: str, ranks: int = 1) -> RecurrentState:
-        """The state of one request of a layer of these sizes (one rank's of ``ranks``)."""
+    def state_spec(self, conv_dtype: str, ranks: int = 1, whole_groups: int = 0) -> RecurrentState:
+        """The state of one request of a layer of these sizes (one rank's of ``ranks``, of a layer
+        of ``whole_groups`` groups: B and C's channels of the convolution are whole groups)."""
+        g = whole_groups or self.groups
         return RecurrentState(
             parts=("conv", "ssm"),
             shapes=((self.conv_dim, self.conv_kernel - 1), (self.heads, self.head_dim, self.state)),
             dtypes=(conv_dtype, "float32"),
             segments=((self.inner, self.groups * self.state, self.groups * self.state), ()),
+            pieces=((0, g, g), ()),
             ranks=ranks,
         )
 
     def shard(self, ranks: int) -> "Mamba2Dims":
-        """One rank's sizes when ``ranks`` ranks split the heads and the groups evenly."""
-        if self.heads % ranks or self.groups % ranks:
+        """One rank's sizes when ``ranks`` ranks split the heads evenly. The groups are split too
+        when they divide; with fewer groups than ranks (Bamba-9B's and Granite 4.0-H's one group)
+        each rank holds the group its heads read, as do the other ranks of that group."""
+        if self.heads % ranks or (self.groups % ranks and ranks % self.groups):
             raise ValueError(
-                f"tp_size: {ranks} ranks cannot split a Mamba2 layer's {self.heads} heads and "
-                f"{self.groups} groups evenly"
+                f"tp_size: {ranks} ranks cannot split a Mamba2 layer's {self.heads} heads evenly "
+                f"and give each rank whole groups of its {self.groups} (the ranks must divide the "
+                "groups, or the groups the ranks)"
             )
-        return replace(self, heads=self.heads // ranks, groups=self.groups // ranks)
+        if self.groups % ranks == 0:
+            return replace(self, heads=self.heads // ranks, groups=self.groups // ranks)
+        return replace(self, heads=self.heads // ranks, groups=1, group_ranks=ranks // self.groups)
 
 
 class GatedGroupRMSNorm(nn.Module):
     """``weight * rmsnorm_per_group(x * silu(z))`` over groups of ``dim / groups`` channels,
-    computed in float32 and rounded to ``x``'s dtype before the weight, as HF's ``RMSNormGated``."""
+    computed in float32 and rounded to ``x``'s dtype before the weight, as HF's ``RMSNormGated``.
+    ``group_ranks`` > 1: this rank's ``dim`` channels are its share of one group that many ranks
+    of ``tp`` split (its group: ``tp.rank // group_ranks``); the squares are summed over them."""
 
-    def __init__(self, dim: int, groups: int, eps: float):
+    def __init__(
+        self, dim: int, groups: int, eps: float, tp: TPGroup = SINGLE, group_ranks: int = 1
+    ):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.groups, self.eps = groups, eps
+        self.tp, self.group_ranks = tp, group_ranks
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float() * F.silu(z.float())
         g = h.view(*h.shape[:-1], self.groups, -1)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.group_ranks == 1:
+            g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        else:  # one column per group of the layer, summed over the ranks
+            sums = h.new_zeros((*h.shape[:-1], self.tp.size // self.group_ranks))
+            mine = self.tp.rank // self.group_ranks
+            sums[..., mine] = g.pow(2).sum((-2, -1))
+            total = self.tp.all_reduce(sums)[..., mine, None, None]
+            g = g * torch.rsqrt(total / (h.shape[-1] * self.group_ranks) + self.eps)
         return self.weight * g.view(h.shape).to(dtype)
 
 
@@ -127,7 +150,9 @@ def causal_conv(conv: DepthwiseConv, window: torch.Tensor, n: int) -> torch.Tens
 class Mamba2Mixer(nn.Module):
     """One Mamba2 layer; ``kv_layer`` is its index among this stage's layers (``ForwardBatch``).
     Under tensor parallelism (``tp``) each rank holds a share of the heads and of the groups
-    (whole groups, so the gated norm stays local): its rows of ``in_proj`` (of z, x, B, C and dt),
+    (whole groups, so the gated norm stays local; with fewer groups than ranks, the one group its
+    heads read, whose norm sums the squares over the ranks sharing it, as vLLM does for Bamba's
+    one group): its rows of ``in_proj`` (of z, x, B, C and dt),
     its channels of the convolution, its columns of ``out_proj``, whose outputs are summed; its
     state is its channels' and heads' (``dims`` are the rank's sizes). It reads its HF weights
     itself (``checkpoint_names`` / ``load_checkpoint``)."""
@@ -141,12 +166,12 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(d.heads))
         self.A_log = nn.Parameter(torch.empty(d.heads))
         self.D = nn.Parameter(torch.empty(d.heads))
-        self.norm = GatedGroupRMSNorm(d.inner, d.groups, d.eps)
+        self.norm = GatedGroupRMSNorm(d.inner, d.groups, d.eps, tp, d.group_ranks)
         self.out_proj = RowParallelLinear(d.inner, d.hidden, bias=d.proj_bias, tp=tp)
         self.ops: Optional[ModuleType] = None  # pdserve's CPU kernels: the decode step's kernel
 
     def state_spec(self, conv_dtype: str) -> RecurrentState:
-        return self.dims.state_spec(conv_dtype, self.tp.size)
+        return self.dims.state_spec(conv_dtype, self.tp.size, self.whole.groups)
 
     # ---- weights -----------------------------------------------------------------------------
     def checkpoint_names(self) -> list[str]:
@@ -156,10 +181,12 @@ class Mamba2Mixer(nn.Module):
         """This rank's [start, end) of each block of the whole layer's ``in_proj`` rows: z, x,
         B, C, dt (the convolution's channels are x, B, C, less the I rows of z)."""
         w, d, r = self.whole, self.dims, self.tp.rank
-        gn = w.groups * w.state
-        starts = (0, w.inner, 2 * w.inner, 2 * w.inner + gn, 2 * w.inner + 2 * gn)
-        sizes = (d.inner, d.inner, d.groups * d.state, d.groups * d.state, d.heads)
-        return [(s + r * n, s + (r + 1) * n) for s, n in zip(starts, sizes)]
+        gn, dn = w.groups * w.state, d.groups * d.state
+        heads = [(s + r * n, s + (r + 1) * n) for s, n in ((0, d.inner), (w.inner, d.inner))]
+        g0 = r // d.group_ranks * dn  # the rank's groups' first row of B (and of C)
+        groups = [(s + g0, s + g0 + dn) for s in (2 * w.inner, 2 * w.inner + gn)]
+        dt = 2 * w.inner + 2 * gn + r * d.heads
+        return [*heads, *groups, (dt, dt + d.heads)]
 
     def load_checkpoint(self, name: str, src: Any) -> None:
         params = dict(self.named_parameters())

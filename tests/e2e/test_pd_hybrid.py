@@ -220,14 +220,22 @@ def test_hybrid_pd_behind_a_router(hybrid_pd, router, tmp_path):
     all_ranks_idle(D)
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
+# Bamba with one Mamba2 group (as Bamba-9B and Granite 4.0-H have): two ranks split its heads
+# and each holds the group whole, the gated norm summing over both
+ONE_GROUP = dict(mamba_n_groups=1)
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5", "bamba"])
 def qwen3_next_pd(request, tmp_path_factory):
-    """Qwen3-Next (Gated DeltaNet with a q | k | v convolution state, gated attention, MoE) and
-    Qwen3.5 (its input projections apart, each sliced per rank; a dense MLP) on one and two ranks
-    each side, the attention with one KV head: two ranks replicate it."""
+    """Qwen3-Next (Gated DeltaNet with a q | k | v convolution state, gated attention, MoE),
+    Qwen3.5 (its input projections apart, each sliced per rank; a dense MLP) and Bamba with one
+    Mamba2 group on one and two ranks each side, the attention with one KV head: two ranks
+    replicate it."""
     logs = tmp_path_factory.mktemp(f"pd-{request.param}")
-    path = build_tiny_checkpoint(request.param, num_key_value_heads=1)
+    extra = ONE_GROUP if request.param == "bamba" else {}
+    path = build_tiny_checkpoint(request.param, num_key_value_heads=1, **extra)
     s = {
+        "family": request.param,
         "path": path,
         "P": c.prefill("P", path, logs, *COMMON)[0],
         "D": c.decode("D", path, logs, *COMMON),
@@ -250,13 +258,22 @@ QWEN3_NEXT_PAIRS = [("tp1->tp2", "P", "Dtp2"), ("tp2->tp1", "Ptp2", "D")]
 def test_qwen3_next_pd_across_tp_sizes_gives_hf_tokens(qwen3_next_pd, name, p, d):
     """Each rank's key heads' q, k and v channels of the convolution state and its value heads'
     recurrent state reach the decode ranks that hold them, and the one KV head reaches both
-    ranks of a two-rank decode (more ranks than KV heads): HF's greedy tokens (float32)."""
+    ranks of a two-rank decode (more ranks than KV heads): HF's greedy tokens (float32). Bamba's
+    one group of B and C channels reaches both ranks of a two-rank decode whole, from one rank of
+    a two-rank prefill."""
     from tests.e2e.test_engine_moe import hf_reference
 
     P, D = qwen3_next_pd[p], qwen3_next_pd[d]
     info = P.http.get("/server_info").json()["scheduler_info"]
     state = info["cache_groups"][1]
-    assert state["kind"] == "recurrent_state" and state["layers"] == [0, 1, 3]
+    bamba = qwen3_next_pd["family"] == "bamba"
+    assert state["kind"] == "recurrent_state"
+    assert state["layers"] == ([0, 2, 3] if bamba else [0, 1, 3])
+    # what a one-rank prefill sends a two-rank decode twice: the one group's B and C channels
+    shared = 0
+    if bamba:
+        x, b, c = state["segments"][0]
+        shared = len(state["layers"]) * (b + c) * state["shapes"][0][1] * 4
     rng = random.Random(37)
     for n in (3, 25, 70):
         ids = [rng.randrange(100, 40000) for _ in range(n)]
@@ -268,7 +285,7 @@ def test_qwen3_next_pd_across_tp_sizes_gives_hf_tokens(qwen3_next_pd, name, p, d
             # one KV head replicated there), and one state of each GDN layer, sliced between them
             last = P.http.get("/server_info").json()["internal_states"][0]["recent_transfers"][-1]
             pages = info["kv_bytes_per_token"] * -(-n // PAGE) * PAGE
-            assert last["kv_bytes"] == 2 * pages + state_bytes(state), (n, last)
+            assert last["kv_bytes"] == 2 * pages + state_bytes(state) + shared, (n, last)
     for proc in (P, D):
         if proc.http.get("/server_info").json()["tp_size"] > 1:
             all_ranks_idle(proc)

@@ -22,9 +22,13 @@ from pdserve.disagg.destinations import _region_mismatches
 from pdserve.disagg.layout import chunk_descriptors, pair_regions
 from pdserve.distributed import kv_heads_for_rank
 from pdserve.kv_region import Region
+from pdserve.kv_spec import held, piece_range
 
 KV_HEADS, Q_HEADS, HEAD_BYTES = 4, 8, 6
 SEGMENTS = (8, 16, 8)  # bytes of each segment of an item, whole model (a conv state's x | B | C)
+# conv states of Mamba2 layers whose B and C are whole groups (``Region.pieces``): one group (every
+# rank holds it), two groups (split by two ranks, shared by two of four)
+GROUPED = {"conv_g1": ((16, 4, 4), (0, 1, 1)), "conv_g2": ((16, 4, 4), (0, 2, 2))}
 LATENT = 20  # bytes of a replicated item
 PAGES = 5
 SPLITS = ("heads", "replicated", "segments")
@@ -37,6 +41,10 @@ def whole_items(seed: int) -> dict[str, np.ndarray]:
         "k": rng.integers(0, 256, (PAGES, KV_HEADS * HEAD_BYTES), dtype=np.uint8),
         "latent": rng.integers(0, 256, (PAGES, LATENT), dtype=np.uint8),
         "conv": rng.integers(0, 256, (PAGES, sum(SEGMENTS)), dtype=np.uint8),
+        **{
+            name: rng.integers(0, 256, (PAGES, sum(segs)), dtype=np.uint8)
+            for name, (segs, _) in GROUPED.items()
+        },
     }
 
 
@@ -50,11 +58,31 @@ def share(items: dict[str, np.ndarray], rank: int, tp: int) -> dict[str, np.ndar
         parts.append(items["conv"][:, start + rank * n : start + (rank + 1) * n])
         start += seg
     out["conv"] = np.concatenate(parts, axis=1)
+    for name, (segs, pieces) in GROUPED.items():
+        parts, start = [], 0
+        for seg, k in zip(segs, pieces):
+            if k:  # whole units: an even share, or the one unit of the rank's heads
+                u0, u1 = piece_range(k, tp, rank)
+                lo, hi = u0 * seg // k, u1 * seg // k
+            else:
+                lo, hi = rank * seg // tp, (rank + 1) * seg // tp
+            parts.append(items[name][:, start + lo : start + hi])
+            start += seg
+        out[name] = np.concatenate(parts, axis=1)
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
+def local_segments(name: str, tp: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    if name == "conv":
+        return tuple(s // tp for s in SEGMENTS), ()
+    if name in GROUPED:
+        segs, pieces = GROUPED[name]
+        return tuple(s // k * held(k, tp) if k else s // tp for s, k in zip(segs, pieces)), pieces
+    return (), ()
+
+
 def regions(arrays: dict[str, np.ndarray], tp: int, group: int = 0) -> list[Region]:
-    split = {"k": "heads", "latent": "replicated", "conv": "segments"}
+    split = {"k": "heads", "latent": "replicated"}
     return [
         Region(
             ptr=a.ctypes.data,
@@ -63,8 +91,9 @@ def regions(arrays: dict[str, np.ndarray], tp: int, group: int = 0) -> list[Regi
             group=group,
             layer=0,
             part=name,
-            split=split[name],
-            segments=tuple(s // tp for s in SEGMENTS) if name == "conv" else (),
+            split=split.get(name, "segments"),
+            segments=local_segments(name, tp)[0],
+            pieces=local_segments(name, tp)[1],
         )
         for name, a in arrays.items()
     ]
@@ -74,6 +103,8 @@ def regions(arrays: dict[str, np.ndarray], tp: int, group: int = 0) -> list[Regi
     "p_tp, d_tp", [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4), (4, 2), (4, 4)]
 )
 def test_every_split_lands_byte_exact_across_tp_sizes(p_tp, d_tp):
+    """Also segments of whole units (a Mamba2 layer's groups) with fewer units than ranks: every
+    decode rank gets each unit it holds once, from one of its sources."""
     items = whole_items(p_tp * 10 + d_tp)
     src = [share(items, p, p_tp) for p in range(p_tp)]
     dst = [{k: np.zeros_like(v) for k, v in share(items, d, d_tp).items()} for d in range(d_tp)]
