@@ -15,8 +15,8 @@
 - Success: the KV is released (the prefix stays in the radix cache) and the HTTP request is
   answered with the one token; Failed: the request ends with an error naming the cause;
 - while a request is queued, prefilled or transferring here, decode hears about it every
-  ``keepalive_s`` (``KVSender.keepalive``), so its waiting timeout catches a silent prefill,
-  not a busy one;
+  ``keepalive_s`` (``KVSender.keepalive``; during a step from a thread of their own,
+  ``_Liveness``), so its waiting timeout catches a silent prefill, not a busy one;
 - a room that fails while its request is still being prefilled (decode aborted it, decode died)
   ends the request at the next step instead of finishing a prefill nobody will use;
 - a request that ends here with an abort (client gone, timeout, error) fails its room, and
@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,42 @@ logger = logging.getLogger(__name__)
 # 503 when this prefill did (its transfer failed). The router blames the other leg for a 502.
 PEER_FAILED_STATUS = 502
 OWN_TRANSFER_FAILED_STATUS = 503
+
+
+class _Liveness:
+    """Keepalives for the rooms held here while the scheduler thread is inside a step, sent by a
+    thread of their own: a forward of minutes on one core (a long prompt's chunk) is work, not
+    silence. Between steps the scheduler thread sends them itself (``PrefillQueues._keep_alive``)
+    and leaves the senders of the rooms it holds for this thread; whenever it has sent none for
+    ``interval`` seconds (it is computing), this thread sends them. Kernels run without the GIL,
+    so the thread gets its turn during one long kernel call too."""
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self.senders: list = []  # the rooms the scheduler thread held at its last keepalive
+        self.last = time.monotonic()  # the last keepalive, by either thread
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pd-keepalive", daemon=True)
+        self._thread.start()
+
+    def sent(self, senders: list) -> None:
+        """The scheduler thread sent keepalives to ``senders`` (the rooms it holds)."""
+        self.senders, self.last = senders, time.monotonic()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval / 4):
+            if time.monotonic() - self.last < self.interval:
+                continue
+            self.last = time.monotonic()
+            for sender in self.senders:  # a finished room's sender sends nothing
+                try:
+                    sender.keepalive()
+                except Exception as e:  # the next round tries again
+                    logger.warning("keepalive for room %s failed: %s", sender.room, e)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 @dataclass
@@ -103,6 +140,7 @@ class PrefillQueues(PDQueues):
         )
         self.keepalive_s = min(1.0, scheduler.args.disaggregation_waiting_timeout / 4)
         self._next_keepalive = 0.0
+        self._liveness = _Liveness(self.keepalive_s)
         self._dp_publisher: Optional[ThreadPoolExecutor] = None
         self.bootstrap_server = None  # the server's, on its first rank (disagg/setup.py)
 
@@ -197,6 +235,7 @@ class PrefillQueues(PDQueues):
 
     def close(self) -> None:
         """Stop the KV manager, the bootstrap server and the queues' threads (a role switch)."""
+        self._liveness.close()
         if self._dp_publisher is not None:
             self._dp_publisher.shutdown(wait=True)
         self.mgr.close()
@@ -221,18 +260,17 @@ class PrefillQueues(PDQueues):
             if state == KVPoll.Failed:
                 self._fail(req, req.disagg.sender.failure_reason() or "KV transfer failed")
 
-    def _keep_alive(self, reqs: Optional[list[Req]] = None) -> None:
+    def _keep_alive(self, reqs: list[Req]) -> None:
         """Tell decode, every ``keepalive_s``, that the rooms queued, prefilled or transferring
-        here are alive (between steps, and between layers of a forward: a long forward is
-        work, not silence)."""
+        here are alive (between steps; during one, ``_Liveness``'s thread does)."""
         now = time.monotonic()
         if now < self._next_keepalive:
             return
         self._next_keepalive = now + self.keepalive_s
-        if reqs is None:
-            reqs = [r for r in self.s.scheduled() if r.disagg is not None]
-        for r in reqs + self.inflight:
-            r.disagg.sender.keepalive()
+        senders = [r.disagg.sender for r in reqs + self.inflight]
+        for sender in senders:
+            sender.keepalive()
+        self._liveness.sent(senders)
 
     def _fail(self, req: Req, reason: str) -> None:
         logger.warning("request %s (room %s) failed: %s", req.rid, req.bootstrap_room, reason)
@@ -359,7 +397,6 @@ class PrefillQueues(PDQueues):
         pending: list[int] = []
 
         def layer_done(layer: int) -> None:
-            self._keep_alive()
             if not plans:
                 return
             pending.append(layer)

@@ -212,3 +212,43 @@ def test_fused_moe(ops, quantization):
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(torch.int32)
     weights = torch.rand(T, K, generator=gen)
     assert_same(at_1_and_2_threads(lambda: [experts(x, ids, weights)]))
+
+
+def test_a_long_kernel_call_lets_other_python_threads_run(ops):
+    """A kernel call runs without the GIL: a Python thread beside it (PD's I/O thread answering
+    heartbeats) keeps running during a call that takes a good fraction of a second on one core."""
+    import threading
+
+    from pdserve.layers.linear import PackedF32
+
+    torch.manual_seed(0)
+    linear = PackedF32(torch.randn(1024, 1024), None, ops)
+    x = torch.randn(512, 1024)
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def ticker() -> None:
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    thread = threading.Thread(target=ticker, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.05)
+        calls = []
+        while not calls or calls[-1][1] - calls[-1][0] < 0.2:  # one call of at least 0.2 s
+            x = torch.cat([x, x]) if calls else x
+            start = time.perf_counter()
+            linear(x)
+            calls.append((start, time.perf_counter()))
+    finally:
+        stop.set()
+        thread.join()
+        torch.set_num_threads(before)
+    start, end = calls[-1]
+    during = [t for t in ticks if start < t < end]
+    # every millisecond or so without the GIL; none while a call held it
+    assert len(during) > (end - start) / 0.01, (len(during), end - start)

@@ -282,7 +282,7 @@ void bind_decode_model(pybind11::module& m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t>())
       .def("add_layer", &DecodeModel::add_layer)
       .def("num_layers", &DecodeModel::num_layers)
-      .def("forward", &DecodeModel::forward);
+      .def("forward", &DecodeModel::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
 
 }  // namespace pds
