@@ -40,10 +40,8 @@ def run_dtype(kv: str, model: str, a: argparse.Namespace, prompts: dict, logs: P
     common += ["--max-total-tokens", str(max(a.lens) + 1024), "--torch-num-threads", "1"]
     common += ["--chunked-prefill-size", str(max(a.lens))]
     common += ["--disaggregation-transfer-backend", a.backend]
-    # a layer of an 8k forward on a loaded core can outlast 3 missed heartbeats
-    common += ["--disaggregation-heartbeat-misses", "120"]
-    # a one-chunk prefill of 8k tokens runs a minute or more, without keepalives inside a forward
-    D = c.decode(f"D-{kv}", model, logs, *common, "--disaggregation-waiting-timeout", "900")
+    # the default heartbeats and waiting timeout: liveness does not wait on a forward
+    D = c.decode(f"D-{kv}", model, logs, *common)
     P, _ = c.prefill(f"P-{kv}", model, logs, *common)
     procs, rows = [D, P], []
     try:

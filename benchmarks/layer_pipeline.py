@@ -57,15 +57,12 @@ def run_backend(backend: str, model: str, a: argparse.Namespace, logs: Path) -> 
         str(a.chunk),
         "--disaggregation-transfer-backend",
         backend,
-        # one layer of a 16k forward on one core holds the GIL past 3 missed heartbeats
-        "--disaggregation-heartbeat-misses",
-        "120",
     ]
     layered = ["--enable-disagg-layer-pipeline", "--disagg-layer-group-size", str(a.group_size)]
     layered += ["--disagg-layer-pipeline-min-prefill-len", "0"]
-    # a one-chunk prefill of 8k tokens runs about a minute, and a prefill sends no keepalive
-    # while its scheduler is inside a forward: decode must wait longer than its default 30 s
-    D = c.decode(f"D-{backend}", model, logs, *common, "--disaggregation-waiting-timeout", "600")
+    # the default heartbeats and waiting timeout: a one-chunk prefill of 8k tokens runs about a
+    # minute, and its keepalives and heartbeat answers go on during the forward
+    D = c.decode(f"D-{backend}", model, logs, *common)
     P_chunks, _ = c.prefill(f"Pc-{backend}", model, logs, *common)
     P_layers, _ = c.prefill(f"Pl-{backend}", model, logs, *common, *layered)
     procs = [D, P_chunks, P_layers]

@@ -58,15 +58,19 @@ class _Liveness:
 
     def __init__(self, interval: float):
         self.interval = interval
-        self.senders: list = []  # the rooms the scheduler thread held at its last keepalive
+        self.senders: list = []  # the rooms the scheduler thread held at its last step's start
         self.last = time.monotonic()  # the last keepalive, by either thread
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pd-keepalive", daemon=True)
         self._thread.start()
 
-    def sent(self, senders: list) -> None:
-        """The scheduler thread sent keepalives to ``senders`` (the rooms it holds)."""
-        self.senders, self.last = senders, time.monotonic()
+    def holding(self, senders: list) -> None:
+        """The rooms the scheduler thread holds as a step starts."""
+        self.senders = senders
+
+    def sent(self) -> None:
+        """The scheduler thread sent their keepalives."""
+        self.last = time.monotonic()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval / 4):
@@ -262,15 +266,17 @@ class PrefillQueues(PDQueues):
 
     def _keep_alive(self, reqs: list[Req]) -> None:
         """Tell decode, every ``keepalive_s``, that the rooms queued, prefilled or transferring
-        here are alive (between steps; during one, ``_Liveness``'s thread does)."""
+        here are alive (between steps; during one, ``_Liveness``'s thread does, for the rooms
+        held at its start)."""
+        senders = [r.disagg.sender for r in reqs + self.inflight]
+        self._liveness.holding(senders)
         now = time.monotonic()
         if now < self._next_keepalive:
             return
         self._next_keepalive = now + self.keepalive_s
-        senders = [r.disagg.sender for r in reqs + self.inflight]
         for sender in senders:
             sender.keepalive()
-        self._liveness.sent(senders)
+        self._liveness.sent()
 
     def _fail(self, req: Req, reason: str) -> None:
         logger.warning("request %s (room %s) failed: %s", req.rid, req.bootstrap_room, reason)

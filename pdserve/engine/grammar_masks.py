@@ -65,9 +65,10 @@ class GrammarMasks:
             return {"size": 0, "capacity": 0, "hits": 0, "misses": 0}
         return self._backend.cache_info()
 
-    def start(self, reqs: list[Req]) -> Optional[Future]:
+    def start(self, reqs: list[Req], ahead: Optional[list[list[int]]] = None) -> Optional[Future]:
         """Start filling the masks of the constrained ``reqs`` (the rows about to be sampled, in
-        order). Returns a future of (bitmask [G, words], the G rows) or None."""
+        order; ``ahead``: per row, the drafts before it, for a speculative row's tokens). Returns
+        a future of (bitmask [G, words], the G rows) or None."""
         rows = [k for k, r in enumerate(reqs) if r.grammar is not None and r.grammar.wants_mask()]
         if not rows:
             return None
@@ -79,7 +80,7 @@ class GrammarMasks:
 
         def fill() -> tuple[torch.Tensor, list[int]]:
             for i, k in enumerate(rows):
-                reqs[k].grammar.fill(bitmask, i)
+                reqs[k].grammar.fill(bitmask, i, ahead[k] if ahead else ())
             return bitmask, rows
 
         return self._pool.submit(fill)

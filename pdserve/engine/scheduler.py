@@ -36,6 +36,7 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.schedule_policy import order_waiting
 from pdserve.engine.speculative import Speculator, page_riders
 from pdserve.engine.speculative import refusal as speculative_refusal
+from pdserve.engine.speculative.verify import row_tokens
 from pdserve.engine.step import SAMPLE, VERIFY, Row, StepPlan
 from pdserve.engine.step_participant import StepParticipant
 from pdserve.engine.stop import eos_token_ids
@@ -468,8 +469,10 @@ class Scheduler:
         participants = self.participants
         for p in participants:
             p.before_forward(plan, fb)
-        sampled = plan.of_kind(SAMPLE)
+        sampled, verified = plan.of_kind(SAMPLE), plan.of_kind(VERIFY)
+        # the grammar masks are filled on a worker thread while the forward runs
         masks = self.grammars.start([r.req for r in sampled if r.req.sampling.max_new_tokens > 0])
+        verify_masks = self.grammars.start(*row_tokens(verified)) if verified else None
         logits = self.runner.forward(fb)
         for row in plan.rows:  # a verify row's drafts count once accepted
             row.req.kv_len += 1 if row.kind == VERIFY else row.ext
@@ -477,7 +480,7 @@ class Scheduler:
             p.after_forward(plan)
         record_input_logprobs(logits, plan.spans)
         firsts = self._sample(logits, sampled, None if masks is None else masks.result())
-        self._verify(logits, plan.of_kind(VERIFY))
+        self._verify(logits, verified, None if verify_masks is None else verify_masks.result())
         for p in participants:
             p.after_commit(plan)
         for req, reason in firsts:  # a prompt is done: a participant may take the request over
@@ -522,12 +525,12 @@ class Scheduler:
                 self.finish(req, reason)
         return firsts
 
-    def _verify(self, logits: torch.Tensor, rows: list[Row]) -> None:
+    def _verify(self, logits: torch.Tensor, rows: list[Row], grammar=None) -> None:
         """Speculative rows: the speculator's verdicts (``speculative/verify.py``), each row's
         kept tokens committed one by one with ``kv_len`` following them."""
         if not rows:
             return
-        for v in self.speculator.verify(self.sampler, logits, rows):
+        for v in self.speculator.verify(self.sampler, logits, rows, grammar):
             req = v.req
             if v.failed:
                 self.finish(req, not_finite())

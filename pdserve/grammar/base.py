@@ -32,6 +32,18 @@ class Matcher(ABC):
     def accept(self, token_id: int) -> bool:
         """Advance by ``token_id``; False (and no change) when the grammar does not allow it."""
 
+    def try_accept(self, tokens) -> int:
+        """Advance over the longest prefix of ``tokens`` the grammar allows (and not past its
+        end); returns its length. A refused token leaves the matcher as it was before it."""
+        for n, tok in enumerate(tokens):
+            if self.terminated or not self.accept(tok):
+                return n
+        return len(tokens)
+
+    @abstractmethod
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` accepted tokens (a speculative row's drafts, tried for a mask)."""
+
     @property
     @abstractmethod
     def terminated(self) -> bool:

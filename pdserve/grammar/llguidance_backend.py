@@ -31,6 +31,14 @@ class LLGuidanceMatcher(Matcher):
     def accept(self, token_id: int) -> bool:
         return self._m.consume_token(token_id)
 
+    def try_accept(self, tokens) -> int:
+        # consume_token of a refused token stops the matcher for good: check the prefix first
+        return self._m.try_consume_tokens(list(tokens)) if tokens else 0
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self._m.rollback(n)
+
     @property
     def terminated(self) -> bool:
         return self._m.is_stopped()

@@ -6,7 +6,7 @@ the end-of-reasoning marker (``start_after``, token ids); until then the request
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -23,8 +23,23 @@ class RequestGrammar:
     def wants_mask(self) -> bool:
         return self.active and self.failed is None and not self.matcher.terminated
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self.matcher.fill(bitmask, row)
+    def fill(self, bitmask: torch.Tensor, row: int, ahead: Sequence[int] = ()) -> None:
+        """The allowed next tokens into ``bitmask[row]``; ``ahead``: tokens past the output first
+        (a speculative row's drafts before the position), tried and rolled back. Past a draft the
+        grammar does not allow, or its end, the row stays as it is: acceptance stops at that
+        draft, so nothing drawn after it is kept."""
+        taken = self.matcher.try_accept(ahead)
+        try:
+            if taken == len(ahead) and not self.matcher.terminated:
+                self.matcher.fill(bitmask, row)
+        finally:
+            self.matcher.rollback(taken)
+
+    @property
+    def speculable(self) -> bool:
+        """Drafts can be checked against it: it constrains the output now (a grammar that waits
+        for the end of the reasoning would start somewhere inside the drafts)."""
+        return self.active and self.failed is None
 
     def advance(self, output_ids: list[int]) -> None:
         """The newest token of ``output_ids`` was sampled: advance the matcher (or, before the

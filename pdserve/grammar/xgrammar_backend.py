@@ -33,6 +33,10 @@ class XGrammarMatcher(Matcher):
     def accept(self, token_id: int) -> bool:
         return self._m.accept_token(token_id)
 
+    def rollback(self, n: int) -> None:
+        if n:
+            self._m.rollback(n)
+
     @property
     def terminated(self) -> bool:
         return self._m.is_terminated()

@@ -390,3 +390,35 @@ def test_drafting_follows_acceptance():
     assert waits == [2, 4, 8, 16, 16]
     spec.observe(req, 1, 0)
     assert spec.drafts(req, 10) == [] and req.spec.cooldown == 15  # a step of 16 waited
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_grammar_request_speculates_with_the_tokens_of_plain_decoding(backend):
+    """A constrained request speculates: each verify position is masked by the grammar advanced
+    over the drafts before it (and rolled back), so greedy and seeded sampled requests give the
+    tokens of constrained decoding without drafts. Digits are single tokens here, so a digits
+    regex forces every token: the n-gram drafts are accepted (a mask at the wrong position, or
+    none, would draw a token the grammar refuses and end the request with an error)."""
+    import re
+
+    digits, words = r"(0123456789){6}", r"(one|two|three)( (one|two|three)){5,9}"
+    plain, spec = (engine(s, grammar_backend=backend) for s in (False, True))
+    for prompt, regex, accepted in (
+        ("Digits: 0123456789 and 01234", digits, True),
+        ("Count: one two three one two", words, False),
+    ):
+        ids = plain.tokenizer.encode(prompt)
+        for params in (
+            {"temperature": 0, "max_new_tokens": 80, "regex": regex},
+            {"temperature": 0.9, "seed": 11, "max_new_tokens": 80, "regex": regex},
+        ):
+            want = plain.generate(input_ids=ids, sampling_params=params)
+            got = spec.generate(input_ids=ids, sampling_params=params)
+            assert got["output_ids"] == want["output_ids"], params
+            assert re.fullmatch(regex, got["text"]), got["text"]
+            meta = got["meta_info"]
+            assert meta["spec_verify_ct"] > 0, meta
+            if accepted:
+                assert meta["spec_accept_length"] > 2, meta
+    for eng in (plain, spec):
+        eng.check_integrity()

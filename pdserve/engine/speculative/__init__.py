@@ -16,10 +16,12 @@ request's ``kv_len``, inside pages it already owns, and is overwritten by later 
 cache takes pages only up to ``kv_len``, so nothing of it reaches the cache, KV events or a
 transfer.
 
-Who speculates (``speculable``): requests without a grammar or routed-expert capture; the others
-decode one token per step in the same batch. Penalties and the ``min_new_tokens`` ban at a
-verify row count the drafts before it as output (``Sampler.sample``'s ``ahead``), as plain
-decoding would have counted them had they been drawn. A model whose cache cannot drop rejected
+Who speculates (``speculable``): requests without routed-expert capture, and with a grammar only
+once it constrains the output (not while it waits for the end of the reasoning); the others decode
+one token per step in the same batch. Penalties, the ``min_new_tokens`` ban and a grammar's mask
+at a verify row count the drafts before it as output (``Sampler.sample``'s ``ahead``; the mask of
+the grammar advanced over them and rolled back, ``RequestGrammar.fill``), as plain decoding would
+have counted them had they been drawn. A model whose cache cannot drop rejected
 tokens (a recurrent state) is refused at start-up.
 
 A row's drafts may form a tree (``--speculative-eagle-topk`` > 1, EAGLE heads): each draft has
@@ -174,7 +176,10 @@ class Speculator(StepParticipant):
 
     @staticmethod
     def speculable(req: Req) -> bool:
-        return req.grammar is None and not req.return_routed_experts
+        """Drafts for ``req``: not while its grammar waits for the end of the reasoning, nor with
+        routed-expert capture (a row's rejected drafts would be captured)."""
+        grammar_ok = req.grammar is None or req.grammar.speculable
+        return grammar_ok and not req.return_routed_experts
 
     def wanted(self, req: Req, limit: int) -> int:
         """How many drafts ``req``'s next row asks for, within ``limit``; 0 when it does not
@@ -210,11 +215,11 @@ class Speculator(StepParticipant):
         """A draft head reads the step's hidden states once its tokens are known."""
         self.proposer.stepped(plan.computed)
 
-    def verify(self, sampler, logits: torch.Tensor, rows) -> list[Verdict]:
+    def verify(self, sampler, logits: torch.Tensor, rows, grammar=None) -> list[Verdict]:
         """The verdicts of a step's VERIFY rows (``verify.verify``); the accepted drafts' KV moved
         to their positions' slots (a tree's branch), the drafting adapted to what each row kept
         and the proposer told."""
-        verdicts = verify(sampler, logits, rows)
+        verdicts = verify(sampler, logits, rows, grammar)
         for v in verdicts:
             if v.failed:
                 continue

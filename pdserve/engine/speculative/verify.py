@@ -40,20 +40,27 @@ class Verdict:
         return self.path != list(range(1, len(self.path) + 1))
 
 
-def verify(sampler, logits: torch.Tensor, rows) -> list[Verdict]:
+def row_tokens(rows) -> tuple[list[Req], list[list[int]]]:
+    """Per token of ``rows`` (``step.Row``s of kind VERIFY), in order: its request and the drafts
+    before it (whose count is its depth past the output)."""
+    reqs, ahead = [], []
+    for row in rows:
+        for j in range(row.ext):
+            reqs.append(row.req)
+            ahead.append(drafts_before(row.req, j))
+    return reqs, ahead
+
+
+def verify(sampler, logits: torch.Tensor, rows, grammar=None) -> list[Verdict]:
     """Verdicts of ``rows`` (``step.Row``s of kind VERIFY), whose logits start at each row's
-    ``logits_at``."""
+    ``logits_at``; ``grammar``: the masks of their tokens' positions (``GrammarMasks.start`` of
+    ``row_tokens``), as for sampling."""
     if not rows:
         return []
     picked = torch.cat([logits[row.logits_at : row.logits_at + row.ext] for row in rows])
-    reqs, offsets, ahead = [], [], []  # per row token: its request, depth, the drafts before it
-    for row in rows:
-        req = row.req
-        for j in range(row.ext):
-            reqs.append(req)
-            ahead.append(drafts_before(req, j))
-            offsets.append(len(ahead[-1]))
-    out = sampler.sample(picked, reqs, None, offsets=offsets, ahead=ahead)
+    reqs, ahead = row_tokens(rows)
+    offsets = [len(a) for a in ahead]
+    out = sampler.sample(picked, reqs, grammar, offsets=offsets, ahead=ahead)
     failed = set(out.failed)
     verdicts, at = [], 0
     for row in rows:
