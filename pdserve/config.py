@@ -151,6 +151,9 @@ class ServerArgs:
     hicache_write_policy: str = "write_through"  # or write_back (on eviction)
     hicache_storage_backend: Optional[str] = None
     hicache_file_backend_storage_dir: str = "/tmp/hicache"
+    # the disk tier's size bound in GB, least recently used entries dropped past it (0: half the
+    # space free on its filesystem when the server starts)
+    hicache_file_backend_max_gb: float = 0.0
     hicache_storage_write_queue: int = 1024  # pages queued for storage; more are dropped
     # a JSON object of the storage backend's settings (mooncake: engine/kv_tier/mooncake_config.py)
     hicache_storage_backend_extra_config: Optional[str] = None

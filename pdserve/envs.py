@@ -27,6 +27,7 @@ ENV_TO_FIELD = {
     "PDSERVE_DISAGGREGATION_FAULT_RANKS": "disaggregation_fault_ranks",
     "PDSERVE_TORCH_NUM_THREADS": "torch_num_threads",
     "PDSERVE_HICACHE_FILE_BACKEND_STORAGE_DIR": "hicache_file_backend_storage_dir",
+    "PDSERVE_HICACHE_FILE_BACKEND_MAX_GB": "hicache_file_backend_max_gb",
 }
 
 

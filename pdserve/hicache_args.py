@@ -35,6 +35,12 @@ def check_hicache_args(args, bad: Callable[[str, str], None]) -> None:
             "hicache_size",
             f"must be >= 0 GB (0: sized by --hicache-ratio), got {args.hicache_size}",
         )
+    if not args.hicache_file_backend_max_gb >= 0:
+        bad(
+            "hicache_file_backend_max_gb",
+            f"must be >= 0 GB (0: half the free space of its filesystem), got "
+            f"{args.hicache_file_backend_max_gb}",
+        )
     if args.hicache_storage_write_queue < 1:
         bad("hicache_storage_write_queue", f"must be >= 1, got {args.hicache_storage_write_queue}")
     backend = args.hicache_storage_backend

@@ -189,7 +189,7 @@ class Engine:
         return self.scheduler.check_integrity()
 
     def flush_cache(self) -> bool:
-        return self.scheduler.tree.reset()
+        return self.scheduler.flush_cache()
 
     def shutdown(self) -> None:
         self.scheduler = None

@@ -290,6 +290,15 @@ class Scheduler:
         if self.tier is not None:
             self.tier.attach(self.kv)
 
+    def flush_cache(self, tiers: bool = True) -> bool:
+        """Empty the prefix cache and (``tiers``) every tier below it; False (nothing changed)
+        while a request holds cached pages."""
+        if not self.tree.reset():
+            return False
+        if tiers and self.tier is not None:
+            self.tier.clear()
+        return True
+
     def release_kv(self, req: Req) -> None:
         self.kv.release(req)
 

@@ -85,7 +85,9 @@ def create_app(
                 await one_token(WARMUP_TIMEOUT_S)
                 logger.info("warm-up generation passed in %.2fs", time.monotonic() - t0)
                 state["calibration"] = await asyncio.wait_for(
-                    calibrate(tm, lambda: control("flush_cache")), WARMUP_TIMEOUT_S
+                    # the pool's cache only: the tiers keep what earlier runs left there
+                    calibrate(tm, lambda: control("flush_cache", tiers=False)),
+                    WARMUP_TIMEOUT_S,
                 )
             state["ready"] = True
             logger.info("server ready on http://%s:%d", args.host, args.port)

@@ -289,7 +289,7 @@ class SchedulerLoop:
                 return {**total, "dp": groups}
             return {**groups[0], **total}
         if op == "flush_cache":
-            return s.tree.reset()
+            return s.flush_cache(tiers=(args or {}).get("tiers", True))
         if (
             op == "kv_events_snapshot"
         ):  # the cache's content, and the seq of the last batch it includes

@@ -3,7 +3,8 @@ server with a 16-page pool and a 16-page host tier over a disk tier: a prefix ev
 pool comes back from host memory, then (pushed out of host memory too) from disk, and after a
 restart from disk again, with the outputs of its first, computed run token for token; a disk
 entry with flipped bytes is detected, dropped and recomputed; KV events name the tier of each
-block; write_through fills the host tier as pages enter the prefix cache."""
+block; write_through fills the host tier as pages enter the prefix cache; ``/flush_cache`` empties
+every tier."""
 
 from __future__ import annotations
 
@@ -211,16 +212,30 @@ def test_restart_hits_the_disk_and_a_corrupt_entry_is_recomputed(tiered):
     s2.wait_idle()
 
 
-def test_write_through_fills_the_host_tier_as_pages_are_cached(tiered):
-    s2 = tiered["server2"]
+def test_write_through_fills_the_host_tier_and_flush_cache_empties_every_tier(tiered):
+    """With write_through a prompt's pages are in the host tier (and on disk) as soon as they
+    enter the prefix cache; ``/flush_cache`` then empties the pool and every tier: the snapshot
+    holds no block, the disk no file, and the prompt is computed again (no hit anywhere)."""
+    s2, disk = tiered["server2"], tiered["disk"]
     C = prompt(5000, 70)  # 4 reusable pages
+    hashes = chain_hashes(None, C, PAGE)[:4]
     ref = generate(s2, C)
     s2.wait_idle()
-    assert s2.http.post("/flush_cache").status_code == 200  # the pool's cache only
+
+    def blocks(medium):
+        snap = s2.http.get("/kv_events/snapshot").json()["groups"][0]["events"]
+        return {h for e in snap if e.get("medium") == medium for h in e["block_hashes"]}
+
+    assert set(hashes) <= blocks("CPU")  # written through while the pool still holds them
+    c.wait_for(lambda: set(hashes) <= blocks("STORAGE"), 30, "the disk tier's writes")
+    assert s2.http.post("/flush_cache").status_code == 200
+    assert not blocks("CPU") and not blocks("STORAGE") and not blocks(None)
+    assert not glob.glob(os.path.join(disk, "*", "*.kv"))
     before = stats(s2)
     assert generate(s2, C) == ref
     after = stats(s2)
-    assert delta(before, after, "hicache_hit_tokens_cpu") == 4 * PAGE, after
+    for key in ("cache_hit_tokens", "hicache_hit_tokens_cpu", "hicache_hit_tokens_storage"):
+        assert delta(before, after, key) == 0, (key, after)
     s2.wait_idle()
 
 

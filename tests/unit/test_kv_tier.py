@@ -6,6 +6,7 @@ restart; KV events name each block's tier; a corrupt entry is a miss; what the t
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -300,4 +301,59 @@ def test_an_int8_cache_s_pages_come_back_with_their_scales(tmp_path):
     assert torch.equal(pool.scales[:, :, back], want[1])
     m.release(r2)
     m.check_integrity([0])
+    tier.close()
+
+
+def test_the_disk_tier_drops_its_least_recently_used_entries_past_its_bound(tmp_path):
+    """``--hicache-file-backend-max-gb``: past the bound the entry read or written longest ago
+    goes (file and index), reported for KV events; a restarted backend with a lower bound drops
+    its oldest files first."""
+    from pdserve.engine.kv_tier.file_store import FileTierBackend
+
+    def backend(entries: float) -> FileTierBackend:
+        a = args(tmp_path, hicache_file_backend_max_gb=entries * 1000 / 2**30)
+        return FileTierBackend(a, "layout", 1000)
+
+    keys = [f"layout/{k:016x}" for k in range(5)]
+    b = backend(2.5)  # room for two entries of 1000 bytes
+    for k in keys[:3]:
+        assert b.put(k, bytes(1000))
+        time.sleep(0.01)  # distinct modification times
+    assert b.drain_removed() == [keys[0]] and b.exists(keys[1:3]) == 2
+    assert not os.path.exists(tmp_path / "layout" / f"{0:016x}.kv")
+    assert b.get(keys[1]) is not None  # read: now the most recent
+    assert b.put(keys[3], bytes(1000))
+    assert b.drain_removed() == [keys[2]] and len(b) == 2 and b.nbytes == 2000
+    assert sorted(os.listdir(tmp_path / "layout")) == [f"{1:016x}.kv", f"{3:016x}.kv"]
+    b.close()
+    b2 = backend(1.5)  # restarted with room for one: the older file goes
+    assert b2.drain_removed() == [keys[1]] and b2.exists([keys[3]]) == 1 and len(b2) == 1
+    b2.close()
+
+
+def test_clear_empties_every_tier_and_announces_it(tmp_path):
+    """``/flush_cache``'s tier part: the host tier and the disk entries are dropped (each one a
+    BlockRemoved of its medium), and the prompt is found nowhere afterwards."""
+    ids = list(range(200, 232))  # 8 full pages
+    m = latent_manager()
+    tier = make_tier(args(tmp_path, hicache_write_policy="write_through"), m, SINGLE_RANK)
+    r = req(ids)
+    prefill(m, r)
+    scribble(m, r, seed=3)
+    m.release(r)
+    assert tier.flush()
+    tier.poll()
+    assert m.tree.reset()
+    tier.clear()
+    hashes = chain_hashes(None, ids, PAGE)
+    removed = {}
+    for e in tier.poll():
+        assert isinstance(e, BlockRemoved), e
+        removed.setdefault(e.medium, set()).update(e.block_hashes)
+    assert removed == {"CPU": set(hashes), "STORAGE": set(hashes)}
+    assert not [f for d in os.listdir(tmp_path) for f in os.listdir(tmp_path / d)]
+    r2 = req(ids + [1])
+    prefill(m, r2)
+    assert r2.kv.cached == 0 and tier.stats["hicache_hits_cpu"] == 0
+    m.release(r2)
     tier.close()

@@ -8,6 +8,10 @@ sees a whole entry or none; there is no fsync (an entry torn by a crash fails it
 dropped on read). At start the index of the layout's directory is rebuilt from the files, so a
 restarted server hits what it wrote before. Several servers of one layout may share the
 directory: a key missing from this server's index is still looked up on disk.
+
+The tier is bounded (``--hicache-file-backend-max-gb``; by default half the space free on its
+filesystem at start): past the bound the entries read or written longest ago are deleted (at
+start the oldest files first), and the tier reports them (``drain_removed``) for KV events.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import threading
 import uuid
+from collections import OrderedDict
 from typing import Iterable, Optional
 
 from pdserve.engine.kv_tier.base import TierBackend
@@ -40,12 +46,50 @@ class FileTierBackend(TierBackend):
                 f"hicache_file_backend_storage_dir: cannot create {self.root!r}: {e}"
             ) from e
         self._lock = threading.Lock()
-        self._index: set[str] = set()
+        # key -> its file's bytes, least recently read or written first
+        self._index: OrderedDict[str, int] = OrderedDict()
+        self._bytes = 0
+        self._removed: list[str] = []
+        found = []
         for name in os.listdir(self.root):
             stem, ext = os.path.splitext(name)
             if ext == SUFFIX and _NAME.match(stem):
-                self._index.add(f"{layout_key}/{stem}")
-        logger.info("disk tier at %s: %d entries found", self.root, len(self._index))
+                try:
+                    st = os.stat(os.path.join(self.root, name))
+                except OSError:
+                    continue
+                found.append((st.st_mtime, f"{layout_key}/{stem}", st.st_size))
+        for _, key, size in sorted(found):
+            self._index[key] = size
+            self._bytes += size
+        if args.hicache_file_backend_max_gb:
+            self.max_bytes = int(args.hicache_file_backend_max_gb * 2**30)
+        else:
+            self.max_bytes = (shutil.disk_usage(self.root).free + self._bytes) // 2
+        with self._lock:
+            self._evict()
+        logger.info(
+            "disk tier at %s: %d entries found, bounded at %.1f GiB",
+            self.root,
+            len(self._index),
+            self.max_bytes / 2**30,
+        )
+
+    def _touch(self, key: str, size: int) -> None:
+        """``key`` was read or written (its file ``size`` bytes); under the lock."""
+        self._bytes += size - self._index.pop(key, 0)
+        self._index[key] = size
+
+    def _evict(self) -> None:
+        """Delete the least recently used entries past the bound; under the lock."""
+        while self._bytes > self.max_bytes and len(self._index) > 1:
+            key, size = self._index.popitem(last=False)
+            self._bytes -= size
+            self._removed.append(key)
+            try:
+                os.unlink(self._path(key))
+            except OSError:
+                pass
 
     def _path(self, key: str) -> Optional[str]:
         layout, _, name = key.rpartition("/")
@@ -71,7 +115,8 @@ class FileTierBackend(TierBackend):
                 pass
             return False
         with self._lock:
-            self._index.add(key)
+            self._touch(key, len(data))
+            self._evict()
         return True
 
     def get(self, key: str) -> Optional[bytes]:
@@ -83,10 +128,10 @@ class FileTierBackend(TierBackend):
                 data = f.read()
         except OSError:
             with self._lock:
-                self._index.discard(key)
+                self._bytes -= self._index.pop(key, 0)
             return None
         with self._lock:
-            self._index.add(key)
+            self._touch(key, len(data))
         return data
 
     def exists(self, keys: list[str]) -> int:
@@ -104,16 +149,25 @@ class FileTierBackend(TierBackend):
     def remove(self, key: str) -> None:
         path = self._path(key)
         with self._lock:
-            self._index.discard(key)
+            self._bytes -= self._index.pop(key, 0)
         if path is not None:
             try:
                 os.unlink(path)
             except OSError:
                 pass
 
+    def drain_removed(self) -> list[str]:
+        with self._lock:
+            out, self._removed = self._removed, []
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
     def startup_entries(self, header_nbytes: int) -> Iterable[tuple[str, bytes]]:
         with self._lock:
-            keys = sorted(self._index)
+            keys = list(self._index)
         for key in keys:
             try:
                 with open(self._path(key), "rb") as f:

@@ -127,18 +127,25 @@ class KVTier:
 
     def _sync(self) -> None:
         """Take in what happened off the scheduler's path: host entries dropped for room,
-        finished storage writes."""
+        finished storage writes, storage entries dropped past its bound (taken before the
+        writes: an entry's write is done before a later write can drop it)."""
         dropped = self.host.drain_removed()
         if dropped:
             self._removed(self.host.medium, [self._hash_of(k) for k in dropped])
         if self.writer is not None:
             medium = self.storage.medium
+            evicted = self.storage.drain_removed()
             while self.writer.done:
                 key, (h, parent, tokens), ok = self.writer.done.popleft()
                 self._pending.discard(h)
                 if ok:
                     self.stats[f"hicache_writes_{medium.lower()}"] += 1
                     self._stored(medium, h, parent, tokens)
+            if evicted:
+                self.stats[f"hicache_evictions_{medium.lower()}"] = self.stats.get(
+                    f"hicache_evictions_{medium.lower()}", 0
+                ) + len(evicted)
+                self._removed(medium, [self._hash_of(k) for k in evicted])
 
     def poll(self) -> list:
         """The events collected since the last call."""
@@ -267,6 +274,18 @@ class KVTier:
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait for queued storage writes (tests, shutdown)."""
         return self.writer is None or self.writer.flush(timeout)
+
+    def clear(self) -> None:
+        """Drop every entry of every tier (``/flush_cache``): the host tier's, and once the
+        queued writes have landed, the storage entries this tier knows (its own and those it
+        found at start); each announced as removed."""
+        self.flush()
+        self._sync()
+        for backend in self.tiers:
+            hashes = list(self.blocks[backend.medium])
+            for h in hashes:
+                backend.remove(self.key(h))
+            self._removed(backend.medium, hashes)
 
     # ---- the cache manager's side ---------------------------------------------------------------
     def attach(self, kv) -> None:
