@@ -68,20 +68,13 @@ def check_hicache_args(args, bad: Callable[[str, str], None]) -> None:
             "a decode server keeps a prefix cache only with "
             "--disaggregation-decode-enable-radix-cache; add it",
         )
-    # every rank of a server must take the same admission decisions; a tier's contents may
-    # differ between ranks (a dropped write), so one rank per server for now
-    for name, value in (
-        ("tp_size", args.tp_size),
-        ("pp_size", args.pp_size),
-        ("dp_size", args.dp_size),
-        ("nnodes", args.nnodes),
-    ):
-        if value != 1:
-            bad(
-                "enable_hierarchical_cache",
-                "needs one rank per server in this version, "
-                f"got --{name.replace('_', '-')} {value}",
-            )
+    # TP and DP ranks each keep their own tiers and agree on what they load (KVTier.fill);
+    # pipeline stages are not served yet
+    if args.pp_size != 1:
+        bad(
+            "enable_hierarchical_cache",
+            f"pipeline stages are not served in this version, got --pp-size {args.pp_size}",
+        )
     if args.speculative_algorithm not in (None, "NGRAM"):
         bad(
             "enable_hierarchical_cache",

@@ -4,12 +4,13 @@ pool comes back from host memory, then (pushed out of host memory too) from disk
 restart from disk again, with the outputs of its first, computed run token for token; a disk
 entry with flipped bytes is detected, dropped and recomputed; KV events name the tier of each
 block; write_through fills the host tier as pages enter the prefix cache; ``/flush_cache`` empties
-every tier."""
+every tier; a two-rank server hits each rank's tiers."""
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 import time
 
 import httpx
@@ -237,6 +238,49 @@ def test_write_through_fills_the_host_tier_and_flush_cache_empties_every_tier(ti
     for key in ("cache_hit_tokens", "hicache_hit_tokens_cpu", "hicache_hit_tokens_storage"):
         assert delta(before, after, key) == 0, (key, after)
     s2.wait_idle()
+
+
+def test_a_two_rank_server_hits_its_ranks_tiers(tiered):
+    """Under TP each rank keeps its own tiers (its heads of each page, under its rank's layout
+    key) and the ranks load as many pages as the one that found fewest: a prefix evicted from
+    the pool comes back from both ranks' host tiers and disks with the tokens of its first run,
+    and when one rank's disk lost it, both compute it again (rather than part ways)."""
+    disk = str(tiered["logs"] / "disk-tp2")
+    args = [a for a in tier_args(disk, "write_back", c.free_port()) if a]
+    s = c.server("TierTp2", tiered["model"], tiered["logs"], *args, "--tp-size", "2")
+    tiered["servers"].append(s)
+    s.start()
+    ref = generate(s, A)
+    for f in FILLERS[:2]:
+        generate(s, f)
+    before = stats(s)
+    assert generate(s, A) == ref
+    after = stats(s)
+    assert delta(before, after, "cache_hit_tokens") == 4 * PAGE, after  # pool + host
+    assert delta(before, after, "hicache_hit_tokens_cpu") > 0, after
+    for f in FILLERS[2:]:  # out of the host tiers too
+        generate(s, f)
+    before = stats(s)
+    assert generate(s, A) == ref
+    after = stats(s)
+    assert delta(before, after, "hicache_hit_tokens_storage") == 4 * PAGE, after
+    layouts = {re.search(r"-tp\d+of\d+-", d).group() for d in glob.glob(os.path.join(disk, "*"))}
+    assert layouts == {"-tp0of2-", "-tp1of2-"}  # each rank's pages under its own key
+    # rank 1 loses A's entries (a full disk, a wiped directory): both ranks compute A again
+    for f in FILLERS:
+        generate(s, f)
+    s.wait_idle()
+    for h in chain_hashes(None, A, PAGE)[:4]:
+        for path in glob.glob(os.path.join(disk, "*-tp1of2-*", f"{h:016x}.kv")):
+            os.unlink(path)
+    before = stats(s)
+    assert generate(s, A) == ref
+    after = stats(s)
+    assert delta(before, after, "hicache_hit_tokens_storage") == 0, after  # rank 0 found them
+    from tests.e2e.test_tp import all_ranks_idle
+
+    all_ranks_idle(s)
+    s.stop()
 
 
 # ---- PD: the tiers on a prefill server and on a decode server with its prefix cache -----------

@@ -45,7 +45,12 @@ STAT_KEYS = (
 
 
 class KVTier:
-    def __init__(self, args, groups, pools, layout_key: str):
+    """The tiers of one rank. Under TP and DP attention each rank keeps its own (its share of a
+    page's heads, under a layout key of its rank); the ranks that share a scheduler load as many
+    pages as the one that found fewest (``group``), so they take the same decisions."""
+
+    def __init__(self, args, groups, pools, layout_key: str, group=None):
+        self.group = group  # the ranks running this scheduler (a TPGroup), None: one
         self.page_size = args.page_size
         self.layout_key = layout_key
         self.codec = PageCodec(pools)
@@ -328,6 +333,8 @@ class KVTier:
             return
         above = node.hashes[-1] if node.hashes else None
         mediums, rows = self.fetch(above, token_ids[k * ps :], limit - k)
+        n = self._agree(len(mediums))
+        mediums, rows = mediums[:n], rows[:n]
         if not mediums:
             return
         tree.inc_lock(node)  # taking pages may evict: not the prefix being extended
@@ -345,6 +352,17 @@ class KVTier:
         pages = [old + ids for old, ids in zip(found, new)]
         tree.insert(token_ids[: (k + len(mediums)) * ps], pages[0], pages[1:], namespace=namespace)
         self.count_hits(mediums)
+
+    def _agree(self, n: int) -> int:
+        """The pages every rank of the scheduler's group found (a tier's contents may differ
+        between ranks: a dropped or failed write, a corrupt entry): the fewest."""
+        if self.group is None or self.group.size == 1:
+            return n
+        import torch.distributed as dist
+
+        t = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group.cpu_group)
+        return int(t.item())
 
     def close(self) -> None:
         """Finish the queued storage writes (at most a few seconds), then release the tiers."""
@@ -374,8 +392,7 @@ def make_tier(args, kv, par) -> Optional[KVTier]:
         )
     groups = [kv.groups[g] for g in kv.cached_groups]
     pools = [kv.pools[g] for g in kv.cached_groups]
-    tier = KVTier(
-        args, groups, pools, layout_key(args, groups, pools, par.attn.rank, par.attn.size)
-    )
+    key = layout_key(args, groups, pools, par.attn.rank, par.attn.size)
+    tier = KVTier(args, groups, pools, key, par.sched)
     tier.attach(kv)
     return tier
