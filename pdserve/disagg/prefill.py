@@ -391,22 +391,26 @@ class PrefillQueues(PDQueues):
             self.chunk_done(row.req)
 
     def layer_hook(self, batch: list[tuple[Req, int]]):
-        """Called between the layers of a forward of ``batch``: keepalives to decode when due
-        (a forward can outlast decode's waiting timeout), and layer-by-layer sends of this
-        forward's pages (``--enable-disagg-layer-pipeline``): the pages its chunk completes (a
-        last chunk: every page left of groups final once computed), a group of layers at a time
-        as the model writes them."""
+        """What the model calls between the layers of a forward of ``batch``, or None: the
+        layer-by-layer sends of this forward's pages (``--enable-disagg-layer-pipeline``): the
+        pages its chunk completes (a last chunk: every page left of groups final once computed),
+        a group of layers at a time as the model writes them, the last group when the model's
+        last layer is written whatever its size."""
+        args = self.s.args
+        if not args.enable_disagg_layer_pipeline:
+            return None
         if not any(isinstance(req.disagg, _PrefillState) for req, _ in batch):
             return None
-        args = self.s.args
-        plans = self._layer_plans(batch) if args.enable_disagg_layer_pipeline else []
+        plans = self._layer_plans(batch)
+        if not plans:
+            return None
+        kv_args = getattr(self.mgr, "kv_args", None)
+        last = kv_args.num_layers - 1 if kv_args is not None and kv_args.num_layers else None
         pending: list[int] = []
 
         def layer_done(layer: int) -> None:
-            if not plans:
-                return
             pending.append(layer)
-            if len(pending) < args.disagg_layer_group_size:
+            if len(pending) < args.disagg_layer_group_size and layer != last:
                 return
             now = time.monotonic()
             for st, pages, groups in plans:

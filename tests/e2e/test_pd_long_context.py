@@ -59,8 +59,6 @@ def long_pd(tmp_path_factory):
         "--enable-disagg-layer-pipeline",
         "--disagg-layer-pipeline-min-prefill-len",
         "0",
-        "--disagg-layer-group-size",
-        "1",
     ]
     s = {
         "S": c.server("S", path, logs, *SERVE),
@@ -91,7 +89,8 @@ def test_a_32k_prompt_through_pd_gives_the_colocated_tokens(long_pd):
     assert rd.json()["output_ids"] == want.json()["output_ids"]
     last = P.http.get("/server_info").json()["internal_states"][0]["recent_transfers"][-1]
     assert last["pages_per_group"] == [LONG // 16]
-    assert last["layer_groups"] >= 4, last  # 2 layers in each of 2 forwards, sent as written
+    # each forward's 2 layers go as the second is written (a group of up to 4: the last one)
+    assert last["layer_groups"] >= 2, last
     for proc in (P, D, S):
         proc.wait_idle()
 
