@@ -19,7 +19,10 @@ Per request, on the scheduler thread (between steps, so never mid-forward):
 
 Pages are freed only after Success or Failed, both of which the writer reports after its last
 write completed or was fenced: no write lands in a freed page. Not covered: decodes with more
-than one rank (TP, PP, DP attention) and requests with speculative state.
+than one rank (TP, PP, DP attention). A speculating request moves with its draft's state: a draft
+model's or head's KV is in the pages (the target must run the same draft, which registration
+checks), a head's next draft and hidden state in the metadata row (as prefill sends them); the
+target's draft model computes the last position again (the source's may lag by that one).
 """
 
 from __future__ import annotations
@@ -57,8 +60,11 @@ def movable(req: Req) -> str:
         return "it has finished"
     if not req.output_ids or req.kv is None or req.kv_len != req.seq_len - 1:
         return "it is not decoding yet (its prompt is still being received or computed)"
-    if req.spec is not None or req.drafts:
-        return "it carries speculative decoding state, which migration does not move"
+    if req.drafts:
+        return "it is inside a speculative step"
+    lag = req.kv_len - req.kv.draft_len if req.kv.draft_len is not None else 0
+    if lag > 1:  # one token the target's draft computes again (``DraftModelProposer.started``)
+        return f"its draft model's KV is {lag} tokens behind its own"
     if req.disagg is not None:
         return "it is already moving"
     return ""
@@ -145,7 +151,8 @@ class MigrationOut:
         kv, n = self.s.kv, req.seq_len - 1  # the KV of all_ids[:-1] is here
         prefix = st.sender.decode_prefix_pages()  # the target's prefix cache holds these
         starts = [kv.transfer_start(g, n, prefix) for g in range(kv.num_groups)]
-        st.sender.init(kv.transfer_counts(n, prefix), slot)
+        counts = kv.transfer_counts(n, prefix)
+        st.sender.init(counts, slot)
         tok = req.output_ids[-1]
         logprob = req.output_token_logprobs[-1][0] if req.output_token_logprobs else None
         top = req.output_top_logprobs[-1] if req.output_top_logprobs else None
@@ -156,8 +163,11 @@ class MigrationOut:
             logprob=logprob,
             top_logprobs=top,
             cached_tokens=(req.cached_tokens, req.cached_tokens, 0, 0),
+            # a draft head's next draft and hidden state; a draft model's KV is in the pages
+            **(req.spec.metadata_fields() if req.spec is not None else {}),
         )
-        pages = [kv.send_pages(req, g, start) for g, start in enumerate(starts)]
+        # those of all_ids[:-1] only: a speculating request's pages reach past it (room for drafts)
+        pages = [kv.send_pages(req, g, a, a + n) for g, (a, n) in enumerate(zip(starts, counts))]
         st.sender.send(pages, last_chunk=True)
         st.sent = True
 

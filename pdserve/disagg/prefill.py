@@ -464,8 +464,6 @@ class PrefillQueues(PDQueues):
         tok = req.output_ids[0]
         logprob = req.output_token_logprobs[0][0] if req.output_token_logprobs else None
         top = req.output_top_logprobs[0] if req.output_top_logprobs else None
-        spec = req.spec  # a draft head's first draft and hidden state (engine/speculative/eagle.py)
-        head = spec is not None and spec.hidden is not None
         self.meta.set_row(
             st.slot,
             req.bootstrap_room or 0,
@@ -473,9 +471,8 @@ class PrefillQueues(PDQueues):
             logprob=logprob,
             top_logprobs=top,
             cached_tokens=(req.cached_tokens, req.cached_tokens, 0, 0),
-            topk_p=spec.next_topk[1] if head else None,
-            topk_index=spec.next_topk[0] if head else None,
-            hidden_states=spec.hidden.float() if head else None,
+            # a draft head's first draft and hidden state (engine/speculative/eagle.py)
+            **(req.spec.metadata_fields() if req.spec is not None else {}),
         )
         st.last_send = time.monotonic()
         st.first_send = st.first_send or st.last_send

@@ -4,7 +4,8 @@ stream (OpenAI chat and /generate, through the router) ends with exactly the tok
 unmigrated run, and both decodes' pools end free and consistent.
 
 One cluster for the module: a prefill, decode D1 behind the router, decode D2 outside it (the
-target) until the drain test adds it to the router and removes D1."""
+target) until the drain test adds it to the router and removes D1. D1 speculates (n-gram drafts):
+its requests move with their speculative state and the target decodes them on."""
 
 from __future__ import annotations
 
@@ -23,13 +24,14 @@ NEW_TOKENS = 400  # long enough that the scheduler is still at it when the move 
 LONG = 800  # the drain tests: generations that outlast a drain by far
 # the decodes may exchange requests with any server on 127.0.0.1 (and nothing else)
 COMMON = [*c.PAGED_PD_ARGS, "--migration-peers", "127.0.0.1"]
+SPECULATE = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"]
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_llama_path):
     logs = tmp_path_factory.mktemp("kv_migration")
     P, _ = c.prefill("Pm", tiny_llama_path, logs, *COMMON)
-    D1 = c.decode("Dm1", tiny_llama_path, logs, *COMMON)
+    D1 = c.decode("Dm1", tiny_llama_path, logs, *COMMON, *SPECULATE)
     D2 = c.decode("Dm2", tiny_llama_path, logs, *COMMON)
     R = None
     try:
@@ -272,8 +274,9 @@ def test_targets_outside_the_peers_are_refused_without_a_connection(cluster):
 
 
 def test_migrate_mid_generation(cluster):
-    """8 streams (chat and /generate) move from D1 to D2 mid-generation: each ends with exactly
-    the tokens of the unmigrated run; D1's pages are free and D2 decoded them."""
+    """8 streams (chat and /generate) move from D1 to D2 mid-generation, speculating on D1: each
+    ends with exactly the tokens of the unmigrated run; D1's pages are free and D2 decoded
+    them."""
     P, D1, D2, R = cluster
     refs = references(R.url, prompts(8))
     before = server_stats(D1).get("migrated", 0)
@@ -288,6 +291,7 @@ def test_migrate_mid_generation(cluster):
     assert D1.integrity()["running"] == 0
     check_streams(streams, refs)
     assert server_stats(D1)["migration_kv_bytes_sent"] > 0
+    assert server_stats(D1)["spec_verify_steps"] > 0  # they moved while speculating
     for s in (P, D1, D2):
         s.wait_idle()
 

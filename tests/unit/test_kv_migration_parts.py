@@ -68,14 +68,22 @@ def test_commit_lines_up_the_logprobs():
 
 
 def test_which_requests_may_move():
+    from pdserve.engine.request import KVSlots
+
     r = Req("r", [1, 2, 3], SamplingParams())
     assert "not decoding" in movable(r)
-    r.output_ids, r.kv, r.kv_len = [4], object(), 3
+    r.output_ids, r.kv, r.kv_len = [4], KVSlots(pages=[[1]]), 3
     assert movable(r) == ""
     r.kv_len = 2  # the last token's KV is being computed (a retracted request coming back)
     assert "not decoding" in movable(r)
     r.kv_len, r.spec = 3, object()
-    assert "speculative" in movable(r)
+    assert movable(r) == ""  # a speculating request moves with its draft's state
+    r.drafts = [9]
+    assert "inside a speculative step" in movable(r)
+    r.drafts, r.kv.draft_len = [], 1  # a draft model's KV two tokens behind
+    assert "2 tokens behind" in movable(r)
+    r.kv.draft_len = 2  # one behind: the target's draft computes that position again
+    assert movable(r) == ""
     r.spec, r.finish_reason = None, FinishReason(FinishKind.STOP)
     assert "finished" in movable(r)
 

@@ -426,3 +426,65 @@ def test_a_draft_model_speculates_through_pd(algorithm):
             s.pd.mgr.close()
         for s in (P, P0):
             s.pd.bootstrap_server.shutdown()
+
+
+@pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE"])
+def test_a_speculating_request_migrates_with_its_draft(algorithm):
+    """``POST /migrate`` of a request decoding with a draft model (STANDALONE) or head (EAGLE),
+    run in process: its draft's KV goes in the same pages (and a head's next draft and hidden
+    state in the metadata row), the target speculates on from it, and the request's tokens are
+    plain greedy decoding's."""
+    import types
+
+    from pdserve.disagg.migration import migrate_control, movable
+    from pdserve.distributed import SINGLE_RANK
+    from pdserve.engine.request import Generation, PDFields
+    from pdserve.server.messages import GenerateReq
+    from tests.e2e.test_speculative import prompts as accepted_prompts
+    from tests.helpers.checkpoints import build_draft_checkpoint, build_eagle_head
+
+    target = build_tiny_checkpoint("llama")
+    draft = (
+        build_draft_checkpoint(target, noise=0.03)
+        if algorithm == "STANDALONE"
+        else build_eagle_head(target, scale=0.5)
+    )
+    spec = dict(speculative_algorithm=algorithm, speculative_draft_model_path=draft)
+    model = dict(model=target, dtype="float32")
+    bport = free_port()
+    P = make("prefill", "local", disaggregation_bootstrap_port=bport, **model, **spec)
+    D1, D2 = (make("decode", "local", **model, **spec) for _ in range(2))
+    try:
+        ids = accepted_prompts(0)[1]  # one the tiny head and draft accept drafts on
+        rp, rd = req("p", ids, 11, port=bport), req("d", ids, 11, port=bport, max_new_tokens=40)
+        P.add_request(rp)
+        D1.add_request(rd)
+        run_until(lambda: len(rd.output_ids) >= 8 and movable(rd) == "", P, D1)
+        loop = types.SimpleNamespace(scheduler=D1, par=SINGLE_RANK, args=D1.args)
+        out = migrate_control(loop, {"moves": [["d", 12, "D2"]]})
+        assert not out["refused"], out
+        (moved,) = out["moved"]
+        fields = {k: moved[k] for k in Generation.__struct_fields__}
+        pd = PDFields(bootstrap_host="127.0.0.1", bootstrap_port=out["bootstrap_port"])
+        pd.bootstrap_room = moved["room"]
+        spec_msg = GenerateReq(**fields, rid="d", pd=pd, resume_output_ids=moved["output_ids"][:-1])
+        there = Req.from_spec(spec_msg)
+        D2.add_request(there)
+        run_until(lambda: there.finished and rd.finished and rp.finished, P, D1, D2)
+        assert rd.finish_reason.kind == FinishKind.MIGRATED, rd.finish_reason
+        import pdserve
+
+        ref = pdserve.Engine(
+            model_path=target, torch_num_threads=1, max_total_tokens=8192, dtype="float32"
+        )
+        want = ref.generate(
+            input_ids=ids,
+            sampling_params={"temperature": 0, "max_new_tokens": 40, "ignore_eos": True},
+        )["output_ids"]
+        assert there.output_ids == want
+        assert there.spec_verify_ct > 0 and there.spec_accepted > 0  # drafts kept after the move
+        for s in (P, D1, D2):
+            assert s.check_integrity()["in_use_pages"] == 0
+    finally:
+        for s in (P, D1, D2):
+            s.pd.close()

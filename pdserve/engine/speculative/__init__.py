@@ -95,6 +95,17 @@ class SpecState:
     # the last verify row's accepted path: the row index of each kept position (a tree's)
     path: Optional[list[int]] = None
 
+    def metadata_fields(self) -> dict:
+        """What a PD metadata row carries of a draft head's state (its first draft level and
+        hidden state), so that the receiving decode drafts from its first step; {} without."""
+        if self.hidden is None:
+            return {}
+        return {
+            "topk_p": self.next_topk[1],
+            "topk_index": self.next_topk[0],
+            "hidden_states": self.hidden.float(),
+        }
+
 
 class SpeculatorPort(Protocol):
     """The scheduler as the proposers see it: the KV cache manager, through which alone they

@@ -186,7 +186,10 @@ class DraftModelProposer(Proposer):
         return out.argmax(dim=-1).tolist() if logits else []
 
     def started(self, req: Req, transferred: bool = False) -> None:
-        self.port.kv.draft_computed(req, req.kv_len)
+        # a request moved here mid-decode (``resumed``): its draft's KV of the last position may
+        # be stale (the source's draft lags one token after a row that kept every draft), so the
+        # draft computes that position again before drafting
+        self.port.kv.draft_computed(req, req.kv_len - 1 if req.resumed else req.kv_len)
 
     def follow(self, rows: list[tuple[Req, int, int]]) -> None:
         todo = []
