@@ -142,26 +142,24 @@ def v4_pd(tmp_path_factory):
     dp = ["--enable-dp-attention"]
     layers = ["--enable-disagg-layer-pipeline", "--disagg-layer-group-size", "1"]
     layers += ["--disagg-layer-pipeline-min-prefill-len", "0"]
-    s = {
-        "S": c.server("S", path, logs, *COMMON),
-        "P": c.prefill("P", path, logs, *COMMON)[0],
-        "D": c.decode("D", path, logs, *COMMON),
-        "Ptp2": c.prefill("Ptp2", path, logs, *COMMON, *tp2)[0],
-        "Dtp2": c.decode("Dtp2", path, logs, *COMMON, *tp2),
-        # the experts placed by rank, two redundant slots among them
-        "Dep2": c.decode("Dep2", path, logs, *COMMON, *ep2),
-        # two attention groups of one rank, the experts over both ranks
-        "Ddp": c.decode("Ddp", path, logs, *COMMON, *ep2[:-2], "--dp-size", "2", *dp),
-        "Plw": c.prefill("Plw", path, logs, *COMMON, *layers)[0],
-        "Dpc": c.decode("Dpc", path, logs, *COMMON, "--disaggregation-decode-enable-radix-cache"),
-        "D8": c.decode("D8", other, logs, *COMMON),
-    }
-    try:
-        c.start_all(list(s.values()))
-        yield s
-    finally:
-        for proc in s.values():
-            proc.stop()
+    yield from c.running(
+        {
+            "S": c.server("S", path, logs, *COMMON),
+            "P": c.prefill("P", path, logs, *COMMON)[0],
+            "D": c.decode("D", path, logs, *COMMON),
+            "Ptp2": c.prefill("Ptp2", path, logs, *COMMON, *tp2)[0],
+            "Dtp2": c.decode("Dtp2", path, logs, *COMMON, *tp2),
+            # the experts placed by rank, two redundant slots among them
+            "Dep2": c.decode("Dep2", path, logs, *COMMON, *ep2),
+            # two attention groups of one rank, the experts over both ranks
+            "Ddp": c.decode("Ddp", path, logs, *COMMON, *ep2[:-2], "--dp-size", "2", *dp),
+            "Plw": c.prefill("Plw", path, logs, *COMMON, *layers)[0],
+            "Dpc": c.decode(
+                "Dpc", path, logs, *COMMON, "--disaggregation-decode-enable-radix-cache"
+            ),
+            "D8": c.decode("D8", other, logs, *COMMON),
+        }
+    )
 
 
 def body(ids, prefill=None, room: int = 0) -> dict:

@@ -99,19 +99,15 @@ def gemma4_pd(tmp_path_factory):
     logs = tmp_path_factory.mktemp("pd-gemma4")
     path = build_tiny_checkpoint("gemma4")
     tp2 = ["--tp-size", "2"]
-    s = {
-        "S": c.server("S", path, logs, *COMMON),
-        "P": c.prefill("P", path, logs, *COMMON)[0],
-        "D": c.decode("D", path, logs, *COMMON),
-        "Ptp2": c.prefill("Ptp2", path, logs, *COMMON, *tp2)[0],
-        "Dtp2": c.decode("Dtp2", path, logs, *COMMON, *tp2),
-    }
-    try:
-        c.start_all(list(s.values()))
-        yield s
-    finally:
-        for proc in s.values():
-            proc.stop()
+    yield from c.running(
+        {
+            "S": c.server("S", path, logs, *COMMON),
+            "P": c.prefill("P", path, logs, *COMMON)[0],
+            "D": c.decode("D", path, logs, *COMMON),
+            "Ptp2": c.prefill("Ptp2", path, logs, *COMMON, *tp2)[0],
+            "Dtp2": c.decode("Dtp2", path, logs, *COMMON, *tp2),
+        }
+    )
 
 
 def body(ids, prefill=None, room: int = 0) -> dict:

@@ -48,34 +48,32 @@ LENS = (1, 3, 9, 24, 25, 70)
 def hybrid_pd(tmp_path_factory):
     logs = tmp_path_factory.mktemp("pd-hybrid")
     path = build_tiny_checkpoint("bamba")
-    s = {
-        "S": c.server("S", path, logs, *COMMON),
-        "P": c.prefill("P", path, logs, *COMMON)[0],
-        # a room without a prefill is given up on soon
-        "D": c.decode(
-            "D",
-            path,
-            logs,
-            *COMMON,
-            "--disaggregation-bootstrap-timeout",
-            "6",
-            "--disaggregation-waiting-timeout",
-            "6",
-        ),
-        # the Mamba2 heads and groups, and the attention's KV heads, split over two ranks
-        "Ptp2": c.prefill("Ptp2", path, logs, *COMMON, "--tp-size", "2")[0],
-        "Dtp2": c.decode("Dtp2", path, logs, *COMMON, "--tp-size", "2"),
-        # a decode with its prefix cache (a snapshot slot beside each request's state slot)
-        "Dpc": c.decode("Dpc", path, logs, *COMMON, "--disaggregation-decode-enable-radix-cache"),
-        # a decode whose Mamba2 layers keep another state size
-        "Dn8": c.decode("Dn8", build_tiny_checkpoint("bamba", mamba_d_state=8), logs, *COMMON),
-    }
-    try:
-        c.start_all(list(s.values()))
-        yield s
-    finally:
-        for proc in s.values():
-            proc.stop()
+    yield from c.running(
+        {
+            "S": c.server("S", path, logs, *COMMON),
+            "P": c.prefill("P", path, logs, *COMMON)[0],
+            # a room without a prefill is given up on soon
+            "D": c.decode(
+                "D",
+                path,
+                logs,
+                *COMMON,
+                "--disaggregation-bootstrap-timeout",
+                "6",
+                "--disaggregation-waiting-timeout",
+                "6",
+            ),
+            # the Mamba2 heads and groups, and the attention's KV heads, split over two ranks
+            "Ptp2": c.prefill("Ptp2", path, logs, *COMMON, "--tp-size", "2")[0],
+            "Dtp2": c.decode("Dtp2", path, logs, *COMMON, "--tp-size", "2"),
+            # a decode with its prefix cache (a snapshot slot beside each request's state slot)
+            "Dpc": c.decode(
+                "Dpc", path, logs, *COMMON, "--disaggregation-decode-enable-radix-cache"
+            ),
+            # a decode whose Mamba2 layers keep another state size
+            "Dn8": c.decode("Dn8", build_tiny_checkpoint("bamba", mamba_d_state=8), logs, *COMMON),
+        }
+    )
 
 
 def body(ids: list[int], prefill: c.Proc | None = None, room: int = 0) -> dict:

@@ -25,10 +25,7 @@ COMMON = [
     "4096",
     "--chunked-prefill-size",
     "24",
-    "--disaggregation-bootstrap-timeout",
-    "20",
-    "--disaggregation-waiting-timeout",
-    "20",
+    *c.PD_TIMEOUTS,
 ]
 
 

@@ -60,17 +60,13 @@ def long_pd(tmp_path_factory):
         "--disagg-layer-pipeline-min-prefill-len",
         "0",
     ]
-    s = {
-        "S": c.server("S", path, logs, *SERVE),
-        "P": c.prefill("P", path, logs, *SERVE, *LIVENESS, *layer_wise)[0],
-        "D": c.decode("D", path, logs, *SERVE, *LIVENESS),
-    }
-    try:
-        c.start_all(list(s.values()))
-        yield s
-    finally:
-        for proc in s.values():
-            proc.stop()
+    yield from c.running(
+        {
+            "S": c.server("S", path, logs, *SERVE),
+            "P": c.prefill("P", path, logs, *SERVE, *LIVENESS, *layer_wise)[0],
+            "D": c.decode("D", path, logs, *SERVE, *LIVENESS),
+        }
+    )
 
 
 def prompt(seed: int) -> list[int]:

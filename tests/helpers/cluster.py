@@ -15,16 +15,15 @@ import httpx
 from tests.helpers.ports import free_port  # noqa: F401 (the tests take it from here too)
 
 READY_TIMEOUT_S = 300.0
+# PD rooms given up on after 20 s without their peer (a test's failure shows in seconds)
+PD_TIMEOUTS = ["--disaggregation-bootstrap-timeout", "20", "--disaggregation-waiting-timeout", "20"]
 # a PD server on 16-token pages with room for several long requests and short PD timeouts
 PAGED_PD_ARGS = [
     "--page-size",
     "16",
     "--max-total-tokens",
     "16384",
-    "--disaggregation-bootstrap-timeout",
-    "20",
-    "--disaggregation-waiting-timeout",
-    "20",
+    *PD_TIMEOUTS,
 ]
 
 
@@ -249,22 +248,29 @@ def router(name: str, prefills: list[Proc], decodes: list[Proc], log_dir: Path, 
     return Proc(name, cmd, port, log_dir)
 
 
+def running(procs: dict[str, Proc]) -> Iterator[dict[str, Proc]]:
+    """``procs`` started together, yielded, and stopped after the ``yield`` (a module fixture's
+    body: ``yield from c.running({...})``)."""
+    try:
+        start_all(procs.values())
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
 def tp_pairs(path: str, logs, *args: str) -> Iterator[dict[str, Proc]]:
     """One- and two-rank prefill (``P1``, ``P2``) and decode (``D1``, ``D2``) servers of ``path``
     with ``args``, started together; stopped after the ``yield`` (a module fixture's body)."""
     tp2 = ["--tp-size", "2"]
-    s = {
-        "P1": prefill("P1", path, logs, *args)[0],
-        "P2": prefill("P2", path, logs, *args, *tp2)[0],
-        "D1": decode("D1", path, logs, *args),
-        "D2": decode("D2", path, logs, *args, *tp2),
-    }
-    try:
-        start_all(s.values())
-        yield s
-    finally:
-        for proc in s.values():
-            proc.stop()
+    yield from running(
+        {
+            "P1": prefill("P1", path, logs, *args)[0],
+            "P2": prefill("P2", path, logs, *args, *tp2)[0],
+            "D1": decode("D1", path, logs, *args),
+            "D2": decode("D2", path, logs, *args, *tp2),
+        }
+    )
 
 
 def kv_bytes_sent(server: Proc) -> list[int]:
