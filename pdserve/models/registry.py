@@ -16,6 +16,7 @@ _MODELS = {
     "Olmo2ForCausalLM": ("pdserve.models.olmo2", "Olmo2ForCausalLM"),
     "Olmo3ForCausalLM": ("pdserve.models.olmo2", "Olmo3ForCausalLM"),
     "Glm4ForCausalLM": ("pdserve.models.glm4", "Glm4ForCausalLM"),
+    "Ernie4_5ForCausalLM": ("pdserve.models.ernie4_5", "Ernie4_5ForCausalLM"),
     "Cohere2ForCausalLM": ("pdserve.models.cohere2", "Cohere2ForCausalLM"),
     "Exaone4ForCausalLM": ("pdserve.models.exaone4", "Exaone4ForCausalLM"),
     "Phi3ForCausalLM": ("pdserve.models.phi3", "Phi3ForCausalLM"),

@@ -139,6 +139,16 @@ ARCHS = {
             ),
         ),
     ),
+    # RoPE on interleaved pairs of every head dim; biases on every projection (drawn, not HF's 0)
+    "ernie4_5": (
+        "Ernie4_5Config",
+        "Ernie4_5ForCausalLM",
+        dict(
+            head_dim=16,
+            use_bias=True,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
     # layers S, S, S, F: RoPE only on the window layers; untied (as the tied default, the output
     # would mostly repeat the input token at these weights)
     "cohere2": (
@@ -702,6 +712,7 @@ _ROUTER_SUFFIXES = (
 _NORM_OFFSETS = ("gemma2", "gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe", "minimax_m3")
 # families whose norms are told apart by name or place: weights around 1 instead of HF's ones
 _RANDOM_NORMS = ("smollm3", "granite", "olmo2", "olmo3", "glm4", "cohere2", "exaone4", "phi3")
+_RANDOM_NORMS += ("ernie4_5",)
 _RANDOM_NORMS += ("olmoe", "minimax_m2", "deepseek_v4")
 
 
@@ -726,7 +737,15 @@ def _randomize_deepseek_v4(model) -> None:
 
 
 # families with weights HF initialises at zero that the tests must see otherwise
+def _randomize_biases(model) -> None:
+    """Every projection's bias, which HF starts at zero."""
+    for name, param in model.named_parameters():
+        if name.endswith("proj.bias"):
+            param.normal_(0.0, 0.2)
+
+
 _RANDOMIZE = {
+    "ernie4_5": _randomize_biases,
     "deepseek_v4": _randomize_deepseek_v4,
     "gemma4": _randomize_gemma4,
     "gemma4_moe": _randomize_gemma4,
