@@ -17,6 +17,7 @@ _MODELS = {
     "Olmo3ForCausalLM": ("pdserve.models.olmo2", "Olmo3ForCausalLM"),
     "Glm4ForCausalLM": ("pdserve.models.glm4", "Glm4ForCausalLM"),
     "Ernie4_5ForCausalLM": ("pdserve.models.ernie4_5", "Ernie4_5ForCausalLM"),
+    "SeedOssForCausalLM": ("pdserve.models.seed_oss", "SeedOssForCausalLM"),
     "Cohere2ForCausalLM": ("pdserve.models.cohere2", "Cohere2ForCausalLM"),
     "Exaone4ForCausalLM": ("pdserve.models.exaone4", "Exaone4ForCausalLM"),
     "Phi3ForCausalLM": ("pdserve.models.phi3", "Phi3ForCausalLM"),

@@ -149,6 +149,18 @@ ARCHS = {
             rope_parameters=dict(rope_type="default", rope_theta=10000.0),
         ),
     ),
+    # q/k/v biases without an o_proj bias (as published: configured apart), MLP biases (drawn)
+    "seed_oss": (
+        "SeedOssConfig",
+        "SeedOssForCausalLM",
+        dict(
+            head_dim=16,
+            attention_bias=True,
+            attention_out_bias=False,
+            mlp_bias=True,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
     # layers S, S, S, F: RoPE only on the window layers; untied (as the tied default, the output
     # would mostly repeat the input token at these weights)
     "cohere2": (
@@ -712,7 +724,7 @@ _ROUTER_SUFFIXES = (
 _NORM_OFFSETS = ("gemma2", "gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe", "minimax_m3")
 # families whose norms are told apart by name or place: weights around 1 instead of HF's ones
 _RANDOM_NORMS = ("smollm3", "granite", "olmo2", "olmo3", "glm4", "cohere2", "exaone4", "phi3")
-_RANDOM_NORMS += ("ernie4_5",)
+_RANDOM_NORMS += ("ernie4_5", "seed_oss")
 _RANDOM_NORMS += ("olmoe", "minimax_m2", "deepseek_v4")
 
 
@@ -746,6 +758,7 @@ def _randomize_biases(model) -> None:
 
 _RANDOMIZE = {
     "ernie4_5": _randomize_biases,
+    "seed_oss": _randomize_biases,
     "deepseek_v4": _randomize_deepseek_v4,
     "gemma4": _randomize_gemma4,
     "gemma4_moe": _randomize_gemma4,
