@@ -43,7 +43,8 @@ from pdserve.models.weights import (
     renamed_part,
 )
 
-QK_NORMS = (False, True, None, "head", "projection")
+# per head before RoPE (Qwen3), per head after it (HunYuan), over the whole projections (OLMo 2)
+QK_NORMS = (False, True, None, "head", "head_after_rope", "projection")
 # First rotary table size; it grows by doubling if a longer sequence arrives.
 _ROPE_INITIAL_POSITIONS = 8192
 
@@ -138,7 +139,7 @@ class LlamaAttention(nn.Module):
         # "head" (or True): one norm of head_dim per head; "projection": over the whole q and k
         # projections (OLMo 2), its statistics summed over the attention ranks
         self.qk_norm = "head" if qk_norm is True else (qk_norm or None)
-        if self.qk_norm == "head":
+        if self.qk_norm in ("head", "head_after_rope"):
             self.q_norm = norm(self.head_dim, config.rms_norm_eps)
             self.k_norm = norm(self.head_dim, config.rms_norm_eps)
         elif self.qk_norm == "projection":
@@ -175,6 +176,8 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = self.rotate(q, k, rope)
+        if self.qk_norm == "head_after_rope":
+            q, k = self.q_norm(q), self.k_norm(k)
         o = fb.attn_backend.forward(self.attn, q, k, v, fb, sinks=self.sinks)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 

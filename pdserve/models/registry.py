@@ -18,6 +18,7 @@ _MODELS = {
     "Glm4ForCausalLM": ("pdserve.models.glm4", "Glm4ForCausalLM"),
     "Ernie4_5ForCausalLM": ("pdserve.models.ernie4_5", "Ernie4_5ForCausalLM"),
     "SeedOssForCausalLM": ("pdserve.models.seed_oss", "SeedOssForCausalLM"),
+    "HunYuanDenseV1ForCausalLM": ("pdserve.models.hunyuan", "HunYuanDenseV1ForCausalLM"),
     "Cohere2ForCausalLM": ("pdserve.models.cohere2", "Cohere2ForCausalLM"),
     "Exaone4ForCausalLM": ("pdserve.models.exaone4", "Exaone4ForCausalLM"),
     "Phi3ForCausalLM": ("pdserve.models.phi3", "Phi3ForCausalLM"),

@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 # the Llama family, then the families composed of the same blocks (models/decoder.py)
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 ARCHS += ["smollm3", "granite", "olmo2", "olmo3", "glm4", "cohere2", "exaone4", "phi3"]
-ARCHS += ["ernie4_5", "seed_oss"]
+ARCHS += ["ernie4_5", "seed_oss", "hunyuan_dense"]
 PROMPT_LENS = [1, 3, 17, 40, 95, 160, 333, 600]
 NEW_TOKENS = 10
 _hf_cache: dict = {}

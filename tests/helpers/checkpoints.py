@@ -161,6 +161,15 @@ ARCHS = {
             rope_parameters=dict(rope_type="default", rope_theta=10000.0),
         ),
     ),
+    # q/k norms per head after RoPE; the published RoPE: "dynamic" with an NTK alpha
+    "hunyuan_dense": (
+        "HunYuanDenseV1Config",
+        "HunYuanDenseV1ForCausalLM",
+        dict(
+            head_dim=16,
+            rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, alpha=4.0, factor=1.0),
+        ),
+    ),
     # layers S, S, S, F: RoPE only on the window layers; untied (as the tied default, the output
     # would mostly repeat the input token at these weights)
     "cohere2": (
@@ -724,7 +733,7 @@ _ROUTER_SUFFIXES = (
 _NORM_OFFSETS = ("gemma2", "gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe", "minimax_m3")
 # families whose norms are told apart by name or place: weights around 1 instead of HF's ones
 _RANDOM_NORMS = ("smollm3", "granite", "olmo2", "olmo3", "glm4", "cohere2", "exaone4", "phi3")
-_RANDOM_NORMS += ("ernie4_5", "seed_oss")
+_RANDOM_NORMS += ("ernie4_5", "seed_oss", "hunyuan_dense")
 _RANDOM_NORMS += ("olmoe", "minimax_m2", "deepseek_v4")
 
 
