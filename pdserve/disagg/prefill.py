@@ -145,6 +145,9 @@ class PrefillQueues(PDQueues):
         self.keepalive_s = min(1.0, scheduler.args.disaggregation_waiting_timeout / 4)
         self._next_keepalive = 0.0
         self._liveness = _Liveness(self.keepalive_s)
+        # the model's last layer: the layer pipeline sends its last group when it is written
+        kv_args = getattr(mgr, "kv_args", None)
+        self._last_layer = kv_args.num_layers - 1 if kv_args is not None else None
         self._dp_publisher: Optional[ThreadPoolExecutor] = None
         self.bootstrap_server = None  # the server's, on its first rank (disagg/setup.py)
 
@@ -404,9 +407,7 @@ class PrefillQueues(PDQueues):
         plans = self._layer_plans(batch)
         if not plans:
             return None
-        kv_args = getattr(self.mgr, "kv_args", None)
-        last = kv_args.num_layers - 1 if kv_args is not None and kv_args.num_layers else None
-        pending: list[int] = []
+        last, pending = self._last_layer, []
 
         def layer_done(layer: int) -> None:
             pending.append(layer)

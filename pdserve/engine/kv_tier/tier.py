@@ -82,6 +82,8 @@ class KVTier:
             self.writer = TierWriter(self.storage, args.hicache_storage_write_queue)
         self.tiers = [b for b in (self.host, self.storage) if b is not None]
         self.stats = {f"hicache_{k}_{b.medium.lower()}": 0 for k in STAT_KEYS for b in self.tiers}
+        if self.storage is not None:  # entries dropped past its bound
+            self.stats[f"hicache_evictions_{self.storage.medium.lower()}"] = 0
         # block hash -> (parent, tokens) of what each medium holds (the snapshot's blocks)
         self.blocks: dict[str, dict[int, tuple[Optional[int], list[int]]]] = {
             b.medium: {} for b in self.tiers
@@ -147,9 +149,7 @@ class KVTier:
                     self.stats[f"hicache_writes_{medium.lower()}"] += 1
                     self._stored(medium, h, parent, tokens)
             if evicted:
-                self.stats[f"hicache_evictions_{medium.lower()}"] = self.stats.get(
-                    f"hicache_evictions_{medium.lower()}", 0
-                ) + len(evicted)
+                self.stats[f"hicache_evictions_{medium.lower()}"] += len(evicted)
                 self._removed(medium, [self._hash_of(k) for k in evicted])
 
     def poll(self) -> list:
