@@ -9,6 +9,9 @@ specs, never the model's shapes:
 - ``FullAttention``: K and V per token per KV head; a sequence keeps every page.
 - ``SlidingWindow``: the same per token, but a query at position i sees keys i-W < j <= i, so a
   sequence keeps only the pages that the next query can still see (``first_live_page``).
+- ``ChunkedAttention``: the same per token, but a query sees only the keys of its own chunk of
+  C positions (C*floor(i/C) <= j <= i: a window that restarts at each chunk boundary, Llama 4's
+  local layers), so a sequence keeps only the pages of its current chunk.
 - ``LatentAttention``: one latent vector per token (MLA): no head axis, replicated over
   attention TP.
 - ``LatentWindow``: one vector per token like a latent, within a window (a single head that is
@@ -161,6 +164,32 @@ class SlidingWindow(Windowed, FullAttention):
 
     kind: ClassVar[str] = "sliding_window"
     window: int = 0
+
+
+@dataclass(frozen=True)
+class ChunkedAttention(FullAttention):
+    """Attention within the query's own chunk of ``chunk`` positions: a query at i sees keys
+    C*floor(i/C) <= j <= i, so every page before the current chunk's first is of no more use."""
+
+    kind: ClassVar[str] = "chunked_attention"
+    chunk: int = 0
+
+    def __post_init__(self) -> None:
+        if self.chunk < 1:
+            raise ValueError(f"chunked attention: chunk must be >= 1, got {self.chunk}")
+
+    def first_live_page(self, kv_len: int, page_size: int) -> int:
+        # the next query sits at position kv_len and sees its chunk from its first position
+        return kv_len // self.chunk * self.chunk // page_size
+
+    def peak_pages(self, seq_len: int, chunk: int, page_size: int) -> int:
+        # a prefill chunk's queries see back at most to the start of the attention chunk its first
+        # token is in: fewer than ``self.chunk`` tokens before it
+        return min(seq_len // page_size + 1, (self.chunk + chunk) // page_size + 2)
+
+    @property
+    def drops_pages(self) -> bool:
+        return True
 
 
 @dataclass(frozen=True)

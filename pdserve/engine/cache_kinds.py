@@ -39,6 +39,7 @@ class KindHandling:
 KINDS: dict[str, KindHandling] = {
     "full_attention": KindHandling(FullAttentionPolicy, KVPool),
     "sliding_window": KindHandling(WindowPolicy, KVPool),
+    "chunked_attention": KindHandling(WindowPolicy, KVPool),
     "latent_attention": KindHandling(FullAttentionPolicy, LatentPool),
     "index_keys": KindHandling(FullAttentionPolicy, LatentPool),
     "latent_window": KindHandling(WindowPolicy, LatentPool),

@@ -117,7 +117,7 @@ class FullAttentionPolicy(CachePolicy):
 
 
 class WindowPolicy(CachePolicy):
-    """Pages only while the next query can see them (a sliding window)."""
+    """Pages only while the next query can see them (a sliding window, an attention chunk)."""
 
     drops_pages: ClassVar[bool] = True
     sent_with_chunks: ClassVar[bool] = False  # the window still drops pages until the last chunk

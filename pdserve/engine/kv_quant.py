@@ -31,7 +31,7 @@ ALIASES = {"fp8": "fp8_e4m3"}
 FORMATS = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 QUANTIZED_KV_DTYPES = tuple(FORMATS) + tuple(ALIASES)
 # cache kinds whose pool quantizes (the rest refuse a quantized --kv-cache-dtype at start-up)
-QUANTIZABLE_KINDS = ("full_attention", "sliding_window")
+QUANTIZABLE_KINDS = ("full_attention", "sliding_window", "chunked_attention")
 INT8_MAX = 127.0
 
 

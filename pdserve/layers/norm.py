@@ -117,6 +117,19 @@ class Gemma4RMSNorm(AddNorm):
         return (xf if self.weight is None else xf * self.weight.float()).to(x.dtype)
 
 
+class UnitRMSNorm(AddNorm):
+    """RMSNorm without a weight: ``x * rsqrt(mean(x^2) + eps)`` in float32, rounded once to the
+    input dtype (Llama 4's q/k norm). ``dim`` is taken for the norms' common signature."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
 class ProjectionRMSNorm(nn.Module):
     """RMSNorm over a whole q or k projection (every head together: OLMo 2, OLMoE, MiniMax-M2)
     where a rank holds only its heads' part: the sum of squares is summed over the attention

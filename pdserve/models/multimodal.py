@@ -8,9 +8,9 @@ serves such a checkpoint's text model: ``text_model_config`` gives the nested co
 the text class's architecture name (with the outer fields it needs: the dtype, the quantization,
 the tied embeddings), and ``text_model_weights`` the language model's tensors under the text
 checkpoint's names, every other tensor set aside. Images are not taken on this path: a request is
-its tokens. MiniMax M3's published checkpoint keeps the language model as
+its tokens. MiniMax M3's and Llama 4's published checkpoints keep the language model as
 ``language_model.model.*`` and ``language_model.lm_head.*`` (``TEXT_PREFIXES``), in the names
-its text class reads (``models/minimax_m3.py``).
+their text classes read (``models/minimax_m3.py``, ``models/llama4.py``).
 """
 
 from __future__ import annotations
@@ -26,11 +26,16 @@ TEXT_MODELS = {
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
     "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
     "MiniMaxM3SparseForConditionalGeneration": "MiniMaxM3VLForCausalLM",
+    "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
 }
 # where a multimodal checkpoint keeps its language model's tensors: prefix -> the text checkpoint's
 DEFAULT_PREFIXES = {"model.language_model.": "model.", "lm_head.": "lm_head."}
 TEXT_PREFIXES = {
     "MiniMaxM3SparseForConditionalGeneration": {
+        "language_model.model.": "model.",
+        "language_model.lm_head.": "lm_head.",
+    },
+    "Llama4ForConditionalGeneration": {
         "language_model.model.": "model.",
         "language_model.lm_head.": "lm_head.",
     },

@@ -141,7 +141,9 @@ def isa_capped_at(tier):
         ops.set_isa(before)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss", "olmoe", "minimax_m2"])
+@pytest.mark.parametrize(
+    "arch", ["qwen3_moe", "mixtral", "gpt_oss", "olmoe", "minimax_m2", "llama4"]
+)
 def test_moe_bf16_matches_hf_bf16_up_to_ties(arch):
     with isa_capped_at(ISA_CAP.get(arch)):
         _moe_bf16_matches_hf_bf16(arch)

@@ -287,6 +287,26 @@ ARCHS = {
             rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
         ),
     ),
+    # layers R, R, R, N (RoPE and chunks of 16 on the first three, no RoPE with tuned queries on
+    # the last); layers 1 and 3 sparse: 4 experts top 1 taking the sigmoid weight on their input,
+    # a shared expert
+    "llama4": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        dict(
+            head_dim=16,
+            num_hidden_layers=4,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            intermediate_size=32,
+            intermediate_size_mlp=96,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=16,
+            floor_scale=8,
+            attn_scale=0.5,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
     # every layer sparse, 8 experts top 2 not renormalised (HF's default); q/k norms over the
     # whole projections
     "olmoe": (
@@ -728,13 +748,14 @@ _ROUTER_SUFFIXES = (
     "block_sparse_moe.gate.weight",
     "mlp.router.weight",
     "block_sparse_moe.router.layer.weight",
+    "feed_forward.router.weight",
 )
 # archs whose norm weights are offsets from 1 (drawn from N(0, 0.2) instead of HF's zeros)
 _NORM_OFFSETS = ("gemma2", "gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe", "minimax_m3")
 # families whose norms are told apart by name or place: weights around 1 instead of HF's ones
 _RANDOM_NORMS = ("smollm3", "granite", "olmo2", "olmo3", "glm4", "cohere2", "exaone4", "phi3")
 _RANDOM_NORMS += ("ernie4_5", "seed_oss", "hunyuan_dense")
-_RANDOM_NORMS += ("olmoe", "minimax_m2", "deepseek_v4")
+_RANDOM_NORMS += ("olmoe", "minimax_m2", "deepseek_v4", "llama4")
 
 
 def _randomize_deepseek_v4(model) -> None:
@@ -1531,6 +1552,7 @@ MULTIMODAL = {
     "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
     "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
     "minimax_m3": ("MiniMaxM3VLConfig", "MiniMaxM3SparseForConditionalGeneration"),
+    "llama4": ("Llama4Config", "Llama4ForConditionalGeneration"),
 }
 # families whose vision tower has fields of its own: (vision configuration, outer fields)
 _OWN_VISION = {
@@ -1544,6 +1566,20 @@ _OWN_VISION = {
             image_size=8,
         ),
         dict(projector_hidden_size=32),
+    ),
+    "llama4": (
+        dict(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            patch_size=4,
+            image_size=16,
+            vision_output_dim=32,
+            projector_input_dim=32,
+            projector_output_dim=32,
+        ),
+        {},
     ),
 }
 _TINY_VISION = dict(
@@ -1560,8 +1596,8 @@ _TINY_VISION = dict(
 
 def build_multimodal_checkpoint(arch: str) -> str:
     """The tiny ``arch`` checkpoint's text model inside its family's multimodal checkpoint (as the
-    family publishes it: ``model.language_model.*``, ``lm_head.*``, a random vision tower beside
-    them), the text weights equal to ``build_tiny_checkpoint(arch)``'s; cached like it."""
+    family publishes it: ``model.language_model.*``, ``lm_head.*``, or ``language_model.model.*``,
+    ``language_model.lm_head.*``, a random vision tower beside them), the text weights equal to ``build_tiny_checkpoint(arch)``'s; cached like it."""
     text_path = build_tiny_checkpoint(arch)
     config_cls, model_cls = MULTIMODAL[arch]
 
@@ -1576,8 +1612,11 @@ def build_multimodal_checkpoint(arch: str) -> str:
         torch.manual_seed(0)
         model = getattr(transformers, model_cls)(config).to(torch.float32)
         source = hf_causal_lm(text_path, torch.float32)
-        model.model.language_model.load_state_dict(source.model.state_dict())
-        model.lm_head.load_state_dict(source.lm_head.state_dict())
+        if hasattr(model, "lm_head"):  # model.language_model.*, lm_head.*
+            model.model.language_model.load_state_dict(source.model.state_dict())
+            model.lm_head.load_state_dict(source.lm_head.state_dict())
+        else:  # language_model.model.*, language_model.lm_head.* (Llama 4)
+            model.language_model.load_state_dict(source.state_dict())
         model.save_pretrained(tmp)
         for name in os.listdir(text_path):
             if name not in ("config.json", "model.safetensors") and not name.startswith("."):

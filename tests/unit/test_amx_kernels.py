@@ -18,6 +18,7 @@ import torch
 
 from pdserve import kernels
 from pdserve.layers.linear import PackedW8A8, pack_vnni16
+from tests.helpers.spans import first_visible_key
 
 torch.set_num_threads(1)
 
@@ -353,7 +354,7 @@ def attention_reference(q, kc, vc, table, lens, starts, scale, window, sinks):
         v = vc[rows, :, pos % page].double().repeat_interleave(g, 1)
         for j, t in enumerate(range(s0, s1)):
             p = n - (s1 - s0) + j
-            lo = max(0, p - window + 1) if window > 0 else 0
+            lo = first_visible_key(p, window)
             logits = torch.einsum("khd,hd->hk", k[lo : p + 1], q[t].double()) * scale
             if sinks is not None:
                 logits = torch.cat([logits, sinks.double()[:, None]], 1)
@@ -381,13 +382,15 @@ REQS = [(150, 150), (37, 1), (90, 21), (5, 5), (300, 1)]  # prefill, decode, ext
         (2, 256, 32, 100, False),
         (2, 16, 4, 5, False),
         (3, 96, 16, 64, True),
+        (2, 80, 16, -37, True),  # attention chunks of 37 positions
+        (3, 96, 1, -64, False),
     ],
 )
 def test_attention_on_emulated_tiles_matches_float64(emulated, group, dim, page, window, sinks):
     ops = emulated
     kv_heads = 2
     heads = group * kv_heads
-    args = attention_batch(REQS, heads, kv_heads, dim, page, seed=dim + page + window)
+    args = attention_batch(REQS, heads, kv_heads, dim, page, seed=dim + page + abs(window))
     sk = 2 * torch.randn(heads, generator=torch.Generator().manual_seed(1)) if sinks else None
     scale = dim**-0.5
     out = attention(ops, *args, scale, window, sk)

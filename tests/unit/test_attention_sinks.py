@@ -22,6 +22,7 @@ from pdserve.layers.attention import torch_backend
 from pdserve.layers.attention.base import AttentionBackend, AttnLayer
 from pdserve.layers.attention.cpu_backend import CpuAttnBackend
 from pdserve.layers.attention.torch_backend import TorchAttnBackend, attention
+from tests.helpers.spans import first_visible_key
 
 torch.set_num_threads(1)
 
@@ -43,8 +44,9 @@ def eager_reference(q, k, v, q_pos, scale, window, sinks):
     weights = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H, Lq, Lk]
     kpos = torch.arange(k.shape[0])
     visible = kpos[None, :] <= q_pos[:, None]
-    if window:
-        visible &= (q_pos[:, None] - kpos[None, :]) < window
+    if window:  # W > 0 a sliding window, -C an attention chunk
+        first = torch.tensor([first_visible_key(int(p), window) for p in q_pos])
+        visible &= kpos[None, :] >= first[:, None]
     weights = weights + additive_mask(visible)
     if sinks is not None:  # one more logit column per row, its head's sink
         weights = torch.cat(
@@ -311,10 +313,10 @@ def test_decode_kernel_with_sinks(ops, isa, kv_dtype, q_dtype, page, window):
         ops.paged_decode_attention(out, q, kc, vc, table, lens_t, scale, window, sinks.double())
 
 
-@pytest.mark.parametrize("window", [0, 70])
+@pytest.mark.parametrize("window", [0, 70, -48])
 @pytest.mark.parametrize("page", [1, 16])
 def test_flash_kernel_with_and_without_sinks(ops, flash_isa, page, window):
-    gen = torch.Generator().manual_seed(page * 100 + window)
+    gen = torch.Generator().manual_seed(page * 100 + abs(window))
     # (new tokens, length): decode rows, short and long prefills, extends after a prefix; more than
     # one query block (16) and key block (64)
     rows = [(1, 1), (1, 200), (5, 5), (40, 170), (130, 130), (1, 64), (17, 81)]

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from pdserve import kernels
 from pdserve.layers.linear import pack_vnni16
 from pdserve.layers.rotary import apply_rotary
+from tests.helpers.spans import first_visible_key
 
 torch.set_num_threads(1)
 
@@ -34,7 +35,7 @@ def attention_reference(q, kc, vc, table, lens, scale, window):
     out = torch.zeros(B, H, D, dtype=torch.float64)
     for b in range(B):
         n = int(lens[b])
-        start = max(0, n - window) if window > 0 else 0
+        start = first_visible_key(n - 1, window)
         pos = torch.arange(start, n)
         pages = table[b][pos // page].long()
         k = kc[pages, :, pos % page].double()  # [n, kv_heads, D]
@@ -46,7 +47,7 @@ def attention_reference(q, kc, vc, table, lens, scale, window):
     return out
 
 
-CASES = [  # (group, head_dim, page_size, kv dtype, q dtype, window)
+CASES = [  # (group, head_dim, page_size, kv dtype, q dtype, window: W > 0 a window, -C a chunk)
     (1, 64, 1, torch.float32, torch.float32, 0),
     (3, 64, 16, torch.float32, torch.float32, 0),
     (4, 128, 32, torch.float32, torch.float32, 0),
@@ -57,6 +58,10 @@ CASES = [  # (group, head_dim, page_size, kv dtype, q dtype, window)
     (4, 128, 1, torch.bfloat16, torch.bfloat16, 37),
     (2, 80, 16, torch.float32, torch.float32, 0),
     (2, 16, 4, torch.float32, torch.float32, 5),
+    # attention chunks (window -C): a query sees its own chunk of C positions
+    (3, 64, 16, torch.float32, torch.float32, -64),
+    (4, 128, 1, torch.bfloat16, torch.bfloat16, -37),
+    (2, 16, 4, torch.float32, torch.float32, -5),
 ]
 
 

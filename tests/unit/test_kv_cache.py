@@ -10,7 +10,7 @@ import torch
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.request import Req, SamplingParams
-from pdserve.kv_spec import FullAttention, SlidingWindow, group_layers
+from pdserve.kv_spec import ChunkedAttention, FullAttention, SlidingWindow, group_layers
 
 WINDOW = 8
 
@@ -351,4 +351,72 @@ def test_a_hybrid_tree_reports_only_blocks_a_prompt_can_hit_through():
     assert m.tree.evict(1, 0) == 10  # one page asked for, the whole leaf given
     removed = [e for e in m.tree.events if isinstance(e, BlockRemoved)]
     assert len(removed) == 1 and len(removed[0].block_hashes) == 10
+    integrity(m)
+
+
+CHUNK = 16
+
+
+def chunked_manager(page_size: int) -> KVCacheManager:
+    specs = [FullAttention(2, 4), ChunkedAttention(2, 4, chunk=CHUNK)]
+    groups = group_layers(specs)
+    pools = [KVPool(len(g.layers), 128, page_size, 2, 4, torch.float32, "cpu") for g in groups]
+    return KVCacheManager(groups, pools, page_size)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_chunk_group_lets_go_of_each_finished_chunk(page_size):
+    """An attention chunk is not a sliding window: within a chunk every page stays, at its
+    boundary all of them go at once."""
+    m = chunked_manager(page_size)
+    r = req(list(range(100, 140)))  # 40 tokens: chunks 0..15, 16..31, 32..39
+    run(m, r, chunk=8)
+    full, chunked = m.held(r)
+    assert full == -(-40 // page_size)
+    # the next query (position 40) sees 32..40: the pages from 32 on
+    assert chunked == -(-40 // page_size) - 32 // page_size
+    held = []
+    for _ in range(30):
+        r.output_ids.append(7)
+        assert m.grow(r, 1)
+        r.kv_len += 1
+        held.append(m.held(r)[1])
+        # the chunk of the token being computed (at kv_len - 1), from its first page
+        first = (r.kv_len - 1) // CHUNK * CHUNK // page_size
+        assert held[-1] == (r.kv_len - 1) // page_size + 1 - first
+    # grows within a chunk, falls to one page at each boundary (positions 48 and 64)
+    assert held[48 - 40] == 1 and held[64 - 40] == 1 and max(held) == CHUNK // page_size
+    integrity(m, r)
+    m.release(r)
+    integrity(m)
+
+
+def test_chunk_prefix_hit_and_decode_prealloc_start_at_the_chunk():
+    ps = 4
+    m = chunked_manager(ps)
+    first = req(list(range(100, 140)))
+    run(m, first, chunk=16)
+    m.release(first)  # 10 full pages cached; the chunk group kept pages 8..9 (tokens 32..39)
+    follow = req(list(range(100, 140)) + [5, 6, 7])
+    assert m.admit(follow, 16, 0, (len(follow.all_ids) - 1) // ps)
+    assert follow.kv.cached == 10 and follow.kv_len == 40
+    m.release(follow)
+    # leaving after 36 tokens: its chunk (32..) is cached whole, the hit stands
+    branch = req(list(range(100, 136)) + [9] * 10)
+    assert m.admit(branch, 16, 0, (len(branch.all_ids) - 1) // ps)
+    assert branch.kv.cached == 9
+    m.release(branch)
+    # leaving after 28 tokens: its chunk's pages (16..27) were let go, but the boundary at 16
+    # needs nothing before it: the hit stops there
+    early = req(list(range(100, 128)) + [9] * 10)
+    assert m.admit(early, 16, 0, (len(early.all_ids) - 1) // ps)
+    assert early.kv.cached == 16 // ps
+    m.release(early)
+    integrity(m)
+    r = req(list(range(200, 250)))  # 50 tokens: decode needs the chunk from 48 on
+    pages, cached = m.prealloc(r, reserve=0)
+    start = m.transfer_start(1, 50, 0)
+    assert start == 48 // ps and len(pages[1]) == 13 - start
+    integrity(m, r)
+    m.free(m.park(r))
     integrity(m)

@@ -14,6 +14,7 @@
 // with O in memory (up to 256 dims: 16 accumulator tiles, 4 at a time). Rows are padded to a
 // multiple of 16 with zero queries whose results are dropped.
 #include "amx.h"
+#include "attention_span.h"
 
 #include <algorithm>
 #include <limits>
@@ -194,7 +195,7 @@ PDS_AMX void task(const AmxAttention& a, Scratch& s, int64_t b, int64_t h, int64
     const int64_t qi = r / G, g = r % G;
     std::memcpy(qr, a.q + (first_row + q0 + qi) * a.q_stride_t + (h * G + g) * a.q_stride_h, D * 2);
     s.pos[r] = int32_t(len - ext + q0 + qi);
-    s.lo[r] = a.window > 0 ? s.pos[r] - int32_t(a.window) + 1 : 0;
+    s.lo[r] = int32_t(first_visible_key(s.pos[r], a.window));
     s.m[r] = a.sinks ? a.sinks[h * G + g] : -std::numeric_limits<float>::infinity();
     s.l[r] = a.sinks ? 1.f : 0.f;
   }

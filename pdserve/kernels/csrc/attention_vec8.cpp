@@ -8,6 +8,7 @@
 // task or on how its request's rows are split into tasks and forwards: keys a row cannot see add
 // exact zeros (skipped), so a decode row and the same row inside a prefill give the same bits.
 #include "vec8.h"
+#include "attention_span.h"
 #include "vec8_kernels.h"
 
 
@@ -86,7 +87,7 @@ PDS_V8 void decode_tasks(const DecodeArgs& a, int64_t task_begin, int64_t task_e
       l[g] = a.sinks ? 1.f : 0.f;
     }
     const int32_t* pages = a.table + b * a.table_stride;
-    const int64_t first = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
+    const int64_t first = first_visible_key(len - 1, a.window);
     for (int64_t pos = first; pos < len; pos += kBlock) {
       const int n = int(std::min<int64_t>(kBlock, len - pos));
       for (int j = 0; j < kBlock; ++j) {  // past n: the first row again, masked below
@@ -221,7 +222,7 @@ PDS_V8 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_t q0, int
     s.l[r] = a.sinks ? 1.f : 0.f;
   }
   const int64_t last_pos = s.pos[nrows - 1];
-  const int64_t first_key = a.window > 0 ? std::max<int64_t>(0, s.pos[0] - a.window + 1) / kKeys * kKeys : 0;
+  const int64_t first_key = first_visible_key(s.pos[0], a.window) / kKeys * kKeys;
   const int32_t* pages = a.table + b * a.table_stride;
   int64_t rows[kKeys];
   const float* krow[kKeys];
@@ -237,7 +238,7 @@ PDS_V8 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_t q0, int
     widen_kv(a, rows, n, D, s.kf, s.vf);
     for (int64_t r = 0; r < nrows; ++r) {
       // keys of this block the row sees: [t0, t1)
-      const int64_t lo = a.window > 0 ? s.pos[r] - a.window + 1 : 0;
+      const int64_t lo = first_visible_key(s.pos[r], a.window);
       const int t0 = int(std::max<int64_t>(0, lo - k0)), t1 = int(std::min<int64_t>(n, s.pos[r] - k0 + 1));
       if (t1 <= t0) continue;
       // scores (scaled) of the groups of 8 keys that hold visible ones; the rest of p stays 0

@@ -23,6 +23,7 @@
 // staged (rounded to bf16 here, for the bf16 products; float32 in the 8-lane kernel); such calls
 // never take the AMX tiles.
 #include "amx.h"
+#include "attention_span.h"
 #include "vec8_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -166,7 +167,7 @@ PDS_AVX512_BF16 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_
   // key blocks start at multiples of kKeys whatever the task's first row, so a row's keys fall into
   // the same blocks (the same online-softmax steps) however the rows of its request are split
   // into tasks and forwards: chunked prefill, a prefix-cache hit and decode give the same bits
-  const int64_t first_key = a.window > 0 ? std::max<int64_t>(0, s.pos[0] - a.window + 1) / kKeys * kKeys : 0;
+  const int64_t first_key = first_visible_key(s.pos[0], a.window) / kKeys * kKeys;
   const int32_t* pages = a.table + b * a.table_stride;
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -261,7 +262,7 @@ PDS_AVX512_BF16 void flash_task(const FlashArgs& a, int64_t b, int64_t h, int64_
       for (int i = 0; i < nr; ++i) {
         const int64_t r = r0 + i;
         const int32_t pos = s.pos[r];
-        const int32_t lo = a.window > 0 ? pos - int32_t(a.window) + 1 : 0;
+        const int32_t lo = int32_t(first_visible_key(pos, a.window));
         // interior block (every key visible to this row): no masks
         const bool full = n == nv * 16 && k0 >= lo && k0 + n - 1 <= pos;
         __mmask16 valid[4];

@@ -14,6 +14,7 @@
 // multiply the block's scores (per key row) and its weights of the value rows, outside the dot
 // products.
 #include "common.h"
+#include "attention_span.h"
 #include "kv_quant.h"
 #include "vec8_kernels.h"
 
@@ -45,7 +46,7 @@ inline void block_rows(const DecodeArgs& a, int64_t b, int64_t h, int64_t pos, i
 }
 
 inline int64_t first_position(const DecodeArgs& a, int64_t len) {
-  return a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
+  return first_visible_key(len - 1, a.window);
 }
 
 // Running max and sum of query head `head` before any key: its sink, or nothing.

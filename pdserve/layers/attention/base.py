@@ -34,8 +34,10 @@ class AttnLayer:
 
     ``layer_id``: the layer's index in this stage (0 = the stage's first layer), which is how
     ``ForwardBatch`` finds its cache group and pool slot. ``sliding_window``: query i sees keys
-    i-W < j <= i. ``logit_softcap``: scores become ``cap * tanh(scores / cap)`` before the mask
-    (Gemma 2). ``has_sinks``: each query head has a learned sink logit (GPT-OSS): its softmax runs
+    i-W < j <= i. ``attention_chunk``: query i sees the keys of its own chunk of C positions,
+    C*floor(i/C) <= j <= i (Llama 4's local layers; a layer has a window or a chunk, not both).
+    ``logit_softcap``: scores become ``cap * tanh(scores / cap)`` before the mask (Gemma 2).
+    ``has_sinks``: each query head has a learned sink logit (GPT-OSS): its softmax runs
     over the visible keys' scaled, masked scores plus one more column holding the sink, and that
     column is then dropped, so the sink only adds ``exp(sink)`` to the denominator (no value, no
     KV). The sink values are the model's parameter, passed to ``AttentionBackend.forward`` at each
@@ -52,6 +54,21 @@ class AttnLayer:
     has_sinks: bool = False
     stores_kv: bool = True
     key_masked: bool = False
+    attention_chunk: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.sliding_window and self.attention_chunk:
+            raise ValueError(
+                f"layer {self.layer_id}: a sliding window and an attention chunk at once"
+            )
+
+    @property
+    def span(self) -> Optional[int]:
+        """The keys a query sees besides causality, as the kernels take it: W > 0 a sliding
+        window of W keys, -C an attention chunk of C positions, None every earlier key."""
+        if self.sliding_window:
+            return self.sliding_window
+        return -self.attention_chunk if self.attention_chunk else None
 
 
 # layer feature -> (the backend flag that says it is supported, whether a layer has it)
@@ -87,7 +104,9 @@ class AttentionBackend(abc.ABC):
     """
 
     name: ClassVar[str] = ""
-    cache_kinds: ClassVar[frozenset[str]] = frozenset({"full_attention", "sliding_window"})
+    cache_kinds: ClassVar[frozenset[str]] = frozenset(
+        {"full_attention", "sliding_window", "chunked_attention"}
+    )
     supports_softcap: ClassVar[bool] = True
     supports_sinks: ClassVar[bool] = True
 

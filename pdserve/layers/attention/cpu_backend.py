@@ -176,7 +176,7 @@ class CpuAttnBackend(TorchAttnBackend):
             return
         sel, n, tables = self._dec
         table, lens = tables[group]
-        window = layer.sliding_window or 0
+        window = layer.span or 0
         sinks = _float32(sinks)
         kc, vc, quant = kernel_caches(kc, vc, self._scales)
         if sel is None:
@@ -258,7 +258,7 @@ class CpuAttnBackend(TorchAttnBackend):
                 flat.index_copy_(0, dst, flat.index_select(0, src))
             qq = q.index_select(0, tokens)
             o = torch.empty_like(qq)
-            window = layer.sliding_window or 0
+            window = layer.span or 0
             if self._flash is not None:  # as the flash kernel runs decode rows
                 self.ops.paged_attention_bf16(
                     o, qq, kq, vq, table, lens, starts, layer.scale, window, sinks, **quant
@@ -323,7 +323,7 @@ class CpuAttnBackend(TorchAttnBackend):
                 table,
                 lens,
                 layer.scale,
-                layer.sliding_window or 0,
+                layer.span or 0,
                 _float32(sinks),
                 **quant,
             )
@@ -341,7 +341,7 @@ class CpuAttnBackend(TorchAttnBackend):
                     lens,
                     self._starts,
                     layer.scale,
-                    layer.sliding_window or 0,
+                    layer.span or 0,
                     _float32(sinks),
                     **quant,
                 )

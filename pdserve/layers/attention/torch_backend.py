@@ -120,6 +120,7 @@ class TorchAttnBackend(AttentionBackend):
         {
             "full_attention",
             "sliding_window",
+            "chunked_attention",
             "latent_attention",
             "index_keys",
             "latent_window",
@@ -180,16 +181,17 @@ class TorchAttnBackend(AttentionBackend):
         """Extra per-forward state for the decode rows (the ``cpu`` backend's kernel tables)."""
 
     # ---- decode rows: gather + SDPA -------------------------------------------------------------
-    def _decode_mask(self, window: Optional[int]) -> torch.Tensor:
-        m = self._dec_masks.get(window)
+    def _decode_mask(self, span: Optional[int]) -> torch.Tensor:
+        """[Bd, 1, 1, L]: the keys each decode row sees (``AttnLayer.span``)."""
+        m = self._dec_masks.get(span)
         if m is None:
             kpos = self._dec_kpos[None, :]  # [1, L]
             lens = self._dec_lens[:, None]  # [Bd, 1]; the query sits at position len - 1
             m = kpos < lens
-            if window is not None:
-                m &= (lens - 1 - kpos) < window
+            if span is not None:
+                m &= in_span(lens - 1, kpos, span)
             m = m[:, None, None, :]  # [Bd, 1, 1, L]
-            self._dec_masks[window] = m
+            self._dec_masks[span] = m
         return m
 
     def decode(
@@ -215,7 +217,7 @@ class TorchAttnBackend(AttentionBackend):
             kk = kc.view(-1, head_dim)[gather]  # [Bd, kv_heads, L, D]
             vv = vc.view(-1, head_dim)[gather]
         qq = q[self._dec_rows].unsqueeze(2)  # [Bd, heads, 1, D]
-        mask = self._decode_mask(layer.sliding_window)
+        mask = self._decode_mask(layer.span)
         if key_mask is not None:  # [Bd, kv_heads, 1, L]
             mask = mask & key_mask.rows(self._dec_rows, mask.shape[-1])[:, :, None, :]
         o = attention(
@@ -265,7 +267,7 @@ class TorchAttnBackend(AttentionBackend):
             # [n_pages, kv_heads, page, D] -> [kv_heads, n_pages * page, D] -> first seq tokens
             kk = kc[pages].permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :seq]
             vv = vc[pages].permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :seq]
-        mask = self._extend_mask(self._fb, row, start, ext, prefix, layer.sliding_window, q.device)
+        mask = self._extend_mask(self._fb, row, start, ext, prefix, layer.span, q.device)
         if key_mask is not None:  # [1, kv_heads, ext, seq]
             if mask is None:
                 mask = extend_mask(self._fb, row, start, ext, prefix, None, q.device)
@@ -344,7 +346,7 @@ class TorchAttnBackend(AttentionBackend):
             q = torch.cat(
                 [q_nope[start : start + ext], q_rope[start : start + ext]], dim=-1
             ).transpose(0, 1)
-            mask = self._extend_mask(fb, row, start, ext, prefix, layer.sliding_window, q.device)
+            mask = self._extend_mask(fb, row, start, ext, prefix, layer.span, q.device)
             if selection is not None:  # sparse attention: the indexer's keys only
                 mask = selected_mask(selection, torch.arange(start, start + ext), seq)
             o = attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, layer.scale, None)
@@ -364,7 +366,7 @@ class TorchAttnBackend(AttentionBackend):
         )  # [Bd, 1, L, R + r]
         rows = self._dec_rows
         q = absorbed_query(q_nope, q_rope, w_kc, rows)
-        mask = self._decode_mask(layer.sliding_window)
+        mask = self._decode_mask(layer.span)
         if selection is not None:
             mask = mask & selected_mask(selection, rows, mask.shape[-1])[:, None, None, :]
         o = attention(
@@ -458,22 +460,31 @@ def extend_mask(
     fb: ForwardBatch, row: int, start: int, ext: int, prefix: int, window, device
 ) -> torch.Tensor:
     """[ext, prefix + ext] bool: the keys each new token of row ``row`` sees: causal by slot
-    (the tokens before it), or its tree's mask; within the layer's window by position."""
+    (the tokens before it), or its tree's mask; within the layer's span (window or chunk,
+    ``AttnLayer.span``) by position."""
     tree = fb.trees.get(row) if fb.trees else None
     if tree is None:
         qpos = torch.arange(ext, device=device)[:, None] + prefix  # [ext, 1]
         kpos = torch.arange(prefix + ext, device=device)[None, :]  # [1, seq]
         m = kpos <= qpos
         if window is not None:
-            m &= (qpos - kpos) < window
+            m &= in_span(qpos, kpos, window)
         return m
     seen = torch.ones((ext, tree.base), dtype=torch.bool, device=device)
     m = torch.cat([seen, tree.visible.to(device)], dim=1)
     if window is not None:
         qpos = fb.positions[start : start + ext].to(device)[:, None]
         kpos = torch.cat([torch.arange(tree.base, device=device), tree.key_positions.to(device)])
-        m &= (qpos - kpos[None, :]) < window
+        m &= in_span(qpos, kpos[None, :], window)
     return m
+
+
+def in_span(qpos: torch.Tensor, kpos: torch.Tensor, span: int) -> torch.Tensor:
+    """Whether a query at ``qpos`` sees the key at ``kpos`` (broadcast) within ``span``
+    (``AttnLayer.span``: W > 0 the last W positions, -C the query's own chunk of C)."""
+    if span > 0:
+        return (qpos - kpos) < span
+    return kpos >= qpos // -span * -span
 
 
 def absorbed_query(

@@ -29,8 +29,10 @@ Checkpoint formats (``fmt``): ``per_expert`` (``experts.E.{gate,up,down}_proj.we
 DeepSeek), ``mixtral`` (``experts.E.{w1,w3,w2}.weight``), ``gpt_oss`` (3-D ``gate_up_proj``
 [E, H, 2I] with gate and up interleaved, ``down_proj`` [E, I, H], and their biases; stored
 transposed, de-interleaved here at load), ``granite`` (3-D ``input_linear`` [E, 2I, H], gate
-then up, and ``output_linear`` [E, H, I]) and ``fused``, the same 3-D layout under
-transformers' own names (``gate_up_proj``, ``down_proj``: Mistral 4 as transformers saves it).
+then up, and ``output_linear`` [E, H, I]), ``fused``, the same 3-D layout under
+transformers' own names (``gate_up_proj``, ``down_proj``: Mistral 4 as transformers saves it),
+and ``llama4``: those names stored transposed, ``gate_up_proj`` [E, H, 2I] (gate then up along
+the last axis) and ``down_proj`` [E, I, H] (Llama 4's published checkpoints).
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class Experts(nn.Module):
             raise ValueError(
                 f"expert activation: {activation!r} is not supported; supported: {ACTIVATIONS}"
             )
-        if fmt not in FORMATS and fmt not in STACKED and fmt != "gpt_oss":
+        if fmt not in FORMATS and fmt not in STACKED and fmt not in ("gpt_oss", "llama4"):
             raise ValueError(f"expert checkpoint format {fmt!r} unknown")
         self.hidden = hidden
         self.inter = inter  # [start, end) of this rank's intermediate columns
@@ -187,6 +189,8 @@ class Experts(nn.Module):
             return ["gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"]
         if self.fmt in STACKED:
             return list(STACKED[self.fmt])
+        if self.fmt == "llama4":
+            return ["gate_up_proj", "down_proj"]
         kinds = ("weight", "weight_scale_inv") if self.quantized else ("weight",)
         return [
             f"{e}.{p}.{kind}"
@@ -210,6 +214,8 @@ class Experts(nn.Module):
             return self._load_gpt_oss(name, src)
         if self.fmt in STACKED:
             return self._load_stacked(name, src)
+        if self.fmt == "llama4":
+            return self._load_transposed(name, src)
         parts = name.split(".")
         kinds = ("weight", "weight_scale_inv") if self.quantized else ("weight",)
         if (
@@ -281,6 +287,20 @@ class Experts(nn.Module):
                 self._copy(self.w13.data[s, n:], t[whole + i0 : whole + i1], name)
             elif name == down:  # [H, I]
                 self._copy(self.w2.data[s], t[:, i0:i1], name)
+            else:
+                raise ValueError(f"unexpected expert weight {name!r}")
+
+    def _load_transposed(self, name: str, src: Any) -> None:
+        i0, i1 = self.inter
+        n = i1 - i0
+        for s, e in enumerate(self.slots):
+            t = src[e : e + 1][0]
+            if name == "gate_up_proj":  # [H, 2I]: x @ W, the gate's columns, then the up's
+                whole = t.shape[1] // 2
+                self._copy(self.w13.data[s, :n], t[:, i0:i1].t(), name)
+                self._copy(self.w13.data[s, n:], t[:, whole + i0 : whole + i1].t(), name)
+            elif name == "down_proj":  # [I, H]
+                self._copy(self.w2.data[s], t[i0:i1].t(), name)
             else:
                 raise ValueError(f"unexpected expert weight {name!r}")
 

@@ -6,7 +6,9 @@ the model dtype. The experts' weighted outputs are summed in float32 and rounded
 after each expert in bf16; the two agree exactly in float32). An optional shared expert
 (``shared``, a ``GatedMLP``, registered as ``shared_name``) is added with weight 1, or
 ``sigmoid(shared_gate(x))`` when there is a gate (Qwen2-MoE). An optional ``expert_norm`` is
-applied to the experts' input only, the router reading the tokens as they come (Gemma 4).
+applied to the experts' input only, the router reading the tokens as they come (Gemma 4). With
+``weights_on_input`` (Llama 4) a chosen expert takes the token times its weight and its output
+counts as it is: each (token, choice) pair runs as a row of its own, summed over the choices.
 
 Module names are the checkpoint's: the router is registered under ``router_name`` (``gate`` for
 Qwen and Mixtral, ``router`` for GPT-OSS), the experts under ``experts``.
@@ -54,6 +56,7 @@ class SparseMoE(nn.Module):
         self.has_shared = shared is not None
         self.has_shared_gate = shared_gate is not None
         self.expert_norm: Optional[nn.Module] = None  # set by a family that has one
+        self.weights_on_input = False  # set by a family whose experts take the weight (Llama 4)
         self.slots_per_rank = ctx.placement.slots_per_rank
         # logical expert -> its physical slots; built on first use (the model is built on the meta
         # device, where a tensor made now would hold no data)
@@ -100,12 +103,27 @@ class SparseMoE(nn.Module):
             slots - first,
             torch.full_like(slots, -1),
         )
-        out = self.ctx.tp.all_reduce(self.experts(self.expert_input(x), local, routing.weights))
+        out = self.ctx.tp.all_reduce(
+            self._experts(self.experts, self.expert_input(x), routing.weights, local)
+        )
         y = self._with_shared(x, out.to(x.dtype))
         return dp.local(y) if dp is not None else y
 
     def expert_input(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.expert_norm is None else self.expert_norm(x)
+
+    def _experts(self, run, x: torch.Tensor, weights: torch.Tensor, *choices: torch.Tensor):
+        """``run(x, *choices, weights)`` (``choices``: [T, K] tensors saying where each choice
+        runs) over the tokens, or with ``weights_on_input`` over one row per (token, choice): the
+        token times its weight, weight 1 after; float32 [T, H] either way."""
+        if not self.weights_on_input:
+            return run(x, *choices, weights)
+        t, k = weights.shape
+        rows = (x[:, None, :] * weights[..., None].to(x.dtype)).reshape(t * k, x.shape[-1])
+        ones = torch.ones((t * k, 1), dtype=weights.dtype, device=weights.device)
+        flat = (c.reshape(t * k, 1) for c in choices)
+        out = run(rows, *flat, ones)
+        return out.view(t, k, out.shape[-1]).sum(dim=1)
 
     def _with_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if not self.has_shared:
@@ -134,13 +152,12 @@ class SparseMoE(nn.Module):
         self._observe(routing, counted=True)
         slots = self.physical(routing.ids)
         dest = slots // self.slots_per_rank  # [n, K] the rank of each slot
-        y = dispatch_combine(
-            self.experts,
+        y = self._experts(
+            lambda x, local, to, w: dispatch_combine(self.experts, x, local, to, w, self.ctx.tp),
             self.expert_input(mine),
+            routing.weights,
             slots % self.slots_per_rank,
             dest,
-            routing.weights,
-            self.ctx.tp,
         )
         out = self._with_shared(mine, y.to(h.dtype))
         if self.ctx.options.capture_routed_experts or attn.size > 1:

@@ -6,6 +6,9 @@ Each router is the formula of one HF family, with its dtypes (they decide bf16 e
   to sum 1 (``norm_topk_prob``); Qwen2-MoE and Qwen3-MoE cast the weights back to the logits'
   dtype, Mixtral (always renormalised) keeps them in float32.
 - ``TopKSoftmax``: top-k of the logits (with a bias), softmax over those k only (GPT-OSS).
+- ``TopKSigmoid``: top-k of the logits, each chosen one's weight the sigmoid of its logit in
+  float32, cast back to the logits' dtype (Llama 4, whose experts take the weight on their input:
+  ``SparseMoE.weights_on_input``).
 
 A router owns the gate matrix (``weight`` [E, H], HF's name under the MoE block) and returns a
 ``Routing``. Grouped sigmoid routing with a correction bias and a routed scaling factor
@@ -119,6 +122,14 @@ class TopKSoftmax(Router):
         top, ids = torch.topk(logits.float() if self.float32 else logits, self.top_k, dim=-1)
         weights = F.softmax(top, dim=-1, dtype=top.dtype)
         return Routing(ids, weights.to(dtype) if self.float32 else weights)
+
+
+class TopKSigmoid(Router):
+    """The top k logits, each weighted by its own sigmoid (no normalisation over the k)."""
+
+    def select(self, logits: torch.Tensor) -> Routing:
+        top, ids = torch.topk(logits, self.top_k, dim=-1)
+        return Routing(ids, torch.sigmoid(top.float()).to(logits.dtype))
 
 
 def granite_router(config) -> TopKSoftmax:

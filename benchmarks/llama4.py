@@ -1,0 +1,193 @@
+"""A Llama-4-shaped model against a dense Llama of the same width and active size, side by side in
+one run.
+
+  python benchmarks/llama4.py [--contexts 1024,8192] [--batches 1,16] [--max-batch-tokens 33000]
+      [--threads 1] [--dtype bfloat16] [--steps 8] [--cache-contexts 1000,8000,30000,130000]
+      [--json OUT]
+
+The Llama 4 model has Scout's layout at a CPU's scale (``Llama4ForCausalLM``): hidden 768, 16
+layers, 12 query heads and 4 KV heads of 64, every layer sparse (16 experts of 512, top 1, the
+sigmoid weight on the expert's input, a shared expert of 512), RoPE with attention chunks of 8,192
+on three layers in four and the fourth without RoPE, seeing every key. The dense model is a Llama of
+the same width and depth whose MLP (1,024) has the Llama 4 layer's active size (the shared expert
+and one routed expert). Both use the SmolLM2 vocabulary and random weights (``--load-format
+dummy``), through the offline ``pdserve.Engine`` (``--threads`` torch threads), one model after the
+other: prefill tok/s of one prompt per context, decode tok/s per batch and context (the median of
+the decode-only forwards, ``benchmarks/hybrid.py``'s clock), and the cache a request holds while
+its next token is computed at each of ``--cache-contexts``, by the engine's own cache specs
+(``CacheSpec.pages_kept``: a chunked layer keeps only its current chunk's pages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hybrid import ForwardClock, prompts, timed  # noqa: E402
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 768, 16, 12, 4, 64
+EXPERTS, EXPERT_MLP, CHUNK = 16, 512, 8192
+
+
+def model_dirs(dtype: str) -> dict[str, str]:
+    import transformers
+
+    from tests.helpers.checkpoints import smollm2_tokenizer_dir
+
+    common = dict(
+        vocab_size=49152,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=262144,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+        dtype=dtype,
+    )
+    configs = {
+        "llama4": (
+            transformers.Llama4TextConfig(
+                **common,
+                intermediate_size=EXPERT_MLP,
+                intermediate_size_mlp=2 * EXPERT_MLP,
+                num_local_experts=EXPERTS,
+                num_experts_per_tok=1,
+                interleave_moe_layer_step=1,
+                attention_chunk_size=CHUNK,
+                rope_parameters=dict(rope_type="default", rope_theta=500000.0),
+            ),
+            "Llama4ForCausalLM",
+        ),
+        "dense": (
+            transformers.LlamaConfig(
+                **common, intermediate_size=2 * EXPERT_MLP, rope_theta=500000.0
+            ),
+            "LlamaForCausalLM",
+        ),
+    }
+    out = {}
+    for name, (cfg, arch) in configs.items():
+        d = os.path.join(tempfile.gettempdir(), f"pdserve-bench-{name}-llama4-scout-layout")
+        if not os.path.exists(os.path.join(d, "config.json")):
+            os.makedirs(d, exist_ok=True)
+            cfg.architectures = [arch]
+            cfg.save_pretrained(d)
+            for f in os.listdir(smollm2_tokenizer_dir()):
+                if not f.startswith("."):
+                    subprocess.run(["cp", os.path.join(smollm2_tokenizer_dir(), f), d], check=True)
+        out[name] = d
+    return out
+
+
+def cache_bytes(runner, context: int) -> dict:
+    """Bytes a request of ``context`` tokens holds while its next token is computed, per group
+    kind, from the engine's cache specs and pools."""
+    page = runner.args.page_size
+    out: dict = {}
+    for g, pool in zip(runner.cache_groups, runner.pools):
+        item = pool.nbytes // pool.num_pages  # a page of every layer of the group
+        out[g.kind] = out.get(g.kind, 0) + g.spec.pages_kept(context, page) * item
+    out["total"] = sum(out.values())
+    return out
+
+
+def run_engine(name: str, path: str, args) -> dict:
+    import pdserve
+
+    contexts, batches = args.contexts, args.batches
+    most = max(
+        [c * b for c in contexts for b in batches if c * b <= args.max_batch_tokens] + contexts
+    )
+    eng = pdserve.Engine(
+        model_path=path,
+        load_format="dummy",
+        dtype=args.dtype,
+        torch_num_threads=args.threads,
+        max_total_tokens=most + 4096,
+        max_running_requests=max(batches),
+        chunked_prefill_size=2048,
+        disable_radix_cache=True,
+    )
+    out: dict = {"model": name, "prefill": [], "decode": [], "cache": []}
+    try:
+        runner = eng.scheduler.runner
+        clock = ForwardClock(runner)
+        out["groups"] = [g.describe() for g in runner.cache_groups]
+        out["isa"] = getattr(runner, "isa", None)
+        timed(eng, prompts(1, 64, 0), 2)  # warm-up
+        for ctx in args.cache_contexts:
+            out["cache"].append({"context": ctx, **cache_bytes(runner, ctx)})
+        for ctx in contexts:
+            t = timed(eng, prompts(1, ctx, ctx), 1)
+            out["prefill"].append({"context": ctx, "s": t, "tok_s": ctx / t})
+            print(f"{name}: prefill {ctx} tokens {ctx / t:.0f} tok/s", file=sys.stderr)
+            for b in batches:
+                if b * ctx > args.max_batch_tokens:
+                    continue
+                clock.decode.clear()
+                timed(eng, prompts(b, ctx, ctx + b), args.steps + 1)
+                step = statistics.median(clock.decode)
+                out["decode"].append(
+                    {"context": ctx, "batch": b, "step_ms": step * 1e3, "tok_s": b / step}
+                )
+                print(f"{name}: decode B={b} ctx={ctx}: {b / step:.1f} tok/s", file=sys.stderr)
+    finally:
+        eng.shutdown()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="1024,8192")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--max-batch-tokens", type=int, default=33000)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--cache-contexts", default="1000,8000,30000,130000")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    args.contexts = [int(x) for x in args.contexts.split(",")]
+    args.batches = [int(x) for x in args.batches.split(",")]
+    args.cache_contexts = [int(x) for x in args.cache_contexts.split(",")]
+    dirs = model_dirs(args.dtype)
+    result = {
+        "command": " ".join(sys.argv),
+        "machine": subprocess.run(["lscpu"], capture_output=True, text=True).stdout,
+        "python": platform.python_version(),
+        "runs": [run_engine(name, path, args) for name, path in dirs.items()],
+    }
+    llama4, dense = result["runs"]
+    for kind in ("prefill", "decode"):
+        for a, b in zip(llama4[kind], dense[kind]):
+            print(
+                f"{kind} {a.get('batch', 1)}x{a['context']}: llama4 {a['tok_s']:.1f} tok/s, "
+                f"dense {b['tok_s']:.1f} tok/s, ratio {a['tok_s'] / b['tok_s']:.2f}"
+            )
+    for a, b in zip(llama4["cache"], dense["cache"]):
+        print(
+            f"cache per request at {a['context']}: llama4 {a['total'] / 2**20:.1f} MiB "
+            f"(chunked layers {a.get('chunked_attention', 0) / 2**20:.1f}), "
+            f"dense {b['total'] / 2**20:.1f} MiB, ratio {a['total'] / b['total']:.2f}"
+        )
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
