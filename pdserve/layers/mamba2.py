@@ -132,8 +132,11 @@ class DepthwiseConv(nn.Module):
         self.bias = nn.Parameter(torch.empty(channels)) if bias else None
 
 
-def causal_conv(conv: DepthwiseConv, window: torch.Tensor, n: int) -> torch.Tensor:
-    """Causal depthwise convolution + SiLU of the last ``n`` positions of ``window``
+def causal_conv(
+    conv: DepthwiseConv, window: torch.Tensor, n: int, silu: bool = True
+) -> torch.Tensor:
+    """Causal depthwise convolution + SiLU (or none: ``silu`` False, LFM2's short convolution) of
+    the last ``n`` positions of ``window``
     [B, C, K - 1 + n] (the previous inputs, then the new ones): [B, n, C]. The K taps are summed
     in float32 and rounded once to the weights' dtype, as a bf16 convolution does; ATen's bf16
     depthwise conv1d took 26 ms a call on an AVX2 CPU (a decode step of 28 Mamba2 layers: 0.8 s),
@@ -144,7 +147,8 @@ def causal_conv(conv: DepthwiseConv, window: torch.Tensor, n: int) -> torch.Tens
     out = (taps * w.float()[:, 0, None, :]).sum(-1)
     if conv.bias is not None:
         out = out + conv.bias.float()[:, None]
-    return F.silu(out.to(w.dtype)).transpose(1, 2)
+    out = out.to(w.dtype)
+    return (F.silu(out) if silu else out).transpose(1, 2)
 
 
 class Mamba2Mixer(nn.Module):

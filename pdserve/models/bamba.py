@@ -83,8 +83,9 @@ class BambaModel(LlamaModel):
         return {"default": params}
 
 
-# the attribute of a layer's linear-attention mixer (Mamba2, Gated DeltaNet), by family
-STATE_MIXERS = ("mamba", "linear_attn")
+# the attribute of a layer's state-keeping mixer (Mamba2, Gated DeltaNet, LFM2's short
+# convolution), by family
+STATE_MIXERS = ("mamba", "linear_attn", "conv")
 
 
 class HybridCausalLM(LlamaForCausalLM):

@@ -43,6 +43,7 @@ _MODELS = {
     "BambaForCausalLM": ("pdserve.models.bamba", "BambaForCausalLM"),
     "NemotronHForCausalLM": ("pdserve.models.nemotron_h", "NemotronHForCausalLM"),
     "Qwen3NextForCausalLM": ("pdserve.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Lfm2ForCausalLM": ("pdserve.models.lfm2", "Lfm2ForCausalLM"),
     "Qwen3_5ForCausalLM": ("pdserve.models.qwen3_5", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("pdserve.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
     "GraniteMoeHybridForCausalLM": (

@@ -215,9 +215,10 @@ def test_pd_serves_the_colocated_bits(wide_llama_path, pd_deterministic):
     assert result(outs[-1]) == want_seeded
 
 
-@pytest.mark.parametrize("arch", ["cohere2", "olmo2", "llama4"])
+@pytest.mark.parametrize("arch", ["cohere2", "olmo2", "llama4", "lfm2"])
 def test_composed_families(arch):
     """Blocks the Llama stack does not have: Cohere 2's parallel block, LayerNorm, window layers
     and NoPE global layers; OLMo 2's post-norms and q/k norms over the whole projections; Llama
-    4's attention chunks, tuned NoPE queries and experts weighted on their input."""
+    4's attention chunks, tuned NoPE queries and experts weighted on their input; LFM2's short
+    convolutions and their state."""
     check_invariance(build_tiny_checkpoint(arch), "bfloat16", chunks=(2048, 11), batches=(15,))

@@ -287,6 +287,25 @@ ARCHS = {
             rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
         ),
     ),
+    # layers C, C, A, C, A, C: gated short convolutions of 3 taps (with biases, drawn) and
+    # attention with per-head q/k norms; the MLP's width HF's adjusted one (2/3 of 96, x 1.5,
+    # rounded up to 16: 96)
+    "lfm2": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        dict(
+            head_dim=16,
+            num_hidden_layers=6,
+            layer_types=["conv", "conv", "full_attention", "conv", "full_attention", "conv"],
+            conv_L_cache=3,
+            conv_bias=True,
+            norm_eps=1e-6,
+            block_multiple_of=16,
+            block_ffn_dim_multiplier=1.5,
+            tie_word_embeddings=True,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
     # layers R, R, R, N (RoPE and chunks of 16 on the first three, no RoPE with tuned queries on
     # the last); layers 1 and 3 sparse: 4 experts top 1 taking the sigmoid weight on their input,
     # a shared expert
@@ -755,7 +774,7 @@ _NORM_OFFSETS = ("gemma2", "gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe", "mi
 # families whose norms are told apart by name or place: weights around 1 instead of HF's ones
 _RANDOM_NORMS = ("smollm3", "granite", "olmo2", "olmo3", "glm4", "cohere2", "exaone4", "phi3")
 _RANDOM_NORMS += ("ernie4_5", "seed_oss", "hunyuan_dense")
-_RANDOM_NORMS += ("olmoe", "minimax_m2", "deepseek_v4", "llama4")
+_RANDOM_NORMS += ("olmoe", "minimax_m2", "deepseek_v4", "llama4", "lfm2")
 
 
 def _randomize_deepseek_v4(model) -> None:
@@ -788,6 +807,7 @@ def _randomize_biases(model) -> None:
 
 _RANDOMIZE = {
     "ernie4_5": _randomize_biases,
+    "lfm2": _randomize_biases,
     "seed_oss": _randomize_biases,
     "deepseek_v4": _randomize_deepseek_v4,
     "gemma4": _randomize_gemma4,
@@ -1597,7 +1617,8 @@ _TINY_VISION = dict(
 def build_multimodal_checkpoint(arch: str) -> str:
     """The tiny ``arch`` checkpoint's text model inside its family's multimodal checkpoint (as the
     family publishes it: ``model.language_model.*``, ``lm_head.*``, or ``language_model.model.*``,
-    ``language_model.lm_head.*``, a random vision tower beside them), the text weights equal to ``build_tiny_checkpoint(arch)``'s; cached like it."""
+    ``language_model.lm_head.*``, a random vision tower beside them), the text weights equal to
+    ``build_tiny_checkpoint(arch)``'s; cached like it."""
     text_path = build_tiny_checkpoint(arch)
     config_cls, model_cls = MULTIMODAL[arch]
 

@@ -1,0 +1,118 @@
+"""LFM2's gated short convolution (the ``conv`` layers of ``Lfm2ForCausalLM``), in torch.
+
+Per token, ``in_proj`` gives B, C and x (``hidden`` channels each); ``B * x`` goes through a
+depthwise causal convolution of K taps (``conv_L_cache``, no activation) and the result is gated by
+C; ``out_proj`` maps it back. A request's state is the convolution's last K - 1 inputs
+([channels, K - 1], in the model's dtype, as HF keeps it), in its slot of the layer's
+``StatePool``: an empty prefix starts from zeros, a chunk continues from the state its previous
+chunk left, and with the prefix cache the state is copied at each page boundary a forward ends
+(``state_snapshots.py``), as the Mamba2 mixer does. Under tensor parallelism each rank holds a
+share of the channels (its rows of B, C and x, its channels of the convolution and of the state,
+its columns of ``out_proj``, whose outputs are summed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pdserve.distributed import SINGLE, TPGroup
+from pdserve.forward_batch import ForwardBatch
+from pdserve.kv_spec import RecurrentState
+from pdserve.layers import state_snapshots as snapshots
+from pdserve.layers.linear import Linear, RowParallelLinear
+from pdserve.layers.mamba2 import DepthwiseConv, causal_conv
+
+STATE_KIND = RecurrentState.kind
+
+
+class ShortConvMixer(nn.Module):
+    """One short-convolution layer; ``kv_layer`` is its index among this stage's layers."""
+
+    def __init__(self, hidden: int, kernel: int, bias: bool, kv_layer: int, tp: TPGroup = SINGLE):
+        super().__init__()
+        if hidden % tp.size:
+            raise ValueError(
+                f"tp_size: {tp.size} ranks cannot split a short convolution's {hidden} channels"
+            )
+        if kernel < 2:
+            raise ValueError(f"conv_L_cache: {kernel}; a short convolution needs at least 2 taps")
+        self.hidden, self.kernel, self.tp, self.kv_layer = hidden, kernel, tp, kv_layer
+        self.channels = n = hidden // tp.size
+        self.in_proj = Linear(hidden, 3 * n, bias=bias)
+        self.conv = DepthwiseConv(n, kernel, bias)
+        self.out_proj = RowParallelLinear(n, hidden, bias=bias, tp=tp)
+
+    def state_spec(self, conv_dtype: str) -> RecurrentState:
+        return RecurrentState(
+            parts=("conv",),
+            shapes=((self.channels, self.kernel - 1),),
+            dtypes=(conv_dtype,),
+            ranks=self.tp.size,
+        )
+
+    # ---- weights -----------------------------------------------------------------------------
+    def checkpoint_names(self) -> list[str]:
+        return [n for n, _ in self.named_parameters()]
+
+    def load_checkpoint(self, name: str, src: Any) -> None:
+        params = dict(self.named_parameters())
+        if name not in params:
+            raise ValueError(f"unexpected short-convolution weight {name!r}")
+        n, r = self.channels, self.tp.rank
+        mine = slice(r * n, (r + 1) * n)
+        if name.startswith("in_proj."):  # rows: B, C, x, each ``hidden``
+            h = self.hidden
+            t = torch.cat([src[k * h + r * n : k * h + (r + 1) * n] for k in range(3)])
+        elif name.startswith("conv."):
+            t = src[mine]
+        elif name == "out_proj.weight":
+            t = src[:, mine]
+        else:  # out_proj.bias: whole, added once after the sum
+            t = src[:]
+        if tuple(t.shape) != tuple(params[name].shape):
+            raise ValueError(
+                f"{name}: expected shape {tuple(params[name].shape)} for this rank, "
+                f"got {tuple(t.shape)}"
+            )
+        params[name].data.copy_(t)
+
+    # ---- compute -----------------------------------------------------------------------------
+    def forward(self, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        pool, index, slots = fb.state(self.kv_layer, STATE_KIND)
+        state = pool.state("conv", index)  # [slots, channels, K - 1]
+        b, c, x = self.in_proj(h).chunk(3, dim=-1)
+        bx = b * x
+        out = torch.empty_like(bx)
+        steps, starts = [], fb.extend_starts
+        slot_ids = slots.tolist()
+        snap = fb.snapshots(self.kv_layer, STATE_KIND)
+        snap_ids = None if snap is None else snap.tolist()
+        k1 = self.kernel - 1
+        for i, (prefix, n) in enumerate(zip(fb.prefix_lens, fb.extend_lens)):
+            if n == 0:
+                continue
+            if n == 1 and prefix > 0:
+                steps.append(i)
+                continue
+            snapshot = snap_ids[i] if snap_ids else 0
+            slot = slot_ids[i]
+            for lo, hi, ends in snapshots.extend_pieces(prefix, n, fb.page_size, snapshot):
+                rows = slice(starts[i] + lo, starts[i] + hi)
+                prev = state[slot] if prefix + lo else torch.zeros_like(state[slot])
+                window = torch.cat([prev.to(bx.dtype), bx[rows].t()], dim=1)  # [C, K - 1 + m]
+                state[slot] = window[:, window.shape[1] - k1 :]
+                out[rows] = causal_conv(self.conv, window[None], hi - lo, silu=False)[0]
+                if ends:
+                    snapshots.save(pool, index, slots[i : i + 1], snap[i : i + 1])
+        if steps:
+            rows = torch.tensor([starts[i] for i in steps], device=h.device)
+            window = torch.cat([state[slots[steps]].to(bx.dtype), bx[rows][:, :, None]], dim=2)
+            state[slots[steps]] = window[:, :, 1:]
+            out[rows] = causal_conv(self.conv, window, 1, silu=False)[:, 0]
+            ended = snapshots.ended_pages(fb.prefix_lens, steps, fb.page_size, snap_ids)
+            if ended:
+                snapshots.save(pool, index, slots[ended], snap[ended])
+        return self.out_proj(c * out)
