@@ -3,7 +3,7 @@ one run.
 
   python benchmarks/llama4.py [--contexts 1024,8192] [--batches 1,16] [--max-batch-tokens 33000]
       [--threads 1] [--dtype bfloat16] [--steps 8] [--cache-contexts 1000,8000,30000,130000]
-      [--json OUT]
+      [--dense-by-layer] [--json OUT]
 
 The Llama 4 model has Scout's layout at a CPU's scale (``Llama4ForCausalLM``): hidden 768, 16
 layers, 12 query heads and 4 KV heads of 64, every layer sparse (16 experts of 512, top 1, the
@@ -15,7 +15,10 @@ dummy``), through the offline ``pdserve.Engine`` (``--threads`` torch threads), 
 other: prefill tok/s of one prompt per context, decode tok/s per batch and context (the median of
 the decode-only forwards, ``benchmarks/hybrid.py``'s clock), and the cache a request holds while
 its next token is computed at each of ``--cache-contexts``, by the engine's own cache specs
-(``CacheSpec.pages_kept``: a chunked layer keeps only its current chunk's pages).
+(``CacheSpec.pages_kept``: a chunked layer keeps only its current chunk's pages). With
+``--dense-by-layer`` the dense model runs a third time without its C++ decode stack (the whole
+decoder step in one kernel call, which the MoE families do not have), layer by layer as the Llama 4
+model runs.
 """
 
 from __future__ import annotations
@@ -105,8 +108,12 @@ def cache_bytes(runner, context: int) -> dict:
     return out
 
 
-def run_engine(name: str, path: str, args) -> dict:
+def run_engine(name: str, path: str, args, stack: bool = True) -> dict:
     import pdserve
+    from pdserve.models.llama import LlamaForCausalLM
+
+    if not stack:  # the decoder layer by layer, as the MoE families run it
+        LlamaForCausalLM.enable_decode_stack = lambda self, ops, batch_invariant=False: False
 
     contexts, batches = args.contexts, args.batches
     most = max(
@@ -159,6 +166,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--cache-contexts", default="1000,8000,30000,130000")
+    ap.add_argument("--dense-by-layer", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
     args.contexts = [int(x) for x in args.contexts.split(",")]
@@ -171,12 +179,20 @@ def main() -> None:
         "python": platform.python_version(),
         "runs": [run_engine(name, path, args) for name, path in dirs.items()],
     }
-    llama4, dense = result["runs"]
+    if args.dense_by_layer:
+        result["runs"].append(run_engine("dense-by-layer", dirs["dense"], args, stack=False))
+    llama4, dense = result["runs"][:2]
     for kind in ("prefill", "decode"):
         for a, b in zip(llama4[kind], dense[kind]):
             print(
                 f"{kind} {a.get('batch', 1)}x{a['context']}: llama4 {a['tok_s']:.1f} tok/s, "
                 f"dense {b['tok_s']:.1f} tok/s, ratio {a['tok_s'] / b['tok_s']:.2f}"
+            )
+    if args.dense_by_layer:
+        for a, b in zip(llama4["decode"], result["runs"][2]["decode"]):
+            print(
+                f"decode {a['batch']}x{a['context']}: llama4 {a['tok_s']:.1f} tok/s, dense layer "
+                f"by layer {b['tok_s']:.1f} tok/s, ratio {a['tok_s'] / b['tok_s']:.2f}"
             )
     for a, b in zip(llama4["cache"], dense["cache"]):
         print(

@@ -4,9 +4,10 @@ precedes it in a pre-norm block."""
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -156,6 +157,50 @@ class ProjectionRMSNorm(nn.Module):
         if self.late_rounding:
             return (self.weight.float() * xf).to(x.dtype)
         return self.weight * xf.to(x.dtype)
+
+
+class LayerNorm(AddNorm):
+    """``nn.LayerNorm``: ``weight * (x - mean) / sqrt(var + eps) + bias`` as ATen computes it
+    (StableLM, StarCoder 2). No kernel path."""
+
+    eps_field = "layer_norm_eps"
+
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class HeadLayerNorms(nn.Module):
+    """A LayerNorm without bias per head, each with its own weight (StableLM's q/k norms:
+    ``norms.{h}.weight``), over this rank's heads ``heads`` [start, end) of x [T, heads, D]. It
+    reads its HF weights itself, the other ranks' heads' passed over."""
+
+    def __init__(self, heads: tuple[int, int], dim: int, eps: float):
+        super().__init__()
+        self.heads = heads
+        self.weight = nn.Parameter(torch.ones(heads[1] - heads[0], dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # in float32, rounded once, as ATen's LayerNorm rounds with its weight inside
+        y = F.layer_norm(x.float(), x.shape[-1:], None, None, self.eps) * self.weight.float()
+        return y.to(x.dtype)
+
+    def checkpoint_names(self) -> list[str]:
+        return [f"norms.{h}.weight" for h in range(*self.heads)]
+
+    def load_checkpoint(self, name: str, src: Any) -> None:
+        parts = name.split(".")
+        if len(parts) != 3 or parts[0] != "norms" or not parts[1].isdigit():
+            raise ValueError(f"unexpected per-head norm weight {name!r}")
+        h = int(parts[1])
+        if self.heads[0] <= h < self.heads[1]:  # another rank's head: that rank's to load
+            self.weight.data[h - self.heads[0]].copy_(src[:])
 
 
 class CohereLayerNorm(AddNorm):

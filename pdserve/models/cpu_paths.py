@@ -135,7 +135,7 @@ class CpuPathsMixin:
                 parts(mlp.down_proj),
                 None if attn.q_norm is None else attn.q_norm.weight.data,
                 None if attn.k_norm is None else attn.k_norm.weight.data,
-                attn.sliding_window or 0,
+                attn.attn.span or 0,  # a window, or an attention chunk as -C
             )
         self.model.decode_stack = stack
         return True

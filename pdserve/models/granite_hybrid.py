@@ -26,6 +26,7 @@ from pdserve.layers.rotary import rope_parameters
 from pdserve.layers.vocab import MultipliedEmbedding
 from pdserve.models.bamba import HybridCausalLM, bamba_dims
 from pdserve.models.decoder import run_mlp
+from pdserve.models.granite import MOE_NAMES
 from pdserve.models.llama import LlamaAttention, LlamaModel
 from pdserve.models.moe import LocalExperts, MoEForCausalLM
 from pdserve.models.nemotron_h import NoRopeAttention
@@ -128,14 +129,6 @@ class GraniteHybridModel(LlamaModel):
         return (
             {"default": rope_parameters(config)} if config.position_embedding_type == "rope" else {}
         )
-
-
-# Granite's names of the MoE block's parts -> the shared MoE layers' (a name's middle)
-MOE_NAMES = {
-    ".block_sparse_moe.input_linear.": ".block_sparse_moe.experts.input_linear.",
-    ".block_sparse_moe.output_linear.": ".block_sparse_moe.experts.output_linear.",
-    ".block_sparse_moe.router.layer.": ".block_sparse_moe.router.",
-}
 
 
 class GraniteMoeHybridForCausalLM(HybridCausalLM, LocalExperts, MoEForCausalLM):

@@ -22,6 +22,7 @@ ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 ARCHS += ["smollm3", "granite", "olmo2", "olmo3", "glm4", "cohere2", "exaone4", "phi3"]
 ARCHS += ["ernie4_5", "seed_oss", "hunyuan_dense"]
 ARCHS += ["llama4"]  # chunked attention (chunks of 16), NoPE layers, MoE on every other layer
+ARCHS += ["stablelm", "stablelm_parallel"]
 PROMPT_LENS = [1, 3, 17, 40, 95, 160, 333, 600]
 NEW_TOKENS = 10
 _hf_cache: dict = {}

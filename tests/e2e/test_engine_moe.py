@@ -28,6 +28,7 @@ ARCHS = {
     "gpt_oss": {},
     "olmoe": {},
     "minimax_m2": {},
+    "granite_moe": {},
 }
 
 
@@ -142,7 +143,7 @@ def isa_capped_at(tier):
 
 
 @pytest.mark.parametrize(
-    "arch", ["qwen3_moe", "mixtral", "gpt_oss", "olmoe", "minimax_m2", "llama4"]
+    "arch", ["qwen3_moe", "mixtral", "gpt_oss", "olmoe", "minimax_m2", "llama4", "granite_moe"]
 )
 def test_moe_bf16_matches_hf_bf16_up_to_ties(arch):
     with isa_capped_at(ISA_CAP.get(arch)):

@@ -8,7 +8,8 @@ PD, against HF transformers' float32 greedy tokens:
 - OLMo 2 on 2 ranks (its q/k norms over the whole projections, each rank holding its heads' part
   and summing the statistics with the other);
 - Phi-3 on 2 ranks (q/k/v and gate/up stored fused in the checkpoint, split per rank by the
-  loader; partial RoPE).
+  loader; partial RoPE);
+- StableLM 2 12B's form on 2 ranks (a LayerNorm per query and KV head, each rank its heads').
 
 Every pool is free afterwards.
 """
@@ -60,12 +61,15 @@ def generate(url: str, ids: list[int]) -> list[int]:
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
     logs = tmp_path_factory.mktemp("families")
-    models = {a: build_tiny_checkpoint(a) for a in ("cohere2", "olmo2", "phi3", "olmoe")}
+    models = {
+        a: build_tiny_checkpoint(a) for a in ("cohere2", "olmo2", "phi3", "olmoe", "stablelm")
+    }
     tp2 = ["--tp-size", "2"]
     servers = {
         "cohere2": c.server("C2cohere2", models["cohere2"], logs, *COMMON, *tp2),
         "olmo2": c.server("C2olmo2", models["olmo2"], logs, *COMMON, *tp2),
         "phi3": c.server("C2phi3", models["phi3"], logs, *COMMON, *tp2),
+        "stablelm": c.server("C2stablelm", models["stablelm"], logs, *COMMON, *tp2),
     }
     for arch in PD_ARCHS:
         servers[f"P1{arch}"] = c.prefill(f"P1{arch}", models[arch], logs, *COMMON)[0]
@@ -85,7 +89,7 @@ def families(tmp_path_factory):
             p.stop()
 
 
-@pytest.mark.parametrize("arch", ["cohere2", "olmo2", "phi3"])
+@pytest.mark.parametrize("arch", ["cohere2", "olmo2", "phi3", "stablelm"])
 def test_tp2_matches_hf(families, arch):
     models, servers, _ = families
     server = servers[arch]

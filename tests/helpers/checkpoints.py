@@ -108,6 +108,21 @@ ARCHS = {
             rope_parameters=dict(rope_type="default", rope_theta=10000000.0),
         ),
     ),
+    # Granite 3's MoE form: the multipliers, 4 experts top 2 (softmax over the two), 3-D experts
+    "granite_moe": (
+        "GraniteMoeConfig",
+        "GraniteMoeForCausalLM",
+        dict(
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.5,
+            logits_scaling=0.25,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
     "olmo2": (
         "Olmo2Config",
         "Olmo2ForCausalLM",
@@ -159,6 +174,32 @@ ARCHS = {
             attention_out_bias=False,
             mlp_bias=True,
             rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
+    # LayerNorms with biases (drawn), RoPE on a quarter of each head, q/k/v biases (drawn), a
+    # LayerNorm per query and KV head (StableLM 2 12B's)
+    "stablelm": (
+        "StableLmConfig",
+        "StableLmForCausalLM",
+        dict(
+            use_qkv_bias=True,
+            qk_layernorm=True,
+            layer_norm_eps=1e-5,
+            rope_parameters=dict(
+                rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25
+            ),
+        ),
+    ),
+    # the parallel form (use_parallel_residual: one norm that attention and MLP both read)
+    "stablelm_parallel": (
+        "StableLmConfig",
+        "StableLmForCausalLM",
+        dict(
+            use_parallel_residual=True,
+            layer_norm_eps=1e-5,
+            rope_parameters=dict(
+                rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5
+            ),
         ),
     ),
     # q/k norms per head after RoPE; the published RoPE: "dynamic" with an NTK alpha
@@ -773,7 +814,8 @@ _ROUTER_SUFFIXES = (
 _NORM_OFFSETS = ("gemma2", "gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe", "minimax_m3")
 # families whose norms are told apart by name or place: weights around 1 instead of HF's ones
 _RANDOM_NORMS = ("smollm3", "granite", "olmo2", "olmo3", "glm4", "cohere2", "exaone4", "phi3")
-_RANDOM_NORMS += ("ernie4_5", "seed_oss", "hunyuan_dense")
+_RANDOM_NORMS += ("ernie4_5", "seed_oss", "hunyuan_dense", "granite_moe")
+_RANDOM_NORMS += ("stablelm", "stablelm_parallel")
 _RANDOM_NORMS += ("olmoe", "minimax_m2", "deepseek_v4", "llama4", "lfm2")
 
 
@@ -805,9 +847,21 @@ def _randomize_biases(model) -> None:
             param.normal_(0.0, 0.2)
 
 
+def _randomize_layer_norms(model) -> None:
+    """Every bias (projections' and LayerNorms'), which HF starts at zero, and the per-head norms'
+    weights, which it starts at one."""
+    for name, param in model.named_parameters():
+        if name.endswith("bias"):
+            param.normal_(0.0, 0.2)
+        elif "layernorm.norms." in name:
+            param.normal_(1.0, 0.2)
+
+
 _RANDOMIZE = {
     "ernie4_5": _randomize_biases,
     "lfm2": _randomize_biases,
+    "stablelm": _randomize_layer_norms,
+    "stablelm_parallel": _randomize_layer_norms,
     "seed_oss": _randomize_biases,
     "deepseek_v4": _randomize_deepseek_v4,
     "gemma4": _randomize_gemma4,
