@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.distributed import SINGLE, TPGroup, shard_range
-from pdserve.layers.linear import MATRIX_KINDS, MergedLinear, RowParallelLinear
+from pdserve.layers.linear import MATRIX_KINDS, Linear, MergedLinear, RowParallelLinear
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -107,3 +107,59 @@ class GatedMLP(GatedProjections):
             target.copy_(t)
         else:
             self.gate_up_proj.load_shard(0 if proj == "gate_proj" else 1, leaf, src[i0:i1])
+
+
+class PlainMLP(nn.Module):
+    """``c_proj(act(c_fc(x)))``, without a gate (StarCoder 2), with optional biases; split over
+    ``tp`` by its intermediate columns (``c_fc``'s rows, ``c_proj``'s columns, whose partial sums
+    add up, its bias added once), or replicated at size 1. It reads its HF weights itself."""
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        activation: str,
+        tp: TPGroup = SINGLE,
+        bias: bool = False,
+    ):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act: {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}"
+            )
+        try:
+            self.inter = shard_range(intermediate, tp.rank, tp.size)
+        except ValueError as e:
+            raise ValueError(f"tp_size: {e} (MLP intermediate size {intermediate})") from None
+        n = self.inter[1] - self.inter[0]
+        self.tp, self.act = tp, ACTIVATIONS[activation]
+        self.c_fc = Linear(hidden, n, bias=bias)
+        self.c_proj = RowParallelLinear(n, hidden, bias=bias, tp=tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))
+
+    def run(self, h: torch.Tensor, dp: Optional[Any]) -> torch.Tensor:
+        if dp is None or self.tp.size == 1:
+            return self(h)
+        return dp.local(self(dp.gather(h)))
+
+    def checkpoint_names(self) -> list[str]:
+        return [n for n, _ in self.named_parameters()]
+
+    def load_checkpoint(self, name: str, src: Any) -> None:
+        i0, i1 = self.inter
+        if name in ("c_fc.weight", "c_fc.bias"):
+            t = src[i0:i1]
+        elif name == "c_proj.weight":
+            t = src[:, i0:i1]
+        elif name == "c_proj.bias":
+            t = src[:]
+        else:
+            raise ValueError(f"unexpected MLP weight {name!r}")
+        target = dict(self.named_parameters())[name]
+        if target.shape != t.shape:
+            raise ValueError(
+                f"weight {name!r}: expected shape {tuple(target.shape)}, got {tuple(t.shape)}"
+            )
+        target.data.copy_(t)

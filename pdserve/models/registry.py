@@ -20,6 +20,7 @@ _MODELS = {
     "Ernie4_5ForCausalLM": ("pdserve.models.ernie4_5", "Ernie4_5ForCausalLM"),
     "SeedOssForCausalLM": ("pdserve.models.seed_oss", "SeedOssForCausalLM"),
     "StableLmForCausalLM": ("pdserve.models.stablelm", "StableLmForCausalLM"),
+    "Starcoder2ForCausalLM": ("pdserve.models.starcoder2", "Starcoder2ForCausalLM"),
     "HunYuanDenseV1ForCausalLM": ("pdserve.models.hunyuan", "HunYuanDenseV1ForCausalLM"),
     "Cohere2ForCausalLM": ("pdserve.models.cohere2", "Cohere2ForCausalLM"),
     "Exaone4ForCausalLM": ("pdserve.models.exaone4", "Exaone4ForCausalLM"),

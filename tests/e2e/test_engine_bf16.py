@@ -105,7 +105,8 @@ def make_engine(path: str, **kw) -> pdserve.Engine:
 @pytest.mark.parametrize(
     "arch",
     ["llama", "qwen2", "qwen3", "mistral", "qwen2-sliding"]
-    + ["smollm3", "granite", "olmo2", "olmo3", "glm4", "cohere2", "exaone4", "phi3"],
+    + ["smollm3", "granite", "olmo2", "olmo3", "glm4", "cohere2", "exaone4", "phi3"]
+    + ["ernie4_5", "seed_oss", "hunyuan_dense", "stablelm", "stablelm_parallel", "starcoder2"],
 )
 def test_bf16_matches_hf_bf16_up_to_ties(arch):
     path = (

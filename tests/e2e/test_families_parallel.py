@@ -9,7 +9,8 @@ PD, against HF transformers' float32 greedy tokens:
   and summing the statistics with the other);
 - Phi-3 on 2 ranks (q/k/v and gate/up stored fused in the checkpoint, split per rank by the
   loader; partial RoPE);
-- StableLM 2 12B's form on 2 ranks (a LayerNorm per query and KV head, each rank its heads').
+- StableLM 2 12B's form on 2 ranks (a LayerNorm per query and KV head, each rank its heads');
+- StarCoder 2 on 2 ranks (the MLP without a gate split by its columns, its biases added once).
 
 Every pool is free afterwards.
 """
@@ -62,7 +63,8 @@ def generate(url: str, ids: list[int]) -> list[int]:
 def families(tmp_path_factory):
     logs = tmp_path_factory.mktemp("families")
     models = {
-        a: build_tiny_checkpoint(a) for a in ("cohere2", "olmo2", "phi3", "olmoe", "stablelm")
+        a: build_tiny_checkpoint(a)
+        for a in ("cohere2", "olmo2", "phi3", "olmoe", "stablelm", "starcoder2")
     }
     tp2 = ["--tp-size", "2"]
     servers = {
@@ -70,6 +72,7 @@ def families(tmp_path_factory):
         "olmo2": c.server("C2olmo2", models["olmo2"], logs, *COMMON, *tp2),
         "phi3": c.server("C2phi3", models["phi3"], logs, *COMMON, *tp2),
         "stablelm": c.server("C2stablelm", models["stablelm"], logs, *COMMON, *tp2),
+        "starcoder2": c.server("C2starcoder2", models["starcoder2"], logs, *COMMON, *tp2),
     }
     for arch in PD_ARCHS:
         servers[f"P1{arch}"] = c.prefill(f"P1{arch}", models[arch], logs, *COMMON)[0]
@@ -89,7 +92,7 @@ def families(tmp_path_factory):
             p.stop()
 
 
-@pytest.mark.parametrize("arch", ["cohere2", "olmo2", "phi3", "stablelm"])
+@pytest.mark.parametrize("arch", ["cohere2", "olmo2", "phi3", "stablelm", "starcoder2"])
 def test_tp2_matches_hf(families, arch):
     models, servers, _ = families
     server = servers[arch]

@@ -190,6 +190,18 @@ ARCHS = {
             ),
         ),
     ),
+    # LayerNorms and every projection with biases (drawn), an MLP without a gate, windows of 32
+    "starcoder2": (
+        "Starcoder2Config",
+        "Starcoder2ForCausalLM",
+        dict(
+            norm_epsilon=1e-5,
+            use_bias=True,
+            sliding_window=32,
+            tie_word_embeddings=True,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
     # the parallel form (use_parallel_residual: one norm that attention and MLP both read)
     "stablelm_parallel": (
         "StableLmConfig",
@@ -815,7 +827,7 @@ _NORM_OFFSETS = ("gemma2", "gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe", "mi
 # families whose norms are told apart by name or place: weights around 1 instead of HF's ones
 _RANDOM_NORMS = ("smollm3", "granite", "olmo2", "olmo3", "glm4", "cohere2", "exaone4", "phi3")
 _RANDOM_NORMS += ("ernie4_5", "seed_oss", "hunyuan_dense", "granite_moe")
-_RANDOM_NORMS += ("stablelm", "stablelm_parallel")
+_RANDOM_NORMS += ("stablelm", "stablelm_parallel", "starcoder2")
 _RANDOM_NORMS += ("olmoe", "minimax_m2", "deepseek_v4", "llama4", "lfm2")
 
 
@@ -862,6 +874,7 @@ _RANDOMIZE = {
     "lfm2": _randomize_biases,
     "stablelm": _randomize_layer_norms,
     "stablelm_parallel": _randomize_layer_norms,
+    "starcoder2": _randomize_layer_norms,
     "seed_oss": _randomize_biases,
     "deepseek_v4": _randomize_deepseek_v4,
     "gemma4": _randomize_gemma4,
