@@ -12,14 +12,14 @@ from typing import Optional
 
 from torch import nn
 
-from pdserve.kv_spec import CacheSpec, FullAttention
+from pdserve.kv_spec import CacheSpec
 from pdserve.layers.attention.base import AttnLayer
 from pdserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import rope_parameters
 from pdserve.models.decoder import run_mlp
 from pdserve.models.glm import PartialRotaryAttention
-from pdserve.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel
+from pdserve.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, attention_spec
 
 LINEAR, ATTENTION = "linear_attention", "full_attention"
 
@@ -104,7 +104,7 @@ class HybridCausalLM(LlamaForCausalLM):
             if mixer is not None:
                 specs.append(mixer.state_spec(dtype))
             elif attn is not None:
-                specs.append(FullAttention(attn.num_kv_heads, attn.head_dim))
+                specs.append(attention_spec(attn))
             else:
                 specs.append(None)
         return specs

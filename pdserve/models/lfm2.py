@@ -38,12 +38,14 @@ def mlp_width(config) -> int:
 
 class Lfm2DecoderLayer(nn.Module):
     rope_kind = "default"
+    attn_cls: type[nn.Module] = LlamaAttention
+    attention_kinds: tuple[str, ...] = (ATTENTION,)
 
     def __init__(self, config, layer_id: int, shards, **attn_kwargs):
         super().__init__()
         kind = config.layer_types[layer_id]
-        if kind == ATTENTION:
-            self.self_attn = LlamaAttention(config, layer_id, shards, **attn_kwargs)
+        if kind in self.attention_kinds:
+            self.self_attn = self.attn_cls(config, layer_id, shards, **attn_kwargs)
         elif kind == CONV:
             self.conv = ShortConvMixer(
                 config.hidden_size,
@@ -53,12 +55,17 @@ class Lfm2DecoderLayer(nn.Module):
                 shards.attn,
             )
         else:
+            kinds = ", ".join((CONV,) + self.attention_kinds)
             raise ValueError(
-                f"layer_types[{layer_id}]: {kind!r} is not an LFM2 layer kind ({CONV}, {ATTENTION})"
+                f"layer_types[{layer_id}]: {kind!r} is not a layer kind here ({kinds})"
             )
-        self.feed_forward = GatedMLP(config.hidden_size, mlp_width(config), "silu", shards.tp)
+        self.feed_forward = GatedMLP(config.hidden_size, self.mlp_width(config), "silu", shards.tp)
         self.operator_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps)
+
+    @staticmethod
+    def mlp_width(config) -> int:
+        return mlp_width(config)
 
     @property
     def dp_mlps(self) -> list[nn.Module]:

@@ -21,7 +21,7 @@ from torch import nn
 
 from pdserve.distributed import SINGLE, Parallel, TPGroup
 from pdserve.forward_batch import ForwardBatch
-from pdserve.kv_spec import CacheSpec, FullAttention, SlidingWindow
+from pdserve.kv_spec import CacheSpec, ChunkedAttention, FullAttention, SlidingWindow
 from pdserve.layers.attention.base import AttnLayer
 from pdserve.layers.linear import Linear, MergedLinear, PackedBF16, RowParallelLinear
 from pdserve.layers.mlp import GatedProjections
@@ -195,6 +195,17 @@ class LlamaAttention(nn.Module):
             torch.cat([turn(q[..., :r], cos, sin), q[..., r:]], dim=-1),
             torch.cat([turn(k[..., :r], cos, sin), k[..., r:]], dim=-1),
         )
+
+
+def attention_spec(attn: nn.Module) -> CacheSpec:
+    """The cache of an attention module (``num_kv_heads``, ``head_dim``, ``attn``: its
+    ``AttnLayer``): every key, a sliding window, or an attention chunk."""
+    layer = attn.attn
+    if layer.sliding_window:
+        return SlidingWindow(attn.num_kv_heads, attn.head_dim, layer.sliding_window)
+    if layer.attention_chunk:
+        return ChunkedAttention(attn.num_kv_heads, attn.head_dim, chunk=layer.attention_chunk)
+    return FullAttention(attn.num_kv_heads, attn.head_dim)
 
 
 class LlamaMLP(GatedProjections):
@@ -432,15 +443,7 @@ class LlamaForCausalLM(CpuPathsMixin, nn.Module):
         return max((r.variant(seq_len) for r in rotaries.values()), default=0)
 
     def kv_cache_specs(self) -> list[CacheSpec]:
-        specs: list[CacheSpec] = []
-        for layer in self.model.own_layers:
-            a = layer.self_attn
-            specs.append(
-                FullAttention(a.num_kv_heads, a.head_dim)
-                if a.sliding_window is None
-                else SlidingWindow(a.num_kv_heads, a.head_dim, a.sliding_window)
-            )
-        return specs
+        return [attention_spec(layer.self_attn) for layer in self.model.own_layers]
 
     def attention_layers(self) -> list[AttnLayer]:
         return [layer.self_attn.attn for layer in self.model.own_layers]

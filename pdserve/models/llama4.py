@@ -27,7 +27,6 @@ from torch import nn
 
 from pdserve.distributed import SINGLE
 from pdserve.forward_batch import ForwardBatch
-from pdserve.kv_spec import CacheSpec, ChunkedAttention, FullAttention
 from pdserve.layers.linear import Linear
 from pdserve.layers.mlp import GatedMLP
 from pdserve.layers.moe.router import Router, TopKSigmoid
@@ -132,14 +131,3 @@ class Llama4ForCausalLM(LocalExperts, MoEForCausalLM):
             return block
         tp = SINGLE if self._moe_ctx.options.dense_tp_size == 1 else shards.tp
         return GatedMLP(config.hidden_size, config.intermediate_size_mlp, config.hidden_act, tp)
-
-    def kv_cache_specs(self) -> list[CacheSpec]:
-        specs: list[CacheSpec] = []
-        for layer in self.model.own_layers:
-            a = layer.self_attn
-            specs.append(
-                FullAttention(a.num_kv_heads, a.head_dim)
-                if a.attention_chunk is None
-                else ChunkedAttention(a.num_kv_heads, a.head_dim, chunk=a.attention_chunk)
-            )
-        return specs

@@ -47,6 +47,7 @@ _MODELS = {
     "NemotronHForCausalLM": ("pdserve.models.nemotron_h", "NemotronHForCausalLM"),
     "Qwen3NextForCausalLM": ("pdserve.models.qwen3_next", "Qwen3NextForCausalLM"),
     "Lfm2ForCausalLM": ("pdserve.models.lfm2", "Lfm2ForCausalLM"),
+    "Lfm3ForCausalLM": ("pdserve.models.lfm3", "Lfm3ForCausalLM"),
     "Qwen3_5ForCausalLM": ("pdserve.models.qwen3_5", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("pdserve.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
     "GraniteMoeHybridForCausalLM": (

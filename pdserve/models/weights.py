@@ -158,6 +158,8 @@ class TPShards:
             return _rows(src, start * D, end * D)
         if proj == "self_attn" and kind == "sinks":  # one per query head
             return _rows(src, *self.heads)
+        if proj == "g_proj":  # an output gate's row per query head (LFM3)
+            return _rows(src, *self.heads)
         if proj in ("k_proj", "v_proj"):
             return _rows(src, self.kv_heads[0] * D, self.kv_heads[1] * D)
         if proj in ("gate_proj", "up_proj"):

@@ -359,6 +359,37 @@ ARCHS = {
             rope_parameters=dict(rope_type="default", rope_theta=10000.0),
         ),
     ),
+    # layers C, C, F, C, S, C: LFM2's with windows of 16 on S, RoPE per attention kind (the full
+    # layer's proportional, over half of each head), a gate per query head on the attention's
+    # output, norms after each mixer and MLP too
+    "lfm3": (
+        "Lfm3Config",
+        "Lfm3ForCausalLM",
+        dict(
+            head_dim=16,
+            num_hidden_layers=6,
+            layer_types=[
+                "conv",
+                "conv",
+                "full_attention",
+                "conv",
+                "sliding_attention",
+                "conv",
+            ],
+            sliding_window=16,
+            conv_L_cache=3,
+            conv_bias=True,
+            norm_eps=1e-6,
+            use_attention_gate=True,
+            use_sandwich_norm=True,
+            rope_parameters={
+                "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                "full_attention": dict(
+                    rope_type="proportional", rope_theta=1000000.0, partial_rotary_factor=0.5
+                ),
+            },
+        ),
+    ),
     # layers R, R, R, N (RoPE and chunks of 16 on the first three, no RoPE with tuned queries on
     # the last); layers 1 and 3 sparse: 4 experts top 1 taking the sigmoid weight on their input,
     # a shared expert
@@ -828,7 +859,7 @@ _NORM_OFFSETS = ("gemma2", "gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe", "mi
 _RANDOM_NORMS = ("smollm3", "granite", "olmo2", "olmo3", "glm4", "cohere2", "exaone4", "phi3")
 _RANDOM_NORMS += ("ernie4_5", "seed_oss", "hunyuan_dense", "granite_moe")
 _RANDOM_NORMS += ("stablelm", "stablelm_parallel", "starcoder2")
-_RANDOM_NORMS += ("olmoe", "minimax_m2", "deepseek_v4", "llama4", "lfm2")
+_RANDOM_NORMS += ("olmoe", "minimax_m2", "deepseek_v4", "llama4", "lfm2", "lfm3")
 
 
 def _randomize_deepseek_v4(model) -> None:
@@ -872,6 +903,7 @@ def _randomize_layer_norms(model) -> None:
 _RANDOMIZE = {
     "ernie4_5": _randomize_biases,
     "lfm2": _randomize_biases,
+    "lfm3": _randomize_biases,
     "stablelm": _randomize_layer_norms,
     "stablelm_parallel": _randomize_layer_norms,
     "starcoder2": _randomize_layer_norms,

@@ -1,13 +1,16 @@
-"""LFM2 against HF transformers and through PD.
+"""LFM2 and LFM3 against HF transformers and through PD.
 
-The tiny checkpoint (``tests/helpers/checkpoints.py``): layers C, C, A, C, A, C: gated short
-convolutions of 3 taps with biases (a state of the last 2 inputs per request) and attention with
-per-head q/k norms, the MLP at HF's adjusted width. Float32 greedy tokens equal HF's with
-logprobs within 1e-4 for prompts of 1 to 160 tokens prefilled in chunks of 64, 5 and 1 at page
-sizes 16 and 1, a long decode; a second turn restores the convolution state from the snapshot
-at its last page boundary; bf16 by the tie rule. Through PD (P tp1 -> D tp2 and P tp2 -> D tp1)
-the tokens of a colocated server and HF's, and the bytes a request moves: its pages and one state
-of each convolution layer, each rank's channels to the rank that holds them.
+The tiny checkpoints (``tests/helpers/checkpoints.py``): LFM2's layers C, C, A, C, A, C: gated
+short convolutions of 3 taps with biases (a state of the last 2 inputs per request) and attention
+with per-head q/k norms, the MLP at HF's adjusted width; LFM3's C, C, F, C, S, C: a window of 16 on
+S, RoPE per attention kind (proportional on F), a sigmoid gate per query head on the attention's
+output, sandwich norms (three cache groups: full pages, window pages, the state). For each,
+float32 greedy tokens equal HF's with logprobs within 1e-4 for prompts of 1 to 160 tokens
+prefilled in chunks of 64, 5 and 1 at page sizes 16 and 1, a long decode; a second turn restores
+the convolution state from the snapshot at its last page boundary; bf16 by the tie rule. Through
+PD (P tp1 -> D tp2 and P tp2 -> D tp1) the tokens of a colocated server and HF's, and the bytes a
+request moves: its pages (LFM3's window layer: the window's last pages only) and one state of
+each convolution layer, each rank's channels to the rank that holds them.
 """
 
 from __future__ import annotations
@@ -28,12 +31,21 @@ from tests.helpers.checkpoints import build_tiny_checkpoint
 torch.set_num_threads(1)
 
 NEW_TOKENS = 8
-GROUPS = [("full_attention", (2, 4)), ("recurrent_state", (0, 1, 3, 5))]
+GROUPS = {
+    "lfm2": [("full_attention", (2, 4)), ("recurrent_state", (0, 1, 3, 5))],
+    "lfm3": [
+        ("full_attention", (2,)),
+        ("sliding_window", (4,)),
+        ("recurrent_state", (0, 1, 3, 5)),
+    ],
+}
+FAMILIES = sorted(GROUPS)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("chunk, page_size", [(64, 16), (5, 1), (1, 1)])
-def test_matches_hf_float32(chunk, page_size):
-    path = build_tiny_checkpoint("lfm2")
+def test_matches_hf_float32(family, chunk, page_size):
+    path = build_tiny_checkpoint(family)
     eng = make_engine(
         path,
         page_size=page_size,
@@ -43,8 +55,8 @@ def test_matches_hf_float32(chunk, page_size):
     )
     try:
         runner = eng.scheduler.runner
-        assert [(g.kind, g.layers) for g in runner.cache_groups] == GROUPS
-        state = runner.pools[1]
+        assert [(g.kind, g.layers) for g in runner.cache_groups] == GROUPS[family]
+        state = runner.pools[-1]
         assert state.spec.parts == ("conv",) and tuple(state.state("conv", 0).shape[1:]) == (64, 2)
         prompts = prompts_for(6)[:6]  # 1 to 160 tokens
         sp = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
@@ -60,8 +72,9 @@ def test_matches_hf_float32(chunk, page_size):
         eng.shutdown()
 
 
-def test_a_second_turn_continues_from_the_state_snapshot():
-    path = build_tiny_checkpoint("lfm2")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_second_turn_continues_from_the_state_snapshot(family):
+    path = build_tiny_checkpoint(family)
     eng = make_engine(path, page_size=4, chunked_prefill_size=16, dtype="float32")
     try:
         kv = eng.scheduler.kv
@@ -78,15 +91,16 @@ def test_a_second_turn_continues_from_the_state_snapshot():
         eng.shutdown()
 
 
-def test_bf16_matches_hf_bf16_up_to_ties():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_matches_hf_bf16_up_to_ties(family):
     from tests.e2e.test_engine_bf16 import NEW_TOKENS as N
     from tests.e2e.test_engine_bf16 import compare, hf_bf16
     from tests.e2e.test_engine_bf16 import make_engine as bf16_engine
 
-    path = build_tiny_checkpoint("lfm2")
+    path = build_tiny_checkpoint(family)
     eng = bf16_engine(path, page_size=16, chunked_prefill_size=64)
     try:
-        assert eng.scheduler.runner.pools[1].state("conv", 0).dtype == torch.bfloat16
+        assert eng.scheduler.runner.pools[-1].state("conv", 0).dtype == torch.bfloat16
         prompts = prompts_for(4)
         sp = {"temperature": 0, "max_new_tokens": N, "ignore_eos": True}
         outs = eng.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
@@ -114,32 +128,45 @@ COMMON = [
 ]
 
 
-@pytest.fixture(scope="module")
-def lfm2_pd(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("pd-lfm2")
-    path = build_tiny_checkpoint("lfm2")
+@pytest.fixture(scope="module", params=FAMILIES)
+def lfm_pd(request, tmp_path_factory):
+    logs = tmp_path_factory.mktemp(f"pd-{request.param}")
+    path = build_tiny_checkpoint(request.param)
     tp2 = ["--tp-size", "2"]
-    yield from c.running(
-        {
-            "S": c.server("S", path, logs, *COMMON),
-            "P": c.prefill("P", path, logs, *COMMON)[0],
-            "D": c.decode("D", path, logs, *COMMON),
-            "Ptp2": c.prefill("Ptp2", path, logs, *COMMON, *tp2)[0],
-            "Dtp2": c.decode("Dtp2", path, logs, *COMMON, *tp2),
-        }
-    )
+    procs = {
+        "S": c.server("S", path, logs, *COMMON),
+        "P": c.prefill("P", path, logs, *COMMON)[0],
+        "D": c.decode("D", path, logs, *COMMON),
+        "Ptp2": c.prefill("Ptp2", path, logs, *COMMON, *tp2)[0],
+        "Dtp2": c.decode("Dtp2", path, logs, *COMMON, *tp2),
+    }
+    for running in c.running(procs):
+        yield {**running, "family": request.param}
 
 
 PAIRS = [("tp1->tp2", "P", "Dtp2"), ("tp2->tp1", "Ptp2", "D")]
 
 
+def page_bytes(groups: list[dict], n: int) -> int:
+    """The pages a prompt of ``n`` tokens moves (float32): every page of a full-attention group, a
+    window's from the one holding the first key the next query sees."""
+    total, out = -(-n // PAGE), 0
+    for g in groups:
+        if g["kind"] == "recurrent_state":
+            continue
+        first = max(0, n - g["window"] + 1) // PAGE if g["kind"] == "sliding_window" else 0
+        out += (total - first) * len(g["layers"]) * 2 * g["num_kv_heads"] * PAGE * g["head_dim"] * 4
+    return out
+
+
 @pytest.mark.parametrize("name, p, d", PAIRS, ids=[x[0] for x in PAIRS])
-def test_pd_across_tp_sizes_matches_hf_and_moves_pages_and_one_state(lfm2_pd, name, p, d):
-    P, D, S = lfm2_pd[p], lfm2_pd[d], lfm2_pd["S"]
-    path = build_tiny_checkpoint("lfm2")
+def test_pd_across_tp_sizes_matches_hf_and_moves_pages_and_one_state(lfm_pd, name, p, d):
+    P, D, S = lfm_pd[p], lfm_pd[d], lfm_pd["S"]
+    path = build_tiny_checkpoint(lfm_pd["family"])
     info = P.http.get("/server_info").json()["scheduler_info"]
-    state = info["cache_groups"][1]
-    assert state["kind"] == "recurrent_state" and state["layers"] == [0, 1, 3, 5]
+    groups = info["cache_groups"]
+    state = groups[-1]
+    assert [(g["kind"], tuple(g["layers"])) for g in groups] == GROUPS[lfm_pd["family"]]
     assert state["shapes"] == [[64, 2]]  # the whole layer's channels, whatever the TP size
     rng = random.Random(len(name))
     for n in (3, 25, 70):
@@ -151,6 +178,5 @@ def test_pd_across_tp_sizes_matches_hf_and_moves_pages_and_one_state(lfm2_pd, na
         assert rd.json()["output_ids"] == reference(path, tuple(ids), NEW_TOKENS)[0]
         if p == "P":  # a one-rank prefill's record covers the whole request
             last = P.http.get("/server_info").json()["internal_states"][0]["recent_transfers"][-1]
-            pages = info["kv_bytes_per_token"] * -(-n // PAGE) * PAGE
-            assert last["kv_bytes"] == pages + state_bytes(state), (n, last)
+            assert last["kv_bytes"] == page_bytes(groups, n) + state_bytes(state), (n, last)
     idle(P, D, S)
