@@ -164,6 +164,23 @@ ARCHS = {
             rope_parameters=dict(rope_type="default", rope_theta=10000.0),
         ),
     ),
+    # the dense form's attention; layers 1 and 3 sparse: 8 experts, top 2 by the softmax plus a
+    # selection bias (drawn), two shared experts as one MLP
+    "ernie4_5_moe": (
+        "Ernie4_5_MoeConfig",
+        "Ernie4_5_MoeForCausalLM",
+        dict(
+            head_dim=16,
+            num_hidden_layers=4,
+            moe_num_experts=8,
+            moe_k=2,
+            moe_intermediate_size=32,
+            moe_num_shared_experts=2,
+            moe_layer_start_index=1,
+            moe_layer_interval=2,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
     # q/k/v biases without an o_proj bias (as published: configured apart), MLP biases (drawn)
     "seed_oss": (
         "SeedOssConfig",
@@ -212,6 +229,19 @@ ARCHS = {
             rope_parameters=dict(
                 rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5
             ),
+        ),
+    ),
+    # the dense form's attention; every layer sparse: 4 experts top 2 (float32 softmax,
+    # renormalised), a shared MLP
+    "hunyuan_moe": (
+        "HunYuanMoEV1Config",
+        "HunYuanMoEV1ForCausalLM",
+        dict(
+            head_dim=16,
+            num_experts=4,
+            moe_topk=2,
+            intermediate_size=32,
+            rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, alpha=4.0, factor=1.0),
         ),
     ),
     # q/k norms per head after RoPE; the published RoPE: "dynamic" with an NTK alpha
@@ -852,12 +882,14 @@ _ROUTER_SUFFIXES = (
     "mlp.router.weight",
     "block_sparse_moe.router.layer.weight",
     "feed_forward.router.weight",
+    "mlp.gate.wg.weight",
 )
 # archs whose norm weights are offsets from 1 (drawn from N(0, 0.2) instead of HF's zeros)
 _NORM_OFFSETS = ("gemma2", "gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe", "minimax_m3")
 # families whose norms are told apart by name or place: weights around 1 instead of HF's ones
 _RANDOM_NORMS = ("smollm3", "granite", "olmo2", "olmo3", "glm4", "cohere2", "exaone4", "phi3")
-_RANDOM_NORMS += ("ernie4_5", "seed_oss", "hunyuan_dense", "granite_moe")
+_RANDOM_NORMS += ("ernie4_5", "seed_oss", "hunyuan_dense", "granite_moe", "ernie4_5_moe")
+_RANDOM_NORMS += ("hunyuan_moe",)
 _RANDOM_NORMS += ("stablelm", "stablelm_parallel", "starcoder2")
 _RANDOM_NORMS += ("olmoe", "minimax_m2", "deepseek_v4", "llama4", "lfm2", "lfm3")
 
@@ -900,7 +932,16 @@ def _randomize_layer_norms(model) -> None:
             param.normal_(1.0, 0.2)
 
 
+def _randomize_selection_bias(model) -> None:
+    """The routers' selection bias (a parameter here, not a buffer), which HF starts at zero: of
+    the size of the softmax's differences, so both decide."""
+    for name, param in model.named_parameters():
+        if name.endswith("e_score_correction_bias"):
+            param.normal_(0.0, 0.3)
+
+
 _RANDOMIZE = {
+    "ernie4_5_moe": _randomize_selection_bias,
     "ernie4_5": _randomize_biases,
     "lfm2": _randomize_biases,
     "lfm3": _randomize_biases,

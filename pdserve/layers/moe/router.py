@@ -6,6 +6,9 @@ Each router is the formula of one HF family, with its dtypes (they decide bf16 e
   to sum 1 (``norm_topk_prob``); Qwen2-MoE and Qwen3-MoE cast the weights back to the logits'
   dtype, Mixtral (always renormalised) keeps them in float32.
 - ``TopKSoftmax``: top-k of the logits (with a bias), softmax over those k only (GPT-OSS).
+- ``BiasedSoftmaxTopK``: float32 logits and softmax, the top k chosen by the softmax plus a
+  selection bias, weighted by their softmax renormalised (the sum clamped below), cast back
+  (ERNIE 4.5's MoE).
 - ``TopKSigmoid``: top-k of the logits, each chosen one's weight the sigmoid of its logit in
   float32, cast back to the logits' dtype (Llama 4, whose experts take the weight on their input:
   ``SparseMoE.weights_on_input``).
@@ -122,6 +125,50 @@ class TopKSoftmax(Router):
         top, ids = torch.topk(logits.float() if self.float32 else logits, self.top_k, dim=-1)
         weights = F.softmax(top, dim=-1, dtype=top.dtype)
         return Routing(ids, weights.to(dtype) if self.float32 else weights)
+
+
+class BiasedSoftmaxTopK(Router):
+    """The gate weight and ``e_score_correction_bias`` ([1, E], as checkpoints store it) stay
+    float32 in any model dtype, as HF keeps them; ``norm_min`` bounds the renormalisation's sum."""
+
+    fp32_logits = True
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_min: float):
+        super().__init__(hidden, num_experts, top_k)
+        self.e_score_correction_bias = nn.Parameter(
+            torch.empty(1, num_experts, dtype=torch.float32)
+        )
+        self.norm_min = norm_min
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        for p in (self.weight, self.e_score_correction_bias):  # float32 whatever the model's dtype
+            if p.dtype != torch.float32:
+                p.data = p.data.float()
+        return out
+
+    def select(self, logits: torch.Tensor) -> Routing:
+        probs = F.softmax(logits.float(), dim=-1, dtype=torch.float32)
+        ids = torch.topk(probs + self.e_score_correction_bias[0], self.top_k, dim=-1)[1]
+        weights = probs.gather(1, ids)
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min)
+        return Routing(ids, weights)
+
+
+class Float32SoftmaxTopK(SoftmaxTopK):
+    """Softmax top-k renormalised, the gate weight kept float32 in any model dtype and the logits
+    and weights float32 (Hunyuan's MoE, whose gate HF builds in float32)."""
+
+    fp32_logits = True
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int):
+        super().__init__(hidden, num_experts, top_k, renormalize=True, cast_back=False)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        if self.weight.dtype != torch.float32:
+            self.weight.data = self.weight.data.float()
+        return out
 
 
 class TopKSigmoid(Router):
