@@ -1,10 +1,11 @@
-"""MoE models through the offline engine against HF transformers: Qwen3-MoE (renormalised and
-not, a dense layer between sparse ones), Qwen2-MoE (gated shared expert), Mixtral and GPT-OSS
+"""MoE models through the offline engine against HF transformers: Qwen3-MoE (renormalised and not,
+a dense layer between sparse ones), Qwen2-MoE (gated shared expert), Mixtral and GPT-OSS
 (sliding and full layers, attention sinks, YaRN, expert biases, clamped SwiGLU), OLMoE,
 MiniMax-M2, Llama 4 (experts weighted on their input), Granite 3 MoE, ERNIE 4.5 MoE (a selection
-bias) and Hunyuan-A13B's form (a float32 gate, a shared MLP), greedy tokens identical in float32 with logprobs within 1e-4, prompts prefilled in chunks smaller than
-the prompt, a prefix-cache hit; the expert runners agree with each other; bf16 by the tie-aware
-rule of ``test_engine_bf16.py`` (fused CPU kernel where it builds)."""
+bias) and Hunyuan-A13B's form (a float32 gate, a shared MLP), greedy tokens identical in float32
+with logprobs within 1e-4, prompts prefilled in chunks smaller than the prompt, a prefix-cache
+hit; the expert runners agree with each other; bf16 by the tie-aware rule of
+``test_engine_bf16.py`` (fused CPU kernel where it builds)."""
 
 from __future__ import annotations
 
