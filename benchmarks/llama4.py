@@ -110,6 +110,7 @@ def cache_bytes(runner, context: int) -> dict:
 
 def run_engine(name: str, path: str, args, stack: bool = True) -> dict:
     import pdserve
+    from pdserve import kernels
     from pdserve.models.llama import LlamaForCausalLM
 
     if not stack:  # the decoder layer by layer, as the MoE families run it
@@ -134,7 +135,8 @@ def run_engine(name: str, path: str, args, stack: bool = True) -> dict:
         runner = eng.scheduler.runner
         clock = ForwardClock(runner)
         out["groups"] = [g.describe() for g in runner.cache_groups]
-        out["isa"] = getattr(runner, "isa", None)
+        ops = kernels.load()
+        out["isa"] = ops.isa_tier() if ops is not None else None
         timed(eng, prompts(1, 64, 0), 2)  # warm-up
         for ctx in args.cache_contexts:
             out["cache"].append({"context": ctx, **cache_bytes(runner, ctx)})
