@@ -137,6 +137,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedHeadRMSNorm(d.value_dim, d.eps)
         self.out_proj = RowParallelLinear(d.values, d.hidden, bias=False, tp=tp)
         self.ops: Optional[ModuleType] = None  # pdserve's CPU kernels: the decode step's kernel
+        # beta = sigmoid(b) * beta_scale: 2 lets the delta rule's eigenvalues go negative
+        # (OLMo-Hybrid's ``linear_allow_neg_eigval``)
+        self.beta_scale = 1.0
 
     def state_spec(self, conv_dtype: str) -> RecurrentState:
         return self.dims.state_spec(conv_dtype, self.tp.size)
@@ -178,7 +181,8 @@ class GatedDeltaNet(nn.Module):
         conv_state, rec_state = pool.state("conv", index), pool.state("recurrent", index)
         t = h.shape[0]
         qkv, z, b, a = self.project(h)
-        beta = torch.sigmoid(b).float()  # [T, Hv]
+        beta = torch.sigmoid(b)  # [T, Hv], in b's dtype as HF takes it
+        beta = (beta * self.beta_scale if self.beta_scale != 1.0 else beta).float()
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
         out = torch.empty((t, d.value_heads, d.value_dim), dtype=h.dtype, device=h.device)
         steps, starts = [], fb.extend_starts

@@ -16,6 +16,7 @@ _MODELS = {
     "GraniteMoeForCausalLM": ("pdserve.models.granite", "GraniteMoeForCausalLM"),
     "Olmo2ForCausalLM": ("pdserve.models.olmo2", "Olmo2ForCausalLM"),
     "Olmo3ForCausalLM": ("pdserve.models.olmo2", "Olmo3ForCausalLM"),
+    "OlmoHybridForCausalLM": ("pdserve.models.olmo_hybrid", "OlmoHybridForCausalLM"),
     "Glm4ForCausalLM": ("pdserve.models.glm4", "Glm4ForCausalLM"),
     "Ernie4_5ForCausalLM": ("pdserve.models.ernie4_5", "Ernie4_5ForCausalLM"),
     "Ernie4_5_MoeForCausalLM": ("pdserve.models.ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),

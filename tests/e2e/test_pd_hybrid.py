@@ -223,12 +223,13 @@ def test_hybrid_pd_behind_a_router(hybrid_pd, router, tmp_path):
 ONE_GROUP = dict(mamba_n_groups=1)
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5", "bamba"])
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5", "bamba", "olmo_hybrid"])
 def qwen3_next_pd(request, tmp_path_factory):
     """Qwen3-Next (Gated DeltaNet with a q | k | v convolution state, gated attention, MoE),
-    Qwen3.5 (its input projections apart, each sliced per rank; a dense MLP) and Bamba with one
-    Mamba2 group on one and two ranks each side, the attention with one KV head: two ranks
-    replicate it."""
+    Qwen3.5 (its input projections apart, each sliced per rank; a dense MLP), Bamba with one
+    Mamba2 group and OLMo-Hybrid (six input projections and a convolution stored in three parts;
+    post-norm attention with q/k norms over the projections) on one and two ranks each side, the
+    attention with one KV head: two ranks replicate it."""
     logs = tmp_path_factory.mktemp(f"pd-{request.param}")
     extra = ONE_GROUP if request.param == "bamba" else {}
     path = build_tiny_checkpoint(request.param, num_key_value_heads=1, **extra)
@@ -250,6 +251,7 @@ def qwen3_next_pd(request, tmp_path_factory):
 
 
 QWEN3_NEXT_PAIRS = [("tp1->tp2", "P", "Dtp2"), ("tp2->tp1", "Ptp2", "D")]
+STATE_LAYERS = {"bamba": [0, 2, 3], "olmo_hybrid": [0, 1, 2]}
 
 
 @pytest.mark.parametrize("name, p, d", QWEN3_NEXT_PAIRS, ids=[x[0] for x in QWEN3_NEXT_PAIRS])
@@ -266,7 +268,7 @@ def test_qwen3_next_pd_across_tp_sizes_gives_hf_tokens(qwen3_next_pd, name, p, d
     state = info["cache_groups"][1]
     bamba = qwen3_next_pd["family"] == "bamba"
     assert state["kind"] == "recurrent_state"
-    assert state["layers"] == ([0, 2, 3] if bamba else [0, 1, 3])
+    assert state["layers"] == STATE_LAYERS.get(qwen3_next_pd["family"], [0, 1, 3])
     # what a one-rank prefill sends a two-rank decode twice: the one group's B and C channels
     shared = 0
     if bamba:

@@ -420,6 +420,23 @@ ARCHS = {
             },
         ),
     ),
+    # layers L, L, L, F: Gated DeltaNet (2 key heads, 4 value heads, beta up to 2) and OLMo 3's
+    # post-norm attention
+    "olmo_hybrid": (
+        "OlmoHybridConfig",
+        "OlmoHybridForCausalLM",
+        dict(
+            head_dim=16,
+            num_hidden_layers=4,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            linear_allow_neg_eigval=True,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
     # layers R, R, R, N (RoPE and chunks of 16 on the first three, no RoPE with tuned queries on
     # the last); layers 1 and 3 sparse: 4 experts top 1 taking the sigmoid weight on their input,
     # a shared expert
@@ -889,7 +906,7 @@ _NORM_OFFSETS = ("gemma2", "gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe", "mi
 # families whose norms are told apart by name or place: weights around 1 instead of HF's ones
 _RANDOM_NORMS = ("smollm3", "granite", "olmo2", "olmo3", "glm4", "cohere2", "exaone4", "phi3")
 _RANDOM_NORMS += ("ernie4_5", "seed_oss", "hunyuan_dense", "granite_moe", "ernie4_5_moe")
-_RANDOM_NORMS += ("hunyuan_moe",)
+_RANDOM_NORMS += ("hunyuan_moe", "olmo_hybrid")
 _RANDOM_NORMS += ("stablelm", "stablelm_parallel", "starcoder2")
 _RANDOM_NORMS += ("olmoe", "minimax_m2", "deepseek_v4", "llama4", "lfm2", "lfm3")
 
