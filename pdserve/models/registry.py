@@ -34,6 +34,7 @@ _MODELS = {
     "Qwen3MoeForCausalLM": ("pdserve.models.moe", "Qwen3MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("pdserve.models.moe", "Qwen2MoeForCausalLM"),
     "MixtralForCausalLM": ("pdserve.models.moe", "MixtralForCausalLM"),
+    "PhimoeForCausalLM": ("pdserve.models.phimoe", "PhimoeForCausalLM"),
     "Llama4ForCausalLM": ("pdserve.models.llama4", "Llama4ForCausalLM"),
     "OlmoeForCausalLM": ("pdserve.models.olmoe", "OlmoeForCausalLM"),
     "MiniMaxM2ForCausalLM": ("pdserve.models.minimax_m2", "MiniMaxM2ForCausalLM"),

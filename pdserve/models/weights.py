@@ -171,7 +171,7 @@ class TPShards:
             return _cols(src, self.heads[0] * D, self.heads[1] * D) if matrix else src[:]
         if proj == "down_proj":
             return _cols(src, *self.inter) if matrix else src[:]
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in ("model.embed_tokens.weight", "lm_head.weight", "lm_head.bias"):
             start, end = self.vocab
             part = _rows(src, start, min(end, shape[0]))
             if part.shape[0] < end - start:  # the last rank's padding rows

@@ -2,10 +2,10 @@
 a dense layer between sparse ones), Qwen2-MoE (gated shared expert), Mixtral and GPT-OSS
 (sliding and full layers, attention sinks, YaRN, expert biases, clamped SwiGLU), OLMoE,
 MiniMax-M2, Llama 4 (experts weighted on their input), Granite 3 MoE, ERNIE 4.5 MoE (a selection
-bias) and Hunyuan-A13B's form (a float32 gate, a shared MLP), greedy tokens identical in float32
-with logprobs within 1e-4, prompts prefilled in chunks smaller than the prompt, a prefix-cache
-hit; the expert runners agree with each other; bf16 by the tie-aware rule of
-``test_engine_bf16.py`` (fused CPU kernel where it builds)."""
+bias), Hunyuan-A13B's form (a float32 gate, a shared MLP) and Phi-3.5-MoE (the sparsemixer, an
+LM-head bias), greedy tokens identical in float32 with logprobs within 1e-4, prompts prefilled
+in chunks smaller than the prompt, a prefix-cache hit; the expert runners agree with each other;
+bf16 by the tie-aware rule of ``test_engine_bf16.py`` (fused CPU kernel where it builds)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ ARCHS = {
     "granite_moe": {},
     "ernie4_5_moe": {},
     "hunyuan_moe": {},
+    "phimoe": {},
 }
 
 
@@ -149,7 +150,7 @@ def isa_capped_at(tier):
 @pytest.mark.parametrize(
     "arch",
     ["qwen3_moe", "mixtral", "gpt_oss", "olmoe", "minimax_m2", "llama4", "granite_moe"]
-    + ["ernie4_5_moe", "hunyuan_moe"],
+    + ["ernie4_5_moe", "hunyuan_moe", "phimoe"],
 )
 def test_moe_bf16_matches_hf_bf16_up_to_ties(arch):
     with isa_capped_at(ISA_CAP.get(arch)):

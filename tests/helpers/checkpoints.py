@@ -457,6 +457,21 @@ ARCHS = {
             rope_parameters=dict(rope_type="default", rope_theta=10000.0),
         ),
     ),
+    # Mixtral's layout with LayerNorms, attention and LM-head biases (drawn), the sparsemixer's
+    # top 2 of 4 experts
+    "phimoe": (
+        "PhimoeConfig",
+        "PhimoeForCausalLM",
+        dict(
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            attention_bias=True,
+            lm_head_bias=True,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
     # every layer sparse, 8 experts top 2 not renormalised (HF's default); q/k norms over the
     # whole projections
     "olmoe": (
@@ -906,7 +921,7 @@ _NORM_OFFSETS = ("gemma2", "gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe", "mi
 # families whose norms are told apart by name or place: weights around 1 instead of HF's ones
 _RANDOM_NORMS = ("smollm3", "granite", "olmo2", "olmo3", "glm4", "cohere2", "exaone4", "phi3")
 _RANDOM_NORMS += ("ernie4_5", "seed_oss", "hunyuan_dense", "granite_moe", "ernie4_5_moe")
-_RANDOM_NORMS += ("hunyuan_moe", "olmo_hybrid")
+_RANDOM_NORMS += ("hunyuan_moe", "olmo_hybrid", "phimoe")
 _RANDOM_NORMS += ("stablelm", "stablelm_parallel", "starcoder2")
 _RANDOM_NORMS += ("olmoe", "minimax_m2", "deepseek_v4", "llama4", "lfm2", "lfm3")
 
@@ -965,6 +980,7 @@ _RANDOMIZE = {
     "stablelm": _randomize_layer_norms,
     "stablelm_parallel": _randomize_layer_norms,
     "starcoder2": _randomize_layer_norms,
+    "phimoe": _randomize_layer_norms,
     "seed_oss": _randomize_biases,
     "deepseek_v4": _randomize_deepseek_v4,
     "gemma4": _randomize_gemma4,

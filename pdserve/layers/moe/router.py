@@ -171,6 +171,28 @@ class Float32SoftmaxTopK(SoftmaxTopK):
         return out
 
 
+class SparseMixerTop2(Router):
+    """PhiMoE's sparsemixer as it routes at inference: the best expert, weighted by its softmax
+    over the experts within ``2 * jitter_eps`` (relative to ``max(|score|, best)``) of the best
+    score, the others masked; then the best of the rest, weighted the same way with the first
+    masked out. Weights in the logits' dtype."""
+
+    def __init__(self, hidden: int, num_experts: int, jitter_eps: float):
+        super().__init__(hidden, num_experts, 2)
+        self.jitter_eps = jitter_eps
+
+    def _pick(self, scores: torch.Tensor, candidates: torch.Tensor):
+        best, idx = candidates.max(dim=-1, keepdim=True)
+        far = (best - scores) / scores.abs().clamp(min=best) > 2 * self.jitter_eps
+        gates = torch.softmax(candidates.masked_fill(far, float("-inf")), dim=-1)
+        return gates.gather(-1, idx), idx
+
+    def select(self, logits: torch.Tensor) -> Routing:
+        w1, i1 = self._pick(logits, logits)
+        w2, i2 = self._pick(logits, logits.scatter(-1, i1, float("-inf")))
+        return Routing(torch.cat([i1, i2], dim=-1), torch.cat([w1, w2], dim=-1))
+
+
 class TopKSigmoid(Router):
     """The top k logits, each weighted by its own sigmoid (no normalisation over the k)."""
 
