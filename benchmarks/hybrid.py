@@ -157,7 +157,9 @@ def timed(eng, ids, new_tokens: int) -> float:
     return time.perf_counter() - t0
 
 
-def run_engine(name: str, path: str, args) -> dict:
+def run_engine(name: str, path: str, args, cache_of=None, cache_at=None) -> dict:
+    """One model's prefill and decode rows, and its cache per request: ``cache_of(runner,
+    context)`` at each of ``cache_at`` (by default ``cache_bytes`` at each prefill context)."""
     import pdserve
 
     contexts, batches = args.contexts, args.batches
@@ -180,10 +182,13 @@ def run_engine(name: str, path: str, args) -> dict:
         clock = ForwardClock(runner)
         out["groups"] = [g.describe() for g in runner.cache_groups]
         timed(eng, prompts(1, 64, 0), 2)  # warm-up
+        for ctx in cache_at or ():
+            out["cache"].append({"context": ctx, **cache_of(runner, ctx)})
         for ctx in contexts:
             t = timed(eng, prompts(1, ctx, ctx), 1)
             out["prefill"].append({"context": ctx, "s": t, "tok_s": ctx / t})
-            out["cache"].append({"context": ctx, **cache_bytes(runner, ctx)})
+            if cache_at is None:
+                out["cache"].append({"context": ctx, **cache_bytes(runner, ctx)})
             print(f"{name}: prefill {ctx} tokens {ctx / t:.0f} tok/s", file=sys.stderr)
             for b in batches:
                 if b * ctx > args.max_batch_tokens:

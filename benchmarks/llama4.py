@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hybrid import ForwardClock, prompts, timed  # noqa: E402
+import hybrid  # noqa: E402
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 768, 16, 12, 4, 64
 EXPERTS, EXPERT_MLP, CHUNK = 16, 512, 8192
@@ -109,53 +108,14 @@ def cache_bytes(runner, context: int) -> dict:
 
 
 def run_engine(name: str, path: str, args, stack: bool = True) -> dict:
-    import pdserve
     from pdserve import kernels
     from pdserve.models.llama import LlamaForCausalLM
 
     if not stack:  # the decoder layer by layer, as the MoE families run it
         LlamaForCausalLM.enable_decode_stack = lambda self, ops, batch_invariant=False: False
-
-    contexts, batches = args.contexts, args.batches
-    most = max(
-        [c * b for c in contexts for b in batches if c * b <= args.max_batch_tokens] + contexts
-    )
-    eng = pdserve.Engine(
-        model_path=path,
-        load_format="dummy",
-        dtype=args.dtype,
-        torch_num_threads=args.threads,
-        max_total_tokens=most + 4096,
-        max_running_requests=max(batches),
-        chunked_prefill_size=2048,
-        disable_radix_cache=True,
-    )
-    out: dict = {"model": name, "prefill": [], "decode": [], "cache": []}
-    try:
-        runner = eng.scheduler.runner
-        clock = ForwardClock(runner)
-        out["groups"] = [g.describe() for g in runner.cache_groups]
-        ops = kernels.load()
-        out["isa"] = ops.isa_tier() if ops is not None else None
-        timed(eng, prompts(1, 64, 0), 2)  # warm-up
-        for ctx in args.cache_contexts:
-            out["cache"].append({"context": ctx, **cache_bytes(runner, ctx)})
-        for ctx in contexts:
-            t = timed(eng, prompts(1, ctx, ctx), 1)
-            out["prefill"].append({"context": ctx, "s": t, "tok_s": ctx / t})
-            print(f"{name}: prefill {ctx} tokens {ctx / t:.0f} tok/s", file=sys.stderr)
-            for b in batches:
-                if b * ctx > args.max_batch_tokens:
-                    continue
-                clock.decode.clear()
-                timed(eng, prompts(b, ctx, ctx + b), args.steps + 1)
-                step = statistics.median(clock.decode)
-                out["decode"].append(
-                    {"context": ctx, "batch": b, "step_ms": step * 1e3, "tok_s": b / step}
-                )
-                print(f"{name}: decode B={b} ctx={ctx}: {b / step:.1f} tok/s", file=sys.stderr)
-    finally:
-        eng.shutdown()
+    out = hybrid.run_engine(name, path, args, cache_of=cache_bytes, cache_at=args.cache_contexts)
+    ops = kernels.load()
+    out["isa"] = ops.isa_tier() if ops is not None else None
     return out
 
 

@@ -54,7 +54,28 @@ class GatedProjections(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
-class GatedMLP(GatedProjections):
+def intermediate_share(intermediate: int, tp: TPGroup) -> tuple[int, int]:
+    """[start, end) of this rank's intermediate columns of an MLP ``intermediate`` wide."""
+    try:
+        return shard_range(intermediate, tp.rank, tp.size)
+    except ValueError as e:
+        raise ValueError(f"tp_size: {e} (MLP intermediate size {intermediate})") from None
+
+
+class SelfShardedMLP(nn.Module):
+    """An MLP split over its own ``tp`` (or replicated at size 1) that runs under DP attention."""
+
+    tp: TPGroup
+
+    def run(self, h: torch.Tensor, dp: Optional[Any]) -> torch.Tensor:
+        """This DP group's output: tensor-parallel over every group's tokens (gathered), or, when
+        replicated, over its own tokens only."""
+        if dp is None or self.tp.size == 1:
+            return self(h)
+        return dp.local(self(dp.gather(h)))
+
+
+class GatedMLP(SelfShardedMLP, GatedProjections):
     """Split over ``tp`` by its own ``intermediate`` (or replicated at size 1); loads itself."""
 
     def __init__(
@@ -66,22 +87,12 @@ class GatedMLP(GatedProjections):
         bias: bool = False,
     ):
         super().__init__()
-        try:
-            self.inter = shard_range(intermediate, tp.rank, tp.size)
-        except ValueError as e:
-            raise ValueError(f"tp_size: {e} (MLP intermediate size {intermediate})") from None
+        self.inter = intermediate_share(intermediate, tp)
         n = self.inter[1] - self.inter[0]
         self.tp = tp
         self.set_activation(activation)
         self.gate_up_proj = MergedLinear(hidden, [n, n], bias=bias)
         self.down_proj = RowParallelLinear(n, hidden, bias=bias, tp=tp)
-
-    def run(self, h: torch.Tensor, dp: Optional[Any]) -> torch.Tensor:
-        """This DP group's output: tensor-parallel over every group's tokens (gathered), or, when
-        replicated, over its own tokens only."""
-        if dp is None or self.tp.size == 1:
-            return self(h)
-        return dp.local(self(dp.gather(h)))
 
     # ---- weights -----------------------------------------------------------------------------
     def checkpoint_names(self) -> list[str]:
@@ -109,7 +120,7 @@ class GatedMLP(GatedProjections):
             self.gate_up_proj.load_shard(0 if proj == "gate_proj" else 1, leaf, src[i0:i1])
 
 
-class PlainMLP(nn.Module):
+class PlainMLP(SelfShardedMLP):
     """``c_proj(act(c_fc(x)))``, without a gate (StarCoder 2), with optional biases; split over
     ``tp`` by its intermediate columns (``c_fc``'s rows, ``c_proj``'s columns, whose partial sums
     add up, its bias added once), or replicated at size 1. It reads its HF weights itself."""
@@ -127,10 +138,7 @@ class PlainMLP(nn.Module):
             raise ValueError(
                 f"hidden_act: {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}"
             )
-        try:
-            self.inter = shard_range(intermediate, tp.rank, tp.size)
-        except ValueError as e:
-            raise ValueError(f"tp_size: {e} (MLP intermediate size {intermediate})") from None
+        self.inter = intermediate_share(intermediate, tp)
         n = self.inter[1] - self.inter[0]
         self.tp, self.act = tp, ACTIVATIONS[activation]
         self.c_fc = Linear(hidden, n, bias=bias)
@@ -138,11 +146,6 @@ class PlainMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(x)))
-
-    def run(self, h: torch.Tensor, dp: Optional[Any]) -> torch.Tensor:
-        if dp is None or self.tp.size == 1:
-            return self(h)
-        return dp.local(self(dp.gather(h)))
 
     def checkpoint_names(self) -> list[str]:
         return [n for n, _ in self.named_parameters()]

@@ -16,10 +16,15 @@ from pdserve.kv_spec import CacheSpec
 from pdserve.layers.attention.base import AttnLayer
 from pdserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer
 from pdserve.layers.norm import RMSNorm
-from pdserve.layers.rotary import rope_parameters
 from pdserve.models.decoder import run_mlp
 from pdserve.models.glm import PartialRotaryAttention
-from pdserve.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, attention_spec
+from pdserve.models.llama import (
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+    attention_spec,
+    partial_rope_settings,
+)
 
 LINEAR, ATTENTION = "linear_attention", "full_attention"
 
@@ -76,11 +81,7 @@ class BambaDecoderLayer(nn.Module):
 class BambaModel(LlamaModel):
     layer_cls = BambaDecoderLayer
 
-    @staticmethod
-    def rope_settings(config) -> dict[str, dict]:
-        params = rope_parameters(config)
-        params.pop("partial_rotary_factor", None)  # the attention turns its first part itself
-        return {"default": params}
+    rope_settings = staticmethod(partial_rope_settings)
 
 
 # the attribute of a layer's state-keeping mixer (Mamba2, Gated DeltaNet, LFM2's short

@@ -10,9 +10,8 @@ for the selection, ``n_group``/``topk_group``, renormalised, ``routed_scaling_fa
 from __future__ import annotations
 
 from pdserve.layers.moe.router import Router
-from pdserve.layers.rotary import rope_parameters
 from pdserve.models.deepseek import DeepseekMoE, sigmoid_router
-from pdserve.models.llama import LlamaAttention
+from pdserve.models.llama import LlamaAttention, partial_rope_settings
 from pdserve.models.moe import MoEDecoderLayer, MoEModel
 
 
@@ -39,11 +38,7 @@ class GlmDecoderLayer(MoEDecoderLayer):
 class GlmModel(MoEModel):
     layer_cls = GlmDecoderLayer
 
-    @staticmethod
-    def rope_settings(config) -> dict[str, dict]:
-        params = rope_parameters(config)
-        params.pop("partial_rotary_factor", None)
-        return {"default": params}
+    rope_settings = staticmethod(partial_rope_settings)
 
 
 class Glm4MoeForCausalLM(DeepseekMoE):

@@ -73,6 +73,14 @@ def is_per_layer_type(params) -> bool:
     return bool(params) and all(isinstance(v, dict) for v in params.values())
 
 
+def partial_rope_settings(config) -> dict[str, dict]:
+    """One RoPE table over the dims a partial-rotary attention turns: the config's settings less
+    ``partial_rotary_factor`` (the attention turns its first part itself)."""
+    params = rope_parameters(config)
+    params.pop("partial_rotary_factor", None)
+    return {"default": params}
+
+
 def check_layer_types(config) -> None:
     """``config.layer_types`` (families that alternate windowed and full layers): one per layer,
     each a kind this engine runs."""

@@ -13,6 +13,7 @@ sigmoid(b)``: the delta rule's eigenvalues may go negative.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -24,6 +25,7 @@ from pdserve.layers.norm import GptOssRMSNorm
 from pdserve.models.bamba import HybridCausalLM
 from pdserve.models.decoder import POST_NORM, run_mlp
 from pdserve.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
+from pdserve.models.qwen3_next import gdn_dims
 from pdserve.models.weights import TPShards
 
 LINEAR, ATTENTION = "linear_attention", "full_attention"
@@ -31,15 +33,7 @@ GATE_NORM_EPS = 1e-5  # the Gated DeltaNet's output norm's (FLA's default, as HF
 
 
 def dims(config) -> GatedDeltaNetDims:
-    return GatedDeltaNetDims(
-        hidden=config.hidden_size,
-        key_heads=config.linear_num_key_heads,
-        value_heads=config.linear_num_value_heads,
-        key_dim=config.linear_key_head_dim,
-        value_dim=config.linear_value_head_dim,
-        conv_kernel=config.linear_conv_kernel_dim,
-        eps=GATE_NORM_EPS,
-    )
+    return replace(gdn_dims(config), eps=GATE_NORM_EPS)
 
 
 CONV_PARTS = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")

@@ -25,10 +25,10 @@ from pdserve.forward_batch import ForwardBatch
 from pdserve.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetDims
 from pdserve.layers.linear import MATRIX_KINDS, MergedLinear
 from pdserve.layers.norm import GemmaRMSNorm
-from pdserve.layers.rotary import rope_parameters
 from pdserve.models.bamba import HybridCausalLM
 from pdserve.models.decoder import run_mlp
 from pdserve.models.glm import PartialRotaryAttention
+from pdserve.models.llama import partial_rope_settings
 from pdserve.models.moe import MoEModel, Qwen2MoeForCausalLM
 from pdserve.models.weights import TPShards
 
@@ -138,11 +138,7 @@ class Qwen3NextModel(MoEModel):
     layer_cls = Qwen3NextDecoderLayer
     norm_cls = GemmaRMSNorm
 
-    @staticmethod
-    def rope_settings(config) -> dict[str, dict]:
-        params = rope_parameters(config)
-        params.pop("partial_rotary_factor", None)  # the attention turns its first part itself
-        return {"default": params}
+    rope_settings = staticmethod(partial_rope_settings)
 
 
 class Qwen3NextForCausalLM(HybridCausalLM, Qwen2MoeForCausalLM):

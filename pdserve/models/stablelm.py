@@ -9,7 +9,13 @@ from __future__ import annotations
 from pdserve.layers.norm import HeadLayerNorms, LayerNorm
 from pdserve.layers.rotary import rope_parameters
 from pdserve.models.decoder import PRE_NORM, Block
-from pdserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from pdserve.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+    partial_rope_settings,
+)
 from pdserve.models.weights import TPShards
 
 
@@ -37,11 +43,7 @@ class StableLmModel(LlamaModel):
     layer_cls = StableLmDecoderLayer
     norm_cls = LayerNorm
 
-    @staticmethod
-    def rope_settings(config) -> dict[str, dict]:
-        params = rope_parameters(config)
-        params.pop("partial_rotary_factor", None)  # the attention turns its first part itself
-        return {"default": params}
+    rope_settings = staticmethod(partial_rope_settings)
 
 
 class StableLmForCausalLM(LlamaForCausalLM):
