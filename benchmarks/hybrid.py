@@ -51,8 +51,6 @@ ATTENTION_AT = (5, 15, 25, 31)
 def model_dirs(dtype: str) -> dict[str, str]:
     import transformers
 
-    from tests.helpers.checkpoints import smollm2_tokenizer_dir
-
     common = dict(
         vocab_size=49152,
         hidden_size=HIDDEN,
@@ -94,9 +92,17 @@ def model_dirs(dtype: str) -> dict[str, str]:
             "LlamaForCausalLM",
         ),
     }
+    return config_dirs(configs, "granite4-350m-shape")
+
+
+def config_dirs(configs: dict, tag: str) -> dict[str, str]:
+    """A directory per ``name: (config, architecture)`` with the config and the SmolLM2 tokenizer
+    (weights: ``--load-format dummy``), made once under the temp dir."""
+    from tests.helpers.checkpoints import smollm2_tokenizer_dir
+
     out = {}
     for name, (cfg, arch) in configs.items():
-        d = os.path.join(tempfile.gettempdir(), f"pdserve-bench-{name}-granite4-350m-shape")
+        d = os.path.join(tempfile.gettempdir(), f"pdserve-bench-{name}-{tag}")
         if not os.path.exists(os.path.join(d, "config.json")):
             os.makedirs(d, exist_ok=True)
             cfg.architectures = [arch]

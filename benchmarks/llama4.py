@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -43,8 +41,6 @@ EXPERTS, EXPERT_MLP, CHUNK = 16, 512, 8192
 
 def model_dirs(dtype: str) -> dict[str, str]:
     import transformers
-
-    from tests.helpers.checkpoints import smollm2_tokenizer_dir
 
     common = dict(
         vocab_size=49152,
@@ -81,18 +77,7 @@ def model_dirs(dtype: str) -> dict[str, str]:
             "LlamaForCausalLM",
         ),
     }
-    out = {}
-    for name, (cfg, arch) in configs.items():
-        d = os.path.join(tempfile.gettempdir(), f"pdserve-bench-{name}-llama4-scout-layout")
-        if not os.path.exists(os.path.join(d, "config.json")):
-            os.makedirs(d, exist_ok=True)
-            cfg.architectures = [arch]
-            cfg.save_pretrained(d)
-            for f in os.listdir(smollm2_tokenizer_dir()):
-                if not f.startswith("."):
-                    subprocess.run(["cp", os.path.join(smollm2_tokenizer_dir(), f), d], check=True)
-        out[name] = d
-    return out
+    return hybrid.config_dirs(configs, "llama4-scout-layout")
 
 
 def cache_bytes(runner, context: int) -> dict:

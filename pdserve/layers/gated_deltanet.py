@@ -181,8 +181,7 @@ class GatedDeltaNet(nn.Module):
         conv_state, rec_state = pool.state("conv", index), pool.state("recurrent", index)
         t = h.shape[0]
         qkv, z, b, a = self.project(h)
-        beta = torch.sigmoid(b)  # [T, Hv], in b's dtype as HF takes it
-        beta = (beta * self.beta_scale if self.beta_scale != 1.0 else beta).float()
+        beta = (torch.sigmoid(b) * self.beta_scale).float()  # [T, Hv]; the product in b's dtype
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
         out = torch.empty((t, d.value_heads, d.value_dim), dtype=h.dtype, device=h.device)
         steps, starts = [], fb.extend_starts

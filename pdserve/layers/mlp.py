@@ -30,18 +30,25 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+def activation_fn(
+    activation: str, field: str = "hidden_act"
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The function of an HF activation name (``field``: the config field that named it)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"{field}: {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}"
+        )
+    return ACTIVATIONS[activation]
+
+
 class GatedProjections(nn.Module):
     """``down(act(gate(x)) * up(x))`` over fused ``gate_up_proj`` and ``down_proj`` (which the
     subclass makes); ``activation`` is the HF config name, SiLU runs as one CPU kernel with
     ``ops``. The Llama MLP and ``GatedMLP`` share it."""
 
     def set_activation(self, activation: str, field: str = "hidden_act") -> None:
-        if activation not in ACTIVATIONS:
-            raise ValueError(
-                f"{field}: {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}"
-            )
         self.activation = activation
-        self.act = ACTIVATIONS[activation]
+        self.act = activation_fn(activation, field)
         self.ops: Optional[ModuleType] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,13 +141,10 @@ class PlainMLP(SelfShardedMLP):
         bias: bool = False,
     ):
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(
-                f"hidden_act: {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}"
-            )
+        self.act = activation_fn(activation)
         self.inter = intermediate_share(intermediate, tp)
         n = self.inter[1] - self.inter[0]
-        self.tp, self.act = tp, ACTIVATIONS[activation]
+        self.tp = tp
         self.c_fc = Linear(hidden, n, bias=bias)
         self.c_proj = RowParallelLinear(n, hidden, bias=bias, tp=tp)
 

@@ -17,9 +17,7 @@ class MiniMaxRouter(GroupedSigmoidTopK):
     in the model's dtype as HF's ``MiniMaxM2TopKRouter`` keeps them (the sigmoid in float32)."""
 
     fp32_logits = False
-
-    def _apply(self, fn, recurse=True):
-        return Router._apply(self, fn, recurse)  # no float32 pinning
+    float32_params = ()  # the gate and the bias in the model's dtype
 
 
 class MiniMaxM2ForCausalLM(LocalExperts, MoEForCausalLM):

@@ -46,6 +46,8 @@ class Router(nn.Module):
     """``weight`` [num_experts, hidden] (+ ``bias``); ``forward(h [T, H]) -> Routing``."""
 
     fp32_logits = False  # compute the logits in float32 whatever the model dtype (DeepSeek-V3)
+    # parameters kept float32 whatever the model's dtype, as HF keeps them (its float32 gates)
+    float32_params: tuple[str, ...] = ()
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, bias: bool = False):
         super().__init__()
@@ -73,6 +75,14 @@ class Router(nn.Module):
         return self.invariant.nbytes
 
     invariant = None  # the batch-invariant gate matmul, set by ``prepack``
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        for name in self.float32_params:
+            p = getattr(self, name)
+            if p.dtype != torch.float32:
+                p.data = p.data.float()
+        return out
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.invariant is not None:
@@ -132,6 +142,7 @@ class BiasedSoftmaxTopK(Router):
     float32 in any model dtype, as HF keeps them; ``norm_min`` bounds the renormalisation's sum."""
 
     fp32_logits = True
+    float32_params = ("weight", "e_score_correction_bias")
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, norm_min: float):
         super().__init__(hidden, num_experts, top_k)
@@ -139,13 +150,6 @@ class BiasedSoftmaxTopK(Router):
             torch.empty(1, num_experts, dtype=torch.float32)
         )
         self.norm_min = norm_min
-
-    def _apply(self, fn, recurse=True):
-        out = super()._apply(fn, recurse)
-        for p in (self.weight, self.e_score_correction_bias):  # float32 whatever the model's dtype
-            if p.dtype != torch.float32:
-                p.data = p.data.float()
-        return out
 
     def select(self, logits: torch.Tensor) -> Routing:
         probs = F.softmax(logits.float(), dim=-1, dtype=torch.float32)
@@ -160,15 +164,10 @@ class Float32SoftmaxTopK(SoftmaxTopK):
     and weights float32 (Hunyuan's MoE, whose gate HF builds in float32)."""
 
     fp32_logits = True
+    float32_params = ("weight",)
 
     def __init__(self, hidden: int, num_experts: int, top_k: int):
         super().__init__(hidden, num_experts, top_k, renormalize=True, cast_back=False)
-
-    def _apply(self, fn, recurse=True):
-        out = super()._apply(fn, recurse)
-        if self.weight.dtype != torch.float32:
-            self.weight.data = self.weight.data.float()
-        return out
 
 
 class SparseMixerTop2(Router):
@@ -345,17 +344,11 @@ class GroupedSigmoidTopK(TwoBestGroupsRouter):
     as HF keeps them."""
 
     fp32_logits = True
+    float32_params = ("weight", "e_score_correction_bias")
 
     def __init__(self, hidden: int, num_experts: int, *args):
         super().__init__(hidden, num_experts, *args)
         self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
-
-    def _apply(self, fn, recurse=True):
-        out = super()._apply(fn, recurse)
-        for p in (self.weight, self.e_score_correction_bias):  # float32 whatever the model's dtype
-            if p.dtype != torch.float32:
-                p.data = p.data.float()
-        return out
 
     def select(self, logits: torch.Tensor) -> Routing:
         scores = rowwise_sigmoid(logits.float())
