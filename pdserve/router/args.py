@@ -107,6 +107,12 @@ class RouterArgs:
     load_poll_interval: float = 1.0
     request_timeout: float = 1800.0
     max_retries: int = 1
+    # the wait before retry n (n = 1, 2, ...): initial * multiplier**(n-1), at most max_backoff,
+    # times a random factor in [1 - jitter, 1 + jitter]
+    retry_initial_backoff_ms: float = 50.0
+    retry_max_backoff_ms: float = 30000.0
+    retry_backoff_multiplier: float = 1.5
+    retry_jitter_factor: float = 0.2
     cb_failure_threshold: int = 5
     cb_cooldown: float = 30.0
     max_body_bytes: int = 32 * 1024 * 1024
@@ -169,8 +175,18 @@ class RouterArgs:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
+        if not 0 <= self.retry_jitter_factor <= 1:
+            raise ValueError(
+                f"retry_jitter_factor: must be in [0, 1], got {self.retry_jitter_factor}"
+            )
+        if self.retry_backoff_multiplier < 1:
+            raise ValueError(
+                f"retry_backoff_multiplier: must be >= 1, got {self.retry_backoff_multiplier}"
+            )
         for name in (
             "max_retries",
+            "retry_initial_backoff_ms",
+            "retry_max_backoff_ms",
             "cb_failure_threshold",
             "health_failure_threshold",
             "cb_cooldown",
@@ -553,7 +569,39 @@ def build_parser() -> argparse.ArgumentParser:
         "--retry-max-retries",
         type=int,
         default=d["max_retries"].default,
-        help="retries with a new (prefill, decode) pair after a failure before output",
+        help="retries after a failure before output: on a pair without the worker at fault, or "
+        "on the same workers when no other is available",
+    )
+    p.add_argument(
+        "--disable-retries",
+        action="store_true",
+        help="no retries (--max-retries 0)",
+    )
+    p.add_argument(
+        "--retry-initial-backoff-ms",
+        type=float,
+        default=d["retry_initial_backoff_ms"].default,
+        metavar="MS",
+        help="wait before the first retry",
+    )
+    p.add_argument(
+        "--retry-max-backoff-ms",
+        type=float,
+        default=d["retry_max_backoff_ms"].default,
+        metavar="MS",
+        help="the longest wait between retries",
+    )
+    p.add_argument(
+        "--retry-backoff-multiplier",
+        type=float,
+        default=d["retry_backoff_multiplier"].default,
+        help="each retry waits this many times longer than the one before",
+    )
+    p.add_argument(
+        "--retry-jitter-factor",
+        type=float,
+        default=d["retry_jitter_factor"].default,
+        help="waits vary by up to this fraction, at random (0 to 1)",
     )
     p.add_argument(
         "--cb-failure-threshold",
@@ -643,7 +691,11 @@ def parse_args(argv: list[str]) -> RouterArgs:
         health_failure_threshold=ns.health_failure_threshold,
         load_poll_interval=ns.load_poll_interval,
         request_timeout=ns.request_timeout,
-        max_retries=ns.max_retries,
+        max_retries=0 if ns.disable_retries else ns.max_retries,
+        retry_initial_backoff_ms=ns.retry_initial_backoff_ms,
+        retry_max_backoff_ms=ns.retry_max_backoff_ms,
+        retry_backoff_multiplier=ns.retry_backoff_multiplier,
+        retry_jitter_factor=ns.retry_jitter_factor,
         cb_failure_threshold=ns.cb_failure_threshold,
         cb_cooldown=ns.cb_cooldown,
         max_body_bytes=ns.max_body_bytes,

@@ -17,7 +17,9 @@ The rules, for one attempt:
   asked), which blames the other leg. A prefill 502 waits briefly for decode's own answer,
   which names the root cause (e.g. 503 "decode is overloaded");
 - a retry replaces only the worker at fault: after a prefill failure it keeps the same decode
-  when that is still available, after a decode failure it picks another decode;
+  when that is still available, after a decode failure it picks another decode; when no other
+  worker of that role is available the retry goes to the same ones (a lone pair retries too);
+  each retry waits its backoff first (``retry_backoff_s``);
 - the client going away cancels whatever is in flight (closing a leg cancels it on the server).
 Colocated mode (``--worker``) is the same with no prefill leg and the body passed on unchanged
 (but for ``routed_dp_rank`` with ``--dp-aware``).
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -72,6 +75,18 @@ _NOT_FORWARDED = {
     "accept-encoding",
     "content-type",
 }
+
+
+def retry_backoff_s(args, attempt: int) -> float:
+    """The wait before retry ``attempt`` (1, 2, ...): exponential from
+    ``retry_initial_backoff_ms`` by ``retry_backoff_multiplier``, capped at
+    ``retry_max_backoff_ms``, with ``retry_jitter_factor`` of random spread."""
+    ms = min(
+        args.retry_max_backoff_ms,
+        args.retry_initial_backoff_ms * args.retry_backoff_multiplier ** (attempt - 1),
+    )
+    jitter = args.retry_jitter_factor
+    return ms * random.uniform(1 - jitter, 1 + jitter) / 1000
 
 
 def error_response(status: int, message: str) -> JSONResponse:
@@ -219,11 +234,16 @@ class Dispatcher:
         merge_logprobs = call.merge_logprobs
         for attempt in range(self.args.max_retries + 1):
             pair, why = self.selector.select(exclude, keep, call.prompt)
+            if pair is None and failure is not None:
+                # no other worker: the same ones again (a transfer that failed after a network
+                # blip, or a worker that shed load, often serves the retry)
+                pair, why = self.selector.select(set(), keep, call.prompt)
             if pair is None:
                 if failure is None:
                     return error_response(503, why)
                 break
             if attempt:
+                await asyncio.sleep(retry_backoff_s(self.args, attempt))
                 self.metrics.retries.labels(call.path).inc()
                 logger.info(
                     "retrying %s on %s after: %s",

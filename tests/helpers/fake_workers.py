@@ -145,6 +145,7 @@ class FakeWorker:
             None  # /get_load: the totals plus these as "dp" (a pdserve with DP)
         )
         self.fail_status: int | None = None  # answer generation requests with this status
+        self.fail_count: int | None = None  # only this many of them (None: all)
         self.stream_error_status: int | None = (
             None  # decode: answer a stream 200 + one SSE error event
         )
@@ -174,6 +175,7 @@ class FakeWorker:
         self.info_extra = {}
         self.group_loads = None
         self.fail_status = None
+        self.fail_count = None
         self.stream_error_status = None
         self.respond_gate.open()
         self.stream_gate.open()
@@ -261,7 +263,7 @@ class FakeWorker:
             if not ok:  # a real decode notices at its next poll, after prefill has answered
                 await asyncio.sleep(0.05)
                 return self._error(rec, 500, "KV transfer failed: prefill failed or timed out")
-        if self.fail_status is not None:
+        if self._failing():
             return self._error(rec, self.fail_status, f"{self.name} injected failure")
         if self.stream_error_status is not None and body.get("stream"):
             err = {
@@ -277,6 +279,14 @@ class FakeWorker:
             return Response(status_code=499)
         return self._decode(rec, body, request.url.path)
 
+    def _failing(self) -> bool:
+        """Whether this generation request gets ``fail_status`` (``fail_count`` counts down)."""
+        if self.fail_status is None or self.fail_count == 0:
+            return False
+        if self.fail_count is not None:
+            self.fail_count -= 1
+        return True
+
     def _error(self, rec: Recorded, status: int, message: str) -> Response:
         payload = json.dumps({"error": {"message": message, "code": status}}).encode()
         rec.sent += payload
@@ -285,7 +295,7 @@ class FakeWorker:
 
     async def _prefill(self, rec: Recorded, body: dict, path: str, request: Request) -> Response:
         rooms = _as_list(body.get("bootstrap_room"))
-        if self.fail_status is not None:
+        if self._failing():
             self.cluster.finish_rooms(rooms, ok=False)
             return self._error(rec, self.fail_status, f"{self.name} injected failure")
         self.cluster.finish_rooms(rooms, ok=True)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -13,6 +14,7 @@ import pytest
 
 from pdserve.router.app import create_app
 from pdserve.router.args import RouterArgs
+from pdserve.router.dispatch import retry_backoff_s
 from tests.helpers.fake_workers import AppServer, FakeCluster, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -357,6 +359,43 @@ def test_prefill_500_is_retried_on_a_new_pair_with_a_new_room(pd, make_router, s
     if stream:
         assert sse_events(resp.content)[-1] == "[DONE]"
     assert 'pdserve_router_retries_total{endpoint="/generate"} 1.0' in r.client.get("/metrics").text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_lone_pair_is_retried_after_its_backoff(pd, make_router, stream):
+    p0, _, d0, _ = pd
+    p0.fail_status, p0.fail_count = 502, 1  # e.g. a transfer that failed after a network blip
+    r = make_router([p0], [d0], cb_failure_threshold=0, retry_initial_backoff_ms=300)
+    t0 = time.monotonic()
+    resp = r.client.post("/generate", json={**GEN, "stream": stream})
+    assert resp.status_code == 200 and time.monotonic() - t0 >= 0.3 * 0.8
+    bad, good = p0.generation_requests()
+    assert bad.json["bootstrap_room"] != good.json["bootstrap_room"]
+    assert [rec.json["bootstrap_room"] for rec in d0.generation_requests()][-1] == (
+        good.json["bootstrap_room"]
+    )
+    assert 'pdserve_router_retries_total{endpoint="/generate"} 1.0' in r.client.get("/metrics").text
+    # --disable-retries: the first failure is the answer
+    p0.fail_status, p0.fail_count = 502, 1
+    r = make_router([p0], [d0], cb_failure_threshold=0, max_retries=0)
+    assert r.client.post("/generate", json={**GEN, "stream": stream}).status_code >= 500
+
+
+def test_retry_backoff_grows_to_its_cap_with_jitter():
+    args = RouterArgs(
+        worker=["http://w"],
+        retry_initial_backoff_ms=100,
+        retry_backoff_multiplier=2,
+        retry_max_backoff_ms=500,
+        retry_jitter_factor=0.2,
+    )
+    for attempt, ms in [(1, 100), (2, 200), (3, 400), (4, 500), (9, 500)]:
+        waits = [retry_backoff_s(args, attempt) for _ in range(200)]
+        assert all(0.8 * ms / 1000 <= w <= 1.2 * ms / 1000 for w in waits), (attempt, waits[:3])
+        assert max(waits) - min(waits) > 0.1 * ms / 1000  # jittered
+    for bad in (dict(retry_jitter_factor=1.5), dict(retry_backoff_multiplier=0.5)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            RouterArgs(worker=["http://w"], **bad)
 
 
 def test_prefill_error_is_returned_when_retry_fails_too(pd, make_router):

@@ -22,18 +22,17 @@ def test_stream_whose_first_event_is_an_error_is_retried_on_another_decode(pd, m
     assert len(d1.generation_requests()) == 2
 
 
-def test_stream_error_without_a_retry_keeps_its_status_and_reason(pd, make_router):
+def test_stream_error_keeps_its_status_and_reason_when_the_retry_fails_too(pd, make_router):
     p0, _, d0, _ = pd
     d0.stream_error_status = 503
     r = make_router([p0], [d0], cb_failure_threshold=0)
     resp = r.client.post("/generate", json={**GEN, "stream": True})
     assert resp.status_code == 503
     assert resp.json()["error"]["message"] == "decode0 injected stream failure"
+    assert len(d0.generation_requests()) == 2  # one decode: the retry goes to it again
     d0.stream_error_status = 400  # a client error is not retried and not a worker failure
     resp = r.client.post("/generate", json={**GEN, "stream": True})
-    assert (
-        resp.status_code == 400 and len(d0.generation_requests()) == 2
-    )  # one decode: nothing to retry on
+    assert resp.status_code == 400 and len(d0.generation_requests()) == 3
 
 
 def test_retry_after_a_prefill_failure_keeps_the_decode(pd, make_router):
