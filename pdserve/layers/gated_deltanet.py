@@ -177,39 +177,23 @@ class GatedDeltaNet(nn.Module):
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         d = self.dims
-        pool, index, slots = fb.state(self.kv_layer, STATE_KIND)
+        pool, index, _ = fb.state(self.kv_layer, STATE_KIND)
         conv_state, rec_state = pool.state("conv", index), pool.state("recurrent", index)
         t = h.shape[0]
         qkv, z, b, a = self.project(h)
         beta = (torch.sigmoid(b) * self.beta_scale).float()  # [T, Hv]; the product in b's dtype
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
         out = torch.empty((t, d.value_heads, d.value_dim), dtype=h.dtype, device=h.device)
-        steps, starts = [], fb.extend_starts
-        slot_ids = slots.tolist()
-        snap = fb.snapshots(self.kv_layer, STATE_KIND)
-        snap_ids = None if snap is None else snap.tolist()
-        for i, (prefix, n) in enumerate(zip(fb.prefix_lens, fb.extend_lens)):
-            if n == 0:
-                continue
-            if n == 1 and prefix > 0:
-                steps.append(i)
-                continue
-            snapshot = snap_ids[i] if snap_ids else 0
-            for lo, hi, ends in snapshots.extend_pieces(prefix, n, fb.page_size, snapshot):
-                rows = slice(starts[i] + lo, starts[i] + hi)
-                out[rows] = self._extend(
-                    qkv[rows], g[rows], beta[rows], prefix + lo, conv_state, rec_state, slot_ids[i]
-                )
-                if ends:
-                    snapshots.save(pool, index, slots[i : i + 1], snap[i : i + 1])
-        if steps:
-            rows = torch.tensor([starts[i] for i in steps], device=h.device)
-            out[rows] = self._step(
-                qkv[rows], g[rows], beta[rows], conv_state, rec_state, slots[steps]
+
+        def extend(rows: slice, position: int, slot: int) -> None:
+            out[rows] = self._extend(
+                qkv[rows], g[rows], beta[rows], position, conv_state, rec_state, slot
             )
-            ended = snapshots.ended_pages(fb.prefix_lens, steps, fb.page_size, snap_ids)
-            if ended:
-                snapshots.save(pool, index, slots[ended], snap[ended])
+
+        def step(rows: torch.Tensor, slots: torch.Tensor) -> None:
+            out[rows] = self._step(qkv[rows], g[rows], beta[rows], conv_state, rec_state, slots)
+
+        snapshots.run(fb, self.kv_layer, STATE_KIND, extend, step)
         o = self.norm(out, z.reshape(t, d.value_heads, d.value_dim))
         return self.out_proj(o.reshape(t, d.values))
 

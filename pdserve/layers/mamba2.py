@@ -219,38 +219,22 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         d = self.dims
-        pool, index, slots = fb.state(self.kv_layer, STATE_KIND)
+        pool, index, _ = fb.state(self.kv_layer, STATE_KIND)
         conv_state, ssm_state = pool.state("conv", index), pool.state("ssm", index)
         z, xbc, dt = self.in_proj(h).split([d.inner, d.conv_dim, d.heads], dim=-1)
         # the gated norm takes an extend's scan output in float32 and a decode step's in the
         # model's dtype, as HF's two paths do (the same in a float32 model)
         out = torch.empty((h.shape[0], d.inner), dtype=h.dtype, device=h.device)
-        steps, starts = [], fb.extend_starts
-        slot_ids = slots.tolist()
-        snap = fb.snapshots(self.kv_layer, STATE_KIND)
-        snap_ids = None if snap is None else snap.tolist()
-        for i, (prefix, n) in enumerate(zip(fb.prefix_lens, fb.extend_lens)):
-            if n == 0:
-                continue
-            if n == 1 and prefix > 0:
-                steps.append(i)
-                continue
-            snapshot = snap_ids[i] if snap_ids else 0
-            for lo, hi, ends in snapshots.extend_pieces(prefix, n, fb.page_size, snapshot):
-                rows = slice(starts[i] + lo, starts[i] + hi)
-                y = self._extend(
-                    xbc[rows], dt[rows], prefix + lo, conv_state, ssm_state, slot_ids[i]
-                )
-                out[rows] = self.norm(y, z[rows]).to(h.dtype)
-                if ends:
-                    snapshots.save(pool, index, slots[i : i + 1], snap[i : i + 1])
-        if steps:
-            rows = torch.tensor([starts[i] for i in steps], device=h.device)
-            y = self._step(xbc[rows], dt[rows], conv_state, ssm_state, slots[steps])
+
+        def extend(rows: slice, position: int, slot: int) -> None:
+            y = self._extend(xbc[rows], dt[rows], position, conv_state, ssm_state, slot)
+            out[rows] = self.norm(y, z[rows]).to(h.dtype)
+
+        def step(rows: torch.Tensor, slots: torch.Tensor) -> None:
+            y = self._step(xbc[rows], dt[rows], conv_state, ssm_state, slots)
             out[rows] = self.norm(y, z[rows])
-            ended = snapshots.ended_pages(fb.prefix_lens, steps, fb.page_size, snap_ids)
-            if ended:
-                snapshots.save(pool, index, slots[ended], snap[ended])
+
+        snapshots.run(fb, self.kv_layer, STATE_KIND, extend, step)
         return self.out_proj(out)
 
     # ---- the pieces --------------------------------------------------------------------------

@@ -81,38 +81,23 @@ class ShortConvMixer(nn.Module):
 
     # ---- compute -----------------------------------------------------------------------------
     def forward(self, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        pool, index, slots = fb.state(self.kv_layer, STATE_KIND)
+        pool, index, _ = fb.state(self.kv_layer, STATE_KIND)
         state = pool.state("conv", index)  # [slots, channels, K - 1]
         b, c, x = self.in_proj(h).chunk(3, dim=-1)
         bx = b * x
         out = torch.empty_like(bx)
-        steps, starts = [], fb.extend_starts
-        slot_ids = slots.tolist()
-        snap = fb.snapshots(self.kv_layer, STATE_KIND)
-        snap_ids = None if snap is None else snap.tolist()
         k1 = self.kernel - 1
-        for i, (prefix, n) in enumerate(zip(fb.prefix_lens, fb.extend_lens)):
-            if n == 0:
-                continue
-            if n == 1 and prefix > 0:
-                steps.append(i)
-                continue
-            snapshot = snap_ids[i] if snap_ids else 0
-            slot = slot_ids[i]
-            for lo, hi, ends in snapshots.extend_pieces(prefix, n, fb.page_size, snapshot):
-                rows = slice(starts[i] + lo, starts[i] + hi)
-                prev = state[slot] if prefix + lo else torch.zeros_like(state[slot])
-                window = torch.cat([prev.to(bx.dtype), bx[rows].t()], dim=1)  # [C, K - 1 + m]
-                state[slot] = window[:, window.shape[1] - k1 :]
-                out[rows] = causal_conv(self.conv, window[None], hi - lo, silu=False)[0]
-                if ends:
-                    snapshots.save(pool, index, slots[i : i + 1], snap[i : i + 1])
-        if steps:
-            rows = torch.tensor([starts[i] for i in steps], device=h.device)
-            window = torch.cat([state[slots[steps]].to(bx.dtype), bx[rows][:, :, None]], dim=2)
-            state[slots[steps]] = window[:, :, 1:]
+
+        def extend(rows: slice, position: int, slot: int) -> None:
+            prev = state[slot] if position else torch.zeros_like(state[slot])
+            window = torch.cat([prev.to(bx.dtype), bx[rows].t()], dim=1)  # [C, K - 1 + m]
+            state[slot] = window[:, window.shape[1] - k1 :]
+            out[rows] = causal_conv(self.conv, window[None], window.shape[1] - k1, silu=False)[0]
+
+        def step(rows: torch.Tensor, slots: torch.Tensor) -> None:
+            window = torch.cat([state[slots].to(bx.dtype), bx[rows][:, :, None]], dim=2)
+            state[slots] = window[:, :, 1:]
             out[rows] = causal_conv(self.conv, window, 1, silu=False)[:, 0]
-            ended = snapshots.ended_pages(fb.prefix_lens, steps, fb.page_size, snap_ids)
-            if ended:
-                snapshots.save(pool, index, slots[ended], snap[ended])
+
+        snapshots.run(fb, self.kv_layer, STATE_KIND, extend, step)
         return self.out_proj(c * out)

@@ -11,7 +11,7 @@ it.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -43,3 +43,38 @@ def save(pool: Any, index: int, live: torch.Tensor, snapshot: torch.Tensor) -> N
     for part in pool.spec.parts:
         t = pool.state(part, index)
         t[snapshot] = t[live]
+
+
+def run(
+    fb: Any,
+    layer: int,
+    kind: str,
+    extend: Callable[[slice, int, int], None],
+    step: Callable[[torch.Tensor, torch.Tensor], None],
+) -> None:
+    """A state mixer's pass over the requests of ``fb`` (its layer ``layer``, state kind ``kind``),
+    each snapshot taken on the way. ``extend(rows, position, slot)`` runs a piece of a request's
+    new tokens: its token rows (a slice), the position of its first token (0: the state starts
+    from zeros), the request's live slot; the pieces are cut at the page boundary whose snapshot
+    the request keeps. ``step(rows, slots)`` runs, once, the requests that decode one token: their
+    token rows and live slots (tensors)."""
+    pool, index, slots = fb.state(layer, kind)
+    snap = fb.snapshots(layer, kind)
+    snap_ids = None if snap is None else snap.tolist()
+    slot_ids = slots.tolist()
+    steps, starts = [], fb.extend_starts
+    for i, (prefix, n) in enumerate(zip(fb.prefix_lens, fb.extend_lens)):
+        if n == 0:
+            continue
+        if n == 1 and prefix > 0:
+            steps.append(i)
+            continue
+        for lo, hi, ends in extend_pieces(prefix, n, fb.page_size, snap_ids[i] if snap_ids else 0):
+            extend(slice(starts[i] + lo, starts[i] + hi), prefix + lo, slot_ids[i])
+            if ends:
+                save(pool, index, slots[i : i + 1], snap[i : i + 1])
+    if steps:
+        step(torch.tensor([starts[i] for i in steps], device=slots.device), slots[steps])
+        ended = ended_pages(fb.prefix_lens, steps, fb.page_size, snap_ids)
+        if ended:
+            save(pool, index, slots[ended], snap[ended])
