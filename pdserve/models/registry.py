@@ -48,6 +48,7 @@ _MODELS = {
     "Mistral4ForCausalLM": ("pdserve.models.deepseek", "Mistral4ForCausalLM"),
     "Glm4MoeForCausalLM": ("pdserve.models.glm", "Glm4MoeForCausalLM"),
     "BambaForCausalLM": ("pdserve.models.bamba", "BambaForCausalLM"),
+    "JambaForCausalLM": ("pdserve.models.jamba", "JambaForCausalLM"),
     "NemotronHForCausalLM": ("pdserve.models.nemotron_h", "NemotronHForCausalLM"),
     "Qwen3NextForCausalLM": ("pdserve.models.qwen3_next", "Qwen3NextForCausalLM"),
     "Lfm2ForCausalLM": ("pdserve.models.lfm2", "Lfm2ForCausalLM"),

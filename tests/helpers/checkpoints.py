@@ -624,6 +624,25 @@ ARCHS = {
             rope_parameters=dict(rope_type="default", rope_theta=10000.0),
         ),
     ),
+    # Mamba (version 1) layers 0, 2, 3 (128 channels, state 16, time step rank 8), attention
+    # without positions at layer 1; layers 1 and 3 sparse (4 experts, top 2), 0 and 2 dense
+    "jamba": (
+        "JambaConfig",
+        "JambaForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            attn_layer_period=4,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_dt_rank=8,
+        ),
+    ),
     # Mamba2, MLP (no cache), attention without RoPE, MLP; the same Mamba2 sizes as Bamba's
     "nemotron_h": (
         "NemotronHConfig",
@@ -923,7 +942,7 @@ _RANDOM_NORMS = ("smollm3", "granite", "olmo2", "olmo3", "glm4", "cohere2", "exa
 _RANDOM_NORMS += ("ernie4_5", "seed_oss", "hunyuan_dense", "granite_moe", "ernie4_5_moe")
 _RANDOM_NORMS += ("hunyuan_moe", "olmo_hybrid", "phimoe")
 _RANDOM_NORMS += ("stablelm", "stablelm_parallel", "starcoder2")
-_RANDOM_NORMS += ("olmoe", "minimax_m2", "deepseek_v4", "llama4", "lfm2", "lfm3")
+_RANDOM_NORMS += ("olmoe", "minimax_m2", "deepseek_v4", "llama4", "lfm2", "lfm3", "jamba")
 
 
 def _randomize_deepseek_v4(model) -> None:
@@ -972,7 +991,15 @@ def _randomize_selection_bias(model) -> None:
             param.normal_(0.0, 0.3)
 
 
+def _randomize_mamba_skip(model) -> None:
+    """HF starts the Mamba layers' skip D at ones: a checkpoint's differ per channel."""
+    for name, param in model.named_parameters():
+        if name.endswith("mamba.D"):
+            param.normal_(1.0, 0.5)
+
+
 _RANDOMIZE = {
+    "jamba": _randomize_mamba_skip,
     "ernie4_5_moe": _randomize_selection_bias,
     "ernie4_5": _randomize_biases,
     "lfm2": _randomize_biases,
