@@ -57,6 +57,9 @@ class Mamba2Dims:
     # one rank's share (``shard``) of a layer with fewer groups than ranks: the ranks whose heads
     # read the one group this rank holds (each holds it whole, and a part of its heads)
     group_ranks: int = 1
+    # how y meets the gate z (``NORMS``): Bamba's gated norm, or Falcon-H1's variants
+    norm: str = "gate_norm"
+    out_bias: Optional[bool] = None  # out_proj's bias (None: as ``proj_bias``)
 
     @property
     def inner(self) -> int:  # I
@@ -94,23 +97,48 @@ class Mamba2Dims:
         return replace(self, heads=self.heads // ranks, groups=1, group_ranks=ranks // self.groups)
 
 
+# How the scan's output y meets the gate z, per group of channels (RMS over the group):
+# "gate_norm": weight * round(rms(y * silu(z))) (HF's ``RMSNormGated``: Bamba, Nemotron-H,
+# Granite 4); "gate_norm_f32": round(weight * rms(y * silu(z))), the weight in float32, and
+# "norm_gate_f32": round(weight * rms(y) * silu(z)) (Falcon-H1's ``mamba_norm_before_gate``);
+# "gate": y * silu(z), no norm (Falcon-H1 without ``mamba_rms_norm``).
+NORMS = ("gate_norm", "gate_norm_f32", "norm_gate_f32", "gate")
+
+
+class SiluGate(nn.Module):
+    """``y * silu(z)``, no norm (``NORMS``' "gate")."""
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return (x.float() * F.silu(z.float())).to(x.dtype)
+
+
 class GatedGroupRMSNorm(nn.Module):
     """``weight * rmsnorm_per_group(x * silu(z))`` over groups of ``dim / groups`` channels,
-    computed in float32 and rounded to ``x``'s dtype before the weight, as HF's ``RMSNormGated``.
-    ``group_ranks`` > 1: this rank's ``dim`` channels are its share of one group that many ranks
-    of ``tp`` split (its group: ``tp.rank // group_ranks``); the squares are summed over them."""
+    computed in float32 and rounded to ``x``'s dtype before the weight, as HF's ``RMSNormGated``
+    (``order`` "gate_norm"; Falcon-H1's two orders in ``NORMS``). ``group_ranks`` > 1: this rank's
+    ``dim`` channels are its share of one group that many ranks of ``tp`` split (its group:
+    ``tp.rank // group_ranks``); the squares are summed over them."""
 
     def __init__(
-        self, dim: int, groups: int, eps: float, tp: TPGroup = SINGLE, group_ranks: int = 1
+        self,
+        dim: int,
+        groups: int,
+        eps: float,
+        tp: TPGroup = SINGLE,
+        group_ranks: int = 1,
+        order: str = "gate_norm",
     ):
         super().__init__()
+        if order not in NORMS[:3]:
+            raise ValueError(f"order: {order!r}; expected one of {NORMS[:3]}")
         self.weight = nn.Parameter(torch.ones(dim))
         self.groups, self.eps = groups, eps
         self.tp, self.group_ranks = tp, group_ranks
+        self.order = order
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.float() * F.silu(z.float())
+        h = x.float() if self.order == "norm_gate_f32" else x.float() * F.silu(z.float())
         g = h.view(*h.shape[:-1], self.groups, -1)
         if self.group_ranks == 1:
             g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -120,7 +148,12 @@ class GatedGroupRMSNorm(nn.Module):
             sums[..., mine] = g.pow(2).sum((-2, -1))
             total = self.tp.all_reduce(sums)[..., mine, None, None]
             g = g * torch.rsqrt(total / (h.shape[-1] * self.group_ranks) + self.eps)
-        return self.weight * g.view(h.shape).to(dtype)
+        if self.order == "gate_norm":
+            return self.weight * g.view(h.shape).to(dtype)
+        out = self.weight * g.view(h.shape)
+        if self.order == "norm_gate_f32":
+            out = out * F.silu(z.float())
+        return out.to(dtype)
 
 
 class DepthwiseConv(nn.Module):
@@ -170,12 +203,39 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(d.heads))
         self.A_log = nn.Parameter(torch.empty(d.heads))
         self.D = nn.Parameter(torch.empty(d.heads))
-        self.norm = GatedGroupRMSNorm(d.inner, d.groups, d.eps, tp, d.group_ranks)
-        self.out_proj = RowParallelLinear(d.inner, d.hidden, bias=d.proj_bias, tp=tp)
+        if d.norm == "gate":
+            self.norm = SiluGate()
+        else:
+            self.norm = GatedGroupRMSNorm(d.inner, d.groups, d.eps, tp, d.group_ranks, d.norm)
+        out_bias = d.proj_bias if d.out_bias is None else d.out_bias
+        self.out_proj = RowParallelLinear(d.inner, d.hidden, bias=out_bias, tp=tp)
+        # Falcon-H1's multipliers: of the layer's input, and per row of in_proj's output
+        # (``set_multipliers``)
+        self.in_scale = 1.0
+        self.row_scales: tuple[tuple[int, float], ...] = ()  # (rows, multiplier) of z, x, B, C, dt
+        self.proj_scale: Optional[torch.Tensor] = None
         self.ops: Optional[ModuleType] = None  # pdserve's CPU kernels: the decode step's kernel
 
     def state_spec(self, conv_dtype: str) -> RecurrentState:
         return self.dims.state_spec(conv_dtype, self.tp.size, self.whole.groups)
+
+    def set_multipliers(self, inputs: float, rows: tuple[float, ...]) -> None:
+        """Falcon-H1's ``ssm_in_multiplier`` (``inputs``) and ``ssm_multipliers`` (``rows``: one
+        each for the rows of z, x, B, C and dt of in_proj's output)."""
+        d = self.dims
+        sizes = (d.inner, d.inner, d.groups * d.state, d.groups * d.state, d.heads)
+        self.in_scale = float(inputs)
+        if any(float(m) != 1.0 for m in rows):
+            self.row_scales = tuple(zip(sizes, (float(m) for m in rows)))
+
+    def _proj_scale(self, like: torch.Tensor) -> torch.Tensor:
+        """The row multipliers as one vector of ``like``'s dtype and device (made at first use:
+        the layer may be built on the meta device)."""
+        if self.proj_scale is None or self.proj_scale.device != like.device:
+            self.proj_scale = torch.cat(
+                [torch.full((n,), m, device=like.device) for n, m in self.row_scales]
+            )
+        return self.proj_scale.to(like.dtype)
 
     # ---- weights -----------------------------------------------------------------------------
     def checkpoint_names(self) -> list[str]:
@@ -221,7 +281,10 @@ class Mamba2Mixer(nn.Module):
         d = self.dims
         pool, index, _ = fb.state(self.kv_layer, STATE_KIND)
         conv_state, ssm_state = pool.state("conv", index), pool.state("ssm", index)
-        z, xbc, dt = self.in_proj(h).split([d.inner, d.conv_dim, d.heads], dim=-1)
+        proj = self.in_proj(h * self.in_scale if self.in_scale != 1.0 else h)
+        if self.row_scales:
+            proj = proj * self._proj_scale(proj)
+        z, xbc, dt = proj.split([d.inner, d.conv_dim, d.heads], dim=-1)
         # the gated norm takes an extend's scan output in float32 and a decode step's in the
         # model's dtype, as HF's two paths do (the same in a float32 model)
         out = torch.empty((h.shape[0], d.inner), dtype=h.dtype, device=h.device)

@@ -74,7 +74,8 @@ class CpuPathsMixin:
         same kernels as the layer-by-layer path, without Python between them. Single-rank models
         only (the stack has no collectives), whole models (no pipeline stage), one cache group;
         returns whether it was enabled."""
-        if self.par.world.size > 1 or len(set(self.kv_cache_specs())) > 1:
+        specs = {s for x in self.kv_cache_specs() for s in (x if isinstance(x, tuple) else (x,))}
+        if self.par.world.size > 1 or len(specs) > 1:
             return False  # the stack has no collectives and reads one pool (one cache group)
         if any(layer.has_sinks or layer.logit_softcap for layer in self.attention_layers()):
             return False  # its attention kernel has no sinks and no soft-cap

@@ -49,6 +49,7 @@ _MODELS = {
     "Glm4MoeForCausalLM": ("pdserve.models.glm", "Glm4MoeForCausalLM"),
     "BambaForCausalLM": ("pdserve.models.bamba", "BambaForCausalLM"),
     "JambaForCausalLM": ("pdserve.models.jamba", "JambaForCausalLM"),
+    "FalconH1ForCausalLM": ("pdserve.models.falcon_h1", "FalconH1ForCausalLM"),
     "NemotronHForCausalLM": ("pdserve.models.nemotron_h", "NemotronHForCausalLM"),
     "Qwen3NextForCausalLM": ("pdserve.models.qwen3_next", "Qwen3NextForCausalLM"),
     "Lfm2ForCausalLM": ("pdserve.models.lfm2", "Lfm2ForCausalLM"),

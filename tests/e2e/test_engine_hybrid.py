@@ -52,10 +52,16 @@ GROUPS = {
     "granite_hybrid_moe": [("full_attention", (1,)), ("recurrent_state", (0, 2, 3))],
     "olmo_hybrid": [("full_attention", (3,)), ("recurrent_state", (0, 1, 2))],
     "jamba": [("full_attention", (1,)), ("recurrent_state", (0, 2, 3))],
+    "falcon_h1": [("full_attention", (0, 1)), ("recurrent_state", (0, 1))],  # both, each layer
+    "falcon_h1_gate_norm": [("full_attention", (0, 1)), ("recurrent_state", (0, 1))],
+    "falcon_h1_no_norm": [("full_attention", (0, 1)), ("recurrent_state", (0, 1))],
 }
 # Granite 4's MoE form: the dense checkpoint's plan with 4 experts of which each token takes 2
 VARIANTS = {
-    "granite_hybrid_moe": ("granite_hybrid", dict(num_local_experts=4, num_experts_per_tok=2))
+    "granite_hybrid_moe": ("granite_hybrid", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # Falcon-H1's other two ways of gating the mixer's output: the norm after the gate, no norm
+    "falcon_h1_gate_norm": ("falcon_h1", dict(mamba_norm_before_gate=False)),
+    "falcon_h1_no_norm": ("falcon_h1", dict(mamba_rms_norm=False)),
 }
 
 
@@ -93,6 +99,10 @@ MOE_HYBRIDS = ("qwen3_next", "granite_hybrid_moe", "qwen3_5_moe", "jamba")
         ("jamba", 64, 16),
         ("jamba", 5, 1),
         ("jamba", 1, 1),
+        ("falcon_h1", 64, 16),
+        ("falcon_h1", 5, 1),
+        ("falcon_h1_gate_norm", 64, 16),
+        ("falcon_h1_no_norm", 5, 1),
     ],
 )
 def test_hybrid_matches_hf_float32(arch, chunk, page_size):
@@ -160,7 +170,10 @@ def test_bamba_state_slots_are_checked_at_start():
 # bf16 weights by up to 0.05 in a logprob where their tokens agree, and ours by up to 0.048 there;
 # ours moved 0.089 (allowed 0.047) at position 10 of the 40-token prompt, where HF's bf16 run had
 # taken another token at position 2, so the rule has no second computation to measure it by.
-BF16_CHECKED = sorted(set(GROUPS) - {"qwen3_5_moe", "olmo_hybrid", "jamba"})
+BF16_CHECKED = sorted(
+    set(GROUPS)
+    - {"qwen3_5_moe", "olmo_hybrid", "jamba", "falcon_h1_gate_norm", "falcon_h1_no_norm"}
+)
 
 
 @pytest.mark.parametrize("arch", BF16_CHECKED)
@@ -204,7 +217,9 @@ def test_hybrid_bf16_matches_hf_bf16_up_to_ties(arch):
         eng.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["bamba", "qwen3_next", "qwen3_5", "olmo_hybrid", "jamba"])
+@pytest.mark.parametrize(
+    "arch", ["bamba", "qwen3_next", "qwen3_5", "olmo_hybrid", "jamba", "falcon_h1"]
+)
 def test_a_second_turn_continues_from_a_state_snapshot(arch):
     """Turn 1 (prompt + answer) ends: its full pages go into the prefix tree with the state at
     the last page boundary. Turn 2 (turn 1 + answer + a new message) hits up to that boundary,

@@ -643,6 +643,33 @@ ARCHS = {
             mamba_dt_rank=8,
         ),
     ),
+    # Mamba2 (8 heads of 16, 2 groups of state 16, scan blocks of 8) beside attention in each of
+    # its 2 layers, its gated norm before the gate; every multiplier away from 1
+    "falcon_h1": (
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        dict(
+            mamba_d_ssm=128,
+            mamba_n_heads=8,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_chunk_size=8,
+            mamba_rms_norm=True,
+            mamba_norm_before_gate=True,
+            projectors_bias=True,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+            embedding_multiplier=1.5,
+            lm_head_multiplier=0.8,
+            key_multiplier=0.9,
+            attention_in_multiplier=0.7,
+            attention_out_multiplier=1.2,
+            ssm_in_multiplier=1.3,
+            ssm_out_multiplier=0.6,
+            ssm_multipliers=[0.5, 1.2, 0.8, 1.1, 0.7],
+            mlp_multipliers=[0.7, 1.4],
+        ),
+    ),
     # Mamba2, MLP (no cache), attention without RoPE, MLP; the same Mamba2 sizes as Bamba's
     "nemotron_h": (
         "NemotronHConfig",
@@ -943,6 +970,7 @@ _RANDOM_NORMS += ("ernie4_5", "seed_oss", "hunyuan_dense", "granite_moe", "ernie
 _RANDOM_NORMS += ("hunyuan_moe", "olmo_hybrid", "phimoe")
 _RANDOM_NORMS += ("stablelm", "stablelm_parallel", "starcoder2")
 _RANDOM_NORMS += ("olmoe", "minimax_m2", "deepseek_v4", "llama4", "lfm2", "lfm3", "jamba")
+_RANDOM_NORMS += ("falcon_h1",)
 
 
 def _randomize_deepseek_v4(model) -> None:
@@ -1000,6 +1028,7 @@ def _randomize_mamba_skip(model) -> None:
 
 _RANDOMIZE = {
     "jamba": _randomize_mamba_skip,
+    "falcon_h1": lambda model: (_randomize_biases(model), _randomize_mamba_skip(model)),
     "ernie4_5_moe": _randomize_selection_bias,
     "ernie4_5": _randomize_biases,
     "lfm2": _randomize_biases,
