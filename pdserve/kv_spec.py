@@ -47,6 +47,9 @@ class CacheSpec:
     per_request: ClassVar[bool] = False  # one slot per request instead of pages per token
     # items only on some logical pages (0 on the others, by structure: ``holds_item``)
     sparse_pages: ClassVar[bool] = False
+    # whether an attention backend reads this kind's pages (a per-request state is its layers'
+    # own business, a ``PositionLedger`` holds nothing to read)
+    attended: ClassVar[bool] = True
 
     def page_bytes(self, page_size: int, dtype_bytes: int) -> int:
         """Bytes one page of one layer takes (per-request kinds: one slot of one layer); every
@@ -190,6 +193,20 @@ class ChunkedAttention(FullAttention):
     @property
     def drops_pages(self) -> bool:
         return True
+
+
+@dataclass(frozen=True)
+class PositionLedger(CacheSpec):
+    """Pages without bytes: what a model that keeps no per-token cache (a pure state-space model)
+    gives one layer, so that its requests still hold pages that count their positions, as an
+    attention cache's would, for the page table, the prefix tree (whose state snapshots hang on
+    page boundaries) and PD (which then moves only the state)."""
+
+    kind: ClassVar[str] = "position_ledger"
+    attended: ClassVar[bool] = False
+
+    def page_bytes(self, page_size: int, dtype_bytes: int) -> int:
+        return 0
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ key, split and finality, of the size the split says; errors name both sides' val
 A ``TransferRequest`` names destination pages per cache group and a metadata row by index. The
 prefill rank accepts it only when
 - every index lies inside the buffers that session registered (page < pages of that group's
-  regions, row < rows in its metadata buffers), and
+  regions, where it has any: a group of pages without bytes has none and gets no write;
+  row < rows in its metadata buffers), and
 - no page or row is also the destination of another unfinished room of the same session
   (what decode allocated to a room belongs to that room alone until the room ends here), and
 - it names no page or row at all when this rank's pair with that decode rank is empty
@@ -168,7 +169,8 @@ class DestinationGuard:
                 f"registered {len(self.num_pages)}; nothing written"
             )
         for g, ids in enumerate(req.dst_pages):
-            bad = next((p for p in ids if not 0 <= p < self.num_pages[g]), None)
+            limit = self.num_pages[g]  # None: the group's pages hold no bytes
+            bad = None if limit is None else next((p for p in ids if not 0 <= p < limit), None)
             if bad is not None:
                 where = f" of cache group {g}" if len(self.num_pages) > 1 else ""
                 return (

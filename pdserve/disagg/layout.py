@@ -55,13 +55,15 @@ def _units_split_evenly(pieces: int, prefill_tp: int, decode_tp: int) -> bool:
     return not pieces or (pieces % prefill_tp == 0 and pieces % decode_tp == 0)
 
 
-def group_rows(regions: Sequence[Region], num_groups: int) -> list[int]:
-    """Pages each group's regions hold (the smallest region's count)."""
-    rows = [-1] * num_groups
+def group_rows(regions: Sequence[Region], num_groups: int) -> list[Optional[int]]:
+    """Pages each group's regions hold (the smallest region's count); None for a group without
+    regions (pages that hold no bytes, ``kv_spec.PositionLedger``: nothing is written there)."""
+    rows: list[Optional[int]] = [None] * num_groups
     for r in regions:
         if r.item_bytes > 0 and r.group < num_groups:
-            rows[r.group] = r.items if rows[r.group] < 0 else min(rows[r.group], r.items)
-    return [max(n, 0) for n in rows]
+            n = rows[r.group]
+            rows[r.group] = r.items if n is None else min(n, r.items)
+    return rows
 
 
 def chunk_descriptors(

@@ -23,6 +23,7 @@ from pdserve.engine.kv_pool import (
     CompressedPool,
     KVPool,
     LatentPool,
+    LedgerPool,
     StatePool,
     default_allocator,
 )
@@ -46,6 +47,7 @@ KINDS: dict[str, KindHandling] = {
     "recurrent_state": KindHandling(StatePolicy, StatePool),
     "compressed": KindHandling(CompressedPolicy, CompressedPool),
     "compressor_state": KindHandling(StatePolicy, StatePool),
+    "position_ledger": KindHandling(FullAttentionPolicy, LedgerPool),
 }
 
 

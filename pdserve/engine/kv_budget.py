@@ -19,6 +19,10 @@ import torch
 
 # Default share of available host memory for KV on CPU (servers often share one host).
 CPU_DEFAULT_KV_FRACTION = 0.1
+# A model whose only paged group holds no bytes (a pure state-space model's ``PositionLedger``):
+# pages for every running request at this length (without ``--context-length``), at most this many
+LEDGER_CONTEXT = 1 << 17
+LEDGER_MAX_PAGES = 1 << 22
 
 
 @dataclass
@@ -98,7 +102,12 @@ def page_counts(args, groups, per_page: list[int], riders: list[PageRider], devi
             f"max_mamba_cache_size: {slots - 1} state slots take more than the KV cache's "
             "memory budget; lower it (or max_running_requests) or raise mem_fraction_static"
         )
-    pages = budget / sum(s * b for s, b in zip(share, per_page))
+    paged_bytes = sum(s * b for s, b in zip(share, per_page))
+    if paged_bytes == 0:  # only pages without bytes (``PositionLedger``): as many as requests use
+        tokens = args.max_running_requests * (args.context_length or LEDGER_CONTEXT)
+        pages = min(-(-tokens // args.page_size), LEDGER_MAX_PAGES)
+        return [slots if st else pages + 1 for st in state]
+    pages = budget / paged_bytes
     return [slots if st else max(2, int(pages * s) + 1) for s, st in zip(share, state)]
 
 

@@ -488,6 +488,41 @@ class CompressedPool(LatentPool):
         return self.buffer[layer]
 
 
+class LedgerPool(BaseKVPool):
+    """The pages of a ``PositionLedger``: an allocator and nothing to hold (no regions, no bytes;
+    ``dtype`` is the model's, as the anchor pool's stands for the cache's)."""
+
+    item_bytes = 0
+
+    def __init__(self, num_pages: int, page_size: int, dtype: torch.dtype, device):
+        self.num_pages, self.page_size, self.dtype = num_pages, page_size, dtype
+        self.device = torch.device(device)
+        self.allocator = PageAllocator(num_pages)
+
+    @classmethod
+    def for_spec(
+        cls,
+        spec,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device,
+        allocator: BufferAllocator = default_allocator,
+    ) -> "LedgerPool":
+        return cls(num_pages, page_size, dtype, device)
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    def regions(self, group) -> list[Region]:
+        return []
+
+    def page_bytes(self) -> list[torch.Tensor]:
+        return []
+
+
 class StatePool(BaseKVPool):
     """Recurrent states (linear-attention layers): one slot per running request, holding each
     state tensor of every layer of the group; ``num_pages`` counts the slots, slot 0 the padding

@@ -211,8 +211,8 @@ class ModelRunner:
     @property
     def attention_kinds(self) -> set[str]:
         """The cache kinds the attention backend serves: the paged groups' (a per-request state
-        is its layers' own business)."""
-        return {g.kind for g in self.cache_groups if not g.spec.per_request}
+        is its layers' own business, a position ledger holds nothing)."""
+        return {g.kind for g in self.cache_groups if g.spec.attended and not g.spec.per_request}
 
     def _allocate_kv(self, counts: list[int], kv_allocator: BufferAllocator) -> None:
         """The pools of the cache groups (``counts`` pages each) and the routed experts' store."""

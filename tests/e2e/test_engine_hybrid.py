@@ -55,7 +55,10 @@ GROUPS = {
     "falcon_h1": [("full_attention", (0, 1)), ("recurrent_state", (0, 1))],  # both, each layer
     "falcon_h1_gate_norm": [("full_attention", (0, 1)), ("recurrent_state", (0, 1))],
     "falcon_h1_no_norm": [("full_attention", (0, 1)), ("recurrent_state", (0, 1))],
+    # no attention: layer 0's pages without bytes count the positions (the anchor group)
+    "mamba2": [("position_ledger", (0,)), ("recurrent_state", (0, 1, 2))],
 }
+POOLS = {"mamba2": ["LedgerPool", "StatePool"]}
 # Granite 4's MoE form: the dense checkpoint's plan with 4 experts of which each token takes 2
 VARIANTS = {
     "granite_hybrid_moe": ("granite_hybrid", dict(num_local_experts=4, num_experts_per_tok=2)),
@@ -103,6 +106,8 @@ MOE_HYBRIDS = ("qwen3_next", "granite_hybrid_moe", "qwen3_5_moe", "jamba")
         ("falcon_h1", 5, 1),
         ("falcon_h1_gate_norm", 64, 16),
         ("falcon_h1_no_norm", 5, 1),
+        ("mamba2", 64, 16),
+        ("mamba2", 5, 1),
     ],
 )
 def test_hybrid_matches_hf_float32(arch, chunk, page_size):
@@ -118,7 +123,8 @@ def test_hybrid_matches_hf_float32(arch, chunk, page_size):
     try:
         runner = eng.scheduler.runner
         assert [(g.kind, g.layers) for g in runner.cache_groups] == GROUPS[arch]
-        assert [type(p).__name__ for p in runner.pools] == ["KVPool", "StatePool"]
+        pools = POOLS.get(arch, ["KVPool", "StatePool"])
+        assert [type(p).__name__ for p in runner.pools] == pools
         # a slot and a snapshot slot per running request (the prefix cache is on)
         assert runner.pools[1].allocator.capacity == 6 and runner.pool is runner.pools[0]
         prompts = prompts_for(3)[:6]  # 1 to 160 tokens
@@ -218,7 +224,7 @@ def test_hybrid_bf16_matches_hf_bf16_up_to_ties(arch):
 
 
 @pytest.mark.parametrize(
-    "arch", ["bamba", "qwen3_next", "qwen3_5", "olmo_hybrid", "jamba", "falcon_h1"]
+    "arch", ["bamba", "qwen3_next", "qwen3_5", "olmo_hybrid", "jamba", "falcon_h1", "mamba2"]
 )
 def test_a_second_turn_continues_from_a_state_snapshot(arch):
     """Turn 1 (prompt + answer) ends: its full pages go into the prefix tree with the state at

@@ -670,6 +670,22 @@ ARCHS = {
             mlp_multipliers=[0.7, 1.4],
         ),
     ),
+    # a pure Mamba2 model: 3 layers of Bamba's mixer sizes, no attention, no MLP
+    "mamba2": (
+        "Mamba2Config",
+        "Mamba2ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            num_heads=8,
+            head_dim=16,
+            n_groups=2,
+            state_size=16,
+            conv_kernel=4,
+            expand=2,
+            chunk_size=8,
+            tie_word_embeddings=True,
+        ),
+    ),
     # Mamba2, MLP (no cache), attention without RoPE, MLP; the same Mamba2 sizes as Bamba's
     "nemotron_h": (
         "NemotronHConfig",
@@ -970,7 +986,7 @@ _RANDOM_NORMS += ("ernie4_5", "seed_oss", "hunyuan_dense", "granite_moe", "ernie
 _RANDOM_NORMS += ("hunyuan_moe", "olmo_hybrid", "phimoe")
 _RANDOM_NORMS += ("stablelm", "stablelm_parallel", "starcoder2")
 _RANDOM_NORMS += ("olmoe", "minimax_m2", "deepseek_v4", "llama4", "lfm2", "lfm3", "jamba")
-_RANDOM_NORMS += ("falcon_h1",)
+_RANDOM_NORMS += ("falcon_h1", "mamba2")
 
 
 def _randomize_deepseek_v4(model) -> None:
@@ -1022,12 +1038,13 @@ def _randomize_selection_bias(model) -> None:
 def _randomize_mamba_skip(model) -> None:
     """HF starts the Mamba layers' skip D at ones: a checkpoint's differ per channel."""
     for name, param in model.named_parameters():
-        if name.endswith("mamba.D"):
+        if name.endswith(("mamba.D", "mixer.D")):
             param.normal_(1.0, 0.5)
 
 
 _RANDOMIZE = {
     "jamba": _randomize_mamba_skip,
+    "mamba2": _randomize_mamba_skip,
     "falcon_h1": lambda model: (_randomize_biases(model), _randomize_mamba_skip(model)),
     "ernie4_5_moe": _randomize_selection_bias,
     "ernie4_5": _randomize_biases,

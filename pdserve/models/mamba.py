@@ -1,0 +1,93 @@
+"""Pure state-space models: Mamba2 (``Mamba2ForCausalLM``, e.g. Codestral Mamba), a stack of
+pre-norm Mamba2 mixers (``layers/mamba2.py``) without attention or MLPs.
+
+Such a model keeps no per-token cache, only a state per request and layer. So that its requests
+still hold pages counting their positions (the page table, the prefix tree whose state snapshots
+hang on page boundaries, the PD queues), layer 0 also keeps a ``kv_spec.PositionLedger``: pages
+without bytes, the anchor group. PD then moves the states alone. Checkpoint names are HF's:
+``backbone.embeddings``, ``backbone.layers.N.{norm,mixer}``, ``backbone.norm_f``.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from pdserve.kv_spec import PositionLedger
+from pdserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer
+from pdserve.layers.norm import RMSNorm
+from pdserve.models.bamba import HybridCausalLM
+from pdserve.models.llama import LlamaModel
+
+
+def mamba2_dims(config) -> Mamba2Dims:
+    inner = int(config.expand * config.hidden_size)
+    if inner != config.num_heads * config.head_dim:
+        raise ValueError(
+            f"num_heads: {config.num_heads} heads of head_dim {config.head_dim} are not the "
+            f"mixer's expand * hidden_size = {inner} channels (a gated-MLP share of in_proj is "
+            "not served)"
+        )
+    return Mamba2Dims(
+        hidden=config.hidden_size,
+        heads=config.num_heads,
+        head_dim=config.head_dim,
+        groups=config.n_groups,
+        state=config.state_size,
+        conv_kernel=config.conv_kernel,
+        chunk_size=config.chunk_size,
+        eps=config.layer_norm_epsilon,
+        proj_bias=bool(config.use_bias),
+        conv_bias=bool(config.use_conv_bias),
+        dt_limit=tuple(config.time_step_limit or (0.0, float("inf"))),
+    )
+
+
+class MambaBlock(nn.Module):
+    """``h + mixer(norm(h))``."""
+
+    rope_kind = "default"
+
+    def __init__(self, config, layer_id: int, shards, **attn_kwargs):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+        self.mixer = Mamba2Mixer(mamba2_dims(config), layer_id - shards.layers[0], shards.attn)
+
+    @property
+    def dp_mlps(self) -> list[nn.Module]:
+        return []
+
+    def forward(self, h, residual, rope, fb):
+        if residual is None:
+            residual, h = h, self.norm(h)
+        else:
+            h, residual = self.norm(h, residual)
+        return self.mixer(h, fb), residual
+
+
+class MambaModel(LlamaModel):
+    layer_cls = MambaBlock
+
+    @staticmethod
+    def rope_settings(config) -> dict[str, dict]:
+        return {}
+
+
+class Mamba2ForCausalLM(HybridCausalLM):
+    model_cls = MambaModel
+    checkpoint_prefixes = {
+        "backbone.embeddings.": "model.embed_tokens.",
+        "backbone.norm_f.": "model.norm.",
+        "backbone.": "model.",
+    }
+
+    def __init__(self, config, *args, **kwargs):
+        if getattr(config, "rms_norm_eps", None) is None:  # the final norm reads it
+            config.rms_norm_eps = config.layer_norm_epsilon
+        super().__init__(config, *args, **kwargs)
+
+    def kv_cache_specs(self) -> list:
+        dtype = str(self.model.norm.weight.dtype).replace("torch.", "")
+        specs: list = [layer.mixer.state_spec(dtype) for layer in self.model.own_layers]
+        if specs:  # each pipeline stage's first layer
+            specs[0] = (PositionLedger(), specs[0])
+        return specs
