@@ -1,10 +1,12 @@
-"""Mamba (version 1) mixer: the ``mamba`` layers of Jamba (``JambaForCausalLM``), in torch.
+"""Mamba (version 1) mixer: the ``mamba`` layers of Jamba (``JambaForCausalLM``) and the layers of
+Mamba and FalconMamba (``MambaForCausalLM``, ``FalconMambaForCausalLM``), in torch.
 
 Per token: ``in_proj`` gives x and the gate z (I channels each); x goes through a depthwise causal
 convolution of K taps and SiLU; ``x_proj`` maps it to a time step of R ranks and B and C (N each),
-which Jamba normalises (``dt_layernorm``, ``b_layernorm``, ``c_layernorm``); ``dt_proj`` widens the
-time step to one per channel, and with ``dt = softplus(dt + dt_bias)`` and ``A = -exp(A_log)``
-([I, N]: one decay per channel and state) every channel i runs::
+which Jamba normalises (``dt_layernorm``, ``b_layernorm``, ``c_layernorm``; FalconMamba without
+weights, Mamba not at all); ``dt_proj`` widens the time step to one per channel, and with ``dt =
+softplus(dt + dt_bias)`` and ``A = -exp(A_log)`` ([I, N]: one decay per channel and state) every
+channel i runs::
 
     S_t[i] = exp(dt_t[i] A[i]) S_{t-1}[i] + dt_t[i] x_t[i] B_t        (S: [I, N])
     y_t[i] = S_t[i] . C_t + D[i] x_t[i]
@@ -34,7 +36,7 @@ from pdserve.kv_spec import RecurrentState
 from pdserve.layers import state_snapshots as snapshots
 from pdserve.layers.linear import Linear, RowParallelLinear
 from pdserve.layers.mamba2 import DepthwiseConv, causal_conv
-from pdserve.layers.norm import RMSNorm
+from pdserve.layers.norm import RMSNorm, UnitRMSNorm
 
 STATE_KIND = RecurrentState.kind
 CHECKPOINT_NAMES = {"dt_bias": "dt_proj.bias"}  # ours -> the checkpoint's
@@ -51,7 +53,9 @@ class Mamba1Dims:
     eps: float
     proj_bias: bool = False
     conv_bias: bool = True
-    bcdt_norms: bool = True  # Jamba's RMSNorms on the time step, B and C
+    # RMS norms on the time step, B and C: "weighted" (Jamba's), "weightless" (FalconMamba's),
+    # "none" (Mamba's)
+    bcdt_norms: str = "weighted"
 
     def shard(self, ranks: int) -> "Mamba1Dims":
         if self.inner % ranks:
@@ -87,10 +91,13 @@ class Mamba1Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.empty(d.inner, d.state))
         self.D = nn.Parameter(torch.empty(d.inner))
         self.out_proj = RowParallelLinear(d.inner, d.hidden, bias=d.proj_bias, tp=tp)
-        if d.bcdt_norms:
-            self.dt_layernorm = RMSNorm(d.dt_rank, d.eps)
-            self.b_layernorm = RMSNorm(d.state, d.eps)
-            self.c_layernorm = RMSNorm(d.state, d.eps)
+        if d.bcdt_norms not in ("weighted", "weightless", "none"):
+            raise ValueError(f"bcdt_norms: {d.bcdt_norms!r}; expected weighted, weightless or none")
+        if d.bcdt_norms != "none":
+            norm = RMSNorm if d.bcdt_norms == "weighted" else UnitRMSNorm
+            self.dt_layernorm = norm(d.dt_rank, d.eps)
+            self.b_layernorm = norm(d.state, d.eps)
+            self.c_layernorm = norm(d.state, d.eps)
 
     def state_spec(self, conv_dtype: str) -> RecurrentState:
         return self.dims.state_spec(conv_dtype, self.tp.size)
@@ -159,7 +166,7 @@ class Mamba1Mixer(nn.Module):
         """The time step (one per channel, before its bias), B and C of convolved tokens."""
         d = self.dims
         dt, b, c = self.x_proj(xc.contiguous()).split([d.dt_rank, d.state, d.state], dim=-1)
-        if d.bcdt_norms:
+        if d.bcdt_norms != "none":
             dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(c)
         return self.dt_proj(dt.contiguous()), b, c
 

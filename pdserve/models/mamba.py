@@ -1,5 +1,7 @@
-"""Pure state-space models: Mamba2 (``Mamba2ForCausalLM``, e.g. Codestral Mamba), a stack of
-pre-norm Mamba2 mixers (``layers/mamba2.py``) without attention or MLPs.
+"""Pure state-space models: stacks of pre-norm mixers without attention or MLPs. Mamba2
+(``Mamba2ForCausalLM``, e.g. Codestral Mamba: ``layers/mamba2.py``), Mamba and FalconMamba
+(``MambaForCausalLM``, ``FalconMambaForCausalLM``: ``layers/mamba1.py``, FalconMamba with weightless
+RMS norms on the time step, B and C).
 
 Such a model keeps no per-token cache, only a state per request and layer. So that its requests
 still hold pages counting their positions (the page table, the prefix tree whose state snapshots
@@ -13,6 +15,7 @@ from __future__ import annotations
 from torch import nn
 
 from pdserve.kv_spec import PositionLedger
+from pdserve.layers.mamba1 import Mamba1Dims, Mamba1Mixer
 from pdserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer
 from pdserve.layers.norm import RMSNorm
 from pdserve.models.bamba import HybridCausalLM
@@ -42,15 +45,34 @@ def mamba2_dims(config) -> Mamba2Dims:
     )
 
 
+def mamba1_dims(config, norms: str) -> Mamba1Dims:
+    return Mamba1Dims(
+        hidden=config.hidden_size,
+        inner=config.intermediate_size,
+        state=config.state_size,
+        conv_kernel=config.conv_kernel,
+        dt_rank=config.time_step_rank,
+        eps=getattr(config, "mixer_rms_eps", None) or config.layer_norm_epsilon,
+        proj_bias=bool(config.use_bias),
+        conv_bias=bool(config.use_conv_bias),
+        bcdt_norms=norms,
+    )
+
+
 class MambaBlock(nn.Module):
-    """``h + mixer(norm(h))``."""
+    """``h + mixer(norm(h))``; the mixer by the config's ``model_type``."""
 
     rope_kind = "default"
 
     def __init__(self, config, layer_id: int, shards, **attn_kwargs):
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
-        self.mixer = Mamba2Mixer(mamba2_dims(config), layer_id - shards.layers[0], shards.attn)
+        kv_layer, tp = layer_id - shards.layers[0], shards.attn
+        if config.model_type == "mamba2":
+            self.mixer = Mamba2Mixer(mamba2_dims(config), kv_layer, tp)
+        else:
+            norms = "weightless" if config.model_type == "falcon_mamba" else "none"
+            self.mixer = Mamba1Mixer(mamba1_dims(config, norms), kv_layer, tp)
 
     @property
     def dp_mlps(self) -> list[nn.Module]:
@@ -64,8 +86,13 @@ class MambaBlock(nn.Module):
         return self.mixer(h, fb), residual
 
 
+class FinalNorm(RMSNorm):
+    eps_field = "layer_norm_epsilon"  # the Mamba configs' (``llama.norm_eps``)
+
+
 class MambaModel(LlamaModel):
     layer_cls = MambaBlock
+    norm_cls = FinalNorm
 
     @staticmethod
     def rope_settings(config) -> dict[str, dict]:
@@ -80,14 +107,17 @@ class Mamba2ForCausalLM(HybridCausalLM):
         "backbone.": "model.",
     }
 
-    def __init__(self, config, *args, **kwargs):
-        if getattr(config, "rms_norm_eps", None) is None:  # the final norm reads it
-            config.rms_norm_eps = config.layer_norm_epsilon
-        super().__init__(config, *args, **kwargs)
-
     def kv_cache_specs(self) -> list:
         dtype = str(self.model.norm.weight.dtype).replace("torch.", "")
         specs: list = [layer.mixer.state_spec(dtype) for layer in self.model.own_layers]
         if specs:  # each pipeline stage's first layer
             specs[0] = (PositionLedger(), specs[0])
         return specs
+
+
+class MambaForCausalLM(Mamba2ForCausalLM):
+    pass
+
+
+class FalconMambaForCausalLM(Mamba2ForCausalLM):
+    pass

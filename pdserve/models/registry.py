@@ -51,6 +51,8 @@ _MODELS = {
     "JambaForCausalLM": ("pdserve.models.jamba", "JambaForCausalLM"),
     "FalconH1ForCausalLM": ("pdserve.models.falcon_h1", "FalconH1ForCausalLM"),
     "Mamba2ForCausalLM": ("pdserve.models.mamba", "Mamba2ForCausalLM"),
+    "MambaForCausalLM": ("pdserve.models.mamba", "MambaForCausalLM"),
+    "FalconMambaForCausalLM": ("pdserve.models.mamba", "FalconMambaForCausalLM"),
     "NemotronHForCausalLM": ("pdserve.models.nemotron_h", "NemotronHForCausalLM"),
     "Qwen3NextForCausalLM": ("pdserve.models.qwen3_next", "Qwen3NextForCausalLM"),
     "Lfm2ForCausalLM": ("pdserve.models.lfm2", "Lfm2ForCausalLM"),

@@ -5,13 +5,15 @@ residual, attention and logits multipliers; dense, and its MoE form with Granite
 tensors), Qwen3-Next (Gated DeltaNet layers, gated attention, sparse and dense MLPs; scan blocks of
 64), Qwen3.5 (Qwen3-Next's plan with the mixer's input projections apart and M-RoPE settings; dense,
 and its MoE form), OLMo-Hybrid and Jamba (Mamba version 1 layers with normed time step, B and C,
-attention without positions, sparse and dense MLPs). Greedy tokens identical in float32 with
-logprobs within 1e-4 (bf16 by the tie-aware rule), prompts longer than the scan block (8) prefilled
-whole and in chunks of 1, 5 and 64 tokens at page sizes 1 and 16, a long decode; the attention
-layer's pages are the anchor group and each request holds a state slot (and, with the prefix cache,
-a snapshot slot) from admission to its end, so fewer slots than requests make requests wait, never
-fail; pools and slots free afterwards. A second turn that extends a finished conversation continues
-from the snapshot of its state and gives the tokens of a cold run."""
+attention without positions, sparse and dense MLPs), Falcon-H1 (a Mamba2 mixer beside attention in
+every layer, with its multipliers and three forms of the gated norm) and the pure state-space models
+Mamba2, Mamba and FalconMamba (no attention: pages without bytes count the positions). Greedy tokens
+identical in float32 with logprobs within 1e-4 (bf16 by the tie-aware rule), prompts longer than the
+scan block (8) prefilled whole and in chunks of 1, 5 and 64 tokens at page sizes 1 and 16, a long
+decode; the attention layer's pages are the anchor group and each request holds a state slot (and,
+with the prefix cache, a snapshot slot) from admission to its end, so fewer slots than requests make
+requests wait, never fail; pools and slots free afterwards. A second turn that extends a finished
+conversation continues from the snapshot of its state and gives the tokens of a cold run."""
 
 from __future__ import annotations
 
@@ -57,8 +59,10 @@ GROUPS = {
     "falcon_h1_no_norm": [("full_attention", (0, 1)), ("recurrent_state", (0, 1))],
     # no attention: layer 0's pages without bytes count the positions (the anchor group)
     "mamba2": [("position_ledger", (0,)), ("recurrent_state", (0, 1, 2))],
+    "mamba": [("position_ledger", (0,)), ("recurrent_state", (0, 1, 2))],
+    "falcon_mamba": [("position_ledger", (0,)), ("recurrent_state", (0, 1, 2))],
 }
-POOLS = {"mamba2": ["LedgerPool", "StatePool"]}
+POOLS = {arch: ["LedgerPool", "StatePool"] for arch in ("mamba2", "mamba", "falcon_mamba")}
 # Granite 4's MoE form: the dense checkpoint's plan with 4 experts of which each token takes 2
 VARIANTS = {
     "granite_hybrid_moe": ("granite_hybrid", dict(num_local_experts=4, num_experts_per_tok=2)),
@@ -108,6 +112,8 @@ MOE_HYBRIDS = ("qwen3_next", "granite_hybrid_moe", "qwen3_5_moe", "jamba")
         ("falcon_h1_no_norm", 5, 1),
         ("mamba2", 64, 16),
         ("mamba2", 5, 1),
+        ("mamba", 64, 16),
+        ("falcon_mamba", 5, 1),
     ],
 )
 def test_hybrid_matches_hf_float32(arch, chunk, page_size):

@@ -686,6 +686,18 @@ ARCHS = {
             tie_word_embeddings=True,
         ),
     ),
+    # Mamba (version 1): 3 layers of 128 channels, state 16, time step rank 8; FalconMamba the
+    # same with its weightless norms on the time step, B and C
+    "mamba": (
+        "MambaConfig",
+        "MambaForCausalLM",
+        dict(num_hidden_layers=3, state_size=16, conv_kernel=4, expand=2, time_step_rank=8),
+    ),
+    "falcon_mamba": (
+        "FalconMambaConfig",
+        "FalconMambaForCausalLM",
+        dict(num_hidden_layers=3, state_size=16, conv_kernel=4, expand=2, time_step_rank=8),
+    ),
     # Mamba2, MLP (no cache), attention without RoPE, MLP; the same Mamba2 sizes as Bamba's
     "nemotron_h": (
         "NemotronHConfig",
@@ -986,7 +998,7 @@ _RANDOM_NORMS += ("ernie4_5", "seed_oss", "hunyuan_dense", "granite_moe", "ernie
 _RANDOM_NORMS += ("hunyuan_moe", "olmo_hybrid", "phimoe")
 _RANDOM_NORMS += ("stablelm", "stablelm_parallel", "starcoder2")
 _RANDOM_NORMS += ("olmoe", "minimax_m2", "deepseek_v4", "llama4", "lfm2", "lfm3", "jamba")
-_RANDOM_NORMS += ("falcon_h1", "mamba2")
+_RANDOM_NORMS += ("falcon_h1", "mamba2", "mamba", "falcon_mamba")
 
 
 def _randomize_deepseek_v4(model) -> None:
@@ -1045,6 +1057,8 @@ def _randomize_mamba_skip(model) -> None:
 _RANDOMIZE = {
     "jamba": _randomize_mamba_skip,
     "mamba2": _randomize_mamba_skip,
+    "mamba": _randomize_mamba_skip,
+    "falcon_mamba": _randomize_mamba_skip,
     "falcon_h1": lambda model: (_randomize_biases(model), _randomize_mamba_skip(model)),
     "ernie4_5_moe": _randomize_selection_bias,
     "ernie4_5": _randomize_biases,
