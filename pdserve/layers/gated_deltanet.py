@@ -40,7 +40,13 @@ from pdserve.forward_batch import ForwardBatch
 from pdserve.kv_spec import RecurrentState
 from pdserve.layers import state_snapshots as snapshots
 from pdserve.layers.linear import Linear, RowParallelLinear
-from pdserve.layers.mamba2 import DepthwiseConv, causal_conv, cpu_kernel_runs
+from pdserve.layers.mamba2 import (
+    DepthwiseConv,
+    causal_conv,
+    cpu_kernel_runs,
+    extend_window,
+    step_window,
+)
 
 STATE_KIND = RecurrentState.kind
 
@@ -262,10 +268,7 @@ class GatedDeltaNet(nn.Module):
             states = (conv_state, rec_state, slot, self.conv1d.weight, d.key_heads)
             self.ops.gated_delta_scan(o, qkv, g.contiguous(), beta.contiguous(), *states)
             return o.to(qkv.dtype)
-        k1 = d.conv_kernel - 1
-        prev = conv_state[slot] if prefix else torch.zeros_like(conv_state[slot])
-        window = torch.cat([prev.to(qkv.dtype), qkv.t()], dim=1)  # [C, K - 1 + n]
-        conv_state[slot] = window[:, window.shape[1] - k1 :]
+        window = extend_window(conv_state, slot, qkv, prefix)  # [C, K - 1 + n]
         q, k, v = self._qkv(causal_conv(self.conv1d, window[None], n)[0])
         # heads first: [Hv, n, ..]
         q, k, v = (x.transpose(0, 1) for x in (q, k, v))
@@ -293,8 +296,7 @@ class GatedDeltaNet(nn.Module):
                 out, qkv, g, beta, conv_state, rec_state, slots, self.conv1d.weight, d.key_heads
             )
             return out
-        window = torch.cat([conv_state[slots].to(qkv.dtype), qkv[:, :, None]], dim=2)
-        conv_state[slots] = window[:, :, 1:]
+        window = step_window(conv_state, slots, qkv)
         q, k, v = self._qkv(causal_conv(self.conv1d, window, 1)[:, 0])  # [B, Hv, ..]
         s = rec_state[slots] * torch.exp(g)[..., None, None]  # [B, Hv, dk, dv]
         delta = (v - torch.einsum("bhkv,bhk->bhv", s, k)) * beta[..., None]

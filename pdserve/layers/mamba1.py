@@ -35,7 +35,7 @@ from pdserve.forward_batch import ForwardBatch
 from pdserve.kv_spec import RecurrentState
 from pdserve.layers import state_snapshots as snapshots
 from pdserve.layers.linear import Linear, RowParallelLinear
-from pdserve.layers.mamba2 import DepthwiseConv, causal_conv
+from pdserve.layers.mamba2 import DepthwiseConv, causal_conv, extend_window, step_window
 from pdserve.layers.norm import RMSNorm, UnitRMSNorm
 
 STATE_KIND = RecurrentState.kind
@@ -134,21 +134,17 @@ class Mamba1Mixer(nn.Module):
         conv_state, ssm_state = pool.state("conv", index), pool.state("ssm", index)
         x, z = self.in_proj(h).chunk(2, dim=-1)
         out = torch.empty_like(x)
-        k1 = self.dims.conv_kernel - 1
 
         def extend(rows: slice, position: int, slot: int) -> None:
-            prev = conv_state[slot] if position else torch.zeros_like(conv_state[slot])
-            window = torch.cat([prev.to(x.dtype), x[rows].t()], dim=1)  # [I, K - 1 + n]
-            conv_state[slot] = window[:, window.shape[1] - k1 :]
-            xc = causal_conv(self.conv1d, window[None], window.shape[1] - k1)[0]  # [n, I]
+            window = extend_window(conv_state, slot, x[rows], position)  # [I, K - 1 + n]
+            xc = causal_conv(self.conv1d, window[None], rows.stop - rows.start)[0]  # [n, I]
             dt, b, c = self._selective(xc)
             if not position:
                 ssm_state[slot].zero_()
             out[rows] = self._scan(xc, dt, b, c, z[rows], ssm_state, slot)
 
         def step(rows: torch.Tensor, slots: torch.Tensor) -> None:
-            window = torch.cat([conv_state[slots].to(x.dtype), x[rows][:, :, None]], dim=2)
-            conv_state[slots] = window[:, :, 1:]
+            window = step_window(conv_state, slots, x[rows])
             xc = causal_conv(self.conv1d, window, 1)[:, 0]  # [B, I]
             dt, b, c = self._selective(xc)
             dt = F.softplus(dt + self.dt_bias.to(dt.dtype))

@@ -165,6 +165,24 @@ class DepthwiseConv(nn.Module):
         self.bias = nn.Parameter(torch.empty(channels)) if bias else None
 
 
+def extend_window(state: torch.Tensor, slot: int, x: torch.Tensor, prefix: int) -> torch.Tensor:
+    """The convolution's window over ``x`` [n, C], new inputs of one request after ``prefix``
+    tokens: its previous K - 1 inputs (``state[slot]``, [C, K - 1]; zeros for an empty prefix),
+    then x's, [C, K - 1 + n] in x's dtype; ``state[slot]`` takes the last K - 1."""
+    prev = state[slot] if prefix else torch.zeros_like(state[slot])
+    window = torch.cat([prev.to(x.dtype), x.t()], dim=1)
+    state[slot] = window[:, window.shape[1] - state.shape[-1] :]
+    return window
+
+
+def step_window(state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The windows [B, C, K] of one new input ``x`` [B, C] per request at ``slots`` (the state
+    [num_slots, C, K - 1] takes the last K - 1 of each)."""
+    window = torch.cat([state[slots].to(x.dtype), x[:, :, None]], dim=2)
+    state[slots] = window[:, :, 1:]
+    return window
+
+
 def causal_conv(
     conv: DepthwiseConv, window: torch.Tensor, n: int, silu: bool = True
 ) -> torch.Tensor:
@@ -339,10 +357,7 @@ class Mamba2Mixer(nn.Module):
                 y, xbc, dt, conv_state, ssm_state, slot, *weights, d.groups, *d.dt_limit
             )
             return y
-        k1 = d.conv_kernel - 1
-        prev = conv_state[slot] if prefix else torch.zeros_like(conv_state[slot])
-        window = torch.cat([prev.to(xbc.dtype), xbc.t()], dim=1)  # [C, K - 1 + n]
-        conv_state[slot] = window[:, window.shape[1] - k1 :]
+        window = extend_window(conv_state, slot, xbc, prefix)  # [C, K - 1 + n]
         x, b, c = self._split(causal_conv(self.conv1d, window[None], n)[0])
         dt = F.softplus(dt + self.dt_bias.to(dt.dtype))
         dt = torch.clamp(dt, *d.dt_limit).float()  # [n, H]
@@ -378,8 +393,7 @@ class Mamba2Mixer(nn.Module):
                 out, xbc, dt, conv_state, ssm_state, slots, *weights, d.groups
             )
             return out
-        window = torch.cat([conv_state[slots].to(xbc.dtype), xbc[:, :, None]], dim=2)
-        conv_state[slots] = window[:, :, 1:]
+        window = step_window(conv_state, slots, xbc)
         x, b, c = self._split(causal_conv(self.conv1d, window, 1)[:, 0])  # [B, H, P], [B, H, N]
         dt = F.softplus(dt + self.dt_bias.to(dt.dtype))[:, :, None]  # [B, H, 1], model dtype
         decay = torch.exp(dt.float() * -torch.exp(self.A_log.float())[:, None])  # [B, H, 1]

@@ -23,7 +23,7 @@ from pdserve.forward_batch import ForwardBatch
 from pdserve.kv_spec import RecurrentState
 from pdserve.layers import state_snapshots as snapshots
 from pdserve.layers.linear import Linear, RowParallelLinear
-from pdserve.layers.mamba2 import DepthwiseConv, causal_conv
+from pdserve.layers.mamba2 import DepthwiseConv, causal_conv, extend_window, step_window
 
 STATE_KIND = RecurrentState.kind
 
@@ -86,17 +86,13 @@ class ShortConvMixer(nn.Module):
         b, c, x = self.in_proj(h).chunk(3, dim=-1)
         bx = b * x
         out = torch.empty_like(bx)
-        k1 = self.kernel - 1
 
         def extend(rows: slice, position: int, slot: int) -> None:
-            prev = state[slot] if position else torch.zeros_like(state[slot])
-            window = torch.cat([prev.to(bx.dtype), bx[rows].t()], dim=1)  # [C, K - 1 + m]
-            state[slot] = window[:, window.shape[1] - k1 :]
-            out[rows] = causal_conv(self.conv, window[None], window.shape[1] - k1, silu=False)[0]
+            window = extend_window(state, slot, bx[rows], position)  # [C, K - 1 + m]
+            out[rows] = causal_conv(self.conv, window[None], rows.stop - rows.start, silu=False)[0]
 
         def step(rows: torch.Tensor, slots: torch.Tensor) -> None:
-            window = torch.cat([state[slots].to(bx.dtype), bx[rows][:, :, None]], dim=2)
-            state[slots] = window[:, :, 1:]
+            window = step_window(state, slots, bx[rows])
             out[rows] = causal_conv(self.conv, window, 1, silu=False)[:, 0]
 
         snapshots.run(fb, self.kv_layer, STATE_KIND, extend, step)

@@ -45,11 +45,37 @@ def bamba_dims(config) -> Mamba2Dims:
     )
 
 
-class BambaDecoderLayer(nn.Module):
+class HybridDecoderLayer(nn.Module):
+    """``input_layernorm``, the layer's mixer (``mamba``) or attention (``self_attn``; ``mix``),
+    ``pre_ff_layernorm``, ``feed_forward``, each joining the residual stream: the subclass makes
+    the mixer, the attention and the MLP."""
+
     rope_kind = "default"
 
-    def __init__(self, config, layer_id: int, shards, **attn_kwargs):
+    def __init__(self, config):
         super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @property
+    def dp_mlps(self) -> list[nn.Module]:
+        return [self.feed_forward]
+
+    def mix(self, h, rope, fb):
+        return self.mamba(h, fb) if hasattr(self, "mamba") else self.self_attn(h, rope, fb)
+
+    def forward(self, h, residual, rope, fb):
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h, residual = self.pre_ff_layernorm(self.mix(h, rope, fb), residual)
+        return run_mlp(self.feed_forward, h, fb), residual
+
+
+class BambaDecoderLayer(HybridDecoderLayer):
+    def __init__(self, config, layer_id: int, shards, **attn_kwargs):
+        super().__init__(config)
         kind = config.layers_block_type[layer_id]
         if kind == ATTENTION:
             self.self_attn = PartialRotaryAttention(config, layer_id, shards, **attn_kwargs)
@@ -58,24 +84,6 @@ class BambaDecoderLayer(nn.Module):
         else:
             raise ValueError(f"layers_block_type[{layer_id}]: {kind!r} is not a Bamba layer kind")
         self.feed_forward = LlamaMLP(config, shards)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    @property
-    def dp_mlps(self) -> list[nn.Module]:
-        return [self.feed_forward]
-
-    def forward(self, h, residual, rope, fb):
-        if residual is None:
-            residual, h = h, self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm(h, residual)
-        if hasattr(self, "mamba"):
-            h = self.mamba(h, fb)
-        else:
-            h = self.self_attn(h, rope, fb)
-        h, residual = self.pre_ff_layernorm(h, residual)
-        return run_mlp(self.feed_forward, h, fb), residual
 
 
 class BambaModel(LlamaModel):

@@ -16,37 +16,23 @@ for the final norm.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
-from torch import nn
 
 from pdserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer
-from pdserve.layers.norm import RMSNorm
 from pdserve.layers.vocab import MultipliedEmbedding
-from pdserve.models.bamba import HybridCausalLM
-from pdserve.models.decoder import run_mlp
+from pdserve.models.bamba import HybridCausalLM, HybridDecoderLayer, bamba_dims
 from pdserve.models.llama import LlamaAttention, LlamaMLP, LlamaModel, attention_spec
 
 
 def falcon_h1_dims(config) -> Mamba2Dims:
+    """Bamba's Mamba2 fields, with Falcon-H1's gated-norm form and output bias."""
     if not config.mamba_rms_norm:
         norm = "gate"
     else:
         norm = "norm_gate_f32" if config.mamba_norm_before_gate else "gate_norm_f32"
-    return Mamba2Dims(
-        hidden=config.hidden_size,
-        heads=config.mamba_n_heads,
-        head_dim=config.mamba_d_head,
-        groups=config.mamba_n_groups,
-        state=config.mamba_d_state,
-        conv_kernel=config.mamba_d_conv,
-        chunk_size=config.mamba_chunk_size,
-        eps=config.rms_norm_eps,
-        proj_bias=bool(config.mamba_proj_bias),
-        conv_bias=bool(config.mamba_conv_bias),
-        dt_limit=tuple(config.time_step_limit or (0.0, float("inf"))),
-        norm=norm,
-        out_bias=bool(config.projectors_bias),
-    )
+    return replace(bamba_dims(config), norm=norm, out_bias=bool(config.projectors_bias))
 
 
 class FalconH1Attention(LlamaAttention):
@@ -72,34 +58,21 @@ class FalconH1MLP(LlamaMLP):
         return self.down_proj(self.act(gate * self.gate_multiplier) * up) * self.down_multiplier
 
 
-class FalconH1DecoderLayer(nn.Module):
-    rope_kind = "default"
-
+class FalconH1DecoderLayer(HybridDecoderLayer):
     def __init__(self, config, layer_id: int, shards, **attn_kwargs):
-        super().__init__()
+        super().__init__(config)
         self.mamba = Mamba2Mixer(falcon_h1_dims(config), layer_id - shards.layers[0], shards.attn)
         self.mamba.set_multipliers(config.ssm_in_multiplier, tuple(config.ssm_multipliers))
         self.self_attn = FalconH1Attention(config, layer_id, shards, **attn_kwargs)
         self.feed_forward = FalconH1MLP(config, shards)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ssm_out = float(config.ssm_out_multiplier)
         self.attention_in = float(config.attention_in_multiplier)
         self.attention_out = float(config.attention_out_multiplier)
 
-    @property
-    def dp_mlps(self) -> list[nn.Module]:
-        return [self.feed_forward]
-
-    def forward(self, h, residual, rope, fb):
-        if residual is None:
-            residual, h = h, self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm(h, residual)
+    def mix(self, h, rope, fb):
+        """The mixer and attention side by side on the same normed input."""
         mixed = self.mamba(h, fb) * self.ssm_out
-        attended = self.self_attn(h * self.attention_in, rope, fb) * self.attention_out
-        h, residual = self.pre_ff_layernorm(mixed + attended, residual)
-        return run_mlp(self.feed_forward, h, fb), residual
+        return mixed + self.self_attn(h * self.attention_in, rope, fb) * self.attention_out
 
 
 class FalconH1Model(LlamaModel):

@@ -10,13 +10,9 @@ group). Checkpoint names are HF's, with ``model.final_layernorm`` for the final 
 
 from __future__ import annotations
 
-from torch import nn
-
 from pdserve.layers.mamba1 import Mamba1Dims, Mamba1Mixer
 from pdserve.layers.moe.router import Router, qwen_router
-from pdserve.layers.norm import RMSNorm
-from pdserve.models.bamba import HybridCausalLM
-from pdserve.models.decoder import run_mlp
+from pdserve.models.bamba import HybridCausalLM, HybridDecoderLayer
 from pdserve.models.llama import LlamaMLP, LlamaModel
 from pdserve.models.moe import MoEForCausalLM
 from pdserve.models.nemotron_h import NoRopeAttention
@@ -35,11 +31,9 @@ def jamba_dims(config) -> Mamba1Dims:
     )
 
 
-class JambaDecoderLayer(nn.Module):
-    rope_kind = "default"
-
+class JambaDecoderLayer(HybridDecoderLayer):
     def __init__(self, config, layer_id: int, shards, make_mlp=None, mlp_name=None, **attn_kwargs):
-        super().__init__()
+        super().__init__(config)
         kind = config.layers_block_type[layer_id]
         if kind == "attention":
             self.self_attn = NoRopeAttention(config, layer_id, shards, **attn_kwargs)
@@ -52,21 +46,6 @@ class JambaDecoderLayer(nn.Module):
         self.feed_forward = (
             make_mlp(config, layer_id, shards) if make_mlp else LlamaMLP(config, shards)
         )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    @property
-    def dp_mlps(self) -> list[nn.Module]:
-        return [self.feed_forward]
-
-    def forward(self, h, residual, rope, fb):
-        if residual is None:
-            residual, h = h, self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.mamba(h, fb) if hasattr(self, "mamba") else self.self_attn(h, rope, fb)
-        h, residual = self.pre_ff_layernorm(h, residual)
-        return run_mlp(self.feed_forward, h, fb), residual
 
 
 class JambaModel(LlamaModel):
