@@ -181,7 +181,12 @@ def test_silu_and_mul(ops, isa, dtype):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 21, 100])
-@pytest.mark.parametrize("n,k", [(3072, 576), (37, 19), (100, 64)])
+@pytest.mark.parametrize(
+    "n,k",
+    # 200 x 576: panels of 64 outputs and a ragged one, k chunks of 256 and a ragged one (every
+    # blocking of the kernels), at a fifteenth of a model-sized 3072 x 576
+    [pytest.param(3072, 576, marks=pytest.mark.large_shape), (200, 576), (37, 19), (100, 64)],
+)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_vnni_linear_matches_float64(ops, isa, rows, n, k, out_dtype):
     gen = torch.Generator().manual_seed(n + k + rows)
