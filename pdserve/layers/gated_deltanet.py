@@ -43,6 +43,7 @@ from pdserve.layers.linear import Linear, RowParallelLinear
 from pdserve.layers.mamba2 import (
     DepthwiseConv,
     causal_conv,
+    copy_share,
     cpu_kernel_runs,
     extend_window,
     step_window,
@@ -160,11 +161,7 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"unexpected Gated DeltaNet weight {name!r}")
         target, name = name, name.replace(".weight_scale_inv", ".weight")  # FP8 scales: as weights
         t = self.rank_part(name, src)
-        if tuple(t.shape) != tuple(params[target].shape):
-            raise ValueError(
-                f"expected shape {tuple(params[target].shape)} for this rank, got {tuple(t.shape)}"
-            )
-        params[target].data.copy_(t)
+        copy_share(params[target], t, target)
 
     def rank_part(self, name: str, src: Any) -> torch.Tensor:
         """This rank's part of the layer's checkpoint tensor ``name``."""

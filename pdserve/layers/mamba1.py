@@ -35,7 +35,13 @@ from pdserve.forward_batch import ForwardBatch
 from pdserve.kv_spec import RecurrentState
 from pdserve.layers import state_snapshots as snapshots
 from pdserve.layers.linear import Linear, RowParallelLinear
-from pdserve.layers.mamba2 import DepthwiseConv, causal_conv, extend_window, step_window
+from pdserve.layers.mamba2 import (
+    DepthwiseConv,
+    causal_conv,
+    copy_share,
+    extend_window,
+    step_window,
+)
 from pdserve.layers.norm import RMSNorm, UnitRMSNorm
 
 STATE_KIND = RecurrentState.kind
@@ -121,12 +127,7 @@ class Mamba1Mixer(nn.Module):
             t = src[:, mine]
         else:  # out_proj.bias (added once after the sum) and the norms: whole
             t = src[:]
-        if tuple(t.shape) != tuple(params[name].shape):
-            raise ValueError(
-                f"{name}: expected shape {tuple(params[name].shape)} for this rank, "
-                f"got {tuple(t.shape)}"
-            )
-        params[name].data.copy_(t)
+        copy_share(params[name], t, name)
 
     # ---- compute -----------------------------------------------------------------------------
     def forward(self, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:

@@ -165,6 +165,16 @@ class DepthwiseConv(nn.Module):
         self.bias = nn.Parameter(torch.empty(channels)) if bias else None
 
 
+def copy_share(param: torch.Tensor, t: torch.Tensor, name: str) -> None:
+    """Copy this rank's share ``t`` of checkpoint tensor ``name`` into ``param``, refusing a shape
+    that is not the parameter's (the state mixers read their weights themselves)."""
+    if tuple(t.shape) != tuple(param.shape):
+        raise ValueError(
+            f"{name}: expected shape {tuple(param.shape)} for this rank, got {tuple(t.shape)}"
+        )
+    param.data.copy_(t)
+
+
 def extend_window(state: torch.Tensor, slot: int, x: torch.Tensor, prefix: int) -> torch.Tensor:
     """The convolution's window over ``x`` [n, C], new inputs of one request after ``prefix``
     tokens: its previous K - 1 inputs (``state[slot]``, [C, K - 1]; zeros for an empty prefix),
@@ -289,11 +299,7 @@ class Mamba2Mixer(nn.Module):
             t = src[:, r * self.dims.inner : (r + 1) * self.dims.inner]
         else:  # out_proj.bias: whole, added once after the sum
             t = src[:]
-        if tuple(t.shape) != tuple(params[name].shape):
-            raise ValueError(
-                f"expected shape {tuple(params[name].shape)} for this rank, got {tuple(t.shape)}"
-            )
-        params[name].data.copy_(t)
+        copy_share(params[name], t, name)
 
     def forward(self, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         d = self.dims

@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from pdserve.kv_spec import specs_of
 from pdserve.layers.linear import (
     GEMV_MAX_ROWS,
     Linear,
@@ -74,7 +75,7 @@ class CpuPathsMixin:
         same kernels as the layer-by-layer path, without Python between them. Single-rank models
         only (the stack has no collectives), whole models (no pipeline stage), one cache group;
         returns whether it was enabled."""
-        specs = {s for x in self.kv_cache_specs() for s in (x if isinstance(x, tuple) else (x,))}
+        specs = {s for entry in self.kv_cache_specs() for s in specs_of(entry)}
         if self.par.world.size > 1 or len(specs) > 1:
             return False  # the stack has no collectives and reads one pool (one cache group)
         if any(layer.has_sinks or layer.logit_softcap for layer in self.attention_layers()):

@@ -20,6 +20,7 @@ from pdserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer
 from pdserve.layers.norm import RMSNorm
 from pdserve.models.bamba import HybridCausalLM
 from pdserve.models.llama import LlamaModel
+from pdserve.models.nemotron_h import BACKBONE_NAMES
 
 
 def mamba2_dims(config) -> Mamba2Dims:
@@ -101,11 +102,7 @@ class MambaModel(LlamaModel):
 
 class Mamba2ForCausalLM(HybridCausalLM):
     model_cls = MambaModel
-    checkpoint_prefixes = {
-        "backbone.embeddings.": "model.embed_tokens.",
-        "backbone.norm_f.": "model.norm.",
-        "backbone.": "model.",
-    }
+    checkpoint_prefixes = BACKBONE_NAMES
 
     def kv_cache_specs(self) -> list:
         dtype = str(self.model.norm.weight.dtype).replace("torch.", "")

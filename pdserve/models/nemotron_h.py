@@ -39,6 +39,14 @@ def nemotron_h_dims(config) -> Mamba2Dims:
     )
 
 
+# the Mamba-style checkpoints' names (``backbone.*``) -> ours
+BACKBONE_NAMES = {
+    "backbone.embeddings.": "model.embed_tokens.",
+    "backbone.norm_f.": "model.norm.",
+    "backbone.": "model.",
+}
+
+
 class NoRopeAttention(LlamaAttention):
     def rotate(self, q, k, rope):
         return q, k
@@ -121,11 +129,7 @@ class NemotronHModel(LlamaModel):
 
 class NemotronHForCausalLM(HybridCausalLM):
     model_cls = NemotronHModel
-    checkpoint_prefixes = {
-        "backbone.embeddings.": "model.embed_tokens.",
-        "backbone.norm_f.": "model.norm.",
-        "backbone.": "model.",
-    }
+    checkpoint_prefixes = BACKBONE_NAMES
 
     def __init__(self, config, *args, **kwargs):
         config.rms_norm_eps = config.layer_norm_epsilon  # the final norm's (LlamaModel reads it)
