@@ -45,7 +45,12 @@ def decompressed(q_nope, q_rope, cache, table, lens, w_kc, w_vc, scale):
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize(
     "heads, rank, rope, nope, v",
-    [(4, 32, 8, 16, 16), (20, 64, 16, 24, 32), (16, 512, 64, 128, 128)],
+    [
+        (4, 32, 8, 16, 16),
+        (20, 64, 16, 24, 32),
+        (16, 96, 24, 32, 40),
+        pytest.param(16, 512, 64, 128, 128, marks=pytest.mark.large_shape),
+    ],
 )
 def test_absorbed_kernel_matches_the_decompressed_form(
     ops, isa, dtype, page, heads, rank, rope, nope, v
