@@ -124,6 +124,21 @@ class ServerArgs:
     # flag); None: --max-running-requests
     max_mamba_cache_size: Optional[int] = None
     schedule_policy: str = "fcfs"
+    # admission (SGLang's flags): at most this many requests wait to run (the waiting queue and
+    # the PD queues before it); one more is refused with 429 and Retry-After (None: no cap)
+    max_queued_requests: Optional[int] = None
+    # a request's ``priority`` orders the waiting queue before the policy does, and a full queue
+    # sheds its lowest-priority request for a higher one; larger values first unless
+    # schedule_low_priority_values_first
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    # with every running place taken, a waiting request whose priority is at least this much above
+    # a running one's preempts it (retracted: computed again later); not on a prefill server
+    priority_scheduling_preemption_threshold: int = 10
+    disable_priority_preemption: bool = False
+    # a request with a priority sent to a server without priority scheduling: 400 instead of
+    # ignoring it
+    abort_on_priority_when_disabled: bool = False
     disable_radix_cache: bool = False
     # speculative decoding (SGLang's flags; engine/speculative/): NGRAM proposes the tokens that
     # followed the latest earlier occurrence of the sequence's last n tokens, STANDALONE a draft
@@ -314,6 +329,15 @@ class ServerArgs:
             bad("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
         if self.max_running_requests < 1:
             bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            bad("max_queued_requests", f"must be >= 1, got {self.max_queued_requests}")
+        if self.priority_scheduling_preemption_threshold < 0:
+            bad(
+                "priority_scheduling_preemption_threshold",
+                f"must be >= 0, got {self.priority_scheduling_preemption_threshold}",
+            )
+        if self.schedule_low_priority_values_first and not self.enable_priority_scheduling:
+            bad("schedule_low_priority_values_first", "needs --enable-priority-scheduling")
         self._check_speculative(bad)
         # (with the prefix cache a running request takes two: model_runner checks it, after the
         # role's rules have said whether this server caches prefixes)

@@ -122,6 +122,9 @@ class DecodeQueues(PDQueues):
         receiver.abort(f"decode request {reason}")
         self.draining.append((receiver, [], None))  # no pages
 
+    def queued(self) -> list[Req]:
+        return list(self.prealloc)  # waiting for pages (their transfer starts after)
+
     def all_reqs(self) -> list[Req]:
         moving = self.migration.out if self.migration is not None else []
         return self.prealloc + self.transfer + moving

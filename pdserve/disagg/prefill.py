@@ -200,6 +200,9 @@ class PrefillQueues(PDQueues):
         if host and not is_fake_host(host) and hasattr(self.mgr, "role"):
             self.mgr.role.reject(room, f"prefill request {reason}")
 
+    def queued(self) -> list[Req]:
+        return list(self.bootstrap)  # waiting for decode's pages (the rest are handed off)
+
     def all_reqs(self) -> list[Req]:
         return self.bootstrap + self.inflight
 

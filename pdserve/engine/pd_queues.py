@@ -83,6 +83,10 @@ class PDQueues(StepParticipant, ABC):
         """Requests held in the PD queues."""
 
     @abstractmethod
+    def queued(self) -> list[Req]:
+        """Requests of the PD queues that wait before they run (``engine/admission.py``)."""
+
+    @abstractmethod
     def extra_pages(self) -> list[int]:
         """KV pages held by the queues outside requests (drained rooms), for the accounting."""
 

@@ -214,6 +214,8 @@ class Generation(msgspec.Struct, kw_only=True):
     routed_experts_start_len: int = 0
     grammar: Optional[GrammarSpec] = None  # what the output must match (pdserve/grammar)
     grammar_start_after: Optional[list[int]] = None  # the end-of-reasoning tokens it starts after
+    # its place in the waiting queue under --enable-priority-scheduling (None: 0)
+    priority: Optional[int] = None
 
 
 class RequestSpec(Generation, kw_only=True):
@@ -295,6 +297,7 @@ class Req:
     # end-of-reasoning token ids after which it starts (None: from the first token)
     grammar_spec: Any = None
     grammar_start_after: Optional[list[int]] = None
+    priority: int = 0  # the waiting queue's order under --enable-priority-scheduling
 
     output_ids: list[int] = field(default_factory=list)
     resumed: bool = False  # moved here mid-generation: ``output_ids`` came with it
@@ -349,6 +352,7 @@ class Req:
             prefill_dp_rank=spec.pd.disagg_prefill_dp_rank,
             grammar_spec=spec.grammar,
             grammar_start_after=spec.grammar_start_after,
+            priority=spec.priority or 0,
             output_ids=list(spec.resume_output_ids or []),
             resumed=spec.resume_output_ids is not None,
         )
@@ -365,6 +369,7 @@ class Req:
             routed_experts_start_len=self.routed_experts_start_len,
             grammar=self.grammar_spec,
             grammar_start_after=self.grammar_start_after,
+            priority=self.priority,
         )
 
     def mark(self, event: str) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from pdserve.config import ServerArgs
 from pdserve.distributed import SINGLE_RANK, Parallel
-from pdserve.engine import dp_attention
+from pdserve.engine import admission, dp_attention
 from pdserve.engine.commit import Committer, Drawn, not_finite, record_input_logprobs
 from pdserve.engine.grammar_masks import GrammarMasks
 from pdserve.engine.kv_cache import KVCacheManager
@@ -101,6 +101,7 @@ class Scheduler:
             "generation_tokens": 0,
             "cache_hit_tokens": 0,
             "retractions": 0,
+            "preemptions": 0,  # of them: for a waiting request of higher priority
             "recomputed": 0,  # of them: sequences that outgrew their KV (``KVCacheManager.stale``)
             # speculative decoding: rows verified, drafts proposed and accepted
             "spec_verify_steps": 0,
@@ -171,10 +172,25 @@ class Scheduler:
             req.sampling.max_new_tokens, self.context_length - req.prompt_len
         )
         req.arrival_time = req.arrival_time or self.now()
+        shed = admission.make_room(req, self.queued(), self.sheddable(), self.args)
+        if shed is not None:
+            self.finish(shed, admission.shed_reason())
         if self.pd is not None and self.pd.accepts(req):
             self.pd.add(req)
         else:
             self.waiting.append(req)
+
+    def queued(self) -> list[Req]:
+        """Requests that arrived and wait to run (``engine/admission.py``)."""
+        return self.waiting + (self.pd.queued() if self.pd is not None else [])
+
+    def sheddable(self) -> list[Req]:
+        """Queued requests that have not started: nothing computed, nothing sent."""
+        return [
+            r
+            for r in self.waiting
+            if r.kv is None and not r.output_ids and not r.num_retractions and not r.resumed
+        ]
 
     def publish_kv_events(self) -> None:
         """Send what the radix cache and the tiers below it stored and evicted since the last
@@ -366,6 +382,7 @@ class Scheduler:
     def _schedule(self) -> list[tuple[Req, int]]:
         budget = self.args.max_prefill_tokens  # prefill tokens in this batch
         chunk = self.args.chunked_prefill_size  # prefill tokens of one request in one batch
+        self._preempt_for_priority()
         # 1. decode rows
         decoding = sorted(
             (r for r in self.running if r.extend_len == 1), key=lambda r: r.arrival_time
@@ -382,7 +399,9 @@ class Scheduler:
         # 3. admit waiting requests
         reserve = len(decoding)  # keep one page per decoding request for its next token
         if self.waiting and budget > 0:
-            order_waiting(self.waiting, self.args.schedule_policy, self.kv)
+            order_waiting(
+                self.waiting, self.args.schedule_policy, self.kv, admission.rank_key(self.args)
+            )
         while self.waiting and budget > 0 and len(self.running) < self.args.max_running_requests:
             req = self.waiting[0]
             if not self._admit(req, min(chunk, budget), reserve):
@@ -393,6 +412,24 @@ class Scheduler:
             batch.append((req, ext))
             budget -= ext
         return batch
+
+    def _preempt_for_priority(self) -> None:
+        """Every running place taken: the waiting request of highest priority may take the place
+        of a running one of far lower priority (``engine/admission.py``). Not on a prefill
+        server, whose running requests are sending their KV."""
+        key = admission.rank_key(self.args)
+        if (
+            key is None
+            or not self.waiting
+            or len(self.running) < self.args.max_running_requests
+            or self.args.disaggregation_mode == "prefill"
+        ):
+            return
+        head = min(self.waiting, key=lambda r: (key(r), r.arrival_time))
+        victim = admission.preemptee(head, self.running, self.args)
+        if victim is not None:
+            self.retract(victim)
+            self.stats["preemptions"] += 1
 
     def _decode_rows(self, decoding: list[Req]) -> list[tuple[Req, int]]:
         """The decode rows of this step, one per running request whose prompt is done, in order

@@ -12,6 +12,8 @@ The rules, for one attempt:
   failures before that can still be retried; a first event that is an error (decode reports a
   failed transfer in its stream) counts as a failure before output, answered with its own HTTP
   status; a failure after it ends the stream with an SSE error event and ``data: [DONE]``;
+- a 429 (the worker's queue is full) is retried as a failure is; answered, it keeps its
+  ``Retry-After``;
 - blame: a leg that breaks is at fault, except that a 502 from a pdserve server means "my peer
   failed" (decode: prefill's KV never came or was bad; prefill: decode aborted, died or never
   asked), which blames the other leg. A prefill 502 waits briefly for decode's own answer,
@@ -43,6 +45,8 @@ from pdserve.router import pd_policy, protocol, timeline
 from pdserve.router.kv_index import KVIndex, PromptBlocks
 from pdserve.router.legs import (
     PEER_FAILED,
+    RETRY_AFTER_S,
+    SHED,
     EventReader,
     Leg,
     LegResult,
@@ -107,6 +111,11 @@ class Failure:
 
     def response(self) -> Response:
         r = self.result
+        if r.status == SHED:  # every pair tried was full: the client waits as the worker said
+            headers = {"Retry-After": r.retry_after or str(RETRY_AFTER_S)}
+            return Response(
+                r.body, status_code=r.status, media_type=r.content_type, headers=headers
+            )
         if r.status is not None:
             return Response(r.body, status_code=r.status, media_type=r.content_type)
         return error_response(504 if r.timed_out else 502, r.error)

@@ -31,6 +31,8 @@ from pdserve.router.workers import Worker
 logger = logging.getLogger(__name__)
 
 PEER_FAILED = 502  # a pdserve PD server's "my peer (the other leg) failed"
+SHED = 429  # a server's "my request queue is full": another pair may have room
+RETRY_AFTER_S = 1  # what a client refused by every pair is told to wait, when no worker said
 # the client's errors that end a leg; asyncio.TimeoutError waiting for a pooled connection
 CLIENT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
@@ -96,6 +98,7 @@ class LegResult:
     content_type: str | None = None
     error: str = ""
     timed_out: bool = False
+    retry_after: str | None = None  # a 429's Retry-After
 
     @property
     def ok(self) -> bool:
@@ -103,9 +106,10 @@ class LegResult:
 
     @property
     def retryable(self) -> bool:
-        """Worth another pair: the worker broke (5xx or transport error), not the request (4xx)."""
+        """Worth another pair: the worker broke (5xx or transport error) or shed the request
+        (429: its queue is full), not the request itself (other 4xx)."""
         return (self.status is None and not self.timed_out) or (
-            self.status is not None and self.status >= 500
+            self.status is not None and (self.status >= 500 or self.status == SHED)
         )
 
 
@@ -192,7 +196,12 @@ class Leg:
             return self.failed(LegAborted(self.abort_reason))
         self.complete = True
         self.finish(resp.status < 500 or resp.status == PEER_FAILED)  # a 502 blames the peer leg
-        return LegResult(resp.status, body, resp.headers.get("content-type"))
+        return LegResult(
+            resp.status,
+            body,
+            resp.headers.get("content-type"),
+            retry_after=resp.headers.get("retry-after"),
+        )
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The answer's body as it arrives (after ``headers_task``); ``UpstreamError`` when it

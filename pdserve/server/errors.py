@@ -24,8 +24,13 @@ _TYPES = {
 }
 
 
+# seconds a client refused with 429 (a full queue, engine/admission.py) is told to wait
+RETRY_AFTER_S = 1
+
+
 class APIError(Exception):
-    """A request that cannot be served; ``status`` is the HTTP status that reflects the cause."""
+    """A request that cannot be served; ``status`` is the HTTP status that reflects the cause.
+    A 429 tells the client when to retry (``Retry-After``)."""
 
     def __init__(self, status: int, message: str, type_: Optional[str] = None):
         super().__init__(message)
@@ -40,7 +45,10 @@ class APIError(Exception):
 
     def response(self) -> Response:
         return Response(
-            msgspec.json.encode(self.body()), status_code=self.status, media_type="application/json"
+            msgspec.json.encode(self.body()),
+            status_code=self.status,
+            media_type="application/json",
+            headers={"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else None,
         )
 
     def sse(self) -> bytes:

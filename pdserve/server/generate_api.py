@@ -63,6 +63,11 @@ TOP_LOGPROBS = Check(
     f"an integer in [0, {MAX_TOP_LOGPROBS}]",
     {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
 )
+PRIORITY = Check(
+    lambda v: v is None or (_is_int(v) and -INT64_MAX - 1 <= v <= INT64_MAX),
+    "an integer or null",
+    {"type": ["integer", "null"], "minimum": -INT64_MAX - 1, "maximum": INT64_MAX},
+)
 NON_NEGATIVE = Check(
     lambda v: _is_int(v) and v >= 0, "an integer >= 0", {"type": "integer", "minimum": 0}
 )
@@ -105,6 +110,7 @@ PER_ITEM = (
     "top_logprobs_num",
     "return_routed_experts",
     "routed_experts_start_len",
+    "priority",
 )
 _SINGLE_PROMPT = {
     "anyOf": [
@@ -143,6 +149,9 @@ class GenerateRequest(PDBody):
     routed_experts_start_len: Annotated[
         Any, NON_NEGATIVE.per_item("first position with routed experts")
     ] = 0
+    priority: Annotated[
+        Any, PRIORITY.per_item("its place in the queue under priority scheduling")
+    ] = None
     # (bootstrap_host/port/room, routed_dp_rank, disagg_prefill_dp_rank: PDBody's)
 
 
@@ -203,6 +212,7 @@ def parse(tm: TokenizerManager, req: GenerateRequest, stream: bool) -> tuple[lis
     re_starts = _per_item(
         "routed_experts_start_len", req.routed_experts_start_len, size, batch, NON_NEGATIVE
     )
+    priorities = _per_item("priority", req.priority, size, batch, PRIORITY)
     n = max(_sample_count(sp) for sp in sampling)
     pd = req.pd_fields(size, n)
     specs = []
@@ -221,6 +231,7 @@ def parse(tm: TokenizerManager, req: GenerateRequest, stream: bool) -> tuple[lis
                 no_stop_trim=bool(sp.get("no_stop_trim")),
                 return_routed_experts=want_re[i],
                 routed_experts_start_len=re_starts[i],
+                priority=priorities[i],
                 **pd[i],
             )
         )

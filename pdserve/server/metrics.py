@@ -121,7 +121,7 @@ class ServerMetrics:
         )
         self.requests = Counter(
             "pdserve:requests",
-            "Finished requests by finish reason",
+            "Finished requests by finish reason (shed: refused or shed by a full queue, 429)",
             labelnames=["model_name", "finish_reason"],
             registry=r,
         )

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import random
 import urllib.parse
-from typing import Annotated, Any, ClassVar, Union
+from typing import Annotated, Any, ClassVar, Optional, Union
 
 import httpx
 import msgspec
@@ -113,6 +113,7 @@ class MigrateIn(Generation, kw_only=True):
     top_logprobs_num: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
     logprob_start_len: Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)] = -1
     routed_experts_start_len: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] = 0
+    priority: Optional[Annotated[int, msgspec.Meta(ge=-INT64_MAX - 1, le=INT64_MAX)]] = None
 
 
 def reachable_host(host: str, target: str) -> str:

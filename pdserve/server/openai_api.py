@@ -116,6 +116,7 @@ async def completions(request: Request, tm: TokenizerManager) -> Response:
             logprob_start_len=0 if echo_logprobs else -1,
             stream=stream,
             return_routed_experts=req.return_routed_experts,
+            priority=req.priority,
             **boot,
         )
         for p, boot in zip(prompts, req.bootstrap(len(prompts)))
@@ -263,6 +264,7 @@ async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
         top_logprobs_num=top or 0,
         stream=stream,
         return_routed_experts=req.return_routed_experts,
+        priority=req.priority,
         grammar=grammar,
         grammar_start_after=start_after,
         **req.bootstrap()[0],

@@ -183,6 +183,8 @@ class _Sampling(PDBody):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     return_routed_experts: bool = False  # SGLang's extension: the answer's sglext.routed_experts
+    # vLLM's and SGLang's extension: the waiting queue's order under --enable-priority-scheduling
+    priority: Optional[Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]] = None
     # structured outputs (server/constraints.py): OpenAI's response_format, or SGLang's extensions
     response_format: Annotated[
         Any,

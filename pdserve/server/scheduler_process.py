@@ -221,7 +221,8 @@ class SchedulerLoop:
                 req.mark("queued")
                 s.add_request(req)
             except ValueError as e:
-                reason = FinishReason(FinishKind.ABORT, message=str(e), status_code=400)
+                status = getattr(e, "status_code", 400)  # 429: the queue is full (admission)
+                reason = FinishReason(FinishKind.ABORT, message=str(e), status_code=status)
                 pd = msg.pd
                 if s.pd is not None and pd.bootstrap_room is not None:  # the peer must not wait
                     try:

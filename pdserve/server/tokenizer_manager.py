@@ -70,6 +70,7 @@ class ReqSpec:
         None  # the end-of-reasoning token ids it starts after
     )
     resume_output_ids: Optional[list[int]] = None  # moved here mid-generation (POST /migrate)
+    priority: Optional[int] = None  # the waiting queue's order (--enable-priority-scheduling)
 
     def message(self, dp_group: Optional[int]) -> GenerateReq:
         """The scheduler's message for this generation (one sample: its room and ranks)."""
@@ -86,6 +87,7 @@ class ReqSpec:
             grammar=self.grammar,
             grammar_start_after=self.grammar_start_after,
             resume_output_ids=self.resume_output_ids,
+            priority=self.priority,
             pd=PDFields(
                 bootstrap_host=self.bootstrap_host,
                 bootstrap_port=self.bootstrap_port,
@@ -257,6 +259,15 @@ class TokenizerManager:
             raise bad_request(f"sampling_params: {e}") from None
         if params.n > MAX_N:
             raise bad_request(f"n: must be <= {MAX_N}, got {params.n}")
+        if (
+            fields.get("priority") is not None
+            and self.server_args.abort_on_priority_when_disabled
+            and not self.server_args.enable_priority_scheduling
+        ):
+            raise bad_request(
+                "priority: this server does not schedule by priority "
+                "(--enable-priority-scheduling is off)"
+            )
         if fields.get("return_routed_experts"):
             why = routed_experts_refusal(
                 self.server_args,
@@ -395,8 +406,9 @@ class TokenizerManager:
             state.timeline.update(out.timeline or {})
             state.timeline["finished"] = time.time()
             self.metrics.on_stages(stages(self.server_args.disaggregation_mode, state.timeline))
+            shed = state.finish_reason.get("status_code") == 429  # engine/admission.py
             self.metrics.on_finish(
-                state.finish_reason.get("type", "unknown"),
+                "shed" if shed else state.finish_reason.get("type", "unknown"),
                 state.prompt_tokens,
                 state.cached_tokens,
                 state.e2e_latency,
