@@ -20,6 +20,7 @@ from pdserve.api_key import APIKeyMiddleware
 from pdserve.keepalive import SERVER_IDLE_S
 from pdserve.log import setup_logging
 from pdserve.router import pairing, processes, worker_api
+from pdserve.router.admission import RETRY_AFTER_S, Admission, Refusal
 from pdserve.router.args import RouterArgs, parse_args
 from pdserve.router.autoscale import Autoscaler
 from pdserve.router.discovery import DNSDiscovery
@@ -142,6 +143,18 @@ class Router:
             self.metrics.watch_index(self.index)
             self.pool.forget_listeners.append(self.index.detach)
         self.dispatcher = Dispatcher(self.pool, self.metrics, args, self.index, self.prompts)
+        self.admission = (
+            Admission(
+                args.max_concurrent_requests,
+                args.rate_limit_tokens_per_second,
+                args.queue_size,
+                args.queue_timeout_secs,
+            )
+            if args.max_concurrent_requests > 0
+            else None
+        )
+        if self.admission is not None:
+            self.metrics.watch_admission(self.admission)
         self.membership = Membership(self.pool, args)  # workers joining and leaving at run time
         self.discovery = (
             DNSDiscovery(self.pool, self.membership, args)
@@ -269,8 +282,21 @@ def create_app(args: RouterArgs) -> FastAPI:
         app.add_api_route(path, generate, methods=["POST"])
 
     async def generate_asgi(scope, receive, send) -> None:
-        response = await generate(Request(scope, receive))
-        await response(scope, receive, send)
+        gate = router.admission
+        if gate is not None:
+            try:
+                await gate.enter()
+            except Refusal as e:
+                headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
+                refusal = error_response(e.status, e.message)
+                refusal.headers.update(headers or {})
+                return await refusal(scope, receive, send)
+        try:
+            response = await generate(Request(scope, receive))
+            await response(scope, receive, send)  # a stream: to its last byte
+        finally:
+            if gate is not None:
+                gate.leave()
 
     @app.get("/health")
     async def health():

@@ -115,6 +115,12 @@ class RouterArgs:
     retry_jitter_factor: float = 0.2
     cb_failure_threshold: int = 5
     cb_cooldown: float = 30.0
+    # admission (router/admission.py, sglang-router's flags): tokens of the bucket (<= 0: off),
+    # their refill rate (None: the capacity per second), the queue behind it and its longest wait
+    max_concurrent_requests: int = -1
+    rate_limit_tokens_per_second: float | None = None
+    queue_size: int = 100
+    queue_timeout_secs: float = 60.0
     max_body_bytes: int = 32 * 1024 * 1024
     log_level: str = "info"
     api_key: str | None = None  # clients of the router present it (see pdserve/api_key.py)
@@ -175,6 +181,15 @@ class RouterArgs:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
+        if self.queue_size < 0:
+            raise ValueError(f"queue_size: must be >= 0, got {self.queue_size}")
+        if self.queue_timeout_secs <= 0:
+            raise ValueError(f"queue_timeout_secs: must be positive, got {self.queue_timeout_secs}")
+        if self.rate_limit_tokens_per_second is not None and self.rate_limit_tokens_per_second < 0:
+            raise ValueError(
+                "rate_limit_tokens_per_second: must be >= 0, got "
+                f"{self.rate_limit_tokens_per_second}"
+            )
         if not 0 <= self.retry_jitter_factor <= 1:
             raise ValueError(
                 f"retry_jitter_factor: must be in [0, 1], got {self.retry_jitter_factor}"
@@ -604,6 +619,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="waits vary by up to this fraction, at random (0 to 1)",
     )
     p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=d["max_concurrent_requests"].default,
+        help="tokens of the admission bucket: requests that run at once, each holding one to its "
+        "end (<= 0: no admission control)",
+    )
+    p.add_argument(
+        "--rate-limit-tokens-per-second",
+        type=float,
+        default=d["rate_limit_tokens_per_second"].default,
+        help="the bucket's refill rate (default: --max-concurrent-requests per second)",
+    )
+    p.add_argument(
+        "--queue-size",
+        type=int,
+        default=d["queue_size"].default,
+        help="requests that may wait for a token (0: none; one more is answered 429)",
+    )
+    p.add_argument(
+        "--queue-timeout-secs",
+        type=float,
+        default=d["queue_timeout_secs"].default,
+        metavar="S",
+        help="the longest wait for a token (then 408)",
+    )
+    p.add_argument(
         "--cb-failure-threshold",
         type=int,
         default=d["cb_failure_threshold"].default,
@@ -698,6 +739,10 @@ def parse_args(argv: list[str]) -> RouterArgs:
         retry_jitter_factor=ns.retry_jitter_factor,
         cb_failure_threshold=ns.cb_failure_threshold,
         cb_cooldown=ns.cb_cooldown,
+        max_concurrent_requests=ns.max_concurrent_requests,
+        rate_limit_tokens_per_second=ns.rate_limit_tokens_per_second,
+        queue_size=ns.queue_size,
+        queue_timeout_secs=ns.queue_timeout_secs,
         max_body_bytes=ns.max_body_bytes,
         log_level=level,
         api_key=ns.api_key or envs.api_key(),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdserve.router import timeline
 from pdserve.router.workers import WorkerPool
@@ -60,6 +60,28 @@ class _WorkerCollector:
             healthy.add_metric([w.url, w.role], int(w.healthy))
             breaker.add_metric([w.url, w.role], int(w.breaker.state != "closed"))
         yield from (in_flight, healthy, breaker)
+
+
+class _AdmissionCollector:
+    """The admission bucket's decisions and queue (router/admission.py), read at scrape time."""
+
+    def __init__(self, admission):
+        self.admission = admission
+
+    def collect(self):
+        decisions = CounterMetricFamily(
+            "pdserve_router_admission",
+            "admission decisions: admitted, queued (then admitted or timed out), rejected (429), "
+            "timed_out (408)",
+            labels=["result"],
+        )
+        for result, n in self.admission.counts.items():
+            decisions.add_metric([result], n)
+        queued = GaugeMetricFamily(
+            "pdserve_router_admission_queue_depth", "requests waiting for an admission token"
+        )
+        queued.add_metric([], self.admission.queued)
+        yield from (decisions, queued)
 
 
 class _IndexCollector:
@@ -159,6 +181,9 @@ class RouterMetrics:
 
     def watch_index(self, index) -> None:
         self.registry.register(_IndexCollector(index))
+
+    def watch_admission(self, admission) -> None:
+        self.registry.register(_AdmissionCollector(admission))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

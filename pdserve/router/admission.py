@@ -1,0 +1,114 @@
+"""The router's admission control, with sglang-router's flags and behaviour: a token bucket of
+``--max-concurrent-requests`` tokens (off when <= 0) refilled at ``--rate-limit-tokens-per-second``
+(default: the capacity) up to its capacity. A generation request takes a token for as long as it
+runs (a stream: until its last byte) and gives it back at its end. Without a free token it waits
+in a FIFO queue of ``--queue-size`` requests (0: no queue) for at most ``--queue-timeout-secs``;
+a full queue answers 429 at once (with ``Retry-After``), a wait that runs out answers 408.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from typing import Optional
+
+RETRY_AFTER_S = 1
+
+
+class Refusal(Exception):
+    """A request the router does not admit: ``status`` 429 (queue full) or 408 (waited too
+    long)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class Admission:
+    """One router's token bucket and queue; all methods run on the event loop."""
+
+    def __init__(self, capacity: int, rate: Optional[float], queue_size: int, timeout_s: float):
+        self.capacity = float(capacity)
+        self.rate = float(capacity if rate is None else rate)
+        self.queue_size = queue_size
+        self.timeout_s = timeout_s
+        self.tokens = self.capacity
+        self.stamp = time.monotonic()
+        self.waiters: collections.deque[asyncio.Future] = collections.deque()
+        self.timer: Optional[asyncio.TimerHandle] = None
+        self.counts = {"admitted": 0, "queued": 0, "rejected": 0, "timed_out": 0}
+
+    @property
+    def queued(self) -> int:
+        return len(self.waiters)
+
+    def _take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return True
+        return False
+
+    async def enter(self) -> None:
+        """Return once the request holds a token; ``Refusal`` when it may not run."""
+        if not self.waiters and self._take():
+            self.counts["admitted"] += 1
+            return
+        if len(self.waiters) >= self.queue_size:
+            self.counts["rejected"] += 1
+            raise Refusal(
+                429,
+                f"too many requests: {len(self.waiters)} already wait for one of the router's "
+                f"{int(self.capacity)} places (--max-concurrent-requests, --queue-size)",
+            )
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters.append(fut)
+        self.counts["queued"] += 1
+        self._wake_later()
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+        except asyncio.TimeoutError:
+            if fut.done() and not fut.cancelled():  # granted as the wait ran out: keep it
+                self.counts["admitted"] += 1
+                return
+            fut.cancel()
+            self.counts["timed_out"] += 1
+            raise Refusal(
+                408, f"waited {self.timeout_s:g} s in the router's queue (--queue-timeout-secs)"
+            ) from None
+        except BaseException:  # the client left while it waited: a token it got goes back
+            if fut.done() and not fut.cancelled():
+                self.leave()
+            fut.cancel()
+            raise
+        self.counts["admitted"] += 1
+
+    def leave(self) -> None:
+        """A request that held a token ended: the token goes to the next waiter, if any."""
+        self.tokens = min(self.capacity, self.tokens + 1)
+        self._grant()
+
+    def _grant(self) -> None:
+        while self.waiters:
+            if self.waiters[0].done():  # timed out or left
+                self.waiters.popleft()
+                continue
+            if not self._take():
+                break
+            self.waiters.popleft().set_result(None)
+        self._wake_later()
+
+    def _wake_later(self) -> None:
+        """While requests wait and tokens refill, grant again when the next token is due."""
+        if self.timer is not None or not self.waiters or self.rate <= 0:
+            return
+        due = max(0.0, (1 - self.tokens) / self.rate)
+
+        def wake() -> None:
+            self.timer = None
+            self._grant()
+
+        self.timer = asyncio.get_running_loop().call_later(due, wake)
