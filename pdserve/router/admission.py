@@ -4,6 +4,14 @@
 runs (a stream: until its last byte) and gives it back at its end. Without a free token it waits
 in a FIFO queue of ``--queue-size`` requests (0: no queue) for at most ``--queue-timeout-secs``;
 a full queue answers 429 at once (with ``Retry-After``), a wait that runs out answers 408.
+
+Tenants share the queue by weight: a request names its tenant in ``--tenant-header`` (the
+Gateway API Inference Extension's ``x-gateway-inference-fairness-id`` by default; without it, the
+default tenant "") and ``--tenant-weights T=W ...`` gives tenants their shares (1 each by default).
+A freed token goes to the waiting tenant that has been served least for its weight (stride
+scheduling: each grant advances the tenant's pass by 1 / weight; a tenant that starts waiting
+joins at the current pass, so idle time earns no credit), first come first served within a
+tenant. Under contention two tenants weighted 3:1 get 3:1 of the grants.
 """
 
 from __future__ import annotations
@@ -28,20 +36,32 @@ class Refusal(Exception):
 class Admission:
     """One router's token bucket and queue; all methods run on the event loop."""
 
-    def __init__(self, capacity: int, rate: Optional[float], queue_size: int, timeout_s: float):
+    def __init__(
+        self,
+        capacity: int,
+        rate: Optional[float],
+        queue_size: int,
+        timeout_s: float,
+        weights: Optional[dict[str, float]] = None,
+    ):
         self.capacity = float(capacity)
         self.rate = float(capacity if rate is None else rate)
         self.queue_size = queue_size
         self.timeout_s = timeout_s
+        self.weights = dict(weights or {})
         self.tokens = self.capacity
         self.stamp = time.monotonic()
-        self.waiters: collections.deque[asyncio.Future] = collections.deque()
+        # each tenant's waiting requests, in arrival order, and its pass (stride scheduling)
+        self.waiters: dict[str, collections.deque[asyncio.Future]] = {}
+        self.passes: dict[str, float] = {}
+        self.now_pass = 0.0  # the pass of the last grant: where a tenant that starts waiting joins
+        self.waiting = 0  # requests in ``waiters`` that still wait
         self.timer: Optional[asyncio.TimerHandle] = None
         self.counts = {"admitted": 0, "queued": 0, "rejected": 0, "timed_out": 0}
 
     @property
     def queued(self) -> int:
-        return len(self.waiters)
+        return self.waiting
 
     def _take(self) -> bool:
         now = time.monotonic()
@@ -52,20 +72,27 @@ class Admission:
             return True
         return False
 
-    async def enter(self) -> None:
+    async def enter(self, tenant: str = "") -> None:
         """Return once the request holds a token; ``Refusal`` when it may not run."""
-        if not self.waiters and self._take():
+        waiting = self.waiting
+        if not waiting and self._take():
             self.counts["admitted"] += 1
             return
-        if len(self.waiters) >= self.queue_size:
+        if waiting >= self.queue_size:
             self.counts["rejected"] += 1
             raise Refusal(
                 429,
-                f"too many requests: {len(self.waiters)} already wait for one of the router's "
+                f"too many requests: {waiting} already wait for one of the router's "
                 f"{int(self.capacity)} places (--max-concurrent-requests, --queue-size)",
             )
         fut = asyncio.get_running_loop().create_future()
-        self.waiters.append(fut)
+        queue = self.waiters.setdefault(tenant, collections.deque())
+        while queue and queue[0].done():
+            queue.popleft()
+        if not queue:  # starts waiting: no credit for the time it was idle
+            self.passes[tenant] = max(self.passes.get(tenant, 0.0), self.now_pass)
+        queue.append(fut)
+        self.waiting += 1
         self.counts["queued"] += 1
         self._wake_later()
         try:
@@ -75,6 +102,7 @@ class Admission:
                 self.counts["admitted"] += 1
                 return
             fut.cancel()
+            self.waiting -= 1
             self.counts["timed_out"] += 1
             raise Refusal(
                 408, f"waited {self.timeout_s:g} s in the router's queue (--queue-timeout-secs)"
@@ -82,7 +110,9 @@ class Admission:
         except BaseException:  # the client left while it waited: a token it got goes back
             if fut.done() and not fut.cancelled():
                 self.leave()
-            fut.cancel()
+            else:
+                fut.cancel()
+                self.waiting -= 1
             raise
         self.counts["admitted"] += 1
 
@@ -91,14 +121,25 @@ class Admission:
         self.tokens = min(self.capacity, self.tokens + 1)
         self._grant()
 
-    def _grant(self) -> None:
-        while self.waiters:
-            if self.waiters[0].done():  # timed out or left
-                self.waiters.popleft()
+    def _next(self) -> Optional[str]:
+        """The waiting tenant served least for its weight (dropping requests that gave up)."""
+        best = None
+        for tenant, queue in list(self.waiters.items()):
+            while queue and queue[0].done():  # timed out or left
+                queue.popleft()
+            if not queue:
+                del self.waiters[tenant]
                 continue
-            if not self._take():
-                break
-            self.waiters.popleft().set_result(None)
+            if best is None or self.passes[tenant] < self.passes[best]:
+                best = tenant
+        return best
+
+    def _grant(self) -> None:
+        while (tenant := self._next()) is not None and self._take():
+            self.now_pass = self.passes[tenant]
+            self.passes[tenant] += 1.0 / self.weights.get(tenant, 1.0)
+            self.waiters[tenant].popleft().set_result(None)
+            self.waiting -= 1
         self._wake_later()
 
     def _wake_later(self) -> None:

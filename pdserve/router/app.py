@@ -149,6 +149,7 @@ class Router:
                 args.rate_limit_tokens_per_second,
                 args.queue_size,
                 args.queue_timeout_secs,
+                args.tenant_weights,
             )
             if args.max_concurrent_requests > 0
             else None
@@ -284,8 +285,9 @@ def create_app(args: RouterArgs) -> FastAPI:
     async def generate_asgi(scope, receive, send) -> None:
         gate = router.admission
         if gate is not None:
+            tenant = Request(scope).headers.get(args.tenant_header, "")
             try:
-                await gate.enter()
+                await gate.enter(tenant)
             except Refusal as e:
                 headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
                 refusal = error_response(e.status, e.message)

@@ -32,6 +32,20 @@ def normalize_url(url: str) -> str:
     return url
 
 
+def tenant_weights(items: list[str]) -> dict[str, float]:
+    """``--tenant-weights A=3 B=1`` as {"A": 3.0, "B": 1.0}; ValueError naming a bad item."""
+    out = {}
+    for item in items:
+        tenant, sep, weight = item.rpartition("=")
+        try:
+            out[tenant] = float(weight)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ValueError(f"--tenant-weights: expected TENANT=WEIGHT, got {item!r}")
+    return out
+
+
 def dns_server_address(text: str) -> tuple[str, int]:
     """(host, port) of ``--dns-server HOST[:PORT]`` (an IPv6 address in brackets when it has a
     port)."""
@@ -121,6 +135,9 @@ class RouterArgs:
     rate_limit_tokens_per_second: float | None = None
     queue_size: int = 100
     queue_timeout_secs: float = 60.0
+    # tenants share the admission queue by weight: the header naming a request's tenant, weights
+    tenant_header: str = "x-gateway-inference-fairness-id"
+    tenant_weights: dict[str, float] = field(default_factory=dict)
     max_body_bytes: int = 32 * 1024 * 1024
     log_level: str = "info"
     api_key: str | None = None  # clients of the router present it (see pdserve/api_key.py)
@@ -181,6 +198,9 @@ class RouterArgs:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
+        for tenant, weight in self.tenant_weights.items():
+            if not weight > 0:
+                raise ValueError(f"tenant_weights: {tenant!r} must weigh > 0, got {weight}")
         if self.queue_size < 0:
             raise ValueError(f"queue_size: must be >= 0, got {self.queue_size}")
         if self.queue_timeout_secs <= 0:
@@ -645,6 +665,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="the longest wait for a token (then 408)",
     )
     p.add_argument(
+        "--tenant-header",
+        default=d["tenant_header"].default,
+        help="the request header naming its tenant, for the admission queue's fair shares",
+    )
+    p.add_argument(
+        "--tenant-weights",
+        nargs="*",
+        default=[],
+        metavar="TENANT=WEIGHT",
+        help="tenants' shares of the admission queue under contention (others: 1)",
+    )
+    p.add_argument(
         "--cb-failure-threshold",
         type=int,
         default=d["cb_failure_threshold"].default,
@@ -743,6 +775,8 @@ def parse_args(argv: list[str]) -> RouterArgs:
         rate_limit_tokens_per_second=ns.rate_limit_tokens_per_second,
         queue_size=ns.queue_size,
         queue_timeout_secs=ns.queue_timeout_secs,
+        tenant_header=ns.tenant_header.lower(),
+        tenant_weights=tenant_weights(ns.tenant_weights),
         max_body_bytes=ns.max_body_bytes,
         log_level=level,
         api_key=ns.api_key or envs.api_key(),

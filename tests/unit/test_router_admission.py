@@ -124,3 +124,70 @@ def test_a_stream_holds_its_token_to_its_last_byte_and_the_queue_moves_on(pd, ma
     assert stream.result(10).status_code == 200
     assert waiting.result(10).status_code == 200
     assert r.router.admission.queued == 0
+
+
+def test_waiting_tenants_are_granted_by_their_weights():
+    """Two tenants weighted 3:1 each with 40 waiting: 3:1 of the grants while both wait, first
+    come first served within a tenant; a tenant that waits again later gets no credit for its
+    idle time."""
+
+    async def main():
+        gate = Admission(capacity=1, rate=0, queue_size=100, timeout_s=30, weights={"a": 3})
+        await gate.enter("a")  # the one token, held
+        order = []
+
+        async def one(tenant, i):
+            await gate.enter(tenant)
+            order.append((tenant, i))
+
+        tasks = [asyncio.create_task(one(t, i)) for i in range(40) for t in ("a", "b")]
+        await asyncio.sleep(0.05)
+        for _ in range(20):
+            gate.leave()  # each gives its token to the next in turn
+        await asyncio.sleep(0.05)  # the granted ones run, in the order they were granted
+        first = list(order)
+        for _ in range(60):  # a drains, then b alone
+            gate.leave()
+        await asyncio.gather(*tasks)
+        later = [asyncio.create_task(one(t, 100 + i)) for i in range(4) for t in ("a", "b")]
+        await asyncio.sleep(0.05)
+        for _ in range(8):
+            gate.leave()
+        await asyncio.gather(*later)
+        return first, order[80:]
+
+    first, later = asyncio.run(main())
+    assert [t for t, _ in first].count("a") == 15, first
+    for tenant in "ab":
+        mine = [i for t, i in first if t == tenant]
+        assert mine == sorted(mine)
+    # both wait again, b having been served alone last: 3:1 again, no credit for a's idle time
+    assert [t for t, _ in later[:4]].count("a") == 3, later
+
+
+def test_the_router_shares_its_queue_by_the_tenant_header(pd, make_router):
+    p0, d0 = pd
+    d0.stream_gate.close()
+    r = make_router(
+        [p0],
+        [d0],
+        max_concurrent_requests=1,
+        rate_limit_tokens_per_second=0,
+        queue_size=64,
+        tenant_header="x-tenant",
+        tenant_weights={"gold": 3},
+    )
+    pool = concurrent.futures.ThreadPoolExecutor(40)
+
+    def post(tenant: str, i: int):
+        body = {**GEN, "text": f"{tenant} {i}"}
+        return httpx.post(r.url + "/generate", json=body, headers={"X-Tenant": tenant}, timeout=60)
+
+    first = pool.submit(post, "gold", -1)
+    wait_until(lambda: len(d0.generation_requests()) == 1, what="the first at decode")
+    calls = [pool.submit(post, t, i) for i in range(16) for t in ("gold", "free")]
+    wait_until(lambda: r.router.admission.queued == 32, what="32 waiting")
+    d0.stream_gate.open()  # one at a time from here: each gives its token to the next
+    assert all(f.result(60).status_code == 200 for f in [first, *calls])
+    served = [rec.json["text"].split()[0] for rec in d0.generation_requests()[1:]]
+    assert served[:16].count("gold") == 12, served
