@@ -5,7 +5,9 @@ runs (a stream: until its last byte) and gives it back at its end. Without a fre
 in a FIFO queue of ``--queue-size`` requests (0: no queue) for at most ``--queue-timeout-secs``;
 a full queue answers 429 at once (with ``Retry-After``), a wait that runs out answers 408.
 
-Tenants share the queue by weight: a request names its tenant in ``--tenant-header`` (the
+Waiting requests go by their body's ``priority`` first (larger first, as the servers take it,
+or smaller with ``--schedule-low-priority-values-first``; absent: 0), then by tenant. Tenants
+share the queue by weight: a request names its tenant in ``--tenant-header`` (the
 Gateway API Inference Extension's ``x-gateway-inference-fairness-id`` by default; without it, the
 default tenant "") and ``--tenant-weights T=W ...`` gives tenants their shares (1 each by default).
 A freed token goes to the waiting tenant that has been served least for its weight (stride
@@ -22,6 +24,16 @@ import time
 from typing import Optional
 
 RETRY_AFTER_S = 1
+
+
+def priority_of(body: object, args) -> int:
+    """A request's place among priorities (smaller first): its body's ``priority`` (a batch's most
+    urgent), 0 when absent or no integer."""
+    sign = 1 if args.schedule_low_priority_values_first else -1
+    p = body.get("priority") if isinstance(body, dict) else None
+    values = p if isinstance(p, list) else [p]
+    ranks = [sign * x for x in values if isinstance(x, int) and not isinstance(x, bool)]
+    return min(ranks, default=0)
 
 
 class Refusal(Exception):
@@ -51,8 +63,9 @@ class Admission:
         self.weights = dict(weights or {})
         self.tokens = self.capacity
         self.stamp = time.monotonic()
-        # each tenant's waiting requests, in arrival order, and its pass (stride scheduling)
-        self.waiters: dict[str, collections.deque[asyncio.Future]] = {}
+        # waiting requests by (priority rank, tenant), each in arrival order; each tenant's pass
+        # (stride scheduling)
+        self.waiters: dict[tuple[int, str], collections.deque[asyncio.Future]] = {}
         self.passes: dict[str, float] = {}
         self.now_pass = 0.0  # the pass of the last grant: where a tenant that starts waiting joins
         self.waiting = 0  # requests in ``waiters`` that still wait
@@ -72,8 +85,9 @@ class Admission:
             return True
         return False
 
-    async def enter(self, tenant: str = "") -> None:
-        """Return once the request holds a token; ``Refusal`` when it may not run."""
+    async def enter(self, tenant: str = "", rank: int = 0) -> None:
+        """Return once the request holds a token; ``Refusal`` when it may not run. ``rank``: its
+        priority's place (``priority_of``: smaller first)."""
         waiting = self.waiting
         if not waiting and self._take():
             self.counts["admitted"] += 1
@@ -86,10 +100,11 @@ class Admission:
                 f"{int(self.capacity)} places (--max-concurrent-requests, --queue-size)",
             )
         fut = asyncio.get_running_loop().create_future()
-        queue = self.waiters.setdefault(tenant, collections.deque())
+        queue = self.waiters.setdefault((rank, tenant), collections.deque())
         while queue and queue[0].done():
             queue.popleft()
-        if not queue:  # starts waiting: no credit for the time it was idle
+        if not any(q for (_, t), q in self.waiters.items() if t == tenant):
+            # starts waiting: no credit for the time it was idle
             self.passes[tenant] = max(self.passes.get(tenant, 0.0), self.now_pass)
         queue.append(fut)
         self.waiting += 1
@@ -121,24 +136,26 @@ class Admission:
         self.tokens = min(self.capacity, self.tokens + 1)
         self._grant()
 
-    def _next(self) -> Optional[str]:
-        """The waiting tenant served least for its weight (dropping requests that gave up)."""
+    def _next(self) -> Optional[tuple[int, str]]:
+        """The queue to serve: of the first priority that waits, the tenant served least for its
+        weight (dropping requests that gave up)."""
         best = None
-        for tenant, queue in list(self.waiters.items()):
+        for key, queue in list(self.waiters.items()):
             while queue and queue[0].done():  # timed out or left
                 queue.popleft()
             if not queue:
-                del self.waiters[tenant]
+                del self.waiters[key]
                 continue
-            if best is None or self.passes[tenant] < self.passes[best]:
-                best = tenant
+            if best is None or (key[0], self.passes[key[1]]) < (best[0], self.passes[best[1]]):
+                best = key
         return best
 
     def _grant(self) -> None:
-        while (tenant := self._next()) is not None and self._take():
+        while (key := self._next()) is not None and self._take():
+            tenant = key[1]
             self.now_pass = self.passes[tenant]
             self.passes[tenant] += 1.0 / self.weights.get(tenant, 1.0)
-            self.waiters[tenant].popleft().set_result(None)
+            self.waiters[key].popleft().set_result(None)
             self.waiting -= 1
         self._wake_later()
 

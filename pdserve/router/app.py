@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.api_key import APIKeyMiddleware
 from pdserve.keepalive import SERVER_IDLE_S
 from pdserve.log import setup_logging
-from pdserve.router import pairing, processes, worker_api
-from pdserve.router.admission import RETRY_AFTER_S, Admission, Refusal
+from pdserve.router import admission, pairing, processes, worker_api
+from pdserve.router.admission import Admission
 from pdserve.router.args import RouterArgs, parse_args
 from pdserve.router.autoscale import Autoscaler
 from pdserve.router.discovery import DNSDiscovery
@@ -271,11 +271,26 @@ def create_app(args: RouterArgs) -> FastAPI:
     app.state.router = router
 
     async def generate(request: Request) -> Response:
+        return await read_and_dispatch(request, admitted=False)
+
+    async def read_and_dispatch(request: Request, admitted: bool) -> Response:
+        """Read, admit (router/admission.py) and dispatch one generation request; ``admitted``:
+        the caller holds the request's admission token until its answer is sent."""
         try:
             raw = await read_body(request, args.max_body_bytes)
             body = parse_body(raw)
         except BadRequest as e:
             return error_response(e.status, str(e))
+        if admitted:
+            tenant = request.headers.get(args.tenant_header, "")
+            try:
+                await router.admission.enter(tenant, admission.priority_of(body, args))
+            except admission.Refusal as e:
+                refusal = error_response(e.status, e.message)
+                if e.status == 429:
+                    refusal.headers["Retry-After"] = str(admission.RETRY_AFTER_S)
+                return refusal
+            request.state.admitted = True
         call = router.dispatcher.make_call(request, request.url.path, raw, body)
         return await until_disconnect(request, router.dispatcher.handle(call))
 
@@ -283,22 +298,14 @@ def create_app(args: RouterArgs) -> FastAPI:
         app.add_api_route(path, generate, methods=["POST"])
 
     async def generate_asgi(scope, receive, send) -> None:
-        gate = router.admission
-        if gate is not None:
-            tenant = Request(scope).headers.get(args.tenant_header, "")
-            try:
-                await gate.enter(tenant)
-            except Refusal as e:
-                headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
-                refusal = error_response(e.status, e.message)
-                refusal.headers.update(headers or {})
-                return await refusal(scope, receive, send)
+        request = Request(scope, receive)
+        gated = router.admission is not None
         try:
-            response = await generate(Request(scope, receive))
+            response = await read_and_dispatch(request, admitted=gated)
             await response(scope, receive, send)  # a stream: to its last byte
         finally:
-            if gate is not None:
-                gate.leave()
+            if gated and getattr(request.state, "admitted", False):
+                router.admission.leave()
 
     @app.get("/health")
     async def health():

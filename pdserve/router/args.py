@@ -138,6 +138,8 @@ class RouterArgs:
     # tenants share the admission queue by weight: the header naming a request's tenant, weights
     tenant_header: str = "x-gateway-inference-fairness-id"
     tenant_weights: dict[str, float] = field(default_factory=dict)
+    # the queue's order by a request's ``priority``: smaller first (larger by default)
+    schedule_low_priority_values_first: bool = False
     max_body_bytes: int = 32 * 1024 * 1024
     log_level: str = "info"
     api_key: str | None = None  # clients of the router present it (see pdserve/api_key.py)
@@ -665,6 +667,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the longest wait for a token (then 408)",
     )
     p.add_argument(
+        "--schedule-low-priority-values-first",
+        action="store_true",
+        help="the admission queue takes smaller `priority` values first (larger by default)",
+    )
+    p.add_argument(
         "--tenant-header",
         default=d["tenant_header"].default,
         help="the request header naming its tenant, for the admission queue's fair shares",
@@ -776,6 +783,7 @@ def parse_args(argv: list[str]) -> RouterArgs:
         queue_size=ns.queue_size,
         queue_timeout_secs=ns.queue_timeout_secs,
         tenant_header=ns.tenant_header.lower(),
+        schedule_low_priority_values_first=ns.schedule_low_priority_values_first,
         tenant_weights=tenant_weights(ns.tenant_weights),
         max_body_bytes=ns.max_body_bytes,
         log_level=level,

@@ -191,3 +191,32 @@ def test_the_router_shares_its_queue_by_the_tenant_header(pd, make_router):
     assert all(f.result(60).status_code == 200 for f in [first, *calls])
     served = [rec.json["text"].split()[0] for rec in d0.generation_requests()[1:]]
     assert served[:16].count("gold") == 12, served
+
+
+@pytest.mark.parametrize("low_first", [False, True])
+def test_the_router_queue_takes_higher_priorities_first(pd, make_router, low_first):
+    p0, d0 = pd
+    d0.stream_gate.close()
+    r = make_router(
+        [p0],
+        [d0],
+        max_concurrent_requests=1,
+        rate_limit_tokens_per_second=0,
+        schedule_low_priority_values_first=low_first,
+    )
+    pool = concurrent.futures.ThreadPoolExecutor(8)
+
+    def post(name: str, priority=None):
+        body = {**GEN, "text": name, **({} if priority is None else {"priority": priority})}
+        return httpx.post(r.url + "/generate", json=body, timeout=60)
+
+    calls = [pool.submit(post, "first")]
+    wait_until(lambda: len(d0.generation_requests()) == 1, what="the first at decode")
+    for name, priority in (("none", None), ("low", -3), ("high", 7), ("batch", [1, 2])):
+        calls.append(pool.submit(post, name, priority))
+        wait_until(lambda: r.router.admission.queued == len(calls) - 1, what=f"{name} waiting")
+    d0.stream_gate.open()
+    assert all(f.result(60).status_code == 200 for f in calls)
+    served = [rec.json["text"] for rec in d0.generation_requests()[1:]]
+    order = ["high", "batch", "none", "low"]
+    assert served == (order[::-1] if low_first else order), served
