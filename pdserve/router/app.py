@@ -119,10 +119,11 @@ class Router:
     def __init__(self, args: RouterArgs):
         self.args = args
         follow = args.follows_kv_events
+        slo = args.ttft_slo_ms is not None  # estimates need prompts, calibrations and loads
         self.pool = WorkerPool(
             args,
-            poll_loads="least_load" in args.policies or follow,
-            needs_info=follow or args.pd_mode,
+            poll_loads="least_load" in args.policies or follow or slo,
+            needs_info=follow or args.pd_mode or slo,
         )  # PD: backends and hosts (router/pairing.py)
         self.metrics = RouterMetrics(self.pool)
         self.index = (
@@ -135,8 +136,8 @@ class Router:
             else None
         )
         self.prompts = (
-            PromptReader(args.tokenizer_path) if follow else None
-        )  # the index needs prompt tokens
+            PromptReader(args.tokenizer_path) if follow or slo else None
+        )  # the index and the TTFT estimates need prompt tokens
         self._tokenizer_task: asyncio.Task | None = None
         self.pool.info_listeners.append(self.on_worker_info)
         if self.index is not None:
@@ -174,9 +175,8 @@ class Router:
             ]
             for why in filter(None, (pairing.why_not(p, d) for p, d in pairs)):
                 logger.warning("these two will not be paired: %s", why)
-        if self.index is None:
-            return
-        self.index.attach(worker, info)
+        if self.index is not None:
+            self.index.attach(worker, info)
         if (
             self.prompts is not None
             and self.prompts.tokenizer is None

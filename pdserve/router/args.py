@@ -138,6 +138,9 @@ class RouterArgs:
     # tenants share the admission queue by weight: the header naming a request's tenant, weights
     tenant_header: str = "x-gateway-inference-fairness-id"
     tenant_weights: dict[str, float] = field(default_factory=dict)
+    # refuse (429) a request whose estimated time to first token exceeds this (a request's
+    # ``x-slo-ttft-ms`` header sets its own); None: no estimate
+    ttft_slo_ms: float | None = None
     # the queue's order by a request's ``priority``: smaller first (larger by default)
     schedule_low_priority_values_first: bool = False
     max_body_bytes: int = 32 * 1024 * 1024
@@ -203,6 +206,8 @@ class RouterArgs:
         for tenant, weight in self.tenant_weights.items():
             if not weight > 0:
                 raise ValueError(f"tenant_weights: {tenant!r} must weigh > 0, got {weight}")
+        if self.ttft_slo_ms is not None and not self.ttft_slo_ms > 0:
+            raise ValueError(f"ttft_slo_ms: must be positive, got {self.ttft_slo_ms}")
         if self.queue_size < 0:
             raise ValueError(f"queue_size: must be >= 0, got {self.queue_size}")
         if self.queue_timeout_secs <= 0:
@@ -667,6 +672,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="the longest wait for a token (then 408)",
     )
     p.add_argument(
+        "--ttft-slo-ms",
+        type=float,
+        default=d["ttft_slo_ms"].default,
+        metavar="MS",
+        help="answer 429 at once to a request whose estimated time to first token (the chosen "
+        "workers' queues and calibrated prefill, the KV's way) exceeds this; a request's "
+        "x-slo-ttft-ms header sets its own",
+    )
+    p.add_argument(
         "--schedule-low-priority-values-first",
         action="store_true",
         help="the admission queue takes smaller `priority` values first (larger by default)",
@@ -784,6 +798,7 @@ def parse_args(argv: list[str]) -> RouterArgs:
         queue_timeout_secs=ns.queue_timeout_secs,
         tenant_header=ns.tenant_header.lower(),
         schedule_low_priority_values_first=ns.schedule_low_priority_values_first,
+        ttft_slo_ms=ns.ttft_slo_ms,
         tenant_weights=tenant_weights(ns.tenant_weights),
         max_body_bytes=ns.max_body_bytes,
         log_level=level,

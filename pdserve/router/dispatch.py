@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -61,6 +62,8 @@ from pdserve.router.selection import Selector
 from pdserve.router.workers import Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
+
+SLO_HEADER = "x-slo-ttft-ms"  # a request's own TTFT SLO (milliseconds)
 
 BLAME_GRACE_S = (
     0.5  # how long one leg's error waits for the other leg's answer to tell whose fault it was
@@ -144,6 +147,7 @@ class Call:
         None  # the prompt's tokens, when a policy needs them and they are known
     )
     decision: Decision | None = None  # where the answering attempt prefilled (--pd-policy)
+    slo_s: float | None = None  # the time to first token it must not exceed (--ttft-slo-ms)
 
     @property
     def rewrites(self) -> bool:
@@ -234,7 +238,18 @@ class Dispatcher:
             timeline=timeline.requested(request.headers),
             events=timeline.events_of(request.scope),
             prompt=prompt,
+            slo_s=self.slo_of(request),
         )
+
+    def slo_of(self, request: Request) -> float | None:
+        """The request's TTFT SLO in seconds: its ``x-slo-ttft-ms`` header, else --ttft-slo-ms."""
+        if self.args.ttft_slo_ms is None:
+            return None
+        try:
+            ms = float(request.headers.get(SLO_HEADER, self.args.ttft_slo_ms))
+        except ValueError:
+            ms = self.args.ttft_slo_ms
+        return ms / 1000 if ms > 0 else None
 
     async def handle(self, call: Call) -> Response:
         exclude: set[Worker] = set()
@@ -269,6 +284,10 @@ class Dispatcher:
                     call.path,
                     batch=call.items is not None or call.outputs > 1,
                 )
+            if not attempt and call.slo_s is not None:
+                shed = self.over_slo(call, prefill, main)
+                if shed is not None:
+                    return shed
             call.merge_logprobs = (
                 merge_logprobs and prefill is not None
             )  # decode has them all when local
@@ -284,6 +303,21 @@ class Dispatcher:
             exclude.add(failure.blamed)
             keep = main if failure.blamed is prefill else None
         return failure.response()
+
+    def over_slo(self, call: Call, prefill: Worker | None, main: Worker) -> Response | None:
+        """A 429 for a request whose estimated time to first token on the chosen workers exceeds
+        its SLO (``pd_policy.estimate_ttft``); None when it fits or cannot be estimated."""
+        estimate = self.selector.pd.estimate_ttft(call.prompt, prefill, main)
+        if estimate is None or estimate <= call.slo_s:
+            return None
+        self.metrics.shed.labels(call.path).inc()
+        response = error_response(
+            SHED,
+            f"the estimated time to first token is {estimate:.3f} s, over this request's "
+            f"SLO of {call.slo_s:.3f} s (--ttft-slo-ms, x-slo-ttft-ms); retry later",
+        )
+        response.headers["Retry-After"] = str(max(1, math.ceil(estimate - call.slo_s)))
+        return response
 
     def outgoing(self, call: Call, prefill: Worker | None, main: Worker) -> Outgoing:
         """The bodies for one attempt: bootstrap fields for PD, DP groups with ``--dp-aware``."""

@@ -112,6 +112,12 @@ class RouterMetrics:
             ["endpoint", "status"],
             registry=self.registry,
         )
+        self.shed = Counter(
+            "pdserve_router_shed",
+            "requests refused (429) because their estimated time to first token exceeded the SLO",
+            ["endpoint"],
+            registry=self.registry,
+        )
         self.retries = Counter(
             "pdserve_router_retries",
             "retries on a new worker pair",

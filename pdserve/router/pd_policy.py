@@ -90,6 +90,39 @@ class PDPolicy:
     def cached(self, worker: Worker, prompt: PromptBlocks) -> int:
         return self.index.matched_tokens(worker, prompt)[0] if self.index is not None else 0
 
+    def _ttft_pd(
+        self, fit: PrefillFit, n: int, p_cached: int, d_cached: int, prefill: Worker, decode: Worker
+    ) -> float:
+        """Through PD: prefill's queue, its prefill of what it does not hold, the KV decode does
+        not hold at prefill's transfer rate, and the fixed overhead."""
+        p_reqs, p_tokens = prefill.load_estimate()
+        queue_s = fit.s_per_token * p_tokens + fit.fixed_s * p_reqs
+        sched = (decode.info or {}).get("scheduler_info") or {}
+        kv_per_token = sched.get("kv_bytes_per_token") or 0
+        kv_per_request = sched.get("kv_bytes_per_request") or 0  # a hybrid's recurrent state
+        bandwidth = prefill.kv_bandwidth or self.args.pd_kv_bandwidth
+        transfer_s = ((n - d_cached) * kv_per_token + kv_per_request) / bandwidth
+        return queue_s + fit.time(n - p_cached) + transfer_s + self.args.pd_overhead_s
+
+    def estimate_ttft(
+        self, prompt: Optional[PromptBlocks], prefill: Optional[Worker], main: Worker
+    ) -> Optional[float]:
+        """The time to first token of a request prefilled on ``prefill`` for ``main`` (decode), or
+        on ``main`` itself (None: colocated, or decode prefilling locally): that server's queue
+        and prefill (and the KV's way through PD); None without a calibration or a prompt."""
+        if prompt is None:
+            return None
+        n = len(prompt.ids)
+        fit = self.fit(prefill or main)
+        if fit is None:
+            return None
+        if prefill is not None:
+            cached = self.cached(prefill, prompt), self.cached(main, prompt)
+            return self._ttft_pd(fit, n, *cached, prefill, main)
+        reqs, tokens = main.load_estimate()
+        queue_s = fit.s_per_token * tokens + fit.fixed_s * reqs
+        return queue_s + fit.time(n - self.cached(main, prompt))
+
     def decide(
         self, prompt: Optional[PromptBlocks], prefill: Worker, decode: Worker, batch: bool
     ) -> Decision:
@@ -106,14 +139,7 @@ class PDPolicy:
         p_cached, d_cached = self.cached(prefill, prompt), self.cached(decode, prompt)
         d_todo = n - d_cached
         out = Decision(PD, "", n, p_cached, d_cached)
-        p_reqs, p_tokens = prefill.load_estimate()
-        queue_s = p_fit.s_per_token * p_tokens + p_fit.fixed_s * p_reqs
-        sched = (decode.info or {}).get("scheduler_info") or {}
-        kv_per_token = sched.get("kv_bytes_per_token") or 0
-        kv_per_request = sched.get("kv_bytes_per_request") or 0  # a hybrid's recurrent state
-        bandwidth = prefill.kv_bandwidth or self.args.pd_kv_bandwidth
-        transfer_s = (d_todo * kv_per_token + kv_per_request) / bandwidth
-        out.ttft_pd_s = queue_s + p_fit.time(n - p_cached) + transfer_s + self.args.pd_overhead_s
+        out.ttft_pd_s = self._ttft_pd(p_fit, n, p_cached, d_cached, prefill, decode)
         local_s = d_fit.time(d_todo)
         d_reqs, _ = decode.load_estimate()
         out.ttft_local_s = local_s

@@ -14,7 +14,7 @@ from pdserve.router.admission import Admission, Refusal
 from pdserve.router.args import RouterArgs
 from tests.helpers.fake_workers import wait_until
 
-WORKER_ROLES = ("prefill", "decode")
+WORKER_ROLES = ("prefill", "decode", "regular")
 GEN = {"text": "one two three", "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
 
 
@@ -74,7 +74,7 @@ def test_flags_are_checked():
 
 
 def test_the_router_queues_refuses_and_times_out_by_the_bucket(pd, make_router):
-    p0, d0 = pd
+    p0, d0, _ = pd
     d0.stream_gate.close()  # decode holds its answers
     r = make_router(
         [p0],
@@ -110,7 +110,7 @@ def test_the_router_queues_refuses_and_times_out_by_the_bucket(pd, make_router):
 
 
 def test_a_stream_holds_its_token_to_its_last_byte_and_the_queue_moves_on(pd, make_router):
-    p0, d0 = pd
+    p0, d0, _ = pd
     d0.stream_gate.close()  # a stream stops after its first event
     r = make_router([p0], [d0], max_concurrent_requests=1, queue_size=1, queue_timeout_secs=30)
     pool = concurrent.futures.ThreadPoolExecutor(2)
@@ -166,7 +166,7 @@ def test_waiting_tenants_are_granted_by_their_weights():
 
 
 def test_the_router_shares_its_queue_by_the_tenant_header(pd, make_router):
-    p0, d0 = pd
+    p0, d0, _ = pd
     d0.stream_gate.close()
     r = make_router(
         [p0],
@@ -195,7 +195,7 @@ def test_the_router_shares_its_queue_by_the_tenant_header(pd, make_router):
 
 @pytest.mark.parametrize("low_first", [False, True])
 def test_the_router_queue_takes_higher_priorities_first(pd, make_router, low_first):
-    p0, d0 = pd
+    p0, d0, _ = pd
     d0.stream_gate.close()
     r = make_router(
         [p0],
@@ -220,3 +220,39 @@ def test_the_router_queue_takes_higher_priorities_first(pd, make_router, low_fir
     served = [rec.json["text"] for rec in d0.generation_requests()[1:]]
     order = ["high", "batch", "none", "low"]
     assert served == (order[::-1] if low_first else order), served
+
+
+CALIBRATION = {"calibration": {"prefill_fixed_s": 0.01, "prefill_s_per_token": 0.001}}
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_a_request_over_its_ttft_slo_is_refused_at_once(pd, make_router, colocated):
+    """The estimate is the chosen server's queue (its polled tokens and requests at its calibrated
+    rates) plus its prefill of the prompt: 100 tokens on an idle server fit 500 ms; a queue of a
+    million tokens does not (429 with Retry-After, nothing sent); a request's own x-slo-ttft-ms
+    lets it wait; a prompt the router cannot read is not estimated."""
+    p0, d0, w0 = pd
+    for w in pd:
+        w.info_extra = dict(CALIBRATION)
+    r = (
+        make_router(worker=[w0], ttft_slo_ms=500)
+        if colocated
+        else make_router([p0], [d0], ttft_slo_ms=500)
+    )
+    queued = w0 if colocated else p0  # the server that would prefill
+    body = {"input_ids": list(range(100, 200)), "sampling_params": {"max_new_tokens": 2}}
+    assert r.client.post("/generate", json=body).status_code == 200
+    queued.load = {"num_reqs": 3, "num_waiting_reqs": 2, "num_tokens": 1_000_000}
+    wait_until(lambda: r.worker(queued.url).load_estimate()[1] == 1_000_000, what="the load polled")
+    sent = len(queued.generation_requests())
+    t0 = time.monotonic()
+    refused = r.client.post("/generate", json=body)
+    assert refused.status_code == 429 and time.monotonic() - t0 < 1.0
+    assert "over this request's SLO of 0.500 s" in refused.json()["error"]["message"]
+    assert int(refused.headers["Retry-After"]) >= 999  # about 1,000 s over
+    assert len(queued.generation_requests()) == sent
+    patient = r.client.post("/generate", json=body, headers={"x-slo-ttft-ms": "2000000"})
+    assert patient.status_code == 200
+    unread = r.client.post("/generate", json={**GEN, "text": "no tokenizer here"})
+    assert unread.status_code == 200
+    assert 'pdserve_router_shed_total{endpoint="/generate"} 1.0' in r.client.get("/metrics").text
