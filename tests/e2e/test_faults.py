@@ -101,7 +101,9 @@ def fx(tmp_path_factory, tiny_llama_path):
             proc.wait_ready()
         routers = {
             "R1": c.router("R1", [s["P1"]], [s["D1"]], logs, *ROUTER),
-            "RF": c.router("RF", [s["PF"]], [s["D1"]], logs, *ROUTER),
+            # no retries: each injected fault must show as one clean failure (the router's
+            # retries would serve most of them on the second try)
+            "RF": c.router("RF", [s["PF"]], [s["D1"]], logs, *ROUTER, "--disable-retries"),
             "RC": c.router("RC", [s["PC"]], [s["D1"]], logs, *ROUTER),
             "RM": c.router(
                 "RM", [s["P2"]], [s["D1"]], logs, *ROUTER, "--max-body-bytes", str(1 << 20)
