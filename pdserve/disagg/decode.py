@@ -123,7 +123,8 @@ class DecodeQueues(PDQueues):
         self.draining.append((receiver, [], None))  # no pages
 
     def queued(self) -> list[Req]:
-        return list(self.prealloc)  # waiting for pages (their transfer starts after)
+        # waiting for pages, or for their KV and then a running place
+        return self.prealloc + self.transfer
 
     def all_reqs(self) -> list[Req]:
         moving = self.migration.out if self.migration is not None else []

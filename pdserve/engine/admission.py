@@ -2,7 +2,8 @@
 priorities (``--enable-priority-scheduling``), as SGLang's flags.
 
 A request counts as queued from its arrival until it joins the running batch: the waiting queue
-and the PD queues before it (prefill: bootstrapping; decode: waiting for pages). With the queue
+and the PD queues before it (prefill: bootstrapping; decode: waiting for pages, for its KV, then
+for a running place). With the queue
 full, a new request is refused with 429 (``QueueFull``), unless priority scheduling is on and a
 queued request that has not started has a lower priority: that one is shed (429) and the new one
 takes its place, so a high-priority stream keeps its latency while low-priority load is shed.

@@ -219,3 +219,64 @@ def test_a_far_higher_priority_preempts_the_running_request(servers, priority, p
     assert events[first]["server_finished"] < events[last]["server_finished"], events
     assert preemptions(S) - before == int(preempts)
     S.wait_idle()
+
+
+@pytest.fixture(scope="module")
+def pd_servers(tiny_llama_path, tmp_path_factory):
+    """P -> D behind a router; D runs one request at a time and lets one more wait."""
+    logs = tmp_path_factory.mktemp("admission-pd")
+    P, _ = c.prefill("P", tiny_llama_path, logs, *c.PAGED_PD_ARGS)
+    D = c.decode(
+        "D",
+        tiny_llama_path,
+        logs,
+        *c.PAGED_PD_ARGS,
+        "--max-running-requests",
+        "1",
+        "--max-queued-requests",
+        "1",
+    )
+    procs = [P, D]
+    try:
+        c.start_all(procs)
+        R = c.router("R", [P], [D], logs, "--retry-initial-backoff-ms", "100")
+        procs.append(R)
+        c.start_all([R])
+        yield {"P": P, "D": D, "R": R}
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def test_through_pd_a_full_decode_queue_answers_429_and_ends_the_room(pd_servers):
+    """Decode full (one running, one waiting): a third request is refused by decode with 429,
+    retried once by the router, answered 429 with Retry-After; prefill's room for it ends (no
+    room, page or slot held on either side); the waiting one runs once the running one ends."""
+    P, D, R = pd_servers["P"], pd_servers["D"], pd_servers["R"]
+    rid = f"long-{time.monotonic_ns()}"
+    a = Call(R.url, list(range(100, 110)), LONG, rid=rid)
+    c.wait_for(lambda: D.integrity()["running"] == 1, 60, "the long request on decode")
+    b = Call(R.url, list(range(200, 210)), SHORT)
+
+    def waiting_on_decode() -> bool:
+        pools = D.integrity()
+        return pools["prealloc_queue"] + pools["transfer_queue"] == 1
+
+    c.wait_for(waiting_on_decode, 30, "the second waiting on decode", interval=0.02)
+    r = httpx.post(
+        R.url + "/generate",
+        json={"input_ids": [5, 6, 7], "sampling_params": SHORT},
+        timeout=60,
+    )
+    assert r.status_code == 429, r.text
+    assert r.headers["Retry-After"] == "1"
+    assert "--max-queued-requests 1" in r.json()["error"]["message"]
+    # the long one ends (aborted on decode, which prefill's side had finished long ago)
+    assert D.http.post("/abort_request", json={"rid": rid}).json()["aborted"]
+    a.join(60)
+    b.join(120)
+    assert b.status == 200, b.json
+    assert b.json["meta_info"]["completion_tokens"] == SHORT["max_new_tokens"]
+    for proc in (P, D):  # well before the 20 s a room waits for its peer
+        pools = proc.wait_idle(timeout=5)
+        assert pools.get("kv_rooms", 0) == 0, pools
