@@ -148,6 +148,8 @@ class Call:
     )
     decision: Decision | None = None  # where the answering attempt prefilled (--pd-policy)
     slo_s: float | None = None  # the time to first token it must not exceed (--ttft-slo-ms)
+    # the model's estimate of its TTFT (unscaled) and when it was dispatched (time.monotonic)
+    ttft_estimate: tuple[float, float] | None = None
 
     @property
     def rewrites(self) -> bool:
@@ -307,8 +309,12 @@ class Dispatcher:
     def over_slo(self, call: Call, prefill: Worker | None, main: Worker) -> Response | None:
         """A 429 for a request whose estimated time to first token on the chosen workers exceeds
         its SLO (``pd_policy.estimate_ttft``); None when it fits or cannot be estimated."""
-        estimate = self.selector.pd.estimate_ttft(call.prompt, prefill, main)
-        if estimate is None or estimate <= call.slo_s:
+        raw = self.selector.pd.estimate_ttft(call.prompt, prefill, main)
+        if raw is None:
+            return None
+        call.ttft_estimate = (raw, time.monotonic())
+        estimate = raw * main.ttft_scale  # corrected by what its streams' TTFTs were
+        if estimate <= call.slo_s:
             return None
         self.metrics.shed.labels(call.path).inc()
         response = error_response(
@@ -450,6 +456,10 @@ class Dispatcher:
             except UpstreamError as e:
                 return Failure(main, d_leg.failed(e))
             error = protocol.first_event_error(first)
+            if error is None and call.ttft_estimate is not None:
+                raw, since = call.ttft_estimate
+                main.observe_ttft(time.monotonic() - since, raw)
+                call.ttft_estimate = None  # once per request
             if error is not None:  # decode failed before any output: still retryable
                 status, body = error
                 if (

@@ -28,6 +28,7 @@ from pdserve.router.load_report import parse_bandwidth, parse_group_loads, parse
 logger = logging.getLogger(__name__)
 
 PREFILL, DECODE, REGULAR = "prefill", "decode", "worker"
+TTFT_SCALE_HALF_LIFE_S = 5.0  # a worker's TTFT estimate correction fades back to 1 this fast
 
 
 class CircuitBreaker:
@@ -121,6 +122,9 @@ class Worker:
         )
         self.info: dict | None = None  # its GET /server_info, when the router needs it
         self.in_flight_at_poll = 0
+        # observed / estimated time to first token of its streams (--ttft-slo-ms), smoothed, and
+        # when it was last observed
+        self._ttft_scale, self._ttft_scale_at = 1.0, time.monotonic()
         # data-parallel groups (--dp-aware)
         self.dp_size: int | None = None  # from GET /server_info; None: not known, treated as 1
         self.dp_size_read_at = -float("inf")  # time.monotonic() of the last GET /server_info
@@ -132,6 +136,22 @@ class Worker:
     @property
     def available(self) -> bool:
         return self.healthy and self.draining is None and self.breaker.allows()
+
+    @property
+    def ttft_scale(self) -> float:
+        """What the model's TTFT estimates for this worker are multiplied by: observed over
+        estimated, smoothed, going back to 1 with a half-life of ``TTFT_SCALE_HALF_LIFE_S``
+        without new observations (a worker whose every request is refused must be tried again
+        once its queue is gone)."""
+        age = time.monotonic() - self._ttft_scale_at
+        return 1.0 + (self._ttft_scale - 1.0) * 0.5 ** (age / TTFT_SCALE_HALF_LIFE_S)
+
+    def observe_ttft(self, observed_s: float, estimated_s: float) -> None:
+        """A stream's first event came ``observed_s`` after dispatch, where the router estimated
+        ``estimated_s`` (unscaled): the scale follows (EWMA, weight 0.2, in [0.1, 1000])."""
+        ratio = observed_s / max(estimated_s, 1e-4)
+        scale = min(1000.0, max(0.1, 0.8 * self.ttft_scale + 0.2 * ratio))
+        self._ttft_scale, self._ttft_scale_at = scale, time.monotonic()
 
     def load_estimate(self) -> tuple[int, int]:
         """(requests, tokens): the last polled load plus what this router sent since the poll."""

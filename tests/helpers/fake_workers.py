@@ -154,6 +154,7 @@ class FakeWorker:
             is_open=True
         )  # decode: hold a stream after its first event, or a JSON answer
         self.die_mid_stream = False  # decode: drop the connection after the first chunk
+        self.first_event_delay_s = 0.0  # a stream's first event comes this late
         self.sse_prefill = False  # prefill: answer stream=true with SSE instead of one JSON
         self.room_timeout = 5.0  # decode: how long to wait for a room's prefill
         self.bootstrap_port = None
@@ -180,6 +181,7 @@ class FakeWorker:
         self.respond_gate.open()
         self.stream_gate.open()
         self.die_mid_stream = False
+        self.first_event_delay_s = 0.0
         self.sse_prefill = False
 
     # ------------------------------------------------------------------ inspection helpers
@@ -404,6 +406,7 @@ class FakeWorker:
         # Write the first event whole, then the rest with awkward splits (an event cut in two,
         # two events in one write, a comment line) so passthrough must be byte-exact to pass.
         try:
+            await asyncio.sleep(self.first_event_delay_s)
             rec.sent += events[0]
             yield events[0]
             await self.stream_gate.wait()

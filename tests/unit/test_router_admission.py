@@ -256,3 +256,26 @@ def test_a_request_over_its_ttft_slo_is_refused_at_once(pd, make_router, colocat
     unread = r.client.post("/generate", json={**GEN, "text": "no tokenizer here"})
     assert unread.status_code == 200
     assert 'pdserve_router_shed_total{endpoint="/generate"} 1.0' in r.client.get("/metrics").text
+
+
+def test_the_ttft_estimate_learns_from_the_streams_it_let_through(pd, make_router):
+    """The model says 0.11 s (an idle server, 100 tokens at the calibrated rates) against a 300 ms
+    SLO, but the worker's streams start 1 s late: after two of them the corrected estimate is
+    over the SLO and requests are refused; once the worker is fast again the correction fades
+    (half-life 5 s) and requests get through."""
+    _, _, w0 = pd
+    w0.info_extra = dict(CALIBRATION)
+    r = make_router(worker=[w0], ttft_slo_ms=300)
+    body = {"input_ids": list(range(100, 200)), "stream": True, "sampling_params": {}}
+    w0.first_event_delay_s = 1.0
+    statuses = [r.client.post("/generate", json=body).status_code for _ in range(3)]
+    assert statuses == [200, 200, 429], statuses
+    assert r.worker(w0.url).ttft_scale > 3
+    w0.first_event_delay_s = 0.0
+    wait_until(
+        lambda: r.client.post("/generate", json=body).status_code == 200,
+        timeout=30,
+        what="a request let through again",
+        interval=0.5,
+    )
+    assert r.worker(w0.url).ttft_scale < 3
