@@ -148,9 +148,11 @@ class Worker:
 
     def observe_ttft(self, observed_s: float, estimated_s: float) -> None:
         """A stream's first event came ``observed_s`` after dispatch, where the router estimated
-        ``estimated_s`` (unscaled): the scale follows (EWMA, weight 0.2, in [0.1, 1000])."""
+        ``estimated_s`` (unscaled): the scale follows (EWMA, weight 0.2, in [1, 1000]: the model
+        counts the prefill's compute and queue only, so the scale adds what it misses and never
+        takes away)."""
         ratio = observed_s / max(estimated_s, 1e-4)
-        scale = min(1000.0, max(0.1, 0.8 * self.ttft_scale + 0.2 * ratio))
+        scale = min(1000.0, max(1.0, 0.8 * self.ttft_scale + 0.2 * ratio))
         self._ttft_scale, self._ttft_scale_at = scale, time.monotonic()
 
     def load_estimate(self) -> tuple[int, int]:
