@@ -1,6 +1,7 @@
 """OpenAI-style API keys on the HTTP front ends (``pdserve serve`` and ``pdserve router``).
 
-With ``--api-key KEY`` every request must carry ``Authorization: Bearer KEY``, except
+With ``--api-key KEY`` every request must carry ``Authorization: Bearer KEY`` (or, as
+Anthropic's clients send it, ``x-api-key: KEY``), except
 ``/health`` (load balancers and orchestrators probe it without credentials) and ``/metrics``
 (Prometheus scrapes it; it holds counters, no request content). This follows SGLang, whose
 ``--api-key`` guards every route but the health and metrics ones; vLLM guards only ``/v1``.
@@ -22,10 +23,14 @@ def bearer(key: str | None) -> dict[str, str]:
 
 
 def _presented_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The key of ``Authorization: Bearer KEY``, or of ``x-api-key: KEY`` (Anthropic's clients)."""
     for name, value in headers:
         if name.lower() == b"authorization":
             scheme, _, token = value.partition(b" ")
             return token.strip() if scheme.lower() == b"bearer" else None
+    for name, value in headers:
+        if name.lower() == b"x-api-key":
+            return value.strip()
     return None
 
 

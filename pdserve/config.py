@@ -127,6 +127,9 @@ class ServerArgs:
     # admission (SGLang's flags): at most this many requests wait to run (the waiting queue and
     # the PD queues before it); one more is refused with 429 and Retry-After (None: no cap)
     max_queued_requests: Optional[int] = None
+    # stored responses of POST /v1/responses kept for previous_response_id and GET (least
+    # recently used first out; 0: none kept)
+    responses_store_size: int = 10_000
     # a request's ``priority`` orders the waiting queue before the policy does, and a full queue
     # sheds its lowest-priority request for a higher one; larger values first unless
     # schedule_low_priority_values_first
@@ -329,6 +332,8 @@ class ServerArgs:
             bad("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
         if self.max_running_requests < 1:
             bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
+        if self.responses_store_size < 0:
+            bad("responses_store_size", f"must be >= 0, got {self.responses_store_size}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             bad("max_queued_requests", f"must be >= 1, got {self.max_queued_requests}")
         if self.priority_scheduling_preemption_threshold < 0:

@@ -55,6 +55,7 @@ class Operation:
     media_type: str = "application/json"
     errors: tuple[int, ...] = (400,)
     offered: bool = True
+    error: Any = None  # the type of its error object (None: the document's)
 
 
 Docs = dict[tuple[str, str], Operation]  # (method in lower case, path) -> its documentation
@@ -73,7 +74,7 @@ def build(
     )
     types: list[Any] = [error]
     for op in docs.values():
-        types += [t for t in (op.body, op.response, op.stream) if t is not None]
+        types += [t for t in (op.body, op.response, op.stream, op.error) if t is not None]
     inline, components = msgspec.json.schema_components(types, ref_template=REF)
     schema_of = dict(zip(map(_key, types), inline))
     for t in types:  # what a body type declares for its hand-written checks
@@ -132,6 +133,8 @@ def install(
 
 def _apply(operation: dict, op: Operation, schema_of: dict, error_content: dict) -> None:
     operation["summary"] = op.summary
+    if op.error is not None:
+        error_content = {"application/json": {"schema": schema_of[_key(op.error)]}}
     if op.body is not None:
         operation["requestBody"] = {
             "required": True,

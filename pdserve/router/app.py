@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import sys
 
@@ -19,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.api_key import APIKeyMiddleware
 from pdserve.keepalive import SERVER_IDLE_S
 from pdserve.log import setup_logging
-from pdserve.router import admission, pairing, processes, worker_api
+from pdserve.router import admission, pairing, processes, responses, worker_api
 from pdserve.router.admission import Admission
 from pdserve.router.args import RouterArgs, parse_args
 from pdserve.router.autoscale import Autoscaler
@@ -35,7 +36,13 @@ from pdserve.router.workers import DECODE, PREFILL, REGULAR, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
 
-GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+GENERATE_PATHS = (
+    "/generate",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+)
 NO_INDEX = (
     "the router follows no KV events (policy cache_aware or --pd-policy conditional turn them on)"
 )
@@ -144,6 +151,7 @@ class Router:
             self.metrics.watch_index(self.index)
             self.pool.forget_listeners.append(self.index.detach)
         self.dispatcher = Dispatcher(self.pool, self.metrics, args, self.index, self.prompts)
+        self.responses = responses.Responses(args.responses_store_size)
         self.admission = (
             Admission(
                 args.max_concurrent_requests,
@@ -252,6 +260,22 @@ class Router:
             resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type")
         )
 
+    async def proxy_post(self, what: str, path: str, body: bytes) -> Response:
+        """A POST that generates nothing, answered by the first available worker (decode
+        first), passed on as it is."""
+        worker = self.first_available((DECODE, REGULAR, PREFILL))
+        if worker is None:
+            return error_response(503, f"no healthy worker to ask for {what}")
+        try:
+            resp = await self.pool.client.post(
+                worker.url + path, content=body, headers={"content-type": "application/json"}
+            )
+        except httpx.HTTPError as e:
+            return error_response(502, f"{worker.url}{path} failed: {e!r}")
+        return Response(
+            resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type")
+        )
+
     def roles(self) -> tuple[str, ...]:
         return (PREFILL, DECODE) if self.args.pd_mode else (REGULAR,)
 
@@ -281,6 +305,14 @@ def create_app(args: RouterArgs) -> FastAPI:
             body = parse_body(raw)
         except BadRequest as e:
             return error_response(e.status, str(e))
+        keeper = None
+        if request.url.path == responses.PATH:
+            try:
+                expanded, keeper = router.responses.prepare(body)
+            except BadRequest as e:
+                return error_response(e.status, str(e))
+            if expanded is not body:
+                body, raw = expanded, json.dumps(expanded, ensure_ascii=False).encode()
         if admitted:
             tenant = request.headers.get(args.tenant_header, "")
             try:
@@ -292,6 +324,7 @@ def create_app(args: RouterArgs) -> FastAPI:
                 return refusal
             request.state.admitted = True
         call = router.dispatcher.make_call(request, request.url.path, raw, body)
+        call.keeper = keeper
         return await until_disconnect(request, router.dispatcher.handle(call))
 
     for path in GENERATE_PATHS:
@@ -331,6 +364,27 @@ def create_app(args: RouterArgs) -> FastAPI:
         if missing:
             return error_response(503, f"no {' or '.join(missing)} worker could generate")
         return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        body = router.responses.store.get(response_id)
+        if body is None:
+            return error_response(404, f"response {response_id!r} not found")
+        return JSONResponse(body)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        if not router.responses.store.delete(response_id):
+            return error_response(404, f"response {response_id!r} not found")
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        try:
+            raw = await read_body(request, args.max_body_bytes)
+        except BadRequest as e:
+            return error_response(e.status, str(e))
+        return await router.proxy_post("a token count", "/v1/messages/count_tokens", raw)
 
     @app.get("/v1/models")
     async def models():

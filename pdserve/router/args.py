@@ -135,6 +135,8 @@ class RouterArgs:
     rate_limit_tokens_per_second: float | None = None
     queue_size: int = 100
     queue_timeout_secs: float = 60.0
+    # responses of /v1/responses kept for previous_response_id (router/responses.py; 0: none)
+    responses_store_size: int = 10_000
     # tenants share the admission queue by weight: the header naming a request's tenant, weights
     tenant_header: str = "x-gateway-inference-fairness-id"
     tenant_weights: dict[str, float] = field(default_factory=dict)
@@ -208,6 +210,8 @@ class RouterArgs:
                 raise ValueError(f"tenant_weights: {tenant!r} must weigh > 0, got {weight}")
         if self.ttft_slo_ms is not None and not self.ttft_slo_ms > 0:
             raise ValueError(f"ttft_slo_ms: must be positive, got {self.ttft_slo_ms}")
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size: must be >= 0, got {self.responses_store_size}")
         if self.queue_size < 0:
             raise ValueError(f"queue_size: must be >= 0, got {self.queue_size}")
         if self.queue_timeout_secs <= 0:
@@ -665,6 +669,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests that may wait for a token (0: none; one more is answered 429)",
     )
     p.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=d["responses_store_size"].default,
+        help="responses of /v1/responses kept for previous_response_id and GET (0: none)",
+    )
+    p.add_argument(
         "--queue-timeout-secs",
         type=float,
         default=d["queue_timeout_secs"].default,
@@ -796,6 +806,7 @@ def parse_args(argv: list[str]) -> RouterArgs:
         rate_limit_tokens_per_second=ns.rate_limit_tokens_per_second,
         queue_size=ns.queue_size,
         queue_timeout_secs=ns.queue_timeout_secs,
+        responses_store_size=ns.responses_store_size,
         tenant_header=ns.tenant_header.lower(),
         schedule_low_priority_values_first=ns.schedule_low_priority_values_first,
         ttft_slo_ms=ns.ttft_slo_ms,

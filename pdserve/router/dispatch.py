@@ -36,6 +36,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 from starlette.requests import Request
@@ -150,6 +151,7 @@ class Call:
     slo_s: float | None = None  # the time to first token it must not exceed (--ttft-slo-ms)
     # the model's estimate of its TTFT (unscaled) and when it was dispatched (time.monotonic)
     ttft_estimate: tuple[float, float] | None = None
+    keeper: Any = None  # keeps a /v1/responses answer (router/responses.py)
 
     @property
     def rewrites(self) -> bool:
@@ -219,6 +221,7 @@ class Dispatcher:
         headers = {k: v for k, v in request.headers.items() if k not in _NOT_FORWARDED}
         if self.args.worker_api_key:  # the client's key is for the router; workers get the router's
             headers.pop("authorization", None)
+            headers.pop("x-api-key", None)
         headers.update({"content-type": "application/json", "accept-encoding": "identity"})
         pd = self.pool.pd_mode
         batch = protocol.item_count(path, body)
@@ -411,6 +414,8 @@ class Dispatcher:
                 body = timeline.merge_json(body, p_items, call.outputs, call.events)
             if call.shows_decision:
                 body = pd_policy.add_to_meta_json(body, call.decision.meta())
+            if call.keeper is not None and dres.status == 200:
+                call.keeper.json(body)
             return Response(body, status_code=dres.status, media_type=media_type)
         finally:
             await d_leg.close()

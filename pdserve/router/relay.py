@@ -45,6 +45,8 @@ class Relay:
             while chunk:
                 if self.call.rewrites:
                     chunk = b"".join(self.merge(e) for e in protocol.split_events(chunk))
+                if self.call.keeper is not None:
+                    self.call.keeper.events(chunk)
                 yield chunk
                 chunk = await self._next()
             self.d_leg.finish(True)

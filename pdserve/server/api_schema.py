@@ -24,6 +24,7 @@ from pdserve.engine.request import (
 from pdserve.openapi import Docs, Operation
 from pdserve.peers import MigrationPeers
 from pdserve.server.generate_api import GenerateRequest
+from pdserve.server.messages_api import MessagesRequest
 from pdserve.server.openai_protocol import (
     EBNF_PARAM,
     GRAMMAR_KEYS,
@@ -33,6 +34,7 @@ from pdserve.server.openai_protocol import (
     CompletionRequest,
     at_most_one,
 )
+from pdserve.server.responses_api import ResponsesRequest
 from pdserve.server.role_switch import SwitchRoleRequest
 from pdserve.server.tokenizer_manager import MAX_N
 
@@ -162,6 +164,94 @@ class ChatCompletion(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     sglext: Optional[SGLangExt] = None
+
+
+# ---- /v1/responses and /v1/messages -------------------------------------------------------------
+class ResponseUsage(msgspec.Struct):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(msgspec.Struct):
+    """OpenAI's Response: its output items are reasoning, message and function_call items."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: Optional[ResponseUsage]
+    previous_response_id: Optional[str]
+    incomplete_details: Optional[dict[str, str]]
+
+
+class ResponseEvent(msgspec.Struct):
+    """One event of a streamed Response (``event: <type>``), numbered from 0; the last is
+    ``response.completed`` or ``response.incomplete`` (an ``error`` event after output began)."""
+
+    type: str
+    sequence_number: int
+
+
+class ResponseDeleted(msgspec.Struct):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: bool
+
+
+class AnthropicUsage(msgspec.Struct):
+    input_tokens: int
+    output_tokens: int
+    cache_read_input_tokens: int = 0
+    cache_creation_input_tokens: int = 0
+
+
+class AnthropicMessage(msgspec.Struct):
+    """Anthropic's Message: text, thinking and tool_use content blocks."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: Optional[Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]]
+    stop_sequence: Optional[str]
+    usage: AnthropicUsage
+
+
+class AnthropicEvent(msgspec.Struct):
+    """One event of a streamed Message (``event: <type>``): message_start, the content blocks'
+    start, deltas and stop, message_delta, then message_stop last (an error event instead)."""
+
+    type: Literal[
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+        "ping",
+    ]
+
+
+class AnthropicErrorBody(msgspec.Struct):
+    type: str
+    message: str
+
+
+class AnthropicError(msgspec.Struct):
+    """Every error of /v1/messages, in Anthropic's shape."""
+
+    type: Literal["error"]
+    error: AnthropicErrorBody
+
+
+class TokenCount(msgspec.Struct):
+    input_tokens: int
 
 
 class FunctionCallDelta(msgspec.Struct):
@@ -467,6 +557,34 @@ def route_docs(tm) -> Docs:
             ChatCompletion,
             ChatCompletionChunk,
             errors=GENERATION_ERRORS,
+        ),
+        ("post", "/v1/responses"): Operation(
+            "OpenAI Responses (stored for previous_response_id unless store is false)",
+            ResponsesRequest,
+            ResponseObject,
+            ResponseEvent,
+            errors=(*GENERATION_ERRORS, 429),
+        ),
+        ("get", "/v1/responses/{response_id}"): Operation(
+            "A stored response", response=ResponseObject, errors=(404,)
+        ),
+        ("delete", "/v1/responses/{response_id}"): Operation(
+            "Delete a stored response", response=ResponseDeleted, errors=(404,)
+        ),
+        ("post", "/v1/messages"): Operation(
+            "Anthropic Messages",
+            MessagesRequest,
+            AnthropicMessage,
+            AnthropicEvent,
+            errors=(*GENERATION_ERRORS, 429),
+            error=AnthropicError,
+        ),
+        ("post", "/v1/messages/count_tokens"): Operation(
+            "Anthropic's token count of a Messages request",
+            MessagesRequest,
+            TokenCount,
+            errors=(400, 404, 413),
+            error=AnthropicError,
         ),
         ("post", "/abort_request"): Operation(
             "Abort a request by rid, or all", AbortRequest, Aborted

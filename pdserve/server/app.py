@@ -29,8 +29,10 @@ from pdserve.server import (
     expert_api,
     generate_api,
     http_util,
+    messages_api,
     migrate_api,
     openai_api,
+    responses_api,
     role_switch,
 )
 from pdserve.server.calibration import calibrate
@@ -179,6 +181,33 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         refuse_if_unavailable()
         return await openai_api.chat_completions(request, tm)
+
+    responses = responses_api.ResponsesAPI(tm, args.responses_store_size)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        refuse_if_unavailable()
+        return await responses.create(request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        return responses.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return responses.delete(response_id)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        try:
+            refuse_if_unavailable()
+        except APIError as e:
+            return messages_api.error_response(e)
+        return await messages_api.create(request, tm)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return await messages_api.count_tokens(request, tm)
 
     @app.post("/migrate")
     async def migrate(request: Request) -> Response:

@@ -15,6 +15,7 @@ import base64
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional
 
 from starlette.requests import Request
@@ -192,7 +193,7 @@ def _chat_logprobs(tm: TokenizerManager, pairs, tops) -> dict[str, list]:
     }
 
 
-def _chat_setup(tm: TokenizerManager, req: ChatRequest) -> ChatSetup:
+def chat_setup(tm: TokenizerManager, req: ChatRequest) -> ChatSetup:
     """The request's tools, tool choice and reasoning split, validated (400s name the field)."""
     args = tm.server_args
     try:
@@ -231,13 +232,26 @@ def _chat_grammar(
     return grammar
 
 
-async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
+@dataclass
+class ChatRun:
+    """A chat request submitted: its states and each choice's output shaping (the chat
+    completions, Responses and Messages routes render it)."""
+
+    req: ChatRequest
+    setup: ChatSetup
+    states: list[ReqState]
+    outputs: list[ChoiceOutput]
+    stream: bool
+    top: Optional[int]
+
+
+def start_chat(tm: TokenizerManager, req: ChatRequest) -> ChatRun:
+    """Validate ``req``, build its prompt and submit it (a 400 names a bad field)."""
     args = tm.server_args
-    req = await http_util.read_body(request, args.max_body_bytes, ChatRequest)
     check_model(tm, req.model)
     messages = req.chat_messages()
     top = req.top_logprobs_num()
-    setup = _chat_setup(tm, req)
+    setup = chat_setup(tm, req)
     input_ids = tm.chat_input_ids(
         messages, req.continue_final_message, setup.tools, req.chat_template_kwargs
     )
@@ -270,13 +284,20 @@ async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
         **req.bootstrap()[0],
     )
     states = tm.submit_all([spec])
+    return ChatRun(req, setup, states, [ChoiceOutput(setup) for _ in states], stream, top)
+
+
+async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
+    args = tm.server_args
+    req = await http_util.read_body(request, args.max_body_bytes, ChatRequest)
+    run = start_chat(tm, req)
+    states, outputs, stream, top = run.states, run.outputs, run.stream, run.top
     n = req.n
     head = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "created": int(time.time()),
         "model": args.served_model_name,
     }
-    outputs = [ChoiceOutput(setup) for _ in states]
 
     def logprobs(s: ReqState, start: int) -> Optional[dict]:
         if top is None:

@@ -417,3 +417,290 @@ def test_the_template_receives_the_tools(servers, tiny_llama_path, template_file
     assert "get_weather" in tok.apply_chat_template(
         MESSAGES, tools=TOOLS, chat_template=TEMPLATE, tokenize=False
     )
+
+
+# ---- OpenAI's Responses API and Anthropic's Messages API ---------------------------------------
+# Each is a chat request in another shape: greedy outputs must equal chat completions' for the
+# equivalent messages (so the prompt is the same token for token), streamed or not, colocated or
+# through PD; a second turn that names the first by previous_response_id, or that repeats it as
+# Anthropic's blocks, must equal chat given the whole conversation.
+QUESTION = "What is the weather in Paris and in Rome?"
+TIME_TOOL = {"type": "function", **TIME["function"]}  # the Responses API's flat function tool
+
+
+def _strip_ids(items: list) -> list:
+    return [
+        {k: v for k, v in item.items() if k not in ("id", "call_id")}
+        for item in (i.model_dump(exclude_none=True) for i in items)
+    ]
+
+
+def _response(cl: openai.OpenAI, stream: bool, **kw):
+    """The response object, from the stream's response.completed/incomplete event if streamed;
+    checks that the streamed deltas add up to the final items."""
+    if not stream:
+        return cl.responses.create(model="tiny", temperature=0, **kw)
+    text, args, final, seqs = {}, {}, None, []
+    for ev in cl.responses.create(model="tiny", temperature=0, stream=True, **kw):
+        seqs.append(ev.sequence_number)
+        if ev.type in ("response.output_text.delta", "response.reasoning_text.delta"):
+            text[ev.output_index] = text.get(ev.output_index, "") + ev.delta
+        elif ev.type == "response.function_call_arguments.delta":
+            args[ev.output_index] = args.get(ev.output_index, "") + ev.delta
+        elif ev.type in ("response.completed", "response.incomplete"):
+            final = ev.response
+    assert seqs == list(range(len(seqs))) and final is not None
+    for i, item in enumerate(final.output):
+        if item.type == "function_call":
+            assert args[i] == item.arguments
+        else:
+            assert text[i] == item.content[0].text
+    return final
+
+
+def _chat_content(url: str, messages: list, **kw) -> dict:
+    with _client(url) as cl:
+        r = cl.chat.completions.create(model="tiny", messages=messages, temperature=0, **kw)
+    m = r.choices[0].message
+    return {
+        "content": m.content,
+        "reasoning": getattr(m, "reasoning_content", None),
+        "calls": [(t.function.name, t.function.arguments) for t in m.tool_calls or []],
+        "finish": r.choices[0].finish_reason,
+        "prompt_tokens": r.usage.prompt_tokens,
+    }
+
+
+@pytest.mark.parametrize("target", ["colocated", "pd"])
+def test_responses_api_equals_chat(servers, target):
+    url, colo = servers[target].url, servers["colocated"].url
+    want = _chat_content(colo, MESSAGES, max_tokens=12)
+    think = _chat_content(
+        colo,
+        MESSAGES,
+        max_tokens=12,
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+    )
+    with _client(url) as cl:
+        for stream in (False, True):
+            r = _response(cl, stream, input=QUESTION, max_output_tokens=12)
+            assert r.output_text == want["content"], (stream, r.output_text)
+            assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+            assert r.usage.input_tokens == want["prompt_tokens"] and r.usage.output_tokens == 12
+            # developer instructions are the system turn
+            sys_msgs = [{"role": "system", "content": "Be brief."}, *MESSAGES]
+            r = _response(
+                cl,
+                stream,
+                instructions="Be brief.",
+                input=[{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}],
+                max_output_tokens=6,
+            )
+            assert r.output_text == _chat_content(colo, sys_msgs, max_tokens=6)["content"]
+            # reasoning: the template opens <think>, so all of it is a reasoning item
+            r = _response(
+                cl,
+                stream,
+                input=QUESTION,
+                max_output_tokens=12,
+                extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+            )
+            assert [o.type for o in r.output] == ["reasoning"], r.output
+            assert r.output[0].content[0].text == think["reasoning"]
+            assert r.usage.output_tokens_details.reasoning_tokens > 0
+
+
+@pytest.mark.parametrize("target", ["colocated", "pd"])
+def test_responses_api_tool_turns_and_stored_responses(servers, target):
+    """A function call forced by tool_choice, its result sent back in a second turn that names
+    the first by previous_response_id (through PD the router expands it: prefill never saw the
+    first turn's output), then retrieved and deleted."""
+    url, colo = servers[target].url, servers["colocated"].url
+    with _client(url) as cl:
+        for stream in (False, True):
+            first = _response(
+                cl,
+                stream,
+                input=QUESTION,
+                tools=[TIME_TOOL],
+                tool_choice="required",
+                max_output_tokens=MAX_TOKENS,
+            )
+            assert first.status == "completed" and [o.type for o in first.output] == [
+                "function_call"
+            ]
+            call = first.output[0]
+            jsonschema.validate(json.loads(call.arguments), TIME["function"]["parameters"])
+            chat_first = _chat_content(
+                colo, MESSAGES, tools=[TIME], tool_choice="required", max_tokens=MAX_TOKENS
+            )
+            assert chat_first["calls"] == [(call.name, call.arguments)]
+            second = _response(
+                cl,
+                stream,
+                previous_response_id=first.id,
+                input=[{"type": "function_call_output", "call_id": call.call_id, "output": "noon"}],
+                tools=[TIME_TOOL],
+                max_output_tokens=10,
+            )
+            history = [
+                *MESSAGES,
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": call.call_id,
+                            "type": "function",
+                            "function": {"name": call.name, "arguments": call.arguments},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": call.call_id, "content": "noon"},
+            ]
+            want = _chat_content(colo, history, tools=[TIME], max_tokens=10)
+            assert second.previous_response_id == first.id
+            assert second.output_text == want["content"] and second.output_text
+            assert second.usage.input_tokens == want["prompt_tokens"]
+            got = cl.responses.retrieve(second.id)
+            assert _strip_ids(got.output) == _strip_ids(second.output)
+            cl.responses.delete(first.id)
+            with pytest.raises(openai.NotFoundError, match="previous_response_id"):
+                cl.responses.create(model="tiny", previous_response_id=first.id, input="and?")
+            with pytest.raises(openai.NotFoundError):
+                cl.responses.retrieve(first.id)
+    for key in ("colocated",) if target == "colocated" else ("P", "D"):
+        servers[key].wait_idle()
+
+
+def _anthropic(url: str):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+
+
+def _message(client, stream: bool, **kw):
+    kw.setdefault("extra_body", {"temperature": 0})
+    if not stream:
+        return client.messages.create(model="tiny", **kw)
+    with client.messages.stream(model="tiny", **kw) as s:
+        for _ in s:
+            pass
+        return s.get_final_message()
+
+
+@pytest.mark.parametrize("target", ["colocated", "pd"])
+def test_messages_api_equals_chat(servers, target):
+    import anthropic
+
+    url, colo = servers[target].url, servers["colocated"].url
+    want = _chat_content(colo, MESSAGES, max_tokens=12)
+    tool = {"name": "get_time", "input_schema": TIME["function"]["parameters"]}
+    client = _anthropic(url)
+    for stream in (False, True):
+        m = _message(client, stream, max_tokens=12, messages=MESSAGES)
+        assert [b.type for b in m.content] == ["text"] and m.content[0].text == want["content"]
+        assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 12
+        # Anthropic counts the prompt's cached part apart
+        assert m.usage.input_tokens + m.usage.cache_read_input_tokens == want["prompt_tokens"]
+        # a stop sequence the greedy output reaches
+        word = want["content"].split()[2]
+        m = _message(client, stream, max_tokens=12, messages=MESSAGES, stop_sequences=[word])
+        assert m.stop_reason == "stop_sequence" and m.stop_sequence == word, m
+        assert want["content"].startswith(m.content[0].text)
+        # a system prompt
+        sys_msgs = [{"role": "system", "content": "Be brief."}, *MESSAGES]
+        m = _message(client, stream, max_tokens=6, system="Be brief.", messages=MESSAGES)
+        assert m.content[0].text == _chat_content(colo, sys_msgs, max_tokens=6)["content"]
+        # tool use forced by tool_choice any, then its result
+        m = _message(
+            client,
+            stream,
+            max_tokens=MAX_TOKENS,
+            messages=MESSAGES,
+            tools=[tool],
+            tool_choice={"type": "any"},
+        )
+        assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["tool_use"], m
+        use = m.content[0]
+        jsonschema.validate(use.input, TIME["function"]["parameters"])
+        chat_first = _chat_content(
+            colo, MESSAGES, tools=[TIME], tool_choice="required", max_tokens=MAX_TOKENS
+        )
+        assert [(n, json.loads(a)) for n, a in chat_first["calls"]] == [(use.name, use.input)]
+        turn2 = [
+            *MESSAGES,
+            {"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "noon"}],
+            },
+        ]
+        history = [
+            *MESSAGES,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": use.id,
+                        "type": "function",
+                        "function": {
+                            "name": use.name,
+                            "arguments": json.dumps(use.input, ensure_ascii=False),
+                        },
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": use.id, "content": "noon"},
+        ]
+        m = _message(client, stream, max_tokens=10, messages=turn2, tools=[tool])
+        assert (
+            m.content[0].text
+            == _chat_content(colo, history, tools=[TIME], max_tokens=10)["content"]
+        )
+    counted = client.messages.count_tokens(model="tiny", messages=MESSAGES)
+    assert counted.input_tokens == want["prompt_tokens"]
+    # errors in Anthropic's shape, naming the problem
+    bad = [
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            "image blocks are not supported",
+        ),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, r"messages\[0\]\.role"),
+        ({"messages": MESSAGES, "tool_choice": {"type": "tool"}}, "tool_choice.name"),
+    ]
+    for kw, needle in bad:
+        with pytest.raises(anthropic.BadRequestError, match=needle) as e:
+            client.messages.create(model="tiny", max_tokens=4, **kw)
+        assert e.value.body["type"] == "error"
+    r = httpx.post(url + "/v1/messages", json={"messages": MESSAGES}, timeout=30)
+    assert r.status_code == 400 and "max_tokens" in r.text
+    for key in ("colocated",) if target == "colocated" else ("P", "D"):
+        servers[key].wait_idle()
+
+
+@pytest.mark.parametrize("target", ["colocated", "pd"])
+def test_responses_api_refuses_bad_input_naming_it(servers, target):
+    with _client(servers[target].url) as cl:
+        bad = [
+            ({"input": [{"type": "computer_call"}]}, r"input\[0\]\.type"),
+            ({"input": [{"role": "robot", "content": "x"}]}, r"input\[0\]\.role"),
+            (
+                {
+                    "input": [
+                        {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}
+                    ]
+                },
+                "input_image is not supported",
+            ),
+            ({"input": QUESTION, "tools": [{"type": "web_search"}]}, "only function tools"),
+            ({"input": QUESTION, "background": True}, "background"),
+        ]
+        for kw, needle in bad:
+            for stream in (False, True):
+                with pytest.raises(openai.BadRequestError, match=needle):
+                    r = cl.responses.create(model="tiny", max_output_tokens=4, stream=stream, **kw)
+                    list(r) if stream else None
+        with pytest.raises(openai.NotFoundError, match="no stored response"):
+            cl.responses.create(model="tiny", previous_response_id="resp_nope", input="x")
