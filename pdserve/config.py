@@ -130,6 +130,8 @@ class ServerArgs:
     # stored responses of POST /v1/responses kept for previous_response_id and GET (least
     # recently used first out; 0: none kept)
     responses_store_size: int = 10_000
+    # OpenTelemetry: each request's spans to this OTLP/HTTP collector (pdserve/tracing.py)
+    otlp_traces_endpoint: Optional[str] = None
     # a request's ``priority`` orders the waiting queue before the policy does, and a full queue
     # sheds its lowest-priority request for a higher one; larger values first unless
     # schedule_low_priority_values_first
@@ -332,6 +334,13 @@ class ServerArgs:
             bad("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
         if self.max_running_requests < 1:
             bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
+        if self.otlp_traces_endpoint:
+            from pdserve.tracing import check_installed
+
+            try:
+                check_installed()
+            except ValueError as e:
+                bad("otlp_traces_endpoint", str(e).split(": ", 1)[1])
         if self.responses_store_size < 0:
             bad("responses_store_size", f"must be >= 0, got {self.responses_store_size}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:

@@ -33,6 +33,7 @@ from pdserve.router.metrics import RequestCounter, RouterMetrics
 from pdserve.router.prompt import PromptReader
 from pdserve.router.protocol import BadRequest, parse_body
 from pdserve.router.workers import DECODE, PREFILL, REGULAR, Worker, WorkerPool
+from pdserve.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +153,11 @@ class Router:
             self.pool.forget_listeners.append(self.index.detach)
         self.dispatcher = Dispatcher(self.pool, self.metrics, args, self.index, self.prompts)
         self.responses = responses.Responses(args.responses_store_size)
+        self.tracing = (
+            Tracing(args.otlp_traces_endpoint, "pdserve-router")
+            if args.otlp_traces_endpoint
+            else None
+        )
         self.admission = (
             Admission(
                 args.max_concurrent_requests,
@@ -230,6 +236,8 @@ class Router:
         if self.index is not None:
             await self.index.stop()
         await self.pool.stop()
+        if self.tracing is not None:
+            self.tracing.shutdown()
         await self.dispatcher.stop()
 
     def first_available(self, roles: tuple[str, ...]) -> Worker | None:
@@ -333,12 +341,22 @@ def create_app(args: RouterArgs) -> FastAPI:
     async def generate_asgi(scope, receive, send) -> None:
         request = Request(scope, receive)
         gated = router.admission is not None
+        span = None
+        if router.tracing is not None:  # pdserve/tracing.py: the legs carry its traceparent
+            span = router.tracing.start(
+                "router", request.headers.get("traceparent"), **{"http.route": scope["path"]}
+            )
+            request.state.traceparent = span.traceparent
+        status = None
         try:
             response = await read_and_dispatch(request, admitted=gated)
+            status = response.status_code
             await response(scope, receive, send)  # a stream: to its last byte
         finally:
             if gated and getattr(request.state, "admitted", False):
                 router.admission.leave()
+            if span is not None:
+                span.end(**{"http.response.status_code": status})
 
     @app.get("/health")
     async def health():

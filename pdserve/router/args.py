@@ -137,6 +137,8 @@ class RouterArgs:
     queue_timeout_secs: float = 60.0
     # responses of /v1/responses kept for previous_response_id (router/responses.py; 0: none)
     responses_store_size: int = 10_000
+    # OpenTelemetry: a span per request to this OTLP/HTTP collector (pdserve/tracing.py)
+    otlp_traces_endpoint: str | None = None
     # tenants share the admission queue by weight: the header naming a request's tenant, weights
     tenant_header: str = "x-gateway-inference-fairness-id"
     tenant_weights: dict[str, float] = field(default_factory=dict)
@@ -210,6 +212,10 @@ class RouterArgs:
                 raise ValueError(f"tenant_weights: {tenant!r} must weigh > 0, got {weight}")
         if self.ttft_slo_ms is not None and not self.ttft_slo_ms > 0:
             raise ValueError(f"ttft_slo_ms: must be positive, got {self.ttft_slo_ms}")
+        if self.otlp_traces_endpoint:
+            from pdserve.tracing import check_installed
+
+            check_installed()
         if self.responses_store_size < 0:
             raise ValueError(f"responses_store_size: must be >= 0, got {self.responses_store_size}")
         if self.queue_size < 0:
@@ -696,6 +702,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the admission queue takes smaller `priority` values first (larger by default)",
     )
     p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="send a span per request (and the legs' traceparent) to this OTLP/HTTP collector",
+    )
+    p.add_argument(
         "--tenant-header",
         default=d["tenant_header"].default,
         help="the request header naming its tenant, for the admission queue's fair shares",
@@ -807,6 +819,7 @@ def parse_args(argv: list[str]) -> RouterArgs:
         queue_size=ns.queue_size,
         queue_timeout_secs=ns.queue_timeout_secs,
         responses_store_size=ns.responses_store_size,
+        otlp_traces_endpoint=ns.otlp_traces_endpoint,
         tenant_header=ns.tenant_header.lower(),
         schedule_low_priority_values_first=ns.schedule_low_priority_values_first,
         ttft_slo_ms=ns.ttft_slo_ms,

@@ -223,6 +223,9 @@ class Dispatcher:
             headers.pop("authorization", None)
             headers.pop("x-api-key", None)
         headers.update({"content-type": "application/json", "accept-encoding": "identity"})
+        traceparent = getattr(request.state, "traceparent", None)  # the router's span
+        if traceparent:
+            headers["traceparent"] = traceparent
         pd = self.pool.pd_mode
         batch = protocol.item_count(path, body)
         items = batch if pd else None

@@ -38,6 +38,7 @@ from pdserve.server import (
 from pdserve.server.calibration import calibrate
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.tokenizer_manager import TokenizerManager
+from pdserve.tracing import TraceContextMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,8 @@ def create_app(
             yield
         finally:
             task.cancel()
+            if tm.tracing is not None:
+                tm.tracing.shutdown()  # the spans still waiting
             for fd in client.sentinels():
                 with contextlib.suppress(Exception):
                     loop.remove_reader(fd)
@@ -366,6 +369,8 @@ def create_app(
             {"ok": True, "integrity": result, "front_end_requests": len(tm.states)}
         )
 
+    if tm.tracing is not None:
+        app.add_middleware(TraceContextMiddleware)
     if args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
     return app

@@ -60,12 +60,19 @@ def requested(headers: Mapping[str, str]) -> bool:
     return headers.get(HEADER, "").strip().lower() in ("1", "true", "yes")
 
 
-def stages(mode: str, events: Mapping[str, float]) -> Iterator[tuple[str, float]]:
-    """(stage, seconds) of every stage whose two events happened (never negative: the events of
-    one server share its clock, but the scheduler and the front end may read it a hair apart)."""
+def spans(mode: str, events: Mapping[str, float]) -> Iterator[tuple[str, float, float]]:
+    """(stage, start, end) of every stage whose two events happened (never ending before it
+    starts: the events of one server share its clock, but the scheduler and the front end may
+    read it a hair apart)."""
     for stage, start, end in STAGES[mode]:
         if start in events and end in events:
-            yield stage, max(0.0, events[end] - events[start])
+            yield stage, events[start], max(events[start], events[end])
+
+
+def stages(mode: str, events: Mapping[str, float]) -> Iterator[tuple[str, float]]:
+    """(stage, seconds) of every stage whose two events happened."""
+    for stage, start, end in spans(mode, events):
+        yield stage, end - start
 
 
 def public(mode: str, events: Mapping[str, float]) -> dict[str, float]:

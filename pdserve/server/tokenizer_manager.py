@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional, Union
 
+from pdserve import tracing
 from pdserve.chat_template import ChatTemplateError, chat_input_ids, load_template
 from pdserve.engine.request import PDFields, SamplingParams
 from pdserve.grammar import GrammarSpec, backend_class
@@ -29,8 +30,9 @@ from pdserve.server.messages import AbortReq, GenerateReq, TokenOut, encode
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.reasoning_parser import reasoning_parser, think_end_text
 from pdserve.server.scheduler_client import SchedulerClient
-from pdserve.server.timeline import stages
+from pdserve.server.timeline import spans, stages
 from pdserve.server.tool_parser import tool_parser
+from pdserve.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +123,7 @@ class ReqState:
         self.dp_rank: Optional[int] = None  # the attention-DP group serving it
         self.timeline: dict[str, float] = {"received": time.time()}  # see server/timeline.py
         self.relay = None  # while it moves to another decode (server/migration_relay.py)
+        self.traceparent: Optional[str] = None  # the caller's, for its spans (pdserve/tracing.py)
 
     @property
     def text(self) -> str:
@@ -133,6 +136,9 @@ class ReqState:
     @property
     def e2e_latency(self) -> float:
         return (self.last_output or time.monotonic()) - self.created
+
+
+SPAN_NAMES = {"prefill": "prefill", "decode": "decode", "null": "generate"}
 
 
 class TokenizerManager:
@@ -157,6 +163,16 @@ class TokenizerManager:
         if server_args.reasoning_parser:
             reasoning_parser(server_args.reasoning_parser)
         client.on_output = self._on_output
+        self.tracing = (
+            Tracing(server_args.otlp_traces_endpoint, f"pdserve-{self.role}")
+            if server_args.otlp_traces_endpoint
+            else None
+        )
+
+    @property
+    def role(self) -> str:
+        """The span name of this server's part of a request (pdserve/tracing.py)."""
+        return SPAN_NAMES[self.server_args.disaggregation_mode]
 
     # ---- input -------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -297,6 +313,7 @@ class TokenizerManager:
             ),
         )
         state.dp_rank = group
+        state.traceparent = tracing.incoming()
         try:  # validation should have caught whatever cannot cross; this names what slipped through
             data = encode(spec.message(group))
         except (OverflowError, UnicodeEncodeError, TypeError) as e:
@@ -406,6 +423,8 @@ class TokenizerManager:
             state.timeline.update(out.timeline or {})
             state.timeline["finished"] = time.time()
             self.metrics.on_stages(stages(self.server_args.disaggregation_mode, state.timeline))
+            if self.tracing is not None:
+                self._trace(state)
             shed = state.finish_reason.get("status_code") == 429  # engine/admission.py
             self.metrics.on_finish(
                 "shed" if shed else state.finish_reason.get("type", "unknown"),
@@ -425,6 +444,26 @@ class TokenizerManager:
             )
 
     # ---- aborts ------------------------------------------------------------------------
+    def _trace(self, state: ReqState) -> None:
+        spec, events = state.spec, state.timeline
+        fr, room = state.finish_reason or {}, spec.bootstrap_room
+        self.tracing.record(
+            self.role,
+            state.traceparent,
+            events["received"],
+            events["finished"],
+            {
+                "pdserve.rid": spec.rid,
+                "pdserve.bootstrap_room": room if isinstance(room, int) else None,
+                "pdserve.finish_reason": fr.get("type"),
+                "gen_ai.request.model": self.server_args.served_model_name,
+                "gen_ai.usage.input_tokens": state.prompt_tokens,
+                "gen_ai.usage.output_tokens": len(state.output_ids),
+                "pdserve.cached_tokens": state.cached_tokens,
+            },
+            spans(self.server_args.disaggregation_mode, events),
+        )
+
     def release(self, states: list[ReqState], message: str = "client disconnected") -> None:
         """Forget ``states``; those not finished are aborted in the scheduler. Idempotent."""
         for state in states:

@@ -1,12 +1,14 @@
 """Structured outputs, tool calls and reasoning through the HTTP API with the official ``openai``
 client: colocated, through PD (local and Mooncake transfer, pdserve's router) and behind the real
 sglang-router; every output parses and validates against its schema, and PD's greedy outputs equal
-the colocated server's, streamed and not."""
+the colocated server's, streamed and not. The same through OpenAI's Responses API and Anthropic's
+Messages API (with the ``anthropic`` client), and a PD request's OpenTelemetry trace."""
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -17,6 +19,7 @@ import pytest
 from pdserve.disagg.transfer import get_backend
 from tests.e2e.conftest import sse_events
 from tests.helpers import cluster as c
+from tests.helpers.otlp_collector import Collector
 from tests.helpers.sglang_router import sglang_router_available, start_sglang_router
 
 # A Qwen-style template: tools in the system turn, <tool_call> blocks, <think> opened by the
@@ -119,9 +122,11 @@ def template_file(tmp_path_factory) -> str:
 def servers(tmp_path_factory, tiny_llama_path, template_file):
     logs = tmp_path_factory.mktemp("structured")
     flags = [*FLAGS, "--chat-template", template_file]
-    colo = c.server("colo", tiny_llama_path, logs, *flags)
-    P, _ = c.prefill("P", tiny_llama_path, logs, *flags)
-    D = c.decode("D", tiny_llama_path, logs, *flags)
+    collector = Collector()  # the local cluster sends its spans here (test_one_pd_request_...)
+    traced = ["--otlp-traces-endpoint", collector.url]
+    colo = c.server("colo", tiny_llama_path, logs, *flags, *traced)
+    P, _ = c.prefill("P", tiny_llama_path, logs, *flags, *traced)
+    D = c.decode("D", tiny_llama_path, logs, *flags, *traced)
     procs = [colo, P, D]
     try:
         get_backend("mooncake")
@@ -133,10 +138,10 @@ def servers(tmp_path_factory, tiny_llama_path, template_file):
         Pm = Dm = None
     try:
         c.start_all(procs)
-        R = c.router("R", [P], [D], logs)
+        R = c.router("R", [P], [D], logs, *traced)
         procs.append(R)
         R.start()
-        out = {"colocated": colo, "pd": R, "P": P, "D": D, "logs": logs}
+        out = {"colocated": colo, "pd": R, "P": P, "D": D, "logs": logs, "traces": collector}
         if Pm is not None:
             Rm = c.router("R-mooncake", [Pm], [Dm], logs)
             procs.append(Rm)
@@ -146,6 +151,7 @@ def servers(tmp_path_factory, tiny_llama_path, template_file):
     finally:
         for proc in reversed(procs):
             proc.stop()
+        collector.stop()
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -704,3 +710,50 @@ def test_responses_api_refuses_bad_input_naming_it(servers, target):
                     list(r) if stream else None
         with pytest.raises(openai.NotFoundError, match="no stored response"):
             cl.responses.create(model="tiny", previous_response_id="resp_nope", input="x")
+
+
+def test_one_pd_request_is_one_trace(servers):
+    """A client's traceparent through the router: the router's span is its child, prefill's and
+    decode's spans the router's, each with its stages (forward, KV transfer, generation) inside
+    its own span, all received by the OTLP collector."""
+    trace_id, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    headers = {"traceparent": f"00-{trace_id}-{client_span}-01"}
+    r = httpx.post(
+        servers["pd"].url + "/v1/chat/completions",
+        json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4, "stream": True},
+        headers=headers,
+        timeout=120,
+    )
+    assert r.status_code == 200 and "[DONE]" in r.text
+    want = {"router", "prefill", "decode", "prefill_forward", "prefill_transfer", "decode_transfer"}
+    spans = servers["traces"].trace(trace_id, want | {"decode_generate"})
+    by_name = {s["name"]: s for s in spans}
+    assert want <= set(by_name), sorted(by_name)
+    router, prefill, decode = by_name["router"], by_name["prefill"], by_name["decode"]
+    assert router["parent_span_id"] == client_span and router["service"] == "pdserve-router"
+    assert prefill["parent_span_id"] == decode["parent_span_id"] == router["span_id"]
+    assert (prefill["service"], decode["service"]) == ("pdserve-prefill", "pdserve-decode")
+    for parent, child in (
+        (prefill, "prefill_forward"),
+        (prefill, "prefill_transfer"),
+        (decode, "decode_transfer"),
+        (decode, "decode_generate"),
+    ):
+        s = by_name[child]
+        assert s["parent_span_id"] == parent["span_id"], child
+        assert parent["start"] <= s["start"] <= s["end"] <= parent["end"] + 1e-3, child
+    assert router["start"] <= prefill["start"] and decode["end"] <= router["end"] + 1e-3
+    assert decode["attributes"]["gen_ai.usage.output_tokens"] == 4
+    assert (
+        prefill["attributes"]["pdserve.bootstrap_room"]
+        == decode["attributes"]["pdserve.bootstrap_room"]
+    )
+    # colocated: one span with its stages, a root without a traceparent
+    httpx.post(servers["colocated"].url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        roots = [s for s in servers["traces"].spans if s["name"] == "generate"]
+        if roots:
+            break
+        time.sleep(0.1)
+    assert roots and roots[0]["parent_span_id"] == "" and roots[0]["service"] == "pdserve-generate"

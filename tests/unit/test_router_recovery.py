@@ -100,9 +100,15 @@ def test_router_api_key_and_the_key_it_gives_workers(pd, make_router):
     ok = {"Authorization": "Bearer router-key"}
     assert r.client.post("/generate", json=GEN, headers=ok).status_code == 200
     assert r.client.post("/flush_cache", headers=ok).status_code == 200
+    # Anthropic's clients send the key as x-api-key; the workers get the router's key only
+    anthropic_style = {"x-api-key": "router-key"}
+    assert r.client.post("/generate", json=GEN, headers=anthropic_style).status_code == 200
+    wrong = r.client.post("/generate", json=GEN, headers={"x-api-key": "worker-key"})
+    assert wrong.status_code == 401
     legs = p0.requests + d0.requests  # both generation legs and the fan-out
     assert {rec.path for rec in legs} == {"/generate", "/flush_cache"}
     assert all(rec.headers.get("authorization") == "Bearer worker-key" for rec in legs)
+    assert not any("x-api-key" in rec.headers for rec in legs)
     info = r.client.get("/server_info", headers=ok).json()["router"]
     assert info["api_key"] == info["worker_api_key"] == "***"
 
