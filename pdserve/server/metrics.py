@@ -78,6 +78,9 @@ _QUEUE_GAUGES = (
 )
 
 
+# the scheduler's stats of requests that wait to run (pdserve:num_queue_reqs)
+QUEUED_KEYS = ("waiting", "bootstrap_queue", "prealloc_queue", "transfer_queue")
+
 _HICACHE_COUNTERS = (
     ("hits", "Prompt pages loaded from a tier below the pool"),
     ("hit_tokens", "Prompt tokens loaded from a tier below the pool"),
@@ -136,6 +139,18 @@ class ServerMetrics:
             "pdserve:kv_pages_used", "KV cache pages in use (requests + prefix cache)"
         )
         self.kv_pages_free = gauge("pdserve:kv_pages_free", "Free KV cache pages")
+        # what gateway schedulers read (the Gateway API Inference Extension's model server
+        # protocol: TotalQueuedRequests and KVCacheUtilization; SGLang's and vLLM's meaning)
+        self.queued = gauge(
+            "pdserve:num_queue_reqs",
+            "Requests queued before running: waiting, and on PD servers the bootstrap, "
+            "prealloc and transfer queues",
+        )
+        self.kv_usage = gauge(
+            "pdserve:kv_cache_usage_perc",
+            "KV cache pages held by requests over all pages (0-1; the prefix cache's evictable "
+            "pages count as free)",
+        )
         self.cache_hit_rate = gauge(
             "pdserve:cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens"
         )
@@ -226,6 +241,12 @@ class ServerMetrics:
             if isinstance(stats.get(key), (int, float)):
                 gauge.set(stats[key])
         self._set_hicache(stats)
+        queued = [stats.get(k) for k in QUEUED_KEYS]
+        self.queued.set(sum(q for q in queued if isinstance(q, (int, float))))
+        total, used = stats.get("kv_pages_total"), stats.get("kv_pages_used")
+        if isinstance(total, int) and isinstance(used, int) and total > 0:
+            held = used - int(stats.get("kv_pages_evictable") or 0)
+            self.kv_usage.set(max(0, held) / total)
         sent = stats.get("kv_bytes_sent")
         if isinstance(sent, int) and sent > self._kv_bytes_seen:  # a running total in the scheduler
             self.kv_bytes_sent.inc(sent - self._kv_bytes_seen)

@@ -342,6 +342,7 @@ class SchedulerLoop:
                     "kv_pages_free": a.num_free(),
                     "kv_pages_used": a.capacity - a.num_free(),
                     "kv_pages_cached": s.tree.total_pages(),
+                    "kv_pages_evictable": s.tree.evictable_pages(),
                     **s.stats,
                     **(s.pd.stats() if s.pd is not None else {}),
                     **(s.tier.counters() if s.tier is not None else {}),
