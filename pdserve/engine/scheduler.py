@@ -102,6 +102,7 @@ class Scheduler:
             "cache_hit_tokens": 0,
             "retractions": 0,
             "preemptions": 0,  # of them: for a waiting request of higher priority
+            "shed": 0,  # requests refused or shed by the full queue (engine/admission.py)
             "recomputed": 0,  # of them: sequences that outgrew their KV (``KVCacheManager.stale``)
             # speculative decoding: rows verified, drafts proposed and accepted
             "spec_verify_steps": 0,
@@ -172,8 +173,13 @@ class Scheduler:
             req.sampling.max_new_tokens, self.context_length - req.prompt_len
         )
         req.arrival_time = req.arrival_time or self.now()
-        shed = admission.make_room(req, self.queued(), self.sheddable(), self.args)
+        try:
+            shed = admission.make_room(req, self.queued(), self.sheddable(), self.args)
+        except admission.QueueFull:
+            self.stats["shed"] += 1  # demand the queue could not hold (router/autoscale.py)
+            raise
         if shed is not None:
+            self.stats["shed"] += 1
             self.finish(shed, admission.shed_reason())
         if self.pd is not None and self.pd.accepts(req):
             self.pd.add(req)

@@ -4,9 +4,11 @@ Every ``--autoscale-interval`` seconds the router reads each prefill and decode 
 ``GET /get_load`` and takes its *backlog*: the requests it holds but does not compute yet. For a
 prefill, those not prefilled yet (``num_waiting_reqs``); for a decode, those waiting for KV pages
 (``prealloc_queue``) or for a place in the running batch (``num_waiting_reqs``). A request whose
-KV is under way is in neither: it waits for the link, not for a server. A role keeps up while its
-servers hold no backlog; the role that falls behind shows one, whatever the cause (long prompts,
-long outputs, a burst).
+KV is under way is in neither: it waits for the link, not for a server. A server with a capped
+queue (``--max-queued-requests``) also counts the requests it refused or shed since the last
+sample (``num_shed_reqs``): past the cap its queue stops growing, and the refused demand is the
+part of its backlog it could not hold. A role keeps up while its servers hold no backlog; the
+role that falls behind shows one, whatever the cause (long prompts, long outputs, a burst).
 
 The decision (``decide``) looks at the samples of the last ``--autoscale-window`` seconds, taken
 while the split stayed the same. One server moves from role B to role A when
@@ -52,6 +54,21 @@ ROLES = (PREFILL, DECODE)
 # POST /switch_role answers after the server's drain, its re-wiring (600 s at most) and warm-up
 SWITCH_EXTRA_S = 660.0
 HISTORY = 20
+
+
+def shed_total(payload) -> int:
+    """Requests a server refused or shed from its full queue since it started (429s), from its
+    ``GET /get_load`` answer."""
+    groups = payload if isinstance(payload, list) else [payload]
+    return sum(int(g.get("num_shed_reqs", 0)) for g in groups if isinstance(g, dict))
+
+
+def demand(role: str, payload, seen: Optional[int]) -> tuple[int, int]:
+    """(the server's backlog plus the requests it refused since its shed count was ``seen``, its
+    shed count now). A full queue (``--max-queued-requests``) stops growing and refuses the rest:
+    what it refused is demand the role did not keep up with (none counted at the first sample)."""
+    shed = shed_total(payload)
+    return backlog(role, payload) + (max(0, shed - seen) if seen is not None else 0), shed
 
 
 def backlog(role: str, payload) -> int:
@@ -144,6 +161,7 @@ class Autoscaler:
         self.last_move = -float("inf")
         self.moving: Optional[Switch] = None
         self._task: Optional[asyncio.Task] = None
+        self.shed_seen: dict[str, int] = {}  # url -> its shed count at the last sample
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="router-autoscale")
@@ -237,7 +255,8 @@ class Autoscaler:
                     w.url + "/get_load", timeout=self.args.health_check_timeout
                 )
                 resp.raise_for_status()
-                return backlog(role, resp.json())
+                wanted, self.shed_seen[w.url] = demand(role, resp.json(), self.shed_seen.get(w.url))
+                return wanted
             except (httpx.HTTPError, ValueError, TypeError) as e:
                 logger.debug("autoscale: GET %s/get_load failed: %r", w.url, e)
                 return None

@@ -388,6 +388,7 @@ class DPLoad(msgspec.Struct):
     num_reqs: int
     num_waiting_reqs: int
     num_tokens: int
+    num_shed_reqs: int  # refused or shed by the full queue since start (--max-queued-requests)
     kv_transfer_bytes_per_s: Optional[int] = None
     # a PD server's queues: a prefill's requests waiting for decode's pages and being sent, a
     # decode's waiting for KV pages and for their KV

@@ -311,7 +311,7 @@ def create_app(
     @app.get("/get_load")
     async def get_load() -> Response:
         load = await control("get_load")
-        keys = ("num_reqs", "num_waiting_reqs", "num_tokens")
+        keys = ("num_reqs", "num_waiting_reqs", "num_tokens", "num_shed_reqs")
         groups = load.get("dp") or [{"dp_rank": 0, **load}]  # one entry per DP group, as SGLang
         # a prefill's recent KV transfer speed, once it has moved some
         rate = "kv_transfer_bytes_per_s"

@@ -271,6 +271,7 @@ class SchedulerLoop:
                     "num_waiting_reqs": len(s.waiting)
                     + getattr(s.pd, "kv_ready", 0),  # decode: KV here, no batch slot
                     "num_tokens": sum(r.seq_len for r in running),
+                    "num_shed_reqs": s.stats["shed"],  # since start: demand refused (429)
                     **(
                         {"kv_transfer_bytes_per_s": s.pd.transfer_rate}
                         if getattr(s.pd, "transfer_rate", None)
@@ -283,6 +284,7 @@ class SchedulerLoop:
                 "num_reqs",
                 "num_waiting_reqs",
                 "num_tokens",
+                "num_shed_reqs",
                 *(s.pd.queues() if s.pd else ()),
             )
             total = {k: sum(g[k] for g in groups) for k in counts}

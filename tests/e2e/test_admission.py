@@ -114,6 +114,7 @@ def shed_count(S: c.Proc) -> float:
 def test_a_full_queue_refuses_with_429_and_sheds_lower_priority(servers):
     S = servers["S"]
     before = shed_count(S)
+    refused_before = S.http.get("/get_load").json()[0]["num_shed_reqs"]
     a, b, q = fill(S)
     # the same priority as the queued ones: refused at once, nothing queued changes
     t0 = time.monotonic()
@@ -150,6 +151,8 @@ def test_a_full_queue_refuses_with_429_and_sheds_lower_priority(servers):
     }
     assert started["hi"] < started["b"], started
     assert shed_count(S) - before == 3
+    # what the autoscaler reads as demand: two refused at the door, one shed from the queue
+    assert S.http.get("/get_load").json()[0]["num_shed_reqs"] - refused_before == 3
     S.wait_idle()
 
 

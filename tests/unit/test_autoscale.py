@@ -4,7 +4,7 @@ samples of one split, and the router flags that configure it."""
 import pytest
 
 from pdserve.router.args import parse_args
-from pdserve.router.autoscale import Sample, backlog, decide
+from pdserve.router.autoscale import Sample, backlog, decide, demand
 from pdserve.router.workers import DECODE, PREFILL
 
 MIN = {PREFILL: 1, DECODE: 1}
@@ -85,6 +85,20 @@ def test_backlog_of_each_role():
     )  # waiting for a batch slot or for KV pages; not those whose KV is under way
     assert backlog(PREFILL, {"num_waiting_reqs": 5}) == 5  # one dict (sglang's older answer)
     assert backlog(DECODE, ["junk", {}]) == 0
+
+
+def test_refused_requests_count_as_demand():
+    """A capped queue that is full stops growing: the requests it refused (429) since the last
+    sample are added to its backlog, so a role that sheds load shows it is behind."""
+    load = [
+        {"num_waiting_reqs": 4, "num_shed_reqs": 10},
+        {"num_waiting_reqs": 4, "num_shed_reqs": 2},
+    ]
+    assert demand(PREFILL, load, None) == (8, 12)  # the first sample has no before
+    load[0]["num_shed_reqs"] = 25
+    assert demand(PREFILL, load, 12) == (8 + 15, 27)
+    assert demand(PREFILL, load, 27) == (8, 27)  # nothing refused since
+    assert demand(DECODE, [{"prealloc_queue": 1}], 3) == (1, 0)  # a restarted server: no negatives
 
 
 PD = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
