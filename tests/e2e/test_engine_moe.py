@@ -170,7 +170,10 @@ def _moe_bf16_matches_hf_bf16(arch):
     # GPT-OSS's window-8 layers: the flash kernel's 64-key blocks start at fixed positions, so a
     # windowed row's keys straddle two blocks (one more online-softmax rescale, other bf16 roundings
     # of P); measured up to 3.02 spacings at a logprob of -8.1, hence 4 for this model
-    ulps = 4 if arch == "gpt_oss" else LOGPROB_ULPS
+    # ERNIE 4.5 MoE on an AVX2-only AMD EPYC (Zen 1): 3.63 spacings at a logprob of -8.23 at the
+    # avx2 tier (2.18 at the scalar tier; HF's two runs 0.72 apart there), where torch's bf16
+    # matmuls take other library paths than on Intel CPUs; 4 for it, as for GPT-OSS
+    ulps = 4 if arch in ("gpt_oss", "ernie4_5_moe") else LOGPROB_ULPS
     # the other faithful computation: HF's bf16 run against the float32 one, and the other way
     other = hf_bf16 if arch == "gpt_oss" else hf_bf16_weights_float32
     compared = sum(
