@@ -46,7 +46,14 @@ def test_model_info_and_models(live):
 def test_get_load_shape(live):
     load = live.http.get("/get_load").json()
     assert isinstance(load, list) and len(load) == 1
-    assert set(load[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
+    # sglang's fields, and the requests a full queue refused (the autoscaler reads them)
+    assert set(load[0]) == {
+        "dp_rank",
+        "num_reqs",
+        "num_waiting_reqs",
+        "num_tokens",
+        "num_shed_reqs",
+    }
     assert load[0]["dp_rank"] == 0
     assert all(isinstance(v, int) for v in load[0].values())
 
