@@ -68,6 +68,11 @@ def sse_event(obj: Any) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
+def sse_named_event(kind: str, obj: Any) -> bytes:
+    """An event with its type on an ``event:`` line (the Responses and Messages APIs)."""
+    return b"event: " + kind.encode() + b"\ndata: " + msgspec.json.encode(obj) + b"\n\n"
+
+
 class _SSEResponse(StreamingResponse):
     def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]):
         super().__init__(

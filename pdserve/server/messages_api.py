@@ -28,9 +28,8 @@ from pdserve.engine.request import INT64_MAX, INT64_MIN, MAX_TEMPERATURE
 from pdserve.server import http_util
 from pdserve.server.chat_output import THINKING_SWITCH
 from pdserve.server.errors import APIError, bad_request
-from pdserve.server.openai_api import chat_setup, check_model, start_chat
-from pdserve.server.openai_protocol import ChatRequest, PDBody, matched_stop
-from pdserve.server.responses_api import TOP_K_SCHEMA
+from pdserve.server.openai_api import chat_deltas, chat_prompt, start_chat, whole_delta
+from pdserve.server.openai_protocol import ChatRequest, ModelName, PDBody, TopK, matched_stop
 from pdserve.server.tokenizer_manager import ReqState, TokenizerManager
 
 _ERROR_TYPES = {
@@ -148,18 +147,12 @@ class MessagesRequest(PDBody):
         ),
     ] = None
     max_tokens: Optional[Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]] = None
-    model: Annotated[
-        Any,
-        msgspec.Meta(
-            description="the served model's name (null or empty: that model)",
-            extra_json_schema={"$ref": "#/components/schemas/ModelName"},
-        ),
-    ] = None
+    model: ModelName = None
     system: Annotated[Any, msgspec.Meta(extra_json_schema=SYSTEM_SCHEMA)] = None
     stop_sequences: Optional[list[Annotated[str, msgspec.Meta(min_length=1)]]] = None
     temperature: Optional[Annotated[float, msgspec.Meta(ge=0, le=MAX_TEMPERATURE)]] = None
     top_p: Optional[Annotated[float, msgspec.Meta(gt=0, le=1)]] = None
-    top_k: Annotated[Any, msgspec.Meta(extra_json_schema=TOP_K_SCHEMA)] = None
+    top_k: TopK = None
     tools: Annotated[Any, msgspec.Meta(extra_json_schema=TOOLS_SCHEMA)] = None
     tool_choice: Annotated[Any, msgspec.Meta(extra_json_schema=TOOL_CHOICE_SCHEMA)] = None
     thinking: Optional[dict[str, Any]] = None
@@ -431,10 +424,9 @@ async def create(request: Request, tm: TokenizerManager) -> Response:
         await http_util.unless_disconnected(request, http_util.wait_all(tm, run.states))
     except APIError as e:
         return error_response(e)
-    state, choice = run.states[0], run.outputs[0]
     blocks = Blocks(lambda *a, **k: None)
-    blocks.feed(choice.feed(state.text))
-    blocks.feed(choice.finish())
+    blocks.feed(whole_delta(run))
+    state = run.states[0]
     stop = _stop(state, req.stop_sequences, blocks.called)
     return http_util.json_response(_message(tm, msg_id, blocks.blocks, stop, _usage(state)))
 
@@ -445,33 +437,26 @@ async def _events(
     events: list[bytes] = []
 
     def emit(kind: str, **fields: Any) -> None:
-        data = msgspec.json.encode({"type": kind, **fields})
-        events.append(b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n")
+        events.append(http_util.sse_named_event(kind, {"type": kind, **fields}))
 
-    state, choice = run.states[0], run.outputs[0]
+    state = run.states[0]
     blocks = Blocks(emit)
-    sent = 0
     started = False
-    async for _, s in http_util.stream_all(tm, run.states):
-        err = http_util.error_of(s)
-        if err is not None:
-            # with its status as "code": a router retries an error before any output
-            error = {**error_body(err)["error"], "code": err.status}
-            emit("error", error=error)
-            yield b"".join(events)
-            return
-        if not started:  # held back until decode has its KV: a failure before is retried
-            started = True
-            usage = {**_usage(s), "output_tokens": 0}
-            emit("message_start", message=_message(tm, msg_id, [], (None, None), usage))
-        state = s
-        blocks.feed(choice.feed(s.text[sent:]))
-        sent = len(s.text)
-        if s.finished:
-            blocks.feed(choice.finish())
-        if events:
-            yield b"".join(events)
-            events.clear()
+    try:
+        async for state, delta in chat_deltas(tm, run):
+            if not started:  # held back until decode has its KV: a failure before is retried
+                started = True
+                usage = {**_usage(state), "output_tokens": 0}
+                emit("message_start", message=_message(tm, msg_id, [], (None, None), usage))
+            blocks.feed(delta)
+            if events:
+                yield b"".join(events)
+                events.clear()
+    except APIError as err:
+        # with its status as "code": a router retries an error before any output
+        emit("error", error={**error_body(err)["error"], "code": err.status})
+        yield b"".join(events)
+        return
     blocks.close()
     reason, sequence = _stop(state, req.stop_sequences, blocks.called)
     emit(
@@ -489,10 +474,7 @@ async def count_tokens(request: Request, tm: TokenizerManager) -> Response:
         req = await http_util.read_body(request, tm.server_args.max_body_bytes, MessagesRequest)
         if req.max_tokens is None:
             req.max_tokens = 1  # count_tokens does not take it
-        chat = to_chat(tm, req)
-        check_model(tm, chat.model)
-        setup = chat_setup(tm, chat)
-        ids = tm.chat_input_ids(chat.chat_messages(), False, setup.tools, chat.chat_template_kwargs)
+        _, ids = chat_prompt(tm, to_chat(tm, req))
     except APIError as e:
         return error_response(e)
     return http_util.json_response({"input_tokens": len(ids)})

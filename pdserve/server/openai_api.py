@@ -193,7 +193,7 @@ def _chat_logprobs(tm: TokenizerManager, pairs, tops) -> dict[str, list]:
     }
 
 
-def chat_setup(tm: TokenizerManager, req: ChatRequest) -> ChatSetup:
+def _chat_setup(tm: TokenizerManager, req: ChatRequest) -> ChatSetup:
     """The request's tools, tool choice and reasoning split, validated (400s name the field)."""
     args = tm.server_args
     try:
@@ -245,16 +245,45 @@ class ChatRun:
     top: Optional[int]
 
 
-def start_chat(tm: TokenizerManager, req: ChatRequest) -> ChatRun:
-    """Validate ``req``, build its prompt and submit it (a 400 names a bad field)."""
-    args = tm.server_args
+def chat_prompt(tm: TokenizerManager, req: ChatRequest) -> tuple[ChatSetup, list[int]]:
+    """The request's output setup and prompt tokens (404 for another model, 400 for a bad
+    message or tool)."""
     check_model(tm, req.model)
     messages = req.chat_messages()
-    top = req.top_logprobs_num()
-    setup = chat_setup(tm, req)
+    setup = _chat_setup(tm, req)
     input_ids = tm.chat_input_ids(
         messages, req.continue_final_message, setup.tools, req.chat_template_kwargs
     )
+    return setup, input_ids
+
+
+def whole_delta(run: ChatRun) -> dict[str, Any]:
+    """The first choice's whole output as one delta (the run has finished)."""
+    return merge_deltas(run.outputs[0].feed(run.states[0].text), run.outputs[0].finish())
+
+
+async def chat_deltas(
+    tm: TokenizerManager, run: ChatRun
+) -> AsyncIterator[tuple[ReqState, dict[str, Any]]]:
+    """The first choice's updates as chat deltas (reasoning_content, content, tool_calls; the
+    last one with what finishing released); an update that ended in an error raises it."""
+    choice, sent = run.outputs[0], 0
+    async for _, s in http_util.stream_all(tm, run.states):
+        err = http_util.error_of(s)
+        if err is not None:
+            raise err
+        delta = choice.feed(s.text[sent:])
+        sent = len(s.text)
+        if s.finished:
+            delta = merge_deltas(delta, choice.finish())
+        yield s, delta
+
+
+def start_chat(tm: TokenizerManager, req: ChatRequest) -> ChatRun:
+    """Validate ``req``, build its prompt and submit it (a 400 names a bad field)."""
+    args = tm.server_args
+    setup, input_ids = chat_prompt(tm, req)
+    top = req.top_logprobs_num()
     grammar = _chat_grammar(tm, req, setup)
     start_after = None
     if setup.reasoning:

@@ -11,7 +11,7 @@ from typing import Annotated, Any, ClassVar, Optional, Union
 
 import msgspec
 
-from pdserve.engine.request import MAX_TOP_LOGPROBS
+from pdserve.engine.request import INT64_MAX, MAX_TOP_LOGPROBS
 from pdserve.server.errors import bad_request
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -118,6 +118,29 @@ REGEX_PARAM = {"anyOf": [{"type": "null"}, {"type": "string", "minLength": 1, "f
 EBNF_PARAM = {"anyOf": [{"type": "null"}, EBNF_TEXT]}
 
 
+# the body's ``model`` (every generation route)
+ModelName = Annotated[
+    Any,
+    msgspec.Meta(
+        description="the served model's name (null or empty: that model)",
+        extra_json_schema={"$ref": "#/components/schemas/ModelName"},
+    ),
+]
+# -1 (off) or at least 1 (the Responses and Messages bodies; chat's is set in api_schema.py)
+TopK = Annotated[
+    Any,
+    msgspec.Meta(
+        extra_json_schema={
+            "anyOf": [
+                {"type": "null"},
+                {"enum": [-1]},
+                {"type": "integer", "minimum": 1, "maximum": INT64_MAX},
+            ]
+        }
+    ),
+]
+
+
 class PDBody(msgspec.Struct):
     """The disaggregation fields a router adds to a request body (/generate and the OpenAI
     routes alike): scalars, or lists with one entry per prompt or per sample (checked by
@@ -159,13 +182,7 @@ class _Sampling(PDBody):
     # at most one output constraint (a response_format other than text counts as one)
     JSON_SCHEMA: ClassVar[dict[str, Any]] = at_most_one(GRAMMAR_KEYS, also="response_format")
 
-    model: Annotated[
-        Any,
-        msgspec.Meta(
-            description="the served model's name (null or empty: that model)",
-            extra_json_schema={"$ref": "#/components/schemas/ModelName"},
-        ),
-    ] = None
+    model: ModelName = None
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None

@@ -17,6 +17,7 @@ with the whole response object (as it does for chat) and decode streams.
 
 from __future__ import annotations
 
+import copy
 import time
 import uuid
 from typing import Annotated, Any, AsyncIterator, ClassVar, Literal, Optional, Union
@@ -29,8 +30,8 @@ from pdserve.conversations import Conversations, UnknownResponse
 from pdserve.engine.request import INT64_MAX, INT64_MIN, MAX_TEMPERATURE
 from pdserve.server import http_util
 from pdserve.server.errors import APIError, bad_request
-from pdserve.server.openai_api import ChatRun, start_chat
-from pdserve.server.openai_protocol import ChatRequest, PDBody
+from pdserve.server.openai_api import ChatRun, chat_deltas, start_chat, whole_delta
+from pdserve.server.openai_protocol import ChatRequest, ModelName, PDBody, TopK
 from pdserve.server.tokenizer_manager import ReqState, TokenizerManager
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -155,13 +156,6 @@ TEXT_SCHEMA = {
         }
     },
 }
-TOP_K_SCHEMA = {  # -1 (off) or at least 1
-    "anyOf": [
-        {"type": "null"},
-        {"enum": [-1]},
-        {"type": "integer", "minimum": 1, "maximum": INT64_MAX},
-    ]
-}
 Temperature = Annotated[float, msgspec.Meta(ge=0, le=MAX_TEMPERATURE)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
@@ -178,18 +172,12 @@ class ResponsesRequest(PDBody):
             extra_json_schema=INPUT_SCHEMA,
         ),
     ] = None
-    model: Annotated[
-        Any,
-        msgspec.Meta(
-            description="the served model's name (null or empty: that model)",
-            extra_json_schema={"$ref": "#/components/schemas/ModelName"},
-        ),
-    ] = None
+    model: ModelName = None
     instructions: Optional[str] = None
     max_output_tokens: Optional[Count] = None
     temperature: Optional[Temperature] = None
     top_p: Optional[Annotated[float, msgspec.Meta(gt=0, le=1)]] = None
-    top_k: Annotated[Any, msgspec.Meta(extra_json_schema=TOP_K_SCHEMA)] = None
+    top_k: TopK = None
     min_p: Optional[Annotated[float, msgspec.Meta(ge=0, le=1)]] = None
     presence_penalty: Optional[Penalty] = None
     frequency_penalty: Optional[Penalty] = None
@@ -451,7 +439,7 @@ class Output:
             self.open = item
             self.items.append(item)
             index = len(self.items) - 1
-            self.emit("response.output_item.added", output_index=index, item=_copy(item))
+            self.emit("response.output_item.added", output_index=index, item=copy.deepcopy(item))
             part = item["content"][0]
             if kind == "message":
                 self.emit(
@@ -489,11 +477,12 @@ class Output:
             item["status"] = status
             self.emit("response.output_text.done", text=text, logprobs=[], **common)
             self.emit("response.content_part.done", part=dict(item["content"][0]), **common)
-        self.emit("response.output_item.done", output_index=index, item=_copy(item))
+        self.emit("response.output_item.done", output_index=index, item=copy.deepcopy(item))
 
 
-def _copy(item: dict[str, Any]) -> dict[str, Any]:
-    return msgspec.json.decode(msgspec.json.encode(item))
+def _cut_short(state: ReqState) -> bool:
+    """It ended at max_output_tokens (the response is incomplete)."""
+    return (state.finish_reason or {}).get("type") == "length"
 
 
 # ---- the response object ---------------------------------------------------------------------
@@ -509,8 +498,7 @@ class _Response:
         self, status: str, output: list[dict[str, Any]], state: Optional[ReqState], reasoning=""
     ) -> dict[str, Any]:
         req = self.req
-        fr = (state.finish_reason or {}) if state is not None else {}
-        incomplete = fr.get("type") == "length"
+        incomplete = state is not None and _cut_short(state)
         if status == "completed" and incomplete:
             status = "incomplete"
         usage = None
@@ -577,17 +565,18 @@ class ResponsesAPI:
         if run.stream:
             return http_util.sse_response(tm, run.states, self._events(resp, items))
         await http_util.unless_disconnected(request, http_util.wait_all(tm, run.states))
-        state = run.states[0]
         out = Output(lambda *a, **k: None)
-        choice = run.outputs[0]
-        out.feed(choice.feed(state.text))
-        out.feed(choice.finish())
-        out.close(
-            "incomplete" if (state.finish_reason or {}).get("type") == "length" else "completed"
-        )
+        out.feed(whole_delta(run))
+        return http_util.json_response(self._finish(resp, out, run.states[0], items))
+
+    def _finish(
+        self, resp: _Response, out: Output, state: ReqState, items: list[Any]
+    ) -> dict[str, Any]:
+        """The finished response (its open item closed), stored if asked."""
+        out.close("incomplete" if _cut_short(state) else "completed")
         body = resp.body("completed", out.items, state, out.reasoning_text)
-        self._keep(req, body, items)
-        return http_util.json_response(body)
+        self._keep(resp.req, body, items)
+        return body
 
     def _keep(self, req: ResponsesRequest, body: dict[str, Any], items: list[Any]) -> None:
         if req.store and self.tm.server_args.disaggregation_mode != "prefill":
@@ -600,42 +589,30 @@ class ResponsesAPI:
 
         def emit(kind: str, **fields: Any) -> None:
             nonlocal seq
-            data = {"type": kind, "sequence_number": seq, **fields}
-            seq += 1
             events.append(
-                b"event: " + kind.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
+                http_util.sse_named_event(kind, {"type": kind, "sequence_number": seq, **fields})
             )
+            seq += 1
 
         out = Output(emit)
-        choice = run.outputs[0]
-        sent = 0
         state = run.states[0]
-        started = False
-        async for _, s in http_util.stream_all(tm, run.states):
-            err = http_util.error_of(s)
-            if err is not None:
-                if not started:  # an error the router can still retry elsewhere
-                    yield err.sse()
-                    return
-                emit("error", code=err.type, message=err.message, param=None)
-                yield b"".join(events)
+        try:
+            async for state, delta in chat_deltas(tm, run):
+                if seq == 0:  # held back until decode has its KV: a failure before is retried
+                    emit("response.created", response=resp.body("in_progress", [], None))
+                    emit("response.in_progress", response=resp.body("in_progress", [], None))
+                out.feed(delta)
+                if events:
+                    yield b"".join(events)
+                    events.clear()
+        except APIError as err:
+            if seq == 0:  # an error the router can still retry elsewhere
+                yield err.sse()
                 return
-            if not started:  # held back until decode has its KV: a failure before is retried
-                started = True
-                emit("response.created", response=resp.body("in_progress", [], None))
-                emit("response.in_progress", response=resp.body("in_progress", [], None))
-            state = s
-            out.feed(choice.feed(s.text[sent:]))
-            sent = len(s.text)
-            if s.finished:
-                out.feed(choice.finish())
-            if events:
-                yield b"".join(events)
-                events.clear()
-        length = (state.finish_reason or {}).get("type") == "length"
-        out.close("incomplete" if length else "completed")
-        body = resp.body("completed", out.items, state, out.reasoning_text)
-        self._keep(resp.req, body, items)
+            emit("error", code=err.type, message=err.message, param=None)
+            yield b"".join(events)
+            return
+        body = self._finish(resp, out, state, items)
         emit(f"response.{body['status']}", response=body)
         yield b"".join(events)
 
