@@ -38,7 +38,7 @@ class Keeper:
             self.store.put(body, self.items)
 
     def events(self, chunk: bytes) -> None:
-        if b"event: response.completed" not in chunk and b"event: response.incomplete" not in chunk:
+        if not any(final in chunk for final in _FINAL_EVENTS):
             return
         for event in chunk.split(b"\n\n"):
             if event.startswith(_FINAL_EVENTS):

@@ -24,7 +24,7 @@ from pdserve.engine.request import (
 from pdserve.openapi import Docs, Operation
 from pdserve.peers import MigrationPeers
 from pdserve.server.generate_api import GenerateRequest
-from pdserve.server.messages_api import MessagesRequest
+from pdserve.server.messages_protocol import MessagesRequest
 from pdserve.server.openai_protocol import (
     EBNF_PARAM,
     GRAMMAR_KEYS,
@@ -34,7 +34,7 @@ from pdserve.server.openai_protocol import (
     CompletionRequest,
     at_most_one,
 )
-from pdserve.server.responses_api import ResponsesRequest
+from pdserve.server.responses_protocol import ResponsesRequest
 from pdserve.server.role_switch import SwitchRoleRequest
 from pdserve.server.tokenizer_manager import MAX_N
 
