@@ -180,7 +180,8 @@ class ResponsesRequest(PDBody):
     text: Annotated[Any, msgspec.Meta(extra_json_schema=TEXT_SCHEMA)] = None
     metadata: Optional[dict[str, str]] = None
     user: Optional[str] = None
-    truncation: Optional[Literal["auto", "disabled"]] = None
+    # no truncation of a conversation longer than the context: it is refused (400) instead
+    truncation: Optional[Literal["disabled"]] = None
     priority: Optional[Int64] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
@@ -296,6 +297,15 @@ def _response_format(text: Optional[dict[str, Any]]) -> Any:
     return {"type": fmt.get("type")}
 
 
+def _template_kwargs(req: ResponsesRequest) -> Optional[dict[str, Any]]:
+    """``reasoning.effort`` reaches the template as ``reasoning_effort`` (the name GPT-OSS's
+    template reads), unless chat_template_kwargs set it."""
+    effort = (req.reasoning or {}).get("effort")
+    if effort is None:
+        return req.chat_template_kwargs
+    return {"reasoning_effort": effort, **(req.chat_template_kwargs or {})}
+
+
 def to_chat(req: ResponsesRequest, items: list[Any]) -> ChatRequest:
     body: dict[str, Any] = {
         "model": req.model,
@@ -307,7 +317,7 @@ def to_chat(req: ResponsesRequest, items: list[Any]) -> ChatRequest:
         "response_format": _response_format(req.text),
         "stream": req.stream,
         "priority": req.priority,
-        "chat_template_kwargs": req.chat_template_kwargs,
+        "chat_template_kwargs": _template_kwargs(req),
     }
     for key in (
         "temperature",

@@ -702,6 +702,7 @@ def test_responses_api_refuses_bad_input_naming_it(servers, target):
             ),
             ({"input": QUESTION, "tools": [{"type": "web_search"}]}, "only function tools"),
             ({"input": QUESTION, "background": True}, "background"),
+            ({"input": QUESTION, "truncation": "auto"}, "truncation"),
         ]
         for kw, needle in bad:
             for stream in (False, True):
