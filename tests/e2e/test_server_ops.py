@@ -111,6 +111,30 @@ def test_metrics_parse_and_move(live):
     assert after[("pdserve:kv_cache_usage_perc", ())] == 0
 
 
+def test_kv_usage_counts_the_pages_a_running_request_holds(live):
+    # the gauges are read while the stream is still open: breaking out of ``iter_lines`` would
+    # close the connection (httpx closes it when the generator is dropped) and abort the request
+    during = None
+    with httpx.Client(base_url=live.url, timeout=60) as c:
+        with c.stream(
+            "POST",
+            "/generate",
+            json={"text": "a long story", "sampling_params": LONG, "stream": True},
+        ) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    during = metric_samples(live)
+                    break
+            lines.close()
+    assert during is not None, "the stream sent no event"
+    live.wait_idle()
+    after = metric_samples(live)
+    assert during[("pdserve:num_running_reqs", ())] == 1
+    assert 0 < during[("pdserve:kv_cache_usage_perc", ())] < 1
+    assert after[("pdserve:kv_cache_usage_perc", ())] == 0
+
+
 def test_client_disconnect_mid_stream_aborts(live):
     generated_before = live.scheduler_stats()["generation_tokens"]
     with httpx.Client(base_url=live.url, timeout=60) as c:
