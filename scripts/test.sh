@@ -5,6 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PDSERVE_TEST_CACHE=${PDSERVE_TEST_CACHE:-/tmp/pdserve-test-cache}
+# the tree's bytecode, written once: where PYTHONDONTWRITEBYTECODE is set (as in some images),
+# every server process of the suite would otherwise compile pdserve's sources again at its start
+python3 -m compileall -q -j 0 pdserve tests >/dev/null || true
 if [ $# -gt 0 ]; then
   exec python3 -m pytest -q -p no:cacheprovider --timeout=900 --durations=40 "$@"
 fi

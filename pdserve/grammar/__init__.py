@@ -124,4 +124,7 @@ def make_backend(
     """The backend a server compiles with; None for ``none``."""
     if name in (None, "none"):
         return None
-    return backend_class(name)(tokenizer, vocab_size, sorted(stop_ids))
+    from pdserve.tokenizer import transformers_tokenizer
+
+    # the engines read transformers' tokenizer's internals (its class, backend and vocabulary)
+    return backend_class(name)(transformers_tokenizer(tokenizer), vocab_size, sorted(stop_ids))
