@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from pdserve import envs
 from pdserve.hicache_args import check_hicache_args
+from pdserve.lora_args import check_lora_args
 from pdserve.moe_args import MOE_A2A_BACKENDS, MOE_RUNNER_BACKENDS, check_moe_args, moe_options
 from pdserve.peers import MigrationPeers
 
@@ -61,7 +62,7 @@ CHOICES = {
     "grammar_backend": GRAMMAR_BACKENDS,
 }
 # SGLang's other spellings of a flag
-FLAG_ALIASES = {"ep_size": ("--ep", "--expert-parallel-size")}
+FLAG_ALIASES = {"ep_size": ("--ep", "--expert-parallel-size"), "lora_paths": ("--lora-modules",)}
 
 
 def default_torch_threads() -> int:
@@ -145,6 +146,12 @@ class ServerArgs:
     # ignoring it
     abort_on_priority_when_disabled: bool = False
     disable_radix_cache: bool = False
+    # LoRA adapters (pdserve/lora/; SGLang's and vLLM's flags): NAME=PATH (or PATH, named by its
+    # folder) loaded at start, more at run time (/v1/load_lora_adapter); --lora-paths enables it
+    enable_lora: bool = False
+    lora_paths: Optional[list[str]] = None
+    max_lora_rank: int = 64
+    max_loaded_loras: int = 16
     # speculative decoding (SGLang's flags; engine/speculative/): NGRAM proposes the tokens that
     # followed the latest earlier occurrence of the sequence's last n tokens, STANDALONE a draft
     # model's greedy tokens
@@ -268,6 +275,7 @@ class ServerArgs:
 
         if not self.model_path:
             bad("model_path", "is required")
+        check_lora_args(self, bad)
         if self.grammar_backend in GRAMMAR_BACKENDS:
             from pdserve.grammar import resolve_backend
 
@@ -698,6 +706,8 @@ class ServerArgs:
                 str(f.type).replace("Optional[", "").rstrip("]"), str
             )
             kw: dict = {"type": kind, "default": default}
+            if "list[str]" in str(f.type):
+                kw["nargs"] = "*"
             if f.name in CHOICES:
                 kw["choices"] = CHOICES[f.name]
             parser.add_argument(flag, *FLAG_ALIASES.get(f.name, ()), **kw)

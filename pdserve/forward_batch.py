@@ -84,6 +84,8 @@ class ForwardBatch:
     # sparse attention whose later layers reuse an earlier layer's choice of keys (GLM-5's
     # "shared" indexer layers): the last indexer's selection in this forward, (positions, counts)
     index_selection: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    # per request: the slot of the LoRA adapter it runs under (-1: the base model); None: none
+    adapters: Optional[list[int]] = None
 
     @property
     def batch_size(self) -> int:

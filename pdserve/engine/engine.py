@@ -74,6 +74,7 @@ class Engine:
         top_logprobs_num,
         logprob_start_len,
         return_routed_experts=False,
+        lora_path=None,
     ):
         if (prompt is None) == (input_ids is None):
             raise ValueError("prompt/input_ids: give exactly one of them")
@@ -111,8 +112,13 @@ class Engine:
             raise ValueError(
                 f"return_routed_experts: must be a boolean, got {return_routed_experts!r}"
             )
+        adapters = lora_path if isinstance(lora_path, list) else [lora_path] * len(ids_list)
+        if len(adapters) != len(ids_list) or not all(
+            a is None or isinstance(a, str) for a in adapters
+        ):
+            raise ValueError("lora_path: an adapter name (or None), or a list of one per prompt")
         reqs = []
-        for ids, sp, grammar in zip(ids_list, sps, grammars):
+        for ids, sp, grammar, adapter in zip(ids_list, sps, grammars, adapters):
             for _ in range(sp.n):
                 spec = RequestSpec(
                     rid=uuid.uuid4().hex,
@@ -123,6 +129,7 @@ class Engine:
                     logprob_start_len=logprob_start_len,
                     return_routed_experts=return_routed_experts,
                     grammar=grammar,
+                    lora_name=adapter,
                 )
                 reqs.append(Req.from_spec(spec))
         for req in reqs:
@@ -138,9 +145,11 @@ class Engine:
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
         return_routed_experts: bool = False,
+        lora_path: Union[str, list, None] = None,
     ) -> Union[dict, list[dict]]:
         """``return_routed_experts``: ``meta_info["routed_experts"]`` as the server's (base64, see
-        ``engine/routed_experts.py``); needs ``enable_return_routed_experts=True``."""
+        ``engine/routed_experts.py``); needs ``enable_return_routed_experts=True``.
+        ``lora_path``: the LoRA adapter (its name; None: the base model), or one per prompt."""
         single, reqs = self._make_reqs(
             prompt,
             input_ids,
@@ -149,6 +158,7 @@ class Engine:
             top_logprobs_num,
             logprob_start_len,
             return_routed_experts,
+            lora_path,
         )
         for req in reqs:
             self.scheduler.add_request(req)

@@ -171,17 +171,23 @@ class KVCacheManager:
             policy.extend(ids, items, tokens)
         return True
 
+    def namespace_of(self, req: Req, seq_len: int) -> int:
+        """The prefix tree's namespace of ``req``'s KV for a sequence of ``seq_len`` tokens: the
+        model's for that length, within its LoRA adapter's (``Req.lora_key``; 0: the base
+        model's)."""
+        return self.namespace(seq_len) + req.lora_key
+
     def cached_pages(self, req: Req, max_pages: int) -> int:
         """Pages of ``req``'s prefix the tree holds (no lock taken; LRU times refreshed)."""
         pages, _ = self.tree.match_prefix(
-            req.all_ids, max_pages=max_pages, namespace=self.namespace(req.seq_len)
+            req.all_ids, max_pages=max_pages, namespace=self.namespace_of(req, req.seq_len)
         )
         return len(pages)
 
     def stale(self, req: Req) -> bool:
         """Whether ``req``'s sequence has grown past what its KV was computed for (it must be
         computed again)."""
-        return req.kv is not None and self.namespace(req.seq_len) != req.kv.namespace
+        return req.kv is not None and self.namespace_of(req, req.seq_len) != req.kv.namespace
 
     def _match(
         self, token_ids: list[int], max_pages: int, namespace: int
@@ -201,7 +207,7 @@ class KVCacheManager:
         """Match ``req``'s prefix (at most ``max_pages`` pages) and take what up to ``budget``
         tokens past it need, keeping ``reserve`` pages of each paged group for running requests.
         False (nothing held) when it does not fit now."""
-        namespace = self.namespace(req.seq_len)
+        namespace = self.namespace_of(req, req.seq_len)
         if self.tier is not None:  # the match continues below the pool
             self.tier.fill(self, req.all_ids, max_pages, namespace)
         pages, node, restore = self._match(req.all_ids, max_pages, namespace)
@@ -307,7 +313,7 @@ class KVCacheManager:
         items per group, in logical order from ``transfer_start``; the cached prefix in pages),
         or None (nothing held) when a group lacks room beyond ``reserve`` pages."""
         n = req.seq_len  # the prompt (and, for a request moved mid-generation, its output so far)
-        namespace = self.namespace(n)  # prefill computes the prompt
+        namespace = self.namespace_of(req, n)  # prefill computes the prompt
         if self.tier is not None:
             self.tier.fill(self, req.all_ids, (n - 1) // self.page_size, namespace)
         pages, node, _ = self._match(req.all_ids, (n - 1) // self.page_size, namespace)

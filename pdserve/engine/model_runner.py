@@ -30,6 +30,7 @@ from pdserve.kv_spec import (
     specs_of,
 )
 from pdserve.layers.attention.base import attention_backend_class, get_attention_backend
+from pdserve.lora.layer import active as lora_rows
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,11 @@ class ModelRunner:
                 else "bf16 (PyTorch's own matmuls: neither oneDNN bf16 nor pdserve's kernels here)"
             )
             logger.info("matmul weights prepacked for %s: %.1f MiB", what, packed / 2**20)
+        self.lora = None  # the LoRA adapters this rank holds (pdserve/lora/), --enable-lora
+        if args.enable_lora:
+            from pdserve.lora.manager import LoraManager
+
+            self.lora = LoraManager(self.model, args.max_lora_rank, args.max_loaded_loras)
         self.kv_dtype = choose_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.kv_quant = kv_quant_for(args.kv_cache_dtype)  # None: a float cache
         self.fingerprint = model_fingerprint(self.hf_config)
@@ -497,7 +503,8 @@ class ModelRunner:
         self.attn_backend.init_forward(fb)
         if self.routed is not None:
             self.routed.begin_forward()
-        hidden = self.model(fb)
+        with lora_rows(fb.adapters, fb.extend_lens):
+            hidden = self.model(fb)
         if self.capture_hidden:  # a draft head reads every position's hidden state
             aux = getattr(self.model, "aux_hidden", None)
             self.last_hidden = hidden if aux is None else aux(hidden)

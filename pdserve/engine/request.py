@@ -216,6 +216,8 @@ class Generation(msgspec.Struct, kw_only=True):
     grammar_start_after: Optional[list[int]] = None  # the end-of-reasoning tokens it starts after
     # its place in the waiting queue under --enable-priority-scheduling (None: 0)
     priority: Optional[int] = None
+    # the LoRA adapter it runs under (its name; None: the base model)
+    lora_name: Optional[str] = None
 
 
 class RequestSpec(Generation, kw_only=True):
@@ -298,6 +300,11 @@ class Req:
     grammar_spec: Any = None
     grammar_start_after: Optional[list[int]] = None
     priority: int = 0  # the waiting queue's order under --enable-priority-scheduling
+    # LoRA (pdserve/lora/): the adapter's name, its slot in the forward (-1: the base model) and
+    # its prefix-cache namespace key (0: the base model's), set by the scheduler on arrival
+    lora_name: Optional[str] = None
+    lora_slot: int = -1
+    lora_key: int = 0
 
     output_ids: list[int] = field(default_factory=list)
     resumed: bool = False  # moved here mid-generation: ``output_ids`` came with it
@@ -353,6 +360,7 @@ class Req:
             grammar_spec=spec.grammar,
             grammar_start_after=spec.grammar_start_after,
             priority=spec.priority or 0,
+            lora_name=spec.lora_name,
             output_ids=list(spec.resume_output_ids or []),
             resumed=spec.resume_output_ids is not None,
         )
@@ -370,6 +378,7 @@ class Req:
             grammar=self.grammar_spec,
             grammar_start_after=self.grammar_start_after,
             priority=self.priority,
+            lora_name=self.lora_name,
         )
 
     def mark(self, event: str) -> None:

@@ -41,6 +41,7 @@ from pdserve.engine.step import SAMPLE, VERIFY, Row, StepPlan
 from pdserve.engine.step_participant import StepParticipant
 from pdserve.engine.stop import eos_token_ids
 from pdserve.kv_events import KVEventPublisher, offset_port
+from pdserve.lora_args import parse_lora_paths
 from pdserve.routed_experts_args import refusal as routed_experts_refusal
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ class Scheduler:
         # takes time-based decisions (timeouts, arrival order) alike; None: the local clock
         self.clock: Optional[float] = None
         self.runner = ModelRunner(args, kv_allocator, par, page_riders=page_riders(args, par))
+        if self.runner.lora is not None:
+            for name, path in parse_lora_paths(args.lora_paths).items():
+                self.runner.lora.load(name, path)
         self.page_size = args.page_size
         # every page of every cache group, and the prefix cache: requests' KV changes only there
         self.kv = KVCacheManager(
@@ -167,6 +171,8 @@ class Scheduler:
 
     def add_request(self, req: Req) -> None:
         self.validate(req)
+        if req.lora_name is not None:
+            req.lora_slot, req.lora_key = self.lora_of(req.lora_name)
         if req.grammar_spec is not None:
             req.grammar = self.grammars.for_request(req.grammar_spec, req.grammar_start_after)
         req.sampling.max_new_tokens = min(
@@ -185,6 +191,23 @@ class Scheduler:
             self.pd.add(req)
         else:
             self.waiting.append(req)
+
+    def lora_of(self, name: str) -> tuple[int, int]:
+        """(slot, prefix-cache namespace key) of LoRA adapter ``name``; ValueError naming it."""
+        lora = self.runner.lora
+        if lora is None:
+            raise ValueError(
+                f"lora_path: {name!r}: this server serves no LoRA adapters (--enable-lora)"
+            )
+        try:
+            return lora.slot(name), lora.namespace_key(name)
+        except KeyError as e:
+            raise ValueError(f"lora_path: {e.args[0]}") from None
+
+    def lora_users(self, name: str) -> int:
+        """Requests here that run under LoRA adapter ``name``."""
+        reqs = self.waiting + self.running + (self.pd.all_reqs() if self.pd is not None else [])
+        return sum(1 for r in reqs if r.lora_name == name)
 
     def queued(self) -> list[Req]:
         """Requests that arrived and wait to run (``engine/admission.py``)."""

@@ -101,7 +101,7 @@ class StepPlan:
         return [(row.req, row.start, row.ext) for row in self.rows]
 
     def forward_batch(self, runner, dp_counts: Optional[list[int]] = None):
-        return runner.make_forward_batch(
+        fb = runner.make_forward_batch(
             self.ids,
             self.positions,
             [row.start for row in self.rows],
@@ -112,3 +112,6 @@ class StepPlan:
             full_lens=[row.req.seq_len for row in self.rows],
             trees=self.trees,
         )
+        if any(row.req.lora_slot >= 0 for row in self.rows):
+            fb.adapters = [row.req.lora_slot for row in self.rows]
+        return fb

@@ -198,6 +198,9 @@ class Linear(nn.Linear):
     """``nn.Linear`` that runs ``impl`` (set by ``prepack_linears``) when it has one. Under tensor
     parallelism it is a column-parallel layer: its weight holds this rank's output rows."""
 
+    # the LoRA adapters' deltas for this layer (pdserve/lora/layer.py: LinearLora), if any
+    lora: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__(in_features, out_features, bias=bias)
         self.impl: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
@@ -207,9 +210,8 @@ class Linear(nn.Linear):
         return self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.impl is not None:
-            return self.impl(x)
-        return F.linear(x, self.weight, self.bias)
+        y = self.impl(x) if self.impl is not None else F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
 
 class RowParallelLinear(Linear):
@@ -228,6 +230,8 @@ class RowParallelLinear(Linear):
         if self.tp.size == 1:
             return super().forward(x)
         y = self.impl(x) if self.impl is not None else F.linear(x, self.weight)
+        if self.lora is not None:  # this rank's partial delta, summed with the partial outputs
+            y = self.lora(x, y)
         if y.dtype == torch.bfloat16:  # sum the partials in float32, round once
             y = self.tp.all_reduce(y.float())
             return (

@@ -233,7 +233,7 @@ class Dispatcher:
         prompt = None
         if self.prompts is not None and batch is None:
             ids = self.prompts.ids(path, body)
-            prompt = PromptBlocks(ids) if ids else None
+            prompt = PromptBlocks(ids, self.adapter_of(path, body)) if ids else None
         return Call(
             path,
             raw,
@@ -248,6 +248,19 @@ class Dispatcher:
             prompt=prompt,
             slo_s=self.slo_of(request),
         )
+
+    def adapter_of(self, path: str, body: dict) -> str | None:
+        """The LoRA adapter a request names: ``lora_path`` (native), or an OpenAI ``model`` that
+        is not a worker's served model."""
+        if path == "/generate":
+            name = body.get("lora_path")
+            return name if isinstance(name, str) else None
+        name = body.get("model")
+        if not isinstance(name, str) or not name:
+            return None
+        served = {w.info.get("served_model_name") for w in self.pool.workers if w.info}
+        # (without the workers' facts every name counts as the base model's)
+        return name if served and name not in served else None
 
     def slo_of(self, request: Request) -> float | None:
         """The request's TTFT SLO in seconds: its ``x-slo-ttft-ms`` header, else --ttft-slo-ms."""

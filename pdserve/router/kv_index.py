@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import struct
 from typing import Optional
@@ -38,6 +39,7 @@ from pdserve.kv_events import (
     BlockStored,
     KVEventBatch,
     chain_hashes,
+    namespace_hash,
     offset_port,
 )
 from pdserve.router.workers import Worker
@@ -69,16 +71,26 @@ def _worker_endpoint(endpoint: str, host: str) -> str:
 
 
 class PromptBlocks:
-    """A prompt's block hashes, computed once per block size."""
+    """A prompt's block hashes, computed once per block size; a prompt for a LoRA adapter
+    (``adapter``: its name) chains them from the adapter's seed, so that it matches only what
+    was sent for the same adapter."""
 
-    def __init__(self, ids: list[int]):
+    def __init__(self, ids: list[int], adapter: Optional[str] = None):
         self.ids = ids
+        self.seed = None if adapter is None else namespace_hash(adapter_key(adapter))
         self._hashes: dict[int, list[int]] = {}
 
     def hashes(self, block_size: int) -> list[int]:
         if block_size not in self._hashes:
-            self._hashes[block_size] = chain_hashes(None, self.ids, block_size)
+            self._hashes[block_size] = chain_hashes(self.seed, self.ids, block_size)
         return self._hashes[block_size]
+
+
+def adapter_key(name: str) -> int:
+    """A LoRA adapter's namespace as the router keys it, from its name (a multiple of 16 under
+    2^31, like the servers' keys, which come from the adapter's contents)."""
+    digest = hashlib.blake2b(name.encode(), digest_size=3).digest()
+    return (int.from_bytes(digest, "big") + 1) << 4
 
 
 class GroupFeed:

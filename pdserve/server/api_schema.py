@@ -346,6 +346,7 @@ class ModelCard(msgspec.Struct):
     owned_by: str
     root: str
     max_model_len: int
+    parent: Optional[str] = None  # a LoRA adapter's base model
 
 
 class ModelList(msgspec.Struct):
@@ -517,9 +518,9 @@ def server_facts(tm) -> dict[str, dict]:
             **peers.host_schema(),
         },
         "TokenId": {"type": "integer", "minimum": 0, "maximum": tm.vocab_size - 1},
-        "ModelName": {
-            "anyOf": [{"type": "null"}, {"enum": ["", tm.server_args.served_model_name]}]
-        },
+        "ModelName": {"anyOf": [{"type": "null"}, {"enum": ["", tm.server_args.served_model_name]}]}
+        if not tm.server_args.enable_lora  # adapters come and go: any name, 404 if not served
+        else {"type": ["string", "null"]},
         "RoutedDPRank": {"type": "integer", "minimum": 0, "maximum": tm.dp_size - 1},
     }
 
@@ -650,6 +651,9 @@ def route_docs(tm) -> Docs:
         Object,
         errors=(400, 403, 409, 500, 503),
     )
+    from pdserve.server import lora_api
+
+    docs.update(lora_api.docs(args))
     return docs
 
 

@@ -29,6 +29,7 @@ from pdserve.server import (
     expert_api,
     generate_api,
     http_util,
+    lora_api,
     messages_api,
     migrate_api,
     openai_api,
@@ -258,7 +259,8 @@ def create_app(
             "root": args.model_path,
             "max_model_len": tm.context_length,
         }
-        return http_util.json_response({"object": "list", "data": [card]})
+        cards = [card] + lora_api.model_cards(tm, card)
+        return http_util.json_response({"object": "list", "data": cards})
 
     async def server_info() -> Response:
         info = args.to_dict()
@@ -348,6 +350,7 @@ def create_app(
 
     # MoE expert load: SGLang's record endpoints, load metrics (--expert-distribution-recorder-mode)
     experts = expert_api.add_routes(app, args, control, tm.metrics.registry)
+    lora_api.add_routes(app, tm, control)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -111,6 +111,7 @@ PER_ITEM = (
     "return_routed_experts",
     "routed_experts_start_len",
     "priority",
+    "lora_path",
 )
 _SINGLE_PROMPT = {
     "anyOf": [
@@ -152,6 +153,7 @@ class GenerateRequest(PDBody):
     priority: Annotated[
         Any, PRIORITY.per_item("its place in the queue under priority scheduling")
     ] = None
+    lora_path: Annotated[Any, RID.per_item("the LoRA adapter's name (null: the base model)")] = None
     # (bootstrap_host/port/room, routed_dp_rank, disagg_prefill_dp_rank: PDBody's)
 
 
@@ -213,6 +215,7 @@ def parse(tm: TokenizerManager, req: GenerateRequest, stream: bool) -> tuple[lis
         "routed_experts_start_len", req.routed_experts_start_len, size, batch, NON_NEGATIVE
     )
     priorities = _per_item("priority", req.priority, size, batch, PRIORITY)
+    adapters = _per_item("lora_path", req.lora_path, size, batch, RID)
     n = max(_sample_count(sp) for sp in sampling)
     pd = req.pd_fields(size, n)
     specs = []
@@ -232,6 +235,7 @@ def parse(tm: TokenizerManager, req: GenerateRequest, stream: bool) -> tuple[lis
                 return_routed_experts=want_re[i],
                 routed_experts_start_len=re_starts[i],
                 priority=priorities[i],
+                lora_name=adapters[i],
                 **pd[i],
             )
         )

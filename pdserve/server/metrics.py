@@ -7,6 +7,7 @@ Each server owns its registry, so several apps can live in one process (tests).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -151,6 +152,14 @@ class ServerMetrics:
             "KV cache pages held by requests over all pages (0-1; the prefix cache's evictable "
             "pages count as free)",
         )
+        # vLLM's LoRA gauge as gateway schedulers read it: the adapters of running and waiting
+        # requests in its labels, the time they were read as its value
+        self.lora_info = Gauge(
+            "pdserve:lora_requests_info",
+            "LoRA adapters of the running and waiting requests (value: when read, Unix seconds)",
+            labelnames=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=r,
+        )
         self.cache_hit_rate = gauge(
             "pdserve:cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens"
         )
@@ -247,6 +256,14 @@ class ServerMetrics:
         if isinstance(total, int) and isinstance(used, int) and total > 0:
             held = used - int(stats.get("kv_pages_evictable") or 0)
             self.kv_usage.set(max(0, held) / total)
+        lora = stats.get("lora")
+        if isinstance(lora, dict):
+            self.lora_info.clear()
+            self.lora_info.labels(
+                max_lora=str(lora.get("max", 0)),
+                running_lora_adapters=",".join(lora.get("running", [])),
+                waiting_lora_adapters=",".join(lora.get("waiting", [])),
+            ).set(time.time())
         sent = stats.get("kv_bytes_sent")
         if isinstance(sent, int) and sent > self._kv_bytes_seen:  # a running total in the scheduler
             self.kv_bytes_sent.inc(sent - self._kv_bytes_seen)

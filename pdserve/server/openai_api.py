@@ -37,10 +37,23 @@ from pdserve.server.tokenizer_manager import ReqState, TokenizerManager
 from pdserve.server.tool_choice import tool_choice_schema, validate_tool_choice, validate_tools
 
 
-def check_model(tm: TokenizerManager, name: Optional[str]) -> None:
+def check_model(tm: TokenizerManager, name: Optional[str]) -> Optional[str]:
+    """The LoRA adapter the request's ``model`` names (None: the base model); 404 for a name
+    this server does not serve."""
     served = tm.server_args.served_model_name
-    if name and name != served:
-        raise APIError(404, f"model {name!r} does not exist; this server serves {served!r}")
+    if not name or name == served:
+        return None
+    if name in tm.adapters:
+        return name
+    if tm.server_args.enable_lora and tm.server_args.disaggregation_mode != "null":
+        return name  # an adapter's name, or a 400 from the scheduler (see make_spec)
+    also = f" and the LoRA adapters {sorted(tm.adapters)}" if tm.adapters else ""
+    raise APIError(404, f"model {name!r} does not exist; this server serves {served!r}{also}")
+
+
+def model_name(tm: TokenizerManager, name: Optional[str]) -> str:
+    """The ``model`` an answer names: the adapter asked for, else the served model."""
+    return name if name and name in tm.adapters else tm.server_args.served_model_name
 
 
 def _usage(states: list[ReqState], n: int) -> dict:
@@ -100,7 +113,7 @@ def _completion_logprobs(tm: TokenizerManager, pairs, tops, offset: int) -> dict
 async def completions(request: Request, tm: TokenizerManager) -> Response:
     args = tm.server_args
     req = await http_util.read_body(request, args.max_body_bytes, CompletionRequest)
-    check_model(tm, req.model)
+    adapter = check_model(tm, req.model)
     prompts = req.prompts()
     top = req.top_logprobs()
     echo_logprobs = req.echo and top is not None
@@ -118,6 +131,7 @@ async def completions(request: Request, tm: TokenizerManager) -> Response:
             stream=stream,
             return_routed_experts=req.return_routed_experts,
             priority=req.priority,
+            lora_name=adapter,
             **boot,
         )
         for p, boot in zip(prompts, req.bootstrap(len(prompts)))
@@ -131,7 +145,7 @@ async def completions(request: Request, tm: TokenizerManager) -> Response:
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
         "created": int(time.time()),
-        "model": args.served_model_name,
+        "model": model_name(tm, req.model),
     }
 
     def logprobs(s: ReqState, start: int, delta: str, echo_text: str) -> Optional[dict]:
@@ -308,6 +322,7 @@ def start_chat(tm: TokenizerManager, req: ChatRequest) -> ChatRun:
         stream=stream,
         return_routed_experts=req.return_routed_experts,
         priority=req.priority,
+        lora_name=check_model(tm, req.model),
         grammar=grammar,
         grammar_start_after=start_after,
         **req.bootstrap()[0],
@@ -325,7 +340,7 @@ async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
     head = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "created": int(time.time()),
-        "model": args.served_model_name,
+        "model": model_name(tm, req.model),
     }
 
     def logprobs(s: ReqState, start: int) -> Optional[dict]:

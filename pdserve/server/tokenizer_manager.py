@@ -22,6 +22,7 @@ from pdserve import tracing
 from pdserve.chat_template import ChatTemplateError, chat_input_ids, load_template
 from pdserve.engine.request import PDFields, SamplingParams
 from pdserve.grammar import GrammarSpec, backend_class
+from pdserve.lora_args import parse_lora_paths
 from pdserve.routed_experts_args import refusal as routed_experts_refusal
 from pdserve.server.constraints import grammar_of_sampling
 from pdserve.server.detokenizer import IncrementalDetokenizer
@@ -73,6 +74,7 @@ class ReqSpec:
     )
     resume_output_ids: Optional[list[int]] = None  # moved here mid-generation (POST /migrate)
     priority: Optional[int] = None  # the waiting queue's order (--enable-priority-scheduling)
+    lora_name: Optional[str] = None  # the LoRA adapter it runs under (None: the base model)
 
     def message(self, dp_group: Optional[int]) -> GenerateReq:
         """The scheduler's message for this generation (one sample: its room and ranks)."""
@@ -90,6 +92,7 @@ class ReqSpec:
             grammar_start_after=self.grammar_start_after,
             resume_output_ids=self.resume_output_ids,
             priority=self.priority,
+            lora_name=self.lora_name,
             pd=PDFields(
                 bootstrap_host=self.bootstrap_host,
                 bootstrap_port=self.bootstrap_port,
@@ -157,6 +160,9 @@ class TokenizerManager:
         self._next_group = 0
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
         self.chat_template = load_template(server_args.chat_template)
+        # the LoRA adapters served (name -> path): those of --lora-paths, then as loaded and
+        # unloaded at run time (server/lora_api.py)
+        self.adapters: dict[str, str] = parse_lora_paths(server_args.lora_paths)
         # unknown parser names fail the start-up, naming the choices
         if server_args.tool_call_parser:
             tool_parser(server_args.tool_call_parser, [])
@@ -210,6 +216,16 @@ class TokenizerManager:
         """The tokens that end the reasoning: a grammar starts after them."""
         text = think_end_text(parser)
         return self.tokenizer.encode(text, add_special_tokens=False) if text else None
+
+    def check_adapter(self, name: str) -> None:
+        """400 naming ``name`` unless it is a LoRA adapter this server serves."""
+        if not self.server_args.enable_lora:
+            raise bad_request(
+                f"lora_path: {name!r}: this server serves no LoRA adapters (--enable-lora)"
+            )
+        if name not in self.adapters:
+            have = ", ".join(sorted(self.adapters)) or "none"
+            raise bad_request(f"lora_path: LoRA adapter {name!r} is not loaded (loaded: {have})")
 
     def check_grammar(self, spec: GrammarSpec) -> GrammarSpec:
         """``spec`` if the grammar engine takes it, else a 400 naming the problem (cached)."""
@@ -284,6 +300,10 @@ class TokenizerManager:
                 "priority: this server does not schedule by priority "
                 "(--enable-priority-scheduling is off)"
             )
+        if fields.get("lora_name") is not None and self.server_args.disaggregation_mode == "null":
+            # (a prefill or decode leaves the check to its scheduler, whose refusal also ends
+            # the request's room on the peer, which would wait for it otherwise)
+            self.check_adapter(fields["lora_name"])
         if fields.get("return_routed_experts"):
             why = routed_experts_refusal(
                 self.server_args,
