@@ -46,6 +46,7 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: Optional[int] = None
     medium: Optional[str] = None
+    lora_name: Optional[str] = None  # the LoRA adapter the blocks were computed under
 
 
 class BlockRemoved(KVCacheEvent):

@@ -111,6 +111,8 @@ class RadixCache:
         self._protected = [0] * self.num_groups  # ... in nodes with lock_ref > 0
         # KV events (``kv_events.py``): a list that collects them, None when off
         self.events: Optional[list] = None
+        # the LoRA adapters' names by namespace key (their events name them; pdserve/lora/)
+        self.lora_names: dict[int, str] = {}
         # the tiers below the pool (``engine/kv_tier``): nodes keep their block hashes, and
         # ``on_evict(node, start)`` / ``on_insert(node, 0)`` see pages ``start..`` of a node
         # leave the pool / enter the tree, before anything changes
@@ -270,6 +272,7 @@ class RadixCache:
                             parent_block_hash=parent,
                             token_ids=list(child.key),
                             block_size=ps,
+                            lora_name=self.lora_names.get(namespace & ~15),
                         )
                     )
                 canonical.extend(child.pages)
@@ -433,9 +436,9 @@ class RadixCache:
 
     def stored_events(self) -> list[BlockStored]:
         """The whole tree as ``BlockStored`` events, parents first (a KV-events snapshot)."""
-        out, stack = [], list(self.roots.values())
+        out, stack = [], [(root, ns) for ns, root in self.roots.items()]
         while stack:
-            node = stack.pop()
+            node, ns = stack.pop()
             if node.parent is not None and node.hashes:
                 parent = node.parent.hashes[-1] if node.parent.hashes else None
                 out.append(
@@ -444,9 +447,10 @@ class RadixCache:
                         parent_block_hash=parent,
                         token_ids=list(node.key),
                         block_size=self.page_size,
+                        lora_name=self.lora_names.get(ns & ~15),
                     )
                 )
-            stack.extend(node.children.values())
+            stack.extend((child, ns) for child in node.children.values())
         return out
 
     # ----- debugging -----

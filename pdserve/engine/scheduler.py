@@ -74,6 +74,7 @@ class Scheduler:
             namespace=self.runner.model.prefix_namespace,
         )
         self.tree = self.kv.tree
+        self.lora_changed()
         self.kv_events: Optional[KVEventPublisher] = None
         if args.kv_events_endpoint and par.leads_group:  # one publisher per attention group
             self.tree.events = []
@@ -203,6 +204,13 @@ class Scheduler:
             return lora.slot(name), lora.namespace_key(name)
         except KeyError as e:
             raise ValueError(f"lora_path: {e.args[0]}") from None
+
+    def lora_changed(self) -> None:
+        """After adapters were loaded or unloaded: the prefix cache's events name them."""
+        if self.runner.lora is not None:
+            self.tree.lora_names = {
+                x.adapter.namespace_key: n for n, x in self.runner.lora.loaded.items()
+            }
 
     def lora_users(self, name: str) -> int:
         """Requests here that run under LoRA adapter ``name``."""

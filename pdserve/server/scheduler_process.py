@@ -490,6 +490,7 @@ def lora_control(s, op: str, args: dict):
                 "once they end"
             )
         lora.unload(name)
+    s.lora_changed()
     return {"adapters": lora.describe()}
 
 

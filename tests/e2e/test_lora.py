@@ -88,8 +88,11 @@ def test_prefix_cache_hits_under_the_same_adapter_only(base, adapters, request):
             lora_path=name,
         )
 
+    eng.scheduler.tree.events = []  # collect the KV events (what a publisher would send)
     first = run("all")
     assert first["meta_info"]["cached_tokens"] == 0
+    stored = [e for e in eng.scheduler.tree.events if type(e).__name__ == "BlockStored"]
+    assert stored and {e.lora_name for e in stored} == {"all"}
     again = run("all")
     assert again["meta_info"]["cached_tokens"] == 36  # the full pages before the last token
     assert again["output_ids"] == first["output_ids"]
@@ -98,6 +101,8 @@ def test_prefix_cache_hits_under_the_same_adapter_only(base, adapters, request):
         assert out["meta_info"]["cached_tokens"] == 0, other
         check(out, reference(base, adapters.get(other), ids, 5), f"after 'all': {other}")
     assert run("attn")["meta_info"]["cached_tokens"] == 36
+    names = {e.lora_name for e in eng.scheduler.tree.events if type(e).__name__ == "BlockStored"}
+    assert names == {"all", "attn", None}  # None: the base model's blocks
 
 
 def test_adapter_requests_are_refused_by_name(base, adapters):
