@@ -77,13 +77,17 @@ class PromptBlocks:
 
     def __init__(self, ids: list[int], adapter: Optional[str] = None):
         self.ids = ids
+        self.adapter = adapter
         self.seed = None if adapter is None else namespace_hash(adapter_key(adapter))
-        self._hashes: dict[int, list[int]] = {}
+        self._hashes: dict[tuple, list[int]] = {}
 
-    def hashes(self, block_size: int) -> list[int]:
-        if block_size not in self._hashes:
-            self._hashes[block_size] = chain_hashes(self.seed, self.ids, block_size)
-        return self._hashes[block_size]
+    def hashes(self, block_size: int, seed: Optional[int] = None) -> list[int]:
+        """``seed``: the adapter's seed as a worker's KV events show it (its blocks chain from
+        its own key, which comes from the adapter's contents), instead of the name's."""
+        seed = self.seed if seed is None else seed
+        if (block_size, seed) not in self._hashes:
+            self._hashes[block_size, seed] = chain_hashes(seed, self.ids, block_size)
+        return self._hashes[block_size, seed]
 
 
 def adapter_key(name: str) -> int:
@@ -112,6 +116,8 @@ class GroupFeed:
         self.replay = replay
         self.topic = topic
         self.hashes: set[int] = set()  # in the pool
+        # a LoRA adapter's name -> the parent hash its first blocks chain from (its events')
+        self.adapter_seeds: dict[str, int] = {}
         self.tiers: dict[str, set[int]] = {}  # below it, by KV events medium
         self.block_size: Optional[int] = None
         self.expected: Optional[int] = None  # the next seq; None: not in sync
@@ -127,7 +133,7 @@ class GroupFeed:
         if not self.synced or not self.block_size:
             return 0
         n = 0
-        for h in prompt.hashes(self.block_size):
+        for h in prompt.hashes(self.block_size, self.adapter_seeds.get(prompt.adapter or "")):
             if h not in self.hashes:
                 break
             n += 1
@@ -139,7 +145,7 @@ class GroupFeed:
         if not self.synced or not self.block_size:
             return 0.0
         n = 0.0
-        for h in prompt.hashes(self.block_size):
+        for h in prompt.hashes(self.block_size, self.adapter_seeds.get(prompt.adapter or "")):
             if h in self.hashes:
                 n += 1.0
                 continue
@@ -176,7 +182,13 @@ class GroupFeed:
         for e in events:
             if isinstance(e, BlockStored):
                 self._check_stored(e)
-                self._held(e.medium).update(e.block_hashes)
+                held = self._held(e.medium)
+                parent = e.parent_block_hash
+                if e.lora_name and not any(
+                    parent in h for h in (self.hashes, *self.tiers.values())
+                ):
+                    self.adapter_seeds[e.lora_name] = parent  # an adapter's first blocks
+                held.update(e.block_hashes)
             elif isinstance(e, BlockRemoved):
                 self._held(e.medium).difference_update(e.block_hashes)
             elif isinstance(e, AllBlocksCleared):  # the pool's cache reset; tiers report their own
@@ -325,6 +337,7 @@ class GroupFeed:
                     token_ids=e["token_ids"],
                     block_size=self.block_size,
                     medium=e.get("medium"),
+                    lora_name=e.get("lora_name"),
                 )
                 for e in group["events"]
             ]

@@ -310,6 +310,7 @@ class SchedulerLoop:
                             "parent_block_hash": e.parent_block_hash,
                             "token_ids": e.token_ids,
                             **({"medium": e.medium} if e.medium else {}),
+                            **({"lora_name": e.lora_name} if e.lora_name else {}),
                         }
                         for e in s.tree.stored_events()
                         + (s.tier.snapshot() if s.tier is not None else [])

@@ -123,3 +123,25 @@ def test_the_router_keys_prompts_by_adapter():
     assert base.hashes(16) != a.hashes(16) != b.hashes(16)
     assert a.hashes(16) == PromptBlocks(ids, "a").hashes(16)
     assert not set(base.hashes(16)) & set(a.hashes(16))
+
+
+def test_the_router_learns_an_adapters_seed_from_a_workers_events():
+    """A worker's adapter blocks chain from a key of the adapter's contents, which the router
+    cannot know from the name: the first stored blocks named by the adapter show it, and the
+    prompts for that adapter are matched against it from then on."""
+    from pdserve.kv_events import BlockStored, chain_hashes, namespace_hash
+    from pdserve.router.kv_index import GroupFeed
+
+    feed = GroupFeed(None, None, 0, "tcp://127.0.0.1:1", None, b"")
+    feed.block_size, feed.expected = 4, 0  # in sync
+    ids = list(range(100, 116))
+    seed = namespace_hash(0x1230)  # the worker's key for adapter 'a'
+    hashes = chain_hashes(seed, ids, 4)
+    prompt = PromptBlocks(ids, "a")
+    assert feed.matched_blocks(prompt) == 0
+    feed.apply([BlockStored(hashes[:2], seed, ids[:8], 4, lora_name="a")])
+    feed.apply([BlockStored(hashes[2:], hashes[1], ids[8:], 4, lora_name="a")])
+    assert feed.adapter_seeds == {"a": seed}  # the continuation is not taken for a seed
+    assert feed.matched_blocks(prompt) == 4
+    assert feed.matched_blocks(PromptBlocks(ids, "b")) == 0
+    assert feed.matched_blocks(PromptBlocks(ids)) == 0
