@@ -351,7 +351,12 @@ class LlamaModel(nn.Module):
             cos, sin = rotary.tables(fb)  # float32; the kernel rounds them as HF does
             ropes[kind] = (cos, sin) if self.ops is not None else (cos.to(h.dtype), sin.to(h.dtype))
         self.captured = {}
-        if self.decode_stack is not None and fb.is_decode_only and not self.capture_layers:
+        if (
+            self.decode_stack is not None
+            and fb.is_decode_only
+            and not self.capture_layers
+            and fb.adapters is None  # LoRA deltas come after the layers' own matmuls
+        ):
             table, lens = fb.int32_tables()  # the stack exists only for one-group models
             cos, sin = ropes["default"]  # float32: the stack exists only with the kernels
             pool = fb.groups[fb.anchor].pool

@@ -229,3 +229,33 @@ def test_pd_with_decode_on_two_ranks_gives_the_adapters_tokens(lora_pd, base, ad
     assert rp.status_code >= 400, rp.text
     for s in (P, D):
         s.wait_idle()
+
+
+def test_adapters_on_bf16_weights_match_the_merged_model_up_to_ties(base, adapters, request):
+    """bf16: the base weights prepacked for the bf16 kernels, the deltas after each matmul, against
+    PEFT's model in bf16 with the adapter beside the base weights, as ours (tie-aware, as the
+    bf16 engine tests compare; the merged model in float32 is the second computation that bounds
+    the rounding)."""
+    import torch
+
+    from tests.e2e.test_engine import hf_generate_logits
+    from tests.e2e.test_engine_bf16 import compare
+    from tests.e2e.test_engine_bf16 import make_engine as bf16_engine
+    from tests.helpers.lora_adapters import merged_model, unmerged_model
+
+    eng = bf16_engine(base, page_size=16, lora_paths=[f"{n}={p}" for n, p in adapters.items()])
+    request.node._engine = eng
+    names = ["attn", "all", "mlp", None]
+    cases = [prompt(9 + 7 * i, 200 + i) for i in range(len(names))]
+    outs = eng.generate(
+        input_ids=cases,
+        sampling_params={**GREEDY, "max_new_tokens": 10},
+        return_logprob=True,
+        lora_path=names,
+    )
+    compared = 0
+    for name, ids, out in zip(names, cases, outs):
+        ref = hf_generate_logits(unmerged_model(base, adapters.get(name), torch.bfloat16), ids, 10)
+        other = hf_generate_logits(merged_model(base, adapters.get(name)), ids, 10)
+        compared += compare(out, *ref, other=other)
+    assert compared >= 20, f"only {compared} of 40 positions compared"

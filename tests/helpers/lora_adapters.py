@@ -88,6 +88,22 @@ def merged_model(base: str, adapter: str | None) -> torch.nn.Module:
     return _merged[key]
 
 
+def unmerged_model(base: str, adapter: str | None, dtype: torch.dtype) -> torch.nn.Module:
+    """HF PEFT's model in ``dtype`` with ``adapter`` beside the base weights (not merged)."""
+    key = f"{base}|{adapter}|{dtype}"
+    if key not in _merged:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+        if adapter is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, adapter, torch_dtype=dtype)
+            model = model.to(dtype)
+        _merged[key] = model.eval()
+    return _merged[key]
+
+
 def reference(base: str, adapter: str | None, ids: list[int], n: int) -> tuple[list, list]:
     """Greedy tokens and their logprobs of the merged model."""
     from tests.e2e.test_engine import hf_generate_logits
