@@ -28,12 +28,14 @@ def test_front_end_modules_and_arguments_import_no_torch(tmp_path):
     got = _fresh(
         "import json, sys\n"
         "from pdserve.server import app, launch, tokenizer_manager, migrate_api, expert_api\n"
+        "from pdserve.server import lora_api\n"
         "from pdserve.config import ServerArgs\n"
         "modules = 'torch' in sys.modules\n"
+        "hf = 'transformers' in sys.modules\n"
         f"args = ServerArgs(model_path={str(tmp_path)!r}, device='auto')\n"
         "print(json.dumps({'modules': modules, 'args': 'torch' in sys.modules,\n"
-        "  'device': args.device}))\n"
+        "  'device': args.device, 'transformers': hf}))\n"
     )
-    assert not got["modules"]
+    assert not got["modules"] and not got["transformers"]
     assert got["args"] == (not CPU_BUILD)
     assert got["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
