@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.api_key import APIKeyMiddleware
 from pdserve.keepalive import SERVER_IDLE_S
 from pdserve.log import setup_logging
-from pdserve.router import admission, pairing, processes, responses, worker_api
+from pdserve.router import admission, lora, pairing, processes, responses, worker_api
 from pdserve.router.admission import Admission
 from pdserve.router.args import RouterArgs, parse_args
 from pdserve.router.autoscale import Autoscaler
@@ -459,6 +459,8 @@ def create_app(args: RouterArgs) -> FastAPI:
                 entry["error"] = repr(r) if isinstance(r, Exception) else f"HTTP {r.status_code}"
             out[w.role].append(entry)
         return out
+
+    lora.add_routes(app, router, lambda request: read_body(request, args.max_body_bytes))
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():

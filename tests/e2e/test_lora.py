@@ -211,7 +211,8 @@ def lora_pd(base, adapters, tmp_path_factory):
     both = [f"all={adapters['all']}", f"mlp={adapters['mlp']}"]
     P, _ = c.prefill("P", base, logs, "--lora-paths", *both, f"attn={adapters['attn']}")
     D = c.decode("D", base, logs, "--tp-size", "2", "--lora-paths", *both)
-    yield from c.running({"P": P, "D": D})
+    R = c.router("R", [P], [D], logs)
+    yield from c.running({"P": P, "D": D, "R": R})
 
 
 def test_pd_with_decode_on_two_ranks_gives_the_adapters_tokens(lora_pd, base, adapters):
@@ -259,3 +260,37 @@ def test_adapters_on_bf16_weights_match_the_merged_model_up_to_ties(base, adapte
         other = hf_generate_logits(merged_model(base, adapters.get(name)), ids, 10)
         compared += compare(out, *ref, other=other)
     assert compared >= 20, f"only {compared} of 40 positions compared"
+
+
+def served(proc) -> set[str]:
+    return {m["id"] for m in httpx.get(proc.url + "/v1/models").json()["data"]}
+
+
+def test_the_router_loads_and_unloads_adapters_on_every_worker(lora_pd, base, adapters):
+    P, D, R = lora_pd["P"], lora_pd["D"], lora_pd["R"]
+    body = {"lora_name": "attn2", "lora_path": adapters["attn"]}
+    r = httpx.post(R.url + "/v1/load_lora_adapter", json=body, timeout=60)
+    assert r.status_code == 200 and sorted(r.json()["workers"]) == sorted([P.url, D.url]), r.text
+    assert "attn2" in served(P) and "attn2" in served(D)
+    ids = prompt(21, 5)
+    out = httpx.post(
+        R.url + "/generate",
+        json={**c.greedy_body(ids, 6), "lora_path": "attn2", "return_logprob": True},
+        timeout=60,
+    )
+    assert out.status_code == 200, out.text
+    check(out.json(), reference(base, adapters["attn"], ids, 6), "through the router")
+    # the prefill already has 'attn': the decode's load is undone, nothing changed anywhere
+    before = (served(P), served(D))
+    body = {"lora_name": "attn", "lora_path": adapters["attn"]}
+    r = httpx.post(R.url + "/load_lora_adapter", json=body, timeout=60)
+    assert r.status_code == 502 and "already loaded" in r.text, r.text
+    assert (served(P), served(D)) == before
+    # every worker refusing alike: their 400
+    r = httpx.post(R.url + "/v1/unload_lora_adapter", json={"lora_name": "nope"}, timeout=60)
+    assert r.status_code == 400 and "'nope' is not loaded" in r.text, r.text
+    r = httpx.post(R.url + "/v1/unload_lora_adapter", json={"lora_name": "attn2"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert "attn2" not in served(P) | served(D)
+    for s in (P, D):
+        s.wait_idle()
