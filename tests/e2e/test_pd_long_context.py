@@ -110,6 +110,7 @@ def test_a_killed_prefill_ends_its_decode_request_within_a_second(long_pd):
     threading.Thread(target=prefill, daemon=True).start()
     waiting = threading.Thread(target=run, daemon=True)
     waiting.start()
+
     def computing() -> bool:
         r = P.http.get("/debug/integrity")
         if r.status_code == 503:  # a long chunk's forward outlasted the control call's 10 s
