@@ -521,6 +521,9 @@ def server_facts(tm) -> dict[str, dict]:
         "ModelName": {"anyOf": [{"type": "null"}, {"enum": ["", tm.server_args.served_model_name]}]}
         if not tm.server_args.enable_lora  # adapters come and go: any name, 404 if not served
         else {"type": ["string", "null"]},
+        "LoraName": {"type": ["string", "null"]}
+        if tm.server_args.enable_lora
+        else {"type": "null"},
         "RoutedDPRank": {"type": "integer", "minimum": 0, "maximum": tm.dp_size - 1},
     }
 

@@ -52,6 +52,12 @@ SAMPLING = Check(
     "an object",
     {"anyOf": [{"$ref": "#/components/schemas/SamplingParams"}, {"type": "null"}]},
 )
+# a LoRA adapter's name: any string where LoRA is on (adapters come and go), else only null
+LORA = Check(
+    lambda v: v is None or isinstance(v, str),
+    "a string",
+    {"$ref": "#/components/schemas/LoraName"},
+)
 RID = Check(lambda v: v is None or isinstance(v, str), "a string", {"type": ["string", "null"]})
 LOGPROB_START = Check(
     lambda v: _is_int(v) and -1 <= v <= INT64_MAX,
@@ -153,7 +159,9 @@ class GenerateRequest(PDBody):
     priority: Annotated[
         Any, PRIORITY.per_item("its place in the queue under priority scheduling")
     ] = None
-    lora_path: Annotated[Any, RID.per_item("the LoRA adapter's name (null: the base model)")] = None
+    lora_path: Annotated[Any, LORA.per_item("the LoRA adapter's name (null: the base model)")] = (
+        None
+    )
     # (bootstrap_host/port/room, routed_dp_rank, disagg_prefill_dp_rank: PDBody's)
 
 
@@ -215,7 +223,7 @@ def parse(tm: TokenizerManager, req: GenerateRequest, stream: bool) -> tuple[lis
         "routed_experts_start_len", req.routed_experts_start_len, size, batch, NON_NEGATIVE
     )
     priorities = _per_item("priority", req.priority, size, batch, PRIORITY)
-    adapters = _per_item("lora_path", req.lora_path, size, batch, RID)
+    adapters = _per_item("lora_path", req.lora_path, size, batch, LORA)
     n = max(_sample_count(sp) for sp in sampling)
     pd = req.pd_fields(size, n)
     specs = []

@@ -116,7 +116,7 @@ def test_a_killed_prefill_ends_its_decode_request_within_a_second(long_pd):
         if r.status_code == 503:  # a long chunk's forward outlasted the control call's 10 s
             return False
         assert r.status_code == 200, r.text
-        return r.json()["running"] == 1
+        return r.json()["integrity"]["running"] == 1
 
     c.wait_for(computing, 60, "the prefill to compute the prompt")
     time.sleep(0.5)  # inside its first chunk's forward
