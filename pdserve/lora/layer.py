@@ -20,7 +20,7 @@ import torch
 class LoraBatch:
     """The forward's token rows per adapter slot (base-model rows in none)."""
 
-    rows: dict[int, torch.Tensor]  # slot -> [n] int64 token rows
+    rows: dict[int, Optional[torch.Tensor]]  # slot -> [n] int64 token rows (None: every row)
 
 
 _current: Optional[LoraBatch] = None
@@ -40,7 +40,10 @@ def active(adapters: Optional[list[int]], extend_lens: list[int]) -> Iterator[No
         if slot >= 0:
             per.setdefault(slot, []).extend(range(start, start + n))
         start += n
-    _current = LoraBatch({s: torch.tensor(r, dtype=torch.long) for s, r in per.items()})
+    if len(per) == 1 and len(next(iter(per.values()))) == start:  # one adapter, every row
+        _current = LoraBatch({next(iter(per)): None})
+    else:
+        _current = LoraBatch({s: torch.tensor(r, dtype=torch.long) for s, r in per.items()})
     try:
         yield
     finally:
@@ -74,8 +77,12 @@ class LinearLora:
             parts = self.slots.get(slot)
             if parts is None:
                 continue
-            xs = x2.index_select(0, rows).float()
+            xs = (x2 if rows is None else x2.index_select(0, rows)).float()
             for offset, a, b in parts:
                 delta = (xs @ a.t()) @ b.t()  # [n, r] then [n, part columns]
-                y2[:, offset : offset + b.shape[0]].index_add_(0, rows, delta.to(y2.dtype))
+                out = y2[:, offset : offset + b.shape[0]]
+                if rows is None:
+                    out += delta.to(y2.dtype)
+                else:
+                    out.index_add_(0, rows, delta.to(y2.dtype))
         return y

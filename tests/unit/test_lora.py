@@ -96,6 +96,11 @@ def test_the_delta_of_mixed_rows_is_each_rows_own_adapter():
     want[:2, 5:] += x[:2] @ a2.t() @ b2.t()
     want[3:, :5] += x[3:] @ a1.t() @ b1.t()
     assert torch.allclose(got, want, atol=1e-5)
+    with layer.active([0, 0, 0], [2, 1, 3]):  # one adapter for every row
+        got = lora(x, y.clone())
+    assert torch.allclose(
+        got, y + torch.cat([x @ a1.t() @ b1.t(), torch.zeros(6, 3)], 1), atol=1e-5
+    )
     assert torch.equal(lora(x, y.clone()), y)  # outside a LoRA forward: unchanged
     with layer.active([-1, -1, -1], [2, 1, 3]):  # only base rows: unchanged
         assert torch.equal(lora(x, y.clone()), y)
