@@ -26,6 +26,18 @@ def load_template(value: Optional[str]) -> Optional[str]:
     raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
 
 
+# apply_chat_template's arguments about tokenizing what it rendered (not template variables)
+TOKENIZING_ARGUMENTS = frozenset(
+    {
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 # apply_chat_template's own arguments, which chat_template_kwargs may not override
 _RESERVED = {
     "conversation",
@@ -35,14 +47,7 @@ _RESERVED = {
     "add_generation_prompt",
     "continue_final_message",
     "tokenize",
-    "padding",
-    "truncation",
-    "max_length",
-    "return_tensors",
-    "return_dict",
-    "return_assistant_tokens_mask",
-    "tokenizer_kwargs",
-}
+} | TOKENIZING_ARGUMENTS
 
 
 def chat_prompt(

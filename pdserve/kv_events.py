@@ -75,6 +75,24 @@ def block_hash(parent: Optional[int], tokens) -> int:
     return int.from_bytes(h.digest(), "big") >> 1
 
 
+# a LoRA adapter's namespace is a multiple of this; the model's own namespaces (LongRoPE's)
+# stay below it, so a namespace is an adapter's plus the model's
+LORA_NAMESPACE_STRIDE = 16
+
+
+def lora_namespace(key: bytes) -> int:
+    """A LoRA adapter's prefix-cache namespace from ``key`` (the servers': a digest of its files;
+    the router's: its name): a positive multiple of the stride under 2^31, since a namespace is
+    hashed as a 32-bit token id."""
+    digest = hashlib.blake2b(key, digest_size=3).digest()
+    return (int.from_bytes(digest, "big") + 1) * LORA_NAMESPACE_STRIDE
+
+
+def lora_namespace_of(namespace: int) -> int:
+    """The adapter's part of a namespace (0: the base model's)."""
+    return namespace - namespace % LORA_NAMESPACE_STRIDE
+
+
 def namespace_hash(namespace: int) -> Optional[int]:
     """The parent of a prefix-cache namespace's first blocks (None: the default namespace). Token
     ids are never negative, so no block of tokens hashes to it."""

@@ -28,6 +28,7 @@ import threading
 from typing import Any, Optional
 
 from pdserve import records
+from pdserve.chat_template import TOKENIZING_ARGUMENTS
 
 KIND = "tokenizers"  # the records' folder under the cache directory
 HF = "hf"  # a record saying "load through AutoTokenizer"
@@ -47,18 +48,7 @@ BEHAVIOUR = (
     "__len__",
 )
 # apply_chat_template's arguments that are not template variables
-NOT_TEMPLATE_VARIABLES = frozenset(
-    {
-        "sanitize_control_tokens",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-    }
-)
+NOT_TEMPLATE_VARIABLES = TOKENIZING_ARGUMENTS | {"sanitize_control_tokens"}
 PROBE_TEXTS = (
     "",
     "Hello world",
@@ -227,13 +217,13 @@ def load_tokenizer(path: str, **kwargs: Any):
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     if key:
         record = _record_of(path, tokenizer)
-        if record is not None and not _same_behaviour(
-            _from_record(path, kwargs, record), tokenizer
-        ):
-            record = None
         if record is not None:
-            record["renders_chat"] = True
-            record["renders_chat"] = _same_chat(_from_record(path, kwargs, record), tokenizer)
+            # one candidate, rendering chats itself, checked against the class on the probes
+            candidate = _from_record(path, kwargs, {**record, "renders_chat": True})
+            if _same_behaviour(candidate, tokenizer):
+                record["renders_chat"] = _same_chat(candidate, tokenizer)
+            else:
+                record = None
         records.write(KIND, key, HF + "\n" if record is None else json.dumps(record))
     return tokenizer
 

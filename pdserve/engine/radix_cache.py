@@ -42,6 +42,7 @@ from pdserve.kv_events import (
     BlockRemoved,
     BlockStored,
     chain_hashes,
+    lora_namespace_of,
     namespace_hash,
 )
 
@@ -272,7 +273,7 @@ class RadixCache:
                             parent_block_hash=parent,
                             token_ids=list(child.key),
                             block_size=ps,
-                            lora_name=self.lora_names.get(namespace & ~15),
+                            lora_name=self.lora_names.get(lora_namespace_of(namespace)),
                         )
                     )
                 canonical.extend(child.pages)
@@ -447,7 +448,7 @@ class RadixCache:
                         parent_block_hash=parent,
                         token_ids=list(node.key),
                         block_size=self.page_size,
-                        lora_name=self.lora_names.get(ns & ~15),
+                        lora_name=self.lora_names.get(lora_namespace_of(ns)),
                     )
                 )
             stack.extend((child, ns) for child in node.children.values())

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kv_events import lora_namespace
+
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
@@ -35,10 +37,8 @@ class Adapter:
 
     @property
     def namespace_key(self) -> int:
-        """What the adapter adds to the prefix cache's namespace: from the digest, a multiple of
-        16 (the model's own namespaces, LongRoPE's, stay below it) under 2^31 (the namespace is
-        hashed as a 32-bit token id)."""
-        return (int(self.digest[:6], 16) + 1) << 4
+        """What the adapter adds to the prefix cache's namespace (from the digest)."""
+        return lora_namespace(self.digest.encode())
 
 
 def read_adapter(name: str, path: str, max_rank: int) -> Adapter:

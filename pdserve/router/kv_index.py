@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import struct
 from typing import Optional
@@ -39,6 +38,7 @@ from pdserve.kv_events import (
     BlockStored,
     KVEventBatch,
     chain_hashes,
+    lora_namespace,
     namespace_hash,
     offset_port,
 )
@@ -78,7 +78,7 @@ class PromptBlocks:
     def __init__(self, ids: list[int], adapter: Optional[str] = None):
         self.ids = ids
         self.adapter = adapter
-        self.seed = None if adapter is None else namespace_hash(adapter_key(adapter))
+        self.seed = None if adapter is None else namespace_hash(lora_namespace(adapter.encode()))
         self._hashes: dict[tuple, list[int]] = {}
 
     def hashes(self, block_size: int, seed: Optional[int] = None) -> list[int]:
@@ -88,13 +88,6 @@ class PromptBlocks:
         if (block_size, seed) not in self._hashes:
             self._hashes[block_size, seed] = chain_hashes(seed, self.ids, block_size)
         return self._hashes[block_size, seed]
-
-
-def adapter_key(name: str) -> int:
-    """A LoRA adapter's namespace as the router keys it, from its name (a multiple of 16 under
-    2^31, like the servers' keys, which come from the adapter's contents)."""
-    digest = hashlib.blake2b(name.encode(), digest_size=3).digest()
-    return (int.from_bytes(digest, "big") + 1) << 4
 
 
 class GroupFeed:

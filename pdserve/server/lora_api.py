@@ -78,22 +78,15 @@ def add_routes(app: FastAPI, tm: TokenizerManager, control: Callable[..., Awaita
 
 
 def docs(args) -> dict[tuple[str, str], Operation]:
-    out = {}
-    for path in LOAD_PATHS:
-        out[("post", path)] = Operation(
-            "Load a LoRA adapter (a PEFT directory) under a name",
-            LoadLoraBody,
-            LoraAdapters,
-            offered=args.enable_lora,
-        )
-    for path in UNLOAD_PATHS:
-        out[("post", path)] = Operation(
-            "Unload a LoRA adapter no queued or running request uses",
-            UnloadLoraBody,
-            LoraAdapters,
-            offered=args.enable_lora,
-        )
-    return out
+    routes = (
+        (LOAD_PATHS, "Load a LoRA adapter (a PEFT directory) under a name", LoadLoraBody),
+        (UNLOAD_PATHS, "Unload a LoRA adapter no queued or running request uses", UnloadLoraBody),
+    )
+    return {
+        ("post", path): Operation(summary, body, LoraAdapters, offered=args.enable_lora)
+        for paths, summary, body in routes
+        for path in paths
+    }
 
 
 def model_cards(tm: TokenizerManager, base: dict) -> list[dict]:
