@@ -41,6 +41,7 @@ from pdserve.engine.step import SAMPLE, VERIFY, Row, StepPlan
 from pdserve.engine.step_participant import StepParticipant
 from pdserve.engine.stop import eos_token_ids
 from pdserve.kv_events import KVEventPublisher, offset_port
+from pdserve.lora.control import request_adapter
 from pdserve.lora_args import parse_lora_paths
 from pdserve.routed_experts_args import refusal as routed_experts_refusal
 
@@ -74,7 +75,8 @@ class Scheduler:
             namespace=self.runner.model.prefix_namespace,
         )
         self.tree = self.kv.tree
-        self.lora_changed()
+        if self.runner.lora is not None:  # its events name the adapters' blocks
+            self.tree.lora_names = self.runner.lora.names
         self.kv_events: Optional[KVEventPublisher] = None
         if args.kv_events_endpoint and par.leads_group:  # one publisher per attention group
             self.tree.events = []
@@ -173,7 +175,7 @@ class Scheduler:
     def add_request(self, req: Req) -> None:
         self.validate(req)
         if req.lora_name is not None:
-            req.lora_slot, req.lora_key = self.lora_of(req.lora_name)
+            req.lora_slot, req.lora_key = request_adapter(self.runner.lora, req.lora_name)
         if req.grammar_spec is not None:
             req.grammar = self.grammars.for_request(req.grammar_spec, req.grammar_start_after)
         req.sampling.max_new_tokens = min(
@@ -192,30 +194,6 @@ class Scheduler:
             self.pd.add(req)
         else:
             self.waiting.append(req)
-
-    def lora_of(self, name: str) -> tuple[int, int]:
-        """(slot, prefix-cache namespace key) of LoRA adapter ``name``; ValueError naming it."""
-        lora = self.runner.lora
-        if lora is None:
-            raise ValueError(
-                f"lora_path: {name!r}: this server serves no LoRA adapters (--enable-lora)"
-            )
-        try:
-            return lora.slot(name), lora.namespace_key(name)
-        except KeyError as e:
-            raise ValueError(f"lora_path: {e.args[0]}") from None
-
-    def lora_changed(self) -> None:
-        """After adapters were loaded or unloaded: the prefix cache's events name them."""
-        if self.runner.lora is not None:
-            self.tree.lora_names = {
-                x.adapter.namespace_key: n for n, x in self.runner.lora.loaded.items()
-            }
-
-    def lora_users(self, name: str) -> int:
-        """Requests here that run under LoRA adapter ``name``."""
-        reqs = self.waiting + self.running + (self.pd.all_reqs() if self.pd is not None else [])
-        return sum(1 for r in reqs if r.lora_name == name)
 
     def queued(self) -> list[Req]:
         """Requests that arrived and wait to run (``engine/admission.py``)."""

@@ -34,6 +34,7 @@ class LoraManager:
         self.max_rank = max_rank
         self.max_loaded = max_loaded
         self.loaded: dict[str, Loaded] = {}
+        self.names: dict[int, str] = {}  # namespace key -> adapter name (the KV events')
         self.modules = dict(model.named_modules())
 
     # ---- what requests see ----------------------------------------------------------------
@@ -76,6 +77,7 @@ class LoraManager:
                 target.drop(slot)
             raise AdapterError(str(e)) from None
         self.loaded[name] = Loaded(adapter, slot)
+        self.names[adapter.namespace_key] = name
         logger.info(
             "LoRA adapter %s loaded from %s (rank %d, slot %d)", name, path, adapter.rank, slot
         )
@@ -83,7 +85,9 @@ class LoraManager:
 
     def unload(self, name: str) -> None:
         self.slot(name)  # KeyError naming it
-        slot = self.loaded.pop(name).slot
+        gone = self.loaded.pop(name)
+        self.names.pop(gone.adapter.namespace_key, None)
+        slot = gone.slot
         for module in self.modules.values():
             lora = getattr(module, "lora", None)
             if lora is not None:

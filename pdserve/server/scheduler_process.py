@@ -39,6 +39,7 @@ from pdserve.engine.request import FinishKind, FinishReason, Req
 from pdserve.kv_spec import DTYPE_BYTES, state_bytes_per_request, transfer_bytes_per_token
 from pdserve.lifetime import end_with_parent
 from pdserve.log import role_tag, setup_logging
+from pdserve.lora import control as lora_control
 from pdserve.models.loader import weights_digest
 from pdserve.server import messages as m
 from pdserve.server.heartbeat import Heartbeat, first_line
@@ -263,7 +264,7 @@ class SchedulerLoop:
 
             return migrate_control(self, args)
         if op in ("load_lora", "unload_lora", "list_lora"):  # POST /v1/load_lora_adapter, ...
-            return lora_control(s, op, args)
+            return lora_control.control(s, op, args)
         if op == "get_load":
             running = s.running + (s.pd.all_reqs() if s.pd else [])
             groups = self.gather_groups(
@@ -352,7 +353,7 @@ class SchedulerLoop:
                     **(s.pd.stats() if s.pd is not None else {}),
                     **(s.tier.counters() if s.tier is not None else {}),
                     "grammar_cache": s.grammars.cache_info(),
-                    **({"lora": lora_stats(s)} if s.runner.lora is not None else {}),
+                    **({"lora": lora_control.stats(s)} if s.runner.lora is not None else {}),
                 }
             )
             if len(groups) == 1:
@@ -464,45 +465,3 @@ def run_scheduler_process(
         _exit_lost(
             ready_conn, f"{verdict} (a collective failed: {type(e).__name__}: {first_line(e)})"
         )
-
-
-def lora_control(s, op: str, args: dict):
-    """The LoRA adapters' control calls, on every rank alike; ValueError naming the problem."""
-    from pdserve.lora.adapter import AdapterError
-
-    lora = s.runner.lora
-    if lora is None:
-        raise ValueError("this server serves no LoRA adapters (start it with --enable-lora)")
-    if op == "load_lora":
-        try:
-            lora.load(args["lora_name"], args["lora_path"])
-        except AdapterError as e:
-            raise ValueError(str(e)) from None
-    elif op == "unload_lora":
-        name = args["lora_name"]
-        try:
-            lora.slot(name)
-        except KeyError as e:
-            raise ValueError(e.args[0]) from None
-        users = s.lora_users(name)
-        if users:
-            raise ValueError(
-                f"LoRA adapter {name!r} has {users} request(s) queued or running; unload it "
-                "once they end"
-            )
-        lora.unload(name)
-    s.lora_changed()
-    return {"adapters": lora.describe()}
-
-
-def lora_stats(s) -> dict:
-    """The adapters of the running and the waiting requests (``pdserve:lora_requests_info``)."""
-
-    def names(reqs) -> list[str]:
-        return sorted({r.lora_name for r in reqs if r.lora_name is not None})
-
-    return {
-        "max": s.runner.lora.max_loaded,
-        "running": names(s.running),
-        "waiting": names(s.waiting + (s.pd.all_reqs() if s.pd is not None else [])),
-    }
