@@ -231,9 +231,8 @@ class MLAttention(nn.Module):
         q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]
         ckv = self.kv_a_proj_with_mqa(h)
         c, k_rope = self.kv_a_layernorm(ckv[:, : self.rank].contiguous()), ckv[:, self.rank :]
-        rotate = rotate_interleaved if self.interleave else apply_rotary
         rope = tuple(x.to(h.dtype) for x in rope)
-        q_rope, k_rope = rotate(q_rope, *rope), rotate(k_rope.unsqueeze(1), *rope)[:, 0]
+        q_rope, k_rope = self.rotate(q_rope, k_rope, rope)
         if self.query_scale is not None:
             beta, original = self.query_scale
             pos = fb.positions.to(torch.float32)
@@ -252,6 +251,11 @@ class MLAttention(nn.Module):
             selection,
         )
         return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
+
+    def rotate(self, q_rope: torch.Tensor, k_rope: torch.Tensor, rope) -> tuple[torch.Tensor, ...]:
+        """The queries' rotary parts [T, heads, r] and the shared key's [T, r], turned."""
+        rotate = rotate_interleaved if self.interleave else apply_rotary
+        return rotate(q_rope, *rope), rotate(k_rope.unsqueeze(1), *rope)[:, 0]
 
     # ---- weights -----------------------------------------------------------------------------
     def checkpoint_names(self) -> list[str]:

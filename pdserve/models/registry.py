@@ -17,6 +17,7 @@ _MODELS = {
     "Olmo2ForCausalLM": ("pdserve.models.olmo2", "Olmo2ForCausalLM"),
     "Olmo3ForCausalLM": ("pdserve.models.olmo2", "Olmo3ForCausalLM"),
     "OlmoHybridForCausalLM": ("pdserve.models.olmo_hybrid", "OlmoHybridForCausalLM"),
+    "KimiLinearForCausalLM": ("pdserve.models.kimi_linear", "KimiLinearForCausalLM"),
     "Glm4ForCausalLM": ("pdserve.models.glm4", "Glm4ForCausalLM"),
     "Ernie4_5ForCausalLM": ("pdserve.models.ernie4_5", "Ernie4_5ForCausalLM"),
     "Ernie4_5_MoeForCausalLM": ("pdserve.models.ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),

@@ -7,7 +7,9 @@ tensors), Qwen3-Next (Gated DeltaNet layers, gated attention, sparse and dense M
 and its MoE form), OLMo-Hybrid and Jamba (Mamba version 1 layers with normed time step, B and C,
 attention without positions, sparse and dense MLPs), Falcon-H1 (a Mamba2 mixer beside attention in
 every layer, with its multipliers and three forms of the gated norm) and the pure state-space models
-Mamba2, Mamba and FalconMamba (no attention: pages without bytes count the positions). Greedy tokens
+Mamba2, Mamba and FalconMamba (no attention: pages without bytes count the positions), and
+Kimi-Linear (Kimi Delta Attention, a decay per key channel, beside latent attention without
+positions and DeepSeek-V3's MoE). Greedy tokens
 identical in float32 with logprobs within 1e-4 (bf16 by the tie-aware rule), prompts longer than the
 scan block (8) prefilled whole and in chunks of 1, 5 and 64 tokens at page sizes 1 and 16, a long
 decode; the attention layer's pages are the anchor group and each request holds a state slot (and,
@@ -61,8 +63,10 @@ GROUPS = {
     "mamba2": [("position_ledger", (0,)), ("recurrent_state", (0, 1, 2))],
     "mamba": [("position_ledger", (0,)), ("recurrent_state", (0, 1, 2))],
     "falcon_mamba": [("position_ledger", (0,)), ("recurrent_state", (0, 1, 2))],
+    "kimi_linear": [("latent_attention", (3,)), ("recurrent_state", (0, 1, 2))],
 }
 POOLS = {arch: ["LedgerPool", "StatePool"] for arch in ("mamba2", "mamba", "falcon_mamba")}
+POOLS["kimi_linear"] = ["LatentPool", "StatePool"]
 # Granite 4's MoE form: the dense checkpoint's plan with 4 experts of which each token takes 2
 VARIANTS = {
     "granite_hybrid_moe": ("granite_hybrid", dict(num_local_experts=4, num_experts_per_tok=2)),
@@ -79,8 +83,8 @@ def checkpoint(arch: str) -> str:
 
 # each family's name of the recurrent (float32) part of its state
 RECURRENT = {"qwen3_next": "recurrent", "qwen3_5": "recurrent", "qwen3_5_moe": "recurrent"}
-RECURRENT["olmo_hybrid"] = "recurrent"
-MOE_HYBRIDS = ("qwen3_next", "granite_hybrid_moe", "qwen3_5_moe", "jamba")
+RECURRENT["olmo_hybrid"] = RECURRENT["kimi_linear"] = "recurrent"
+MOE_HYBRIDS = ("qwen3_next", "granite_hybrid_moe", "qwen3_5_moe", "jamba", "kimi_linear")
 
 
 @pytest.mark.parametrize(
@@ -114,6 +118,8 @@ MOE_HYBRIDS = ("qwen3_next", "granite_hybrid_moe", "qwen3_5_moe", "jamba")
         ("mamba2", 5, 1),
         ("mamba", 64, 16),
         ("falcon_mamba", 5, 1),
+        ("kimi_linear", 64, 16),
+        ("kimi_linear", 5, 1),
     ],
 )
 def test_hybrid_matches_hf_float32(arch, chunk, page_size):
@@ -230,7 +236,8 @@ def test_hybrid_bf16_matches_hf_bf16_up_to_ties(arch):
 
 
 @pytest.mark.parametrize(
-    "arch", ["bamba", "qwen3_next", "qwen3_5", "olmo_hybrid", "jamba", "falcon_h1", "mamba2"]
+    "arch",
+    ["bamba", "qwen3_next", "qwen3_5", "olmo_hybrid", "jamba", "falcon_h1", "mamba2", "kimi_linear"],
 )
 def test_a_second_turn_continues_from_a_state_snapshot(arch):
     """Turn 1 (prompt + answer) ends: its full pages go into the prefix tree with the state at

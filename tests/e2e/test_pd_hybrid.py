@@ -225,7 +225,16 @@ ONE_GROUP = dict(mamba_n_groups=1)
 
 @pytest.fixture(
     scope="module",
-    params=["qwen3_next", "qwen3_5", "bamba", "olmo_hybrid", "jamba", "falcon_h1", "mamba2"],
+    params=[
+        "qwen3_next",
+        "qwen3_5",
+        "bamba",
+        "olmo_hybrid",
+        "jamba",
+        "falcon_h1",
+        "mamba2",
+        "kimi_linear",
+    ],
 )
 def qwen3_next_pd(request, tmp_path_factory):
     """Qwen3-Next (Gated DeltaNet with a q | k | v convolution state, gated attention, MoE),
@@ -234,12 +243,15 @@ def qwen3_next_pd(request, tmp_path_factory):
     post-norm attention with q/k norms over the projections), Jamba (Mamba version 1: each rank
     its channels of x, z, the convolution, the time step and the state, x_proj's outputs summed
     before the norms; MoE), Falcon-H1 (every layer both a Mamba2 mixer and attention: in both
-    cache groups) and a pure Mamba2 model (pages without bytes: only the states move) on one and
-    two ranks each side, the attention with one KV head: two ranks
-    replicate it."""
+    cache groups), a pure Mamba2 model (pages without bytes: only the states move) and
+    Kimi-Linear (Kimi Delta Attention: per-channel decays and their projections sliced per rank;
+    latent attention, one latent per token for every rank; MoE) on one and two ranks each side,
+    the attention with one KV head: two ranks replicate it."""
     logs = tmp_path_factory.mktemp(f"pd-{request.param}")
     extra = ONE_GROUP if request.param == "bamba" else {}
-    path = build_tiny_checkpoint(request.param, num_key_value_heads=1, **extra)
+    if request.param != "kimi_linear":  # latent attention has no KV heads to set
+        extra["num_key_value_heads"] = 1
+    path = build_tiny_checkpoint(request.param, **extra)
     s = {
         "family": request.param,
         "path": path,
@@ -261,6 +273,7 @@ QWEN3_NEXT_PAIRS = [("tp1->tp2", "P", "Dtp2"), ("tp2->tp1", "Ptp2", "D")]
 STATE_LAYERS = {"bamba": [0, 2, 3], "olmo_hybrid": [0, 1, 2], "jamba": [0, 2, 3]}
 STATE_LAYERS["falcon_h1"] = [0, 1]
 STATE_LAYERS["mamba2"] = [0, 1, 2]
+STATE_LAYERS["kimi_linear"] = [0, 1, 2]
 
 
 @pytest.mark.parametrize("name, p, d", QWEN3_NEXT_PAIRS, ids=[x[0] for x in QWEN3_NEXT_PAIRS])

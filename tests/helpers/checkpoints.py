@@ -437,6 +437,34 @@ ARCHS = {
             rope_parameters=dict(rope_type="default", rope_theta=10000.0),
         ),
     ),
+    # layers L, L, L, F: Kimi Delta Attention (4 heads of 16) and latent attention without
+    # positions; layer 0 dense, 1-3 sparse: 8 experts in 4 groups, top 2 of the 2 best groups,
+    # a shared expert
+    "kimi_linear": (
+        "KimiLinearConfig",
+        "KimiLinearForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            linear_head_dim=16,
+            linear_num_heads=4,
+            linear_conv_kernel_dim=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            mlp_layer_types=["dense"] + ["sparse"] * 3,
+        ),
+    ),
     # layers R, R, R, N (RoPE and chunks of 16 on the first three, no RoPE with tuned queries on
     # the last); layers 1 and 3 sparse: 4 experts top 1 taking the sigmoid weight on their input,
     # a shared expert
@@ -998,7 +1026,7 @@ _RANDOM_NORMS += ("ernie4_5", "seed_oss", "hunyuan_dense", "granite_moe", "ernie
 _RANDOM_NORMS += ("hunyuan_moe", "olmo_hybrid", "phimoe")
 _RANDOM_NORMS += ("stablelm", "stablelm_parallel", "starcoder2")
 _RANDOM_NORMS += ("olmoe", "minimax_m2", "deepseek_v4", "llama4", "lfm2", "lfm3", "jamba")
-_RANDOM_NORMS += ("falcon_h1", "mamba2", "mamba", "falcon_mamba")
+_RANDOM_NORMS += ("falcon_h1", "mamba2", "mamba", "falcon_mamba", "kimi_linear")
 
 
 def _randomize_deepseek_v4(model) -> None:

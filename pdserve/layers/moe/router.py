@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.layers.float32_params import Float32Params
+
 
 @dataclass
 class Routing:
@@ -42,7 +44,7 @@ class Routing:
         return self.ids.shape[0]
 
 
-class Router(nn.Module):
+class Router(Float32Params, nn.Module):
     """``weight`` [num_experts, hidden] (+ ``bias``); ``forward(h [T, H]) -> Routing``."""
 
     fp32_logits = False  # compute the logits in float32 whatever the model dtype (DeepSeek-V3)
@@ -75,14 +77,6 @@ class Router(nn.Module):
         return self.invariant.nbytes
 
     invariant = None  # the batch-invariant gate matmul, set by ``prepack``
-
-    def _apply(self, fn, recurse=True):
-        out = super()._apply(fn, recurse)
-        for name in self.float32_params:
-            p = getattr(self, name)
-            if p.dtype != torch.float32:
-                p.data = p.data.float()
-        return out
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.invariant is not None:
