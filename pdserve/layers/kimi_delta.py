@@ -18,10 +18,12 @@ snapshots, PD and TP treat it alike; under TP each rank holds whole heads (their
 ``f_b_proj``, ``g_b_proj``, ``b_proj``, ``dt_bias`` and ``A_log``; ``f_a_proj`` and ``g_a_proj``
 whole).
 
-Prefill runs blocks of ``CHUNK`` positions aligned to absolute positions as the Gated DeltaNet
-does, the decays between two positions of a block kept per channel ([H, L, L, dk]: the channels'
-decays do not factor out of the block's products); a decode step takes the one-step update.
-pdserve's C++ scans take one decay per head, so neither path uses them. HF's reference is
+With pdserve's CPU kernels, prefill and decode run the Gated DeltaNet's kernels
+(``gated_delta_scan``, ``gated_delta_decode_step``) given a decay per key channel ([.., H, dk]
+instead of [.., H]). The torch code they replace, and which runs elsewhere: prefill in blocks of
+``CHUNK`` positions aligned to absolute positions as the Gated DeltaNet does, the decays between
+two positions of a block kept per channel ([H, L, L, dk]: the channels' decays do not factor out
+of the block's products); a decode step the one-step update. HF's reference is
 ``chunk_kimi_delta_attention`` / ``recurrent_kimi_delta_attention``.
 """
 
@@ -33,7 +35,7 @@ from torch import nn
 from pdserve.forward_batch import ForwardBatch
 from pdserve.layers import state_snapshots as snapshots
 from pdserve.layers.gated_deltanet import STATE_KIND
-from pdserve.layers.mamba2 import causal_conv, extend_window, step_window
+from pdserve.layers.mamba2 import causal_conv, cpu_kernel_runs, extend_window, step_window
 
 CHUNK = 16  # positions per prefill block: the per-channel decays are [H, L, L, dk]
 SOFTPLUS_LINEAR_ABOVE = 20.0  # HF's softplus returns its input above this
@@ -91,7 +93,15 @@ class KimiDeltaRule:
     def _kda_extend(self, qkv, g, beta, prefix, conv_state, rec_state, slot) -> torch.Tensor:
         """``n`` new tokens of one request after ``prefix`` tokens: o [n, H, dv] (model dtype);
         the request's state slot updated."""
-        n = qkv.shape[0]
+        d, n = self.dims, qkv.shape[0]
+        if cpu_kernel_runs(self.ops, qkv, conv_state):  # the recurrence token by token
+            if not prefix:
+                conv_state[slot].zero_()
+                rec_state[slot].zero_()
+            o = torch.empty((n, d.value_heads, d.value_dim), dtype=torch.float32)
+            states = (conv_state, rec_state, slot, self.conv1d.weight, d.key_heads)
+            self.ops.gated_delta_scan(o, qkv, g.contiguous(), beta.contiguous(), *states)
+            return o.to(qkv.dtype)
         window = extend_window(conv_state, slot, qkv, prefix)  # [C, K - 1 + n]
         q, k, v = self._qkv(causal_conv(self.conv1d, window[None], n)[0])
         q, k, v, g = (x.transpose(0, 1) for x in (q, k, v, g))  # heads first
@@ -110,6 +120,14 @@ class KimiDeltaRule:
 
     def _kda_step(self, qkv, g, beta, conv_state, rec_state, slots) -> torch.Tensor:
         """One new token of each of several requests: o [B, H, dv] (model dtype)."""
+        if cpu_kernel_runs(self.ops, qkv, conv_state):
+            d = self.dims
+            out = torch.empty((qkv.shape[0], d.value_heads, d.value_dim), dtype=qkv.dtype)
+            self.ops.gated_delta_decode_step(
+                out, qkv, g.contiguous(), beta, conv_state, rec_state, slots, self.conv1d.weight,
+                d.key_heads,
+            )  # fmt: skip
+            return out
         window = step_window(conv_state, slots, qkv)
         q, k, v = self._qkv(causal_conv(self.conv1d, window, 1)[:, 0])  # [B, H, ..]
         s = rec_state[slots] * torch.exp(g)[..., None]  # [B, H, dk, dv]: rows decay apart

@@ -1,6 +1,7 @@
 """The linear-attention mixers' CPU kernels at every instruction-set tier this CPU has.
 
-Decode steps against their torch code (``Mamba2Mixer._step``, ``GatedDeltaNet._step``): the outputs
+Decode steps against their torch code (``Mamba2Mixer._step``, ``GatedDeltaNet._step``, and Kimi
+Delta Attention's ``_kda_step``: the Gated DeltaNet kernels given a decay per key channel): the outputs
 of several steps in a row and the states they leave in the pool, float32 to 2e-6 of the largest
 value and bf16 within a few bf16 ulps (the kernels round where torch rounds; only float32 sums
 differ in order), slots in the pool out of order, the slots of other requests left as they were.
@@ -64,6 +65,21 @@ def gated_deltanet(key_heads, value_heads, key_dim, value_dim, dtype, seed) -> G
     return m.to(dtype)
 
 
+def kimi_delta(heads, dim, dtype, seed):
+    """A Kimi Delta Attention layer: the Gated DeltaNet's state, a decay per key channel."""
+    from pdserve.models.kimi_linear import KimiDeltaAttention
+
+    torch.manual_seed(seed)
+    dims = GatedDeltaNetDims(
+        hidden=32, key_heads=heads, value_heads=heads, key_dim=dim, value_dim=dim,
+        conv_kernel=4, eps=1e-6,
+    )  # fmt: skip
+    m = KimiDeltaAttention(dims, kv_layer=0)
+    with torch.no_grad():
+        m.conv1d.weight.normal_(0, 0.5)
+    return m.to(dtype)
+
+
 def spacing(ref: torch.Tensor) -> torch.Tensor:
     """The bf16 spacing at |ref| (float32)."""
     return torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(2**-100))) - 7)
@@ -103,12 +119,12 @@ class CountingOps:
         return call
 
 
-def run_steps(mixer, ops, inputs, states, slots):
+def run_steps(mixer, ops, inputs, states, slots, method="_step"):
     """The outputs of the steps (``inputs``: one argument tuple per step) run with ``ops`` (None:
     torch), from copies of ``states``; and those copies afterwards."""
     states = [s.clone() for s in states]
     mixer.ops = None if ops is None else CountingOps(ops)
-    outs = [mixer._step(*step, *states, slots).clone() for step in inputs]
+    outs = [getattr(mixer, method)(*step, *states, slots).clone() for step in inputs]
     assert ops is None or mixer.ops.calls == len(inputs), "the kernel did not run every step"
     return outs, states
 
@@ -169,6 +185,38 @@ def test_gated_delta_step_matches_torch(
         got, got_state = run_steps(m, ops, inputs, (conv, rec), slots)
     for i, (a, b) in enumerate(zip(got, ref)):
         assert a.dtype == dtype and a.shape == (batch, d.value_heads, d.value_dim)
+        assert_close(a, b, dtype, f"o of step {i}")
+    assert torch.equal(got_state[0], ref_state[0]), "the convolution windows"
+    assert_close(got_state[1], ref_state[1], torch.float32, "the recurrent state")
+    others = [s for s in range(NUM_SLOTS) if s not in SLOTS[batch]]
+    assert torch.equal(got_state[1][others], rec[others])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("heads,dim", [(4, 16), (2, 40)])
+def test_kimi_delta_step_matches_torch(ops, isa, dtype, batch, heads, dim):
+    """The decode step with a decay per key channel (g [B, H, dk]): each row of the state decays
+    by its own channel's."""
+    m = kimi_delta(heads, dim, dtype, seed=batch + dim)
+    d = m.dims
+    gen = torch.Generator().manual_seed(13)
+    conv = torch.randn(NUM_SLOTS, d.conv_dim, d.conv_kernel - 1, generator=gen).to(dtype)
+    rec = torch.randn(NUM_SLOTS, heads, dim, dim, generator=gen) * 0.3
+    inputs = [
+        (
+            torch.randn(batch, d.conv_dim, generator=gen).to(dtype),
+            -torch.rand(batch, heads, dim, generator=gen) * 2,  # g per channel
+            torch.rand(batch, heads, generator=gen),
+        )
+        for _ in range(STEPS)
+    ]
+    slots = torch.tensor(SLOTS[batch])
+    with torch.no_grad():
+        ref, ref_state = run_steps(m, None, inputs, (conv, rec), slots, "_kda_step")
+        got, got_state = run_steps(m, ops, inputs, (conv, rec), slots, "_kda_step")
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert a.dtype == dtype and a.shape == (batch, heads, dim)
         assert_close(a, b, dtype, f"o of step {i}")
     assert torch.equal(got_state[0], ref_state[0]), "the convolution windows"
     assert_close(got_state[1], ref_state[1], torch.float32, "the recurrent state")
@@ -274,23 +322,26 @@ def delta_float64(m, qkv, g, beta, prefix, conv, rec, slot):
     s = rec[slot].double() if prefix else torch.zeros_like(rec[slot], dtype=torch.float64)
     os = []
     for t in range(qkv.shape[0]):
-        s = s * torch.exp(g[t].double())[:, None, None]
+        decay = torch.exp(g[t].double())  # [Hv], or [Hv, dk]: a decay per key channel
+        s = s * (decay[:, :, None] if decay.dim() == 2 else decay[:, None, None])
         delta = (v[t] - torch.einsum("hkv,hk->hv", s, k[t])) * beta[t].double()[:, None]
         s = s + k[t][..., None] * delta[:, None, :]
         os.append(torch.einsum("hkv,hk->hv", s, q[t]))
     return torch.stack(os)
 
 
-def extend(mixer, ops, inputs, prefix, states, slot, cuts=()):
-    """``_extend`` over the tokens of ``inputs`` (cut into calls at ``cuts``) with ``ops`` (None:
-    torch), from copies of ``states``: (the outputs, float32, and the states after)."""
+def extend(mixer, ops, inputs, prefix, states, slot, cuts=(), method="_extend"):
+    """``_extend`` (or ``method``) over the tokens of ``inputs`` (cut into calls at ``cuts``) with
+    ``ops`` (None: torch), from copies of ``states``: (the outputs, float32, and the states
+    after)."""
     states = [s.clone() for s in states]
     mixer.ops = None if ops is None else CountingOps(ops)
     n = inputs[0].shape[0]
     bounds = [0, *cuts, n]
+    run = getattr(mixer, method)
     with torch.no_grad():
         outs = [
-            mixer._extend(*(t[lo:hi] for t in inputs), prefix + lo, *states, slot).float()
+            run(*(t[lo:hi] for t in inputs), prefix + lo, *states, slot).float()
             for lo, hi in zip(bounds, bounds[1:])
         ]
     assert ops is None or mixer.ops.calls == len(bounds) - 1, "the kernel did not run"
@@ -350,4 +401,38 @@ def test_gated_delta_scan_matches_the_recurrence(ops, isa, dtype, prefix, n):
     others = [s for s in range(NUM_SLOTS) if s != 3]
     assert torch.equal(got_states[1][others], rec[others])
     cut, cut_states = extend(m, ops, (qkv, g, beta), prefix, (conv, rec), 3, cuts=(n // 3, n // 2))
+    assert torch.equal(cut, got) and all(map(torch.equal, cut_states, got_states))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefix", [0, 9])
+@pytest.mark.parametrize("n", [1, 5, 37])
+def test_kimi_delta_scan_matches_the_recurrence(ops, isa, dtype, prefix, n):
+    """The prefill scan with a decay per key channel against the recurrence in float64, and the
+    torch code's blocks (of 16, so 37 tokens cross two) for scale."""
+    m = kimi_delta(3, 24, dtype, seed=n)
+    d = m.dims
+    gen = torch.Generator().manual_seed(n + prefix)
+    conv = torch.randn(NUM_SLOTS, d.conv_dim, d.conv_kernel - 1, generator=gen).to(dtype)
+    rec = torch.randn(NUM_SLOTS, 3, 24, 24, generator=gen) * 0.3
+    qkv = torch.randn(n, d.conv_dim, generator=gen).to(dtype)
+    g = -torch.rand(n, 3, 24, generator=gen) * 2
+    beta = torch.rand(n, 3, generator=gen)
+    run = dict(method="_kda_extend")
+    got, got_states = extend(m, ops, (qkv, g, beta), prefix, (conv, rec), 3, **run)
+    ref, ref_states = extend(m, None, (qkv, g, beta), prefix, (conv, rec), 3, **run)
+    exact = delta_float64(m, qkv, g, beta, prefix, conv, rec, 3)
+    if dtype == torch.float32:
+        assert relative(ref, exact) < 1e-5  # the torch blocks
+        assert relative(got, exact) < 2e-6, relative(got, exact)
+    else:  # one rounding of the float32 output (whose own error may cross a rounding boundary)
+        off = (got.double() - exact).abs() / (spacing(exact.float()) + 2e-6 * exact.abs().max())
+        assert off.max().item() <= 1
+    assert torch.equal(got_states[0], ref_states[0]), "the convolution window"
+    assert relative(got_states[1], ref_states[1].double()) < 2e-5
+    others = [s for s in range(NUM_SLOTS) if s != 3]
+    assert torch.equal(got_states[1][others], rec[others])
+    cut, cut_states = extend(
+        m, ops, (qkv, g, beta), prefix, (conv, rec), 3, (n // 3, n // 2), **run
+    )
     assert torch.equal(cut, got) and all(map(torch.equal, cut_states, got_states))

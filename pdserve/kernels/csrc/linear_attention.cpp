@@ -139,15 +139,17 @@ void delta_scalar(const DeltaStepArgs& a, int64_t b, int64_t h) {
   const float* v = row + 2 * a.G * dk + h * dv;
   float* S = a.state + (a.slots[b] * a.Hv + h) * dk * dv;
   T* out = static_cast<T*>(a.out) + (b * a.Hv + h) * dv;
-  const float decay = a.decay[b * a.Hv + h], beta = a.beta[b * a.Hv + h];
+  const float* decay = a.decay + (b * a.Hv + h) * a.decay_rows;
+  const int64_t step = a.decay_step();
+  const float beta = a.beta[b * a.Hv + h];
   for (int64_t c = 0; c < dv; ++c) {
     float kv = 0.f;
-    for (int64_t r = 0; r < dk; ++r) kv += S[r * dv + c] * decay * k[r];
+    for (int64_t r = 0; r < dk; ++r) kv += S[r * dv + c] * decay[r * step] * k[r];
     const float delta = (v[c] - kv) * beta;
     float o = 0.f;
     for (int64_t r = 0; r < dk; ++r) {
       float& s = S[r * dv + c];
-      s = s * decay + k[r] * delta;
+      s = s * decay[r * step] + k[r] * delta;
       o += s * q[r];
     }
     store_f32(out + c, o);
@@ -279,24 +281,28 @@ void delta_impl(at::Tensor& out, const at::Tensor& qkv, const at::Tensor& g, con
   TORCH_CHECK(G >= 1 && Hv % G == 0 && C == 2 * G * dk + Hv * dv, op, ": ", C, " channels are not q | k | v of ", G,
               " key heads of ", dk, " and ", Hv, " value heads of ", dv);
   TORCH_CHECK(dk <= kDeltaMaxKeyDim, op, ": key heads of at most ", kDeltaMaxKeyDim, " dims, got ", dk);
-  for (const at::Tensor* t : {&g, &beta})
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == B && t->size(1) == Hv && t->stride(1) == 1 &&
-                    t->scalar_type() == at::kFloat,
-                op, ": g and beta must be float32 [B, ", Hv, "] with contiguous rows");
+  TORCH_CHECK(beta.dim() == 2 && beta.size(0) == B && beta.size(1) == Hv && beta.stride(1) == 1 &&
+                  beta.scalar_type() == at::kFloat,
+              op, ": g and beta must be float32 [B, ", Hv, "] with contiguous rows");
+  const int64_t rows = g.dim() == 3 ? dk : 1;  // a decay per key channel, or per head
+  TORCH_CHECK(g.scalar_type() == at::kFloat && g.size(0) == B && g.size(1) == Hv &&
+                  (g.dim() == 2 ? g.stride(1) == 1 : g.dim() == 3 && g.size(2) == dk && g[0].is_contiguous()),
+              op, ": g and beta must be float32 [B, ", Hv, "] with contiguous rows (g: or [B, ", Hv, ", ", dk,
+              "], a decay per key channel)");
   check_out(out, qkv, B * Hv * dv, op);
   const std::vector<int64_t> s = checked_slots(slots, B, conv_state.size(0), op);
   if (B == 0) return;
   at::Tensor conv_out = at::empty({B, C}, at::kFloat);
   convolve<T>(conv_args(qkv, conv_state, conv_weight, c10::nullopt, s.data(), conv_out.data_ptr<float>(), op), B);
-  std::vector<float> decay(B * Hv), betas(B * Hv);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < Hv; ++h) {
-      decay[b * Hv + h] = std::exp(g.data_ptr<float>()[b * g.stride(0) + h]);
-      betas[b * Hv + h] = beta.data_ptr<float>()[b * beta.stride(0) + h];
-    }
+  std::vector<float> decay(B * Hv * rows), betas(B * Hv);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i < Hv * rows; ++i)
+      decay[b * Hv * rows + i] = std::exp(g.data_ptr<float>()[b * g.stride(0) + i]);
+    for (int64_t h = 0; h < Hv; ++h) betas[b * Hv + h] = beta.data_ptr<float>()[b * beta.stride(0) + h];
+  }
   const float scale = float(1.0 / std::sqrt(double(dk)));
   DeltaStepArgs a{conv_out.data_ptr<float>(), decay.data(), betas.data(), rec_state.data_ptr<float>(), s.data(),
-                  out.data_ptr(), G, Hv, dk, dv, C, scale};
+                  out.data_ptr(), G, Hv, dk, dv, C, scale, rows};
   delta_heads<T>(a, B);
 }
 
@@ -321,7 +327,8 @@ void mamba2_decode_step(at::Tensor out, const at::Tensor& xbc, const at::Tensor&
 // out [B, Hv, dv] (the model's dtype): o = S^T q of each request's one new token, its conv window
 // (conv_state [num_slots, conv_dim, K - 1]) and recurrent state (rec_state [num_slots, Hv, dk, dv],
 // float32) updated in place at slots [B]. qkv [B, conv_dim]: q | k | v before the convolution;
-// g (the log of the decay) and beta: [B, Hv] float32; key_heads: G.
+// g (the log of the decay) and beta: [B, Hv] float32 (g: or [B, Hv, dk], a decay per key channel,
+// Kimi Delta Attention's); key_heads: G.
 void gated_delta_decode_step(at::Tensor out, const at::Tensor& qkv, const at::Tensor& g, const at::Tensor& beta,
                              at::Tensor conv_state, at::Tensor rec_state, const at::Tensor& slots,
                              const at::Tensor& conv_weight, int64_t key_heads) {

@@ -58,16 +58,19 @@ void mamba2_heads_vec8(const Mamba2StepArgs& a, int64_t task0, int64_t task1);
 template <typename T>
 void mamba2_heads_avx512(const Mamba2StepArgs& a, int64_t task0, int64_t task1);
 
-// or of a Gated DeltaNet layer, task b * Hv + h
+// or of a Gated DeltaNet layer, task b * Hv + h; the decay is one per value head (Gated DeltaNet)
+// or one per key channel (Kimi Delta Attention): row r of S decays by decay[.., r * decay_step]
 struct DeltaStepArgs {
   const float* qkv;  // [B, C]: the convolution's output, q [G, dk], k [G, dk], v [Hv, dv]
-  const float* decay;  // [B, Hv]: exp(g)
+  const float* decay;  // [B, Hv, decay_rows]: exp(g)
   const float* beta;  // [B, Hv]
   float* state;  // [num_slots, Hv, dk, dv]
   const int64_t* slots;  // [B]
   void* out;  // [B, Hv, dv] (T)
   int64_t G, Hv, dk, dv, C;
   float scale;  // dk^-0.5, on q after its L2 norm
+  int64_t decay_rows;  // 1 or dk
+  int64_t decay_step() const { return decay_rows == 1 ? 0 : 1; }
 };
 template <typename T>
 void delta_heads_vec8(const DeltaStepArgs& a, int64_t task0, int64_t task1);
@@ -108,12 +111,19 @@ void mamba2_scan_avx512(const Mamba2ScanArgs& a, int64_t h0, int64_t h1);
 constexpr int64_t kScanColumns = 64;
 struct DeltaScanArgs {
   const float* qkv;  // [n, C]: the convolution's output, q [G, dk], k [G, dk], v [Hv, dv]
-  const float* g;  // [n, Hv]: the log of the decay
+  const float* g;  // [n, Hv, g_rows]: the log of the decay, per head (1) or per key channel (dk)
   const float* beta;  // [n, Hv]
   float* state;  // [Hv, dk, dv]: the request's
   float* o;  // [n, Hv, dv]: S^T q
   int64_t n, G, Hv, dk, dv, C;
   float scale;  // dk^-0.5, on q after its L2 norm
+  int64_t g_rows;  // 1 or dk
+  // the decays of token t's head h, one per row of S (row r's at [r * step], step 0 or 1)
+  int64_t decays(int64_t t, int64_t h, float* out) const {
+    const float* src = g + (t * Hv + h) * g_rows;
+    for (int64_t r = 0; r < g_rows; ++r) out[r] = std::exp(src[r]);
+    return g_rows == 1 ? 0 : 1;
+  }
 };
 void delta_scan_vec8(const DeltaScanArgs& a, int64_t task0, int64_t task1);
 void delta_scan_avx512(const DeltaScanArgs& a, int64_t task0, int64_t task1);

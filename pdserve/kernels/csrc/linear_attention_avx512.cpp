@@ -101,8 +101,8 @@ PDS_AVX512 void l2_normalise_avx512(const float* v, int64_t n, float scale, bool
 // J vectors of columns of a head's state from column c (the last vector masked by `last`)
 template <int J>
 PDS_AVX512 inline void delta_columns_avx512(float* S, int64_t dk, int64_t dv, __mmask16 last, const float* q,
-                                            const float* k, const float* v, float decay, float beta, float* o) {
-  const __m512 g = _mm512_set1_ps(decay);
+                                            const float* k, const float* v, const float* decay, int64_t step,
+                                            float beta, float* o) {
   __m512 acc[J], delta[J];
   __mmask16 mk[J];
   for (int j = 0; j < J; ++j) {
@@ -110,7 +110,7 @@ PDS_AVX512 inline void delta_columns_avx512(float* S, int64_t dk, int64_t dv, __
     mk[j] = j + 1 < J ? __mmask16(0xffff) : last;
   }
   for (int64_t r = 0; r < dk; ++r) {
-    const __m512 kr = _mm512_set1_ps(k[r]);
+    const __m512 kr = _mm512_set1_ps(k[r]), g = _mm512_set1_ps(decay[r * step]);
     for (int j = 0; j < J; ++j)
       acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk[j], S + r * dv + 16 * j), g), kr, acc[j]);
   }
@@ -119,7 +119,7 @@ PDS_AVX512 inline void delta_columns_avx512(float* S, int64_t dk, int64_t dv, __
     acc[j] = _mm512_setzero_ps();
   }
   for (int64_t r = 0; r < dk; ++r) {
-    const __m512 kr = _mm512_set1_ps(k[r]), qr = _mm512_set1_ps(q[r]);
+    const __m512 kr = _mm512_set1_ps(k[r]), qr = _mm512_set1_ps(q[r]), g = _mm512_set1_ps(decay[r * step]);
     float* s = S + r * dv;
     for (int j = 0; j < J; ++j) {
       const __m512 t =
@@ -141,19 +141,21 @@ PDS_AVX512 void delta_avx512(const DeltaStepArgs& a, int64_t b, int64_t h) {
   const float* v = row + 2 * a.G * dk + h * dv;
   float* S = a.state + (a.slots[b] * a.Hv + h) * dk * dv;
   T* out = static_cast<T*>(a.out) + (b * a.Hv + h) * dv;
-  const float decay = a.decay[b * a.Hv + h], beta = a.beta[b * a.Hv + h];
+  const float* decay = a.decay + (b * a.Hv + h) * a.decay_rows;
+  const int64_t step = a.decay_step();
+  const float beta = a.beta[b * a.Hv + h];
   for (int64_t c = 0; c < dv; c += 64) {  // 4 vectors of columns: their S^T k, delta and o in registers
     const int64_t n = std::min<int64_t>(64, dv - c);
     const int J = int((n + 15) / 16);
     const __mmask16 last = tail_mask(n - 16 * (J - 1));
     if (J == 4)
-      delta_columns_avx512<4>(S + c, dk, dv, last, q, k, v + c, decay, beta, o);
+      delta_columns_avx512<4>(S + c, dk, dv, last, q, k, v + c, decay, step, beta, o);
     else if (J == 3)
-      delta_columns_avx512<3>(S + c, dk, dv, last, q, k, v + c, decay, beta, o);
+      delta_columns_avx512<3>(S + c, dk, dv, last, q, k, v + c, decay, step, beta, o);
     else if (J == 2)
-      delta_columns_avx512<2>(S + c, dk, dv, last, q, k, v + c, decay, beta, o);
+      delta_columns_avx512<2>(S + c, dk, dv, last, q, k, v + c, decay, step, beta, o);
     else
-      delta_columns_avx512<1>(S + c, dk, dv, last, q, k, v + c, decay, beta, o);
+      delta_columns_avx512<1>(S + c, dk, dv, last, q, k, v + c, decay, step, beta, o);
     for (int64_t i = 0; i < n; i += 16) {
       const __mmask16 mk = tail_mask(n - i);
       store16(out + c + i, _mm512_maskz_loadu_ps(mk, o + i), mk);
@@ -240,20 +242,22 @@ PDS_AVX512 inline void delta_scan_columns(const DeltaScanArgs& a, int64_t h, int
     l2_normalise_avx512(row + hk * dk, dk, a.scale, true, q);
     l2_normalise_avx512(row + (a.G + hk) * dk, dk, 1.f, false, k);
     const float* v = row + 2 * a.G * dk + h * dv + c;
-    const __m512 g = _mm512_set1_ps(std::exp(a.g[t * a.Hv + h])), beta = _mm512_set1_ps(a.beta[t * a.Hv + h]);
+    alignas(64) float decay[kDeltaMaxKeyDim];
+    const int64_t step = a.decays(t, h, decay);
+    const __m512 beta = _mm512_set1_ps(a.beta[t * a.Hv + h]);
     __m512 acc[J], delta[J];
     for (int j = 0; j < J; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t r = 0; r < dk; ++r) {  // S^T k, then decayed
-      const __m512 kr = _mm512_set1_ps(k[r]);
+    for (int64_t r = 0; r < dk; ++r) {  // S^T k of the decayed state
+      const __m512 kr = _mm512_set1_ps(k[r]), g = _mm512_set1_ps(decay[r * step]);
       for (int j = 0; j < J; ++j)
-        acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk[j], S + r * dv + 16 * j), kr, acc[j]);
+        acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk[j], S + r * dv + 16 * j), g), kr, acc[j]);
     }
     for (int j = 0; j < J; ++j) {  // delta = (v - S^T k) beta
-      delta[j] = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk[j], v + 16 * j), _mm512_mul_ps(acc[j], g)), beta);
+      delta[j] = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk[j], v + 16 * j), acc[j]), beta);
       acc[j] = _mm512_setzero_ps();
     }
     for (int64_t r = 0; r < dk; ++r) {  // S = S decay + k delta^T, o = S^T q
-      const __m512 kr = _mm512_set1_ps(k[r]), qr = _mm512_set1_ps(q[r]);
+      const __m512 kr = _mm512_set1_ps(k[r]), qr = _mm512_set1_ps(q[r]), g = _mm512_set1_ps(decay[r * step]);
       float* s = S + r * dv;
       for (int j = 0; j < J; ++j) {
         const __m512 st = _mm512_fmadd_ps(kr, delta[j], _mm512_mul_ps(_mm512_maskz_loadu_ps(mk[j], s + 16 * j), g));

@@ -8,7 +8,8 @@
 // token, rounding as the decode step does (linear_attention.cpp), tasks of 64 channels; then
 //
 //   Mamba2, per head h and token t:   S = exp(dt A) S + (dt x) B^T;  y = S C + D x
-//   Gated DeltaNet, per value head:   q, k L2-normalised (q scaled by dk^-0.5); S = exp(g) S;
+//   Gated DeltaNet, per value head:   q, k L2-normalised (q scaled by dk^-0.5); S = exp(g) S
+//                                     (Kimi Delta Attention: exp(g) a diagonal, a decay per row);
 //                                     S = S + k (beta (v - S^T k))^T;  o = S^T q
 //
 // with tasks of Mamba2's heads (a head's state, P x N floats, stays in cache for the whole scan) or
@@ -96,15 +97,17 @@ void delta_scan_scalar(const DeltaScanArgs& a, int64_t task) {
     l2_normalise(row + hk * dk, dk, a.scale, q);
     l2_normalise(row + (a.G + hk) * dk, dk, 1.f, k);
     const float* v = row + 2 * a.G * dk + h * dv;
-    const float g = std::exp(a.g[t * a.Hv + h]), beta = a.beta[t * a.Hv + h];
+    float g[kDeltaMaxKeyDim];
+    const int64_t step = a.decays(t, h, g);
+    const float beta = a.beta[t * a.Hv + h];
     for (int64_t c = c0; c < c1; ++c) {
       float kv = 0.f;
-      for (int64_t r = 0; r < dk; ++r) kv += S[r * dv + c] * k[r];
-      const float delta = (v[c] - kv * g) * beta;
+      for (int64_t r = 0; r < dk; ++r) kv += S[r * dv + c] * g[r * step] * k[r];
+      const float delta = (v[c] - kv) * beta;
       float o = 0.f;
       for (int64_t r = 0; r < dk; ++r) {
         float& s = S[r * dv + c];
-        s = s * g + k[r] * delta;
+        s = s * g[r * step] + k[r] * delta;
         o += s * q[r];
       }
       a.o[(t * a.Hv + h) * dv + c] = o;
@@ -204,7 +207,8 @@ void mamba2_scan(at::Tensor y, const at::Tensor& xbc, const at::Tensor& dt, at::
 // o [n, Hv, dv] (float32) = S^T q of n new tokens of one request, its convolution window
 // (conv_state [num_slots, conv_dim, K - 1], qkv's dtype) and recurrent state (rec_state
 // [num_slots, Hv, dk, dv], float32) at `slot` updated in place. qkv [n, conv_dim]: q | k | v
-// before the convolution (rows contiguous); g (the log of the decay) and beta: [n, Hv] float32.
+// before the convolution (rows contiguous); g (the log of the decay) and beta: [n, Hv] float32 (g: or
+// [n, Hv, dk], a decay per key channel).
 void gated_delta_scan(at::Tensor o, const at::Tensor& qkv, const at::Tensor& g, const at::Tensor& beta,
                       at::Tensor conv_state, at::Tensor rec_state, int64_t slot, const at::Tensor& conv_weight,
                       int64_t key_heads) {
@@ -215,13 +219,16 @@ void gated_delta_scan(at::Tensor o, const at::Tensor& qkv, const at::Tensor& g, 
   TORCH_CHECK(G >= 1 && Hv % G == 0 && C == 2 * G * dk + Hv * dv, op, ": ", C, " channels are not q | k | v of ", G,
               " key heads of ", dk, " and ", Hv, " value heads of ", dv);
   TORCH_CHECK(dk <= kDeltaMaxKeyDim, op, ": key heads of at most ", kDeltaMaxKeyDim, " dims, got ", dk);
-  check_f32(g, {n, Hv}, op, "g");
+  if (g.dim() == 3)  // a decay per key channel (Kimi Delta Attention's)
+    check_f32(g, {n, Hv, dk}, op, "g");
+  else
+    check_f32(g, {n, Hv}, op, "g");
   check_f32(beta, {n, Hv}, op, "beta");
   check_f32(o, {n, Hv, dv}, op, "o");
   const at::Tensor conv_out = convolve(qkv, conv_state, slot, conv_weight, c10::nullopt, op);
   DeltaScanArgs args{conv_out.data_ptr<float>(), g.data_ptr<float>(), beta.data_ptr<float>(),
                      rec_state.data_ptr<float>() + slot * rec_state.stride(0), o.data_ptr<float>(), n, G, Hv, dk, dv, C,
-                     float(1.0 / std::sqrt(double(dk)))};
+                     float(1.0 / std::sqrt(double(dk))), g.dim() == 3 ? dk : 1};
   const int64_t tasks = Hv * ((dv + kScanColumns - 1) / kScanColumns);
   const bool simd = use_avx512(), v8 = use_vec8();
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {

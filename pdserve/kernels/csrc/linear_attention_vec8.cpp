@@ -111,12 +111,11 @@ PDS_VI void store_cols(float* p, F8 t, int64_t n) {
 
 template <int J, bool Partial>
 PDS_VI void delta_columns(float* S, int64_t dk, int64_t dv, int64_t n, const float* q, const float* k,
-                          const float* v, float decay, float beta, float* o) {
-  const F8 g = set1(decay);
+                          const float* v, const float* decay, int64_t step, float beta, float* o) {
   F8 acc[J], delta[J];
   for (int j = 0; j < J; ++j) acc[j] = zero();
   for (int64_t r = 0; r < dk; ++r) {  // S^T k of the decayed state
-    const F8 kr = set1(k[r]);
+    const F8 kr = set1(k[r]), g = set1(decay[r * step]);
     for (int j = 0; j < J; ++j) acc[j] = fma(mul(load_cols<Partial>(S + r * dv + 8 * j, n), g), kr, acc[j]);
   }
   for (int j = 0; j < J; ++j) {  // delta = (v - S^T k) beta
@@ -124,7 +123,7 @@ PDS_VI void delta_columns(float* S, int64_t dk, int64_t dv, int64_t n, const flo
     acc[j] = zero();
   }
   for (int64_t r = 0; r < dk; ++r) {  // S = S decay + k delta^T (not fused), o = S^T q
-    const F8 kr = set1(k[r]), qr = set1(q[r]);
+    const F8 kr = set1(k[r]), qr = set1(q[r]), g = set1(decay[r * step]);
     float* s = S + r * dv;
     for (int j = 0; j < J; ++j) {
       const F8 t = add(mul(load_cols<Partial>(s + 8 * j, n), g), mul(kr, delta[j]));
@@ -145,18 +144,20 @@ PDS_V8 void delta_head(const DeltaStepArgs& a, int64_t b, int64_t h) {
   const float* v = row + 2 * a.G * dk + h * dv;
   float* S = a.state + (a.slots[b] * a.Hv + h) * dk * dv;
   T* out = static_cast<T*>(a.out) + (b * a.Hv + h) * dv;
-  const float decay = a.decay[b * a.Hv + h], beta = a.beta[b * a.Hv + h];
+  const float* decay = a.decay + (b * a.Hv + h) * a.decay_rows;
+  const int64_t step = a.decay_step();
+  const float beta = a.beta[b * a.Hv + h];
   int64_t c = 0;
   for (; c + 32 <= dv; c += 32) {  // 4 vectors of columns: their S^T k, delta and o in registers
-    delta_columns<4, false>(S + c, dk, dv, 8, q, k, v + c, decay, beta, o);
+    delta_columns<4, false>(S + c, dk, dv, 8, q, k, v + c, decay, step, beta, o);
     for (int i = 0; i < 32; i += 8) store(out + c + i, load(o + i));
   }
   for (; c < dv; c += 8) {
     const int64_t n = std::min<int64_t>(8, dv - c);
     if (n == 8)
-      delta_columns<1, false>(S + c, dk, dv, 8, q, k, v + c, decay, beta, o);
+      delta_columns<1, false>(S + c, dk, dv, 8, q, k, v + c, decay, step, beta, o);
     else
-      delta_columns<1, true>(S + c, dk, dv, n, q, k, v + c, decay, beta, o);
+      delta_columns<1, true>(S + c, dk, dv, n, q, k, v + c, decay, step, beta, o);
     store_upto(out + c, load_upto(o, n), n);
   }
 }
@@ -243,19 +244,21 @@ PDS_VI void delta_scan_columns(const DeltaScanArgs& a, int64_t h, int64_t c, int
     l2_normalise(row + hk * dk, dk, a.scale, true, q);
     l2_normalise(row + (a.G + hk) * dk, dk, 1.f, false, k);
     const float* v = row + 2 * a.G * dk + h * dv + c;
-    const F8 g = set1(std::exp(a.g[t * a.Hv + h])), beta = set1(a.beta[t * a.Hv + h]);
+    alignas(32) float decay[kDeltaMaxKeyDim];
+    const int64_t step = a.decays(t, h, decay);
+    const F8 beta = set1(a.beta[t * a.Hv + h]);
     F8 acc[J], delta[J];
     for (int j = 0; j < J; ++j) acc[j] = zero();
-    for (int64_t r = 0; r < dk; ++r) {  // S^T k, then decayed
-      const F8 kr = set1(k[r]);
-      for (int j = 0; j < J; ++j) acc[j] = fma(load_cols<Partial>(S + r * dv + 8 * j, n), kr, acc[j]);
+    for (int64_t r = 0; r < dk; ++r) {  // S^T k of the decayed state
+      const F8 kr = set1(k[r]), g = set1(decay[r * step]);
+      for (int j = 0; j < J; ++j) acc[j] = fma(mul(load_cols<Partial>(S + r * dv + 8 * j, n), g), kr, acc[j]);
     }
     for (int j = 0; j < J; ++j) {  // delta = (v - S^T k) beta
-      delta[j] = mul(sub(load_cols<Partial>(v + 8 * j, n), mul(acc[j], g)), beta);
+      delta[j] = mul(sub(load_cols<Partial>(v + 8 * j, n), acc[j]), beta);
       acc[j] = zero();
     }
     for (int64_t r = 0; r < dk; ++r) {  // S = S decay + k delta^T, o = S^T q
-      const F8 kr = set1(k[r]), qr = set1(q[r]);
+      const F8 kr = set1(k[r]), qr = set1(q[r]), g = set1(decay[r * step]);
       float* s = S + r * dv;
       for (int j = 0; j < J; ++j) {
         const F8 st = fma(kr, delta[j], mul(load_cols<Partial>(s + 8 * j, n), g));
