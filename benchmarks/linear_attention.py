@@ -4,17 +4,20 @@ CPU kernels.
   taskset -c 1 python benchmarks/linear_attention.py [--batches 1,8] [--tokens 16,256,1024]
       [--threads 1] [--dtype bfloat16] [--iters 30]
 
-Decode: ``_step`` of each mixer (the convolution over the window, SiLU, the recurrent update of
-each request's state at its slot of the pool, the output; not the projections or the gated norm)
-with ``ops`` None (torch) and with the kernels, on random weights and states, requests at scattered
-slots of a pool of 2 x batch. Prefill: ``_extend`` of one request of ``--tokens`` new tokens after
-a prefix (torch: the chunked scan in blocks of 256 or 64; the kernel: the recurrence token by
-token). Sizes:
+Decode: ``_step`` (``_kda_step``) of each mixer (the convolution over the window, SiLU, the
+recurrent update of each request's state at its slot of the pool, the output; not the projections
+or the gated norm) with ``ops`` None (torch) and with the kernels, on random weights and states,
+requests at scattered slots of a pool of 2 x batch. Prefill: ``_extend`` (``_kda_extend``) of one
+request of ``--tokens`` new tokens after a prefix (torch: the chunked scan in blocks of 256, 64 or
+16; the kernel: the recurrence token by token). Sizes:
 
 - ``mamba2``: Granite-4.0-H-350M's layer (benchmarks/hybrid.py): 48 heads of 32, one group, state
   128, conv 4 (conv_dim 1,792; state 768 KiB per request).
 - ``gated_deltanet``: Qwen3-Next-80B-A3B's layer, one rank: 16 key heads, 32 value heads,
   dk = dv = 128, conv 4 (conv_dim 8,192; state 2 MiB per request).
+- ``kimi_delta``: Kimi-Linear-48B-A3B's Kimi Delta Attention layer, one rank: 32 heads,
+  dk = dv = 128, conv 4, a decay per key channel (conv_dim 12,288; state 2 MiB per request);
+  ``_kda_step`` / ``_kda_extend`` (torch: blocks of 16 with the decays kept per channel).
 
 Each decode time is the median of ``--iters`` steps after 3 untimed ones, each prefill time the
 median of 3 after one; "state GB/s" is the state's bytes read and written once per step over the
@@ -46,7 +49,23 @@ def mixers(dtype: torch.dtype) -> dict:
             p.normal_(0, 0.5)
         m.dt_bias.normal_(0, 1)
         m.A_log.uniform_(0, 2.5)
-    return {"mamba2": m.to(dtype), "gated_deltanet": g.to(dtype)}
+    from pdserve.models.kimi_linear import KimiDeltaAttention
+
+    k = KimiDeltaAttention(GatedDeltaNetDims(2304, 32, 32, 128, 128, 4, 1e-5), kv_layer=0)
+    with torch.no_grad():
+        k.conv1d.weight.normal_(0, 0.5)
+    return {"mamba2": m.to(dtype), "gated_deltanet": g.to(dtype), "kimi_delta": k.to(dtype)}
+
+
+# each mixer's decode step and prefill methods
+METHODS = {"kimi_delta": ("_kda_step", "_kda_extend")}
+
+
+def decays(name: str, mixer, n: int) -> torch.Tensor:
+    """The log of the decay of n tokens: per value head, or per key channel (``kimi_delta``)."""
+    d = mixer.dims
+    shape = (n, d.value_heads, d.key_dim) if name == "kimi_delta" else (n, d.value_heads)
+    return -torch.rand(shape) * (0.1 if name == "kimi_delta" else 1.0)
 
 
 def step_inputs(name: str, mixer, batch: int, dtype: torch.dtype):
@@ -62,7 +81,7 @@ def step_inputs(name: str, mixer, batch: int, dtype: torch.dtype):
         hv = d.value_heads
         inputs = (
             torch.randn(batch, d.conv_dim).to(dtype),
-            -torch.rand(batch, hv),
+            decays(name, mixer, batch),
             torch.rand(batch, hv),
         )
     return inputs, (conv, state), slots
@@ -80,7 +99,7 @@ def extend_inputs(name: str, mixer, n: int, dtype: torch.dtype):
         )
     state = torch.randn(2, d.value_heads, d.key_dim, d.value_dim) * 0.1
     hv = d.value_heads
-    return (torch.randn(n, d.conv_dim).to(dtype), -torch.rand(n, hv), torch.rand(n, hv)), (
+    return (torch.randn(n, d.conv_dim).to(dtype), decays(name, mixer, n), torch.rand(n, hv)), (
         conv,
         state,
     )
@@ -124,9 +143,8 @@ def main() -> None:
             for label, impl in (("torch", None), ("kernel", ops)):
                 mixer.ops = impl
                 with torch.no_grad():
-                    times[label] = median_seconds(
-                        lambda: mixer._step(*inputs, *states, slots), a.iters
-                    )
+                    step = getattr(mixer, METHODS.get(name, ("_step",))[0])
+                    times[label] = median_seconds(lambda: step(*inputs, *states, slots), a.iters)
             moved = 2 * states[1][0].nbytes * batch
             print(
                 f"| {name} | {batch} | {times['torch'] * 1e3:.3f} | {times['kernel'] * 1e3:.3f} "
@@ -144,8 +162,9 @@ def main() -> None:
             for label, impl in (("torch", None), ("kernel", ops)):
                 mixer.ops = impl
                 with torch.no_grad():
+                    extend = getattr(mixer, METHODS.get(name, (None, "_extend"))[1])
                     times[label] = median_seconds(
-                        lambda: mixer._extend(*inputs, 64, *states, 1), 3, warmup=1
+                        lambda: extend(*inputs, 64, *states, 1), 3, warmup=1
                     )
             print(
                 f"| {name} | {n} | {times['torch'] * 1e3:.2f} | {times['kernel'] * 1e3:.2f} "

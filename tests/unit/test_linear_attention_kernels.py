@@ -1,10 +1,11 @@
 """The linear-attention mixers' CPU kernels at every instruction-set tier this CPU has.
 
 Decode steps against their torch code (``Mamba2Mixer._step``, ``GatedDeltaNet._step``, and Kimi
-Delta Attention's ``_kda_step``: the Gated DeltaNet kernels given a decay per key channel): the outputs
-of several steps in a row and the states they leave in the pool, float32 to 2e-6 of the largest
-value and bf16 within a few bf16 ulps (the kernels round where torch rounds; only float32 sums
-differ in order), slots in the pool out of order, the slots of other requests left as they were.
+Delta Attention's ``_kda_step``: the Gated DeltaNet kernels given a decay per key channel): the
+outputs of several steps in a row and the states they leave in the pool, float32 to 2e-6 of the
+largest value and bf16 within a few bf16 ulps (the kernels round where torch rounds; only float32
+sums differ in order), slots in the pool out of order, the slots of other requests left as they
+were.
 
 Prefill scans (``_extend``) against the recurrence in float64 and against the chunked torch code,
 the same bits however the tokens are cut into calls.

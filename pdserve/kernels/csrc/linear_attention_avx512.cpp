@@ -229,8 +229,9 @@ PDS_AVX512 void mamba2_scan_head(const Mamba2ScanArgs& a, int64_t h) {
   }
 }
 
-// J vectors of columns of value head h from column c (the last masked by `last`) through every token
-template <int J>
+// J vectors of columns of value head h from column c (the last masked by `last`) through every token;
+// PerRow: a decay per row of S (Kimi Delta Attention), else one per head, applied to S^T k once
+template <int J, bool PerRow>
 PDS_AVX512 inline void delta_scan_columns(const DeltaScanArgs& a, int64_t h, int64_t c, __mmask16 last) {
   const int64_t dk = a.dk, dv = a.dv, hk = h / (a.Hv / a.G);
   float* S = a.state + h * dk * dv + c;
@@ -243,21 +244,25 @@ PDS_AVX512 inline void delta_scan_columns(const DeltaScanArgs& a, int64_t h, int
     l2_normalise_avx512(row + (a.G + hk) * dk, dk, 1.f, false, k);
     const float* v = row + 2 * a.G * dk + h * dv + c;
     alignas(64) float decay[kDeltaMaxKeyDim];
-    const int64_t step = a.decays(t, h, decay);
-    const __m512 beta = _mm512_set1_ps(a.beta[t * a.Hv + h]);
+    a.decays(t, h, decay);
+    const __m512 beta = _mm512_set1_ps(a.beta[t * a.Hv + h]), g0 = _mm512_set1_ps(decay[0]);
     __m512 acc[J], delta[J];
     for (int j = 0; j < J; ++j) acc[j] = _mm512_setzero_ps();
     for (int64_t r = 0; r < dk; ++r) {  // S^T k of the decayed state
-      const __m512 kr = _mm512_set1_ps(k[r]), g = _mm512_set1_ps(decay[r * step]);
-      for (int j = 0; j < J; ++j)
-        acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk[j], S + r * dv + 16 * j), g), kr, acc[j]);
+      const __m512 kr = _mm512_set1_ps(k[r]);
+      for (int j = 0; j < J; ++j) {
+        const __m512 s = _mm512_maskz_loadu_ps(mk[j], S + r * dv + 16 * j);
+        acc[j] = _mm512_fmadd_ps(PerRow ? _mm512_mul_ps(s, _mm512_set1_ps(decay[r])) : s, kr, acc[j]);
+      }
     }
     for (int j = 0; j < J; ++j) {  // delta = (v - S^T k) beta
-      delta[j] = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk[j], v + 16 * j), acc[j]), beta);
+      const __m512 kv = PerRow ? acc[j] : _mm512_mul_ps(acc[j], g0);
+      delta[j] = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk[j], v + 16 * j), kv), beta);
       acc[j] = _mm512_setzero_ps();
     }
     for (int64_t r = 0; r < dk; ++r) {  // S = S decay + k delta^T, o = S^T q
-      const __m512 kr = _mm512_set1_ps(k[r]), qr = _mm512_set1_ps(q[r]), g = _mm512_set1_ps(decay[r * step]);
+      const __m512 kr = _mm512_set1_ps(k[r]), qr = _mm512_set1_ps(q[r]);
+      const __m512 g = PerRow ? _mm512_set1_ps(decay[r]) : g0;
       float* s = S + r * dv;
       for (int j = 0; j < J; ++j) {
         const __m512 st = _mm512_fmadd_ps(kr, delta[j], _mm512_mul_ps(_mm512_maskz_loadu_ps(mk[j], s + 16 * j), g));
@@ -270,20 +275,26 @@ PDS_AVX512 inline void delta_scan_columns(const DeltaScanArgs& a, int64_t h, int
   }
 }
 
+template <bool PerRow>
+PDS_AVX512 void delta_scan_block(const DeltaScanArgs& a, int64_t h, int64_t c, int J, __mmask16 last) {
+  if (J == 4)
+    delta_scan_columns<4, PerRow>(a, h, c, last);
+  else if (J == 3)
+    delta_scan_columns<3, PerRow>(a, h, c, last);
+  else if (J == 2)
+    delta_scan_columns<2, PerRow>(a, h, c, last);
+  else
+    delta_scan_columns<1, PerRow>(a, h, c, last);
+}
+
 PDS_AVX512 void delta_scan_task(const DeltaScanArgs& a, int64_t task) {
   const int64_t blocks = (a.dv + kScanColumns - 1) / kScanColumns;
   const int64_t h = task / blocks, c = (task % blocks) * kScanColumns;
   const int64_t n = std::min(kScanColumns, a.dv - c);  // 4 vectors, the last masked
   const int J = int((n + 15) / 16);
   const __mmask16 last = tail_mask(n - 16 * (J - 1));
-  if (J == 4)
-    delta_scan_columns<4>(a, h, c, last);
-  else if (J == 3)
-    delta_scan_columns<3>(a, h, c, last);
-  else if (J == 2)
-    delta_scan_columns<2>(a, h, c, last);
-  else
-    delta_scan_columns<1>(a, h, c, last);
+  if (a.g_rows == 1) return delta_scan_block<false>(a, h, c, J, last);
+  delta_scan_block<true>(a, h, c, J, last);
 }
 
 }  // namespace

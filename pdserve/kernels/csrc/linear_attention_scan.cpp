@@ -98,12 +98,15 @@ void delta_scan_scalar(const DeltaScanArgs& a, int64_t task) {
     l2_normalise(row + (a.G + hk) * dk, dk, 1.f, k);
     const float* v = row + 2 * a.G * dk + h * dv;
     float g[kDeltaMaxKeyDim];
-    const int64_t step = a.decays(t, h, g);
+    const int64_t step = a.decays(t, h, g);  // 0: one decay per head, applied to S^T k once
     const float beta = a.beta[t * a.Hv + h];
     for (int64_t c = c0; c < c1; ++c) {
       float kv = 0.f;
-      for (int64_t r = 0; r < dk; ++r) kv += S[r * dv + c] * g[r * step] * k[r];
-      const float delta = (v[c] - kv) * beta;
+      if (step)
+        for (int64_t r = 0; r < dk; ++r) kv += S[r * dv + c] * g[r] * k[r];
+      else
+        for (int64_t r = 0; r < dk; ++r) kv += S[r * dv + c] * k[r];
+      const float delta = (v[c] - (step ? kv : kv * g[0])) * beta;
       float o = 0.f;
       for (int64_t r = 0; r < dk; ++r) {
         float& s = S[r * dv + c];

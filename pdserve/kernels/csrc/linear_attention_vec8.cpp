@@ -233,8 +233,9 @@ PDS_V8 void mamba2_scan_head(const Mamba2ScanArgs& a, int64_t h) {
   }
 }
 
-// columns c .. c + 8 J of value head h (Partial: one vector of n < 8) through every token
-template <int J, bool Partial>
+// columns c .. c + 8 J of value head h (Partial: one vector of n < 8) through every token; PerRow:
+// a decay per row of S (Kimi Delta Attention), else one per head, applied to S^T k once
+template <int J, bool Partial, bool PerRow>
 PDS_VI void delta_scan_columns(const DeltaScanArgs& a, int64_t h, int64_t c, int64_t n) {
   const int64_t dk = a.dk, dv = a.dv, hk = h / (a.Hv / a.G);
   float* S = a.state + h * dk * dv + c;
@@ -245,20 +246,23 @@ PDS_VI void delta_scan_columns(const DeltaScanArgs& a, int64_t h, int64_t c, int
     l2_normalise(row + (a.G + hk) * dk, dk, 1.f, false, k);
     const float* v = row + 2 * a.G * dk + h * dv + c;
     alignas(32) float decay[kDeltaMaxKeyDim];
-    const int64_t step = a.decays(t, h, decay);
-    const F8 beta = set1(a.beta[t * a.Hv + h]);
+    a.decays(t, h, decay);
+    const F8 beta = set1(a.beta[t * a.Hv + h]), g0 = set1(decay[0]);
     F8 acc[J], delta[J];
     for (int j = 0; j < J; ++j) acc[j] = zero();
     for (int64_t r = 0; r < dk; ++r) {  // S^T k of the decayed state
-      const F8 kr = set1(k[r]), g = set1(decay[r * step]);
-      for (int j = 0; j < J; ++j) acc[j] = fma(mul(load_cols<Partial>(S + r * dv + 8 * j, n), g), kr, acc[j]);
+      const F8 kr = set1(k[r]);
+      for (int j = 0; j < J; ++j) {
+        const F8 s = load_cols<Partial>(S + r * dv + 8 * j, n);
+        acc[j] = fma(PerRow ? mul(s, set1(decay[r])) : s, kr, acc[j]);
+      }
     }
     for (int j = 0; j < J; ++j) {  // delta = (v - S^T k) beta
-      delta[j] = mul(sub(load_cols<Partial>(v + 8 * j, n), acc[j]), beta);
+      delta[j] = mul(sub(load_cols<Partial>(v + 8 * j, n), PerRow ? acc[j] : mul(acc[j], g0)), beta);
       acc[j] = zero();
     }
     for (int64_t r = 0; r < dk; ++r) {  // S = S decay + k delta^T, o = S^T q
-      const F8 kr = set1(k[r]), qr = set1(q[r]), g = set1(decay[r * step]);
+      const F8 kr = set1(k[r]), qr = set1(q[r]), g = PerRow ? set1(decay[r]) : g0;
       float* s = S + r * dv;
       for (int j = 0; j < J; ++j) {
         const F8 st = fma(kr, delta[j], mul(load_cols<Partial>(s + 8 * j, n), g));
@@ -276,9 +280,15 @@ PDS_V8 void delta_scan_task(const DeltaScanArgs& a, int64_t task) {
   const int64_t h = task / blocks, c0 = (task % blocks) * kScanColumns;
   const int64_t c1 = std::min(a.dv, c0 + kScanColumns);
   int64_t c = c0;
-  for (; c + 32 <= c1; c += 32) delta_scan_columns<4, false>(a, h, c, 8);
-  for (; c + 8 <= c1; c += 8) delta_scan_columns<1, false>(a, h, c, 8);
-  if (c < c1) delta_scan_columns<1, true>(a, h, c, c1 - c);
+  if (a.g_rows == 1) {
+    for (; c + 32 <= c1; c += 32) delta_scan_columns<4, false, false>(a, h, c, 8);
+    for (; c + 8 <= c1; c += 8) delta_scan_columns<1, false, false>(a, h, c, 8);
+    if (c < c1) delta_scan_columns<1, true, false>(a, h, c, c1 - c);
+    return;
+  }
+  for (; c + 32 <= c1; c += 32) delta_scan_columns<4, false, true>(a, h, c, 8);
+  for (; c + 8 <= c1; c += 8) delta_scan_columns<1, false, true>(a, h, c, 8);
+  if (c < c1) delta_scan_columns<1, true, true>(a, h, c, c1 - c);
 }
 
 }  // namespace
