@@ -194,7 +194,7 @@ async def completions(request: Request, tm: TokenizerManager) -> Response:
 
 
 # ---- chat ----------------------------------------------------------------------------------
-def _chat_logprobs(tm: TokenizerManager, pairs, tops) -> dict[str, list]:
+def chat_logprobs(tm: TokenizerManager, pairs, tops) -> dict[str, list]:
     def entry(lp: float, tid: int) -> dict[str, Any]:
         text = tm.token_text(tid)
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
@@ -346,7 +346,7 @@ async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
     def logprobs(s: ReqState, start: int) -> Optional[dict]:
         if top is None:
             return None
-        return _chat_logprobs(tm, s.output_token_logprobs[start:], s.output_top_logprobs[start:])
+        return chat_logprobs(tm, s.output_token_logprobs[start:], s.output_top_logprobs[start:])
 
     want_timeline = timeline.requested(request.headers)
 

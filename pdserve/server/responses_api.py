@@ -7,7 +7,9 @@ next assistant turn's ``reasoning_content``), its function tools and ``tool_choi
 ``text.format`` a ``response_format``. The answer's output items are a ``reasoning`` item (with
 ``--reasoning-parser``), a ``message`` with one ``output_text`` and a ``function_call`` per call.
 A stream sends the Responses event types (``response.created`` ... ``response.completed``, each
-with its ``sequence_number``), as ``event:`` and ``data:`` lines, without ``[DONE]``.
+with its ``sequence_number``), as ``event:`` and ``data:`` lines, without ``[DONE]``. With
+``include: ["message.output_text.logprobs"]`` (and ``top_logprobs``) the output_text part carries
+chat's logprobs of the same tokens (``Output``).
 
 Stored responses (``store``, the default) are kept in memory (``pdserve/conversations.py``) for
 ``previous_response_id`` and ``GET``; a router in front expands ``previous_response_id`` itself
@@ -20,7 +22,7 @@ from __future__ import annotations
 import copy
 import time
 import uuid
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional, Sequence
 
 import msgspec
 from starlette.requests import Request
@@ -29,7 +31,13 @@ from starlette.responses import Response
 from pdserve.conversations import Conversations, UnknownResponse
 from pdserve.server import http_util
 from pdserve.server.errors import APIError, bad_request
-from pdserve.server.openai_api import ChatRun, chat_deltas, start_chat, whole_delta
+from pdserve.server.openai_api import (
+    ChatRun,
+    chat_deltas,
+    chat_logprobs,
+    start_chat,
+    whole_delta,
+)
 from pdserve.server.responses_protocol import ResponsesRequest, to_chat
 from pdserve.server.tokenizer_manager import ReqState, TokenizerManager
 
@@ -74,15 +82,21 @@ def _call_item(call: dict[str, Any]) -> dict[str, Any]:
 
 
 class Output:
-    """A choice's output items as they grow from chat deltas, and the events that tell it."""
+    """A choice's output items as they grow from chat deltas, and the events that tell it. The
+    sampled tokens' logprobs (``feed``'s ``logprobs``, chat's entries, when asked) go on the
+    message's output_text part as chat puts them in ``logprobs.content``: every output token's,
+    each with the next output_text delta (those of reasoning or markers wait for it) and the rest
+    when the part closes."""
 
     def __init__(self, emit):
         self.items: list[dict[str, Any]] = []
         self.emit = emit  # emit(type, **fields): one stream event (or nothing, unstreamed)
         self.open: Optional[dict[str, Any]] = None
         self.reasoning_text = ""
+        self.pending: list[dict[str, Any]] = []  # logprobs not yet on an output_text delta
 
-    def feed(self, delta: dict[str, Any]) -> None:
+    def feed(self, delta: dict[str, Any], logprobs: Sequence[dict[str, Any]] = ()) -> None:
+        self.pending.extend(logprobs)
         if delta.get("reasoning_content"):
             self.reasoning_text += delta["reasoning_content"]
             self._text("reasoning", delta["reasoning_content"])
@@ -138,7 +152,7 @@ class Output:
         event = (
             "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
         )
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra = {} if kind == "reasoning" else {"logprobs": self._take_logprobs(item)}
         self.emit(
             event,
             item_id=item["id"],
@@ -159,14 +173,30 @@ class Output:
             self.emit("response.reasoning_text.done", text=text, **common)
         else:
             item["status"] = status
-            self.emit("response.output_text.done", text=text, logprobs=[], **common)
+            self._take_logprobs(item)
+            part = item["content"][0]
+            self.emit("response.output_text.done", text=text, logprobs=part["logprobs"], **common)
             self.emit("response.content_part.done", part=dict(item["content"][0]), **common)
         self.emit("response.output_item.done", output_index=index, item=copy.deepcopy(item))
+
+    def _take_logprobs(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        """The pending logprobs, now on the message ``item``'s output_text part."""
+        taken, self.pending = self.pending, []
+        item["content"][0]["logprobs"].extend(taken)
+        return taken
 
 
 def _cut_short(state: ReqState) -> bool:
     """It ended at max_output_tokens (the response is incomplete)."""
     return (state.finish_reason or {}).get("type") == "length"
+
+
+def _logprobs(tm: TokenizerManager, run: ChatRun, state: ReqState, start: int) -> list[dict]:
+    """Chat's logprob entries of the output tokens from ``start`` on (none unless asked)."""
+    if run.top is None:
+        return []
+    pairs, tops = state.output_token_logprobs[start:], state.output_top_logprobs[start:]
+    return chat_logprobs(tm, pairs, tops)["content"]
 
 
 # ---- the response object ---------------------------------------------------------------------
@@ -221,6 +251,7 @@ class _Response:
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": req.tools or [],
             "top_p": req.top_p,
+            "top_logprobs": req.top_logprobs,
             "truncation": req.truncation or "disabled",
             "usage": usage,
             "user": req.user,
@@ -250,7 +281,7 @@ class ResponsesAPI:
             return http_util.sse_response(tm, run.states, self._events(resp, items))
         await http_util.unless_disconnected(request, http_util.wait_all(tm, run.states))
         out = Output(lambda *a, **k: None)
-        out.feed(whole_delta(run))
+        out.feed(whole_delta(run), _logprobs(tm, run, run.states[0], 0))
         return http_util.json_response(self._finish(resp, out, run.states[0], items))
 
     def _finish(
@@ -280,12 +311,14 @@ class ResponsesAPI:
 
         out = Output(emit)
         state = run.states[0]
+        sent_tokens = 0
         try:
             async for state, delta in chat_deltas(tm, run):
                 if seq == 0:  # held back until decode has its KV: a failure before is retried
                     emit("response.created", response=resp.body("in_progress", [], None))
                     emit("response.in_progress", response=resp.body("in_progress", [], None))
-                out.feed(delta)
+                out.feed(delta, _logprobs(tm, run, state, sent_tokens))
+                sent_tokens = len(state.output_ids)
                 if events:
                     yield b"".join(events)
                     events.clear()

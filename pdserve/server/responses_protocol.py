@@ -184,6 +184,16 @@ class ResponsesRequest(PDBody):
     truncation: Optional[Literal["disabled"]] = None
     priority: Optional[Int64] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # extra output to include: "message.output_text.logprobs" (the sampled tokens' logprobs on
+    # the output_text part); the others name outputs this server never makes and are ignored
+    include: Optional[list[str]] = None
+    top_logprobs: Optional[Annotated[int, msgspec.Meta(ge=0, le=20)]] = None
+
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or ())
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 # ---- request -> chat -----------------------------------------------------------------------
@@ -319,6 +329,8 @@ def to_chat(req: ResponsesRequest, items: list[Any]) -> ChatRequest:
         "priority": req.priority,
         "chat_template_kwargs": _template_kwargs(req),
     }
+    if req.wants_logprobs():
+        body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     for key in (
         "temperature",
         "top_p",

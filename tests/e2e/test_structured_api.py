@@ -517,6 +517,54 @@ def test_responses_api_equals_chat(servers, target):
 
 
 @pytest.mark.parametrize("target", ["colocated", "pd"])
+def test_responses_api_logprobs_equal_chat(servers, target):
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs`` puts chat's logprobs
+    of the same messages on the output_text part, token for token; streamed, the deltas' logprobs
+    add up to the done event's and the part's; without the include, none."""
+    url, colo = servers[target].url, servers["colocated"].url
+    with _client(colo) as cl:
+        chat = cl.chat.completions.create(
+            model="tiny", messages=MESSAGES, temperature=0, max_tokens=8, logprobs=True,
+            top_logprobs=3,
+        )  # fmt: skip
+    want = [
+        (e.token, e.logprob, e.bytes, [(t.token, t.logprob) for t in e.top_logprobs])
+        for e in chat.choices[0].logprobs.content
+    ]
+    assert len(want) == 8
+
+    def same(got) -> None:
+        assert [(e.token, e.bytes) for e in got] == [(w[0], w[2]) for w in want]
+        for e, w in zip(got, want):
+            assert abs(e.logprob - w[1]) < 1e-4
+            assert [t.token for t in e.top_logprobs] == [t[0] for t in w[3]]
+            assert all(abs(t.logprob - v) < 1e-4 for t, (_, v) in zip(e.top_logprobs, w[3]))
+
+    kw = dict(
+        model="tiny", temperature=0, input=QUESTION, max_output_tokens=8, top_logprobs=3,
+        include=["message.output_text.logprobs"],
+    )  # fmt: skip
+    with _client(url) as cl:
+        r = cl.responses.create(**kw)
+        same(r.output[0].content[0].logprobs)
+        deltas, done, final = [], None, None
+        for ev in cl.responses.create(stream=True, **kw):
+            if ev.type == "response.output_text.delta":
+                deltas += ev.logprobs
+            elif ev.type == "response.output_text.done":
+                done = ev.logprobs
+            elif ev.type in ("response.completed", "response.incomplete"):
+                final = ev.response
+        same(deltas)
+        same(done)
+        same(final.output[0].content[0].logprobs)
+        plain = cl.responses.create(
+            model="tiny", temperature=0, input=QUESTION, max_output_tokens=4
+        )
+        assert plain.output[0].content[0].logprobs == []
+
+
+@pytest.mark.parametrize("target", ["colocated", "pd"])
 def test_responses_api_tool_turns_and_stored_responses(servers, target):
     """A function call forced by tool_choice, its result sent back in a second turn that names
     the first by previous_response_id (through PD the router expands it: prefill never saw the
