@@ -89,6 +89,8 @@ def pipeline_forward(runner: "ModelRunner", fb: ForwardBatch) -> torch.Tensor:
     assert logits_idx == sorted(logits_idx), "logits rows must be in token order"
     pending = []  # sends in flight (with their buffers)
     logits = []
+    # the residual stream's dtype: the model's, or float32 (Mamba's residual_in_fp32)
+    residual_dtype = getattr(model, "residual_dtype", None) or runner.dtype
     for parts, _ in split(fb.parts, num_micro_batches(len(fb.parts[0]), par.pp_size)):
         *lists, full_lens = parts
         mb = runner.make_forward_batch(*lists, full_lens=full_lens)
@@ -99,7 +101,7 @@ def pipeline_forward(runner: "ModelRunner", fb: ForwardBatch) -> torch.Tensor:
         else:
             prev = par.stage_rank(par.pp_rank - 1)
             h = _recv((t, hidden), runner.dtype, prev, group)
-            residual = _recv((t, hidden), runner.dtype, prev, group)
+            residual = _recv((t, hidden), residual_dtype, prev, group)
         h, residual = model.forward_layers(mb, h, residual)
         if not par.is_last_stage:
             nxt = par.stage_rank(par.pp_rank + 1)

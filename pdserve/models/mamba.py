@@ -12,6 +12,7 @@ without bytes, the anchor group. PD then moves the states alone. Checkpoint name
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from pdserve.kv_spec import PositionLedger
@@ -60,13 +61,23 @@ def mamba1_dims(config, norms: str) -> Mamba1Dims:
     )
 
 
+def fp32_residual(config) -> bool:
+    """Whether the residual stream stays float32 in a bf16 / fp16 model (``residual_in_fp32``,
+    True by default in the Mamba configs)."""
+    return bool(getattr(config, "residual_in_fp32", False))
+
+
 class MambaBlock(nn.Module):
-    """``h + mixer(norm(h))``; the mixer by the config's ``model_type``."""
+    """``h + mixer(norm(h))``; the mixer by the config's ``model_type``. With
+    ``residual_in_fp32`` the stream is float32 (HF's: each mixer's output added to it in float32,
+    the norm reading it rounded to the model's dtype), so a deep stack does not round it at every
+    layer."""
 
     rope_kind = "default"
 
     def __init__(self, config, layer_id: int, shards, **attn_kwargs):
         super().__init__()
+        self.fp32_residual = fp32_residual(config)
         self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
         kv_layer, tp = layer_id - shards.layers[0], shards.attn
         if config.model_type == "mamba2":
@@ -80,6 +91,9 @@ class MambaBlock(nn.Module):
         return []
 
     def forward(self, h, residual, rope, fb):
+        if self.fp32_residual and h.dtype != torch.float32:
+            stream = h.float() if residual is None else residual + h
+            return self.mixer(self.norm(stream.to(h.dtype)), fb), stream
         if residual is None:
             residual, h = h, self.norm(h)
         else:
@@ -88,7 +102,16 @@ class MambaBlock(nn.Module):
 
 
 class FinalNorm(RMSNorm):
+    """``norm_f``; over a float32 stream (``residual_in_fp32``) in float32, the result rounded to
+    the last mixer's dtype for the head, as HF rounds it."""
+
     eps_field = "layer_norm_epsilon"  # the Mamba configs' (``llama.norm_eps``)
+
+    def forward(self, x, residual=None):
+        if residual is None or residual.dtype == x.dtype:
+            return super().forward(x, residual)
+        stream = residual + x
+        return self._norm(stream).to(x.dtype), stream
 
 
 class MambaModel(LlamaModel):
@@ -103,6 +126,11 @@ class MambaModel(LlamaModel):
 class Mamba2ForCausalLM(HybridCausalLM):
     model_cls = MambaModel
     checkpoint_prefixes = BACKBONE_NAMES
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        # what a pipeline stage sends on besides the hidden states (engine/pipeline.py)
+        self.residual_dtype = torch.float32 if fp32_residual(config) else None
 
     def kv_cache_specs(self) -> list:
         dtype = str(self.model.norm.weight.dtype).replace("torch.", "")
