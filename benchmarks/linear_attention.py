@@ -4,10 +4,10 @@ CPU kernels.
   taskset -c 1 python benchmarks/linear_attention.py [--batches 1,8] [--tokens 16,256,1024]
       [--threads 1] [--dtype bfloat16] [--iters 30]
 
-Decode: ``_step`` (``_kda_step``) of each mixer (the convolution over the window, SiLU, the
+Decode: ``_step`` of each mixer (the convolution over the window, SiLU, the
 recurrent update of each request's state at its slot of the pool, the output; not the projections
 or the gated norm) with ``ops`` None (torch) and with the kernels, on random weights and states,
-requests at scattered slots of a pool of 2 x batch. Prefill: ``_extend`` (``_kda_extend``) of one
+requests at scattered slots of a pool of 2 x batch. Prefill: ``_extend`` of one
 request of ``--tokens`` new tokens after a prefix (torch: the chunked scan in blocks of 256, 64 or
 16; the kernel: the recurrence token by token). Sizes:
 
@@ -17,7 +17,8 @@ request of ``--tokens`` new tokens after a prefix (torch: the chunked scan in bl
   dk = dv = 128, conv 4 (conv_dim 8,192; state 2 MiB per request).
 - ``kimi_delta``: Kimi-Linear-48B-A3B's Kimi Delta Attention layer, one rank: 32 heads,
   dk = dv = 128, conv 4, a decay per key channel (conv_dim 12,288; state 2 MiB per request);
-  ``_kda_step`` / ``_kda_extend`` (torch: blocks of 16 with the decays kept per channel).
+  the Gated DeltaNet's ``_step`` / ``_extend`` given g [.., H, dk] (torch: blocks of 16 with the
+  decays kept per channel).
 
 Each decode time is the median of ``--iters`` steps after 3 untimed ones, each prefill time the
 median of 3 after one; "state GB/s" is the state's bytes read and written once per step over the
@@ -55,10 +56,6 @@ def mixers(dtype: torch.dtype) -> dict:
     with torch.no_grad():
         k.conv1d.weight.normal_(0, 0.5)
     return {"mamba2": m.to(dtype), "gated_deltanet": g.to(dtype), "kimi_delta": k.to(dtype)}
-
-
-# each mixer's decode step and prefill methods
-METHODS = {"kimi_delta": ("_kda_step", "_kda_extend")}
 
 
 def decays(name: str, mixer, n: int) -> torch.Tensor:
@@ -143,8 +140,9 @@ def main() -> None:
             for label, impl in (("torch", None), ("kernel", ops)):
                 mixer.ops = impl
                 with torch.no_grad():
-                    step = getattr(mixer, METHODS.get(name, ("_step",))[0])
-                    times[label] = median_seconds(lambda: step(*inputs, *states, slots), a.iters)
+                    times[label] = median_seconds(
+                        lambda: mixer._step(*inputs, *states, slots), a.iters
+                    )
             moved = 2 * states[1][0].nbytes * batch
             print(
                 f"| {name} | {batch} | {times['torch'] * 1e3:.3f} | {times['kernel'] * 1e3:.3f} "
@@ -162,9 +160,8 @@ def main() -> None:
             for label, impl in (("torch", None), ("kernel", ops)):
                 mixer.ops = impl
                 with torch.no_grad():
-                    extend = getattr(mixer, METHODS.get(name, (None, "_extend"))[1])
                     times[label] = median_seconds(
-                        lambda: extend(*inputs, 64, *states, 1), 3, warmup=1
+                        lambda: mixer._extend(*inputs, 64, *states, 1), 3, warmup=1
                     )
             print(
                 f"| {name} | {n} | {times['torch'] * 1e3:.2f} | {times['kernel'] * 1e3:.2f} "

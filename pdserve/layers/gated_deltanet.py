@@ -6,7 +6,9 @@ gives, per key head, its value heads' ``b`` then ``a``. The queries, keys and va
 order: all queries, all keys, all values) go through a depthwise causal convolution of K taps
 (no bias) and SiLU. Then, per value head h with ``beta = sigmoid(b)``,
 ``g = -exp(A_log) * softplus(a + dt_bias)``, and q and k L2-normalised (q also scaled by
-dk^-0.5), each value head reading its key head's q and k::
+dk^-0.5), each value head reading its key head's q and k (Kimi Delta Attention,
+``layers/kimi_delta.py``: g a vector over the dk key channels, each row of S decaying by its
+own)::
 
     S_t = exp(g_t) S_{t-1}                                  (S: [dk, dv])
     S_t = S_t + k_t (beta_t (v_t - S_t^T k_t))^T            (the delta rule)
@@ -183,9 +185,7 @@ class GatedDeltaNet(nn.Module):
         pool, index, _ = fb.state(self.kv_layer, STATE_KIND)
         conv_state, rec_state = pool.state("conv", index), pool.state("recurrent", index)
         t = h.shape[0]
-        qkv, z, b, a = self.project(h)
-        beta = (torch.sigmoid(b) * self.beta_scale).float()  # [T, Hv]; the product in b's dtype
-        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+        qkv, z, beta, g = self.inputs(h)
         out = torch.empty((t, d.value_heads, d.value_dim), dtype=h.dtype, device=h.device)
 
         def extend(rows: slice, position: int, slot: int) -> None:
@@ -199,6 +199,15 @@ class GatedDeltaNet(nn.Module):
         snapshots.run(fb, self.kv_layer, STATE_KIND, extend, step)
         o = self.norm(out, z.reshape(t, d.value_heads, d.value_dim))
         return self.out_proj(o.reshape(t, d.values))
+
+    def inputs(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(qkv [T, conv_dim] as the convolution takes it, the output gate [T, values], beta
+        [T, Hv] and g, the log of the decay: [T, Hv], or [T, Hv, dk] for a decay per key channel;
+        beta and g float32)."""
+        qkv, z, b, a = self.project(h)
+        beta = (torch.sigmoid(b) * self.beta_scale).float()  # the product in b's dtype
+        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+        return qkv, z, beta, g
 
     # ---- the input projections (Qwen3-Next's layout; ``SplitGatedDeltaNet`` has Qwen3.5's) ----
     def make_input_projections(self, d: GatedDeltaNetDims) -> None:
@@ -268,14 +277,15 @@ class GatedDeltaNet(nn.Module):
         window = extend_window(conv_state, slot, qkv, prefix)  # [C, K - 1 + n]
         q, k, v = self._qkv(causal_conv(self.conv1d, window[None], n)[0])
         # heads first: [Hv, n, ..]
-        q, k, v = (x.transpose(0, 1) for x in (q, k, v))
-        g, beta = g.t(), beta.t()
+        q, k, v, g = (x.transpose(0, 1) for x in (q, k, v, g))
+        beta = beta.t()
         s = rec_state[slot] if prefix else torch.zeros_like(rec_state[slot])  # [Hv, dk, dv]
         o = torch.empty_like(v)
+        block = _delta_block if g.dim() == 2 else _channel_delta_block
         lo = 0
         while lo < n:  # blocks aligned to absolute positions
             hi = min(n, lo + d.chunk_size - (prefix + lo) % d.chunk_size)
-            o[:, lo:hi], s = _delta_block(
+            o[:, lo:hi], s = block(
                 q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], s
             )
             lo = hi
@@ -295,7 +305,8 @@ class GatedDeltaNet(nn.Module):
             return out
         window = step_window(conv_state, slots, qkv)
         q, k, v = self._qkv(causal_conv(self.conv1d, window, 1)[:, 0])  # [B, Hv, ..]
-        s = rec_state[slots] * torch.exp(g)[..., None, None]  # [B, Hv, dk, dv]
+        decay = torch.exp(g)  # per head [B, Hv] (or per key channel [B, Hv, dk]: S's rows)
+        s = rec_state[slots] * (decay[..., None] if g.dim() == 3 else decay[..., None, None])
         delta = (v - torch.einsum("bhkv,bhk->bhv", s, k)) * beta[..., None]
         s = s + k[..., None] * delta[..., None, :]
         rec_state[slots] = s
@@ -326,4 +337,28 @@ def _delta_block(q, k, v, g, beta, s) -> tuple[torch.Tensor, torch.Tensor]:
         s * torch.exp(last)[..., None]
         + (k * torch.exp(last - cum)[..., None]).transpose(1, 2) @ v_new
     )
+    return o, s
+
+
+def _channel_delta_block(q, k, v, g, beta, s) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_delta_block`` with a decay per key channel (Kimi Delta Attention's): g [H, L, dk]. The
+    decay between positions i >= j, ``exp(cum_i - cum_j)``, is then a vector over the channels
+    inside each product ([H, L, L, dk]: the channels' decays do not factor out of the block's
+    products), so blocks of such a layer are kept short (``kimi_delta.CHUNK``)."""
+    L = q.shape[1]
+    cum = torch.cumsum(g, dim=1)  # [H, L, dk]
+    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    diff = (cum[:, :, None, :] - cum[:, None, :, :]).masked_fill(~causal[..., None], -torch.inf)
+    decay = torch.exp(diff)  # [H, L, L, dk]
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    system = torch.einsum("hic,hjc,hijc->hij", k_beta, k, decay)  # diagonal taken as 1
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(
+        system, k_beta * torch.exp(cum), upper=False, unitriangular=True
+    )
+    v_new = u - w @ s  # [H, L, dv]
+    attn = torch.einsum("hic,hjc,hijc->hij", q, k, decay)
+    o = (q * torch.exp(cum)) @ s + attn @ v_new
+    last = cum[:, -1:, :]  # [H, 1, dk]
+    s = s * torch.exp(last).transpose(1, 2) + (k * torch.exp(last - cum)).transpose(1, 2) @ v_new
     return o, s

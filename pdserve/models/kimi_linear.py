@@ -27,7 +27,7 @@ from pdserve.distributed import SINGLE, TPGroup
 from pdserve.kv_spec import CacheSpec
 from pdserve.layers.float32_params import Float32Params
 from pdserve.layers.gated_deltanet import GatedDeltaNetDims
-from pdserve.layers.kimi_delta import KimiDeltaRule, KimiGatedNorm
+from pdserve.layers.kimi_delta import CHUNK, KimiDeltaGates, KimiGatedNorm
 from pdserve.layers.linear import Linear
 from pdserve.layers.moe.router import GroupedSigmoidTopK, Router
 from pdserve.layers.norm import RMSNorm
@@ -51,10 +51,11 @@ def kda_dims(config) -> GatedDeltaNetDims:
         value_dim=dim,
         conv_kernel=config.linear_conv_kernel_dim,
         eps=config.rms_norm_eps,
+        chunk_size=CHUNK,
     )
 
 
-class KimiDeltaAttention(Float32Params, KimiDeltaRule, OlmoGatedDeltaNet):
+class KimiDeltaAttention(Float32Params, KimiDeltaGates, OlmoGatedDeltaNet):
     """A KDA layer in Kimi-Linear's checkpoint layout: q, k and v apart with their convolutions
     (``OlmoGatedDeltaNet``'s), the forget gate's ``f_a_proj`` / ``f_b_proj``, ``dt_bias`` (one per
     channel) and ``A_log`` ([1, 1, H, 1]), ``b_proj``, the output gate's ``g_a_proj`` /
