@@ -7,6 +7,12 @@ Colocated: ``--ep-size 2`` (all-to-all dispatch), DP attention + EP under both
 ``--moe-a2a-backend`` values (one with ``--moe-dense-tp-size 1``), and TP inside the expert
 groups (``--tp-size 4 --ep-size 2``). PD: prefill tp2 -> decode tp2 dp2 (DP attention) ep2, and
 prefill tp1 -> decode tp2 ep2.
+
+The other MoE families on the layouts of a PD pair, against HF's float32 tokens: a two-rank
+prefill with EP (heads, experts and any recurrent state split over the ranks) to a decode of two
+DP-attention ranks with EP (a whole attention and state per rank, half the experts each, tokens
+exchanged over the all-to-all): Kimi-Linear and Jamba (hybrids with a state per request),
+Granite MoE, ERNIE 4.5 MoE, Hunyuan MoE and PhiMoE.
 """
 
 from __future__ import annotations
@@ -193,3 +199,43 @@ def test_expert_layout_the_model_cannot_take_is_a_start_up_error(moe_model, tmp_
             bad.start()
     finally:
         bad.stop()
+
+
+# MoE families through PD from an expert-parallel prefill to a DP-attention decode
+EP_FAMILIES = ["kimi_linear", "jamba", "granite_moe", "ernie4_5_moe", "hunyuan_moe", "phimoe"]
+FLOAT32_PD = [
+    "--dtype", "float32", "--page-size", "16", "--max-total-tokens", "4096",
+    "--chunked-prefill-size", "24", *c.PD_TIMEOUTS,
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=EP_FAMILIES)
+def family_ep(request, tmp_path_factory):
+    logs = tmp_path_factory.mktemp(f"pd-ep-{request.param}")
+    path = build_tiny_checkpoint(request.param)
+    ep = ["--tp-size", "2", "--ep-size", "2"]
+    servers = {
+        "P": c.prefill("P", path, logs, *FLOAT32_PD, *ep)[0],
+        "D": c.decode("D", path, logs, *FLOAT32_PD, *DP_EP, "--moe-a2a-backend", "torch"),
+    }
+    for procs in c.running(servers):
+        yield request.param, procs
+
+
+def test_families_from_expert_parallel_prefill_to_dp_attention_decode(family_ep):
+    import random
+
+    from tests.e2e.test_engine_moe import hf_reference
+
+    family, servers = family_ep
+    P, D = servers["P"], servers["D"]
+    rng = random.Random(41)
+    for n in (3, 25, 70):
+        ids = [rng.randrange(100, 40000) for _ in range(n)]
+        body = c.greedy_body(ids, NEW_TOKENS, P, rng.randrange(2**63))
+        rp, rd = c.post_pd(P, D, body)
+        assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+        want, _ = hf_reference(build_tiny_checkpoint(family), ids, NEW_TOKENS)
+        assert rd.json()["output_ids"] == want, f"{family}: prompt of {n} tokens"
+    for proc in (P, D):
+        idle(proc)
