@@ -112,8 +112,8 @@ class HybridCausalLM(LlamaForCausalLM):
             attn = getattr(layer, "self_attn", None)
             if mixer is not None:
                 specs.append(mixer.state_spec(dtype))
-            elif attn is not None:
-                specs.append(attention_spec(attn))
+            elif attn is not None:  # latent attention names its own caches
+                specs.append(getattr(attn, "cache_specs", None) or attention_spec(attn))
             else:
                 specs.append(None)
         return specs

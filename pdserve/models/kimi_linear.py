@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from pdserve.distributed import SINGLE, TPGroup
-from pdserve.kv_spec import CacheSpec
 from pdserve.layers.float32_params import Float32Params
 from pdserve.layers.gated_deltanet import GatedDeltaNetDims
 from pdserve.layers.kimi_delta import CHUNK, KimiDeltaGates, KimiGatedNorm
@@ -192,12 +191,3 @@ class KimiLinearForCausalLM(HybridCausalLM, DeepseekV3ForCausalLM):
             bool(getattr(config, "norm_topk_prob", True)),
             config.routed_scaling_factor,
         )
-
-    def kv_cache_specs(self) -> list[tuple[CacheSpec, ...]]:
-        dtype = str(self.model.norm.weight.dtype).replace("torch.", "")
-        return [
-            (layer.linear_attn.state_spec(dtype),)
-            if layer.self_attn is None
-            else layer.self_attn.cache_specs
-            for layer in self.model.own_layers
-        ]

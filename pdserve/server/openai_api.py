@@ -194,7 +194,7 @@ async def completions(request: Request, tm: TokenizerManager) -> Response:
 
 
 # ---- chat ----------------------------------------------------------------------------------
-def chat_logprobs(tm: TokenizerManager, pairs, tops) -> dict[str, list]:
+def _chat_logprobs(tm: TokenizerManager, pairs, tops) -> dict[str, list]:
     def entry(lp: float, tid: int) -> dict[str, Any]:
         text = tm.token_text(tid)
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
@@ -205,6 +205,14 @@ def chat_logprobs(tm: TokenizerManager, pairs, tops) -> dict[str, list]:
             for j, (lp, tid) in enumerate(pairs)
         ]
     }
+
+
+def output_logprobs(tm: TokenizerManager, top: Optional[int], s: ReqState, start: int):
+    """Chat's ``logprobs`` of ``s``'s output tokens from ``start`` on; None when not asked
+    (``top`` None)."""
+    if top is None:
+        return None
+    return _chat_logprobs(tm, s.output_token_logprobs[start:], s.output_top_logprobs[start:])
 
 
 def _chat_setup(tm: TokenizerManager, req: ChatRequest) -> ChatSetup:
@@ -343,11 +351,6 @@ async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
         "model": model_name(tm, req.model),
     }
 
-    def logprobs(s: ReqState, start: int) -> Optional[dict]:
-        if top is None:
-            return None
-        return chat_logprobs(tm, s.output_token_logprobs[start:], s.output_top_logprobs[start:])
-
     want_timeline = timeline.requested(request.headers)
 
     def chunk_choice(
@@ -356,7 +359,7 @@ async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
         delta = outputs[i].feed(text)
         if s.finished:
             delta = merge_deltas(delta, outputs[i].finish())
-        lp = logprobs(s, token_start)
+        lp = output_logprobs(tm, top, s, token_start)
         if not (first or delta or lp or s.finished):
             return None  # text held back (it may be a marker)
         if first:
@@ -396,7 +399,7 @@ async def chat_completions(request: Request, tm: TokenizerManager) -> Response:
                 {
                     "index": i,
                     "message": message,
-                    "logprobs": logprobs(s, 0),
+                    "logprobs": output_logprobs(tm, top, s, 0),
                     "finish_reason": out.finish_reason(finish_reason(s.finish_reason)),
                     "matched_stop": matched_stop(s.finish_reason),
                 },

@@ -34,7 +34,7 @@ from pdserve.server.errors import APIError, bad_request
 from pdserve.server.openai_api import (
     ChatRun,
     chat_deltas,
-    chat_logprobs,
+    output_logprobs,
     start_chat,
     whole_delta,
 )
@@ -193,10 +193,8 @@ def _cut_short(state: ReqState) -> bool:
 
 def _logprobs(tm: TokenizerManager, run: ChatRun, state: ReqState, start: int) -> list[dict]:
     """Chat's logprob entries of the output tokens from ``start`` on (none unless asked)."""
-    if run.top is None:
-        return []
-    pairs, tops = state.output_token_logprobs[start:], state.output_top_logprobs[start:]
-    return chat_logprobs(tm, pairs, tops)["content"]
+    lp = output_logprobs(tm, run.top, state, start)
+    return [] if lp is None else lp["content"]
 
 
 # ---- the response object ---------------------------------------------------------------------
