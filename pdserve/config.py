@@ -17,6 +17,7 @@ from pdserve import envs
 from pdserve.hicache_args import check_hicache_args
 from pdserve.lora_args import check_lora_args
 from pdserve.moe_args import MOE_A2A_BACKENDS, MOE_RUNNER_BACKENDS, check_moe_args, moe_options
+from pdserve.multimodal.args import check_image_args
 from pdserve.peers import MigrationPeers
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -152,6 +153,16 @@ class ServerArgs:
     lora_paths: Optional[list[str]] = None
     max_lora_rank: int = 64
     max_loaded_loras: int = 16
+    # images (pdserve/multimodal/; a vision-language model): data: URLs, and file: URLs under
+    # --allowed-local-media-path only (no network fetch); per request at most this many images,
+    # each at most this many bytes encoded and pixels decoded
+    allowed_local_media_path: Optional[str] = None
+    max_images_per_request: int = 8
+    max_image_bytes: int = 20 * 2**20
+    max_image_pixels: int = 8192 * 8192
+    # no vision tower on this server (SGLang's flag): a decode server of a vision-language model,
+    # whose prompts' KV come from prefill
+    language_only: bool = False
     # speculative decoding (SGLang's flags; engine/speculative/): NGRAM proposes the tokens that
     # followed the latest earlier occurrence of the sequence's last n tokens, STANDALONE a draft
     # model's greedy tokens
@@ -276,6 +287,7 @@ class ServerArgs:
         if not self.model_path:
             bad("model_path", "is required")
         check_lora_args(self, bad)
+        check_image_args(self, bad)
         if self.grammar_backend in GRAMMAR_BACKENDS:
             from pdserve.grammar import resolve_backend
 

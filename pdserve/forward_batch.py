@@ -86,6 +86,12 @@ class ForwardBatch:
     index_selection: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     # per request: the slot of the LoRA adapter it runs under (-1: the base model); None: none
     adapters: Optional[list[int]] = None
+    # image tokens of this forward: (their rows among the T tokens [N], their embeddings
+    # [N, hidden]) that replace the token embeddings there (a vision-language model)
+    image_embeds: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    # multimodal RoPE: each token's (time, height, width) positions [3, T] when some token's
+    # differ (an image's); None: ``positions`` on every axis
+    rope_positions: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:

@@ -310,6 +310,14 @@ class DecodeQueues(PDQueues):
                 f"{req.bootstrap_room}; the KV cannot be trusted",
             )
             return
+        if row.rope_delta != req.rope_delta:
+            self._fail(
+                req,
+                f"prefill computed the prompt's positions shifted by {row.rope_delta} past its "
+                f"images, this decode by {req.rope_delta}: their image processors differ",
+                status=500,
+            )
+            return
         req.mark("kv_received")
         self.transfer.remove(req)
         self.meta.clear_row(st.slot)

@@ -26,8 +26,9 @@ MIN_ROW_BYTES = 64
 ALIGN = 64
 MAX_SPEC_TOPK = MAX_EAGLE_TOPK
 
-# output_ids row: [0] first token, [1] number of top logprobs, [2] 1 if a logprob was written
-_OUT_TOKEN, _OUT_NUM_TOP, _OUT_HAS_LOGPROB = 0, 1, 2
+# output_ids row: [0] first token, [1] number of top logprobs, [2] 1 if a logprob was written,
+# [3] the prompt's multimodal RoPE shift (engine/images.py: every later position's)
+_OUT_TOKEN, _OUT_NUM_TOP, _OUT_HAS_LOGPROB, _OUT_ROPE_DELTA = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class MetadataRow:
     topk_p: list[float]
     topk_index: list[int]
     hidden_states: Optional[torch.Tensor]
+    rope_delta: int = 0
 
 
 def _fields(hidden_size: int, hidden_dtype: torch.dtype) -> list[tuple[str, torch.dtype, int]]:
@@ -136,6 +138,7 @@ class MetadataBuffers:
         topk_p: Optional[Sequence[float]] = None,
         topk_index: Optional[Sequence[int]] = None,
         hidden_states: Optional[torch.Tensor] = None,
+        rope_delta: int = 0,
     ) -> None:
         b = self.buffers
         top = list(top_logprobs or [])
@@ -148,6 +151,7 @@ class MetadataBuffers:
                 b[name][slot].zero_()
         b["output_ids"][slot, _OUT_TOKEN] = first_token
         b["output_ids"][slot, _OUT_NUM_TOP] = len(top)
+        b["output_ids"][slot, _OUT_ROPE_DELTA] = rope_delta
         if logprob is not None:
             b["output_ids"][slot, _OUT_HAS_LOGPROB] = 1
             b["output_token_logprobs_val"][slot, 0] = logprob
@@ -197,6 +201,7 @@ class MetadataBuffers:
             hidden_states=b["output_hidden_states"][slot, : self.hidden_size].clone()
             if "output_hidden_states" in b
             else None,
+            rope_delta=ids[_OUT_ROPE_DELTA],
         )
 
     def row_room(self, slot: int) -> int:

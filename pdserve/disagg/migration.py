@@ -163,6 +163,7 @@ class MigrationOut:
             logprob=logprob,
             top_logprobs=top,
             cached_tokens=(req.cached_tokens, req.cached_tokens, 0, 0),
+            rope_delta=req.rope_delta,
             # a draft head's next draft and hidden state; a draft model's KV is in the pages
             **(req.spec.metadata_fields() if req.spec is not None else {}),
         )

@@ -475,6 +475,7 @@ class PrefillQueues(PDQueues):
             logprob=logprob,
             top_logprobs=top,
             cached_tokens=(req.cached_tokens, req.cached_tokens, 0, 0),
+            rope_delta=req.rope_delta,
             # a draft head's first draft and hidden state (engine/speculative/eagle.py)
             **(req.spec.metadata_fields() if req.spec is not None else {}),
         )

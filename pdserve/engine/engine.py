@@ -75,6 +75,7 @@ class Engine:
         logprob_start_len,
         return_routed_experts=False,
         lora_path=None,
+        image_data=None,
     ):
         if (prompt is None) == (input_ids is None):
             raise ValueError("prompt/input_ids: give exactly one of them")
@@ -117,8 +118,10 @@ class Engine:
             a is None or isinstance(a, str) for a in adapters
         ):
             raise ValueError("lora_path: an adapter name (or None), or a list of one per prompt")
+        per_prompt = self._images(image_data, ids_list)
         reqs = []
-        for ids, sp, grammar, adapter in zip(ids_list, sps, grammars, adapters):
+        for ids, sp, grammar, adapter, pics in zip(ids_list, sps, grammars, adapters, per_prompt):
+            ids, images = self._expand(ids, pics)
             for _ in range(sp.n):
                 spec = RequestSpec(
                     rid=uuid.uuid4().hex,
@@ -130,11 +133,47 @@ class Engine:
                     return_routed_experts=return_routed_experts,
                     grammar=grammar,
                     lora_name=adapter,
+                    images=images or None,
                 )
                 reqs.append(Req.from_spec(spec))
         for req in reqs:
             self.scheduler.validate(req)
         return single and len(reqs) == 1, reqs
+
+    @staticmethod
+    def _images(image_data, ids_list: list) -> list:
+        """One list of images per prompt (a single prompt's list, or a list of such lists)."""
+        if image_data is None:
+            return [[] for _ in ids_list]
+        if not isinstance(image_data, list):
+            raise ValueError("image_data: a list of images, or one list per prompt")
+        nested = bool(image_data) and all(isinstance(x, list) for x in image_data)
+        lists = image_data if nested else [image_data]
+        if len(lists) != len(ids_list):
+            raise ValueError(f"image_data: {len(lists)} list(s) for {len(ids_list)} prompt(s)")
+        return lists
+
+    def _expand(self, ids: list[int], pics: list) -> tuple[list[int], list]:
+        """The prompt's image placeholders expanded for ``pics`` (PIL images, encoded bytes or
+        data/file URLs), and the images as the request carries them."""
+        if not pics:
+            return ids, []
+        from pdserve.multimodal.images import ImageLimits, decode_image, read_image_bytes
+        from pdserve.multimodal.processor import ImageProcessor
+
+        if getattr(self, "image_processor", None) is None:
+            config = self.scheduler.runner.hf_config
+            self.image_processor = ImageProcessor(self.server_args.model_path, config)
+        limits = ImageLimits(local_path="/")
+        loaded = []
+        for i, pic in enumerate(pics):
+            where = f"image_data[{i}]"
+            if isinstance(pic, str):
+                pic = read_image_bytes(pic, limits, where)
+            if isinstance(pic, (bytes, bytearray)):
+                pic = decode_image(bytes(pic), limits, where)
+            loaded.append(pic.convert("RGB"))
+        return self.image_processor.expand(ids, loaded)
 
     def generate(
         self,
@@ -146,10 +185,13 @@ class Engine:
         logprob_start_len: int = -1,
         return_routed_experts: bool = False,
         lora_path: Union[str, list, None] = None,
+        image_data: Optional[list] = None,
     ) -> Union[dict, list[dict]]:
         """``return_routed_experts``: ``meta_info["routed_experts"]`` as the server's (base64, see
         ``engine/routed_experts.py``); needs ``enable_return_routed_experts=True``.
-        ``lora_path``: the LoRA adapter (its name; None: the base model), or one per prompt."""
+        ``lora_path``: the LoRA adapter (its name; None: the base model), or one per prompt.
+        ``image_data``: a prompt's images (PIL images, encoded bytes, data: or file: URLs) for
+        its image placeholders in order, or one list per prompt (a vision-language model)."""
         single, reqs = self._make_reqs(
             prompt,
             input_ids,
@@ -159,6 +201,7 @@ class Engine:
             logprob_start_len,
             return_routed_experts,
             lora_path,
+            image_data,
         )
         for req in reqs:
             self.scheduler.add_request(req)

@@ -180,7 +180,7 @@ class KVCacheManager:
     def cached_pages(self, req: Req, max_pages: int) -> int:
         """Pages of ``req``'s prefix the tree holds (no lock taken; LRU times refreshed)."""
         pages, _ = self.tree.match_prefix(
-            req.all_ids, max_pages=max_pages, namespace=self.namespace_of(req, req.seq_len)
+            req.cache_ids, max_pages=max_pages, namespace=self.namespace_of(req, req.seq_len)
         )
         return len(pages)
 
@@ -209,8 +209,8 @@ class KVCacheManager:
         False (nothing held) when it does not fit now."""
         namespace = self.namespace_of(req, req.seq_len)
         if self.tier is not None:  # the match continues below the pool
-            self.tier.fill(self, req.all_ids, max_pages, namespace)
-        pages, node, restore = self._match(req.all_ids, max_pages, namespace)
+            self.tier.fill(self, req.cache_ids, max_pages, namespace)
+        pages, node, restore = self._match(req.cache_ids, max_pages, namespace)
         self.tree.inc_lock(node)
         cached = len(pages[self.anchor])
         req.kv = KVSlots(
@@ -261,7 +261,7 @@ class KVCacheManager:
                 given[g] = self.policies[g].tree_items(kv.pages[g], full, length, kv.computed_from)
             cached = [given[g] for g in self.cached_groups]
             self.tree.insert(
-                req.all_ids[: full * self.page_size],
+                req.cache_ids[: full * self.page_size],
                 cached[0],
                 cached[1:],
                 namespace=kv.namespace,
@@ -315,8 +315,8 @@ class KVCacheManager:
         n = req.seq_len  # the prompt (and, for a request moved mid-generation, its output so far)
         namespace = self.namespace_of(req, n)  # prefill computes the prompt
         if self.tier is not None:
-            self.tier.fill(self, req.all_ids, (n - 1) // self.page_size, namespace)
-        pages, node, _ = self._match(req.all_ids, (n - 1) // self.page_size, namespace)
+            self.tier.fill(self, req.cache_ids, (n - 1) // self.page_size, namespace)
+        pages, node, _ = self._match(req.cache_ids, (n - 1) // self.page_size, namespace)
         cached = len(pages[self.anchor])
         node = node if cached else None
         counts = self.transfer_counts(n, cached)

@@ -74,6 +74,7 @@ class ModelRunner:
             par=par,
             moe=args.moe_options(),
             model_cls=model_cls,
+            language_only=args.language_only,
         )
         if self.ops is not None:
             self.model.use_cpu_kernels(self.ops)

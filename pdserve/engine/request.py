@@ -17,6 +17,7 @@ from typing import Any, Optional
 import msgspec
 
 from pdserve.grammar import GrammarSpec
+from pdserve.multimodal.inputs import ImageInput
 
 MAX_TOP_LOGPROBS = 20
 # a temperature below this samples greedily, as in SGLang (``SamplingParams.is_greedy``)
@@ -218,6 +219,8 @@ class Generation(msgspec.Struct, kw_only=True):
     priority: Optional[int] = None
     # the LoRA adapter it runs under (its name; None: the base model)
     lora_name: Optional[str] = None
+    # images whose placeholder tokens the prompt holds, in prompt order (a vision-language model)
+    images: Optional[list[ImageInput]] = None
 
 
 class RequestSpec(Generation, kw_only=True):
@@ -305,6 +308,13 @@ class Req:
     lora_name: Optional[str] = None
     lora_slot: int = -1
     lora_key: int = 0
+    # images (engine/images.py): what the prompt's placeholders show, the prompt's multimodal
+    # RoPE positions [3, prompt_len] (None: a token's slot on every axis) and the shift of every
+    # position past the prompt, and each image's embeddings while its tokens are computed
+    images: Optional[list[ImageInput]] = None
+    rope_positions: Any = None
+    rope_delta: int = 0
+    image_embeds: dict = field(default_factory=dict)
 
     output_ids: list[int] = field(default_factory=list)
     resumed: bool = False  # moved here mid-generation: ``output_ids`` came with it
@@ -361,6 +371,7 @@ class Req:
             grammar_start_after=spec.grammar_start_after,
             priority=spec.priority or 0,
             lora_name=spec.lora_name,
+            images=spec.images,
             output_ids=list(spec.resume_output_ids or []),
             resumed=spec.resume_output_ids is not None,
         )
@@ -379,6 +390,7 @@ class Req:
             grammar_start_after=self.grammar_start_after,
             priority=self.priority,
             lora_name=self.lora_name,
+            images=self.images,
         )
 
     def mark(self, event: str) -> None:
@@ -387,6 +399,17 @@ class Req:
     @property
     def all_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """``all_ids`` as the prefix cache keys them: an image's placeholder tokens stand for
+        that image (``ImageInput.cache_key``), so only the same image at the same place hits."""
+        if not self.images:
+            return self.all_ids
+        ids = self.all_ids
+        for image in self.images:
+            ids[image.offset : image.end] = [image.cache_key] * image.tokens
+        return ids
 
     @property
     def seq_len(self) -> int:

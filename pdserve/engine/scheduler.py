@@ -23,7 +23,7 @@ import torch
 
 from pdserve.config import ServerArgs
 from pdserve.distributed import SINGLE_RANK, Parallel
-from pdserve.engine import admission, dp_attention
+from pdserve.engine import admission, dp_attention, images
 from pdserve.engine.commit import Committer, Drawn, not_finite, record_input_logprobs
 from pdserve.engine.grammar_masks import GrammarMasks
 from pdserve.engine.kv_cache import KVCacheManager
@@ -176,6 +176,7 @@ class Scheduler:
         self.validate(req)
         if req.lora_name is not None:
             req.lora_slot, req.lora_key = request_adapter(self.runner.lora, req.lora_name)
+        images.prepare(req, self.runner.model, self.args.disaggregation_mode != "decode")
         if req.grammar_spec is not None:
             req.grammar = self.grammars.for_request(req.grammar_spec, req.grammar_start_after)
         req.sampling.max_new_tokens = min(

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pdserve.engine import images
 from pdserve.engine.request import Req
 from pdserve.engine.speculative.tree import tree_layout
 from pdserve.forward_batch import TreeMask
@@ -52,6 +53,10 @@ class StepPlan:
     logits_rows: list[int] = field(default_factory=list)  # token indices whose logits are read
     spans: list[LogprobSpan] = field(default_factory=list)
     trees: dict[int, TreeMask] = field(default_factory=dict)  # row index -> a tree row's mask
+    # rows covering image tokens: (request, first slot, tokens, first index in the forward)
+    image_rows: list[tuple[Req, int, int, int]] = field(default_factory=list)
+    # (first index in the forward, [3, n] positions) of rows whose three RoPE axes differ
+    rope_rows: list[tuple[int, object]] = field(default_factory=list)
 
     @classmethod
     def build(cls, batch: list[tuple[Req, int]]) -> "StepPlan":
@@ -67,8 +72,14 @@ class StepPlan:
         if req.draft_parents is not None and req.drafts:  # a tree: positions by depth
             positions, self.trees[i] = tree_layout(req, ext)
             self.positions.extend(positions)
-        else:
+        elif req.rope_positions is None and not req.rope_delta:
             self.positions.extend(range(start, start + ext))
+        else:  # a prompt with images (engine/images.py)
+            positions, three = images.positions(req, start, ext)
+            self.positions.extend(positions)
+            if three is not None:
+                self.rope_rows.append((first, three))
+                self.image_rows.append((req, start, ext, first))
         if req.return_logprob and not req.input_logprobs_done:
             # logits at position p predict prompt token p + 1
             lo = max(start, req.effective_logprob_start - 1)
@@ -114,4 +125,11 @@ class StepPlan:
         )
         if any(row.req.lora_slot >= 0 for row in self.rows):
             fb.adapters = [row.req.lora_slot for row in self.rows]
+        if self.image_rows:
+            fb.image_embeds = images.splice(self.image_rows, runner.model)
+        if self.rope_rows:
+            three = fb.positions.expand(3, -1).clone()
+            for first, rows in self.rope_rows:
+                three[:, first : first + rows.shape[1]] = rows
+            fb.rope_positions = three
         return fb

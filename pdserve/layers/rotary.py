@@ -44,7 +44,7 @@ _ROPE_FIELDS = {
     "proportional": (),
 }
 # older names HF still reads
-_ROPE_ALIASES = {"su": "longrope"}
+_ROPE_ALIASES = {"su": "longrope", "mrope": "default"}
 SUPPORTED_ROPE_TYPES = tuple(_ROPE_FIELDS)
 DEFAULT_ROPE_THETA = 10000.0
 
@@ -310,3 +310,46 @@ def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     c, s = cos[:, None, :half], sin[:, None, :half]  # x: [T, heads, r]
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def mrope_axes(section: list[int], interleaved: bool) -> torch.Tensor:
+    """Which position axis (0: time, 1: height, 2: width) turns each frequency of M-RoPE: in
+    consecutive runs of ``section`` (Qwen2-VL, Qwen2.5-VL), or interleaved t, h, w, t, h, w, ...
+    within three times each spatial section (Qwen3-VL's ``mrope_interleaved``)."""
+    half = sum(section)
+    if not interleaved:
+        return torch.cat([torch.full((n,), i % 3, device="cpu") for i, n in enumerate(section)])
+    axes = torch.zeros(half, dtype=torch.long, device="cpu")
+    for axis in (1, 2):
+        axes[axis : section[axis] * 3 : 3] = axis
+    return axes
+
+
+class MRopeEmbedding(RotaryEmbedding):
+    """Multimodal RoPE: each token has a (time, height, width) position; frequency j turns by
+    the axis ``mrope_axes`` gives it. A text token's three positions are equal, so a batch
+    without image tokens (``ForwardBatch.rope_positions`` None) takes the plain tables."""
+
+    def __init__(self, head_dim: int, params: dict, initial_positions: int, section, interleaved):
+        super().__init__(head_dim, params, initial_positions)
+        if sum(section) != head_dim // 2:
+            raise ValueError(
+                f"mrope_section: {list(section)} sums to {sum(section)}; the rotary dims "
+                f"({head_dim}) need {head_dim // 2}"
+            )
+        # [head_dim], as the tables repeat their halves (a list: the model is built on the meta
+        # device)
+        half = mrope_axes(list(section), interleaved).tolist()
+        self.axes = half + half
+
+    def tables(self, fb) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = getattr(fb, "rope_positions", None)
+        if positions is None:
+            self.reserve(max(int(fb.positions.max()) + 1, 1), fb.positions.device)
+            return self(fb.positions)
+        self.reserve(int(positions.max()) + 1, positions.device)
+        tokens = torch.arange(positions.shape[1], device=positions.device)[:, None]
+        axes = torch.tensor(self.axes, device=positions.device)[None, :]
+        dims = torch.arange(self.head_dim, device=positions.device)[None, :]
+        picked = positions[axes, tokens]  # [T, head_dim]: each dim's axis position
+        return self._cos[picked, dims], self._sin[picked, dims]

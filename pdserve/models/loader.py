@@ -138,14 +138,18 @@ def load_model(
     par: Optional[Parallel] = None,
     moe: Any = None,
     model_cls: Optional[type] = None,
+    language_only: bool = False,
 ) -> tuple[nn.Module, object]:
     """(model in eval mode on ``device``, HF config); with ``tp``, this rank's shard of it (only
-    that shard is read from the checkpoint); ``model_cls`` instead of the config's architecture."""
+    that shard is read from the checkpoint); ``model_cls`` instead of the config's architecture;
+    ``language_only``: a vision-language model without its vision tower."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(
             f"load_format: must be 'auto', 'safetensors' or 'dummy', got {load_format!r}"
         )
     hf_config = load_config(model_path)
+    if language_only:
+        hf_config.language_only = True  # read by the model's constructor
     cls = model_cls or model_class(hf_config)  # a speculative head's class, its config a Llama's
     torch_dtype = resolve_dtype(hf_config, dtype)
     with torch.device("meta"):

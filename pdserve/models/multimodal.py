@@ -28,6 +28,16 @@ TEXT_MODELS = {
     "MiniMaxM3SparseForConditionalGeneration": "MiniMaxM3VLForCausalLM",
     "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
 }
+# vision-language architectures served with their images (the model class takes the tower):
+# the text configuration under the outer architecture's name, with ``VISION_FIELDS`` copied in
+VISION_LANGUAGE = ("Qwen2_5_VLForConditionalGeneration",)
+VISION_FIELDS = (
+    "vision_config",
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+)
 # where a multimodal checkpoint keeps its language model's tensors: prefix -> the text checkpoint's
 DEFAULT_PREFIXES = {"model.language_model.": "model.", "lm_head.": "lm_head."}
 TEXT_PREFIXES = {
@@ -50,6 +60,9 @@ def text_model_config(config) -> Any:
     """``config`` itself, or, for a multimodal architecture of ``TEXT_MODELS``, its text model's
     configuration named as the text class (``SOURCE_FIELD`` telling where it came from)."""
     archs = list(getattr(config, "architectures", None) or [])
+    vlm = next((a for a in archs if a in VISION_LANGUAGE), None)
+    if vlm is not None:
+        return _vision_language_config(config, vlm)
     outer = next((a for a in archs if a in TEXT_MODELS), None)
     if outer is None:
         return config
@@ -63,6 +76,19 @@ def text_model_config(config) -> Any:
         text.tie_word_embeddings = config.tie_word_embeddings
     text.architectures = [TEXT_MODELS[outer]]
     setattr(text, SOURCE_FIELD, outer)
+    return text
+
+
+def _vision_language_config(config, arch: str) -> Any:
+    text = getattr(config, "text_config", None)
+    if text is None:
+        raise ValueError(f"{arch}: the configuration has no text_config")
+    for field in OUTER_FIELDS + ("tie_word_embeddings",):
+        if getattr(text, field, None) is None and getattr(config, field, None) is not None:
+            setattr(text, field, getattr(config, field))
+    for field in VISION_FIELDS:
+        setattr(text, field, getattr(config, field, None))
+    text.architectures = [arch]
     return text
 
 

@@ -525,6 +525,30 @@ def server_facts(tm) -> dict[str, dict]:
         if tm.server_args.enable_lora
         else {"type": "null"},
         "RoutedDPRank": {"type": "integer", "minimum": 0, "maximum": tm.dp_size - 1},
+        # images: only a vision-language model takes them (pdserve/multimodal/)
+        "ImagePart": {
+            "type": "object",
+            "required": ["type", "image_url"],
+            "properties": {
+                "type": {"const": "image_url"},
+                "image_url": {
+                    "type": "object",
+                    "required": ["url"],
+                    "properties": {"url": {"type": "string", "description": "a data: URL"}},
+                },
+            },
+        }
+        if tm.takes_images
+        else {"not": {}},
+        "ImageData": {
+            "anyOf": [
+                {"type": "null"},
+                {"type": "string"},
+                {"type": "array", "items": {"type": ["string", "array"]}},
+            ]
+        }
+        if tm.takes_images
+        else {"type": "null"},
     }
 
 

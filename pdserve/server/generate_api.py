@@ -162,6 +162,17 @@ class GenerateRequest(PDBody):
     lora_path: Annotated[Any, LORA.per_item("the LoRA adapter's name (null: the base model)")] = (
         None
     )
+    # SGLang's: a prompt's images for its image placeholders in order (data: or file: URLs, or
+    # base64), one list per prompt of a batch
+    image_data: Annotated[
+        Any,
+        msgspec.Meta(
+            extra_json_schema={
+                "$ref": "#/components/schemas/ImageData",
+                "description": "images (data: URLs or base64), one list per prompt of a batch",
+            }
+        ),
+    ] = None
     # (bootstrap_host/port/room, routed_dp_rank, disagg_prefill_dp_rank: PDBody's)
 
 
@@ -201,6 +212,38 @@ def _per_item(name: str, value: Any, size: int, batch: bool, check: Check) -> li
     return values
 
 
+def _image_urls(image_data: Any, size: int, batch: bool) -> list[list[tuple[str, str]]]:
+    """Each prompt's images as (url, field) pairs; bare base64 is read as a data URL."""
+    if image_data is None:
+        return [[] for _ in range(size)]
+    if isinstance(image_data, str):
+        image_data = [image_data]
+    if not isinstance(image_data, list):
+        raise bad_request("image_data: must be a string or a list")
+    nested = batch or (image_data and all(isinstance(x, list) for x in image_data))
+    lists = image_data if nested else [image_data]
+    if len(lists) != size:
+        raise bad_request(f"image_data: {len(lists)} list(s) of images for {size} prompt(s)")
+    out = []
+    for i, items in enumerate(lists):
+        items = [items] if isinstance(items, str) else items
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            raise bad_request(f"image_data[{i}]: must be a string or a list of strings")
+        at = (lambda j: f"image_data[{i}][{j}]") if nested else (lambda j: f"image_data[{j}]")
+        out.append(
+            [
+                (
+                    u
+                    if u.startswith(("data:", "file:", "http:", "https:"))
+                    else "data:;base64," + u,
+                    at(j),
+                )
+                for j, u in enumerate(items)
+            ]
+        )
+    return out
+
+
 def _sample_count(sampling: Any) -> int:
     """``n`` of a sampling dict for laying out bootstrap rooms: 1 unless it is a valid count
     (an invalid one is reported by ``make_spec``)."""
@@ -224,11 +267,18 @@ def parse(tm: TokenizerManager, req: GenerateRequest, stream: bool) -> tuple[lis
     )
     priorities = _per_item("priority", req.priority, size, batch, PRIORITY)
     adapters = _per_item("lora_path", req.lora_path, size, batch, LORA)
+    image_urls = _image_urls(req.image_data, size, batch)
+    if any(image_urls) and not tm.takes_images:
+        raise bad_request("image_data: this model takes no images")
     n = max(_sample_count(sp) for sp in sampling)
     pd = req.pd_fields(size, n)
     specs = []
     for i, prompt in enumerate(prompts):
         sp = sampling[i] or {}
+        images = None
+        if image_urls[i] or tm.takes_images:  # placeholders expanded for the images' sizes
+            ids = tm.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+            prompt, images = tm.image_inputs(ids, image_urls[i])
         specs.append(
             tm.make_spec(
                 prompt,
@@ -244,6 +294,7 @@ def parse(tm: TokenizerManager, req: GenerateRequest, stream: bool) -> tuple[lis
                 routed_experts_start_len=re_starts[i],
                 priority=priorities[i],
                 lora_name=adapters[i],
+                images=images or None,
                 **pd[i],
             )
         )

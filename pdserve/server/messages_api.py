@@ -213,7 +213,7 @@ async def count_tokens(request: Request, tm: TokenizerManager) -> Response:
         req = await http_util.read_body(request, tm.server_args.max_body_bytes, MessagesRequest)
         if req.max_tokens is None:
             req.max_tokens = 1  # count_tokens does not take it
-        _, ids = chat_prompt(tm, to_chat(tm, req))
+        _, ids, _ = chat_prompt(tm, to_chat(tm, req))
     except APIError as e:
         return error_response(e)
     return http_util.json_response({"input_tokens": len(ids)})

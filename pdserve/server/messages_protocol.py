@@ -153,6 +153,21 @@ def _text(blocks: Any, where: str) -> str:
     return "".join(texts)
 
 
+def _image_part(block: dict[str, Any], at: str) -> dict[str, Any]:
+    """An image block as chat's ``image_url`` part (a base64 source as a data URL)."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise bad_request(f"{at}.source: must be an object")
+    if source.get("type") == "base64":
+        media, data = source.get("media_type"), source.get("data")
+        if not isinstance(media, str) or not isinstance(data, str):
+            raise bad_request(f"{at}.source: a base64 source needs a media_type and data")
+        return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": source["url"]}}
+    raise bad_request(f"{at}.source.type: must be 'base64' or 'url'")
+
+
 def chat_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if system is not None:
@@ -190,13 +205,18 @@ def chat_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
                 out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": body})
             elif kind in ("thinking", "redacted_thinking") and role == "assistant":
                 reasoning.append(block.get("thinking") or "")
+            elif kind == "image" and role == "user":
+                text.append(_image_part(block, at))
             elif kind in ("image", "document"):
-                raise bad_request(f"{at}: {kind} blocks are not supported; this model reads text")
+                raise bad_request(f"{at}: {kind} blocks are not supported here")
             else:
                 raise bad_request(f"{at}: a {kind!r} block cannot be in a {role} message")
         if role == "user" and not text and out and out[-1]["role"] == "tool":
             continue  # a turn of tool results only
-        msg: dict[str, Any] = {"role": role, "content": "".join(text)}
+        content: Any = "".join(text) if all(isinstance(t, str) for t in text) else text
+        if not isinstance(content, str):  # with images: chat's parts (openai_protocol.py)
+            content = [{"type": "text", "text": t} if isinstance(t, str) else t for t in text]
+        msg: dict[str, Any] = {"role": role, "content": content}
         if calls:
             msg["tool_calls"] = calls
         if reasoning:

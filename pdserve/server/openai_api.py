@@ -267,16 +267,17 @@ class ChatRun:
     top: Optional[int]
 
 
-def chat_prompt(tm: TokenizerManager, req: ChatRequest) -> tuple[ChatSetup, list[int]]:
-    """The request's output setup and prompt tokens (404 for another model, 400 for a bad
-    message or tool)."""
+def chat_prompt(tm: TokenizerManager, req: ChatRequest) -> tuple[ChatSetup, list[int], list]:
+    """The request's output setup, prompt tokens and images (``multimodal.inputs.ImageInput``;
+    404 for another model, 400 for a bad message, tool or image)."""
     check_model(tm, req.model)
-    messages = req.chat_messages()
+    messages, urls = req.chat_messages(images=tm.takes_images)
     setup = _chat_setup(tm, req)
     input_ids = tm.chat_input_ids(
         messages, req.continue_final_message, setup.tools, req.chat_template_kwargs
     )
-    return setup, input_ids
+    input_ids, images = tm.image_inputs(input_ids, urls)
+    return setup, input_ids, images
 
 
 def whole_delta(run: ChatRun) -> dict[str, Any]:
@@ -304,7 +305,7 @@ async def chat_deltas(
 def start_chat(tm: TokenizerManager, req: ChatRequest) -> ChatRun:
     """Validate ``req``, build its prompt and submit it (a 400 names a bad field)."""
     args = tm.server_args
-    setup, input_ids = chat_prompt(tm, req)
+    setup, input_ids, images = chat_prompt(tm, req)
     top = req.top_logprobs_num()
     grammar = _chat_grammar(tm, req, setup)
     start_after = None
@@ -333,6 +334,7 @@ def start_chat(tm: TokenizerManager, req: ChatRequest) -> ChatRun:
         lora_name=check_model(tm, req.model),
         grammar=grammar,
         grammar_start_after=start_after,
+        images=images or None,
         **req.bootstrap()[0],
     )
     states = tm.submit_all([spec])

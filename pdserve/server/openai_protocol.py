@@ -12,6 +12,7 @@ from typing import Annotated, Any, ClassVar, Optional, Union
 import msgspec
 
 from pdserve.engine.request import INT64_MAX, MAX_TOP_LOGPROBS
+from pdserve.multimodal.images import image_url_of
 from pdserve.server.errors import bad_request
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -431,7 +432,14 @@ _MESSAGE = {
     "properties": {
         "role": {"type": "string"},
         "content": {
-            "anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": _TEXT_PART}]
+            "anyOf": [
+                {"type": "string"},
+                {"type": "null"},
+                {
+                    "type": "array",
+                    "items": {"anyOf": [_TEXT_PART, {"$ref": "#/components/schemas/ImagePart"}]},
+                },
+            ]
         },
         "tool_calls": {"type": ["array", "null"], "items": _TOOL_CALL},
         "tool_call_id": {"type": ["string", "null"]},
@@ -510,29 +518,48 @@ class ChatRequest(_Sampling):
                 raise bad_request("top_logprobs: requires logprobs to be true")
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def chat_messages(self) -> list[dict[str, Any]]:
-        """Validated messages with list-of-parts contents flattened to text."""
+    def chat_messages(self, images: bool = False) -> tuple[list[dict[str, Any]], list]:
+        """Validated messages, and the (url, field) of each ``image_url`` part in order. A content
+        of parts is flattened to its text, or, where it holds an image (``images``: the model
+        takes them), kept as text parts and ``{"type": "image"}`` placeholders for the chat
+        template to place."""
         msgs = self.messages
         if msgs is None:
             raise bad_request("messages: is required")
         if not isinstance(msgs, list) or not msgs:
             raise bad_request("messages: must be a non-empty list")
-        out = []
+        out, urls = [], []
         for i, m in enumerate(msgs):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise bad_request(f"messages[{i}]: must be an object with a string 'role'")
             content = m.get("content")
             if isinstance(content, list):
-                texts = []
-                for part in content:
-                    if (
-                        not isinstance(part, dict)
-                        or part.get("type") != "text"
-                        or not isinstance(part.get("text"), str)
-                    ):
-                        raise bad_request(f"messages[{i}].content: only text parts are supported")
-                    texts.append(part["text"])
-                content = "".join(texts)
+                parts = []
+                for j, part in enumerate(content):
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    if kind == "image_url":
+                        where = f"messages[{i}].content[{j}]"
+                        if not images:
+                            raise bad_request(
+                                f"{where}: this model takes no images (image_url parts need a "
+                                "vision-language model)"
+                            )
+                        try:
+                            urls.append((image_url_of(part, where), where))
+                        except ValueError as e:
+                            raise bad_request(str(e)) from None
+                        parts.append({"type": "image"})
+                    elif kind == "text" and isinstance(part.get("text"), str):
+                        parts.append({"type": "text", "text": part["text"]})
+                    else:
+                        allowed = "text and image_url" if images else "text"
+                        raise bad_request(
+                            f"messages[{i}].content: only {allowed} parts are supported"
+                        )
+                if any(p["type"] == "image" for p in parts):
+                    content = parts
+                else:
+                    content = "".join(p["text"] for p in parts)
             elif content is not None and not isinstance(content, str):
                 raise bad_request(
                     f"messages[{i}].content: must be a string, a list of text parts or null"
@@ -541,7 +568,7 @@ class ChatRequest(_Sampling):
             # templates read it as text
             text = "" if content is None else content
             out.append({**m, "content": text, **_tool_calls_for_template(i, m.get("tool_calls"))})
-        return out
+        return out, urls
 
 
 def _tool_calls_for_template(i: int, calls: Any) -> dict[str, Any]:

@@ -197,22 +197,32 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 # ---- request -> chat -----------------------------------------------------------------------
-def _text_of(content: Any, where: str) -> str:
+def _text_of(content: Any, where: str, images: bool = False) -> Any:
+    """The text of ``content``; with ``images`` (a user's message), chat's parts where it holds an
+    ``input_image``."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"{where}: must be a string or a list of content parts")
-    texts = []
+    texts: list[Any] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_image", "input_file", "input_audio"):
+        if kind == "input_image" and images:  # chat's image_url part (openai_protocol.py)
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise bad_request(f"{where}[{j}].image_url: must be a string (a data: URL)")
+            texts.append({"type": "image_url", "image_url": {"url": url}})
+            continue
+        if kind in ("input_file", "input_audio"):
             raise bad_request(f"{where}[{j}]: {kind} is not supported; this model reads text")
         if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
             raise bad_request(f"{where}[{j}]: must be a text part ({', '.join(_TEXT_PARTS)})")
         texts.append(part["text"])
-    return "".join(texts)
+    if all(isinstance(t, str) for t in texts):
+        return "".join(texts)
+    return [{"type": "text", "text": t} if isinstance(t, str) else t for t in texts]
 
 
 def chat_messages(instructions: Optional[str], items: list[Any]) -> list[dict[str, Any]]:
@@ -242,7 +252,7 @@ def chat_messages(instructions: Optional[str], items: list[Any]) -> list[dict[st
             role = _ROLES.get(item.get("role"))
             if role is None:
                 raise bad_request(f"{where}.role: must be one of {', '.join(_ROLES)}")
-            text = _text_of(item.get("content"), f"{where}.content")
+            text = _text_of(item.get("content"), f"{where}.content", images=role == "user")
             if role == "assistant":
                 msg = assistant()
                 msg["content"] += text

@@ -146,6 +146,7 @@ class SchedulerLoop:
         return {
             "context_length": s.context_length,
             "vocab_size": r.vocab_size,
+            "takes_images": hasattr(r.model, "encode_image"),
             "max_total_tokens": r.max_total_tokens,
             "page_size": s.page_size,
             "num_pages": r.pool.num_pages,

@@ -23,6 +23,9 @@ from pdserve.chat_template import ChatTemplateError, chat_input_ids, load_templa
 from pdserve.engine.request import PDFields, SamplingParams
 from pdserve.grammar import GrammarSpec, backend_class
 from pdserve.lora_args import parse_lora_paths
+from pdserve.multimodal.args import image_limits
+from pdserve.multimodal.images import load_images
+from pdserve.multimodal.inputs import ImageInput
 from pdserve.routed_experts_args import refusal as routed_experts_refusal
 from pdserve.server.constraints import grammar_of_sampling
 from pdserve.server.detokenizer import IncrementalDetokenizer
@@ -75,6 +78,7 @@ class ReqSpec:
     resume_output_ids: Optional[list[int]] = None  # moved here mid-generation (POST /migrate)
     priority: Optional[int] = None  # the waiting queue's order (--enable-priority-scheduling)
     lora_name: Optional[str] = None  # the LoRA adapter it runs under (None: the base model)
+    images: Optional[list[ImageInput]] = None  # what the prompt's image placeholders show
 
     def message(self, dp_group: Optional[int]) -> GenerateReq:
         """The scheduler's message for this generation (one sample: its room and ranks)."""
@@ -93,6 +97,7 @@ class ReqSpec:
             resume_output_ids=self.resume_output_ids,
             priority=self.priority,
             lora_name=self.lora_name,
+            images=self.images,
             pd=PDFields(
                 bootstrap_host=self.bootstrap_host,
                 bootstrap_port=self.bootstrap_port,
@@ -155,6 +160,10 @@ class TokenizerManager:
             info.get("context_length") or server_args.context_length or 1 << 30
         )
         self.vocab_size: int = int(info.get("vocab_size") or len(tokenizer))
+        # a vision-language model: its image processor, and the limits on a request's images
+        self.takes_images: bool = bool(info.get("takes_images"))
+        self.image_processor = self._image_processor() if self.takes_images else None
+        self.image_limits = image_limits(server_args)
         self.states: dict[str, ReqState] = {}
         self.dp_size: int = int(info.get("dp_size") or 1)  # attention-DP groups of the scheduler
         self._next_group = 0
@@ -181,6 +190,27 @@ class TokenizerManager:
         return SPAN_NAMES[self.server_args.disaggregation_mode]
 
     # ---- input -------------------------------------------------------------------------
+    def _image_processor(self):
+        from pdserve.models.hf_config import load_hf_config
+        from pdserve.models.multimodal import text_model_config
+        from pdserve.multimodal.processor import ImageProcessor
+
+        path = self.server_args.model_path
+        return ImageProcessor(path, text_model_config(load_hf_config(path)))
+
+    def image_inputs(self, input_ids: list[int], urls: list) -> tuple[list[int], list]:
+        """The prompt with its image placeholders expanded for the images at ``urls`` ((url,
+        field) pairs), and the images as a request carries them (their patches only where this
+        server computes prompts); 400 naming a bad image."""
+        if not urls and self.image_processor is None:
+            return input_ids, []
+        try:
+            pics = load_images(urls, self.image_limits)
+            keep = self.server_args.disaggregation_mode != "decode"
+            return self.image_processor.expand(input_ids, pics, keep_pixels=keep)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text)["input_ids"]
 

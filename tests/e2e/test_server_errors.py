@@ -175,7 +175,7 @@ CASES = [
             ]
         },
         400,
-        ["text parts"],
+        ["messages[0].content[0]", "takes no images"],
     ),
     (
         "top_logprobs without logprobs",

@@ -718,8 +718,24 @@ def test_messages_api_equals_chat(servers, target):
     # errors in Anthropic's shape, naming the problem
     bad = [
         (
-            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-            "image blocks are not supported",
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image",
+                                "source": {
+                                    "type": "base64",
+                                    "media_type": "image/png",
+                                    "data": "x",
+                                },
+                            }
+                        ],
+                    }
+                ]
+            },
+            r"messages\[0\]\.content\[0\]: this model takes no images",
         ),
         ({"messages": [{"role": "robot", "content": "hi"}]}, r"messages\[0\]\.role"),
         ({"messages": MESSAGES, "tool_choice": {"type": "tool"}}, "tool_choice.name"),
@@ -746,7 +762,7 @@ def test_responses_api_refuses_bad_input_naming_it(servers, target):
                         {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}
                     ]
                 },
-                "input_image is not supported",
+                r"messages\[0\]\.content\[0\]: this model takes no images",
             ),
             ({"input": QUESTION, "tools": [{"type": "web_search"}]}, "only function tools"),
             ({"input": QUESTION, "background": True}, "background"),

@@ -1,0 +1,194 @@
+"""The Qwen2.5-VL vision tower: a ViT over 14x14 patches (two frames deep) with 2-D RoPE,
+attention within windows of ``window_size`` pixels on most blocks and over the whole image on
+``fullatt_block_indexes``, and a merger that folds each ``spatial_merge_size``^2 square of
+patches into one embedding of the language model's width.
+
+Input: an image's patches as the image processor flattens them ([patches, channels x frames x
+patch x patch], in merge-square order) and its grid (t, h, w) in patches. Output: one row per
+merged square, in the order of the image's placeholder tokens. Weights keep the checkpoint's
+names under ``visual.`` (``patch_embed.proj``, ``blocks.N.{norm1,norm2,attn.qkv,attn.proj,
+mlp.{gate,up,down}_proj}``, ``merger.{ln_q,mlp.0,mlp.2}``). The tower is replicated on every
+tensor-parallel rank: it runs once per image, on prefill only.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.layers.norm import RMSNorm
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.proj = nn.Linear(dim, dim, bias=True)
+
+    def forward(self, x: torch.Tensor, bounds: list[int], cos, sin) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.heads, self.head_dim).unbind(1)
+        # RoPE in float32, as HF turns the tower's queries and keys
+        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
+        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, n, head_dim]
+        out = torch.empty_like(q)
+        for lo, hi in zip(bounds[:-1], bounds[1:]):  # each window (or image) sees itself only
+            out[:, lo:hi] = F.scaled_dot_product_attention(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi])
+        return self.proj(out.transpose(0, 1).reshape(n, -1))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=True)
+        self.up_proj = nn.Linear(dim, hidden, bias=True)
+        self.down_proj = nn.Linear(hidden, dim, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int):
+        super().__init__()
+        self.norm1 = RMSNorm(dim, 1e-6)
+        self.norm2 = RMSNorm(dim, 1e-6)
+        self.attn = VisionAttention(dim, heads)
+        self.mlp = VisionMLP(dim, hidden)
+
+    def forward(self, x: torch.Tensor, bounds: list[int], cos, sin) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), bounds, cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, out_dim: int, dim: int, merge: int):
+        super().__init__()
+        self.width = dim * merge * merge
+        self.ln_q = RMSNorm(dim, 1e-6)
+        self.mlp = nn.Sequential(
+            nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, out_dim)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.width))
+
+
+class Qwen25VisionTower(nn.Module):
+    def __init__(self, vc):
+        super().__init__()
+        self.dim, self.heads = vc.hidden_size, vc.num_heads
+        self.patch_size, self.merge = vc.patch_size, vc.spatial_merge_size
+        self.temporal_patch_size, self.in_channels = vc.temporal_patch_size, vc.in_channels
+        self.window_size = vc.window_size
+        self.full_blocks = set(vc.fullatt_block_indexes)
+        theta = (getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        self.theta = float(theta)
+        patch = vc.in_channels * vc.temporal_patch_size * vc.patch_size * vc.patch_size
+        self.patch_embed = nn.Module()
+        # a Conv3d whose kernel is its stride: one matmul over each flattened patch
+        self.patch_embed.proj = nn.Conv3d(
+            vc.in_channels,
+            self.dim,
+            kernel_size=[vc.temporal_patch_size, vc.patch_size, vc.patch_size],
+            stride=[vc.temporal_patch_size, vc.patch_size, vc.patch_size],
+            bias=False,
+        )
+        self.patch_width = patch
+        self.blocks = nn.ModuleList(
+            VisionBlock(self.dim, self.heads, vc.intermediate_size) for _ in range(vc.depth)
+        )
+        self.merger = PatchMerger(vc.out_hidden_size, self.dim, self.merge)
+
+    @property
+    def unit(self) -> int:
+        return self.merge * self.merge
+
+    def tokens(self, grid: Iterable[int]) -> int:
+        """Placeholder tokens of an image whose grid is (t, h, w) patches."""
+        t, h, w = grid
+        return t * h * w // self.unit
+
+    def _positions(self, t: int, h: int, w: int) -> torch.Tensor:
+        """(row, column) of every patch [t * h * w, 2], in merge-square order."""
+        m = self.merge
+        hh, ww = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        shape = (h // m, m, w // m, m)
+        hh = hh.reshape(shape).transpose(1, 2).flatten()
+        ww = ww.reshape(shape).transpose(1, 2).flatten()
+        return torch.stack([hh, ww], dim=-1).repeat(t, 1)
+
+    def _windows(self, t: int, h: int, w: int) -> tuple[torch.Tensor, list[int]]:
+        """The merged squares' order grouped by window, and each window's length in patches."""
+        side = self.window_size // self.merge // self.patch_size
+        gh, gw = h // self.merge, w // self.merge
+        index = torch.arange(t * gh * gw).reshape(t, gh, gw)
+        ph, pw = -gh % side, -gw % side
+        padded = F.pad(index, (0, pw, 0, ph), value=-1)
+        nh, nw = (gh + ph) // side, (gw + pw) // side
+        padded = (
+            padded.reshape(t, nh, side, nw, side).permute(0, 1, 3, 2, 4).reshape(t, -1, side**2)
+        )
+        lengths = (padded >= 0).sum(-1).flatten()
+        order = padded.flatten()
+        return order[order >= 0], [int(n) * self.unit for n in lengths if n > 0]
+
+    @torch.no_grad()
+    def forward(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """One image's embeddings [tokens, out_hidden] from its patches [t * h * w, patch]."""
+        t, h, w = grid
+        n = t * h * w
+        if pixels.shape != (n, self.patch_width):
+            raise ValueError(
+                f"image patches: expected [{n}, {self.patch_width}] for grid {list(grid)}, "
+                f"got {list(pixels.shape)}"
+            )
+        weight = self.patch_embed.proj.weight
+        x = F.linear(pixels.to(weight.dtype), weight.reshape(self.dim, -1))
+        order, window_lens = self._windows(t, h, w)
+        x = x.view(n // self.unit, self.unit, -1)[order].reshape(n, -1)
+        pos = self._positions(t, h, w).view(n // self.unit, self.unit, 2)[order].reshape(n, 2)
+        half = self.dim // self.heads // 2  # rows and columns each turn a quarter of a head
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
+        freqs = pos[..., None].float() * inv_freq  # [n, 2, head_dim / 4]
+        freqs = freqs.flatten(1)
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [n, 1, head_dim]
+        cos, sin = emb.cos(), emb.sin()
+        frame = h * w
+        full = [i * frame for i in range(t + 1)]  # frames attend within themselves
+        windows = [0]
+        for length in window_lens:
+            windows.append(windows[-1] + length)
+        for i, block in enumerate(self.blocks):
+            x = block(x, full if i in self.full_blocks else windows, cos, sin)
+        merged = self.merger(x)
+        return merged[torch.argsort(order)]
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy the checkpoint's ``visual.*`` tensors (names without the prefix); every one of
+        the tower's parameters must come."""
+        params = dict(self.named_parameters())
+        seen = set()
+        for name, tensor in weights:
+            if name not in params:
+                raise ValueError(f"visual.{name}: not a weight of the Qwen2.5-VL vision tower")
+            param = params[name]
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"visual.{name}: shape {list(tensor.shape)}, expected {list(param.shape)}"
+                )
+            param.data.copy_(tensor)
+            seen.add(name)
+        missing = sorted(set(params) - seen)
+        if missing:
+            raise ValueError(f"visual: the checkpoint lacks {missing[:4]} ({len(missing)} in all)")

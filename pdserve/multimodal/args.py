@@ -1,0 +1,26 @@
+"""The image server arguments (fields of ``ServerArgs``) checked at start-up, naming the flag."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from pdserve.multimodal.images import ImageLimits
+
+
+def check_image_args(args, bad: Callable[[str, str], None]) -> None:
+    for name in ("max_images_per_request", "max_image_bytes", "max_image_pixels"):
+        if getattr(args, name) < 1:
+            bad(name, f"must be >= 1, got {getattr(args, name)}")
+    path = args.allowed_local_media_path
+    if path is not None and not os.path.isdir(path):
+        bad("allowed_local_media_path", f"{path!r} is not a directory")
+
+
+def image_limits(args) -> ImageLimits:
+    return ImageLimits(
+        max_images=args.max_images_per_request,
+        max_bytes=args.max_image_bytes,
+        max_pixels=args.max_image_pixels,
+        local_path=args.allowed_local_media_path,
+    )

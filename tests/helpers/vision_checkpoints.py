@@ -1,0 +1,177 @@
+"""Tiny vision-language checkpoints, as their makers publish them: the model's weights, a
+tokenizer with the image tokens and a chat template that places them, and the image processor's
+``preprocessor_config.json`` (patches of 4 pixels here, so test images stay small)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import shutil
+
+import torch
+import transformers
+
+from tests.helpers.checkpoints import _RECIPE_VERSION, _cached, smollm2_tokenizer_dir
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# Qwen2-VL's way of placing an image: its tokens where the part was, inside the turn
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}<|im_start|>{{ message['role'] }}\n"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] in ('image', 'image_url') or 'image' in part -%}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}<|im_end|>\n{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+)
+PROCESSOR = dict(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=256, max_pixels=4096)
+
+
+def build_qwen2_5_vl_checkpoint() -> str:
+    """A 2-layer Qwen2.5-VL (float32) with a 2-block tower (one windowed, one whole-image) whose
+    windows (16 pixels) cut a 32-pixel image in four."""
+
+    def write(tmp: str) -> None:
+        tok = transformers.AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+        tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+        tok.chat_template = CHAT_TEMPLATE
+        ids = tok.convert_tokens_to_ids(VISION_TOKENS)
+        text = dict(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-6,
+            initializer_range=0.08,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=2,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 3, 3],
+            },
+        )
+        vision = dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            patch_size=PROCESSOR["patch_size"],
+            spatial_merge_size=PROCESSOR["merge_size"],
+            temporal_patch_size=PROCESSOR["temporal_patch_size"],
+            out_hidden_size=64,
+            window_size=16,
+            fullatt_block_indexes=[1],
+            initializer_range=0.1,
+        )
+        config = transformers.Qwen2_5_VLConfig(
+            text_config=text,
+            vision_config=vision,
+            vision_start_token_id=ids[0],
+            vision_end_token_id=ids[1],
+            image_token_id=ids[2],
+            video_token_id=ids[3],
+            tie_word_embeddings=False,
+        )
+        config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+        torch.manual_seed(0)
+        model = transformers.Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+        with torch.no_grad():  # norms and biases drawn, so a skipped one shows
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight") or "norm1" in name or "norm2" in name:
+                    param.normal_(1.0, 0.2)
+                elif name.endswith("bias"):
+                    param.normal_(0.0, 0.1)
+                elif "visual" in name:
+                    param.normal_(0.0, 0.1)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        processor = transformers.models.qwen2_vl.image_processing_pil_qwen2_vl
+        processor.Qwen2VLImageProcessorPil(**PROCESSOR).save_pretrained(tmp)
+
+    return _cached("qwen2_5_vl", [_RECIPE_VERSION, transformers.__version__, PROCESSOR, 1], write)
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    """A PNG of random colours (RGB)."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (height, width, 3), generator=g, dtype=torch.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels.numpy()).save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(image: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(image).decode()}"
+
+
+def hf_vl_inputs(path: str, messages: list[dict], images: list[bytes]) -> dict:
+    """HF's processor inputs for a chat with ``images`` (in order of their parts)."""
+    from PIL import Image
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    module = transformers.models.qwen2_vl.image_processing_pil_qwen2_vl
+    proc = module.Qwen2VLImageProcessorPil.from_pretrained(path)
+    pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+    vis = proc(images=pil, return_tensors="pt") if pil else {}
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    out, grids = [], iter(vis["image_grid_thw"].tolist() if pil else [])
+    for t in ids:
+        if t == image_id:
+            g = next(grids)
+            out.extend([image_id] * (g[0] * g[1] * g[2] // 4))
+        else:
+            out.append(t)
+    return {"input_ids": torch.tensor([out]), **({k: v for k, v in vis.items()} if pil else {})}
+
+
+def hf_vl_greedy(path: str, inputs: dict, max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """HF's greedy tokens and their logprobs."""
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32
+    ).eval()
+    ids = inputs["input_ids"]
+    kwargs = {k: v for k, v in inputs.items() if k != "input_ids"}
+    mm = (ids == model.config.image_token_id).int()
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            mm_token_type_ids=mm,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            **kwargs,
+        )
+    tokens = out.sequences[0, ids.shape[1] :].tolist()
+    logprobs = [
+        torch.log_softmax(score[0].float(), -1)[t].item() for score, t in zip(out.scores, tokens)
+    ]
+    return tokens, logprobs
+
+
+def without_vision_tower(path: str) -> str:
+    """``path``'s checkpoint without the ``visual.*`` tensors: what a language-only server
+    (``--language-only``) needs, so one that read the tower would fail to load."""
+    from safetensors.torch import load_file, save_file
+
+    def write(tmp: str) -> None:
+        for name in os.listdir(path):
+            if name != "model.safetensors" and not name.startswith("."):
+                shutil.copy(os.path.join(path, name), tmp)
+        tensors = load_file(os.path.join(path, "model.safetensors"))
+        kept = {k: v for k, v in tensors.items() if not k.startswith("visual.")}
+        save_file(kept, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+
+    return _cached("qwen2_5_vl-language", [_RECIPE_VERSION, path], write)
