@@ -174,21 +174,15 @@ class Qwen25VisionTower(nn.Module):
         merged = self.merger(x)
         return merged[torch.argsort(order)]
 
-    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy the checkpoint's ``visual.*`` tensors (names without the prefix); every one of
-        the tower's parameters must come."""
-        params = dict(self.named_parameters())
-        seen = set()
-        for name, tensor in weights:
-            if name not in params:
-                raise ValueError(f"visual.{name}: not a weight of the Qwen2.5-VL vision tower")
-            param = params[name]
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"visual.{name}: shape {list(tensor.shape)}, expected {list(param.shape)}"
-                )
-            param.data.copy_(tensor)
-            seen.add(name)
-        missing = sorted(set(params) - seen)
-        if missing:
-            raise ValueError(f"visual: the checkpoint lacks {missing[:4]} ({len(missing)} in all)")
+    # ---- weights: every rank holds the whole tower (models/weights.py's self-loading modules)
+    def checkpoint_names(self) -> list[str]:
+        return [name for name, _ in self.named_parameters()]
+
+    def load_checkpoint(self, name: str, src) -> None:
+        param = dict(self.named_parameters()).get(name)
+        if param is None:
+            raise ValueError("not a weight of the Qwen2.5-VL vision tower")
+        tensor = src if isinstance(src, torch.Tensor) else src[:]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(f"shape {list(tensor.shape)}, expected {list(param.shape)}")
+        param.data.copy_(tensor)

@@ -55,6 +55,11 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     model_cls = VisionLanguageModel
 
     def __init__(self, config, tp: TPGroup = SINGLE, par=None, moe: Any = None):
+        if par is not None and par.pp_size > 1:
+            raise ValueError(
+                "pp_size: Qwen2.5-VL's image embeddings enter the first stage's forward, which "
+                "pipeline stages do not run yet; serve it with --tp-size"
+            )
         super().__init__(config, tp=tp, par=par, moe=moe)
         self.image_token_id = config.image_token_id
         self.merge = config.vision_config.spatial_merge_size

@@ -20,6 +20,7 @@ from tests.helpers import cluster as c
 from tests.helpers.vision_checkpoints import (
     build_qwen2_5_vl_checkpoint,
     data_url,
+    hf_vl_generate,
     hf_vl_greedy,
     hf_vl_inputs,
     png,
@@ -88,6 +89,49 @@ def test_engine_matches_hf_with_two_images_in_chunks(engine, vl_path, reference)
     assert theirs != pytest.approx(ours, abs=1e-3)
 
 
+@pytest.mark.parametrize(
+    "messages, images",
+    [
+        (chat("Only words here, no picture at all."), []),
+        (chat("One bigger picture:", None, "describe it."), [png(64, 48, 7)]),
+    ],
+    ids=["no-image", "one-image"],
+)
+def test_engine_matches_hf_with_zero_and_one_image(engine, vl_path, messages, images):
+    tokens, logprobs = hf_vl_greedy(vl_path, hf_vl_inputs(vl_path, messages, images), NEW)
+    out = engine.generate(
+        input_ids=_prompt_ids(vl_path, messages),
+        image_data=images or None,
+        sampling_params=GREEDY,
+        return_logprob=True,
+    )
+    assert out["output_ids"] == tokens
+    ours = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    assert ours == pytest.approx(logprobs, abs=2e-5)
+
+
+def test_bf16_matches_hf_bf16_up_to_ties(vl_path):
+    import torch
+
+    from pdserve.engine.engine import Engine
+    from tests.e2e.test_engine_bf16 import compare
+
+    eng = Engine(model_path=vl_path, dtype="bfloat16", page_size=4, chunked_prefill_size=16)
+    compared = 0
+    for messages, images in ((TWO, IMAGES), (chat("A", None, "?"), [png(64, 48, 7)])):
+        inputs = hf_vl_inputs(vl_path, messages, images)
+        ref = hf_vl_generate(vl_path, inputs, 12, torch.bfloat16)
+        out = eng.generate(
+            input_ids=_prompt_ids(vl_path, messages),
+            image_data=images,
+            sampling_params={"temperature": 0, "max_new_tokens": 12, "ignore_eos": True},
+            return_logprob=True,
+        )
+        compared += compare(out, *ref)
+    assert compared >= 12, f"only {compared} of 24 positions compared"
+    assert eng.check_integrity()["in_use_pages"] == 0
+
+
 def test_prefix_cache_keys_on_the_pixels(engine, vl_path):
     ids = _prompt_ids(vl_path, TWO)
     first = engine.generate(input_ids=ids, image_data=IMAGES, sampling_params=GREEDY)
@@ -126,6 +170,8 @@ COMMON = [
     "2048",
     "--max-images-per-request",
     "3",
+    "--max-image-pixels",
+    "20000",
     "--served-model-name",
     "vl",
 ]
@@ -136,7 +182,13 @@ def vl_cluster(vl_path, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vl")
     p = c.prefill("P", vl_path, logs, *COMMON)[0]
     d = c.decode("D", without_vision_tower(vl_path), logs, *COMMON, "--language-only")
-    procs = {"S": c.server("S", vl_path, logs, *COMMON), "P": p, "D": d}
+    procs = {
+        "S": c.server("S", vl_path, logs, *COMMON),
+        "P": p,
+        # a prefill of two TP ranks, each with the whole tower
+        "P2": c.prefill("P2", vl_path, logs, *COMMON, "--tp-size", "2")[0],
+        "D": d,
+    }
     for _ in c.running(procs):
         r = c.router("R", [p], [d], logs)
         try:
@@ -181,6 +233,33 @@ def test_chat_with_images_colocated_and_through_pd_gives_hf_tokens(vl_cluster, v
         assert out.usage.completion_tokens == NEW
 
 
+def test_streamed_and_from_a_two_rank_prefill(vl_cluster, vl_path, reference):
+    from openai import OpenAI
+
+    _, tokens, _ = reference
+    tok = transformers.AutoTokenizer.from_pretrained(vl_path)
+    body = _two_images_body()
+    client = OpenAI(base_url=vl_cluster["R"].url + "/v1", api_key="none")
+    stream = client.chat.completions.create(
+        model="vl", messages=body["messages"], max_tokens=NEW, temperature=0, stream=True
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == tok.decode(tokens, skip_special_tokens=True)
+    # P tp2 -> D tp1 by /generate, as a router sends it
+    prompt = tok.apply_chat_template(TWO, tokenize=False, add_generation_prompt=True)
+    gen = {
+        "text": prompt,
+        "image_data": [data_url(im) for im in IMAGES],
+        "sampling_params": {"temperature": 0, "max_new_tokens": NEW},
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": vl_cluster["P2"].bootstrap_port,
+        "bootstrap_room": 77,
+    }
+    fp, fd = c.post_pd(vl_cluster["P2"], vl_cluster["D"], gen)
+    assert fp.status_code == 200, fp.text
+    assert fd.json()["output_ids"] == tokens
+
+
 def test_a_repeated_image_hits_the_prefix_cache_on_prefill(vl_cluster):
     body = _chat_body(["Compare", data_url(IMAGES[1]), "with nothing."])
     url = vl_cluster["R"].url + "/v1/chat/completions"
@@ -215,10 +294,13 @@ def test_bad_images_are_400s_naming_the_part(vl_cluster, url, words):
     assert "messages[0].content[1]" in r.text and words in r.text
 
 
-def test_too_many_images_is_a_400(vl_cluster):
+def test_too_many_and_huge_images_are_400s(vl_cluster):
     body = _chat_body(["a"] + [data_url(IMAGES[0])] * 4)
     r = httpx.post(vl_cluster["S"].url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400 and "at most 3" in r.text, r.text
+    body = _chat_body(["a", data_url(png(200, 120, 9))])  # 24,000 pixels, over 20,000
+    r = httpx.post(vl_cluster["R"].url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "200x120 pixels" in r.text, r.text
 
 
 def test_generate_responses_and_messages_take_images(vl_cluster, vl_path, reference):
@@ -294,3 +376,11 @@ def test_generate_names_a_placeholder_miscount(vl_cluster):
         timeout=30,
     )
     assert r.status_code == 400 and "0 image placeholder(s) for 1 image(s)" in r.text, r.text
+
+
+def test_pools_are_clean_after_everything(vl_cluster):
+    from tests.e2e.test_tp import all_ranks_idle
+
+    for name in ("S", "P", "D"):
+        vl_cluster[name].wait_idle()
+    all_ranks_idle(vl_cluster["P2"])

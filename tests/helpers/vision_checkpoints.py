@@ -135,10 +135,12 @@ def hf_vl_inputs(path: str, messages: list[dict], images: list[bytes]) -> dict:
     return {"input_ids": torch.tensor([out]), **({k: v for k, v in vis.items()} if pil else {})}
 
 
-def hf_vl_greedy(path: str, inputs: dict, max_new_tokens: int) -> tuple[list[int], list[float]]:
-    """HF's greedy tokens and their logprobs."""
+def hf_vl_generate(
+    path: str, inputs: dict, max_new_tokens: int, dtype: torch.dtype = torch.float32
+) -> tuple[list[int], torch.Tensor]:
+    """HF's greedy tokens and the logits of each step (float32 [n, vocab])."""
     model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32
+        path, dtype=dtype
     ).eval()
     ids = inputs["input_ids"]
     kwargs = {k: v for k, v in inputs.items() if k != "input_ids"}
@@ -150,15 +152,19 @@ def hf_vl_greedy(path: str, inputs: dict, max_new_tokens: int) -> tuple[list[int
             mm_token_type_ids=mm,
             max_new_tokens=max_new_tokens,
             do_sample=False,
-            output_scores=True,
+            output_logits=True,
             return_dict_in_generate=True,
             **kwargs,
         )
     tokens = out.sequences[0, ids.shape[1] :].tolist()
-    logprobs = [
-        torch.log_softmax(score[0].float(), -1)[t].item() for score, t in zip(out.scores, tokens)
-    ]
-    return tokens, logprobs
+    return tokens, torch.stack([step[0].float() for step in out.logits])
+
+
+def hf_vl_greedy(path: str, inputs: dict, max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """HF's float32 greedy tokens and their logprobs."""
+    tokens, logits = hf_vl_generate(path, inputs, max_new_tokens)
+    logprobs = torch.log_softmax(logits, -1)
+    return tokens, [logprobs[i, t].item() for i, t in enumerate(tokens)]
 
 
 def without_vision_tower(path: str) -> str:
