@@ -161,8 +161,16 @@ class ServerArgs:
     max_image_bytes: int = 20 * 2**20
     max_image_pixels: int = 8192 * 8192
     # no vision tower on this server (SGLang's flag): a decode server of a vision-language model,
-    # whose prompts' KV come from prefill
+    # whose prompts' KV come from prefill, or a prefill whose images encoder servers compute
     language_only: bool = False
+    # EPD (pdserve/multimodal/encoder_server.py): this server runs the vision tower alone, for
+    # prefills that reach it on --disaggregation-bootstrap-port
+    encoder_only: bool = False
+    # a prefill's side of EPD (encoder_queue.py): embedding rows it can receive at once, how long
+    # an encoder may take, and how many images' embeddings it keeps by their pixels' digest
+    encoder_pool_tokens: int = 8192
+    encoder_timeout: float = 60.0
+    encoder_cache_images: int = 64
     # speculative decoding (SGLang's flags; engine/speculative/): NGRAM proposes the tokens that
     # followed the latest earlier occurrence of the sequence's last n tokens, STANDALONE a draft
     # model's greedy tokens

@@ -16,18 +16,24 @@ import torch
 from pdserve.engine.request import Req
 
 
-def prepare(req: Req, model, computes_prompts: bool = True) -> None:
+def prepare(req: Req, model, computes_prompts: bool = True, encoders: bool = False) -> None:
     """Check ``req.images`` against its prompt and ``model``, and set its RoPE positions
     (``ValueError`` naming what is wrong); ``computes_prompts``: this server computes prompts
-    (not a decode server), so it needs the images' patches and the vision tower."""
+    (not a decode server), so it needs the images' patches and the vision tower, or, with
+    ``encoders`` (EPD on), encoder servers for the images a router gave one."""
+    if not encoders:  # the tower here computes every image
+        for image in req.images or ():
+            image.encoder = None
     rope_index = getattr(model, "rope_index", None)
     if req.images and getattr(model, "image_tokens", None) is None:
         raise ValueError(f"images: {type(model).__name__} takes no images")
     if req.images and computes_prompts:
-        if getattr(model, "visual", None) is None:
+        local = [im for im in req.images if im.encoder is None]  # the others: EPD
+        if local and getattr(model, "visual", None) is None:
             raise ValueError(
                 "images: this server has no vision tower (--language-only); send requests "
-                "with images to a server that computes their prompts"
+                "with images to a server that computes their prompts, or through encoder "
+                "servers (a router with --encoder)"
             )
         if any(im.pixels is None for im in req.images):
             raise ValueError("images: a server that computes prompts needs each image's pixels")
@@ -88,7 +94,9 @@ def splice(
                 rows_of = req.image_embeds[i] = _encode(model, image)
             index.append(torch.arange(first + lo - start, first + hi - start))
             embeds.append(rows_of[lo - image.offset : hi - image.offset])
-            if hi == image.end:  # the image's last token: its rows are no longer needed
+            if hi == image.end and image.encoder is None:
+                # the image's last token: its rows are no longer needed (an encoder's are kept:
+                # this server may have no tower to compute them again after a retraction)
                 del req.image_embeds[i]
     if not index:
         return None

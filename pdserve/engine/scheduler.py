@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -128,6 +128,9 @@ class Scheduler:
         # Disaggregation queues plug in here (pdserve.disagg.prefill / decode); they see this
         # scheduler through ``engine/pd_queues.SchedulerPort`` only.
         self.pd: Optional[PDQueues] = None
+        # Requests whose image embeddings encoder servers compute wait in these first
+        # (pdserve/multimodal/encoder_queue.py, attached by the server process: EPD)
+        self.encoders: Any = None
         self._reported_early = False
         self.groups_busy = 0  # DP attention: the busiest group's level at the last step
         self.grammars = GrammarMasks(
@@ -176,7 +179,12 @@ class Scheduler:
         self.validate(req)
         if req.lora_name is not None:
             req.lora_slot, req.lora_key = request_adapter(self.runner.lora, req.lora_name)
-        images.prepare(req, self.runner.model, self.args.disaggregation_mode != "decode")
+        images.prepare(
+            req,
+            self.runner.model,
+            computes_prompts=self.args.disaggregation_mode != "decode",
+            encoders=self.encoders is not None,
+        )
         if req.grammar_spec is not None:
             req.grammar = self.grammars.for_request(req.grammar_spec, req.grammar_start_after)
         req.sampling.max_new_tokens = min(
@@ -191,14 +199,29 @@ class Scheduler:
         if shed is not None:
             self.stats["shed"] += 1
             self.finish(shed, admission.shed_reason())
+        if self.encoders is not None and self.encoders.accepts(req):
+            self.encoders.add(req)
+        else:
+            self._enqueue(req)
+
+    def _enqueue(self, req: Req) -> None:
         if self.pd is not None and self.pd.accepts(req):
             self.pd.add(req)
         else:
             self.waiting.append(req)
 
+    def _take_encoded(self) -> None:
+        """Requests whose images the encoders computed go on; those that failed end."""
+        ready, failed = self.encoders.poll()
+        for req in ready:
+            self._enqueue(req)
+        for req, why in failed:
+            self.finish(req, why)
+
     def queued(self) -> list[Req]:
         """Requests that arrived and wait to run (``engine/admission.py``)."""
-        return self.waiting + (self.pd.queued() if self.pd is not None else [])
+        held = self.encoders.queued() if self.encoders is not None else []
+        return self.waiting + (self.pd.queued() if self.pd is not None else []) + held
 
     def sheddable(self) -> list[Req]:
         """Queued requests that have not started: nothing computed, nothing sent."""
@@ -253,7 +276,10 @@ class Scheduler:
         """Abort one request (or every request when rid == ""); frees its KV at once."""
         hit = False
         for req in (
-            list(self.waiting) + list(self.running) + (self.pd.all_reqs() if self.pd else [])
+            list(self.waiting)
+            + list(self.running)
+            + (self.pd.all_reqs() if self.pd else [])
+            + (self.encoders.queued() if self.encoders is not None else [])
         ):
             if rid and req.rid != rid:
                 continue
@@ -274,6 +300,8 @@ class Scheduler:
             self.waiting.remove(req)
         if self.pd is not None:
             self.pd.discard(req)
+        if self.encoders is not None:
+            self.encoders.drop(req)
         self._collect_routed_experts(req)
         self.release_kv(req)
         self.updated.add(req)
@@ -299,7 +327,12 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or (self.pd is not None and self.pd.has_work))
+        return bool(
+            self.waiting
+            or self.running
+            or (self.pd is not None and self.pd.has_work)
+            or (self.encoders is not None and self.encoders.has_work)
+        )
 
     # ---- KV bookkeeping (the cache manager's; the PD queues add what they hold) ---------------
     def reset_kv(self, kv_allocator: BufferAllocator) -> None:
@@ -366,6 +399,8 @@ class Scheduler:
 
     # ---- one iteration ----------------------------------------------------------------------
     def step(self) -> list[Req]:
+        if self.encoders is not None:
+            self._take_encoded()
         if self.pd is not None:
             self.pd.process_queues()
             if self.updated and not self._reported_early:

@@ -17,6 +17,8 @@ class ImageInput(msgspec.Struct, kw_only=True):
     # float32 patches [frames * rows * columns, patch_width], row-major; None: not sent
     pixels: Optional[bytes] = None
     patch_width: int = 0
+    # the encoder server that computes its embeddings (EPD: "tcp://host:port"); None: this server
+    encoder: Optional[str] = None
 
     @property
     def end(self) -> int:

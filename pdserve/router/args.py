@@ -65,6 +65,9 @@ class RouterArgs:
     prefill: list[tuple[str, int | None]] = field(default_factory=list)  # (url, bootstrap port)
     decode: list[str] = field(default_factory=list)
     worker: list[str] = field(default_factory=list)  # colocated workers (no PD)
+    # EPD: encoder servers (tcp://host:port, their --disaggregation-bootstrap-port) that compute
+    # the image embeddings of requests sent to prefill (or colocated) servers
+    encoder: list[str] = field(default_factory=list)
     pd_disaggregation: bool = (
         False  # PD mode even with no --prefill/--decode (workers join at run time)
     )
@@ -156,6 +159,10 @@ class RouterArgs:
         self.prefill = [(normalize_url(u), p) for u, p in self.prefill]
         self.decode = [normalize_url(u) for u in self.decode]
         self.worker = [normalize_url(u) for u in self.worker]
+        for addr in self.encoder:
+            host, _, port = addr.removeprefix("tcp://").rpartition(":")
+            if not addr.startswith("tcp://") or not host or not port.isdigit():
+                raise ValueError(f"encoder: {addr!r} is not tcp://HOST:PORT")
         pd = self.pd_mode
         elastic = self.pd_disaggregation or bool(self.prefill_dns or self.decode_dns)
         if pd and self.worker:
@@ -366,6 +373,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--decode", action="append", default=[], metavar="URL", help="decode server URL; repeatable"
+    )
+    p.add_argument(
+        "--encoder",
+        action="append",
+        default=[],
+        metavar="ADDR",
+        help="encoder server tcp://HOST:PORT (its --disaggregation-bootstrap-port); repeatable: "
+        "a request's images go to them in turn (EPD)",
     )
     p.add_argument(
         "--worker",
@@ -768,6 +783,7 @@ def parse_args(argv: list[str]) -> RouterArgs:
     return RouterArgs(
         prefill=prefill,
         decode=ns.decode,
+        encoder=ns.encoder,
         worker=ns.worker,
         pd_disaggregation=ns.pd_disaggregation,
         prefill_dns=[_dns_target(t, True) for t in ns.prefill_dns],

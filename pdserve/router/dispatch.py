@@ -30,6 +30,7 @@ Colocated mode (``--worker``) is the same with no prefill leg and the body passe
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import math
@@ -206,6 +207,7 @@ class Dispatcher:
         self.selector = Selector(pool, metrics, args, index)
         self.client: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task] = set()
+        self._encoder_turn = itertools.count()
 
     async def start(self) -> None:
         self.client = new_session(self.args.request_timeout, bearer(self.args.worker_api_key))
@@ -344,8 +346,20 @@ class Dispatcher:
         response.headers["Retry-After"] = str(max(1, math.ceil(estimate - call.slo_s)))
         return response
 
+    def encoders_for(self, body: dict) -> dict:
+        """EPD: ``body`` with the encoder servers its images go to, starting at the next one in
+        turn (a request's images spread over them)."""
+        addrs = self.args.encoder
+        if not addrs or not isinstance(body, dict):
+            return body
+        start = next(self._encoder_turn) % len(addrs)
+        return {**body, "encoder_addrs": addrs[start:] + addrs[:start]}
+
     def outgoing(self, call: Call, prefill: Worker | None, main: Worker) -> Outgoing:
-        """The bodies for one attempt: bootstrap fields for PD, DP groups with ``--dp-aware``."""
+        """The bodies for one attempt: bootstrap fields for PD, DP groups with ``--dp-aware``,
+        encoder servers for EPD."""
+        if self.args.encoder and prefill is None and not self.args.dp_aware:
+            return Outgoing(_encode(self.encoders_for(call.body)))
         if prefill is None and not self.args.dp_aware:
             return Outgoing(call.raw)
         body = call.body
@@ -360,6 +374,8 @@ class Dispatcher:
             )
         if not self.args.dp_aware:
             payload = _encode(body)
+            if self.args.encoder and prefill is not None:  # the images are prefill's to compute
+                return Outgoing(payload, _encode(self.encoders_for(body)))
             return Outgoing(payload, payload)
         choose = self.selector.group_chooser
         p_body, d_body = protocol.with_dp_ranks(

@@ -549,6 +549,14 @@ def server_facts(tm) -> dict[str, dict]:
         }
         if tm.takes_images
         else {"type": "null"},
+        "EncoderAddrs": {
+            "anyOf": [
+                {"type": "null"},
+                {"type": "array", "items": {"type": "string", "pattern": "^tcp://"}},
+            ]
+        }
+        if tm.takes_images and tm.server_args.disaggregation_mode != "decode"
+        else {"type": "null"},
     }
 
 

@@ -278,7 +278,7 @@ def parse(tm: TokenizerManager, req: GenerateRequest, stream: bool) -> tuple[lis
         images = None
         if image_urls[i] or tm.takes_images:  # placeholders expanded for the images' sizes
             ids = tm.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-            prompt, images = tm.image_inputs(ids, image_urls[i])
+            prompt, images = tm.image_inputs(ids, image_urls[i], req.encoder_addrs)
         specs.append(
             tm.make_spec(
                 prompt,

@@ -85,6 +85,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         sys.modules["torch"].set_num_threads(server_args.torch_num_threads)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
     signal.signal(signal.SIGTERM, _on_sigterm)
+    if server_args.encoder_only:  # EPD: the vision tower alone, no scheduler
+        from pdserve.multimodal.encoder_server import run_encoder
+
+        return run_encoder(server_args)
     client = SchedulerClient(server_args)
     try:
         client.start_process()

@@ -276,7 +276,7 @@ def chat_prompt(tm: TokenizerManager, req: ChatRequest) -> tuple[ChatSetup, list
     input_ids = tm.chat_input_ids(
         messages, req.continue_final_message, setup.tools, req.chat_template_kwargs
     )
-    input_ids, images = tm.image_inputs(input_ids, urls)
+    input_ids, images = tm.image_inputs(input_ids, urls, req.encoder_addrs)
     return setup, input_ids, images
 
 

@@ -159,6 +159,11 @@ class PDBody(msgspec.Struct):
     routed_dp_rank: RoutedDPRank = None
     disagg_prefill_dp_rank: DPRank = None
     data_parallel_rank: RoutedDPRank = None  # deprecated alias of routed_dp_rank
+    # EPD: the encoder servers (tcp://host:port) that compute this request's image embeddings,
+    # its images spread over them in turn (a router with --encoder adds it)
+    encoder_addrs: Annotated[
+        Any, msgspec.Meta(extra_json_schema={"$ref": "#/components/schemas/EncoderAddrs"})
+    ] = None
 
     def pd_fields(self, num_prompts: int, n: int) -> list[dict[str, Any]]:
         """Each prompt's bootstrap and DP rank fields (``ReqSpec``'s PD fields)."""

@@ -63,10 +63,22 @@ def build_scheduler(args: ServerArgs, par: Parallel = SINGLE_RANK):
     from pdserve.engine.scheduler import Scheduler
 
     if args.disaggregation_mode == "null":
-        return Scheduler(args, par=par)
-    from pdserve.disagg.setup import attach_disaggregation
+        scheduler = Scheduler(args, par=par)
+    else:
+        from pdserve.disagg.setup import attach_disaggregation
 
-    return attach_disaggregation(args, par=par)
+        scheduler = attach_disaggregation(args, par=par)
+    model = scheduler.runner.model
+    if (
+        hasattr(model, "encode_image")
+        and args.disaggregation_mode != "decode"
+        and par.world.size == 1  # the ranks of a TP prefill would have to agree when each is ready
+    ):
+        from pdserve.multimodal.encoder_queue import EncoderQueue
+
+        # EPD: images whose embeddings encoder servers send
+        scheduler.encoders = EncoderQueue(args, model.hidden_size, scheduler.runner.dtype)
+    return scheduler
 
 
 def token_out(req: Req) -> m.TokenOut:

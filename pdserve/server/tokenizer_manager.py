@@ -198,18 +198,30 @@ class TokenizerManager:
         path = self.server_args.model_path
         return ImageProcessor(path, text_model_config(load_hf_config(path)))
 
-    def image_inputs(self, input_ids: list[int], urls: list) -> tuple[list[int], list]:
+    def image_inputs(
+        self, input_ids: list[int], urls: list, encoders: Any = None
+    ) -> tuple[list[int], list]:
         """The prompt with its image placeholders expanded for the images at ``urls`` ((url,
         field) pairs), and the images as a request carries them (their patches only where this
-        server computes prompts); 400 naming a bad image."""
+        server computes prompts; with ``encoders``, the encoder servers that compute their
+        embeddings, in turn); 400 naming a bad image."""
         if not urls and self.image_processor is None:
             return input_ids, []
+        computes = self.server_args.disaggregation_mode != "decode"
+        if encoders is not None and computes:
+            if not isinstance(encoders, list) or not all(
+                isinstance(a, str) and a.startswith("tcp://") for a in encoders
+            ):
+                raise bad_request("encoder_addrs: must be a list of tcp://host:port addresses")
         try:
             pics = load_images(urls, self.image_limits)
-            keep = self.server_args.disaggregation_mode != "decode"
-            return self.image_processor.expand(input_ids, pics, keep_pixels=keep)
+            ids, images = self.image_processor.expand(input_ids, pics, keep_pixels=computes)
         except ValueError as e:
             raise bad_request(str(e)) from None
+        if encoders and computes:
+            for i, image in enumerate(images):
+                image.encoder = encoders[i % len(encoders)]
+        return ids, images
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text)["input_ids"]

@@ -384,3 +384,81 @@ def test_pools_are_clean_after_everything(vl_cluster):
     for name in ("S", "P", "D"):
         vl_cluster[name].wait_idle()
     all_ranks_idle(vl_cluster["P2"])
+
+
+# ---- EPD: encoder servers -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def epd_cluster(vl_cluster, vl_path, tmp_path_factory):
+    """Two encoder servers (the tower alone), a prefill without the tower and the decode of
+    ``vl_cluster``; routers with one encoder (1E1P1D) and with both (2E1P1D)."""
+    from tests.helpers.ports import free_port
+
+    logs = tmp_path_factory.mktemp("epd")
+    language = without_vision_tower(vl_path)
+    ports = [free_port(), free_port()]
+    encoders = {
+        f"E{i + 1}": c.server(
+            f"E{i + 1}",
+            vl_path,
+            logs,
+            "--encoder-only",
+            "--dtype",
+            "float32",
+            "--disaggregation-bootstrap-port",
+            str(port),
+        )
+        for i, port in enumerate(ports)
+    }
+    p = c.prefill("PL", language, logs, *COMMON, "--language-only", "--encoder-timeout", "5")[0]
+    addrs = [f"tcp://127.0.0.1:{port}" for port in ports]
+    for procs in c.running({**encoders, "PL": p}):
+        d = vl_cluster["D"]
+        one = c.router("R1", [p], [d], logs, "--encoder", addrs[0])
+        two = c.router("R2", [p], [d], logs, "--encoder", addrs[0], "--encoder", addrs[1])
+        try:
+            c.start_all([one, two])
+            yield {**procs, "R1": one, "R2": two, "S": vl_cluster["S"]}
+        finally:
+            one.stop()
+            two.stop()
+
+
+def _encoded(proc) -> int:
+    return proc.http.get("/server_info").json()["images_encoded"]
+
+
+def test_epd_gives_hf_tokens_with_one_and_two_encoders(epd_cluster, vl_path, reference):
+    from openai import OpenAI
+
+    _, tokens, _ = reference
+    want = transformers.AutoTokenizer.from_pretrained(vl_path).decode(
+        tokens, skip_special_tokens=True
+    )
+    body = _two_images_body()
+    before = [_encoded(epd_cluster[e]) for e in ("E1", "E2")]
+    client = OpenAI(base_url=epd_cluster["R1"].url + "/v1", api_key="none")
+    out = client.chat.completions.create(
+        model="vl", messages=body["messages"], max_tokens=NEW, temperature=0
+    )
+    assert out.choices[0].message.content == want
+    after_one = [_encoded(epd_cluster[e]) for e in ("E1", "E2")]
+    assert after_one == [before[0] + 2, before[1]]  # both images on E1
+    # the same images again: the prefill keeps their embeddings by digest, no encoder is asked
+    again = client.chat.completions.create(
+        model="vl", messages=body["messages"], max_tokens=NEW, temperature=0
+    )
+    assert again.choices[0].message.content == want
+    assert [_encoded(epd_cluster[e]) for e in ("E1", "E2")] == after_one
+    # two new images through two encoders, streamed: one each
+    fresh = _chat_body(["Look:", data_url(png(40, 32, 11)), "and", data_url(png(24, 56, 12)), "?"])
+    colocated = httpx.post(
+        epd_cluster["S"].url + "/v1/chat/completions", json=fresh, timeout=60
+    ).json()["choices"][0]["message"]["content"]
+    client2 = OpenAI(base_url=epd_cluster["R2"].url + "/v1", api_key="none")
+    stream = client2.chat.completions.create(
+        model="vl", messages=fresh["messages"], max_tokens=NEW, temperature=0, stream=True
+    )
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert text == colocated
+    assert [_encoded(epd_cluster[e]) for e in ("E1", "E2")] == [after_one[0] + 1, after_one[1] + 1]
+    epd_cluster["PL"].wait_idle()
