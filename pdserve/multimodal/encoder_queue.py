@@ -8,8 +8,9 @@ encoder the patches with the pages' addresses (``EncodeWant``); the encoder writ
 embeddings there with the transfer backend and answers ``EncodeDone``. The rows are copied out
 to the request (``Req.image_embeds``) and the pages freed. Embeddings are also kept by image
 digest (``--encoder-cache-images`` of them, least recently used first out), so the same image
-needs no encoder the next time. An image whose encoder does not answer within
-``--encoder-timeout`` ends its request with a 503 naming the encoder.
+needs no encoder the next time. An encoder that fails an image or does not answer within
+``--encoder-timeout`` is left out for ``DOWN_S`` seconds and the image goes to the next of its
+``fallbacks``; with none left the request ends with a 503 naming the encoders.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pdserve.multimodal.epd_messages import EncodeDone, EncodeWant, decode_messa
 logger = logging.getLogger(__name__)
 
 PAGE = 64  # embedding rows per page
+DOWN_S = 30.0  # how long an encoder that failed is left out
 
 
 @dataclass
@@ -48,6 +50,7 @@ class _Waiting:
     req: Req
     rooms: set[int] = field(default_factory=set)
     error: Optional[str] = None
+    tried: set[str] = field(default_factory=set)  # encoders that failed one of its images
 
 
 class EncoderQueue:
@@ -72,7 +75,8 @@ class EncoderQueue:
         self.held: dict[Req, _Waiting] = {}  # request -> what it waits for
         self.backlog: list[Req] = []  # requests waiting for free pages
         self.enc = msgspec.msgpack.Encoder()
-        self.stats = {"encoded": 0, "cache_hits": 0, "failed": 0}
+        self.stats = {"encoded": 0, "cache_hits": 0, "failed": 0, "failovers": 0}
+        self.down: dict[str, float] = {}  # encoder -> until when it is left out
 
     # ---- the scheduler's side ---------------------------------------------------------------
     @staticmethod
@@ -186,11 +190,16 @@ class EncoderQueue:
                 continue
             if need > len(self.free_pages):
                 return False
+            now = time.monotonic()
+            if self.down.get(image.encoder, 0.0) > now:  # in turn, one that is up
+                up = [a for a in image.fallbacks if self.down.get(a, 0.0) <= now]
+                if up:
+                    image.fallbacks.remove(up[0])
+                    image.fallbacks.append(image.encoder)
+                    image.encoder = up[0]
             pages = [self.free_pages.pop() for _ in range(need)]
             room = next(self.rooms)
-            self.images[room] = _Image(
-                req, i, pages, time.monotonic() + self.timeout_s, image.encoder
-            )
+            self.images[room] = _Image(req, i, pages, now + self.timeout_s, image.encoder)
             w.rooms.add(room)
             self._send(image.encoder, self._want(room, image, pages))
         return True
@@ -240,11 +249,11 @@ class EncoderQueue:
             image.req.image_embeds[image.index] = embeds
             self._remember(image.req.images[image.index].digest, embeds)
             self.stats["encoded"] += 1
-        elif w is not None:
-            w.error = f"encoder {addr}: {msg.error}"
         self.free_pages.extend(image.pages)
         if w is not None:
             w.rooms.discard(msg.room)
+            if msg.error is not None:
+                self._failed(image, f"encoder {addr}: {msg.error}")
 
     def _fail_image(self, room: int, why: str) -> None:
         image = self.images.pop(room)
@@ -252,8 +261,25 @@ class EncoderQueue:
         w = self.held.get(image.req)
         if w is not None:
             w.rooms.discard(room)
-            w.error = why
-        logger.warning("request %s: %s", image.req.rid, why)
+            self._failed(image, why)
+
+    def _failed(self, image: _Image, why: str) -> None:
+        """Leave the image's encoder out for a while and send the image to the next one up, or
+        fail its request when none is left."""
+        self.down[image.encoder] = time.monotonic() + DOWN_S
+        req, w = image.req, self.held[image.req]
+        spec = req.images[image.index]
+        w.tried.add(image.encoder)
+        untried = [a for a in spec.fallbacks if a not in w.tried]
+        logger.warning("request %s, image %d: %s", req.rid, image.index, why)
+        if not untried:
+            w.error = f"{why}; no other encoder left for images[{image.index}]"
+            return
+        spec.fallbacks = [a for a in spec.fallbacks if a != untried[0]] + [spec.encoder]
+        spec.encoder = untried[0]
+        self.stats["failovers"] += 1
+        if not self._ask(req):
+            self.backlog.append(req)
 
     def _remember(self, digest: str, embeds: torch.Tensor) -> None:
         if self.cache_size <= 0:

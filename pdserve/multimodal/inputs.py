@@ -19,6 +19,8 @@ class ImageInput(msgspec.Struct, kw_only=True):
     patch_width: int = 0
     # the encoder server that computes its embeddings (EPD: "tcp://host:port"); None: this server
     encoder: Optional[str] = None
+    # the other encoder servers it may go to, in order, if that one fails
+    fallbacks: list[str] = msgspec.field(default_factory=list)
 
     @property
     def end(self) -> int:

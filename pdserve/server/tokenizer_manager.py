@@ -220,7 +220,8 @@ class TokenizerManager:
             raise bad_request(str(e)) from None
         if encoders and computes:
             for i, image in enumerate(images):
-                image.encoder = encoders[i % len(encoders)]
+                k = i % len(encoders)
+                image.encoder, image.fallbacks = encoders[k], encoders[k + 1 :] + encoders[:k]
         return ids, images
 
     def tokenize(self, text: str) -> list[int]:

@@ -462,3 +462,18 @@ def test_epd_gives_hf_tokens_with_one_and_two_encoders(epd_cluster, vl_path, ref
     assert text == colocated
     assert [_encoded(epd_cluster[e]) for e in ("E1", "E2")] == [after_one[0] + 1, after_one[1] + 1]
     epd_cluster["PL"].wait_idle()
+
+
+def test_an_encoder_death_fails_over_to_the_other(epd_cluster):
+    """E2 killed: the image sent to it goes to E1 after --encoder-timeout (5 s), and the next
+    request's images go to E1 straight away; the tokens are colocated serving's."""
+    epd_cluster["E2"].stop()
+    e1 = _encoded(epd_cluster["E1"])
+    for seed in (21, 23):
+        fresh = _chat_body(["Two:", data_url(png(40, 32, seed)), data_url(png(24, 56, seed + 1))])
+        want = httpx.post(epd_cluster["S"].url + "/v1/chat/completions", json=fresh, timeout=60)
+        got = httpx.post(epd_cluster["R2"].url + "/v1/chat/completions", json=fresh, timeout=60)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["message"] == want.json()["choices"][0]["message"]
+    assert _encoded(epd_cluster["E1"]) == e1 + 4
+    epd_cluster["PL"].wait_idle()
