@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
@@ -65,6 +66,9 @@ class EncoderService:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.bind(f"tcp://{args.host}:{args.disaggregation_bootstrap_port}")
         self.encoded = 0
+        # seconds in the tower and in the writes, and bytes written (for /server_info)
+        self.tower_s = self.write_s = 0.0
+        self.bytes_written = 0
 
     def _stage(self, nbytes: int) -> torch.Tensor:
         if self.staging is None or self.staging.numel() < nbytes:
@@ -77,7 +81,9 @@ class EncoderService:
         try:
             grid = tuple(want.grid)
             patches = torch.frombuffer(bytearray(want.pixels), dtype=torch.float32)
+            t0 = time.perf_counter()
             embeds = self.tower(patches.view(-1, want.patch_width), grid)
+            t1 = time.perf_counter()
             out = embeds.to(getattr(torch, want.dtype)).contiguous()
             raw = out.view(torch.uint8).reshape(-1)
             if raw.numel() != sum(want.lengths):
@@ -98,6 +104,9 @@ class EncoderService:
             )
             handle.wait()
             self.encoded += 1
+            self.tower_s += t1 - t0
+            self.write_s += time.perf_counter() - t1
+            self.bytes_written += raw.numel()
             return EncodeDone(room=want.room)
         except Exception as e:  # the prefill's request fails, naming it; the server goes on
             logger.warning("encoding room %s failed: %s", want.room, e)
@@ -136,6 +145,9 @@ def _http(args, service: EncoderService) -> ThreadingHTTPServer:
                         "encoder_port": args.disaggregation_bootstrap_port,
                         "transfer_backend": service.backend_name,
                         "images_encoded": service.encoded,
+                        "tower_seconds": service.tower_s,
+                        "write_seconds": service.write_s,
+                        "bytes_written": service.bytes_written,
                     }
                 ).encode()
             )

@@ -29,60 +29,43 @@ CHAT_TEMPLATE = (
 PROCESSOR = dict(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=256, max_pixels=4096)
 
 
-def build_qwen2_5_vl_checkpoint() -> str:
-    """A 2-layer Qwen2.5-VL (float32) with a 2-block tower (one windowed, one whole-image) whose
-    windows (16 pixels) cut a 32-pixel image in four."""
-
-    def write(tmp: str) -> None:
-        tok = transformers.AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
-        tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
-        tok.chat_template = CHAT_TEMPLATE
-        ids = tok.convert_tokens_to_ids(VISION_TOKENS)
-        text = dict(
-            vocab_size=len(tok),
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            rms_norm_eps=1e-6,
-            initializer_range=0.08,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=2,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": [2, 3, 3],
-            },
-        )
-        vision = dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            patch_size=PROCESSOR["patch_size"],
-            spatial_merge_size=PROCESSOR["merge_size"],
-            temporal_patch_size=PROCESSOR["temporal_patch_size"],
-            out_hidden_size=64,
-            window_size=16,
-            fullatt_block_indexes=[1],
-            initializer_range=0.1,
-        )
-        config = transformers.Qwen2_5_VLConfig(
-            text_config=text,
-            vision_config=vision,
-            vision_start_token_id=ids[0],
-            vision_end_token_id=ids[1],
-            image_token_id=ids[2],
-            video_token_id=ids[3],
-            tie_word_embeddings=False,
-        )
-        config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
-        torch.manual_seed(0)
-        model = transformers.Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
-        with torch.no_grad():  # norms and biases drawn, so a skipped one shows
+def write_qwen2_5_vl(
+    tmp: str,
+    text: dict,
+    vision: dict,
+    processor: dict,
+    dtype: torch.dtype = torch.float32,
+    drawn: bool = True,
+) -> None:
+    """A Qwen2.5-VL checkpoint in ``tmp``: the SmolLM2 tokenizer with the image tokens and
+    ``CHAT_TEMPLATE``, the language model of ``text``'s fields and the tower of ``vision``'s,
+    random (``drawn``: norms and biases drawn too, so one skipped shows), and the image
+    processor of ``processor``'s fields."""
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tok.chat_template = CHAT_TEMPLATE
+    ids = tok.convert_tokens_to_ids(VISION_TOKENS)
+    text = dict(vocab_size=len(tok), bos_token_id=1, eos_token_id=2, pad_token_id=2, **text)
+    vision = dict(
+        patch_size=processor["patch_size"],
+        spatial_merge_size=processor["merge_size"],
+        temporal_patch_size=processor["temporal_patch_size"],
+        **vision,
+    )
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        vision_start_token_id=ids[0],
+        vision_end_token_id=ids[1],
+        image_token_id=ids[2],
+        video_token_id=ids[3],
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).to(dtype)
+    if drawn:
+        with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight") or "norm1" in name or "norm2" in name:
                     param.normal_(1.0, 0.2)
@@ -90,12 +73,41 @@ def build_qwen2_5_vl_checkpoint() -> str:
                     param.normal_(0.0, 0.1)
                 elif "visual" in name:
                     param.normal_(0.0, 0.1)
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        processor = transformers.models.qwen2_vl.image_processing_pil_qwen2_vl
-        processor.Qwen2VLImageProcessorPil(**PROCESSOR).save_pretrained(tmp)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    module = transformers.models.qwen2_vl.image_processing_pil_qwen2_vl
+    module.Qwen2VLImageProcessorPil(**processor).save_pretrained(tmp)
 
-    return _cached("qwen2_5_vl", [_RECIPE_VERSION, transformers.__version__, PROCESSOR, 1], write)
+
+def build_qwen2_5_vl_checkpoint() -> str:
+    """A 2-layer Qwen2.5-VL (float32) with a 2-block tower (one windowed, one whole-image) whose
+    windows (16 pixels) cut a 32-pixel image in four."""
+    text = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        initializer_range=0.08,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        window_size=16,
+        fullatt_block_indexes=[1],
+        initializer_range=0.1,
+    )
+    return _cached(
+        "qwen2_5_vl",
+        [_RECIPE_VERSION, transformers.__version__, PROCESSOR, 1],
+        lambda tmp: write_qwen2_5_vl(tmp, text, vision, PROCESSOR),
+    )
 
 
 def png(width: int, height: int, seed: int) -> bytes:
