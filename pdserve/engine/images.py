@@ -65,6 +65,20 @@ def prepare(req: Req, model, computes_prompts: bool = True, encoders: bool = Fal
     )
 
 
+def unavailable(req: Req, model) -> Optional[str]:
+    """Why ``req``'s images past its cached prefix cannot be computed here (a decode server
+    without the tower that preempted the request), or None."""
+    for i, image in enumerate(req.images or ()):
+        if image.end <= req.kv_len or i in req.image_embeds:
+            continue
+        if image.pixels is None or getattr(model, "visual", None) is None:
+            return (
+                f"images[{i}]: this server was short of memory, preempted the request and "
+                "cannot compute its images again (no vision tower or no pixels here)"
+            )
+    return None
+
+
 def positions(req: Req, start: int, ext: int) -> tuple[list[int], Optional[torch.Tensor]]:
     """The positions of slots ``[start, start + ext)``, and their three axes [3, ext] where an
     image token is among them (None otherwise)."""

@@ -541,6 +541,10 @@ class Scheduler:
             max_pages = min(max_pages, max(req.effective_logprob_start - 1, 0) // self.page_size)
         if not self.kv.admit(req, budget, reserve, max_pages):
             return False
+        why = images.unavailable(req, self.runner.model)
+        if why is not None:  # a preempted request this server cannot compute again
+            self.finish(req, FinishReason(FinishKind.ABORT, message=why, status_code=503))
+            return False
         if self.speculator is not None:
             self.speculator.started(req)
         if req.num_retractions == 0:
