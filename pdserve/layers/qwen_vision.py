@@ -186,3 +186,105 @@ class Qwen25VisionTower(nn.Module):
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(f"shape {list(tensor.shape)}, expected {list(param.shape)}")
         param.data.copy_(tensor)
+
+
+# ---- Qwen3.5's tower ---------------------------------------------------------------------------
+class GeluMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, approximate: str):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(dim, hidden, bias=True)
+        self.linear_fc2 = nn.Linear(hidden, dim, bias=True)
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate=self.approximate))
+
+
+class LayerNormBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int, approximate: str):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = VisionAttention(dim, heads)
+        self.mlp = GeluMLP(dim, hidden, approximate)
+
+    def forward(self, x: torch.Tensor, bounds: list[int], cos, sin) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), bounds, cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class NormMerger(nn.Module):
+    """Each patch layer-normed, a merge square's patches side by side, then an MLP."""
+
+    def __init__(self, out_dim: int, dim: int, merge: int):
+        super().__init__()
+        self.width = dim * merge * merge
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.linear_fc1 = nn.Linear(self.width, self.width)
+        self.linear_fc2 = nn.Linear(self.width, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.gelu(self.linear_fc1(self.norm(x).view(-1, self.width))))
+
+
+class Qwen35VisionTower(Qwen25VisionTower):
+    """Qwen3.5's tower: Qwen2.5-VL's patches, 2-D RoPE and merge order, with a learned position
+    table (a square of ``num_position_embeddings``, resized bilinearly to each image's grid),
+    LayerNorm blocks with a GELU MLP attending over the whole image, a patch embedding with a
+    bias, and a merger that norms each patch before folding."""
+
+    def __init__(self, vc):
+        nn.Module.__init__(self)
+        self.dim, self.heads = vc.hidden_size, vc.num_heads
+        self.patch_size, self.merge = vc.patch_size, vc.spatial_merge_size
+        self.temporal_patch_size, self.in_channels = vc.temporal_patch_size, vc.in_channels
+        theta = (getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        self.theta = float(theta)
+        self.patch_width = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv3d(
+            vc.in_channels,
+            self.dim,
+            kernel_size=[vc.temporal_patch_size, vc.patch_size, vc.patch_size],
+            stride=[vc.temporal_patch_size, vc.patch_size, vc.patch_size],
+            bias=True,
+        )
+        self.side = int(vc.num_position_embeddings**0.5)
+        self.pos_embed = nn.Embedding(vc.num_position_embeddings, self.dim)
+        approximate = "tanh" if "tanh" in getattr(vc, "hidden_act", "gelu") else "none"
+        self.blocks = nn.ModuleList(
+            LayerNormBlock(self.dim, self.heads, vc.intermediate_size, approximate)
+            for _ in range(vc.depth)
+        )
+        self.merger = NormMerger(vc.out_hidden_size, self.dim, self.merge)
+
+    def _table(self, h: int, w: int) -> torch.Tensor:
+        """The position table resized to h x w (bilinear, corners aligned), in merge order."""
+        table = self.pos_embed.weight.float().view(self.side, self.side, -1).permute(2, 0, 1)
+        grid = F.interpolate(table[None], size=(h, w), mode="bilinear", align_corners=True)[0]
+        m = self.merge
+        grid = grid.permute(1, 2, 0).reshape(h // m, m, w // m, m, -1).permute(0, 2, 1, 3, 4)
+        return grid.reshape(h * w, -1)
+
+    @torch.no_grad()
+    def forward(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        t, h, w = grid
+        n = t * h * w
+        if pixels.shape != (n, self.patch_width):
+            raise ValueError(
+                f"image patches: expected [{n}, {self.patch_width}] for grid {list(grid)}, "
+                f"got {list(pixels.shape)}"
+            )
+        proj = self.patch_embed.proj
+        x = F.linear(pixels.to(proj.weight.dtype), proj.weight.reshape(self.dim, -1), proj.bias)
+        x = x + self._table(h, w).repeat(t, 1).to(x.dtype)
+        pos = self._positions(t, h, w)
+        half = self.dim // self.heads // 2
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
+        freqs = (pos[..., None].float() * inv_freq).flatten(1)
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+        cos, sin = emb.cos(), emb.sin()
+        frames = [i * h * w for i in range(t + 1)]
+        for block in self.blocks:
+            x = block(x, frames, cos, sin)
+        return self.merger(x)

@@ -7,8 +7,10 @@ beside the vision tower's (``model.visual.*``) and any multi-token-prediction la
 serves such a checkpoint's text model: ``text_model_config`` gives the nested configuration under
 the text class's architecture name (with the outer fields it needs: the dtype, the quantization,
 the tied embeddings), and ``text_model_weights`` the language model's tensors under the text
-checkpoint's names, every other tensor set aside. Images are not taken on this path: a request is
-its tokens. MiniMax M3's and Llama 4's published checkpoints keep the language model as
+checkpoint's names, every other tensor set aside. The vision-language architectures of
+``VISION_LANGUAGE`` are served with their images: their configuration is the text one under the
+outer name with the vision fields, and a nested one's tower tensors are read as ``visual.*``.
+MiniMax M3's and Llama 4's published checkpoints keep the language model as
 ``language_model.model.*`` and ``language_model.lm_head.*`` (``TEXT_PREFIXES``), in the names
 their text classes read (``models/minimax_m3.py``, ``models/llama4.py``).
 """
@@ -30,7 +32,11 @@ TEXT_MODELS = {
 }
 # vision-language architectures served with their images (the model class takes the tower):
 # the text configuration under the outer architecture's name, with ``VISION_FIELDS`` copied in
-VISION_LANGUAGE = ("Qwen2_5_VLForConditionalGeneration",)
+VISION_LANGUAGE = (
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+)
 VISION_FIELDS = (
     "vision_config",
     "image_token_id",
@@ -40,7 +46,11 @@ VISION_FIELDS = (
 )
 # where a multimodal checkpoint keeps its language model's tensors: prefix -> the text checkpoint's
 DEFAULT_PREFIXES = {"model.language_model.": "model.", "lm_head.": "lm_head."}
+# the vision-language ones of ``TEXT_MODELS``: their tower's tensors too, under ``visual.``
+_WITH_TOWER = {**DEFAULT_PREFIXES, "model.visual.": "visual."}
 TEXT_PREFIXES = {
+    "Qwen3_5ForConditionalGeneration": _WITH_TOWER,
+    "Qwen3_5MoeForConditionalGeneration": _WITH_TOWER,
     "MiniMaxM3SparseForConditionalGeneration": {
         "language_model.model.": "model.",
         "language_model.lm_head.": "lm_head.",
@@ -89,6 +99,8 @@ def _vision_language_config(config, arch: str) -> Any:
     for field in VISION_FIELDS:
         setattr(text, field, getattr(config, field, None))
     text.architectures = [arch]
+    if arch in TEXT_MODELS:  # the language model nested (model.language_model.*): renamed
+        setattr(text, SOURCE_FIELD, arch)
     return text
 
 

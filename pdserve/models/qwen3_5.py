@@ -11,8 +11,11 @@ DeltaNet layers with a gated attention layer every ``full_attention_interval``) 
   are its one position, so every section turns by it and M-RoPE is the plain partial RoPE.
 
 The multimodal checkpoints (``Qwen3_5ForConditionalGeneration``,
-``Qwen3_5MoeForConditionalGeneration``) serve their text model through these classes
-(``models/multimodal.py``). The multi-token-prediction weights (``mtp.*``) are set aside.
+``Qwen3_5MoeForConditionalGeneration``) are served with their images: the classes at the end add
+the vision tower (``layers/qwen_vision.Qwen35VisionTower``) and multimodal RoPE
+(``models/vision_language.py``); their language model's tensors are read under the text
+checkpoint's names (``models/multimodal.py``). The multi-token-prediction weights (``mtp.*``) are
+set aside.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from pdserve.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetDims
 from pdserve.layers.linear import Linear
 from pdserve.layers.moe.router import SoftmaxTopK
+from pdserve.layers.qwen_vision import Qwen35VisionTower
 from pdserve.models.llama import LlamaMLP
 from pdserve.models.qwen3_next import (
     Qwen3NextDecoderLayer,
@@ -31,6 +35,7 @@ from pdserve.models.qwen3_next import (
     Qwen3NextModel,
     gdn_dims,
 )
+from pdserve.models.vision_language import VisionLanguageMixin, with_images
 from pdserve.models.weights import TPShards
 
 MROPE_FIELDS = ("mrope_section", "mrope_interleaved")
@@ -105,3 +110,19 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
 
     def is_sparse(self, config, layer_id: int) -> bool:
         return False
+
+
+# ---- with images (models/vision_language.py): the multimodal checkpoints as published -----------
+class Qwen3_5VLForConditionalGeneration(VisionLanguageMixin, Qwen3_5ForCausalLM):
+    """``Qwen3_5ForConditionalGeneration``: the dense model with its vision tower; its M-RoPE
+    interleaves the axes (``mrope_section`` [11, 11, 10] of the 64 rotary dims)."""
+
+    model_cls = with_images(Qwen3_5Model, section=(11, 11, 10), interleaved=True)
+    tower_cls = Qwen35VisionTower
+
+
+class Qwen3_5MoeVLForConditionalGeneration(VisionLanguageMixin, Qwen3_5MoeForCausalLM):
+    """``Qwen3_5MoeForConditionalGeneration``: the MoE model with its vision tower."""
+
+    model_cls = with_images(Qwen3_5Model, section=(11, 11, 10), interleaved=True)
+    tower_cls = Qwen35VisionTower

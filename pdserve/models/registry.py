@@ -60,6 +60,14 @@ _MODELS = {
     "Lfm3ForCausalLM": ("pdserve.models.lfm3", "Lfm3ForCausalLM"),
     "Qwen3_5ForCausalLM": ("pdserve.models.qwen3_5", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("pdserve.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": (
+        "pdserve.models.qwen3_5",
+        "Qwen3_5VLForConditionalGeneration",
+    ),
+    "Qwen3_5MoeForConditionalGeneration": (
+        "pdserve.models.qwen3_5",
+        "Qwen3_5MoeVLForConditionalGeneration",
+    ),
     "Qwen2_5_VLForConditionalGeneration": (
         "pdserve.models.qwen2_5_vl",
         "Qwen2_5_VLForConditionalGeneration",

@@ -14,11 +14,14 @@ from typing import Any
 from pdserve.multimodal.inputs import ImageInput
 
 # architecture -> the image processor class that reads its preprocessor_config.json
+_QWEN2_VL = (
+    "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",
+    "Qwen2VLImageProcessorPil",
+)
 PROCESSORS = {
-    "Qwen2_5_VLForConditionalGeneration": (
-        "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",
-        "Qwen2VLImageProcessorPil",
-    ),
+    "Qwen2_5_VLForConditionalGeneration": _QWEN2_VL,
+    "Qwen3_5ForConditionalGeneration": _QWEN2_VL,
+    "Qwen3_5MoeForConditionalGeneration": _QWEN2_VL,
 }
 
 

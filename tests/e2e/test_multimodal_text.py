@@ -3,8 +3,9 @@
 nests the language model's, whose tensors sit under ``model.language_model.`` beside a vision
 tower. pdserve serves the text model (``models/multimodal.py``): HF's multimodal model's greedy
 tokens on text, logprobs within 1e-4 (float32), the tokens the text-only checkpoint of the same
-weights gives; the vision tower's tensors are set aside, and a configuration without its text
-model is refused by name."""
+weights gives; the vision tower's tensors are set aside (Qwen3.5's are read: it is served with its
+images, ``tests/e2e/test_vision_language.py``), and a configuration without its text model is
+refused by name."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import types
 import pytest
 import torch
 
-from pdserve.models.multimodal import TEXT_MODELS, text_model_config
+from pdserve.models.multimodal import TEXT_MODELS, VISION_LANGUAGE, text_model_config
 from tests.e2e.test_engine import hf_generate_logits, make_engine, prompts_for
 from tests.helpers.checkpoints import MULTIMODAL, build_multimodal_checkpoint, build_tiny_checkpoint
 
@@ -31,8 +32,12 @@ def test_multimodal_checkpoint_serves_its_text_model(arch):
     text = make_engine(build_tiny_checkpoint(arch), dtype="float32", page_size=16)
     try:
         model = eng.scheduler.runner.model
-        assert type(model).__name__ == TEXT_MODELS[MULTIMODAL[arch][1]]
-        assert not any("visual" in n for n, _ in model.named_parameters())
+        outer = MULTIMODAL[arch][1]
+        if outer in VISION_LANGUAGE:  # served with its images (tests/e2e/test_vision_language.py)
+            assert model.visual is not None
+        else:  # the text model alone, the tower's tensors set aside
+            assert type(model).__name__ == TEXT_MODELS[outer]
+            assert not any("visual" in n for n, _ in model.named_parameters())
         prompts = prompts_for(3)[2:5]  # 17 to 95 tokens: past the chunk of 32
         sp = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
         outs = eng.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)

@@ -19,6 +19,7 @@ import transformers
 from tests.helpers import cluster as c
 from tests.helpers.vision_checkpoints import (
     build_qwen2_5_vl_checkpoint,
+    build_qwen3_5_vl_checkpoint,
     data_url,
     hf_vl_generate,
     hf_vl_greedy,
@@ -130,6 +131,47 @@ def test_bf16_matches_hf_bf16_up_to_ties(vl_path):
         compared += compare(out, *ref)
     assert compared >= 12, f"only {compared} of 24 positions compared"
     assert eng.check_integrity()["in_use_pages"] == 0
+
+
+def test_qwen3_5_with_images_matches_hf_colocated_and_through_pd(tmp_path_factory):
+    """Qwen3.5 (Gated DeltaNet and gated attention layers, interleaved M-RoPE, the learned
+    position table of its tower): HF's tokens and logprobs in chunks that cut the images, and
+    the same tokens from a prefill to a decode without the tower (the layers' states and the
+    attention pages moved as for text)."""
+    from pdserve.engine.engine import Engine
+
+    path = build_qwen3_5_vl_checkpoint()
+    tokens, logprobs = hf_vl_greedy(path, hf_vl_inputs(path, TWO, IMAGES), NEW)
+    eng = Engine(model_path=path, dtype="float32", page_size=4, chunked_prefill_size=16)
+    ids = _prompt_ids(path, TWO)
+    out = eng.generate(
+        input_ids=ids, image_data=IMAGES, sampling_params=GREEDY, return_logprob=True
+    )
+    assert out["output_ids"] == tokens
+    ours = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    assert ours == pytest.approx(logprobs, abs=2e-5)
+    # a next turn with the same images resumes from the state snapshot past them
+    turn = ids + tokens + ids[-3:]
+    again = eng.generate(input_ids=turn, image_data=IMAGES, sampling_params=GREEDY)
+    assert again["meta_info"]["cached_tokens"] >= out["meta_info"]["prompt_tokens"]
+    eng.shutdown()
+    logs = tmp_path_factory.mktemp("vl-qwen3_5")
+    p = c.prefill("P", path, logs, *COMMON)[0]
+    d = c.decode("D", without_vision_tower(path), logs, *COMMON, "--language-only")
+    for procs in c.running({"P": p, "D": d}):
+        body = {
+            "input_ids": ids,
+            "image_data": [data_url(im) for im in IMAGES],
+            "sampling_params": {"temperature": 0, "max_new_tokens": NEW},
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": p.bootstrap_port,
+            "bootstrap_room": 5,
+        }
+        fp, fd = c.post_pd(procs["P"], procs["D"], body)
+        assert fp.status_code == 200, fp.text
+        assert fd.json()["output_ids"] == tokens
+        procs["P"].wait_idle()
+        procs["D"].wait_idle()
 
 
 def test_prefix_cache_keys_on_the_pixels(engine, vl_path):

@@ -36,11 +36,12 @@ def write_qwen2_5_vl(
     processor: dict,
     dtype: torch.dtype = torch.float32,
     drawn: bool = True,
+    family: str = "Qwen2_5_VL",
 ) -> None:
-    """A Qwen2.5-VL checkpoint in ``tmp``: the SmolLM2 tokenizer with the image tokens and
-    ``CHAT_TEMPLATE``, the language model of ``text``'s fields and the tower of ``vision``'s,
-    random (``drawn``: norms and biases drawn too, so one skipped shows), and the image
-    processor of ``processor``'s fields."""
+    """A Qwen2.5-VL (or, with ``family`` "Qwen3_5", a Qwen3.5) checkpoint in ``tmp``: the SmolLM2
+    tokenizer with the image tokens and ``CHAT_TEMPLATE``, the language model of ``text``'s
+    fields and the tower of ``vision``'s, random (``drawn``: norms and biases drawn too, so one
+    skipped shows), and the image processor of ``processor``'s fields."""
     tok = transformers.AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
     tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     tok.chat_template = CHAT_TEMPLATE
@@ -52,7 +53,7 @@ def write_qwen2_5_vl(
         temporal_patch_size=processor["temporal_patch_size"],
         **vision,
     )
-    config = transformers.Qwen2_5_VLConfig(
+    config = getattr(transformers, f"{family}Config")(
         text_config=text,
         vision_config=vision,
         vision_start_token_id=ids[0],
@@ -61,14 +62,14 @@ def write_qwen2_5_vl(
         video_token_id=ids[3],
         tie_word_embeddings=False,
     )
-    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    config.architectures = [f"{family}ForConditionalGeneration"]
     torch.manual_seed(0)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).to(dtype)
+    model = getattr(transformers, f"{family}ForConditionalGeneration")(config).to(dtype)
     if drawn:
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight") or "norm1" in name or "norm2" in name:
-                    param.normal_(1.0, 0.2)
+                    param.normal_(1.0 if family == "Qwen2_5_VL" else 0.0, 0.2)
                 elif name.endswith("bias"):
                     param.normal_(0.0, 0.1)
                 elif "visual" in name:
@@ -107,6 +108,39 @@ def build_qwen2_5_vl_checkpoint() -> str:
         "qwen2_5_vl",
         [_RECIPE_VERSION, transformers.__version__, PROCESSOR, 1],
         lambda tmp: write_qwen2_5_vl(tmp, text, vision, PROCESSOR),
+    )
+
+
+def build_qwen3_5_vl_checkpoint() -> str:
+    """Qwen3.5 with images: the tiny hybrid of ``tests/helpers/checkpoints.py`` (Gated DeltaNet
+    and gated attention layers) with 32-dim heads, 8 of them turning by M-RoPE [2, 1, 1]
+    (interleaved), and a 2-block tower with a learned position table of 4 x 4."""
+    from tests.helpers.checkpoints import tiny_config
+
+    text = tiny_config("qwen3_5").to_dict()
+    for key in ("architectures", "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"):
+        text.pop(key, None)
+    text["head_dim"] = 32
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    }
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=text["hidden_size"],
+        num_position_embeddings=16,
+        initializer_range=0.1,
+    )
+    return _cached(
+        "qwen3_5_vl",
+        [_RECIPE_VERSION, transformers.__version__, PROCESSOR, text, 1],
+        lambda tmp: write_qwen2_5_vl(tmp, text, vision, PROCESSOR, family="Qwen3_5"),
     )
 
 
@@ -151,9 +185,8 @@ def hf_vl_generate(
     path: str, inputs: dict, max_new_tokens: int, dtype: torch.dtype = torch.float32
 ) -> tuple[list[int], torch.Tensor]:
     """HF's greedy tokens and the logits of each step (float32 [n, vocab])."""
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        path, dtype=dtype
-    ).eval()
+    arch = transformers.AutoConfig.from_pretrained(path).architectures[0]
+    model = getattr(transformers, arch).from_pretrained(path, dtype=dtype).eval()
     ids = inputs["input_ids"]
     kwargs = {k: v for k, v in inputs.items() if k != "input_ids"}
     mm = (ids == model.config.image_token_id).int()
@@ -189,7 +222,7 @@ def without_vision_tower(path: str) -> str:
             if name != "model.safetensors" and not name.startswith("."):
                 shutil.copy(os.path.join(path, name), tmp)
         tensors = load_file(os.path.join(path, "model.safetensors"))
-        kept = {k: v for k, v in tensors.items() if not k.startswith("visual.")}
+        kept = {k: v for k, v in tensors.items() if not k.startswith(("visual.", "model.visual."))}
         save_file(kept, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
 
     return _cached("qwen2_5_vl-language", [_RECIPE_VERSION, path], write)
