@@ -378,6 +378,8 @@ class Scheduler:
         info.update(running=len(self.running), waiting=len(self.waiting))
         if self.pd is not None:
             info.update(self.pd.integrity())
+        if self.encoders is not None:
+            info.update(self.encoders.integrity())
         return info
 
     def retract(self, req: Req) -> None:

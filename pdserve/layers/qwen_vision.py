@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.layers.linear import Linear
 from pdserve.layers.norm import RMSNorm
 
 
@@ -31,8 +32,8 @@ class VisionAttention(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
         self.heads, self.head_dim = heads, dim // heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
-        self.proj = nn.Linear(dim, dim, bias=True)
+        self.qkv = Linear(dim, 3 * dim, bias=True)
+        self.proj = Linear(dim, dim, bias=True)
 
     def forward(self, x: torch.Tensor, bounds: list[int], cos, sin) -> torch.Tensor:
         n = x.shape[0]
@@ -50,9 +51,9 @@ class VisionAttention(nn.Module):
 class VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=True)
-        self.up_proj = nn.Linear(dim, hidden, bias=True)
-        self.down_proj = nn.Linear(hidden, dim, bias=True)
+        self.gate_proj = Linear(dim, hidden, bias=True)
+        self.up_proj = Linear(dim, hidden, bias=True)
+        self.down_proj = Linear(hidden, dim, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -77,7 +78,9 @@ class PatchMerger(nn.Module):
         self.width = dim * merge * merge
         self.ln_q = RMSNorm(dim, 1e-6)
         self.mlp = nn.Sequential(
-            nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, out_dim)
+            Linear(self.width, self.width, bias=True),
+            nn.GELU(),
+            Linear(self.width, out_dim, bias=True),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -192,8 +195,8 @@ class Qwen25VisionTower(nn.Module):
 class GeluMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, approximate: str):
         super().__init__()
-        self.linear_fc1 = nn.Linear(dim, hidden, bias=True)
-        self.linear_fc2 = nn.Linear(hidden, dim, bias=True)
+        self.linear_fc1 = Linear(dim, hidden, bias=True)
+        self.linear_fc2 = Linear(hidden, dim, bias=True)
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -220,8 +223,8 @@ class NormMerger(nn.Module):
         super().__init__()
         self.width = dim * merge * merge
         self.norm = nn.LayerNorm(dim, eps=1e-6)
-        self.linear_fc1 = nn.Linear(self.width, self.width)
-        self.linear_fc2 = nn.Linear(self.width, out_dim)
+        self.linear_fc1 = Linear(self.width, self.width, bias=True)
+        self.linear_fc2 = Linear(self.width, out_dim, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(F.gelu(self.linear_fc1(self.norm(x).view(-1, self.width))))

@@ -152,6 +152,17 @@ class EncoderQueue:
                 ready.append(req)
         return ready, failed
 
+    def integrity(self) -> dict:
+        """The embedding pages: free, in flight, and kept out of use after a timeout."""
+        flight = sum(len(im.pages) for im in self.images.values())
+        return {
+            "encoder_pages_total": self.num_pages,
+            "encoder_pages_free": len(self.free_pages),
+            "encoder_pages_in_flight": flight,
+            "encoder_pages_quarantined": self.num_pages - len(self.free_pages) - flight,
+            "encoder_held_requests": len(self.held),
+        }
+
     def drop(self, req: Req) -> None:
         """Forget ``req`` (aborted); its images' pages come back when their answers do."""
         self.held.pop(req, None)

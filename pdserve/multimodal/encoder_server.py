@@ -48,6 +48,11 @@ def load_tower(model_path: str, dtype: str):
             names.discard(name[len("visual.") :])
     if names:
         raise ValueError(f"{model_path}: the checkpoint lacks visual.{sorted(names)[0]}")
+    if torch_dtype == torch.bfloat16:  # the matmuls on pdserve's kernels, as in a prefill
+        from pdserve import kernels
+        from pdserve.layers.linear import prepack_linears
+
+        prepack_linears(tower, kernels.load(), dtype=torch_dtype)
     return tower.eval().requires_grad_(False)
 
 
