@@ -289,7 +289,7 @@ class EncoderQueue:
         spec.fallbacks = [a for a in spec.fallbacks if a != untried[0]] + [spec.encoder]
         spec.encoder = untried[0]
         self.stats["failovers"] += 1
-        if not self._ask(req):
+        if not self._ask(req) and req not in self.backlog:
             self.backlog.append(req)
 
     def _remember(self, digest: str, embeds: torch.Tensor) -> None:
