@@ -217,17 +217,20 @@ class LayerNormBlock(nn.Module):
 
 
 class NormMerger(nn.Module):
-    """Each patch layer-normed, a merge square's patches side by side, then an MLP."""
+    """Each patch layer-normed (``post_shuffle``: each merge square, its patches side by side),
+    the square's patches side by side, then an MLP."""
 
-    def __init__(self, out_dim: int, dim: int, merge: int):
+    def __init__(self, out_dim: int, dim: int, merge: int, post_shuffle: bool = False):
         super().__init__()
         self.width = dim * merge * merge
-        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.post_shuffle = post_shuffle
+        self.norm = nn.LayerNorm(self.width if post_shuffle else dim, eps=1e-6)
         self.linear_fc1 = Linear(self.width, self.width, bias=True)
         self.linear_fc2 = Linear(self.width, out_dim, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(F.gelu(self.linear_fc1(self.norm(x).view(-1, self.width))))
+        x = self.norm(x.view(-1, self.width)) if self.post_shuffle else self.norm(x)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x.view(-1, self.width))))
 
 
 class Qwen35VisionTower(Qwen25VisionTower):
@@ -288,6 +291,31 @@ class Qwen35VisionTower(Qwen25VisionTower):
         emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
         cos, sin = emb.cos(), emb.sin()
         frames = [i * h * w for i in range(t + 1)]
-        for block in self.blocks:
+        features = []  # Qwen3-VL's DeepStack: some blocks' outputs, merged apart
+        for i, block in enumerate(self.blocks):
             x = block(x, frames, cos, sin)
-        return self.merger(x)
+            features += self.deepstack(i, x)
+        return torch.cat([self.merger(x), *features], dim=-1)
+
+    def deepstack(self, block: int, x: torch.Tensor) -> list[torch.Tensor]:
+        return []
+
+
+class Qwen3VLVisionTower(Qwen35VisionTower):
+    """Qwen3-VL's tower: Qwen3.5's, whose blocks of ``deepstack_visual_indexes`` also give their
+    output through a merger of their own (normed per merge square); an image's rows are the
+    final merger's then each of those, side by side ([tokens, out_hidden x (1 + k)]), for the
+    decoder to add to its first k layers' outputs (``models/vision_language.with_images``)."""
+
+    def __init__(self, vc):
+        super().__init__(vc)
+        self.deepstack_layers = list(vc.deepstack_visual_indexes)
+        self.deepstack_merger_list = nn.ModuleList(
+            NormMerger(vc.out_hidden_size, self.dim, self.merge, post_shuffle=True)
+            for _ in self.deepstack_layers
+        )
+
+    def deepstack(self, block: int, x: torch.Tensor) -> list[torch.Tensor]:
+        if block not in self.deepstack_layers:
+            return []
+        return [self.deepstack_merger_list[self.deepstack_layers.index(block)](x)]

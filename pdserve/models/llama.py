@@ -363,11 +363,17 @@ class LlamaModel(nn.Module):
             return self.decode_stack.forward(h, pool.buffer, table, lens, cos, sin)
         for i, layer in enumerate(self.own_layers, self.start):
             h, residual = layer(h, residual, ropes.get(layer.rope_kind), fb)
+            h = self.after_layer(i, h)
             if i in self.capture_layers:
                 self.captured[i] = h if residual is None else h + residual
             if fb.layer_done is not None:
                 fb.layer_done(i)
         return h, residual
+
+    def after_layer(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """A layer's output (before the residual add) as the next layer reads it: itself, or,
+        for a vision-language decoder, with image features added (``vision_language.py``)."""
+        return h
 
     def idle_forward(self, dp) -> None:
         """A DP-attention group with no tokens this step: join every layer's MLP collectives."""

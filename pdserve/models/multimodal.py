@@ -34,6 +34,7 @@ TEXT_MODELS = {
 # the text configuration under the outer architecture's name, with ``VISION_FIELDS`` copied in
 VISION_LANGUAGE = (
     "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
     "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration",
 )
@@ -49,6 +50,7 @@ DEFAULT_PREFIXES = {"model.language_model.": "model.", "lm_head.": "lm_head."}
 # the vision-language ones of ``TEXT_MODELS``: their tower's tensors too, under ``visual.``
 _WITH_TOWER = {**DEFAULT_PREFIXES, "model.visual.": "visual."}
 TEXT_PREFIXES = {
+    "Qwen3VLForConditionalGeneration": _WITH_TOWER,
     "Qwen3_5ForConditionalGeneration": _WITH_TOWER,
     "Qwen3_5MoeForConditionalGeneration": _WITH_TOWER,
     "MiniMaxM3SparseForConditionalGeneration": {
@@ -99,7 +101,7 @@ def _vision_language_config(config, arch: str) -> Any:
     for field in VISION_FIELDS:
         setattr(text, field, getattr(config, field, None))
     text.architectures = [arch]
-    if arch in TEXT_MODELS:  # the language model nested (model.language_model.*): renamed
+    if arch in TEXT_PREFIXES:  # the language model nested (model.language_model.*): renamed
         setattr(text, SOURCE_FIELD, arch)
     return text
 

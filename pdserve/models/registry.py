@@ -68,6 +68,10 @@ _MODELS = {
         "pdserve.models.qwen3_5",
         "Qwen3_5MoeVLForConditionalGeneration",
     ),
+    "Qwen3VLForConditionalGeneration": (
+        "pdserve.models.qwen3_vl",
+        "Qwen3VLForConditionalGeneration",
+    ),
     "Qwen2_5_VLForConditionalGeneration": (
         "pdserve.models.qwen2_5_vl",
         "Qwen2_5_VLForConditionalGeneration",

@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -24,8 +24,11 @@ VISUAL = "visual."
 
 
 def with_images(decoder_cls: type, section: tuple = (16, 24, 24), interleaved: bool = False):
-    """``decoder_cls`` (a ``LlamaModel``) with image rows spliced in and multimodal RoPE
-    (``section`` and ``interleaved`` where the configuration does not say)."""
+    """``decoder_cls`` (a ``LlamaModel``) with image rows spliced in and multimodal RoPE: in runs
+    of ``mrope_section`` (``section`` where the configuration gives none), or ``interleaved`` (the
+    family's fixed layout, whatever the configuration says, as HF's classes do). Rows wider than
+    the model (Qwen3-VL's DeepStack features after the embeddings' part) are added to the outputs
+    of the first layers, one part each."""
 
     class ImageDecoder(decoder_cls):
         def __init__(self, config, shards, **attn_kwargs):
@@ -37,16 +40,28 @@ def with_images(decoder_cls: type, section: tuple = (16, 24, 24), interleaved: b
                 old.params,
                 old._initial,
                 raw.get("mrope_section") or list(section),
-                bool(raw.get("mrope_interleaved", interleaved)),
+                interleaved,
             )
+            self.deepstack: Optional[tuple[torch.Tensor, list[torch.Tensor]]] = None
 
         def forward(self, fb: ForwardBatch) -> torch.Tensor:
             h = self.embed_tokens(fb.input_ids)
+            self.deepstack = None
             if fb.image_embeds is not None:
                 rows, embeds = fb.image_embeds
-                h[rows] = embeds.to(h.dtype)
+                width = h.shape[-1]
+                h[rows] = embeds[:, :width].to(h.dtype)
+                if embeds.shape[-1] > width:
+                    self.deepstack = (rows, list(embeds[:, width:].split(width, dim=-1)))
             h, residual = self.forward_layers(fb, h, None)
+            self.deepstack = None
             h, _ = self.norm(h, residual)
+            return h
+
+        def after_layer(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+            if self.deepstack is not None and layer < len(self.deepstack[1]):
+                rows, parts = self.deepstack
+                h[rows] += parts[layer].to(h.dtype)
             return h
 
     ImageDecoder.__name__ = ImageDecoder.__qualname__ = f"{decoder_cls.__name__}WithImages"
@@ -72,6 +87,9 @@ class VisionLanguageMixin:
             if self.shards.embeds and not language_only
             else None
         )
+        # an image's rows: the embeddings, and DeepStack's features (Qwen3-VL) beside them
+        deepstack = len(getattr(config.vision_config, "deepstack_visual_indexes", None) or [])
+        self.image_width = config.hidden_size * (1 + deepstack)
 
     def image_tokens(self, grid: Iterable[int]) -> int:
         t, h, w = grid

@@ -23,12 +23,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
-import msgspec
 import torch
 import zmq
 
+from pdserve.disagg.messages import ProtocolError
 from pdserve.engine.request import FinishKind, FinishReason, Req
-from pdserve.multimodal.epd_messages import EncodeDone, EncodeWant, decode_message
+from pdserve.multimodal.epd_messages import EncodeDone, EncodeWant, EpdCodec
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class EncoderQueue:
         self.images: dict[int, _Image] = {}  # room -> an image in flight
         self.held: dict[Req, _Waiting] = {}  # request -> what it waits for
         self.backlog: list[Req] = []  # requests waiting for free pages
-        self.enc = msgspec.msgpack.Encoder()
+        self.codec = EpdCodec(args.disaggregation_secret)
         self.stats = {"encoded": 0, "cache_hits": 0, "failed": 0, "failovers": 0}
         self.down: dict[str, float] = {}  # encoder -> until when it is left out
 
@@ -122,10 +122,14 @@ class EncoderQueue:
         for addr, sock in self.sockets.items():
             while True:
                 try:
-                    payload = sock.recv(zmq.NOBLOCK)
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                msg = decode_message(payload)
+                try:
+                    msg = self.codec.read(frames)
+                except ProtocolError as e:  # its image times out and fails over
+                    logger.warning("dropped a message from encoder %s: %s", addr, e)
+                    continue
                 if isinstance(msg, EncodeDone):
                     self._done(msg, addr)
         now = time.monotonic()
@@ -246,7 +250,7 @@ class EncoderQueue:
             sock = self.sockets[addr] = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(addr)
-        sock.send(self.enc.encode(want))
+        sock.send_multipart(self.codec.frames(want))
 
     def _done(self, msg: EncodeDone, addr: str) -> None:
         image = self.images.pop(msg.room, None)

@@ -18,12 +18,12 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
-import msgspec
 import numpy as np
 import torch
 import zmq
 
-from pdserve.multimodal.epd_messages import EncodeDone, EncodeWant, decode_message
+from pdserve.disagg.messages import ProtocolError
+from pdserve.multimodal.epd_messages import EncodeDone, EncodeWant, EpdCodec
 
 logger = logging.getLogger(__name__)
 
@@ -118,10 +118,14 @@ class EncoderService:
             return EncodeDone(room=want.room, error=f"{type(e).__name__}: {e}")
 
     def serve_forever(self) -> None:
-        enc = msgspec.msgpack.Encoder()
+        codec = EpdCodec(self.args.disaggregation_secret)
         while True:
-            ident, payload = self.sock.recv_multipart()
-            msg = decode_message(payload)
+            ident, *frames = self.sock.recv_multipart()
+            try:
+                msg = codec.read(frames)
+            except ProtocolError as e:  # (AuthError too) dropped: the sender times out
+                logger.warning("dropped a message from a prefill: %s", e)
+                continue
             if isinstance(msg, EncodeWant):
                 if msg.backend != self.backend_name:
                     done = EncodeDone(
@@ -131,7 +135,7 @@ class EncoderService:
                     )
                 else:
                     done = self.handle(msg)
-                self.sock.send_multipart([ident, enc.encode(done)])
+                self.sock.send_multipart([ident, *codec.frames(done)])
 
 
 def _http(args, service: EncoderService) -> ThreadingHTTPServer:

@@ -20,6 +20,7 @@ _QWEN2_VL = (
 )
 PROCESSORS = {
     "Qwen2_5_VLForConditionalGeneration": _QWEN2_VL,
+    "Qwen3VLForConditionalGeneration": _QWEN2_VL,
     "Qwen3_5ForConditionalGeneration": _QWEN2_VL,
     "Qwen3_5MoeForConditionalGeneration": _QWEN2_VL,
 }

@@ -77,7 +77,7 @@ def build_scheduler(args: ServerArgs, par: Parallel = SINGLE_RANK):
         from pdserve.multimodal.encoder_queue import EncoderQueue
 
         # EPD: images whose embeddings encoder servers send
-        scheduler.encoders = EncoderQueue(args, model.hidden_size, scheduler.runner.dtype)
+        scheduler.encoders = EncoderQueue(args, model.image_width, scheduler.runner.dtype)
     return scheduler
 
 

@@ -45,6 +45,7 @@ def epd_cluster(vl_path, tmp_path_factory):
 
     logs = tmp_path_factory.mktemp("epd")
     language = without_vision_tower(vl_path)
+    secret = ["--disaggregation-secret", "epd-test-secret"]  # EPD's messages signed too
     ports = [free_port(), free_port()]
     encoders = {
         f"E{i + 1}": c.server(
@@ -56,11 +57,14 @@ def epd_cluster(vl_path, tmp_path_factory):
             "float32",
             "--disaggregation-bootstrap-port",
             str(port),
+            *secret,
         )
         for i, port in enumerate(ports)
     }
-    p = c.prefill("PL", language, logs, *COMMON, "--language-only", "--encoder-timeout", "5")[0]
-    d = c.decode("D", language, logs, *COMMON, "--language-only")
+    p = c.prefill(
+        "PL", language, logs, *COMMON, "--language-only", "--encoder-timeout", "5", *secret
+    )[0]
+    d = c.decode("D", language, logs, *COMMON, "--language-only", *secret)
     addrs = [f"tcp://127.0.0.1:{port}" for port in ports]
     for procs in c.running({**encoders, "PL": p, "D": d}):
         one = c.router("R1", [p], [d], logs, "--encoder", addrs[0])

@@ -18,6 +18,7 @@ from tests.helpers import cluster as c
 from tests.helpers.vision_checkpoints import (
     build_qwen2_5_vl_checkpoint,
     build_qwen3_5_vl_checkpoint,
+    build_qwen3_vl_checkpoint,
     data_url,
     hf_vl_generate,
     hf_vl_greedy,
@@ -170,6 +171,28 @@ def test_qwen3_5_with_images_matches_hf_colocated_and_through_pd(tmp_path_factor
         assert fd.json()["output_ids"] == tokens
         procs["P"].wait_idle()
         procs["D"].wait_idle()
+
+
+def test_qwen3_vl_with_deepstack_matches_hf():
+    """Qwen3-VL: the tower's DeepStack features (two blocks' outputs through mergers of their own)
+    added to the image tokens after the decoder's first two layers, interleaved M-RoPE, q/k norms:
+    HF's tokens and logprobs in chunks that cut the images."""
+    from pdserve.engine.engine import Engine
+
+    path = build_qwen3_vl_checkpoint()
+    tokens, logprobs = hf_vl_greedy(path, hf_vl_inputs(path, TWO, IMAGES), NEW)
+    eng = Engine(model_path=path, dtype="float32", page_size=4, chunked_prefill_size=16)
+    assert eng.scheduler.runner.model.image_width == 3 * 64  # the embeddings and two features
+    out = eng.generate(
+        input_ids=_prompt_ids(path, TWO),
+        image_data=IMAGES,
+        sampling_params=GREEDY,
+        return_logprob=True,
+    )
+    assert out["output_ids"] == tokens
+    ours = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    assert ours == pytest.approx(logprobs, abs=2e-5)
+    eng.shutdown()
 
 
 def test_prefix_cache_keys_on_the_pixels(engine, vl_path):

@@ -69,7 +69,7 @@ def write_qwen2_5_vl(
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight") or "norm1" in name or "norm2" in name:
-                    param.normal_(1.0 if family == "Qwen2_5_VL" else 0.0, 0.2)
+                    param.normal_(0.0 if family == "Qwen3_5" else 1.0, 0.2)  # 1 + w
                 elif name.endswith("bias"):
                     param.normal_(0.0, 0.1)
                 elif "visual" in name:
@@ -141,6 +141,44 @@ def build_qwen3_5_vl_checkpoint() -> str:
         "qwen3_5_vl",
         [_RECIPE_VERSION, transformers.__version__, PROCESSOR, text, 1],
         lambda tmp: write_qwen2_5_vl(tmp, text, vision, PROCESSOR, family="Qwen3_5"),
+    )
+
+
+def build_qwen3_vl_checkpoint() -> str:
+    """Qwen3-VL: a 2-layer Qwen3 (q/k norms) with 16-dim heads turning by interleaved M-RoPE
+    [4, 2, 2], and a 2-block tower whose both blocks give DeepStack features (added after the
+    decoder's layers 0 and 1)."""
+    text = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        initializer_range=0.08,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [4, 2, 2],
+            "mrope_interleaved": True,
+        },
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[0, 1],
+        initializer_range=0.1,
+    )
+    return _cached(
+        "qwen3_vl",
+        [_RECIPE_VERSION, transformers.__version__, PROCESSOR, 1],
+        lambda tmp: write_qwen2_5_vl(tmp, text, vision, PROCESSOR, family="Qwen3VL"),
     )
 
 

@@ -78,3 +78,22 @@ def test_a_preempted_request_without_a_tower_is_refused_not_crashed():
     assert images.unavailable(req, NoTower()) is None
     req.kv_len, req.image_embeds = 0, {0: torch.zeros(4, 8)}  # an encoder's rows, kept
     assert images.unavailable(req, NoTower()) is None
+
+
+def test_epd_messages_are_signed_with_the_secret():
+    from pdserve.disagg.messages import AuthError, ProtocolError
+    from pdserve.multimodal.epd_messages import EncodeDone, EpdCodec
+
+    done = EncodeDone(room=7)
+    signed, plain, other = EpdCodec("s"), EpdCodec(None), EpdCodec("t")
+    assert signed.read(signed.frames(done)) == done
+    assert plain.read(plain.frames(done)) == done
+    with pytest.raises(AuthError, match="unsigned"):
+        signed.read(plain.frames(done))
+    with pytest.raises(AuthError, match="bad HMAC"):
+        signed.read(other.frames(done))
+    frames = signed.frames(done)
+    with pytest.raises(AuthError, match="bad HMAC"):
+        signed.read([frames[0][:-1] + b"\x08", frames[1]])  # tampered
+    with pytest.raises(ProtocolError, match="malformed"):
+        plain.read([b"\xc1"])
