@@ -88,6 +88,8 @@ def test_openai_bodies_carry_them_per_prompt():
 class _SpecRecorder:
     """Stands in for the TokenizerManager: records what ``parse`` asks it to build."""
 
+    takes_images = False  # a text model
+
     def make_spec(self, prompt, sampling, *, default_max_new_tokens, **fields):
         return SimpleNamespace(fields=fields, sampling=SimpleNamespace(n=1))
 
