@@ -82,9 +82,9 @@ def unavailable(req: Req, model) -> Optional[str]:
 def positions(req: Req, start: int, ext: int) -> tuple[list[int], Optional[torch.Tensor]]:
     """The positions of slots ``[start, start + ext)``, and their three axes [3, ext] where an
     image token is among them (None otherwise)."""
-    if req.rope_positions is None:
-        return [p + req.rope_delta for p in range(start, start + ext)], None
     n = req.prompt_len
+    if req.rope_positions is None or start >= n:  # past the prompt (decode): a shift only
+        return list(range(start + req.rope_delta, start + ext + req.rope_delta)), None
     inside = req.rope_positions[:, start : min(start + ext, n)]
     past = torch.arange(max(start, n), max(start + ext, n)) + req.rope_delta
     three = torch.cat([inside, past.expand(3, -1)], dim=1)

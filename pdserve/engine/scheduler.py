@@ -401,7 +401,7 @@ class Scheduler:
 
     # ---- one iteration ----------------------------------------------------------------------
     def step(self) -> list[Req]:
-        if self.encoders is not None:
+        if self.encoders is not None and self.encoders.has_work:
             self._take_encoded()
         if self.pd is not None:
             self.pd.process_queues()

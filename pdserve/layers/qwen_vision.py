@@ -122,6 +122,26 @@ class Qwen25VisionTower(nn.Module):
         t, h, w = grid
         return t * h * w // self.unit
 
+    def _embed_patches(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """The patch embedding (a Conv3d whose kernel is its stride: one matmul per patch)."""
+        n = grid[0] * grid[1] * grid[2]
+        if pixels.shape != (n, self.patch_width):
+            raise ValueError(
+                f"image patches: expected [{n}, {self.patch_width}] for grid {list(grid)}, "
+                f"got {list(pixels.shape)}"
+            )
+        proj = self.patch_embed.proj
+        return F.linear(pixels.to(proj.weight.dtype), proj.weight.reshape(self.dim, -1), proj.bias)
+
+    def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """2-D RoPE of patches at (row, column) ``pos`` [n, 2]: rows and columns each turn a
+        quarter of a head (float32 cos, sin [n, 1, head_dim])."""
+        half = self.dim // self.heads // 2
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
+        freqs = (pos[..., None].float() * inv_freq).flatten(1)
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+        return emb.cos(), emb.sin()
+
     def _positions(self, t: int, h: int, w: int) -> torch.Tensor:
         """(row, column) of every patch [t * h * w, 2], in merge-square order."""
         m = self.merge
@@ -151,22 +171,11 @@ class Qwen25VisionTower(nn.Module):
         """One image's embeddings [tokens, out_hidden] from its patches [t * h * w, patch]."""
         t, h, w = grid
         n = t * h * w
-        if pixels.shape != (n, self.patch_width):
-            raise ValueError(
-                f"image patches: expected [{n}, {self.patch_width}] for grid {list(grid)}, "
-                f"got {list(pixels.shape)}"
-            )
-        weight = self.patch_embed.proj.weight
-        x = F.linear(pixels.to(weight.dtype), weight.reshape(self.dim, -1))
+        x = self._embed_patches(pixels, grid)
         order, window_lens = self._windows(t, h, w)
         x = x.view(n // self.unit, self.unit, -1)[order].reshape(n, -1)
         pos = self._positions(t, h, w).view(n // self.unit, self.unit, 2)[order].reshape(n, 2)
-        half = self.dim // self.heads // 2  # rows and columns each turn a quarter of a head
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
-        freqs = pos[..., None].float() * inv_freq  # [n, 2, head_dim / 4]
-        freqs = freqs.flatten(1)
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [n, 1, head_dim]
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = self._rope(pos)
         frame = h * w
         full = [i * frame for i in range(t + 1)]  # frames attend within themselves
         windows = [0]
@@ -275,21 +284,9 @@ class Qwen35VisionTower(Qwen25VisionTower):
     @torch.no_grad()
     def forward(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         t, h, w = grid
-        n = t * h * w
-        if pixels.shape != (n, self.patch_width):
-            raise ValueError(
-                f"image patches: expected [{n}, {self.patch_width}] for grid {list(grid)}, "
-                f"got {list(pixels.shape)}"
-            )
-        proj = self.patch_embed.proj
-        x = F.linear(pixels.to(proj.weight.dtype), proj.weight.reshape(self.dim, -1), proj.bias)
+        x = self._embed_patches(pixels, grid)
         x = x + self._table(h, w).repeat(t, 1).to(x.dtype)
-        pos = self._positions(t, h, w)
-        half = self.dim // self.heads // 2
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
-        freqs = (pos[..., None].float() * inv_freq).flatten(1)
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = self._rope(self._positions(t, h, w))
         frames = [i * h * w for i in range(t + 1)]
         features = []  # Qwen3-VL's DeepStack: some blocks' outputs, merged apart
         for i, block in enumerate(self.blocks):

@@ -85,7 +85,8 @@ class EncoderQueue:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.held or self.backlog)
+        """Requests held, or answers still due (an aborted request's pages come back with them)."""
+        return bool(self.held or self.backlog or self.images)
 
     def queued(self) -> list[Req]:
         return list(self.held) + self.backlog
