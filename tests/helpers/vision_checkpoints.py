@@ -26,6 +26,18 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}{%- endif -%}<|im_end|>\n{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
 )
+# the language model and tower of the tiny Qwen2.5-VL and Qwen3-VL checkpoints
+TINY_TEXT = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    initializer_range=0.08,
+)
+TINY_TOWER = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
 PROCESSOR = dict(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=256, max_pixels=4096)
 
 
@@ -83,23 +95,10 @@ def write_qwen2_5_vl(
 def build_qwen2_5_vl_checkpoint() -> str:
     """A 2-layer Qwen2.5-VL (float32) with a 2-block tower (one windowed, one whole-image) whose
     windows (16 pixels) cut a 32-pixel image in four."""
-    text = dict(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        initializer_range=0.08,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-    )
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    text = dict(TINY_TEXT, rope_parameters=rope)
     vision = dict(
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        out_hidden_size=64,
+        TINY_TOWER,
         window_size=16,
         fullatt_block_indexes=[1],
         initializer_range=0.1,
@@ -148,29 +147,15 @@ def build_qwen3_vl_checkpoint() -> str:
     """Qwen3-VL: a 2-layer Qwen3 (q/k norms) with 16-dim heads turning by interleaved M-RoPE
     [4, 2, 2], and a 2-block tower whose both blocks give DeepStack features (added after the
     decoder's layers 0 and 1)."""
-    text = dict(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        initializer_range=0.08,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "mrope_section": [4, 2, 2],
-            "mrope_interleaved": True,
-        },
-    )
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [4, 2, 2],
+        "mrope_interleaved": True,
+    }
+    text = dict(TINY_TEXT, head_dim=16, rope_parameters=rope)
     vision = dict(
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        out_hidden_size=64,
+        TINY_TOWER,
         num_position_embeddings=16,
         deepstack_visual_indexes=[0, 1],
         initializer_range=0.1,
