@@ -4,7 +4,8 @@ side by side (alternately, so a busy host slows each the same):
 
     python benchmarks/server_startup.py --model-path CKPT --repeat 5 [--checkout DIR ...]
 
-Without ``--checkout`` it measures this tree. The CPU time of a process is read from
+Without ``--checkout`` it measures this tree; ``--warmup`` counts the warm-up generation and
+the calibration too, as a server started without ``--skip-warmup`` runs them before ``/health``. The CPU time of a process is read from
 ``/proc/<pid>/stat`` while it lives (after ``/health`` answered, before it is stopped), so the
 scheduler's time counts even though the front end never waits for it. Prints a table with the
 median of each and the ratio of each checkout's total to the first's."""
@@ -65,11 +66,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_start(checkout: Path, model_path: str, extra: list[str]) -> dict:
+def one_start(checkout: Path, model_path: str, extra: list[str], warmup: bool = False) -> dict:
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(checkout))
     cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model-path", model_path]
-    cmd += ["--port", str(port), "--skip-warmup", *extra]
+    cmd += ["--port", str(port), *([] if warmup else ["--skip-warmup"]), *extra]
     t0 = time.monotonic()
     proc = subprocess.Popen(
         cmd, cwd=checkout, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -111,13 +112,18 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--checkout", action="append", default=[], help="a pdserve tree (repeatable)")
     p.add_argument("--server-arg", action="append", default=[], help="one more serve flag")
+    p.add_argument(
+        "--warmup",
+        action="store_true",
+        help="count the warm-up generation and calibration too (/health waits for them)",
+    )
     args = p.parse_args()
     checkouts = [Path(c).resolve() for c in args.checkout] or [Path(__file__).resolve().parents[1]]
     runs: dict[Path, list[dict]] = {c: [] for c in checkouts}
     one_start(checkouts[0], args.model_path, args.server_arg)  # page cache, kernels built
     for _ in range(args.repeat):
         for c in checkouts:
-            runs[c].append(one_start(c, args.model_path, args.server_arg))
+            runs[c].append(one_start(c, args.model_path, args.server_arg, args.warmup))
     base = statistics.median(r["cpu"] for r in runs[checkouts[0]])
     print(f"{'checkout':<40} {'wall s':>7} {'CPU s':>7} {'ratio':>6}  per process (CPU s)")
     for c in checkouts:

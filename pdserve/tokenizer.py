@@ -93,6 +93,9 @@ class Tokenizer:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids, skip_special_tokens: bool = False, **kwargs: Any) -> str:
+        # a recorded class cleans up no decoded spaces: asking it not to is its own decoding
+        if kwargs.get("clean_up_tokenization_spaces", True) is False:
+            del kwargs["clean_up_tokenization_spaces"]
         if kwargs:
             return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs)
         if isinstance(token_ids, int):

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 def load_tower(model_path: str, dtype: str):
     """The checkpoint's vision tower alone, its weights read from ``visual.*``."""
     from pdserve.layers.qwen_vision import Qwen25VisionTower
-    from pdserve.models.loader import iter_safetensors, load_config, resolve_dtype
+    from pdserve.models.loader import allocate, iter_safetensors, load_config, resolve_dtype
 
     config = load_config(model_path)
     vision = getattr(config, "vision_config", None)
@@ -40,7 +40,7 @@ def load_tower(model_path: str, dtype: str):
     torch_dtype = resolve_dtype(config, dtype)
     with torch.device("meta"):
         tower = Qwen25VisionTower(vision)
-    tower = tower.to(dtype=torch_dtype).to_empty(device="cpu")
+    tower = allocate(tower, torch_dtype, "cpu")
     names = set(tower.checkpoint_names())
     for name, src in iter_safetensors(model_path):
         if name.startswith("visual."):

@@ -97,7 +97,9 @@ def _load_in_a_fresh_process(d, cache) -> dict:
         "import json, sys\n"
         "from pdserve.tokenizer import load_tokenizer\n"
         f"t = load_tokenizer({str(d)!r})\n"
-        "print(json.dumps({'cls': type(t).__name__, 'ids': t.encode('Hello world'),\n"
+        "ids = t.encode('Hello world')\n"
+        "text = t.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)\n"
+        "print(json.dumps({'cls': type(t).__name__, 'ids': ids, 'text': text,\n"
         "  'torch': 'torch' in sys.modules, 'transformers': 'transformers' in sys.modules,\n"
         "  'config': 'transformers.configuration_utils' in sys.modules}))\n"
     )
@@ -116,6 +118,9 @@ def test_a_recorded_tokenizer_loads_without_transformers(tmp_path, cache):
     warm = _load_in_a_fresh_process(d, cache)
     assert not warm["torch"] and not warm["transformers"]
     assert warm["cls"] == "Tokenizer" and warm["ids"] == cold["ids"]
+    assert (
+        warm["text"] == cold["text"]
+    )  # decoded as a server's detokenizer asks, still no transformers
 
 
 def test_what_the_record_cannot_stand_for_goes_through_autotokenizer(tmp_path, cache):
