@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 # A collective that waits longer than this means a rank died or hangs: every rank raises and exits
 # (the default of --dist-timeout).
 COLLECTIVE_TIMEOUT_S = 120.0
+# A control broadcast up to this long is one collective (its length travels with it)
+INLINE_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -59,23 +61,35 @@ class TPGroup:
 
     # ---- control ---------------------------------------------------------------------------
     def broadcast_bytes(self, data: Optional[bytes]) -> bytes:
-        """Rank 0's ``data`` on every rank (the others pass None)."""
+        """Rank 0's ``data`` on every rank (the others pass None). One collective when it fits
+        in :data:`INLINE_BYTES` (the scheduler loop's every iteration: its clock and usually no
+        message), a second one for the rest of a longer message."""
         if self.size == 1:
             return data or b""
         import torch.distributed as dist
 
-        n = torch.tensor([len(data) if self.rank == 0 and data else 0], dtype=torch.int64)
-        dist.broadcast(n, src=self.ranks[0], group=self.cpu_group)
-        size = int(n.item())
-        if size == 0:
-            return b""
-        buf = (
-            torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            if self.rank == 0
-            else torch.empty(size, dtype=torch.uint8)
-        )
-        dist.broadcast(buf, src=self.ranks[0], group=self.cpu_group)
-        return data if self.rank == 0 else buf.numpy().tobytes()
+        head = torch.zeros(8 + INLINE_BYTES, dtype=torch.uint8)
+        if self.rank == 0:
+            data = data or b""
+            first = data[:INLINE_BYTES]
+            head[:8] = torch.frombuffer(
+                bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8
+            )
+            if first:
+                head[8 : 8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+        dist.broadcast(head, src=self.ranks[0], group=self.cpu_group)
+        if self.rank == 0:
+            if len(data) > INLINE_BYTES:
+                rest = torch.frombuffer(bytearray(data[INLINE_BYTES:]), dtype=torch.uint8)
+                dist.broadcast(rest, src=self.ranks[0], group=self.cpu_group)
+            return data
+        raw = head.numpy().tobytes()
+        size = int.from_bytes(raw[:8], "little")
+        if size <= INLINE_BYTES:
+            return raw[8 : 8 + size]
+        rest = torch.empty(size - INLINE_BYTES, dtype=torch.uint8)
+        dist.broadcast(rest, src=self.ranks[0], group=self.cpu_group)
+        return raw[8:] + rest.numpy().tobytes()
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, in rank order, on every rank."""

@@ -178,24 +178,35 @@ PD_NEW_TOKENS = 8
 @pytest.fixture(scope="session")
 def reference(offline_engine):
     """Offline-engine greedy outputs (``PD_NEW_TOKENS`` tokens, ignore_eos), cached per
-    (prompt, logprobs); with logprobs, input logprobs start at token 0."""
+    (prompt, logprobs); with logprobs, input logprobs start at token 0. ``reference.many(jobs)``
+    answers a list of (prompt, logprobs) at once, the missing ones generated as one batch."""
     cache: dict = {}
+    params = {"temperature": 0, "max_new_tokens": PD_NEW_TOKENS, "ignore_eos": True}
+
+    def generate(prompts: list[list[int]], logprobs: bool) -> None:
+        outs = offline_engine.generate(
+            input_ids=prompts,
+            sampling_params=params,
+            return_logprob=logprobs,
+            logprob_start_len=0 if logprobs else -1,
+        )
+        for ids, out in zip(prompts, outs):
+            cache[(tuple(ids), logprobs)] = out
 
     def get(ids: list[int], logprobs: bool = False) -> dict:
-        key = (tuple(ids), logprobs)
-        if key not in cache:
-            cache[key] = offline_engine.generate(
-                input_ids=ids,
-                sampling_params={
-                    "temperature": 0,
-                    "max_new_tokens": PD_NEW_TOKENS,
-                    "ignore_eos": True,
-                },
-                return_logprob=logprobs,
-                logprob_start_len=0 if logprobs else -1,
-            )
-        return cache[key]
+        if (tuple(ids), logprobs) not in cache:
+            generate([ids], logprobs)
+        return cache[(tuple(ids), logprobs)]
 
+    def many(jobs: list[tuple[list[int], bool]]) -> list[dict]:
+        for logprobs in (False, True):
+            todo = {tuple(ids): ids for ids, lp in jobs if lp == logprobs}
+            todo = [ids for key, ids in todo.items() if (key, logprobs) not in cache]
+            if todo:
+                generate(todo, logprobs)
+        return [cache[(tuple(ids), lp)] for ids, lp in jobs]
+
+    get.many = many
     return get
 
 

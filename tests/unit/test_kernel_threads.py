@@ -76,8 +76,8 @@ def _cpu_ticks_per_thread() -> dict[str, int]:
 def test_two_threads_share_the_work(ops):
     """At 2 threads a prefill-size GEMM runs on two OS threads, about half each (a build without
     OpenMP runs it all on the calling thread)."""
-    x, packed = torch.randn(512, 1024).bfloat16(), pack_vnni16(torch.randn(4096, 1024))
-    out = torch.empty(512, 4096, dtype=torch.bfloat16)
+    x, packed = torch.randn(256, 512).bfloat16(), pack_vnni16(torch.randn(2048, 512))
+    out = torch.empty(256, 2048, dtype=torch.bfloat16)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
