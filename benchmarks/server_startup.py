@@ -5,10 +5,11 @@ side by side (alternately, so a busy host slows each the same):
     python benchmarks/server_startup.py --model-path CKPT --repeat 5 [--checkout DIR ...]
 
 Without ``--checkout`` it measures this tree; ``--warmup`` counts the warm-up generation and
-the calibration too, as a server started without ``--skip-warmup`` runs them before ``/health``. The CPU time of a process is read from
-``/proc/<pid>/stat`` while it lives (after ``/health`` answered, before it is stopped), so the
-scheduler's time counts even though the front end never waits for it. Prints a table with the
-median of each and the ratio of each checkout's total to the first's."""
+the calibration too, as a server started without ``--skip-warmup`` runs them before ``/health``.
+The CPU time of a process is read from ``/proc/<pid>/stat`` while it lives (after ``/health``
+answered, before it is stopped), so the scheduler's time counts even though the front end never
+waits for it. Prints a table with the median of each and the ratio of each checkout's total to
+the first's."""
 
 from __future__ import annotations
 
