@@ -247,8 +247,7 @@ def pd_servers(tiny_llama_path, tmp_path_factory):
         c.start_all([R])
         yield {"P": P, "D": D, "R": R}
     finally:
-        for proc in reversed(procs):
-            proc.stop()
+        c.stop_all(reversed(procs))
 
 
 def test_through_pd_a_full_decode_queue_answers_429_and_ends_the_room(pd_servers):

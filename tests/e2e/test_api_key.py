@@ -60,8 +60,7 @@ def keyed(tmp_path_factory, tiny_llama_path):
         procs.append(R.start())
         yield {"prefill": P, "decode": D, "router": R}
     finally:
-        for p in reversed(procs):
-            p.stop()
+        c.stop_all(reversed(procs))
 
 
 def test_server_requires_its_key(keyed):

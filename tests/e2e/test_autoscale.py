@@ -114,8 +114,7 @@ def cluster(tmp_path_factory, tiny_llama_path):
         R.start()
         yield {"P1": P1, "D1": D1, "D2": D2, "R": R}
     finally:
-        for p in reversed(procs):
-            p.stop()
+        c.stop_all(reversed(procs))
 
 
 def roles(router: c.Proc) -> dict[str, str]:

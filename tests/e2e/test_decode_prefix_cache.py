@@ -28,8 +28,7 @@ def pd_cached(tmp_path_factory, tiny_llama_path):
         R = c.router("Rdc", [P], [D], logs).start()
         yield P, D, R
     finally:
-        for s in [x for x in (R, D, P) if x is not None]:
-            s.stop()
+        c.stop_all([x for x in (R, D, P) if x is not None])
 
 
 def generate(url: str, ids: list[int]) -> list[int]:

@@ -86,8 +86,7 @@ def demo(tmp_path_factory):
         R.start()
         yield {"colocated": colo, "pd": R, "P": P, "D": D}
     finally:
-        for proc in reversed(procs):
-            proc.stop()
+        c.stop_all(reversed(procs))
 
 
 def test_demo_model_structured_answers_validate_colocated_and_through_pd(demo):

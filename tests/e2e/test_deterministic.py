@@ -190,8 +190,7 @@ def pd_deterministic(wide_llama_path, tmp_path_factory):
     R = c.router("R", [P], [D], logs)
     c.start_all([R])
     yield R
-    for p in (R, D, P):
-        p.stop()
+    c.stop_all((R, D, P))
 
 
 def test_pd_serves_the_colocated_bits(wide_llama_path, pd_deterministic):

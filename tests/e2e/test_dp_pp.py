@@ -94,8 +94,7 @@ def par(tmp_path_factory, tp_models):  # noqa: F811
             r.start()
         yield {"servers": S, "routers": routers, "logs": logs}
     finally:
-        for p in list(locals().get("routers", {}).values()) + list(S.values()):
-            p.stop()
+        c.stop_all(list(locals().get("routers", {}).values()) + list(S.values()))
 
 
 def group_prompt_tokens(server: c.Proc) -> list[int]:
@@ -320,5 +319,4 @@ def test_fault_in_one_prefill_group_leaves_the_other_alone(tmp_path, tp_models):
             all_ranks_idle(s)
             assert s.http.get("/health").status_code == 200
     finally:
-        for s in (P, D):
-            s.stop()
+        c.stop_all((P, D))

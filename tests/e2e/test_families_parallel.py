@@ -88,8 +88,7 @@ def families(tmp_path_factory):
                 routers[f"{arch} {p}->{d}"] = c.router(f"R{p}{d}{arch}", [P], [D], logs).start()
         yield models, servers, routers
     finally:
-        for p in list(routers.values()) + list(servers.values()):
-            p.stop()
+        c.stop_all(list(routers.values()) + list(servers.values()))
 
 
 @pytest.mark.parametrize("arch", ["cohere2", "olmo2", "phi3", "stablelm", "starcoder2"])

@@ -120,8 +120,7 @@ def fx(tmp_path_factory, tiny_llama_path):
             r.start()
         yield {**s, **routers}
     finally:
-        for proc in [*routers.values(), *s.values()]:
-            proc.stop()
+        c.stop_all([*routers.values(), *s.values()])
 
 
 @pytest.fixture(scope="module")

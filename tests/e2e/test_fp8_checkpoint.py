@@ -248,8 +248,7 @@ def pd(tmp_path_factory):
         ]
         yield path, routers
     finally:
-        for p in routers + procs:
-            p.stop()
+        c.stop_all(routers + procs)
 
 
 def hf_tokens_through(router, path: str, prompts: list[list[int]]) -> None:
@@ -319,8 +318,7 @@ def pd_pair(name: str, path: str, logs, common: list, prefill_flags: list, decod
         routers = [c.router(f"R-{name}", [prefill], [decode], logs).start()]
         yield path, routers[0]
     finally:
-        for p in routers + procs:
-            p.stop()
+        c.stop_all(routers + procs)
 
 
 def test_pd_fp8_with_int8_kv_and_layerwise_transfer_equals_colocated(pd_int8_layerwise, request):

@@ -58,8 +58,7 @@ def pd_router(tmp_path_factory, tiny_llama_path):
         procs.append(R.start())
         yield Front("router", R.url, [P, D])
     finally:
-        for p in reversed(procs):
-            p.stop()
+        c.stop_all(reversed(procs))
 
 
 @pytest.fixture(scope="module", params=["server", "router"])

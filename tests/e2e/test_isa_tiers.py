@@ -124,8 +124,7 @@ def low_tier_pd(tmp_path_factory):
     R = c.router("R", [P], [D], logs)
     c.start_all([R])
     yield tier, path, P, D, R
-    for p in (R, D, P):
-        p.stop()
+    c.stop_all((R, D, P))
 
 
 def test_pd_at_the_lowest_tier_serves_the_colocated_bits(low_tier_pd, monkeypatch):

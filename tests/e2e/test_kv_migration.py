@@ -39,8 +39,7 @@ def cluster(tmp_path_factory, tiny_llama_path):
         R = c.router("Rm", [P], [D1], logs, "--drain-migrate").start()
         yield P, D1, D2, R
     finally:
-        for s in [x for x in (R, D2, D1, P) if x is not None]:
-            s.stop()
+        c.stop_all([x for x in (R, D2, D1, P) if x is not None])
 
 
 def prompts(n: int, seed: int = 11) -> list[list[int]]:
@@ -470,8 +469,7 @@ def mooncake_decodes(tmp_path_factory, tiny_llama_path):
         c.start_all((D1, D2))
         yield D1, D2
     finally:
-        for s in (D2, D1):
-            s.stop()
+        c.stop_all((D2, D1))
 
 
 def test_migrate_on_mooncake_with_a_direct_client(mooncake_decodes):

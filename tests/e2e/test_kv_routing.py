@@ -79,8 +79,7 @@ def cluster(tmp_path_factory, tiny_llama_path):
             r.start()
         yield {"P": (Pa, Pb), "D": D, "W": (Wa, Wb), **routers}
     finally:
-        for p in reversed(procs):
-            p.stop()
+        c.stop_all(reversed(procs))
 
 
 @contextlib.contextmanager

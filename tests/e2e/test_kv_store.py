@@ -55,8 +55,7 @@ def store_pd(tmp_path_factory, tiny_llama_path):
             c.start_all((A, B, D))
             yield master, A, B, D
         finally:
-            for s in (D, B, A):
-                s.stop()
+            c.stop_all((D, B, A))
     # the master is gone by now: leaving the store must not hold up a server's exit
     for s in (A, B):
         assert "did not exit after SIGTERM" not in s.log_path.read_text(errors="replace"), s.name

@@ -64,8 +64,7 @@ def tiered(tmp_path_factory, tiny_llama_path):
     finally:
         sub.close(linger=0)
         ctx.term()
-        for p in state["servers"]:
-            p.stop()
+        c.stop_all(state["servers"])
 
 
 def generate(s: c.Proc, ids: list[int]) -> list[int]:
@@ -314,8 +313,7 @@ def pd_tiered(tmp_path_factory, tiny_llama_path):
         R = c.router("Rtier", [P], [D], logs).start()
         yield P, D, R
     finally:
-        for s in [x for x in (R, D, P) if x is not None]:
-            s.stop()
+        c.stop_all([x for x in (R, D, P) if x is not None])
 
 
 def test_pd_prefill_and_decode_both_hit_their_host_tier(pd_tiered, reference):

@@ -102,8 +102,7 @@ def moe(tmp_path_factory, moe_model):
             r.start()
         yield {"servers": S, "routers": routers}
     finally:
-        for p in list(locals().get("routers", {}).values()) + list(S.values()):
-            p.stop()
+        c.stop_all(list(locals().get("routers", {}).values()) + list(S.values()))
 
 
 def check_outputs(

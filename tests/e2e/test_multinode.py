@@ -99,8 +99,7 @@ def nodes(netns_hosts, tiny_llama_path, tmp_path_factory):
             node0.wait_ready()
         yield {**servers, "hosts": h}
     finally:
-        for p in reversed(procs):
-            p.stop()
+        c.stop_all(reversed(procs))
 
 
 def generate(url: str, ids: list[int], dp_rank: int | None = None) -> dict:

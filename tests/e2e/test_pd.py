@@ -56,8 +56,7 @@ def pd(tmp_path_factory, tiny_llama_path):
             r.start()
         yield {"servers": {s.name: s for s in servers}, "routers": routers, "logs": logs}
     finally:
-        for proc in [*locals().get("routers", {}).values(), *servers]:
-            proc.stop()
+        c.stop_all([*locals().get("routers", {}).values(), *servers])
 
 
 def generate(url: str, ids: list[int], stream: bool, logprobs: bool = False) -> dict:

@@ -51,8 +51,7 @@ def pd_cluster(request, tmp_path_factory, tiny_llama_path):
         R.start()
         yield {"backend": backend, "prefill": P, "decode": D, "router": R}
     finally:
-        for proc in reversed(procs):
-            proc.stop()
+        c.stop_all(reversed(procs))
     # a backend library must not crash the servers as they exit (NIXL does with ibverbs-providers)
     codes = {proc.name: proc.proc.returncode for proc in (P, D)}
     assert codes == {P.name: 0, D.name: 0}, (codes, P.log_tail(20), D.log_tail(20))
@@ -117,5 +116,4 @@ def test_nixl_completion_notice_completes_rooms_without_status(
         D.wait_idle()
         P.wait_idle()
     finally:
-        for proc in (R, D, P):
-            proc.stop()
+        c.stop_all((R, D, P))

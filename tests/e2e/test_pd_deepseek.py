@@ -70,8 +70,7 @@ def ds(tmp_path_factory, ds_model):
             r.start()
         yield {"servers": S, "routers": routers}
     finally:
-        for p in list(locals().get("routers", {}).values()) + list(S.values()):
-            p.stop()
+        c.stop_all(list(locals().get("routers", {}).values()) + list(S.values()))
 
 
 PAIRS = {"tp1 -> tp2": ("P1", "D2"), "tp2 -> tp1": ("P2", "D1"), "tp2 -> dp2 ep2": ("P2", "Ddp")}

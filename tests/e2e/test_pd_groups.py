@@ -71,8 +71,7 @@ def groups_pd(tmp_path_factory):
         c.start_all(list(s.values()))
         yield s
     finally:
-        for proc in s.values():
-            proc.stop()
+        c.stop_all(s.values())
 
 
 def body(ids: list[int], prefill: c.Proc | None = None, room: int = 0) -> dict:

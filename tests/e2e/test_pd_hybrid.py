@@ -266,8 +266,7 @@ def qwen3_next_pd(request, tmp_path_factory):
         c.start_all(procs)
         yield s
     finally:
-        for proc in procs:
-            proc.stop()
+        c.stop_all(procs)
 
 
 QWEN3_NEXT_PAIRS = [("tp1->tp2", "P", "Dtp2"), ("tp2->tp1", "Ptp2", "D")]

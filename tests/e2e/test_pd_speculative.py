@@ -87,5 +87,4 @@ def test_draft_kv_moves_over_mooncake_between_tp_sizes(algorithm, tmp_path):
         info = P.http.get("/debug/integrity").json()["integrity"]
         assert info["in_use_pages"] == 0, info
     finally:
-        for proc in reversed(procs):
-            proc.stop()
+        c.stop_all(reversed(procs))

@@ -44,8 +44,7 @@ def window_pd(tmp_path_factory):
         R = c.router("Rw", [P], [D], logs).start()
         yield P, D, S, R
     finally:
-        for s in [x for x in (R, *servers) if x is not None]:
-            s.stop()
+        c.stop_all([x for x in (R, *servers) if x is not None])
 
 
 def generate(url: str, ids: list[int]) -> list[int]:

@@ -101,8 +101,7 @@ def pair(tmp_path_factory, tiny_llama_path):
         routers.append(R1)
         yield {"A": A, "B": B, "R1": R1}
     finally:
-        for proc in [*routers, A, B]:
-            proc.stop()
+        c.stop_all([*routers, A, B])
 
 
 class Load:

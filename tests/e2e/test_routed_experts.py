@@ -222,8 +222,7 @@ def servers(moe_path, tmp_path_factory):
         if sgl is not None:
             sgl.terminate()
             sgl.wait(timeout=15)
-        for proc in reversed(procs):
-            proc.stop()
+        c.stop_all(reversed(procs))
 
 
 def post(url: str, path: str, body: dict) -> dict:

@@ -123,5 +123,4 @@ def test_only_prefill_killed_and_restarted_under_load(tmp_path_factory, tiny_lla
     finally:
         if load is not None:
             load.close()
-        for p in reversed(procs):
-            p.stop()
+        c.stop_all(reversed(procs))

@@ -155,8 +155,7 @@ def test_pd_serves_the_colocated_tokens(sparse_model, prompts, by_chunk, tmp_pat
         for s in (P, D):
             s.wait_idle()
     finally:
-        for p in ([router] if router else []) + [P, D]:
-            p.stop()
+        c.stop_all(([router] if router else []) + [P, D])
 
 
 def test_the_selection_changes_the_outcome(prompts, by_chunk):

@@ -149,8 +149,7 @@ def servers(tmp_path_factory, tiny_llama_path, template_file):
             out.update({"pd-mooncake": Rm, "Pm": Pm, "Dm": Dm})
         yield out
     finally:
-        for proc in reversed(procs):
-            proc.stop()
+        c.stop_all(reversed(procs))
         collector.stop()
 
 

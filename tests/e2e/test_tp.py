@@ -166,8 +166,7 @@ def tp(tmp_path_factory, tp_models):
             r.start()
         yield {"servers": S, "routers": routers, "logs": logs}
     finally:
-        for p in list(locals().get("routers", {}).values()) + list(S.values()):
-            p.stop()
+        c.stop_all(list(locals().get("routers", {}).values()) + list(S.values()))
 
 
 @pytest.mark.parametrize("model", ["llama", "mqa"])
@@ -224,8 +223,7 @@ def tp_heads(tp, tmp_path_factory, tp_models):
         c.start_all(S.values())
         yield {**S, "D1": tp["servers"]["D1"], "D2": tp["servers"]["D2"]}
     finally:
-        for p in S.values():
-            p.stop()
+        c.stop_all(S.values())
 
 
 # pairing -> (model, prefill, decode); the prefill ranks that write nothing follow rank_map
@@ -336,8 +334,7 @@ def test_fault_on_one_prefill_rank_fails_the_room_everywhere(tmp_path, tp_models
         for s in (P, D):  # the fault was on rank 1 only, and per room: the servers are healthy
             assert s.http.get("/health").status_code == 200
     finally:
-        for s in (P, D):
-            s.stop()
+        c.stop_all((P, D))
 
 
 def test_a_killed_decode_rank_takes_its_server_down(tmp_path, tp_models):
@@ -370,5 +367,4 @@ def test_a_killed_decode_rank_takes_its_server_down(tmp_path, tp_models):
     finally:
         if router is not None:
             router.stop()
-        for s in (P, D):
-            s.stop()
+        c.stop_all((P, D))

@@ -94,10 +94,18 @@ class Proc:
             return ""
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
+        self.signal(sig)
+        self.wait_stopped()
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
+
+    def wait_stopped(self, timeout: float = 30) -> None:
+        """Wait for the process to exit (SIGKILL after ``timeout`` seconds)."""
+        if self.proc is not None:
             try:
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -177,6 +185,20 @@ def start_all(procs) -> None:
         p.start(wait=False)
     for p in procs:
         p.wait_ready()
+
+
+def stop_all(procs) -> None:
+    """Stop every process at once (None entries skipped): all are signalled, then waited for, so
+    a cluster's processes shut down side by side rather than one after another."""
+    procs = [p for p in procs if p is not None]
+    for p in procs:
+        if isinstance(p, Proc):
+            p.signal()
+        else:
+            p.stop()
+    for p in procs:
+        if isinstance(p, Proc):
+            p.wait_stopped()
 
 
 def is_alive(pid: int) -> bool:
