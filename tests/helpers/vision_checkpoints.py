@@ -12,7 +12,7 @@ import shutil
 import torch
 import transformers
 
-from tests.helpers.checkpoints import _RECIPE_VERSION, _cached, smollm2_tokenizer_dir
+from tests.helpers.checkpoints import _COMMON, _RECIPE_VERSION, _cached, smollm2_tokenizer_dir
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # Qwen2-VL's way of placing an image: its tokens where the part was, inside the turn
@@ -26,17 +26,19 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}{%- endif -%}<|im_end|>\n{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
 )
-# the language model and tower of the tiny Qwen2.5-VL and Qwen3-VL checkpoints
-TINY_TEXT = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-6,
-    initializer_range=0.08,
+# the language model and tower of the tiny Qwen2.5-VL and Qwen3-VL checkpoints: the tiny text
+# models' sizes
+_TEXT_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "initializer_range",
 )
+TINY_TEXT = {k: _COMMON[k] for k in _TEXT_FIELDS}
 TINY_TOWER = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
 PROCESSOR = dict(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=256, max_pixels=4096)
 
