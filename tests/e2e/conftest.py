@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import build_tiny_checkpoint
 from tests.helpers.cluster import children as child_pids  # noqa: F401
 from tests.helpers.cluster import free_port, is_alive, wait_for
@@ -37,7 +38,7 @@ class LiveServer:
         self.url = url
         self.model_path = model_path
         self.log_path = log_path
-        self.http = httpx.Client(base_url=url, timeout=60)
+        self.http = localhttp.Client(base_url=url, timeout=60)
         self.children: list[int] = []
 
     def log_tail(self, n: int = 60) -> str:

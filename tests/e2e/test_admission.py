@@ -18,11 +18,11 @@ import sys
 import threading
 import time
 
-import httpx
 import openai
 import pytest
 
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 
 # runs until the test aborts it (POST /abort_request), however fast the host decodes
 LONG = {"temperature": 0, "max_new_tokens": 3000, "ignore_eos": True}
@@ -71,7 +71,7 @@ class Call(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        r = httpx.post(
+        r = localhttp.post(
             self.url + "/generate",
             json=self.body,
             headers={"X-PDServe-Timeline": "1"},  # meta_info.timeline: when the scheduler ran it
@@ -118,7 +118,7 @@ def test_a_full_queue_refuses_with_429_and_sheds_lower_priority(servers):
     a, b, q = fill(S)
     # the same priority as the queued ones: refused at once, nothing queued changes
     t0 = time.monotonic()
-    r = httpx.post(
+    r = localhttp.post(
         S.url + "/generate",
         json={"input_ids": [5, 6, 7], "sampling_params": SHORT, "priority": 0},
         timeout=30,
@@ -159,7 +159,7 @@ def test_a_full_queue_refuses_with_429_and_sheds_lower_priority(servers):
 def test_a_streamed_request_refused_gets_the_429_as_its_error_event(servers):
     S = servers["S"]
     a, b, q = fill(S)
-    with httpx.stream(
+    with localhttp.stream(
         "POST",
         S.url + "/generate",
         json={"input_ids": [5, 6, 7], "sampling_params": SHORT, "stream": True},
@@ -178,7 +178,7 @@ def test_the_router_retries_a_shed_request_then_answers_its_429(servers):
     S, R = servers["S"], servers["R"]
     a, b, q = fill(S)
     t0 = time.monotonic()
-    r = httpx.post(
+    r = localhttp.post(
         R.url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": SHORT}, timeout=60
     )
     assert r.status_code == 429, r.text
@@ -265,7 +265,7 @@ def test_through_pd_a_full_decode_queue_answers_429_and_ends_the_room(pd_servers
         return pools["prealloc_queue"] + pools["transfer_queue"] == 1
 
     c.wait_for(waiting_on_decode, 30, "the second waiting on decode", interval=0.02)
-    r = httpx.post(
+    r = localhttp.post(
         R.url + "/generate",
         json={"input_ids": [5, 6, 7], "sampling_params": SHORT},
         timeout=60,

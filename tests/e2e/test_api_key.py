@@ -4,12 +4,12 @@ official ``openai`` client and httpx."""
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 
 from tests.e2e.conftest import SERVED_MODEL_NAME
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 
 WORKER_KEY, ROUTER_KEY = "worker-key-1", "router-key-2"
 MISSING = {
@@ -65,7 +65,7 @@ def keyed(tmp_path_factory, tiny_llama_path):
 
 def test_server_requires_its_key(keyed):
     server = keyed["decode"]
-    h = httpx.Client(base_url=server.url, timeout=30)
+    h = localhttp.Client(base_url=server.url, timeout=30)
     for path in ("/v1/models", "/get_load", "/server_info", "/debug/integrity"):
         r = h.get(path)
         assert r.status_code == 401 and r.json() == MISSING, (path, r.text)
@@ -120,7 +120,7 @@ def test_openai_client_with_and_without_the_key(keyed):
 
 
 def test_router_passes_the_worker_key_to_every_call(keyed):
-    h = httpx.Client(
+    h = localhttp.Client(
         base_url=keyed["router"].url, timeout=60, headers={"Authorization": f"Bearer {ROUTER_KEY}"}
     )
     assert h.get("/health").status_code == 200  # its health checks pass

@@ -12,10 +12,10 @@ from __future__ import annotations
 import random
 import threading
 
-import httpx
 import pytest
 
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 
 # small prefill chunks and batches, so that a queue builds on a tiny model; generous PD timeouts,
 # since requests wait in queues on purpose
@@ -71,7 +71,7 @@ class Load:
             t.start()
 
     def _run(self, rng: random.Random) -> None:
-        with httpx.Client(timeout=120) as h:
+        with localhttp.Client(timeout=120) as h:
             while not self.stop.is_set():
                 ids = [rng.randrange(100, 40000) for _ in range(rng.randint(*self.lengths))]
                 r = h.post(

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import random
 
-import httpx
 import pytest
 
 from tests.e2e.conftest import PD_NEW_TOKENS
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 
 COMMON = c.PAGED_PD_ARGS
 
@@ -36,7 +36,7 @@ def generate(url: str, ids: list[int]) -> list[int]:
         "input_ids": ids,
         "sampling_params": {"temperature": 0, "max_new_tokens": PD_NEW_TOKENS, "ignore_eos": True},
     }
-    r = httpx.post(url + "/generate", json=body, timeout=60)
+    r = localhttp.post(url + "/generate", json=body, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["output_ids"]
 
@@ -82,7 +82,7 @@ def test_a_failed_room_keeps_the_decode_cache_consistent(pd_cached, reference):
     }
     # only the decode leg: prefill never hears of the room and decode gives up after its waiting
     # timeout
-    r = httpx.post(D.url + "/generate", json=body, timeout=60)
+    r = localhttp.post(D.url + "/generate", json=body, timeout=60)
     assert r.status_code >= 500
     D.wait_idle()  # integrity: free + cached + in use == capacity, no lock left
     assert generate(R.url, turn1 + out1 + [8, 9]) == reference(turn1 + out1 + [8, 9])["output_ids"]
@@ -96,7 +96,7 @@ def test_constrained_turns_through_the_decode_cache(pd_cached, offline_engine):
     sp = {"temperature": 0, "max_new_tokens": 40, "regex": r"(yes|no), [0-9]{1,3} (apples|pears)"}
 
     def run(ids: list[int]) -> dict:
-        r = httpx.post(
+        r = localhttp.post(
             R.url + "/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=60
         )
         assert r.status_code == 200, r.text

@@ -19,7 +19,6 @@ from __future__ import annotations
 import random
 import types
 
-import httpx
 import pytest
 import torch
 
@@ -28,6 +27,7 @@ from tests.e2e.test_engine import make_engine, prompts_for
 from tests.e2e.test_engine_moe import hf_reference
 from tests.e2e.test_pd_groups import idle
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import build_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -217,7 +217,7 @@ def test_pd_matches_colocated_and_moves_the_predicted_bytes(v4_pd, name, p, d):
         ids = [rng.randrange(100, 40000) for _ in range(n)]
         rp, rd = c.post_pd(P, D, body(ids, P, rng.randrange(2**63)))
         assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
-        want = httpx.post(S.url + "/generate", json=body(ids), timeout=120).json()["output_ids"]
+        want = localhttp.post(S.url + "/generate", json=body(ids), timeout=120).json()["output_ids"]
         assert rd.json()["output_ids"] == want, f"{name}: prompt of {n} tokens"
         if "tp2" not in p:  # every decode rank gets its own copy of the replicated caches
             last = stats(P)["recent_transfers"][-1]
@@ -249,7 +249,7 @@ def test_a_next_turn_hits_the_prefill_and_decode_prefix_caches(v4_pd):
     turn2 = turn1 + out1 + [rng.randrange(100, 40000) for _ in range(9)]
     rp, rd = c.post_pd(P, D, body(turn2, P, rng.randrange(2**63)))
     assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
-    want = httpx.post(S.url + "/generate", json=body(turn2), timeout=120).json()["output_ids"]
+    want = localhttp.post(S.url + "/generate", json=body(turn2), timeout=120).json()["output_ids"]
     assert rd.json()["output_ids"] == want
     # prefill: turn 1's 30 tokens in chunks of 24, the snapshot at token 28
     assert stats(P)["cache_hit_tokens"] - p_hits == 28

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import random
 
-import httpx
 import pytest
 import torch
 
 import pdserve
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import build_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -207,7 +207,7 @@ def test_pd_serves_the_colocated_bits(wide_llama_path, pd_deterministic):
         "sampling_params": [GREEDY] + params + [SEEDED],
         "return_logprob": True,
     }
-    r = httpx.post(f"{pd_deterministic.url}/generate", json=body, timeout=120)
+    r = localhttp.post(f"{pd_deterministic.url}/generate", json=body, timeout=120)
     assert r.status_code == 200, r.text
     outs = r.json()
     assert [result(o) for o in outs[:-1]] == want

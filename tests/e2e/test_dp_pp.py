@@ -28,6 +28,7 @@ from tests.e2e.test_tp import (  # noqa: F401  (session fixtures)
     tp_models,
 )
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 
 DP = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"]
 
@@ -146,14 +147,14 @@ def test_routed_dp_rank_pins_the_group(par, reference):  # noqa: F811
             "routed_dp_rank": group,
             "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
         }
-        r = httpx.post(server.url + "/generate", json=body, timeout=60)
+        r = localhttp.post(server.url + "/generate", json=body, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["output_ids"] == reference("llama", ids)["output_ids"]
         after = group_prompt_tokens(server)
         assert [a - b for a, b in zip(after, before)] == [
             len(ids) if g == group else 0 for g in (0, 1)
         ]
-    r = httpx.post(
+    r = localhttp.post(
         server.url + "/generate", json={"input_ids": ids, "routed_dp_rank": 2}, timeout=10
     )
     assert r.status_code == 400 and "routed_dp_rank" in r.text

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.e2e.test_engine import hf_generate_logits, make_engine
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import build_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -136,8 +137,6 @@ def test_pd_matches_hf_and_recomputes_on_decode(path, pd_cluster):
     past the original context, as HF does; every pool free afterwards."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import httpx
-
     from tests.e2e.test_tp import all_ranks_idle
 
     router, prefill, decode = pd_cluster
@@ -147,7 +146,7 @@ def test_pd_matches_hf_and_recomputes_on_decode(path, pd_cluster):
     def run(case):
         ids, n = case
         body = {"input_ids": ids, "sampling_params": {**SAMPLING, "max_new_tokens": n}}
-        r = httpx.post(router.url + "/generate", json=body, timeout=120)
+        r = localhttp.post(router.url + "/generate", json=body, timeout=120)
         assert r.status_code == 200, r.text
         return r.json()["output_ids"]
 
@@ -156,7 +155,7 @@ def test_pd_matches_hf_and_recomputes_on_decode(path, pd_cluster):
     for (ids, n), out in zip(cases, outs):
         assert out == hf_generate(path, ids, n)[0], f"prompt of {len(ids)}, {n} new tokens"
     # the prompts of 30 and 48 tokens outgrew their short KV on the decode server
-    info = httpx.get(decode.url + "/server_info", timeout=10).json()
+    info = localhttp.get(decode.url + "/server_info", timeout=10).json()
     assert info["internal_states"][0]["recomputed"] == 2
     all_ranks_idle(decode)
     prefill.wait_idle()

@@ -7,12 +7,12 @@ image goes to the other."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import transformers
 
 from tests.e2e.test_vision_language import COMMON, IMAGES, NEW, TWO, _chat_body, _two_images_body
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.vision_checkpoints import (
     build_qwen2_5_vl_checkpoint,
     data_url,
@@ -127,7 +127,7 @@ def test_an_encoder_death_fails_over_to_the_other(epd_cluster, vl_path):
     e1 = _encoded(epd_cluster["E1"])
     for pair in THREE:
         body = _chat_body(["Look:", data_url(pair[0]), "and", data_url(pair[1]), "what differs?"])
-        got = httpx.post(epd_cluster["R2"].url + "/v1/chat/completions", json=body, timeout=60)
+        got = localhttp.post(epd_cluster["R2"].url + "/v1/chat/completions", json=body, timeout=60)
         assert got.status_code == 200, got.text
         assert got.json()["choices"][0]["message"]["content"] == _hf_text(vl_path, pair, TWO)
     assert _encoded(epd_cluster["E1"]) == e1 + 4

@@ -20,12 +20,12 @@ from __future__ import annotations
 import random
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
 from tests.e2e.test_engine import hf_greedy
 from tests.e2e.test_tp import all_ranks_idle
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import build_tiny_checkpoint
 
 NEW_TOKENS = 8
@@ -54,7 +54,7 @@ def generate(url: str, ids: list[int]) -> list[int]:
         "input_ids": ids,
         "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
     }
-    r = httpx.post(url + "/generate", json=body, timeout=120)
+    r = localhttp.post(url + "/generate", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["output_ids"]
 

@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 
 SECRET = "pd-test-secret"
 BASE = [
@@ -179,7 +180,7 @@ def call(
     """One request; never raises and never hangs past ``timeout``."""
     out = Outcome()
     try:
-        with httpx.Client(timeout=timeout) as h:
+        with localhttp.Client(timeout=timeout) as h:
             if not stream:
                 r = h.post(url + path, json=payload)
                 out.status = r.status_code
@@ -330,7 +331,7 @@ def test_malformed_requests_are_4xx_and_change_nothing(fx):
     P2, D1, R = fx["P2"], fx["D1"], fx["RM"]
     before = {p.name: _state(p) for p in (P2, D1)}
     rows = []
-    with httpx.Client(timeout=60) as h:
+    with localhttp.Client(timeout=60) as h:
         for name, path, payload, status in MALFORMED:
             if isinstance(payload, bytes):
                 r = h.post(
@@ -371,7 +372,7 @@ def test_corrupted_aux_room_is_detected_and_no_token_escapes(fx):
     assert d_out.done
     assert p_fut.result().status == 200  # prefill's side of the transfer looked fine to it
     # OpenAI shapes: an error object with the status, streamed or not; never a "length" finish
-    with httpx.Client(timeout=60) as h:
+    with localhttp.Client(timeout=60) as h:
         for path, payload in (
             ("/v1/completions", {"model": "tiny-llama", "prompt": "Hello there", "max_tokens": 5}),
             (
@@ -488,7 +489,7 @@ def test_client_disconnect_cancels_both_legs(fx):
     assert time.monotonic() - t0 < 3
     # (b) mid-stream
     started = threading.Event()
-    with httpx.Client(timeout=30) as h:
+    with localhttp.Client(timeout=30) as h:
         with h.stream("POST", R.url + "/generate", json=body(ids[1][:20], 2000, True)) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):

@@ -18,7 +18,6 @@ F32 ``weight_scale_inv`` per block, ``quantization_config.quant_method = "fp8"``
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
 
@@ -29,6 +28,7 @@ from pdserve.models.loader import checkpoint_tensors, load_model
 from pdserve.quantization.fp8_matmul import Fp8BlockLinear
 from tests.e2e.test_engine import hf_greedy, hf_output_logprobs, prompts_for
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import (
     build_fp8_block_checkpoint,
     build_tiny_checkpoint,
@@ -254,7 +254,9 @@ def pd(tmp_path_factory):
 def hf_tokens_through(router, path: str, prompts: list[list[int]]) -> None:
     ref = dequantized_checkpoint(path)
     for ids in prompts:
-        r = httpx.post(router.url + "/generate", json={"input_ids": ids, "sampling_params": GREEDY})
+        r = localhttp.post(
+            router.url + "/generate", json={"input_ids": ids, "sampling_params": GREEDY}
+        )
         assert r.status_code == 200, r.text
         assert r.json()["output_ids"] == hf_greedy(ref, ids, NEW), f"prompt of {len(ids)} tokens"
 
@@ -343,7 +345,7 @@ def assert_router_equals_engine(router, eng, prompts: list[list[int]], tolerance
     for ids in prompts:
         want = eng.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True)
         body = {"input_ids": ids, "sampling_params": GREEDY, "return_logprob": True}
-        r = httpx.post(router.url + "/generate", json=body)
+        r = localhttp.post(router.url + "/generate", json=body)
         assert r.status_code == 200, r.text
         got = r.json()
         assert got["output_ids"] == want["output_ids"], f"prompt of {len(ids)} tokens"

@@ -17,7 +17,6 @@ import os
 import random
 import shutil
 
-import httpx
 import pytest
 import torch
 
@@ -25,6 +24,7 @@ from tests.e2e.test_engine import make_engine, prompts_for
 from tests.e2e.test_engine_moe import hf_reference
 from tests.e2e.test_pd_groups import idle
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import build_tiny_checkpoint, hf_causal_lm
 
 torch.set_num_threads(1)
@@ -150,7 +150,7 @@ def test_pd_matches_colocated_and_moves_the_predicted_bytes(gemma4_pd, name, p, 
         ids = [rng.randrange(100, 40000) for _ in range(n)]
         rp, rd = c.post_pd(P, D, body(ids, P, rng.randrange(2**63)))
         assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
-        want = httpx.post(S.url + "/generate", json=body(ids), timeout=120).json()["output_ids"]
+        want = localhttp.post(S.url + "/generate", json=body(ids), timeout=120).json()["output_ids"]
         assert rd.json()["output_ids"] == want, f"{name}: prompt of {n} tokens"
         if "tp2" not in p:
             last = stats(P)["recent_transfers"][-1]
@@ -172,7 +172,7 @@ def test_a_second_turn_hits_the_prefill_prefix_cache(gemma4_pd):
     turn2 = turn1 + rd.json()["output_ids"] + [rng.randrange(100, 40000) for _ in range(5)]
     rp, rd = c.post_pd(P, D, body(turn2, P, rng.randrange(2**63)))
     assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
-    want = httpx.post(S.url + "/generate", json=body(turn2), timeout=120).json()["output_ids"]
+    want = localhttp.post(S.url + "/generate", json=body(turn2), timeout=120).json()["output_ids"]
     assert rd.json()["output_ids"] == want
     assert stats(P)["cache_hit_tokens"] - hits == 28  # turn 1's 30 tokens, in whole pages
     idle(P, D, S)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from tests.e2e.conftest import SERVED_MODEL_NAME
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 
 PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 MSGS = [{"role": "user", "content": "hi"}]
@@ -24,7 +25,7 @@ class Front:
 
     def __init__(self, name: str, url: str, servers: list):
         self.name, self.url, self.servers = name, url, servers
-        self.http = httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT_S)
+        self.http = localhttp.Client(base_url=url, timeout=REQUEST_TIMEOUT_S)
 
     def post(self, path: str, body) -> httpx.Response:
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()

@@ -10,11 +10,11 @@ from __future__ import annotations
 import random
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
 from tests.e2e.test_engine_moe import hf_reference
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import build_tiny_checkpoint
 
 NEW_TOKENS = 8
@@ -62,7 +62,7 @@ def servers(tmp_path_factory):
 
 
 def generate(proc: c.Proc, ids: list[int]) -> list[int]:
-    r = httpx.post(proc.url + "/generate", json=c.greedy_body(ids, NEW_TOKENS), timeout=120)
+    r = localhttp.post(proc.url + "/generate", json=c.greedy_body(ids, NEW_TOKENS), timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["output_ids"]
 

@@ -13,7 +13,6 @@ written by compressed-tensors' own compressor from the tiny models and served as
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -33,6 +32,7 @@ from tests.e2e.test_fp8_checkpoint import (
     runner_model,
 )
 from tests.e2e.test_int8_checkpoint import assert_refused
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import (
     build_compressed_int4_checkpoint,
     build_tiny_checkpoint,
@@ -150,6 +150,8 @@ def test_pd_kimi_layout_prefill_on_two_ranks_gives_hf_tokens(pd_kimi_layout):
     path, router = pd_kimi_layout
     ref = decompressed_int4_checkpoint(path)
     for ids in prompts_for(14)[:4]:
-        r = httpx.post(router.url + "/generate", json={"input_ids": ids, "sampling_params": GREEDY})
+        r = localhttp.post(
+            router.url + "/generate", json={"input_ids": ids, "sampling_params": GREEDY}
+        )
         assert r.status_code == 200, r.text
         assert r.json()["output_ids"] == hf_greedy(ref, ids, GREEDY["max_new_tokens"])

@@ -21,7 +21,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -31,6 +30,7 @@ from pdserve.models.demo import ensure_demo_model
 from tests.e2e.test_demo_engine import readme_answers
 from tests.e2e.test_deterministic import GREEDY, SEEDED, WIDE_LLAMA, one, others, result, target
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import as_bf16_checkpoint, build_tiny_checkpoint
 from tests.helpers.isa_probe import probe
 
@@ -159,7 +159,7 @@ def test_pd_at_the_lowest_tier_serves_the_colocated_bits(low_tier_pd, monkeypatc
         "sampling_params": [GREEDY] + params + [SEEDED],
         "return_logprob": True,
     }
-    r = httpx.post(f"{R.url}/generate", json=body, timeout=300)
+    r = localhttp.post(f"{R.url}/generate", json=body, timeout=300)
     assert r.status_code == 200, r.text
     assert [result(o) for o in r.json()] == want
     for s in (P, D):

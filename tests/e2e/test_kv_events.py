@@ -10,12 +10,12 @@ import time
 from array import array
 from typing import Optional, Union
 
-import httpx
 import msgspec
 import pytest
 import zmq
 
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 
 PAGE = 16
 
@@ -112,7 +112,7 @@ def generate(url: str, ids: list[int], n: int = 4) -> list[int]:
         "input_ids": ids,
         "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
     }
-    r = httpx.post(url + "/generate", json=body, timeout=60)
+    r = localhttp.post(url + "/generate", json=body, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["output_ids"]
 

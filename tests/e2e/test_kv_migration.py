@@ -15,10 +15,10 @@ import socket
 import threading
 import time
 
-import httpx
 import pytest
 
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 
 NEW_TOKENS = 400  # long enough that the scheduler is still at it when the move comes
 LONG = 800  # the drain tests: generations that outlast a drain by far
@@ -76,13 +76,13 @@ def references(url: str, ps: list[list[int]], tokens: int = NEW_TOKENS) -> list[
 def reference(url: str, kind: str, ids: list[int], tokens: int = NEW_TOKENS) -> tuple:
     """(output, completion tokens) of an unmigrated run."""
     if kind == "chat":
-        r = httpx.post(
+        r = localhttp.post(
             url + "/v1/chat/completions", json=chat_body(ids, False, tokens), timeout=300
         )
         assert r.status_code == 200, r.text
         body = r.json()
         return body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"]
-    r = httpx.post(url + "/generate", json=generate_body(ids, False, tokens), timeout=300)
+    r = localhttp.post(url + "/generate", json=generate_body(ids, False, tokens), timeout=300)
     assert r.status_code == 200, r.text
     return r.json()["output_ids"], r.json()["meta_info"]["completion_tokens"]
 
@@ -107,7 +107,7 @@ class Stream(threading.Thread):
             )
             body.update(self.extra)
             text, usage, last = "", None, None
-            with httpx.stream("POST", self.url + path, json=body, timeout=300) as r:
+            with localhttp.stream("POST", self.url + path, json=body, timeout=300) as r:
                 assert r.status_code == 200, r.read()
                 for line in r.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -159,7 +159,7 @@ def test_migrate_errors(cluster):
     P, D1, D2, R = cluster
 
     def post(server, body):
-        return httpx.post(server.url + "/migrate", json=body, timeout=30)
+        return localhttp.post(server.url + "/migrate", json=body, timeout=30)
 
     # nothing runs: nothing to move, the (listed) target is not even asked
     r = post(D1, {"rid": "all", "target": f"127.0.0.1:{c.free_port()}"})
@@ -179,7 +179,7 @@ def test_migrate_errors(cluster):
         ({"target": "http://127.0.0.1:1/admin?x=1"}, "no path"),
         ({"target": "ftp://127.0.0.1:1"}, "scheme"),
     ):
-        r = httpx.post(
+        r = localhttp.post(
             D1.url + "/migrate",
             content=json.dumps({"rid": "all", **bad}).encode(),
             headers={"content-type": "application/json"},
@@ -198,7 +198,7 @@ def test_migrate_errors(cluster):
         r = post(D1, {"rid": "probe", "target": f"127.0.0.1:{c.free_port()}"})
         assert r.status_code == 400 and "cannot reach" in r.text
     finally:
-        httpx.post(D1.url + "/abort_request", json={"rid": "probe"}, timeout=30)
+        localhttp.post(D1.url + "/abort_request", json={"rid": "probe"}, timeout=30)
         probe.join(60)
     moved = {
         "rid": "x",
@@ -209,7 +209,7 @@ def test_migrate_errors(cluster):
         "bootstrap_port": 1,
         "bootstrap_room": 1,
     }
-    r = httpx.post(P.url + "/migrate_in", json=moved, timeout=30)
+    r = localhttp.post(P.url + "/migrate_in", json=moved, timeout=30)
     assert r.status_code == 400 and "not a decode" in r.text
     for bad, why in (
         ({"output_ids": []}, "output_ids"),
@@ -217,7 +217,7 @@ def test_migrate_errors(cluster):
         ({"bootstrap_host": "not a host"}, "not a host name"),
         ({"bootstrap_port": 0}, "bootstrap_port"),
     ):
-        r = httpx.post(D2.url + "/migrate_in", json={**moved, **bad}, timeout=30)
+        r = localhttp.post(D2.url + "/migrate_in", json={**moved, **bad}, timeout=30)
         assert r.status_code == 400 and why in r.text, r.text
     for s in (P, D1, D2):
         s.wait_idle()
@@ -244,10 +244,10 @@ def test_targets_outside_the_peers_are_refused_without_a_connection(cluster):
     c.wait_for(lambda: stream.progress >= 4, 120, "the stream")
     for target in (f"http://{outside[0]}:{outside[1]}", f"localhost:{same_port}"):
         assert D1.integrity()["running"] == 1  # a request that a move would take
-        r = httpx.post(D1.url + "/migrate", json={"rid": "all", "target": [D2.url, target]})
+        r = localhttp.post(D1.url + "/migrate", json={"rid": "all", "target": [D2.url, target]})
         assert r.status_code == 403 and "--migration-peers" in r.text, r.text
         body = {"role": "prefill", "bootstrap_port": c.free_port(), "migrate_to": [target]}
-        r = httpx.post(D1.url + "/switch_role", json=body, timeout=30)
+        r = localhttp.post(D1.url + "/switch_role", json=body, timeout=30)
         assert r.status_code == 403 and "migrate_to" in r.text, r.text
     moved = {
         "rid": "from-outside",
@@ -258,10 +258,10 @@ def test_targets_outside_the_peers_are_refused_without_a_connection(cluster):
         "bootstrap_port": outside[1],
         "bootstrap_room": 1,
     }
-    r = httpx.post(D2.url + "/migrate_in", json=moved, timeout=30)
+    r = localhttp.post(D2.url + "/migrate_in", json=moved, timeout=30)
     assert r.status_code == 403 and "bootstrap_host" in r.text, r.text
     assert D1.http.get("/server_info").json()["disaggregation_mode"] == "decode"
-    httpx.post(D1.url + "/abort_request", json={"rid": "stays"}, timeout=30)
+    localhttp.post(D1.url + "/abort_request", json={"rid": "stays"}, timeout=30)
     stream.join(60)
     assert D1.http.get("/server_info").json()["internal_states"][0].get("migrated", 0) == before
     for sock in listeners:
@@ -280,7 +280,7 @@ def test_migrate_mid_generation(cluster):
     refs = references(R.url, prompts(8))
     before = server_stats(D1).get("migrated", 0)
     streams = start_streams(R.url, 8)
-    r = httpx.post(D1.url + "/migrate", json={"rid": "all", "target": D2.url}, timeout=30)
+    r = localhttp.post(D1.url + "/migrate", json={"rid": "all", "target": D2.url}, timeout=30)
     assert r.status_code == 200, r.text
     body = r.json()
     assert len(body["moved"]) == 8 and not body["refused"], body
@@ -304,7 +304,7 @@ def run_streams(url: str, ps, extra, move=None) -> list[Stream]:
     c.wait_for(lambda: all(s.progress >= 4 for s in streams), 120, "every stream to be going")
     if move is not None:
         source, target = move
-        r = httpx.post(
+        r = localhttp.post(
             source.url + "/migrate", json={"rid": "all", "target": target.url}, timeout=30
         )
         assert r.status_code == 200 and len(r.json()["moved"]) == len(ps), r.text
@@ -361,7 +361,7 @@ def test_a_refused_move_goes_on_here(cluster):
     for s in (mine, theirs):
         s.start()
     c.wait_for(lambda: mine.progress >= 4 and theirs.progress >= 4, 120, "both streams")
-    r = httpx.post(D1.url + "/migrate", json={"rid": "taken", "target": D2.url}, timeout=30)
+    r = localhttp.post(D1.url + "/migrate", json={"rid": "taken", "target": D2.url}, timeout=30)
     assert r.status_code == 200 and len(r.json()["moved"]) == 1, r.text
     c.wait_for(lambda: server_stats(D1)["migrations_failed"] == before + 1, 60, "the refusal")
     check_streams([mine], [ref])
@@ -379,13 +379,13 @@ def test_a_client_gone_after_the_move_ends_it_on_the_target(cluster):
     made = server_stats(D2)["generation_tokens"]
     (ids,) = prompts(1, seed=51)
     events = 0
-    with httpx.stream("POST", R.url + "/generate", json=generate_body(ids, True, LONG)) as r:
+    with localhttp.stream("POST", R.url + "/generate", json=generate_body(ids, True, LONG)) as r:
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
             events += 1
             if events == 4:
-                m = httpx.post(D1.url + "/migrate", json={"rid": "all", "target": D2.url})
+                m = localhttp.post(D1.url + "/migrate", json={"rid": "all", "target": D2.url})
                 assert m.status_code == 200 and len(m.json()["moved"]) == 1, m.text
                 moved = lambda: server_stats(D1).get("migrated", 0) == before + 1  # noqa: E731
                 c.wait_for(moved, 60, "the move")
@@ -404,15 +404,17 @@ def test_drain_migrate(cluster):
     P, D1, D2, R = cluster
     refs = references(R.url, prompts(4, 3), LONG)
     streams = start_streams(R.url, 4, seed=3, tokens=LONG)  # D1 is the router's only decode yet
-    r = httpx.post(R.url + "/workers", json={"url": D2.url, "worker_type": "decode"}, timeout=60)
+    r = localhttp.post(
+        R.url + "/workers", json={"url": D2.url, "worker_type": "decode"}, timeout=60
+    )
     assert r.status_code == 202, r.text
     assert D1.integrity()["running"] == 4
     t0 = time.monotonic()
-    r = httpx.delete(f"{R.url}/workers/{D1.url}", timeout=30)
+    r = localhttp.delete(f"{R.url}/workers/{D1.url}", timeout=30)
     assert r.status_code == 202, r.text
 
     def gone():
-        workers = httpx.get(R.url + "/workers", timeout=10).json()
+        workers = localhttp.get(R.url + "/workers", timeout=10).json()
         return all(w["url"] != D1.url for w in workers.get("workers", workers))
 
     c.wait_for(gone, 120, "the drain of D1")
@@ -434,7 +436,7 @@ def test_switch_role_moves_requests(cluster, tmp_path):
         refs = references(R2.url, prompts(4, 41), LONG)
         streams = start_streams(R2.url, 4, seed=41, tokens=LONG)
         body = {"role": "prefill", "bootstrap_port": c.free_port(), "migrate_to": [D2.url]}
-        r = httpx.post(D1.url + "/switch_role", json=body, timeout=120)
+        r = localhttp.post(D1.url + "/switch_role", json=body, timeout=120)
         assert r.status_code == 200, r.text
         assert r.json()["aborted_requests"] == 0 and r.json()["drained_requests"] == 4
         assert sum(s.is_alive() for s in streams) > 0  # it switched while they still ran
@@ -478,7 +480,7 @@ def test_migrate_on_mooncake_with_a_direct_client(mooncake_decodes):
     D1, D2 = mooncake_decodes
     refs = references(D1.url, prompts(4, 5))
     streams = start_streams(D1.url, 4, seed=5)
-    r = httpx.post(D1.url + "/migrate", json={"rid": "all", "target": D2.url}, timeout=30)
+    r = localhttp.post(D1.url + "/migrate", json={"rid": "all", "target": D2.url}, timeout=30)
     assert r.status_code == 200 and len(r.json()["moved"]) == 4, r.text
     check_streams(streams, refs)
     assert server_stats(D1)["migration_kv_bytes_sent"] > 0

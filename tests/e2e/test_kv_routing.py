@@ -16,6 +16,7 @@ import pytest
 
 from tests.e2e.conftest import PD_NEW_TOKENS
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 
 COMMON = c.PAGED_PD_ARGS
 # fixed prefill costs for the conditional router, so its choices do not depend on how fast the
@@ -94,7 +95,7 @@ def streams_on(server: c.Proc, count: int, prompt_len: int, new_tokens: int, rng
             "stream": True,
             "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True},
         }
-        with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as r:
+        with localhttp.stream("POST", server.url + "/generate", json=body, timeout=120) as r:
             for _ in r.iter_bytes():
                 if stop.is_set():
                     return
@@ -118,7 +119,7 @@ def gen(url: str, ids: list[int], n: int = PD_NEW_TOKENS, **extra) -> httpx.Resp
         "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
         **extra,
     }
-    r = httpx.post(url + "/generate", json=body, timeout=60)
+    r = localhttp.post(url + "/generate", json=body, timeout=60)
     assert r.status_code == 200, r.text
     return r
 
@@ -187,10 +188,10 @@ def test_colocated_follow_up_goes_to_the_worker_holding_its_prefix(cluster, refe
         {"role": "user", "content": "Tell me about the sea and the ships that sail on it, " * 4}
     ]
     body = {"messages": messages, "max_tokens": 6, "temperature": 0}
-    first = httpx.post(R.url + "/v1/chat/completions", json=body, timeout=60).json()
+    first = localhttp.post(R.url + "/v1/chat/completions", json=body, timeout=60).json()
     wait_held(R, body, 32, "/v1/chat/completions")
     messages += [first["choices"][0]["message"], {"role": "user", "content": "And the wind?"}]
-    second = httpx.post(
+    second = localhttp.post(
         R.url + "/v1/chat/completions", json={**body, "messages": messages}, timeout=60
     ).json()
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32, second["usage"]
@@ -298,7 +299,7 @@ def test_conditional_short_prompt_on_decode_long_prompt_through_prefill(cluster,
         "stream": True,
         "sampling_params": {"temperature": 0, "max_new_tokens": PD_NEW_TOKENS, "ignore_eos": True},
     }
-    with httpx.stream("POST", R.url + "/generate", json=body, timeout=60) as s:
+    with localhttp.stream("POST", R.url + "/generate", json=body, timeout=60) as s:
         text = s.read().decode()
     assert '"pd_decision": {"mode": "local"' in text and s.headers["x-pdserve-pd-mode"] == "local"
 
@@ -355,7 +356,7 @@ def test_conditional_pd_keeps_the_grammar(cluster, offline_engine):
     sp = {"temperature": 0, "max_new_tokens": 40, "regex": REGEX}
     for n, mode in ((20, "local"), (200, "pd")):
         ids = [rng.randrange(100, 40000) for _ in range(n)]
-        r = httpx.post(
+        r = localhttp.post(
             R.url + "/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=60
         )
         assert r.status_code == 200, r.text

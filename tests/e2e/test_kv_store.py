@@ -14,6 +14,7 @@ import pytest
 
 from pdserve.server.store_master import StoreMaster
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.store_master import running_master
 
 PAGE = 16
@@ -182,8 +183,6 @@ def test_launch_kv_store_starts_the_master_and_its_servers_use_it(tiny_llama_pat
     import subprocess
     import sys
 
-    import httpx
-
     port = c.free_port()
     log_path = tmp_path / "launch.log"
     log = open(log_path, "wb")
@@ -227,7 +226,7 @@ def test_launch_kv_store_starts_the_master_and_its_servers_use_it(tiny_llama_pat
         assert len(master_pids) == 1
 
         def prefills() -> list[dict]:
-            info = httpx.get(url + "/server_info", timeout=30).json()["prefill"]
+            info = localhttp.get(url + "/server_info", timeout=30).json()["prefill"]
             return [p["server_info"]["internal_states"][0] for p in info]
 
         # the servers run the store tier (their warm-up already wrote to it)
@@ -241,7 +240,7 @@ def test_launch_kv_store_starts_the_master_and_its_servers_use_it(tiny_llama_pat
         }
         outs = []
         for turn in range(2):
-            r = httpx.post(url + "/generate", json=body, timeout=120)
+            r = localhttp.post(url + "/generate", json=body, timeout=120)
             assert r.status_code == 200, r.text
             outs.append(r.json()["output_ids"])
             if turn == 0:

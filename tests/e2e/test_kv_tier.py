@@ -13,13 +13,13 @@ import os
 import re
 import time
 
-import httpx
 import pytest
 import zmq
 
 from pdserve.kv_events import chain_hashes
 from tests.e2e.test_kv_events import DECODE, BlockRemoved, BlockStored, expected_hash
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 
 PAGE = 16
 N_NEW = 8
@@ -72,7 +72,7 @@ def generate(s: c.Proc, ids: list[int]) -> list[int]:
         "input_ids": ids,
         "sampling_params": {"temperature": 0, "max_new_tokens": N_NEW, "ignore_eos": True},
     }
-    r = httpx.post(s.url + "/generate", json=body, timeout=120)
+    r = localhttp.post(s.url + "/generate", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["output_ids"]
 
@@ -325,7 +325,7 @@ def test_pd_prefill_and_decode_both_hit_their_host_tier(pd_tiered, reference):
             "input_ids": x,
             "sampling_params": {"temperature": 0, "max_new_tokens": N_NEW, "ignore_eos": True},
         }
-        r = httpx.post(R.url + "/generate", json=body, timeout=120)
+        r = localhttp.post(R.url + "/generate", json=body, timeout=120)
         assert r.status_code == 200, r.text
         return r.json()["output_ids"]
 

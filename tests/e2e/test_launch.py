@@ -10,8 +10,7 @@ import subprocess
 import sys
 import time
 
-import httpx
-
+from tests.helpers import localhttp
 from tests.helpers.cluster import children, free_port, is_alive, wait_for
 
 
@@ -63,7 +62,7 @@ def test_launch_serves_and_stops_everything(tiny_llama_path, tmp_path):
             return b"pdserve cluster ready" in (tmp_path / "launch.log").read_bytes()
 
         wait_for(ready, 300, "the cluster to be ready", interval=0.5)
-        r = httpx.post(
+        r = localhttp.post(
             url + "/generate",
             json={"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
             timeout=60,
@@ -72,25 +71,25 @@ def test_launch_serves_and_stops_everything(tiny_llama_path, tmp_path):
         assert r.json()["meta_info"]["completion_tokens"] == 4
         assert r.json()["meta_info"]["pd_decision"]["mode"] in ("local", "pd")
         # the servers publish KV events and the router follows them (conditional needs the caches)
-        index = httpx.get(url + "/kv_index", timeout=10).json()
+        index = localhttp.get(url + "/kv_index", timeout=10).json()
         assert len(index["workers"]) == 2 and index["tokenizer"], index
         wait_for(
             lambda: all(
                 g["synced"]
-                for gs in httpx.get(url + "/kv_index", timeout=10).json()["workers"].values()
+                for gs in localhttp.get(url + "/kv_index", timeout=10).json()["workers"].values()
                 for g in gs
             ),
             10,
             "KV indices in sync",
         )
-        prefill = httpx.get(url + "/server_info", timeout=60).json()["prefill"][0]
+        prefill = localhttp.get(url + "/server_info", timeout=60).json()["prefill"][0]
         assert (
             prefill["server_info"]["disaggregation_secret"] == "***"
         )  # launch gave its servers one
         assert (
             prefill["server_info"]["enable_deterministic_inference"] is True
         )  # the README's flag reaches them
-        lookup = httpx.get(
+        lookup = localhttp.get(
             f"http://127.0.0.1:{prefill['bootstrap_port']}/route?prefill_dp_rank=-1&target_tp_rank=-1"
             "&target_pp_rank=-1",
             timeout=10,
@@ -157,7 +156,7 @@ def test_launch_moe_prefill_tp_decode_dp_attention_ep(tmp_path):
             return b"pdserve cluster ready" in (tmp_path / "launch.log").read_bytes()
 
         wait_for(ready, 300, "the cluster to be ready", interval=0.5)
-        info = httpx.get(url + "/server_info", timeout=60).json()
+        info = localhttp.get(url + "/server_info", timeout=60).json()
         decode = info["decode"][0]["server_info"]
         assert (
             decode["tp_size"],
@@ -166,7 +165,7 @@ def test_launch_moe_prefill_tp_decode_dp_attention_ep(tmp_path):
             decode["moe_a2a_backend"],
         ) == (2, 2, 2, "torch")
         assert info["prefill"][0]["server_info"]["ep_size"] == 1
-        r = httpx.post(
+        r = localhttp.post(
             url + "/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=120
         )
         assert r.status_code == 200, r.text
@@ -222,7 +221,7 @@ def _start_cluster(model_path: str, tmp_path, name: str) -> tuple[subprocess.Pop
 
 def _cluster_ports(url: str) -> list[int]:
     """The router's port, every server's HTTP port and every prefill's bootstrap port."""
-    info = httpx.get(url + "/server_info", timeout=60).json()
+    info = localhttp.get(url + "/server_info", timeout=60).json()
     workers = info["prefill"] + info["decode"]
     assert len(workers) == 2, info
     return [

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import random
 
-import httpx
 import pytest
 import torch
 
@@ -26,6 +25,7 @@ from tests.e2e.test_engine_hybrid import assert_matches, reference
 from tests.e2e.test_pd_groups import idle
 from tests.e2e.test_pd_hybrid import state_bytes
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import build_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -173,7 +173,7 @@ def test_pd_across_tp_sizes_matches_hf_and_moves_pages_and_one_state(lfm_pd, nam
         ids = [rng.randrange(100, 40000) for _ in range(n)]
         rp, rd = c.post_pd(P, D, c.greedy_body(ids, NEW_TOKENS, P, rng.randrange(2**63)))
         assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
-        want = httpx.post(S.url + "/generate", json=c.greedy_body(ids, NEW_TOKENS), timeout=120)
+        want = localhttp.post(S.url + "/generate", json=c.greedy_body(ids, NEW_TOKENS), timeout=120)
         assert rd.json()["output_ids"] == want.json()["output_ids"], f"{name}: prompt of {n}"
         assert rd.json()["output_ids"] == reference(path, tuple(ids), NEW_TOKENS)[0]
         if p == "P":  # a one-rank prefill's record covers the whole request

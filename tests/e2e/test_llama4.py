@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import random
 
-import httpx
 import pytest
 import torch
 
@@ -25,6 +24,7 @@ from tests.e2e.test_engine import make_engine, prompts_for
 from tests.e2e.test_engine_moe import hf_reference
 from tests.e2e.test_pd_groups import idle
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import build_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -125,7 +125,7 @@ def test_pd_matches_colocated_and_moves_the_predicted_bytes(llama4_pd, d):
         ids = [rng.randrange(100, 40000) for _ in range(n)]
         rp, rd = c.post_pd(P, D, c.greedy_body(ids, PD_NEW, P, rng.randrange(2**63)))
         assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
-        want = httpx.post(S.url + "/generate", json=c.greedy_body(ids, PD_NEW), timeout=120)
+        want = localhttp.post(S.url + "/generate", json=c.greedy_body(ids, PD_NEW), timeout=120)
         assert rd.json()["output_ids"] == want.json()["output_ids"], f"{d}: prompt of {n} tokens"
         last = P.http.get("/server_info").json()["internal_states"][0]["recent_transfers"][-1]
         pages, nbytes = predicted(info, n)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import random
 import threading
 
-import httpx
 import openai
 import pytest
 
 from tests.e2e.test_engine import make_engine
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import build_tiny_checkpoint
 from tests.helpers.lora_adapters import ADAPTERS, build_adapter, reference
 
@@ -125,7 +125,7 @@ def lora_server(base, adapters, tmp_path_factory):
 
 def test_server_serves_adapters_by_model_name_and_lora_path(lora_server, base, adapters):
     S = lora_server
-    models = httpx.get(S.url + "/v1/models").json()["data"]
+    models = localhttp.get(S.url + "/v1/models").json()["data"]
     assert [(m["id"], m.get("parent")) for m in models] == [("tiny", None), ("attn", "tiny")]
     ids = prompt(20, 7)
     ref = reference(base, adapters["attn"], ids, 8)
@@ -134,7 +134,7 @@ def test_server_serves_adapters_by_model_name_and_lora_path(lora_server, base, a
         model="attn", prompt=ids, max_tokens=8, temperature=0, logprobs=0, extra_body=GREEDY
     )
     assert out.model == "attn"
-    native = httpx.post(
+    native = localhttp.post(
         S.url + "/generate",
         json={**c.greedy_body(ids, 8), "lora_path": "attn", "return_logprob": True},
         timeout=60,
@@ -142,9 +142,9 @@ def test_server_serves_adapters_by_model_name_and_lora_path(lora_server, base, a
     check(native, ref, "lora_path")
     assert out.choices[0].text == native["text"]
     # an unknown adapter: OpenAI's 404 naming the models, /generate's 400 naming the loaded ones
-    r = httpx.post(S.url + "/v1/completions", json={"model": "nope", "prompt": "hi"})
+    r = localhttp.post(S.url + "/v1/completions", json={"model": "nope", "prompt": "hi"})
     assert r.status_code == 404 and "'nope' does not exist" in r.text and "attn" in r.text
-    r = httpx.post(S.url + "/generate", json={**c.greedy_body(ids, 2), "lora_path": "nope"})
+    r = localhttp.post(S.url + "/generate", json={**c.greedy_body(ids, 2), "lora_path": "nope"})
     assert r.status_code == 400 and "'nope' is not loaded" in r.text
 
 
@@ -155,7 +155,7 @@ def test_adapters_load_and_unload_while_others_stream(lora_server, base, adapter
     started, done = threading.Event(), {}
 
     def stream():
-        with httpx.stream("POST", S.url + "/generate", json=long_body, timeout=120) as r:
+        with localhttp.stream("POST", S.url + "/generate", json=long_body, timeout=120) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     started.set()
@@ -165,42 +165,42 @@ def test_adapters_load_and_unload_while_others_stream(lora_server, base, adapter
     t.start()
     assert started.wait(60)
     # the gateway's LoRA gauge names the adapter running
-    metrics = httpx.get(S.url + "/metrics").text
+    metrics = localhttp.get(S.url + "/metrics").text
     line = next(x for x in metrics.splitlines() if x.startswith("pdserve:lora_requests_info{"))
     assert 'running_lora_adapters="attn"' in line and 'max_lora="16"' in line, line
     # load 'mlp' and serve it while 'attn' streams
-    r = httpx.post(
+    r = localhttp.post(
         S.url + "/v1/load_lora_adapter",
         json={"lora_name": "mlp", "lora_path": adapters["mlp"]},
         timeout=60,
     )
     assert r.status_code == 200, r.text
     assert {a["name"] for a in r.json()["adapters"]} == {"attn", "mlp"}
-    out = httpx.post(
+    out = localhttp.post(
         S.url + "/generate",
         json={**c.greedy_body(ids, 6), "lora_path": "mlp", "return_logprob": True},
         timeout=60,
     ).json()
     check(out, reference(base, adapters["mlp"], ids, 6), "loaded at run time")
     # 'attn' cannot go while its request streams; 'mlp' can
-    r = httpx.post(S.url + "/v1/unload_lora_adapter", json={"lora_name": "attn"}, timeout=60)
+    r = localhttp.post(S.url + "/v1/unload_lora_adapter", json={"lora_name": "attn"}, timeout=60)
     assert r.status_code == 400 and "'attn' has 1 request" in r.text, r.text
-    r = httpx.post(S.url + "/unload_lora_adapter", json={"lora_name": "mlp"}, timeout=60)
+    r = localhttp.post(S.url + "/unload_lora_adapter", json={"lora_name": "mlp"}, timeout=60)
     assert r.status_code == 200, r.text
     t.join(120)
     assert done["status"] == 200
-    r = httpx.post(S.url + "/generate", json={**c.greedy_body(ids, 2), "lora_path": "mlp"})
+    r = localhttp.post(S.url + "/generate", json={**c.greedy_body(ids, 2), "lora_path": "mlp"})
     assert r.status_code == 400 and "'mlp' is not loaded" in r.text
     # bad adapters are refused by name, the server unchanged
-    r = httpx.post(
+    r = localhttp.post(
         S.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nonexistent"}
     )
     assert r.status_code == 400 and "adapter_config.json" in r.text
-    r = httpx.post(
+    r = localhttp.post(
         S.url + "/v1/load_lora_adapter", json={"lora_name": "attn", "lora_path": adapters["all"]}
     )
     assert r.status_code == 400 and "already loaded" in r.text
-    models = [m["id"] for m in httpx.get(S.url + "/v1/models").json()["data"]]
+    models = [m["id"] for m in localhttp.get(S.url + "/v1/models").json()["data"]]
     assert models == ["tiny", "attn"]
     S.wait_idle()
 
@@ -263,17 +263,17 @@ def test_adapters_on_bf16_weights_match_the_merged_model_up_to_ties(base, adapte
 
 
 def served(proc) -> set[str]:
-    return {m["id"] for m in httpx.get(proc.url + "/v1/models").json()["data"]}
+    return {m["id"] for m in localhttp.get(proc.url + "/v1/models").json()["data"]}
 
 
 def test_the_router_loads_and_unloads_adapters_on_every_worker(lora_pd, base, adapters):
     P, D, R = lora_pd["P"], lora_pd["D"], lora_pd["R"]
     body = {"lora_name": "attn2", "lora_path": adapters["attn"]}
-    r = httpx.post(R.url + "/v1/load_lora_adapter", json=body, timeout=60)
+    r = localhttp.post(R.url + "/v1/load_lora_adapter", json=body, timeout=60)
     assert r.status_code == 200 and sorted(r.json()["workers"]) == sorted([P.url, D.url]), r.text
     assert "attn2" in served(P) and "attn2" in served(D)
     ids = prompt(21, 5)
-    out = httpx.post(
+    out = localhttp.post(
         R.url + "/generate",
         json={**c.greedy_body(ids, 6), "lora_path": "attn2", "return_logprob": True},
         timeout=60,
@@ -283,13 +283,13 @@ def test_the_router_loads_and_unloads_adapters_on_every_worker(lora_pd, base, ad
     # the prefill already has 'attn': the decode's load is undone, nothing changed anywhere
     before = (served(P), served(D))
     body = {"lora_name": "attn", "lora_path": adapters["attn"]}
-    r = httpx.post(R.url + "/load_lora_adapter", json=body, timeout=60)
+    r = localhttp.post(R.url + "/load_lora_adapter", json=body, timeout=60)
     assert r.status_code == 502 and "already loaded" in r.text, r.text
     assert (served(P), served(D)) == before
     # every worker refusing alike: their 400
-    r = httpx.post(R.url + "/v1/unload_lora_adapter", json={"lora_name": "nope"}, timeout=60)
+    r = localhttp.post(R.url + "/v1/unload_lora_adapter", json={"lora_name": "nope"}, timeout=60)
     assert r.status_code == 400 and "'nope' is not loaded" in r.text, r.text
-    r = httpx.post(R.url + "/v1/unload_lora_adapter", json={"lora_name": "attn2"}, timeout=60)
+    r = localhttp.post(R.url + "/v1/unload_lora_adapter", json={"lora_name": "attn2"}, timeout=60)
     assert r.status_code == 200, r.text
     assert "attn2" not in served(P) | served(D)
     for s in (P, D):

@@ -21,13 +21,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
 from pdserve.server.heartbeat import HEARTBEAT_INTERVAL_S, lost_after
 from tests.e2e.conftest import sse_events
 from tests.e2e.test_tp import all_ranks_idle
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 
 NEW_TOKENS = 8
 DIST_TIMEOUT_S = 10.0
@@ -111,7 +111,7 @@ def generate(url: str, ids: list[int], dp_rank: int | None = None) -> dict:
     }
     if dp_rank is not None:
         body["routed_dp_rank"] = dp_rank
-    r = httpx.post(url + "/generate", json=body, timeout=120)
+    r = localhttp.post(url + "/generate", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -184,7 +184,7 @@ def test_lost_node_fails_every_stream_and_the_front_end_answers_503(nodes):
             "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True},
         }
         out: list = []
-        with httpx.stream("POST", node0.url + "/generate", json=body, timeout=60) as r:
+        with localhttp.stream("POST", node0.url + "/generate", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 out.extend(sse_events([line]))
                 if out:

@@ -18,10 +18,10 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
 from tests.e2e.test_pd import assert_same, generate, mixed_prompts
+from tests.helpers import localhttp
 from tests.helpers import netns as nx
 
 
@@ -60,7 +60,7 @@ def test_local_backend_between_hosts_is_refused_by_the_router_and_at_registratio
     P, D, R = pd["prefill"], pd["decode"], pd["router"]
     body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
     # the router knows both servers' backend and host (/server_info) and does not pair them
-    r = httpx.post(R.url + "/generate", timeout=60, json=body)
+    r = localhttp.post(R.url + "/generate", timeout=60, json=body)
     msg = r.json()["error"]["message"]
     print(f"SAMPLE local backend across namespaces, router: HTTP {r.status_code}: {msg}")
     assert r.status_code == 503, r.text
@@ -68,7 +68,7 @@ def test_local_backend_between_hosts_is_refused_by_the_router_and_at_registratio
     # a client that pairs them itself: decode's registration is refused by prefill
     t0 = time.monotonic()
     room = {"bootstrap_host": P.host, "bootstrap_port": P.bootstrap_port, "bootstrap_room": 77}
-    r = httpx.post(D.url + "/generate", timeout=60, json={**body, **room})
+    r = localhttp.post(D.url + "/generate", timeout=60, json={**body, **room})
     elapsed = nx.since(t0)
     msg = r.json()["error"]["message"]
     print(

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.models.demo import DEMO_MODELS
 from tests.e2e.conftest import SERVED_MODEL_NAME, sse_events
+from tests.helpers import localhttp
 from tests.helpers.cluster import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,10 +68,10 @@ ROUTER_STAGES = ["router_dispatch", "router_first_byte", "router_last_byte"]
 
 class Launched:
     def __init__(self, router: str, prefill: str, decode: str):
-        self.router = httpx.Client(base_url=router, timeout=120)
+        self.router = localhttp.Client(base_url=router, timeout=120)
         self.servers = {
-            "prefill": httpx.Client(base_url=prefill, timeout=60),
-            "decode": httpx.Client(base_url=decode, timeout=60),
+            "prefill": localhttp.Client(base_url=prefill, timeout=60),
+            "decode": localhttp.Client(base_url=decode, timeout=60),
         }
 
 
@@ -105,7 +106,7 @@ def launched(tmp_path_factory):
     try:
         wait_for(ready, 600, "the launched cluster to be ready", interval=0.5)
         router = f"http://127.0.0.1:{port}"
-        info = httpx.get(router + "/server_info", timeout=30).json()
+        info = localhttp.get(router + "/server_info", timeout=30).json()
         cluster = Launched(router, info["prefill"][0]["url"], info["decode"][0]["url"])
         cluster.server_info = info
         yield cluster

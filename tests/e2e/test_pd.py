@@ -16,6 +16,7 @@ import pytest
 
 from tests.e2e.conftest import PD_NEW_TOKENS as NEW_TOKENS
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import build_tiny_checkpoint
 from tests.helpers.sglang_router import sglang_router_available, start_sglang_router
 
@@ -67,7 +68,7 @@ def generate(url: str, ids: list[int], stream: bool, logprobs: bool = False) -> 
     }
     if logprobs:
         body.update(return_logprob=True, logprob_start_len=0)
-    with httpx.Client(timeout=120) as h:
+    with localhttp.Client(timeout=120) as h:
         if not stream:
             r = h.post(url + "/generate", json=body)
             assert r.status_code == 200, r.text
@@ -276,13 +277,13 @@ def test_batches_and_n_samples_get_one_room_each(pd, reference, server):
     url = pd["routers"]["1p1d"].url
     prompts = mixed_prompts(3, seed=5, max_len=200)
     sp = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
-    r = httpx.post(
+    r = localhttp.post(
         url + "/generate", json={"input_ids": prompts, "sampling_params": sp}, timeout=120
     )
     assert r.status_code == 200, r.text
     for ids, out in zip(prompts, r.json()):
         assert_same(out, reference(ids))
-    r = httpx.post(
+    r = localhttp.post(
         url + "/generate",
         json={"input_ids": prompts[0], "sampling_params": dict(sp, n=2)},
         timeout=120,

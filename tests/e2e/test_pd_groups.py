@@ -16,6 +16,7 @@ import pytest
 from pdserve.disagg.transfer import get_backend
 from tests.e2e.test_tp import all_ranks_idle
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import build_tiny_checkpoint
 
 PAGE = 4
@@ -124,7 +125,7 @@ def test_pd_matches_colocated_and_moves_the_predicted_pages(groups_pd, name, p, 
         ids = [rng.randrange(100, 40000) for _ in range(n)]
         rp, rd = pd(P, D, ids)
         assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
-        want = httpx.post(S.url + "/generate", json=body(ids), timeout=120).json()["output_ids"]
+        want = localhttp.post(S.url + "/generate", json=body(ids), timeout=120).json()["output_ids"]
         assert rd.json()["output_ids"] == want, f"{name}: prompt of {n} tokens"
         if "tp2" not in p:  # a one-rank prefill's record covers the whole request
             last = P.http.get("/server_info").json()["internal_states"][0]["recent_transfers"][-1]

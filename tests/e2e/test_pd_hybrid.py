@@ -21,6 +21,7 @@ import pytest
 
 from tests.e2e.test_tp import all_ranks_idle
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import build_tiny_checkpoint
 from tests.helpers.sglang_router import sglang_router_available, start_sglang_router
 
@@ -114,7 +115,7 @@ def test_pd_matches_colocated_and_moves_pages_and_one_state(hybrid_pd, name, p, 
         ids = [rng.randrange(100, 40000) for _ in range(n)]
         rp, rd = pd(P, D, ids)
         assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
-        want = httpx.post(S.url + "/generate", json=body(ids), timeout=120).json()["output_ids"]
+        want = localhttp.post(S.url + "/generate", json=body(ids), timeout=120).json()["output_ids"]
         assert rd.json()["output_ids"] == want, f"{name}: prompt of {n} tokens"
         if p != "P":  # a one-rank prefill's record covers the whole request
             continue
@@ -135,7 +136,7 @@ def test_an_aborted_decode_frees_its_state_slot(hybrid_pd):
     P, D = hybrid_pd["P"], hybrid_pd["D"]
     b = body(list(range(100, 130)), P, random.randrange(2**63))
     b["bootstrap_port"] = c.free_port()  # no prefill there: the decode gives up on the room
-    r = httpx.post(D.url + "/generate", json=b, timeout=120)
+    r = localhttp.post(D.url + "/generate", json=b, timeout=120)
     assert r.status_code >= 400, r.text
     D.wait_idle()
     P.wait_idle()
@@ -175,7 +176,7 @@ def test_a_next_turn_hits_the_prefill_and_decode_prefix_caches(hybrid_pd, decode
     turn2 = turn1 + out1 + [rng.randrange(100, 40000) for _ in range(9)]
     rp, rd = pd(P, D, turn2)
     assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
-    want = httpx.post(S.url + "/generate", json=body(turn2), timeout=120).json()["output_ids"]
+    want = localhttp.post(S.url + "/generate", json=body(turn2), timeout=120).json()["output_ids"]
     assert rd.json()["output_ids"] == want
     # prefill: turn 1's 30 tokens went in chunks of 24, the second crossing token 28
     assert stats(P)["cache_hit_tokens"] - p_hits == 28
@@ -209,9 +210,9 @@ def test_hybrid_pd_behind_a_router(hybrid_pd, router, tmp_path):
         rng = random.Random(7)
         for n in (5, 40):
             ids = [rng.randrange(100, 40000) for _ in range(n)]
-            got = httpx.post(url + "/generate", json=body(ids), timeout=120)
+            got = localhttp.post(url + "/generate", json=body(ids), timeout=120)
             assert got.status_code == 200, got.text
-            want = httpx.post(S.url + "/generate", json=body(ids), timeout=120).json()
+            want = localhttp.post(S.url + "/generate", json=body(ids), timeout=120).json()
             assert got.json()["output_ids"] == want["output_ids"], (router, n)
     finally:
         stop()

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import random
 
-import httpx
 import pytest
 
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import build_tiny_checkpoint
 
 PAGE = 4
@@ -56,7 +56,7 @@ def test_int8_pages_and_scales_move_between_tp_sizes(servers, p, d):
         before = sum(c.kv_bytes_sent(P))
         rp, rd = c.post_pd(P, D, body)
         assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
-        want = httpx.post(S.url + "/generate", json=c.greedy_body(ids, NEW_TOKENS), timeout=60)
+        want = localhttp.post(S.url + "/generate", json=c.greedy_body(ids, NEW_TOKENS), timeout=60)
         assert rd.json()["output_ids"] == want.json()["output_ids"], f"{p}->{d}: {n} tokens"
         assert sum(c.kv_bytes_sent(P)) - before == per_token * -(-n // PAGE) * PAGE, n
     for proc in (P, D):

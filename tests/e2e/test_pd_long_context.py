@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import build_tiny_checkpoint
 
 LONG = 32768
@@ -77,7 +78,7 @@ def prompt(seed: int) -> list[int]:
 def test_a_32k_prompt_through_pd_gives_the_colocated_tokens(long_pd):
     P, D, S = long_pd["P"], long_pd["D"], long_pd["S"]
     ids = prompt(1)
-    want = httpx.post(S.url + "/generate", json=c.greedy_body(ids, NEW_TOKENS), timeout=300)
+    want = localhttp.post(S.url + "/generate", json=c.greedy_body(ids, NEW_TOKENS), timeout=300)
     assert want.status_code == 200, want.text
     body = c.greedy_body(ids, NEW_TOKENS, P, random.randrange(2**63))
     rp, rd = c.post_pd(P, D, body)
@@ -98,12 +99,12 @@ def test_a_killed_prefill_ends_its_decode_request_within_a_second(long_pd):
     out: dict = {}
 
     def run() -> None:
-        r = httpx.post(D.url + "/generate", json=body, timeout=120)
+        r = localhttp.post(D.url + "/generate", json=body, timeout=120)
         out["status"], out["text"], out["end"] = r.status_code, r.text, time.monotonic()
 
     def prefill() -> None:
         try:
-            httpx.post(P.url + "/generate", json=body, timeout=120)
+            localhttp.post(P.url + "/generate", json=body, timeout=120)
         except httpx.HTTPError:  # killed under it
             pass
 

@@ -7,7 +7,6 @@ through pdserve's router."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from pdserve.disagg.transfer import get_backend
@@ -15,6 +14,7 @@ from tests.e2e.test_pd import COMMON
 from tests.e2e.test_speculative import greedy, prompts
 from tests.e2e.test_tp import all_ranks_idle
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import (
     build_draft_checkpoint,
     build_eagle_head,
@@ -70,7 +70,7 @@ def test_draft_kv_moves_over_mooncake_between_tp_sizes(algorithm, tmp_path):
             speculative_draft_model_path=draft,
         ).generate(input_ids=ps, sampling_params=greedy(30))
         for ids, w, col in zip(ps, want, colocated):
-            r = httpx.post(
+            r = localhttp.post(
                 R.url + "/generate",
                 json={"input_ids": ids, "sampling_params": greedy(30)},
                 timeout=120,

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import random
 
-import httpx
 import pytest
 
 from tests.e2e.conftest import PD_NEW_TOKENS
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import build_tiny_checkpoint
 
 PAGE = 4
@@ -52,7 +52,7 @@ def generate(url: str, ids: list[int]) -> list[int]:
         "input_ids": ids,
         "sampling_params": {"temperature": 0, "max_new_tokens": PD_NEW_TOKENS, "ignore_eos": True},
     }
-    r = httpx.post(url + "/generate", json=body, timeout=120)
+    r = localhttp.post(url + "/generate", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["output_ids"]
 

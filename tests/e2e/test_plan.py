@@ -7,10 +7,10 @@ import json
 import subprocess
 import sys
 
-import httpx
 import pytest
 
 from pdserve.plan import profile as prof_mod
+from tests.helpers import localhttp
 
 WORKLOAD = [
     "--request-rate",
@@ -71,8 +71,8 @@ def test_plan_reads_a_pd_cluster_through_its_router(pd_router, tmp_path):
     )
 
     # the figures are the servers' own: prefill's start-up calibration, decode's KV size and pool
-    p_info = httpx.get(prefill.url + "/server_info", timeout=10).json()
-    d_info = httpx.get(decode.url + "/server_info", timeout=10).json()
+    p_info = localhttp.get(prefill.url + "/server_info", timeout=10).json()
+    d_info = localhttp.get(decode.url + "/server_info", timeout=10).json()
     prof = prof_mod.load(saved)
     assert prof.measured["calibration"] == p_info["calibration"]
     assert prefill.url in prof.sources["prefill"] and decode.url in prof.sources["decode"]

@@ -24,6 +24,7 @@ import pytest
 
 from tests.e2e.conftest import PD_NEW_TOKENS as NEW_TOKENS
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 
 KEY = "role-switch-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -57,7 +58,7 @@ def body(ids: list[int], stream: bool = False, new_tokens: int = NEW_TOKENS) -> 
 
 def generate(url: str, ids: list[int], stream: bool = False) -> tuple[int, dict]:
     """(status, final output or error body) of one /generate."""
-    with httpx.Client(timeout=60, headers=AUTH) as h:
+    with localhttp.Client(timeout=60, headers=AUTH) as h:
         if not stream:
             r = h.post(url + "/generate", json=body(ids))
             return r.status_code, r.json()
@@ -140,7 +141,7 @@ class Load:
 
 def long_stream(url: str, ids: list[int], first: threading.Event, result: list) -> None:
     """A stream that runs past any drain timeout here; its last event is kept."""
-    with httpx.Client(timeout=120, headers=AUTH) as h:
+    with localhttp.Client(timeout=120, headers=AUTH) as h:
         with h.stream("POST", url + "/generate", json=body(ids, stream=True, new_tokens=4000)) as r:
             last = None
             for line in r.iter_lines():
@@ -307,7 +308,7 @@ def test_bad_input(pair):
     ):  # B holds its bootstrap port
         r = switch(A, role="prefill", bootstrap_port=B.bootstrap_port)
         assert r.status_code == 409 and "not free" in r.json()["error"]["message"], r.text
-    r = httpx.post(A.url + "/switch_role", json={"role": other})  # no key
+    r = localhttp.post(A.url + "/switch_role", json={"role": other})  # no key
     assert r.status_code == 401
     assert (
         info(A)["role_epoch"] == info(A)["role_switch"]["epoch"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -29,6 +28,7 @@ from pdserve.disagg.transfer import get_backend
 from pdserve.engine.routed_experts import decode as decode_ids
 from tests.e2e.conftest import sse_events
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import build_tiny_checkpoint
 from tests.helpers.sglang_router import sglang_router_available, start_sglang_router
 
@@ -226,13 +226,13 @@ def servers(moe_path, tmp_path_factory):
 
 
 def post(url: str, path: str, body: dict) -> dict:
-    r = httpx.post(url + path, json=body, timeout=120)
+    r = localhttp.post(url + path, json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def stream(url: str, path: str, body: dict) -> list:
-    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as r:
+    with localhttp.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as r:
         assert r.status_code == 200, r.read()
         return sse_events(r.iter_lines())
 
@@ -260,7 +260,9 @@ def test_colocated_generate(servers, hf_routes):
     # routed_experts_start_len: only the rows from that position on
     out = post(C, "/generate", gen_body(PROMPT, routed_experts_start_len=15))
     assert_routes(ids_of(out["meta_info"]), PROMPT, out["output_ids"], hf_routes, start=15)
-    r = httpx.post(C + "/generate", json=gen_body(PROMPT, routed_experts_start_len=22), timeout=60)
+    r = localhttp.post(
+        C + "/generate", json=gen_body(PROMPT, routed_experts_start_len=22), timeout=60
+    )
     assert r.status_code == 400 and "routed_experts_start_len" in r.text
 
 
@@ -382,7 +384,7 @@ def test_a_moved_request_keeps_its_routed_experts(servers, hf_routes):
     moving = threading.Thread(target=run, daemon=True)
     moving.start()
     c.wait_for(lambda: D.integrity()["running"] == 1, 60, "the request to decode on D")
-    r = httpx.post(D.url + "/migrate", json={"rid": "all", "target": D3.url}, timeout=30)
+    r = localhttp.post(D.url + "/migrate", json={"rid": "all", "target": D3.url}, timeout=30)
     assert r.status_code == 200 and len(r.json()["moved"]) == 1, r.text
     moving.join(120)
     final = [e for e in events if e != "[DONE]"][-1]

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import pytest
 
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.elastic import StreamLoad, worker_state
 from tests.helpers.sglang_router import sglang_router_available, start_sglang_router
 
@@ -44,7 +44,7 @@ def router(elastic_servers):
 
 def served(proc: c.Proc) -> float:
     """Requests the server finished, from its own /metrics."""
-    for line in httpx.get(proc.url + "/metrics", timeout=10).text.splitlines():
+    for line in localhttp.get(proc.url + "/metrics", timeout=10).text.splitlines():
         if line.startswith("pdserve:e2e_request_latency_seconds_count"):
             return float(line.split()[-1])
     return 0.0
@@ -73,9 +73,9 @@ def test_bad_input_and_unauthenticated_calls_are_refused(router, elastic_servers
     s = elastic_servers
     p1, d0 = s.prefills[1], s.decodes[0]
     assert router.http.get("/workers", headers={"Authorization": ""}).status_code == 401
-    assert httpx.post(router.url + "/workers", json={"url": p1.url}).status_code == 401
+    assert localhttp.post(router.url + "/workers", json={"url": p1.url}).status_code == 401
     assert (
-        httpx.delete(f"{router.url}/workers/{worker_state(router, d0.url)['id']}").status_code
+        localhttp.delete(f"{router.url}/workers/{worker_state(router, d0.url)['id']}").status_code
         == 401
     )
 
@@ -185,7 +185,7 @@ def test_sglang_router_worker_api_in_front_of_pdserve(elastic_servers, tmp_path)
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        resp = httpx.post(
+        resp = localhttp.post(
             base + "/workers", json={"url": d1.url, "worker_type": "decode"}, timeout=30
         )
         assert resp.status_code == 202 and resp.json()["status"] == "accepted", resp.text
@@ -194,7 +194,7 @@ def test_sglang_router_worker_api_in_front_of_pdserve(elastic_servers, tmp_path)
         def listed():
             return [
                 w
-                for w in httpx.get(base + "/workers", timeout=10).json()["workers"]
+                for w in localhttp.get(base + "/workers", timeout=10).json()["workers"]
                 if w["url"] == d1.url
             ]
 
@@ -209,13 +209,13 @@ def test_sglang_router_worker_api_in_front_of_pdserve(elastic_servers, tmp_path)
         }
         texts = set()
         for _ in range(6):
-            r = httpx.post(base + "/generate", json=body, timeout=120)
+            r = localhttp.post(base + "/generate", json=body, timeout=120)
             assert r.status_code == 200, r.text
             texts.add(r.json()["text"])
         assert len(texts) == 1 and served(d1) >= before + 2  # round robin: about half on decode 1
-        assert httpx.delete(f"{base}/workers/{wid}", timeout=10).status_code == 202
+        assert localhttp.delete(f"{base}/workers/{wid}", timeout=10).status_code == 202
         c.wait_for(lambda: not listed(), 30, "sglang-router to drop decode 1")
-        assert httpx.post(base + "/generate", json=body, timeout=120).status_code == 200
+        assert localhttp.post(base + "/generate", json=body, timeout=120).status_code == 200
     finally:
         proc.terminate()
         proc.wait(timeout=30)

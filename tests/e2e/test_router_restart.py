@@ -12,6 +12,7 @@ import httpx
 
 from tests.e2e.conftest import SERVED_MODEL_NAME
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 
 COOLDOWN_S = 30.0  # the breaker's default; recovery must not wait for it
 RECOVERY_LIMIT_S = 8.0
@@ -33,7 +34,7 @@ class Load:
             "text": f"client {i} says hello",
             "sampling_params": {"max_new_tokens": 8, "ignore_eos": True},
         }
-        with httpx.Client(timeout=60) as http:
+        with localhttp.Client(timeout=60) as http:
             while not self.stop.is_set():
                 t0 = time.monotonic()
                 try:

@@ -12,6 +12,7 @@ import threading
 import httpx
 
 from tests.e2e.conftest import child_pids, free_port, is_alive, sse_events, wait_for
+from tests.helpers import localhttp
 
 SERVE = [sys.executable, "-m", "pdserve.cli", "serve", "--torch-num-threads", "1"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -61,7 +62,7 @@ def test_scheduler_death_fails_requests_and_stops_the_server(tiny_llama_path):
         def healthy() -> bool:
             assert proc.poll() is None, f"server exited with {proc.returncode}"
             try:
-                return httpx.get(url + "/health", timeout=2).status_code == 200
+                return localhttp.get(url + "/health", timeout=2).status_code == 200
             except httpx.HTTPError:
                 return False
 
@@ -74,13 +75,13 @@ def test_scheduler_death_fails_requests_and_stops_the_server(tiny_llama_path):
                 "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True},
                 "stream": True,
             }
-            with httpx.stream("POST", url + "/generate", json=body, timeout=60) as r:
+            with localhttp.stream("POST", url + "/generate", json=body, timeout=60) as r:
                 events.extend(sse_events(r.iter_lines()))
 
         t = threading.Thread(target=stream)
         t.start()
         wait_for(
-            lambda: httpx.get(url + "/get_load").json()[0]["num_reqs"] == 1,
+            lambda: localhttp.get(url + "/get_load").json()[0]["num_reqs"] == 1,
             30,
             "the request to start",
         )

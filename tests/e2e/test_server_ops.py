@@ -6,10 +6,10 @@ import socket
 import threading
 import time
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import SERVED_MODEL_NAME, sse_events, wait_for
+from tests.helpers import localhttp
 
 LONG = {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}
 
@@ -115,7 +115,7 @@ def test_kv_usage_counts_the_pages_a_running_request_holds(live):
     # the gauges are read while the stream is still open: breaking out of ``iter_lines`` would
     # close the connection (httpx closes it when the generator is dropped) and abort the request
     during = None
-    with httpx.Client(base_url=live.url, timeout=60) as c:
+    with localhttp.Client(base_url=live.url, timeout=60) as c:
         with c.stream(
             "POST",
             "/generate",
@@ -137,7 +137,7 @@ def test_kv_usage_counts_the_pages_a_running_request_holds(live):
 
 def test_client_disconnect_mid_stream_aborts(live):
     generated_before = live.scheduler_stats()["generation_tokens"]
-    with httpx.Client(base_url=live.url, timeout=60) as c:
+    with localhttp.Client(base_url=live.url, timeout=60) as c:
         with c.stream(
             "POST",
             "/generate",
@@ -180,7 +180,7 @@ def test_abort_request_by_rid_ends_the_stream_with_an_error(live):
     events: list = []
 
     def stream() -> None:
-        with httpx.Client(base_url=live.url, timeout=60) as c:
+        with localhttp.Client(base_url=live.url, timeout=60) as c:
             with c.stream(
                 "POST",
                 "/generate",

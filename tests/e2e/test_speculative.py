@@ -20,6 +20,7 @@ import torch
 
 import pdserve
 from pdserve.config import ServerArgs
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import build_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -291,7 +292,6 @@ def test_served_speculation_reports_and_counts(pair, tmp_path):
     """``pdserve serve --speculative-algorithm NGRAM --tp-size 2``: the plain engine's tokens over
     HTTP (both ranks draft and accept alike), ``spec_verify_ct`` / ``spec_accept_length`` in
     ``meta_info``, the Prometheus histograms."""
-    import httpx
 
     from tests.helpers import cluster as c
 
@@ -303,7 +303,7 @@ def test_served_speculation_reports_and_counts(pair, tmp_path):
         c.start_all([server])
         ids = prompts(5)[0]
         body = {"input_ids": ids, "sampling_params": greedy(32)}
-        r = httpx.post(server.url + "/generate", json=body, timeout=60)
+        r = localhttp.post(server.url + "/generate", json=body, timeout=60)
         assert r.status_code == 200, r.text
         meta = r.json()["meta_info"]
         assert (
@@ -314,10 +314,10 @@ def test_served_speculation_reports_and_counts(pair, tmp_path):
         # a seeded sampled request: its plain tokens, both ranks drawing alike
         sampled = {"temperature": 0.3, "top_k": 3, "max_new_tokens": 24, "seed": 5}
         sampled["ignore_eos"] = True
-        r = httpx.post(server.url + "/generate", json={**body, "sampling_params": sampled})
+        r = localhttp.post(server.url + "/generate", json={**body, "sampling_params": sampled})
         want = plain.generate(input_ids=ids, sampling_params=sampled)["output_ids"]
         assert r.json()["output_ids"] == want
-        text = httpx.get(server.url + "/metrics", timeout=10).text
+        text = localhttp.get(server.url + "/metrics", timeout=10).text
         count = [
             ln for ln in text.splitlines() if ln.startswith("pdserve:spec_accept_length_count")
         ]

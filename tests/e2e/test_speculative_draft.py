@@ -15,6 +15,7 @@ import torch
 import pdserve
 from pdserve.config import ServerArgs
 from tests.e2e.test_speculative import chi_square_at_speculative_rows, greedy, prompts
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import build_draft_checkpoint, build_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -262,7 +263,6 @@ def test_a_draft_of_another_vocabulary_or_with_a_state_is_refused():
 def test_served_with_tp2(plain, drafts, tmp_path):
     """``pdserve serve --speculative-algorithm STANDALONE --tp-size 2``: both ranks run their
     shard of the draft and accept alike; the plain engine's tokens over HTTP."""
-    import httpx
 
     from tests.helpers import cluster as c
 
@@ -274,7 +274,7 @@ def test_served_with_tp2(plain, drafts, tmp_path):
         c.start_all([server])
         for ids in prompts(5)[:2]:
             body = {"input_ids": ids, "sampling_params": greedy(32)}
-            r = httpx.post(server.url + "/generate", json=body, timeout=60)
+            r = localhttp.post(server.url + "/generate", json=body, timeout=60)
             assert r.status_code == 200, r.text
             want = plain.generate(input_ids=ids, sampling_params=greedy(32))["output_ids"]
             assert r.json()["output_ids"] == want

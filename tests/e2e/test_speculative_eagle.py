@@ -14,6 +14,7 @@ import torch
 import pdserve
 from pdserve.config import ServerArgs
 from tests.e2e.test_speculative import chi_square_at_speculative_rows, greedy, prompts
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import build_eagle_head, build_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -203,7 +204,6 @@ def test_bad_heads_and_settings_are_refused(tmp_path):
 def test_served_with_tp2(plain, head, tmp_path):
     """Two TP ranks, each building the same trees of drafts (top-k 2) from the same logits:
     the plain tokens (a chain at TP 2: STANDALONE's and EAGLE3's tests)."""
-    import httpx
 
     from tests.helpers import cluster as c
 
@@ -216,7 +216,7 @@ def test_served_with_tp2(plain, head, tmp_path):
         c.start_all([server])
         for ids in prompts(0)[:2]:
             body = {"input_ids": ids, "sampling_params": greedy(32)}
-            r = httpx.post(server.url + "/generate", json=body, timeout=60)
+            r = localhttp.post(server.url + "/generate", json=body, timeout=60)
             assert r.status_code == 200, r.text
             want = plain.generate(input_ids=ids, sampling_params=greedy(32))["output_ids"]
             assert r.json()["output_ids"] == want

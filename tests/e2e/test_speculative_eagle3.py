@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import pdserve
 from tests.e2e.test_speculative import greedy, prompts
 from tests.e2e.test_speculative_eagle import first_drafts
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import build_eagle3_head, build_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -128,7 +129,6 @@ def test_a_head_reading_missing_layers_is_refused(tmp_path):
 
 
 def test_served_with_tp2(tmp_path):
-    import httpx
 
     from tests.helpers import cluster as c
 
@@ -141,7 +141,7 @@ def test_served_with_tp2(tmp_path):
         c.start_all([server])
         for ids in prompts(0)[:2]:
             body = {"input_ids": ids, "sampling_params": greedy(32)}
-            r = httpx.post(server.url + "/generate", json=body, timeout=60)
+            r = localhttp.post(server.url + "/generate", json=body, timeout=60)
             assert r.status_code == 200, r.text
             want = plain.generate(input_ids=ids, sampling_params=greedy(32))["output_ids"]
             assert r.json()["output_ids"] == want

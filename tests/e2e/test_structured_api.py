@@ -11,7 +11,6 @@ import re
 import time
 from pathlib import Path
 
-import httpx
 import jsonschema
 import openai
 import pytest
@@ -19,6 +18,7 @@ import pytest
 from pdserve.disagg.transfer import get_backend
 from tests.e2e.conftest import sse_events
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.otlp_collector import Collector
 from tests.helpers.sglang_router import sglang_router_available, start_sglang_router
 
@@ -306,7 +306,7 @@ def test_completions_and_generate_take_grammars(servers):
             )
         )
         assert text == r.choices[0].text
-    with httpx.Client(base_url=url, timeout=120) as h:
+    with localhttp.Client(base_url=url, timeout=120) as h:
         for params in (
             {"json_schema": json.dumps(SCHEMA)},
             {"regex": regex},
@@ -743,7 +743,7 @@ def test_messages_api_equals_chat(servers, target):
         with pytest.raises(anthropic.BadRequestError, match=needle) as e:
             client.messages.create(model="tiny", max_tokens=4, **kw)
         assert e.value.body["type"] == "error"
-    r = httpx.post(url + "/v1/messages", json={"messages": MESSAGES}, timeout=30)
+    r = localhttp.post(url + "/v1/messages", json={"messages": MESSAGES}, timeout=30)
     assert r.status_code == 400 and "max_tokens" in r.text
     for key in ("colocated",) if target == "colocated" else ("P", "D"):
         servers[key].wait_idle()
@@ -782,7 +782,7 @@ def test_one_pd_request_is_one_trace(servers):
     its own span, all received by the OTLP collector."""
     trace_id, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     headers = {"traceparent": f"00-{trace_id}-{client_span}-01"}
-    r = httpx.post(
+    r = localhttp.post(
         servers["pd"].url + "/v1/chat/completions",
         json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4, "stream": True},
         headers=headers,
@@ -813,7 +813,9 @@ def test_one_pd_request_is_one_trace(servers):
         == decode["attributes"]["pdserve.bootstrap_room"]
     )
     # colocated: one span with its stages, a root without a traceparent
-    httpx.post(servers["colocated"].url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    localhttp.post(
+        servers["colocated"].url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         roots = [s for s in servers["traces"].spans if s["name"] == "generate"]

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.checkpoints import LLAMA_MQA_TIED, build_tiny_checkpoint
 from tests.helpers.sglang_router import sglang_router_available, start_sglang_router
 
@@ -51,7 +52,7 @@ def generate(url: str, ids: list[int], logprobs: bool = False) -> dict:
     }
     if logprobs:
         body.update(return_logprob=True, logprob_start_len=0)
-    r = httpx.post(url + "/generate", json=body, timeout=120)
+    r = localhttp.post(url + "/generate", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -358,7 +359,7 @@ def test_a_killed_decode_rank_takes_its_server_down(tmp_path, tp_models):
         c.wait_for(lambda: not any(c.is_alive(p) for p in schedulers), 30, "every rank to exit")
         # the router stops sending to it: a request fails fast with a server error, not a hang
         t0 = time.monotonic()
-        r = httpx.post(
+        r = localhttp.post(
             router.url + "/generate",
             json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}},
             timeout=60,

@@ -7,7 +7,6 @@ placeholder miscount; every pool idle afterwards."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import transformers
 
@@ -21,6 +20,7 @@ from tests.e2e.test_vision_language import (
     _two_images_body,
 )
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.vision_checkpoints import (
     build_qwen2_5_vl_checkpoint,
     data_url,
@@ -111,12 +111,12 @@ def test_streamed_and_from_a_two_rank_prefill(vl_cluster, vl_path, reference):
 def test_a_repeated_image_hits_the_prefix_cache_on_prefill(vl_cluster):
     body = _chat_body(["Compare", data_url(IMAGES[1]), "with nothing."])
     url = vl_cluster["R"].url + "/v1/chat/completions"
-    first = httpx.post(url, json=body, timeout=60).json()
-    again = httpx.post(url, json=body, timeout=60).json()
+    first = localhttp.post(url, json=body, timeout=60).json()
+    again = localhttp.post(url, json=body, timeout=60).json()
     assert again["choices"][0]["message"] == first["choices"][0]["message"]
     prompt = again["usage"]["prompt_tokens"]
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt - 4
-    other = httpx.post(
+    other = localhttp.post(
         url, json=_chat_body(["Compare", data_url(OTHER), "with nothing."]), timeout=60
     ).json()
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] < 12
@@ -133,7 +133,7 @@ def test_a_repeated_image_hits_the_prefix_cache_on_prefill(vl_cluster):
     ],
 )
 def test_bad_images_are_400s_naming_the_part(vl_cluster, url, words):
-    r = httpx.post(
+    r = localhttp.post(
         vl_cluster["S"].url + "/v1/chat/completions",
         json=_chat_body(["see", url]),
         timeout=30,
@@ -144,10 +144,10 @@ def test_bad_images_are_400s_naming_the_part(vl_cluster, url, words):
 
 def test_too_many_and_huge_images_are_400s(vl_cluster):
     body = _chat_body(["a"] + [data_url(IMAGES[0])] * 4)
-    r = httpx.post(vl_cluster["S"].url + "/v1/chat/completions", json=body, timeout=30)
+    r = localhttp.post(vl_cluster["S"].url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400 and "at most 3" in r.text, r.text
     body = _chat_body(["a", data_url(png(200, 120, 9))])  # 24,000 pixels, over 20,000
-    r = httpx.post(vl_cluster["R"].url + "/v1/chat/completions", json=body, timeout=30)
+    r = localhttp.post(vl_cluster["R"].url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400 and "200x120 pixels" in r.text, r.text
 
 
@@ -160,7 +160,7 @@ def test_generate_responses_and_messages_take_images(vl_cluster, vl_path, refere
     text = tok.apply_chat_template(TWO, tokenize=False, add_generation_prompt=True)
     bare = base64.b64encode(IMAGES[1]).decode()  # SGLang also takes bare base64
     for name in ("S", "R"):  # /generate through the router goes to prefill and decode
-        out = httpx.post(
+        out = localhttp.post(
             vl_cluster[name].url + "/generate",
             json={
                 "text": text,
@@ -178,7 +178,7 @@ def test_generate_responses_and_messages_take_images(vl_cluster, vl_path, refere
         {"type": "input_image", "image_url": data_url(IMAGES[1])},
         {"type": "input_text", "text": "what differs?"},
     ]
-    r = httpx.post(
+    r = localhttp.post(
         url + "/v1/responses",
         json={
             "model": "vl",
@@ -204,7 +204,7 @@ def test_generate_responses_and_messages_take_images(vl_cluster, vl_path, refere
         block(IMAGES[1]),
         {"type": "text", "text": "what differs?"},
     ]
-    m = httpx.post(
+    m = localhttp.post(
         url + "/v1/messages",
         json={
             "model": "vl",
@@ -218,7 +218,7 @@ def test_generate_responses_and_messages_take_images(vl_cluster, vl_path, refere
 
 
 def test_generate_names_a_placeholder_miscount(vl_cluster):
-    r = httpx.post(
+    r = localhttp.post(
         vl_cluster["S"].url + "/generate",
         json={"text": "no placeholder here", "image_data": [data_url(IMAGES[0])]},
         timeout=30,

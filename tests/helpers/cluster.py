@@ -12,6 +12,7 @@ from typing import Iterator, Optional
 
 import httpx
 
+from tests.helpers import localhttp
 from tests.helpers.ports import free_port  # noqa: F401 (the tests take it from here too)
 
 READY_TIMEOUT_S = 300.0
@@ -63,7 +64,7 @@ class Proc:
             **(env or {}),
         }
         self.proc: Optional[subprocess.Popen] = None
-        self.http = httpx.Client(base_url=self.url, timeout=120)
+        self.http = localhttp.Client(base_url=self.url, timeout=120)
 
     def start(self, wait: bool = True) -> "Proc":
         with open(self.log_path, "ab") as log:

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tests.helpers import cluster as c
+from tests.helpers import localhttp
 from tests.helpers.last_use import until_last_use
 
 PREFILL_HOSTS = ("127.0.0.2", "127.0.0.3")
@@ -117,7 +118,7 @@ class StreamLoad:
     def _run(self) -> None:
         import json
 
-        with httpx.Client(timeout=120, headers=self.headers) as http:
+        with localhttp.Client(timeout=120, headers=self.headers) as http:
             while not self.stop.is_set():
                 t0, text, error, status = time.monotonic(), "", None, 0
                 try:

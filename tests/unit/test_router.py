@@ -15,6 +15,7 @@ import pytest
 from pdserve.router.app import create_app
 from pdserve.router.args import RouterArgs
 from pdserve.router.dispatch import retry_backoff_s
+from tests.helpers import localhttp
 from tests.helpers.fake_workers import AppServer, FakeCluster, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +47,7 @@ class RunningRouter:
         self.router = self.app.state.router
         self.server = AppServer(self.app, lifespan="on")
         self.url = self.server.url
-        self.client = httpx.Client(base_url=self.url, timeout=20)
+        self.client = localhttp.Client(base_url=self.url, timeout=20)
 
     def worker(self, url: str):
         return next(w for w in self.router.pool.workers if w.url == url)
@@ -561,12 +562,12 @@ def test_cli_entry_point(pd):
         def ready():
             assert proc.poll() is None, proc.stdout.read().decode()
             try:
-                return httpx.get(base + "/health").status_code == 200
+                return localhttp.get(base + "/health").status_code == 200
             except httpx.TransportError:
                 return False
 
         wait_until(ready, timeout=30, interval=0.05, what="CLI router ready")
-        assert httpx.post(base + "/generate", json=GEN).status_code == 200
+        assert localhttp.post(base + "/generate", json=GEN).status_code == 200
         [dec] = d0.generation_requests()
         assert dec.json["bootstrap_port"] == p0.bootstrap_port
     finally:

@@ -12,6 +12,7 @@ import pytest
 
 from pdserve.router.admission import Admission, Refusal
 from pdserve.router.args import RouterArgs
+from tests.helpers import localhttp
 from tests.helpers.fake_workers import wait_until
 
 WORKER_ROLES = ("prefill", "decode", "regular")
@@ -87,7 +88,7 @@ def test_the_router_queues_refuses_and_times_out_by_the_bucket(pd, make_router):
     pool = concurrent.futures.ThreadPoolExecutor(4)
 
     def post(body=GEN):
-        return httpx.post(r.url + "/generate", json=body, timeout=30)
+        return localhttp.post(r.url + "/generate", json=body, timeout=30)
 
     held = [pool.submit(post), pool.submit(post, {**GEN, "stream": True})]
     wait_until(lambda: len(d0.generation_requests()) == 2, what="two requests at decode")
@@ -181,7 +182,9 @@ def test_the_router_shares_its_queue_by_the_tenant_header(pd, make_router):
 
     def post(tenant: str, i: int):
         body = {**GEN, "text": f"{tenant} {i}"}
-        return httpx.post(r.url + "/generate", json=body, headers={"X-Tenant": tenant}, timeout=60)
+        return localhttp.post(
+            r.url + "/generate", json=body, headers={"X-Tenant": tenant}, timeout=60
+        )
 
     first = pool.submit(post, "gold", -1)
     wait_until(lambda: len(d0.generation_requests()) == 1, what="the first at decode")
@@ -208,7 +211,7 @@ def test_the_router_queue_takes_higher_priorities_first(pd, make_router, low_fir
 
     def post(name: str, priority=None):
         body = {**GEN, "text": name, **({} if priority is None else {"priority": priority})}
-        return httpx.post(r.url + "/generate", json=body, timeout=60)
+        return localhttp.post(r.url + "/generate", json=body, timeout=60)
 
     calls = [pool.submit(post, "first")]
     wait_until(lambda: len(d0.generation_requests()) == 1, what="the first at decode")

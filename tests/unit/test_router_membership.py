@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import threading
 
-import httpx
 import pytest
 
 from pdserve.router.workers import worker_id
+from tests.helpers import localhttp
 from tests.helpers.fake_workers import free_port, wait_until
 from tests.unit.test_router import GEN, sse_events
 
@@ -232,7 +232,7 @@ def test_an_empty_pd_router_serves_once_workers_join(pd, make_router):
     assert resp.status_code == 200 and resp.json()["meta_info"]["served_by"] == "decode0"
     [pre] = p0.generation_requests()
     assert pre.json["bootstrap_port"] == p0.bootstrap_port
-    assert httpx.get(r.url + "/workers").json()["stats"]["prefill_count"] == 1
+    assert localhttp.get(r.url + "/workers").json()["stats"]["prefill_count"] == 1
 
 
 def test_dns_flags_parse_and_name_their_problem():

@@ -11,10 +11,10 @@ import subprocess
 import sys
 import time
 
-import httpx
 import psutil
 import pytest
 
+from tests.helpers import localhttp
 from tests.helpers.fake_workers import FakeCluster, free_port, wait_until
 from tests.unit.test_router import GEN
 
@@ -93,7 +93,7 @@ def test_both_processes_serve_requests(router, cluster):
     decode = cluster.workers[1]
     before = len(decode.requests)
     for _ in range(40):  # a new connection each: the kernel spreads them over both sockets
-        with httpx.Client(timeout=30) as c:
+        with localhttp.Client(timeout=30) as c:
             r = c.post(url + "/generate", json=GEN)
             assert r.status_code == 200, r.text
     routed = [json.loads(req.body) for req in decode.requests[before:] if req.path == "/generate"]
@@ -106,12 +106,12 @@ def test_both_processes_serve_requests(router, cluster):
 
 def test_worker_api_changes_are_refused(router):
     _, url, _ = router
-    r = httpx.post(
+    r = localhttp.post(
         url + "/workers", json={"url": "http://127.0.0.1:1", "worker_type": "decode"}, timeout=30
     )
     assert r.status_code == 409
     assert "--prefill-dns/--decode-dns" in r.json()["error"]["message"]
-    assert httpx.get(url + "/workers", timeout=30).status_code == 200  # listing still works
+    assert localhttp.get(url + "/workers", timeout=30).status_code == 200  # listing still works
 
 
 def test_a_process_that_dies_stops_the_others(router):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
 from pdserve.router.app import create_app
 from pdserve.router.args import RouterArgs
+from tests.helpers import localhttp
 from tests.helpers.fake_workers import AppServer, FakeCluster, free_port, wait_until
 from tests.helpers.sglang_router import sglang_router_available, start_sglang_router
 
@@ -44,7 +44,7 @@ def routers():
     ref = start_sglang_router([(p.url, p.bootstrap_port)], [d.url], free_port())
     try:
         wait_until(
-            lambda: httpx.get(ours.url + "/health").status_code == 200, what="our router ready"
+            lambda: localhttp.get(ours.url + "/health").status_code == 200, what="our router ready"
         )
         yield p, d, ours.url, f"http://127.0.0.1:{ref.args[ref.args.index('--port') + 1]}"
     finally:
@@ -69,7 +69,7 @@ def test_bootstrap_fields_match_reference_router(routers, path, body):
     seen = []
     for base in (ours, ref):
         before = len(d.generation_requests())
-        assert httpx.post(base + path, json=body, timeout=30).status_code == 200
+        assert localhttp.post(base + path, json=body, timeout=30).status_code == 200
         seen.append(d.generation_requests()[before:][-1].json)
     mine, theirs = seen
     assert bootstrap_shape(mine) == bootstrap_shape(theirs)
@@ -87,7 +87,7 @@ def test_stream_logprob_merge_matches_reference_router(routers):
     }
     outputs = []
     for base in (ours, ref):
-        raw = httpx.post(base + "/generate", json=body, timeout=30).content.decode()
+        raw = localhttp.post(base + "/generate", json=body, timeout=30).content.decode()
         outputs.append(
             [
                 json.loads(line[6:]) if line[6:] != "[DONE]" else line[6:]
