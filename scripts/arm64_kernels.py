@@ -77,7 +77,8 @@ QEMU_CPUS = {"max": "max,sve=off"}
 # tests; a64fx, the model without dot products (and the slowest to emulate: SVE), loads the
 # kernels and runs the element-wise tests at neon (QUICK_SMOKE), which would stop on an instruction
 # it lacks. The quick run leaves out the tests marked large_shape (a model-sized shape beside
-# smaller ones that reach the same code paths).
+# smaller ones that reach the same code paths), and of a test function's cases at a tier it runs
+# only those that bring a parameter value (a size, tail, dtype, flag) not yet run at that tier.
 QUICK_TIERS = {
     "a64fx": ("neon",),
     "neoverse-n1": ("neon", "neon_dotprod"),
@@ -250,9 +251,11 @@ class Arm64:
         tiers: tuple[str, ...],
         pytest_args: list[str],
         untiered: tuple[str, ...] | None = None,
+        each_value: bool = False,
     ) -> dict:
         """One CPU model's pytest run (scripts/arm64_guest.py) at ``tiers`` (empty: all it has);
-        ``untiered``: the only tests without a tier parameter to run (None: all)."""
+        ``untiered``: the only tests without a tier parameter to run (None: all); ``each_value``:
+        a test function's cases at a tier until each of its parameters' values ran once."""
         t0 = time.monotonic()
         args = [
             "-q",
@@ -270,6 +273,7 @@ class Arm64:
                 cpu,
                 PDSERVE_ARM64_TIERS=",".join(tiers),
                 **({} if untiered is None else {"PDSERVE_ARM64_UNTIERED": ",".join(untiered)}),
+                **({"PDSERVE_ARM64_EACH_VALUE": "1"} if each_value else {}),
             ),
             text=True,
             stdout=subprocess.PIPE,
@@ -349,8 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="each Arm tier once: the tier-parametrized tests on "
         + ", ".join(f"{cpu} at {'+'.join(t)}" for cpu, t in QUICK_TIERS.items())
-        + " (other models: all their tiers); the tests without a tier parameter on neoverse-n1 "
-        "only; on a64fx only the element-wise tests",
+        + " (other models: all their tiers), each value of a test's parameters once per tier; "
+        "the tests without a tier parameter on neoverse-n1 only; on a64fx only the element-wise "
+        "tests",
     )
     p.add_argument(
         "--jobs", type=int, default=2, help="CPU models tested at once (default %(default)s)"
@@ -390,7 +395,9 @@ def main(argv: list[str] | None = None) -> int:
             tiers = QUICK_TIERS.get(cpu, ()) if args.quick else ()
             untiered = QUICK_UNTIERED.get(cpu) if args.quick else None
             smoke = QUICK_SMOKE.get(cpu, ["-m", "not large_shape"]) if args.quick else []
-            runs[cpu] = pool.submit(arm.test, cpu, tiers, [*smoke, *args.pytest_args], untiered)
+            runs[cpu] = pool.submit(
+                arm.test, cpu, tiers, [*smoke, *args.pytest_args], untiered, args.quick
+            )
         results = {cpu: runs[cpu].result() for cpu in cpus}
     if cpus:
         times.append(("tests", time.monotonic() - t0))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import random
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
 from pdserve.disagg.bootstrap import fetch_rank_info
@@ -293,12 +292,12 @@ def test_fault_in_one_prefill_group_leaves_the_other_alone(tmp_path, tp_models):
             }
             with ThreadPoolExecutor(2) as ex:
                 fp = ex.submit(
-                    httpx.post,
+                    localhttp.post,
                     P.url + "/generate",
                     json={**body, "routed_dp_rank": group},
                     timeout=60,
                 )
-                fd = ex.submit(httpx.post, D.url + "/generate", json=d_body, timeout=60)
+                fd = ex.submit(localhttp.post, D.url + "/generate", json=d_body, timeout=60)
                 rp, rd = fp.result(), fd.result()
             return rp.status_code, rp.text, rd.status_code, rd.text
 

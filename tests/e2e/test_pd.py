@@ -187,8 +187,8 @@ def _dual_post(
     }
     t0 = time.monotonic()
     with ThreadPoolExecutor(2) as ex:
-        fp = ex.submit(httpx.post, prefill.url + "/generate", json=body, timeout=60)
-        fd = ex.submit(httpx.post, decode_.url + "/generate", json=body, timeout=60)
+        fp = ex.submit(localhttp.post, prefill.url + "/generate", json=body, timeout=60)
+        fd = ex.submit(localhttp.post, decode_.url + "/generate", json=body, timeout=60)
         rd, rp = fd.result(), fp.result()
     return rp, rd, time.monotonic() - t0
 

@@ -17,7 +17,6 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
 from tests.helpers import cluster as c
@@ -74,9 +73,9 @@ def generate_pd(
         }
 
     with ThreadPoolExecutor(2) as ex:
-        fp = ex.submit(httpx.post, prefill.url + "/generate", json=body(ids), timeout=120)
+        fp = ex.submit(localhttp.post, prefill.url + "/generate", json=body(ids), timeout=120)
         fd = ex.submit(
-            httpx.post, decode.url + "/generate", json=body(decode_ids or ids), timeout=120
+            localhttp.post, decode.url + "/generate", json=body(decode_ids or ids), timeout=120
         )
         return fp.result(), fd.result()
 
@@ -325,8 +324,8 @@ def test_fault_on_one_prefill_rank_fails_the_room_everywhere(tmp_path, tp_models
             "bootstrap_room": room,
         }
         with ThreadPoolExecutor(2) as ex:
-            fp = ex.submit(httpx.post, P.url + "/generate", json=body, timeout=60)
-            fd = ex.submit(httpx.post, D.url + "/generate", json=body, timeout=60)
+            fp = ex.submit(localhttp.post, P.url + "/generate", json=body, timeout=60)
+            fd = ex.submit(localhttp.post, D.url + "/generate", json=body, timeout=60)
             rp, rd = fp.result(), fd.result()
         assert rd.status_code >= 500 and rp.status_code >= 500, (rp.text, rd.text)
         assert "injected fault" in rd.text, rd.text

@@ -174,8 +174,8 @@ def post_pd(prefill: Proc, decode: Proc, body: dict) -> tuple[httpx.Response, ht
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(2) as ex:
-        fp = ex.submit(httpx.post, prefill.url + "/generate", json=body, timeout=120)
-        fd = ex.submit(httpx.post, decode.url + "/generate", json=body, timeout=120)
+        fp = ex.submit(localhttp.post, prefill.url + "/generate", json=body, timeout=120)
+        fd = ex.submit(localhttp.post, decode.url + "/generate", json=body, timeout=120)
         return fp.result(), fd.result()
 
 

@@ -7,7 +7,6 @@ import asyncio
 import concurrent.futures
 import time
 
-import httpx
 import pytest
 
 from pdserve.router.admission import Admission, Refusal
@@ -115,9 +114,11 @@ def test_a_stream_holds_its_token_to_its_last_byte_and_the_queue_moves_on(pd, ma
     d0.stream_gate.close()  # a stream stops after its first event
     r = make_router([p0], [d0], max_concurrent_requests=1, queue_size=1, queue_timeout_secs=30)
     pool = concurrent.futures.ThreadPoolExecutor(2)
-    stream = pool.submit(httpx.post, r.url + "/generate", json={**GEN, "stream": True}, timeout=30)
+    stream = pool.submit(
+        localhttp.post, r.url + "/generate", json={**GEN, "stream": True}, timeout=30
+    )
     wait_until(lambda: len(d0.generation_requests()) == 1, what="the stream at decode")
-    waiting = pool.submit(httpx.post, r.url + "/generate", json=GEN, timeout=30)
+    waiting = pool.submit(localhttp.post, r.url + "/generate", json=GEN, timeout=30)
     wait_until(lambda: r.router.admission.queued == 1, what="the next to wait")
     time.sleep(0.3)
     assert not waiting.done() and len(d0.generation_requests()) == 1
