@@ -58,7 +58,10 @@ def _name(pid: int, root: int) -> str:
     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     if "resource_tracker" in cmdline:
         return "resource tracker"
-    return "scheduler" if "multiprocessing" in cmdline else cmdline[:40]
+    comm = Path(f"/proc/{pid}/comm").read_text().strip()  # a forked rank has its parent's cmdline
+    if "multiprocessing" in cmdline or comm.startswith("pdserve-tp"):
+        return "scheduler"
+    return cmdline[:40]
 
 
 def _free_port() -> int:

@@ -64,6 +64,16 @@ def cpu_isa() -> str | None:
     return os.environ.get("PDSERVE_CPU_ISA", "").strip().lower() or None
 
 
+def rank_start_method() -> str:
+    """``PDSERVE_RANK_START_METHOD``: ``fork`` (the default: a server's several ranks on one node
+    are forked from its front end once it imported torch and the engine) or ``spawn`` (each rank a
+    fresh interpreter, as a one-rank server's always is)."""
+    method = os.environ.get("PDSERVE_RANK_START_METHOD", "").strip().lower() or "fork"
+    if method not in ("fork", "spawn"):
+        raise ValueError(f"PDSERVE_RANK_START_METHOD={method!r}: expected fork or spawn")
+    return method
+
+
 def take_parent_pid() -> int | None:
     """``PDSERVE_PARENT_PID``: the pid of the process this one must not outlive (``pdserve launch``
     sets it for its servers and router; ``lifetime.end_with_parent``). Removed from the

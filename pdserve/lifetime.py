@@ -26,7 +26,18 @@ from typing import Callable
 logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PR_SET_NAME = 15
 WATCH_INTERVAL_S = 0.5
+
+
+def name_process(name: str) -> None:
+    """This process's name as ``ps -o comm``, ``top`` and ``/proc/PID/comm`` show it (Linux: the
+    first 15 bytes); nothing elsewhere."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
 
 
 def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:

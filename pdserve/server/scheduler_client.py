@@ -8,7 +8,7 @@ no sockets, only its ranks.
 
 Contract with a scheduler process (``entry(server_args, in_addr, out_addr, ready_conn, tp_rank,
 tp_init)``; ranks join each other at ``tp_init``):
-- the front end binds a PULL socket on ``out_addr`` and then starts the process; the scheduler
+- the front end binds a PULL socket on ``out_addr`` once it started the processes; the scheduler
   binds a PULL on ``in_addr`` (``GenerateReq`` / ``AbortReq`` / ``ControlReq``) and connects a
   PUSH to ``out_addr`` (``BatchOut`` / ``ControlResp``), msgpack as in ``messages.py``;
 - every rank sends exactly one dict on its ``ready_conn``: ``{"status": "ready", "info": {...}}`` or
@@ -30,6 +30,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
 import tempfile
 import time
@@ -38,6 +39,8 @@ from typing import Any, Callable, Optional
 import zmq
 import zmq.asyncio
 
+from pdserve import envs
+from pdserve.lifetime import name_process
 from pdserve.ports import reserve_port
 from pdserve.server.messages import (
     AbortReq,
@@ -64,6 +67,10 @@ def _load_entry(spec: str) -> Callable:
 def _scheduler_main(
     entry: str, server_args, in_addr: str, out_addr: str, ready_conn, tp_rank: int, tp_init: str
 ) -> None:
+    # a rank forked from the front end starts with its signal handlers: back to a new process's
+    name_process(f"pdserve-tp{tp_rank}")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         fn = _load_entry(entry)
     except Exception as e:  # an import error must still reach the front end as a message
@@ -110,20 +117,10 @@ class SchedulerClient:
         return self.procs[0] if self.procs else None
 
     def start_process(self) -> None:
-        """Bind the output socket, then start this node's ranks (the group leaders connect to
-        it)."""
-        if self.layout.node_rank == 0:  # the front end's node
-            self._ctx = zmq.asyncio.Context()
-            self._pull = self._ctx.socket(zmq.PULL)
-            if self.layout.multi_node:
-                self._pull.setsockopt(zmq.IPV6, int(zmq_ipv6(self.out_addr)))
-                self._pull.bind(self.layout.output_bind_address())
-            else:
-                self._pull.bind(self.out_addr)
-            self._push = self._ctx.socket(zmq.PUSH)
-            self._push.setsockopt(zmq.LINGER, 0)
-            self._push.connect(self.in_addr)
-        ctx = mp.get_context("spawn")
+        """Start this node's ranks, then bind the output socket (the group leaders connect to it:
+        ZMQ connects whichever comes first). The sockets come after the ranks because ranks may
+        be forked from this process, which must not hold a ZMQ context then."""
+        ctx = self._rank_context(len(list(self.layout.ranks())))
         n = getattr(self.server_args, "world_size", 1)  # one process per rank (tp_size x pp_size)
         tp_init = self.layout.init_address
         if not tp_init and n > 1:
@@ -151,6 +148,34 @@ class SchedulerClient:
             self.ranks.append(rank)
             self._ready_readers.append(reader)
             logger.info("scheduler process tp%d started (pid %d)", rank, proc.pid)
+        if self.layout.node_rank == 0:  # the front end's node
+            self._ctx = zmq.asyncio.Context()
+            self._pull = self._ctx.socket(zmq.PULL)
+            if self.layout.multi_node:
+                self._pull.setsockopt(zmq.IPV6, int(zmq_ipv6(self.out_addr)))
+                self._pull.bind(self.layout.output_bind_address())
+            else:
+                self._pull.bind(self.out_addr)
+            self._push = self._ctx.socket(zmq.PUSH)
+            self._push.setsockopt(zmq.LINGER, 0)
+            self._push.connect(self.in_addr)
+
+    def _rank_context(self, ranks: int):
+        """How this node's ranks start: one rank is spawned (a fresh interpreter); several are
+        forked from this process once it imported the entry (torch and the engine: about 2 CPU
+        seconds that every spawned rank spends again). This process has run no torch operation
+        and holds no ZMQ context or thread of its own by then (``envs.rank_start_method``)."""
+        try:
+            method = envs.rank_start_method()
+        except ValueError as e:
+            raise RuntimeError(str(e)) from None
+        if ranks > 1 and method == "fork" and "fork" in mp.get_all_start_methods():
+            try:
+                _load_entry(self.entry)
+            except Exception:  # spawned, the rank reports it as its start-up error
+                return mp.get_context("spawn")
+            return mp.get_context("fork")
+        return mp.get_context("spawn")
 
     def wait_ready(self, timeout: float) -> dict[str, Any]:
         """Block until every rank of this node reports ready (rank 0: every rank of every node);

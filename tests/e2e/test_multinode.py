@@ -137,11 +137,7 @@ def assert_matches_engine(outs: list[dict], ps: list[list[int]], offline_engine)
 
 
 def scheduler_children(proc: c.Proc) -> list[int]:
-    return [
-        pid
-        for pid in c.children(proc.proc.pid)
-        if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()
-    ]
+    return c.scheduler_pids(proc.proc.pid)
 
 
 def test_tp2_over_two_hosts_matches_offline_engine(nodes, offline_engine):

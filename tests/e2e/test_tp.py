@@ -346,11 +346,7 @@ def test_a_killed_decode_rank_takes_its_server_down(tmp_path, tp_models):
         c.start_all((P, D))
         router = c.router("Rk", [P], [D], tmp_path).start()
         assert generate(router.url, [5, 6, 7])["output_ids"]
-        schedulers = [
-            pid
-            for pid in c.children(D.proc.pid)
-            if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()
-        ]
+        schedulers = c.scheduler_pids(D.proc.pid)
         assert len(schedulers) == 2, schedulers
         os.kill(schedulers[-1], signal.SIGKILL)  # one rank
         # the server goes down cleanly: the front end exits, no process is left behind

@@ -221,6 +221,19 @@ def children(pid: int) -> list[int]:
     return kids
 
 
+def scheduler_pids(pid: int) -> list[int]:
+    """The scheduler ranks a server's front end ``pid`` started (each names itself
+    ``pdserve-tpN``, spawned or forked)."""
+    out = []
+    for kid in children(pid):
+        try:
+            if Path(f"/proc/{kid}/comm").read_text().startswith("pdserve-tp"):
+                out.append(kid)
+        except OSError:
+            pass
+    return out
+
+
 def server(
     name: str, model_path: str, log_dir: Path, *args: str, port: Optional[int] = None
 ) -> Proc:
