@@ -155,6 +155,8 @@ def tp(tmp_path_factory, tp_models):
         "D1": c.decode("D1", llama, logs, *COMMON),
         "D2": c.decode("D2", llama, logs, "--tp-size", "2", *COMMON),
     }
+    # the other way to start ranks: spawned, each a fresh interpreter (C2's are forked)
+    S["C2mqa"].env["PDSERVE_RANK_START_METHOD"] = "spawn"
     try:
         c.start_all(S.values())
         routers = {
@@ -186,6 +188,37 @@ def test_colocated_tp2_matches_one_rank(tp, reference, model):
         ):
             assert abs(a[0] - b[0]) < 1e-4
     all_ranks_idle(server)
+
+
+def test_ranks_are_forked_or_spawned_as_configured(tp, tmp_path, tp_models):
+    """C2's two ranks are forked from its front end (a forked rank keeps its parent's command
+    line), C2mqa's spawned (PDSERVE_RANK_START_METHOD=spawn); both name themselves pdserve-tpN
+    and both serve the reference's tokens (test_colocated_tp2_matches_one_rank). A value that is
+    neither stops the server with a message naming the variable."""
+
+    def ranks(name: str) -> list[tuple[str, bytes]]:
+        front = tp["servers"][name].proc.pid
+        return [
+            (open(f"/proc/{pid}/comm").read().strip(), open(f"/proc/{pid}/cmdline", "rb").read())
+            for pid in c.scheduler_pids(front)
+        ]
+
+    forked = ranks("C2")
+    front_cmdline = open(f"/proc/{tp['servers']['C2'].proc.pid}/cmdline", "rb").read()
+    assert sorted(comm for comm, _ in forked) == ["pdserve-tp0", "pdserve-tp1"], forked
+    assert all(cmdline == front_cmdline for _, cmdline in forked), forked
+    spawned = ranks("C2mqa")
+    assert sorted(comm for comm, _ in spawned) == ["pdserve-tp0", "pdserve-tp1"], spawned
+    assert all(b"spawn_main" in cmdline for _, cmdline in spawned), spawned
+
+    bad = c.server("Cbad", tp_models["llama"], tmp_path, "--tp-size", "2", *COMMON)
+    bad.env["PDSERVE_RANK_START_METHOD"] = "vfork"
+    bad.start(wait=False)
+    try:
+        assert bad.proc.wait(timeout=120) != 0
+    finally:
+        bad.stop()
+    assert "PDSERVE_RANK_START_METHOD='vfork': expected fork or spawn" in bad.log_tail()
 
 
 @pytest.mark.parametrize("pairing", ["1->2", "2->1", "2->2"])
