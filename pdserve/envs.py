@@ -65,9 +65,9 @@ def cpu_isa() -> str | None:
 
 
 def rank_start_method() -> str:
-    """``PDSERVE_RANK_START_METHOD``: ``fork`` (the default: a server's several ranks on one node
-    are forked from its front end once it imported torch and the engine) or ``spawn`` (each rank a
-    fresh interpreter, as a one-rank server's always is)."""
+    """``PDSERVE_RANK_START_METHOD``: ``fork`` (the default: a CPU server's several ranks on one
+    node are forked from its front end once it imported torch and the engine) or ``spawn`` (each
+    rank a fresh interpreter, as a one-rank server's and GPU ranks always are)."""
     method = os.environ.get("PDSERVE_RANK_START_METHOD", "").strip().lower() or "fork"
     if method not in ("fork", "spawn"):
         raise ValueError(f"PDSERVE_RANK_START_METHOD={method!r}: expected fork or spawn")
