@@ -223,7 +223,7 @@ def _integrity_after(request):
 
 
 # module-level caches of HF reference models and outputs, and of offline engines
-_CACHES = ("_hf_cache", "_hf", "_hf_rounded", "_engines")
+_CACHES = ("_hf_cache", "_hf", "_hf_rounded", "_hf_references", "_engines")
 
 
 @pytest.fixture(scope="module", autouse=True)

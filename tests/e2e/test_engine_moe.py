@@ -9,6 +9,7 @@ bf16 by the tie-aware rule of ``test_engine_bf16.py`` (fused CPU kernel where it
 
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import pytest
@@ -41,8 +42,28 @@ def checkpoint(name: str) -> str:
     return build_tiny_checkpoint(name.split("-")[0], **ARCHS[name])
 
 
+# the last references computed, by (checkpoint, prompt, tokens): tests of several topologies
+# compare with the same prompts (about 16 MB of logits each for the longest)
+_hf_references: collections.OrderedDict = collections.OrderedDict()
+HF_REFERENCES_KEPT = 16
+
+
 def hf_reference(path: str, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    """HF's greedy continuation and the log-softmax of its no-cache forward over prompt + output."""
+    """HF's greedy continuation and the log-softmax of its no-cache forward over prompt + output
+    (computed once for the last few prompts asked)."""
+    key = (path, tuple(ids), n)
+    if key in _hf_references:
+        _hf_references.move_to_end(key)
+    else:
+        _hf_references[key] = compute_hf_reference(path, ids, n)
+        while len(_hf_references) > HF_REFERENCES_KEPT:
+            _hf_references.popitem(last=False)
+    out, logprobs = _hf_references[key]
+    return list(out), logprobs
+
+
+def compute_hf_reference(path: str, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """``hf_reference`` computed now, on the model as it is (for a test that changed it)."""
     model = hf_model(path)
     with torch.no_grad():
         t = torch.tensor([ids])

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.e2e.test_engine import prompts_for
-from tests.e2e.test_engine_moe import hf_reference
+from tests.e2e.test_engine_moe import compute_hf_reference
 from tests.e2e.test_pd_groups import idle
 from tests.helpers import cluster as c
 from tests.helpers.checkpoints import build_tiny_checkpoint
@@ -89,7 +89,7 @@ def test_the_selection_changes_the_outcome(path, served, prompts):
     try:
         for ix in full:
             ix.index_topk = 4096
-        dense = [hf_reference(path, ids, NEW_TOKENS)[0] for ids in prompts[2:]]
+        dense = [compute_hf_reference(path, ids, NEW_TOKENS)[0] for ids in prompts[2:]]
     finally:
         for ix in full:
             ix.index_topk = topk

@@ -11,15 +11,9 @@ from tests.e2e.test_engine_moe import hf_reference
 
 
 def hf_references(path: str, new_tokens: int) -> Callable[[list[int]], tuple]:
-    """``reference(ids)``: HF's greedy tokens and logprobs for ``ids``, computed once."""
-    cache: dict = {}
-
-    def reference(ids: list[int]):
-        if tuple(ids) not in cache:
-            cache[tuple(ids)] = hf_reference(path, ids, new_tokens)
-        return cache[tuple(ids)]
-
-    return reference
+    """``reference(ids)``: HF's greedy tokens and logprobs for ``ids`` (``hf_reference`` keeps
+    the last ones computed)."""
+    return lambda ids: hf_reference(path, ids, new_tokens)
 
 
 def serve_layouts(path: str, prompts: list[list[int]], layouts, sp: dict, extra: list[int]) -> dict:
