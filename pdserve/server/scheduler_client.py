@@ -32,6 +32,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import sys
 import tempfile
 import time
 from typing import Any, Callable, Optional
@@ -161,19 +162,26 @@ class SchedulerClient:
             self._push.connect(self.in_addr)
 
     def _rank_context(self, ranks: int):
-        """How this node's ranks start: one rank is spawned (a fresh interpreter); several CPU
-        ranks are forked from this process once it imported the entry (torch and the engine:
-        about 2 CPU seconds that every spawned rank spends again). This process has run no torch
-        operation and holds no ZMQ context or thread of its own by then
-        (``envs.rank_start_method``). GPU ranks are spawned: this process may have asked CUDA for
-        its devices (``--device auto``), and a CUDA driver initialized before a fork does not work
-        in the child."""
+        """How this node's ranks start: several CPU ranks are forked from this process once it
+        imported the entry (torch and the engine: about 2 CPU seconds that every spawned rank
+        spends again), and so is one rank where this process has the entry imported already (a
+        process that embeds the server); otherwise one rank is spawned (a fresh interpreter: the
+        front end stays without torch). This process has run no torch operation and holds no ZMQ
+        context or thread of its own by then (``envs.rank_start_method``). GPU ranks are spawned:
+        this process may have asked CUDA for its devices (``--device auto``), and a CUDA driver
+        initialized before a fork does not work in the child."""
         try:
             method = envs.rank_start_method()
         except ValueError as e:
             raise RuntimeError(str(e)) from None
         cpu = getattr(self.server_args, "device", "cpu") == "cpu"  # CUDA does not survive a fork
-        if ranks > 1 and cpu and method == "fork" and "fork" in mp.get_all_start_methods():
+        imported = self.entry.partition(":")[0] in sys.modules
+        if (
+            (ranks > 1 or imported)
+            and cpu
+            and method == "fork"
+            and "fork" in mp.get_all_start_methods()
+        ):
             try:
                 _load_entry(self.entry)
             except Exception:  # spawned, the rank reports it as its start-up error

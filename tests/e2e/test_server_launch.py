@@ -12,7 +12,7 @@ import threading
 import httpx
 
 from tests.e2e.conftest import child_pids, free_port, is_alive, sse_events, wait_for
-from tests.helpers import localhttp
+from tests.helpers import cluster, localhttp
 
 SERVE = [sys.executable, "-m", "pdserve.cli", "serve", "--torch-num-threads", "1"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -86,9 +86,7 @@ def test_scheduler_death_fails_requests_and_stops_the_server(tiny_llama_path):
             "the request to start",
         )
         children = child_pids(proc.pid)
-        scheduler = next(
-            pid for pid in children if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()
-        )
+        (scheduler,) = cluster.scheduler_pids(proc.pid)
         os.kill(scheduler, signal.SIGKILL)
         t.join(60)
         assert events[-1] == "[DONE]"

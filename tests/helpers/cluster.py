@@ -12,7 +12,7 @@ from typing import Iterator, Optional
 
 import httpx
 
-from tests.helpers import localhttp
+from tests.helpers import launcher, localhttp
 from tests.helpers.ports import free_port  # noqa: F401 (the tests take it from here too)
 
 READY_TIMEOUT_S = 300.0
@@ -26,6 +26,20 @@ PAGED_PD_ARGS = [
     "16384",
     *PD_TIMEOUTS,
 ]
+
+
+# what every process a test starts has in its environment besides the suite's
+PROC_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+# the environment of a process the suite starts, as it was when the suite began: such a process
+# may be forked from the preloaded launcher (one whose test set a variable of its own is not)
+SUITE_ENV = {**os.environ, **PROC_ENV}
+# what pytest itself changes while a test runs (the test's name)
+PYTEST_ENV = ("PYTEST_CURRENT_TEST",)
+
+
+def _suite_env(env: dict) -> bool:
+    keys = (env.keys() | SUITE_ENV.keys()) - set(PYTEST_ENV)
+    return all(env.get(k) == SUITE_ENV.get(k) for k in keys)
 
 
 def wait_for(cond, timeout: float = 10.0, what: str = "condition", interval: float = 0.01):
@@ -57,20 +71,21 @@ class Proc:
         self.host = host
         self.url = f"http://{host}:{port}"
         self.log_path = log_dir / f"{name}.log"
-        self.env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            **(env or {}),
-        }
-        self.proc: Optional[subprocess.Popen] = None
+        self.env = {**os.environ, **PROC_ENV, **(env or {})}
+        self.proc: Optional[subprocess.Popen | launcher.Launched] = None
         self.http = localhttp.Client(base_url=self.url, timeout=120)
 
     def start(self, wait: bool = True) -> "Proc":
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env
-            )
+        forked = None
+        if self.cmd[:3] == launcher.COMMAND and _suite_env(self.env):
+            forked = launcher.launcher(SUITE_ENV)  # the suite's own environment: preloaded
+        if forked is not None:
+            self.proc = forked.start(self.cmd[3:], self.log_path)
+        else:
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(
+                    self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env
+                )
         if wait:
             self.wait_ready()
         return self

@@ -1,5 +1,6 @@
 """How a server's scheduler ranks start (``SchedulerClient._rank_context``): several CPU ranks on
-a node forked from the front end once it imported the entry, one rank and GPU ranks spawned,
+a node forked from the front end once it imported the entry (one rank too where it is imported
+already), one rank otherwise and GPU ranks spawned,
 ``PDSERVE_RANK_START_METHOD`` choosing spawn or refusing what is neither. The ranks themselves
 start in tests/e2e/test_tp.py (one server forked, one spawned, both against the reference)."""
 
@@ -47,6 +48,17 @@ def test_start_method(monkeypatch, device, ranks, env, method):
     assert ctx.get_start_method() == method
     # the fork path imported the entry's module here, before any rank starts
     assert ("tests.unit.test_rank_start" in sys.modules) == (method == "fork")
+
+
+def test_one_rank_is_forked_where_the_entry_is_imported_already(monkeypatch):
+    """A process that has the scheduler's modules (one that embeds the server) forks even one
+    rank: nothing is left to import, and a spawned rank would import it all again."""
+    monkeypatch.delenv("PDSERVE_RANK_START_METHOD", raising=False)
+    assert "tests.unit.test_rank_start" in sys.modules
+    assert client("cpu", 1)._rank_context(1).get_start_method() == "fork"
+    monkeypatch.setenv("PDSERVE_RANK_START_METHOD", "spawn")
+    assert client("cpu", 1)._rank_context(1).get_start_method() == "spawn"
+    assert client("cuda", 1)._rank_context(1).get_start_method() == "spawn"
 
 
 def test_an_entry_that_does_not_import_is_spawned_to_report_it(monkeypatch):
