@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import collections
 import os
 import signal
 import subprocess
@@ -30,16 +32,38 @@ PAGED_PD_ARGS = [
 
 # what every process a test starts has in its environment besides the suite's
 PROC_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-# the environment of a process the suite starts, as it was when the suite began: such a process
-# may be forked from the preloaded launcher (one whose test set a variable of its own is not)
+# the environment of a process the suite starts, as it was when the suite began: the preloaded
+# launcher's (tests/helpers/launcher.py)
 SUITE_ENV = {**os.environ, **PROC_ENV}
-# what pytest itself changes while a test runs (the test's name)
-PYTEST_ENV = ("PYTEST_CURRENT_TEST",)
+# variables read when a process runs, not when torch or pdserve is imported (pdserve reads its
+# own through pdserve/envs.py at call time; PDSERVE_CPU_ISA caps the libraries torch loaded;
+# torch sets TORCHINDUCTOR_CACHE_DIR in the test's process once it compiled something): a process
+# whose environment differs from the launcher's only in these can be forked from it
+RUN_TIME_ENV = ("PDSERVE_", "PYTEST_", "MC_", "GLOO_", "TORCHINDUCTOR_")
+IMPORT_TIME_ENV = ("PDSERVE_CPU_ISA",)
 
 
-def _suite_env(env: dict) -> bool:
-    keys = (env.keys() | SUITE_ENV.keys()) - set(PYTEST_ENV)
-    return all(env.get(k) == SUITE_ENV.get(k) for k in keys)
+# how this process's servers and routers started, printed when it ends: forked, and fresh by the
+# variables that made them so
+STARTS: dict = {"forked": 0, "fresh": collections.Counter()}
+
+
+def forkable_env(env: dict) -> bool:
+    """Whether a process with ``env`` can be forked from the launcher (and given ``env``)."""
+    differ = {k for k in env.keys() | SUITE_ENV.keys() if env.get(k) != SUITE_ENV.get(k)}
+    held = sorted(k for k in differ if not k.startswith(RUN_TIME_ENV) or k in IMPORT_TIME_ENV)
+    if held:
+        STARTS["fresh"][" ".join(held)] += 1
+    return not held
+
+
+@atexit.register
+def _report_starts() -> None:
+    if STARTS["forked"] or STARTS["fresh"]:
+        fresh = ", ".join(f"{n} for {keys}" for keys, n in STARTS["fresh"].items()) or "none"
+        print(
+            f"tests: {STARTS['forked']} servers and routers forked; fresh: {fresh}", file=sys.stderr
+        )
 
 
 def wait_for(cond, timeout: float = 10.0, what: str = "condition", interval: float = 0.01):
@@ -77,10 +101,11 @@ class Proc:
 
     def start(self, wait: bool = True) -> "Proc":
         forked = None
-        if self.cmd[:3] == launcher.COMMAND and _suite_env(self.env):
-            forked = launcher.launcher(SUITE_ENV)  # the suite's own environment: preloaded
+        if self.cmd[:3] == launcher.COMMAND and forkable_env(self.env):
+            forked = launcher.launcher(SUITE_ENV)
         if forked is not None:
-            self.proc = forked.start(self.cmd[3:], self.log_path)
+            self.proc = forked.start(self.cmd[3:], self.log_path, self.env)
+            STARTS["forked"] += 1
         else:
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(

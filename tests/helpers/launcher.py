@@ -8,13 +8,16 @@ with the command's arguments, its output in the test's log file, and forks its s
 turn (``SchedulerClient._rank_context``: the entry is imported already). What a test then talks
 to is the same server, started from the same arguments, without the imports.
 
-``cluster.Proc`` uses it for ``pdserve.cli`` commands whose environment is the suite's own (the
-launcher's): a test that sets a variable of its own (some are read when torch or pdserve is
-imported) gets a fresh interpreter, as does every command with ``PDSERVE_TEST_LAUNCHER=0``. The
-real command line's start-up is tested by ``tests/e2e/test_launch.py`` and
-``test_server_launch.py``, which start their processes themselves.
+``cluster.Proc`` uses it for ``pdserve.cli`` commands whose environment differs from the
+launcher's (the suite's, when it began) only in variables read at run time
+(``cluster.forkable_env``); the fork then runs with the command's own environment. A test that
+sets any other variable (torch reads some when it is imported) gets a fresh interpreter, as does
+every command with ``PDSERVE_TEST_LAUNCHER=0``. The real command line's start-up is tested by
+``tests/e2e/test_launch.py`` and ``test_server_launch.py``, which start their processes
+themselves.
 
-Protocol, JSON lines: the test process writes ``{"argv": [...], "log": PATH, "cwd": DIR}`` to the
+Protocol, JSON lines: the test process writes ``{"argv": [...], "log": PATH, "cwd": DIR, "env":
+{...}}`` to the
 launcher's stdin and reads ``{"pid": N}``; the launcher reaps its children and writes
 ``{"exited": N, "code": C}`` (``C`` as ``Popen.returncode``: the exit status, or minus the
 signal). It exits when its stdin closes (its test process ended).
@@ -133,11 +136,11 @@ class Launcher:
         with self._ends:  # the launcher is gone: nothing more will be reported
             self._ends.notify_all()
 
-    def start(self, argv: list[str], log: Path) -> Launched:
+    def start(self, argv: list[str], log: Path, env: dict) -> Launched:
         with self._lock:
             with self._ends:
                 seen = len(self._pids)
-            request = {"argv": argv, "log": str(log), "cwd": os.getcwd()}
+            request = {"argv": argv, "log": str(log), "cwd": os.getcwd(), "env": env}
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
             with self._ends:
@@ -206,6 +209,8 @@ def _run_child(request: dict, wake_fds: tuple[int, int]) -> None:
         os.dup2(null, 0)
         os.close(null)
         os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
         import random
 
         random.seed()  # not the launcher's sequence, shared by every fork

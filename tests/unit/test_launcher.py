@@ -1,6 +1,7 @@
 """The tests' preloaded launcher (``tests/helpers/launcher.py``): a forked ``pdserve.cli`` command
 writes its output to its log and reports its exit as ``Popen`` would (the status, or minus the
-signal); a process whose test set its own environment is a fresh interpreter instead."""
+signal); a variable a test sets that is read at run time reaches the fork, one read at import
+(by torch) gets a fresh interpreter instead."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def forks():
 
 
 def test_a_command_writes_its_log_and_reports_its_exit_status(forks, tmp_path):
-    p = forks.start(["serve", "--no-such-flag"], tmp_path / "bad.log")
+    p = forks.start(["serve", "--no-such-flag"], tmp_path / "bad.log", c.SUITE_ENV)
     assert p.wait(timeout=60) == 2
     assert p.poll() == 2
     assert "--no-such-flag" in (tmp_path / "bad.log").read_text()
@@ -45,9 +46,21 @@ def test_a_signalled_server_reports_minus_the_signal_and_its_rank_ends(forks, tm
         server.stop()
 
 
-def test_a_test_s_own_environment_gets_a_fresh_interpreter(tmp_path):
+def test_a_variable_read_at_run_time_reaches_the_fork(forks, tmp_path):
     server = c.server("S", build_tiny_checkpoint("llama"), tmp_path)
-    server.env["PDSERVE_SOMETHING_OF_ITS_OWN"] = "1"
+    server.env["PDSERVE_RANK_START_METHOD"] = "spawn"  # read when the server starts its rank
+    server.start()
+    try:
+        assert isinstance(server.proc, launcher.Launched)
+        (rank,) = c.scheduler_pids(server.proc.pid)
+        assert b"spawn_main" in open(f"/proc/{rank}/cmdline", "rb").read()
+    finally:
+        server.stop()
+
+
+def test_a_variable_read_at_import_gets_a_fresh_interpreter(tmp_path):
+    server = c.server("S", build_tiny_checkpoint("llama"), tmp_path)
+    server.env["OMP_NUM_THREADS"] = "2"
     server.start()
     try:
         assert isinstance(server.proc, subprocess.Popen)
