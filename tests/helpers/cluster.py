@@ -48,13 +48,11 @@ IMPORT_TIME_ENV = ("PDSERVE_CPU_ISA",)
 STARTS: dict = {"forked": 0, "fresh": collections.Counter()}
 
 
-def forkable_env(env: dict) -> bool:
-    """Whether a process with ``env`` can be forked from the launcher (and given ``env``)."""
+def import_time_differences(env: dict) -> list[str]:
+    """The variables of ``env`` that keep a process from being forked from the launcher: those
+    that differ from the launcher's and may be read at import (none: it can be, given ``env``)."""
     differ = {k for k in env.keys() | SUITE_ENV.keys() if env.get(k) != SUITE_ENV.get(k)}
-    held = sorted(k for k in differ if not k.startswith(RUN_TIME_ENV) or k in IMPORT_TIME_ENV)
-    if held:
-        STARTS["fresh"][" ".join(held)] += 1
-    return not held
+    return sorted(k for k in differ if not k.startswith(RUN_TIME_ENV) or k in IMPORT_TIME_ENV)
 
 
 @atexit.register
@@ -101,8 +99,12 @@ class Proc:
 
     def start(self, wait: bool = True) -> "Proc":
         forked = None
-        if self.cmd[:3] == launcher.COMMAND and forkable_env(self.env):
-            forked = launcher.launcher(SUITE_ENV)
+        if self.cmd[:3] == launcher.COMMAND:
+            held = import_time_differences(self.env)
+            if held:
+                STARTS["fresh"][" ".join(held)] += 1
+            else:
+                forked = launcher.launcher(SUITE_ENV)
         if forked is not None:
             self.proc = forked.start(self.cmd[3:], self.log_path, self.env)
             STARTS["forked"] += 1

@@ -10,11 +10,11 @@ to is the same server, started from the same arguments, without the imports.
 
 ``cluster.Proc`` uses it for ``pdserve.cli`` commands whose environment differs from the
 launcher's (the suite's, when it began) only in variables read at run time
-(``cluster.forkable_env``); the fork then runs with the command's own environment. A test that
-sets any other variable (torch reads some when it is imported) gets a fresh interpreter, as does
-every command with ``PDSERVE_TEST_LAUNCHER=0``. The real command line's start-up is tested by
-``tests/e2e/test_launch.py`` and ``test_server_launch.py``, which start their processes
-themselves.
+(``cluster.import_time_differences``); the fork then runs with the command's own environment. A
+test that sets any other variable (torch reads some when it is imported) gets a fresh
+interpreter, as does every command with ``PDSERVE_TEST_LAUNCHER=0``. The real command line's
+start-up is tested by ``tests/e2e/test_launch.py`` and ``test_server_launch.py``, which start
+their processes themselves.
 
 Protocol, JSON lines: the test process writes ``{"argv": [...], "log": PATH, "cwd": DIR, "env":
 {...}}`` to the
