@@ -1,7 +1,7 @@
 """Decode speed of a model served from quantized weights as their makers publish them against the
 same model in bf16, one engine after the other in one run:
 
-    python benchmarks/quantized_decode.py [--format fp8|mxfp4] [--batches 1,8] [--new 64]
+    python benchmarks/quantized_decode.py [--format fp8|mxfp4|int4] [--batches 1,8] [--new 64]
         [--input-len 32] [--threads 1] [--repeat 3]
 
 ``fp8``: ``benchmarks/decode_step.py``'s Llama-3.2-1B-shaped config (hidden 2048, 16 layers, 32 / 8
@@ -15,6 +15,13 @@ heads of 64, experts of 2880, top 4 as published, so a token reads what it reads
 per layer; vocabulary 201,088, head untied) with random bf16 weights, and its MXFP4 version
 written once beside it: the experts as GPT-OSS publishes them
 (``tests/helpers/checkpoints.mxfp4_quantize``), attention, router, embeddings and head in bf16.
+
+``int4``: ``benchmarks/compare_vllm_moe.py``'s Qwen3-MoE-shaped model (hidden 2048, 16 layers,
+64 experts top 8 of 768, 32 / 4 heads of 128, vocabulary 49,152, head untied; random bf16
+weights) and its W4A16 version written once beside it as RedHatAI's "-quantized.w4a16" releases
+are: every attention and expert projection in compressed-tensors' ``pack-quantized`` int4 with a
+scale per output and group of 128 (``tests/helpers/checkpoints.int4_compressed``), the router,
+norms, embeddings and head in bf16.
 
 Each engine computes in bf16 (the FP8 layers on ``linear_fp8``, the bf16 ones on the GEMV /
 oneDNN; both through the C++ decoder stack), radix cache off, ``--threads`` torch threads. Per
@@ -144,12 +151,34 @@ def mxfp4_checkpoint(src: str) -> str:
     return quantized_beside(src, "-mxfp4", convert, MXFP4_CONFIG)
 
 
+def int4_checkpoint(src: str, group: int = 128) -> str:
+    """``src`` with its attention and expert projections in int4 (W4A16, a scale per ``group``),
+    written once beside it."""
+    from tests.helpers.checkpoints import FP8_PROJECTIONS, int4_compressed, int4_compressed_config
+
+    def convert(name, t):
+        proj = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        if name.endswith(".weight") and t.dim() == 2 and proj in FP8_PROJECTIONS:
+            base = name[: -len("weight")]
+            return {base + key: value for key, value in int4_compressed(t, group).items()}
+        return {name: t}
+
+    return quantized_beside(src, f"-w4a16-g{group}", convert, int4_compressed_config(group))
+
+
 def decode_rates(
-    path: str, batches: list[int], new: int, input_len: int, threads: int, repeat: int
+    path: str,
+    batches: list[int],
+    new: int,
+    input_len: int,
+    threads: int,
+    repeat: int,
+    python_experts: bool = False,
 ):
     import random
 
     import pdserve
+    from pdserve.quantization.experts import QuantizedExperts
 
     eng = pdserve.Engine(
         model_path=path,
@@ -160,6 +189,10 @@ def decode_rates(
     )
     try:
         model = eng.scheduler.runner.model
+        if python_experts:  # the Python loop over the experts' matmuls, as before the C++ one
+            for m in model.modules():
+                if isinstance(getattr(m, "impl", None), QuantizedExperts):
+                    m.impl.fused = None
         stack = getattr(model.model, "decode_stack", None) is not None
         rates = {}
         rng = random.Random(0)
@@ -184,12 +217,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--format", choices=("fp8", "mxfp4"), default="fp8")
+    ap.add_argument("--format", choices=("fp8", "mxfp4", "int4"), default="fp8")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument(
+        "--python-experts",
+        action="store_true",
+        help="also run the quantized model with its experts on the Python loop over their matmuls",
+    )
     a = ap.parse_args()
     from compare_llamacpp import llama_1b_checkpoint
 
@@ -199,23 +237,48 @@ def main() -> None:
     if a.format == "fp8":
         bf16 = llama_1b_checkpoint()
         quantized = fp8_checkpoint(bf16)
-    else:
+    elif a.format == "mxfp4":
         bf16 = gpt_oss_checkpoint()
         quantized = mxfp4_checkpoint(bf16)
+    else:
+        from compare_llamacpp import CACHE
+        from compare_vllm_moe import ensure_model
+
+        bf16 = str(ensure_model(CACHE / "models"))
+        quantized = int4_checkpoint(bf16)
     q = a.format
     print(f"kernels: ISA {kernels.load().isa()}; {a.threads} thread(s)")
     for name, path in (("bf16", bf16), (q, quantized)):
         size = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
         print(f"{name}: {path} ({size / 2**30:.2f} GiB of safetensors)")
+    runs = [("bf16", bf16, False), (q, quantized, False)]
+    if a.python_experts:
+        runs.append((f"{q}, Python expert loop", quantized, True))
     results = {}
-    for name, path in (("bf16", bf16), (q, quantized)):
-        results[name], stack = decode_rates(path, batches, a.new, a.input_len, a.threads, a.repeat)
+    for name, path, loop in runs:
+        results[name], stack = decode_rates(
+            path, batches, a.new, a.input_len, a.threads, a.repeat, python_experts=loop
+        )
         print(f"{name}: C++ decoder stack {'on' if stack else 'off'}")
-    Q = q.upper()
-    print(f"| batch | bf16 tok/s | {Q} tok/s | {Q} / bf16 |\n|---|---|---|---|")
+    names = [name for name, _, _ in runs]
+    print(
+        "| batch | "
+        + " | ".join(f"{n} tok/s" for n in names)
+        + " | "
+        + " | ".join(f"{n} / bf16" for n in names[1:])
+        + " |"
+    )
+    print("|---" * (2 * len(names)) + "|")
     for b in batches:
-        r16, rq = results["bf16"][b], results[q][b]
-        print(f"| {b} | {r16:.1f} | {rq:.1f} | {rq / r16:.2f} |")
+        rates = [results[n][b] for n in names]
+        ratios = [r / rates[0] for r in rates[1:]]
+        print(
+            f"| {b} | "
+            + " | ".join(f"{r:.1f}" for r in rates)
+            + " | "
+            + " | ".join(f"{x:.2f}" for x in ratios)
+            + " |"
+        )
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ SOURCES = (
     "fp8_linear.cpp",
     "gemm_f32.cpp",
     "moe.cpp",
+    "moe_panels.cpp",
     "linear_attention.cpp",
     "linear_attention_scan.cpp",
     "linear_attention_avx512.cpp",

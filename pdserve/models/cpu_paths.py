@@ -19,8 +19,8 @@ from pdserve.layers.linear import (
 )
 from pdserve.layers.norm import RMSNorm
 from pdserve.models.decoder import PRE_NORM
-from pdserve.quantization.fp8_matmul import KERNEL_MAX_ROWS as FP8_KERNEL_MAX_ROWS
-from pdserve.quantization.fp8_matmul import Fp8BlockLinear
+from pdserve.quantization.int8_matmul import Int8ChannelLinear
+from pdserve.quantization.matmul import QuantizedLinear
 
 
 class CpuPathsMixin:
@@ -85,12 +85,9 @@ class CpuPathsMixin:
         if not all(_stack_runs(layer) for layer in self.model.own_layers):
             return False
         if any(
-            not isinstance(m.impl, (PackedBF16, PackedW8A8))
-            and not (isinstance(m.impl, Fp8BlockLinear) and m.impl.packed is not None)
-            for m in self.model.modules()
-            if isinstance(m, Linear)
+            _stack_matmul(m.impl) is None for m in self.model.modules() if isinstance(m, Linear)
         ):
-            return False  # its matmuls are the bf16, int8 and FP8 kernels' ones
+            return False  # its matmuls: the bf16, int8 and panel (FP8, MXFP4, int4) kernels
         first = self.model.layers[0].self_attn
         # batch invariant: the GEMV kernel at every batch size, as the layer-by-layer path runs
         stack = ops.DecodeModel(
@@ -103,14 +100,12 @@ class CpuPathsMixin:
         )
 
         def parts(linear: Linear) -> list:
-            impl = linear.impl
-            if isinstance(impl, Fp8BlockLinear):
-                rows = FP8_KERNEL_MAX_ROWS if impl.onednn else 1 << 62
+            impl = _stack_matmul(linear.impl)
+            if isinstance(impl, QuantizedLinear):
+                p = impl.panels()
                 bias = impl._bias_in(torch.bfloat16)
-                dims = torch.tensor(
-                    [impl.block_k, impl.out_features, rows, impl.amx_min_rows], dtype=torch.int64
-                )
-                return [None, None, bias, impl.packed, impl.packed_scale, dims]
+                dims = [p.block_k, impl.out_features, p.max_rows, p.amx_min_rows, p.codes]
+                return [None, None, bias, p.packed, p.scale, torch.tensor(dims, dtype=torch.int64)]
             if isinstance(impl, PackedW8A8):
                 bias = None if impl.bias is None else impl.bias.to(torch.bfloat16)
                 return [
@@ -141,6 +136,18 @@ class CpuPathsMixin:
             )
         self.model.decode_stack = stack
         return True
+
+
+def _stack_matmul(impl):
+    """The matmul the C++ stack runs for a layer's ``impl`` (a compressed-tensors int8 layer's
+    ``PackedW8A8``), or None where it has no kernel for it."""
+    if isinstance(impl, Int8ChannelLinear):
+        impl = impl.packed
+    if isinstance(impl, (PackedBF16, PackedW8A8)):
+        return impl
+    if isinstance(impl, QuantizedLinear) and impl.panels() is not None:
+        return impl
+    return None
 
 
 def _stack_runs(layer) -> bool:

@@ -1,6 +1,13 @@
 """An MoE layer's experts (``layers/moe/experts.py``) on quantized weights: the layer's reference
 loop, each expert's two matmuls a format's linear over the expert's slice of ``w13`` / ``w2`` and
-their ``*_scale``."""
+their ``*_scale``.
+
+Once ``use_kernels`` gave the matmuls pdserve's panel kernels (FP8 blocks, MXFP4, int4), the loop
+runs in C++ (``ops.PanelExperts``, ``kernels/csrc/moe_panels.cpp``): the same matmuls in the same
+expert order, the activation in float32 rounded once to the activations' dtype, without Python
+between the experts. Activations other than ``silu`` / ``swiglu_oai``, experts summed as HF's
+eager loop rounds them, and FP8 bf16 calls past the panel kernel's row limit (where each expert's
+matmul may take oneDNN) keep the Python loop."""
 
 from __future__ import annotations
 
@@ -8,6 +15,13 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+
+FUSED_ACTIVATIONS = ("silu", "swiglu_oai")
+
+
+def _panels(linear: Any) -> Any:
+    panels = getattr(linear, "panels", None)
+    return None if panels is None else panels()
 
 
 class QuantizedExperts:
@@ -26,16 +40,77 @@ class QuantizedExperts:
         self.linears = [
             (make(s, "w13", "b13"), make(s, "w2", "b2")) for s in range(experts.num_slots)
         ]
+        self.fused: Any = None  # ops.PanelExperts over the packed panels, once use_kernels ran
+        self.fused_max_rows = 0
+        self.amx_min_rows = -1
 
     def use_kernels(self, ops, *args, **kwargs) -> None:
-        """Every matmul's ``use_kernels(ops, *args, **kwargs)``."""
+        """Every matmul's ``use_kernels(ops, *args, **kwargs)``, then the C++ loop over them where
+        the format's panels allow it."""
         for w13, w2 in self.linears:
             w13.use_kernels(ops, *args, **kwargs)
             w2.use_kernels(ops, *args, **kwargs)
+        self.fused = self._panel_experts(ops)
+
+    def _panel_experts(self, ops) -> Any:
+        e = self.experts
+        if (
+            e.activation not in FUSED_ACTIVATIONS
+            or e.round_each_expert
+            or not self.linears
+            or not hasattr(ops, "PanelExperts")
+        ):
+            return None
+        # formats of other kernels (int8 channels) have no panels
+        parts = [(_panels(a), _panels(b)) for a, b in self.linears]
+        if any(p is None or q is None for p, q in parts):
+            return None
+        kinds = {(p.codes, p.block_k, q.codes, q.block_k, p.amx_min_rows) for p, q in parts}
+        if len(kinds) != 1 or parts[0][0].codes != parts[0][1].codes:
+            return None
+        first, second = parts[0]
+        self.fused_max_rows = min(min(p.max_rows, q.max_rows) for p, q in parts)
+        self.amx_min_rows = first.amx_min_rows
+
+        def biases(index: int) -> list[torch.Tensor]:
+            held = [pair[index].bias for pair in self.linears]
+            if any(b is None for b in held):
+                return []
+            return [b.detach().float().contiguous() for b in held]
+
+        return ops.PanelExperts(
+            first.codes,
+            [p.packed for p, _ in parts],
+            [p.scale for p, _ in parts],
+            [q.packed for _, q in parts],
+            [q.scale for _, q in parts],
+            biases(0),
+            biases(1),
+            first.block_k,
+            second.block_k,
+            e.hidden,
+            e.intermediate,
+            e.activation,
+            e.alpha,
+            e.limit,
+        )
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros((x.shape[0], self.experts.hidden), dtype=torch.float32)
         if x.shape[0] == 0 or not bool((ids >= 0).any()):
+            return out
+        if (
+            self.fused is not None
+            and x.dtype in (torch.float32, torch.bfloat16)
+            and (x.dtype == torch.float32 or x.shape[0] <= self.fused_max_rows)
+        ):
+            self.fused.forward(
+                out,
+                x.contiguous(),
+                ids.to(torch.int32).contiguous(),
+                weights.to(torch.float32).contiguous(),
+                self.amx_min_rows,
+            )
             return out
         return self.experts._loop(x, ids, weights, out, self.linears)
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.quantization.experts import QuantizedExperts
-from pdserve.quantization.matmul import PANEL_ROWS, QuantizedLinear
+from pdserve.quantization.matmul import NO_ROW_LIMIT, PANEL_ROWS, Panels, QuantizedLinear
 
 _E4M3_TABLES: dict[torch.device, torch.Tensor] = {}
 
@@ -126,6 +126,12 @@ class Fp8BlockLinear(QuantizedLinear):
         if rem:
             w[:, full * self.block_k :].mul_(s[:, full:])
         return w
+
+    def panels(self) -> Optional[Panels]:
+        if self.packed is None:
+            return None
+        rows = KERNEL_MAX_ROWS if self.onednn else NO_ROW_LIMIT
+        return Panels(0, self.packed, self.packed_scale, self.block_k, self.amx_min_rows, rows)
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
         if self.onednn and x2.dtype == torch.bfloat16 and x2.shape[0] > KERNEL_MAX_ROWS:

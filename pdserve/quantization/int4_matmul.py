@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from pdserve.quantization.fp8_matmul import AMX_MIN_ROWS, pack_scales
-from pdserve.quantization.matmul import QuantizedLinear
+from pdserve.quantization.matmul import Panels, QuantizedLinear
 from pdserve.quantization.mxfp4_matmul import codes, pack_codes
 
 
@@ -54,6 +54,11 @@ class Int4GroupLinear(QuantizedLinear):
         if self.packed is not None:
             raise RuntimeError("Int4GroupLinear: the weight is held packed for the kernels only")
         return dequantize(self.weight[start:end], self.scale[start:end], self.group)
+
+    def panels(self) -> Optional[Panels]:
+        if self.packed is None:
+            return None
+        return Panels(2, self.packed, self.packed_scale, self.group, self.amx_min_rows)
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
         out = x2.new_empty((x2.shape[0], self.out_features))

@@ -6,12 +6,25 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from types import ModuleType
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
 PANEL_ROWS = 256  # output rows dequantized at once by the PyTorch matmul
+NO_ROW_LIMIT = 1 << 62
+
+
+class Panels(NamedTuple):
+    """A matmul's weight as the panel kernels (``kernels/csrc/fp8_linear.h``) read it:
+    ``codes`` 0 FP8, 1 MXFP4, 2 int4; ``max_rows``: bf16 calls of more rows go elsewhere."""
+
+    codes: int
+    packed: torch.Tensor
+    scale: torch.Tensor
+    block_k: int
+    amx_min_rows: int
+    max_rows: int = NO_ROW_LIMIT
 
 
 class QuantizedLinear(ABC):
@@ -30,6 +43,11 @@ class QuantizedLinear(ABC):
 
     @abstractmethod
     def _kernel(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def panels(self) -> Optional[Panels]:
+        """The packed weight once ``use_kernels`` gave the panel kernels (None before, or for a
+        format of other kernels)."""
+        return None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n = self.out_features

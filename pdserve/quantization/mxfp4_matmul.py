@@ -20,7 +20,7 @@ from torch import nn
 
 from pdserve.quantization.experts import QuantizedExperts
 from pdserve.quantization.fp8_matmul import AMX_MIN_ROWS, KERNEL_PANEL
-from pdserve.quantization.matmul import QuantizedLinear
+from pdserve.quantization.matmul import Panels, QuantizedLinear
 
 GROUP = 32  # values per scale
 # the e2m1 value of each code (sign in bit 3)
@@ -101,6 +101,11 @@ class Mxfp4Linear(QuantizedLinear):
         if self.packed is not None:
             blocks, scales = unpack_mxfp4(self.packed, self.packed_scale, self.out_features)
         return dequantize(blocks[start:end], scales[start:end])
+
+    def panels(self) -> Optional[Panels]:
+        if self.packed is None:
+            return None
+        return Panels(1, self.packed, self.packed_scale, GROUP, self.amx_min_rows)
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
         out = x2.new_empty((x2.shape[0], self.out_features))

@@ -360,11 +360,9 @@ def test_decode_stack_on_fp8_weights_equals_layer_by_layer_path(monkeypatch, max
     layers, identical tokens and logprobs (2: batches of 5 take the dequantized panels and the
     BLAS GEMM on both paths, the path hosts with oneDNN's bf16 and no AMX take)."""
     if max_rows is not None:
-        from pdserve.models import cpu_paths
         from pdserve.quantization import fp8_matmul
 
         monkeypatch.setattr(fp8_matmul, "KERNEL_MAX_ROWS", max_rows)
-        monkeypatch.setattr(cpu_paths, "FP8_KERNEL_MAX_ROWS", max_rows)
     eng = pdserve.Engine(
         model_path=fp8("qwen3", (32, 32)),
         dtype="bfloat16",
@@ -373,13 +371,19 @@ def test_decode_stack_on_fp8_weights_equals_layer_by_layer_path(monkeypatch, max
         disable_radix_cache=True,
     )
     request.node._engine = eng
-    runner = eng.scheduler.runner
-    model = runner_model(eng).model
     if max_rows is not None:  # the BLAS path beyond 2 rows, whatever this host prefers
-        for m in model.modules():
+        for m in runner_model(eng).model.modules():
             if isinstance(getattr(m, "impl", None), Fp8BlockLinear):
                 m.impl.onednn = True
+        runner = eng.scheduler.runner
         assert runner.model.enable_decode_stack(runner.ops)
+    assert_decode_stack_is_the_layers(eng)
+
+
+def assert_decode_stack_is_the_layers(eng) -> None:
+    """``eng``'s decode steps through the C++ decoder stack give the tokens and logprobs of the
+    layer-by-layer path, bit for bit (batches of 5)."""
+    model = runner_model(eng).model
     assert model.decode_stack is not None
     prompts = prompts_for(6)[:5]
     sp = {**GREEDY, "max_new_tokens": 12}

@@ -26,6 +26,7 @@ from tests.e2e.test_engine import hf_greedy, prompts_for
 from tests.e2e.test_fp8_checkpoint import (
     GREEDY,
     assert_batch_invariant,
+    assert_decode_stack_is_the_layers,
     assert_hf_tokens_and_logprobs,
     assert_rank_holds_its_part,
     pd_pair,
@@ -155,3 +156,17 @@ def test_pd_kimi_layout_prefill_on_two_ranks_gives_hf_tokens(pd_kimi_layout):
         )
         assert r.status_code == 200, r.text
         assert r.json()["output_ids"] == hf_greedy(ref, ids, GREEDY["max_new_tokens"])
+
+
+def test_decode_stack_on_int4_weights_equals_layer_by_layer_path(request):
+    """bf16 compute: a dense int4 model decodes through the C++ decoder stack (linear_int4 on
+    every projection) with the layer-by-layer path's tokens and logprobs, bit for bit."""
+    eng = pdserve.Engine(
+        model_path=int4("llama"),
+        dtype="bfloat16",
+        torch_num_threads=1,
+        max_total_tokens=8192,
+        disable_radix_cache=True,
+    )
+    request.node._engine = eng
+    assert_decode_stack_is_the_layers(eng)

@@ -23,7 +23,12 @@ from pdserve.layers.linear import Linear
 from pdserve.models.loader import checkpoint_tensors, load_model
 from pdserve.quantization.int8_matmul import Int8ChannelLinear
 from tests.e2e.test_engine import hf_generate_logits, prompts_for
-from tests.e2e.test_fp8_checkpoint import GREEDY, assert_batch_invariant, runner_model
+from tests.e2e.test_fp8_checkpoint import (
+    GREEDY,
+    assert_batch_invariant,
+    assert_decode_stack_is_the_layers,
+    runner_model,
+)
 from tests.helpers.checkpoints import (
     build_compressed_int8_checkpoint,
     build_tiny_checkpoint,
@@ -160,3 +165,17 @@ def assert_refused(quant: dict, message: str) -> None:
 
     with pytest.raises(ValueError, match=message):
         weight_format(Cfg())
+
+
+def test_decode_stack_on_int8_weights_equals_layer_by_layer_path(request):
+    """bf16 compute: a dense compressed-tensors int8 model decodes through the C++ decoder stack
+    (its layers' int8 kernels) with the layer-by-layer path's tokens and logprobs, bit for bit."""
+    eng = pdserve.Engine(
+        model_path=int8("llama"),
+        dtype="bfloat16",
+        torch_num_threads=1,
+        max_total_tokens=8192,
+        disable_radix_cache=True,
+    )
+    request.node._engine = eng
+    assert_decode_stack_is_the_layers(eng)

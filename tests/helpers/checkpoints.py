@@ -1679,36 +1679,48 @@ def _compressed_int4_scheme(group: int):
     )
 
 
+def int4_compressed(weight: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    """One weight [N, K] as compressed-tensors' compressor writes it in ``pack-quantized`` W4A16
+    (``weight_packed``, ``weight_scale``, ``weight_shape``), from the scale its own observer math
+    gives (symmetric, a scale per output and group of ``group``)."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    scheme = _compressed_int4_scheme(group)
+    w = weight.float()
+    g = w.view(w.shape[0], -1, group)
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    scale, zero = calculate_qparams(lo, hi, scheme.weights)
+    packed = PackedQuantizationCompressor.compress(
+        {"weight": w, "weight_scale": scale, "weight_zero_point": zero}, scheme
+    )
+    return {key: value.contiguous() for key, value in packed.items()}
+
+
+def int4_compressed_config(group: int) -> dict:
+    """The ``quantization_config`` of ``int4_compressed``'s checkpoints."""
+    return _compressed_config("pack-quantized", _compressed_int4_scheme(group))
+
+
 def build_compressed_int4_checkpoint(src: str, group: int = 32, experts_only: bool = False) -> str:
     """``src`` (a tiny checkpoint) in the layout of compressed-tensors' ``pack-quantized`` format:
     each projection (``experts_only``: each routed expert's, as Kimi K2-Thinking publishes) as
     ``weight_packed`` I32, ``weight_scale`` [N, K/group] and ``weight_shape``, written by
     compressed-tensors' own compressor from the scale its own observer math gives."""
-    from compressed_tensors.compressors import PackedQuantizationCompressor
-    from compressed_tensors.quantization.utils import calculate_qparams
     from safetensors.torch import load_file
 
     def write(tmp: str) -> None:
-        scheme = _compressed_int4_scheme(group)
         out = {}
         for name, t in load_file(os.path.join(src, "model.safetensors")).items():
             proj = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
             chosen = ".experts." in name if experts_only else proj in FP8_PROJECTIONS
             if name.endswith(".weight") and t.dim() == 2 and chosen:
-                w = t.float()
-                g = w.view(w.shape[0], -1, group)
-                lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-                scale, zero = calculate_qparams(lo, hi, scheme.weights)
-                packed = PackedQuantizationCompressor.compress(
-                    {"weight": w, "weight_scale": scale, "weight_zero_point": zero}, scheme
-                )
                 base = name[: -len("weight")]
-                for key, value in packed.items():
-                    out[base + key] = value.contiguous()
+                for key, value in int4_compressed(t, group).items():
+                    out[base + key] = value
             else:
                 out[name] = t
-        quant = _compressed_config("pack-quantized", scheme)
-        _write_checkpoint(src, tmp, out, quant, None)
+        _write_checkpoint(src, tmp, out, int4_compressed_config(group), None)
 
     return _cached("ct-int4", ["ct-int4", src, group, experts_only, list(FP8_PROJECTIONS)], write)
 

@@ -65,6 +65,7 @@ void gated_delta_scan(at::Tensor o, const at::Tensor& qkv, const at::Tensor& g, 
                       int64_t key_heads);
 void moe_pack_experts(at::Tensor out, const at::Tensor& w, const at::Tensor& rows);
 void bind_decode_model(pybind11::module& m);
+void bind_panel_experts(pybind11::module& m);
 void bind_amx(pybind11::module& m);
 const char* amx_isa_name();
 
@@ -115,6 +116,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &pds::rotary_embedding, nogil, "rotate-half RoPE of q and k in place");
   m.def("silu_and_mul", &pds::silu_and_mul, nogil, "out = silu(gate) * up");
   pds::bind_decode_model(m);
+  pds::bind_panel_experts(m);
   pds::bind_amx(m);
   m.def("linear_f32", &pds::linear_f32, nogil, "x w^T (+ bias) in float32, one k-ordered FMA chain per output (batch invariant)");
   m.def("linear_fp8", &pds::linear_fp8, nogil,

@@ -33,9 +33,10 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up);
 void linear_vnni(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c10::optional<at::Tensor> bias);
 void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& colsum,
                  const at::Tensor& w_scale, c10::optional<at::Tensor> bias);
-void linear_fp8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                c10::optional<at::Tensor> bias, int64_t block_k, int64_t amx_min_rows);
 void fp8_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& scale, int64_t block_k);
+void linear_panels(const char* op, int codes, at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
+                   const at::Tensor& scale, const c10::optional<at::Tensor>& bias, int64_t block_k,
+                   int64_t amx_min_rows);
 
 namespace {
 
@@ -56,17 +57,17 @@ at::Tensor workspace(at::Tensor& buf, at::IntArrayRef sizes, const at::Tensor& l
   return buf;
 }
 
-// FP8 block weights (quantization/fp8_block.py): up to fp8_max_rows rows linear_fp8, beyond it
-// panels of kFp8DequantRows outputs dequantized k-major and multiplied by the BLAS GEMM, as the
-// layer-by-layer path does
+// Weights on the panel kernels (fp8_linear.h: FP8 blocks, MXFP4, int4): up to fp8_max_rows rows
+// linear_panels, beyond it (FP8 only) panels of kFp8DequantRows outputs dequantized k-major and
+// multiplied by the BLAS GEMM, as the layer-by-layer path does
 constexpr int64_t kFp8DequantRows = 256;
 
 struct Linear {
   at::Tensor vnni;  // GEMV layout, or undefined
   at::Tensor onednn;  // oneDNN prepacked, or undefined
   at::Tensor q_packed, q_colsum, q_scale;  // w8a8_int8 weights, or undefined
-  at::Tensor f_packed, f_scale;  // FP8 block weights, or undefined
-  int64_t f_block_k = 0, fp8_max_rows = 0, fp8_amx_min_rows = -1;
+  at::Tensor f_packed, f_scale;  // panel weights (FP8 blocks, MXFP4, int4), or undefined
+  int64_t f_block_k = 0, fp8_max_rows = 0, fp8_amx_min_rows = -1, f_codes = 0;
   c10::optional<at::Tensor> bias;
   int64_t out_features = 0;
 
@@ -90,7 +91,7 @@ struct Linear {
     if (f_packed.defined() && x.size(0) > fp8_max_rows) return fp8_dequantized_matmul(x);
     at::Tensor out = workspace(buf, {x.size(0), out_features}, x);
     if (f_packed.defined()) {
-      linear_fp8(out, x, f_packed, f_scale, bias, f_block_k, fp8_amx_min_rows);
+      linear_panels("DecodeModel", int(f_codes), out, x, f_packed, f_scale, bias, f_block_k, fp8_amx_min_rows);
       return out;
     }
     if (q_packed.defined())
@@ -215,8 +216,9 @@ class DecodeModel {
   // parts: [vnni, onednn, bias] for bf16 weights, [vnni, None, bias, out_features] for bf16 weights
   // without oneDNN, [None, None, bias, packed, colsum, scale, out_features]
   // for w8a8_int8 (out_features as a 0-d int64 tensor), [None, None, bias, packed, scale,
-  // (block_k, out_features, max_rows, amx_min_rows)] for FP8 block weights (int64 [4]: linear_fp8
-  // up to max_rows, on AMX from amx_min_rows)
+  // (block_k, out_features, max_rows, amx_min_rows[, codes])] for panel weights (int64 [4] or [5]:
+  // the panel kernel of `codes`, 0 FP8 by default, 1 MXFP4, 2 int4, up to max_rows, on AMX from
+  // amx_min_rows; past max_rows FP8 dequantizes for the GEMM)
   static Linear make_linear(const std::vector<c10::optional<at::Tensor>>& parts, const char* name) {
     Linear lin;
     lin.bias = parts.size() >= 3 ? parts[2] : c10::nullopt;
@@ -224,12 +226,17 @@ class DecodeModel {
       lin.f_packed = *parts[3];
       lin.f_scale = *parts[4];
       const at::Tensor dims = parts[5]->contiguous();
-      TORCH_CHECK(dims.numel() == 4 && dims.scalar_type() == at::kLong, "DecodeModel.add_layer: ", name,
-                  ": the FP8 form ends with an int64 [block_k, out_features, max_rows, amx_min_rows]");
+      TORCH_CHECK((dims.numel() == 4 || dims.numel() == 5) && dims.scalar_type() == at::kLong,
+                  "DecodeModel.add_layer: ", name,
+                  ": the panel form ends with an int64 [block_k, out_features, max_rows, amx_min_rows(, codes)]");
       lin.f_block_k = dims.data_ptr<int64_t>()[0];
       lin.out_features = dims.data_ptr<int64_t>()[1];
       lin.fp8_max_rows = dims.data_ptr<int64_t>()[2];
       lin.fp8_amx_min_rows = dims.data_ptr<int64_t>()[3];
+      lin.f_codes = dims.numel() == 5 ? dims.data_ptr<int64_t>()[4] : 0;
+      TORCH_CHECK(lin.f_codes >= 0 && lin.f_codes <= 2, "DecodeModel.add_layer: ", name, ": codes must be 0, 1 or 2");
+      TORCH_CHECK(lin.f_codes == 0 || lin.fp8_max_rows >= (int64_t(1) << 62), "DecodeModel.add_layer: ", name,
+                  ": only FP8 panels have a row limit (the dequantized GEMM past it)");
       return lin;
     }
     if (parts.size() == 7 && parts[3].has_value()) {

@@ -344,6 +344,9 @@ int64_t check_scale(const char* op, const at::Tensor& scale, int codes, int64_t 
   return KB;
 }
 
+}  // namespace
+
+// the checked entry point of linear_fp8 / linear_mxfp4 / linear_int4 (moe_panels.cpp calls it too)
 void linear_panels(const char* op, int codes, at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
                    const at::Tensor& scale, const c10::optional<at::Tensor>& bias, int64_t block_k,
                    int64_t amx_min_rows) {
@@ -368,6 +371,8 @@ void linear_panels(const char* op, int codes, at::Tensor out, const at::Tensor& 
   a.e8m0 = e8m0 ? data<uint8_t>(scale) : nullptr;
   run_linear(a, x, amx_min_rows);
 }
+
+namespace {
 
 void dequantize_panels(const char* op, int codes, at::Tensor out, const at::Tensor& packed, const at::Tensor& scale,
                        int64_t block_k) {
