@@ -10,12 +10,22 @@ contenders, their workers and llama-cpp-python's build are ``compare_llamacpp.py
 request, greedy, one thread under ``taskset -c CORE``, each in its own process, in alternating
 order for ``--rounds`` rounds; decode speed = tokens after the first / time from the first to
 the last token.
+
+Quantized contenders: ``llama.cpp Q4_0`` / ``llama.cpp Q8_0`` are llama.cpp's own quantization of
+that GGUF (``llama_model_quantize``, the LM head left in bf16 as the published quantized
+checkpoints leave it; the router stays float); ``pdserve w4a16`` serves
+``quantized_decode.int4_checkpoint``'s compressed-tensors int4 version of the same weights (a
+scale per 128, the head in bf16), ``pdserve fp8`` its FP8 block version
+(``quantized_decode.fp8_checkpoint``, 128x128 blocks). Closest types, not the same bits: Q4_0 has
+an fp16 scale per 32 weights (4.5 bits a weight), the int4 checkpoint a bf16 scale per 128 (4.125);
+Q8_0 an fp16 scale per 32 (8.5), FP8 a float32 scale per 128x128 block (8.0).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -26,6 +36,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import compare_llamacpp as cl  # noqa: E402
 import compare_vllm_moe  # noqa: E402
+import quantized_decode  # noqa: E402
+
+QUANTIZE_WORKER = r"""
+import ctypes, sys
+import llama_cpp
+src, dst, ftype = sys.argv[1], sys.argv[2], sys.argv[3]
+p = llama_cpp.llama_model_quantize_default_params()
+p.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + ftype)
+p.nthread = 2
+p.quantize_output_tensor = False  # the LM head stays as it is (bf16)
+sys.exit(llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(p)))
+"""
+
+
+def quantized_gguf(py: Path, gguf: Path, ftype: str) -> Path:
+    """``gguf`` quantized by llama.cpp to ``ftype`` (Q4_0, Q8_0...), the LM head kept; made once."""
+    out = gguf.with_name(gguf.name.replace("-bf16.gguf", f"-{ftype}-head-bf16.gguf"))
+    if not out.exists():
+        tmp = out.with_suffix(f".tmp{os.getpid()}")
+        subprocess.run([str(py), "-c", QUANTIZE_WORKER, str(gguf), str(tmp), ftype], check=True)
+        os.replace(tmp, out)
+    return out
 
 
 def main() -> None:
@@ -43,22 +75,33 @@ def main() -> None:
     a = ap.parse_args()
     model = str(compare_vllm_moe.ensure_model(a.cache_dir))
     py = cl.ensure_llama_cpp(a.venv)
-    gguf = cl.bf16_gguf(model)
     ids = list(range(1000, 1000 + a.prompt_len))  # the same token ids for every contender
-    known = {
-        "llama.cpp bf16": [str(py), "-c", cl.LLAMA_WORKER, str(gguf)],
-        "pdserve bf16": [sys.executable, "-c", cl.PDSERVE_WORKER, model],
-        "pdserve w8a8_int8": [sys.executable, "-c", cl.PDSERVE_WORKER, model],
+
+    def llama(path) -> list[str]:
+        return [str(py), "-c", cl.LLAMA_WORKER, str(path)]
+
+    def pdserve(path: str, variant: str) -> list[str]:
+        return [sys.executable, "-c", cl.PDSERVE_WORKER, path, variant]
+
+    known = {  # each contender's command, made (with its weights) only when asked for
+        "llama.cpp bf16": lambda: llama(cl.bf16_gguf(model)),
+        "llama.cpp Q4_0": lambda: llama(quantized_gguf(py, cl.bf16_gguf(model), "Q4_0")),
+        "llama.cpp Q8_0": lambda: llama(quantized_gguf(py, cl.bf16_gguf(model), "Q8_0")),
+        "pdserve bf16": lambda: pdserve(model, "bfloat16"),
+        "pdserve w8a8_int8": lambda: pdserve(model, "w8a8"),
+        "pdserve w4a16": lambda: pdserve(quantized_decode.int4_checkpoint(model), "bfloat16"),
+        "pdserve fp8": lambda: pdserve(quantized_decode.fp8_checkpoint(model), "bfloat16"),
     }
-    extra = {"pdserve bf16": ["bfloat16"], "pdserve w8a8_int8": ["w8a8"]}
     names = a.contenders.split(",")
     for n in names:
         if n not in known:
             ap.error(f"--contenders: unknown {n!r}; known: {', '.join(known)}")
+    commands = {n: known[n]() for n in names}
     samples: dict[str, list[float]] = {k: [] for k in names}
     for r in range(a.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            cmd = known[name] + [json.dumps(ids), str(a.new_tokens)] + extra.get(name, [])
+            # the worker's arguments: path, ids, new tokens, then the variant
+            cmd = commands[name][:4] + [json.dumps(ids), str(a.new_tokens)] + commands[name][4:]
             samples[name].append(cl.run(cmd, a.core))
             print(
                 f"round {r + 1}: {name}: {samples[name][-1]:.2f} tok/s", file=sys.stderr, flush=True

@@ -13,8 +13,11 @@ scales:
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -40,9 +43,16 @@ def int8(arch: str) -> str:
     return build_compressed_int8_checkpoint(build_tiny_checkpoint(arch))
 
 
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` through int8 per row by the kernels' rule (``max|x| / 127``), back in float."""
+    s = x.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(x * torch.where(s > 0, 1 / s, torch.zeros_like(s))).clamp(-127, 127)
+    return q * s
+
+
 def hf_with_int8_activations(path: str):
     """HF in float32 on the decompressed weights, each quantized layer's input quantized to int8
-    per token by the kernels' rule."""
+    per token by the kernels' rule (an MoE's experts: see ``int8_expert_inputs``)."""
     from transformers import AutoModelForCausalLM
 
     with safe_open(f"{path}/model.safetensors", "pt") as f:
@@ -52,18 +62,42 @@ def hf_with_int8_activations(path: str):
     ).eval()
 
     def quantize(module, args):
-        x = args[0]
-        s = x.abs().amax(-1, keepdim=True) / 127
-        q = torch.round(x * torch.where(s > 0, 1 / s, torch.zeros_like(s))).clamp(-127, 127)
-        return (q * s,)
+        return (quantize_rows(args[0]),)
 
     hooked = 0
     for name, module in model.named_modules():
         if name in quantized:
             module.register_forward_pre_hook(quantize)
             hooked += 1
-    assert hooked == len(quantized), (hooked, len(quantized))
+    experts = ".experts."
+    assert hooked == len({q for q in quantized if experts not in q}), (hooked, len(quantized))
     return model
+
+
+@contextlib.contextmanager
+def int8_expert_inputs(model):
+    """While inside: HF's eager experts loop (``F.linear`` on each expert's slice of the fused
+    ``gate_up_proj`` / ``down_proj``) multiplies int8-quantized rows, as the kernels do; yields a
+    list that counts those calls. Its fused expert weights take no hooks per projection."""
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    for m in experts:  # the eager loop (grouped_mm is transformers' default)
+        m.config._experts_implementation = "eager"
+    storages = {
+        p.untyped_storage().data_ptr() for m in experts for p in (m.gate_up_proj, m.down_proj)
+    }
+    linear, calls = F.linear, []
+
+    def quantized(x, weight, bias=None):
+        if weight.untyped_storage().data_ptr() in storages:
+            calls.append(x.shape[0])
+            x = quantize_rows(x)
+        return linear(x, weight, bias)
+
+    F.linear = quantized
+    try:
+        yield calls
+    finally:
+        F.linear = linear
 
 
 def test_layers_hold_compressed_tensors_decompression():
@@ -102,6 +136,31 @@ def test_dense_int8_gives_hf_tokens_with_the_schemes_activations(arch, request):
     # an activation on a rounding boundary moves one int8 step in one of the two, and the prompt's
     # later positions with it (measured: one prompt of four, up to 0.005); the others agree to
     # float32 rounding
+    assert max(diffs) < 0.05 and sorted(diffs)[len(diffs) // 2] < 1e-4, diffs
+
+
+def test_int8_moe_gives_hf_tokens_and_logprobs_with_the_schemes_activations(request):
+    """A Qwen3-MoE with every projection in int8, experts included: HF's greedy tokens and
+    logprobs with each quantized matmul's input (attention, each expert's two) quantized per
+    token."""
+    path = int8("qwen3_moe")
+    eng = pdserve.Engine(
+        model_path=path, dtype="float32", torch_num_threads=1, max_total_tokens=8192
+    )
+    request.node._engine = eng
+    hf = hf_with_int8_activations(path)
+    ps = prompts_for(10)[:4]
+    outs = eng.generate(input_ids=ps, sampling_params=GREEDY, return_logprob=True)
+    diffs = []
+    with int8_expert_inputs(hf) as calls:
+        for ids, out in zip(ps, outs):
+            tokens, logits = hf_generate_logits(hf, ids, GREEDY["max_new_tokens"])
+            assert out["output_ids"] == tokens, f"prompt of {len(ids)} tokens"
+            lps = torch.log_softmax(logits.float(), -1)
+            got = [v for v, _, _ in out["meta_info"]["output_token_logprobs"]]
+            diffs += [abs(g - lps[i, t].item()) for i, (g, t) in enumerate(zip(got, tokens))]
+    assert calls, "HF's experts did not run their matmuls through F.linear"
+    # as the dense models: an activation on a rounding boundary may move one int8 step
     assert max(diffs) < 0.05 and sorted(diffs)[len(diffs) // 2] < 1e-4, diffs
 
 

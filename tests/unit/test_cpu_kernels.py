@@ -465,7 +465,7 @@ def mxfp4_case(n: int, k: int, rows: int, seed: int, x_dtype=torch.float32):
     return blocks, scales.to(torch.uint8), x, torch.randn(n, generator=gen)
 
 
-@pytest.mark.parametrize("rows,n,k", [(r, 70, 96) for r in (1, 2, 7, 13, 40)] + [(1, 130, 320)])
+@pytest.mark.parametrize("rows,n,k", [(r, 70, 96) for r in (1, 2, 3, 7, 13, 40)] + [(1, 130, 320)])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_mxfp4_linear_is_the_portable_loop_and_batch_invariant(
@@ -563,7 +563,10 @@ def test_w8a8_linear_takes_a_checkpoints_int8_weights(ops, isa, rows, x_dtype):
 # ---- int4 weights (compressed-tensors' pack-quantized) ----
 
 
-@pytest.mark.parametrize("rows,n,k,group", [(1, 70, 96, 32), (7, 70, 96, 32), (40, 130, 256, 128)])
+@pytest.mark.parametrize(
+    "rows,n,k,group",
+    [(1, 70, 96, 32), (2, 70, 96, 32), (3, 70, 96, 32), (7, 70, 96, 32), (40, 130, 256, 128)],
+)
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_int4_linear_is_the_portable_loop_and_batch_invariant(ops, isa, rows, n, k, group, x_dtype):
     """linear_int4 at every tier gives the portable loop's bits (the FP8 kernels' sums on codes
