@@ -324,7 +324,10 @@ def prepack_linears(
 class Float32Linear(nn.Module):
     """``x w^T`` in float32 whatever the model's dtype: a weight HF keeps in float32 (e.g.
     DeepSeek-V3.2's indexer ``weights_proj``). With ``prepack(batch_invariant=True)`` its rows do
-    not depend on each other (``PackedF32``); otherwise ``F.linear``."""
+    not depend on each other (``PackedF32``); otherwise ``F.linear``. A checkpoint that stores it
+    in FP8 blocks has it dequantized as it loads (``fp8_dequantized``), as transformers does."""
+
+    fp8_dequantized = True
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()

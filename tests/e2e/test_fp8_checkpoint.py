@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import pdserve
 from pdserve.distributed import TPGroup
@@ -428,6 +429,32 @@ def test_fp8_moe_families_give_hf_tokens_and_logprobs(arch, request):
         assert {"kv_a_proj_with_mqa", "o_proj"} <= fp8_layers, fp8_layers
         assert "gate_up_proj" in fp8_layers and "down_proj" in fp8_layers  # the shared experts
     assert_hf_tokens_and_logprobs(eng, ref, prompts_for(5)[:4])
+
+
+def test_fp8_deepseek_v32_with_its_indexer_in_fp8_gives_hf_tokens_and_logprobs(request):
+    """DeepSeek-V3.2 as its FP8 release (ue8m0 scales) with the indexer's projections in FP8 too:
+    ``wq_b`` and ``wk`` on the FP8 kernels, ``weights_proj`` (HF keeps it in float32) dequantized
+    at load into float32, transformers' values exactly; HF's tokens and logprobs on transformers'
+    dequantization, in float32. The indexer keeps every key here: with 8 of 160 kept, the FP8
+    kernels' float32 rounding (each block's partial sum scaled) moves near-tied scores of the
+    selection, and the tokens part from HF's even with the indexer left in bf16 (measured)."""
+    src = build_tiny_checkpoint("deepseek_v32")
+    also = ("wq_b", "wk", "weights_proj")
+    path = build_fp8_block_checkpoint(src, (32, 32), "ue8m0", also=also)
+    ref = dequantized_checkpoint(path)
+    eng = pdserve.Engine(
+        model_path=path, dtype="float32", torch_num_threads=1, max_total_tokens=8192
+    )
+    request.node._engine = eng
+    indexer = runner_model(eng).model.layers[0].self_attn.indexer
+    assert isinstance(indexer.wq_b.impl, Fp8BlockLinear) and isinstance(
+        indexer.wk.impl, Fp8BlockLinear
+    )
+    want = load_file(f"{ref}/model.safetensors")[
+        "model.layers.0.self_attn.indexer.weights_proj.weight"
+    ]
+    assert torch.equal(indexer.weights_proj.weight.data, want.float())
+    assert_hf_tokens_and_logprobs(eng, ref, prompts_for(11)[3:6])
 
 
 def test_fp8_mtp_draft_head_gives_plain_decodings_tokens(request):

@@ -1464,17 +1464,24 @@ def fp8_block_quantize(
 
 
 def build_fp8_block_checkpoint(
-    src: str, block: tuple[int, int] = (128, 128), scale_fmt: str | None = None, **edits
+    src: str,
+    block: tuple[int, int] = (128, 128),
+    scale_fmt: str | None = None,
+    also: tuple[str, ...] = (),
+    **edits,
 ) -> str:
     """``src`` (a tiny checkpoint) with its projections quantized to FP8 e4m3 in 128x128 (or
     ``block``) blocks, in the layout and ``quantization_config`` of the published FP8 releases;
     ``scale_fmt="ue8m0"``: scales rounded up to powers of two, as DeepSeek V3.1 / V3.2 store them.
     ``edits``: a broken variant (``drop``: a tensor left out, ``reshape``: a scale of the wrong
     shape, ``keep``: a projection's weight left in bf16, ``fmt``: another
-    ``quantization_config.fmt``)."""
+    ``quantization_config.fmt``); ``also``: more projection names to quantize (DeepSeek-V3.2's
+    indexer: ``wq_b``, ``wk``, ``weights_proj``)."""
     from safetensors.torch import load_file
 
     key = ["fp8-block", src, list(block), scale_fmt, sorted(edits.items()), list(FP8_PROJECTIONS)]
+    if also:
+        key.append(list(also))
 
     def write(tmp: str) -> None:
         tensors = load_file(os.path.join(src, "model.safetensors"))
@@ -1482,7 +1489,8 @@ def build_fp8_block_checkpoint(
         for name, t in tensors.items():
             proj = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
             kept = name == edits.get("keep")
-            if name.endswith(".weight") and t.dim() == 2 and proj in FP8_PROJECTIONS and not kept:
+            chosen = proj in FP8_PROJECTIONS or proj in also
+            if name.endswith(".weight") and t.dim() == 2 and chosen and not kept:
                 q, scale = fp8_block_quantize(t, block)
                 if scale_fmt == "ue8m0":  # the amax scale rounded up to a power of two
                     scale = torch.exp2(torch.ceil(torch.log2(scale)))
