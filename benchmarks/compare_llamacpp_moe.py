@@ -15,7 +15,8 @@ Quantized contenders: ``llama.cpp Q4_0`` / ``llama.cpp Q8_0`` are llama.cpp's ow
 that GGUF (``llama_model_quantize``, the LM head left in bf16 as the published quantized
 checkpoints leave it; the router stays float); ``pdserve w4a16`` serves
 ``quantized_decode.int4_checkpoint``'s compressed-tensors int4 version of the same weights (a
-scale per 128, the head in bf16), ``pdserve fp8`` its FP8 block version
+scale per 128, the head in bf16; ``pdserve w4a8`` the same with ``--int4-int8-activations``, as
+llama.cpp's Q4_0 multiplies int8 activations), ``pdserve fp8`` its FP8 block version
 (``quantized_decode.fp8_checkpoint``, 128x128 blocks). Closest types, not the same bits: Q4_0 has
 an fp16 scale per 32 weights (4.5 bits a weight), the int4 checkpoint a bf16 scale per 128 (4.125);
 Q8_0 an fp16 scale per 32 (8.5), FP8 a float32 scale per 128x128 block (8.0).
@@ -90,6 +91,7 @@ def main() -> None:
         "pdserve bf16": lambda: pdserve(model, "bfloat16"),
         "pdserve w8a8_int8": lambda: pdserve(model, "w8a8"),
         "pdserve w4a16": lambda: pdserve(quantized_decode.int4_checkpoint(model), "bfloat16"),
+        "pdserve w4a8": lambda: pdserve(quantized_decode.int4_checkpoint(model), "w4a8"),
         "pdserve fp8": lambda: pdserve(quantized_decode.fp8_checkpoint(model), "bfloat16"),
     }
     names = a.contenders.split(",")

@@ -174,6 +174,7 @@ def decode_rates(
     threads: int,
     repeat: int,
     python_experts: bool = False,
+    int8_activations: bool = False,
 ):
     import random
 
@@ -186,6 +187,7 @@ def decode_rates(
         torch_num_threads=threads,
         disable_radix_cache=True,
         max_total_tokens=max(batches) * (input_len + new) + 1024,
+        **({"int4_int8_activations": True} if int8_activations else {}),
     )
     try:
         model = eng.scheduler.runner.model
@@ -228,6 +230,11 @@ def main() -> None:
         action="store_true",
         help="also run the quantized model with its experts on the Python loop over their matmuls",
     )
+    ap.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="int4: also run with --int4-int8-activations (W4A8)",
+    )
     a = ap.parse_args()
     from compare_llamacpp import llama_1b_checkpoint
 
@@ -251,13 +258,15 @@ def main() -> None:
     for name, path in (("bf16", bf16), (q, quantized)):
         size = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
         print(f"{name}: {path} ({size / 2**30:.2f} GiB of safetensors)")
-    runs = [("bf16", bf16, False), (q, quantized, False)]
+    runs = [("bf16", bf16, {}), (q, quantized, {})]
     if a.python_experts:
-        runs.append((f"{q}, Python expert loop", quantized, True))
+        runs.append((f"{q}, Python expert loop", quantized, {"python_experts": True}))
+    if a.int8_activations:
+        runs.append((f"{q}, int8 activations", quantized, {"int8_activations": True}))
     results = {}
-    for name, path, loop in runs:
+    for name, path, options in runs:
         results[name], stack = decode_rates(
-            path, batches, a.new, a.input_len, a.threads, a.repeat, python_experts=loop
+            path, batches, a.new, a.input_len, a.threads, a.repeat, **options
         )
         print(f"{name}: C++ decoder stack {'on' if stack else 'off'}")
     names = [name for name, _, _ in runs]

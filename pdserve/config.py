@@ -94,6 +94,9 @@ class ServerArgs:
     quantization: Optional[str] = (
         None  # w8a8_int8: int8 weights and per-token int8 activations (CPU)
     )
+    # int4 (compressed-tensors pack-quantized) checkpoints: each int4 layer's input quantized to
+    # int8 per token (w8a8_int8's rule) for integer dot products, W4A8; opt-in (README)
+    int4_int8_activations: bool = False
     device: str = "auto"
     load_format: str = "auto"
     context_length: Optional[int] = None

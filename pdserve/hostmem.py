@@ -36,3 +36,21 @@ def huge_like(t: torch.Tensor) -> torch.Tensor:
     out = huge_empty(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
     out.copy_(t)
     return out
+
+
+def huge_copies(tensors: list[torch.Tensor], align: int = 64) -> list[torch.Tensor]:
+    """Contiguous copies of CPU ``tensors`` side by side in one buffer of 2 MiB pages (each at an
+    ``align``-byte offset): many weights of a layer (an MoE layer's experts) in huge pages without
+    rounding each up to a page."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // align) * align
+    buf = huge_empty(total)
+    out = []
+    for t, off, size in zip(tensors, offsets, sizes):
+        copy = buf[off : off + size].view(t.dtype).view(t.shape)
+        copy.copy_(t)
+        out.append(copy)
+    return out

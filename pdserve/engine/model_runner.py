@@ -59,6 +59,11 @@ class ModelRunner:
         fmt = weight_format(hf_config)  # a quantized checkpoint: what it cannot be served with
         if fmt is not None:
             fmt.check_flags(args)
+        elif args.int4_int8_activations:
+            raise ValueError(
+                "--int4-int8-activations: the checkpoint is not quantized; the flag is for int4 "
+                "(pack-quantized) checkpoints"
+            )
         if args.quantization is not None:
             self._check_quantization_possible()
             self.dtype, why = torch.bfloat16, f"--quantization {args.quantization} computes in bf16"

@@ -52,6 +52,7 @@ SOURCES = (
     "flash_attention.cpp",
     "int8_gemm.cpp",
     "fp8_linear.cpp",
+    "int4_w4a8.cpp",
     "gemm_f32.cpp",
     "moe.cpp",
     "moe_panels.cpp",

@@ -74,8 +74,16 @@ class WeightFormat(ABC):
     def describe(self) -> str:
         return self.method
 
+    # int4 weights that may multiply int8 activations (--int4-int8-activations)
+    takes_int8_activations = False
+
     def check_flags(self, args: Any) -> None:
         """Refuse the server flags (``ServerArgs``) these weights cannot be served with (yet)."""
+        if getattr(args, "int4_int8_activations", False) and not self.takes_int8_activations:
+            raise ValueError(
+                "--int4-int8-activations: the checkpoint has no int4 weights "
+                f"({self.describe()}); the flag is for int4 (pack-quantized) checkpoints"
+            )
         if args.quantization is not None:
             raise ValueError(
                 f"--quantization {args.quantization}: the checkpoint is already quantized "

@@ -175,9 +175,16 @@ class CompressedInt4(CompressedTensors):
     stored_dtype = "I4"  # the packed words, seen in the weight's coordinates
     storage = torch.uint8
     kind = "int4"
+    takes_int8_activations = True
+    int8_activations = False  # --int4-int8-activations (check_flags reads it)
+
+    def check_flags(self, args: Any) -> None:
+        super().check_flags(args)
+        self.int8_activations = bool(getattr(args, "int4_int8_activations", False))
 
     def describe(self) -> str:
-        return f"compressed-tensors int4 weights, a scale per {self.block[1]} (W4A16)"
+        acts = "int8 activations per token (W4A8)" if self.int8_activations else "W4A16"
+        return f"compressed-tensors int4 weights, a scale per {self.block[1]} ({acts})"
 
     def _stored_columns(self, k: int) -> int:
         return k // 2
@@ -191,6 +198,16 @@ class CompressedInt4(CompressedTensors):
     def _experts(self, module: nn.Module) -> Any:
         group = self.block[1]
         return QuantizedExperts(module, lambda w, s, b: Int4GroupLinear(w, s, b, group))
+
+    def use_kernels(self, model: nn.Module, ops: Any, batch_invariant: bool = False) -> int:
+        if self.int8_activations:  # every int4 matmul, the experts' too, on linear_int4_w4a8
+            for module in model.modules():
+                impl = getattr(module, "impl", None)
+                pairs = getattr(impl, "linears", [(impl,)])
+                for linear in (m for pair in pairs for m in pair):
+                    if isinstance(linear, Int4GroupLinear):
+                        linear.int8_activations = True
+        return super().use_kernels(model, ops, batch_invariant)
 
     @staticmethod
     def _as_weight(name: str) -> str:

@@ -16,6 +16,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from pdserve.hostmem import huge_copies
+
 FUSED_ACTIVATIONS = ("silu", "swiglu_oai")
 
 
@@ -50,6 +52,15 @@ class QuantizedExperts:
         for w13, w2 in self.linears:
             w13.use_kernels(ops, *args, **kwargs)
             w2.use_kernels(ops, *args, **kwargs)
+        # the layer's packed weights in one buffer of 2 MiB pages: the stream of a decode step's
+        # experts without a TLB miss every 4 KiB (W4A8 at one row read 1.4x faster so here)
+        held = [lin for pair in self.linears for lin in pair]
+        packed = [
+            lin.packed for lin in held if isinstance(getattr(lin, "packed", None), torch.Tensor)
+        ]
+        if len(packed) == len(held):
+            for lin, copy in zip(held, huge_copies(packed)):
+                lin.packed = copy
         self.fused = self._panel_experts(ops)
 
     def _panel_experts(self, ops) -> Any:

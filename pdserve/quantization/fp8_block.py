@@ -23,6 +23,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
+from pdserve.hostmem import HUGE_PAGE, huge_like
 from pdserve.quantization.base import WeightFormat
 from pdserve.quantization.fp8_matmul import Fp8BlockLinear, Fp8Experts, _widen
 
@@ -291,6 +292,9 @@ class Fp8Block(WeightFormat):
             else:
                 continue
             impl.use_kernels(ops, onednn, batch_invariant)
+            packed = getattr(impl, "packed", None)
+            if isinstance(packed, torch.Tensor) and packed.nbytes >= HUGE_PAGE // 2:
+                impl.packed = huge_like(packed)  # 2 MiB pages for a large layer's weight stream
             # the checkpoint's layout is no longer read: 0-element stand-ins of its dtypes
             for name in names:
                 old = getattr(module, name)

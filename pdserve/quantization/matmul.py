@@ -13,11 +13,13 @@ import torch.nn.functional as F
 
 PANEL_ROWS = 256  # output rows dequantized at once by the PyTorch matmul
 NO_ROW_LIMIT = 1 << 62
+CODES_W4A8 = 3  # int4 codes with int8 activations (linear_int4_w4a8's quads)
 
 
 class Panels(NamedTuple):
     """A matmul's weight as the panel kernels (``kernels/csrc/fp8_linear.h``) read it:
-    ``codes`` 0 FP8, 1 MXFP4, 2 int4; ``max_rows``: bf16 calls of more rows go elsewhere."""
+    ``codes`` 0 FP8, 1 MXFP4, 2 int4, 3 int4 with int8 activations (``int4_w4a8.cpp``'s quads);
+    ``max_rows``: bf16 calls of more rows go elsewhere."""
 
     codes: int
     packed: torch.Tensor

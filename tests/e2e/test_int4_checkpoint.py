@@ -32,7 +32,11 @@ from tests.e2e.test_fp8_checkpoint import (
     pd_pair,
     runner_model,
 )
-from tests.e2e.test_int8_checkpoint import assert_refused
+from tests.e2e.test_int8_checkpoint import (
+    assert_hf_with_int8_activations,
+    assert_refused,
+    hf_with_int8_activations,
+)
 from tests.helpers import localhttp
 from tests.helpers.checkpoints import (
     build_compressed_int4_checkpoint,
@@ -170,3 +174,54 @@ def test_decode_stack_on_int4_weights_equals_layer_by_layer_path(request):
     )
     request.node._engine = eng
     assert_decode_stack_is_the_layers(eng)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_int8_activations_give_hf_tokens_with_the_schemes_activations(arch, request):
+    """``--int4-int8-activations`` (W4A8): every int4 layer (the experts' too) multiplies its input
+    quantized to int8 per token; HF on compressed-tensors' decompression with those inputs
+    quantized the same way gives the same greedy tokens, logprobs as for int8 checkpoints."""
+    path = int4(arch)
+    eng = pdserve.Engine(
+        model_path=path,
+        dtype="float32",
+        torch_num_threads=1,
+        max_total_tokens=8192,
+        int4_int8_activations=True,
+    )
+    request.node._engine = eng
+    model = runner_model(eng)
+    impls = [
+        m.impl for m in model.modules() if isinstance(getattr(m, "impl", None), Int4GroupLinear)
+    ]
+    impls += [lin for e in int4_experts(model) for pair in e.impl.linears for lin in pair]
+    assert impls and all(lin.int8_activations for lin in impls)
+    hf = hf_with_int8_activations(path, decompressed_int4_checkpoint(path))
+    assert_hf_with_int8_activations(eng, hf, prompts_for(12)[:4])
+
+
+def test_int8_activations_decode_stack_and_batch_invariance(request):
+    """W4A8 in bf16 compute: the C++ decoder stack gives the layer-by-layer path's bits, and a
+    request's tokens and logprobs do not depend on its batch (deterministic serving)."""
+    eng = pdserve.Engine(
+        model_path=int4("llama"),
+        dtype="bfloat16",
+        torch_num_threads=1,
+        max_total_tokens=8192,
+        disable_radix_cache=True,
+        int4_int8_activations=True,
+        enable_deterministic_inference=True,
+    )
+    request.node._engine = eng
+    assert_decode_stack_is_the_layers(eng)
+    assert_batch_invariant(eng, prompts_for(13)[:4], GREEDY)
+
+
+@pytest.mark.parametrize("checkpoint", ["fp8", "unquantized"])
+def test_int8_activations_are_refused_without_int4_weights(checkpoint):
+    from tests.helpers.checkpoints import build_fp8_block_checkpoint
+
+    src = build_tiny_checkpoint("llama")
+    path = build_fp8_block_checkpoint(src, (32, 32)) if checkpoint == "fp8" else src
+    with pytest.raises(ValueError, match="--int4-int8-activations"):
+        pdserve.Engine(model_path=path, dtype="float32", int4_int8_activations=True)

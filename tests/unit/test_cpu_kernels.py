@@ -604,3 +604,42 @@ def test_int4_linear_is_the_portable_loop_and_batch_invariant(ops, isa, rows, n,
     err = ((out.double() - ref).abs() / (ref.abs() + 1)).max().item()
     assert err < (1e-5 if x_dtype == torch.float32 else 2**-8), err
     assert torch.equal(lin(x[-1:])[0], out[-1])
+
+
+@pytest.mark.parametrize("rows,n,k,group", [(1, 70, 96, 32), (3, 130, 256, 128), (6, 64, 100, 4)])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_int4_w4a8_is_the_integer_sums_at_every_tier(ops, isa, rows, n, k, group, x_dtype):
+    """linear_int4_w4a8 (int4 codes x per-row int8 activations): the portable loop's bits at every
+    tier, a row alone its bits in any batch, near float64 over x quantized by w8a8's rule; k not
+    a multiple of 4 (padded quads), ragged N."""
+    from pdserve.quantization.int4_matmul import dequantize, pack_w4a8
+
+    gen = torch.Generator().manual_seed(rows + n + k)
+    blocks = torch.randint(0, 256, (n, -(-k // 2)), dtype=torch.int32, generator=gen).to(
+        torch.uint8
+    )
+    kk = blocks.shape[1] * 2
+    scale = torch.rand(n, -(-kk // group), generator=gen) * 1e-2 + 1e-4
+    x = (3 * torch.randn(rows, kk, generator=gen)).to(x_dtype)
+    bias = torch.randn(n, generator=gen).to(x_dtype)
+    packed, packed_scale = pack_w4a8(blocks, scale)
+    out = torch.empty(rows, n, dtype=x_dtype)
+    ops.linear_int4_w4a8(out, x, packed, packed_scale, bias, group)
+    before = ops.isa_tier()
+    ops.set_isa("scalar")
+    try:
+        portable = torch.empty(rows, n, dtype=x_dtype)
+        ops.linear_int4_w4a8(portable, x, packed, packed_scale, bias, group)
+    finally:
+        ops.set_isa(before)
+    assert torch.equal(out, portable)
+    one = torch.empty(1, n, dtype=x_dtype)
+    ops.linear_int4_w4a8(one, x[-1:], packed, packed_scale, bias, group)
+    assert torch.equal(one[0], out[-1])
+    x32 = x.float()
+    xs = x32.abs().amax(1, keepdim=True) / 127
+    xq = torch.round(x32 * (1 / xs)).clamp(-127, 127)
+    ref = (xq.double() * xs.double()) @ dequantize(blocks, scale, group).double().T
+    ref = ref + bias.double()
+    err = ((out.double() - ref).abs() / (ref.abs() + 1)).max().item()
+    assert err < (1e-5 if x_dtype == torch.float32 else 2**-8), err

@@ -66,6 +66,8 @@ void gated_delta_scan(at::Tensor o, const at::Tensor& qkv, const at::Tensor& g, 
 void moe_pack_experts(at::Tensor out, const at::Tensor& w, const at::Tensor& rows);
 void bind_decode_model(pybind11::module& m);
 void bind_panel_experts(pybind11::module& m);
+void linear_int4_w4a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                      c10::optional<at::Tensor> bias, int64_t group);
 void bind_amx(pybind11::module& m);
 const char* amx_isa_name();
 
@@ -142,6 +144,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("amx_min_rows") = -1);
   m.def("int4_dequantize", &pds::int4_dequantize, nogil, "the float32 or bf16 weight of linear_int4's packed panels",
         py::arg("out"), py::arg("packed"), py::arg("scale"), py::arg("block_k"));
+  m.def("linear_int4_w4a8", &pds::linear_int4_w4a8, nogil,
+        "int4 weights x per-row int8 activations (W4A8, opt-in): codes packed [N/64, K/4, 128], scale [N/64, "
+        "K/group, 64] float32; the same bits at every tier and batch",
+        py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("bias"), py::arg("group"));
   m.def("linear_w8a8", &pds::linear_w8a8, nogil, "int8 weights x per-token int8 activations (w8a8_int8), dequantized",
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("colsum"), pybind11::arg("w_scale"),
         pybind11::arg("bias"), pybind11::arg("amx_min_rows") = -1);

@@ -34,6 +34,8 @@ void linear_vnni(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
 void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& colsum,
                  const at::Tensor& w_scale, c10::optional<at::Tensor> bias);
 void fp8_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& scale, int64_t block_k);
+void linear_int4_w4a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                      c10::optional<at::Tensor> bias, int64_t group);
 void linear_panels(const char* op, int codes, at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
                    const at::Tensor& scale, const c10::optional<at::Tensor>& bias, int64_t block_k,
                    int64_t amx_min_rows);
@@ -91,7 +93,10 @@ struct Linear {
     if (f_packed.defined() && x.size(0) > fp8_max_rows) return fp8_dequantized_matmul(x);
     at::Tensor out = workspace(buf, {x.size(0), out_features}, x);
     if (f_packed.defined()) {
-      linear_panels("DecodeModel", int(f_codes), out, x, f_packed, f_scale, bias, f_block_k, fp8_amx_min_rows);
+      if (f_codes == 3)  // int4 with int8 activations (int4_w4a8.cpp)
+        linear_int4_w4a8(out, x, f_packed, f_scale, bias, f_block_k);
+      else
+        linear_panels("DecodeModel", int(f_codes), out, x, f_packed, f_scale, bias, f_block_k, fp8_amx_min_rows);
       return out;
     }
     if (q_packed.defined())
@@ -217,7 +222,8 @@ class DecodeModel {
   // without oneDNN, [None, None, bias, packed, colsum, scale, out_features]
   // for w8a8_int8 (out_features as a 0-d int64 tensor), [None, None, bias, packed, scale,
   // (block_k, out_features, max_rows, amx_min_rows[, codes])] for panel weights (int64 [4] or [5]:
-  // the panel kernel of `codes`, 0 FP8 by default, 1 MXFP4, 2 int4, up to max_rows, on AMX from
+  // the panel kernel of `codes`, 0 FP8 by default, 1 MXFP4, 2 int4, 3 int4 with int8 activations
+  // (linear_int4_w4a8), up to max_rows, on AMX from
   // amx_min_rows; past max_rows FP8 dequantizes for the GEMM)
   static Linear make_linear(const std::vector<c10::optional<at::Tensor>>& parts, const char* name) {
     Linear lin;
@@ -234,7 +240,8 @@ class DecodeModel {
       lin.fp8_max_rows = dims.data_ptr<int64_t>()[2];
       lin.fp8_amx_min_rows = dims.data_ptr<int64_t>()[3];
       lin.f_codes = dims.numel() == 5 ? dims.data_ptr<int64_t>()[4] : 0;
-      TORCH_CHECK(lin.f_codes >= 0 && lin.f_codes <= 2, "DecodeModel.add_layer: ", name, ": codes must be 0, 1 or 2");
+      TORCH_CHECK(lin.f_codes >= 0 && lin.f_codes <= 3, "DecodeModel.add_layer: ", name,
+                  ": codes must be 0 (FP8), 1 (MXFP4), 2 (int4) or 3 (int4, int8 activations)");
       TORCH_CHECK(lin.f_codes == 0 || lin.fp8_max_rows >= (int64_t(1) << 62), "DecodeModel.add_layer: ", name,
                   ": only FP8 panels have a row limit (the dequantized GEMM past it)");
       return lin;

@@ -25,8 +25,19 @@ namespace pds {
 void linear_panels(const char* op, int codes, at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
                    const at::Tensor& scale, const c10::optional<at::Tensor>& bias, int64_t block_k,
                    int64_t amx_min_rows);
+void linear_int4_w4a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                      c10::optional<at::Tensor> bias, int64_t group);
 
 namespace {
+
+constexpr int kCodesW4A8 = 3;  // int4 codes with int8 activations (int4_w4a8.cpp)
+
+// the format's matmul: the panel kernels, or W4A8's
+void expert_linear(int codes, at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                   const c10::optional<at::Tensor>& bias, int64_t block_k, int64_t amx_min_rows) {
+  if (codes == kCodesW4A8) return linear_int4_w4a8(out, x, packed, scale, bias, block_k);
+  linear_panels("PanelExperts", codes, out, x, packed, scale, bias, block_k, amx_min_rows);
+}
 
 constexpr const char* kOp = "PanelExperts";
 
@@ -72,8 +83,8 @@ class PanelExperts {
         I_(inter),
         alpha_(float(alpha)),
         limit_(float(limit)) {
-    TORCH_CHECK(codes == kCodesFp8 || codes == kCodesE2m1 || codes == kCodesInt4, kOp, ": codes must be 0 (FP8), 1 "
-                "(MXFP4) or 2 (int4), got ", codes);
+    TORCH_CHECK(codes >= kCodesFp8 && codes <= kCodesW4A8, kOp, ": codes must be 0 (FP8), 1 (MXFP4), 2 (int4) or 3 "
+                "(int4 with int8 activations), got ", codes);
     if (activation == "silu")
       act_ = PanelAct::kSilu;
     else if (activation == "swiglu_oai")
@@ -85,8 +96,11 @@ class PanelExperts {
     TORCH_CHECK(b13.empty() || b13.size() == E, kOp, ": b13 must be empty or one per expert");
     TORCH_CHECK(b2.empty() || b2.size() == E, kOp, ": b2 must be empty or one per expert");
     for (size_t e = 0; e < E; ++e) {
-      TORCH_CHECK(w13_[e].dim() == 3 && w13_[e].size(1) == H_ && w13_[e].size(0) * kFp8Panel >= 2 * I_ &&
-                      w2_[e].dim() == 3 && w2_[e].size(1) == I_ && w2_[e].size(0) * kFp8Panel >= H_,
+      // k per packed row: 1, or 4 for W4A8's quads
+      const int64_t kq = codes == kCodesW4A8 ? 4 : 1;
+      TORCH_CHECK(w13_[e].dim() == 3 && w13_[e].size(1) == (H_ + kq - 1) / kq &&
+                      w13_[e].size(0) * kFp8Panel >= 2 * I_ && w2_[e].dim() == 3 &&
+                      w2_[e].size(1) == (I_ + kq - 1) / kq && w2_[e].size(0) * kFp8Panel >= H_,
                   kOp, ": expert ", e, "'s packed w13 ", w13_[e].sizes(), " and w2 ", w2_[e].sizes(),
                   " do not agree with hidden ", H_, " and intermediate ", I_);
       for (const auto* bias : {&b13, &b2}) {
@@ -149,12 +163,12 @@ class PanelExperts {
       at::Tensor gu = at::empty({n, 2 * I_}, dt), a = at::empty({n, I_}, dt), y = at::empty({n, H_}, dt);
       const c10::optional<at::Tensor> bias13 = b13.empty() ? c10::nullopt : c10::optional<at::Tensor>(b13[e]);
       const c10::optional<at::Tensor> bias2 = b2.empty() ? c10::nullopt : c10::optional<at::Tensor>(b2[e]);
-      linear_panels(kOp, codes_, gu, xs, w13_[e], s13_[e], bias13, bk13_, amx_min_rows);
+      expert_linear(codes_, gu, xs, w13_[e], s13_[e], bias13, bk13_, amx_min_rows);
       if (bf16)
         activate_rows(data<uint16_t>(gu), data<uint16_t>(a), n, I_, act_, alpha_, limit_);
       else
         activate_rows(data<float>(gu), data<float>(a), n, I_, act_, alpha_, limit_);
-      linear_panels(kOp, codes_, y, a, w2_[e], s2_[e], bias2, bk2_, amx_min_rows);
+      expert_linear(codes_, y, a, w2_[e], s2_[e], bias2, bk2_, amx_min_rows);
       for (int64_t r = 0; r < n; ++r) {
         float* row = op + (pe[r] / K) * H_;
         if (bf16)

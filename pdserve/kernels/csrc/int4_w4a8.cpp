@@ -1,0 +1,269 @@
+// int4 weights with int8 activations (W4A8), opt-in (--int4-int8-activations): compressed-tensors'
+// symmetric int4 codes c = q + 8 with a float scale per output and group of k, multiplied by each
+// row of x quantized to int8 as w8a8_int8 does (s = max|x| / 127, xq = round(x / s)), in integer
+// dot products.
+//
+// Why: at one row the 4-bit panels of fp8_linear.h look every code up as a float and run one
+// float multiply-add per weight; on Zen 4 that path reads 25 G weights/s whether the weights come
+// from memory or from L2 (bound by vector micro-operations, not by memory). Here 4 k of 16 outputs
+// take one vpdpbusd (AVX-512 VNNI) after a mask or a shift of the packed nibbles.
+//
+// Arithmetic, the same on every tier (so tiers and batches give the same bits): per output and
+// group g, isum = sum over the group's k of c * xq (exact in int32), corr = isum - 8 * sum(xq over
+// the group) (the codes' offset, exact), acc = fma(float(corr), w_scale[o, g], acc) over the
+// groups in order from zero; out = fma(acc, s, bias) rounded once to out's dtype. |corr| < 2^24
+// for groups up to 1024, so float(corr) is exact.
+//
+// Layout (quantization/int4_matmul.py pack_w4a8): [ceil(N/64), ceil(K/4), 128] bytes. Quad kq of
+// panel np holds k = 4 kq .. 4 kq + 3 of its 64 outputs: byte 4 l + i of the first 64 holds the
+// code of output l (low nibble) and 32 + l (high), k = 4 kq + i; of the second 64, outputs
+// 16 + l and 48 + l. A mask or a shift of one 64-byte half gives 16 lanes of 4 codes, the operand
+// layout of vpdpbusd. Padding codes (outputs past N, k past K) multiply x's zero padding. Scales:
+// [ceil(N/64), ceil(K/group), 64] float32 in output order.
+#include "common.h"
+
+#include <ATen/Parallel.h>
+#ifndef PDS_W4A8_PREFETCH
+#define PDS_W4A8_PREFETCH 2048
+#endif
+
+#include <algorithm>
+#include <vector>
+
+#if PDS_X86
+#define PDS_AVX512_VNNI_W4 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2")))
+#endif
+
+namespace pds {
+
+namespace {
+
+constexpr int64_t kPanel = 64, kQuad = 128;
+// how far ahead the quads stream is prefetched into L2 (both lines of a quad)
+constexpr int64_t kPrefetchBytes = PDS_W4A8_PREFETCH;
+
+struct W4A8Args {
+  const uint8_t* w;  // [NP, KQ, 128]
+  const float* scale;  // [NP, KB, 64]
+  const int8_t* xq;  // [M, K4], K4 = 4 KQ, zero padded
+  const float* xs;  // [M] row scales
+  const int32_t* sx;  // [M, KB] sums of xq per group
+  const void* bias;  // [N] in out's dtype, or null
+  void* out;  // [M, N], row stride out_stride
+  int64_t M, N, KQ, KB, gq /* quads per group */, out_stride;
+  bool out_bf16;
+};
+
+inline int code_of(const uint8_t* quad, int64_t o, int i) {
+  const int half = (o >> 4) & 1, l = o & 15, hi = o >> 5;
+  return (quad[half * 64 + 4 * l + i] >> (4 * hi)) & 0xF;
+}
+
+// the rows' accumulators [rows][64] of panel np -> out (fma with the row scale, the bias)
+void store_rows(const W4A8Args& a, int64_t np, int64_t m0, int64_t rows, const float* acc) {
+  const int64_t n0 = np * kPanel, nn = std::min<int64_t>(kPanel, a.N - n0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float s = a.xs[m0 + r];
+    for (int64_t o = 0; o < nn; ++o) {
+      float b = 0.f;
+      if (a.bias) b = a.out_bf16 ? bf16_to_f32(static_cast<const uint16_t*>(a.bias)[n0 + o])
+                                 : static_cast<const float*>(a.bias)[n0 + o];
+      const float v = std::fma(acc[r * kPanel + o], s, b);
+      if (a.out_bf16)
+        static_cast<uint16_t*>(a.out)[(m0 + r) * a.out_stride + n0 + o] = f32_to_bf16(v);
+      else
+        static_cast<float*>(a.out)[(m0 + r) * a.out_stride + n0 + o] = v;
+    }
+  }
+}
+
+void panel_scalar(const W4A8Args& a, int64_t np, int64_t m, float* acc) {
+  const uint8_t* base = a.w + np * a.KQ * kQuad;
+  const int8_t* x = a.xq + m * a.KQ * 4;
+  std::fill(acc, acc + kPanel, 0.f);
+  for (int64_t g = 0; g < a.KB; ++g) {
+    const int64_t q0 = g * a.gq, q1 = std::min(a.KQ, q0 + a.gq);
+    const float* s = a.scale + (np * a.KB + g) * kPanel;
+    const int32_t corr8 = 8 * a.sx[m * a.KB + g];
+    for (int64_t o = 0; o < kPanel; ++o) {
+      int32_t isum = 0;
+      for (int64_t q = q0; q < q1; ++q)
+        for (int i = 0; i < 4; ++i) isum += code_of(base + q * kQuad, o, i) * int32_t(x[4 * q + i]);
+      acc[o] = std::fma(float(isum - corr8), s[o], acc[o]);
+    }
+  }
+}
+
+#if PDS_X86
+// R rows of panel np from the packed quads: 4 R int32 accumulators of 16 lanes a group
+template <int R>
+PDS_AVX512_VNNI_W4 void panel_vnni(const W4A8Args& a, int64_t np, int64_t m0, float* acc) {
+  const uint8_t* base = a.w + np * a.KQ * kQuad;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + r * kPanel + 16 * j, _mm512_setzero_ps());
+  for (int64_t g = 0; g < a.KB; ++g) {
+    const int64_t q0 = g * a.gq, q1 = std::min(a.KQ, q0 + a.gq);
+    __m512i isum[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) isum[r][j] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int64_t q = q0; q < q1; ++q) {
+      const uint8_t* p = base + q * kQuad;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + 64, _MM_HINT_T1);
+      const __m512i A = _mm512_loadu_si512(p), B = _mm512_loadu_si512(p + 64);
+      const __m512i c[4] = {_mm512_and_si512(A, nib), _mm512_and_si512(B, nib),
+                            _mm512_and_si512(_mm512_srli_epi16(A, 4), nib),
+                            _mm512_and_si512(_mm512_srli_epi16(B, 4), nib)};
+      for (int r = 0; r < R; ++r) {
+        int32_t xw;
+        std::memcpy(&xw, a.xq + (m0 + r) * a.KQ * 4 + 4 * q, 4);
+        const __m512i xv = _mm512_set1_epi32(xw);
+        for (int j = 0; j < 4; ++j) isum[r][j] = _mm512_dpbusd_epi32(isum[r][j], c[j], xv);
+      }
+    }
+    const float* s = a.scale + (np * a.KB + g) * kPanel;
+    for (int r = 0; r < R; ++r) {
+      const __m512i corr8 = _mm512_set1_epi32(8 * a.sx[(m0 + r) * a.KB + g]);
+      for (int j = 0; j < 4; ++j) {
+        float* dst = acc + r * kPanel + 16 * j;
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][j], corr8));
+        _mm512_storeu_ps(dst, _mm512_fmadd_ps(v, _mm512_loadu_ps(s + 16 * j), _mm512_loadu_ps(dst)));
+      }
+    }
+  }
+}
+
+// one row, 8 lanes: vpmaddubsw + vpmaddwd (codes <= 15, |xq| <= 127: pairs never saturate), or
+// AVX-VNNI's vpdpbusd; the same body under each target
+PDS_AVX2 inline __m256i dot4_avx2(__m256i acc, __m256i c, __m256i x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), _mm256_set1_epi16(1)));
+}
+PDS_AVX2_VNNI inline __m256i dot4_avx_vnni(__m256i acc, __m256i c, __m256i x) {
+  return _mm256_dpbusd_avx_epi32(acc, c, x);
+}
+
+#define PDS_W4A8_PANEL8(NAME, TARGET, DOT)                                                                 \
+  TARGET void NAME(const W4A8Args& a, int64_t np, int64_t m, float* acc) {                                 \
+    const uint8_t* base = a.w + np * a.KQ * kQuad;                                                         \
+    const __m256i nib = _mm256_set1_epi8(0x0F);                                                            \
+    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(acc + 8 * j, _mm256_setzero_ps());                        \
+    for (int64_t g = 0; g < a.KB; ++g) {                                                                   \
+      const int64_t q0 = g * a.gq, q1 = std::min(a.KQ, q0 + a.gq);                                         \
+      __m256i isum[8]; /* outputs 8 j .. 8 j + 7 */                                                        \
+      for (int j = 0; j < 8; ++j) isum[j] = _mm256_setzero_si256();                                        \
+      for (int64_t q = q0; q < q1; ++q) {                                                                  \
+        const uint8_t* p = base + q * kQuad;                                                               \
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T1);                      \
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + 64, _MM_HINT_T1);                 \
+        int32_t xw;                                                                                        \
+        std::memcpy(&xw, a.xq + m * a.KQ * 4 + 4 * q, 4);                                                  \
+        const __m256i xv = _mm256_set1_epi32(xw);                                                          \
+        /* 32 bytes h: outputs 8 h .. 8 h + 7 (low nibbles) and 32 + 8 h .. (high) */ \
+        for (int h = 0; h < 4; ++h) {                                                                      \
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));              \
+          isum[h] = DOT(isum[h], _mm256_and_si256(v, nib), xv);                                            \
+          isum[h + 4] = DOT(isum[h + 4], _mm256_and_si256(_mm256_srli_epi16(v, 4), nib), xv);              \
+        }                                                                                                  \
+      }                                                                                                    \
+      const float* s = a.scale + (np * a.KB + g) * kPanel;                                                 \
+      const __m256i corr8 = _mm256_set1_epi32(8 * a.sx[m * a.KB + g]);                                     \
+      for (int j = 0; j < 8; ++j) {                                                                        \
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[j], corr8));                             \
+        _mm256_storeu_ps(acc + 8 * j,                                                                      \
+                         _mm256_fmadd_ps(v, _mm256_loadu_ps(s + 8 * j), _mm256_loadu_ps(acc + 8 * j)));    \
+      }                                                                                                    \
+    }                                                                                                      \
+  }
+
+PDS_W4A8_PANEL8(panel_avx2, PDS_AVX2, dot4_avx2)
+PDS_W4A8_PANEL8(panel_avx_vnni, PDS_AVX2_VNNI, dot4_avx_vnni)
+#undef PDS_W4A8_PANEL8
+#endif
+
+}  // namespace
+
+// out [M, N] float32 or bf16 = x W^T (+ bias) for int4 codes packed as above, x [M, K] float32 or
+// bf16 (rows contiguous) quantized per row to int8 here; scale [NP, ceil(K/group), 64] float32.
+void linear_int4_w4a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                      c10::optional<at::Tensor> bias, int64_t group) {
+  const char* op = "linear_int4_w4a8";
+  TORCH_CHECK(group > 0 && group % 4 == 0, op, ": group (", group, ") must be a positive multiple of 4");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1, op,
+              ": x and out must be 2-D with contiguous rows");
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              op, ": x and out must be float32 or bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), NP = (N + kPanel - 1) / kPanel;
+  const int64_t KQ = (K + 3) / 4, KB = (K + group - 1) / group;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(0) == NP && packed.size(1) == KQ && packed.size(2) == kQuad && out.size(0) == M,
+              op, ": packed must be a contiguous [", NP, ", ", KQ, ", 128] uint8 tensor for x ", x.sizes(), " and out ",
+              out.sizes(), ", got ", packed.sizes());
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == NP &&
+                  scale.size(1) == KB && scale.size(2) == kPanel,
+              op, ": scale must be a contiguous [", NP, ", ", KB, ", 64] float32 tensor, got ", scale.sizes());
+  if (bias.has_value())
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == out.scalar_type(), op,
+                ": bias must be contiguous [N] in out's dtype");
+  if (M == 0) return;
+  // x per row to int8 (w8a8_int8's rule), zero padded to whole quads, and its sums per group
+  std::vector<int8_t> xq(M * KQ * 4, 0);
+  std::vector<float> xs(M);
+  std::vector<int32_t> sx(M * KB, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    auto xv = [&](int64_t k) {
+      return x.scalar_type() == at::kFloat ? data<float>(x)[m * x.stride(0) + k]
+                                           : bf16_to_f32(data<uint16_t>(x)[m * x.stride(0) + k]);
+    };
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xv(k)));
+    const float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
+    xs[m] = s;
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t q = int32_t(std::max(-127.f, std::min(127.f, std::nearbyint(xv(k) * inv))));
+      xq[m * KQ * 4 + k] = int8_t(q);
+      sx[m * KB + k / group] += q;
+    }
+  }
+  const bool out_bf16 = out.scalar_type() == at::kBFloat16;
+  const W4A8Args a{data<uint8_t>(packed), data<float>(scale), xq.data(), xs.data(), sx.data(),
+                   bias.has_value() ? bias->data_ptr() : nullptr, out.data_ptr(), M, N, KQ, KB, group / 4,
+                   out.stride(0), out_bf16};
+  const bool vnni512 = use_avx512_vnni(), avx_vnni = use_avx_vnni(), avx2 = use_avx2();
+  at::parallel_for(0, NP, 1, [&](int64_t b, int64_t e) {
+    alignas(64) float acc[4 * kPanel];
+    for (int64_t np = b; np < e; ++np)
+      for (int64_t m0 = 0; m0 < M;) {
+#if PDS_X86
+        if (vnni512) {
+          const int64_t rows = std::min<int64_t>(4, M - m0);
+          switch (rows) {
+            case 1: panel_vnni<1>(a, np, m0, acc); break;
+            case 2: panel_vnni<2>(a, np, m0, acc); break;
+            case 3: panel_vnni<3>(a, np, m0, acc); break;
+            default: panel_vnni<4>(a, np, m0, acc); break;
+          }
+          store_rows(a, np, m0, rows, acc);
+          m0 += rows;
+          continue;
+        }
+        if (avx2) {
+          if (avx_vnni)
+            panel_avx_vnni(a, np, m0, acc);
+          else
+            panel_avx2(a, np, m0, acc);
+          store_rows(a, np, m0, 1, acc);
+          ++m0;
+          continue;
+        }
+#endif
+        panel_scalar(a, np, m0, acc);
+        store_rows(a, np, m0, 1, acc);
+        ++m0;
+      }
+  });
+}
+
+}  // namespace pds
