@@ -80,10 +80,12 @@ class CompressedTensors(Fp8Block):
                     raise ValueError(
                         f"{where}.weights.group_size: {size!r}; expected a positive multiple of 8"
                     )
-                if acts:
+                if acts:  # W4A8: int8 per token, dynamic, as --int4-int8-activations runs it
+                    _check_args(f"{where}.input_activations", acts, INT8_TOKENS)
+                if len({bool(g.get("input_activations")) for g in groups.values()}) > 1:
                     raise ValueError(
-                        f"{where}.input_activations: quantized activations with int4 weights "
-                        "(W4A8) are not supported; supported: none (W4A16)"
+                        "quantization_config.config_groups: some groups quantize activations "
+                        "and others not; one activation scheme for every int4 layer is supported"
                     )
                 sizes = {g["weights"]["group_size"] for g in groups.values()}
                 if len(sizes) > 1:
@@ -110,8 +112,10 @@ class CompressedTensors(Fp8Block):
                 )
         ignore = quant.get("ignore") or ()
         if fmt == "pack-quantized":
-            size = next(iter(groups.values()))["weights"]["group_size"]
-            return CompressedInt4((1, size), None, ignore)
+            first = next(iter(groups.values()))
+            fmt4 = CompressedInt4((1, first["weights"]["group_size"]), None, ignore)
+            fmt4.int8_activations = bool(first.get("input_activations"))
+            return fmt4
         target = CompressedInt8 if fmt == "int-quantized" else cls
         return target((1, None), None, ignore)
 
@@ -170,17 +174,21 @@ class CompressedInt4(CompressedTensors):
     RedHatAI's "-quantized.w4a16" releases): ``weight_packed`` I32 [N, K/8] (eight codes ``q + 8``
     a word, the first in the low bits), ``weight_scale`` [N, K/group] and ``weight_shape``; read
     as the bytes of those words (two codes a byte) with a scale per row and group, on the 4-bit
-    kernels (``int4_matmul.py``). Activations stay 16-bit."""
+    kernels (``int4_matmul.py``). Activations stay 16-bit, unless the checkpoint's scheme (W4A8,
+    int8 per token, dynamic) or ``--int4-int8-activations`` quantizes them: then
+    ``linear_int4_w4a8``'s integer dot products."""
 
     stored_dtype = "I4"  # the packed words, seen in the weight's coordinates
     storage = torch.uint8
     kind = "int4"
     takes_int8_activations = True
-    int8_activations = False  # --int4-int8-activations (check_flags reads it)
+    # int8 activations per token: a W4A8 checkpoint's scheme, or --int4-int8-activations
+    int8_activations = False
 
     def check_flags(self, args: Any) -> None:
         super().check_flags(args)
-        self.int8_activations = bool(getattr(args, "int4_int8_activations", False))
+        # a W4A8 checkpoint's own scheme, or the flag's
+        self.int8_activations |= bool(getattr(args, "int4_int8_activations", False))
 
     def describe(self) -> str:
         acts = "int8 activations per token (W4A8)" if self.int8_activations else "W4A16"

@@ -119,7 +119,8 @@ def test_a_split_inside_a_group_is_refused():
         ({"num_bits": 8}, None, "weights.num_bits: 8"),
         ({"group_size": 12}, None, "weights.group_size: 12"),
         ({"strategy": "channel"}, None, "weights.strategy: 'channel'"),
-        ({}, {"num_bits": 8, "type": "int", "dynamic": True}, "W4A8"),
+        ({}, {"num_bits": 8, "type": "int", "strategy": "tensor"}, "strategy: 'tensor'"),
+        ({}, {"num_bits": 8, "type": "int", "dynamic": False}, "dynamic: False"),
     ],
 )
 def test_int4_variants_not_built_are_refused(weights, acts, message):
@@ -225,3 +226,23 @@ def test_int8_activations_are_refused_without_int4_weights(checkpoint):
     path = build_fp8_block_checkpoint(src, (32, 32)) if checkpoint == "fp8" else src
     with pytest.raises(ValueError, match="--int4-int8-activations"):
         pdserve.Engine(model_path=path, dtype="float32", int4_int8_activations=True)
+
+
+def test_a_w4a8_checkpoint_serves_with_its_int8_activations(request):
+    """A W4A8 checkpoint (llm-compressor's preset: int8 activations per token, dynamic, in its
+    quantization_config) runs on the W4A8 kernel without the flag: HF's tokens with that
+    activation quantization."""
+    path = build_compressed_int4_checkpoint(
+        build_tiny_checkpoint("llama"), 32, int8_activations=True
+    )
+    eng = pdserve.Engine(
+        model_path=path, dtype="float32", torch_num_threads=1, max_total_tokens=8192
+    )
+    request.node._engine = eng
+    model = runner_model(eng)
+    impls = [
+        m.impl for m in model.modules() if isinstance(getattr(m, "impl", None), Int4GroupLinear)
+    ]
+    assert impls and all(lin.int8_activations for lin in impls)
+    hf = hf_with_int8_activations(path, decompressed_int4_checkpoint(path))
+    assert_hf_with_int8_activations(eng, hf, prompts_for(12)[:4])

@@ -1669,11 +1669,17 @@ def build_compressed_int8_checkpoint(src: str) -> str:
     return _cached("ct-int8", ["ct-int8", src, list(FP8_PROJECTIONS)], write)
 
 
-def _compressed_int4_scheme(group: int):
+def _compressed_int4_scheme(group: int, int8_activations: bool = False):
     """compressed-tensors' W4A16 scheme (llm-compressor's ``W4A16`` preset with ``group``):
-    symmetric int4 weights with a scale per output channel and group of k."""
+    symmetric int4 weights with a scale per output channel and group of k; ``int8_activations``:
+    W4A8, the activations int8 per token, dynamic (llm-compressor's ``W4A8`` preset)."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
+    acts = None
+    if int8_activations:
+        acts = QuantizationArgs(
+            num_bits=8, type="int", strategy="token", symmetric=True, dynamic=True
+        )
     return QuantizationScheme(
         targets=["Linear"],
         weights=QuantizationArgs(
@@ -1684,6 +1690,7 @@ def _compressed_int4_scheme(group: int):
             symmetric=True,
             dynamic=False,
         ),
+        input_activations=acts,
     )
 
 
@@ -1705,12 +1712,15 @@ def int4_compressed(weight: torch.Tensor, group: int) -> dict[str, torch.Tensor]
     return {key: value.contiguous() for key, value in packed.items()}
 
 
-def int4_compressed_config(group: int) -> dict:
-    """The ``quantization_config`` of ``int4_compressed``'s checkpoints."""
-    return _compressed_config("pack-quantized", _compressed_int4_scheme(group))
+def int4_compressed_config(group: int, int8_activations: bool = False) -> dict:
+    """The ``quantization_config`` of ``int4_compressed``'s checkpoints (``int8_activations``:
+    as W4A8)."""
+    return _compressed_config("pack-quantized", _compressed_int4_scheme(group, int8_activations))
 
 
-def build_compressed_int4_checkpoint(src: str, group: int = 32, experts_only: bool = False) -> str:
+def build_compressed_int4_checkpoint(
+    src: str, group: int = 32, experts_only: bool = False, int8_activations: bool = False
+) -> str:
     """``src`` (a tiny checkpoint) in the layout of compressed-tensors' ``pack-quantized`` format:
     each projection (``experts_only``: each routed expert's, as Kimi K2-Thinking publishes) as
     ``weight_packed`` I32, ``weight_scale`` [N, K/group] and ``weight_shape``, written by
@@ -1728,9 +1738,12 @@ def build_compressed_int4_checkpoint(src: str, group: int = 32, experts_only: bo
                     out[base + key] = value
             else:
                 out[name] = t
-        _write_checkpoint(src, tmp, out, int4_compressed_config(group), None)
+        _write_checkpoint(src, tmp, out, int4_compressed_config(group, int8_activations), None)
 
-    return _cached("ct-int4", ["ct-int4", src, group, experts_only, list(FP8_PROJECTIONS)], write)
+    key = ["ct-int4", src, group, experts_only, list(FP8_PROJECTIONS)]
+    if int8_activations:
+        key.append("w4a8")
+    return _cached("ct-int4", key, write)
 
 
 def decompressed_int4_checkpoint(src: str) -> str:
