@@ -4,9 +4,11 @@ layer's matmuls (q/k/v fused 2048 -> 3072, o 2048 -> 2048, gate/up fused 2048 ->
 -> 2048), MXFP4 (``--format mxfp4``, ``quantization/mxfp4.py``) on 8 GPT-OSS-20B-shaped experts
 (gate/up 2880 -> 5760, down 2880 -> 2880; a decode step reads 4 of them a layer), or int4 with a
 float scale per 32 (``--format int4``, compressed-tensors' pack-quantized) on 8 Kimi-K2-shaped
-experts (gate/up 7168 -> 4096, down 2048 -> 7168):
+experts (gate/up 7168 -> 4096, down 2048 -> 7168), and the same with int8 activations per row
+(``--format w4a8``, ``linear_int4_w4a8``; int4 and w4a8 weights in one buffer of 2 MiB pages, as
+an MoE layer's experts are served):
 
-    python benchmarks/quantized_weights.py [--format fp8|mxfp4|int4] [--tiers avx2,avx512,...]
+    python benchmarks/quantized_weights.py [--format fp8|mxfp4|int4|w4a8] [--tiers avx2,...]
         [--rows 1,8,64,512] [--json OUT]
 
 Each tier runs in its own process with ``PDSERVE_CPU_ISA=<tier>`` and oneDNN, MKL and ATen capped
@@ -39,6 +41,7 @@ WORKER = r"""
 import json, os, sys, time, torch
 torch.set_num_threads(1)
 from pdserve import kernels
+from pdserve.hostmem import huge_copies
 from pdserve.layers.linear import PackedBF16, pack_vnni16
 from pdserve.quantization.fp8_matmul import Fp8BlockLinear
 from pdserve.quantization.int4_matmul import Int4GroupLinear
@@ -70,15 +73,27 @@ if FORMAT == "fp8":
         lin.use_kernels(ops, onednn)
         kernel = lambda o, x, f=lin: ops.linear_fp8(o, x, f.packed, f.packed_scale, None, 128)
         layers.append((k, n, lin, PackedBF16(deq, None, ops), pack_vnni16(deq), kernel))
-elif FORMAT == "int4":
+elif FORMAT in ("int4", "w4a8"):
+    w4a8 = FORMAT == "w4a8"
     for expert in range(8):
         for k, n in [(7168, 4096), (2048, 7168)]:
             blocks = torch.randint(0, 256, (n, k // 2), dtype=torch.int32).to(torch.uint8)
-            lin = Int4GroupLinear(blocks, torch.rand(n, k // 32) * 1e-3 + 1e-4, None, 32)
+            lin = Int4GroupLinear(blocks, torch.rand(n, k // 32) * 1e-3 + 1e-4, None, 32, w4a8)
             deq = lin.dequantized().to(torch.bfloat16)
             lin.use_kernels(ops)
-            kernel = lambda o, x, f=lin: ops.linear_int4(o, x, f.packed, f.packed_scale, None, 32)
+            if w4a8:
+                kernel = lambda o, x, f=lin: ops.linear_int4_w4a8(
+                    o, x, f.packed, f.packed_scale, None, 32
+                )
+            else:
+                kernel = lambda o, x, f=lin: ops.linear_int4(
+                    o, x, f.packed, f.packed_scale, None, 32
+                )
             layers.append((k, n, lin, PackedBF16(deq, None, ops), pack_vnni16(deq), kernel))
+    # in one buffer of 2 MiB pages, as an MoE layer's experts are served
+    held = [layer[2] for layer in layers]
+    for lin, copy in zip(held, huge_copies([lin.packed for lin in held])):
+        lin.packed = copy
 else:
     for expert in range(8):
         for k, n in [(2880, 5760), (2880, 2880)]:
@@ -131,7 +146,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--tiers", default=None, help="comma-separated (default: every SIMD tier here)")
-    ap.add_argument("--format", choices=("fp8", "mxfp4", "int4"), default="fp8")
+    ap.add_argument("--format", choices=("fp8", "mxfp4", "int4", "w4a8"), default="fp8")
     ap.add_argument("--rows", default="1,8,64,512")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
