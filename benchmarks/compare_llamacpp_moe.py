@@ -19,7 +19,9 @@ scale per 128, the head in bf16; ``pdserve w4a8`` the same with ``--int4-int8-ac
 llama.cpp's Q4_0 multiplies int8 activations), ``pdserve fp8`` its FP8 block version
 (``quantized_decode.fp8_checkpoint``, 128x128 blocks). Closest types, not the same bits: Q4_0 has
 an fp16 scale per 32 weights (4.5 bits a weight), the int4 checkpoint a bf16 scale per 128 (4.125);
-Q8_0 an fp16 scale per 32 (8.5), FP8 a float32 scale per 128x128 block (8.0).
+Q8_0 an fp16 scale per 32 (8.5), FP8 a float32 scale per 128x128 block (8.0). ``--model gpt-oss``
+(``quantized_decode.gpt_oss_checkpoint``) with ``llama.cpp MXFP4`` (its ``MXFP4_MOE``: the experts
+in MXFP4) against ``pdserve mxfp4`` (the experts as GPT-OSS publishes them): the same format.
 """
 
 from __future__ import annotations
@@ -72,9 +74,19 @@ def main() -> None:
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "pdserve" / "models")
     ap.add_argument("--venv", type=Path, default=cl.CACHE / "llamacpp-venv")
     ap.add_argument("--contenders", default="llama.cpp bf16,pdserve bf16")
+    ap.add_argument(
+        "--model",
+        choices=("qwen3-moe", "gpt-oss"),
+        default="qwen3-moe",
+        help="gpt-oss: quantized_decode.py's GPT-OSS-20B shape cut to 12 layers x 8 experts, for "
+        "the MXFP4 contenders",
+    )
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    model = str(compare_vllm_moe.ensure_model(a.cache_dir))
+    if a.model == "gpt-oss":
+        model = quantized_decode.gpt_oss_checkpoint()
+    else:
+        model = str(compare_vllm_moe.ensure_model(a.cache_dir))
     py = cl.ensure_llama_cpp(a.venv)
     ids = list(range(1000, 1000 + a.prompt_len))  # the same token ids for every contender
 
@@ -88,11 +100,14 @@ def main() -> None:
         "llama.cpp bf16": lambda: llama(cl.bf16_gguf(model)),
         "llama.cpp Q4_0": lambda: llama(quantized_gguf(py, cl.bf16_gguf(model), "Q4_0")),
         "llama.cpp Q8_0": lambda: llama(quantized_gguf(py, cl.bf16_gguf(model), "Q8_0")),
+        # its experts in MXFP4, the rest as the bf16 GGUF has it (llama.cpp's MXFP4_MOE)
+        "llama.cpp MXFP4": lambda: llama(quantized_gguf(py, cl.bf16_gguf(model), "MXFP4_MOE")),
         "pdserve bf16": lambda: pdserve(model, "bfloat16"),
         "pdserve w8a8_int8": lambda: pdserve(model, "w8a8"),
         "pdserve w4a16": lambda: pdserve(quantized_decode.int4_checkpoint(model), "bfloat16"),
         "pdserve w4a8": lambda: pdserve(quantized_decode.int4_checkpoint(model), "w4a8"),
         "pdserve fp8": lambda: pdserve(quantized_decode.fp8_checkpoint(model), "bfloat16"),
+        "pdserve mxfp4": lambda: pdserve(quantized_decode.mxfp4_checkpoint(model), "bfloat16"),
     }
     names = a.contenders.split(",")
     for n in names:
