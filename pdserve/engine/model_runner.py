@@ -80,6 +80,7 @@ class ModelRunner:
             moe=args.moe_options(),
             model_cls=model_cls,
             language_only=args.language_only,
+            fmt=fmt,
         )
         if self.ops is not None:
             self.model.use_cpu_kernels(self.ops)

@@ -20,6 +20,7 @@ from pdserve.models.multimodal import (
     text_model_weights,
 )
 from pdserve.models.registry import model_class
+from pdserve.quantization.base import WeightFormat
 from pdserve.quantization.registry import weight_format
 
 logger = logging.getLogger(__name__)
@@ -152,10 +153,13 @@ def load_model(
     moe: Any = None,
     model_cls: Optional[type] = None,
     language_only: bool = False,
+    fmt: Optional[WeightFormat] = None,
 ) -> tuple[nn.Module, object]:
     """(model in eval mode on ``device``, HF config); with ``tp``, this rank's shard of it (only
     that shard is read from the checkpoint); ``model_cls`` instead of the config's architecture;
-    ``language_only``: a vision-language model without its vision tower."""
+    ``language_only``: a vision-language model without its vision tower; ``fmt``: the checkpoint's
+    weight format as the caller made it (checked against its flags), else one read from the
+    config."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(
             f"load_format: must be 'auto', 'safetensors' or 'dummy', got {load_format!r}"
@@ -170,7 +174,10 @@ def load_model(
     # parameters are allocated once, uninitialised, in their final dtype and place (a quantized
     # layer's are replaced before anything is written to them: they never take memory)
     model = allocate(model, torch_dtype, device)
-    fmt = weight_format(hf_config) if load_format != "dummy" else None
+    if load_format == "dummy":
+        fmt = None
+    elif fmt is None:
+        fmt = weight_format(hf_config)
     if load_format == "dummy":
         init_dummy_weights(model, getattr(hf_config, "initializer_range", 0.02), seed)
     else:

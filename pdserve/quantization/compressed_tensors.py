@@ -201,21 +201,11 @@ class CompressedInt4(CompressedTensors):
         return codes(q).float() - 8.0
 
     def _linear(self, weight: torch.Tensor, scale: torch.Tensor, bias) -> Any:
-        return Int4GroupLinear(weight, scale, bias, self.block[1])
+        return Int4GroupLinear(weight, scale, bias, self.block[1], self.int8_activations)
 
     def _experts(self, module: nn.Module) -> Any:
-        group = self.block[1]
-        return QuantizedExperts(module, lambda w, s, b: Int4GroupLinear(w, s, b, group))
-
-    def use_kernels(self, model: nn.Module, ops: Any, batch_invariant: bool = False) -> int:
-        if self.int8_activations:  # every int4 matmul, the experts' too, on linear_int4_w4a8
-            for module in model.modules():
-                impl = getattr(module, "impl", None)
-                pairs = getattr(impl, "linears", [(impl,)])
-                for linear in (m for pair in pairs for m in pair):
-                    if isinstance(linear, Int4GroupLinear):
-                        linear.int8_activations = True
-        return super().use_kernels(model, ops, batch_invariant)
+        group, int8 = self.block[1], self.int8_activations
+        return QuantizedExperts(module, lambda w, s, b: Int4GroupLinear(w, s, b, group, int8))
 
     @staticmethod
     def _as_weight(name: str) -> str:

@@ -34,11 +34,8 @@ void linear_vnni(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
 void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& colsum,
                  const at::Tensor& w_scale, c10::optional<at::Tensor> bias);
 void fp8_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& scale, int64_t block_k);
-void linear_int4_w4a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                      c10::optional<at::Tensor> bias, int64_t group);
-void linear_panels(const char* op, int codes, at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
-                   const at::Tensor& scale, const c10::optional<at::Tensor>& bias, int64_t block_k,
-                   int64_t amx_min_rows);
+void linear_codes(int codes, at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                  const c10::optional<at::Tensor>& bias, int64_t block_k, int64_t amx_min_rows);
 
 namespace {
 
@@ -93,10 +90,7 @@ struct Linear {
     if (f_packed.defined() && x.size(0) > fp8_max_rows) return fp8_dequantized_matmul(x);
     at::Tensor out = workspace(buf, {x.size(0), out_features}, x);
     if (f_packed.defined()) {
-      if (f_codes == 3)  // int4 with int8 activations (int4_w4a8.cpp)
-        linear_int4_w4a8(out, x, f_packed, f_scale, bias, f_block_k);
-      else
-        linear_panels("DecodeModel", int(f_codes), out, x, f_packed, f_scale, bias, f_block_k, fp8_amx_min_rows);
+      linear_codes(int(f_codes), out, x, f_packed, f_scale, bias, f_block_k, fp8_amx_min_rows);
       return out;
     }
     if (q_packed.defined())

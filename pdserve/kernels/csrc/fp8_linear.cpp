@@ -248,9 +248,9 @@ void run_linear(Fp8Args a, const at::Tensor& x, int64_t amx_min_rows) {
   const int64_t NP = (a.N + kFp8Panel - 1) / kFp8Panel, bk = a.bk;
   const bool avx512 = use_avx512(), v8 = use_vec8();
   at::parallel_for(0, NP, 1, [&](int64_t b, int64_t e) {
-    // one widened k block per thread (M > 1, the 8-lane tiers)
+    // one widened k block per thread, where the 8-lane tiers run tiles
     std::unique_ptr<float, void (*)(void*)> wbuf(
-        M > 1 && !avx512 ? static_cast<float*>(std::aligned_alloc(64, ((bk * kFp8Panel * 4 + 63) / 64) * 64)) : nullptr,
+        M > kVec8StreamRows && !avx512 ? static_cast<float*>(std::aligned_alloc(64, ((bk * kFp8Panel * 4 + 63) / 64) * 64)) : nullptr,
         &std::free);
 #if PDS_X86
     if (avx512) {

@@ -2,9 +2,9 @@
 // as they stream in (the layout and the arithmetic are in fp8_linear.h).
 //
 // A panel is taken one k block (bk lines, 8 KiB at 128) at a time, its partial sums scaled into the
-// row block's sums in `acc` at the end of the block. One row: the lines are widened in registers as
-// they stream in. More rows: the block is widened once into `wbuf` (float32, 32 KiB at 128, in L1)
-// and tiles of up to 6 rows x 16 outputs run on it. 4-bit panels (MXFP4, int4): each quarter
+// row block's sums in `acc` at the end of the block. Up to 3 rows: the lines are widened in
+// registers as they stream in. More rows: the block is widened once into `wbuf` (float32, 32 KiB
+// at 128, in L1) and tiles of up to 6 rows x 16 outputs run on it. 4-bit panels (MXFP4, int4): each quarter
 // line's codes are looked up as their values first (fp8_linear.h), then the same.
 #include "fp8_linear.h"
 #include "vec8.h"
@@ -79,7 +79,7 @@ PDS_VI void widen_quarter(const uint8_t* line, int q, F8& first, F8& last) {
 // Measured at the AVX2 tier on Zen 4 (int4, 1536 x 2048): 2 rows 1.25x one row's time (1.5x with
 // the tiles), 3 rows 1.7x (2.7x); 4 rows streamed were slower than the tiles, and so were 8 and
 // 64 in groups.
-constexpr int kStreamRows = 3;
+constexpr int kStreamRows = int(kVec8StreamRows);
 
 template <int C, int R, int Q>
 PDS_V8 void row_block(const Fp8Args& a, int64_t np, int64_t kb, int64_t m0, float* acc) {

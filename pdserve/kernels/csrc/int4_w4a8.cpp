@@ -21,26 +21,24 @@
 // layout of vpdpbusd. Padding codes (outputs past N, k past K) multiply x's zero padding. Scales:
 // [ceil(N/64), ceil(K/group), 64] float32 in output order.
 #include "common.h"
+#include "fp8_linear.h"
 
 #include <ATen/Parallel.h>
-#ifndef PDS_W4A8_PREFETCH
-#define PDS_W4A8_PREFETCH 2048
-#endif
 
 #include <algorithm>
 #include <vector>
 
-#if PDS_X86
-#define PDS_AVX512_VNNI_W4 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2")))
-#endif
-
 namespace pds {
+
+void linear_panels(const char* op, int codes, at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
+                   const at::Tensor& scale, const c10::optional<at::Tensor>& bias, int64_t block_k,
+                   int64_t amx_min_rows);
 
 namespace {
 
 constexpr int64_t kPanel = 64, kQuad = 128;
 // how far ahead the quads stream is prefetched into L2 (both lines of a quad)
-constexpr int64_t kPrefetchBytes = PDS_W4A8_PREFETCH;
+constexpr int64_t kPrefetchBytes = 2048;
 
 struct W4A8Args {
   const uint8_t* w;  // [NP, KQ, 128]
@@ -97,7 +95,7 @@ void panel_scalar(const W4A8Args& a, int64_t np, int64_t m, float* acc) {
 #if PDS_X86
 // R rows of panel np from the packed quads: 4 R int32 accumulators of 16 lanes a group
 template <int R>
-PDS_AVX512_VNNI_W4 void panel_vnni(const W4A8Args& a, int64_t np, int64_t m0, float* acc) {
+PDS_AVX512_VNNI void panel_vnni(const W4A8Args& a, int64_t np, int64_t m0, float* acc) {
   const uint8_t* base = a.w + np * a.KQ * kQuad;
   const __m512i nib = _mm512_set1_epi8(0x0F);
   for (int r = 0; r < R; ++r)
@@ -107,7 +105,6 @@ PDS_AVX512_VNNI_W4 void panel_vnni(const W4A8Args& a, int64_t np, int64_t m0, fl
     __m512i isum[R][4];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < 4; ++j) isum[r][j] = _mm512_setzero_si512();
-#pragma GCC unroll 4
     for (int64_t q = q0; q < q1; ++q) {
       const uint8_t* p = base + q * kQuad;
       _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T1);
@@ -264,6 +261,14 @@ void linear_int4_w4a8(at::Tensor out, const at::Tensor& x, const at::Tensor& pac
         ++m0;
       }
   });
+}
+
+// A weight of the panel formats by its codes (fp8_linear.h's, or kCodesW4A8): the one dispatch the
+// experts' call and the decode stack share
+void linear_codes(int codes, at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                  const c10::optional<at::Tensor>& bias, int64_t block_k, int64_t amx_min_rows) {
+  if (codes == kCodesW4A8) return linear_int4_w4a8(out, x, packed, scale, bias, block_k);
+  linear_panels("linear_codes", codes, out, x, packed, scale, bias, block_k, amx_min_rows);
 }
 
 }  // namespace pds

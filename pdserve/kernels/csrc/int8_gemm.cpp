@@ -107,7 +107,6 @@ void int8_scalar(const Int8Args& a, int64_t np0, int64_t np1) {
 }
 
 #if PDS_X86
-#define PDS_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2")))
 
 template <typename T>
 PDS_AVX512_VNNI inline void finish(const Int8Args& a, int64_t m, int64_t n0, __m512i acc) {

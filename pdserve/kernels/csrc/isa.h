@@ -27,6 +27,7 @@
 #define PDS_AVX2_VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 #define PDS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2,f16c")))
 #define PDS_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,avx2")))
+#define PDS_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2")))
 #elif defined(__aarch64__)
 #define PDS_X86 0
 #define PDS_ARM 1

@@ -123,7 +123,6 @@ void tile_int8_scalar(const Tile& t) {
 }
 
 #if PDS_X86
-#define PDS_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2")))
 
 // baseline SSE: inlines into every target
 inline void prefetch_ahead(const uint8_t* step) {

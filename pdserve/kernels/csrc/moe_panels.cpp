@@ -1,9 +1,9 @@
 // A layer's MoE experts on quantized panels (FP8 blocks, MXFP4, int4: fp8_linear.h) in one call:
 // the (token, slot) pairs are grouped by expert (ascending pair index within an expert), and per
 // expert with tokens, in ascending expert order:
-//   gu = x[tok] W13^T + b13 (linear_panels, rounded to x's dtype),
+//   gu = x[tok] W13^T + b13 (linear_codes, rounded to x's dtype),
 //   a  = act(gate, up) in float32, rounded once to x's dtype,
-//   y  = a W2^T + b2 (linear_panels, rounded to x's dtype),
+//   y  = a W2^T + b2 (linear_codes, rounded to x's dtype),
 //   out[t] += float(y) * weight (float32, experts in ascending order from zero)
 // which is the reference loop of layers/moe/experts.py over the format's matmuls, without Python
 // between the experts (at one row a layer's 8 experts were about 24 small torch calls). Every
@@ -21,23 +21,11 @@
 
 namespace pds {
 
-// fp8_linear.cpp: the checked entry point of linear_fp8 / linear_mxfp4 / linear_int4
-void linear_panels(const char* op, int codes, at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
-                   const at::Tensor& scale, const c10::optional<at::Tensor>& bias, int64_t block_k,
-                   int64_t amx_min_rows);
-void linear_int4_w4a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                      c10::optional<at::Tensor> bias, int64_t group);
+// int4_w4a8.cpp: the matmul of a weight of the panel formats by its codes
+void linear_codes(int codes, at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                  const c10::optional<at::Tensor>& bias, int64_t block_k, int64_t amx_min_rows);
 
 namespace {
-
-constexpr int kCodesW4A8 = 3;  // int4 codes with int8 activations (int4_w4a8.cpp)
-
-// the format's matmul: the panel kernels, or W4A8's
-void expert_linear(int codes, at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                   const c10::optional<at::Tensor>& bias, int64_t block_k, int64_t amx_min_rows) {
-  if (codes == kCodesW4A8) return linear_int4_w4a8(out, x, packed, scale, bias, block_k);
-  linear_panels("PanelExperts", codes, out, x, packed, scale, bias, block_k, amx_min_rows);
-}
 
 constexpr const char* kOp = "PanelExperts";
 
@@ -163,12 +151,12 @@ class PanelExperts {
       at::Tensor gu = at::empty({n, 2 * I_}, dt), a = at::empty({n, I_}, dt), y = at::empty({n, H_}, dt);
       const c10::optional<at::Tensor> bias13 = b13.empty() ? c10::nullopt : c10::optional<at::Tensor>(b13[e]);
       const c10::optional<at::Tensor> bias2 = b2.empty() ? c10::nullopt : c10::optional<at::Tensor>(b2[e]);
-      expert_linear(codes_, gu, xs, w13_[e], s13_[e], bias13, bk13_, amx_min_rows);
+      linear_codes(codes_, gu, xs, w13_[e], s13_[e], bias13, bk13_, amx_min_rows);
       if (bf16)
         activate_rows(data<uint16_t>(gu), data<uint16_t>(a), n, I_, act_, alpha_, limit_);
       else
         activate_rows(data<float>(gu), data<float>(a), n, I_, act_, alpha_, limit_);
-      expert_linear(codes_, y, a, w2_[e], s2_[e], bias2, bk2_, amx_min_rows);
+      linear_codes(codes_, y, a, w2_[e], s2_[e], bias2, bk2_, amx_min_rows);
       for (int64_t r = 0; r < n; ++r) {
         float* row = op + (pe[r] / K) * H_;
         if (bf16)
