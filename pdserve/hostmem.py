@@ -33,9 +33,7 @@ def huge_empty(nbytes: int) -> torch.Tensor:
 
 def huge_like(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of CPU tensor ``t`` in 2 MiB pages."""
-    out = huge_empty(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
-    out.copy_(t)
-    return out
+    return huge_copies([t])[0]
 
 
 def huge_copies(tensors: list[torch.Tensor], align: int = 64) -> list[torch.Tensor]:

@@ -21,11 +21,6 @@ from pdserve.hostmem import huge_copies
 FUSED_ACTIVATIONS = ("silu", "swiglu_oai")
 
 
-def _panels(linear: Any) -> Any:
-    panels = getattr(linear, "panels", None)
-    return None if panels is None else panels()
-
-
 class QuantizedExperts:
     def __init__(self, experts: nn.Module, linear: Callable[..., Any]):
         """``linear(weight, scale, bias)``: the format's matmul over one expert's slices."""
@@ -73,7 +68,7 @@ class QuantizedExperts:
         ):
             return None
         # formats of other kernels (int8 channels) have no panels
-        parts = [(_panels(a), _panels(b)) for a, b in self.linears]
+        parts = [(a.panels(), b.panels()) for a, b in self.linears]
         if any(p is None or q is None for p, q in parts):
             return None
         kinds = {(p.codes, p.block_k, q.codes, q.block_k, p.amx_min_rows) for p, q in parts}

@@ -42,6 +42,10 @@ class Int8ChannelLinear:
             self.packed = PackedW8A8.from_int8(self.weight, self.scale, self.bias, ops)
             self.weight, self.scale = None, None
 
+    def panels(self) -> None:
+        """None: its kernels are the int8 ones, not the panel kernels (``matmul.Panels``)."""
+        return None
+
     def dequantized(self) -> torch.Tensor:
         """The weight in float32, ``q * scale`` (compressed-tensors' decompression)."""
         return self.weight.float() * self.scale.float()
