@@ -1,5 +1,6 @@
 """The CPU fast paths of a Llama-family model (``CpuPathsMixin``): pdserve's kernels for the
-per-token ops, prepacked matmuls, and the C++ decoder stack for decode steps."""
+per-token ops, prepacked matmuls, and the C++ decoder stack for decode steps (dense MLPs, and the
+sparse MLPs of the MoE families whose router and experts it runs)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,13 @@ from pdserve.layers.linear import (
     PackedW8A8,
     prepack_linears,
 )
+from pdserve.layers.mlp import GatedMLP
+from pdserve.layers.moe.fused import PackedExperts
+from pdserve.layers.moe.layer import SparseMoE
+from pdserve.layers.moe.router import SoftmaxTopK
 from pdserve.layers.norm import RMSNorm
 from pdserve.models.decoder import PRE_NORM
+from pdserve.quantization.experts import QuantizedExperts
 from pdserve.quantization.int8_matmul import Int8ChannelLinear
 from pdserve.quantization.matmul import QuantizedLinear
 
@@ -74,15 +80,24 @@ class CpuPathsMixin:
         """Run decode-only batches through ``ops.DecodeModel`` (after ``prepack`` with ``ops``): the
         same kernels as the layer-by-layer path, without Python between them. Single-rank models
         only (the stack has no collectives), whole models (no pipeline stage), one cache group;
-        returns whether it was enabled."""
+        a sparse MLP only where ``_sparse_parts`` takes it; returns whether it was enabled."""
         specs = {s for entry in self.kv_cache_specs() for s in specs_of(entry)}
         if self.par.world.size > 1 or len(specs) > 1:
             return False  # the stack has no collectives and reads one pool (one cache group)
         if any(layer.has_sinks or layer.logit_softcap for layer in self.attention_layers()):
             return False  # its attention kernel has no sinks and no soft-cap
-        if getattr(self.model.layers[0].mlp, "activation", None) != "silu":
+        layers = self.model.own_layers
+        if not all(_stack_runs(layer) for layer in layers):
+            return False
+        dense = [layer.mlp for layer in layers if not isinstance(layer.mlp, SparseMoE)]
+        if any(getattr(mlp, "activation", None) != "silu" for mlp in dense):
             return False  # its MLP kernel is SiLU-and-mul
-        if not all(_stack_runs(layer) for layer in self.model.own_layers):
+        sparse = {
+            i: _sparse_parts(layer.mlp)
+            for i, layer in enumerate(layers)
+            if isinstance(layer.mlp, SparseMoE)
+        }
+        if any(parts is None for parts in sparse.values()):
             return False
         if any(
             _stack_matmul(m.impl) is None for m in self.model.modules() if isinstance(m, Linear)
@@ -121,19 +136,30 @@ class CpuPathsMixin:
                 return [impl.vnni, None, impl.bias, torch.tensor(impl.out_features)]
             return [impl.vnni, impl.onednn, impl.bias]
 
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             stack.add_layer(
                 layer.input_layernorm.weight.data,
                 layer.post_attention_layernorm.weight.data,
                 parts(attn.qkv_proj),
                 parts(attn.o_proj),
-                parts(mlp.gate_up_proj),
-                parts(mlp.down_proj),
+                [] if i in sparse else parts(mlp.gate_up_proj),
+                [] if i in sparse else parts(mlp.down_proj),
                 None if attn.q_norm is None else attn.q_norm.weight.data,
                 None if attn.k_norm is None else attn.k_norm.weight.data,
                 attn.attn.span or 0,  # a window, or an attention chunk as -C
             )
+            if i in sparse:
+                router, experts, shared = sparse[i]
+                shared_parts = [[], [], []]
+                if shared is not None:
+                    mlp_, gate = shared
+                    shared_parts = [
+                        parts(mlp_.gate_up_proj),
+                        parts(mlp_.down_proj),
+                        [] if gate is None else parts(gate),
+                    ]
+                stack.set_moe(i, *router, *experts, *shared_parts)
         self.model.decode_stack = stack
         return True
 
@@ -148,6 +174,62 @@ def _stack_matmul(impl):
     if isinstance(impl, QuantizedLinear) and impl.panels() is not None:
         return impl
     return None
+
+
+def _sparse_parts(block: SparseMoE) -> Optional[tuple]:
+    """``DecodeModel.set_moe``'s arguments for ``block``: (router, experts, shared), or None where
+    the stack would not compute what ``SparseMoE.run`` does on one rank: a router other than
+    ``SoftmaxTopK``, an expert norm, weights on the input, experts copied or recorded, routed
+    experts returned, or experts on a kernel the stack does not call."""
+    ctx = block.ctx
+    router = getattr(block, block.router_name)
+    experts = block.experts
+    placement = ctx.placement
+    if (
+        type(router) is not SoftmaxTopK
+        or block.expert_norm is not None
+        or block.weights_on_input
+        or ctx.a2a
+        or ctx.observers
+        or ctx.options.capture_routed_experts
+        or placement.ep_size != 1
+        or list(placement.physical_to_logical[block.layer_id]) != list(range(router.num_experts))
+    ):
+        return None
+    if router.invariant is not None:
+        gate = _stack_matmul(router.invariant)
+        if gate is None or not isinstance(gate, PackedBF16):
+            return None
+        gate_parts = [gate.vnni, None, gate.bias, torch.tensor(gate.out_features)]
+    else:
+        if router.fp32_logits:
+            return None
+        gate_parts = [router.weight.data, None if router.bias is None else router.bias.data]
+    route = (gate_parts, router.top_k, router.renormalize, router.cast_back)
+    impl = experts.impl
+    if isinstance(impl, QuantizedExperts) and impl.fused is not None:
+        fused = (impl.fused, impl.amx_min_rows, impl.fused_max_rows, [], None, None, "", 0.0, 0.0)
+    elif isinstance(impl, PackedExperts):
+        tensors = [impl.w13, impl.w2]
+        if impl.quantization is not None:
+            tensors += [impl.w13_colsum, impl.w13_scale, impl.w2_colsum, impl.w2_scale]
+        big = 1 << 62
+        fused = (None, -1, big, tensors, impl.b13, impl.b2, impl.activation, impl.alpha, impl.limit)
+    else:
+        return None
+    shared = None
+    if block.has_shared:
+        mlp = getattr(block, block.shared_name)
+        gate = block.shared_expert_gate if block.has_shared_gate else None
+        linears = [mlp.gate_up_proj, mlp.down_proj] + ([gate] if gate is not None else [])
+        if (
+            type(mlp) is not GatedMLP
+            or mlp.activation != "silu"
+            or any(_stack_matmul(lin.impl) is None for lin in linears)
+        ):
+            return None
+        shared = (mlp, gate)
+    return route, fused, shared
 
 
 def _stack_runs(layer) -> bool:

@@ -356,6 +356,7 @@ class LlamaModel(nn.Module):
             and fb.is_decode_only
             and not self.capture_layers
             and fb.adapters is None  # LoRA deltas come after the layers' own matmuls
+            and h.shape[0] <= self.decode_stack.max_rows()  # its experts' kernels' limit
         ):
             table, lens = fb.int32_tables()  # the stack exists only for one-group models
             cos, sin = ropes["default"]  # float32: the stack exists only with the kernels

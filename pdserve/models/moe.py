@@ -206,9 +206,6 @@ class MoEForCausalLM(LlamaForCausalLM):
                 total += packed
         return total
 
-    def enable_decode_stack(self, ops, batch_invariant: bool = False) -> bool:
-        return False  # the C++ decode stack is the dense Llama block
-
 
 class Qwen3MoeForCausalLM(MoEForCausalLM):
     qk_norm = True

@@ -249,3 +249,36 @@ def test_moe_w8a8_int8_experts_follow_float32_where_it_is_decisive():
             assert tok == top.indices[0].item(), f"prompt of {len(ids)} tokens"
     assert decisive >= len(prompts) // 2, f"only {decisive} decisive prompts"
     assert eng.check_integrity()["in_use_pages"] == 0
+
+
+@pytest.mark.parametrize(
+    "arch,options",
+    [
+        ("qwen3_moe", {}),  # a dense layer between sparse ones
+        ("qwen3_moe-no-renorm", {}),
+        ("qwen2_moe", {}),  # a shared expert behind a sigmoid gate
+        ("mixtral", {}),  # weights kept in float32
+        ("qwen3_moe", {"quantization": "w8a8_int8"}),  # the fused int8 experts
+        ("qwen3_moe", {"enable_deterministic_inference": True}),  # the GEMV-only router
+    ],
+)
+def test_decode_stack_runs_sparse_layers_as_the_layers(arch, options):
+    """The C++ decoder stack takes the sparse MLPs of the families whose router and experts it
+    runs: their decode steps give the layer-by-layer path's tokens and logprobs bit for bit."""
+    from pdserve import kernels
+
+    if kernels.load() is None:
+        pytest.skip(f"the CPU kernels are not available here: {kernels.unavailable_reason()}")
+    from tests.e2e.test_fp8_checkpoint import assert_decode_stack_is_the_layers
+
+    eng = make_engine(checkpoint(arch), dtype="bfloat16", disable_radix_cache=True, **options)
+    assert_decode_stack_is_the_layers(eng)
+    assert eng.check_integrity()["in_use_pages"] == 0
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "llama4", "ernie4_5_moe", "minimax_m2"])
+def test_decode_stack_stays_off_where_it_would_differ(arch):
+    """Sinks, experts weighted on their input, a selection bias, sigmoid routing: the stack does
+    not compute these, so the model keeps its layer-by-layer decode."""
+    eng = make_engine(build_tiny_checkpoint(arch), dtype="bfloat16")
+    assert eng.scheduler.runner.model.model.decode_stack is None

@@ -355,17 +355,20 @@ def assert_router_equals_engine(router, eng, prompts: list[list[int]], tolerance
         assert max(abs(a - b) for a, b in zip(lp, ref)) < tolerance
 
 
-@pytest.mark.parametrize("max_rows", [None, 2])
-def test_decode_stack_on_fp8_weights_equals_layer_by_layer_path(monkeypatch, max_rows, request):
-    """bf16 compute: the C++ decoder stack runs the FP8 layers on the same kernels as the Python
-    layers, identical tokens and logprobs (2: batches of 5 take the dequantized panels and the
-    BLAS GEMM on both paths, the path hosts with oneDNN's bf16 and no AMX take)."""
+@pytest.mark.parametrize("arch,max_rows", [("qwen3", None), ("qwen3", 2), ("qwen3_moe", None)])
+def test_decode_stack_on_fp8_weights_equals_layer_by_layer_path(
+    monkeypatch, arch, max_rows, request
+):
+    """bf16 compute: the C++ decoder stack runs the FP8 layers (a MoE's experts too) on the same
+    kernels as the Python layers, identical tokens and logprobs (2: batches of 5 take the
+    dequantized panels and the BLAS GEMM on both paths, the path hosts with oneDNN's bf16 and no
+    AMX take)."""
     if max_rows is not None:
         from pdserve.quantization import fp8_matmul
 
         monkeypatch.setattr(fp8_matmul, "KERNEL_MAX_ROWS", max_rows)
     eng = pdserve.Engine(
-        model_path=fp8("qwen3", (32, 32)),
+        model_path=fp8(arch, (32, 32)),
         dtype="bfloat16",
         torch_num_threads=1,
         max_total_tokens=8192,
@@ -387,6 +390,7 @@ def assert_decode_stack_is_the_layers(eng) -> None:
     model = runner_model(eng).model
     assert model.decode_stack is not None
     prompts = prompts_for(6)[:5]
+    assert model.decode_stack.max_rows() >= len(prompts)  # the batch runs through it
     sp = {**GREEDY, "max_new_tokens": 12}
     with_stack = eng.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
     stack, model.decode_stack = model.decode_stack, None

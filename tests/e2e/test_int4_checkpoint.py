@@ -163,11 +163,13 @@ def test_pd_kimi_layout_prefill_on_two_ranks_gives_hf_tokens(pd_kimi_layout):
         assert r.json()["output_ids"] == hf_greedy(ref, ids, GREEDY["max_new_tokens"])
 
 
-def test_decode_stack_on_int4_weights_equals_layer_by_layer_path(request):
-    """bf16 compute: a dense int4 model decodes through the C++ decoder stack (linear_int4 on
-    every projection) with the layer-by-layer path's tokens and logprobs, bit for bit."""
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_decode_stack_on_int4_weights_equals_layer_by_layer_path(arch, request):
+    """bf16 compute: an int4 model decodes through the C++ decoder stack (linear_int4 on every
+    projection; a MoE's experts in one PanelExperts call a layer) with the layer-by-layer path's
+    tokens and logprobs, bit for bit."""
     eng = pdserve.Engine(
-        model_path=int4("llama"),
+        model_path=int4(arch),
         dtype="bfloat16",
         torch_num_threads=1,
         max_total_tokens=8192,
@@ -201,11 +203,12 @@ def test_int8_activations_give_hf_tokens_with_the_schemes_activations(arch, requ
     assert_hf_with_int8_activations(eng, hf, prompts_for(12)[:4])
 
 
-def test_int8_activations_decode_stack_and_batch_invariance(request):
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_int8_activations_decode_stack_and_batch_invariance(arch, request):
     """W4A8 in bf16 compute: the C++ decoder stack gives the layer-by-layer path's bits, and a
     request's tokens and logprobs do not depend on its batch (deterministic serving)."""
     eng = pdserve.Engine(
-        model_path=int4("llama"),
+        model_path=int4(arch),
         dtype="bfloat16",
         torch_num_threads=1,
         max_total_tokens=8192,

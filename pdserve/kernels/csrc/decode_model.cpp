@@ -8,15 +8,28 @@
 //   q, k, v = split(x Wqkv + b); [q, k = per-head norms]; q, k = rope(q, k); store k, v
 //   h = attention(q, pool) Wo + b
 //   residual += h; x = norm2(residual); h = (silu(x Wg) * (x Wu)) Wd
+// A sparse layer's MLP (set_moe) is instead, as layers/moe/ runs it on one rank:
+//   logits = x Wr (+ b); p = softmax(logits) in float32; w, ids = top-k of p (w / sum(w) when
+//   renormalised; cast to the logits' dtype and back when the family casts back);
+//   h = round(sum_k w_k expert_{ids_k}(x)) (+ the shared expert, times sigmoid(x Wsg) if gated)
+// with the experts on the panel kernels (PanelExperts) or the fused bf16 / int8 kernel (moe.cpp).
 // Each row of the batch is one request's new token at position seq_lens[i] - 1.
 #include <torch/csrc/utils/pybind.h>  // pybind11 with torch's tensor type caster
 
 #include "common.h"
+#include "moe_panels.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/addmm.h>
+#include <ATen/ops/linear.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/topk.h>
 
+#include <limits>
+#include <memory>
+#include <string>
 #include <vector>
 
 namespace pds {
@@ -36,6 +49,14 @@ void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
 void fp8_dequantize(at::Tensor out, const at::Tensor& packed, const at::Tensor& scale, int64_t block_k);
 void linear_codes(int codes, at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                   const c10::optional<at::Tensor>& bias, int64_t block_k, int64_t amx_min_rows);
+void moe_experts_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                      const at::Tensor& w13, const at::Tensor& w2, c10::optional<at::Tensor> b13,
+                      c10::optional<at::Tensor> b2, const std::string& activation, double alpha, double limit);
+void moe_experts_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                      const at::Tensor& w13, const at::Tensor& w13_colsum, const at::Tensor& w13_scale,
+                      const at::Tensor& w2, const at::Tensor& w2_colsum, const at::Tensor& w2_scale,
+                      c10::optional<at::Tensor> b13, c10::optional<at::Tensor> b2, const std::string& activation,
+                      double alpha, double limit);
 
 namespace {
 
@@ -62,6 +83,7 @@ at::Tensor workspace(at::Tensor& buf, at::IntArrayRef sizes, const at::Tensor& l
 constexpr int64_t kFp8DequantRows = 256;
 
 struct Linear {
+  at::Tensor plain;  // a weight multiplied by at::linear (F.linear's op), or undefined
   at::Tensor vnni;  // GEMV layout, or undefined
   at::Tensor onednn;  // oneDNN prepacked, or undefined
   at::Tensor q_packed, q_colsum, q_scale;  // w8a8_int8 weights, or undefined
@@ -86,6 +108,7 @@ struct Linear {
 
   // x Wᵀ (+ bias) into `buf` (reallocated when its shape differs), or a new tensor from oneDNN
   at::Tensor operator()(const at::Tensor& x, int64_t gemv_max_rows, at::Tensor& buf) const {
+    if (plain.defined()) return at::linear(x, plain, bias);
     if (onednn.defined() && !(vnni.defined() && x.size(0) <= gemv_max_rows)) return onednn_linear(x, onednn, bias);
     if (f_packed.defined() && x.size(0) > fp8_max_rows) return fp8_dequantized_matmul(x);
     at::Tensor out = workspace(buf, {x.size(0), out_features}, x);
@@ -101,11 +124,29 @@ struct Linear {
   }
 };
 
+// A sparse layer's MLP (set_moe): the router, the experts on one of two kernels, a shared expert
+struct Moe {
+  Linear router;
+  int64_t top_k = 0;
+  bool renormalize = false, cast_back = false;
+  std::shared_ptr<PanelExperts> panels;  // quantized experts, or null
+  int64_t amx_min_rows = -1;
+  // the fused kernel's (moe.cpp) packed experts: [w13, w2] bf16, or with
+  // [w13_colsum, w13_scale, w2_colsum, w2_scale] w8a8_int8
+  std::vector<at::Tensor> fused;
+  c10::optional<at::Tensor> b13, b2;
+  std::string activation;
+  double alpha = 0, limit = 0;
+  bool shared = false, shared_gated = false;
+  Linear shared_gate_up, shared_down, shared_gate;
+};
+
 struct Layer {
   at::Tensor norm1, norm2;
   Linear qkv, o, gate_up, down;
   c10::optional<at::Tensor> q_norm, k_norm;
   int64_t window = 0;
+  std::unique_ptr<Moe> moe;  // set: the MLP is sparse (gate_up and down unused)
 };
 
 // [M, heads, D] rows of a [M, width] tensor starting at column `col`
@@ -130,15 +171,67 @@ class DecodeModel {
     l.norm2 = norm2;
     l.qkv = make_linear(qkv, "qkv");
     l.o = make_linear(o, "o");
-    l.gate_up = make_linear(gate_up, "gate_up");
-    l.down = make_linear(down, "down");
+    // a sparse layer's MLP comes with set_moe
+    if (!gate_up.empty() || !down.empty()) {
+      l.gate_up = make_linear(gate_up, "gate_up");
+      l.down = make_linear(down, "down");
+    }
     l.q_norm = q_norm;
     l.k_norm = k_norm;
     l.window = window;
     layers_.push_back(std::move(l));
   }
 
+  // Layer `index`'s MLP becomes sparse: router parts (make_linear's forms, or [weight, bias or
+  // None] for at::linear), top-k with the SoftmaxTopK options; the experts as `panels`
+  // (PanelExperts, with its amx_min_rows and the largest batch it takes) or as `fused` (moe.cpp's
+  // packed tensors, biases, activation); shared_gate_up / shared_down (empty: none) and
+  // shared_gate (empty: ungated) of the shared expert.
+  void set_moe(int64_t index, std::vector<c10::optional<at::Tensor>> router, int64_t top_k, bool renormalize,
+               bool cast_back, std::shared_ptr<PanelExperts> panels, int64_t amx_min_rows, int64_t max_rows,
+               std::vector<at::Tensor> fused, c10::optional<at::Tensor> b13, c10::optional<at::Tensor> b2,
+               const std::string& activation, double alpha, double limit,
+               std::vector<c10::optional<at::Tensor>> shared_gate_up,
+               std::vector<c10::optional<at::Tensor>> shared_down,
+               std::vector<c10::optional<at::Tensor>> shared_gate) {
+    TORCH_CHECK(index >= 0 && index < num_layers(), "DecodeModel.set_moe: no layer ", index);
+    TORCH_CHECK(top_k > 0, "DecodeModel.set_moe: top_k must be positive, got ", top_k);
+    TORCH_CHECK((panels != nullptr) != (fused.size() == 2 || fused.size() == 6),
+                "DecodeModel.set_moe: the experts are either panels or fused [w13, w2(, colsums, scales)]");
+    auto m = std::make_unique<Moe>();
+    if (router.size() == 2 && router[0].has_value()) {
+      m->router.plain = *router[0];
+      m->router.bias = router[1];
+      m->router.out_features = m->router.plain.size(0);
+    } else {
+      m->router = make_linear(router, "router");
+    }
+    m->top_k = top_k;
+    m->renormalize = renormalize;
+    m->cast_back = cast_back;
+    m->panels = std::move(panels);
+    m->amx_min_rows = amx_min_rows;
+    m->fused = std::move(fused);
+    m->b13 = b13;
+    m->b2 = b2;
+    m->activation = activation;
+    m->alpha = alpha;
+    m->limit = limit;
+    m->shared = !shared_gate_up.empty();
+    if (m->shared) {
+      m->shared_gate_up = make_linear(shared_gate_up, "shared_gate_up");
+      m->shared_down = make_linear(shared_down, "shared_down");
+      m->shared_gated = !shared_gate.empty();
+      if (m->shared_gated) m->shared_gate = make_linear(shared_gate, "shared_gate");
+    }
+    max_rows_ = std::min(max_rows_, max_rows);
+    layers_[index].moe = std::move(m);
+  }
+
   int64_t num_layers() const { return int64_t(layers_.size()); }
+
+  // the largest decode batch the stack takes (the experts' kernels' limit, if any)
+  int64_t max_rows() const { return max_rows_; }
 
   // h: [M, hidden] bf16 (the embeddings of the new tokens); kv: the pool's buffer
   // [layers, 2, pages, kv_heads, page_size, D]; page_table [M, max_pages] and seq_lens [M] int32;
@@ -203,6 +296,10 @@ class DecodeModel {
       h = L.o(attn.view({M, q_cols}), gemv_rows_, h_buf);
       x = workspace(x_buf, h.sizes(), h);
       rms_norm(x, h, residual, L.norm2, eps_);
+      if (L.moe) {
+        h = sparse_mlp(*L.moe, x, gu_buf, act_buf, h_buf);
+        continue;
+      }
       at::Tensor gu = L.gate_up(x, gemv_rows_, gu_buf);
       at::Tensor act = workspace(act_buf, {M, gu.size(1) / 2}, gu);
       silu_and_mul(act, gu);
@@ -261,6 +358,38 @@ class DecodeModel {
     return lin;
   }
 
+  // x's rows through a sparse MLP (the header's formulas, in layers/moe/'s ops and order)
+  at::Tensor sparse_mlp(const Moe& m, const at::Tensor& x, at::Tensor& gu_buf, at::Tensor& act_buf,
+                        at::Tensor& h_buf) const {
+    at::Tensor logits_buf;
+    at::Tensor logits = m.router(x, gemv_rows_, logits_buf);
+    auto top = at::topk(at::softmax(logits, -1, at::kFloat), m.top_k, -1, true, true);
+    at::Tensor w = std::get<0>(top);
+    if (m.renormalize) w = w / w.sum(-1, true);
+    if (m.cast_back) w = w.to(logits.scalar_type());
+    w = w.to(at::kFloat).contiguous();
+    const at::Tensor ids = std::get<1>(top).to(at::kInt).contiguous();
+    at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options().dtype(at::kFloat));
+    if (m.panels)
+      m.panels->forward(out, x, ids, w, m.amx_min_rows);
+    else if (m.fused.size() == 2)
+      moe_experts_bf16(out, x, ids, w, m.fused[0], m.fused[1], m.b13, m.b2, m.activation, m.alpha, m.limit);
+    else
+      moe_experts_w8a8(out, x, ids, w, m.fused[0], m.fused[2], m.fused[3], m.fused[1], m.fused[4], m.fused[5], m.b13,
+                       m.b2, m.activation, m.alpha, m.limit);
+    at::Tensor y = out.to(x.scalar_type());
+    if (!m.shared) return y;
+    at::Tensor gu = m.shared_gate_up(x, gemv_rows_, gu_buf);
+    at::Tensor act = workspace(act_buf, {x.size(0), gu.size(1) / 2}, gu);
+    silu_and_mul(act, gu);
+    at::Tensor s = m.shared_down(act, gemv_rows_, h_buf);
+    if (m.shared_gated) {
+      at::Tensor g_buf;
+      s = at::sigmoid(m.shared_gate(x, gemv_rows_, g_buf)) * s;
+    }
+    return y + s;
+  }
+
   // the new tokens' rows of k or v [M, kv_heads, D] (bf16) into one layer's cache
   // [pages, kv_heads, page_size, D] (bf16 or float32)
   void store(at::Tensor& cache, const at::Tensor& src, const std::vector<int64_t>& slot, int64_t page_size) const {
@@ -281,6 +410,7 @@ class DecodeModel {
   }
 
   int64_t heads_, kv_heads_, D_, gemv_rows_;
+  int64_t max_rows_ = std::numeric_limits<int64_t>::max();
   double eps_, scale_;
   std::vector<Layer> layers_;
 };
@@ -289,7 +419,9 @@ void bind_decode_model(pybind11::module& m) {
   pybind11::class_<DecodeModel>(m, "DecodeModel")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t>())
       .def("add_layer", &DecodeModel::add_layer)
+      .def("set_moe", &DecodeModel::set_moe)
       .def("num_layers", &DecodeModel::num_layers)
+      .def("max_rows", &DecodeModel::max_rows)
       .def("forward", &DecodeModel::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
 

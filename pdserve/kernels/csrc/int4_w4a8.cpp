@@ -33,6 +33,7 @@ namespace pds {
 void linear_panels(const char* op, int codes, at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
                    const at::Tensor& scale, const c10::optional<at::Tensor>& bias, int64_t block_k,
                    int64_t amx_min_rows);
+void quantize_activation_rows(const at::Tensor& x, int64_t K4, uint8_t* xq, float* scale);
 
 namespace {
 
@@ -205,27 +206,22 @@ void linear_int4_w4a8(at::Tensor out, const at::Tensor& x, const at::Tensor& pac
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == out.scalar_type(), op,
                 ": bias must be contiguous [N] in out's dtype");
   if (M == 0) return;
-  // x per row to int8 (w8a8_int8's rule), zero padded to whole quads, and its sums per group
-  std::vector<int8_t> xq(M * KQ * 4, 0);
+  // x per row to int8 (w8a8_int8's rule and quantizers, stored + 128: flipping the top bit gives
+  // the int8), zero padded to whole quads, and its sums per group
+  std::vector<uint8_t> xu(M * KQ * 4);
   std::vector<float> xs(M);
   std::vector<int32_t> sx(M * KB, 0);
-  for (int64_t m = 0; m < M; ++m) {
-    auto xv = [&](int64_t k) {
-      return x.scalar_type() == at::kFloat ? data<float>(x)[m * x.stride(0) + k]
-                                           : bf16_to_f32(data<uint16_t>(x)[m * x.stride(0) + k]);
-    };
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xv(k)));
-    const float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
-    xs[m] = s;
-    for (int64_t k = 0; k < K; ++k) {
-      const int32_t q = int32_t(std::max(-127.f, std::min(127.f, std::nearbyint(xv(k) * inv))));
-      xq[m * KQ * 4 + k] = int8_t(q);
-      sx[m * KB + k / group] += q;
+  quantize_activation_rows(x, KQ * 4, xu.data(), xs.data());
+  int8_t* xq = reinterpret_cast<int8_t*>(xu.data());
+  for (int64_t i = 0; i < M * KQ * 4; ++i) xu[i] ^= 0x80;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < KB; ++g) {
+      int32_t sum = 0;
+      for (int64_t k = g * group; k < std::min(K, (g + 1) * group); ++k) sum += xq[m * KQ * 4 + k];
+      sx[m * KB + g] = sum;
     }
-  }
   const bool out_bf16 = out.scalar_type() == at::kBFloat16;
-  const W4A8Args a{data<uint8_t>(packed), data<float>(scale), xq.data(), xs.data(), sx.data(),
+  const W4A8Args a{data<uint8_t>(packed), data<float>(scale), xq, xs.data(), sx.data(),
                    bias.has_value() ? bias->data_ptr() : nullptr, out.data_ptr(), M, N, KQ, KB, group / 4,
                    out.stride(0), out_bf16};
   const bool vnni512 = use_avx512_vnni(), avx_vnni = use_avx_vnni(), avx2 = use_avx2();

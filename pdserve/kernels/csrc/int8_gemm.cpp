@@ -195,6 +195,16 @@ void run_panels(const Int8Args& a, int64_t np0, int64_t np1, std::vector<int32_t
 
 }  // namespace
 
+// x's rows [M, K] (float32 or bf16, contiguous rows) to int8 by w8a8_int8's rule, stored + 128 in
+// rows of K4 bytes (zero padded: 128), their scales in `scale` [M]; the tiers' quantizers above
+void quantize_activation_rows(const at::Tensor& x, int64_t K4, uint8_t* xq, float* scale) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (x.scalar_type() == at::kBFloat16)
+    quantize(data<uint16_t>(x), x.stride(0), M, K, K4, xq, scale);
+  else
+    quantize(data<float>(x), x.stride(0), M, K, K4, xq, scale);
+}
+
 // out [M, N] = dequant(quant(x) wq^T) (+ bias). x: [M, K] float32 or bf16 (rows contiguous);
 // packed: int8 [ceil(N/64), ceil(K/4), 4, 16, 4], 64-byte aligned; colsum: int32 [ceil(N/64) * 64];
 // w_scale: float32 [ceil(N/64) * 64]; bias: [N] in out's dtype, optional; out: float32 or bf16.

@@ -11,6 +11,7 @@
 // so the output does not depend on which other tokens share the call.
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -18,6 +19,7 @@
 
 #include "common.h"
 #include "fp8_linear.h"
+#include "moe_panels.h"
 
 namespace pds {
 
@@ -28,8 +30,6 @@ void linear_codes(int codes, at::Tensor out, const at::Tensor& x, const at::Tens
 namespace {
 
 constexpr const char* kOp = "PanelExperts";
-
-enum class PanelAct { kSilu, kSwigluOai };
 
 inline float activate(float g, float u, PanelAct act, float alpha, float limit) {
   if (act == PanelAct::kSilu) return g / (1.f + std::exp(-g)) * u;
@@ -52,131 +52,120 @@ void add_weighted(float* out, const T* y, float w, int64_t H) {
 
 }  // namespace
 
-class PanelExperts {
- public:
-  // Per local expert e: w13[e] / w2[e] packed panels, s13[e] / s2[e] their scales (fp8_linear.h);
-  // b13 / b2: float32 biases per expert ([2I] / [H]), or empty lists.
-  PanelExperts(int64_t codes, std::vector<at::Tensor> w13, std::vector<at::Tensor> s13, std::vector<at::Tensor> w2,
-               std::vector<at::Tensor> s2, std::vector<at::Tensor> b13, std::vector<at::Tensor> b2, int64_t block_k13,
-               int64_t block_k2, int64_t hidden, int64_t inter, const std::string& activation, double alpha,
-               double limit)
-      : codes_(int(codes)),
-        w13_(std::move(w13)),
-        s13_(std::move(s13)),
-        w2_(std::move(w2)),
-        s2_(std::move(s2)),
-        bk13_(block_k13),
-        bk2_(block_k2),
-        H_(hidden),
-        I_(inter),
-        alpha_(float(alpha)),
-        limit_(float(limit)) {
-    TORCH_CHECK(codes >= kCodesFp8 && codes <= kCodesW4A8, kOp, ": codes must be 0 (FP8), 1 (MXFP4), 2 (int4) or 3 "
-                "(int4 with int8 activations), got ", codes);
-    if (activation == "silu")
-      act_ = PanelAct::kSilu;
-    else if (activation == "swiglu_oai")
-      act_ = PanelAct::kSwigluOai;
+PanelExperts::PanelExperts(int64_t codes, std::vector<at::Tensor> w13, std::vector<at::Tensor> s13,
+                           std::vector<at::Tensor> w2, std::vector<at::Tensor> s2, std::vector<at::Tensor> b13,
+                           std::vector<at::Tensor> b2, int64_t block_k13, int64_t block_k2, int64_t hidden,
+                           int64_t inter, const std::string& activation, double alpha, double limit)
+    : codes_(int(codes)),
+      w13_(std::move(w13)),
+      s13_(std::move(s13)),
+      w2_(std::move(w2)),
+      s2_(std::move(s2)),
+      bk13_(block_k13),
+      bk2_(block_k2),
+      H_(hidden),
+      I_(inter),
+      alpha_(float(alpha)),
+      limit_(float(limit)) {
+  TORCH_CHECK(codes >= kCodesFp8 && codes <= kCodesW4A8, kOp, ": codes must be 0 (FP8), 1 (MXFP4), 2 (int4) or 3 "
+              "(int4 with int8 activations), got ", codes);
+  if (activation == "silu")
+    act_ = PanelAct::kSilu;
+  else if (activation == "swiglu_oai")
+    act_ = PanelAct::kSwigluOai;
+  else
+    TORCH_CHECK(false, kOp, ": activation must be \"silu\" or \"swiglu_oai\", got \"", activation, "\"");
+  const size_t E = w13_.size();
+  TORCH_CHECK(s13_.size() == E && w2_.size() == E && s2_.size() == E, kOp, ": one w13, s13, w2 and s2 per expert");
+  TORCH_CHECK(b13.empty() || b13.size() == E, kOp, ": b13 must be empty or one per expert");
+  TORCH_CHECK(b2.empty() || b2.size() == E, kOp, ": b2 must be empty or one per expert");
+  for (size_t e = 0; e < E; ++e) {
+    // k per packed row: 1, or 4 for W4A8's quads
+    const int64_t kq = codes == kCodesW4A8 ? 4 : 1;
+    TORCH_CHECK(w13_[e].dim() == 3 && w13_[e].size(1) == (H_ + kq - 1) / kq &&
+                    w13_[e].size(0) * kFp8Panel >= 2 * I_ && w2_[e].dim() == 3 &&
+                    w2_[e].size(1) == (I_ + kq - 1) / kq && w2_[e].size(0) * kFp8Panel >= H_,
+                kOp, ": expert ", e, "'s packed w13 ", w13_[e].sizes(), " and w2 ", w2_[e].sizes(),
+                " do not agree with hidden ", H_, " and intermediate ", I_);
+    for (const auto* bias : {&b13, &b2}) {
+      if (bias->empty()) continue;
+      const at::Tensor& b = (*bias)[e];
+      const int64_t n = bias == &b13 ? 2 * I_ : H_;
+      TORCH_CHECK(b.scalar_type() == at::kFloat && b.is_contiguous() && b.numel() == n, kOp, ": expert ", e,
+                  "'s bias must be a contiguous float32 [", n, "] tensor");
+      (bias == &b13 ? b13f_ : b2f_).push_back(b);
+      (bias == &b13 ? b13b_ : b2b_).push_back(b.to(at::kBFloat16));
+    }
+  }
+}
+
+void PanelExperts::forward(at::Tensor out, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                           int64_t amx_min_rows) const {
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == H_ && (dt == at::kFloat || dt == at::kBFloat16),
+              kOp, ": x must be a contiguous [T, ", H_, "] float32 or bfloat16 tensor, got ", x.sizes(), " ", dt);
+  const int64_t T = x.size(0), E = num_experts();
+  TORCH_CHECK(ids.scalar_type() == at::kInt && ids.is_contiguous() && ids.dim() == 2 && ids.size(0) == T, kOp,
+              ": ids must be a contiguous int32 [", T, ", K] tensor, got ", ids.sizes(), " ", ids.scalar_type());
+  const int64_t K = ids.size(1);
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.sizes() == ids.sizes(), kOp,
+              ": weights must be a contiguous float32 tensor shaped like ids");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == T &&
+                  out.size(1) == H_,
+              kOp, ": out must be a contiguous float32 [", T, ", ", H_, "] tensor, got ", out.sizes());
+  out.zero_();
+  const int32_t* idp = ids.data_ptr<int32_t>();
+  // pairs grouped by expert, ascending within one
+  std::vector<int64_t> start(E + 1, 0);
+  for (int64_t p = 0; p < T * K; ++p) {
+    TORCH_CHECK(idp[p] < E, kOp, ": ids[", p / K, ", ", p % K, "] = ", idp[p], " but there are ", E,
+                " local experts (ids must be in [0, ", E, ") or -1)");
+    if (idp[p] >= 0) ++start[idp[p] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> pairs(start[E]), fill(start.begin(), start.end() - 1);
+  for (int64_t p = 0; p < T * K; ++p)
+    if (idp[p] >= 0) pairs[fill[idp[p]]++] = p;
+  const bool bf16 = dt == at::kBFloat16;
+  const int64_t es = x.element_size();
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  const float* wp = weights.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const auto& b13 = bf16 ? b13b_ : b13f_;
+  const auto& b2 = bf16 ? b2b_ : b2f_;
+  // one expert's rows at a time in buffers sized for the largest
+  int64_t most = 0;
+  for (int64_t e = 0; e < E; ++e) most = std::max(most, start[e + 1] - start[e]);
+  const at::Tensor xs_buf = at::empty({most, H_}, dt), gu_buf = at::empty({most, 2 * I_}, dt),
+                   a_buf = at::empty({most, I_}, dt), y_buf = at::empty({most, H_}, dt);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = start[e + 1] - start[e];
+    if (n == 0) continue;
+    const int64_t* pe = pairs.data() + start[e];
+    at::Tensor xs = xs_buf.narrow(0, 0, n), gu = gu_buf.narrow(0, 0, n), a = a_buf.narrow(0, 0, n),
+               y = y_buf.narrow(0, 0, n);
+    for (int64_t r = 0; r < n; ++r)
+      std::memcpy(static_cast<char*>(xs.data_ptr()) + r * H_ * es, xp + (pe[r] / K) * H_ * es, H_ * es);
+    const c10::optional<at::Tensor> bias13 = b13.empty() ? c10::nullopt : c10::optional<at::Tensor>(b13[e]);
+    const c10::optional<at::Tensor> bias2 = b2.empty() ? c10::nullopt : c10::optional<at::Tensor>(b2[e]);
+    linear_codes(codes_, gu, xs, w13_[e], s13_[e], bias13, bk13_, amx_min_rows);
+    if (bf16)
+      activate_rows(data<uint16_t>(gu), data<uint16_t>(a), n, I_, act_, alpha_, limit_);
     else
-      TORCH_CHECK(false, kOp, ": activation must be \"silu\" or \"swiglu_oai\", got \"", activation, "\"");
-    const size_t E = w13_.size();
-    TORCH_CHECK(s13_.size() == E && w2_.size() == E && s2_.size() == E, kOp, ": one w13, s13, w2 and s2 per expert");
-    TORCH_CHECK(b13.empty() || b13.size() == E, kOp, ": b13 must be empty or one per expert");
-    TORCH_CHECK(b2.empty() || b2.size() == E, kOp, ": b2 must be empty or one per expert");
-    for (size_t e = 0; e < E; ++e) {
-      // k per packed row: 1, or 4 for W4A8's quads
-      const int64_t kq = codes == kCodesW4A8 ? 4 : 1;
-      TORCH_CHECK(w13_[e].dim() == 3 && w13_[e].size(1) == (H_ + kq - 1) / kq &&
-                      w13_[e].size(0) * kFp8Panel >= 2 * I_ && w2_[e].dim() == 3 &&
-                      w2_[e].size(1) == (I_ + kq - 1) / kq && w2_[e].size(0) * kFp8Panel >= H_,
-                  kOp, ": expert ", e, "'s packed w13 ", w13_[e].sizes(), " and w2 ", w2_[e].sizes(),
-                  " do not agree with hidden ", H_, " and intermediate ", I_);
-      for (const auto* bias : {&b13, &b2}) {
-        if (bias->empty()) continue;
-        const at::Tensor& b = (*bias)[e];
-        const int64_t n = bias == &b13 ? 2 * I_ : H_;
-        TORCH_CHECK(b.scalar_type() == at::kFloat && b.is_contiguous() && b.numel() == n, kOp, ": expert ", e,
-                    "'s bias must be a contiguous float32 [", n, "] tensor");
-        (bias == &b13 ? b13f_ : b2f_).push_back(b);
-        (bias == &b13 ? b13b_ : b2b_).push_back(b.to(at::kBFloat16));
-      }
-    }
-  }
-
-  int64_t num_experts() const { return int64_t(w13_.size()); }
-
-  // out [T, H] float32 = sum over slots of weights * expert MLP(x); x [T, H] float32 or bf16, ids
-  // [T, K] int32 (local expert, -1: not on this rank), weights [T, K] float32
-  void forward(at::Tensor out, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
-               int64_t amx_min_rows) const {
-    const auto dt = x.scalar_type();
-    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == H_ && (dt == at::kFloat || dt == at::kBFloat16),
-                kOp, ": x must be a contiguous [T, ", H_, "] float32 or bfloat16 tensor, got ", x.sizes(), " ", dt);
-    const int64_t T = x.size(0), E = num_experts();
-    TORCH_CHECK(ids.scalar_type() == at::kInt && ids.is_contiguous() && ids.dim() == 2 && ids.size(0) == T, kOp,
-                ": ids must be a contiguous int32 [", T, ", K] tensor, got ", ids.sizes(), " ", ids.scalar_type());
-    const int64_t K = ids.size(1);
-    TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.sizes() == ids.sizes(), kOp,
-                ": weights must be a contiguous float32 tensor shaped like ids");
-    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == T &&
-                    out.size(1) == H_,
-                kOp, ": out must be a contiguous float32 [", T, ", ", H_, "] tensor, got ", out.sizes());
-    out.zero_();
-    const int32_t* idp = ids.data_ptr<int32_t>();
-    // pairs grouped by expert, ascending within one
-    std::vector<int64_t> start(E + 1, 0);
-    for (int64_t p = 0; p < T * K; ++p) {
-      TORCH_CHECK(idp[p] < E, kOp, ": ids[", p / K, ", ", p % K, "] = ", idp[p], " but there are ", E,
-                  " local experts (ids must be in [0, ", E, ") or -1)");
-      if (idp[p] >= 0) ++start[idp[p] + 1];
-    }
-    for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
-    std::vector<int64_t> pairs(start[E]), fill(start.begin(), start.end() - 1);
-    for (int64_t p = 0; p < T * K; ++p)
-      if (idp[p] >= 0) pairs[fill[idp[p]]++] = p;
-    const bool bf16 = dt == at::kBFloat16;
-    const int64_t es = x.element_size();
-    const char* xp = static_cast<const char*>(x.data_ptr());
-    const float* wp = weights.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    const auto& b13 = bf16 ? b13b_ : b13f_;
-    const auto& b2 = bf16 ? b2b_ : b2f_;
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t n = start[e + 1] - start[e];
-      if (n == 0) continue;
-      const int64_t* pe = pairs.data() + start[e];
-      at::Tensor xs = at::empty({n, H_}, dt);
-      for (int64_t r = 0; r < n; ++r)
-        std::memcpy(static_cast<char*>(xs.data_ptr()) + r * H_ * es, xp + (pe[r] / K) * H_ * es, H_ * es);
-      at::Tensor gu = at::empty({n, 2 * I_}, dt), a = at::empty({n, I_}, dt), y = at::empty({n, H_}, dt);
-      const c10::optional<at::Tensor> bias13 = b13.empty() ? c10::nullopt : c10::optional<at::Tensor>(b13[e]);
-      const c10::optional<at::Tensor> bias2 = b2.empty() ? c10::nullopt : c10::optional<at::Tensor>(b2[e]);
-      linear_codes(codes_, gu, xs, w13_[e], s13_[e], bias13, bk13_, amx_min_rows);
+      activate_rows(data<float>(gu), data<float>(a), n, I_, act_, alpha_, limit_);
+    linear_codes(codes_, y, a, w2_[e], s2_[e], bias2, bk2_, amx_min_rows);
+    for (int64_t r = 0; r < n; ++r) {
+      float* row = op + (pe[r] / K) * H_;
       if (bf16)
-        activate_rows(data<uint16_t>(gu), data<uint16_t>(a), n, I_, act_, alpha_, limit_);
+        add_weighted(row, data<uint16_t>(y) + r * H_, wp[pe[r]], H_);
       else
-        activate_rows(data<float>(gu), data<float>(a), n, I_, act_, alpha_, limit_);
-      linear_codes(codes_, y, a, w2_[e], s2_[e], bias2, bk2_, amx_min_rows);
-      for (int64_t r = 0; r < n; ++r) {
-        float* row = op + (pe[r] / K) * H_;
-        if (bf16)
-          add_weighted(row, data<uint16_t>(y) + r * H_, wp[pe[r]], H_);
-        else
-          add_weighted(row, data<float>(y) + r * H_, wp[pe[r]], H_);
-      }
+        add_weighted(row, data<float>(y) + r * H_, wp[pe[r]], H_);
     }
   }
-
- private:
-  int codes_;
-  std::vector<at::Tensor> w13_, s13_, w2_, s2_, b13f_, b13b_, b2f_, b2b_;
-  int64_t bk13_, bk2_, H_, I_;
-  PanelAct act_ = PanelAct::kSilu;
-  float alpha_, limit_;
-};
+}
 
 void bind_panel_experts(pybind11::module& m) {
-  pybind11::class_<PanelExperts>(m, "PanelExperts",
+  pybind11::class_<PanelExperts, std::shared_ptr<PanelExperts>>(m, "PanelExperts",
                                  "a layer's MoE experts on FP8 / MXFP4 / int4 panels, run in one call")
       .def(pybind11::init<int64_t, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t,
