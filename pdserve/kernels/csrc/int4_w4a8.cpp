@@ -26,7 +26,12 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
+
+#if PDS_ARM
+#include <arm_neon.h>
+#endif
 
 namespace pds {
 
@@ -180,6 +185,52 @@ PDS_W4A8_PANEL8(panel_avx_vnni, PDS_AVX2_VNNI, dot4_avx_vnni)
 #undef PDS_W4A8_PANEL8
 #endif
 
+#if PDS_ARM
+// one row, 4 lanes a register: SDOT (dotprod), or widening multiplies and pairwise adds (Advanced
+// SIMD; a code times an int8 fits int16 and so does the sum of a pair); the same body under each
+// target, the same exact integer sums as the other tiers
+inline int32x4_t dot4_neon(int32x4_t acc, int8x16_t c, int8x16_t x) {
+  const int32x4_t lo = vpaddlq_s16(vmull_s8(vget_low_s8(c), vget_low_s8(x)));
+  const int32x4_t hi = vpaddlq_s16(vmull_high_s8(c, x));
+  return vaddq_s32(acc, vpaddq_s32(lo, hi));
+}
+PDS_NEON_DOT inline int32x4_t dot4_sdot(int32x4_t acc, int8x16_t c, int8x16_t x) { return vdotq_s32(acc, c, x); }
+
+#define PDS_W4A8_PANEL_NEON(NAME, TARGET, DOT)                                                    \
+  TARGET void NAME(const W4A8Args& a, int64_t np, int64_t m, float* acc) {                        \
+    const uint8_t* base = a.w + np * a.KQ * kQuad;                                                \
+    const uint8x16_t nib = vdupq_n_u8(0x0F);                                                      \
+    for (int j = 0; j < 16; ++j) vst1q_f32(acc + 4 * j, vdupq_n_f32(0.f));                        \
+    for (int64_t g = 0; g < a.KB; ++g) {                                                          \
+      const int64_t q0 = g * a.gq, q1 = std::min(a.KQ, q0 + a.gq);                                \
+      int32x4_t isum[16]; /* outputs 4 j .. 4 j + 3 */                                            \
+      for (int j = 0; j < 16; ++j) isum[j] = vdupq_n_s32(0);                                      \
+      for (int64_t q = q0; q < q1; ++q) {                                                         \
+        const uint8_t* p = base + q * kQuad;                                                      \
+        int32_t xw;                                                                               \
+        std::memcpy(&xw, a.xq + m * a.KQ * 4 + 4 * q, 4);                                         \
+        const int8x16_t xv = vreinterpretq_s8_s32(vdupq_n_s32(xw));                               \
+        /* 16 bytes c: outputs 4 c .. 4 c + 3 (low nibbles) and 32 + 4 c .. (high) */            \
+        for (int c = 0; c < 8; ++c) {                                                             \
+          const uint8x16_t v = vld1q_u8(p + 16 * c);                                              \
+          isum[c] = DOT(isum[c], vreinterpretq_s8_u8(vandq_u8(v, nib)), xv);                      \
+          isum[c + 8] = DOT(isum[c + 8], vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), xv);              \
+        }                                                                                         \
+      }                                                                                           \
+      const float* s = a.scale + (np * a.KB + g) * kPanel;                                        \
+      const int32x4_t corr8 = vdupq_n_s32(8 * a.sx[m * a.KB + g]);                                \
+      for (int j = 0; j < 16; ++j) {                                                              \
+        const float32x4_t v = vcvtq_f32_s32(vsubq_s32(isum[j], corr8));                           \
+        vst1q_f32(acc + 4 * j, vfmaq_f32(vld1q_f32(acc + 4 * j), v, vld1q_f32(s + 4 * j)));       \
+      }                                                                                           \
+    }                                                                                             \
+  }
+
+PDS_W4A8_PANEL_NEON(panel_neon, , dot4_neon)
+PDS_W4A8_PANEL_NEON(panel_neon_dot, PDS_NEON_DOT, dot4_sdot)
+#undef PDS_W4A8_PANEL_NEON
+#endif
+
 }  // namespace
 
 // out [M, N] float32 or bf16 = x W^T (+ bias) for int4 codes packed as above, x [M, K] float32 or
@@ -247,6 +298,17 @@ void linear_int4_w4a8(at::Tensor out, const at::Tensor& x, const at::Tensor& pac
             panel_avx_vnni(a, np, m0, acc);
           else
             panel_avx2(a, np, m0, acc);
+          store_rows(a, np, m0, 1, acc);
+          ++m0;
+          continue;
+        }
+#endif
+#if PDS_ARM
+        if (use_neon()) {
+          if (use_dotprod())
+            panel_neon_dot(a, np, m0, acc);
+          else
+            panel_neon(a, np, m0, acc);
           store_rows(a, np, m0, 1, acc);
           ++m0;
           continue;
