@@ -19,6 +19,8 @@ request of ``--tokens`` new tokens after a prefix (torch: the chunked scan in bl
   dk = dv = 128, conv 4, a decay per key channel (conv_dim 12,288; state 2 MiB per request);
   the Gated DeltaNet's ``_step`` / ``_extend`` given g [.., H, dk] (torch: blocks of 16 with the
   decays kept per channel).
+- ``short_conv``: LFM2-1.2B's gated short convolution (hidden 2,048, conv 3, no recurrence: the
+  convolution of B * x alone; state 8 KiB per request).
 
 Each decode time is the median of ``--iters`` steps after 3 untimed ones, each prefill time the
 median of 3 after one; "state GB/s" is the state's bytes read and written once per step over the
@@ -55,7 +57,17 @@ def mixers(dtype: torch.dtype) -> dict:
     k = KimiDeltaAttention(GatedDeltaNetDims(2304, 32, 32, 128, 128, 4, 1e-5), kv_layer=0)
     with torch.no_grad():
         k.conv1d.weight.normal_(0, 0.5)
-    return {"mamba2": m.to(dtype), "gated_deltanet": g.to(dtype), "kimi_delta": k.to(dtype)}
+    from pdserve.layers.short_conv import ShortConvMixer
+
+    c = ShortConvMixer(2048, 3, False, kv_layer=0)
+    with torch.no_grad():
+        c.conv.weight.normal_(0, 0.5)
+    return {
+        "mamba2": m.to(dtype),
+        "gated_deltanet": g.to(dtype),
+        "kimi_delta": k.to(dtype),
+        "short_conv": c.to(dtype),
+    }
 
 
 def decays(name: str, mixer, n: int) -> torch.Tensor:
@@ -67,7 +79,15 @@ def decays(name: str, mixer, n: int) -> torch.Tensor:
 
 def step_inputs(name: str, mixer, batch: int, dtype: torch.dtype):
     """(the step's inputs, the pool's states, the slots)"""
-    d, slots_n = mixer.dims, 2 * batch
+    slots_n = 2 * batch
+    if name == "short_conv":
+        conv = torch.randn(slots_n, mixer.channels, mixer.kernel - 1).to(dtype)
+        return (
+            (torch.randn(batch, mixer.channels).to(dtype),),
+            (conv,),
+            torch.randperm(slots_n)[:batch],
+        )
+    d = mixer.dims
     conv = torch.randn(slots_n, d.conv_dim, d.conv_kernel - 1).to(dtype)
     slots = torch.randperm(slots_n)[:batch]
     if name == "mamba2":
@@ -86,6 +106,9 @@ def step_inputs(name: str, mixer, batch: int, dtype: torch.dtype):
 
 def extend_inputs(name: str, mixer, n: int, dtype: torch.dtype):
     """(the extend's inputs, the pool's states) of one request of n new tokens in slot 1"""
+    if name == "short_conv":
+        conv = torch.randn(2, mixer.channels, mixer.kernel - 1).to(dtype)
+        return (torch.randn(n, mixer.channels).to(dtype),), (conv,)
     d = mixer.dims
     conv = torch.randn(2, d.conv_dim, d.conv_kernel - 1).to(dtype)
     if name == "mamba2":
@@ -143,7 +166,7 @@ def main() -> None:
                     times[label] = median_seconds(
                         lambda: mixer._step(*inputs, *states, slots), a.iters
                     )
-            moved = 2 * states[1][0].nbytes * batch
+            moved = 2 * states[-1][0].nbytes * batch  # the recurrent state (or the window)
             print(
                 f"| {name} | {batch} | {times['torch'] * 1e3:.3f} | {times['kernel'] * 1e3:.3f} "
                 f"| {times['kernel'] / times['torch']:.3f} | {moved / times['kernel'] / 1e9:.1f} |"

@@ -13,7 +13,8 @@ its columns of ``out_proj``, whose outputs are summed).
 
 from __future__ import annotations
 
-from typing import Any
+from types import ModuleType
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -27,6 +28,7 @@ from pdserve.layers.mamba2 import (
     DepthwiseConv,
     causal_conv,
     copy_share,
+    cpu_kernel_runs,
     extend_window,
     step_window,
 )
@@ -50,6 +52,8 @@ class ShortConvMixer(nn.Module):
         self.in_proj = Linear(hidden, 3 * n, bias=bias)
         self.conv = DepthwiseConv(n, kernel, bias)
         self.out_proj = RowParallelLinear(n, hidden, bias=bias, tp=tp)
+        # pdserve's CPU kernels: the convolution of a chunk and of a decode step in one call each
+        self.ops: Optional[ModuleType] = None
 
     def state_spec(self, conv_dtype: str) -> RecurrentState:
         return RecurrentState(
@@ -89,12 +93,37 @@ class ShortConvMixer(nn.Module):
         out = torch.empty_like(bx)
 
         def extend(rows: slice, position: int, slot: int) -> None:
-            window = extend_window(state, slot, bx[rows], position)  # [C, K - 1 + m]
-            out[rows] = causal_conv(self.conv, window[None], rows.stop - rows.start, silu=False)[0]
+            out[rows] = self._extend(bx[rows], position, state, slot)
 
         def step(rows: torch.Tensor, slots: torch.Tensor) -> None:
-            window = step_window(state, slots, bx[rows])
-            out[rows] = causal_conv(self.conv, window, 1, silu=False)[:, 0]
+            out[rows] = self._step(bx[rows], state, slots)
 
         snapshots.run(fb, self.kv_layer, STATE_KIND, extend, step)
         return self.out_proj(c * out)
+
+    def _extend(
+        self, bx: torch.Tensor, prefix: int, state: torch.Tensor, slot: int
+    ) -> torch.Tensor:
+        """The convolution [n, C] (bx's dtype) of ``n`` new inputs of one request after ``prefix``
+        tokens, from its window (zeros for an empty prefix), which it updates. With pdserve's CPU
+        kernels one call computes causal_conv's sums, rounded once as it rounds them."""
+        if cpu_kernel_runs(self.ops, bx, state):
+            if not prefix:
+                state[slot].zero_()
+            out = torch.empty(bx.shape, dtype=bx.dtype)
+            self.ops.short_conv_scan(out, bx, state, slot, self.conv.weight, self.conv.bias)
+            return out
+        window = extend_window(state, slot, bx, prefix)  # [C, K - 1 + n]
+        return causal_conv(self.conv, window[None], bx.shape[0], silu=False)[0]
+
+    def _step(self, bx: torch.Tensor, state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One new input of each of several requests (decode): [B, C], their windows at ``slots``
+        updated (in one kernel call with pdserve's CPU kernels)."""
+        if cpu_kernel_runs(self.ops, bx, state):
+            out = torch.empty(bx.shape, dtype=bx.dtype)
+            self.ops.short_conv_decode_step(
+                out, bx.contiguous(), state, slots, self.conv.weight, self.conv.bias
+            )
+            return out
+        window = step_window(state, slots, bx)
+        return causal_conv(self.conv, window, 1, silu=False)[:, 0]

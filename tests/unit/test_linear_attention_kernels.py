@@ -410,3 +410,81 @@ def test_delta_scan_matches_the_recurrence(ops, isa, dtype, prefix, n, per_chann
     assert torch.equal(got_states[1][others], rec[others])
     cut, cut_states = extend(m, ops, (qkv, g, beta), prefix, (conv, rec), 3, cuts=(n // 3, n // 2))
     assert torch.equal(cut, got) and all(map(torch.equal, cut_states, got_states))
+
+
+def short_conv(channels: int, kernel: int, bias: bool, dtype, seed: int):
+    """LFM2's short-convolution mixer with random weights (its convolution is what the kernels
+    compute)."""
+    from pdserve.layers.short_conv import ShortConvMixer
+
+    gen = torch.Generator().manual_seed(seed)
+    m = ShortConvMixer(channels, kernel, bias, kv_layer=0)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return m.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("channels,kernel,bias", [(40, 3, False), (70, 4, True)])
+def test_short_conv_step_is_the_torch_convolution(ops, isa, dtype, batch, channels, kernel, bias):
+    """LFM2's short convolution of a decode step: the torch code's bits (``causal_conv`` without
+    SiLU over ``step_window``), its windows updated the same way, at every tier."""
+    from pdserve.layers.mamba2 import step_window
+
+    m = short_conv(channels, kernel, bias, dtype, seed=batch)
+    gen = torch.Generator().manual_seed(7)
+    states = (torch.randn(5, channels, kernel - 1, generator=gen)).to(dtype)
+    slots = torch.tensor([4, 0, 2][:batch])
+    want_states = states.clone()
+    for step in range(3):
+        bx = torch.randn(batch, channels, generator=gen).to(dtype)
+        window = step_window(want_states, slots, bx)
+        want = causal_conv(m.conv, window, 1, silu=False)[:, 0]
+        got = torch.empty_like(bx)
+        ops.short_conv_decode_step(got, bx, states, slots, m.conv.weight, m.conv.bias)
+        assert torch.equal(got, want), (step, (got.float() - want.float()).abs().max())
+        assert torch.equal(states, want_states)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefix", [0, 9])
+@pytest.mark.parametrize("n", [1, 5, 37])
+def test_short_conv_scan_is_the_torch_convolution(ops, isa, dtype, prefix, n):
+    """A chunk of n new inputs after ``prefix`` (zeros before an empty prefix, as the mixer clears
+    its slot): ``causal_conv`` over ``extend_window``'s bits and window."""
+    from pdserve.layers.mamba2 import extend_window
+
+    m = short_conv(70, 3, True, dtype, seed=n)
+    gen = torch.Generator().manual_seed(prefix)
+    states = torch.randn(3, 70, 2, generator=gen).to(dtype)
+    want_states = states.clone()
+    bx = torch.randn(n, 70, generator=gen).to(dtype)
+    window = extend_window(want_states, 1, bx, prefix)
+    want = causal_conv(m.conv, window[None], n, silu=False)[0]
+    if not prefix:
+        states[1].zero_()
+    got = torch.empty_like(bx)
+    ops.short_conv_scan(got, bx, states, 1, m.conv.weight, m.conv.bias)
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+    assert torch.equal(states, want_states)
+
+
+def test_short_conv_refuses_bad_arguments(ops):
+    m = short_conv(40, 3, False, torch.float32, seed=0)
+    states = torch.zeros(4, 40, 2)
+    bx = torch.randn(2, 40)
+    w = m.conv.weight
+    with pytest.raises(RuntimeError, match="same slot"):
+        ops.short_conv_decode_step(torch.empty(2, 40), bx, states, torch.tensor([1, 1]), w, None)
+    with pytest.raises(RuntimeError, match="not in the pool"):
+        ops.short_conv_decode_step(torch.empty(2, 40), bx, states, torch.tensor([0, 4]), w, None)
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.short_conv_decode_step(
+            torch.empty(2, 40).bfloat16(), bx, states, torch.tensor([0, 1]), w, None
+        )
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.short_conv_scan(torch.empty(3, 40), bx, states, 0, w, None)
+    with pytest.raises(RuntimeError, match="slot 9"):
+        ops.short_conv_scan(torch.empty(2, 40), bx, states, 9, w, None)

@@ -49,6 +49,10 @@ void moe_experts_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& ids
                       const at::Tensor& w2, const at::Tensor& w2_colsum, const at::Tensor& w2_scale,
                       c10::optional<at::Tensor> b13, c10::optional<at::Tensor> b2, const std::string& activation,
                       double alpha, double limit);
+void short_conv_decode_step(at::Tensor out, const at::Tensor& bx, at::Tensor conv_state, const at::Tensor& slots,
+                            const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+void short_conv_scan(at::Tensor out, const at::Tensor& bx, at::Tensor conv_state, int64_t slot,
+                     const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 void mamba2_decode_step(at::Tensor out, const at::Tensor& xbc, const at::Tensor& dt, at::Tensor conv_state,
                         at::Tensor ssm_state, const at::Tensor& slots, const at::Tensor& conv_weight,
                         const c10::optional<at::Tensor>& conv_bias, const at::Tensor& dt_bias,
@@ -159,6 +163,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_experts_bf16", &pds::moe_experts_bf16, nogil,
         "fused MoE experts (gate/up, activation, down, weighted sum over slots), bf16 weights packed per expert");
   m.def("moe_experts_w8a8", &pds::moe_experts_w8a8, nogil, "fused MoE experts with w8a8_int8 weights and activations");
+  m.def("short_conv_decode_step", &pds::short_conv_decode_step, nogil,
+        "LFM2's short convolution of each request's one new input, no activation, its window updated in place at "
+        "its slot",
+        py::arg("out"), py::arg("bx"), py::arg("conv_state"), py::arg("slots"), py::arg("weight"), py::arg("bias"));
+  m.def("short_conv_scan", &pds::short_conv_scan, nogil,
+        "LFM2's short convolution of one request's new inputs, no activation, its window at `slot` updated in place",
+        py::arg("out"), py::arg("bx"), py::arg("conv_state"), py::arg("slot"), py::arg("weight"), py::arg("bias"));
   m.def("mamba2_decode_step", &pds::mamba2_decode_step, nogil,
         "Mamba2's decode step: convolution, SiLU and the SSM update of each request's state in place at its slot",
         py::arg("out"), py::arg("xbc"), py::arg("dt"), py::arg("conv_state"), py::arg("ssm_state"), py::arg("slots"),

@@ -95,7 +95,7 @@ void conv_scalar(const ConvStepArgs& a, int64_t b, int64_t c0, int64_t c1) {
     acc += load_f32(x + c) * load_f32(wc + K1);
     if (bias) acc += load_f32(bias + c);
     acc = round_to<T>(acc);
-    a.out[b * a.C + c] = round_to<T>(acc / (1.f + std::exp(-acc)));
+    a.out[b * a.C + c] = a.silu ? round_to<T>(acc / (1.f + std::exp(-acc))) : acc;
     for (int64_t k = 0; k + 1 < K1; ++k) s[k] = s[k + 1];
     s[K1 - 1] = x[c];
   }
@@ -307,6 +307,26 @@ void delta_impl(at::Tensor& out, const at::Tensor& qkv, const at::Tensor& g, con
 }
 
 }  // namespace
+
+// out [B, C] (bx's dtype): LFM2's short convolution of each request's one new input bx [B, C]
+// (B * x, rows contiguous), no activation, its window (conv_state [num_slots, C, K - 1], bx's
+// dtype) updated in place at slots [B]: the taps summed in float32 as causal_conv sums them,
+// rounded once.
+void short_conv_decode_step(at::Tensor out, const at::Tensor& bx, at::Tensor conv_state, const at::Tensor& slots,
+                            const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  const char* op = "short_conv_decode_step";
+  const int64_t B = bx.size(0), C = bx.size(1);
+  check_out(out, bx, B * C, op);
+  const std::vector<int64_t> s = checked_slots(slots, B, conv_state.size(0), op);
+  at::Tensor conv_out = at::empty({B, C}, at::kFloat);
+  ConvStepArgs a = conv_args(bx, conv_state, weight, bias, s.data(), conv_out.data_ptr<float>(), op);
+  a.silu = false;
+  if (bx.scalar_type() == at::kBFloat16)
+    convolve<uint16_t>(a, B);
+  else
+    convolve<float>(a, B);
+  out.view({B, C}).copy_(conv_out);
+}
 
 // out [B, H * P] (the model's dtype): y = S C + D x of each request's one new token, its conv
 // window (conv_state [num_slots, conv_dim, K - 1], the model's dtype) and SSM state (ssm_state

@@ -33,8 +33,9 @@ struct ConvStepArgs {
   const int64_t* slots;  // [B]
   const void* weight;  // [C, K] (T)
   const void* bias;  // [C] (T) or null
-  float* out;  // [B, C]: SiLU of the taps' sum, each rounded to T
+  float* out;  // [B, C]: SiLU of the taps' sum, each rounded to T (the sum itself without `silu`)
   int64_t C, K, x_stride;
+  bool silu = true;  // false: LFM2's short convolution, no activation
 };
 // channels c0 .. c1 of request b
 template <typename T>
@@ -85,8 +86,9 @@ struct ConvScanArgs {
   void* state;  // [C, K - 1] (T): the request's window, oldest first; left holding the last K - 1
   const void* weight;  // [C, K] (T)
   const void* bias;  // [C] (T) or null
-  float* out;  // [n, C]: SiLU of the taps' sum, each rounded to T
+  float* out;  // [n, C]: SiLU of the taps' sum, each rounded to T (the sum itself without `silu`)
   int64_t n, C, K, x_stride;
+  bool silu = true;  // false: LFM2's short convolution, no activation
 };
 template <typename T>
 void conv_scan_vec8(const ConvScanArgs& a, int64_t c0, int64_t c1);

@@ -47,8 +47,8 @@ PDS_AVX512 void conv_avx512(const ConvStepArgs& a, int64_t b, int64_t c0, int64_
       acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_load_ps(tap[k]), _mm512_load_ps(wt[k])));
     if (bias) acc = _mm512_add_ps(acc, load16(bias + c, mk));
     acc = round16<T>(acc);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), acc));
-    _mm512_mask_storeu_ps(a.out + b * a.C + c, mk, round16<T>(_mm512_div_ps(acc, _mm512_add_ps(one, e))));
+    if (a.silu) acc = round16<T>(_mm512_div_ps(acc, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), acc)))));
+    _mm512_mask_storeu_ps(a.out + b * a.C + c, mk, acc);
   }
 }
 
@@ -193,8 +193,8 @@ PDS_AVX512 void conv_scan_avx512_rows(const ConvScanArgs& a, int64_t c0, int64_t
       for (int64_t k = 1; k < K; ++k) acc = _mm512_add_ps(acc, _mm512_mul_ps(win[k], wt[k]));
       if (bias) acc = _mm512_add_ps(acc, b);
       acc = round16<T>(acc);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), acc));
-      _mm512_mask_storeu_ps(a.out + t * a.C + c, mk, round16<T>(_mm512_div_ps(acc, _mm512_add_ps(one, e))));
+      if (a.silu) acc = round16<T>(_mm512_div_ps(acc, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), acc)))));
+      _mm512_mask_storeu_ps(a.out + t * a.C + c, mk, acc);
       for (int64_t k = 0; k < K1; ++k) win[k] = win[k + 1];
     }
     for (int64_t k = 0; k < K1; ++k) _mm512_store_ps(buf[k], win[k]);

@@ -51,7 +51,7 @@ void conv_scan_scalar(const ConvScanArgs& a, int64_t c0, int64_t c1) {
       for (int64_t k = 1; k < K; ++k) acc += win[k] * load_f32(w + c * K + k);
       if (bias) acc += load_f32(bias + c);
       acc = round_to<T>(acc);
-      a.out[t * a.C + c] = round_to<T>(acc / (1.f + std::exp(-acc)));
+      a.out[t * a.C + c] = a.silu ? round_to<T>(acc / (1.f + std::exp(-acc))) : acc;
       for (int64_t k = 0; k < K1; ++k) win[k] = win[k + 1];
     }
     for (int64_t k = 0; k < K1; ++k) store_f32(state + c * K1 + k, win[k]);
@@ -129,11 +129,11 @@ void check_f32(const at::Tensor& t, std::initializer_list<int64_t> sizes, const 
 // output [n, C], float32 (rounded to x's dtype).
 template <typename T>
 at::Tensor convolve(const at::Tensor& x, at::Tensor& conv_state, int64_t slot, const at::Tensor& weight,
-                    const void* bias) {
+                    const void* bias, bool silu) {
   const int64_t n = x.size(0), C = x.size(1), K = weight.size(-1);
   at::Tensor out = at::empty({n, C}, at::kFloat);
   ConvScanArgs a{x.data_ptr(), data<T>(conv_state) + slot * conv_state.stride(0), weight.data_ptr(), bias,
-                 out.data_ptr<float>(), n, C, K, x.stride(0)};
+                 out.data_ptr<float>(), n, C, K, x.stride(0), silu};
   const bool simd = use_avx512(), v8 = use_vec8();
   at::parallel_for(0, (C + kConvColumns - 1) / kConvColumns, 1, [&](int64_t begin, int64_t end) {
     const int64_t c0 = begin * kConvColumns, c1 = std::min(C, end * kConvColumns);
@@ -147,15 +147,27 @@ at::Tensor convolve(const at::Tensor& x, at::Tensor& conv_state, int64_t slot, c
 }
 
 at::Tensor convolve(const at::Tensor& x, at::Tensor& conv_state, int64_t slot, const at::Tensor& weight,
-                    const c10::optional<at::Tensor>& bias, const char* op) {
+                    const c10::optional<at::Tensor>& bias, const char* op, bool silu = true) {
   const void* b = check_conv(x, conv_state, weight, bias, op);
   TORCH_CHECK(slot >= 0 && slot < conv_state.size(0), op, ": slot ", slot, " is not in the pool's [0, ",
               conv_state.size(0), ")");
-  return x.scalar_type() == at::kBFloat16 ? convolve<uint16_t>(x, conv_state, slot, weight, b)
-                                          : convolve<float>(x, conv_state, slot, weight, b);
+  return x.scalar_type() == at::kBFloat16 ? convolve<uint16_t>(x, conv_state, slot, weight, b, silu)
+                                          : convolve<float>(x, conv_state, slot, weight, b, silu);
 }
 
 }  // namespace
+
+// out [n, C] (bx's dtype): LFM2's short convolution of n new inputs bx [n, C] (B * x, rows
+// contiguous) of one request, no activation, over its window (conv_state [num_slots, C, K - 1],
+// bx's dtype) at `slot`, updated in place: the taps summed in float32 as causal_conv sums them,
+// rounded once.
+void short_conv_scan(at::Tensor out, const at::Tensor& bx, at::Tensor conv_state, int64_t slot,
+                     const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  const char* op = "short_conv_scan";
+  TORCH_CHECK(out.sizes() == bx.sizes() && out.is_contiguous() && out.scalar_type() == bx.scalar_type(), op,
+              ": out must be contiguous and shaped and typed as bx ", bx.sizes());
+  out.copy_(convolve(bx, conv_state, slot, weight, bias, op, false));
+}
 
 // y [n, H * P] (float32) = S C + D x of n new tokens of one request, its convolution window
 // (conv_state [num_slots, conv_dim, K - 1], xbc's dtype) and SSM state (ssm_state [num_slots, H,

@@ -41,7 +41,7 @@ PDS_V8 void conv_rows(const ConvStepArgs& a, int64_t b, int64_t c0, int64_t c1) 
     for (int64_t k = 1; k < K; ++k) acc = add(acc, mul(load(tap[k]), load(wt[k])));
     if (bias) acc = add(acc, load_upto(bias + c, n));
     acc = round_to<T>(acc);
-    store_upto(out + c, round_to<T>(div(acc, add(one, exp(sub(zero(), acc))))), n);
+    store_upto(out + c, a.silu ? round_to<T>(div(acc, add(one, exp(sub(zero(), acc))))) : acc, n);
   }
 }
 
@@ -191,7 +191,7 @@ PDS_V8 void conv_scan_rows(const ConvScanArgs& a, int64_t c0, int64_t c1) {
       for (int64_t k = 1; k < K; ++k) acc = add(acc, mul(win[k], wt[k]));
       if (bias) acc = add(acc, b);
       acc = round_to<T>(acc);
-      store_upto(a.out + t * a.C + c, round_to<T>(div(acc, add(one, exp(sub(zero(), acc))))), n);
+      store_upto(a.out + t * a.C + c, a.silu ? round_to<T>(div(acc, add(one, exp(sub(zero(), acc))))) : acc, n);
       for (int64_t k = 0; k < K1; ++k) win[k] = win[k + 1];
     }
     for (int64_t k = 0; k < K1; ++k) store(buf[k], win[k]);
