@@ -73,6 +73,8 @@ path, ids, n_new, variant = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3
 kw = {"quantization": "w8a8_int8"} if variant == "w8a8" else {"dtype": variant}
 if variant == "w4a8":  # an int4 checkpoint with int8 activations
     kw = {"dtype": "bfloat16", "int4_int8_activations": True}
+if variant == "mxfp4-a8":  # MXFP4 experts with int8 activations
+    kw = {"dtype": "bfloat16", "mxfp4_int8_activations": True}
 eng = pdserve.Engine(
     model_path=path, torch_num_threads=1, max_total_tokens=8192, disable_radix_cache=True, **kw
 )

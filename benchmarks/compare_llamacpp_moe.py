@@ -21,7 +21,9 @@ llama.cpp's Q4_0 multiplies int8 activations), ``pdserve fp8`` its FP8 block ver
 an fp16 scale per 32 weights (4.5 bits a weight), the int4 checkpoint a bf16 scale per 128 (4.125);
 Q8_0 an fp16 scale per 32 (8.5), FP8 a float32 scale per 128x128 block (8.0). ``--model gpt-oss``
 (``quantized_decode.gpt_oss_checkpoint``) with ``llama.cpp MXFP4`` (its ``MXFP4_MOE``: the experts
-in MXFP4) against ``pdserve mxfp4`` (the experts as GPT-OSS publishes them): the same format.
+in MXFP4) against ``pdserve mxfp4`` (the experts as GPT-OSS publishes them): the same format;
+``pdserve mxfp4-a8`` with ``--mxfp4-int8-activations``, as llama.cpp's MXFP4 multiplies int8
+activations.
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ def main() -> None:
         "pdserve w4a8": lambda: pdserve(quantized_decode.int4_checkpoint(model), "w4a8"),
         "pdserve fp8": lambda: pdserve(quantized_decode.fp8_checkpoint(model), "bfloat16"),
         "pdserve mxfp4": lambda: pdserve(quantized_decode.mxfp4_checkpoint(model), "bfloat16"),
+        "pdserve mxfp4-a8": lambda: pdserve(quantized_decode.mxfp4_checkpoint(model), "mxfp4-a8"),
     }
     names = a.contenders.split(",")
     for n in names:

@@ -175,6 +175,7 @@ def decode_rates(
     repeat: int,
     python_experts: bool = False,
     int8_activations: bool = False,
+    fmt: str = "int4",
 ):
     import random
 
@@ -187,7 +188,7 @@ def decode_rates(
         torch_num_threads=threads,
         disable_radix_cache=True,
         max_total_tokens=max(batches) * (input_len + new) + 1024,
-        **({"int4_int8_activations": True} if int8_activations else {}),
+        **({f"{fmt}_int8_activations": True} if int8_activations else {}),
     )
     try:
         model = eng.scheduler.runner.model
@@ -233,7 +234,8 @@ def main() -> None:
     ap.add_argument(
         "--int8-activations",
         action="store_true",
-        help="int4: also run with --int4-int8-activations (W4A8)",
+        help="int4 / mxfp4: also run with --int4-int8-activations (W4A8) or "
+        "--mxfp4-int8-activations",
     )
     a = ap.parse_args()
     from compare_llamacpp import llama_1b_checkpoint
@@ -262,7 +264,9 @@ def main() -> None:
     if a.python_experts:
         runs.append((f"{q}, Python expert loop", quantized, {"python_experts": True}))
     if a.int8_activations:
-        runs.append((f"{q}, int8 activations", quantized, {"int8_activations": True}))
+        if q not in ("int4", "mxfp4"):
+            ap.error("--int8-activations: for --format int4 or mxfp4")
+        runs.append((f"{q}, int8 activations", quantized, {"int8_activations": True, "fmt": q}))
     results = {}
     for name, path, options in runs:
         results[name], stack = decode_rates(

@@ -97,6 +97,9 @@ class ServerArgs:
     # int4 (compressed-tensors pack-quantized) checkpoints: each int4 layer's input quantized to
     # int8 per token (w8a8_int8's rule) for integer dot products, W4A8; opt-in (README)
     int4_int8_activations: bool = False
+    # MXFP4 experts (GPT-OSS): each expert matmul's input quantized to int8 per token, the e2m1
+    # codes times those in integer dot products; opt-in (README)
+    mxfp4_int8_activations: bool = False
     device: str = "auto"
     load_format: str = "auto"
     context_length: Optional[int] = None

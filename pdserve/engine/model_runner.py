@@ -31,6 +31,7 @@ from pdserve.kv_spec import (
 )
 from pdserve.layers.attention.base import attention_backend_class, get_attention_backend
 from pdserve.lora.layer import active as lora_rows
+from pdserve.quantization.base import INT8_ACTIVATION_FLAGS
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +60,13 @@ class ModelRunner:
         fmt = weight_format(hf_config)  # a quantized checkpoint: what it cannot be served with
         if fmt is not None:
             fmt.check_flags(args)
-        elif args.int4_int8_activations:
-            raise ValueError(
-                "--int4-int8-activations: the checkpoint is not quantized; the flag is for int4 "
-                "(pack-quantized) checkpoints"
-            )
+        else:
+            for flag, weights in INT8_ACTIVATION_FLAGS.items():
+                if getattr(args, flag):
+                    raise ValueError(
+                        f"--{flag.replace('_', '-')}: the checkpoint is not quantized; the flag "
+                        f"is for {weights} checkpoints"
+                    )
         if args.quantization is not None:
             self._check_quantization_possible()
             self.dtype, why = torch.bfloat16, f"--quantization {args.quantization} computes in bf16"

@@ -6,9 +6,16 @@ from __future__ import annotations
 
 import fnmatch
 from abc import ABC, abstractmethod
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional
 
 from torch import nn
+
+# the opt-in flags (ServerArgs fields) that quantize the activations of 4-bit weights to int8,
+# and the weights each is for
+INT8_ACTIVATION_FLAGS = {
+    "int4_int8_activations": "int4 (pack-quantized)",
+    "mxfp4_int8_activations": "MXFP4",
+}
 
 
 class WeightFormat(ABC):
@@ -74,16 +81,17 @@ class WeightFormat(ABC):
     def describe(self) -> str:
         return self.method
 
-    # int4 weights that may multiply int8 activations (--int4-int8-activations)
-    takes_int8_activations = False
+    # the int8-activation flag these weights take (ServerArgs field), if any
+    int8_activation_flag: Optional[str] = None
 
     def check_flags(self, args: Any) -> None:
         """Refuse the server flags (``ServerArgs``) these weights cannot be served with (yet)."""
-        if getattr(args, "int4_int8_activations", False) and not self.takes_int8_activations:
-            raise ValueError(
-                "--int4-int8-activations: the checkpoint has no int4 weights "
-                f"({self.describe()}); the flag is for int4 (pack-quantized) checkpoints"
-            )
+        for flag, weights in INT8_ACTIVATION_FLAGS.items():
+            if getattr(args, flag, False) and flag != self.int8_activation_flag:
+                raise ValueError(
+                    f"--{flag.replace('_', '-')}: the checkpoint has no {weights} weights "
+                    f"({self.describe()}); the flag is for {weights} checkpoints"
+                )
         if args.quantization is not None:
             raise ValueError(
                 f"--quantization {args.quantization}: the checkpoint is already quantized "

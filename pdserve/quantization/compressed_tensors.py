@@ -181,7 +181,7 @@ class CompressedInt4(CompressedTensors):
     stored_dtype = "I4"  # the packed words, seen in the weight's coordinates
     storage = torch.uint8
     kind = "int4"
-    takes_int8_activations = True
+    int8_activation_flag = "int4_int8_activations"
     # int8 activations per token: a W4A8 checkpoint's scheme, or --int4-int8-activations
     int8_activations = False
 

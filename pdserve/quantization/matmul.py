@@ -14,11 +14,13 @@ import torch.nn.functional as F
 PANEL_ROWS = 256  # output rows dequantized at once by the PyTorch matmul
 NO_ROW_LIMIT = 1 << 62
 CODES_W4A8 = 3  # int4 codes with int8 activations (linear_int4_w4a8's quads)
+CODES_MXFP4_A8 = 4  # MXFP4 codes with int8 activations (linear_mxfp4_w4a8, the same quads)
 
 
 class Panels(NamedTuple):
     """A matmul's weight as the panel kernels (``kernels/csrc/fp8_linear.h``) read it:
-    ``codes`` 0 FP8, 1 MXFP4, 2 int4, 3 int4 with int8 activations (``int4_w4a8.cpp``'s quads);
+    ``codes`` 0 FP8, 1 MXFP4, 2 int4, 3 int4 with int8 activations (``int4_w4a8.cpp``'s quads),
+    4 MXFP4 with int8 activations (the same quads);
     ``max_rows``: bf16 calls of more rows go elsewhere."""
 
     codes: int

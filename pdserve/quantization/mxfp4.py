@@ -28,7 +28,14 @@ PROJECTIONS = ("gate_up_proj", "down_proj")
 
 class Mxfp4(WeightFormat):
     method = "mxfp4"
-    batch_invariant = True  # with the kernels: the FP8 kernels' arithmetic
+    batch_invariant = True  # with the kernels: the FP8 kernels' arithmetic (or exact integer sums)
+    int8_activation_flag = "mxfp4_int8_activations"
+    # each expert matmul's input quantized to int8 per token (--mxfp4-int8-activations)
+    int8_activations = False
+
+    def check_flags(self, args: Any) -> None:
+        super().check_flags(args)
+        self.int8_activations = bool(getattr(args, "mxfp4_int8_activations", False))
 
     @classmethod
     def from_config(cls, quant: dict[str, Any]) -> "Mxfp4":
@@ -40,7 +47,8 @@ class Mxfp4(WeightFormat):
         return cls(quant.get("modules_to_not_convert") or ())
 
     def describe(self) -> str:
-        return "mxfp4 experts, e8m0 scales per 32"
+        acts = ", int8 activations per token" if self.int8_activations else ""
+        return f"mxfp4 experts, e8m0 scales per 32{acts}"
 
     def prepare(self, model: nn.Module, tensors: dict[str, tuple[str, list[int]]]) -> None:
         from pdserve.layers.moe.experts import Experts
@@ -137,7 +145,7 @@ class Mxfp4(WeightFormat):
                         f"weight {path}.{ckpt}: scale byte {top} ({what}) is out of the range "
                         f"served (E8M0 bytes up to {MAX_SCALE_BYTE}, 2^{MAX_SCALE_BYTE - 127})"
                     )
-            module.impl = Mxfp4Experts(module)
+            module.impl = Mxfp4Experts(module, self.int8_activations)
             total += module.impl.nbytes
         return total
 

@@ -5,9 +5,13 @@ the low nibble), and one E8M0 scale byte ``e`` per 32 values of a row, the value
 ``Mxfp4Linear``: with pdserve's CPU kernels, ``linear_mxfp4`` (``kernels/csrc/fp8_linear.h``) on
 the codes repacked once into 64-output panels of half the FP8 kernel's bytes, each code looked up
 as its value in registers and run through the FP8 kernels' sums (every tier, AMX included, batch
-invariant); the scales stay bytes. Without the kernels, a panel of output rows at a time is
-dequantized (exact in float32) and multiplied in the activations' dtype. ``Mxfp4Experts``: an MoE
-layer's experts, each expert's two matmuls an ``Mxfp4Linear`` over its slice."""
+invariant); the scales stay bytes. With ``int8_activations`` (``--mxfp4-int8-activations``,
+opt-in) ``linear_mxfp4_w4a8`` instead: each row of x quantized to int8 as ``w8a8_int8`` does, the
+codes (twice an e2m1 value is an integer) times those int8 values summed exactly in integer dot
+products, a float32 scale ``2^(e - 127) / 2`` per group (the codes in ``int4_matmul.pack_w4a8``'s
+quads). Without the kernels, a panel of output rows at a time is dequantized (exact in float32)
+and multiplied in the activations' dtype. ``Mxfp4Experts``: an MoE layer's experts, each expert's
+two matmuls an ``Mxfp4Linear`` over its slice."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from torch import nn
 
 from pdserve.quantization.experts import QuantizedExperts
 from pdserve.quantization.fp8_matmul import AMX_MIN_ROWS, KERNEL_PANEL
-from pdserve.quantization.matmul import Panels, QuantizedLinear
+from pdserve.quantization.matmul import CODES_MXFP4_A8, Panels, QuantizedLinear
 
 GROUP = 32  # values per scale
 # the e2m1 value of each code (sign in bit 3)
@@ -81,17 +85,32 @@ class Mxfp4Linear(QuantizedLinear):
     K/32] bytes (one expert's slice of its layer's parameters). After ``use_kernels``:
     ``linear_mxfp4`` on a packed copy (the arguments are no longer read)."""
 
-    def __init__(self, blocks: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]):
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        scales: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        int8_activations: bool = False,
+    ):
         super().__init__(bias)
         self.out_features, self.in_features = blocks.shape[0], blocks.shape[1] * 2
         self.blocks, self.scales = blocks, scales
+        self.int8_activations = int8_activations
         self.amx_min_rows = -1
         self.packed: Optional[torch.Tensor] = None
         self.packed_scale: Optional[torch.Tensor] = None
 
     def use_kernels(self, ops: ModuleType, batch_invariant: bool = False):
         if self.ops is None:
-            self.packed, self.packed_scale = pack_mxfp4(self.blocks, self.scales)
+            if self.int8_activations:
+                from pdserve.quantization.int4_matmul import pack_w4a8
+
+                # 2^(e - 127) / 2: the codes' integers are twice the e2m1 values (exact)
+                e = self.scales.to(torch.int32) - 128
+                halves = torch.ldexp(torch.ones(e.shape), e.to(torch.float32))
+                self.packed, self.packed_scale = pack_w4a8(self.blocks, halves)
+            else:
+                self.packed, self.packed_scale = pack_mxfp4(self.blocks, self.scales)
             self.ops, self.blocks, self.scales = ops, None, None
         self.amx_min_rows = -1 if batch_invariant else AMX_MIN_ROWS
 
@@ -99,25 +118,32 @@ class Mxfp4Linear(QuantizedLinear):
         """Rows ``start:end`` of the weight in float32."""
         blocks, scales = self.blocks, self.scales
         if self.packed is not None:
+            if self.int8_activations:
+                raise RuntimeError("Mxfp4Linear: the weight is held in int8-activation quads only")
             blocks, scales = unpack_mxfp4(self.packed, self.packed_scale, self.out_features)
         return dequantize(blocks[start:end], scales[start:end])
 
     def panels(self) -> Optional[Panels]:
         if self.packed is None:
             return None
-        return Panels(1, self.packed, self.packed_scale, GROUP, self.amx_min_rows)
+        codes = CODES_MXFP4_A8 if self.int8_activations else 1
+        return Panels(codes, self.packed, self.packed_scale, GROUP, self.amx_min_rows)
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
         out = x2.new_empty((x2.shape[0], self.out_features))
-        self.ops.linear_mxfp4(
-            out, x2, self.packed, self.packed_scale, self._bias_in(x2.dtype), self.amx_min_rows
-        )
+        bias = self._bias_in(x2.dtype)
+        if self.int8_activations:
+            self.ops.linear_mxfp4_w4a8(out, x2, self.packed, self.packed_scale, bias)
+            return out
+        self.ops.linear_mxfp4(out, x2, self.packed, self.packed_scale, bias, self.amx_min_rows)
         return out
 
     @property
     def nbytes(self) -> int:
         if self.packed is not None:
-            return self.packed.numel() + self.packed_scale.numel()
+            return (
+                self.packed.numel() + self.packed_scale.numel() * self.packed_scale.element_size()
+            )
         return self.blocks.numel() + self.scales.numel()
 
 
@@ -125,5 +151,5 @@ class Mxfp4Experts(QuantizedExperts):
     """An MoE layer's experts on MXFP4 weights: each expert's two matmuls an ``Mxfp4Linear`` over
     its slice of ``w13`` / ``w2`` (packed bytes) and ``w13_scale`` / ``w2_scale``."""
 
-    def __init__(self, experts: nn.Module):
-        super().__init__(experts, Mxfp4Linear)
+    def __init__(self, experts: nn.Module, int8_activations: bool = False):
+        super().__init__(experts, lambda w, s, b: Mxfp4Linear(w, s, b, int8_activations))

@@ -199,3 +199,83 @@ def test_pd_mxfp4_to_dp_attention_and_expert_parallel_decode_equals_colocated(pd
     )
     request.node._engine = eng
     assert_router_equals_engine(router, eng, prompts_for(9)[:4], 1e-4)
+
+
+def first_token_logprobs(eng, prompts: list[list[int]]) -> list[tuple[int, float, dict]]:
+    """(token, logprob, top-2 logprobs by token) of each prompt's first greedy token."""
+    outs = eng.generate(
+        input_ids=prompts,
+        sampling_params={**GREEDY, "max_new_tokens": 1},
+        return_logprob=True,
+        top_logprobs_num=2,
+    )
+    return [
+        (
+            o["output_ids"][0],
+            o["meta_info"]["output_token_logprobs"][0][0],
+            {t: v for v, t, _ in o["meta_info"]["output_top_logprobs"][0]},
+        )
+        for o in outs
+    ]
+
+
+def test_int8_activations_follow_the_16_bit_experts_where_decisive(request):
+    """``--mxfp4-int8-activations``: every expert matmul takes ``linear_mxfp4_w4a8`` (the layer's
+    C++ call too). Against the same checkpoint's 16-bit-activation experts, float32 compute: the
+    first token's logprob within 0.06 (the activations' int8 rounding; measured up to 0.038 on
+    these prompts), the token itself the same wherever the 16-bit run's top-2 gap exceeds 0.1."""
+    if kernels.load() is None:
+        pytest.skip(f"the CPU kernels are not available here: {kernels.unavailable_reason()}")
+    path = mxfp4()
+    prompts = prompts_for(5)
+    common = dict(model_path=path, dtype="float32", torch_num_threads=1, max_total_tokens=8192)
+    eng = pdserve.Engine(**common, mxfp4_int8_activations=True)
+    request.node._engine = eng
+    experts = mxfp4_experts(runner_model(eng))
+    linears = [w for e in experts for pair in e.impl.linears for w in pair]
+    assert experts and all(e.impl.fused is not None for e in experts)
+    assert linears and all(w.int8_activations and w.panels().codes == 4 for w in linears)
+    got = first_token_logprobs(eng, prompts)
+    eng.shutdown()
+    w16 = pdserve.Engine(**common)
+    request.node._engine = w16
+    want = first_token_logprobs(w16, prompts)
+    decisive = 0
+    for (tok, lp, _), (ref_tok, ref_lp, top) in zip(got, want):
+        if tok == ref_tok:
+            assert abs(lp - ref_lp) < 0.06
+        values = sorted(top.values(), reverse=True)
+        if values[0] - values[1] > 0.1:
+            decisive += 1
+            assert tok == ref_tok
+    assert decisive >= len(prompts) // 2, f"only {decisive} decisive prompts"
+
+
+def test_int8_activations_are_batch_invariant(request):
+    """bf16 compute with ``--enable-deterministic-inference``: a prompt's tokens and logprobs do
+    not depend on its batch (exact integer sums, a fixed order of the scales)."""
+    eng = pdserve.Engine(
+        model_path=mxfp4(),
+        dtype="bfloat16",
+        torch_num_threads=1,
+        max_total_tokens=8192,
+        mxfp4_int8_activations=True,
+        enable_deterministic_inference=True,
+    )
+    request.node._engine = eng
+    assert_batch_invariant(eng, prompts_for(2)[:6], {**GREEDY, "max_new_tokens": 12})
+
+
+@pytest.mark.parametrize("checkpoint", ["int4", "unquantized"])
+def test_mxfp4_int8_activations_are_refused_without_mxfp4_weights(checkpoint):
+    from tests.helpers.checkpoints import build_compressed_int4_checkpoint
+
+    src = build_tiny_checkpoint("llama")
+    path = build_compressed_int4_checkpoint(src, 32, False) if checkpoint == "int4" else src
+    with pytest.raises(ValueError, match="--mxfp4-int8-activations"):
+        pdserve.Engine(model_path=path, dtype="float32", mxfp4_int8_activations=True)
+
+
+def test_int4_int8_activations_are_refused_on_mxfp4_weights():
+    with pytest.raises(ValueError, match="--int4-int8-activations: the checkpoint has no int4"):
+        pdserve.Engine(model_path=mxfp4(), dtype="float32", int4_int8_activations=True)

@@ -643,3 +643,39 @@ def test_int4_w4a8_is_the_integer_sums_at_every_tier(ops, isa, rows, n, k, group
     ref = ref + bias.double()
     err = ((out.double() - ref).abs() / (ref.abs() + 1)).max().item()
     assert err < (1e-5 if x_dtype == torch.float32 else 2**-8), err
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 70, 96), (5, 130, 256), (8, 64, 2880)])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_w4a8_is_the_integer_sums_at_every_tier(ops, isa, rows, n, k, x_dtype):
+    """linear_mxfp4_w4a8 (MXFP4's e2m1 codes x per-row int8 activations): the portable loop's bits
+    at every tier, a row alone its bits in any batch, near float64 over the dequantized MXFP4
+    weight (every code, scales from 2^-128) and x quantized by w8a8's rule."""
+    from pdserve.quantization.mxfp4_matmul import Mxfp4Linear, dequantize
+
+    gen = torch.Generator().manual_seed(rows + n + k)
+    blocks = torch.randint(0, 256, (n, k // 2), dtype=torch.int32, generator=gen).to(torch.uint8)
+    scales = torch.randint(118, 130, (n, k // 32), dtype=torch.int32, generator=gen)
+    scales[0, 0], scales[-1, -1] = 0, 160  # 2^-128 (subnormal in float32), 2^33
+    scales = scales.to(torch.uint8)
+    x = (3 * torch.randn(rows, k, generator=gen)).to(x_dtype)
+    bias = torch.randn(n, generator=gen).to(x_dtype)
+    lin = Mxfp4Linear(blocks, scales, bias, int8_activations=True)
+    ref_w = dequantize(blocks, scales)
+    lin.use_kernels(ops)
+    assert lin.panels().codes == 4
+    out = lin(x)
+    before = ops.isa_tier()
+    ops.set_isa("scalar")
+    try:
+        portable = lin(x)
+    finally:
+        ops.set_isa(before)
+    assert torch.equal(out, portable)
+    assert torch.equal(lin(x[-1:])[0], out[-1])
+    x32 = x.float()
+    xs = x32.abs().amax(1, keepdim=True) / 127
+    xq = torch.round(x32 * (1 / xs)).clamp(-127, 127)
+    ref = (xq.double() * xs.double()) @ ref_w.double().T + bias.double()
+    err = ((out.double() - ref).abs() / (ref.abs() + 1)).max().item()
+    assert err < (1e-5 if x_dtype == torch.float32 else 2**-8), err

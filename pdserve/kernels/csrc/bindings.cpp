@@ -72,6 +72,8 @@ void bind_decode_model(pybind11::module& m);
 void bind_panel_experts(pybind11::module& m);
 void linear_int4_w4a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                       c10::optional<at::Tensor> bias, int64_t group);
+void linear_mxfp4_w4a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                       c10::optional<at::Tensor> bias);
 void bind_amx(pybind11::module& m);
 const char* amx_isa_name();
 
@@ -152,6 +154,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "int4 weights x per-row int8 activations (W4A8, opt-in): codes packed [N/64, K/4, 128], scale [N/64, "
         "K/group, 64] float32; the same bits at every tier and batch",
         py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("bias"), py::arg("group"));
+  m.def("linear_mxfp4_w4a8", &pds::linear_mxfp4_w4a8, nogil,
+        "MXFP4 weights x per-row int8 activations (opt-in): e2m1 codes in linear_int4_w4a8's quads, scale [N/64, K/32, "
+        "64] float32 (2^(e - 127) / 2); the same bits at every tier and batch",
+        py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("bias"));
   m.def("linear_w8a8", &pds::linear_w8a8, nogil, "int8 weights x per-token int8 activations (w8a8_int8), dequantized",
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("colsum"), pybind11::arg("w_scale"),
         pybind11::arg("bias"), pybind11::arg("amx_min_rows") = -1);

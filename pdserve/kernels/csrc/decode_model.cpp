@@ -314,7 +314,7 @@ class DecodeModel {
   // for w8a8_int8 (out_features as a 0-d int64 tensor), [None, None, bias, packed, scale,
   // (block_k, out_features, max_rows, amx_min_rows[, codes])] for panel weights (int64 [4] or [5]:
   // the panel kernel of `codes`, 0 FP8 by default, 1 MXFP4, 2 int4, 3 int4 with int8 activations
-  // (linear_int4_w4a8), up to max_rows, on AMX from
+  // (linear_int4_w4a8), 4 MXFP4 with int8 activations (linear_mxfp4_w4a8), up to max_rows, on AMX from
   // amx_min_rows; past max_rows FP8 dequantizes for the GEMM)
   static Linear make_linear(const std::vector<c10::optional<at::Tensor>>& parts, const char* name) {
     Linear lin;
@@ -331,8 +331,9 @@ class DecodeModel {
       lin.fp8_max_rows = dims.data_ptr<int64_t>()[2];
       lin.fp8_amx_min_rows = dims.data_ptr<int64_t>()[3];
       lin.f_codes = dims.numel() == 5 ? dims.data_ptr<int64_t>()[4] : 0;
-      TORCH_CHECK(lin.f_codes >= 0 && lin.f_codes <= 3, "DecodeModel.add_layer: ", name,
-                  ": codes must be 0 (FP8), 1 (MXFP4), 2 (int4) or 3 (int4, int8 activations)");
+      TORCH_CHECK(lin.f_codes >= 0 && lin.f_codes <= 4, "DecodeModel.add_layer: ", name,
+                  ": codes must be 0 (FP8), 1 (MXFP4), 2 (int4), 3 (int4, int8 activations) or 4 (MXFP4, int8 "
+                  "activations)");
       TORCH_CHECK(lin.f_codes == 0 || lin.fp8_max_rows >= (int64_t(1) << 62), "DecodeModel.add_layer: ", name,
                   ": only FP8 panels have a row limit (the dequantized GEMM past it)");
       return lin;

@@ -54,8 +54,10 @@ inline int fp8_out_of(int p) { return (p & 8) ? 32 + 8 * (p >> 4) + (p & 7) : 8 
 // The weights a panel holds: FP8 bytes, or 4-bit codes (MXFP4's e2m1; compressed-tensors' int4,
 // stored as q + 8) in lines of half the bytes, looked up as values
 enum Codes : int { kCodesFp8 = 0, kCodesE2m1 = 1, kCodesInt4 = 2 };
-// int4 codes with int8 activations: int4_w4a8.cpp's quads (its own layout, not these panels)
+// int4 codes with int8 activations: int4_w4a8.cpp's quads (its own layout, not these panels);
+// MXFP4's e2m1 codes in the same quads, with int8 activations
 constexpr int kCodesW4A8 = 3;
+constexpr int kCodesMxfp4A8 = 4;
 // rows the 8-lane kernels widen each line for in registers (fp8_vec8.cpp); more take tiles over
 // a block widened into a buffer
 constexpr int64_t kVec8StreamRows = 3;

@@ -14,6 +14,11 @@
 // groups in order from zero; out = fma(acc, s, bias) rounded once to out's dtype. |corr| < 2^24
 // for groups up to 1024, so float(corr) is exact.
 //
+// MXFP4 with int8 activations (opt-in, --mxfp4-int8-activations) runs the same sums on e2m1
+// codes: twice an e2m1 value is an integer in -12 .. 12, so a 16-entry table (vpshufb / TBL) turns
+// each code into u = 2 v + 12 (0 .. 24), the offset corrected as int4's 8 is (corr = isum - 12 *
+// sum(xq)), and the scale is 2^(e - 127) / 2 per group of 32 (exact in float32).
+//
 // Layout (quantization/int4_matmul.py pack_w4a8): [ceil(N/64), ceil(K/4), 128] bytes. Quad kq of
 // panel np holds k = 4 kq .. 4 kq + 3 of its 64 outputs: byte 4 l + i of the first 64 holds the
 // code of output l (low nibble) and 32 + l (high), k = 4 kq + i; of the second 64, outputs
@@ -47,6 +52,8 @@ constexpr int64_t kPanel = 64, kQuad = 128;
 constexpr int64_t kPrefetchBytes = 2048;
 
 struct W4A8Args {
+  const uint8_t* lut;  // 16 bytes: each code's unsigned value (MXFP4), or null (int4: the code)
+  int32_t offset;  // what the unsigned values add to the signed ones: 8 (int4), 12 (MXFP4)
   const uint8_t* w;  // [NP, KQ, 128]
   const float* scale;  // [NP, KB, 64]
   const int8_t* xq;  // [M, K4], K4 = 4 KQ, zero padded
@@ -58,10 +65,14 @@ struct W4A8Args {
   bool out_bf16;
 };
 
-inline int code_of(const uint8_t* quad, int64_t o, int i) {
+inline int code_of(const uint8_t* quad, int64_t o, int i, const uint8_t* lut) {
   const int half = (o >> 4) & 1, l = o & 15, hi = o >> 5;
-  return (quad[half * 64 + 4 * l + i] >> (4 * hi)) & 0xF;
+  const int c = (quad[half * 64 + 4 * l + i] >> (4 * hi)) & 0xF;
+  return lut ? lut[c] : c;
 }
+
+// MXFP4: twice each e2m1 code's value, plus 12
+constexpr uint8_t kE2m1Unsigned[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
 // the rows' accumulators [rows][64] of panel np -> out (fma with the row scale, the bias)
 void store_rows(const W4A8Args& a, int64_t np, int64_t m0, int64_t rows, const float* acc) {
@@ -88,11 +99,11 @@ void panel_scalar(const W4A8Args& a, int64_t np, int64_t m, float* acc) {
   for (int64_t g = 0; g < a.KB; ++g) {
     const int64_t q0 = g * a.gq, q1 = std::min(a.KQ, q0 + a.gq);
     const float* s = a.scale + (np * a.KB + g) * kPanel;
-    const int32_t corr8 = 8 * a.sx[m * a.KB + g];
+    const int32_t corr8 = a.offset * a.sx[m * a.KB + g];
     for (int64_t o = 0; o < kPanel; ++o) {
       int32_t isum = 0;
       for (int64_t q = q0; q < q1; ++q)
-        for (int i = 0; i < 4; ++i) isum += code_of(base + q * kQuad, o, i) * int32_t(x[4 * q + i]);
+        for (int i = 0; i < 4; ++i) isum += code_of(base + q * kQuad, o, i, a.lut) * int32_t(x[4 * q + i]);
       acc[o] = std::fma(float(isum - corr8), s[o], acc[o]);
     }
   }
@@ -100,10 +111,12 @@ void panel_scalar(const W4A8Args& a, int64_t np, int64_t m, float* acc) {
 
 #if PDS_X86
 // R rows of panel np from the packed quads: 4 R int32 accumulators of 16 lanes a group
-template <int R>
+template <int R, bool LUT>
 PDS_AVX512_VNNI void panel_vnni(const W4A8Args& a, int64_t np, int64_t m0, float* acc) {
   const uint8_t* base = a.w + np * a.KQ * kQuad;
   const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m512i lut = LUT ? _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.lut)))
+                          : _mm512_setzero_si512();
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + r * kPanel + 16 * j, _mm512_setzero_ps());
   for (int64_t g = 0; g < a.KB; ++g) {
@@ -116,9 +129,11 @@ PDS_AVX512_VNNI void panel_vnni(const W4A8Args& a, int64_t np, int64_t m0, float
       _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + 64, _MM_HINT_T1);
       const __m512i A = _mm512_loadu_si512(p), B = _mm512_loadu_si512(p + 64);
-      const __m512i c[4] = {_mm512_and_si512(A, nib), _mm512_and_si512(B, nib),
-                            _mm512_and_si512(_mm512_srli_epi16(A, 4), nib),
-                            _mm512_and_si512(_mm512_srli_epi16(B, 4), nib)};
+      __m512i c[4] = {_mm512_and_si512(A, nib), _mm512_and_si512(B, nib),
+                      _mm512_and_si512(_mm512_srli_epi16(A, 4), nib),
+                      _mm512_and_si512(_mm512_srli_epi16(B, 4), nib)};
+      if (LUT)
+        for (int j = 0; j < 4; ++j) c[j] = _mm512_shuffle_epi8(lut, c[j]);
       for (int r = 0; r < R; ++r) {
         int32_t xw;
         std::memcpy(&xw, a.xq + (m0 + r) * a.KQ * 4 + 4 * q, 4);
@@ -128,7 +143,7 @@ PDS_AVX512_VNNI void panel_vnni(const W4A8Args& a, int64_t np, int64_t m0, float
     }
     const float* s = a.scale + (np * a.KB + g) * kPanel;
     for (int r = 0; r < R; ++r) {
-      const __m512i corr8 = _mm512_set1_epi32(8 * a.sx[(m0 + r) * a.KB + g]);
+      const __m512i corr8 = _mm512_set1_epi32(a.offset * a.sx[(m0 + r) * a.KB + g]);
       for (int j = 0; j < 4; ++j) {
         float* dst = acc + r * kPanel + 16 * j;
         const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][j], corr8));
@@ -148,9 +163,12 @@ PDS_AVX2_VNNI inline __m256i dot4_avx_vnni(__m256i acc, __m256i c, __m256i x) {
 }
 
 #define PDS_W4A8_PANEL8(NAME, TARGET, DOT)                                                                 \
+  template <bool LUT>                                                                                      \
   TARGET void NAME(const W4A8Args& a, int64_t np, int64_t m, float* acc) {                                 \
     const uint8_t* base = a.w + np * a.KQ * kQuad;                                                         \
     const __m256i nib = _mm256_set1_epi8(0x0F);                                                            \
+    const __m256i lut = LUT ? _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.lut))) \
+                            : _mm256_setzero_si256();                                                      \
     for (int j = 0; j < 8; ++j) _mm256_storeu_ps(acc + 8 * j, _mm256_setzero_ps());                        \
     for (int64_t g = 0; g < a.KB; ++g) {                                                                   \
       const int64_t q0 = g * a.gq, q1 = std::min(a.KQ, q0 + a.gq);                                         \
@@ -166,12 +184,17 @@ PDS_AVX2_VNNI inline __m256i dot4_avx_vnni(__m256i acc, __m256i c, __m256i x) {
         /* 32 bytes h: outputs 8 h .. 8 h + 7 (low nibbles) and 32 + 8 h .. (high) */ \
         for (int h = 0; h < 4; ++h) {                                                                      \
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));              \
-          isum[h] = DOT(isum[h], _mm256_and_si256(v, nib), xv);                                            \
-          isum[h + 4] = DOT(isum[h + 4], _mm256_and_si256(_mm256_srli_epi16(v, 4), nib), xv);              \
+          __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);      \
+          if (LUT) {                                                                                       \
+            lo = _mm256_shuffle_epi8(lut, lo);                                                             \
+            hi = _mm256_shuffle_epi8(lut, hi);                                                             \
+          }                                                                                                \
+          isum[h] = DOT(isum[h], lo, xv);                                                                  \
+          isum[h + 4] = DOT(isum[h + 4], hi, xv);                                                          \
         }                                                                                                  \
       }                                                                                                    \
       const float* s = a.scale + (np * a.KB + g) * kPanel;                                                 \
-      const __m256i corr8 = _mm256_set1_epi32(8 * a.sx[m * a.KB + g]);                                     \
+      const __m256i corr8 = _mm256_set1_epi32(a.offset * a.sx[m * a.KB + g]);                              \
       for (int j = 0; j < 8; ++j) {                                                                        \
         const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[j], corr8));                             \
         _mm256_storeu_ps(acc + 8 * j,                                                                      \
@@ -197,9 +220,11 @@ inline int32x4_t dot4_neon(int32x4_t acc, int8x16_t c, int8x16_t x) {
 PDS_NEON_DOT inline int32x4_t dot4_sdot(int32x4_t acc, int8x16_t c, int8x16_t x) { return vdotq_s32(acc, c, x); }
 
 #define PDS_W4A8_PANEL_NEON(NAME, TARGET, DOT)                                                    \
+  template <bool LUT>                                                                             \
   TARGET void NAME(const W4A8Args& a, int64_t np, int64_t m, float* acc) {                        \
     const uint8_t* base = a.w + np * a.KQ * kQuad;                                                \
     const uint8x16_t nib = vdupq_n_u8(0x0F);                                                      \
+    const uint8x16_t lut = LUT ? vld1q_u8(a.lut) : vdupq_n_u8(0);                                 \
     for (int j = 0; j < 16; ++j) vst1q_f32(acc + 4 * j, vdupq_n_f32(0.f));                        \
     for (int64_t g = 0; g < a.KB; ++g) {                                                          \
       const int64_t q0 = g * a.gq, q1 = std::min(a.KQ, q0 + a.gq);                                \
@@ -213,12 +238,17 @@ PDS_NEON_DOT inline int32x4_t dot4_sdot(int32x4_t acc, int8x16_t c, int8x16_t x)
         /* 16 bytes c: outputs 4 c .. 4 c + 3 (low nibbles) and 32 + 4 c .. (high) */            \
         for (int c = 0; c < 8; ++c) {                                                             \
           const uint8x16_t v = vld1q_u8(p + 16 * c);                                              \
-          isum[c] = DOT(isum[c], vreinterpretq_s8_u8(vandq_u8(v, nib)), xv);                      \
-          isum[c + 8] = DOT(isum[c + 8], vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), xv);              \
+          uint8x16_t lo = vandq_u8(v, nib), hi = vshrq_n_u8(v, 4);                                \
+          if (LUT) {                                                                              \
+            lo = vqtbl1q_u8(lut, lo);                                                             \
+            hi = vqtbl1q_u8(lut, hi);                                                             \
+          }                                                                                       \
+          isum[c] = DOT(isum[c], vreinterpretq_s8_u8(lo), xv);                                    \
+          isum[c + 8] = DOT(isum[c + 8], vreinterpretq_s8_u8(hi), xv);                            \
         }                                                                                         \
       }                                                                                           \
       const float* s = a.scale + (np * a.KB + g) * kPanel;                                        \
-      const int32x4_t corr8 = vdupq_n_s32(8 * a.sx[m * a.KB + g]);                                \
+      const int32x4_t corr8 = vdupq_n_s32(a.offset * a.sx[m * a.KB + g]);                         \
       for (int j = 0; j < 16; ++j) {                                                              \
         const float32x4_t v = vcvtq_f32_s32(vsubq_s32(isum[j], corr8));                           \
         vst1q_f32(acc + 4 * j, vfmaq_f32(vld1q_f32(acc + 4 * j), v, vld1q_f32(s + 4 * j)));       \
@@ -233,11 +263,60 @@ PDS_W4A8_PANEL_NEON(panel_neon_dot, PDS_NEON_DOT, dot4_sdot)
 
 }  // namespace
 
-// out [M, N] float32 or bf16 = x W^T (+ bias) for int4 codes packed as above, x [M, K] float32 or
-// bf16 (rows contiguous) quantized per row to int8 here; scale [NP, ceil(K/group), 64] float32.
-void linear_int4_w4a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                      c10::optional<at::Tensor> bias, int64_t group) {
-  const char* op = "linear_int4_w4a8";
+namespace {
+
+template <bool LUT>
+void run_panels(const W4A8Args& a, int64_t NP) {
+  const bool vnni512 = use_avx512_vnni(), avx_vnni = use_avx_vnni(), avx2 = use_avx2();
+  const int64_t M = a.M;
+  at::parallel_for(0, NP, 1, [&](int64_t b, int64_t e) {
+    alignas(64) float acc[4 * kPanel];
+    for (int64_t np = b; np < e; ++np)
+      for (int64_t m0 = 0; m0 < M;) {
+#if PDS_X86
+        if (vnni512) {
+          const int64_t rows = std::min<int64_t>(4, M - m0);
+          switch (rows) {
+            case 1: panel_vnni<1, LUT>(a, np, m0, acc); break;
+            case 2: panel_vnni<2, LUT>(a, np, m0, acc); break;
+            case 3: panel_vnni<3, LUT>(a, np, m0, acc); break;
+            default: panel_vnni<4, LUT>(a, np, m0, acc); break;
+          }
+          store_rows(a, np, m0, rows, acc);
+          m0 += rows;
+          continue;
+        }
+        if (avx2) {
+          if (avx_vnni)
+            panel_avx_vnni<LUT>(a, np, m0, acc);
+          else
+            panel_avx2<LUT>(a, np, m0, acc);
+          store_rows(a, np, m0, 1, acc);
+          ++m0;
+          continue;
+        }
+#endif
+#if PDS_ARM
+        if (use_neon()) {
+          if (use_dotprod())
+            panel_neon_dot<LUT>(a, np, m0, acc);
+          else
+            panel_neon<LUT>(a, np, m0, acc);
+          store_rows(a, np, m0, 1, acc);
+          ++m0;
+          continue;
+        }
+#endif
+        panel_scalar(a, np, m0, acc);
+        store_rows(a, np, m0, 1, acc);
+        ++m0;
+      }
+  });
+}
+
+// the checks, x's quantization and the panels of either code set
+void w4a8(const char* op, const uint8_t* lut, int32_t offset, at::Tensor& out, const at::Tensor& x,
+          const at::Tensor& packed, const at::Tensor& scale, const c10::optional<at::Tensor>& bias, int64_t group) {
   TORCH_CHECK(group > 0 && group % 4 == 0, op, ": group (", group, ") must be a positive multiple of 4");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1, op,
               ": x and out must be 2-D with contiguous rows");
@@ -272,60 +351,37 @@ void linear_int4_w4a8(at::Tensor out, const at::Tensor& x, const at::Tensor& pac
       sx[m * KB + g] = sum;
     }
   const bool out_bf16 = out.scalar_type() == at::kBFloat16;
-  const W4A8Args a{data<uint8_t>(packed), data<float>(scale), xq, xs.data(), sx.data(),
+  const W4A8Args a{lut, offset, data<uint8_t>(packed), data<float>(scale), xq, xs.data(), sx.data(),
                    bias.has_value() ? bias->data_ptr() : nullptr, out.data_ptr(), M, N, KQ, KB, group / 4,
                    out.stride(0), out_bf16};
-  const bool vnni512 = use_avx512_vnni(), avx_vnni = use_avx_vnni(), avx2 = use_avx2();
-  at::parallel_for(0, NP, 1, [&](int64_t b, int64_t e) {
-    alignas(64) float acc[4 * kPanel];
-    for (int64_t np = b; np < e; ++np)
-      for (int64_t m0 = 0; m0 < M;) {
-#if PDS_X86
-        if (vnni512) {
-          const int64_t rows = std::min<int64_t>(4, M - m0);
-          switch (rows) {
-            case 1: panel_vnni<1>(a, np, m0, acc); break;
-            case 2: panel_vnni<2>(a, np, m0, acc); break;
-            case 3: panel_vnni<3>(a, np, m0, acc); break;
-            default: panel_vnni<4>(a, np, m0, acc); break;
-          }
-          store_rows(a, np, m0, rows, acc);
-          m0 += rows;
-          continue;
-        }
-        if (avx2) {
-          if (avx_vnni)
-            panel_avx_vnni(a, np, m0, acc);
-          else
-            panel_avx2(a, np, m0, acc);
-          store_rows(a, np, m0, 1, acc);
-          ++m0;
-          continue;
-        }
-#endif
-#if PDS_ARM
-        if (use_neon()) {
-          if (use_dotprod())
-            panel_neon_dot(a, np, m0, acc);
-          else
-            panel_neon(a, np, m0, acc);
-          store_rows(a, np, m0, 1, acc);
-          ++m0;
-          continue;
-        }
-#endif
-        panel_scalar(a, np, m0, acc);
-        store_rows(a, np, m0, 1, acc);
-        ++m0;
-      }
-  });
+  if (lut)
+    run_panels<true>(a, NP);
+  else
+    run_panels<false>(a, NP);
 }
 
-// A weight of the panel formats by its codes (fp8_linear.h's, or kCodesW4A8): the one dispatch the
+}  // namespace
+
+// out [M, N] float32 or bf16 = x W^T (+ bias) for int4 codes packed as above, x [M, K] float32 or
+// bf16 (rows contiguous) quantized per row to int8 here; scale [NP, ceil(K/group), 64] float32.
+void linear_int4_w4a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                      c10::optional<at::Tensor> bias, int64_t group) {
+  w4a8("linear_int4_w4a8", nullptr, 8, out, x, packed, scale, bias, group);
+}
+
+// The same for MXFP4 codes in the same quads (their e2m1 values times 2 by kE2m1Unsigned), scale
+// [NP, K/32, 64] float32 (2^(e - 127) / 2): MXFP4 with int8 activations.
+void linear_mxfp4_w4a8(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                       c10::optional<at::Tensor> bias) {
+  w4a8("linear_mxfp4_w4a8", kE2m1Unsigned, 12, out, x, packed, scale, bias, 32);
+}
+
+// A weight of the panel formats by its codes (fp8_linear.h's, kCodesW4A8 or kCodesMxfp4A8): the one dispatch the
 // experts' call and the decode stack share
 void linear_codes(int codes, at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                   const c10::optional<at::Tensor>& bias, int64_t block_k, int64_t amx_min_rows) {
   if (codes == kCodesW4A8) return linear_int4_w4a8(out, x, packed, scale, bias, block_k);
+  if (codes == kCodesMxfp4A8) return linear_mxfp4_w4a8(out, x, packed, scale, bias);
   linear_panels("linear_codes", codes, out, x, packed, scale, bias, block_k, amx_min_rows);
 }
 

@@ -67,8 +67,8 @@ PanelExperts::PanelExperts(int64_t codes, std::vector<at::Tensor> w13, std::vect
       I_(inter),
       alpha_(float(alpha)),
       limit_(float(limit)) {
-  TORCH_CHECK(codes >= kCodesFp8 && codes <= kCodesW4A8, kOp, ": codes must be 0 (FP8), 1 (MXFP4), 2 (int4) or 3 "
-              "(int4 with int8 activations), got ", codes);
+  TORCH_CHECK(codes >= kCodesFp8 && codes <= kCodesMxfp4A8, kOp, ": codes must be 0 (FP8), 1 (MXFP4), 2 (int4), 3 "
+              "(int4 with int8 activations) or 4 (MXFP4 with int8 activations), got ", codes);
   if (activation == "silu")
     act_ = PanelAct::kSilu;
   else if (activation == "swiglu_oai")
@@ -80,8 +80,8 @@ PanelExperts::PanelExperts(int64_t codes, std::vector<at::Tensor> w13, std::vect
   TORCH_CHECK(b13.empty() || b13.size() == E, kOp, ": b13 must be empty or one per expert");
   TORCH_CHECK(b2.empty() || b2.size() == E, kOp, ": b2 must be empty or one per expert");
   for (size_t e = 0; e < E; ++e) {
-    // k per packed row: 1, or 4 for W4A8's quads
-    const int64_t kq = codes == kCodesW4A8 ? 4 : 1;
+    // k per packed row: 1, or 4 for the int8-activation quads
+    const int64_t kq = codes == kCodesW4A8 || codes == kCodesMxfp4A8 ? 4 : 1;
     TORCH_CHECK(w13_[e].dim() == 3 && w13_[e].size(1) == (H_ + kq - 1) / kq &&
                     w13_[e].size(0) * kFp8Panel >= 2 * I_ && w2_[e].dim() == 3 &&
                     w2_[e].size(1) == (I_ + kq - 1) / kq && w2_[e].size(0) * kFp8Panel >= H_,
