@@ -31,7 +31,7 @@ from pdserve.kv_spec import (
 )
 from pdserve.layers.attention.base import attention_backend_class, get_attention_backend
 from pdserve.lora.layer import active as lora_rows
-from pdserve.quantization.base import INT8_ACTIVATION_FLAGS
+from pdserve.quantization.base import check_int8_activation_flags
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +61,7 @@ class ModelRunner:
         if fmt is not None:
             fmt.check_flags(args)
         else:
-            for flag, weights in INT8_ACTIVATION_FLAGS.items():
-                if getattr(args, flag):
-                    raise ValueError(
-                        f"--{flag.replace('_', '-')}: the checkpoint is not quantized; the flag "
-                        f"is for {weights} checkpoints"
-                    )
+            check_int8_activation_flags(args)
         if args.quantization is not None:
             self._check_quantization_possible()
             self.dtype, why = torch.bfloat16, f"--quantization {args.quantization} computes in bf16"

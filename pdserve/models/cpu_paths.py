@@ -26,7 +26,7 @@ from pdserve.layers.norm import RMSNorm
 from pdserve.models.decoder import PRE_NORM
 from pdserve.quantization.experts import QuantizedExperts
 from pdserve.quantization.int8_matmul import Int8ChannelLinear
-from pdserve.quantization.matmul import QuantizedLinear
+from pdserve.quantization.matmul import NO_ROW_LIMIT, QuantizedLinear
 
 
 class CpuPathsMixin:
@@ -114,54 +114,51 @@ class CpuPathsMixin:
             1 << 62 if batch_invariant else GEMV_MAX_ROWS,
         )
 
-        def parts(linear: Linear) -> list:
-            impl = _stack_matmul(linear.impl)
-            if isinstance(impl, QuantizedLinear):
-                p = impl.panels()
-                bias = impl._bias_in(torch.bfloat16)
-                dims = [p.block_k, impl.out_features, p.max_rows, p.amx_min_rows, p.codes]
-                return [None, None, bias, p.packed, p.scale, torch.tensor(dims, dtype=torch.int64)]
-            if isinstance(impl, PackedW8A8):
-                bias = None if impl.bias is None else impl.bias.to(torch.bfloat16)
-                return [
-                    None,
-                    None,
-                    bias,
-                    impl.packed,
-                    impl.colsum,
-                    impl.scale,
-                    torch.tensor(impl.out_features),
-                ]
-            if impl.onednn is None:  # batch invariant: GEMV only
-                return [impl.vnni, None, impl.bias, torch.tensor(impl.out_features)]
-            return [impl.vnni, impl.onednn, impl.bias]
-
         for i, layer in enumerate(self.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             stack.add_layer(
                 layer.input_layernorm.weight.data,
                 layer.post_attention_layernorm.weight.data,
-                parts(attn.qkv_proj),
-                parts(attn.o_proj),
-                [] if i in sparse else parts(mlp.gate_up_proj),
-                [] if i in sparse else parts(mlp.down_proj),
+                _parts(attn.qkv_proj),
+                _parts(attn.o_proj),
+                [] if i in sparse else _parts(mlp.gate_up_proj),
+                [] if i in sparse else _parts(mlp.down_proj),
                 None if attn.q_norm is None else attn.q_norm.weight.data,
                 None if attn.k_norm is None else attn.k_norm.weight.data,
                 attn.attn.span or 0,  # a window, or an attention chunk as -C
             )
             if i in sparse:
-                router, experts, shared = sparse[i]
-                shared_parts = [[], [], []]
-                if shared is not None:
-                    mlp_, gate = shared
-                    shared_parts = [
-                        parts(mlp_.gate_up_proj),
-                        parts(mlp_.down_proj),
-                        [] if gate is None else parts(gate),
-                    ]
-                stack.set_moe(i, *router, *experts, *shared_parts)
+                stack.set_moe(i, *sparse[i])
         self.model.decode_stack = stack
         return True
+
+
+def _parts(linear: Linear) -> list:
+    """``DecodeModel``'s form of a layer's matmul (``_stack_matmul`` of its ``impl``)."""
+    impl = _stack_matmul(linear.impl)
+    if isinstance(impl, QuantizedLinear):
+        p = impl.panels()
+        bias = impl._bias_in(torch.bfloat16)
+        dims = [p.block_k, impl.out_features, p.max_rows, p.amx_min_rows, p.codes]
+        return [None, None, bias, p.packed, p.scale, torch.tensor(dims, dtype=torch.int64)]
+    if isinstance(impl, PackedW8A8):
+        bias = None if impl.bias is None else impl.bias.to(torch.bfloat16)
+        return [
+            None,
+            None,
+            bias,
+            impl.packed,
+            impl.colsum,
+            impl.scale,
+            torch.tensor(impl.out_features),
+        ]
+    return _bf16_parts(impl)
+
+
+def _bf16_parts(impl: PackedBF16) -> list:
+    if impl.onednn is None:  # batch invariant: GEMV only
+        return [impl.vnni, None, impl.bias, torch.tensor(impl.out_features)]
+    return [impl.vnni, impl.onednn, impl.bias]
 
 
 def _stack_matmul(impl):
@@ -177,13 +174,13 @@ def _stack_matmul(impl):
 
 
 def _sparse_parts(block: SparseMoE) -> Optional[tuple]:
-    """``DecodeModel.set_moe``'s arguments for ``block``: (router, experts, shared), or None where
-    the stack would not compute what ``SparseMoE.run`` does on one rank: a router other than
+    """``DecodeModel.set_moe``'s arguments for ``block`` after the layer index, or None where the
+    stack would not compute what ``SparseMoE.run`` does on one rank: a router other than
     ``SoftmaxTopK``, an expert norm, weights on the input, experts copied or recorded, routed
-    experts returned, or experts on a kernel the stack does not call."""
+    experts returned, experts on kernels the stack does not call, a shared expert other than a
+    SiLU ``GatedMLP``."""
     ctx = block.ctx
     router = getattr(block, block.router_name)
-    experts = block.experts
     placement = ctx.placement
     if (
         type(router) is not SoftmaxTopK
@@ -196,40 +193,38 @@ def _sparse_parts(block: SparseMoE) -> Optional[tuple]:
         or list(placement.physical_to_logical[block.layer_id]) != list(range(router.num_experts))
     ):
         return None
-    if router.invariant is not None:
-        gate = _stack_matmul(router.invariant)
-        if gate is None or not isinstance(gate, PackedBF16):
+    if router.invariant is not None:  # the batch-invariant GEMV (float32 logits: not taken)
+        if not isinstance(router.invariant, PackedBF16):
             return None
-        gate_parts = [gate.vnni, None, gate.bias, torch.tensor(gate.out_features)]
-    else:
-        if router.fp32_logits:
-            return None
-        gate_parts = [router.weight.data, None if router.bias is None else router.bias.data]
-    route = (gate_parts, router.top_k, router.renormalize, router.cast_back)
-    impl = experts.impl
+        gate = _bf16_parts(router.invariant)
+    elif router.fp32_logits:
+        return None
+    else:  # at::linear over the weight, as F.linear
+        gate = [router.weight.data, None if router.bias is None else router.bias.data]
+    route = (gate, router.top_k, router.renormalize, router.cast_back)
+    impl = block.experts.impl
     if isinstance(impl, QuantizedExperts) and impl.fused is not None:
-        fused = (impl.fused, impl.amx_min_rows, impl.fused_max_rows, [], None, None, "", 0.0, 0.0)
+        experts = (impl.fused, impl.amx_min_rows, impl.fused_max_rows, [], None, None, "", 0, 0)
     elif isinstance(impl, PackedExperts):
         tensors = [impl.w13, impl.w2]
         if impl.quantization is not None:
             tensors += [impl.w13_colsum, impl.w13_scale, impl.w2_colsum, impl.w2_scale]
-        big = 1 << 62
-        fused = (None, -1, big, tensors, impl.b13, impl.b2, impl.activation, impl.alpha, impl.limit)
+        experts = (None, -1, NO_ROW_LIMIT, tensors, impl.b13, impl.b2)
+        experts += (impl.activation, impl.alpha, impl.limit)
     else:
         return None
-    shared = None
-    if block.has_shared:
+    shared = ([], [], [])
+    if block.has_shared:  # its matmuls are among the model's Linear modules the caller checks
         mlp = getattr(block, block.shared_name)
         gate = block.shared_expert_gate if block.has_shared_gate else None
-        linears = [mlp.gate_up_proj, mlp.down_proj] + ([gate] if gate is not None else [])
-        if (
-            type(mlp) is not GatedMLP
-            or mlp.activation != "silu"
-            or any(_stack_matmul(lin.impl) is None for lin in linears)
-        ):
+        if type(mlp) is not GatedMLP or mlp.activation != "silu":
             return None
-        shared = (mlp, gate)
-    return route, fused, shared
+        shared = (
+            _parts(mlp.gate_up_proj),
+            _parts(mlp.down_proj),
+            [] if gate is None else _parts(gate),
+        )
+    return route + experts + shared
 
 
 def _stack_runs(layer) -> bool:

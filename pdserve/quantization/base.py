@@ -18,6 +18,19 @@ INT8_ACTIVATION_FLAGS = {
 }
 
 
+def check_int8_activation_flags(args: Any, fmt: Optional["WeightFormat"] = None) -> None:
+    """Refuse an int8-activation flag set in ``args`` (``ServerArgs``) that the checkpoint's
+    weights do not take: ``fmt`` its weight format, None for an unquantized checkpoint."""
+    for flag, weights in INT8_ACTIVATION_FLAGS.items():
+        if not getattr(args, flag, False) or (fmt is not None and flag == fmt.int8_activation_flag):
+            continue
+        has = "is not quantized" if fmt is None else f"has no {weights} weights ({fmt.describe()})"
+        raise ValueError(
+            f"--{flag.replace('_', '-')}: the checkpoint {has}; the flag is for {weights} "
+            "checkpoints"
+        )
+
+
 class WeightFormat(ABC):
     """One checkpoint's quantization. Subclasses are built by ``from_config`` (a ``ValueError``
     naming the ``quantization_config`` field for what they cannot serve)."""
@@ -86,12 +99,7 @@ class WeightFormat(ABC):
 
     def check_flags(self, args: Any) -> None:
         """Refuse the server flags (``ServerArgs``) these weights cannot be served with (yet)."""
-        for flag, weights in INT8_ACTIVATION_FLAGS.items():
-            if getattr(args, flag, False) and flag != self.int8_activation_flag:
-                raise ValueError(
-                    f"--{flag.replace('_', '-')}: the checkpoint has no {weights} weights "
-                    f"({self.describe()}); the flag is for {weights} checkpoints"
-                )
+        check_int8_activation_flags(args, self)
         if args.quantization is not None:
             raise ValueError(
                 f"--quantization {args.quantization}: the checkpoint is already quantized "

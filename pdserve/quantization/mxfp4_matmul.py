@@ -102,7 +102,7 @@ class Mxfp4Linear(QuantizedLinear):
 
     def use_kernels(self, ops: ModuleType, batch_invariant: bool = False):
         if self.ops is None:
-            if self.int8_activations:
+            if self.int8_activations:  # int4_matmul imports this module: imported here
                 from pdserve.quantization.int4_matmul import pack_w4a8
 
                 # 2^(e - 127) / 2: the codes' integers are twice the e2m1 values (exact)

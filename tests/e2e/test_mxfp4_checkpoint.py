@@ -154,15 +154,18 @@ def test_requantizing_and_other_gpt_oss_quantizations_are_refused(tmp_path):
         load_model(str(dst))
 
 
-def test_deterministic_inference_on_mxfp4_weights(request):
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_deterministic_inference_on_mxfp4_weights(int8_activations, request):
     """The kernel's rows do not depend on each other: a prompt decoded with others gives the bits
-    it gives alone (bf16 compute, one kernel at every row count)."""
+    it gives alone (bf16 compute, one kernel at every row count; with
+    ``--mxfp4-int8-activations``: exact integer sums, the scales in a fixed order)."""
     eng = pdserve.Engine(
         model_path=mxfp4(),
         dtype="bfloat16",
         torch_num_threads=1,
         max_total_tokens=8192,
         enable_deterministic_inference=True,
+        mxfp4_int8_activations=int8_activations,
     )
     request.node._engine = eng
     linears = [w for e in mxfp4_experts(runner_model(eng)) for p in e.impl.linears for w in p]
@@ -249,21 +252,6 @@ def test_int8_activations_follow_the_16_bit_experts_where_decisive(request):
             decisive += 1
             assert tok == ref_tok
     assert decisive >= len(prompts) // 2, f"only {decisive} decisive prompts"
-
-
-def test_int8_activations_are_batch_invariant(request):
-    """bf16 compute with ``--enable-deterministic-inference``: a prompt's tokens and logprobs do
-    not depend on its batch (exact integer sums, a fixed order of the scales)."""
-    eng = pdserve.Engine(
-        model_path=mxfp4(),
-        dtype="bfloat16",
-        torch_num_threads=1,
-        max_total_tokens=8192,
-        mxfp4_int8_activations=True,
-        enable_deterministic_inference=True,
-    )
-    request.node._engine = eng
-    assert_batch_invariant(eng, prompts_for(2)[:6], {**GREEDY, "max_new_tokens": 12})
 
 
 @pytest.mark.parametrize("checkpoint", ["int4", "unquantized"])

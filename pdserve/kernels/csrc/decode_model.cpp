@@ -182,8 +182,7 @@ class DecodeModel {
     layers_.push_back(std::move(l));
   }
 
-  // Layer `index`'s MLP becomes sparse: router parts (make_linear's forms, or [weight, bias or
-  // None] for at::linear), top-k with the SoftmaxTopK options; the experts as `panels`
+  // Layer `index`'s MLP becomes sparse: router parts (make_linear's forms), top-k with the SoftmaxTopK options; the experts as `panels`
   // (PanelExperts, with its amx_min_rows and the largest batch it takes) or as `fused` (moe.cpp's
   // packed tensors, biases, activation); shared_gate_up / shared_down (empty: none) and
   // shared_gate (empty: ungated) of the shared expert.
@@ -199,13 +198,7 @@ class DecodeModel {
     TORCH_CHECK((panels != nullptr) != (fused.size() == 2 || fused.size() == 6),
                 "DecodeModel.set_moe: the experts are either panels or fused [w13, w2(, colsums, scales)]");
     auto m = std::make_unique<Moe>();
-    if (router.size() == 2 && router[0].has_value()) {
-      m->router.plain = *router[0];
-      m->router.bias = router[1];
-      m->router.out_features = m->router.plain.size(0);
-    } else {
-      m->router = make_linear(router, "router");
-    }
+    m->router = make_linear(router, "router");
     m->top_k = top_k;
     m->renormalize = renormalize;
     m->cast_back = cast_back;
@@ -309,7 +302,8 @@ class DecodeModel {
   }
 
  private:
-  // parts: [vnni, onednn, bias] for bf16 weights, [vnni, None, bias, out_features] for bf16 weights
+  // parts: [weight, bias or None] for a weight multiplied by at::linear (a router's, as F.linear),
+  // [vnni, onednn, bias] for bf16 weights, [vnni, None, bias, out_features] for bf16 weights
   // without oneDNN, [None, None, bias, packed, colsum, scale, out_features]
   // for w8a8_int8 (out_features as a 0-d int64 tensor), [None, None, bias, packed, scale,
   // (block_k, out_features, max_rows, amx_min_rows[, codes])] for panel weights (int64 [4] or [5]:
@@ -318,6 +312,12 @@ class DecodeModel {
   // amx_min_rows; past max_rows FP8 dequantizes for the GEMM)
   static Linear make_linear(const std::vector<c10::optional<at::Tensor>>& parts, const char* name) {
     Linear lin;
+    if (parts.size() == 2 && parts[0].has_value()) {  // [weight, bias or None]: at::linear
+      lin.plain = *parts[0];
+      lin.bias = parts[1];
+      lin.out_features = lin.plain.size(0);
+      return lin;
+    }
     lin.bias = parts.size() >= 3 ? parts[2] : c10::nullopt;
     if (parts.size() == 6 && parts[3].has_value()) {
       lin.f_packed = *parts[3];
